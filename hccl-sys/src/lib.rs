@@ -1,0 +1,1 @@
+//! Raw bindings (placeholder until the bindings land).

@@ -1,0 +1,185 @@
+//! Backends: the [`Device`] enum and the small [`Backend`] trait with exactly
+//! the device-side ops the MoE layer needs.
+//!
+//! The ops in [`crate::moe`] are written once against this trait; the CPU
+//! backend is the reference for every op, the NPU backend runs the same ops
+//! through ACL / aclnn / the native kernel.
+
+pub mod cpu;
+pub mod npu;
+
+use crate::{DType, Result, Tensor};
+
+/// Drop-pad mode of the finalize op (SPEC section 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum DropPadMode {
+    /// Drop-less, `expanded_x [N*K, H]`, column index layout `R(i,k) = idx[k*N + i]`.
+    DropLessColumn = 0,
+    /// Drop-pad, `expanded_x [E, C, H]`, column layout, `-1` = dropped slot.
+    DropPadColumn = 1,
+    /// Drop-less, row index layout `R(i,k) = idx[i*K + k]`.
+    DropLessRow = 2,
+    /// Drop-pad, row layout, `-1` = dropped slot.
+    DropPadRow = 3,
+}
+
+impl DropPadMode {
+    /// The mode for its number 0..=3.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::DropLessColumn),
+            1 => Some(Self::DropPadColumn),
+            2 => Some(Self::DropLessRow),
+            3 => Some(Self::DropPadRow),
+            _ => None,
+        }
+    }
+    /// Modes 1 and 3: `expanded_x` is `[E, C, H]` and `-1` marks a dropped slot.
+    pub fn is_drop_pad(self) -> bool {
+        matches!(self, Self::DropPadColumn | Self::DropPadRow)
+    }
+    /// Modes 2 and 3: `R(i,k) = idx[i*K + k]`.
+    pub fn is_row_layout(self) -> bool {
+        matches!(self, Self::DropLessRow | Self::DropPadRow)
+    }
+}
+
+/// Inputs of the fused finalize (SPEC section 1). Validated by
+/// `moe::finalize::moe_finalize_routing_output_shape`, which produces the
+/// [`FinalizeDims`] every backend receives.
+#[derive(Debug, Clone, Copy)]
+pub struct FinalizeArgs<'a> {
+    /// `[N*K, H]` (modes 0/2) or `[E, C, H]` (modes 1/3).
+    pub expanded_x: &'a Tensor,
+    /// int32 `[N*K]`.
+    pub expanded_row_idx: &'a Tensor,
+    /// Optional skip input `[N, H]`.
+    pub x1: Option<&'a Tensor>,
+    /// Optional skip input `[N, H]`.
+    pub x2: Option<&'a Tensor>,
+    /// Optional `[E, H]`; requires `expert_idx`.
+    pub bias: Option<&'a Tensor>,
+    /// Optional `[N, K]`, dtype of `expanded_x` or f32.
+    pub scales: Option<&'a Tensor>,
+    /// Optional int32 `[N, K]`.
+    pub expert_idx: Option<&'a Tensor>,
+    /// Drop-pad mode.
+    pub drop_pad_mode: DropPadMode,
+}
+
+/// Sizes of a validated finalize call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinalizeDims {
+    /// Output tokens.
+    pub n: usize,
+    /// Top-k.
+    pub k: usize,
+    /// Elements per row (product of the trailing dims of `expanded_x`).
+    pub h: usize,
+    /// Rows of `expanded_x` viewed as 2-D (`N*K`, or `E*C`).
+    pub expanded_rows: usize,
+    /// Rows of `bias` (experts), 0 without bias.
+    pub experts: usize,
+}
+
+/// Where the finalize writes its output rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputRows<'a> {
+    /// `out` is `[N, H]`, token `i` goes to row `i`.
+    Dense,
+    /// `out` is the padded EP buffer `[local_sizes.len() * slot_rows, H]` of
+    /// SPEC section 3: the tokens come in EP-rank block order, block `r`
+    /// (`local_sizes[r]` tokens) goes to rows `[r * slot_rows, r * slot_rows +
+    /// local_sizes[r])`, and every other row is written with zeros.
+    Padded {
+        /// Tokens per EP rank; sums to N.
+        local_sizes: &'a [usize],
+        /// Rows per slot (`M = max(local_sizes)`).
+        slot_rows: usize,
+    },
+}
+
+/// The device-side ops every backend implements.
+///
+/// Arguments reaching these methods are already validated by the op layer
+/// (shapes, dtypes, devices); index values are checked by the backend itself,
+/// because only it can read them.
+pub trait Backend {
+    /// A zero-filled tensor on this backend's device.
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor>;
+    /// A copy of `src` (on any device) on this backend's device.
+    fn copy_from(&self, src: &Tensor) -> Result<Tensor>;
+    /// Copies `rows` rows of `src` starting at `src_row` into `dst` at `dst_row`.
+    /// Same dtype and row length on both sides.
+    fn copy_rows(&self, src: &Tensor, src_row: usize, dst: &mut Tensor, dst_row: usize, rows: usize) -> Result<()>;
+    /// `out = a + b` elementwise (f32 accumulation, one rounding).
+    fn add(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>;
+    /// Fused finalize routing (SPEC section 1) into `out`, placed as `rows` says.
+    fn finalize_routing(
+        &self,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        out: &mut Tensor,
+        rows: OutputRows<'_>,
+    ) -> Result<()>;
+    /// Token unpermute: `out[t] = sum_k probs[t,k] * permuted[idx[t*K + k]]`;
+    /// an index outside `[0, permuted.rows)` contributes nothing.
+    fn token_unpermute(
+        &self,
+        permuted: &Tensor,
+        sorted_indices: &Tensor,
+        probs: Option<&Tensor>,
+        k: usize,
+        out: &mut Tensor,
+    ) -> Result<()>;
+}
+
+/// A compute device: the host CPU or one Ascend NPU.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// The CPU fallback (also the reference implementation).
+    Cpu,
+    /// An Ascend NPU (real CANN, or the simulated runtime).
+    Npu(npu::NpuDevice),
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Device::Cpu, Device::Cpu) => true,
+            (Device::Npu(a), Device::Npu(b)) => a.ordinal() == b.ordinal(),
+            _ => false,
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Npu(d) => write!(f, "npu:{}", d.ordinal()),
+        }
+    }
+}
+
+impl Device {
+    /// The CPU device.
+    pub fn cpu() -> Self {
+        Device::Cpu
+    }
+
+    /// NPU `ordinal`; `Err(Error::Unavailable)` when CANN (or the simulated
+    /// runtime) cannot be loaded.
+    pub fn npu(ordinal: u32) -> Result<Self> {
+        Ok(Device::Npu(npu::NpuDevice::open(ordinal)?))
+    }
+
+    /// The backend implementing the ops on this device.
+    pub fn backend(&self) -> &(dyn Backend + '_) {
+        match self {
+            Device::Cpu => &cpu::CpuBackend,
+            Device::Npu(d) => d,
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! Backend-neutral communication: [`Comm`], [`ReduceOp`], [`CommType`] and the
+//! [`Collectives`] trait both backends implement.
+//!
+//! Counts are in elements. Every collective checks that all ranks called the
+//! same thing (kind, counts, dtype, root, op) and fails on every rank with an
+//! error naming the collective, group, ranks and sizes when they did not.
+//! Every wait has a timeout.
+
+use std::time::Duration;
+
+use crate::backend::cpu::CpuComm;
+use crate::backend::npu::HcclComm;
+use crate::{Device, Error, Result, Tensor};
+
+/// Reduction operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum ReduceOp {
+    /// Sum (f32 accumulation for f16 / bf16).
+    Sum = 0,
+    /// Elementwise maximum.
+    Max = 1,
+    /// Elementwise minimum.
+    Min = 2,
+}
+
+impl ReduceOp {
+    /// Every operator.
+    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
+    /// The operator for its number.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|o| *o as u32 == v)
+    }
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+/// vLLM-Ascend's MoE communication type, chosen per forward pass (SPEC section 5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum CommType {
+    /// DP all-gather of tokens; routed output is TP-partial unless SP is on.
+    AllGather = 0,
+    /// MC2 dispatch / combine.
+    Mc2 = 1,
+    /// All-to-all dispatch / combine.
+    AllToAll = 2,
+    /// Fused MC2.
+    FusedMc2 = 3,
+}
+
+impl CommType {
+    /// Every comm type, in vLLM-Ascend's numbering.
+    pub const ALL: [CommType; 4] = [CommType::AllGather, CommType::Mc2, CommType::AllToAll, CommType::FusedMc2];
+    /// The comm type for its number; `Err` names the bad value.
+    pub fn from_u32(v: u32) -> Result<Self> {
+        Self::ALL.into_iter().find(|c| *c as u32 == v).ok_or_else(|| {
+            Error::invalid("CommType", "comm_type", format!("unknown MoE comm type {v} (expected 0..=3)"))
+        })
+    }
+    /// vLLM-Ascend's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            CommType::AllGather => "ALLGATHER",
+            CommType::Mc2 => "MC2",
+            CommType::AllToAll => "ALLTOALL",
+            CommType::FusedMc2 => "FUSED_MC2",
+        }
+    }
+}
+
+/// Communicator options.
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    /// Upper bound on every wait (rendezvous, each collective step).
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        Self::from_env()
+    }
+}
+
+impl CommOptions {
+    /// Default timeout when `ASCEND_MOE_COMM_TIMEOUT` is unset.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+    /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
+    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable.
+    pub fn from_env() -> Self {
+        let timeout = std::env::var("ASCEND_MOE_COMM_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64)
+            .unwrap_or(Self::DEFAULT_TIMEOUT);
+        CommOptions { timeout }
+    }
+
+    /// Options with the given timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        CommOptions { timeout }
+    }
+}
+
+/// The collectives of SPEC section 8, on tensors of the communicator's device.
+///
+/// Element counts come from the tensors: `reduce_scatter` takes `src` with
+/// `world * n` elements and `dst` with `n`; `all_gather` the reverse; the `_v`
+/// variants take per-rank counts (`counts.len() == world_size`), blocks packed
+/// contiguously in rank order.
+pub trait Collectives {
+    /// This rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Group name (used in every error message).
+    fn name(&self) -> &str;
+    /// The device whose tensors this communicator moves.
+    fn device(&self) -> Device;
+    /// A sub-communicator of the ranks `ranks` (group-local rank numbers,
+    /// distinct, ascending order not required). Called by every member, with the
+    /// same list; the new group's rank order is the list order.
+    fn split(&self, ranks: &[usize]) -> Result<Comm>;
+    /// `dst = op(src over ranks)`.
+    fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()>;
+    /// In-place all-reduce.
+    fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()>;
+    /// `dst = block rank of op(src over ranks)`.
+    fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()>;
+    /// `dst = concat(src of every rank)`.
+    fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()>;
+    /// Reduce-scatter with per-rank block sizes `counts`.
+    fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()>;
+    /// All-gather with per-rank block sizes `counts`.
+    fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()>;
+    /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
+    /// to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank `i`.
+    fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()>;
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
+    /// Waits for every rank.
+    fn barrier(&self) -> Result<()>;
+}
+
+/// A communicator on either backend.
+#[derive(Debug, Clone)]
+pub enum Comm {
+    /// Shared-memory CPU communicator.
+    Cpu(CpuComm),
+    /// HCCL communicator (real or simulated CANN).
+    Npu(HcclComm),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $c:ident => $e:expr) => {
+        match $self {
+            Comm::Cpu($c) => $e,
+            Comm::Npu($c) => $e,
+        }
+    };
+}
+
+impl Collectives for Comm {
+    fn rank(&self) -> usize {
+        dispatch!(self, c => c.rank())
+    }
+    fn world_size(&self) -> usize {
+        dispatch!(self, c => c.world_size())
+    }
+    fn name(&self) -> &str {
+        dispatch!(self, c => c.name())
+    }
+    fn device(&self) -> Device {
+        dispatch!(self, c => c.device())
+    }
+    fn split(&self, ranks: &[usize]) -> Result<Comm> {
+        dispatch!(self, c => c.split(ranks))
+    }
+    fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        dispatch!(self, c => c.all_reduce(src, dst, op))
+    }
+    fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
+        dispatch!(self, c => c.all_reduce_in_place(buf, op))
+    }
+    fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        dispatch!(self, c => c.reduce_scatter(src, dst, op))
+    }
+    fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        dispatch!(self, c => c.all_gather(src, dst))
+    }
+    fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+        dispatch!(self, c => c.reduce_scatter_v(src, dst, counts, op))
+    }
+    fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
+        dispatch!(self, c => c.all_gather_v(src, dst, counts))
+    }
+    fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
+        dispatch!(self, c => c.all_to_all_v(src, send_counts, dst, recv_counts))
+    }
+    fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
+        dispatch!(self, c => c.broadcast(buf, root))
+    }
+    fn barrier(&self) -> Result<()> {
+        dispatch!(self, c => c.barrier())
+    }
+}

@@ -1,0 +1,30 @@
+//! # ascend-moe
+//!
+//! One correct, fast, tested implementation of the Mixture-of-Experts
+//! communication and finalize layer for Huawei Ascend NPUs, with a CPU fallback
+//! that runs the same multi-rank test matrix anywhere.
+//!
+//! | layer | module | what it holds |
+//! |---|---|---|
+//! | raw bindings | `acl-sys`, `hccl-sys` | CANN ACL / HCCL symbols, loaded at run time |
+//! | backends | [`backend`] | [`Device`], the [`backend::Backend`] trait, CPU and NPU implementations |
+//! | communication | [`comm`] | [`Comm`], [`Collectives`], [`ReduceOp`], [`CommType`] |
+//! | tensors | [`tensor`], [`dtype`] | [`Tensor`], [`DType`], [`Element`] |
+//! | errors | [`error`] | [`Error`], [`Result`] |
+
+#![warn(missing_docs)]
+
+pub mod backend;
+pub mod comm;
+pub mod dtype;
+pub mod error;
+pub mod tensor;
+
+pub use backend::{Device, DropPadMode};
+pub use comm::{Collectives, Comm, CommOptions, CommType, ReduceOp};
+pub use dtype::{DType, Element};
+pub use error::{CommErrorKind, Error, Result};
+pub use tensor::Tensor;
+
+#[doc(hidden)]
+pub use half;

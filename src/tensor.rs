@@ -1,0 +1,276 @@
+//! [`Tensor`]: dtype + shape + contiguous buffer on a device.
+//!
+//! Dim 0 is the token dimension; every op acts on rows of `row_len()` elements
+//! (the product of the trailing dims). There are no views with strides and no
+//! hidden copies: moving data between devices is an explicit call.
+
+use crate::backend::npu::NpuBuffer;
+use crate::{DType, Device, Element, Error, Result};
+
+/// Host memory with 8-byte alignment, so it can be viewed as any [`Element`].
+#[derive(Clone, Default)]
+pub struct CpuBuffer {
+    words: Vec<u64>,
+    len: usize,
+}
+
+impl CpuBuffer {
+    /// `len` zero bytes (calloc-backed, so large buffers are cheap to create).
+    pub fn zeros(len: usize) -> Self {
+        CpuBuffer { words: vec![0u64; len.div_ceil(8)], len }
+    }
+
+    /// Copies `bytes` into a new buffer.
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        let mut b = Self::zeros(bytes.len());
+        b.as_bytes_mut().copy_from_slice(bytes);
+        b
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.len]
+    }
+
+    /// The bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..len]
+    }
+
+    /// Typed view; `len` must be a multiple of `size_of::<T>()`.
+    pub fn typed<T: Element>(&self) -> &[T] {
+        // The words are 8-byte aligned, which satisfies every Element.
+        bytemuck::cast_slice(self.as_bytes())
+    }
+
+    /// Typed mutable view.
+    pub fn typed_mut<T: Element>(&mut self) -> &mut [T] {
+        bytemuck::cast_slice_mut(self.as_bytes_mut())
+    }
+}
+
+impl std::fmt::Debug for CpuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CpuBuffer({} bytes)", self.len)
+    }
+}
+
+/// Where a tensor's bytes live.
+#[derive(Debug)]
+pub enum Storage {
+    /// Host memory.
+    Cpu(CpuBuffer),
+    /// Device memory on an Ascend NPU (real or simulated).
+    Npu(NpuBuffer),
+}
+
+/// A contiguous tensor.
+#[derive(Debug)]
+pub struct Tensor {
+    shape: Vec<usize>,
+    dtype: DType,
+    storage: Storage,
+}
+
+impl Tensor {
+    /// Assembles a tensor from parts; `storage` must hold exactly
+    /// `numel * dtype.size()` bytes.
+    pub fn from_parts(shape: Vec<usize>, dtype: DType, storage: Storage) -> Result<Self> {
+        let need = shape.iter().product::<usize>() * dtype.size();
+        let have = match &storage {
+            Storage::Cpu(b) => b.len(),
+            Storage::Npu(b) => b.len_bytes(),
+        };
+        if need != have {
+            return Err(Error::invalid(
+                "Tensor::from_parts",
+                "storage",
+                format!("shape {shape:?} of {dtype} needs {need} bytes, storage holds {have}"),
+            ));
+        }
+        Ok(Tensor { shape, dtype, storage })
+    }
+
+    /// A zero-filled tensor on `device`.
+    pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Self> {
+        device.backend().zeros(shape, dtype)
+    }
+
+    /// A zero-filled host tensor.
+    pub fn zeros_cpu(shape: &[usize], dtype: DType) -> Self {
+        let n = shape.iter().product::<usize>() * dtype.size();
+        Tensor { shape: shape.to_vec(), dtype, storage: Storage::Cpu(CpuBuffer::zeros(n)) }
+    }
+
+    /// A host tensor holding a copy of `data`, with the given shape.
+    pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
+        let numel: usize = shape.iter().product();
+        if numel != data.len() {
+            return Err(Error::shape(
+                "Tensor::from_slice",
+                "shape",
+                format!("{} elements (the data length)", data.len()),
+                shape,
+            ));
+        }
+        let buf = CpuBuffer::from_bytes(bytemuck::cast_slice(data));
+        Ok(Tensor { shape: shape.to_vec(), dtype: T::DTYPE, storage: Storage::Cpu(buf) })
+    }
+
+    /// Shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+
+    /// Rows (dim 0); a 0-d tensor has one row.
+    pub fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Elements per row (product of the trailing dims).
+    pub fn row_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+
+    /// The storage.
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+
+    /// The storage, mutable.
+    pub fn storage_mut(&mut self) -> &mut Storage {
+        &mut self.storage
+    }
+
+    /// The device this tensor lives on.
+    pub fn device(&self) -> Device {
+        match &self.storage {
+            Storage::Cpu(_) => Device::Cpu,
+            Storage::Npu(b) => Device::Npu(b.device().clone()),
+        }
+    }
+
+    /// True for host tensors.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self.storage, Storage::Cpu(_))
+    }
+
+    /// Reshapes in place; the element count must not change.
+    pub fn reshape(mut self, shape: &[usize]) -> Result<Self> {
+        if shape.iter().product::<usize>() != self.numel() {
+            return Err(Error::shape(
+                "Tensor::reshape",
+                "shape",
+                format!("{} elements (shape {:?})", self.numel(), self.shape),
+                shape,
+            ));
+        }
+        self.shape = shape.to_vec();
+        Ok(self)
+    }
+
+    /// The host bytes; an error for device tensors.
+    pub fn cpu_bytes(&self) -> Result<&[u8]> {
+        match &self.storage {
+            Storage::Cpu(b) => Ok(b.as_bytes()),
+            Storage::Npu(_) => Err(self.not_host("cpu_bytes")),
+        }
+    }
+
+    /// The host bytes, mutable; an error for device tensors.
+    pub fn cpu_bytes_mut(&mut self) -> Result<&mut [u8]> {
+        match &mut self.storage {
+            Storage::Cpu(b) => Ok(b.as_bytes_mut()),
+            Storage::Npu(_) => Err(Error::Device {
+                op: "Tensor::cpu_bytes_mut",
+                arg: "self",
+                expected: "cpu".into(),
+                actual: "npu".into(),
+            }),
+        }
+    }
+
+    /// Typed host view; errors if the dtype is not `T` or the tensor is on a device.
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_dtype::<T>("Tensor::as_slice")?;
+        match &self.storage {
+            Storage::Cpu(b) => Ok(b.typed::<T>()),
+            Storage::Npu(_) => Err(self.not_host("as_slice")),
+        }
+    }
+
+    /// Typed mutable host view.
+    pub fn as_mut_slice<T: Element>(&mut self) -> Result<&mut [T]> {
+        self.check_dtype::<T>("Tensor::as_mut_slice")?;
+        match &mut self.storage {
+            Storage::Cpu(b) => Ok(b.typed_mut::<T>()),
+            Storage::Npu(_) => Err(Error::Device {
+                op: "Tensor::as_mut_slice",
+                arg: "self",
+                expected: "cpu".into(),
+                actual: "npu".into(),
+            }),
+        }
+    }
+
+    /// Copies the elements to a host `Vec`, from whatever device.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.check_dtype::<T>("Tensor::to_vec")?;
+        match &self.storage {
+            Storage::Cpu(b) => Ok(b.typed::<T>().to_vec()),
+            Storage::Npu(_) => self.to_cpu()?.to_vec(),
+        }
+    }
+
+    /// A host copy of this tensor.
+    pub fn to_cpu(&self) -> Result<Tensor> {
+        Device::Cpu.backend().copy_from(self)
+    }
+
+    /// A copy of this tensor on `device`.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        device.backend().copy_from(self)
+    }
+
+    /// A deep copy on the same device.
+    pub fn try_clone(&self) -> Result<Tensor> {
+        self.device().backend().copy_from(self)
+    }
+
+    fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
+        if self.dtype != T::DTYPE {
+            return Err(Error::dtype(op, "self", T::DTYPE.name(), self.dtype));
+        }
+        Ok(())
+    }
+
+    fn not_host(&self, what: &'static str) -> Error {
+        Error::Device { op: "Tensor", arg: what, expected: "cpu".into(), actual: "npu".into() }
+    }
+}
