@@ -1,0 +1,210 @@
+"""Definitions shared by the benchmark drivers, the peers and the report.
+
+Everything that decides what a number means lives here, once: the size ladder, the
+iteration rule, nccl-tests' bus-bandwidth factors, the bytes a collective or a finalize
+must move (the floor), and the normalisation of result rows read from the CLI.
+Standard library only, so the report and its test run without numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Iterable
+
+KIB = 1024
+MIB = 1024 * 1024
+GIB = 1024 * 1024 * 1024
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8}
+
+# Finalize shapes of the issue: T x K x H.
+FINALIZE_SHAPES = ((1024, 8, 2048), (4096, 8, 4096), (8192, 8, 7168))
+
+
+def parse_bytes(text: str) -> int:
+    """`1K`, `256M`, `1G`, `4096` (binary units) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (expected e.g. 4096, 1K, 256M, 1G)")
+    unit = {"": 1, "K": KIB, "M": MIB, "G": GIB}[m.group(2).upper()]
+    return int(m.group(1)) * unit
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as the shortest exact binary unit: 1 KiB, 32 MiB, 1.5 MiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:g} {unit}" if v == int(v) else f"{v:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """`4096x8x4096` -> (T, K, H)."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"not a finalize shape: {text!r} (expected TxKxH, e.g. 4096x8x4096)")
+    t, k, h = (int(p) for p in parts)
+    return t, k, h
+
+
+def size_ladder(min_bytes: int, max_bytes: int, factor: int, extra: Iterable[int] = ()) -> list[int]:
+    """min, min*factor, ... <= max, plus `extra` sizes inside [min, max], sorted, unique."""
+    if min_bytes <= 0 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"bad size ladder: min {min_bytes} max {max_bytes} factor {factor}")
+    sizes = set()
+    s = min_bytes
+    while s <= max_bytes:
+        sizes.add(s)
+        s *= factor
+    sizes.update(e for e in extra if min_bytes <= e <= max_bytes)
+    return sorted(sizes)
+
+
+def iterations(size_bytes: int, iters: int, iter_bytes: int, min_iters: int) -> int:
+    """Timed iterations for one size: `iters`, reduced so that one size moves about
+    `iter_bytes` (large buffers), never below `min_iters`. The CLI and every peer use it."""
+    return max(min_iters, min(iters, iter_bytes // max(size_bytes, 1)))
+
+
+def warmups(size_bytes: int, warmup: int) -> int:
+    """Untimed iterations before the timed ones: `warmup`, but 1 for buffers >= 16 MiB."""
+    return min(warmup, 1) if size_bytes >= 16 * MIB else warmup
+
+
+def element_count(op: str, size_bytes: int, world: int, elt: int) -> int:
+    """Elements of the larger buffer (nccl-tests' `count`): for reduce_scatter and all_gather
+    it is rounded down to a multiple of the world size so that every rank's chunk is equal."""
+    count = size_bytes // elt
+    if op in ("reduce_scatter", "all_gather"):
+        count -= count % world
+    return count
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw = algbw * factor."""
+    if world <= 1:
+        return 1.0
+    if op == "all_reduce":
+        return 2.0 * (world - 1) / world
+    if op in ("reduce_scatter", "all_gather"):
+        return (world - 1) / world
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def collective_floor_bytes(op: str, size_bytes: int, world: int) -> int:
+    """Memory traffic (whole machine) that no shared-memory implementation can avoid, with
+    `size_bytes` the larger buffer as in nccl-tests: every input byte of every rank read once,
+    every output byte of every rank written once.
+    all_reduce: n*S read + n*S written; reduce_scatter: n*S read + S written (n chunks of S/n);
+    all_gather: S read (n chunks of S/n) + n*S written."""
+    n = world
+    if op == "all_reduce":
+        return 2 * n * size_bytes
+    if op in ("reduce_scatter", "all_gather"):
+        return (n + 1) * size_bytes
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def finalize_bytes(tokens: int, topk: int, hidden: int, dtype: str) -> int:
+    """Bytes the benchmarked finalize moves: expanded_x [T*K, H] read, x1 [T, H] read,
+    out [T, H] written (all in `dtype`), expanded_row_idx [T*K] i32 and scales [T, K] f32 read."""
+    e = DTYPE_BYTES[dtype]
+    return tokens * topk * hidden * e + 2 * tokens * hidden * e + tokens * topk * (4 + 4)
+
+
+def floor_us(bytes_moved: float, triad_gbps: float) -> float:
+    """Time to move `bytes_moved` at the triad bandwidth (GB/s = 1e9 B/s), in microseconds."""
+    return bytes_moved / (triad_gbps * 1e3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading results. The CLI writes the schema of ci/bench/README.md; the reader tolerates the
+# obvious spellings of each field so that a renamed key is a one-line change here.
+
+_ALIASES = {
+    "op": ("op", "collective", "name", "bench"),
+    "dtype": ("dtype", "type"),
+    "world": ("world", "ranks", "world_size", "nranks"),
+    "transport": ("transport", "mode"),
+    "bytes": ("bytes", "size", "size_bytes"),
+    "count": ("count", "elements"),
+    "iters": ("iters", "iterations"),
+    "time_us": ("time_us", "time", "us"),
+    "algbw_gbps": ("algbw_gbps", "algbw"),
+    "busbw_gbps": ("busbw_gbps", "busbw"),
+    "gbps": ("gbps", "bw_gbps", "bandwidth_gbps"),
+    "floor_us": ("floor_us",),
+    "floor_ratio": ("floor_ratio", "floor", "ratio_to_floor"),
+    "wrong": ("wrong", "#wrong", "errors", "n_wrong"),
+    "triad_gbps": ("triad_gbps", "triad"),
+    "tokens": ("tokens", "t"),
+    "topk": ("topk", "k"),
+    "hidden": ("hidden", "h"),
+    "threads": ("threads",),
+}
+
+_NUMERIC = {
+    "world", "bytes", "count", "iters", "time_us", "algbw_gbps", "busbw_gbps", "gbps", "floor_us",
+    "floor_ratio", "wrong", "triad_gbps", "tokens", "topk", "hidden", "threads",
+}
+
+
+def normalize_row(raw: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One result row with canonical keys; unknown keys are kept as they are."""
+    out: dict[str, Any] = dict(defaults or {})
+    lowered = {str(k).lower(): v for k, v in raw.items()}
+    used = set()
+    for canon, names in _ALIASES.items():
+        for name in names:
+            if name in lowered and lowered[name] is not None:
+                out[canon] = lowered[name]
+                used.add(name)
+                break
+    for k, v in lowered.items():
+        if k not in used and k not in out:
+            out[k] = v
+    for k in _NUMERIC:
+        if k in out and isinstance(out[k], str):
+            try:
+                out[k] = float(out[k]) if re.search(r"[.eE]", out[k]) else int(out[k])
+            except ValueError:
+                pass
+    return out
+
+
+def parse_result_text(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The stdout of a `--json` run: one object with `rows` (header fields go to every row),
+    a list of rows, or JSON lines. Returns (header, rows)."""
+    text = text.strip()
+    if not text:
+        raise ValueError("empty output")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        lines = [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]
+        if not lines:
+            raise
+        doc = lines if len(lines) > 1 or "rows" not in lines[0] else lines[0]
+    if isinstance(doc, dict):
+        header = {k: v for k, v in doc.items() if k != "rows" and not isinstance(v, (list, dict))}
+        rows = doc.get("rows", [])
+        if isinstance(doc.get("triad"), dict) and "gbps" in doc["triad"]:
+            header["triad_gbps"] = doc["triad"]["gbps"]
+    else:
+        header, rows = {}, doc
+    if not isinstance(rows, list):
+        raise ValueError("`rows` is not a list")
+    defaults = {k: v for k, v in normalize_row(header).items() if k in ("world", "transport", "triad_gbps", "threads")}
+    return header, [normalize_row(r, defaults) for r in rows]
+
+
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        return math.nan
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])

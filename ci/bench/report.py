@@ -1,0 +1,527 @@
+"""Turns the raw results of run.py into bench-report/: report.md, results.csv and PNG plots.
+
+    python report.py --raw bench-report/raw --out bench-report
+
+Every figure is the median over runs with min and max. Ratios (ours / OpenMPI, ours / numpy,
+time at the floor / time, unfused / fused) are taken within each run, then their median, min
+and max over runs. Standard library only; plots need matplotlib and are skipped (with a note)
+without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+# Issue targets: (label, suite, selector, metric, threshold).
+COLL_TARGET_SIZE = 4096 * 4096 * 2  # bf16 [4096, 4096]
+TARGETS = [
+    ("finalize bf16 4096x8x4096 >= 0.8x triad floor", "finalize", ("bf16", 4096, 8, 4096), "floor_ratio", 0.8),
+    ("finalize bf16 4096x8x4096 >= 15x numpy", "finalize", ("bf16", 4096, 8, 4096), "vs_peer", 15.0),
+    ("reduce_scatter 4 ranks bf16 [4096,4096] >= 0.7x floor", "coll", ("reduce_scatter", 4), "floor_ratio", 0.7),
+    ("all_gather 4 ranks bf16 [4096,4096] >= 0.7x floor", "coll", ("all_gather", 4), "floor_ratio", 0.7),
+    ("all_reduce 4 ranks bf16 [4096,4096] >= 0.6x floor", "coll", ("all_reduce", 4), "floor_ratio", 0.6),
+    ("all_reduce 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw", "coll", ("all_reduce", 4), "vs_peer", 5.0),
+    ("reduce_scatter 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw", "coll", ("reduce_scatter", 4), "vs_peer", 5.0),
+    ("finalize_and_reduce bf16 4096x8x4096 >= 1.3x finalize + maybe_pad_and_reduce", "far",
+     ("bf16", 4096, 8, 4096), "speedup", 1.3),
+]  # fmt: skip
+
+
+class Stat:
+    """Median, min, max of per-run values."""
+
+    def __init__(self, values):
+        self.values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.values)
+
+    @property
+    def med(self) -> float:
+        return common.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values) if self.values else math.nan
+
+    @property
+    def hi(self) -> float:
+        return max(self.values) if self.values else math.nan
+
+    def fmt(self, digits: int = 3, spread: bool = True) -> str:
+        if not self.values:
+            return "–"
+        f = _num(self.med, digits)
+        if spread and len(self.values) > 1:
+            f += f" [{_num(self.lo, digits)}–{_num(self.hi, digits)}]"
+        return f
+
+
+def _num(v: float, digits: int = 3) -> str:
+    if v is None or math.isnan(v):
+        return "–"
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:.0f}"
+    return f"{v:.{digits}g}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(raw: str):
+    """-> (docs, failures, meta): every stored step result of every run."""
+    docs = []
+    for path in sorted(glob.glob(os.path.join(raw, "run*", "*.json"))):
+        with open(path) as f:
+            docs.append(json.load(f))
+    failures = []
+    fpath = os.path.join(raw, "failures.json")
+    if os.path.exists(fpath):
+        with open(fpath) as f:
+            failures = json.load(f)
+    meta = {}
+    mpath = os.path.join(raw, "meta.json")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            meta = json.load(f)
+    return docs, failures, meta
+
+
+def build(docs):
+    """Index the rows: triad per run, and per-run values of every series."""
+    triad = defaultdict(dict)  # run -> impl -> gbps
+    coll = defaultdict(dict)  # (impl, transport, op, dtype, world, bytes) -> run -> row
+    fin = defaultdict(dict)  # (impl, dtype, T, K, H) -> run -> row
+    far = defaultdict(dict)  # (op, dtype, T, K, H, world) -> run -> row
+    for d in docs:
+        run = d["run"]
+        for row in d["rows"]:
+            kind = d["kind"]
+            if kind == "triad":
+                triad[run][d["impl"]] = float(row["gbps"])
+            elif kind == "collectives":
+                key = (d["impl"], row.get("transport", "threads"), row["op"], row["dtype"], int(row["world"]),
+                       int(row["bytes"]))  # fmt: skip
+                coll[key][run] = row
+            elif kind == "finalize":
+                key = (d["impl"], row["dtype"], int(row["tokens"]), int(row["topk"]), int(row["hidden"]))
+                fin[key][run] = row
+            elif kind == "finalize_and_reduce":
+                key = (row["op"], row["dtype"], int(row["tokens"]), int(row["topk"]), int(row["hidden"]),
+                       int(row.get("world", 0)))  # fmt: skip
+                far[key][run] = row
+    return triad, coll, fin, far
+
+
+def run_triad(triad, run):
+    """The floor bandwidth of a run: the CLI's triad, else the C one."""
+    t = triad.get(run, {})
+    return t.get("ascend-moe") or t.get("c-openmp")
+
+
+def _floor_ratio(row, bytes_moved, triad_gbps):
+    """time at the floor / time, from the row's own floor if it has one, else from the triad."""
+    t = row.get("time_us")
+    if not t:
+        return None
+    if row.get("floor_ratio") is not None:
+        return float(row["floor_ratio"])
+    if row.get("floor_us") is not None:
+        return float(row["floor_us"]) / float(t)
+    g = row.get("triad_gbps") or triad_gbps
+    if not g:
+        return None
+    return common.floor_us(bytes_moved, float(g)) / float(t)
+
+
+def collective_series(triad, coll):
+    """Per (transport-impl, op, dtype, world, bytes): per-run busbw, algbw, time, floor ratio,
+    floor busbw, ratio to OpenMPI; plus the OpenMPI rows with the floor of the same run."""
+    out = {}
+    for key, runs in coll.items():
+        impl, transport, op, dtype, world, nbytes = key
+        peer = coll.get(("openmpi", "procs", op, dtype, world, nbytes), {})
+        ours_any = [coll.get(("ascend-moe", tr, op, dtype, world, nbytes), {}) for tr in ("threads", "procs")]
+        s = defaultdict(dict)
+        for run, row in runs.items():
+            floor_b = common.collective_floor_bytes(op, nbytes, world)
+            fr = None
+            if impl == "openmpi":
+                # The floor of the same run and case as ours, so both are measured against one number.
+                for o in ours_any:
+                    if run in o and (o[run].get("floor_us") is not None):
+                        fr = float(o[run]["floor_us"]) / float(row["time_us"])
+                        break
+                    if run in o and o[run].get("floor_ratio") is not None:
+                        fr = float(o[run]["floor_ratio"]) * float(o[run]["time_us"]) / float(row["time_us"])
+                        break
+            if fr is None:
+                fr = _floor_ratio(row, floor_b, run_triad(triad, run))
+            busbw = float(row["busbw_gbps"])
+            s["time_us"][run] = float(row["time_us"])
+            s["algbw_gbps"][run] = float(row["algbw_gbps"])
+            s["busbw_gbps"][run] = busbw
+            s["floor_ratio"][run] = fr
+            s["floor_busbw_gbps"][run] = busbw / fr if fr else None
+            s["wrong"][run] = int(row.get("wrong", 0) or 0)
+            s["count"][run] = int(row.get("count", 0) or 0)
+            if impl != "openmpi" and run in peer and float(peer[run]["busbw_gbps"]) > 0:
+                s["vs_peer"][run] = busbw / float(peer[run]["busbw_gbps"])
+        out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
+    return out
+
+
+def finalize_series(triad, fin):
+    out = {}
+    for key, runs in fin.items():
+        impl, dtype, t, k, h = key
+        peer = fin.get(("numpy", dtype, t, k, h), {})
+        s = defaultdict(dict)
+        nbytes = common.finalize_bytes(t, k, h, dtype)
+        for run, row in runs.items():
+            time_us = float(row["time_us"])
+            s["time_us"][run] = time_us
+            s["gbps"][run] = float(row.get("gbps") or nbytes / time_us / 1e3)
+            if impl == "numpy":
+                ours = fin.get(("ascend-moe", dtype, t, k, h), {}).get(run)
+                if ours is not None and ours.get("floor_us") is not None:
+                    s["floor_ratio"][run] = float(ours["floor_us"]) / time_us
+                else:
+                    s["floor_ratio"][run] = _floor_ratio(row, nbytes, run_triad(triad, run))
+            else:
+                s["floor_ratio"][run] = _floor_ratio(row, nbytes, run_triad(triad, run))
+                if run in peer:
+                    s["vs_peer"][run] = float(peer[run]["time_us"]) / time_us
+        out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
+    return out
+
+
+FUSED = "finalize_and_reduce"
+
+
+def far_series(far):
+    out = {}
+    for key, runs in far.items():
+        op, dtype, t, k, h, world = key
+        s = defaultdict(dict)
+        others = [kk for kk in far if kk[0] != FUSED and kk[1:] == key[1:]]
+        for run, row in runs.items():
+            s["time_us"][run] = float(row["time_us"])
+            if op == FUSED:
+                for ok in others:
+                    if run in far[ok]:
+                        s["speedup"][run] = float(far[ok][run]["time_us"]) / float(row["time_us"])
+        out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def write_csv(path, cs, fs, rs):
+    metrics = ["time_us", "algbw_gbps", "busbw_gbps", "gbps", "floor_ratio", "vs_peer", "speedup"]
+    cols = ["suite", "impl", "transport", "op", "dtype", "world", "tokens", "topk", "hidden", "bytes", "runs"]
+    for m in metrics:
+        cols += [f"{m}_median", f"{m}_min", f"{m}_max"]
+    cols.append("wrong")
+    rows = []
+    for (impl, tr, op, dt, w, nb), st in sorted(cs.items()):
+        rows.append(({"suite": "collectives", "impl": impl, "transport": tr, "op": op, "dtype": dt, "world": w,
+                      "bytes": nb, "wrong": max(st["wrong"].values) if st["wrong"].ok else ""}, st))  # fmt: skip
+    for (impl, dt, t, k, h), st in sorted(fs.items()):
+        rows.append(({"suite": "finalize", "impl": impl, "op": "finalize", "dtype": dt, "tokens": t, "topk": k,
+                      "hidden": h, "bytes": common.finalize_bytes(t, k, h, dt)}, st))  # fmt: skip
+    for (op, dt, t, k, h, w), st in sorted(rs.items()):
+        rows.append(({"suite": "finalize_and_reduce", "impl": "ascend-moe", "op": op, "dtype": dt, "tokens": t,
+                      "topk": k, "hidden": h, "world": w}, st))  # fmt: skip
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=cols)
+        wr.writeheader()
+        for base, st in rows:
+            rec = dict(base)
+            rec["runs"] = max((len(s.values) for s in st.values()), default=0)
+            for m in metrics:
+                if m in st and st[m].ok:
+                    rec[f"{m}_median"], rec[f"{m}_min"], rec[f"{m}_max"] = (
+                        f"{st[m].med:.6g}", f"{st[m].lo:.6g}", f"{st[m].hi:.6g}")  # fmt: skip
+            wr.writerow(rec)
+    return len(rows)
+
+
+def _table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def evaluate_targets(cs, fs, rs):
+    """-> rows (target, transport/impl, measured, reached)."""
+    out = []
+    for label, suite, sel, metric, thr in TARGETS:
+        candidates = []
+        if suite == "finalize":
+            st = fs.get(("ascend-moe",) + sel)
+            candidates.append(("", st))
+        elif suite == "coll":
+            op, world = sel
+            for tr in ("threads", "procs"):
+                candidates.append((tr, cs.get(("ascend-moe", tr, op, "bf16", world, COLL_TARGET_SIZE))))
+        else:
+            dt, t, k, h = sel
+            keys = [kk for kk in rs if kk[0] == FUSED and kk[1:5] == (dt, t, k, h)]
+            candidates += [(f"{kk[5]} ranks", rs[kk]) for kk in keys] or [("", None)]
+        for what, st in candidates:
+            if st is None or metric not in st or not st[metric].ok:
+                out.append((label, what, "not measured", "n/a"))
+            else:
+                s = st[metric]
+                out.append((label, what, s.fmt(), "**reached**" if s.med >= thr else "not reached"))
+    return out
+
+
+def plots(out_dir, cs, fs, triad_stat):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not installed: no plots"
+    files = []
+    ops = sorted({k[2] for k in cs})
+    dtypes = sorted({k[3] for k in cs})
+    worlds = sorted({k[4] for k in cs})
+    styles = {("ascend-moe", "threads"): ("C0", "-", "ours (threads)"), ("ascend-moe", "procs"): ("C2", "-",
+              "ours (processes)"), ("openmpi", "procs"): ("C3", "-", "OpenMPI (sm)")}  # fmt: skip
+    for op in ops:
+        for dt in dtypes:
+            fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 4), squeeze=False)
+            for ax, w in zip(axes[0], worlds):
+                floor_pts = {}
+                for (impl, tr), (color, ls, label) in styles.items():
+                    keys = sorted(k for k in cs if k[:5] == (impl, tr, op, dt, w))
+                    if not keys:
+                        continue
+                    xs = [k[5] for k in keys]
+                    st = [cs[k]["busbw_gbps"] for k in keys]
+                    ax.plot(xs, [s.med for s in st], color=color, ls=ls, marker=".", label=label)
+                    ax.fill_between(xs, [s.lo for s in st], [s.hi for s in st], color=color, alpha=0.2)
+                    if impl == "ascend-moe":
+                        for k in keys:
+                            fb = cs[k].get("floor_busbw_gbps")
+                            if fb is not None and fb.ok:
+                                floor_pts.setdefault(k[5], fb.med)
+                if floor_pts:
+                    xs = sorted(floor_pts)
+                    ax.plot(xs, [floor_pts[x] for x in xs], color="k", ls="--", label="floor (triad)")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_title(f"{op} {dt}, {w} ranks")
+                ax.set_xlabel("size (bytes)")
+                ax.set_ylabel("bus bandwidth (GB/s)")
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=8)
+            fig.tight_layout()
+            name = f"collective_{op}_{dt}.png"
+            fig.savefig(os.path.join(out_dir, name), dpi=90)
+            plt.close(fig)
+            files.append(name)
+    if fs:
+        fdtypes = sorted({k[1] for k in fs})
+        fig, axes = plt.subplots(1, len(fdtypes), figsize=(5 * len(fdtypes), 4), squeeze=False)
+        for ax, dt in zip(axes[0], fdtypes):
+            for impl, color, label in (("ascend-moe", "C0", "ours"), ("numpy", "C1", "numpy")):
+                keys = sorted((k for k in fs if k[0] == impl and k[1] == dt), key=lambda k: k[2] * k[3] * k[4])
+                if not keys:
+                    continue
+                xs = [common.finalize_bytes(k[2], k[3], k[4], dt) for k in keys]
+                st = [fs[k]["gbps"] for k in keys]
+                ax.plot(xs, [s.med for s in st], color=color, marker="o", label=label)
+                ax.fill_between(xs, [s.lo for s in st], [s.hi for s in st], color=color, alpha=0.2)
+                if impl == "ascend-moe" or not any(k[0] == "ascend-moe" for k in fs):
+                    for x, k in zip(xs, keys):
+                        ax.annotate(f"{k[2]}x{k[3]}x{k[4]}", (x, fs[k]["gbps"].med), fontsize=7)
+            if triad_stat.ok:
+                ax.axhline(triad_stat.med, color="k", ls="--", label="floor (triad)")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(f"finalize {dt}")
+            ax.set_xlabel("bytes moved per call")
+            ax.set_ylabel("GB/s")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "finalize.png"), dpi=90)
+        plt.close(fig)
+        files.append("finalize.png")
+    return files, None
+
+
+def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name):
+    runs = sorted(triad) or sorted({r for st in cs.values() for r in range(len(st["time_us"].values))})
+    nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(runs)])
+    L = ["# ascend-moe performance report", ""]
+    L.append(f"- date: {meta.get('date', '?')}; commit: `{meta.get('commit', '?')}`; command: `{meta.get('command', '?')}`")
+    L.append(f"- host: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('mem', '?')}; "
+             f"load average at start {meta.get('load_start', '?')}, at end {meta.get('load_end', '?')}")  # fmt: skip
+    L.append(f"- peers: {meta.get('openmpi', 'OpenMPI ?')}, mpi4py {meta.get('mpi4py', '?')}, "
+             f"numpy {meta.get('numpy', '?')}, ml_dtypes {meta.get('ml_dtypes', '?')}")  # fmt: skip
+    L.append(f"- every figure: median [min–max] over {nruns} run(s); ratios are taken within a run, then summarised")
+    L.append("- the machine is shared and small: treat absolute numbers as noisy; the ratios of one run are the "
+             "meaningful figures. Definitions: `ci/bench/README.md`.")  # fmt: skip
+    L.append("")
+    L.append("## Targets")
+    L.append(_table(["target", "case", "measured (median [min–max])", "result"], evaluate_targets(cs, fs, rs)))
+    L.append("")
+    L.append("## Memory bandwidth (STREAM-like triad, GB/s)")
+    trows = []
+    for impl, label in (("ascend-moe", "`ascend-moe bench triad` (the floor)"), ("c-openmp", "C, OpenMP, gcc -O3")):
+        st = Stat([triad[r].get(impl) for r in triad])
+        if st.ok:
+            trows.append((label, st.fmt()))
+    L.append(_table(["triad", "GB/s"], trows) if trows else "not measured")
+    L.append("")
+
+    # Collectives: summary at key sizes, then everything.
+    worlds = sorted({k[4] for k in cs})
+    dtypes = sorted({k[3] for k in cs})
+    ops = [o for o in common.COLLECTIVES if any(k[2] == o for k in cs)]
+    sizes = sorted({k[5] for k in cs})
+
+    def coll_rows(w, dt, size_filter):
+        out = []
+        for op in ops:
+            for nb in sizes:
+                if not size_filter(nb):
+                    continue
+                th = cs.get(("ascend-moe", "threads", op, dt, w, nb))
+                pr = cs.get(("ascend-moe", "procs", op, dt, w, nb))
+                mp = cs.get(("openmpi", "procs", op, dt, w, nb))
+                if not (th or pr or mp):
+                    continue
+
+                def g(st, m, spread=True):
+                    return st[m].fmt(spread=spread) if st and m in st else "–"
+
+                floor_st = (th or pr or mp or {}).get("floor_busbw_gbps")
+                wrong = sum(max(st["wrong"].values, default=0) for st in (th, pr, mp) if st and "wrong" in st)
+                out.append((op, common.fmt_bytes(nb), g(th, "busbw_gbps"), g(pr, "busbw_gbps"), g(mp, "busbw_gbps"),
+                            floor_st.fmt(spread=False) if floor_st else "–", g(th, "floor_ratio"),
+                            g(pr, "floor_ratio"), g(mp, "floor_ratio"), g(th, "vs_peer"), g(pr, "vs_peer"),
+                            wrong))  # fmt: skip
+        return out
+
+    hdr = ["op", "size", "busbw ours thr", "busbw ours proc", "busbw OpenMPI", "busbw floor", "thr/floor",
+           "proc/floor", "OpenMPI/floor", "thr/OpenMPI", "proc/OpenMPI", "#wrong"]  # fmt: skip
+    if cs:
+        L.append("## Collectives (bus bandwidth GB/s, nccl-tests definitions)")
+        L.append("")
+        key_sizes = {1 * common.MIB, COLL_TARGET_SIZE, 256 * common.MIB}
+        for w in worlds:
+            for dt in dtypes:
+                rows = coll_rows(w, dt, lambda nb: nb in key_sizes)
+                if rows:
+                    L.append(f"### {w} ranks, {dt} (1 MiB, 32 MiB, 256 MiB)")
+                    L.append(_table(hdr, rows))
+                    L.append("")
+    if fs:
+        L.append("## Finalize (GB/s of bytes moved; floor = triad)")
+        frows = []
+        for (impl, dt, t, k, h), st in sorted(fs.items(), key=lambda kv: (kv[0][1], kv[0][2] * kv[0][4])):
+            if impl != "ascend-moe":
+                continue
+            np_st = fs.get(("numpy", dt, t, k, h), {})
+            frows.append((f"{t}x{k}x{h}", dt, common.fmt_bytes(common.finalize_bytes(t, k, h, dt)),
+                          st["gbps"].fmt(), np_st["gbps"].fmt() if np_st else "–", st["floor_ratio"].fmt(),
+                          np_st["floor_ratio"].fmt() if np_st else "–",
+                          st["vs_peer"].fmt() if "vs_peer" in st else "–"))  # fmt: skip
+        if not frows:  # numpy only
+            for (impl, dt, t, k, h), st in sorted(fs.items(), key=lambda kv: (kv[0][1], kv[0][2] * kv[0][4])):
+                frows.append((f"{t}x{k}x{h}", dt, common.fmt_bytes(common.finalize_bytes(t, k, h, dt)), "–",
+                              st["gbps"].fmt(), "–", st["floor_ratio"].fmt(), "–"))  # fmt: skip
+        L.append(_table(["T x K x H", "dtype", "moved", "ours GB/s", "numpy GB/s", "ours/floor", "numpy/floor",
+                         "ours/numpy"], frows))  # fmt: skip
+        L.append("")
+    if rs:
+        L.append("## finalize_and_reduce vs finalize + maybe_pad_and_reduce")
+        rrows = []
+        for (op, dt, t, k, h, w), st in sorted(rs.items()):
+            rrows.append((f"{t}x{k}x{h}", dt, w, op, st["time_us"].fmt(), st["speedup"].fmt() if "speedup" in st else ""))
+        L.append(_table(["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"], rrows))
+        L.append("")
+    if plot_files or plot_note:
+        L.append("## Plots")
+        L += [f"![{f}]({f})" for f in plot_files]
+        if plot_note:
+            L.append(plot_note)
+        L.append("")
+    if cs:
+        L.append("## Collectives, every size")
+        L.append("")
+        for w in worlds:
+            for dt in dtypes:
+                rows = coll_rows(w, dt, lambda nb: True)
+                if rows:
+                    L.append(f"### {w} ranks, {dt}")
+                    L.append(_table(hdr, rows))
+                    L.append("")
+    L.append("## Failures")
+    if failures:
+        L += [f"- run {f['run']}: {f['step']}: {f['problem']} (`{f['command']}`)" for f in failures]
+    else:
+        L.append("none")
+    L.append("")
+    L.append(f"All figures with min and max: `{csv_name}`; raw results of every run: `raw/`.")
+    with open(path, "w") as f:
+        f.write("\n".join(L) + "\n")
+
+
+def generate(raw: str, out_dir: str) -> dict:
+    docs, failures, meta = load(raw)
+    triad, coll, fin, far = build(docs)
+    cs = collective_series(triad, coll)
+    fs = finalize_series(triad, fin)
+    rs = far_series(far)
+    os.makedirs(out_dir, exist_ok=True)
+    n_csv = write_csv(os.path.join(out_dir, "results.csv"), cs, fs, rs)
+    triad_stat = Stat([run_triad(triad, r) for r in triad])
+    plot_files, plot_note = plots(out_dir, cs, fs, triad_stat)
+    write_report(os.path.join(out_dir, "report.md"), meta, triad, cs, fs, rs, failures, plot_files, plot_note,
+                 "results.csv")  # fmt: skip
+    return {"csv_rows": n_csv, "plots": plot_files, "steps": len(docs), "failures": len(failures)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--raw", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if not glob.glob(os.path.join(args.raw, "run*", "*.json")):
+        print(f"error: no results under {args.raw}/run*/ (did every step fail? see {args.raw}/failures.json)",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    info = generate(args.raw, args.out)
+    print(f"report: {os.path.join(args.out, 'report.md')} ({info['steps']} results, {info['csv_rows']} CSV rows, "
+          f"{len(info['plots'])} plots, {info['failures']} failed steps)", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

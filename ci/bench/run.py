@@ -1,0 +1,224 @@
+"""Runs every measurement of ci/bench.sh, `--runs` times, and stores each result as raw JSON.
+
+One run = triad (CLI and C), then per world size and dtype: our collectives (threads, then
+processes) immediately followed by OpenMPI on the same sizes, then finalize (ours, numpy),
+then finalize_and_reduce. Running the peers right after ours, inside the same run, keeps the
+ratios meaningful on a machine whose speed drifts. Each run goes to RAW/run<N>/; the report
+(report.py) takes medians over runs afterwards. Progress goes to stderr; a failing step is
+reported with its command and the tail of its stderr, recorded in RAW/failures.json, and the
+other steps still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.failures: list[dict] = []
+        self.steps_total = 0
+        self.steps_done = 0
+        self.t_start = time.time()
+
+    def run_step(self, run: int, name: str, kind: str, impl: str, cmd: list[str], meta: dict) -> None:
+        """Run one command whose stdout is a JSON result; store it (with `meta`) as raw JSON."""
+        self.steps_done += 1
+        elapsed = time.time() - self.t_start
+        log(f"[run {run}/{self.args.runs}] [{self.steps_done}/{self.steps_total}] [{elapsed:6.0f}s] {name}")
+        rundir = os.path.join(self.args.raw, f"run{run}")
+        os.makedirs(rundir, exist_ok=True)
+        base = os.path.join(rundir, name.replace(" ", "_").replace("/", "-"))
+        t0 = time.time()
+        try:
+            with open(base + ".stderr", "w") as err:
+                proc = subprocess.run(
+                    cmd, stdout=subprocess.PIPE, stderr=err, text=True, timeout=self.args.step_timeout
+                )
+            rc, out = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as e:
+            rc, out = "timeout", (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        except OSError as e:
+            rc, out = f"cannot start: {e}", ""
+        seconds = time.time() - t0
+        with open(base + ".out", "w") as f:
+            f.write(out)
+        problem = None
+        rows: list[dict] = []
+        header: dict = {}
+        if rc != 0:
+            problem = f"exit status {rc}"
+        else:
+            try:
+                header, rows = common.parse_result_text(out)
+            except (ValueError, json.JSONDecodeError) as e:
+                problem = f"unreadable output ({e}); stdout kept in {base}.out"
+            if not problem and not rows:
+                problem = f"no result rows; stdout kept in {base}.out"
+        if problem:
+            tail = ""
+            try:
+                with open(base + ".stderr") as f:
+                    tail = "".join(f.readlines()[-15:])
+            except OSError:
+                pass
+            log(f"  FAILED: {name}: {problem}\n  command: {shlex.join(cmd)}\n  stderr tail ({base}.stderr):\n{tail}")
+            self.failures.append({"run": run, "step": name, "problem": problem, "command": shlex.join(cmd)})
+            return
+        doc = {
+            "kind": kind,
+            "impl": impl,
+            "run": run,
+            "step": name,
+            "command": shlex.join(cmd),
+            "seconds": seconds,
+            "header": header,
+            "rows": [dict(meta, **r) for r in rows],
+        }
+        with open(base + ".json", "w") as f:
+            json.dump(doc, f, indent=1)
+        log(f"  done in {seconds:.1f}s ({len(rows)} rows)")
+
+
+def cli_has(binary: str | None, sub: str) -> bool:
+    """Whether `ascend-moe bench <sub>` exists (its --help exits 0)."""
+    if not binary:
+        return False
+    try:
+        r = subprocess.run([binary, "bench", sub, "--help"], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--raw", required=True, help="directory for raw results")
+    p.add_argument("--bin", default="", help="the ascend-moe binary ('' = skip our benches)")
+    p.add_argument("--python", default=sys.executable, help="python with numpy, ml_dtypes, mpi4py")
+    p.add_argument("--mpirun", default="", help="mpirun ('' = skip the OpenMPI peer)")
+    p.add_argument("--triad-bin", default="", help="the compiled C triad ('' = skip)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--worlds", default="2,4,8")
+    p.add_argument("--transports", default="threads,procs")
+    p.add_argument("--ops", default=",".join(common.COLLECTIVES))
+    p.add_argument("--dtypes", default="f32,bf16", help="collective dtypes")
+    p.add_argument("--min-bytes", type=common.parse_bytes, default=common.parse_bytes("1K"))
+    p.add_argument("--max-bytes", type=common.parse_bytes, default=common.parse_bytes("256M"))
+    p.add_argument("--step-factor", type=int, default=2)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iter-bytes", default="512M")
+    p.add_argument("--min-iters", type=int, default=2)
+    p.add_argument("--shapes", default=",".join(f"{t}x{k}x{h}" for t, k, h in common.FINALIZE_SHAPES))
+    p.add_argument("--fin-dtypes", default="f32,f16,bf16")
+    p.add_argument("--far-world", type=int, default=4)
+    p.add_argument("--far-shapes", default="1024x8x2048,4096x8x4096")
+    p.add_argument("--far-dtypes", default="f32,bf16")
+    p.add_argument("--mpi-bf16-reduce", default="userop", choices=("userop", "f32"))
+    p.add_argument("--skip", default="", help="comma list of: triad,collectives,mpi,finalize,numpy,far")
+    p.add_argument("--step-timeout", type=float, default=3600.0)
+    args = p.parse_args()
+
+    skip = {s for s in args.skip.split(",") if s}
+    worlds = [int(w) for w in args.worlds.split(",") if w]
+    transports = [t for t in args.transports.split(",") if t]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    fin_dtypes = [d for d in args.fin_dtypes.split(",") if d]
+    for s in args.shapes.split(",") + args.far_shapes.split(","):
+        if s:
+            common.parse_shape(s)
+    sizes = common.size_ladder(args.min_bytes, args.max_bytes, args.step_factor, extra=[32 * common.MIB])
+    size_arg = ",".join(str(s) for s in sizes)
+    iter_args = [
+        "--iters", str(args.iters), "--warmup", str(args.warmup),
+        "--iter-bytes", args.iter_bytes, "--min-iters", str(args.min_iters),
+    ]  # fmt: skip
+
+    binary = args.bin or None
+    have = {sub: cli_has(binary, sub) for sub in ("triad", "collectives", "finalize", "finalize_and_reduce")}
+    if binary:
+        for sub, ok in have.items():
+            if not ok:
+                log(f"note: `{os.path.basename(binary)} bench {sub}` is not available: its part of the report is skipped")
+    py = args.python
+    r = Runner(args)
+    os.makedirs(args.raw, exist_ok=True)
+
+    # The step list of one run (name, kind, impl, command, meta); the same for every run.
+    plan: list[tuple[str, str, str, list[str], dict]] = []
+    if "triad" not in skip:
+        if have["triad"]:
+            plan.append(("triad ascend-moe", "triad", "ascend-moe", [binary, "bench", "triad", "--json"], {}))
+        if args.triad_bin:
+            plan.append(("triad c-openmp", "triad", "c-openmp", [args.triad_bin, "128", "10"], {}))
+    for w in worlds:
+        for dt in dtypes:
+            if "collectives" not in skip and have["collectives"]:
+                for tr in transports:
+                    cmd = [binary, "bench", "collectives", "--ranks", str(w), "--ops", args.ops, "--dtypes", dt,
+                           "--sizes", size_arg, *iter_args, "--json"]  # fmt: skip
+                    if tr == "procs":
+                        cmd.insert(5, "--procs")
+                    meta = {"impl": "ascend-moe", "world": w, "transport": tr}
+                    plan.append((f"collectives ascend-moe w{w} {tr} {dt}", "collectives", "ascend-moe", cmd, meta))
+            if "mpi" not in skip and args.mpirun:
+                cmd = [args.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(w),
+                       "--mca", "btl", "self,vader",
+                       py, os.path.join(HERE, "mpi_coll.py"), "--ops", args.ops, "--dtype", dt,
+                       "--sizes", size_arg, *iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
+                meta = {"impl": "openmpi", "world": w, "transport": "procs"}
+                plan.append((f"collectives openmpi w{w} {dt}", "collectives", "openmpi", cmd, meta))
+    fin_iter = ["--iters", "10", "--warmup", "2", "--iter-bytes", "1G", "--min-iters", str(args.min_iters)]
+    for dt in fin_dtypes:
+        if "finalize" not in skip and have["finalize"]:
+            cmd = [binary, "bench", "finalize", "--shapes", args.shapes, "--dtypes", dt, *fin_iter, "--json"]
+            plan.append((f"finalize ascend-moe {dt}", "finalize", "ascend-moe", cmd, {"impl": "ascend-moe"}))
+        if "numpy" not in skip:
+            cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", args.shapes, "--dtypes", dt, *fin_iter]
+            plan.append((f"finalize numpy {dt}", "finalize", "numpy", cmd, {"impl": "numpy"}))
+    if "far" not in skip and have["finalize_and_reduce"] and args.far_shapes:
+        for dt in [d for d in args.far_dtypes.split(",") if d]:
+            cmd = [binary, "bench", "finalize_and_reduce", "--ranks", str(args.far_world), "--shapes",
+                   args.far_shapes, "--dtypes", dt, *fin_iter, "--json"]  # fmt: skip
+            meta = {"impl": "ascend-moe", "world": args.far_world}
+            plan.append((f"finalize_and_reduce ascend-moe w{args.far_world} {dt}", "finalize_and_reduce",
+                         "ascend-moe", cmd, meta))  # fmt: skip
+
+    if not plan:
+        log("error: nothing to measure (no CLI bench, no peer enabled)")
+        return 2
+    r.steps_total = len(plan) * args.runs
+    log(f"{len(plan)} steps per run x {args.runs} runs; sizes {common.fmt_bytes(sizes[0])} .. "
+        f"{common.fmt_bytes(sizes[-1])} ({len(sizes)}); worlds {worlds}")  # fmt: skip
+    with open(os.path.join(args.raw, "plan.json"), "w") as f:
+        json.dump({"runs": args.runs, "sizes": sizes, "worlds": worlds, "cli": have,
+                   "steps": [shlex.join(c) for _, _, _, c, _ in plan]}, f, indent=1)  # fmt: skip
+    for run in range(1, args.runs + 1):
+        for name, kind, impl, cmd, meta in plan:
+            r.run_step(run, name, kind, impl, cmd, meta)
+    with open(os.path.join(args.raw, "failures.json"), "w") as f:
+        json.dump(r.failures, f, indent=1)
+    log(f"measurements done in {time.time() - r.t_start:.0f}s, {len(r.failures)} failed step(s)")
+    return 1 if r.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
