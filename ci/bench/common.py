@@ -189,9 +189,11 @@ def parse_result_text(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if not lines:
             raise
         doc = lines if len(lines) > 1 or "rows" not in lines[0] else lines[0]
+    if isinstance(doc, dict) and "rows" not in doc:
+        doc = [doc]  # a single result (triad)
     if isinstance(doc, dict):
         header = {k: v for k, v in doc.items() if k != "rows" and not isinstance(v, (list, dict))}
-        rows = doc.get("rows", [])
+        rows = doc["rows"]
         if isinstance(doc.get("triad"), dict) and "gbps" in doc["triad"]:
             header["triad_gbps"] = doc["triad"]["gbps"]
     else:

@@ -302,6 +302,7 @@ def plots(out_dir, cs, fs, triad_stat):
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         return [], "matplotlib is not installed: no plots"
     files = []
@@ -332,6 +333,7 @@ def plots(out_dir, cs, fs, triad_stat):
                     xs = sorted(floor_pts)
                     ax.plot(xs, [floor_pts[x] for x in xs], color="k", ls="--", label="floor (triad)")
                 ax.set_xscale("log", base=2)
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: common.fmt_bytes(v).replace(" ", "")))
                 ax.set_yscale("log")
                 ax.set_title(f"{op} {dt}, {w} ranks")
                 ax.set_xlabel("size (bytes)")
