@@ -8,6 +8,7 @@ Standard library only, so the report and its test run without numpy.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -138,7 +139,7 @@ _ALIASES = {
     "busbw_gbps": ("busbw_gbps", "busbw"),
     "gbps": ("gbps", "bw_gbps", "bandwidth_gbps"),
     "floor_us": ("floor_us",),
-    "floor_ratio": ("floor_ratio", "floor", "ratio_to_floor"),
+    "floor_ratio": ("floor_ratio", "vs_floor", "floor", "ratio_to_floor"),
     "wrong": ("wrong", "#wrong", "errors", "n_wrong"),
     "triad_gbps": ("triad_gbps", "triad"),
     "tokens": ("tokens", "t"),
@@ -176,32 +177,56 @@ def normalize_row(raw: dict[str, Any], defaults: dict[str, Any] | None = None) -
     return out
 
 
+def _parse_csv(text: str) -> list[dict[str, Any]]:
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    if len(lines) < 2 or "," not in lines[0]:
+        raise ValueError("neither JSON nor CSV with a header line")
+    return list(csv.DictReader(lines))
+
+
 def parse_result_text(text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The stdout of a `--json` run: one object with `rows` (header fields go to every row),
-    a list of rows, or JSON lines. Returns (header, rows)."""
+    """The stdout of a `--json` run: one object with `rows` (or `results`; header fields go to
+    every row), a single result object, a list of rows, JSON lines, or CSV with a header.
+    Returns (header, rows)."""
     text = text.strip()
     if not text:
         raise ValueError("empty output")
     try:
-        doc = json.loads(text)
+        doc: Any = json.loads(text)
     except json.JSONDecodeError:
-        lines = [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]
-        if not lines:
-            raise
-        doc = lines if len(lines) > 1 or "rows" not in lines[0] else lines[0]
+        lines = [ln for ln in text.splitlines() if ln.strip().startswith("{")]
+        if lines:
+            doc = [json.loads(ln) for ln in lines]
+            if len(doc) == 1:
+                doc = doc[0]
+        else:
+            doc = _parse_csv(text)
+    if isinstance(doc, dict) and "results" in doc and "rows" not in doc:
+        doc = dict(doc, rows=doc.pop("results"))
     if isinstance(doc, dict) and "rows" not in doc:
         doc = [doc]  # a single result (triad)
+    triad_by_world: dict[int, float] = {}
     if isinstance(doc, dict):
         header = {k: v for k, v in doc.items() if k != "rows" and not isinstance(v, (list, dict))}
         rows = doc["rows"]
-        if isinstance(doc.get("triad"), dict) and "gbps" in doc["triad"]:
-            header["triad_gbps"] = doc["triad"]["gbps"]
+        triad = doc.get("triad")
+        if isinstance(triad, dict) and "gbps" in triad:
+            header["triad_gbps"] = triad["gbps"]
+        elif isinstance(triad, list):  # one triad per world size: [{"ranks": 4, "gbps": 20.1}, ...]
+            for t in triad:
+                t = normalize_row(t)
+                if "world" in t and "gbps" in t:
+                    triad_by_world[int(t["world"])] = float(t["gbps"])
     else:
         header, rows = {}, doc
     if not isinstance(rows, list):
         raise ValueError("`rows` is not a list")
     defaults = {k: v for k, v in normalize_row(header).items() if k in ("world", "transport", "triad_gbps", "threads")}
-    return header, [normalize_row(r, defaults) for r in rows]
+    out = [normalize_row(r, defaults) for r in rows]
+    for r in out:
+        if "triad_gbps" not in r and triad_by_world and int(r.get("world", -1)) in triad_by_world:
+            r["triad_gbps"] = triad_by_world[int(r["world"])]
+    return header, out
 
 
 def median(values: list[float]) -> float:

@@ -97,12 +97,17 @@ def bench_one(comm, op: str, dtype: str, size: int, args, bf16_op) -> dict:
     iters = common.iterations(nbytes, args.iters, args.iter_bytes, args.min_iters)
     for _ in range(common.warmups(nbytes, args.warmup)):
         call()
-    comm.Barrier()
-    t0 = MPI.Wtime()
-    for _ in range(iters):
+    # As the CLI times: a barrier before every call, each call's time is the slowest rank's,
+    # the median over the timed calls is reported.
+    times = np.empty(iters)
+    for i in range(iters):
+        comm.Barrier()
+        t0 = MPI.Wtime()
         call()
-    t = (MPI.Wtime() - t0) / iters
-    t = comm.allreduce(t, op=MPI.MAX)
+        times[i] = MPI.Wtime() - t0
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    t = float(np.median(slowest))
 
     # Check the last result against the closed form of the inputs.
     idx = np.arange(count, dtype=np.int64)

@@ -74,10 +74,12 @@ def bench_shape(tokens: int, topk: int, hidden: int, dtype: str, args) -> dict:
     iters = common.iterations(nbytes, args.iters, args.iter_bytes, args.min_iters)
     for _ in range(common.warmups(nbytes, args.warmup)):
         finalize(expanded_x, x1, scales, row_idx, out)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        t0 = time.perf_counter()
         finalize(expanded_x, x1, scales, row_idx, out)
-    t = (time.perf_counter() - t0) / iters
+        times.append(time.perf_counter() - t0)
+    t = common.median(times)
     return {
         "op": "finalize",
         "dtype": dtype,

@@ -376,9 +376,26 @@ def plots(out_dir, cs, fs, triad_stat):
     return files, None
 
 
-def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name):
-    runs = sorted(triad) or sorted({r for st in cs.values() for r in range(len(st["time_us"].values))})
-    nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(runs)])
+def floor_sources(docs):
+    """One line per suite saying which floor the report's ratios use."""
+    lines = []
+    for kind, formula in (("collectives", "minimum traffic: all_reduce 2nS, reduce_scatter and all_gather (n+1)S"),
+                          ("finalize", "T*K*H*e + 2*T*H*e + 8*T*K bytes")):  # fmt: skip
+        ours = [d for d in docs if d["kind"] == kind and d["impl"] == "ascend-moe"]
+        if not ours and not any(d["kind"] == kind for d in docs):
+            continue
+        cli = any(r.get("floor_us") is not None or r.get("floor_ratio") is not None for d in ours for r in d["rows"])
+        rules = sorted({str(d["header"]["floor_rule"]) for d in ours if d.get("header", {}).get("floor_rule")})
+        if cli:
+            lines.append(f"- {kind} floor: the CLI's own" + (f" ({'; '.join(rules)})" if rules else "")
+                         + "; peers are measured against the same floor time of the same run")  # fmt: skip
+        else:
+            lines.append(f"- {kind} floor: {formula}, at the run's triad bandwidth")
+    return lines
+
+
+def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name, floor_notes=()):
+    nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(triad)])
     L = ["# ascend-moe performance report", ""]
     L.append(f"- date: {meta.get('date', '?')}; commit: `{meta.get('commit', '?')}`; command: `{meta.get('command', '?')}`")
     L.append(f"- host: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('mem', '?')}; "
@@ -388,6 +405,7 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
     L.append(f"- every figure: median [min–max] over {nruns} run(s); ratios are taken within a run, then summarised")
     L.append("- the machine is shared and small: treat absolute numbers as noisy; the ratios of one run are the "
              "meaningful figures. Definitions: `ci/bench/README.md`.")  # fmt: skip
+    L += list(floor_notes)
     L.append("")
     L.append("## Targets")
     L.append(_table(["target", "case", "measured (median [min–max])", "result"], evaluate_targets(cs, fs, rs)))
@@ -506,7 +524,7 @@ def generate(raw: str, out_dir: str) -> dict:
     triad_stat = Stat([run_triad(triad, r) for r in triad])
     plot_files, plot_note = plots(out_dir, cs, fs, triad_stat)
     write_report(os.path.join(out_dir, "report.md"), meta, triad, cs, fs, rs, failures, plot_files, plot_note,
-                 "results.csv")  # fmt: skip
+                 "results.csv", floor_sources(docs))  # fmt: skip
     return {"csv_rows": n_csv, "plots": plot_files, "steps": len(docs), "failures": len(failures)}
 
 

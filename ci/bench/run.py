@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -63,25 +64,32 @@ class Runner:
         problem = None
         rows: list[dict] = []
         header: dict = {}
+        try:
+            header, rows = common.parse_result_text(out)
+        except (ValueError, json.JSONDecodeError) as e:
+            problem = f"unreadable output ({e}); stdout kept in {base}.out"
+        if not problem and not rows:
+            problem = f"no result rows; stdout kept in {base}.out"
         if rc != 0:
-            problem = f"exit status {rc}"
-        else:
-            try:
-                header, rows = common.parse_result_text(out)
-            except (ValueError, json.JSONDecodeError) as e:
-                problem = f"unreadable output ({e}); stdout kept in {base}.out"
-            if not problem and not rows:
-                problem = f"no result rows; stdout kept in {base}.out"
+            # Rows of a failed command are kept when they parse (a CLI exits 1 on wrong elements).
+            problem = f"exit status {rc}" + (f" (its {len(rows)} rows are kept)" if rows else "")
         if problem:
-            tail = ""
-            try:
-                with open(base + ".stderr") as f:
-                    tail = "".join(f.readlines()[-15:])
-            except OSError:
-                pass
-            log(f"  FAILED: {name}: {problem}\n  command: {shlex.join(cmd)}\n  stderr tail ({base}.stderr):\n{tail}")
-            self.failures.append({"run": run, "step": name, "problem": problem, "command": shlex.join(cmd)})
-            return
+            self.report_failure(run, name, problem, cmd, base)
+        if rows:
+            self.store(run, name, kind, impl, cmd, meta, header, rows, seconds, base)
+            log(f"  done in {seconds:.1f}s ({len(rows)} rows)")
+
+    def report_failure(self, run, name, problem, cmd, base):
+        tail = ""
+        try:
+            with open(base + ".stderr") as f:
+                tail = "".join(f.readlines()[-15:])
+        except OSError:
+            pass
+        log(f"  FAILED: {name}: {problem}\n  command: {shlex.join(cmd)}\n  stderr tail ({base}.stderr):\n{tail}")
+        self.failures.append({"run": run, "step": name, "problem": problem, "command": shlex.join(cmd)})
+
+    def store(self, run, name, kind, impl, cmd, meta, header, rows, seconds, base):
         doc = {
             "kind": kind,
             "impl": impl,
@@ -94,18 +102,29 @@ class Runner:
         }
         with open(base + ".json", "w") as f:
             json.dump(doc, f, indent=1)
-        log(f"  done in {seconds:.1f}s ({len(rows)} rows)")
 
 
-def cli_has(binary: str | None, sub: str) -> bool:
-    """Whether `ascend-moe bench <sub>` exists (its --help exits 0)."""
+def cli_flags(binary: str | None, sub: str) -> set[str] | None:
+    """The long flags that `ascend-moe bench <sub> --help` lists; None if the subcommand
+    does not exist (its --help fails)."""
     if not binary:
-        return False
+        return None
     try:
-        r = subprocess.run([binary, "bench", sub, "--help"], capture_output=True, timeout=60)
+        r = subprocess.run([binary, "bench", sub, "--help"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return r.returncode == 0
+        return None
+    if r.returncode != 0:
+        return None
+    return set(re.findall(r"--[a-z][a-z0-9-]*", r.stdout + r.stderr))
+
+
+def pick(flags: set[str], *alternatives: list[tuple[str, object]]) -> list[str]:
+    """The first alternative (a list of (flag, value or None)) whose flags the CLI has, as
+    arguments; [] when it has none of them (the CLI's default then applies)."""
+    for alt in alternatives:
+        if all(f in flags for f, _ in alt):
+            return [x for f, v in alt for x in ((f,) if v is None else (f, str(v)))]
+    return []
 
 
 def main() -> int:
@@ -147,60 +166,98 @@ def main() -> int:
             common.parse_shape(s)
     sizes = common.size_ladder(args.min_bytes, args.max_bytes, args.step_factor, extra=[32 * common.MIB])
     size_arg = ",".join(str(s) for s in sizes)
-    iter_args = [
+    mpi_iter_args = [
         "--iters", str(args.iters), "--warmup", str(args.warmup),
         "--iter-bytes", args.iter_bytes, "--min-iters", str(args.min_iters),
     ]  # fmt: skip
 
     binary = args.bin or None
-    have = {sub: cli_has(binary, sub) for sub in ("triad", "collectives", "finalize", "finalize_and_reduce")}
+    subs = ("triad", "collectives", "finalize", "finalize_and_reduce")
+    flags = {sub: cli_flags(binary, sub) for sub in subs}
     if binary:
-        for sub, ok in have.items():
-            if not ok:
+        for sub in subs:
+            if flags[sub] is None:
                 log(f"note: `{os.path.basename(binary)} bench {sub}` is not available: its part of the report is skipped")
     py = args.python
     r = Runner(args)
     os.makedirs(args.raw, exist_ok=True)
 
+    def out_format(fl):
+        return pick(fl, [("--json", None)], [("--csv", None)])
+
+    def iter_flags(fl, iters, warmup, iter_bytes):
+        return (pick(fl, [("--iters", iters)]) + pick(fl, [("--warmup", warmup)])
+                + pick(fl, [("--iter-bytes", iter_bytes)]) + pick(fl, [("--min-iters", args.min_iters)]))  # fmt: skip
+
     # The step list of one run (name, kind, impl, command, meta); the same for every run.
     plan: list[tuple[str, str, str, list[str], dict]] = []
     if "triad" not in skip:
-        if have["triad"]:
-            plan.append(("triad ascend-moe", "triad", "ascend-moe", [binary, "bench", "triad", "--json"], {}))
+        if flags["triad"] is not None:
+            cmd = [binary, "bench", "triad", *out_format(flags["triad"])]
+            plan.append(("triad ascend-moe", "triad", "ascend-moe", cmd, {}))
         if args.triad_bin:
             plan.append(("triad c-openmp", "triad", "c-openmp", [args.triad_bin, "128", "10"], {}))
+    fl = flags["collectives"]
     for w in worlds:
         for dt in dtypes:
-            if "collectives" not in skip and have["collectives"]:
+            if "collectives" not in skip and fl is not None:
                 for tr in transports:
-                    cmd = [binary, "bench", "collectives", "--ranks", str(w), "--ops", args.ops, "--dtypes", dt,
-                           "--sizes", size_arg, *iter_args, "--json"]  # fmt: skip
-                    if tr == "procs":
-                        cmd.insert(5, "--procs")
-                    meta = {"impl": "ascend-moe", "world": w, "transport": tr}
+                    if tr == "procs" and "--procs" not in fl:
+                        log("note: `bench collectives` has no --procs: processes are skipped")
+                        continue
+                    cmd = [binary, "bench", "collectives", *pick(fl, [("--ranks", w)]),
+                           *(["--procs"] if tr == "procs" else []), *pick(fl, [("--ops", args.ops)]),
+                           *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
+                           *pick(fl, [("--sizes", size_arg)],
+                                 [("--min-bytes", args.min_bytes), ("--max-bytes", args.max_bytes),
+                                  ("--step-factor", args.step_factor)],
+                                 [("--min-bytes", args.min_bytes), ("--max-bytes", args.max_bytes),
+                                  ("--factor", args.step_factor)]),
+                           *iter_flags(fl, args.iters, args.warmup, args.iter_bytes), *out_format(fl)]  # fmt: skip
+                    meta = {"impl": "ascend-moe", "world": w, "transport": tr, "dtype": dt}
                     plan.append((f"collectives ascend-moe w{w} {tr} {dt}", "collectives", "ascend-moe", cmd, meta))
             if "mpi" not in skip and args.mpirun:
                 cmd = [args.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(w),
                        "--mca", "btl", "self,vader",
                        py, os.path.join(HERE, "mpi_coll.py"), "--ops", args.ops, "--dtype", dt,
-                       "--sizes", size_arg, *iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
+                       "--sizes", size_arg, *mpi_iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
                 meta = {"impl": "openmpi", "world": w, "transport": "procs"}
                 plan.append((f"collectives openmpi w{w} {dt}", "collectives", "openmpi", cmd, meta))
     fin_iter = ["--iters", "10", "--warmup", "2", "--iter-bytes", "1G", "--min-iters", str(args.min_iters)]
+    shapes = [s for s in args.shapes.split(",") if s]
+
+    def per_shape(fl, shape_list):
+        """[(label, args)]: one call with --shapes, or one call per shape with --tokens/--topk/--hidden."""
+        if "--shapes" in fl:
+            return [("", ["--shapes", ",".join(shape_list)])]
+        out = []
+        for sh in shape_list:
+            t, k, h = common.parse_shape(sh)
+            out.append((f" {sh}", pick(fl, [("--tokens", t), ("--topk", k), ("--hidden", h)])))
+        return out
+
+    fl = flags["finalize"]
     for dt in fin_dtypes:
-        if "finalize" not in skip and have["finalize"]:
-            cmd = [binary, "bench", "finalize", "--shapes", args.shapes, "--dtypes", dt, *fin_iter, "--json"]
-            plan.append((f"finalize ascend-moe {dt}", "finalize", "ascend-moe", cmd, {"impl": "ascend-moe"}))
+        if "finalize" not in skip and fl is not None:
+            for label, shape_args in per_shape(fl, shapes):
+                cmd = [binary, "bench", "finalize", *shape_args, *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
+                       *iter_flags(fl, 10, 2, "1G"), *out_format(fl)]  # fmt: skip
+                plan.append((f"finalize ascend-moe {dt}{label}", "finalize", "ascend-moe", cmd,
+                             {"impl": "ascend-moe", "dtype": dt}))  # fmt: skip
         if "numpy" not in skip:
-            cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", args.shapes, "--dtypes", dt, *fin_iter]
+            cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", ",".join(shapes), "--dtypes", dt, *fin_iter]
             plan.append((f"finalize numpy {dt}", "finalize", "numpy", cmd, {"impl": "numpy"}))
-    if "far" not in skip and have["finalize_and_reduce"] and args.far_shapes:
+    fl = flags["finalize_and_reduce"]
+    far_shapes = [s for s in args.far_shapes.split(",") if s]
+    if "far" not in skip and fl is not None and far_shapes:
         for dt in [d for d in args.far_dtypes.split(",") if d]:
-            cmd = [binary, "bench", "finalize_and_reduce", "--ranks", str(args.far_world), "--shapes",
-                   args.far_shapes, "--dtypes", dt, *fin_iter, "--json"]  # fmt: skip
-            meta = {"impl": "ascend-moe", "world": args.far_world}
-            plan.append((f"finalize_and_reduce ascend-moe w{args.far_world} {dt}", "finalize_and_reduce",
-                         "ascend-moe", cmd, meta))  # fmt: skip
+            for label, shape_args in per_shape(fl, far_shapes):
+                cmd = [binary, "bench", "finalize_and_reduce", *pick(fl, [("--ranks", args.far_world)]), *shape_args,
+                       *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]), *iter_flags(fl, 10, 2, "1G"),
+                       *out_format(fl)]  # fmt: skip
+                meta = {"impl": "ascend-moe", "world": args.far_world, "dtype": dt}
+                plan.append((f"finalize_and_reduce ascend-moe w{args.far_world} {dt}{label}", "finalize_and_reduce",
+                             "ascend-moe", cmd, meta))  # fmt: skip
 
     if not plan:
         log("error: nothing to measure (no CLI bench, no peer enabled)")
@@ -209,7 +266,7 @@ def main() -> int:
     log(f"{len(plan)} steps per run x {args.runs} runs; sizes {common.fmt_bytes(sizes[0])} .. "
         f"{common.fmt_bytes(sizes[-1])} ({len(sizes)}); worlds {worlds}")  # fmt: skip
     with open(os.path.join(args.raw, "plan.json"), "w") as f:
-        json.dump({"runs": args.runs, "sizes": sizes, "worlds": worlds, "cli": have,
+        json.dump({"runs": args.runs, "sizes": sizes, "worlds": worlds, "cli": {k: sorted(v or []) for k, v in flags.items()},
                    "steps": [shlex.join(c) for _, _, _, c, _ in plan]}, f, indent=1)  # fmt: skip
     for run in range(1, args.runs + 1):
         for name, kind, impl, cmd, meta in plan:

@@ -155,6 +155,8 @@ class SyntheticReport(unittest.TestCase):
         vs = sorted(n / o for n, o in zip(self.FIN_NUMPY_US, self.FIN_OURS_US))[1]  # 15.2
         self.assertIn("**reached**" if vs >= 15 else "not reached",
                       lines["finalize bf16 4096x8x4096 >= 15x numpy/"])  # fmt: skip
+        self.assertIn("- collectives floor: the CLI's own", self.md)
+        self.assertIn("- finalize floor: T*K*H*e", self.md)
         self.assertIn("collectives ascend-moe w8 procs bf16", self.md)
         self.assertIn("exit status 1", self.md)
 
@@ -214,6 +216,12 @@ class Definitions(unittest.TestCase):
         self.assertEqual(rows[0]["triad_gbps"], 19.5)
         lines = "\n".join(json.dumps({"op": "finalize", "time_us": t}) for t in (1, 2))
         self.assertEqual([r["time_us"] for r in common.parse_result_text(lines)[1]], [1, 2])
+        wip = {"staging_bytes": 1, "triad": [{"ranks": 2, "gbps": 9.0}, {"ranks": 4, "gbps": 8.0}],
+               "results": [{"ranks": 4, "op": "all_gather", "bytes": 4096, "vs_floor": 0.5}]}  # fmt: skip
+        (row,) = common.parse_result_text(json.dumps(wip))[1]
+        self.assertEqual((row["world"], row["floor_ratio"], row["triad_gbps"]), (4, 0.5, 8.0))
+        csv_rows = common.parse_result_text("ranks,op,bytes,time_us\n2,all_reduce,1024,3.5\n")[1]
+        self.assertEqual((csv_rows[0]["world"], csv_rows[0]["bytes"], csv_rows[0]["time_us"]), (2, 1024, 3.5))
         triad = common.parse_result_text('{"bench": "triad", "gbps": 20.5}')[1]
         self.assertEqual(triad, [{"op": "triad", "gbps": 20.5}])
         with self.assertRaises(ValueError):
