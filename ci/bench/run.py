@@ -142,6 +142,8 @@ def main() -> int:
     p.add_argument("--min-bytes", type=common.parse_bytes, default=common.parse_bytes("1K"))
     p.add_argument("--max-bytes", type=common.parse_bytes, default=common.parse_bytes("256M"))
     p.add_argument("--step-factor", type=int, default=2)
+    p.add_argument("--max-bytes-world", default="8=32M",
+                   help="per-world caps on the largest size, e.g. 8=64M (oversubscribed worlds are slow)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iter-bytes", default="512M")
@@ -151,7 +153,7 @@ def main() -> int:
     p.add_argument("--far-world", type=int, default=4)
     p.add_argument("--far-shapes", default="1024x8x2048,4096x8x4096")
     p.add_argument("--far-dtypes", default="f32,bf16")
-    p.add_argument("--mpi-bf16-reduce", default="userop", choices=("userop", "f32"))
+    p.add_argument("--mpi-bf16-reduce", default="f32", choices=("f32", "userop"))
     p.add_argument("--skip", default="", help="comma list of: triad,collectives,mpi,finalize,numpy,far")
     p.add_argument("--step-timeout", type=float, default=3600.0)
     args = p.parse_args()
@@ -165,7 +167,16 @@ def main() -> int:
         if s:
             common.parse_shape(s)
     sizes = common.size_ladder(args.min_bytes, args.max_bytes, args.step_factor, extra=[32 * common.MIB])
-    size_arg = ",".join(str(s) for s in sizes)
+    caps = {}
+    for item in [i for i in args.max_bytes_world.split(",") if i]:
+        w_text, _, cap = item.partition("=")
+        caps[int(w_text)] = common.parse_bytes(cap)
+
+    def world_max(w):
+        return min(args.max_bytes, caps.get(w, args.max_bytes))
+
+    def size_arg(w):
+        return ",".join(str(s) for s in sizes if s <= world_max(w))
     mpi_iter_args = [
         "--iters", str(args.iters), "--warmup", str(args.warmup),
         "--iter-bytes", args.iter_bytes, "--min-iters", str(args.min_iters),
@@ -208,10 +219,10 @@ def main() -> int:
                     cmd = [binary, "bench", "collectives", *pick(fl, [("--ranks", w)]),
                            *(["--procs"] if tr == "procs" else []), *pick(fl, [("--ops", args.ops)]),
                            *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
-                           *pick(fl, [("--sizes", size_arg)],
-                                 [("--min-bytes", args.min_bytes), ("--max-bytes", args.max_bytes),
+                           *pick(fl, [("--sizes", size_arg(w))],
+                                 [("--min-bytes", args.min_bytes), ("--max-bytes", world_max(w)),
                                   ("--step-factor", args.step_factor)],
-                                 [("--min-bytes", args.min_bytes), ("--max-bytes", args.max_bytes),
+                                 [("--min-bytes", args.min_bytes), ("--max-bytes", world_max(w)),
                                   ("--factor", args.step_factor)]),
                            *iter_flags(fl, args.iters, args.warmup, args.iter_bytes), *out_format(fl)]  # fmt: skip
                     meta = {"impl": "ascend-moe", "world": w, "transport": tr, "dtype": dt}
@@ -220,7 +231,7 @@ def main() -> int:
                 cmd = [args.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(w),
                        "--mca", "btl", "self,vader",
                        py, os.path.join(HERE, "mpi_coll.py"), "--ops", args.ops, "--dtype", dt,
-                       "--sizes", size_arg, *mpi_iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
+                       "--sizes", size_arg(w), *mpi_iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
                 meta = {"impl": "openmpi", "world": w, "transport": "procs"}
                 plan.append((f"collectives openmpi w{w} {dt}", "collectives", "openmpi", cmd, meta))
     fin_iter = ["--iters", "10", "--warmup", "2", "--iter-bytes", "1G", "--min-iters", str(args.min_iters)]
