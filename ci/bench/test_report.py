@@ -146,7 +146,7 @@ class SyntheticReport(unittest.TestCase):
 
     def test_targets_and_failures_in_markdown(self):
         lines = {ln.split("|")[1].strip() + "/" + ln.split("|")[2].strip(): ln for ln in self.md.splitlines()
-                 if ln.startswith("| ") and ln.count("|") == 5}  # fmt: skip
+                 if ln.startswith("| ") and ln.count("|") == 6}  # fmt: skip
         # 6x OpenMPI (median) >= 5: reached; speedup 1.1 < 1.3: not reached; procs: not measured.
         self.assertIn("**reached**", lines["all_reduce 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw/threads"])
         self.assertIn("not reached", lines[
@@ -159,6 +159,13 @@ class SyntheticReport(unittest.TestCase):
         self.assertIn("- finalize floor: T*K*H*e", self.md)
         self.assertIn("collectives ascend-moe w8 procs bf16", self.md)
         self.assertIn("exit status 1", self.md)
+
+    def test_minimum_traffic_floor_uses_the_row_triad(self):
+        r = self.row(suite="collectives", impl="ascend-moe", op="all_reduce", world=4, bytes=S32)
+        f = common.bus_factor("all_reduce", 4)
+        # The rows carry no triad of their own: the run's triad (bench triad) is used, 2 n S bytes.
+        want = sorted(2 * 4 * S32 / (g * 1e3) / (S32 / (o / f * 1e3)) for g, o in zip(self.TRIAD, self.OURS))
+        self.assertAlmostEqual(float(r["min_floor_ratio_median"]), want[1])
 
     def test_wrong_elements_are_reported(self):
         r = self.row(suite="collectives", impl="ascend-moe", op="all_gather", world=4, bytes=S32)
