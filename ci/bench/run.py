@@ -229,7 +229,7 @@ def main() -> int:
                     plan.append((f"collectives ascend-moe w{w} {tr} {dt}", "collectives", "ascend-moe", cmd, meta))
             if "mpi" not in skip and args.mpirun:
                 cmd = [args.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(w),
-                       "--mca", "btl", "self,vader",
+                       "--mca", "btl", "self,vader", "--mca", "mpi_yield_when_idle", "1",
                        py, os.path.join(HERE, "mpi_coll.py"), "--ops", args.ops, "--dtype", dt,
                        "--sizes", size_arg(w), *mpi_iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
                 meta = {"impl": "openmpi", "world": w, "transport": "procs"}
