@@ -38,12 +38,20 @@ class Runner:
         self.steps_total = 0
         self.steps_done = 0
         self.t_start = time.time()
+        self.durations: dict[str, float] = {}  # step name -> seconds in the first run (for the ETA)
+        self.plan_names: list[str] = []
 
     def run_step(self, run: int, name: str, kind: str, impl: str, cmd: list[str], meta: dict) -> None:
         """Run one command whose stdout is a JSON result; store it (with `meta`) as raw JSON."""
         self.steps_done += 1
         elapsed = time.time() - self.t_start
-        log(f"[run {run}/{self.args.runs}] [{self.steps_done}/{self.steps_total}] [{elapsed:6.0f}s] {name}")
+        eta = ""
+        if run > 1 and self.durations:
+            i = self.plan_names.index(name)
+            left = sum(self.durations.get(n, 0.0) for n in self.plan_names[i:])
+            left += (self.args.runs - run) * sum(self.durations.values())
+            eta = f", about {left / 60:.0f} min left"
+        log(f"[run {run}/{self.args.runs}] [{self.steps_done}/{self.steps_total}] [{elapsed:6.0f}s{eta}] {name}")
         rundir = os.path.join(self.args.raw, f"run{run}")
         os.makedirs(rundir, exist_ok=True)
         base = os.path.join(rundir, name.replace(" ", "_").replace("/", "-"))
@@ -59,6 +67,8 @@ class Runner:
         except OSError as e:
             rc, out = f"cannot start: {e}", ""
         seconds = time.time() - t0
+        if run == 1:
+            self.durations[name] = seconds
         with open(base + ".out", "w") as f:
             f.write(out)
         problem = None
@@ -274,6 +284,7 @@ def main() -> int:
         log("error: nothing to measure (no CLI bench, no peer enabled)")
         return 2
     r.steps_total = len(plan) * args.runs
+    r.plan_names = [name for name, _, _, _, _ in plan]
     log(f"{len(plan)} steps per run x {args.runs} runs; sizes {common.fmt_bytes(sizes[0])} .. "
         f"{common.fmt_bytes(sizes[-1])} ({len(sizes)}); worlds {worlds}")  # fmt: skip
     with open(os.path.join(args.raw, "plan.json"), "w") as f:
