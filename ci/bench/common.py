@@ -149,8 +149,22 @@ _ALIASES = {
 }
 
 _NUMERIC = {
-    "world", "bytes", "count", "iters", "time_us", "algbw_gbps", "busbw_gbps", "gbps", "floor_us",
-    "floor_ratio", "wrong", "triad_gbps", "tokens", "topk", "hidden", "threads",
+    "world",
+    "bytes",
+    "count",
+    "iters",
+    "time_us",
+    "algbw_gbps",
+    "busbw_gbps",
+    "gbps",
+    "floor_us",
+    "floor_ratio",
+    "wrong",
+    "triad_gbps",
+    "tokens",
+    "topk",
+    "hidden",
+    "threads",
 }
 
 

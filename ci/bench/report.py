@@ -33,9 +33,14 @@ TARGETS = [
     ("all_reduce 4 ranks bf16 [4096,4096] >= 0.6x floor", "coll", ("all_reduce", 4), "floor_ratio", 0.6),
     ("all_reduce 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw", "coll", ("all_reduce", 4), "vs_peer", 5.0),
     ("reduce_scatter 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw", "coll", ("reduce_scatter", 4), "vs_peer", 5.0),
-    ("finalize_and_reduce bf16 4096x8x4096 >= 1.3x finalize + maybe_pad_and_reduce", "far",
-     ("bf16", 4096, 8, 4096), "speedup", 1.3),
-]  # fmt: skip
+    (
+        "finalize_and_reduce bf16 4096x8x4096 >= 1.3x finalize + maybe_pad_and_reduce",
+        "far",
+        ("bf16", 4096, 8, 4096),
+        "speedup",
+        1.3,
+    ),
+]
 
 
 class Stat:
@@ -119,8 +124,14 @@ def build(docs):
                 if d["impl"] == "ascend-moe" and row.get("triad_gbps"):
                     # The triad the CLI measured for its own floor (per world size: threads = ranks).
                     triad[run].setdefault(f"cli-collectives-{int(row['world'])}", float(row["triad_gbps"]))
-                key = (d["impl"], row.get("transport", "threads"), row["op"], row["dtype"], int(row["world"]),
-                       int(row["bytes"]))  # fmt: skip
+                key = (
+                    d["impl"],
+                    row.get("transport", "threads"),
+                    row["op"],
+                    row["dtype"],
+                    int(row["world"]),
+                    int(row["bytes"]),
+                )
                 coll[key][run] = row
             elif kind == "finalize":
                 if d["impl"] == "ascend-moe" and row.get("triad_gbps"):
@@ -128,8 +139,14 @@ def build(docs):
                 key = (d["impl"], row["dtype"], int(row["tokens"]), int(row["topk"]), int(row["hidden"]))
                 fin[key][run] = row
             elif kind == "finalize_and_reduce":
-                key = (row["op"], row["dtype"], int(row["tokens"]), int(row["topk"]), int(row["hidden"]),
-                       int(row.get("world", 0)))  # fmt: skip
+                key = (
+                    row["op"],
+                    row["dtype"],
+                    int(row["tokens"]),
+                    int(row["topk"]),
+                    int(row["hidden"]),
+                    int(row.get("world", 0)),
+                )
                 far[key][run] = row
     return triad, coll, fin, far
 
@@ -257,14 +274,53 @@ def write_csv(path, cs, fs, rs):
     cols.append("wrong")
     rows = []
     for (impl, tr, op, dt, w, nb), st in sorted(cs.items()):
-        rows.append(({"suite": "collectives", "impl": impl, "transport": tr, "op": op, "dtype": dt, "world": w,
-                      "bytes": nb, "wrong": max(st["wrong"].values) if st["wrong"].ok else ""}, st))  # fmt: skip
+        rows.append(
+            (
+                {
+                    "suite": "collectives",
+                    "impl": impl,
+                    "transport": tr,
+                    "op": op,
+                    "dtype": dt,
+                    "world": w,
+                    "bytes": nb,
+                    "wrong": max(st["wrong"].values) if st["wrong"].ok else "",
+                },
+                st,
+            )
+        )
     for (impl, dt, t, k, h), st in sorted(fs.items()):
-        rows.append(({"suite": "finalize", "impl": impl, "op": "finalize", "dtype": dt, "tokens": t, "topk": k,
-                      "hidden": h, "bytes": common.finalize_bytes(t, k, h, dt)}, st))  # fmt: skip
+        rows.append(
+            (
+                {
+                    "suite": "finalize",
+                    "impl": impl,
+                    "op": "finalize",
+                    "dtype": dt,
+                    "tokens": t,
+                    "topk": k,
+                    "hidden": h,
+                    "bytes": common.finalize_bytes(t, k, h, dt),
+                },
+                st,
+            )
+        )
     for (op, dt, t, k, h, w), st in sorted(rs.items()):
-        rows.append(({"suite": "finalize_and_reduce", "impl": "ascend-moe", "op": op, "dtype": dt, "tokens": t,
-                      "topk": k, "hidden": h, "world": w}, st))  # fmt: skip
+        rows.append(
+            (
+                {
+                    "suite": "finalize_and_reduce",
+                    "impl": "ascend-moe",
+                    "op": op,
+                    "dtype": dt,
+                    "tokens": t,
+                    "topk": k,
+                    "hidden": h,
+                    "world": w,
+                },
+                st,
+            )
+        )
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=cols)
         wr.writeheader()
@@ -274,7 +330,10 @@ def write_csv(path, cs, fs, rs):
             for m in metrics:
                 if m in st and st[m].ok:
                     rec[f"{m}_median"], rec[f"{m}_min"], rec[f"{m}_max"] = (
-                        f"{st[m].med:.6g}", f"{st[m].lo:.6g}", f"{st[m].hi:.6g}")  # fmt: skip
+                        f"{st[m].med:.6g}",
+                        f"{st[m].lo:.6g}",
+                        f"{st[m].hi:.6g}",
+                    )
             wr.writerow(rec)
     return len(rows)
 
@@ -324,8 +383,11 @@ def plots(out_dir, cs, fs, triad_stat):
     ops = sorted({k[2] for k in cs})
     dtypes = sorted({k[3] for k in cs})
     worlds = sorted({k[4] for k in cs})
-    styles = {("ascend-moe", "threads"): ("C0", "-", "ours (threads)"), ("ascend-moe", "procs"): ("C2", "-",
-              "ours (processes)"), ("openmpi", "procs"): ("C3", "-", "OpenMPI (sm)")}  # fmt: skip
+    styles = {
+        ("ascend-moe", "threads"): ("C0", "-", "ours (threads)"),
+        ("ascend-moe", "procs"): ("C2", "-", "ours (processes)"),
+        ("openmpi", "procs"): ("C3", "-", "OpenMPI (sm)"),
+    }
     for op in ops:
         for dt in dtypes:
             fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 4), squeeze=False)
@@ -394,16 +456,21 @@ def plots(out_dir, cs, fs, triad_stat):
 def floor_sources(docs):
     """One line per suite saying which floor the report's ratios use."""
     lines = []
-    for kind, formula in (("collectives", "minimum traffic: all_reduce 2nS, reduce_scatter and all_gather (n+1)S"),
-                          ("finalize", "T*K*H*e + 2*T*H*e + 8*T*K bytes")):  # fmt: skip
+    for kind, formula in (
+        ("collectives", "minimum traffic: all_reduce 2nS, reduce_scatter and all_gather (n+1)S"),
+        ("finalize", "T*K*H*e + 2*T*H*e + 8*T*K bytes"),
+    ):
         ours = [d for d in docs if d["kind"] == kind and d["impl"] == "ascend-moe"]
         if not ours and not any(d["kind"] == kind for d in docs):
             continue
         cli = any(r.get("floor_us") is not None or r.get("floor_ratio") is not None for d in ours for r in d["rows"])
         rules = sorted({str(d["header"]["floor_rule"]) for d in ours if d.get("header", {}).get("floor_rule")})
         if cli:
-            lines.append(f"- {kind} floor: the CLI's own" + (f" ({'; '.join(rules)})" if rules else "")
-                         + "; peers are measured against the same floor time of the same run")  # fmt: skip
+            lines.append(
+                f"- {kind} floor: the CLI's own"
+                + (f" ({'; '.join(rules)})" if rules else "")
+                + "; peers are measured against the same floor time of the same run"
+            )
         else:
             lines.append(f"- {kind} floor: {formula}, at the run's triad bandwidth")
     return lines
@@ -412,25 +479,41 @@ def floor_sources(docs):
 def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name, floor_notes=()):
     nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(triad)])
     L = ["# ascend-moe performance report", ""]
-    L.append(f"- date: {meta.get('date', '?')}; commit: `{meta.get('commit', '?')}`; command: `{meta.get('command', '?')}`")
-    L.append(f"- host: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('mem', '?')}; "
-             f"load average at start {meta.get('load_start', '?')}, at end {meta.get('load_end', '?')}")  # fmt: skip
-    L.append(f"- peers: {meta.get('openmpi', 'OpenMPI ?')}, mpi4py {meta.get('mpi4py', '?')}, "
-             f"numpy {meta.get('numpy', '?')}, ml_dtypes {meta.get('ml_dtypes', '?')}")  # fmt: skip
+    L.append(
+        f"- date: {meta.get('date', '?')}; commit: `{meta.get('commit', '?')}`; command: `{meta.get('command', '?')}`"
+    )
+    L.append(
+        f"- host: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('mem', '?')}; "
+        f"load average at start {meta.get('load_start', '?')}, at end {meta.get('load_end', '?')}"
+    )
+    L.append(
+        f"- peers: {meta.get('openmpi', 'OpenMPI ?')}, mpi4py {meta.get('mpi4py', '?')}, "
+        f"numpy {meta.get('numpy', '?')}, ml_dtypes {meta.get('ml_dtypes', '?')}"
+    )
     L.append(f"- every figure: median [min–max] over {nruns} run(s); ratios are taken within a run, then summarised")
-    L.append("- the machine is shared and small: treat absolute numbers as noisy; the ratios of one run are the "
-             "meaningful figures. Definitions: `ci/bench/README.md`.")  # fmt: skip
+    L.append(
+        "- the machine is shared and small: treat absolute numbers as noisy; the ratios of one run are the "
+        "meaningful figures. Definitions: `ci/bench/README.md`."
+    )
     L += list(floor_notes)
     L.append("")
     L.append("## Targets")
-    L.append(_table(["target", "case", "measured (median [min–max])", "result", "vs minimum-traffic floor"],
-                    evaluate_targets(cs, fs, rs)))  # fmt: skip
+    L.append(
+        _table(
+            ["target", "case", "measured (median [min–max])", "result", "vs minimum-traffic floor"],
+            evaluate_targets(cs, fs, rs),
+        )
+    )
     L.append("")
     L.append("## Memory bandwidth (STREAM-like triad, GB/s)")
     trows = []
     impls = [("ascend-moe", "`ascend-moe bench triad`")]
-    worlds_seen = sorted({int(k.rsplit("-", 1)[1]) for t in triad.values() for k in t if k.startswith("cli-")})
-    impls += [(f"cli-collectives-{w}", f"`ascend-moe bench collectives --ranks {w}` ({w} threads)") for w in worlds_seen]
+    worlds_seen = sorted(
+        {int(k.rsplit("-", 1)[1]) for t in triad.values() for k in t if k.startswith("cli-collectives-")}
+    )
+    impls += [
+        (f"cli-collectives-{w}", f"`ascend-moe bench collectives --ranks {w}` ({w} threads)") for w in worlds_seen
+    ]
     impls.append(("cli-finalize", "`ascend-moe bench finalize` (its own triad)"))
     impls.append(("c-openmp", "`ci/bench/triad.c` (C, OpenMP, all cores)"))
     for impl, label in impls:
@@ -463,14 +546,38 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
 
                 floor_st = (th or pr or mp or {}).get("floor_busbw_gbps")
                 wrong = sum(max(st["wrong"].values, default=0) for st in (th, pr, mp) if st and "wrong" in st)
-                out.append((op, common.fmt_bytes(nb), g(th, "busbw_gbps"), g(pr, "busbw_gbps"), g(mp, "busbw_gbps"),
-                            floor_st.fmt(spread=False) if floor_st else "–", g(th, "floor_ratio"),
-                            g(pr, "floor_ratio"), g(mp, "floor_ratio"), g(th, "vs_peer"), g(pr, "vs_peer"),
-                            wrong))  # fmt: skip
+                out.append(
+                    (
+                        op,
+                        common.fmt_bytes(nb),
+                        g(th, "busbw_gbps"),
+                        g(pr, "busbw_gbps"),
+                        g(mp, "busbw_gbps"),
+                        floor_st.fmt(spread=False) if floor_st else "–",
+                        g(th, "floor_ratio"),
+                        g(pr, "floor_ratio"),
+                        g(mp, "floor_ratio"),
+                        g(th, "vs_peer"),
+                        g(pr, "vs_peer"),
+                        wrong,
+                    )
+                )
         return out
 
-    hdr = ["op", "size", "busbw ours thr", "busbw ours proc", "busbw OpenMPI", "busbw floor", "thr/floor",
-           "proc/floor", "OpenMPI/floor", "thr/OpenMPI", "proc/OpenMPI", "#wrong"]  # fmt: skip
+    hdr = [
+        "op",
+        "size",
+        "busbw ours thr",
+        "busbw ours proc",
+        "busbw OpenMPI",
+        "busbw floor",
+        "thr/floor",
+        "proc/floor",
+        "OpenMPI/floor",
+        "thr/OpenMPI",
+        "proc/OpenMPI",
+        "#wrong",
+    ]
     if cs:
         L.append("## Collectives (bus bandwidth GB/s, nccl-tests definitions)")
         L.append("")
@@ -489,22 +596,46 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
             if impl != "ascend-moe":
                 continue
             np_st = fs.get(("numpy", dt, t, k, h), {})
-            frows.append((f"{t}x{k}x{h}", dt, common.fmt_bytes(common.finalize_bytes(t, k, h, dt)),
-                          st["gbps"].fmt(), np_st["gbps"].fmt() if np_st else "–", st["floor_ratio"].fmt(),
-                          np_st["floor_ratio"].fmt() if np_st else "–",
-                          st["vs_peer"].fmt() if "vs_peer" in st else "–"))  # fmt: skip
+            frows.append(
+                (
+                    f"{t}x{k}x{h}",
+                    dt,
+                    common.fmt_bytes(common.finalize_bytes(t, k, h, dt)),
+                    st["gbps"].fmt(),
+                    np_st["gbps"].fmt() if np_st else "–",
+                    st["floor_ratio"].fmt(),
+                    np_st["floor_ratio"].fmt() if np_st else "–",
+                    st["vs_peer"].fmt() if "vs_peer" in st else "–",
+                )
+            )
         if not frows:  # numpy only
             for (impl, dt, t, k, h), st in sorted(fs.items(), key=lambda kv: (kv[0][1], kv[0][2] * kv[0][4])):
-                frows.append((f"{t}x{k}x{h}", dt, common.fmt_bytes(common.finalize_bytes(t, k, h, dt)), "–",
-                              st["gbps"].fmt(), "–", st["floor_ratio"].fmt(), "–"))  # fmt: skip
-        L.append(_table(["T x K x H", "dtype", "moved", "ours GB/s", "numpy GB/s", "ours/floor", "numpy/floor",
-                         "ours/numpy"], frows))  # fmt: skip
+                frows.append(
+                    (
+                        f"{t}x{k}x{h}",
+                        dt,
+                        common.fmt_bytes(common.finalize_bytes(t, k, h, dt)),
+                        "–",
+                        st["gbps"].fmt(),
+                        "–",
+                        st["floor_ratio"].fmt(),
+                        "–",
+                    )
+                )
+        L.append(
+            _table(
+                ["T x K x H", "dtype", "moved", "ours GB/s", "numpy GB/s", "ours/floor", "numpy/floor", "ours/numpy"],
+                frows,
+            )
+        )
         L.append("")
     if rs:
         L.append("## finalize_and_reduce vs finalize + maybe_pad_and_reduce")
         rrows = []
         for (op, dt, t, k, h, w), st in sorted(rs.items()):
-            rrows.append((f"{t}x{k}x{h}", dt, w, op, st["time_us"].fmt(), st["speedup"].fmt() if "speedup" in st else ""))
+            rrows.append(
+                (f"{t}x{k}x{h}", dt, w, op, st["time_us"].fmt(), st["speedup"].fmt() if "speedup" in st else "")
+            )
         L.append(_table(["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"], rrows))
         L.append("")
     if plot_files or plot_note:
@@ -544,8 +675,19 @@ def generate(raw: str, out_dir: str) -> dict:
     n_csv = write_csv(os.path.join(out_dir, "results.csv"), cs, fs, rs)
     triad_stat = Stat([run_triad(triad, r) for r in triad])
     plot_files, plot_note = plots(out_dir, cs, fs, triad_stat)
-    write_report(os.path.join(out_dir, "report.md"), meta, triad, cs, fs, rs, failures, plot_files, plot_note,
-                 "results.csv", floor_sources(docs))  # fmt: skip
+    write_report(
+        os.path.join(out_dir, "report.md"),
+        meta,
+        triad,
+        cs,
+        fs,
+        rs,
+        failures,
+        plot_files,
+        plot_note,
+        "results.csv",
+        floor_sources(docs),
+    )
     return {"csv_rows": n_csv, "plots": plot_files, "steps": len(docs), "failures": len(failures)}
 
 
@@ -555,12 +697,17 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if not glob.glob(os.path.join(args.raw, "run*", "*.json")):
-        print(f"error: no results under {args.raw}/run*/ (did every step fail? see {args.raw}/failures.json)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: no results under {args.raw}/run*/ (did every step fail? see {args.raw}/failures.json)",
+            file=sys.stderr,
+        )
         return 1
     info = generate(args.raw, args.out)
-    print(f"report: {os.path.join(args.out, 'report.md')} ({info['steps']} results, {info['csv_rows']} CSV rows, "
-          f"{len(info['plots'])} plots, {info['failures']} failed steps)", file=sys.stderr)  # fmt: skip
+    print(
+        f"report: {os.path.join(args.out, 'report.md')} ({info['steps']} results, {info['csv_rows']} CSV rows, "
+        f"{len(info['plots'])} plots, {info['failures']} failed steps)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -152,8 +152,11 @@ def main() -> int:
     p.add_argument("--min-bytes", type=common.parse_bytes, default=common.parse_bytes("1K"))
     p.add_argument("--max-bytes", type=common.parse_bytes, default=common.parse_bytes("256M"))
     p.add_argument("--step-factor", type=int, default=2)
-    p.add_argument("--max-bytes-world", default="8=32M",
-                   help="per-world caps on the largest size, e.g. 8=64M (oversubscribed worlds are slow)")
+    p.add_argument(
+        "--max-bytes-world",
+        default="8=32M",
+        help="per-world caps on the largest size, e.g. 8=64M (oversubscribed worlds are slow)",
+    )
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iter-bytes", default="512M")
@@ -187,10 +190,17 @@ def main() -> int:
 
     def size_arg(w):
         return ",".join(str(s) for s in sizes if s <= world_max(w))
+
     mpi_iter_args = [
-        "--iters", str(args.iters), "--warmup", str(args.warmup),
-        "--iter-bytes", args.iter_bytes, "--min-iters", str(args.min_iters),
-    ]  # fmt: skip
+        "--iters",
+        str(args.iters),
+        "--warmup",
+        str(args.warmup),
+        "--iter-bytes",
+        args.iter_bytes,
+        "--min-iters",
+        str(args.min_iters),
+    ]
 
     binary = args.bin or None
     subs = ("triad", "collectives", "finalize", "finalize_and_reduce")
@@ -198,7 +208,7 @@ def main() -> int:
     if binary:
         for sub in subs:
             if flags[sub] is None:
-                log(f"note: `{os.path.basename(binary)} bench {sub}` is not available: its part of the report is skipped")
+                log(f"note: `{os.path.basename(binary)} bench {sub}` is not available: skipping its part")
     py = args.python
     r = Runner(args)
     os.makedirs(args.raw, exist_ok=True)
@@ -207,8 +217,12 @@ def main() -> int:
         return pick(fl, [("--json", None)], [("--csv", None)])
 
     def iter_flags(fl, iters, warmup, iter_bytes):
-        return (pick(fl, [("--iters", iters)]) + pick(fl, [("--warmup", warmup)])
-                + pick(fl, [("--iter-bytes", iter_bytes)]) + pick(fl, [("--min-iters", args.min_iters)]))  # fmt: skip
+        return (
+            pick(fl, [("--iters", iters)])
+            + pick(fl, [("--warmup", warmup)])
+            + pick(fl, [("--iter-bytes", iter_bytes)])
+            + pick(fl, [("--min-iters", args.min_iters)])
+        )
 
     # The step list of one run (name, kind, impl, command, meta); the same for every run.
     plan: list[tuple[str, str, str, list[str], dict]] = []
@@ -226,22 +240,58 @@ def main() -> int:
                     if tr == "procs" and "--procs" not in fl:
                         log("note: `bench collectives` has no --procs: processes are skipped")
                         continue
-                    cmd = [binary, "bench", "collectives", *pick(fl, [("--ranks", w)]),
-                           *(["--procs"] if tr == "procs" else []), *pick(fl, [("--ops", args.ops)]),
-                           *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
-                           *pick(fl, [("--sizes", size_arg(w))],
-                                 [("--min-bytes", args.min_bytes), ("--max-bytes", world_max(w)),
-                                  ("--step-factor", args.step_factor)],
-                                 [("--min-bytes", args.min_bytes), ("--max-bytes", world_max(w)),
-                                  ("--factor", args.step_factor)]),
-                           *iter_flags(fl, args.iters, args.warmup, args.iter_bytes), *out_format(fl)]  # fmt: skip
+                    cmd = [
+                        binary,
+                        "bench",
+                        "collectives",
+                        *pick(fl, [("--ranks", w)]),
+                        *(["--procs"] if tr == "procs" else []),
+                        *pick(fl, [("--ops", args.ops)]),
+                        *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
+                        *pick(
+                            fl,
+                            [("--sizes", size_arg(w))],
+                            [
+                                ("--min-bytes", args.min_bytes),
+                                ("--max-bytes", world_max(w)),
+                                ("--step-factor", args.step_factor),
+                            ],
+                            [
+                                ("--min-bytes", args.min_bytes),
+                                ("--max-bytes", world_max(w)),
+                                ("--factor", args.step_factor),
+                            ],
+                        ),
+                        *iter_flags(fl, args.iters, args.warmup, args.iter_bytes),
+                        *out_format(fl),
+                    ]
                     meta = {"impl": "ascend-moe", "world": w, "transport": tr, "dtype": dt}
                     plan.append((f"collectives ascend-moe w{w} {tr} {dt}", "collectives", "ascend-moe", cmd, meta))
             if "mpi" not in skip and args.mpirun:
-                cmd = [args.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(w),
-                       "--mca", "btl", "self,vader", "--mca", "mpi_yield_when_idle", "1",
-                       py, os.path.join(HERE, "mpi_coll.py"), "--ops", args.ops, "--dtype", dt,
-                       "--sizes", size_arg(w), *mpi_iter_args, "--bf16-reduce", args.mpi_bf16_reduce]  # fmt: skip
+                cmd = [
+                    args.mpirun,
+                    "--allow-run-as-root",
+                    "--oversubscribe",
+                    "-np",
+                    str(w),
+                    "--mca",
+                    "btl",
+                    "self,vader",
+                    "--mca",
+                    "mpi_yield_when_idle",
+                    "1",
+                    py,
+                    os.path.join(HERE, "mpi_coll.py"),
+                    "--ops",
+                    args.ops,
+                    "--dtype",
+                    dt,
+                    "--sizes",
+                    size_arg(w),
+                    *mpi_iter_args,
+                    "--bf16-reduce",
+                    args.mpi_bf16_reduce,
+                ]
                 meta = {"impl": "openmpi", "world": w, "transport": "procs"}
                 plan.append((f"collectives openmpi w{w} {dt}", "collectives", "openmpi", cmd, meta))
     fin_iter = ["--iters", "10", "--warmup", "2", "--iter-bytes", "1G", "--min-iters", str(args.min_iters)]
@@ -261,10 +311,24 @@ def main() -> int:
     for dt in fin_dtypes:
         if "finalize" not in skip and fl is not None:
             for label, shape_args in per_shape(fl, shapes):
-                cmd = [binary, "bench", "finalize", *shape_args, *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
-                       *iter_flags(fl, 10, 2, "1G"), *out_format(fl)]  # fmt: skip
-                plan.append((f"finalize ascend-moe {dt}{label}", "finalize", "ascend-moe", cmd,
-                             {"impl": "ascend-moe", "dtype": dt}))  # fmt: skip
+                cmd = [
+                    binary,
+                    "bench",
+                    "finalize",
+                    *shape_args,
+                    *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
+                    *iter_flags(fl, 10, 2, "1G"),
+                    *out_format(fl),
+                ]
+                plan.append(
+                    (
+                        f"finalize ascend-moe {dt}{label}",
+                        "finalize",
+                        "ascend-moe",
+                        cmd,
+                        {"impl": "ascend-moe", "dtype": dt},
+                    )
+                )
         if "numpy" not in skip:
             cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", ",".join(shapes), "--dtypes", dt, *fin_iter]
             plan.append((f"finalize numpy {dt}", "finalize", "numpy", cmd, {"impl": "numpy"}))
@@ -273,23 +337,48 @@ def main() -> int:
     if "far" not in skip and fl is not None and far_shapes:
         for dt in [d for d in args.far_dtypes.split(",") if d]:
             for label, shape_args in per_shape(fl, far_shapes):
-                cmd = [binary, "bench", "finalize_and_reduce", *pick(fl, [("--ranks", args.far_world)]), *shape_args,
-                       *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]), *iter_flags(fl, 10, 2, "1G"),
-                       *out_format(fl)]  # fmt: skip
+                cmd = [
+                    binary,
+                    "bench",
+                    "finalize_and_reduce",
+                    *pick(fl, [("--ranks", args.far_world)]),
+                    *shape_args,
+                    *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
+                    *iter_flags(fl, 10, 2, "1G"),
+                    *out_format(fl),
+                ]
                 meta = {"impl": "ascend-moe", "world": args.far_world, "dtype": dt}
-                plan.append((f"finalize_and_reduce ascend-moe w{args.far_world} {dt}{label}", "finalize_and_reduce",
-                             "ascend-moe", cmd, meta))  # fmt: skip
+                plan.append(
+                    (
+                        f"finalize_and_reduce ascend-moe w{args.far_world} {dt}{label}",
+                        "finalize_and_reduce",
+                        "ascend-moe",
+                        cmd,
+                        meta,
+                    )
+                )
 
     if not plan:
         log("error: nothing to measure (no CLI bench, no peer enabled)")
         return 2
     r.steps_total = len(plan) * args.runs
     r.plan_names = [name for name, _, _, _, _ in plan]
-    log(f"{len(plan)} steps per run x {args.runs} runs; sizes {common.fmt_bytes(sizes[0])} .. "
-        f"{common.fmt_bytes(sizes[-1])} ({len(sizes)}); worlds {worlds}")  # fmt: skip
+    log(
+        f"{len(plan)} steps per run x {args.runs} runs; sizes {common.fmt_bytes(sizes[0])} .. "
+        f"{common.fmt_bytes(sizes[-1])} ({len(sizes)}); worlds {worlds}"
+    )
     with open(os.path.join(args.raw, "plan.json"), "w") as f:
-        json.dump({"runs": args.runs, "sizes": sizes, "worlds": worlds, "cli": {k: sorted(v or []) for k, v in flags.items()},
-                   "steps": [shlex.join(c) for _, _, _, c, _ in plan]}, f, indent=1)  # fmt: skip
+        json.dump(
+            {
+                "runs": args.runs,
+                "sizes": sizes,
+                "worlds": worlds,
+                "cli": {k: sorted(v or []) for k, v in flags.items()},
+                "steps": [shlex.join(c) for _, _, _, c, _ in plan],
+            },
+            f,
+            indent=1,
+        )
     for run in range(1, args.runs + 1):
         for name, kind, impl, cmd, meta in plan:
             r.run_step(run, name, kind, impl, cmd, meta)

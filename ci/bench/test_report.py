@@ -25,8 +25,16 @@ S32 = 32 * MIB
 def _write(raw, run, name, kind, impl, rows, header=None):
     d = os.path.join(raw, f"run{run}")
     os.makedirs(d, exist_ok=True)
-    doc = {"kind": kind, "impl": impl, "run": run, "step": name, "command": "synthetic", "seconds": 1.0,
-           "header": header or {}, "rows": rows}  # fmt: skip
+    doc = {
+        "kind": kind,
+        "impl": impl,
+        "run": run,
+        "step": name,
+        "command": "synthetic",
+        "seconds": 1.0,
+        "header": header or {},
+        "rows": rows,
+    }
     with open(os.path.join(d, name + ".json"), "w") as f:
         json.dump(doc, f)
 
@@ -35,9 +43,19 @@ def coll_row(op, dtype, world, nbytes, busbw, transport, floor_us=None, wrong=0)
     """A row as the CLI / mpi_coll.py write it, consistent with busbw."""
     algbw = busbw / common.bus_factor(op, world)
     time_us = nbytes / (algbw * 1e3)
-    r = {"op": op, "dtype": dtype, "world": world, "transport": transport, "bytes": nbytes,
-         "count": nbytes // 2, "iters": 3, "time_us": time_us, "algbw_gbps": algbw, "busbw_gbps": busbw,
-         "wrong": wrong}  # fmt: skip
+    r = {
+        "op": op,
+        "dtype": dtype,
+        "world": world,
+        "transport": transport,
+        "bytes": nbytes,
+        "count": nbytes // 2,
+        "iters": 3,
+        "time_us": time_us,
+        "algbw_gbps": algbw,
+        "busbw_gbps": busbw,
+        "wrong": wrong,
+    }
     if floor_us is not None:
         r["floor_us"] = floor_us
         r["floor_ratio"] = floor_us / time_us
@@ -65,25 +83,52 @@ class SyntheticReport(unittest.TestCase):
         for i in range(3):
             run = i + 1
             _write(raw, run, "triad", "triad", "ascend-moe", [{"bench": "triad", "gbps": cls.TRIAD[i]}])
-            ours = [coll_row("all_reduce", "bf16", 4, S32, cls.OURS[i], "threads", floor_us=cls.FLOOR_US[i]),
-                    coll_row("reduce_scatter", "bf16", 4, S32, 8.0, "threads", floor_us=2000.0),
-                    coll_row("all_gather", "bf16", 4, S32, 8.0, "threads", floor_us=2000.0, wrong=run - 1)]  # fmt: skip
+            ours = [
+                coll_row("all_reduce", "bf16", 4, S32, cls.OURS[i], "threads", floor_us=cls.FLOOR_US[i]),
+                coll_row("reduce_scatter", "bf16", 4, S32, 8.0, "threads", floor_us=2000.0),
+                coll_row("all_gather", "bf16", 4, S32, 8.0, "threads", floor_us=2000.0, wrong=run - 1),
+            ]
             _write(raw, run, "ours", "collectives", "ascend-moe", ours)
-            mpi = [coll_row("all_reduce", "bf16", 4, S32, cls.MPI[i], "procs"),
-                   coll_row("reduce_scatter", "bf16", 4, S32, 1.0, "procs")]  # fmt: skip
+            mpi = [
+                coll_row("all_reduce", "bf16", 4, S32, cls.MPI[i], "procs"),
+                coll_row("reduce_scatter", "bf16", 4, S32, 1.0, "procs"),
+            ]
             _write(raw, run, "mpi", "collectives", "openmpi", mpi)
             fin = {"op": "finalize", "dtype": "bf16", "tokens": 4096, "topk": 8, "hidden": 4096}
             nb = common.finalize_bytes(4096, 8, 4096, "bf16")
-            _write(raw, run, "fin", "finalize", "ascend-moe", [dict(fin, time_us=cls.FIN_OURS_US[i],
-                   gbps=nb / cls.FIN_OURS_US[i] / 1e3)])  # fmt: skip
+            _write(
+                raw,
+                run,
+                "fin",
+                "finalize",
+                "ascend-moe",
+                [dict(fin, time_us=cls.FIN_OURS_US[i], gbps=nb / cls.FIN_OURS_US[i] / 1e3, triad_gbps=cls.TRIAD[i])],
+            )
             _write(raw, run, "np", "finalize", "numpy", [dict(fin, time_us=cls.FIN_NUMPY_US[i])])
             far = {"dtype": "bf16", "tokens": 4096, "topk": 8, "hidden": 4096, "world": 4}
-            _write(raw, run, "far", "finalize_and_reduce", "ascend-moe",
-                   [dict(far, op="finalize_and_reduce", time_us=cls.FUSED_US[i]),
-                    dict(far, op="finalize_then_pad_reduce", time_us=cls.UNFUSED_US[i])])  # fmt: skip
+            _write(
+                raw,
+                run,
+                "far",
+                "finalize_and_reduce",
+                "ascend-moe",
+                [
+                    dict(far, op="finalize_and_reduce", time_us=cls.FUSED_US[i]),
+                    dict(far, op="finalize_then_pad_reduce", time_us=cls.UNFUSED_US[i]),
+                ],
+            )
         with open(os.path.join(raw, "failures.json"), "w") as f:
-            json.dump([{"run": 2, "step": "collectives ascend-moe w8 procs bf16", "problem": "exit status 1",
-                        "command": "x"}], f)  # fmt: skip
+            json.dump(
+                [
+                    {
+                        "run": 2,
+                        "step": "collectives ascend-moe w8 procs bf16",
+                        "problem": "exit status 1",
+                        "command": "x",
+                    }
+                ],
+                f,
+            )
         cls.info = report.generate(raw, cls.out)
         with open(os.path.join(cls.out, "results.csv")) as f:
             cls.csv = list(csv.DictReader(f))
@@ -145,18 +190,22 @@ class SyntheticReport(unittest.TestCase):
         self.assertAlmostEqual(float(r["speedup_median"]), sp[1])
 
     def test_targets_and_failures_in_markdown(self):
-        lines = {ln.split("|")[1].strip() + "/" + ln.split("|")[2].strip(): ln for ln in self.md.splitlines()
-                 if ln.startswith("| ") and ln.count("|") == 6}  # fmt: skip
+        lines = {
+            ln.split("|")[1].strip() + "/" + ln.split("|")[2].strip(): ln
+            for ln in self.md.splitlines()
+            if ln.startswith("| ") and ln.count("|") == 6
+        }
         # 6x OpenMPI (median) >= 5: reached; speedup 1.1 < 1.3: not reached; procs: not measured.
         self.assertIn("**reached**", lines["all_reduce 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw/threads"])
-        self.assertIn("not reached", lines[
-            "finalize_and_reduce bf16 4096x8x4096 >= 1.3x finalize + maybe_pad_and_reduce/4 ranks"])
+        self.assertIn(
+            "not reached", lines["finalize_and_reduce bf16 4096x8x4096 >= 1.3x finalize + maybe_pad_and_reduce/4 ranks"]
+        )
         self.assertIn("not measured", lines["all_reduce 4 ranks bf16 [4096,4096] >= 5x OpenMPI busbw/procs"])
         vs = sorted(n / o for n, o in zip(self.FIN_NUMPY_US, self.FIN_OURS_US))[1]  # 15.2
-        self.assertIn("**reached**" if vs >= 15 else "not reached",
-                      lines["finalize bf16 4096x8x4096 >= 15x numpy/"])  # fmt: skip
+        self.assertIn("**reached**" if vs >= 15 else "not reached", lines["finalize bf16 4096x8x4096 >= 15x numpy/"])
         self.assertIn("- collectives floor: the CLI's own", self.md)
         self.assertIn("- finalize floor: T*K*H*e", self.md)
+        self.assertIn("| `ascend-moe bench finalize` (its own triad) | 20 [18–22] |", self.md)
         self.assertIn("collectives ascend-moe w8 procs bf16", self.md)
         self.assertIn("exit status 1", self.md)
 
@@ -212,9 +261,15 @@ class Definitions(unittest.TestCase):
             common.parse_shape("4096x8")
 
     def test_reader_accepts_header_and_synonyms(self):
-        text = json.dumps({"bench": "collectives", "world": 4, "transport": "procs", "triad": {"gbps": 19.5},
-                           "rows": [{"op": "all_reduce", "dtype": "f32", "size": "1024", "busbw": 1.5,
-                                     "time": 2.0}]})  # fmt: skip
+        text = json.dumps(
+            {
+                "bench": "collectives",
+                "world": 4,
+                "transport": "procs",
+                "triad": {"gbps": 19.5},
+                "rows": [{"op": "all_reduce", "dtype": "f32", "size": "1024", "busbw": 1.5, "time": 2.0}],
+            }
+        )
         header, rows = common.parse_result_text(text)
         self.assertEqual(rows[0]["bytes"], 1024)
         self.assertEqual(rows[0]["busbw_gbps"], 1.5)
@@ -223,8 +278,11 @@ class Definitions(unittest.TestCase):
         self.assertEqual(rows[0]["triad_gbps"], 19.5)
         lines = "\n".join(json.dumps({"op": "finalize", "time_us": t}) for t in (1, 2))
         self.assertEqual([r["time_us"] for r in common.parse_result_text(lines)[1]], [1, 2])
-        wip = {"staging_bytes": 1, "triad": [{"ranks": 2, "gbps": 9.0}, {"ranks": 4, "gbps": 8.0}],
-               "results": [{"ranks": 4, "op": "all_gather", "bytes": 4096, "vs_floor": 0.5}]}  # fmt: skip
+        wip = {
+            "staging_bytes": 1,
+            "triad": [{"ranks": 2, "gbps": 9.0}, {"ranks": 4, "gbps": 8.0}],
+            "results": [{"ranks": 4, "op": "all_gather", "bytes": 4096, "vs_floor": 0.5}],
+        }
         (row,) = common.parse_result_text(json.dumps(wip))[1]
         self.assertEqual((row["world"], row["floor_ratio"], row["triad_gbps"]), (4, 0.5, 8.0))
         csv_rows = common.parse_result_text("ranks,op,bytes,time_us\n2,all_reduce,1024,3.5\n")[1]
