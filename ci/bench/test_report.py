@@ -312,7 +312,7 @@ class NumpyPeer(unittest.TestCase):
                 for j in range(h):
                     acc = float(x1[i, j])
                     for kk in range(k):
-                        acc += float(sc[i, kk]) * float(ex[idx[kk * t + i], j])
+                        acc += float(sc[i, kk]) * float(ex[idx[i * k + kk], j])
                     tol = {"f32": 1e-5, "f16": 2e-3, "bf16": 1.6e-2}[dtype] * max(1.0, abs(acc))
                     self.assertLessEqual(abs(got[i, j] - acc), tol, (dtype, i, j))
 
