@@ -65,15 +65,19 @@ def size_ladder(min_bytes: int, max_bytes: int, factor: int, extra: Iterable[int
     return sorted(sizes)
 
 
-def iterations(size_bytes: int, iters: int, iter_bytes: int, min_iters: int) -> int:
-    """Timed iterations for one size: `iters`, reduced so that one size moves about
-    `iter_bytes` (large buffers), never below `min_iters`. The CLI and every peer use it."""
-    return max(min_iters, min(iters, iter_bytes // max(size_bytes, 1)))
+# Buffers from this size on count as large: fewer timed calls, one warmup.
+LARGE = 16 * MIB
+
+
+def iterations(size_bytes: int, iters: int, large_iters: int) -> int:
+    """Timed calls for one size: `iters` below LARGE, `large_iters` from LARGE on.
+    ci/bench runs the CLI once per class, so ours and every peer follow this rule."""
+    return iters if size_bytes < LARGE else large_iters
 
 
 def warmups(size_bytes: int, warmup: int) -> int:
-    """Untimed iterations before the timed ones: `warmup`, but 1 for buffers >= 16 MiB."""
-    return min(warmup, 1) if size_bytes >= 16 * MIB else warmup
+    """Untimed calls before the timed ones: `warmup` below LARGE, 1 from LARGE on."""
+    return warmup if size_bytes < LARGE else min(warmup, 1)
 
 
 def element_count(op: str, size_bytes: int, world: int, elt: int) -> int:

@@ -102,7 +102,7 @@ def bench_one(comm, op: str, dtype: str, size: int, args, bf16_op) -> dict:
         raise ValueError(f"unknown collective {op!r}")
 
     nbytes = count * elt
-    iters = common.iterations(nbytes, args.iters, args.iter_bytes, args.min_iters)
+    iters = common.iterations(nbytes, args.iters, args.large_iters)
     for _ in range(common.warmups(nbytes, args.warmup)):
         call()
     # As the CLI times: a barrier before every call, each call's time is the slowest rank's,
@@ -153,10 +153,9 @@ def main() -> int:
     p.add_argument("--ops", default=",".join(common.COLLECTIVES))
     p.add_argument("--dtype", choices=("f32", "bf16"), required=True)
     p.add_argument("--sizes", required=True, help="comma-separated byte sizes (nccl-tests `size`)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iter-bytes", type=common.parse_bytes, default=common.parse_bytes("512M"))
-    p.add_argument("--min-iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per size below 16 MiB")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size below 16 MiB (1 above)")
+    p.add_argument("--large-iters", type=int, default=3, help="timed calls per size from 16 MiB on")
     p.add_argument(
         "--bf16-reduce",
         choices=("userop", "f32"),

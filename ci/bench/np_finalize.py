@@ -72,8 +72,8 @@ def bench_shape(tokens: int, topk: int, hidden: int, dtype: str, args) -> dict:
     expanded_x, x1, scales, row_idx = make_inputs(tokens, topk, hidden, dtype)
     out = np.empty_like(x1)
     nbytes = common.finalize_bytes(tokens, topk, hidden, dtype)
-    iters = common.iterations(nbytes, args.iters, args.iter_bytes, args.min_iters)
-    for _ in range(common.warmups(nbytes, args.warmup)):
+    iters = args.iters
+    for _ in range(args.warmup):
         finalize(expanded_x, x1, scales, row_idx, out)
     times = []
     for _ in range(iters):
@@ -99,10 +99,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(f"{t}x{k}x{h}" for t, k, h in common.FINALIZE_SHAPES))
     p.add_argument("--dtypes", default="f32,f16,bf16")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iter-bytes", type=common.parse_bytes, default=common.parse_bytes("1G"))
-    p.add_argument("--min-iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument(
         "--stat",
         choices=("best", "median"),

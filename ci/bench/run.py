@@ -137,6 +137,17 @@ def pick(flags: set[str], *alternatives: list[tuple[str, object]]) -> list[str]:
     return []
 
 
+def ladders(sizes: list[int], factor: int) -> list[list[int]]:
+    """Sorted sizes cut into runs s, s*factor, s*factor^2, ... (what --min/--max-bytes can ask for)."""
+    out: list[list[int]] = []
+    for s in sorted(sizes):
+        if out and s == out[-1][-1] * factor:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--raw", required=True, help="directory for raw results")
@@ -157,10 +168,10 @@ def main() -> int:
         default="8=32M",
         help="per-world caps on the largest size, e.g. 8=64M (oversubscribed worlds are slow)",
     )
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iter-bytes", default="512M")
-    p.add_argument("--min-iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=10, help="timed calls per size below 16 MiB")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per size below 16 MiB (1 above)")
+    p.add_argument("--large-iters", type=int, default=3, help="timed calls per size from 16 MiB on")
+    p.add_argument("--fin-iters", type=int, default=5, help="timed finalize calls (after one warmup)")
     p.add_argument("--shapes", default=",".join(f"{t}x{k}x{h}" for t, k, h in common.FINALIZE_SHAPES))
     p.add_argument("--fin-dtypes", default="f32,f16,bf16")
     p.add_argument("--far-world", type=int, default=4)
@@ -176,31 +187,30 @@ def main() -> int:
     transports = [t for t in args.transports.split(",") if t]
     dtypes = [d for d in args.dtypes.split(",") if d]
     fin_dtypes = [d for d in args.fin_dtypes.split(",") if d]
-    for s in args.shapes.split(",") + args.far_shapes.split(","):
-        if s:
-            common.parse_shape(s)
+    shapes = [s for s in args.shapes.split(",") if s]
+    far_shapes = [s for s in args.far_shapes.split(",") if s]
+    for s in shapes + far_shapes:
+        common.parse_shape(s)
     sizes = common.size_ladder(args.min_bytes, args.max_bytes, args.step_factor, extra=[32 * common.MIB])
     caps = {}
     for item in [i for i in args.max_bytes_world.split(",") if i]:
         w_text, _, cap = item.partition("=")
         caps[int(w_text)] = common.parse_bytes(cap)
 
-    def world_max(w):
-        return min(args.max_bytes, caps.get(w, args.max_bytes))
+    def world_sizes(w):
+        return [s for s in sizes if s <= min(args.max_bytes, caps.get(w, args.max_bytes))]
 
-    def size_arg(w):
-        return ",".join(str(s) for s in sizes if s <= world_max(w))
-
-    mpi_iter_args = [
-        "--iters",
-        str(args.iters),
-        "--warmup",
-        str(args.warmup),
-        "--iter-bytes",
-        args.iter_bytes,
-        "--min-iters",
-        str(args.min_iters),
-    ]
+    def size_classes(w):
+        """The sizes of world w split into (small, large) by the iteration rule, with their
+        (iters, warmup): the CLI is called once per non-empty class."""
+        ws = world_sizes(w)
+        small = [s for s in ws if s < common.LARGE]
+        large = [s for s in ws if s >= common.LARGE]
+        return [
+            (c, common.iterations(c[0], args.iters, args.large_iters), common.warmups(c[0], args.warmup))
+            for c in (small, large)
+            if c
+        ]
 
     binary = args.bin or None
     subs = ("triad", "collectives", "finalize", "finalize_and_reduce")
@@ -213,26 +223,48 @@ def main() -> int:
     r = Runner(args)
     os.makedirs(args.raw, exist_ok=True)
 
+    def cli(sub, *parts):
+        return [binary, "bench", sub, *[x for p in parts for x in p]]
+
     def out_format(fl):
         return pick(fl, [("--json", None)], [("--csv", None)])
 
-    def iter_flags(fl, iters, warmup, iter_bytes):
-        return (
-            pick(fl, [("--iters", iters)])
-            + pick(fl, [("--warmup", warmup)])
-            + pick(fl, [("--iter-bytes", iter_bytes)])
-            + pick(fl, [("--min-iters", args.min_iters)])
+    def dtype_flag(fl, dt):
+        return pick(fl, [("--dtypes", dt)], [("--dtype", dt)])
+
+    def iter_flags(fl, iters, warmup):
+        return pick(fl, [("--iters", iters)]) + pick(fl, [("--warmup", warmup)])
+
+    def size_flags(fl, cls):
+        """Sizes of one class: an explicit list, or the ladder between its ends."""
+        lo, hi = cls[0], cls[-1]
+        return pick(
+            fl,
+            [("--sizes", ",".join(map(str, cls)))],
+            [("--min-bytes", lo), ("--max-bytes", hi), ("--step-factor", args.step_factor)],
+            [("--min-bytes", lo), ("--max-bytes", hi), ("--factor", args.step_factor)],
         )
+
+    def per_shape(fl, shape_list):
+        """[(label, args)]: one call with --shapes, or one call per shape with --tokens/--topk/--hidden."""
+        if "--shapes" in fl:
+            return [("", ["--shapes", ",".join(shape_list)])]
+        return [
+            (f" {sh}", pick(fl, [("--tokens", t), ("--topk", k), ("--hidden", h)]))
+            for sh in shape_list
+            for t, k, h in [common.parse_shape(sh)]
+        ]
 
     # The step list of one run (name, kind, impl, command, meta); the same for every run.
     plan: list[tuple[str, str, str, list[str], dict]] = []
     if "triad" not in skip:
         if flags["triad"] is not None:
-            cmd = [binary, "bench", "triad", *out_format(flags["triad"])]
-            plan.append(("triad ascend-moe", "triad", "ascend-moe", cmd, {}))
+            plan.append(("triad ascend-moe", "triad", "ascend-moe", cli("triad", out_format(flags["triad"])), {}))
         if args.triad_bin:
             plan.append(("triad c-openmp", "triad", "c-openmp", [args.triad_bin, "128", "10"], {}))
     fl = flags["collectives"]
+    mpirun = [args.mpirun, "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader"]
+    mpirun += ["--mca", "mpi_yield_when_idle", "1"]
     for w in worlds:
         for dt in dtypes:
             if "collectives" not in skip and fl is not None:
@@ -240,123 +272,57 @@ def main() -> int:
                     if tr == "procs" and "--procs" not in fl:
                         log("note: `bench collectives` has no --procs: processes are skipped")
                         continue
-                    cmd = [
-                        binary,
-                        "bench",
-                        "collectives",
-                        *pick(fl, [("--ranks", w)]),
-                        *(["--procs"] if tr == "procs" else []),
-                        *pick(fl, [("--ops", args.ops)]),
-                        *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
-                        *pick(
-                            fl,
-                            [("--sizes", size_arg(w))],
-                            [
-                                ("--min-bytes", args.min_bytes),
-                                ("--max-bytes", world_max(w)),
-                                ("--step-factor", args.step_factor),
-                            ],
-                            [
-                                ("--min-bytes", args.min_bytes),
-                                ("--max-bytes", world_max(w)),
-                                ("--factor", args.step_factor),
-                            ],
-                        ),
-                        *iter_flags(fl, args.iters, args.warmup, args.iter_bytes),
-                        *out_format(fl),
+                    calls = [
+                        (chunk, iters, warmup)
+                        for cls, iters, warmup in size_classes(w)
+                        for chunk in (ladders(cls, args.step_factor) if "--sizes" not in fl else [cls])
                     ]
-                    meta = {"impl": "ascend-moe", "world": w, "transport": tr, "dtype": dt}
-                    plan.append((f"collectives ascend-moe w{w} {tr} {dt}", "collectives", "ascend-moe", cmd, meta))
+                    for cls, iters, warmup in calls:
+                        cmd = cli(
+                            "collectives",
+                            pick(fl, [("--ranks", w)]),
+                            ["--procs"] if tr == "procs" else [],
+                            pick(fl, [("--ops", args.ops)]),
+                            dtype_flag(fl, dt),
+                            size_flags(fl, cls),
+                            iter_flags(fl, iters, warmup),
+                            out_format(fl),
+                        )
+                        name = f"collectives ascend-moe w{w} {tr} {dt} {common.fmt_bytes(cls[0]).replace(' ', '')}+"
+                        meta = {"impl": "ascend-moe", "world": w, "transport": tr, "dtype": dt}
+                        plan.append((name, "collectives", "ascend-moe", cmd, meta))
             if "mpi" not in skip and args.mpirun:
-                cmd = [
-                    args.mpirun,
-                    "--allow-run-as-root",
-                    "--oversubscribe",
-                    "-np",
-                    str(w),
-                    "--mca",
-                    "btl",
-                    "self,vader",
-                    "--mca",
-                    "mpi_yield_when_idle",
-                    "1",
-                    py,
-                    os.path.join(HERE, "mpi_coll.py"),
-                    "--ops",
-                    args.ops,
-                    "--dtype",
-                    dt,
-                    "--sizes",
-                    size_arg(w),
-                    *mpi_iter_args,
-                    "--bf16-reduce",
-                    args.mpi_bf16_reduce,
-                ]
+                cmd = [*mpirun, "-np", str(w), py, os.path.join(HERE, "mpi_coll.py"), "--ops", args.ops]
+                cmd += ["--dtype", dt, "--sizes", ",".join(map(str, world_sizes(w))), "--iters", str(args.iters)]
+                cmd += ["--warmup", str(args.warmup), "--large-iters", str(args.large_iters)]
+                cmd += ["--bf16-reduce", args.mpi_bf16_reduce]
                 meta = {"impl": "openmpi", "world": w, "transport": "procs"}
                 plan.append((f"collectives openmpi w{w} {dt}", "collectives", "openmpi", cmd, meta))
-    fin_iter = ["--iters", "10", "--warmup", "2", "--iter-bytes", "1G", "--min-iters", str(args.min_iters)]
-    shapes = [s for s in args.shapes.split(",") if s]
-
-    def per_shape(fl, shape_list):
-        """[(label, args)]: one call with --shapes, or one call per shape with --tokens/--topk/--hidden."""
-        if "--shapes" in fl:
-            return [("", ["--shapes", ",".join(shape_list)])]
-        out = []
-        for sh in shape_list:
-            t, k, h = common.parse_shape(sh)
-            out.append((f" {sh}", pick(fl, [("--tokens", t), ("--topk", k), ("--hidden", h)])))
-        return out
-
     fl = flags["finalize"]
     for dt in fin_dtypes:
         if "finalize" not in skip and fl is not None:
             for label, shape_args in per_shape(fl, shapes):
-                cmd = [
-                    binary,
-                    "bench",
-                    "finalize",
-                    *shape_args,
-                    *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
-                    *iter_flags(fl, 10, 2, "1G"),
-                    *out_format(fl),
-                ]
-                plan.append(
-                    (
-                        f"finalize ascend-moe {dt}{label}",
-                        "finalize",
-                        "ascend-moe",
-                        cmd,
-                        {"impl": "ascend-moe", "dtype": dt},
-                    )
-                )
+                cmd = cli("finalize", shape_args, dtype_flag(fl, dt), iter_flags(fl, args.fin_iters, 1), out_format(fl))
+                plan.append((f"finalize ascend-moe {dt}{label}", "finalize", "ascend-moe", cmd, {"dtype": dt}))
         if "numpy" not in skip:
-            cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", ",".join(shapes), "--dtypes", dt, *fin_iter]
-            plan.append((f"finalize numpy {dt}", "finalize", "numpy", cmd, {"impl": "numpy"}))
+            cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", ",".join(shapes), "--dtypes", dt]
+            cmd += ["--iters", str(args.fin_iters), "--warmup", "1"]
+            plan.append((f"finalize numpy {dt}", "finalize", "numpy", cmd, {}))
     fl = flags["finalize_and_reduce"]
-    far_shapes = [s for s in args.far_shapes.split(",") if s]
     if "far" not in skip and fl is not None and far_shapes:
         for dt in [d for d in args.far_dtypes.split(",") if d]:
             for label, shape_args in per_shape(fl, far_shapes):
-                cmd = [
-                    binary,
-                    "bench",
+                cmd = cli(
                     "finalize_and_reduce",
-                    *pick(fl, [("--ranks", args.far_world)]),
-                    *shape_args,
-                    *pick(fl, [("--dtypes", dt)], [("--dtype", dt)]),
-                    *iter_flags(fl, 10, 2, "1G"),
-                    *out_format(fl),
-                ]
-                meta = {"impl": "ascend-moe", "world": args.far_world, "dtype": dt}
-                plan.append(
-                    (
-                        f"finalize_and_reduce ascend-moe w{args.far_world} {dt}{label}",
-                        "finalize_and_reduce",
-                        "ascend-moe",
-                        cmd,
-                        meta,
-                    )
+                    pick(fl, [("--ranks", args.far_world)]),
+                    shape_args,
+                    dtype_flag(fl, dt),
+                    iter_flags(fl, args.fin_iters, 1),
+                    out_format(fl),
                 )
+                meta = {"world": args.far_world, "dtype": dt}
+                name = f"finalize_and_reduce ascend-moe w{args.far_world} {dt}{label}"
+                plan.append((name, "finalize_and_reduce", "ascend-moe", cmd, meta))
 
     if not plan:
         log("error: nothing to measure (no CLI bench, no peer enabled)")

@@ -251,14 +251,22 @@ class Definitions(unittest.TestCase):
         self.assertEqual(len(ladder), 19)
         self.assertEqual((ladder[0], ladder[-1]), (1024, 256 * MIB))
         self.assertIn(S32, ladder)
-        self.assertEqual(common.iterations(256 * MIB, 20, 512 * MIB, 2), 2)
-        self.assertEqual(common.iterations(1024, 20, 512 * MIB, 2), 20)
-        self.assertEqual(common.iterations(1024 * MIB, 20, 512 * MIB, 2), 2)
+        self.assertEqual(common.iterations(256 * MIB, 10, 3), 3)
+        self.assertEqual(common.iterations(16 * MIB, 10, 3), 3)
+        self.assertEqual(common.iterations(16 * MIB - 1, 10, 3), 10)
+        self.assertEqual((common.warmups(1024, 2), common.warmups(32 * MIB, 2)), (2, 1))
         self.assertEqual(common.element_count("all_gather", 1000, 8, 4), 248)
         with self.assertRaises(ValueError):
             common.parse_bytes("12X")
         with self.assertRaises(ValueError):
             common.parse_shape("4096x8")
+
+    def test_ladders_for_a_cli_without_size_lists(self):
+        import run
+
+        m = MIB
+        self.assertEqual(run.ladders([m, 4 * m, 16 * m, 32 * m, 64 * m], 4), [[m, 4 * m, 16 * m], [32 * m], [64 * m]])
+        self.assertEqual(run.ladders([4, 1, 2], 2), [[1, 2, 4]])
 
     def test_reader_accepts_header_and_synonyms(self):
         text = json.dumps(
