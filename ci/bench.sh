@@ -35,7 +35,8 @@ usage: ci/bench.sh [options] [-- extra options for ci/bench/run.py]
   --self-test       run the report generator's test on synthetic input and exit
 Extra run.py options (after --), e.g. -- --worlds 4 --max-bytes 64M --dtypes bf16
   (see: python3 ci/bench/run.py --help)
-Environment: CARGO_TARGET_DIR (where the binary is built), BENCH_VENV (the Python venv).
+Environment: CARGO_TARGET_DIR (where the binary is built), ASCEND_MOE_BIN (use this binary
+instead of building one), BENCH_VENV (the Python venv).
 EOF
 }
 
@@ -100,7 +101,11 @@ rm -rf "$OUT/raw" "$OUT"/*.png
 mkdir -p "$OUT/raw" "$OUT/.build"
 
 BIN=""
-if [[ $PEERS_ONLY == 0 ]] && ! { skipping collectives && skipping finalize && skipping far && skipping triad; }; then
+if [[ -n ${ASCEND_MOE_BIN:-} ]]; then
+    BIN="$ASCEND_MOE_BIN"
+    [[ -x "$BIN" ]] || die "ASCEND_MOE_BIN=$BIN is not an executable"
+    echo "using the prebuilt $BIN (ASCEND_MOE_BIN)" >&2
+elif [[ $PEERS_ONLY == 0 ]] && ! { skipping collectives && skipping finalize && skipping far && skipping triad; }; then
     say "cargo build --release --bin ascend-moe"
     (cd "$ROOT" && cargo build --release --bin ascend-moe >&2) \
         || die "cargo build failed (see above); --peers-only measures the peers without our binary"
@@ -120,7 +125,7 @@ fi
 
 # ---------------------------------------------------------------- host facts for the report
 load() { cut -d' ' -f1-3 /proc/loadavg; }
-"$PY" - "$OUT/raw/meta.json" "$(load)" "$COMMAND" "$ROOT" <<'EOF'
+"$PY" - "$OUT/raw/meta.json" "$(load)" "$COMMAND" "$ROOT" "${BIN:-none}" <<'EOF'
 import json, os, platform, subprocess, sys, datetime
 os.chdir(sys.argv[4])
 def sh(cmd):
@@ -135,7 +140,7 @@ meta = {
     "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     "commit": sh("git rev-parse --short HEAD") + (" (dirty)" if sh("git status --porcelain --untracked-files=no") else ""),
     "cpu": cpu, "cores": os.cpu_count(), "mem": mem, "load_start": sys.argv[2],
-    "command": sys.argv[3].strip(),
+    "command": sys.argv[3].strip(), "binary": sys.argv[5],
     "openmpi": (sh("mpirun --version").splitlines() or ["OpenMPI: not installed"])[0],
     "mpi4py": mpi4py.__version__, "numpy": numpy.__version__, "ml_dtypes": ml_dtypes.__version__,
 }

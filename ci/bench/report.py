@@ -480,7 +480,8 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
     nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(triad)])
     L = ["# ascend-moe performance report", ""]
     L.append(
-        f"- date: {meta.get('date', '?')}; commit: `{meta.get('commit', '?')}`; command: `{meta.get('command', '?')}`"
+        f"- date: {meta.get('date', '?')}; commit: `{meta.get('commit', '?')}`; command: `{meta.get('command', '?')}`; "
+        f"binary: `{meta.get('binary', '?')}`"
     )
     L.append(
         f"- host: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('mem', '?')}; "
