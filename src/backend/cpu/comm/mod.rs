@@ -69,7 +69,7 @@ use std::time::{Duration, Instant};
 pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
 pub use shm::{segment_path, shm_dir, MAX_WORLD};
 
-use self::shm::{Segment, ABORTED, DESC_WORDS, EMPTY, ERR_BYTES, JOINED, LEFT};
+use self::shm::{Segment, ABORTED, DESC_WORDS, EMPTY, ERR_BYTES, FAILED, JOINED, LEFT};
 use crate::backend::cpu::{host, host_mut};
 use crate::comm::{Collectives, Comm, CommOptions, ReduceOp};
 use crate::error::CommErrorKind;
@@ -153,7 +153,14 @@ impl std::fmt::Debug for CpuComm {
 impl Drop for Inner {
     fn drop(&mut self) {
         let broken = self.state.get_mut().map(|s| s.broken.is_some()).unwrap_or(true);
-        self.seg.leave(broken || std::thread::panicking());
+        let state = if std::thread::panicking() {
+            ABORTED
+        } else if broken {
+            FAILED
+        } else {
+            LEFT
+        };
+        self.seg.leave(state);
     }
 }
 
@@ -379,7 +386,9 @@ impl CpuComm {
         // Wait until every slot is taken.
         let deadline = start + opts.timeout;
         let mut st = comm.lock();
-        comm.wait_for(&mut st, "rendezvous", deadline, true, |c| c.state.load(Ordering::Acquire) == JOINED)?;
+        // A slot once taken counts as joined even if its rank already moved on
+        // and left: failures show up in the next collective.
+        comm.wait_for(&mut st, "rendezvous", deadline, true, |c| c.state.load(Ordering::Acquire) != EMPTY)?;
         drop(st);
         Ok(comm)
     }
@@ -419,7 +428,7 @@ impl CpuComm {
     fn poison(&self, st: &mut State, e: &Error) {
         st.broken = Some(e.clone());
         let seg = &self.inner.seg;
-        seg.ctrl(self.inner.rank).state.store(ABORTED, Ordering::Release);
+        seg.ctrl(self.inner.rank).state.store(FAILED, Ordering::Release);
         seg.ring();
     }
 
@@ -453,22 +462,28 @@ impl CpuComm {
             // Slow path: look for failed peers, then sleep on the bell.
             let me = shm::my_pid();
             let waiting: Vec<usize> = (0..world).filter(|&j| !ready(seg.ctrl(j))).collect();
+            // Report a root cause (panic, departure, death) before a peer that
+            // only failed because of it.
+            let mut failed: Vec<(bool, String)> = Vec::new();
             for &j in &waiting {
                 let c = seg.ctrl(j);
                 let state = c.state.load(Ordering::Acquire);
                 let pid = c.pid.load(Ordering::Acquire);
-                let why = match state {
-                    ABORTED => Some(format!("rank {j} aborted (its thread panicked or it failed an earlier wait)")),
-                    LEFT => Some(format!("rank {j} left the group (its communicator was dropped)")),
-                    JOINED if pid != me && !shm::pid_alive(pid) => Some(format!("rank {j} (pid {pid}) died")),
-                    EMPTY if !joining => Some(format!("rank {j} never joined")),
-                    _ => None,
-                };
-                if let Some(why) = why {
-                    let e = self.err(coll, CommErrorKind::PeerFailed, format!("{why} while rank {} waited", self.inner.rank));
-                    self.poison(st, &e);
-                    return Err(e);
+                match state {
+                    ABORTED => failed.push((true, format!("rank {j} aborted (its thread panicked)"))),
+                    LEFT => failed.push((true, format!("rank {j} left the group (its communicator was dropped)"))),
+                    FAILED => failed.push((false, format!("rank {j} failed an earlier wait"))),
+                    JOINED if pid != me && !shm::pid_alive(pid) => {
+                        failed.push((true, format!("rank {j} (pid {pid}) died")))
+                    }
+                    _ => {}
                 }
+            }
+            if let Some(i) = failed.iter().position(|f| f.0).or(if failed.is_empty() { None } else { Some(0) }) {
+                let why = &failed[i].1;
+                let e = self.err(coll, CommErrorKind::PeerFailed, format!("{why} while rank {} waited", self.inner.rank));
+                self.poison(st, &e);
+                return Err(e);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -535,7 +550,7 @@ impl CpuComm {
                 let n = text.len().min(ERR_BYTES - 1);
                 err[..n].copy_from_slice(&text.as_bytes()[..n]);
             }
-            std::ptr::addr_of_mut!((*ctrl).err).write(err);
+            std::ptr::addr_of_mut!((*ctrl).err[slot]).write(err);
         }
         self.sync(&mut st, coll)?;
         let world = self.inner.world;
@@ -549,14 +564,14 @@ impl CpuComm {
             })
             .collect();
         local?;
-        if let Some(detail) = self.disagreement(kind, &descs) {
+        if let Some(detail) = self.disagreement(kind, &descs, slot) {
             return Err(self.err(coll, CommErrorKind::Mismatch, detail));
         }
         Ok((st, descs))
     }
 
     /// Why the descriptors disagree, if they do.
-    fn disagreement(&self, kind: Kind, descs: &[Desc]) -> Option<String> {
+    fn disagreement(&self, kind: Kind, descs: &[Desc], slot: usize) -> Option<String> {
         let seg = &self.inner.seg;
         let bad: Vec<usize> = (0..descs.len()).filter(|&j| descs[j].invalid).collect();
         if !bad.is_empty() {
@@ -565,7 +580,7 @@ impl CpuComm {
                 .map(|&j| {
                     let p = seg.ctrl_ptr(j);
                     // SAFETY: written by rank j before its arrival, as the descriptor.
-                    let raw = unsafe { &*std::ptr::addr_of!((*p).err) };
+                    let raw = unsafe { &*std::ptr::addr_of!((*p).err[slot]) };
                     let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
                     format!("rank {j}: {}", String::from_utf8_lossy(&raw[..end]))
                 })

@@ -31,13 +31,15 @@ pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
 pub(crate) const DESC_WORDS: usize = 8 + 2 * MAX_WORLD;
 /// Bytes of error text a rank can publish with an invalid descriptor.
-pub(crate) const ERR_BYTES: usize = 1024;
+pub(crate) const ERR_BYTES: usize = 768;
 
 /// Rank slot states.
 pub(crate) const EMPTY: u32 = 0;
 pub(crate) const JOINED: u32 = 1;
 pub(crate) const LEFT: u32 = 2;
 pub(crate) const ABORTED: u32 = 3;
+/// Broken by a timeout or a failed peer (not a root cause itself).
+pub(crate) const FAILED: u32 = 4;
 
 /// The segment header (first 4 KiB).
 #[repr(C)]
@@ -63,8 +65,8 @@ pub(crate) struct Ctrl {
     _pad1: [u64; 7],
     /// Two descriptor slots, used by sequence-number parity.
     pub desc: [[u64; DESC_WORDS]; 2],
-    /// NUL-padded UTF-8 error text published with an invalid descriptor.
-    pub err: [u8; ERR_BYTES],
+    /// NUL-padded UTF-8 error text published with an invalid descriptor (same slot).
+    pub err: [[u8; ERR_BYTES]; 2],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= BLOCK);
@@ -420,9 +422,10 @@ impl Segment {
         }
     }
 
-    /// Marks this rank gone; the last rank out unlinks the file.
-    pub(crate) fn leave(&self, aborted: bool) {
-        self.ctrl(self.rank).state.store(if aborted { ABORTED } else { LEFT }, Ordering::Release);
+    /// Marks this rank gone with `state` (LEFT, ABORTED or FAILED); the last
+    /// rank out unlinks the file.
+    pub(crate) fn leave(&self, state: u32) {
+        self.ctrl(self.rank).state.store(state, Ordering::Release);
         self.ring();
         // Best effort: a failure here leaves a stale segment the next run replaces.
         // SAFETY: fd is open.
