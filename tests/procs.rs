@@ -79,7 +79,10 @@ fn prefix(c: &[usize]) -> Vec<usize> {
 }
 
 /// A script of every collective for `T`; returns the checker.
-fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Box<dyn Fn(&Path) -> Vec<String>>>) {
+/// Checks one script line's outputs; returns what was wrong.
+type Check = Box<dyn Fn(&Path) -> Vec<String>>;
+
+fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Check>) {
     let dt = T::DTYPE.name();
     for &n in &[0usize, 1, 37, 2500] {
         let seed = (T::DTYPE as u64) << 20 | n as u64;
@@ -94,7 +97,9 @@ fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Box
                 let want = reduced::<T>(seed + line as u64, WORLD, n, op);
                 checks.push(Box::new(move |d| {
                     (0..WORLD)
-                        .filter_map(|r| same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}")))
+                        .filter_map(|r| {
+                            same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}"))
+                        })
                         .collect()
                 }));
             }
@@ -108,7 +113,9 @@ fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Box
             checks.push(Box::new(move |d| {
                 (0..WORLD)
                     .filter_map(|r| {
-                        same_bits(&read::<T>(d, line, r), &full[r * n..(r + 1) * n]).err().map(|e| format!("line {line} r{r}: {e}"))
+                        same_bits(&read::<T>(d, line, r), &full[r * n..(r + 1) * n])
+                            .err()
+                            .map(|e| format!("line {line} r{r}: {e}"))
                     })
                     .collect()
             }));
@@ -122,7 +129,9 @@ fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Box
         let want: Vec<T> = (0..WORLD).flat_map(|j| data::<T>(seed + line as u64, j, n)).collect();
         checks.push(Box::new(move |d| {
             (0..WORLD)
-                .filter_map(|r| same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}")))
+                .filter_map(|r| {
+                    same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}"))
+                })
                 .collect()
         }));
         // all_to_all_v
@@ -160,19 +169,23 @@ fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Box
         checks.push(Box::new(move |d| {
             (0..WORLD)
                 .filter_map(|r| {
-                    same_bits(&read::<T>(d, line, r), &full[dsp[r]..dsp[r] + c2[r]]).err().map(|e| format!("line {line} r{r}: {e}"))
+                    same_bits(&read::<T>(d, line, r), &full[dsp[r]..dsp[r] + c2[r]])
+                        .err()
+                        .map(|e| format!("line {line} r{r}: {e}"))
                 })
                 .collect()
         }));
         let line = script.len();
         script.push(format!("all_gather_v {dt} {}", join(&counts)));
-        for r in 0..WORLD {
-            write(dir, line, r, &data::<T>(seed + line as u64, r, counts[r]));
+        for (r, &c) in counts.iter().enumerate() {
+            write(dir, line, r, &data::<T>(seed + line as u64, r, c));
         }
         let want: Vec<T> = (0..WORLD).flat_map(|j| data::<T>(seed + line as u64, j, counts[j])).collect();
         checks.push(Box::new(move |d| {
             (0..WORLD)
-                .filter_map(|r| same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}")))
+                .filter_map(|r| {
+                    same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}"))
+                })
                 .collect()
         }));
         let line = script.len();
@@ -184,7 +197,9 @@ fn cases<T: TestElem>(dir: &Path, script: &mut Vec<String>, checks: &mut Vec<Box
         let want = data::<T>(seed + line as u64, root, n);
         checks.push(Box::new(move |d| {
             (0..WORLD)
-                .filter_map(|r| same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}")))
+                .filter_map(|r| {
+                    same_bits(&read::<T>(d, line, r), &want).err().map(|e| format!("line {line} r{r}: {e}"))
+                })
                 .collect()
         }));
     }
@@ -250,7 +265,12 @@ fn killed_peer_process_fails_the_others() {
     let mut kids: Vec<Child> = (0..WORLD)
         .map(|r| {
             let task: &[&str] = if r == 3 { &["hold"] } else { &["all-reduce"] };
-            worker(&name, r, 60.0, task).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn")
+            worker(&name, r, 60.0, task)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn")
         })
         .collect();
     let mut outs: Vec<_> = kids.iter_mut().map(wait_joined).collect();
@@ -303,7 +323,8 @@ fn stale_segment_of_a_crashed_run_is_replaced() {
 
 #[test]
 fn cli_check_passes_on_processes() {
-    let o = Command::new(EXE).args(["check", "--world", "3", "--procs", "--timeout", "30"]).output().expect("run check");
+    let o =
+        Command::new(EXE).args(["check", "--world", "3", "--procs", "--timeout", "30"]).output().expect("run check");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("all 200 cases passed on 3 ranks"), "{out}");

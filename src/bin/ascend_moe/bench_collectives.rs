@@ -215,7 +215,11 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
             comm.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
             let wrong = b.to_vec::<i64>()?[0];
             if progress && rank == 0 {
-                eprintln!("  {n} ranks {op:<14} {:>10} B  {:>10.1} us  wrong {wrong}", count * esz, median as f64 / 1e3);
+                eprintln!(
+                    "  {n} ranks {op:<14} {:>10} B  {:>10.1} us  wrong {wrong}",
+                    count * esz,
+                    median as f64 / 1e3
+                );
             }
             out.push(Meas { op: op.clone(), bytes: count * esz, count, time_ns: median, wrong });
         }
@@ -321,7 +325,7 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: unknown collective {bad:?} (known: {})", OPS.join(", "));
         return 2;
     }
-    if a.ranks.iter().any(|&r| r == 0) || a.factor < 2 || a.min_bytes == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
+    if a.ranks.contains(&0) || a.factor < 2 || a.min_bytes == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
         eprintln!("error: need ranks >= 1, factor >= 2, 0 < min-bytes <= max-bytes, iters >= 1");
         return 2;
     }
@@ -347,7 +351,8 @@ pub fn main(a: Args) -> i32 {
             if a.procs { "processes" } else { "threads" }
         );
         let meas = if a.procs {
-            let mut task = vec!["bench".to_string(), "--ops".into(), w.ops.join(","), "--dtype".into(), w.dtype.clone()];
+            let mut task =
+                vec!["bench".to_string(), "--ops".into(), w.ops.join(","), "--dtype".into(), w.dtype.clone()];
             let sz: Vec<String> = w.sizes.iter().map(|s| s.to_string()).collect();
             task.extend(["--sizes".into(), sz.join(","), "--iters".into(), w.iters.to_string()]);
             task.extend(["--warmup".into(), w.warmup.to_string()]);
@@ -391,7 +396,17 @@ pub fn main(a: Args) -> i32 {
         for l in &lines {
             println!(
                 "{},{},{},{},{},{:.2},{:.3},{:.3},{},{:.2},{:.3}",
-                l.world, l.m.op, l.m.bytes, l.m.count, l.dtype, l.m.time_ns as f64 / 1e3, l.algbw, l.busbw, l.m.wrong, l.floor_us, l.ratio
+                l.world,
+                l.m.op,
+                l.m.bytes,
+                l.m.count,
+                l.dtype,
+                l.m.time_ns as f64 / 1e3,
+                l.algbw,
+                l.busbw,
+                l.m.wrong,
+                l.floor_us,
+                l.ratio
             );
         }
     } else {
@@ -409,7 +424,10 @@ bytes per rank with size S on n ranks: all_reduce 5S+S/n, reduce_scatter 3S+S/n,
 all_to_all 4S, broadcast 2S";
 
 fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
-    println!("# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 2 per rank)", cfg.effective_staging() / 1024);
+    println!(
+        "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 2 per rank)",
+        cfg.effective_staging() / 1024
+    );
     for (w, bw) in triads {
         println!("# triad bandwidth with {w} threads: {:.2} GB/s", bw / 1e9);
     }

@@ -17,10 +17,7 @@ pub fn main() -> i32 {
         cfg.bytes_per_rank() / 1024
     );
     println!("  max ranks per group  {MAX_WORLD}");
-    println!(
-        "  comm timeout         {:?} (ASCEND_MOE_COMM_TIMEOUT)",
-        ascend_moe::CommOptions::from_env().timeout
-    );
+    println!("  comm timeout         {:?} (ASCEND_MOE_COMM_TIMEOUT)", ascend_moe::CommOptions::from_env().timeout);
     println!();
     // ---- NPU / CANN section ------------------------------------------------
     // The NPU backend adds its report here: one library call that returns what

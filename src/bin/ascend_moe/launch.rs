@@ -12,7 +12,8 @@ pub struct ProcOutput {
 
 /// A fresh, unique world name.
 pub fn world_name(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{tag}-{}-{nanos}", std::process::id())
 }
 
@@ -41,8 +42,10 @@ pub fn spawn_world(
         children.push((rank, child));
     }
     // Read every child concurrently: a rank blocked on a full pipe would stall its peers.
-    let handles: Vec<_> =
-        children.into_iter().map(|(rank, child)| std::thread::spawn(move || (rank, child.wait_with_output()))).collect();
+    let handles: Vec<_> = children
+        .into_iter()
+        .map(|(rank, child)| std::thread::spawn(move || (rank, child.wait_with_output())))
+        .collect();
     let mut out = Vec::new();
     for h in handles {
         let (rank, res) = h.join().map_err(|_| "a reader thread panicked".to_string())?;

@@ -137,10 +137,7 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     }
     // Exists (or exists under another user); a zombie has exited.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => match s.rfind(')').and_then(|i| s[i + 1..].trim_start().chars().next()) {
-            Some('Z') | Some('X') => false,
-            _ => true,
-        },
+        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].trim_start().chars().next()), Some('Z' | 'X')),
         Err(_) => true,
     }
 }
@@ -182,7 +179,8 @@ impl Segment {
     /// Creates or joins the segment of group `name` as `rank` of `world`.
     pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
         let path = segment_path(name);
-        let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("CpuComm::rendezvous", "name", "NUL byte"))?;
+        let cpath =
+            CString::new(path.clone()).map_err(|_| Error::invalid("CpuComm::rendezvous", "name", "NUL byte"))?;
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::default();
         loop {
@@ -302,8 +300,7 @@ impl Segment {
             })
             .collect();
         drop(ctrl);
-        let live: Vec<usize> =
-            (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1)).collect();
+        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1)).collect();
         if live.is_empty() {
             return Ok(Found::Stale);
         }
@@ -325,7 +322,9 @@ impl Segment {
                 name,
                 rank,
                 world,
-                format!("the live world under this name uses {s} staging bytes per half, this rank asked for {staging}"),
+                format!(
+                    "the live world under this name uses {s} staging bytes per half, this rank asked for {staging}"
+                ),
                 CommErrorKind::Setup,
             ));
         }
@@ -432,8 +431,9 @@ impl Segment {
         if unsafe { libc::flock(self.fd, libc::LOCK_EX) } != 0 {
             return;
         }
-        let anyone =
-            (0..self.world).any(|r| self.ctrl(r).state.load(Ordering::Acquire) == JOINED && pid_alive(self.ctrl(r).pid.load(Ordering::Acquire)));
+        let anyone = (0..self.world).any(|r| {
+            self.ctrl(r).state.load(Ordering::Acquire) == JOINED && pid_alive(self.ctrl(r).pid.load(Ordering::Acquire))
+        });
         if !anyone {
             if let Ok(c) = CString::new(self.path.clone()) {
                 if stat_path(&c) == Some(self.ino) {
