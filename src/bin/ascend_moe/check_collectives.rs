@@ -26,8 +26,10 @@ fn hash(seed: u64, rank: usize, i: usize) -> u64 {
     mix(seed ^ mix((rank as u64) << 40 ^ i as u64))
 }
 
+/// Values in [-4, 4) x 2^-12..=2^11, so f32 sums depend on the summation order.
 fn uniform(seed: u64, rank: usize, i: usize) -> f32 {
-    (hash(seed, rank, i) >> 40) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
+    let h = hash(seed, rank, i);
+    ((h >> 40) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0) * f32::powi(2.0, (h % 24) as i32 - 12)
 }
 
 fn fold_f32(op: ReduceOp, xs: impl Iterator<Item = f32>) -> f32 {
