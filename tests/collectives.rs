@@ -12,9 +12,9 @@ use ascend_moe::half::bf16;
 use ascend_moe::{with_dtype, Collectives, Comm, CommErrorKind, CommOptions, Error, ReduceOp, Tensor};
 use common::*;
 
-/// Multi-round staging even for small tests: 4 KiB per half.
+/// Multi-round staging even for small tests: 4 KiB per slot.
 const SMALL: CpuCommConfig = CpuCommConfig { staging_bytes: 4096 };
-/// Larger than one 4 KiB staging half for every dtype and world size.
+/// Larger than one 4 KiB staging slot for every dtype and world size.
 const LARGE: usize = 2500;
 const COUNTS: [usize; 4] = [0, 1, 37, LARGE];
 

@@ -71,7 +71,7 @@ pub struct Args {
     /// Timeout of every wait, in seconds.
     #[arg(long, default_value_t = 120.0)]
     timeout: f64,
-    /// Staging bytes per half (default: the communicator's default).
+    /// Staging bytes per slot (default: the communicator's default).
     #[arg(long)]
     staging_bytes: Option<usize>,
     /// Print JSON instead of the table.
@@ -425,7 +425,7 @@ all_to_all 4S, broadcast 2S";
 
 fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
     println!(
-        "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 2 per rank)",
+        "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 3 slots per rank)",
         cfg.effective_staging() / 1024
     );
     for (w, bw) in triads {

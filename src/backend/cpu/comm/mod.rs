@@ -20,10 +20,11 @@
 //! |---|---|
 //! | header (magic, version, world, staging size, futex word) | 4 KiB |
 //! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
-//! | per rank: staging, two halves used alternately | 2 x `staging_bytes` |
+//! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
-//! **Shared memory per rank** = 4 KiB + 2 x [`CpuCommConfig::staging_bytes`]
-//! (default 1 MiB per half, so 2 MiB + 4 KiB per rank; a world of 8 maps 16 MiB).
+//! **Shared memory per rank** = 4 KiB + 3 x [`CpuCommConfig::staging_bytes`]
+//! (default 1 MiB per slot, so 3 MiB + 4 KiB per rank; a world of 8 maps 24 MiB
+//! plus the header). Collectives of any size run in rounds of at most one slot.
 //! Sub-groups made by `split` have their own segment of the same shape.
 //!
 //! # Protocol
@@ -44,9 +45,10 @@
 //!   region `r` of every staging straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
 //!
-//! Round `k` uses staging half `k % 2`, so a rank may write round `k + 1` while
-//! slower ranks still read round `k`; the barrier of round `k + 1` guarantees
-//! nobody still reads half `k % 2` when round `k + 2` overwrites it.
+//! Round `k` uses staging slot `k % 3`, so a rank may write the next rounds
+//! while slower ranks still read round `k`: every rank finishes reading round
+//! `k` before it arrives at the barrier of round `k + 2`, and round `k + 3`
+//! (the next user of the slot) is written only after that barrier.
 //!
 //! # Waiting and failure
 //! Waits spin briefly, then sleep on a futex in the segment header (woken by every
@@ -78,7 +80,7 @@ use crate::{DType, Device, Element, Error, Result, Tensor};
 /// Tuning of the CPU communicator's shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuCommConfig {
-    /// Bytes per staging half (each rank maps two). Rounded up to a multiple of
+    /// Bytes per staging slot (each rank maps three). Rounded up to a multiple of
     /// 64, at least [`CpuCommConfig::MIN_STAGING`]. Every rank of a world must use
     /// the same value. Larger values mean fewer barriers per collective; smaller
     /// values keep the working set in cache.
@@ -86,9 +88,9 @@ pub struct CpuCommConfig {
 }
 
 impl CpuCommConfig {
-    /// Default staging half: 1 MiB.
+    /// Default staging slot: 1 MiB.
     pub const DEFAULT_STAGING: usize = 1 << 20;
-    /// Smallest staging half: one 64-byte region per rank of the largest world.
+    /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 
     /// The staging size actually used.
@@ -96,9 +98,12 @@ impl CpuCommConfig {
         self.staging_bytes.max(Self::MIN_STAGING).div_ceil(64) * 64
     }
 
-    /// Shared memory one rank maps, in bytes (control block + two staging halves).
+    /// Staging slots per rank.
+    pub const SLOTS: usize = shm::SLOTS;
+
+    /// Shared memory one rank maps, in bytes (control block + staging slots).
     pub fn bytes_per_rank(&self) -> usize {
-        shm::BLOCK + 2 * self.effective_staging()
+        shm::BLOCK + shm::SLOTS * self.effective_staging()
     }
 }
 
@@ -125,6 +130,10 @@ struct Inner {
     seg: Segment,
     state: Mutex<State>,
     splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Busy-wait iterations before yielding: none when the group has more
+    /// ranks than this host has cores (a spinning rank would steal the core a
+    /// peer needs to arrive).
+    spin: u32,
 }
 
 #[derive(Default)]
@@ -133,7 +142,7 @@ struct State {
     phase: u64,
     /// Collectives started.
     seq: u64,
-    /// Staging rounds done (selects the half).
+    /// Staging rounds done (selects the slot).
     round: u64,
     /// Set after a timeout or a failed peer; every later call returns it.
     broken: Option<Error>,
@@ -383,6 +392,7 @@ impl CpuComm {
                 seg,
                 state: Mutex::new(State::default()),
                 splits: Mutex::new(HashMap::new()),
+                spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
             }),
         };
         // Wait until every slot is taken.
@@ -453,11 +463,11 @@ impl CpuComm {
                 return Ok(());
             }
             spins += 1;
-            if spins < 64 {
+            if spins < self.inner.spin {
                 std::hint::spin_loop();
                 continue;
             }
-            if spins < 72 {
+            if spins < self.inner.spin + 8 {
                 std::thread::yield_now();
                 continue;
             }
@@ -626,8 +636,9 @@ impl CpuComm {
         None
     }
 
-    fn half(st: &mut State) -> usize {
-        let h = (st.round % 2) as usize;
+    /// The staging slot of the next round.
+    fn slot(st: &mut State) -> usize {
+        let h = (st.round % shm::SLOTS as u64) as usize;
         st.round += 1;
         h
     }
@@ -654,37 +665,52 @@ impl CpuComm {
         let seg = &self.inner.seg;
         let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
         let chunk = seg.staging / esz;
-        let mut base = 0;
-        while base < n {
-            let len = chunk.min(n - base);
-            let half = Self::half(st);
-            let mine = seg.staging_ptr(me, half);
-            // SAFETY: base + len <= n; staging holds chunk >= len elements; only
-            // this rank writes its staging in this round.
-            unsafe { std::ptr::copy_nonoverlapping(src.add(base * esz), mine, len * esz) };
-            self.sync(st, "all_reduce")?;
-            let (lo, hi) = piece(me, len, world);
-            let inputs: Vec<*const u8> =
-                // SAFETY: lo <= len <= chunk: inside each staging half.
-                (0..world).map(|j| unsafe { seg.staging_ptr(j, half).add(lo * esz) } as *const u8).collect();
-            // SAFETY: every rank's staging holds this round's chunk (synced); piece
-            // `me` of every staging is read only by this rank in this phase, and the
-            // output is this rank's own piece (equal to input `me`, no partial overlap).
-            unsafe { reduce::reduce(dtype, op, &inputs, mine.add(lo * esz), hi - lo) };
-            self.sync(st, "all_reduce")?;
+        // Round k: stage chunk k; barrier; copy out chunk k - 1 (reduced last
+        // round); reduce piece `me` of chunk k in place. One barrier per round
+        // (plus one at the end), which three rotating slots make safe: slot
+        // k % 3 is next written in round k + 3, after the barrier of round
+        // k + 2, which every rank reaches only after copying out chunk k.
+        let copy_out = |slot: usize, base: usize, len: usize| {
             for j in 0..world {
                 let (lo, hi) = piece(j, len, world);
-                // SAFETY: piece j of rank j's staging holds the reduced values
-                // (synced); dst holds n >= base + hi elements.
+                // SAFETY: piece j of rank j's staging slot holds reduced values
+                // (a barrier passed since); dst holds n >= base + hi elements.
                 unsafe {
                     std::ptr::copy_nonoverlapping(
-                        seg.staging_ptr(j, half).add(lo * esz),
+                        seg.staging_ptr(j, slot).add(lo * esz),
                         dst.add((base + lo) * esz),
                         (hi - lo) * esz,
                     )
                 };
             }
+        };
+        let mut pending: Option<(usize, usize, usize)> = None;
+        let mut base = 0;
+        while base < n {
+            let len = chunk.min(n - base);
+            let slot = Self::slot(st);
+            let mine = seg.staging_ptr(me, slot);
+            // SAFETY: base + len <= n; the slot holds chunk >= len elements; only
+            // this rank writes its staging, and nobody reads this slot now (see above).
+            unsafe { std::ptr::copy_nonoverlapping(src.add(base * esz), mine, len * esz) };
+            self.sync(st, "all_reduce")?;
+            if let Some((s, b, l)) = pending.take() {
+                copy_out(s, b, l);
+            }
+            let (lo, hi) = piece(me, len, world);
+            let inputs: Vec<*const u8> =
+                // SAFETY: lo <= len <= chunk: inside each staging slot.
+                (0..world).map(|j| unsafe { seg.staging_ptr(j, slot).add(lo * esz) } as *const u8).collect();
+            // SAFETY: every rank staged this chunk (synced); piece `me` of every
+            // slot is read only by this rank in this round, and the output is
+            // this rank's own piece (equal to input `me`, no partial overlap).
+            unsafe { reduce::reduce(dtype, op, &inputs, mine.add(lo * esz), hi - lo) };
+            pending = Some((slot, base, len));
             base += len;
+        }
+        if let Some((s, b, l)) = pending {
+            self.sync(st, "all_reduce")?;
+            copy_out(s, b, l);
         }
         Ok(())
     }
@@ -710,8 +736,8 @@ impl CpuComm {
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(relems);
         for k in 0..rounds {
-            let half = Self::half(st);
-            let mine = seg.staging_ptr(me, half);
+            let slot = Self::slot(st);
+            let mine = seg.staging_ptr(me, slot);
             for (j, &c) in counts.iter().enumerate() {
                 let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
                 if lo < hi {
@@ -730,8 +756,8 @@ impl CpuComm {
             let (lo, hi) = (k * relems, ((k + 1) * relems).min(counts[me]));
             if lo < hi {
                 let inputs: Vec<*const u8> =
-                    // SAFETY: region `me` lies inside each staging half.
-                    (0..world).map(|j| unsafe { seg.staging_ptr(j, half).add(me * region) } as *const u8).collect();
+                    // SAFETY: region `me` lies inside each staging slot.
+                    (0..world).map(|j| unsafe { seg.staging_ptr(j, slot).add(me * region) } as *const u8).collect();
                 // SAFETY: region `me` of every staging holds this round's piece
                 // (synced) and is read only by this rank; dst holds counts[me].
                 unsafe { reduce::reduce(dtype, op, &inputs, dst.add(lo * esz), hi - lo) };
@@ -758,11 +784,11 @@ impl CpuComm {
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(chunk);
         for k in 0..rounds {
-            let half = Self::half(st);
+            let slot = Self::slot(st);
             let (lo, hi) = (k * chunk, ((k + 1) * chunk).min(counts[me]));
             if lo < hi {
                 // SAFETY: hi <= counts[me]; staging holds chunk elements.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(lo * esz), seg.staging_ptr(me, half), (hi - lo) * esz) };
+                unsafe { std::ptr::copy_nonoverlapping(src.add(lo * esz), seg.staging_ptr(me, slot), (hi - lo) * esz) };
             }
             self.sync(st, coll)?;
             for (j, &c) in counts.iter().enumerate() {
@@ -772,7 +798,7 @@ impl CpuComm {
                     // displs[j] + hi <= sum(counts).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(j, half),
+                            seg.staging_ptr(j, slot),
                             dst.add((displs[j] + lo) * esz),
                             (hi - lo) * esz,
                         )
@@ -804,8 +830,8 @@ impl CpuComm {
         let relems = region / esz;
         let (sd, rd) = (prefix(send), prefix(recv));
         for k in 0..max_block.div_ceil(relems) {
-            let half = Self::half(st);
-            let mine = seg.staging_ptr(me, half);
+            let slot = Self::slot(st);
+            let mine = seg.staging_ptr(me, slot);
             for (j, &c) in send.iter().enumerate() {
                 let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
                 if lo < hi {
@@ -827,7 +853,7 @@ impl CpuComm {
                     // (synced; its send count equals our recv count); rd[i] + hi <= sum(recv).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(i, half).add(me * region),
+                            seg.staging_ptr(i, slot).add(me * region),
                             dst.add((rd[i] + lo) * esz),
                             (hi - lo) * esz,
                         )
@@ -847,15 +873,15 @@ impl CpuComm {
         let mut base = 0;
         while base < n {
             let len = chunk.min(n - base);
-            let half = Self::half(st);
+            let slot = Self::slot(st);
             if me == root {
                 // SAFETY: base + len <= n; staging holds chunk elements.
-                unsafe { std::ptr::copy_nonoverlapping(buf.add(base * esz), seg.staging_ptr(root, half), len * esz) };
+                unsafe { std::ptr::copy_nonoverlapping(buf.add(base * esz), seg.staging_ptr(root, slot), len * esz) };
             }
             self.sync(st, "broadcast")?;
             if me != root {
                 // SAFETY: the root staged this chunk (synced).
-                unsafe { std::ptr::copy_nonoverlapping(seg.staging_ptr(root, half), buf.add(base * esz), len * esz) };
+                unsafe { std::ptr::copy_nonoverlapping(seg.staging_ptr(root, slot), buf.add(base * esz), len * esz) };
             }
             base += len;
         }

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word |
 //! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
-//! | 4 KiB + world x 4 KiB | `world` x 2 x `staging` | per-rank staging, two halves used alternately |
+//! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
 //!
 //! A rank writes only its own control block and its own staging; it reads every
 //! rank's. Publication is by the per-rank phase counter (release store, acquire
@@ -26,6 +26,8 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 pub(crate) const VERSION: u32 = 1;
 /// Largest group the CPU communicator supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
+/// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
+pub(crate) const SLOTS: usize = 3;
 /// Size of the header and of each control block.
 pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
@@ -72,9 +74,9 @@ pub(crate) struct Ctrl {
 const _: () = assert!(std::mem::size_of::<Header>() <= BLOCK);
 const _: () = assert!(std::mem::size_of::<Ctrl>() <= BLOCK);
 
-/// Total segment size for `world` ranks with `staging` bytes per half.
+/// Total segment size for `world` ranks with `staging` bytes per slot.
 pub(crate) fn segment_len(world: usize, staging: usize) -> usize {
-    BLOCK + world * BLOCK + world * 2 * staging
+    BLOCK + world * BLOCK + world * SLOTS * staging
 }
 
 /// The file backing group `name`: `<shm dir>/ascend-moe.<readable prefix>.<hash>`.
@@ -323,7 +325,7 @@ impl Segment {
                 rank,
                 world,
                 format!(
-                    "the live world under this name uses {s} staging bytes per half, this rank asked for {staging}"
+                    "the live world under this name uses {s} staging bytes per slot, this rank asked for {staging}"
                 ),
                 CommErrorKind::Setup,
             ));
@@ -403,10 +405,10 @@ impl Segment {
         unsafe { self.base.add(BLOCK + rank * BLOCK) as *mut Ctrl }
     }
 
-    /// Start of `rank`'s staging half `half` (0 or 1), `staging` bytes long.
-    pub(crate) fn staging_ptr(&self, rank: usize, half: usize) -> *mut u8 {
-        debug_assert!(rank < self.world && half < 2);
-        let off = BLOCK + self.world * BLOCK + (rank * 2 + half) * self.staging;
+    /// Start of `rank`'s staging slot `slot` (< SLOTS), `staging` bytes long.
+    pub(crate) fn staging_ptr(&self, rank: usize, slot: usize) -> *mut u8 {
+        debug_assert!(rank < self.world && slot < SLOTS);
+        let off = BLOCK + self.world * BLOCK + (rank * SLOTS + slot) * self.staging;
         debug_assert!(off + self.staging <= self.len);
         // SAFETY: off + staging <= len by the layout.
         unsafe { self.base.add(off) }
