@@ -68,9 +68,9 @@ pub struct Args {
     /// Run ranks as separate processes instead of threads.
     #[arg(long)]
     procs: bool,
-    /// Timeout of every wait, in seconds.
-    #[arg(long, default_value_t = 120.0)]
-    timeout: f64,
+    /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
+    #[arg(long)]
+    timeout: Option<f64>,
     /// Staging bytes per slot (default: the communicator's default).
     #[arg(long)]
     staging_bytes: Option<usize>,
@@ -335,7 +335,7 @@ pub fn main(a: Args) -> i32 {
         sizes.push(s);
         s = s.saturating_mul(a.factor);
     }
-    let timeout = Duration::from_secs_f64(a.timeout.max(0.001));
+    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| Duration::from_secs_f64(t.max(0.001)));
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
     let mut lines = Vec::new();
