@@ -244,4 +244,43 @@ mod tests {
             assert_eq!(b.to_bits(), o.to_f32().to_bits());
         }
     }
+
+    /// The run-time-selected kernel and the baseline kernel agree bitwise.
+    #[test]
+    fn dispatched_kernel_matches_baseline() {
+        let n = 3 * BLK + 17;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let inputs: Vec<Vec<u8>> = (0..5)
+            .map(|_| {
+                (0..n * 8)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> 24) as u8
+                    })
+                    .collect()
+            })
+            .collect();
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL {
+                // u64 backing keeps every dtype aligned.
+                let mut a = vec![0u64; n];
+                let mut b = vec![0u64; n];
+                let aligned: Vec<Vec<u64>> = inputs
+                    .iter()
+                    .map(|v| v.chunks(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+                    .collect();
+                let ap: Vec<*const u8> = aligned.iter().map(|v| v.as_ptr() as *const u8).collect();
+                // SAFETY: every buffer holds n * 8 >= n * dtype.size() bytes, 8-byte aligned.
+                unsafe {
+                    reduce(dtype, op, &ap, a.as_mut_ptr() as *mut u8, n);
+                    with_dtype!(dtype, T => reduce_body::<T>(op, &ap, b.as_mut_ptr() as *mut u8, n));
+                }
+                let nbytes = n * dtype.size();
+                let (a, b): (&[u8], &[u8]) = (bytemuck::cast_slice(&a), bytemuck::cast_slice(&b));
+                assert_eq!(a[..nbytes], b[..nbytes], "{dtype} {op:?}");
+            }
+        }
+    }
 }
