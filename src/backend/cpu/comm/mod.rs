@@ -23,8 +23,9 @@
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
 //! **Shared memory per rank** = 4 KiB + 3 x [`CpuCommConfig::staging_bytes`]
-//! (default 1 MiB per slot, so 3 MiB + 4 KiB per rank; a world of 8 maps 24 MiB
-//! plus the header). Collectives of any size run in rounds of at most one slot.
+//! (default 4 MiB per slot, so 12 MiB + 4 KiB per rank; a world of 8 maps 96 MiB
+//! plus the header; pages are only backed once touched, so small collectives use
+//! far less). Collectives of any size run in rounds of at most one slot.
 //! Sub-groups made by `split` have their own segment of the same shape.
 //!
 //! # Protocol
@@ -88,8 +89,8 @@ pub struct CpuCommConfig {
 }
 
 impl CpuCommConfig {
-    /// Default staging slot: 1 MiB.
-    pub const DEFAULT_STAGING: usize = 1 << 20;
+    /// Default staging slot: 4 MiB (fewer barriers per large collective).
+    pub const DEFAULT_STAGING: usize = 4 << 20;
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 
