@@ -431,6 +431,10 @@ fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
     for (w, bw) in triads {
         println!("# triad bandwidth with {w} threads: {:.2} GB/s", bw / 1e9);
     }
+    if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        println!("# load average {} on {cores} cores (other load skews both the triad and the times)", l.trim());
+    }
     println!("# {FLOOR_RULE}");
     println!("# time = median over iterations of the slowest rank; vs floor = floor / time");
     let mut last = 0;

@@ -481,12 +481,12 @@ impl CpuComm {
             for &j in &waiting {
                 let c = seg.ctrl(j);
                 let state = c.state.load(Ordering::Acquire);
-                let pid = c.pid.load(Ordering::Acquire);
+                let (pid, start) = (c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire));
                 match state {
                     ABORTED => failed.push((true, format!("rank {j} aborted (its thread panicked)"))),
                     LEFT => failed.push((true, format!("rank {j} left the group (its communicator was dropped)"))),
                     FAILED => failed.push((false, format!("rank {j} failed an earlier wait"))),
-                    JOINED if pid != me && !shm::pid_alive(pid) => {
+                    JOINED if pid != me && !shm::pid_alive(pid, start) => {
                         failed.push((true, format!("rank {j} (pid {pid}) died")))
                     }
                     _ => {}

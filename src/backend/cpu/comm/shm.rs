@@ -23,7 +23,7 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Largest group the CPU communicator supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -61,7 +61,10 @@ pub(crate) struct Header {
 pub(crate) struct Ctrl {
     pub state: AtomicU32,
     pub pid: AtomicU32,
-    _pad0: [u64; 7],
+    /// Start time of process `pid` (clock ticks since boot; 0 if unknown), so a
+    /// recycled pid is not mistaken for the rank.
+    pub start: AtomicU64,
+    _pad0: [u64; 6],
     /// Last phase this rank arrived at (own cache line).
     pub arrive: AtomicU64,
     _pad1: [u64; 7],
@@ -127,8 +130,9 @@ fn setup_err(name: &str, rank: usize, world: usize, detail: String, kind: CommEr
     Error::Comm { collective: "rendezvous".into(), group: name.into(), rank, world, detail, kind }
 }
 
-/// Whether process `pid` is alive (a zombie counts as dead).
-pub(crate) fn pid_alive(pid: u32) -> bool {
+/// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
+/// counts as dead, and so does a recycled pid (another start time).
+pub(crate) fn pid_alive(pid: u32, start: u64) -> bool {
     if pid == 0 {
         return false;
     }
@@ -137,11 +141,26 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         return false;
     }
-    // Exists (or exists under another user); a zombie has exited.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].trim_start().chars().next()), Some('Z' | 'X')),
-        Err(_) => true,
+    // Exists (or exists under another user); look closer where /proc allows.
+    match proc_stat(pid) {
+        Some((state, started)) => !(state == 'Z' || state == 'X' || (start != 0 && started != start)),
+        None => true,
     }
+}
+
+/// (state, start time) of a process from `/proc/<pid>/stat`.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces): state is field
+    // 3 of the file, starttime field 22.
+    let rest: Vec<&str> = s[s.rfind(')')? + 1..].split_whitespace().collect();
+    Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
+}
+
+/// Start time of this process (0 if unknown).
+pub(crate) fn my_start() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
 }
 
 /// This process's id.
@@ -294,15 +313,15 @@ impl Segment {
             return Ok(Found::Stale);
         }
         let ctrl = Mapping::new(fd, BLOCK + w * BLOCK).ok_or_else(|| os_err("mapping segment control".into()))?;
-        let slots: Vec<(u32, u32)> = (0..w)
+        let slots: Vec<(u32, u32, u64)> = (0..w)
             .map(|r| {
                 // SAFETY: the mapping covers the header and w control blocks.
                 let c = unsafe { &*(ctrl.ptr.add(BLOCK + r * BLOCK) as *const Ctrl) };
-                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire))
+                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
             })
             .collect();
         drop(ctrl);
-        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1)).collect();
+        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1, slots[r].2)).collect();
         if live.is_empty() {
             return Ok(Found::Stale);
         }
@@ -330,8 +349,8 @@ impl Segment {
                 CommErrorKind::Setup,
             ));
         }
-        let (st, pid) = slots[rank];
-        if st == JOINED && pid_alive(pid) {
+        let (st, pid, start) = slots[rank];
+        if st == JOINED && pid_alive(pid, start) {
             return Err(setup_err(
                 name,
                 rank,
@@ -376,6 +395,7 @@ impl Segment {
         let c = self.ctrl(self.rank);
         c.arrive.store(0, Ordering::Relaxed);
         c.pid.store(my_pid(), Ordering::Relaxed);
+        c.start.store(my_start(), Ordering::Relaxed);
         c.state.store(JOINED, Ordering::Release);
         self.ring();
     }
@@ -434,7 +454,9 @@ impl Segment {
             return;
         }
         let anyone = (0..self.world).any(|r| {
-            self.ctrl(r).state.load(Ordering::Acquire) == JOINED && pid_alive(self.ctrl(r).pid.load(Ordering::Acquire))
+            let c = self.ctrl(r);
+            c.state.load(Ordering::Acquire) == JOINED
+                && pid_alive(c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
         });
         if !anyone {
             if let Ok(c) = CString::new(self.path.clone()) {
