@@ -31,19 +31,22 @@
 //! # Protocol
 //! Each collective starts with every rank posting a descriptor (sequence number,
 //! kind, dtype, op, root, count(s), and an "invalid arguments" flag with the
-//! local error text) and arriving at a phase barrier. Every rank then checks all
-//! descriptors the same way, so a mismatch fails every rank with
-//! [`CommErrorKind::Mismatch`] naming the collective, the group, the disagreeing
-//! ranks and their sizes. Data then moves in rounds through the staging halves:
+//! local error text), staging its first round of data (if its own arguments are
+//! valid) and arriving at a phase barrier. Every rank then checks all
+//! descriptors the same way, before reading anyone's data, so a mismatch fails
+//! every rank with [`CommErrorKind::Mismatch`] naming the collective, the group,
+//! the disagreeing ranks and their sizes (the group stays usable). Data moves
+//! in rounds of at most one staging slot, one barrier per round:
 //!
-//! - all_reduce: each rank copies a chunk of its input to its staging; barrier;
-//!   rank `r` reduces piece `r` of the chunk reading every rank's staging, in
-//!   rank order 0..n-1 with f32 accumulation, writing the result back into its
-//!   own staging; barrier; every rank copies all pieces out. Each element is
-//!   computed once, by one rank, so all ranks get identical bits, run after run.
-//! - reduce_scatter(_v): staging is split into one region per destination rank;
-//!   each rank stages its pieces for every destination; barrier; rank `r` reduces
-//!   region `r` of every staging straight into its output.
+//! - all_reduce: round `k` stages chunk `k` of the input; barrier; every rank
+//!   copies out the reduced chunk `k - 1`; rank `r` reduces piece `r` of chunk
+//!   `k`, reading every rank's staging, in rank order 0..n-1 with f32
+//!   accumulation, and writes the result back into its own staging. A last
+//!   barrier precedes the copy-out of the last chunk. Each element is computed
+//!   once, by one rank, so all ranks get identical bits, run after run.
+//! - reduce_scatter(_v): a slot is split into one region per destination rank;
+//!   each rank stages its pieces for every destination; barrier; rank `r`
+//!   reduces region `r` of every staging straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
 //!
 //! Round `k` uses staging slot `k % 3`, so a rank may write the next rounds
