@@ -6,6 +6,8 @@
 
 #[path = "ascend_moe/bench_collectives.rs"]
 mod bench_collectives;
+#[path = "ascend_moe/bench_triad.rs"]
+mod bench_triad;
 #[path = "ascend_moe/check.rs"]
 mod check;
 #[path = "ascend_moe/check_collectives.rs"]
@@ -14,6 +16,8 @@ mod check_collectives;
 mod info;
 #[path = "ascend_moe/launch.rs"]
 mod launch;
+#[path = "ascend_moe/progress.rs"]
+mod progress;
 #[path = "ascend_moe/worker.rs"]
 mod worker;
 
@@ -46,6 +50,8 @@ enum Cmd {
 enum BenchCmd {
     /// nccl-tests style table of the CPU collectives, with memory-bandwidth floors.
     Collectives(bench_collectives::Args),
+    /// STREAM-like triad: the memory bandwidth the benchmark floors are measured against.
+    Triad(bench_triad::Args),
 }
 
 fn main() {
@@ -54,6 +60,7 @@ fn main() {
         Cmd::Info => info::main(),
         Cmd::Check(a) => check::main(a),
         Cmd::Bench(BenchCmd::Collectives(a)) => bench_collectives::main(a),
+        Cmd::Bench(BenchCmd::Triad(a)) => bench_triad::main(a),
         Cmd::Worker(a) => worker::main(a),
     };
     std::process::exit(code);

@@ -36,6 +36,7 @@ use ascend_moe::backend::cpu::comm::{run_ranks_with, CpuCommConfig};
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
 use crate::launch;
+use crate::progress::Progress;
 
 const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"];
 
@@ -146,6 +147,7 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
     let (rank, n) = (comm.rank(), comm.world_size());
     let esz = T::DTYPE.size();
     let mut out = Vec::new();
+    let mut bar = (progress && rank == 0).then(|| Progress::new(w.ops.len() * w.sizes.len()));
     for op in &w.ops {
         for &bytes in &w.sizes {
             let count = count_for(bytes, esz, n);
@@ -214,15 +216,18 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
             let mut b = Tensor::from_slice(&[bad], &[1])?;
             comm.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
             let wrong = b.to_vec::<i64>()?[0];
-            if progress && rank == 0 {
-                eprintln!(
-                    "  {n} ranks {op:<14} {:>10} B  {:>10.1} us  wrong {wrong}",
+            if let Some(bar) = bar.as_mut() {
+                bar.step(&format!(
+                    "{n} ranks {op:<14} {:>10} B  {:>10.1} us  wrong {wrong}",
                     count * esz,
                     median as f64 / 1e3
-                );
+                ));
             }
             out.push(Meas { op: op.clone(), bytes: count * esz, count, time_ns: median, wrong });
         }
+    }
+    if let Some(bar) = &bar {
+        bar.finish();
     }
     Ok(out)
 }

@@ -1,0 +1,45 @@
+//! `ascend-moe bench triad`: the STREAM-like triad that `bench collectives` uses for its
+//! floor, on its own, so a report can show the machine's memory bandwidth measured by the
+//! same code.
+
+use crate::bench_collectives::triad;
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// Threads (default: the available cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// MiB per array per thread (three f32 arrays each; far above the caches).
+    #[arg(long, default_value_t = 32)]
+    mib: usize,
+    /// Passes (the best is reported).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Print JSON instead of text.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print CSV instead of text.
+    #[arg(long)]
+    csv: bool,
+}
+
+pub fn main(a: Args) -> i32 {
+    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if threads == 0 || a.mib == 0 || a.reps == 0 {
+        eprintln!("error: need threads >= 1, mib >= 1, reps >= 1");
+        return 2;
+    }
+    let elems = a.mib * (1 << 20) / 4;
+    eprintln!("measuring the triad with {threads} threads, 3 x {} MiB per thread ...", a.mib);
+    let bw = triad(threads, elems, a.reps);
+    let bytes = threads * elems * 12;
+    if a.json {
+        println!("{{\"bench\":\"triad\",\"threads\":{threads},\"bytes\":{bytes},\"gbps\":{:.4}}}", bw / 1e9);
+    } else if a.csv {
+        println!("threads,bytes,gbps");
+        println!("{threads},{bytes},{:.4}", bw / 1e9);
+    } else {
+        println!("triad (a = b + s * c, f32, best of {}): {:.2} GB/s with {threads} threads", a.reps, bw / 1e9);
+    }
+    0
+}

@@ -1,0 +1,87 @@
+//! The machine-readable outputs of `ascend-moe bench` that ci/bench.sh reads, and the
+//! progress it prints on stderr.
+
+use std::process::Command;
+
+const EXE: &str = env!("CARGO_BIN_EXE_ascend-moe");
+
+fn run(args: &[&str]) -> (String, String) {
+    let out = Command::new(EXE).args(args).output().expect("run ascend-moe");
+    let (stdout, stderr) =
+        (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+    assert!(out.status.success(), "ascend-moe {args:?} failed: {}\n{stderr}", out.status);
+    (stdout, stderr)
+}
+
+#[test]
+fn collectives_csv_rows_and_progress() {
+    let (csv, progress) = run(&[
+        "bench",
+        "collectives",
+        "--ranks",
+        "2",
+        "--ops",
+        "all_reduce,all_gather",
+        "--dtype",
+        "f32",
+        "-b",
+        "4K",
+        "-e",
+        "16K",
+        "-f",
+        "4",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--csv",
+    ]);
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines.next().expect("a header line").split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap_or_else(|| panic!("no column {name}"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    // 2 collectives x sizes 4 KiB and 16 KiB.
+    assert_eq!(rows.len(), 4, "{csv}");
+    let mut seen = Vec::new();
+    for r in &rows {
+        assert_eq!(r.len(), header.len(), "{csv}");
+        let num = |name: &str| r[col(name)].parse::<f64>().unwrap_or_else(|e| panic!("{name}: {e}: {csv}"));
+        let op = r[col("op")];
+        let bytes = num("bytes");
+        assert_eq!((num("ranks"), r[col("dtype")], num("wrong")), (2.0, "f32", 0.0), "{csv}");
+        assert_eq!(num("count") * 4.0, bytes, "{csv}");
+        // nccl-tests: algbw = size / time, busbw = algbw x 2(n-1)/n (all_reduce) or (n-1)/n.
+        let algbw = bytes / (num("time_us") * 1e3);
+        let factor = if op == "all_reduce" { 1.0 } else { 0.5 };
+        assert!((num("algbw_gbps") - algbw).abs() <= 0.002 + 0.01 * algbw, "{op}: {csv}");
+        assert!((num("busbw_gbps") - algbw * factor).abs() <= 0.002 + 0.01 * algbw, "{op}: {csv}");
+        assert!(num("floor_us") > 0.0, "{csv}");
+        seen.push((op.to_string(), bytes as usize));
+    }
+    let want: Vec<(String, usize)> =
+        [("all_reduce", 4096), ("all_reduce", 16384), ("all_gather", 4096), ("all_gather", 16384)]
+            .iter()
+            .map(|(o, b)| (o.to_string(), *b))
+            .collect();
+    assert_eq!(seen, want);
+    // Not a terminal: one progress line per finished case, counted against the total.
+    for i in 1..=4 {
+        assert!(progress.contains(&format!("[{i}/4]")), "no progress line {i}/4 in:\n{progress}");
+    }
+}
+
+#[test]
+fn triad_json() {
+    let (json, _) = run(&["bench", "triad", "--threads", "1", "--mib", "1", "--reps", "1", "--json"]);
+    let json = json.trim();
+    assert!(json.starts_with("{\"bench\":\"triad\",\"threads\":1,\"bytes\":3145728,\"gbps\":"), "{json}");
+    let gbps: f64 = json.rsplit(':').next().and_then(|v| v.trim_end_matches('}').parse().ok()).expect("gbps");
+    assert!(gbps > 0.0 && gbps.is_finite(), "{json}");
+}
+
+#[test]
+fn triad_rejects_zero_threads() {
+    let out = Command::new(EXE).args(["bench", "triad", "--threads", "0"]).output().expect("run ascend-moe");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("threads >= 1"));
+}
