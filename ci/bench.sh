@@ -21,6 +21,7 @@ RUNS=""
 SKIP=""
 INSTALL=1
 SELF_TEST=0
+KEEP_RAW=0
 EXTRA=()
 
 usage() {
@@ -32,6 +33,8 @@ usage: ci/bench.sh [options] [-- extra options for ci/bench/run.py]
   --skip LIST       leave out parts: triad,collectives,mpi,finalize,numpy,far
   --peers-only      only the peers and the C triad (no cargo build): OpenMPI, numpy
   --no-install      do not apt-get / pip install anything (use what is there)
+  --keep-raw        add to the raw results already in DIR/raw (e.g. measure the parts
+                    one at a time with --skip) instead of starting afresh
   --self-test       run the report generator's test on synthetic input and exit
 Extra run.py options (after --), e.g. -- --worlds 4 --max-bytes 64M --dtypes bf16
   (see: python3 ci/bench/run.py --help)
@@ -48,6 +51,7 @@ while [[ $# -gt 0 ]]; do
         --skip) SKIP="${2:?--skip needs a list}"; shift ;;
         --peers-only) SKIP="${SKIP:+$SKIP,}collectives,finalize,far"; PEERS_ONLY=1 ;;
         --no-install) INSTALL=0 ;;
+        --keep-raw) KEEP_RAW=1 ;;
         --self-test) SELF_TEST=1 ;;
         -h|--help) usage; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
@@ -97,7 +101,8 @@ fi
 echo "python: $("$PY" -c 'import sys, numpy, ml_dtypes, matplotlib, mpi4py; print(sys.version.split()[0], "numpy", numpy.__version__, "ml_dtypes", ml_dtypes.__version__, "matplotlib", matplotlib.__version__, "mpi4py", mpi4py.__version__)')" >&2
 
 mkdir -p "$OUT"
-rm -rf "$OUT/raw" "$OUT"/*.png
+[[ $KEEP_RAW == 1 ]] || rm -rf "$OUT/raw"
+rm -f "$OUT"/*.png
 mkdir -p "$OUT/raw" "$OUT/.build"
 
 BIN=""
@@ -125,7 +130,7 @@ fi
 
 # ---------------------------------------------------------------- host facts for the report
 load() { cut -d' ' -f1-3 /proc/loadavg; }
-"$PY" - "$OUT/raw/meta.json" "$(load)" "$COMMAND" "$ROOT" "${BIN:-none}" <<'EOF'
+"$PY" - "$OUT/raw/meta.json" "$(load)" "$COMMAND" "$ROOT" "${BIN:-none}" "$KEEP_RAW" <<'EOF'
 import json, os, platform, subprocess, sys, datetime
 os.chdir(sys.argv[4])
 def sh(cmd):
@@ -144,6 +149,11 @@ meta = {
     "openmpi": (sh("mpirun --version").splitlines() or ["OpenMPI: not installed"])[0],
     "mpi4py": mpi4py.__version__, "numpy": numpy.__version__, "ml_dtypes": ml_dtypes.__version__,
 }
+if sys.argv[6] == "1" and os.path.exists(sys.argv[1]):  # a later part of the same report
+    old = json.load(open(sys.argv[1]))
+    old["command"] = old.get("command", "?") + "; then " + meta["command"]
+    old["binary"] = meta["binary"]
+    meta = old
 json.dump(meta, open(sys.argv[1], "w"), indent=1)
 EOF
 

@@ -333,7 +333,7 @@ def main() -> int:
         f"{len(plan)} steps per run x {args.runs} runs; sizes {common.fmt_bytes(sizes[0])} .. "
         f"{common.fmt_bytes(sizes[-1])} ({len(sizes)}); worlds {worlds}"
     )
-    with open(os.path.join(args.raw, "plan.json"), "w") as f:
+    with open(os.path.join(args.raw, f"plan-{time.strftime('%H%M%S')}.json"), "w") as f:
         json.dump(
             {
                 "runs": args.runs,
@@ -348,8 +348,13 @@ def main() -> int:
     for run in range(1, args.runs + 1):
         for name, kind, impl, cmd, meta in plan:
             r.run_step(run, name, kind, impl, cmd, meta)
-    with open(os.path.join(args.raw, "failures.json"), "w") as f:
-        json.dump(r.failures, f, indent=1)
+    fpath = os.path.join(args.raw, "failures.json")
+    earlier = []
+    if os.path.exists(fpath):  # an earlier part of the same report (ci/bench.sh --keep-raw)
+        with open(fpath) as f:
+            earlier = json.load(f)
+    with open(fpath, "w") as f:
+        json.dump(earlier + r.failures, f, indent=1)
     log(f"measurements done in {time.time() - r.t_start:.0f}s, {len(r.failures)} failed step(s)")
     return 1 if r.failures else 0
 
