@@ -46,7 +46,7 @@ impl SpLayout {
             return Err(Error::invalid(OP, "dp_tokens", "expected one entry per DP rank, got none"));
         }
         let sizes: Vec<usize> =
-            dp_tokens.iter().flat_map(|&t| std::iter::repeat_n(t.div_ceil(tp_size), tp_size)).collect();
+            dp_tokens.iter().flat_map(|&t| std::iter::repeat(t.div_ceil(tp_size)).take(tp_size)).collect();
         Self::new(&sizes)
     }
 
