@@ -1,13 +1,13 @@
 //! The finalize-routing and token-unpermute ops against an independent naive
 //! f64 implementation written here, plus determinism and bad-input checks.
 
-mod common;
+mod moe_common;
 
 use ascend_moe::backend::cpu::finalize::set_num_threads;
 use ascend_moe::backend::{FinalizeArgs, OutputRows};
 use ascend_moe::moe::finalize::*;
 use ascend_moe::{DType, Device, DropPadMode, Error, Tensor};
-use common::*;
+use moe_common::*;
 
 const MODES: [DropPadMode; 4] =
     [DropPadMode::DropLessColumn, DropPadMode::DropPadColumn, DropPadMode::DropLessRow, DropPadMode::DropPadRow];

@@ -1,13 +1,13 @@
 //! SpLayout and the shape functions of the pad/reduce and prepare/finalize
 //! ops, against the SPEC rules written out here, over random layouts.
 
-mod common;
+mod moe_common;
 
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::*;
 use ascend_moe::moe::prepare_finalize::{finalize_output_shape, mc2_mask, prepare_output_shape, MoeContext};
 use ascend_moe::CommType;
-use common::Rng;
+use moe_common::Rng;
 
 #[test]
 fn layout_from_dp_tokens_follows_spec() {

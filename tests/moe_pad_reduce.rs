@@ -1,7 +1,7 @@
 //! Multi-rank tests of the EP/SP pad-and-reduce, gather-and-unpad and the
 //! fused finalize-and-reduce, against a naive per-rank model written here.
 
-mod common;
+mod moe_common;
 
 use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::backend::FinalizeArgs;
@@ -9,7 +9,7 @@ use ascend_moe::moe::finalize::moe_finalize_routing;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::*;
 use ascend_moe::{Collectives, CommOptions, DType, DropPadMode, Tensor};
-use common::*;
+use moe_common::*;
 
 fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))
