@@ -61,6 +61,14 @@ trait Lanes: Element {
     fn widen(src: &[Self], dst: &mut [f32]);
     /// `dst = round(src)` (round to nearest even).
     fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `acc += s * f32(src)` (one product, one sum per element); `tmp` is scratch.
+    #[inline]
+    fn axpy(acc: &mut [f32], s: f32, src: &[Self], tmp: &mut [f32]) {
+        Self::widen(src, tmp);
+        for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+            *o += s * *v;
+        }
+    }
 }
 
 impl Lanes for f32 {
@@ -71,6 +79,12 @@ impl Lanes for f32 {
     #[inline]
     fn narrow(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    #[inline]
+    fn axpy(acc: &mut [f32], s: f32, src: &[f32], _tmp: &mut [f32]) {
+        for (o, v) in acc.iter_mut().zip(src) {
+            *o += s * *v;
+        }
     }
 }
 
@@ -89,6 +103,12 @@ impl Lanes for bf16 {
             let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
             let nan = ((x >> 16) as u16) | 0x0040;
             *d = bf16::from_bits(if s.is_nan() { nan } else { rounded });
+        }
+    }
+    #[inline]
+    fn axpy(acc: &mut [f32], s: f32, src: &[bf16], _tmp: &mut [f32]) {
+        for (o, v) in acc.iter_mut().zip(src) {
+            *o += s * f32::from_bits((v.to_bits() as u32) << 16);
         }
     }
 }
@@ -152,11 +172,18 @@ impl<T: Lanes> Gather<'_, T> {
             if !in_range && self.skip_invalid {
                 continue;
             }
-            if in_range {
-                let r = r as usize;
-                T::widen(&self.x[r * h..(r + 1) * h], tmp);
-            } else {
-                tmp.fill(0.0);
+            match (&self.bias, in_range) {
+                // The common case: a real row and no bias, widened on the fly.
+                (None, true) => {
+                    let r = r as usize;
+                    T::axpy(acc, s, &self.x[r * h..(r + 1) * h], tmp);
+                    continue;
+                }
+                (_, true) => {
+                    let r = r as usize;
+                    T::widen(&self.x[r * h..(r + 1) * h], tmp);
+                }
+                (_, false) => tmp.fill(0.0),
             }
             match &self.bias {
                 Some((b, experts)) => {
