@@ -28,6 +28,14 @@ const MIN_ELEMS_PER_THREAD: usize = 1 << 16;
 
 thread_local! {
     static THREADS: Cell<Option<usize>> = const { Cell::new(None) };
+    static WIDE_SIMD: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Allows (`true`, the default) or forbids the wider SIMD code path (AVX2) for
+/// calls made from the current thread. Both paths do the same operations in the
+/// same order; the switch exists so tests can show they agree bit for bit.
+pub fn set_wide_simd(enabled: bool) {
+    WIDE_SIMD.with(|w| w.set(enabled));
 }
 
 /// Sets the number of threads the CPU kernels use for calls made from the
@@ -340,9 +348,10 @@ impl<T: Lanes> Gather<'_, T> {
         }
         let threads = threads_for(out_rows, h);
         let chunk_rows = out_rows.div_ceil(threads);
+        let wide = WIDE_SIMD.with(|w| w.get());
         let work = |first_row: usize, chunk: &mut [T]| {
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx2") {
+            if wide && std::arch::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU supports AVX2 (checked just above).
                 unsafe { self.rows_avx2(first_row, chunk, token_of) };
                 return;
