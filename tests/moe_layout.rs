@@ -30,8 +30,7 @@ fn layout_from_dp_tokens_follows_spec() {
 
 fn random_layout(rng: &mut Rng) -> SpLayout {
     let ep = 1 + rng.below(8);
-    let sizes: Vec<usize> =
-        (0..ep).map(|_| if rng.below(4) == 0 { 0 } else { rng.below(9) }).collect();
+    let sizes: Vec<usize> = (0..ep).map(|_| if rng.below(4) == 0 { 0 } else { rng.below(9) }).collect();
     SpLayout::new(&sizes).unwrap()
 }
 
@@ -81,11 +80,11 @@ fn pad_reduce_bad_input_names_argument_expected_and_actual() {
 fn spec_rows(comm: CommType, dp_tokens: &[usize], tp: usize, d: usize, t: usize, sp: bool) -> (usize, usize) {
     let td = dp_tokens[d];
     let max_t = *dp_tokens.iter().max().unwrap();
-    let local = if sp { (td + tp - 1) / tp } else { td };
+    let local = if sp { td.div_ceil(tp) } else { td };
     let prepared = match (comm, sp) {
-        (CommType::AllGather, true) => dp_tokens.iter().map(|x| (x + tp - 1) / tp * tp).sum(),
+        (CommType::AllGather, true) => dp_tokens.iter().map(|x| x.div_ceil(tp) * tp).sum(),
         (CommType::AllGather, false) => max_t * dp_tokens.len(),
-        (CommType::Mc2 | CommType::FusedMc2, false) => (max_t + tp - 1) / tp,
+        (CommType::Mc2 | CommType::FusedMc2, false) => max_t.div_ceil(tp),
         (CommType::AllToAll, false) => {
             let p = if td < tp { tp } else { td };
             p / tp + usize::from(t < p % tp)
@@ -101,8 +100,13 @@ fn prepare_finalize_shapes_follow_spec_for_random_contexts() {
     for _ in 0..300 {
         let dp = 1 + rng.below(3);
         let tp = [1, 2, 4][rng.below(3)];
-        let dp_tokens: Vec<usize> =
-            (0..dp).map(|_| match rng.below(4) { 0 => 0, 1 => rng.below(tp + 1), _ => rng.below(40) }).collect();
+        let dp_tokens: Vec<usize> = (0..dp)
+            .map(|_| match rng.below(4) {
+                0 => 0,
+                1 => rng.below(tp + 1),
+                _ => rng.below(40),
+            })
+            .collect();
         let sp = rng.below(2) == 1;
         for d in 0..dp {
             for t in 0..tp {

@@ -83,7 +83,8 @@ fn filled(shape: &[usize], dtype: DType, salt: u32) -> Result<Tensor> {
 /// A permutation of `0..n` (multiplicative hash, full period for odd multipliers on powers of two;
 /// otherwise sorted by hash).
 fn permutation(n: usize) -> Vec<i32> {
-    let mut v: Vec<(u32, i32)> = (0..n as u32).map(|i| (i.wrapping_mul(2_246_822_519).rotate_left(13), i as i32)).collect();
+    let mut v: Vec<(u32, i32)> =
+        (0..n as u32).map(|i| (i.wrapping_mul(2_246_822_519).rotate_left(13), i as i32)).collect();
     v.sort_unstable();
     v.into_iter().map(|(_, i)| i).collect()
 }
