@@ -160,14 +160,28 @@ const GROUP: usize = 8;
 /// `G` separate passes, but `G` source rows stream at once (more memory-level
 /// parallelism for rows scattered in memory) and `acc` stays in registers.
 #[inline(always)]
-fn accumulate_group<T: Lanes, const G: usize>(acc: &mut [f32], s: &[f32; GROUP], rows: &[&[T]; GROUP]) {
+fn accumulate_group<T: Lanes, const G: usize>(
+    acc: &mut [f32],
+    s: &[f32; GROUP],
+    rows: &[&[T]; GROUP],
+    next: &[*const T],
+) {
     let h = acc.len();
     let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
     let mut j0 = 0;
     while j0 < h {
         let end = (j0 + BLOCK).min(h);
-        for row in &rows {
-            prefetch(row.as_ptr().wrapping_add(j0 + PREFETCH_AHEAD));
+        // Prefetch this group's rows ahead; near their end, the start of the
+        // rows that come next (so every row arrives warm).
+        let ahead = j0 + PREFETCH_AHEAD;
+        if ahead < h {
+            for row in &rows {
+                prefetch(row.as_ptr().wrapping_add(ahead));
+            }
+        } else {
+            for p in next {
+                prefetch(p.wrapping_add(ahead - h));
+            }
         }
         for j in j0..end {
             let mut a = acc[j];
@@ -184,7 +198,7 @@ fn accumulate_group<T: Lanes, const G: usize>(acc: &mut [f32], s: &[f32; GROUP],
 const BLOCK: usize = 32;
 /// How far ahead (elements) the source rows are prefetched: rows are scattered,
 /// and the hardware prefetcher restarts at every page.
-const PREFETCH_AHEAD: usize = 1536;
+const PREFETCH_AHEAD: usize = 1024;
 
 /// A hint to load the cache line at `p` (which need not be valid memory).
 #[inline(always)]
@@ -221,9 +235,18 @@ struct Gather<'a, T> {
 }
 
 impl<T: Lanes> Gather<'_, T> {
-    /// Computes token `i` into `acc` (f32), using `tmp` as scratch.
+    /// Start of the source row of slot `(i, kk)`, if it is a real row.
     #[inline(always)]
-    fn token(&self, i: usize, acc: &mut [f32], tmp: &mut [f32]) {
+    fn row_ptr(&self, i: usize, kk: usize) -> Option<*const T> {
+        let pos = if self.row_layout { i * self.k + kk } else { kk * self.n + i };
+        let r = self.idx[pos];
+        (r >= 0 && (r as usize) < self.rows).then(|| self.x[r as usize * self.h..].as_ptr())
+    }
+
+    /// Computes token `i` into `acc` (f32), using `tmp` as scratch;
+    /// `next_token` is the token computed after it (for prefetching).
+    #[inline(always)]
+    fn token(&self, i: usize, next_token: Option<usize>, acc: &mut [f32], tmp: &mut [f32]) {
         let h = self.h;
         match (self.x1, self.x2) {
             (Some(a), Some(b)) => {
@@ -258,15 +281,32 @@ impl<T: Lanes> Gather<'_, T> {
                         break;
                     }
                 }
+                // The rows after this group: the rest of this token, then the next token.
+                let mut next = [std::ptr::null::<T>(); GROUP];
+                let mut nn = 0;
+                let mut probe = (i, kk);
+                while nn < GROUP {
+                    if probe.1 == self.k {
+                        match next_token {
+                            Some(t) if t != probe.0 => probe = (t, 0),
+                            _ => break,
+                        }
+                    }
+                    if let Some(p) = self.row_ptr(probe.0, probe.1) {
+                        next[nn] = p;
+                        nn += 1;
+                    }
+                    probe.1 += 1;
+                }
                 match g {
-                    1 => accumulate_group::<T, 1>(acc, &ss, &rows),
-                    2 => accumulate_group::<T, 2>(acc, &ss, &rows),
-                    3 => accumulate_group::<T, 3>(acc, &ss, &rows),
-                    4 => accumulate_group::<T, 4>(acc, &ss, &rows),
-                    5 => accumulate_group::<T, 5>(acc, &ss, &rows),
-                    6 => accumulate_group::<T, 6>(acc, &ss, &rows),
-                    7 => accumulate_group::<T, 7>(acc, &ss, &rows),
-                    8 => accumulate_group::<T, 8>(acc, &ss, &rows),
+                    1 => accumulate_group::<T, 1>(acc, &ss, &rows, &next[..nn]),
+                    2 => accumulate_group::<T, 2>(acc, &ss, &rows, &next[..nn]),
+                    3 => accumulate_group::<T, 3>(acc, &ss, &rows, &next[..nn]),
+                    4 => accumulate_group::<T, 4>(acc, &ss, &rows, &next[..nn]),
+                    5 => accumulate_group::<T, 5>(acc, &ss, &rows, &next[..nn]),
+                    6 => accumulate_group::<T, 6>(acc, &ss, &rows, &next[..nn]),
+                    7 => accumulate_group::<T, 7>(acc, &ss, &rows, &next[..nn]),
+                    8 => accumulate_group::<T, 8>(acc, &ss, &rows, &next[..nn]),
                     _ => {}
                 }
                 if g > 0 || kk >= self.k {
@@ -320,10 +360,12 @@ impl<T: Lanes> Gather<'_, T> {
         let h = self.h;
         let mut acc = vec![0f32; h];
         let mut tmp = vec![0f32; h];
+        let rows = chunk.len() / h;
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
-                    self.token(i, &mut acc, &mut tmp);
+                    let next_token = if j + 1 < rows { token_of(first_row + j + 1) } else { None };
+                    self.token(i, next_token, &mut acc, &mut tmp);
                     T::narrow(&acc, o);
                 }
                 None => o.fill(T::default()),
