@@ -73,6 +73,11 @@ trait Lanes: Element {
     fn lane(self) -> f32 {
         self.to_f32()
     }
+    /// One f32 rounded to this type (round to nearest even).
+    #[inline(always)]
+    fn narrow_one(v: f32) -> Self {
+        Self::from_f32(v)
+    }
     /// `dst = f32(src)`.
     fn widen(src: &[Self], dst: &mut [f32]);
     /// `dst = round(src)` (round to nearest even).
@@ -112,6 +117,14 @@ impl Lanes for f32 {
 impl Lanes for bf16 {
     const LANEWISE: bool = true;
     #[inline(always)]
+    fn narrow_one(v: f32) -> Self {
+        // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
+        let x = v.to_bits();
+        let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+        let nan = ((x >> 16) as u16) | 0x0040;
+        bf16::from_bits(if v.is_nan() { nan } else { rounded })
+    }
+    #[inline(always)]
     fn lane(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
@@ -124,11 +137,7 @@ impl Lanes for bf16 {
     #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
         for (d, s) in dst.iter_mut().zip(src) {
-            // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
-            let x = s.to_bits();
-            let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
-            let nan = ((x >> 16) as u16) | 0x0040;
-            *d = bf16::from_bits(if s.is_nan() { nan } else { rounded });
+            *d = Self::narrow_one(*s);
         }
     }
     #[inline(always)]
@@ -160,57 +169,47 @@ const GROUP: usize = 8;
 /// `G` separate passes, but `G` source rows stream at once (more memory-level
 /// parallelism for rows scattered in memory) and `acc` stays in registers.
 #[inline(always)]
-fn accumulate_group<T: Lanes, const G: usize>(
-    acc: &mut [f32],
-    s: &[f32; GROUP],
-    rows: &[&[T]; GROUP],
-    next: &[*const T],
-) {
+fn accumulate_group<T: Lanes, const G: usize>(acc: &mut [f32], s: &[f32; GROUP], rows: &[&[T]; GROUP]) {
     let h = acc.len();
     let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
-    let mut j0 = 0;
-    while j0 < h {
-        let end = (j0 + BLOCK).min(h);
-        // Prefetch this group's rows ahead; near their end, the start of the
-        // rows that come next (so every row arrives warm).
-        let ahead = j0 + PREFETCH_AHEAD;
-        if ahead < h {
-            for row in &rows {
-                prefetch(row.as_ptr().wrapping_add(ahead));
-            }
-        } else {
-            for p in next {
-                prefetch(p.wrapping_add(ahead - h));
-            }
+    for (j, a) in acc.iter_mut().enumerate() {
+        let mut v = *a;
+        for g in 0..G {
+            v += s[g] * rows[g][j].lane();
         }
-        for j in j0..end {
-            let mut a = acc[j];
-            for g in 0..G {
-                a += s[g] * rows[g][j].lane();
-            }
-            acc[j] = a;
-        }
-        j0 = end;
+        *a = v;
     }
 }
 
-/// Elements per block of [`accumulate_group`] (one prefetch per row per block).
-const BLOCK: usize = 32;
-/// How far ahead (elements) the source rows are prefetched: rows are scattered,
-/// and the hardware prefetcher restarts at every page.
-const PREFETCH_AHEAD: usize = 1024;
-
-/// A hint to load the cache line at `p` (which need not be valid memory).
+/// The whole token in one pass when it is one group of real rows with no bias
+/// and at most one skip input: `out = round(skip + s[0] * row[0] + ...)`, the
+/// same operations in the same order as the general path, without the f32
+/// scratch row.
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults and reads nothing the
-    // program can observe, whatever the address. SSE is part of the x86_64 baseline.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
+fn fused_token<T: Lanes, const G: usize>(skip: Option<&[T]>, s: &[f32; GROUP], rows: &[&[T]; GROUP], out: &mut [T]) {
+    let h = out.len();
+    let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
+    match skip {
+        Some(x1) => {
+            let x1 = &x1[..h];
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut v = x1[j].lane();
+                for g in 0..G {
+                    v += s[g] * rows[g][j].lane();
+                }
+                *o = T::narrow_one(v);
+            }
+        }
+        None => {
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut v = 0.0f32;
+                for g in 0..G {
+                    v += s[g] * rows[g][j].lane();
+                }
+                *o = T::narrow_one(v);
+            }
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// What one output token gathers. Shared by finalize and unpermute.
@@ -235,18 +234,71 @@ struct Gather<'a, T> {
 }
 
 impl<T: Lanes> Gather<'_, T> {
-    /// Start of the source row of slot `(i, kk)`, if it is a real row.
+    /// Collects up to [`GROUP`] consecutive real rows of token `i` from slot
+    /// `*kk` on (skipping out-of-range slots where they contribute nothing),
+    /// stopping before a dropped slot. Returns how many were collected.
     #[inline(always)]
-    fn row_ptr(&self, i: usize, kk: usize) -> Option<*const T> {
-        let pos = if self.row_layout { i * self.k + kk } else { kk * self.n + i };
-        let r = self.idx[pos];
-        (r >= 0 && (r as usize) < self.rows).then(|| self.x[r as usize * self.h..].as_ptr())
+    fn collect_group<'s>(
+        &'s self,
+        i: usize,
+        kk: &mut usize,
+        rows: &mut [&'s [T]; GROUP],
+        ss: &mut [f32; GROUP],
+    ) -> usize {
+        let h = self.h;
+        let mut g = 0;
+        while *kk < self.k && g < GROUP {
+            let slot = i * self.k + *kk;
+            let r = self.idx[if self.row_layout { slot } else { *kk * self.n + i }];
+            if r >= 0 && (r as usize) < self.rows {
+                let r = r as usize;
+                rows[g] = &self.x[r * h..(r + 1) * h];
+                ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+                g += 1;
+                *kk += 1;
+            } else if self.skip_invalid {
+                *kk += 1;
+            } else {
+                break;
+            }
+        }
+        g
     }
 
-    /// Computes token `i` into `acc` (f32), using `tmp` as scratch;
-    /// `next_token` is the token computed after it (for prefetching).
+    /// Token `i` straight into `out` in one pass, when it qualifies: element
+    /// types widened per lane, no bias, at most one skip input, and all its
+    /// slots in one group. Returns false (nothing written) otherwise.
     #[inline(always)]
-    fn token(&self, i: usize, next_token: Option<usize>, acc: &mut [f32], tmp: &mut [f32]) {
+    fn fused_token(&self, i: usize, out: &mut [T]) -> bool {
+        if !T::LANEWISE || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
+            return false;
+        }
+        let h = self.h;
+        let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+        let mut ss = [0f32; GROUP];
+        let mut kk = 0;
+        let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
+        if kk < self.k {
+            return false; // a dropped slot: the general path keeps the order
+        }
+        let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
+        match g {
+            0 => fused_token::<T, 0>(skip, &ss, &rows, out),
+            1 => fused_token::<T, 1>(skip, &ss, &rows, out),
+            2 => fused_token::<T, 2>(skip, &ss, &rows, out),
+            3 => fused_token::<T, 3>(skip, &ss, &rows, out),
+            4 => fused_token::<T, 4>(skip, &ss, &rows, out),
+            5 => fused_token::<T, 5>(skip, &ss, &rows, out),
+            6 => fused_token::<T, 6>(skip, &ss, &rows, out),
+            7 => fused_token::<T, 7>(skip, &ss, &rows, out),
+            _ => fused_token::<T, 8>(skip, &ss, &rows, out),
+        }
+        true
+    }
+
+    /// Computes token `i` into `acc` (f32), using `tmp` as scratch.
+    #[inline(always)]
+    fn token(&self, i: usize, acc: &mut [f32], tmp: &mut [f32]) {
         let h = self.h;
         match (self.x1, self.x2) {
             (Some(a), Some(b)) => {
@@ -262,51 +314,19 @@ impl<T: Lanes> Gather<'_, T> {
         let mut kk = 0;
         while kk < self.k {
             if T::LANEWISE && self.bias.is_none() {
-                // Collect up to GROUP consecutive real rows and stream them together.
+                // Up to GROUP consecutive real rows, streamed together.
                 let mut rows: [&[T]; GROUP] = [&[]; GROUP];
                 let mut ss = [0f32; GROUP];
-                let mut g = 0;
-                while kk < self.k && g < GROUP {
-                    let slot = i * self.k + kk;
-                    let r = self.idx[if self.row_layout { slot } else { kk * self.n + i }];
-                    if r >= 0 && (r as usize) < self.rows {
-                        let r = r as usize;
-                        rows[g] = &self.x[r * h..(r + 1) * h];
-                        ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
-                        g += 1;
-                        kk += 1;
-                    } else if self.skip_invalid {
-                        kk += 1;
-                    } else {
-                        break;
-                    }
-                }
-                // The rows after this group: the rest of this token, then the next token.
-                let mut next = [std::ptr::null::<T>(); GROUP];
-                let mut nn = 0;
-                let mut probe = (i, kk);
-                while nn < GROUP {
-                    if probe.1 == self.k {
-                        match next_token {
-                            Some(t) if t != probe.0 => probe = (t, 0),
-                            _ => break,
-                        }
-                    }
-                    if let Some(p) = self.row_ptr(probe.0, probe.1) {
-                        next[nn] = p;
-                        nn += 1;
-                    }
-                    probe.1 += 1;
-                }
+                let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
                 match g {
-                    1 => accumulate_group::<T, 1>(acc, &ss, &rows, &next[..nn]),
-                    2 => accumulate_group::<T, 2>(acc, &ss, &rows, &next[..nn]),
-                    3 => accumulate_group::<T, 3>(acc, &ss, &rows, &next[..nn]),
-                    4 => accumulate_group::<T, 4>(acc, &ss, &rows, &next[..nn]),
-                    5 => accumulate_group::<T, 5>(acc, &ss, &rows, &next[..nn]),
-                    6 => accumulate_group::<T, 6>(acc, &ss, &rows, &next[..nn]),
-                    7 => accumulate_group::<T, 7>(acc, &ss, &rows, &next[..nn]),
-                    8 => accumulate_group::<T, 8>(acc, &ss, &rows, &next[..nn]),
+                    1 => accumulate_group::<T, 1>(acc, &ss, &rows),
+                    2 => accumulate_group::<T, 2>(acc, &ss, &rows),
+                    3 => accumulate_group::<T, 3>(acc, &ss, &rows),
+                    4 => accumulate_group::<T, 4>(acc, &ss, &rows),
+                    5 => accumulate_group::<T, 5>(acc, &ss, &rows),
+                    6 => accumulate_group::<T, 6>(acc, &ss, &rows),
+                    7 => accumulate_group::<T, 7>(acc, &ss, &rows),
+                    8 => accumulate_group::<T, 8>(acc, &ss, &rows),
                     _ => {}
                 }
                 if g > 0 || kk >= self.k {
@@ -360,13 +380,13 @@ impl<T: Lanes> Gather<'_, T> {
         let h = self.h;
         let mut acc = vec![0f32; h];
         let mut tmp = vec![0f32; h];
-        let rows = chunk.len() / h;
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
-                    let next_token = if j + 1 < rows { token_of(first_row + j + 1) } else { None };
-                    self.token(i, next_token, &mut acc, &mut tmp);
-                    T::narrow(&acc, o);
+                    if !self.fused_token(i, o) {
+                        self.token(i, &mut acc, &mut tmp);
+                        T::narrow(&acc, o);
+                    }
                 }
                 None => o.fill(T::default()),
             }
