@@ -5,8 +5,14 @@
 //! (`std::thread::scope`); each output row is computed by exactly one thread in
 //! the SPEC order (`acc = x1 (+ x2)`, then `acc += s * (row + bias)` for
 //! k = 0..K-1, all in f32, one final rounding), so the result is bitwise the
-//! same for any thread count. The inner loops run over H on f32 scratch rows
-//! and vectorise.
+//! same for any thread count.
+//!
+//! The inner loops run over H and vectorise. For f32 and bf16 without bias, up
+//! to eight source rows are streamed in one pass (each element still sees the
+//! same operations in the same order), and a token with one skip input and
+//! K <= 8 goes from its inputs to its rounded output row in a single pass. On
+//! x86_64 the same code is also compiled for AVX2 and picked at run time; no
+//! fused multiply-add is used, so both paths give the same bits.
 //!
 //! The thread count is the calling thread's override ([`set_num_threads`]),
 //! else `ASCEND_MOE_NUM_THREADS`, else the machine's parallelism; small calls run
