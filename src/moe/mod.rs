@@ -23,6 +23,32 @@
 //! [`layer`] is the end-to-end MoE layer harness (`run_layer_case`,
 //! `all_layer_cases`) used by the tests and by `ascend-moe check`.
 //!
+//! ```
+//! use ascend_moe::backend::FinalizeArgs;
+//! use ascend_moe::moe::{moe_finalize_routing, moe_finalize_routing_output_shape};
+//! use ascend_moe::{DropPadMode, Tensor};
+//!
+//! // Two tokens, top-2, H = 2, row layout: out[i] = sum_k scales[i,k] * x[idx[i*2 + k]].
+//! let x = Tensor::from_slice(&[1f32, 1., 2., 2., 3., 3., 4., 4.], &[4, 2])?;
+//! let idx = Tensor::from_slice(&[3i32, 0, 1, 2], &[4])?;
+//! let scales = Tensor::from_slice(&[0.5f32, 0.5, 1.0, 2.0], &[2, 2])?;
+//! let args = FinalizeArgs {
+//!     expanded_x: &x,
+//!     expanded_row_idx: &idx,
+//!     x1: None,
+//!     x2: None,
+//!     bias: None,
+//!     scales: Some(&scales),
+//!     expert_idx: None,
+//!     drop_pad_mode: DropPadMode::DropLessRow,
+//! };
+//! let (shape, _) = moe_finalize_routing_output_shape(&args)?;
+//! let out = moe_finalize_routing(&args)?;
+//! assert_eq!(out.shape(), shape.as_slice());
+//! assert_eq!(out.to_vec::<f32>()?, vec![2.5, 2.5, 8.0, 8.0]);
+//! # Ok::<(), ascend_moe::Error>(())
+//! ```
+//!
 //! Collectives are taken as `&C` with `C: Collectives + ?Sized`, so a
 //! [`crate::Comm`] of either backend works.
 
