@@ -26,6 +26,7 @@ pub use backend::{Device, DropPadMode};
 pub use comm::{Collectives, Comm, CommOptions, CommType, ReduceOp};
 pub use dtype::{DType, Element};
 pub use error::{CommErrorKind, Error, Result};
+pub use moe::{ReducePolicy, SharedMode, SpLayout};
 pub use tensor::Tensor;
 
 #[doc(hidden)]
