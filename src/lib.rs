@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod capi;
 pub mod comm;
 pub mod dtype;
 pub mod error;

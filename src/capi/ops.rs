@@ -1,0 +1,1 @@
+//! The MoE ops, their shape functions, and the runtime-aware reduce policy.
