@@ -11,6 +11,7 @@
 //! | communication | [`comm`] | [`Comm`], [`Collectives`], [`ReduceOp`], [`CommType`] |
 //! | tensors | [`tensor`], [`dtype`] | [`Tensor`], [`DType`], [`Element`] |
 //! | errors | [`error`] | [`Error`], [`Result`] |
+//! | MoE ops | [`moe`] | finalize, SP layout, pad/reduce, runtime-aware reductions, prepare/finalize |
 
 #![warn(missing_docs)]
 
@@ -19,6 +20,7 @@ pub mod capi;
 pub mod comm;
 pub mod dtype;
 pub mod error;
+pub mod moe;
 pub mod tensor;
 
 pub use backend::{Device, DropPadMode};
