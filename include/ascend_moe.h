@@ -151,6 +151,54 @@ typedef uint32_t amoe_comm_type;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Shared-expert modes of `amoe_reduce_policy::shared_mode` (SPEC section 5).
+enum amoe_shared_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // No shared expert.
+  AMOE_SHARED_MODE_NONE = 0,
+  // TP-sharded weights: each TP rank's output is a TP-partial sum.
+  AMOE_SHARED_MODE_TENSOR_PARALLEL = 1,
+  // Sequence parallel (SEDP): output already complete on the shard.
+  AMOE_SHARED_MODE_SEQUENCE_PARALLEL_SEDP = 2,
+  // Sequence parallel only: output already complete on the shard.
+  AMOE_SHARED_MODE_SEQUENCE_PARALLEL_ONLY = 3,
+  // Replicated weights: output complete.
+  AMOE_SHARED_MODE_DATA_PARALLEL_ONLY = 4,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum amoe_shared_mode amoe_shared_mode;
+#else
+typedef uint32_t amoe_shared_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// Drop-pad modes of the finalize op (SPEC section 1).
+enum amoe_drop_pad_mode
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // Drop-less, `expanded_x [N*K, H]`, column index layout `idx[k*N + i]`.
+  AMOE_DROP_PAD_MODE_DROP_LESS_COLUMN = 0,
+  // Drop-pad, `expanded_x [E, C, H]`, column layout, -1 = dropped slot.
+  AMOE_DROP_PAD_MODE_DROP_PAD_COLUMN = 1,
+  // Drop-less, row index layout `idx[i*K + k]`.
+  AMOE_DROP_PAD_MODE_DROP_LESS_ROW = 2,
+  // Drop-pad, row layout, -1 = dropped slot.
+  AMOE_DROP_PAD_MODE_DROP_PAD_ROW = 3,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum amoe_drop_pad_mode amoe_drop_pad_mode;
+#else
+typedef uint32_t amoe_drop_pad_mode;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
 // A communicator: one rank's handle on a group (a CPU shared-memory world,
 // a sub-group of one, or an HCCL communicator).
 //
@@ -196,6 +244,43 @@ typedef struct amoe_tensor {
   // NPU ordinal (ignored for host tensors).
   int32_t device_ordinal;
 } amoe_tensor;
+
+// The inputs of the fused finalize (SPEC section 1). All tensors are read
+// only; optional ones may be NULL. Ownership of every descriptor stays with
+// the caller.
+typedef struct amoe_finalize_args {
+  // `[N*K, H...]` (modes 0/2) or `[E, C, H...]` (modes 1/3); f32, f16 or bf16.
+  const struct amoe_tensor *expanded_x;
+  // int32 `[N*K]`.
+  const struct amoe_tensor *expanded_row_idx;
+  // Optional skip input `[N, H...]` (NULL = none).
+  const struct amoe_tensor *x1;
+  // Optional skip input `[N, H...]` (NULL = none).
+  const struct amoe_tensor *x2;
+  // Optional `[E, H...]` (NULL = none); requires `expert_idx`.
+  const struct amoe_tensor *bias;
+  // Optional `[N, K]`, dtype of `expanded_x` or f32 (NULL = all ones, K = 1).
+  const struct amoe_tensor *scales;
+  // Optional int32 `[N, K]` (NULL = none).
+  const struct amoe_tensor *expert_idx;
+  // An `amoe_drop_pad_mode` code, 0..=3.
+  uint32_t drop_pad_mode;
+} amoe_finalize_args;
+
+// The static part of a layer's reduction policy (SPEC section 5). The live
+// MoE comm type is passed to each reduction point separately.
+typedef struct amoe_reduce_policy {
+  // An `amoe_shared_mode` code.
+  uint32_t shared_mode;
+  // Non-zero when a transform follows the routed experts.
+  uint8_t has_routed_transform;
+  // Non-zero when MoE sequence parallelism is on.
+  uint8_t sp;
+  // TP group size (>= 1).
+  size_t tp_size;
+  // EP group size (a positive multiple of `tp_size`).
+  size_t ep_size;
+} amoe_reduce_policy;
 
 #ifdef __cplusplus
 extern "C" {
@@ -412,6 +497,226 @@ amoe_status amoe_broadcast(const struct amoe_comm *comm,
 // # Safety
 // `comm` live.
 amoe_status amoe_barrier(const struct amoe_comm *comm, const struct amoe_stream *stream);
+
+// Output shape of `amoe_moe_finalize_routing` (`[N, H...]`, dtype of
+// `expanded_x`) from the shapes and dtypes in `args`; validates every input
+// exactly as the op does. Data pointers are ignored and may be NULL.
+//
+// The shape goes to `out_shape` (caller-owned, `cap` entries) and its
+// length to `*out_ndim`; when `cap` is too small only `*out_ndim` is written
+// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned. `AMOE_MAX_NDIM` always suffices.
+//
+// # Safety
+// `args` and its non-NULL descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
+amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_args *args,
+                                                   size_t *out_shape,
+                                                   size_t cap,
+                                                   size_t *out_ndim);
+
+// Fused MoE finalize routing (SPEC section 1):
+// `out[i] = x1[i] + x2[i] + sum_k s(i,k) * (row(R(i,k)) + bias[expert_idx[i,k]])`.
+//
+// Inputs are read from the caller's memory during the call; the result is
+// written into `out`, which the caller allocated with the shape from
+// `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
+// An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
+// and `out` is then not written.
+//
+// # Safety
+// `args` and its descriptors valid; `out` a valid, writable descriptor.
+amoe_status amoe_moe_finalize_routing(const struct amoe_finalize_args *args,
+                                      const struct amoe_tensor *out,
+                                      const struct amoe_stream *stream);
+
+// Output shape of `amoe_moe_token_unpermute` (`[T, H...]`, dtype of
+// `permuted`). `probs` may be NULL (K = 1). Data pointers are ignored.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// Descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
+amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *permuted,
+                                                  const struct amoe_tensor *sorted_indices,
+                                                  const struct amoe_tensor *probs,
+                                                  size_t *out_shape,
+                                                  size_t cap,
+                                                  size_t *out_ndim);
+
+// Token unpermute: `out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`
+// (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
+// nothing. Ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// Descriptors valid; `out` writable.
+amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
+                                     const struct amoe_tensor *sorted_indices,
+                                     const struct amoe_tensor *probs,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
+// The SP layout of DP token counts (SPEC section 2):
+// `local_sizes[d * tp_size + t] = ceil(dp_tokens[d] / tp_size)`.
+// Writes `n * tp_size` entries to the caller-owned `out` (`cap` entries) and
+// the count to `*out_len`; when `cap` is too small only `*out_len` is written
+// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned.
+//
+// # Safety
+// `dp_tokens` readable for `n`; `out` writable for `cap`; `out_len` writable.
+amoe_status amoe_sp_layout_from_dp_tokens(const size_t *dp_tokens,
+                                          size_t n,
+                                          size_t tp_size,
+                                          size_t *out,
+                                          size_t cap,
+                                          size_t *out_len);
+
+// Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
+// `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
+// when `local_sizes` is NULL. `x`'s data pointer is ignored.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
+                                                   const size_t *local_sizes,
+                                                   size_t n,
+                                                   size_t ep_rank,
+                                                   size_t ep_size,
+                                                   size_t *out_shape,
+                                                   size_t cap,
+                                                   size_t *out_ndim);
+
+// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
+// (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
+// rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
+// `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
+// Collective: every rank of `ep_comm` calls it with the same layout.
+// Ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
+amoe_status amoe_maybe_pad_and_reduce(const struct amoe_tensor *x,
+                                      const size_t *local_sizes,
+                                      size_t n,
+                                      const struct amoe_comm *ep_comm,
+                                      const struct amoe_tensor *out,
+                                      const struct amoe_stream *stream);
+
+// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
+// `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
+// `[rows * ep_size, H...]` when `local_sizes` is NULL.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// As `amoe_maybe_pad_and_reduce_output_shape`.
+amoe_status amoe_maybe_all_gather_and_maybe_unpad_output_shape(const struct amoe_tensor *x,
+                                                               const size_t *local_sizes,
+                                                               size_t n,
+                                                               size_t ep_rank,
+                                                               size_t ep_size,
+                                                               size_t *out_shape,
+                                                               size_t cap,
+                                                               size_t *out_ndim);
+
+// EP/SP prepare (SPEC section 4): pad `x` (exactly `local_sizes[rank]` rows)
+// to `M` rows, all-gather over `ep_comm`, keep the first `local_sizes[r]`
+// rows of each rank's block. Collective; ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// As `amoe_maybe_pad_and_reduce`.
+amoe_status amoe_maybe_all_gather_and_maybe_unpad(const struct amoe_tensor *x,
+                                                  const size_t *local_sizes,
+                                                  size_t n,
+                                                  const struct amoe_comm *ep_comm,
+                                                  const struct amoe_tensor *out,
+                                                  const struct amoe_stream *stream);
+
+// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
+// with `N = sum(local_sizes)` becomes `[local_sizes[ep_rank], H...]`.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` NULL or readable for `n`.
+amoe_status amoe_finalize_and_reduce_output_shape(const struct amoe_finalize_args *args,
+                                                  const size_t *local_sizes,
+                                                  size_t n,
+                                                  size_t ep_rank,
+                                                  size_t ep_size,
+                                                  size_t *out_shape,
+                                                  size_t cap,
+                                                  size_t *out_ndim);
+
+// Finalize routing fused with the EP/SP reduce: the result of
+// `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
+// buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
+amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
+                                     const size_t *local_sizes,
+                                     size_t n,
+                                     const struct amoe_comm *ep_comm,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
+// Whether the routed output of `comm_type` is already the full sum
+// (SPEC section 5): `comm in {MC2, ALLTOALL, FUSED_MC2} or (ALLGATHER and sp)`.
+// Writes 1 or 0 to `*out`.
+//
+// # Safety
+// `out` writable.
+amoe_status amoe_routed_is_reduced(uint32_t comm_type, uint8_t sp, uint8_t *out);
+
+// Validates a policy and writes its decisions for the live `comm_type`:
+// `*early` (reduce the routed output before the transform), and whether
+// each of the three reduction points all-reduces (`*routed`, `*shared`,
+// `*final_`). Any out-pointer may be NULL to skip it.
+//
+// # Safety
+// `policy` valid; non-NULL out-pointers writable.
+amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy,
+                                         uint32_t comm_type,
+                                         uint8_t *early,
+                                         uint8_t *routed,
+                                         uint8_t *shared,
+                                         uint8_t *final_);
+
+// Reduction point 1 (routed output, before the transform) with the live
+// `comm_type`: `out` = TP all-reduce of `x` when the policy says so for this
+// comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
+// shape function is the identity); `x` and `out` may be the same memory.
+// Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
+//
+// # Safety
+// `policy` valid; `x`, `out` valid descriptors; `tp_comm` live.
+amoe_status amoe_reduce_routed_early(const struct amoe_reduce_policy *policy,
+                                     const struct amoe_tensor *x,
+                                     uint32_t comm_type,
+                                     const struct amoe_comm *tp_comm,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
+// Reduction point 2 (shared-expert output) with the live `comm_type`.
+// As `amoe_reduce_routed_early`.
+//
+// # Safety
+// As `amoe_reduce_routed_early`.
+amoe_status amoe_reduce_shared(const struct amoe_reduce_policy *policy,
+                               const struct amoe_tensor *x,
+                               uint32_t comm_type,
+                               const struct amoe_comm *tp_comm,
+                               const struct amoe_tensor *out,
+                               const struct amoe_stream *stream);
+
+// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
+// As `amoe_reduce_routed_early`.
+//
+// # Safety
+// As `amoe_reduce_routed_early`.
+amoe_status amoe_reduce_final(const struct amoe_reduce_policy *policy,
+                              const struct amoe_tensor *x,
+                              uint32_t comm_type,
+                              const struct amoe_comm *tp_comm,
+                              const struct amoe_tensor *out,
+                              const struct amoe_stream *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -38,7 +38,13 @@ fn check<T: TestElem>(fails: &mut Vec<String>, what: String, got: &Tensor, want:
 }
 
 fn prefix(c: &[usize]) -> Vec<usize> {
-    c.iter().scan(0, |a, &x| { let d = *a; *a += x; Some(d) }).collect()
+    c.iter()
+        .scan(0, |a, &x| {
+            let d = *a;
+            *a += x;
+            Some(d)
+        })
+        .collect()
 }
 
 /// Runs every collective for element type `T` on one rank; returns failures.
@@ -65,7 +71,12 @@ fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<Str
             let mut dst = Tensor::zeros_cpu(&[n], dt);
             comm.reduce_scatter(&src, &mut dst, op)?;
             let full = reduced::<T>(s + 7, world, n * world, op);
-            check(&mut fails, format!("reduce_scatter {dt} n={n} {} w={world} r={rank}", op.name()), &dst, &full[rank * n..(rank + 1) * n]);
+            check(
+                &mut fails,
+                format!("reduce_scatter {dt} n={n} {} w={world} r={rank}", op.name()),
+                &dst,
+                &full[rank * n..(rank + 1) * n],
+            );
             // reduce_scatter_v.
             let counts = v_counts(world, n);
             let total: usize = counts.iter().sum();
@@ -74,7 +85,12 @@ fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<Str
             let mut dst = Tensor::zeros_cpu(&[counts[rank]], dt);
             comm.reduce_scatter_v(&src, &mut dst, &counts, op)?;
             let full = reduced::<T>(s + 9, world, total, op);
-            check(&mut fails, format!("reduce_scatter_v {dt} counts={counts:?} {} w={world} r={rank}", op.name()), &dst, &full[d[rank]..d[rank] + counts[rank]]);
+            check(
+                &mut fails,
+                format!("reduce_scatter_v {dt} counts={counts:?} {} w={world} r={rank}", op.name()),
+                &dst,
+                &full[d[rank]..d[rank] + counts[rank]],
+            );
         }
         // all_gather.
         let src = t(&data::<T>(seed + 11, rank, n));
@@ -108,7 +124,12 @@ fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<Str
         let root = (n + ci) % world;
         let mut buf = t(&data::<T>(seed + 19, rank, n));
         comm.broadcast(&mut buf, root)?;
-        check(&mut fails, format!("broadcast {dt} n={n} root={root} w={world} r={rank}"), &buf, &data::<T>(seed + 19, root, n));
+        check(
+            &mut fails,
+            format!("broadcast {dt} n={n} root={root} w={world} r={rank}"),
+            &buf,
+            &data::<T>(seed + 19, root, n),
+        );
         comm.barrier()?;
     }
     Ok(fails)

@@ -66,7 +66,19 @@ fn problem(rng: &mut Rng, mode: DropPadMode, dtype: DType, n: usize, k: usize, t
         let e: Vec<i32> = (0..n * k).map(|_| rng.below(experts) as i32).collect();
         i32_tensor(&e, &[n, k])
     });
-    Problem { mode, n, k, trailing: trailing.to_vec(), x, idx: i32_tensor(&idx, &[n * k]), x1, x2, bias, scales, expert }
+    Problem {
+        mode,
+        n,
+        k,
+        trailing: trailing.to_vec(),
+        x,
+        idx: i32_tensor(&idx, &[n * k]),
+        x1,
+        x2,
+        bias,
+        scales,
+        expert,
+    }
 }
 
 impl Problem {
@@ -314,11 +326,19 @@ fn bad_finalize_input_names_argument_expected_and_actual() {
     expect_err(moe_finalize_routing(&FinalizeArgs { scales: Some(&bad), ..a }), "expanded_row_idx", &["[12]", "[8]"]);
     expect_err(moe_finalize_routing(&FinalizeArgs { expert_idx: None, ..a }), "expert_idx", &["bias"]);
     let bad = i32_tensor(&[0; 8], &[2, 4]);
-    expect_err(moe_finalize_routing(&FinalizeArgs { expert_idx: Some(&bad), ..a }), "expert_idx", &["[4, 2]", "[2, 4]"]);
+    expect_err(
+        moe_finalize_routing(&FinalizeArgs { expert_idx: Some(&bad), ..a }),
+        "expert_idx",
+        &["[4, 2]", "[2, 4]"],
+    );
     let bad = random(&mut rng, &[5, 9], DType::BF16);
     expect_err(moe_finalize_routing(&FinalizeArgs { bias: Some(&bad), ..a }), "bias", &["[E, 8]", "[5, 9]"]);
     let bad = random(&mut rng, &[8], DType::F32);
-    expect_err(moe_finalize_routing(&FinalizeArgs { expanded_row_idx: &bad, ..a }), "expanded_row_idx", &["f32", "i32"]);
+    expect_err(
+        moe_finalize_routing(&FinalizeArgs { expanded_row_idx: &bad, ..a }),
+        "expanded_row_idx",
+        &["f32", "i32"],
+    );
     let bad = i32_tensor(&[0; 64], &[8, 8]);
     expect_err(moe_finalize_routing(&FinalizeArgs { expanded_x: &bad, ..a }), "expanded_x", &["i32"]);
     let bad = random(&mut rng, &[9, 8], DType::BF16);

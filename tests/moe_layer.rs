@@ -56,7 +56,10 @@ fn matrix_covers_the_issue() {
                 }
                 for transform in [false, true] {
                     assert!(
-                        cases.iter().any(|c| c.comm == comm && c.sp == sp && c.shared == shared && c.routed_transform == transform),
+                        cases.iter().any(|c| c.comm == comm
+                            && c.sp == sp
+                            && c.shared == shared
+                            && c.routed_transform == transform),
                         "{comm:?} sp {sp} {shared:?} transform {transform}"
                     );
                 }

@@ -30,8 +30,7 @@ fn layout_from_dp_tokens_follows_spec() {
 
 fn random_layout(rng: &mut Rng) -> SpLayout {
     let ep = 1 + rng.below(8);
-    let sizes: Vec<usize> =
-        (0..ep).map(|_| if rng.below(4) == 0 { 0 } else { rng.below(9) }).collect();
+    let sizes: Vec<usize> = (0..ep).map(|_| if rng.below(4) == 0 { 0 } else { rng.below(9) }).collect();
     SpLayout::new(&sizes).unwrap()
 }
 
@@ -101,8 +100,13 @@ fn prepare_finalize_shapes_follow_spec_for_random_contexts() {
     for _ in 0..300 {
         let dp = 1 + rng.below(3);
         let tp = [1, 2, 4][rng.below(3)];
-        let dp_tokens: Vec<usize> =
-            (0..dp).map(|_| match rng.below(4) { 0 => 0, 1 => rng.below(tp + 1), _ => rng.below(40) }).collect();
+        let dp_tokens: Vec<usize> = (0..dp)
+            .map(|_| match rng.below(4) {
+                0 => 0,
+                1 => rng.below(tp + 1),
+                _ => rng.below(40),
+            })
+            .collect();
         let sp = rng.below(2) == 1;
         for d in 0..dp {
             for t in 0..tp {

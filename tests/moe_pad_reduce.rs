@@ -23,17 +23,11 @@ fn rank_data(seed: u64, r: usize, rows: usize, h: usize) -> Vec<f32> {
 
 fn layouts() -> Vec<SpLayout> {
     let mut rng = Rng::new(21);
-    let mut v: Vec<SpLayout> = [
-        vec![4usize],
-        vec![3, 3],
-        vec![5, 0],
-        vec![0, 0, 0],
-        vec![1, 4, 0, 2],
-        vec![0, 7, 7, 1, 0, 2, 3, 3],
-    ]
-    .iter()
-    .map(|s| SpLayout::new(s).unwrap())
-    .collect();
+    let mut v: Vec<SpLayout> =
+        [vec![4usize], vec![3, 3], vec![5, 0], vec![0, 0, 0], vec![1, 4, 0, 2], vec![0, 7, 7, 1, 0, 2, 3, 3]]
+            .iter()
+            .map(|s| SpLayout::new(s).unwrap())
+            .collect();
     for _ in 0..6 {
         let ep = 1 + rng.below(8);
         let s: Vec<usize> = (0..ep).map(|_| if rng.below(3) == 0 { 0 } else { rng.below(6) }).collect();
@@ -77,7 +71,10 @@ fn all_gather_and_unpad_matches_naive_model() {
         let outs = run_ranks(ep, &opts(), |r, comm| {
             let x = from_f32(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h], DType::BF16);
             let out = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
-            assert_eq!(out.shape(), maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), Some(&l), r, ep)?.as_slice());
+            assert_eq!(
+                out.shape(),
+                maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), Some(&l), r, ep)?.as_slice()
+            );
             Ok(to_f64(&out))
         })
         .unwrap();
@@ -261,7 +258,8 @@ fn draft_model_finalize_returns_the_local_shard() {
                 (0..n * h)
                     .map(|e| {
                         let (i, j) = (e / h, e % h);
-                        let v = x1[e] + (0..k).map(|kk| s[i * k + kk] * x[idx[i * k + kk] as usize * h + j]).sum::<f64>();
+                        let v =
+                            x1[e] + (0..k).map(|kk| s[i * k + kk] * x[idx[i * k + kk] as usize * h + j]).sum::<f64>();
                         ascend_moe::half::bf16::from_f64(v).to_f64()
                     })
                     .collect()

@@ -9,8 +9,16 @@ use ascend_moe::CommType;
 #[test]
 fn routed_is_reduced_truth_table() {
     use CommType::*;
-    let table =
-        [(AllGather, false, false), (AllGather, true, true), (Mc2, false, true), (Mc2, true, true), (AllToAll, false, true), (AllToAll, true, true), (FusedMc2, false, true), (FusedMc2, true, true)];
+    let table = [
+        (AllGather, false, false),
+        (AllGather, true, true),
+        (Mc2, false, true),
+        (Mc2, true, true),
+        (AllToAll, false, true),
+        (AllToAll, true, true),
+        (FusedMc2, false, true),
+        (FusedMc2, true, true),
+    ];
     for (c, sp, want) in table {
         assert_eq!(routed_is_reduced(c, sp), want, "{c:?} sp {sp}");
     }
@@ -68,8 +76,7 @@ fn simulate(p: &ReducePolicy, live: CommType, decide: CommType) -> (Vec<f64>, f6
         let s: f64 = v.iter().sum();
         v.iter_mut().for_each(|x| *x = s);
     };
-    let mut routed: Vec<f64> =
-        if routed_is_reduced(live, p.sp()) { vec![r_total; tp] } else { r_part.clone() };
+    let mut routed: Vec<f64> = if routed_is_reduced(live, p.sp()) { vec![r_total; tp] } else { r_part.clone() };
     let mut shared: Vec<f64> = match p.shared_mode() {
         SharedMode::None => vec![0.0; tp],
         SharedMode::TensorParallel => s_part.clone(),
@@ -104,7 +111,8 @@ fn graph_replay_every_policy_and_comm_pair_reduces_exactly_once() {
         // The policy object is built once ("at trace time", whatever comm type
         // was live then) and is reused for every replay.
         for traced in CommType::ALL {
-            let policy_at_trace = ReducePolicy::new(p.shared_mode(), p.has_routed_transform(), p.sp(), p.tp_size(), p.ep_size()).unwrap();
+            let policy_at_trace =
+                ReducePolicy::new(p.shared_mode(), p.has_routed_transform(), p.sp(), p.tp_size(), p.ep_size()).unwrap();
             assert_eq!(policy_at_trace, p, "the policy cannot depend on the comm type live at trace time ({traced:?})");
             for live in CommType::ALL {
                 if !transform_sees_full_sum(&p, live) {
@@ -112,7 +120,10 @@ fn graph_replay_every_policy_and_comm_pair_reduces_exactly_once() {
                 }
                 let (out, want) = simulate(&policy_at_trace, live, live);
                 for (t, o) in out.iter().enumerate() {
-                    assert!((o - want).abs() < 1e-12, "{p:?} traced {traced:?} live {live:?}: rank {t} got {o}, want {want}");
+                    assert!(
+                        (o - want).abs() < 1e-12,
+                        "{p:?} traced {traced:?} live {live:?}: rank {t} got {o}, want {want}"
+                    );
                 }
                 checked += 1;
             }

@@ -317,24 +317,6 @@ pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, 
     Ok(())
 }
 
-/// Checks an output descriptor matches `shape`/`dtype` before any work starts,
-/// so a wrong output fails fast (and identically on every rank of a collective).
-///
-/// # Safety
-/// As [`meta`].
-pub(crate) unsafe fn check_out(
-    func: &str,
-    arg: &str,
-    d: *const amoe_tensor,
-    shape: &[usize],
-    dtype: DType,
-) -> Result<(), Failure> {
-    let d = try_ref!(func, d, arg);
-    // SAFETY: forwarded contract.
-    let m = unsafe { meta(func, arg, d) }?;
-    check_meta(func, arg, d, &m, shape, dtype)
-}
-
 fn check_meta(func: &str, arg: &str, d: &amoe_tensor, m: &Meta, shape: &[usize], dtype: DType) -> Result<(), Failure> {
     if m.dtype != dtype {
         return Err(Failure::new(

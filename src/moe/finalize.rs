@@ -125,12 +125,22 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
     let xs = m.expanded_x.shape;
     let (expanded_rows, trailing) = if mode.is_drop_pad() {
         if xs.len() < 3 {
-            return Err(Error::shape(op, "expanded_x", format!("[E, C, H] (3-D) in drop-pad mode {}", mode as u32), xs));
+            return Err(Error::shape(
+                op,
+                "expanded_x",
+                format!("[E, C, H] (3-D) in drop-pad mode {}", mode as u32),
+                xs,
+            ));
         }
         (xs[0] * xs[1], &xs[2..])
     } else {
         if xs.len() < 2 {
-            return Err(Error::shape(op, "expanded_x", format!("[N*K, H] (2-D) in drop-less mode {}", mode as u32), xs));
+            return Err(Error::shape(
+                op,
+                "expanded_x",
+                format!("[N*K, H] (2-D) in drop-less mode {}", mode as u32),
+                xs,
+            ));
         }
         (xs[0], &xs[1..])
     };
@@ -185,7 +195,11 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
                 return Err(Error::shape(op, "bias", format!("[E, {}]", dims_str(trailing)), b.shape));
             }
             if m.expert_idx.is_none() {
-                return Err(Error::invalid(op, "expert_idx", "required when bias is given (it selects the bias row), got none"));
+                return Err(Error::invalid(
+                    op,
+                    "expert_idx",
+                    "required when bias is given (it selects the bias row), got none",
+                ));
             }
             b.shape[0]
         }
@@ -199,7 +213,11 @@ fn dims_str(d: &[usize]) -> String {
 }
 
 /// Checks that every present tensor is on `device`.
-fn same_device<'a>(op: &'static str, device: &Device, ts: impl IntoIterator<Item = (&'static str, Option<&'a Tensor>)>) -> Result<()> {
+fn same_device<'a>(
+    op: &'static str,
+    device: &Device,
+    ts: impl IntoIterator<Item = (&'static str, Option<&'a Tensor>)>,
+) -> Result<()> {
     for (arg, t) in ts {
         if let Some(t) = t {
             let d = t.device();
@@ -272,7 +290,12 @@ pub fn moe_token_unpermute_shape(
         Some(p) => {
             let (t, k) = scale_dims(op, "probs", p, permuted.dtype)?;
             if len != t * k {
-                return Err(Error::shape(op, "sorted_indices", format!("[{}] (T*K from probs [{t}, {k}])", t * k), sorted_indices.shape));
+                return Err(Error::shape(
+                    op,
+                    "sorted_indices",
+                    format!("[{}] (T*K from probs [{t}, {k}])", t * k),
+                    sorted_indices.shape,
+                ));
             }
             (t, k)
         }
@@ -290,11 +313,8 @@ pub fn moe_token_unpermute_output_shape(
     sorted_indices: &Tensor,
     probs: Option<&Tensor>,
 ) -> Result<(Vec<usize>, UnpermuteDims)> {
-    let r = moe_token_unpermute_shape(
-        TensorMeta::of(permuted),
-        TensorMeta::of(sorted_indices),
-        probs.map(TensorMeta::of),
-    )?;
+    let r =
+        moe_token_unpermute_shape(TensorMeta::of(permuted), TensorMeta::of(sorted_indices), probs.map(TensorMeta::of))?;
     same_device(UNPERMUTE, &permuted.device(), [("sorted_indices", Some(sorted_indices)), ("probs", probs)])?;
     Ok(r)
 }

@@ -116,7 +116,11 @@ impl LayerCase {
     fn validate(&self) -> Result<()> {
         const OP: &str = "run_layer_case";
         if self.dp == 0 || self.tp == 0 || self.dp_tokens.len() != self.dp {
-            return Err(Error::invalid(OP, "case", format!("dp {} tp {} with dp_tokens {:?}", self.dp, self.tp, self.dp_tokens)));
+            return Err(Error::invalid(
+                OP,
+                "case",
+                format!("dp {} tp {} with dp_tokens {:?}", self.dp, self.tp, self.dp_tokens),
+            ));
         }
         if self.experts == 0 || self.experts % self.world() != 0 || self.top_k == 0 || self.top_k > self.experts {
             return Err(Error::invalid(
@@ -126,7 +130,11 @@ impl LayerCase {
             ));
         }
         if SHARED_INTER % self.tp != 0 {
-            return Err(Error::invalid(OP, "case", format!("TP {} does not divide the shared size {SHARED_INTER}", self.tp)));
+            return Err(Error::invalid(
+                OP,
+                "case",
+                format!("TP {} does not divide the shared size {SHARED_INTER}", self.tp),
+            ));
         }
         Ok(())
     }
@@ -250,8 +258,9 @@ impl Model {
 
     /// Top-k experts (descending logit, lower index on ties) and their softmax weights.
     fn route(&self, x: &[f32]) -> (Vec<i32>, Vec<f32>) {
-        let logits: Vec<f32> =
-            (0..self.e).map(|e| self.gate[e * self.h..(e + 1) * self.h].iter().zip(x).map(|(g, v)| g * v).sum()).collect();
+        let logits: Vec<f32> = (0..self.e)
+            .map(|e| self.gate[e * self.h..(e + 1) * self.h].iter().zip(x).map(|(g, v)| g * v).sum())
+            .collect();
         let mut order: Vec<usize> = (0..self.e).collect();
         order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         let top = &order[..self.k];
@@ -263,14 +272,17 @@ impl Model {
 
     fn expert(&self, e: usize, x: &[f32]) -> Vec<f32> {
         let w = &self.experts[e * self.h * self.h..(e + 1) * self.h * self.h];
-        (0..self.h).map(|o| w[o * self.h..(o + 1) * self.h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh()).collect()
+        (0..self.h)
+            .map(|o| w[o * self.h..(o + 1) * self.h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh())
+            .collect()
     }
 
     /// Shared expert restricted to intermediate rows `[lo, hi)`.
     fn shared(&self, x: &[f32], lo: usize, hi: usize) -> Vec<f32> {
         let h = self.h;
-        let mid: Vec<f32> =
-            (lo..hi).map(|i| self.w1[i * h..(i + 1) * h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh()).collect();
+        let mid: Vec<f32> = (lo..hi)
+            .map(|i| self.w1[i * h..(i + 1) * h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh())
+            .collect();
         (0..h).map(|o| (lo..hi).map(|i| self.w2[o * SHARED_INTER + i] * mid[i - lo]).sum()).collect()
     }
 
@@ -322,7 +334,11 @@ fn map_tensor(t: &Tensor, f: impl Fn(f32) -> f32) -> Result<Tensor> {
 fn shape_check(op: &'static str, got: &[usize], want: &[usize], n: &mut usize) -> Result<()> {
     *n += 1;
     if got != want {
-        return Err(Error::invalid(op, "output", format!("real shape {got:?} differs from its shape function's {want:?}")));
+        return Err(Error::invalid(
+            op,
+            "output",
+            format!("real shape {got:?} differs from its shape function's {want:?}"),
+        ));
     }
     Ok(())
 }
@@ -448,7 +464,12 @@ fn rank_forward(c: &LayerCase, m: &Model, rank: usize, world: Comm, device: &Dev
                 }
                 None => {
                     let part = moe_finalize_routing(&args)?;
-                    shape_check("moe_finalize_routing", part.shape(), &moe_finalize_routing_output_shape(&args)?.0, &mut checks)?;
+                    shape_check(
+                        "moe_finalize_routing",
+                        part.shape(),
+                        &moe_finalize_routing_output_shape(&args)?.0,
+                        &mut checks,
+                    )?;
                     let want = finalize_output_shape(part.shape(), live, &ctx)?;
                     let out = finalize(part, live, &ctx, &groups)?;
                     shape_check("finalize", out.shape(), &want, &mut checks)?;

@@ -107,11 +107,7 @@ impl SpLayout {
             return Err(Error::invalid(
                 op,
                 "layout",
-                format!(
-                    "has {} entries {:?}, expected one per EP rank ({ep_size})",
-                    self.ep_size(),
-                    self.local_sizes
-                ),
+                format!("has {} entries {:?}, expected one per EP rank ({ep_size})", self.ep_size(), self.local_sizes),
             ));
         }
         Ok(())

@@ -86,7 +86,12 @@ fn check_device<C: Collectives + ?Sized>(op: &'static str, arg: &'static str, t:
     let d = t.device();
     let want = ep.device();
     if d != want {
-        return Err(Error::Device { op, arg, expected: format!("{want} (the EP group's device)"), actual: d.to_string() });
+        return Err(Error::Device {
+            op,
+            arg,
+            expected: format!("{want} (the EP group's device)"),
+            actual: d.to_string(),
+        });
     }
     Ok(d)
 }

@@ -383,7 +383,11 @@ pub fn dispatch(
         return Err(Error::invalid(OP, "topk_ids", format!("{} ids for {n} tokens x top-k {top_k}", topk_ids.len())));
     }
     if num_experts == 0 || num_experts % world != 0 {
-        return Err(Error::invalid(OP, "num_experts", format!("{num_experts} experts do not split over {world} EP ranks")));
+        return Err(Error::invalid(
+            OP,
+            "num_experts",
+            format!("{num_experts} experts do not split over {world} EP ranks"),
+        ));
     }
     if let Some(m) = mask {
         if m.len() != n {
@@ -442,7 +446,12 @@ pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &
     const OP: &str = "moe_combine";
     let recv_total: usize = d.recv_counts.iter().sum();
     if expert_out.shape().first() != Some(&recv_total) || expert_out.row_len() != d.rows.row_len() {
-        return Err(Error::shape(OP, "expert_out", format!("{:?} (the dispatched rows)", d.rows.shape()), expert_out.shape()));
+        return Err(Error::shape(
+            OP,
+            "expert_out",
+            format!("{:?} (the dispatched rows)", d.rows.shape()),
+            expert_out.shape(),
+        ));
     }
     if topk_weights.shape() != [d.tokens, d.top_k] {
         return Err(Error::shape(OP, "topk_weights", format!("[{}, {}]", d.tokens, d.top_k), topk_weights.shape()));

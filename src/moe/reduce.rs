@@ -175,7 +175,12 @@ impl ReducePolicy {
             return Err(Error::invalid(
                 op,
                 "tp",
-                format!("group {:?} has {} ranks, the policy's tp_size is {}", tp.name(), tp.world_size(), self.tp_size),
+                format!(
+                    "group {:?} has {} ranks, the policy's tp_size is {}",
+                    tp.name(),
+                    tp.world_size(),
+                    self.tp_size
+                ),
             ));
         }
         if reduce && self.tp_size > 1 && x.numel() > 0 {

@@ -118,7 +118,17 @@ pub fn reduced<T: TestElem>(seed: u64, world: usize, n: usize, op: ReduceOp) -> 
 
 /// Per-rank counts for a `_v` collective of size class `base`: uneven, with zeros.
 pub fn v_counts(world: usize, base: usize) -> Vec<usize> {
-    (0..world).map(|j| if base == 0 { 0 } else if j % 3 == 2 { 0 } else { base + j % 2 }).collect()
+    (0..world)
+        .map(|j| {
+            if base == 0 {
+                0
+            } else if j % 3 == 2 {
+                0
+            } else {
+                base + j % 2
+            }
+        })
+        .collect()
 }
 
 /// All-to-all matrix: `m[i][j]` elements go from rank i to rank j.

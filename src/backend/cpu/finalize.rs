@@ -441,20 +441,8 @@ fn unpermute_typed<T: Lanes>(
         return Err(Error::shape(UNPERMUTE, "out", format!("{n} rows of {h} elements"), out.shape()));
     }
     let o: &mut [T] = bytemuck::cast_slice_mut(host_mut(UNPERMUTE, "out", out)?);
-    let g = Gather {
-        x,
-        rows,
-        h,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales,
-        idx,
-        n,
-        k,
-        row_layout: true,
-        skip_invalid: true,
-    };
+    let g =
+        Gather { x, rows, h, x1: None, x2: None, bias: None, scales, idx, n, k, row_layout: true, skip_invalid: true };
     g.run(o, n, &Some);
     Ok(())
 }

@@ -363,7 +363,9 @@ impl CpuComm {
             )));
         }
         if rank >= world_size {
-            return Err(setup(format!("rank {rank} is out of range for world size {world_size} (valid 0..{world_size})")));
+            return Err(setup(format!(
+                "rank {rank} is out of range for world size {world_size} (valid 0..{world_size})"
+            )));
         }
         if name.is_empty() || name.contains('\0') {
             return Err(setup(format!("invalid group name {name:?} (must be non-empty, without NUL)")));
@@ -481,7 +483,8 @@ impl CpuComm {
             }
             if let Some(i) = failed.iter().position(|f| f.0).or(if failed.is_empty() { None } else { Some(0) }) {
                 let why = &failed[i].1;
-                let e = self.err(coll, CommErrorKind::PeerFailed, format!("{why} while rank {} waited", self.inner.rank));
+                let e =
+                    self.err(coll, CommErrorKind::PeerFailed, format!("{why} while rank {} waited", self.inner.rank));
                 self.poison(st, &e);
                 return Err(e);
             }
@@ -597,7 +600,8 @@ impl CpuComm {
             }
         }
         if groups.len() > 1 {
-            let parts: Vec<String> = groups.iter().map(|(d, r)| format!("ranks {r:?} called {}", d.describe())).collect();
+            let parts: Vec<String> =
+                groups.iter().map(|(d, r)| format!("ranks {r:?} called {}", d.describe())).collect();
             let odd: Vec<usize> = groups.iter().skip(1).flat_map(|(_, r)| r.iter().copied()).collect();
             return Some(format!("ranks disagree (ranks {odd:?} differ from rank 0): {}", parts.join("; ")));
         }
@@ -614,11 +618,9 @@ impl CpuComm {
             }
             if !errs.is_empty() {
                 let shown = errs.len().min(8);
-                let more = if errs.len() > shown { format!(" (and {} more)", errs.len() - shown) } else { String::new() };
-                return Some(format!(
-                    "send/recv counts disagree across {n} ranks: {}{more}",
-                    errs[..shown].join("; ")
-                ));
+                let more =
+                    if errs.len() > shown { format!(" (and {} more)", errs.len() - shown) } else { String::new() };
+                return Some(format!("send/recv counts disagree across {n} ranks: {}{more}", errs[..shown].join("; ")));
             }
         }
         None
@@ -808,7 +810,11 @@ impl CpuComm {
                 if lo < hi {
                     // SAFETY: sd[j] + hi <= sum(send); region j holds relems elements.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(src.add((sd[j] + lo) * esz), mine.add(j * region), (hi - lo) * esz)
+                        std::ptr::copy_nonoverlapping(
+                            src.add((sd[j] + lo) * esz),
+                            mine.add(j * region),
+                            (hi - lo) * esz,
+                        )
                     };
                 }
             }
@@ -860,16 +866,16 @@ impl CpuComm {
     /// `dst = op(src over ranks)` on host slices.
     pub fn all_reduce_slice<T: Element>(&self, src: &[T], dst: &mut [T], op: ReduceOp) -> Result<()> {
         let local = same_len("all_reduce", "dst", src.len(), dst.len());
-        let (mut st, _) = self.begin(Kind::AllReduce, Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(src.len()), local)?;
+        let (mut st, _) =
+            self.begin(Kind::AllReduce, Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(src.len()), local)?;
         // SAFETY: both slices hold src.len() elements of T and cannot overlap (& vs &mut).
-        unsafe {
-            self.all_reduce_raw(&mut st, T::DTYPE, op, src.as_ptr().cast(), dst.as_mut_ptr().cast(), src.len())
-        }
+        unsafe { self.all_reduce_raw(&mut st, T::DTYPE, op, src.as_ptr().cast(), dst.as_mut_ptr().cast(), src.len()) }
     }
 
     /// In-place all-reduce on a host slice.
     pub fn all_reduce_slice_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let (mut st, _) = self.begin(Kind::AllReduce, Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(buf.len()), Ok(()))?;
+        let (mut st, _) =
+            self.begin(Kind::AllReduce, Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(buf.len()), Ok(()))?;
         let p = buf.as_mut_ptr().cast::<u8>();
         // SAFETY: src == dst (in place is allowed); buf holds buf.len() elements.
         unsafe { self.all_reduce_raw(&mut st, T::DTYPE, op, p, p, buf.len()) }
@@ -884,7 +890,15 @@ impl CpuComm {
         let counts = vec![dst.len(); w];
         // SAFETY: src holds w * dst.len() elements (checked), dst holds dst.len().
         unsafe {
-            self.reduce_scatter_raw(&mut st, "reduce_scatter", T::DTYPE, op, src.as_ptr().cast(), dst.as_mut_ptr().cast(), &counts)
+            self.reduce_scatter_raw(
+                &mut st,
+                "reduce_scatter",
+                T::DTYPE,
+                op,
+                src.as_ptr().cast(),
+                dst.as_mut_ptr().cast(),
+                &counts,
+            )
         }
     }
 
@@ -892,20 +906,37 @@ impl CpuComm {
     pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
         let w = self.inner.world;
         let local = same_len("all_gather", "dst", src.len() * w, dst.len());
-        let (mut st, _) = self.begin(Kind::AllGather, Desc::new(Kind::AllGather, T::DTYPE, None).count(src.len()), local)?;
+        let (mut st, _) =
+            self.begin(Kind::AllGather, Desc::new(Kind::AllGather, T::DTYPE, None).count(src.len()), local)?;
         let counts = vec![src.len(); w];
         // SAFETY: dst holds w * src.len() elements (checked).
-        unsafe { self.all_gather_raw(&mut st, "all_gather", T::DTYPE, src.as_ptr().cast(), dst.as_mut_ptr().cast(), &counts) }
+        unsafe {
+            self.all_gather_raw(&mut st, "all_gather", T::DTYPE, src.as_ptr().cast(), dst.as_mut_ptr().cast(), &counts)
+        }
     }
 
     /// Reduce-scatter with per-rank block sizes on host slices.
-    pub fn reduce_scatter_v_slice<T: Element>(&self, src: &[T], dst: &mut [T], counts: &[usize], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter_v_slice<T: Element>(
+        &self,
+        src: &[T],
+        dst: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
         let local = self.check_v("reduce_scatter_v", counts, src.len(), "src", dst.len(), "dst");
         let desc = Desc::new(Kind::ReduceScatterV, T::DTYPE, Some(op)).counts(counts, counts);
         let (mut st, _) = self.begin(Kind::ReduceScatterV, desc, local)?;
         // SAFETY: src holds sum(counts), dst counts[rank] elements (checked).
         unsafe {
-            self.reduce_scatter_raw(&mut st, "reduce_scatter_v", T::DTYPE, op, src.as_ptr().cast(), dst.as_mut_ptr().cast(), counts)
+            self.reduce_scatter_raw(
+                &mut st,
+                "reduce_scatter_v",
+                T::DTYPE,
+                op,
+                src.as_ptr().cast(),
+                dst.as_mut_ptr().cast(),
+                counts,
+            )
         }
     }
 
@@ -915,7 +946,9 @@ impl CpuComm {
         let desc = Desc::new(Kind::AllGatherV, T::DTYPE, None).counts(counts, counts);
         let (mut st, _) = self.begin(Kind::AllGatherV, desc, local)?;
         // SAFETY: src holds counts[rank], dst sum(counts) elements (checked).
-        unsafe { self.all_gather_raw(&mut st, "all_gather_v", T::DTYPE, src.as_ptr().cast(), dst.as_mut_ptr().cast(), counts) }
+        unsafe {
+            self.all_gather_raw(&mut st, "all_gather_v", T::DTYPE, src.as_ptr().cast(), dst.as_mut_ptr().cast(), counts)
+        }
     }
 
     /// Personalised exchange on host slices.
@@ -940,7 +973,15 @@ impl CpuComm {
         // SAFETY: src holds sum(send), dst sum(recv) elements (checked); counts
         // agree pairwise across ranks (checked in `begin`).
         unsafe {
-            self.all_to_all_raw(&mut st, T::DTYPE, src.as_ptr().cast(), send_counts, dst.as_mut_ptr().cast(), recv_counts, max_block)
+            self.all_to_all_raw(
+                &mut st,
+                T::DTYPE,
+                src.as_ptr().cast(),
+                send_counts,
+                dst.as_mut_ptr().cast(),
+                recv_counts,
+                max_block,
+            )
         }
     }
 
@@ -958,7 +999,15 @@ impl CpuComm {
         unsafe { self.broadcast_raw(&mut st, T::DTYPE, buf.as_mut_ptr().cast(), buf.len(), root) }
     }
 
-    fn check_v(&self, op: &'static str, counts: &[usize], total: usize, total_arg: &'static str, mine: usize, mine_arg: &'static str) -> Result<()> {
+    fn check_v(
+        &self,
+        op: &'static str,
+        counts: &[usize],
+        total: usize,
+        total_arg: &'static str,
+        mine: usize,
+        mine_arg: &'static str,
+    ) -> Result<()> {
         let w = self.inner.world;
         counts_len(op, "counts", counts, w)?;
         same_len(op, total_arg, counts.iter().sum(), total)?;
@@ -1133,7 +1182,8 @@ impl Collectives for CpuComm {
 
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
         const C: &str = "reduce_scatter_v";
-        let local = check_pair(C, src, dst).and_then(|_| self.check_v(C, counts, src.numel(), "src", dst.numel(), "dst"));
+        let local =
+            check_pair(C, src, dst).and_then(|_| self.check_v(C, counts, src.numel(), "src", dst.numel(), "dst"));
         let desc = Desc::new(Kind::ReduceScatterV, src.dtype(), Some(op)).counts(counts, counts);
         let dtype = src.dtype();
         self.tensor_call(Kind::ReduceScatterV, desc, local, |c, st, _| {
@@ -1146,7 +1196,8 @@ impl Collectives for CpuComm {
 
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
         const C: &str = "all_gather_v";
-        let local = check_pair(C, src, dst).and_then(|_| self.check_v(C, counts, dst.numel(), "dst", src.numel(), "src"));
+        let local =
+            check_pair(C, src, dst).and_then(|_| self.check_v(C, counts, dst.numel(), "dst", src.numel(), "src"));
         let desc = Desc::new(Kind::AllGatherV, src.dtype(), None).counts(counts, counts);
         let dtype = src.dtype();
         self.tensor_call(Kind::AllGatherV, desc, local, |c, st, _| {
@@ -1258,8 +1309,8 @@ where
     if errors.is_empty() {
         return Ok(results);
     }
-    let root = errors.iter().position(|e| {
-        !matches!(e, Error::Comm { kind: CommErrorKind::PeerFailed | CommErrorKind::Mismatch, .. })
-    });
+    let root = errors
+        .iter()
+        .position(|e| !matches!(e, Error::Comm { kind: CommErrorKind::PeerFailed | CommErrorKind::Mismatch, .. }));
     Err(errors.swap_remove(root.unwrap_or(0)))
 }

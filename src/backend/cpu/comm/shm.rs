@@ -182,7 +182,8 @@ impl Segment {
     /// Creates or joins the segment of group `name` as `rank` of `world`.
     pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
         let path = segment_path(name);
-        let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("CpuComm::rendezvous", "name", "NUL byte"))?;
+        let cpath =
+            CString::new(path.clone()).map_err(|_| Error::invalid("CpuComm::rendezvous", "name", "NUL byte"))?;
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::default();
         loop {
@@ -302,8 +303,7 @@ impl Segment {
             })
             .collect();
         drop(ctrl);
-        let live: Vec<usize> =
-            (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1)).collect();
+        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1)).collect();
         if live.is_empty() {
             return Ok(Found::Stale);
         }
@@ -325,7 +325,9 @@ impl Segment {
                 name,
                 rank,
                 world,
-                format!("the live world under this name uses {s} staging bytes per half, this rank asked for {staging}"),
+                format!(
+                    "the live world under this name uses {s} staging bytes per half, this rank asked for {staging}"
+                ),
                 CommErrorKind::Setup,
             ));
         }
@@ -432,8 +434,9 @@ impl Segment {
         if unsafe { libc::flock(self.fd, libc::LOCK_EX) } != 0 {
             return;
         }
-        let anyone =
-            (0..self.world).any(|r| self.ctrl(r).state.load(Ordering::Acquire) == JOINED && pid_alive(self.ctrl(r).pid.load(Ordering::Acquire)));
+        let anyone = (0..self.world).any(|r| {
+            self.ctrl(r).state.load(Ordering::Acquire) == JOINED && pid_alive(self.ctrl(r).pid.load(Ordering::Acquire))
+        });
         if !anyone {
             if let Ok(c) = CString::new(self.path.clone()) {
                 if stat_path(&c) == Some(self.ino) {
