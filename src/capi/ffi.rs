@@ -225,14 +225,16 @@ pub(crate) unsafe fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta
     // SAFETY: ndim <= AMOE_MAX_NDIM and the caller's contract for `shape`.
     let shape = unsafe { read_sizes(func, "shape", d.shape, d.ndim) }
         .map_err(|f| Failure::new(f.status, format!("{func}: `{arg}`.shape is NULL with ndim {}", d.ndim)))?;
-    let numel = shape.iter().try_fold(1usize, |acc, &s| acc.checked_mul(s));
-    let bytes = numel.and_then(|n| n.checked_mul(dtype.size())).filter(|&b| b <= isize::MAX as usize);
-    let Some(bytes) = bytes else {
+    // Zero dims are skipped, so every partial product of the dims (which the
+    // ops and shape functions compute) fits too, also for empty tensors.
+    let span = shape.iter().try_fold(dtype.size(), |acc, &s| acc.checked_mul(s.max(1)));
+    if !matches!(span, Some(b) if b <= isize::MAX as usize) {
         return Err(Failure::new(
             amoe_status::Shape,
             format!("{func}: `{arg}` has shape {shape:?}, whose size in bytes overflows"),
         ));
-    };
+    }
+    let bytes = shape.iter().product::<usize>() * dtype.size();
     if !d.strides.is_null() {
         // SAFETY: the caller's contract for `strides` (ndim elements when non-null).
         let strides = unsafe { std::slice::from_raw_parts(d.strides, d.ndim) };
@@ -261,11 +263,11 @@ pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -
     let d = try_ref!(func, d, arg);
     // SAFETY: forwarded contract.
     let m = unsafe { meta(func, arg, d) }?;
+    if m.bytes > 0 && d.data.is_null() {
+        return Err(Failure::null(func, &format!("{arg}.data")));
+    }
     let mut t = Tensor::zeros_cpu(&m.shape, m.dtype);
     if m.bytes > 0 {
-        if d.data.is_null() {
-            return Err(Failure::null(func, &format!("{arg}.data")));
-        }
         // SAFETY: non-null, `m.bytes <= isize::MAX`, readable per the contract;
         // `t` is a fresh buffer so the ranges cannot overlap.
         let src = unsafe { std::slice::from_raw_parts(d.data as *const u8, m.bytes) };
@@ -315,6 +317,25 @@ pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, 
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), d.data as *mut u8, src.len()) };
     }
     Ok(())
+}
+
+/// Checks an output descriptor against the shape and dtype the op's shape
+/// function computed, before any work starts (so no buffer is allocated for
+/// an output the caller did not provide).
+///
+/// # Safety
+/// As [`meta`].
+pub(crate) unsafe fn check_out(
+    func: &str,
+    arg: &str,
+    d: *const amoe_tensor,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<(), Failure> {
+    let d = try_ref!(func, d, arg);
+    // SAFETY: forwarded contract.
+    let m = unsafe { meta(func, arg, d) }?;
+    check_meta(func, arg, d, &m, shape, dtype)
 }
 
 fn check_meta(func: &str, arg: &str, d: &amoe_tensor, m: &Meta, shape: &[usize], dtype: DType) -> Result<(), Failure> {

@@ -8,14 +8,14 @@
 
 use super::comm::{amoe_comm, amoe_stream, comm_ref};
 use super::ffi::{
-    ffi, flag, read_meta, read_opt, read_sizes, read_tensor, try_out, try_ref, write_out, write_shape, write_tensor,
-    Failure, Meta,
+    check_out, ffi, flag, read_meta, read_opt, read_sizes, read_tensor, try_out, try_ref, write_out, write_shape,
+    write_tensor, Failure, Meta,
 };
 use super::{amoe_status, amoe_tensor};
 use crate::backend::FinalizeArgs;
 use crate::moe::finalize::{drop_pad_mode, FinalizeMeta, TensorMeta};
 use crate::moe::{self, ReducePolicy, SharedMode, SpLayout};
-use crate::{CommType, Tensor};
+use crate::{Collectives, CommType, Tensor};
 
 /// Shared-expert modes of `amoe_reduce_policy::shared_mode` (SPEC section 5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -250,7 +250,11 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
     ffi!(F, {
         // SAFETY: the caller's contracts.
         let inputs = unsafe { FinalizeInputs::read(F, args) }?;
-        let y = moe::moe_finalize_routing(&inputs.args()?)?;
+        let a = inputs.args()?;
+        let (shape, _) = moe::moe_finalize_routing_output_shape(&a)?;
+        // SAFETY: the caller's contract for `out`.
+        unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
+        let y = moe::moe_finalize_routing(&a)?;
         // SAFETY: the caller's contract for `out`.
         unsafe { write_tensor(F, "out", out, &y) }
     })
@@ -312,6 +316,9 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute(
         let s = unsafe { read_tensor(F, "sorted_indices", sorted_indices) }?;
         // SAFETY: as above.
         let pr = unsafe { read_opt(F, "probs", probs) }?;
+        let (shape, _) = moe::moe_token_unpermute_output_shape(&p, &s, pr.as_ref())?;
+        // SAFETY: the caller's contract for `out`.
+        unsafe { check_out(F, "out", out, &shape, p.dtype()) }?;
         let y = moe::moe_token_unpermute(&p, &s, pr.as_ref())?;
         // SAFETY: the caller's contract for `out`.
         unsafe { write_tensor(F, "out", out, &y) }
@@ -340,16 +347,21 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
         let out_len = try_out!(F, out_len, "out_len");
         // SAFETY: the caller's contract.
         let dp = unsafe { read_sizes(F, "dp_tokens", dp_tokens, n) }?;
-        let l = SpLayout::from_dp_tokens(&dp, tp_size)?;
-        let sizes = l.local_sizes();
+        // The layout has n * tp_size entries: check it fits the caller's
+        // buffer before building it, so its size is bounded by real memory.
+        let Some(need) = n.checked_mul(tp_size) else {
+            return Err(Failure::invalid(F, "tp_size", format!("{n} DP ranks x {tp_size} TP ranks overflows")));
+        };
         // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out_len, sizes.len()) };
-        if cap < sizes.len() {
+        unsafe { write_out(out_len, need) };
+        if cap < need {
             return Err(Failure::new(
                 amoe_status::BufferTooSmall,
-                format!("{F}: `out` holds {cap} entries, the layout has {}", sizes.len()),
+                format!("{F}: `out` holds {cap} entries, the layout has {need}"),
             ));
         }
+        let l = SpLayout::from_dp_tokens(&dp, tp_size)?;
+        let sizes = l.local_sizes();
         let out = try_out!(F, out, "out");
         // SAFETY: non-null, writable for `cap >= sizes.len()` elements.
         unsafe { std::ptr::copy_nonoverlapping(sizes.as_ptr(), out, sizes.len()) };
@@ -412,6 +424,8 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let x = unsafe { read_tensor(F, "x", x) }?;
         let l = unsafe { layout(F, local_sizes, n) }?;
+        let shape = moe::maybe_pad_and_reduce_output_shape(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+        unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
         let y = moe::maybe_pad_and_reduce(&x, l.as_ref(), c)?;
         unsafe { write_tensor(F, "out", out, &y) }
     })
@@ -469,6 +483,9 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let x = unsafe { read_tensor(F, "x", x) }?;
         let l = unsafe { layout(F, local_sizes, n) }?;
+        let shape =
+            moe::maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+        unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
         let y = moe::maybe_all_gather_and_maybe_unpad(&x, l.as_ref(), c)?;
         unsafe { write_tensor(F, "out", out, &y) }
     })
@@ -525,7 +542,10 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let inputs = unsafe { FinalizeInputs::read(F, args) }?;
         let l = unsafe { layout(F, local_sizes, n) }?;
-        let y = moe::finalize_and_reduce(&inputs.args()?, l.as_ref(), c)?;
+        let a = inputs.args()?;
+        let shape = moe::finalize_and_reduce_output_shape(&a, l.as_ref(), c.rank(), c.world_size())?;
+        unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
+        let y = moe::finalize_and_reduce(&a, l.as_ref(), c)?;
         unsafe { write_tensor(F, "out", out, &y) }
     })
 }
@@ -618,6 +638,7 @@ unsafe fn reduce_point(
     // SAFETY: the caller's contracts, for every call below.
     let tp = unsafe { comm_ref(f, tp_comm) }?;
     let x = unsafe { read_tensor(f, "x", x) }?;
+    unsafe { check_out(f, "out", out, x.shape(), x.dtype()) }?;
     let y = match point {
         Point::RoutedEarly => p.reduce_routed_early(x, c, tp)?,
         Point::Shared => p.reduce_shared(x, c, tp)?,
