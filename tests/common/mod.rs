@@ -22,8 +22,10 @@ pub trait TestElem: Element {
 
 fn rand_f32(seed: u64, rank: usize, i: usize) -> f32 {
     let h = mix(seed ^ mix(rank as u64 ^ mix(i as u64)));
-    // Full-mantissa values in [-4, 4), so rounding matters.
-    ((h >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
+    // Full-mantissa values in [-4, 4) scaled by 2^-12 ..= 2^11: wide enough in
+    // range that the f32 sum depends on the order it is taken in.
+    let m = ((h >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0;
+    m * f32::powi(2.0, (h % 24) as i32 - 12)
 }
 
 fn fold_f32(op: ReduceOp, xs: impl Iterator<Item = f32>) -> f32 {
@@ -118,17 +120,7 @@ pub fn reduced<T: TestElem>(seed: u64, world: usize, n: usize, op: ReduceOp) -> 
 
 /// Per-rank counts for a `_v` collective of size class `base`: uneven, with zeros.
 pub fn v_counts(world: usize, base: usize) -> Vec<usize> {
-    (0..world)
-        .map(|j| {
-            if base == 0 {
-                0
-            } else if j % 3 == 2 {
-                0
-            } else {
-                base + j % 2
-            }
-        })
-        .collect()
+    (0..world).map(|j| if base == 0 || j % 3 == 2 { 0 } else { base + j % 2 }).collect()
 }
 
 /// All-to-all matrix: `m[i][j]` elements go from rank i to rank j.

@@ -692,6 +692,7 @@ impl CpuComm {
     /// # Safety
     /// `src` readable for `sum(counts)` elements, `dst` writable for
     /// `counts[rank]`, aligned, not overlapping.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn reduce_scatter_raw(
         &self,
         st: &mut State,

@@ -71,7 +71,7 @@ impl Kern for f16 {
 /// bf16 -> f32 (exact): the bits move to the top half.
 pub fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
-        *d = f32::from_bits((s.to_bits() as u32) << 16);
+        *d = bf16_f32(*s);
     }
 }
 
@@ -85,16 +85,23 @@ pub fn f32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
     }
 }
 
+#[inline(always)]
+fn bf16_f32(x: bf16) -> f32 {
+    f32::from_bits((x.to_bits() as u32) << 16)
+}
+
 impl Kern for bf16 {
     type Acc = f32;
     fn load(src: &[bf16], acc: &mut [f32]) {
         bf16_to_f32_slice(src, acc);
     }
     fn accumulate(op: ReduceOp, src: &[bf16], acc: &mut [f32]) {
-        let mut tmp = [0f32; BLK];
-        let tmp = &mut tmp[..src.len()];
-        bf16_to_f32_slice(src, tmp);
-        combine_f32(op, tmp, acc);
+        // Widen and combine in one pass (vectorises; no temporary).
+        match op {
+            ReduceOp::Sum => acc.iter_mut().zip(src).for_each(|(a, x)| *a += bf16_f32(*x)),
+            ReduceOp::Max => acc.iter_mut().zip(src).for_each(|(a, x)| *a = a.max(bf16_f32(*x))),
+            ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, x)| *a = a.min(bf16_f32(*x))),
+        }
     }
     fn store(acc: &[f32], dst: &mut [bf16]) {
         f32_to_bf16_slice(acc, dst);

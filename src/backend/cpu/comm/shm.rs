@@ -137,10 +137,7 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     }
     // Exists (or exists under another user); a zombie has exited.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => match s.rfind(')').and_then(|i| s[i + 1..].trim_start().chars().next()) {
-            Some('Z') | Some('X') => false,
-            _ => true,
-        },
+        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].trim_start().chars().next()), Some('Z' | 'X')),
         Err(_) => true,
     }
 }
