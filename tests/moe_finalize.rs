@@ -3,7 +3,7 @@
 
 mod moe_common;
 
-use ascend_moe::backend::cpu::finalize::set_num_threads;
+use ascend_moe::backend::cpu::finalize::{set_num_threads, set_wide_simd};
 use ascend_moe::backend::{FinalizeArgs, OutputRows};
 use ascend_moe::moe::finalize::*;
 use ascend_moe::{DType, Device, DropPadMode, Error, Tensor};
@@ -203,9 +203,17 @@ fn finalize_edge_sizes() {
 #[test]
 fn finalize_is_bitwise_identical_across_runs_and_thread_counts() {
     let mut rng = Rng::new(3);
-    let o = Opts { x1: true, x2: true, bias: true, scales: Some(DType::F32), expert_without_bias: false };
-    for (mode, dtype) in [(DropPadMode::DropLessRow, DType::BF16), (DropPadMode::DropPadColumn, DType::F16)] {
-        let p = problem(&mut rng, mode, dtype, 301, 4, &[129], o);
+    let with_bias = Opts { x1: true, x2: true, bias: true, scales: Some(DType::F32), expert_without_bias: false };
+    // Without bias the kernel streams several rows per pass: test that path too.
+    let no_bias = Opts { bias: false, ..with_bias };
+    for (mode, dtype, o) in [
+        (DropPadMode::DropLessRow, DType::BF16, with_bias),
+        (DropPadMode::DropLessRow, DType::BF16, no_bias),
+        (DropPadMode::DropPadColumn, DType::F16, with_bias),
+        (DropPadMode::DropPadRow, DType::BF16, no_bias),
+        (DropPadMode::DropLessColumn, DType::F32, no_bias),
+    ] {
+        let p = problem(&mut rng, mode, dtype, 301, 11, &[129], o);
         set_num_threads(Some(1));
         let reference = bits(&moe_finalize_routing(&p.args()).unwrap());
         for threads in [1, 2, 3, 7, 64] {
@@ -217,6 +225,11 @@ fn finalize_is_bitwise_identical_across_runs_and_thread_counts() {
         }
         set_num_threads(None);
         assert!(bits(&moe_finalize_routing(&p.args()).unwrap()) == reference);
+        // The baseline code path gives the same bits as the wide-SIMD one.
+        set_wide_simd(false);
+        let baseline = bits(&moe_finalize_routing(&p.args()).unwrap());
+        set_wide_simd(true);
+        assert!(baseline == reference, "mode {} {dtype}: SIMD paths differ", mode as u32);
     }
 }
 

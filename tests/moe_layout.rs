@@ -80,11 +80,11 @@ fn pad_reduce_bad_input_names_argument_expected_and_actual() {
 fn spec_rows(comm: CommType, dp_tokens: &[usize], tp: usize, d: usize, t: usize, sp: bool) -> (usize, usize) {
     let td = dp_tokens[d];
     let max_t = *dp_tokens.iter().max().unwrap();
-    let local = if sp { (td + tp - 1) / tp } else { td };
+    let local = if sp { td.div_ceil(tp) } else { td };
     let prepared = match (comm, sp) {
-        (CommType::AllGather, true) => dp_tokens.iter().map(|x| (x + tp - 1) / tp * tp).sum(),
+        (CommType::AllGather, true) => dp_tokens.iter().map(|x| x.div_ceil(tp) * tp).sum(),
         (CommType::AllGather, false) => max_t * dp_tokens.len(),
-        (CommType::Mc2 | CommType::FusedMc2, false) => (max_t + tp - 1) / tp,
+        (CommType::Mc2 | CommType::FusedMc2, false) => max_t.div_ceil(tp),
         (CommType::AllToAll, false) => {
             let p = if td < tp { tp } else { td };
             p / tp + usize::from(t < p % tp)

@@ -15,7 +15,7 @@
 
 use crate::backend::cpu::finalize::set_num_threads;
 use crate::backend::FinalizeArgs;
-use crate::comm::{Comm, CommOptions, CommType};
+use crate::comm::{Collectives, Comm, CommOptions, CommType};
 use crate::moe::finalize::moe_finalize_routing;
 use crate::moe::finalize::moe_finalize_routing_output_shape;
 use crate::moe::pad_reduce::{finalize_and_reduce, finalize_and_reduce_output_shape};
@@ -159,15 +159,21 @@ pub struct CaseReport {
     pub detail: String,
 }
 
-/// What one rank returns.
-#[derive(Debug, Clone)]
-pub struct RankResult {
-    /// Output rows of this rank, widened to f64, row-major.
-    pub out: Vec<f64>,
-    /// Rows of `out`.
-    pub rows: usize,
-    /// Shape-function comparisons done on this rank.
+/// One rank's view of a case: its own rows compared with the reference.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RankReport {
+    /// Largest `|got - want|` over this rank's real rows.
+    pub max_abs_err: f64,
+    /// Largest `|got - want| / tolerance`.
+    pub worst_ratio: f64,
+    /// Op outputs whose shape was compared with their shape function.
     pub shape_checks: usize,
+    /// Real rows compared.
+    pub rows_checked: usize,
+    /// True when the rank's output has the right rows and every one is within tolerance.
+    pub passed: bool,
+    /// First mismatch, if any.
+    pub detail: String,
 }
 
 /// Runs one closure per rank on some backend.
@@ -178,8 +184,8 @@ pub trait Launcher: Sync {
     fn launch(
         &self,
         world: usize,
-        body: &(dyn Fn(usize, Comm) -> Result<RankResult> + Sync),
-    ) -> Result<Vec<RankResult>>;
+        body: &(dyn Fn(usize, Comm) -> Result<RankReport> + Sync),
+    ) -> Result<Vec<RankReport>>;
 }
 
 /// Ranks as threads of this process on the CPU backend (`run_ranks`); each rank
@@ -197,8 +203,8 @@ impl Launcher for CpuLauncher {
     fn launch(
         &self,
         world: usize,
-        body: &(dyn Fn(usize, Comm) -> Result<RankResult> + Sync),
-    ) -> Result<Vec<RankResult>> {
+        body: &(dyn Fn(usize, Comm) -> Result<RankReport> + Sync),
+    ) -> Result<Vec<RankReport>> {
         let opts = self.opts.clone().unwrap_or_default();
         crate::backend::cpu::comm::run_ranks(world, &opts, |rank, comm| {
             set_num_threads(Some(1));
@@ -353,7 +359,13 @@ pub fn tolerance(dtype: DType) -> (f64, f64) {
 }
 
 /// One rank's forward pass.
-fn rank_forward(c: &LayerCase, m: &Model, rank: usize, world: Comm, device: &Device) -> Result<RankResult> {
+fn rank_forward(
+    c: &LayerCase,
+    m: &Model,
+    rank: usize,
+    world: Comm,
+    device: &Device,
+) -> Result<(Vec<f64>, usize, usize)> {
     let (h, tp) = (c.hidden, c.tp);
     let (d, t) = (rank / tp, rank % tp);
     let mut checks = 0;
@@ -511,62 +523,109 @@ fn rank_forward(c: &LayerCase, m: &Model, rank: usize, world: Comm, device: &Dev
     let out = policy.reduce_final(out, reduce_with, &groups.tp)?;
     shape_check("reduce_final", out.shape(), &before, &mut checks)?;
     let rows = out.rows();
-    Ok(RankResult { out: host_f32(&out)?.into_iter().map(f64::from).collect(), rows, shape_checks: checks })
+    Ok((host_f32(&out)?.into_iter().map(f64::from).collect(), rows, checks))
 }
 
-/// Runs `case` on `launcher` and compares every rank's output rows with the
-/// single-rank reference. `Err` for an op failure; a numeric mismatch is a
-/// report with `passed == false`.
-pub fn run_layer_case(case: &LayerCase, launcher: &dyn Launcher) -> Result<CaseReport> {
+/// Runs this rank's part of `case` (`world` is the case's EP world, `rank`
+/// this rank in it) and compares its output rows with the single-rank
+/// reference. Every rank of the world calls it. `Err` for an op failure; a
+/// numeric mismatch is a report with `passed == false`.
+pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &Device) -> Result<RankReport> {
     case.validate()?;
+    if world.world_size() != case.world() || rank != world.rank() {
+        return Err(Error::invalid(
+            "run_layer_case_rank",
+            "world",
+            format!(
+                "rank {} of {}, the case needs DP x TP = {} ranks (this is rank {rank})",
+                world.rank(),
+                world.world_size(),
+                case.world()
+            ),
+        ));
+    }
     let m = Model::new(case);
     let h = case.hidden;
-    let body = |rank: usize, comm: Comm| -> Result<RankResult> {
-        let device = launcher.device(rank)?;
-        rank_forward(case, &m, rank, comm, &device)
-    };
-    let results = launcher.launch(case.world(), &body)?;
+    let (out, rows, shape_checks) = rank_forward(case, &m, rank, world, device)?;
     let (rtol, atol) = tolerance(case.dtype);
-    let mut report = CaseReport {
-        name: case.name(),
+    let mut r = RankReport {
         max_abs_err: 0.0,
         worst_ratio: 0.0,
-        shape_checks: results.iter().map(|r| r.shape_checks).sum(),
+        shape_checks,
         rows_checked: 0,
         passed: true,
         detail: String::new(),
     };
-    for (rank, r) in results.iter().enumerate() {
-        let (d, t) = (rank / case.tp, rank % case.tp);
-        let td = case.dp_tokens[d];
-        let (first, want_rows) = if case.sp { (t * td.div_ceil(case.tp), td.div_ceil(case.tp)) } else { (0, td) };
-        if r.rows != want_rows || r.out.len() != want_rows * h {
-            report.passed = false;
-            report.detail = format!("rank {rank}: {} output rows, expected {want_rows}", r.rows);
-            return Ok(report);
+    let (d, t) = (rank / case.tp, rank % case.tp);
+    let td = case.dp_tokens[d];
+    let (first, want_rows) = if case.sp { (t * td.div_ceil(case.tp), td.div_ceil(case.tp)) } else { (0, td) };
+    if rows != want_rows || out.len() != want_rows * h {
+        r.passed = false;
+        r.detail = format!("rank {rank}: {rows} output rows, expected {want_rows}");
+        return Ok(r);
+    }
+    for j in 0..want_rows {
+        let g = first + j;
+        if g >= td {
+            continue; // SP padding row
         }
-        for j in 0..want_rows {
-            let g = first + j;
-            if g >= td {
-                continue; // SP padding row
-            }
-            let want = m.reference(case, &m.inputs[d][g * h..(g + 1) * h]);
-            report.rows_checked += 1;
-            for (col, (got, w)) in r.out[j * h..(j + 1) * h].iter().zip(&want).enumerate() {
-                let err = (got - w).abs();
-                let ratio = err / (rtol * w.abs() + atol);
-                report.max_abs_err = report.max_abs_err.max(err);
-                if ratio > report.worst_ratio {
-                    report.worst_ratio = ratio;
-                }
-                if ratio > 1.0 && report.passed {
-                    report.passed = false;
-                    report.detail = format!("rank {rank} token {g} of DP {d} col {col}: got {got}, want {w}");
-                }
+        let want = m.reference(case, &m.inputs[d][g * h..(g + 1) * h]);
+        r.rows_checked += 1;
+        for (col, (got, w)) in out[j * h..(j + 1) * h].iter().zip(&want).enumerate() {
+            let err = (got - w).abs();
+            let ratio = err / (rtol * w.abs() + atol);
+            r.max_abs_err = r.max_abs_err.max(err);
+            r.worst_ratio = r.worst_ratio.max(ratio);
+            if ratio > 1.0 && r.passed {
+                r.passed = false;
+                r.detail = format!("rank {rank} token {g} of DP {d} col {col}: got {got}, want {w}");
             }
         }
     }
-    Ok(report)
+    Ok(r)
+}
+
+/// Merges the ranks' reports of one case.
+pub fn merge_reports(case: &LayerCase, ranks: &[RankReport]) -> CaseReport {
+    let mut report = CaseReport {
+        name: case.name(),
+        max_abs_err: 0.0,
+        worst_ratio: 0.0,
+        shape_checks: 0,
+        rows_checked: 0,
+        passed: !ranks.is_empty(),
+        detail: String::new(),
+    };
+    for r in ranks {
+        report.max_abs_err = report.max_abs_err.max(r.max_abs_err);
+        report.worst_ratio = report.worst_ratio.max(r.worst_ratio);
+        report.shape_checks += r.shape_checks;
+        report.rows_checked += r.rows_checked;
+        if !r.passed && report.passed {
+            report.passed = false;
+            report.detail = r.detail.clone();
+        }
+    }
+    report
+}
+
+/// Runs `case` on `launcher` (one world of `DP x TP` ranks) and merges the
+/// ranks' comparisons with the single-rank reference.
+pub fn run_layer_case(case: &LayerCase, launcher: &dyn Launcher) -> Result<CaseReport> {
+    case.validate()?;
+    let body = |rank: usize, comm: Comm| -> Result<RankReport> {
+        let device = launcher.device(rank)?;
+        run_layer_case_rank(case, rank, comm, &device)
+    };
+    let ranks = launcher.launch(case.world(), &body)?;
+    if ranks.len() != case.world() {
+        return Err(Error::invalid(
+            "run_layer_case",
+            "launcher",
+            format!("{} results for {} ranks", ranks.len(), case.world()),
+        ));
+    }
+    Ok(merge_reports(case, &ranks))
 }
 
 /// [`run_layer_case`] on the CPU backend.

@@ -26,6 +26,7 @@
 //! Collectives are taken as `&C` with `C: Collectives + ?Sized`, so a
 //! [`crate::Comm`] of either backend works.
 
+pub mod bench;
 pub mod finalize;
 pub mod layer;
 pub mod layout;

@@ -28,6 +28,14 @@ const MIN_ELEMS_PER_THREAD: usize = 1 << 16;
 
 thread_local! {
     static THREADS: Cell<Option<usize>> = const { Cell::new(None) };
+    static WIDE_SIMD: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Allows (`true`, the default) or forbids the wider SIMD code path (AVX2) for
+/// calls made from the current thread. Both paths do the same operations in the
+/// same order; the switch exists so tests can show they agree bit for bit.
+pub fn set_wide_simd(enabled: bool) {
+    WIDE_SIMD.with(|w| w.set(enabled));
 }
 
 /// Sets the number of threads the CPU kernels use for calls made from the
@@ -57,31 +65,63 @@ fn threads_for(rows: usize, h: usize) -> usize {
 
 /// Row conversions between an element type and f32 scratch rows.
 trait Lanes: Element {
+    /// True when [`Lanes::lane`] is a cheap per-element widening (f32, bf16),
+    /// so several source rows can be streamed in one pass.
+    const LANEWISE: bool = false;
+    /// One element widened to f32.
+    #[inline(always)]
+    fn lane(self) -> f32 {
+        self.to_f32()
+    }
     /// `dst = f32(src)`.
     fn widen(src: &[Self], dst: &mut [f32]);
     /// `dst = round(src)` (round to nearest even).
     fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `acc += s * f32(src)` (one product, one sum per element); `tmp` is scratch.
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], s: f32, src: &[Self], tmp: &mut [f32]) {
+        Self::widen(src, tmp);
+        for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+            *o += s * *v;
+        }
+    }
 }
 
 impl Lanes for f32 {
-    #[inline]
+    const LANEWISE: bool = true;
+    #[inline(always)]
+    fn lane(self) -> f32 {
+        self
+    }
+    #[inline(always)]
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
-    #[inline]
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], s: f32, src: &[f32], _tmp: &mut [f32]) {
+        for (o, v) in acc.iter_mut().zip(src) {
+            *o += s * *v;
+        }
     }
 }
 
 impl Lanes for bf16 {
-    #[inline]
+    const LANEWISE: bool = true;
+    #[inline(always)]
+    fn lane(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
     fn widen(src: &[bf16], dst: &mut [f32]) {
         for (d, s) in dst.iter_mut().zip(src) {
             *d = f32::from_bits((s.to_bits() as u32) << 16);
         }
     }
-    #[inline]
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
         for (d, s) in dst.iter_mut().zip(src) {
             // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
@@ -91,19 +131,72 @@ impl Lanes for bf16 {
             *d = bf16::from_bits(if s.is_nan() { nan } else { rounded });
         }
     }
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], s: f32, src: &[bf16], _tmp: &mut [f32]) {
+        for (o, v) in acc.iter_mut().zip(src) {
+            *o += s * f32::from_bits((v.to_bits() as u32) << 16);
+        }
+    }
 }
 
 impl Lanes for f16 {
-    #[inline]
+    #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
         src.convert_to_f32_slice(dst);
     }
-    #[inline]
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [f16]) {
         use half::slice::HalfFloatSliceExt;
         dst.convert_from_f32_slice(src);
     }
+}
+
+/// Rows accumulated in one pass over H.
+const GROUP: usize = 8;
+
+/// `acc += s[0] * row[0]; acc += s[1] * row[1]; ...` for the first `G` rows, in
+/// one pass over H: every element sees the same operations in the same order as
+/// `G` separate passes, but `G` source rows stream at once (more memory-level
+/// parallelism for rows scattered in memory) and `acc` stays in registers.
+#[inline(always)]
+fn accumulate_group<T: Lanes, const G: usize>(acc: &mut [f32], s: &[f32; GROUP], rows: &[&[T]; GROUP]) {
+    let h = acc.len();
+    let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
+    let mut j0 = 0;
+    while j0 < h {
+        let end = (j0 + BLOCK).min(h);
+        for row in &rows {
+            prefetch(row.as_ptr().wrapping_add(j0 + PREFETCH_AHEAD));
+        }
+        for j in j0..end {
+            let mut a = acc[j];
+            for g in 0..G {
+                a += s[g] * rows[g][j].lane();
+            }
+            acc[j] = a;
+        }
+        j0 = end;
+    }
+}
+
+/// Elements per block of [`accumulate_group`] (one prefetch per row per block).
+const BLOCK: usize = 32;
+/// How far ahead (elements) the source rows are prefetched: rows are scattered,
+/// and the hardware prefetcher restarts at every page.
+const PREFETCH_AHEAD: usize = 1536;
+
+/// A hint to load the cache line at `p` (which need not be valid memory).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it never faults and reads nothing the
+    // program can observe, whatever the address. SSE is part of the x86_64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// What one output token gathers. Shared by finalize and unpermute.
@@ -129,7 +222,7 @@ struct Gather<'a, T> {
 
 impl<T: Lanes> Gather<'_, T> {
     /// Computes token `i` into `acc` (f32), using `tmp` as scratch.
-    #[inline]
+    #[inline(always)]
     fn token(&self, i: usize, acc: &mut [f32], tmp: &mut [f32]) {
         let h = self.h;
         match (self.x1, self.x2) {
@@ -143,20 +236,65 @@ impl<T: Lanes> Gather<'_, T> {
             (Some(a), None) | (None, Some(a)) => T::widen(&a[i * h..(i + 1) * h], acc),
             (None, None) => acc.fill(0.0),
         }
-        for kk in 0..self.k {
+        let mut kk = 0;
+        while kk < self.k {
+            if T::LANEWISE && self.bias.is_none() {
+                // Collect up to GROUP consecutive real rows and stream them together.
+                let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+                let mut ss = [0f32; GROUP];
+                let mut g = 0;
+                while kk < self.k && g < GROUP {
+                    let slot = i * self.k + kk;
+                    let r = self.idx[if self.row_layout { slot } else { kk * self.n + i }];
+                    if r >= 0 && (r as usize) < self.rows {
+                        let r = r as usize;
+                        rows[g] = &self.x[r * h..(r + 1) * h];
+                        ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+                        g += 1;
+                        kk += 1;
+                    } else if self.skip_invalid {
+                        kk += 1;
+                    } else {
+                        break;
+                    }
+                }
+                match g {
+                    1 => accumulate_group::<T, 1>(acc, &ss, &rows),
+                    2 => accumulate_group::<T, 2>(acc, &ss, &rows),
+                    3 => accumulate_group::<T, 3>(acc, &ss, &rows),
+                    4 => accumulate_group::<T, 4>(acc, &ss, &rows),
+                    5 => accumulate_group::<T, 5>(acc, &ss, &rows),
+                    6 => accumulate_group::<T, 6>(acc, &ss, &rows),
+                    7 => accumulate_group::<T, 7>(acc, &ss, &rows),
+                    8 => accumulate_group::<T, 8>(acc, &ss, &rows),
+                    _ => {}
+                }
+                if g > 0 || kk >= self.k {
+                    continue;
+                }
+                // A dropped slot: the general path below, in order.
+            }
             let slot = i * self.k + kk;
             let pos = if self.row_layout { slot } else { kk * self.n + i };
+            kk += 1;
             let r = self.idx[pos];
             let s = self.scales.as_ref().map_or(1.0, |s| s[slot]);
             let in_range = r >= 0 && (r as usize) < self.rows;
             if !in_range && self.skip_invalid {
                 continue;
             }
-            if in_range {
-                let r = r as usize;
-                T::widen(&self.x[r * h..(r + 1) * h], tmp);
-            } else {
-                tmp.fill(0.0);
+            match (&self.bias, in_range) {
+                // The common case: a real row and no bias, widened on the fly.
+                (None, true) => {
+                    let r = r as usize;
+                    T::axpy(acc, s, &self.x[r * h..(r + 1) * h], tmp);
+                    continue;
+                }
+                (_, true) => {
+                    let r = r as usize;
+                    T::widen(&self.x[r * h..(r + 1) * h], tmp);
+                }
+                (_, false) => tmp.fill(0.0),
             }
             match &self.bias {
                 Some((b, experts)) => {
@@ -176,6 +314,31 @@ impl<T: Lanes> Gather<'_, T> {
         }
     }
 
+    /// Computes the output rows of `chunk` (first row `first_row`).
+    #[inline(always)]
+    fn rows_generic(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        let h = self.h;
+        let mut acc = vec![0f32; h];
+        let mut tmp = vec![0f32; h];
+        for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
+            match token_of(first_row + j) {
+                Some(i) => {
+                    self.token(i, &mut acc, &mut tmp);
+                    T::narrow(&acc, o);
+                }
+                None => o.fill(T::default()),
+            }
+        }
+    }
+
+    /// [`Gather::rows_generic`] compiled for AVX2. Same operations in the same
+    /// order (no fused multiply-add), so bitwise the same results.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows_avx2(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        self.rows_generic(first_row, chunk, token_of)
+    }
+
     /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
     /// or zeros.
     fn run(&self, out: &mut [T], out_rows: usize, token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
@@ -185,18 +348,15 @@ impl<T: Lanes> Gather<'_, T> {
         }
         let threads = threads_for(out_rows, h);
         let chunk_rows = out_rows.div_ceil(threads);
+        let wide = WIDE_SIMD.with(|w| w.get());
         let work = |first_row: usize, chunk: &mut [T]| {
-            let mut acc = vec![0f32; h];
-            let mut tmp = vec![0f32; h];
-            for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
-                match token_of(first_row + j) {
-                    Some(i) => {
-                        self.token(i, &mut acc, &mut tmp);
-                        T::narrow(&acc, o);
-                    }
-                    None => o.fill(T::default()),
-                }
+            #[cfg(target_arch = "x86_64")]
+            if wide && std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                unsafe { self.rows_avx2(first_row, chunk, token_of) };
+                return;
             }
+            self.rows_generic(first_row, chunk, token_of);
         };
         if threads == 1 {
             work(0, out);
