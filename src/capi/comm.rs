@@ -270,6 +270,7 @@ pub unsafe extern "C" fn amoe_all_reduce(
         let s = unsafe { read_tensor(F, "src", src) }?;
         let mut d = unsafe { out_like(F, "dst", dst) }?;
         c.all_reduce(&s, &mut d, op)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "dst", dst, &d) }
     })
 }
@@ -297,6 +298,7 @@ pub unsafe extern "C" fn amoe_reduce_scatter(
         let s = unsafe { read_tensor(F, "src", src) }?;
         let mut d = unsafe { out_like(F, "dst", dst) }?;
         c.reduce_scatter(&s, &mut d, op)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "dst", dst, &d) }
     })
 }
@@ -321,6 +323,7 @@ pub unsafe extern "C" fn amoe_all_gather(
         let s = unsafe { read_tensor(F, "src", src) }?;
         let mut d = unsafe { out_like(F, "dst", dst) }?;
         c.all_gather(&s, &mut d)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "dst", dst, &d) }
     })
 }
@@ -349,8 +352,10 @@ pub unsafe extern "C" fn amoe_reduce_scatter_v(
         // SAFETY: the caller's contracts for `counts` and the descriptors.
         let counts = unsafe { read_sizes(F, "counts", counts, n) }?;
         let s = unsafe { read_tensor(F, "src", src) }?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         let mut d = unsafe { out_like(F, "dst", dst) }?;
         c.reduce_scatter_v(&s, &mut d, &counts, op)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "dst", dst, &d) }
     })
 }
@@ -377,8 +382,10 @@ pub unsafe extern "C" fn amoe_all_gather_v(
         // SAFETY: the caller's contracts for `counts` and the descriptors.
         let counts = unsafe { read_sizes(F, "counts", counts, n) }?;
         let s = unsafe { read_tensor(F, "src", src) }?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         let mut d = unsafe { out_like(F, "dst", dst) }?;
         c.all_gather_v(&s, &mut d, &counts)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "dst", dst, &d) }
     })
 }
@@ -407,9 +414,11 @@ pub unsafe extern "C" fn amoe_all_to_all_v(
         // SAFETY: the caller's contracts for the count lists and the descriptors.
         let sc = unsafe { read_sizes(F, "send_counts", send_counts, n_send) }?;
         let rc = unsafe { read_sizes(F, "recv_counts", recv_counts, n_recv) }?;
+        // SAFETY: `src` is a valid descriptor, per the export's contract.
         let s = unsafe { read_tensor(F, "src", src) }?;
         let mut d = unsafe { out_like(F, "dst", dst) }?;
         c.all_to_all_v(&s, &sc, &mut d, &rc)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "dst", dst, &d) }
     })
 }
@@ -433,6 +442,7 @@ pub unsafe extern "C" fn amoe_broadcast(
         // SAFETY: the caller's descriptor contract, for both calls.
         let mut b = unsafe { read_tensor(F, "buf", buf) }?;
         c.broadcast(&mut b, root)?;
+        // SAFETY: `buf` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "buf", buf, &b) }
     })
 }

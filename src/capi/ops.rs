@@ -112,10 +112,13 @@ impl FinalizeInputs {
         // SAFETY (all reads below): the caller's descriptor contract.
         Ok(FinalizeInputs {
             x: unsafe { read_tensor(f, "expanded_x", a.expanded_x) }?,
+            // SAFETY: `expanded_row_idx` is a valid descriptor, per the export's contract.
             idx: unsafe { read_tensor(f, "expanded_row_idx", a.expanded_row_idx) }?,
             x1: unsafe { read_opt(f, "x1", a.x1) }?,
+            // SAFETY: `x2` is a valid descriptor, per the export's contract.
             x2: unsafe { read_opt(f, "x2", a.x2) }?,
             bias: unsafe { read_opt(f, "bias", a.bias) }?,
+            // SAFETY: `scales` is a valid descriptor, per the export's contract.
             scales: unsafe { read_opt(f, "scales", a.scales) }?,
             expert_idx: unsafe { read_opt(f, "expert_idx", a.expert_idx) }?,
             mode: a.drop_pad_mode,
@@ -423,10 +426,13 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
         // SAFETY: the caller's contracts, for every call below.
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let x = unsafe { read_tensor(F, "x", x) }?;
+        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
         let l = unsafe { layout(F, local_sizes, n) }?;
         let shape = moe::maybe_pad_and_reduce_output_shape(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
         let y = moe::maybe_pad_and_reduce(&x, l.as_ref(), c)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "out", out, &y) }
     })
 }
@@ -482,11 +488,14 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
         // SAFETY: the caller's contracts, for every call below.
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let x = unsafe { read_tensor(F, "x", x) }?;
+        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
         let l = unsafe { layout(F, local_sizes, n) }?;
         let shape =
             moe::maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
         let y = moe::maybe_all_gather_and_maybe_unpad(&x, l.as_ref(), c)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "out", out, &y) }
     })
 }
@@ -541,11 +550,14 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
         // SAFETY: the caller's contracts, for every call below.
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let inputs = unsafe { FinalizeInputs::read(F, args) }?;
+        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
         let l = unsafe { layout(F, local_sizes, n) }?;
         let a = inputs.args()?;
         let shape = moe::finalize_and_reduce_output_shape(&a, l.as_ref(), c.rank(), c.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
         let y = moe::finalize_and_reduce(&a, l.as_ref(), c)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "out", out, &y) }
     })
 }
@@ -638,12 +650,14 @@ unsafe fn reduce_point(
     // SAFETY: the caller's contracts, for every call below.
     let tp = unsafe { comm_ref(f, tp_comm) }?;
     let x = unsafe { read_tensor(f, "x", x) }?;
+    // SAFETY: `out` is a valid descriptor, per the export's contract.
     unsafe { check_out(f, "out", out, x.shape(), x.dtype()) }?;
     let y = match point {
         Point::RoutedEarly => p.reduce_routed_early(x, c, tp)?,
         Point::Shared => p.reduce_shared(x, c, tp)?,
         Point::Final => p.reduce_final(x, c, tp)?,
     };
+    // SAFETY: `out` is a valid descriptor, per the export's contract.
     unsafe { write_tensor(f, "out", out, &y) }
 }
 
