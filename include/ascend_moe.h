@@ -10,6 +10,9 @@
 // Most dimensions an `amoe_tensor` may have.
 #define AMOE_MAX_NDIM 8
 
+// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
+#define AMOE_MAX_EP_RANKS (1 << 20)
+
 // Status code of every export. Numbers are fixed forever: a retired code is
 // never reused for something else.
 enum amoe_status
@@ -208,6 +211,10 @@ typedef uint32_t amoe_drop_pad_mode;
 // different threads concurrently.
 typedef struct amoe_comm amoe_comm;
 
+// The EP / TP / DP groups of a MoE layer, split from a world communicator.
+// Owned by the caller (free with `amoe_moe_groups_free`).
+typedef struct amoe_moe_groups amoe_moe_groups;
+
 // A borrowed NPU stream (an `aclrtStream` owned by the engine, e.g. torch_npu's
 // current stream). Every op and collective takes one; pass NULL for host
 // tensors (a stream is ignored for host tensors).
@@ -281,6 +288,24 @@ typedef struct amoe_reduce_policy {
   // EP group size (a positive multiple of `tp_size`).
   size_t ep_size;
 } amoe_reduce_policy;
+
+// The run-time parallel context of one forward pass. Read only; the caller
+// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
+// is at most `AMOE_MAX_EP_RANKS`.
+typedef struct amoe_moe_context {
+  // Tokens of every DP rank in this forward (`dp_size` entries).
+  const size_t *dp_tokens;
+  // Number of DP ranks.
+  size_t dp_size;
+  // TP group size.
+  size_t tp_size;
+  // This rank's DP rank.
+  size_t dp_rank;
+  // This rank's TP rank.
+  size_t tp_rank;
+  // Non-zero when MoE sequence parallelism is on.
+  uint8_t sp;
+} amoe_moe_context;
 
 #ifdef __cplusplus
 extern "C" {
@@ -717,6 +742,82 @@ amoe_status amoe_reduce_final(const struct amoe_reduce_policy *policy,
                               const struct amoe_comm *tp_comm,
                               const struct amoe_tensor *out,
                               const struct amoe_stream *stream);
+
+// Splits `world` (EP = DP x TP ranks, EP rank `dp * tp_size + tp`) into this
+// rank's TP and DP groups. Collective: every rank of `world` calls it.
+// `*out` receives a new handle owned by the caller; `world` stays the caller's.
+//
+// # Safety
+// `world` live; `out` writable.
+amoe_status amoe_moe_groups_new(const struct amoe_comm *world,
+                                size_t tp_size,
+                                struct amoe_moe_groups **out);
+
+// Releases groups from `amoe_moe_groups_new`. NULL is a no-op.
+//
+// # Safety
+// `groups` NULL or a live handle not used afterwards.
+void amoe_moe_groups_free(struct amoe_moe_groups *groups);
+
+// Output shape of `amoe_token_prepare` for this rank's `x` (`[T_d or the SP
+// shard, H...]`). Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// `x`, `ctx` valid; out-pointers writable.
+amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
+                                            uint32_t comm_type,
+                                            const struct amoe_moe_context *ctx,
+                                            size_t *out_shape,
+                                            size_t cap,
+                                            size_t *out_ndim);
+
+// Prepares this rank's tokens for the experts under the live `comm_type`
+// (pad, DP all-gather or TP split; SPEC section 6). Collective over the
+// groups. `out` has the shape from `amoe_token_prepare_output_shape`.
+// For MC2 / FUSED_MC2 the mask of real rows is written to `mc2_mask`
+// (caller-owned, `mask_cap` bytes, 1 = real token) and its length to
+// `*mask_len`; other comm types write length 0. `mc2_mask` and `mask_len`
+// may be NULL to skip the mask; a too-small `mask_cap` returns
+// `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
+//
+// # Safety
+// Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
+amoe_status amoe_token_prepare(const struct amoe_tensor *x,
+                               uint32_t comm_type,
+                               const struct amoe_moe_context *ctx,
+                               const struct amoe_moe_groups *groups,
+                               const struct amoe_tensor *out,
+                               uint8_t *mc2_mask,
+                               size_t mask_cap,
+                               size_t *mask_len,
+                               const struct amoe_stream *stream);
+
+// Output shape of `amoe_token_finalize` for the experts' output `y` (the
+// prepared rows): `[this rank's tokens, H...]`.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// As `amoe_token_prepare_output_shape`.
+amoe_status amoe_token_finalize_output_shape(const struct amoe_tensor *y,
+                                             uint32_t comm_type,
+                                             const struct amoe_moe_context *ctx,
+                                             size_t *out_shape,
+                                             size_t cap,
+                                             size_t *out_ndim);
+
+// Returns the experts' output `y` to this rank's token layout under the
+// live `comm_type` (DP reduce-scatter, TP all-gather, unpad; SPEC section
+// 6). Collective over the groups. `out` has the shape from
+// `amoe_token_finalize_output_shape`; ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// As `amoe_token_prepare`.
+amoe_status amoe_token_finalize(const struct amoe_tensor *y,
+                                uint32_t comm_type,
+                                const struct amoe_moe_context *ctx,
+                                const struct amoe_moe_groups *groups,
+                                const struct amoe_tensor *out,
+                                const struct amoe_stream *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -180,7 +180,7 @@ fn shape_call(rng: &mut Rng) -> (Vec<usize>, usize) {
 }
 
 /// One random call; returns the export's name and status.
-fn one_case(rng: &mut Rng, comm: *const amoe_comm) -> (&'static str, amoe_status) {
+fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_groups) -> (&'static str, amoe_status) {
     let dt = rng.below(3) as u32; // a float dtype for data tensors
     let (n, k, h) = (rng.below(5) as usize, 1 + rng.below(3) as usize, 1 + rng.below(4) as usize);
     let i32_t = 3u32;
@@ -191,7 +191,45 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm) -> (&'static str, amoe_status
     // and as large as they declare, and every out-pointer is writable, which
     // is the ABI's contract; everything else is deliberately random.
     unsafe {
-        match rng.below(16) {
+        match rng.below(18) {
+            16 | 17 => {
+                let dp = if rng.chance(85) { vec![rng.below(5) as usize] } else { sizes_upto(rng, 4) };
+                let ctx = amoe_moe_context {
+                    dp_tokens: maybe_null(rng, &dp),
+                    dp_size: dp.len(),
+                    tp_size: if rng.chance(85) { 1 } else { dim(rng) },
+                    dp_rank: if rng.chance(85) { 0 } else { dim(rng) },
+                    tp_rank: if rng.chance(85) { 0 } else { dim(rng) },
+                    sp: rng.next() as u8,
+                };
+                let c = if rng.chance(noise / 10) { null() } else { &ctx as *const _ };
+                let g = if rng.chance(noise / 10) { null() } else { groups };
+                let ct = if rng.chance(85) { rng.below(4) as u32 } else { rng.next() as u32 };
+                let rows = dp.first().copied().unwrap_or(0);
+                let x = desc(rng, &[rows, h], dt, false, noise);
+                let out = desc(rng, &[rows, h], dt, false, noise);
+                let (mut s, cap) = shape_call(rng);
+                let mut nd = 0usize;
+                match rng.below(4) {
+                    0 => {
+                        ("prepare_shape", amoe_token_prepare_output_shape(x.ptr(), ct, c, s.as_mut_ptr(), cap, &mut nd))
+                    }
+                    1 => (
+                        "finalize_tokens_shape",
+                        amoe_token_finalize_output_shape(x.ptr(), ct, c, s.as_mut_ptr(), cap, &mut nd),
+                    ),
+                    2 => {
+                        let mut mask = [0u8; 8];
+                        let mut ml = 0usize;
+                        let mcap = rng.below(9) as usize;
+                        (
+                            "prepare",
+                            amoe_token_prepare(x.ptr(), ct, c, g, out.ptr(), mask.as_mut_ptr(), mcap, &mut ml, null()),
+                        )
+                    }
+                    _ => ("finalize_tokens", amoe_token_finalize(x.ptr(), ct, c, g, out.ptr(), null())),
+                }
+            }
             0 | 1 => {
                 let ex = desc(rng, &[n * k, h], dt, false, noise);
                 let idx = desc(rng, &[n * k], i32_t, false, noise);
@@ -462,6 +500,10 @@ fn random_descriptors_give_clean_errors() {
     let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, 5.0, &mut comm) };
     assert_eq!(st, amoe_status::Ok, "{}", last_error());
 
+    let mut groups: *mut amoe_moe_groups = null_mut();
+    // SAFETY: a live world of one rank; valid out-pointer.
+    let st = unsafe { amoe_moe_groups_new(comm, 1, &mut groups) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
     let trace = std::env::var_os("AMOE_FUZZ_TRACE").is_some();
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
     let mut rng = Rng(seed);
@@ -472,7 +514,7 @@ fn random_descriptors_give_clean_errors() {
         if trace {
             eprintln!("case {cases} seed {case_seed:#x}");
         }
-        let (func, st) = one_case(&mut Rng(case_seed), comm);
+        let (func, st) = one_case(&mut Rng(case_seed), comm, groups);
         assert_ne!(st, amoe_status::Panic, "{func} panicked (case seed {case_seed:#x}): {}", last_error());
         if st != amoe_status::Ok {
             let msg = last_error();
@@ -481,8 +523,11 @@ fn random_descriptors_give_clean_errors() {
         *hist.entry((func, st as u32)).or_default() += 1;
         cases += 1;
     }
-    // SAFETY: a live handle, not used afterwards.
-    unsafe { amoe_comm_free(comm) };
+    // SAFETY: live handles, not used afterwards.
+    unsafe {
+        amoe_moe_groups_free(groups);
+        amoe_comm_free(comm);
+    }
     let ok: u64 = hist.iter().filter(|((_, s), _)| *s == 0).map(|(_, c)| c).sum();
     println!("capi fuzz: {cases} cases, {ok} OK, seed {seed:#x}, {secs} s budget");
     for ((f, s), c) in &hist {

@@ -24,9 +24,11 @@ pub(crate) mod ffi;
 
 mod comm;
 mod ops;
+mod prepare;
 
 pub use comm::*;
 pub use ops::*;
+pub use prepare::*;
 
 use std::ffi::{c_char, c_void};
 
