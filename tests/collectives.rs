@@ -12,9 +12,9 @@ use ascend_moe::half::bf16;
 use ascend_moe::{with_dtype, Collectives, Comm, CommErrorKind, CommOptions, Error, ReduceOp, Tensor};
 use common::*;
 
-/// Multi-round staging even for small tests: 4 KiB per half.
+/// Multi-round staging even for small tests: 4 KiB per slot.
 const SMALL: CpuCommConfig = CpuCommConfig { staging_bytes: 4096 };
-/// Larger than one 4 KiB staging half for every dtype and world size.
+/// Larger than one 4 KiB staging slot for every dtype and world size.
 const LARGE: usize = 2500;
 const COUNTS: [usize; 4] = [0, 1, 37, LARGE];
 
@@ -169,10 +169,10 @@ fn matrix_world_8() {
     matrix(8);
 }
 
-/// Multi-round with the default staging (1 MiB halves) and the slice API.
+/// Multi-round with the default staging (4 MiB slots) and the slice API.
 #[test]
 fn default_staging_multi_round_and_slice_api() {
-    let n = 300_001; // > 1 MiB of f32, odd
+    let n = 1_100_001; // > 4 MiB of f32, odd
     let res = run_ranks(3, &opts(30.0), |rank, comm| {
         let Comm::Cpu(c) = &comm else { unreachable!("run_ranks makes CPU comms") };
         let mut got = data::<f32>(3, rank, n);

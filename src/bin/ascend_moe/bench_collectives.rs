@@ -68,10 +68,10 @@ pub struct Args {
     /// Run ranks as separate processes instead of threads.
     #[arg(long)]
     procs: bool,
-    /// Timeout of every wait, in seconds.
-    #[arg(long, default_value_t = 120.0)]
-    timeout: f64,
-    /// Staging bytes per half (default: the communicator's default).
+    /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Staging bytes per slot (default: the communicator's default).
     #[arg(long)]
     staging_bytes: Option<usize>,
     /// Print JSON instead of the table.
@@ -335,7 +335,7 @@ pub fn main(a: Args) -> i32 {
         sizes.push(s);
         s = s.saturating_mul(a.factor);
     }
-    let timeout = Duration::from_secs_f64(a.timeout.max(0.001));
+    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| Duration::from_secs_f64(t.max(0.001)));
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
     let mut lines = Vec::new();
@@ -425,11 +425,15 @@ all_to_all 4S, broadcast 2S";
 
 fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
     println!(
-        "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 2 per rank)",
+        "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 3 slots per rank)",
         cfg.effective_staging() / 1024
     );
     for (w, bw) in triads {
         println!("# triad bandwidth with {w} threads: {:.2} GB/s", bw / 1e9);
+    }
+    if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        println!("# load average {} on {cores} cores (other load skews both the triad and the times)", l.trim());
     }
     println!("# {FLOOR_RULE}");
     println!("# time = median over iterations of the slowest rank; vs floor = floor / time");

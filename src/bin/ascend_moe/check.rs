@@ -39,9 +39,9 @@ pub struct Args {
     /// Run ranks as separate processes instead of threads.
     #[arg(long)]
     procs: bool,
-    /// Timeout of every wait, in seconds.
-    #[arg(long, default_value_t = 60.0)]
-    timeout: f64,
+    /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
+    #[arg(long)]
+    timeout: Option<f64>,
     /// Only these sections (repeatable); default: all.
     #[arg(long)]
     section: Vec<String>,
@@ -94,7 +94,7 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: {e}");
         return 2;
     }
-    let timeout = Duration::from_secs_f64(a.timeout.max(0.001));
+    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| Duration::from_secs_f64(t.max(0.001)));
     let mode = if a.procs { "processes" } else { "threads" };
     eprintln!("checking on a world of {} ranks ({mode}), timeout {:?}", a.world, timeout);
     let per_rank: Result<Vec<Vec<Row>>, String> = if a.procs {

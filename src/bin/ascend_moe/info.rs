@@ -12,7 +12,7 @@ pub fn main() -> i32 {
     println!("  shared-memory dir    {dir} ({})", free_space(&dir));
     let cfg = CpuCommConfig::default();
     println!(
-        "  comm staging         {} KiB x 2 halves per rank ({} KiB shared memory per rank)",
+        "  comm staging         {} KiB x 3 slots per rank ({} KiB shared memory per rank)",
         cfg.effective_staging() / 1024,
         cfg.bytes_per_rank() / 1024
     );

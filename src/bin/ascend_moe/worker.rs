@@ -44,7 +44,7 @@ pub struct Args {
     /// Timeout of every wait, in seconds.
     #[arg(long, default_value_t = 60.0)]
     timeout: f64,
-    /// Staging bytes per half.
+    /// Staging bytes per slot.
     #[arg(long)]
     staging_bytes: Option<usize>,
     #[command(subcommand)]

@@ -20,33 +20,39 @@
 //! |---|---|
 //! | header (magic, version, world, staging size, futex word) | 4 KiB |
 //! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
-//! | per rank: staging, two halves used alternately | 2 x `staging_bytes` |
+//! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
-//! **Shared memory per rank** = 4 KiB + 2 x [`CpuCommConfig::staging_bytes`]
-//! (default 1 MiB per half, so 2 MiB + 4 KiB per rank; a world of 8 maps 16 MiB).
+//! **Shared memory per rank** = 4 KiB + 3 x [`CpuCommConfig::staging_bytes`]
+//! (default 4 MiB per slot, so 12 MiB + 4 KiB per rank; a world of 8 maps 96 MiB
+//! plus the header; pages are only backed once touched, so small collectives use
+//! far less). Collectives of any size run in rounds of at most one slot.
 //! Sub-groups made by `split` have their own segment of the same shape.
 //!
 //! # Protocol
 //! Each collective starts with every rank posting a descriptor (sequence number,
 //! kind, dtype, op, root, count(s), and an "invalid arguments" flag with the
-//! local error text) and arriving at a phase barrier. Every rank then checks all
-//! descriptors the same way, so a mismatch fails every rank with
-//! [`CommErrorKind::Mismatch`] naming the collective, the group, the disagreeing
-//! ranks and their sizes. Data then moves in rounds through the staging halves:
+//! local error text), staging its first round of data (if its own arguments are
+//! valid) and arriving at a phase barrier. Every rank then checks all
+//! descriptors the same way, before reading anyone's data, so a mismatch fails
+//! every rank with [`CommErrorKind::Mismatch`] naming the collective, the group,
+//! the disagreeing ranks and their sizes (the group stays usable). Data moves
+//! in rounds of at most one staging slot, one barrier per round:
 //!
-//! - all_reduce: each rank copies a chunk of its input to its staging; barrier;
-//!   rank `r` reduces piece `r` of the chunk reading every rank's staging, in
-//!   rank order 0..n-1 with f32 accumulation, writing the result back into its
-//!   own staging; barrier; every rank copies all pieces out. Each element is
-//!   computed once, by one rank, so all ranks get identical bits, run after run.
-//! - reduce_scatter(_v): staging is split into one region per destination rank;
-//!   each rank stages its pieces for every destination; barrier; rank `r` reduces
-//!   region `r` of every staging straight into its output.
+//! - all_reduce: round `k` stages chunk `k` of the input; barrier; every rank
+//!   copies out the reduced chunk `k - 1`; rank `r` reduces piece `r` of chunk
+//!   `k`, reading every rank's staging, in rank order 0..n-1 with f32
+//!   accumulation, and writes the result back into its own staging. A last
+//!   barrier precedes the copy-out of the last chunk. Each element is computed
+//!   once, by one rank, so all ranks get identical bits, run after run.
+//! - reduce_scatter(_v): a slot is split into one region per destination rank;
+//!   each rank stages its pieces for every destination; barrier; rank `r`
+//!   reduces region `r` of every staging straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
 //!
-//! Round `k` uses staging half `k % 2`, so a rank may write round `k + 1` while
-//! slower ranks still read round `k`; the barrier of round `k + 1` guarantees
-//! nobody still reads half `k % 2` when round `k + 2` overwrites it.
+//! Round `k` uses staging slot `k % 3`, so a rank may write the next rounds
+//! while slower ranks still read round `k`: every rank finishes reading round
+//! `k` before it arrives at the barrier of round `k + 2`, and round `k + 3`
+//! (the next user of the slot) is written only after that barrier.
 //!
 //! # Waiting and failure
 //! Waits spin briefly, then sleep on a futex in the segment header (woken by every
@@ -70,7 +76,7 @@ pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
 pub use shm::{segment_path, shm_dir, MAX_WORLD};
 
 use self::shm::{Segment, ABORTED, DESC_WORDS, EMPTY, ERR_BYTES, FAILED, JOINED, LEFT};
-use crate::backend::cpu::{host, host_mut};
+use crate::backend::cpu::host;
 use crate::comm::{Collectives, Comm, CommOptions, ReduceOp};
 use crate::error::CommErrorKind;
 use crate::{DType, Device, Element, Error, Result, Tensor};
@@ -78,7 +84,7 @@ use crate::{DType, Device, Element, Error, Result, Tensor};
 /// Tuning of the CPU communicator's shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuCommConfig {
-    /// Bytes per staging half (each rank maps two). Rounded up to a multiple of
+    /// Bytes per staging slot (each rank maps three). Rounded up to a multiple of
     /// 64, at least [`CpuCommConfig::MIN_STAGING`]. Every rank of a world must use
     /// the same value. Larger values mean fewer barriers per collective; smaller
     /// values keep the working set in cache.
@@ -86,9 +92,9 @@ pub struct CpuCommConfig {
 }
 
 impl CpuCommConfig {
-    /// Default staging half: 1 MiB.
-    pub const DEFAULT_STAGING: usize = 1 << 20;
-    /// Smallest staging half: one 64-byte region per rank of the largest world.
+    /// Default staging slot: 4 MiB (fewer barriers per large collective).
+    pub const DEFAULT_STAGING: usize = 4 << 20;
+    /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 
     /// The staging size actually used.
@@ -96,9 +102,12 @@ impl CpuCommConfig {
         self.staging_bytes.max(Self::MIN_STAGING).div_ceil(64) * 64
     }
 
-    /// Shared memory one rank maps, in bytes (control block + two staging halves).
+    /// Staging slots per rank.
+    pub const SLOTS: usize = shm::SLOTS;
+
+    /// Shared memory one rank maps, in bytes (control block + staging slots).
     pub fn bytes_per_rank(&self) -> usize {
-        shm::BLOCK + 2 * self.effective_staging()
+        shm::BLOCK + shm::SLOTS * self.effective_staging()
     }
 }
 
@@ -125,6 +134,10 @@ struct Inner {
     seg: Segment,
     state: Mutex<State>,
     splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Busy-wait iterations before yielding: none when the group has more
+    /// ranks than this host has cores (a spinning rank would steal the core a
+    /// peer needs to arrive).
+    spin: u32,
 }
 
 #[derive(Default)]
@@ -133,7 +146,7 @@ struct State {
     phase: u64,
     /// Collectives started.
     seq: u64,
-    /// Staging rounds done (selects the half).
+    /// Staging rounds done (selects the slot).
     round: u64,
     /// Set after a timeout or a failed peer; every later call returns it.
     broken: Option<Error>,
@@ -383,6 +396,7 @@ impl CpuComm {
                 seg,
                 state: Mutex::new(State::default()),
                 splits: Mutex::new(HashMap::new()),
+                spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
             }),
         };
         // Wait until every slot is taken.
@@ -453,11 +467,11 @@ impl CpuComm {
                 return Ok(());
             }
             spins += 1;
-            if spins < 64 {
+            if spins < self.inner.spin {
                 std::hint::spin_loop();
                 continue;
             }
-            if spins < 72 {
+            if spins < self.inner.spin + 8 {
                 std::thread::yield_now();
                 continue;
             }
@@ -470,12 +484,12 @@ impl CpuComm {
             for &j in &waiting {
                 let c = seg.ctrl(j);
                 let state = c.state.load(Ordering::Acquire);
-                let pid = c.pid.load(Ordering::Acquire);
+                let (pid, start) = (c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire));
                 match state {
                     ABORTED => failed.push((true, format!("rank {j} aborted (its thread panicked)"))),
                     LEFT => failed.push((true, format!("rank {j} left the group (its communicator was dropped)"))),
                     FAILED => failed.push((false, format!("rank {j} failed an earlier wait"))),
-                    JOINED if pid != me && !shm::pid_alive(pid) => {
+                    JOINED if pid != me && !shm::pid_alive(pid, start) => {
                         failed.push((true, format!("rank {j} (pid {pid}) died")))
                     }
                     _ => {}
@@ -524,10 +538,26 @@ impl CpuComm {
         self.wait_for(st, coll, deadline, false, |c| c.arrive.load(Ordering::Acquire) >= phase)
     }
 
-    /// Posts `desc` (flagged invalid with the error text when `local` is an
-    /// error), waits for every rank's descriptor and checks they agree.
-    /// Returns the lock guard and every rank's descriptor.
-    fn begin(&self, kind: Kind, mut desc: Desc, local: Result<()>) -> Result<(MutexGuard<'_, State>, Vec<Desc>)> {
+    /// Runs one collective. Posts `desc` (flagged invalid, with the error text,
+    /// when `local` is an error) and, when `local` is fine, stages round 0; one
+    /// barrier covers both. Every rank then checks all descriptors the same way
+    /// (failing together on a disagreement), learns the number of rounds from
+    /// them, consumes round 0, and runs rounds 1.. as stage / barrier / consume.
+    /// With `tail`, a last barrier is followed by `consume(rounds, _)`.
+    ///
+    /// `stage(k, slot)` writes round `k` into this rank's staging slot `slot`;
+    /// `consume(k, slot)` reads round `k` from every rank's slot `slot`.
+    #[allow(clippy::too_many_arguments)]
+    fn drive(
+        &self,
+        kind: Kind,
+        mut desc: Desc,
+        local: Result<()>,
+        rounds: &dyn Fn(&[Desc]) -> usize,
+        stage: &mut dyn FnMut(usize, usize),
+        consume: &mut dyn FnMut(usize, usize),
+        tail: bool,
+    ) -> Result<()> {
         let coll = kind.name();
         let mut st = self.lock();
         if let Some(e) = &st.broken {
@@ -536,7 +566,7 @@ impl CpuComm {
         st.seq += 1;
         desc.seq = st.seq;
         desc.invalid = local.is_err();
-        let slot = (st.seq % 2) as usize;
+        let dslot = (st.seq % 2) as usize;
         let seg = &self.inner.seg;
         let me = self.inner.rank;
         let words = desc.to_words(self.inner.world);
@@ -544,33 +574,55 @@ impl CpuComm {
         // SAFETY: only this rank writes its control block, and nobody reads slot
         // `seq % 2` until this rank arrives at the next phase (release store in
         // `sync`); readers of the previous use of this slot (call seq - 2) all
-        // passed the barrier of call seq - 1 before this point.
+        // passed a barrier of call seq - 1 before this point.
         unsafe {
-            std::ptr::addr_of_mut!((*ctrl).desc[slot]).write(words);
+            std::ptr::addr_of_mut!((*ctrl).desc[dslot]).write(words);
             let mut err = [0u8; ERR_BYTES];
             if let Err(e) = &local {
                 let text = e.to_string();
                 let n = text.len().min(ERR_BYTES - 1);
                 err[..n].copy_from_slice(&text.as_bytes()[..n]);
             }
-            std::ptr::addr_of_mut!((*ctrl).err[slot]).write(err);
+            std::ptr::addr_of_mut!((*ctrl).err[dslot]).write(err);
+        }
+        // Every rank takes a slot for round 0, staged or not, so the rotation
+        // stays in step.
+        let slot0 = Self::slot(&mut st);
+        if local.is_ok() {
+            stage(0, slot0);
         }
         self.sync(&mut st, coll)?;
         let world = self.inner.world;
         let descs: Vec<Desc> = (0..world)
             .map(|j| {
                 let p = seg.ctrl_ptr(j);
-                // SAFETY: rank j wrote slot `slot` before arriving at the phase we
+                // SAFETY: rank j wrote slot `dslot` before arriving at the phase we
                 // just observed (acquire), and will not rewrite it before this rank
                 // arrives at the next phase.
-                Desc::from_words(unsafe { &*std::ptr::addr_of!((*p).desc[slot]) })
+                Desc::from_words(unsafe { &*std::ptr::addr_of!((*p).desc[dslot]) })
             })
             .collect();
         local?;
-        if let Some(detail) = self.disagreement(kind, &descs, slot) {
+        if let Some(detail) = self.disagreement(kind, &descs, dslot) {
             return Err(self.err(coll, CommErrorKind::Mismatch, detail));
         }
-        Ok((st, descs))
+        let n = rounds(&descs);
+        if n == 0 {
+            return Ok(());
+        }
+        consume(0, slot0);
+        let mut last = slot0;
+        for k in 1..n {
+            last = Self::slot(&mut st);
+            stage(k, last);
+            self.sync(&mut st, coll)?;
+            consume(k, last);
+        }
+        if tail {
+            self.sync(&mut st, coll)?;
+            consume(n, last);
+        }
+        Ok(())
     }
 
     /// Why the descriptors disagree, if they do.
@@ -626,8 +678,9 @@ impl CpuComm {
         None
     }
 
-    fn half(st: &mut State) -> usize {
-        let h = (st.round % 2) as usize;
+    /// The staging slot of the next round.
+    fn slot(st: &mut State) -> usize {
+        let h = (st.round % shm::SLOTS as u64) as usize;
         st.round += 1;
         h
     }
@@ -637,14 +690,19 @@ impl CpuComm {
         (self.inner.seg.staging / self.inner.world) / 64 * 64
     }
 
-    // ---- data phases (all ranks agreed on the descriptor) ----
+    // ---- data phases ----
+    //
+    // Each takes this rank's descriptor and local validation; when `local` is
+    // an error the pointers are never touched.
 
     /// # Safety
-    /// `src` readable and `dst` writable for `n` elements of `dtype`, aligned;
-    /// they may be equal (in place) but not partially overlap.
+    /// If `local` is Ok: `src` readable and `dst` writable for `n` elements of
+    /// `dtype`, aligned; they may be equal (in place) but not partially overlap.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn all_reduce_raw(
         &self,
-        st: &mut State,
+        desc: Desc,
+        local: Result<()>,
         dtype: DType,
         op: ReduceOp,
         src: *const u8,
@@ -654,49 +712,63 @@ impl CpuComm {
         let seg = &self.inner.seg;
         let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
         let chunk = seg.staging / esz;
-        let mut base = 0;
-        while base < n {
-            let len = chunk.min(n - base);
-            let half = Self::half(st);
-            let mine = seg.staging_ptr(me, half);
-            // SAFETY: base + len <= n; staging holds chunk >= len elements; only
-            // this rank writes its staging in this round.
-            unsafe { std::ptr::copy_nonoverlapping(src.add(base * esz), mine, len * esz) };
-            self.sync(st, "all_reduce")?;
-            let (lo, hi) = piece(me, len, world);
-            let inputs: Vec<*const u8> =
-                // SAFETY: lo <= len <= chunk: inside each staging half.
-                (0..world).map(|j| unsafe { seg.staging_ptr(j, half).add(lo * esz) } as *const u8).collect();
-            // SAFETY: every rank's staging holds this round's chunk (synced); piece
-            // `me` of every staging is read only by this rank in this phase, and the
-            // output is this rank's own piece (equal to input `me`, no partial overlap).
-            unsafe { reduce::reduce(dtype, op, &inputs, mine.add(lo * esz), hi - lo) };
-            self.sync(st, "all_reduce")?;
-            for j in 0..world {
-                let (lo, hi) = piece(j, len, world);
-                // SAFETY: piece j of rank j's staging holds the reduced values
-                // (synced); dst holds n >= base + hi elements.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        seg.staging_ptr(j, half).add(lo * esz),
-                        dst.add((base + lo) * esz),
-                        (hi - lo) * esz,
-                    )
-                };
+        let rounds = n.div_ceil(chunk);
+        let span = |k: usize| (k * chunk, chunk.min(n - k * chunk));
+        // Round k: stage chunk k; barrier; copy out chunk k - 1 (reduced in the
+        // previous round); reduce piece `me` of chunk k in place. A last barrier
+        // precedes the copy-out of the last chunk. Slot k % 3 is next written in
+        // round k + 3, after the barrier of round k + 2, which every rank reaches
+        // only after copying out chunk k.
+        let mut stage = |k: usize, slot: usize| {
+            if k < rounds {
+                let (base, len) = span(k);
+                // SAFETY: base + len <= n; the slot holds chunk >= len elements; only
+                // this rank writes its staging, and nobody reads this slot now.
+                unsafe { std::ptr::copy_nonoverlapping(src.add(base * esz), seg.staging_ptr(me, slot), len * esz) };
             }
-            base += len;
-        }
-        Ok(())
+        };
+        let mut prev: Option<(usize, usize)> = None;
+        let mut consume = |k: usize, slot: usize| {
+            if let Some((pk, pslot)) = prev.take() {
+                let (base, len) = span(pk);
+                for j in 0..world {
+                    let (lo, hi) = piece(j, len, world);
+                    // SAFETY: piece j of rank j's slot holds reduced values (a
+                    // barrier passed since); dst holds n >= base + hi elements.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            seg.staging_ptr(j, pslot).add(lo * esz),
+                            dst.add((base + lo) * esz),
+                            (hi - lo) * esz,
+                        )
+                    };
+                }
+            }
+            if k < rounds {
+                let (_, len) = span(k);
+                let (lo, hi) = piece(me, len, world);
+                let inputs: Vec<*const u8> =
+                    // SAFETY: lo <= len <= chunk: inside each staging slot.
+                    (0..world).map(|j| unsafe { seg.staging_ptr(j, slot).add(lo * esz) } as *const u8).collect();
+                // SAFETY: every rank staged this chunk (synced); piece `me` of every
+                // slot is read only by this rank in this round, and the output is
+                // this rank's own piece (equal to input `me`, no partial overlap).
+                unsafe { reduce::reduce(dtype, op, &inputs, seg.staging_ptr(me, slot).add(lo * esz), hi - lo) };
+                prev = Some((k, slot));
+            }
+        };
+        self.drive(Kind::AllReduce, desc, local, &|_| rounds, &mut stage, &mut consume, true)
     }
 
     /// # Safety
-    /// `src` readable for `sum(counts)` elements, `dst` writable for
-    /// `counts[rank]`, aligned, not overlapping.
+    /// If `local` is Ok: `src` readable for `sum(counts)` elements, `dst`
+    /// writable for `counts[rank]`, aligned, not overlapping.
     #[allow(clippy::too_many_arguments)]
     unsafe fn reduce_scatter_raw(
         &self,
-        st: &mut State,
-        coll: &str,
+        kind: Kind,
+        desc: Desc,
+        local: Result<()>,
         dtype: DType,
         op: ReduceOp,
         src: *const u8,
@@ -709,14 +781,13 @@ impl CpuComm {
         let relems = region / esz;
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(relems);
-        for k in 0..rounds {
-            let half = Self::half(st);
-            let mine = seg.staging_ptr(me, half);
+        let mut stage = |k: usize, slot: usize| {
+            let mine = seg.staging_ptr(me, slot);
             for (j, &c) in counts.iter().enumerate() {
                 let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
                 if lo < hi {
                     // SAFETY: displs[j] + hi <= sum(counts); region j of this
-                    // rank's staging holds relems >= hi - lo elements.
+                    // rank's slot holds relems >= hi - lo elements.
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             src.add((displs[j] + lo) * esz),
@@ -726,27 +797,30 @@ impl CpuComm {
                     };
                 }
             }
-            self.sync(st, coll)?;
+        };
+        let mut consume = |k: usize, slot: usize| {
             let (lo, hi) = (k * relems, ((k + 1) * relems).min(counts[me]));
             if lo < hi {
                 let inputs: Vec<*const u8> =
-                    // SAFETY: region `me` lies inside each staging half.
-                    (0..world).map(|j| unsafe { seg.staging_ptr(j, half).add(me * region) } as *const u8).collect();
-                // SAFETY: region `me` of every staging holds this round's piece
+                    // SAFETY: region `me` lies inside each staging slot.
+                    (0..world).map(|j| unsafe { seg.staging_ptr(j, slot).add(me * region) } as *const u8).collect();
+                // SAFETY: region `me` of every slot holds this round's piece
                 // (synced) and is read only by this rank; dst holds counts[me].
                 unsafe { reduce::reduce(dtype, op, &inputs, dst.add(lo * esz), hi - lo) };
             }
-        }
-        Ok(())
+        };
+        self.drive(kind, desc, local, &|_| rounds, &mut stage, &mut consume, false)
     }
 
     /// # Safety
-    /// `src` readable for `counts[rank]` elements, `dst` writable for
-    /// `sum(counts)`, aligned, not overlapping.
+    /// If `local` is Ok: `src` readable for `counts[rank]` elements, `dst`
+    /// writable for `sum(counts)`, aligned, not overlapping.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn all_gather_raw(
         &self,
-        st: &mut State,
-        coll: &str,
+        kind: Kind,
+        desc: Desc,
+        local: Result<()>,
         dtype: DType,
         src: *const u8,
         dst: *mut u8,
@@ -757,14 +831,14 @@ impl CpuComm {
         let chunk = seg.staging / esz;
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(chunk);
-        for k in 0..rounds {
-            let half = Self::half(st);
+        let mut stage = |k: usize, slot: usize| {
             let (lo, hi) = (k * chunk, ((k + 1) * chunk).min(counts[me]));
             if lo < hi {
-                // SAFETY: hi <= counts[me]; staging holds chunk elements.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(lo * esz), seg.staging_ptr(me, half), (hi - lo) * esz) };
+                // SAFETY: hi <= counts[me]; the slot holds chunk elements.
+                unsafe { std::ptr::copy_nonoverlapping(src.add(lo * esz), seg.staging_ptr(me, slot), (hi - lo) * esz) };
             }
-            self.sync(st, coll)?;
+        };
+        let mut consume = |k: usize, slot: usize| {
             for (j, &c) in counts.iter().enumerate() {
                 let (lo, hi) = (k * chunk, ((k + 1) * chunk).min(c));
                 if lo < hi {
@@ -772,40 +846,42 @@ impl CpuComm {
                     // displs[j] + hi <= sum(counts).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(j, half),
+                            seg.staging_ptr(j, slot),
                             dst.add((displs[j] + lo) * esz),
                             (hi - lo) * esz,
                         )
                     };
                 }
             }
-        }
-        Ok(())
+        };
+        self.drive(kind, desc, local, &|_| rounds, &mut stage, &mut consume, false)
     }
 
     /// # Safety
-    /// `src` readable for `sum(send)` elements, `dst` writable for `sum(recv)`,
-    /// aligned, not overlapping; `matrix[i][j]` is what rank i sends to rank j
-    /// (agreed by every rank).
+    /// If `local` is Ok: `src` readable for `sum(send)` elements, `dst`
+    /// writable for `sum(recv)`, aligned, not overlapping.
     #[allow(clippy::too_many_arguments)]
     unsafe fn all_to_all_raw(
         &self,
-        st: &mut State,
+        desc: Desc,
+        local: Result<()>,
         dtype: DType,
         src: *const u8,
         send: &[usize],
         dst: *mut u8,
         recv: &[usize],
-        max_block: usize,
     ) -> Result<()> {
         let seg = &self.inner.seg;
-        let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
+        let (me, esz) = (self.inner.rank, dtype.size());
         let region = self.region_bytes();
         let relems = region / esz;
         let (sd, rd) = (prefix(send), prefix(recv));
-        for k in 0..max_block.div_ceil(relems) {
-            let half = Self::half(st);
-            let mine = seg.staging_ptr(me, half);
+        // The number of rounds depends on every rank's sends (agreed descriptors).
+        let rounds = |descs: &[Desc]| {
+            (descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize).div_ceil(relems)
+        };
+        let mut stage = |k: usize, slot: usize| {
+            let mine = seg.staging_ptr(me, slot);
             for (j, &c) in send.iter().enumerate() {
                 let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
                 if lo < hi {
@@ -819,47 +895,59 @@ impl CpuComm {
                     };
                 }
             }
-            self.sync(st, "all_to_all_v")?;
-            for (i, &c) in recv.iter().enumerate().take(world) {
+        };
+        let mut consume = |k: usize, slot: usize| {
+            for (i, &c) in recv.iter().enumerate() {
                 let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
                 if lo < hi {
                     // SAFETY: rank i staged its block for this rank in region `me`
-                    // (synced; its send count equals our recv count); rd[i] + hi <= sum(recv).
+                    // (synced; its send count equals our recv count, checked);
+                    // rd[i] + hi <= sum(recv).
                     unsafe {
                         std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(i, half).add(me * region),
+                            seg.staging_ptr(i, slot).add(me * region),
                             dst.add((rd[i] + lo) * esz),
                             (hi - lo) * esz,
                         )
                     };
                 }
             }
-        }
-        Ok(())
+        };
+        self.drive(Kind::AllToAllV, desc, local, &rounds, &mut stage, &mut consume, false)
     }
 
     /// # Safety
-    /// `buf` valid for reading (root) or writing (others) `n` elements.
-    unsafe fn broadcast_raw(&self, st: &mut State, dtype: DType, buf: *mut u8, n: usize, root: usize) -> Result<()> {
+    /// If `local` is Ok: `buf` valid for reading (root) or writing (others) `n`
+    /// elements.
+    unsafe fn broadcast_raw(
+        &self,
+        desc: Desc,
+        local: Result<()>,
+        dtype: DType,
+        buf: *mut u8,
+        n: usize,
+        root: usize,
+    ) -> Result<()> {
         let seg = &self.inner.seg;
         let (me, esz) = (self.inner.rank, dtype.size());
         let chunk = seg.staging / esz;
-        let mut base = 0;
-        while base < n {
-            let len = chunk.min(n - base);
-            let half = Self::half(st);
-            if me == root {
-                // SAFETY: base + len <= n; staging holds chunk elements.
-                unsafe { std::ptr::copy_nonoverlapping(buf.add(base * esz), seg.staging_ptr(root, half), len * esz) };
+        let rounds = n.div_ceil(chunk);
+        let span = |k: usize| (k * chunk, chunk.min(n.saturating_sub(k * chunk)));
+        let mut stage = |k: usize, slot: usize| {
+            let (base, len) = span(k);
+            if me == root && len > 0 {
+                // SAFETY: base + len <= n; the slot holds chunk elements.
+                unsafe { std::ptr::copy_nonoverlapping(buf.add(base * esz), seg.staging_ptr(root, slot), len * esz) };
             }
-            self.sync(st, "broadcast")?;
-            if me != root {
-                // SAFETY: the root staged this chunk (synced).
-                unsafe { std::ptr::copy_nonoverlapping(seg.staging_ptr(root, half), buf.add(base * esz), len * esz) };
+        };
+        let mut consume = |k: usize, slot: usize| {
+            let (base, len) = span(k);
+            if me != root && len > 0 {
+                // SAFETY: the root staged this chunk (synced); base + len <= n.
+                unsafe { std::ptr::copy_nonoverlapping(seg.staging_ptr(root, slot), buf.add(base * esz), len * esz) };
             }
-            base += len;
-        }
-        Ok(())
+        };
+        self.drive(Kind::Broadcast, desc, local, &|_| rounds, &mut stage, &mut consume, false)
     }
 
     // ---- slice-level API ----
@@ -867,19 +955,19 @@ impl CpuComm {
     /// `dst = op(src over ranks)` on host slices.
     pub fn all_reduce_slice<T: Element>(&self, src: &[T], dst: &mut [T], op: ReduceOp) -> Result<()> {
         let local = same_len("all_reduce", "dst", src.len(), dst.len());
-        let (mut st, _) =
-            self.begin(Kind::AllReduce, Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(src.len()), local)?;
-        // SAFETY: both slices hold src.len() elements of T and cannot overlap (& vs &mut).
-        unsafe { self.all_reduce_raw(&mut st, T::DTYPE, op, src.as_ptr().cast(), dst.as_mut_ptr().cast(), src.len()) }
+        let desc = Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(src.len());
+        // SAFETY: used only when the lengths agree (local is Ok); & and &mut cannot overlap.
+        unsafe {
+            self.all_reduce_raw(desc, local, T::DTYPE, op, src.as_ptr().cast(), dst.as_mut_ptr().cast(), src.len())
+        }
     }
 
     /// In-place all-reduce on a host slice.
     pub fn all_reduce_slice_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let (mut st, _) =
-            self.begin(Kind::AllReduce, Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(buf.len()), Ok(()))?;
+        let desc = Desc::new(Kind::AllReduce, T::DTYPE, Some(op)).count(buf.len());
         let p = buf.as_mut_ptr().cast::<u8>();
         // SAFETY: src == dst (in place is allowed); buf holds buf.len() elements.
-        unsafe { self.all_reduce_raw(&mut st, T::DTYPE, op, p, p, buf.len()) }
+        unsafe { self.all_reduce_raw(desc, Ok(()), T::DTYPE, op, p, p, buf.len()) }
     }
 
     /// Reduce-scatter on host slices: `src` holds `world * dst.len()` elements.
@@ -887,33 +975,21 @@ impl CpuComm {
         let w = self.inner.world;
         let local = same_len("reduce_scatter", "src", dst.len() * w, src.len());
         let desc = Desc::new(Kind::ReduceScatter, T::DTYPE, Some(op)).count(dst.len());
-        let (mut st, _) = self.begin(Kind::ReduceScatter, desc, local)?;
         let counts = vec![dst.len(); w];
-        // SAFETY: src holds w * dst.len() elements (checked), dst holds dst.len().
-        unsafe {
-            self.reduce_scatter_raw(
-                &mut st,
-                "reduce_scatter",
-                T::DTYPE,
-                op,
-                src.as_ptr().cast(),
-                dst.as_mut_ptr().cast(),
-                &counts,
-            )
-        }
+        let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
+        // SAFETY: used only when src holds w * dst.len() elements (local is Ok).
+        unsafe { self.reduce_scatter_raw(Kind::ReduceScatter, desc, local, T::DTYPE, op, s, d, &counts) }
     }
 
     /// All-gather on host slices: `dst` holds `world * src.len()` elements.
     pub fn all_gather_slice<T: Element>(&self, src: &[T], dst: &mut [T]) -> Result<()> {
         let w = self.inner.world;
         let local = same_len("all_gather", "dst", src.len() * w, dst.len());
-        let (mut st, _) =
-            self.begin(Kind::AllGather, Desc::new(Kind::AllGather, T::DTYPE, None).count(src.len()), local)?;
+        let desc = Desc::new(Kind::AllGather, T::DTYPE, None).count(src.len());
         let counts = vec![src.len(); w];
-        // SAFETY: dst holds w * src.len() elements (checked).
-        unsafe {
-            self.all_gather_raw(&mut st, "all_gather", T::DTYPE, src.as_ptr().cast(), dst.as_mut_ptr().cast(), &counts)
-        }
+        let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
+        // SAFETY: used only when dst holds w * src.len() elements (local is Ok).
+        unsafe { self.all_gather_raw(Kind::AllGather, desc, local, T::DTYPE, s, d, &counts) }
     }
 
     /// Reduce-scatter with per-rank block sizes on host slices.
@@ -926,30 +1002,18 @@ impl CpuComm {
     ) -> Result<()> {
         let local = self.check_v("reduce_scatter_v", counts, src.len(), "src", dst.len(), "dst");
         let desc = Desc::new(Kind::ReduceScatterV, T::DTYPE, Some(op)).counts(counts, counts);
-        let (mut st, _) = self.begin(Kind::ReduceScatterV, desc, local)?;
-        // SAFETY: src holds sum(counts), dst counts[rank] elements (checked).
-        unsafe {
-            self.reduce_scatter_raw(
-                &mut st,
-                "reduce_scatter_v",
-                T::DTYPE,
-                op,
-                src.as_ptr().cast(),
-                dst.as_mut_ptr().cast(),
-                counts,
-            )
-        }
+        let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
+        // SAFETY: used only when src holds sum(counts), dst counts[rank] elements.
+        unsafe { self.reduce_scatter_raw(Kind::ReduceScatterV, desc, local, T::DTYPE, op, s, d, counts) }
     }
 
     /// All-gather with per-rank block sizes on host slices.
     pub fn all_gather_v_slice<T: Element>(&self, src: &[T], dst: &mut [T], counts: &[usize]) -> Result<()> {
         let local = self.check_v("all_gather_v", counts, dst.len(), "dst", src.len(), "src");
         let desc = Desc::new(Kind::AllGatherV, T::DTYPE, None).counts(counts, counts);
-        let (mut st, _) = self.begin(Kind::AllGatherV, desc, local)?;
-        // SAFETY: src holds counts[rank], dst sum(counts) elements (checked).
-        unsafe {
-            self.all_gather_raw(&mut st, "all_gather_v", T::DTYPE, src.as_ptr().cast(), dst.as_mut_ptr().cast(), counts)
-        }
+        let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
+        // SAFETY: used only when src holds counts[rank], dst sum(counts) elements.
+        unsafe { self.all_gather_raw(Kind::AllGatherV, desc, local, T::DTYPE, s, d, counts) }
     }
 
     /// Personalised exchange on host slices.
@@ -969,35 +1033,26 @@ impl CpuComm {
             same_len(C, "dst", recv_counts.iter().sum(), dst.len())
         })();
         let desc = Desc::new(Kind::AllToAllV, T::DTYPE, None).counts(send_counts, recv_counts);
-        let (mut st, descs) = self.begin(Kind::AllToAllV, desc, local)?;
-        let max_block = descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize;
-        // SAFETY: src holds sum(send), dst sum(recv) elements (checked); counts
-        // agree pairwise across ranks (checked in `begin`).
-        unsafe {
-            self.all_to_all_raw(
-                &mut st,
-                T::DTYPE,
-                src.as_ptr().cast(),
-                send_counts,
-                dst.as_mut_ptr().cast(),
-                recv_counts,
-                max_block,
-            )
-        }
+        let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
+        // SAFETY: used only when src holds sum(send), dst sum(recv) elements; the
+        // counts agree pairwise across ranks (checked before any data moves).
+        unsafe { self.all_to_all_raw(desc, local, T::DTYPE, s, send_counts, d, recv_counts) }
     }
 
     /// Broadcast of a host slice from `root`.
     pub fn broadcast_slice<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
-        let w = self.inner.world;
-        let local = if root >= w {
-            Err(Error::invalid("broadcast", "root", format!("root {root} is out of range for world size {w}")))
-        } else {
-            Ok(())
-        };
+        let local = self.check_root(root);
         let desc = Desc::new(Kind::Broadcast, T::DTYPE, None).count(buf.len()).root(root);
-        let (mut st, _) = self.begin(Kind::Broadcast, desc, local)?;
         // SAFETY: buf holds buf.len() elements.
-        unsafe { self.broadcast_raw(&mut st, T::DTYPE, buf.as_mut_ptr().cast(), buf.len(), root) }
+        unsafe { self.broadcast_raw(desc, local, T::DTYPE, buf.as_mut_ptr().cast(), buf.len(), root) }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        let w = self.inner.world;
+        if root >= w {
+            return Err(Error::invalid("broadcast", "root", format!("root {root} is out of range for world size {w}")));
+        }
+        Ok(())
     }
 
     fn check_v(
@@ -1093,19 +1148,12 @@ fn tensor_len(op: &'static str, arg: &'static str, t: &Tensor, expected: usize, 
     Ok(())
 }
 
-impl CpuComm {
-    /// Tensor entry: validates, posts, checks agreement, then runs `data` with
-    /// host bytes. `local` is this rank's own validation.
-    fn tensor_call(
-        &self,
-        kind: Kind,
-        desc: Desc,
-        local: Result<()>,
-        data: impl FnOnce(&Self, &mut State, &[Desc]) -> Result<()>,
-    ) -> Result<()> {
-        let (mut st, descs) = self.begin(kind, desc, local)?;
-        data(self, &mut st, &descs)
-    }
+/// Host pointers of `src` / `dst` when both are host tensors (null otherwise;
+/// the data phases never touch them unless validation passed).
+fn host_ptrs(src: &Tensor, dst: &mut Tensor) -> (*const u8, *mut u8) {
+    let s = src.cpu_bytes().map_or(std::ptr::null(), |b| b.as_ptr());
+    let d = dst.cpu_bytes_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+    (s, d)
 }
 
 impl Collectives for CpuComm {
@@ -1129,26 +1177,18 @@ impl Collectives for CpuComm {
         const C: &str = "all_reduce";
         let local = check_pair(C, src, dst).and_then(|_| tensor_len(C, "dst", dst, src.numel(), "as src"));
         let desc = Desc::new(Kind::AllReduce, src.dtype(), Some(op)).count(src.numel());
-        let (dtype, n) = (src.dtype(), src.numel());
-        self.tensor_call(Kind::AllReduce, desc, local, |c, st, _| {
-            let s = host(C, "src", src)?;
-            let d = host_mut(C, "dst", dst)?;
-            // SAFETY: both hold n elements of dtype (checked), distinct tensors.
-            unsafe { c.all_reduce_raw(st, dtype, op, s.as_ptr(), d.as_mut_ptr(), n) }
-        })
+        let (s, d) = host_ptrs(src, dst);
+        // SAFETY: used only when both are host tensors of n elements of one dtype.
+        unsafe { self.all_reduce_raw(desc, local, src.dtype(), op, s, d, src.numel()) }
     }
 
     fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
-        const C: &str = "all_reduce";
-        let local = host(C, "buf", buf).map(|_| ());
+        let local = host("all_reduce", "buf", buf).map(|_| ());
         let desc = Desc::new(Kind::AllReduce, buf.dtype(), Some(op)).count(buf.numel());
         let (dtype, n) = (buf.dtype(), buf.numel());
-        self.tensor_call(Kind::AllReduce, desc, local, |c, st, _| {
-            let b = host_mut(C, "buf", buf)?;
-            let p = b.as_mut_ptr();
-            // SAFETY: in place: src == dst, n elements.
-            unsafe { c.all_reduce_raw(st, dtype, op, p, p, n) }
-        })
+        let p = buf.cpu_bytes_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+        // SAFETY: in place (src == dst), used only when buf is a host tensor of n elements.
+        unsafe { self.all_reduce_raw(desc, local, dtype, op, p, p, n) }
     }
 
     fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
@@ -1157,13 +1197,10 @@ impl Collectives for CpuComm {
         let local = check_pair(C, src, dst)
             .and_then(|_| tensor_len(C, "src", src, dst.numel() * w, "world size x dst elements"));
         let desc = Desc::new(Kind::ReduceScatter, src.dtype(), Some(op)).count(dst.numel());
-        let (dtype, counts) = (src.dtype(), vec![dst.numel(); w]);
-        self.tensor_call(Kind::ReduceScatter, desc, local, |c, st, _| {
-            let s = host(C, "src", src)?;
-            let d = host_mut(C, "dst", dst)?;
-            // SAFETY: src holds w * counts[r], dst counts[r] elements (checked).
-            unsafe { c.reduce_scatter_raw(st, C, dtype, op, s.as_ptr(), d.as_mut_ptr(), &counts) }
-        })
+        let counts = vec![dst.numel(); w];
+        let (s, d) = host_ptrs(src, dst);
+        // SAFETY: used only when src holds w * counts[r], dst counts[r] elements.
+        unsafe { self.reduce_scatter_raw(Kind::ReduceScatter, desc, local, src.dtype(), op, s, d, &counts) }
     }
 
     fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
@@ -1172,13 +1209,10 @@ impl Collectives for CpuComm {
         let local = check_pair(C, src, dst)
             .and_then(|_| tensor_len(C, "dst", dst, src.numel() * w, "world size x src elements"));
         let desc = Desc::new(Kind::AllGather, src.dtype(), None).count(src.numel());
-        let (dtype, counts) = (src.dtype(), vec![src.numel(); w]);
-        self.tensor_call(Kind::AllGather, desc, local, |c, st, _| {
-            let s = host(C, "src", src)?;
-            let d = host_mut(C, "dst", dst)?;
-            // SAFETY: dst holds w * src elements (checked).
-            unsafe { c.all_gather_raw(st, C, dtype, s.as_ptr(), d.as_mut_ptr(), &counts) }
-        })
+        let counts = vec![src.numel(); w];
+        let (s, d) = host_ptrs(src, dst);
+        // SAFETY: used only when dst holds w * src elements.
+        unsafe { self.all_gather_raw(Kind::AllGather, desc, local, src.dtype(), s, d, &counts) }
     }
 
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
@@ -1186,13 +1220,9 @@ impl Collectives for CpuComm {
         let local =
             check_pair(C, src, dst).and_then(|_| self.check_v(C, counts, src.numel(), "src", dst.numel(), "dst"));
         let desc = Desc::new(Kind::ReduceScatterV, src.dtype(), Some(op)).counts(counts, counts);
-        let dtype = src.dtype();
-        self.tensor_call(Kind::ReduceScatterV, desc, local, |c, st, _| {
-            let s = host(C, "src", src)?;
-            let d = host_mut(C, "dst", dst)?;
-            // SAFETY: sizes checked against counts.
-            unsafe { c.reduce_scatter_raw(st, C, dtype, op, s.as_ptr(), d.as_mut_ptr(), counts) }
-        })
+        let (s, d) = host_ptrs(src, dst);
+        // SAFETY: used only when the sizes match the counts.
+        unsafe { self.reduce_scatter_raw(Kind::ReduceScatterV, desc, local, src.dtype(), op, s, d, counts) }
     }
 
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
@@ -1200,13 +1230,9 @@ impl Collectives for CpuComm {
         let local =
             check_pair(C, src, dst).and_then(|_| self.check_v(C, counts, dst.numel(), "dst", src.numel(), "src"));
         let desc = Desc::new(Kind::AllGatherV, src.dtype(), None).counts(counts, counts);
-        let dtype = src.dtype();
-        self.tensor_call(Kind::AllGatherV, desc, local, |c, st, _| {
-            let s = host(C, "src", src)?;
-            let d = host_mut(C, "dst", dst)?;
-            // SAFETY: sizes checked against counts.
-            unsafe { c.all_gather_raw(st, C, dtype, s.as_ptr(), d.as_mut_ptr(), counts) }
-        })
+        let (s, d) = host_ptrs(src, dst);
+        // SAFETY: used only when the sizes match the counts.
+        unsafe { self.all_gather_raw(Kind::AllGatherV, desc, local, src.dtype(), s, d, counts) }
     }
 
     fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
@@ -1219,37 +1245,24 @@ impl Collectives for CpuComm {
             tensor_len(C, "dst", dst, recv_counts.iter().sum(), "sum of recv_counts")
         });
         let desc = Desc::new(Kind::AllToAllV, src.dtype(), None).counts(send_counts, recv_counts);
-        let dtype = src.dtype();
-        self.tensor_call(Kind::AllToAllV, desc, local, |c, st, descs| {
-            let max_block = descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize;
-            let s = host(C, "src", src)?;
-            let d = host_mut(C, "dst", dst)?;
-            // SAFETY: sizes checked; counts agree pairwise (checked in begin).
-            unsafe { c.all_to_all_raw(st, dtype, s.as_ptr(), send_counts, d.as_mut_ptr(), recv_counts, max_block) }
-        })
+        let (s, d) = host_ptrs(src, dst);
+        // SAFETY: used only when the sizes match the counts; the counts agree
+        // pairwise across ranks (checked before any data moves).
+        unsafe { self.all_to_all_raw(desc, local, src.dtype(), s, send_counts, d, recv_counts) }
     }
 
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
-        const C: &str = "broadcast";
-        let w = self.inner.world;
-        let local = host(C, "buf", buf).map(|_| ()).and_then(|_| {
-            if root >= w {
-                Err(Error::invalid(C, "root", format!("root {root} is out of range for world size {w}")))
-            } else {
-                Ok(())
-            }
-        });
+        let local = host("broadcast", "buf", buf).map(|_| ()).and_then(|_| self.check_root(root));
         let desc = Desc::new(Kind::Broadcast, buf.dtype(), None).count(buf.numel()).root(root);
         let (dtype, n) = (buf.dtype(), buf.numel());
-        self.tensor_call(Kind::Broadcast, desc, local, |c, st, _| {
-            let b = host_mut(C, "buf", buf)?;
-            // SAFETY: buf holds n elements.
-            unsafe { c.broadcast_raw(st, dtype, b.as_mut_ptr(), n, root) }
-        })
+        let p = buf.cpu_bytes_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+        // SAFETY: used only when buf is a host tensor of n elements.
+        unsafe { self.broadcast_raw(desc, local, dtype, p, n, root) }
     }
 
     fn barrier(&self) -> Result<()> {
-        self.begin(Kind::Barrier, Desc::new(Kind::Barrier, DType::F32, None), Ok(())).map(|_| ())
+        let desc = Desc::new(Kind::Barrier, DType::F32, None);
+        self.drive(Kind::Barrier, desc, Ok(()), &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false)
     }
 }
 

@@ -41,12 +41,15 @@ fn combine_f32(op: ReduceOp, x: &[f32], acc: &mut [f32]) {
 
 impl Kern for f32 {
     type Acc = f32;
+    #[inline(always)]
     fn load(src: &[f32], acc: &mut [f32]) {
         acc.copy_from_slice(src);
     }
+    #[inline(always)]
     fn accumulate(op: ReduceOp, src: &[f32], acc: &mut [f32]) {
         combine_f32(op, src, acc);
     }
+    #[inline(always)]
     fn store(acc: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(acc);
     }
@@ -54,21 +57,25 @@ impl Kern for f32 {
 
 impl Kern for f16 {
     type Acc = f32;
+    #[inline(always)]
     fn load(src: &[f16], acc: &mut [f32]) {
         src.convert_to_f32_slice(acc);
     }
+    #[inline(always)]
     fn accumulate(op: ReduceOp, src: &[f16], acc: &mut [f32]) {
         let mut tmp = [0f32; BLK];
         let tmp = &mut tmp[..src.len()];
         src.convert_to_f32_slice(tmp);
         combine_f32(op, tmp, acc);
     }
+    #[inline(always)]
     fn store(acc: &[f32], dst: &mut [f16]) {
         dst.convert_from_f32_slice(acc);
     }
 }
 
 /// bf16 -> f32 (exact): the bits move to the top half.
+#[inline(always)]
 pub fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
     for (d, s) in dst.iter_mut().zip(src) {
         *d = bf16_f32(*s);
@@ -76,6 +83,7 @@ pub fn bf16_to_f32_slice(src: &[bf16], dst: &mut [f32]) {
 }
 
 /// f32 -> bf16, round to nearest even; NaN stays NaN (quiet bit set).
+#[inline(always)]
 pub fn f32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
     for (d, s) in dst.iter_mut().zip(src) {
         let b = s.to_bits();
@@ -92,9 +100,11 @@ fn bf16_f32(x: bf16) -> f32 {
 
 impl Kern for bf16 {
     type Acc = f32;
+    #[inline(always)]
     fn load(src: &[bf16], acc: &mut [f32]) {
         bf16_to_f32_slice(src, acc);
     }
+    #[inline(always)]
     fn accumulate(op: ReduceOp, src: &[bf16], acc: &mut [f32]) {
         // Widen and combine in one pass (vectorises; no temporary).
         match op {
@@ -103,6 +113,7 @@ impl Kern for bf16 {
             ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, x)| *a = a.min(bf16_f32(*x))),
         }
     }
+    #[inline(always)]
     fn store(acc: &[f32], dst: &mut [bf16]) {
         f32_to_bf16_slice(acc, dst);
     }
@@ -112,9 +123,11 @@ macro_rules! int_kern {
     ($t:ty) => {
         impl Kern for $t {
             type Acc = $t;
+            #[inline(always)]
             fn load(src: &[$t], acc: &mut [$t]) {
                 acc.copy_from_slice(src);
             }
+            #[inline(always)]
             fn accumulate(op: ReduceOp, src: &[$t], acc: &mut [$t]) {
                 match op {
                     ReduceOp::Sum => acc.iter_mut().zip(src).for_each(|(a, x)| *a = a.wrapping_add(*x)),
@@ -122,6 +135,7 @@ macro_rules! int_kern {
                     ReduceOp::Min => acc.iter_mut().zip(src).for_each(|(a, x)| *a = (*a).min(*x)),
                 }
             }
+            #[inline(always)]
             fn store(acc: &[$t], dst: &mut [$t]) {
                 dst.copy_from_slice(acc);
             }
@@ -138,7 +152,8 @@ int_kern!(i64);
 /// valid for writing `len` elements, all aligned for `T`; `out` may equal an
 /// input pointer but must not partially overlap one; no other thread writes
 /// these ranges during the call.
-unsafe fn reduce_typed<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8, len: usize) {
+#[inline(always)]
+unsafe fn reduce_body<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8, len: usize) {
     let mut acc = [T::Acc::default(); BLK];
     let mut i = 0;
     while i < len {
@@ -160,10 +175,35 @@ unsafe fn reduce_typed<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8
     }
 }
 
+/// [`reduce_body`] compiled for AVX2 (same results: no contraction, same order).
+///
+/// # Safety
+/// As [`reduce_body`], and the CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_avx2<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8, len: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { reduce_body::<T>(op, inputs, out, len) }
+}
+
+/// Picks the widest kernel this CPU runs.
+///
+/// # Safety
+/// As [`reduce_body`].
+unsafe fn reduce_typed<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present; the rest is forwarded from the caller.
+        return unsafe { reduce_avx2::<T>(op, inputs, out, len) };
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { reduce_body::<T>(op, inputs, out, len) }
+}
+
 /// Reduces `len` elements of `dtype` from every input into `out`.
 ///
 /// # Safety
-/// As [`reduce_typed`]: valid, aligned, non-partially-overlapping ranges.
+/// As [`reduce_body`]: valid, aligned, non-partially-overlapping ranges.
 pub(crate) unsafe fn reduce(dtype: DType, op: ReduceOp, inputs: &[*const u8], out: *mut u8, len: usize) {
     if inputs.is_empty() || len == 0 {
         return;
@@ -202,6 +242,45 @@ mod tests {
         bf16_to_f32_slice(&ours, &mut back);
         for (b, o) in back.iter().zip(&ours) {
             assert_eq!(b.to_bits(), o.to_f32().to_bits());
+        }
+    }
+
+    /// The run-time-selected kernel and the baseline kernel agree bitwise.
+    #[test]
+    fn dispatched_kernel_matches_baseline() {
+        let n = 3 * BLK + 17;
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let inputs: Vec<Vec<u8>> = (0..5)
+            .map(|_| {
+                (0..n * 8)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x >> 24) as u8
+                    })
+                    .collect()
+            })
+            .collect();
+        for dtype in DType::ALL {
+            for op in ReduceOp::ALL {
+                // u64 backing keeps every dtype aligned.
+                let mut a = vec![0u64; n];
+                let mut b = vec![0u64; n];
+                let aligned: Vec<Vec<u64>> = inputs
+                    .iter()
+                    .map(|v| v.chunks(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+                    .collect();
+                let ap: Vec<*const u8> = aligned.iter().map(|v| v.as_ptr() as *const u8).collect();
+                // SAFETY: every buffer holds n * 8 >= n * dtype.size() bytes, 8-byte aligned.
+                unsafe {
+                    reduce(dtype, op, &ap, a.as_mut_ptr() as *mut u8, n);
+                    with_dtype!(dtype, T => reduce_body::<T>(op, &ap, b.as_mut_ptr() as *mut u8, n));
+                }
+                let nbytes = n * dtype.size();
+                let (a, b): (&[u8], &[u8]) = (bytemuck::cast_slice(&a), bytemuck::cast_slice(&b));
+                assert_eq!(a[..nbytes], b[..nbytes], "{dtype} {op:?}");
+            }
         }
     }
 }

@@ -6,7 +6,7 @@
 //! |---|---|---|
 //! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word |
 //! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
-//! | 4 KiB + world x 4 KiB | `world` x 2 x `staging` | per-rank staging, two halves used alternately |
+//! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
 //!
 //! A rank writes only its own control block and its own staging; it reads every
 //! rank's. Publication is by the per-rank phase counter (release store, acquire
@@ -23,9 +23,11 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 2;
 /// Largest group the CPU communicator supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
+/// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
+pub(crate) const SLOTS: usize = 3;
 /// Size of the header and of each control block.
 pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
@@ -59,7 +61,10 @@ pub(crate) struct Header {
 pub(crate) struct Ctrl {
     pub state: AtomicU32,
     pub pid: AtomicU32,
-    _pad0: [u64; 7],
+    /// Start time of process `pid` (clock ticks since boot; 0 if unknown), so a
+    /// recycled pid is not mistaken for the rank.
+    pub start: AtomicU64,
+    _pad0: [u64; 6],
     /// Last phase this rank arrived at (own cache line).
     pub arrive: AtomicU64,
     _pad1: [u64; 7],
@@ -72,9 +77,9 @@ pub(crate) struct Ctrl {
 const _: () = assert!(std::mem::size_of::<Header>() <= BLOCK);
 const _: () = assert!(std::mem::size_of::<Ctrl>() <= BLOCK);
 
-/// Total segment size for `world` ranks with `staging` bytes per half.
+/// Total segment size for `world` ranks with `staging` bytes per slot.
 pub(crate) fn segment_len(world: usize, staging: usize) -> usize {
-    BLOCK + world * BLOCK + world * 2 * staging
+    BLOCK + world * BLOCK + world * SLOTS * staging
 }
 
 /// The file backing group `name`: `<shm dir>/ascend-moe.<readable prefix>.<hash>`.
@@ -125,8 +130,9 @@ fn setup_err(name: &str, rank: usize, world: usize, detail: String, kind: CommEr
     Error::Comm { collective: "rendezvous".into(), group: name.into(), rank, world, detail, kind }
 }
 
-/// Whether process `pid` is alive (a zombie counts as dead).
-pub(crate) fn pid_alive(pid: u32) -> bool {
+/// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
+/// counts as dead, and so does a recycled pid (another start time).
+pub(crate) fn pid_alive(pid: u32, start: u64) -> bool {
     if pid == 0 {
         return false;
     }
@@ -135,11 +141,26 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
     if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
         return false;
     }
-    // Exists (or exists under another user); a zombie has exited.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => !matches!(s.rfind(')').and_then(|i| s[i + 1..].trim_start().chars().next()), Some('Z' | 'X')),
-        Err(_) => true,
+    // Exists (or exists under another user); look closer where /proc allows.
+    match proc_stat(pid) {
+        Some((state, started)) => !(state == 'Z' || state == 'X' || (start != 0 && started != start)),
+        None => true,
     }
+}
+
+/// (state, start time) of a process from `/proc/<pid>/stat`.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces): state is field
+    // 3 of the file, starttime field 22.
+    let rest: Vec<&str> = s[s.rfind(')')? + 1..].split_whitespace().collect();
+    Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
+}
+
+/// Start time of this process (0 if unknown).
+pub(crate) fn my_start() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
 }
 
 /// This process's id.
@@ -292,15 +313,15 @@ impl Segment {
             return Ok(Found::Stale);
         }
         let ctrl = Mapping::new(fd, BLOCK + w * BLOCK).ok_or_else(|| os_err("mapping segment control".into()))?;
-        let slots: Vec<(u32, u32)> = (0..w)
+        let slots: Vec<(u32, u32, u64)> = (0..w)
             .map(|r| {
                 // SAFETY: the mapping covers the header and w control blocks.
                 let c = unsafe { &*(ctrl.ptr.add(BLOCK + r * BLOCK) as *const Ctrl) };
-                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire))
+                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
             })
             .collect();
         drop(ctrl);
-        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1)).collect();
+        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1, slots[r].2)).collect();
         if live.is_empty() {
             return Ok(Found::Stale);
         }
@@ -323,13 +344,13 @@ impl Segment {
                 rank,
                 world,
                 format!(
-                    "the live world under this name uses {s} staging bytes per half, this rank asked for {staging}"
+                    "the live world under this name uses {s} staging bytes per slot, this rank asked for {staging}"
                 ),
                 CommErrorKind::Setup,
             ));
         }
-        let (st, pid) = slots[rank];
-        if st == JOINED && pid_alive(pid) {
+        let (st, pid, start) = slots[rank];
+        if st == JOINED && pid_alive(pid, start) {
             return Err(setup_err(
                 name,
                 rank,
@@ -374,6 +395,7 @@ impl Segment {
         let c = self.ctrl(self.rank);
         c.arrive.store(0, Ordering::Relaxed);
         c.pid.store(my_pid(), Ordering::Relaxed);
+        c.start.store(my_start(), Ordering::Relaxed);
         c.state.store(JOINED, Ordering::Release);
         self.ring();
     }
@@ -403,10 +425,10 @@ impl Segment {
         unsafe { self.base.add(BLOCK + rank * BLOCK) as *mut Ctrl }
     }
 
-    /// Start of `rank`'s staging half `half` (0 or 1), `staging` bytes long.
-    pub(crate) fn staging_ptr(&self, rank: usize, half: usize) -> *mut u8 {
-        debug_assert!(rank < self.world && half < 2);
-        let off = BLOCK + self.world * BLOCK + (rank * 2 + half) * self.staging;
+    /// Start of `rank`'s staging slot `slot` (< SLOTS), `staging` bytes long.
+    pub(crate) fn staging_ptr(&self, rank: usize, slot: usize) -> *mut u8 {
+        debug_assert!(rank < self.world && slot < SLOTS);
+        let off = BLOCK + self.world * BLOCK + (rank * SLOTS + slot) * self.staging;
         debug_assert!(off + self.staging <= self.len);
         // SAFETY: off + staging <= len by the layout.
         unsafe { self.base.add(off) }
@@ -432,7 +454,9 @@ impl Segment {
             return;
         }
         let anyone = (0..self.world).any(|r| {
-            self.ctrl(r).state.load(Ordering::Acquire) == JOINED && pid_alive(self.ctrl(r).pid.load(Ordering::Acquire))
+            let c = self.ctrl(r);
+            c.state.load(Ordering::Acquire) == JOINED
+                && pid_alive(c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
         });
         if !anyone {
             if let Ok(c) = CString::new(self.path.clone()) {
