@@ -206,14 +206,19 @@ fn finalize_is_bitwise_identical_across_runs_and_thread_counts() {
     let with_bias = Opts { x1: true, x2: true, bias: true, scales: Some(DType::F32), expert_without_bias: false };
     // Without bias the kernel streams several rows per pass: test that path too.
     let no_bias = Opts { bias: false, ..with_bias };
+    // One skip input and K <= 8: the one-pass path.
+    let one_pass = Opts { x2: false, ..no_bias };
     for (mode, dtype, o) in [
         (DropPadMode::DropLessRow, DType::BF16, with_bias),
         (DropPadMode::DropLessRow, DType::BF16, no_bias),
+        (DropPadMode::DropLessRow, DType::BF16, one_pass),
+        (DropPadMode::DropLessColumn, DType::F32, one_pass),
         (DropPadMode::DropPadColumn, DType::F16, with_bias),
         (DropPadMode::DropPadRow, DType::BF16, no_bias),
         (DropPadMode::DropLessColumn, DType::F32, no_bias),
     ] {
-        let p = problem(&mut rng, mode, dtype, 301, 11, &[129], o);
+        let k = if o.x2 { 11 } else { 5 };
+        let p = problem(&mut rng, mode, dtype, 301, k, &[129], o);
         set_num_threads(Some(1));
         let reference = bits(&moe_finalize_routing(&p.args()).unwrap());
         for threads in [1, 2, 3, 7, 64] {

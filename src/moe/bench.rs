@@ -236,20 +236,33 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
             drop_pad_mode: DropPadMode::DropLessRow,
         };
         let (mut fused, mut unfused) = (f64::INFINITY, f64::INFINITY);
-        for it in 0..cfg.iters + 1 {
+        let time_fused = || -> Result<f64> {
             comm.barrier()?;
             let t0 = Instant::now();
             let a = finalize_and_reduce(&args, Some(&layout), &comm)?;
             comm.barrier()?;
-            let dt = t0.elapsed().as_secs_f64();
             std::hint::black_box(&a);
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        let time_two_step = || -> Result<f64> {
+            comm.barrier()?;
             let t0 = Instant::now();
             let b = maybe_pad_and_reduce(&moe_finalize_routing(&args)?, Some(&layout), &comm)?;
             comm.barrier()?;
-            let du = t0.elapsed().as_secs_f64();
             std::hint::black_box(&b);
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        // Alternate which variant goes first; the first pass of each warms up.
+        for it in 0..cfg.iters + 1 {
+            let (df, du) = if it % 2 == 0 {
+                let f = time_fused()?;
+                (f, time_two_step()?)
+            } else {
+                let u = time_two_step()?;
+                (time_fused()?, u)
+            };
             if it > 0 {
-                fused = fused.min(dt);
+                fused = fused.min(df);
                 unfused = unfused.min(du);
             }
         }

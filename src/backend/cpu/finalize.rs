@@ -5,8 +5,14 @@
 //! (`std::thread::scope`); each output row is computed by exactly one thread in
 //! the SPEC order (`acc = x1 (+ x2)`, then `acc += s * (row + bias)` for
 //! k = 0..K-1, all in f32, one final rounding), so the result is bitwise the
-//! same for any thread count. The inner loops run over H on f32 scratch rows
-//! and vectorise.
+//! same for any thread count.
+//!
+//! The inner loops run over H and vectorise. For f32 and bf16 without bias, up
+//! to eight source rows are streamed in one pass (each element still sees the
+//! same operations in the same order), and a token with one skip input and
+//! K <= 8 goes from its inputs to its rounded output row in a single pass. On
+//! x86_64 the same code is also compiled for AVX2 and picked at run time; no
+//! fused multiply-add is used, so both paths give the same bits.
 //!
 //! The thread count is the calling thread's override ([`set_num_threads`]),
 //! else `ASCEND_MOE_NUM_THREADS`, else the machine's parallelism; small calls run
@@ -73,6 +79,11 @@ trait Lanes: Element {
     fn lane(self) -> f32 {
         self.to_f32()
     }
+    /// One f32 rounded to this type (round to nearest even).
+    #[inline(always)]
+    fn narrow_one(v: f32) -> Self {
+        Self::from_f32(v)
+    }
     /// `dst = f32(src)`.
     fn widen(src: &[Self], dst: &mut [f32]);
     /// `dst = round(src)` (round to nearest even).
@@ -112,6 +123,14 @@ impl Lanes for f32 {
 impl Lanes for bf16 {
     const LANEWISE: bool = true;
     #[inline(always)]
+    fn narrow_one(v: f32) -> Self {
+        // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
+        let x = v.to_bits();
+        let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+        let nan = ((x >> 16) as u16) | 0x0040;
+        bf16::from_bits(if v.is_nan() { nan } else { rounded })
+    }
+    #[inline(always)]
     fn lane(self) -> f32 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
@@ -124,11 +143,7 @@ impl Lanes for bf16 {
     #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
         for (d, s) in dst.iter_mut().zip(src) {
-            // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
-            let x = s.to_bits();
-            let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
-            let nan = ((x >> 16) as u16) | 0x0040;
-            *d = bf16::from_bits(if s.is_nan() { nan } else { rounded });
+            *d = Self::narrow_one(*s);
         }
     }
     #[inline(always)]
@@ -163,40 +178,44 @@ const GROUP: usize = 8;
 fn accumulate_group<T: Lanes, const G: usize>(acc: &mut [f32], s: &[f32; GROUP], rows: &[&[T]; GROUP]) {
     let h = acc.len();
     let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
-    let mut j0 = 0;
-    while j0 < h {
-        let end = (j0 + BLOCK).min(h);
-        for row in &rows {
-            prefetch(row.as_ptr().wrapping_add(j0 + PREFETCH_AHEAD));
+    for (j, a) in acc.iter_mut().enumerate() {
+        let mut v = *a;
+        for g in 0..G {
+            v += s[g] * rows[g][j].lane();
         }
-        for j in j0..end {
-            let mut a = acc[j];
-            for g in 0..G {
-                a += s[g] * rows[g][j].lane();
-            }
-            acc[j] = a;
-        }
-        j0 = end;
+        *a = v;
     }
 }
 
-/// Elements per block of [`accumulate_group`] (one prefetch per row per block).
-const BLOCK: usize = 32;
-/// How far ahead (elements) the source rows are prefetched: rows are scattered,
-/// and the hardware prefetcher restarts at every page.
-const PREFETCH_AHEAD: usize = 1536;
-
-/// A hint to load the cache line at `p` (which need not be valid memory).
+/// The whole token in one pass when it is one group of real rows with no bias
+/// and at most one skip input: `out = round(skip + s[0] * row[0] + ...)`, the
+/// same operations in the same order as the general path, without the f32
+/// scratch row.
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults and reads nothing the
-    // program can observe, whatever the address. SSE is part of the x86_64 baseline.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
+fn fused_token<T: Lanes, const G: usize>(skip: Option<&[T]>, s: &[f32; GROUP], rows: &[&[T]; GROUP], out: &mut [T]) {
+    let h = out.len();
+    let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
+    match skip {
+        Some(x1) => {
+            let x1 = &x1[..h];
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut v = x1[j].lane();
+                for g in 0..G {
+                    v += s[g] * rows[g][j].lane();
+                }
+                *o = T::narrow_one(v);
+            }
+        }
+        None => {
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut v = 0.0f32;
+                for g in 0..G {
+                    v += s[g] * rows[g][j].lane();
+                }
+                *o = T::narrow_one(v);
+            }
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 /// What one output token gathers. Shared by finalize and unpermute.
@@ -221,6 +240,68 @@ struct Gather<'a, T> {
 }
 
 impl<T: Lanes> Gather<'_, T> {
+    /// Collects up to [`GROUP`] consecutive real rows of token `i` from slot
+    /// `*kk` on (skipping out-of-range slots where they contribute nothing),
+    /// stopping before a dropped slot. Returns how many were collected.
+    #[inline(always)]
+    fn collect_group<'s>(
+        &'s self,
+        i: usize,
+        kk: &mut usize,
+        rows: &mut [&'s [T]; GROUP],
+        ss: &mut [f32; GROUP],
+    ) -> usize {
+        let h = self.h;
+        let mut g = 0;
+        while *kk < self.k && g < GROUP {
+            let slot = i * self.k + *kk;
+            let r = self.idx[if self.row_layout { slot } else { *kk * self.n + i }];
+            if r >= 0 && (r as usize) < self.rows {
+                let r = r as usize;
+                rows[g] = &self.x[r * h..(r + 1) * h];
+                ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+                g += 1;
+                *kk += 1;
+            } else if self.skip_invalid {
+                *kk += 1;
+            } else {
+                break;
+            }
+        }
+        g
+    }
+
+    /// Token `i` straight into `out` in one pass, when it qualifies: element
+    /// types widened per lane, no bias, at most one skip input, and all its
+    /// slots in one group. Returns false (nothing written) otherwise.
+    #[inline(always)]
+    fn fused_token(&self, i: usize, out: &mut [T]) -> bool {
+        if !T::LANEWISE || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
+            return false;
+        }
+        let h = self.h;
+        let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+        let mut ss = [0f32; GROUP];
+        let mut kk = 0;
+        let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
+        if kk < self.k {
+            return false; // a dropped slot: the general path keeps the order
+        }
+        let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
+        match g {
+            0 => fused_token::<T, 0>(skip, &ss, &rows, out),
+            1 => fused_token::<T, 1>(skip, &ss, &rows, out),
+            2 => fused_token::<T, 2>(skip, &ss, &rows, out),
+            3 => fused_token::<T, 3>(skip, &ss, &rows, out),
+            4 => fused_token::<T, 4>(skip, &ss, &rows, out),
+            5 => fused_token::<T, 5>(skip, &ss, &rows, out),
+            6 => fused_token::<T, 6>(skip, &ss, &rows, out),
+            7 => fused_token::<T, 7>(skip, &ss, &rows, out),
+            _ => fused_token::<T, 8>(skip, &ss, &rows, out),
+        }
+        true
+    }
+
     /// Computes token `i` into `acc` (f32), using `tmp` as scratch.
     #[inline(always)]
     fn token(&self, i: usize, acc: &mut [f32], tmp: &mut [f32]) {
@@ -239,25 +320,10 @@ impl<T: Lanes> Gather<'_, T> {
         let mut kk = 0;
         while kk < self.k {
             if T::LANEWISE && self.bias.is_none() {
-                // Collect up to GROUP consecutive real rows and stream them together.
+                // Up to GROUP consecutive real rows, streamed together.
                 let mut rows: [&[T]; GROUP] = [&[]; GROUP];
                 let mut ss = [0f32; GROUP];
-                let mut g = 0;
-                while kk < self.k && g < GROUP {
-                    let slot = i * self.k + kk;
-                    let r = self.idx[if self.row_layout { slot } else { kk * self.n + i }];
-                    if r >= 0 && (r as usize) < self.rows {
-                        let r = r as usize;
-                        rows[g] = &self.x[r * h..(r + 1) * h];
-                        ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
-                        g += 1;
-                        kk += 1;
-                    } else if self.skip_invalid {
-                        kk += 1;
-                    } else {
-                        break;
-                    }
-                }
+                let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
                 match g {
                     1 => accumulate_group::<T, 1>(acc, &ss, &rows),
                     2 => accumulate_group::<T, 2>(acc, &ss, &rows),
@@ -323,8 +389,10 @@ impl<T: Lanes> Gather<'_, T> {
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
-                    self.token(i, &mut acc, &mut tmp);
-                    T::narrow(&acc, o);
+                    if !self.fused_token(i, o) {
+                        self.token(i, &mut acc, &mut tmp);
+                        T::narrow(&acc, o);
+                    }
                 }
                 None => o.fill(T::default()),
             }
