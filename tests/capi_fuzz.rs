@@ -6,8 +6,8 @@
 //!
 //! Memory the descriptors point to is always real and as large as they say
 //! (that part is the caller's contract, not something the library can check);
-//! everything else is random. Bounded for CI; run longer with
-//! `AMOE_FUZZ_SECS=300 AMOE_FUZZ_SEED=7 cargo test --release --test capi_fuzz -- --nocapture`.
+//! everything else is random. Bounded for CI (100 000 cases); run longer with
+//! `AMOE_FUZZ_SECS=300 AMOE_FUZZ_CASES=10000000000 AMOE_FUZZ_SEED=7 cargo test --test capi_fuzz -- --nocapture`.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CString};
@@ -491,8 +491,11 @@ fn last_error() -> String {
 
 #[test]
 fn random_descriptors_give_clean_errors() {
-    let secs: f64 = std::env::var("AMOE_FUZZ_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(2.0);
-    let max_cases: u64 = std::env::var("AMOE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(u64::MAX);
+    // CI: a fixed number of cases from a fixed seed (the same cases on every
+    // machine), with a time cap. Longer runs set AMOE_FUZZ_SECS and a huge
+    // AMOE_FUZZ_CASES.
+    let secs: f64 = std::env::var("AMOE_FUZZ_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30.0);
+    let max_cases: u64 = std::env::var("AMOE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(100_000);
     let seed: u64 = std::env::var("AMOE_FUZZ_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
     let name = CString::new(format!("capi-fuzz-{}", std::process::id())).expect("no NUL");
     let mut comm: *mut amoe_comm = null_mut();

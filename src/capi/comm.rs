@@ -224,6 +224,20 @@ pub unsafe extern "C" fn amoe_stream_free(stream: *mut amoe_stream) {
     let _ = stream;
 }
 
+/// Reads per-rank element counts; their sum must fit in `usize` (it sizes
+/// the tensor the counts describe).
+///
+/// # Safety
+/// `ptr` NULL or readable for `n` elements.
+unsafe fn read_counts(func: &str, arg: &str, ptr: *const usize, n: usize) -> Result<Vec<usize>, Failure> {
+    // SAFETY: forwarded contract.
+    let counts = unsafe { read_sizes(func, arg, ptr, n) }?;
+    if counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).is_none() {
+        return Err(Failure::invalid(func, arg, format!("the counts {counts:?} overflow when summed")));
+    }
+    Ok(counts)
+}
+
 fn reduce_op(func: &str, op: u32) -> Result<ReduceOp, Failure> {
     ReduceOp::from_u32(op)
         .ok_or_else(|| Failure::invalid(func, "op", format!("unknown reduce op {op} (expected 0 sum, 1 max, 2 min)")))
@@ -350,7 +364,7 @@ pub unsafe extern "C" fn amoe_reduce_scatter_v(
         let c = try_comm!(F, comm);
         let op = reduce_op(F, op)?;
         // SAFETY: the caller's contracts for `counts` and the descriptors.
-        let counts = unsafe { read_sizes(F, "counts", counts, n) }?;
+        let counts = unsafe { read_counts(F, "counts", counts, n) }?;
         let s = unsafe { read_tensor(F, "src", src) }?;
         // SAFETY: `dst` is a valid descriptor, per the export's contract.
         let mut d = unsafe { out_like(F, "dst", dst) }?;
@@ -380,7 +394,7 @@ pub unsafe extern "C" fn amoe_all_gather_v(
     ffi!(F, {
         let c = try_comm!(F, comm);
         // SAFETY: the caller's contracts for `counts` and the descriptors.
-        let counts = unsafe { read_sizes(F, "counts", counts, n) }?;
+        let counts = unsafe { read_counts(F, "counts", counts, n) }?;
         let s = unsafe { read_tensor(F, "src", src) }?;
         // SAFETY: `dst` is a valid descriptor, per the export's contract.
         let mut d = unsafe { out_like(F, "dst", dst) }?;
@@ -412,8 +426,8 @@ pub unsafe extern "C" fn amoe_all_to_all_v(
     ffi!(F, {
         let c = try_comm!(F, comm);
         // SAFETY: the caller's contracts for the count lists and the descriptors.
-        let sc = unsafe { read_sizes(F, "send_counts", send_counts, n_send) }?;
-        let rc = unsafe { read_sizes(F, "recv_counts", recv_counts, n_recv) }?;
+        let sc = unsafe { read_counts(F, "send_counts", send_counts, n_send) }?;
+        let rc = unsafe { read_counts(F, "recv_counts", recv_counts, n_recv) }?;
         // SAFETY: `src` is a valid descriptor, per the export's contract.
         let s = unsafe { read_tensor(F, "src", src) }?;
         let mut d = unsafe { out_like(F, "dst", dst) }?;
