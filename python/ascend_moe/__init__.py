@@ -57,11 +57,19 @@ __all__ = [
     "version",
 ]
 
-try:  # torch is optional: register custom ops only when it is importable.
+# torch is optional: register custom ops only when it is importable. A broken
+# torch install or an old torch never breaks `import ascend_moe`; the reason
+# is kept in TORCH_OPS_ERROR.
+TORCH_OPS = False
+TORCH_OPS_ERROR = None
+try:
     import torch as _torch  # noqa: F401
-except ImportError:
-    TORCH_OPS = False
+except Exception as _e:  # noqa: BLE001
+    TORCH_OPS_ERROR = f"torch not importable: {_e}"
 else:
-    from . import _torch_ops
+    try:
+        from . import _torch_ops
 
-    TORCH_OPS = _torch_ops.register()
+        TORCH_OPS = _torch_ops.register()
+    except Exception as _e:  # noqa: BLE001
+        TORCH_OPS_ERROR = f"registering torch custom ops failed: {_e}"
