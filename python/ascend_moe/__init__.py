@@ -26,6 +26,7 @@ from .ops import (
     moe_token_unpermute,
     routed_is_reduced,
 )
+from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 
 
 def version() -> str:
@@ -47,6 +48,8 @@ __all__ = [
     "broadcast",
     "finalize_and_reduce",
     "library_path",
+    "MoeContext",
+    "MoeGroups",
     "maybe_all_gather_and_maybe_unpad",
     "maybe_pad_and_reduce",
     "moe_finalize_routing",
@@ -54,6 +57,8 @@ __all__ = [
     "reduce_scatter",
     "routed_is_reduced",
     "shapes",
+    "token_finalize",
+    "token_prepare",
     "version",
 ]
 

@@ -90,6 +90,19 @@ class ReducePolicyC(ctypes.Structure):
     ]
 
 
+class MoeContextC(ctypes.Structure):
+    """`amoe_moe_context`."""
+
+    _fields_ = [
+        ("dp_tokens", POINTER(c_size_t)),
+        ("dp_size", c_size_t),
+        ("tp_size", c_size_t),
+        ("dp_rank", c_size_t),
+        ("tp_rank", c_size_t),
+        ("sp", c_uint8),
+    ]
+
+
 _T = POINTER(Tensor)
 _SZ = POINTER(c_size_t)
 _U8 = POINTER(c_uint8)
@@ -130,11 +143,18 @@ _SIGNATURES = {
     "amoe_reduce_routed_early": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
     "amoe_reduce_shared": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
     "amoe_reduce_final": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
+    "amoe_moe_groups_new": [_COMM, c_size_t, POINTER(c_void_p)],
+    "amoe_moe_groups_free": [c_void_p],
+    "amoe_token_prepare_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
+    "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
+    "amoe_token_finalize_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
+    "amoe_token_finalize": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _STREAM],
 }
 _RESTYPES = {
     "amoe_version": c_char_p,
     "amoe_last_error_length": c_size_t,
     "amoe_comm_free": None,
+    "amoe_moe_groups_free": None,
 }
 
 _LIB_NAMES = {"linux": "libascend_moe.so", "darwin": "libascend_moe.dylib", "win32": "ascend_moe.dll"}

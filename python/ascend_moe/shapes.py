@@ -150,3 +150,17 @@ def reduce_routed_early(x, *_args) -> tuple:
 
 reduce_shared = reduce_routed_early
 reduce_final = reduce_routed_early
+
+
+def token_prepare(x, comm_type, ctx) -> tuple:
+    """Shape of `ascend_moe.token_prepare`'s hidden output."""
+    from .prepare import token_prepare_shape
+
+    return token_prepare_shape(x, comm_type, ctx)
+
+
+def token_finalize(y, comm_type, ctx) -> tuple:
+    """Shape of `ascend_moe.token_finalize`'s output."""
+    from .prepare import token_finalize_shape
+
+    return token_finalize_shape(y, comm_type, ctx)

@@ -42,3 +42,8 @@ def test_killed_peer_fails_the_survivors_within_the_timeout():
     for rank, (status, secs, msg) in results.items():
         assert status.startswith("COMM_"), (rank, status, msg)
         assert secs < workers.SHORT_TIMEOUT_S + 5.0, (rank, secs, msg)
+
+
+def test_token_prepare_finalize_round_trip_across_4_processes():
+    results, _ = run_world(workers.prepare_finalize, WORLD)
+    assert results == {r: 8 for r in range(WORLD)}

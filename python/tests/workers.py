@@ -295,3 +295,32 @@ def killed_peer(name, world_size, rank):
         if rank == world_size - 1:
             os._exit(17)
         return _expect_error(am.all_reduce, np.ones(4, np.float32), c)
+
+
+def prepare_finalize(name, world_size, rank):
+    """Token prepare then finalize with identity experts, every comm type, with
+    and without SP (SPEC section 6): ALLGATHER returns `DP * x` without SP (the
+    DP reduce-scatter sums the DP copies) and `EP * x` with SP (the EP
+    reduce-scatter sums every rank's copy); MC2 / ALLTOALL return `x`."""
+    tp, dp_tokens = 2, [3, 1]
+    dp_size = world_size // tp
+    d, t = rank // tp, rank % tp
+    checks = 0
+    with am.Comm.cpu(name, world_size, rank, timeout_s=30.0) as world, am.MoeGroups(world, tp) as groups:
+        for sp in (False, True):
+            ctx = am.MoeContext(dp_tokens, tp, d, t, sp)
+            rows = -(-dp_tokens[d] // tp) if sp else dp_tokens[d]
+            x = rand(rng_for("prep", rank if sp else d, int(sp)), (rows, 4), np.float32)
+            for ct in am.CommType:
+                hidden, mask = am.token_prepare(x, ct, ctx, groups)
+                assert hidden.shape == am.shapes.token_prepare(x, ct, ctx)
+                if ct in (am.CommType.MC2, am.CommType.FUSED_MC2) and not sp:
+                    chunk = -(-max(dp_tokens) // tp)
+                    np.testing.assert_array_equal(mask, [t * chunk + i < dp_tokens[d] for i in range(chunk)])
+                else:
+                    assert mask is None or ct in (am.CommType.MC2, am.CommType.FUSED_MC2)
+                back = am.token_finalize(hidden, ct, ctx, groups)
+                factor = (world_size if sp else dp_size) if ct == am.CommType.ALLGATHER else 1
+                assert_close(back, x.astype(np.float64) * factor, np.float32, f"round trip {ct.name} sp={sp}")
+                checks += 1
+    return checks
