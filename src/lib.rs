@@ -12,10 +12,12 @@
 //! | tensors | [`tensor`], [`dtype`] | [`Tensor`], [`DType`], [`Element`] |
 //! | errors | [`error`] | [`Error`], [`Result`] |
 //! | MoE ops | [`moe`] | finalize, SP layout, pad/reduce, runtime-aware reductions, prepare/finalize |
+//! | C ABI | [`capi`] | `amoe_*` exports behind `include/ascend_moe.h` (the Python package uses them) |
 
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod capi;
 pub mod comm;
 pub mod dtype;
 pub mod error;
