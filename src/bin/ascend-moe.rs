@@ -6,12 +6,16 @@
 
 #[path = "ascend_moe/bench_collectives.rs"]
 mod bench_collectives;
+#[path = "ascend_moe/bench_moe.rs"]
+mod bench_moe;
 #[path = "ascend_moe/bench_triad.rs"]
 mod bench_triad;
 #[path = "ascend_moe/check.rs"]
 mod check;
 #[path = "ascend_moe/check_collectives.rs"]
 mod check_collectives;
+#[path = "ascend_moe/check_moe.rs"]
+mod check_moe;
 #[path = "ascend_moe/info.rs"]
 mod info;
 #[path = "ascend_moe/launch.rs"]
@@ -52,6 +56,11 @@ enum BenchCmd {
     Collectives(bench_collectives::Args),
     /// STREAM-like triad: the memory bandwidth the benchmark floors are measured against.
     Triad(bench_triad::Args),
+    /// The CPU finalize kernel against a same-run triad floor.
+    Finalize(bench_moe::FinalizeArgs),
+    /// Fused finalize-and-reduce against finalize then maybe_pad_and_reduce.
+    #[command(name = "finalize_and_reduce", alias = "finalize-and-reduce")]
+    FinalizeAndReduce(bench_moe::ReduceArgs),
 }
 
 fn main() {
@@ -61,6 +70,8 @@ fn main() {
         Cmd::Check(a) => check::main(a),
         Cmd::Bench(BenchCmd::Collectives(a)) => bench_collectives::main(a),
         Cmd::Bench(BenchCmd::Triad(a)) => bench_triad::main(a),
+        Cmd::Bench(BenchCmd::Finalize(a)) => bench_moe::finalize(a),
+        Cmd::Bench(BenchCmd::FinalizeAndReduce(a)) => bench_moe::finalize_and_reduce(a),
         Cmd::Worker(a) => worker::main(a),
     };
     std::process::exit(code);
