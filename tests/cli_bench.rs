@@ -85,3 +85,70 @@ fn triad_rejects_zero_threads() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("threads >= 1"));
 }
+
+/// The value of `"key":` in a flat JSON text (numbers and strings without escapes).
+fn field<'a>(json: &'a str, key: &str) -> &'a str {
+    let at = json.find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("no {key} in {json}")) + key.len() + 3;
+    let rest = &json[at..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    rest[..end].trim_matches('"')
+}
+
+#[test]
+fn finalize_json() {
+    let (json, _) = run(&[
+        "bench",
+        "finalize",
+        "--tokens",
+        "64",
+        "--top-k",
+        "4",
+        "--hidden",
+        "96",
+        "--dtype",
+        "bf16",
+        "--threads",
+        "1",
+        "--iters",
+        "1",
+        "--json",
+    ]);
+    let num = |k: &str| field(&json, k).parse::<f64>().unwrap_or_else(|e| panic!("{k}: {e}: {json}"));
+    assert_eq!((field(&json, "op"), field(&json, "dtype")), ("finalize", "bf16"), "{json}");
+    assert_eq!((num("tokens"), num("topk"), num("hidden"), num("threads")), (64.0, 4.0, 96.0, 1.0));
+    // expanded_x [T*K, H] and x1 [T, H] read, out [T, H] written (2 bytes each), i32 index + f32 scale per (t, k).
+    assert_eq!(num("bytes"), (64.0 * 4.0 * 96.0 + 2.0 * 64.0 * 96.0) * 2.0 + 64.0 * 4.0 * 8.0);
+    let (t, floor) = (num("time_us"), num("floor_us"));
+    assert!(t > 0.0 && floor > 0.0, "{json}");
+    assert!((num("floor_ratio") - floor / t).abs() <= 1e-3 * (1.0 + floor / t), "{json}");
+    assert!((num("gbps") - num("bytes") / (t * 1e3)).abs() <= 1e-3 * (1.0 + num("gbps")), "{json}");
+}
+
+#[test]
+fn finalize_and_reduce_csv() {
+    let (csv, _) = run(&[
+        "bench",
+        "finalize_and_reduce",
+        "--dp-tokens",
+        "10,6",
+        "--tp",
+        "2",
+        "--top-k",
+        "2",
+        "--hidden",
+        "32",
+        "--dtype",
+        "f32",
+        "--iters",
+        "1",
+        "--csv",
+    ]);
+    let lines: Vec<&str> = csv.lines().collect();
+    assert_eq!(lines.len(), 3, "{csv}");
+    assert_eq!(lines[0], "op,dtype,tokens,topk,hidden,world,dp_tokens,tp,iters,time_us");
+    for (line, op) in lines[1..].iter().zip(["finalize_and_reduce", "finalize_then_pad_reduce"]) {
+        assert!(line.starts_with(&format!("{op},f32,16,2,32,4,10 6,2,1,")), "{csv}");
+        let t: f64 = line.rsplit(',').next().and_then(|v| v.parse().ok()).expect("time_us");
+        assert!(t > 0.0, "{csv}");
+    }
+}

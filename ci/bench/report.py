@@ -587,7 +587,8 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
             for dt in dtypes:
                 rows = coll_rows(w, dt, lambda nb: nb in key_sizes)
                 if rows:
-                    L.append(f"### {w} ranks, {dt} (1 MiB, 32 MiB, 256 MiB)")
+                    shown = ", ".join(common.fmt_bytes(nb) for nb in sorted(key_sizes) if nb in sizes)
+                    L.append(f"### {w} ranks, {dt} ({shown})")
                     L.append(_table(hdr, rows))
                     L.append("")
     if fs:

@@ -245,15 +245,22 @@ def main() -> int:
             [("--min-bytes", lo), ("--max-bytes", hi), ("--factor", args.step_factor)],
         )
 
-    def per_shape(fl, shape_list):
-        """[(label, args)]: one call with --shapes, or one call per shape with --tokens/--topk/--hidden."""
+    def per_shape(fl, shape_list, world=None):
+        """[(label, args)]: one call with --shapes, or one call per shape with --tokens/--top-k/--hidden
+        (finalize_and_reduce: the T tokens split evenly over DP = world / TP ranks, TP = 2)."""
         if "--shapes" in fl:
             return [("", ["--shapes", ",".join(shape_list)])]
-        return [
-            (f" {sh}", pick(fl, [("--tokens", t), ("--topk", k), ("--hidden", h)]))
-            for sh in shape_list
-            for t, k, h in [common.parse_shape(sh)]
-        ]
+        out = []
+        for sh in shape_list:
+            t, k, h = common.parse_shape(sh)
+            tokens = [("--tokens", t)]
+            if world is not None and "--dp-tokens" in fl:
+                tp = 2 if world % 2 == 0 else 1
+                dp = world // tp
+                tokens = [("--dp-tokens", ",".join(str(t // dp + (i < t % dp)) for i in range(dp))), ("--tp", tp)]
+            kh = [("--hidden", h)]
+            out.append((f" {sh}", pick(fl, tokens + [("--topk", k)] + kh, tokens + [("--top-k", k)] + kh)))
+        return out
 
     # The step list of one run (name, kind, impl, command, meta); the same for every run.
     plan: list[tuple[str, str, str, list[str], dict]] = []
@@ -311,10 +318,10 @@ def main() -> int:
     fl = flags["finalize_and_reduce"]
     if "far" not in skip and fl is not None and far_shapes:
         for dt in [d for d in args.far_dtypes.split(",") if d]:
-            for label, shape_args in per_shape(fl, far_shapes):
+            for label, shape_args in per_shape(fl, far_shapes, args.far_world):
                 cmd = cli(
                     "finalize_and_reduce",
-                    pick(fl, [("--ranks", args.far_world)]),
+                    pick(fl, [("--ranks", args.far_world)]) if "--dp-tokens" not in fl else [],
                     shape_args,
                     dtype_flag(fl, dt),
                     iter_flags(fl, args.fin_iters, 1),

@@ -32,6 +32,12 @@ pub struct FinalizeArgs {
     /// Timed repetitions (best reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
+    /// Print JSON instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print CSV instead of the table.
+    #[arg(long)]
+    csv: bool,
 }
 
 pub fn finalize(a: FinalizeArgs) -> i32 {
@@ -44,7 +50,29 @@ pub fn finalize(a: FinalizeArgs) -> i32 {
     };
     let cfg =
         FinalizeBench { tokens: a.tokens, top_k: a.top_k, hidden: a.hidden, dtype, threads: a.threads, iters: a.iters };
+    eprintln!("finalize {}x{}x{} {dtype} on {} threads ...", a.tokens, a.top_k, a.hidden, a.threads);
     match bench_finalize(&cfg) {
+        Ok(r) if a.json || a.csv => {
+            // Field names as ci/bench/README.md reads them; floor = the same-run triad moving the same bytes.
+            let fields = [
+                ("op", "\"finalize\"".to_string()),
+                ("dtype", format!("\"{dtype}\"")),
+                ("tokens", a.tokens.to_string()),
+                ("topk", a.top_k.to_string()),
+                ("hidden", a.hidden.to_string()),
+                ("threads", a.threads.to_string()),
+                ("bytes", r.bytes.to_string()),
+                ("iters", a.iters.to_string()),
+                ("time_us", format!("{:.3}", r.kernel_s * 1e6)),
+                ("gbps", format!("{:.4}", r.kernel_gbps())),
+                ("floor_us", format!("{:.3}", r.triad_s * 1e6)),
+                ("floor_ratio", format!("{:.4}", r.ratio())),
+                ("op_time_us", format!("{:.3}", r.op_s * 1e6)),
+                ("triad_gbps", format!("{:.4}", r.triad_gbps())),
+            ];
+            print_machine(a.json, "finalize", &fields);
+            0
+        }
         Ok(r) => {
             println!(
                 "{:>6} {:>3} {:>6} {:<5} {:>7} {:>9} {:>10} {:>9} {:>10} {:>9} {:>8}",
@@ -93,6 +121,12 @@ pub struct ReduceArgs {
     /// Timed repetitions (best reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
+    /// Print JSON instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print CSV instead of the table.
+    #[arg(long)]
+    csv: bool,
 }
 
 pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
@@ -111,7 +145,38 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
         dtype,
         iters: a.iters,
     };
+    let world = a.dp_tokens.len() * a.tp;
+    eprintln!("finalize_and_reduce dp_tokens {:?} tp {} ({world} ranks) ...", a.dp_tokens, a.tp);
     match bench_finalize_and_reduce(&cfg) {
+        Ok(r) if a.json || a.csv => {
+            let tokens: usize = a.dp_tokens.iter().sum();
+            let dp: Vec<String> = a.dp_tokens.iter().map(|t| t.to_string()).collect();
+            let rows: Vec<Vec<(&str, String)>> =
+                [("finalize_and_reduce", r.fused_s), ("finalize_then_pad_reduce", r.unfused_s)]
+                    .iter()
+                    .map(|(op, secs)| {
+                        vec![
+                            ("op", format!("\"{op}\"")),
+                            ("dtype", format!("\"{dtype}\"")),
+                            ("tokens", tokens.to_string()),
+                            ("topk", a.top_k.to_string()),
+                            ("hidden", a.hidden.to_string()),
+                            ("world", world.to_string()),
+                            ("dp_tokens", format!("\"{}\"", dp.join(" "))),
+                            ("tp", a.tp.to_string()),
+                            ("iters", a.iters.to_string()),
+                            ("time_us", format!("{:.3}", secs * 1e6)),
+                        ]
+                    })
+                    .collect();
+            if a.json {
+                let objs: Vec<String> = rows.iter().map(|f| json_object(f)).collect();
+                println!("{{\"bench\":\"finalize_and_reduce\",\"world\":{world},\"rows\":[{}]}}", objs.join(","));
+            } else {
+                print_csv(&rows);
+            }
+            0
+        }
         Ok(r) => {
             println!(
                 "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10} {:>12} {:>8}",
@@ -134,5 +199,29 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
             eprintln!("error: {e}");
             1
         }
+    }
+}
+
+fn json_object(fields: &[(&str, String)]) -> String {
+    let parts: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+    format!("{{{}}}", parts.join(","))
+}
+
+/// CSV: a header line and one line per row; string values without their JSON quotes.
+fn print_csv(rows: &[Vec<(&str, String)>]) {
+    if let Some(first) = rows.first() {
+        println!("{}", first.iter().map(|(k, _)| *k).collect::<Vec<_>>().join(","));
+    }
+    for r in rows {
+        println!("{}", r.iter().map(|(_, v)| v.trim_matches('"')).collect::<Vec<_>>().join(","));
+    }
+}
+
+/// One result in the `--json` (`{"bench": .., "rows": [..]}`) or `--csv` form.
+fn print_machine(json: bool, bench: &str, fields: &[(&str, String)]) {
+    if json {
+        println!("{{\"bench\":\"{bench}\",\"rows\":[{}]}}", json_object(fields));
+    } else {
+        print_csv(&[fields.to_vec()]);
     }
 }
