@@ -77,9 +77,15 @@ pub struct Candidate {
     pub source: String,
 }
 
-/// Every candidate for `spec`, in search order.
+/// Every candidate for `spec`, in search order (reads its override variable).
 pub fn candidates(spec: &LibSpec) -> Vec<Candidate> {
-    if let Some(v) = std::env::var_os(spec.env).filter(|v| !v.is_empty()) {
+    candidates_with(spec, std::env::var_os(spec.env))
+}
+
+/// Every candidate for `spec` given the value of its override variable: the
+/// override alone when set and non-empty, else the search list.
+pub fn candidates_with(spec: &LibSpec, override_value: Option<OsString>) -> Vec<Candidate> {
+    if let Some(v) = override_value.filter(|v| !v.is_empty()) {
         return vec![Candidate { path: v, source: spec.env.to_string() }];
     }
     let mut out = vec![Candidate { path: spec.soname.into(), source: "loader path".into() }];
@@ -147,8 +153,13 @@ pub fn missing_symbols(lib: &Library, required: &[&str]) -> Vec<String> {
 
 /// Opens the first candidate of `spec` that exports every `required` symbol.
 pub fn open(spec: &LibSpec, required: &[&str]) -> Result<Opened, LoadError> {
+    open_candidates(spec, candidates(spec), required)
+}
+
+/// Opens the first of `candidates` that exports every `required` symbol.
+pub fn open_candidates(spec: &LibSpec, candidates: Vec<Candidate>, required: &[&str]) -> Result<Opened, LoadError> {
     let mut attempts = Vec::new();
-    for candidate in candidates(spec) {
+    for candidate in candidates {
         // SAFETY: loading a CANN library runs its initialisers; that is the
         // documented way to use CANN and the libraries are trusted like any
         // system library named by the user's environment.

@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
 pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
+pub use ops::acl_dtype;
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
 
