@@ -255,3 +255,17 @@ fn committed_bindings_exist_and_carry_no_vendor_comments() {
         assert!(!text.contains("pub enum "), "{krate}: C enums must be newtypes");
     }
 }
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_host_has_the_devices() {
+    println!("{}", npu::probe_report());
+    let want: u32 = std::env::var("ASCEND_MOE_MIN_DEVICES").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let have = npu::device_count().unwrap_or_else(|e| panic!("{e}"));
+    assert!(have >= want, "{have} devices visible, the run needs {want}");
+    for ordinal in 0..have {
+        let dev = npu::NpuDevice::open(ordinal).unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
+        let (free, total) = dev.mem_info().unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
+        assert!(total > 0 && free <= total, "npu:{ordinal}: {free} free of {total}");
+    }
+}
