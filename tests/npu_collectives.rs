@@ -121,10 +121,12 @@ fn v_variants_with_uneven_and_zero_counts() {
         // all_to_all_v: rank r sends (r + j) % 3 elements to rank j.
         let sc: Vec<usize> = (0..WORLD).map(|j| (rank + j) % 3).collect();
         let rc: Vec<usize> = (0..WORLD).map(|i| (i + rank) % 3).collect();
-        let send: Vec<f64> = (0..WORLD).flat_map(|j| (0..sc[j]).map(move |e| (rank * 100 + j * 10 + e) as f64)).collect();
+        let send: Vec<f64> =
+            (0..WORLD).flat_map(|j| (0..sc[j]).map(move |e| (rank * 100 + j * 10 + e) as f64)).collect();
         let mut recv = Tensor::zeros(&[rc.iter().sum::<usize>()], DType::I32, &dev)?;
         comm.all_to_all_v(&tensor::<i32>(&dev, &send)?, &sc, &mut recv, &rc)?;
-        let want: Vec<f64> = (0..WORLD).flat_map(|i| (0..rc[i]).map(move |e| (i * 100 + rank * 10 + e) as f64)).collect();
+        let want: Vec<f64> =
+            (0..WORLD).flat_map(|i| (0..rc[i]).map(move |e| (i * 100 + rank * 10 + e) as f64)).collect();
         assert_eq!(read(&recv)?, want, "all_to_all_v");
         Ok(())
     })

@@ -109,7 +109,9 @@ fn run_case<T: Element>(dev: &Device, c: &Case, rows: OutputRows<'_>) -> Result<
 }
 
 backend_test!(finalize_matches_the_formula_in_every_mode, |dev| {
-    for mode in [DropPadMode::DropLessColumn, DropPadMode::DropPadColumn, DropPadMode::DropLessRow, DropPadMode::DropPadRow] {
+    for mode in
+        [DropPadMode::DropLessColumn, DropPadMode::DropPadColumn, DropPadMode::DropLessRow, DropPadMode::DropPadRow]
+    {
         let c = Case { n: 7, k: 3, h: 16, e: 4, mode };
         let want = reference(&c, &inputs(&c));
         assert_close::<f32>(&format!("f32 mode {mode:?}"), &run_case::<f32>(dev, &c, OutputRows::Dense)?, &want)?;

@@ -73,6 +73,13 @@ impl NpuDevice {
         self.ctx.ordinal()
     }
 
+    /// Makes this device current on the calling thread (`aclrtSetDevice`).
+    /// Every call of this module does it itself; this is for code that calls
+    /// ACL directly.
+    pub fn set_current(&self) -> Result<()> {
+        self.ctx.bind()
+    }
+
     /// The stream the backend ops of this handle run on.
     pub fn stream(&self) -> &NpuStream {
         &self.stream

@@ -7,7 +7,6 @@
 //! stream) are never destroyed by us. `Drop` never panics: failures are
 //! recorded in [`drop_errors`].
 
-use std::cell::Cell;
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -107,11 +106,6 @@ pub fn device_count() -> Result<u32> {
     Ok(n)
 }
 
-thread_local! {
-    /// The device this thread last bound with `aclrtSetDevice`.
-    static BOUND: Cell<Option<u32>> = const { Cell::new(None) };
-}
-
 /// Per-device state shared by every handle on that device.
 #[derive(Debug)]
 pub struct DeviceCtx {
@@ -146,17 +140,20 @@ impl DeviceCtx {
         self.api
     }
 
-    /// Makes this device current on the calling thread (`aclrtSetDevice` is
-    /// per thread; it is only called when the thread's device changes).
+    /// Makes this device current on the calling thread. `aclrtSetDevice` is
+    /// per thread; it is only called when `aclrtGetDevice` reports another
+    /// device (or none), so a host engine that switched the thread's device
+    /// behind our back is noticed.
     pub fn bind(&self) -> Result<()> {
-        if BOUND.with(|b| b.get()) == Some(self.ordinal) {
+        let get = acl_fn!(self.api, aclrtGetDevice)?;
+        let mut current = -1i32;
+        // SAFETY: valid out-pointer; fails harmlessly when no device is set.
+        if unsafe { get(&mut current) } == acl_sys::ACL_SUCCESS as aclError && current == self.ordinal as i32 {
             return Ok(());
         }
         let f = acl_fn!(self.api, aclrtSetDevice)?;
         // SAFETY: plain integer argument, validated against the device count.
-        check("aclrtSetDevice", unsafe { f(self.ordinal as i32) })?;
-        BOUND.with(|b| b.set(Some(self.ordinal)));
-        Ok(())
+        check("aclrtSetDevice", unsafe { f(self.ordinal as i32) })
     }
 }
 
