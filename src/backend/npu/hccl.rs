@@ -265,12 +265,19 @@ fn capability(api: &Hccl) -> Option<u32> {
     Some(unsafe { f() })
 }
 
-fn config_named(api: &Hccl, name: &str) -> HcclCommConfig {
+/// A config carrying `name` and the execution timeout of `opts` (whole
+/// seconds, rounded up), as far as the running HCCL supports those fields.
+fn config_for(api: &Hccl, name: &str, opts: &CommOptions) -> HcclCommConfig {
     let mut config = HcclCommConfig::default();
-    if config.adapt_to_capability(capability(api)) {
+    let cap = capability(api);
+    if config.adapt_to_capability(cap) {
         let n = name.len().min(config.hcclCommName.len() - 1);
         config.hcclCommName[..n].copy_from_slice(&name.as_bytes()[..n]);
         config.hcclCommName[n] = 0;
+    }
+    if HcclCommConfig::supports(cap, hccl_sys::HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT) {
+        let secs = opts.timeout.as_secs() + u64::from(opts.timeout.subsec_nanos() > 0);
+        config.hcclExecTimeOut = i32::try_from(secs.max(1)).unwrap_or(i32::MAX);
     }
     config
 }
@@ -293,9 +300,21 @@ impl HcclComm {
         device.stream().enter()?;
         let raw_root = root.to_raw();
         let mut raw: hccl_sys::HcclComm = std::ptr::null_mut();
-        let f = hccl_fn!(api, HcclCommInitRootInfo)?;
-        // SAFETY: root info and out-pointer are valid for the call; device bound.
-        check("HcclCommInitRootInfo", unsafe { f(world as u32, &raw_root, rank as u32, &mut raw) })?;
+        match api.lib.HcclCommInitRootInfoConfig.as_ref() {
+            Ok(f) => {
+                let config = config_for(api, &format!("world{world}"), opts);
+                // SAFETY: root info, config and out-pointer are valid for the
+                // call (HCCL copies the config); device bound.
+                check("HcclCommInitRootInfoConfig", unsafe {
+                    f(world as u32, &raw_root, rank as u32, &config, &mut raw)
+                })?;
+            }
+            Err(_) => {
+                let f = hccl_fn!(api, HcclCommInitRootInfo)?;
+                // SAFETY: root info and out-pointer are valid; device bound.
+                check("HcclCommInitRootInfo", unsafe { f(world as u32, &raw_root, rank as u32, &mut raw) })?;
+            }
+        }
         let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-world-{world}"));
         Ok(Self::wrap(raw, true, device, rank, world, name, opts))
     }
@@ -384,7 +403,7 @@ impl HcclComm {
         self.inner.device.stream().enter()?;
         let f = hccl_fn!(api, HcclCreateSubCommConfig)?;
         let mut ids: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
-        let mut config = config_named(api, &name);
+        let mut config = config_for(api, &name, &self.inner.opts);
         let mut parent = self.inner.raw;
         let mut sub: hccl_sys::HcclComm = std::ptr::null_mut();
         // SAFETY: every pointer is valid for the call; HCCL takes a pointer to
