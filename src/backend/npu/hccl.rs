@@ -265,16 +265,13 @@ fn capability(api: &Hccl) -> Option<u32> {
     Some(unsafe { f() })
 }
 
-/// A config carrying `name` and the execution timeout of `opts` (whole
-/// seconds, rounded up), as far as the running HCCL supports those fields.
-fn config_for(api: &Hccl, name: &str, opts: &CommOptions) -> HcclCommConfig {
+/// A config carrying the execution timeout of `opts` (whole seconds,
+/// rounded up) when the running HCCL supports it. The name is left to HCCL:
+/// ranks that are threads of one process must not share one.
+fn config_for(api: &Hccl, opts: &CommOptions) -> HcclCommConfig {
     let mut config = HcclCommConfig::default();
     let cap = capability(api);
-    if config.adapt_to_capability(cap) {
-        let n = name.len().min(config.hcclCommName.len() - 1);
-        config.hcclCommName[..n].copy_from_slice(&name.as_bytes()[..n]);
-        config.hcclCommName[n] = 0;
-    }
+    config.adapt_to_capability(cap);
     if HcclCommConfig::supports(cap, hccl_sys::HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT) {
         let secs = opts.timeout.as_secs() + u64::from(opts.timeout.subsec_nanos() > 0);
         config.hcclExecTimeOut = i32::try_from(secs.max(1)).unwrap_or(i32::MAX);
@@ -302,7 +299,7 @@ impl HcclComm {
         let mut raw: hccl_sys::HcclComm = std::ptr::null_mut();
         match api.lib.HcclCommInitRootInfoConfig.as_ref() {
             Ok(f) => {
-                let config = config_for(api, &format!("world{world}"), opts);
+                let config = config_for(api, opts);
                 // SAFETY: root info, config and out-pointer are valid for the
                 // call (HCCL copies the config); device bound.
                 check("HcclCommInitRootInfoConfig", unsafe {
@@ -403,7 +400,7 @@ impl HcclComm {
         self.inner.device.stream().enter()?;
         let f = hccl_fn!(api, HcclCreateSubCommConfig)?;
         let mut ids: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
-        let mut config = config_for(api, &name, &self.inner.opts);
+        let mut config = config_for(api, &self.inner.opts);
         let mut parent = self.inner.raw;
         let mut sub: hccl_sys::HcclComm = std::ptr::null_mut();
         // SAFETY: every pointer is valid for the call; HCCL takes a pointer to
