@@ -225,6 +225,8 @@ pub fn hccl_builder(h: &Headers) -> Option<bindgen::Builder> {
         // The ACL types (aclrtStream, ...) come from acl-sys, so the two crates
         // share one definition.
         .blocklist_type("acl.*")
+        // Runtime-internal types some HCCL header versions mention; never
+        // part of the API we call.
         .blocklist_type("rt.*")
         // The config struct is pinned to layout version 10 in hccl-sys itself
         // (HcclCommConfigInit is header-only and re-implemented there), so an

@@ -52,12 +52,18 @@ pub fn error_string(code: HcclResult) -> String {
     unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
-/// `Ok` for `HCCL_SUCCESS`, otherwise [`Error::Hccl`] with the vendor message.
+/// `Ok` for `HCCL_SUCCESS`, otherwise [`Error::Hccl`] with the vendor
+/// messages (`HcclGetErrorString`, then `aclGetRecentErrMsg` when it has one).
 pub fn check(call: &'static str, code: HcclResult) -> Result<()> {
     if code == HcclResult::HCCL_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Hccl { call, code: code.0 as i32, msg: error_string(code) })
+        let mut msg = error_string(code);
+        let recent = super::runtime::recent_error_message();
+        if !recent.is_empty() {
+            msg = if msg.is_empty() { recent } else { format!("{msg}; {recent}") };
+        }
+        Err(Error::Hccl { call, code: code.0 as i32, msg })
     }
 }
 
