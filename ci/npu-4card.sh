@@ -38,7 +38,7 @@ step "CANN found by the loader, and at least $ASCEND_MOE_MIN_DEVICES devices"
 cargo test -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_the_devices
 
 step "NPU test matrix (every ignored NPU test, serially)"
-cargo test --workspace -- --ignored --test-threads=1 "${filter[@]}"
+cargo test --workspace -- --ignored --test-threads=1 --skip bench_ "${filter[@]}"
 
 if ((bench)) && ((${#filter[@]} == 0)); then
     step "NPU benches"
