@@ -31,11 +31,15 @@ pub const HCCL: LibSpec = LibSpec { soname: "libhccl.so", env: "ASCEND_MOE_HCCL_
 /// `libnnopbase.so` (aclTensor / aclScalar constructors).
 pub const NNOPBASE: LibSpec = LibSpec { soname: "libnnopbase.so", env: "ASCEND_MOE_NNOPBASE_LIB", subdirs: &["lib64"] };
 /// `libopapi.so` (the built-in aclnn operators).
-pub const OPAPI: LibSpec = LibSpec {
-    soname: "libopapi.so",
-    env: "ASCEND_MOE_OPAPI_LIB",
-    subdirs: &["lib64", "opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/x86_64"],
-};
+pub const OPAPI: LibSpec =
+    LibSpec { soname: "libopapi.so", env: "ASCEND_MOE_OPAPI_LIB", subdirs: &["lib64", OPAPI_ARCH_DIR] };
+
+/// Where CANN keeps the real `libopapi.so` (lib64 has a symlink in most releases).
+#[cfg(target_arch = "aarch64")]
+const OPAPI_ARCH_DIR: &str = "opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/aarch64";
+/// Where CANN keeps the real `libopapi.so` (lib64 has a symlink in most releases).
+#[cfg(not(target_arch = "aarch64"))]
+const OPAPI_ARCH_DIR: &str = "opp/built-in/op_impl/ai_core/tbe/op_api/lib/linux/x86_64";
 
 /// A CANN root directory and where it came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -171,7 +175,13 @@ pub fn open_candidates(spec: &LibSpec, candidates: Vec<Candidate>, required: &[&
                 }
                 attempts.push(Attempt { candidate, reason: format!("lacks required symbols {}", missing.join(", ")) });
             }
-            Err(e) => attempts.push(Attempt { candidate, reason: dl_reason(&e) }),
+            Err(e) => {
+                let reason = dl_reason(&e);
+                // dlerror() repeats the path; the attempt already names it.
+                let prefix = format!("{}: ", candidate.path.to_string_lossy());
+                let reason = reason.strip_prefix(&prefix).map(str::to_string).unwrap_or(reason);
+                attempts.push(Attempt { candidate, reason })
+            }
         }
     }
     Err(LoadError { library: spec.soname, env: spec.env, attempts })

@@ -134,11 +134,13 @@ impl fmt::Display for ProbeReport {
         writeln!(f, "libraries:")?;
         for lib in &self.libraries {
             match &lib.result {
-                Ok(from) => writeln!(f, "  {}: found at {from}", lib.library)?,
+                Ok(from) => {
+                    writeln!(f, "  {}: found at {from}", lib.library)?;
+                    let looked: Vec<&str> = lib.candidates.iter().map(|(p, _)| p.as_str()).collect();
+                    writeln!(f, "    search order: {} (override: {})", looked.join(", "), lib.env)?;
+                }
                 Err(e) => writeln!(f, "  {}: NOT FOUND\n    {}", lib.library, e.replace('\n', "\n    "))?,
             }
-            let looked: Vec<&str> = lib.candidates.iter().map(|(p, _)| p.as_str()).collect();
-            writeln!(f, "    looked at: {} (override: {})", looked.join(", "), lib.env)?;
         }
         match &self.runtime {
             Some(rt) => {
