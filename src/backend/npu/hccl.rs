@@ -191,6 +191,9 @@ struct CommInner {
     rank: usize,
     world: usize,
     name: String,
+    /// An id identical on every member (from the root info, or the parent's
+    /// id and the rank list), from which sub-communicator ids derive.
+    key: u64,
     opts: CommOptions,
     /// Per rank list, how many sub-communicators were split off with it (so
     /// a repeated split gets a fresh id, the same on every member).
@@ -319,7 +322,8 @@ impl HcclComm {
             }
         }
         let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-world-{world}"));
-        Ok(Self::wrap(raw, true, device, rank, world, name, opts))
+        let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
+        Ok(Self::wrap(raw, true, device, (rank, world), name, key, opts))
     }
 
     /// Wraps a communicator created by the host engine (e.g. torch's
@@ -334,16 +338,18 @@ impl HcclComm {
         device.stream().enter()?;
         let (rank, world) = query_rank_info(api, raw)?;
         let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-borrowed-{world}"));
-        Ok(Self::wrap(raw, false, device, rank, world, name, opts))
+        // The host engine names its groups identically on every member.
+        let key = fnv1a(FNV_SEED, name.bytes());
+        Ok(Self::wrap(raw, false, device, (rank, world), name, key, opts))
     }
 
     fn wrap(
         raw: hccl_sys::HcclComm,
         owned: bool,
         device: &NpuDevice,
-        rank: usize,
-        world: usize,
+        (rank, world): (usize, usize),
         name: String,
+        key: u64,
         opts: &CommOptions,
     ) -> Self {
         HcclComm {
@@ -354,6 +360,7 @@ impl HcclComm {
                 rank,
                 world,
                 name,
+                key,
                 opts: opts.clone(),
                 splits: Mutex::new(HashMap::new()),
             }),
@@ -401,7 +408,8 @@ impl HcclComm {
             self.inner.name,
             ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
         );
-        let id = sub_comm_id(&name);
+        let id =
+            fnv1a(self.inner.key, ranks.iter().flat_map(|&r| (r as u64).to_le_bytes()).chain(serial.to_le_bytes()));
         let api = hccl()?;
         self.inner.device.stream().enter()?;
         let f = hccl_fn!(api, HcclCreateSubCommConfig)?;
@@ -415,7 +423,7 @@ impl HcclComm {
             f(&mut parent, ids.len() as u32, ids.as_mut_ptr(), id, sub_rank as u32, &mut config, &mut sub)
         })?;
         let name = query_name(api, sub).unwrap_or(name);
-        Ok(Self::wrap(sub, true, &self.inner.device, sub_rank, ranks.len(), name, &self.inner.opts))
+        Ok(Self::wrap(sub, true, &self.inner.device, (sub_rank, ranks.len()), name, id, &self.inner.opts))
     }
 
     fn comm_err(&self, collective: &str, detail: String) -> Error {
@@ -515,10 +523,11 @@ impl HcclComm {
     }
 }
 
-/// A stable 64-bit id for a sub-communicator name (FNV-1a), identical on
-/// every rank.
-fn sub_comm_id(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+const FNV_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// FNV-1a over `bytes`, continuing from `seed`: a stable id, the same on every rank.
+fn fnv1a(seed: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(seed, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 impl Collectives for HcclComm {
