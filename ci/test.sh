@@ -21,3 +21,24 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
 cargo test --workspace
+
+step "python package + multi-process pytest suite"
+# The C header drift check and the C smoke program ran in `cargo test`
+# (tests/capi_header.rs, tests/capi_c.rs). Here: install the Python package
+# into a virtualenv and run its suite against the cdylib cargo just built.
+target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+cargo build --lib
+export ASCEND_MOE_LIB="$target_dir/debug/libascend_moe.so"
+venv="$target_dir/ci-venv"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+"$py" -m pip install --quiet --disable-pip-version-check numpy ml_dtypes pytest
+"$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python
+# Run from the repository root so the installed package, not python/ascend_moe,
+# is imported. pytest's exit code is the job's: 1 = failures, 5 = no tests ran.
+pytest_rc=0
+"$py" -m pytest -q -p no:cacheprovider python/tests || pytest_rc=$?
+if [ "$pytest_rc" -ne 0 ]; then
+    echo "pytest failed with exit code $pytest_rc" >&2
+    exit "$pytest_rc"
+fi

@@ -11,19 +11,24 @@
 //! | communication | [`comm`] | [`Comm`], [`Collectives`], [`ReduceOp`], [`CommType`] |
 //! | tensors | [`tensor`], [`dtype`] | [`Tensor`], [`DType`], [`Element`] |
 //! | errors | [`error`] | [`Error`], [`Result`] |
+//! | MoE ops | [`moe`] | finalize, SP layout, pad/reduce, runtime-aware reductions, prepare/finalize |
+//! | C ABI | [`capi`] | `amoe_*` exports behind `include/ascend_moe.h` (the Python package uses them) |
 
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod capi;
 pub mod comm;
 pub mod dtype;
 pub mod error;
+pub mod moe;
 pub mod tensor;
 
 pub use backend::{Device, DropPadMode};
 pub use comm::{Collectives, Comm, CommOptions, CommType, ReduceOp};
 pub use dtype::{DType, Element};
 pub use error::{CommErrorKind, Error, Result};
+pub use moe::{ReducePolicy, SharedMode, SpLayout};
 pub use tensor::Tensor;
 
 #[doc(hidden)]

@@ -323,8 +323,10 @@ fn stale_segment_of_a_crashed_run_is_replaced() {
 
 #[test]
 fn cli_check_passes_on_processes() {
-    let o =
-        Command::new(EXE).args(["check", "--world", "2", "--procs", "--timeout", "30"]).output().expect("run check");
+    let o = Command::new(EXE)
+        .args(["check", "--world", "2", "--procs", "--timeout", "30", "--section", "collectives"])
+        .output()
+        .expect("run check");
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("all 200 cases passed on 2 ranks"), "{out}");

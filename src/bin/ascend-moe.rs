@@ -6,10 +6,14 @@
 
 #[path = "ascend_moe/bench_collectives.rs"]
 mod bench_collectives;
+#[path = "ascend_moe/bench_moe.rs"]
+mod bench_moe;
 #[path = "ascend_moe/check.rs"]
 mod check;
 #[path = "ascend_moe/check_collectives.rs"]
 mod check_collectives;
+#[path = "ascend_moe/check_moe.rs"]
+mod check_moe;
 #[path = "ascend_moe/info.rs"]
 mod info;
 #[path = "ascend_moe/launch.rs"]
@@ -46,6 +50,11 @@ enum Cmd {
 enum BenchCmd {
     /// nccl-tests style table of the CPU collectives, with memory-bandwidth floors.
     Collectives(bench_collectives::Args),
+    /// The CPU finalize kernel against a same-run triad floor.
+    Finalize(bench_moe::FinalizeArgs),
+    /// Fused finalize-and-reduce against finalize then maybe_pad_and_reduce.
+    #[command(name = "finalize_and_reduce", alias = "finalize-and-reduce")]
+    FinalizeAndReduce(bench_moe::ReduceArgs),
 }
 
 fn main() {
@@ -54,6 +63,8 @@ fn main() {
         Cmd::Info => info::main(),
         Cmd::Check(a) => check::main(a),
         Cmd::Bench(BenchCmd::Collectives(a)) => bench_collectives::main(a),
+        Cmd::Bench(BenchCmd::Finalize(a)) => bench_moe::finalize(a),
+        Cmd::Bench(BenchCmd::FinalizeAndReduce(a)) => bench_moe::finalize_and_reduce(a),
         Cmd::Worker(a) => worker::main(a),
     };
     std::process::exit(code);

@@ -1,25 +1,706 @@
-//! CPU finalize-routing and token-unpermute kernels.
+//! CPU finalize-routing and token-unpermute kernels (SPEC section 1).
+//!
+//! Both ops are "gather K rows per token, scale, sum": one kernel serves both.
+//! Work is split over output rows into contiguous chunks, one per thread
+//! (`std::thread::scope`); each output row is computed by exactly one thread in
+//! the SPEC order (`acc = x1 (+ x2)`, then `acc += s * (row + bias)` for
+//! k = 0..K-1, all in f32, one final rounding), so the result is bitwise the
+//! same for any thread count.
+//!
+//! The inner loops run over H and vectorise. For f32 and bf16 without bias, up
+//! to eight source rows are streamed in one pass (each element still sees the
+//! same operations in the same order), and a token with one skip input and
+//! K <= 8 goes from its inputs to its rounded output row in a single pass. On
+//! x86_64 the same code is also compiled for AVX2 and picked at run time; no
+//! fused multiply-add is used, so both paths give the same bits.
+//!
+//! The thread count is the calling thread's override ([`set_num_threads`]),
+//! else `ASCEND_MOE_NUM_THREADS`, else the machine's parallelism; small calls run
+//! on the calling thread.
 
+use std::cell::Cell;
+
+use half::{bf16, f16};
+
+use super::{host, host_mut};
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
-use crate::{Error, Result, Tensor};
+use crate::{DType, Element, Error, Result, Tensor};
 
-/// Fused finalize routing on the host (SPEC section 1).
-pub fn finalize_routing(
-    _args: &FinalizeArgs<'_>,
-    _dims: &FinalizeDims,
-    _out: &mut Tensor,
-    _rows: OutputRows<'_>,
-) -> Result<()> {
-    Err(Error::invalid("moe_finalize_routing", "backend", "the CPU finalize kernel is not built yet"))
+const FINALIZE: &str = "moe_finalize_routing";
+const UNPERMUTE: &str = "moe_token_unpermute";
+
+/// Elements of output a thread must have before another thread is worth spawning.
+const MIN_ELEMS_PER_THREAD: usize = 1 << 16;
+
+thread_local! {
+    static THREADS: Cell<Option<usize>> = const { Cell::new(None) };
+    static WIDE_SIMD: Cell<bool> = const { Cell::new(true) };
 }
 
-/// Token unpermute on the host.
-pub fn token_unpermute(
-    _permuted: &Tensor,
-    _sorted_indices: &Tensor,
-    _probs: Option<&Tensor>,
-    _k: usize,
-    _out: &mut Tensor,
+/// Allows (`true`, the default) or forbids the wider SIMD code path (AVX2) for
+/// calls made from the current thread. Both paths do the same operations in the
+/// same order; the switch exists so tests can show they agree bit for bit.
+pub fn set_wide_simd(enabled: bool) {
+    WIDE_SIMD.with(|w| w.set(enabled));
+}
+
+/// Sets the number of threads the CPU kernels use for calls made from the
+/// current thread (`None`: back to the default). A forced count is used even
+/// for small calls, which is what the determinism tests need.
+pub fn set_num_threads(n: Option<usize>) {
+    THREADS.with(|t| t.set(n.map(|n| n.max(1))));
+}
+
+/// The default thread count: `ASCEND_MOE_NUM_THREADS`, else the available parallelism.
+pub fn default_num_threads() -> usize {
+    std::env::var("ASCEND_MOE_NUM_THREADS")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+}
+
+/// Threads for a call producing `rows` rows of `h` elements.
+fn threads_for(rows: usize, h: usize) -> usize {
+    let t = match THREADS.with(|t| t.get()) {
+        Some(n) => n,
+        None => default_num_threads().min((rows * h / MIN_ELEMS_PER_THREAD).max(1)),
+    };
+    t.clamp(1, rows.max(1))
+}
+
+/// Row conversions between an element type and f32 scratch rows.
+trait Lanes: Element {
+    /// True when [`Lanes::lane`] is a cheap per-element widening (f32, bf16),
+    /// so several source rows can be streamed in one pass.
+    const LANEWISE: bool = false;
+    /// One element widened to f32.
+    #[inline(always)]
+    fn lane(self) -> f32 {
+        self.to_f32()
+    }
+    /// One f32 rounded to this type (round to nearest even).
+    #[inline(always)]
+    fn narrow_one(v: f32) -> Self {
+        Self::from_f32(v)
+    }
+    /// `dst = f32(src)`.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// `dst = round(src)` (round to nearest even).
+    fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `acc += s * f32(src)` (one product, one sum per element); `tmp` is scratch.
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], s: f32, src: &[Self], tmp: &mut [f32]) {
+        Self::widen(src, tmp);
+        for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+            *o += s * *v;
+        }
+    }
+}
+
+impl Lanes for f32 {
+    const LANEWISE: bool = true;
+    #[inline(always)]
+    fn lane(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], s: f32, src: &[f32], _tmp: &mut [f32]) {
+        for (o, v) in acc.iter_mut().zip(src) {
+            *o += s * *v;
+        }
+    }
+}
+
+impl Lanes for bf16 {
+    const LANEWISE: bool = true;
+    #[inline(always)]
+    fn narrow_one(v: f32) -> Self {
+        // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
+        let x = v.to_bits();
+        let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
+        let nan = ((x >> 16) as u16) | 0x0040;
+        bf16::from_bits(if v.is_nan() { nan } else { rounded })
+    }
+    #[inline(always)]
+    fn lane(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[inline(always)]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = f32::from_bits((s.to_bits() as u32) << 16);
+        }
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = Self::narrow_one(*s);
+        }
+    }
+    #[inline(always)]
+    fn axpy(acc: &mut [f32], s: f32, src: &[bf16], _tmp: &mut [f32]) {
+        for (o, v) in acc.iter_mut().zip(src) {
+            *o += s * f32::from_bits((v.to_bits() as u32) << 16);
+        }
+    }
+}
+
+impl Lanes for f16 {
+    #[inline(always)]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst);
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// Rows accumulated in one pass over H.
+const GROUP: usize = 8;
+
+/// `acc += s[0] * row[0]; acc += s[1] * row[1]; ...` for the first `G` rows, in
+/// one pass over H: every element sees the same operations in the same order as
+/// `G` separate passes, but `G` source rows stream at once (more memory-level
+/// parallelism for rows scattered in memory) and `acc` stays in registers.
+#[inline(always)]
+fn accumulate_group<T: Lanes, const G: usize>(acc: &mut [f32], s: &[f32; GROUP], rows: &[&[T]; GROUP]) {
+    let h = acc.len();
+    let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
+    for (j, a) in acc.iter_mut().enumerate() {
+        let mut v = *a;
+        for g in 0..G {
+            v += s[g] * rows[g][j].lane();
+        }
+        *a = v;
+    }
+}
+
+/// The whole token in one pass when it is one group of real rows with no bias
+/// and at most one skip input: `out = round(skip + s[0] * row[0] + ...)`, the
+/// same operations in the same order as the general path, without the f32
+/// scratch row.
+#[inline(always)]
+fn fused_token<T: Lanes, const G: usize>(skip: Option<&[T]>, s: &[f32; GROUP], rows: &[&[T]; GROUP], out: &mut [T]) {
+    let h = out.len();
+    let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
+    match skip {
+        Some(x1) => {
+            let x1 = &x1[..h];
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut v = x1[j].lane();
+                for g in 0..G {
+                    v += s[g] * rows[g][j].lane();
+                }
+                *o = T::narrow_one(v);
+            }
+        }
+        None => {
+            for (j, o) in out.iter_mut().enumerate() {
+                let mut v = 0.0f32;
+                for g in 0..G {
+                    v += s[g] * rows[g][j].lane();
+                }
+                *o = T::narrow_one(v);
+            }
+        }
+    }
+}
+
+/// What one output token gathers. Shared by finalize and unpermute.
+struct Gather<'a, T> {
+    /// Source rows, `[rows, h]`.
+    x: &'a [T],
+    rows: usize,
+    h: usize,
+    x1: Option<&'a [T]>,
+    x2: Option<&'a [T]>,
+    /// Bias `[E, h]`, widened once, and the expert of each (i, k) slot (row-major).
+    bias: Option<(Vec<f32>, &'a [i32])>,
+    /// Scales `[N, K]` row-major, widened once.
+    scales: Option<Vec<f32>>,
+    idx: &'a [i32],
+    n: usize,
+    k: usize,
+    row_layout: bool,
+    /// Unpermute: an index outside `[0, rows)` contributes nothing. Finalize:
+    /// indices are validated, a negative one is a dropped slot (zero row).
+    skip_invalid: bool,
+}
+
+impl<T: Lanes> Gather<'_, T> {
+    /// Collects up to [`GROUP`] consecutive real rows of token `i` from slot
+    /// `*kk` on (skipping out-of-range slots where they contribute nothing),
+    /// stopping before a dropped slot. Returns how many were collected.
+    #[inline(always)]
+    fn collect_group<'s>(
+        &'s self,
+        i: usize,
+        kk: &mut usize,
+        rows: &mut [&'s [T]; GROUP],
+        ss: &mut [f32; GROUP],
+    ) -> usize {
+        let h = self.h;
+        let mut g = 0;
+        while *kk < self.k && g < GROUP {
+            let slot = i * self.k + *kk;
+            let r = self.idx[if self.row_layout { slot } else { *kk * self.n + i }];
+            if r >= 0 && (r as usize) < self.rows {
+                let r = r as usize;
+                rows[g] = &self.x[r * h..(r + 1) * h];
+                ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+                g += 1;
+                *kk += 1;
+            } else if self.skip_invalid {
+                *kk += 1;
+            } else {
+                break;
+            }
+        }
+        g
+    }
+
+    /// Token `i` straight into `out` in one pass, when it qualifies: element
+    /// types widened per lane, no bias, at most one skip input, and all its
+    /// slots in one group. Returns false (nothing written) otherwise.
+    #[inline(always)]
+    fn fused_token(&self, i: usize, out: &mut [T]) -> bool {
+        if !T::LANEWISE || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
+            return false;
+        }
+        let h = self.h;
+        let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+        let mut ss = [0f32; GROUP];
+        let mut kk = 0;
+        let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
+        if kk < self.k {
+            return false; // a dropped slot: the general path keeps the order
+        }
+        let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
+        match g {
+            0 => fused_token::<T, 0>(skip, &ss, &rows, out),
+            1 => fused_token::<T, 1>(skip, &ss, &rows, out),
+            2 => fused_token::<T, 2>(skip, &ss, &rows, out),
+            3 => fused_token::<T, 3>(skip, &ss, &rows, out),
+            4 => fused_token::<T, 4>(skip, &ss, &rows, out),
+            5 => fused_token::<T, 5>(skip, &ss, &rows, out),
+            6 => fused_token::<T, 6>(skip, &ss, &rows, out),
+            7 => fused_token::<T, 7>(skip, &ss, &rows, out),
+            _ => fused_token::<T, 8>(skip, &ss, &rows, out),
+        }
+        true
+    }
+
+    /// Computes token `i` into `acc` (f32), using `tmp` as scratch.
+    #[inline(always)]
+    fn token(&self, i: usize, acc: &mut [f32], tmp: &mut [f32]) {
+        let h = self.h;
+        match (self.x1, self.x2) {
+            (Some(a), Some(b)) => {
+                T::widen(&a[i * h..(i + 1) * h], acc);
+                T::widen(&b[i * h..(i + 1) * h], tmp);
+                for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+                    *o += *v;
+                }
+            }
+            (Some(a), None) | (None, Some(a)) => T::widen(&a[i * h..(i + 1) * h], acc),
+            (None, None) => acc.fill(0.0),
+        }
+        let mut kk = 0;
+        while kk < self.k {
+            if T::LANEWISE && self.bias.is_none() {
+                // Up to GROUP consecutive real rows, streamed together.
+                let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+                let mut ss = [0f32; GROUP];
+                let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
+                match g {
+                    1 => accumulate_group::<T, 1>(acc, &ss, &rows),
+                    2 => accumulate_group::<T, 2>(acc, &ss, &rows),
+                    3 => accumulate_group::<T, 3>(acc, &ss, &rows),
+                    4 => accumulate_group::<T, 4>(acc, &ss, &rows),
+                    5 => accumulate_group::<T, 5>(acc, &ss, &rows),
+                    6 => accumulate_group::<T, 6>(acc, &ss, &rows),
+                    7 => accumulate_group::<T, 7>(acc, &ss, &rows),
+                    8 => accumulate_group::<T, 8>(acc, &ss, &rows),
+                    _ => {}
+                }
+                if g > 0 || kk >= self.k {
+                    continue;
+                }
+                // A dropped slot: the general path below, in order.
+            }
+            let slot = i * self.k + kk;
+            let pos = if self.row_layout { slot } else { kk * self.n + i };
+            kk += 1;
+            let r = self.idx[pos];
+            let s = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+            let in_range = r >= 0 && (r as usize) < self.rows;
+            if !in_range && self.skip_invalid {
+                continue;
+            }
+            match (&self.bias, in_range) {
+                // The common case: a real row and no bias, widened on the fly.
+                (None, true) => {
+                    let r = r as usize;
+                    T::axpy(acc, s, &self.x[r * h..(r + 1) * h], tmp);
+                    continue;
+                }
+                (_, true) => {
+                    let r = r as usize;
+                    T::widen(&self.x[r * h..(r + 1) * h], tmp);
+                }
+                (_, false) => tmp.fill(0.0),
+            }
+            match &self.bias {
+                Some((b, experts)) => {
+                    // Validated by the caller: 0 <= e < E.
+                    let e = experts[slot] as usize;
+                    let b = &b[e * h..(e + 1) * h];
+                    for ((o, v), bv) in acc.iter_mut().zip(tmp.iter()).zip(b) {
+                        *o += s * (*v + *bv);
+                    }
+                }
+                None => {
+                    for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+                        *o += s * *v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Computes the output rows of `chunk` (first row `first_row`).
+    #[inline(always)]
+    fn rows_generic(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        let h = self.h;
+        let mut acc = vec![0f32; h];
+        let mut tmp = vec![0f32; h];
+        for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
+            match token_of(first_row + j) {
+                Some(i) => {
+                    if !self.fused_token(i, o) {
+                        self.token(i, &mut acc, &mut tmp);
+                        T::narrow(&acc, o);
+                    }
+                }
+                None => o.fill(T::default()),
+            }
+        }
+    }
+
+    /// [`Gather::rows_generic`] compiled for AVX2. Same operations in the same
+    /// order (no fused multiply-add), so bitwise the same results.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows_avx2(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        self.rows_generic(first_row, chunk, token_of)
+    }
+
+    /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
+    /// or zeros.
+    fn run(&self, out: &mut [T], out_rows: usize, token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        let h = self.h;
+        if out_rows == 0 || h == 0 {
+            return;
+        }
+        let threads = threads_for(out_rows, h);
+        let chunk_rows = out_rows.div_ceil(threads);
+        let wide = WIDE_SIMD.with(|w| w.get());
+        let work = |first_row: usize, chunk: &mut [T]| {
+            #[cfg(target_arch = "x86_64")]
+            if wide && std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                unsafe { self.rows_avx2(first_row, chunk, token_of) };
+                return;
+            }
+            self.rows_generic(first_row, chunk, token_of);
+        };
+        if threads == 1 {
+            work(0, out);
+            return;
+        }
+        std::thread::scope(|sc| {
+            let mut chunks = out.chunks_mut(chunk_rows * h).enumerate();
+            // The calling thread takes the first chunk itself.
+            let first = chunks.next();
+            for (c, chunk) in chunks {
+                let work = &work;
+                sc.spawn(move || work(c * chunk_rows, chunk));
+            }
+            if let Some((_, chunk)) = first {
+                work(0, chunk);
+            }
+        });
+    }
+}
+
+/// Widens a float tensor (any of the three float dtypes) to f32.
+fn widen_any(op: &'static str, arg: &'static str, t: &Tensor) -> Result<Vec<f32>> {
+    host(op, arg, t)?;
+    Ok(match t.dtype() {
+        DType::F32 => t.as_slice::<f32>()?.to_vec(),
+        DType::F16 => t.as_slice::<f16>()?.iter().map(|v| v.to_f32()).collect(),
+        DType::BF16 => t.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect(),
+        d => return Err(Error::dtype(op, arg, "f32, f16 or bf16", d)),
+    })
+}
+
+/// Index slice of an int32 tensor on the host.
+fn indices<'a>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a [i32]> {
+    host(op, arg, t)?;
+    if t.dtype() != DType::I32 {
+        return Err(Error::dtype(op, arg, "i32", t.dtype()));
+    }
+    t.as_slice::<i32>()
+}
+
+/// Checks that every index lies in `[lo, hi)`; the first offender names its
+/// position and value.
+fn check_range(op: &'static str, arg: &'static str, idx: &[i32], lo: i64, hi: usize) -> Result<()> {
+    match idx.iter().position(|&v| (v as i64) < lo || (v as i64) >= hi as i64) {
+        None => Ok(()),
+        Some(position) => Err(Error::IndexOutOfRange {
+            op,
+            arg,
+            position,
+            value: idx[position] as i64,
+            valid: format!("[{lo}, {hi})"),
+        }),
+    }
+}
+
+/// A typed data slice of `t`, which must have dtype `T` and `len` elements.
+fn data<'a, T: Element>(op: &'static str, arg: &'static str, t: &'a Tensor, len: usize) -> Result<&'a [T]> {
+    host(op, arg, t)?;
+    if t.dtype() != T::DTYPE {
+        return Err(Error::dtype(op, arg, T::DTYPE.name(), t.dtype()));
+    }
+    let s = t.as_slice::<T>()?;
+    if s.len() != len {
+        return Err(Error::shape(op, arg, format!("{len} elements"), t.shape()));
+    }
+    Ok(s)
+}
+
+/// Fused finalize routing on the host (SPEC section 1).
+///
+/// `dims` come from the op layer's shape function; this function re-checks
+/// every length it relies on (so it never reads out of bounds even when called
+/// directly) and every index value.
+pub fn finalize_routing(
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
 ) -> Result<()> {
-    Err(Error::invalid("moe_token_unpermute", "backend", "the CPU unpermute kernel is not built yet"))
+    match args.expanded_x.dtype() {
+        DType::F32 => finalize_typed::<f32>(args, dims, out, rows),
+        DType::F16 => finalize_typed::<f16>(args, dims, out, rows),
+        DType::BF16 => finalize_typed::<bf16>(args, dims, out, rows),
+        d => Err(Error::dtype(FINALIZE, "expanded_x", "f32, f16 or bf16", d)),
+    }
+}
+
+fn finalize_typed<T: Lanes>(
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+) -> Result<()> {
+    let FinalizeDims { n, k, h, expanded_rows, experts } = *dims;
+    let x = data::<T>(FINALIZE, "expanded_x", args.expanded_x, expanded_rows * h)?;
+    let idx = indices(FINALIZE, "expanded_row_idx", args.expanded_row_idx)?;
+    if idx.len() != n * k {
+        let want = format!("[{}] (N*K = {n}*{k})", n * k);
+        return Err(Error::shape(FINALIZE, "expanded_row_idx", want, args.expanded_row_idx.shape()));
+    }
+    let x1 = args.x1.map(|t| data::<T>(FINALIZE, "x1", t, n * h)).transpose()?;
+    let x2 = args.x2.map(|t| data::<T>(FINALIZE, "x2", t, n * h)).transpose()?;
+    let scales = match args.scales {
+        Some(s) => {
+            let v = widen_any(FINALIZE, "scales", s)?;
+            if v.len() != n * k {
+                return Err(Error::shape(FINALIZE, "scales", format!("[{n}, {k}]"), s.shape()));
+            }
+            Some(v)
+        }
+        None => None,
+    };
+    let bias = match (args.bias, args.expert_idx) {
+        (Some(b), Some(e)) => {
+            let bv = widen_any(FINALIZE, "bias", b)?;
+            if bv.len() != experts * h {
+                return Err(Error::shape(FINALIZE, "bias", format!("[{experts}, {h}]"), b.shape()));
+            }
+            let ev = indices(FINALIZE, "expert_idx", e)?;
+            if ev.len() != n * k {
+                return Err(Error::shape(FINALIZE, "expert_idx", format!("[{n}, {k}]"), e.shape()));
+            }
+            check_range(FINALIZE, "expert_idx", ev, 0, experts)?;
+            Some((bv, ev))
+        }
+        (Some(_), None) => {
+            return Err(Error::invalid(FINALIZE, "expert_idx", "required when bias is given, got none"));
+        }
+        (None, _) => None,
+    };
+    let lo = if args.drop_pad_mode.is_drop_pad() { -1 } else { 0 };
+    check_range(FINALIZE, "expanded_row_idx", idx, lo, expanded_rows)?;
+
+    let out_rows = match rows {
+        OutputRows::Dense => n,
+        OutputRows::Padded { local_sizes, slot_rows } => {
+            let total: usize = local_sizes.iter().sum();
+            if total != n {
+                return Err(Error::invalid(
+                    FINALIZE,
+                    "local_sizes",
+                    format!("sum {total} must equal the token count N = {n}"),
+                ));
+            }
+            if let Some(m) = local_sizes.iter().copied().max().filter(|m| *m > slot_rows) {
+                return Err(Error::invalid(
+                    FINALIZE,
+                    "slot_rows",
+                    format!("{slot_rows} is less than the largest local size {m}"),
+                ));
+            }
+            local_sizes.len() * slot_rows
+        }
+    };
+    if out.dtype() != T::DTYPE {
+        return Err(Error::dtype(FINALIZE, "out", T::DTYPE.name(), out.dtype()));
+    }
+    if out.numel() != out_rows * h {
+        return Err(Error::shape(FINALIZE, "out", format!("{out_rows} rows of {h} elements"), out.shape()));
+    }
+    let o: &mut [T] = bytemuck::cast_slice_mut(host_mut(FINALIZE, "out", out)?);
+
+    let g = Gather {
+        x,
+        rows: expanded_rows,
+        h,
+        x1,
+        x2,
+        bias,
+        scales,
+        idx,
+        n,
+        k,
+        row_layout: args.drop_pad_mode.is_row_layout(),
+        skip_invalid: false,
+    };
+    match rows {
+        OutputRows::Dense => g.run(o, out_rows, &Some),
+        OutputRows::Padded { local_sizes, slot_rows } => {
+            let mut offsets = Vec::with_capacity(local_sizes.len());
+            let mut acc = 0;
+            for &s in local_sizes {
+                offsets.push(acc);
+                acc += s;
+            }
+            let token_of = move |j: usize| {
+                let (r, off) = (j / slot_rows, j % slot_rows);
+                (off < local_sizes[r]).then(|| offsets[r] + off)
+            };
+            g.run(o, out_rows, &token_of)
+        }
+    }
+    Ok(())
+}
+
+/// Token unpermute on the host: `out[t] = sum_k probs[t,k] * permuted[idx[t*K + k]]`;
+/// an index outside `[0, permuted.rows)` contributes nothing.
+pub fn token_unpermute(
+    permuted: &Tensor,
+    sorted_indices: &Tensor,
+    probs: Option<&Tensor>,
+    k: usize,
+    out: &mut Tensor,
+) -> Result<()> {
+    match permuted.dtype() {
+        DType::F32 => unpermute_typed::<f32>(permuted, sorted_indices, probs, k, out),
+        DType::F16 => unpermute_typed::<f16>(permuted, sorted_indices, probs, k, out),
+        DType::BF16 => unpermute_typed::<bf16>(permuted, sorted_indices, probs, k, out),
+        d => Err(Error::dtype(UNPERMUTE, "permuted", "f32, f16 or bf16", d)),
+    }
+}
+
+fn unpermute_typed<T: Lanes>(
+    permuted: &Tensor,
+    sorted_indices: &Tensor,
+    probs: Option<&Tensor>,
+    k: usize,
+    out: &mut Tensor,
+) -> Result<()> {
+    let h = permuted.row_len();
+    let rows = if permuted.shape().is_empty() { 0 } else { permuted.rows() };
+    let x = data::<T>(UNPERMUTE, "permuted", permuted, rows * h)?;
+    let idx = indices(UNPERMUTE, "sorted_indices", sorted_indices)?;
+    if k == 0 || idx.len() % k != 0 {
+        return Err(Error::invalid(UNPERMUTE, "k", format!("{k} does not divide the {} indices", idx.len())));
+    }
+    let n = idx.len() / k;
+    let scales = match probs {
+        Some(p) => {
+            let v = widen_any(UNPERMUTE, "probs", p)?;
+            if v.len() != n * k {
+                return Err(Error::shape(UNPERMUTE, "probs", format!("[{n}, {k}]"), p.shape()));
+            }
+            Some(v)
+        }
+        None => None,
+    };
+    if out.dtype() != T::DTYPE {
+        return Err(Error::dtype(UNPERMUTE, "out", T::DTYPE.name(), out.dtype()));
+    }
+    if out.numel() != n * h {
+        return Err(Error::shape(UNPERMUTE, "out", format!("{n} rows of {h} elements"), out.shape()));
+    }
+    let o: &mut [T] = bytemuck::cast_slice_mut(host_mut(UNPERMUTE, "out", out)?);
+    let g =
+        Gather { x, rows, h, x1: None, x2: None, bias: None, scales, idx, n, k, row_layout: true, skip_invalid: true };
+    g.run(o, n, &Some);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_narrow_matches_half_on_edge_values() {
+        let vals = [
+            0.0f32,
+            -0.0,
+            1.0,
+            1.0 + f32::EPSILON,
+            f32::from_bits(0x3f80_8000), // exact tie, even -> down
+            f32::from_bits(0x3f81_8000), // exact tie, odd -> up
+            f32::MAX,
+            f32::MIN_POSITIVE / 3.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            -3.3e38,
+        ];
+        let mut out = vec![bf16::ZERO; vals.len()];
+        bf16::narrow(&vals, &mut out);
+        for (v, o) in vals.iter().zip(&out) {
+            assert_eq!(o.to_bits(), bf16::from_f32(*v).to_bits(), "value {v:e}");
+        }
+        let mut nan = [bf16::ZERO];
+        bf16::narrow(&[f32::NAN], &mut nan);
+        assert!(nan[0].is_nan());
+    }
 }

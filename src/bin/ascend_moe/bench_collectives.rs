@@ -433,7 +433,8 @@ fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
     }
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        println!("# load average {} on {cores} cores (other load skews both the triad and the times)", l.trim());
+        let avg: Vec<&str> = l.split_whitespace().take(3).collect();
+        println!("# load average {} on {cores} cores (other load skews both the triad and the times)", avg.join(" "));
     }
     println!("# {FLOOR_RULE}");
     println!("# time = median over iterations of the slowest rank; vs floor = floor / time");

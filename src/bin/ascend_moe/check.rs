@@ -26,10 +26,8 @@ pub struct Row {
 pub type Section = fn(&Comm) -> ascend_moe::Result<Vec<Row>>;
 
 /// Every section, in run order. A new section is one line here.
-pub const SECTIONS: &[(&str, Section)] = &[
-    ("collectives", crate::check_collectives::run),
-    // ("moe", crate::check_moe::run),
-];
+pub const SECTIONS: &[(&str, Section)] =
+    &[("collectives", crate::check_collectives::run), ("moe", crate::check_moe::run)];
 
 #[derive(clap::Args)]
 pub struct Args {

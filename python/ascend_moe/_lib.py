@@ -1,0 +1,232 @@
+"""Loading the cdylib, the C types of include/ascend_moe.h, and error handling."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import sys
+import threading
+from ctypes import POINTER, c_char_p, c_double, c_int32, c_size_t, c_ssize_t, c_uint8, c_uint32, c_void_p
+from pathlib import Path
+
+MAX_NDIM = 8
+
+
+class Status(enum.IntEnum):
+    """`amoe_status` codes (fixed numbers, never reused)."""
+
+    OK = 0
+    NULL_ARGUMENT = 1
+    INVALID_ARGUMENT = 2
+    SHAPE = 3
+    DTYPE = 4
+    INDEX_OUT_OF_RANGE = 5
+    DEVICE = 6
+    COMM_MISMATCH = 7
+    COMM_TIMEOUT = 8
+    COMM_PEER_FAILED = 9
+    COMM_SETUP = 10
+    ACL = 11
+    HCCL = 12
+    ACLNN = 13
+    UNAVAILABLE = 14
+    IO = 15
+    BUFFER_TOO_SMALL = 16
+    PANIC = 17
+
+
+class AmoeError(RuntimeError):
+    """A call into the library failed. `str(err)` is the library's message;
+    `err.status` the `Status` code."""
+
+    def __init__(self, status: int, message: str):
+        try:
+            self.status = Status(status)
+        except ValueError:
+            self.status = status
+        self.message = message
+        super().__init__(message)
+
+
+class Tensor(ctypes.Structure):
+    """`amoe_tensor`."""
+
+    _fields_ = [
+        ("data", c_void_p),
+        ("dtype", c_uint32),
+        ("ndim", c_size_t),
+        ("shape", POINTER(c_size_t)),
+        ("strides", POINTER(c_ssize_t)),
+        ("device_kind", c_uint32),
+        ("device_ordinal", c_int32),
+    ]
+
+
+class FinalizeArgs(ctypes.Structure):
+    """`amoe_finalize_args`."""
+
+    _fields_ = [
+        ("expanded_x", POINTER(Tensor)),
+        ("expanded_row_idx", POINTER(Tensor)),
+        ("x1", POINTER(Tensor)),
+        ("x2", POINTER(Tensor)),
+        ("bias", POINTER(Tensor)),
+        ("scales", POINTER(Tensor)),
+        ("expert_idx", POINTER(Tensor)),
+        ("drop_pad_mode", c_uint32),
+    ]
+
+
+class ReducePolicyC(ctypes.Structure):
+    """`amoe_reduce_policy`."""
+
+    _fields_ = [
+        ("shared_mode", c_uint32),
+        ("has_routed_transform", c_uint8),
+        ("sp", c_uint8),
+        ("tp_size", c_size_t),
+        ("ep_size", c_size_t),
+    ]
+
+
+class MoeContextC(ctypes.Structure):
+    """`amoe_moe_context`."""
+
+    _fields_ = [
+        ("dp_tokens", POINTER(c_size_t)),
+        ("dp_size", c_size_t),
+        ("tp_size", c_size_t),
+        ("dp_rank", c_size_t),
+        ("tp_rank", c_size_t),
+        ("sp", c_uint8),
+    ]
+
+
+_T = POINTER(Tensor)
+_SZ = POINTER(c_size_t)
+_U8 = POINTER(c_uint8)
+_COMM = c_void_p
+_STREAM = c_void_p
+_SHAPE_OUT = [_SZ, c_size_t, _SZ]
+
+# name -> argument types; every function returns amoe_status unless listed in _RESTYPES.
+_SIGNATURES = {
+    "amoe_version": [],
+    "amoe_last_error_length": [],
+    "amoe_last_error_message": [c_char_p, c_size_t, _SZ],
+    "amoe_comm_cpu_new": [c_char_p, c_size_t, c_size_t, c_double, POINTER(c_void_p)],
+    "amoe_comm_from_hccl": [c_void_p, c_uint32, POINTER(c_void_p)],
+    "amoe_comm_split": [_COMM, _SZ, c_size_t, POINTER(c_void_p)],
+    "amoe_comm_rank": [_COMM, _SZ],
+    "amoe_comm_world_size": [_COMM, _SZ],
+    "amoe_comm_free": [_COMM],
+    "amoe_all_reduce": [_COMM, _T, _T, c_uint32, _STREAM],
+    "amoe_reduce_scatter": [_COMM, _T, _T, c_uint32, _STREAM],
+    "amoe_all_gather": [_COMM, _T, _T, _STREAM],
+    "amoe_broadcast": [_COMM, _T, c_size_t, _STREAM],
+    "amoe_barrier": [_COMM, _STREAM],
+    "amoe_moe_finalize_routing_output_shape": [POINTER(FinalizeArgs)] + _SHAPE_OUT,
+    "amoe_moe_finalize_routing": [POINTER(FinalizeArgs), _T, _STREAM],
+    "amoe_moe_token_unpermute_output_shape": [_T, _T, _T] + _SHAPE_OUT,
+    "amoe_moe_token_unpermute": [_T, _T, _T, _T, _STREAM],
+    "amoe_sp_layout_from_dp_tokens": [_SZ, c_size_t, c_size_t, _SZ, c_size_t, _SZ],
+    "amoe_maybe_pad_and_reduce_output_shape": [_T, _SZ, c_size_t, c_size_t, c_size_t] + _SHAPE_OUT,
+    "amoe_maybe_pad_and_reduce": [_T, _SZ, c_size_t, _COMM, _T, _STREAM],
+    "amoe_maybe_all_gather_and_maybe_unpad_output_shape": [_T, _SZ, c_size_t, c_size_t, c_size_t] + _SHAPE_OUT,
+    "amoe_maybe_all_gather_and_maybe_unpad": [_T, _SZ, c_size_t, _COMM, _T, _STREAM],
+    "amoe_finalize_and_reduce_output_shape": [POINTER(FinalizeArgs), _SZ, c_size_t, c_size_t, c_size_t]
+    + _SHAPE_OUT,
+    "amoe_finalize_and_reduce": [POINTER(FinalizeArgs), _SZ, c_size_t, _COMM, _T, _STREAM],
+    "amoe_routed_is_reduced": [c_uint32, c_uint8, _U8],
+    "amoe_reduce_policy_decisions": [POINTER(ReducePolicyC), c_uint32, _U8, _U8, _U8, _U8],
+    "amoe_reduce_routed_early": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
+    "amoe_reduce_shared": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
+    "amoe_reduce_final": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
+    "amoe_moe_groups_new": [_COMM, c_size_t, POINTER(c_void_p)],
+    "amoe_moe_groups_free": [c_void_p],
+    "amoe_token_prepare_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
+    "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
+    "amoe_token_finalize_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
+    "amoe_token_finalize": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _STREAM],
+}
+_RESTYPES = {
+    "amoe_version": c_char_p,
+    "amoe_last_error_length": c_size_t,
+    "amoe_comm_free": None,
+    "amoe_moe_groups_free": None,
+}
+
+_LIB_NAMES = {"linux": "libascend_moe.so", "darwin": "libascend_moe.dylib", "win32": "ascend_moe.dll"}
+
+_lock = threading.Lock()
+_lib = None
+
+
+def _candidates() -> list[Path]:
+    out = []
+    env = os.environ.get("ASCEND_MOE_LIB")
+    if env:
+        out.append(Path(env))
+    name = _LIB_NAMES.get(sys.platform, "libascend_moe.so")
+    out.append(Path(__file__).resolve().parent / name)
+    return out
+
+
+def library_path() -> Path:
+    """The cdylib this package uses: `$ASCEND_MOE_LIB` if set, else the one next to the package."""
+    tried = _candidates()
+    for p in tried:
+        if p.is_file():
+            return p
+    raise OSError(
+        "ascend_moe: the native library was not found; tried "
+        + ", ".join(str(p) for p in tried)
+        + ". Build it with `cargo build --release` and set ASCEND_MOE_LIB to target/release/libascend_moe.so,"
+        " or copy it next to the package."
+    )
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library, with every function's signature declared."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lock:
+        if _lib is None:
+            cdll = ctypes.CDLL(str(library_path()))
+            for name, argtypes in _SIGNATURES.items():
+                f = getattr(cdll, name)
+                f.argtypes = argtypes
+                f.restype = _RESTYPES.get(name, c_uint32)
+            _lib = cdll
+    return _lib
+
+
+def last_error() -> str:
+    """This thread's last error message from the library."""
+    lb = lib()
+    n = lb.amoe_last_error_length()
+    buf = ctypes.create_string_buffer(n)
+    written = c_size_t(0)
+    lb.amoe_last_error_message(buf, n, ctypes.byref(written))
+    return buf.raw[: written.value].decode("utf-8", "replace")
+
+
+def check(status: int) -> None:
+    """Raises `AmoeError` with the library's message unless `status` is OK."""
+    if status != Status.OK:
+        raise AmoeError(status, last_error())
+
+
+def call(name: str, *args) -> None:
+    """Calls an `amoe_*` function and checks its status."""
+    check(getattr(lib(), name)(*args))
+
+
+def sizes(values) -> tuple:
+    """A `size_t[]` holding `values` (kept alive by the caller) and its length."""
+    values = [int(v) for v in values]
+    if any(v < 0 for v in values):
+        raise AmoeError(Status.INVALID_ARGUMENT, f"sizes must be non-negative, got {values}")
+    return (c_size_t * max(len(values), 1))(*values), len(values)

@@ -1,0 +1,225 @@
+"""The MoE ops (SPEC sections 1-5) on numpy arrays."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from ctypes import c_size_t, c_uint8
+
+from . import shapes
+from ._lib import AmoeError, ReducePolicyC, Status, call, sizes
+from ._tensor import desc_in, desc_opt, empty, ptr
+from .comm import Comm
+
+
+class CommType(enum.IntEnum):
+    """vLLM-Ascend's MoE communication types, chosen per forward pass."""
+
+    ALLGATHER = 0
+    MC2 = 1
+    ALLTOALL = 2
+    FUSED_MC2 = 3
+
+
+class SharedMode(enum.IntEnum):
+    """How a layer's shared expert is parallelised (static)."""
+
+    NONE = 0
+    TENSOR_PARALLEL = 1
+    SEQUENCE_PARALLEL_SEDP = 2
+    SEQUENCE_PARALLEL_ONLY = 3
+    DATA_PARALLEL_ONLY = 4
+
+    @classmethod
+    def parse(cls, v) -> "SharedMode":
+        """A mode from itself, its number, or its name (`"tensor_parallel"`, `"none"`, ...)."""
+        if isinstance(v, str):
+            try:
+                return cls[v.strip().upper()]
+            except KeyError:
+                names = ", ".join(m.name.lower() for m in cls)
+                raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared mode {v!r} (expected one of {names})") from None
+        if v is None:
+            return cls.NONE
+        try:
+            return cls(int(v))
+        except ValueError:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared mode {v!r} (expected 0..=4)") from None
+
+
+class SpLayout:
+    """Rows held by every EP rank (SPEC section 2)."""
+
+    def __init__(self, local_sizes):
+        sizes_ = tuple(int(s) for s in local_sizes)
+        if not sizes_:
+            raise AmoeError(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
+        if any(s < 0 for s in sizes_):
+            raise AmoeError(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
+        self.local_sizes = sizes_
+
+    @classmethod
+    def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int) -> "SpLayout":
+        """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`."""
+        arr, n = sizes(num_tokens_across_dp)
+        need = c_size_t(0)
+        cap = max(n * max(int(tp_size), 0), 1)
+        out = (c_size_t * cap)()
+        call("amoe_sp_layout_from_dp_tokens", arr, n, max(int(tp_size), 0), out, cap, ctypes.byref(need))
+        return cls(out[: need.value])
+
+    @property
+    def ep_size(self) -> int:
+        return len(self.local_sizes)
+
+    @property
+    def max_rows(self) -> int:
+        return max(self.local_sizes)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.local_sizes)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SpLayout) and other.local_sizes == self.local_sizes
+
+    def __repr__(self) -> str:
+        return f"SpLayout({list(self.local_sizes)})"
+
+
+def _layout_arg(layout):
+    if layout is None:
+        return None, 0
+    arr, n = sizes(layout.local_sizes if isinstance(layout, SpLayout) else layout)
+    return arr, n
+
+
+def moe_finalize_routing(
+    expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0
+):
+    """`out[i] = x1[i] + x2[i] + sum_k s(i,k) * (row(R(i,k)) + bias[expert_idx[i,k]])`, `[N, H...]`."""
+    args, keep = shapes.finalize_args(
+        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_in
+    )
+    y = empty(shapes.moe_finalize_routing(*[d.array if d else None for d in keep], drop_pad_mode), keep[0].c.dtype)
+    out = desc_in("out", y)
+    call("amoe_moe_finalize_routing", args, out.ptr, None)
+    return y
+
+
+def moe_token_unpermute(permuted, sorted_indices, probs=None):
+    """`out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`, `[T, H...]`."""
+    p, s, pr = desc_in("permuted", permuted), desc_in("sorted_indices", sorted_indices), desc_opt("probs", probs)
+    y = empty(shapes.moe_token_unpermute(p.array, s.array, pr.array if pr else None), p.c.dtype)
+    out = desc_in("out", y)
+    call("amoe_moe_token_unpermute", p.ptr, s.ptr, ptr(pr), out.ptr, None)
+    return y
+
+
+def maybe_pad_and_reduce(x, layout, ep_comm: Comm):
+    """EP/SP finalize (SPEC section 3): this rank's `[local_sizes[rank], H...]`
+    shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
+    d = desc_in("x", x)
+    ls, n = _layout_arg(layout)
+    y = empty(shapes.maybe_pad_and_reduce(d.array, layout, ep_comm), d.c.dtype)
+    out = desc_in("out", y)
+    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, ep_comm.handle, out.ptr, None)
+    return y
+
+
+def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm):
+    """EP/SP prepare (SPEC section 4): every rank's `x` (`local_sizes[rank]`
+    rows) concatenated, `[sum(local_sizes), H...]`."""
+    d = desc_in("x", x)
+    ls, n = _layout_arg(layout)
+    # The shape function checks x's rows against this rank's layout entry
+    # before any collective starts.
+    y = empty(shapes.maybe_all_gather_and_maybe_unpad(d.array, layout, ep_comm), d.c.dtype)
+    out = desc_in("out", y)
+    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, ep_comm.handle, out.ptr, None)
+    return y
+
+
+def finalize_and_reduce(
+    expanded_x,
+    expanded_row_idx,
+    layout,
+    ep_comm: Comm,
+    x1=None,
+    x2=None,
+    bias=None,
+    scales=None,
+    expert_idx=None,
+    drop_pad_mode=0,
+):
+    """`maybe_pad_and_reduce(moe_finalize_routing(...), layout, ep_comm)` in one pass."""
+    args, keep = shapes.finalize_args(
+        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_in
+    )
+    arrays = [d.array if d else None for d in keep]
+    shape = shapes.finalize_and_reduce(arrays[0], arrays[1], layout, ep_comm, *arrays[2:], drop_pad_mode)
+    y = empty(shape, keep[0].c.dtype)
+    out = desc_in("out", y)
+    ls, n = _layout_arg(layout)
+    call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, out.ptr, None)
+    return y
+
+
+def routed_is_reduced(comm_type, sp: bool) -> bool:
+    """`comm_type in {MC2, ALLTOALL, FUSED_MC2} or (comm_type == ALLGATHER and sp)`."""
+    out = c_uint8(0)
+    call("amoe_routed_is_reduced", int(comm_type), 1 if sp else 0, ctypes.byref(out))
+    return bool(out.value)
+
+
+class ReducePolicy:
+    """The static reduction policy of a layer (SPEC section 5). Each reduction
+    point takes the live comm type, so a policy built while one comm type was
+    live stays correct when another is used."""
+
+    def __init__(self, shared_mode, has_routed_transform: bool, sp: bool, tp_size: int, ep_size: int):
+        self.shared_mode = SharedMode.parse(shared_mode)
+        self.has_routed_transform = bool(has_routed_transform)
+        self.sp = bool(sp)
+        self.tp_size = int(tp_size)
+        self.ep_size = int(ep_size)
+        if self.tp_size < 0 or self.ep_size < 0:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"tp_size {tp_size} and ep_size {ep_size} must be >= 0")
+        self._c = ReducePolicyC(self.shared_mode, self.has_routed_transform, self.sp, self.tp_size, self.ep_size)
+        self.decisions(CommType.ALLGATHER)  # validates
+
+    def decisions(self, comm_type) -> dict:
+        """`{"early", "routed", "shared", "final"}`: which reduction points all-reduce for `comm_type`."""
+        vals = [c_uint8(0) for _ in range(4)]
+        call("amoe_reduce_policy_decisions", ctypes.byref(self._c), int(comm_type), *[ctypes.byref(v) for v in vals])
+        return dict(zip(("early", "routed", "shared", "final"), (bool(v.value) for v in vals)))
+
+    @property
+    def early(self) -> bool:
+        return self.decisions(CommType.ALLGATHER)["early"]
+
+    def _point(self, name: str, x, comm_type, tp_comm: Comm):
+        d = desc_in("x", x)
+        y = empty(d.array.shape, d.c.dtype)
+        out = desc_in("out", y)
+        call(name, ctypes.byref(self._c), d.ptr, int(comm_type), tp_comm.handle, out.ptr, None)
+        return y
+
+    def reduce_routed_early(self, x, comm_type, tp_comm: Comm):
+        """Point 1: routed output before the transform (TP all-reduce if `early`
+        and not `routed_is_reduced`). Returns a new array."""
+        return self._point("amoe_reduce_routed_early", x, comm_type, tp_comm)
+
+    def reduce_shared(self, x, comm_type, tp_comm: Comm):
+        """Point 2: the shared-expert output. Returns a new array."""
+        return self._point("amoe_reduce_shared", x, comm_type, tp_comm)
+
+    def reduce_final(self, x, comm_type, tp_comm: Comm):
+        """Point 3: after `shared + routed`. Returns a new array."""
+        return self._point("amoe_reduce_final", x, comm_type, tp_comm)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReducePolicy({self.shared_mode.name.lower()!r}, has_routed_transform={self.has_routed_transform}, "
+            f"sp={self.sp}, tp_size={self.tp_size}, ep_size={self.ep_size})"
+        )

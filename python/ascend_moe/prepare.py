@@ -1,0 +1,103 @@
+"""Token prepare / finalize per MoE comm type (SPEC section 6)."""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_size_t, c_void_p
+
+import numpy as np
+
+from ._lib import AmoeError, MoeContextC, Status, call, lib, sizes
+from ._tensor import desc_in, desc_meta, empty, shape_of, shape_out
+from .comm import Comm
+
+
+class MoeContext:
+    """The run-time parallel context of one forward pass: tokens of every DP
+    rank, the TP size, this rank's (dp_rank, tp_rank), and whether SP is on."""
+
+    def __init__(self, dp_tokens, tp_size: int, dp_rank: int, tp_rank: int, sp: bool = False):
+        self._tokens, n = sizes(dp_tokens)
+        for name, v in (("tp_size", tp_size), ("dp_rank", dp_rank), ("tp_rank", tp_rank)):
+            if int(v) < 0:
+                raise AmoeError(Status.INVALID_ARGUMENT, f"MoeContext: {name} must be >= 0, got {v}")
+        self.dp_tokens = tuple(int(t) for t in dp_tokens)
+        self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
+        self._c = MoeContextC(self._tokens, n, self.tp_size, self.dp_rank, self.tp_rank, self.sp)
+
+    @property
+    def ptr(self):
+        return ctypes.byref(self._c)
+
+
+class MoeGroups:
+    """The TP and DP groups of a MoE layer, split from the EP world (EP rank
+    `dp * tp_size + tp`). Collective: every rank of `world` builds it."""
+
+    def __init__(self, world: Comm, tp_size: int):
+        out = c_void_p()
+        call("amoe_moe_groups_new", world.handle, int(tp_size), ctypes.byref(out))
+        self._h = out
+
+    @property
+    def handle(self) -> c_void_p:
+        if not self._h.value:
+            raise AmoeError(Status.INVALID_ARGUMENT, "the MoE groups are closed")
+        return self._h
+
+    def close(self) -> None:
+        h, self._h = self._h, c_void_p()
+        if h.value:
+            lib().amoe_moe_groups_free(h)
+
+    def __enter__(self) -> "MoeGroups":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def token_prepare_shape(x, comm_type, ctx: MoeContext) -> tuple:
+    """Shape of `token_prepare`'s output (`x` may be a `(shape, dtype)` pair)."""
+    d = desc_meta("x", x)
+    buf, ndim, out = shape_out()
+    call("amoe_token_prepare_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    return shape_of(buf, ndim)
+
+
+def token_finalize_shape(y, comm_type, ctx: MoeContext) -> tuple:
+    """Shape of `token_finalize`'s output."""
+    d = desc_meta("y", y)
+    buf, ndim, out = shape_out()
+    call("amoe_token_finalize_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    return shape_of(buf, ndim)
+
+
+def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups):
+    """This rank's tokens prepared for the experts under the live `comm_type`:
+    `(hidden, mc2_mask)`, the mask (bool array, True = real token) only for
+    MC2 / FUSED_MC2, else None."""
+    d = desc_in("x", x)
+    y = empty(token_prepare_shape(d.array, comm_type, ctx), d.c.dtype)
+    out = desc_in("out", y)
+    cap = max(y.shape[0] if y.ndim else 1, 1)
+    mask = (ctypes.c_uint8 * cap)()
+    mask_len = c_size_t(0)
+    call("amoe_token_prepare", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, mask, cap, ctypes.byref(mask_len), None)
+    ct = int(comm_type)
+    return y, (np.array(mask[: mask_len.value], dtype=bool) if ct in (1, 3) else None)
+
+
+def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups):
+    """The experts' output `y` back in this rank's token layout."""
+    d = desc_in("y", y)
+    r = empty(token_finalize_shape(d.array, comm_type, ctx), d.c.dtype)
+    out = desc_in("out", r)
+    call("amoe_token_finalize", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, None)
+    return r

@@ -1,0 +1,166 @@
+"""Shape functions with the same names as the ops.
+
+Each takes anything with `.shape` and `.dtype` (numpy arrays, torch tensors
+including meta / fake tensors) or `(shape, dtype)` pairs, calls the library's
+`*_output_shape` function, which is the one the real op sizes its output
+with, and returns the output shape as a tuple. The output dtype of every op is
+the dtype of its first argument.
+"""
+
+from __future__ import annotations
+
+from ._lib import AmoeError, FinalizeArgs, Status, call, sizes
+from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
+
+
+def _ep(ep) -> tuple:
+    """`(rank, world_size)` of a `Comm` or a pair."""
+    if hasattr(ep, "rank") and hasattr(ep, "world_size"):
+        return int(ep.rank), int(ep.world_size)
+    rank, size = ep
+    return int(rank), int(size)
+
+
+def _layout(layout):
+    """`(size_t[], n)` or `(None, 0)` for an `SpLayout`, a sequence of sizes, or None."""
+    if layout is None:
+        return None, 0
+    return sizes(getattr(layout, "local_sizes", layout))
+
+
+def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
+    """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
+    if int(drop_pad_mode) < 0:
+        raise AmoeError(Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..=3")
+    make_opt = (lambda a, x: None if x is None else make(a, x))
+    descs = [
+        make("expanded_x", expanded_x),
+        make("expanded_row_idx", expanded_row_idx),
+        make_opt("x1", x1),
+        make_opt("x2", x2),
+        make_opt("bias", bias),
+        make_opt("scales", scales),
+        make_opt("expert_idx", expert_idx),
+    ]
+    args = FinalizeArgs(*[ptr(d) for d in descs], int(drop_pad_mode) & 0xFFFFFFFF)
+    return args, descs
+
+
+def moe_finalize_routing(
+    expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0
+) -> tuple:
+    """`[N, H...]`; validates every input as the op does."""
+    args, _keep = finalize_args(
+        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_meta
+    )
+    buf, ndim, out = shape_out()
+    call("amoe_moe_finalize_routing_output_shape", args, *out)
+    return shape_of(buf, ndim)
+
+
+def moe_token_unpermute(permuted, sorted_indices, probs=None) -> tuple:
+    """`[T, H...]`."""
+    p, s, pr = desc_meta("permuted", permuted), desc_meta("sorted_indices", sorted_indices), desc_meta_opt("probs", probs)
+    buf, ndim, out = shape_out()
+    call("amoe_moe_token_unpermute_output_shape", p.ptr, s.ptr, ptr(pr), *out)
+    return shape_of(buf, ndim)
+
+
+def maybe_pad_and_reduce(x, layout, ep) -> tuple:
+    """`[local_sizes[ep_rank], H...]` (`[rows / ep_size, H...]` without a layout);
+    `ep` is the EP `Comm` or `(ep_rank, ep_size)`."""
+    d = desc_meta("x", x)
+    ls, n = _layout(layout)
+    rank, size = _ep(ep)
+    buf, ndim, out = shape_out()
+    call("amoe_maybe_pad_and_reduce_output_shape", d.ptr, ls if layout is not None else None, n, rank, size, *out)
+    return shape_of(buf, ndim)
+
+
+def maybe_all_gather_and_maybe_unpad(x, layout, ep) -> tuple:
+    """`[sum(local_sizes), H...]` (`[rows * ep_size, H...]` without a layout)."""
+    d = desc_meta("x", x)
+    ls, n = _layout(layout)
+    rank, size = _ep(ep)
+    buf, ndim, out = shape_out()
+    call(
+        "amoe_maybe_all_gather_and_maybe_unpad_output_shape",
+        d.ptr,
+        ls if layout is not None else None,
+        n,
+        rank,
+        size,
+        *out,
+    )
+    return shape_of(buf, ndim)
+
+
+def finalize_and_reduce(
+    expanded_x,
+    expanded_row_idx,
+    layout,
+    ep,
+    x1=None,
+    x2=None,
+    bias=None,
+    scales=None,
+    expert_idx=None,
+    drop_pad_mode=0,
+) -> tuple:
+    """`[local_sizes[ep_rank], H...]` of the fused finalize + EP/SP reduce."""
+    args, _keep = finalize_args(
+        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_meta
+    )
+    ls, n = _layout(layout)
+    rank, size = _ep(ep)
+    buf, ndim, out = shape_out()
+    call("amoe_finalize_and_reduce_output_shape", args, ls if layout is not None else None, n, rank, size, *out)
+    return shape_of(buf, ndim)
+
+
+def _identity(x) -> tuple:
+    return tuple(int(s) for s in (x[0] if isinstance(x, tuple) and len(x) == 2 else x.shape))
+
+
+def all_reduce(x, comm=None) -> tuple:
+    """Identity."""
+    return _identity(x)
+
+
+def reduce_scatter(x, comm) -> tuple:
+    """`[rows / world_size, ...]`."""
+    s = _identity(x)
+    _, world = _ep(comm)
+    if not s or s[0] % world:
+        raise AmoeError(Status.SHAPE, f"reduce_scatter: x has shape {s}, whose rows the world size {world} does not divide")
+    return (s[0] // world,) + s[1:]
+
+
+def all_gather(x, comm) -> tuple:
+    """`[rows * world_size, ...]`."""
+    s = _identity(x)
+    _, world = _ep(comm)
+    return (s[0] * world,) + s[1:] if s else (world,)
+
+
+def reduce_routed_early(x, *_args) -> tuple:
+    """Identity (SPEC section 5)."""
+    return _identity(x)
+
+
+reduce_shared = reduce_routed_early
+reduce_final = reduce_routed_early
+
+
+def token_prepare(x, comm_type, ctx) -> tuple:
+    """Shape of `ascend_moe.token_prepare`'s hidden output."""
+    from .prepare import token_prepare_shape
+
+    return token_prepare_shape(x, comm_type, ctx)
+
+
+def token_finalize(y, comm_type, ctx) -> tuple:
+    """Shape of `ascend_moe.token_finalize`'s output."""
+    from .prepare import token_finalize_shape
+
+    return token_finalize_shape(y, comm_type, ctx)

@@ -1,0 +1,12 @@
+"""The suite needs the native library: `$ASCEND_MOE_LIB` or one next to the package."""
+
+import pytest
+
+import ascend_moe
+
+
+def pytest_configure(config):
+    try:
+        ascend_moe.library_path()
+    except OSError as e:
+        raise pytest.UsageError(str(e))

@@ -1,0 +1,152 @@
+"""Single-process checks of the Python API: loading, dtypes, shapes, enums, errors."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ascend_moe as am
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version_matches_cargo_toml():
+    cargo = (ROOT / "Cargo.toml").read_text()
+    want = re.search(r'^version = "([^"]+)"', cargo, re.M).group(1)
+    assert am.version() == want
+
+
+def test_library_is_found_next_to_the_package(tmp_path):
+    pkg = tmp_path / "ascend_moe"
+    shutil.copytree(Path(am.__file__).parent, pkg, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(am.library_path(), pkg / "libascend_moe.so")
+    env = {k: v for k, v in os.environ.items() if k != "ASCEND_MOE_LIB"}
+    env["PYTHONPATH"] = str(tmp_path)
+    code = "import ascend_moe as am; print(am.library_path()); print(am.version())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert out.splitlines()[0] == str(pkg / "libascend_moe.so")
+
+
+def test_missing_library_names_the_paths_tried(tmp_path):
+    env = dict(os.environ, ASCEND_MOE_LIB=str(tmp_path / "nope.so"))
+    code = "import ascend_moe as am\ntry:\n    am.version()\nexcept OSError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "nope.so" in out and "ASCEND_MOE_LIB" in out
+
+
+def test_enums_have_vllm_numbering():
+    assert [int(c) for c in (am.CommType.ALLGATHER, am.CommType.MC2, am.CommType.ALLTOALL, am.CommType.FUSED_MC2)] == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    assert am.SharedMode.parse("tensor_parallel") is am.SharedMode.TENSOR_PARALLEL
+    assert am.SharedMode.parse("Data_Parallel_Only") is am.SharedMode.DATA_PARALLEL_ONLY
+    assert am.SharedMode.parse(2) is am.SharedMode.SEQUENCE_PARALLEL_SEDP
+    with pytest.raises(am.AmoeError, match="unknown shared mode"):
+        am.SharedMode.parse("pipeline")
+
+
+def test_routed_is_reduced_table():
+    for ct in am.CommType:
+        for sp in (False, True):
+            assert am.routed_is_reduced(ct, sp) == (ct != am.CommType.ALLGATHER or sp)
+    with pytest.raises(am.AmoeError, match="unknown MoE comm type 7") as e:
+        am.routed_is_reduced(7, False)
+    assert isinstance(e.value, RuntimeError) and e.value.status == am.Status.INVALID_ARGUMENT
+
+
+def test_reduce_policy_validates_and_decides():
+    p = am.ReducePolicy("data_parallel_only", False, False, 2, 4)
+    assert p.early
+    assert p.decisions(am.CommType.ALLGATHER)["routed"] and not p.decisions(am.CommType.MC2)["routed"]
+    with pytest.raises(am.AmoeError, match="needs sequence parallelism"):
+        am.ReducePolicy("sequence_parallel_only", False, False, 2, 4)
+    with pytest.raises(am.AmoeError, match="multiple of tp_size"):
+        am.ReducePolicy("none", False, False, 2, 3)
+
+
+def test_sp_layout_from_dp_tokens():
+    assert am.SpLayout.from_dp_tokens([5, 0, 3], 2).local_sizes == (3, 3, 0, 0, 2, 2)
+    assert am.SpLayout.from_dp_tokens([1], 4).local_sizes == (1, 1, 1, 1)
+    with pytest.raises(am.AmoeError, match="tp_size"):
+        am.SpLayout.from_dp_tokens([4], 0)
+    with pytest.raises(am.AmoeError):
+        am.SpLayout([])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_unpermute_keeps_dtype_and_gathers_rows(dtype):
+    x = (np.arange(12, dtype=np.float32).reshape(4, 3) / 4).astype(dtype)
+    idx = np.array([2, 0, 3, 1], np.int32)
+    y = am.moe_token_unpermute(x, idx)
+    assert y.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(y.astype(np.float32), x[idx].astype(np.float32))
+
+
+def test_shapes_accept_meta_pairs_and_agree_with_ops():
+    ex, idx = np.zeros((6, 4), np.float16), np.arange(6, dtype=np.int32)
+    scales = np.ones((3, 2), np.float32)
+    assert am.shapes.moe_finalize_routing(((6, 4), "float16"), ((6,), "int32"), scales=((3, 2), "float32")) == (3, 4)
+    assert am.moe_finalize_routing(ex, idx, scales=scales).shape == (3, 4)
+    assert am.shapes.maybe_pad_and_reduce(((8, 2), "float32"), am.SpLayout([3, 1, 0, 4]), (3, 4)) == (4, 2)
+    assert am.shapes.maybe_pad_and_reduce(((8, 2), "float32"), None, (1, 4)) == (2, 2)
+    assert am.shapes.maybe_all_gather_and_maybe_unpad(((0, 2), "bfloat16"), [3, 1, 0, 4], (2, 4)) == (8, 2)
+    with pytest.raises(am.AmoeError, match="expected 1 rows"):
+        am.shapes.maybe_all_gather_and_maybe_unpad(((2, 2), "float32"), [3, 1, 0, 4], (1, 4))
+    with pytest.raises(am.AmoeError, match="does not divide"):
+        am.shapes.maybe_pad_and_reduce(((7, 2), "float32"), None, (0, 4))
+
+
+def test_bad_inputs_raise_amoe_error_with_the_library_message():
+    with pytest.raises(am.AmoeError, match="drop_pad_mode|drop-pad mode") as e:
+        am.moe_finalize_routing(np.zeros((2, 2), np.float32), np.zeros(2, np.int32), drop_pad_mode=9)
+    assert e.value.status == am.Status.INVALID_ARGUMENT
+    with pytest.raises(am.AmoeError, match="bias") as e:
+        am.moe_finalize_routing(np.zeros((2, 2), np.float32), np.zeros(2, np.int32), bias=np.zeros((1, 2), np.float32))
+    with pytest.raises(am.AmoeError, match="float64"):
+        am.all_reduce(np.zeros(3), None)
+
+
+def test_comm_lifecycle_in_threads():
+    """Two threads of one process as ranks; ctypes releases the GIL in calls."""
+    name = f"pytest-threads-{uuid.uuid4().hex[:12]}"
+    out, errs = {}, []
+
+    def rank_main(rank):
+        try:
+            with am.Comm.cpu(name, 2, rank, timeout_s=20) as c:
+                assert (c.rank, c.world_size) == (rank, 2)
+                with c.split([1, 0]) as sub:  # reversed order: new rank = position in list
+                    assert sub.rank == 1 - rank
+                    out[rank] = am.all_gather(np.full((1, 2), rank, np.int32), sub)
+            with pytest.raises(am.AmoeError, match="closed"):
+                c.rank
+        except BaseException as e:  # noqa: BLE001
+            errs.append(e)
+
+    ts = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errs, errs
+    np.testing.assert_array_equal(out[0], np.array([[1, 1], [0, 0]], np.int32))
+    np.testing.assert_array_equal(out[1], out[0])
+
+
+def test_from_hccl_is_unavailable_without_the_npu_backend():
+    with pytest.raises(am.AmoeError) as e:
+        am.Comm.from_hccl(0x1234, 0)
+    assert e.value.status == am.Status.UNAVAILABLE

@@ -1,0 +1,49 @@
+"""4 Python processes rendezvous over the CPU communicator (SPEC section 8)
+and run the op matrix and the error paths."""
+
+import workers
+from world import run_world
+
+WORLD = 4
+
+
+def test_op_matrix_across_4_processes():
+    results, _ = run_world(workers.op_matrix, WORLD)
+    assert sorted(results) == list(range(WORLD))
+    counts = set(results.values())
+    assert len(counts) == 1 and counts.pop() >= 300, results
+
+
+def test_error_paths_raise_on_every_rank_within_the_timeout():
+    results, _ = run_world(workers.error_paths, WORLD)
+    slack = 5.0  # process scheduling on a loaded machine
+    for rank, seen in results.items():
+        assert seen["numpy_float64"][0] == "DTYPE", seen
+        assert "float64" in seen["numpy_float64"][2]
+        assert seen["int_data"][0] == "DTYPE" and "expanded_x" in seen["int_data"][2], seen
+        assert seen["index_out_of_range"][0] == "INDEX_OUT_OF_RANGE" and "99" in seen["index_out_of_range"][2]
+        for case in ("collective_dtype", "wrong_rows", "mismatch"):
+            status, secs, msg = seen[case]
+            assert secs < workers.SHORT_TIMEOUT_S + slack, (rank, case, secs, msg)
+            assert msg, (rank, case)
+        if rank == 1:
+            # The rank with the bad input learns it from the shape check, before any collective.
+            assert seen["wrong_rows"][0] == "SHAPE" and "rows" in seen["wrong_rows"][2], seen["wrong_rows"]
+        else:
+            assert seen["wrong_rows"][0].startswith("COMM_"), seen["wrong_rows"]
+        assert seen["mismatch"][0].startswith("COMM_"), seen["mismatch"]
+        assert seen["collective_dtype"][0].startswith("COMM_"), seen["collective_dtype"]
+
+
+def test_killed_peer_fails_the_survivors_within_the_timeout():
+    results, codes = run_world(workers.killed_peer, WORLD, expect_exit=(WORLD - 1,))
+    assert codes[WORLD - 1] == 17
+    assert sorted(results) == list(range(WORLD - 1))
+    for rank, (status, secs, msg) in results.items():
+        assert status.startswith("COMM_"), (rank, status, msg)
+        assert secs < workers.SHORT_TIMEOUT_S + 5.0, (rank, secs, msg)
+
+
+def test_token_prepare_finalize_round_trip_across_4_processes():
+    results, _ = run_world(workers.prepare_finalize, WORLD)
+    assert results == {r: 8 for r in range(WORLD)}

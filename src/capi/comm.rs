@@ -1,0 +1,485 @@
+//! Communicator and stream handles, and the collectives (SPEC section 8).
+
+use std::ffi::{c_char, c_void};
+use std::time::Duration;
+
+use super::ffi::{ffi, read_sizes, read_str, read_tensor, try_out, try_ref, write_out, write_tensor, Failure};
+use super::{amoe_status, amoe_tensor};
+use crate::backend::cpu::CpuComm;
+use crate::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
+
+/// A communicator: one rank's handle on a group (a CPU shared-memory world,
+/// a sub-group of one, or an HCCL communicator).
+///
+/// Created by `amoe_comm_cpu_new`, `amoe_comm_split` or `amoe_comm_from_hccl`;
+/// owned by the caller, who releases it with `amoe_comm_free`. A handle may
+/// be used by one thread at a time; different handles (ranks) may be used by
+/// different threads concurrently.
+pub struct amoe_comm {
+    _private: [u8; 0],
+}
+
+/// A borrowed NPU stream (an `aclrtStream` owned by the engine, e.g. torch_npu's
+/// current stream). Every op and collective takes one; pass NULL for host
+/// tensors (a stream is ignored for host tensors).
+pub struct amoe_stream {
+    _private: [u8; 0],
+}
+
+fn comm_ptr(c: Comm) -> *mut amoe_comm {
+    Box::into_raw(Box::new(c)) as *mut amoe_comm
+}
+
+/// `try_comm!(FUNC, ptr)`: the `Comm` behind a handle, or NULL_ARGUMENT.
+macro_rules! try_comm {
+    ($func:expr, $ptr:expr) => {
+        try_ref!($func, $ptr as *const Comm, "comm")
+    };
+}
+
+fn timeout_opts(func: &str, timeout_s: f64) -> Result<CommOptions, Failure> {
+    if !timeout_s.is_finite() || timeout_s <= 0.0 {
+        return Ok(CommOptions::from_env());
+    }
+    Duration::try_from_secs_f64(timeout_s)
+        .map(CommOptions::with_timeout)
+        .map_err(|e| Failure::invalid(func, "timeout_s", format!("{timeout_s} s: {e}")))
+}
+
+/// Joins (or creates) the CPU shared-memory world `name` of `world_size`
+/// ranks as `rank`. Every rank calls it with the same `name` and
+/// `world_size`, from threads of one process or from separate processes;
+/// the call returns once all ranks arrived or the timeout passed.
+///
+/// `timeout_s` bounds every wait of this communicator (rendezvous and each
+/// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s.
+/// On success `*out` receives a new handle owned by the caller (free it with
+/// `amoe_comm_free`); on failure `*out` is not written.
+///
+/// # Safety
+/// `name` must be a NUL-terminated UTF-8 string; `out` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_cpu_new(
+    name: *const c_char,
+    world_size: usize,
+    rank: usize,
+    timeout_s: f64,
+    out: *mut *mut amoe_comm,
+) -> amoe_status {
+    const F: &str = "amoe_comm_cpu_new";
+    ffi!(F, {
+        let out = try_out!(F, out, "out");
+        // SAFETY: the caller's contract for `name`.
+        let name = unsafe { read_str(F, "name", name) }?;
+        let opts = timeout_opts(F, timeout_s)?;
+        let c = CpuComm::rendezvous(&name, world_size, rank, &opts)?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, comm_ptr(Comm::Cpu(c))) };
+        Ok(())
+    })
+}
+
+/// Wraps an HCCL communicator created by the engine (`HcclComm`, e.g. torch
+/// ProcessGroupHCCL's) on NPU `device_ordinal`, without taking ownership: the
+/// returned handle borrows `raw_hccl_comm`, `amoe_comm_free` releases only the
+/// handle, and the engine must keep the HCCL communicator alive until then.
+///
+/// Returns `AMOE_STATUS_UNAVAILABLE` in builds without the NPU backend
+/// (currently always); `*out` is then not written.
+///
+/// # Safety
+/// `raw_hccl_comm` must be a live `HcclComm`; `out` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_from_hccl(
+    raw_hccl_comm: *mut c_void,
+    device_ordinal: u32,
+    out: *mut *mut amoe_comm,
+) -> amoe_status {
+    const F: &str = "amoe_comm_from_hccl";
+    ffi!(F, {
+        let _out = try_out!(F, out, "out");
+        if raw_hccl_comm.is_null() {
+            return Err(Failure::null(F, "raw_hccl_comm"));
+        }
+        Err(Failure::new(
+            amoe_status::Unavailable,
+            format!("{F}: wrapping an HCCL communicator on npu:{device_ordinal} needs the NPU backend, which this build lacks"),
+        ))
+    })
+}
+
+/// A sub-communicator of the ranks `ranks[0..n]` (group-local rank numbers of
+/// `comm`, distinct; the new group's rank order is the list order). Every
+/// listed rank calls it with the same list; ranks not in the list must not
+/// call it. `*out` receives a new handle owned by the caller; `comm` stays
+/// valid and owned by the caller.
+///
+/// # Safety
+/// `comm` must be a live handle; `ranks` readable for `n` elements; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_split(
+    comm: *const amoe_comm,
+    ranks: *const usize,
+    n: usize,
+    out: *mut *mut amoe_comm,
+) -> amoe_status {
+    const F: &str = "amoe_comm_split";
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        let out = try_out!(F, out, "out");
+        // SAFETY: the caller's contract for `ranks`.
+        let ranks = unsafe { read_sizes(F, "ranks", ranks, n) }?;
+        let sub = c.split(&ranks)?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, comm_ptr(sub)) };
+        Ok(())
+    })
+}
+
+/// This rank's number in `comm`, into `*out`.
+///
+/// # Safety
+/// `comm` must be a live handle; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_rank(comm: *const amoe_comm, out: *mut usize) -> amoe_status {
+    const F: &str = "amoe_comm_rank";
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        let out = try_out!(F, out, "out");
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, c.rank()) };
+        Ok(())
+    })
+}
+
+/// The number of ranks in `comm`, into `*out`.
+///
+/// # Safety
+/// `comm` must be a live handle; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_world_size(comm: *const amoe_comm, out: *mut usize) -> amoe_status {
+    const F: &str = "amoe_comm_world_size";
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        let out = try_out!(F, out, "out");
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, c.world_size()) };
+        Ok(())
+    })
+}
+
+/// Releases a handle from `amoe_comm_cpu_new`, `amoe_comm_split` or
+/// `amoe_comm_from_hccl`. NULL is a no-op. Sub-groups and their parent may be
+/// freed in any order. A wrapped HCCL communicator is not destroyed.
+///
+/// # Safety
+/// `comm` must be NULL or a live handle not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_free(comm: *mut amoe_comm) {
+    if comm.is_null() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: a live handle comes from `comm_ptr` (Box::into_raw of a Comm)
+        // and is not used again, per the contract.
+        drop(unsafe { Box::from_raw(comm as *mut Comm) });
+    });
+}
+
+/// Wraps an engine-owned `aclrtStream` on NPU `device_ordinal` without taking
+/// ownership (`amoe_stream_free` releases only the handle).
+///
+/// Returns `AMOE_STATUS_UNAVAILABLE` in builds without the NPU backend
+/// (currently always); `*out` is then not written.
+///
+/// # Safety
+/// `raw_acl_stream` must be a live stream; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_stream_wrap(
+    raw_acl_stream: *mut c_void,
+    device_ordinal: u32,
+    out: *mut *mut amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_stream_wrap";
+    ffi!(F, {
+        let _out = try_out!(F, out, "out");
+        if raw_acl_stream.is_null() {
+            return Err(Failure::null(F, "raw_acl_stream"));
+        }
+        Err(Failure::new(
+            amoe_status::Unavailable,
+            format!("{F}: NPU streams (npu:{device_ordinal}) need the NPU backend, which this build lacks"),
+        ))
+    })
+}
+
+/// Releases a stream handle (never the engine's stream). NULL is a no-op.
+///
+/// # Safety
+/// `stream` must be NULL or a live handle not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_stream_free(stream: *mut amoe_stream) {
+    // No constructor succeeds without the NPU backend, so a non-NULL handle
+    // cannot exist yet; there is nothing to release.
+    let _ = stream;
+}
+
+/// Reads per-rank element counts; their sum must fit in `usize` (it sizes
+/// the tensor the counts describe).
+///
+/// # Safety
+/// `ptr` NULL or readable for `n` elements.
+unsafe fn read_counts(func: &str, arg: &str, ptr: *const usize, n: usize) -> Result<Vec<usize>, Failure> {
+    // SAFETY: forwarded contract.
+    let counts = unsafe { read_sizes(func, arg, ptr, n) }?;
+    if counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).is_none() {
+        return Err(Failure::invalid(func, arg, format!("the counts {counts:?} overflow when summed")));
+    }
+    Ok(counts)
+}
+
+fn reduce_op(func: &str, op: u32) -> Result<ReduceOp, Failure> {
+    ReduceOp::from_u32(op)
+        .ok_or_else(|| Failure::invalid(func, "op", format!("unknown reduce op {op} (expected 0 sum, 1 max, 2 min)")))
+}
+
+/// An output tensor shaped like the caller's descriptor.
+///
+/// # Safety
+/// As `ffi::meta`.
+unsafe fn out_like(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tensor, Failure> {
+    // SAFETY: forwarded contract.
+    let m = unsafe { super::ffi::read_meta(func, arg, d) }?;
+    if m.bytes > 0 {
+        // SAFETY: `read_meta` checked `d` is non-null.
+        if unsafe { (*d).data }.is_null() {
+            return Err(Failure::null(func, &format!("{arg}.data")));
+        }
+    }
+    Ok(Tensor::zeros_cpu(&m.shape, m.dtype))
+}
+
+/// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
+/// dtype on every rank, and may be the same memory (in place). Host tensors
+/// are read from and written to the caller's memory; nothing is retained.
+/// Blocks until every rank called it, or fails on every rank (mismatch,
+/// timeout, dead peer).
+///
+/// # Safety
+/// `comm` live; `src` and `dst` valid descriptors (see `amoe_tensor`).
+#[no_mangle]
+pub unsafe extern "C" fn amoe_all_reduce(
+    comm: *const amoe_comm,
+    src: *const amoe_tensor,
+    dst: *const amoe_tensor,
+    op: u32,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_all_reduce";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        let op = reduce_op(F, op)?;
+        // SAFETY: the caller's descriptor contract, for all three calls.
+        let s = unsafe { read_tensor(F, "src", src) }?;
+        let mut d = unsafe { out_like(F, "dst", dst) }?;
+        c.all_reduce(&s, &mut d, op)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "dst", dst, &d) }
+    })
+}
+
+/// `dst = block `rank` of op(src over all ranks)`: `src` holds
+/// `world_size * numel(dst)` elements, split into equal blocks in rank order.
+/// Ownership as `amoe_all_reduce`.
+///
+/// # Safety
+/// `comm` live; `src` and `dst` valid descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_reduce_scatter(
+    comm: *const amoe_comm,
+    src: *const amoe_tensor,
+    dst: *const amoe_tensor,
+    op: u32,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_reduce_scatter";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        let op = reduce_op(F, op)?;
+        // SAFETY: the caller's descriptor contract, for all three calls.
+        let s = unsafe { read_tensor(F, "src", src) }?;
+        let mut d = unsafe { out_like(F, "dst", dst) }?;
+        c.reduce_scatter(&s, &mut d, op)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "dst", dst, &d) }
+    })
+}
+
+/// `dst = concat(src of every rank)` in rank order: `dst` holds
+/// `world_size * numel(src)` elements. Ownership as `amoe_all_reduce`.
+///
+/// # Safety
+/// `comm` live; `src` and `dst` valid descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_all_gather(
+    comm: *const amoe_comm,
+    src: *const amoe_tensor,
+    dst: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_all_gather";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        // SAFETY: the caller's descriptor contract, for all three calls.
+        let s = unsafe { read_tensor(F, "src", src) }?;
+        let mut d = unsafe { out_like(F, "dst", dst) }?;
+        c.all_gather(&s, &mut d)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "dst", dst, &d) }
+    })
+}
+
+/// Reduce-scatter with per-rank block sizes: `counts[0..n]` (elements, `n ==
+/// world_size`) partition `src`; `dst` holds `counts[rank]` elements.
+/// Ownership as `amoe_all_reduce`.
+///
+/// # Safety
+/// `comm` live; descriptors valid; `counts` readable for `n` elements.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_reduce_scatter_v(
+    comm: *const amoe_comm,
+    src: *const amoe_tensor,
+    dst: *const amoe_tensor,
+    counts: *const usize,
+    n: usize,
+    op: u32,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_reduce_scatter_v";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        let op = reduce_op(F, op)?;
+        // SAFETY: the caller's contracts for `counts` and the descriptors.
+        let counts = unsafe { read_counts(F, "counts", counts, n) }?;
+        let s = unsafe { read_tensor(F, "src", src) }?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        let mut d = unsafe { out_like(F, "dst", dst) }?;
+        c.reduce_scatter_v(&s, &mut d, &counts, op)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "dst", dst, &d) }
+    })
+}
+
+/// All-gather with per-rank block sizes `counts[0..n]` (elements, `n ==
+/// world_size`): `src` holds `counts[rank]`, `dst` their sum.
+/// Ownership as `amoe_all_reduce`.
+///
+/// # Safety
+/// `comm` live; descriptors valid; `counts` readable for `n` elements.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_all_gather_v(
+    comm: *const amoe_comm,
+    src: *const amoe_tensor,
+    dst: *const amoe_tensor,
+    counts: *const usize,
+    n: usize,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_all_gather_v";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        // SAFETY: the caller's contracts for `counts` and the descriptors.
+        let counts = unsafe { read_counts(F, "counts", counts, n) }?;
+        let s = unsafe { read_tensor(F, "src", src) }?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        let mut d = unsafe { out_like(F, "dst", dst) }?;
+        c.all_gather_v(&s, &mut d, &counts)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "dst", dst, &d) }
+    })
+}
+
+/// Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
+/// to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank `i`.
+/// Both count lists have `world_size` entries. Ownership as `amoe_all_reduce`.
+///
+/// # Safety
+/// `comm` live; descriptors valid; count lists readable for their lengths.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_all_to_all_v(
+    comm: *const amoe_comm,
+    src: *const amoe_tensor,
+    send_counts: *const usize,
+    n_send: usize,
+    dst: *const amoe_tensor,
+    recv_counts: *const usize,
+    n_recv: usize,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_all_to_all_v";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        // SAFETY: the caller's contracts for the count lists and the descriptors.
+        let sc = unsafe { read_counts(F, "send_counts", send_counts, n_send) }?;
+        let rc = unsafe { read_counts(F, "recv_counts", recv_counts, n_recv) }?;
+        // SAFETY: `src` is a valid descriptor, per the export's contract.
+        let s = unsafe { read_tensor(F, "src", src) }?;
+        let mut d = unsafe { out_like(F, "dst", dst) }?;
+        c.all_to_all_v(&s, &sc, &mut d, &rc)?;
+        // SAFETY: `dst` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "dst", dst, &d) }
+    })
+}
+
+/// Copies `buf` of rank `root` into `buf` of every rank (read on `root`,
+/// written on every rank). Ownership as `amoe_all_reduce`.
+///
+/// # Safety
+/// `comm` live; `buf` a valid descriptor, readable and writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_broadcast(
+    comm: *const amoe_comm,
+    buf: *const amoe_tensor,
+    root: usize,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_broadcast";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        // SAFETY: the caller's descriptor contract, for both calls.
+        let mut b = unsafe { read_tensor(F, "buf", buf) }?;
+        c.broadcast(&mut b, root)?;
+        // SAFETY: `buf` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "buf", buf, &b) }
+    })
+}
+
+/// Waits until every rank of `comm` called it (or the timeout passed).
+///
+/// # Safety
+/// `comm` live.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amoe_stream) -> amoe_status {
+    const F: &str = "amoe_barrier";
+    let _ = stream;
+    ffi!(F, {
+        let c = try_comm!(F, comm);
+        c.barrier()?;
+        Ok(())
+    })
+}
+
+/// The `Comm` behind a handle, for the op shims.
+///
+/// # Safety
+/// `comm` must be NULL or a live handle that outlives `'a`.
+pub(crate) unsafe fn comm_ref<'a>(func: &str, comm: *const amoe_comm) -> Result<&'a Comm, Failure> {
+    Ok(try_comm!(func, comm))
+}

@@ -1,0 +1,391 @@
+//! The machinery under every export: the panic boundary, the thread-local last
+//! error, null checks, and the conversion between C tensor descriptors and
+//! [`Tensor`].
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CStr};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use super::{amoe_status, amoe_tensor, AMOE_DEVICE_CPU, AMOE_DEVICE_NPU, AMOE_MAX_NDIM};
+use crate::error::CommErrorKind;
+use crate::{DType, Error, Tensor};
+
+/// Why an export failed: a status code plus the message `amoe_last_error_message` returns.
+#[derive(Debug, Clone)]
+pub(crate) struct Failure {
+    pub(crate) status: amoe_status,
+    pub(crate) msg: String,
+}
+
+impl Failure {
+    pub(crate) fn new(status: amoe_status, msg: impl Into<String>) -> Self {
+        Failure { status, msg: msg.into() }
+    }
+
+    pub(crate) fn null(func: &str, arg: &str) -> Self {
+        Failure::new(amoe_status::NullArgument, format!("{func}: `{arg}` is NULL"))
+    }
+
+    pub(crate) fn invalid(func: &str, arg: &str, reason: impl std::fmt::Display) -> Self {
+        Failure::new(amoe_status::InvalidArgument, format!("{func}: invalid argument `{arg}`: {reason}"))
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure { status: status_of(&e), msg: e.to_string() }
+    }
+}
+
+/// The stable status code of every [`Error`] variant.
+///
+/// The match is exhaustive on purpose: a new variant does not compile until it
+/// has a code here (and in the header).
+pub(crate) fn status_of(e: &Error) -> amoe_status {
+    match e {
+        Error::InvalidArgument { .. } => amoe_status::InvalidArgument,
+        Error::Shape { .. } => amoe_status::Shape,
+        Error::DType { .. } => amoe_status::Dtype,
+        Error::IndexOutOfRange { .. } => amoe_status::IndexOutOfRange,
+        Error::Device { .. } => amoe_status::Device,
+        Error::Comm { kind, .. } => match kind {
+            CommErrorKind::Mismatch => amoe_status::CommMismatch,
+            CommErrorKind::Timeout => amoe_status::CommTimeout,
+            CommErrorKind::PeerFailed => amoe_status::CommPeerFailed,
+            CommErrorKind::Setup => amoe_status::CommSetup,
+        },
+        Error::Acl { .. } => amoe_status::Acl,
+        Error::Hccl { .. } => amoe_status::Hccl,
+        Error::Aclnn { .. } => amoe_status::Aclnn,
+        Error::Unavailable(_) => amoe_status::Unavailable,
+        Error::Io { .. } => amoe_status::Io,
+    }
+}
+
+thread_local! {
+    static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Records `msg` as this thread's last error.
+pub(crate) fn set_last_error(msg: String) {
+    LAST_ERROR.with(|m| *m.borrow_mut() = msg);
+}
+
+/// Runs `f` with this thread's last error message.
+pub(crate) fn with_last_error<R>(f: impl FnOnce(&str) -> R) -> R {
+    LAST_ERROR.with(|m| f(&m.borrow()))
+}
+
+/// Converts a body's result into a status, recording the message on failure.
+pub(crate) fn finish(r: Result<(), Failure>) -> amoe_status {
+    match r {
+        Ok(()) => amoe_status::Ok,
+        Err(f) => {
+            set_last_error(f.msg);
+            f.status
+        }
+    }
+}
+
+/// Runs `body` inside the panic boundary: a panic becomes `AMOE_STATUS_PANIC`
+/// with the panic message as the last error, never an unwind into C.
+pub(crate) fn boundary(func: &str, body: impl FnOnce() -> Result<(), Failure>) -> amoe_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(r) => finish(r),
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "non-string panic payload".into());
+            set_last_error(format!("{func}: internal panic: {what}"));
+            amoe_status::Panic
+        }
+    }
+}
+
+/// Every export's body: `ffi!("amoe_x", { ... Ok(()) })` runs the block inside
+/// [`boundary`] and returns the status.
+macro_rules! ffi {
+    ($func:expr, $body:block) => {
+        $crate::capi::ffi::boundary($func, move || -> Result<(), $crate::capi::ffi::Failure> { $body })
+    };
+}
+pub(crate) use ffi;
+
+/// `try_ref!(FUNC, ptr, "arg")`: a shared reference, or return NULL_ARGUMENT.
+macro_rules! try_ref {
+    ($func:expr, $ptr:expr, $arg:expr) => {{
+        let p = $ptr;
+        if p.is_null() {
+            return Err($crate::capi::ffi::Failure::null($func, $arg));
+        }
+        // SAFETY: non-null; the export's contract makes the caller guarantee it
+        // points to a valid, initialised object for the duration of the call.
+        unsafe { &*p }
+    }};
+}
+pub(crate) use try_ref;
+
+/// `try_out!(FUNC, ptr, "arg")`: checks an out-pointer is non-null and returns it.
+macro_rules! try_out {
+    ($func:expr, $ptr:expr, $arg:expr) => {{
+        let p = $ptr;
+        if p.is_null() {
+            return Err($crate::capi::ffi::Failure::null($func, $arg));
+        }
+        p
+    }};
+}
+pub(crate) use try_out;
+
+/// Writes `v` through an out-pointer already checked by `try_out!`.
+///
+/// # Safety
+/// `p` must be non-null, aligned and valid for a write of `T`.
+pub(crate) unsafe fn write_out<T>(p: *mut T, v: T) {
+    // SAFETY: the caller's contract, forwarded.
+    unsafe { p.write(v) }
+}
+
+/// Reads a list of `len` `usize`s; NULL is allowed only when `len == 0`.
+///
+/// # Safety
+/// When non-null, `ptr` must point to `len` readable `size_t`.
+pub(crate) unsafe fn read_sizes(func: &str, arg: &str, ptr: *const usize, len: usize) -> Result<Vec<usize>, Failure> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    if ptr.is_null() {
+        return Err(Failure::null(func, arg));
+    }
+    if len > isize::MAX as usize / std::mem::size_of::<usize>() {
+        return Err(Failure::invalid(func, arg, format!("length {len} is too large")));
+    }
+    // SAFETY: non-null, and the caller guarantees `len` readable elements.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) }.to_vec())
+}
+
+/// Reads a NUL-terminated UTF-8 string.
+///
+/// # Safety
+/// When non-null, `ptr` must point to a NUL-terminated string.
+pub(crate) unsafe fn read_str(func: &str, arg: &str, ptr: *const c_char) -> Result<String, Failure> {
+    if ptr.is_null() {
+        return Err(Failure::null(func, arg));
+    }
+    // SAFETY: non-null and NUL-terminated by the caller's contract.
+    let s = unsafe { CStr::from_ptr(ptr) };
+    s.to_str().map(str::to_owned).map_err(|e| Failure::invalid(func, arg, format!("not UTF-8: {e}")))
+}
+
+/// Shape and dtype of a descriptor, validated (the data pointer is not looked at).
+pub(crate) struct Meta {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) dtype: DType,
+    pub(crate) bytes: usize,
+}
+
+/// Validates everything in a descriptor except the data pointer.
+///
+/// # Safety
+/// `d.shape` (and `d.strides` when non-null) must point to `d.ndim` readable
+/// elements when `d.ndim > 0`.
+pub(crate) unsafe fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta, Failure> {
+    let dtype = DType::from_u32(d.dtype).ok_or_else(|| {
+        Failure::new(
+            amoe_status::Dtype,
+            format!(
+                "{func}: `{arg}` has dtype code {}, expected one of 0 (f32), 1 (f16), 2 (bf16), 3 (i32), 4 (i64)",
+                d.dtype
+            ),
+        )
+    })?;
+    match d.device_kind {
+        AMOE_DEVICE_CPU => {}
+        AMOE_DEVICE_NPU => {
+            return Err(Failure::new(
+                amoe_status::Unavailable,
+                format!("{func}: `{arg}` is an NPU tensor; NPU tensors through the C ABI need the NPU backend"),
+            ))
+        }
+        k => {
+            return Err(Failure::new(
+                amoe_status::Device,
+                format!("{func}: `{arg}` has device kind {k}, expected 0 (cpu) or 1 (npu)"),
+            ))
+        }
+    }
+    if d.ndim > AMOE_MAX_NDIM {
+        return Err(Failure::new(
+            amoe_status::Shape,
+            format!("{func}: `{arg}` has ndim {}, at most {AMOE_MAX_NDIM} is supported", d.ndim),
+        ));
+    }
+    // SAFETY: ndim <= AMOE_MAX_NDIM and the caller's contract for `shape`.
+    let shape = unsafe { read_sizes(func, "shape", d.shape, d.ndim) }
+        .map_err(|f| Failure::new(f.status, format!("{func}: `{arg}`.shape is NULL with ndim {}", d.ndim)))?;
+    // Zero dims are skipped, so every partial product of the dims (which the
+    // ops and shape functions compute) fits too, also for empty tensors.
+    let span = shape.iter().try_fold(dtype.size(), |acc, &s| acc.checked_mul(s.max(1)));
+    if !matches!(span, Some(b) if b <= isize::MAX as usize) {
+        return Err(Failure::new(
+            amoe_status::Shape,
+            format!("{func}: `{arg}` has shape {shape:?}, whose size in bytes overflows"),
+        ));
+    }
+    let bytes = shape.iter().product::<usize>() * dtype.size();
+    if !d.strides.is_null() {
+        // SAFETY: the caller's contract for `strides` (ndim elements when non-null).
+        let strides = unsafe { std::slice::from_raw_parts(d.strides, d.ndim) };
+        let mut expect = 1isize;
+        for i in (0..d.ndim).rev() {
+            // A dimension of size 1 may carry any stride (numpy and torch do this).
+            if shape[i] != 1 && strides[i] != expect {
+                return Err(Failure::invalid(
+                    func,
+                    arg,
+                    format!("strides {strides:?} (elements) are not contiguous for shape {shape:?}"),
+                ));
+            }
+            expect = expect.saturating_mul(shape[i] as isize);
+        }
+    }
+    Ok(Meta { shape, dtype, bytes })
+}
+
+/// Reads an input descriptor into a host [`Tensor`] (one copy of the caller's bytes).
+///
+/// # Safety
+/// `d` must satisfy the `amoe_tensor` contract: `data` readable for the bytes
+/// its shape and dtype describe.
+pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tensor, Failure> {
+    let d = try_ref!(func, d, arg);
+    // SAFETY: forwarded contract.
+    let m = unsafe { meta(func, arg, d) }?;
+    if m.bytes > 0 && d.data.is_null() {
+        return Err(Failure::null(func, &format!("{arg}.data")));
+    }
+    let mut t = Tensor::zeros_cpu(&m.shape, m.dtype);
+    if m.bytes > 0 {
+        // SAFETY: non-null, `m.bytes <= isize::MAX`, readable per the contract;
+        // `t` is a fresh buffer so the ranges cannot overlap.
+        let src = unsafe { std::slice::from_raw_parts(d.data as *const u8, m.bytes) };
+        t.cpu_bytes_mut()?.copy_from_slice(src);
+    }
+    Ok(t)
+}
+
+/// Reads an optional input descriptor (NULL = absent).
+///
+/// # Safety
+/// As [`read_tensor`] when non-null.
+pub(crate) unsafe fn read_opt(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Option<Tensor>, Failure> {
+    if d.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: forwarded contract.
+    unsafe { read_tensor(func, arg, d) }.map(Some)
+}
+
+/// A zero-size tensor carrying only the shape and dtype of a descriptor, for
+/// shape functions (the data pointer is ignored and may be NULL).
+///
+/// # Safety
+/// As [`meta`].
+pub(crate) unsafe fn read_meta(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Meta, Failure> {
+    let d = try_ref!(func, d, arg);
+    // SAFETY: forwarded contract.
+    unsafe { meta(func, arg, d) }
+}
+
+/// Copies `t` into the caller's output descriptor after checking that its
+/// shape and dtype are exactly `t`'s.
+///
+/// # Safety
+/// `d.data` must be writable for the bytes its shape and dtype describe and
+/// must not overlap memory the caller expects unchanged.
+pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, t: &Tensor) -> Result<(), Failure> {
+    let d = try_ref!(func, d, arg);
+    // SAFETY: forwarded contract.
+    let m = unsafe { meta(func, arg, d) }?;
+    check_meta(func, arg, d, &m, t.shape(), t.dtype())?;
+    if m.bytes > 0 {
+        let src = t.cpu_bytes()?;
+        // SAFETY: non-null, writable for `m.bytes == src.len()` bytes per the
+        // contract; `src` is our own buffer, so the ranges do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), d.data as *mut u8, src.len()) };
+    }
+    Ok(())
+}
+
+/// Checks an output descriptor against the shape and dtype the op's shape
+/// function computed, before any work starts (so no buffer is allocated for
+/// an output the caller did not provide).
+///
+/// # Safety
+/// As [`meta`].
+pub(crate) unsafe fn check_out(
+    func: &str,
+    arg: &str,
+    d: *const amoe_tensor,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<(), Failure> {
+    let d = try_ref!(func, d, arg);
+    // SAFETY: forwarded contract.
+    let m = unsafe { meta(func, arg, d) }?;
+    check_meta(func, arg, d, &m, shape, dtype)
+}
+
+fn check_meta(func: &str, arg: &str, d: &amoe_tensor, m: &Meta, shape: &[usize], dtype: DType) -> Result<(), Failure> {
+    if m.dtype != dtype {
+        return Err(Failure::new(
+            amoe_status::Dtype,
+            format!("{func}: `{arg}` has dtype {}, expected {dtype}", m.dtype),
+        ));
+    }
+    if m.shape != shape {
+        return Err(Failure::new(
+            amoe_status::Shape,
+            format!("{func}: `{arg}` has shape {:?}, expected {shape:?}", m.shape),
+        ));
+    }
+    if m.bytes > 0 && d.data.is_null() {
+        return Err(Failure::null(func, &format!("{arg}.data")));
+    }
+    Ok(())
+}
+
+/// Writes a shape into the caller's `(out_shape, cap, out_ndim)` triple.
+///
+/// # Safety
+/// `out_shape` writable for `cap` elements, `out_ndim` writable.
+pub(crate) unsafe fn write_shape(
+    func: &str,
+    shape: &[usize],
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> Result<(), Failure> {
+    let out_ndim = try_out!(func, out_ndim, "out_ndim");
+    // SAFETY: checked non-null; writable per the contract.
+    unsafe { write_out(out_ndim, shape.len()) };
+    if cap < shape.len() {
+        return Err(Failure::new(
+            amoe_status::BufferTooSmall,
+            format!("{func}: `out_shape` holds {cap} dims, the shape {shape:?} needs {}", shape.len()),
+        ));
+    }
+    if !shape.is_empty() {
+        let out_shape = try_out!(func, out_shape, "out_shape");
+        // SAFETY: non-null and writable for `cap >= shape.len()` elements.
+        unsafe { std::ptr::copy_nonoverlapping(shape.as_ptr(), out_shape, shape.len()) };
+    }
+    Ok(())
+}
+
+/// A boolean flag from C: any non-zero value is true.
+pub(crate) fn flag(v: u8) -> bool {
+    v != 0
+}

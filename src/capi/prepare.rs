@@ -1,0 +1,260 @@
+//! Token prepare / finalize per MoE comm type (SPEC section 6): the token
+//! padding, splitting and gathering around the experts of one MoE layer.
+
+use super::comm::{amoe_comm, amoe_stream, comm_ref};
+use super::ffi::{
+    check_out, ffi, flag, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
+};
+use super::{amoe_status, amoe_tensor};
+use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
+use crate::CommType;
+
+/// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
+pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
+
+/// The run-time parallel context of one forward pass. Read only; the caller
+/// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
+/// is at most `AMOE_MAX_EP_RANKS`.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct amoe_moe_context {
+    /// Tokens of every DP rank in this forward (`dp_size` entries).
+    pub dp_tokens: *const usize,
+    /// Number of DP ranks.
+    pub dp_size: usize,
+    /// TP group size.
+    pub tp_size: usize,
+    /// This rank's DP rank.
+    pub dp_rank: usize,
+    /// This rank's TP rank.
+    pub tp_rank: usize,
+    /// Non-zero when MoE sequence parallelism is on.
+    pub sp: u8,
+}
+
+/// The EP / TP / DP groups of a MoE layer, split from a world communicator.
+/// Owned by the caller (free with `amoe_moe_groups_free`).
+pub struct amoe_moe_groups {
+    _private: [u8; 0],
+}
+
+/// # Safety
+/// `ctx` NULL or valid, with `dp_tokens` readable for `dp_size` entries.
+unsafe fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure> {
+    if ctx.is_null() {
+        return Err(Failure::null(f, "ctx"));
+    }
+    // SAFETY: non-null, valid per the contract.
+    let c = unsafe { &*ctx };
+    // SAFETY: the contract for `dp_tokens`.
+    let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
+    // The context describes an EP world of dp_size * tp_size ranks, and the
+    // ops build per-rank tables of that size: bound it before they do.
+    if !matches!(c.dp_size.checked_mul(c.tp_size), Some(ep) if ep <= AMOE_MAX_EP_RANKS) {
+        return Err(Failure::invalid(
+            f,
+            "ctx",
+            format!("dp_size {} x tp_size {} exceeds {AMOE_MAX_EP_RANKS} EP ranks", c.dp_size, c.tp_size),
+        ));
+    }
+    Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
+}
+
+/// Splits `world` (EP = DP x TP ranks, EP rank `dp * tp_size + tp`) into this
+/// rank's TP and DP groups. Collective: every rank of `world` calls it.
+/// `*out` receives a new handle owned by the caller; `world` stays the caller's.
+///
+/// # Safety
+/// `world` live; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_moe_groups_new(
+    world: *const amoe_comm,
+    tp_size: usize,
+    out: *mut *mut amoe_moe_groups,
+) -> amoe_status {
+    const F: &str = "amoe_moe_groups_new";
+    ffi!(F, {
+        // SAFETY: the communicator handle is NULL or live, per the export's contract.
+        let w = unsafe { comm_ref(F, world) }?;
+        let out = try_out!(F, out, "out");
+        let g = MoeGroups::from_world(w, tp_size)?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, Box::into_raw(Box::new(g)) as *mut amoe_moe_groups) };
+        Ok(())
+    })
+}
+
+/// Releases groups from `amoe_moe_groups_new`. NULL is a no-op.
+///
+/// # Safety
+/// `groups` NULL or a live handle not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_moe_groups_free(groups: *mut amoe_moe_groups) {
+    if groups.is_null() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: a live handle is a Box<MoeGroups> from `amoe_moe_groups_new`,
+        // not used again, per the contract.
+        drop(unsafe { Box::from_raw(groups as *mut MoeGroups) });
+    });
+}
+
+/// # Safety
+/// `groups` NULL or live for `'a`.
+unsafe fn groups_ref<'a>(f: &str, groups: *const amoe_moe_groups) -> Result<&'a MoeGroups, Failure> {
+    if groups.is_null() {
+        return Err(Failure::null(f, "groups"));
+    }
+    // SAFETY: non-null and live per the contract.
+    Ok(unsafe { &*(groups as *const MoeGroups) })
+}
+
+/// Output shape of `amoe_token_prepare` for this rank's `x` (`[T_d or the SP
+/// shard, H...]`). Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+///
+/// # Safety
+/// `x`, `ctx` valid; out-pointers writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_prepare_output_shape(
+    x: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_token_prepare_output_shape";
+    ffi!(F, {
+        // SAFETY: `x` is a valid descriptor, per the export's contract.
+        let m = unsafe { read_meta(F, "x", x) }?;
+        // SAFETY: `ctx` is valid, per the export's contract.
+        let c = unsafe { context(F, ctx) }?;
+        let shape = pf::prepare_output_shape(&m.shape, CommType::from_u32(comm_type)?, &c)?;
+        // SAFETY: the out-pointers are writable, per the export's contract.
+        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
+/// Prepares this rank's tokens for the experts under the live `comm_type`
+/// (pad, DP all-gather or TP split; SPEC section 6). Collective over the
+/// groups. `out` has the shape from `amoe_token_prepare_output_shape`.
+/// For MC2 / FUSED_MC2 the mask of real rows is written to `mc2_mask`
+/// (caller-owned, `mask_cap` bytes, 1 = real token) and its length to
+/// `*mask_len`; other comm types write length 0. `mc2_mask` and `mask_len`
+/// may be NULL to skip the mask; a too-small `mask_cap` returns
+/// `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
+///
+/// # Safety
+/// Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_prepare(
+    x: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context,
+    groups: *const amoe_moe_groups,
+    out: *const amoe_tensor,
+    mc2_mask: *mut u8,
+    mask_cap: usize,
+    mask_len: *mut usize,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_token_prepare";
+    let _ = stream;
+    ffi!(F, {
+        // SAFETY: `ctx` is valid, per the export's contract.
+        let c = unsafe { context(F, ctx) }?;
+        // SAFETY: `groups` is NULL or live, per the export's contract.
+        let g = unsafe { groups_ref(F, groups) }?;
+        let ct = CommType::from_u32(comm_type)?;
+        // SAFETY: `x` is a valid descriptor, per the export's contract.
+        let x = unsafe { read_tensor(F, "x", x) }?;
+        let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
+        let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
+        if !mc2_mask.is_null() && mask_cap < mask_want {
+            return Err(Failure::new(
+                amoe_status::BufferTooSmall,
+                format!("{F}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
+            ));
+        }
+        let p = pf::prepare(&x, ct, &c, g)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "out", out, &p.hidden) }?;
+        let mask = p.mc2_mask.unwrap_or_default();
+        if !mask_len.is_null() {
+            // SAFETY: non-null, writable per the contract.
+            unsafe { write_out(mask_len, mask.len()) };
+        }
+        if !mc2_mask.is_null() {
+            for (i, &m) in mask.iter().enumerate().take(mask_cap) {
+                // SAFETY: `i < mask_cap`, writable per the contract.
+                unsafe { write_out(mc2_mask.add(i), m as u8) };
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Output shape of `amoe_token_finalize` for the experts' output `y` (the
+/// prepared rows): `[this rank's tokens, H...]`.
+/// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+///
+/// # Safety
+/// As `amoe_token_prepare_output_shape`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_finalize_output_shape(
+    y: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_token_finalize_output_shape";
+    ffi!(F, {
+        // SAFETY: `y` is a valid descriptor, per the export's contract.
+        let m = unsafe { read_meta(F, "y", y) }?;
+        // SAFETY: `ctx` is valid, per the export's contract.
+        let c = unsafe { context(F, ctx) }?;
+        let shape = pf::finalize_output_shape(&m.shape, CommType::from_u32(comm_type)?, &c)?;
+        // SAFETY: the out-pointers are writable, per the export's contract.
+        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
+/// Returns the experts' output `y` to this rank's token layout under the
+/// live `comm_type` (DP reduce-scatter, TP all-gather, unpad; SPEC section
+/// 6). Collective over the groups. `out` has the shape from
+/// `amoe_token_finalize_output_shape`; ownership as `amoe_moe_finalize_routing`.
+///
+/// # Safety
+/// As `amoe_token_prepare`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_finalize(
+    y: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context,
+    groups: *const amoe_moe_groups,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_token_finalize";
+    let _ = stream;
+    ffi!(F, {
+        // SAFETY: `ctx` is valid, per the export's contract.
+        let c = unsafe { context(F, ctx) }?;
+        // SAFETY: `groups` is NULL or live, per the export's contract.
+        let g = unsafe { groups_ref(F, groups) }?;
+        let ct = CommType::from_u32(comm_type)?;
+        // SAFETY: `y` is a valid descriptor, per the export's contract.
+        let y = unsafe { read_tensor(F, "y", y) }?;
+        let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        unsafe { check_out(F, "out", out, &shape, y.dtype()) }?;
+        let r = pf::finalize(y, ct, &c, g)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "out", out, &r) }
+    })
+}

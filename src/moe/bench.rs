@@ -1,0 +1,274 @@
+//! Benchmarks of the finalize op and of the fused finalize-and-reduce, used by
+//! `ascend-moe bench finalize` and `ascend-moe bench finalize_and_reduce`.
+//!
+//! The finalize is memory-bound, so it is measured against a same-run "triad
+//! floor": the time a STREAM-style triad (`a = b + s * c`, f32) on the same
+//! number of threads takes to move the same number of bytes. A ratio of 1.0
+//! means the kernel streams at the machine's triad bandwidth.
+
+use std::time::Instant;
+
+use crate::backend::cpu::comm::run_ranks;
+use crate::backend::cpu::finalize::set_num_threads;
+use crate::backend::{FinalizeArgs, OutputRows};
+use crate::comm::{Collectives, CommOptions};
+use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};
+use crate::moe::layout::SpLayout;
+use crate::moe::pad_reduce::{finalize_and_reduce, maybe_pad_and_reduce};
+use crate::{with_dtype, DType, Device, DropPadMode, Element, Error, Result, Tensor};
+
+/// Sizes of the finalize benchmark.
+#[derive(Debug, Clone)]
+pub struct FinalizeBench {
+    /// Tokens N.
+    pub tokens: usize,
+    /// Top-k.
+    pub top_k: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Data dtype.
+    pub dtype: DType,
+    /// Kernel threads.
+    pub threads: usize,
+    /// Timed repetitions (the best is reported).
+    pub iters: usize,
+}
+
+impl Default for FinalizeBench {
+    fn default() -> Self {
+        FinalizeBench { tokens: 4096, top_k: 8, hidden: 4096, dtype: DType::BF16, threads: 2, iters: 5 }
+    }
+}
+
+/// Result of [`bench_finalize`].
+#[derive(Debug, Clone)]
+pub struct FinalizeReport {
+    /// Bytes the kernel must move (expanded_x + x1 read, out written; indices and scales).
+    pub bytes: usize,
+    /// Best kernel time into a preallocated output, seconds.
+    pub kernel_s: f64,
+    /// Best time of the whole op (`moe_finalize_routing`, allocating its output), seconds.
+    pub op_s: f64,
+    /// Best triad time for the same bytes on the same threads, seconds.
+    pub triad_s: f64,
+}
+
+impl FinalizeReport {
+    /// `triad_s / kernel_s`: the fraction of the triad floor reached.
+    pub fn ratio(&self) -> f64 {
+        self.triad_s / self.kernel_s
+    }
+    /// Kernel bandwidth, GB/s.
+    pub fn kernel_gbps(&self) -> f64 {
+        self.bytes as f64 / self.kernel_s / 1e9
+    }
+    /// Triad bandwidth, GB/s.
+    pub fn triad_gbps(&self) -> f64 {
+        self.bytes as f64 / self.triad_s / 1e9
+    }
+}
+
+/// A cheap deterministic fill (the values do not matter for timing, only that
+/// they are finite and not all equal).
+fn filled(shape: &[usize], dtype: DType, salt: u32) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    with_dtype!(dtype, T => {
+        let v: Vec<T> = (0..n as u32)
+            .map(|i| T::from_f32(((i.wrapping_mul(2_654_435_761).wrapping_add(salt) >> 20) as f32) / 4096.0 - 0.5))
+            .collect();
+        Tensor::from_slice(&v, shape)
+    })
+}
+
+/// A permutation of `0..n` (multiplicative hash, full period for odd multipliers on powers of two;
+/// otherwise sorted by hash).
+fn permutation(n: usize) -> Vec<i32> {
+    let mut v: Vec<(u32, i32)> =
+        (0..n as u32).map(|i| (i.wrapping_mul(2_246_822_519).rotate_left(13), i as i32)).collect();
+    v.sort_unstable();
+    v.into_iter().map(|(_, i)| i).collect()
+}
+
+/// Best time of a triad `a = b + s * c` over f32 arrays moving `bytes` bytes on `threads` threads.
+pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
+    let n = (bytes / 12).max(1);
+    let b = vec![1.0f32; n];
+    let c = vec![2.0f32; n];
+    let mut a = vec![0.0f32; n];
+    let threads = threads.max(1);
+    let chunk = n.div_ceil(threads);
+    let mut best = f64::INFINITY;
+    for it in 0..iters.max(1) + 1 {
+        let s = 0.5 + it as f32;
+        let t0 = Instant::now();
+        std::thread::scope(|sc| {
+            for ((a, b), c) in a.chunks_mut(chunk).zip(b.chunks(chunk)).zip(c.chunks(chunk)) {
+                sc.spawn(move || {
+                    for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
+                        *a = *b + s * *c;
+                    }
+                });
+            }
+        });
+        let dt = t0.elapsed().as_secs_f64();
+        // The first pass faults the pages in; it is not timed.
+        if it > 0 {
+            best = best.min(dt);
+        }
+    }
+    std::hint::black_box(&a);
+    best
+}
+
+/// Runs the finalize benchmark on the CPU backend (mode 2, a random
+/// permutation, f32 scales, x1 present).
+pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
+    let (n, k, h) = (cfg.tokens, cfg.top_k, cfg.hidden);
+    if n == 0 || k == 0 || h == 0 || cfg.iters == 0 || !cfg.dtype.is_float() {
+        return Err(Error::invalid("bench_finalize", "config", format!("{cfg:?}")));
+    }
+    let x = filled(&[n * k, h], cfg.dtype, 1)?;
+    let x1 = filled(&[n, h], cfg.dtype, 2)?;
+    let scales = filled(&[n, k], DType::F32, 3)?;
+    let p = permutation(n * k);
+    let idx = Tensor::from_slice(&p, &[n * k])?;
+    let args = FinalizeArgs {
+        expanded_x: &x,
+        expanded_row_idx: &idx,
+        x1: Some(&x1),
+        x2: None,
+        bias: None,
+        scales: Some(&scales),
+        expert_idx: None,
+        drop_pad_mode: DropPadMode::DropLessRow,
+    };
+    let es = cfg.dtype.size();
+    let bytes = (n * k * h + 2 * n * h) * es + n * k * 8;
+    set_num_threads(Some(cfg.threads));
+    let (shape, dims) = moe_finalize_routing_output_shape(&args)?;
+    let backend = Device::Cpu.backend();
+    let mut out = backend.zeros(&shape, cfg.dtype)?;
+    let mut kernel_s = f64::INFINITY;
+    let mut op_s = f64::INFINITY;
+    let mut run = || -> Result<()> {
+        for it in 0..cfg.iters + 1 {
+            let t0 = Instant::now();
+            backend.finalize_routing(&args, &dims, &mut out, OutputRows::Dense)?;
+            let dt = t0.elapsed().as_secs_f64();
+            if it > 0 {
+                kernel_s = kernel_s.min(dt);
+            }
+            let t0 = Instant::now();
+            let o = moe_finalize_routing(&args)?;
+            op_s = op_s.min(t0.elapsed().as_secs_f64());
+            std::hint::black_box(&o);
+        }
+        Ok(())
+    };
+    let r = run();
+    set_num_threads(None);
+    r?;
+    let triad_s = triad_seconds(bytes, cfg.threads, cfg.iters);
+    Ok(FinalizeReport { bytes, kernel_s, op_s, triad_s })
+}
+
+/// Sizes of the finalize-and-reduce benchmark.
+#[derive(Debug, Clone)]
+pub struct ReduceBench {
+    /// Tokens of every DP rank (EP = DP x TP ranks run as threads).
+    pub dp_tokens: Vec<usize>,
+    /// TP size.
+    pub tp: usize,
+    /// Top-k.
+    pub top_k: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Data dtype.
+    pub dtype: DType,
+    /// Timed repetitions (the best is reported).
+    pub iters: usize,
+}
+
+impl Default for ReduceBench {
+    fn default() -> Self {
+        ReduceBench { dp_tokens: vec![3000, 1096], tp: 2, top_k: 2, hidden: 2048, dtype: DType::BF16, iters: 5 }
+    }
+}
+
+/// Result of [`bench_finalize_and_reduce`] (times are the slowest rank's, best repetition).
+#[derive(Debug, Clone)]
+pub struct ReduceReport {
+    /// `finalize_and_reduce`, seconds.
+    pub fused_s: f64,
+    /// `moe_finalize_routing` then `maybe_pad_and_reduce`, seconds.
+    pub unfused_s: f64,
+}
+
+impl ReduceReport {
+    /// `unfused_s / fused_s`.
+    pub fn speedup(&self) -> f64 {
+        self.unfused_s / self.fused_s
+    }
+}
+
+/// Runs the fused and the two-step EP/SP finalize on `DP x TP` CPU ranks
+/// (threads; each rank's kernel single-threaded).
+pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
+    let layout = SpLayout::from_dp_tokens(&cfg.dp_tokens, cfg.tp)?;
+    let ep = layout.ep_size();
+    let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
+    if k == 0 || h == 0 || cfg.iters == 0 || !cfg.dtype.is_float() {
+        return Err(Error::invalid("bench_finalize_and_reduce", "config", format!("{cfg:?}")));
+    }
+    let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
+        set_num_threads(Some(1));
+        let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;
+        let scales = filled(&[n, k], DType::F32, 7)?;
+        let idx = Tensor::from_slice(&permutation(n * k), &[n * k])?;
+        let args = FinalizeArgs {
+            expanded_x: &x,
+            expanded_row_idx: &idx,
+            x1: None,
+            x2: None,
+            bias: None,
+            scales: Some(&scales),
+            expert_idx: None,
+            drop_pad_mode: DropPadMode::DropLessRow,
+        };
+        let (mut fused, mut unfused) = (f64::INFINITY, f64::INFINITY);
+        let time_fused = || -> Result<f64> {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            let a = finalize_and_reduce(&args, Some(&layout), &comm)?;
+            comm.barrier()?;
+            std::hint::black_box(&a);
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        let time_two_step = || -> Result<f64> {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            let b = maybe_pad_and_reduce(&moe_finalize_routing(&args)?, Some(&layout), &comm)?;
+            comm.barrier()?;
+            std::hint::black_box(&b);
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        // Alternate which variant goes first; the first pass of each warms up.
+        for it in 0..cfg.iters + 1 {
+            let (df, du) = if it % 2 == 0 {
+                let f = time_fused()?;
+                (f, time_two_step()?)
+            } else {
+                let u = time_two_step()?;
+                (time_fused()?, u)
+            };
+            if it > 0 {
+                fused = fused.min(df);
+                unfused = unfused.min(du);
+            }
+        }
+        Ok((fused, unfused))
+    })?;
+    let fused_s = times.iter().map(|t| t.0).fold(0.0, f64::max);
+    let unfused_s = times.iter().map(|t| t.1).fold(0.0, f64::max);
+    Ok(ReduceReport { fused_s, unfused_s })
+}

@@ -1,0 +1,275 @@
+//! The EP/SP finalize and prepare (SPEC sections 3 and 4), and the fused
+//! finalize-and-reduce.
+//!
+//! * [`maybe_pad_and_reduce`]: `[sum(local_sizes), H...]` partials on every EP
+//!   rank -> the fully reduced local shard `[local_sizes[rank], H...]`.
+//! * [`maybe_all_gather_and_maybe_unpad`]: the local shard -> all gathered rows.
+//! * [`finalize_and_reduce`]: the finalize op writes straight into the padded
+//!   EP buffer, which is reduce-scattered from there.
+//!
+//! None of them has a TP all-reduce path: the output rows always equal the
+//! shape function's, whatever the caller's model. Padding rows are zeros.
+
+use crate::backend::{FinalizeArgs, OutputRows};
+use crate::comm::{Collectives, ReduceOp};
+use crate::moe::finalize::{moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
+use crate::moe::layout::SpLayout;
+use crate::{Device, Error, Result, Tensor};
+
+const PAD_REDUCE: &str = "maybe_pad_and_reduce";
+const GATHER_UNPAD: &str = "maybe_all_gather_and_maybe_unpad";
+const FINALIZE_REDUCE: &str = "finalize_and_reduce";
+
+fn check_rank(op: &'static str, ep_rank: usize, ep_size: usize) -> Result<()> {
+    if ep_size == 0 || ep_rank >= ep_size {
+        return Err(Error::invalid(op, "ep_rank", format!("{ep_rank} is not a rank of an EP group of {ep_size}")));
+    }
+    Ok(())
+}
+
+fn with_rows(shape: &[usize], rows: usize) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    s[0] = rows;
+    s
+}
+
+/// The layout a reduce over `rows` gathered rows uses: the given one (checked
+/// against the EP size and the row count), or without one the plain
+/// reduce-scatter layout (`rows / ep_size` each; rows must divide).
+fn reduce_layout(op: &'static str, rows: usize, layout: Option<&SpLayout>, ep_size: usize) -> Result<SpLayout> {
+    match layout {
+        Some(l) => {
+            l.check_ep_size(op, ep_size)?;
+            if l.total_rows() != rows {
+                return Err(Error::invalid(
+                    op,
+                    "x",
+                    format!(
+                        "has {rows} rows, expected sum(local_sizes) = {} for layout {:?}",
+                        l.total_rows(),
+                        l.local_sizes()
+                    ),
+                ));
+            }
+            Ok(l.clone())
+        }
+        None => {
+            if rows % ep_size != 0 {
+                return Err(Error::invalid(
+                    op,
+                    "x",
+                    format!("has {rows} rows, which the EP size {ep_size} does not divide (pass a layout for uneven shards)"),
+                ));
+            }
+            SpLayout::uniform(ep_size, rows / ep_size)
+        }
+    }
+}
+
+/// Shape function of [`maybe_pad_and_reduce`]: `[local_sizes[ep_rank], H...]`
+/// (or `[rows / ep_size, H...]` without a layout).
+pub fn maybe_pad_and_reduce_output_shape(
+    x_shape: &[usize],
+    layout: Option<&SpLayout>,
+    ep_rank: usize,
+    ep_size: usize,
+) -> Result<Vec<usize>> {
+    check_rank(PAD_REDUCE, ep_rank, ep_size)?;
+    if x_shape.is_empty() {
+        return Err(Error::shape(PAD_REDUCE, "x", "[rows, H...] (at least 1-D)", x_shape));
+    }
+    let l = reduce_layout(PAD_REDUCE, x_shape[0], layout, ep_size)?;
+    Ok(with_rows(x_shape, l.local_size(ep_rank)))
+}
+
+fn check_device<C: Collectives + ?Sized>(op: &'static str, arg: &'static str, t: &Tensor, ep: &C) -> Result<Device> {
+    let d = t.device();
+    let want = ep.device();
+    if d != want {
+        return Err(Error::Device {
+            op,
+            arg,
+            expected: format!("{want} (the EP group's device)"),
+            actual: d.to_string(),
+        });
+    }
+    Ok(d)
+}
+
+/// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and keeps the
+/// first `local_sizes[rank]` rows of this rank's slot.
+fn reduce_padded<C: Collectives + ?Sized>(
+    padded: &Tensor,
+    l: &SpLayout,
+    ep: &C,
+    out_shape: &[usize],
+    device: &Device,
+) -> Result<Tensor> {
+    let backend = device.backend();
+    let m = l.max_rows();
+    let mine = l.local_size(ep.rank());
+    if padded.numel() == 0 {
+        // Every rank sees the same layout, so every rank skips together.
+        return backend.zeros(out_shape, padded.dtype());
+    }
+    let mut slot = backend.zeros(&with_rows(padded.shape(), m), padded.dtype())?;
+    ep.reduce_scatter(padded, &mut slot, ReduceOp::Sum)?;
+    if mine == m {
+        return Ok(slot);
+    }
+    let mut out = backend.zeros(out_shape, padded.dtype())?;
+    if mine > 0 {
+        backend.copy_rows(&slot, 0, &mut out, 0, mine)?;
+    }
+    Ok(out)
+}
+
+/// EP/SP finalize (SPEC section 3). `x`: `[sum(local_sizes), H...]`, this
+/// rank's partial output for all gathered tokens in EP-rank block order.
+/// Packs block `r` into slot `r` of a zero `[EP, M, H...]` buffer,
+/// reduce-scatters (sum) over `ep` and returns the first `local_sizes[rank]`
+/// rows: the fully reduced local shard. Without a layout: a plain EP
+/// reduce-scatter (rows must divide by EP).
+pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
+    let out_shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
+    let device = check_device(PAD_REDUCE, "x", x, ep)?;
+    let l = reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?;
+    if l.is_uniform() {
+        // No padding anywhere: x already is the padded buffer.
+        return reduce_padded(x, &l, ep, &out_shape, &device);
+    }
+    let backend = device.backend();
+    let m = l.max_rows();
+    let mut padded = backend.zeros(&with_rows(x.shape(), l.padded_rows()), x.dtype())?;
+    for (r, &rows) in l.local_sizes().iter().enumerate() {
+        if rows > 0 {
+            backend.copy_rows(x, l.offset(r), &mut padded, r * m, rows)?;
+        }
+    }
+    reduce_padded(&padded, &l, ep, &out_shape, &device)
+}
+
+/// Shape function of [`maybe_all_gather_and_maybe_unpad`]: `[sum(local_sizes), H...]`
+/// (or `[rows * ep_size, H...]` without a layout). `x_shape` must have exactly
+/// `local_sizes[ep_rank]` rows.
+pub fn maybe_all_gather_and_maybe_unpad_output_shape(
+    x_shape: &[usize],
+    layout: Option<&SpLayout>,
+    ep_rank: usize,
+    ep_size: usize,
+) -> Result<Vec<usize>> {
+    check_rank(GATHER_UNPAD, ep_rank, ep_size)?;
+    if x_shape.is_empty() {
+        return Err(Error::shape(GATHER_UNPAD, "x", "[rows, H...] (at least 1-D)", x_shape));
+    }
+    match layout {
+        Some(l) => {
+            l.check_ep_size(GATHER_UNPAD, ep_size)?;
+            let want = l.local_size(ep_rank);
+            if x_shape[0] != want {
+                return Err(Error::shape(
+                    GATHER_UNPAD,
+                    "x",
+                    format!("{want} rows (local_sizes[{ep_rank}] of {:?})", l.local_sizes()),
+                    x_shape,
+                ));
+            }
+            Ok(with_rows(x_shape, l.total_rows()))
+        }
+        None => Ok(with_rows(x_shape, x_shape[0] * ep_size)),
+    }
+}
+
+/// EP/SP prepare (SPEC section 4): pads the local shard to `M` rows with zeros,
+/// all-gathers over `ep` and concatenates the first `local_sizes[r]` rows of
+/// every rank's block: `[sum(local_sizes), H...]`. The exact inverse of
+/// [`maybe_pad_and_reduce`]'s layout.
+pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
+    x: &Tensor,
+    layout: Option<&SpLayout>,
+    ep: &C,
+) -> Result<Tensor> {
+    let out_shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
+    let device = check_device(GATHER_UNPAD, "x", x, ep)?;
+    let backend = device.backend();
+    let uniform;
+    let l = match layout {
+        Some(l) => l,
+        None => {
+            uniform = SpLayout::uniform(ep.world_size(), x.rows())?;
+            &uniform
+        }
+    };
+    let m = l.max_rows();
+    if l.padded_rows() * x.row_len() == 0 {
+        // Nothing to move; every rank sees the same layout and skips together.
+        return backend.zeros(&out_shape, x.dtype());
+    }
+    let mut gathered = backend.zeros(&with_rows(x.shape(), l.padded_rows()), x.dtype())?;
+    if x.rows() == m {
+        ep.all_gather(x, &mut gathered)?;
+    } else {
+        let mut padded = backend.zeros(&with_rows(x.shape(), m), x.dtype())?;
+        if x.rows() > 0 {
+            backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
+        }
+        ep.all_gather(&padded, &mut gathered)?;
+    }
+    if l.is_uniform() {
+        return Ok(gathered);
+    }
+    let mut out = backend.zeros(&out_shape, x.dtype())?;
+    for (r, &rows) in l.local_sizes().iter().enumerate() {
+        if rows > 0 {
+            backend.copy_rows(&gathered, r * m, &mut out, l.offset(r), rows)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Shape function of [`finalize_and_reduce`] on shapes and dtypes only: the
+/// finalize's `[N, H...]` must have `N = sum(local_sizes)` (or divide by EP
+/// without a layout); the output is `[local_sizes[ep_rank], H...]`.
+pub fn finalize_and_reduce_shape(
+    meta: &FinalizeMeta<'_>,
+    layout: Option<&SpLayout>,
+    ep_rank: usize,
+    ep_size: usize,
+) -> Result<Vec<usize>> {
+    let (shape, _) = moe_finalize_routing_shape(meta)?;
+    check_rank(FINALIZE_REDUCE, ep_rank, ep_size)?;
+    let l = reduce_layout(FINALIZE_REDUCE, shape[0], layout, ep_size)?;
+    Ok(with_rows(&shape, l.local_size(ep_rank)))
+}
+
+/// Shape function of [`finalize_and_reduce`] on real arguments.
+pub fn finalize_and_reduce_output_shape(
+    args: &FinalizeArgs<'_>,
+    layout: Option<&SpLayout>,
+    ep_rank: usize,
+    ep_size: usize,
+) -> Result<Vec<usize>> {
+    moe_finalize_routing_output_shape(args)?;
+    finalize_and_reduce_shape(&FinalizeMeta::of(args), layout, ep_rank, ep_size)
+}
+
+/// Finalize routing fused with the EP/SP reduce: the same result as
+/// `maybe_pad_and_reduce(&moe_finalize_routing(args)?, layout, ep)`, but the
+/// finalize writes each token straight into its row of the padded
+/// `[EP * M, H...]` buffer (padding rows zero), which is then reduce-scattered
+/// with no intermediate copy.
+pub fn finalize_and_reduce<C: Collectives + ?Sized>(
+    args: &FinalizeArgs<'_>,
+    layout: Option<&SpLayout>,
+    ep: &C,
+) -> Result<Tensor> {
+    let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
+    let (shape, dims) = moe_finalize_routing_output_shape(args)?;
+    let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
+    let l = reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?;
+    let backend = device.backend();
+    let mut padded = backend.zeros(&with_rows(&shape, l.padded_rows()), args.expanded_x.dtype())?;
+    let rows = OutputRows::Padded { local_sizes: l.local_sizes(), slot_rows: l.max_rows() };
+    backend.finalize_routing(args, &dims, &mut padded, rows)?;
+    reduce_padded(&padded, &l, ep, &out_shape, &device)
+}

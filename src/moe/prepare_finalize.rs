@@ -1,0 +1,479 @@
+//! Prepare / finalize of the token dimension for every MoE comm type
+//! (SPEC section 6), and the token exchange (dispatch / combine) that the MC2
+//! and ALLTOALL paths use.
+//!
+//! | comm type | SP | prepare | finalize |
+//! |---|---|---|---|
+//! | ALLGATHER | on | [`maybe_all_gather_and_maybe_unpad`] | [`maybe_pad_and_reduce`] |
+//! | ALLGATHER | off | pad to `max_d T_d`, DP all-gather | DP reduce-scatter, keep `T_d` rows |
+//! | MC2, FUSED_MC2 | off | pad to `ceil_to(max_d T_d, TP)`, equal TP split, `mc2_mask` | TP all-gather, keep `T_d` rows |
+//! | ALLTOALL | off | pad to TP rows only when `T_d < TP`, uneven TP split | TP all-gather, keep `T_d` rows |
+//! | MC2, FUSED_MC2, ALLTOALL | on | none (tokens already sharded) | none |
+//!
+//! On the CPU backend MC2 / FUSED_MC2 / ALLTOALL dispatch and combine are the
+//! same exchange over the EP group done with `all_to_all_v` ([`dispatch`],
+//! [`combine`]); the combine's weighted sum is the finalize op in drop-pad row
+//! mode. The comm type is a run-time argument of every function here.
+
+use crate::backend::FinalizeArgs;
+use crate::comm::{Collectives, Comm, CommType, ReduceOp};
+use crate::moe::finalize::moe_finalize_routing;
+use crate::moe::layout::SpLayout;
+use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
+use crate::{DType, DropPadMode, Error, Result, Tensor};
+
+const PREPARE: &str = "moe_prepare";
+const FINALIZE: &str = "moe_finalize";
+
+/// The parallel context of one forward pass (run-time values).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeContext {
+    dp_tokens: Vec<usize>,
+    tp_size: usize,
+    dp_rank: usize,
+    tp_rank: usize,
+    sp: bool,
+}
+
+impl MoeContext {
+    /// `dp_tokens[d]`: tokens of DP rank `d` in this forward (every rank knows
+    /// all of them); this rank is `(dp_rank, tp_rank)`; `sp`: sequence
+    /// parallelism on (each TP rank then holds `ceil(T_d / TP)` rows).
+    pub fn new(dp_tokens: &[usize], tp_size: usize, dp_rank: usize, tp_rank: usize, sp: bool) -> Result<Self> {
+        const OP: &str = "MoeContext::new";
+        if dp_tokens.is_empty() {
+            return Err(Error::invalid(OP, "dp_tokens", "expected one entry per DP rank, got none"));
+        }
+        if tp_size == 0 {
+            return Err(Error::invalid(OP, "tp_size", "expected >= 1, got 0"));
+        }
+        if dp_rank >= dp_tokens.len() {
+            return Err(Error::invalid(OP, "dp_rank", format!("{dp_rank} >= DP size {}", dp_tokens.len())));
+        }
+        if tp_rank >= tp_size {
+            return Err(Error::invalid(OP, "tp_rank", format!("{tp_rank} >= TP size {tp_size}")));
+        }
+        Ok(MoeContext { dp_tokens: dp_tokens.to_vec(), tp_size, dp_rank, tp_rank, sp })
+    }
+    /// Tokens of every DP rank.
+    pub fn dp_tokens(&self) -> &[usize] {
+        &self.dp_tokens
+    }
+    /// DP size.
+    pub fn dp_size(&self) -> usize {
+        self.dp_tokens.len()
+    }
+    /// TP size.
+    pub fn tp_size(&self) -> usize {
+        self.tp_size
+    }
+    /// EP size (`DP * TP`).
+    pub fn ep_size(&self) -> usize {
+        self.dp_size() * self.tp_size
+    }
+    /// This rank's DP rank.
+    pub fn dp_rank(&self) -> usize {
+        self.dp_rank
+    }
+    /// This rank's TP rank.
+    pub fn tp_rank(&self) -> usize {
+        self.tp_rank
+    }
+    /// This rank's EP rank (`dp_rank * TP + tp_rank`).
+    pub fn ep_rank(&self) -> usize {
+        self.dp_rank * self.tp_size + self.tp_rank
+    }
+    /// Sequence parallelism on.
+    pub fn sp(&self) -> bool {
+        self.sp
+    }
+    /// The SP layout (`Some` iff SP is on).
+    pub fn sp_layout(&self) -> Option<SpLayout> {
+        // from_dp_tokens fails only on empty input or tp 0, both excluded by `new`.
+        self.sp.then(|| SpLayout::from_dp_tokens(&self.dp_tokens, self.tp_size)).and_then(|r| r.ok())
+    }
+    /// Rows this rank holds entering and leaving the MoE layer: `ceil(T_d / TP)`
+    /// with SP, else `T_d`.
+    pub fn local_tokens(&self) -> usize {
+        let t = self.dp_tokens[self.dp_rank];
+        if self.sp {
+            t.div_ceil(self.tp_size)
+        } else {
+            t
+        }
+    }
+}
+
+/// The token path of one comm type in one context (SPEC section 6).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenPlan {
+    /// ALLGATHER + SP: EP all-gather / pad-and-reduce over this layout.
+    SpGather(SpLayout),
+    /// ALLGATHER without SP: pad to `max_tokens`, DP all-gather.
+    DpGather {
+        /// `max_d T_d`.
+        max_tokens: usize,
+    },
+    /// MC2 / FUSED_MC2 / ALLTOALL without SP: pad to `padded` rows and split
+    /// across TP, TP rank `t` taking `sizes[t]` rows from `offsets[t]`.
+    TpSplit {
+        /// Rows after padding.
+        padded: usize,
+        /// Rows of every TP rank.
+        sizes: Vec<usize>,
+    },
+    /// MC2 / FUSED_MC2 / ALLTOALL with SP: the local shard as is.
+    Local,
+}
+
+/// The token path for `comm` in `ctx`.
+pub fn token_plan(comm: CommType, ctx: &MoeContext) -> TokenPlan {
+    let tp = ctx.tp_size;
+    let t = ctx.dp_tokens[ctx.dp_rank];
+    let max_t = ctx.dp_tokens.iter().copied().max().unwrap_or(0);
+    match (comm, ctx.sp) {
+        (CommType::AllGather, true) => match ctx.sp_layout() {
+            Some(l) => TokenPlan::SpGather(l),
+            None => TokenPlan::Local,
+        },
+        (CommType::AllGather, false) => TokenPlan::DpGather { max_tokens: max_t },
+        (CommType::Mc2 | CommType::FusedMc2, false) => {
+            let padded = max_t.div_ceil(tp) * tp;
+            TokenPlan::TpSplit { padded, sizes: vec![padded / tp; tp] }
+        }
+        (CommType::AllToAll, false) => {
+            let padded = t.max(tp);
+            let sizes = (0..tp).map(|r| padded / tp + usize::from(r < padded % tp)).collect();
+            TokenPlan::TpSplit { padded, sizes }
+        }
+        (_, true) => TokenPlan::Local,
+    }
+}
+
+fn check_rows(op: &'static str, arg: &'static str, shape: &[usize], want: usize, why: &str) -> Result<()> {
+    if shape.first() != Some(&want) {
+        return Err(Error::shape(op, arg, format!("{want} rows ({why})"), shape));
+    }
+    Ok(())
+}
+
+fn with_rows(shape: &[usize], rows: usize) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    s[0] = rows;
+    s
+}
+
+/// Rows of the prepared tokens under `plan`.
+fn prepared_rows(plan: &TokenPlan, ctx: &MoeContext) -> usize {
+    match plan {
+        TokenPlan::SpGather(l) => l.total_rows(),
+        TokenPlan::DpGather { max_tokens } => max_tokens * ctx.dp_size(),
+        TokenPlan::TpSplit { sizes, .. } => sizes[ctx.tp_rank],
+        TokenPlan::Local => ctx.local_tokens(),
+    }
+}
+
+/// Shape function of [`prepare`]: `x_shape` must have `ctx.local_tokens()` rows.
+pub fn prepare_output_shape(x_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
+    check_rows(PREPARE, "x", x_shape, ctx.local_tokens(), "this rank's tokens")?;
+    Ok(with_rows(x_shape, prepared_rows(&token_plan(comm, ctx), ctx)))
+}
+
+/// Shape function of [`finalize`]: `y_shape` must have the prepared rows; the
+/// output has `ctx.local_tokens()` rows.
+pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
+    check_rows(FINALIZE, "y", y_shape, prepared_rows(&token_plan(comm, ctx), ctx), "the prepared rows")?;
+    Ok(with_rows(y_shape, ctx.local_tokens()))
+}
+
+/// The MC2 mask of this rank's prepared rows: `true` for a real token,
+/// `false` for padding. `Some` for MC2 / FUSED_MC2 only.
+pub fn mc2_mask(comm: CommType, ctx: &MoeContext) -> Option<Vec<bool>> {
+    if !matches!(comm, CommType::Mc2 | CommType::FusedMc2) {
+        return None;
+    }
+    let t = ctx.dp_tokens[ctx.dp_rank];
+    let (first, rows) = match token_plan(comm, ctx) {
+        TokenPlan::TpSplit { sizes, .. } => (sizes[..ctx.tp_rank].iter().sum::<usize>(), sizes[ctx.tp_rank]),
+        // With SP, the rank holds chunk tp_rank of the batch padded to a multiple of TP.
+        _ => (ctx.tp_rank * ctx.local_tokens(), ctx.local_tokens()),
+    };
+    Some((first..first + rows).map(|g| g < t).collect())
+}
+
+/// The groups a MoE layer communicates over: EP (= the world, DP-major), the
+/// TP group of this rank and its DP group.
+#[derive(Debug, Clone)]
+pub struct MoeGroups {
+    /// EP group: every rank, EP rank `dp * TP + tp`.
+    pub ep: Comm,
+    /// This rank's TP group (`tp_size` ranks, same DP rank).
+    pub tp: Comm,
+    /// This rank's DP group (`dp_size` ranks, same TP rank).
+    pub dp: Comm,
+}
+
+impl MoeGroups {
+    /// Splits `world` (EP = DP x TP ranks) into TP and DP groups. Every rank calls it.
+    pub fn from_world(world: &Comm, tp_size: usize) -> Result<Self> {
+        let ep = world.world_size();
+        if tp_size == 0 || ep % tp_size != 0 {
+            return Err(Error::invalid(
+                "MoeGroups::from_world",
+                "tp_size",
+                format!("{tp_size} does not divide the world size {ep}"),
+            ));
+        }
+        let (d, t) = (world.rank() / tp_size, world.rank() % tp_size);
+        let tp_ranks: Vec<usize> = (0..tp_size).map(|i| d * tp_size + i).collect();
+        let dp_ranks: Vec<usize> = (0..ep / tp_size).map(|i| i * tp_size + t).collect();
+        let tp = world.split(&tp_ranks)?;
+        let dp = world.split(&dp_ranks)?;
+        Ok(MoeGroups { ep: world.clone(), tp, dp })
+    }
+}
+
+/// Prepared tokens of one rank.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The tokens this rank routes (`prepare_output_shape` rows).
+    pub hidden: Tensor,
+    /// MC2 / FUSED_MC2: which prepared rows are real tokens ([`mc2_mask`]).
+    pub mc2_mask: Option<Vec<bool>>,
+}
+
+fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) -> Result<()> {
+    let checks = [
+        ("ep", g.ep.world_size(), ctx.ep_size(), g.ep.rank(), ctx.ep_rank()),
+        ("tp", g.tp.world_size(), ctx.tp_size, g.tp.rank(), ctx.tp_rank),
+        ("dp", g.dp.world_size(), ctx.dp_size(), g.dp.rank(), ctx.dp_rank),
+    ];
+    for (arg, size, want, rank, want_rank) in checks {
+        if size != want || rank != want_rank {
+            return Err(Error::invalid(
+                op,
+                arg,
+                format!("group is rank {rank} of {size}, the context says rank {want_rank} of {want}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Prepare for `comm` (SPEC section 6): the tokens this rank routes.
+pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
+    let shape = prepare_output_shape(x.shape(), comm, ctx)?;
+    check_groups(PREPARE, ctx, groups)?;
+    let device = x.device();
+    let backend = device.backend();
+    let hidden = match token_plan(comm, ctx) {
+        TokenPlan::SpGather(l) => maybe_all_gather_and_maybe_unpad(x, Some(&l), &groups.ep)?,
+        TokenPlan::DpGather { max_tokens } => {
+            let mut out = backend.zeros(&shape, x.dtype())?;
+            if out.numel() > 0 {
+                let mut padded = backend.zeros(&with_rows(x.shape(), max_tokens), x.dtype())?;
+                if x.rows() > 0 {
+                    backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
+                }
+                groups.dp.all_gather(&padded, &mut out)?;
+            }
+            out
+        }
+        TokenPlan::TpSplit { sizes, .. } => {
+            let first: usize = sizes[..ctx.tp_rank].iter().sum();
+            let mut out = backend.zeros(&shape, x.dtype())?;
+            // Rows past the real tokens stay zero (the padding).
+            let real = x.rows().saturating_sub(first).min(sizes[ctx.tp_rank]);
+            if real > 0 {
+                backend.copy_rows(x, first, &mut out, 0, real)?;
+            }
+            out
+        }
+        TokenPlan::Local => backend.copy_from(x)?,
+    };
+    Ok(Prepared { hidden, mc2_mask: mc2_mask(comm, ctx) })
+}
+
+/// Finalize for `comm` (SPEC section 6): the routed output of the prepared
+/// rows back to this rank's `ctx.local_tokens()` rows, in a fresh buffer (or
+/// `y` itself where the path is the identity).
+pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Tensor> {
+    let shape = finalize_output_shape(y.shape(), comm, ctx)?;
+    check_groups(FINALIZE, ctx, groups)?;
+    let device = y.device();
+    let backend = device.backend();
+    let keep = |full: Tensor| -> Result<Tensor> {
+        if full.rows() == shape[0] {
+            return Ok(full);
+        }
+        let mut out = backend.zeros(&shape, full.dtype())?;
+        if shape[0] > 0 {
+            backend.copy_rows(&full, 0, &mut out, 0, shape[0])?;
+        }
+        Ok(out)
+    };
+    match token_plan(comm, ctx) {
+        TokenPlan::SpGather(l) => maybe_pad_and_reduce(&y, Some(&l), &groups.ep),
+        TokenPlan::DpGather { max_tokens } => {
+            let mut slot = backend.zeros(&with_rows(y.shape(), max_tokens), y.dtype())?;
+            if slot.numel() > 0 {
+                groups.dp.reduce_scatter(&y, &mut slot, ReduceOp::Sum)?;
+            }
+            keep(slot)
+        }
+        TokenPlan::TpSplit { padded, sizes } => {
+            let mut full = backend.zeros(&with_rows(y.shape(), padded), y.dtype())?;
+            if full.numel() > 0 {
+                if sizes.iter().all(|s| *s == sizes[0]) {
+                    groups.tp.all_gather(&y, &mut full)?;
+                } else {
+                    let counts: Vec<usize> = sizes.iter().map(|s| s * y.row_len()).collect();
+                    groups.tp.all_gather_v(&y, &mut full, &counts)?;
+                }
+            }
+            keep(full)
+        }
+        TokenPlan::Local => Ok(y),
+    }
+}
+
+/// Tokens after [`dispatch`]: the rows this rank's experts process.
+#[derive(Debug)]
+pub struct Dispatched {
+    /// Received rows `[R, H...]`, grouped by source rank.
+    pub rows: Tensor,
+    /// The (global) expert of every received row.
+    pub experts: Vec<i32>,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    /// Per (token, k) slot (row-major): its position in the send order, or -1.
+    send_pos: Vec<i32>,
+    tokens: usize,
+    top_k: usize,
+}
+
+fn exchange_counts(ep: &Comm, send: &[usize]) -> Result<Vec<usize>> {
+    let world = ep.world_size();
+    let s: Vec<i64> = send.iter().map(|&c| c as i64).collect();
+    let src = Tensor::from_slice(&s, &[world])?.to_device(&ep.device())?;
+    let mut dst = Tensor::zeros(&[world], DType::I64, &ep.device())?;
+    ep.all_to_all_v(&src, &vec![1; world], &mut dst, &vec![1; world])?;
+    Ok(dst.to_vec::<i64>()?.into_iter().map(|c| c.max(0) as usize).collect())
+}
+
+/// MoE dispatch over the EP group: every (token, k) slot of `x` (`[N, H...]`)
+/// whose token is real (`mask`, all real when `None`) is sent to the EP rank
+/// owning expert `topk_ids[token * K + k]` (experts are split evenly, EP rank
+/// `r` owning `[r * E/EP, (r+1) * E/EP)`).
+pub fn dispatch(
+    x: &Tensor,
+    topk_ids: &[i32],
+    top_k: usize,
+    mask: Option<&[bool]>,
+    num_experts: usize,
+    ep: &Comm,
+) -> Result<Dispatched> {
+    const OP: &str = "moe_dispatch";
+    let world = ep.world_size();
+    let n = x.rows();
+    if x.shape().is_empty() {
+        return Err(Error::shape(OP, "x", "[N, H...]", x.shape()));
+    }
+    if top_k == 0 || topk_ids.len() != n * top_k {
+        return Err(Error::invalid(OP, "topk_ids", format!("{} ids for {n} tokens x top-k {top_k}", topk_ids.len())));
+    }
+    if num_experts == 0 || num_experts % world != 0 {
+        return Err(Error::invalid(
+            OP,
+            "num_experts",
+            format!("{num_experts} experts do not split over {world} EP ranks"),
+        ));
+    }
+    if let Some(m) = mask {
+        if m.len() != n {
+            return Err(Error::invalid(OP, "mask", format!("{} entries for {n} tokens", m.len())));
+        }
+    }
+    if let Some(p) = topk_ids.iter().position(|&e| e < 0 || e as usize >= num_experts) {
+        return Err(Error::IndexOutOfRange {
+            op: OP,
+            arg: "topk_ids",
+            position: p,
+            value: topk_ids[p] as i64,
+            valid: format!("[0, {num_experts})"),
+        });
+    }
+    let per_rank = num_experts / world;
+    // Send order: by destination rank, then slot order.
+    let mut order: Vec<(usize, usize)> = Vec::new();
+    for (slot, &e) in topk_ids.iter().enumerate() {
+        if mask.map_or(true, |m| m[slot / top_k]) {
+            order.push((e as usize / per_rank, slot));
+        }
+    }
+    order.sort_by_key(|&(dst, slot)| (dst, slot));
+    let mut send_counts = vec![0usize; world];
+    let mut send_pos = vec![-1i32; n * top_k];
+    let mut gather = Vec::with_capacity(order.len());
+    let mut send_experts = Vec::with_capacity(order.len());
+    for (p, &(dst, slot)) in order.iter().enumerate() {
+        send_counts[dst] += 1;
+        send_pos[slot] = p as i32;
+        gather.push((slot / top_k) as i32);
+        send_experts.push(topk_ids[slot]);
+    }
+    let recv_counts = exchange_counts(ep, &send_counts)?;
+    let device = x.device();
+    let h = x.row_len();
+    // Gather the rows to send with the unpermute op (K = 1: a row gather).
+    let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
+    let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
+    let recv_total: usize = recv_counts.iter().sum();
+    let mut rows = Tensor::zeros(&with_rows(x.shape(), recv_total), x.dtype(), &device)?;
+    let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
+    let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
+    ep.all_to_all_v(&send, &sc, &mut rows, &rc)?;
+    let se = Tensor::from_slice(&send_experts, &[send_experts.len()])?.to_device(&device)?;
+    let mut re = Tensor::zeros(&[recv_total], DType::I32, &device)?;
+    ep.all_to_all_v(&se, &send_counts, &mut re, &recv_counts)?;
+    Ok(Dispatched { rows, experts: re.to_vec::<i32>()?, send_counts, recv_counts, send_pos, tokens: n, top_k })
+}
+
+/// MoE combine: sends every expert output row back to its token's rank and
+/// sums `topk_weights[i, k] * row` per token (the finalize op in drop-pad row
+/// mode; a masked token gets zeros). Output `[N, H...]`, the full routed sum.
+pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &Comm) -> Result<Tensor> {
+    const OP: &str = "moe_combine";
+    let recv_total: usize = d.recv_counts.iter().sum();
+    if expert_out.shape().first() != Some(&recv_total) || expert_out.row_len() != d.rows.row_len() {
+        return Err(Error::shape(
+            OP,
+            "expert_out",
+            format!("{:?} (the dispatched rows)", d.rows.shape()),
+            expert_out.shape(),
+        ));
+    }
+    if topk_weights.shape() != [d.tokens, d.top_k] {
+        return Err(Error::shape(OP, "topk_weights", format!("[{}, {}]", d.tokens, d.top_k), topk_weights.shape()));
+    }
+    let device = expert_out.device();
+    let h = expert_out.row_len();
+    let sent: usize = d.send_counts.iter().sum();
+    let mut back_shape = vec![1, sent];
+    back_shape.extend_from_slice(&expert_out.shape()[1..]);
+    let mut back = Tensor::zeros(&back_shape, expert_out.dtype(), &device)?;
+    let sc: Vec<usize> = d.recv_counts.iter().map(|c| c * h).collect();
+    let rc: Vec<usize> = d.send_counts.iter().map(|c| c * h).collect();
+    ep.all_to_all_v(expert_out, &sc, &mut back, &rc)?;
+    let idx = Tensor::from_slice(&d.send_pos, &[d.send_pos.len()])?.to_device(&device)?;
+    moe_finalize_routing(&FinalizeArgs {
+        expanded_x: &back,
+        expanded_row_idx: &idx,
+        x1: None,
+        x2: None,
+        bias: None,
+        scales: Some(topk_weights),
+        expert_idx: None,
+        drop_pad_mode: DropPadMode::DropPadRow,
+    })
+}

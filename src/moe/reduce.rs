@@ -1,0 +1,210 @@
+//! Runtime-aware reductions (SPEC section 5).
+//!
+//! Whether the routed output is already reduced depends on the MoE
+//! communication type, which is chosen per forward pass. So the static
+//! [`ReducePolicy`] (built once per layer, e.g. at graph-trace time) holds only
+//! what is static, and each of the three reduction points takes the live
+//! [`CommType`] as an argument: a graph traced under one comm type and replayed
+//! under another reduces exactly once.
+//!
+//! Ownership: every reduction point consumes its input. When it reduces, it
+//! all-reduces in place in that same buffer and returns it; when it does not,
+//! it returns the input unchanged. The result never aliases another live
+//! tensor. Shape functions of these ops are the identity.
+
+use crate::comm::{Collectives, CommType, ReduceOp};
+use crate::{Error, Result, Tensor};
+
+/// True when the routed output of a comm type is already the full sum on every
+/// rank: `comm in {MC2, ALLTOALL, FUSED_MC2} or (comm == ALLGATHER and sp)`.
+/// (ALLGATHER without SP leaves each rank with a TP-partial sum.)
+pub fn routed_is_reduced(comm: CommType, sp: bool) -> bool {
+    match comm {
+        CommType::Mc2 | CommType::AllToAll | CommType::FusedMc2 => true,
+        CommType::AllGather => sp,
+    }
+}
+
+/// How the shared expert of a layer is parallelised (static).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum SharedMode {
+    /// No shared expert.
+    None = 0,
+    /// TP-sharded weights: each TP rank's output is a TP-partial sum.
+    TensorParallel = 1,
+    /// Sequence parallel (SEDP): output already complete on the shard.
+    SequenceParallelSedp = 2,
+    /// Sequence parallel only: output already complete on the shard.
+    SequenceParallelOnly = 3,
+    /// Replicated weights: output complete.
+    DataParallelOnly = 4,
+}
+
+impl SharedMode {
+    /// Every mode, in numbering order.
+    pub const ALL: [SharedMode; 5] = [
+        SharedMode::None,
+        SharedMode::TensorParallel,
+        SharedMode::SequenceParallelSedp,
+        SharedMode::SequenceParallelOnly,
+        SharedMode::DataParallelOnly,
+    ];
+
+    /// The mode for its number; `Err` names the bad value.
+    pub fn from_u32(v: u32) -> Result<Self> {
+        Self::ALL.into_iter().find(|m| *m as u32 == v).ok_or_else(|| {
+            Error::invalid("SharedMode", "shared_mode", format!("unknown shared-expert mode {v} (expected 0..=4)"))
+        })
+    }
+
+    /// Name for tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            SharedMode::None => "none",
+            SharedMode::TensorParallel => "tp",
+            SharedMode::SequenceParallelSedp => "sp-sedp",
+            SharedMode::SequenceParallelOnly => "sp-only",
+            SharedMode::DataParallelOnly => "dp-only",
+        }
+    }
+
+    /// The two sequence-parallel modes.
+    pub fn is_sequence_parallel(self) -> bool {
+        matches!(self, SharedMode::SequenceParallelSedp | SharedMode::SequenceParallelOnly)
+    }
+}
+
+/// The static per-layer reduction policy. It holds no comm type: the decisions
+/// that depend on one are made at each reduction point with the live type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReducePolicy {
+    shared_mode: SharedMode,
+    has_routed_transform: bool,
+    sp: bool,
+    tp_size: usize,
+    ep_size: usize,
+    early: bool,
+}
+
+impl ReducePolicy {
+    /// Builds the policy. Errors: a zero size, `ep_size` not a multiple of
+    /// `tp_size` (EP = DP x TP), or a sequence-parallel shared mode without SP.
+    pub fn new(
+        shared_mode: SharedMode,
+        has_routed_transform: bool,
+        sp: bool,
+        tp_size: usize,
+        ep_size: usize,
+    ) -> Result<Self> {
+        const OP: &str = "ReducePolicy::new";
+        if tp_size == 0 {
+            return Err(Error::invalid(OP, "tp_size", "expected >= 1, got 0"));
+        }
+        if ep_size == 0 || ep_size % tp_size != 0 {
+            return Err(Error::invalid(
+                OP,
+                "ep_size",
+                format!("{ep_size} is not a positive multiple of tp_size {tp_size} (EP = DP x TP)"),
+            ));
+        }
+        if shared_mode.is_sequence_parallel() && !sp {
+            return Err(Error::invalid(
+                OP,
+                "shared_mode",
+                format!("{} needs sequence parallelism, but sp is false", shared_mode.name()),
+            ));
+        }
+        let early = shared_mode == SharedMode::DataParallelOnly
+            || (has_routed_transform && !sp && (tp_size > 1 || ep_size > 1));
+        Ok(ReducePolicy { shared_mode, has_routed_transform, sp, tp_size, ep_size, early })
+    }
+
+    /// `shared == DataParallelOnly or (has_routed_transform and not sp and (tp > 1 or ep > 1))`:
+    /// the routed output is reduced before the transform / the shared add.
+    pub fn early(&self) -> bool {
+        self.early
+    }
+    /// The shared-expert mode.
+    pub fn shared_mode(&self) -> SharedMode {
+        self.shared_mode
+    }
+    /// Whether a transform is applied to the routed output.
+    pub fn has_routed_transform(&self) -> bool {
+        self.has_routed_transform
+    }
+    /// Sequence parallelism on.
+    pub fn sp(&self) -> bool {
+        self.sp
+    }
+    /// TP group size.
+    pub fn tp_size(&self) -> usize {
+        self.tp_size
+    }
+    /// EP group size.
+    pub fn ep_size(&self) -> usize {
+        self.ep_size
+    }
+
+    /// Point 1 decision: TP all-reduce the routed output before the transform.
+    pub fn routed_early_reduces(&self, comm: CommType) -> bool {
+        self.early && !routed_is_reduced(comm, self.sp)
+    }
+
+    /// Point 2 decision: TP all-reduce the shared output.
+    pub fn shared_reduces(&self, comm: CommType) -> bool {
+        match self.shared_mode {
+            SharedMode::TensorParallel => self.early || routed_is_reduced(comm, self.sp),
+            _ => false,
+        }
+    }
+
+    /// Point 3 decision: TP all-reduce `shared + routed`.
+    pub fn final_reduces(&self, comm: CommType) -> bool {
+        !self.sp && !self.early && !routed_is_reduced(comm, self.sp)
+    }
+
+    fn reduce_if<C: Collectives + ?Sized>(
+        &self,
+        op: &'static str,
+        reduce: bool,
+        mut x: Tensor,
+        tp: &C,
+    ) -> Result<Tensor> {
+        if tp.world_size() != self.tp_size {
+            return Err(Error::invalid(
+                op,
+                "tp",
+                format!(
+                    "group {:?} has {} ranks, the policy's tp_size is {}",
+                    tp.name(),
+                    tp.world_size(),
+                    self.tp_size
+                ),
+            ));
+        }
+        if reduce && self.tp_size > 1 && x.numel() > 0 {
+            tp.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+        }
+        Ok(x)
+    }
+
+    /// Reduction point 1 (routed output, before the transform), with the live
+    /// comm type. Consumes `x`; reduces in place when
+    /// [`ReducePolicy::routed_early_reduces`].
+    pub fn reduce_routed_early<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
+        self.reduce_if("reduce_routed_early", self.routed_early_reduces(comm), x, tp)
+    }
+
+    /// Reduction point 2 (shared-expert output), with the live comm type.
+    /// Consumes `x`; reduces in place when [`ReducePolicy::shared_reduces`].
+    pub fn reduce_shared<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
+        self.reduce_if("reduce_shared", self.shared_reduces(comm), x, tp)
+    }
+
+    /// Reduction point 3 (after `out = shared + routed`), with the live comm
+    /// type. Consumes `x`; reduces in place when [`ReducePolicy::final_reduces`].
+    pub fn reduce_final<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
+        self.reduce_if("reduce_final", self.final_reduces(comm), x, tp)
+    }
+}

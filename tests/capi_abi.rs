@@ -1,0 +1,196 @@
+//! C ABI conventions (last error, buffer sizes, per-thread messages) and the
+//! token prepare / finalize exports across 4 threads, through the same
+//! `extern "C"` functions a C or Python caller uses.
+
+use std::ffi::{c_char, CString};
+use std::ptr::{null, null_mut};
+
+use ascend_moe::capi::*;
+
+fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
+    amoe_tensor {
+        data: data.as_mut_ptr().cast(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: shape.len(),
+        shape: shape.as_ptr(),
+        strides: null(),
+        device_kind: amoe_device_kind::Cpu as u32,
+        device_ordinal: 0,
+    }
+}
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; amoe_last_error_length()];
+    let mut n = 0usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::Ok);
+    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
+}
+
+#[test]
+fn last_error_is_per_thread_truncates_on_char_boundaries_and_is_not_cleared_by_reading() {
+    let name = CString::new("grüße-ñ-world").expect("no NUL");
+    let mut out: *mut amoe_comm = null_mut();
+    // SAFETY: valid name and out-pointer; world size 0 is an error.
+    let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 0, 0, 1.0, &mut out) };
+    assert_eq!(st, amoe_status::CommSetup);
+    assert!(out.is_null(), "no handle on failure");
+    let full = last_error();
+    assert!(full.contains("grüße-ñ-world") && full.contains("world size 0"), "{full}");
+    assert_eq!(amoe_last_error_length(), full.len() + 1);
+
+    // Cut inside the 2-byte 'ü': only whole characters are written, NUL-terminated.
+    let cut = full.find('ü').expect("ü in message") + 1;
+    let mut buf = vec![0xAAu8; cut + 1];
+    let mut n = 99usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr() as *mut c_char, buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::BufferTooSmall);
+    assert_eq!(n, cut - 1);
+    assert_eq!(&buf[..n], &full.as_bytes()[..n]);
+    assert_eq!(buf[n], 0);
+    // SAFETY: len 0 writes nothing; NULL buffer is fine then.
+    let st = unsafe { amoe_last_error_message(null_mut(), 0, &mut n) };
+    assert_eq!((st, n), (amoe_status::BufferTooSmall, 0));
+    assert_eq!(last_error(), full, "reading does not clear the message");
+
+    let other = std::thread::spawn(|| (amoe_last_error_length(), last_error())).join().expect("thread");
+    assert_eq!(other, (1, String::new()), "another thread has its own (empty) message");
+}
+
+#[test]
+fn null_arguments_and_small_shape_buffers_are_reported() {
+    let mut r = 0usize;
+    // SAFETY: NULL comm is the case under test; `r` is writable.
+    assert_eq!(unsafe { amoe_comm_rank(null(), &mut r) }, amoe_status::NullArgument);
+    assert_eq!(last_error(), "amoe_comm_rank: `comm` is NULL");
+    // SAFETY: NULL handles are accepted by the free functions.
+    unsafe {
+        amoe_comm_free(null_mut());
+        amoe_stream_free(null_mut());
+        amoe_moe_groups_free(null_mut());
+    }
+
+    let (mut p, mut i) = (vec![0f32; 12], [0i32, 1, 2]);
+    let (ps, is) = ([3usize, 4], [3usize]);
+    let pt = host(&mut p, &ps);
+    let mut it = host(&mut [], &is);
+    it.data = i.as_mut_ptr().cast();
+    it.dtype = amoe_dtype::I32 as u32;
+    let mut shape = [0usize; 1];
+    let mut ndim = 0usize;
+    // SAFETY: valid descriptors; `shape` holds 1 entry, as `cap` says.
+    let st = unsafe { amoe_moe_token_unpermute_output_shape(&pt, &it, null(), shape.as_mut_ptr(), 1, &mut ndim) };
+    assert_eq!((st, ndim), (amoe_status::BufferTooSmall, 2), "{}", last_error());
+    let mut shape = [0usize; AMOE_MAX_NDIM];
+    // SAFETY: as above with a large enough buffer.
+    let st = unsafe {
+        amoe_moe_token_unpermute_output_shape(&pt, &it, null(), shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut ndim)
+    };
+    assert_eq!((st, ndim, &shape[..2]), (amoe_status::Ok, 2, &[3usize, 4][..]));
+
+    // A wrong output shape is rejected before the op runs, naming both shapes.
+    let mut o = vec![0f32; 8];
+    let os = [2usize, 4];
+    let ot = host(&mut o, &os);
+    // SAFETY: valid descriptors.
+    let st = unsafe { amoe_moe_token_unpermute(&pt, &it, null(), &ot, null()) };
+    assert_eq!(st, amoe_status::Shape);
+    assert!(last_error().contains("[2, 4], expected [3, 4]"), "{}", last_error());
+}
+
+/// Rank body: prepare then finalize the rank's tokens (identity experts) under
+/// every comm type, against the SPEC section 6 round trip: ALLGATHER without
+/// SP returns `DP * x` (the DP reduce-scatter sums the DP copies of each
+/// gathered token), the TP-split paths return `x`.
+fn prepare_finalize_rank(name: &CString, rank: usize) -> Result<usize, String> {
+    let (dp_size, tp) = (2usize, 2usize);
+    let dp_tokens = [3usize, 1];
+    let (d, t) = (rank / tp, rank % tp);
+    let h = 4usize;
+    let mut world: *mut amoe_comm = null_mut();
+    let mut groups: *mut amoe_moe_groups = null_mut();
+    let mut checks = 0;
+    // SAFETY: valid name, out-pointers and descriptors throughout; handles are
+    // freed once at the end.
+    unsafe {
+        let st = amoe_comm_cpu_new(name.as_ptr(), dp_size * tp, rank, 20.0, &mut world);
+        if st != amoe_status::Ok {
+            return Err(last_error());
+        }
+        if amoe_moe_groups_new(world, tp, &mut groups) != amoe_status::Ok {
+            return Err(last_error());
+        }
+        let ctx =
+            amoe_moe_context { dp_tokens: dp_tokens.as_ptr(), dp_size, tp_size: tp, dp_rank: d, tp_rank: t, sp: 0 };
+        // Tokens of DP rank d (the same on its TP ranks): row j = d*10 + j.
+        let mut x: Vec<f32> = (0..dp_tokens[d] * h).map(|e| (d * 10 + e / h) as f32 + 0.25 * (e % h) as f32).collect();
+        let xs = [dp_tokens[d], h];
+        let xt = host(&mut x, &xs);
+        for ct in 0..4u32 {
+            let mut shape = [0usize; AMOE_MAX_NDIM];
+            let mut nd = 0;
+            let st = amoe_token_prepare_output_shape(&xt, ct, &ctx, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+            if st != amoe_status::Ok {
+                return Err(format!("prepare shape {ct}: {}", last_error()));
+            }
+            let ps = shape[..nd].to_vec();
+            let mut prepared = vec![f32::NAN; ps.iter().product()];
+            let pt = host(&mut prepared, &ps);
+            let (mut mask, mut mask_len) = ([7u8; 16], 99usize);
+            let st = amoe_token_prepare(&xt, ct, &ctx, groups, &pt, mask.as_mut_ptr(), 16, &mut mask_len, null());
+            if st != amoe_status::Ok {
+                return Err(format!("prepare {ct}: {}", last_error()));
+            }
+            if ct == 1 || ct == 3 {
+                // MC2: rows [t*chunk, (t+1)*chunk) of the batch padded to ceil_to(max T, TP).
+                let chunk = 3usize.div_ceil(tp);
+                let want: Vec<u8> = (0..chunk).map(|i| (t * chunk + i < dp_tokens[d]) as u8).collect();
+                if mask[..mask_len] != want[..] {
+                    return Err(format!("mc2 mask {:?}, want {want:?}", &mask[..mask_len]));
+                }
+                checks += 1;
+            } else if mask_len != 0 {
+                return Err(format!("comm type {ct} wrote a mask of {mask_len}"));
+            }
+            let st = amoe_token_finalize_output_shape(&pt, ct, &ctx, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+            if st != amoe_status::Ok || shape[..nd] != xs {
+                return Err(format!("finalize shape {ct}: {:?} {}", &shape[..nd], last_error()));
+            }
+            let mut back = vec![f32::NAN; x.len()];
+            let bt = host(&mut back, &xs);
+            if amoe_token_finalize(&pt, ct, &ctx, groups, &bt, null()) != amoe_status::Ok {
+                return Err(format!("finalize {ct}: {}", last_error()));
+            }
+            let factor = if ct == 0 { dp_size as f32 } else { 1.0 };
+            let want: Vec<f32> = x.iter().map(|v| v * factor).collect();
+            if back != want {
+                return Err(format!("comm type {ct}: round trip {back:?}, want {want:?}"));
+            }
+            checks += 1;
+        }
+        amoe_moe_groups_free(groups);
+        amoe_comm_free(world);
+    }
+    Ok(checks)
+}
+
+#[test]
+fn token_prepare_and_finalize_round_trip_on_4_threads() {
+    let name = CString::new(format!("capi-prepare-{}", std::process::id())).expect("no NUL");
+    let results: Vec<Result<usize, String>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|r| {
+                s.spawn({
+                    let name = &name;
+                    move || prepare_finalize_rank(name, r)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank panicked".into()))).collect()
+    });
+    for (r, res) in results.iter().enumerate() {
+        assert!(matches!(res, Ok(n) if *n == 6), "rank {r}: {res:?}");
+    }
+}

@@ -1,0 +1,276 @@
+//! Multi-rank tests of the EP/SP pad-and-reduce, gather-and-unpad and the
+//! fused finalize-and-reduce, against a naive per-rank model written here.
+
+mod moe_common;
+
+use ascend_moe::backend::cpu::comm::run_ranks;
+use ascend_moe::backend::FinalizeArgs;
+use ascend_moe::moe::finalize::moe_finalize_routing;
+use ascend_moe::moe::layout::SpLayout;
+use ascend_moe::moe::pad_reduce::*;
+use ascend_moe::{Collectives, CommOptions, DType, DropPadMode, Tensor};
+use moe_common::*;
+
+fn opts() -> CommOptions {
+    CommOptions::with_timeout(std::time::Duration::from_secs(30))
+}
+
+/// Per-rank data `[rows, h]` of rank `r`, reproducible from `(seed, r)`.
+fn rank_data(seed: u64, r: usize, rows: usize, h: usize) -> Vec<f32> {
+    let mut rng = Rng::new(seed * 131 + r as u64);
+    (0..rows * h).map(|_| rng.unit()).collect()
+}
+
+fn layouts() -> Vec<SpLayout> {
+    let mut rng = Rng::new(21);
+    let mut v: Vec<SpLayout> =
+        [vec![4usize], vec![3, 3], vec![5, 0], vec![0, 0, 0], vec![1, 4, 0, 2], vec![0, 7, 7, 1, 0, 2, 3, 3]]
+            .iter()
+            .map(|s| SpLayout::new(s).unwrap())
+            .collect();
+    for _ in 0..6 {
+        let ep = 1 + rng.below(8);
+        let s: Vec<usize> = (0..ep).map(|_| if rng.below(3) == 0 { 0 } else { rng.below(6) }).collect();
+        v.push(SpLayout::new(&s).unwrap());
+    }
+    v.push(SpLayout::from_dp_tokens(&[1000, 7], 2).unwrap());
+    v
+}
+
+#[test]
+fn pad_and_reduce_matches_naive_model() {
+    let h = 5;
+    for (li, l) in layouts().into_iter().enumerate() {
+        let ep = l.ep_size();
+        let total = l.total_rows();
+        let seed = 100 + li as u64;
+        let outs = run_ranks(ep, &opts(), |r, comm| {
+            let x = Tensor::from_slice(&rank_data(seed, r, total, h), &[total, h])?;
+            let out = maybe_pad_and_reduce(&x, Some(&l), &comm)?;
+            assert_eq!(out.shape(), maybe_pad_and_reduce_output_shape(x.shape(), Some(&l), r, ep)?.as_slice());
+            out.to_vec::<f32>()
+        })
+        .unwrap();
+        let data: Vec<Vec<f32>> = (0..ep).map(|q| rank_data(seed, q, total, h)).collect();
+        for (r, out) in outs.iter().enumerate() {
+            let (off, rows) = (l.offset(r), l.local_size(r));
+            assert_eq!(out.len(), rows * h, "layout {:?} rank {r}", l.local_sizes());
+            let want: Vec<f64> = (off * h..(off + rows) * h).map(|i| data.iter().map(|d| d[i] as f64).sum()).collect();
+            let got: Vec<f64> = out.iter().map(|v| *v as f64).collect();
+            assert_close_abs("pad_and_reduce", &got, &want, 1e-6, &vec![1e-5; want.len()]);
+        }
+    }
+}
+
+#[test]
+fn all_gather_and_unpad_matches_naive_model() {
+    let h = 3;
+    for (li, l) in layouts().into_iter().enumerate() {
+        let ep = l.ep_size();
+        let seed = 200 + li as u64;
+        let outs = run_ranks(ep, &opts(), |r, comm| {
+            let x = from_f32(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h], DType::BF16);
+            let out = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
+            assert_eq!(
+                out.shape(),
+                maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), Some(&l), r, ep)?.as_slice()
+            );
+            Ok(to_f64(&out))
+        })
+        .unwrap();
+        let want: Vec<f64> = (0..ep)
+            .flat_map(|q| rank_data(seed, q, l.local_size(q), h))
+            .map(|v| ascend_moe::half::bf16::from_f32(v).to_f64())
+            .collect();
+        for out in outs {
+            assert_eq!(out, want, "layout {:?}", l.local_sizes());
+        }
+    }
+}
+
+#[test]
+fn gather_then_reduce_of_partials_is_the_local_shard_of_their_sum() {
+    let h = 4;
+    for (li, l) in layouts().into_iter().enumerate() {
+        let ep = l.ep_size();
+        let seed = 300 + li as u64;
+        let outs = run_ranks(ep, &opts(), |r, comm| {
+            let shard = Tensor::from_slice(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h])?;
+            let gathered = maybe_all_gather_and_maybe_unpad(&shard, Some(&l), &comm)?;
+            // Rank r's partial: (r + 1) * gathered, so the sum over ranks is
+            // ep * (ep + 1) / 2 * gathered.
+            let part: Vec<f32> = gathered.to_vec::<f32>()?.iter().map(|v| v * (r + 1) as f32).collect();
+            let part = Tensor::from_slice(&part, gathered.shape())?;
+            maybe_pad_and_reduce(&part, Some(&l), &comm)?.to_vec::<f32>()
+        })
+        .unwrap();
+        let factor = (ep * (ep + 1) / 2) as f64;
+        for (r, out) in outs.iter().enumerate() {
+            let want: Vec<f64> = rank_data(seed, r, l.local_size(r), h).iter().map(|v| *v as f64 * factor).collect();
+            let got: Vec<f64> = out.iter().map(|v| *v as f64).collect();
+            assert_close_abs("gather+reduce", &got, &want, 1e-6, &vec![1e-5; want.len()]);
+        }
+    }
+}
+
+#[test]
+fn without_layout_it_is_a_plain_reduce_scatter_and_all_gather() {
+    let (ep, h, rows) = (4, 2, 8);
+    let outs = run_ranks(ep, &opts(), |r, comm| {
+        let x = Tensor::from_slice(&rank_data(7, r, rows, h), &[rows, h])?;
+        let red = maybe_pad_and_reduce(&x, None, &comm)?.to_vec::<f32>()?;
+        let gat = maybe_all_gather_and_maybe_unpad(&x, None, &comm)?;
+        assert_eq!(gat.shape(), &[rows * ep, h]);
+        let bad = Tensor::from_slice(&[0f32; 10], &[5, 2])?;
+        let e = maybe_pad_and_reduce(&bad, None, &comm).unwrap_err().to_string();
+        assert!(e.contains("`x`") && e.contains('5') && e.contains('4'), "{e}");
+        Ok(red)
+    })
+    .unwrap();
+    let data: Vec<Vec<f32>> = (0..ep).map(|q| rank_data(7, q, rows, h)).collect();
+    for (r, out) in outs.iter().enumerate() {
+        let q = rows / ep;
+        let want: Vec<f64> = (r * q * h..(r + 1) * q * h).map(|i| data.iter().map(|d| d[i] as f64).sum()).collect();
+        let got: Vec<f64> = out.iter().map(|v| *v as f64).collect();
+        assert_close_abs("reduce_scatter", &got, &want, 1e-6, &vec![1e-5; want.len()]);
+    }
+}
+
+#[test]
+fn layout_that_does_not_match_the_group_is_refused_on_every_rank() {
+    let l = SpLayout::new(&[2, 2, 2]).unwrap();
+    let errs = run_ranks(4, &opts(), |r, comm| {
+        let x = Tensor::from_slice(&[0f32; 12], &[6, 2])?;
+        let e1 = maybe_pad_and_reduce(&x, Some(&l), &comm).unwrap_err().to_string();
+        let y = Tensor::from_slice(&[0f32; 4], &[2, 2])?;
+        let e2 = maybe_all_gather_and_maybe_unpad(&y, Some(&l), &comm).unwrap_err().to_string();
+        let good = SpLayout::new(&[2, 2, 2, 1]).unwrap();
+        let e3 = maybe_pad_and_reduce(&x, Some(&good), &comm).unwrap_err().to_string();
+        let wrong = Tensor::from_slice(&[0f32; 6], &[3, 2])?;
+        let e4 = maybe_all_gather_and_maybe_unpad(&wrong, Some(&good), &comm).unwrap_err().to_string();
+        let _ = r;
+        Ok([e1, e2, e3, e4])
+    })
+    .unwrap();
+    for [e1, e2, e3, e4] in errs {
+        assert!(e1.contains("`layout`") && e1.contains("3 entries") && e1.contains("(4)"), "{e1}");
+        assert!(e2.contains("`layout`"), "{e2}");
+        assert!(e3.contains("`x`") && e3.contains("6 rows") && e3.contains('7'), "{e3}");
+        assert!(e4.contains("`x`") && e4.contains("[3, 2]"), "{e4}");
+    }
+}
+
+/// Finalize inputs of one rank: `n` gathered tokens, drop-less row layout.
+struct RankFinalize {
+    x: Tensor,
+    idx: Tensor,
+    scales: Tensor,
+    x1: Tensor,
+}
+
+fn rank_finalize(seed: u64, r: usize, n: usize, k: usize, h: usize, dtype: DType) -> RankFinalize {
+    let mut rng = Rng::new(seed * 977 + r as u64);
+    let x = random(&mut rng, &[n * k, h], dtype);
+    let mut p: Vec<i32> = (0..(n * k) as i32).collect();
+    rng.shuffle(&mut p);
+    RankFinalize {
+        x,
+        idx: i32_tensor(&p, &[n * k]),
+        scales: random(&mut rng, &[n, k], DType::F32),
+        x1: random(&mut rng, &[n, h], dtype),
+    }
+}
+
+impl RankFinalize {
+    fn args(&self) -> FinalizeArgs<'_> {
+        FinalizeArgs {
+            expanded_x: &self.x,
+            expanded_row_idx: &self.idx,
+            x1: Some(&self.x1),
+            x2: None,
+            bias: None,
+            scales: Some(&self.scales),
+            expert_idx: None,
+            drop_pad_mode: DropPadMode::DropLessRow,
+        }
+    }
+}
+
+#[test]
+fn finalize_and_reduce_equals_finalize_then_pad_and_reduce() {
+    let (k, h) = (2, 6);
+    for dtype in [DType::F32, DType::BF16] {
+        for (li, l) in layouts().into_iter().enumerate() {
+            let ep = l.ep_size();
+            let seed = 400 + li as u64;
+            let n = l.total_rows();
+            run_ranks(ep, &opts(), |r, comm| {
+                let f = rank_finalize(seed, r, n, k, h, dtype);
+                let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
+                assert_eq!(fused.shape(), finalize_and_reduce_output_shape(&f.args(), Some(&l), r, ep)?.as_slice());
+                assert_eq!(fused.shape(), &[l.local_size(r), h]);
+                let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
+                assert!(bits(&fused) == bits(&two_step), "layout {:?} rank {r} {dtype}", l.local_sizes());
+                Ok(())
+            })
+            .unwrap();
+        }
+    }
+    // Without a layout (rows divide by EP).
+    run_ranks(4, &opts(), |_, comm| {
+        let f = rank_finalize(5, comm.rank(), 8, k, h, DType::BF16);
+        let fused = finalize_and_reduce(&f.args(), None, &comm)?;
+        let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, None, &comm)?;
+        assert!(bits(&fused) == bits(&two_step));
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// The draft-model regression: the EP/SP finalize of a draft (MTP) model of a
+/// vision-language MoE on DP=2 TP=2 EP=4 with SP and 4096 gathered tokens
+/// returns `local_sizes[rank]` rows, the fully reduced shard, never the 4096
+/// rows of the global layout.
+#[test]
+fn draft_model_finalize_returns_the_local_shard() {
+    let (tp, k, h) = (2, 2, 16);
+    for dp_tokens in [[2048usize, 2048], [3000, 1096]] {
+        let l = SpLayout::from_dp_tokens(&dp_tokens, tp).unwrap();
+        assert_eq!(l.total_rows(), 4096);
+        let n = 4096;
+        let outs = run_ranks(4, &opts(), |r, comm| {
+            let f = rank_finalize(9, r, n, k, h, DType::BF16);
+            let meta = finalize_and_reduce_output_shape(&f.args(), Some(&l), r, 4)?;
+            let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
+            let unfused = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
+            assert_eq!(meta, vec![l.local_sizes()[r], h]);
+            assert_eq!(fused.shape(), meta.as_slice());
+            assert_eq!(unfused.shape(), meta.as_slice());
+            Ok(to_f64(&fused))
+        })
+        .unwrap();
+        // Naive: every rank's finalize in f64 (rounded to bf16 like the op's
+        // output), summed over ranks, this rank's rows.
+        let per_rank: Vec<Vec<f64>> = (0..4)
+            .map(|q| {
+                let f = rank_finalize(9, q, n, k, h, DType::BF16);
+                let (x, idx, s, x1) = (to_f64(&f.x), f.idx.to_vec::<i32>().unwrap(), to_f64(&f.scales), to_f64(&f.x1));
+                (0..n * h)
+                    .map(|e| {
+                        let (i, j) = (e / h, e % h);
+                        let v =
+                            x1[e] + (0..k).map(|kk| s[i * k + kk] * x[idx[i * k + kk] as usize * h + j]).sum::<f64>();
+                        ascend_moe::half::bf16::from_f64(v).to_f64()
+                    })
+                    .collect()
+            })
+            .collect();
+        for (r, out) in outs.iter().enumerate() {
+            let (off, rows) = (l.offset(r), l.local_size(r));
+            assert_eq!(out.len(), rows * h);
+            let want: Vec<f64> = (off * h..(off + rows) * h).map(|e| per_rank.iter().map(|p| p[e]).sum()).collect();
+            let abs: Vec<f64> = want.iter().map(|_| 0.05).collect();
+            assert_close_abs(&format!("draft rank {r} {dp_tokens:?}"), out, &want, 1e-2, &abs);
+        }
+    }
+}

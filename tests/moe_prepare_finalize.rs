@@ -1,0 +1,123 @@
+//! Prepare / finalize per comm type and the all_to_all_v dispatch / combine,
+//! against properties computed here: finalize(prepare(x)) returns x times the
+//! number of ranks that contributed it, and combine(dispatch(x)) with identity
+//! experts returns sum_k w_k * x for real tokens, zeros for masked ones.
+
+mod moe_common;
+
+use ascend_moe::backend::cpu::comm::run_ranks;
+use ascend_moe::moe::prepare_finalize::*;
+use ascend_moe::{Collectives, CommOptions, CommType, Error, Tensor};
+use moe_common::*;
+
+fn opts() -> CommOptions {
+    CommOptions::with_timeout(std::time::Duration::from_secs(30))
+}
+
+/// Small integers, so every sum below is exact in f32.
+fn tokens(d: usize, rows: usize, h: usize) -> Vec<f32> {
+    (0..rows * h).map(|i| ((i * 7 + d * 13) % 11) as f32 - 5.0).collect()
+}
+
+#[test]
+fn finalize_of_prepare_is_x_times_the_contributing_ranks() {
+    let h = 3;
+    for (dp_tokens, tp) in [(vec![5usize, 2], 2usize), (vec![9, 0], 4), (vec![1, 3], 4), (vec![6], 2), (vec![7, 7], 1)]
+    {
+        let dp = dp_tokens.len();
+        for sp in [false, true] {
+            for comm_type in CommType::ALL {
+                let world = dp * tp;
+                run_ranks(world, &opts(), |rank, comm| {
+                    let (d, t) = (rank / tp, rank % tp);
+                    let ctx = MoeContext::new(&dp_tokens, tp, d, t, sp)?;
+                    let groups = MoeGroups::from_world(&comm, tp)?;
+                    let local = ctx.local_tokens();
+                    // This rank's rows: its SP chunk (zero-padded batch) or the whole batch.
+                    let batch = tokens(d, dp_tokens[d], h);
+                    let first = if sp { t * local } else { 0 };
+                    let x: Vec<f32> =
+                        (0..local * h).map(|e| batch.get(first * h + e).copied().unwrap_or(0.0)).collect();
+                    let xt = Tensor::from_slice(&x, &[local, h])?;
+                    let p = prepare(&xt, comm_type, &ctx, &groups)?;
+                    assert_eq!(p.hidden.shape(), prepare_output_shape(xt.shape(), comm_type, &ctx)?.as_slice());
+                    let want_shape = finalize_output_shape(p.hidden.shape(), comm_type, &ctx)?;
+                    let out = finalize(p.hidden, comm_type, &ctx, &groups)?;
+                    assert_eq!(out.shape(), want_shape.as_slice());
+                    // Reducing paths sum the (identical) prepared copies of every contributor.
+                    let factor = match (comm_type, sp) {
+                        (CommType::AllGather, true) => world as f32,
+                        (CommType::AllGather, false) => dp as f32,
+                        _ => 1.0,
+                    };
+                    let got = out.to_vec::<f32>()?;
+                    let want: Vec<f32> = x.iter().map(|v| v * factor).collect();
+                    assert_eq!(got, want, "{comm_type:?} sp {sp} tokens {dp_tokens:?} tp {tp} rank {rank}");
+                    Ok(())
+                })
+                .unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn dispatch_then_combine_with_identity_experts() {
+    let (h, k, experts, n) = (4, 3, 8, 6);
+    for world in [1, 2, 4] {
+        run_ranks(world, &opts(), |rank, comm| {
+            let x = tokens(rank, n, h);
+            let xt = Tensor::from_slice(&x, &[n, h])?;
+            let mut rng = Rng::new(50 + rank as u64);
+            let ids: Vec<i32> = (0..n * k).map(|_| rng.below(experts) as i32).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| [0.5f32, 0.25, 2.0][i % 3]).collect();
+            let mask: Vec<bool> = (0..n).map(|i| i != 2).collect();
+            let d = dispatch(&xt, &ids, k, Some(&mask), experts, &comm)?;
+            // Every received row is for an expert this rank owns.
+            let per = experts / world;
+            assert!(d.experts.iter().all(|e| (*e as usize) / per == rank), "{:?}", d.experts);
+            assert_eq!(d.rows.rows(), d.experts.len());
+            let wt = Tensor::from_slice(&w, &[n, k])?;
+            let out = combine(&d.rows, &d, &wt, &comm)?.to_vec::<f32>()?;
+            for i in 0..n {
+                let s: f32 = if mask[i] { w[i * k..(i + 1) * k].iter().sum() } else { 0.0 };
+                for j in 0..h {
+                    assert_eq!(out[i * h + j], x[i * h + j] * s, "world {world} rank {rank} token {i}");
+                }
+            }
+            // The total received over all ranks is every unmasked slot.
+            let mut cnt = Tensor::from_slice(&[d.experts.len() as i64], &[1])?;
+            comm.all_reduce_in_place(&mut cnt, ascend_moe::ReduceOp::Sum)?;
+            assert_eq!(cnt.to_vec::<i64>()?[0] as usize, world * (n - 1) * k);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn bad_dispatch_and_context_input_is_named() {
+    run_ranks(2, &opts(), |_, comm| {
+        let x = Tensor::from_slice(&[0f32; 8], &[2, 4])?;
+        match dispatch(&x, &[0, 9], 1, None, 8, &comm) {
+            Err(Error::IndexOutOfRange { arg, position, value, .. }) => {
+                assert_eq!((arg, position, value), ("topk_ids", 1, 9))
+            }
+            other => panic!("{other:?}"),
+        }
+        let e = dispatch(&x, &[0, 1, 2], 1, None, 8, &comm).unwrap_err().to_string();
+        assert!(e.contains("`topk_ids`") && e.contains('3'), "{e}");
+        let e = dispatch(&x, &[0, 1], 1, None, 3, &comm).unwrap_err().to_string();
+        assert!(e.contains("`num_experts`") && e.contains('3') && e.contains('2'), "{e}");
+        let ctx = MoeContext::new(&[4], 2, 0, 0, false)?;
+        let g = MoeGroups::from_world(&comm, 2)?;
+        let e = prepare(&Tensor::from_slice(&[0f32; 12], &[3, 4])?, CommType::Mc2, &ctx, &g).unwrap_err().to_string();
+        assert!(e.contains("`x`") && e.contains("4 rows") && e.contains("[3, 4]"), "{e}");
+        Ok(())
+    })
+    .unwrap();
+    let e = MoeContext::new(&[4, 4], 2, 2, 0, false).unwrap_err().to_string();
+    assert!(e.contains("`dp_rank`") && e.contains('2'), "{e}");
+    let e = MoeContext::new(&[4], 2, 0, 2, true).unwrap_err().to_string();
+    assert!(e.contains("`tp_rank`"), "{e}");
+}

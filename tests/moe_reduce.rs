@@ -1,0 +1,145 @@
+//! Runtime-aware reductions (SPEC section 5): the truth table, the policy, and
+//! the invariant "layer output = sum_i S_i + R" for every static policy and
+//! every live comm type, also when the policy was built under another comm
+//! type, checked on a numeric model of the TP ranks.
+
+use ascend_moe::moe::reduce::{routed_is_reduced, ReducePolicy, SharedMode};
+use ascend_moe::CommType;
+
+#[test]
+fn routed_is_reduced_truth_table() {
+    use CommType::*;
+    let table = [
+        (AllGather, false, false),
+        (AllGather, true, true),
+        (Mc2, false, true),
+        (Mc2, true, true),
+        (AllToAll, false, true),
+        (AllToAll, true, true),
+        (FusedMc2, false, true),
+        (FusedMc2, true, true),
+    ];
+    for (c, sp, want) in table {
+        assert_eq!(routed_is_reduced(c, sp), want, "{c:?} sp {sp}");
+    }
+    assert!(CommType::from_u32(4).unwrap_err().to_string().contains('4'));
+}
+
+fn policies() -> Vec<ReducePolicy> {
+    let mut v = Vec::new();
+    for shared in SharedMode::ALL {
+        for transform in [false, true] {
+            for sp in [false, true] {
+                for (tp, ep) in [(1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (4, 8)] {
+                    if let Ok(p) = ReducePolicy::new(shared, transform, sp, tp, ep) {
+                        v.push(p);
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn early_follows_spec() {
+    for p in policies() {
+        let want = p.shared_mode() == SharedMode::DataParallelOnly
+            || (p.has_routed_transform() && !p.sp() && (p.tp_size() > 1 || p.ep_size() > 1));
+        assert_eq!(p.early(), want, "{p:?}");
+    }
+}
+
+#[test]
+fn bad_policy_input_is_named() {
+    let e = ReducePolicy::new(SharedMode::SequenceParallelOnly, false, false, 2, 4).unwrap_err().to_string();
+    assert!(e.contains("`shared_mode`") && e.contains("sp"), "{e}");
+    let e = ReducePolicy::new(SharedMode::None, false, false, 2, 3).unwrap_err().to_string();
+    assert!(e.contains("`ep_size`") && e.contains('3') && e.contains('2'), "{e}");
+    let e = ReducePolicy::new(SharedMode::None, false, false, 0, 3).unwrap_err().to_string();
+    assert!(e.contains("`tp_size`"), "{e}");
+    assert!(SharedMode::from_u32(9).unwrap_err().to_string().contains('9'));
+}
+
+/// A numeric model of one token on `tp` ranks: shared partials `s[t]` (their
+/// sum is the shared output when TP-sharded, else every rank holds the whole
+/// `S`), routed partials `r[t]` summing to `R`. Runs the three reduction points
+/// with `decide` as the comm type given to them and `live` as the comm type
+/// that produced the routed output; returns each rank's output.
+fn simulate(p: &ReducePolicy, live: CommType, decide: CommType) -> (Vec<f64>, f64) {
+    let tp = p.tp_size();
+    let s_part: Vec<f64> = (0..tp).map(|t| 0.25 + t as f64).collect();
+    let r_part: Vec<f64> = (0..tp).map(|t| 1.5 + 2.0 * t as f64).collect();
+    let (s_total, r_total) = (s_part.iter().sum::<f64>(), r_part.iter().sum::<f64>());
+    let f = |v: f64| if p.has_routed_transform() { v * v + 1.0 } else { v };
+    let all_reduce = |v: &mut Vec<f64>| {
+        let s: f64 = v.iter().sum();
+        v.iter_mut().for_each(|x| *x = s);
+    };
+    let mut routed: Vec<f64> = if routed_is_reduced(live, p.sp()) { vec![r_total; tp] } else { r_part.clone() };
+    let mut shared: Vec<f64> = match p.shared_mode() {
+        SharedMode::None => vec![0.0; tp],
+        SharedMode::TensorParallel => s_part.clone(),
+        _ => vec![s_total; tp],
+    };
+    let want = if p.shared_mode() == SharedMode::None { 0.0 } else { s_total } + f(r_total);
+    if p.routed_early_reduces(decide) {
+        all_reduce(&mut routed);
+    }
+    let routed: Vec<f64> = routed.into_iter().map(f).collect();
+    if p.shared_reduces(decide) {
+        all_reduce(&mut shared);
+    }
+    let mut out: Vec<f64> = shared.iter().zip(&routed).map(|(a, b)| a + b).collect();
+    if p.final_reduces(decide) {
+        all_reduce(&mut out);
+    }
+    (out, want)
+}
+
+/// A policy is only meaningful where its transform sees a complete routed sum:
+/// the SPEC's `early` covers transforms without SP; with SP every comm type
+/// returns the full sum.
+fn transform_sees_full_sum(p: &ReducePolicy, live: CommType) -> bool {
+    !p.has_routed_transform() || p.early() || routed_is_reduced(live, p.sp()) || p.tp_size() == 1
+}
+
+#[test]
+fn graph_replay_every_policy_and_comm_pair_reduces_exactly_once() {
+    let mut checked = 0;
+    for p in policies() {
+        // The policy object is built once ("at trace time", whatever comm type
+        // was live then) and is reused for every replay.
+        for traced in CommType::ALL {
+            let policy_at_trace =
+                ReducePolicy::new(p.shared_mode(), p.has_routed_transform(), p.sp(), p.tp_size(), p.ep_size()).unwrap();
+            assert_eq!(policy_at_trace, p, "the policy cannot depend on the comm type live at trace time ({traced:?})");
+            for live in CommType::ALL {
+                if !transform_sees_full_sum(&p, live) {
+                    continue;
+                }
+                let (out, want) = simulate(&policy_at_trace, live, live);
+                for (t, o) in out.iter().enumerate() {
+                    assert!(
+                        (o - want).abs() < 1e-12,
+                        "{p:?} traced {traced:?} live {live:?}: rank {t} got {o}, want {want}"
+                    );
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked > 500, "{checked}");
+}
+
+#[test]
+fn stale_trace_time_decisions_would_be_caught() {
+    // The bug class the API removes: deciding with the comm type of the trace.
+    // The same model shows sum S + TP*R or a missing reduction for it.
+    let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 4).unwrap();
+    let (out, want) = simulate(&p, CommType::Mc2, CommType::AllGather);
+    let tp_r = 0.25 + 1.25 + 2.0 * (1.5 + 3.5);
+    assert!((out[0] - tp_r).abs() < 1e-12 && (out[0] - want).abs() > 1.0, "{out:?} vs {want}");
+    let (out, want) = simulate(&p, CommType::AllGather, CommType::Mc2);
+    assert!((out[0] - want).abs() > 1.0, "missing reduction must show: {out:?} vs {want}");
+}
