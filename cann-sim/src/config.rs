@@ -7,7 +7,7 @@
 //! | `CANNSIM_STREAM_MODE` | `lazy`: queued work runs only when something waits for it; `eager`: as soon as possible | lazy |
 //! | `CANNSIM_MALLOC_FILL` | byte written into fresh device memory, or `none` | 0xFF (NaN for every float type) |
 //! | `CANNSIM_FAIL_MALLOC_AFTER` | the allocation after this many successful ones fails (OOM) | off |
-//! | `CANNSIM_HCCL_TIMEOUT_RANK` | this world rank never joins a collective: its peers time out | off |
+//! | `CANNSIM_HCCL_TIMEOUT_RANK` | this world rank hangs in every collective (silent for twice the timeout, then `HCCL_E_TIMEOUT`): its peers time out | off |
 //! | `CANNSIM_DIE_RANK` | this world rank's process exits at its first collective | off |
 //! | `CANNSIM_DIE_EXIT_CODE` | exit status of the dying rank | 77 |
 //! | `CANNSIM_LEAK_REPORT` | `1`: print the leak report at exit; `fail`: also exit non-zero on leaks | off |

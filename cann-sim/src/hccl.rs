@@ -455,6 +455,9 @@ fn enqueue(call: &'static str, comm_h: HcclComm, stream_h: AclrtStream, bufs: &[
             let r = if prior != HCCL_SUCCESS {
                 fail(prior, format!("communicator {} already failed", c.name))
             } else if cfg.hccl_timeout_rank == Some(c.world_rank) {
+                // A hung rank: it stays silent (and alive) past its peers'
+                // timeout, so they see a timeout rather than a dead peer.
+                std::thread::sleep(c.timeout * 2);
                 fail(
                     HCCL_E_TIMEOUT,
                     format!("CANNSIM_HCCL_TIMEOUT_RANK: world rank {} never joins {call} on {}", c.world_rank, c.name),

@@ -226,8 +226,8 @@ fn a_rank_that_never_joins_times_out_its_peers() {
         2,
         &[("CANNSIM_HCCL_TIMEOUT_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "0.5")],
     );
-    for k in kids {
-        let o = k.wait_with_output().unwrap();
-        assert!(o.status.success(), "{}", stderr(&o));
+    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}\n\nother rank: {}", stderr(o), stderr(&outs[1 - r]));
     }
 }
