@@ -18,3 +18,6 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
 cargo test --workspace
+
+step "NPU suite on the simulated CANN runtime"
+ci/sim.sh

@@ -87,9 +87,9 @@ pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
         if stream.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be destroyed");
         }
-        let s = STREAMS.remove(stream as usize).ok_or_else(|| {
-            SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{stream:p} is not a live stream"))
-        })?;
+        let s = STREAMS
+            .remove(stream as usize)
+            .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{stream:p} is not a live stream")))?;
         s.shutdown();
         Ok(())
     })

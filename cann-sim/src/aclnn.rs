@@ -32,11 +32,11 @@ pub const MOE_WORKSPACE: u64 = 32 * 1024;
 #[derive(Debug)]
 pub enum Executor {
     /// `aclnnMoeFinalizeRoutingV2`.
-    Finalize(Finalize),
+    Finalize(Box<Finalize>),
     /// `aclnnMoeTokenUnpermute`.
-    Unpermute(Unpermute),
+    Unpermute(Box<Unpermute>),
     /// `aclnnAdd`.
-    Add(Add),
+    Add(Box<Add>),
 }
 
 /// Live executors (phase 1 done, phase 2 not yet).
@@ -203,7 +203,11 @@ fn finalize_prepare(
             if s.dtype != ex.dtype && s.dtype != ACL_FLOAT {
                 return invalid(
                     op,
-                    format!("scalesOptional is {}, expected {} or ACL_FLOAT", dtype_name(s.dtype), dtype_name(ex.dtype)),
+                    format!(
+                        "scalesOptional is {}, expected {} or ACL_FLOAT",
+                        dtype_name(s.dtype),
+                        dtype_name(ex.dtype)
+                    ),
                 );
             }
             (*n, *k)
@@ -272,8 +276,7 @@ impl Finalize {
         let row_layout = self.mode >= 2;
         let ridx = read_i32(&self.row_idx)?;
         let lo = if drop_pad { -1 } else { 0 };
-        if let Some((p, &v)) = ridx.iter().enumerate().find(|(_, &v)| (v as i64) < lo || v as i64 >= self.rows as i64)
-        {
+        if let Some((p, &v)) = ridx.iter().enumerate().find(|(_, &v)| (v as i64) < lo || v as i64 >= self.rows as i64) {
             return index_error(op, "expandedRowIdx", p, v, lo, self.rows);
         }
         let bias = self.bias.as_ref().map(read_f32).transpose()?;
@@ -354,7 +357,7 @@ pub unsafe extern "C" fn aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
             drop_pad_mode,
             out,
         )?;
-        publish(Executor::Finalize(f), MOE_WORKSPACE, workspace_size, executor)
+        publish(Executor::Finalize(Box::new(f)), MOE_WORKSPACE, workspace_size, executor)
     })
 }
 
@@ -469,7 +472,7 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
         want_dims(op, "out", &out, &[t, *h])?;
         want_dtype(op, "out", &out, tokens.dtype)?;
         let u = Unpermute { h: *h as usize, tokens, idx, probs, out, t: t as usize, k: k as usize };
-        publish(Executor::Unpermute(u), MOE_WORKSPACE, workspace_size, executor)
+        publish(Executor::Unpermute(Box::new(u)), MOE_WORKSPACE, workspace_size, executor)
     })
 }
 
@@ -506,8 +509,11 @@ impl Add {
         }
         let (a, b) = (read_f32(&self.a)?, read_f32(&self.b)?);
         let alpha = self.alpha.value as f32;
-        let out: Vec<f32> =
-            if alpha == 1.0 { a.iter().zip(&b).map(|(x, y)| x + y).collect() } else { a.iter().zip(&b).map(|(x, y)| x + alpha * y).collect() };
+        let out: Vec<f32> = if alpha == 1.0 {
+            a.iter().zip(&b).map(|(x, y)| x + y).collect()
+        } else {
+            a.iter().zip(&b).map(|(x, y)| x + alpha * y).collect()
+        };
         write_f32(&self.out, &out)
     }
 }
@@ -543,7 +549,7 @@ pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(
             want_dims(op, arg, t, &a.dims)?;
             want_dtype(op, arg, t, a.dtype)?;
         }
-        publish(Executor::Add(Add { a, b, alpha, out }), 0, workspace_size, executor)
+        publish(Executor::Add(Box::new(Add { a, b, alpha, out })), 0, workspace_size, executor)
     })
 }
 
@@ -571,7 +577,13 @@ fn publish(exec: Executor, ws: u64, workspace_size: *mut u64, executor: *mut Acl
     write_out(executor, h as AclOpExecutor, ACLNN_ERR_PARAM_NULLPTR, "executor")
 }
 
-fn launch(op: &'static str, workspace: *mut c_void, ws_size: u64, executor: AclOpExecutor, stream: AclrtStream) -> SimResult<()> {
+fn launch(
+    op: &'static str,
+    workspace: *mut c_void,
+    ws_size: u64,
+    executor: AclOpExecutor,
+    stream: AclrtStream,
+) -> SimResult<()> {
     let exec = EXECUTORS.remove(executor as usize).ok_or_else(|| {
         SimError::new(
             ACLNN_ERR_PARAM_INVALID,
@@ -589,7 +601,10 @@ fn launch(op: &'static str, workspace: *mut c_void, ws_size: u64, executor: AclO
     let s = context::stream_here(stream as usize).map_err(|e| SimError::new(ACLNN_ERR_RUNTIME_ERROR, e.msg))?;
     if need > 0 {
         if ws_size < need {
-            return invalid(op, format!("workspaceSize {ws_size} is smaller than the {need} bytes GetWorkspaceSize asked for"));
+            return invalid(
+                op,
+                format!("workspaceSize {ws_size} is smaller than the {need} bytes GetWorkspaceSize asked for"),
+            );
         }
         let w = arena::resolve(workspace as usize, need as usize, "workspace")
             .map_err(|e| SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{op}: {}", e.msg)))?;
@@ -610,7 +625,10 @@ fn launch(op: &'static str, workspace: *mut c_void, ws_size: u64, executor: AclO
         Box::new(move || {
             if need > 0 {
                 arena::resolve(ws_addr, need as usize, "workspace").map_err(|e| {
-                    SimError::new(ACL_ERROR_RT_DEVICE_MEM_ERROR, format!("{} (freed before the stream used it?)", e.msg))
+                    SimError::new(
+                        ACL_ERROR_RT_DEVICE_MEM_ERROR,
+                        format!("{} (freed before the stream used it?)", e.msg),
+                    )
                 })?;
             }
             match &*exec {

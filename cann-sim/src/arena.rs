@@ -258,11 +258,14 @@ pub fn resolve_ext(addr: usize, len: usize, what: &str, kernel: bool) -> SimResu
     let Some((start, al)) = a.find(addr) else {
         return fail(
             ACL_ERROR_RT_PARAM_INVALID,
-            format!("{what} ({addr:#x}) is not inside a live allocation on device {} (freed or never allocated)", a.device),
+            format!(
+                "{what} ({addr:#x}) is not inside a live allocation on device {} (freed or never allocated)",
+                a.device
+            ),
         );
     };
     let extent = if kernel { al.footprint } else { al.size };
-    let end = addr.checked_add(len).unwrap_or(usize::MAX);
+    let end = addr.saturating_add(len);
     if end > start + extent {
         return fail(
             ACL_ERROR_RT_PARAM_INVALID,

@@ -89,7 +89,10 @@ impl Config {
         };
         Config {
             devices: var("CANNSIM_DEVICES").and_then(|s| s.parse().ok()).filter(|n| (1..=64).contains(n)).unwrap_or(4),
-            device_mem: var("CANNSIM_DEVICE_MEM").and_then(|s| parse_size(&s)).filter(|n| *n >= 4096).unwrap_or(4 << 30),
+            device_mem: var("CANNSIM_DEVICE_MEM")
+                .and_then(|s| parse_size(&s))
+                .filter(|n| *n >= 4096)
+                .unwrap_or(4 << 30),
             lazy: !matches!(var("CANNSIM_STREAM_MODE").as_deref(), Some("eager")),
             malloc_fill,
             fail_malloc_after: var("CANNSIM_FAIL_MALLOC_AFTER").and_then(|s| s.parse().ok()),

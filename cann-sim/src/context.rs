@@ -144,9 +144,7 @@ pub fn stream(h: usize) -> SimResult<Arc<Stream>> {
     if h == 0 {
         return default_stream(current()?);
     }
-    STREAMS
-        .get(h)
-        .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{h:#x} is not a live stream")))
+    STREAMS.get(h).ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{h:#x} is not a live stream")))
 }
 
 /// The stream of handle `h`, which must belong to the calling thread's device.

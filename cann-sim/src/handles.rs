@@ -56,9 +56,4 @@ impl<T> Table<T> {
     pub fn all(&self) -> Vec<(usize, Arc<T>)> {
         self.lock().iter().map(|(h, v)| (*h, v.clone())).collect()
     }
-
-    /// Number of live objects.
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
 }

@@ -90,7 +90,8 @@ pub unsafe extern "C" fn HcclGetRootInfo(root_info: *mut c_void) -> HcclResult {
         context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
         static N: AtomicU64 = AtomicU64::new(0);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let name = format!("cannsim{}x{}x{:x}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos & 0xffff_ffff);
+        let name =
+            format!("cannsim{}x{}x{:x}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos & 0xffff_ffff);
         let mut buf = [0u8; HCCL_ROOT_INFO_BYTES];
         buf[..16].copy_from_slice(ROOT_MAGIC);
         buf[16..16 + name.len()].copy_from_slice(name.as_bytes());
@@ -425,7 +426,13 @@ fn zeros(n: usize, dt: DType) -> Tensor {
 type CollJob = Box<dyn FnOnce(&SimComm, &CpuComm) -> SimResult<()> + Send>;
 
 /// Validates the communicator and stream, then queues `job` on the stream.
-fn enqueue(call: &'static str, comm_h: HcclComm, stream_h: AclrtStream, bufs: &[(Buf, DType, &str)], job: CollJob) -> SimResult<()> {
+fn enqueue(
+    call: &'static str,
+    comm_h: HcclComm,
+    stream_h: AclrtStream,
+    bufs: &[(Buf, DType, &str)],
+    job: CollJob,
+) -> SimResult<()> {
     let c = comm(comm_h)?;
     let e = c.error.load(Ordering::SeqCst);
     if e != HCCL_SUCCESS {
@@ -475,7 +482,10 @@ fn enqueue(call: &'static str, comm_h: HcclComm, stream_h: AclrtStream, bufs: &[
                 };
                 SimError::new(
                     acl,
-                    format!("{call} on {} (rank {}/{}, timeout {:?}): HCCL error {}: {}", c.name, c.rank, c.size, c.timeout, e.code, e.msg),
+                    format!(
+                        "{call} on {} (rank {}/{}, timeout {:?}): HCCL error {}: {}",
+                        c.name, c.rank, c.size, c.timeout, e.code, e.msg
+                    ),
                 )
             })
         }),
@@ -568,7 +578,10 @@ pub extern "C" fn HcclReduceScatterV(
         let sc = counts(send_counts, c.size, "sendCounts")?;
         let sd = counts(send_displs, c.size, "sendDispls")?;
         if sc[c.rank as usize] != recv_count as usize {
-            return fail(HCCL_E_PARA, format!("recvCount {recv_count} but sendCounts[{}] = {}", c.rank, sc[c.rank as usize]));
+            return fail(
+                HCCL_E_PARA,
+                format!("recvCount {recv_count} but sendCounts[{}] = {}", c.rank, sc[c.rank as usize]),
+            );
         }
         let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
         let rb = Buf { addr: recv_buf as usize, elems: recv_count as usize };
@@ -644,7 +657,10 @@ pub extern "C" fn HcclAllGatherV(
         let rc = counts(recv_counts, c.size, "recvCounts")?;
         let rd = counts(recv_displs, c.size, "recvDispls")?;
         if rc[c.rank as usize] != send_count as usize {
-            return fail(HCCL_E_PARA, format!("sendCount {send_count} but recvCounts[{}] = {}", c.rank, rc[c.rank as usize]));
+            return fail(
+                HCCL_E_PARA,
+                format!("sendCount {send_count} but recvCounts[{}] = {}", c.rank, rc[c.rank as usize]),
+            );
         }
         let sb = Buf { addr: send_buf as usize, elems: send_count as usize };
         let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };

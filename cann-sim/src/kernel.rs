@@ -67,7 +67,9 @@ pub unsafe extern "C" fn cannsim_launch_kernel(
         if tiling_len > 0 {
             // SAFETY: tiling holds tiling_len readable bytes (C contract); the
             // destination has at least that many.
-            unsafe { std::ptr::copy_nonoverlapping(tiling as *const u8, tiling_buf.as_mut_ptr() as *mut u8, tiling_len) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(tiling as *const u8, tiling_buf.as_mut_ptr() as *mut u8, tiling_len)
+            };
         }
         s.enqueue(
             "cannsim_launch_kernel",
@@ -79,7 +81,10 @@ pub unsafe extern "C" fn cannsim_launch_kernel(
                         continue;
                     }
                     let sp = arena::resolve_ext(p, 0, &format!("gm_dev[{i}]"), true).map_err(|e| {
-                        SimError::new(ACL_ERROR_RT_DEVICE_MEM_ERROR, format!("{} (freed before the kernel ran?)", e.msg))
+                        SimError::new(
+                            ACL_ERROR_RT_DEVICE_MEM_ERROR,
+                            format!("{} (freed before the kernel ran?)", e.msg),
+                        )
                     })?;
                     gm.push(sp.host as *mut c_void);
                 }

@@ -107,7 +107,7 @@ pub fn ptr<T>(call: &'static str, f: impl FnOnce() -> SimResult<*mut T>) -> *mut
 }
 
 /// Writes `v` through the out-pointer `p` (`arg` names it in the error).
-pub fn write_out<T>(p: *mut T, v: T, code: i32, arg: &str) -> SimResult<()> {
+pub(crate) fn write_out<T>(p: *mut T, v: T, code: i32, arg: &str) -> SimResult<()> {
     if p.is_null() {
         return fail(code, format!("{arg} is NULL"));
     }

@@ -54,7 +54,11 @@ fn allocation_failure_is_injected_after_n_allocations() {
         free(b);
         return;
     }
-    let o = run_child("allocation_failure_is_injected_after_n_allocations", "fail-malloc", &[("CANNSIM_FAIL_MALLOC_AFTER", "2")]);
+    let o = run_child(
+        "allocation_failure_is_injected_after_n_allocations",
+        "fail-malloc",
+        &[("CANNSIM_FAIL_MALLOC_AFTER", "2")],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
 }
 
@@ -110,7 +114,17 @@ fn leak_report_lists_live_objects_and_fails_the_process() {
     let o = run_child(name, "leak", &[("CANNSIM_LEAK_REPORT", "fail")]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(97), "{err}");
-    for what in ["6 leaked object(s)", "device buffer", "(1234 bytes, device 0)", "stream ", "event ", "aclTensor", "shape [4, 4]", "host buffer", "device 0 still set"] {
+    for what in [
+        "6 leaked object(s)",
+        "device buffer",
+        "(1234 bytes, device 0)",
+        "stream ",
+        "event ",
+        "aclTensor",
+        "shape [4, 4]",
+        "host buffer",
+        "device 0 still set",
+    ] {
         assert!(err.contains(what), "missing {what:?} in:\n{err}");
     }
     let o = run_child(name, "clean", &[("CANNSIM_LEAK_REPORT", "fail")]);

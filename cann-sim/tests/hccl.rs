@@ -34,7 +34,8 @@ fn with_ranks<R: Send>(world: u32, timeout_s: i32, f: impl Fn(u32, Ptr, Ptr) -> 
                 sc.spawn(move || {
                     let s = use_device(r as i32);
                     let mut comm = NULL;
-                    let rc = unsafe { (s.HcclCommInitRootInfoConfig)(world, root.as_ptr(), r, cfg.as_ptr(), &mut comm) };
+                    let rc =
+                        unsafe { (s.HcclCommInitRootInfoConfig)(world, root.as_ptr(), r, cfg.as_ptr(), &mut comm) };
                     assert_eq!(rc, 0, "rank {r}: {}", err_msg());
                     let st = stream();
                     let out = f(r, comm, st);
@@ -86,12 +87,28 @@ fn collectives_match_naive_references() {
             assert_eq!(download::<i32>(igath, n * w), want_g, "all_gather");
             // all_gather_v with per-rank counts q + 1, displacements leaving a gap of 1
             let counts: Vec<u64> = (0..world as u64).map(|q| q + 1).collect();
-            let displs: Vec<u64> = counts.iter().scan(0u64, |acc, c| { let d = *acc; *acc += c + 1; Some(d) }).collect();
+            let displs: Vec<u64> = counts
+                .iter()
+                .scan(0u64, |acc, c| {
+                    let d = *acc;
+                    *acc += c + 1;
+                    Some(d)
+                })
+                .collect();
             let total = (displs[w - 1] + counts[w - 1]) as usize;
             let vsend = upload(&vec![r as f32 + 0.5; r as usize + 1]);
             let vrecv = upload(&vec![-1f32; total]);
             unsafe {
-                let rc = (s.HcclAllGatherV)(vsend, (r + 1) as u64, vrecv, counts.as_ptr() as *const c_void, displs.as_ptr() as *const c_void, HCCL_FP32, comm, st);
+                let rc = (s.HcclAllGatherV)(
+                    vsend,
+                    (r + 1) as u64,
+                    vrecv,
+                    counts.as_ptr() as *const c_void,
+                    displs.as_ptr() as *const c_void,
+                    HCCL_FP32,
+                    comm,
+                    st,
+                );
                 assert_eq!(rc, 0, "{}", err_msg());
             }
             sync(st);
@@ -106,16 +123,34 @@ fn collectives_match_naive_references() {
             let rsv_send = upload(&(0..total).map(|i| i as f32 * (r as f32 + 1.0)).collect::<Vec<_>>());
             let rsv_recv = malloc((r as usize + 1) * 4);
             unsafe {
-                let rc = (s.HcclReduceScatterV)(rsv_send, counts.as_ptr() as *const c_void, displs.as_ptr() as *const c_void, rsv_recv, (r + 1) as u64, HCCL_FP32, HCCL_SUM, comm, st);
+                let rc = (s.HcclReduceScatterV)(
+                    rsv_send,
+                    counts.as_ptr() as *const c_void,
+                    displs.as_ptr() as *const c_void,
+                    rsv_recv,
+                    (r + 1) as u64,
+                    HCCL_FP32,
+                    HCCL_SUM,
+                    comm,
+                    st,
+                );
                 assert_eq!(rc, 0, "{}", err_msg());
             }
             sync(st);
             let factor: f32 = (1..=world).map(|q| q as f32).sum();
-            let want_rsv: Vec<f32> = (0..=r as usize).map(|j| (displs[r as usize] as usize + j) as f32 * factor).collect();
+            let want_rsv: Vec<f32> =
+                (0..=r as usize).map(|j| (displs[r as usize] as usize + j) as f32 * factor).collect();
             assert_eq!(download::<f32>(rsv_recv, r as usize + 1), want_rsv, "reduce_scatter_v");
             // all_to_all_v: rank r sends (r*10 + j) repeated j+1 times to rank j
             let sc: Vec<u64> = (0..world as u64).map(|j| j + 1).collect();
-            let sd: Vec<u64> = sc.iter().scan(0u64, |a, c| { let d = *a; *a += c; Some(d) }).collect();
+            let sd: Vec<u64> = sc
+                .iter()
+                .scan(0u64, |a, c| {
+                    let d = *a;
+                    *a += c;
+                    Some(d)
+                })
+                .collect();
             let rcnt: Vec<u64> = vec![r as u64 + 1; w];
             let rd: Vec<u64> = (0..world as u64).map(|q| q * (r as u64 + 1)).collect();
             let a2a_in: Vec<i32> = (0..world).flat_map(|j| vec![(r * 10 + j) as i32; j as usize + 1]).collect();
@@ -123,8 +158,16 @@ fn collectives_match_naive_references() {
             let a_recv = malloc(w * (r as usize + 1) * 4);
             unsafe {
                 let rc = (s.HcclAlltoAllV)(
-                    a_send, sc.as_ptr() as *const c_void, sd.as_ptr() as *const c_void, HCCL_INT32,
-                    a_recv, rcnt.as_ptr() as *const c_void, rd.as_ptr() as *const c_void, HCCL_INT32, comm, st,
+                    a_send,
+                    sc.as_ptr() as *const c_void,
+                    sd.as_ptr() as *const c_void,
+                    HCCL_INT32,
+                    a_recv,
+                    rcnt.as_ptr() as *const c_void,
+                    rd.as_ptr() as *const c_void,
+                    HCCL_INT32,
+                    comm,
+                    st,
                 );
                 assert_eq!(rc, 0, "{}", err_msg());
             }
@@ -179,7 +222,15 @@ fn sub_communicators_split_the_world() {
         let mut sub = NULL;
         let mut cfg = config(20);
         unsafe {
-            let rc = (s.HcclCreateSubCommConfig)(&mut parent, 2, ids.as_mut_ptr(), 7 + (r % 2) as u64, pos, cfg.as_mut_ptr(), &mut sub);
+            let rc = (s.HcclCreateSubCommConfig)(
+                &mut parent,
+                2,
+                ids.as_mut_ptr(),
+                7 + (r % 2) as u64,
+                pos,
+                cfg.as_mut_ptr(),
+                &mut sub,
+            );
             assert_eq!(rc, 0, "rank {r}: {}", err_msg());
             let mut name = [0 as std::ffi::c_char; 128];
             assert_eq!((s.HcclGetCommName)(sub, name.as_mut_ptr()), 0);
@@ -198,7 +249,8 @@ fn sub_communicators_split_the_world() {
         unsafe {
             // This rank is not where the list says it is.
             let mut bad = NULL;
-            let rc = (s.HcclCreateSubCommConfig)(&mut parent, 2, ids.as_mut_ptr(), 99, 1 - pos, cfg.as_mut_ptr(), &mut bad);
+            let rc =
+                (s.HcclCreateSubCommConfig)(&mut parent, 2, ids.as_mut_ptr(), 99, 1 - pos, cfg.as_mut_ptr(), &mut bad);
             assert_eq!(rc, 1, "HCCL_E_PARA");
             assert_eq!((s.HcclCommDestroy)(sub), 0);
         }

@@ -73,7 +73,8 @@ fn malloc_follows_the_documented_alignment_and_padding() {
         assert_eq!(*p as usize % 64, 0, "aclrtMalloc({n}) returned {p:?}");
     }
     // Footprints never overlap: ALIGN_UP(size, 32) + 32 bytes each.
-    let mut spans: Vec<(usize, usize)> = ptrs.iter().zip(sizes).map(|(p, n)| (*p as usize, n.div_ceil(32) * 32 + 32)).collect();
+    let mut spans: Vec<(usize, usize)> =
+        ptrs.iter().zip(sizes).map(|(p, n)| (*p as usize, n.div_ceil(32) * 32 + 32)).collect();
     spans.sort();
     for w in spans.windows(2) {
         assert!(w[0].0 + w[0].1 <= w[1].0, "{w:?} overlap");
@@ -348,18 +349,16 @@ fn run_finalize(cs: &Case, seed: u64) {
     let drop_pad = cs.mode % 2 == 1;
     let rows = if drop_pad { cs.e * cs.c } else { n * k };
     let x = rand_vals(&mut rng, rows * h, cs.dt);
-    let ridx: Vec<i32> = if drop_pad {
-        (0..n * k).map(|_| rng.below(rows + 1) as i32 - 1).collect()
-    } else {
-        rng.perm(n * k)
-    };
+    let ridx: Vec<i32> =
+        if drop_pad { (0..n * k).map(|_| rng.below(rows + 1) as i32 - 1).collect() } else { rng.perm(n * k) };
     let x1 = (cs.skips >= 1).then(|| rand_vals(&mut rng, n * h, cs.dt));
     let x2 = (cs.skips >= 2).then(|| rand_vals(&mut rng, n * h, cs.dt));
     let bias = cs.bias.then(|| rand_vals(&mut rng, cs.e * h, cs.dt));
     let scales = cs.scale_dt.map(|sdt| rand_vals(&mut rng, n * k, sdt));
     let experts: Vec<i32> = (0..n * k).map(|_| rng.below(cs.e) as i32).collect();
 
-    let x_dims: Vec<i64> = if drop_pad { vec![cs.e as i64, cs.c as i64, h as i64] } else { vec![rows as i64, h as i64] };
+    let x_dims: Vec<i64> =
+        if drop_pad { vec![cs.e as i64, cs.c as i64, h as i64] } else { vec![rows as i64, h as i64] };
     let (tx, bx) = dev_tensor(&x_dims, &x, cs.dt);
     let (tr, br) = idx_tensor(&[(n * k) as i64], &ridx);
     let nh = [n as i64, h as i64];
@@ -375,7 +374,17 @@ fn run_finalize(cs: &Case, seed: u64) {
     let (mut ws, mut exec) = (0u64, NULL);
     unsafe {
         let r = (s.aclnnMoeFinalizeRoutingV2GetWorkspaceSize)(
-            tx, tr, opt(&t1), opt(&t2), opt(&tb), opt(&tsc), opt(&te), cs.mode, tout, &mut ws, &mut exec,
+            tx,
+            tr,
+            opt(&t1),
+            opt(&t2),
+            opt(&tb),
+            opt(&tsc),
+            opt(&te),
+            cs.mode,
+            tout,
+            &mut ws,
+            &mut exec,
         );
         assert_eq!(r, 0, "{}", err_msg());
         let wsp = if ws > 0 { malloc(ws as usize) } else { NULL };
@@ -387,7 +396,8 @@ fn run_finalize(cs: &Case, seed: u64) {
     }
     let esz = if cs.dt == ACL_FLOAT { 4 } else { 2 };
     let got = download::<u8>(out_buf, n * h * esz);
-    let want = finalize_reference(cs, &x, &ridx, x1.as_deref(), x2.as_deref(), bias.as_deref(), scales.as_deref(), &experts);
+    let want =
+        finalize_reference(cs, &x, &ridx, x1.as_deref(), x2.as_deref(), bias.as_deref(), scales.as_deref(), &experts);
     assert_eq!(got, enc(&want, cs.dt), "mode {} dtype {} skips {} bias {}", cs.mode, cs.dt, cs.skips, cs.bias);
     for t in [Some((tx, bx)), Some((tr, br)), t1, t2, tb, tsc, te].into_iter().flatten() {
         destroy_tensor(t.0);
@@ -403,9 +413,22 @@ fn finalize_matches_a_naive_reference_bit_for_bit() {
     let mut seed = 1;
     for mode in 0..4 {
         for dt in [ACL_FLOAT, ACL_BF16, ACL_FLOAT16] {
-            for (skips, bias, scale_dt) in [(2, true, Some(dt)), (0, false, None), (1, true, Some(ACL_FLOAT)), (2, false, Some(dt))] {
+            for (skips, bias, scale_dt) in
+                [(2, true, Some(dt)), (0, false, None), (1, true, Some(ACL_FLOAT)), (2, false, Some(dt))]
+            {
                 seed += 1;
-                let cs = Case { n: 5, k: if scale_dt.is_some() { 3 } else { 1 }, h: 7, e: 4, c: 4, mode, dt, scale_dt, skips, bias };
+                let cs = Case {
+                    n: 5,
+                    k: if scale_dt.is_some() { 3 } else { 1 },
+                    h: 7,
+                    e: 4,
+                    c: 4,
+                    mode,
+                    dt,
+                    scale_dt,
+                    skips,
+                    bias,
+                };
                 run_finalize(&cs, seed * 7919);
             }
         }
@@ -451,7 +474,17 @@ fn finalize_rejects_bad_arguments_and_out_of_range_indices() {
         // A tensor over host memory is refused at creation.
         let host = [0f32; 8];
         let dims = [8i64];
-        let t = (s.aclCreateTensor)(dims.as_ptr(), 1, ACL_FLOAT, std::ptr::null(), 0, ND, dims.as_ptr(), 1, host.as_ptr() as Ptr);
+        let t = (s.aclCreateTensor)(
+            dims.as_ptr(),
+            1,
+            ACL_FLOAT,
+            std::ptr::null(),
+            0,
+            ND,
+            dims.as_ptr(),
+            1,
+            host.as_ptr() as Ptr,
+        );
         assert!(t.is_null());
         assert!(err_msg().contains("not device memory"), "{}", err_msg());
         assert_eq!((s.aclDestroyTensor)(wrong), 0);
@@ -482,7 +515,12 @@ fn unpermute_and_add_match_naive_references() {
     let st = stream();
     let (mut ws, mut ex) = (0u64, NULL);
     unsafe {
-        assert_eq!((s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(tx, ti, tp, false, NULL, to, &mut ws, &mut ex), 0, "{}", err_msg());
+        assert_eq!(
+            (s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(tx, ti, tp, false, NULL, to, &mut ws, &mut ex),
+            0,
+            "{}",
+            err_msg()
+        );
         let wsp = malloc(ws.max(1) as usize);
         assert_eq!((s.aclnnMoeTokenUnpermute)(wsp, ws, ex, st), 0, "{}", err_msg());
         sync(st);
@@ -566,12 +604,21 @@ fn launched_kernels_run_in_stream_order_over_device_memory() {
     unsafe {
         // The input arrives by an async copy queued before the kernel on the same stream.
         assert_eq!((s.aclrtMemcpyAsync)(input, n * 4, src.as_ptr() as *const c_void, n * 4, H2D, st), 0);
-        let r = (s.cannsim_launch_kernel)(st, 7, Some(double_kernel), gm.as_ptr(), 2, tiling.as_ptr() as *const c_void, 16);
+        let r =
+            (s.cannsim_launch_kernel)(st, 7, Some(double_kernel), gm.as_ptr(), 2, tiling.as_ptr() as *const c_void, 16);
         assert_eq!(r, 0, "{}", err_msg());
         assert_eq!(download::<f32>(out, n), vec![0.0; n], "not run before the sync");
         sync(st);
         let host = [input, src.as_ptr() as Ptr];
-        let r = (s.cannsim_launch_kernel)(st, 1, Some(double_kernel), host.as_ptr(), 2, tiling.as_ptr() as *const c_void, 16);
+        let r = (s.cannsim_launch_kernel)(
+            st,
+            1,
+            Some(double_kernel),
+            host.as_ptr(),
+            2,
+            tiling.as_ptr() as *const c_void,
+            16,
+        );
         assert_eq!(r, 107000, "a host pointer is not device memory");
         assert_eq!((s.cannsim_launch_kernel)(st, 1, None, gm.as_ptr(), 2, NULL, 0), 100000);
     }

@@ -212,7 +212,17 @@ pub fn download<T: Copy + Default>(p: Ptr, n: usize) -> Vec<T> {
 /// A contiguous ND aclTensor over device memory.
 pub fn tensor(dims: &[i64], dtype: i32, data: Ptr) -> Ptr {
     let t = unsafe {
-        (sim().aclCreateTensor)(dims.as_ptr(), dims.len() as u64, dtype, std::ptr::null(), 0, ND, dims.as_ptr(), dims.len() as u64, data)
+        (sim().aclCreateTensor)(
+            dims.as_ptr(),
+            dims.len() as u64,
+            dtype,
+            std::ptr::null(),
+            0,
+            ND,
+            dims.as_ptr(),
+            dims.len() as u64,
+            data,
+        )
     };
     assert!(!t.is_null(), "aclCreateTensor: {}", err_msg());
     t
