@@ -355,6 +355,9 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
     status::acl("aclrtMemcpyAsync", || {
         let s = context::stream_here(stream as usize)?;
         let c = plan_copy(dst, dest_max, src, count, kind)?;
+        if !c.dst_dev && !c.src_dev {
+            return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "asynchronous host-to-host copies are not supported");
+        }
         if c.dst_dev && c.src_dev && loc(c.dst) == loc(c.src) && (c.dst % 64 != 0 || c.src % 64 != 0) {
             return fail(
                 ACL_ERROR_RT_ADDR_UNALIGNED,

@@ -46,6 +46,12 @@ fn copy_kind_and_pointer_mixups_are_rejected() {
         assert_eq!((s.aclrtMemcpy)(hp, 64, hp, 64, D2H), 100000);
         assert_eq!((s.aclrtMemcpy)(dev, 64, hp, 64, D2D), 100000);
         assert_eq!((s.aclrtMemcpy)(hp, 64, dev, 64, H2H), 100000);
+        let st = stream();
+        assert_eq!((s.aclrtMemcpyAsync)(hp, 64, hp, 64, H2H, st), 207000, "async host-to-host is unsupported");
+        assert_eq!((s.aclrtMemcpyAsync)(hp, 64, dev, 64, H2D, st), 100000);
+        // On-chip device-to-device async copies need 64-byte aligned addresses.
+        assert_eq!((s.aclrtMemcpyAsync)((dev as usize + 8) as Ptr, 32, dev, 32, D2D, st), 107008);
+        destroy_stream(st);
         assert_eq!((s.aclrtMemcpy)(dev, 64, hp, 64, 99), 100000);
         // count > destMax, and an access past the allocation.
         assert_eq!((s.aclrtMemcpy)(dev, 32, hp, 64, H2D), 100000);
