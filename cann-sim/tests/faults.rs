@@ -245,3 +245,27 @@ fn a_rank_that_never_joins_times_out_its_peers() {
         assert!(o.status.success(), "rank {r}: {}\n\nother rank: {}", stderr(o), stderr(&outs[1 - r]));
     }
 }
+
+#[test]
+fn acl_init_and_finalize_follow_the_documented_lifecycle() {
+    if role().as_deref() == Some("lifecycle") {
+        let s = sim();
+        unsafe {
+            assert_eq!((s.aclrtSetDevice)(0), 100001, "aclInit first");
+            assert_eq!((s.aclFinalize)(), 100001);
+            assert_eq!((s.aclInit)(std::ptr::null()), 0);
+            assert_eq!((s.aclInit)(std::ptr::null()), 100002);
+            assert_eq!((s.aclrtSetDevice)(0), 0);
+            assert_eq!((s.aclrtResetDevice)(0), 0);
+            assert_eq!((s.aclrtResetDevice)(0), 107001, "reset of a device that is not set");
+            let mut d = 0;
+            assert_eq!((s.aclrtGetDevice)(&mut d), 107002, "no current device after the reset");
+            assert_eq!((s.aclFinalize)(), 0);
+            assert_eq!((s.aclFinalize)(), 100037);
+            assert_eq!((s.aclrtSetDevice)(0), 100001, "finalized");
+        }
+        return;
+    }
+    let o = run_child("acl_init_and_finalize_follow_the_documented_lifecycle", "lifecycle", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
