@@ -269,3 +269,37 @@ fn acl_init_and_finalize_follow_the_documented_lifecycle() {
     let o = run_child("acl_init_and_finalize_follow_the_documented_lifecycle", "lifecycle", &[]);
     assert!(o.status.success(), "{}", stderr(&o));
 }
+
+#[test]
+fn eager_streams_run_work_without_being_waited_on() {
+    if role().as_deref() == Some("eager") {
+        let s = use_device(0);
+        let st = stream();
+        let dev = upload(&[0u32; 32]);
+        let src: Vec<u32> = (0..32).collect();
+        let mut ev = NULL;
+        unsafe {
+            assert_eq!((s.aclrtCreateEvent)(&mut ev), 0);
+            assert_eq!((s.aclrtMemcpyAsync)(dev, 128, src.as_ptr() as *const std::ffi::c_void, 128, H2D, st), 0);
+            assert_eq!((s.aclrtRecordEvent)(ev, st), 0);
+        }
+        // Nothing waits on the stream: the worker still finishes the copy.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while download::<u32>(dev, 32) != src {
+            assert!(std::time::Instant::now() < deadline, "the eager stream never ran the copy");
+            std::thread::yield_now();
+        }
+        unsafe {
+            let mut status = 0;
+            assert_eq!((s.aclrtQueryEventStatus)(ev, &mut status), 0);
+            assert_eq!((s.aclrtDestroyEvent)(ev), 0);
+        }
+        sync(st);
+        destroy_stream(st);
+        free(dev);
+        return;
+    }
+    let name = "eager_streams_run_work_without_being_waited_on";
+    let o = run_child(name, "eager", &[("CANNSIM_STREAM_MODE", "eager")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
