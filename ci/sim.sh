@@ -3,8 +3,8 @@
 # (cann-sim), so the NPU backend runs on any machine.
 #
 # Builds libcann_sim.so, points every CANN library the loader opens at it, and
-# runs ci/npu-4card.sh with 4 simulated devices. Extra arguments are passed to
-# ci/npu-4card.sh. Environment knobs (see cann-sim/README.md):
+# runs ci/npu-4card.sh with 4 simulated devices. Arguments are passed to
+# ci/npu-4card.sh (default: --no-bench). Environment knobs (see cann-sim/README.md):
 #   CANNSIM_LEAK_REPORT  1 (default here: print the leak report of every process)
 #                        or fail (a process that leaks exits non-zero)
 #   CANNSIM_STREAM_MODE  lazy (default: a missing sync always reads stale data) or eager
@@ -33,5 +33,9 @@ echo "ci/sim.sh: simulated CANN runtime at $lib ($CANNSIM_DEVICES devices)"
 if [[ ! -x ci/npu-4card.sh ]]; then
     echo "ci/sim.sh: ci/npu-4card.sh is not present yet; nothing to run against the simulator" >&2
     exit 0
+fi
+# Timings under the simulator mean nothing: skip the benches unless asked.
+if (($# == 0)); then
+    set -- --no-bench
 fi
 exec ci/npu-4card.sh "$@"
