@@ -212,3 +212,44 @@ impl Collectives for Comm {
         dispatch!(self, c => c.barrier())
     }
 }
+
+/// The TP, DP and EP groups of a world of `dp * tp` ranks.
+///
+/// World rank `r` has `dp_rank = r / tp`, `tp_rank = r % tp`; its TP group is
+/// the `tp` consecutive ranks of its DP replica, its DP group the ranks with its
+/// `tp_rank`, and its EP group the whole world with EP rank `dp_rank * tp +
+/// tp_rank` (equal to the world rank).
+#[derive(Debug, Clone)]
+pub struct ParallelGroups {
+    /// The whole world.
+    pub world: Comm,
+    /// Tensor-parallel group (size `tp`).
+    pub tp: Comm,
+    /// Data-parallel group (size `dp`).
+    pub dp: Comm,
+    /// Expert-parallel group (size `dp * tp`).
+    pub ep: Comm,
+}
+
+impl ParallelGroups {
+    /// Builds the groups; called by every rank of `world` with the same sizes.
+    pub fn new(world: &Comm, dp_size: usize, tp_size: usize) -> Result<Self> {
+        let n = world.world_size();
+        if dp_size == 0 || tp_size == 0 || dp_size * tp_size != n {
+            return Err(Error::invalid(
+                "ParallelGroups::new",
+                "dp_size",
+                format!("dp_size {dp_size} x tp_size {tp_size} must equal the world size {n}"),
+            ));
+        }
+        let r = world.rank();
+        let (dp_rank, tp_rank) = (r / tp_size, r % tp_size);
+        let tp_ranks: Vec<usize> = (0..tp_size).map(|t| dp_rank * tp_size + t).collect();
+        let dp_ranks: Vec<usize> = (0..dp_size).map(|d| d * tp_size + tp_rank).collect();
+        let ep_ranks: Vec<usize> = (0..n).collect();
+        let tp = world.split(&tp_ranks)?;
+        let dp = world.split(&dp_ranks)?;
+        let ep = world.split(&ep_ranks)?;
+        Ok(ParallelGroups { world: world.clone(), tp, dp, ep })
+    }
+}

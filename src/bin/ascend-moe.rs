@@ -1,6 +1,60 @@
 //! The `ascend-moe` command-line tool: `info`, `check`, `bench`.
+//!
+//! This file only parses and dispatches. Each command lives in its own module
+//! under `src/bin/ascend_moe/`; a new `check` section is one line in
+//! `check::SECTIONS`, a new benchmark one variant of [`BenchCmd`].
+
+#[path = "ascend_moe/bench_collectives.rs"]
+mod bench_collectives;
+#[path = "ascend_moe/check.rs"]
+mod check;
+#[path = "ascend_moe/check_collectives.rs"]
+mod check_collectives;
+#[path = "ascend_moe/info.rs"]
+mod info;
+#[path = "ascend_moe/launch.rs"]
+mod launch;
+#[path = "ascend_moe/worker.rs"]
+mod worker;
+
+use clap::{Parser, Subcommand};
+
+/// MoE communication and finalize layer for Ascend NPUs, with a CPU fallback.
+#[derive(Parser)]
+#[command(name = "ascend-moe", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Which backends are usable here, and what was found.
+    Info,
+    /// Run every check against a naive reference on a world of ranks; exits
+    /// non-zero on any failure.
+    Check(check::Args),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+    /// One rank of a multi-process world (spawned by `--procs` and by tests).
+    #[command(hide = true)]
+    Worker(worker::Args),
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// nccl-tests style table of the CPU collectives, with memory-bandwidth floors.
+    Collectives(bench_collectives::Args),
+}
 
 fn main() {
-    eprintln!("ascend-moe: no commands yet");
-    std::process::exit(2);
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Info => info::main(),
+        Cmd::Check(a) => check::main(a),
+        Cmd::Bench(BenchCmd::Collectives(a)) => bench_collectives::main(a),
+        Cmd::Worker(a) => worker::main(a),
+    };
+    std::process::exit(code);
 }

@@ -1,0 +1,485 @@
+//! `ascend-moe bench collectives`: an nccl-tests style table for the CPU
+//! communicator, with a memory-bandwidth floor measured in the same run.
+//!
+//! Columns: size (bytes of the largest buffer of one rank: the all_reduce
+//! buffer, the reduce_scatter input, the all_gather output, the all_to_all send
+//! buffer, the broadcast buffer), element count of that buffer, dtype, median
+//! time over the iterations (each iteration's time is the slowest rank's),
+//! algbw = size / time, busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n for
+//! reduce_scatter / all_gather / all_to_all, 1 for broadcast), #wrong elements
+//! (summed over ranks, checked after the timed iterations against exact values).
+//!
+//! Floor: a STREAM-like triad (`a[i] = b[i] + s * c[i]` on f32, arrays far
+//! larger than the caches, one thread per rank, best of several runs, counting
+//! 12 bytes per element) gives the machine's memory bandwidth B. The floor of a
+//! collective is (bytes it must move through memory) / B, summed over ranks,
+//! where the bytes are those of the staged shared-memory algorithm: user
+//! buffers are private, so every input byte is read once and written once into
+//! shared staging, every reduction reads each contribution once and writes its
+//! result once, and every output byte is read once from staging and written
+//! once. With size S and n ranks that is, per rank:
+//!
+//! | collective | bytes per rank |
+//! |---|---|
+//! | all_reduce | 5 S + S / n |
+//! | reduce_scatter | 3 S + S / n |
+//! | all_gather | 2 S + 2 S / n |
+//! | all_to_all | 4 S |
+//! | broadcast | 2 S (the root stages, the others copy out) |
+//!
+//! `vs floor` = floor time / measured time (1.0 = as fast as the triad moves
+//! those bytes; it can exceed 1 when staging stays in the last-level cache).
+
+use std::time::{Duration, Instant};
+
+use ascend_moe::backend::cpu::comm::{run_ranks_with, CpuCommConfig};
+use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
+
+use crate::launch;
+
+const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"];
+
+#[derive(clap::Args, Clone)]
+pub struct Args {
+    /// World sizes to run, comma separated (e.g. 2,4,8).
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    ranks: Vec<usize>,
+    /// Collectives, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "all_reduce,reduce_scatter,all_gather,all_to_all,broadcast")]
+    ops: Vec<String>,
+    /// Element type.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Smallest size in bytes (suffixes K, M, G).
+    #[arg(short = 'b', long, default_value = "64K", value_parser = parse_size)]
+    min_bytes: usize,
+    /// Largest size in bytes (bf16 [4096, 4096] is 32M).
+    #[arg(short = 'e', long, default_value = "32M", value_parser = parse_size)]
+    max_bytes: usize,
+    /// Size multiplication factor between rows.
+    #[arg(short = 'f', long, default_value_t = 8)]
+    factor: usize,
+    /// Timed iterations per row (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed warm-up iterations per row.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Run ranks as separate processes instead of threads.
+    #[arg(long)]
+    procs: bool,
+    /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Staging bytes per slot (default: the communicator's default).
+    #[arg(long)]
+    staging_bytes: Option<usize>,
+    /// Print JSON instead of the table.
+    #[arg(long, conflicts_with = "csv")]
+    json: bool,
+    /// Print CSV instead of the table.
+    #[arg(long)]
+    csv: bool,
+}
+
+/// What a worker process runs (`worker ... bench`).
+#[derive(clap::Args, Clone)]
+pub struct WorkerArgs {
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
+    #[arg(long)]
+    dtype: String,
+    #[arg(long, value_delimiter = ',')]
+    sizes: Vec<usize>,
+    #[arg(long)]
+    iters: usize,
+    #[arg(long)]
+    warmup: usize,
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1usize << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().map(|n| n * mult).map_err(|e| format!("bad size {s:?}: {e}"))
+}
+
+/// One measured row (as rank 0 reports it).
+#[derive(Debug, Clone)]
+pub struct Meas {
+    op: String,
+    bytes: usize,
+    count: usize,
+    time_ns: i64,
+    wrong: i64,
+}
+
+/// Element count of the size-S buffer for `op` on `w` ranks (a multiple of `w`).
+fn count_for(bytes: usize, esz: usize, w: usize) -> usize {
+    (bytes / esz) / w * w
+}
+
+fn value(i: usize, rank: usize) -> f32 {
+    ((i + rank) % 4) as f32
+}
+
+fn fill<T: Element>(n: usize, f: impl Fn(usize) -> f32) -> ascend_moe::Result<Tensor> {
+    let v: Vec<T> = (0..n).map(|i| T::from_f32(f(i))).collect();
+    Tensor::from_slice(&v, &[n])
+}
+
+fn wrong<T: Element>(t: &Tensor, want: impl Fn(usize) -> f32) -> ascend_moe::Result<i64> {
+    Ok(t.as_slice::<T>()?.iter().enumerate().filter(|(i, x)| x.to_f32() != want(*i)).count() as i64)
+}
+
+/// Runs every (op, size) on this rank; every rank returns the same numbers.
+pub fn bench_rank(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascend_moe::Result<Vec<Meas>> {
+    let dtype: DType = w.dtype.parse()?;
+    with_dtype!(dtype, T => bench_typed::<T>(comm, w, progress))
+}
+
+fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascend_moe::Result<Vec<Meas>> {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let esz = T::DTYPE.size();
+    let mut out = Vec::new();
+    for op in &w.ops {
+        for &bytes in &w.sizes {
+            let count = count_for(bytes, esz, n);
+            let per = count / n;
+            let mut times = Vec::with_capacity(w.iters);
+            let bad;
+            macro_rules! timed {
+                ($body:expr) => {{
+                    for it in 0..w.warmup + w.iters {
+                        comm.barrier()?;
+                        let t0 = Instant::now();
+                        $body;
+                        let dt = t0.elapsed().as_nanos() as i64;
+                        if it >= w.warmup {
+                            times.push(dt);
+                        }
+                    }
+                }};
+            }
+            match op.as_str() {
+                "all_reduce" => {
+                    let src = fill::<T>(count, |i| value(i, rank))?;
+                    let mut dst = Tensor::zeros_cpu(&[count], T::DTYPE);
+                    timed!(comm.all_reduce(&src, &mut dst, ReduceOp::Sum)?);
+                    bad = wrong::<T>(&dst, |i| (0..n).map(|r| value(i, r)).sum())?;
+                }
+                "reduce_scatter" => {
+                    let src = fill::<T>(count, |i| value(i, rank))?;
+                    let mut dst = Tensor::zeros_cpu(&[per], T::DTYPE);
+                    timed!(comm.reduce_scatter(&src, &mut dst, ReduceOp::Sum)?);
+                    bad = wrong::<T>(&dst, |j| (0..n).map(|r| value(rank * per + j, r)).sum())?;
+                }
+                "all_gather" => {
+                    let src = fill::<T>(per, |j| value(j, rank))?;
+                    let mut dst = Tensor::zeros_cpu(&[count], T::DTYPE);
+                    timed!(comm.all_gather(&src, &mut dst)?);
+                    bad = wrong::<T>(&dst, |g| value(g % per.max(1), g / per.max(1)))?;
+                }
+                "all_to_all" => {
+                    let src = fill::<T>(count, |i| value(i, rank))?;
+                    let mut dst = Tensor::zeros_cpu(&[count], T::DTYPE);
+                    let counts = vec![per; n];
+                    timed!(comm.all_to_all_v(&src, &counts, &mut dst, &counts)?);
+                    // Block i of dst is block `rank` of rank i's src.
+                    bad = wrong::<T>(&dst, |g| value(rank * per + g % per.max(1), g / per.max(1)))?;
+                }
+                "broadcast" => {
+                    let mut buf = fill::<T>(count, |i| value(i, rank))?;
+                    timed!(comm.broadcast(&mut buf, 0)?);
+                    bad = wrong::<T>(&buf, |i| value(i, 0))?;
+                }
+                other => {
+                    return Err(ascend_moe::Error::invalid(
+                        "bench collectives",
+                        "ops",
+                        format!("unknown collective {other:?} (known: {})", OPS.join(", ")),
+                    ))
+                }
+            }
+            // The slowest rank's time per iteration, and the total of wrong elements.
+            let mut t = Tensor::from_slice(&times, &[times.len()])?;
+            comm.all_reduce_in_place(&mut t, ReduceOp::Max)?;
+            let mut times = t.to_vec::<i64>()?;
+            times.sort_unstable();
+            let median = times.get(times.len() / 2).copied().unwrap_or(0);
+            let mut b = Tensor::from_slice(&[bad], &[1])?;
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
+            let wrong = b.to_vec::<i64>()?[0];
+            if progress && rank == 0 {
+                eprintln!(
+                    "  {n} ranks {op:<14} {:>10} B  {:>10.1} us  wrong {wrong}",
+                    count * esz,
+                    median as f64 / 1e3
+                );
+            }
+            out.push(Meas { op: op.clone(), bytes: count * esz, count, time_ns: median, wrong });
+        }
+    }
+    Ok(out)
+}
+
+/// Worker line format: `BENCH\top\tbytes\tcount\ttime_ns\twrong`.
+pub fn encode(m: &Meas) -> String {
+    format!("BENCH\t{}\t{}\t{}\t{}\t{}", m.op, m.bytes, m.count, m.time_ns, m.wrong)
+}
+
+fn decode(line: &str) -> Option<Meas> {
+    let f: Vec<&str> = line.split('\t').collect();
+    if f.len() != 6 || f[0] != "BENCH" {
+        return None;
+    }
+    Some(Meas {
+        op: f[1].into(),
+        bytes: f[2].parse().ok()?,
+        count: f[3].parse().ok()?,
+        time_ns: f[4].parse().ok()?,
+        wrong: f[5].parse().ok()?,
+    })
+}
+
+/// Aggregate triad bandwidth of `threads` concurrent threads, bytes/s (best of `reps`).
+pub fn triad(threads: usize, elems: usize, reps: usize) -> f64 {
+    let barrier = std::sync::Barrier::new(threads);
+    let per_rep: Vec<Vec<Duration>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    let mut a = vec![0f32; elems];
+                    let b = vec![1.5f32; elems];
+                    let c = vec![2.5f32; elems];
+                    let mut ds = Vec::new();
+                    for _ in 0..reps {
+                        barrier.wait();
+                        let t0 = Instant::now();
+                        for ((a, b), c) in a.iter_mut().zip(&b).zip(&c) {
+                            *a = *b + 3.0 * *c;
+                        }
+                        std::hint::black_box(&mut a);
+                        ds.push(t0.elapsed());
+                    }
+                    ds
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    });
+    let bytes = (threads * elems * 12) as f64;
+    (0..reps)
+        .map(|r| {
+            let slowest = per_rep.iter().filter_map(|d| d.get(r)).max().copied().unwrap_or(Duration::from_secs(1));
+            bytes / slowest.as_secs_f64().max(1e-9)
+        })
+        .fold(0.0, f64::max)
+}
+
+fn bus_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" => 1.0,
+        _ => (n - 1.0) / n,
+    }
+}
+
+/// Bytes moved through memory, summed over ranks (see the module docs).
+fn floor_bytes(op: &str, s: f64, n: usize) -> f64 {
+    let nf = n as f64;
+    match op {
+        "all_reduce" => nf * (5.0 * s + s / nf),
+        "reduce_scatter" => nf * (3.0 * s + s / nf),
+        "all_gather" => nf * (2.0 * s + 2.0 * s / nf),
+        "all_to_all" => nf * 4.0 * s,
+        _ => 2.0 * nf * s,
+    }
+}
+
+struct Line {
+    world: usize,
+    dtype: String,
+    m: Meas,
+    algbw: f64,
+    busbw: f64,
+    floor_us: f64,
+    ratio: f64,
+}
+
+pub fn main(a: Args) -> i32 {
+    let dtype: DType = match a.dtype.parse() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 2;
+        }
+    };
+    if let Some(bad) = a.ops.iter().find(|o| !OPS.contains(&o.as_str())) {
+        eprintln!("error: unknown collective {bad:?} (known: {})", OPS.join(", "));
+        return 2;
+    }
+    if a.ranks.contains(&0) || a.factor < 2 || a.min_bytes == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
+        eprintln!("error: need ranks >= 1, factor >= 2, 0 < min-bytes <= max-bytes, iters >= 1");
+        return 2;
+    }
+    let mut sizes = Vec::new();
+    let mut s = a.min_bytes;
+    while s <= a.max_bytes {
+        sizes.push(s);
+        s = s.saturating_mul(a.factor);
+    }
+    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| Duration::from_secs_f64(t.max(0.001)));
+    let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
+    let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
+    let mut lines = Vec::new();
+    let mut triads = Vec::new();
+    for &world in &a.ranks {
+        eprintln!("measuring the triad with {world} threads ...");
+        let bw = triad(world, 8 << 20, 5);
+        triads.push((world, bw));
+        eprintln!(
+            "triad: {:.2} GB/s; running {} ranks as {} ...",
+            bw / 1e9,
+            world,
+            if a.procs { "processes" } else { "threads" }
+        );
+        let meas = if a.procs {
+            let mut task =
+                vec!["bench".to_string(), "--ops".into(), w.ops.join(","), "--dtype".into(), w.dtype.clone()];
+            let sz: Vec<String> = w.sizes.iter().map(|s| s.to_string()).collect();
+            task.extend(["--sizes".into(), sz.join(","), "--iters".into(), w.iters.to_string()]);
+            task.extend(["--warmup".into(), w.warmup.to_string()]);
+            launch::spawn_world(world, timeout, a.staging_bytes, &task).and_then(|outs| {
+                if let Some(bad) = outs.iter().find(|o| !o.status.success()) {
+                    return Err(format!("rank {} exited with {}", bad.rank, bad.status));
+                }
+                Ok(outs[0].stdout.lines().filter_map(decode).collect::<Vec<_>>())
+            })
+        } else {
+            run_ranks_with(world, &CommOptions::with_timeout(timeout), &cfg, |_, comm| bench_rank(&comm, &w, true))
+                .map(|mut v| v.swap_remove(0))
+                .map_err(|e| e.to_string())
+        };
+        let meas = match meas {
+            Ok(m) => m,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        for m in meas {
+            let t = (m.time_ns as f64 / 1e9).max(1e-12);
+            let algbw = m.bytes as f64 / t / 1e9;
+            let floor = floor_bytes(&m.op, m.bytes as f64, world) / bw;
+            lines.push(Line {
+                world,
+                dtype: dtype.name().into(),
+                algbw,
+                busbw: algbw * bus_factor(&m.op, world),
+                floor_us: floor * 1e6,
+                ratio: floor / t,
+                m,
+            });
+        }
+    }
+    if a.json {
+        print_json(&lines, &triads, &cfg);
+    } else if a.csv {
+        println!("ranks,op,bytes,count,dtype,time_us,algbw_gbps,busbw_gbps,wrong,floor_us,vs_floor");
+        for l in &lines {
+            println!(
+                "{},{},{},{},{},{:.2},{:.3},{:.3},{},{:.2},{:.3}",
+                l.world,
+                l.m.op,
+                l.m.bytes,
+                l.m.count,
+                l.dtype,
+                l.m.time_ns as f64 / 1e3,
+                l.algbw,
+                l.busbw,
+                l.m.wrong,
+                l.floor_us,
+                l.ratio
+            );
+        }
+    } else {
+        print_table(&lines, &triads, &cfg);
+    }
+    if lines.iter().any(|l| l.m.wrong != 0) {
+        1
+    } else {
+        0
+    }
+}
+
+const FLOOR_RULE: &str = "floor = bytes moved by the staged shared-memory algorithm / triad bandwidth; \
+bytes per rank with size S on n ranks: all_reduce 5S+S/n, reduce_scatter 3S+S/n, all_gather 2S+2S/n, \
+all_to_all 4S, broadcast 2S";
+
+fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
+    println!(
+        "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 3 slots per rank)",
+        cfg.effective_staging() / 1024
+    );
+    for (w, bw) in triads {
+        println!("# triad bandwidth with {w} threads: {:.2} GB/s", bw / 1e9);
+    }
+    if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let avg: Vec<&str> = l.split_whitespace().take(3).collect();
+        println!("# load average {} on {cores} cores (other load skews both the triad and the times)", avg.join(" "));
+    }
+    println!("# {FLOOR_RULE}");
+    println!("# time = median over iterations of the slowest rank; vs floor = floor / time");
+    let mut last = 0;
+    for l in lines {
+        if l.world != last {
+            println!();
+            println!("# {} ranks", l.world);
+            println!(
+                "{:>12} {:>10} {:>5} {:<14} {:>11} {:>10} {:>10} {:>7} {:>11} {:>8}",
+                "size(B)", "count", "type", "op", "time(us)", "algbw", "busbw", "#wrong", "floor(us)", "vs floor"
+            );
+            last = l.world;
+        }
+        println!(
+            "{:>12} {:>10} {:>5} {:<14} {:>11.1} {:>10.2} {:>10.2} {:>7} {:>11.1} {:>8.2}",
+            l.m.bytes,
+            l.m.count,
+            l.dtype,
+            l.m.op,
+            l.m.time_ns as f64 / 1e3,
+            l.algbw,
+            l.busbw,
+            l.m.wrong,
+            l.floor_us,
+            l.ratio
+        );
+    }
+}
+
+fn print_json(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
+    let tri: Vec<String> = triads.iter().map(|(w, bw)| format!("{{\"ranks\":{w},\"gbps\":{:.3}}}", bw / 1e9)).collect();
+    let rows: Vec<String> = lines
+        .iter()
+        .map(|l| {
+            format!(
+                "{{\"ranks\":{},\"op\":\"{}\",\"bytes\":{},\"count\":{},\"dtype\":\"{}\",\"time_us\":{:.3},\"algbw_gbps\":{:.4},\"busbw_gbps\":{:.4},\"wrong\":{},\"floor_us\":{:.3},\"vs_floor\":{:.4}}}",
+                l.world, l.m.op, l.m.bytes, l.m.count, l.dtype, l.m.time_ns as f64 / 1e3, l.algbw, l.busbw, l.m.wrong, l.floor_us, l.ratio
+            )
+        })
+        .collect();
+    println!(
+        "{{\"staging_bytes\":{},\"triad\":[{}],\"floor_rule\":\"{FLOOR_RULE}\",\"results\":[\n  {}\n]}}",
+        cfg.effective_staging(),
+        tri.join(","),
+        rows.join(",\n  ")
+    );
+}

@@ -1,0 +1,39 @@
+//! `ascend-moe info`: which backends are usable here.
+
+use ascend_moe::backend::cpu::comm::{shm_dir, CpuCommConfig, MAX_WORLD};
+
+pub fn main() -> i32 {
+    println!("ascend-moe {}", env!("CARGO_PKG_VERSION"));
+    println!();
+    println!("cpu backend: usable");
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    println!("  cores available      {cores}");
+    let dir = shm_dir();
+    println!("  shared-memory dir    {dir} ({})", free_space(&dir));
+    let cfg = CpuCommConfig::default();
+    println!(
+        "  comm staging         {} KiB x 3 slots per rank ({} KiB shared memory per rank)",
+        cfg.effective_staging() / 1024,
+        cfg.bytes_per_rank() / 1024
+    );
+    println!("  max ranks per group  {MAX_WORLD}");
+    println!("  comm timeout         {:?} (ASCEND_MOE_COMM_TIMEOUT)", ascend_moe::CommOptions::from_env().timeout);
+    println!();
+    // ---- NPU / CANN section ------------------------------------------------
+    // The NPU backend adds its report here: one library call that returns what
+    // was found (CANN version, devices) and every path looked at, printed as is.
+    println!("npu backend: no CANN probe in this build");
+    0
+}
+
+fn free_space(dir: &str) -> String {
+    let Ok(c) = std::ffi::CString::new(dir) else { return "unknown free space".into() };
+    // SAFETY: zeroed statvfs is a valid out-parameter; c is NUL-terminated.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return "unknown free space".into();
+    }
+    let free = st.f_bavail as u128 * st.f_frsize as u128;
+    format!("{:.1} GiB free", free as f64 / (1u64 << 30) as f64)
+}

@@ -1,0 +1,503 @@
+//! Every collective x dtype x world size {1, 2, 3, 4, 8} x counts {0, 1, odd, large}
+//! x op, in place and out of place, against a naive reference; plus the
+//! communicator's failure modes (mismatch, missing rank, dead peer, bad input).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use ascend_moe::backend::cpu::comm::{run_ranks, run_ranks_with, segment_path, CpuCommConfig};
+use ascend_moe::backend::cpu::CpuComm;
+use ascend_moe::half::bf16;
+use ascend_moe::{with_dtype, Collectives, Comm, CommErrorKind, CommOptions, Error, ReduceOp, Tensor};
+use common::*;
+
+/// Multi-round staging even for small tests: 4 KiB per slot.
+const SMALL: CpuCommConfig = CpuCommConfig { staging_bytes: 4096 };
+/// Larger than one 4 KiB staging slot for every dtype and world size.
+const LARGE: usize = 2500;
+const COUNTS: [usize; 4] = [0, 1, 37, LARGE];
+
+fn opts(secs: f64) -> CommOptions {
+    CommOptions::with_timeout(Duration::from_secs_f64(secs))
+}
+
+fn t<T: TestElem>(v: &[T]) -> Tensor {
+    Tensor::from_slice(v, &[v.len()]).expect("tensor")
+}
+
+fn check<T: TestElem>(fails: &mut Vec<String>, what: String, got: &Tensor, want: &[T]) {
+    match got.as_slice::<T>() {
+        Ok(g) => {
+            if let Err(e) = same_bits(g, want) {
+                fails.push(format!("{what}: {e}"));
+            }
+        }
+        Err(e) => fails.push(format!("{what}: {e}")),
+    }
+}
+
+fn prefix(c: &[usize]) -> Vec<usize> {
+    c.iter()
+        .scan(0, |a, &x| {
+            let d = *a;
+            *a += x;
+            Some(d)
+        })
+        .collect()
+}
+
+/// Runs every collective for element type `T` on one rank; returns failures.
+fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<String>> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let dt = T::DTYPE;
+    let mut fails = Vec::new();
+    for (ci, &n) in COUNTS.iter().enumerate() {
+        let seed = seed0 ^ (ci as u64 * 1000);
+        for (oi, op) in ReduceOp::ALL.into_iter().enumerate() {
+            let s = seed + oi as u64;
+            // all_reduce, out of place.
+            let src = t(&data::<T>(s, rank, n));
+            let mut dst = Tensor::zeros_cpu(&[n], dt);
+            comm.all_reduce(&src, &mut dst, op)?;
+            let want = reduced::<T>(s, world, n, op);
+            check(&mut fails, format!("all_reduce {dt} n={n} {} w={world} r={rank}", op.name()), &dst, &want);
+            // all_reduce, in place.
+            let mut buf = t(&data::<T>(s, rank, n));
+            comm.all_reduce_in_place(&mut buf, op)?;
+            check(&mut fails, format!("all_reduce_in_place {dt} n={n} {} w={world} r={rank}", op.name()), &buf, &want);
+            // reduce_scatter: n elements per rank.
+            let src = t(&data::<T>(s + 7, rank, n * world));
+            let mut dst = Tensor::zeros_cpu(&[n], dt);
+            comm.reduce_scatter(&src, &mut dst, op)?;
+            let full = reduced::<T>(s + 7, world, n * world, op);
+            check(
+                &mut fails,
+                format!("reduce_scatter {dt} n={n} {} w={world} r={rank}", op.name()),
+                &dst,
+                &full[rank * n..(rank + 1) * n],
+            );
+            // reduce_scatter_v.
+            let counts = v_counts(world, n);
+            let total: usize = counts.iter().sum();
+            let d = prefix(&counts);
+            let src = t(&data::<T>(s + 9, rank, total));
+            let mut dst = Tensor::zeros_cpu(&[counts[rank]], dt);
+            comm.reduce_scatter_v(&src, &mut dst, &counts, op)?;
+            let full = reduced::<T>(s + 9, world, total, op);
+            check(
+                &mut fails,
+                format!("reduce_scatter_v {dt} counts={counts:?} {} w={world} r={rank}", op.name()),
+                &dst,
+                &full[d[rank]..d[rank] + counts[rank]],
+            );
+        }
+        // all_gather.
+        let src = t(&data::<T>(seed + 11, rank, n));
+        let mut dst = Tensor::zeros_cpu(&[world * n], dt);
+        comm.all_gather(&src, &mut dst)?;
+        let want: Vec<T> = (0..world).flat_map(|j| data::<T>(seed + 11, j, n)).collect();
+        check(&mut fails, format!("all_gather {dt} n={n} w={world} r={rank}"), &dst, &want);
+        // all_gather_v.
+        let counts = v_counts(world, n);
+        let src = t(&data::<T>(seed + 13, rank, counts[rank]));
+        let mut dst = Tensor::zeros_cpu(&[counts.iter().sum()], dt);
+        comm.all_gather_v(&src, &mut dst, &counts)?;
+        let want: Vec<T> = (0..world).flat_map(|j| data::<T>(seed + 13, j, counts[j])).collect();
+        check(&mut fails, format!("all_gather_v {dt} counts={counts:?} w={world} r={rank}"), &dst, &want);
+        // all_to_all_v.
+        let m = a2a_matrix(world, n);
+        let send = m[rank].clone();
+        let recv: Vec<usize> = (0..world).map(|i| m[i][rank]).collect();
+        let src = t(&data::<T>(seed + 17, rank, send.iter().sum()));
+        let mut dst = Tensor::zeros_cpu(&[recv.iter().sum()], dt);
+        comm.all_to_all_v(&src, &send, &mut dst, &recv)?;
+        let want: Vec<T> = (0..world)
+            .flat_map(|i| {
+                let from = data::<T>(seed + 17, i, m[i].iter().sum());
+                let off = prefix(&m[i])[rank];
+                from[off..off + m[i][rank]].to_vec()
+            })
+            .collect();
+        check(&mut fails, format!("all_to_all_v {dt} matrix={m:?} w={world} r={rank}"), &dst, &want);
+        // broadcast from a rank that depends on the case.
+        let root = (n + ci) % world;
+        let mut buf = t(&data::<T>(seed + 19, rank, n));
+        comm.broadcast(&mut buf, root)?;
+        check(
+            &mut fails,
+            format!("broadcast {dt} n={n} root={root} w={world} r={rank}"),
+            &buf,
+            &data::<T>(seed + 19, root, n),
+        );
+        comm.barrier()?;
+    }
+    Ok(fails)
+}
+
+fn matrix(world: usize) {
+    let fails = run_ranks_with(world, &opts(30.0), &SMALL, |_rank, comm| {
+        let mut fails = Vec::new();
+        for (i, dtype) in DTYPES.into_iter().enumerate() {
+            fails.extend(with_dtype!(dtype, T => all_cases::<T>(&comm, 0x5eed + i as u64 * 0x10000)?));
+        }
+        Ok(fails)
+    })
+    .expect("no collective may fail");
+    let fails: Vec<String> = fails.into_iter().flatten().collect();
+    assert!(fails.is_empty(), "{} wrong results, first: {:#?}", fails.len(), &fails[..fails.len().min(10)]);
+}
+
+#[test]
+fn matrix_world_1() {
+    matrix(1);
+}
+#[test]
+fn matrix_world_2() {
+    matrix(2);
+}
+#[test]
+fn matrix_world_3() {
+    matrix(3);
+}
+#[test]
+fn matrix_world_4() {
+    matrix(4);
+}
+#[test]
+fn matrix_world_8() {
+    matrix(8);
+}
+
+/// Multi-round with the default staging (4 MiB slots) and the slice API.
+#[test]
+fn default_staging_multi_round_and_slice_api() {
+    let n = 1_100_001; // > 4 MiB of f32, odd
+    let res = run_ranks(3, &opts(30.0), |rank, comm| {
+        let Comm::Cpu(c) = &comm else { unreachable!("run_ranks makes CPU comms") };
+        let mut got = data::<f32>(3, rank, n);
+        c.all_reduce_slice_in_place(&mut got, ReduceOp::Sum)?;
+        let mut gathered = vec![0i64; 3 * 1001];
+        c.all_gather_slice(&data::<i64>(4, rank, 1001), &mut gathered)?;
+        Ok((got, gathered))
+    })
+    .expect("collectives");
+    let want = reduced::<f32>(3, 3, n, ReduceOp::Sum);
+    let want_g: Vec<i64> = (0..3).flat_map(|j| data::<i64>(4, j, 1001)).collect();
+    for (r, (got, g)) in res.iter().enumerate() {
+        same_bits(got, &want).unwrap_or_else(|e| panic!("rank {r} all_reduce: {e}"));
+        same_bits(g, &want_g).unwrap_or_else(|e| panic!("rank {r} all_gather: {e}"));
+    }
+}
+
+/// bf16 all_reduce: identical bits on every rank and across two runs (and equal
+/// to the rank-order f32 reference).
+#[test]
+fn bf16_all_reduce_bitwise_identical() {
+    let n = 10_007;
+    let run = || {
+        run_ranks(4, &opts(30.0), |rank, comm| {
+            let mut buf = t(&data::<bf16>(42, rank, n));
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            buf.to_vec::<bf16>()
+        })
+        .expect("all_reduce")
+    };
+    let (a, b) = (run(), run());
+    let want = reduced::<bf16>(42, 4, n, ReduceOp::Sum);
+    for r in 0..4 {
+        same_bits(&a[r], &a[0]).unwrap_or_else(|e| panic!("rank {r} vs rank 0: {e}"));
+        same_bits(&b[r], &a[0]).unwrap_or_else(|e| panic!("run 2 rank {r} vs run 1: {e}"));
+    }
+    same_bits(&a[0], &want).expect("rank-order f32 accumulation");
+}
+
+/// Sub-groups: TP / DP / EP groups of a 2 x 2 world reduce over the right ranks.
+#[test]
+fn split_groups_reduce_over_members() {
+    let res = run_ranks(4, &opts(30.0), |rank, comm| {
+        let g = ascend_moe::comm::ParallelGroups::new(&comm, 2, 2)?;
+        let mut out = Vec::new();
+        for c in [&g.tp, &g.dp, &g.ep] {
+            let mut buf = t(&[rank as i64 + 1]);
+            c.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            out.push((c.rank(), c.world_size(), buf.to_vec::<i64>()?[0]));
+        }
+        Ok(out)
+    })
+    .expect("groups");
+    for (rank, out) in res.iter().enumerate() {
+        let (dp, tp) = (rank / 2, rank % 2);
+        // TP members: dp*2 + {0,1}; DP members: tp + {0,2}; EP: everyone.
+        let tp_sum = (dp * 2 + 1) as i64 + (dp * 2 + 2) as i64;
+        let dp_sum = (tp + 1) as i64 + (tp + 3) as i64;
+        assert_eq!(out[0], (tp, 2, tp_sum), "rank {rank} tp");
+        assert_eq!(out[1], (dp, 2, dp_sum), "rank {rank} dp");
+        assert_eq!(out[2], (dp * 2 + tp, 4, 10), "rank {rank} ep");
+    }
+}
+
+fn comm_kind(e: &Error) -> Option<CommErrorKind> {
+    match e {
+        Error::Comm { kind, .. } => Some(*kind),
+        _ => None,
+    }
+}
+
+/// Runs `f` on `world` threads with their own rendezvous (so a rank may do
+/// something different, including panicking); returns each rank's outcome.
+fn threads<F>(name: &str, world: usize, o: &CommOptions, f: F) -> Vec<Result<(), String>>
+where
+    F: Fn(usize, CpuComm) -> ascend_moe::Result<()> + Sync,
+{
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let f = &f;
+                s.spawn(move || {
+                    let c = CpuComm::rendezvous(name, world, r, o).map_err(|e| e.to_string())?;
+                    f(r, c).map_err(|e| format!("{e:?} / {e}"))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+    })
+}
+
+fn unique(tag: &str) -> String {
+    format!("test-{tag}-{}-{:?}", std::process::id(), std::thread::current().id())
+}
+
+#[test]
+fn count_mismatch_fails_every_rank_naming_ranks_and_sizes() {
+    let name = unique("mismatch");
+    let out = threads(&name, 4, &opts(10.0), |r, c| {
+        let n = if r == 2 { 10 } else { 12 };
+        let mut buf = Tensor::zeros_cpu(&[n], ascend_moe::DType::F32);
+        let e = c.all_reduce_in_place(&mut buf, ReduceOp::Sum).expect_err("must fail");
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "{e}");
+        let s = e.to_string();
+        for needle in ["all_reduce", name.as_str(), "ranks [2]", "count 10", "count 12", "[0, 1, 3]"] {
+            assert!(s.contains(needle), "rank {r}: {s:?} lacks {needle:?}");
+        }
+        // The group is still usable after a mismatch.
+        let mut ok = Tensor::zeros_cpu(&[3], ascend_moe::DType::F32);
+        c.all_reduce_in_place(&mut ok, ReduceOp::Sum)
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn dtype_and_kind_mismatch_fail_every_rank() {
+    let name = unique("dtype");
+    let out = threads(&name, 3, &opts(10.0), |r, c| {
+        let dt = if r == 1 { ascend_moe::DType::F16 } else { ascend_moe::DType::BF16 };
+        let mut buf = Tensor::zeros_cpu(&[8], dt);
+        let e = c.all_reduce_in_place(&mut buf, ReduceOp::Max).expect_err("dtype mismatch");
+        let s = e.to_string();
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "{s}");
+        assert!(s.contains("dtype f16") && s.contains("dtype bf16") && s.contains("ranks [1]"), "{s}");
+        // Different collectives: rank 0 gathers, the others barrier.
+        let e = if r == 0 {
+            let src = Tensor::zeros_cpu(&[2], ascend_moe::DType::I32);
+            let mut dst = Tensor::zeros_cpu(&[6], ascend_moe::DType::I32);
+            c.all_gather(&src, &mut dst).expect_err("kind mismatch")
+        } else {
+            c.barrier().expect_err("kind mismatch")
+        };
+        let s = e.to_string();
+        assert!(s.contains("all_gather dtype i32 count 2") && s.contains("barrier"), "{s}");
+        Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn all_to_all_count_disagreement_names_the_pair() {
+    let name = unique("a2a");
+    let out = threads(&name, 2, &opts(10.0), |r, c| {
+        let send = if r == 0 { vec![1, 5] } else { vec![2, 2] };
+        // Rank 1 expects 2 elements from rank 0, which sends 5.
+        let recv = if r == 0 { vec![1, 2] } else { vec![2, 2] };
+        let src = Tensor::zeros_cpu(&[send.iter().sum()], ascend_moe::DType::I64);
+        let mut dst = Tensor::zeros_cpu(&[recv.iter().sum()], ascend_moe::DType::I64);
+        let e = c.all_to_all_v(&src, &send, &mut dst, &recv).expect_err("mismatch");
+        let s = e.to_string();
+        assert!(s.contains("rank 0 sends 5 elements to rank 1, which expects 2"), "{s}");
+        Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn buffer_too_small_fails_that_rank_locally_and_the_others_loudly() {
+    let name = unique("small");
+    let out = threads(&name, 3, &opts(10.0), |r, c| {
+        let src = Tensor::zeros_cpu(&[3 * 4], ascend_moe::DType::F32);
+        let mut dst = Tensor::zeros_cpu(&[if r == 1 { 11 } else { 12 }], ascend_moe::DType::F32);
+        let e = c.all_gather(&Tensor::zeros_cpu(&[4], ascend_moe::DType::F32), &mut dst);
+        let e = e.expect_err("too small on rank 1");
+        let s = e.to_string();
+        if r == 1 {
+            assert!(matches!(e, Error::Shape { .. }), "{s}");
+            assert!(s.contains("dst") && s.contains("[11]") && s.contains("12 elements"), "{s}");
+        } else {
+            assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "{s}");
+            assert!(s.contains("ranks [1] passed invalid arguments") && s.contains("12 elements"), "{s}");
+        }
+        // reduce_scatter with a src of the wrong size on every rank.
+        let mut d = Tensor::zeros_cpu(&[5], ascend_moe::DType::F32);
+        let e = c.reduce_scatter(&src, &mut d, ReduceOp::Sum).expect_err("src too small");
+        assert!(e.to_string().contains("15 elements"), "{e}");
+        Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn missing_rank_times_out_at_join_and_in_a_collective() {
+    // Rank 2 never joins.
+    let name = unique("nojoin");
+    let o = opts(1.0);
+    let start = Instant::now();
+    let out: Vec<String> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (name, o) = (&name, &o);
+                s.spawn(move || CpuComm::rendezvous(name, 3, r, o).expect_err("rank 2 is missing").to_string())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("no panic")).collect()
+    });
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    for s in &out {
+        // The first rank to give up may make the other fail as a peer.
+        assert!(s.contains("waiting for ranks [2] to join") || s.contains("aborted"), "{s}");
+    }
+    assert!(out.iter().any(|s| s.contains("timed out") && s.contains("ranks [2]")), "{out:?}");
+
+    // Everyone joins; rank 1 stays alive but never calls the collective.
+    let name = unique("nocall");
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rx = std::sync::Mutex::new(rx);
+    let start = Instant::now();
+    let out = threads(&name, 3, &o, |r, c| {
+        if r == 1 {
+            // Wait (without a timer) until both peers have failed.
+            let rx = rx.lock().expect("lock");
+            rx.recv().expect("peer");
+            rx.recv().expect("peer");
+            return Ok(());
+        }
+        let e = c.barrier().expect_err("rank 1 never arrives");
+        let _ = tx.send(());
+        let s = e.to_string();
+        assert!(matches!(comm_kind(&e), Some(CommErrorKind::Timeout | CommErrorKind::PeerFailed)), "{s}");
+        assert!(s.contains("ranks [1]") || s.contains("rank 0 aborted") || s.contains("rank 2 aborted"), "{s}");
+        // Broken for good: the same error again, at once.
+        let again = c.barrier().expect_err("still broken");
+        assert_eq!(again.to_string(), s);
+        Ok(())
+    });
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn panicking_or_departing_peer_fails_the_others_fast() {
+    for panics in [true, false] {
+        let name = unique(if panics { "panic" } else { "leave" });
+        // A long timeout: failing with PeerFailed (not Timeout) proves the fast path.
+        let o = opts(60.0);
+        let start = Instant::now();
+        let out = threads(&name, 4, &o, |r, c| {
+            c.barrier()?;
+            if r == 3 {
+                if panics {
+                    panic!("rank 3 fails on purpose");
+                }
+                drop(c);
+                return Ok(());
+            }
+            let mut buf = Tensor::zeros_cpu(&[100], ascend_moe::DType::F32);
+            let e = c.all_reduce_in_place(&mut buf, ReduceOp::Sum).expect_err("peer is gone");
+            assert_eq!(comm_kind(&e), Some(CommErrorKind::PeerFailed), "{e}");
+            let s = e.to_string();
+            let cause = if panics { "aborted" } else { "left the group" };
+            assert!(s.contains(cause), "{s}");
+            Ok(())
+        });
+        assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+        assert_eq!(out[3].is_err(), panics, "{out:?}");
+        assert!(out[..3].iter().all(|o| o.is_ok()), "{out:?}");
+    }
+}
+
+#[test]
+fn bad_setup_arguments_say_which() {
+    let o = opts(2.0);
+    let e = CpuComm::rendezvous("x", 0, 0, &o).expect_err("world 0").to_string();
+    assert!(e.contains("world size 0"), "{e}");
+    let e = CpuComm::rendezvous("x", 4, 4, &o).expect_err("rank 4 of 4").to_string();
+    assert!(e.contains("rank 4 is out of range for world size 4"), "{e}");
+    let e = run_ranks(0, &o, |_, _| Ok(())).expect_err("world 0").to_string();
+    assert!(e.contains("world size 0"), "{e}");
+
+    // Split: duplicates, out of range, caller not a member.
+    let res = run_ranks(3, &o, |rank, comm| {
+        let dup = comm.split(&[0, 2, 2]).expect_err("duplicate").to_string();
+        let oor = comm.split(&[0, 5]).expect_err("out of range").to_string();
+        let not = if rank == 1 { comm.split(&[0, 2]).expect_err("not member").to_string() } else { String::new() };
+        Ok((dup, oor, not))
+    })
+    .expect("run");
+    for (r, (dup, oor, not)) in res.iter().enumerate() {
+        assert!(dup.contains("rank 2 appears more than once in [0, 2, 2]"), "{dup}");
+        assert!(oor.contains("rank 5 in [0, 5] is out of range for world size 3"), "{oor}");
+        assert!(r != 1 || not.contains("rank 1 is not in [0, 2]"), "{not}");
+    }
+}
+
+#[test]
+fn name_of_a_live_world_of_another_size_is_refused_and_duplicate_rank_too() {
+    let name = unique("live");
+    let o = opts(5.0);
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let rx = std::sync::Mutex::new(rx);
+    let out = threads(&name, 2, &o, |r, c| {
+        if r == 0 {
+            let e = CpuComm::rendezvous(&name, 3, 0, &o).expect_err("size 3 under a live size-2 name").to_string();
+            assert!(e.contains("live world of size 2") && e.contains("asked for size 3"), "{e}");
+            let e = CpuComm::rendezvous(&name, 2, 1, &o).expect_err("rank 1 taken").to_string();
+            assert!(e.contains("rank 1 is already joined") && e.contains("duplicate rank"), "{e}");
+            tx.send(()).expect("send");
+        } else {
+            rx.lock().expect("lock").recv().expect("recv");
+        }
+        c.barrier()
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn segments_are_removed_on_teardown() {
+    let name = unique("teardown");
+    let path = segment_path(&name);
+    let out = threads(&name, 3, &opts(10.0), |_, c| {
+        assert!(std::path::Path::new(c.segment_path()).exists());
+        let mut b = Tensor::zeros_cpu(&[4], ascend_moe::DType::I32);
+        c.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
+        // A sub-group's segment goes too.
+        let sub = c.split(&[0, 1, 2])?;
+        sub.barrier()
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+    assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
+    let leftovers: Vec<_> = std::fs::read_dir(ascend_moe::backend::cpu::comm::shm_dir())
+        .expect("shm dir")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| f.contains(&name.replace(|c: char| !c.is_ascii_alphanumeric() && c != '-', "")[..20]))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}

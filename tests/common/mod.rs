@@ -1,0 +1,147 @@
+//! Test helpers: deterministic data and a naive reference for every collective.
+#![allow(dead_code)]
+
+use ascend_moe::half::{bf16, f16};
+use ascend_moe::{DType, Element, ReduceOp};
+
+/// splitmix64.
+pub fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Element types with a test data generator and a naive reducer.
+pub trait TestElem: Element {
+    /// A deterministic value for (seed, rank, index).
+    fn gen(seed: u64, rank: usize, i: usize) -> Self;
+    /// Naive reduction over ranks in order 0..n-1 (f32 accumulation for floats).
+    fn reduce(op: ReduceOp, xs: &[Self]) -> Self;
+}
+
+fn rand_f32(seed: u64, rank: usize, i: usize) -> f32 {
+    let h = mix(seed ^ mix(rank as u64 ^ mix(i as u64)));
+    // Full-mantissa values in [-4, 4) scaled by 2^-12 ..= 2^11: wide enough in
+    // range that the f32 sum depends on the order it is taken in.
+    let m = ((h >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0;
+    m * f32::powi(2.0, (h % 24) as i32 - 12)
+}
+
+fn fold_f32(op: ReduceOp, xs: impl Iterator<Item = f32>) -> f32 {
+    let mut acc: Option<f32> = None;
+    for x in xs {
+        acc = Some(match (acc, op) {
+            (None, _) => x,
+            (Some(a), ReduceOp::Sum) => a + x,
+            (Some(a), ReduceOp::Max) => a.max(x),
+            (Some(a), ReduceOp::Min) => a.min(x),
+        });
+    }
+    acc.expect("at least one rank")
+}
+
+impl TestElem for f32 {
+    fn gen(seed: u64, rank: usize, i: usize) -> Self {
+        rand_f32(seed, rank, i)
+    }
+    fn reduce(op: ReduceOp, xs: &[Self]) -> Self {
+        fold_f32(op, xs.iter().copied())
+    }
+}
+
+impl TestElem for f16 {
+    fn gen(seed: u64, rank: usize, i: usize) -> Self {
+        f16::from_f32(rand_f32(seed, rank, i))
+    }
+    fn reduce(op: ReduceOp, xs: &[Self]) -> Self {
+        f16::from_f32(fold_f32(op, xs.iter().map(|x| x.to_f32())))
+    }
+}
+
+impl TestElem for bf16 {
+    fn gen(seed: u64, rank: usize, i: usize) -> Self {
+        bf16::from_f32(rand_f32(seed, rank, i))
+    }
+    fn reduce(op: ReduceOp, xs: &[Self]) -> Self {
+        bf16::from_f32(fold_f32(op, xs.iter().map(|x| x.to_f32())))
+    }
+}
+
+impl TestElem for i32 {
+    fn gen(seed: u64, rank: usize, i: usize) -> Self {
+        mix(seed ^ mix(rank as u64 ^ mix(i as u64))) as i32
+    }
+    fn reduce(op: ReduceOp, xs: &[Self]) -> Self {
+        let mut acc = xs[0];
+        for &x in &xs[1..] {
+            acc = match op {
+                ReduceOp::Sum => acc.wrapping_add(x),
+                ReduceOp::Max => acc.max(x),
+                ReduceOp::Min => acc.min(x),
+            };
+        }
+        acc
+    }
+}
+
+impl TestElem for i64 {
+    fn gen(seed: u64, rank: usize, i: usize) -> Self {
+        mix(seed ^ mix(rank as u64 ^ mix(i as u64))) as i64
+    }
+    fn reduce(op: ReduceOp, xs: &[Self]) -> Self {
+        let mut acc = xs[0];
+        for &x in &xs[1..] {
+            acc = match op {
+                ReduceOp::Sum => acc.wrapping_add(x),
+                ReduceOp::Max => acc.max(x),
+                ReduceOp::Min => acc.min(x),
+            };
+        }
+        acc
+    }
+}
+
+/// Data of `rank`: `n` values.
+pub fn data<T: TestElem>(seed: u64, rank: usize, n: usize) -> Vec<T> {
+    (0..n).map(|i| T::gen(seed, rank, i)).collect()
+}
+
+/// Naive elementwise reduction of every rank's data.
+pub fn reduced<T: TestElem>(seed: u64, world: usize, n: usize, op: ReduceOp) -> Vec<T> {
+    let all: Vec<Vec<T>> = (0..world).map(|r| data(seed, r, n)).collect();
+    (0..n)
+        .map(|i| {
+            let col: Vec<T> = all.iter().map(|v| v[i]).collect();
+            T::reduce(op, &col)
+        })
+        .collect()
+}
+
+/// Per-rank counts for a `_v` collective of size class `base`: uneven, with zeros.
+pub fn v_counts(world: usize, base: usize) -> Vec<usize> {
+    (0..world).map(|j| if base == 0 || j % 3 == 2 { 0 } else { base + j % 2 }).collect()
+}
+
+/// All-to-all matrix: `m[i][j]` elements go from rank i to rank j.
+pub fn a2a_matrix(world: usize, base: usize) -> Vec<Vec<usize>> {
+    (0..world)
+        .map(|i| (0..world).map(|j| if base == 0 { 0 } else { (base + i * 3 + j * 5) % (2 * base + 1) }).collect())
+        .collect()
+}
+
+/// Bitwise comparison with the first differing index.
+pub fn same_bits<T: Element>(got: &[T], want: &[T]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("length {} != {}", got.len(), want.len()));
+    }
+    let (g, w): (&[u8], &[u8]) = (bytemuck::cast_slice(got), bytemuck::cast_slice(want));
+    let sz = std::mem::size_of::<T>();
+    match (0..got.len()).find(|&i| g[i * sz..(i + 1) * sz] != w[i * sz..(i + 1) * sz]) {
+        None => Ok(()),
+        Some(i) => Err(format!("element {i}: got {:?}, want {:?}", got[i], want[i])),
+    }
+}
+
+/// Every dtype.
+pub const DTYPES: [DType; 5] = DType::ALL;
