@@ -18,6 +18,7 @@ pub mod backend;
 pub mod comm;
 pub mod dtype;
 pub mod error;
+pub mod kernels;
 pub mod tensor;
 
 pub use backend::{Device, DropPadMode};
