@@ -438,7 +438,8 @@ pub fn check_status(status: &[u32], tiling: &FinalizeTiling) -> Result<()> {
 
 /// Signature of one core of a kernel launch; identical to the simulated
 /// runtime's `cannsim_kernel_entry`.
-pub type KernelEntry = unsafe extern "C" fn(block_idx: u32, block_dim: u32, gm: *const *mut c_void, tiling: *const c_void);
+pub type KernelEntry =
+    unsafe extern "C" fn(block_idx: u32, block_dim: u32, gm: *const *mut c_void, tiling: *const c_void);
 
 #[cfg(amoe_host_kernel)]
 mod ffi {
@@ -448,6 +449,7 @@ mod ffi {
         pub fn amoe_finalize_tiling_layout(out: *mut u32, cap: usize) -> usize;
         pub fn amoe_finalize_ub_bytes_host(data_dtype: u32, tile_h: u32) -> u32;
         pub fn amoe_sim_ub_capacity() -> u32;
+        pub fn amoe_sim_selftest(which: u32, msg: *mut std::ffi::c_char, cap: usize) -> i32;
     }
 }
 
@@ -510,6 +512,27 @@ pub fn sim_ub_capacity() -> Result<usize> {
     }
     #[cfg(not(amoe_host_kernel))]
     {
+        Err(host_unavailable())
+    }
+}
+
+/// Runs self-test kernel `which` of the host simulation (`kernels/sim/host_entry.cpp`):
+/// case 0 follows every rule, cases 1..=8 each break one (queue balance,
+/// use after free, bounds, alignment). Returns the violation message that
+/// aborted the run, `None` if it ran clean.
+#[doc(hidden)]
+pub fn sim_selftest(which: u32) -> Result<Option<String>> {
+    #[cfg(amoe_host_kernel)]
+    {
+        let mut buf = vec![0u8; 512];
+        // SAFETY: the callee writes at most `cap` bytes, NUL-terminated, into buf.
+        let hit = unsafe { ffi::amoe_sim_selftest(which, buf.as_mut_ptr().cast(), buf.len()) };
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        Ok((hit != 0).then(|| String::from_utf8_lossy(&buf[..end]).into_owned()))
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        let _ = which;
         Err(host_unavailable())
     }
 }

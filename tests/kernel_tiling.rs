@@ -40,7 +40,11 @@ fn tiling_struct_matches_the_c_layout() {
 fn ub_formula_matches_the_header_and_the_sim_capacity() {
     for d in DType::FLOATS {
         for tile in [16u32, 256, 10_912, 12_272] {
-            assert_eq!(kernels::ub_bytes(d, tile as usize), kernels::c_ub_bytes(d, tile).unwrap() as usize, "{d} {tile}");
+            assert_eq!(
+                kernels::ub_bytes(d, tile as usize),
+                kernels::c_ub_bytes(d, tile).unwrap() as usize,
+                "{d} {tile}"
+            );
         }
     }
     assert_eq!(kernels::sim_ub_capacity().unwrap(), UB_BYTES_910B);

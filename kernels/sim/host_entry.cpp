@@ -38,18 +38,11 @@ void ReportViolation(void *status, uint32_t block_idx, const std::string &msg)
     text[n] = '\0';
 }
 
-} // namespace
-
-extern "C" void amoe_finalize_kernel_host(uint32_t block_idx, uint32_t block_dim, void *const *gm,
-                                          const void *tiling)
+/* Runs `body` as core block_idx of block_dim; returns the violation that
+ * aborted it, or an empty string. */
+template <typename F>
+std::string RunCore(uint32_t block_idx, uint32_t block_dim, F body)
 {
-    if (gm == nullptr) {
-        return;
-    }
-    void *status = gm[AMOE_FIN_GM_STATUS];
-    if (block_idx >= block_dim) {
-        return; /* no record to write: the status array has block_dim records */
-    }
     amoe_sim::CoreContext &ctx = amoe_sim::Ctx();
     ctx.blockIdx = block_idx;
     ctx.blockNum = block_dim;
@@ -59,14 +52,7 @@ extern "C" void amoe_finalize_kernel_host(uint32_t block_idx, uint32_t block_dim
     AscendC::CurrentPipe() = nullptr;
     std::string violation;
     try {
-        if (tiling == nullptr || status == nullptr) {
-            amoe_sim::Fail("launch: null tiling or status pointer");
-        }
-        auto p = [gm](int i) { return static_cast<GM_ADDR>(gm[i]); };
-        amoe_finalize_kernel(p(AMOE_FIN_GM_EXPANDED_X), p(AMOE_FIN_GM_ROW_IDX), p(AMOE_FIN_GM_X1), p(AMOE_FIN_GM_X2),
-                             p(AMOE_FIN_GM_BIAS), p(AMOE_FIN_GM_SCALES), p(AMOE_FIN_GM_EXPERT_IDX),
-                             p(AMOE_FIN_GM_OUT), p(AMOE_FIN_GM_SLOT_OFFSETS), p(AMOE_FIN_GM_STATUS),
-                             static_cast<GM_ADDR>(const_cast<void *>(tiling)));
+        body();
     } catch (const amoe_sim::Violation &v) {
         violation = v.what();
     } catch (const std::exception &e) {
@@ -80,9 +66,106 @@ extern "C" void amoe_finalize_kernel_host(uint32_t block_idx, uint32_t block_dim
     ctx.active = false;
     ctx.pipe = nullptr;
     AscendC::CurrentPipe() = nullptr;
+    return violation;
+}
+
+} // namespace
+
+extern "C" void amoe_finalize_kernel_host(uint32_t block_idx, uint32_t block_dim, void *const *gm,
+                                          const void *tiling)
+{
+    if (gm == nullptr) {
+        return;
+    }
+    void *status = gm[AMOE_FIN_GM_STATUS];
+    if (block_idx >= block_dim) {
+        return; /* no record to write: the status array has block_dim records */
+    }
+    std::string violation = RunCore(block_idx, block_dim, [&]() {
+        if (tiling == nullptr || status == nullptr) {
+            amoe_sim::Fail("launch: null tiling or status pointer");
+        }
+        auto p = [gm](int i) { return static_cast<GM_ADDR>(gm[i]); };
+        amoe_finalize_kernel(p(AMOE_FIN_GM_EXPANDED_X), p(AMOE_FIN_GM_ROW_IDX), p(AMOE_FIN_GM_X1), p(AMOE_FIN_GM_X2),
+                             p(AMOE_FIN_GM_BIAS), p(AMOE_FIN_GM_SCALES), p(AMOE_FIN_GM_EXPERT_IDX),
+                             p(AMOE_FIN_GM_OUT), p(AMOE_FIN_GM_SLOT_OFFSETS), p(AMOE_FIN_GM_STATUS),
+                             static_cast<GM_ADDR>(const_cast<void *>(tiling)));
+    });
     if (!violation.empty()) {
         ReportViolation(status, block_idx, "block " + std::to_string(block_idx) + ": " + violation);
     }
+}
+
+namespace {
+
+using namespace AscendC;
+
+/* Small kernels that break one rule each (case 0 breaks none), to show the
+ * simulation catches what the finalize kernel itself never does. */
+void SelftestKernel(uint32_t which)
+{
+    alignas(32) static thread_local float gmData[64];
+    GlobalTensor<float> gm;
+    gm.SetGlobalBuffer(gmData, 64);
+    TPipe pipe;
+    TQue<QuePosition::VECIN, 1> que;
+    pipe.InitBuffer(que, 1, 64 * sizeof(float));
+    LocalTensor<float> t = que.AllocTensor<float>();
+    switch (which) {
+    case 0: /* balanced and aligned */
+        DataCopy(t, gm, 64);
+        que.EnQue(t);
+        t = que.DeQue<float>();
+        Add(t, t, t, 64);
+        que.FreeTensor(t);
+        return;
+    case 1: /* a second AllocTensor on a one-buffer queue */
+        que.AllocTensor<float>();
+        return;
+    case 2: /* DeQue with nothing enqueued */
+        que.DeQue<float>();
+        return;
+    case 3: /* returns with the tensor still allocated */
+        return;
+    case 4: /* use after FreeTensor */
+        que.FreeTensor(t);
+        Duplicate(t, 1.0f, 8);
+        return;
+    case 5: /* vector op past the end of the tensor */
+        Add(t, t, t, 65);
+        que.FreeTensor(t);
+        return;
+    case 6: /* read past the global buffer */
+        DataCopy(t, gm[32], 64);
+        que.FreeTensor(t);
+        return;
+    case 7: /* UB address not 32-byte aligned */
+        DataCopy(t[4], gm, 8);
+        que.FreeTensor(t);
+        return;
+    case 8: /* FreeTensor of an enqueued tensor */
+        que.EnQue(t);
+        que.FreeTensor(t);
+        return;
+    default:
+        que.FreeTensor(t);
+        amoe_sim::Fail("selftest: unknown case %u", which);
+    }
+}
+
+} // namespace
+
+/* Runs self-test kernel `which` on one core; writes the violation message
+ * (empty when none) into msg and returns 1 if the run was aborted. */
+extern "C" int amoe_sim_selftest(uint32_t which, char *msg, size_t cap)
+{
+    std::string v = RunCore(0, 1, [which]() { SelftestKernel(which); });
+    if (msg != nullptr && cap > 0) {
+        size_t n = v.size() < cap - 1 ? v.size() : cap - 1;
+        std::memcpy(msg, v.data(), n);
+        msg[n] = '\0';
+    }
+    return v.empty() ? 0 : 1;
 }
 
 /* Byte offsets of every AmoeFinalizeTiling field, in declaration order,
