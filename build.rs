@@ -84,7 +84,7 @@ struct Cann {
 
 /// CANN root and its kernel compiler, if installed.
 fn find_cann() -> Option<Cann> {
-    let roots = ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"].iter().filter_map(|v| env::var_os(v)).map(PathBuf::from);
+    let roots = ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"].iter().filter_map(env::var_os).map(PathBuf::from);
     for home in roots {
         let candidates = [
             home.join("compiler/ccec_compiler/bin/bisheng"),

@@ -257,7 +257,7 @@ pub fn finalize_tiling(p: &TilingParams<'_>) -> Result<FinalizeTiling> {
         }
     };
     // Flat index positions and slot offsets travel as 32-bit values.
-    to_u32("expanded_row_idx", d.n.checked_mul(d.k).unwrap_or(usize::MAX))?;
+    to_u32("expanded_row_idx", d.n.saturating_mul(d.k))?;
     if i32::try_from(d.n).is_err() {
         return Err(Error::invalid(OP, "n", format!("{} tokens exceed the kernel's int32 offsets", d.n)));
     }
