@@ -102,7 +102,7 @@ public:
 
         const uint32_t tileBytes = t.tile_h * static_cast<uint32_t>(sizeof(T));
         const uint32_t tileF32Bytes = t.tile_h * static_cast<uint32_t>(sizeof(float));
-        pipe->InitBuffer(inQue_, 1, tileBytes);
+        pipe->InitBuffer(inQue_, 2, tileBytes);
         pipe->InitBuffer(biasQue_, 1, tileBytes);
         pipe->InitBuffer(outQue_, 1, tileBytes);
         pipe->InitBuffer(termBuf_, tileF32Bytes);
@@ -169,8 +169,9 @@ private:
         }
     }
 
+    /* GM -> UB into a fresh queue buffer, enqueued; DataCopyPad for a tail tile. */
     template <typename Q, typename U>
-    __aicore__ inline LocalTensor<U> CopyIn(Q &que, const GlobalTensor<U> &gm, uint64_t offset, uint32_t len)
+    __aicore__ inline void Load(Q &que, const GlobalTensor<U> &gm, uint64_t offset, uint32_t len)
     {
         LocalTensor<U> l = que.template AllocTensor<U>();
         if (len == t_.tile_h) {
@@ -181,6 +182,12 @@ private:
             DataCopyPad(l, gm[offset], p, pad);
         }
         que.EnQue(l);
+    }
+
+    template <typename Q, typename U>
+    __aicore__ inline LocalTensor<U> CopyIn(Q &que, const GlobalTensor<U> &gm, uint64_t offset, uint32_t len)
+    {
+        Load(que, gm, offset, len);
         return que.template DeQue<U>();
     }
 
@@ -231,6 +238,51 @@ private:
         }
     }
 
+    /* One (token, k) slot, resolved and bounds-checked. */
+    struct Slot {
+        bool use;     /* contributes (indices valid) */
+        bool dropped; /* drop-pad -1: zero row, bias still added */
+        int32_t row;
+        int32_t expert;
+        float scale;
+    };
+
+    __aicore__ inline Slot Resolve(uint32_t token, uint32_t k)
+    {
+        Slot s{false, false, 0, 0, 1.0f};
+        const uint64_t pos =
+            rowLayout_ ? static_cast<uint64_t>(token) * t_.k + k : static_cast<uint64_t>(k) * t_.n + token;
+        const uint64_t nkPos = static_cast<uint64_t>(token) * t_.k + k;
+        const int32_t r = idxGm_.GetValue(pos);
+        s.dropped = dropPad_ && r == -1;
+        if (!s.dropped && (r < 0 || static_cast<uint32_t>(r) >= t_.expanded_rows)) {
+            Flag(AMOE_FIN_ST_ROW_INDEX, pos, r);
+            return s;
+        }
+        if (hasBias_) {
+            const int32_t e = expertGm_.GetValue(nkPos);
+            if (e < 0 || static_cast<uint32_t>(e) >= t_.experts) {
+                Flag(AMOE_FIN_ST_EXPERT_INDEX, nkPos, e);
+                return s;
+            }
+            s.expert = e;
+        }
+        if (hasScales_) {
+            s.scale = ScalarToF32(scalesGm_.GetValue(nkPos));
+        }
+        s.row = r;
+        s.use = true;
+        return s;
+    }
+
+    /* Starts the copy of a slot's row tile; DeQue in Take waits for it. */
+    __aicore__ inline void Issue(const Slot &s, uint64_t col, uint32_t len)
+    {
+        if (s.use && !s.dropped) {
+            Load(inQue_, xGm_, static_cast<uint64_t>(s.row) * t_.h + col, len);
+        }
+    }
+
     __aicore__ inline void ComputeTile(uint32_t token, uint64_t outOffset, uint64_t col, uint32_t len)
     {
         const uint64_t h = t_.h;
@@ -261,50 +313,47 @@ private:
             Duplicate(acc, 0.0f, static_cast<int32_t>(len));
         }
 
+        /* Double buffering: the row of slot k+1 is in flight while slot k
+         * is computed (the input queue has two buffers). */
+        Slot cur = Slot{false, false, 0, 0, 1.0f};
+        if (t_.k > 0) {
+            cur = Resolve(token, 0);
+            Issue(cur, col, len);
+        }
         for (uint32_t k = 0; k < t_.k; ++k) {
-            const uint64_t pos = rowLayout_ ? static_cast<uint64_t>(token) * t_.k + k
-                                            : static_cast<uint64_t>(k) * t_.n + token;
-            const uint64_t nkPos = static_cast<uint64_t>(token) * t_.k + k;
-            const int32_t r = idxGm_.GetValue(pos);
-            const bool dropped = dropPad_ && r == -1;
-            if (!dropped && (r < 0 || static_cast<uint32_t>(r) >= t_.expanded_rows)) {
-                Flag(AMOE_FIN_ST_ROW_INDEX, pos, r);
-                continue;
+            Slot next = Slot{false, false, 0, 0, 1.0f};
+            if (k + 1u < t_.k) {
+                next = Resolve(token, k + 1u);
+                Issue(next, col, len);
             }
-            int32_t e = 0;
-            if (hasBias_) {
-                e = expertGm_.GetValue(nkPos);
-                if (e < 0 || static_cast<uint32_t>(e) >= t_.experts) {
-                    Flag(AMOE_FIN_ST_EXPERT_INDEX, nkPos, e);
-                    continue;
-                }
-            }
-
-            LocalTensor<T> rowT;
-            LocalTensor<float> term;
-            if (dropped) {
-                term = termScratch;
-                Duplicate(term, 0.0f, static_cast<int32_t>(len));
-            } else {
-                rowT = CopyIn(inQue_, xGm_, static_cast<uint64_t>(r) * h + col, len);
-                term = Widen(rowT, termScratch, len);
-            }
-            if (hasBias_) {
-                LocalTensor<T> bt = CopyIn(biasQue_, biasGm_, static_cast<uint64_t>(e) * h + col, len);
-                if constexpr (kF32) {
-                    Add(term, term, bt, static_cast<int32_t>(len));
+            if (cur.use) {
+                LocalTensor<T> rowT;
+                LocalTensor<float> term;
+                if (cur.dropped) {
+                    term = termScratch;
+                    Duplicate(term, 0.0f, static_cast<int32_t>(len));
                 } else {
-                    Add(term, term, Widen(bt, biasF32Buf_.Get<float>(), len), static_cast<int32_t>(len));
+                    rowT = inQue_.template DeQue<T>();
+                    term = Widen(rowT, termScratch, len);
                 }
-                biasQue_.FreeTensor(bt);
+                if (hasBias_) {
+                    LocalTensor<T> bt = CopyIn(biasQue_, biasGm_, static_cast<uint64_t>(cur.expert) * h + col, len);
+                    if constexpr (kF32) {
+                        Add(term, term, bt, static_cast<int32_t>(len));
+                    } else {
+                        Add(term, term, Widen(bt, biasF32Buf_.Get<float>(), len), static_cast<int32_t>(len));
+                    }
+                    biasQue_.FreeTensor(bt);
+                }
+                if (hasScales_) {
+                    Muls(term, term, cur.scale, static_cast<int32_t>(len));
+                }
+                Add(acc, acc, term, static_cast<int32_t>(len));
+                if (!cur.dropped) {
+                    inQue_.FreeTensor(rowT);
+                }
             }
-            if (hasScales_) {
-                Muls(term, term, ScalarToF32(scalesGm_.GetValue(nkPos)), static_cast<int32_t>(len));
-            }
-            Add(acc, acc, term, static_cast<int32_t>(len));
-            if (!dropped) {
-                inQue_.FreeTensor(rowT);
-            }
+            cur = next;
         }
 
         if constexpr (!kF32) {
@@ -322,7 +371,7 @@ private:
     GlobalTensor<S> scalesGm_;
     GlobalTensor<int32_t> idxGm_, expertGm_, offsetsGm_;
 
-    TQue<QuePosition::VECIN, 1> inQue_;
+    TQue<QuePosition::VECIN, 2> inQue_;
     TQue<QuePosition::VECIN, 1> biasQue_;
     TQue<QuePosition::VECOUT, 1> outQue_;
     TBuf<QuePosition::VECCALC> termBuf_, accBuf_, biasF32Buf_, statusBuf_;

@@ -95,12 +95,12 @@ typedef struct AmoeFinalizeTiling {
 } AmoeFinalizeTiling;
 
 /* Unified-buffer bytes the kernel allocates for a tile of `tile_h` elements:
- * per element one input queue, one bias queue and one output queue of the data
- * type plus one f32 scratch, and for 16-bit data an f32 accumulator and an
- * f32 bias scratch; plus one 32-byte status block. */
+ * per element a double-buffered input queue, a bias queue and an output queue
+ * of the data type plus one f32 scratch, and for 16-bit data an f32
+ * accumulator and an f32 bias scratch; plus one 32-byte status block. */
 static inline uint32_t amoe_finalize_ub_bytes(uint32_t data_dtype, uint32_t tile_h)
 {
-    uint32_t per_elem = (data_dtype == AMOE_DT_F32) ? (3u * 4u + 4u) : (3u * 2u + 3u * 4u);
+    uint32_t per_elem = (data_dtype == AMOE_DT_F32) ? (4u * 4u + 4u) : (4u * 2u + 3u * 4u);
     return per_elem * tile_h + 32u;
 }
 

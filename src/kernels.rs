@@ -151,11 +151,11 @@ impl FinalizeTiling {
 
 /// Unified-buffer bytes the kernel allocates per core for a tile of `tile_h`
 /// elements (the formula of `amoe_finalize_ub_bytes` in the tiling header):
-/// input, bias and output queues of the data type plus an f32 scratch, and for
-/// 16-bit data an f32 accumulator and an f32 bias scratch, plus one 32-byte
-/// status block.
+/// a double-buffered input queue, a bias queue and an output queue of the data
+/// type plus an f32 scratch, and for 16-bit data an f32 accumulator and an f32
+/// bias scratch, plus one 32-byte status block.
 pub fn ub_bytes(data: DType, tile_h: usize) -> usize {
-    let per_elem = if data == DType::F32 { 3 * 4 + 4 } else { 3 * 2 + 3 * 4 };
+    let per_elem = if data == DType::F32 { 4 * 4 + 4 } else { 4 * 2 + 3 * 4 };
     per_elem * tile_h + 32
 }
 
