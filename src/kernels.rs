@@ -155,7 +155,9 @@ impl FinalizeTiling {
 /// type plus an f32 scratch, and for 16-bit data an f32 accumulator and an f32
 /// bias scratch, plus one 32-byte status block.
 pub fn ub_bytes(data: DType, tile_h: usize) -> usize {
-    let per_elem = if data == DType::F32 { 4 * 4 + 4 } else { 4 * 2 + 3 * 4 };
+    // (bytes of the data type, f32 scratch buffers)
+    let (elem, f32_buffers) = if data == DType::F32 { (4, 1) } else { (2, 3) };
+    let per_elem = 4 * elem + 4 * f32_buffers;
     per_elem * tile_h + 32
 }
 
