@@ -592,3 +592,62 @@ fn sim_enforces_queue_discipline_bounds_and_alignment() {
         assert!(msg.contains(needle), "case {case}: {msg}");
     }
 }
+
+/// Launches the host entry by hand for `blocks` (the runner would refuse these
+/// launches), returning the status array.
+fn raw_launch(
+    c: &Case,
+    launch_dim: u32,
+    blocks: &[u32],
+    edit: impl FnOnce(&mut FinalizeTiling),
+) -> (Vec<u32>, FinalizeTiling) {
+    use std::ffi::c_void;
+    let inp = make_inputs(c);
+    let t = tensors(c, &inp);
+    let a = args(c, &t);
+    let mut tl = tiling(c, &a, &inp.dims);
+    edit(&mut tl);
+    let mut out = garbage_out(c.data, inp.dims.n, inp.dims.h);
+    let mut status = vec![kernels::STATUS_NOT_RUN; launch_dim as usize * kernels::STATUS_WORDS];
+    let ptr = |t: Option<&Tensor>| t.map_or(std::ptr::null_mut(), |t| t.cpu_bytes().unwrap().as_ptr() as *mut c_void);
+    let mut gm = [std::ptr::null_mut::<c_void>(); kernels::GM_COUNT];
+    gm[kernels::GM_EXPANDED_X] = ptr(Some(&t.x));
+    gm[kernels::GM_ROW_IDX] = ptr(Some(&t.idx));
+    gm[kernels::GM_X1] = ptr(t.x1.as_ref());
+    gm[kernels::GM_X2] = ptr(t.x2.as_ref());
+    gm[kernels::GM_BIAS] = ptr(t.bias.as_ref());
+    gm[kernels::GM_SCALES] = ptr(t.scales.as_ref());
+    gm[kernels::GM_EXPERT_IDX] = ptr(t.expert.as_ref());
+    gm[kernels::GM_OUT] = out.cpu_bytes_mut().unwrap().as_mut_ptr() as *mut c_void;
+    gm[kernels::GM_STATUS] = status.as_mut_ptr() as *mut c_void;
+    let entry = kernels::host_entry().unwrap();
+    for &b in blocks {
+        // SAFETY: the buffers match the unedited tiling's sizes; the edits
+        // below only make the kernel refuse to run or leave cores unrun.
+        unsafe { entry(b, launch_dim, gm.as_ptr(), (&tl as *const FinalizeTiling).cast()) };
+    }
+    (status, tl)
+}
+
+#[test]
+fn kernel_rejects_a_tiling_for_another_launch_and_unrun_cores_are_detected() {
+    let c = Case::new(2, DType::F16);
+    // Tiling planned for 4 cores, launched on 3: every core refuses.
+    let (status, mut tl) = raw_launch(&c, 3, &[0, 1, 2], |_| {});
+    tl.block_dim = 3;
+    let e = kernels::check_status(&status, &tl).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { arg: "tiling", .. }), "{e}");
+    // A wrong magic is refused by the kernel too.
+    let (status, tl) = raw_launch(&c, 4, &[0, 1, 2, 3], |t| t.magic ^= 1);
+    let e = kernels::check_status(&status, &tl).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { arg: "tiling", .. }), "{e}");
+    // Core 2 never runs: its sentinel survives.
+    let (status, tl) = raw_launch(&c, 4, &[0, 1, 3], |_| {});
+    match kernels::check_status(&status, &tl).unwrap_err() {
+        Error::Kernel { block: 2, detail, .. } => assert!(detail.contains("did not run"), "{detail}"),
+        e => panic!("{e}"),
+    }
+    // All four run: clean.
+    let (status, tl) = raw_launch(&c, 4, &[0, 1, 2, 3], |_| {});
+    kernels::check_status(&status, &tl).unwrap();
+}
