@@ -570,24 +570,23 @@ fn expect_len(t: &Tensor, arg: &'static str, what: &str, want: u64) -> Result<()
     Ok(())
 }
 
-fn check_optional(
-    t: Option<&Tensor>,
-    flag: bool,
-    arg: &'static str,
-    dtype: DType,
-    what: &str,
-    len: u64,
-) -> Result<*mut c_void> {
+fn check_optional(t: Option<&Tensor>, flag: bool, arg: &'static str, dtype: DType, what: &str, len: u64) -> Result<()> {
     match (t, flag) {
-        (None, false) => Ok(std::ptr::null_mut()),
+        (None, false) => Ok(()),
         (Some(t), true) => {
             expect_dtype(t, arg, dtype)?;
-            expect_len(t, arg, what, len)?;
-            Ok(t.cpu_bytes()?.as_ptr() as *mut c_void)
+            expect_len(t, arg, what, len)
         }
         (Some(_), false) => Err(Error::invalid(OP, arg, "given, but the tiling says it is absent")),
         (None, true) => Err(Error::invalid(OP, arg, "absent, but the tiling says it is given")),
     }
+}
+
+fn host_ptr(t: Option<&Tensor>) -> Result<*mut c_void> {
+    Ok(match t {
+        Some(t) => t.cpu_bytes()?.as_ptr() as *mut c_void,
+        None => std::ptr::null_mut(),
+    })
 }
 
 /// Runs the host build of the kernel on host tensors, planning the tiling for
@@ -608,14 +607,18 @@ pub fn finalize_host(
     finalize_host_with_tiling(args, out, rows, &tiling)
 }
 
-/// [`finalize_host`] with a given tiling. Every tensor is checked against the
-/// tiling's sizes and flags, and the tiling's geometry against itself, so the
-/// kernel cannot address memory outside the tensors; the tile size and its
-/// unified-buffer footprint are not checked, so a tiling that would break the
-/// hardware's rules is caught by the host simulation ([`Error::Kernel`]).
-pub fn finalize_host_with_tiling(
+/// Checks a launch before it happens, on any device: the tiling's geometry
+/// against itself, and every tensor's dtype and element count against the
+/// tiling's sizes and flags, so the kernel cannot address memory outside the
+/// tensors. The tile size and its unified-buffer footprint are not checked:
+/// the hardware (and the host simulation) enforces those. A device launch
+/// calls this, then passes the tensors' device pointers in `GM_*` order, the
+/// [`slot_offsets`] for padded output, and a status buffer of
+/// [`FinalizeTiling::status_words`] words filled with [`STATUS_NOT_RUN`]
+/// (bytes `0xFF`), and decodes the status with [`check_status`].
+pub fn check_launch(
     args: &FinalizeArgs<'_>,
-    out: &mut Tensor,
+    out: &Tensor,
     rows: OutputRows<'_>,
     tiling: &FinalizeTiling,
 ) -> Result<()> {
@@ -634,43 +637,54 @@ pub fn finalize_host_with_tiling(
         ));
     }
     let (n, k, h) = (u64::from(t.n), u64::from(t.k), u64::from(t.h));
-
     expect_dtype(args.expanded_x, "expanded_x", data)?;
     expect_len(args.expanded_x, "expanded_x", "expanded_rows * h", u64::from(t.expanded_rows) * h)?;
     expect_dtype(args.expanded_row_idx, "expanded_row_idx", DType::I32)?;
     expect_len(args.expanded_row_idx, "expanded_row_idx", "n * k", n * k)?;
-    let x1 = check_optional(args.x1, t.flags & FLAG_X1 != 0, "x1", data, "n * h", n * h)?;
-    let x2 = check_optional(args.x2, t.flags & FLAG_X2 != 0, "x2", data, "n * h", n * h)?;
+    check_optional(args.x1, t.flags & FLAG_X1 != 0, "x1", data, "n * h", n * h)?;
+    check_optional(args.x2, t.flags & FLAG_X2 != 0, "x2", data, "n * h", n * h)?;
     let has_bias = t.flags & FLAG_BIAS != 0;
-    let bias = check_optional(args.bias, has_bias, "bias", data, "experts * h", u64::from(t.experts) * h)?;
-    let expert_idx = check_optional(args.expert_idx, has_bias, "expert_idx", DType::I32, "n * k", n * k)?;
-    let scales = check_optional(args.scales, t.flags & FLAG_SCALES != 0, "scales", scales_dtype, "n * k", n * k)?;
+    check_optional(args.bias, has_bias, "bias", data, "experts * h", u64::from(t.experts) * h)?;
+    check_optional(args.expert_idx, has_bias, "expert_idx", DType::I32, "n * k", n * k)?;
+    check_optional(args.scales, t.flags & FLAG_SCALES != 0, "scales", scales_dtype, "n * k", n * k)?;
     expect_dtype(out, "out", data)?;
     expect_len(out, "out", "out_rows * h", u64::from(t.out_rows) * h)?;
-
-    let offsets = slot_offsets(rows)?;
     match rows {
         OutputRows::Dense if t.padded() => {
-            return Err(Error::invalid(OP, "rows", "dense output, but the tiling is for the padded buffer"));
+            Err(Error::invalid(OP, "rows", "dense output, but the tiling is for the padded buffer"))
         }
-        OutputRows::Padded { local_sizes, slot_rows } => {
-            if !t.padded() || local_sizes.len() != t.slots as usize || slot_rows != t.slot_rows as usize {
-                return Err(Error::invalid(OP, "rows", "padded layout does not match the tiling"));
-            }
+        OutputRows::Padded { local_sizes, slot_rows }
+            if !t.padded() || local_sizes.len() != t.slots as usize || slot_rows != t.slot_rows as usize =>
+        {
+            Err(Error::invalid(OP, "rows", "padded layout does not match the tiling"))
         }
-        OutputRows::Dense => {}
+        _ => Ok(()),
     }
+}
 
+/// [`finalize_host`] with a given tiling, checked by [`check_launch`]: a
+/// tiling that would break the hardware's rules (tile alignment, unified-buffer
+/// capacity) is caught by the host simulation and returned as
+/// [`Error::Kernel`].
+pub fn finalize_host_with_tiling(
+    args: &FinalizeArgs<'_>,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+    tiling: &FinalizeTiling,
+) -> Result<()> {
+    let t = tiling;
+    check_launch(args, out, rows, t)?;
+    let offsets = slot_offsets(rows)?;
     let entry = host_entry().ok_or_else(host_unavailable)?;
     let mut status = vec![STATUS_NOT_RUN; t.status_words()];
     let mut gm = [std::ptr::null_mut::<c_void>(); GM_COUNT];
-    gm[GM_EXPANDED_X] = args.expanded_x.cpu_bytes()?.as_ptr() as *mut c_void;
-    gm[GM_ROW_IDX] = args.expanded_row_idx.cpu_bytes()?.as_ptr() as *mut c_void;
-    gm[GM_X1] = x1;
-    gm[GM_X2] = x2;
-    gm[GM_BIAS] = bias;
-    gm[GM_SCALES] = scales;
-    gm[GM_EXPERT_IDX] = expert_idx;
+    gm[GM_EXPANDED_X] = host_ptr(Some(args.expanded_x))?;
+    gm[GM_ROW_IDX] = host_ptr(Some(args.expanded_row_idx))?;
+    gm[GM_X1] = host_ptr(args.x1)?;
+    gm[GM_X2] = host_ptr(args.x2)?;
+    gm[GM_BIAS] = host_ptr(args.bias)?;
+    gm[GM_SCALES] = host_ptr(args.scales)?;
+    gm[GM_EXPERT_IDX] = host_ptr(args.expert_idx)?;
     gm[GM_OUT] = out.cpu_bytes_mut()?.as_mut_ptr() as *mut c_void;
     gm[GM_SLOT_OFFSETS] = if offsets.is_empty() { std::ptr::null_mut() } else { offsets.as_ptr() as *mut c_void };
     gm[GM_STATUS] = status.as_mut_ptr() as *mut c_void;
