@@ -651,3 +651,39 @@ fn kernel_rejects_a_tiling_for_another_launch_and_unrun_cores_are_detected() {
     let (status, tl) = raw_launch(&c, 4, &[0, 1, 2, 3], |_| {});
     kernels::check_status(&status, &tl).unwrap();
 }
+
+#[test]
+fn random_shapes_layouts_and_budgets_match_the_reference() {
+    let mut rng = Rng(0xC0FF_EE00_1234_5678);
+    for seed in 0..120u64 {
+        let data = DType::FLOATS[rng.below(3)];
+        let mut c = Case::new(rng.below(4) as u32, data);
+        c.seed = seed;
+        c.n = rng.below(12);
+        c.k = 1 + rng.below(4);
+        c.h = 1 + rng.below(200);
+        c.experts = 1 + rng.below(5);
+        c.capacity = 1 + rng.below(6);
+        c.block_dim = 1 + rng.below(9) as u32;
+        c.ub = [UB_BYTES_910B, 1024, 2048, 5000][rng.below(4)];
+        c.x1 = rng.below(2) == 0;
+        c.x2 = rng.below(2) == 0;
+        c.bias = rng.below(2) == 0;
+        c.scales = match rng.below(3) {
+            0 => None,
+            1 => Some(data),
+            _ => Some(DType::F32),
+        };
+        if rng.below(3) == 0 {
+            // Spread the tokens over 1..=4 EP slots, some possibly empty.
+            let slots = 1 + rng.below(4);
+            let mut sizes = vec![0usize; slots];
+            for _ in 0..c.n {
+                sizes[rng.below(slots)] += 1;
+            }
+            let slot_rows = sizes.iter().copied().max().unwrap_or(0) + rng.below(2);
+            c.padded = Some((sizes, slot_rows));
+        }
+        check(&c);
+    }
+}
