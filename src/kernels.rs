@@ -549,6 +549,85 @@ pub fn npu_kernel_library() -> Option<PathBuf> {
     option_env!("AMOE_NPU_KERNEL_LIB").map(PathBuf::from)
 }
 
+/// Signature of [`NPU_LAUNCH_SYMBOL`] in the AI Core build.
+pub type NpuLaunchFn =
+    unsafe extern "C" fn(block_dim: u32, stream: *mut c_void, gm: *const *mut c_void, tiling: *mut c_void) -> i32;
+
+/// The AI Core build of the kernel (`libamoe_kernels_npu.so`), loaded at run
+/// time so the crate never links CANN.
+pub struct NpuKernelLib {
+    launch: NpuLaunchFn,
+    path: PathBuf,
+    // Keeps `launch` valid; dropped last.
+    _lib: libloading::Library,
+}
+
+impl std::fmt::Debug for NpuKernelLib {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NpuKernelLib").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+impl NpuKernelLib {
+    /// Loads [`npu_kernel_library`]; [`Error::Unavailable`] when there is none
+    /// (no CANN at build time and no `ASCEND_MOE_KERNEL_LIB`).
+    pub fn load() -> Result<Self> {
+        let path = npu_kernel_library().ok_or_else(|| {
+            Error::Unavailable(
+                "no AI Core build of the finalize kernel: CANN was not found at build time and \
+                 ASCEND_MOE_KERNEL_LIB is not set"
+                    .into(),
+            )
+        })?;
+        Self::load_from(path)
+    }
+
+    /// Loads the kernel library at `path`.
+    pub fn load_from(path: impl Into<PathBuf>) -> Result<Self> {
+        let path = path.into();
+        // SAFETY: loading runs the library's initialisers; the AI Core build
+        // has none beyond the CANN runtime's kernel registration.
+        let lib = unsafe { libloading::Library::new(&path) }
+            .map_err(|e| Error::Unavailable(format!("loading {}: {e}", path.display())))?;
+        let sym = format!("{NPU_LAUNCH_SYMBOL}\0");
+        // SAFETY: the symbol has the C signature NpuLaunchFn (kernels/npu_launch.cpp).
+        let launch = unsafe { lib.get::<NpuLaunchFn>(sym.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|e| Error::Unavailable(format!("{}: no {NPU_LAUNCH_SYMBOL}: {e}", path.display())))?;
+        Ok(NpuKernelLib { launch, path, _lib: lib })
+    }
+
+    /// Where the library was loaded from.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Enqueues the kernel on `stream` over `block_dim` cores.
+    ///
+    /// # Safety
+    /// `stream` is a live `aclrtStream`; every non-NULL pointer of `gm` is
+    /// device memory of that stream's device sized as [`check_launch`]
+    /// requires (call it first), NULL exactly where the tiling marks an input
+    /// absent; `tiling_dev` is device memory holding the tiling's bytes; the
+    /// status buffer holds `block_dim * STATUS_WORDS` words; `block_dim`
+    /// equals the tiling's. All of it stays alive until the stream has run it.
+    pub unsafe fn launch(
+        &self,
+        block_dim: u32,
+        stream: *mut c_void,
+        gm: &[*mut c_void; GM_COUNT],
+        tiling_dev: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        let code = unsafe { (self.launch)(block_dim, stream, gm.as_ptr(), tiling_dev) };
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(Error::Acl { call: NPU_LAUNCH_SYMBOL, code, msg: String::new() })
+        }
+    }
+}
+
 /// Launcher exported by the AI Core build:
 /// `int32_t amoe_finalize_launch_npu(uint32_t block_dim, aclrtStream stream,
 /// void *const *gm, void *tiling_dev)`, with `gm` a host array of [`GM_COUNT`]

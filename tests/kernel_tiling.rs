@@ -124,3 +124,18 @@ fn bad_plans_are_clear_errors() {
     let e = kernels::finalize_tiling(&p).unwrap_err();
     assert!(matches!(e, Error::DType { arg: "expanded_x", .. }), "{e}");
 }
+
+#[test]
+fn missing_npu_kernel_library_is_unavailable_not_a_panic() {
+    let e = kernels::NpuKernelLib::load_from("/nonexistent/libamoe_kernels_npu.so").unwrap_err();
+    match e {
+        Error::Unavailable(msg) => assert!(msg.contains("/nonexistent/libamoe_kernels_npu.so"), "{msg}"),
+        e => panic!("{e}"),
+    }
+    // A library without the launcher symbol is rejected by name.
+    let e = kernels::NpuKernelLib::load_from("libc.so.6").unwrap_err();
+    match e {
+        Error::Unavailable(msg) => assert!(msg.contains(kernels::NPU_LAUNCH_SYMBOL), "{msg}"),
+        e => panic!("{e}"),
+    }
+}
