@@ -152,17 +152,6 @@ private:
     std::vector<BufSlot *> slots_;
 };
 
-inline bool InUb(const void *p, size_t bytes)
-{
-    PipeState *pipe = Ctx().pipe;
-    if (pipe == nullptr) {
-        return false;
-    }
-    auto a = reinterpret_cast<uintptr_t>(p);
-    auto b = reinterpret_cast<uintptr_t>(pipe->Base());
-    return a >= b && a + bytes <= b + pipe->Used();
-}
-
 inline uint32_t UbOffset(const void *p)
 {
     return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p) - reinterpret_cast<uintptr_t>(Ctx().pipe->Base()));
@@ -298,8 +287,20 @@ struct IsSameType<T, T> {
     static constexpr bool value = true;
 };
 
-inline int64_t GetBlockIdx() { return amoe_sim::Ctx().blockIdx; }
-inline int64_t GetBlockNum() { return amoe_sim::Ctx().blockNum; }
+inline int64_t GetBlockIdx()
+{
+    if (!amoe_sim::Ctx().active) {
+        amoe_sim::Fail("GetBlockIdx outside a kernel launch");
+    }
+    return amoe_sim::Ctx().blockIdx;
+}
+inline int64_t GetBlockNum()
+{
+    if (!amoe_sim::Ctx().active) {
+        amoe_sim::Fail("GetBlockNum outside a kernel launch");
+    }
+    return amoe_sim::Ctx().blockNum;
+}
 
 inline float ToFloat(const bfloat16_t &v) { return static_cast<float>(v); }
 
