@@ -42,3 +42,6 @@ if [ "$pytest_rc" -ne 0 ]; then
     echo "pytest failed with exit code $pytest_rc" >&2
     exit "$pytest_rc"
 fi
+
+step "NPU suite on the simulated CANN runtime"
+ci/sim.sh
