@@ -13,6 +13,9 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "CANN bindings match the real headers (ci/headers.sh)"
+bash ci/headers.sh
+
 step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
@@ -39,3 +42,6 @@ if [ "$pytest_rc" -ne 0 ]; then
     echo "pytest failed with exit code $pytest_rc" >&2
     exit "$pytest_rc"
 fi
+
+step "NPU suite on the simulated CANN runtime"
+ci/sim.sh

@@ -56,6 +56,8 @@ enum amoe_status
   AMOE_STATUS_BUFFER_TOO_SMALL = 16,
   // The library panicked; this is a bug. The message says where.
   AMOE_STATUS_PANIC = 17,
+  // A device kernel reported a fault (bad index, tiling, or a simulated hardware rule).
+  AMOE_STATUS_KERNEL = 18,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

@@ -131,6 +131,18 @@ pub enum Error {
         /// The OS error text.
         msg: String,
     },
+    /// A native kernel failed in a way that is not bad input: a fault it
+    /// reported itself, or a hardware rule its host simulation enforces
+    /// (unified-buffer capacity, copy alignment, queue discipline).
+    #[error("{kernel} kernel, block {block}: {detail}")]
+    Kernel {
+        /// The kernel.
+        kernel: &'static str,
+        /// The core (block index) that reported it.
+        block: u32,
+        /// What went wrong.
+        detail: String,
+    },
 }
 
 /// Why a collective failed.

@@ -34,6 +34,7 @@ class Status(enum.IntEnum):
     IO = 15
     BUFFER_TOO_SMALL = 16
     PANIC = 17
+    KERNEL = 18
 
 
 class AmoeError(RuntimeError):

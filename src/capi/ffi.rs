@@ -59,6 +59,7 @@ pub(crate) fn status_of(e: &Error) -> amoe_status {
         Error::Aclnn { .. } => amoe_status::Aclnn,
         Error::Unavailable(_) => amoe_status::Unavailable,
         Error::Io { .. } => amoe_status::Io,
+        Error::Kernel { .. } => amoe_status::Kernel,
     }
 }
 

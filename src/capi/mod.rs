@@ -75,6 +75,8 @@ pub enum amoe_status {
     BufferTooSmall = 16,
     /// The library panicked; this is a bug. The message says where.
     Panic = 17,
+    /// A device kernel reported a fault (bad index, tiling, or a simulated hardware rule).
+    Kernel = 18,
 }
 
 /// Element type codes of `amoe_tensor::dtype` (the crate's `DType` numbering).
@@ -255,6 +257,7 @@ pub extern "C" fn amoe_status_name(status: u32) -> *const c_char {
         15 => "I/O error\0",
         16 => "buffer too small\0",
         17 => "internal panic\0",
+        18 => "kernel fault\0",
         _ => "unknown status\0",
     };
     s.as_ptr() as *const c_char

@@ -1,0 +1,547 @@
+//! ACL runtime exports (libascendcl): init, devices, streams, memory, events,
+//! error text and version.
+//!
+//! Safety contract of every export: pointer arguments are what the CANN
+//! documentation says they are (valid for the stated number of bytes, or NULL
+//! where NULL is allowed). Device pointers and handles are validated; host
+//! pointers cannot be and are trusted.
+
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_void, CString};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use crate::arena::{self, Span};
+use crate::config;
+use crate::context::{self, EVENTS, STREAMS};
+use crate::ffi::*;
+use crate::status::{self, fail, write_out, SimError, SimResult};
+use crate::stream::{Event, Stream};
+
+/// Host buffers from `aclrtMallocHost`: address -> size.
+pub static HOST_BUFS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+
+fn host_bufs() -> std::sync::MutexGuard<'static, BTreeMap<usize, usize>> {
+    HOST_BUFS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `aclError aclInit(const char *configPath)`.
+#[no_mangle]
+pub extern "C" fn aclInit(_config_path: *const c_char) -> AclError {
+    status::acl("aclInit", context::init)
+}
+
+/// `aclError aclFinalize()`.
+#[no_mangle]
+pub extern "C" fn aclFinalize() -> AclError {
+    status::acl("aclFinalize", context::finalize)
+}
+
+/// `aclError aclrtSetDevice(int32_t deviceId)`.
+#[no_mangle]
+pub extern "C" fn aclrtSetDevice(device_id: i32) -> AclError {
+    status::acl("aclrtSetDevice", || context::set_device(device_id))
+}
+
+/// `aclError aclrtResetDevice(int32_t deviceId)`.
+#[no_mangle]
+pub extern "C" fn aclrtResetDevice(device_id: i32) -> AclError {
+    status::acl("aclrtResetDevice", || context::reset_device(device_id))
+}
+
+/// `aclError aclrtGetDevice(int32_t *deviceId)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtGetDevice(device_id: *mut i32) -> AclError {
+    status::acl("aclrtGetDevice", || {
+        let d = context::current()?;
+        write_out(device_id, d as i32, ACL_ERROR_INVALID_PARAM, "deviceId")
+    })
+}
+
+/// `aclError aclrtGetDeviceCount(uint32_t *count)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> AclError {
+    status::acl("aclrtGetDeviceCount", || write_out(count, config::get().devices, ACL_ERROR_INVALID_PARAM, "count"))
+}
+
+/// `aclError aclrtCreateStream(aclrtStream *stream)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtCreateStream(stream: *mut AclrtStream) -> AclError {
+    status::acl("aclrtCreateStream", || {
+        if stream.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "stream is NULL");
+        }
+        let d = context::current()?;
+        let h = STREAMS.insert(Stream::new(d, false)?);
+        write_out(stream, h as AclrtStream, ACL_ERROR_INVALID_PARAM, "stream")
+    })
+}
+
+/// `aclError aclrtDestroyStream(aclrtStream stream)`. Queued work is run
+/// first, so nothing queued is lost.
+#[no_mangle]
+pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
+    status::acl("aclrtDestroyStream", || {
+        if stream.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be destroyed");
+        }
+        let s = STREAMS
+            .remove(stream as usize)
+            .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{stream:p} is not a live stream")))?;
+        s.shutdown();
+        Ok(())
+    })
+}
+
+/// `aclError aclrtSynchronizeStream(aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
+    status::acl("aclrtSynchronizeStream", || context::stream(stream as usize)?.synchronize(None))
+}
+
+/// `aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)`;
+/// timeout in ms, -1 waits forever, 0 polls.
+#[no_mangle]
+pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout: i32) -> AclError {
+    status::acl("aclrtSynchronizeStreamWithTimeout", || {
+        if timeout < -1 {
+            return fail(ACL_ERROR_INVALID_PARAM, format!("timeout {timeout} ms (expected -1 or >= 0)"));
+        }
+        let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
+        context::stream(stream as usize)?.synchronize(t)
+    })
+}
+
+/// `aclError aclrtStreamWaitEvent(aclrtStream stream, aclrtEvent event)`.
+#[no_mangle]
+pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -> AclError {
+    status::acl("aclrtStreamWaitEvent", || {
+        let s = context::stream_here(stream as usize)?;
+        let e = context::event(event as usize)?;
+        if let Some((src, seq)) = e.target() {
+            s.enqueue(
+                "aclrtStreamWaitEvent",
+                Box::new(move || {
+                    // The source's own failure is reported on the source stream.
+                    let _ = src.wait_for(seq, None);
+                    Ok(())
+                }),
+            );
+        }
+        Ok(())
+    })
+}
+
+const POLICY_FLAGS: u32 = 0x0100 | 0x1000 | 0x10_0000;
+
+fn check_policy(policy: i32) -> SimResult<()> {
+    let p = policy as u32;
+    if p & !POLICY_FLAGS > 7 {
+        return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemMallocPolicy {policy:#x}"));
+    }
+    Ok(())
+}
+
+fn malloc(dev_ptr: *mut *mut c_void, size: usize, policy: i32) -> SimResult<()> {
+    if dev_ptr.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+    }
+    check_policy(policy)?;
+    let d = context::current()?;
+    let addr = arena::arena(d)?.alloc(size)?;
+    write_out(dev_ptr, addr as *mut c_void, ACL_ERROR_INVALID_PARAM, "devPtr")
+}
+
+/// `aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtMalloc(dev_ptr: *mut *mut c_void, size: usize, policy: i32) -> AclError {
+    status::acl("aclrtMalloc", || malloc(dev_ptr, size, policy))
+}
+
+/// `aclError aclrtFree(void *devPtr)`. Frees at once, without waiting for
+/// queued work (as documented): work still using the memory fails when it runs.
+#[no_mangle]
+pub extern "C" fn aclrtFree(dev_ptr: *mut c_void) -> AclError {
+    status::acl("aclrtFree", || {
+        let addr = dev_ptr as usize;
+        if addr == 0 {
+            return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+        }
+        let Some(d) = arena::owner(addr) else {
+            let what = if host_bufs().contains_key(&addr) { " (it is aclrtMallocHost memory)" } else { "" };
+            return fail(ACL_ERROR_RT_PARAM_INVALID, format!("{addr:#x} is not device memory{what}"));
+        };
+        arena::arena(d)?.free(addr)
+    })
+}
+
+/// `aclError aclrtMallocHost(void **hostPtr, size_t size)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtMallocHost(host_ptr: *mut *mut c_void, size: usize) -> AclError {
+    status::acl("aclrtMallocHost", || {
+        if host_ptr.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "hostPtr is NULL");
+        }
+        if size == 0 {
+            return fail(ACL_ERROR_INVALID_PARAM, "size must not be 0");
+        }
+        let layout = std::alloc::Layout::from_size_align(size, 64)
+            .map_err(|e| SimError::new(ACL_ERROR_INVALID_PARAM, format!("size {size}: {e}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, format!("host allocation of {size} bytes failed"));
+        }
+        host_bufs().insert(p as usize, size);
+        write_out(host_ptr, p as *mut c_void, ACL_ERROR_INVALID_PARAM, "hostPtr")
+    })
+}
+
+/// `aclError aclrtFreeHost(void *hostPtr)`.
+#[no_mangle]
+pub extern "C" fn aclrtFreeHost(host_ptr: *mut c_void) -> AclError {
+    status::acl("aclrtFreeHost", || {
+        let addr = host_ptr as usize;
+        let Some(size) = host_bufs().remove(&addr) else {
+            let what = if arena::owner(addr).is_some() { " (it is device memory)" } else { "" };
+            return fail(ACL_ERROR_INVALID_PARAM, format!("{addr:#x} was not returned by aclrtMallocHost{what}"));
+        };
+        // Invariant: the same layout was accepted by aclrtMallocHost.
+        let layout = std::alloc::Layout::from_size_align(size, 64).expect("layout accepted at allocation");
+        // SAFETY: `addr` came from std::alloc::alloc with this layout and was
+        // removed from the table, so it is freed exactly once.
+        unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
+        Ok(())
+    })
+}
+
+/// Where a copy operand lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loc {
+    Host,
+    Device(u32),
+}
+
+fn loc(addr: usize) -> Loc {
+    arena::owner(addr).map_or(Loc::Host, Loc::Device)
+}
+
+fn loc_name(l: Loc) -> String {
+    match l {
+        Loc::Host => "host memory".into(),
+        Loc::Device(d) => format!("device {d} memory"),
+    }
+}
+
+/// A validated copy: (dst, src) host-visible addresses are computed when it runs.
+#[derive(Debug, Clone, Copy)]
+struct CopyPlan {
+    dst: usize,
+    src: usize,
+    count: usize,
+    dst_dev: bool,
+    src_dev: bool,
+}
+
+fn kind_name(kind: i32) -> &'static str {
+    match kind {
+        ACL_MEMCPY_HOST_TO_HOST => "ACL_MEMCPY_HOST_TO_HOST",
+        ACL_MEMCPY_HOST_TO_DEVICE => "ACL_MEMCPY_HOST_TO_DEVICE",
+        ACL_MEMCPY_DEVICE_TO_HOST => "ACL_MEMCPY_DEVICE_TO_HOST",
+        ACL_MEMCPY_DEVICE_TO_DEVICE => "ACL_MEMCPY_DEVICE_TO_DEVICE",
+        ACL_MEMCPY_DEFAULT => "ACL_MEMCPY_DEFAULT",
+        ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE => "ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE",
+        ACL_MEMCPY_INNER_DEVICE_TO_DEVICE => "ACL_MEMCPY_INNER_DEVICE_TO_DEVICE",
+        ACL_MEMCPY_INTER_DEVICE_TO_DEVICE => "ACL_MEMCPY_INTER_DEVICE_TO_DEVICE",
+        _ => "unknown kind",
+    }
+}
+
+fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize, kind: i32) -> SimResult<CopyPlan> {
+    if count > dest_max {
+        return fail(ACL_ERROR_INVALID_PARAM, format!("count {count} exceeds destMax {dest_max}"));
+    }
+    if count > 0 && (dst.is_null() || src.is_null()) {
+        return fail(ACL_ERROR_INVALID_PARAM, "dst or src is NULL");
+    }
+    let (d, s) = (loc(dst as usize), loc(src as usize));
+    let want: Option<(bool, bool)> = match kind {
+        ACL_MEMCPY_HOST_TO_HOST => Some((false, false)),
+        ACL_MEMCPY_HOST_TO_DEVICE | ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE => Some((true, false)),
+        ACL_MEMCPY_DEVICE_TO_HOST => Some((false, true)),
+        ACL_MEMCPY_DEVICE_TO_DEVICE | ACL_MEMCPY_INNER_DEVICE_TO_DEVICE | ACL_MEMCPY_INTER_DEVICE_TO_DEVICE => {
+            Some((true, true))
+        }
+        ACL_MEMCPY_DEFAULT => None,
+        _ => return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemcpyKind {kind}")),
+    };
+    let (dst_dev, src_dev) = (d != Loc::Host, s != Loc::Host);
+    if let Some((wd, ws)) = want {
+        if wd != dst_dev || ws != src_dev {
+            return fail(
+                ACL_ERROR_INVALID_PARAM,
+                format!(
+                    "{}: dst {:#x} is {} and src {:#x} is {}",
+                    kind_name(kind),
+                    dst as usize,
+                    loc_name(d),
+                    src as usize,
+                    loc_name(s)
+                ),
+            );
+        }
+    }
+    if kind == ACL_MEMCPY_INNER_DEVICE_TO_DEVICE && d != s {
+        return fail(ACL_ERROR_INVALID_PARAM, format!("{}: {} to {}", kind_name(kind), loc_name(s), loc_name(d)));
+    }
+    let c = CopyPlan { dst: dst as usize, src: src as usize, count, dst_dev, src_dev };
+    // Check device extents now, so the caller gets the error synchronously.
+    spans(&c)?;
+    Ok(c)
+}
+
+fn spans(c: &CopyPlan) -> SimResult<(Option<Span>, Option<Span>)> {
+    let d = if c.dst_dev && c.count > 0 { Some(arena::resolve(c.dst, c.count, "dst")?) } else { None };
+    let s = if c.src_dev && c.count > 0 { Some(arena::resolve(c.src, c.count, "src")?) } else { None };
+    Ok((d, s))
+}
+
+fn run_copy(c: CopyPlan) -> SimResult<()> {
+    if c.count == 0 {
+        return Ok(());
+    }
+    let (d, s) = spans(&c).map_err(|e| SimError::new(ACL_ERROR_RT_DEVICE_MEM_ERROR, e.msg))?;
+    let dst = d.map_or(c.dst as *mut u8, |s| s.host);
+    let src = s.map_or(c.src as *const u8, |s| s.host as *const u8);
+    // SAFETY: device operands were just checked to lie inside live
+    // allocations; host operands are valid for `count` bytes per the caller's
+    // contract. `copy` tolerates overlap.
+    unsafe { std::ptr::copy(src, dst, c.count) };
+    Ok(())
+}
+
+/// `aclError aclrtMemcpy(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind)`.
+/// Synchronous with respect to the host; it does not wait for any stream.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtMemcpy(
+    dst: *mut c_void,
+    dest_max: usize,
+    src: *const c_void,
+    count: usize,
+    kind: i32,
+) -> AclError {
+    status::acl("aclrtMemcpy", || {
+        let c = plan_copy(dst, dest_max, src, count, kind)?;
+        if c.dst_dev || c.src_dev {
+            context::current()?;
+        }
+        run_copy(c)
+    })
+}
+
+/// `aclError aclrtMemcpyAsync(void *dst, size_t destMax, const void *src, size_t count, aclrtMemcpyKind kind, aclrtStream stream)`.
+/// The copy happens when the stream runs it; host memory is read or written then.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtMemcpyAsync(
+    dst: *mut c_void,
+    dest_max: usize,
+    src: *const c_void,
+    count: usize,
+    kind: i32,
+    stream: AclrtStream,
+) -> AclError {
+    status::acl("aclrtMemcpyAsync", || {
+        let s = context::stream_here(stream as usize)?;
+        let c = plan_copy(dst, dest_max, src, count, kind)?;
+        if !c.dst_dev && !c.src_dev {
+            return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "asynchronous host-to-host copies are not supported");
+        }
+        if c.dst_dev && c.src_dev && loc(c.dst) == loc(c.src) && (c.dst % 64 != 0 || c.src % 64 != 0) {
+            return fail(
+                ACL_ERROR_RT_ADDR_UNALIGNED,
+                format!(
+                    "on-chip device-to-device aclrtMemcpyAsync needs 64-byte aligned addresses (dst {:#x}, src {:#x})",
+                    c.dst, c.src
+                ),
+            );
+        }
+        s.enqueue("aclrtMemcpyAsync", Box::new(move || run_copy(c)));
+        Ok(())
+    })
+}
+
+fn plan_memset(dev_ptr: *mut c_void, max_count: usize, count: usize) -> SimResult<(usize, bool)> {
+    if count > max_count {
+        return fail(ACL_ERROR_INVALID_PARAM, format!("count {count} exceeds maxCount {max_count}"));
+    }
+    if dev_ptr.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
+    }
+    let addr = dev_ptr as usize;
+    let dev = arena::owner(addr).is_some();
+    if dev && count > 0 {
+        arena::resolve(addr, count, "devPtr")?;
+    }
+    Ok((addr, dev))
+}
+
+fn run_memset(addr: usize, dev: bool, value: i32, count: usize) -> SimResult<()> {
+    if count == 0 {
+        return Ok(());
+    }
+    let p = if dev {
+        arena::resolve(addr, count, "devPtr").map_err(|e| SimError::new(ACL_ERROR_RT_DEVICE_MEM_ERROR, e.msg))?.host
+    } else {
+        addr as *mut u8
+    };
+    // SAFETY: device memory was checked above; host memory is valid for
+    // `count` bytes per the caller's contract.
+    unsafe { std::ptr::write_bytes(p, value as u8, count) };
+    Ok(())
+}
+
+/// `aclError aclrtMemset(void *devPtr, size_t maxCount, int32_t value, size_t count)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtMemset(dev_ptr: *mut c_void, max_count: usize, value: i32, count: usize) -> AclError {
+    status::acl("aclrtMemset", || {
+        let (addr, dev) = plan_memset(dev_ptr, max_count, count)?;
+        run_memset(addr, dev, value, count)
+    })
+}
+
+/// `aclError aclrtMemsetAsync(void *devPtr, size_t maxCount, int32_t value, size_t count, aclrtStream stream)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtMemsetAsync(
+    dev_ptr: *mut c_void,
+    max_count: usize,
+    value: i32,
+    count: usize,
+    stream: AclrtStream,
+) -> AclError {
+    status::acl("aclrtMemsetAsync", || {
+        let s = context::stream_here(stream as usize)?;
+        let (addr, dev) = plan_memset(dev_ptr, max_count, count)?;
+        s.enqueue("aclrtMemsetAsync", Box::new(move || run_memset(addr, dev, value, count)));
+        Ok(())
+    })
+}
+
+/// `aclError aclrtGetMemInfo(aclrtMemAttr attr, size_t *free, size_t *total)`:
+/// the current device's free and total bytes.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtGetMemInfo(attr: i32, free: *mut usize, total: *mut usize) -> AclError {
+    status::acl("aclrtGetMemInfo", || {
+        if !(0..=17).contains(&attr) {
+            return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemAttr {attr}"));
+        }
+        let a = arena::arena(context::current()?)?;
+        write_out(free, a.free_bytes(), ACL_ERROR_INVALID_PARAM, "free")?;
+        write_out(total, a.total(), ACL_ERROR_INVALID_PARAM, "total")
+    })
+}
+
+/// `aclError aclrtCreateEvent(aclrtEvent *event)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtCreateEvent(event: *mut AclrtEvent) -> AclError {
+    status::acl("aclrtCreateEvent", || {
+        if event.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "event is NULL");
+        }
+        let d = context::current()?;
+        let h = EVENTS.insert(Arc::new(Event::new(d)));
+        write_out(event, h as AclrtEvent, ACL_ERROR_INVALID_PARAM, "event")
+    })
+}
+
+/// `aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> AclError {
+    status::acl("aclrtRecordEvent", || {
+        let e = context::event(event as usize)?;
+        let s = context::stream_here(stream as usize)?;
+        if e.device != s.device {
+            return fail(
+                ACL_ERROR_RT_STREAM_CONTEXT,
+                format!("event of device {} recorded on a stream of device {}", e.device, s.device),
+            );
+        }
+        e.record(&s);
+        Ok(())
+    })
+}
+
+/// `aclError aclrtSynchronizeEvent(aclrtEvent event)`.
+#[no_mangle]
+pub extern "C" fn aclrtSynchronizeEvent(event: AclrtEvent) -> AclError {
+    status::acl("aclrtSynchronizeEvent", || {
+        let e = context::event(event as usize)?;
+        match e.target() {
+            None => Ok(()),
+            Some((s, seq)) => s.wait_for(seq, None),
+        }
+    })
+}
+
+/// `aclError aclrtQueryEventStatus(aclrtEvent event, aclrtEventRecordedStatus *status)`.
+/// A query lets the recorded work start (so polling makes progress) and
+/// reports whether it has finished.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtQueryEventStatus(event: AclrtEvent, status_out: *mut i32) -> AclError {
+    status::acl("aclrtQueryEventStatus", || {
+        let e = context::event(event as usize)?;
+        if let Some((s, seq)) = e.target() {
+            s.release(seq);
+        }
+        let st = if e.is_complete() { ACL_EVENT_RECORDED_STATUS_COMPLETE } else { ACL_EVENT_RECORDED_STATUS_NOT_READY };
+        write_out(status_out, st, ACL_ERROR_INVALID_PARAM, "status")
+    })
+}
+
+/// `aclError aclrtEventElapsedTime(float *ms, aclrtEvent startEvent, aclrtEvent endEvent)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtEventElapsedTime(ms: *mut f32, start: AclrtEvent, end: AclrtEvent) -> AclError {
+    status::acl("aclrtEventElapsedTime", || {
+        let (a, b) = (context::event(start as usize)?, context::event(end as usize)?);
+        let (Some(ta), Some(tb)) = (a.time(), b.time()) else {
+            return fail(ACL_ERROR_RT_EVENT_NOT_COMPLETE, "both events must be recorded and complete");
+        };
+        let v = if tb >= ta { (tb - ta).as_secs_f64() * 1e3 } else { -((ta - tb).as_secs_f64() * 1e3) };
+        write_out(ms, v as f32, ACL_ERROR_INVALID_PARAM, "ms")
+    })
+}
+
+/// `aclError aclrtDestroyEvent(aclrtEvent event)`.
+#[no_mangle]
+pub extern "C" fn aclrtDestroyEvent(event: AclrtEvent) -> AclError {
+    status::acl("aclrtDestroyEvent", || {
+        EVENTS
+            .remove(event as usize)
+            .map(|_| ())
+            .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{event:p} is not a live event")))
+    })
+}
+
+/// `const char *aclGetRecentErrMsg()`: this thread's most recent error text.
+#[no_mangle]
+pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
+    status::recent_ptr()
+}
+
+/// `const char *aclrtGetSocName()`.
+#[no_mangle]
+pub extern "C" fn aclrtGetSocName() -> *const c_char {
+    static NAME: OnceLock<CString> = OnceLock::new();
+    NAME.get_or_init(|| CString::new(config::get().soc_name.replace('\0', "")).unwrap_or_default()).as_ptr()
+}
+
+/// `aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *patchVersion)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclrtGetVersion(major: *mut i32, minor: *mut i32, patch: *mut i32) -> AclError {
+    status::acl("aclrtGetVersion", || {
+        write_out(major, 1, ACL_ERROR_INVALID_PARAM, "majorVersion")?;
+        write_out(minor, 17, ACL_ERROR_INVALID_PARAM, "minorVersion")?;
+        write_out(patch, 0, ACL_ERROR_INVALID_PARAM, "patchVersion")
+    })
+}

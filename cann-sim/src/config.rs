@@ -1,0 +1,131 @@
+//! Environment of the simulator, read once per process at the first call.
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `CANNSIM_DEVICES` | number of devices | 4 |
+//! | `CANNSIM_DEVICE_MEM` | bytes per device (suffix K/M/G allowed) | 4G |
+//! | `CANNSIM_STREAM_MODE` | `lazy`: queued work runs only when something waits for it; `eager`: as soon as possible | lazy |
+//! | `CANNSIM_MALLOC_FILL` | byte written into fresh device memory, or `none` | 0xFF (NaN for every float type) |
+//! | `CANNSIM_FAIL_MALLOC_AFTER` | the allocation after this many successful ones fails (OOM) | off |
+//! | `CANNSIM_HCCL_TIMEOUT_RANK` | this world rank hangs in every collective (silent for twice the timeout, then `HCCL_E_TIMEOUT`): its peers time out | off |
+//! | `CANNSIM_DIE_RANK` | this world rank's process exits at its first collective | off |
+//! | `CANNSIM_DIE_EXIT_CODE` | exit status of the dying rank | 77 |
+//! | `CANNSIM_LEAK_REPORT` | `1`: print the leak report at exit; `fail`: also exit non-zero on leaks | off |
+//! | `CANNSIM_LEAK_EXIT_CODE` | exit status for `fail` | 97 |
+//! | `CANNSIM_SOC_NAME` | `aclrtGetSocName()` | Ascend910B1 |
+//! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// Parsed configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Device count.
+    pub devices: u32,
+    /// Bytes of memory per device.
+    pub device_mem: usize,
+    /// Lazy stream execution.
+    pub lazy: bool,
+    /// Fill byte for fresh allocations.
+    pub malloc_fill: Option<u8>,
+    /// Fail the allocation after this many.
+    pub fail_malloc_after: Option<u64>,
+    /// World rank whose collectives never arrive.
+    pub hccl_timeout_rank: Option<u32>,
+    /// World rank whose process dies at its first collective.
+    pub die_rank: Option<u32>,
+    /// Exit status of the dying rank.
+    pub die_exit_code: i32,
+    /// Leak report mode.
+    pub leak_report: LeakMode,
+    /// Exit status when leaks are found in `fail` mode.
+    pub leak_exit_code: i32,
+    /// SoC name.
+    pub soc_name: String,
+    /// Print failing calls.
+    pub trace: bool,
+}
+
+/// What to do with the leak report at exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeakMode {
+    /// Nothing.
+    Off,
+    /// Print it to stderr.
+    Print,
+    /// Print it and exit non-zero when something leaked.
+    Fail,
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty())
+}
+
+/// Parses `123`, `0x40`, `64K`, `512M`, `4G`.
+pub fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mul) = match s.chars().last()? {
+        'k' | 'K' => (&s[..s.len() - 1], 1usize << 10),
+        'm' | 'M' => (&s[..s.len() - 1], 1 << 20),
+        'g' | 'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    let v = if let Some(h) = num.strip_prefix("0x") { usize::from_str_radix(h, 16).ok()? } else { num.parse().ok()? };
+    v.checked_mul(mul)
+}
+
+impl Config {
+    fn from_env() -> Config {
+        let leak_report = match var("CANNSIM_LEAK_REPORT").as_deref() {
+            Some("fail") => LeakMode::Fail,
+            Some("0") | Some("off") | None => LeakMode::Off,
+            Some(_) => LeakMode::Print,
+        };
+        let malloc_fill = match var("CANNSIM_MALLOC_FILL").as_deref() {
+            Some("none") => None,
+            Some(s) => parse_size(s).map(|v| v as u8).or(Some(0xFF)),
+            None => Some(0xFF),
+        };
+        Config {
+            devices: var("CANNSIM_DEVICES").and_then(|s| s.parse().ok()).filter(|n| (1..=64).contains(n)).unwrap_or(4),
+            device_mem: var("CANNSIM_DEVICE_MEM")
+                .and_then(|s| parse_size(&s))
+                .filter(|n| *n >= 4096)
+                .unwrap_or(4 << 30),
+            lazy: !matches!(var("CANNSIM_STREAM_MODE").as_deref(), Some("eager")),
+            malloc_fill,
+            fail_malloc_after: var("CANNSIM_FAIL_MALLOC_AFTER").and_then(|s| s.parse().ok()),
+            hccl_timeout_rank: var("CANNSIM_HCCL_TIMEOUT_RANK").and_then(|s| s.parse().ok()),
+            die_rank: var("CANNSIM_DIE_RANK").and_then(|s| s.parse().ok()),
+            die_exit_code: var("CANNSIM_DIE_EXIT_CODE").and_then(|s| s.parse().ok()).unwrap_or(77),
+            leak_report,
+            leak_exit_code: var("CANNSIM_LEAK_EXIT_CODE").and_then(|s| s.parse().ok()).unwrap_or(97),
+            soc_name: var("CANNSIM_SOC_NAME").unwrap_or_else(|| "Ascend910B1".to_string()),
+            trace: matches!(var("CANNSIM_TRACE").as_deref(), Some("1") | Some("true")),
+        }
+    }
+}
+
+/// The process-wide configuration.
+pub fn get() -> &'static Config {
+    static CFG: OnceLock<Config> = OnceLock::new();
+    CFG.get_or_init(Config::from_env)
+}
+
+/// Prints `msg` to stderr when `CANNSIM_TRACE=1`.
+pub fn trace(msg: &str) {
+    if get().trace {
+        eprintln!("cann-sim: {msg}");
+    }
+}
+
+static MALLOCS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts one device allocation; false when fault injection says it must fail.
+pub fn malloc_allowed() -> bool {
+    match get().fail_malloc_after {
+        None => true,
+        Some(n) => MALLOCS.fetch_add(1, Ordering::SeqCst) < n,
+    }
+}

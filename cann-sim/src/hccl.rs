@@ -1,0 +1,778 @@
+//! HCCL exports (libhccl), executed through the crate's shared-memory CPU
+//! communicator.
+//!
+//! The root info carries a rendezvous name; every rank (a thread or a process)
+//! joins the CPU communicator of that name. Collectives are validated when
+//! queued (communicator, stream and device pointers) and run on the stream's
+//! worker, where device bytes are copied into host tensors, exchanged, and
+//! copied back. A failed collective (timeout, mismatch, dead peer) becomes the
+//! communicator's sticky async error (`HcclGetCommAsyncError`) and the
+//! stream's error (reported by its synchronisation); later collectives on the
+//! communicator fail at once with the same code.
+
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ascend_moe::backend::cpu::CpuComm;
+use ascend_moe::tensor::{CpuBuffer, Storage};
+use ascend_moe::{Collectives, CommErrorKind, CommOptions, DType, ReduceOp, Tensor};
+
+use crate::arena;
+use crate::config;
+use crate::context;
+use crate::ffi::*;
+use crate::handles::Table;
+use crate::status::{self, fail, write_out, SimError, SimResult};
+use crate::stream::Stream;
+
+/// A simulated communicator.
+pub struct SimComm {
+    /// Rendezvous name of the CPU communicator.
+    pub key: String,
+    /// Name reported by `HcclGetCommName`.
+    pub name: String,
+    /// Rank in this communicator.
+    pub rank: u32,
+    /// Ranks in this communicator.
+    pub size: u32,
+    /// Rank in the root-info world (fault injection selects by it).
+    pub world_rank: u32,
+    /// Device the communicator moves data on.
+    pub device: u32,
+    timeout: Duration,
+    comm: Mutex<CpuComm>,
+    error: AtomicI32,
+}
+
+impl std::fmt::Debug for SimComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HcclComm({} rank {}/{} on device {})", self.name, self.rank, self.size, self.device)
+    }
+}
+
+/// Live communicators.
+pub static COMMS: Table<SimComm> = Table::new("HcclComm", 0x5a7);
+
+const ROOT_MAGIC: &[u8; 16] = b"CANNSIM-ROOTINFO";
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+fn comm_err(e: &ascend_moe::Error) -> HcclResult {
+    match e {
+        ascend_moe::Error::Comm { kind, .. } => match kind {
+            CommErrorKind::Timeout => HCCL_E_TIMEOUT,
+            CommErrorKind::Mismatch => HCCL_E_PARA,
+            CommErrorKind::PeerFailed => HCCL_E_REMOTE,
+            _ => HCCL_E_INTERNAL,
+        },
+        _ => HCCL_E_INTERNAL,
+    }
+}
+
+fn lift(e: ascend_moe::Error) -> SimError {
+    SimError::new(comm_err(&e), e.to_string())
+}
+
+/// `HcclResult HcclGetRootInfo(HcclRootInfo *rootInfo)`: writes a fresh
+/// rendezvous name into the 4108 opaque bytes.
+#[no_mangle]
+pub unsafe extern "C" fn HcclGetRootInfo(root_info: *mut c_void) -> HcclResult {
+    status::hccl("HcclGetRootInfo", || {
+        if root_info.is_null() {
+            return fail(HCCL_E_PTR, "rootInfo is NULL");
+        }
+        context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
+        static N: AtomicU64 = AtomicU64::new(0);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let name =
+            format!("cannsim{}x{}x{:x}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos & 0xffff_ffff);
+        let mut buf = [0u8; HCCL_ROOT_INFO_BYTES];
+        buf[..16].copy_from_slice(ROOT_MAGIC);
+        buf[16..16 + name.len()].copy_from_slice(name.as_bytes());
+        // SAFETY: rootInfo points to an HcclRootInfo (4108 bytes) per the C signature.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), root_info as *mut u8, HCCL_ROOT_INFO_BYTES) };
+        Ok(())
+    })
+}
+
+fn root_name(root_info: *const c_void) -> SimResult<String> {
+    if root_info.is_null() {
+        return fail(HCCL_E_PTR, "rootInfo is NULL");
+    }
+    // SAFETY: rootInfo points to an HcclRootInfo (4108 bytes) per the C signature.
+    let b = unsafe { std::slice::from_raw_parts(root_info as *const u8, HCCL_ROOT_INFO_BYTES) };
+    if &b[..16] != ROOT_MAGIC {
+        return fail(HCCL_E_PARA, "rootInfo was not produced by HcclGetRootInfo");
+    }
+    let name = &b[16..];
+    let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+    Ok(String::from_utf8_lossy(&name[..end]).into_owned())
+}
+
+/// Settings read from an `HcclCommConfig`.
+#[derive(Debug, Default)]
+struct ConfigView {
+    name: Option<String>,
+    timeout: Option<Duration>,
+}
+
+fn read_config(config: *const c_void) -> SimResult<ConfigView> {
+    if config.is_null() {
+        return Ok(ConfigView::default());
+    }
+    let p = config as *const u8;
+    // SAFETY: an HcclCommConfig starts with {size_t size; uint32_t magic;
+    // uint32_t version}; fields beyond the header are read only when `size`
+    // says the caller's struct has them.
+    unsafe {
+        let size = (p as *const usize).read_unaligned();
+        let magic = (p.add(8) as *const u32).read_unaligned();
+        if magic != HCCL_COMM_CONFIG_MAGIC_WORD {
+            return fail(HCCL_E_PARA, format!("config magic word {magic:#x} (call HcclCommConfigInit first)"));
+        }
+        let mut v = ConfigView::default();
+        if size >= comm_config::COMM_NAME + COMM_NAME_MAX_LENGTH {
+            let name = std::slice::from_raw_parts(p.add(comm_config::COMM_NAME), COMM_NAME_MAX_LENGTH);
+            let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+            if end > 0 {
+                v.name = Some(String::from_utf8_lossy(&name[..end]).into_owned());
+            }
+        }
+        if size >= comm_config::EXEC_TIMEOUT + 4 {
+            let t = (p.add(comm_config::EXEC_TIMEOUT) as *const i32).read_unaligned();
+            if t > 0 {
+                v.timeout = Some(Duration::from_secs(t as u64));
+            }
+        }
+        Ok(v)
+    }
+}
+
+fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32, cfg: ConfigView) -> SimResult<usize> {
+    if size == 0 || rank >= size {
+        return fail(HCCL_E_PARA, format!("rank {rank} of {size} ranks"));
+    }
+    let device = context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
+    let mut opts = CommOptions::from_env();
+    if let Some(t) = cfg.timeout {
+        opts.timeout = t;
+    }
+    let comm = CpuComm::rendezvous(&key, size as usize, rank as usize, &opts).map_err(lift)?;
+    let c = SimComm {
+        name: cfg.name.or(name).unwrap_or_else(|| key.clone()),
+        key,
+        rank,
+        size,
+        world_rank,
+        device,
+        timeout: opts.timeout,
+        comm: Mutex::new(comm),
+        error: AtomicI32::new(HCCL_SUCCESS),
+    };
+    Ok(COMMS.insert(Arc::new(c)))
+}
+
+/// `HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm)`.
+#[no_mangle]
+pub unsafe extern "C" fn HcclCommInitRootInfo(
+    n_ranks: u32,
+    root_info: *const c_void,
+    rank: u32,
+    comm: *mut HcclComm,
+) -> HcclResult {
+    status::hccl("HcclCommInitRootInfo", || {
+        if comm.is_null() {
+            return fail(HCCL_E_PTR, "comm is NULL");
+        }
+        let key = root_name(root_info)?;
+        let h = join(key, None, n_ranks, rank, rank, ConfigView::default())?;
+        write_out(comm, h as HcclComm, HCCL_E_PTR, "comm")
+    })
+}
+
+/// `HcclResult HcclCommInitRootInfoConfig(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, const HcclCommConfig *config, HcclComm *comm)`.
+/// Reads `hcclCommName` and `hcclExecTimeOut` (seconds) when the config has them.
+#[no_mangle]
+pub unsafe extern "C" fn HcclCommInitRootInfoConfig(
+    n_ranks: u32,
+    root_info: *const c_void,
+    rank: u32,
+    config: *const c_void,
+    comm: *mut HcclComm,
+) -> HcclResult {
+    status::hccl("HcclCommInitRootInfoConfig", || {
+        if comm.is_null() {
+            return fail(HCCL_E_PTR, "comm is NULL");
+        }
+        let key = root_name(root_info)?;
+        let cfg = read_config(config)?;
+        let h = join(key, None, n_ranks, rank, rank, cfg)?;
+        write_out(comm, h as HcclComm, HCCL_E_PTR, "comm")
+    })
+}
+
+fn comm(h: HcclComm) -> SimResult<Arc<SimComm>> {
+    COMMS.get(h as usize).ok_or_else(|| SimError::new(HCCL_E_PARA, format!("{h:p} is not a live HcclComm")))
+}
+
+/// `HcclResult HcclCreateSubCommConfig(HcclComm *comm, uint32_t rankNum, uint32_t *rankIds, uint64_t subCommId, uint32_t subCommRankId, HcclCommConfig *config, HcclComm *subComm)`.
+/// Called by the members of the new group only; members must pass the same
+/// id and rank list (otherwise they never meet and time out).
+#[no_mangle]
+pub unsafe extern "C" fn HcclCreateSubCommConfig(
+    comm_p: *mut HcclComm,
+    rank_num: u32,
+    rank_ids: *mut u32,
+    sub_comm_id: u64,
+    sub_comm_rank_id: u32,
+    config: *mut c_void,
+    sub_comm: *mut HcclComm,
+) -> HcclResult {
+    status::hccl("HcclCreateSubCommConfig", || {
+        if comm_p.is_null() || sub_comm.is_null() || rank_ids.is_null() {
+            return fail(HCCL_E_PTR, "comm, rankIds or subComm is NULL");
+        }
+        // SAFETY: comm points to a parent HcclComm handle (C contract).
+        let parent = comm(unsafe { *comm_p })?;
+        // SAFETY: rankIds holds rankNum entries (C contract).
+        let ids = unsafe { std::slice::from_raw_parts(rank_ids, rank_num as usize) }.to_vec();
+        if sub_comm_rank_id >= rank_num {
+            return fail(HCCL_E_PARA, format!("subCommRankId {sub_comm_rank_id} of {rank_num} ranks"));
+        }
+        if ids[sub_comm_rank_id as usize] != parent.rank {
+            return fail(
+                HCCL_E_PARA,
+                format!(
+                    "rankIds[{sub_comm_rank_id}] = {} but this rank is {} of the parent",
+                    ids[sub_comm_rank_id as usize], parent.rank
+                ),
+            );
+        }
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        if sorted.windows(2).any(|w| w[0] == w[1]) || sorted.last().is_some_and(|&m| m >= parent.size) {
+            return fail(HCCL_E_PARA, format!("rankIds {ids:?} must be distinct ranks below {}", parent.size));
+        }
+        let bytes: Vec<u8> = ids.iter().flat_map(|r| r.to_le_bytes()).collect();
+        let key = format!("{}.s{:x}.{:x}", parent.key, sub_comm_id, fnv(&bytes));
+        let cfg = read_config(config)?;
+        let name = format!("{}/sub{sub_comm_id}", parent.name);
+        let h = join(key, Some(name), rank_num, sub_comm_rank_id, parent.world_rank, cfg)?;
+        write_out(sub_comm, h as HcclComm, HCCL_E_PTR, "subComm")
+    })
+}
+
+/// `HcclResult HcclCommDestroy(HcclComm comm)`.
+#[no_mangle]
+pub extern "C" fn HcclCommDestroy(comm_h: HcclComm) -> HcclResult {
+    status::hccl("HcclCommDestroy", || {
+        COMMS
+            .remove(comm_h as usize)
+            .map(|_| ())
+            .ok_or_else(|| SimError::new(HCCL_E_PARA, format!("{comm_h:p} is not a live HcclComm (double destroy?)")))
+    })
+}
+
+/// `HcclResult HcclGetRankId(HcclComm comm, uint32_t *rank)`.
+#[no_mangle]
+pub unsafe extern "C" fn HcclGetRankId(comm_h: HcclComm, rank: *mut u32) -> HcclResult {
+    status::hccl("HcclGetRankId", || write_out(rank, comm(comm_h)?.rank, HCCL_E_PTR, "rank"))
+}
+
+/// `HcclResult HcclGetRankSize(HcclComm comm, uint32_t *rankSize)`.
+#[no_mangle]
+pub unsafe extern "C" fn HcclGetRankSize(comm_h: HcclComm, rank_size: *mut u32) -> HcclResult {
+    status::hccl("HcclGetRankSize", || write_out(rank_size, comm(comm_h)?.size, HCCL_E_PTR, "rankSize"))
+}
+
+/// `HcclResult HcclGetCommName(HcclComm comm, char *commName)`: at most 127
+/// bytes plus NUL (the caller's buffer is `COMM_NAME_MAX_LENGTH` = 128).
+#[no_mangle]
+pub unsafe extern "C" fn HcclGetCommName(comm_h: HcclComm, comm_name: *mut c_char) -> HcclResult {
+    status::hccl("HcclGetCommName", || {
+        let c = comm(comm_h)?;
+        if comm_name.is_null() {
+            return fail(HCCL_E_PTR, "commName is NULL");
+        }
+        let b = c.name.as_bytes();
+        let n = b.len().min(COMM_NAME_MAX_LENGTH - 1);
+        // SAFETY: the caller's buffer holds COMM_NAME_MAX_LENGTH bytes; we write n + 1 <= 128.
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.as_ptr(), comm_name as *mut u8, n);
+            *comm_name.add(n) = 0;
+        }
+        Ok(())
+    })
+}
+
+/// `const char *HcclGetErrorString(HcclResult code)`.
+#[no_mangle]
+pub extern "C" fn HcclGetErrorString(code: HcclResult) -> *const c_char {
+    let s: &'static CStr = match code {
+        0 => c"HCCL_SUCCESS: success",
+        1 => c"HCCL_E_PARA: parameter error",
+        2 => c"HCCL_E_PTR: empty pointer",
+        3 => c"HCCL_E_MEMORY: memory error",
+        4 => c"HCCL_E_INTERNAL: internal error",
+        5 => c"HCCL_E_NOT_SUPPORT: not support feature",
+        6 => c"HCCL_E_NOT_FOUND: not found specific resource",
+        7 => c"HCCL_E_UNAVAIL: resource unavailable",
+        8 => c"HCCL_E_SYSCALL: call system interface error",
+        9 => c"HCCL_E_TIMEOUT: timeout",
+        15 => c"HCCL_E_RUNTIME: call runtime api fail",
+        21 => c"HCCL_E_REMOTE: error cqe",
+        _ => c"unknown HcclResult",
+    };
+    s.as_ptr()
+}
+
+/// `HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError)`.
+#[no_mangle]
+pub unsafe extern "C" fn HcclGetCommAsyncError(comm_h: HcclComm, async_error: *mut HcclResult) -> HcclResult {
+    status::hccl("HcclGetCommAsyncError", || {
+        let c = comm(comm_h)?;
+        write_out(async_error, c.error.load(Ordering::SeqCst), HCCL_E_PTR, "asyncError")
+    })
+}
+
+/// `uint32_t HcclGetCommConfigCapability()`.
+#[no_mangle]
+pub extern "C" fn HcclGetCommConfigCapability() -> u32 {
+    HCCL_CONFIG_CAPABILITIES
+}
+
+fn dtype(dt: i32) -> SimResult<DType> {
+    Ok(match dt {
+        HCCL_DATA_TYPE_FP32 => DType::F32,
+        HCCL_DATA_TYPE_FP16 => DType::F16,
+        HCCL_DATA_TYPE_BFP16 => DType::BF16,
+        HCCL_DATA_TYPE_INT32 => DType::I32,
+        HCCL_DATA_TYPE_INT64 => DType::I64,
+        other => return fail(HCCL_E_NOT_SUPPORT, format!("HcclDataType {other} is not simulated")),
+    })
+}
+
+fn reduce_op(op: i32) -> SimResult<ReduceOp> {
+    Ok(match op {
+        HCCL_REDUCE_SUM => ReduceOp::Sum,
+        HCCL_REDUCE_MAX => ReduceOp::Max,
+        HCCL_REDUCE_MIN => ReduceOp::Min,
+        other => return fail(HCCL_E_NOT_SUPPORT, format!("HcclReduceOp {other} is not simulated")),
+    })
+}
+
+fn counts(p: *const c_void, n: u32, what: &str) -> SimResult<Vec<usize>> {
+    if p.is_null() {
+        return fail(HCCL_E_PTR, format!("{what} is NULL"));
+    }
+    // SAFETY: host array of rankSize uint64 values (C contract); copied now,
+    // as HCCL does, so the caller may reuse it after the call returns.
+    let s = unsafe { std::slice::from_raw_parts(p as *const u64, n as usize) };
+    Ok(s.iter().map(|&v| v as usize).collect())
+}
+
+/// A device buffer operand: address and element count.
+#[derive(Debug, Clone, Copy)]
+struct Buf {
+    addr: usize,
+    elems: usize,
+}
+
+fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<()> {
+    if b.elems == 0 {
+        return Ok(());
+    }
+    let s = arena::resolve(b.addr, b.elems * dt.size(), what).map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
+    if s.device != c.device {
+        return fail(HCCL_E_PARA, format!("{what} is on device {}, the communicator on device {}", s.device, c.device));
+    }
+    Ok(())
+}
+
+fn load(b: Buf, dt: DType) -> SimResult<Tensor> {
+    let bytes = b.elems * dt.size();
+    let mut buf = CpuBuffer::zeros(bytes);
+    if bytes > 0 {
+        let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
+        // SAFETY: `s` lies inside a live allocation of at least `bytes` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(s.host, buf.as_bytes_mut().as_mut_ptr(), bytes) };
+    }
+    Tensor::from_parts(vec![b.elems], dt, Storage::Cpu(buf)).map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))
+}
+
+fn store(b: Buf, dt: DType, t: &Tensor, from: usize) -> SimResult<()> {
+    let bytes = b.elems * dt.size();
+    if bytes == 0 {
+        return Ok(());
+    }
+    let src = t.cpu_bytes().map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
+    let src = &src[from * dt.size()..][..bytes];
+    let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
+    // SAFETY: `s` lies inside a live allocation of at least `bytes` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), s.host, bytes) };
+    Ok(())
+}
+
+fn zeros(n: usize, dt: DType) -> Tensor {
+    Tensor::zeros_cpu(&[n], dt)
+}
+
+type CollJob = Box<dyn FnOnce(&SimComm, &CpuComm) -> SimResult<()> + Send>;
+
+/// Validates the communicator and stream, then queues `job` on the stream.
+fn enqueue(
+    call: &'static str,
+    comm_h: HcclComm,
+    stream_h: AclrtStream,
+    bufs: &[(Buf, DType, &str)],
+    job: CollJob,
+) -> SimResult<()> {
+    let c = comm(comm_h)?;
+    let e = c.error.load(Ordering::SeqCst);
+    if e != HCCL_SUCCESS {
+        return fail(e, format!("communicator {} has a pending async error {e}", c.name));
+    }
+    let s: Arc<Stream> = context::stream(stream_h as usize).map_err(|e| SimError::new(HCCL_E_PARA, e.msg))?;
+    if s.device != c.device {
+        return fail(HCCL_E_PARA, format!("stream on device {} but communicator on device {}", s.device, c.device));
+    }
+    for (b, dt, what) in bufs {
+        check_buf(&c, *b, *dt, what)?;
+    }
+    s.enqueue(
+        call,
+        Box::new(move || {
+            let cfg = config::get();
+            if cfg.die_rank == Some(c.world_rank) {
+                eprintln!("cann-sim: CANNSIM_DIE_RANK: world rank {} exits during {call}", c.world_rank);
+                // SAFETY: fflush(NULL) flushes every C stdio stream; _exit ends the
+                // process at once (the simulated crash).
+                unsafe {
+                    libc::fflush(std::ptr::null_mut());
+                    libc::_exit(cfg.die_exit_code)
+                }
+            }
+            let prior = c.error.load(Ordering::SeqCst);
+            let r = if prior != HCCL_SUCCESS {
+                fail(prior, format!("communicator {} already failed", c.name))
+            } else if cfg.hccl_timeout_rank == Some(c.world_rank) {
+                // A hung rank: it stays silent (and alive) past its peers'
+                // timeout, so they see a timeout rather than a dead peer.
+                std::thread::sleep(c.timeout * 2);
+                fail(
+                    HCCL_E_TIMEOUT,
+                    format!("CANNSIM_HCCL_TIMEOUT_RANK: world rank {} never joins {call} on {}", c.world_rank, c.name),
+                )
+            } else {
+                let guard = c.comm.lock().unwrap_or_else(|e| e.into_inner());
+                job(&c, &guard)
+            };
+            r.map_err(|e| {
+                let _ = c.error.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
+                let acl = if matches!(e.code, HCCL_E_TIMEOUT | HCCL_E_REMOTE) {
+                    ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
+                } else {
+                    ACL_ERROR_RT_INTERNAL_ERROR
+                };
+                SimError::new(
+                    acl,
+                    format!(
+                        "{call} on {} (rank {}/{}, timeout {:?}): HCCL error {}: {}",
+                        c.name, c.rank, c.size, c.timeout, e.code, e.msg
+                    ),
+                )
+            })
+        }),
+    );
+    Ok(())
+}
+
+/// `HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclAllReduce(
+    send_buf: *mut c_void,
+    recv_buf: *mut c_void,
+    count: u64,
+    data_type: i32,
+    op: i32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclAllReduce", || {
+        let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
+        let n = count as usize;
+        let (sb, rb) = (Buf { addr: send_buf as usize, elems: n }, Buf { addr: recv_buf as usize, elems: n });
+        enqueue(
+            "HcclAllReduce",
+            comm_h,
+            stream,
+            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
+            Box::new(move |_, cc| {
+                let src = load(sb, dt)?;
+                let mut dst = zeros(n, dt);
+                cc.all_reduce(&src, &mut dst, op).map_err(lift)?;
+                store(rb, dt, &dst, 0)
+            }),
+        )
+    })
+}
+
+/// `HcclResult HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclReduceScatter(
+    send_buf: *mut c_void,
+    recv_buf: *mut c_void,
+    recv_count: u64,
+    data_type: i32,
+    op: i32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclReduceScatter", || {
+        let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
+        let world = comm(comm_h)?.size as usize;
+        let n = recv_count as usize;
+        let sb = Buf { addr: send_buf as usize, elems: n * world };
+        let rb = Buf { addr: recv_buf as usize, elems: n };
+        enqueue(
+            "HcclReduceScatter",
+            comm_h,
+            stream,
+            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
+            Box::new(move |_, cc| {
+                let src = load(sb, dt)?;
+                let mut dst = zeros(n, dt);
+                cc.reduce_scatter(&src, &mut dst, op).map_err(lift)?;
+                store(rb, dt, &dst, 0)
+            }),
+        )
+    })
+}
+
+fn extent(counts: &[usize], displs: &[usize]) -> usize {
+    counts.iter().zip(displs).map(|(c, d)| c + d).max().unwrap_or(0)
+}
+
+/// `HcclResult HcclReduceScatterV(void *sendBuf, const void *sendCounts, const void *sendDispls, void *recvBuf, uint64_t recvCount, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclReduceScatterV(
+    send_buf: *mut c_void,
+    send_counts: *const c_void,
+    send_displs: *const c_void,
+    recv_buf: *mut c_void,
+    recv_count: u64,
+    data_type: i32,
+    op: i32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclReduceScatterV", || {
+        let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
+        let c = comm(comm_h)?;
+        let sc = counts(send_counts, c.size, "sendCounts")?;
+        let sd = counts(send_displs, c.size, "sendDispls")?;
+        if sc[c.rank as usize] != recv_count as usize {
+            return fail(
+                HCCL_E_PARA,
+                format!("recvCount {recv_count} but sendCounts[{}] = {}", c.rank, sc[c.rank as usize]),
+            );
+        }
+        let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
+        let rb = Buf { addr: recv_buf as usize, elems: recv_count as usize };
+        enqueue(
+            "HcclReduceScatterV",
+            comm_h,
+            stream,
+            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
+            Box::new(move |_, cc| {
+                let whole = load(sb, dt)?;
+                let es = dt.size();
+                let bytes = whole.cpu_bytes().map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
+                let mut packed = Vec::with_capacity(sc.iter().sum::<usize>() * es);
+                for (cnt, d) in sc.iter().zip(&sd) {
+                    packed.extend_from_slice(&bytes[d * es..(d + cnt) * es]);
+                }
+                let src = Tensor::from_parts(vec![packed.len() / es], dt, Storage::Cpu(CpuBuffer::from_bytes(&packed)))
+                    .map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
+                let mut dst = zeros(rb.elems, dt);
+                cc.reduce_scatter_v(&src, &mut dst, &sc, op).map_err(lift)?;
+                store(rb, dt, &dst, 0)
+            }),
+        )
+    })
+}
+
+/// `HcclResult HcclAllGather(void *sendBuf, void *recvBuf, uint64_t sendCount, HcclDataType dataType, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclAllGather(
+    send_buf: *mut c_void,
+    recv_buf: *mut c_void,
+    send_count: u64,
+    data_type: i32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclAllGather", || {
+        let dt = dtype(data_type)?;
+        let world = comm(comm_h)?.size as usize;
+        let n = send_count as usize;
+        let sb = Buf { addr: send_buf as usize, elems: n };
+        let rb = Buf { addr: recv_buf as usize, elems: n * world };
+        enqueue(
+            "HcclAllGather",
+            comm_h,
+            stream,
+            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
+            Box::new(move |_, cc| {
+                let src = load(sb, dt)?;
+                let mut dst = zeros(rb.elems, dt);
+                cc.all_gather(&src, &mut dst).map_err(lift)?;
+                store(rb, dt, &dst, 0)
+            }),
+        )
+    })
+}
+
+/// `HcclResult HcclAllGatherV(void *sendBuf, uint64_t sendCount, void *recvBuf, const void *recvCounts, const void *recvDispls, HcclDataType dataType, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclAllGatherV(
+    send_buf: *mut c_void,
+    send_count: u64,
+    recv_buf: *mut c_void,
+    recv_counts: *const c_void,
+    recv_displs: *const c_void,
+    data_type: i32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclAllGatherV", || {
+        let dt = dtype(data_type)?;
+        let c = comm(comm_h)?;
+        let rc = counts(recv_counts, c.size, "recvCounts")?;
+        let rd = counts(recv_displs, c.size, "recvDispls")?;
+        if rc[c.rank as usize] != send_count as usize {
+            return fail(
+                HCCL_E_PARA,
+                format!("sendCount {send_count} but recvCounts[{}] = {}", c.rank, rc[c.rank as usize]),
+            );
+        }
+        let sb = Buf { addr: send_buf as usize, elems: send_count as usize };
+        let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
+        enqueue(
+            "HcclAllGatherV",
+            comm_h,
+            stream,
+            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
+            Box::new(move |_, cc| {
+                let src = load(sb, dt)?;
+                let mut dst = zeros(rc.iter().sum(), dt);
+                cc.all_gather_v(&src, &mut dst, &rc).map_err(lift)?;
+                let mut from = 0;
+                for (cnt, d) in rc.iter().zip(&rd) {
+                    store(Buf { addr: rb.addr + d * dt.size(), elems: *cnt }, dt, &dst, from)?;
+                    from += cnt;
+                }
+                Ok(())
+            }),
+        )
+    })
+}
+
+/// `HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCounts, const void *sdispls, HcclDataType sendType, const void *recvBuf, const void *recvCounts, const void *rdispls, HcclDataType recvType, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclAlltoAllV(
+    send_buf: *const c_void,
+    send_counts: *const c_void,
+    sdispls: *const c_void,
+    send_type: i32,
+    recv_buf: *const c_void,
+    recv_counts: *const c_void,
+    rdispls: *const c_void,
+    recv_type: i32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclAlltoAllV", || {
+        let dt = dtype(send_type)?;
+        if recv_type != send_type {
+            return fail(HCCL_E_PARA, format!("sendType {send_type} != recvType {recv_type}"));
+        }
+        let c = comm(comm_h)?;
+        let sc = counts(send_counts, c.size, "sendCounts")?;
+        let sd = counts(sdispls, c.size, "sdispls")?;
+        let rc = counts(recv_counts, c.size, "recvCounts")?;
+        let rd = counts(rdispls, c.size, "rdispls")?;
+        let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
+        let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
+        enqueue(
+            "HcclAlltoAllV",
+            comm_h,
+            stream,
+            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
+            Box::new(move |_, cc| {
+                let es = dt.size();
+                let whole = load(sb, dt)?;
+                let bytes = whole.cpu_bytes().map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
+                let mut packed = Vec::with_capacity(sc.iter().sum::<usize>() * es);
+                for (cnt, d) in sc.iter().zip(&sd) {
+                    packed.extend_from_slice(&bytes[d * es..(d + cnt) * es]);
+                }
+                let src = Tensor::from_parts(vec![packed.len() / es], dt, Storage::Cpu(CpuBuffer::from_bytes(&packed)))
+                    .map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
+                let mut dst = zeros(rc.iter().sum(), dt);
+                cc.all_to_all_v(&src, &sc, &mut dst, &rc).map_err(lift)?;
+                let mut from = 0;
+                for (cnt, d) in rc.iter().zip(&rd) {
+                    store(Buf { addr: rb.addr + d * es, elems: *cnt }, dt, &dst, from)?;
+                    from += cnt;
+                }
+                Ok(())
+            }),
+        )
+    })
+}
+
+/// `HcclResult HcclBroadcast(void *buf, uint64_t count, HcclDataType dataType, uint32_t root, HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclBroadcast(
+    buf: *mut c_void,
+    count: u64,
+    data_type: i32,
+    root: u32,
+    comm_h: HcclComm,
+    stream: AclrtStream,
+) -> HcclResult {
+    status::hccl("HcclBroadcast", || {
+        let dt = dtype(data_type)?;
+        let size = comm(comm_h)?.size;
+        if root >= size {
+            return fail(HCCL_E_PARA, format!("root {root} of {size} ranks"));
+        }
+        let b = Buf { addr: buf as usize, elems: count as usize };
+        enqueue(
+            "HcclBroadcast",
+            comm_h,
+            stream,
+            &[(b, dt, "buf")],
+            Box::new(move |_, cc| {
+                let mut t = load(b, dt)?;
+                cc.broadcast(&mut t, root as usize).map_err(lift)?;
+                store(b, dt, &t, 0)
+            }),
+        )
+    })
+}
+
+/// `HcclResult HcclBarrier(HcclComm comm, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn HcclBarrier(comm_h: HcclComm, stream: AclrtStream) -> HcclResult {
+    status::hccl("HcclBarrier", || {
+        enqueue("HcclBarrier", comm_h, stream, &[], Box::new(move |_, cc| cc.barrier().map_err(lift)))
+    })
+}

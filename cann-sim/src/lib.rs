@@ -1,0 +1,35 @@
+//! # cann-sim
+//!
+//! A simulated CANN runtime: one shared library (`libcann_sim.so`) exporting
+//! the ACL runtime, HCCL, nnopbase and aclnn symbols the ascend-moe NPU
+//! backend loads, with the exact C signatures and numeric codes of CANN,
+//! implemented over host memory. Point `ASCEND_MOE_ACL_LIB`,
+//! `ASCEND_MOE_HCCL_LIB`, `ASCEND_MOE_NNOPBASE_LIB` and `ASCEND_MOE_OPAPI_LIB`
+//! at it and the NPU backend runs without an NPU.
+//!
+//! | module | exports |
+//! |---|---|
+//! | [`acl`] | `aclInit` ... `aclrtGetVersion`: devices, streams, memory, events |
+//! | [`nnop`] | `aclCreateTensor`, `aclDestroyTensor`, `aclCreateScalar`, `aclDestroyScalar` |
+//! | [`aclnn`] | `aclnnMoeFinalizeRoutingV2`, `aclnnMoeTokenUnpermute`, `aclnnAdd` (+ `GetWorkspaceSize`) |
+//! | [`hccl`] | `HcclGetRootInfo` ... `HcclBarrier`, over the crate's CPU communicator |
+//! | [`kernel`] | `cannsim_launch_kernel` (simulator-only) |
+//!
+//! What it models and what it does not: see README.md. Configuration: see
+//! [`config`].
+
+#![warn(missing_docs)]
+
+pub mod acl;
+pub mod aclnn;
+pub mod arena;
+pub mod config;
+pub mod context;
+pub mod ffi;
+pub mod handles;
+pub mod hccl;
+pub mod kernel;
+pub mod leaks;
+pub mod nnop;
+pub mod status;
+pub mod stream;

@@ -1,0 +1,257 @@
+//! nnopbase exports: `aclCreateTensor` / `aclDestroyTensor` and
+//! `aclCreateScalar` / `aclDestroyScalar`.
+
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use crate::arena;
+use crate::ffi::*;
+use crate::handles::Table;
+use crate::status::{self, fail, SimError, SimResult};
+
+/// Live tensors.
+pub static TENSORS: Table<TensorDesc> = Table::new("aclTensor", 0x5a3);
+/// Live scalars.
+pub static SCALARS: Table<Scalar> = Table::new("aclScalar", 0x5a4);
+
+/// Bytes per element of an ACL data type the simulator computes with.
+pub fn dtype_size(dt: i32) -> Option<usize> {
+    Some(match dt {
+        ACL_FLOAT | ACL_INT32 | ACL_UINT32 => 4,
+        ACL_FLOAT16 | ACL_BF16 | ACL_INT16 | ACL_UINT16 => 2,
+        ACL_INT8 | ACL_UINT8 | ACL_BOOL => 1,
+        ACL_INT64 | ACL_UINT64 | ACL_DOUBLE => 8,
+        _ => return None,
+    })
+}
+
+/// Name of an ACL data type.
+pub fn dtype_name(dt: i32) -> String {
+    match dt {
+        ACL_FLOAT => "ACL_FLOAT".into(),
+        ACL_FLOAT16 => "ACL_FLOAT16".into(),
+        ACL_BF16 => "ACL_BF16".into(),
+        ACL_INT32 => "ACL_INT32".into(),
+        ACL_INT64 => "ACL_INT64".into(),
+        ACL_DOUBLE => "ACL_DOUBLE".into(),
+        other => format!("aclDataType {other}"),
+    }
+}
+
+/// What an `aclTensor` describes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDesc {
+    /// View shape.
+    pub dims: Vec<i64>,
+    /// aclDataType.
+    pub dtype: i32,
+    /// View strides in elements.
+    pub strides: Vec<i64>,
+    /// View offset in elements.
+    pub offset: i64,
+    /// aclFormat.
+    pub format: i32,
+    /// Storage shape.
+    pub storage: Vec<i64>,
+    /// Device address of the storage.
+    pub data: usize,
+}
+
+impl TensorDesc {
+    /// Number of elements of the view.
+    pub fn numel(&self) -> usize {
+        self.dims.iter().map(|&d| d as usize).product()
+    }
+
+    /// Element size (the dtype was validated at creation).
+    pub fn elem(&self) -> usize {
+        dtype_size(self.dtype).unwrap_or(1)
+    }
+
+    /// True when the view is row-major contiguous.
+    pub fn is_contiguous(&self) -> bool {
+        let mut want = 1i64;
+        for (&d, &s) in self.dims.iter().zip(&self.strides).rev() {
+            if d != 1 && s != want {
+                return false;
+            }
+            want *= d;
+        }
+        true
+    }
+
+    /// Device address of the first element of the view.
+    pub fn addr(&self) -> usize {
+        self.data + self.offset as usize * self.elem()
+    }
+
+    /// Bytes spanned by the (contiguous) view.
+    pub fn bytes(&self) -> usize {
+        self.numel() * self.elem()
+    }
+}
+
+unsafe fn slice_i64<'a>(p: *const i64, n: u64, what: &str) -> SimResult<&'a [i64]> {
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return fail(ACLNN_ERR_PARAM_NULLPTR, format!("{what} is NULL but its length is {n}"));
+    }
+    if n > 25 {
+        return fail(ACLNN_ERR_PARAM_INVALID, format!("{what} has {n} dims (at most 25)"));
+    }
+    // SAFETY: the caller passes `n` readable int64 values at `p` (C contract).
+    Ok(unsafe { std::slice::from_raw_parts(p, n as usize) })
+}
+
+/// `aclTensor *aclCreateTensor(const int64_t *viewDims, uint64_t viewDimsNum, aclDataType dataType, const int64_t *stride, int64_t offset, aclFormat format, const int64_t *storageDims, uint64_t storageDimsNum, void *tensorData)`.
+/// NULL `stride` means row-major contiguous.
+#[no_mangle]
+pub unsafe extern "C" fn aclCreateTensor(
+    view_dims: *const i64,
+    view_dims_num: u64,
+    data_type: i32,
+    stride: *const i64,
+    offset: i64,
+    format: i32,
+    storage_dims: *const i64,
+    storage_dims_num: u64,
+    tensor_data: *mut c_void,
+) -> AclTensor {
+    status::ptr("aclCreateTensor", || {
+        // SAFETY: C contract of aclCreateTensor (see each helper).
+        let dims = unsafe { slice_i64(view_dims, view_dims_num, "viewDims") }?.to_vec();
+        let strides = if stride.is_null() {
+            let mut s = vec![1i64; dims.len()];
+            for i in (0..dims.len().saturating_sub(1)).rev() {
+                s[i] = s[i + 1] * dims[i + 1].max(1);
+            }
+            s
+        } else {
+            // SAFETY: as above, one stride per view dim.
+            unsafe { slice_i64(stride, view_dims_num, "stride") }?.to_vec()
+        };
+        // SAFETY: as above.
+        let storage = unsafe { slice_i64(storage_dims, storage_dims_num, "storageDims") }?.to_vec();
+        let Some(es) = dtype_size(data_type) else {
+            return fail(ACLNN_ERR_PARAM_INVALID, format!("unsupported {}", dtype_name(data_type)));
+        };
+        if dims.iter().chain(&strides).chain(&storage).any(|&v| v < 0) || offset < 0 {
+            return fail(
+                ACLNN_ERR_PARAM_INVALID,
+                format!("negative dim, stride or offset (dims {dims:?}, strides {strides:?}, offset {offset})"),
+            );
+        }
+        let t = TensorDesc { dims, dtype: data_type, strides, offset, format, storage, data: tensor_data as usize };
+        if t.numel() > 0 {
+            let last = t.offset + t.dims.iter().zip(&t.strides).map(|(d, s)| (d - 1) * s).sum::<i64>();
+            let storage_numel: i64 = t.storage.iter().product();
+            if last >= storage_numel {
+                return fail(
+                    ACLNN_ERR_PARAM_INVALID,
+                    format!(
+                        "view (dims {:?}, strides {:?}, offset {}) reaches element {last} of a storage of {storage_numel}",
+                        t.dims, t.strides, t.offset
+                    ),
+                );
+            }
+            if t.data == 0 {
+                return fail(ACLNN_ERR_PARAM_NULLPTR, "tensorData is NULL for a non-empty tensor");
+            }
+            let bytes = storage_numel as usize * es;
+            arena::resolve(t.data, bytes, "tensorData").map_err(|e| SimError::new(ACLNN_ERR_PARAM_INVALID, e.msg))?;
+        }
+        Ok(TENSORS.insert(Arc::new(t)) as *mut c_void)
+    })
+}
+
+/// `aclnnStatus aclDestroyTensor(const aclTensor *tensor)`.
+#[no_mangle]
+pub extern "C" fn aclDestroyTensor(tensor: *const c_void) -> AclnnStatus {
+    status::aclnn("aclDestroyTensor", || {
+        if tensor.is_null() {
+            return Ok(());
+        }
+        TENSORS.remove(tensor as usize).map(|_| ()).ok_or_else(|| {
+            SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{tensor:p} is not a live aclTensor (double destroy?)"))
+        })
+    })
+}
+
+/// A host scalar.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scalar {
+    /// aclDataType it was created with.
+    pub dtype: i32,
+    /// Its value as f64.
+    pub value: f64,
+    /// Its value as i64 (integers and bools; floats truncated).
+    pub int: i64,
+}
+
+/// `aclScalar *aclCreateScalar(void *value, aclDataType dataType)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclCreateScalar(value: *mut c_void, data_type: i32) -> AclScalar {
+    status::ptr("aclCreateScalar", || {
+        if value.is_null() {
+            return fail(ACLNN_ERR_PARAM_NULLPTR, "value is NULL");
+        }
+        let p = value as *const u8;
+        // SAFETY: `value` points to one element of `data_type` (C contract);
+        // read_unaligned tolerates any alignment.
+        let (v, i): (f64, i64) = unsafe {
+            match data_type {
+                ACL_FLOAT => {
+                    let x = (p as *const f32).read_unaligned() as f64;
+                    (x, x as i64)
+                }
+                ACL_DOUBLE => {
+                    let x = (p as *const f64).read_unaligned();
+                    (x, x as i64)
+                }
+                ACL_FLOAT16 => {
+                    let x = half::f16::from_bits((p as *const u16).read_unaligned()).to_f64();
+                    (x, x as i64)
+                }
+                ACL_BF16 => {
+                    let x = half::bf16::from_bits((p as *const u16).read_unaligned()).to_f64();
+                    (x, x as i64)
+                }
+                ACL_INT32 => {
+                    let x = (p as *const i32).read_unaligned() as i64;
+                    (x as f64, x)
+                }
+                ACL_INT64 => {
+                    let x = (p as *const i64).read_unaligned();
+                    (x as f64, x)
+                }
+                ACL_INT8 => {
+                    let x = (p as *const i8).read() as i64;
+                    (x as f64, x)
+                }
+                ACL_UINT8 | ACL_BOOL => {
+                    let x = p.read() as i64;
+                    (x as f64, x)
+                }
+                _ => return fail(ACLNN_ERR_PARAM_INVALID, format!("unsupported scalar {}", dtype_name(data_type))),
+            }
+        };
+        Ok(SCALARS.insert(Arc::new(Scalar { dtype: data_type, value: v, int: i })) as *mut c_void)
+    })
+}
+
+/// `aclnnStatus aclDestroyScalar(const aclScalar *scalar)`.
+#[no_mangle]
+pub extern "C" fn aclDestroyScalar(scalar: *const c_void) -> AclnnStatus {
+    status::aclnn("aclDestroyScalar", || {
+        if scalar.is_null() {
+            return Ok(());
+        }
+        SCALARS.remove(scalar as usize).map(|_| ()).ok_or_else(|| {
+            SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{scalar:p} is not a live aclScalar (double destroy?)"))
+        })
+    })
+}

@@ -1,0 +1,305 @@
+//! Behaviour that needs its own process: out-of-memory and allocation-failure
+//! injection (configuration is read once per process), a host dereference of a
+//! device pointer, collective timeouts and dying ranks, ranks that are
+//! processes, and the leak report at exit.
+//!
+//! Each test re-runs this binary as a child (`CANNSIM_TEST_ROLE` set) with the
+//! environment under test, and checks the child's exit status and output.
+
+mod common;
+
+use common::*;
+
+const NULL: Ptr = std::ptr::null_mut();
+
+fn stderr(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout)
+}
+
+#[test]
+fn device_memory_runs_out_at_the_configured_size() {
+    if role().as_deref() == Some("oom") {
+        let s = use_device(0);
+        let a = malloc(600 << 10);
+        let mut p = NULL;
+        unsafe {
+            assert_eq!((s.aclrtMalloc)(&mut p, 600 << 10, 0), 207001);
+            assert!(err_msg().contains("out of memory"), "{}", err_msg());
+            // Other devices have their own memory.
+            assert_eq!((s.aclrtSetDevice)(1), 0);
+            let b = malloc(600 << 10);
+            free(b);
+            assert_eq!((s.aclrtSetDevice)(0), 0);
+        }
+        free(a);
+        let again = malloc(900 << 10);
+        free(again);
+        return;
+    }
+    let o = run_child("device_memory_runs_out_at_the_configured_size", "oom", &[("CANNSIM_DEVICE_MEM", "1M")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn allocation_failure_is_injected_after_n_allocations() {
+    if role().as_deref() == Some("fail-malloc") {
+        let s = use_device(0);
+        let (a, b) = (malloc(64), malloc(64));
+        let mut p = NULL;
+        unsafe {
+            assert_eq!((s.aclrtMalloc)(&mut p, 64, 0), 207001);
+            assert!(err_msg().contains("CANNSIM_FAIL_MALLOC_AFTER"), "{}", err_msg());
+        }
+        free(a);
+        free(b);
+        return;
+    }
+    let o = run_child(
+        "allocation_failure_is_injected_after_n_allocations",
+        "fail-malloc",
+        &[("CANNSIM_FAIL_MALLOC_AFTER", "2")],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn dereferencing_a_device_pointer_on_the_host_faults() {
+    if role().as_deref() == Some("deref") {
+        use_device(0);
+        let p = upload(&[7u8; 64]);
+        // SAFETY: deliberately not safe: this must crash the child.
+        let v = unsafe { std::ptr::read_volatile(p as *const u8) };
+        println!("read {v} through a device pointer");
+        return;
+    }
+    let o = run_child("dereferencing_a_device_pointer_on_the_host_faults", "deref", &[]);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(o.status.signal(), Some(libc_sigsegv()), "child: {:?} {}", o.status, stderr(&o));
+    assert!(!stderr(&o).contains("read 7"));
+}
+
+fn libc_sigsegv() -> i32 {
+    11
+}
+
+#[test]
+fn leak_report_lists_live_objects_and_fails_the_process() {
+    match role().as_deref() {
+        Some("leak") => {
+            let s = use_device(0);
+            let _buf = malloc(1234);
+            let _st = stream();
+            let mut ev = NULL;
+            unsafe { assert_eq!((s.aclrtCreateEvent)(&mut ev), 0) };
+            let data = malloc(64);
+            let _t = tensor(&[4, 4], ACL_FLOAT, data);
+            let mut host = NULL;
+            unsafe { assert_eq!((s.aclrtMallocHost)(&mut host, 100), 0) };
+            return;
+        }
+        Some("clean") => {
+            let s = use_device(0);
+            let st = stream();
+            let b = malloc(64);
+            let t = tensor(&[16], ACL_FLOAT, b);
+            destroy_tensor(t);
+            free(b);
+            destroy_stream(st);
+            unsafe { assert_eq!((s.aclrtResetDevice)(0), 0) };
+            return;
+        }
+        _ => {}
+    }
+    let name = "leak_report_lists_live_objects_and_fails_the_process";
+    let o = run_child(name, "leak", &[("CANNSIM_LEAK_REPORT", "fail")]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(97), "{err}");
+    for what in [
+        "6 leaked object(s)",
+        "device buffer",
+        "(1234 bytes, device 0)",
+        "stream ",
+        "event ",
+        "aclTensor",
+        "shape [4, 4]",
+        "host buffer",
+        "device 0 still set",
+    ] {
+        assert!(err.contains(what), "missing {what:?} in:\n{err}");
+    }
+    let o = run_child(name, "clean", &[("CANNSIM_LEAK_REPORT", "fail")]);
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("0 leaked object(s)"), "{err}");
+    // Without CANNSIM_LEAK_REPORT the leaking child exits normally and quietly.
+    let o = run_child(name, "leak", &[]);
+    assert!(o.status.success() && !stderr(&o).contains("leak report"), "{}", stderr(&o));
+}
+
+/// Root info as hex, to hand to child processes.
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+/// One process rank: init from the root info, all-reduce [rank+1; 8], report.
+fn process_rank(world: u32) -> (i32, Vec<f32>, i32) {
+    let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+    let root = unhex(&std::env::var("ROOT").unwrap());
+    let s = use_device(rank as i32);
+    let mut comm = NULL;
+    unsafe { assert_eq!((s.HcclCommInitRootInfo)(world, root.as_ptr(), rank, &mut comm), 0, "{}", err_msg()) };
+    let st = stream();
+    let v = vec![rank as f32 + 1.0; 8];
+    let send = upload(&v);
+    let recv = malloc(32);
+    unsafe { assert_eq!((s.HcclAllReduce)(send, recv, 8, HCCL_FP32, HCCL_SUM, comm, st), 0) };
+    let r = unsafe { (s.aclrtSynchronizeStream)(st) };
+    let out = download::<f32>(recv, 8);
+    let mut async_err = -1;
+    unsafe { assert_eq!((s.HcclGetCommAsyncError)(comm, &mut async_err), 0) };
+    println!("rank {rank}: sync {r} async {async_err} out {out:?} msg {}", err_msg());
+    (r, out, async_err)
+}
+
+fn spawn_ranks(test: &str, role: &str, world: u32, env: &[(&str, &str)]) -> Vec<std::process::Child> {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0) };
+    let root = hex(&root);
+    (0..world)
+        .map(|r| {
+            let exe = std::env::current_exe().unwrap();
+            let mut cmd = std::process::Command::new(exe);
+            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env("CANNSIM_TEST_ROLE", role)
+                .env("RANK", r.to_string())
+                .env("ROOT", &root)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn ranks_can_be_processes() {
+    if role().as_deref() == Some("proc-rank") {
+        let (r, out, e) = process_rank(3);
+        assert_eq!((r, e), (0, 0));
+        assert_eq!(out, vec![6.0; 8]);
+        return;
+    }
+    let kids = spawn_ranks("ranks_can_be_processes", "proc-rank", 3, &[]);
+    for k in kids {
+        let o = k.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn a_dying_rank_process_makes_its_peer_fail_not_hang() {
+    if role().as_deref() == Some("die") {
+        let (r, _, e) = process_rank(2);
+        // Only rank 0 gets here: rank 1 exits inside its collective.
+        assert_ne!(r, 0, "the peer's death must surface at the sync");
+        assert!(e == 9 || e == 21, "async error {e}");
+        return;
+    }
+    let kids = spawn_ranks(
+        "a_dying_rank_process_makes_its_peer_fail_not_hang",
+        "die",
+        2,
+        &[("CANNSIM_DIE_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "1")],
+    );
+    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+    assert!(outs[0].status.success(), "rank 0: {}", stderr(&outs[0]));
+    assert_eq!(outs[1].status.code(), Some(77), "rank 1: {}", stderr(&outs[1]));
+    assert!(stderr(&outs[1]).contains("CANNSIM_DIE_RANK"));
+}
+
+#[test]
+fn a_rank_that_never_joins_times_out_its_peers() {
+    if role().as_deref() == Some("timeout") {
+        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+        let (r, _, e) = process_rank(2);
+        assert_eq!(e, 9, "HCCL_E_TIMEOUT on rank {rank}");
+        assert_eq!(r, 507046, "rank {rank}");
+        // The communicator stays failed: the next collective is refused at once.
+        return;
+    }
+    let kids = spawn_ranks(
+        "a_rank_that_never_joins_times_out_its_peers",
+        "timeout",
+        2,
+        &[("CANNSIM_HCCL_TIMEOUT_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "0.5")],
+    );
+    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}\n\nother rank: {}", stderr(o), stderr(&outs[1 - r]));
+    }
+}
+
+#[test]
+fn acl_init_and_finalize_follow_the_documented_lifecycle() {
+    if role().as_deref() == Some("lifecycle") {
+        let s = sim();
+        unsafe {
+            assert_eq!((s.aclrtSetDevice)(0), 100001, "aclInit first");
+            assert_eq!((s.aclFinalize)(), 100001);
+            assert_eq!((s.aclInit)(std::ptr::null()), 0);
+            assert_eq!((s.aclInit)(std::ptr::null()), 100002);
+            assert_eq!((s.aclrtSetDevice)(0), 0);
+            assert_eq!((s.aclrtResetDevice)(0), 0);
+            assert_eq!((s.aclrtResetDevice)(0), 107001, "reset of a device that is not set");
+            let mut d = 0;
+            assert_eq!((s.aclrtGetDevice)(&mut d), 107002, "no current device after the reset");
+            assert_eq!((s.aclFinalize)(), 0);
+            assert_eq!((s.aclFinalize)(), 100037);
+            assert_eq!((s.aclrtSetDevice)(0), 100001, "finalized");
+        }
+        return;
+    }
+    let o = run_child("acl_init_and_finalize_follow_the_documented_lifecycle", "lifecycle", &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn eager_streams_run_work_without_being_waited_on() {
+    if role().as_deref() == Some("eager") {
+        let s = use_device(0);
+        let st = stream();
+        let dev = upload(&[0u32; 32]);
+        let src: Vec<u32> = (0..32).collect();
+        let mut ev = NULL;
+        unsafe {
+            assert_eq!((s.aclrtCreateEvent)(&mut ev), 0);
+            assert_eq!((s.aclrtMemcpyAsync)(dev, 128, src.as_ptr() as *const std::ffi::c_void, 128, H2D, st), 0);
+            assert_eq!((s.aclrtRecordEvent)(ev, st), 0);
+        }
+        // Nothing waits on the stream: the worker still finishes the copy.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while download::<u32>(dev, 32) != src {
+            assert!(std::time::Instant::now() < deadline, "the eager stream never ran the copy");
+            std::thread::yield_now();
+        }
+        unsafe {
+            let mut status = 0;
+            assert_eq!((s.aclrtQueryEventStatus)(ev, &mut status), 0);
+            assert_eq!((s.aclrtDestroyEvent)(ev), 0);
+        }
+        sync(st);
+        destroy_stream(st);
+        free(dev);
+        return;
+    }
+    let name = "eager_streams_run_work_without_being_waited_on";
+    let o = run_child(name, "eager", &[("CANNSIM_STREAM_MODE", "eager")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}

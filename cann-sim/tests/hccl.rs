@@ -1,0 +1,309 @@
+//! HCCL over the simulator with ranks as threads: every collective against a
+//! naive reference, sub-communicators, and mismatched calls failing with an
+//! error code instead of hanging.
+
+mod common;
+
+use std::ffi::{c_void, CStr};
+
+use common::*;
+
+const NULL: Ptr = std::ptr::null_mut();
+
+/// A v10 `HcclCommConfig` (2240 bytes) as `HcclCommConfigInit` leaves it,
+/// with an exec timeout in seconds.
+fn config(timeout_s: i32) -> Vec<u8> {
+    let mut c = vec![0u8; 2240];
+    c[0..8].copy_from_slice(&2240usize.to_le_bytes());
+    c[8..12].copy_from_slice(&0xf0f0_f0f0u32.to_le_bytes());
+    c[12..16].copy_from_slice(&10u32.to_le_bytes());
+    c[316..320].copy_from_slice(&timeout_s.to_le_bytes());
+    c
+}
+
+/// Runs `f(rank, comm, stream)` on `world` threads, each on device `rank`.
+fn with_ranks<R: Send>(world: u32, timeout_s: i32, f: impl Fn(u32, Ptr, Ptr) -> R + Sync) -> Vec<R> {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let cfg = config(timeout_s);
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let (root, cfg, f) = (&root, &cfg, &f);
+                sc.spawn(move || {
+                    let s = use_device(r as i32);
+                    let mut comm = NULL;
+                    let rc =
+                        unsafe { (s.HcclCommInitRootInfoConfig)(world, root.as_ptr(), r, cfg.as_ptr(), &mut comm) };
+                    assert_eq!(rc, 0, "rank {r}: {}", err_msg());
+                    let st = stream();
+                    let out = f(r, comm, st);
+                    destroy_stream(st);
+                    unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+fn data(rank: u32, n: usize) -> Vec<f32> {
+    (0..n).map(|i| (rank as f32 + 1.0) * 0.25 + i as f32).collect()
+}
+
+#[test]
+fn collectives_match_naive_references() {
+    for world in [2u32, 3, 4] {
+        let w = world as usize;
+        let n = 6usize;
+        with_ranks(world, 20, |r, comm, st| {
+            let s = sim();
+            let mine = data(r, n * w);
+            let all: Vec<Vec<f32>> = (0..world).map(|q| data(q, n * w)).collect();
+            // all_reduce (sum, then max)
+            let send = upload(&mine);
+            let recv = malloc(n * w * 4);
+            unsafe { assert_eq!((s.HcclAllReduce)(send, recv, (n * w) as u64, HCCL_FP32, HCCL_SUM, comm, st), 0) };
+            sync(st);
+            let want: Vec<f32> = (0..n * w).map(|i| all.iter().fold(0f32, |a, v| a + v[i])).collect();
+            assert_eq!(download::<f32>(recv, n * w), want, "all_reduce world {world} rank {r}");
+            unsafe { assert_eq!((s.HcclAllReduce)(send, recv, (n * w) as u64, HCCL_FP32, HCCL_MAX, comm, st), 0) };
+            sync(st);
+            assert_eq!(download::<f32>(recv, n * w), all[w - 1], "max");
+            // reduce_scatter: block r of the sum
+            let rs = malloc(n * 4);
+            unsafe { assert_eq!((s.HcclReduceScatter)(send, rs, n as u64, HCCL_FP32, HCCL_SUM, comm, st), 0) };
+            sync(st);
+            assert_eq!(download::<f32>(rs, n), want[r as usize * n..][..n].to_vec(), "reduce_scatter");
+            // all_gather of int32
+            let ints: Vec<i32> = (0..n as i32).map(|i| i * 10 + r as i32).collect();
+            let isend = upload(&ints);
+            let igath = malloc(n * w * 4);
+            unsafe { assert_eq!((s.HcclAllGather)(isend, igath, n as u64, HCCL_INT32, comm, st), 0) };
+            sync(st);
+            let want_g: Vec<i32> = (0..world).flat_map(|q| (0..n as i32).map(move |i| i * 10 + q as i32)).collect();
+            assert_eq!(download::<i32>(igath, n * w), want_g, "all_gather");
+            // all_gather_v with per-rank counts q + 1, displacements leaving a gap of 1
+            let counts: Vec<u64> = (0..world as u64).map(|q| q + 1).collect();
+            let displs: Vec<u64> = counts
+                .iter()
+                .scan(0u64, |acc, c| {
+                    let d = *acc;
+                    *acc += c + 1;
+                    Some(d)
+                })
+                .collect();
+            let total = (displs[w - 1] + counts[w - 1]) as usize;
+            let vsend = upload(&vec![r as f32 + 0.5; r as usize + 1]);
+            let vrecv = upload(&vec![-1f32; total]);
+            unsafe {
+                let rc = (s.HcclAllGatherV)(
+                    vsend,
+                    (r + 1) as u64,
+                    vrecv,
+                    counts.as_ptr() as *const c_void,
+                    displs.as_ptr() as *const c_void,
+                    HCCL_FP32,
+                    comm,
+                    st,
+                );
+                assert_eq!(rc, 0, "{}", err_msg());
+            }
+            sync(st);
+            let mut want_v = vec![-1f32; total];
+            for q in 0..w {
+                for j in 0..counts[q] as usize {
+                    want_v[displs[q] as usize + j] = q as f32 + 0.5;
+                }
+            }
+            assert_eq!(download::<f32>(vrecv, total), want_v, "all_gather_v");
+            // reduce_scatter_v with the same counts/displacements
+            let rsv_send = upload(&(0..total).map(|i| i as f32 * (r as f32 + 1.0)).collect::<Vec<_>>());
+            let rsv_recv = malloc((r as usize + 1) * 4);
+            unsafe {
+                let rc = (s.HcclReduceScatterV)(
+                    rsv_send,
+                    counts.as_ptr() as *const c_void,
+                    displs.as_ptr() as *const c_void,
+                    rsv_recv,
+                    (r + 1) as u64,
+                    HCCL_FP32,
+                    HCCL_SUM,
+                    comm,
+                    st,
+                );
+                assert_eq!(rc, 0, "{}", err_msg());
+            }
+            sync(st);
+            let factor: f32 = (1..=world).map(|q| q as f32).sum();
+            let want_rsv: Vec<f32> =
+                (0..=r as usize).map(|j| (displs[r as usize] as usize + j) as f32 * factor).collect();
+            assert_eq!(download::<f32>(rsv_recv, r as usize + 1), want_rsv, "reduce_scatter_v");
+            // all_to_all_v: rank r sends (r*10 + j) repeated j+1 times to rank j
+            let sc: Vec<u64> = (0..world as u64).map(|j| j + 1).collect();
+            let sd: Vec<u64> = sc
+                .iter()
+                .scan(0u64, |a, c| {
+                    let d = *a;
+                    *a += c;
+                    Some(d)
+                })
+                .collect();
+            let rcnt: Vec<u64> = vec![r as u64 + 1; w];
+            let rd: Vec<u64> = (0..world as u64).map(|q| q * (r as u64 + 1)).collect();
+            let a2a_in: Vec<i32> = (0..world).flat_map(|j| vec![(r * 10 + j) as i32; j as usize + 1]).collect();
+            let a_send = upload(&a2a_in);
+            let a_recv = malloc(w * (r as usize + 1) * 4);
+            unsafe {
+                let rc = (s.HcclAlltoAllV)(
+                    a_send,
+                    sc.as_ptr() as *const c_void,
+                    sd.as_ptr() as *const c_void,
+                    HCCL_INT32,
+                    a_recv,
+                    rcnt.as_ptr() as *const c_void,
+                    rd.as_ptr() as *const c_void,
+                    HCCL_INT32,
+                    comm,
+                    st,
+                );
+                assert_eq!(rc, 0, "{}", err_msg());
+            }
+            sync(st);
+            let want_a: Vec<i32> = (0..world).flat_map(|q| vec![(q * 10 + r) as i32; r as usize + 1]).collect();
+            assert_eq!(download::<i32>(a_recv, w * (r as usize + 1)), want_a, "all_to_all_v");
+            // broadcast from the last rank, then a barrier
+            let b = upload(&data(r, 5));
+            unsafe {
+                assert_eq!((s.HcclBroadcast)(b, 5, HCCL_FP32, world - 1, comm, st), 0);
+                assert_eq!((s.HcclBarrier)(comm, st), 0);
+            }
+            sync(st);
+            assert_eq!(download::<f32>(b, 5), data(world - 1, 5), "broadcast");
+            unsafe {
+                let (mut id, mut size, mut e) = (99u32, 0u32, -1);
+                assert_eq!((s.HcclGetRankId)(comm, &mut id), 0);
+                assert_eq!((s.HcclGetRankSize)(comm, &mut size), 0);
+                assert_eq!((s.HcclGetCommAsyncError)(comm, &mut e), 0);
+                assert_eq!((id, size, e), (r, world, 0));
+            }
+            for p in [send, recv, rs, isend, igath, vsend, vrecv, rsv_send, rsv_recv, a_send, a_recv, b] {
+                free(p);
+            }
+        });
+    }
+}
+
+#[test]
+fn collective_results_are_stale_before_the_sync() {
+    with_ranks(2, 20, |r, comm, st| {
+        let s = sim();
+        let send = upload(&[1i32 + r as i32; 4]);
+        let recv = upload(&[0i32; 4]);
+        unsafe { assert_eq!((s.HcclAllReduce)(send, recv, 4, HCCL_INT32, HCCL_SUM, comm, st), 0) };
+        assert_eq!(download::<i32>(recv, 4), vec![0; 4], "rank {r}: read before the sync");
+        sync(st);
+        assert_eq!(download::<i32>(recv, 4), vec![3; 4]);
+        free(send);
+        free(recv);
+    });
+}
+
+#[test]
+fn sub_communicators_split_the_world() {
+    with_ranks(4, 20, |r, comm, st| {
+        let s = sim();
+        // Even and odd ranks; the sub-rank is the position in the list.
+        let mut ids: Vec<u32> = if r % 2 == 0 { vec![0, 2] } else { vec![3, 1] };
+        let pos = ids.iter().position(|&x| x == r).unwrap() as u32;
+        let mut parent = comm;
+        let mut sub = NULL;
+        let mut cfg = config(20);
+        unsafe {
+            let rc = (s.HcclCreateSubCommConfig)(
+                &mut parent,
+                2,
+                ids.as_mut_ptr(),
+                7 + (r % 2) as u64,
+                pos,
+                cfg.as_mut_ptr(),
+                &mut sub,
+            );
+            assert_eq!(rc, 0, "rank {r}: {}", err_msg());
+            let mut name = [0 as std::ffi::c_char; 128];
+            assert_eq!((s.HcclGetCommName)(sub, name.as_mut_ptr()), 0);
+            assert!(!CStr::from_ptr(name.as_ptr()).to_bytes().is_empty());
+            let (mut id, mut size) = (9u32, 9u32);
+            assert_eq!((s.HcclGetRankId)(sub, &mut id), 0);
+            assert_eq!((s.HcclGetRankSize)(sub, &mut size), 0);
+            assert_eq!((id, size), (pos, 2));
+        }
+        let send = upload(&[r as f32 * 10.0; 3]);
+        let recv = malloc(12);
+        unsafe { assert_eq!((s.HcclAllReduce)(send, recv, 3, HCCL_FP32, HCCL_SUM, sub, st), 0) };
+        sync(st);
+        let want = ids.iter().map(|&q| q as f32 * 10.0).sum::<f32>();
+        assert_eq!(download::<f32>(recv, 3), vec![want; 3], "rank {r}");
+        unsafe {
+            // This rank is not where the list says it is.
+            let mut bad = NULL;
+            let rc =
+                (s.HcclCreateSubCommConfig)(&mut parent, 2, ids.as_mut_ptr(), 99, 1 - pos, cfg.as_mut_ptr(), &mut bad);
+            assert_eq!(rc, 1, "HCCL_E_PARA");
+            assert_eq!((s.HcclCommDestroy)(sub), 0);
+        }
+        free(send);
+        free(recv);
+    });
+}
+
+#[test]
+fn mismatched_collectives_fail_with_an_error_code_on_every_rank() {
+    let results = with_ranks(2, 2, |r, comm, st| {
+        let s = sim();
+        let n = if r == 0 { 4 } else { 8 };
+        let send = upload(&vec![1f32; n]);
+        let recv = malloc(n * 4);
+        let enq = unsafe { (s.HcclAllReduce)(send, recv, n as u64, HCCL_FP32, HCCL_SUM, comm, st) };
+        let sync_rc = unsafe { (s.aclrtSynchronizeStream)(st) };
+        let msg = err_msg();
+        let mut e = 0;
+        unsafe { assert_eq!((s.HcclGetCommAsyncError)(comm, &mut e), 0) };
+        // The failed communicator refuses further work at once.
+        let again = unsafe { (s.HcclAllReduce)(send, recv, n as u64, HCCL_FP32, HCCL_SUM, comm, st) };
+        free(send);
+        free(recv);
+        (enq, sync_rc, e, again, msg)
+    });
+    for (r, (enq, sync_rc, e, again, msg)) in results.into_iter().enumerate() {
+        assert_eq!(enq, 0, "rank {r}: queued fine");
+        assert_ne!(sync_rc, 0, "rank {r}: the sync must report the mismatch");
+        assert_ne!(e, 0, "rank {r}: async error");
+        assert_eq!(again, e, "rank {r}");
+        assert!(msg.contains("HcclAllReduce"), "rank {r}: {msg}");
+    }
+}
+
+#[test]
+fn bad_hccl_arguments_are_rejected_when_queued() {
+    with_ranks(2, 20, |r, comm, st| {
+        let s = sim();
+        let dev = malloc(16);
+        let host = [0f32; 4];
+        unsafe {
+            // Host buffer, too-large count, unknown dtype and op, unknown comm.
+            assert_eq!((s.HcclAllReduce)(host.as_ptr() as Ptr, dev, 4, HCCL_FP32, HCCL_SUM, comm, st), 2);
+            assert_eq!((s.HcclAllReduce)(dev, dev, 5, HCCL_FP32, HCCL_SUM, comm, st), 2);
+            assert_eq!((s.HcclAllReduce)(dev, dev, 4, 255, HCCL_SUM, comm, st), 5);
+            assert_eq!((s.HcclAllReduce)(dev, dev, 4, HCCL_FP32, 1, comm, st), 5);
+            assert_eq!((s.HcclAllReduce)(dev, dev, 4, HCCL_FP32, HCCL_SUM, 0x1234 as Ptr, st), 1);
+            assert_eq!((s.HcclBroadcast)(dev, 4, HCCL_FP32, 2, comm, st), 1);
+            assert!(!(s.HcclGetErrorString)(9).is_null());
+            assert!((s.HcclGetCommConfigCapability)() > 8);
+        }
+        let _ = r;
+        free(dev);
+    });
+}

@@ -1,0 +1,26 @@
+/*
+ * NPU build only (CANN's bisheng/ccec, -xcce): the finalize kernel for the AI
+ * Core plus a host-callable launcher, built into libamoe_kernels_npu.so and
+ * loaded at run time. Not compiled by the host build (kernels/sim).
+ *
+ * `gm` is a host array of AMOE_FIN_GM_COUNT device pointers in the order of
+ * finalize_tiling.h (NULL for absent optional inputs); `tiling` is a device
+ * copy of the AmoeFinalizeTiling; `stream` is an aclrtStream. The status
+ * buffer must hold block_dim records of AMOE_FIN_STATUS_WORDS words.
+ */
+#include "finalize_kernel.cpp"
+
+extern "C" int32_t amoe_finalize_launch_npu(uint32_t block_dim, void *stream, void *const *gm, void *tiling)
+{
+    if (gm == nullptr || tiling == nullptr || block_dim == 0) {
+        return 107000; /* ACL_ERROR_INVALID_PARAM */
+    }
+    amoe_finalize_kernel<<<block_dim, nullptr, stream>>>(
+        static_cast<GM_ADDR>(gm[AMOE_FIN_GM_EXPANDED_X]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_ROW_IDX]),
+        static_cast<GM_ADDR>(gm[AMOE_FIN_GM_X1]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_X2]),
+        static_cast<GM_ADDR>(gm[AMOE_FIN_GM_BIAS]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_SCALES]),
+        static_cast<GM_ADDR>(gm[AMOE_FIN_GM_EXPERT_IDX]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_OUT]),
+        static_cast<GM_ADDR>(gm[AMOE_FIN_GM_SLOT_OFFSETS]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_STATUS]),
+        static_cast<GM_ADDR>(tiling));
+    return 0;
+}
