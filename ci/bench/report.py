@@ -437,7 +437,19 @@ def plots(out_dir, cs, fs, triad_stat):
                 if impl == "ascend-moe" or not any(k[0] == "ascend-moe" for k in fs):
                     for x, k in zip(xs, keys):
                         ax.annotate(f"{k[2]}x{k[3]}x{k[4]}", (x, fs[k]["gbps"].med), fontsize=7)
-            if triad_stat.ok:
+            # The floor as the ratios use it: GB/s at the floor time of each case (the CLI's own
+            # triad when it reports one), else the run's triad.
+            fkeys = sorted((k for k in fs if k[1] == dt), key=lambda k: k[2] * k[3] * k[4])
+            floor_pts = {}
+            for k in fkeys:
+                st = fs[k]
+                if st["floor_ratio"].ok and st["gbps"].ok and st["floor_ratio"].med > 0:
+                    x = common.finalize_bytes(k[2], k[3], k[4], dt)
+                    floor_pts.setdefault(x, st["gbps"].med / st["floor_ratio"].med)
+            if floor_pts:
+                xs = sorted(floor_pts)
+                ax.plot(xs, [floor_pts[x] for x in xs], color="k", ls="--", label="floor (triad)")
+            elif triad_stat.ok:
                 ax.axhline(triad_stat.med, color="k", ls="--", label="floor (triad)")
             ax.set_xscale("log")
             ax.set_yscale("log")
