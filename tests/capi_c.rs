@@ -14,12 +14,13 @@ fn profile_dir() -> PathBuf {
 #[test]
 fn c_program_runs_a_collective_and_an_op() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let lib_dir = profile_dir();
-    assert!(
-        lib_dir.join("libascend_moe.so").exists(),
-        "cdylib not found in {} (built with the tests as part of the package)",
-        lib_dir.display()
-    );
+    // cargo builds the cdylib with the tests; it is uplifted to target/<profile>
+    // only by some invocations, so look in deps/ too.
+    let profile = profile_dir();
+    let lib_dir = [profile.clone(), profile.join("deps")]
+        .into_iter()
+        .find(|d| d.join("libascend_moe.so").exists())
+        .unwrap_or_else(|| panic!("cdylib libascend_moe.so not found in {0} or {0}/deps", profile.display()));
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("amoe_c_smoke");
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = Command::new(&cc)
