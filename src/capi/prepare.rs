@@ -11,6 +11,8 @@ use crate::CommType;
 
 /// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
+// The header needs the literal; the Rust API's bound is the same number.
+const _: () = assert!(AMOE_MAX_EP_RANKS == crate::moe::layout::MAX_EP_RANKS);
 
 /// The run-time parallel context of one forward pass. Read only; the caller
 /// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`

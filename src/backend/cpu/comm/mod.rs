@@ -1029,8 +1029,8 @@ impl CpuComm {
         let local = (|| {
             counts_len(C, "send_counts", send_counts, w)?;
             counts_len(C, "recv_counts", recv_counts, w)?;
-            same_len(C, "src", send_counts.iter().sum(), src.len())?;
-            same_len(C, "dst", recv_counts.iter().sum(), dst.len())
+            same_len(C, "src", counts_sum(C, "send_counts", send_counts)?, src.len())?;
+            same_len(C, "dst", counts_sum(C, "recv_counts", recv_counts)?, dst.len())
         })();
         let desc = Desc::new(Kind::AllToAllV, T::DTYPE, None).counts(send_counts, recv_counts);
         let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
@@ -1066,7 +1066,7 @@ impl CpuComm {
     ) -> Result<()> {
         let w = self.inner.world;
         counts_len(op, "counts", counts, w)?;
-        same_len(op, total_arg, counts.iter().sum(), total)?;
+        same_len(op, total_arg, counts_sum(op, "counts", counts)?, total)?;
         same_len(op, mine_arg, counts[self.inner.rank], mine)
     }
 
@@ -1105,16 +1105,28 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
     ((i * per).min(len), ((i + 1) * per).min(len))
 }
 
+/// Displacements of `counts`. The data phases use them only after
+/// [`counts_sum`] accepted the counts, so saturation never shows there; it
+/// keeps a rejected count list from overflowing before the descriptors are
+/// exchanged.
 fn prefix(counts: &[usize]) -> Vec<usize> {
-    let mut acc = 0;
+    let mut acc = 0usize;
     counts
         .iter()
         .map(|&c| {
             let d = acc;
-            acc += c;
+            acc = acc.saturating_add(c);
             d
         })
         .collect()
+}
+
+/// `sum(counts)`, or an error naming `arg` when it overflows.
+fn counts_sum(op: &'static str, arg: &'static str, counts: &[usize]) -> Result<usize> {
+    counts
+        .iter()
+        .try_fold(0usize, |acc, &c| acc.checked_add(c))
+        .ok_or_else(|| Error::invalid(op, arg, format!("{counts:?} sum past usize::MAX elements")))
 }
 
 fn same_len(op: &'static str, arg: &'static str, expected: usize, actual: usize) -> Result<()> {
@@ -1241,8 +1253,8 @@ impl Collectives for CpuComm {
         let local = check_pair(C, src, dst).and_then(|_| {
             counts_len(C, "send_counts", send_counts, w)?;
             counts_len(C, "recv_counts", recv_counts, w)?;
-            tensor_len(C, "src", src, send_counts.iter().sum(), "sum of send_counts")?;
-            tensor_len(C, "dst", dst, recv_counts.iter().sum(), "sum of recv_counts")
+            tensor_len(C, "src", src, counts_sum(C, "send_counts", send_counts)?, "sum of send_counts")?;
+            tensor_len(C, "dst", dst, counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
         });
         let desc = Desc::new(Kind::AllToAllV, src.dtype(), None).counts(send_counts, recv_counts);
         let (s, d) = host_ptrs(src, dst);
