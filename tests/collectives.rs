@@ -561,3 +561,35 @@ fn common_rng(seed: u64) -> impl FnMut() -> u64 {
         mix(k)
     }
 }
+
+#[test]
+fn split_with_different_rank_lists_is_a_mismatch_naming_both_lists() {
+    // Different members, and the same members in another order.
+    for lists in [[vec![0, 1], vec![0, 1, 2], vec![]], [vec![1, 0], vec![0, 1], vec![]]] {
+        let name = unique("splitmismatch");
+        let out = threads(&name, 3, &opts(0.5), |r, c| {
+            if lists[r].is_empty() {
+                return Ok(());
+            }
+            let e = c.split(&lists[r]).expect_err("lists differ");
+            let s = e.to_string();
+            assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "rank {r}: {s}");
+            for l in &lists[..2] {
+                assert!(s.contains(&format!("{l:?}")), "rank {r}: {s} lacks {l:?}");
+            }
+            Ok(())
+        });
+        assert!(out.iter().all(|o| o.is_ok()), "{lists:?}: {out:?}");
+    }
+    // A member that never calls split is still a timeout.
+    let name = unique("splitmissing");
+    let out = threads(&name, 2, &opts(0.3), |r, c| {
+        if r == 1 {
+            return Ok(());
+        }
+        let e = c.split(&[0, 1]).expect_err("rank 1 never splits");
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::Timeout), "{e}");
+        Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}

@@ -1095,7 +1095,37 @@ impl CpuComm {
         };
         let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
         let name = format!("{}/[{}]#{n}", self.inner.name, list.join(","));
-        CpuComm::rendezvous_with(&name, ranks.len(), pos, &self.inner.opts, &self.inner.cfg)
+        // Members meet in the sub-group named by their list, so members with
+        // other lists never arrive there. The list is posted in this group's
+        // control block meanwhile: a member that times out reads the others'
+        // and reports a disagreement as such.
+        let ctrl = self.inner.seg.ctrl(me);
+        ctrl.post_split(Some(ranks));
+        match CpuComm::rendezvous_with(&name, ranks.len(), pos, &self.inner.opts, &self.inner.cfg) {
+            Ok(c) => {
+                ctrl.post_split(None);
+                Ok(c)
+            }
+            Err(e @ Error::Comm { kind: CommErrorKind::Timeout, .. }) => Err(self.split_mismatch(ranks).unwrap_or(e)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a split timed out: the members of `ranks` whose pending split
+    /// has another list, as a [`CommErrorKind::Mismatch`] naming both lists.
+    fn split_mismatch(&self, ranks: &[usize]) -> Option<Error> {
+        let me = self.inner.rank;
+        let others: Vec<String> = ranks
+            .iter()
+            .filter(|&&r| r != me)
+            .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().filter(|l| l != ranks).map(|l| (r, l)))
+            .map(|(r, l)| format!("rank {r} passed {l:?}"))
+            .collect();
+        if others.is_empty() {
+            return None;
+        }
+        let detail = format!("members disagree on the rank list: rank {me} passed {ranks:?}, {}", others.join(", "));
+        Some(self.err("split", CommErrorKind::Mismatch, detail))
     }
 }
 
