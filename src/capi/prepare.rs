@@ -50,15 +50,8 @@ unsafe fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, F
     let c = unsafe { &*ctx };
     // SAFETY: the contract for `dp_tokens`.
     let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
-    // The context describes an EP world of dp_size * tp_size ranks, and the
-    // ops build per-rank tables of that size: bound it before they do.
-    if !matches!(c.dp_size.checked_mul(c.tp_size), Some(ep) if ep <= AMOE_MAX_EP_RANKS) {
-        return Err(Failure::invalid(
-            f,
-            "ctx",
-            format!("dp_size {} x tp_size {} exceeds {AMOE_MAX_EP_RANKS} EP ranks", c.dp_size, c.tp_size),
-        ));
-    }
+    // MoeContext::new bounds dp_size * tp_size by AMOE_MAX_EP_RANKS before
+    // anything builds per-rank tables.
     Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
 }
 

@@ -782,21 +782,9 @@ impl CpuComm {
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(relems);
         let mut stage = |k: usize, slot: usize| {
-            let mine = seg.staging_ptr(me, slot);
-            for (j, &c) in counts.iter().enumerate() {
-                let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
-                if lo < hi {
-                    // SAFETY: displs[j] + hi <= sum(counts); region j of this
-                    // rank's slot holds relems >= hi - lo elements.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.add((displs[j] + lo) * esz),
-                            mine.add(j * region),
-                            (hi - lo) * esz,
-                        )
-                    };
-                }
-            }
+            // SAFETY: src holds sum(counts) elements (the caller's contract when
+            // staging runs); this rank's slot holds one region per rank.
+            unsafe { stage_regions(src, counts, &displs, seg.staging_ptr(me, slot), k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             let (lo, hi) = (k * relems, ((k + 1) * relems).min(counts[me]));
@@ -881,20 +869,9 @@ impl CpuComm {
             (descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize).div_ceil(relems)
         };
         let mut stage = |k: usize, slot: usize| {
-            let mine = seg.staging_ptr(me, slot);
-            for (j, &c) in send.iter().enumerate() {
-                let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
-                if lo < hi {
-                    // SAFETY: sd[j] + hi <= sum(send); region j holds relems elements.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.add((sd[j] + lo) * esz),
-                            mine.add(j * region),
-                            (hi - lo) * esz,
-                        )
-                    };
-                }
-            }
+            // SAFETY: src holds sum(send) elements (the caller's contract when
+            // staging runs); this rank's slot holds one region per rank.
+            unsafe { stage_regions(src, send, &sd, seg.staging_ptr(me, slot), k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             for (i, &c) in recv.iter().enumerate() {
@@ -1133,6 +1110,38 @@ impl CpuComm {
 fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
     let per = len.div_ceil(n).div_ceil(16) * 16;
     ((i * per).min(len), ((i + 1) * per).min(len))
+}
+
+/// Stages round `k` of a personalised send: elements `[k * relems, (k + 1) *
+/// relems)` of block `j` of `src` (`counts[j]` elements of `esz` bytes from
+/// element `displs[j]`) go to region `j` (`region` bytes from `j * region`) of
+/// the staging slot `slot`.
+///
+/// # Safety
+/// `src` readable for `displs[j] + counts[j]` elements for every `j`; `slot`
+/// writable for `counts.len()` regions of `region >= relems * esz` bytes, not
+/// overlapping `src`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn stage_regions(
+    src: *const u8,
+    counts: &[usize],
+    displs: &[usize],
+    slot: *mut u8,
+    k: usize,
+    relems: usize,
+    region: usize,
+    esz: usize,
+) {
+    for (j, &c) in counts.iter().enumerate() {
+        let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
+        if lo < hi {
+            // SAFETY: displs[j] + hi <= displs[j] + counts[j]; region j of the
+            // slot holds relems >= hi - lo elements (the function's contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz)
+            };
+        }
+    }
 }
 
 /// Displacements of `counts`. The data phases use them only after
