@@ -13,6 +13,9 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "CANN bindings match the real headers (ci/headers.sh)"
+bash ci/headers.sh
+
 step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 

@@ -1,140 +1,185 @@
 //! The NPU backend: safe ACL / HCCL wrappers and the ops on an Ascend device.
 //!
-//! Everything here loads CANN at run time; when it is absent every entry point
-//! returns [`Error::Unavailable`] naming the paths that were tried.
+//! Everything here loads CANN at run time (real CANN, or the simulated
+//! runtime named by `ASCEND_MOE_{ACL,HCCL,NNOPBASE,OPAPI}_LIB`); when it is
+//! absent every entry point returns [`Error::Unavailable`] naming the paths
+//! that were tried.
+//!
+//! | module | holds |
+//! |---|---|
+//! | [`runtime`] | loading, ACL errors, per-thread device binding, [`NpuStream`], [`NpuEvent`] |
+//! | [`memory`] | [`NpuBuffer`], [`DeviceBuffer`], [`PinnedHostBuffer`] |
+//! | [`hccl`] | [`HcclRootInfo`], [`HcclComm`] and its collectives, [`npu_run_ranks`] |
+//! | `ops` | aclnn calls behind [`Backend`] |
+//! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
+
+pub mod hccl;
+pub mod memory;
+mod ops;
+pub mod probe;
+pub mod runtime;
+
+use std::sync::Arc;
+
+pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
+pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
+pub use ops::acl_dtype;
+pub use probe::{probe, probe_report, ProbeReport};
+pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
 
 use crate::backend::{Backend, FinalizeArgs, FinalizeDims, OutputRows};
-use crate::{DType, Error, Result, Tensor};
+use crate::tensor::Storage;
+use crate::{DType, Element, Error, Result, Tensor};
 
-/// One Ascend device (an ordinal plus its runtime state).
-#[derive(Debug, Clone)]
+/// One Ascend device plus the stream its backend ops run on.
+///
+/// Cheap to clone (shared handles). Every call binds the device to the
+/// calling thread first, so a device may be used from any thread.
+#[derive(Clone)]
 pub struct NpuDevice {
-    ordinal: u32,
+    ctx: Arc<DeviceCtx>,
+    stream: NpuStream,
+}
+
+impl std::fmt::Debug for NpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NpuDevice(npu:{}, {:?})", self.ordinal(), self.stream)
+    }
 }
 
 impl NpuDevice {
-    /// Opens device `ordinal`.
+    /// Opens device `ordinal` with a new stream of its own.
     pub fn open(ordinal: u32) -> Result<Self> {
-        let _ = ordinal;
-        Err(Error::Unavailable("the NPU backend is not built yet".into()))
+        let ctx = DeviceCtx::open(ordinal)?;
+        let stream = NpuStream::create(&ctx)?;
+        Ok(NpuDevice { ctx, stream })
+    }
+
+    /// Opens device `ordinal` on a stream owned by the host engine (e.g.
+    /// torch_npu's current stream); the stream is never destroyed by us.
+    ///
+    /// # Safety
+    /// `raw_stream` must be a live stream of device `ordinal` (or NULL for the
+    /// default stream) that outlives every handle derived from this device.
+    pub unsafe fn with_borrowed_stream(ordinal: u32, raw_stream: acl_sys::aclrtStream) -> Result<Self> {
+        let ctx = DeviceCtx::open(ordinal)?;
+        // SAFETY: forwarded from this function's contract.
+        let stream = unsafe { NpuStream::borrow_raw(&ctx, raw_stream) };
+        Ok(NpuDevice { ctx, stream })
     }
 
     /// The device ordinal.
     pub fn ordinal(&self) -> u32 {
-        self.ordinal
+        self.ctx.ordinal()
     }
-}
 
-/// Device memory owned by a tensor.
-#[derive(Debug)]
-pub struct NpuBuffer {
-    device: NpuDevice,
-    len: usize,
-}
+    /// Makes this device current on the calling thread (`aclrtSetDevice`).
+    /// Every call of this module does it itself; this is for code that calls
+    /// ACL directly.
+    pub fn set_current(&self) -> Result<()> {
+        self.ctx.bind()
+    }
 
-impl NpuBuffer {
-    /// Size in bytes.
-    pub fn len_bytes(&self) -> usize {
-        self.len
+    /// The stream the backend ops of this handle run on.
+    pub fn stream(&self) -> &NpuStream {
+        &self.stream
     }
-    /// The owning device.
-    pub fn device(&self) -> &NpuDevice {
-        &self.device
-    }
-}
 
-/// An HCCL communicator.
-#[derive(Debug, Clone)]
-pub struct HcclComm {
-    device: NpuDevice,
-}
+    /// A new owned stream on this device.
+    pub fn new_stream(&self) -> Result<NpuStream> {
+        NpuStream::create(&self.ctx)
+    }
 
-impl crate::comm::Collectives for HcclComm {
-    fn rank(&self) -> usize {
-        0
+    /// Waits for all work queued on this handle's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize()
     }
-    fn world_size(&self) -> usize {
-        1
-    }
-    fn name(&self) -> &str {
-        "hccl"
-    }
-    fn device(&self) -> crate::Device {
-        crate::Device::Npu(self.device.clone())
-    }
-    fn split(&self, _ranks: &[usize]) -> Result<crate::Comm> {
-        Err(unavailable())
-    }
-    fn all_reduce(&self, _s: &Tensor, _d: &mut Tensor, _op: crate::ReduceOp) -> Result<()> {
-        Err(unavailable())
-    }
-    fn all_reduce_in_place(&self, _b: &mut Tensor, _op: crate::ReduceOp) -> Result<()> {
-        Err(unavailable())
-    }
-    fn reduce_scatter(&self, _s: &Tensor, _d: &mut Tensor, _op: crate::ReduceOp) -> Result<()> {
-        Err(unavailable())
-    }
-    fn all_gather(&self, _s: &Tensor, _d: &mut Tensor) -> Result<()> {
-        Err(unavailable())
-    }
-    fn reduce_scatter_v(&self, _s: &Tensor, _d: &mut Tensor, _c: &[usize], _op: crate::ReduceOp) -> Result<()> {
-        Err(unavailable())
-    }
-    fn all_gather_v(&self, _s: &Tensor, _d: &mut Tensor, _c: &[usize]) -> Result<()> {
-        Err(unavailable())
-    }
-    fn all_to_all_v(&self, _s: &Tensor, _sc: &[usize], _d: &mut Tensor, _rc: &[usize]) -> Result<()> {
-        Err(unavailable())
-    }
-    fn broadcast(&self, _b: &mut Tensor, _root: usize) -> Result<()> {
-        Err(unavailable())
-    }
-    fn barrier(&self) -> Result<()> {
-        Err(unavailable())
-    }
-}
 
-fn unavailable() -> Error {
-    Error::Unavailable("the NPU backend is not built yet".into())
+    /// `len` zero elements of `T`.
+    pub fn alloc_zeros<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::zeros(self, len)
+    }
+
+    /// A device copy of `data`.
+    pub fn clone_htod<T: Element>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::from_host(self, data)
+    }
+
+    /// The elements of `buf`, copied to the host.
+    pub fn clone_dtoh<T: Element>(&self, buf: &DeviceBuffer<T>) -> Result<Vec<T>> {
+        buf.to_vec()
+    }
+
+    /// `(free, total)` bytes of device memory.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        let api = self.stream.enter()?;
+        let f = runtime::acl_fn!(api, aclrtGetMemInfo)?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers, device bound.
+        runtime::check("aclrtGetMemInfo", unsafe { f(acl_sys::aclrtMemAttr::ACL_HBM_MEM, &mut free, &mut total) })?;
+        Ok((free, total))
+    }
+
+    /// A device tensor holding a copy of the host tensor `src`.
+    pub(crate) fn upload(&self, src: &Tensor) -> Result<Tensor> {
+        let buf = NpuBuffer::alloc(self, src.len_bytes())?;
+        buf.copy_from_host_at(0, src.cpu_bytes()?)?;
+        Tensor::from_parts(src.shape().to_vec(), src.dtype(), Storage::Npu(buf))
+    }
 }
 
 impl Backend for NpuDevice {
-    fn zeros(&self, _shape: &[usize], _dtype: DType) -> Result<Tensor> {
-        Err(unavailable())
+    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let bytes = shape
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::invalid("zeros", "shape", format!("{shape:?} overflows the address space")))?;
+        let buf = NpuBuffer::zeros(self, bytes)?;
+        Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(buf))
     }
-    fn copy_from(&self, _src: &Tensor) -> Result<Tensor> {
-        Err(unavailable())
+
+    fn copy_from(&self, src: &Tensor) -> Result<Tensor> {
+        match src.storage() {
+            Storage::Cpu(_) => self.upload(src),
+            Storage::Npu(b) => {
+                let buf = NpuBuffer::alloc(self, b.len_bytes())?;
+                buf.copy_from_device(0, b, 0, b.len_bytes())?;
+                Tensor::from_parts(src.shape().to_vec(), src.dtype(), Storage::Npu(buf))
+            }
+        }
     }
-    fn copy_rows(&self, _src: &Tensor, _sr: usize, _dst: &mut Tensor, _dr: usize, _rows: usize) -> Result<()> {
-        Err(unavailable())
+
+    fn copy_rows(&self, src: &Tensor, src_row: usize, dst: &mut Tensor, dst_row: usize, rows: usize) -> Result<()> {
+        const OP: &str = "copy_rows";
+        crate::backend::cpu::check_rows(OP, src, src_row, dst, dst_row, rows)?;
+        let row_bytes = src.row_len() * src.dtype().size();
+        let s = ops::npu_buf(self, OP, "src", src)?;
+        let d = ops::npu_buf(self, OP, "dst", dst)?;
+        d.copy_from_device(dst_row * row_bytes, s, src_row * row_bytes, rows * row_bytes)
     }
-    fn add(&self, _a: &Tensor, _b: &Tensor, _out: &mut Tensor) -> Result<()> {
-        Err(unavailable())
+
+    fn add(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+        ops::add(self, a, b, out)
     }
+
     fn finalize_routing(
         &self,
-        _args: &FinalizeArgs<'_>,
-        _dims: &FinalizeDims,
-        _out: &mut Tensor,
-        _rows: OutputRows<'_>,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        out: &mut Tensor,
+        rows: OutputRows<'_>,
     ) -> Result<()> {
-        Err(unavailable())
+        ops::finalize_routing(self, args, dims, out, rows)
     }
+
     fn token_unpermute(
         &self,
-        _permuted: &Tensor,
-        _sorted_indices: &Tensor,
-        _probs: Option<&Tensor>,
-        _k: usize,
-        _out: &mut Tensor,
+        permuted: &Tensor,
+        sorted_indices: &Tensor,
+        probs: Option<&Tensor>,
+        k: usize,
+        out: &mut Tensor,
     ) -> Result<()> {
-        Err(unavailable())
-    }
-}
-
-impl NpuBuffer {
-    /// Copies the whole buffer to host memory (synchronising its stream).
-    pub fn copy_to_host(&self, _dst: &mut [u8]) -> Result<()> {
-        Err(unavailable())
+        ops::token_unpermute(self, permuted, sorted_indices, probs, k, out)
     }
 }

@@ -22,7 +22,7 @@ pub fn main() -> i32 {
     // ---- NPU / CANN section ------------------------------------------------
     // The NPU backend adds its report here: one library call that returns what
     // was found (CANN version, devices) and every path looked at, printed as is.
-    println!("npu backend: no CANN probe in this build");
+    print!("npu backend:\n{}", ascend_moe::backend::npu::probe_report());
     0
 }
 

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The NPU test matrix and benches, on a host with 4 Ascend NPUs.
+#
+# Runs every test marked #[ignore = "needs an Ascend NPU"] in the workspace
+# (the backend ops, HCCL collectives and sub-communicators, and the MoE op
+# matrix: world 4 as DP2 x TP2 and EP4, SP on and off, every comm type),
+# serially (each multi-rank test uses all four devices), then the NPU benches.
+#
+# CANN is found the usual way (LD_LIBRARY_PATH from CANN's set_env.sh,
+# ASCEND_HOME_PATH, ...). Setting ASCEND_MOE_ACL_LIB, ASCEND_MOE_HCCL_LIB,
+# ASCEND_MOE_NNOPBASE_LIB and ASCEND_MOE_OPAPI_LIB (to one .so if it exports
+# everything, like the simulated runtime) points the run elsewhere unchanged.
+#
+#   ci/npu-4card.sh               tests + benches
+#   ci/npu-4card.sh --no-bench    tests only
+#   ci/npu-4card.sh -- FILTER     only tests whose name contains FILTER
+#
+# ASCEND_MOE_COMM_TIMEOUT (seconds, default 120 here) bounds every collective.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bench=1
+filter=()
+while (($#)); do
+    case "$1" in
+        --no-bench) bench=0 ;;
+        --) shift; filter=("$@"); break ;;
+        *) echo "usage: ci/npu-4card.sh [--no-bench] [-- FILTER]" >&2; exit 2 ;;
+    esac
+    shift
+done
+
+export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-120}"
+export ASCEND_MOE_MIN_DEVICES="${ASCEND_MOE_MIN_DEVICES:-4}"
+step() { printf '\n== %s ==\n' "$*"; }
+
+step "CANN found by the loader, and at least $ASCEND_MOE_MIN_DEVICES devices"
+cargo test -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_the_devices
+
+step "NPU test matrix (every ignored NPU test, serially)"
+cargo test --workspace -- --ignored --test-threads=1 --skip bench_ "${filter[@]}"
+
+if ((bench)) && ((${#filter[@]} == 0)); then
+    step "NPU benches"
+    cargo test --release --test npu_bench -- --ignored --nocapture --test-threads=1
+fi

@@ -1,0 +1,444 @@
+//! Device memory ([`NpuBuffer`], typed [`DeviceBuffer`]) and pinned host
+//! memory ([`PinnedHostBuffer`]).
+//!
+//! A buffer belongs to a stream: work on it is queued there, and dropping it
+//! synchronises that stream before `aclrtFree`, so memory is never released
+//! under queued work. "Sync" copies synchronise the stream first and then use
+//! the blocking `aclrtMemcpy`; "async" copies are queued on the stream.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+
+use acl_sys::{aclrtMemMallocPolicy, aclrtMemcpyKind};
+
+use super::runtime::{acl_fn, check, record_drop_error, NpuStream};
+use super::NpuDevice;
+use crate::{Element, Error, Result};
+
+/// Asynchronous device-to-device copies need 64-byte aligned addresses.
+const ASYNC_D2D_ALIGN: usize = 64;
+
+/// Untyped device memory (the storage of an NPU [`crate::Tensor`]).
+pub struct NpuBuffer {
+    ptr: *mut c_void,
+    len: usize,
+    device: NpuDevice,
+}
+
+// SAFETY: the pointer is device memory, never dereferenced on the host; ACL
+// allows any thread bound to the device to use it (we bind before each call).
+unsafe impl Send for NpuBuffer {}
+// SAFETY: `&NpuBuffer` only reads through the runtime (copies from it).
+unsafe impl Sync for NpuBuffer {}
+
+impl std::fmt::Debug for NpuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NpuBuffer(npu:{}, {} bytes at {:p})", self.device.ordinal(), self.len, self.ptr)
+    }
+}
+
+impl NpuBuffer {
+    /// Allocates `len` uninitialised bytes on `device` (queued work goes on its stream).
+    pub fn alloc(device: &NpuDevice, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone() });
+        }
+        let api = device.stream().enter()?;
+        let f = acl_fn!(api, aclrtMalloc)?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, nonzero size, device bound.
+        check("aclrtMalloc", unsafe { f(&mut ptr, len, aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
+        Ok(NpuBuffer { ptr, len, device: device.clone() })
+    }
+
+    /// Allocates `len` zero bytes.
+    pub fn zeros(device: &NpuDevice, len: usize) -> Result<Self> {
+        let b = Self::alloc(device, len)?;
+        b.memset_async(0, 0, len)?;
+        Ok(b)
+    }
+
+    /// Size in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len
+    }
+
+    /// The owning device.
+    pub fn device(&self) -> &NpuDevice {
+        &self.device
+    }
+
+    /// The stream work on this buffer is queued on.
+    pub fn stream(&self) -> &NpuStream {
+        self.device.stream()
+    }
+
+    /// The device address (not dereferenceable on the host).
+    pub fn as_ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    fn at(&self, offset: usize) -> *mut c_void {
+        self.ptr.cast::<u8>().wrapping_add(offset).cast()
+    }
+
+    fn range_check(&self, op: &'static str, arg: &'static str, offset: usize, len: usize) -> Result<()> {
+        if offset.checked_add(len).map_or(true, |end| end > self.len) {
+            return Err(Error::invalid(
+                op,
+                arg,
+                format!("bytes {offset}..{} outside a buffer of {} bytes", offset.saturating_add(len), self.len),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Queues `memset(self[offset..offset+len], value)` on the stream.
+    pub fn memset_async(&self, value: u8, offset: usize, len: usize) -> Result<()> {
+        self.range_check("NpuBuffer::memset_async", "len", offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let api = self.stream().enter()?;
+        let f = acl_fn!(api, aclrtMemsetAsync)?;
+        // SAFETY: the range is inside this allocation; the stream is live.
+        check("aclrtMemsetAsync", unsafe {
+            f(self.at(offset), self.len - offset, value as i32, len, self.stream().raw())
+        })
+    }
+
+    /// Copies `src` into `self[offset..]`, blocking until done.
+    pub fn copy_from_host_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.range_check("NpuBuffer::copy_from_host", "src", offset, src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream().synchronize()?;
+        let api = self.stream().enter()?;
+        let f = acl_fn!(api, aclrtMemcpy)?;
+        // SAFETY: the destination range is inside this allocation and `src` is
+        // a live host slice of exactly `src.len()` bytes.
+        check("aclrtMemcpy", unsafe {
+            f(
+                self.at(offset),
+                self.len - offset,
+                src.as_ptr().cast(),
+                src.len(),
+                aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+            )
+        })
+    }
+
+    /// Copies `self[offset..offset+dst.len()]` to `dst`, after all queued work.
+    pub fn copy_to_host_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.range_check("NpuBuffer::copy_to_host", "dst", offset, dst.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.stream().synchronize()?;
+        let api = self.stream().enter()?;
+        let f = acl_fn!(api, aclrtMemcpy)?;
+        let n = dst.len();
+        // SAFETY: the source range is inside this allocation; `dst` is a live,
+        // exclusively borrowed host slice of `n` bytes.
+        check("aclrtMemcpy", unsafe {
+            f(dst.as_mut_ptr().cast(), n, self.at(offset), n, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST)
+        })
+    }
+
+    /// Copies the whole buffer to host memory (synchronising its stream).
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        if dst.len() != self.len {
+            return Err(Error::invalid(
+                "NpuBuffer::copy_to_host",
+                "dst",
+                format!("{} bytes, expected the buffer's {}", dst.len(), self.len),
+            ));
+        }
+        self.copy_to_host_at(0, dst)
+    }
+
+    /// Copies `len` bytes from `src[src_off..]` to `self[dst_off..]` on this
+    /// buffer's stream (ordered after `src`'s stream). Falls back to a
+    /// blocking copy for addresses the asynchronous engine cannot take or
+    /// for buffers on different devices (staged through the host).
+    pub fn copy_from_device(&self, dst_off: usize, src: &NpuBuffer, src_off: usize, len: usize) -> Result<()> {
+        const OP: &str = "NpuBuffer::copy_from_device";
+        self.range_check(OP, "dst", dst_off, len)?;
+        src.range_check(OP, "src", src_off, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        if src.device.ordinal() != self.device.ordinal() {
+            let mut host = vec![0u8; len];
+            src.copy_to_host_at(src_off, &mut host)?;
+            return self.copy_from_host_at(dst_off, &host);
+        }
+        self.stream().wait_for(src.stream())?;
+        let (d, s) = (self.at(dst_off), src.at(src_off));
+        let api = self.stream().enter()?;
+        if (d as usize) % ASYNC_D2D_ALIGN == 0 && (s as usize) % ASYNC_D2D_ALIGN == 0 {
+            let f = acl_fn!(api, aclrtMemcpyAsync)?;
+            // SAFETY: both ranges are inside live allocations of this device;
+            // both buffers outlive the queued copy (their drop synchronises).
+            check("aclrtMemcpyAsync", unsafe {
+                f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE, self.stream().raw())
+            })
+        } else {
+            self.stream().synchronize()?;
+            let f = acl_fn!(api, aclrtMemcpy)?;
+            // SAFETY: as above; the blocking copy runs after all queued work.
+            check("aclrtMemcpy", unsafe {
+                f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE)
+            })
+        }
+    }
+
+    /// Queues a host-to-device copy from pinned memory.
+    pub fn copy_from_pinned_async(&self, offset: usize, src: &PinnedHostBuffer) -> Result<()> {
+        self.range_check("NpuBuffer::copy_from_pinned_async", "src", offset, src.len)?;
+        if src.len == 0 {
+            return Ok(());
+        }
+        let api = self.stream().enter()?;
+        let f = acl_fn!(api, aclrtMemcpyAsync)?;
+        // SAFETY: pinned memory stays valid until its drop, which synchronises
+        // the stream it was used with (the caller keeps it alive; see
+        // `PinnedHostBuffer`); the device range is inside this allocation.
+        check("aclrtMemcpyAsync", unsafe {
+            f(
+                self.at(offset),
+                self.len - offset,
+                src.ptr,
+                src.len,
+                aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+                self.stream().raw(),
+            )
+        })
+    }
+
+    /// Queues a device-to-host copy into pinned memory (read it after
+    /// synchronising the stream).
+    pub fn copy_to_pinned_async(&self, offset: usize, dst: &mut PinnedHostBuffer) -> Result<()> {
+        self.range_check("NpuBuffer::copy_to_pinned_async", "dst", offset, dst.len)?;
+        if dst.len == 0 {
+            return Ok(());
+        }
+        let api = self.stream().enter()?;
+        let f = acl_fn!(api, aclrtMemcpyAsync)?;
+        // SAFETY: as for `copy_from_pinned_async`.
+        check("aclrtMemcpyAsync", unsafe {
+            f(
+                dst.ptr,
+                dst.len,
+                self.at(offset),
+                dst.len,
+                aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
+                self.stream().raw(),
+            )
+        })
+    }
+}
+
+impl Drop for NpuBuffer {
+    fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
+        let stream = self.device.stream().clone();
+        let result = stream.synchronize().and_then(|_| {
+            let api = stream.enter()?;
+            let f = acl_fn!(api, aclrtFree)?;
+            // SAFETY: allocated by aclrtMalloc, freed once, no queued work left.
+            check("aclrtFree", unsafe { f(self.ptr) })
+        });
+        if let Err(e) = result {
+            record_drop_error(e);
+        }
+    }
+}
+
+/// Typed device memory: `len` elements of `T`.
+pub struct DeviceBuffer<T: Element> {
+    buf: NpuBuffer,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+impl<T: Element> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBuffer<{}>({} elements, {:?})", T::DTYPE, self.len, self.buf)
+    }
+}
+
+impl<T: Element> DeviceBuffer<T> {
+    /// `len` uninitialised elements.
+    pub fn alloc(device: &NpuDevice, len: usize) -> Result<Self> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            Error::invalid("DeviceBuffer::alloc", "len", format!("{len} elements overflow the address space"))
+        })?;
+        Ok(DeviceBuffer { buf: NpuBuffer::alloc(device, bytes)?, len, _t: PhantomData })
+    }
+
+    /// `len` zero elements.
+    pub fn zeros(device: &NpuDevice, len: usize) -> Result<Self> {
+        let b = Self::alloc(device, len)?;
+        b.buf.memset_async(0, 0, b.buf.len)?;
+        Ok(b)
+    }
+
+    /// A device copy of `data` (host to device, blocking).
+    pub fn from_host(device: &NpuDevice, data: &[T]) -> Result<Self> {
+        let b = Self::alloc(device, data.len())?;
+        b.buf.copy_from_host_at(0, bytemuck::cast_slice(data))?;
+        Ok(b)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The untyped buffer.
+    pub fn as_bytes(&self) -> &NpuBuffer {
+        &self.buf
+    }
+
+    /// Into the untyped buffer.
+    pub fn into_bytes(self) -> NpuBuffer {
+        self.buf
+    }
+
+    /// Host to device, blocking; `src.len()` must equal `len()`.
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        self.same_len("DeviceBuffer::copy_from_host", "src", src.len())?;
+        self.buf.copy_from_host_at(0, bytemuck::cast_slice(src))
+    }
+
+    /// Device to host, after all queued work; `dst.len()` must equal `len()`.
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        self.same_len("DeviceBuffer::copy_to_host", "dst", dst.len())?;
+        self.buf.copy_to_host_at(0, bytemuck::cast_slice_mut(dst))
+    }
+
+    /// The elements, copied to a new host vector.
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); self.len];
+        self.copy_to_host(&mut v)?;
+        Ok(v)
+    }
+
+    /// Device to device on this buffer's stream; `src.len()` must equal `len()`.
+    pub fn copy_from_device(&mut self, src: &DeviceBuffer<T>) -> Result<()> {
+        self.same_len("DeviceBuffer::copy_from_device", "src", src.len)?;
+        self.buf.copy_from_device(0, &src.buf, 0, self.buf.len)
+    }
+
+    /// Host to device from pinned memory, queued on the stream.
+    pub fn copy_from_pinned_async(&mut self, src: &PinnedHostBuffer) -> Result<()> {
+        self.same_len("DeviceBuffer::copy_from_pinned_async", "src", src.len / std::mem::size_of::<T>())?;
+        self.buf.copy_from_pinned_async(0, src)
+    }
+
+    /// Device to pinned host memory, queued on the stream.
+    pub fn copy_to_pinned_async(&self, dst: &mut PinnedHostBuffer) -> Result<()> {
+        self.same_len("DeviceBuffer::copy_to_pinned_async", "dst", dst.len / std::mem::size_of::<T>())?;
+        self.buf.copy_to_pinned_async(0, dst)
+    }
+
+    fn same_len(&self, op: &'static str, arg: &'static str, n: usize) -> Result<()> {
+        if n != self.len {
+            return Err(Error::invalid(op, arg, format!("{n} elements, expected {}", self.len)));
+        }
+        Ok(())
+    }
+}
+
+/// Page-locked host memory from `aclrtMallocHost`, for asynchronous copies.
+/// Dropping it synchronises its device's stream first, so a queued copy never
+/// outlives the memory.
+pub struct PinnedHostBuffer {
+    ptr: *mut c_void,
+    len: usize,
+    device: NpuDevice,
+}
+
+// SAFETY: plain host memory owned by this value; ACL places no thread
+// restriction on pinned memory.
+unsafe impl Send for PinnedHostBuffer {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for PinnedHostBuffer {}
+
+impl std::fmt::Debug for PinnedHostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PinnedHostBuffer({} bytes)", self.len)
+    }
+}
+
+impl PinnedHostBuffer {
+    /// `len` zero bytes of pinned memory.
+    pub fn zeros(device: &NpuDevice, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Ok(PinnedHostBuffer { ptr: std::ptr::null_mut(), len, device: device.clone() });
+        }
+        let api = device.stream().enter()?;
+        let f = acl_fn!(api, aclrtMallocHost)?;
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and nonzero size.
+        check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
+        // SAFETY: `ptr` is a fresh host allocation of `len` bytes.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
+        Ok(PinnedHostBuffer { ptr, len, device: device.clone() })
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes (synchronise the stream first if a copy into them is queued).
+    pub fn as_bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` is a live host allocation of `len` bytes owned by self.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len) }
+    }
+
+    /// The bytes, mutable.
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        if self.len == 0 {
+            return &mut [];
+        }
+        // SAFETY: as above, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast(), self.len) }
+    }
+}
+
+impl Drop for PinnedHostBuffer {
+    fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
+        let stream = self.device.stream().clone();
+        let result = stream.synchronize().and_then(|_| {
+            let api = stream.enter()?;
+            let f = acl_fn!(api, aclrtFreeHost)?;
+            // SAFETY: allocated by aclrtMallocHost, freed once, no queued copy left.
+            check("aclrtFreeHost", unsafe { f(self.ptr) })
+        });
+        if let Err(e) = result {
+            record_drop_error(e);
+        }
+    }
+}

@@ -1,0 +1,423 @@
+//! The backend ops through aclnn's two-phase calls: describe the operands
+//! (`aclCreateTensor`), size the workspace and build the executor (phase one),
+//! run on the device stream (phase two), then release the descriptors. The
+//! workspace buffer is freed only after the stream finished with it (buffers
+//! synchronise their stream before `aclrtFree`).
+
+use std::ffi::c_void;
+
+use acl_sys::aclnn::{self, aclOpExecutor, aclScalar, aclTensor, aclnnStatus, Nnopbase, OpApi};
+use acl_sys::{aclDataType, aclFormat};
+
+use super::memory::NpuBuffer;
+use super::runtime::recent_error_message;
+use super::NpuDevice;
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+use crate::tensor::Storage;
+use crate::{with_dtype, DType, Element, Error, Result, Tensor};
+
+fn nnopbase() -> Result<&'static Nnopbase> {
+    aclnn::nnopbase().map_err(|e| Error::Unavailable(e.to_string()))
+}
+
+fn opapi() -> Result<&'static OpApi> {
+    aclnn::opapi().map_err(|e| Error::Unavailable(e.to_string()))
+}
+
+fn check(call: &'static str, code: aclnnStatus) -> Result<()> {
+    if code == aclnn::ACLNN_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Aclnn { call, code, msg: recent_error_message() })
+    }
+}
+
+fn op_missing(name: &str, api: &OpApi) -> Error {
+    Error::Unavailable(format!(
+        "{name} (and its GetWorkspaceSize) is not exported by {} or the aclnn feature libraries",
+        api.origin.path.to_string_lossy()
+    ))
+}
+
+/// ACL's code for a dtype.
+pub fn acl_dtype(d: DType) -> aclDataType {
+    match d {
+        DType::F32 => aclDataType::ACL_FLOAT,
+        DType::F16 => aclDataType::ACL_FLOAT16,
+        DType::BF16 => aclDataType::ACL_BF16,
+        DType::I32 => aclDataType::ACL_INT32,
+        DType::I64 => aclDataType::ACL_INT64,
+    }
+}
+
+/// An `aclTensor` descriptor, destroyed on drop.
+struct Desc {
+    raw: *mut aclTensor,
+    nn: &'static Nnopbase,
+}
+
+impl Desc {
+    /// A contiguous ND descriptor of `shape` over `buf` (which must hold it).
+    fn new(buf: &NpuBuffer, dtype: DType, shape: &[usize]) -> Result<Desc> {
+        let nn = nnopbase()?;
+        let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
+        let mut strides = vec![1i64; dims.len()];
+        for i in (0..dims.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * dims[i + 1].max(1);
+        }
+        let need = shape.iter().product::<usize>() * dtype.size();
+        if need > buf.len_bytes() {
+            return Err(Error::invalid(
+                "aclCreateTensor",
+                "shape",
+                format!("{shape:?} of {dtype} needs {need} bytes, the buffer has {}", buf.len_bytes()),
+            ));
+        }
+        // SAFETY: dims/strides are live arrays of `dims.len()` elements; the
+        // data pointer is device memory holding the whole view (checked above).
+        let raw = unsafe {
+            (nn.aclCreateTensor)(
+                dims.as_ptr(),
+                dims.len() as u64,
+                acl_dtype(dtype),
+                strides.as_ptr(),
+                0,
+                aclFormat::ACL_FORMAT_ND,
+                dims.as_ptr(),
+                dims.len() as u64,
+                buf.as_ptr(),
+            )
+        };
+        if raw.is_null() {
+            return Err(Error::Aclnn { call: "aclCreateTensor", code: -1, msg: recent_error_message() });
+        }
+        Ok(Desc { raw, nn })
+    }
+}
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by aclCreateTensor, destroyed once, after phase two.
+        let code = unsafe { (self.nn.aclDestroyTensor)(self.raw) };
+        if let Err(e) = check("aclDestroyTensor", code) {
+            super::runtime::record_drop_error(e);
+        }
+    }
+}
+
+struct Scalar {
+    raw: *mut aclScalar,
+    nn: &'static Nnopbase,
+}
+
+impl Scalar {
+    /// The scalar one of `dtype`.
+    fn one(dtype: DType) -> Result<Scalar> {
+        let nn = nnopbase()?;
+        let mut bytes = [0u8; 8];
+        with_dtype!(dtype, T => {
+            let one = T::from_f32(1.0);
+            bytes[..dtype.size()].copy_from_slice(bytemuck::bytes_of(&one));
+        });
+        // SAFETY: `bytes` holds one value of `dtype`; aclCreateScalar copies it.
+        let raw = unsafe { (nn.aclCreateScalar)(bytes.as_mut_ptr().cast::<c_void>(), acl_dtype(dtype)) };
+        if raw.is_null() {
+            return Err(Error::Aclnn { call: "aclCreateScalar", code: -1, msg: recent_error_message() });
+        }
+        Ok(Scalar { raw, nn })
+    }
+}
+
+impl Drop for Scalar {
+    fn drop(&mut self) {
+        // SAFETY: created by aclCreateScalar, destroyed once.
+        let code = unsafe { (self.nn.aclDestroyScalar)(self.raw) };
+        if let Err(e) = check("aclDestroyScalar", code) {
+            super::runtime::record_drop_error(e);
+        }
+    }
+}
+
+fn opt(d: &Option<Desc>) -> *const aclTensor {
+    d.as_ref().map_or(std::ptr::null(), |d| d.raw)
+}
+
+/// The device buffer of `t`, which must be on `device`.
+pub(crate) fn npu_buf<'a>(
+    device: &NpuDevice,
+    op: &'static str,
+    arg: &'static str,
+    t: &'a Tensor,
+) -> Result<&'a NpuBuffer> {
+    match t.storage() {
+        Storage::Npu(b) if b.device().ordinal() == device.ordinal() => {
+            device.stream().wait_for(b.stream())?;
+            Ok(b)
+        }
+        _ => Err(Error::Device {
+            op,
+            arg,
+            expected: format!("npu:{}", device.ordinal()),
+            actual: t.device().to_string(),
+        }),
+    }
+}
+
+/// Runs phase two with a workspace of `ws` bytes.
+fn run_phase_two(
+    device: &NpuDevice,
+    call: &'static str,
+    run: aclnn::aclnnRun_fn,
+    ws: u64,
+    executor: *mut aclOpExecutor,
+) -> Result<()> {
+    let workspace = NpuBuffer::alloc(device, ws as usize)?;
+    let stream = device.stream();
+    stream.enter()?;
+    // SAFETY: the executor came from phase one of the same op; the workspace
+    // holds `ws` bytes (or is NULL for 0) and lives until the stream finished
+    // with it (its drop synchronises the stream).
+    check(call, unsafe { run(workspace.as_ptr(), ws, executor, stream.raw()) })
+}
+
+/// Reads an int32 index tensor to the host.
+fn host_indices(t: &Tensor) -> Result<Vec<i32>> {
+    t.to_vec::<i32>()
+}
+
+fn check_indices(op: &'static str, arg: &'static str, idx: &[i32], lo: i64, hi: i64) -> Result<()> {
+    if let Some((position, &v)) = idx.iter().enumerate().find(|(_, &v)| (v as i64) < lo || (v as i64) >= hi) {
+        return Err(Error::IndexOutOfRange { op, arg, position, value: v as i64, valid: format!("[{lo}, {hi})") });
+    }
+    Ok(())
+}
+
+/// `out = a + b` through aclnnAdd (alpha = 1).
+pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+    const OP: &str = "add";
+    if a.dtype() != b.dtype() || a.dtype() != out.dtype() {
+        return Err(Error::dtype(
+            OP,
+            if a.dtype() != b.dtype() { "b" } else { "out" },
+            a.dtype().name(),
+            if a.dtype() != b.dtype() { b.dtype() } else { out.dtype() },
+        ));
+    }
+    if a.shape() != b.shape() || a.shape() != out.shape() {
+        let bad = if a.shape() != b.shape() { ("b", b.shape()) } else { ("out", out.shape()) };
+        return Err(Error::shape(OP, bad.0, format!("{:?}", a.shape()), bad.1));
+    }
+    if a.numel() == 0 {
+        return Ok(());
+    }
+    let api = opapi()?;
+    let add = api.add.ok_or_else(|| op_missing("aclnnAdd", api))?;
+    let shape = [a.numel()];
+    let da = Desc::new(npu_buf(device, OP, "a", a)?, a.dtype(), &shape)?;
+    let db = Desc::new(npu_buf(device, OP, "b", b)?, b.dtype(), &shape)?;
+    let dout = Desc::new(npu_buf(device, OP, "out", out)?, out.dtype(), &shape)?;
+    let alpha = Scalar::one(a.dtype())?;
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    // SAFETY: all descriptors are live; out-pointers are valid.
+    check("aclnnAddGetWorkspaceSize", unsafe {
+        (add.get_workspace_size)(da.raw, db.raw, alpha.raw, dout.raw, &mut ws, &mut exec)
+    })?;
+    run_phase_two(device, "aclnnAdd", add.run, ws, exec)?;
+    device.stream().synchronize()
+}
+
+/// Fused finalize through aclnnMoeFinalizeRoutingV2.
+pub(crate) fn finalize_routing(
+    device: &NpuDevice,
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+) -> Result<()> {
+    const OP: &str = "finalize_routing";
+    let (n, k, h) = (dims.n, dims.k, dims.h);
+    let x = args.expanded_x;
+    let dt = x.dtype();
+    if out.dtype() != dt {
+        return Err(Error::dtype(OP, "out", dt.name(), out.dtype()));
+    }
+    // Index values: only the backend can read them, and no read may leave the buffer.
+    let mode = args.drop_pad_mode;
+    let idx = host_indices(args.expanded_row_idx)?;
+    let lo = if mode.is_drop_pad() { -1 } else { 0 };
+    check_indices(OP, "expanded_row_idx", &idx, lo, dims.expanded_rows as i64)?;
+    if let (Some(_), Some(e)) = (args.bias, args.expert_idx) {
+        check_indices(OP, "expert_idx", &host_indices(e)?, 0, dims.experts as i64)?;
+    }
+
+    let out_buf = npu_buf(device, OP, "out", out)?;
+    let (target, scratch) = match rows {
+        OutputRows::Dense => {
+            if out.numel() != n * h {
+                return Err(Error::shape(OP, "out", format!("[{n}, {h}]"), out.shape()));
+            }
+            (None, None)
+        }
+        OutputRows::Padded { local_sizes, slot_rows } => {
+            let total: usize = local_sizes.iter().sum();
+            if total != n || local_sizes.iter().any(|&s| s > slot_rows) {
+                return Err(Error::invalid(
+                    OP,
+                    "local_sizes",
+                    format!("{local_sizes:?} must sum to N = {n} with each at most slot_rows = {slot_rows}"),
+                ));
+            }
+            if out.numel() != local_sizes.len() * slot_rows * h {
+                return Err(Error::shape(
+                    OP,
+                    "out",
+                    format!("[{} * {slot_rows}, {h}]", local_sizes.len()),
+                    out.shape(),
+                ));
+            }
+            (Some((local_sizes, slot_rows)), Some(NpuBuffer::alloc(device, n * h * dt.size())?))
+        }
+    };
+    let dst: &NpuBuffer = scratch.as_ref().unwrap_or(out_buf);
+
+    if n > 0 && h > 0 {
+        let api = opapi()?;
+        let fin = api.moe_finalize_routing_v2.ok_or_else(|| op_missing("aclnnMoeFinalizeRoutingV2", api))?;
+        let x_shape: Vec<usize> = if mode.is_drop_pad() {
+            let e = x.shape().first().copied().unwrap_or(1).max(1);
+            vec![e, dims.expanded_rows / e, h]
+        } else {
+            vec![dims.expanded_rows, h]
+        };
+        let dx = Desc::new(npu_buf(device, OP, "expanded_x", x)?, dt, &x_shape)?;
+        let didx =
+            Desc::new(npu_buf(device, OP, "expanded_row_idx", args.expanded_row_idx)?, DType::I32, &[idx.len()])?;
+        let nh = [n, h];
+        let d1 = args.x1.map(|t| Desc::new(npu_buf(device, OP, "x1", t)?, t.dtype(), &nh)).transpose()?;
+        let d2 = args.x2.map(|t| Desc::new(npu_buf(device, OP, "x2", t)?, t.dtype(), &nh)).transpose()?;
+        let dbias =
+            args.bias.map(|t| Desc::new(npu_buf(device, OP, "bias", t)?, t.dtype(), &[dims.experts, h])).transpose()?;
+        let dscales =
+            args.scales.map(|t| Desc::new(npu_buf(device, OP, "scales", t)?, t.dtype(), &[n, k])).transpose()?;
+        let dexp = args
+            .expert_idx
+            .map(|t| Desc::new(npu_buf(device, OP, "expert_idx", t)?, DType::I32, &[n, k]))
+            .transpose()?;
+        let dout = Desc::new(dst, dt, &nh)?;
+        let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+        // SAFETY: every descriptor is live (optional ones NULL), out-pointers valid.
+        check("aclnnMoeFinalizeRoutingV2GetWorkspaceSize", unsafe {
+            (fin.get_workspace_size)(
+                dx.raw,
+                didx.raw,
+                opt(&d1),
+                opt(&d2),
+                opt(&dbias),
+                opt(&dscales),
+                opt(&dexp),
+                mode as u32 as i64,
+                dout.raw,
+                &mut ws,
+                &mut exec,
+            )
+        })?;
+        run_phase_two(device, "aclnnMoeFinalizeRoutingV2", fin.run, ws, exec)?;
+    }
+
+    if let (Some((local_sizes, slot_rows)), Some(scratch)) = (target, scratch.as_ref()) {
+        let row_bytes = h * dt.size();
+        out_buf.memset_async(0, 0, out_buf.len_bytes())?;
+        let mut src_row = 0;
+        for (r, &rows_r) in local_sizes.iter().enumerate() {
+            out_buf.copy_from_device(r * slot_rows * row_bytes, scratch, src_row * row_bytes, rows_r * row_bytes)?;
+            src_row += rows_r;
+        }
+    }
+    device.stream().synchronize()
+}
+
+/// Token unpermute through aclnnMoeTokenUnpermute. Indices outside
+/// `[0, permuted.rows)` contribute nothing: they are redirected to row 0 with
+/// a zero weight (a non-finite row 0 would still poison those outputs).
+pub(crate) fn token_unpermute(
+    device: &NpuDevice,
+    permuted: &Tensor,
+    sorted_indices: &Tensor,
+    probs: Option<&Tensor>,
+    k: usize,
+    out: &mut Tensor,
+) -> Result<()> {
+    const OP: &str = "token_unpermute";
+    let dt = permuted.dtype();
+    let (rows, h) = (permuted.rows(), permuted.row_len());
+    let idx = host_indices(sorted_indices)?;
+    if k == 0 || idx.len() % k != 0 {
+        return Err(Error::invalid(OP, "k", format!("k = {k} must divide the {} indices", idx.len())));
+    }
+    let t = idx.len() / k;
+    if out.dtype() != dt {
+        return Err(Error::dtype(OP, "out", dt.name(), out.dtype()));
+    }
+    if out.numel() != t * h {
+        return Err(Error::shape(OP, "out", format!("[{t}, {h}]"), out.shape()));
+    }
+    if let Some(p) = probs {
+        if p.numel() != t * k {
+            return Err(Error::shape(OP, "probs", format!("[{t}, {k}]"), p.shape()));
+        }
+    }
+    if t == 0 || h == 0 {
+        return Ok(());
+    }
+    let bad: Vec<usize> =
+        idx.iter().enumerate().filter(|(_, &v)| v < 0 || v as usize >= rows).map(|(i, _)| i).collect();
+    // Sanitised copies when some index is out of range.
+    let mut fixed_idx = None;
+    let mut fixed_probs = None;
+    if !bad.is_empty() {
+        if rows == 0 {
+            return npu_buf(device, OP, "out", out)?.memset_async(0, 0, out.len_bytes());
+        }
+        let mut clean = idx.clone();
+        for &i in &bad {
+            clean[i] = 0;
+        }
+        fixed_idx = Some(device.upload(&Tensor::from_slice(&clean, &[clean.len()])?)?);
+        let weights = with_dtype!(probs.map_or(dt, |p| p.dtype()), T => {
+            let mut w: Vec<T> = match probs {
+                Some(p) => p.to_vec::<T>()?,
+                None => vec![T::from_f32(1.0); t * k],
+            };
+            for &i in &bad {
+                w[i] = T::from_f32(0.0);
+            }
+            Tensor::from_slice(&w, &[t, k])?
+        });
+        fixed_probs = Some(device.upload(&weights)?);
+    }
+    let idx_t = fixed_idx.as_ref().unwrap_or(sorted_indices);
+    let probs_t = fixed_probs.as_ref().or(probs);
+
+    let api = opapi()?;
+    let op = api.moe_token_unpermute.ok_or_else(|| op_missing("aclnnMoeTokenUnpermute", api))?;
+    let dperm = Desc::new(npu_buf(device, OP, "permuted", permuted)?, dt, &[rows, h])?;
+    let didx = Desc::new(npu_buf(device, OP, "sorted_indices", idx_t)?, DType::I32, &[idx.len()])?;
+    let dprobs = probs_t.map(|p| Desc::new(npu_buf(device, OP, "probs", p)?, p.dtype(), &[t, k])).transpose()?;
+    let dout = Desc::new(npu_buf(device, OP, "out", out)?, dt, &[t, h])?;
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    // SAFETY: live descriptors, NULL restore shape (not padded mode), valid out-pointers.
+    check("aclnnMoeTokenUnpermuteGetWorkspaceSize", unsafe {
+        (op.get_workspace_size)(
+            dperm.raw,
+            didx.raw,
+            opt(&dprobs),
+            false,
+            std::ptr::null(),
+            dout.raw,
+            &mut ws,
+            &mut exec,
+        )
+    })?;
+    run_phase_two(device, "aclnnMoeTokenUnpermute", op.run, ws, exec)?;
+    device.stream().synchronize()
+}

@@ -1,0 +1,168 @@
+//! What CANN pieces this process can use, and every place it looked: the
+//! report behind `ascend-moe info`.
+
+use std::ffi::CStr;
+use std::fmt;
+
+use acl_sys::loader::{self, LibSpec};
+
+/// The outcome for one library.
+#[derive(Debug, Clone)]
+pub struct LibraryProbe {
+    /// The soname.
+    pub library: &'static str,
+    /// Its override variable.
+    pub env: &'static str,
+    /// Every candidate in search order, as `(path, why)`.
+    pub candidates: Vec<(String, String)>,
+    /// `Ok(path it was opened from)` or the load error (listing each attempt).
+    pub result: Result<String, String>,
+}
+
+/// Versions and devices, when the ACL runtime loaded.
+#[derive(Debug, Clone)]
+pub struct RuntimeInfo {
+    /// `aclrtGetVersion` as `major.minor.patch`.
+    pub version: Option<String>,
+    /// `aclrtGetSocName`.
+    pub soc: Option<String>,
+    /// Visible devices, or why they could not be counted.
+    pub devices: Result<u32, String>,
+    /// Whether the simulated runtime's kernel launcher is present.
+    pub simulator: bool,
+}
+
+/// Everything [`probe`] found.
+#[derive(Debug, Clone)]
+pub struct ProbeReport {
+    /// The CANN roots searched, as `(dir, source, exists)`.
+    pub roots: Vec<(String, &'static str, bool)>,
+    /// Origin of the compiled-in bindings of acl-sys and hccl-sys.
+    pub bindings: [(&'static str, &'static str); 2],
+    /// libascendcl, libhccl, libnnopbase, libopapi.
+    pub libraries: Vec<LibraryProbe>,
+    /// Runtime details, when libascendcl loaded.
+    pub runtime: Option<RuntimeInfo>,
+    /// The aclnn operators the backend uses and whether each resolved.
+    pub aclnn_ops: Vec<(&'static str, bool)>,
+}
+
+fn probe_library<T>(spec: &LibSpec, load: Result<T, loader::LoadError>, origin: impl Fn(&T) -> String) -> LibraryProbe {
+    LibraryProbe {
+        library: spec.soname,
+        env: spec.env,
+        candidates: loader::candidates(spec)
+            .into_iter()
+            .map(|c| (c.path.to_string_lossy().into_owned(), c.source))
+            .collect(),
+        result: load.as_ref().map(origin).map_err(|e| e.to_string()),
+    }
+}
+
+fn describe(c: &loader::Candidate) -> String {
+    format!("{} [{}]", c.path.to_string_lossy(), c.source)
+}
+
+/// Looks for every CANN piece (loading what it finds).
+pub fn probe() -> ProbeReport {
+    let acl = acl_sys::acl();
+    let hccl = hccl_sys::hccl();
+    let nn = acl_sys::aclnn::nnopbase();
+    let opapi = acl_sys::aclnn::opapi();
+    let runtime = acl.as_ref().ok().map(|api| {
+        let version = api.lib.aclrtGetVersion.as_ref().ok().and_then(|f| {
+            let (mut a, mut b, mut c) = (0, 0, 0);
+            // SAFETY: valid out-pointers.
+            (unsafe { f(&mut a, &mut b, &mut c) } == 0).then(|| format!("{a}.{b}.{c}"))
+        });
+        let devices = super::runtime::device_count().map_err(|e| e.to_string());
+        let soc = api.lib.aclrtGetSocName.as_ref().ok().and_then(|f| {
+            // SAFETY: no arguments; NULL or a runtime-owned C string.
+            let p = unsafe { f() };
+            // SAFETY: non-NULL, NUL-terminated.
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        });
+        RuntimeInfo { version, soc, devices, simulator: api.cannsim_launch_kernel.is_some() }
+    });
+    let aclnn_ops = match &opapi {
+        Ok(o) => vec![
+            ("aclnnMoeFinalizeRoutingV2", o.moe_finalize_routing_v2.is_some()),
+            ("aclnnMoeTokenUnpermute", o.moe_token_unpermute.is_some()),
+            ("aclnnAdd", o.add.is_some()),
+        ],
+        Err(_) => Vec::new(),
+    };
+    ProbeReport {
+        roots: loader::cann_roots()
+            .into_iter()
+            .map(|r| (r.path.to_string_lossy().into_owned(), r.source, r.path.is_dir()))
+            .collect(),
+        bindings: [("acl-sys", acl_sys::BINDINGS_ORIGIN), ("hccl-sys", hccl_sys::BINDINGS_ORIGIN)],
+        libraries: vec![
+            probe_library(&loader::ACL, acl, |a| describe(&a.origin)),
+            probe_library(&loader::HCCL, hccl, |h| describe(&h.origin)),
+            probe_library(&loader::NNOPBASE, nn, |n| describe(&n.origin)),
+            probe_library(&loader::OPAPI, opapi, |o| describe(&o.origin)),
+        ],
+        runtime,
+        aclnn_ops,
+    }
+}
+
+/// [`probe`] as text.
+pub fn probe_report() -> String {
+    probe().to_string()
+}
+
+impl ProbeReport {
+    /// True when every library loaded.
+    pub fn all_found(&self) -> bool {
+        self.libraries.iter().all(|l| l.result.is_ok())
+    }
+}
+
+impl fmt::Display for ProbeReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "CANN roots searched:")?;
+        for (dir, source, exists) in &self.roots {
+            writeln!(f, "  {dir} [{source}]{}", if *exists { "" } else { " (absent)" })?;
+        }
+        writeln!(f, "bindings:")?;
+        for (krate, origin) in &self.bindings {
+            writeln!(f, "  {krate}: {origin}")?;
+        }
+        writeln!(f, "libraries:")?;
+        for lib in &self.libraries {
+            match &lib.result {
+                Ok(from) => {
+                    writeln!(f, "  {}: found at {from}", lib.library)?;
+                    let looked: Vec<&str> = lib.candidates.iter().map(|(p, _)| p.as_str()).collect();
+                    writeln!(f, "    search order: {} (override: {})", looked.join(", "), lib.env)?;
+                }
+                Err(e) => writeln!(f, "  {}: NOT FOUND\n    {}", lib.library, e.replace('\n', "\n    "))?,
+            }
+        }
+        match &self.runtime {
+            Some(rt) => {
+                writeln!(f, "runtime:")?;
+                writeln!(f, "  ACL version: {}", rt.version.as_deref().unwrap_or("unknown"))?;
+                writeln!(f, "  SoC: {}", rt.soc.as_deref().unwrap_or("unknown"))?;
+                match &rt.devices {
+                    Ok(n) => writeln!(f, "  devices: {n}")?,
+                    Err(e) => writeln!(f, "  devices: unavailable ({e})")?,
+                }
+                if rt.simulator {
+                    writeln!(f, "  simulated runtime (cannsim_launch_kernel present)")?;
+                }
+            }
+            None => writeln!(f, "runtime: not loaded")?,
+        }
+        if !self.aclnn_ops.is_empty() {
+            writeln!(f, "aclnn operators:")?;
+            for (name, ok) in &self.aclnn_ops {
+                writeln!(f, "  {name}: {}", if *ok { "available" } else { "missing" })?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,271 @@
+//! The NPU layer where CANN is absent (this CI): load errors that list every
+//! path tried, code newtypes, the HCCL config layout, root-info serialisation.
+//! These run everywhere; under real or simulated CANN the absent-library
+//! checks turn into "it loads".
+
+use std::path::Path;
+
+use acl_sys::loader::{self, LibSpec};
+use ascend_moe::backend::npu::{self, HcclRootInfo};
+use ascend_moe::{DType, Device, Error};
+use hccl_sys::{HcclCommConfig, HcclCommConfigCapability, HcclDataType, HcclResult};
+
+fn expected_candidates(soname: &str, subdirs: &[&str]) -> Vec<String> {
+    let mut v = vec![soname.to_string()];
+    for root in loader::cann_roots() {
+        for s in subdirs {
+            v.push(root.path.join(s).join(soname).to_string_lossy().into_owned());
+        }
+    }
+    v
+}
+
+#[test]
+fn absent_library_error_lists_every_path_tried() {
+    let spec = LibSpec {
+        soname: "libascend_moe_test_absent.so",
+        env: "ASCEND_MOE_TEST_ABSENT_LIB",
+        subdirs: &["lib64", "opp/lib"],
+    };
+    let err = loader::open(&spec, &[]).expect_err("no such library exists");
+    let want = expected_candidates(spec.soname, spec.subdirs);
+    let tried: Vec<String> = err.attempts.iter().map(|a| a.candidate.path.to_string_lossy().into_owned()).collect();
+    assert_eq!(tried, want, "attempts in search order");
+    assert!(want.len() >= 5, "loader path + at least two default roots x two subdirs: {want:?}");
+    let text = err.to_string();
+    assert!(text.contains("ASCEND_MOE_TEST_ABSENT_LIB"), "names the override variable: {text}");
+    for path in &want {
+        assert!(text.contains(path.as_str()), "{path} missing from:\n{text}");
+    }
+    for a in &err.attempts {
+        assert!(!a.reason.is_empty(), "every attempt says why it failed");
+    }
+    assert_eq!(err.attempts[0].candidate.source, "loader path");
+}
+
+#[test]
+fn override_to_a_missing_file_is_the_only_attempt() {
+    let var = "ASCEND_MOE_ACL_LIB";
+    let spec = LibSpec { soname: "libascendcl.so", env: var, subdirs: &["lib64"] };
+    let cands = loader::candidates_with(&spec, Some("/nonexistent/dir/libascendcl.so".into()));
+    let err = loader::open_candidates(&spec, cands, &["aclInit"]).expect_err("the override path does not exist");
+    assert_eq!(err.attempts.len(), 1, "an override replaces the search: {err}");
+    let a = &err.attempts[0];
+    assert_eq!(a.candidate.path.to_string_lossy(), "/nonexistent/dir/libascendcl.so");
+    assert_eq!(a.candidate.source, var);
+    assert!(a.reason.contains("No such file"), "dlopen's reason is kept: {}", a.reason);
+    assert!(err.to_string().contains("/nonexistent/dir/libascendcl.so"));
+}
+
+#[test]
+fn library_without_required_symbols_is_rejected_with_their_names() {
+    // libc loads everywhere but is not ACL.
+    let spec = LibSpec { soname: "libc.so.6", env: "ASCEND_MOE_TEST_LIBC_LIB", subdirs: &[] };
+    let cands = loader::candidates_with(&spec, Some("libc.so.6".into()));
+    let err =
+        loader::open_candidates(&spec, cands, &["malloc", "aclInit", "aclrtMalloc"]).expect_err("libc has no ACL");
+    assert_eq!(err.attempts.len(), 1);
+    let reason = &err.attempts[0].reason;
+    assert!(reason.contains("aclInit") && reason.contains("aclrtMalloc"), "{reason}");
+    assert!(!reason.contains("malloc,") && !reason.ends_with(" malloc"), "malloc exists: {reason}");
+}
+
+#[test]
+fn npu_device_is_unavailable_with_the_paths_when_cann_is_absent() {
+    match acl_sys::acl() {
+        Ok(api) => {
+            // Real or simulated CANN is present: the device must open.
+            let dev =
+                Device::npu(0).unwrap_or_else(|e| panic!("ACL loaded from {:?} but npu:0 failed: {e}", api.origin));
+            assert_eq!(dev.to_string(), "npu:0");
+        }
+        Err(load) => {
+            let err = Device::npu(0).expect_err("no CANN here");
+            let Error::Unavailable(text) = &err else { panic!("expected Error::Unavailable, got {err:?}") };
+            for a in &load.attempts {
+                assert!(text.contains(&*a.candidate.path.to_string_lossy()), "{text}");
+            }
+            for path in expected_candidates("libascendcl.so", &["lib64"]) {
+                if std::env::var_os("ASCEND_MOE_ACL_LIB").is_none() {
+                    assert!(text.contains(&path), "{path} missing from {text}");
+                }
+            }
+            assert!(text.contains("ASCEND_MOE_ACL_LIB"), "{text}");
+            // Every other entry point says the same, without panicking.
+            assert!(matches!(npu::device_count(), Err(Error::Unavailable(_))));
+            assert!(matches!(npu::NpuDevice::open(3), Err(Error::Unavailable(_))));
+        }
+    }
+}
+
+#[test]
+fn probe_report_names_every_library_and_path() {
+    let report = npu::probe();
+    let text = report.to_string();
+    for (spec, _) in [(loader::ACL, 0), (loader::HCCL, 0), (loader::NNOPBASE, 0), (loader::OPAPI, 0)] {
+        assert!(text.contains(spec.soname), "{text}");
+        assert!(text.contains(spec.env), "{text}");
+        for c in loader::candidates(&spec) {
+            assert!(text.contains(&*c.path.to_string_lossy()), "{:?} missing:\n{text}", c.path);
+        }
+    }
+    for r in loader::cann_roots() {
+        assert!(text.contains(&*r.path.to_string_lossy()));
+    }
+    assert!(text.contains("acl-sys: ") && text.contains("hccl-sys: "), "bindings origin: {text}");
+    if acl_sys::acl().is_err() {
+        assert!(!report.all_found());
+        assert!(text.contains("NOT FOUND"));
+    }
+}
+
+#[test]
+fn codes_are_newtypes_that_keep_unknown_values() {
+    // Values a newer CANN might return survive the round trip.
+    let unknown = HcclResult(4242);
+    assert_eq!(unknown.0, 4242);
+    assert_ne!(unknown, HcclResult::HCCL_SUCCESS);
+    let err = npu::hccl::check("HcclAllReduce", unknown).expect_err("non-zero code");
+    match err {
+        Error::Hccl { call, code, .. } => {
+            assert_eq!(call, "HcclAllReduce");
+            assert_eq!(code, 4242);
+        }
+        other => panic!("expected Error::Hccl, got {other:?}"),
+    }
+    assert!(npu::hccl::check("HcclBarrier", HcclResult::HCCL_SUCCESS).is_ok());
+    let acl_err = npu::runtime::check("aclrtMalloc", 207001).expect_err("OOM code");
+    assert!(matches!(acl_err, Error::Acl { call: "aclrtMalloc", code: 207001, .. }), "{acl_err:?}");
+    assert!(acl_err.to_string().contains("aclrtMalloc") && acl_err.to_string().contains("207001"));
+    assert_eq!(acl_sys::aclDataType(1234).0, 1234);
+    assert_eq!(HcclDataType(77).0, 77);
+
+    // The values of cann-api.md sections 1.3 / 2.1.
+    let hccl: Vec<u32> = DType::ALL.iter().map(|&d| npu::hccl::hccl_dtype(d).0).collect();
+    assert_eq!(hccl, [4, 3, 11, 2, 5], "f32 f16 bf16 i32 i64");
+    let acl: Vec<i32> = DType::ALL.iter().map(|&d| npu::acl_dtype(d).0).collect();
+    assert_eq!(acl, [0, 1, 27, 3, 9], "f32 f16 bf16 i32 i64");
+    assert_eq!(HcclResult::HCCL_E_TIMEOUT.0, 9);
+    assert_eq!(acl_sys::ACL_ERROR_RT_MEMORY_ALLOCATION, 207001);
+    assert_eq!(acl_sys::ACL_ERROR_REPEAT_INITIALIZE, 100002);
+}
+
+#[test]
+fn comm_config_layout_matches_version_10() {
+    use std::mem::{align_of, offset_of, size_of};
+    assert_eq!(size_of::<HcclCommConfig>(), 2240);
+    assert_eq!(align_of::<HcclCommConfig>(), 8);
+    let offsets = [
+        (offset_of!(HcclCommConfig, reserved), 0),
+        (offset_of!(HcclCommConfig, hcclBufferSize), 24),
+        (offset_of!(HcclCommConfig, hcclDeterministic), 28),
+        (offset_of!(HcclCommConfig, hcclCommName), 32),
+        (offset_of!(HcclCommConfig, hcclUdi), 160),
+        (offset_of!(HcclCommConfig, hcclOpExpansionMode), 288),
+        (offset_of!(HcclCommConfig, hcclRdmaTrafficClass), 292),
+        (offset_of!(HcclCommConfig, hcclRdmaServiceLevel), 296),
+        (offset_of!(HcclCommConfig, hcclWorldRankID), 300),
+        (offset_of!(HcclCommConfig, hcclJobID), 304),
+        (offset_of!(HcclCommConfig, aclGraphZeroCopyEnable), 312),
+        (offset_of!(HcclCommConfig, hcclExecTimeOut), 316),
+        (offset_of!(HcclCommConfig, hcclAlgo), 320),
+        (offset_of!(HcclCommConfig, hcclRetryEnable), 1920),
+        (offset_of!(HcclCommConfig, hcclRetryParams), 1970),
+        (offset_of!(HcclCommConfig, hcclBufferName), 2098),
+        (offset_of!(HcclCommConfig, hcclQos), 2228),
+        (offset_of!(HcclCommConfig, hcclSymWinMaxMemSizePerRank), 2232),
+    ];
+    for (i, (got, want)) in offsets.iter().enumerate() {
+        assert_eq!(got, want, "field {i}");
+    }
+}
+
+#[test]
+fn comm_config_init_writes_the_header_and_defaults() {
+    // Start from garbage so every field the init must write is checked.
+    let mut c: HcclCommConfig = HcclCommConfig::default();
+    // SAFETY: HcclCommConfig is repr(C), 2240 bytes, and every bit pattern is
+    // valid for its integer and byte-array fields.
+    let bytes: &mut [u8; 2240] = unsafe { &mut *(&mut c as *mut HcclCommConfig).cast() };
+    bytes.fill(0xa5);
+    hccl_sys::HcclCommConfigInit(&mut c);
+    // SAFETY: as above (read-only view).
+    let raw: &[u8; 2240] = unsafe { &*(&c as *const HcclCommConfig).cast() };
+    assert_eq!(u64::from_ne_bytes(raw[0..8].try_into().unwrap()), 2240, "size");
+    assert_eq!(u32::from_ne_bytes(raw[8..12].try_into().unwrap()), 0xf0f0_f0f0, "magic");
+    assert_eq!(u32::from_ne_bytes(raw[12..16].try_into().unwrap()), 10, "version");
+    assert_eq!(u64::from_ne_bytes(raw[16..24].try_into().unwrap()), 0, "reserved");
+    assert_eq!(c.hcclBufferSize, 0xffff_ffff);
+    assert_eq!(c.hcclDeterministic, 0xffff_ffff);
+    assert_eq!(c.hcclOpExpansionMode, 0);
+    assert_eq!((c.hcclRdmaTrafficClass, c.hcclRdmaServiceLevel), (0xffff_ffff, 0xffff_ffff));
+    assert_eq!((c.hcclWorldRankID, c.hcclJobID, c.aclGraphZeroCopyEnable), (0, 0, 0));
+    assert_eq!(c.hcclExecTimeOut, -1);
+    assert_eq!(c.hcclQos, 0xffff_ffff);
+    assert_eq!(c.hcclSymWinMaxMemSizePerRank, 16);
+    for s in [&c.hcclCommName[..], &c.hcclUdi, &c.hcclAlgo, &c.hcclRetryEnable, &c.hcclRetryParams, &c.hcclBufferName] {
+        assert_eq!(s[0], 0, "strings start empty");
+    }
+
+    // Capability check: COMM_NAME (2) supported iff the capability count > 2.
+    let name = HcclCommConfigCapability::HCCL_COMM_CONFIG_COMM_NAME;
+    assert_eq!(name.0, 2);
+    for (cap, keeps) in [(None, false), (Some(0), false), (Some(2), false), (Some(3), true), (Some(12), true)] {
+        let mut c = HcclCommConfig::default();
+        assert_eq!(c.adapt_to_capability(cap), keeps, "capability {cap:?}");
+        assert_eq!(c.header_size(), if keeps { 2240 } else { 32 }, "capability {cap:?}");
+        assert_eq!(c.header_version(), 10);
+    }
+    assert!(HcclCommConfig::supports(Some(10), HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT));
+    assert!(!HcclCommConfig::supports(Some(8), HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT));
+}
+
+#[test]
+fn root_info_round_trips_through_bytes_and_hex() {
+    let bytes: Vec<u8> = (0..npu::hccl::ROOT_INFO_BYTES).map(|i| (i * 7 + 3) as u8).collect();
+    let info = HcclRootInfo::from_bytes(&bytes).expect("4108 bytes");
+    assert_eq!(&info.as_bytes()[..], &bytes[..]);
+    let hex = info.to_hex();
+    assert_eq!(hex.len(), 8216);
+    assert_eq!(&hex[..6], "030a11", "bytes 3, 10, 17");
+    assert_eq!(HcclRootInfo::from_hex(&hex).expect("own hex"), info);
+    assert_eq!(HcclRootInfo::from_hex(&format!("  {}\n", hex.to_uppercase())).expect("upper case, padded"), info);
+
+    let short = HcclRootInfo::from_bytes(&bytes[..100]).expect_err("too short");
+    assert!(short.to_string().contains("100 bytes, expected 4108"), "{short}");
+    let mut bad = hex.clone();
+    bad.replace_range(10..11, "g");
+    let e = HcclRootInfo::from_hex(&bad).expect_err("not hex");
+    assert!(e.to_string().contains("at 10"), "{e}");
+    assert!(HcclRootInfo::from_hex(&hex[..8214]).is_err());
+}
+
+#[test]
+fn committed_bindings_exist_and_carry_no_vendor_comments() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for (krate, needles) in [
+        ("acl-sys", &["pub struct AclLib", "pub aclrtMalloc:", "pub struct aclDataType(pub"][..]),
+        ("hccl-sys", &["pub struct HcclLib", "pub HcclAlltoAllV:", "pub struct HcclResult(pub"][..]),
+    ] {
+        let text = std::fs::read_to_string(root.join(krate).join("src/bindings.rs")).expect("committed bindings");
+        for n in needles {
+            assert!(text.contains(n), "{krate}: {n}");
+        }
+        assert!(!text.contains("///") && !text.contains("Copyright"), "{krate}: header prose leaked into bindings");
+        assert!(!text.contains("pub enum "), "{krate}: C enums must be newtypes");
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_host_has_the_devices() {
+    println!("{}", npu::probe_report());
+    let want: u32 = std::env::var("ASCEND_MOE_MIN_DEVICES").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let have = npu::device_count().unwrap_or_else(|e| panic!("{e}"));
+    assert!(have >= want, "{have} devices visible, the run needs {want}");
+    for ordinal in 0..have {
+        let dev = npu::NpuDevice::open(ordinal).unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
+        let (free, total) = dev.mem_info().unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
+        assert!(total > 0 && free <= total, "npu:{ordinal}: {free} free of {total}");
+    }
+}

@@ -1,0 +1,102 @@
+//! The safe ACL layer itself: typed and pinned buffers, streams (owned and
+//! borrowed), events, and errors from the runtime. Ignored without an NPU.
+
+use ascend_moe::backend::npu::{self, DeviceBuffer, NpuDevice, NpuEvent, PinnedHostBuffer};
+use ascend_moe::{Error, Tensor};
+
+fn dev() -> NpuDevice {
+    NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()))
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn typed_buffers_copy_every_way() {
+    let d = dev();
+    let data: Vec<i64> = (0..1000).map(|i| i * i - 7).collect();
+    let a = d.clone_htod(&data).unwrap();
+    assert_eq!(a.len(), 1000);
+    let mut b = d.alloc_zeros::<i64>(1000).unwrap();
+    assert_eq!(b.to_vec().unwrap(), vec![0i64; 1000]);
+    b.copy_from_device(&a).unwrap();
+    assert_eq!(d.clone_dtoh(&b).unwrap(), data);
+
+    // Pinned host memory, queued copies, read after a sync.
+    let mut pinned = PinnedHostBuffer::zeros(&d, 8 * 1000).unwrap();
+    pinned.as_bytes_mut().copy_from_slice(bytemuck::cast_slice(&data));
+    let mut c = DeviceBuffer::<i64>::alloc(&d, 1000).unwrap();
+    c.copy_from_pinned_async(&pinned).unwrap();
+    let mut back = PinnedHostBuffer::zeros(&d, 8 * 1000).unwrap();
+    c.copy_to_pinned_async(&mut back).unwrap();
+    d.synchronize().unwrap();
+    assert_eq!(back.as_bytes(), pinned.as_bytes());
+
+    // Length mismatches are errors, not partial copies.
+    let mut short = vec![0i64; 999];
+    assert!(matches!(a.copy_to_host(&mut short), Err(Error::InvalidArgument { .. })));
+    assert!(d.clone_htod::<f32>(&[]).unwrap().is_empty());
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn borrowed_stream_is_used_but_never_destroyed() {
+    let owner = dev();
+    let raw = owner.stream().raw();
+    let data = vec![1.5f32; 64];
+    {
+        // SAFETY: `owner` keeps the stream alive for this whole block.
+        let borrowed = unsafe { NpuDevice::with_borrowed_stream(0, raw) }.unwrap();
+        assert!(!borrowed.stream().is_owned());
+        let buf = borrowed.clone_htod(&data).unwrap();
+        assert_eq!(buf.to_vec().unwrap(), data);
+    }
+    // The owner's stream still works after the borrower is gone.
+    let t = Tensor::from_slice(&data, &[8, 8]).unwrap().to_device(&ascend_moe::Device::Npu(owner.clone())).unwrap();
+    assert_eq!(t.to_vec::<f32>().unwrap(), data);
+    owner.synchronize().unwrap();
+
+    // The default (NULL) stream of the device, borrowed.
+    // SAFETY: the default stream lives as long as the device context.
+    let default = unsafe { NpuDevice::with_borrowed_stream(0, std::ptr::null_mut()) }.unwrap();
+    assert_eq!(default.clone_htod(&data).unwrap().to_vec().unwrap(), data);
+    assert!(npu::take_drop_errors().is_empty());
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn events_order_streams_and_time_work() {
+    let d = dev();
+    let s2 = d.new_stream().unwrap();
+    let start = NpuEvent::create(d.stream()).unwrap();
+    let end = NpuEvent::create(d.stream()).unwrap();
+    start.record(d.stream()).unwrap();
+    let buf = d.alloc_zeros::<f32>(1 << 16).unwrap();
+    end.record(d.stream()).unwrap();
+    s2.wait_event(&end).unwrap();
+    s2.synchronize().unwrap();
+    end.synchronize().unwrap();
+    assert!(end.is_complete().unwrap());
+    let ms = end.elapsed_ms_since(&start).unwrap();
+    assert!(ms >= 0.0 && ms.is_finite(), "{ms}");
+    assert_eq!(buf.to_vec().unwrap().iter().filter(|v| **v != 0.0).count(), 0);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn runtime_failures_are_acl_errors_with_the_call_name() {
+    let d = dev();
+    let (free, total) = d.mem_info().unwrap();
+    assert!(free <= total && total > 0);
+    let err =
+        DeviceBuffer::<i32>::alloc(&d, total.saturating_mul(4).max(1 << 40) / 4).expect_err("more than the device has");
+    match err {
+        Error::Acl { call, code, .. } => {
+            assert_eq!(call, "aclrtMalloc");
+            assert_ne!(code, 0);
+        }
+        other => panic!("expected Error::Acl from aclrtMalloc, got {other:?}"),
+    }
+    let err = NpuDevice::open(npu::device_count().unwrap()).expect_err("one past the last device");
+    assert!(matches!(err, Error::InvalidArgument { arg: "ordinal", .. }), "{err:?}");
+    // The device is still fine afterwards.
+    assert_eq!(d.clone_htod(&[3i32; 5]).unwrap().to_vec().unwrap(), vec![3i32; 5]);
+}
