@@ -160,8 +160,9 @@ pub unsafe extern "C" fn amoe_token_prepare(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: `ctx` is valid, per the export's contract.
         let c = unsafe { context(F, ctx) }?;
         // SAFETY: `groups` is NULL or live, per the export's contract.
@@ -241,8 +242,9 @@ pub unsafe extern "C" fn amoe_token_finalize(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: `ctx` is valid, per the export's contract.
         let c = unsafe { context(F, ctx) }?;
         // SAFETY: `groups` is NULL or live, per the export's contract.
