@@ -119,6 +119,8 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     let want: Vec<f32> = (0..len).map(|i| (0..WORLD).map(|r| val(r, i)).sum()).collect();
     let src = dev.clone_htod(&mine)?;
     let dst = dev.alloc_zeros::<f32>(len)?;
+    // The engine orders its own writes before handing memory over.
+    dev.synchronize()?;
     let shape = [len];
     let sd = desc(ptr(&src), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord);
     let dd = desc(ptr(&dst), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord);
@@ -143,6 +145,7 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     let want: Vec<f32> = (off..off + local[rank] * H).map(|i| (0..WORLD).map(|r| val(r + 5, i)).sum()).collect();
     let xb = dev.clone_htod(&x)?;
     let ob = dev.alloc_zeros::<f32>(local[rank] * H)?;
+    dev.synchronize()?;
     let (xs, os) = ([rows, H], [local[rank], H]);
     let xd = desc(ptr(&xb), amoe_dtype::F32, &xs, amoe_device_kind::Npu, ord);
     let od = desc(ptr(&ob), amoe_dtype::F32, &os, amoe_device_kind::Npu, ord);
@@ -182,6 +185,7 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     assert!(host_out.iter().any(|&v| v != 0.0));
     let (exb, rib, scb) = (dev.clone_htod(&ex)?, dev.clone_htod(&rowidx)?, dev.clone_htod(&scales)?);
     let nob = dev.alloc_zeros::<f32>(t * H)?;
+    dev.synchronize()?;
     let nx = desc(ptr(&exb), amoe_dtype::F32, &exs, amoe_device_kind::Npu, ord);
     let nr = desc(ptr(&rib), amoe_dtype::I32, &ris, amoe_device_kind::Npu, ord);
     let ns = desc(ptr(&scb), amoe_dtype::F32, &scs, amoe_device_kind::Npu, ord);
