@@ -421,14 +421,15 @@ pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, 
         let dev = npu_device(func, arg, d)?;
         // SAFETY: the caller's contract; the buffer lives only for this call.
         let dst = unsafe { NpuBuffer::borrow_raw(&dev, d.data, m.bytes) }?;
-        return Ok(match t.storage() {
+        match t.storage() {
             // Written in place by the op (an output from `out_tensor`).
             Storage::Npu(b) if b.as_ptr() == d.data => {}
             // The op allocated its own result: one device-to-device copy,
             // queued on the caller's stream.
             Storage::Npu(b) => dst.copy_from_device(0, b, 0, m.bytes)?,
             Storage::Cpu(b) => dst.copy_from_host_at(0, b.as_bytes())?,
-        });
+        }
+        return Ok(());
     }
     let host;
     let t = if t.is_cpu() {
