@@ -155,8 +155,9 @@ pub unsafe extern "C" fn amoe_token_prepare(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: `ctx` is valid, per the export's contract.
         let c = unsafe { context(F, ctx) }?;
         // SAFETY: `groups` is NULL or live, per the export's contract.
@@ -236,15 +237,16 @@ pub unsafe extern "C" fn amoe_token_finalize(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: `ctx` is valid, per the export's contract.
         let c = unsafe { context(F, ctx) }?;
         // SAFETY: `groups` is NULL or live, per the export's contract.
         let g = unsafe { groups_ref(F, groups) }?;
         let ct = CommType::from_u32(comm_type)?;
         // SAFETY: `y` is a valid descriptor, per the export's contract.
-        let y = unsafe { read_tensor(F, "y", y) }?;
+        let y = unsafe { super::ffi::read_consumed(F, "y", y, out) }?;
         let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;
         // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { check_out(F, "out", out, &shape, y.dtype()) }?;
