@@ -256,7 +256,7 @@ unsafe fn out_like(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tenso
             return Err(Failure::null(func, &format!("{arg}.data")));
         }
     }
-    Ok(Tensor::zeros_cpu(&m.shape, m.dtype))
+    Ok(Tensor::try_zeros_cpu(&m.shape, m.dtype)?)
 }
 
 /// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and

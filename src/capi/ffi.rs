@@ -267,7 +267,7 @@ pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -
     if m.bytes > 0 && d.data.is_null() {
         return Err(Failure::null(func, &format!("{arg}.data")));
     }
-    let mut t = Tensor::zeros_cpu(&m.shape, m.dtype);
+    let mut t = Tensor::try_zeros_cpu(&m.shape, m.dtype)?;
     if m.bytes > 0 {
         // SAFETY: non-null, `m.bytes <= isize::MAX`, readable per the contract;
         // `t` is a fresh buffer so the ranges cannot overlap.

@@ -11,6 +11,8 @@ use crate::CommType;
 
 /// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
+// The header needs the literal; the Rust API's bound is the same number.
+const _: () = assert!(AMOE_MAX_EP_RANKS == crate::moe::layout::MAX_EP_RANKS);
 
 /// The run-time parallel context of one forward pass. Read only; the caller
 /// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
@@ -48,15 +50,8 @@ unsafe fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, F
     let c = unsafe { &*ctx };
     // SAFETY: the contract for `dp_tokens`.
     let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
-    // The context describes an EP world of dp_size * tp_size ranks, and the
-    // ops build per-rank tables of that size: bound it before they do.
-    if !matches!(c.dp_size.checked_mul(c.tp_size), Some(ep) if ep <= AMOE_MAX_EP_RANKS) {
-        return Err(Failure::invalid(
-            f,
-            "ctx",
-            format!("dp_size {} x tp_size {} exceeds {AMOE_MAX_EP_RANKS} EP ranks", c.dp_size, c.tp_size),
-        ));
-    }
+    // MoeContext::new bounds dp_size * tp_size by AMOE_MAX_EP_RANKS before
+    // anything builds per-rank tables.
     Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
 }
 
