@@ -100,8 +100,10 @@ enum amoe_device_kind
  {
   // Host memory.
   AMOE_DEVICE_KIND_CPU = 0,
-  // Ascend NPU memory (`device_ordinal` names the device). Returns
-  // `AMOE_STATUS_UNAVAILABLE` until the NPU backend is built in.
+  // Ascend NPU memory (`device_ordinal` names the device, which must be
+  // the device of the call's `amoe_stream`). Borrowed for the call, never
+  // copied to the host and never freed; `AMOE_STATUS_UNAVAILABLE` when
+  // CANN cannot be loaded.
   AMOE_DEVICE_KIND_NPU = 1,
 };
 #ifndef __cplusplus
@@ -218,8 +220,10 @@ typedef struct amoe_comm amoe_comm;
 typedef struct amoe_moe_groups amoe_moe_groups;
 
 // A borrowed NPU stream (an `aclrtStream` owned by the engine, e.g. torch_npu's
-// current stream). Every op and collective takes one; pass NULL for host
-// tensors (a stream is ignored for host tensors).
+// current stream) on one device. Every op and collective takes one: NPU
+// tensor descriptors must live on its device and the work is queued on it;
+// pass NULL when every tensor is a host tensor. The handle never owns the
+// engine's stream: `amoe_stream_free` releases only the handle.
 typedef struct amoe_stream amoe_stream;
 
 // A tensor descriptor: where the bytes are, what they hold, on which device.
@@ -371,11 +375,15 @@ amoe_status amoe_comm_cpu_new(const char *name,
 // returned handle borrows `raw_hccl_comm`, `amoe_comm_free` releases only the
 // handle, and the engine must keep the HCCL communicator alive until then.
 //
-// Returns `AMOE_STATUS_UNAVAILABLE` in builds without the NPU backend
-// (currently always); `*out` is then not written.
+// Collectives run on a stream of the library's own on that device, ordered
+// after the streams of their NPU operands and waited for before returning;
+// every wait is bounded by `ASCEND_MOE_COMM_TIMEOUT` (or 60 s).
+// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
+// cannot be loaded; `*out` is then not written.
 //
 // # Safety
-// `raw_hccl_comm` must be a live `HcclComm`; `out` must be writable.
+// `raw_hccl_comm` must be a live `HcclComm` of NPU `device_ordinal` that
+// outlives the handle; `out` must be writable.
 amoe_status amoe_comm_from_hccl(void *raw_hccl_comm,
                                 uint32_t device_ordinal,
                                 struct amoe_comm **out);
@@ -414,13 +422,14 @@ amoe_status amoe_comm_world_size(const struct amoe_comm *comm, size_t *out);
 void amoe_comm_free(struct amoe_comm *comm);
 
 // Wraps an engine-owned `aclrtStream` on NPU `device_ordinal` without taking
-// ownership (`amoe_stream_free` releases only the handle).
+// ownership: `amoe_stream_free` releases only the handle, never the stream,
+// and the engine must keep the stream alive until then.
 //
-// Returns `AMOE_STATUS_UNAVAILABLE` in builds without the NPU backend
-// (currently always); `*out` is then not written.
+// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
+// cannot be loaded; `*out` is then not written.
 //
 // # Safety
-// `raw_acl_stream` must be a live stream; `out` writable.
+// `raw_acl_stream` must be a live stream of that device; `out` writable.
 amoe_status amoe_stream_wrap(void *raw_acl_stream,
                              uint32_t device_ordinal,
                              struct amoe_stream **out);

@@ -20,6 +20,26 @@ impl CpuBuffer {
         CpuBuffer { words: vec![0u64; len.div_ceil(8)], len }
     }
 
+    /// `len` zero bytes, or an error naming `op` when the allocation fails
+    /// (also calloc-backed).
+    pub fn try_zeros(op: &'static str, len: usize) -> Result<Self> {
+        let words = len.div_ceil(8);
+        if words == 0 {
+            return Ok(Self::default());
+        }
+        let failed = || Error::invalid(op, "shape", format!("{len} bytes of host memory could not be allocated"));
+        let layout = std::alloc::Layout::array::<u64>(words).map_err(|_| failed())?;
+        // SAFETY: `layout` has a non-zero size (words >= 1).
+        let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
+        if p.is_null() {
+            return Err(failed());
+        }
+        // SAFETY: `p` comes from the global allocator with the layout of `words`
+        // u64s (what a Vec of that capacity uses), all zero, which are valid u64s.
+        let words = unsafe { Vec::from_raw_parts(p, words, words) };
+        Ok(CpuBuffer { words, len })
+    }
+
     /// Copies `bytes` into a new buffer.
     pub fn from_bytes(bytes: &[u8]) -> Self {
         let mut b = Self::zeros(bytes.len());
@@ -83,11 +103,35 @@ pub struct Tensor {
     storage: Storage,
 }
 
+/// Elements of `shape`, or an error naming `op` and `arg` when the product of
+/// its non-zero dims overflows `usize`. Zero dims are skipped in that check, so
+/// every partial product of the dims (row lengths, ...) fits too, also for
+/// empty tensors.
+pub fn checked_numel(op: &'static str, arg: &'static str, shape: &[usize]) -> Result<usize> {
+    let span = span(shape, 1).ok_or_else(|| Error::shape(op, arg, "dims whose product fits in usize", shape))?;
+    Ok(if shape.contains(&0) { 0 } else { span })
+}
+
+/// Bytes of a tensor of `shape` and `dtype`, or an error naming `op` and `arg`
+/// when they (or those of its non-zero dims) exceed `isize::MAX`, the largest
+/// possible allocation.
+pub fn checked_bytes(op: &'static str, arg: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
+    match span(shape, dtype.size()) {
+        Some(b) if b <= isize::MAX as usize => Ok(if shape.contains(&0) { 0 } else { b }),
+        _ => Err(Error::shape(op, arg, format!("dims whose size in bytes of {dtype} fits in isize"), shape)),
+    }
+}
+
+/// `unit` times the product of the non-zero dims of `shape`, if it fits.
+fn span(shape: &[usize], unit: usize) -> Option<usize> {
+    shape.iter().try_fold(unit, |acc, &d| acc.checked_mul(d.max(1)))
+}
+
 impl Tensor {
     /// Assembles a tensor from parts; `storage` must hold exactly
     /// `numel * dtype.size()` bytes.
     pub fn from_parts(shape: Vec<usize>, dtype: DType, storage: Storage) -> Result<Self> {
-        let need = shape.iter().product::<usize>() * dtype.size();
+        let need = checked_bytes("Tensor::from_parts", "shape", &shape, dtype)?;
         let have = match &storage {
             Storage::Cpu(b) => b.len(),
             Storage::Npu(b) => b.len_bytes(),
@@ -107,15 +151,29 @@ impl Tensor {
         device.backend().zeros(shape, dtype)
     }
 
-    /// A zero-filled host tensor.
+    /// A zero-filled host tensor, for shapes known to be small.
+    ///
+    /// # Panics
+    /// When the size in bytes overflows; [`Tensor::try_zeros_cpu`] returns an
+    /// error instead (every op uses that one).
     pub fn zeros_cpu(shape: &[usize], dtype: DType) -> Self {
-        let n = shape.iter().product::<usize>() * dtype.size();
-        Tensor { shape: shape.to_vec(), dtype, storage: Storage::Cpu(CpuBuffer::zeros(n)) }
+        match Self::try_zeros_cpu(shape, dtype) {
+            Ok(t) => t,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// A zero-filled host tensor; an error when the size in bytes overflows or
+    /// the memory cannot be allocated.
+    pub fn try_zeros_cpu(shape: &[usize], dtype: DType) -> Result<Self> {
+        const OP: &str = "Tensor::zeros";
+        let n = checked_bytes(OP, "shape", shape, dtype)?;
+        Ok(Tensor { shape: shape.to_vec(), dtype, storage: Storage::Cpu(CpuBuffer::try_zeros(OP, n)?) })
     }
 
     /// A host tensor holding a copy of `data`, with the given shape.
     pub fn from_slice<T: Element>(data: &[T], shape: &[usize]) -> Result<Self> {
-        let numel: usize = shape.iter().product();
+        let numel = checked_numel("Tensor::from_slice", "shape", shape)?;
         if numel != data.len() {
             return Err(Error::shape(
                 "Tensor::from_slice",
@@ -183,7 +241,7 @@ impl Tensor {
 
     /// Reshapes in place; the element count must not change.
     pub fn reshape(mut self, shape: &[usize]) -> Result<Self> {
-        if shape.iter().product::<usize>() != self.numel() {
+        if checked_numel("Tensor::reshape", "shape", shape)? != self.numel() {
             return Err(Error::shape(
                 "Tensor::reshape",
                 "shape",

@@ -501,3 +501,95 @@ fn segments_are_removed_on_teardown() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+#[test]
+fn overflowing_v_counts_are_invalid_arguments_on_that_rank_and_a_mismatch_elsewhere() {
+    let name = unique("vsum");
+    let out = threads(&name, 2, &opts(10.0), |r, c| {
+        let mut rng = common_rng(11);
+        for i in 0..12 {
+            let bad_rank = (rng() % 2) as usize;
+            // Two counts whose sum passes usize::MAX, in random order.
+            let huge = usize::MAX - (rng() % 1000) as usize;
+            let mut bad = vec![huge, 1000 + (rng() % 1000) as usize];
+            if rng() % 2 == 1 {
+                bad.reverse();
+            }
+            let good = vec![1usize, 1];
+            let counts = if r == bad_rank { bad.clone() } else { good.clone() };
+            let src = Tensor::zeros_cpu(&[2], ascend_moe::DType::F32);
+            let mut dst = Tensor::zeros_cpu(&[1], ascend_moe::DType::F32);
+            let (e, arg) = match i % 3 {
+                0 => (c.reduce_scatter_v(&src, &mut dst, &counts, ReduceOp::Sum), "counts"),
+                1 => (
+                    c.all_gather_v(
+                        &Tensor::zeros_cpu(&[1], ascend_moe::DType::F32),
+                        &mut Tensor::zeros_cpu(&[2], ascend_moe::DType::F32),
+                        &counts,
+                    ),
+                    "counts",
+                ),
+                _ => {
+                    let (send, recv) = if i % 2 == 0 { (&counts, &good) } else { (&good, &counts) };
+                    let mut dst = Tensor::zeros_cpu(&[2], ascend_moe::DType::F32);
+                    let arg = if i % 2 == 0 { "send_counts" } else { "recv_counts" };
+                    (c.all_to_all_v(&src, send, &mut dst, recv), arg)
+                }
+            };
+            let e = e.expect_err("overflowing counts");
+            let s = e.to_string();
+            if r == bad_rank {
+                assert!(matches!(e, Error::InvalidArgument { .. }), "case {i}: {s}");
+                assert!(s.contains(arg) && s.contains(&huge.to_string()), "case {i}: {s}");
+            } else {
+                assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "case {i}: {s}");
+                assert!(s.contains(&format!("ranks [{bad_rank}] passed invalid arguments")), "case {i}: {s}");
+            }
+        }
+        // The group is still usable.
+        let mut ok = Tensor::zeros_cpu(&[3], ascend_moe::DType::F32);
+        c.all_reduce_in_place(&mut ok, ReduceOp::Sum)
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+/// Seeded values from the shared test mixer.
+fn common_rng(seed: u64) -> impl FnMut() -> u64 {
+    let mut k = seed << 32;
+    move || {
+        k += 1;
+        mix(k)
+    }
+}
+
+#[test]
+fn split_with_different_rank_lists_is_a_mismatch_naming_both_lists() {
+    // Different members, and the same members in another order.
+    for lists in [[vec![0, 1], vec![0, 1, 2], vec![]], [vec![1, 0], vec![0, 1], vec![]]] {
+        let name = unique("splitmismatch");
+        let out = threads(&name, 3, &opts(0.5), |r, c| {
+            if lists[r].is_empty() {
+                return Ok(());
+            }
+            let e = c.split(&lists[r]).expect_err("lists differ");
+            let s = e.to_string();
+            assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "rank {r}: {s}");
+            for l in &lists[..2] {
+                assert!(s.contains(&format!("{l:?}")), "rank {r}: {s} lacks {l:?}");
+            }
+            Ok(())
+        });
+        assert!(out.iter().all(|o| o.is_ok()), "{lists:?}: {out:?}");
+    }
+    // A member that never calls split is still a timeout.
+    let name = unique("splitmissing");
+    let out = threads(&name, 2, &opts(0.3), |r, c| {
+        if r == 1 {
+            return Ok(());
+        }
+        let e = c.split(&[0, 1]).expect_err("rank 1 never splits");
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::Timeout), "{e}");
+        Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}

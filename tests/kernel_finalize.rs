@@ -264,6 +264,13 @@ fn check(c: &Case) {
     let tl = tiling(c, &a, &inp.dims);
     kernels::finalize_host_with_tiling(&a, &mut out, rows, &tl).unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let got = out_bits(&out);
+    // The CPU backend's kernel, through the op layer's own validation.
+    let (shape, dims) = ascend_moe::moe::finalize::moe_finalize_routing_output_shape(&a).unwrap();
+    assert_eq!(dims, inp.dims, "{c:?}: dims");
+    assert_eq!(shape[0], inp.dims.n);
+    let mut cpu = garbage_out(c.data, layout.len(), h);
+    ascend_moe::Device::Cpu.backend().finalize_routing(&a, &dims, &mut cpu, rows).unwrap();
+    assert_eq!(out_bits(&cpu), got, "{c:?}: native kernel vs CPU backend");
     for (row, tok) in layout.iter().enumerate() {
         for j in 0..h {
             let expect = match tok {

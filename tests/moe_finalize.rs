@@ -472,3 +472,54 @@ fn bad_unpermute_input_is_named() {
     let bad_idx = i32_tensor(&[0; 6], &[3, 2]);
     expect_err(moe_token_unpermute(&p, &bad_idx, None), "sorted_indices", &["1-D", "[3, 2]"]);
 }
+
+#[test]
+fn overflowing_shapes_are_errors_naming_the_argument_not_panics() {
+    let mut rng = Rng::new(77);
+    let idx_shape = [0usize];
+    let idx = TensorMeta { shape: &idx_shape, dtype: DType::I32 };
+    for case in 0..200 {
+        // Dims of at least 2^32: any two of them overflow usize.
+        let ndims = 2 + rng.below(3);
+        let mut dims: Vec<usize> = (0..ndims).map(|_| (1usize << 32) + rng.below(1 << 40)).collect();
+        let mode = rng.below(4) as i64;
+        let dtype = [DType::F32, DType::F16, DType::BF16][rng.below(3)];
+        let drop_pad = mode == 1 || mode == 3;
+        let mut shape = vec![0usize];
+        if drop_pad && rng.below(2) == 0 {
+            // E * C overflows with H = 1.
+            shape = vec![dims[0], dims[1]];
+            dims = vec![1];
+        } else if drop_pad {
+            shape.push(1);
+        }
+        shape.extend_from_slice(&dims);
+        let meta = FinalizeMeta {
+            expanded_x: TensorMeta { shape: &shape, dtype },
+            expanded_row_idx: idx,
+            x1: None,
+            x2: None,
+            bias: None,
+            scales: None,
+            expert_idx: None,
+            drop_pad_mode: mode,
+        };
+        let res = std::panic::catch_unwind(|| moe_finalize_routing_shape(&meta))
+            .unwrap_or_else(|_| panic!("case {case}: finalize shape {shape:?} mode {mode} panicked"));
+        expect_err(res, "expanded_x", &[&format!("{shape:?}")]);
+
+        let mut permuted = vec![0usize];
+        permuted.extend_from_slice(&shape[1..]);
+        permuted.push(1 << 40);
+        let res =
+            std::panic::catch_unwind(|| moe_token_unpermute_shape(TensorMeta { shape: &permuted, dtype }, idx, None))
+                .unwrap_or_else(|_| panic!("case {case}: unpermute shape {permuted:?} panicked"));
+        expect_err(res, "permuted", &[&format!("{permuted:?}")]);
+
+        // The tensor constructors refuse the same shapes.
+        let e = Tensor::try_zeros_cpu(&permuted, dtype).expect_err("overflowing zeros");
+        assert!(e.to_string().contains("`shape`"), "{e}");
+        let e = Tensor::from_slice::<f32>(&[], &permuted).expect_err("overflowing from_slice");
+        assert!(e.to_string().contains("`shape`"), "{e}");
+    }
+}

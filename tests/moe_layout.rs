@@ -137,3 +137,37 @@ fn prepare_finalize_shapes_follow_spec_for_random_contexts() {
         }
     }
 }
+
+#[test]
+fn huge_ep_sizes_and_token_counts_are_errors_not_panics() {
+    use ascend_moe::moe::layout::MAX_EP_RANKS;
+    let mut rng = Rng::new(31);
+    for case in 0..200 {
+        let dp = 1 + rng.below(4);
+        let dp_tokens: Vec<usize> = (0..dp).map(|_| rng.below(1000)).collect();
+        // A TP size past the EP bound: just over it, near usize::MAX, or a random huge one.
+        let tp = match case % 3 {
+            0 => MAX_EP_RANKS / dp + 1,
+            1 => usize::MAX - rng.below(1000),
+            _ => (1usize << 21) + rng.below(1 << 40),
+        };
+        assert!(dp.checked_mul(tp).map_or(true, |ep| ep > MAX_EP_RANKS), "case {case}");
+        let res = std::panic::catch_unwind(|| SpLayout::from_dp_tokens(&dp_tokens, tp))
+            .unwrap_or_else(|_| panic!("case {case}: from_dp_tokens({dp_tokens:?}, {tp}) panicked"));
+        let e = res.expect_err("EP size past the bound").to_string();
+        assert!(e.contains("`tp_size`") && e.contains(&tp.to_string()), "case {case}: {e}");
+        let res = std::panic::catch_unwind(|| MoeContext::new(&dp_tokens, tp, 0, 0, true))
+            .unwrap_or_else(|_| panic!("case {case}: MoeContext::new panicked"));
+        let e = res.expect_err("EP size past the bound").to_string();
+        assert!(e.contains("`tp_size`") && e.contains(&MAX_EP_RANKS.to_string()), "case {case}: {e}");
+    }
+    // At the bound the layout is built.
+    let l = SpLayout::from_dp_tokens(&[3], MAX_EP_RANKS).unwrap();
+    assert_eq!((l.ep_size(), l.total_rows()), (MAX_EP_RANKS, MAX_EP_RANKS));
+    assert!(SpLayout::uniform(MAX_EP_RANKS + 1, 1).unwrap_err().to_string().contains("`ep_size`"));
+    // Token counts whose padded rows overflow.
+    let e = MoeContext::new(&[usize::MAX, 1], 2, 0, 0, false).unwrap_err().to_string();
+    assert!(e.contains("`dp_tokens`"), "{e}");
+    let e = SpLayout::new(&[usize::MAX / 2 + 1, 3]).unwrap_err().to_string();
+    assert!(e.contains("`local_sizes`"), "{e}");
+}

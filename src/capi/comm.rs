@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::ffi::{ffi, read_sizes, read_str, read_tensor, try_out, try_ref, write_out, write_tensor, Failure};
 use super::{amoe_status, amoe_tensor};
 use crate::backend::cpu::CpuComm;
+use crate::backend::npu::{HcclComm, NpuDevice};
 use crate::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
 
 /// A communicator: one rank's handle on a group (a CPU shared-memory world,
@@ -20,8 +21,10 @@ pub struct amoe_comm {
 }
 
 /// A borrowed NPU stream (an `aclrtStream` owned by the engine, e.g. torch_npu's
-/// current stream). Every op and collective takes one; pass NULL for host
-/// tensors (a stream is ignored for host tensors).
+/// current stream) on one device. Every op and collective takes one: NPU
+/// tensor descriptors must live on its device and the work is queued on it;
+/// pass NULL when every tensor is a host tensor. The handle never owns the
+/// engine's stream: `amoe_stream_free` releases only the handle.
 pub struct amoe_stream {
     _private: [u8; 0],
 }
@@ -32,9 +35,11 @@ fn comm_ptr(c: Comm) -> *mut amoe_comm {
 
 /// `try_comm!(FUNC, ptr)`: the `Comm` behind a handle, or NULL_ARGUMENT.
 macro_rules! try_comm {
-    ($func:expr, $ptr:expr) => {
-        try_ref!($func, $ptr as *const Comm, "comm")
-    };
+    ($func:expr, $ptr:expr) => {{
+        let c = try_ref!($func, $ptr as *const Comm, "comm");
+        $crate::capi::ffi::check_comm_device($func, c)?;
+        c
+    }};
 }
 
 fn timeout_opts(func: &str, timeout_s: f64) -> Result<CommOptions, Failure> {
@@ -84,11 +89,15 @@ pub unsafe extern "C" fn amoe_comm_cpu_new(
 /// returned handle borrows `raw_hccl_comm`, `amoe_comm_free` releases only the
 /// handle, and the engine must keep the HCCL communicator alive until then.
 ///
-/// Returns `AMOE_STATUS_UNAVAILABLE` in builds without the NPU backend
-/// (currently always); `*out` is then not written.
+/// Collectives run on a stream of the library's own on that device, ordered
+/// after the streams of their NPU operands and waited for before returning;
+/// every wait is bounded by `ASCEND_MOE_COMM_TIMEOUT` (or 60 s).
+/// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
+/// cannot be loaded; `*out` is then not written.
 ///
 /// # Safety
-/// `raw_hccl_comm` must be a live `HcclComm`; `out` must be writable.
+/// `raw_hccl_comm` must be a live `HcclComm` of NPU `device_ordinal` that
+/// outlives the handle; `out` must be writable.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_comm_from_hccl(
     raw_hccl_comm: *mut c_void,
@@ -97,14 +106,17 @@ pub unsafe extern "C" fn amoe_comm_from_hccl(
 ) -> amoe_status {
     const F: &str = "amoe_comm_from_hccl";
     ffi!(F, {
-        let _out = try_out!(F, out, "out");
+        let out = try_out!(F, out, "out");
         if raw_hccl_comm.is_null() {
             return Err(Failure::null(F, "raw_hccl_comm"));
         }
-        Err(Failure::new(
-            amoe_status::Unavailable,
-            format!("{F}: wrapping an HCCL communicator on npu:{device_ordinal} needs the NPU backend, which this build lacks"),
-        ))
+        let dev = NpuDevice::open(device_ordinal)?;
+        // SAFETY: the caller guarantees a live communicator of this device that
+        // outlives the handle; `borrow_raw` never destroys it.
+        let h = unsafe { HcclComm::borrow_raw(&dev, raw_hccl_comm, &CommOptions::from_env()) }?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, comm_ptr(Comm::Npu(h))) };
+        Ok(())
     })
 }
 
@@ -187,13 +199,14 @@ pub unsafe extern "C" fn amoe_comm_free(comm: *mut amoe_comm) {
 }
 
 /// Wraps an engine-owned `aclrtStream` on NPU `device_ordinal` without taking
-/// ownership (`amoe_stream_free` releases only the handle).
+/// ownership: `amoe_stream_free` releases only the handle, never the stream,
+/// and the engine must keep the stream alive until then.
 ///
-/// Returns `AMOE_STATUS_UNAVAILABLE` in builds without the NPU backend
-/// (currently always); `*out` is then not written.
+/// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
+/// cannot be loaded; `*out` is then not written.
 ///
 /// # Safety
-/// `raw_acl_stream` must be a live stream; `out` writable.
+/// `raw_acl_stream` must be a live stream of that device; `out` writable.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_stream_wrap(
     raw_acl_stream: *mut c_void,
@@ -202,14 +215,16 @@ pub unsafe extern "C" fn amoe_stream_wrap(
 ) -> amoe_status {
     const F: &str = "amoe_stream_wrap";
     ffi!(F, {
-        let _out = try_out!(F, out, "out");
+        let out = try_out!(F, out, "out");
         if raw_acl_stream.is_null() {
             return Err(Failure::null(F, "raw_acl_stream"));
         }
-        Err(Failure::new(
-            amoe_status::Unavailable,
-            format!("{F}: NPU streams (npu:{device_ordinal}) need the NPU backend, which this build lacks"),
-        ))
+        // SAFETY: the caller guarantees a live stream of this device that
+        // outlives the handle; a borrowed stream is never destroyed by us.
+        let dev = unsafe { NpuDevice::with_borrowed_stream(device_ordinal, raw_acl_stream) }?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, Box::into_raw(Box::new(dev)) as *mut amoe_stream) };
+        Ok(())
     })
 }
 
@@ -219,9 +234,15 @@ pub unsafe extern "C" fn amoe_stream_wrap(
 /// `stream` must be NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_stream_free(stream: *mut amoe_stream) {
-    // No constructor succeeds without the NPU backend, so a non-NULL handle
-    // cannot exist yet; there is nothing to release.
-    let _ = stream;
+    if stream.is_null() {
+        return;
+    }
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`,
+        // not used again, per the contract. Its stream is borrowed, so
+        // dropping it leaves the engine's stream alone.
+        drop(unsafe { Box::from_raw(stream as *mut NpuDevice) });
+    });
 }
 
 /// Reads per-rank element counts; their sum must fit in `usize` (it sizes
@@ -243,20 +264,13 @@ fn reduce_op(func: &str, op: u32) -> Result<ReduceOp, Failure> {
         .ok_or_else(|| Failure::invalid(func, "op", format!("unknown reduce op {op} (expected 0 sum, 1 max, 2 min)")))
 }
 
-/// An output tensor shaped like the caller's descriptor.
+/// An output tensor for the caller's descriptor (see `ffi::out_tensor`).
 ///
 /// # Safety
-/// As `ffi::meta`.
+/// As `ffi::out_tensor`.
 unsafe fn out_like(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tensor, Failure> {
     // SAFETY: forwarded contract.
-    let m = unsafe { super::ffi::read_meta(func, arg, d) }?;
-    if m.bytes > 0 {
-        // SAFETY: `read_meta` checked `d` is non-null.
-        if unsafe { (*d).data }.is_null() {
-            return Err(Failure::null(func, &format!("{arg}.data")));
-        }
-    }
-    Ok(Tensor::zeros_cpu(&m.shape, m.dtype))
+    unsafe { super::ffi::out_tensor(func, arg, d) }
 }
 
 /// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
@@ -276,8 +290,9 @@ pub unsafe extern "C" fn amoe_all_reduce(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_all_reduce";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         let op = reduce_op(F, op)?;
         // SAFETY: the caller's descriptor contract, for all three calls.
@@ -304,8 +319,9 @@ pub unsafe extern "C" fn amoe_reduce_scatter(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_scatter";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         let op = reduce_op(F, op)?;
         // SAFETY: the caller's descriptor contract, for all three calls.
@@ -330,8 +346,9 @@ pub unsafe extern "C" fn amoe_all_gather(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_all_gather";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         // SAFETY: the caller's descriptor contract, for all three calls.
         let s = unsafe { read_tensor(F, "src", src) }?;
@@ -359,8 +376,9 @@ pub unsafe extern "C" fn amoe_reduce_scatter_v(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_scatter_v";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         let op = reduce_op(F, op)?;
         // SAFETY: the caller's contracts for `counts` and the descriptors.
@@ -390,8 +408,9 @@ pub unsafe extern "C" fn amoe_all_gather_v(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_all_gather_v";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         // SAFETY: the caller's contracts for `counts` and the descriptors.
         let counts = unsafe { read_counts(F, "counts", counts, n) }?;
@@ -422,8 +441,9 @@ pub unsafe extern "C" fn amoe_all_to_all_v(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_all_to_all_v";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         // SAFETY: the caller's contracts for the count lists and the descriptors.
         let sc = unsafe { read_counts(F, "send_counts", send_counts, n_send) }?;
@@ -450,8 +470,9 @@ pub unsafe extern "C" fn amoe_broadcast(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_broadcast";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         // SAFETY: the caller's descriptor contract, for both calls.
         let mut b = unsafe { read_tensor(F, "buf", buf) }?;
@@ -468,8 +489,9 @@ pub unsafe extern "C" fn amoe_broadcast(
 #[no_mangle]
 pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_barrier";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
         c.barrier()?;
         Ok(())

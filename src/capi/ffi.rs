@@ -6,9 +6,12 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use super::comm::amoe_stream;
 use super::{amoe_status, amoe_tensor, AMOE_DEVICE_CPU, AMOE_DEVICE_NPU, AMOE_MAX_NDIM};
+use crate::backend::npu::{NpuBuffer, NpuDevice};
 use crate::error::CommErrorKind;
-use crate::{DType, Error, Tensor};
+use crate::tensor::Storage;
+use crate::{Comm, DType, Error, Tensor};
 
 /// Why an export failed: a status code plus the message `amoe_last_error_message` returns.
 #[derive(Debug, Clone)]
@@ -65,6 +68,106 @@ pub(crate) fn status_of(e: &Error) -> amoe_status {
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// The device (with the caller's borrowed stream) of the export running on
+    /// this thread, set by [`bind_stream`] for the call's duration.
+    static NPU: RefCell<Option<NpuDevice>> = const { RefCell::new(None) };
+}
+
+/// Restores the previous per-call NPU device when an export returns.
+pub(crate) struct NpuScope(Option<NpuDevice>);
+
+impl Drop for NpuScope {
+    fn drop(&mut self) {
+        let prev = self.0.take();
+        NPU.with(|d| *d.borrow_mut() = prev);
+    }
+}
+
+/// Makes the device of `stream` (an `amoe_stream_wrap` handle; NULL = none)
+/// the one NPU descriptors of this call live on, until the scope drops.
+///
+/// # Safety
+/// `stream` must be NULL or a live handle from `amoe_stream_wrap`.
+pub(crate) unsafe fn bind_stream(_func: &str, stream: *const amoe_stream) -> Result<NpuScope, Failure> {
+    let dev = if stream.is_null() {
+        None
+    } else {
+        // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`.
+        Some(unsafe { &*(stream as *const NpuDevice) }.clone())
+    };
+    Ok(NpuScope(NPU.with(|d| std::mem::replace(&mut *d.borrow_mut(), dev))))
+}
+
+/// The device an NPU descriptor lives on: the call's stream device, which
+/// must be `d.device_ordinal`. Without CANN this is UNAVAILABLE with the
+/// loader's message.
+fn npu_device(func: &str, arg: &str, d: &amoe_tensor) -> Result<NpuDevice, Failure> {
+    crate::backend::npu::runtime::acl()
+        .map_err(|e| Failure::new(amoe_status::Unavailable, format!("{func}: `{arg}` is an NPU tensor: {e}")))?;
+    let dev = NPU.with(|d| d.borrow().clone()).ok_or_else(|| {
+        Failure::new(
+            amoe_status::Device,
+            format!("{func}: `{arg}` is an NPU tensor (npu:{}) but no stream was passed; wrap the engine's stream with amoe_stream_wrap", d.device_ordinal),
+        )
+    })?;
+    if i64::from(dev.ordinal()) != i64::from(d.device_ordinal) {
+        return Err(Failure::new(
+            amoe_status::Device,
+            format!("{func}: `{arg}` is on npu:{}, but the stream is on npu:{}", d.device_ordinal, dev.ordinal()),
+        ));
+    }
+    Ok(dev)
+}
+
+/// Checks an HCCL communicator is on the device of the call's stream.
+pub(crate) fn check_comm_device(func: &str, c: &Comm) -> Result<(), Failure> {
+    if let Comm::Npu(h) = c {
+        let comm_ord = h.npu_device().ordinal();
+        if let Some(s) = NPU.with(|d| d.borrow().as_ref().map(|d| d.ordinal())) {
+            if s != comm_ord {
+                return Err(Failure::new(
+                    amoe_status::Device,
+                    format!("{func}: the communicator is on npu:{comm_ord}, but the stream is on npu:{s}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A tensor over the caller's NPU memory, borrowed (no copy; never freed by us).
+///
+/// # Safety
+/// `d.data` must be device memory of the descriptor's device, valid for
+/// `m.bytes` bytes for the duration of the call.
+unsafe fn borrow_npu(func: &str, arg: &str, d: &amoe_tensor, m: &Meta) -> Result<Tensor, Failure> {
+    let dev = npu_device(func, arg, d)?;
+    if m.bytes > 0 && d.data.is_null() {
+        return Err(Failure::null(func, &format!("{arg}.data")));
+    }
+    // SAFETY: the caller's contract; the tensor lives only for this call.
+    let buf = unsafe { NpuBuffer::borrow_raw(&dev, d.data, m.bytes) }?;
+    Ok(Tensor::from_parts(m.shape.clone(), m.dtype, Storage::Npu(buf))?)
+}
+
+/// An output tensor over the caller's memory when it is NPU memory (written
+/// in place by the op), else a fresh host tensor of the descriptor's shape
+/// that [`write_tensor`] copies out.
+///
+/// # Safety
+/// As [`meta`]; NPU `data` as [`borrow_npu`].
+pub(crate) unsafe fn out_tensor(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tensor, Failure> {
+    let d = try_ref!(func, d, arg);
+    // SAFETY: forwarded contract.
+    let m = unsafe { meta(func, arg, d) }?;
+    if d.device_kind == AMOE_DEVICE_NPU {
+        // SAFETY: forwarded contract.
+        return unsafe { borrow_npu(func, arg, d, &m) };
+    }
+    if m.bytes > 0 && d.data.is_null() {
+        return Err(Failure::null(func, &format!("{arg}.data")));
+    }
+    Ok(Tensor::try_zeros_cpu(&m.shape, m.dtype)?)
 }
 
 /// Records `msg` as this thread's last error.
@@ -203,13 +306,7 @@ pub(crate) unsafe fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta
         )
     })?;
     match d.device_kind {
-        AMOE_DEVICE_CPU => {}
-        AMOE_DEVICE_NPU => {
-            return Err(Failure::new(
-                amoe_status::Unavailable,
-                format!("{func}: `{arg}` is an NPU tensor; NPU tensors through the C ABI need the NPU backend"),
-            ))
-        }
+        AMOE_DEVICE_CPU | AMOE_DEVICE_NPU => {}
         k => {
             return Err(Failure::new(
                 amoe_status::Device,
@@ -255,7 +352,9 @@ pub(crate) unsafe fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta
     Ok(Meta { shape, dtype, bytes })
 }
 
-/// Reads an input descriptor into a host [`Tensor`] (one copy of the caller's bytes).
+/// Reads an input descriptor: host memory into a host [`Tensor`] (one copy of
+/// the caller's bytes); NPU memory borrowed in place (no copy) on the call's
+/// stream device.
 ///
 /// # Safety
 /// `d` must satisfy the `amoe_tensor` contract: `data` readable for the bytes
@@ -264,10 +363,14 @@ pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -
     let d = try_ref!(func, d, arg);
     // SAFETY: forwarded contract.
     let m = unsafe { meta(func, arg, d) }?;
+    if d.device_kind == AMOE_DEVICE_NPU {
+        // SAFETY: forwarded contract.
+        return unsafe { borrow_npu(func, arg, d, &m) };
+    }
     if m.bytes > 0 && d.data.is_null() {
         return Err(Failure::null(func, &format!("{arg}.data")));
     }
-    let mut t = Tensor::zeros_cpu(&m.shape, m.dtype);
+    let mut t = Tensor::try_zeros_cpu(&m.shape, m.dtype)?;
     if m.bytes > 0 {
         // SAFETY: non-null, `m.bytes <= isize::MAX`, readable per the contract;
         // `t` is a fresh buffer so the ranges cannot overlap.
@@ -275,6 +378,30 @@ pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -
         t.cpu_bytes_mut()?.copy_from_slice(src);
     }
     Ok(t)
+}
+
+/// Reads an input that the op consumes and may write into (the reduction
+/// points reduce in place). A host input is always a fresh copy; an NPU input
+/// is borrowed in place only when `out` names the same memory (the caller asked
+/// for an in-place call), otherwise it is copied on the device first, so the
+/// caller's input is never modified behind its back.
+///
+/// # Safety
+/// As [`read_tensor`]; `out` is NULL or a valid descriptor.
+pub(crate) unsafe fn read_consumed(
+    func: &str,
+    arg: &str,
+    d: *const amoe_tensor,
+    out: *const amoe_tensor,
+) -> Result<Tensor, Failure> {
+    // SAFETY: forwarded contract.
+    let t = unsafe { read_tensor(func, arg, d) }?;
+    // SAFETY: `read_tensor` succeeded, so `d` is non-null; `out` is NULL or valid.
+    let in_place = !out.is_null() && unsafe { (*d).data == (*out).data };
+    if t.is_cpu() || in_place {
+        return Ok(t);
+    }
+    Ok(t.try_clone()?)
 }
 
 /// Reads an optional input descriptor (NULL = absent).
@@ -311,7 +438,31 @@ pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, 
     // SAFETY: forwarded contract.
     let m = unsafe { meta(func, arg, d) }?;
     check_meta(func, arg, d, &m, t.shape(), t.dtype())?;
-    if m.bytes > 0 {
+    if m.bytes == 0 {
+        return Ok(());
+    }
+    if d.device_kind == AMOE_DEVICE_NPU {
+        let dev = npu_device(func, arg, d)?;
+        // SAFETY: the caller's contract; the buffer lives only for this call.
+        let dst = unsafe { NpuBuffer::borrow_raw(&dev, d.data, m.bytes) }?;
+        match t.storage() {
+            // Written in place by the op (an output from `out_tensor`).
+            Storage::Npu(b) if b.as_ptr() == d.data => {}
+            // The op allocated its own result: one device-to-device copy,
+            // queued on the caller's stream.
+            Storage::Npu(b) => dst.copy_from_device(0, b, 0, m.bytes)?,
+            Storage::Cpu(b) => dst.copy_from_host_at(0, b.as_bytes())?,
+        }
+        return Ok(());
+    }
+    let host;
+    let t = if t.is_cpu() {
+        t
+    } else {
+        host = t.to_cpu()?;
+        &host
+    };
+    {
         let src = t.cpu_bytes()?;
         // SAFETY: non-null, writable for `m.bytes == src.len()` bytes per the
         // contract; `src` is our own buffer, so the ranges do not overlap.

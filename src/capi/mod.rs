@@ -15,8 +15,13 @@
 //! - tensors cross as `amoe_tensor` descriptors. Host (CPU) inputs are read
 //!   from the caller's memory during the call only; outputs are written into
 //!   memory the caller allocated with the shape the matching
-//!   `*_output_shape` function returns. The library never keeps a pointer to
-//!   caller memory after a call returns.
+//!   `*_output_shape` function returns. NPU tensors (device memory, e.g. a
+//!   torch_npu tensor's `data_ptr()`) are used in place, without copies to
+//!   the host: inputs are read on the call's stream, outputs are written by
+//!   the op directly or, when the op computes into its own buffer, by one
+//!   device-to-device copy queued on the call's stream. The library never
+//!   keeps a pointer to caller memory after a call returns, and never frees
+//!   or destroys caller memory, streams or HCCL communicators.
 
 #![allow(non_camel_case_types)]
 
@@ -101,8 +106,10 @@ pub enum amoe_dtype {
 pub enum amoe_device_kind {
     /// Host memory.
     Cpu = 0,
-    /// Ascend NPU memory (`device_ordinal` names the device). Returns
-    /// `AMOE_STATUS_UNAVAILABLE` until the NPU backend is built in.
+    /// Ascend NPU memory (`device_ordinal` names the device, which must be
+    /// the device of the call's `amoe_stream`). Borrowed for the call, never
+    /// copied to the host and never freed; `AMOE_STATUS_UNAVAILABLE` when
+    /// CANN cannot be loaded.
     Npu = 1,
 }
 

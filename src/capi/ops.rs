@@ -249,8 +249,9 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_moe_finalize_routing";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts.
         let inputs = unsafe { FinalizeInputs::read(F, args) }?;
         let a = inputs.args()?;
@@ -311,8 +312,9 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_moe_token_unpermute";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's descriptor contracts.
         let p = unsafe { read_tensor(F, "permuted", permuted) }?;
         // SAFETY: as above.
@@ -421,8 +423,9 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts, for every call below.
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let x = unsafe { read_tensor(F, "x", x) }?;
@@ -483,8 +486,9 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts, for every call below.
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let x = unsafe { read_tensor(F, "x", x) }?;
@@ -545,8 +549,9 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_finalize_and_reduce";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts, for every call below.
         let c = unsafe { comm_ref(F, ep_comm) }?;
         let inputs = unsafe { FinalizeInputs::read(F, args) }?;
@@ -649,7 +654,7 @@ unsafe fn reduce_point(
     let c = CommType::from_u32(comm_type)?;
     // SAFETY: the caller's contracts, for every call below.
     let tp = unsafe { comm_ref(f, tp_comm) }?;
-    let x = unsafe { read_tensor(f, "x", x) }?;
+    let x = unsafe { super::ffi::read_consumed(f, "x", x, out) }?;
     // SAFETY: `out` is a valid descriptor, per the export's contract.
     unsafe { check_out(f, "out", out, x.shape(), x.dtype()) }?;
     let y = match point {
@@ -679,9 +684,12 @@ pub unsafe extern "C" fn amoe_reduce_routed_early(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_routed_early";
-    let _ = stream;
-    // SAFETY: the caller's contracts, forwarded.
-    ffi!(F, { unsafe { reduce_point(F, Point::RoutedEarly, policy, x, comm_type, tp_comm, out) } })
+    ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
+        // SAFETY: the caller's contracts, forwarded.
+        unsafe { reduce_point(F, Point::RoutedEarly, policy, x, comm_type, tp_comm, out) }
+    })
 }
 
 /// Reduction point 2 (shared-expert output) with the live `comm_type`.
@@ -699,9 +707,12 @@ pub unsafe extern "C" fn amoe_reduce_shared(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_shared";
-    let _ = stream;
-    // SAFETY: the caller's contracts, forwarded.
-    ffi!(F, { unsafe { reduce_point(F, Point::Shared, policy, x, comm_type, tp_comm, out) } })
+    ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
+        // SAFETY: the caller's contracts, forwarded.
+        unsafe { reduce_point(F, Point::Shared, policy, x, comm_type, tp_comm, out) }
+    })
 }
 
 /// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
@@ -719,7 +730,10 @@ pub unsafe extern "C" fn amoe_reduce_final(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_final";
-    let _ = stream;
-    // SAFETY: the caller's contracts, forwarded.
-    ffi!(F, { unsafe { reduce_point(F, Point::Final, policy, x, comm_type, tp_comm, out) } })
+    ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
+        // SAFETY: the caller's contracts, forwarded.
+        unsafe { reduce_point(F, Point::Final, policy, x, comm_type, tp_comm, out) }
+    })
 }

@@ -11,6 +11,8 @@ use crate::CommType;
 
 /// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
+// The header needs the literal; the Rust API's bound is the same number.
+const _: () = assert!(AMOE_MAX_EP_RANKS == crate::moe::layout::MAX_EP_RANKS);
 
 /// The run-time parallel context of one forward pass. Read only; the caller
 /// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
@@ -48,15 +50,8 @@ unsafe fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, F
     let c = unsafe { &*ctx };
     // SAFETY: the contract for `dp_tokens`.
     let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
-    // The context describes an EP world of dp_size * tp_size ranks, and the
-    // ops build per-rank tables of that size: bound it before they do.
-    if !matches!(c.dp_size.checked_mul(c.tp_size), Some(ep) if ep <= AMOE_MAX_EP_RANKS) {
-        return Err(Failure::invalid(
-            f,
-            "ctx",
-            format!("dp_size {} x tp_size {} exceeds {AMOE_MAX_EP_RANKS} EP ranks", c.dp_size, c.tp_size),
-        ));
-    }
+    // MoeContext::new bounds dp_size * tp_size by AMOE_MAX_EP_RANKS before
+    // anything builds per-rank tables.
     Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
 }
 
@@ -160,8 +155,9 @@ pub unsafe extern "C" fn amoe_token_prepare(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: `ctx` is valid, per the export's contract.
         let c = unsafe { context(F, ctx) }?;
         // SAFETY: `groups` is NULL or live, per the export's contract.
@@ -241,15 +237,16 @@ pub unsafe extern "C" fn amoe_token_finalize(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
-    let _ = stream;
     ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: `ctx` is valid, per the export's contract.
         let c = unsafe { context(F, ctx) }?;
         // SAFETY: `groups` is NULL or live, per the export's contract.
         let g = unsafe { groups_ref(F, groups) }?;
         let ct = CommType::from_u32(comm_type)?;
         // SAFETY: `y` is a valid descriptor, per the export's contract.
-        let y = unsafe { read_tensor(F, "y", y) }?;
+        let y = unsafe { super::ffi::read_consumed(F, "y", y, out) }?;
         let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;
         // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { check_out(F, "out", out, &shape, y.dtype()) }?;

@@ -10,6 +10,7 @@
 //! meta shape cannot disagree.
 
 use crate::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+use crate::tensor::{checked_bytes, checked_numel};
 use crate::{DType, Device, Error, Result, Tensor};
 
 const FINALIZE: &str = "moe_finalize_routing";
@@ -132,7 +133,10 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
                 xs,
             ));
         }
-        (xs[0] * xs[1], &xs[2..])
+        let rows = xs[0]
+            .checked_mul(xs[1])
+            .ok_or_else(|| Error::shape(op, "expanded_x", "E * C rows that fit in usize", xs))?;
+        (rows, &xs[2..])
     } else {
         if xs.len() < 2 {
             return Err(Error::shape(
@@ -144,11 +148,12 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
         }
         (xs[0], &xs[1..])
     };
-    let h: usize = trailing.iter().product();
+    let h = row_len(op, "expanded_x", xs, trailing)?;
     let idx_len = index_vector(op, "expanded_row_idx", &m.expanded_row_idx)?;
     let (n, k) = match &m.scales {
         Some(s) => {
             let (n, k) = scale_dims(op, "scales", s, xd)?;
+            checked_numel(op, "scales", s.shape)?;
             if idx_len != n * k {
                 return Err(Error::shape(
                     op,
@@ -172,6 +177,7 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
     let mut out = Vec::with_capacity(trailing.len() + 1);
     out.push(n);
     out.extend_from_slice(trailing);
+    checked_bytes(op, "expanded_x", &out, xd)?;
     for (arg, t) in [("x1", &m.x1), ("x2", &m.x2)] {
         if let Some(t) = t {
             same_dtype(op, arg, xd, t.dtype)?;
@@ -194,6 +200,7 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
             if b.shape.len() != trailing.len() + 1 || &b.shape[1..] != trailing {
                 return Err(Error::shape(op, "bias", format!("[E, {}]", dims_str(trailing)), b.shape));
             }
+            checked_numel(op, "bias", b.shape)?;
             if m.expert_idx.is_none() {
                 return Err(Error::invalid(
                     op,
@@ -206,6 +213,15 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
         None => 0,
     };
     Ok((out, FinalizeDims { n, k, h, expanded_rows, experts }))
+}
+
+/// Elements per row (the product of `trailing`, the dims after the rows of
+/// `shape`), or an error naming `arg` and its whole shape when it overflows.
+fn row_len(op: &'static str, arg: &'static str, shape: &[usize], trailing: &[usize]) -> Result<usize> {
+    trailing
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::shape(op, arg, "rows of a size that fits in usize", shape))
 }
 
 fn dims_str(d: &[usize]) -> String {
@@ -289,6 +305,7 @@ pub fn moe_token_unpermute_shape(
     let (t, k) = match &probs {
         Some(p) => {
             let (t, k) = scale_dims(op, "probs", p, permuted.dtype)?;
+            checked_numel(op, "probs", p.shape)?;
             if len != t * k {
                 return Err(Error::shape(
                     op,
@@ -302,9 +319,11 @@ pub fn moe_token_unpermute_shape(
         None => (len, 1),
     };
     let trailing = &permuted.shape[1..];
+    let h = row_len(op, "permuted", permuted.shape, trailing)?;
     let mut out = vec![t];
     out.extend_from_slice(trailing);
-    Ok((out, UnpermuteDims { t, k, h: trailing.iter().product(), rows: permuted.shape[0] }))
+    checked_bytes(op, "permuted", &out, permuted.dtype)?;
+    Ok((out, UnpermuteDims { t, k, h, rows: permuted.shape[0] }))
 }
 
 /// The unpermute shape function on real tensors (adds the device check).

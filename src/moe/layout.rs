@@ -4,6 +4,23 @@
 
 use crate::{Error, Result};
 
+/// Most EP ranks (`dp_size * tp_size`) a layout or a [`crate::moe::prepare_finalize::MoeContext`]
+/// may describe. Ops build per-rank tables of this size, so it is bounded
+/// before anything is allocated. The C ABI exports it as `AMOE_MAX_EP_RANKS`.
+pub const MAX_EP_RANKS: usize = 1 << 20;
+
+/// Checks `dp_size * tp_size <= MAX_EP_RANKS` (without overflow) and returns the EP size.
+pub(crate) fn bounded_ep(op: &'static str, arg: &'static str, dp_size: usize, tp_size: usize) -> Result<usize> {
+    match dp_size.checked_mul(tp_size) {
+        Some(ep) if ep <= MAX_EP_RANKS => Ok(ep),
+        _ => Err(Error::invalid(
+            op,
+            arg,
+            format!("dp_size {dp_size} x tp_size {tp_size} exceeds the maximum of {MAX_EP_RANKS} EP ranks"),
+        )),
+    }
+}
+
 /// `local_sizes[r]` for every EP rank `r`, with their prefix offsets and the
 /// slot size `M = max(local_sizes)` of the padded EP buffer.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -21,6 +38,13 @@ impl SpLayout {
         if local_sizes.is_empty() {
             return Err(Error::invalid("SpLayout::new", "local_sizes", "expected one entry per EP rank, got none"));
         }
+        if local_sizes.len() > MAX_EP_RANKS {
+            return Err(Error::invalid(
+                "SpLayout::new",
+                "local_sizes",
+                format!("{} entries exceed the maximum of {MAX_EP_RANKS} EP ranks", local_sizes.len()),
+            ));
+        }
         let mut offsets = Vec::with_capacity(local_sizes.len() + 1);
         let mut acc = 0usize;
         offsets.push(0);
@@ -31,6 +55,13 @@ impl SpLayout {
             offsets.push(acc);
         }
         let max_rows = local_sizes.iter().copied().max().unwrap_or(0);
+        if local_sizes.len().checked_mul(max_rows).is_none() {
+            return Err(Error::invalid(
+                "SpLayout::new",
+                "local_sizes",
+                format!("{} ranks x {max_rows} rows: the padded row count overflows", local_sizes.len()),
+            ));
+        }
         Ok(SpLayout { local_sizes: local_sizes.to_vec(), offsets, max_rows })
     }
 
@@ -45,6 +76,7 @@ impl SpLayout {
         if dp_tokens.is_empty() {
             return Err(Error::invalid(OP, "dp_tokens", "expected one entry per DP rank, got none"));
         }
+        bounded_ep(OP, "tp_size", dp_tokens.len(), tp_size)?;
         let sizes: Vec<usize> =
             dp_tokens.iter().flat_map(|&t| std::iter::repeat(t.div_ceil(tp_size)).take(tp_size)).collect();
         Self::new(&sizes)
@@ -52,6 +84,7 @@ impl SpLayout {
 
     /// Every rank holding `rows` rows (the layout of a plain reduce-scatter).
     pub fn uniform(ep_size: usize, rows: usize) -> Result<Self> {
+        bounded_ep("SpLayout::uniform", "ep_size", ep_size, 1)?;
         Self::new(&vec![rows; ep_size])
     }
 

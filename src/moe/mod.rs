@@ -70,3 +70,19 @@ pub use pad_reduce::{
     maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce, maybe_pad_and_reduce_output_shape,
 };
 pub use reduce::{routed_is_reduced, ReducePolicy, SharedMode};
+
+/// `shape` with dim 0 replaced by `rows`: the shape of `rows` rows of the
+/// tensor `arg` of `op`. An error when its element count overflows.
+pub(crate) fn with_rows(
+    op: &'static str,
+    arg: &'static str,
+    shape: &[usize],
+    rows: usize,
+) -> crate::Result<Vec<usize>> {
+    let mut s = shape.to_vec();
+    if let Some(d) = s.first_mut() {
+        *d = rows;
+    }
+    crate::tensor::checked_numel(op, arg, &s)?;
+    Ok(s)
+}

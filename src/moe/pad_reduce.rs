@@ -14,6 +14,7 @@ use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, ReduceOp};
 use crate::moe::finalize::{moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
+use crate::moe::with_rows;
 use crate::{Device, Error, Result, Tensor};
 
 const PAD_REDUCE: &str = "maybe_pad_and_reduce";
@@ -25,12 +26,6 @@ fn check_rank(op: &'static str, ep_rank: usize, ep_size: usize) -> Result<()> {
         return Err(Error::invalid(op, "ep_rank", format!("{ep_rank} is not a rank of an EP group of {ep_size}")));
     }
     Ok(())
-}
-
-fn with_rows(shape: &[usize], rows: usize) -> Vec<usize> {
-    let mut s = shape.to_vec();
-    s[0] = rows;
-    s
 }
 
 /// The layout a reduce over `rows` gathered rows uses: the given one (checked
@@ -79,7 +74,7 @@ pub fn maybe_pad_and_reduce_output_shape(
         return Err(Error::shape(PAD_REDUCE, "x", "[rows, H...] (at least 1-D)", x_shape));
     }
     let l = reduce_layout(PAD_REDUCE, x_shape[0], layout, ep_size)?;
-    Ok(with_rows(x_shape, l.local_size(ep_rank)))
+    with_rows(PAD_REDUCE, "x", x_shape, l.local_size(ep_rank))
 }
 
 fn check_device<C: Collectives + ?Sized>(op: &'static str, arg: &'static str, t: &Tensor, ep: &C) -> Result<Device> {
@@ -112,7 +107,7 @@ fn reduce_padded<C: Collectives + ?Sized>(
         // Every rank sees the same layout, so every rank skips together.
         return backend.zeros(out_shape, padded.dtype());
     }
-    let mut slot = backend.zeros(&with_rows(padded.shape(), m), padded.dtype())?;
+    let mut slot = backend.zeros(&with_rows(PAD_REDUCE, "x", padded.shape(), m)?, padded.dtype())?;
     ep.reduce_scatter(padded, &mut slot, ReduceOp::Sum)?;
     if mine == m {
         return Ok(slot);
@@ -140,7 +135,7 @@ pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<
     }
     let backend = device.backend();
     let m = l.max_rows();
-    let mut padded = backend.zeros(&with_rows(x.shape(), l.padded_rows()), x.dtype())?;
+    let mut padded = backend.zeros(&with_rows(PAD_REDUCE, "x", x.shape(), l.padded_rows())?, x.dtype())?;
     for (r, &rows) in l.local_sizes().iter().enumerate() {
         if rows > 0 {
             backend.copy_rows(x, l.offset(r), &mut padded, r * m, rows)?;
@@ -174,9 +169,14 @@ pub fn maybe_all_gather_and_maybe_unpad_output_shape(
                     x_shape,
                 ));
             }
-            Ok(with_rows(x_shape, l.total_rows()))
+            with_rows(GATHER_UNPAD, "x", x_shape, l.total_rows())
         }
-        None => Ok(with_rows(x_shape, x_shape[0] * ep_size)),
+        None => {
+            let rows = x_shape[0].checked_mul(ep_size).ok_or_else(|| {
+                Error::shape(GATHER_UNPAD, "x", format!("rows that times the EP size {ep_size} fit in usize"), x_shape)
+            })?;
+            with_rows(GATHER_UNPAD, "x", x_shape, rows)
+        }
     }
 }
 
@@ -201,15 +201,15 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
         }
     };
     let m = l.max_rows();
-    if l.padded_rows() * x.row_len() == 0 {
+    if l.padded_rows().checked_mul(x.row_len()) == Some(0) {
         // Nothing to move; every rank sees the same layout and skips together.
         return backend.zeros(&out_shape, x.dtype());
     }
-    let mut gathered = backend.zeros(&with_rows(x.shape(), l.padded_rows()), x.dtype())?;
+    let mut gathered = backend.zeros(&with_rows(GATHER_UNPAD, "x", x.shape(), l.padded_rows())?, x.dtype())?;
     if x.rows() == m {
         ep.all_gather(x, &mut gathered)?;
     } else {
-        let mut padded = backend.zeros(&with_rows(x.shape(), m), x.dtype())?;
+        let mut padded = backend.zeros(&with_rows(GATHER_UNPAD, "x", x.shape(), m)?, x.dtype())?;
         if x.rows() > 0 {
             backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
         }
@@ -239,7 +239,7 @@ pub fn finalize_and_reduce_shape(
     let (shape, _) = moe_finalize_routing_shape(meta)?;
     check_rank(FINALIZE_REDUCE, ep_rank, ep_size)?;
     let l = reduce_layout(FINALIZE_REDUCE, shape[0], layout, ep_size)?;
-    Ok(with_rows(&shape, l.local_size(ep_rank)))
+    with_rows(FINALIZE_REDUCE, "expanded_x", &shape, l.local_size(ep_rank))
 }
 
 /// Shape function of [`finalize_and_reduce`] on real arguments.
@@ -268,7 +268,8 @@ pub fn finalize_and_reduce<C: Collectives + ?Sized>(
     let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
     let l = reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?;
     let backend = device.backend();
-    let mut padded = backend.zeros(&with_rows(&shape, l.padded_rows()), args.expanded_x.dtype())?;
+    let mut padded =
+        backend.zeros(&with_rows(FINALIZE_REDUCE, "expanded_x", &shape, l.padded_rows())?, args.expanded_x.dtype())?;
     let rows = OutputRows::Padded { local_sizes: l.local_sizes(), slot_rows: l.max_rows() };
     backend.finalize_routing(args, &dims, &mut padded, rows)?;
     reduce_padded(&padded, &l, ep, &out_shape, &device)

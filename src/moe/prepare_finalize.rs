@@ -20,6 +20,7 @@ use crate::comm::{Collectives, Comm, CommType, ReduceOp};
 use crate::moe::finalize::moe_finalize_routing;
 use crate::moe::layout::SpLayout;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
+use crate::moe::with_rows;
 use crate::{DType, DropPadMode, Error, Result, Tensor};
 
 const PREPARE: &str = "moe_prepare";
@@ -46,6 +47,16 @@ impl MoeContext {
         }
         if tp_size == 0 {
             return Err(Error::invalid(OP, "tp_size", "expected >= 1, got 0"));
+        }
+        crate::moe::layout::bounded_ep(OP, "tp_size", dp_tokens.len(), tp_size)?;
+        // Every token plan's row count is at most DP x ceil_to(max_d T_d, TP).
+        let max_t = dp_tokens.iter().copied().max().unwrap_or(0);
+        if max_t.checked_next_multiple_of(tp_size).and_then(|p| p.checked_mul(dp_tokens.len())).is_none() {
+            return Err(Error::invalid(
+                OP,
+                "dp_tokens",
+                format!("{} DP ranks of up to {max_t} tokens (TP {tp_size}): the row count overflows", dp_tokens.len()),
+            ));
         }
         if dp_rank >= dp_tokens.len() {
             return Err(Error::invalid(OP, "dp_rank", format!("{dp_rank} >= DP size {}", dp_tokens.len())));
@@ -157,12 +168,6 @@ fn check_rows(op: &'static str, arg: &'static str, shape: &[usize], want: usize,
     Ok(())
 }
 
-fn with_rows(shape: &[usize], rows: usize) -> Vec<usize> {
-    let mut s = shape.to_vec();
-    s[0] = rows;
-    s
-}
-
 /// Rows of the prepared tokens under `plan`.
 fn prepared_rows(plan: &TokenPlan, ctx: &MoeContext) -> usize {
     match plan {
@@ -176,14 +181,14 @@ fn prepared_rows(plan: &TokenPlan, ctx: &MoeContext) -> usize {
 /// Shape function of [`prepare`]: `x_shape` must have `ctx.local_tokens()` rows.
 pub fn prepare_output_shape(x_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
     check_rows(PREPARE, "x", x_shape, ctx.local_tokens(), "this rank's tokens")?;
-    Ok(with_rows(x_shape, prepared_rows(&token_plan(comm, ctx), ctx)))
+    with_rows(PREPARE, "x", x_shape, prepared_rows(&token_plan(comm, ctx), ctx))
 }
 
 /// Shape function of [`finalize`]: `y_shape` must have the prepared rows; the
 /// output has `ctx.local_tokens()` rows.
 pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
     check_rows(FINALIZE, "y", y_shape, prepared_rows(&token_plan(comm, ctx), ctx), "the prepared rows")?;
-    Ok(with_rows(y_shape, ctx.local_tokens()))
+    with_rows(FINALIZE, "y", y_shape, ctx.local_tokens())
 }
 
 /// The MC2 mask of this rank's prepared rows: `true` for a real token,
@@ -271,7 +276,7 @@ pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         TokenPlan::DpGather { max_tokens } => {
             let mut out = backend.zeros(&shape, x.dtype())?;
             if out.numel() > 0 {
-                let mut padded = backend.zeros(&with_rows(x.shape(), max_tokens), x.dtype())?;
+                let mut padded = backend.zeros(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
                 if x.rows() > 0 {
                     backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
                 }
@@ -315,14 +320,14 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
     match token_plan(comm, ctx) {
         TokenPlan::SpGather(l) => maybe_pad_and_reduce(&y, Some(&l), &groups.ep),
         TokenPlan::DpGather { max_tokens } => {
-            let mut slot = backend.zeros(&with_rows(y.shape(), max_tokens), y.dtype())?;
+            let mut slot = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
             if slot.numel() > 0 {
                 groups.dp.reduce_scatter(&y, &mut slot, ReduceOp::Sum)?;
             }
             keep(slot)
         }
         TokenPlan::TpSplit { padded, sizes } => {
-            let mut full = backend.zeros(&with_rows(y.shape(), padded), y.dtype())?;
+            let mut full = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?;
             if full.numel() > 0 {
                 if sizes.iter().all(|s| *s == sizes[0]) {
                     groups.tp.all_gather(&y, &mut full)?;
@@ -429,7 +434,7 @@ pub fn dispatch(
     let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
     let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
     let recv_total: usize = recv_counts.iter().sum();
-    let mut rows = Tensor::zeros(&with_rows(x.shape(), recv_total), x.dtype(), &device)?;
+    let mut rows = Tensor::zeros(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype(), &device)?;
     let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
     let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
     ep.all_to_all_v(&send, &sc, &mut rows, &rc)?;

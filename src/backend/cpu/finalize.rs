@@ -594,6 +594,15 @@ fn widen_any(op: &'static str, arg: &'static str, t: &Tensor) -> Result<Vec<f32>
     })
 }
 
+/// The `[N, K]` routing weights `t` widened to f32.
+fn weights(op: &'static str, arg: &'static str, t: &Tensor, n: usize, k: usize) -> Result<Vec<f32>> {
+    let v = widen_any(op, arg, t)?;
+    if v.len() != n * k {
+        return Err(Error::shape(op, arg, format!("[{n}, {k}]"), t.shape()));
+    }
+    Ok(v)
+}
+
 /// Index slice of an int32 tensor on the host.
 fn indices<'a>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a [i32]> {
     host(op, arg, t)?;
@@ -665,16 +674,7 @@ fn finalize_typed<T: Lanes>(
     }
     let x1 = args.x1.map(|t| data::<T>(FINALIZE, "x1", t, n * h)).transpose()?;
     let x2 = args.x2.map(|t| data::<T>(FINALIZE, "x2", t, n * h)).transpose()?;
-    let scales = match args.scales {
-        Some(s) => {
-            let v = widen_any(FINALIZE, "scales", s)?;
-            if v.len() != n * k {
-                return Err(Error::shape(FINALIZE, "scales", format!("[{n}, {k}]"), s.shape()));
-            }
-            Some(v)
-        }
-        None => None,
-    };
+    let scales = args.scales.map(|s| weights(FINALIZE, "scales", s, n, k)).transpose()?;
     let bias = match (args.bias, args.expert_idx) {
         (Some(b), Some(e)) => {
             let bv = widen_any(FINALIZE, "bias", b)?;
@@ -790,16 +790,7 @@ fn unpermute_typed<T: Lanes>(
         return Err(Error::invalid(UNPERMUTE, "k", format!("{k} does not divide the {} indices", idx.len())));
     }
     let n = idx.len() / k;
-    let scales = match probs {
-        Some(p) => {
-            let v = widen_any(UNPERMUTE, "probs", p)?;
-            if v.len() != n * k {
-                return Err(Error::shape(UNPERMUTE, "probs", format!("[{n}, {k}]"), p.shape()));
-            }
-            Some(v)
-        }
-        None => None,
-    };
+    let scales = probs.map(|p| weights(UNPERMUTE, "probs", p, n, k)).transpose()?;
     if out.dtype() != T::DTYPE {
         return Err(Error::dtype(UNPERMUTE, "out", T::DTYPE.name(), out.dtype()));
     }

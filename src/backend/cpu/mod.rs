@@ -27,7 +27,7 @@ pub(crate) fn host_mut<'a>(op: &'static str, arg: &'static str, t: &'a mut Tenso
 
 impl Backend for CpuBackend {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Ok(Tensor::zeros_cpu(shape, dtype))
+        Tensor::try_zeros_cpu(shape, dtype)
     }
 
     fn copy_from(&self, src: &Tensor) -> Result<Tensor> {

@@ -19,10 +19,15 @@ use crate::{Element, Error, Result};
 const ASYNC_D2D_ALIGN: usize = 64;
 
 /// Untyped device memory (the storage of an NPU [`crate::Tensor`]).
+///
+/// Either owned (from [`NpuBuffer::alloc`]; dropping it frees the memory) or
+/// borrowed (from [`NpuBuffer::borrow_raw`]; memory of the host engine, e.g.
+/// a torch_npu tensor, which dropping never frees).
 pub struct NpuBuffer {
     ptr: *mut c_void,
     len: usize,
     device: NpuDevice,
+    owned: bool,
 }
 
 // SAFETY: the pointer is device memory, never dereferenced on the host; ACL
@@ -41,14 +46,35 @@ impl NpuBuffer {
     /// Allocates `len` uninitialised bytes on `device` (queued work goes on its stream).
     pub fn alloc(device: &NpuDevice, len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone() });
+            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), owned: true });
         }
         let api = device.stream().enter()?;
         let f = acl_fn!(api, aclrtMalloc)?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer, nonzero size, device bound.
         check("aclrtMalloc", unsafe { f(&mut ptr, len, aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
-        Ok(NpuBuffer { ptr, len, device: device.clone() })
+        Ok(NpuBuffer { ptr, len, device: device.clone(), owned: true })
+    }
+
+    /// Wraps `len` bytes of device memory owned by someone else (e.g. a
+    /// torch_npu tensor) without copying and without taking ownership:
+    /// dropping the buffer never frees `ptr`. Bounds checks use `len`; work on
+    /// the buffer is queued on `device`'s stream.
+    ///
+    /// # Safety
+    /// `ptr` must be NULL (only with `len == 0`) or device memory of `device`
+    /// valid for `len` bytes for as long as the returned buffer (and every
+    /// tensor holding it) lives, and not freed by its owner meanwhile.
+    pub unsafe fn borrow_raw(device: &NpuDevice, ptr: *mut c_void, len: usize) -> Result<Self> {
+        if ptr.is_null() && len > 0 {
+            return Err(Error::invalid("NpuBuffer::borrow_raw", "ptr", format!("NULL for {len} bytes")));
+        }
+        Ok(NpuBuffer { ptr, len, device: device.clone(), owned: false })
+    }
+
+    /// Whether dropping this buffer frees its memory (false for [`NpuBuffer::borrow_raw`]).
+    pub fn is_owned(&self) -> bool {
+        self.owned
     }
 
     /// Allocates `len` zero bytes.
@@ -242,7 +268,7 @@ impl NpuBuffer {
 
 impl Drop for NpuBuffer {
     fn drop(&mut self) {
-        if self.ptr.is_null() {
+        if self.ptr.is_null() || !self.owned {
             return;
         }
         let stream = self.device.stream().clone();

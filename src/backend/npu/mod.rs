@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
 pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
-pub use ops::acl_dtype;
+pub use ops::{acl_dtype, FinalizeImpl, FINALIZE_ENV};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
 
@@ -39,6 +39,7 @@ use crate::{DType, Element, Error, Result, Tensor};
 pub struct NpuDevice {
     ctx: Arc<DeviceCtx>,
     stream: NpuStream,
+    finalize: Option<FinalizeImpl>,
 }
 
 impl std::fmt::Debug for NpuDevice {
@@ -52,7 +53,7 @@ impl NpuDevice {
     pub fn open(ordinal: u32) -> Result<Self> {
         let ctx = DeviceCtx::open(ordinal)?;
         let stream = NpuStream::create(&ctx)?;
-        Ok(NpuDevice { ctx, stream })
+        Ok(NpuDevice { ctx, stream, finalize: None })
     }
 
     /// Opens device `ordinal` on a stream owned by the host engine (e.g.
@@ -65,7 +66,28 @@ impl NpuDevice {
         let ctx = DeviceCtx::open(ordinal)?;
         // SAFETY: forwarded from this function's contract.
         let stream = unsafe { NpuStream::borrow_raw(&ctx, raw_stream) };
-        Ok(NpuDevice { ctx, stream })
+        Ok(NpuDevice { ctx, stream, finalize: None })
+    }
+
+    /// This handle with its finalize routing forced to `imp` (overriding
+    /// `ASCEND_MOE_NPU_FINALIZE` and the automatic choice).
+    pub fn with_finalize_impl(mut self, imp: FinalizeImpl) -> Self {
+        self.finalize = Some(imp);
+        self
+    }
+
+    pub(crate) fn finalize_override(&self) -> Option<FinalizeImpl> {
+        self.finalize
+    }
+
+    /// The finalize implementation this handle uses: `"native"` (the Ascend C
+    /// kernel, launched through the AI Core build or the simulated runtime) or
+    /// `"aclnn"` (aclnnMoeFinalizeRoutingV2). Forced by
+    /// [`with_finalize_impl`](Self::with_finalize_impl), else by
+    /// `ASCEND_MOE_NPU_FINALIZE=native|aclnn`, else native when it can be
+    /// launched here. An invalid `ASCEND_MOE_NPU_FINALIZE` is reported as an error.
+    pub fn finalize_impl(&self) -> Result<&'static str> {
+        ops::choose_finalize(self.finalize).map(FinalizeImpl::name)
     }
 
     /// The device ordinal.

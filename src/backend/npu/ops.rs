@@ -5,6 +5,7 @@
 //! synchronise their stream before `aclrtFree`).
 
 use std::ffi::c_void;
+use std::sync::OnceLock;
 
 use acl_sys::aclnn::{self, aclOpExecutor, aclScalar, aclTensor, aclnnStatus, Nnopbase, OpApi};
 use acl_sys::{aclDataType, aclFormat};
@@ -14,7 +15,7 @@ use super::runtime::recent_error_message;
 use super::NpuDevice;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
 use crate::tensor::Storage;
-use crate::{with_dtype, DType, Element, Error, Result, Tensor};
+use crate::{kernels, with_dtype, DType, Element, Error, Result, Tensor};
 
 fn nnopbase() -> Result<&'static Nnopbase> {
     aclnn::nnopbase().map_err(|e| Error::Unavailable(e.to_string()))
@@ -226,8 +227,215 @@ pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) 
     device.stream().synchronize()
 }
 
-/// Fused finalize through aclnnMoeFinalizeRoutingV2.
+/// How [`NpuDevice`]'s finalize routing runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalizeImpl {
+    /// The native kernel (`kernels/finalize_kernel.cpp`): the AI Core build
+    /// through [`kernels::NpuKernelLib`], or, under the simulated runtime, the
+    /// host build through `cannsim_launch_kernel`. Padded output is written
+    /// in place.
+    Native,
+    /// `aclnnMoeFinalizeRoutingV2` (padded output through a scratch buffer and
+    /// row copies).
+    Aclnn,
+}
+
+impl FinalizeImpl {
+    /// `"native"` or `"aclnn"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            FinalizeImpl::Native => "native",
+            FinalizeImpl::Aclnn => "aclnn",
+        }
+    }
+
+    /// The choice forced by `ASCEND_MOE_NPU_FINALIZE` (`native` or `aclnn`),
+    /// `None` when unset or empty.
+    pub fn from_env() -> Result<Option<FinalizeImpl>> {
+        match std::env::var(FINALIZE_ENV) {
+            Err(_) => Ok(None),
+            Ok(v) => match v.trim() {
+                "" => Ok(None),
+                "native" => Ok(Some(FinalizeImpl::Native)),
+                "aclnn" => Ok(Some(FinalizeImpl::Aclnn)),
+                other => Err(Error::invalid(
+                    "finalize_routing",
+                    FINALIZE_ENV,
+                    format!("{other:?}: expected \"native\" or \"aclnn\""),
+                )),
+            },
+        }
+    }
+}
+
+/// Environment variable forcing the finalize implementation (`native` or `aclnn`).
+pub const FINALIZE_ENV: &str = "ASCEND_MOE_NPU_FINALIZE";
+
+/// A way to launch the native kernel on this runtime.
+enum Launcher {
+    /// The simulated runtime's `cannsim_launch_kernel` with the host build.
+    Sim(acl_sys::CannsimLaunchKernelFn, kernels::KernelEntry),
+    /// The AI Core build.
+    Npu(&'static kernels::NpuKernelLib),
+}
+
+fn npu_kernel_lib() -> Option<&'static kernels::NpuKernelLib> {
+    static LIB: OnceLock<Option<kernels::NpuKernelLib>> = OnceLock::new();
+    LIB.get_or_init(|| kernels::NpuKernelLib::load().ok()).as_ref()
+}
+
+fn launcher() -> Option<Launcher> {
+    if let (Ok(api), Some(entry)) = (super::runtime::acl(), kernels::host_entry()) {
+        if let Some(launch) = api.cannsim_launch_kernel {
+            return Some(Launcher::Sim(launch, entry));
+        }
+    }
+    npu_kernel_lib().map(Launcher::Npu)
+}
+
+/// The implementation a finalize call on a device with override `forced`
+/// uses: the override, else `ASCEND_MOE_NPU_FINALIZE`, else the native kernel
+/// when it can be launched here, else aclnn.
+pub(crate) fn choose_finalize(forced: Option<FinalizeImpl>) -> Result<FinalizeImpl> {
+    if let Some(f) = forced {
+        return Ok(f);
+    }
+    if let Some(f) = FinalizeImpl::from_env()? {
+        return Ok(f);
+    }
+    Ok(if launcher().is_some() { FinalizeImpl::Native } else { FinalizeImpl::Aclnn })
+}
+
+/// Cores the native kernel spreads the output rows over (the vector cores of
+/// a 910B are more; 8 keeps small calls cheap and still splits large ones).
+const NATIVE_BLOCK_DIM: u32 = 8;
+
+/// Fused finalize through the native kernel: tiling, launch checks, one
+/// launch on the device stream, then the per-core status records.
+fn finalize_native(
+    device: &NpuDevice,
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+) -> Result<()> {
+    const OP: &str = "finalize_routing";
+    let launcher = launcher().ok_or_else(|| {
+        Error::Unavailable(
+            "native finalize: neither cannsim_launch_kernel with the host kernel build nor the AI Core \
+             kernel library is available"
+                .into(),
+        )
+    })?;
+    let tiling = kernels::finalize_tiling(&kernels::TilingParams::from_args(
+        args,
+        dims,
+        rows,
+        NATIVE_BLOCK_DIM,
+        kernels::UB_BYTES_910B,
+    ))?;
+    kernels::check_launch(args, out, rows, &tiling)?;
+    let out_buf = npu_buf(device, OP, "out", out)?;
+    if out_buf.len_bytes() == 0 {
+        return Ok(());
+    }
+    if dims.n == 0 {
+        // No tokens: every row of the (padded) output is padding.
+        out_buf.memset_async(0, 0, out_buf.len_bytes())?;
+        return device.stream().synchronize();
+    }
+    let ptr = |arg: &'static str, t: Option<&Tensor>| -> Result<*mut c_void> {
+        Ok(match t {
+            Some(t) => npu_buf(device, OP, arg, t)?.as_ptr(),
+            None => std::ptr::null_mut(),
+        })
+    };
+    let mut gm = [std::ptr::null_mut::<c_void>(); kernels::GM_COUNT];
+    gm[kernels::GM_EXPANDED_X] = ptr("expanded_x", Some(args.expanded_x))?;
+    gm[kernels::GM_ROW_IDX] = ptr("expanded_row_idx", Some(args.expanded_row_idx))?;
+    gm[kernels::GM_X1] = ptr("x1", args.x1)?;
+    gm[kernels::GM_X2] = ptr("x2", args.x2)?;
+    gm[kernels::GM_BIAS] = ptr("bias", args.bias)?;
+    gm[kernels::GM_SCALES] = ptr("scales", args.scales)?;
+    gm[kernels::GM_EXPERT_IDX] = ptr("expert_idx", args.expert_idx)?;
+    gm[kernels::GM_OUT] = out_buf.as_ptr();
+    let offsets = kernels::slot_offsets(rows)?;
+    let offsets_buf = if offsets.is_empty() {
+        None
+    } else {
+        let b = NpuBuffer::alloc(device, offsets.len() * 4)?;
+        b.copy_from_host_at(0, bytemuck::cast_slice(&offsets))?;
+        gm[kernels::GM_SLOT_OFFSETS] = b.as_ptr();
+        Some(b)
+    };
+    let status_words = tiling.status_words();
+    let status_buf = NpuBuffer::alloc(device, status_words * 4)?;
+    // Bytes 0xFF: every word STATUS_NOT_RUN, so a core that never ran is reported.
+    status_buf.memset_async(0xFF, 0, status_buf.len_bytes())?;
+    gm[kernels::GM_STATUS] = status_buf.as_ptr();
+
+    let stream = device.stream();
+    let tiling_bytes = tiling.as_bytes();
+    // Holds the device copy of the tiling (AI Core build only) until the sync below.
+    let mut _tiling_dev = None;
+    match launcher {
+        Launcher::Sim(launch, entry) => {
+            stream.enter()?;
+            // SAFETY: every non-NULL pointer of `gm` is live device memory of
+            // this stream's device, sized as check_launch verified against the
+            // tiling (slot offsets and status sized by the tiling too), NULL
+            // exactly where the tiling marks an input absent; the tiling bytes
+            // are copied at enqueue; all buffers outlive the synchronisation below.
+            let code = unsafe {
+                launch(
+                    stream.raw(),
+                    tiling.block_dim,
+                    Some(entry),
+                    gm.as_ptr(),
+                    gm.len(),
+                    tiling_bytes.as_ptr().cast(),
+                    tiling_bytes.len(),
+                )
+            };
+            super::runtime::check("cannsim_launch_kernel", code)?;
+        }
+        Launcher::Npu(lib) => {
+            let t = NpuBuffer::alloc(device, tiling_bytes.len())?;
+            t.copy_from_host_at(0, tiling_bytes)?;
+            stream.enter()?;
+            // SAFETY: as above, with the tiling in device memory (`t`, kept
+            // alive until the synchronisation below) and block_dim the tiling's.
+            unsafe { lib.launch(tiling.block_dim, stream.raw(), &gm, t.as_ptr())? };
+            _tiling_dev = Some(t);
+        }
+    }
+    stream.synchronize()?;
+    let mut status = vec![0u32; status_words];
+    status_buf.copy_to_host(bytemuck::cast_slice_mut(&mut status))?;
+    drop(offsets_buf);
+    kernels::check_status(&status, &tiling)
+}
+
+/// Fused finalize: the native kernel or aclnnMoeFinalizeRoutingV2, as
+/// [`choose_finalize`] decides.
 pub(crate) fn finalize_routing(
+    device: &NpuDevice,
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+) -> Result<()> {
+    if args.expanded_x.dtype() != out.dtype() {
+        return Err(Error::dtype("finalize_routing", "out", args.expanded_x.dtype().name(), out.dtype()));
+    }
+    match choose_finalize(device.finalize_override())? {
+        FinalizeImpl::Native => finalize_native(device, args, dims, out, rows),
+        FinalizeImpl::Aclnn => finalize_aclnn(device, args, dims, out, rows),
+    }
+}
+
+/// Fused finalize through aclnnMoeFinalizeRoutingV2.
+fn finalize_aclnn(
     device: &NpuDevice,
     args: &FinalizeArgs<'_>,
     dims: &FinalizeDims,

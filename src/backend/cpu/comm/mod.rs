@@ -782,21 +782,9 @@ impl CpuComm {
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(relems);
         let mut stage = |k: usize, slot: usize| {
-            let mine = seg.staging_ptr(me, slot);
-            for (j, &c) in counts.iter().enumerate() {
-                let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
-                if lo < hi {
-                    // SAFETY: displs[j] + hi <= sum(counts); region j of this
-                    // rank's slot holds relems >= hi - lo elements.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.add((displs[j] + lo) * esz),
-                            mine.add(j * region),
-                            (hi - lo) * esz,
-                        )
-                    };
-                }
-            }
+            // SAFETY: src holds sum(counts) elements (the caller's contract when
+            // staging runs); this rank's slot holds one region per rank.
+            unsafe { stage_regions(src, counts, &displs, seg.staging_ptr(me, slot), k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             let (lo, hi) = (k * relems, ((k + 1) * relems).min(counts[me]));
@@ -881,20 +869,9 @@ impl CpuComm {
             (descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize).div_ceil(relems)
         };
         let mut stage = |k: usize, slot: usize| {
-            let mine = seg.staging_ptr(me, slot);
-            for (j, &c) in send.iter().enumerate() {
-                let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
-                if lo < hi {
-                    // SAFETY: sd[j] + hi <= sum(send); region j holds relems elements.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            src.add((sd[j] + lo) * esz),
-                            mine.add(j * region),
-                            (hi - lo) * esz,
-                        )
-                    };
-                }
-            }
+            // SAFETY: src holds sum(send) elements (the caller's contract when
+            // staging runs); this rank's slot holds one region per rank.
+            unsafe { stage_regions(src, send, &sd, seg.staging_ptr(me, slot), k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             for (i, &c) in recv.iter().enumerate() {
@@ -1029,8 +1006,8 @@ impl CpuComm {
         let local = (|| {
             counts_len(C, "send_counts", send_counts, w)?;
             counts_len(C, "recv_counts", recv_counts, w)?;
-            same_len(C, "src", send_counts.iter().sum(), src.len())?;
-            same_len(C, "dst", recv_counts.iter().sum(), dst.len())
+            same_len(C, "src", counts_sum(C, "send_counts", send_counts)?, src.len())?;
+            same_len(C, "dst", counts_sum(C, "recv_counts", recv_counts)?, dst.len())
         })();
         let desc = Desc::new(Kind::AllToAllV, T::DTYPE, None).counts(send_counts, recv_counts);
         let (s, d) = (src.as_ptr().cast(), dst.as_mut_ptr().cast());
@@ -1066,7 +1043,7 @@ impl CpuComm {
     ) -> Result<()> {
         let w = self.inner.world;
         counts_len(op, "counts", counts, w)?;
-        same_len(op, total_arg, counts.iter().sum(), total)?;
+        same_len(op, total_arg, counts_sum(op, "counts", counts)?, total)?;
         same_len(op, mine_arg, counts[self.inner.rank], mine)
     }
 
@@ -1095,7 +1072,37 @@ impl CpuComm {
         };
         let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
         let name = format!("{}/[{}]#{n}", self.inner.name, list.join(","));
-        CpuComm::rendezvous_with(&name, ranks.len(), pos, &self.inner.opts, &self.inner.cfg)
+        // Members meet in the sub-group named by their list, so members with
+        // other lists never arrive there. The list is posted in this group's
+        // control block meanwhile: a member that times out reads the others'
+        // and reports a disagreement as such.
+        let ctrl = self.inner.seg.ctrl(me);
+        ctrl.post_split(Some(ranks));
+        match CpuComm::rendezvous_with(&name, ranks.len(), pos, &self.inner.opts, &self.inner.cfg) {
+            Ok(c) => {
+                ctrl.post_split(None);
+                Ok(c)
+            }
+            Err(e @ Error::Comm { kind: CommErrorKind::Timeout, .. }) => Err(self.split_mismatch(ranks).unwrap_or(e)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// After a split timed out: the members of `ranks` whose pending split
+    /// has another list, as a [`CommErrorKind::Mismatch`] naming both lists.
+    fn split_mismatch(&self, ranks: &[usize]) -> Option<Error> {
+        let me = self.inner.rank;
+        let others: Vec<String> = ranks
+            .iter()
+            .filter(|&&r| r != me)
+            .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().filter(|l| l != ranks).map(|l| (r, l)))
+            .map(|(r, l)| format!("rank {r} passed {l:?}"))
+            .collect();
+        if others.is_empty() {
+            return None;
+        }
+        let detail = format!("members disagree on the rank list: rank {me} passed {ranks:?}, {}", others.join(", "));
+        Some(self.err("split", CommErrorKind::Mismatch, detail))
     }
 }
 
@@ -1105,16 +1112,60 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
     ((i * per).min(len), ((i + 1) * per).min(len))
 }
 
+/// Stages round `k` of a personalised send: elements `[k * relems, (k + 1) *
+/// relems)` of block `j` of `src` (`counts[j]` elements of `esz` bytes from
+/// element `displs[j]`) go to region `j` (`region` bytes from `j * region`) of
+/// the staging slot `slot`.
+///
+/// # Safety
+/// `src` readable for `displs[j] + counts[j]` elements for every `j`; `slot`
+/// writable for `counts.len()` regions of `region >= relems * esz` bytes, not
+/// overlapping `src`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn stage_regions(
+    src: *const u8,
+    counts: &[usize],
+    displs: &[usize],
+    slot: *mut u8,
+    k: usize,
+    relems: usize,
+    region: usize,
+    esz: usize,
+) {
+    for (j, &c) in counts.iter().enumerate() {
+        let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
+        if lo < hi {
+            // SAFETY: displs[j] + hi <= displs[j] + counts[j]; region j of the
+            // slot holds relems >= hi - lo elements (the function's contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz)
+            };
+        }
+    }
+}
+
+/// Displacements of `counts`. The data phases use them only after
+/// [`counts_sum`] accepted the counts, so saturation never shows there; it
+/// keeps a rejected count list from overflowing before the descriptors are
+/// exchanged.
 fn prefix(counts: &[usize]) -> Vec<usize> {
-    let mut acc = 0;
+    let mut acc = 0usize;
     counts
         .iter()
         .map(|&c| {
             let d = acc;
-            acc += c;
+            acc = acc.saturating_add(c);
             d
         })
         .collect()
+}
+
+/// `sum(counts)`, or an error naming `arg` when it overflows.
+fn counts_sum(op: &'static str, arg: &'static str, counts: &[usize]) -> Result<usize> {
+    counts
+        .iter()
+        .try_fold(0usize, |acc, &c| acc.checked_add(c))
+        .ok_or_else(|| Error::invalid(op, arg, format!("{counts:?} sum past usize::MAX elements")))
 }
 
 fn same_len(op: &'static str, arg: &'static str, expected: usize, actual: usize) -> Result<()> {
@@ -1241,8 +1292,8 @@ impl Collectives for CpuComm {
         let local = check_pair(C, src, dst).and_then(|_| {
             counts_len(C, "send_counts", send_counts, w)?;
             counts_len(C, "recv_counts", recv_counts, w)?;
-            tensor_len(C, "src", src, send_counts.iter().sum(), "sum of send_counts")?;
-            tensor_len(C, "dst", dst, recv_counts.iter().sum(), "sum of recv_counts")
+            tensor_len(C, "src", src, counts_sum(C, "send_counts", send_counts)?, "sum of send_counts")?;
+            tensor_len(C, "dst", dst, counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
         });
         let desc = Desc::new(Kind::AllToAllV, src.dtype(), None).counts(send_counts, recv_counts);
         let (s, d) = host_ptrs(src, dst);

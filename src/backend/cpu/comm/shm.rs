@@ -23,7 +23,7 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 2;
+pub(crate) const VERSION: u32 = 3;
 /// Largest group the CPU communicator supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -32,6 +32,8 @@ pub(crate) const SLOTS: usize = 3;
 pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
 pub(crate) const DESC_WORDS: usize = 8 + 2 * MAX_WORLD;
+/// Words of a posted split request: generation, length, one byte per rank.
+pub(crate) const SPLIT_WORDS: usize = 2 + MAX_WORLD.div_ceil(8);
 /// Bytes of error text a rank can publish with an invalid descriptor.
 pub(crate) const ERR_BYTES: usize = 768;
 
@@ -72,10 +74,15 @@ pub(crate) struct Ctrl {
     pub desc: [[u64; DESC_WORDS]; 2],
     /// NUL-padded UTF-8 error text published with an invalid descriptor (same slot).
     pub err: [[u8; ERR_BYTES]; 2],
+    /// The rank list of this rank's pending (or last failed) `split`, so that
+    /// members who passed other lists can name it: generation (odd while being
+    /// written), length (0: none), then the ranks, one byte each.
+    pub split: [AtomicU64; SPLIT_WORDS],
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= BLOCK);
 const _: () = assert!(std::mem::size_of::<Ctrl>() <= BLOCK);
+const _: () = assert!(MAX_WORLD <= 256, "split requests store one byte per rank");
 
 /// Total segment size for `world` ranks with `staging` bytes per slot.
 pub(crate) fn segment_len(world: usize, staging: usize) -> usize {
@@ -540,5 +547,38 @@ impl Backoff {
         } else {
             std::thread::sleep(Duration::from_micros(200 * u64::from(self.n.min(25))));
         }
+    }
+}
+
+impl Ctrl {
+    /// Posts `ranks` as this rank's split request (`None` withdraws it). Only
+    /// the owning rank writes.
+    pub fn post_split(&self, ranks: Option<&[usize]>) {
+        let ranks = ranks.unwrap_or(&[]);
+        let g = self.split[0].load(Ordering::Relaxed);
+        self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        self.split[1].store(ranks.len() as u64, Ordering::Relaxed);
+        for (i, w) in self.split[2..].iter().enumerate() {
+            let word =
+                (0..8).fold(0u64, |acc, b| acc | ranks.get(i * 8 + b).map_or(0, |&r| (r as u64 & 0xff) << (8 * b)));
+            w.store(word, Ordering::Relaxed);
+        }
+        self.split[0].store((g | 1).wrapping_add(1), Ordering::Release);
+    }
+
+    /// The posted split request, if any (`None` also when it is being rewritten).
+    pub fn posted_split(&self) -> Option<Vec<usize>> {
+        let g = self.split[0].load(Ordering::Acquire);
+        if g & 1 == 1 {
+            return None;
+        }
+        let n = (self.split[1].load(Ordering::Relaxed) as usize).min(MAX_WORLD);
+        let words: Vec<u64> = self.split[2..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        std::sync::atomic::fence(Ordering::Acquire);
+        if self.split[0].load(Ordering::Relaxed) != g || n == 0 {
+            return None;
+        }
+        Some((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect())
     }
 }

@@ -1,0 +1,233 @@
+//! The C ABI's NPU half: engine-owned streams, HCCL communicators and device
+//! memory passed through the `extern "C"` functions, borrowed and never
+//! freed. The NPU tests are ignored without an NPU (`ci/sim.sh` runs them on
+//! the simulated runtime).
+
+use std::ffi::c_void;
+use std::ptr::{null, null_mut};
+
+use ascend_moe::backend::npu::{DeviceBuffer, HcclComm, HcclRootInfo, NpuDevice};
+use ascend_moe::capi::*;
+use ascend_moe::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
+
+fn desc(data: *mut c_void, dtype: amoe_dtype, shape: &[usize], kind: amoe_device_kind, ordinal: i32) -> amoe_tensor {
+    amoe_tensor {
+        data,
+        dtype: dtype as u32,
+        ndim: shape.len(),
+        shape: shape.as_ptr(),
+        strides: null(),
+        device_kind: kind as u32,
+        device_ordinal: ordinal,
+    }
+}
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; amoe_last_error_length()];
+    let mut n = 0usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::Ok);
+    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
+}
+
+#[test]
+fn null_raw_handles_are_null_arguments() {
+    let mut s: *mut amoe_stream = null_mut();
+    // SAFETY: valid out-pointer; the raw handle is NULL on purpose.
+    assert_eq!(unsafe { amoe_stream_wrap(null_mut(), 0, &mut s) }, amoe_status::NullArgument);
+    assert!(last_error().contains("raw_acl_stream"), "{}", last_error());
+    assert!(s.is_null());
+    let mut c: *mut amoe_comm = null_mut();
+    // SAFETY: as above.
+    assert_eq!(unsafe { amoe_comm_from_hccl(null_mut(), 0, &mut c) }, amoe_status::NullArgument);
+    assert!(last_error().contains("raw_hccl_comm"), "{}", last_error());
+    assert!(c.is_null());
+}
+
+#[test]
+fn npu_descriptors_without_cann_are_unavailable_with_the_loaders_message() {
+    let mut data = [1.0f32; 6];
+    let idx_data = [0i32, 1];
+    let (ps, is) = ([2usize, 3], [2usize]);
+    let p = desc(data.as_mut_ptr().cast(), amoe_dtype::F32, &ps, amoe_device_kind::Npu, 0);
+    let i = desc(idx_data.as_ptr() as *mut c_void, amoe_dtype::I32, &is, amoe_device_kind::Cpu, 0);
+    let mut out = [0.0f32; 6];
+    let o = desc(out.as_mut_ptr().cast(), amoe_dtype::F32, &ps, amoe_device_kind::Cpu, 0);
+    // SAFETY: every descriptor points to live memory of its size (the NPU one
+    // is never dereferenced: the call fails before).
+    let st = unsafe { amoe_moe_token_unpermute(&p, &i, null(), &o, null()) };
+    let msg = last_error();
+    match acl_sys::acl() {
+        Err(load) => {
+            assert_eq!(st, amoe_status::Unavailable, "{msg}");
+            assert!(msg.contains("`permuted` is an NPU tensor"), "{msg}");
+            for a in &load.attempts {
+                assert!(msg.contains(&*a.candidate.path.to_string_lossy()), "{msg}");
+            }
+            let fake = 0x1000usize as *mut c_void;
+            let mut s: *mut amoe_stream = null_mut();
+            // SAFETY: the call fails before the (fake) stream is used.
+            assert_eq!(unsafe { amoe_stream_wrap(fake, 0, &mut s) }, amoe_status::Unavailable);
+            assert!(s.is_null());
+            let mut c: *mut amoe_comm = null_mut();
+            // SAFETY: as above.
+            assert_eq!(unsafe { amoe_comm_from_hccl(fake, 0, &mut c) }, amoe_status::Unavailable);
+            assert!(c.is_null());
+        }
+        Ok(_) => {
+            // CANN (or its simulator) is loaded: an NPU tensor needs a stream.
+            assert_eq!(st, amoe_status::Device, "{msg}");
+            assert!(msg.contains("no stream was passed"), "{msg}");
+        }
+    }
+}
+
+const WORLD: usize = 2;
+const H: usize = 4;
+
+fn val(r: usize, i: usize) -> f32 {
+    (((r * 31 + i * 7) % 17) as f32) - 8.0
+}
+
+fn ptr<T: ascend_moe::Element>(b: &DeviceBuffer<T>) -> *mut c_void {
+    b.as_bytes().as_ptr()
+}
+
+/// One rank: everything through the C exports with NPU descriptors, against
+/// naive references and the host path.
+fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
+    let ord = rank as i32;
+    let dev = NpuDevice::open(rank as u32)?;
+    let engine_stream = dev.new_stream()?;
+    let hccl = HcclComm::from_root_info(&dev, root, WORLD, rank, &CommOptions::from_env())?;
+    let mut s: *mut amoe_stream = null_mut();
+    let mut c: *mut amoe_comm = null_mut();
+    // SAFETY: a live stream and communicator of this device, outliving the handles.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(engine_stream.raw(), rank as u32, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, &mut c), amoe_status::Ok, "{}", last_error());
+    }
+    let mut n = 0usize;
+    // SAFETY: live handle, writable out.
+    assert_eq!(unsafe { amoe_comm_world_size(c, &mut n) }, amoe_status::Ok);
+    assert_eq!(n, WORLD);
+
+    // all_reduce (sum) on device memory.
+    let len = 12;
+    let mine: Vec<f32> = (0..len).map(|i| val(rank, i)).collect();
+    let want: Vec<f32> = (0..len).map(|i| (0..WORLD).map(|r| val(r, i)).sum()).collect();
+    let src = dev.clone_htod(&mine)?;
+    let dst = dev.alloc_zeros::<f32>(len)?;
+    // The engine orders its own writes before handing memory over.
+    dev.synchronize()?;
+    let shape = [len];
+    let sd = desc(ptr(&src), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord);
+    let dd = desc(ptr(&dst), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord);
+    // SAFETY: live handles; descriptors over live device memory of this device.
+    let st = unsafe { amoe_all_reduce(c, &sd, &dd, 0, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize()?;
+    assert_eq!(dst.to_vec()?, want, "all_reduce rank {rank}");
+
+    // A descriptor on another device than the stream is a clear error.
+    let other = desc(ptr(&src), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord + 1);
+    // SAFETY: as above (the call fails before touching memory).
+    let st = unsafe { amoe_all_reduce(c, &other, &dd, 0, s) };
+    assert_eq!(st, amoe_status::Device);
+    assert!(last_error().contains(&format!("the stream is on npu:{rank}")), "{}", last_error());
+
+    // maybe_pad_and_reduce: rank r keeps sum over ranks of block r.
+    let local = [3usize, 1];
+    let rows: usize = local.iter().sum();
+    let x: Vec<f32> = (0..rows * H).map(|i| val(rank + 5, i)).collect();
+    let off = local[..rank].iter().sum::<usize>() * H;
+    let want: Vec<f32> = (off..off + local[rank] * H).map(|i| (0..WORLD).map(|r| val(r + 5, i)).sum()).collect();
+    let xb = dev.clone_htod(&x)?;
+    let ob = dev.alloc_zeros::<f32>(local[rank] * H)?;
+    dev.synchronize()?;
+    let (xs, os) = ([rows, H], [local[rank], H]);
+    let xd = desc(ptr(&xb), amoe_dtype::F32, &xs, amoe_device_kind::Npu, ord);
+    let od = desc(ptr(&ob), amoe_dtype::F32, &os, amoe_device_kind::Npu, ord);
+    // SAFETY: as above.
+    let st = unsafe { amoe_maybe_pad_and_reduce(&xd, local.as_ptr(), local.len(), c, &od, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize()?;
+    assert_eq!(ob.to_vec()?, want, "maybe_pad_and_reduce rank {rank}");
+
+    // moe_finalize_routing: NPU descriptors equal the host path.
+    let (t, k) = (3usize, 2usize);
+    let ex: Vec<f32> = (0..t * k * H).map(|i| val(rank + 9, i) * 0.5).collect();
+    let rowidx: Vec<i32> = vec![3, 0, 5, 1, 4, 2];
+    let scales: Vec<f32> = (0..t * k).map(|i| 0.25 * (i as f32 + 1.0)).collect();
+    let mut host_out = vec![0.0f32; t * H];
+    let (exs, ris, scs, outs) = ([t * k, H], [t * k], [t, k], [t, H]);
+    let mut exh = ex.clone();
+    let mut rih = rowidx.clone();
+    let mut sch = scales.clone();
+    let hx = desc(exh.as_mut_ptr().cast(), amoe_dtype::F32, &exs, amoe_device_kind::Cpu, 0);
+    let hr = desc(rih.as_mut_ptr().cast(), amoe_dtype::I32, &ris, amoe_device_kind::Cpu, 0);
+    let hs = desc(sch.as_mut_ptr().cast(), amoe_dtype::F32, &scs, amoe_device_kind::Cpu, 0);
+    let ho = desc(host_out.as_mut_ptr().cast(), amoe_dtype::F32, &outs, amoe_device_kind::Cpu, 0);
+    let args = |x: &amoe_tensor, r: &amoe_tensor, sc: &amoe_tensor| amoe_finalize_args {
+        expanded_x: x,
+        expanded_row_idx: r,
+        x1: null(),
+        x2: null(),
+        bias: null(),
+        scales: sc,
+        expert_idx: null(),
+        drop_pad_mode: 0,
+    };
+    // SAFETY: host descriptors over live memory; no stream for host tensors.
+    let st = unsafe { amoe_moe_finalize_routing(&args(&hx, &hr, &hs), &ho, null()) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    assert!(host_out.iter().any(|&v| v != 0.0));
+    let (exb, rib, scb) = (dev.clone_htod(&ex)?, dev.clone_htod(&rowidx)?, dev.clone_htod(&scales)?);
+    let nob = dev.alloc_zeros::<f32>(t * H)?;
+    dev.synchronize()?;
+    let nx = desc(ptr(&exb), amoe_dtype::F32, &exs, amoe_device_kind::Npu, ord);
+    let nr = desc(ptr(&rib), amoe_dtype::I32, &ris, amoe_device_kind::Npu, ord);
+    let ns = desc(ptr(&scb), amoe_dtype::F32, &scs, amoe_device_kind::Npu, ord);
+    let no = desc(ptr(&nob), amoe_dtype::F32, &outs, amoe_device_kind::Npu, ord);
+    // SAFETY: descriptors over live device memory of the stream's device.
+    let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nr, &ns), &no, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize()?;
+    assert_eq!(nob.to_vec()?, host_out, "finalize rank {rank}");
+
+    // Freeing the handles leaves the engine's stream, communicator and memory alone.
+    // SAFETY: live handles, not used afterwards.
+    unsafe {
+        amoe_stream_free(s);
+        amoe_comm_free(c);
+    }
+    engine_stream.synchronize()?;
+    let comm = Comm::Npu(hccl);
+    let a = Tensor::from_slice(&mine, &[len])?.to_device(&comm.device())?;
+    let mut b = Tensor::zeros(&[len], ascend_moe::DType::F32, &comm.device())?;
+    comm.all_reduce(&a, &mut b, ReduceOp::Sum)?;
+    let again: Vec<f32> = (0..len).map(|i| (0..WORLD).map(|r| val(r, i)).sum()).collect();
+    assert_eq!(b.to_vec::<f32>()?, again);
+    assert_eq!(src.to_vec()?, mine, "the caller's input is intact and still allocated");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn c_abi_runs_collectives_and_ops_on_borrowed_npu_memory_streams_and_comms() {
+    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..WORLD)
+            .map(|r| {
+                sc.spawn({
+                    let root = &root;
+                    move || rank_body(r, root)
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            h.join().unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    });
+}

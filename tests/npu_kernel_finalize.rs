@@ -1,0 +1,275 @@
+//! The NPU backend's finalize routing on both implementations (the native
+//! kernel launched on the device stream, and aclnnMoeFinalizeRoutingV2) must
+//! equal the CPU backend bit for bit over a golden matrix: every drop-pad mode,
+//! optional inputs present and absent, f32 / f16 / bf16 data, f32 scales with
+//! 16-bit data, H not a multiple of the tile and H over one tile, fewer tokens
+//! than cores, K = 1, -1 slots, and the padded EP output.
+//!
+//! NPU-only (the simulated runtime launches the host build of the kernel
+//! through `cannsim_launch_kernel`; `ci/sim.sh` runs these).
+
+use ascend_moe::backend::npu::{FinalizeImpl, NpuDevice};
+use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+use ascend_moe::half::{bf16, f16};
+use ascend_moe::{DType, Device, Error, Result, Tensor};
+
+const MODES: [DropPadMode; 4] =
+    [DropPadMode::DropLessColumn, DropPadMode::DropPadColumn, DropPadMode::DropLessRow, DropPadMode::DropPadRow];
+
+/// A deterministic value in [-2, 2) with a fractional part, per (seed, i).
+fn val(seed: u64, i: usize) -> f32 {
+    let mut z = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z ^= z >> 31;
+    z = z.wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 29;
+    (z % 4096) as f32 / 1024.0 - 2.0
+}
+
+fn data(dtype: DType, seed: u64, shape: &[usize]) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| val(seed, i)).collect();
+    match dtype {
+        DType::F32 => Tensor::from_slice(&v, shape),
+        DType::F16 => Tensor::from_slice(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), shape),
+        DType::BF16 => Tensor::from_slice(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), shape),
+        other => panic!("no float data of {other}"),
+    }
+}
+
+struct Case {
+    n: usize,
+    k: usize,
+    h: usize,
+    e: usize,
+    mode: DropPadMode,
+    dtype: DType,
+    scales: Option<DType>,
+    x1: bool,
+    x2: bool,
+    bias: bool,
+}
+
+struct Host {
+    x: Tensor,
+    idx: Tensor,
+    x1: Option<Tensor>,
+    x2: Option<Tensor>,
+    bias: Option<Tensor>,
+    scales: Option<Tensor>,
+    expert: Option<Tensor>,
+    dims: FinalizeDims,
+}
+
+fn host_inputs(c: &Case) -> Result<Host> {
+    let (n, k, h, e) = (c.n, c.k, c.h, c.e);
+    let (rows, x_shape) = if c.mode.is_drop_pad() {
+        let cap = n * k / e + 2;
+        (e * cap, vec![e, cap, h])
+    } else {
+        (n * k, vec![n * k, h])
+    };
+    let mut idx: Vec<i32> = (0..n * k).map(|s| ((s * 7 + 3) % (n * k)) as i32).collect();
+    if c.mode.is_drop_pad() {
+        for (s, v) in idx.iter_mut().enumerate() {
+            *v = if s % 3 == 1 { -1 } else { ((*v as usize * 5) % rows) as i32 };
+        }
+    }
+    let expert: Vec<i32> = (0..n * k).map(|s| ((s * 11) % e) as i32).collect();
+    Ok(Host {
+        x: data(c.dtype, 1, &x_shape)?,
+        idx: Tensor::from_slice(&idx, &[n * k])?,
+        x1: c.x1.then(|| data(c.dtype, 2, &[n, h])).transpose()?,
+        x2: c.x2.then(|| data(c.dtype, 3, &[n, h])).transpose()?,
+        bias: c.bias.then(|| data(c.dtype, 4, &[e, h])).transpose()?,
+        scales: c.scales.map(|d| data(d, 5, &[n, k])).transpose()?,
+        expert: c.bias.then(|| Tensor::from_slice(&expert, &[n, k])).transpose()?,
+        dims: FinalizeDims { n, k, h, expanded_rows: rows, experts: if c.bias { e } else { 0 } },
+    })
+}
+
+/// Runs the case on `dev` and returns the output bytes.
+fn run(dev: &Device, c: &Case, hi: &Host, rows: OutputRows<'_>) -> Result<Vec<u8>> {
+    let up = |t: &Tensor| t.to_device(dev);
+    let upo = |t: &Option<Tensor>| t.as_ref().map(up).transpose();
+    let (x, idx) = (up(&hi.x)?, up(&hi.idx)?);
+    let (x1, x2, bias, scales, expert) =
+        (upo(&hi.x1)?, upo(&hi.x2)?, upo(&hi.bias)?, upo(&hi.scales)?, upo(&hi.expert)?);
+    let args = FinalizeArgs {
+        expanded_x: &x,
+        expanded_row_idx: &idx,
+        x1: x1.as_ref(),
+        x2: x2.as_ref(),
+        bias: bias.as_ref(),
+        scales: scales.as_ref(),
+        expert_idx: expert.as_ref(),
+        drop_pad_mode: c.mode,
+    };
+    let out_rows = match rows {
+        OutputRows::Dense => c.n,
+        OutputRows::Padded { local_sizes, slot_rows } => local_sizes.len() * slot_rows,
+    };
+    // Start from NaN so a row the op forgets to write shows up.
+    let nan: Vec<f32> = vec![f32::NAN; out_rows * c.h];
+    let mut out = match c.dtype {
+        DType::F32 => Tensor::from_slice(&nan, &[out_rows, c.h])?,
+        DType::F16 => Tensor::from_slice(&nan.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), &[out_rows, c.h])?,
+        _ => Tensor::from_slice(&nan.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &[out_rows, c.h])?,
+    }
+    .to_device(dev)?;
+    dev.backend().finalize_routing(&args, &hi.dims, &mut out, rows)?;
+    Ok(out.to_cpu()?.cpu_bytes()?.to_vec())
+}
+
+fn npu(imp: FinalizeImpl) -> Device {
+    let d = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", ascend_moe::backend::npu::probe_report()));
+    let d = d.with_finalize_impl(imp);
+    assert_eq!(d.finalize_impl().unwrap(), imp.name());
+    Device::Npu(d)
+}
+
+fn golden_matrix(imp: FinalizeImpl) {
+    let dev = npu(imp);
+    let cpu = Device::Cpu;
+    let local_sizes = [2usize, 0, 3];
+    let (mut checked, mut skipped) = (0, 0);
+    for mode in MODES {
+        for (dtype, scales) in [
+            (DType::F32, Some(DType::F32)),
+            (DType::F16, Some(DType::F16)),
+            (DType::F16, Some(DType::F32)),
+            (DType::BF16, Some(DType::F32)),
+            (DType::BF16, None),
+        ] {
+            for (x1, x2, bias) in [(true, true, true), (false, false, false), (true, false, true), (false, true, false)]
+            {
+                for (n, k, h) in [(5usize, 2usize, 300usize), (3, 1, 20), (5, 3, 16)] {
+                    let c = Case { n, k, h, e: 3, mode, dtype, scales, x1, x2, bias };
+                    // aclnnMoeFinalizeRoutingV2 takes K from the scales' shape:
+                    // without scales it can only express K = 1.
+                    if imp == FinalizeImpl::Aclnn && scales.is_none() && k > 1 {
+                        skipped += 2;
+                        continue;
+                    }
+                    let hi = host_inputs(&c).unwrap();
+                    let mut layouts = vec![OutputRows::Dense];
+                    if n == 5 {
+                        layouts.push(OutputRows::Padded { local_sizes: &local_sizes, slot_rows: 4 });
+                    }
+                    for rows in layouts {
+                        let what = format!(
+                            "{} {mode:?} {dtype} scales {scales:?} x1 {x1} x2 {x2} bias {bias} n {n} k {k} h {h} {rows:?}",
+                            imp.name()
+                        );
+                        let want = run(&cpu, &c, &hi, rows).unwrap_or_else(|e| panic!("cpu {what}: {e}"));
+                        let got = run(&dev, &c, &hi, rows).unwrap_or_else(|e| panic!("{what}: {e}"));
+                        assert!(got == want, "{what}: differs from the CPU backend");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    // modes x dtypes x optionals x (dense for 3 shapes + padded for the 2 with n = 5)
+    assert_eq!(checked + skipped, 4 * 5 * 4 * 5);
+    if imp == FinalizeImpl::Native {
+        assert_eq!(skipped, 0);
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn native_finalize_equals_the_cpu_backend_bit_for_bit() {
+    golden_matrix(FinalizeImpl::Native);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn aclnn_finalize_equals_the_cpu_backend_bit_for_bit() {
+    golden_matrix(FinalizeImpl::Aclnn);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn native_finalize_spans_several_tiles_of_h() {
+    // 20000 elements per row: more than one 9824-element f32 tile, with a tail.
+    for imp in [FinalizeImpl::Native, FinalizeImpl::Aclnn] {
+        let c = Case {
+            n: 3,
+            k: 2,
+            h: 20000,
+            e: 2,
+            mode: DropPadMode::DropPadRow,
+            dtype: DType::F32,
+            scales: Some(DType::F32),
+            x1: true,
+            x2: false,
+            bias: true,
+        };
+        let hi = host_inputs(&c).unwrap();
+        let want = run(&Device::Cpu, &c, &hi, OutputRows::Dense).unwrap();
+        assert!(run(&npu(imp), &c, &hi, OutputRows::Dense).unwrap() == want, "{}", imp.name());
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn native_finalize_reports_an_out_of_range_index() {
+    let dev = npu(FinalizeImpl::Native);
+    let (n, h) = (6usize, 40usize);
+    let x = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
+    for (mode, idx, arg, position, value) in [
+        (DropPadMode::DropLessColumn, vec![0i32, 1, 2, 3, 6, 5], "expanded_row_idx", 4, 6),
+        (DropPadMode::DropLessRow, vec![0i32, 1, -1, 3, 4, 5], "expanded_row_idx", 2, -1),
+        (DropPadMode::DropPadRow, vec![0i32, 1, -2, 3, 4, 5], "expanded_row_idx", 2, -2),
+    ] {
+        let idx = Tensor::from_slice(&idx, &[n]).unwrap().to_device(&dev).unwrap();
+        let args = FinalizeArgs {
+            expanded_x: &x,
+            expanded_row_idx: &idx,
+            x1: None,
+            x2: None,
+            bias: None,
+            scales: None,
+            expert_idx: None,
+            drop_pad_mode: mode,
+        };
+        let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
+        let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
+        match dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense) {
+            Err(Error::IndexOutOfRange { arg: a, position: p, value: v, .. }) => {
+                assert_eq!((a, p, v), (arg, position, value), "{mode:?}");
+            }
+            other => panic!("{mode:?}: expected IndexOutOfRange, got {other:?}"),
+        }
+    }
+    // A bad expert index too.
+    let idx = Tensor::from_slice(&[0i32, 1, 2, 3, 4, 5], &[n]).unwrap().to_device(&dev).unwrap();
+    let bias = Tensor::zeros(&[2, h], DType::F32, &dev).unwrap();
+    let expert = Tensor::from_slice(&[0i32, 1, 0, 2, 1, 0], &[n, 1]).unwrap().to_device(&dev).unwrap();
+    let args = FinalizeArgs {
+        expanded_x: &x,
+        expanded_row_idx: &idx,
+        x1: None,
+        x2: None,
+        bias: Some(&bias),
+        scales: None,
+        expert_idx: Some(&expert),
+        drop_pad_mode: DropPadMode::DropLessRow,
+    };
+    let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 2 };
+    let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
+    match dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense) {
+        Err(Error::IndexOutOfRange { arg: "expert_idx", position: 3, value: 2, .. }) => {}
+        other => panic!("expected IndexOutOfRange on expert_idx[3], got {other:?}"),
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_simulated_runtime_defaults_to_the_native_kernel() {
+    let d = NpuDevice::open(0).unwrap();
+    let sim = ascend_moe::backend::npu::probe().runtime.is_some_and(|r| r.simulator);
+    if std::env::var_os(ascend_moe::backend::npu::FINALIZE_ENV).is_none() && sim {
+        assert_eq!(d.finalize_impl().unwrap(), "native");
+    }
+}
