@@ -214,6 +214,7 @@ fn finalize_is_bitwise_identical_across_runs_and_thread_counts() {
         (DropPadMode::DropLessRow, DType::BF16, one_pass),
         (DropPadMode::DropLessColumn, DType::F32, one_pass),
         (DropPadMode::DropPadColumn, DType::F16, with_bias),
+        (DropPadMode::DropLessRow, DType::F16, one_pass),
         (DropPadMode::DropPadRow, DType::BF16, no_bias),
         (DropPadMode::DropLessColumn, DType::F32, no_bias),
     ] {

@@ -96,6 +96,18 @@ trait Lanes: Element {
             *o += s * *v;
         }
     }
+    /// True when [`Lanes::fused_f16c`] is a hand-vectorised F16C kernel.
+    const HAS_F16C: bool = false;
+    /// [`fused_token`] for the first `g` rows, using AVX2 + F16C where the type
+    /// has such a kernel (the portable loop otherwise).
+    ///
+    /// # Safety
+    /// When [`Lanes::HAS_F16C`], the CPU must support AVX2 and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn fused_f16c(skip: Option<&[Self]>, s: &[f32; GROUP], rows: &[&[Self]; GROUP], g: usize, out: &mut [Self]) {
+        fused_dispatch(skip, s, rows, g, out)
+    }
 }
 
 impl Lanes for f32 {
@@ -155,6 +167,25 @@ impl Lanes for bf16 {
 }
 
 impl Lanes for f16 {
+    const HAS_F16C: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn fused_f16c(skip: Option<&[f16]>, s: &[f32; GROUP], rows: &[&[f16]; GROUP], g: usize, out: &mut [f16]) {
+        // SAFETY (all arms): the caller guarantees AVX2 and F16C.
+        unsafe {
+            match g {
+                0 => f16c::fused::<0>(skip, s, rows, out),
+                1 => f16c::fused::<1>(skip, s, rows, out),
+                2 => f16c::fused::<2>(skip, s, rows, out),
+                3 => f16c::fused::<3>(skip, s, rows, out),
+                4 => f16c::fused::<4>(skip, s, rows, out),
+                5 => f16c::fused::<5>(skip, s, rows, out),
+                6 => f16c::fused::<6>(skip, s, rows, out),
+                7 => f16c::fused::<7>(skip, s, rows, out),
+                _ => f16c::fused::<8>(skip, s, rows, out),
+            }
+        }
+    }
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
@@ -218,6 +249,89 @@ fn fused_token<T: Lanes, const G: usize>(skip: Option<&[T]>, s: &[f32; GROUP], r
     }
 }
 
+/// [`fused_token`] for the first `g` rows.
+#[inline(always)]
+fn fused_dispatch<T: Lanes>(skip: Option<&[T]>, s: &[f32; GROUP], rows: &[&[T]; GROUP], g: usize, out: &mut [T]) {
+    match g {
+        0 => fused_token::<T, 0>(skip, s, rows, out),
+        1 => fused_token::<T, 1>(skip, s, rows, out),
+        2 => fused_token::<T, 2>(skip, s, rows, out),
+        3 => fused_token::<T, 3>(skip, s, rows, out),
+        4 => fused_token::<T, 4>(skip, s, rows, out),
+        5 => fused_token::<T, 5>(skip, s, rows, out),
+        6 => fused_token::<T, 6>(skip, s, rows, out),
+        7 => fused_token::<T, 7>(skip, s, rows, out),
+        _ => fused_token::<T, 8>(skip, s, rows, out),
+    }
+}
+
+/// f16 fused token, eight lanes at a time with F16C conversions. Every element
+/// sees the same f32 operations in the same order as [`fused_token`] (separate
+/// multiply and add, no FMA), and F16C rounds to nearest even exactly like
+/// `f16::from_f32` (subnormals, overflow to infinity, quiet NaN), so the bits
+/// match the portable path.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::{
+        __m128i, __m256, _mm256_add_ps, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_mul_ps, _mm256_set1_ps,
+        _mm256_setzero_ps, _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    };
+
+    use half::f16;
+
+    use super::GROUP;
+
+    /// Eight f16 at `x[j..j + 8]` widened.
+    #[inline(always)]
+    unsafe fn load(x: &[f16], j: usize) -> __m256 {
+        let x = &x[j..j + 8];
+        // SAFETY: `x` holds 8 f16 = 16 bytes (unaligned load); the caller enables F16C.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().cast::<__m128i>())) }
+    }
+
+    /// `out = round(skip + s[0] * rows[0] + ... + s[G-1] * rows[G-1])` (skip
+    /// absent: starting from 0.0).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn fused<const G: usize>(
+        skip: Option<&[f16]>,
+        s: &[f32; GROUP],
+        rows: &[&[f16]; GROUP],
+        out: &mut [f16],
+    ) {
+        let h = out.len();
+        let rows: [&[f16]; G] = std::array::from_fn(|g| &rows[g][..h]);
+        let skip = skip.map(|x| &x[..h]);
+        let sv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(s[g]));
+        let main = h - h % 8;
+        let mut j = 0;
+        while j < main {
+            // SAFETY: j + 8 <= h, every slice holds h elements; AVX2 + F16C are enabled.
+            unsafe {
+                let mut v = match skip {
+                    Some(x) => load(x, j),
+                    None => _mm256_setzero_ps(),
+                };
+                for g in 0..G {
+                    v = _mm256_add_ps(v, _mm256_mul_ps(sv[g], load(rows[g], j)));
+                }
+                let o = &mut out[j..j + 8];
+                _mm_storeu_si128(o.as_mut_ptr().cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+            }
+            j += 8;
+        }
+        for j in main..h {
+            let mut v = skip.map_or(0.0, |x| x[j].to_f32());
+            for g in 0..G {
+                v += s[g] * rows[g][j].to_f32();
+            }
+            out[j] = f16::from_f32(v);
+        }
+    }
+}
+
 /// What one output token gathers. Shared by finalize and unpermute.
 struct Gather<'a, T> {
     /// Source rows, `[rows, h]`.
@@ -274,9 +388,13 @@ impl<T: Lanes> Gather<'_, T> {
     /// Token `i` straight into `out` in one pass, when it qualifies: element
     /// types widened per lane, no bias, at most one skip input, and all its
     /// slots in one group. Returns false (nothing written) otherwise.
+    ///
+    /// `f16c`: the caller runs with AVX2 and F16C enabled (types with an F16C
+    /// kernel then qualify too).
     #[inline(always)]
-    fn fused_token(&self, i: usize, out: &mut [T]) -> bool {
-        if !T::LANEWISE || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
+    fn fused_token(&self, i: usize, out: &mut [T], f16c: bool) -> bool {
+        let f16c = f16c && T::HAS_F16C;
+        if !(T::LANEWISE || f16c) || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
             return false;
         }
         let h = self.h;
@@ -288,17 +406,13 @@ impl<T: Lanes> Gather<'_, T> {
             return false; // a dropped slot: the general path keeps the order
         }
         let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
-        match g {
-            0 => fused_token::<T, 0>(skip, &ss, &rows, out),
-            1 => fused_token::<T, 1>(skip, &ss, &rows, out),
-            2 => fused_token::<T, 2>(skip, &ss, &rows, out),
-            3 => fused_token::<T, 3>(skip, &ss, &rows, out),
-            4 => fused_token::<T, 4>(skip, &ss, &rows, out),
-            5 => fused_token::<T, 5>(skip, &ss, &rows, out),
-            6 => fused_token::<T, 6>(skip, &ss, &rows, out),
-            7 => fused_token::<T, 7>(skip, &ss, &rows, out),
-            _ => fused_token::<T, 8>(skip, &ss, &rows, out),
+        #[cfg(target_arch = "x86_64")]
+        if f16c {
+            // SAFETY: `f16c` is only true when the caller runs with AVX2 and F16C.
+            unsafe { T::fused_f16c(skip, &ss, &rows, g, out) };
+            return true;
         }
+        fused_dispatch(skip, &ss, &rows, g, out);
         true
     }
 
@@ -381,15 +495,22 @@ impl<T: Lanes> Gather<'_, T> {
     }
 
     /// Computes the output rows of `chunk` (first row `first_row`).
+    /// `f16c`: AVX2 and F16C are available (see [`Gather::fused_token`]).
     #[inline(always)]
-    fn rows_generic(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+    fn rows_generic(
+        &self,
+        first_row: usize,
+        chunk: &mut [T],
+        token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+        f16c: bool,
+    ) {
         let h = self.h;
         let mut acc = vec![0f32; h];
         let mut tmp = vec![0f32; h];
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
-                    if !self.fused_token(i, o) {
+                    if !self.fused_token(i, o, f16c) {
                         self.token(i, &mut acc, &mut tmp);
                         T::narrow(&acc, o);
                     }
@@ -404,7 +525,19 @@ impl<T: Lanes> Gather<'_, T> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn rows_avx2(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
-        self.rows_generic(first_row, chunk, token_of)
+        self.rows_generic(first_row, chunk, token_of, false)
+    }
+
+    /// [`Gather::rows_avx2`] with F16C as well, for types with an F16C kernel.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn rows_avx2_f16c(
+        &self,
+        first_row: usize,
+        chunk: &mut [T],
+        token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+    ) {
+        self.rows_generic(first_row, chunk, token_of, true)
     }
 
     /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
@@ -420,11 +553,16 @@ impl<T: Lanes> Gather<'_, T> {
         let work = |first_row: usize, chunk: &mut [T]| {
             #[cfg(target_arch = "x86_64")]
             if wide && std::arch::is_x86_feature_detected!("avx2") {
+                if T::HAS_F16C && std::arch::is_x86_feature_detected!("f16c") {
+                    // SAFETY: the CPU supports AVX2 and F16C (checked just above).
+                    unsafe { self.rows_avx2_f16c(first_row, chunk, token_of) };
+                    return;
+                }
                 // SAFETY: the CPU supports AVX2 (checked just above).
                 unsafe { self.rows_avx2(first_row, chunk, token_of) };
                 return;
             }
-            self.rows_generic(first_row, chunk, token_of);
+            self.rows_generic(first_row, chunk, token_of, false);
         };
         if threads == 1 {
             work(0, out);
@@ -693,5 +831,86 @@ mod tests {
         let mut nan = [bf16::ZERO];
         bf16::narrow(&[f32::NAN], &mut nan);
         assert!(nan[0].is_nan());
+    }
+
+    /// Edge values for f16 rounding: ties (even down, odd up), values that
+    /// round into and out of the subnormal range, the largest finite value,
+    /// overflow to infinity, signed zeros.
+    fn f16_edge_values() -> Vec<f32> {
+        vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            1.0 + f32::EPSILON,
+            f32::from_bits(0x3f80_1000), // 1 + 2^-11: exact tie, even -> down
+            f32::from_bits(0x3f80_3000), // 1 + 3 * 2^-11: exact tie, odd -> up
+            f32::from_bits(0x3f80_0fff), // just below a tie
+            65504.0,                     // max finite
+            65519.99,                    // rounds down to max finite
+            65520.0,                     // tie at the top: overflows to inf
+            -70000.0,
+            1e10,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            6.103_515_6e-5, // min normal
+            6.0e-5,         // rounds into the subnormals
+            5.960_464_5e-8, // min subnormal
+            2.980_232_2e-8, // half the min subnormal: tie -> 0
+            4.470_348_4e-8, // 1.5 min subnormal: tie -> even (2 * min)
+            3.0e-8,         // just above half: min subnormal
+            -1.0e-9,        // underflows to -0
+            f32::MIN_POSITIVE,
+            0.333_333_34,
+        ]
+    }
+
+    #[test]
+    fn f16_narrow_matches_half_on_edge_values() {
+        let vals = f16_edge_values();
+        let mut out = vec![f16::ZERO; vals.len()];
+        f16::narrow(&vals, &mut out);
+        for (v, o) in vals.iter().zip(&out) {
+            assert_eq!(o.to_bits(), f16::from_f32(*v).to_bits(), "value {v:e}");
+        }
+        let mut nan = [f16::ZERO];
+        f16::narrow(&[f32::NAN], &mut nan);
+        assert!(nan[0].is_nan());
+    }
+
+    /// The F16C fused kernel against a naive per-element reference built on
+    /// `half` conversions, on edge values (vector body and scalar tail).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16c_fused_matches_naive_reference() {
+        if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")) {
+            return;
+        }
+        let edges = f16_edge_values();
+        // 37 elements: four vectors of 8 and a tail of 5.
+        let h = 37;
+        let skip: Vec<f16> = (0..h).map(|j| f16::from_f32(edges[j % edges.len()])).collect();
+        let srcs: Vec<Vec<f16>> = (0..GROUP)
+            .map(|g| (0..h).map(|j| f16::from_f32(edges[(j * 7 + g * 3) % edges.len()] * 0.75)).collect())
+            .collect();
+        let s = [1.0f32, 0.5, -0.25, 2.0, 1.0e-3, -1.0, 0.125, 3.0];
+        let rows: [&[f16]; GROUP] = std::array::from_fn(|g| srcs[g].as_slice());
+        for g in 0..=GROUP {
+            for with_skip in [false, true] {
+                let sk = with_skip.then_some(skip.as_slice());
+                let mut got = vec![f16::ZERO; h];
+                // SAFETY: AVX2 and F16C were detected above.
+                unsafe { f16::fused_f16c(sk, &s, &rows, g, &mut got) };
+                for j in 0..h {
+                    let mut v = if with_skip { skip[j].to_f32() } else { 0.0 };
+                    for (gg, row) in srcs.iter().enumerate().take(g) {
+                        v += s[gg] * row[j].to_f32();
+                    }
+                    let want = f16::from_f32(v);
+                    let ok = got[j].to_bits() == want.to_bits() || (got[j].is_nan() && want.is_nan());
+                    assert!(ok, "g={g} skip={with_skip} j={j}: {:#06x} vs {:#06x}", got[j].to_bits(), want.to_bits());
+                }
+            }
+        }
     }
 }
