@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n== %s ==\n' "$*"; }
 
+# Every test runner's output also goes to this log, so the job can end with
+# one total over cargo test, pytest and the simulated-NPU run.
+results="$(mktemp)"
+trap 'rm -f "$results"' EXIT
+record() { tee -a "$results"; }
+
 step "toolchain components"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
@@ -20,7 +26,7 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
-cargo test --workspace
+cargo test --workspace 2>&1 | record
 
 step "python package + multi-process pytest suite"
 # The C header drift check and the C smoke program ran in `cargo test`
@@ -37,11 +43,18 @@ py="$venv/bin/python"
 # Run from the repository root so the installed package, not python/ascend_moe,
 # is imported. pytest's exit code is the job's: 1 = failures, 5 = no tests ran.
 pytest_rc=0
-"$py" -m pytest -q -p no:cacheprovider python/tests || pytest_rc=$?
+"$py" -m pytest -q -p no:cacheprovider python/tests 2>&1 | record || pytest_rc=$?
 if [ "$pytest_rc" -ne 0 ]; then
     echo "pytest failed with exit code $pytest_rc" >&2
     exit "$pytest_rc"
 fi
 
 step "NPU suite on the simulated CANN runtime"
-ci/sim.sh
+ci/sim.sh 2>&1 | record
+
+step "summary"
+# cargo: "test result: ok. N passed; M failed; ..."; pytest: "N passed[, M failed] in Ts".
+awk '/^test result:|(passed|failed).* in [0-9.]+s/ {
+        for (i = 2; i <= NF; i++) { if ($i ~ /^passed/) p += $(i-1); if ($i ~ /^failed/) f += $(i-1) }
+    }
+    END { printf "tests: %d passed, %d failed\n", p, f }' "$results"
