@@ -148,6 +148,12 @@ pub trait Collectives {
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+    /// The shared-memory CPU communicator behind this handle, if it is one. Host
+    /// ops use it to write their output straight into its staging buffers
+    /// ([`CpuComm::reduce_scatter_rows_with`]).
+    fn as_cpu(&self) -> Option<&CpuComm> {
+        None
+    }
 }
 
 /// A communicator on either backend.
@@ -171,6 +177,12 @@ macro_rules! dispatch {
 impl Collectives for Comm {
     fn rank(&self) -> usize {
         dispatch!(self, c => c.rank())
+    }
+    fn as_cpu(&self) -> Option<&CpuComm> {
+        match self {
+            Comm::Cpu(c) => Some(c),
+            Comm::Npu(_) => None,
+        }
     }
     fn world_size(&self) -> usize {
         dispatch!(self, c => c.world_size())

@@ -3,7 +3,7 @@
 
 mod moe_common;
 
-use ascend_moe::backend::cpu::comm::run_ranks;
+use ascend_moe::backend::cpu::comm::{run_ranks, run_ranks_with, CpuCommConfig};
 use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::finalize::moe_finalize_routing;
 use ascend_moe::moe::layout::SpLayout;
@@ -225,6 +225,89 @@ fn finalize_and_reduce_equals_finalize_then_pad_and_reduce() {
         Ok(())
     })
     .unwrap();
+}
+
+/// Staging small enough that the fused finalize-and-reduce on a CPU
+/// communicator takes several rounds per call, and, for wide rows, does not fit
+/// a staging region at all (then it takes the padded-buffer path). Both must
+/// give the two-step result bit for bit, for every dtype and uneven layout.
+#[test]
+fn finalize_and_reduce_in_staging_rounds_and_for_rows_too_wide_for_staging() {
+    let small = CpuCommConfig { staging_bytes: 4096 };
+    let k = 3;
+    let cases: [&[usize]; 4] = [&[30, 17, 0, 25], &[9, 0], &[1, 40, 2], &[13, 13, 13, 13, 13, 13, 13, 12]];
+    for (ci, sizes) in cases.iter().enumerate() {
+        let l = SpLayout::new(sizes).unwrap();
+        let ep = l.ep_size();
+        let n = l.total_rows();
+        let region = (small.effective_staging() / ep) / 64 * 64;
+        // h = 40: a few rows per region (several rounds); the wide h: no row fits.
+        let wide = region / 2 + 1;
+        for h in [40, wide] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let per_region = region / (h * dtype.size());
+                assert_eq!(per_region == 0, h == wide || dtype == DType::F32 && h * 4 > region);
+                run_ranks_with(ep, &opts(), &small, |r, comm| {
+                    assert_eq!(comm.as_cpu().unwrap().rows_per_region(h, dtype), per_region);
+                    let f = rank_finalize(700 + ci as u64, r, n, k, h, dtype);
+                    let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
+                    let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
+                    assert_eq!(fused.shape(), &[l.local_size(r), h]);
+                    assert!(bits(&fused) == bits(&two_step), "{sizes:?} h {h} {dtype} rank {r}");
+                    Ok(())
+                })
+                .unwrap();
+            }
+        }
+    }
+}
+
+/// An out-of-range index on one rank fails the fused finalize-and-reduce on
+/// every rank at once (the finalize runs inside the collective), with the
+/// offending rank and argument named, well before the group's timeout.
+#[test]
+fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast() {
+    let l = SpLayout::new(&[3, 5, 2, 4]).unwrap();
+    let (n, k, h) = (l.total_rows(), 2, 8);
+    let timeout = std::time::Duration::from_secs(60);
+    let start = std::time::Instant::now();
+    let errs = run_ranks(4, &CommOptions::with_timeout(timeout), |r, comm| {
+        let mut f = rank_finalize(31, r, n, k, h, DType::BF16);
+        if r == 2 {
+            let mut idx = f.idx.to_vec::<i32>()?;
+            idx[5] = (n * k) as i32 + 7;
+            f.idx = i32_tensor(&idx, &[n * k]);
+        }
+        Ok(finalize_and_reduce(&f.args(), Some(&l), &comm).unwrap_err().to_string())
+    })
+    .unwrap();
+    assert!(start.elapsed() < timeout / 4, "took {:?}", start.elapsed());
+    for (r, e) in errs.iter().enumerate() {
+        assert!(e.contains("expanded_row_idx"), "rank {r}: {e}");
+        if r != 2 {
+            assert!(e.contains("rank 2"), "rank {r} must name the failing rank: {e}");
+        }
+    }
+}
+
+/// One rank fusing while its peer runs the two-step path is a mismatched
+/// collective, reported on both ranks.
+#[test]
+fn finalize_and_reduce_against_a_peer_in_the_two_step_path_is_a_mismatch() {
+    let l = SpLayout::new(&[4, 4]).unwrap();
+    let errs = run_ranks(2, &opts(), |r, comm| {
+        let f = rank_finalize(41, r, 8, 2, 16, DType::F32);
+        let res = if r == 0 {
+            finalize_and_reduce(&f.args(), Some(&l), &comm)
+        } else {
+            maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)
+        };
+        Ok(res.unwrap_err().to_string())
+    })
+    .unwrap();
+    for e in &errs {
+        assert!(e.contains("reduce_scatter_rows") && e.contains("reduce_scatter "), "{e}");
+    }
 }
 
 /// The draft-model regression: the EP/SP finalize of a draft (MTP) model of a

@@ -252,6 +252,16 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
             std::hint::black_box(&b);
             Ok(t0.elapsed().as_secs_f64())
         };
+        // Both must give the same bits before either is timed.
+        let a = finalize_and_reduce(&args, Some(&layout), &comm)?;
+        let b = maybe_pad_and_reduce(&moe_finalize_routing(&args)?, Some(&layout), &comm)?;
+        if a.cpu_bytes()? != b.cpu_bytes()? {
+            return Err(Error::invalid(
+                "bench_finalize_and_reduce",
+                "result",
+                format!("rank {rank}: the fused result differs from the two-step result"),
+            ));
+        }
         // Alternate which variant goes first; the first pass of each warms up.
         for it in 0..cfg.iters + 1 {
             let (df, du) = if it % 2 == 0 {

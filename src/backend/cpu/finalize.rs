@@ -22,8 +22,9 @@ use std::cell::Cell;
 
 use half::{bf16, f16};
 
-use super::{host, host_mut};
+use super::{host, host_mut, CpuComm};
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+use crate::comm::ReduceOp;
 use crate::{DType, Element, Error, Result, Tensor};
 
 const FINALIZE: &str = "moe_finalize_routing";
@@ -659,12 +660,9 @@ pub fn finalize_routing(
     }
 }
 
-fn finalize_typed<T: Lanes>(
-    args: &FinalizeArgs<'_>,
-    dims: &FinalizeDims,
-    out: &mut Tensor,
-    rows: OutputRows<'_>,
-) -> Result<()> {
+/// Validates every input of a finalize (lengths and index values) and
+/// collects what each output token gathers.
+fn finalize_gather<'a, T: Lanes>(args: &FinalizeArgs<'a>, dims: &FinalizeDims) -> Result<Gather<'a, T>> {
     let FinalizeDims { n, k, h, expanded_rows, experts } = *dims;
     let x = data::<T>(FINALIZE, "expanded_x", args.expanded_x, expanded_rows * h)?;
     let idx = indices(FINALIZE, "expanded_row_idx", args.expanded_row_idx)?;
@@ -695,7 +693,30 @@ fn finalize_typed<T: Lanes>(
     };
     let lo = if args.drop_pad_mode.is_drop_pad() { -1 } else { 0 };
     check_range(FINALIZE, "expanded_row_idx", idx, lo, expanded_rows)?;
+    Ok(Gather {
+        x,
+        rows: expanded_rows,
+        h,
+        x1,
+        x2,
+        bias,
+        scales,
+        idx,
+        n,
+        k,
+        row_layout: args.drop_pad_mode.is_row_layout(),
+        skip_invalid: false,
+    })
+}
 
+fn finalize_typed<T: Lanes>(
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+) -> Result<()> {
+    let g = finalize_gather::<T>(args, dims)?;
+    let (n, h) = (dims.n, dims.h);
     let out_rows = match rows {
         OutputRows::Dense => n,
         OutputRows::Padded { local_sizes, slot_rows } => {
@@ -724,21 +745,6 @@ fn finalize_typed<T: Lanes>(
         return Err(Error::shape(FINALIZE, "out", format!("{out_rows} rows of {h} elements"), out.shape()));
     }
     let o: &mut [T] = bytemuck::cast_slice_mut(host_mut(FINALIZE, "out", out)?);
-
-    let g = Gather {
-        x,
-        rows: expanded_rows,
-        h,
-        x1,
-        x2,
-        bias,
-        scales,
-        idx,
-        n,
-        k,
-        row_layout: args.drop_pad_mode.is_row_layout(),
-        skip_invalid: false,
-    };
     match rows {
         OutputRows::Dense => g.run(o, out_rows, &Some),
         OutputRows::Padded { local_sizes, slot_rows } => {
@@ -756,6 +762,74 @@ fn finalize_typed<T: Lanes>(
         }
     }
     Ok(())
+}
+
+/// Finalize routing fused with the EP reduce-scatter over a CPU communicator:
+/// this rank's finalize output (`[N, H]`, tokens in EP-rank block order, block
+/// `r` = `local_sizes[r]` tokens) is computed straight into `comm`'s staging
+/// buffers and summed over the ranks; `out` (`[local_sizes[rank], H]`)
+/// receives block `rank` of the sum. Bitwise the same as the dense finalize
+/// followed by a reduce-scatter of the blocks, without the finalize output
+/// ever being written to or read from a buffer of its own.
+///
+/// An invalid input fails the call on every rank of `comm` (with this rank's
+/// reason), not only here. Needs `comm.rows_per_region(H, dtype) >= 1`.
+pub fn finalize_reduce_scatter(
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    local_sizes: &[usize],
+    comm: &CpuComm,
+    out: &mut Tensor,
+) -> Result<()> {
+    let dtype = args.expanded_x.dtype();
+    match dtype {
+        DType::F32 => reduce_scatter_typed::<f32>(args, dims, local_sizes, comm, out),
+        DType::F16 => reduce_scatter_typed::<f16>(args, dims, local_sizes, comm, out),
+        DType::BF16 => reduce_scatter_typed::<bf16>(args, dims, local_sizes, comm, out),
+        d => {
+            let e = Err(Error::dtype(FINALIZE, "expanded_x", "f32, f16 or bf16", d));
+            comm.reduce_scatter_rows_with(d, ReduceOp::Sum, local_sizes, dims.h, out, e, &mut |_, _, _| {})
+        }
+    }
+}
+
+fn reduce_scatter_typed<T: Lanes>(
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    local_sizes: &[usize],
+    comm: &CpuComm,
+    out: &mut Tensor,
+) -> Result<()> {
+    let h = dims.h;
+    let gather = finalize_gather::<T>(args, dims).and_then(|g| {
+        let total = local_sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+        if total != Some(dims.n) {
+            let why = format!("{local_sizes:?} must sum to the token count N = {}", dims.n);
+            return Err(Error::invalid(FINALIZE, "local_sizes", why));
+        }
+        Ok(g)
+    });
+    let (g, local) = match gather {
+        Ok(g) => (Some(g), Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    let offsets: Vec<usize> = local_sizes
+        .iter()
+        .scan(0usize, |acc, &s| {
+            let o = *acc;
+            *acc = acc.saturating_add(s);
+            Some(o)
+        })
+        .collect();
+    let mut produce = |block: usize, first: usize, bytes: &mut [u8]| {
+        // Called only when `local` is Ok, i.e. with `g` present.
+        if let Some(g) = &g {
+            let o: &mut [T] = bytemuck::cast_slice_mut(bytes);
+            let base = offsets[block] + first;
+            g.run(o, o.len() / h, &|r| Some(base + r));
+        }
+    };
+    comm.reduce_scatter_rows_with(T::DTYPE, ReduceOp::Sum, local_sizes, h, out, local, &mut produce)
 }
 
 /// Token unpermute on the host: `out[t] = sum_k probs[t,k] * permuted[idx[t*K + k]]`;

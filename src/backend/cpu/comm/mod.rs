@@ -189,6 +189,7 @@ enum Kind {
     AllGatherV = 6,
     AllToAllV = 7,
     Broadcast = 8,
+    ReduceScatterRows = 9,
 }
 
 impl Kind {
@@ -202,6 +203,7 @@ impl Kind {
             Kind::AllGatherV => "all_gather_v",
             Kind::AllToAllV => "all_to_all_v",
             Kind::Broadcast => "broadcast",
+            Kind::ReduceScatterRows => "reduce_scatter_rows",
         }
     }
     fn from_u64(v: u64) -> Option<Kind> {
@@ -214,6 +216,7 @@ impl Kind {
             Kind::AllGatherV,
             Kind::AllToAllV,
             Kind::Broadcast,
+            Kind::ReduceScatterRows,
         ]
         .into_iter()
         .find(|k| *k as u64 == v)
@@ -321,6 +324,7 @@ impl Desc {
             Some(Kind::AllReduce | Kind::ReduceScatter | Kind::AllGather) => s += &format!(" count {}", self.count),
             Some(Kind::Broadcast) => s += &format!(" count {} root {}", self.count, self.root),
             Some(Kind::ReduceScatterV | Kind::AllGatherV) => s += &format!(" counts {:?}", self.counts_a),
+            Some(Kind::ReduceScatterRows) => s += &format!(" row_len {} counts {:?}", self.count, self.counts_a),
             Some(Kind::AllToAllV) => s += &format!(" send_counts {:?} recv_counts {:?}", self.counts_a, self.counts_b),
             _ => {}
         }
@@ -787,17 +791,47 @@ impl CpuComm {
         dst: *mut u8,
         counts: &[usize],
     ) -> Result<()> {
+        let (region, esz) = (self.region_bytes(), dtype.size());
+        let relems = region / esz;
+        let displs = prefix(counts);
+        let mut stage = |k: usize, slot: *mut u8| {
+            // SAFETY: src holds sum(counts) elements (the caller's contract when
+            // staging runs); the slot holds one region per rank.
+            unsafe { stage_regions(src, counts, &displs, slot, k, relems, region, esz) }
+        };
+        // SAFETY: the caller's contract on dst; `stage` fills relems <= region / esz
+        // elements of each region.
+        unsafe { self.reduce_scatter_core(kind, desc, local, dtype, op, dst, counts, relems, &mut stage) }
+    }
+
+    /// The reduce phase shared by every reduce-scatter: round `k` takes elements
+    /// `[k * relems, (k + 1) * relems)` of every block, which `stage(k, slot)`
+    /// has put in region `j` of this rank's staging slot for block `j`.
+    ///
+    /// # Safety
+    /// If `local` is Ok: `dst` writable for `counts[rank]` elements of `dtype`,
+    /// aligned, not overlapping the staging; `relems * dtype.size() <=
+    /// region_bytes()`; `stage` writes only inside the slot it is given.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn reduce_scatter_core(
+        &self,
+        kind: Kind,
+        desc: Desc,
+        local: Result<()>,
+        dtype: DType,
+        op: ReduceOp,
+        dst: *mut u8,
+        counts: &[usize],
+        relems: usize,
+        stage: &mut dyn FnMut(usize, *mut u8),
+    ) -> Result<()> {
         let seg = &self.inner.seg;
         let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
         let region = self.region_bytes();
-        let relems = region / esz;
-        let displs = prefix(counts);
-        let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(relems);
-        let mut stage = |k: usize, slot: usize| {
-            // SAFETY: src holds sum(counts) elements (the caller's contract when
-            // staging runs); this rank's slot holds one region per rank.
-            unsafe { stage_regions(src, counts, &displs, seg.staging_ptr(me, slot), k, relems, region, esz) }
-        };
+        // relems >= 1 is the callers' guarantee when `local` is Ok; max(1) keeps
+        // a failed call (which never stages) from dividing by zero.
+        let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(relems.max(1));
+        let mut stage_slot = |k: usize, slot: usize| stage(k, seg.staging_ptr(me, slot));
         let mut consume = |k: usize, slot: usize| {
             let (lo, hi) = (k * relems, ((k + 1) * relems).min(counts[me]));
             if lo < hi {
@@ -809,7 +843,98 @@ impl CpuComm {
                 unsafe { reduce::reduce(dtype, op, &inputs, dst.add(lo * esz), hi - lo) };
             }
         };
-        self.drive(kind, desc, local, &|_| rounds, &mut stage, &mut consume, false)
+        self.drive(kind, desc, local, &|_| rounds, &mut stage_slot, &mut consume, false)
+    }
+
+    /// Rows per staging region for rows of `row_len` elements of `dtype`: how
+    /// many rows of one block [`CpuComm::reduce_scatter_rows_with`] moves per
+    /// round. 0 when one row does not fit (the caller then stages a buffer).
+    pub fn rows_per_region(&self, row_len: usize, dtype: DType) -> usize {
+        match row_len.checked_mul(dtype.size()) {
+            Some(b) if b > 0 => self.region_bytes() / b,
+            _ => 0,
+        }
+    }
+
+    /// Reduce-scatter of row blocks that are computed straight into the
+    /// staging buffers instead of being copied from a source tensor.
+    ///
+    /// Block `j` has `rows[j]` rows of `row_len` elements of `dtype`; the
+    /// result of this rank is `op` over ranks of block `rank`, written to `dst`
+    /// (`rows[rank] * row_len` elements). `produce(j, first, out)` must fill
+    /// `out` (`out.len() / (row_len * dtype.size())` whole rows, 64-byte
+    /// aligned) with rows `first..` of this rank's block `j`. It is called
+    /// only when every argument and `local` (the caller's own validation of
+    /// whatever `produce` reads) are good; otherwise the call fails on every
+    /// rank with the reason, like any collective.
+    ///
+    /// The result is bitwise the same as [`Collectives::reduce_scatter_v`] over
+    /// the concatenated blocks (same reduction order), with one copy of the
+    /// input less. Needs [`CpuComm::rows_per_region`] `>= 1`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_rows_with(
+        &self,
+        dtype: DType,
+        op: ReduceOp,
+        rows: &[usize],
+        row_len: usize,
+        dst: &mut Tensor,
+        local: Result<()>,
+        produce: &mut dyn FnMut(usize, usize, &mut [u8]),
+    ) -> Result<()> {
+        const C: &str = "reduce_scatter_rows";
+        let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
+        let rpr = self.rows_per_region(row_len, dtype);
+        let checked = local.and_then(|_| {
+            host(C, "dst", dst)?;
+            if dst.dtype() != dtype {
+                return Err(Error::dtype(C, "dst", dtype.name(), dst.dtype()));
+            }
+            counts_len(C, "rows", rows, world)?;
+            if rpr == 0 {
+                return Err(Error::invalid(
+                    C,
+                    "row_len",
+                    format!(
+                        "a row of {row_len} {dtype} elements does not fit the {}-byte staging region",
+                        self.region_bytes()
+                    ),
+                ));
+            }
+            let elems = rows.iter().map(|r| r.checked_mul(row_len)).collect::<Option<Vec<usize>>>();
+            let elems =
+                elems.ok_or_else(|| Error::invalid(C, "rows", format!("{rows:?} rows of {row_len} overflow")))?;
+            counts_sum(C, "rows", &elems)?;
+            tensor_len(C, "dst", dst, elems[me], "rows[rank] * row_len")?;
+            Ok(elems)
+        });
+        let (local, counts) = match checked {
+            Ok(elems) => (Ok(()), elems),
+            Err(e) => (Err(e), vec![0; world]),
+        };
+        let desc = Desc::new(Kind::ReduceScatterRows, dtype, Some(op)).count(row_len).counts(&counts, &counts);
+        let relems = rpr * row_len;
+        let region = self.region_bytes();
+        let d = dst.cpu_bytes_mut().map_or(std::ptr::null_mut(), |b| b.as_mut_ptr());
+        let mut stage = |k: usize, slot: *mut u8| {
+            for (j, &r) in rows.iter().enumerate() {
+                let (lo, hi) = (k * rpr, ((k + 1) * rpr).min(r));
+                if lo < hi {
+                    // SAFETY: region j of the slot holds rpr >= hi - lo rows
+                    // (rows_per_region); only this rank writes its slot, and
+                    // nobody reads it during staging. Regions start at multiples
+                    // of 64 bytes inside a 64-byte aligned slot.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(slot.add(j * region), (hi - lo) * row_len * esz) };
+                    produce(j, lo, out);
+                }
+            }
+        };
+        // SAFETY: staging runs only when `local` is Ok: then dst is a host tensor
+        // of counts[me] elements, and relems * esz <= region (rows_per_region).
+        unsafe {
+            self.reduce_scatter_core(Kind::ReduceScatterRows, desc, local, dtype, op, d, &counts, relems, &mut stage)
+        }
     }
 
     /// # Safety
@@ -1231,6 +1356,9 @@ impl Collectives for CpuComm {
     }
     fn device(&self) -> Device {
         Device::Cpu
+    }
+    fn as_cpu(&self) -> Option<&CpuComm> {
+        Some(self)
     }
     fn split(&self, ranks: &[usize]) -> Result<Comm> {
         self.split_impl(ranks).map(Comm::Cpu)
