@@ -6,9 +6,31 @@ next to this package. Arrays are numpy (float32, float16,
 `ml_dtypes.bfloat16`, int32 indices); every op returns a new array. Errors
 raise `AmoeError` (a `RuntimeError`) carrying the library's message.
 
-When torch is importable, the local ops are also registered as torch custom
-ops (`torch.ops.ascend_moe.*`) whose fake implementations use `shapes`.
+When torch is importable, the ops are also registered as torch custom ops
+(`torch.ops.ascend_moe.*`, functional: each returns a new tensor) whose fake
+implementations size their outputs with `shapes`, so they work under
+`FakeTensorMode`, on meta tensors and inside `torch.compile(fullgraph=True)`:
+
+    moe_finalize_routing(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None,
+                         scales=None, expert_idx=None, drop_pad_mode=0)
+    moe_token_unpermute(permuted, sorted_indices, probs=None)
+    all_reduce(x, comm, op=0)   reduce_scatter(x, comm, op=0)   all_gather(x, comm)
+    maybe_pad_and_reduce(x, ep_comm, local_sizes=None)
+    maybe_all_gather_and_maybe_unpad(x, ep_comm, local_sizes=None)
+    reduce_routed_early / reduce_shared / reduce_final(
+        x, comm_type, tp_comm, shared_mode, has_routed_transform, sp, tp_size, ep_size)
+
+A communicator is passed as `Comm.handle_id`, a layout as its `local_sizes`,
+a reduce op as a `ReduceOp` int, a policy as `*ReducePolicy.fields`; the comm
+type is an int argument, so a compiled graph takes it at run time:
+
+    torch.ops.ascend_moe.reduce_final(x, int(comm_type), tp.handle_id, *policy.fields)
+
+`TORCH_OPS` says whether they are registered, `TORCH_OPS_ERROR` why not.
+`ASCEND_MOE_TORCH=0` skips importing torch (processes that use numpy only).
 """
+
+import os as _os
 
 from . import shapes
 from ._lib import AmoeError, Status, library_path
@@ -67,11 +89,14 @@ __all__ = [
 # is kept in TORCH_OPS_ERROR.
 TORCH_OPS = False
 TORCH_OPS_ERROR = None
-try:
-    import torch as _torch  # noqa: F401
-except Exception as _e:  # noqa: BLE001
-    TORCH_OPS_ERROR = f"torch not importable: {_e}"
+if _os.environ.get("ASCEND_MOE_TORCH", "1") == "0":
+    TORCH_OPS_ERROR = "torch custom ops disabled by ASCEND_MOE_TORCH=0"
 else:
+    try:
+        import torch as _torch  # noqa: F401
+    except Exception as _e:  # noqa: BLE001
+        TORCH_OPS_ERROR = f"torch not importable: {_e}"
+if TORCH_OPS_ERROR is None:
     try:
         from . import _torch_ops
 

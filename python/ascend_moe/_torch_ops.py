@@ -1,18 +1,34 @@
-"""torch custom ops (`torch.ops.ascend_moe.*`) for the local ops, with fake
-implementations that call the library's shape functions. Imported only when
-torch is importable; CPU tensors only (NPU tensors need the NPU backend)."""
+"""torch custom ops (`torch.ops.ascend_moe.*`) over the numpy API, with fake
+implementations that size their outputs with `ascend_moe.shapes`. Imported
+only when torch is importable; CPU tensors only (NPU tensors need the NPU
+backend).
+
+Ops cannot take Python objects, so a communicator is passed as its
+`Comm.handle_id` (an int), an EP/SP layout as `local_sizes` (a list of ints or
+None), and a reduce policy as its fields (`ReducePolicy.fields`). The comm
+type is an ordinary int argument of every reduction point: a compiled graph
+passes it through at run time instead of capturing it.
+
+Every op is functional (`mutates_args=()`): it returns a new tensor and never
+aliases its input.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 import torch
 
+from . import comm as _comm
 from . import ops, shapes
+from .comm import Comm
+from .ops import ReducePolicy
+
+Tensor = torch.Tensor
 
 
-def _np(t: Optional[torch.Tensor]):
+def _np(t: Optional[Tensor]):
     if t is None:
         return None
     t = t.detach().contiguous().cpu()
@@ -23,45 +39,134 @@ def _np(t: Optional[torch.Tensor]):
     return t.numpy()
 
 
-def _torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+def _torch(a: np.ndarray, dtype: torch.dtype) -> Tensor:
+    # Every numpy op returns a fresh array, so the tensor may share its memory.
     if dtype == torch.bfloat16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _layout(local_sizes: Optional[List[int]]):
+    return None if local_sizes is None else ops.SpLayout(local_sizes)
+
+
+def _policy(shared_mode: int, has_routed_transform: bool, sp: bool, tp_size: int, ep_size: int) -> ReducePolicy:
+    return ReducePolicy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
 
 
 def register() -> bool:
     """Registers the ops once; False when this torch lacks `torch.library.custom_op`."""
     if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
         return False
+    custom_op = torch.library.custom_op
 
-    @torch.library.custom_op("ascend_moe::moe_finalize_routing", mutates_args=())
+    # ------------------------------------------------------------ local ops
+
+    @custom_op("ascend_moe::moe_finalize_routing", mutates_args=())
     def moe_finalize_routing(
-        expanded_x: torch.Tensor,
-        expanded_row_idx: torch.Tensor,
-        x1: Optional[torch.Tensor] = None,
-        x2: Optional[torch.Tensor] = None,
-        bias: Optional[torch.Tensor] = None,
-        scales: Optional[torch.Tensor] = None,
-        expert_idx: Optional[torch.Tensor] = None,
+        expanded_x: Tensor,
+        expanded_row_idx: Tensor,
+        x1: Optional[Tensor] = None,
+        x2: Optional[Tensor] = None,
+        bias: Optional[Tensor] = None,
+        scales: Optional[Tensor] = None,
+        expert_idx: Optional[Tensor] = None,
         drop_pad_mode: int = 0,
-    ) -> torch.Tensor:
-        y = ops.moe_finalize_routing(*[_np(t) for t in (expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx)], drop_pad_mode)
-        return _torch(y, expanded_x.dtype)
+    ) -> Tensor:
+        arrays = [_np(t) for t in (expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx)]
+        return _torch(ops.moe_finalize_routing(*arrays, drop_pad_mode), expanded_x.dtype)
 
     @moe_finalize_routing.register_fake
     def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0):
-        shape = shapes.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode)
-        return expanded_x.new_empty(shape)
+        args = (x1, x2, bias, scales, expert_idx, drop_pad_mode)
+        return expanded_x.new_empty(shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args))
 
-    @torch.library.custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
-    def moe_token_unpermute(
-        permuted: torch.Tensor, sorted_indices: torch.Tensor, probs: Optional[torch.Tensor] = None
-    ) -> torch.Tensor:
-        y = ops.moe_token_unpermute(_np(permuted), _np(sorted_indices), _np(probs))
-        return _torch(y, permuted.dtype)
+    @custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
+    def moe_token_unpermute(permuted: Tensor, sorted_indices: Tensor, probs: Optional[Tensor] = None) -> Tensor:
+        return _torch(ops.moe_token_unpermute(_np(permuted), _np(sorted_indices), _np(probs)), permuted.dtype)
 
     @moe_token_unpermute.register_fake
     def _(permuted, sorted_indices, probs=None):
         return permuted.new_empty(shapes.moe_token_unpermute(permuted, sorted_indices, probs))
+
+    # ----------------------------------------------------------- collectives
+    # The fakes look the communicator up too, so a stale handle fails at trace
+    # time, and take rank and world size from it.
+
+    @custom_op("ascend_moe::all_reduce", mutates_args=())
+    def all_reduce(x: Tensor, comm: int, op: int = 0) -> Tensor:
+        return _torch(_comm.all_reduce(_np(x), Comm.lookup(comm), op), x.dtype)
+
+    @all_reduce.register_fake
+    def _(x, comm, op=0):
+        Comm.lookup(comm)
+        return x.new_empty(shapes.all_reduce(x))
+
+    @custom_op("ascend_moe::reduce_scatter", mutates_args=())
+    def reduce_scatter(x: Tensor, comm: int, op: int = 0) -> Tensor:
+        return _torch(_comm.reduce_scatter(_np(x), Comm.lookup(comm), op), x.dtype)
+
+    @reduce_scatter.register_fake
+    def _(x, comm, op=0):
+        return x.new_empty(shapes.reduce_scatter(x, Comm.lookup(comm)))
+
+    @custom_op("ascend_moe::all_gather", mutates_args=())
+    def all_gather(x: Tensor, comm: int) -> Tensor:
+        return _torch(_comm.all_gather(_np(x), Comm.lookup(comm)), x.dtype)
+
+    @all_gather.register_fake
+    def _(x, comm):
+        return x.new_empty(shapes.all_gather(x, Comm.lookup(comm)))
+
+    # ------------------------------------------------------------ EP / SP
+
+    @custom_op("ascend_moe::maybe_pad_and_reduce", mutates_args=())
+    def maybe_pad_and_reduce(x: Tensor, ep_comm: int, local_sizes: Optional[List[int]] = None) -> Tensor:
+        return _torch(ops.maybe_pad_and_reduce(_np(x), _layout(local_sizes), Comm.lookup(ep_comm)), x.dtype)
+
+    @maybe_pad_and_reduce.register_fake
+    def _(x, ep_comm, local_sizes=None):
+        return x.new_empty(shapes.maybe_pad_and_reduce(x, _layout(local_sizes), Comm.lookup(ep_comm)))
+
+    @custom_op("ascend_moe::maybe_all_gather_and_maybe_unpad", mutates_args=())
+    def maybe_all_gather_and_maybe_unpad(x: Tensor, ep_comm: int, local_sizes: Optional[List[int]] = None) -> Tensor:
+        y = ops.maybe_all_gather_and_maybe_unpad(_np(x), _layout(local_sizes), Comm.lookup(ep_comm))
+        return _torch(y, x.dtype)
+
+    @maybe_all_gather_and_maybe_unpad.register_fake
+    def _(x, ep_comm, local_sizes=None):
+        return x.new_empty(shapes.maybe_all_gather_and_maybe_unpad(x, _layout(local_sizes), Comm.lookup(ep_comm)))
+
+    # ------------------------------------------------ the reduction points
+    # `comm_type` is read only by the real op: the fake validates the static
+    # policy (through the library) and the handle, never the comm type, so
+    # tracing neither needs nor specializes its value.
+
+    def reduction_point(name: str):
+        method = getattr(ReducePolicy, name)
+        shape_fn = getattr(shapes, name)
+
+        @custom_op(f"ascend_moe::{name}", mutates_args=())
+        def point(
+            x: Tensor,
+            comm_type: int,
+            tp_comm: int,
+            shared_mode: int,
+            has_routed_transform: bool,
+            sp: bool,
+            tp_size: int,
+            ep_size: int,
+        ) -> Tensor:
+            policy = _policy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
+            return _torch(method(policy, _np(x), comm_type, Comm.lookup(tp_comm)), x.dtype)
+
+        @point.register_fake
+        def _(x, comm_type, tp_comm, shared_mode, has_routed_transform, sp, tp_size, ep_size):
+            _policy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
+            Comm.lookup(tp_comm)
+            return x.new_empty(shape_fn(x))
+
+    for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
+        reduction_point(name)
 
     return True

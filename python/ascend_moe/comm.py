@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import itertools
+import threading
+import weakref
 from ctypes import c_size_t, c_void_p
 
 from . import shapes
@@ -19,12 +22,41 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
 
 
+# Open communicators by `Comm.handle_id`, for callers that can pass only an
+# int (the torch custom ops). Weak: the registry never keeps a Comm alive.
+_REGISTRY: "weakref.WeakValueDictionary[int, Comm]" = weakref.WeakValueDictionary()
+_REGISTRY_LOCK = threading.RLock()  # reentrant: close() may run from __del__ inside a locked section
+_NEXT_ID = itertools.count(1)
+
+
 class Comm:
     """One rank's handle on a group. Create with `Comm.cpu(...)` or `comm.split(...)`;
     release with `close()` or a `with` block."""
 
     def __init__(self, handle: int):
         self._h = c_void_p(handle)
+        with _REGISTRY_LOCK:
+            self._id = next(_NEXT_ID)
+            _REGISTRY[self._id] = self
+
+    @property
+    def handle_id(self) -> int:
+        """A process-unique int naming this communicator while it is open (ids are
+        never reused), for APIs that cannot take a Python object, such as
+        `torch.ops.ascend_moe.*`. `Comm.lookup(id)` returns the communicator."""
+        return self._id
+
+    @staticmethod
+    def lookup(handle_id: int) -> "Comm":
+        """The open communicator with this `handle_id`; `AmoeError` when there is
+        none (never created, closed, or garbage-collected)."""
+        comm = _REGISTRY.get(int(handle_id))
+        if comm is None or not comm._h.value:
+            raise AmoeError(
+                Status.INVALID_ARGUMENT,
+                f"no open communicator has handle_id {int(handle_id)} (closed, freed, or never created)",
+            )
+        return comm
 
     @classmethod
     def cpu(cls, name: str, world_size: int, rank: int, timeout_s: float = 60.0) -> "Comm":
@@ -75,6 +107,8 @@ class Comm:
 
     def close(self) -> None:
         h, self._h = self._h, c_void_p()
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(getattr(self, "_id", None), None)
         if h.value:
             lib().amoe_comm_free(h)
 

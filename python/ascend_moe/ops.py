@@ -195,6 +195,13 @@ class ReducePolicy:
         return dict(zip(("early", "routed", "shared", "final"), (bool(v.value) for v in vals)))
 
     @property
+    def fields(self) -> tuple:
+        """`(shared_mode, has_routed_transform, sp, tp_size, ep_size)` as plain
+        ints and bools: the trailing arguments of the torch reduction-point ops
+        (`torch.ops.ascend_moe.reduce_final(x, comm_type, tp_comm.handle_id, *policy.fields)`)."""
+        return (int(self.shared_mode), self.has_routed_transform, self.sp, self.tp_size, self.ep_size)
+
+    @property
     def early(self) -> bool:
         return self.decisions(CommType.ALLGATHER)["early"]
 

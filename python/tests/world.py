@@ -4,6 +4,7 @@ each as a rank of a fresh CPU world, and collects what every rank returned."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -17,17 +18,27 @@ def _entry(fn, name, world, rank, q, args):
         q.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_world(fn, world=4, args=(), deadline_s=120.0, expect_exit=()):
+def run_world(fn, world=4, args=(), deadline_s=120.0, expect_exit=(), torch_ops=False):
     """Runs `fn(name, world, rank, *args)` in `world` processes; returns
     `(results by rank, exit codes by rank)`. Ranks in `expect_exit` may die
     without reporting. Fails when a rank raised, or when the deadline passed
-    (every process is then terminated)."""
+    (every process is then terminated). Without `torch_ops` the processes do
+    not import torch (`ASCEND_MOE_TORCH=0`), which saves seconds per process."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     name = f"pytest-{uuid.uuid4().hex[:16]}"
     procs = [ctx.Process(target=_entry, args=(fn, name, world, r, q, args)) for r in range(world)]
-    for p in procs:
-        p.start()
+    saved = os.environ.get("ASCEND_MOE_TORCH")
+    if not torch_ops:
+        os.environ["ASCEND_MOE_TORCH"] = "0"  # spawned children inherit the environment at start
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("ASCEND_MOE_TORCH", None)
+        else:
+            os.environ["ASCEND_MOE_TORCH"] = saved
     results, errors = {}, {}
     end = time.monotonic() + deadline_s
     try:

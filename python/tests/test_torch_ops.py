@@ -1,0 +1,248 @@
+"""The torch custom ops (`torch.ops.ascend_moe.*`): schemas and fake kernels
+checked by `torch.library.opcheck`, fake / meta shapes against the real ones,
+numerics against the numpy goldens of `workers`, a compiled graph that takes
+the comm type at run time, and the collectives across 4 processes.
+
+Skipped only when torch is not importable outside CI; under CI (`$CI` set)
+a missing torch fails the run instead of skipping it."""
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+
+import numpy as np
+import pytest
+
+import ascend_moe as am
+
+if not am.TORCH_OPS:
+    _why = am.TORCH_OPS_ERROR or "this torch has no torch.library.custom_op"
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the torch custom-op tests, but {_why}", pytrace=False)
+    pytest.skip(f"torch custom ops unavailable: {_why}", allow_module_level=True)
+
+import torch  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+import torch_workers  # noqa: E402
+from torch_workers import to_numpy, to_torch  # noqa: E402
+from workers import DTYPES, assert_close, finalize_case, finalize_golden, rand, rng_for, unpermute_golden  # noqa: E402
+from world import run_world  # noqa: E402
+
+OPS = torch.ops.ascend_moe
+ALL_OPS = [
+    "moe_finalize_routing",
+    "moe_token_unpermute",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "maybe_pad_and_reduce",
+    "maybe_all_gather_and_maybe_unpad",
+    "reduce_routed_early",
+    "reduce_shared",
+    "reduce_final",
+]
+
+
+def finalize_inputs(mode, dtype, seed, **flags):
+    """`(args, kwargs, golden)` of one finalize case, as tensors."""
+    ex, idx, kw = finalize_case(rng_for("torch-fin", mode, str(dtype), seed), mode, dtype, **flags)
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], mode)
+    tkw = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    return (to_torch(ex), to_torch(idx)), tkw, want
+
+
+FIN_FLAGS = [
+    dict(x1=True, x2=True, bias=True, scales=True),
+    dict(x1=False, x2=False, bias=False, scales=False),
+    dict(x1=True, x2=False, bias=False, scales=True),
+]
+
+
+def test_every_op_is_registered_with_int_handles():
+    for name in ALL_OPS:
+        assert hasattr(OPS, name), name
+    schema = str(OPS.reduce_final.default._schema)
+    # The comm type and the communicator are plain (Sym)Int arguments: run-time values in a graph.
+    assert "comm_type" in schema and "tp_comm" in schema and "Tensor x" in schema, schema
+    assert "int[]? local_sizes" in str(OPS.maybe_pad_and_reduce.default._schema).replace("SymInt", "int")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_opcheck_finalize(dtype, mode):
+    for i, flags in enumerate(FIN_FLAGS):
+        args, kwargs, _ = finalize_inputs(mode, dtype, i, **flags)
+        torch.library.opcheck(OPS.moe_finalize_routing.default, args, kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_opcheck_unpermute(dtype):
+    g = rng_for("torch-unperm", str(dtype))
+    permuted = rand(g, (12, 4), dtype)
+    idx = g.permutation(12).astype(np.int32)
+    probs = rand(g, (4, 3), dtype)
+    torch.library.opcheck(OPS.moe_token_unpermute.default, (to_torch(permuted), to_torch(idx), to_torch(probs)))
+    torch.library.opcheck(OPS.moe_token_unpermute.default, (to_torch(permuted), to_torch(idx[:4])))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_local_ops_match_the_numpy_goldens(dtype):
+    for mode in range(4):
+        for i, flags in enumerate(FIN_FLAGS):
+            args, kwargs, want = finalize_inputs(mode, dtype, 10 + i, **flags)
+            got = OPS.moe_finalize_routing(*args, **kwargs)
+            assert got.dtype == args[0].dtype
+            assert_close(to_numpy(got), want, dtype, f"torch finalize mode {mode} {flags}")
+    g = rng_for("torch-unperm-golden", str(dtype))
+    t, k = 5, 3
+    permuted = rand(g, (t * k, 2, 3), dtype)
+    idx = g.integers(-2, t * k + 2, size=t * k).astype(np.int32)  # out-of-range rows contribute 0
+    probs = rand(g, (t, k), dtype)
+    got = OPS.moe_token_unpermute(to_torch(permuted), to_torch(idx), to_torch(probs))
+    assert got.dtype == to_torch(permuted).dtype
+    assert_close(to_numpy(got), unpermute_golden(permuted, idx, probs), dtype, "torch unpermute")
+
+
+def test_fake_and_meta_shapes_match_the_real_op():
+    for dtype in DTYPES:
+        for mode in range(4):
+            args, kwargs, _ = finalize_inputs(mode, dtype, 20)
+            real = OPS.moe_finalize_routing(*args, **kwargs)
+            with FakeTensorMode() as fm:
+                fargs = [fm.from_tensor(a) for a in args]
+                fkw = {k: fm.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+                fake = OPS.moe_finalize_routing(*fargs, **fkw)
+            meta = OPS.moe_finalize_routing(
+                *[a.to("meta") for a in args],
+                **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
+            )
+            for out in (fake, meta):
+                assert (tuple(out.shape), out.dtype) == (tuple(real.shape), real.dtype), (mode, dtype)
+    permuted, idx = torch.zeros(6, 4, dtype=torch.bfloat16), torch.arange(6, dtype=torch.int32)
+    probs = torch.ones(3, 2)
+    real = OPS.moe_token_unpermute(permuted, idx, probs)
+    meta = OPS.moe_token_unpermute(permuted.to("meta"), idx.to("meta"), probs.to("meta"))
+    assert tuple(meta.shape) == tuple(real.shape) == (3, 4) and meta.dtype == real.dtype == torch.bfloat16
+
+
+def test_fake_rejects_a_bad_shape_with_the_library_message():
+    # 7 indices without scales: N = 7, K = 1, so expanded_x needs 7 rows, not 8.
+    ex, idx, x1 = torch.zeros(8, 3), torch.arange(7, dtype=torch.int32), torch.zeros(7, 3)
+    with pytest.raises(am.AmoeError) as real:
+        OPS.moe_finalize_routing(ex, idx, x1=x1)
+    with FakeTensorMode() as fm:
+        with pytest.raises(am.AmoeError) as fake:
+            OPS.moe_finalize_routing(fm.from_tensor(ex), fm.from_tensor(idx), x1=fm.from_tensor(x1))
+    assert fake.value.status == real.value.status == am.Status.SHAPE
+    assert str(fake.value) == str(real.value)
+    assert "moe_finalize_routing" in str(fake.value) and "[8, 3]" in str(fake.value), str(fake.value)
+    with pytest.raises(am.AmoeError, match="expanded_x` has dtype float64"):
+        OPS.moe_finalize_routing(torch.zeros(7, 2, device="meta", dtype=torch.float64), idx.to("meta"))
+    with pytest.raises(am.AmoeError, match="moe_token_unpermute"):
+        OPS.moe_token_unpermute(torch.zeros(6, 2, device="meta"), idx.to("meta"), torch.zeros(3, 2, device="meta"))
+
+
+def test_stale_comm_handle_fails_in_fake_and_real():
+    with am.Comm.cpu(f"torch-stale-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        hid = c.handle_id
+        assert am.Comm.lookup(hid) is c
+    with pytest.raises(am.AmoeError, match=f"handle_id {hid}"):
+        OPS.all_reduce(torch.ones(2), hid)
+    with pytest.raises(am.AmoeError, match=f"handle_id {hid}"):
+        OPS.all_gather(torch.ones(2, device="meta"), hid)
+
+
+def test_opcheck_collectives_on_a_world_of_one():
+    """Schema, fake and AOT checks of every communicating op on one rank (the
+    4-process test runs them where the collectives do real work)."""
+    with am.Comm.cpu(f"torch-one-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        torch_workers.opcheck_comm_ops(c, rank=0, world_size=1)
+
+
+def test_compiled_finalize_then_reduce_takes_the_comm_type_at_run_time():
+    """Rank 0 runs a compiled finalize + TP reduction (one graph, comm type a
+    graph input); rank 1 is a thread of this process running the numpy API.
+    Policy `tensor_parallel`, no transform, no SP, TP 2: under ALLGATHER the
+    routed outputs are TP-partial, so the output is S0 + S1 + R0 + R1; under
+    MC2 / ALLTOALL each rank's routed output is already complete, so it is
+    S0 + S1 + R_rank (SPEC section 5)."""
+    comm_types = [am.CommType.ALLGATHER, am.CommType.MC2, am.CommType.ALLTOALL, am.CommType.ALLGATHER]
+    policy = am.ReducePolicy("tensor_parallel", False, False, 2, 2)
+
+    def inputs(rank):
+        ex, idx, kw = finalize_case(rng_for("torch-compile", rank), 0, np.float32, n=4, k=2, h=(3,))
+        shared = rand(rng_for("torch-compile-shared", rank), (4, 3), np.float32)
+        return ex, idx, kw, shared
+
+    def opt(kw):
+        return [kw[k] for k in ("x1", "x2", "bias", "scales", "expert_idx")]
+
+    routed = [finalize_golden(ex, idx, *opt(kw), 0) for ex, idx, kw, _ in map(inputs, (0, 1))]
+    shared_sum = inputs(0)[3].astype(np.float64) + inputs(1)[3]
+
+    def golden(ct, rank):
+        return shared_sum + (routed[0] + routed[1] if ct == am.CommType.ALLGATHER else routed[rank])
+
+    name = f"torch-compile-{uuid.uuid4().hex[:8]}"
+    peer_out, peer_err = [], []
+
+    def peer():
+        try:
+            with am.Comm.cpu(name, 2, 1, timeout_s=120.0) as tp:
+                ex, idx, kw, shared = inputs(1)
+                for ct in comm_types:
+                    r = policy.reduce_routed_early(am.moe_finalize_routing(ex, idx, **kw), ct, tp)
+                    s = policy.reduce_shared(shared, ct, tp)
+                    peer_out.append(policy.reduce_final(s + r, ct, tp))
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            peer_err.append(e)
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # eager execution, keeping the graph to inspect
+        graphs.append(gm)
+        return gm.forward
+
+    def layer(ex, idx, x1, x2, bias, scales, expert_idx, shared, comm_type: int, tp: int):
+        routed = OPS.moe_finalize_routing(ex, idx, x1, x2, bias, scales, expert_idx, 0)
+        routed = OPS.reduce_routed_early(routed, comm_type, tp, *policy.fields)
+        shared = OPS.reduce_shared(shared, comm_type, tp, *policy.fields)
+        return OPS.reduce_final(shared + routed, comm_type, tp, *policy.fields)
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend, dynamic=True)
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    try:
+        with am.Comm.cpu(name, 2, 0, timeout_s=120.0) as tp:
+            ex, idx, kw, shared = inputs(0)
+            targs = [to_torch(a) for a in (ex, idx, *opt(kw), shared)]
+            for ct in comm_types:
+                got = compiled(*targs, int(ct), tp.handle_id)
+                assert_close(got.numpy(), golden(ct, 0), np.float32, f"compiled layer under {ct.name}")
+    finally:
+        t.join(timeout=150.0)
+    assert not peer_err, peer_err
+    assert len(peer_out) == len(comm_types)
+    for ct, out in zip(comm_types, peer_out):
+        assert_close(out, golden(ct, 1), np.float32, f"peer under {ct.name}")
+    # One graph served every comm type, with the comm type as one of its inputs.
+    assert len(graphs) == 1, [g.code for g in graphs]
+    placeholders = [n for n in graphs[0].graph.nodes if n.op == "placeholder"]
+    assert any("comm_type" in n.name for n in placeholders), graphs[0].code
+
+
+def test_torch_ops_across_4_processes():
+    results, _ = run_world(torch_workers.torch_world, 4, deadline_s=180.0, torch_ops=True)
+    counts = set(results.values())
+    assert len(counts) == 1 and counts.pop() >= 40, results
+
+
+
+def test_ascend_moe_torch_0_keeps_torch_out_of_the_process():
+    code = "import sys, ascend_moe as am; print(am.TORCH_OPS, 'torch' in sys.modules, am.TORCH_OPS_ERROR)"
+    env = dict(os.environ, ASCEND_MOE_TORCH="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split(maxsplit=2)[:2] == ["False", "False"] and "ASCEND_MOE_TORCH=0" in out, out
