@@ -165,8 +165,8 @@ def main() -> int:
     p.add_argument("--step-factor", type=int, default=2)
     p.add_argument(
         "--max-bytes-world",
-        default="8=32M",
-        help="per-world caps on the largest size, e.g. 8=64M (oversubscribed worlds are slow)",
+        default="",
+        help="per-world caps on the largest size, e.g. 8=64M (default: none, every world to --max-bytes)",
     )
     p.add_argument("--iters", type=int, default=10, help="timed calls per size below 16 MiB")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per size below 16 MiB (1 above)")
