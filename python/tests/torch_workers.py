@@ -9,7 +9,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ascend_moe as am
-from workers import DTYPES, _tp_split, assert_close, rand, rng_for
+from workers import DTYPES, _tp_split, assert_close, policy_case, rand, rng_for
 
 OPS = torch.ops.ascend_moe
 
@@ -130,15 +130,7 @@ def torch_world(name, world_size, rank):
                         fields = am.ReducePolicy(mode, transform, sp, tp_size, world_size).fields
                         for ct in am.CommType:
                             gg = rng_for("torch-policy", group, int(ct), mode, int(sp), int(transform))
-                            shared_parts = [rand(gg, (4, 3), np.float32) for _ in range(tp_size)]
-                            routed_parts = [rand(gg, (4, 3), np.float32) for _ in range(tp_size)]
-                            r_full = np.sum(routed_parts, axis=0, dtype=np.float64)
-                            if mode == "none":
-                                shared, s_full = np.zeros((4, 3), np.float32), 0.0
-                            elif mode == "tensor_parallel":
-                                shared, s_full = shared_parts[tp_rank], np.sum(shared_parts, axis=0, dtype=np.float64)
-                            else:  # complete on every rank
-                                shared, s_full = shared_parts[0], shared_parts[0].astype(np.float64)
+                            shared, s_full, routed_parts, r_full = policy_case(gg, mode, tp_size, tp_rank)
                             reduced = ct != am.CommType.ALLGATHER or sp  # routed_is_reduced, SPEC section 5
                             routed = r_full.astype(np.float32) if reduced else routed_parts[tp_rank]
                             r = OPS.reduce_routed_early(to_torch(routed), int(ct), tp.handle_id, *fields)

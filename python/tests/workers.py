@@ -227,15 +227,7 @@ def op_matrix(name, world_size, rank):
                         policy = am.ReducePolicy(mode, transform, sp, tp_size, world_size)
                         for ct in am.CommType:
                             gg = rng_for("policy", group, int(ct), mode, int(sp), int(transform))
-                            shared_parts = [rand(gg, (4, 3), np.float32) for _ in range(tp_size)]
-                            routed_parts = [rand(gg, (4, 3), np.float32) for _ in range(tp_size)]
-                            r_full = np.sum(routed_parts, axis=0, dtype=np.float64)
-                            if mode == "none":
-                                shared, s_full = np.zeros((4, 3), np.float32), 0.0
-                            elif mode == "tensor_parallel":
-                                shared, s_full = shared_parts[tp_rank], np.sum(shared_parts, axis=0, dtype=np.float64)
-                            else:  # complete on every rank
-                                shared, s_full = shared_parts[0], shared_parts[0].astype(np.float64)
+                            shared, s_full, routed_parts, r_full = policy_case(gg, mode, tp_size, tp_rank)
                             routed = (
                                 r_full.astype(np.float32) if am.routed_is_reduced(ct, sp) else routed_parts[tp_rank]
                             )
@@ -246,6 +238,22 @@ def op_matrix(name, world_size, rank):
                             checks += 1
         world.barrier()
     return checks
+
+
+def policy_case(gg, mode, tp_size, tp_rank):
+    """One reduction-point case of a TP group: this rank's shared-expert output
+    for `mode` and its exact sum over the group, and every rank's routed
+    partial with their exact sum. Returns `(shared, s_full, routed_parts, r_full)`."""
+    shared_parts = [rand(gg, (4, 3), np.float32) for _ in range(tp_size)]
+    routed_parts = [rand(gg, (4, 3), np.float32) for _ in range(tp_size)]
+    r_full = np.sum(routed_parts, axis=0, dtype=np.float64)
+    if mode == "none":
+        shared, s_full = np.zeros((4, 3), np.float32), 0.0
+    elif mode == "tensor_parallel":
+        shared, s_full = shared_parts[tp_rank], np.sum(shared_parts, axis=0, dtype=np.float64)
+    else:  # complete on every rank
+        shared, s_full = shared_parts[0], shared_parts[0].astype(np.float64)
+    return shared, s_full, routed_parts, r_full
 
 
 def _expect_error(fn, *args, **kw):
