@@ -15,7 +15,7 @@ use super::{amoe_status, amoe_tensor};
 use crate::backend::FinalizeArgs;
 use crate::moe::finalize::{drop_pad_mode, FinalizeMeta, TensorMeta};
 use crate::moe::{self, ReducePolicy, SharedMode, SpLayout};
-use crate::{Collectives, CommType, Tensor};
+use crate::{Collectives, Comm, CommType, Tensor};
 
 /// Shared-expert modes of `amoe_reduce_policy::shared_mode` (SPEC section 5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -202,6 +202,72 @@ unsafe fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<
     // SAFETY: the caller's contract.
     let sizes = unsafe { read_sizes(f, "local_sizes", local_sizes, n) }?;
     Ok(Some(SpLayout::new(&sizes)?))
+}
+
+/// Shape function of an EP/SP layout op: `(x shape, layout, ep_rank, ep_size)`.
+type LayoutShape = fn(&[usize], Option<&SpLayout>, usize, usize) -> crate::Result<Vec<usize>>;
+
+/// The body of the `*_output_shape` export of an EP/SP layout op.
+///
+/// # Safety
+/// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+#[allow(clippy::too_many_arguments)]
+unsafe fn layout_op_shape(
+    f: &'static str,
+    shape_of: LayoutShape,
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_rank: usize,
+    ep_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: the caller's contracts.
+        let m = unsafe { read_meta(f, "x", x) }?;
+        // SAFETY: as above.
+        let l = unsafe { layout(f, local_sizes, n) }?;
+        let shape = shape_of(&m.shape, l.as_ref(), ep_rank, ep_size)?;
+        // SAFETY: the caller's contracts for the out-pointers.
+        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
+/// The body of an EP/SP layout op's export: `out = op(x, layout, ep_comm)`,
+/// after `out` is checked against `shape_of`.
+///
+/// # Safety
+/// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`;
+/// `ep_comm` live; `stream` NULL or a live handle.
+#[allow(clippy::too_many_arguments)]
+unsafe fn layout_op(
+    f: &'static str,
+    shape_of: LayoutShape,
+    op: fn(&Tensor, Option<&SpLayout>, &Comm) -> crate::Result<Tensor>,
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        // SAFETY: the caller's contracts, for every call below.
+        let c = unsafe { comm_ref(f, ep_comm) }?;
+        let x = unsafe { read_tensor(f, "x", x) }?;
+        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the caller's contract.
+        let l = unsafe { layout(f, local_sizes, n) }?;
+        let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
+        let y = op(&x, l.as_ref(), c)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { write_tensor(f, "out", out, &y) }
+    })
 }
 
 /// Output shape of `amoe_moe_finalize_routing` (`[N, H...]`, dtype of
@@ -393,15 +459,9 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce_output_shape";
-    ffi!(F, {
-        // SAFETY: the caller's contracts.
-        let m = unsafe { read_meta(F, "x", x) }?;
-        // SAFETY: as above.
-        let l = unsafe { layout(F, local_sizes, n) }?;
-        let shape = moe::maybe_pad_and_reduce_output_shape(&m.shape, l.as_ref(), ep_rank, ep_size)?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
-    })
+    let shape_of = moe::maybe_pad_and_reduce_output_shape;
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim) }
 }
 
 /// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
@@ -423,21 +483,9 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts, for every call below.
-        let c = unsafe { comm_ref(F, ep_comm) }?;
-        let x = unsafe { read_tensor(F, "x", x) }?;
-        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
-        let l = unsafe { layout(F, local_sizes, n) }?;
-        let shape = moe::maybe_pad_and_reduce_output_shape(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
-        let y = moe::maybe_pad_and_reduce(&x, l.as_ref(), c)?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "out", out, &y) }
-    })
+    let (shape_of, op) = (moe::maybe_pad_and_reduce_output_shape, moe::maybe_pad_and_reduce::<Comm>);
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op(F, shape_of, op, x, local_sizes, n, ep_comm, out, stream) }
 }
 
 /// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
@@ -459,15 +507,9 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad_output_shape";
-    ffi!(F, {
-        // SAFETY: the caller's contracts.
-        let m = unsafe { read_meta(F, "x", x) }?;
-        // SAFETY: as above.
-        let l = unsafe { layout(F, local_sizes, n) }?;
-        let shape = moe::maybe_all_gather_and_maybe_unpad_output_shape(&m.shape, l.as_ref(), ep_rank, ep_size)?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
-    })
+    let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim) }
 }
 
 /// EP/SP prepare (SPEC section 4): pad `x` (exactly `local_sizes[rank]` rows)
@@ -486,22 +528,10 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts, for every call below.
-        let c = unsafe { comm_ref(F, ep_comm) }?;
-        let x = unsafe { read_tensor(F, "x", x) }?;
-        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
-        let l = unsafe { layout(F, local_sizes, n) }?;
-        let shape =
-            moe::maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
-        let y = moe::maybe_all_gather_and_maybe_unpad(&x, l.as_ref(), c)?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "out", out, &y) }
-    })
+    let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
+    let op = moe::maybe_all_gather_and_maybe_unpad::<Comm>;
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op(F, shape_of, op, x, local_sizes, n, ep_comm, out, stream) }
 }
 
 /// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
