@@ -3,7 +3,7 @@
 #
 # The torch-npu wheel on PyPI ships CANN's ACL and HCCL headers. This script
 # downloads it (headers only are unpacked, to a temp dir that is removed),
-# makes sure libclang is available, regenerates the bindings through the
+# makes sure bindgen can run (ci/deps.sh), regenerates the bindings through the
 # crates' own build scripts (the same bindgen configuration every build
 # uses), fails if they differ from the committed ones, and checks that the
 # whole workspace compiles against the regenerated bindings.
@@ -23,35 +23,18 @@ update=0
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
-have_libclang() {
-    if [[ -n "${LIBCLANG_PATH:-}" ]] && compgen -G "$LIBCLANG_PATH/libclang*.so*" >/dev/null; then
-        return 0
-    fi
-    ldconfig -p 2>/dev/null | grep -Eq 'libclang(-[0-9.]+)?\.so' \
-        || compgen -G "/usr/lib/llvm-*/lib/libclang*.so*" >/dev/null
-}
-
-if ! have_libclang; then
-    echo "headers.sh: installing libclang"
-    if command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
-        export DEBIAN_FRONTEND=noninteractive
-        apt-get install -y -qq --no-install-recommends libclang-dev >/dev/null 2>&1 \
-            || { apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends libclang-dev >/dev/null; } \
-            || true
-    fi
-    if ! have_libclang; then
-        # The `libclang` wheel carries a self-contained libclang.so.
-        python3 -m pip install -q --target "$tmp/libclang" libclang
-        export LIBCLANG_PATH="$tmp/libclang/clang/native"
-    fi
-fi
-have_libclang || { echo "headers.sh: no libclang available" >&2; exit 1; }
+# bindgen must really parse a header (libclang plus clang's resource
+# headers): ci/deps.sh probes that and installs libclang-dev if it cannot.
+# shellcheck source=ci/deps.sh
+source ci/deps.sh
+deps_libclang
+deps_python
 
 echo "headers.sh: downloading torch-npu $version (cp311, manylinux x86_64)"
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+"$AMOE_PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
     --platform manylinux_2_28_x86_64 "torch-npu==$version" -d "$tmp/wheel"
 wheel="$(ls "$tmp"/wheel/torch_npu-*.whl)"
-python3 - "$wheel" "$tmp/unpacked" <<'PY'
+"$AMOE_PYTHON" - "$wheel" "$tmp/unpacked" <<'PY'
 import sys, zipfile
 wheel, dest = sys.argv[1], sys.argv[2]
 prefixes = ("torch_npu/include/third_party/acl/inc/", "torch_npu/include/third_party/hccl/inc/")

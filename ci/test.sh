@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The public test job: what `.ci/run` runs and what the README tells you to run.
-# Installs what it needs (rustfmt / clippy components), then runs the gates,
-# cheapest first. No NPU is needed.
+# Installs what it needs (system packages through ci/deps.sh, the rustfmt /
+# clippy components, the Python packages in a venv), each found missing by
+# trying to use it, then runs the gates, cheapest first. No NPU is needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,8 +14,17 @@ results="$(mktemp)"
 trap 'rm -f "$results"' EXIT
 record() { tee -a "$results"; }
 
+step "system dependencies (ci/deps.sh)"
+# shellcheck source=ci/deps.sh
+source ci/deps.sh
+deps_all
+
 step "toolchain components"
-rustup component add rustfmt clippy >/dev/null 2>&1 || true
+if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+    rustup component add rustfmt clippy
+fi
+cargo fmt --version >/dev/null 2>&1 || { echo "ci/test.sh: cargo fmt does not run" >&2; exit 1; }
+cargo clippy --version >/dev/null 2>&1 || { echo "ci/test.sh: cargo clippy does not run" >&2; exit 1; }
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -36,12 +46,18 @@ target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import j
 cargo build --lib
 export ASCEND_MOE_LIB="$target_dir/debug/libascend_moe.so"
 venv="$target_dir/ci-venv"
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
+# A venv left by an earlier run is reused only if its pip really runs.
+if ! "$py" -m pip --version >/dev/null 2>&1; then
+    rm -rf "$venv"
+    "$AMOE_PYTHON" -m venv "$venv"
+fi
 "$py" -m pip install --quiet --disable-pip-version-check numpy ml_dtypes pytest
 # torch (CPU use only, ~5 GB with its CUDA wheels) for the torch.library custom ops;
 # with CI set, python/tests/test_torch_ops.py fails instead of skipping without it.
 "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir torch
+"$py" -c 'import numpy, ml_dtypes, pytest, torch; torch.library.custom_op' \
+    || { echo "ci/test.sh: the venv's numpy / ml_dtypes / pytest / torch do not import" >&2; exit 1; }
 "$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python
 # Run from the repository root so the installed package, not python/ascend_moe,
 # is imported. pytest's exit code is the job's: 1 = failures, 5 = no tests ran.

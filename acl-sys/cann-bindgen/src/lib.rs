@@ -255,6 +255,32 @@ pub fn generate(krate: Crate, headers: &Headers) -> Result<String, String> {
     Ok(text)
 }
 
+/// Checks that bindgen can really generate bindings on this host: loads
+/// libclang the way the build scripts do and parses a header that includes
+/// `<stddef.h>` as C (the ACL mode) and as C++ (the HCCL mode). A libclang
+/// without its resource headers fails here with "'stddef.h' file not found",
+/// as it would in the real generation. Returns the libclang that was used.
+pub fn probe() -> Result<PathBuf, String> {
+    clang_sys::load().map_err(|e| format!("libclang not available: {e}"))?;
+    let lib =
+        clang_sys::get_library().map(|l| l.path().to_path_buf()).ok_or("libclang loaded but its path is unknown")?;
+    for (lang, std) in [("c", "-std=c11"), ("c++", "-std=c++11")] {
+        let text = bindgen::Builder::default()
+            .header_contents("cann_bindgen_probe.h", "#include <stddef.h>\ntypedef size_t cann_bindgen_probe_t;\n")
+            .clang_args(["-x", lang, std])
+            .allowlist_type("cann_bindgen_probe_t")
+            .generate()
+            .map_err(|e| {
+                format!("bindgen cannot parse a header including <stddef.h> as {lang} with {}: {e}", lib.display())
+            })?
+            .to_string();
+        if !text.contains("cann_bindgen_probe_t") {
+            return Err(format!("bindgen ({lang}, {}) produced no binding for a size_t typedef", lib.display()));
+        }
+    }
+    Ok(lib)
+}
+
 /// The whole build-script logic of one sys crate.
 pub fn build(krate: Crate) {
     println!("cargo:rustc-check-cfg=cfg(cann_generated)");
