@@ -4,10 +4,10 @@
 //! the host against the real Ascend C headers in CPU-debug mode, over the
 //! host model of `kernels/host_model/` (the intrinsics and runtime hooks the
 //! headers lower to), linked into the crate; `cfg(amoe_host_kernel)` tells the
-//! Rust side it is there. The headers come from, in order:
-//! `ASCEND_MOE_ASCENDC_INCLUDE` (a directory laid out like the toolkit's
-//! CPU-debug copy: `include/{basic_api,highlevel_api}` and
-//! `tikicpulib/include`), the CANN toolkit of `ASCEND_HOME_PATH`, or
+//! Rust side it is there. The headers come from `ASCEND_MOE_ASCENDC_INCLUDE`
+//! when it is set (a directory laid out like the toolkit's CPU-debug copy:
+//! `include/{basic_api,highlevel_api}` and `tikicpulib/include`), else from
+//! the CANN toolkit of `ASCEND_HOME_PATH`, else from
 //! `../shared/third_party/ascendc-8.1` beside the repository. Without them
 //! the kernel is reported unavailable at run time, with the directories that
 //! were looked at (`AMOE_HOST_KERNEL_UNAVAILABLE`).
@@ -122,7 +122,9 @@ impl AscendcHeaders {
 fn header_candidates() -> Vec<AscendcHeaders> {
     let mut c = Vec::new();
     if let Some(root) = env::var_os("ASCEND_MOE_ASCENDC_INCLUDE").map(PathBuf::from) {
+        // An explicit choice: no silent fall-back to other headers.
         c.push(AscendcHeaders { api: root.join("include"), cpu: root.join("tikicpulib/include") });
+        return c;
     }
     for var in ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"] {
         if let Some(home) = env::var_os(var).map(PathBuf::from) {

@@ -366,16 +366,16 @@ struct Operand {
  * `per` elements per 256-byte repeat: in count mode the first mask0
  * elements (repeat ignored), else `repeat` repeats under the mask. */
 template <size_t N, typename F>
-void Vector(const char *what, const Operand &dst, const Operand (&src)[N], uint8_t repeat, F fn)
+void Vector(const char *what, const Operand &dst, const Operand *src, uint8_t repeat, F fn)
 {
     uint32_t widest = dst.esize;
-    for (const Operand &s : src) {
-        widest = s.esize > widest ? s.esize : widest;
+    for (size_t k = 0; k < N; ++k) {
+        widest = src[k].esize > widest ? src[k].esize : widest;
     }
     const uint32_t per = kRepeatBytes / widest;
     RequireAligned(dst.base, what);
-    for (const Operand &s : src) {
-        RequireAligned(s.base, what);
+    for (size_t k = 0; k < N; ++k) {
+        RequireAligned(src[k].base, what);
     }
     Instr in(P_V, what);
     const Core &c = g_core;
@@ -389,7 +389,7 @@ void Vector(const char *what, const Operand &dst, const Operand (&src)[N], uint8
                 continue;
             }
         }
-        uint8_t *s[N];
+        uint8_t *s[N > 0 ? N : 1];
         for (size_t k = 0; k < N; ++k) {
             s[k] = src[k].At(r, i);
             in.Read(s[k], src[k].esize);
@@ -503,7 +503,7 @@ void Conv(const char *what, void *dst, uint32_t dstSize, void *src, uint32_t src
 {
     const Operand d{static_cast<uint8_t *>(dst), dstSize, dstBlk, dstRep};
     const Operand s[1] = {{static_cast<uint8_t *>(src), srcSize, srcBlk, srcRep}};
-    Vector(what, d, s, repeat, [fn](uint8_t *o, uint8_t *const *in) { fn(o, in[0]); });
+    Vector<1>(what, d, s, repeat, [fn](uint8_t *o, uint8_t *const *in) { fn(o, in[0]); });
 }
 
 [[noreturn]] void NotModelled(const char *what)
@@ -908,26 +908,9 @@ namespace {
 template <typename T>
 void Dup(T *dst, T v, uint8_t repeat, uint16_t dstBlk, uint8_t dstRep)
 {
-    const char *what = "Duplicate (vector_dup)";
     const Operand d{reinterpret_cast<uint8_t *>(dst), sizeof(T), dstBlk, dstRep};
-    const uint32_t per = kRepeatBytes / sizeof(T);
-    RequireAligned(dst, what);
-    Instr in(P_V, what);
-    const Core &c = g_core;
-    const uint64_t total = c.maskCount ? c.mask0 : static_cast<uint64_t>(repeat) * per;
-    for (uint64_t e = 0; e < total; ++e) {
-        const uint64_t r = e / per;
-        const uint64_t i = e % per;
-        if (!c.maskCount) {
-            const uint64_t bit = i < 64 ? (c.mask0 >> i) & 1u : (c.mask1 >> (i - 64)) & 1u;
-            if (bit == 0) {
-                continue;
-            }
-        }
-        uint8_t *o = d.At(r, i);
-        in.Write(o, sizeof(T));
-        std::memcpy(o, &v, sizeof(T));
-    }
+    Vector<0>("Duplicate (vector_dup)", d, nullptr, repeat,
+              [v](uint8_t *o, uint8_t *const *) { std::memcpy(o, &v, sizeof(T)); });
 }
 } // namespace
 } // namespace amoe_hm
@@ -948,7 +931,7 @@ void vadd(float *dst, float *src0, float *src1, uint8_t repeat, uint8_t dstBlk, 
     const amoe_hm::Operand d{reinterpret_cast<uint8_t *>(dst), 4, dstBlk, dstRep};
     const amoe_hm::Operand s[2] = {{reinterpret_cast<uint8_t *>(src0), 4, src0Blk, src0Rep},
                                    {reinterpret_cast<uint8_t *>(src1), 4, src1Blk, src1Rep}};
-    amoe_hm::Vector("Add (vadd)", d, s, repeat, [](uint8_t *o, uint8_t *const *in) {
+    amoe_hm::Vector<2>("Add (vadd)", d, s, repeat, [](uint8_t *o, uint8_t *const *in) {
         amoe_hm::StoreF32(o, amoe_hm::LoadF32(in[0]) + amoe_hm::LoadF32(in[1]));
     });
 }
@@ -958,7 +941,7 @@ void vmuls(float *dst, float *src, float v, uint8_t repeat, uint16_t dstBlk, uin
 {
     const amoe_hm::Operand d{reinterpret_cast<uint8_t *>(dst), 4, dstBlk, dstRep};
     const amoe_hm::Operand s[1] = {{reinterpret_cast<uint8_t *>(src), 4, srcBlk, srcRep}};
-    amoe_hm::Vector("Muls (vmuls)", d, s, repeat,
+    amoe_hm::Vector<1>("Muls (vmuls)", d, s, repeat,
                     [v](uint8_t *o, uint8_t *const *in) { amoe_hm::StoreF32(o, amoe_hm::LoadF32(in[0]) * v); });
 }
 
