@@ -1,30 +1,40 @@
 //! Builds the native finalize kernel (kernels/).
 //!
-//! Always: the Ascend C source compiled for the host against kernels/sim (the
-//! host implementation of the Ascend C API subset it uses), linked into the
-//! crate as `amoe_finalize_kernel_host`; `cfg(amoe_host_kernel)` tells the Rust
-//! side it is there.
+//! Host build (always attempted): `kernels/finalize_kernel.cpp` compiled for
+//! the host against the real Ascend C headers in CPU-debug mode, over the
+//! host model of `kernels/host_model/` (the intrinsics and runtime hooks the
+//! headers lower to), linked into the crate; `cfg(amoe_host_kernel)` tells the
+//! Rust side it is there. The headers come from `ASCEND_MOE_ASCENDC_INCLUDE`
+//! when it is set (a directory laid out like the toolkit's CPU-debug copy:
+//! `include/{basic_api,highlevel_api}` and `tikicpulib/include`), else from
+//! the CANN toolkit of `ASCEND_HOME_PATH`, else from
+//! `../shared/third_party/ascendc-8.1` beside the repository. Without them
+//! the kernel is reported unavailable at run time, with the directories that
+//! were looked at (`AMOE_HOST_KERNEL_UNAVAILABLE`).
 //!
-//! When CANN is installed (`ASCEND_HOME_PATH` or `ASCEND_TOOLKIT_HOME`, with
-//! its `bisheng` or `ccec` compiler): additionally the same source compiled for
-//! the AI Core into `libamoe_kernels_npu.so` in OUT_DIR, exporting
-//! `amoe_finalize_launch_npu`; its path is baked in as `AMOE_NPU_KERNEL_LIB`
-//! and `cfg(amoe_npu_kernel)` is set. The library is loaded at run time, so
-//! the crate never links CANN.
-//!
-//! Nothing here fails the build because CANN (or a host C++ compiler) is
-//! missing: the kernel is then reported unavailable at run time.
+//! NPU build (when CANN is installed: `ASCEND_HOME_PATH` or
+//! `ASCEND_TOOLKIT_HOME` with its `bisheng` or `ccec`): the same source for
+//! the AI Core into `libamoe_kernels_npu.so` in OUT_DIR, flags per CANN
+//! version (`build/npu_flags.rs`); its path is baked in as
+//! `AMOE_NPU_KERNEL_LIB` and `cfg(amoe_npu_kernel)` is set. A failure is a
+//! build warning, or a build error with `ASCEND_MOE_NATIVE_KERNEL=required`.
+
+#[path = "build/npu_flags.rs"]
+mod npu_flags;
 
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const KERNEL_SOURCES: &[&str] = &[
+    "build/npu_flags.rs",
     "kernels/finalize_kernel.cpp",
     "kernels/finalize_tiling.h",
     "kernels/npu_launch.cpp",
-    "kernels/sim/kernel_operator.h",
-    "kernels/sim/host_entry.cpp",
+    "kernels/host_model/cpu_debug_hooks.h",
+    "kernels/host_model/host_entry.cpp",
+    "kernels/host_model/model.cpp",
+    "kernels/host_model/model.h",
 ];
 
 /// Environment that changes what this script does.
@@ -32,10 +42,25 @@ const ENV_VARS: &[&str] = &[
     // CANN install root (set by CANN's set_env.sh).
     "ASCEND_HOME_PATH",
     "ASCEND_TOOLKIT_HOME",
-    // AI Core architecture for the NPU build (default dav-2201 = Atlas A2 / 910B).
+    // Ascend C headers for the host build (see the module doc).
+    "ASCEND_MOE_ASCENDC_INCLUDE",
+    // AI Core architecture for the NPU build with CANN >= 8.3 (default dav-2201 = Atlas A2 / 910B).
     "ASCEND_MOE_NPU_ARCH",
     // `1` skips the NPU kernel build even when CANN is present.
     "ASCEND_MOE_NO_NPU_KERNEL",
+    // `required`: a missing or failing NPU kernel build on a CANN host is an error.
+    "ASCEND_MOE_NATIVE_KERNEL",
+];
+
+/// CPU-debug defines for the dav-c220 vector core, from tikicpulib's cmake
+/// config (the headers' README lists them).
+const CPU_DEBUG_DEFINES: &[(&str, &str)] = &[
+    ("__CCE_KT_TEST__", "1"),
+    ("ASCENDC_CPU_DEBUG", "1"),
+    ("ASCENDC_DEBUG", "1"),
+    ("__CCE_AICORE__", "220"),
+    ("__DAV_C220__", ""),
+    ("_GLIBCXX_USE_CXX11_ABI", "0"),
 ];
 
 fn main() {
@@ -50,74 +75,247 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
 
     build_host_kernel();
+    let required = env::var("ASCEND_MOE_NATIVE_KERNEL").as_deref() == Ok("required");
     if env::var("ASCEND_MOE_NO_NPU_KERNEL").as_deref() != Ok("1") {
-        if let Some(cann) = find_cann() {
-            build_npu_kernel(&cann);
+        match find_cann() {
+            Ok(Some(cann)) => build_npu_kernel(&cann, required),
+            Ok(None) => {}
+            Err(e) => fail_npu(required, &e),
         }
     }
 }
 
-/// The kernel for the host, against kernels/sim. FP contraction is off so
-/// every multiply and add rounds on its own, like the vector unit.
+fn manifest_dir() -> PathBuf {
+    PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default())
+}
+
+/// The two header roots of a CPU-debug build.
+struct AscendcHeaders {
+    /// Holds `basic_api/` and `highlevel_api/`.
+    api: PathBuf,
+    /// tikicpulib's `include/` (stub_fun.h, kern_fwk.h, ...).
+    cpu: PathBuf,
+}
+
+impl AscendcHeaders {
+    fn complete(&self) -> bool {
+        self.api.join("basic_api/kernel_operator.h").is_file() && self.cpu.join("stub_fun.h").is_file()
+    }
+
+    fn dirs(&self) -> Vec<PathBuf> {
+        let b = self.api.join("basic_api");
+        let h = self.api.join("highlevel_api");
+        vec![
+            b.clone(),
+            b.join("impl"),
+            b.join("interface"),
+            b.join("inner_interface"),
+            h.clone(),
+            h.join("lib"),
+            h.join("impl"),
+            self.cpu.clone(),
+        ]
+    }
+}
+
+/// Candidate header locations, in order of preference.
+fn header_candidates() -> Vec<AscendcHeaders> {
+    let mut c = Vec::new();
+    if let Some(root) = env::var_os("ASCEND_MOE_ASCENDC_INCLUDE").map(PathBuf::from) {
+        // An explicit choice: no silent fall-back to other headers.
+        c.push(AscendcHeaders { api: root.join("include"), cpu: root.join("tikicpulib/include") });
+        return c;
+    }
+    for var in ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"] {
+        if let Some(home) = env::var_os(var).map(PathBuf::from) {
+            let cpu = home.join("tools/tikicpulib/lib/include");
+            for api in ["compiler/ascendc/include", "aarch64-linux/ascendc/include", "x86_64-linux/ascendc/include"] {
+                c.push(AscendcHeaders { api: home.join(api), cpu: cpu.clone() });
+            }
+        }
+    }
+    let shared = manifest_dir().join("../shared/third_party/ascendc-8.1");
+    c.push(AscendcHeaders { api: shared.join("include"), cpu: shared.join("tikicpulib/include") });
+    c
+}
+
+/// The kernel and the host model for the host. Three translation units
+/// include the Ascend C headers (the kernel, the kernel with one barrier
+/// dropped, the host entry); they compile in parallel.
 fn build_host_kernel() {
-    let mut b = cc::Build::new();
-    b.cpp(true)
+    let candidates = header_candidates();
+    let Some(headers) = candidates.iter().find(|h| h.complete()) else {
+        let looked: Vec<String> = candidates.iter().map(|h| h.api.display().to_string()).collect();
+        let msg = format!(
+            "the Ascend C headers were not found (looked for basic_api/kernel_operator.h under {}; set \
+             ASCEND_MOE_ASCENDC_INCLUDE or check out shared/ beside the repository)",
+            looked.join(", ")
+        );
+        println!("cargo:warning=host build of kernels/ skipped, the native kernel is unavailable: {msg}");
+        println!("cargo:rustc-env=AMOE_HOST_KERNEL_UNAVAILABLE={msg}");
+        return;
+    };
+    for d in headers.dirs() {
+        println!("cargo:rerun-if-changed={}", d.display());
+    }
+    let out = PathBuf::from(env::var_os("OUT_DIR").unwrap_or_default());
+    let mut base = cc::Build::new();
+    base.cpp(true)
         .std("c++17")
-        .opt_level(2)
+        .opt_level(1)
+        .debug(false)
+        // Every multiply and add rounds on its own, like the vector unit.
         .flag_if_supported("-ffp-contract=off")
         .flag_if_supported("-fno-fast-math")
-        .flag_if_supported("-Wno-unused-parameter")
         .include("kernels")
-        .include("kernels/sim")
-        .file("kernels/finalize_kernel.cpp")
-        .file("kernels/sim/host_entry.cpp");
-    match b.try_compile("amoe_kernels_host") {
-        Ok(()) => println!("cargo:rustc-cfg=amoe_host_kernel"),
-        Err(e) => println!("cargo:warning=host build of kernels/ failed, the native kernel is unavailable: {e}"),
+        .include("kernels/host_model")
+        .warnings(true)
+        .extra_warnings(true)
+        // The headers call `Fp16T(int32_t)` / `Bf16T(float)` constructors
+        // whose member initialiser passes `this` to a conversion defined in
+        // model.cpp; GCC cannot see that it never reads the member.
+        .flag_if_supported("-Wno-maybe-uninitialized");
+    for (k, v) in CPU_DEBUG_DEFINES {
+        base.define(k, if v.is_empty() { None } else { Some(*v) });
     }
+    for d in headers.dirs() {
+        // Vendor headers: their own warnings are theirs (reviewed in kernels/README.md).
+        base.flag(format!("-isystem{}", d.display()));
+    }
+    let hooks = manifest_dir().join("kernels/host_model/cpu_debug_hooks.h");
+    let units = [
+        Unit { name: "kernel", file: "kernels/finalize_kernel.cpp", defines: &[], api: true },
+        Unit {
+            name: "kernel_dropped_barrier",
+            file: "kernels/finalize_kernel.cpp",
+            defines: &[
+                ("AMOE_FINALIZE_DROP_BARRIER", "1"),
+                ("AMOE_FINALIZE_KERNEL_NAME", "amoe_finalize_kernel_dropped_barrier"),
+            ],
+            api: true,
+        },
+        Unit { name: "host_entry", file: "kernels/host_model/host_entry.cpp", defines: &[], api: true },
+        Unit { name: "model", file: "kernels/host_model/model.cpp", defines: &[], api: false },
+    ];
+    let results: Vec<Result<Vec<PathBuf>, cc::Error>> = std::thread::scope(|s| {
+        let handles: Vec<_> = units
+            .iter()
+            .map(|u| {
+                let mut b = base.clone();
+                b.out_dir(out.join("host_model").join(u.name)).file(u.file);
+                if u.api {
+                    b.flag("-include").flag(hooks.display().to_string());
+                } else {
+                    // The model itself only includes tikicpulib's stub headers.
+                    b.opt_level(2);
+                }
+                for (k, v) in u.defines {
+                    b.define(k, Some(*v));
+                }
+                s.spawn(move || b.try_compile_intermediates())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| panic!("a host kernel compile panicked"))).collect()
+    });
+    let mut objects = Vec::new();
+    for r in results {
+        match r {
+            Ok(o) => objects.extend(o),
+            Err(e) => {
+                let msg = format!("host build of kernels/ against {} failed: {e}", headers.api.display());
+                println!("cargo:warning={msg}, the native kernel is unavailable");
+                println!("cargo:rustc-env=AMOE_HOST_KERNEL_UNAVAILABLE={msg}");
+                return;
+            }
+        }
+    }
+    let mut lib = cc::Build::new();
+    lib.cpp(true).objects(&objects);
+    match lib.try_compile("amoe_kernels_host") {
+        Ok(()) => {
+            println!("cargo:rustc-cfg=amoe_host_kernel");
+            println!("cargo:rustc-env=AMOE_HOST_KERNEL_HEADERS={}", headers.api.display());
+        }
+        Err(e) => {
+            let msg = format!("archiving the host build of kernels/ failed: {e}");
+            println!("cargo:warning={msg}");
+            println!("cargo:rustc-env=AMOE_HOST_KERNEL_UNAVAILABLE={msg}");
+        }
+    }
+}
+
+/// One translation unit of the host build.
+struct Unit {
+    name: &'static str,
+    file: &'static str,
+    defines: &'static [(&'static str, &'static str)],
+    /// Includes the Ascend C API headers (gets the CPU-debug hooks).
+    api: bool,
 }
 
 struct Cann {
     home: PathBuf,
     compiler: PathBuf,
+    version: npu_flags::CannVersion,
 }
 
-/// CANN root and its kernel compiler, if installed.
-fn find_cann() -> Option<Cann> {
-    let roots = ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"].iter().filter_map(env::var_os).map(PathBuf::from);
-    for home in roots {
+/// CANN root, its kernel compiler and its version, if a toolkit is
+/// installed; an error when one is announced but unusable.
+fn find_cann() -> Result<Option<Cann>, String> {
+    let roots: Vec<PathBuf> =
+        ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"].iter().filter_map(env::var_os).map(PathBuf::from).collect();
+    if roots.is_empty() {
+        return Ok(None);
+    }
+    for home in &roots {
         let candidates = [
             home.join("compiler/ccec_compiler/bin/bisheng"),
             home.join("compiler/ccec_compiler/bin/ccec"),
             home.join("bin/bisheng"),
             home.join("bin/ccec"),
         ];
-        if let Some(compiler) = candidates.into_iter().find(|p| p.is_file()) {
-            return Some(Cann { home, compiler });
+        let Some(compiler) = candidates.into_iter().find(|p| p.is_file()) else {
+            continue;
+        };
+        let files = npu_flags::version_files(home);
+        let version =
+            files.iter().find_map(|f| std::fs::read_to_string(f).ok().and_then(|t| npu_flags::parse_version_file(&t)));
+        for f in &files {
+            println!("cargo:rerun-if-changed={}", f.display());
         }
+        let Some(version) = version else {
+            let looked: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+            return Err(format!("CANN at {}: no version found in {}", home.display(), looked.join(", ")));
+        };
+        return Ok(Some(Cann { home: home.clone(), compiler, version }));
     }
-    None
+    let looked: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+    Err(format!("no bisheng or ccec compiler under the CANN install {}", looked.join(", ")))
+}
+
+fn fail_npu(required: bool, msg: &str) {
+    if required {
+        panic!("ASCEND_MOE_NATIVE_KERNEL=required: the NPU build of kernels/ failed: {msg}");
+    }
+    println!("cargo:warning=NPU build of kernels/ failed, the NPU path uses aclnn: {msg}");
 }
 
 /// One heterogeneous compile (`-xcce`): the device kernel plus the host stub of
 /// its `<<<>>>` launch, as a shared library loaded at run time.
-fn build_npu_kernel(cann: &Cann) {
+fn build_npu_kernel(cann: &Cann, required: bool) {
     let out = PathBuf::from(env::var_os("OUT_DIR").unwrap_or_default());
     let lib = out.join("libamoe_kernels_npu.so");
     let arch = env::var("ASCEND_MOE_NPU_ARCH").unwrap_or_else(|_| "dav-2201".to_string());
-    let tik = cann.home.join("compiler/tikcpp/tikcfw");
+    let b = npu_flags::NpuBuild {
+        home: &cann.home,
+        version: cann.version,
+        npu_arch: &arch,
+        source: Path::new("kernels/npu_launch.cpp"),
+        kernels_dir: Path::new("kernels"),
+        output: &lib,
+    };
     let mut cmd = Command::new(&cann.compiler);
-    cmd.arg("-xcce")
-        .arg(format!("--npu-arch={arch}"))
-        .args(["-O2", "-std=c++17", "-fPIC", "-shared"])
-        .arg(inc(&cann.home.join("include")))
-        .arg(inc(&tik))
-        .arg(inc(&tik.join("impl")))
-        .arg(inc(&tik.join("interface")))
-        .arg(inc(Path::new("kernels")))
-        .arg("kernels/npu_launch.cpp")
-        .arg("-o")
-        .arg(&lib);
+    cmd.args(npu_flags::bisheng_args(&b));
     match cmd.output() {
         Ok(o) if o.status.success() => {
             println!("cargo:rustc-cfg=amoe_npu_kernel");
@@ -125,13 +323,9 @@ fn build_npu_kernel(cann: &Cann) {
         }
         Ok(o) => {
             let err = String::from_utf8_lossy(&o.stderr);
-            let first = err.lines().take(5).collect::<Vec<_>>().join(" | ");
-            println!("cargo:warning=NPU build of kernels/ failed with {}: {first}", cann.compiler.display());
+            let first = err.lines().take(8).collect::<Vec<_>>().join(" | ");
+            fail_npu(required, &format!("{} exited with {}: {first}", cann.compiler.display(), o.status));
         }
-        Err(e) => println!("cargo:warning=could not run {}: {e}", cann.compiler.display()),
+        Err(e) => fail_npu(required, &format!("could not run {}: {e}", cann.compiler.display())),
     }
-}
-
-fn inc(p: &Path) -> String {
-    format!("-I{}", p.display())
 }

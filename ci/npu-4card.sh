@@ -16,6 +16,9 @@
 #   ci/npu-4card.sh -- FILTER     only tests whose name contains FILTER
 #
 # ASCEND_MOE_COMM_TIMEOUT (seconds, default 120 here) bounds every collective.
+# ASCEND_MOE_NATIVE_KERNEL=required makes a missing or failing AI Core build
+# of kernels/ a build error on a host with a CANN toolkit (ASCEND_HOME_PATH),
+# instead of a warning and a silent fall-back to aclnn.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,6 +34,7 @@ while (($#)); do
 done
 
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-120}"
+export ASCEND_MOE_NATIVE_KERNEL="${ASCEND_MOE_NATIVE_KERNEL:-required}"
 export ASCEND_MOE_MIN_DEVICES="${ASCEND_MOE_MIN_DEVICES:-4}"
 step() { printf '\n== %s ==\n' "$*"; }
 

@@ -19,6 +19,17 @@
  * [0, experts) are never used to address memory: the slot contributes
  * nothing and the core records the first such position in its status record,
  * which the host turns into an error.
+ *
+ * Synchronisation: the queues order the pipes (EnQue/DeQue/FreeTensor insert
+ * the MTE2 -> V, V -> MTE3 and back flags), and every vector instruction
+ * whose result the next vector instruction reads, or whose operand it
+ * overwrites, is followed by PipeBarrier<PIPE_V>: the build has no
+ * --cce-auto-sync to insert them, and the V pipe does not interlock UB
+ * dependences between its own instructions.
+ *
+ * Built with AMOE_FINALIZE_DROP_BARRIER, the barrier between Muls and the
+ * accumulating Add is left out (and the entry is renamed through
+ * AMOE_FINALIZE_KERNEL_NAME): a test build that the host model must reject.
  */
 #include "finalize_tiling.h"
 #include "kernel_operator.h"
@@ -32,6 +43,9 @@ __aicore__ inline float ScalarToF32(half v) { return static_cast<float>(v); }
 __aicore__ inline float ScalarToF32(bfloat16_t v) { return ToFloat(v); }
 
 __aicore__ inline uint32_t AlignUp(uint32_t v, uint32_t a) { return (v + a - 1u) / a * a; }
+
+/* Orders a vector instruction after the previous one on the V pipe. */
+__aicore__ inline void VecBarrier() { PipeBarrier<PIPE_V>(); }
 
 __aicore__ inline void LoadTiling(AmoeFinalizeTiling &t, GM_ADDR tiling)
 {
@@ -220,10 +234,11 @@ private:
     __aicore__ inline void SetAcc(const LocalTensor<float> &acc, const LocalTensor<T> &src, uint32_t len)
     {
         if constexpr (kF32) {
-            DataCopy(acc, src, AlignUp(len, 8u));
+            DataCopy(acc, src, AlignUp(len, 8u)); /* UB -> UB: a PIPE_V copy */
         } else {
             Cast(acc, src, RoundMode::CAST_NONE, len);
         }
+        VecBarrier();
     }
 
     /* The tile widened to f32: the buffer itself for f32, else a cast into `scratch`. */
@@ -234,6 +249,7 @@ private:
             return src;
         } else {
             Cast(scratch, src, RoundMode::CAST_NONE, len);
+            VecBarrier();
             return scratch;
         }
     }
@@ -304,6 +320,7 @@ private:
             LocalTensor<T> b = CopyIn(inQue_, x2Gm_, token * h + col, len);
             if (hasX1_) {
                 Add(acc, acc, Widen(b, termScratch, len), static_cast<int32_t>(len));
+                VecBarrier();
             } else {
                 SetAcc(acc, b, len);
             }
@@ -311,6 +328,7 @@ private:
         }
         if (!hasX1_ && !hasX2_) {
             Duplicate(acc, 0.0f, static_cast<int32_t>(len));
+            VecBarrier();
         }
 
         /* Double buffering: the row of slot k+1 is in flight while slot k
@@ -332,6 +350,7 @@ private:
                 if (cur.dropped) {
                     term = termScratch;
                     Duplicate(term, 0.0f, static_cast<int32_t>(len));
+                    VecBarrier();
                 } else {
                     rowT = inQue_.template DeQue<T>();
                     term = Widen(rowT, termScratch, len);
@@ -343,12 +362,18 @@ private:
                     } else {
                         Add(term, term, Widen(bt, biasF32Buf_.Get<float>(), len), static_cast<int32_t>(len));
                     }
+                    VecBarrier();
                     biasQue_.FreeTensor(bt);
                 }
                 if (hasScales_) {
                     Muls(term, term, cur.scale, static_cast<int32_t>(len));
+#ifndef AMOE_FINALIZE_DROP_BARRIER
+                    VecBarrier();
+#endif
                 }
+                /* Also orders the next slot's writes of termBuf_ and acc. */
                 Add(acc, acc, term, static_cast<int32_t>(len));
+                VecBarrier();
                 if (!cur.dropped) {
                     inQue_.FreeTensor(rowT);
                 }
@@ -358,6 +383,7 @@ private:
 
         if constexpr (!kF32) {
             Cast(o, acc, RoundMode::CAST_RINT, len);
+            VecBarrier(); /* the next tile overwrites acc */
         }
         CopyOut(outOffset, o, len);
     }
@@ -413,11 +439,18 @@ __aicore__ inline void Run(GM_ADDR expandedX, GM_ADDR rowIdx, GM_ADDR x1, GM_ADD
 
 } // namespace
 
-extern "C" __global__ __aicore__ void amoe_finalize_kernel(GM_ADDR expandedX, GM_ADDR rowIdx, GM_ADDR x1, GM_ADDR x2,
-                                                           GM_ADDR bias, GM_ADDR scales, GM_ADDR expertIdx,
-                                                           GM_ADDR out, GM_ADDR slotOffsets, GM_ADDR status,
-                                                           GM_ADDR tiling)
+#ifndef AMOE_FINALIZE_KERNEL_NAME
+#define AMOE_FINALIZE_KERNEL_NAME amoe_finalize_kernel
+#endif
+
+extern "C" __global__ __aicore__ void AMOE_FINALIZE_KERNEL_NAME(GM_ADDR expandedX, GM_ADDR rowIdx, GM_ADDR x1,
+                                                               GM_ADDR x2, GM_ADDR bias, GM_ADDR scales,
+                                                               GM_ADDR expertIdx, GM_ADDR out, GM_ADDR slotOffsets,
+                                                               GM_ADDR status, GM_ADDR tiling)
 {
+    /* Vector cores only: no cube core, so GetBlockNum() is the launch's
+     * blockDim and no KFC client reserves the end of UB. */
+    KERNEL_TASK_TYPE_DEFAULT(KERNEL_TYPE_AIV_ONLY);
     AmoeFinalizeTiling t;
     LoadTiling(t, tiling);
     if (!TilingOk(t)) {

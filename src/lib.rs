@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | raw bindings | `acl-sys`, `hccl-sys` | CANN ACL / HCCL symbols, loaded at run time |
 //! | backends | [`backend`] | [`Device`], the [`backend::Backend`] trait, CPU and NPU implementations |
-//! | native kernel | [`kernels`] | tiling and host runner of the Ascend C finalize kernel in `kernels/` |
+//! | native kernel | [`backend::npu::kernel`] | tiling, launch and host runner of the Ascend C finalize kernel in `kernels/` |
 //! | communication | [`comm`] | [`Comm`], [`Collectives`], [`ReduceOp`], [`CommType`] |
 //! | tensors | [`tensor`], [`dtype`] | [`Tensor`], [`DType`], [`Element`] |
 //! | errors | [`error`] | [`Error`], [`Result`] |
@@ -22,7 +22,6 @@ pub mod capi;
 pub mod comm;
 pub mod dtype;
 pub mod error;
-pub mod kernels;
 pub mod moe;
 pub mod tensor;
 

@@ -2,8 +2,8 @@
 
 use std::mem::{offset_of, size_of};
 
+use ascend_moe::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, TILE_ALIGN, UB_BYTES_910B};
 use ascend_moe::backend::{FinalizeDims, OutputRows};
-use ascend_moe::kernels::{self, FinalizeTiling, TilingParams, TILE_ALIGN, UB_BYTES_910B};
 use ascend_moe::{DType, DropPadMode, Error};
 
 #[test]

@@ -6,9 +6,9 @@ mod common;
 use common::*;
 use std::ffi::c_void;
 
+use ascend_moe::backend::npu::kernel::{self as kernels, TilingParams, UB_BYTES_910B};
 use ascend_moe::backend::{FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::half::f16;
-use ascend_moe::kernels::{self, TilingParams, UB_BYTES_910B};
 use ascend_moe::{DropPadMode, Tensor};
 
 #[test]

@@ -14,6 +14,7 @@
 //! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
 
 pub mod hccl;
+pub mod kernel;
 pub mod memory;
 mod ops;
 pub mod probe;

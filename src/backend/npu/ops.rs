@@ -10,12 +10,13 @@ use std::sync::OnceLock;
 use acl_sys::aclnn::{self, aclOpExecutor, aclScalar, aclTensor, aclnnStatus, Nnopbase, OpApi};
 use acl_sys::{aclDataType, aclFormat};
 
+use super::kernel as kernels;
 use super::memory::NpuBuffer;
 use super::runtime::recent_error_message;
 use super::NpuDevice;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
 use crate::tensor::Storage;
-use crate::{kernels, with_dtype, DType, Element, Error, Result, Tensor};
+use crate::{with_dtype, DType, Element, Error, Result, Tensor};
 
 fn nnopbase() -> Result<&'static Nnopbase> {
     aclnn::nnopbase().map_err(|e| Error::Unavailable(e.to_string()))

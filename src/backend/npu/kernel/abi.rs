@@ -1,0 +1,155 @@
+//! The C ABI of the finalize kernel: the `#[repr(C)]` mirror of
+//! `kernels/finalize_tiling.h` (tiling, pointer order, flags, status record)
+//! and the signatures of its host and AI Core entry points.
+
+use std::ffi::c_void;
+
+use crate::DType;
+
+/// Unified buffer of one AI Core vector unit on the Atlas A2 (910B) class, in
+/// bytes (192 KiB); the default budget of [`finalize_tiling`].
+pub const UB_BYTES_910B: usize = 192 * 1024;
+/// Tiles along H are a multiple of this many elements (32 bytes of 16-bit data).
+pub const TILE_ALIGN: usize = 16;
+/// `AMOE_FINALIZE_TILING_MAGIC`.
+pub const TILING_MAGIC: u32 = 0x3146_4D41;
+/// Words (u32) of one core's status record.
+pub const STATUS_WORDS: usize = 64;
+
+/// Index of `expanded_x` in the global-memory pointer array.
+pub const GM_EXPANDED_X: usize = 0;
+/// Index of `expanded_row_idx`.
+pub const GM_ROW_IDX: usize = 1;
+/// Index of `x1` (NULL when absent).
+pub const GM_X1: usize = 2;
+/// Index of `x2` (NULL when absent).
+pub const GM_X2: usize = 3;
+/// Index of `bias` (NULL when absent).
+pub const GM_BIAS: usize = 4;
+/// Index of `scales` (NULL when absent).
+pub const GM_SCALES: usize = 5;
+/// Index of `expert_idx` (NULL when absent).
+pub const GM_EXPERT_IDX: usize = 6;
+/// Index of the output.
+pub const GM_OUT: usize = 7;
+/// Index of the int32 `[slots + 1]` slot offsets ([`slot_offsets`]; padded output only).
+pub const GM_SLOT_OFFSETS: usize = 8;
+/// Index of the u32 status array, `block_dim * STATUS_WORDS` words.
+pub const GM_STATUS: usize = 9;
+/// Number of global-memory pointers the kernel takes.
+pub const GM_COUNT: usize = 10;
+
+/// `flags`: `x1` is given.
+pub const FLAG_X1: u32 = 0x1;
+/// `flags`: `x2` is given.
+pub const FLAG_X2: u32 = 0x2;
+/// `flags`: `bias` (and `expert_idx`) are given.
+pub const FLAG_BIAS: u32 = 0x4;
+/// `flags`: `scales` are given.
+pub const FLAG_SCALES: u32 = 0x8;
+/// `flags`: the output is the padded EP buffer of SPEC section 3.
+pub const FLAG_PADDED_OUT: u32 = 0x10;
+
+pub(super) const ST_OK: u32 = 0;
+pub(super) const ST_ROW_INDEX: u32 = 1;
+pub(super) const ST_EXPERT_INDEX: u32 = 2;
+pub(super) const ST_SLOT_LAYOUT: u32 = 3;
+pub(super) const ST_BAD_TILING: u32 = 4;
+pub(super) const ST_SIM_VIOLATION: u32 = 100;
+/// Value the host fills status records with before a launch: a core that
+/// never ran is detected.
+pub const STATUS_NOT_RUN: u32 = 0xFFFF_FFFF;
+pub(super) const STATUS_MESSAGE_BYTE: usize = 32;
+
+/// Tiling of one finalize launch: the `#[repr(C)]` mirror of
+/// `AmoeFinalizeTiling` in `kernels/finalize_tiling.h` (field for field, all
+/// `u32`, no padding). Pass its bytes ([`FinalizeTiling::as_bytes`]) as the
+/// kernel's tiling argument.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct FinalizeTiling {
+    /// [`TILING_MAGIC`].
+    pub magic: u32,
+    /// Tokens (output rows before padding).
+    pub n: u32,
+    /// Top-k.
+    pub k: u32,
+    /// Elements per row.
+    pub h: u32,
+    /// Rows of `expanded_x` viewed as 2-D.
+    pub expanded_rows: u32,
+    /// Rows of `bias` (0 without bias).
+    pub experts: u32,
+    /// [`DType`] number of the data tensors and the output.
+    pub data_dtype: u32,
+    /// [`DType`] number of `scales` (= `data_dtype` without scales).
+    pub scales_dtype: u32,
+    /// Drop-pad mode 0..=3.
+    pub mode: u32,
+    /// `FLAG_*` bits.
+    pub flags: u32,
+    /// Cores the launch uses.
+    pub block_dim: u32,
+    /// Output rows: `n`, or `slots * slot_rows` when padded.
+    pub out_rows: u32,
+    /// Slots (EP ranks) of the padded output; 1 when dense.
+    pub slots: u32,
+    /// Rows per slot; `n` when dense.
+    pub slot_rows: u32,
+    /// Elements per H tile (a multiple of [`TILE_ALIGN`]).
+    pub tile_h: u32,
+    /// `ceil(h / tile_h)`.
+    pub tiles: u32,
+    /// Elements of the last tile.
+    pub tail_h: u32,
+    /// `out_rows / block_dim`.
+    pub rows_per_core: u32,
+    /// `out_rows % block_dim`; the first `rows_rem` cores take one more row.
+    pub rows_rem: u32,
+    /// Unified-buffer bytes the kernel allocates per core ([`ub_bytes`]).
+    pub ub_bytes: u32,
+}
+
+impl FinalizeTiling {
+    /// The bytes handed to the kernel.
+    pub fn as_bytes(&self) -> &[u8] {
+        bytemuck::bytes_of(self)
+    }
+
+    /// Words of the status array a launch with this tiling needs.
+    pub fn status_words(&self) -> usize {
+        self.block_dim as usize * STATUS_WORDS
+    }
+
+    pub(super) fn padded(&self) -> bool {
+        self.flags & FLAG_PADDED_OUT != 0
+    }
+}
+
+/// Unified-buffer bytes the kernel allocates per core for a tile of `tile_h`
+/// elements (the formula of `amoe_finalize_ub_bytes` in the tiling header):
+/// a double-buffered input queue, a bias queue and an output queue of the data
+/// type plus an f32 scratch, and for 16-bit data an f32 accumulator and an f32
+/// bias scratch, plus one 32-byte status block.
+pub fn ub_bytes(data: DType, tile_h: usize) -> usize {
+    // (bytes of the data type, f32 scratch buffers)
+    let (elem, f32_buffers) = if data == DType::F32 { (4, 1) } else { (2, 3) };
+    let per_elem = 4 * elem + 4 * f32_buffers;
+    per_elem * tile_h + 32
+}
+
+/// Signature of one core of a kernel launch; identical to the simulated
+/// runtime's `cannsim_kernel_entry`.
+pub type KernelEntry =
+    unsafe extern "C" fn(block_idx: u32, block_dim: u32, gm: *const *mut c_void, tiling: *const c_void);
+
+/// Signature of [`NPU_LAUNCH_SYMBOL`] in the AI Core build.
+pub type NpuLaunchFn =
+    unsafe extern "C" fn(block_dim: u32, stream: *mut c_void, gm: *const *mut c_void, tiling: *mut c_void) -> i32;
+
+/// Launcher exported by the AI Core build:
+/// `int32_t amoe_finalize_launch_npu(uint32_t block_dim, aclrtStream stream,
+/// void *const *gm, void *tiling_dev)`, with `gm` a host array of [`GM_COUNT`]
+/// device pointers and the tiling already copied to the device. Returns 0 or
+/// an ACL error code.
+pub const NPU_LAUNCH_SYMBOL: &str = "amoe_finalize_launch_npu";

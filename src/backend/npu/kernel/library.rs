@@ -1,0 +1,223 @@
+//! Where the kernel's builds live: the host build linked into the crate
+//! (`kernels/host_model/`, over the real Ascend C headers) and the AI Core
+//! build loaded at run time.
+
+use std::ffi::c_void;
+use std::path::PathBuf;
+
+use super::abi::*;
+use crate::{DType, Error, Result};
+
+#[cfg(amoe_host_kernel)]
+mod ffi {
+    use std::ffi::c_void;
+    extern "C" {
+        pub fn amoe_finalize_kernel_host(block_idx: u32, block_dim: u32, gm: *const *mut c_void, tiling: *const c_void);
+        pub fn amoe_finalize_kernel_host_dropped_barrier(
+            block_idx: u32,
+            block_dim: u32,
+            gm: *const *mut c_void,
+            tiling: *const c_void,
+        );
+        pub fn amoe_finalize_tiling_layout(out: *mut u32, cap: usize) -> usize;
+        pub fn amoe_finalize_ub_bytes_host(data_dtype: u32, tile_h: u32) -> u32;
+        pub fn amoe_sim_ub_capacity() -> u32;
+        pub fn amoe_sim_selftest(which: u32, msg: *mut std::ffi::c_char, cap: usize) -> i32;
+    }
+}
+
+/// The host build of the kernel (`amoe_finalize_kernel_host`), `None` when
+/// `build.rs` could not compile it. This is the entry a simulated runtime's
+/// `cannsim_launch_kernel` runs for every block.
+pub fn host_entry() -> Option<KernelEntry> {
+    #[cfg(amoe_host_kernel)]
+    {
+        Some(ffi::amoe_finalize_kernel_host)
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        None
+    }
+}
+
+/// The same host entry for the kernel built with one `PipeBarrier<PIPE_V>`
+/// left out (the one between `Muls` and the accumulating `Add`): the host
+/// model must reject every launch of it that scales a slot.
+#[doc(hidden)]
+pub fn host_entry_dropped_barrier() -> Option<KernelEntry> {
+    #[cfg(amoe_host_kernel)]
+    {
+        Some(ffi::amoe_finalize_kernel_host_dropped_barrier)
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        None
+    }
+}
+
+/// The Ascend C header directory the host build was compiled against, or
+/// why there is no host build (for example, the headers were not found).
+pub fn host_build_info() -> std::result::Result<&'static str, &'static str> {
+    match (option_env!("AMOE_HOST_KERNEL_HEADERS"), option_env!("AMOE_HOST_KERNEL_UNAVAILABLE")) {
+        (Some(headers), _) if cfg!(amoe_host_kernel) => Ok(headers),
+        (_, Some(why)) => Err(why),
+        _ => Err("build.rs did not build the host kernel"),
+    }
+}
+
+pub(super) fn host_unavailable() -> Error {
+    let why = host_build_info().err().unwrap_or("build.rs did not build the host kernel");
+    Error::Unavailable(format!("the host build of kernels/finalize_kernel.cpp is not in this crate: {why}"))
+}
+
+/// Byte offsets of every `AmoeFinalizeTiling` field as the C compiler laid
+/// them out, in declaration order, followed by `sizeof`.
+pub fn c_tiling_layout() -> Result<Vec<u32>> {
+    #[cfg(amoe_host_kernel)]
+    {
+        let mut v = vec![0u32; 64];
+        // SAFETY: the callee writes at most `cap` = v.len() values into v.
+        let n = unsafe { ffi::amoe_finalize_tiling_layout(v.as_mut_ptr(), v.len()) };
+        v.truncate(n.min(64));
+        Ok(v)
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        Err(host_unavailable())
+    }
+}
+
+/// The unified-buffer bytes the C header's formula gives (the kernel's own
+/// allocation plan), to check [`ub_bytes`] against.
+pub fn c_ub_bytes(data: DType, tile_h: u32) -> Result<u32> {
+    #[cfg(amoe_host_kernel)]
+    {
+        // SAFETY: a pure function of two integers.
+        Ok(unsafe { ffi::amoe_finalize_ub_bytes_host(data as u32, tile_h) })
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        let _ = (data, tile_h);
+        Err(host_unavailable())
+    }
+}
+
+/// Unified-buffer capacity per core that the host model enforces.
+pub fn sim_ub_capacity() -> Result<usize> {
+    #[cfg(amoe_host_kernel)]
+    {
+        // SAFETY: returns a constant.
+        Ok(unsafe { ffi::amoe_sim_ub_capacity() } as usize)
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        Err(host_unavailable())
+    }
+}
+
+/// Runs self-test kernel `which` of the host model (`kernels/host_model/host_entry.cpp`):
+/// cases 0 and 12 follow every rule, the others each break one (queue
+/// balance, use after free, bounds, alignment, pipe ordering, a wait on an
+/// event never set). Returns the violation message that aborted the run,
+/// `None` if it ran clean.
+#[doc(hidden)]
+pub fn sim_selftest(which: u32) -> Result<Option<String>> {
+    #[cfg(amoe_host_kernel)]
+    {
+        let mut buf = vec![0u8; 512];
+        // SAFETY: the callee writes at most `cap` bytes, NUL-terminated, into buf.
+        let hit = unsafe { ffi::amoe_sim_selftest(which, buf.as_mut_ptr().cast(), buf.len()) };
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        Ok((hit != 0).then(|| String::from_utf8_lossy(&buf[..end]).into_owned()))
+    }
+    #[cfg(not(amoe_host_kernel))]
+    {
+        let _ = which;
+        Err(host_unavailable())
+    }
+}
+
+/// The AI Core build (`libamoe_kernels_npu.so`, exporting
+/// [`NPU_LAUNCH_SYMBOL`]): `ASCEND_MOE_KERNEL_LIB` if set, else the library
+/// `build.rs` compiled when CANN was present; `None` otherwise.
+pub fn npu_kernel_library() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("ASCEND_MOE_KERNEL_LIB") {
+        return Some(PathBuf::from(p));
+    }
+    option_env!("AMOE_NPU_KERNEL_LIB").map(PathBuf::from)
+}
+
+/// The AI Core build of the kernel (`libamoe_kernels_npu.so`), loaded at run
+/// time so the crate never links CANN.
+pub struct NpuKernelLib {
+    launch: NpuLaunchFn,
+    path: PathBuf,
+    // Keeps `launch` valid; dropped last.
+    _lib: libloading::Library,
+}
+
+impl std::fmt::Debug for NpuKernelLib {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NpuKernelLib").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+impl NpuKernelLib {
+    /// Loads [`npu_kernel_library`]; [`Error::Unavailable`] when there is none
+    /// (no CANN at build time and no `ASCEND_MOE_KERNEL_LIB`).
+    pub fn load() -> Result<Self> {
+        let path = npu_kernel_library().ok_or_else(|| {
+            Error::Unavailable(
+                "no AI Core build of the finalize kernel: CANN was not found at build time and \
+                 ASCEND_MOE_KERNEL_LIB is not set"
+                    .into(),
+            )
+        })?;
+        Self::load_from(path)
+    }
+
+    /// Loads the kernel library at `path`.
+    pub fn load_from(path: impl Into<PathBuf>) -> Result<Self> {
+        let path = path.into();
+        // SAFETY: loading runs the library's initialisers; the AI Core build
+        // has none beyond the CANN runtime's kernel registration.
+        let lib = unsafe { libloading::Library::new(&path) }
+            .map_err(|e| Error::Unavailable(format!("loading {}: {e}", path.display())))?;
+        let sym = format!("{NPU_LAUNCH_SYMBOL}\0");
+        // SAFETY: the symbol has the C signature NpuLaunchFn (kernels/npu_launch.cpp).
+        let launch = unsafe { lib.get::<NpuLaunchFn>(sym.as_bytes()) }
+            .map(|s| *s)
+            .map_err(|e| Error::Unavailable(format!("{}: no {NPU_LAUNCH_SYMBOL}: {e}", path.display())))?;
+        Ok(NpuKernelLib { launch, path, _lib: lib })
+    }
+
+    /// Where the library was loaded from.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Enqueues the kernel on `stream` over `block_dim` cores.
+    ///
+    /// # Safety
+    /// `stream` is a live `aclrtStream`; every non-NULL pointer of `gm` is
+    /// device memory of that stream's device sized as [`check_launch`]
+    /// requires (call it first), NULL exactly where the tiling marks an input
+    /// absent; `tiling_dev` is device memory holding the tiling's bytes; the
+    /// status buffer holds `block_dim * STATUS_WORDS` words; `block_dim`
+    /// equals the tiling's. All of it stays alive until the stream has run it.
+    pub unsafe fn launch(
+        &self,
+        block_dim: u32,
+        stream: *mut c_void,
+        gm: &[*mut c_void; GM_COUNT],
+        tiling_dev: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: forwarded from this function's contract.
+        let code = unsafe { (self.launch)(block_dim, stream, gm.as_ptr(), tiling_dev) };
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(Error::Acl { call: NPU_LAUNCH_SYMBOL, code, msg: String::new() })
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! How the native kernel was built: against the real Ascend C headers (in CI
+//! always: `CI=true` fails the suite if the host build did not happen), and
+//! the AI Core compile line per CANN version (`build/npu_flags.rs`, the pure
+//! function build.rs runs), checked against the conventions of CANN 8.1's
+//! tikcpp cmake files since bisheng cannot run here.
+
+use std::path::Path;
+
+use ascend_moe::backend::npu::kernel as kernels;
+
+#[path = "../build/npu_flags.rs"]
+#[allow(dead_code)]
+mod npu_flags;
+
+use npu_flags::{bisheng_args, parse_version_file, CannVersion, NpuBuild};
+
+#[test]
+fn the_host_kernel_is_built_against_the_real_headers() {
+    let ci = std::env::var("CI").as_deref() == Ok("true");
+    match kernels::host_build_info() {
+        Ok(dir) => {
+            assert!(Path::new(dir).join("basic_api/kernel_operator.h").is_file(), "{dir}");
+            assert!(kernels::host_entry().is_some());
+        }
+        Err(why) => {
+            assert!(!ci, "CI=true, but the host kernel was not built against the Ascend C headers: {why}");
+            assert!(kernels::host_entry().is_none());
+            // Without the headers the reason names where they were looked for.
+            assert!(why.contains("ascendc") || why.contains("failed"), "{why}");
+        }
+    }
+}
+
+#[test]
+fn cann_versions_are_read_from_the_toolkit_info_files() {
+    let v81 = CannVersion { major: 8, minor: 1 };
+    // compiler/version.info
+    assert_eq!(parse_version_file("Version=8.1.RC1\nversion_dir=8.1.RC1\n"), Some(v81));
+    // <arch>-linux/ascend_toolkit_install.info
+    assert_eq!(parse_version_file("package_name=Ascend-cann-toolkit\nversion=8.1.RC1.alpha002\n"), Some(v81));
+    // version.cfg
+    assert_eq!(
+        parse_version_file("# version\ntoolkit_installed_version=[8.3.0:8.3.0]\n"),
+        Some(CannVersion { major: 8, minor: 3 })
+    );
+    assert_eq!(parse_version_file("Version=8.0.0\n"), Some(CannVersion { major: 8, minor: 0 }));
+    assert_eq!(parse_version_file("package_name=x\n"), None);
+    assert_eq!(parse_version_file("version=unknown\n"), None);
+}
+
+fn args_for(major: u32, minor: u32) -> Vec<String> {
+    bisheng_args(&NpuBuild {
+        home: Path::new("/opt/cann"),
+        version: CannVersion { major, minor },
+        npu_arch: "dav-2201",
+        source: Path::new("kernels/npu_launch.cpp"),
+        kernels_dir: Path::new("kernels"),
+        output: Path::new("/out/libamoe_kernels_npu.so"),
+    })
+}
+
+/// The `-mllvm` options of tikcpp's bisheng_intf.cmake in CANN 8.1.
+const CMAKE_MLLVM: [&str; 5] = [
+    "-cce-aicore-stack-size=0x8000",
+    "-cce-aicore-function-stack-size=0x8000",
+    "-cce-aicore-record-overflow=true",
+    "-cce-aicore-addr-transform",
+    "-cce-aicore-dcci-insert-for-scalar=false",
+];
+
+fn assert_common(a: &[String]) {
+    let has = |s: &str| a.iter().any(|x| x == s);
+    assert_eq!(a[0], "-xcce", "{a:?}");
+    assert!(has("--cce-auto-sync"), "{a:?}");
+    for o in CMAKE_MLLVM {
+        let i = a.iter().position(|x| x == o).unwrap_or_else(|| panic!("{o} missing: {a:?}"));
+        assert_eq!(a[i - 1], "-mllvm", "{o}");
+    }
+    for inc in [
+        "-I/opt/cann/include",
+        "-I/opt/cann/compiler/tikcpp/tikcfw",
+        "-I/opt/cann/compiler/tikcpp/tikcfw/impl",
+        "-I/opt/cann/compiler/tikcpp/tikcfw/interface",
+        "-Ikernels",
+    ] {
+        assert!(has(inc), "{inc}: {a:?}");
+    }
+    for f in ["-O2", "-std=c++17", "-fPIC", "-shared", "kernels/npu_launch.cpp"] {
+        assert!(has(f), "{f}: {a:?}");
+    }
+    // The runtime the <<<>>> stub calls: linked, found through the run path.
+    for f in ["-L/opt/cann/lib64", "-Wl,-rpath,/opt/cann/lib64", "-lascendcl", "-lruntime"] {
+        assert!(has(f), "{f}: {a:?}");
+    }
+    let src = a.iter().position(|x| x == "kernels/npu_launch.cpp").unwrap();
+    let lib = a.iter().position(|x| x == "-lascendcl").unwrap();
+    assert!(lib > src, "libraries come after the source for the linker");
+    assert_eq!(&a[a.len() - 2..], ["-o", "/out/libamoe_kernels_npu.so"]);
+}
+
+#[test]
+fn cann_8_0_to_8_2_use_the_aiv_intf_pub_flags() {
+    for minor in [0, 1, 2] {
+        let a = args_for(8, minor);
+        assert_common(&a);
+        assert!(a.iter().any(|x| x == "--cce-aicore-arch=dav-c220-vec"), "8.{minor}: {a:?}");
+        assert!(!a.iter().any(|x| x.starts_with("--npu-arch")), "8.{minor}: --npu-arch exists from 8.3 only");
+    }
+}
+
+#[test]
+fn cann_8_3_and_later_use_npu_arch() {
+    for (major, minor) in [(8, 3), (8, 5), (9, 0)] {
+        let a = args_for(major, minor);
+        assert_common(&a);
+        assert!(a.iter().any(|x| x == "--npu-arch=dav-2201"), "{major}.{minor}: {a:?}");
+        assert!(!a.iter().any(|x| x.starts_with("--cce-aicore-arch")), "{major}.{minor}: {a:?}");
+    }
+}
