@@ -6,40 +6,10 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
-use std::time::Duration;
-
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::HcclComm;
+pub use crate::types::{CommOptions, ReduceOp};
 use crate::{Device, Error, Result, Tensor};
-
-/// Reduction operator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum ReduceOp {
-    /// Sum (f32 accumulation for f16 / bf16).
-    Sum = 0,
-    /// Elementwise maximum.
-    Max = 1,
-    /// Elementwise minimum.
-    Min = 2,
-}
-
-impl ReduceOp {
-    /// Every operator.
-    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
-    /// The operator for its number.
-    pub fn from_u32(v: u32) -> Option<Self> {
-        Self::ALL.into_iter().find(|o| *o as u32 == v)
-    }
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-        }
-    }
-}
 
 /// vLLM-Ascend's MoE communication type, chosen per forward pass (SPEC section 5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -72,41 +42,6 @@ impl CommType {
             CommType::AllToAll => "ALLTOALL",
             CommType::FusedMc2 => "FUSED_MC2",
         }
-    }
-}
-
-/// Communicator options.
-#[derive(Debug, Clone)]
-pub struct CommOptions {
-    /// Upper bound on every wait (rendezvous, each collective step).
-    pub timeout: Duration,
-}
-
-impl Default for CommOptions {
-    fn default() -> Self {
-        Self::from_env()
-    }
-}
-
-impl CommOptions {
-    /// Default timeout when `ASCEND_MOE_COMM_TIMEOUT` is unset.
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-
-    /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
-    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable.
-    pub fn from_env() -> Self {
-        let timeout = std::env::var("ASCEND_MOE_COMM_TIMEOUT")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .unwrap_or(Self::DEFAULT_TIMEOUT);
-        CommOptions { timeout }
-    }
-
-    /// Options with the given timeout.
-    pub fn with_timeout(timeout: Duration) -> Self {
-        CommOptions { timeout }
     }
 }
 

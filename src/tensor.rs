@@ -4,7 +4,9 @@
 //! (the product of the trailing dims). There are no views with strides and no
 //! hidden copies: moving data between devices is an explicit call.
 
+pub use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::npu::NpuBuffer;
+use crate::types::TensorMeta;
 use crate::{DType, Device, Element, Error, Result};
 
 /// Host memory with 8-byte alignment, so it can be viewed as any [`Element`].
@@ -101,30 +103,6 @@ pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
     storage: Storage,
-}
-
-/// Elements of `shape`, or an error naming `op` and `arg` when the product of
-/// its non-zero dims overflows `usize`. Zero dims are skipped in that check, so
-/// every partial product of the dims (row lengths, ...) fits too, also for
-/// empty tensors.
-pub fn checked_numel(op: &'static str, arg: &'static str, shape: &[usize]) -> Result<usize> {
-    let span = span(shape, 1).ok_or_else(|| Error::shape(op, arg, "dims whose product fits in usize", shape))?;
-    Ok(if shape.contains(&0) { 0 } else { span })
-}
-
-/// Bytes of a tensor of `shape` and `dtype`, or an error naming `op` and `arg`
-/// when they (or those of its non-zero dims) exceed `isize::MAX`, the largest
-/// possible allocation.
-pub fn checked_bytes(op: &'static str, arg: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
-    match span(shape, dtype.size()) {
-        Some(b) if b <= isize::MAX as usize => Ok(if shape.contains(&0) { 0 } else { b }),
-        _ => Err(Error::shape(op, arg, format!("dims whose size in bytes of {dtype} fits in isize"), shape)),
-    }
-}
-
-/// `unit` times the product of the non-zero dims of `shape`, if it fits.
-fn span(shape: &[usize], unit: usize) -> Option<usize> {
-    shape.iter().try_fold(unit, |acc, &d| acc.checked_mul(d.max(1)))
 }
 
 impl Tensor {
@@ -330,5 +308,12 @@ impl Tensor {
 
     fn not_host(&self, what: &'static str) -> Error {
         Error::Device { op: "Tensor", arg: what, expected: "cpu".into(), actual: "npu".into() }
+    }
+}
+
+impl<'a> TensorMeta<'a> {
+    /// Shape and dtype of `t`.
+    pub fn of(t: &'a Tensor) -> Self {
+        TensorMeta { shape: t.shape(), dtype: t.dtype() }
     }
 }

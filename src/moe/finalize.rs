@@ -9,28 +9,13 @@
 //! functions for the Python meta (fake) implementations, so the real and the
 //! meta shape cannot disagree.
 
+use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
-use crate::tensor::{checked_bytes, checked_numel};
+pub use crate::types::TensorMeta;
 use crate::{DType, Device, Error, Result, Tensor};
 
 const FINALIZE: &str = "moe_finalize_routing";
 const UNPERMUTE: &str = "moe_token_unpermute";
-
-/// Shape and dtype of a tensor, without data: the input of the shape functions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TensorMeta<'a> {
-    /// Shape.
-    pub shape: &'a [usize],
-    /// Element type.
-    pub dtype: DType,
-}
-
-impl<'a> TensorMeta<'a> {
-    /// Shape and dtype of `t`.
-    pub fn of(t: &'a Tensor) -> Self {
-        TensorMeta { shape: t.shape(), dtype: t.dtype() }
-    }
-}
 
 /// The finalize inputs as shapes and dtypes, with the drop-pad mode as the raw
 /// number a caller passed (so an unknown mode is reported, not unrepresentable).

@@ -83,6 +83,6 @@ pub(crate) fn with_rows(
     if let Some(d) = s.first_mut() {
         *d = rows;
     }
-    crate::tensor::checked_numel(op, arg, &s)?;
+    crate::backend::args::checked_numel(op, arg, &s)?;
     Ok(s)
 }
