@@ -6,8 +6,10 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
+use crate::backend::args::checked_numel;
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::HcclComm;
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
 pub use crate::types::{CommOptions, ReduceOp};
 use crate::{Device, Error, Result, Tensor};
 
@@ -83,12 +85,77 @@ pub trait Collectives {
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
-    /// The shared-memory CPU communicator behind this handle, if it is one. Host
-    /// ops use it to write their output straight into its staging buffers
-    /// ([`CpuComm::reduce_scatter_rows_with`]).
-    fn as_cpu(&self) -> Option<&CpuComm> {
-        None
+    /// Finalize routing fused with the EP reduce-scatter (SPEC section 3):
+    /// this rank's finalize output (`[N, H...]`, tokens in EP-rank block order,
+    /// block `r` = `local_sizes[r]` tokens, `local_sizes.len() == world_size`)
+    /// summed over the ranks; `out` (`[local_sizes[rank], H...]`, on this
+    /// communicator's device) receives block `rank` of the sum. `args` and
+    /// `dims` are validated by the op layer, `out` has the shape it computed.
+    ///
+    /// The default materialises the padded `[world * M, H...]` buffer
+    /// ([`finalize_then_reduce_scatter`]); a communicator that can compute the
+    /// rows straight into its own transfer buffers overrides it, with a result
+    /// that is bitwise the same.
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
     }
+}
+
+/// [`Collectives::finalize_reduce_scatter`] in two steps on any backend: the
+/// finalize writes each token into its row of the padded `[world * M, H...]`
+/// buffer (`M = max(local_sizes)`, padding rows zero), which is then
+/// reduce-scattered; the first `local_sizes[rank]` rows of this rank's slot go
+/// to `out`.
+pub fn finalize_then_reduce_scatter<C: Collectives + ?Sized>(
+    comm: &C,
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    local_sizes: &[usize],
+    out: &mut Tensor,
+) -> Result<()> {
+    const OP: &str = "finalize_and_reduce";
+    let m = local_sizes.iter().copied().max().unwrap_or(0);
+    let mine = local_sizes.get(comm.rank()).copied().ok_or_else(|| {
+        Error::invalid(
+            OP,
+            "local_sizes",
+            format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
+        )
+    })?;
+    let with_rows = |rows: usize| -> Result<Vec<usize>> {
+        let mut s = out.shape().to_vec();
+        if let Some(d) = s.first_mut() {
+            *d = rows;
+        }
+        checked_numel(OP, "expanded_x", &s)?;
+        Ok(s)
+    };
+    let padded_shape = with_rows(local_sizes.len() * m)?;
+    let slot_shape = with_rows(m)?;
+    let device = out.device();
+    let backend = device.backend();
+    let mut padded = backend.zeros(&padded_shape, out.dtype())?;
+    if padded.numel() == 0 {
+        // Every rank sees the same layout, so every rank skips together; `out`
+        // is empty as well (no slot rows, or empty rows).
+        return Ok(());
+    }
+    backend.finalize_routing(args, dims, &mut padded, OutputRows::Padded { local_sizes, slot_rows: m })?;
+    if mine == m {
+        return comm.reduce_scatter(&padded, out, ReduceOp::Sum);
+    }
+    let mut slot = backend.zeros(&slot_shape, out.dtype())?;
+    comm.reduce_scatter(&padded, &mut slot, ReduceOp::Sum)?;
+    if mine > 0 {
+        backend.copy_rows(&slot, 0, out, 0, mine)?;
+    }
+    Ok(())
 }
 
 /// A communicator on either backend.
@@ -112,12 +179,6 @@ macro_rules! dispatch {
 impl Collectives for Comm {
     fn rank(&self) -> usize {
         dispatch!(self, c => c.rank())
-    }
-    fn as_cpu(&self) -> Option<&CpuComm> {
-        match self {
-            Comm::Cpu(c) => Some(c),
-            Comm::Npu(_) => None,
-        }
     }
     fn world_size(&self) -> usize {
         dispatch!(self, c => c.world_size())
@@ -157,6 +218,15 @@ impl Collectives for Comm {
     }
     fn barrier(&self) -> Result<()> {
         dispatch!(self, c => c.barrier())
+    }
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        dispatch!(self, c => c.finalize_reduce_scatter(args, dims, local_sizes, out))
     }
 }
 

@@ -260,6 +260,30 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<'_>) -> Result<Tensor> {
     Ok(out)
 }
 
+/// [`moe_finalize_routing`] into `out` (e.g. caller memory borrowed for the
+/// call), which must have the shape of [`moe_finalize_routing_output_shape`]
+/// and the dtype of `expanded_x`, on its device. Every element is written; on
+/// the CPU an invalid index is reported before any is.
+pub fn moe_finalize_routing_into(args: &FinalizeArgs<'_>, out: &mut Tensor) -> Result<()> {
+    let (shape, dims) = moe_finalize_routing_output_shape(args)?;
+    let device = args.expanded_x.device();
+    same_device(FINALIZE, &device, [("out", Some(&*out))])?;
+    check_out(FINALIZE, out, &shape, args.expanded_x.dtype())?;
+    device.backend().finalize_routing(args, &dims, out, OutputRows::Dense)
+}
+
+/// Checks that the output `out` of `op` has exactly the `shape` and `dtype`
+/// its shape function computed.
+pub(crate) fn check_out(op: &'static str, out: &Tensor, shape: &[usize], dtype: DType) -> Result<()> {
+    if out.dtype() != dtype {
+        return Err(Error::dtype(op, "out", dtype.name(), out.dtype()));
+    }
+    if out.shape() != shape {
+        return Err(Error::shape(op, "out", format!("{shape:?}"), out.shape()));
+    }
+    Ok(())
+}
+
 /// Sizes of a validated unpermute call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UnpermuteDims {

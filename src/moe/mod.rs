@@ -61,13 +61,15 @@ pub mod prepare_finalize;
 pub mod reduce;
 
 pub use finalize::{
-    moe_finalize_routing, moe_finalize_routing_output_shape, moe_finalize_routing_shape, moe_token_unpermute,
-    moe_token_unpermute_output_shape, moe_token_unpermute_shape, FinalizeMeta, TensorMeta, UnpermuteDims,
+    moe_finalize_routing, moe_finalize_routing_into, moe_finalize_routing_output_shape, moe_finalize_routing_shape,
+    moe_token_unpermute, moe_token_unpermute_output_shape, moe_token_unpermute_shape, FinalizeMeta, TensorMeta,
+    UnpermuteDims,
 };
 pub use layout::SpLayout;
 pub use pad_reduce::{
-    finalize_and_reduce, finalize_and_reduce_output_shape, finalize_and_reduce_shape, maybe_all_gather_and_maybe_unpad,
-    maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce, maybe_pad_and_reduce_output_shape,
+    finalize_and_reduce, finalize_and_reduce_into, finalize_and_reduce_output_shape, finalize_and_reduce_shape,
+    maybe_all_gather_and_maybe_unpad, maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce,
+    maybe_pad_and_reduce_output_shape,
 };
 pub use reduce::{routed_is_reduced, ReducePolicy, SharedMode};
 
