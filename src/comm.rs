@@ -6,7 +6,7 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
-use crate::backend::args::checked_numel;
+use crate::backend::args::with_rows;
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::HcclComm;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
@@ -128,16 +128,8 @@ pub fn finalize_then_reduce_scatter<C: Collectives + ?Sized>(
             format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
         )
     })?;
-    let with_rows = |rows: usize| -> Result<Vec<usize>> {
-        let mut s = out.shape().to_vec();
-        if let Some(d) = s.first_mut() {
-            *d = rows;
-        }
-        checked_numel(OP, "expanded_x", &s)?;
-        Ok(s)
-    };
-    let padded_shape = with_rows(local_sizes.len() * m)?;
-    let slot_shape = with_rows(m)?;
+    let padded_shape = with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
+    let slot_shape = with_rows(OP, "expanded_x", out.shape(), m)?;
     let device = out.device();
     let backend = device.backend();
     let mut padded = backend.zeros(&padded_shape, out.dtype())?;

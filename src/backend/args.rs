@@ -1,5 +1,5 @@
-//! Argument checks every backend shares: byte and element counts of shapes,
-//! and the ranges of a row copy. They work on shapes and dtypes
+//! Argument checks every backend and op shares: byte and element counts of
+//! shapes, row-count changes of a shape, and the ranges of a row copy. They work on shapes and dtypes
 //! ([`TensorMeta`]) only, so they sit below the backends and the tensors.
 
 use crate::types::{DType, TensorMeta};
@@ -60,4 +60,15 @@ pub fn check_rows(
         ));
     }
     Ok(())
+}
+
+/// `shape` with dim 0 replaced by `rows`: the shape of `rows` rows of the
+/// tensor `arg` of `op`. An error when its element count overflows.
+pub fn with_rows(op: &'static str, arg: &'static str, shape: &[usize], rows: usize) -> Result<Vec<usize>> {
+    let mut s = shape.to_vec();
+    if let Some(d) = s.first_mut() {
+        *d = rows;
+    }
+    checked_numel(op, arg, &s)?;
+    Ok(s)
 }

@@ -52,9 +52,7 @@
 //! Collectives are taken as `&C` with `C: Collectives + ?Sized`, so a
 //! [`crate::Comm`] of either backend works.
 
-pub mod bench;
 pub mod finalize;
-pub mod layer;
 pub mod layout;
 pub mod pad_reduce;
 pub mod prepare_finalize;
@@ -72,19 +70,3 @@ pub use pad_reduce::{
     maybe_pad_and_reduce_output_shape,
 };
 pub use reduce::{routed_is_reduced, ReducePolicy, SharedMode};
-
-/// `shape` with dim 0 replaced by `rows`: the shape of `rows` rows of the
-/// tensor `arg` of `op`. An error when its element count overflows.
-pub(crate) fn with_rows(
-    op: &'static str,
-    arg: &'static str,
-    shape: &[usize],
-    rows: usize,
-) -> crate::Result<Vec<usize>> {
-    let mut s = shape.to_vec();
-    if let Some(d) = s.first_mut() {
-        *d = rows;
-    }
-    crate::backend::args::checked_numel(op, arg, &s)?;
-    Ok(s)
-}

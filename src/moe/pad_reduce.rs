@@ -10,11 +10,11 @@
 //! None of them has a TP all-reduce path: the output rows always equal the
 //! shape function's, whatever the caller's model. Padding rows are zeros.
 
+use crate::backend::args::with_rows;
 use crate::backend::FinalizeArgs;
 use crate::comm::{Collectives, ReduceOp};
 use crate::moe::finalize::{check_out, moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
-use crate::moe::with_rows;
 use crate::{Device, Error, Result, Tensor};
 
 const PAD_REDUCE: &str = "maybe_pad_and_reduce";
