@@ -30,7 +30,7 @@ usage: ci/bench.sh [options] [-- extra options for ci/bench/run.py]
   --quick           small sizes (1 KiB .. 1 MiB), 2 and 4 ranks, the smallest finalize shape, 1 run
   --runs N          runs of every measurement (default 3; medians with min and max)
   --out DIR         output directory (default bench-report/; its raw/ is replaced)
-  --skip LIST       leave out parts: triad,collectives,mpi,finalize,numpy,far
+  --skip LIST       leave out parts: triad,collectives,mpi,finalize,numpy,far,api
   --peers-only      only the peers and the C triad (no cargo build): OpenMPI, numpy
   --no-install      do not apt-get / pip install anything (use what is there)
   --keep-raw        add to the raw results already in DIR/raw (e.g. measure the parts
@@ -112,7 +112,7 @@ if [[ -n ${ASCEND_MOE_BIN:-} ]]; then
     echo "using the prebuilt $BIN (ASCEND_MOE_BIN)" >&2
 elif [[ $PEERS_ONLY == 0 ]] && ! { skipping collectives && skipping finalize && skipping far && skipping triad; }; then
     say "cargo build --release --bin ascend-moe"
-    (cd "$ROOT" && cargo build --release --bin ascend-moe >&2) \
+    (cd "$ROOT" && cargo build --release --bin ascend-moe --lib >&2) \
         || die "cargo build failed (see above); --peers-only measures the peers without our binary"
     BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/ascend-moe"
     [[ -x "$BIN" ]] || die "built, but $BIN does not exist (is CARGO_TARGET_DIR the one cargo used?)"
@@ -173,6 +173,17 @@ set +e
 RC=$?
 set -e
 [[ $RC == 2 ]] && die "nothing was measured (see above)"
+if ! skipping api && [[ -n $BIN ]]; then
+    say "public API vs kernel (ci/bench/api.py)"
+    LIB="$(dirname "$BIN")/libascend_moe.so"
+    API_ARGS=(--bin "$BIN" --rounds "${RUNS:-3}")
+    [[ $QUICK == 1 ]] && API_ARGS=(--bin "$BIN" --rounds 1 --tokens 1024 --hidden 2048 --bytes 1048576)
+    if [[ -f $LIB ]]; then
+        ASCEND_MOE_LIB="$LIB" "$PY" "$HERE/api.py" "${API_ARGS[@]}" > "$OUT/raw/api.json" || { RC=1; rm -f "$OUT/raw/api.json"; }
+    else
+        echo "note: $LIB not found: the public API table is skipped" >&2
+    fi
+fi
 "$PY" - "$OUT/raw/meta.json" "$(load)" <<'EOF'
 import json, sys
 m = json.load(open(sys.argv[1])); m["load_end"] = sys.argv[2]; json.dump(m, open(sys.argv[1], "w"), indent=1)

@@ -6,40 +6,12 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
-use std::time::Duration;
-
+use crate::backend::args::with_rows;
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::HcclComm;
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+pub use crate::types::{CommOptions, ReduceOp};
 use crate::{Device, Error, Result, Tensor};
-
-/// Reduction operator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum ReduceOp {
-    /// Sum (f32 accumulation for f16 / bf16).
-    Sum = 0,
-    /// Elementwise maximum.
-    Max = 1,
-    /// Elementwise minimum.
-    Min = 2,
-}
-
-impl ReduceOp {
-    /// Every operator.
-    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
-    /// The operator for its number.
-    pub fn from_u32(v: u32) -> Option<Self> {
-        Self::ALL.into_iter().find(|o| *o as u32 == v)
-    }
-    /// Lower-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-        }
-    }
-}
 
 /// vLLM-Ascend's MoE communication type, chosen per forward pass (SPEC section 5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -72,41 +44,6 @@ impl CommType {
             CommType::AllToAll => "ALLTOALL",
             CommType::FusedMc2 => "FUSED_MC2",
         }
-    }
-}
-
-/// Communicator options.
-#[derive(Debug, Clone)]
-pub struct CommOptions {
-    /// Upper bound on every wait (rendezvous, each collective step).
-    pub timeout: Duration,
-}
-
-impl Default for CommOptions {
-    fn default() -> Self {
-        Self::from_env()
-    }
-}
-
-impl CommOptions {
-    /// Default timeout when `ASCEND_MOE_COMM_TIMEOUT` is unset.
-    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-
-    /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
-    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable.
-    pub fn from_env() -> Self {
-        let timeout = std::env::var("ASCEND_MOE_COMM_TIMEOUT")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .unwrap_or(Self::DEFAULT_TIMEOUT);
-        CommOptions { timeout }
-    }
-
-    /// Options with the given timeout.
-    pub fn with_timeout(timeout: Duration) -> Self {
-        CommOptions { timeout }
     }
 }
 
@@ -148,12 +85,69 @@ pub trait Collectives {
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
-    /// The shared-memory CPU communicator behind this handle, if it is one. Host
-    /// ops use it to write their output straight into its staging buffers
-    /// ([`CpuComm::reduce_scatter_rows_with`]).
-    fn as_cpu(&self) -> Option<&CpuComm> {
-        None
+    /// Finalize routing fused with the EP reduce-scatter (SPEC section 3):
+    /// this rank's finalize output (`[N, H...]`, tokens in EP-rank block order,
+    /// block `r` = `local_sizes[r]` tokens, `local_sizes.len() == world_size`)
+    /// summed over the ranks; `out` (`[local_sizes[rank], H...]`, on this
+    /// communicator's device) receives block `rank` of the sum. `args` and
+    /// `dims` are validated by the op layer, `out` has the shape it computed.
+    ///
+    /// The default materialises the padded `[world * M, H...]` buffer
+    /// ([`finalize_then_reduce_scatter`]); a communicator that can compute the
+    /// rows straight into its own transfer buffers overrides it, with a result
+    /// that is bitwise the same.
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
     }
+}
+
+/// [`Collectives::finalize_reduce_scatter`] in two steps on any backend: the
+/// finalize writes each token into its row of the padded `[world * M, H...]`
+/// buffer (`M = max(local_sizes)`, padding rows zero), which is then
+/// reduce-scattered; the first `local_sizes[rank]` rows of this rank's slot go
+/// to `out`.
+pub fn finalize_then_reduce_scatter<C: Collectives + ?Sized>(
+    comm: &C,
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    local_sizes: &[usize],
+    out: &mut Tensor,
+) -> Result<()> {
+    const OP: &str = "finalize_and_reduce";
+    let m = local_sizes.iter().copied().max().unwrap_or(0);
+    let mine = local_sizes.get(comm.rank()).copied().ok_or_else(|| {
+        Error::invalid(
+            OP,
+            "local_sizes",
+            format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
+        )
+    })?;
+    let padded_shape = with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
+    let slot_shape = with_rows(OP, "expanded_x", out.shape(), m)?;
+    let device = out.device();
+    let backend = device.backend();
+    let mut padded = backend.zeros(&padded_shape, out.dtype())?;
+    if padded.numel() == 0 {
+        // Every rank sees the same layout, so every rank skips together; `out`
+        // is empty as well (no slot rows, or empty rows).
+        return Ok(());
+    }
+    backend.finalize_routing(args, dims, &mut padded, OutputRows::Padded { local_sizes, slot_rows: m })?;
+    if mine == m {
+        return comm.reduce_scatter(&padded, out, ReduceOp::Sum);
+    }
+    let mut slot = backend.zeros(&slot_shape, out.dtype())?;
+    comm.reduce_scatter(&padded, &mut slot, ReduceOp::Sum)?;
+    if mine > 0 {
+        backend.copy_rows(&slot, 0, out, 0, mine)?;
+    }
+    Ok(())
 }
 
 /// A communicator on either backend.
@@ -177,12 +171,6 @@ macro_rules! dispatch {
 impl Collectives for Comm {
     fn rank(&self) -> usize {
         dispatch!(self, c => c.rank())
-    }
-    fn as_cpu(&self) -> Option<&CpuComm> {
-        match self {
-            Comm::Cpu(c) => Some(c),
-            Comm::Npu(_) => None,
-        }
     }
     fn world_size(&self) -> usize {
         dispatch!(self, c => c.world_size())
@@ -222,6 +210,15 @@ impl Collectives for Comm {
     }
     fn barrier(&self) -> Result<()> {
         dispatch!(self, c => c.barrier())
+    }
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        dispatch!(self, c => c.finalize_reduce_scatter(args, dims, local_sizes, out))
     }
 }
 

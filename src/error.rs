@@ -4,7 +4,7 @@
 //! expected and the actual value. Vendor failures keep the call name, the
 //! numeric code and the vendor's own message as typed fields.
 
-use crate::DType;
+use crate::types::DType;
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -177,5 +177,20 @@ impl Error {
     /// Wraps an OS error.
     pub fn io(what: impl Into<String>, err: impl std::fmt::Display) -> Self {
         Error::Io { what: what.into(), msg: err.to_string() }
+    }
+}
+
+/// Parsing a dtype name lives here, with [`Error`], so that [`crate::types`]
+/// stays a leaf.
+impl std::str::FromStr for DType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        DType::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+            Error::invalid(
+                "DType::from_str",
+                "dtype",
+                format!("unknown dtype {s:?} (expected one of f32, f16, bf16, i32, i64)"),
+            )
+        })
     }
 }

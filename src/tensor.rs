@@ -4,20 +4,65 @@
 //! (the product of the trailing dims). There are no views with strides and no
 //! hidden copies: moving data between devices is an explicit call.
 
+pub use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::npu::NpuBuffer;
+use crate::types::TensorMeta;
 use crate::{DType, Device, Element, Error, Result};
 
-/// Host memory with 8-byte alignment, so it can be viewed as any [`Element`].
-#[derive(Clone, Default)]
+/// Host memory with 8-byte alignment, so it can be viewed as any [`Element`]:
+/// either owned, or the caller's memory borrowed for the duration of a call
+/// ([`CpuBuffer::borrow_raw`]).
 pub struct CpuBuffer {
-    words: Vec<u64>,
+    mem: HostMem,
     len: usize,
 }
 
+/// The bytes of a [`CpuBuffer`].
+enum HostMem {
+    /// Our own allocation (8-byte words; an empty one still has an aligned
+    /// dangling pointer, so empty typed views are valid).
+    Owned(Vec<u64>),
+    /// The caller's memory. Read-only memory is copied into an owned
+    /// allocation on the first mutable access, so it is never written.
+    Borrowed { ptr: std::ptr::NonNull<u8>, writable: bool },
+}
+
+// SAFETY: an owned buffer is a `Vec<u64>`. A borrowed one is, by the contract
+// of `CpuBuffer::borrow_raw`, memory lent to this buffer alone for its whole
+// life (writable) or not written by anyone while it lives (read-only), and
+// it is only accessed through `&self` / `&mut self` of the buffer, exactly
+// like the owned case; so moving it to, or sharing it with, another thread is
+// as sound as for a `Vec<u8>`.
+unsafe impl Send for CpuBuffer {}
+// SAFETY: as for `Send` above: `&CpuBuffer` only gives `&[u8]` access.
+unsafe impl Sync for CpuBuffer {}
+
+impl Default for CpuBuffer {
+    fn default() -> Self {
+        CpuBuffer { mem: HostMem::Owned(Vec::new()), len: 0 }
+    }
+}
+
+impl Clone for CpuBuffer {
+    /// A deep copy; the copy of a borrowed buffer is an owned one.
+    fn clone(&self) -> Self {
+        match &self.mem {
+            HostMem::Owned(w) => CpuBuffer { mem: HostMem::Owned(w.clone()), len: self.len },
+            HostMem::Borrowed { .. } => Self::from_bytes(self.as_bytes()),
+        }
+    }
+}
+
 impl CpuBuffer {
+    /// The alignment every host buffer has, owned or borrowed.
+    pub const ALIGN: usize = 8;
+
     /// `len` zero bytes (calloc-backed, so large buffers are cheap to create).
     pub fn zeros(len: usize) -> Self {
-        CpuBuffer { words: vec![0u64; len.div_ceil(8)], len }
+        if len == 0 {
+            return Self::default();
+        }
+        CpuBuffer { mem: HostMem::Owned(vec![0u64; len.div_ceil(8)]), len }
     }
 
     /// `len` zero bytes, or an error naming `op` when the allocation fails
@@ -37,7 +82,7 @@ impl CpuBuffer {
         // SAFETY: `p` comes from the global allocator with the layout of `words`
         // u64s (what a Vec of that capacity uses), all zero, which are valid u64s.
         let words = unsafe { Vec::from_raw_parts(p, words, words) };
-        Ok(CpuBuffer { words, len })
+        Ok(CpuBuffer { mem: HostMem::Owned(words), len })
     }
 
     /// Copies `bytes` into a new buffer.
@@ -45,6 +90,34 @@ impl CpuBuffer {
         let mut b = Self::zeros(bytes.len());
         b.as_bytes_mut().copy_from_slice(bytes);
         b
+    }
+
+    /// The caller's `len` bytes at `ptr`, without a copy; `None` when `ptr`
+    /// is null or not [`CpuBuffer::ALIGN`]-aligned (copy the bytes with
+    /// [`CpuBuffer::from_bytes`] then). A read-only buffer is never written:
+    /// its first mutable access makes an owned copy.
+    ///
+    /// # Safety
+    /// For the whole life of the returned buffer, `ptr` must be readable (and,
+    /// when `writable`, writable) for `len` bytes; memory lent `writable` must
+    /// not be accessed through any other path, and read-only memory must not
+    /// be written through any other path.
+    pub unsafe fn borrow_raw(ptr: *mut u8, len: usize, writable: bool) -> Option<Self> {
+        if len == 0 {
+            return Some(Self::default());
+        }
+        let ptr = std::ptr::NonNull::new(ptr).filter(|p| p.as_ptr() as usize % Self::ALIGN == 0)?;
+        Some(CpuBuffer { mem: HostMem::Borrowed { ptr, writable }, len })
+    }
+
+    /// True when the bytes are the caller's memory (see [`CpuBuffer::borrow_raw`]).
+    pub fn is_borrowed(&self) -> bool {
+        matches!(self.mem, HostMem::Borrowed { .. })
+    }
+
+    /// Address of the first byte (dangling but aligned for an empty buffer).
+    pub fn as_ptr(&self) -> *const u8 {
+        self.as_bytes().as_ptr()
     }
 
     /// Length in bytes.
@@ -59,18 +132,34 @@ impl CpuBuffer {
 
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.len]
+        match &self.mem {
+            HostMem::Owned(w) => &bytemuck::cast_slice(w)[..self.len],
+            // SAFETY: `borrow_raw`'s contract: readable for `len` bytes while
+            // the buffer lives, and not written elsewhere meanwhile.
+            HostMem::Borrowed { ptr, .. } => unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.len) },
+        }
     }
 
-    /// The bytes, mutable.
+    /// The bytes, mutable. A read-only borrowed buffer becomes an owned copy
+    /// first, so the caller's memory is never written.
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        if let HostMem::Borrowed { writable: false, .. } = self.mem {
+            *self = Self::from_bytes(self.as_bytes());
+        }
         let len = self.len;
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..len]
+        match &mut self.mem {
+            HostMem::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..len],
+            // SAFETY: `borrow_raw`'s contract: writable for `len` bytes while
+            // the buffer lives and lent to it alone; `&mut self` makes this
+            // the only live reference.
+            HostMem::Borrowed { ptr, .. } => unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) },
+        }
     }
 
     /// Typed view; `len` must be a multiple of `size_of::<T>()`.
     pub fn typed<T: Element>(&self) -> &[T] {
-        // The words are 8-byte aligned, which satisfies every Element.
+        // Owned words and borrowed memory are both 8-byte aligned, which
+        // satisfies every Element.
         bytemuck::cast_slice(self.as_bytes())
     }
 
@@ -82,7 +171,8 @@ impl CpuBuffer {
 
 impl std::fmt::Debug for CpuBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CpuBuffer({} bytes)", self.len)
+        let how = if self.is_borrowed() { "borrowed" } else { "owned" };
+        write!(f, "CpuBuffer({} bytes, {how})", self.len)
     }
 }
 
@@ -101,30 +191,6 @@ pub struct Tensor {
     shape: Vec<usize>,
     dtype: DType,
     storage: Storage,
-}
-
-/// Elements of `shape`, or an error naming `op` and `arg` when the product of
-/// its non-zero dims overflows `usize`. Zero dims are skipped in that check, so
-/// every partial product of the dims (row lengths, ...) fits too, also for
-/// empty tensors.
-pub fn checked_numel(op: &'static str, arg: &'static str, shape: &[usize]) -> Result<usize> {
-    let span = span(shape, 1).ok_or_else(|| Error::shape(op, arg, "dims whose product fits in usize", shape))?;
-    Ok(if shape.contains(&0) { 0 } else { span })
-}
-
-/// Bytes of a tensor of `shape` and `dtype`, or an error naming `op` and `arg`
-/// when they (or those of its non-zero dims) exceed `isize::MAX`, the largest
-/// possible allocation.
-pub fn checked_bytes(op: &'static str, arg: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
-    match span(shape, dtype.size()) {
-        Some(b) if b <= isize::MAX as usize => Ok(if shape.contains(&0) { 0 } else { b }),
-        _ => Err(Error::shape(op, arg, format!("dims whose size in bytes of {dtype} fits in isize"), shape)),
-    }
-}
-
-/// `unit` times the product of the non-zero dims of `shape`, if it fits.
-fn span(shape: &[usize], unit: usize) -> Option<usize> {
-    shape.iter().try_fold(unit, |acc, &d| acc.checked_mul(d.max(1)))
 }
 
 impl Tensor {
@@ -330,5 +396,12 @@ impl Tensor {
 
     fn not_host(&self, what: &'static str) -> Error {
         Error::Device { op: "Tensor", arg: what, expected: "cpu".into(), actual: "npu".into() }
+    }
+}
+
+impl<'a> TensorMeta<'a> {
+    /// Shape and dtype of `t`.
+    pub fn of(t: &'a Tensor) -> Self {
+        TensorMeta { shape: t.shape(), dtype: t.dtype() }
     }
 }

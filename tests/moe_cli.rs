@@ -3,7 +3,7 @@
 
 use std::process::Command;
 
-use ascend_moe::moe::layer::all_layer_cases;
+use ascend_moe::testing::layer::all_layer_cases;
 
 const EXE: &str = env!("CARGO_BIN_EXE_ascend-moe");
 

@@ -2,8 +2,8 @@
 //! regression, and a negative control showing the check catches the
 //! trace-time reduction bug.
 
-use ascend_moe::moe::layer::{all_layer_cases, run_layer_case_cpu, LayerCase};
 use ascend_moe::moe::reduce::{routed_is_reduced, SharedMode};
+use ascend_moe::testing::layer::{all_layer_cases, run_layer_case_cpu, LayerCase};
 use ascend_moe::{CommType, DType};
 
 fn run_matrix(dp: usize, tp: usize) {

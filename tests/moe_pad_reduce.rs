@@ -8,7 +8,7 @@ use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::finalize::moe_finalize_routing;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::*;
-use ascend_moe::{Collectives, CommOptions, DType, DropPadMode, Tensor};
+use ascend_moe::{Collectives, Comm, CommOptions, DType, DropPadMode, Tensor};
 use moe_common::*;
 
 fn opts() -> CommOptions {
@@ -248,7 +248,8 @@ fn finalize_and_reduce_in_staging_rounds_and_for_rows_too_wide_for_staging() {
                 let per_region = region / (h * dtype.size());
                 assert_eq!(per_region == 0, h == wide || dtype == DType::F32 && h * 4 > region);
                 run_ranks_with(ep, &opts(), &small, |r, comm| {
-                    assert_eq!(comm.as_cpu().unwrap().rows_per_region(h, dtype), per_region);
+                    let Comm::Cpu(cpu) = &comm else { panic!("run_ranks gives CPU communicators") };
+                    assert_eq!(cpu.rows_per_region(h, dtype), per_region);
                     let f = rank_finalize(700 + ci as u64, r, n, k, h, dtype);
                     let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
                     let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;

@@ -1,12 +1,12 @@
 //! The MoE layer matrix of SPEC sections 3-6 on NPUs: every comm type, SP on
 //! and off, every shared-expert mode, f32 and bf16, uneven and zero-token DP
 //! ranks, on world 4 as DP2 x TP2 and DP1 x TP4 (EP4), and on world 2. The
-//! layer harness (`moe::layer`) runs each case against its single-rank
+//! layer harness (`testing::layer`) runs each case against its single-rank
 //! reference; here the ranks are threads on NPUs 0..world through HCCL.
 //! Ignored without an NPU (`ci/npu-4card.sh` runs it).
 
 use ascend_moe::backend::npu::npu_run_ranks;
-use ascend_moe::moe::layer::{all_layer_cases, run_layer_case, Launcher, LayerCase, RankReport};
+use ascend_moe::testing::layer::{all_layer_cases, run_layer_case, Launcher, LayerCase, RankReport};
 use ascend_moe::{Comm, CommOptions, Device, Result};
 
 /// Rank `r` on NPU `r`, one HCCL world per case.

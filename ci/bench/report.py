@@ -491,7 +491,7 @@ def floor_sources(docs):
     return lines
 
 
-def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name, floor_notes=()):
+def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name, floor_notes=(), api=None):
     nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(triad)])
     L = ["# ascend-moe performance report", ""]
     L.append(
@@ -655,6 +655,8 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
             )
         L.append(_table(["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"], rrows))
         L.append("")
+    if api:
+        L += api_section(api)
     if plot_files or plot_note:
         L.append("## Plots")
         L += [f"![{f}]({f})" for f in plot_files]
@@ -682,6 +684,39 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
         f.write("\n".join(L) + "\n")
 
 
+def load_api(raw: str):
+    """`raw/api.json` (written by `ci/bench/api.py`), or None."""
+    path = os.path.join(raw, "api.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def api_section(api) -> list[str]:
+    """The "public API vs kernel" table from `ci/bench/api.py`'s document."""
+    L = ["## Public API vs kernel", ""]
+    la = tuple(" ".join(f"{v:.2f}" for v in x or ()) for x in (api.get("load_avg"), api.get("load_avg_end")))
+    L.append(f"Medians over {len(api.get('finalize', api.get('collectives', {})).get('rounds', []))} rounds "
+             f"of `ci/bench/api.py`, the API and the CLI alternating; load average {la[0]} -> {la[1]}.")
+    L.append("")
+    rows = []
+    f = api.get("finalize")
+    if f:
+        rows.append(("finalize (Python, numpy bf16)", f"{f['shape']}, {f['threads']} threads",
+                     _num(f["kernel_ms"]), _num(f["python_ms"]), _num(f["python_over_kernel"]),
+                     f"{_num(f['floor_over_python'])} (kernel {_num(f['floor_over_kernel'])})"))
+    c = api.get("collectives")
+    if c:
+        for op in ("all_reduce", "all_gather"):
+            o = c[op]
+            rows.append((f"{op} (Python, numpy bf16)", f"{c['ranks']} procs, {c['bytes'] >> 20} MiB",
+                         _num(o["cli_ms"]), _num(o["python_ms"]), _num(o["python_over_cli"]), ""))
+    L.append(_table(["op", "case", "kernel / CLI (ms)", "public API (ms)", "API / kernel", "floor / API"], rows))
+    L.append("")
+    return L
+
+
 def generate(raw: str, out_dir: str) -> dict:
     docs, failures, meta = load(raw)
     triad, coll, fin, far = build(docs)
@@ -704,6 +739,7 @@ def generate(raw: str, out_dir: str) -> dict:
         plot_note,
         "results.csv",
         floor_sources(docs),
+        api=load_api(raw),
     )
     return {"csv_rows": n_csv, "plots": plot_files, "steps": len(docs), "failures": len(failures)}
 

@@ -5,45 +5,12 @@
 //! backend is the reference for every op, the NPU backend runs the same ops
 //! through ACL / aclnn / the native kernel.
 
+pub mod args;
 pub mod cpu;
 pub mod npu;
 
+pub use crate::types::{DropPadMode, FinalizeDims, OutputRows};
 use crate::{DType, Result, Tensor};
-
-/// Drop-pad mode of the finalize op (SPEC section 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum DropPadMode {
-    /// Drop-less, `expanded_x [N*K, H]`, column index layout `R(i,k) = idx[k*N + i]`.
-    DropLessColumn = 0,
-    /// Drop-pad, `expanded_x [E, C, H]`, column layout, `-1` = dropped slot.
-    DropPadColumn = 1,
-    /// Drop-less, row index layout `R(i,k) = idx[i*K + k]`.
-    DropLessRow = 2,
-    /// Drop-pad, row layout, `-1` = dropped slot.
-    DropPadRow = 3,
-}
-
-impl DropPadMode {
-    /// The mode for its number 0..=3.
-    pub fn from_u32(v: u32) -> Option<Self> {
-        match v {
-            0 => Some(Self::DropLessColumn),
-            1 => Some(Self::DropPadColumn),
-            2 => Some(Self::DropLessRow),
-            3 => Some(Self::DropPadRow),
-            _ => None,
-        }
-    }
-    /// Modes 1 and 3: `expanded_x` is `[E, C, H]` and `-1` marks a dropped slot.
-    pub fn is_drop_pad(self) -> bool {
-        matches!(self, Self::DropPadColumn | Self::DropPadRow)
-    }
-    /// Modes 2 and 3: `R(i,k) = idx[i*K + k]`.
-    pub fn is_row_layout(self) -> bool {
-        matches!(self, Self::DropLessRow | Self::DropPadRow)
-    }
-}
 
 /// Inputs of the fused finalize (SPEC section 1). Validated by
 /// `moe::finalize::moe_finalize_routing_output_shape`, which produces the
@@ -66,38 +33,6 @@ pub struct FinalizeArgs<'a> {
     pub expert_idx: Option<&'a Tensor>,
     /// Drop-pad mode.
     pub drop_pad_mode: DropPadMode,
-}
-
-/// Sizes of a validated finalize call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FinalizeDims {
-    /// Output tokens.
-    pub n: usize,
-    /// Top-k.
-    pub k: usize,
-    /// Elements per row (product of the trailing dims of `expanded_x`).
-    pub h: usize,
-    /// Rows of `expanded_x` viewed as 2-D (`N*K`, or `E*C`).
-    pub expanded_rows: usize,
-    /// Rows of `bias` (experts), 0 without bias.
-    pub experts: usize,
-}
-
-/// Where the finalize writes its output rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OutputRows<'a> {
-    /// `out` is `[N, H]`, token `i` goes to row `i`.
-    Dense,
-    /// `out` is the padded EP buffer `[local_sizes.len() * slot_rows, H]` of
-    /// SPEC section 3: the tokens come in EP-rank block order, block `r`
-    /// (`local_sizes[r]` tokens) goes to rows `[r * slot_rows, r * slot_rows +
-    /// local_sizes[r])`, and every other row is written with zeros.
-    Padded {
-        /// Tokens per EP rank; sums to N.
-        local_sizes: &'a [usize],
-        /// Rows per slot (`M = max(local_sizes)`).
-        slot_rows: usize,
-    },
 }
 
 /// The device-side ops every backend implements.

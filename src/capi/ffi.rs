@@ -1,6 +1,13 @@
 //! The machinery under every export: the panic boundary, the thread-local last
 //! error, null checks, and the conversion between C tensor descriptors and
 //! [`Tensor`].
+//!
+//! Descriptors become tensors over the caller's memory, host and NPU alike,
+//! for the duration of the call: inputs are read in place and outputs written
+//! in place. Host memory is copied only where borrowing it would be unsound
+//! or could change a result: a pointer that is not 8-byte aligned, and an
+//! output that overlaps another operand of the same call (an in-place call);
+//! such an output is computed into scratch and copied out at the end.
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr};
@@ -10,6 +17,7 @@ use super::comm::amoe_stream;
 use super::{amoe_status, amoe_tensor, AMOE_DEVICE_CPU, AMOE_DEVICE_NPU, AMOE_MAX_NDIM};
 use crate::backend::npu::{NpuBuffer, NpuDevice};
 use crate::error::CommErrorKind;
+use crate::tensor::CpuBuffer;
 use crate::tensor::Storage;
 use crate::{Comm, DType, Error, Tensor};
 
@@ -68,6 +76,9 @@ pub(crate) fn status_of(e: &Error) -> amoe_status {
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// The host byte ranges `[start, end)` borrowed by the export running on
+    /// this thread, with whether each one is written (an output).
+    static BORROWED: RefCell<Vec<(usize, usize, bool)>> = const { RefCell::new(Vec::new()) };
     /// The device (with the caller's borrowed stream) of the export running on
     /// this thread, set by [`bind_stream`] for the call's duration.
     static NPU: RefCell<Option<NpuDevice>> = const { RefCell::new(None) };
@@ -167,7 +178,39 @@ pub(crate) unsafe fn out_tensor(func: &str, arg: &str, d: *const amoe_tensor) ->
     if m.bytes > 0 && d.data.is_null() {
         return Err(Failure::null(func, &format!("{arg}.data")));
     }
+    // SAFETY: forwarded contract (`data` writable for `m.bytes`).
+    if let Some(t) = unsafe { borrow_host(d, &m, true) }? {
+        return Ok(t);
+    }
     Ok(Tensor::try_zeros_cpu(&m.shape, m.dtype)?)
+}
+
+/// A tensor over the caller's host memory `d.data` (`m.bytes` bytes), or
+/// `None` when it must be copied instead: not 8-byte aligned, or overlapping
+/// memory of this call that is written (for an input) or used at all (for an
+/// output, `writable`). A borrowed range is recorded until the export returns.
+///
+/// # Safety
+/// `d.data` readable (and, when `writable`, writable) for `m.bytes` bytes for
+/// the duration of the call; memory of an output is not read or written by
+/// the caller during the call.
+unsafe fn borrow_host(d: &amoe_tensor, m: &Meta, writable: bool) -> Result<Option<Tensor>, Failure> {
+    if m.bytes == 0 {
+        return Ok(None);
+    }
+    let (start, end) = (d.data as usize, d.data as usize + m.bytes);
+    let clash = BORROWED.with(|b| b.borrow().iter().any(|&(s, e, w)| (w || writable) && s < end && start < e));
+    if clash {
+        return Ok(None);
+    }
+    // SAFETY: the caller's contract; the range does not overlap any other
+    // borrowed range it could conflict with (checked just above), and the
+    // tensor lives only for this call (the export drops it before returning).
+    let Some(buf) = (unsafe { CpuBuffer::borrow_raw(d.data.cast(), m.bytes, writable) }) else {
+        return Ok(None);
+    };
+    BORROWED.with(|b| b.borrow_mut().push((start, end, writable)));
+    Ok(Some(Tensor::from_parts(m.shape.clone(), m.dtype, Storage::Cpu(buf))?))
 }
 
 /// Records `msg` as this thread's last error.
@@ -194,7 +237,10 @@ pub(crate) fn finish(r: Result<(), Failure>) -> amoe_status {
 /// Runs `body` inside the panic boundary: a panic becomes `AMOE_STATUS_PANIC`
 /// with the panic message as the last error, never an unwind into C.
 pub(crate) fn boundary(func: &str, body: impl FnOnce() -> Result<(), Failure>) -> amoe_status {
-    match catch_unwind(AssertUnwindSafe(body)) {
+    BORROWED.with(|b| b.borrow_mut().clear());
+    let r = catch_unwind(AssertUnwindSafe(body));
+    BORROWED.with(|b| b.borrow_mut().clear());
+    match r {
         Ok(r) => finish(r),
         Err(payload) => {
             let what = payload
@@ -352,9 +398,9 @@ pub(crate) unsafe fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta
     Ok(Meta { shape, dtype, bytes })
 }
 
-/// Reads an input descriptor: host memory into a host [`Tensor`] (one copy of
-/// the caller's bytes); NPU memory borrowed in place (no copy) on the call's
-/// stream device.
+/// Reads an input descriptor: a [`Tensor`] over the caller's memory, host or
+/// NPU (on the call's stream device), read in place; host memory is copied
+/// only when it cannot be borrowed (see the module docs).
 ///
 /// # Safety
 /// `d` must satisfy the `amoe_tensor` contract: `data` readable for the bytes
@@ -370,6 +416,10 @@ pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -
     if m.bytes > 0 && d.data.is_null() {
         return Err(Failure::null(func, &format!("{arg}.data")));
     }
+    // SAFETY: forwarded contract (`data` readable for `m.bytes`).
+    if let Some(t) = unsafe { borrow_host(d, &m, false) }? {
+        return Ok(t);
+    }
     let mut t = Tensor::try_zeros_cpu(&m.shape, m.dtype)?;
     if m.bytes > 0 {
         // SAFETY: non-null, `m.bytes <= isize::MAX`, readable per the contract;
@@ -381,7 +431,8 @@ pub(crate) unsafe fn read_tensor(func: &str, arg: &str, d: *const amoe_tensor) -
 }
 
 /// Reads an input that the op consumes and may write into (the reduction
-/// points reduce in place). A host input is always a fresh copy; an NPU input
+/// points reduce in place). A host input is borrowed read-only, so the op's
+/// first write makes it a private copy; an NPU input
 /// is borrowed in place only when `out` names the same memory (the caller asked
 /// for an in-place call), otherwise it is copied on the device first, so the
 /// caller's input is never modified behind its back.
@@ -455,6 +506,12 @@ pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, 
         }
         return Ok(());
     }
+    if let Storage::Cpu(b) = t.storage() {
+        if b.is_borrowed() && b.as_ptr() == d.data as *const u8 {
+            // Written in place by the op (a borrowed output from `out_tensor`).
+            return Ok(());
+        }
+    }
     let host;
     let t = if t.is_cpu() {
         t
@@ -465,8 +522,9 @@ pub(crate) unsafe fn write_tensor(func: &str, arg: &str, d: *const amoe_tensor, 
     {
         let src = t.cpu_bytes()?;
         // SAFETY: non-null, writable for `m.bytes == src.len()` bytes per the
-        // contract; `src` is our own buffer, so the ranges do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), d.data as *mut u8, src.len()) };
+        // contract; `src` may be a borrowed input overlapping `d.data` (an op
+        // that returned its input unchanged), so the copy allows overlap.
+        unsafe { std::ptr::copy(src.as_ptr(), d.data as *mut u8, src.len()) };
     }
     Ok(())
 }

@@ -88,6 +88,22 @@ pub struct amoe_reduce_policy {
     pub ep_size: usize,
 }
 
+/// The output tensor of a finalize over the caller's host memory (see
+/// `ffi::out_tensor`), or `None` for an NPU output: an NPU finalize computes
+/// into a buffer of its own that is copied into `out` only on success, so an
+/// invalid index leaves `out` unwritten on every device, as documented.
+///
+/// # Safety
+/// `out` a valid descriptor, already checked by `check_out`.
+unsafe fn host_out(f: &str, out: *const amoe_tensor) -> Result<Option<Tensor>, Failure> {
+    let d = try_ref!(f, out, "out");
+    if d.device_kind != super::AMOE_DEVICE_CPU {
+        return Ok(None);
+    }
+    // SAFETY: forwarded contract.
+    unsafe { super::ffi::out_tensor(f, "out", out) }.map(Some)
+}
+
 fn meta_of(m: &Meta) -> TensorMeta<'_> {
     TensorMeta { shape: &m.shape, dtype: m.dtype }
 }
@@ -324,7 +340,14 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
         let (shape, _) = moe::moe_finalize_routing_output_shape(&a)?;
         // SAFETY: the caller's contract for `out`.
         unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
-        let y = moe::moe_finalize_routing(&a)?;
+        // SAFETY: the caller's contract for `out`.
+        let y = match unsafe { host_out(F, out) }? {
+            Some(mut o) => {
+                moe::moe_finalize_routing_into(&a, &mut o)?;
+                o
+            }
+            None => moe::moe_finalize_routing(&a)?,
+        };
         // SAFETY: the caller's contract for `out`.
         unsafe { write_tensor(F, "out", out, &y) }
     })
@@ -591,7 +614,14 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
         let shape = moe::finalize_and_reduce_output_shape(&a, l.as_ref(), c.rank(), c.world_size())?;
         // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
-        let y = moe::finalize_and_reduce(&a, l.as_ref(), c)?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        let y = match unsafe { host_out(F, out) }? {
+            Some(mut o) => {
+                moe::finalize_and_reduce_into(&a, l.as_ref(), c, &mut o)?;
+                o
+            }
+            None => moe::finalize_and_reduce(&a, l.as_ref(), c)?,
+        };
         // SAFETY: `out` is a valid descriptor, per the export's contract.
         unsafe { write_tensor(F, "out", out, &y) }
     })

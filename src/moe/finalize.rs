@@ -9,28 +9,13 @@
 //! functions for the Python meta (fake) implementations, so the real and the
 //! meta shape cannot disagree.
 
+use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
-use crate::tensor::{checked_bytes, checked_numel};
+pub use crate::types::TensorMeta;
 use crate::{DType, Device, Error, Result, Tensor};
 
 const FINALIZE: &str = "moe_finalize_routing";
 const UNPERMUTE: &str = "moe_token_unpermute";
-
-/// Shape and dtype of a tensor, without data: the input of the shape functions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TensorMeta<'a> {
-    /// Shape.
-    pub shape: &'a [usize],
-    /// Element type.
-    pub dtype: DType,
-}
-
-impl<'a> TensorMeta<'a> {
-    /// Shape and dtype of `t`.
-    pub fn of(t: &'a Tensor) -> Self {
-        TensorMeta { shape: t.shape(), dtype: t.dtype() }
-    }
-}
 
 /// The finalize inputs as shapes and dtypes, with the drop-pad mode as the raw
 /// number a caller passed (so an unknown mode is reported, not unrepresentable).
@@ -273,6 +258,30 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<'_>) -> Result<Tensor> {
     let mut out = backend.zeros(&shape, args.expanded_x.dtype())?;
     backend.finalize_routing(args, &dims, &mut out, OutputRows::Dense)?;
     Ok(out)
+}
+
+/// [`moe_finalize_routing`] into `out` (e.g. caller memory borrowed for the
+/// call), which must have the shape of [`moe_finalize_routing_output_shape`]
+/// and the dtype of `expanded_x`, on its device. Every element is written; on
+/// the CPU an invalid index is reported before any is.
+pub fn moe_finalize_routing_into(args: &FinalizeArgs<'_>, out: &mut Tensor) -> Result<()> {
+    let (shape, dims) = moe_finalize_routing_output_shape(args)?;
+    let device = args.expanded_x.device();
+    same_device(FINALIZE, &device, [("out", Some(&*out))])?;
+    check_out(FINALIZE, out, &shape, args.expanded_x.dtype())?;
+    device.backend().finalize_routing(args, &dims, out, OutputRows::Dense)
+}
+
+/// Checks that the output `out` of `op` has exactly the `shape` and `dtype`
+/// its shape function computed.
+pub(crate) fn check_out(op: &'static str, out: &Tensor, shape: &[usize], dtype: DType) -> Result<()> {
+    if out.dtype() != dtype {
+        return Err(Error::dtype(op, "out", dtype.name(), out.dtype()));
+    }
+    if out.shape() != shape {
+        return Err(Error::shape(op, "out", format!("{shape:?}"), out.shape()));
+    }
+    Ok(())
 }
 
 /// Sizes of a validated unpermute call.

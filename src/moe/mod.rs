@@ -52,37 +52,21 @@
 //! Collectives are taken as `&C` with `C: Collectives + ?Sized`, so a
 //! [`crate::Comm`] of either backend works.
 
-pub mod bench;
 pub mod finalize;
-pub mod layer;
 pub mod layout;
 pub mod pad_reduce;
 pub mod prepare_finalize;
 pub mod reduce;
 
 pub use finalize::{
-    moe_finalize_routing, moe_finalize_routing_output_shape, moe_finalize_routing_shape, moe_token_unpermute,
-    moe_token_unpermute_output_shape, moe_token_unpermute_shape, FinalizeMeta, TensorMeta, UnpermuteDims,
+    moe_finalize_routing, moe_finalize_routing_into, moe_finalize_routing_output_shape, moe_finalize_routing_shape,
+    moe_token_unpermute, moe_token_unpermute_output_shape, moe_token_unpermute_shape, FinalizeMeta, TensorMeta,
+    UnpermuteDims,
 };
 pub use layout::SpLayout;
 pub use pad_reduce::{
-    finalize_and_reduce, finalize_and_reduce_output_shape, finalize_and_reduce_shape, maybe_all_gather_and_maybe_unpad,
-    maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce, maybe_pad_and_reduce_output_shape,
+    finalize_and_reduce, finalize_and_reduce_into, finalize_and_reduce_output_shape, finalize_and_reduce_shape,
+    maybe_all_gather_and_maybe_unpad, maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce,
+    maybe_pad_and_reduce_output_shape,
 };
 pub use reduce::{routed_is_reduced, ReducePolicy, SharedMode};
-
-/// `shape` with dim 0 replaced by `rows`: the shape of `rows` rows of the
-/// tensor `arg` of `op`. An error when its element count overflows.
-pub(crate) fn with_rows(
-    op: &'static str,
-    arg: &'static str,
-    shape: &[usize],
-    rows: usize,
-) -> crate::Result<Vec<usize>> {
-    let mut s = shape.to_vec();
-    if let Some(d) = s.first_mut() {
-        *d = rows;
-    }
-    crate::tensor::checked_numel(op, arg, &s)?;
-    Ok(s)
-}

@@ -10,12 +10,11 @@
 //! None of them has a TP all-reduce path: the output rows always equal the
 //! shape function's, whatever the caller's model. Padding rows are zeros.
 
-use crate::backend::cpu::finalize::finalize_reduce_scatter;
-use crate::backend::{FinalizeArgs, OutputRows};
+use crate::backend::args::with_rows;
+use crate::backend::FinalizeArgs;
 use crate::comm::{Collectives, ReduceOp};
-use crate::moe::finalize::{moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
+use crate::moe::finalize::{check_out, moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
-use crate::moe::with_rows;
 use crate::{Device, Error, Result, Tensor};
 
 const PAD_REDUCE: &str = "maybe_pad_and_reduce";
@@ -256,35 +255,37 @@ pub fn finalize_and_reduce_output_shape(
 
 /// Finalize routing fused with the EP/SP reduce: the same result as
 /// `maybe_pad_and_reduce(&moe_finalize_routing(args)?, layout, ep)`, bit for
-/// bit, with less memory traffic. On a CPU communicator the finalize computes
-/// its rows straight into the communicator's staging buffers, so the output
-/// never exists as a tensor of its own (and an invalid input on one rank fails
-/// every rank at once). Elsewhere (NPU, or a row too wide for a staging
-/// region) it writes each token into its row of the padded `[EP * M, H...]`
-/// buffer (padding rows zero), which is then reduce-scattered.
+/// bit, with less memory traffic where the communicator can do better than the
+/// padded two-step path ([`Collectives::finalize_reduce_scatter`]: a CPU
+/// communicator computes the rows straight into its staging buffers, so the
+/// output never exists as a tensor of its own and an invalid input on one rank
+/// fails every rank at once).
 pub fn finalize_and_reduce<C: Collectives + ?Sized>(
     args: &FinalizeArgs<'_>,
     layout: Option<&SpLayout>,
     ep: &C,
 ) -> Result<Tensor> {
     let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
-    let (shape, dims) = moe_finalize_routing_output_shape(args)?;
     let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
+    let mut out = device.backend().zeros(&out_shape, args.expanded_x.dtype())?;
+    finalize_and_reduce_into(args, layout, ep, &mut out)?;
+    Ok(out)
+}
+
+/// [`finalize_and_reduce`] into `out`, which must have the shape of
+/// [`finalize_and_reduce_output_shape`] and the dtype of `expanded_x`, on the
+/// EP group's device. Every element of `out` is written.
+pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
+    args: &FinalizeArgs<'_>,
+    layout: Option<&SpLayout>,
+    ep: &C,
+    out: &mut Tensor,
+) -> Result<()> {
+    let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
+    let (_, dims) = moe_finalize_routing_output_shape(args)?;
+    check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
+    check_device(FINALIZE_REDUCE, "out", out, ep)?;
+    check_out(FINALIZE_REDUCE, out, &out_shape, args.expanded_x.dtype())?;
     let l = reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?;
-    let backend = device.backend();
-    if let (Device::Cpu, Some(cpu)) = (&device, ep.as_cpu()) {
-        // Every rank of a group sees the same staging size, world and (when
-        // the calls match at all) H and dtype, so every rank takes the same
-        // branch; a rank that does not is reported as a mismatched collective.
-        if cpu.world_size() > 1 && cpu.rows_per_region(dims.h, args.expanded_x.dtype()) > 0 {
-            let mut out = backend.zeros(&out_shape, args.expanded_x.dtype())?;
-            finalize_reduce_scatter(args, &dims, l.local_sizes(), cpu, &mut out)?;
-            return Ok(out);
-        }
-    }
-    let mut padded =
-        backend.zeros(&with_rows(FINALIZE_REDUCE, "expanded_x", &shape, l.padded_rows())?, args.expanded_x.dtype())?;
-    let rows = OutputRows::Padded { local_sizes: l.local_sizes(), slot_rows: l.max_rows() };
-    backend.finalize_routing(args, &dims, &mut padded, rows)?;
-    reduce_padded(&padded, &l, ep, &out_shape, &device)
+    ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), out)
 }

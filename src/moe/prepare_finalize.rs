@@ -15,12 +15,12 @@
 //! [`combine`]); the combine's weighted sum is the finalize op in drop-pad row
 //! mode. The comm type is a run-time argument of every function here.
 
+use crate::backend::args::with_rows;
 use crate::backend::FinalizeArgs;
 use crate::comm::{Collectives, Comm, CommType, ReduceOp};
 use crate::moe::finalize::moe_finalize_routing;
 use crate::moe::layout::SpLayout;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
-use crate::moe::with_rows;
 use crate::{DType, DropPadMode, Error, Result, Tensor};
 
 const PREPARE: &str = "moe_prepare";

@@ -4,8 +4,10 @@
 pub mod comm;
 pub mod finalize;
 
+use crate::backend::args::check_rows;
 use crate::backend::{Backend, FinalizeArgs, FinalizeDims, OutputRows};
 use crate::tensor::{CpuBuffer, Storage};
+use crate::types::TensorMeta;
 use crate::{with_dtype, DType, Element, Error, Result, Tensor};
 
 pub use comm::CpuComm;
@@ -43,7 +45,7 @@ impl Backend for CpuBackend {
 
     fn copy_rows(&self, src: &Tensor, src_row: usize, dst: &mut Tensor, dst_row: usize, rows: usize) -> Result<()> {
         const OP: &str = "copy_rows";
-        check_rows(OP, src, src_row, dst, dst_row, rows)?;
+        check_rows(OP, TensorMeta::of(src), src_row, TensorMeta::of(dst), dst_row, rows)?;
         let row_bytes = src.row_len() * src.dtype().size();
         let s = host(OP, "src", src)?;
         let d = host_mut(OP, "dst", dst)?;
@@ -86,38 +88,6 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         finalize::token_unpermute(permuted, sorted_indices, probs, k, out)
     }
-}
-
-/// Checks a row copy: same dtype and row length, ranges inside both tensors.
-pub(crate) fn check_rows(
-    op: &'static str,
-    src: &Tensor,
-    src_row: usize,
-    dst: &Tensor,
-    dst_row: usize,
-    rows: usize,
-) -> Result<()> {
-    if src.dtype() != dst.dtype() {
-        return Err(Error::dtype(op, "dst", src.dtype().name(), dst.dtype()));
-    }
-    if src.row_len() != dst.row_len() {
-        return Err(Error::shape(op, "dst", format!("rows of {} elements (as src)", src.row_len()), dst.shape()));
-    }
-    if src_row + rows > src.rows() || src.shape().is_empty() {
-        return Err(Error::invalid(
-            op,
-            "src_row",
-            format!("rows {src_row}..{} outside src with {} rows", src_row + rows, src.rows()),
-        ));
-    }
-    if dst_row + rows > dst.rows() || dst.shape().is_empty() {
-        return Err(Error::invalid(
-            op,
-            "dst_row",
-            format!("rows {dst_row}..{} outside dst with {} rows", dst_row + rows, dst.rows()),
-        ));
-    }
-    Ok(())
 }
 
 fn check_same(op: &'static str, arg: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {

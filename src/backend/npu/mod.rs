@@ -28,8 +28,10 @@ pub use ops::{acl_dtype, FinalizeImpl, FINALIZE_ENV};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
 
+use crate::backend::args::check_rows;
 use crate::backend::{Backend, FinalizeArgs, FinalizeDims, OutputRows};
 use crate::tensor::Storage;
+use crate::types::TensorMeta;
 use crate::{DType, Element, Error, Result, Tensor};
 
 /// One Ascend device plus the stream its backend ops run on.
@@ -174,7 +176,7 @@ impl Backend for NpuDevice {
 
     fn copy_rows(&self, src: &Tensor, src_row: usize, dst: &mut Tensor, dst_row: usize, rows: usize) -> Result<()> {
         const OP: &str = "copy_rows";
-        crate::backend::cpu::check_rows(OP, src, src_row, dst, dst_row, rows)?;
+        check_rows(OP, TensorMeta::of(src), src_row, TensorMeta::of(dst), dst_row, rows)?;
         let row_bytes = src.row_len() * src.dtype().size();
         let s = ops::npu_buf(self, OP, "src", src)?;
         let d = ops::npu_buf(self, OP, "dst", dst)?;

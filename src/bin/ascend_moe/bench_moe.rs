@@ -9,7 +9,7 @@
 //! (`finalize_and_reduce`) against `moe_finalize_routing` followed by
 //! `maybe_pad_and_reduce`; times are the slowest rank's, best repetition.
 
-use ascend_moe::moe::bench::{bench_finalize, bench_finalize_and_reduce, FinalizeBench, ReduceBench};
+use ascend_moe::testing::bench::{bench_finalize, bench_finalize_and_reduce, FinalizeBench, ReduceBench};
 use ascend_moe::DType;
 
 #[derive(clap::Args, Clone)]

@@ -1,5 +1,5 @@
 //! `check` section `moe`: the end-to-end MoE layer matrix
-//! (`ascend_moe::moe::layer::all_layer_cases`), one row per case.
+//! (`ascend_moe::testing::layer::all_layer_cases`), one row per case.
 //!
 //! Every case needs DP x TP ranks; it runs on the first DP x TP ranks of the
 //! check world (a sub-group), so cases larger than the world are skipped: run
@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use ascend_moe::moe::layer::{all_layer_cases, run_layer_case_rank, RankReport};
+use ascend_moe::testing::layer::{all_layer_cases, run_layer_case_rank, RankReport};
 use ascend_moe::{Collectives, Comm, Device, ReduceOp, Tensor};
 
 use crate::check::Row;
@@ -76,7 +76,7 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
 }
 
 /// The case name without the dtype and the token list (they have columns).
-fn short_name(c: &ascend_moe::moe::layer::LayerCase) -> String {
+fn short_name(c: &ascend_moe::testing::layer::LayerCase) -> String {
     format!(
         "dp{} tp{} sp={} {} shared={}{}",
         c.dp,

@@ -76,8 +76,10 @@ pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
 pub use shm::{segment_path, shm_dir, MAX_WORLD};
 
 use self::shm::{Segment, ABORTED, DESC_WORDS, EMPTY, ERR_BYTES, FAILED, JOINED, LEFT};
+use crate::backend::cpu::finalize::finalize_reduce_scatter;
 use crate::backend::cpu::host;
-use crate::comm::{Collectives, Comm, CommOptions, ReduceOp};
+use crate::backend::{FinalizeArgs, FinalizeDims};
+use crate::comm::{finalize_then_reduce_scatter, Collectives, Comm, CommOptions, ReduceOp};
 use crate::error::CommErrorKind;
 use crate::{DType, Device, Element, Error, Result, Tensor};
 
@@ -1357,9 +1359,6 @@ impl Collectives for CpuComm {
     fn device(&self) -> Device {
         Device::Cpu
     }
-    fn as_cpu(&self) -> Option<&CpuComm> {
-        Some(self)
-    }
     fn split(&self, ranks: &[usize]) -> Result<Comm> {
         self.split_impl(ranks).map(Comm::Cpu)
     }
@@ -1454,6 +1453,26 @@ impl Collectives for CpuComm {
     fn barrier(&self) -> Result<()> {
         let desc = Desc::new(Kind::Barrier, DType::F32, None);
         self.drive(Kind::Barrier, desc, Ok(()), &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false)
+    }
+
+    /// Computes the finalize rows straight into the staging buffers
+    /// ([`finalize_reduce_scatter`]) when a row fits a staging region, so the
+    /// finalize output never exists as a buffer of its own and an invalid input
+    /// on one rank fails every rank at once; else the padded two-step default.
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<'_>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: &mut Tensor,
+    ) -> Result<()> {
+        // Every rank of a group sees the same staging size, world and (when
+        // the calls match at all) H and dtype, so every rank takes the same
+        // branch; a rank that does not is reported as a mismatched collective.
+        if self.inner.world > 1 && self.rows_per_region(dims.h, args.expanded_x.dtype()) > 0 {
+            return finalize_reduce_scatter(args, dims, local_sizes, self, out);
+        }
+        finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
     }
 }
 

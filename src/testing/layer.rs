@@ -1,6 +1,6 @@
 //! An end-to-end MoE layer harness: a small deterministic MoE computed on one
 //! rank as the reference, then distributed over DP x TP ranks under every comm
-//! type, shared-expert mode and SP setting, through the ops of this module.
+//! type, shared-expert mode and SP setting, through the ops of [`crate::moe`].
 //! Used by the tests and by `ascend-moe check`.
 //!
 //! The model: a gate `[E, H]`, top-k routing with softmax weights over the
@@ -25,8 +25,8 @@ use crate::moe::prepare_finalize::{
 use crate::moe::reduce::{ReducePolicy, SharedMode};
 use crate::{with_dtype, DType, Device, DropPadMode, Element, Error, Result, Tensor};
 
-/// Intermediate size of the shared expert (divisible by every TP size tested).
-const SHARED_INTER: usize = 4;
+use super::model::{transform, Model, Spec, SHARED_INTER};
+pub use super::tolerance;
 
 /// One configuration of the layer matrix.
 #[derive(Debug, Clone, PartialEq)]
@@ -213,112 +213,6 @@ impl Launcher for CpuLauncher {
     }
 }
 
-/// Deterministic weights and inputs of a case.
-struct Model {
-    h: usize,
-    e: usize,
-    k: usize,
-    gate: Vec<f32>,
-    experts: Vec<f32>,
-    w1: Vec<f32>,
-    w2: Vec<f32>,
-    /// Per DP rank, `[T_d, H]`, already rounded to the case dtype.
-    inputs: Vec<Vec<f32>>,
-}
-
-struct SplitMix(u64);
-impl SplitMix {
-    fn unit(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.unit() * scale).collect()
-    }
-}
-
-fn round_to(dtype: DType, v: f32) -> f32 {
-    with_dtype!(dtype, T => T::from_f32(v).to_f32())
-}
-
-impl Model {
-    fn new(c: &LayerCase) -> Self {
-        let (h, e) = (c.hidden, c.experts);
-        let mut r = SplitMix(c.seed);
-        let ws = 1.5 / (h as f32).sqrt();
-        let gate = r.vec(e * h, 1.0);
-        let experts = r.vec(e * h * h, ws);
-        let w1 = r.vec(SHARED_INTER * h, ws);
-        let w2 = r.vec(h * SHARED_INTER, 0.8);
-        let inputs = c
-            .dp_tokens
-            .iter()
-            .map(|&t| r.vec(t * h, 1.0).into_iter().map(|v| round_to(c.dtype, v)).collect())
-            .collect();
-        Model { h, e, k: c.top_k, gate, experts, w1, w2, inputs }
-    }
-
-    /// Top-k experts (descending logit, lower index on ties) and their softmax weights.
-    fn route(&self, x: &[f32]) -> (Vec<i32>, Vec<f32>) {
-        let logits: Vec<f32> = (0..self.e)
-            .map(|e| self.gate[e * self.h..(e + 1) * self.h].iter().zip(x).map(|(g, v)| g * v).sum())
-            .collect();
-        let mut order: Vec<usize> = (0..self.e).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        let top = &order[..self.k];
-        let m = logits[top[0]];
-        let ex: Vec<f32> = top.iter().map(|&i| (logits[i] - m).exp()).collect();
-        let sum: f32 = ex.iter().sum();
-        (top.iter().map(|&i| i as i32).collect(), ex.iter().map(|v| v / sum).collect())
-    }
-
-    fn expert(&self, e: usize, x: &[f32]) -> Vec<f32> {
-        let w = &self.experts[e * self.h * self.h..(e + 1) * self.h * self.h];
-        (0..self.h)
-            .map(|o| w[o * self.h..(o + 1) * self.h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh())
-            .collect()
-    }
-
-    /// Shared expert restricted to intermediate rows `[lo, hi)`.
-    fn shared(&self, x: &[f32], lo: usize, hi: usize) -> Vec<f32> {
-        let h = self.h;
-        let mid: Vec<f32> = (lo..hi)
-            .map(|i| self.w1[i * h..(i + 1) * h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh())
-            .collect();
-        (0..h).map(|o| (lo..hi).map(|i| self.w2[o * SHARED_INTER + i] * mid[i - lo]).sum()).collect()
-    }
-
-    /// The whole layer for one token, in f64 where it sums.
-    fn reference(&self, c: &LayerCase, x: &[f32]) -> Vec<f64> {
-        let (ids, w) = self.route(x);
-        let mut routed = vec![0f64; self.h];
-        for (e, wk) in ids.iter().zip(&w) {
-            for (r, y) in routed.iter_mut().zip(self.expert(*e as usize, x)) {
-                *r += *wk as f64 * y as f64;
-            }
-        }
-        if c.routed_transform {
-            for r in routed.iter_mut() {
-                *r = transform(*r as f32) as f64;
-            }
-        }
-        if c.shared != SharedMode::None {
-            for (r, s) in routed.iter_mut().zip(self.shared(x, 0, SHARED_INTER)) {
-                *r += s as f64;
-            }
-        }
-        routed
-    }
-}
-
-fn transform(v: f32) -> f32 {
-    0.5 * v + v.tanh()
-}
-
 fn tensor_of(dtype: DType, v: &[f32], shape: &[usize], device: &Device) -> Result<Tensor> {
     let t = with_dtype!(dtype, T => {
         let d: Vec<T> = v.iter().map(|x| T::from_f32(*x)).collect();
@@ -347,15 +241,6 @@ fn shape_check(op: &'static str, got: &[usize], want: &[usize], n: &mut usize) -
         ));
     }
     Ok(())
-}
-
-/// The per-token tolerance of a dtype: `rtol * |want| + atol`.
-pub fn tolerance(dtype: DType) -> (f64, f64) {
-    match dtype {
-        DType::F32 => (1e-4, 1e-4),
-        DType::F16 => (1e-2, 1e-2),
-        _ => (3e-2, 3e-2),
-    }
 }
 
 /// One rank's forward pass.
@@ -544,7 +429,16 @@ pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &
             ),
         ));
     }
-    let m = Model::new(case);
+    let m = Model::new(&Spec {
+        hidden: case.hidden,
+        experts: case.experts,
+        top_k: case.top_k,
+        seed: case.seed,
+        dtype: case.dtype,
+        dp_tokens: &case.dp_tokens,
+        routed_transform: case.routed_transform,
+        shared: case.shared != SharedMode::None,
+    });
     let h = case.hidden;
     let (out, rows, shape_checks) = rank_forward(case, &m, rank, world, device)?;
     let (rtol, atol) = tolerance(case.dtype);
@@ -569,7 +463,7 @@ pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &
         if g >= td {
             continue; // SP padding row
         }
-        let want = m.reference(case, &m.inputs[d][g * h..(g + 1) * h]);
+        let want = m.reference(&m.inputs[d][g * h..(g + 1) * h]);
         r.rows_checked += 1;
         for (col, (got, w)) in out[j * h..(j + 1) * h].iter().zip(&want).enumerate() {
             let err = (got - w).abs();

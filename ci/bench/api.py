@@ -1,0 +1,200 @@
+"""The public API against the kernel, measured in one run: the Python package
+(ctypes over the C ABI, numpy buffers passed without copies) against
+`ascend-moe bench finalize` and `ascend-moe bench collectives --procs`.
+
+Finalize (the CLI's case: mode 2, f32 scales, x1): rounds alternate the CLI
+(kernel time and its same-run triad floor) and the Python op on the same
+shape and threads; each is the best of `--iters` calls, and the report gives
+the medians over `--rounds` rounds of: kernel, floor, Python, Python / kernel
+and floor / Python.
+
+Collectives: `--ranks` Python processes, each a rank of one CPU world, time
+all_reduce and all_gather of `--bytes` per rank (bf16; all_gather's per-rank
+input is bytes / ranks, as the CLI sizes it) with a barrier before each call;
+a call's time is the slowest rank's, and the median call is reported (as
+the CLI does). Rounds alternate with
+`ascend-moe bench collectives --procs` at the same size.
+
+Prints one JSON document (and a table on stderr). Needs numpy and ml_dtypes,
+ASCEND_MOE_LIB naming the release libascend_moe.so, and ASCEND_MOE_BIN the
+release binary (or --bin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402
+import np_finalize  # noqa: E402
+
+
+def median(xs):
+    return common.median(list(xs))
+
+
+def cli_json(cmd: list[str]) -> list[dict]:
+    """The rows of a `bench ... --json` document (`rows` or `results`)."""
+    doc = json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout)
+    return doc.get("rows") or doc.get("results") or []
+
+
+def python_finalize_s(inputs, iters: int) -> float:
+    import ascend_moe
+
+    expanded_x, x1, scales, row_idx = inputs
+    args = dict(x1=x1, scales=scales, drop_pad_mode=2)
+    ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)  # warm-up
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_finalize(a) -> dict:
+    inputs = np_finalize.make_inputs(a.tokens, a.topk, a.hidden, "bf16")
+    cmd = [a.bin, "bench", "finalize", "--tokens", str(a.tokens), "--top-k", str(a.topk), "--hidden", str(a.hidden)]
+    cmd += ["--dtype", "bf16", "--threads", str(a.threads), "--iters", str(a.iters), "--json"]
+    rounds = []
+    for _ in range(a.rounds):
+        r = cli_json(cmd)[0]
+        py = python_finalize_s(inputs, a.iters)
+        rounds.append({"kernel_s": r["time_us"] / 1e6, "floor_s": r["floor_us"] / 1e6, "python_s": py})
+    med = {k: median(r[k] for r in rounds) for k in rounds[0]}
+    return {
+        "op": "finalize",
+        "shape": f"{a.tokens}x{a.topk}x{a.hidden}",
+        "threads": a.threads,
+        "rounds": rounds,
+        "kernel_ms": med["kernel_s"] * 1e3,
+        "floor_ms": med["floor_s"] * 1e3,
+        "python_ms": med["python_s"] * 1e3,
+        "python_over_kernel": median(r["python_s"] / r["kernel_s"] for r in rounds),
+        "floor_over_python": median(r["floor_s"] / r["python_s"] for r in rounds),
+        "floor_over_kernel": median(r["floor_s"] / r["kernel_s"] for r in rounds),
+    }
+
+
+def _rank(name, world, rank, nbytes, iters, q):
+    import ml_dtypes
+
+    import ascend_moe
+
+    comm = ascend_moe.Comm.cpu(name, world, rank)
+    n = nbytes // 2
+    x = np.full(n, rank + 1, dtype=ml_dtypes.bfloat16)
+    g = np.full(n // world, rank + 1, dtype=ml_dtypes.bfloat16)
+    times = {"all_reduce": [], "all_gather": []}
+    for op, arg in (("all_reduce", x), ("all_gather", g)):
+        fn = getattr(ascend_moe, op)
+        fn(arg, comm)  # warm-up
+        for _ in range(iters):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn(arg, comm)
+            times[op].append(time.perf_counter() - t0)
+    q.put((rank, times))
+
+
+def python_collectives(a) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    name = f"bench-api-{uuid.uuid4().hex[:12]}"
+    procs = [ctx.Process(target=_rank, args=(name, a.ranks, r, a.bytes, a.iters, q)) for r in range(a.ranks)]
+    for p in procs:
+        p.start()
+    per_rank = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    out = {}
+    for op in ("all_reduce", "all_gather"):
+        # Per call, the slowest rank; then the median call (as the CLI reports).
+        calls = zip(*[t[op] for _, t in per_rank])
+        out[op] = median(max(c) for c in calls)
+    return out
+
+
+def cli_collectives(a) -> dict:
+    cmd = [a.bin, "bench", "collectives", "--procs", "--ranks", str(a.ranks), "--ops", "all_reduce,all_gather"]
+    cmd += ["--dtype", "bf16", "--iters", str(a.iters), "--json"]
+    cmd += ["--min-bytes", str(a.bytes), "--max-bytes", str(a.bytes)]
+    docs = cli_json(cmd)
+    return {d["op"]: d["time_us"] / 1e6 for d in docs if d.get("op") in ("all_reduce", "all_gather")}
+
+
+def bench_collectives(a) -> dict:
+    rounds = []
+    for _ in range(a.rounds):
+        c = cli_collectives(a)
+        p = python_collectives(a)
+        rounds.append({op: {"cli_s": c[op], "python_s": p[op]} for op in ("all_reduce", "all_gather")})
+    res = {"ranks": a.ranks, "bytes": a.bytes, "rounds": rounds}
+    for op in ("all_reduce", "all_gather"):
+        res[op] = {
+            "cli_ms": median(r[op]["cli_s"] for r in rounds) * 1e3,
+            "python_ms": median(r[op]["python_s"] for r in rounds) * 1e3,
+            "python_over_cli": median(r[op]["python_s"] / r[op]["cli_s"] for r in rounds),
+        }
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bin", default=os.environ.get("ASCEND_MOE_BIN"), help="the release ascend-moe binary")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--bytes", type=int, default=32 << 20, help="bytes per rank of the collectives")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--skip", default="", help="finalize,collectives")
+    a = p.parse_args()
+    if not a.bin:
+        p.error("--bin or ASCEND_MOE_BIN is required")
+    os.environ["ASCEND_MOE_NUM_THREADS"] = str(a.threads)
+    os.environ.setdefault("ASCEND_MOE_TORCH", "0")
+    doc = {"load_avg": os.getloadavg()}
+    if "finalize" not in a.skip:
+        f = bench_finalize(a)
+        doc["finalize"] = f
+        print(
+            f"finalize {f['shape']} bf16, {f['threads']} threads: kernel {f['kernel_ms']:.2f} ms, "
+            f"python {f['python_ms']:.2f} ms ({f['python_over_kernel']:.3f}x kernel), "
+            f"floor {f['floor_ms']:.2f} ms: python {f['floor_over_python']:.3f} of floor "
+            f"(kernel {f['floor_over_kernel']:.3f})",
+            file=sys.stderr,
+        )
+    if "collectives" not in a.skip:
+        c = bench_collectives(a)
+        doc["collectives"] = c
+        for op in ("all_reduce", "all_gather"):
+            o = c[op]
+            print(
+                f"{op} {a.ranks} procs bf16 {a.bytes >> 20} MiB: cli {o['cli_ms']:.2f} ms, "
+                f"python {o['python_ms']:.2f} ms ({o['python_over_cli']:.3f}x)",
+                file=sys.stderr,
+            )
+    doc["load_avg_end"] = os.getloadavg()
+    json.dump(doc, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+//! Test and benchmark support, public for the integration tests and the CLI
+//! (`ascend-moe check` / `bench`) but not part of the API.
+//!
+//! | module | holds |
+//! |---|---|
+//! | [`layer`] | the end-to-end MoE layer harness: cases, launchers, per-rank runs |
+//! | `model` | its single-rank reference (weights, routing, the layer in f64) |
+//! | [`bench`] | the finalize and finalize-and-reduce benchmarks (`ascend-moe bench`) |
+//! | here | the one RNG ([`SplitMix`]) and the one tolerance ([`tolerance`]) |
+
+pub mod bench;
+pub mod layer;
+mod model;
+
+use crate::DType;
+
+/// The one deterministic generator of the harnesses and benches (SplitMix64).
+#[derive(Debug, Clone)]
+pub struct SplitMix(u64);
+
+impl SplitMix {
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        SplitMix(seed)
+    }
+    /// A uniform value in `[-1, 1)` (24 random bits).
+    pub fn unit(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// `n` values of [`SplitMix::unit`] times `scale`.
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.unit() * scale).collect()
+    }
+}
+
+/// The per-token tolerance of a dtype: `rtol * |want| + atol`.
+pub fn tolerance(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F32 => (1e-4, 1e-4),
+        DType::F16 => (1e-2, 1e-2),
+        _ => (3e-2, 3e-2),
+    }
+}

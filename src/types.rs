@@ -1,0 +1,368 @@
+//! The leaf of the crate: basic types that every layer shares and that import
+//! nothing of the crate (only `std`, `half`, `bytemuck`).
+//!
+//! | item | what |
+//! |---|---|
+//! | [`DType`], [`Element`], [`with_dtype!`](crate::with_dtype) | element types |
+//! | [`ReduceOp`] | reduction operators of the collectives |
+//! | [`DropPadMode`] | drop-pad modes of the finalize op (SPEC section 1) |
+//! | [`TensorMeta`] | shape + dtype without data (the input of shape functions) |
+//! | [`FinalizeDims`], [`OutputRows`] | sizes and output placement of a validated finalize |
+//! | [`CommOptions`] | communicator options (timeouts) |
+//!
+//! Data tensors are `f32`, `f16` or `bf16`; index tensors are `i32`; `i64` is
+//! supported by the collectives. Arithmetic on data always accumulates in `f32`
+//! and rounds once (round-to-nearest-even) to the output type.
+
+use std::time::Duration;
+
+use half::{bf16, f16};
+
+/// The element type of a tensor or a collective buffer.
+///
+/// The discriminants are the crate's own stable numbering (also used by the C
+/// ABI); they are not ACL or HCCL values, which live in the sys crates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum DType {
+    /// IEEE 754 binary32.
+    F32 = 0,
+    /// IEEE 754 binary16.
+    F16 = 1,
+    /// bfloat16.
+    BF16 = 2,
+    /// Signed 32-bit integer (index tensors).
+    I32 = 3,
+    /// Signed 64-bit integer.
+    I64 = 4,
+}
+
+impl DType {
+    /// Every dtype, in numbering order.
+    pub const ALL: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
+    /// The floating-point dtypes data tensors may have.
+    pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    /// Size of one element in bytes.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::I64 => 8,
+        }
+    }
+
+    /// Lower-case name (`"f32"`, `"bf16"`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+        }
+    }
+
+    /// True for f32 / f16 / bf16.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// The dtype for a C ABI / CLI number, if it is one.
+    pub fn from_u32(v: u32) -> Option<DType> {
+        Self::ALL.into_iter().find(|d| *d as u32 == v)
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A Rust type that is one of the crate's element types.
+///
+/// `to_f32` / `from_f32` are the accumulation conversions: integers go through
+/// `f32` only where an op asks for it (collectives reduce integers exactly, in
+/// their own type).
+pub trait Element: bytemuck::Pod + Copy + Send + Sync + PartialEq + std::fmt::Debug + Default + 'static {
+    /// The tag of this type.
+    const DTYPE: DType;
+    /// Widen to f32 (exact for f16 / bf16; may round for i32 / i64).
+    fn to_f32(self) -> f32;
+    /// Narrow from f32, rounding to nearest even.
+    fn from_f32(v: f32) -> Self;
+    /// Widen to f64 (used by reference implementations in tests).
+    fn to_f64(self) -> f64;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        f16::to_f64(self)
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        bf16::to_f64(self)
+    }
+}
+
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as i32
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v as i64
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+}
+
+/// Reduction operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum ReduceOp {
+    /// Sum (f32 accumulation for f16 / bf16).
+    Sum = 0,
+    /// Elementwise maximum.
+    Max = 1,
+    /// Elementwise minimum.
+    Min = 2,
+}
+
+impl ReduceOp {
+    /// Every operator.
+    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
+    /// The operator for its number.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Self::ALL.into_iter().find(|o| *o as u32 == v)
+    }
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+/// Drop-pad mode of the finalize op (SPEC section 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum DropPadMode {
+    /// Drop-less, `expanded_x [N*K, H]`, column index layout `R(i,k) = idx[k*N + i]`.
+    DropLessColumn = 0,
+    /// Drop-pad, `expanded_x [E, C, H]`, column layout, `-1` = dropped slot.
+    DropPadColumn = 1,
+    /// Drop-less, row index layout `R(i,k) = idx[i*K + k]`.
+    DropLessRow = 2,
+    /// Drop-pad, row layout, `-1` = dropped slot.
+    DropPadRow = 3,
+}
+
+impl DropPadMode {
+    /// The mode for its number 0..=3.
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::DropLessColumn),
+            1 => Some(Self::DropPadColumn),
+            2 => Some(Self::DropLessRow),
+            3 => Some(Self::DropPadRow),
+            _ => None,
+        }
+    }
+    /// Modes 1 and 3: `expanded_x` is `[E, C, H]` and `-1` marks a dropped slot.
+    pub fn is_drop_pad(self) -> bool {
+        matches!(self, Self::DropPadColumn | Self::DropPadRow)
+    }
+    /// Modes 2 and 3: `R(i,k) = idx[i*K + k]`.
+    pub fn is_row_layout(self) -> bool {
+        matches!(self, Self::DropLessRow | Self::DropPadRow)
+    }
+}
+
+/// Shape and dtype of a tensor, without data: the input of the shape functions
+/// and of the argument checks every backend shares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorMeta<'a> {
+    /// Shape.
+    pub shape: &'a [usize],
+    /// Element type.
+    pub dtype: DType,
+}
+
+impl TensorMeta<'_> {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// Rows (dim 0); a 0-d tensor has one row.
+    pub fn rows(&self) -> usize {
+        self.shape.first().copied().unwrap_or(1)
+    }
+    /// Elements per row (product of the trailing dims).
+    pub fn row_len(&self) -> usize {
+        self.shape.iter().skip(1).product()
+    }
+}
+
+/// Sizes of a validated finalize call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FinalizeDims {
+    /// Output tokens.
+    pub n: usize,
+    /// Top-k.
+    pub k: usize,
+    /// Elements per row (product of the trailing dims of `expanded_x`).
+    pub h: usize,
+    /// Rows of `expanded_x` viewed as 2-D (`N*K`, or `E*C`).
+    pub expanded_rows: usize,
+    /// Rows of `bias` (experts), 0 without bias.
+    pub experts: usize,
+}
+
+/// Where the finalize writes its output rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputRows<'a> {
+    /// `out` is `[N, H]`, token `i` goes to row `i`.
+    Dense,
+    /// `out` is the padded EP buffer `[local_sizes.len() * slot_rows, H]` of
+    /// SPEC section 3: the tokens come in EP-rank block order, block `r`
+    /// (`local_sizes[r]` tokens) goes to rows `[r * slot_rows, r * slot_rows +
+    /// local_sizes[r])`, and every other row is written with zeros.
+    Padded {
+        /// Tokens per EP rank; sums to N.
+        local_sizes: &'a [usize],
+        /// Rows per slot (`M = max(local_sizes)`).
+        slot_rows: usize,
+    },
+}
+
+/// Communicator options.
+#[derive(Debug, Clone)]
+pub struct CommOptions {
+    /// Upper bound on every wait (rendezvous, each collective step).
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        Self::from_env()
+    }
+}
+
+impl CommOptions {
+    /// Default timeout when `ASCEND_MOE_COMM_TIMEOUT` is unset.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+    /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
+    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable.
+    pub fn from_env() -> Self {
+        let timeout = std::env::var("ASCEND_MOE_COMM_TIMEOUT")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64)
+            .unwrap_or(Self::DEFAULT_TIMEOUT);
+        CommOptions { timeout }
+    }
+
+    /// Options with the given timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        CommOptions { timeout }
+    }
+}
+
+/// Calls `$body` with the type alias `$T` bound to the Rust type of `$dtype`.
+///
+/// ```
+/// use ascend_moe::{with_dtype, DType, Element};
+/// let size = with_dtype!(DType::BF16, T => std::mem::size_of::<T>());
+/// assert_eq!(size, 2);
+/// ```
+#[macro_export]
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+        }
+    };
+}

@@ -1,0 +1,168 @@
+//! The C ABI reads inputs and writes outputs in the caller's host memory, and
+//! falls back to a copy exactly where borrowing could change a result: an
+//! output overlapping an input (in-place calls), and pointers that are not
+//! 8-byte aligned. Each case is checked against the same call on separate,
+//! aligned buffers.
+
+use std::ffi::CString;
+use std::ptr::{null, null_mut};
+
+use ascend_moe::capi::*;
+
+fn desc(data: *mut f32, shape: &[usize]) -> amoe_tensor {
+    amoe_tensor {
+        data: data.cast(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: shape.len(),
+        shape: shape.as_ptr(),
+        strides: null(),
+        device_kind: amoe_device_kind::Cpu as u32,
+        device_ordinal: 0,
+    }
+}
+
+fn idx_desc(data: &mut [i32], shape: &[usize]) -> amoe_tensor {
+    amoe_tensor { dtype: amoe_dtype::I32 as u32, ..desc(data.as_mut_ptr().cast(), shape) }
+}
+
+/// Drop-less row layout, N tokens, K = 2 (unit f32 scales), H = 8: token `i`
+/// gathers rows `2j+1` and `2j` with `j = N-1-i`, so the last tokens read the
+/// first rows, which an in-place write-as-you-go would already have clobbered.
+const N: usize = 16;
+const K: usize = 2;
+const H: usize = 8;
+
+fn finalize_into(x: *mut f32, idx: &mut [i32], out: *mut f32) -> amoe_status {
+    let (xs, is, os, ss) = ([N * K, H], [N * K], [N, H], [N, K]);
+    let mut ones = vec![1f32; N * K];
+    let (x, i, o) = (desc(x, &xs), idx_desc(idx, &is), desc(out, &os));
+    let s = desc(ones.as_mut_ptr(), &ss);
+    let args = amoe_finalize_args {
+        expanded_x: &x,
+        expanded_row_idx: &i,
+        x1: null(),
+        x2: null(),
+        bias: null(),
+        scales: &s,
+        expert_idx: null(),
+        drop_pad_mode: amoe_drop_pad_mode::DropLessRow as u32,
+    };
+    // SAFETY: every descriptor points at live buffers of the described sizes.
+    unsafe { amoe_moe_finalize_routing(&args, &o, null()) }
+}
+
+fn inputs() -> (Vec<f32>, Vec<i32>) {
+    let x: Vec<f32> = (0..N * K * H).map(|v| (v % 97) as f32 * 0.5 - 7.0).collect();
+    let idx: Vec<i32> = (0..N).flat_map(|i| [2 * (N - 1 - i) as i32 + 1, 2 * (N - 1 - i) as i32]).collect();
+    (x, idx)
+}
+
+fn expected() -> Vec<f32> {
+    let (x, idx) = inputs();
+    (0..N)
+        .flat_map(|i| {
+            let (a, b) = (idx[i * K] as usize, idx[i * K + 1] as usize);
+            (0..H).map(move |c| (a, b, c)).collect::<Vec<_>>()
+        })
+        .map(|(a, b, c)| x[a * H + c] + x[b * H + c])
+        .collect()
+}
+
+#[test]
+fn finalize_on_separate_buffers_writes_the_callers_output_and_leaves_inputs_alone() {
+    let (mut x, mut idx) = inputs();
+    let before = x.clone();
+    let mut out = vec![f32::NAN; N * H];
+    assert_eq!(finalize_into(x.as_mut_ptr(), &mut idx, out.as_mut_ptr()), amoe_status::Ok);
+    assert_eq!(out, expected());
+    assert_eq!(x, before, "inputs are read in place, never written");
+}
+
+#[test]
+fn finalize_in_place_over_its_own_input_gives_the_out_of_place_result() {
+    let (mut x, mut idx) = inputs();
+    let p = x.as_mut_ptr();
+    // `out` is the first N*H elements of `expanded_x` itself.
+    assert_eq!(finalize_into(p, &mut idx, p), amoe_status::Ok);
+    assert_eq!(&x[..N * H], expected().as_slice());
+}
+
+#[test]
+fn finalize_on_pointers_not_8_byte_aligned_gives_the_aligned_result() {
+    let (x, mut idx) = inputs();
+    // One f32 of offset: 4-byte aligned (valid for f32), not 8-byte aligned.
+    let mut xs = vec![0f32; x.len() + 1];
+    let mut outs = vec![f32::NAN; N * H + 1];
+    let off = usize::from(xs.as_ptr() as usize % 8 == 0);
+    xs[off..off + x.len()].copy_from_slice(&x);
+    let out_off = usize::from(outs.as_ptr() as usize % 8 == 0);
+    let (xp, op) = (xs[off..].as_mut_ptr(), outs[out_off..].as_mut_ptr());
+    assert_ne!(xp as usize % 8, 0);
+    assert_ne!(op as usize % 8, 0);
+    assert_eq!(finalize_into(xp, &mut idx, op), amoe_status::Ok);
+    assert_eq!(&outs[out_off..out_off + N * H], expected().as_slice());
+}
+
+/// Runs `f(rank, comm)` on `world` threads of one fresh CPU world.
+fn on_ranks(name: &str, world: usize, f: impl Fn(usize, *mut amoe_comm) + Sync) {
+    let name = CString::new(format!("{name}-{}", std::process::id())).expect("no NUL");
+    std::thread::scope(|s| {
+        for r in 0..world {
+            let (name, f) = (&name, &f);
+            s.spawn(move || {
+                let mut c = null_mut();
+                // SAFETY: valid name and out-pointer.
+                assert_eq!(unsafe { amoe_comm_cpu_new(name.as_ptr(), world, r, 30.0, &mut c) }, amoe_status::Ok);
+                f(r, c);
+                // SAFETY: a live handle from amoe_comm_cpu_new, freed once.
+                unsafe { amoe_comm_free(c) };
+            });
+        }
+    });
+}
+
+#[test]
+fn all_reduce_in_place_and_out_of_place_on_caller_memory_agree() {
+    let len = 1000;
+    on_ranks("borrow-ar", 3, |r, c| {
+        let mine: Vec<f32> = (0..len).map(|i| (i * (r + 1)) as f32).collect();
+        let want: Vec<f32> = (0..len).map(|i| (i * 6) as f32).collect();
+        let shape = [len];
+        let mut src = mine.clone();
+        let mut dst = vec![f32::NAN; len];
+        let (s, d) = (desc(src.as_mut_ptr(), &shape), desc(dst.as_mut_ptr(), &shape));
+        // SAFETY: live comm; descriptors over live buffers of `len` f32.
+        assert_eq!(unsafe { amoe_all_reduce(c, &s, &d, 0, null()) }, amoe_status::Ok);
+        assert_eq!(dst, want);
+        assert_eq!(src, mine, "src is read in place, never written");
+
+        let mut buf = mine.clone();
+        let b = desc(buf.as_mut_ptr(), &shape);
+        // SAFETY: as above; src and dst are the same memory (in place).
+        assert_eq!(unsafe { amoe_all_reduce(c, &b, &b, 0, null()) }, amoe_status::Ok);
+        assert_eq!(buf, want);
+    });
+}
+
+#[test]
+fn a_reduction_point_that_reduces_never_writes_its_input() {
+    let len = 64;
+    on_ranks("borrow-rp", 2, |r, c| {
+        let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+        let mine: Vec<f32> = (0..len).map(|i| (i + r) as f32).collect();
+        let shape = [len / 8, 8];
+        let mut x = mine.clone();
+        let mut out = vec![f32::NAN; len];
+        let (xd, od) = (desc(x.as_mut_ptr(), &shape), desc(out.as_mut_ptr(), &shape));
+        // ALLGATHER without SP: the final reduction is a TP all-reduce.
+        let (mut early, mut routed, mut shared, mut fin) = (0u8, 0u8, 0u8, 0u8);
+        // SAFETY: valid policy and out-pointers.
+        let st = unsafe { amoe_reduce_policy_decisions(&policy, 0, &mut early, &mut routed, &mut shared, &mut fin) };
+        assert_eq!(st, amoe_status::Ok);
+        assert_eq!(fin, 1, "the case must reduce for this test to mean anything");
+        // SAFETY: live comm; descriptors over live buffers.
+        assert_eq!(unsafe { amoe_reduce_final(&policy, &xd, 0, c, &od, null()) }, amoe_status::Ok);
+        assert_eq!(out, (0..len).map(|i| (2 * i + 1) as f32).collect::<Vec<_>>());
+        assert_eq!(x, mine, "the consumed input is the caller's and stays unchanged");
+    });
+}
