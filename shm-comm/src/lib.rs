@@ -17,7 +17,12 @@
 //! file under an `flock`, the others map it and take their slot; everybody then
 //! waits (up to the timeout) until all slots are taken. A file whose ranks are
 //! all dead or gone (a crashed run) is replaced; a live world of another size
-//! under the same name is an error. The last rank out unlinks the file. Layout:
+//! under the same name is an error. The rank whose claim completes the world
+//! unlinks the file, so once every rank has attached nothing can leak: the
+//! memory is freed when the last rank unmaps it, even if every rank is
+//! SIGKILLed. A running world stays findable by name through its ranks'
+//! presence names (abstract Unix sockets, released by the kernel with the
+//! process; see [`live_members`]). Layout:
 //!
 //! | block | size |
 //! |---|---|
@@ -80,6 +85,7 @@ mod collectives;
 mod descriptor;
 mod dtype;
 mod error;
+mod presence;
 mod reduce;
 mod rendezvous;
 mod segment;
@@ -93,6 +99,7 @@ use std::time::{Duration, Instant};
 pub use collectives::{counts_len, counts_sum};
 pub use dtype::{DataType, ReduceOp};
 pub use error::{Error, ErrorKind, Result};
+pub use presence::{live_members, Member};
 pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
 pub use rendezvous::{segment_path, shm_dir};
 pub use segment::MAX_WORLD;
@@ -273,7 +280,8 @@ impl ShmComm {
         self.inner.timeout
     }
 
-    /// Path of the shared-memory file backing this group.
+    /// Path the shared-memory file of this group had: it is unlinked as soon
+    /// as every rank has attached.
     pub fn segment_path(&self) -> &str {
         self.inner.seg.path()
     }

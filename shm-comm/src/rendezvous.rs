@@ -1,21 +1,29 @@
 //! Rendezvous: ranks meet by (name, world size, rank) in a file under the
 //! shared-memory directory, and the liveness checks that let a crashed
 //! earlier run's file be replaced.
+//!
+//! A group instance is one file (one inode). The file stays linked only while
+//! its world forms: the rank whose claim completes the world unlinks it
+//! before claiming, so once every rank has attached nothing is left to leak
+//! (the memory goes with the last mapping, even on SIGKILL), and a later
+//! rendezvous under the name starts a new instance. A world that is complete
+//! and still running is found through its ranks' [`crate::presence`] names
+//! instead: a joiner of another size, or of a rank that is live there, is
+//! refused as before, and one whose rank has left waits for that world to end.
+//! A file whose ranks are all dead (a crash while the world formed) is
+//! replaced.
 
 use std::ffi::CString;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
 use crate::{Error, ErrorKind, Result};
 
 /// The file backing group `name`: `<shm dir>/ascend-moe.<readable prefix>.<hash>`.
 pub fn segment_path(name: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
+    let h = name_hash(name);
     let readable: String =
         name.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_').take(40).collect();
     format!("{}/ascend-moe.{readable}.{h:016x}", shm_dir())
@@ -175,6 +183,34 @@ impl Segment {
                     continue;
                 }
                 Found::Init => {
+                    // The file is new (or was stale): a complete world of this
+                    // name may still run without one.
+                    let live = members_of(name_hash(name));
+                    let verdict = match live.first() {
+                        None => Ok(Found::Init),
+                        Some(m) => judge(name, world, rank, staging, (m.world, m.staging), &live_of(&live)),
+                    };
+                    let wait = match verdict {
+                        Ok(Found::Init) => None,
+                        Ok(Found::Busy(why)) => Some(Ok(why)),
+                        Ok(_) => Some(Ok(format!(
+                            "a previous world under this name still runs ({}) and rank {rank}'s slot is not free",
+                            describe_live(&live_of(&live))
+                        ))),
+                        Err(e) => Some(Err(e)),
+                    };
+                    if let Some(wait) = wait {
+                        // Nothing was initialised: drop the empty file again.
+                        // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+                        unsafe { libc::unlink(cpath.as_ptr()) };
+                        close(fd);
+                        let why = wait?;
+                        if Instant::now() >= deadline {
+                            return Err(setup_err(name, rank, world, why, ErrorKind::Timeout));
+                        }
+                        backoff.snooze();
+                        continue;
+                    }
                     let len = segment_len(world, staging);
                     // SAFETY: fd is open for writing.
                     if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
@@ -188,19 +224,43 @@ impl Segment {
                     h.world.store(world as u32, Ordering::Relaxed);
                     h.staging.store(staging as u64, Ordering::Relaxed);
                     h.magic.store(MAGIC, Ordering::Release);
-                    seg.claim();
-                    seg.unlock();
-                    return Ok(seg);
+                    return Self::attach(seg, name, &cpath);
                 }
                 Found::Join => {
                     let len = segment_len(world, staging);
                     let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
-                    seg.claim();
-                    seg.unlock();
-                    return Ok(seg);
+                    return Self::attach(seg, name, &cpath);
                 }
             }
         }
+    }
+
+    /// Takes this rank's slot in a mapped segment (lock held, released here):
+    /// announces its presence, unlinks the file when this claim completes the
+    /// world (before claiming, so that every rank's rendezvous returns after
+    /// the unlink), then claims.
+    fn attach(mut seg: Segment, name: &str, cpath: &CString) -> Result<Segment> {
+        let (world, rank, staging) = (seg.world, seg.rank(), seg.staging);
+        let me = Member { rank, world, staging, pid: my_pid() };
+        match Presence::announce(name_hash(name), &me) {
+            Ok(p) => seg.presence = Some(p),
+            Err(true) => {
+                seg.unlock();
+                let why = format!("rank {rank} is already joined (pid {}): duplicate rank", me.pid);
+                return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
+            }
+            // No abstract sockets here: a running world is then only found
+            // while its file exists.
+            Err(false) => {}
+        }
+        let others = (0..world).filter(|&r| r != rank && seg.ctrl(r).state.load(Ordering::Acquire) != EMPTY).count();
+        if others + 1 == world && stat_path(cpath) == Some(seg.ino()) {
+            // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+            unsafe { libc::unlink(cpath.as_ptr()) };
+        }
+        seg.claim();
+        seg.unlock();
+        Ok(seg)
     }
 
     /// Reads the header and slots of an existing segment (lock held).
@@ -228,52 +288,76 @@ impl Segment {
             })
             .collect();
         drop(ctrl);
-        let live: Vec<usize> = (0..w).filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1, slots[r].2)).collect();
+        let live: Vec<(usize, u32)> = (0..w)
+            .filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1, slots[r].2))
+            .map(|r| (r, slots[r].1))
+            .collect();
         if live.is_empty() {
             return Ok(Found::Stale);
         }
-        let pids: Vec<String> = live.iter().map(|&r| format!("rank {r} pid {}", slots[r].1)).collect();
-        if w != world {
-            return Err(setup_err(
-                name,
-                rank,
-                world,
-                format!(
-                    "the name is used by a live world of size {w} (this rank asked for size {world}; live: {})",
-                    pids.join(", ")
-                ),
-                ErrorKind::Setup,
-            ));
-        }
-        if s != staging {
-            return Err(setup_err(
-                name,
-                rank,
-                world,
-                format!(
-                    "the live world under this name uses {s} staging bytes per slot, this rank asked for {staging}"
-                ),
-                ErrorKind::Setup,
-            ));
-        }
-        let (st, pid, start) = slots[rank];
-        if st == JOINED && pid_alive(pid, start) {
-            return Err(setup_err(
-                name,
-                rank,
-                world,
-                format!("rank {rank} is already joined (pid {pid}): duplicate rank"),
-                ErrorKind::Setup,
-            ));
-        }
-        if st != EMPTY {
-            return Ok(Found::Busy(format!(
+        // judge() passed: same world size, so `rank < w`.
+        match judge(name, world, rank, staging, (w, s), &live)? {
+            Found::Join if slots[rank].0 != EMPTY => Ok(Found::Busy(format!(
                 "a previous world under this name still runs ({}) and rank {rank}'s slot is not free",
-                pids.join(", ")
-            )));
+                describe_live(&live)
+            ))),
+            f => Ok(f),
         }
-        Ok(Found::Join)
     }
+}
+
+/// `(rank, pid)` of live members.
+fn live_of(members: &[Member]) -> Vec<(usize, u32)> {
+    members.iter().map(|m| (m.rank, m.pid)).collect()
+}
+
+fn describe_live(live: &[(usize, u32)]) -> String {
+    live.iter().map(|(r, p)| format!("rank {r} pid {p}")).collect::<Vec<_>>().join(", ")
+}
+
+/// Whether rank `rank` of a world of `world` ranks with `staging` bytes may
+/// join the live world of size and staging `found` whose live ranks are
+/// `live`: `Join`, or the error naming why not.
+fn judge(
+    name: &str,
+    world: usize,
+    rank: usize,
+    staging: usize,
+    found: (usize, usize),
+    live: &[(usize, u32)],
+) -> Result<Found> {
+    let (w, s) = found;
+    if w != world {
+        return Err(setup_err(
+            name,
+            rank,
+            world,
+            format!(
+                "the name is used by a live world of size {w} (this rank asked for size {world}; live: {})",
+                describe_live(live)
+            ),
+            ErrorKind::Setup,
+        ));
+    }
+    if s != staging {
+        return Err(setup_err(
+            name,
+            rank,
+            world,
+            format!("the live world under this name uses {s} staging bytes per slot, this rank asked for {staging}"),
+            ErrorKind::Setup,
+        ));
+    }
+    if let Some((_, pid)) = live.iter().find(|(r, _)| *r == rank) {
+        return Err(setup_err(
+            name,
+            rank,
+            world,
+            format!("rank {rank} is already joined (pid {pid}): duplicate rank"),
+            ErrorKind::Setup,
+        ));
+    }
+    Ok(Found::Join)
 }
 
 /// Spin, then yield, then short sleeps (only used while waiting on the setup lock).

@@ -17,13 +17,14 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::presence::Presence;
 use crate::rendezvous::{my_pid, my_start, pid_alive, stat_path};
 use crate::{Error, Result};
 
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 3;
+pub(crate) const VERSION: u32 = 4;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -99,6 +100,8 @@ pub(crate) struct Segment {
     pub world: usize,
     pub staging: usize,
     rank: usize,
+    /// This rank's presence name, held as long as the mapping.
+    pub(crate) presence: Option<Presence>,
 }
 
 // SAFETY: the mapping is plain shared memory; all cross-rank accesses go through
@@ -128,7 +131,7 @@ impl Segment {
             unsafe { libc::close(fd) };
             return Err(e);
         }
-        Ok(Segment { base: p as *mut u8, len, fd, path, ino, world, staging, rank })
+        Ok(Segment { base: p as *mut u8, len, fd, path, ino, world, staging, rank, presence: None })
     }
 
     /// Takes this rank's slot (lock held).
@@ -208,6 +211,16 @@ impl Segment {
             }
         }
         self.unlock();
+    }
+
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// (device, inode) of the backing file.
+    pub(crate) fn ino(&self) -> (u64, u64) {
+        self.ino
     }
 
     /// Path of the backing file.

@@ -43,8 +43,16 @@ impl ShmComm {
             tests::in_failure_window();
             // Report a root cause (panic, departure, death) before a peer that
             // only failed because of it.
+            //
+            // While a world forms, a rank that already took its slot and then
+            // died, aborted or left can never take part: the world cannot
+            // complete, so that fails the joiners at once too (a peer that
+            // failed its own rendezvous wait is not a cause: it timed out
+            // like this rank will).
+            let suspects: Vec<usize> =
+                if joining { (0..world).filter(|&j| j != self.inner.rank).collect() } else { waiting.clone() };
             let mut failed: Vec<(bool, String)> = Vec::new();
-            for &j in &waiting {
+            for &j in &suspects {
                 let c = seg.ctrl(j);
                 let state = c.state.load(Ordering::Acquire);
                 let (pid, start) = (c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire));
@@ -63,10 +71,16 @@ impl ShmComm {
                 // follows its arrival (both release, seen here with acquire), so
                 // readiness checked again after the state is current.
                 if let Some(why) = why {
-                    if !ready(c) {
+                    if joining && why.0 || !ready(c) {
                         failed.push(why);
                     }
                 }
+            }
+            // A world that completed meanwhile owes this rendezvous nothing:
+            // its ranks may already have moved on (failures show up in the
+            // next collective).
+            if joining && !failed.is_empty() && (0..world).all(|j| ready(seg.ctrl(j))) {
+                return Ok(());
             }
             if let Some(i) = failed.iter().position(|f| f.0).or(if failed.is_empty() { None } else { Some(0) }) {
                 let why = &failed[i].1;

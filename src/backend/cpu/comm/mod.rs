@@ -145,7 +145,7 @@ impl CpuComm {
         &self.opts
     }
 
-    /// Path of the shared-memory file backing this group.
+    /// Path the shared-memory file of this group had (unlinked once every rank attached).
     pub fn segment_path(&self) -> &str {
         self.shm.segment_path()
     }
