@@ -595,3 +595,21 @@ fn split_with_different_rank_lists_is_a_mismatch_naming_both_lists() {
     });
     assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
 }
+
+#[test]
+fn ranks_that_disagree_on_the_context_tag_all_fail_naming_who_chose_what() {
+    let name = unique("ctxtag");
+    let out = threads(&name, 4, &opts(10.0), |r, c| {
+        c.set_context_tag(Some((r / 2) as u64));
+        let mut b = Tensor::zeros_cpu(&[4], ascend_moe::DType::BF16);
+        let e = c.all_reduce_in_place(&mut b, ReduceOp::Sum).expect_err("the tags differ");
+        let s = e.to_string();
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "rank {r}: {s}");
+        assert!(s.contains("ranks [0, 1] chose 0, ranks [2, 3] chose 1"), "rank {r}: {s}");
+        // Agreeing again, the group works.
+        c.set_context_tag(Some(3));
+        assert_eq!(c.context_tag(), Some(3));
+        c.barrier()
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}

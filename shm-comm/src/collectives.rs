@@ -35,6 +35,7 @@ impl ShmComm {
         }
         st.seq += 1;
         desc.seq = st.seq;
+        desc.tag = st.tag;
         desc.invalid = invalid.is_some();
         let dslot = (st.seq % 2) as usize;
         let seg = &self.inner.seg;

@@ -62,6 +62,8 @@ pub(crate) struct Desc {
     pub(crate) count: u64,
     pub(crate) counts_a: Vec<u64>,
     pub(crate) counts_b: Vec<u64>,
+    /// The caller's context tag (e.g. the forward's MoE comm type).
+    pub(crate) tag: Option<u64>,
 }
 
 const W_SEQ: usize = 0;
@@ -72,7 +74,11 @@ const W_ROOT: usize = 4;
 const W_FLAGS: usize = 5;
 const W_COUNT: usize = 6;
 const W_NA: usize = 7;
-const W_COUNTS: usize = 8;
+const W_TAG: usize = 8;
+const W_COUNTS: usize = 9;
+/// Flag bits.
+const F_INVALID: u64 = 1;
+const F_TAGGED: u64 = 2;
 
 impl Desc {
     pub(crate) fn new(kind: Kind, dtype: DataType, op: Option<ReduceOp>) -> Desc {
@@ -86,6 +92,7 @@ impl Desc {
             count: 0,
             counts_a: Vec::new(),
             counts_b: Vec::new(),
+            tag: None,
         }
     }
     pub(crate) fn count(mut self, n: usize) -> Desc {
@@ -109,7 +116,8 @@ impl Desc {
         w[W_DTYPE] = self.dtype;
         w[W_OP] = self.op;
         w[W_ROOT] = self.root;
-        w[W_FLAGS] = self.invalid as u64;
+        w[W_FLAGS] = if self.invalid { F_INVALID } else { 0 } | if self.tag.is_some() { F_TAGGED } else { 0 };
+        w[W_TAG] = self.tag.unwrap_or(0);
         w[W_COUNT] = self.count;
         // Counts vectors are only posted when valid (len == world).
         let ok = self.counts_a.len() == world && self.counts_b.len() == world && !self.invalid;
@@ -129,7 +137,8 @@ impl Desc {
             dtype: w[W_DTYPE],
             op: w[W_OP],
             root: w[W_ROOT],
-            invalid: w[W_FLAGS] & 1 != 0,
+            invalid: w[W_FLAGS] & F_INVALID != 0,
+            tag: (w[W_FLAGS] & F_TAGGED != 0).then_some(w[W_TAG]),
             count: w[W_COUNT],
             counts_a: w[W_COUNTS..W_COUNTS + na].to_vec(),
             counts_b: w[W_COUNTS + MAX_WORLD..W_COUNTS + MAX_WORLD + na].to_vec(),
@@ -155,6 +164,9 @@ impl Desc {
             Some(Kind::AllToAllV) => s += &format!(" send_counts {:?} recv_counts {:?}", self.counts_a, self.counts_b),
             _ => {}
         }
+        if let Some(t) = self.tag {
+            s += &format!(" tag {t}");
+        }
         s += &format!(" (call #{})", self.seq);
         s
     }
@@ -173,6 +185,9 @@ impl Desc {
 /// Why the descriptors `descs` (slot `slot` of every rank of `seg`) disagree,
 /// if they do.
 pub(crate) fn disagreement(seg: &Segment, kind: Kind, descs: &[Desc], slot: usize) -> Option<String> {
+    if let Some(d) = tag_disagreement(descs) {
+        return Some(d);
+    }
     {
         let bad: Vec<usize> = (0..descs.len()).filter(|&j| descs[j].invalid).collect();
         if !bad.is_empty() {
@@ -223,4 +238,43 @@ pub(crate) fn disagreement(seg: &Segment, kind: Kind, descs: &[Desc], slot: usiz
         }
         None
     }
+}
+
+/// Ranks grouped by context tag, when they differ: the caller's context
+/// (say, the comm type a forward chose) is the root cause of whatever else
+/// differs, so it is reported first.
+fn tag_disagreement(descs: &[Desc]) -> Option<String> {
+    let mut groups: Vec<(Option<u64>, Vec<usize>)> = Vec::new();
+    for (j, d) in descs.iter().enumerate() {
+        match groups.iter_mut().find(|(t, _)| *t == d.tag) {
+            Some((_, v)) => v.push(j),
+            None => groups.push((d.tag, vec![j])),
+        }
+    }
+    if groups.len() < 2 {
+        return None;
+    }
+    let parts: Vec<String> = groups
+        .iter()
+        .map(|(t, r)| match t {
+            Some(t) => format!("ranks {r:?} chose {t}"),
+            None => format!("ranks {r:?} set no tag"),
+        })
+        .collect();
+    let calls: Vec<String> =
+        groups.iter().map(|(_, r)| format!("rank {} called {}", r[0], descs[r[0]].describe())).collect();
+    Some(format!("ranks disagree on the context tag: {} ({})", parts.join(", "), calls.join("; ")))
+}
+
+/// The last collective rank `j` of `seg` posted, described, if any. Read only
+/// for a peer that stopped taking part (it left, aborted, failed or died), so
+/// its control block no longer changes.
+pub(crate) fn last_call(seg: &Segment, j: usize) -> Option<String> {
+    let p = seg.ctrl_ptr(j);
+    let descs: Vec<Desc> = (0..2)
+        // SAFETY: the block lies inside the mapping; a peer that stopped no
+        // longer writes it (a torn read would only garble this message).
+        .map(|k| Desc::from_words(unsafe { &std::ptr::addr_of!((*p).desc[k]).read_volatile() }))
+        .collect();
+    descs.into_iter().filter(|d| d.seq > 0).max_by_key(|d| d.seq).map(|d| d.describe())
 }

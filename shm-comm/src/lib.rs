@@ -57,6 +57,11 @@
 //!   reduces region `r` of every staging straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
 //!
+//! The descriptor also carries the caller's optional context tag
+//! ([`ShmComm::set_context_tag`]); ranks that disagree on it are reported by
+//! tag first (`ranks [0, 1] chose 0, ranks [2, 3] chose 1`), as the context is
+//! the cause of whatever else differs.
+//!
 //! Round `k` uses staging slot `k % 3`, so a rank may write the next rounds
 //! while slower ranks still read round `k`: every rank finishes reading round
 //! `k` before it arrives at the barrier of round `k + 2`, and round `k + 3`
@@ -175,6 +180,8 @@ struct State {
     round: u64,
     /// Set after a timeout or a failed peer; every later call returns it.
     broken: Option<Error>,
+    /// The caller's context tag, posted with every descriptor.
+    tag: Option<u64>,
 }
 
 impl std::fmt::Debug for ShmComm {
@@ -289,6 +296,20 @@ impl ShmComm {
     /// The shared-memory tuning in use.
     pub fn config(&self) -> Config {
         self.inner.cfg
+    }
+
+    /// Sets the context tag posted with every later collective of this
+    /// handle (and its clones), e.g. the comm type a forward chose. Ranks
+    /// whose tags differ fail their next collective together, with an error
+    /// naming which ranks chose which tag (`ranks [0, 1] chose 0, ranks [2, 3]
+    /// chose 1`). `None` (the default) posts no tag.
+    pub fn set_context_tag(&self, tag: Option<u64>) {
+        self.lock().tag = tag;
+    }
+
+    /// The context tag set by [`ShmComm::set_context_tag`].
+    pub fn context_tag(&self) -> Option<u64> {
+        self.lock().tag
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

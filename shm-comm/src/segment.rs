@@ -24,7 +24,7 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 4;
+pub(crate) const VERSION: u32 = 5;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -32,7 +32,7 @@ pub(crate) const SLOTS: usize = 3;
 /// Size of the header and of each control block.
 pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
-pub(crate) const DESC_WORDS: usize = 8 + 2 * MAX_WORLD;
+pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD;
 /// Words of a posted split request: generation, length, one byte per rank.
 pub(crate) const SPLIT_WORDS: usize = 2 + MAX_WORLD.div_ceil(8);
 /// Bytes of error text a rank can publish with an invalid descriptor.

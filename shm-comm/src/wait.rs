@@ -5,6 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::descriptor::last_call;
 use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT};
 use crate::{rendezvous, ErrorKind, Result, ShmComm, State};
 
@@ -65,6 +66,14 @@ impl ShmComm {
                     }
                     _ => None,
                 };
+                // Say how far the peer got, so a rank that stopped calling
+                // (or called fewer collectives) is told apart from one that
+                // failed in this very call.
+                let why = why.map(|(root, w)| match last_call(seg, j) {
+                    Some(call) if !joining => (root, format!("{w} after its last call, {call},")),
+                    _ if !joining => (root, format!("{w} before any call")),
+                    _ => (root, w),
+                });
                 // The peer may have arrived since `waiting` was computed, then
                 // finished its part and left (or failed a later wait, or
                 // exited): it owes this wait nothing more. Its state store
@@ -84,7 +93,9 @@ impl ShmComm {
             }
             if let Some(i) = failed.iter().position(|f| f.0).or(if failed.is_empty() { None } else { Some(0) }) {
                 let why = &failed[i].1;
-                let e = self.err(coll, ErrorKind::PeerFailed, format!("{why} while rank {} waited", self.inner.rank));
+                let during = if joining { String::new() } else { format!(" in its call #{}", st.seq) };
+                let detail = format!("{why} while rank {} waited{during}", self.inner.rank);
+                let e = self.err(coll, ErrorKind::PeerFailed, detail);
                 self.poison(st, &e);
                 return Err(e);
             }

@@ -155,6 +155,21 @@ impl CpuComm {
         self.shm.config()
     }
 
+    /// Sets the context tag posted with every later collective of this
+    /// communicator and its clones (the MoE layer puts the forward's comm
+    /// type there). Ranks whose tags differ fail their next collective
+    /// together, with a [`CommErrorKind::Mismatch`] naming which ranks chose
+    /// which tag (`ranks [0, 1] chose 0, ranks [2, 3] chose 1`). `None`, the
+    /// default, posts no tag.
+    pub fn set_context_tag(&self, tag: Option<u64>) {
+        self.shm.set_context_tag(tag)
+    }
+
+    /// The context tag set by [`CpuComm::set_context_tag`].
+    pub fn context_tag(&self) -> Option<u64> {
+        self.shm.context_tag()
+    }
+
     /// Rows per staging region for rows of `row_len` elements of `dtype`: how
     /// many rows of one block [`CpuComm::reduce_scatter_rows_with`] moves per
     /// round. 0 when one row does not fit (the caller then stages a buffer).

@@ -1,9 +1,12 @@
-//! Ranks as processes, SIGKILLed at every phase of a group's life: while the
-//! world forms, inside a collective, during teardown, and all at once after
-//! attaching. After each trial no segment of that trial is left in the
-//! shared-memory directory, and the surviving ranks failed with a clear error
-//! naming the dead rank (or, when the kill came after their last collective,
-//! finished), never hung.
+//! Ranks as processes.
+//!
+//! SIGKILLed at every phase of a group's life: while the world forms, inside
+//! a collective, during teardown, and all at once after attaching. After each
+//! trial no segment of that trial is left in the shared-memory directory, and
+//! the surviving ranks failed with a clear error naming the dead rank (or,
+//! when the kill came after their last collective, finished), never hung.
+//!
+//! Disagreeing on the context tag: every process fails, naming who chose what.
 //!
 //! Each rank is this test binary run again with `SHM_COMM_TEST_RANK` set
 //! (`phase name world rank`); it reports on stdout, one line per event.
@@ -50,6 +53,16 @@ fn rank_main(role: &str) -> i32 {
             }
             println!("finished");
             0
+        }
+        "tag" => {
+            comm.set_context_tag(Some((rank / 2) as u64));
+            match comm.barrier() {
+                Ok(()) => {
+                    println!("passed");
+                    0
+                }
+                Err(e) => report(&e),
+            }
         }
         "teardown" => {
             if let Err(e) = comm.barrier() {
@@ -251,4 +264,21 @@ fn every_rank_killed_after_attaching_leaks_nothing() {
         assert_no_segment(&name);
         assert!(live_members(&name).is_empty());
     }
+}
+
+#[test]
+fn process_ranks_that_disagree_on_the_tag_all_fail_naming_who_chose_what() {
+    const TEST: &str = "process_ranks_that_disagree_on_the_tag_all_fail_naming_who_chose_what";
+    if let Ok(role) = std::env::var(ROLE) {
+        std::process::exit(rank_main(&role));
+    }
+    let name = unique("tag", 0);
+    let start = Instant::now();
+    let ranks: Vec<Rank> = (0..WORLD).map(|r| Rank::spawn(TEST, "tag", &name, r)).collect();
+    for (r, rank) in ranks.into_iter().enumerate() {
+        let (code, out) = rank.finish(start + TRIAL_LIMIT);
+        assert_eq!(code, Some(3), "rank {r}: {out}");
+        assert!(out.contains("Some(Mismatch)") && out.contains("ranks [0, 1] chose 0, ranks [2, 3] chose 1"), "{out}");
+    }
+    assert_no_segment(&name);
 }
