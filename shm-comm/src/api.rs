@@ -110,7 +110,7 @@ impl ShmComm {
         let local = check.and_then(|_| {
             reducible(C, dtype)?;
             let n = elems(C, "dst", dtype, dst.len())?;
-            same_len(C, "src", n * w, elems(C, "src", dtype, src.len())?)?;
+            same_len(C, "src", n.saturating_mul(w), elems(C, "src", dtype, src.len())?)?;
             Ok(aligned(C, "dst", dtype, dst.as_ptr())?)
         });
         let desc = Desc::new(Kind::ReduceScatter, dtype, Some(op)).count(n);
@@ -160,7 +160,7 @@ impl ShmComm {
         let n = src.len() / dtype.size();
         let local = check.and_then(|_| {
             let n = elems(C, "src", dtype, src.len())?;
-            Ok(same_len(C, "dst", n * w, elems(C, "dst", dtype, dst.len())?)?)
+            Ok(same_len(C, "dst", n.saturating_mul(w), elems(C, "dst", dtype, dst.len())?)?)
         });
         let desc = Desc::new(Kind::AllGather, dtype, None).count(n);
         let counts = vec![n; w];

@@ -1,6 +1,8 @@
-//! The caller's context tag in the collective descriptor, on 4 thread ranks:
-//! ranks that disagree on it, call different collectives, or stop calling all
-//! fail together, and the error names who did what.
+//! 4 thread ranks: byte moves of every element type, reductions refused on
+//! the types they do not take, and the caller's context tag in the
+//! collective descriptor (ranks that disagree on it, call different
+//! collectives, or stop calling all fail together, and the error names who
+//! did what).
 
 use std::time::Duration;
 
@@ -105,4 +107,32 @@ fn a_rank_that_stops_calling_is_reported_with_how_far_it_got() {
         assert!(s.contains("after its last call, barrier (call #1)"), "rank {r}: {s}");
         assert!(s.contains(&format!("while rank {r} waited in its call #2")), "rank {r}: {s}");
     }
+}
+
+#[test]
+fn one_byte_types_move_exactly_and_are_refused_by_reductions() {
+    let out = ranks("bytes", |r, c| {
+        for dt in [DataType::I8, DataType::U8, DataType::Bool, DataType::F8E4M3, DataType::F8E5M2] {
+            // Every byte value, offset by rank, so each rank's block differs.
+            let src: Vec<u8> = (0..=255u8).map(|b| b.wrapping_add(r as u8 * 61)).collect();
+            let mut dst = vec![0u8; src.len() * WORLD];
+            c.all_gather(dt, &src, &mut dst, Ok::<(), Error>(())).expect("all_gather");
+            for j in 0..WORLD {
+                let want: Vec<u8> = (0..=255u8).map(|b| b.wrapping_add(j as u8 * 61)).collect();
+                assert_eq!(&dst[j * 256..(j + 1) * 256], &want[..], "{dt} block {j}");
+            }
+            let counts = [1, 0, 3, 2];
+            let mine: Vec<u8> = (0..counts[r]).map(|i| (r * 10 + i) as u8).collect();
+            let mut gathered = vec![0u8; 6];
+            c.all_gather_v(dt, &mine, &mut gathered, &counts, Ok::<(), Error>(())).expect("all_gather_v");
+            assert_eq!(gathered, [0, 20, 21, 22, 30, 31], "{dt}");
+            let mut b = if r == 2 { vec![0x7f, 0x80, 0xff] } else { vec![0; 3] };
+            c.broadcast(dt, &mut b, 2, Ok::<(), Error>(())).expect("broadcast");
+            assert_eq!(b, [0x7f, 0x80, 0xff], "{dt}");
+            let e = c.all_reduce_in_place(dt, ReduceOp::Sum, &mut b, Ok::<(), Error>(())).expect_err("not reducible");
+            assert!(matches!(e, Error::InvalidArgument { arg: "dtype", .. }), "{e}");
+            assert!(e.to_string().contains(&format!("{dt} cannot be reduced")), "{e}");
+        }
+    });
+    assert_eq!(out.len(), WORLD);
 }
