@@ -484,7 +484,9 @@ fn segments_are_removed_on_teardown() {
     let name = unique("teardown");
     let path = segment_path(&name);
     let out = threads(&name, 3, &opts(10.0), |_, c| {
-        assert!(std::path::Path::new(c.segment_path()).exists());
+        // Unlinked as soon as every rank attached: the memory goes with the
+        // last mapping, whatever happens to the ranks.
+        assert!(!std::path::Path::new(c.segment_path()).exists(), "{} still linked", c.segment_path());
         let mut b = Tensor::zeros_cpu(&[4], ascend_moe::DType::I32);
         c.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
         // A sub-group's segment goes too.
@@ -590,6 +592,24 @@ fn split_with_different_rank_lists_is_a_mismatch_naming_both_lists() {
         let e = c.split(&[0, 1]).expect_err("rank 1 never splits");
         assert_eq!(comm_kind(&e), Some(CommErrorKind::Timeout), "{e}");
         Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
+#[test]
+fn ranks_that_disagree_on_the_context_tag_all_fail_naming_who_chose_what() {
+    let name = unique("ctxtag");
+    let out = threads(&name, 4, &opts(10.0), |r, c| {
+        c.set_context_tag(Some((r / 2) as u64));
+        let mut b = Tensor::zeros_cpu(&[4], ascend_moe::DType::BF16);
+        let e = c.all_reduce_in_place(&mut b, ReduceOp::Sum).expect_err("the tags differ");
+        let s = e.to_string();
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::Mismatch), "rank {r}: {s}");
+        assert!(s.contains("ranks [0, 1] chose 0, ranks [2, 3] chose 1"), "rank {r}: {s}");
+        // Agreeing again, the group works.
+        c.set_context_tag(Some(3));
+        assert_eq!(c.context_tag(), Some(3));
+        c.barrier()
     });
     assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
 }

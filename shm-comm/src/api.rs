@@ -1,0 +1,353 @@
+//! The public collectives: byte slices, an element type and element counts.
+//!
+//! Each call checks its slices against the counts (after the caller's own
+//! `check`), posts its descriptor and runs the data phase of `collectives`.
+//! A failed check still takes part in the descriptor exchange, so every rank
+//! of the group fails together.
+
+use std::fmt::Display;
+
+use crate::collectives::{counts_len, counts_sum, same_len};
+use crate::descriptor::{Desc, Kind};
+use crate::{DataType, Error, ReduceOp, Result, ShmComm};
+
+/// Runs `call` with the text of `local`'s error (if any); a failure of the
+/// call itself (the descriptor exchange or a data round) wins over `local`.
+fn finish<E: From<Error> + Display>(
+    local: Result<(), E>,
+    call: impl FnOnce(Option<&str>) -> Result<()>,
+) -> Result<(), E> {
+    let text = local.as_ref().err().map(|e| e.to_string());
+    call(text.as_deref())?;
+    local
+}
+
+/// Whole elements of `dtype` in `bytes` bytes of argument `arg`.
+fn elems(op: &'static str, arg: &'static str, dtype: DataType, bytes: usize) -> Result<usize> {
+    if bytes % dtype.size() != 0 {
+        return Err(Error::invalid(op, arg, format!("holds {bytes} bytes, not a whole number of {dtype} elements")));
+    }
+    Ok(bytes / dtype.size())
+}
+
+fn reducible(op: &'static str, dtype: DataType) -> Result<()> {
+    if !dtype.is_reducible() {
+        return Err(Error::invalid(
+            op,
+            "dtype",
+            format!("{dtype} cannot be reduced (reductions take f32, f16, bf16, i32 or i64)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A reduction writes `arg` through typed pointers: it must be aligned.
+fn aligned(op: &'static str, arg: &'static str, dtype: DataType, p: *const u8) -> Result<()> {
+    if (p as usize) % dtype.size() != 0 {
+        return Err(Error::invalid(op, arg, format!("is not aligned to the {}-byte {dtype} elements", dtype.size())));
+    }
+    Ok(())
+}
+
+impl ShmComm {
+    /// `dst = op(src over ranks)`; `src` and `dst` hold the same number of
+    /// elements.
+    pub fn all_reduce<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_reduce";
+        let n = src.len() / dtype.size();
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            let n = elems(C, "src", dtype, src.len())?;
+            Ok(same_len(C, "dst", n, elems(C, "dst", dtype, dst.len())?)?)
+        });
+        let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n);
+        // SAFETY: the data phase runs only when the lengths agree (no invalid
+        // text); & and &mut cannot overlap.
+        finish(local, |inv| unsafe { self.all_reduce_raw(desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), n) })
+    }
+
+    /// In-place all-reduce.
+    pub fn all_reduce_in_place<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        buf: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_reduce";
+        let n = buf.len() / dtype.size();
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            elems(C, "buf", dtype, buf.len())?;
+            Ok(())
+        });
+        let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n);
+        let p = buf.as_mut_ptr();
+        // SAFETY: src == dst (in place is allowed); buf holds n elements.
+        finish(local, |inv| unsafe { self.all_reduce_raw(desc, inv, dtype, op, p, p, n) })
+    }
+
+    /// Reduce-scatter: `src` holds `world` blocks of `dst`'s element count;
+    /// `dst` receives block `rank` of the reduction.
+    pub fn reduce_scatter<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "reduce_scatter";
+        let w = self.inner.world;
+        let n = dst.len() / dtype.size();
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            let n = elems(C, "dst", dtype, dst.len())?;
+            same_len(C, "src", n.saturating_mul(w), elems(C, "src", dtype, src.len())?)?;
+            Ok(aligned(C, "dst", dtype, dst.as_ptr())?)
+        });
+        let desc = Desc::new(Kind::ReduceScatter, dtype, Some(op)).count(n);
+        let counts = vec![n; w];
+        // SAFETY: the data phase runs only when src holds w * n and dst n
+        // aligned elements.
+        finish(local, |inv| unsafe {
+            self.reduce_scatter_raw(Kind::ReduceScatter, desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), &counts)
+        })
+    }
+
+    /// Reduce-scatter with per-rank block sizes `counts` (elements).
+    pub fn reduce_scatter_v<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        counts: &[usize],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "reduce_scatter_v";
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
+            self.check_v(C, counts, s, "src", d, "dst")?;
+            Ok(aligned(C, "dst", dtype, dst.as_ptr())?)
+        });
+        let desc = Desc::new(Kind::ReduceScatterV, dtype, Some(op)).counts(counts, counts);
+        // SAFETY: the data phase runs only when src holds sum(counts) and dst
+        // counts[rank] aligned elements.
+        finish(local, |inv| unsafe {
+            self.reduce_scatter_raw(Kind::ReduceScatterV, desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), counts)
+        })
+    }
+
+    /// `dst = concat(src of every rank)`: `dst` holds `world` times `src`.
+    pub fn all_gather<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        src: &[u8],
+        dst: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_gather";
+        let w = self.inner.world;
+        let n = src.len() / dtype.size();
+        let local = check.and_then(|_| {
+            let n = elems(C, "src", dtype, src.len())?;
+            Ok(same_len(C, "dst", n.saturating_mul(w), elems(C, "dst", dtype, dst.len())?)?)
+        });
+        let desc = Desc::new(Kind::AllGather, dtype, None).count(n);
+        let counts = vec![n; w];
+        // SAFETY: the data phase runs only when dst holds w * n elements.
+        finish(local, |inv| unsafe {
+            self.all_gather_raw(Kind::AllGather, desc, inv, dtype, src.as_ptr(), dst.as_mut_ptr(), &counts)
+        })
+    }
+
+    /// All-gather with per-rank block sizes `counts` (elements).
+    pub fn all_gather_v<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        src: &[u8],
+        dst: &mut [u8],
+        counts: &[usize],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_gather_v";
+        let local = check.and_then(|_| {
+            let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
+            Ok(self.check_v(C, counts, d, "dst", s, "src")?)
+        });
+        let desc = Desc::new(Kind::AllGatherV, dtype, None).counts(counts, counts);
+        // SAFETY: the data phase runs only when src holds counts[rank] and dst
+        // sum(counts) elements.
+        finish(local, |inv| unsafe {
+            self.all_gather_raw(Kind::AllGatherV, desc, inv, dtype, src.as_ptr(), dst.as_mut_ptr(), counts)
+        })
+    }
+
+    /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements)
+    /// goes to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank
+    /// `i`. The counts must agree pairwise across ranks.
+    pub fn all_to_all_v<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        src: &[u8],
+        send_counts: &[usize],
+        dst: &mut [u8],
+        recv_counts: &[usize],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_to_all_v";
+        let w = self.inner.world;
+        let local = check.and_then(|_| {
+            counts_len(C, "send_counts", send_counts, w)?;
+            counts_len(C, "recv_counts", recv_counts, w)?;
+            same_len(C, "src", counts_sum(C, "send_counts", send_counts)?, elems(C, "src", dtype, src.len())?)?;
+            Ok(same_len(C, "dst", counts_sum(C, "recv_counts", recv_counts)?, elems(C, "dst", dtype, dst.len())?)?)
+        });
+        let desc = Desc::new(Kind::AllToAllV, dtype, None).counts(send_counts, recv_counts);
+        // SAFETY: the data phase runs only when src holds sum(send) and dst
+        // sum(recv) elements, and the counts agree pairwise across ranks
+        // (checked before any data moves).
+        finish(local, |inv| unsafe {
+            self.all_to_all_raw(desc, inv, dtype, src.as_ptr(), send_counts, dst.as_mut_ptr(), recv_counts)
+        })
+    }
+
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    pub fn broadcast<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        buf: &mut [u8],
+        root: usize,
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        let n = buf.len() / dtype.size();
+        let local = check.and_then(|_| {
+            elems("broadcast", "buf", dtype, buf.len())?;
+            Ok(self.check_root(root)?)
+        });
+        let desc = Desc::new(Kind::Broadcast, dtype, None).count(n).root(root);
+        // SAFETY: buf holds n elements.
+        finish(local, |inv| unsafe { self.broadcast_raw(desc, inv, dtype, buf.as_mut_ptr(), n, root) })
+    }
+
+    /// Waits for every rank.
+    pub fn barrier(&self) -> Result<()> {
+        let desc = Desc::new(Kind::Barrier, DataType::F32, None);
+        self.drive(Kind::Barrier, desc, None, &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false)
+    }
+
+    /// Rows per staging region for rows of `row_len` elements of `dtype`: how
+    /// many rows of one block [`ShmComm::reduce_scatter_rows_with`] moves per
+    /// round. 0 when one row does not fit (the caller then stages a buffer).
+    pub fn rows_per_region(&self, row_len: usize, dtype: DataType) -> usize {
+        match row_len.checked_mul(dtype.size()) {
+            Some(b) if b > 0 => self.region_bytes() / b,
+            _ => 0,
+        }
+    }
+
+    /// Reduce-scatter of row blocks that are computed straight into the
+    /// staging buffers instead of being copied from a source buffer.
+    ///
+    /// Block `j` has `rows[j]` rows of `row_len` elements of `dtype`; the
+    /// result of this rank is `op` over ranks of block `rank`, written to `dst`
+    /// (`rows[rank] * row_len` elements). `produce(j, first, out)` must fill
+    /// `out` (`out.len() / (row_len * dtype.size())` whole rows, 64-byte
+    /// aligned) with rows `first..` of this rank's block `j`. It is called
+    /// only when every argument and `check` (the caller's own validation of
+    /// whatever `produce` reads) are good; otherwise the call fails on every
+    /// rank with the reason, like any collective.
+    ///
+    /// The result is bitwise the same as [`ShmComm::reduce_scatter_v`] over
+    /// the concatenated blocks (same reduction order), with one copy of the
+    /// input less. Needs [`ShmComm::rows_per_region`] `>= 1`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_rows_with<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        rows: &[usize],
+        row_len: usize,
+        dst: &mut [u8],
+        check: Result<(), E>,
+        produce: &mut dyn FnMut(usize, usize, &mut [u8]),
+    ) -> Result<(), E> {
+        const C: &str = "reduce_scatter_rows";
+        let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
+        let rpr = self.rows_per_region(row_len, dtype);
+        let region = self.region_bytes();
+        let checked = check.and_then(|_| {
+            reducible(C, dtype)?;
+            counts_len(C, "rows", rows, world)?;
+            if rpr == 0 {
+                let why = format!("a row of {row_len} {dtype} elements does not fit the {region}-byte staging region");
+                return Err(Error::invalid(C, "row_len", why).into());
+            }
+            let elems = rows.iter().map(|r| r.checked_mul(row_len)).collect::<Option<Vec<usize>>>();
+            let elems =
+                elems.ok_or_else(|| Error::invalid(C, "rows", format!("{rows:?} rows of {row_len} overflow")))?;
+            counts_sum(C, "rows", &elems)?;
+            same_len(C, "dst", elems[me], self::elems(C, "dst", dtype, dst.len())?)?;
+            aligned(C, "dst", dtype, dst.as_ptr())?;
+            Ok(elems)
+        });
+        let (local, counts) = match checked {
+            Ok(elems) => (Ok(()), elems),
+            Err(e) => (Err(e), vec![0; world]),
+        };
+        let desc = Desc::new(Kind::ReduceScatterRows, dtype, Some(op)).count(row_len).counts(&counts, &counts);
+        let relems = rpr * row_len;
+        let d = dst.as_mut_ptr();
+        let mut stage = |k: usize, slot: *mut u8| {
+            for (j, &r) in rows.iter().enumerate() {
+                let (lo, hi) = (k * rpr, ((k + 1) * rpr).min(r));
+                if lo < hi {
+                    // SAFETY: region j of the slot holds rpr >= hi - lo rows
+                    // (rows_per_region); only this rank writes its slot, and
+                    // nobody reads it during staging. Regions start at multiples
+                    // of 64 bytes inside a 64-byte aligned slot.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(slot.add(j * region), (hi - lo) * row_len * esz) };
+                    produce(j, lo, out);
+                }
+            }
+        };
+        // SAFETY: staging runs only when the checks passed: then dst holds
+        // counts[me] aligned elements, and relems * esz <= region (rows_per_region).
+        finish(local, |inv| unsafe {
+            self.reduce_scatter_core(Kind::ReduceScatterRows, desc, inv, dtype, op, d, &counts, relems, &mut stage)
+        })
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        let w = self.inner.world;
+        if root >= w {
+            return Err(Error::invalid("broadcast", "root", format!("root {root} is out of range for world size {w}")));
+        }
+        Ok(())
+    }
+
+    fn check_v(
+        &self,
+        op: &'static str,
+        counts: &[usize],
+        total: usize,
+        total_arg: &'static str,
+        mine: usize,
+        mine_arg: &'static str,
+    ) -> Result<()> {
+        let w = self.inner.world;
+        counts_len(op, "counts", counts, w)?;
+        same_len(op, total_arg, counts_sum(op, "counts", counts)?, total)?;
+        same_len(op, mine_arg, counts[self.inner.rank], mine)
+    }
+}

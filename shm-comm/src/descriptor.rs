@@ -1,0 +1,280 @@
+//! Collective descriptors: what one rank was asked to do, posted in its
+//! control block and compared across ranks before any data moves.
+
+use crate::segment::{Segment, DESC_WORDS, MAX_WORLD};
+use crate::{DataType, ReduceOp};
+
+/// Collective kinds as posted in descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub(crate) enum Kind {
+    Barrier = 1,
+    AllReduce = 2,
+    ReduceScatter = 3,
+    AllGather = 4,
+    ReduceScatterV = 5,
+    AllGatherV = 6,
+    AllToAllV = 7,
+    Broadcast = 8,
+    ReduceScatterRows = 9,
+}
+
+impl Kind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::Barrier => "barrier",
+            Kind::AllReduce => "all_reduce",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllGather => "all_gather",
+            Kind::ReduceScatterV => "reduce_scatter_v",
+            Kind::AllGatherV => "all_gather_v",
+            Kind::AllToAllV => "all_to_all_v",
+            Kind::Broadcast => "broadcast",
+            Kind::ReduceScatterRows => "reduce_scatter_rows",
+        }
+    }
+    pub(crate) fn from_u64(v: u64) -> Option<Kind> {
+        [
+            Kind::Barrier,
+            Kind::AllReduce,
+            Kind::ReduceScatter,
+            Kind::AllGather,
+            Kind::ReduceScatterV,
+            Kind::AllGatherV,
+            Kind::AllToAllV,
+            Kind::Broadcast,
+            Kind::ReduceScatterRows,
+        ]
+        .into_iter()
+        .find(|k| *k as u64 == v)
+    }
+}
+
+/// A collective descriptor (what one rank was asked to do).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Desc {
+    pub(crate) seq: u64,
+    pub(crate) kind: u64,
+    pub(crate) dtype: u64,
+    pub(crate) op: u64,
+    pub(crate) root: u64,
+    pub(crate) invalid: bool,
+    pub(crate) count: u64,
+    pub(crate) counts_a: Vec<u64>,
+    pub(crate) counts_b: Vec<u64>,
+    /// The caller's context tag (e.g. the forward's MoE comm type).
+    pub(crate) tag: Option<u64>,
+}
+
+const W_SEQ: usize = 0;
+const W_KIND: usize = 1;
+const W_DTYPE: usize = 2;
+const W_OP: usize = 3;
+const W_ROOT: usize = 4;
+const W_FLAGS: usize = 5;
+const W_COUNT: usize = 6;
+const W_NA: usize = 7;
+const W_TAG: usize = 8;
+const W_COUNTS: usize = 9;
+/// Flag bits.
+const F_INVALID: u64 = 1;
+const F_TAGGED: u64 = 2;
+
+impl Desc {
+    pub(crate) fn new(kind: Kind, dtype: DataType, op: Option<ReduceOp>) -> Desc {
+        Desc {
+            seq: 0,
+            kind: kind as u64,
+            dtype: dtype as u64,
+            op: op.map_or(u64::MAX, |o| o as u64),
+            root: u64::MAX,
+            invalid: false,
+            count: 0,
+            counts_a: Vec::new(),
+            counts_b: Vec::new(),
+            tag: None,
+        }
+    }
+    pub(crate) fn count(mut self, n: usize) -> Desc {
+        self.count = n as u64;
+        self
+    }
+    pub(crate) fn counts(mut self, a: &[usize], b: &[usize]) -> Desc {
+        self.counts_a = a.iter().map(|&c| c as u64).collect();
+        self.counts_b = b.iter().map(|&c| c as u64).collect();
+        self
+    }
+    pub(crate) fn root(mut self, r: usize) -> Desc {
+        self.root = r as u64;
+        self
+    }
+
+    pub(crate) fn to_words(&self, world: usize) -> [u64; DESC_WORDS] {
+        let mut w = [0u64; DESC_WORDS];
+        w[W_SEQ] = self.seq;
+        w[W_KIND] = self.kind;
+        w[W_DTYPE] = self.dtype;
+        w[W_OP] = self.op;
+        w[W_ROOT] = self.root;
+        w[W_FLAGS] = if self.invalid { F_INVALID } else { 0 } | if self.tag.is_some() { F_TAGGED } else { 0 };
+        w[W_TAG] = self.tag.unwrap_or(0);
+        w[W_COUNT] = self.count;
+        // Counts vectors are only posted when valid (len == world).
+        let ok = self.counts_a.len() == world && self.counts_b.len() == world && !self.invalid;
+        w[W_NA] = if ok { world as u64 } else { 0 };
+        if ok {
+            w[W_COUNTS..W_COUNTS + world].copy_from_slice(&self.counts_a);
+            w[W_COUNTS + MAX_WORLD..W_COUNTS + MAX_WORLD + world].copy_from_slice(&self.counts_b);
+        }
+        w
+    }
+
+    pub(crate) fn from_words(w: &[u64; DESC_WORDS]) -> Desc {
+        let na = (w[W_NA] as usize).min(MAX_WORLD);
+        Desc {
+            seq: w[W_SEQ],
+            kind: w[W_KIND],
+            dtype: w[W_DTYPE],
+            op: w[W_OP],
+            root: w[W_ROOT],
+            invalid: w[W_FLAGS] & F_INVALID != 0,
+            tag: (w[W_FLAGS] & F_TAGGED != 0).then_some(w[W_TAG]),
+            count: w[W_COUNT],
+            counts_a: w[W_COUNTS..W_COUNTS + na].to_vec(),
+            counts_b: w[W_COUNTS + MAX_WORLD..W_COUNTS + MAX_WORLD + na].to_vec(),
+        }
+    }
+
+    /// Human-readable form for error messages.
+    pub(crate) fn describe(&self) -> String {
+        let kind = Kind::from_u64(self.kind);
+        let mut s = kind.map_or_else(|| format!("collective #{}", self.kind), |k| k.name().to_string());
+        if kind != Some(Kind::Barrier) {
+            let dt = DataType::from_u32(self.dtype as u32).map_or("?", |d| d.name());
+            s += &format!(" dtype {dt}");
+        }
+        if let Some(op) = ReduceOp::from_u32(self.op as u32).filter(|_| self.op != u64::MAX) {
+            s += &format!(" op {}", op.name());
+        }
+        match kind {
+            Some(Kind::AllReduce | Kind::ReduceScatter | Kind::AllGather) => s += &format!(" count {}", self.count),
+            Some(Kind::Broadcast) => s += &format!(" count {} root {}", self.count, self.root),
+            Some(Kind::ReduceScatterV | Kind::AllGatherV) => s += &format!(" counts {:?}", self.counts_a),
+            Some(Kind::ReduceScatterRows) => s += &format!(" row_len {} counts {:?}", self.count, self.counts_a),
+            Some(Kind::AllToAllV) => s += &format!(" send_counts {:?} recv_counts {:?}", self.counts_a, self.counts_b),
+            _ => {}
+        }
+        if let Some(t) = self.tag {
+            s += &format!(" tag {t}");
+        }
+        s += &format!(" (call #{})", self.seq);
+        s
+    }
+
+    /// The fields all ranks must agree on (all_to_all_v is checked pairwise).
+    pub(crate) fn agreement_key(&self) -> Desc {
+        let mut k = self.clone();
+        if Kind::from_u64(self.kind) == Some(Kind::AllToAllV) {
+            k.counts_a.clear();
+            k.counts_b.clear();
+        }
+        k
+    }
+}
+
+/// Why the descriptors `descs` (slot `slot` of every rank of `seg`) disagree,
+/// if they do.
+pub(crate) fn disagreement(seg: &Segment, kind: Kind, descs: &[Desc], slot: usize) -> Option<String> {
+    if let Some(d) = tag_disagreement(descs) {
+        return Some(d);
+    }
+    {
+        let bad: Vec<usize> = (0..descs.len()).filter(|&j| descs[j].invalid).collect();
+        if !bad.is_empty() {
+            let texts: Vec<String> = bad
+                .iter()
+                .map(|&j| {
+                    let p = seg.ctrl_ptr(j);
+                    // SAFETY: written by rank j before its arrival, as the descriptor.
+                    let raw = unsafe { &*std::ptr::addr_of!((*p).err[slot]) };
+                    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+                    format!("rank {j}: {}", String::from_utf8_lossy(&raw[..end]))
+                })
+                .collect();
+            return Some(format!("ranks {bad:?} passed invalid arguments to {}: {}", kind.name(), texts.join("; ")));
+        }
+        // Group ranks by what they called.
+        let mut groups: Vec<(Desc, Vec<usize>)> = Vec::new();
+        for (j, d) in descs.iter().enumerate() {
+            let key = d.agreement_key();
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, v)) => v.push(j),
+                None => groups.push((key, vec![j])),
+            }
+        }
+        if groups.len() > 1 {
+            let parts: Vec<String> =
+                groups.iter().map(|(d, r)| format!("ranks {r:?} called {}", d.describe())).collect();
+            let odd: Vec<usize> = groups.iter().skip(1).flat_map(|(_, r)| r.iter().copied()).collect();
+            return Some(format!("ranks disagree (ranks {odd:?} differ from rank 0): {}", parts.join("; ")));
+        }
+        if kind == Kind::AllToAllV {
+            let n = descs.len();
+            let mut errs = Vec::new();
+            for (i, di) in descs.iter().enumerate() {
+                for (j, dj) in descs.iter().enumerate() {
+                    let (s, r) = (di.counts_a.get(j).copied().unwrap_or(0), dj.counts_b.get(i).copied().unwrap_or(0));
+                    if s != r {
+                        errs.push(format!("rank {i} sends {s} elements to rank {j}, which expects {r}"));
+                    }
+                }
+            }
+            if !errs.is_empty() {
+                let shown = errs.len().min(8);
+                let more =
+                    if errs.len() > shown { format!(" (and {} more)", errs.len() - shown) } else { String::new() };
+                return Some(format!("send/recv counts disagree across {n} ranks: {}{more}", errs[..shown].join("; ")));
+            }
+        }
+        None
+    }
+}
+
+/// Ranks grouped by context tag, when they differ: the caller's context
+/// (say, the comm type a forward chose) is the root cause of whatever else
+/// differs, so it is reported first.
+fn tag_disagreement(descs: &[Desc]) -> Option<String> {
+    let mut groups: Vec<(Option<u64>, Vec<usize>)> = Vec::new();
+    for (j, d) in descs.iter().enumerate() {
+        match groups.iter_mut().find(|(t, _)| *t == d.tag) {
+            Some((_, v)) => v.push(j),
+            None => groups.push((d.tag, vec![j])),
+        }
+    }
+    if groups.len() < 2 {
+        return None;
+    }
+    let parts: Vec<String> = groups
+        .iter()
+        .map(|(t, r)| match t {
+            Some(t) => format!("ranks {r:?} chose {t}"),
+            None => format!("ranks {r:?} set no tag"),
+        })
+        .collect();
+    let calls: Vec<String> =
+        groups.iter().map(|(_, r)| format!("rank {} called {}", r[0], descs[r[0]].describe())).collect();
+    Some(format!("ranks disagree on the context tag: {} ({})", parts.join(", "), calls.join("; ")))
+}
+
+/// The last collective rank `j` of `seg` posted, described, if any. Read only
+/// for a peer that stopped taking part (it left, aborted, failed or died), so
+/// its control block no longer changes.
+pub(crate) fn last_call(seg: &Segment, j: usize) -> Option<String> {
+    let p = seg.ctrl_ptr(j);
+    let descs: Vec<Desc> = (0..2)
+        // SAFETY: the block lies inside the mapping; a peer that stopped no
+        // longer writes it (a torn read would only garble this message).
+        .map(|k| Desc::from_words(unsafe { &std::ptr::addr_of!((*p).desc[k]).read_volatile() }))
+        .collect();
+    descs.into_iter().filter(|d| d.seq > 0).max_by_key(|d| d.seq).map(|d| d.describe())
+}

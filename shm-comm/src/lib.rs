@@ -1,0 +1,338 @@
+//! Shared-memory collectives for ranks on one host (SPEC section 8).
+//!
+//! # What and why
+//! [`ShmComm`] is one rank's handle on a group whose ranks are threads of one
+//! process or separate processes on one host. It moves bytes: every call takes
+//! byte slices, an element type ([`DataType`]) and element counts, and knows
+//! nothing of tensors. Reductions (sum / max / min on f32, f16, bf16, i32, i64)
+//! run in fixed rank order with f32 accumulation for floats, so every rank gets
+//! bitwise-identical results, run after run; data movement (all-gather,
+//! all-to-all, broadcast) is an exact byte copy for any element size. Every wait
+//! has a timeout, and a call that ranks disagree on fails loudly on every rank:
+//! never a hang, never silent garbage.
+//!
+//! # Transport
+//! One file per group in `/dev/shm` (see [`shm_dir`]), mapped by every rank.
+//! Ranks meet by (name, world size, rank): the first rank creates and sizes the
+//! file under an `flock`, the others map it and take their slot; everybody then
+//! waits (up to the timeout) until all slots are taken. A file whose ranks are
+//! all dead or gone (a crashed run) is replaced; a live world of another size
+//! under the same name is an error. The rank whose claim completes the world
+//! unlinks the file, so once every rank has attached nothing can leak: the
+//! memory is freed when the last rank unmaps it, even if every rank is
+//! SIGKILLed. A running world stays findable by name through its ranks'
+//! presence names (abstract Unix sockets, released by the kernel with the
+//! process; see [`live_members`]). Layout:
+//!
+//! | block | size |
+//! |---|---|
+//! | header (magic, version, world, staging size, futex word) | 4 KiB |
+//! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
+//! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
+//!
+//! **Shared memory per rank** = 4 KiB + 3 x [`Config::staging_bytes`]
+//! (default 4 MiB per slot, so 12 MiB + 4 KiB per rank; a world of 8 maps 96 MiB
+//! plus the header; pages are only backed once touched, so small collectives use
+//! far less). Collectives of any size run in rounds of at most one slot.
+//! Sub-groups made by [`ShmComm::split`] have their own segment of the same shape.
+//!
+//! # Protocol
+//! Each collective starts with every rank posting a descriptor (sequence number,
+//! kind, dtype, op, root, count(s), and an "invalid arguments" flag with the
+//! local error text), staging its first round of data (if its own arguments are
+//! valid) and arriving at a phase barrier. Every rank then checks all
+//! descriptors the same way, before reading anyone's data, so a mismatch fails
+//! every rank with [`ErrorKind::Mismatch`] naming the collective, the group,
+//! the disagreeing ranks and their sizes (the group stays usable). Data moves
+//! in rounds of at most one staging slot, one barrier per round:
+//!
+//! - all_reduce: round `k` stages chunk `k` of the input; barrier; every rank
+//!   copies out the reduced chunk `k - 1`; rank `r` reduces piece `r` of chunk
+//!   `k`, reading every rank's staging, in rank order 0..n-1 with f32
+//!   accumulation, and writes the result back into its own staging. A last
+//!   barrier precedes the copy-out of the last chunk. Each element is computed
+//!   once, by one rank, so all ranks get identical bits, run after run.
+//! - reduce_scatter(_v): a slot is split into one region per destination rank;
+//!   each rank stages its pieces for every destination; barrier; rank `r`
+//!   reduces region `r` of every staging straight into its output.
+//! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
+//!
+//! The descriptor also carries the caller's optional context tag
+//! ([`ShmComm::set_context_tag`]); ranks that disagree on it are reported by
+//! tag first (`ranks [0, 1] chose 0, ranks [2, 3] chose 1`), as the context is
+//! the cause of whatever else differs.
+//!
+//! Round `k` uses staging slot `k % 3`, so a rank may write the next rounds
+//! while slower ranks still read round `k`: every rank finishes reading round
+//! `k` before it arrives at the barrier of round `k + 2`, and round `k + 3`
+//! (the next user of the slot) is written only after that barrier.
+//!
+//! # Waiting and failure
+//! Waits spin briefly, then sleep on a futex in the segment header (woken by every
+//! arrival), re-checking at least every few milliseconds whether a peer aborted
+//! (its handle was dropped while its thread panicked, or it failed a wait), left,
+//! or died (its pid no longer exists). Such a peer fails the wait at once with
+//! [`ErrorKind::PeerFailed`]; otherwise the wait fails with
+//! [`ErrorKind::Timeout`] at the deadline. After either, the handle is broken:
+//! it marks itself aborted so its peers fail fast too, and every later call
+//! returns the same error.
+//!
+//! # Caller validation
+//! Every collective takes a `check: Result<(), E>`: the caller's own validation
+//! of whatever it derived the byte slices from. When it is an error, the rank
+//! still takes part in the collective, posting the error text, so every rank
+//! fails (the others with a [`ErrorKind::Mismatch`] quoting it) and this rank
+//! returns its own error. `E` is the caller's error type (this crate's
+//! [`Error`] works).
+
+mod api;
+mod collectives;
+mod descriptor;
+mod dtype;
+mod error;
+mod presence;
+mod reduce;
+mod rendezvous;
+mod segment;
+mod split;
+mod wait;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+pub use collectives::{counts_len, counts_sum};
+pub use dtype::{DataType, ReduceOp};
+pub use error::{Error, ErrorKind, Result};
+pub use presence::{live_members, Member};
+pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
+pub use rendezvous::{segment_path, shm_dir};
+pub use segment::MAX_WORLD;
+
+use segment::{Segment, ABORTED, EMPTY, FAILED, LEFT};
+
+/// Tuning of the shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Bytes per staging slot (each rank maps three). Rounded up to a multiple of
+    /// 64, at least [`Config::MIN_STAGING`]. Every rank of a world must use
+    /// the same value. Larger values mean fewer barriers per collective; smaller
+    /// values keep the working set in cache.
+    pub staging_bytes: usize,
+}
+
+impl Config {
+    /// Default staging slot: 4 MiB (fewer barriers per large collective).
+    pub const DEFAULT_STAGING: usize = 4 << 20;
+    /// Smallest staging slot: one 64-byte region per rank of the largest world.
+    pub const MIN_STAGING: usize = 64 * MAX_WORLD;
+
+    /// The staging size actually used.
+    pub fn effective_staging(&self) -> usize {
+        self.staging_bytes.max(Self::MIN_STAGING).div_ceil(64) * 64
+    }
+
+    /// Staging slots per rank.
+    pub const SLOTS: usize = segment::SLOTS;
+
+    /// Shared memory one rank maps, in bytes (control block + staging slots).
+    pub fn bytes_per_rank(&self) -> usize {
+        segment::BLOCK + segment::SLOTS * self.effective_staging()
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config { staging_bytes: Self::DEFAULT_STAGING }
+    }
+}
+
+/// A rank's handle on a shared-memory group. Clones share the handle (calls
+/// through clones are serialised); the rank leaves the group when the last clone
+/// is dropped.
+#[derive(Clone)]
+pub struct ShmComm {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    name: String,
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    cfg: Config,
+    seg: Segment,
+    state: Mutex<State>,
+    splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Busy-wait iterations before yielding: none when the group has more
+    /// ranks than this host has cores (a spinning rank would steal the core a
+    /// peer needs to arrive).
+    spin: u32,
+}
+
+#[derive(Default)]
+struct State {
+    /// Last phase this rank arrived at.
+    phase: u64,
+    /// Collectives started.
+    seq: u64,
+    /// Staging rounds done (selects the slot).
+    round: u64,
+    /// Set after a timeout or a failed peer; every later call returns it.
+    broken: Option<Error>,
+    /// The caller's context tag, posted with every descriptor.
+    tag: Option<u64>,
+}
+
+impl std::fmt::Debug for ShmComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmComm")
+            .field("name", &self.inner.name)
+            .field("rank", &self.inner.rank)
+            .field("world", &self.inner.world)
+            .field("segment", &self.inner.seg.path())
+            .finish()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let broken = self.state.get_mut().map(|s| s.broken.is_some()).unwrap_or(true);
+        let state = if std::thread::panicking() {
+            ABORTED
+        } else if broken {
+            FAILED
+        } else {
+            LEFT
+        };
+        self.seg.leave(state);
+    }
+}
+
+impl ShmComm {
+    /// Joins (or creates) the world `name` of `world_size` ranks as `rank`.
+    /// Ranks may be threads of this process or separate processes; every rank
+    /// waits until all have joined (at most `timeout`, which also bounds every
+    /// later wait). Every rank of the world must pass the same `cfg`.
+    pub fn rendezvous(name: &str, world_size: usize, rank: usize, timeout: Duration, cfg: &Config) -> Result<ShmComm> {
+        let setup = |detail: String| Error::Comm {
+            collective: "rendezvous".into(),
+            group: name.into(),
+            rank,
+            world: world_size,
+            detail,
+            kind: ErrorKind::Setup,
+        };
+        if world_size == 0 {
+            return Err(setup("world size 0: a group needs at least one rank".into()));
+        }
+        if world_size > MAX_WORLD {
+            return Err(setup(format!(
+                "world size {world_size} exceeds the CPU communicator's limit of {MAX_WORLD} ranks"
+            )));
+        }
+        if rank >= world_size {
+            return Err(setup(format!(
+                "rank {rank} is out of range for world size {world_size} (valid 0..{world_size})"
+            )));
+        }
+        if name.is_empty() || name.contains('\0') {
+            return Err(setup(format!("invalid group name {name:?} (must be non-empty, without NUL)")));
+        }
+        let staging = cfg.effective_staging();
+        let start = Instant::now();
+        let seg = Segment::join(name, world_size, rank, staging, timeout)?;
+        let comm = ShmComm {
+            inner: Arc::new(Inner {
+                name: name.into(),
+                rank,
+                world: world_size,
+                timeout,
+                cfg: Config { staging_bytes: staging },
+                seg,
+                state: Mutex::new(State::default()),
+                splits: Mutex::new(HashMap::new()),
+                spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
+            }),
+        };
+        // Wait until every slot is taken.
+        let deadline = start + timeout;
+        let mut st = comm.lock();
+        // A slot once taken counts as joined even if its rank already moved on
+        // and left: failures show up in the next collective.
+        comm.wait_for(&mut st, "rendezvous", deadline, true, |c| {
+            c.state.load(std::sync::atomic::Ordering::Acquire) != EMPTY
+        })?;
+        drop(st);
+        Ok(comm)
+    }
+
+    /// This rank in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.inner.world
+    }
+
+    /// Group name (used in every error message).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The bound on every wait.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// Path the shared-memory file of this group had: it is unlinked as soon
+    /// as every rank has attached.
+    pub fn segment_path(&self) -> &str {
+        self.inner.seg.path()
+    }
+
+    /// The shared-memory tuning in use.
+    pub fn config(&self) -> Config {
+        self.inner.cfg
+    }
+
+    /// Sets the context tag posted with every later collective of this
+    /// handle (and its clones), e.g. the comm type a forward chose. Ranks
+    /// whose tags differ fail their next collective together, with an error
+    /// naming which ranks chose which tag (`ranks [0, 1] chose 0, ranks [2, 3]
+    /// chose 1`). `None` (the default) posts no tag.
+    pub fn set_context_tag(&self, tag: Option<u64>) {
+        self.lock().tag = tag;
+    }
+
+    /// The context tag set by [`ShmComm::set_context_tag`].
+    pub fn context_tag(&self) -> Option<u64> {
+        self.lock().tag
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves State consistent (plain counters).
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn err(&self, coll: &str, kind: ErrorKind, detail: String) -> Error {
+        Error::Comm {
+            collective: coll.into(),
+            group: self.inner.name.clone(),
+            rank: self.inner.rank,
+            world: self.inner.world,
+            detail,
+            kind,
+        }
+    }
+
+    /// Marks the handle broken: peers see this rank failed and fail fast.
+    fn poison(&self, st: &mut State, e: &Error) {
+        st.broken = Some(e.clone());
+        let seg = &self.inner.seg;
+        seg.ctrl(self.inner.rank).state.store(FAILED, std::sync::atomic::Ordering::Release);
+        seg.ring();
+    }
+}

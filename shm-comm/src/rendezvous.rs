@@ -1,0 +1,378 @@
+//! Rendezvous: ranks meet by (name, world size, rank) in a file under the
+//! shared-memory directory, and the liveness checks that let a crashed
+//! earlier run's file be replaced.
+//!
+//! A group instance is one file (one inode). The file stays linked only while
+//! its world forms: the rank whose claim completes the world unlinks it
+//! before claiming, so once every rank has attached nothing is left to leak
+//! (the memory goes with the last mapping, even on SIGKILL), and a later
+//! rendezvous under the name starts a new instance. A world that is complete
+//! and still running is found through its ranks' [`crate::presence`] names
+//! instead: a joiner of another size, or of a rank that is live there, is
+//! refused as before, and one whose rank has left waits for that world to end.
+//! A file whose ranks are all dead (a crash while the world formed) is
+//! replaced.
+
+use std::ffi::CString;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::presence::{members_of, name_hash, Member, Presence};
+use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
+use crate::{Error, ErrorKind, Result};
+
+/// The file backing group `name`: `<shm dir>/ascend-moe.<readable prefix>.<hash>`.
+pub fn segment_path(name: &str) -> String {
+    let h = name_hash(name);
+    let readable: String =
+        name.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_').take(40).collect();
+    format!("{}/ascend-moe.{readable}.{h:016x}", shm_dir())
+}
+
+/// The directory segments live in (`/dev/shm`, or the temp dir where it is missing).
+pub fn shm_dir() -> String {
+    if std::path::Path::new("/dev/shm").is_dir() {
+        "/dev/shm".into()
+    } else {
+        std::env::temp_dir().display().to_string()
+    }
+}
+
+fn os_err(what: String) -> Error {
+    Error::os(what)
+}
+
+fn setup_err(name: &str, rank: usize, world: usize, detail: String, kind: ErrorKind) -> Error {
+    Error::Comm { collective: "rendezvous".into(), group: name.into(), rank, world, detail, kind }
+}
+
+/// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
+/// counts as dead, and so does a recycled pid (another start time).
+pub(crate) fn pid_alive(pid: u32, start: u64) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // Exists (or exists under another user); look closer where /proc allows.
+    match proc_stat(pid) {
+        Some((state, started)) => !(state == 'Z' || state == 'X' || (start != 0 && started != start)),
+        None => true,
+    }
+}
+
+/// (state, start time) of a process from `/proc/<pid>/stat`.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces): state is field
+    // 3 of the file, starttime field 22.
+    let rest: Vec<&str> = s[s.rfind(')')? + 1..].split_whitespace().collect();
+    Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
+}
+
+/// Start time of this process (0 if unknown).
+pub(crate) fn my_start() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
+}
+
+/// This process's id.
+pub(crate) fn my_pid() -> u32 {
+    std::process::id()
+}
+
+pub(crate) fn stat_path(path: &CString) -> Option<(u64, u64)> {
+    // SAFETY: zeroed stat is a valid out-parameter; path is NUL-terminated.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let r = unsafe { libc::stat(path.as_ptr(), &mut st) };
+    (r == 0).then_some((st.st_dev as u64, st.st_ino as u64))
+}
+
+fn fstat_fd(fd: libc::c_int) -> Option<((u64, u64), u64)> {
+    // SAFETY: zeroed stat is a valid out-parameter; fd is open.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let r = unsafe { libc::fstat(fd, &mut st) };
+    (r == 0).then_some(((st.st_dev as u64, st.st_ino as u64), st.st_size as u64))
+}
+
+/// What the rendezvous found under a name.
+enum Found {
+    /// Fresh or stale: (re)initialise it.
+    Init,
+    /// A forming or running world we may join.
+    Join,
+    /// Replace: unlink and start over.
+    Stale,
+    /// A previous world with our rank slot is still shutting down: retry later.
+    Busy(String),
+}
+
+impl Segment {
+    /// Creates or joins the segment of group `name` as `rank` of `world`.
+    pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
+        let path = segment_path(name);
+        let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("rendezvous", "name", "NUL byte"))?;
+        let deadline = Instant::now() + timeout;
+        let mut backoff = Backoff::default();
+        loop {
+            // SAFETY: cpath is NUL-terminated; flags and mode are plain integers.
+            let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600) };
+            if fd < 0 {
+                return Err(os_err(format!("opening shared-memory segment {path}")));
+            }
+            let close = |fd| {
+                // SAFETY: fd is an open descriptor owned here.
+                unsafe { libc::close(fd) };
+            };
+            // Lock the file for the whole setup (released on close, also on crash).
+            loop {
+                // SAFETY: fd is open.
+                if unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    close(fd);
+                    return Err(setup_err(
+                        name,
+                        rank,
+                        world,
+                        format!("timed out after {timeout:?} waiting for the setup lock on {path}"),
+                        ErrorKind::Timeout,
+                    ));
+                }
+                backoff.snooze();
+            }
+            let Some((ino, size)) = fstat_fd(fd) else {
+                close(fd);
+                return Err(os_err(format!("fstat of {path}")));
+            };
+            if stat_path(&cpath) != Some(ino) {
+                // Unlinked or replaced between open and lock: start over.
+                close(fd);
+                continue;
+            }
+            let found = if size == 0 {
+                Found::Init
+            } else {
+                match Self::inspect(fd, size as usize, name, world, rank, staging) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        close(fd);
+                        return Err(e);
+                    }
+                }
+            };
+            match found {
+                Found::Stale => {
+                    // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+                    unsafe { libc::unlink(cpath.as_ptr()) };
+                    close(fd);
+                    continue;
+                }
+                Found::Busy(why) => {
+                    close(fd);
+                    if Instant::now() >= deadline {
+                        return Err(setup_err(name, rank, world, why, ErrorKind::Timeout));
+                    }
+                    backoff.snooze();
+                    continue;
+                }
+                Found::Init => {
+                    // The file is new (or was stale): a complete world of this
+                    // name may still run without one.
+                    let live = members_of(name_hash(name));
+                    let verdict = match live.first() {
+                        None => Ok(Found::Init),
+                        Some(m) => judge(name, world, rank, staging, (m.world, m.staging), &live_of(&live)),
+                    };
+                    let wait = match verdict {
+                        Ok(Found::Init) => None,
+                        Ok(Found::Busy(why)) => Some(Ok(why)),
+                        Ok(_) => Some(Ok(format!(
+                            "a previous world under this name still runs ({}) and rank {rank}'s slot is not free",
+                            describe_live(&live_of(&live))
+                        ))),
+                        Err(e) => Some(Err(e)),
+                    };
+                    if let Some(wait) = wait {
+                        // Nothing was initialised: drop the empty file again.
+                        // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+                        unsafe { libc::unlink(cpath.as_ptr()) };
+                        close(fd);
+                        let why = wait?;
+                        if Instant::now() >= deadline {
+                            return Err(setup_err(name, rank, world, why, ErrorKind::Timeout));
+                        }
+                        backoff.snooze();
+                        continue;
+                    }
+                    let len = segment_len(world, staging);
+                    // SAFETY: fd is open for writing.
+                    if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                        let e = os_err(format!("sizing {path} to {len} bytes"));
+                        close(fd);
+                        return Err(e);
+                    }
+                    let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
+                    let h = seg.header();
+                    h.version.store(VERSION, Ordering::Relaxed);
+                    h.world.store(world as u32, Ordering::Relaxed);
+                    h.staging.store(staging as u64, Ordering::Relaxed);
+                    h.magic.store(MAGIC, Ordering::Release);
+                    return Self::attach(seg, name, &cpath);
+                }
+                Found::Join => {
+                    let len = segment_len(world, staging);
+                    let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
+                    return Self::attach(seg, name, &cpath);
+                }
+            }
+        }
+    }
+
+    /// Takes this rank's slot in a mapped segment (lock held, released here):
+    /// announces its presence, unlinks the file when this claim completes the
+    /// world (before claiming, so that every rank's rendezvous returns after
+    /// the unlink), then claims.
+    fn attach(mut seg: Segment, name: &str, cpath: &CString) -> Result<Segment> {
+        let (world, rank, staging) = (seg.world, seg.rank(), seg.staging);
+        let me = Member { rank, world, staging, pid: my_pid() };
+        match Presence::announce(name_hash(name), &me) {
+            Ok(p) => seg.presence = Some(p),
+            Err(true) => {
+                seg.unlock();
+                let why = format!("rank {rank} is already joined (pid {}): duplicate rank", me.pid);
+                return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
+            }
+            // No abstract sockets here: a running world is then only found
+            // while its file exists.
+            Err(false) => {}
+        }
+        let others = (0..world).filter(|&r| r != rank && seg.ctrl(r).state.load(Ordering::Acquire) != EMPTY).count();
+        if others + 1 == world && stat_path(cpath) == Some(seg.ino()) {
+            // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+            unsafe { libc::unlink(cpath.as_ptr()) };
+        }
+        seg.claim();
+        seg.unlock();
+        Ok(seg)
+    }
+
+    /// Reads the header and slots of an existing segment (lock held).
+    fn inspect(fd: libc::c_int, size: usize, name: &str, world: usize, rank: usize, staging: usize) -> Result<Found> {
+        if size < BLOCK {
+            return Ok(Found::Stale);
+        }
+        let hdr = Mapping::new(fd, BLOCK).ok_or_else(|| os_err("mapping segment header".into()))?;
+        // SAFETY: the mapping is BLOCK bytes, Header fits (asserted) and is made of atomics.
+        let h = unsafe { &*(hdr.ptr as *const Header) };
+        let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
+        let (w, s) = (h.world.load(Ordering::Relaxed) as usize, h.staging.load(Ordering::Relaxed) as usize);
+        drop(hdr);
+        if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || size < segment_len(w, s) {
+            // Initialised segments are complete before the lock is released, so
+            // this is a torn or foreign file.
+            return Ok(Found::Stale);
+        }
+        let ctrl = Mapping::new(fd, BLOCK + w * BLOCK).ok_or_else(|| os_err("mapping segment control".into()))?;
+        let slots: Vec<(u32, u32, u64)> = (0..w)
+            .map(|r| {
+                // SAFETY: the mapping covers the header and w control blocks.
+                let c = unsafe { &*(ctrl.ptr.add(BLOCK + r * BLOCK) as *const Ctrl) };
+                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
+            })
+            .collect();
+        drop(ctrl);
+        let live: Vec<(usize, u32)> = (0..w)
+            .filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1, slots[r].2))
+            .map(|r| (r, slots[r].1))
+            .collect();
+        if live.is_empty() {
+            return Ok(Found::Stale);
+        }
+        // judge() passed: same world size, so `rank < w`.
+        match judge(name, world, rank, staging, (w, s), &live)? {
+            Found::Join if slots[rank].0 != EMPTY => Ok(Found::Busy(format!(
+                "a previous world under this name still runs ({}) and rank {rank}'s slot is not free",
+                describe_live(&live)
+            ))),
+            f => Ok(f),
+        }
+    }
+}
+
+/// `(rank, pid)` of live members.
+fn live_of(members: &[Member]) -> Vec<(usize, u32)> {
+    members.iter().map(|m| (m.rank, m.pid)).collect()
+}
+
+fn describe_live(live: &[(usize, u32)]) -> String {
+    live.iter().map(|(r, p)| format!("rank {r} pid {p}")).collect::<Vec<_>>().join(", ")
+}
+
+/// Whether rank `rank` of a world of `world` ranks with `staging` bytes may
+/// join the live world of size and staging `found` whose live ranks are
+/// `live`: `Join`, or the error naming why not.
+fn judge(
+    name: &str,
+    world: usize,
+    rank: usize,
+    staging: usize,
+    found: (usize, usize),
+    live: &[(usize, u32)],
+) -> Result<Found> {
+    let (w, s) = found;
+    if w != world {
+        return Err(setup_err(
+            name,
+            rank,
+            world,
+            format!(
+                "the name is used by a live world of size {w} (this rank asked for size {world}; live: {})",
+                describe_live(live)
+            ),
+            ErrorKind::Setup,
+        ));
+    }
+    if s != staging {
+        return Err(setup_err(
+            name,
+            rank,
+            world,
+            format!("the live world under this name uses {s} staging bytes per slot, this rank asked for {staging}"),
+            ErrorKind::Setup,
+        ));
+    }
+    if let Some((_, pid)) = live.iter().find(|(r, _)| *r == rank) {
+        return Err(setup_err(
+            name,
+            rank,
+            world,
+            format!("rank {rank} is already joined (pid {pid}): duplicate rank"),
+            ErrorKind::Setup,
+        ));
+    }
+    Ok(Found::Join)
+}
+
+/// Spin, then yield, then short sleeps (only used while waiting on the setup lock).
+#[derive(Default)]
+struct Backoff {
+    n: u32,
+}
+
+impl Backoff {
+    fn snooze(&mut self) {
+        self.n += 1;
+        if self.n < 16 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200 * u64::from(self.n.min(25))));
+        }
+    }
+}

@@ -1,0 +1,314 @@
+//! The shared-memory segment: layout, mapping, rank slots, teardown.
+//!
+//! Layout (all offsets from the start of the mapping, every block 4 KiB aligned):
+//!
+//! | offset | size | what |
+//! |---|---|---|
+//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word |
+//! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
+//! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
+//!
+//! A rank writes only its own control block and its own staging; it reads every
+//! rank's. Publication is by the per-rank phase counter (release store, acquire
+//! load), so everything written before a rank arrives at a phase is visible to a
+//! rank that saw the arrival.
+
+use std::ffi::CString;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::presence::Presence;
+use crate::rendezvous::{my_pid, my_start, pid_alive, stat_path};
+use crate::{Error, Result};
+
+/// `"AMOECOMM"` in little-endian.
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
+/// Layout version; a segment of another version is treated as foreign and stale.
+pub(crate) const VERSION: u32 = 5;
+/// Largest group the transport supports (descriptors hold per-rank counts).
+pub const MAX_WORLD: usize = 64;
+/// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
+pub(crate) const SLOTS: usize = 3;
+/// Size of the header and of each control block.
+pub(crate) const BLOCK: usize = 4096;
+/// Words in one collective descriptor.
+pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD;
+/// Words of a posted split request: generation, length, one byte per rank.
+pub(crate) const SPLIT_WORDS: usize = 2 + MAX_WORLD.div_ceil(8);
+/// Bytes of error text a rank can publish with an invalid descriptor.
+pub(crate) const ERR_BYTES: usize = 768;
+
+/// Rank slot states.
+pub(crate) const EMPTY: u32 = 0;
+pub(crate) const JOINED: u32 = 1;
+pub(crate) const LEFT: u32 = 2;
+pub(crate) const ABORTED: u32 = 3;
+/// Broken by a timeout or a failed peer (not a root cause itself).
+pub(crate) const FAILED: u32 = 4;
+
+/// The segment header (first 4 KiB).
+#[repr(C)]
+pub(crate) struct Header {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub world: AtomicU32,
+    pub staging: AtomicU64,
+    /// Futex word bumped on every arrival and state change.
+    pub bell: AtomicU32,
+    /// Number of ranks sleeping on `bell`.
+    pub sleepers: AtomicU32,
+}
+
+/// One rank's control block (4 KiB).
+#[repr(C)]
+pub(crate) struct Ctrl {
+    pub state: AtomicU32,
+    pub pid: AtomicU32,
+    /// Start time of process `pid` (clock ticks since boot; 0 if unknown), so a
+    /// recycled pid is not mistaken for the rank.
+    pub start: AtomicU64,
+    _pad0: [u64; 6],
+    /// Last phase this rank arrived at (own cache line).
+    pub arrive: AtomicU64,
+    _pad1: [u64; 7],
+    /// Two descriptor slots, used by sequence-number parity.
+    pub desc: [[u64; DESC_WORDS]; 2],
+    /// NUL-padded UTF-8 error text published with an invalid descriptor (same slot).
+    pub err: [[u8; ERR_BYTES]; 2],
+    /// The rank list of this rank's pending (or last failed) `split`, so that
+    /// members who passed other lists can name it: generation (odd while being
+    /// written), length (0: none), then the ranks, one byte each.
+    pub split: [AtomicU64; SPLIT_WORDS],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= BLOCK);
+const _: () = assert!(std::mem::size_of::<Ctrl>() <= BLOCK);
+const _: () = assert!(MAX_WORLD <= 256, "split requests store one byte per rank");
+
+/// Total segment size for `world` ranks with `staging` bytes per slot.
+pub(crate) fn segment_len(world: usize, staging: usize) -> usize {
+    BLOCK + world * BLOCK + world * SLOTS * staging
+}
+
+/// A mapped segment; unmapped (and unlinked by the last rank out) on drop.
+pub(crate) struct Segment {
+    base: *mut u8,
+    len: usize,
+    fd: libc::c_int,
+    path: String,
+    ino: (u64, u64),
+    pub world: usize,
+    pub staging: usize,
+    rank: usize,
+    /// This rank's presence name, held as long as the mapping.
+    pub(crate) presence: Option<Presence>,
+}
+
+// SAFETY: the mapping is plain shared memory; all cross-rank accesses go through
+// atomics or are ordered by the phase protocol, so the handle may move between
+// and be shared by threads.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    pub(crate) fn map(
+        fd: libc::c_int,
+        len: usize,
+        path: String,
+        ino: (u64, u64),
+        world: usize,
+        staging: usize,
+        rank: usize,
+    ) -> Result<Segment> {
+        // SAFETY: fd is open read-write and the file is at least len bytes.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        if p == libc::MAP_FAILED {
+            let e = Error::os(format!("mapping {len} bytes of {path}"));
+            // SAFETY: fd is open and owned here.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        Ok(Segment { base: p as *mut u8, len, fd, path, ino, world, staging, rank, presence: None })
+    }
+
+    /// Takes this rank's slot (lock held).
+    pub(crate) fn claim(&self) {
+        let c = self.ctrl(self.rank);
+        c.arrive.store(0, Ordering::Relaxed);
+        c.pid.store(my_pid(), Ordering::Relaxed);
+        c.start.store(my_start(), Ordering::Relaxed);
+        c.state.store(JOINED, Ordering::Release);
+        self.ring();
+    }
+
+    pub(crate) fn unlock(&self) {
+        // SAFETY: fd is open.
+        unsafe { libc::flock(self.fd, libc::LOCK_UN) };
+    }
+
+    /// The header.
+    pub(crate) fn header(&self) -> &Header {
+        // SAFETY: the mapping starts with a Header made of atomics.
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    /// Control block of `rank`.
+    pub(crate) fn ctrl(&self, rank: usize) -> &Ctrl {
+        debug_assert!(rank < self.world);
+        // SAFETY: rank < world, so the block lies inside the mapping; Ctrl is
+        // atomics plus plain words ordered by the phase protocol.
+        unsafe { &*(self.base.add(BLOCK + rank * BLOCK) as *const Ctrl) }
+    }
+
+    /// Raw pointer to this rank's control block (for writing descriptors).
+    pub(crate) fn ctrl_ptr(&self, rank: usize) -> *mut Ctrl {
+        // SAFETY: as in `ctrl`.
+        unsafe { self.base.add(BLOCK + rank * BLOCK) as *mut Ctrl }
+    }
+
+    /// Start of `rank`'s staging slot `slot` (< SLOTS), `staging` bytes long.
+    pub(crate) fn staging_ptr(&self, rank: usize, slot: usize) -> *mut u8 {
+        debug_assert!(rank < self.world && slot < SLOTS);
+        let off = BLOCK + self.world * BLOCK + (rank * SLOTS + slot) * self.staging;
+        debug_assert!(off + self.staging <= self.len);
+        // SAFETY: off + staging <= len by the layout.
+        unsafe { self.base.add(off) }
+    }
+
+    /// Wakes every sleeper.
+    pub(crate) fn ring(&self) {
+        let h = self.header();
+        h.bell.fetch_add(1, Ordering::SeqCst);
+        if h.sleepers.load(Ordering::SeqCst) > 0 {
+            futex_wake(&h.bell);
+        }
+    }
+
+    /// Marks this rank gone with `state` (LEFT, ABORTED or FAILED); the last
+    /// rank out unlinks the file.
+    pub(crate) fn leave(&self, state: u32) {
+        self.ctrl(self.rank).state.store(state, Ordering::Release);
+        self.ring();
+        // Best effort: a failure here leaves a stale segment the next run replaces.
+        // SAFETY: fd is open.
+        if unsafe { libc::flock(self.fd, libc::LOCK_EX) } != 0 {
+            return;
+        }
+        let anyone = (0..self.world).any(|r| {
+            let c = self.ctrl(r);
+            c.state.load(Ordering::Acquire) == JOINED
+                && pid_alive(c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
+        });
+        if !anyone {
+            if let Ok(c) = CString::new(self.path.clone()) {
+                if stat_path(&c) == Some(self.ino) {
+                    // SAFETY: c is NUL-terminated; we hold the lock on this inode.
+                    unsafe { libc::unlink(c.as_ptr()) };
+                }
+            }
+        }
+        self.unlock();
+    }
+
+    /// This rank.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// (device, inode) of the backing file.
+    pub(crate) fn ino(&self) -> (u64, u64) {
+        self.ino
+    }
+
+    /// Path of the backing file.
+    pub(crate) fn path(&self) -> &str {
+        &self.path
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: base/len are the live mapping and fd is open; both are owned here.
+        unsafe {
+            libc::munmap(self.base as *mut libc::c_void, self.len);
+            libc::close(self.fd);
+        }
+    }
+}
+
+/// A temporary read-write mapping of the start of a file.
+pub(crate) struct Mapping {
+    pub(crate) ptr: *mut u8,
+    len: usize,
+}
+
+impl Mapping {
+    pub(crate) fn new(fd: libc::c_int, len: usize) -> Option<Mapping> {
+        // SAFETY: fd is open; the caller checked the file holds len bytes.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        (p != libc::MAP_FAILED).then_some(Mapping { ptr: p as *mut u8, len })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len are a live mapping owned here.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Sleeps on `word` while it equals `expected`, at most `timeout`.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as _ };
+    // SAFETY: word is a valid aligned u32 in (possibly shared) memory; FUTEX_WAIT
+    // with a relative timeout only reads it.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec);
+    }
+}
+
+/// Wakes every waiter on `word`.
+pub(crate) fn futex_wake(word: &AtomicU32) {
+    // SAFETY: word is a valid aligned u32; FUTEX_WAKE does not access memory.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+impl Ctrl {
+    /// Posts `ranks` as this rank's split request (`None` withdraws it). Only
+    /// the owning rank writes.
+    pub fn post_split(&self, ranks: Option<&[usize]>) {
+        let ranks = ranks.unwrap_or(&[]);
+        let g = self.split[0].load(Ordering::Relaxed);
+        self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        self.split[1].store(ranks.len() as u64, Ordering::Relaxed);
+        for (i, w) in self.split[2..].iter().enumerate() {
+            let word =
+                (0..8).fold(0u64, |acc, b| acc | ranks.get(i * 8 + b).map_or(0, |&r| (r as u64 & 0xff) << (8 * b)));
+            w.store(word, Ordering::Relaxed);
+        }
+        self.split[0].store((g | 1).wrapping_add(1), Ordering::Release);
+    }
+
+    /// The posted split request, if any (`None` also when it is being rewritten).
+    pub fn posted_split(&self) -> Option<Vec<usize>> {
+        let g = self.split[0].load(Ordering::Acquire);
+        if g & 1 == 1 {
+            return None;
+        }
+        let n = (self.split[1].load(Ordering::Relaxed) as usize).min(MAX_WORLD);
+        let words: Vec<u64> = self.split[2..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        std::sync::atomic::fence(Ordering::Acquire);
+        if self.split[0].load(Ordering::Relaxed) != g || n == 0 {
+            return None;
+        }
+        Some((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect())
+    }
+}

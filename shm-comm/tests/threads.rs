@@ -1,0 +1,138 @@
+//! 4 thread ranks: byte moves of every element type, reductions refused on
+//! the types they do not take, and the caller's context tag in the
+//! collective descriptor (ranks that disagree on it, call different
+//! collectives, or stop calling all fail together, and the error names who
+//! did what).
+
+use std::time::Duration;
+
+use shm_comm::{Config, DataType, Error, ErrorKind, ReduceOp, ShmComm};
+
+const WORLD: usize = 4;
+
+/// Runs `f(rank, comm)` on WORLD threads of a fresh group.
+fn ranks<R: Send>(tag: &str, f: impl Fn(usize, ShmComm) -> R + Sync) -> Vec<R> {
+    let name = format!("ctx-{tag}-{}", std::process::id());
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..WORLD)
+            .map(|r| {
+                let name = &name;
+                s.spawn(move || {
+                    let c = ShmComm::rendezvous(name, WORLD, r, Duration::from_secs(20), &Config::default())
+                        .expect("rendezvous");
+                    f(r, c)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    })
+}
+
+fn all_reduce_ones(c: &ShmComm) -> Result<Vec<u8>, Error> {
+    let src: Vec<u8> = (0..8).flat_map(|_| 1f32.to_le_bytes()).collect();
+    let mut dst = vec![0u8; src.len()];
+    c.all_reduce(DataType::F32, ReduceOp::Sum, &src, &mut dst, Ok::<(), Error>(()))?;
+    Ok(dst)
+}
+
+#[test]
+fn ranks_that_disagree_on_the_tag_all_fail_naming_who_chose_what() {
+    let out = ranks("disagree", |r, c| {
+        c.set_context_tag(Some((r / 2) as u64));
+        assert_eq!(c.context_tag(), Some((r / 2) as u64));
+        let e = all_reduce_ones(&c).expect_err("tags differ");
+        // The group stays usable once the ranks agree again.
+        c.set_context_tag(Some(1));
+        let again = all_reduce_ones(&c).expect("tags agree");
+        (e, again)
+    });
+    let four: Vec<u8> = (0..8).flat_map(|_| 4f32.to_le_bytes()).collect();
+    for (r, (e, again)) in out.iter().enumerate() {
+        let s = e.to_string();
+        assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "rank {r}: {s}");
+        assert!(s.contains("ranks [0, 1] chose 0, ranks [2, 3] chose 1"), "rank {r}: {s}");
+        assert!(s.contains("all_reduce") && s.contains("tag 0") && s.contains("tag 1"), "rank {r}: {s}");
+        assert_eq!(again, &four, "rank {r}");
+    }
+}
+
+#[test]
+fn a_rank_without_a_tag_is_named_as_such() {
+    let out = ranks("untagged", |r, c| {
+        if r != 3 {
+            c.set_context_tag(Some(2));
+        }
+        c.barrier().expect_err("rank 3 set no tag").to_string()
+    });
+    for (r, s) in out.iter().enumerate() {
+        assert!(s.contains("ranks [0, 1, 2] chose 2, ranks [3] set no tag"), "rank {r}: {s}");
+    }
+}
+
+#[test]
+fn ranks_that_call_different_collectives_all_fail_naming_both() {
+    let out = ranks("different", |r, c| {
+        c.set_context_tag(Some(0));
+        if r < 2 {
+            all_reduce_ones(&c).map(|_| ())
+        } else {
+            c.barrier()
+        }
+    });
+    for (r, o) in out.iter().enumerate() {
+        let e = o.as_ref().expect_err("different collectives");
+        let s = e.to_string();
+        assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "rank {r}: {s}");
+        assert!(s.contains("ranks [0, 1] called all_reduce") && s.contains("ranks [2, 3] called barrier"), "{s}");
+    }
+}
+
+#[test]
+fn a_rank_that_stops_calling_is_reported_with_how_far_it_got() {
+    let out = ranks("stops", |r, c| {
+        c.barrier()?;
+        if r == 3 {
+            // Done after one call: leaves the group.
+            return Ok(());
+        }
+        all_reduce_ones(&c).map(|_| ())
+    });
+    assert!(out[3].is_ok());
+    for (r, o) in out.iter().enumerate().take(3) {
+        let e = o.as_ref().expect_err("rank 3 never calls all_reduce");
+        let s = e.to_string();
+        assert_eq!(e.kind(), Some(ErrorKind::PeerFailed), "rank {r}: {s}");
+        assert!(s.contains("rank 3 left the group"), "rank {r}: {s}");
+        assert!(s.contains("after its last call, barrier (call #1)"), "rank {r}: {s}");
+        assert!(s.contains(&format!("while rank {r} waited in its call #2")), "rank {r}: {s}");
+    }
+}
+
+#[test]
+fn one_byte_types_move_exactly_and_are_refused_by_reductions() {
+    let out = ranks("bytes", |r, c| {
+        for dt in [DataType::I8, DataType::U8, DataType::Bool, DataType::F8E4M3, DataType::F8E5M2] {
+            // Every byte value, offset by rank, so each rank's block differs.
+            let src: Vec<u8> = (0..=255u8).map(|b| b.wrapping_add(r as u8 * 61)).collect();
+            let mut dst = vec![0u8; src.len() * WORLD];
+            c.all_gather(dt, &src, &mut dst, Ok::<(), Error>(())).expect("all_gather");
+            for j in 0..WORLD {
+                let want: Vec<u8> = (0..=255u8).map(|b| b.wrapping_add(j as u8 * 61)).collect();
+                assert_eq!(&dst[j * 256..(j + 1) * 256], &want[..], "{dt} block {j}");
+            }
+            let counts = [1, 0, 3, 2];
+            let mine: Vec<u8> = (0..counts[r]).map(|i| (r * 10 + i) as u8).collect();
+            let mut gathered = vec![0u8; 6];
+            c.all_gather_v(dt, &mine, &mut gathered, &counts, Ok::<(), Error>(())).expect("all_gather_v");
+            assert_eq!(gathered, [0, 20, 21, 22, 30, 31], "{dt}");
+            let mut b = if r == 2 { vec![0x7f, 0x80, 0xff] } else { vec![0; 3] };
+            c.broadcast(dt, &mut b, 2, Ok::<(), Error>(())).expect("broadcast");
+            assert_eq!(b, [0x7f, 0x80, 0xff], "{dt}");
+            let e = c.all_reduce_in_place(dt, ReduceOp::Sum, &mut b, Ok::<(), Error>(())).expect_err("not reducible");
+            assert!(matches!(e, Error::InvalidArgument { arg: "dtype", .. }), "{e}");
+            assert!(e.to_string().contains(&format!("{dt} cannot be reduced")), "{e}");
+        }
+    });
+    assert_eq!(out.len(), WORLD);
+}
