@@ -222,15 +222,18 @@ fn sym_err(e: &libloading::Error) -> LoadError {
 }
 
 /// Looks `name` and `name + "GetWorkspaceSize"` up in the first library
-/// having both, recording which file that was in `sources`.
+/// having both, `home` (the per-domain library that ships the op from CANN
+/// 8.5 on) first, recording which file that was in `sources`.
 fn find_op<W: Copy>(
     libs: &[(String, Library)],
     name: &'static str,
+    home: &str,
     sources: &mut Vec<(&'static str, String)>,
 ) -> Option<Op<W>> {
     let ws_name = format!("{name}GetWorkspaceSize\0");
     let run_name = format!("{name}\0");
-    libs.iter().find_map(|(path, lib)| {
+    let (first, rest): (Vec<_>, Vec<_>) = libs.iter().partition(|(path, _)| path.ends_with(home));
+    first.into_iter().chain(rest).find_map(|(path, lib)| {
         // SAFETY: `W` is the documented prototype of `name`'s phase one, and
         // phase two of every aclnn op has the `aclnnRun_fn` prototype.
         let op = unsafe {
@@ -291,9 +294,10 @@ pub fn opapi() -> Result<&'static OpApi, LoadError> {
             named.extend(FEATURE_LIBRARIES.iter().filter_map(|s| open_beside(s, None)));
         }
         let mut op_sources = Vec::new();
-        let moe_finalize_routing_v2 = find_op(&named, "aclnnMoeFinalizeRoutingV2", &mut op_sources);
-        let moe_token_unpermute = find_op(&named, "aclnnMoeTokenUnpermute", &mut op_sources);
-        let add = find_op(&named, "aclnnAdd", &mut op_sources);
+        let transformer = SPLIT_LIBRARIES[0];
+        let moe_finalize_routing_v2 = find_op(&named, "aclnnMoeFinalizeRoutingV2", transformer, &mut op_sources);
+        let moe_token_unpermute = find_op(&named, "aclnnMoeTokenUnpermute", transformer, &mut op_sources);
+        let add = find_op(&named, "aclnnAdd", SPLIT_LIBRARIES[1], &mut op_sources);
         let searched = named.iter().map(|(p, _)| p.clone()).collect();
         Ok(OpApi {
             moe_finalize_routing_v2,

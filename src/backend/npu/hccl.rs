@@ -819,6 +819,11 @@ impl Collectives for HcclComm {
         }
         let b = self.buffer(OP, "buf", buf)?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
+        if n == 0 {
+            // Every rank has the same count: nothing moves, and an empty
+            // buffer has no address HCCL would accept.
+            return Ok(());
+        }
         self.run(OP, &[b], |api, stream| {
             let f = hccl_fn!(api, HcclBroadcast)?;
             // SAFETY: `n` elements of `dt` on this device.
