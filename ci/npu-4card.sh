@@ -41,6 +41,11 @@ step() { printf '\n== %s ==\n' "$*"; }
 step "CANN found by the loader, and at least $ASCEND_MOE_MIN_DEVICES devices"
 cargo test -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_the_devices
 
+# Every piece the matrix tests must be here: a missing aclnn operator or an
+# unbuilt native kernel fails the run (it is never skipped or replaced).
+step "every aclnn operator resolves and the native finalize kernel runs"
+cargo test -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_every_piece_the_suite_tests
+
 step "NPU test matrix (every ignored NPU test, serially)"
 cargo test --workspace -- --ignored --test-threads=1 --skip bench_ "${filter[@]}"
 

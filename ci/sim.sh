@@ -3,8 +3,11 @@
 # (cann-sim), so the NPU backend runs on any machine.
 #
 # Builds libcann_sim.so, points every CANN library the loader opens at it, and
-# runs ci/npu-4card.sh with 4 simulated devices. Arguments are passed to
-# ci/npu-4card.sh (default: --no-bench). Environment knobs (see cann-sim/README.md):
+# runs ci/npu-4card.sh with 4 simulated devices, for two emulated CANN
+# releases (CANNSIM_CANN_VERSION): the whole suite for 8.5 and, for 8.1, the
+# tests of what differs between releases (see the end of this script).
+# Arguments, when given, are passed to ci/npu-4card.sh and run once, for
+# CANNSIM_CANN_VERSION (default 8.5). Environment knobs (see cann-sim/README.md):
 #   CANNSIM_LEAK_REPORT  1 (default here: print the leak report of every process)
 #                        or fail (a process that leaks exits non-zero)
 #   CANNSIM_STREAM_MODE  lazy (default: a missing sync always reads stale data) or eager
@@ -20,22 +23,60 @@ if [[ ! -f "$lib" ]]; then
     exit 1
 fi
 
+# The operator libraries of the emulated release, as files named like CANN's,
+# in one directory per release: up to 8.3 every op is in libopapi.so; from 8.5
+# the MoE ops are in libopapi_transformer.so and aclnnAdd in libopapi_math.so
+# (torch_npu's GetTransformerOpApiLibName), and this directory has no
+# libopapi.so at all, so the loader must find each op in its split library.
+# Each name is a symlink to the one simulator library (a copy would be a
+# second, separate simulator instance).
+op_dir() {
+    local version="$1" dir
+    dir="$(cd "$target_dir" && pwd)/cann-sim-ops/$version"
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    case "$version" in
+        8.5) ln -s "$lib" "$dir/libopapi_transformer.so"; ln -s "$lib" "$dir/libopapi_math.so" ;;
+        *) ln -s "$lib" "$dir/libopapi.so" ;;
+    esac
+    echo "$dir"
+}
+
 export ASCEND_MOE_ACL_LIB="$lib"
 export ASCEND_MOE_HCCL_LIB="$lib"
 export ASCEND_MOE_NNOPBASE_LIB="$lib"
-export ASCEND_MOE_OPAPI_LIB="$lib"
 export CANNSIM_DEVICES="${CANNSIM_DEVICES:-4}"
 export CANNSIM_LEAK_REPORT="${CANNSIM_LEAK_REPORT:-1}"
 # Collectives fail fast instead of waiting a minute when a test breaks a rank.
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-20}"
 
-echo "ci/sim.sh: simulated CANN runtime at $lib ($CANNSIM_DEVICES devices)"
 if [[ ! -x ci/npu-4card.sh ]]; then
-    echo "ci/sim.sh: ci/npu-4card.sh is not present yet; nothing to run against the simulator" >&2
-    exit 0
+    echo "ci/sim.sh: ci/npu-4card.sh is not present" >&2
+    exit 1
 fi
+
+# run VERSION ARGS...: ci/npu-4card.sh ARGS against the simulator emulating CANN VERSION.
+run() {
+    local version="$1"
+    shift
+    export CANNSIM_CANN_VERSION="$version"
+    ASCEND_MOE_OPAPI_LIB="$(op_dir "$version")/libopapi.so"
+    export ASCEND_MOE_OPAPI_LIB
+    echo "ci/sim.sh: simulated CANN $version runtime at $lib ($CANNSIM_DEVICES devices)"
+    ci/npu-4card.sh "$@"
+}
+
 # Timings under the simulator mean nothing: skip the benches unless asked.
-if (($# == 0)); then
-    set -- --no-bench
+if (($# > 0)); then
+    run "${CANNSIM_CANN_VERSION:-8.5}" "$@"
+    exit
 fi
-exec ci/npu-4card.sh "$@"
+# The current release runs the whole suite; the old one (CANN 8.1: HCCL config
+# version 5, capability 4, no "not set" values, one libopapi.so) runs what
+# differs between releases: communicator creation with its config, the
+# sub-communicators and the collectives (the V ones with zero counts), and the
+# loader.
+run 8.5 --no-bench
+run 8.1 --no-bench -- reductions_in_every_dtype_and_op gathers_broadcast_barrier v_variants_with_uneven_and_zero_counts \
+    dp2_tp2_and_ep4_sub_communicators root_info_travels_as_hex_between_ranks mismatched_sizes_fail_with_a_clear_error \
+    loader_takes_each_op_from_the_library_that_ships_it

@@ -8,7 +8,7 @@ use std::path::Path;
 use acl_sys::loader::{self, LibSpec};
 use ascend_moe::backend::npu::{self, HcclRootInfo};
 use ascend_moe::{DType, Device, Error};
-use hccl_sys::{HcclCommConfig, HcclCommConfigCapability, HcclDataType, HcclResult};
+use hccl_sys::{HcclCommConfig, HcclDataType, HcclResult};
 
 fn expected_candidates(soname: &str, subdirs: &[&str]) -> Vec<String> {
     let mut v = vec![soname.to_string()];
@@ -208,16 +208,50 @@ fn comm_config_init_writes_the_header_and_defaults() {
     }
 
     // Capability check: COMM_NAME (2) supported iff the capability count > 2.
-    let name = HcclCommConfigCapability::HCCL_COMM_CONFIG_COMM_NAME;
-    assert_eq!(name.0, 2);
+    assert_eq!(hccl_sys::capability::COMM_NAME, 2);
     for (cap, keeps) in [(None, false), (Some(0), false), (Some(2), false), (Some(3), true), (Some(12), true)] {
         let mut c = HcclCommConfig::default();
         assert_eq!(c.adapt_to_capability(cap), keeps, "capability {cap:?}");
         assert_eq!(c.header_size(), if keeps { 2240 } else { 32 }, "capability {cap:?}");
         assert_eq!(c.header_version(), 10);
     }
-    assert!(HcclCommConfig::supports(Some(10), HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT));
-    assert!(!HcclCommConfig::supports(Some(8), HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT));
+    assert!(HcclCommConfig::supports(Some(10), hccl_sys::capability::EXEC_TIMEOUT));
+    assert!(!HcclCommConfig::supports(Some(8), hccl_sys::capability::EXEC_TIMEOUT));
+}
+
+/// Each header generation's `HcclCommConfigInit`, as its `hccl_types.h` /
+/// `hccl.h` writes it: CANN 8.1.RC1 (version 5: 300 bytes, 200 MB buffer,
+/// deterministic 0), torch-npu 2.9.0 (version 6: 312 bytes, "not set"),
+/// torch-npu 2.11.0+ (version 10: 2240 bytes).
+#[test]
+fn comm_config_init_per_header_generation() {
+    use hccl_sys::CommConfigLayout::{V10, V5, V6};
+    let expected =
+        [(V5, 5, 300, 200, 0), (V6, 6, 312, 0xffff_ffff, 0xffff_ffff), (V10, 10, 2240, 0xffff_ffff, 0xffff_ffff)];
+    for (layout, version, size, buffer, deterministic) in expected {
+        let c = layout.new_config();
+        assert_eq!((c.header_version(), c.header_size(), c.header_magic()), (version, size, 0xf0f0_f0f0), "{layout:?}");
+        assert_eq!((c.hcclBufferSize, c.hcclDeterministic), (buffer, deterministic), "{layout:?}");
+        assert_eq!((c.hcclRdmaTrafficClass, c.hcclRdmaServiceLevel), (0xffff_ffff, 0xffff_ffff), "{layout:?}");
+        // Fields past the generation's size are never written.
+        let untouched = if layout == V10 { 16 } else { 0 };
+        assert_eq!(c.hcclSymWinMaxMemSizePerRank, untouched, "{layout:?}");
+        assert_eq!(c.hcclExecTimeOut, if layout == V10 { -1 } else { 0 }, "{layout:?}");
+    }
+    // The generation follows the capability count each header's enum defines
+    // (4, 7, 12); counts in between get the newest generation they reach.
+    for (cap, want) in [
+        (None, V5),
+        (Some(0), V5),
+        (Some(4), V5),
+        (Some(6), V5),
+        (Some(7), V6),
+        (Some(11), V6),
+        (Some(12), V10),
+        (Some(40), V10),
+    ] {
+        assert_eq!(hccl_sys::CommConfigLayout::for_capability(cap), want, "capability {cap:?}");
+    }
 }
 
 #[test]
@@ -268,4 +302,57 @@ fn npu_host_has_the_devices() {
         let (free, total) = dev.mem_info().unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
         assert!(total > 0 && free <= total, "npu:{ordinal}: {free} free of {total}");
     }
+}
+
+/// Every piece the NPU suite tests is present: each aclnn operator resolves
+/// and the native finalize kernel can be launched (the AI Core build, or the
+/// host build under the simulated runtime). `ci/npu-4card.sh` runs this first,
+/// so a missing piece fails the run instead of being skipped or replaced.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_host_has_every_piece_the_suite_tests() {
+    let report = npu::probe();
+    let missing: Vec<&str> = report.aclnn_ops.iter().filter(|(_, from)| from.is_none()).map(|(n, _)| *n).collect();
+    assert!(report.aclnn_ops.len() == 3 && missing.is_empty(), "aclnn operators missing: {missing:?}\n{report}");
+    let dev = npu::NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}"));
+    let native = dev.with_finalize_impl(npu::FinalizeImpl::Native);
+    // The native path reports Unavailable when neither build can be launched.
+    let dev = Device::Npu(native);
+    let x = ascend_moe::Tensor::zeros_cpu(&[1, 4], DType::F32).to_device(&dev).expect("upload");
+    let idx = ascend_moe::Tensor::from_slice(&[0i32], &[1]).and_then(|t| t.to_device(&dev)).expect("upload");
+    let args = ascend_moe::backend::FinalizeArgs {
+        expanded_x: &x,
+        expanded_row_idx: &idx,
+        x1: None,
+        x2: None,
+        bias: None,
+        scales: None,
+        expert_idx: None,
+        drop_pad_mode: ascend_moe::backend::DropPadMode::DropLessColumn,
+    };
+    let dims = ascend_moe::backend::FinalizeDims { n: 1, k: 1, h: 4, expanded_rows: 1, experts: 0 };
+    let mut out = ascend_moe::Tensor::zeros_cpu(&[1, 4], DType::F32).to_device(&dev).expect("upload");
+    let r = dev.backend().finalize_routing(&args, &dims, &mut out, ascend_moe::backend::OutputRows::Dense);
+    assert!(r.is_ok(), "the native finalize kernel cannot run here (build it, see kernels/): {:?}", r.err());
+}
+
+/// Each operator comes from the library that ships it: from CANN 8.5 the MoE
+/// ops from `libopapi_transformer.so` and `aclnnAdd` from `libopapi_math.so`
+/// (torch_npu's `GetTransformerOpApiLibName`), before that from `libopapi.so`.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn loader_takes_each_op_from_the_library_that_ships_it() {
+    let api = acl_sys::aclnn::opapi().unwrap_or_else(|e| panic!("{e}"));
+    let split = |soname: &str| api.searched.iter().any(|p| p.ends_with(soname));
+    for (op, soname) in [
+        ("aclnnMoeFinalizeRoutingV2", "libopapi_transformer.so"),
+        ("aclnnMoeTokenUnpermute", "libopapi_transformer.so"),
+        ("aclnnAdd", "libopapi_math.so"),
+    ] {
+        let from = api.source_of(op).unwrap_or_else(|| panic!("{op} not found in {:?}", api.searched));
+        let want = if split(soname) { soname } else { "libopapi.so" };
+        assert!(from.ends_with(want), "{op} resolved from {from}, expected {want} (searched {:?})", api.searched);
+    }
+    let info = npu::probe_report();
+    assert!(info.contains("aclnnAdd: available, from "), "{info}");
 }

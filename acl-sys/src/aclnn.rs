@@ -162,12 +162,29 @@ pub struct OpApi {
     pub add: Option<Op<aclnnAddGetWorkspaceSize_fn>>,
     /// Where `libopapi` was opened from.
     pub origin: Candidate,
-    /// Feature libraries that were also searched (opened ones only).
-    pub feature_libraries: Vec<String>,
+    /// Every library opened and searched, in search order.
+    pub searched: Vec<String>,
+    /// For each operator found, the library file it was resolved from.
+    pub op_sources: Vec<(&'static str, String)>,
     _libraries: Vec<Library>,
 }
 
-/// aclnn feature libraries searched (by soname) for an op `libopapi` lacks.
+impl OpApi {
+    /// The library file `op` (e.g. `"aclnnAdd"`) was resolved from.
+    pub fn source_of(&self, op: &str) -> Option<&str> {
+        self.op_sources.iter().find(|(n, _)| *n == op).map(|(_, p)| p.as_str())
+    }
+}
+
+/// The per-domain operator libraries of CANN 8.5 and later, searched before
+/// `libopapi.so`: the MoE ops ship in `libopapi_transformer.so` and `aclnnAdd`
+/// in `libopapi_math.so` (torch_npu's `GetTransformerOpApiLibName`; op-plugin's
+/// `GetOpApiFuncAddr` opens every `lib64/libopapi_*.so`; ops-transformer's
+/// `fallback.h` looks in `libopapi_transformer.so` before `libopapi.so`).
+pub const SPLIT_LIBRARIES: &[&str] = &["libopapi_transformer.so", "libopapi_math.so"];
+
+/// aclnn feature libraries searched (by soname) for an op `libopapi` lacks
+/// (op-plugin's fallback list after `libopapi.so`).
 pub const FEATURE_LIBRARIES: &[&str] = &["libaclnn_ops_infer.so", "libaclnn_math.so"];
 
 /// Loads `libnnopbase` (once per process).
@@ -204,46 +221,92 @@ fn sym_err(e: &libloading::Error) -> LoadError {
     }
 }
 
-/// Looks `name` and `name + "GetWorkspaceSize"` up in the first library having both.
-fn find_op<W: Copy>(libs: &[Library], name: &str) -> Option<Op<W>> {
+/// Looks `name` and `name + "GetWorkspaceSize"` up in the first library
+/// having both, `home` (the per-domain library that ships the op from CANN
+/// 8.5 on) first, recording which file that was in `sources`.
+fn find_op<W: Copy>(
+    libs: &[(String, Library)],
+    name: &'static str,
+    home: &str,
+    sources: &mut Vec<(&'static str, String)>,
+) -> Option<Op<W>> {
     let ws_name = format!("{name}GetWorkspaceSize\0");
     let run_name = format!("{name}\0");
-    libs.iter().find_map(|lib| {
+    let (first, rest): (Vec<_>, Vec<_>) = libs.iter().partition(|(path, _)| path.ends_with(home));
+    first.into_iter().chain(rest).find_map(|(path, lib)| {
         // SAFETY: `W` is the documented prototype of `name`'s phase one, and
         // phase two of every aclnn op has the `aclnnRun_fn` prototype.
-        unsafe {
+        let op = unsafe {
             let ws = *lib.get::<W>(ws_name.as_bytes()).ok()?;
             let run = *lib.get::<aclnnRun_fn>(run_name.as_bytes()).ok()?;
-            Some(Op { get_workspace_size: ws, run })
-        }
+            Op { get_workspace_size: ws, run }
+        };
+        sources.push((name, path.clone()));
+        Some(op)
     })
 }
 
-/// Loads `libopapi` (once per process) and resolves the MoE operators,
-/// falling back to the aclnn feature libraries for ops it lacks.
+/// Opens `soname` the way the search order says: next to the
+/// `ASCEND_MOE_OPAPI_LIB` file when that override is set (so one directory of
+/// libraries, such as the simulator's, stands for a CANN `lib64`), else from
+/// the CANN roots. `None` when absent.
+fn open_beside(soname: &'static str, overridden: Option<&std::path::Path>) -> Option<(String, Library)> {
+    match overridden {
+        Some(file) => {
+            let path = file.parent()?.join(soname);
+            if !path.is_file() {
+                return None;
+            }
+            // SAFETY: a CANN operator library; its initialisers only register ops.
+            let lib = unsafe { Library::new(&path) }.ok()?;
+            Some((path.to_string_lossy().into_owned(), lib))
+        }
+        None => {
+            let spec = LibSpec { soname, env: loader::OPAPI.env, subdirs: &["lib64"] };
+            loader::open(&spec, &[]).ok().map(|o| (o.candidate.path.to_string_lossy().into_owned(), o.library))
+        }
+    }
+}
+
+/// Loads the operator libraries (once per process) and resolves the MoE
+/// operators. Search order: the per-domain libraries of CANN 8.5+
+/// ([`SPLIT_LIBRARIES`]), then `libopapi.so`, then the aclnn feature libraries
+/// ([`FEATURE_LIBRARIES`], only without an override); each op is taken from the
+/// first library exporting both of its phases.
 pub fn opapi() -> Result<&'static OpApi, LoadError> {
     static LIB: OnceLock<Result<OpApi, LoadError>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let opened = loader::open(&loader::OPAPI, &[])?;
-        let mut libs = vec![opened.library];
-        let mut feature_libraries = Vec::new();
-        let overridden = std::env::var_os(loader::OPAPI.env).is_some_and(|v| !v.is_empty());
-        if !overridden {
-            for soname in FEATURE_LIBRARIES {
-                let spec = LibSpec { soname, env: loader::OPAPI.env, subdirs: &["lib64"] };
-                if let Ok(o) = loader::open(&spec, &[]) {
-                    feature_libraries.push(o.candidate.path.to_string_lossy().into_owned());
-                    libs.push(o.library);
-                }
+        let override_path = std::env::var_os(loader::OPAPI.env).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+        let mut named: Vec<(String, Library)> =
+            SPLIT_LIBRARIES.iter().filter_map(|s| open_beside(s, override_path.as_deref())).collect();
+        let (origin, umbrella) = match loader::open(&loader::OPAPI, &[]) {
+            Ok(o) => (o.candidate, Some(o.library)),
+            // CANN 8.5 may ship only the per-domain libraries.
+            Err(_) if !named.is_empty() => {
+                (Candidate { path: named[0].0.clone().into(), source: "libopapi_* library".into() }, None)
             }
+            Err(e) => return Err(e),
+        };
+        if let Some(lib) = umbrella {
+            named.push((origin.path.to_string_lossy().into_owned(), lib));
         }
+        if override_path.is_none() {
+            named.extend(FEATURE_LIBRARIES.iter().filter_map(|s| open_beside(s, None)));
+        }
+        let mut op_sources = Vec::new();
+        let transformer = SPLIT_LIBRARIES[0];
+        let moe_finalize_routing_v2 = find_op(&named, "aclnnMoeFinalizeRoutingV2", transformer, &mut op_sources);
+        let moe_token_unpermute = find_op(&named, "aclnnMoeTokenUnpermute", transformer, &mut op_sources);
+        let add = find_op(&named, "aclnnAdd", SPLIT_LIBRARIES[1], &mut op_sources);
+        let searched = named.iter().map(|(p, _)| p.clone()).collect();
         Ok(OpApi {
-            moe_finalize_routing_v2: find_op(&libs, "aclnnMoeFinalizeRoutingV2"),
-            moe_token_unpermute: find_op(&libs, "aclnnMoeTokenUnpermute"),
-            add: find_op(&libs, "aclnnAdd"),
-            origin: opened.candidate,
-            feature_libraries,
-            _libraries: libs,
+            moe_finalize_routing_v2,
+            moe_token_unpermute,
+            add,
+            origin,
+            searched,
+            op_sources,
+            _libraries: named.into_iter().map(|(_, l)| l).collect(),
         })
     })
     .as_ref()

@@ -200,11 +200,17 @@ fn finalize_prepare(
             let [n, k] = s.dims.as_slice() else {
                 return invalid(op, format!("scalesOptional has shape {:?}, expected [N, K]", s.dims));
             };
-            if s.dtype != ex.dtype && s.dtype != ACL_FLOAT {
+            // The (expandedX, scales) dtype pairs the op definition
+            // (`moe_finalize_routing_v2_def.cpp`) registers for Atlas A2/A3:
+            // (f16, f16), (f32, f32), (bf16, bf16), (bf16, f32). The aclnn doc:
+            // "in mixed-precision mode scales may be FLOAT32 when expandedX is
+            // BFLOAT16; otherwise its dtype must equal expandedX's".
+            if s.dtype != ex.dtype && !(ex.dtype == ACL_BF16 && s.dtype == ACL_FLOAT) {
                 return invalid(
                     op,
                     format!(
-                        "scalesOptional is {}, expected {} or ACL_FLOAT",
+                        "scalesOptional is {} with expandedX {}: the only mixed precision is bfloat16 data with \
+                         float32 scales",
                         dtype_name(s.dtype),
                         dtype_name(ex.dtype)
                     ),
@@ -216,6 +222,28 @@ fn finalize_prepare(
     };
     if n * k != *nk {
         return invalid(op, format!("expandedRowIdx has {nk} entries but scales say N*K = {n}*{k}"));
+    }
+    // Empty inputs: the op's tiling divides the rows among the cores; the
+    // simulator refuses 0 tokens or an empty hidden size rather than guess.
+    if n == 0 || h == 0 {
+        return invalid(op, format!("empty input (N = {n}, H = {h}): call the op only with data"));
+    }
+    // Tiling check (`moe_finalize_routing_v2_tiling_membase.cpp`): "In the
+    // case of x1 parameter is not input, x2 parameter can't be inputted
+    // either" (ge::GRAPH_FAILED, reported as ACLNN_ERR_INNER_TILING_ERROR).
+    if x2.is_some() && x1.is_none() {
+        return fail(
+            ACLNN_ERR_INNER_TILING_ERROR,
+            format!("{op}: In the case of x1 parameter is not input, x2 parameter can't be inputted either"),
+        );
+    }
+    // The aclnn doc's constraints: E (expert count: bias rows, or
+    // expandedX's first dimension in drop-pad modes) must be at least K.
+    let experts = bias.as_ref().and_then(|b| b.dims.first().copied()).or(drop_pad.then(|| ex.dims[0]));
+    if let Some(e) = experts {
+        if e < k {
+            return fail(ACLNN_ERR_INNER_TILING_ERROR, format!("{op}: E = {e} experts is less than K = {k}"));
+        }
     }
     for (arg, t) in [("x1Optional", &x1), ("x2Optional", &x2)] {
         if let Some(t) = t {
@@ -399,14 +427,29 @@ impl Unpermute {
         let x = read_f32(&self.tokens)?;
         let idx = read_i32(&self.idx)?;
         let probs = self.probs.as_ref().map(read_f32).transpose()?;
+        // aclnn does not check data values; the simulator does: an index out
+        // of [0, T*K) would read outside permutedTokens, and "sortedIndices
+        // must not contain duplicates (otherwise the result is undefined)"
+        // (the op's documentation).
+        let mut seen = vec![false; rows as usize];
+        for (pos, &r) in idx.iter().enumerate() {
+            if r < 0 || r as i64 >= rows {
+                return index_error(UNPERMUTE, "sortedIndices", pos, r, 0, rows as usize);
+            }
+            if std::mem::replace(&mut seen[r as usize], true) {
+                return fail(
+                    ACLNN_ERR_PARAM_INVALID,
+                    format!(
+                        "{UNPERMUTE}: sortedIndices[{pos}] = {r} repeats an earlier index (duplicates are undefined)"
+                    ),
+                );
+            }
+        }
         let mut out = vec![0f32; t * h];
         for i in 0..t {
             let acc = &mut out[i * h..(i + 1) * h];
             for kk in 0..k {
                 let r = idx[i * k + kk] as i64;
-                if r < 0 || r >= rows {
-                    continue;
-                }
                 let p = probs.as_ref().map_or(1.0, |p| p[i * k + kk]);
                 let row = &x[r as usize * h..][..h];
                 for j in 0..h {
@@ -468,6 +511,13 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
         };
         if t * k != *tk {
             return invalid(op, format!("sortedIndices has {tk} entries, expected T*K = {t}*{k}"));
+        }
+        // The aclnn doc: permutedTokens is [T*K, H] (one row per slot).
+        if tokens.dims[0] != *tk {
+            return invalid(op, format!("permutedTokens has {} rows, expected T*K = {tk}", tokens.dims[0]));
+        }
+        if *tk == 0 || *h == 0 {
+            return invalid(op, format!("empty input (T*K = {tk}, H = {h}): call the op only with data"));
         }
         want_dims(op, "out", &out, &[t, *h])?;
         want_dtype(op, "out", &out, tokens.dtype)?;

@@ -14,9 +14,12 @@
 //! | `CANNSIM_LEAK_EXIT_CODE` | exit status for `fail` | 97 |
 //! | `CANNSIM_SOC_NAME` | `aclrtGetSocName()` | Ascend910B1 |
 //! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
+//! | `CANNSIM_CANN_VERSION` | the emulated CANN release, `8.1`, `8.3` or `8.5` (see [`crate::version`]) | 8.5 |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+
+use crate::version::CannVersion;
 
 /// Parsed configuration.
 #[derive(Debug, Clone)]
@@ -45,6 +48,8 @@ pub struct Config {
     pub soc_name: String,
     /// Print failing calls.
     pub trace: bool,
+    /// The emulated CANN release.
+    pub cann_version: CannVersion,
 }
 
 /// What to do with the leak report at exit.
@@ -103,6 +108,13 @@ impl Config {
             leak_exit_code: var("CANNSIM_LEAK_EXIT_CODE").and_then(|s| s.parse().ok()).unwrap_or(97),
             soc_name: var("CANNSIM_SOC_NAME").unwrap_or_else(|| "Ascend910B1".to_string()),
             trace: matches!(var("CANNSIM_TRACE").as_deref(), Some("1") | Some("true")),
+            cann_version: match var("CANNSIM_CANN_VERSION") {
+                None => CannVersion::V8_5,
+                // An unknown release must not silently emulate another one: the
+                // panic becomes an internal error of every call, with this message.
+                Some(v) => CannVersion::parse(&v)
+                    .unwrap_or_else(|| panic!("CANNSIM_CANN_VERSION={v:?} is not one of 8.1, 8.3, 8.5")),
+            },
         }
     }
 }

@@ -87,6 +87,8 @@ pub const ACLNN_ERR_PARAM_NULLPTR: AclnnStatus = 161001;
 pub const ACLNN_ERR_PARAM_INVALID: AclnnStatus = 161002;
 pub const ACLNN_ERR_RUNTIME_ERROR: AclnnStatus = 361001;
 pub const ACLNN_ERR_INNER: AclnnStatus = 561000;
+/// `ACLNN_ERR_INNER_TILING_ERROR`: an op's tiling refused the shapes.
+pub const ACLNN_ERR_INNER_TILING_ERROR: AclnnStatus = 561002;
 
 // HcclResult.
 pub const HCCL_SUCCESS: HcclResult = 0;
@@ -121,10 +123,6 @@ pub const HCCL_ROOT_INFO_BYTES: usize = 4108;
 pub const COMM_NAME_MAX_LENGTH: usize = 128;
 /// `HCCL_COMM_CONFIG_MAGIC_WORD`.
 pub const HCCL_COMM_CONFIG_MAGIC_WORD: u32 = 0xf0f0_f0f0;
-/// `HcclCommConfigCapability` count this runtime reports: every capability up
-/// to and including `BUFFER_NAME` (11) is accepted (unknown settings are
-/// ignored, never misread).
-pub const HCCL_CONFIG_CAPABILITIES: u32 = 12;
 
 /// Byte offsets of the `HcclCommConfig` fields the simulator reads.
 pub mod comm_config {

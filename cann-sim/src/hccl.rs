@@ -26,6 +26,7 @@ use crate::config;
 use crate::context;
 use crate::ffi::*;
 use crate::handles::Table;
+use crate::hccl_rules;
 use crate::status::{self, fail, write_out, SimError, SimResult};
 use crate::stream::Stream;
 
@@ -207,6 +208,7 @@ pub unsafe extern "C" fn HcclCommInitRootInfoConfig(
     comm: *mut HcclComm,
 ) -> HcclResult {
     status::hccl("HcclCommInitRootInfoConfig", || {
+        unsafe { hccl_rules::comm_config(config) }?;
         if comm.is_null() {
             return fail(HCCL_E_PTR, "comm is NULL");
         }
@@ -235,6 +237,13 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
     sub_comm: *mut HcclComm,
 ) -> HcclResult {
     status::hccl("HcclCreateSubCommConfig", || {
+        let call = unsafe {
+            hccl_rules::create_sub_comm(comm_p, rank_num, rank_ids, sub_comm_id, sub_comm_rank_id, config, sub_comm)
+        }?;
+        if call == hccl_rules::SubCommCall::NotMember {
+            return Ok(());
+        }
+        unsafe { hccl_rules::comm_config(config) }?;
         if comm_p.is_null() || sub_comm.is_null() || rank_ids.is_null() {
             return fail(HCCL_E_PTR, "comm, rankIds or subComm is NULL");
         }
@@ -264,7 +273,9 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
         let cfg = read_config(config)?;
         let name = format!("{}/sub{sub_comm_id}", parent.name);
         let h = join(key, Some(name), rank_num, sub_comm_rank_id, parent.world_rank, cfg)?;
-        write_out(sub_comm, h as HcclComm, HCCL_E_PTR, "subComm")
+        write_out(sub_comm, h as HcclComm, HCCL_E_PTR, "subComm")?;
+        unsafe { hccl_rules::sub_comm_created(comm_p, sub_comm_id, sub_comm) };
+        Ok(())
     })
 }
 
@@ -344,7 +355,7 @@ pub unsafe extern "C" fn HcclGetCommAsyncError(comm_h: HcclComm, async_error: *m
 /// `uint32_t HcclGetCommConfigCapability()`.
 #[no_mangle]
 pub extern "C" fn HcclGetCommConfigCapability() -> u32 {
-    HCCL_CONFIG_CAPABILITIES
+    hccl_rules::capability()
 }
 
 fn dtype(dt: i32) -> SimResult<DType> {
@@ -505,6 +516,7 @@ pub extern "C" fn HcclAllReduce(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclAllReduce", || {
+        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
         let n = count as usize;
         let (sb, rb) = (Buf { addr: send_buf as usize, elems: n }, Buf { addr: recv_buf as usize, elems: n });
@@ -535,6 +547,7 @@ pub extern "C" fn HcclReduceScatter(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclReduceScatter", || {
+        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
         let world = comm(comm_h)?.size as usize;
         let n = recv_count as usize;
@@ -573,6 +586,7 @@ pub extern "C" fn HcclReduceScatterV(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclReduceScatterV", || {
+        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
         let c = comm(comm_h)?;
         let sc = counts(send_counts, c.size, "sendCounts")?;
@@ -619,6 +633,7 @@ pub extern "C" fn HcclAllGather(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclAllGather", || {
+        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         let dt = dtype(data_type)?;
         let world = comm(comm_h)?.size as usize;
         let n = send_count as usize;
@@ -652,6 +667,8 @@ pub extern "C" fn HcclAllGatherV(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclAllGatherV", || {
+        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = dtype(data_type)?;
         let c = comm(comm_h)?;
         let rc = counts(recv_counts, c.size, "recvCounts")?;
@@ -699,6 +716,7 @@ pub extern "C" fn HcclAlltoAllV(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclAlltoAllV", || {
+        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         let dt = dtype(send_type)?;
         if recv_type != send_type {
             return fail(HCCL_E_PARA, format!("sendType {send_type} != recvType {recv_type}"));
@@ -749,6 +767,7 @@ pub extern "C" fn HcclBroadcast(
     stream: AclrtStream,
 ) -> HcclResult {
     status::hccl("HcclBroadcast", || {
+        hccl_rules::operands(&[("buf", buf)], stream)?;
         let dt = dtype(data_type)?;
         let size = comm(comm_h)?.size;
         if root >= size {
@@ -773,6 +792,7 @@ pub extern "C" fn HcclBroadcast(
 #[no_mangle]
 pub extern "C" fn HcclBarrier(comm_h: HcclComm, stream: AclrtStream) -> HcclResult {
     status::hccl("HcclBarrier", || {
+        hccl_rules::operands(&[], stream)?;
         enqueue("HcclBarrier", comm_h, stream, &[], Box::new(move |_, cc| cc.barrier().map_err(lift)))
     })
 }

@@ -13,6 +13,8 @@
 //! | [`nnop`] | `aclCreateTensor`, `aclDestroyTensor`, `aclCreateScalar`, `aclDestroyScalar` |
 //! | [`aclnn`] | `aclnnMoeFinalizeRoutingV2`, `aclnnMoeTokenUnpermute`, `aclnnAdd` (+ `GetWorkspaceSize`) |
 //! | [`hccl`] | `HcclGetRootInfo` ... `HcclBarrier`, over the crate's CPU communicator |
+//! | [`hccl_rules`] | (no exports) the argument rules of real HCCL, applied at each HCCL export's entry |
+//! | [`version`] | (no exports) the emulated CANN release, `CANNSIM_CANN_VERSION` |
 //! | [`kernel`] | `cannsim_launch_kernel` (simulator-only) |
 //!
 //! What it models and what it does not: see README.md. Configuration: see
@@ -28,8 +30,10 @@ pub mod context;
 pub mod ffi;
 pub mod handles;
 pub mod hccl;
+pub mod hccl_rules;
 pub mod kernel;
 pub mod leaks;
 pub mod nnop;
 pub mod status;
 pub mod stream;
+pub mod version;

@@ -10,13 +10,15 @@ use common::*;
 
 const NULL: Ptr = std::ptr::null_mut();
 
-/// A v10 `HcclCommConfig` (2240 bytes) as `HcclCommConfigInit` leaves it,
-/// with an exec timeout in seconds.
+/// A v10 `HcclCommConfig` (2240 bytes) as `HcclCommConfigInit` leaves it
+/// (buffer size and deterministic "not set"), with an exec timeout in seconds.
 fn config(timeout_s: i32) -> Vec<u8> {
     let mut c = vec![0u8; 2240];
     c[0..8].copy_from_slice(&2240usize.to_le_bytes());
     c[8..12].copy_from_slice(&0xf0f0_f0f0u32.to_le_bytes());
     c[12..16].copy_from_slice(&10u32.to_le_bytes());
+    // hcclBufferSize and hcclDeterministic "not set".
+    c[24..32].fill(0xff);
     c[316..320].copy_from_slice(&timeout_s.to_le_bytes());
     c
 }
@@ -215,8 +217,9 @@ fn collective_results_are_stale_before_the_sync() {
 fn sub_communicators_split_the_world() {
     with_ranks(4, 20, |r, comm, st| {
         let s = sim();
-        // Even and odd ranks; the sub-rank is the position in the list.
-        let mut ids: Vec<u32> = if r % 2 == 0 { vec![0, 2] } else { vec![3, 1] };
+        // Even and odd ranks, each list ascending (HcclCreateSubCommConfig:
+        // "the array should be ordered"); the sub-rank is the position in it.
+        let mut ids: Vec<u32> = if r % 2 == 0 { vec![0, 2] } else { vec![1, 3] };
         let pos = ids.iter().position(|&x| x == r).unwrap() as u32;
         let mut parent = comm;
         let mut sub = NULL;

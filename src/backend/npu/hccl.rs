@@ -198,6 +198,14 @@ struct CommInner {
     /// Per rank list, how many sub-communicators were split off with it (so
     /// a repeated split gets a fresh id, the same on every member).
     splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// The global communicator this one was split from (`None`: this is one).
+    /// HcclCreateSubCommConfig (HCCL API reference) splits only a global
+    /// communicator, so every split goes to it.
+    global: Option<Arc<CommInner>>,
+    /// The global rank of each rank of this communicator (ascending).
+    global_ranks: Vec<usize>,
+    /// A small device allocation passed in place of an empty (NULL) buffer.
+    placeholder: std::sync::OnceLock<NpuBuffer>,
 }
 
 // SAFETY: an HcclComm is a library handle; HCCL allows its use from any
@@ -274,14 +282,19 @@ fn capability(api: &Hccl) -> Option<u32> {
     Some(unsafe { f() })
 }
 
-/// A config carrying the execution timeout of `opts` (whole seconds,
-/// rounded up) when the running HCCL supports it. The name is left to HCCL:
-/// ranks that are threads of one process must not share one.
+/// A config for the running HCCL: the layout generation its capability
+/// count says it understands, initialised with that generation's
+/// `HcclCommConfigInit` defaults (HCCL API reference, HcclCommInitRootInfoConfig
+/// and HcclCreateSubCommConfig: "the config must be initialized by calling
+/// HcclCommConfigInit"; version 5's HCCL rejects the later "not set" values),
+/// carrying the execution timeout of `opts` (whole seconds, rounded up) when
+/// the capability `EXEC_TIMEOUT` is reported. The name is left to HCCL: ranks
+/// that are threads of one process must not share one.
 fn config_for(api: &Hccl, opts: &CommOptions) -> HcclCommConfig {
-    let mut config = HcclCommConfig::default();
     let cap = capability(api);
+    let mut config = hccl_sys::CommConfigLayout::for_capability(cap).new_config();
     config.adapt_to_capability(cap);
-    if HcclCommConfig::supports(cap, hccl_sys::HcclCommConfigCapability::HCCL_COMM_CONFIG_EXEC_TIMEOUT) {
+    if HcclCommConfig::supports(cap, hccl_sys::capability::EXEC_TIMEOUT) {
         let secs = opts.timeout.as_secs() + u64::from(opts.timeout.subsec_nanos() > 0);
         config.hcclExecTimeOut = i32::try_from(secs.max(1)).unwrap_or(i32::MAX);
     }
@@ -323,7 +336,7 @@ impl HcclComm {
         }
         let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-world-{world}"));
         let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
-        Ok(Self::wrap(raw, true, device, (rank, world), name, key, opts))
+        Ok(Self::wrap(raw, true, device, (rank, world), (name, key), opts, None))
     }
 
     /// Wraps a communicator created by the host engine (e.g. torch's
@@ -340,7 +353,7 @@ impl HcclComm {
         let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-borrowed-{world}"));
         // The host engine names its groups identically on every member.
         let key = fnv1a(FNV_SEED, name.bytes());
-        Ok(Self::wrap(raw, false, device, (rank, world), name, key, opts))
+        Ok(Self::wrap(raw, false, device, (rank, world), (name, key), opts, None))
     }
 
     fn wrap(
@@ -348,10 +361,14 @@ impl HcclComm {
         owned: bool,
         device: &NpuDevice,
         (rank, world): (usize, usize),
-        name: String,
-        key: u64,
+        (name, key): (String, u64),
         opts: &CommOptions,
+        global: Option<(Arc<CommInner>, Vec<usize>)>,
     ) -> Self {
+        let (global, global_ranks) = match global {
+            Some((g, ranks)) => (Some(g), ranks),
+            None => (None, (0..world).collect()),
+        };
         HcclComm {
             inner: Arc::new(CommInner {
                 raw,
@@ -363,8 +380,27 @@ impl HcclComm {
                 key,
                 opts: opts.clone(),
                 splits: Mutex::new(HashMap::new()),
+                global,
+                global_ranks,
+                placeholder: std::sync::OnceLock::new(),
             }),
         }
+    }
+
+    /// The device address to pass for `b`: its own, or for an empty buffer
+    /// (which has no allocation) a small live one. HCCL checks every buffer
+    /// for NULL before it looks at the count (`HcclAllReduceInner`,
+    /// `HcclAllGather`, ...: `CHK_PTR_NULL(sendBuf)`, `CHK_PTR_NULL(recvBuf)`),
+    /// and in the V collectives a rank with count 0 still takes part.
+    fn dev_ptr(&self, b: &NpuBuffer) -> Result<*mut c_void> {
+        if !b.as_ptr().is_null() {
+            return Ok(b.as_ptr());
+        }
+        if let Some(p) = self.inner.placeholder.get() {
+            return Ok(p.as_ptr());
+        }
+        let p = NpuBuffer::alloc(&self.inner.device, 32)?;
+        Ok(self.inner.placeholder.get_or_init(|| p).as_ptr())
     }
 
     /// The raw handle (for passing to other HCCL users).
@@ -377,9 +413,17 @@ impl HcclComm {
         &self.inner.device
     }
 
-    /// A sub-communicator of `ranks` (parent ranks, in the new group's order)
-    /// through `HcclCreateSubCommConfig`. Every member calls it with the same
-    /// list; the calling rank must be in it.
+    /// A sub-communicator of `ranks` (ranks of this communicator, in the new
+    /// group's order) through `HcclCreateSubCommConfig`. Every member calls it
+    /// with the same list; the calling rank must be in it.
+    ///
+    /// HCCL (API reference, HcclCreateSubCommConfig) splits only a global
+    /// communicator ("nested splitting is not supported"), and numbers the new
+    /// group's ranks by their position in an ordered list of global ranks
+    /// ("the array should be ordered"). So a split of a sub-communicator is
+    /// made from its global communicator, with `ranks` mapped to global
+    /// ranks; the list must be ascending, since HCCL would otherwise give the
+    /// ranks a different order than the caller asked for.
     pub fn split_hccl(&self, ranks: &[usize]) -> Result<HcclComm> {
         const OP: &str = "HcclComm::split";
         let me = self.inner.rank;
@@ -396,34 +440,56 @@ impl HcclComm {
                 ));
             }
         }
+        if ranks.windows(2).any(|w| w[0] > w[1]) {
+            return Err(Error::invalid(
+                OP,
+                "ranks",
+                format!(
+                    "{ranks:?} is not ascending: an HCCL sub-communicator numbers its ranks in ascending order \
+                     (HcclCreateSubCommConfig takes an ordered rank list), so pass the ranks sorted"
+                ),
+            ));
+        }
+        let global_ids: Vec<usize> = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
+        let root: Arc<CommInner> = self.inner.global.clone().unwrap_or_else(|| self.inner.clone());
         let serial = {
-            let mut splits =
-                self.inner.splits.lock().map_err(|_| Error::invalid(OP, "self", "split state poisoned"))?;
-            let n = splits.entry(ranks.to_vec()).or_insert(0);
+            let mut splits = root.splits.lock().map_err(|_| Error::invalid(OP, "self", "split state poisoned"))?;
+            let n = splits.entry(global_ids.clone()).or_insert(0);
             *n += 1;
             *n
         };
         let name = format!(
             "{}/{}#{serial}",
-            self.inner.name,
-            ranks.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
+            root.name,
+            global_ids.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
         );
-        let id =
-            fnv1a(self.inner.key, ranks.iter().flat_map(|&r| (r as u64).to_le_bytes()).chain(serial.to_le_bytes()));
+        let id = fnv1a(root.key, global_ids.iter().flat_map(|&r| (r as u64).to_le_bytes()).chain(serial.to_le_bytes()));
+        // 0xFFFFFFFF is the subCommId of a rank outside the new group.
+        let id = if id == 0xFFFF_FFFF { id ^ 1 } else { id };
         let api = hccl()?;
         self.inner.device.stream().enter()?;
         let f = hccl_fn!(api, HcclCreateSubCommConfig)?;
-        let mut ids: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
+        let mut ids: Vec<u32> = global_ids.iter().map(|&r| r as u32).collect();
         let mut config = config_for(api, &self.inner.opts);
-        let mut parent = self.inner.raw;
+        let mut parent = root.raw;
         let mut sub: hccl_sys::HcclComm = std::ptr::null_mut();
         // SAFETY: every pointer is valid for the call; HCCL takes a pointer to
-        // the parent handle and does not retain `ids` or `config`.
+        // the global communicator's handle and does not retain `ids` or
+        // `config`; `ids` is ascending and `sub_rank` is this rank's index in
+        // it, as the HCCL API reference asks.
         check("HcclCreateSubCommConfig", unsafe {
             f(&mut parent, ids.len() as u32, ids.as_mut_ptr(), id, sub_rank as u32, &mut config, &mut sub)
         })?;
         let name = query_name(api, sub).unwrap_or(name);
-        Ok(Self::wrap(sub, true, &self.inner.device, (sub_rank, ranks.len()), name, id, &self.inner.opts))
+        Ok(Self::wrap(
+            sub,
+            true,
+            &self.inner.device,
+            (sub_rank, ranks.len()),
+            (name, id),
+            &self.inner.opts,
+            Some((root, global_ids)),
+        ))
     }
 
     fn comm_err(&self, collective: &str, detail: String) -> Error {
@@ -559,6 +625,10 @@ impl Collectives for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
+        if n == 0 {
+            // Every rank has the same count: nothing moves anywhere.
+            return Ok(());
+        }
         self.run(OP, &[s, d], |api, stream| {
             let f = hccl_fn!(api, HcclAllReduce)?;
             // SAFETY: both buffers hold `n` elements of `dt` on this device.
@@ -570,6 +640,9 @@ impl Collectives for HcclComm {
         const OP: &str = "all_reduce_in_place";
         let b = self.buffer(OP, "buf", buf)?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
+        if n == 0 {
+            return Ok(());
+        }
         self.run(OP, &[b], |api, stream| {
             let f = hccl_fn!(api, HcclAllReduce)?;
             // SAFETY: in-place all-reduce is supported; `n` elements of `dt`.
@@ -588,6 +661,9 @@ impl Collectives for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
         let (n, dt) = (dst.numel() as u64, hccl_dtype(src.dtype()));
+        if n == 0 {
+            return Ok(());
+        }
         self.run(OP, &[s, d], |api, stream| {
             let f = hccl_fn!(api, HcclReduceScatter)?;
             // SAFETY: src holds world*n, dst n elements of `dt`.
@@ -606,6 +682,9 @@ impl Collectives for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
+        if n == 0 {
+            return Ok(());
+        }
         self.run(OP, &[s, d], |api, stream| {
             let f = hccl_fn!(api, HcclAllGather)?;
             // SAFETY: src holds n, dst world*n elements of `dt`.
@@ -630,16 +709,21 @@ impl Collectives for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
         let dt = hccl_dtype(src.dtype());
+        if total == 0 {
+            // The counts are the same on every rank: nothing moves anywhere.
+            return Ok(());
+        }
+        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
         self.run(OP, &[s, d], |api, stream| {
             let f = hccl_fn!(api, HcclReduceScatterV)?;
             // SAFETY: counts/displacements are host u64 arrays of world length
             // that outlive the call; the buffers hold the sizes checked above.
             check("HcclReduceScatterV", unsafe {
                 f(
-                    s.as_ptr(),
+                    sp,
                     c.as_ptr().cast::<c_void>(),
                     displs.as_ptr().cast::<c_void>(),
-                    d.as_ptr(),
+                    dp,
                     mine as u64,
                     dt,
                     hccl_op(op),
@@ -667,14 +751,18 @@ impl Collectives for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
         let dt = hccl_dtype(src.dtype());
+        if total == 0 {
+            return Ok(());
+        }
+        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
         self.run(OP, &[s, d], |api, stream| {
             let f = hccl_fn!(api, HcclAllGatherV)?;
             // SAFETY: as for reduce_scatter_v.
             check("HcclAllGatherV", unsafe {
                 f(
-                    s.as_ptr(),
+                    sp,
                     mine as u64,
-                    d.as_ptr(),
+                    dp,
                     c.as_ptr().cast::<c_void>(),
                     displs.as_ptr().cast::<c_void>(),
                     dt,
@@ -702,17 +790,18 @@ impl Collectives for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
         let dt = hccl_dtype(src.dtype());
+        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
         self.run(OP, &[s, d], |api, stream| {
             let f = hccl_fn!(api, HcclAlltoAllV)?;
             // SAFETY: host u64 count/displacement arrays of world length; the
             // buffers hold the totals checked above.
             check("HcclAlltoAllV", unsafe {
                 f(
-                    s.as_ptr(),
+                    sp,
                     sc.as_ptr().cast::<c_void>(),
                     sd.as_ptr().cast::<c_void>(),
                     dt,
-                    d.as_ptr(),
+                    dp,
                     rc.as_ptr().cast::<c_void>(),
                     rd.as_ptr().cast::<c_void>(),
                     dt,
@@ -730,6 +819,11 @@ impl Collectives for HcclComm {
         }
         let b = self.buffer(OP, "buf", buf)?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
+        if n == 0 {
+            // Every rank has the same count: nothing moves, and an empty
+            // buffer has no address HCCL would accept.
+            return Ok(());
+        }
         self.run(OP, &[b], |api, stream| {
             let f = hccl_fn!(api, HcclBroadcast)?;
             // SAFETY: `n` elements of `dt` on this device.

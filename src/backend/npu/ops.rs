@@ -182,8 +182,12 @@ fn run_phase_two(
     check(call, unsafe { run(workspace.as_ptr(), ws, executor, stream.raw()) })
 }
 
-/// Reads an int32 index tensor to the host.
-fn host_indices(t: &Tensor) -> Result<Vec<i32>> {
+/// Reads an int32 index tensor to the host, to validate index values before
+/// an aclnn call (aclnn checks shapes and dtypes, never data values). This is
+/// a device-to-host copy and a stream synchronisation on the aclnn path: the
+/// one place it happens, so a device-side check can replace it. The native
+/// kernel path checks indices on the device and reports them in its status.
+fn read_indices_to_host_for_validation(t: &Tensor) -> Result<Vec<i32>> {
     t.to_vec::<i32>()
 }
 
@@ -431,8 +435,46 @@ pub(crate) fn finalize_routing(
     }
     match choose_finalize(device.finalize_override())? {
         FinalizeImpl::Native => finalize_native(device, args, dims, out, rows),
-        FinalizeImpl::Aclnn => finalize_aclnn(device, args, dims, out, rows),
+        FinalizeImpl::Aclnn => match aclnn_refuses(args, dims) {
+            None => finalize_aclnn(device, args, dims, out, rows),
+            // A call aclnn would refuse goes to the native kernel instead.
+            Some(rule) => match launcher() {
+                Some(_) => finalize_native(device, args, dims, out, rows),
+                None => Err(Error::Unavailable(format!(
+                    "finalize_routing: aclnnMoeFinalizeRoutingV2 does not accept this call ({rule}) and the \
+                     native kernel is not available"
+                ))),
+            },
+        },
     }
+}
+
+/// Why `aclnnMoeFinalizeRoutingV2` would refuse these arguments (`None`: it
+/// accepts them, possibly after the rewrites [`finalize_aclnn`] makes). From
+/// ops-transformer's `moe_finalize_routing_v2` op definition and aclnn doc.
+fn aclnn_refuses(args: &FinalizeArgs<'_>, dims: &FinalizeDims) -> Option<&'static str> {
+    let data = args.expanded_x.dtype();
+    // `moe_finalize_routing_v2_def.cpp` registers (expandedX, scales) as
+    // (f16, f16), (f32, f32), (bf16, bf16) and (bf16, f32) on Atlas A2/A3.
+    if let Some(s) = args.scales {
+        if s.dtype() != data && !(data == DType::BF16 && s.dtype() == DType::F32) {
+            return Some("the only mixed precision is bf16 data with f32 scales");
+        }
+    }
+    // aclnn doc constraint: E >= K (E: bias rows, or expandedX's first
+    // dimension in the drop-pad modes). Without scales the op's K is 1.
+    let k = if args.scales.is_some() { dims.k } else { 1 };
+    let experts = if args.bias.is_some() {
+        Some(dims.experts)
+    } else if args.drop_pad_mode.is_drop_pad() {
+        args.expanded_x.shape().first().copied()
+    } else {
+        None
+    };
+    if experts.is_some_and(|e| e < k) {
+        return Some("the expert count E must be at least K");
+    }
+    None
 }
 
 /// Fused finalize through aclnnMoeFinalizeRoutingV2.
@@ -450,13 +492,14 @@ fn finalize_aclnn(
     if out.dtype() != dt {
         return Err(Error::dtype(OP, "out", dt.name(), out.dtype()));
     }
-    // Index values: only the backend can read them, and no read may leave the buffer.
+    // Index values: aclnn does not check them (a bad one reads outside
+    // expandedX), so they are checked here, before the call.
     let mode = args.drop_pad_mode;
-    let idx = host_indices(args.expanded_row_idx)?;
+    let idx = read_indices_to_host_for_validation(args.expanded_row_idx)?;
     let lo = if mode.is_drop_pad() { -1 } else { 0 };
     check_indices(OP, "expanded_row_idx", &idx, lo, dims.expanded_rows as i64)?;
     if let (Some(_), Some(e)) = (args.bias, args.expert_idx) {
-        check_indices(OP, "expert_idx", &host_indices(e)?, 0, dims.experts as i64)?;
+        check_indices(OP, "expert_idx", &read_indices_to_host_for_validation(e)?, 0, dims.experts as i64)?;
     }
 
     let out_buf = npu_buf(device, OP, "out", out)?;
@@ -502,8 +545,15 @@ fn finalize_aclnn(
         let didx =
             Desc::new(npu_buf(device, OP, "expanded_row_idx", args.expanded_row_idx)?, DType::I32, &[idx.len()])?;
         let nh = [n, h];
-        let d1 = args.x1.map(|t| Desc::new(npu_buf(device, OP, "x1", t)?, t.dtype(), &nh)).transpose()?;
-        let d2 = args.x2.map(|t| Desc::new(npu_buf(device, OP, "x2", t)?, t.dtype(), &nh)).transpose()?;
+        // The op's tiling refuses x2 without x1 ("In the case of x1 parameter
+        // is not input, x2 parameter can't be inputted either"); the sum is the
+        // same with x2 passed as x1.
+        let (x1, x2) = match (args.x1, args.x2) {
+            (None, Some(only)) => (Some(only), None),
+            pair => pair,
+        };
+        let d1 = x1.map(|t| Desc::new(npu_buf(device, OP, "x1", t)?, t.dtype(), &nh)).transpose()?;
+        let d2 = x2.map(|t| Desc::new(npu_buf(device, OP, "x2", t)?, t.dtype(), &nh)).transpose()?;
         let dbias =
             args.bias.map(|t| Desc::new(npu_buf(device, OP, "bias", t)?, t.dtype(), &[dims.experts, h])).transpose()?;
         let dscales =
@@ -545,9 +595,15 @@ fn finalize_aclnn(
     device.stream().synchronize()
 }
 
-/// Token unpermute through aclnnMoeTokenUnpermute. Indices outside
-/// `[0, permuted.rows)` contribute nothing: they are redirected to row 0 with
-/// a zero weight (a non-finite row 0 would still poison those outputs).
+/// Token unpermute through aclnnMoeTokenUnpermute when its input contract
+/// holds, else on the host.
+///
+/// The op's documentation: `permutedTokens` has T*K rows and `sortedIndices`
+/// holds no duplicates ("otherwise the result is undefined"); aclnn does not
+/// check index values, and an index outside `[0, T*K)` would read outside
+/// `permutedTokens`. SPEC section 1 lets an index outside `[0, rows)`
+/// contribute nothing and allows repeated indices, which the op cannot
+/// express: such inputs are computed by [`token_unpermute_on_host`].
 pub(crate) fn token_unpermute(
     device: &NpuDevice,
     permuted: &Tensor,
@@ -559,7 +615,7 @@ pub(crate) fn token_unpermute(
     const OP: &str = "token_unpermute";
     let dt = permuted.dtype();
     let (rows, h) = (permuted.rows(), permuted.row_len());
-    let idx = host_indices(sorted_indices)?;
+    let idx = read_indices_to_host_for_validation(sorted_indices)?;
     if k == 0 || idx.len() % k != 0 {
         return Err(Error::invalid(OP, "k", format!("k = {k} must divide the {} indices", idx.len())));
     }
@@ -575,46 +631,26 @@ pub(crate) fn token_unpermute(
             return Err(Error::shape(OP, "probs", format!("[{t}, {k}]"), p.shape()));
         }
     }
+    // Empty input: nothing to compute, and the op is never called with it.
     if t == 0 || h == 0 {
         return Ok(());
     }
-    let bad: Vec<usize> =
-        idx.iter().enumerate().filter(|(_, &v)| v < 0 || v as usize >= rows).map(|(i, _)| i).collect();
-    // Sanitised copies when some index is out of range.
-    let mut fixed_idx = None;
-    let mut fixed_probs = None;
-    if !bad.is_empty() {
-        if rows == 0 {
-            return npu_buf(device, OP, "out", out)?.memset_async(0, 0, out.len_bytes());
-        }
-        let mut clean = idx.clone();
-        for &i in &bad {
-            clean[i] = 0;
-        }
-        fixed_idx = Some(device.upload(&Tensor::from_slice(&clean, &[clean.len()])?)?);
-        let weights = with_dtype!(probs.map_or(dt, |p| p.dtype()), T => {
-            let mut w: Vec<T> = match probs {
-                Some(p) => p.to_vec::<T>()?,
-                None => vec![T::from_f32(1.0); t * k],
-            };
-            for &i in &bad {
-                w[i] = T::from_f32(0.0);
-            }
-            Tensor::from_slice(&w, &[t, k])?
-        });
-        fixed_probs = Some(device.upload(&weights)?);
+    let mut seen = vec![false; rows];
+    let op_accepts = rows == t * k
+        && idx.iter().all(|&v| v >= 0 && (v as usize) < rows && !std::mem::replace(&mut seen[v as usize], true));
+    if !op_accepts {
+        return token_unpermute_on_host(device, permuted, sorted_indices, probs, k, out);
     }
-    let idx_t = fixed_idx.as_ref().unwrap_or(sorted_indices);
-    let probs_t = fixed_probs.as_ref().or(probs);
 
     let api = opapi()?;
     let op = api.moe_token_unpermute.ok_or_else(|| op_missing("aclnnMoeTokenUnpermute", api))?;
     let dperm = Desc::new(npu_buf(device, OP, "permuted", permuted)?, dt, &[rows, h])?;
-    let didx = Desc::new(npu_buf(device, OP, "sorted_indices", idx_t)?, DType::I32, &[idx.len()])?;
-    let dprobs = probs_t.map(|p| Desc::new(npu_buf(device, OP, "probs", p)?, p.dtype(), &[t, k])).transpose()?;
+    let didx = Desc::new(npu_buf(device, OP, "sorted_indices", sorted_indices)?, DType::I32, &[idx.len()])?;
+    let dprobs = probs.map(|p| Desc::new(npu_buf(device, OP, "probs", p)?, p.dtype(), &[t, k])).transpose()?;
     let dout = Desc::new(npu_buf(device, OP, "out", out)?, dt, &[t, h])?;
     let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-    // SAFETY: live descriptors, NULL restore shape (not padded mode), valid out-pointers.
+    // SAFETY: live descriptors, NULL restore shape (not padded mode), valid
+    // out-pointers; the indices are distinct and inside permutedTokens' T*K rows.
     check("aclnnMoeTokenUnpermuteGetWorkspaceSize", unsafe {
         (op.get_workspace_size)(
             dperm.raw,
@@ -628,5 +664,27 @@ pub(crate) fn token_unpermute(
         )
     })?;
     run_phase_two(device, "aclnnMoeTokenUnpermute", op.run, ws, exec)?;
+    device.stream().synchronize()
+}
+
+/// Token unpermute of inputs aclnnMoeTokenUnpermute cannot take (repeated or
+/// out-of-range indices, or a permuted buffer without T*K rows): the operands
+/// are copied to the host, computed by the CPU backend (SPEC section 1) and
+/// the result copied back. A device-to-host round trip, used only for these
+/// inputs.
+fn token_unpermute_on_host(
+    device: &NpuDevice,
+    permuted: &Tensor,
+    sorted_indices: &Tensor,
+    probs: Option<&Tensor>,
+    k: usize,
+    out: &mut Tensor,
+) -> Result<()> {
+    let (p, i) = (permuted.to_cpu()?, sorted_indices.to_cpu()?);
+    let w = probs.map(Tensor::to_cpu).transpose()?;
+    let mut host_out = Tensor::zeros_cpu(out.shape(), out.dtype());
+    crate::backend::cpu::finalize::token_unpermute(&p, &i, w.as_ref(), k, &mut host_out)?;
+    let dst = npu_buf(device, "token_unpermute", "out", out)?;
+    dst.copy_from_host_at(0, host_out.cpu_bytes()?)?;
     device.stream().synchronize()
 }

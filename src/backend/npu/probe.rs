@@ -43,8 +43,9 @@ pub struct ProbeReport {
     pub libraries: Vec<LibraryProbe>,
     /// Runtime details, when libascendcl loaded.
     pub runtime: Option<RuntimeInfo>,
-    /// The aclnn operators the backend uses and whether each resolved.
-    pub aclnn_ops: Vec<(&'static str, bool)>,
+    /// The aclnn operators the backend uses, each with the library file it
+    /// was resolved from (`None`: not found).
+    pub aclnn_ops: Vec<(&'static str, Option<String>)>,
 }
 
 fn probe_library<T>(spec: &LibSpec, load: Result<T, loader::LoadError>, origin: impl Fn(&T) -> String) -> LibraryProbe {
@@ -85,11 +86,10 @@ pub fn probe() -> ProbeReport {
         RuntimeInfo { version, soc, devices, simulator: api.cannsim_launch_kernel.is_some() }
     });
     let aclnn_ops = match &opapi {
-        Ok(o) => vec![
-            ("aclnnMoeFinalizeRoutingV2", o.moe_finalize_routing_v2.is_some()),
-            ("aclnnMoeTokenUnpermute", o.moe_token_unpermute.is_some()),
-            ("aclnnAdd", o.add.is_some()),
-        ],
+        Ok(o) => ["aclnnMoeFinalizeRoutingV2", "aclnnMoeTokenUnpermute", "aclnnAdd"]
+            .into_iter()
+            .map(|name| (name, o.source_of(name).map(str::to_string)))
+            .collect(),
         Err(_) => Vec::new(),
     };
     ProbeReport {
@@ -159,8 +159,11 @@ impl fmt::Display for ProbeReport {
         }
         if !self.aclnn_ops.is_empty() {
             writeln!(f, "aclnn operators:")?;
-            for (name, ok) in &self.aclnn_ops {
-                writeln!(f, "  {name}: {}", if *ok { "available" } else { "missing" })?;
+            for (name, from) in &self.aclnn_ops {
+                match from {
+                    Some(path) => writeln!(f, "  {name}: available, from {path}")?,
+                    None => writeln!(f, "  {name}: missing")?,
+                }
             }
         }
         Ok(())

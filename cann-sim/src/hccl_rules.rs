@@ -1,0 +1,307 @@
+//! The argument rules of real HCCL that the simulated HCCL enforces, as
+//! functions over the raw C arguments. Each exported HCCL function calls the
+//! rules that apply to it once, at its entry, before it does anything else,
+//! so a violation is refused with HCCL's code whatever the implementation
+//! behind the export does. Every check names its source next to it.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use crate::arena;
+use crate::ffi::*;
+use crate::status::{fail, SimResult};
+use crate::version::CannVersion;
+
+/// Byte offsets in `HcclCommConfig` (the same in every layout version: each
+/// layout is a prefix of the next, `hccl_types.h` of versions 5, 6 and 10).
+mod offset {
+    pub const SIZE: usize = 0;
+    pub const MAGIC: usize = 8;
+    pub const VERSION: usize = 12;
+    pub const BUFFER_SIZE: usize = 24;
+    pub const DETERMINISTIC: usize = 28;
+    pub const COMM_NAME: usize = 32;
+}
+
+/// `HCCL_COMM_*_CONFIG_NOT_SET` (config version 6 and later).
+const NOT_SET: u32 = 0xffff_ffff;
+/// `HCCL_CCL_COMM_BUFFER_MIN`: the smallest `hcclBufferSize`, in MB.
+const BUFFER_MIN_MB: u32 = 1;
+
+/// `HcclGetCommConfigCapability()` of the emulated release: the
+/// `HCCL_COMM_CONFIG_RESERVED` of its `hccl_types.h` (see [`crate::version`]).
+pub fn capability() -> u32 {
+    CannVersion::current().hccl_capabilities()
+}
+
+/// Reads the `u32` at `off` of a config whose header says it has `size` bytes
+/// (`None` past the end: HCCL copies only `size` bytes, `CommConfig::Load`).
+unsafe fn field(config: *const c_void, size: usize, off: usize) -> Option<u32> {
+    // SAFETY: the caller's struct holds `size` bytes (its header says so).
+    (off + 4 <= size).then(|| unsafe { (config as *const u8).add(off).cast::<u32>().read_unaligned() })
+}
+
+/// The rules for the `config` of `HcclCommInitRootInfoConfig` and
+/// `HcclCreateSubCommConfig`, as the emulated release's HCCL applies them.
+pub unsafe fn comm_config(config: *const c_void) -> SimResult<()> {
+    // HCCL `CommConfig::Load`: `CHK_PTR_NULL(userConfig)`.
+    if config.is_null() {
+        return fail(HCCL_E_PTR, "config is NULL (initialise one with HcclCommConfigInit)");
+    }
+    let v = CannVersion::current();
+    // SAFETY: every HcclCommConfig starts with the 24-byte header
+    // {size_t size; uint32_t magicWord; uint32_t version; uint64_t reserved}.
+    let (size, magic, version) = unsafe {
+        let p = config as *const u8;
+        (
+            p.add(offset::SIZE).cast::<usize>().read_unaligned(),
+            p.add(offset::MAGIC).cast::<u32>().read_unaligned(),
+            p.add(offset::VERSION).cast::<u32>().read_unaligned(),
+        )
+    };
+    // HCCL `CommConfig::CheckMagicWord`: "Please make sure the config has been
+    // initialized by HcclCommConfigInit()" (HCCL_E_PARA); HCCL API reference,
+    // HcclCreateSubCommConfig: "the config must be initialized by calling
+    // HcclCommConfigInit". A header whose size does not even cover the magic
+    // word leaves HCCL comparing bytes it never copied.
+    if size < offset::VERSION + 4 || magic != HCCL_COMM_CONFIG_MAGIC_WORD {
+        return fail(
+            HCCL_E_PARA,
+            format!(
+                "config header size {size}, magic word {magic:#x}: not initialised by HcclCommConfigInit (magic 0xf0f0f0f0)"
+            ),
+        );
+    }
+    // `CommConfig::Load` copies at most sizeof(its own config) bytes; a newer
+    // version's extra fields are ignored (`SetConfigByVersion` warns).
+    let size = size.min(v.comm_config_size());
+    if version == 0 {
+        return fail(HCCL_E_PARA, "config version 0 (HcclCommConfigInit writes HCCL_COMM_CONFIG_VERSION >= 1)");
+    }
+    // SAFETY: `field` reads only inside the `size` bytes the header declares.
+    let (buffer, deterministic) =
+        unsafe { (field(config, size, offset::BUFFER_SIZE), field(config, size, offset::DETERMINISTIC)) };
+    let not_set_ok = v.has_config_not_set();
+    if let Some(b) = buffer {
+        // `CommConfig::SetConfigBufferSize`: below HCCL_CCL_COMM_BUFFER_MIN (1 MB)
+        // is HCCL_E_PARA; version 6 on, 0xffffffff means "use HCCL_BUFFSIZE".
+        if b < BUFFER_MIN_MB {
+            return fail(HCCL_E_PARA, format!("hcclBufferSize {b} MB: should be equal to or greater than 1 (MB)"));
+        }
+        // Before version 6 there is no "not set": HCCL takes 0xffffffff MB
+        // literally and cannot allocate the communication buffer.
+        if b == NOT_SET && !not_set_ok {
+            return fail(
+                HCCL_E_MEMORY,
+                format!(
+                    "hcclBufferSize 0xffffffff MB cannot be allocated: CANN {} has no \"not set\" value \
+                     (its HcclCommConfigInit writes 200)",
+                    v.name()
+                ),
+            );
+        }
+    }
+    if let Some(d) = deterministic {
+        // `CommConfig::SetConfigDeterministic`: "should be 0(disable) or
+        // 1(enable)" (8.1, 8.3), "0(disable), 1(enable) or 2(strict)" (8.5);
+        // 0xffffffff is "not set" from config version 6 on.
+        if !(d == NOT_SET && not_set_ok) && d > v.max_deterministic() {
+            return fail(
+                HCCL_E_PARA,
+                format!(
+                    "hcclDeterministic {d:#x} is invalid on CANN {}: it should be at most {}{}",
+                    v.name(),
+                    v.max_deterministic(),
+                    if not_set_ok { " or 0xffffffff (not set)" } else { " (its HcclCommConfigInit writes 0)" }
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What an `HcclCreateSubCommConfig` call is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubCommCall {
+    /// A member of the new group: create it.
+    Member,
+    /// A rank outside the new group (`rankIds == NULL`, `subCommId ==
+    /// 0xFFFFFFFF`): nothing to create, success.
+    NotMember,
+}
+
+/// Communicators created by `HcclCreateSubCommConfig` (handles are never
+/// reused, so entries never go stale).
+static SUB_COMMS: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
+/// `(global communicator, subCommId)` pairs already used.
+static USED_IDS: Mutex<Option<HashSet<(usize, u64)>>> = Mutex::new(None);
+
+/// `subCommId` a rank outside the new group passes.
+pub const NOT_MEMBER_ID: u64 = 0xFFFF_FFFF;
+
+fn parent_rank_and_size(parent: HcclComm) -> SimResult<(u32, u32)> {
+    let (mut rank, mut size) = (0u32, 0u32);
+    // SAFETY: the exported HcclGetRankId/HcclGetRankSize validate the handle
+    // and write through the valid out-pointers.
+    let rc = unsafe { crate::hccl::HcclGetRankId(parent, &mut rank) };
+    if rc != HCCL_SUCCESS {
+        return fail(rc, format!("comm {parent:p} is not a live HcclComm"));
+    }
+    // SAFETY: as above.
+    let rc = unsafe { crate::hccl::HcclGetRankSize(parent, &mut size) };
+    if rc != HCCL_SUCCESS {
+        return fail(rc, format!("comm {parent:p} is not a live HcclComm"));
+    }
+    Ok((rank, size))
+}
+
+/// The rules of `HcclCreateSubCommConfig` (HCCL API reference, hcclcpp_07_0019,
+/// CANN 8.0 to 8.5 and hcomm's `HcclCreateSubCommConfig.md`).
+pub unsafe fn create_sub_comm(
+    comm: *mut HcclComm,
+    rank_num: u32,
+    rank_ids: *const u32,
+    sub_comm_id: u64,
+    sub_comm_rank_id: u32,
+    config: *const c_void,
+    sub_comm: *mut HcclComm,
+) -> SimResult<SubCommCall> {
+    if comm.is_null() || sub_comm.is_null() {
+        return fail(HCCL_E_PTR, "comm or subComm is NULL");
+    }
+    // SAFETY: `comm` points to the parent handle (C contract).
+    let parent = unsafe { *comm };
+    // "Only splitting from the global communicator is supported; nested
+    // splitting is not."
+    if SUB_COMMS.lock().unwrap_or_else(|e| e.into_inner()).contains(&(parent as usize)) {
+        return fail(
+            HCCL_E_NOT_SUPPORT,
+            format!("comm {parent:p} is a sub-communicator: only the global communicator can be split (no nesting)"),
+        );
+    }
+    // "Ranks that do not need a sub-communicator pass rankIds == nullptr and
+    // subCommId = 0xFFFFFFFF."
+    if rank_ids.is_null() {
+        if sub_comm_id == NOT_MEMBER_ID {
+            parent_rank_and_size(parent)?;
+            return Ok(SubCommCall::NotMember);
+        }
+        return fail(
+            HCCL_E_PTR,
+            format!(
+                "rankIds is NULL with subCommId {sub_comm_id:#x}: only a rank outside the group passes NULL, \
+                 with subCommId 0xFFFFFFFF"
+            ),
+        );
+    }
+    // hcomm's HcclCreateSubCommConfig test "When_RankNumIsZero_Expect_ReturnIsHCCL_E_PARA".
+    if rank_num == 0 {
+        return fail(HCCL_E_PARA, "rankNum is 0");
+    }
+    let (my_rank, size) = parent_rank_and_size(parent)?;
+    // SAFETY: rankIds holds rankNum entries (C contract).
+    let ids = unsafe { std::slice::from_raw_parts(rank_ids, rank_num as usize) };
+    // "rankIds: the ranks' ids in the global communicator. The array should be
+    // ordered; the index of each rank in it becomes its rank in the
+    // sub-communicator."
+    if let Some(w) = ids.windows(2).find(|w| w[0] >= w[1]) {
+        return fail(
+            HCCL_E_PARA,
+            format!("rankIds {ids:?} must be in ascending order without repeats ({} then {})", w[0], w[1]),
+        );
+    }
+    if let Some(&bad) = ids.iter().find(|&&r| r >= size) {
+        return fail(HCCL_E_PARA, format!("rankIds {ids:?}: rank {bad} is outside the global communicator of {size}"));
+    }
+    // "subCommRankId: set it to the index of the current rank in rankIds."
+    let Some(pos) = ids.iter().position(|&r| r == my_rank) else {
+        return fail(
+            HCCL_E_PARA,
+            format!(
+                "rank {my_rank} is not in rankIds {ids:?}: a rank outside the group passes rankIds = NULL and \
+                 subCommId = 0xFFFFFFFF"
+            ),
+        );
+    };
+    if pos as u32 != sub_comm_rank_id {
+        return fail(
+            HCCL_E_PARA,
+            format!("subCommRankId {sub_comm_rank_id}, but rank {my_rank} is at index {pos} of rankIds {ids:?}"),
+        );
+    }
+    // "A subCommId must not be reused within one global communicator" (8.5:
+    // unless the config names the sub-communicator).
+    let named = CannVersion::current() >= CannVersion::V8_5 && unsafe { config_has_name(config) };
+    if !named
+        && USED_IDS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|s| s.contains(&(parent as usize, sub_comm_id)))
+    {
+        return fail(HCCL_E_PARA, format!("subCommId {sub_comm_id:#x} was already used with this global communicator"));
+    }
+    Ok(SubCommCall::Member)
+}
+
+unsafe fn config_has_name(config: *const c_void) -> bool {
+    if config.is_null() {
+        return false;
+    }
+    // SAFETY: the header is checked by `comm_config` before; the name is read
+    // only when the declared size covers it.
+    unsafe {
+        let size = (config as *const usize).read_unaligned();
+        size > offset::COMM_NAME && *(config as *const u8).add(offset::COMM_NAME) != 0
+    }
+}
+
+/// Records a sub-communicator `HcclCreateSubCommConfig` created from `*comm`
+/// with `sub_comm_id`, for the nesting and id-reuse rules.
+pub unsafe fn sub_comm_created(comm: *mut HcclComm, sub_comm_id: u64, sub_comm: *mut HcclComm) {
+    if comm.is_null() || sub_comm.is_null() {
+        return;
+    }
+    // SAFETY: both point to handles (checked non-NULL; C contract).
+    let (parent, sub) = unsafe { (*comm as usize, *sub_comm as usize) };
+    SUB_COMMS.lock().unwrap_or_else(|e| e.into_inner()).push(sub);
+    USED_IDS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashSet::new).insert((parent, sub_comm_id));
+}
+
+/// The operand rules of a collective: every buffer non-NULL whatever its
+/// count, every buffer device memory, and the stream non-NULL.
+///
+/// HCCL's collective entry points (`HcclAllReduceInner`, `HcclAllGather`,
+/// `HcclReduceScatter`, ...) start with `CHK_PTR_NULL(sendBuf)`,
+/// `CHK_PTR_NULL(recvBuf)` and `CHK_PTR_NULL(stream)` (HCCL_E_PTR) before
+/// looking at the count, so a rank with count 0 in a V collective still needs
+/// real buffers. HCCL moves the data with the device's DMA engines, which
+/// cannot reach host memory: a host pointer is refused too.
+pub fn operands(bufs: &[(&str, *const c_void)], stream: AclrtStream) -> SimResult<()> {
+    for &(what, p) in bufs {
+        if p.is_null() {
+            return fail(HCCL_E_PTR, format!("{what} is NULL (HCCL checks every buffer, even with count 0)"));
+        }
+        // One byte: the buffer must at least start inside a live device allocation.
+        if let Err(e) = arena::resolve(p as usize, 1, what) {
+            return fail(HCCL_E_PTR, format!("{what} must be device memory: {}", e.msg));
+        }
+    }
+    if stream.is_null() {
+        return fail(HCCL_E_PTR, "stream is NULL (HCCL collectives need an explicit stream)");
+    }
+    Ok(())
+}
+
+/// `HcclAllGatherV` (HCCL API reference): "The addresses configured for
+/// recvBuf and sendBuf cannot be the same."
+pub fn distinct_buffers(send: *const c_void, recv: *const c_void) -> SimResult<()> {
+    if send == recv {
+        return fail(HCCL_E_PARA, format!("sendBuf and recvBuf are the same address {send:p}"));
+    }
+    Ok(())
+}

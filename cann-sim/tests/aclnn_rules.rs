@@ -1,0 +1,176 @@
+//! Each input contract of the aclnn operators the simulator enforces
+//! (cann-sim/README.md, "Rules"), one test per rule proving the violation is
+//! refused with aclnn's code, called through the ops' C signatures.
+
+mod common;
+
+use common::*;
+
+const NULL: Ptr = std::ptr::null_mut();
+const PARAM_NULLPTR: i32 = 161_001;
+const PARAM_INVALID: i32 = 161_002;
+const TILING_ERROR: i32 = 561_002;
+
+/// A device tensor of `dims` and `dtype` over fresh device memory (freed
+/// with the simulator's leak report in mind: the tests here are short).
+fn dev(dims: &[i64], dtype: i32) -> Ptr {
+    use_device(0);
+    let elems: i64 = dims.iter().product();
+    let size = if dtype == ACL_FLOAT || dtype == ACL_INT32 { 4 } else { 2 };
+    tensor(dims, dtype, malloc((elems.max(1) * size) as usize))
+}
+
+fn idx(values: &[i32]) -> Ptr {
+    use_device(0);
+    tensor(&[values.len() as i64], ACL_INT32, upload(values))
+}
+
+/// Phase one of aclnnMoeFinalizeRoutingV2 (optional tensors may be NULL).
+#[allow(clippy::too_many_arguments)]
+fn finalize(x: Ptr, ri: Ptr, x1: Ptr, x2: Ptr, bias: Ptr, scales: Ptr, expert: Ptr, mode: i64, out: Ptr) -> i32 {
+    let s = use_device(0);
+    let (mut ws, mut ex) = (0u64, NULL);
+    unsafe {
+        (s.aclnnMoeFinalizeRoutingV2GetWorkspaceSize)(x, ri, x1, x2, bias, scales, expert, mode, out, &mut ws, &mut ex)
+    }
+}
+
+/// Phase one and two of aclnnMoeTokenUnpermute, then the stream sync; the
+/// first non-zero code.
+fn unpermute(tokens: Ptr, sorted: Ptr, probs: Ptr, out: Ptr) -> i32 {
+    let s = use_device(0);
+    let (mut ws, mut ex) = (0u64, NULL);
+    let rc = unsafe {
+        (s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(tokens, sorted, probs, false, NULL, out, &mut ws, &mut ex)
+    };
+    if rc != 0 {
+        return rc;
+    }
+    let st = stream();
+    let wsp = malloc(ws.max(1) as usize);
+    let rc = unsafe { (s.aclnnMoeTokenUnpermute)(wsp, ws, ex, st) };
+    let rc = if rc != 0 { rc } else { unsafe { (s.aclrtSynchronizeStream)(st) } };
+    free(wsp);
+    destroy_stream(st);
+    rc
+}
+
+#[test]
+fn finalize_refuses_x2_without_x1() {
+    let (n, h) = (2i64, 4i64);
+    let rc = finalize(
+        dev(&[n, h], ACL_FLOAT),
+        idx(&[0, 1]),
+        NULL,
+        dev(&[n, h], ACL_FLOAT),
+        NULL,
+        NULL,
+        NULL,
+        0,
+        dev(&[n, h], ACL_FLOAT),
+    );
+    assert_eq!(rc, TILING_ERROR, "{}", err_msg());
+    assert!(err_msg().contains("x2 parameter can't be inputted"), "{}", err_msg());
+}
+
+#[test]
+fn finalize_refuses_f16_data_with_f32_scales() {
+    let (n, k, h) = (2i64, 2i64, 4i64);
+    let x = dev(&[n * k, h], ACL_FLOAT16);
+    let rc =
+        finalize(x, idx(&[0, 1, 2, 3]), NULL, NULL, NULL, dev(&[n, k], ACL_FLOAT), NULL, 0, dev(&[n, h], ACL_FLOAT16));
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    // bf16 data with f32 scales is the registered mixed precision.
+    let x = dev(&[n * k, h], ACL_BF16);
+    let rc =
+        finalize(x, idx(&[0, 1, 2, 3]), NULL, NULL, NULL, dev(&[n, k], ACL_FLOAT), NULL, 0, dev(&[n, h], ACL_BF16));
+    assert_eq!(rc, 0, "{}", err_msg());
+}
+
+#[test]
+fn finalize_refuses_fewer_experts_than_k() {
+    let (n, k, h, e) = (2i64, 2i64, 4i64, 1i64);
+    let rc = finalize(
+        dev(&[n * k, h], ACL_FLOAT),
+        idx(&[0, 1, 2, 3]),
+        NULL,
+        NULL,
+        dev(&[e, h], ACL_FLOAT),
+        dev(&[n, k], ACL_FLOAT),
+        tensor(&[n, k], ACL_INT32, upload(&[0i32; 4])),
+        0,
+        dev(&[n, h], ACL_FLOAT),
+    );
+    assert_eq!(rc, TILING_ERROR, "{}", err_msg());
+    assert!(err_msg().contains("less than K"), "{}", err_msg());
+}
+
+#[test]
+fn finalize_refuses_bias_without_expert_idx() {
+    let (n, h) = (2i64, 4i64);
+    let rc = finalize(
+        dev(&[n, h], ACL_FLOAT),
+        idx(&[0, 1]),
+        NULL,
+        NULL,
+        dev(&[2, h], ACL_FLOAT),
+        NULL,
+        NULL,
+        0,
+        dev(&[n, h], ACL_FLOAT),
+    );
+    assert_eq!(rc, PARAM_NULLPTR, "{}", err_msg());
+}
+
+#[test]
+fn finalize_refuses_an_empty_input() {
+    let h = 4i64;
+    let rc = finalize(dev(&[0, h], ACL_FLOAT), idx(&[]), NULL, NULL, NULL, NULL, NULL, 0, dev(&[0, h], ACL_FLOAT));
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+}
+
+#[test]
+fn finalize_fails_an_expanded_row_idx_outside_its_range() {
+    // Mode 0: [0, N*K - 1]; 2 is outside for N*K = 2.
+    let s = use_device(0);
+    let (n, h) = (2i64, 4i64);
+    let (x, out) = (dev(&[n, h], ACL_FLOAT), dev(&[n, h], ACL_FLOAT));
+    let (mut ws, mut ex) = (0u64, NULL);
+    let null = NULL;
+    let ri = idx(&[0, 2]);
+    let rc = unsafe {
+        (s.aclnnMoeFinalizeRoutingV2GetWorkspaceSize)(x, ri, null, null, null, null, null, 0, out, &mut ws, &mut ex)
+    };
+    assert_eq!(rc, 0, "{}", err_msg());
+    let st = stream();
+    let wsp = malloc(ws.max(1) as usize);
+    unsafe { assert_eq!((s.aclnnMoeFinalizeRoutingV2)(wsp, ws, ex, st), 0) };
+    let rc = unsafe { (s.aclrtSynchronizeStream)(st) };
+    assert_ne!(rc, 0);
+    assert!(err_msg().contains("expandedRowIdx[1] = 2 is outside"), "{}", err_msg());
+    free(wsp);
+    destroy_stream(st);
+}
+
+#[test]
+fn unpermute_refuses_repeated_sorted_indices() {
+    let (t, h) = (2i64, 4i64);
+    let rc = unpermute(dev(&[t, h], ACL_FLOAT), idx(&[1, 1]), NULL, dev(&[t, h], ACL_FLOAT));
+    assert_ne!(rc, 0);
+    assert!(err_msg().contains("repeats"), "{}", err_msg());
+}
+
+#[test]
+fn unpermute_refuses_an_index_outside_the_permuted_rows() {
+    let (t, h) = (2i64, 4i64);
+    let rc = unpermute(dev(&[t, h], ACL_FLOAT), idx(&[0, -1]), NULL, dev(&[t, h], ACL_FLOAT));
+    assert_ne!(rc, 0);
+    assert!(err_msg().contains("outside"), "{}", err_msg());
+}
+
+#[test]
+fn unpermute_needs_t_times_k_permuted_rows() {
+    let (t, h) = (2i64, 4i64);
+    let rc = unpermute(dev(&[t + 1, h], ACL_FLOAT), idx(&[0, 1]), NULL, dev(&[t, h], ACL_FLOAT));
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+}

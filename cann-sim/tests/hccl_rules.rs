@@ -1,0 +1,316 @@
+//! Each HCCL rule the simulator enforces (cann-sim/README.md, "Rules"), one
+//! test per rule proving the violation is refused with HCCL's code, called
+//! through HCCL's C signatures. Rules that depend on the emulated CANN release
+//! run in a child process with `CANNSIM_CANN_VERSION` set.
+
+mod common;
+
+use common::*;
+
+const NULL: Ptr = std::ptr::null_mut();
+const E_PARA: i32 = 1;
+const E_PTR: i32 = 2;
+const E_MEMORY: i32 = 3;
+const E_NOT_SUPPORT: i32 = 5;
+const FP32: i32 = 4;
+
+/// An `HcclCommConfig` of layout `version` as that version's
+/// `HcclCommConfigInit` writes it (sizes 300 / 312 / 2240; version 5 writes
+/// a 200 MB buffer and deterministic 0, later versions "not set").
+fn config(version: u32) -> Vec<u8> {
+    let size = match version {
+        5 => 300usize,
+        6 => 312,
+        _ => 2240,
+    };
+    let mut c = vec![0u8; 2240];
+    c[0..8].copy_from_slice(&size.to_le_bytes());
+    c[8..12].copy_from_slice(&0xf0f0_f0f0u32.to_le_bytes());
+    c[12..16].copy_from_slice(&version.to_le_bytes());
+    let (buffer, det) = if version == 5 { (200u32, 0u32) } else { (u32::MAX, u32::MAX) };
+    c[24..28].copy_from_slice(&buffer.to_le_bytes());
+    c[28..32].copy_from_slice(&det.to_le_bytes());
+    c
+}
+
+fn set_u32(c: &mut [u8], off: usize, v: u32) {
+    c[off..off + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// `HcclCommInitRootInfoConfig` of a one-rank world with `cfg` (the comm is
+/// destroyed again on success).
+fn init_one(cfg: *const u8) -> i32 {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let mut comm = NULL;
+    let rc = unsafe { (s.HcclCommInitRootInfoConfig)(1, root.as_ptr(), 0, cfg, &mut comm) };
+    if rc == 0 {
+        unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+    }
+    rc
+}
+
+/// Runs `f(rank, comm)` on `world` rank threads of one fresh global communicator.
+fn with_world<R: Send>(world: u32, f: impl Fn(u32, Ptr) -> R + Sync) -> Vec<R> {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let cfg = config(10);
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let (root, cfg, f) = (&root, &cfg, &f);
+                sc.spawn(move || {
+                    let s = use_device(r as i32);
+                    let mut comm = NULL;
+                    let rc =
+                        unsafe { (s.HcclCommInitRootInfoConfig)(world, root.as_ptr(), r, cfg.as_ptr(), &mut comm) };
+                    assert_eq!(rc, 0, "rank {r}: {}", err_msg());
+                    let out = f(r, comm);
+                    unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+fn split(comm: Ptr, ids: &[u32], id: u64, sub_rank: u32) -> (i32, Ptr) {
+    let s = sim();
+    let (mut parent, mut sub) = (comm, NULL);
+    let mut ids = ids.to_vec();
+    let mut cfg = config(10);
+    let p = if ids.is_empty() { NULL.cast() } else { ids.as_mut_ptr() };
+    let rc = unsafe {
+        (s.HcclCreateSubCommConfig)(&mut parent, ids.len() as u32, p, id, sub_rank, cfg.as_mut_ptr(), &mut sub)
+    };
+    (rc, sub)
+}
+
+fn child_ok(test: &str, version: &str) {
+    let o = run_child(test, "version", &[("CANNSIM_CANN_VERSION", version)]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("1 passed"),
+        "child ({version}) failed:\n{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn capability_and_config_rules_follow_the_emulated_release() {
+    if role().is_none() {
+        for v in ["8.1", "8.3", "8.5"] {
+            child_ok("capability_and_config_rules_follow_the_emulated_release", v);
+        }
+        return;
+    }
+    let s = use_device(0);
+    let version = std::env::var("CANNSIM_CANN_VERSION").expect("set by the parent");
+    let cap = unsafe { (s.HcclGetCommConfigCapability)() };
+    match version.as_str() {
+        "8.1" => {
+            // hccl_types.h of CANN 8.1.RC1: capabilities 0..=3, config version 5.
+            assert_eq!(cap, 4);
+            assert_eq!(init_one(config(5).as_ptr()), 0, "{}", err_msg());
+            // Its HCCL has no "not set": deterministic 0xffffffff is > 1.
+            let mut c = config(10);
+            set_u32(&mut c, 24, 200);
+            assert_eq!(init_one(c.as_ptr()), E_PARA, "deterministic 0xffffffff");
+            // ... and a 0xffffffff MB buffer cannot be allocated.
+            let mut c = config(10);
+            set_u32(&mut c, 28, 0);
+            assert_eq!(init_one(c.as_ptr()), E_MEMORY, "buffer 0xffffffff MB");
+        }
+        "8.3" => {
+            assert_eq!(cap, 7);
+            assert_eq!(init_one(config(6).as_ptr()), 0, "{}", err_msg());
+            let mut c = config(6);
+            set_u32(&mut c, 28, 2);
+            assert_eq!(init_one(c.as_ptr()), E_PARA, "deterministic 2 before strict mode existed");
+        }
+        _ => {
+            assert_eq!(cap, 12);
+            assert_eq!(init_one(config(10).as_ptr()), 0, "{}", err_msg());
+            let mut c = config(10);
+            set_u32(&mut c, 28, 2);
+            assert_eq!(init_one(c.as_ptr()), 0, "strict deterministic: {}", err_msg());
+            set_u32(&mut c, 28, 3);
+            assert_eq!(init_one(c.as_ptr()), E_PARA, "deterministic 3");
+        }
+    }
+}
+
+#[test]
+fn a_config_not_initialised_by_hccl_comm_config_init_is_refused() {
+    let mut c = config(10);
+    c[8..12].copy_from_slice(&0u32.to_le_bytes());
+    assert_eq!(init_one(c.as_ptr()), E_PARA);
+    assert!(err_msg().contains("magic"), "{}", err_msg());
+}
+
+#[test]
+fn a_null_config_is_refused() {
+    assert_eq!(init_one(std::ptr::null()), E_PTR);
+}
+
+#[test]
+fn a_buffer_below_one_megabyte_is_refused() {
+    let mut c = config(10);
+    set_u32(&mut c, 24, 0);
+    assert_eq!(init_one(c.as_ptr()), E_PARA);
+    assert!(err_msg().contains("hcclBufferSize"), "{}", err_msg());
+}
+
+#[test]
+fn sub_comm_rank_ids_must_be_ascending() {
+    let rcs = with_world(2, |r, comm| {
+        // Rank 1 first: rank r is at index 1 - r.
+        let (rc, _) = split(comm, &[1, 0], 7, 1 - r);
+        (rc, err_msg())
+    });
+    for (rc, msg) in rcs {
+        assert_eq!(rc, E_PARA, "{msg}");
+        assert!(msg.contains("ascending"), "{msg}");
+    }
+}
+
+#[test]
+fn sub_comm_rank_id_must_be_the_index_in_rank_ids() {
+    let rcs = with_world(2, |r, comm| split(comm, &[0, 1], 7, 1 - r).0);
+    assert_eq!(rcs, vec![E_PARA, E_PARA]);
+}
+
+#[test]
+fn a_sub_communicator_cannot_be_split_again() {
+    let rcs = with_world(2, |r, comm| {
+        let (rc, sub) = split(comm, &[0, 1], 7, r);
+        assert_eq!(rc, 0, "{}", err_msg());
+        let (nested, _) = split(sub, &[0, 1], 8, r);
+        let msg = err_msg();
+        unsafe { assert_eq!((sim().HcclCommDestroy)(sub), 0) };
+        (nested, msg)
+    });
+    for (rc, msg) in rcs {
+        assert_eq!(rc, E_NOT_SUPPORT, "{msg}");
+        assert!(msg.contains("nesting"), "{msg}");
+    }
+}
+
+#[test]
+fn a_sub_comm_id_is_used_once_per_global_communicator() {
+    let rcs = with_world(2, |r, comm| {
+        let (rc, sub) = split(comm, &[0, 1], 9, r);
+        assert_eq!(rc, 0, "{}", err_msg());
+        unsafe { assert_eq!((sim().HcclCommDestroy)(sub), 0) };
+        split(comm, &[0, 1], 9, r).0
+    });
+    assert_eq!(rcs, vec![E_PARA, E_PARA]);
+}
+
+#[test]
+fn ranks_outside_the_group_pass_null_rank_ids_and_the_reserved_id() {
+    let rcs = with_world(2, |r, comm| {
+        if r == 0 {
+            let (rc, sub) = split(comm, &[0], 11, 0);
+            assert_eq!(rc, 0, "{}", err_msg());
+            unsafe { assert_eq!((sim().HcclCommDestroy)(sub), 0) };
+            (0, 0)
+        } else {
+            // NULL rankIds with the reserved id: a non-member, success.
+            let ok = split(comm, &[], 0xFFFF_FFFF, 0).0;
+            // NULL rankIds with any other id is refused.
+            let bad = split(comm, &[], 11, 0).0;
+            (ok, bad)
+        }
+    });
+    assert_eq!(rcs[1], (0, E_PTR));
+}
+
+#[test]
+fn collective_buffers_must_not_be_null_even_with_count_zero() {
+    let rcs = with_world(2, |r, comm| {
+        let s = sim();
+        let st = stream();
+        // Rank 0 sends nothing, but its send buffer must still be a real address.
+        let counts = [0u64, 2];
+        let displs = [0u64, 0];
+        let recv = malloc(64);
+        let send = if r == 0 { NULL } else { malloc(64) };
+        let rc = unsafe {
+            (s.HcclAllGatherV)(
+                send,
+                counts[r as usize],
+                recv,
+                counts.as_ptr().cast(),
+                displs.as_ptr().cast(),
+                FP32,
+                comm,
+                st,
+            )
+        };
+        free(recv);
+        if !send.is_null() {
+            free(send);
+        }
+        destroy_stream(st);
+        rc
+    });
+    assert_eq!(rcs[0], E_PTR);
+}
+
+#[test]
+fn host_memory_is_refused_as_a_collective_buffer() {
+    let rcs = with_world(1, |_, comm| {
+        let st = stream();
+        let mut host = [0f32; 4];
+        let dev = malloc(64);
+        let rc = unsafe { (sim().HcclAllReduce)(host.as_mut_ptr().cast(), dev, 4, FP32, 0, comm, st) };
+        let msg = err_msg();
+        free(dev);
+        destroy_stream(st);
+        (rc, msg)
+    });
+    assert_eq!(rcs[0].0, E_PTR, "{}", rcs[0].1);
+    assert!(rcs[0].1.contains("device memory"), "{}", rcs[0].1);
+}
+
+#[test]
+fn a_null_stream_is_refused_by_collectives() {
+    let rcs = with_world(1, |_, comm| {
+        let dev = malloc(64);
+        let rc = unsafe { (sim().HcclAllReduce)(dev, dev, 4, FP32, 0, comm, NULL) };
+        free(dev);
+        rc
+    });
+    assert_eq!(rcs[0], E_PTR);
+}
+
+#[test]
+fn all_gather_v_needs_distinct_send_and_receive_buffers() {
+    let rcs = with_world(1, |_, comm| {
+        let st = stream();
+        let dev = malloc(64);
+        let (counts, displs) = ([4u64], [0u64]);
+        let rc = unsafe {
+            (sim().HcclAllGatherV)(dev, 4, dev, counts.as_ptr().cast(), displs.as_ptr().cast(), FP32, comm, st)
+        };
+        free(dev);
+        destroy_stream(st);
+        rc
+    });
+    assert_eq!(rcs[0], E_PARA);
+}
+
+#[test]
+fn a_sub_communicator_needs_at_least_one_rank() {
+    let rcs = with_world(1, |_, comm| {
+        let (mut parent, mut sub) = (comm, NULL);
+        let mut ids = [0u32];
+        let mut cfg = config(10);
+        unsafe { (sim().HcclCreateSubCommConfig)(&mut parent, 0, ids.as_mut_ptr(), 5, 0, cfg.as_mut_ptr(), &mut sub) }
+    });
+    assert_eq!(rcs, vec![E_PARA]);
+}
