@@ -47,6 +47,9 @@ from .ops import (
     moe_finalize_routing,
     moe_token_unpermute,
     routed_is_reduced,
+    shared_gather_unpad,
+    shared_pad_reduce_scatter,
+    shared_pad_split,
 )
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 
@@ -79,6 +82,9 @@ __all__ = [
     "reduce_scatter",
     "routed_is_reduced",
     "shapes",
+    "shared_gather_unpad",
+    "shared_pad_reduce_scatter",
+    "shared_pad_split",
     "token_finalize",
     "token_prepare",
     "version",

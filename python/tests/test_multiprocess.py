@@ -47,3 +47,14 @@ def test_killed_peer_fails_the_survivors_within_the_timeout():
 def test_token_prepare_finalize_round_trip_across_4_processes():
     results, _ = run_world(workers.prepare_finalize, WORLD)
     assert results == {r: 8 for r in range(WORLD)}
+
+
+def test_shared_expert_helpers_across_4_processes():
+    results, _ = run_world(workers.shared_helpers, WORLD)
+    assert results == {r: 16 for r in range(WORLD)}
+
+
+def test_pcp_and_num_actual_tokens_across_4_processes():
+    results, _ = run_world(workers.pcp_actual, WORLD)
+    assert results == {r: 2 for r in range(WORLD)}
+

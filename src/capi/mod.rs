@@ -30,10 +30,12 @@ pub(crate) mod ffi;
 mod comm;
 mod ops;
 mod prepare;
+mod shared;
 
 pub use comm::*;
 pub use ops::*;
 pub use prepare::*;
+pub use shared::*;
 
 use std::ffi::{c_char, c_void};
 
