@@ -85,6 +85,16 @@ enum amoe_dtype
   AMOE_DTYPE_I32 = 3,
   // int64.
   AMOE_DTYPE_I64 = 4,
+  // int8 (quantized hidden states; moved, never reduced).
+  AMOE_DTYPE_I8 = 5,
+  // uint8 (also packed fp4, two e2m1 values per byte; moved, never reduced).
+  AMOE_DTYPE_U8 = 6,
+  // bool, one byte (masks; moved, never reduced).
+  AMOE_DTYPE_BOOL = 7,
+  // float8 e4m3fn (moved, never reduced).
+  AMOE_DTYPE_F8E4M3 = 8,
+  // float8 e5m2 (moved, never reduced).
+  AMOE_DTYPE_F8E5M2 = 9,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L

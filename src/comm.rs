@@ -165,6 +165,21 @@ pub enum Comm {
     Npu(HcclComm),
 }
 
+/// Refuses a reduction (`op` names it) of a dtype that is only moved: the
+/// one-byte dtypes (i8, u8, bool, f8e4m3, f8e5m2) are exact byte moves in
+/// all_gather(_v), all_to_all_v and broadcast, never summed (SPEC section 8).
+pub(crate) fn check_reducible(op: &'static str, arg: &'static str, dtype: crate::DType) -> Result<()> {
+    if dtype.is_reducible() {
+        return Ok(());
+    }
+    Err(Error::dtype(
+        op,
+        arg,
+        format!("a reducible dtype (f32, f16, bf16, i32, i64); {dtype} is moved as bytes, never reduced"),
+        dtype,
+    ))
+}
+
 macro_rules! dispatch {
     ($self:ident, $c:ident => $e:expr) => {
         match $self {
@@ -197,18 +212,22 @@ impl Collectives for Comm {
         dispatch!(self, c => c.split(ranks))
     }
     fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        check_reducible("all_reduce", "src", src.dtype())?;
         dispatch!(self, c => c.all_reduce(src, dst, op))
     }
     fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
+        check_reducible("all_reduce", "buf", buf.dtype())?;
         dispatch!(self, c => c.all_reduce_in_place(buf, op))
     }
     fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        check_reducible("reduce_scatter", "src", src.dtype())?;
         dispatch!(self, c => c.reduce_scatter(src, dst, op))
     }
     fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         dispatch!(self, c => c.all_gather(src, dst))
     }
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+        check_reducible("reduce_scatter_v", "src", src.dtype())?;
         dispatch!(self, c => c.reduce_scatter_v(src, dst, counts, op))
     }
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {

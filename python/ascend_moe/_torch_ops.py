@@ -28,21 +28,33 @@ from .ops import ReducePolicy
 Tensor = torch.Tensor
 
 
+def _ml_dtypes():
+    """torch dtypes numpy lacks -> (same-size integer torch dtype, ml_dtypes numpy dtype)."""
+    import ml_dtypes
+
+    return {
+        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+        torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+    }
+
+
 def _np(t: Optional[Tensor]):
     if t is None:
         return None
     t = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    pair = _ml_dtypes().get(t.dtype)
+    if pair is not None:
+        return t.view(pair[0]).numpy().view(pair[1])
     return t.numpy()
 
 
 def _torch(a: np.ndarray, dtype: torch.dtype) -> Tensor:
     # Every numpy op returns a fresh array, so the tensor may share its memory.
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    pair = _ml_dtypes().get(dtype)
+    if pair is not None:
+        bits = np.int16 if pair[0] == torch.int16 else np.uint8
+        return torch.from_numpy(np.ascontiguousarray(a).view(bits)).view(dtype)
     return torch.from_numpy(np.ascontiguousarray(a))
 
 

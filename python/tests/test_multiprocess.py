@@ -58,3 +58,7 @@ def test_pcp_and_num_actual_tokens_across_4_processes():
     results, _ = run_world(workers.pcp_actual, WORLD)
     assert results == {r: 2 for r in range(WORLD)}
 
+
+def test_quantized_dtypes_move_as_bytes_across_4_processes():
+    results, _ = run_world(workers.byte_moves, WORLD)
+    assert results == {r: 21 for r in range(WORLD)}

@@ -246,3 +246,19 @@ def test_ascend_moe_torch_0_keeps_torch_out_of_the_process():
     env = dict(os.environ, ASCEND_MOE_TORCH="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split(maxsplit=2)[:2] == ["False", "False"] and "ASCEND_MOE_TORCH=0" in out, out
+
+
+def test_quantized_torch_dtypes_move_as_bytes():
+    """torch.int8 / uint8 / bool / float8_e4m3fn / float8_e5m2 through the
+    torch gather ops (exact bytes, fake shapes agree); a reduction refuses them."""
+    with am.Comm.cpu(f"torch-bytes-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        hid = c.handle_id
+        base = torch.arange(24, dtype=torch.uint8).reshape(8, 3) * 11
+        for dt in (torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2):
+            x = (base % 2).to(torch.bool) if dt == torch.bool else base.view(dt)
+            for op, args in ((OPS.all_gather, (hid,)), (OPS.maybe_all_gather_and_maybe_unpad, (hid, [8]))):
+                got = op(x, *args)
+                assert got.dtype == dt and tuple(got.shape) == torch_workers._fake_shape(op, x, *args)
+                assert torch.equal(got.view(torch.uint8), x.view(torch.uint8)), (dt, op)
+            with pytest.raises(am.AmoeError, match="never reduced"):
+                OPS.all_reduce(x, hid)

@@ -408,3 +408,41 @@ def pcp_actual(name, world_size, rank):
         world.barrier()
     return 2
 
+
+def byte_moves(name, world_size, rank):
+    """SPEC section 8: int8, uint8 (packed fp4), bool and fp8 arrays, and 1-D
+    f32 per-token scales, through all_gather, broadcast and the SP gather as
+    exact bytes; a reduction of them is refused on every rank."""
+    layout = am.SpLayout([3, 0, 2, 4][:world_size])
+    rows = layout.local_sizes[rank]
+    dtypes = [np.int8, np.uint8, np.bool_, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+    def raw(r, n):
+        return ((np.arange(n) * 13 + r * 77 + 5) % 256).astype(np.uint8)
+
+    checks = 0
+    with am.Comm.cpu(name, world_size, rank, timeout_s=30.0) as c:
+        for dt in dtypes:
+            if dt is np.bool_:
+                cast = lambda b: (b % 2).astype(np.bool_)  # noqa: E731 - numpy bools are 0 / 1
+            else:
+                cast = lambda b, dt=dt: b.view(dt)  # noqa: E731
+            x = cast(raw(rank, 12).reshape(4, 3))
+            got = am.all_gather(x, c)
+            want = np.concatenate([cast(raw(q, 12).reshape(4, 3)) for q in range(world_size)])
+            assert got.dtype == np.dtype(dt) and got.tobytes() == want.tobytes(), dt
+            got = am.broadcast(x, c, root=world_size - 1)
+            assert got.tobytes() == cast(raw(world_size - 1, 12).reshape(4, 3)).tobytes(), dt
+            shard = cast(raw(rank, rows * 6).reshape(rows, 6))
+            got = am.maybe_all_gather_and_maybe_unpad(shard, layout, c)
+            want = np.concatenate([cast(raw(q, layout.local_sizes[q] * 6).reshape(-1, 6)) for q in range(world_size)])
+            assert got.tobytes() == want.tobytes(), dt
+            seen = _expect_error(am.all_reduce, x, c)
+            assert seen[0] == "DTYPE" and "never reduced" in seen[2], seen
+            checks += 4
+        scales = (np.arange(rows, dtype=np.float32) + 10 * rank) / 8
+        got = am.maybe_all_gather_and_maybe_unpad(scales, layout, c)
+        want = np.concatenate([(np.arange(n, dtype=np.float32) + 10 * q) / 8 for q, n in enumerate(layout.local_sizes)])
+        np.testing.assert_array_equal(got, want)
+        c.barrier()
+    return checks + 1

@@ -725,6 +725,7 @@ impl CpuComm {
         dst: *mut u8,
         n: usize,
     ) -> Result<()> {
+        let local = local.and_then(|_| crate::comm::check_reducible("all_reduce", "src", dtype));
         let seg = &self.inner.seg;
         let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
         let chunk = seg.staging / esz;
@@ -791,6 +792,7 @@ impl CpuComm {
         dst: *mut u8,
         counts: &[usize],
     ) -> Result<()> {
+        let local = local.and_then(|_| crate::comm::check_reducible("reduce_scatter", "src", dtype));
         let (region, esz) = (self.region_bytes(), dtype.size());
         let relems = region / esz;
         let displs = prefix(counts);

@@ -13,7 +13,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::{with_dtype, DType, Element, ReduceOp};
+use crate::{with_reducible_dtype, DType, Element, ReduceOp};
 
 /// Elements per block.
 pub(crate) const BLK: usize = 1024;
@@ -209,7 +209,8 @@ pub(crate) unsafe fn reduce(dtype: DType, op: ReduceOp, inputs: &[*const u8], ou
         return;
     }
     // SAFETY: forwarded from the caller.
-    with_dtype!(dtype, T => unsafe { reduce_typed::<T>(op, inputs, out, len) })
+    // The one-byte dtypes never get here: `Comm` refuses to reduce them.
+    with_reducible_dtype!(dtype, T => unsafe { reduce_typed::<T>(op, inputs, out, len) }, else ())
 }
 
 #[cfg(test)]
@@ -275,7 +276,7 @@ mod tests {
                 // SAFETY: every buffer holds n * 8 >= n * dtype.size() bytes, 8-byte aligned.
                 unsafe {
                     reduce(dtype, op, &ap, a.as_mut_ptr() as *mut u8, n);
-                    with_dtype!(dtype, T => reduce_body::<T>(op, &ap, b.as_mut_ptr() as *mut u8, n));
+                    with_reducible_dtype!(dtype, T => reduce_body::<T>(op, &ap, b.as_mut_ptr() as *mut u8, n), else ());
                 }
                 let nbytes = n * dtype.size();
                 let (a, b): (&[u8], &[u8]) = (bytemuck::cast_slice(&a), bytemuck::cast_slice(&b));
