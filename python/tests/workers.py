@@ -409,6 +409,18 @@ def pcp_actual(name, world_size, rank):
     return 2
 
 
+def comm_type_disagreement(name, world_size, rank):
+    """DP 2 x TP 2 where DP 0 picks ALLGATHER and DP 1 MC2 (vLLM-Ascend
+    #12195): every rank's token_prepare must raise, naming the choices."""
+    tp = 2
+    d, t = rank // tp, rank % tp
+    with am.Comm.cpu(name, world_size, rank, timeout_s=SHORT_TIMEOUT_S) as world, am.MoeGroups(world, tp) as groups:
+        ctx = am.MoeContext([6, 3], tp, d, t, False)
+        x = np.ones(([6, 3][d], 4), np.float32)
+        ct = am.CommType.ALLGATHER if d == 0 else am.CommType.MC2
+        return _expect_error(am.token_prepare, x, ct, ctx, groups)
+
+
 def byte_moves(name, world_size, rank):
     """SPEC section 8: int8, uint8 (packed fp4), bool and fp8 arrays, and 1-D
     f32 per-token scales, through all_gather, broadcast and the SP gather as

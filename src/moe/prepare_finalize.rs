@@ -370,10 +370,80 @@ fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) -> Result<()>
     Ok(())
 }
 
+/// Whether [`prepare`] checks that every EP rank chose the same comm type:
+/// always on the CPU communicator; on the NPU only with
+/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (the check is an extra collective and a
+/// device-to-host read per layer there). `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it
+/// off everywhere.
+fn comm_type_check_enabled(ep: &Comm) -> bool {
+    match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
+        Some("0") => false,
+        Some("1") => true,
+        _ => ep.as_cpu().is_some(),
+    }
+}
+
+/// Checks that every rank of `ep` chose `comm` for this forward (SPEC section
+/// 5: all EP ranks of a forward agree on the comm type). One all-gather of one
+/// i32 per rank; on disagreement every rank fails with the same error naming
+/// which ranks chose which type (e.g. DP 0 ALLGATHER, DP 1 MC2), instead of
+/// the collectives of the two paths failing with an unrelated mismatch on some
+/// ranks and succeeding on others.
+pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
+    let world = ep.world_size();
+    if world <= 1 {
+        return Ok(());
+    }
+    let device = ep.device();
+    let mine = Tensor::from_slice(&[comm as i32], &[1])?.to_device(&device)?;
+    let mut all = Tensor::zeros(&[world], DType::I32, &device)?;
+    ep.all_gather(&mine, &mut all)?;
+    let chosen = all.to_vec::<i32>()?;
+    if chosen.iter().all(|&c| c == comm as i32) {
+        return Ok(());
+    }
+    let mut by_type: Vec<(i32, Vec<usize>)> = Vec::new();
+    for (rank, &c) in chosen.iter().enumerate() {
+        match by_type.iter_mut().find(|(t, _)| *t == c) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => by_type.push((c, vec![rank])),
+        }
+    }
+    let parts: Vec<String> = by_type
+        .iter()
+        .map(|(c, ranks)| {
+            let name =
+                CommType::from_u32(*c as u32).map_or_else(|_| format!("unknown type {c}"), |t| t.name().to_string());
+            let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+            format!("{} {} chose {name}", if ranks.len() == 1 { "rank" } else { "ranks" }, list.join(", "))
+        })
+        .collect();
+    Err(Error::invalid(
+        PREPARE,
+        "comm_type",
+        format!(
+            "the EP ranks of group {:?} disagree on the MoE comm type of this forward: {} (this is rank {})",
+            ep.name(),
+            parts.join("; "),
+            ep.rank()
+        ),
+    ))
+}
+
 /// Prepare for `comm` (SPEC section 6): the tokens this rank routes.
+///
+/// The comm type of a forward enters here, at its first collective: when the
+/// check is on (see [`check_comm_type_agreement`]; always on the CPU
+/// communicator, where it costs one 4-byte all-gather next to the token
+/// gathers), every EP rank first learns every other rank's choice, so ranks
+/// that disagree all fail with an error naming the choices instead of
+/// running the collectives of two different paths.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
     let shape = prepare_output_shape(x.shape(), comm, ctx)?;
     check_groups(PREPARE, ctx, groups)?;
+    if comm_type_check_enabled(&groups.ep) {
+        check_comm_type_agreement(comm, &groups.ep)?;
+    }
     let device = x.device();
     let backend = device.backend();
     let hidden = match token_plan(comm, ctx) {
