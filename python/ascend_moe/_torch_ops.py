@@ -181,4 +181,43 @@ def register() -> bool:
     for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
         reduction_point(name)
 
+    # ------------------------------------ ops reading the forward context
+    # They take only tensors and a layer id (`MoeLayer.layer_id`): the real
+    # implementation reads the live `ascend_moe.forward_context` when it runs,
+    # the fake reads it at trace time, for shapes only. Output shapes depend on
+    # input shapes alone, so nothing of the context is frozen into a graph.
+
+    from .forward import MoeLayer, get_forward_context
+
+    @custom_op("ascend_moe::moe_layer_fc", mutates_args=())
+    def moe_layer_fc(x: Tensor, layer: int) -> Tensor:
+        return _torch(MoeLayer.lookup(layer).forward(_np(x)), x.dtype)
+
+    @moe_layer_fc.register_fake
+    def _(x, layer):
+        from .prepare import token_finalize_shape, token_prepare_shape
+
+        ctx = get_forward_context()
+        mctx = MoeLayer.lookup(layer).context(ctx)
+        prepared = token_prepare_shape(x, ctx.comm_type, mctx)
+        return x.new_empty(token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx))
+
+    def reduction_point_fc(name: str):
+        method = getattr(ReducePolicy, name)
+        shape_fn = getattr(shapes, name)
+
+        @custom_op(f"ascend_moe::{name}_fc", mutates_args=())
+        def point(x: Tensor, layer: int) -> Tensor:
+            ctx = get_forward_context()
+            lay = MoeLayer.lookup(layer)
+            return _torch(method(lay.checked_policy(ctx), _np(x), ctx.comm_type, lay.tp_comm), x.dtype)
+
+        @point.register_fake
+        def _(x, layer):
+            MoeLayer.lookup(layer).checked_policy(get_forward_context())
+            return x.new_empty(shape_fn(x))
+
+    for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
+        reduction_point_fc(name)
+
     return True
