@@ -13,6 +13,8 @@
 // Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 #define AMOE_MAX_EP_RANKS (1 << 20)
 
+
+
 // Status code of every export. Numbers are fixed forever: a retired code is
 // never reused for something else.
 enum amoe_status
@@ -83,6 +85,16 @@ enum amoe_dtype
   AMOE_DTYPE_I32 = 3,
   // int64.
   AMOE_DTYPE_I64 = 4,
+  // int8 (quantized hidden states; moved, never reduced).
+  AMOE_DTYPE_I8 = 5,
+  // uint8 (also packed fp4, two e2m1 values per byte; moved, never reduced).
+  AMOE_DTYPE_U8 = 6,
+  // bool, one byte (masks; moved, never reduced).
+  AMOE_DTYPE_BOOL = 7,
+  // float8 e4m3fn (moved, never reduced).
+  AMOE_DTYPE_F8E4M3 = 8,
+  // float8 e5m2 (moved, never reduced).
+  AMOE_DTYPE_F8E5M2 = 9,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -312,6 +324,22 @@ typedef struct amoe_moe_context {
   // Non-zero when MoE sequence parallelism is on.
   uint8_t sp;
 } amoe_moe_context;
+
+// `amoe_moe_context` plus the per-forward values of SPEC sections 2 and 6:
+// the actual-token count of this DP rank (rows past it are graph padding; the
+// MC2 mask marks only the first `num_actual_tokens`) and prefill context
+// parallelism (EP rank order DP x PCP x TP). Read only, like `amoe_moe_context`.
+typedef struct amoe_moe_context_ex {
+  // DP tokens, TP size, this rank's DP / TP rank and SP, as in `amoe_moe_context`.
+  struct amoe_moe_context base;
+  // Real tokens of this DP rank, at most its `dp_tokens` entry;
+  // `AMOE_ALL_TOKENS` = all of them.
+  size_t num_actual_tokens;
+  // PCP size (0 or 1 = no prefill context parallelism).
+  size_t pcp_size;
+  // This rank's PCP rank (< `pcp_size`; 0 without PCP).
+  size_t pcp_rank;
+} amoe_moe_context_ex;
 
 #ifdef __cplusplus
 extern "C" {
@@ -754,6 +782,19 @@ amoe_status amoe_reduce_final(const struct amoe_reduce_policy *policy,
                               const struct amoe_tensor *out,
                               const struct amoe_stream *stream);
 
+// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * pcp_size + pcp) *
+// tp_size + tp`) into this rank's TP, DP and PCP groups, for contexts with
+// `pcp_size > 1`; `pcp_size` 1 is `amoe_moe_groups_new`. Collective. An error
+// names the three sizes when the world is not DP x PCP x TP. `*out` receives a
+// new handle owned by the caller.
+//
+// # Safety
+// `world` live; `out` writable.
+amoe_status amoe_moe_groups_new_pcp(const struct amoe_comm *world,
+                                    size_t pcp_size,
+                                    size_t tp_size,
+                                    struct amoe_moe_groups **out);
+
 // Splits `world` (EP = DP x TP ranks, EP rank `dp * tp_size + tp`) into this
 // rank's TP and DP groups. Collective: every rank of `world` calls it.
 // `*out` receives a new handle owned by the caller; `world` stays the caller's.
@@ -782,6 +823,17 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
                                             size_t cap,
                                             size_t *out_ndim);
 
+// `amoe_token_prepare_output_shape` with an extended context (actual tokens, PCP).
+//
+// # Safety
+// As `amoe_token_prepare_output_shape`.
+amoe_status amoe_token_prepare_ex_output_shape(const struct amoe_tensor *x,
+                                               uint32_t comm_type,
+                                               const struct amoe_moe_context_ex *ctx,
+                                               size_t *out_shape,
+                                               size_t cap,
+                                               size_t *out_ndim);
+
 // Prepares this rank's tokens for the experts under the live `comm_type`
 // (pad, DP all-gather or TP split; SPEC section 6). Collective over the
 // groups. `out` has the shape from `amoe_token_prepare_output_shape`.
@@ -803,6 +855,23 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
                                size_t *mask_len,
                                const struct amoe_stream *stream);
 
+// `amoe_token_prepare` with an extended context: the MC2 mask marks the first
+// `num_actual_tokens` rows of this DP rank, and with `pcp_size > 1` (groups
+// from `amoe_moe_groups_new_pcp`) ALLGATHER without SP gathers over DP then
+// PCP.
+//
+// # Safety
+// As `amoe_token_prepare`.
+amoe_status amoe_token_prepare_ex(const struct amoe_tensor *x,
+                                  uint32_t comm_type,
+                                  const struct amoe_moe_context_ex *ctx,
+                                  const struct amoe_moe_groups *groups,
+                                  const struct amoe_tensor *out,
+                                  uint8_t *mc2_mask,
+                                  size_t mask_cap,
+                                  size_t *mask_len,
+                                  const struct amoe_stream *stream);
+
 // Output shape of `amoe_token_finalize` for the experts' output `y` (the
 // prepared rows): `[this rank's tokens, H...]`.
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
@@ -815,6 +884,17 @@ amoe_status amoe_token_finalize_output_shape(const struct amoe_tensor *y,
                                              size_t *out_shape,
                                              size_t cap,
                                              size_t *out_ndim);
+
+// `amoe_token_finalize_output_shape` with an extended context.
+//
+// # Safety
+// As `amoe_token_prepare_output_shape`.
+amoe_status amoe_token_finalize_ex_output_shape(const struct amoe_tensor *y,
+                                                uint32_t comm_type,
+                                                const struct amoe_moe_context_ex *ctx,
+                                                size_t *out_shape,
+                                                size_t cap,
+                                                size_t *out_ndim);
 
 // Returns the experts' output `y` to this rank's token layout under the
 // live `comm_type` (DP reduce-scatter, TP all-gather, unpad; SPEC section
@@ -829,6 +909,89 @@ amoe_status amoe_token_finalize(const struct amoe_tensor *y,
                                 const struct amoe_moe_groups *groups,
                                 const struct amoe_tensor *out,
                                 const struct amoe_stream *stream);
+
+// `amoe_token_finalize` with an extended context: with `pcp_size > 1`,
+// ALLGATHER without SP is a PCP reduce-scatter then a DP reduce-scatter.
+//
+// # Safety
+// As `amoe_token_prepare`.
+amoe_status amoe_token_finalize_ex(const struct amoe_tensor *y,
+                                   uint32_t comm_type,
+                                   const struct amoe_moe_context_ex *ctx,
+                                   const struct amoe_moe_groups *groups,
+                                   const struct amoe_tensor *out,
+                                   const struct amoe_stream *stream);
+
+// Output shape of `amoe_shared_pad_split` on TP rank `tp_rank` of `tp_size`:
+// `x [T, H...]` -> `[ceil(T / tp_size), H...]`. Out-pointers as
+// `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// `x` valid; out-pointers writable.
+amoe_status amoe_shared_pad_split_output_shape(const struct amoe_tensor *x,
+                                               size_t tp_rank,
+                                               size_t tp_size,
+                                               size_t *out_shape,
+                                               size_t cap,
+                                               size_t *out_ndim);
+
+// DP-only shared-expert prepare: zero-pad the DP batch `x [T, H...]` to a
+// multiple of the TP size and write this TP rank's equal part. Local (no
+// communication); `tp_comm` gives the rank and size. Ownership as
+// `amoe_moe_finalize_routing`.
+//
+// # Safety
+// `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
+amoe_status amoe_shared_pad_split(const struct amoe_tensor *x,
+                                  const struct amoe_comm *tp_comm,
+                                  const struct amoe_tensor *out,
+                                  const struct amoe_stream *stream);
+
+// Output shape of `amoe_shared_gather_unpad`: `x` must have
+// `ceil(num_tokens / tp_size)` rows; the output has `num_tokens`.
+//
+// # Safety
+// `x` valid; out-pointers writable.
+amoe_status amoe_shared_gather_unpad_output_shape(const struct amoe_tensor *x,
+                                                  size_t num_tokens,
+                                                  size_t tp_size,
+                                                  size_t *out_shape,
+                                                  size_t cap,
+                                                  size_t *out_ndim);
+
+// DP-only shared-expert finalize and SP-only prepare: TP all-gather every
+// rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
+// Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// As `amoe_shared_pad_split`.
+amoe_status amoe_shared_gather_unpad(const struct amoe_tensor *x,
+                                     size_t num_tokens,
+                                     const struct amoe_comm *tp_comm,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
+// Output shape of `amoe_shared_pad_reduce_scatter`: `x [T, H...]` ->
+// `[ceil(T / tp_size), H...]`.
+//
+// # Safety
+// `x` valid; out-pointers writable.
+amoe_status amoe_shared_pad_reduce_scatter_output_shape(const struct amoe_tensor *x,
+                                                        size_t tp_size,
+                                                        size_t *out_shape,
+                                                        size_t cap,
+                                                        size_t *out_ndim);
+
+// SP-only shared-expert finalize: zero-pad the TP-partial `x [T, H...]` to a
+// multiple of the TP size and reduce-scatter (sum) over `tp_comm`: this rank's
+// complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// As `amoe_shared_pad_split`.
+amoe_status amoe_shared_pad_reduce_scatter(const struct amoe_tensor *x,
+                                           const struct amoe_comm *tp_comm,
+                                           const struct amoe_tensor *out,
+                                           const struct amoe_stream *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

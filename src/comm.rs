@@ -159,6 +159,21 @@ pub enum Comm {
     Npu(HcclComm),
 }
 
+/// Refuses a reduction (`op` names it) of a dtype that is only moved: the
+/// one-byte dtypes (i8, u8, bool, f8e4m3, f8e5m2) are exact byte moves in
+/// all_gather(_v), all_to_all_v and broadcast, never summed (SPEC section 8).
+pub(crate) fn check_reducible(op: &'static str, arg: &'static str, dtype: crate::DType) -> Result<()> {
+    if dtype.is_reducible() {
+        return Ok(());
+    }
+    Err(Error::dtype(
+        op,
+        arg,
+        format!("a reducible dtype (f32, f16, bf16, i32, i64); {dtype} is moved as bytes, never reduced"),
+        dtype,
+    ))
+}
+
 macro_rules! dispatch {
     ($self:ident, $c:ident => $e:expr) => {
         match $self {
@@ -185,18 +200,22 @@ impl Collectives for Comm {
         dispatch!(self, c => c.split(ranks))
     }
     fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        check_reducible("all_reduce", "src", src.dtype())?;
         dispatch!(self, c => c.all_reduce(src, dst, op))
     }
     fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
+        check_reducible("all_reduce", "buf", buf.dtype())?;
         dispatch!(self, c => c.all_reduce_in_place(buf, op))
     }
     fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        check_reducible("reduce_scatter", "src", src.dtype())?;
         dispatch!(self, c => c.reduce_scatter(src, dst, op))
     }
     fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         dispatch!(self, c => c.all_gather(src, dst))
     }
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+        check_reducible("reduce_scatter_v", "src", src.dtype())?;
         dispatch!(self, c => c.reduce_scatter_v(src, dst, counts, op))
     }
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
@@ -222,6 +241,23 @@ impl Collectives for Comm {
     }
 }
 
+/// `[dp_rank, pcp_rank, tp_rank]` of `world`'s rank in the DP x PCP x TP
+/// order (`rank = (dp * PCP + pcp) * TP + tp`). An error naming the three sizes
+/// when the world size is not `DP * pcp_size * tp_size` for a whole DP size.
+pub(crate) fn dp_pcp_tp_coords(op: &'static str, world: &Comm, pcp_size: usize, tp_size: usize) -> Result<[usize; 3]> {
+    let n = world.world_size();
+    let cell = pcp_size.checked_mul(tp_size).unwrap_or(0);
+    if cell == 0 || n % cell != 0 {
+        return Err(Error::invalid(
+            op,
+            "pcp_size",
+            format!("the world of {n} ranks is not DP x PCP {pcp_size} x TP {tp_size} for any DP size"),
+        ));
+    }
+    let r = world.rank();
+    Ok([r / cell, (r / tp_size) % pcp_size, r % tp_size])
+}
+
 /// The TP, DP and EP groups of a world of `dp * tp` ranks.
 ///
 /// World rank `r` has `dp_rank = r / tp`, `tp_rank = r % tp`; its TP group is
@@ -236,8 +272,11 @@ pub struct ParallelGroups {
     pub tp: Comm,
     /// Data-parallel group (size `dp`).
     pub dp: Comm,
-    /// Expert-parallel group (size `dp * tp`).
+    /// Expert-parallel group (size `dp * tp`, or `dp * pcp * tp` with PCP).
     pub ep: Comm,
+    /// Prefill-context-parallel group (size `pcp`, same DP and TP rank); `None`
+    /// when built without PCP ([`ParallelGroups::new`]).
+    pub pcp: Option<Comm>,
 }
 
 impl ParallelGroups {
@@ -259,6 +298,31 @@ impl ParallelGroups {
         let tp = world.split(&tp_ranks)?;
         let dp = world.split(&dp_ranks)?;
         let ep = world.split(&ep_ranks)?;
-        Ok(ParallelGroups { world: world.clone(), tp, dp, ep })
+        Ok(ParallelGroups { world: world.clone(), tp, dp, ep, pcp: None })
+    }
+
+    /// The groups of a world of `dp * pcp * tp` ranks in vLLM-Ascend's order
+    /// DP x PCP x TP: world rank `(dp_rank * pcp + pcp_rank) * tp + tp_rank`
+    /// (equal to the EP rank). TP groups are `tp` consecutive ranks, DP groups
+    /// share (pcp_rank, tp_rank), PCP groups share (dp_rank, tp_rank). Called by
+    /// every rank with the same sizes; an error names the three sizes when
+    /// they do not multiply to the world size.
+    pub fn with_pcp(world: &Comm, dp_size: usize, pcp_size: usize, tp_size: usize) -> Result<Self> {
+        const OP: &str = "ParallelGroups::with_pcp";
+        let n = world.world_size();
+        if dp_size.checked_mul(pcp_size).and_then(|c| c.checked_mul(tp_size)) != Some(n) || n == 0 {
+            return Err(Error::invalid(
+                OP,
+                "dp_size",
+                format!("DP {dp_size} x PCP {pcp_size} x TP {tp_size} must equal the world size {n}"),
+            ));
+        }
+        let [d, p, t] = dp_pcp_tp_coords(OP, world, pcp_size, tp_size)?;
+        let at = |d: usize, p: usize, t: usize| (d * pcp_size + p) * tp_size + t;
+        let tp = world.split(&(0..tp_size).map(|i| at(d, p, i)).collect::<Vec<_>>())?;
+        let dp = world.split(&(0..dp_size).map(|i| at(i, p, t)).collect::<Vec<_>>())?;
+        let pcp = world.split(&(0..pcp_size).map(|i| at(d, i, t)).collect::<Vec<_>>())?;
+        let ep = world.split(&(0..n).collect::<Vec<_>>())?;
+        Ok(ParallelGroups { world: world.clone(), tp, dp, ep, pcp: Some(pcp) })
     }
 }

@@ -185,11 +185,12 @@ impl Error {
 impl std::str::FromStr for DType {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        DType::ALL.into_iter().find(|d| d.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+        DType::EVERY.into_iter().find(|d| d.name().eq_ignore_ascii_case(s)).ok_or_else(|| {
+            let names: Vec<&str> = DType::EVERY.iter().map(|d| d.name()).collect();
             Error::invalid(
                 "DType::from_str",
                 "dtype",
-                format!("unknown dtype {s:?} (expected one of f32, f16, bf16, i32, i64)"),
+                format!("unknown dtype {s:?} (expected one of {})", names.join(", ")),
             )
         })
     }

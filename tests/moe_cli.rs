@@ -37,3 +37,38 @@ fn moe_benchmarks_run() {
     let o = Command::new(EXE).args(["bench", "finalize", "--dtype", "i32"]).output().expect("run bench");
     assert!(!o.status.success());
 }
+
+/// The `spec` section prints a row per SPEC op and per regression it covers,
+/// and every one passes, on 1 rank (where nothing reduces) and on 2 ranks.
+#[test]
+fn check_spec_section_has_a_row_per_op_and_regression() {
+    for world in ["1", "2"] {
+        let o = Command::new(EXE).args(["check", "--world", world, "--section", "spec"]).output().expect("run check");
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("spec ")).collect();
+        for want in [
+            "1 finalize_routing mode 0",
+            "1 finalize_routing mode 3",
+            "1 token_unpermute",
+            "2 sp_layout pcp",
+            "3 pad_and_reduce uneven",
+            "4 gather_unpad uneven",
+            "1+3 finalize_and_reduce",
+            "5 reduce tp sp=0",
+            "5 reduce sp-only sp=1",
+            "5 policy tp+sp refused as sp-only",
+            "5 shared pad_reduce_scatter",
+            "5 comm type disagreement",
+            "6 prepare/finalize MC2 sp=1",
+            "6 mc2_mask num_actual_tokens",
+            "regression graph replay MC2 -> ALLGATHER",
+            "regression stale trace-time reduction caught",
+            "regression draft-model finalize rows = meta",
+        ] {
+            assert!(rows.iter().any(|r| r.contains(want)), "no row {want:?} on {world} rank(s):\n{out}");
+        }
+        assert!(rows.iter().all(|r| r.contains(" ok ")), "{out}");
+        assert!(out.contains(&format!("all {} cases passed on {world} ", rows.len())), "{out}");
+    }
+}

@@ -77,7 +77,8 @@ fn matrix_covers_the_issue() {
 
 #[test]
 fn report_counts_every_real_token_and_shape() {
-    let mut c = LayerCase::new(2, 2, true, CommType::AllGather, SharedMode::TensorParallel, DType::F32);
+    let mut c = LayerCase::new(2, 2, true, CommType::AllGather, SharedMode::SequenceParallelOnly, DType::F32);
+    c.shared_tp_weights = true;
     c.dp_tokens = vec![5, 3];
     let r = run_layer_case_cpu(&c).unwrap();
     assert!(r.passed, "{}", r.detail);
@@ -94,12 +95,14 @@ fn graph_replay_every_comm_type_pair() {
         (2, 2, false, SharedMode::TensorParallel, false),
         (1, 4, false, SharedMode::TensorParallel, true),
         (2, 2, false, SharedMode::DataParallelOnly, false),
-        (2, 2, true, SharedMode::TensorParallel, false),
+        (2, 2, true, SharedMode::SequenceParallelOnly, false),
         (2, 2, true, SharedMode::SequenceParallelSedp, true),
     ] {
         for a in CommType::ALL {
             for b in CommType::ALL {
                 let mut c = LayerCase::new(dp, tp, sp, b, shared, DType::F32);
+                // The TP-sharded shared expert under SP (SequenceParallelOnly).
+                c.shared_tp_weights = shared == SharedMode::SequenceParallelOnly || c.shared_tp_weights;
                 c.trace_comm = Some(a);
                 c.routed_transform = transform;
                 c.dp_tokens = if dp == 2 { vec![6, 3] } else { vec![5] };
@@ -128,4 +131,23 @@ fn stale_trace_time_reductions_are_caught() {
         }
     }
     assert_eq!(caught, 6);
+}
+
+/// A TP-sharded shared expert declared `TensorParallel` with SP on and TP > 1
+/// is refused (it is `SequenceParallelOnly` in vLLM-Ascend); the same expert
+/// declared `SequenceParallelOnly` runs through the shared-expert SP helpers and
+/// gives the single-rank result, under every comm type.
+#[test]
+fn tensor_parallel_shared_expert_under_sp_is_sequence_parallel_only() {
+    let mut c = LayerCase::new(2, 2, true, CommType::AllGather, SharedMode::TensorParallel, DType::F32);
+    c.dp_tokens = vec![5, 3];
+    let e = run_layer_case_cpu(&c).unwrap_err().to_string();
+    assert!(e.contains("SequenceParallelOnly"), "{e}");
+    for comm in CommType::ALL {
+        let mut c = LayerCase::new(2, 2, true, comm, SharedMode::SequenceParallelOnly, DType::F32);
+        c.shared_tp_weights = true;
+        c.dp_tokens = vec![5, 3];
+        let r = run_layer_case_cpu(&c).unwrap();
+        assert!(r.passed && r.name.contains("sp-only(tp-weights)"), "{}: {}", r.name, r.detail);
+    }
 }

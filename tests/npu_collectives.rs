@@ -28,6 +28,7 @@ fn read(t: &Tensor) -> Result<Vec<f64>> {
         DType::BF16 => host.as_slice::<bf16>()?.iter().map(|x| x.to_f64()).collect(),
         DType::I32 => host.as_slice::<i32>()?.iter().map(|x| *x as f64).collect(),
         DType::I64 => host.as_slice::<i64>()?.iter().map(|x| *x as f64).collect(),
+        other => ascend_moe::with_dtype!(other, T => host.as_slice::<T>()?.iter().map(|x| x.to_f64()).collect()),
     })
 }
 

@@ -26,6 +26,15 @@ type is an int argument, so a compiled graph takes it at run time:
 
     torch.ops.ascend_moe.reduce_final(x, int(comm_type), tp.handle_id, *policy.fields)
 
+The ops suffixed `_fc` take only tensors and a layer id and read the live
+forward context (comm type, DP token counts, actual tokens, SP, PCP size) when
+they run, so no compiled graph can freeze it:
+
+    layer = MoeLayer(groups, tp_comm, tp_size, dp_rank, tp_rank, experts, policy)
+    with forward_context(CommType.MC2, dp_tokens=[6, 3]):
+        y = torch.ops.ascend_moe.moe_layer_fc(x, layer.layer_id)
+        y = torch.ops.ascend_moe.reduce_final_fc(y, layer.layer_id)
+
 `TORCH_OPS` says whether they are registered, `TORCH_OPS_ERROR` why not.
 `ASCEND_MOE_TORCH=0` skips importing torch (processes that use numpy only).
 """
@@ -47,8 +56,12 @@ from .ops import (
     moe_finalize_routing,
     moe_token_unpermute,
     routed_is_reduced,
+    shared_gather_unpad,
+    shared_pad_reduce_scatter,
+    shared_pad_split,
 )
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
+from .forward import ForwardContext, MoeLayer, forward_context, get_forward_context, set_forward_context
 
 
 def version() -> str:
@@ -69,6 +82,11 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "finalize_and_reduce",
+    "forward_context",
+    "ForwardContext",
+    "get_forward_context",
+    "MoeLayer",
+    "set_forward_context",
     "library_path",
     "MoeContext",
     "MoeGroups",
@@ -79,6 +97,9 @@ __all__ = [
     "reduce_scatter",
     "routed_is_reduced",
     "shapes",
+    "shared_gather_unpad",
+    "shared_pad_reduce_scatter",
+    "shared_pad_split",
     "token_finalize",
     "token_prepare",
     "version",

@@ -104,6 +104,20 @@ class MoeContextC(ctypes.Structure):
     ]
 
 
+class MoeContextExC(ctypes.Structure):
+    """`amoe_moe_context_ex`."""
+
+    _fields_ = [
+        ("base", MoeContextC),
+        ("num_actual_tokens", c_size_t),
+        ("pcp_size", c_size_t),
+        ("pcp_rank", c_size_t),
+    ]
+
+
+# `AMOE_ALL_TOKENS`: every token of the DP rank is real.
+ALL_TOKENS = ctypes.c_size_t(-1).value
+
 _T = POINTER(Tensor)
 _SZ = POINTER(c_size_t)
 _U8 = POINTER(c_uint8)
@@ -144,12 +158,23 @@ _SIGNATURES = {
     "amoe_reduce_routed_early": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
     "amoe_reduce_shared": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
     "amoe_reduce_final": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
+    "amoe_shared_pad_split_output_shape": [_T, c_size_t, c_size_t] + _SHAPE_OUT,
+    "amoe_shared_pad_split": [_T, _COMM, _T, _STREAM],
+    "amoe_shared_gather_unpad_output_shape": [_T, c_size_t, c_size_t] + _SHAPE_OUT,
+    "amoe_shared_gather_unpad": [_T, c_size_t, _COMM, _T, _STREAM],
+    "amoe_shared_pad_reduce_scatter_output_shape": [_T, c_size_t] + _SHAPE_OUT,
+    "amoe_shared_pad_reduce_scatter": [_T, _COMM, _T, _STREAM],
     "amoe_moe_groups_new": [_COMM, c_size_t, POINTER(c_void_p)],
     "amoe_moe_groups_free": [c_void_p],
     "amoe_token_prepare_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
     "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
     "amoe_token_finalize_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
     "amoe_token_finalize": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _STREAM],
+    "amoe_moe_groups_new_pcp": [_COMM, c_size_t, c_size_t, POINTER(c_void_p)],
+    "amoe_token_prepare_ex_output_shape": [_T, c_uint32, POINTER(MoeContextExC)] + _SHAPE_OUT,
+    "amoe_token_prepare_ex": [_T, c_uint32, POINTER(MoeContextExC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
+    "amoe_token_finalize_ex_output_shape": [_T, c_uint32, POINTER(MoeContextExC)] + _SHAPE_OUT,
+    "amoe_token_finalize_ex": [_T, c_uint32, POINTER(MoeContextExC), c_void_p, _T, _STREAM],
 }
 _RESTYPES = {
     "amoe_version": c_char_p,

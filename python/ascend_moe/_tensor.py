@@ -11,13 +11,31 @@ import numpy as np
 from ._lib import MAX_NDIM, AmoeError, Status, Tensor
 
 # amoe_dtype codes by dtype name (numpy, ml_dtypes and torch names agree on these).
-DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2, "int32": 3, "int64": 4}
+# Codes 5..=9 are the one-byte dtypes data movement carries as exact bytes
+# (quantized hidden states, packed fp4 as uint8, masks); reductions refuse them.
+DTYPE_CODES = {
+    "float32": 0,
+    "float16": 1,
+    "bfloat16": 2,
+    "int32": 3,
+    "int64": 4,
+    "int8": 5,
+    "uint8": 6,
+    "bool": 7,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 9,
+}
 NUMPY_DTYPES = {
     0: np.dtype(np.float32),
     1: np.dtype(np.float16),
     2: np.dtype(ml_dtypes.bfloat16),
     3: np.dtype(np.int32),
     4: np.dtype(np.int64),
+    5: np.dtype(np.int8),
+    6: np.dtype(np.uint8),
+    7: np.dtype(np.bool_),
+    8: np.dtype(ml_dtypes.float8_e4m3fn),
+    9: np.dtype(ml_dtypes.float8_e5m2),
 }
 
 
@@ -32,7 +50,8 @@ def dtype_code(arg: str, dtype) -> int:
     if name not in DTYPE_CODES:
         raise AmoeError(
             Status.DTYPE,
-            f"`{arg}` has dtype {name}, expected one of float32, float16, bfloat16 (ml_dtypes), int32, int64",
+            f"`{arg}` has dtype {name}, expected one of float32, float16, bfloat16 (ml_dtypes), int32, int64, "
+            "int8, uint8, bool, float8_e4m3fn, float8_e5m2 (ml_dtypes)",
         )
     return DTYPE_CODES[name]
 

@@ -28,21 +28,33 @@ from .ops import ReducePolicy
 Tensor = torch.Tensor
 
 
+def _ml_dtypes():
+    """torch dtypes numpy lacks -> (same-size integer torch dtype, ml_dtypes numpy dtype)."""
+    import ml_dtypes
+
+    return {
+        torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
+        torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
+        torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
+    }
+
+
 def _np(t: Optional[Tensor]):
     if t is None:
         return None
     t = t.detach().contiguous().cpu()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    pair = _ml_dtypes().get(t.dtype)
+    if pair is not None:
+        return t.view(pair[0]).numpy().view(pair[1])
     return t.numpy()
 
 
 def _torch(a: np.ndarray, dtype: torch.dtype) -> Tensor:
     # Every numpy op returns a fresh array, so the tensor may share its memory.
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+    pair = _ml_dtypes().get(dtype)
+    if pair is not None:
+        bits = np.int16 if pair[0] == torch.int16 else np.uint8
+        return torch.from_numpy(np.ascontiguousarray(a).view(bits)).view(dtype)
     return torch.from_numpy(np.ascontiguousarray(a))
 
 
@@ -168,5 +180,44 @@ def register() -> bool:
 
     for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
         reduction_point(name)
+
+    # ------------------------------------ ops reading the forward context
+    # They take only tensors and a layer id (`MoeLayer.layer_id`): the real
+    # implementation reads the live `ascend_moe.forward_context` when it runs,
+    # the fake reads it at trace time, for shapes only. Output shapes depend on
+    # input shapes alone, so nothing of the context is frozen into a graph.
+
+    from .forward import MoeLayer, get_forward_context
+
+    @custom_op("ascend_moe::moe_layer_fc", mutates_args=())
+    def moe_layer_fc(x: Tensor, layer: int) -> Tensor:
+        return _torch(MoeLayer.lookup(layer).forward(_np(x)), x.dtype)
+
+    @moe_layer_fc.register_fake
+    def _(x, layer):
+        from .prepare import token_finalize_shape, token_prepare_shape
+
+        ctx = get_forward_context()
+        mctx = MoeLayer.lookup(layer).context(ctx)
+        prepared = token_prepare_shape(x, ctx.comm_type, mctx)
+        return x.new_empty(token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx))
+
+    def reduction_point_fc(name: str):
+        method = getattr(ReducePolicy, name)
+        shape_fn = getattr(shapes, name)
+
+        @custom_op(f"ascend_moe::{name}_fc", mutates_args=())
+        def point(x: Tensor, layer: int) -> Tensor:
+            ctx = get_forward_context()
+            lay = MoeLayer.lookup(layer)
+            return _torch(method(lay.checked_policy(ctx), _np(x), ctx.comm_type, lay.tp_comm), x.dtype)
+
+        @point.register_fake
+        def _(x, layer):
+            MoeLayer.lookup(layer).checked_policy(get_forward_context())
+            return x.new_empty(shape_fn(x))
+
+    for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
+        reduction_point_fc(name)
 
     return True

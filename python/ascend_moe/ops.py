@@ -165,6 +165,33 @@ def finalize_and_reduce(
     return y
 
 
+def _tp_op(name: str, shape, x, tp_comm: Comm, *counts):
+    d = desc_in("x", x)
+    y = empty(shape, d.c.dtype)
+    out = desc_in("out", y)
+    call(name, d.ptr, *counts, tp_comm.handle, out.ptr, None)
+    return y
+
+
+def shared_pad_split(x, tp_comm: Comm):
+    """DP-only shared-expert prepare: this TP rank's equal part of the DP batch
+    `x [T, H...]` zero-padded to a multiple of TP, `[ceil(T / TP), H...]`."""
+    return _tp_op("amoe_shared_pad_split", shapes.shared_pad_split(x, tp_comm), x, tp_comm)
+
+
+def shared_gather_unpad(x, num_tokens: int, tp_comm: Comm):
+    """DP-only shared-expert finalize / SP-only prepare: every TP rank's
+    `ceil(num_tokens / TP)` rows gathered, the first `num_tokens` kept."""
+    shape = shapes.shared_gather_unpad(x, num_tokens, tp_comm)
+    return _tp_op("amoe_shared_gather_unpad", shape, x, tp_comm, int(num_tokens))
+
+
+def shared_pad_reduce_scatter(x, tp_comm: Comm):
+    """SP-only shared-expert finalize: the TP-partial `x [T, H...]` zero-padded
+    to a multiple of TP and reduce-scattered (sum): `[ceil(T / TP), H...]`."""
+    return _tp_op("amoe_shared_pad_reduce_scatter", shapes.shared_pad_reduce_scatter(x, tp_comm), x, tp_comm)
+
+
 def routed_is_reduced(comm_type, sp: bool) -> bool:
     """`comm_type in {MC2, ALLTOALL, FUSED_MC2} or (comm_type == ALLGATHER and sp)`."""
     out = c_uint8(0)

@@ -7,23 +7,43 @@ from ctypes import c_size_t, c_void_p
 
 import numpy as np
 
-from ._lib import AmoeError, MoeContextC, Status, call, lib, sizes
+from ._lib import ALL_TOKENS, AmoeError, MoeContextC, MoeContextExC, Status, call, lib, sizes
 from ._tensor import desc_in, desc_meta, empty, shape_of, shape_out
 from .comm import Comm
 
 
 class MoeContext:
     """The run-time parallel context of one forward pass: tokens of every DP
-    rank, the TP size, this rank's (dp_rank, tp_rank), and whether SP is on."""
+    rank, the TP size, this rank's (dp_rank, tp_rank), whether SP is on, the
+    real tokens of this DP rank (`num_actual_tokens`, default all: the MC2 mask
+    marks only these) and prefill context parallelism (`pcp_size`, `pcp_rank`;
+    EP rank order DP x PCP x TP)."""
 
-    def __init__(self, dp_tokens, tp_size: int, dp_rank: int, tp_rank: int, sp: bool = False):
+    def __init__(
+        self,
+        dp_tokens,
+        tp_size: int,
+        dp_rank: int,
+        tp_rank: int,
+        sp: bool = False,
+        num_actual_tokens=None,
+        pcp_size: int = 1,
+        pcp_rank: int = 0,
+    ):
         self._tokens, n = sizes(dp_tokens)
-        for name, v in (("tp_size", tp_size), ("dp_rank", dp_rank), ("tp_rank", tp_rank)):
+        checked = [("tp_size", tp_size), ("dp_rank", dp_rank), ("tp_rank", tp_rank), ("pcp_size", pcp_size), ("pcp_rank", pcp_rank)]
+        if num_actual_tokens is not None:
+            checked.append(("num_actual_tokens", num_actual_tokens))
+        for name, v in checked:
             if int(v) < 0:
                 raise AmoeError(Status.INVALID_ARGUMENT, f"MoeContext: {name} must be >= 0, got {v}")
         self.dp_tokens = tuple(int(t) for t in dp_tokens)
         self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
-        self._c = MoeContextC(self._tokens, n, self.tp_size, self.dp_rank, self.tp_rank, self.sp)
+        self.num_actual_tokens = None if num_actual_tokens is None else int(num_actual_tokens)
+        self.pcp_size, self.pcp_rank = int(pcp_size), int(pcp_rank)
+        base = MoeContextC(self._tokens, n, self.tp_size, self.dp_rank, self.tp_rank, self.sp)
+        actual = ALL_TOKENS if self.num_actual_tokens is None else self.num_actual_tokens
+        self._c = MoeContextExC(base, actual, self.pcp_size, self.pcp_rank)
 
     @property
     def ptr(self):
@@ -31,12 +51,13 @@ class MoeContext:
 
 
 class MoeGroups:
-    """The TP and DP groups of a MoE layer, split from the EP world (EP rank
-    `dp * tp_size + tp`). Collective: every rank of `world` builds it."""
+    """The TP, DP and (with `pcp_size > 1`) PCP groups of a MoE layer, split
+    from the EP world (EP rank `(dp * pcp_size + pcp) * tp_size + tp`).
+    Collective: every rank of `world` builds it."""
 
-    def __init__(self, world: Comm, tp_size: int):
+    def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
-        call("amoe_moe_groups_new", world.handle, int(tp_size), ctypes.byref(out))
+        call("amoe_moe_groups_new_pcp", world.handle, int(pcp_size), int(tp_size), ctypes.byref(out))
         self._h = out
 
     @property
@@ -67,7 +88,7 @@ def token_prepare_shape(x, comm_type, ctx: MoeContext) -> tuple:
     """Shape of `token_prepare`'s output (`x` may be a `(shape, dtype)` pair)."""
     d = desc_meta("x", x)
     buf, ndim, out = shape_out()
-    call("amoe_token_prepare_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    call("amoe_token_prepare_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
     return shape_of(buf, ndim)
 
 
@@ -75,7 +96,7 @@ def token_finalize_shape(y, comm_type, ctx: MoeContext) -> tuple:
     """Shape of `token_finalize`'s output."""
     d = desc_meta("y", y)
     buf, ndim, out = shape_out()
-    call("amoe_token_finalize_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    call("amoe_token_finalize_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
     return shape_of(buf, ndim)
 
 
@@ -89,7 +110,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups):
     cap = max(y.shape[0] if y.ndim else 1, 1)
     mask = (ctypes.c_uint8 * cap)()
     mask_len = c_size_t(0)
-    call("amoe_token_prepare", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, mask, cap, ctypes.byref(mask_len), None)
+    call("amoe_token_prepare_ex", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, mask, cap, ctypes.byref(mask_len), None)
     ct = int(comm_type)
     return y, (np.array(mask[: mask_len.value], dtype=bool) if ct in (1, 3) else None)
 
@@ -99,5 +120,5 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups):
     d = desc_in("y", y)
     r = empty(token_finalize_shape(d.array, comm_type, ctx), d.c.dtype)
     out = desc_in("out", r)
-    call("amoe_token_finalize", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, None)
+    call("amoe_token_finalize_ex", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, None)
     return r

@@ -118,6 +118,41 @@ def finalize_and_reduce(
     return shape_of(buf, ndim)
 
 
+def shared_pad_split(x, tp) -> tuple:
+    """`[ceil(T / tp_size), H...]` of the DP batch `x [T, H...]`; `tp` is the TP `Comm` or `(tp_rank, tp_size)`."""
+    d = desc_meta("x", x)
+    rank, size = _ep(tp)
+    buf, ndim, out = shape_out()
+    call("amoe_shared_pad_split_output_shape", d.ptr, rank, size, *out)
+    return shape_of(buf, ndim)
+
+
+def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
+    """`[num_tokens, H...]`; `x` must have `ceil(num_tokens / tp_size)` rows."""
+    d = desc_meta("x", x)
+    _, size = _ep(tp)
+    buf, ndim, out = shape_out()
+    call("amoe_shared_gather_unpad_output_shape", d.ptr, _count("num_tokens", num_tokens), size, *out)
+    return shape_of(buf, ndim)
+
+
+def shared_pad_reduce_scatter(x, tp) -> tuple:
+    """`[ceil(T / tp_size), H...]` of the TP-partial `x [T, H...]`."""
+    d = desc_meta("x", x)
+    _, size = _ep(tp)
+    buf, ndim, out = shape_out()
+    call("amoe_shared_pad_reduce_scatter_output_shape", d.ptr, size, *out)
+    return shape_of(buf, ndim)
+
+
+def _count(name: str, v) -> int:
+    """A non-negative count, or an `AmoeError` naming it."""
+    v = int(v)
+    if v < 0:
+        raise AmoeError(Status.INVALID_ARGUMENT, f"{name} must be >= 0, got {v}")
+    return v
+
+
 def _identity(x) -> tuple:
     return tuple(int(s) for s in (x[0] if isinstance(x, tuple) and len(x) == 2 else x.shape))
 

@@ -75,6 +75,9 @@ def test_reduce_policy_validates_and_decides():
         am.ReducePolicy("sequence_parallel_only", False, False, 2, 4)
     with pytest.raises(am.AmoeError, match="multiple of tp_size"):
         am.ReducePolicy("none", False, False, 2, 3)
+    with pytest.raises(am.AmoeError, match="SequenceParallelOnly"):
+        am.ReducePolicy("tensor_parallel", False, True, 2, 4)
+    am.ReducePolicy("tensor_parallel", False, True, 1, 4)
 
 
 def test_sp_layout_from_dp_tokens():

@@ -47,3 +47,27 @@ def test_killed_peer_fails_the_survivors_within_the_timeout():
 def test_token_prepare_finalize_round_trip_across_4_processes():
     results, _ = run_world(workers.prepare_finalize, WORLD)
     assert results == {r: 8 for r in range(WORLD)}
+
+
+def test_shared_expert_helpers_across_4_processes():
+    results, _ = run_world(workers.shared_helpers, WORLD)
+    assert results == {r: 16 for r in range(WORLD)}
+
+
+def test_pcp_and_num_actual_tokens_across_4_processes():
+    results, _ = run_world(workers.pcp_actual, WORLD)
+    assert results == {r: 2 for r in range(WORLD)}
+
+
+def test_comm_type_disagreement_fails_every_process_naming_the_ranks():
+    results, _ = run_world(workers.comm_type_disagreement, WORLD)
+    assert sorted(results) == list(range(WORLD))
+    for rank, (status, secs, msg) in results.items():
+        assert status == "INVALID_ARGUMENT", (rank, status, msg)
+        assert "ranks 0, 1 chose ALLGATHER" in msg and "ranks 2, 3 chose MC2" in msg, (rank, msg)
+        assert secs < workers.SHORT_TIMEOUT_S, (rank, secs, msg)
+
+
+def test_quantized_dtypes_move_as_bytes_across_4_processes():
+    results, _ = run_world(workers.byte_moves, WORLD)
+    assert results == {r: 21 for r in range(WORLD)}

@@ -246,3 +246,139 @@ def test_ascend_moe_torch_0_keeps_torch_out_of_the_process():
     env = dict(os.environ, ASCEND_MOE_TORCH="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split(maxsplit=2)[:2] == ["False", "False"] and "ASCEND_MOE_TORCH=0" in out, out
+
+
+def test_compiled_layer_reads_the_forward_context_at_run_time():
+    """SPEC section 5, forward context: DP 2 x TP 2 as 4 threads of this
+    process; rank 0 runs `moe_layer_fc` + `reduce_final_fc` compiled once with
+    the default, non-dynamic `torch.compile(fullgraph=True)` under ALLGATHER
+    and DP tokens [6, 3], the others run the same ops eagerly. Then every other
+    comm type, and DP tokens that change the other rank's count and the
+    gathered row count, reuse that graph and give the right result (the real
+    ops read the live context; their output shapes depend on the input only).
+    Tokens that change rank 0's own rows change the input shape: Dynamo's shape
+    guard retraces, so the fake sees the new context; a context that does not
+    fit the input is an error, never a silent result.
+
+    Experts: `2 h + 1` per token. Under ALLGATHER every EP rank returns its
+    share `w_rank * (2 h + 1)` (the shares sum to 1 over the 4 ranks, as local
+    experts' contributions do); under MC2 / ALLTOALL / FUSED_MC2 dispatch and
+    combine give each token the whole `2 h + 1`. Policy: no shared expert, no
+    transform, no SP, TP 2: reduce_final all-reduces exactly when ALLGATHER."""
+    import torch._dynamo
+
+    world, tp_size = 4, 2
+    share = [0.1, 0.2, 0.3, 0.4]
+    steps = [
+        (am.CommType.ALLGATHER, (6, 3)),
+        (am.CommType.MC2, (6, 3)),
+        (am.CommType.ALLTOALL, (6, 3)),
+        (am.CommType.FUSED_MC2, (6, 3)),
+        (am.CommType.ALLGATHER, (6, 7)),  # the gathered rows change, rank 0's do not
+        (am.CommType.MC2, (6, 7)),
+        (am.CommType.ALLGATHER, (4, 3)),  # rank 0's rows change: a retrace
+        (am.CommType.MC2, (4, 3)),
+    ]
+    name = f"torch-fc-{uuid.uuid4().hex[:8]}"
+    outs = {r: [] for r in range(world)}
+    errors, graphs_seen = [], []
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def tokens(d, n):
+        return rand(rng_for("torch-fc", d), (n, 3), np.float32)
+
+    def rank_body(rank, compiled_fn=None):
+        d, t = rank // tp_size, rank % tp_size
+        with am.Comm.cpu(name, world, rank, timeout_s=120.0) as w, am.MoeGroups(w, tp_size) as groups:
+            with w.split([d * tp_size + i for i in range(tp_size)]) as tp:
+                policy = am.ReducePolicy("none", False, False, tp_size, world)
+
+                def experts(hidden, mask, ct):
+                    y = (2.0 * hidden.astype(np.float64) + 1.0).astype(np.float32)
+                    return y * np.float32(share[rank]) if ct == am.CommType.ALLGATHER else y
+
+                layer = am.MoeLayer(groups, tp, tp_size, d, t, experts, policy)
+                lid = layer.layer_id
+
+                def fwd(x):
+                    return OPS.reduce_final_fc(OPS.moe_layer_fc(x, lid), lid)
+
+                fn = torch.compile(fwd, fullgraph=True) if compiled_fn else fwd
+                for ct, dp_tokens in steps:
+                    with am.forward_context(ct, dp_tokens):
+                        outs[rank].append(fn(to_torch(tokens(d, dp_tokens[d]))).numpy())
+                if compiled_fn:
+                    graphs_seen.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before)
+                    # A context that does not fit the input: rank 0 has 6 rows, the context says 5.
+                    with am.forward_context(am.CommType.MC2, (5, 3)):
+                        with pytest.raises(Exception, match="5 rows"):
+                            fn(to_torch(tokens(0, 6)))
+                layer.close()
+
+    def peer(rank):
+        try:
+            rank_body(rank)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append((rank, e))
+
+    threads = [threading.Thread(target=peer, args=(r,), daemon=True) for r in range(1, world)]
+    for th in threads:
+        th.start()
+    try:
+        rank_body(0, compiled_fn=True)
+    finally:
+        for th in threads:
+            th.join(timeout=200.0)
+    assert not errors, errors
+    for rank in range(world):
+        d = rank // tp_size
+        for (ct, dp_tokens), got in zip(steps, outs[rank]):
+            want = 2.0 * tokens(d, dp_tokens[d]).astype(np.float64) + 1.0
+            if ct == am.CommType.ALLGATHER:
+                # DP reduce-scatter sums the shares of (0, t) and (1, t); the TP all-reduce the two t.
+                want = want * sum(share)
+            assert_close(got, want, np.float32, f"rank {rank} under {ct.name} tokens {dp_tokens}")
+    # One graph for the first six steps (every comm type, new DP tokens), one
+    # retrace when rank 0's input rows changed.
+    assert graphs_seen == [2], graphs_seen
+
+
+def test_quantized_torch_dtypes_move_as_bytes():
+    """torch.int8 / uint8 / bool / float8_e4m3fn / float8_e5m2 through the
+    torch gather ops (exact bytes, fake shapes agree); a reduction refuses them."""
+    with am.Comm.cpu(f"torch-bytes-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        hid = c.handle_id
+        base = torch.arange(24, dtype=torch.uint8).reshape(8, 3) * 11
+        for dt in (torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2):
+            x = (base % 2).to(torch.bool) if dt == torch.bool else base.view(dt)
+            for op, args in ((OPS.all_gather, (hid,)), (OPS.maybe_all_gather_and_maybe_unpad, (hid, [8]))):
+                got = op(x, *args)
+                assert got.dtype == dt and tuple(got.shape) == torch_workers._fake_shape(op, x, *args)
+                assert torch.equal(got.view(torch.uint8), x.view(torch.uint8)), (dt, op)
+            with pytest.raises(am.AmoeError, match="never reduced"):
+                OPS.all_reduce(x, hid)
+
+
+def test_forward_context_ops_pass_opcheck_and_need_a_context():
+    """Schema / fake / AOT checks of the context-reading ops on one rank, and a
+    clear error (never a default) when no forward context is set."""
+    with am.Comm.cpu(f"torch-fc1-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        policy = am.ReducePolicy("none", False, False, 1, 1)
+        layer = am.MoeLayer(groups, c, 1, 0, 0, lambda h, mask, ct: h * np.float32(2.0), policy)
+        x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+        try:
+            with pytest.raises(am.AmoeError, match="no MoE forward context"):
+                OPS.moe_layer_fc(x, layer.layer_id)
+            for ct in am.CommType:
+                with am.forward_context(ct, [4]):
+                    torch.library.opcheck(OPS.moe_layer_fc.default, (x, layer.layer_id))
+                    torch.library.opcheck(OPS.reduce_final_fc.default, (x, layer.layer_id))
+                    assert torch.equal(OPS.moe_layer_fc(x, layer.layer_id), x * 2)
+            with am.forward_context(am.CommType.MC2, [4], sp=True):
+                with pytest.raises(am.AmoeError, match="sp=False"):
+                    OPS.reduce_final_fc(x, layer.layer_id)
+        finally:
+            layer.close()
+        with pytest.raises(am.AmoeError, match=f"no MoE layer is registered under id {layer.layer_id}"):
+            with am.forward_context(am.CommType.MC2, [4]):
+                OPS.moe_layer_fc(x, layer.layer_id)

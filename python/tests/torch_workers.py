@@ -124,7 +124,8 @@ def torch_world(name, world_size, rank):
         with _tp_split(world, rank, tp_size) as tp:
             tp_rank, group = tp.rank, rank // tp_size
             for sp in (False, True):
-                modes = ["none", "tensor_parallel", "data_parallel_only"] + (["sequence_parallel_only"] if sp else [])
+                # tensor_parallel with SP on and TP > 1 is refused (SPEC section 5).
+                modes = ["none", "data_parallel_only"] + (["sequence_parallel_only"] if sp else ["tensor_parallel"])
                 for mode in modes:
                     for transform in (False, True):
                         fields = am.ReducePolicy(mode, transform, sp, tp_size, world_size).fields

@@ -219,9 +219,16 @@ def op_matrix(name, world_size, rank):
             tp_rank = tp.rank
             group = rank // tp_size
             for sp in (False, True):
-                modes = ["none", "tensor_parallel", "data_parallel_only"]
+                # With SP on and TP > 1 a TP-sharded shared expert is
+                # sequence_parallel_only (SPEC section 5): tensor_parallel is refused.
+                modes = ["none", "data_parallel_only"] + ([] if sp else ["tensor_parallel"])
                 if sp:
                     modes += ["sequence_parallel_sedp", "sequence_parallel_only"]
+                    try:
+                        am.ReducePolicy("tensor_parallel", False, True, tp_size, world_size)
+                        raise AssertionError("tensor_parallel with sp and tp 2 was accepted")
+                    except am.AmoeError as e:
+                        assert "SequenceParallelOnly" in str(e), str(e)
                 for mode in modes:
                     for transform in (False, True):
                         policy = am.ReducePolicy(mode, transform, sp, tp_size, world_size)
@@ -332,3 +339,122 @@ def prepare_finalize(name, world_size, rank):
                 assert_close(back, x.astype(np.float64) * factor, np.float32, f"round trip {ct.name} sp={sp}")
                 checks += 1
     return checks
+
+
+def shared_helpers(name, world_size, rank):
+    """The shared-expert token helpers over TP groups of 2 against numpy
+    (SPEC section 5): DP-only pad/split then gather/unpad returns the MLP of
+    every row; SP-only gather/unpad returns the DP batch, pad/reduce-scatter
+    this rank's chunk of the sum of the TP partials."""
+    tp_size, checks = 2, 0
+    with am.Comm.cpu(name, world_size, rank, timeout_s=30.0) as world, _tp_split(world, rank, tp_size) as tp:
+        t, group = tp.rank, rank // tp_size
+        for tokens in (0, 1, 4, 5):
+            part = -(-tokens // tp_size)
+            batch = rand(rng_for("shared-batch", group, tokens), (tokens, 3), np.float32)
+            padded = np.zeros((part * tp_size, 3), np.float32)
+            padded[:tokens] = batch
+            mine = am.shared_pad_split(batch, tp)
+            assert mine.shape == am.shapes.shared_pad_split(batch, tp) == (part, 3)
+            np.testing.assert_array_equal(mine, padded[t * part : (t + 1) * part])
+            back = am.shared_gather_unpad(mine * 2.0, tokens, tp)
+            np.testing.assert_array_equal(back, batch * 2.0)
+            full = am.shared_gather_unpad(padded[t * part : (t + 1) * part], tokens, tp)
+            np.testing.assert_array_equal(full, batch)
+            partials = [rand(rng_for("shared-part", group, tokens, q), (tokens, 3), np.float32) for q in range(tp_size)]
+            got = am.shared_pad_reduce_scatter(partials[t], tp)
+            total = np.zeros((part * tp_size, 3))
+            total[:tokens] = np.sum(partials, axis=0, dtype=np.float64)
+            assert got.shape == am.shapes.shared_pad_reduce_scatter(partials[t], tp)
+            assert_close(got, total[t * part : (t + 1) * part], np.float32, f"pad_reduce_scatter T={tokens}")
+            checks += 4
+        try:
+            am.shared_gather_unpad(np.zeros((2, 3), np.float32), 5, tp)
+            raise AssertionError("a 2-row shard for 5 tokens on TP 2 was accepted")
+        except am.AmoeError as e:
+            assert "3 rows" in str(e), str(e)
+        world.barrier()
+    return checks
+
+
+def pcp_actual(name, world_size, rank):
+    """DP 2 x PCP 2 x TP 1 (EP rank `(dp * 2 + pcp)`): ALLGATHER without SP
+    gathers DP then PCP and finalizes PCP then DP (SPEC section 6); the MC2 mask
+    on TP groups of 2 marks the first `num_actual_tokens` rows."""
+    dp_tokens = [3, 1]
+    d, p = rank // 2, rank % 2
+    with am.Comm.cpu(name, world_size, rank, timeout_s=30.0) as world:
+        with am.MoeGroups(world, 1, pcp_size=2) as groups:
+            ctx = am.MoeContext(dp_tokens, 1, d, 0, False, pcp_size=2, pcp_rank=p)
+            tok = lambda dd, pp: rand(rng_for("pcp", dd, pp), (dp_tokens[dd], 2), np.float32)  # noqa: E731
+            hidden, _ = am.token_prepare(tok(d, p), am.CommType.ALLGATHER, ctx, groups)
+            blocks = []
+            for pp in range(2):
+                for dd in range(2):
+                    b = np.zeros((3, 2), np.float32)
+                    b[: dp_tokens[dd]] = tok(dd, pp)
+                    blocks.append(b)
+            np.testing.assert_array_equal(hidden, np.concatenate(blocks))
+            back = am.token_finalize(hidden * np.float32(rank + 1), am.CommType.ALLGATHER, ctx, groups)
+            assert_close(back, tok(d, p).astype(np.float64) * (1 + 2 + 3 + 4), np.float32, "pcp finalize")
+        with am.MoeGroups(world, 2) as groups:
+            # DP 2 x TP 2, tokens [6, 3]: MC2 pads to 6, 3 rows per TP rank; DP 0 has 4 real tokens.
+            t = rank % 2
+            ctx = am.MoeContext([6, 3], 2, d, t, False, num_actual_tokens=4 if d == 0 else None)
+            x = rand(rng_for("actual", d), ([6, 3][d], 2), np.float32)
+            _, mask = am.token_prepare(x, am.CommType.MC2, ctx, groups)
+            want = {(0, 0): [True, True, True], (0, 1): [True, False, False], (1, 0): [True, True, True], (1, 1): [False] * 3}
+            np.testing.assert_array_equal(mask, want[(d, t)])
+        world.barrier()
+    return 2
+
+
+def comm_type_disagreement(name, world_size, rank):
+    """DP 2 x TP 2 where DP 0 picks ALLGATHER and DP 1 MC2 (vLLM-Ascend
+    #12195): every rank's token_prepare must raise, naming the choices."""
+    tp = 2
+    d, t = rank // tp, rank % tp
+    with am.Comm.cpu(name, world_size, rank, timeout_s=SHORT_TIMEOUT_S) as world, am.MoeGroups(world, tp) as groups:
+        ctx = am.MoeContext([6, 3], tp, d, t, False)
+        x = np.ones(([6, 3][d], 4), np.float32)
+        ct = am.CommType.ALLGATHER if d == 0 else am.CommType.MC2
+        return _expect_error(am.token_prepare, x, ct, ctx, groups)
+
+
+def byte_moves(name, world_size, rank):
+    """SPEC section 8: int8, uint8 (packed fp4), bool and fp8 arrays, and 1-D
+    f32 per-token scales, through all_gather, broadcast and the SP gather as
+    exact bytes; a reduction of them is refused on every rank."""
+    layout = am.SpLayout([3, 0, 2, 4][:world_size])
+    rows = layout.local_sizes[rank]
+    dtypes = [np.int8, np.uint8, np.bool_, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+
+    def raw(r, n):
+        return ((np.arange(n) * 13 + r * 77 + 5) % 256).astype(np.uint8)
+
+    checks = 0
+    with am.Comm.cpu(name, world_size, rank, timeout_s=30.0) as c:
+        for dt in dtypes:
+            if dt is np.bool_:
+                cast = lambda b: (b % 2).astype(np.bool_)  # noqa: E731 - numpy bools are 0 / 1
+            else:
+                cast = lambda b, dt=dt: b.view(dt)  # noqa: E731
+            x = cast(raw(rank, 12).reshape(4, 3))
+            got = am.all_gather(x, c)
+            want = np.concatenate([cast(raw(q, 12).reshape(4, 3)) for q in range(world_size)])
+            assert got.dtype == np.dtype(dt) and got.tobytes() == want.tobytes(), dt
+            got = am.broadcast(x, c, root=world_size - 1)
+            assert got.tobytes() == cast(raw(world_size - 1, 12).reshape(4, 3)).tobytes(), dt
+            shard = cast(raw(rank, rows * 6).reshape(rows, 6))
+            got = am.maybe_all_gather_and_maybe_unpad(shard, layout, c)
+            want = np.concatenate([cast(raw(q, layout.local_sizes[q] * 6).reshape(-1, 6)) for q in range(world_size)])
+            assert got.tobytes() == want.tobytes(), dt
+            seen = _expect_error(am.all_reduce, x, c)
+            assert seen[0] == "DTYPE" and "never reduced" in seen[2], seen
+            checks += 4
+        scales = (np.arange(rows, dtype=np.float32) + 10 * rank) / 8
+        got = am.maybe_all_gather_and_maybe_unpad(scales, layout, c)
+        want = np.concatenate([(np.arange(n, dtype=np.float32) + 10 * q) / 8 for q, n in enumerate(layout.local_sizes)])
+        np.testing.assert_array_equal(got, want)
+        c.barrier()
+    return checks + 1

@@ -16,6 +16,8 @@ mod check;
 mod check_collectives;
 #[path = "ascend_moe/check_moe.rs"]
 mod check_moe;
+#[path = "ascend_moe/check_spec.rs"]
+mod check_spec;
 #[path = "ascend_moe/info.rs"]
 mod info;
 #[path = "ascend_moe/launch.rs"]

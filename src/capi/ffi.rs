@@ -346,7 +346,8 @@ pub(crate) unsafe fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta
         Failure::new(
             amoe_status::Dtype,
             format!(
-                "{func}: `{arg}` has dtype code {}, expected one of 0 (f32), 1 (f16), 2 (bf16), 3 (i32), 4 (i64)",
+                "{func}: `{arg}` has dtype code {}, expected one of 0 (f32), 1 (f16), 2 (bf16), 3 (i32), 4 (i64), \
+                 5 (i8), 6 (u8), 7 (bool), 8 (f8e4m3), 9 (f8e5m2)",
                 d.dtype
             ),
         )

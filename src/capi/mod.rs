@@ -30,10 +30,12 @@ pub(crate) mod ffi;
 mod comm;
 mod ops;
 mod prepare;
+mod shared;
 
 pub use comm::*;
 pub use ops::*;
 pub use prepare::*;
+pub use shared::*;
 
 use std::ffi::{c_char, c_void};
 
@@ -98,6 +100,16 @@ pub enum amoe_dtype {
     I32 = 3,
     /// int64.
     I64 = 4,
+    /// int8 (quantized hidden states; moved, never reduced).
+    I8 = 5,
+    /// uint8 (also packed fp4, two e2m1 values per byte; moved, never reduced).
+    U8 = 6,
+    /// bool, one byte (masks; moved, never reduced).
+    Bool = 7,
+    /// float8 e4m3fn (moved, never reduced).
+    F8E4M3 = 8,
+    /// float8 e5m2 (moved, never reduced).
+    F8E5M2 = 9,
 }
 
 /// Device kinds of `amoe_tensor::device_kind`.

@@ -34,6 +34,27 @@ pub struct amoe_moe_context {
     pub sp: u8,
 }
 
+/// `amoe_moe_context_ex::num_actual_tokens` for "every token of the DP rank is real".
+pub const AMOE_ALL_TOKENS: usize = usize::MAX;
+
+/// `amoe_moe_context` plus the per-forward values of SPEC sections 2 and 6:
+/// the actual-token count of this DP rank (rows past it are graph padding; the
+/// MC2 mask marks only the first `num_actual_tokens`) and prefill context
+/// parallelism (EP rank order DP x PCP x TP). Read only, like `amoe_moe_context`.
+#[derive(Debug, Clone, Copy)]
+#[repr(C)]
+pub struct amoe_moe_context_ex {
+    /// DP tokens, TP size, this rank's DP / TP rank and SP, as in `amoe_moe_context`.
+    pub base: amoe_moe_context,
+    /// Real tokens of this DP rank, at most its `dp_tokens` entry;
+    /// `AMOE_ALL_TOKENS` = all of them.
+    pub num_actual_tokens: usize,
+    /// PCP size (0 or 1 = no prefill context parallelism).
+    pub pcp_size: usize,
+    /// This rank's PCP rank (< `pcp_size`; 0 without PCP).
+    pub pcp_rank: usize,
+}
+
 /// The EP / TP / DP groups of a MoE layer, split from a world communicator.
 /// Owned by the caller (free with `amoe_moe_groups_free`).
 pub struct amoe_moe_groups {
@@ -53,6 +74,52 @@ unsafe fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, F
     // MoeContext::new bounds dp_size * tp_size by AMOE_MAX_EP_RANKS before
     // anything builds per-rank tables.
     Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
+}
+
+/// # Safety
+/// `ctx` NULL or valid, with `base.dp_tokens` readable for `base.dp_size` entries.
+unsafe fn context_ex(f: &str, ctx: *const amoe_moe_context_ex) -> Result<MoeContext, Failure> {
+    if ctx.is_null() {
+        return Err(Failure::null(f, "ctx"));
+    }
+    // SAFETY: non-null, valid per the contract.
+    let c = unsafe { &*ctx };
+    // SAFETY: the contract for `base`.
+    let mut m = unsafe { context(f, &c.base) }?;
+    if c.num_actual_tokens != AMOE_ALL_TOKENS {
+        m = m.with_num_actual_tokens(c.num_actual_tokens)?;
+    }
+    if c.pcp_size > 1 || c.pcp_rank != 0 {
+        m = m.with_pcp(c.pcp_size.max(1), c.pcp_rank)?;
+    }
+    Ok(m)
+}
+
+/// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * pcp_size + pcp) *
+/// tp_size + tp`) into this rank's TP, DP and PCP groups, for contexts with
+/// `pcp_size > 1`; `pcp_size` 1 is `amoe_moe_groups_new`. Collective. An error
+/// names the three sizes when the world is not DP x PCP x TP. `*out` receives a
+/// new handle owned by the caller.
+///
+/// # Safety
+/// `world` live; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_moe_groups_new_pcp(
+    world: *const amoe_comm,
+    pcp_size: usize,
+    tp_size: usize,
+    out: *mut *mut amoe_moe_groups,
+) -> amoe_status {
+    const F: &str = "amoe_moe_groups_new_pcp";
+    ffi!(F, {
+        // SAFETY: the communicator handle is NULL or live, per the export's contract.
+        let w = unsafe { comm_ref(F, world) }?;
+        let out = try_out!(F, out, "out");
+        let g = MoeGroups::from_world_pcp(w, pcp_size, tp_size)?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, Box::into_raw(Box::new(g)) as *mut amoe_moe_groups) };
+        Ok(())
+    })
 }
 
 /// Splits `world` (EP = DP x TP ranks, EP rank `dp * tp_size + tp`) into this
@@ -105,6 +172,32 @@ unsafe fn groups_ref<'a>(f: &str, groups: *const amoe_moe_groups) -> Result<&'a 
     Ok(unsafe { &*(groups as *const MoeGroups) })
 }
 
+/// The body of the prepare / finalize shape exports.
+///
+/// # Safety
+/// `x` valid; out-pointers writable.
+#[allow(clippy::too_many_arguments)]
+unsafe fn plan_shape(
+    f: &'static str,
+    arg: &'static str,
+    shape_of: fn(&[usize], CommType, &MoeContext) -> crate::Result<Vec<usize>>,
+    x: *const amoe_tensor,
+    comm_type: u32,
+    ctx: impl FnOnce() -> Result<MoeContext, Failure>,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: `x` is a valid descriptor, per the caller's contract.
+        let m = unsafe { read_meta(f, arg, x) }?;
+        let c = ctx()?;
+        let shape = shape_of(&m.shape, CommType::from_u32(comm_type)?, &c)?;
+        // SAFETY: the out-pointers are writable, per the caller's contract.
+        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
 /// Output shape of `amoe_token_prepare` for this rank's `x` (`[T_d or the SP
 /// shard, H...]`). Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
@@ -120,14 +213,83 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_output_shape";
-    ffi!(F, {
-        // SAFETY: `x` is a valid descriptor, per the export's contract.
-        let m = unsafe { read_meta(F, "x", x) }?;
-        // SAFETY: `ctx` is valid, per the export's contract.
-        let c = unsafe { context(F, ctx) }?;
-        let shape = pf::prepare_output_shape(&m.shape, CommType::from_u32(comm_type)?, &c)?;
-        // SAFETY: the out-pointers are writable, per the export's contract.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim) }
+}
+
+/// `amoe_token_prepare_output_shape` with an extended context (actual tokens, PCP).
+///
+/// # Safety
+/// As `amoe_token_prepare_output_shape`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_prepare_ex_output_shape(
+    x: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context_ex,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_token_prepare_ex_output_shape";
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context_ex(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim) }
+}
+
+/// The body of the prepare exports.
+///
+/// # Safety
+/// As `amoe_token_prepare`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn prepare_body(
+    f: &'static str,
+    x: *const amoe_tensor,
+    comm_type: u32,
+    ctx: impl FnOnce() -> Result<MoeContext, Failure>,
+    groups: *const amoe_moe_groups,
+    out: *const amoe_tensor,
+    mc2_mask: *mut u8,
+    mask_cap: usize,
+    mask_len: *mut usize,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        let c = ctx()?;
+        // SAFETY: `groups` is NULL or live, per the caller's contract.
+        let g = unsafe { groups_ref(f, groups) }?;
+        let ct = CommType::from_u32(comm_type)?;
+        // SAFETY: `x` is a valid descriptor, per the caller's contract.
+        let x = unsafe { read_tensor(f, "x", x) }?;
+        let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
+        let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
+        if !mc2_mask.is_null() && mask_cap < mask_want {
+            return Err(Failure::new(
+                amoe_status::BufferTooSmall,
+                format!("{f}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
+            ));
+        }
+        let p = pf::prepare(&x, ct, &c, g)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { write_tensor(f, "out", out, &p.hidden) }?;
+        let mask = p.mc2_mask.unwrap_or_default();
+        if !mask_len.is_null() {
+            // SAFETY: non-null, writable per the contract.
+            unsafe { write_out(mask_len, mask.len()) };
+        }
+        if !mc2_mask.is_null() {
+            for (i, &m) in mask.iter().enumerate().take(mask_cap) {
+                // SAFETY: `i < mask_cap`, writable per the contract.
+                unsafe { write_out(mc2_mask.add(i), m as u8) };
+            }
+        }
+        Ok(())
     })
 }
 
@@ -155,42 +317,36 @@ pub unsafe extern "C" fn amoe_token_prepare(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: `ctx` is valid, per the export's contract.
-        let c = unsafe { context(F, ctx) }?;
-        // SAFETY: `groups` is NULL or live, per the export's contract.
-        let g = unsafe { groups_ref(F, groups) }?;
-        let ct = CommType::from_u32(comm_type)?;
-        // SAFETY: `x` is a valid descriptor, per the export's contract.
-        let x = unsafe { read_tensor(F, "x", x) }?;
-        let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { check_out(F, "out", out, &shape, x.dtype()) }?;
-        let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
-        if !mc2_mask.is_null() && mask_cap < mask_want {
-            return Err(Failure::new(
-                amoe_status::BufferTooSmall,
-                format!("{F}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
-            ));
-        }
-        let p = pf::prepare(&x, ct, &c, g)?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "out", out, &p.hidden) }?;
-        let mask = p.mc2_mask.unwrap_or_default();
-        if !mask_len.is_null() {
-            // SAFETY: non-null, writable per the contract.
-            unsafe { write_out(mask_len, mask.len()) };
-        }
-        if !mc2_mask.is_null() {
-            for (i, &m) in mask.iter().enumerate().take(mask_cap) {
-                // SAFETY: `i < mask_cap`, writable per the contract.
-                unsafe { write_out(mc2_mask.add(i), m as u8) };
-            }
-        }
-        Ok(())
-    })
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream) }
+}
+
+/// `amoe_token_prepare` with an extended context: the MC2 mask marks the first
+/// `num_actual_tokens` rows of this DP rank, and with `pcp_size > 1` (groups
+/// from `amoe_moe_groups_new_pcp`) ALLGATHER without SP gathers over DP then
+/// PCP.
+///
+/// # Safety
+/// As `amoe_token_prepare`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_prepare_ex(
+    x: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context_ex,
+    groups: *const amoe_moe_groups,
+    out: *const amoe_tensor,
+    mc2_mask: *mut u8,
+    mask_cap: usize,
+    mask_len: *mut usize,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_token_prepare_ex";
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context_ex(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream) }
 }
 
 /// Output shape of `amoe_token_finalize` for the experts' output `y` (the
@@ -209,14 +365,60 @@ pub unsafe extern "C" fn amoe_token_finalize_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_output_shape";
-    ffi!(F, {
-        // SAFETY: `y` is a valid descriptor, per the export's contract.
-        let m = unsafe { read_meta(F, "y", y) }?;
-        // SAFETY: `ctx` is valid, per the export's contract.
-        let c = unsafe { context(F, ctx) }?;
-        let shape = pf::finalize_output_shape(&m.shape, CommType::from_u32(comm_type)?, &c)?;
-        // SAFETY: the out-pointers are writable, per the export's contract.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim) }
+}
+
+/// `amoe_token_finalize_output_shape` with an extended context.
+///
+/// # Safety
+/// As `amoe_token_prepare_output_shape`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_finalize_ex_output_shape(
+    y: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context_ex,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_token_finalize_ex_output_shape";
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context_ex(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim) }
+}
+
+/// The body of the finalize exports.
+///
+/// # Safety
+/// As `amoe_token_finalize`.
+unsafe fn finalize_body(
+    f: &'static str,
+    y: *const amoe_tensor,
+    comm_type: u32,
+    ctx: impl FnOnce() -> Result<MoeContext, Failure>,
+    groups: *const amoe_moe_groups,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        let c = ctx()?;
+        // SAFETY: `groups` is NULL or live, per the caller's contract.
+        let g = unsafe { groups_ref(f, groups) }?;
+        let ct = CommType::from_u32(comm_type)?;
+        // SAFETY: `y` is a valid descriptor, per the caller's contract.
+        let y = unsafe { super::ffi::read_consumed(f, "y", y, out) }?;
+        let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { check_out(f, "out", out, &shape, y.dtype()) }?;
+        let r = pf::finalize(y, ct, &c, g)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { write_tensor(f, "out", out, &r) }
     })
 }
 
@@ -237,21 +439,29 @@ pub unsafe extern "C" fn amoe_token_finalize(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: `ctx` is valid, per the export's contract.
-        let c = unsafe { context(F, ctx) }?;
-        // SAFETY: `groups` is NULL or live, per the export's contract.
-        let g = unsafe { groups_ref(F, groups) }?;
-        let ct = CommType::from_u32(comm_type)?;
-        // SAFETY: `y` is a valid descriptor, per the export's contract.
-        let y = unsafe { super::ffi::read_consumed(F, "y", y, out) }?;
-        let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { check_out(F, "out", out, &shape, y.dtype()) }?;
-        let r = pf::finalize(y, ct, &c, g)?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "out", out, &r) }
-    })
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { finalize_body(F, y, comm_type, ctx, groups, out, stream) }
+}
+
+/// `amoe_token_finalize` with an extended context: with `pcp_size > 1`,
+/// ALLGATHER without SP is a PCP reduce-scatter then a DP reduce-scatter.
+///
+/// # Safety
+/// As `amoe_token_prepare`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_finalize_ex(
+    y: *const amoe_tensor,
+    comm_type: u32,
+    ctx: *const amoe_moe_context_ex,
+    groups: *const amoe_moe_groups,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_token_finalize_ex";
+    // SAFETY: `ctx` is valid, per the export's contract.
+    let ctx = || unsafe { context_ex(F, ctx) };
+    // SAFETY: the export's contracts.
+    unsafe { finalize_body(F, y, comm_type, ctx, groups, out, stream) }
 }

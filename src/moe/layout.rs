@@ -82,6 +82,47 @@ impl SpLayout {
         Self::new(&sizes)
     }
 
+    /// The SP layout with prefill context parallelism: EP rank order is
+    /// DP x PCP x TP and every PCP rank of DP rank `d` holds `ceil(T_d / TP)`
+    /// rows per TP rank, `local_sizes[(d * pcp_size + p) * tp_size + t] =
+    /// ceil(T_d / tp_size)` (SPEC section 2; DP2 PCP2 TP2 with tokens [1, 9]
+    /// gives [1, 1, 1, 1, 5, 5, 5, 5]).
+    pub fn from_dp_tokens_pcp(dp_tokens: &[usize], pcp_size: usize, tp_size: usize) -> Result<Self> {
+        const OP: &str = "SpLayout::from_dp_tokens_pcp";
+        if pcp_size == 0 {
+            return Err(Error::invalid(OP, "pcp_size", "expected >= 1, got 0"));
+        }
+        if tp_size == 0 {
+            return Err(Error::invalid(OP, "tp_size", "expected >= 1, got 0"));
+        }
+        let cell = pcp_size.saturating_mul(tp_size);
+        bounded_ep(OP, "pcp_size", dp_tokens.len(), cell)?;
+        let sizes: Vec<usize> =
+            dp_tokens.iter().flat_map(|&t| std::iter::repeat(t.div_ceil(tp_size)).take(cell)).collect();
+        if sizes.is_empty() {
+            return Err(Error::invalid(OP, "dp_tokens", "expected one entry per DP rank, got none"));
+        }
+        Self::new(&sizes)
+    }
+
+    /// Checks that this layout has one entry per rank of DP `dp_size` x PCP
+    /// `pcp_size` x TP `tp_size`; the error names the three sizes.
+    pub fn check_dp_pcp_tp(&self, op: &'static str, dp_size: usize, pcp_size: usize, tp_size: usize) -> Result<()> {
+        let want = dp_size.checked_mul(pcp_size).and_then(|c| c.checked_mul(tp_size));
+        if want != Some(self.ep_size()) {
+            return Err(Error::invalid(
+                op,
+                "layout",
+                format!(
+                    "has {} entries, which does not fit DP {dp_size} x PCP {pcp_size} x TP {tp_size}{}",
+                    self.ep_size(),
+                    want.map_or(String::new(), |w| format!(" = {w} EP ranks"))
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Every rank holding `rows` rows (the layout of a plain reduce-scatter).
     pub fn uniform(ep_size: usize, rows: usize) -> Result<Self> {
         bounded_ep("SpLayout::uniform", "ep_size", ep_size, 1)?;

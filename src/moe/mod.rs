@@ -18,6 +18,7 @@
 //! | 1+3 | [`pad_reduce::finalize_and_reduce`]`(&FinalizeArgs, Option<&SpLayout>, ep)` | [`pad_reduce::finalize_and_reduce_output_shape`], [`pad_reduce::finalize_and_reduce_shape`]`(&FinalizeMeta, ..)` |
 //! | 5 | [`reduce::routed_is_reduced`]`(CommType, sp)`, [`reduce::ReducePolicy`]`::new(SharedMode, has_routed_transform, sp, tp_size, ep_size)` | identity |
 //! | 5 | `ReducePolicy::{reduce_routed_early, reduce_shared, reduce_final}(x: Tensor, CommType, tp)` | identity |
+//! | 5 | [`shared::shared_pad_split`]`(x, tp)`, [`shared::shared_gather_unpad`]`(x, num_tokens, tp)`, [`shared::shared_pad_reduce_scatter`]`(x, tp)` | [`shared::shared_pad_split_output_shape`], [`shared::shared_gather_unpad_output_shape`], [`shared::shared_pad_reduce_scatter_output_shape`] |
 //! | 6 | [`prepare_finalize::prepare`], [`prepare_finalize::finalize`], [`prepare_finalize::dispatch`], [`prepare_finalize::combine`] | [`prepare_finalize::prepare_output_shape`], [`prepare_finalize::finalize_output_shape`] |
 //!
 //! [`layer`] is the end-to-end MoE layer harness (`run_layer_case`,
@@ -57,6 +58,7 @@ pub mod layout;
 pub mod pad_reduce;
 pub mod prepare_finalize;
 pub mod reduce;
+pub mod shared;
 
 pub use finalize::{
     moe_finalize_routing, moe_finalize_routing_into, moe_finalize_routing_output_shape, moe_finalize_routing_shape,

@@ -34,6 +34,10 @@ pub struct MoeContext {
     dp_rank: usize,
     tp_rank: usize,
     sp: bool,
+    /// Real tokens of this DP rank (the rest of its `T_d` rows are graph padding).
+    num_actual_tokens: usize,
+    pcp_size: usize,
+    pcp_rank: usize,
 }
 
 impl MoeContext {
@@ -64,7 +68,70 @@ impl MoeContext {
         if tp_rank >= tp_size {
             return Err(Error::invalid(OP, "tp_rank", format!("{tp_rank} >= TP size {tp_size}")));
         }
-        Ok(MoeContext { dp_tokens: dp_tokens.to_vec(), tp_size, dp_rank, tp_rank, sp })
+        let num_actual_tokens = dp_tokens[dp_rank];
+        Ok(MoeContext {
+            dp_tokens: dp_tokens.to_vec(),
+            tp_size,
+            dp_rank,
+            tp_rank,
+            sp,
+            num_actual_tokens,
+            pcp_size: 1,
+            pcp_rank: 0,
+        })
+    }
+
+    /// This context with only the first `n` of this DP rank's `T_d` tokens
+    /// real: the MC2 mask marks them and not the graph padding after them, as
+    /// vLLM-Ascend's forward context does (`ascend_forward_context.py`: the
+    /// mask over `ceil_to(max_d T_d, TP)` rows is true for the first
+    /// `num_actual_tokens`, which defaults to the batch's token count).
+    /// Errors when `n > T_d`.
+    pub fn with_num_actual_tokens(mut self, n: usize) -> Result<Self> {
+        let t = self.dp_tokens[self.dp_rank];
+        if n > t {
+            return Err(Error::invalid(
+                "MoeContext::with_num_actual_tokens",
+                "num_actual_tokens",
+                format!("{n} exceeds the {t} tokens of DP rank {}", self.dp_rank),
+            ));
+        }
+        self.num_actual_tokens = n;
+        Ok(self)
+    }
+
+    /// This context with prefill context parallelism: `pcp_size` PCP ranks per
+    /// DP rank, this rank being `pcp_rank`. EP rank order is DP x PCP x TP
+    /// (SPEC section 2); every PCP rank of a DP rank holds that DP rank's tokens.
+    pub fn with_pcp(mut self, pcp_size: usize, pcp_rank: usize) -> Result<Self> {
+        const OP: &str = "MoeContext::with_pcp";
+        if pcp_size == 0 {
+            return Err(Error::invalid(OP, "pcp_size", "expected >= 1, got 0"));
+        }
+        if pcp_rank >= pcp_size {
+            return Err(Error::invalid(OP, "pcp_rank", format!("{pcp_rank} >= PCP size {pcp_size}")));
+        }
+        let dp_pcp = self.dp_size().saturating_mul(pcp_size);
+        crate::moe::layout::bounded_ep(OP, "pcp_size", dp_pcp, self.tp_size)?;
+        let max_t = self.dp_tokens.iter().copied().max().unwrap_or(0);
+        if max_t.checked_next_multiple_of(self.tp_size).and_then(|p| p.checked_mul(dp_pcp)).is_none() {
+            return Err(Error::invalid(OP, "pcp_size", format!("{dp_pcp} DP x PCP ranks of {max_t} tokens overflow")));
+        }
+        self.pcp_size = pcp_size;
+        self.pcp_rank = pcp_rank;
+        Ok(self)
+    }
+    /// Real tokens of this DP rank (default `T_d`).
+    pub fn num_actual_tokens(&self) -> usize {
+        self.num_actual_tokens
+    }
+    /// PCP size (1 without prefill context parallelism).
+    pub fn pcp_size(&self) -> usize {
+        self.pcp_size
+    }
+    /// This rank's PCP rank.
+    pub fn pcp_rank(&self) -> usize {
+        self.pcp_rank
     }
     /// Tokens of every DP rank.
     pub fn dp_tokens(&self) -> &[usize] {
@@ -78,9 +145,9 @@ impl MoeContext {
     pub fn tp_size(&self) -> usize {
         self.tp_size
     }
-    /// EP size (`DP * TP`).
+    /// EP size (`DP * PCP * TP`).
     pub fn ep_size(&self) -> usize {
-        self.dp_size() * self.tp_size
+        self.dp_size() * self.pcp_size * self.tp_size
     }
     /// This rank's DP rank.
     pub fn dp_rank(&self) -> usize {
@@ -90,9 +157,9 @@ impl MoeContext {
     pub fn tp_rank(&self) -> usize {
         self.tp_rank
     }
-    /// This rank's EP rank (`dp_rank * TP + tp_rank`).
+    /// This rank's EP rank (`(dp_rank * PCP + pcp_rank) * TP + tp_rank`).
     pub fn ep_rank(&self) -> usize {
-        self.dp_rank * self.tp_size + self.tp_rank
+        (self.dp_rank * self.pcp_size + self.pcp_rank) * self.tp_size + self.tp_rank
     }
     /// Sequence parallelism on.
     pub fn sp(&self) -> bool {
@@ -101,7 +168,7 @@ impl MoeContext {
     /// The SP layout (`Some` iff SP is on).
     pub fn sp_layout(&self) -> Option<SpLayout> {
         // from_dp_tokens fails only on empty input or tp 0, both excluded by `new`.
-        self.sp.then(|| SpLayout::from_dp_tokens(&self.dp_tokens, self.tp_size)).and_then(|r| r.ok())
+        self.sp.then(|| SpLayout::from_dp_tokens_pcp(&self.dp_tokens, self.pcp_size, self.tp_size)).and_then(|r| r.ok())
     }
     /// Rows this rank holds entering and leaving the MoE layer: `ceil(T_d / TP)`
     /// with SP, else `T_d`.
@@ -120,7 +187,8 @@ impl MoeContext {
 pub enum TokenPlan {
     /// ALLGATHER + SP: EP all-gather / pad-and-reduce over this layout.
     SpGather(SpLayout),
-    /// ALLGATHER without SP: pad to `max_tokens`, DP all-gather.
+    /// ALLGATHER without SP: pad to `max_tokens`, DP all-gather (then, with
+    /// PCP, PCP all-gather of the DP-gathered rows).
     DpGather {
         /// `max_d T_d`.
         max_tokens: usize,
@@ -172,7 +240,7 @@ fn check_rows(op: &'static str, arg: &'static str, shape: &[usize], want: usize,
 fn prepared_rows(plan: &TokenPlan, ctx: &MoeContext) -> usize {
     match plan {
         TokenPlan::SpGather(l) => l.total_rows(),
-        TokenPlan::DpGather { max_tokens } => max_tokens * ctx.dp_size(),
+        TokenPlan::DpGather { max_tokens } => max_tokens * ctx.dp_size() * ctx.pcp_size,
         TokenPlan::TpSplit { sizes, .. } => sizes[ctx.tp_rank],
         TokenPlan::Local => ctx.local_tokens(),
     }
@@ -191,13 +259,14 @@ pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext
     with_rows(FINALIZE, "y", y_shape, ctx.local_tokens())
 }
 
-/// The MC2 mask of this rank's prepared rows: `true` for a real token,
-/// `false` for padding. `Some` for MC2 / FUSED_MC2 only.
+/// The MC2 mask of this rank's prepared rows: `true` for the first
+/// `ctx.num_actual_tokens()` rows of this DP rank's tokens, `false` for graph
+/// padding and the TP padding. `Some` for MC2 / FUSED_MC2 only.
 pub fn mc2_mask(comm: CommType, ctx: &MoeContext) -> Option<Vec<bool>> {
     if !matches!(comm, CommType::Mc2 | CommType::FusedMc2) {
         return None;
     }
-    let t = ctx.dp_tokens[ctx.dp_rank];
+    let t = ctx.num_actual_tokens;
     let (first, rows) = match token_plan(comm, ctx) {
         TokenPlan::TpSplit { sizes, .. } => (sizes[..ctx.tp_rank].iter().sum::<usize>(), sizes[ctx.tp_rank]),
         // With SP, the rank holds chunk tp_rank of the batch padded to a multiple of TP.
@@ -207,15 +276,18 @@ pub fn mc2_mask(comm: CommType, ctx: &MoeContext) -> Option<Vec<bool>> {
 }
 
 /// The groups a MoE layer communicates over: EP (= the world, DP-major), the
-/// TP group of this rank and its DP group.
+/// TP group of this rank, its DP group and, with PCP, its PCP group.
 #[derive(Debug, Clone)]
 pub struct MoeGroups {
-    /// EP group: every rank, EP rank `dp * TP + tp`.
+    /// EP group: every rank, EP rank `(dp * PCP + pcp) * TP + tp`.
     pub ep: Comm,
-    /// This rank's TP group (`tp_size` ranks, same DP rank).
+    /// This rank's TP group (`tp_size` ranks, same DP and PCP rank).
     pub tp: Comm,
-    /// This rank's DP group (`dp_size` ranks, same TP rank).
+    /// This rank's DP group (`dp_size` ranks, same PCP and TP rank).
     pub dp: Comm,
+    /// This rank's PCP group (`pcp_size` ranks, same DP and TP rank); `None`
+    /// when the PCP size is 1.
+    pub pcp: Option<Comm>,
 }
 
 impl MoeGroups {
@@ -229,12 +301,29 @@ impl MoeGroups {
                 format!("{tp_size} does not divide the world size {ep}"),
             ));
         }
-        let (d, t) = (world.rank() / tp_size, world.rank() % tp_size);
-        let tp_ranks: Vec<usize> = (0..tp_size).map(|i| d * tp_size + i).collect();
-        let dp_ranks: Vec<usize> = (0..ep / tp_size).map(|i| i * tp_size + t).collect();
+        Self::from_world_pcp(world, 1, tp_size)
+    }
+
+    /// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * PCP + pcp) * TP
+    /// + tp`, as vLLM-Ascend orders them) into TP, DP and PCP groups. Every
+    /// rank calls it. An error names the three sizes when the world is not
+    /// DP x `pcp_size` x `tp_size`.
+    pub fn from_world_pcp(world: &Comm, pcp_size: usize, tp_size: usize) -> Result<Self> {
+        let ep = world.world_size();
+        let [d, p, t] = crate::comm::dp_pcp_tp_coords("MoeGroups::from_world_pcp", world, pcp_size, tp_size)?;
+        let dp_size = ep / (pcp_size * tp_size);
+        let at = |d: usize, p: usize, t: usize| (d * pcp_size + p) * tp_size + t;
+        let tp_ranks: Vec<usize> = (0..tp_size).map(|i| at(d, p, i)).collect();
+        let dp_ranks: Vec<usize> = (0..dp_size).map(|i| at(i, p, t)).collect();
         let tp = world.split(&tp_ranks)?;
         let dp = world.split(&dp_ranks)?;
-        Ok(MoeGroups { ep: world.clone(), tp, dp })
+        let pcp = if pcp_size > 1 {
+            let pcp_ranks: Vec<usize> = (0..pcp_size).map(|i| at(d, i, t)).collect();
+            Some(world.split(&pcp_ranks)?)
+        } else {
+            None
+        };
+        Ok(MoeGroups { ep: world.clone(), tp, dp, pcp })
     }
 }
 
@@ -248,7 +337,23 @@ pub struct Prepared {
 }
 
 fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) -> Result<()> {
+    if g.ep.world_size() != ctx.ep_size() {
+        return Err(Error::invalid(
+            op,
+            "ep",
+            format!(
+                "group has {} ranks, the context has DP {} x PCP {} x TP {} = {}",
+                g.ep.world_size(),
+                ctx.dp_size(),
+                ctx.pcp_size,
+                ctx.tp_size,
+                ctx.ep_size()
+            ),
+        ));
+    }
+    let (pcp_size, pcp_rank) = g.pcp.as_ref().map_or((1, 0), |c| (c.world_size(), c.rank()));
     let checks = [
+        ("pcp", pcp_size, ctx.pcp_size, pcp_rank, ctx.pcp_rank),
         ("ep", g.ep.world_size(), ctx.ep_size(), g.ep.rank(), ctx.ep_rank()),
         ("tp", g.tp.world_size(), ctx.tp_size, g.tp.rank(), ctx.tp_rank),
         ("dp", g.dp.world_size(), ctx.dp_size(), g.dp.rank(), ctx.dp_rank),
@@ -265,10 +370,80 @@ fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) -> Result<()>
     Ok(())
 }
 
+/// Whether [`prepare`] checks that every EP rank chose the same comm type:
+/// always on the CPU communicator; on the NPU only with
+/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (the check is an extra collective and a
+/// device-to-host read per layer there). `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it
+/// off everywhere.
+fn comm_type_check_enabled(ep: &Comm) -> bool {
+    match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
+        Some("0") => false,
+        Some("1") => true,
+        _ => matches!(ep.device(), crate::Device::Cpu),
+    }
+}
+
+/// Checks that every rank of `ep` chose `comm` for this forward (SPEC section
+/// 5: all EP ranks of a forward agree on the comm type). One all-gather of one
+/// i32 per rank; on disagreement every rank fails with the same error naming
+/// which ranks chose which type (e.g. DP 0 ALLGATHER, DP 1 MC2), instead of
+/// the collectives of the two paths failing with an unrelated mismatch on some
+/// ranks and succeeding on others.
+pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
+    let world = ep.world_size();
+    if world <= 1 {
+        return Ok(());
+    }
+    let device = ep.device();
+    let mine = Tensor::from_slice(&[comm as i32], &[1])?.to_device(&device)?;
+    let mut all = Tensor::zeros(&[world], DType::I32, &device)?;
+    ep.all_gather(&mine, &mut all)?;
+    let chosen = all.to_vec::<i32>()?;
+    if chosen.iter().all(|&c| c == comm as i32) {
+        return Ok(());
+    }
+    let mut by_type: Vec<(i32, Vec<usize>)> = Vec::new();
+    for (rank, &c) in chosen.iter().enumerate() {
+        match by_type.iter_mut().find(|(t, _)| *t == c) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => by_type.push((c, vec![rank])),
+        }
+    }
+    let parts: Vec<String> = by_type
+        .iter()
+        .map(|(c, ranks)| {
+            let name =
+                CommType::from_u32(*c as u32).map_or_else(|_| format!("unknown type {c}"), |t| t.name().to_string());
+            let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+            format!("{} {} chose {name}", if ranks.len() == 1 { "rank" } else { "ranks" }, list.join(", "))
+        })
+        .collect();
+    Err(Error::invalid(
+        PREPARE,
+        "comm_type",
+        format!(
+            "the EP ranks of group {:?} disagree on the MoE comm type of this forward: {} (this is rank {})",
+            ep.name(),
+            parts.join("; "),
+            ep.rank()
+        ),
+    ))
+}
+
 /// Prepare for `comm` (SPEC section 6): the tokens this rank routes.
+///
+/// The comm type of a forward enters here, at its first collective: when the
+/// check is on (see [`check_comm_type_agreement`]; always on the CPU
+/// communicator, where it costs one 4-byte all-gather next to the token
+/// gathers), every EP rank first learns every other rank's choice, so ranks
+/// that disagree all fail with an error naming the choices instead of
+/// running the collectives of two different paths.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
     let shape = prepare_output_shape(x.shape(), comm, ctx)?;
     check_groups(PREPARE, ctx, groups)?;
+    if comm_type_check_enabled(&groups.ep) {
+        check_comm_type_agreement(comm, &groups.ep)?;
+    }
     let device = x.device();
     let backend = device.backend();
     let hidden = match token_plan(comm, ctx) {
@@ -280,7 +455,17 @@ pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
                 if x.rows() > 0 {
                     backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
                 }
-                groups.dp.all_gather(&padded, &mut out)?;
+                match &groups.pcp {
+                    // vLLM-Ascend (`prepare_finalize.py`, `_prepare_with_dp_group`):
+                    // the DP all-gather first, then the PCP all-gather of its result.
+                    Some(pcp) => {
+                        let dp_rows = max_tokens * ctx.dp_size();
+                        let mut dp_out = backend.zeros(&with_rows(PREPARE, "x", x.shape(), dp_rows)?, x.dtype())?;
+                        groups.dp.all_gather(&padded, &mut dp_out)?;
+                        pcp.all_gather(&dp_out, &mut out)?;
+                    }
+                    None => groups.dp.all_gather(&padded, &mut out)?,
+                }
             }
             out
         }
@@ -322,7 +507,18 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         TokenPlan::DpGather { max_tokens } => {
             let mut slot = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
             if slot.numel() > 0 {
-                groups.dp.reduce_scatter(&y, &mut slot, ReduceOp::Sum)?;
+                match &groups.pcp {
+                    // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
+                    // the PCP reduce-scatter to the DP-gathered rows recorded at
+                    // prepare, then the DP reduce-scatter to `max_d T_d`.
+                    Some(pcp) => {
+                        let dp_rows = max_tokens * ctx.dp_size();
+                        let mut dp_in = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
+                        pcp.reduce_scatter(&y, &mut dp_in, ReduceOp::Sum)?;
+                        groups.dp.reduce_scatter(&dp_in, &mut slot, ReduceOp::Sum)?;
+                    }
+                    None => groups.dp.reduce_scatter(&y, &mut slot, ReduceOp::Sum)?,
+                }
             }
             keep(slot)
         }

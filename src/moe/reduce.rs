@@ -89,7 +89,9 @@ pub struct ReducePolicy {
 
 impl ReducePolicy {
     /// Builds the policy. Errors: a zero size, `ep_size` not a multiple of
-    /// `tp_size` (EP = DP x TP), or a sequence-parallel shared mode without SP.
+    /// `tp_size` (EP = DP x TP), a sequence-parallel shared mode without SP, or
+    /// `TensorParallel` with SP on and `tp_size > 1` (that expert is
+    /// `SequenceParallelOnly`; see [`crate::moe::shared`]).
     pub fn new(
         shared_mode: SharedMode,
         has_routed_transform: bool,
@@ -113,6 +115,21 @@ impl ReducePolicy {
                 OP,
                 "shared_mode",
                 format!("{} needs sequence parallelism, but sp is false", shared_mode.name()),
+            ));
+        }
+        if shared_mode == SharedMode::TensorParallel && sp && tp_size > 1 {
+            // vLLM-Ascend (`ops/fused_moe/shared_experts.py`,
+            // `parallel_mode`): with sharded activations and TP-sharded
+            // weights the shared expert gathers the shards, runs its weight
+            // shard and reduce-scatters, so its output is complete on the shard.
+            return Err(Error::invalid(
+                OP,
+                "shared_mode",
+                format!(
+                    "a TP-sharded shared expert with sp on and tp_size {tp_size} > 1 is SequenceParallelOnly in \
+                     vLLM-Ascend's classification, not TensorParallel: use SequenceParallelOnly with the \
+                     shared-expert SP helpers (gather_unpad, then pad_reduce_scatter)"
+                ),
             ));
         }
         let early = shared_mode == SharedMode::DataParallelOnly

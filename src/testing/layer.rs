@@ -23,6 +23,10 @@ use crate::moe::prepare_finalize::{
     combine, dispatch, finalize, finalize_output_shape, prepare, prepare_output_shape, MoeContext, MoeGroups,
 };
 use crate::moe::reduce::{ReducePolicy, SharedMode};
+use crate::moe::shared::{
+    shared_gather_unpad, shared_gather_unpad_output_shape, shared_pad_reduce_scatter,
+    shared_pad_reduce_scatter_output_shape, shared_pad_split, shared_pad_split_output_shape,
+};
 use crate::{with_dtype, DType, Device, DropPadMode, Element, Error, Result, Tensor};
 
 use super::model::{transform, Model, Spec, SHARED_INTER};
@@ -48,6 +52,12 @@ pub struct LayerCase {
     pub stale_reduction_comm: Option<CommType>,
     /// Shared-expert mode.
     pub shared: SharedMode,
+    /// The shared expert's weights are TP-sharded: always with `TensorParallel`;
+    /// with `SequenceParallelOnly` when TP > 1, the shared expert gathers the
+    /// sequence shards, runs its weight shard and reduce-scatters
+    /// ([`crate::moe::shared`]). A TP-sharded shared expert with SP on and
+    /// TP > 1 is `SequenceParallelOnly`, as vLLM-Ascend classifies it.
+    pub shared_tp_weights: bool,
     /// Apply the routed transform.
     pub routed_transform: bool,
     /// Data dtype.
@@ -75,6 +85,7 @@ impl LayerCase {
             trace_comm: None,
             stale_reduction_comm: None,
             shared,
+            shared_tp_weights: shared == SharedMode::TensorParallel,
             routed_transform: false,
             dtype,
             dp_tokens: vec![8; dp],
@@ -88,12 +99,13 @@ impl LayerCase {
     /// One-line name for tables.
     pub fn name(&self) -> String {
         let mut s = format!(
-            "dp{} tp{} sp={} {} shared={} transform={} {} tokens={:?} H={}",
+            "dp{} tp{} sp={} {} shared={}{} transform={} {} tokens={:?} H={}",
             self.dp,
             self.tp,
             if self.sp { "on" } else { "off" },
             self.comm.name(),
             self.shared.name(),
+            if self.shared == SharedMode::SequenceParallelOnly && self.shared_tp_weights { "(tp-weights)" } else { "" },
             if self.routed_transform { "on" } else { "off" },
             self.dtype,
             self.dp_tokens,
@@ -287,6 +299,51 @@ fn rank_forward(
             }
             Some(tensor_of(c.dtype, &s, &[rows, h], device)?)
         }
+        SharedMode::SequenceParallelOnly if c.shared_tp_weights && tp > 1 => {
+            // TP-sharded weights on sequence shards: gather the DP batch, run
+            // this rank's weight shard on it (TP-partial), pad, reduce-scatter.
+            let full = shared_gather_unpad(&x, td, &groups.tp)?;
+            shape_check(
+                "shared_gather_unpad",
+                full.shape(),
+                &shared_gather_unpad_output_shape(x.shape(), td, tp)?,
+                &mut checks,
+            )?;
+            let rows = host_f32(&full)?;
+            let (lo, hi) = (t * SHARED_INTER / tp, (t + 1) * SHARED_INTER / tp);
+            let part: Vec<f32> = rows.chunks(h).flat_map(|r| m.shared(r, lo, hi)).collect();
+            let part = tensor_of(c.dtype, &part, full.shape(), device)?;
+            let s = shared_pad_reduce_scatter(&part, &groups.tp)?;
+            shape_check(
+                "shared_pad_reduce_scatter",
+                s.shape(),
+                &shared_pad_reduce_scatter_output_shape(part.shape(), tp)?,
+                &mut checks,
+            )?;
+            Some(s)
+        }
+        SharedMode::DataParallelOnly if !c.sp && tp > 1 => {
+            // Replicated weights on the full batch: each TP rank runs its
+            // equal part of the padded batch, the parts are gathered.
+            let mine = shared_pad_split(&x, &groups.tp)?;
+            shape_check(
+                "shared_pad_split",
+                mine.shape(),
+                &shared_pad_split_output_shape(x.shape(), t, tp)?,
+                &mut checks,
+            )?;
+            let rows = host_f32(&mine)?;
+            let y: Vec<f32> = rows.chunks(h).flat_map(|r| m.shared(r, 0, SHARED_INTER)).collect();
+            let y = tensor_of(c.dtype, &y, mine.shape(), device)?;
+            let s = shared_gather_unpad(&y, td, &groups.tp)?;
+            shape_check(
+                "shared_gather_unpad",
+                s.shape(),
+                &shared_gather_unpad_output_shape(y.shape(), td, tp)?,
+                &mut checks,
+            )?;
+            Some(s)
+        }
         _ => {
             let mut s = vec![0f32; local * h];
             for j in 0..local {
@@ -300,16 +357,7 @@ fn rank_forward(
             let before = s.shape().to_vec();
             let s = policy.reduce_shared(s, reduce_with, &groups.tp)?;
             shape_check("reduce_shared", s.shape(), &before, &mut checks)?;
-            Some(if c.shared == SharedMode::TensorParallel && c.sp {
-                // The reduced shared output of the whole batch; keep this rank's chunk.
-                let mut mine = Tensor::zeros(&[local, h], c.dtype, device)?;
-                if local > 0 {
-                    device.backend().copy_rows(&s, t * local, &mut mine, 0, local)?;
-                }
-                mine
-            } else {
-                s
-            })
+            Some(s)
         }
         None => None,
     };
@@ -551,17 +599,24 @@ pub fn shared_modes(sp: bool) -> Vec<SharedMode> {
 /// The whole matrix: DP in {1, 2}, TP in {1, 2, 4}, SP on / off, every comm
 /// type, every shared mode valid for the SP setting, f32 and bf16, every token
 /// distribution; the routed transform alternates so that every (comm, shared,
-/// SP) triple runs with and without it.
+/// SP) triple runs with and without it. The TP-sharded shared expert with SP on
+/// and TP > 1 runs as `SequenceParallelOnly` with TP-sharded weights
+/// ([`LayerCase::shared_tp_weights`]), as `TensorParallel` is refused there.
 pub fn all_layer_cases() -> Vec<LayerCase> {
     let mut cases = Vec::new();
     for dp in [1, 2] {
         for tp in [1, 2, 4] {
             for (_, tokens, hidden) in token_distributions(dp, tp) {
                 for sp in [false, true] {
-                    for shared in shared_modes(sp) {
+                    for mode in shared_modes(sp) {
+                        // A TP-sharded shared expert with SP on and TP > 1 is
+                        // SequenceParallelOnly (vLLM-Ascend's classification).
+                        let reclassified = sp && tp > 1 && mode == SharedMode::TensorParallel;
+                        let shared = if reclassified { SharedMode::SequenceParallelOnly } else { mode };
                         for comm in CommType::ALL {
                             for dtype in [DType::F32, DType::BF16] {
                                 let mut c = LayerCase::new(dp, tp, sp, comm, shared, dtype);
+                                c.shared_tp_weights = mode == SharedMode::TensorParallel;
                                 c.dp_tokens = tokens.clone();
                                 c.hidden = hidden;
                                 c.routed_transform = (dtype == DType::BF16) ^ (comm as u32 % 2 == 1);

@@ -75,6 +75,12 @@ pub fn hccl_dtype(d: DType) -> HcclDataType {
         DType::BF16 => HcclDataType::HCCL_DATA_TYPE_BFP16,
         DType::I32 => HcclDataType::HCCL_DATA_TYPE_INT32,
         DType::I64 => HcclDataType::HCCL_DATA_TYPE_INT64,
+        // The one-byte dtypes only travel in data movement (all-gather,
+        // all-to-all, broadcast), which copies `count` one-byte elements
+        // whatever their type: moved as HCCL int8 / uint8 (both in
+        // HcclDataType of hccl_types.h), never reduced (`Comm` refuses).
+        DType::I8 => HcclDataType::HCCL_DATA_TYPE_INT8,
+        DType::U8 | DType::Bool | DType::F8E4M3 | DType::F8E5M2 => HcclDataType::HCCL_DATA_TYPE_UINT8,
     }
 }
 

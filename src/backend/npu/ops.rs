@@ -49,6 +49,11 @@ pub fn acl_dtype(d: DType) -> aclDataType {
         DType::BF16 => aclDataType::ACL_BF16,
         DType::I32 => aclDataType::ACL_INT32,
         DType::I64 => aclDataType::ACL_INT64,
+        DType::I8 => aclDataType::ACL_INT8,
+        DType::U8 => aclDataType::ACL_UINT8,
+        DType::Bool => aclDataType::ACL_BOOL,
+        DType::F8E4M3 => aclDataType::ACL_FLOAT8_E4M3FN,
+        DType::F8E5M2 => aclDataType::ACL_FLOAT8_E5M2,
     }
 }
 

@@ -27,7 +27,7 @@ pub type Section = fn(&Comm) -> ascend_moe::Result<Vec<Row>>;
 
 /// Every section, in run order. A new section is one line here.
 pub const SECTIONS: &[(&str, Section)] =
-    &[("collectives", crate::check_collectives::run), ("moe", crate::check_moe::run)];
+    &[("collectives", crate::check_collectives::run), ("spec", crate::check_spec::run), ("moe", crate::check_moe::run)];
 
 #[derive(clap::Args)]
 pub struct Args {

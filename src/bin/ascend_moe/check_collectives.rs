@@ -3,7 +3,7 @@
 //! against a naive reference computed here, on every rank.
 
 use ascend_moe::half::{bf16, f16};
-use ascend_moe::{with_dtype, Collectives, Comm, DType, Element, ReduceOp, Tensor};
+use ascend_moe::{with_dtype, with_reducible_dtype, Collectives, Comm, DType, Element, ReduceOp, Tensor};
 
 use crate::check::Row;
 
@@ -151,40 +151,91 @@ fn cases<T: Ref>(comm: &Comm, rows: &mut Vec<Row>) -> ascend_moe::Result<()> {
         comm.reduce_scatter_v(&src, &mut dst, &counts, ReduceOp::Max)?;
         let full = reduced::<T>(s, w, total, ReduceOp::Max);
         rows.push(row("reduce_scatter_v max".into(), total, &dst, &full[d[rank]..d[rank] + counts[rank]]));
-        let s = seed + 7;
-        let src = tensor(&data::<T>(s, rank, n))?;
-        let mut dst = Tensor::zeros_cpu(&[n * w], dt);
-        comm.all_gather(&src, &mut dst)?;
-        let want: Vec<T> = (0..w).flat_map(|j| data::<T>(s, j, n)).collect();
-        rows.push(row("all_gather".into(), n * w, &dst, &want));
-        let s = seed + 8;
-        let src = tensor(&data::<T>(s, rank, counts[rank]))?;
-        let mut dst = Tensor::zeros_cpu(&[total], dt);
-        comm.all_gather_v(&src, &mut dst, &counts)?;
-        let want: Vec<T> = (0..w).flat_map(|j| data::<T>(s, j, counts[j])).collect();
-        rows.push(row("all_gather_v".into(), total, &dst, &want));
-        // all_to_all_v: m[i][j] elements from rank i to rank j.
-        let m: Vec<Vec<usize>> = (0..w).map(|i| (0..w).map(|j| (n / w + i * 3 + j) % (n + 1)).collect()).collect();
-        let s = seed + 9;
-        let send = m[rank].clone();
-        let recv: Vec<usize> = (0..w).map(|i| m[i][rank]).collect();
-        let src = tensor(&data::<T>(s, rank, send.iter().sum()))?;
-        let mut dst = Tensor::zeros_cpu(&[recv.iter().sum()], dt);
-        comm.all_to_all_v(&src, &send, &mut dst, &recv)?;
-        let want: Vec<T> = (0..w)
-            .flat_map(|i| {
-                let from = data::<T>(s, i, m[i].iter().sum());
-                let off = prefix(&m[i])[rank];
-                from[off..off + m[i][rank]].to_vec()
-            })
-            .collect();
-        rows.push(row("all_to_all_v".into(), recv.iter().sum(), &dst, &want));
-        let s = seed + 10;
-        let root = (si + 1) % w;
-        let mut buf = tensor(&data::<T>(s, rank, n))?;
-        comm.broadcast(&mut buf, root)?;
-        rows.push(row(format!("broadcast root {root}"), n, &buf, &data::<T>(s, root, n)));
+        move_cases(comm, rows, si, n, seed, T::gen)?;
     }
+    comm.barrier()
+}
+
+fn gen_data<T: Element>(gen: fn(u64, usize, usize) -> T, seed: u64, rank: usize, n: usize) -> Vec<T> {
+    (0..n).map(|i| gen(seed, rank, i)).collect()
+}
+
+/// The data-movement collectives (bitwise exact for every dtype) on size
+/// index `si` (`n` elements), data from `gen`.
+fn move_cases<T: Element>(
+    comm: &Comm,
+    rows: &mut Vec<Row>,
+    si: usize,
+    n: usize,
+    seed: u64,
+    gen: fn(u64, usize, usize) -> T,
+) -> ascend_moe::Result<()> {
+    let (rank, w) = (comm.rank(), comm.world_size());
+    let dt = T::DTYPE;
+    let counts: Vec<usize> = (0..w).map(|j| (n / w + j * (n % 7)) % (n + 1)).collect();
+    let total = counts.iter().sum::<usize>();
+    let s = seed + 7;
+    let src = tensor(&gen_data(gen, s, rank, n))?;
+    let mut dst = Tensor::zeros_cpu(&[n * w], dt);
+    comm.all_gather(&src, &mut dst)?;
+    let want: Vec<T> = (0..w).flat_map(|j| gen_data(gen, s, j, n)).collect();
+    rows.push(row("all_gather".into(), n * w, &dst, &want));
+    let s = seed + 8;
+    let src = tensor(&gen_data(gen, s, rank, counts[rank]))?;
+    let mut dst = Tensor::zeros_cpu(&[total], dt);
+    comm.all_gather_v(&src, &mut dst, &counts)?;
+    let want: Vec<T> = (0..w).flat_map(|j| gen_data(gen, s, j, counts[j])).collect();
+    rows.push(row("all_gather_v".into(), total, &dst, &want));
+    // all_to_all_v: m[i][j] elements from rank i to rank j.
+    let m: Vec<Vec<usize>> = (0..w).map(|i| (0..w).map(|j| (n / w + i * 3 + j) % (n + 1)).collect()).collect();
+    let s = seed + 9;
+    let send = m[rank].clone();
+    let recv: Vec<usize> = (0..w).map(|i| m[i][rank]).collect();
+    let src = tensor(&gen_data(gen, s, rank, send.iter().sum()))?;
+    let mut dst = Tensor::zeros_cpu(&[recv.iter().sum()], dt);
+    comm.all_to_all_v(&src, &send, &mut dst, &recv)?;
+    let want: Vec<T> = (0..w)
+        .flat_map(|i| {
+            let from = gen_data(gen, s, i, m[i].iter().sum());
+            let off = prefix(&m[i])[rank];
+            from[off..off + m[i][rank]].to_vec()
+        })
+        .collect();
+    rows.push(row("all_to_all_v".into(), recv.iter().sum(), &dst, &want));
+    let s = seed + 10;
+    let root = (si + 1) % w;
+    let mut buf = tensor(&gen_data(gen, s, rank, n))?;
+    comm.broadcast(&mut buf, root)?;
+    rows.push(row(format!("broadcast root {root}"), n, &buf, &gen_data(gen, s, root, n)));
+    Ok(())
+}
+
+/// Any byte of a one-byte dtype (every bit pattern, NaN codes included).
+fn byte_gen<T: Element>(seed: u64, rank: usize, i: usize) -> T {
+    bytemuck::cast::<u8, T>(hash(seed, rank, i) as u8)
+}
+
+/// The one-byte dtypes: moved bitwise, and a reduction refused on every rank.
+fn byte_cases<T: Element>(comm: &Comm, rows: &mut Vec<Row>) -> ascend_moe::Result<()> {
+    let dt = T::DTYPE;
+    for (si, &n) in SIZES.iter().enumerate() {
+        move_cases(comm, rows, si, n, (dt as u64) << 32 | (si as u64) << 16, byte_gen::<T>)?;
+    }
+    let src = tensor(&gen_data(byte_gen::<T>, 1, comm.rank(), 8))?;
+    let mut dst = Tensor::zeros_cpu(&[8], dt);
+    let detail = match comm.all_reduce(&src, &mut dst, ReduceOp::Sum) {
+        Ok(()) => format!("all_reduce of {dt} was accepted"),
+        Err(e) if e.to_string().contains("never reduced") => String::new(),
+        Err(e) => format!("unexpected error: {e}"),
+    };
+    rows.push(Row {
+        section: "collectives",
+        case: "all_reduce refused".into(),
+        dtype: dt.name().into(),
+        count: 8,
+        ok: detail.is_empty(),
+        detail,
+    });
     comm.barrier()
 }
 
@@ -192,7 +243,10 @@ fn cases<T: Ref>(comm: &Comm, rows: &mut Vec<Row>) -> ascend_moe::Result<()> {
 pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for dt in DType::ALL {
-        with_dtype!(dt, T => cases::<T>(comm, &mut rows)?);
+        with_reducible_dtype!(dt, T => cases::<T>(comm, &mut rows)?, else ());
+    }
+    for dt in DType::BYTE_MOVES {
+        with_dtype!(dt, T => byte_cases::<T>(comm, &mut rows)?);
     }
     Ok(rows)
 }

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 
+use ascend_moe::moe::SharedMode;
 use ascend_moe::testing::layer::{all_layer_cases, run_layer_case_rank, RankReport};
 use ascend_moe::{Collectives, Comm, Device, ReduceOp, Tensor};
 
@@ -78,12 +79,13 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
 /// The case name without the dtype and the token list (they have columns).
 fn short_name(c: &ascend_moe::testing::layer::LayerCase) -> String {
     format!(
-        "dp{} tp{} sp={} {} shared={}{}",
+        "dp{} tp{} sp={} {} shared={}{}{}",
         c.dp,
         c.tp,
         if c.sp { "on" } else { "off" },
         c.comm.name(),
         c.shared.name(),
+        if c.shared == SharedMode::SequenceParallelOnly && c.shared_tp_weights { "(tp-weights)" } else { "" },
         if c.routed_transform { " +transform" } else { "" }
     )
 }

@@ -74,6 +74,11 @@ fn data_type(d: DType) -> DataType {
         DType::BF16 => DataType::BF16,
         DType::I32 => DataType::I32,
         DType::I64 => DataType::I64,
+        DType::I8 => DataType::I8,
+        DType::U8 => DataType::U8,
+        DType::Bool => DataType::Bool,
+        DType::F8E4M3 => DataType::F8E4M3,
+        DType::F8E5M2 => DataType::F8E5M2,
     }
 }
 

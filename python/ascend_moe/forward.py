@@ -1,0 +1,167 @@
+"""The forward context (SPEC section 5): the values the engine sets once per
+forward pass, read by the ops when they execute.
+
+    with ascend_moe.forward_context(CommType.MC2, dp_tokens=[6, 3], sp=False):
+        y = compiled_model(x)
+
+The comm type, the DP token counts, this DP rank's actual-token count (rows past
+it are graph padding), SP on/off and the PCP size are run-time values: the
+context-reading torch ops (`torch.ops.ascend_moe.*_fc`) take only tensors and a
+layer id, so a compiled graph cannot capture any of them. Their fake
+implementations read the context at trace time, for shapes only; their output
+shapes depend on input shapes alone, so a graph traced under one context is
+valid under every other (a different input shape retraces through Dynamo's
+shape guards).
+
+The static part of a MoE layer (its groups, this rank's DP / TP / PCP ranks,
+its reduce policy and its experts) is registered once with `MoeLayer`, whose
+`layer_id` the ops take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Callable, Optional
+
+from ._lib import AmoeError, Status
+from .comm import Comm
+from .ops import CommType, ReducePolicy
+from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+    """One forward pass: the live MoE comm type, the tokens of every DP rank,
+    the actual tokens of this DP rank (None = all), SP on/off, the PCP size."""
+
+    comm_type: CommType
+    dp_tokens: tuple
+    num_actual_tokens: Optional[int] = None
+    sp: bool = False
+    pcp_size: int = 1
+
+    def __post_init__(self):
+        try:
+            ct = CommType(int(self.comm_type))
+        except ValueError:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown MoE comm type {self.comm_type!r} (expected 0..=3)") from None
+        object.__setattr__(self, "comm_type", ct)
+        object.__setattr__(self, "dp_tokens", tuple(int(t) for t in self.dp_tokens))
+        if not self.dp_tokens or any(t < 0 for t in self.dp_tokens):
+            raise AmoeError(Status.INVALID_ARGUMENT, f"dp_tokens must be one count >= 0 per DP rank, got {list(self.dp_tokens)}")
+        if int(self.pcp_size) < 1:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"pcp_size must be >= 1, got {self.pcp_size}")
+        object.__setattr__(self, "pcp_size", int(self.pcp_size))
+        object.__setattr__(self, "sp", bool(self.sp))
+
+
+# Per thread: the engine sets the context in the thread that runs the forward
+# (ranks run as threads of one process in tests).
+_LOCAL = threading.local()
+
+
+def _stack() -> list:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
+def set_forward_context(ctx: Optional[ForwardContext]) -> None:
+    """Replaces the current forward context of this thread (None clears it)."""
+    _stack()[:] = [] if ctx is None else [ctx]
+
+
+def get_forward_context() -> ForwardContext:
+    """The live forward context of this thread; an error when the engine set none."""
+    stack = _stack()
+    if not stack:
+        raise AmoeError(
+            Status.INVALID_ARGUMENT,
+            "no MoE forward context is set: run the forward inside `ascend_moe.forward_context(...)` "
+            "or after `ascend_moe.set_forward_context(...)`",
+        )
+    return stack[-1]
+
+
+@contextlib.contextmanager
+def forward_context(comm_type, dp_tokens, num_actual_tokens=None, sp=False, pcp_size=1):
+    """Sets the forward context for the body of the `with` (nested contexts
+    restore the outer one on exit)."""
+    stack = _stack()
+    stack.append(ForwardContext(comm_type, tuple(dp_tokens), num_actual_tokens, sp, pcp_size))
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+_LAYERS: dict = {}
+
+
+class MoeLayer:
+    """The static part of one MoE layer on this rank, registered under
+    `layer_id`: its groups (`MoeGroups`, built with the PCP size the forward
+    contexts will use), its TP communicator, this rank's place (TP size, DP /
+    TP / PCP rank), its reduce policy and its experts, a callable
+    `experts(hidden, mc2_mask, comm_type) -> routed` on numpy arrays that maps
+    the prepared tokens to the routed output of the same rows."""
+
+    def __init__(
+        self,
+        groups: MoeGroups,
+        tp_comm: Comm,
+        tp_size: int,
+        dp_rank: int,
+        tp_rank: int,
+        experts: Callable,
+        policy: Optional[ReducePolicy] = None,
+        pcp_rank: int = 0,
+    ):
+        self.groups, self.tp_comm, self.experts, self.policy = groups, tp_comm, experts, policy
+        self.tp_size, self.dp_rank, self.tp_rank, self.pcp_rank = int(tp_size), int(dp_rank), int(tp_rank), int(pcp_rank)
+        self.layer_id = max(_LAYERS, default=0) + 1
+        _LAYERS[self.layer_id] = self
+
+    @staticmethod
+    def lookup(layer_id: int) -> "MoeLayer":
+        try:
+            return _LAYERS[int(layer_id)]
+        except KeyError:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"no MoE layer is registered under id {layer_id}") from None
+
+    def close(self) -> None:
+        _LAYERS.pop(self.layer_id, None)
+
+    def context(self, ctx: Optional[ForwardContext] = None) -> MoeContext:
+        """The `MoeContext` of this rank in forward context `ctx` (default: the live one)."""
+        ctx = ctx or get_forward_context()
+        return MoeContext(
+            ctx.dp_tokens,
+            self.tp_size,
+            self.dp_rank,
+            self.tp_rank,
+            ctx.sp,
+            num_actual_tokens=ctx.num_actual_tokens,
+            pcp_size=ctx.pcp_size,
+            pcp_rank=self.pcp_rank,
+        )
+
+    def checked_policy(self, ctx: ForwardContext) -> ReducePolicy:
+        if self.policy is None:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"MoE layer {self.layer_id} has no reduce policy")
+        if self.policy.sp != ctx.sp:
+            raise AmoeError(
+                Status.INVALID_ARGUMENT,
+                f"MoE layer {self.layer_id}: its policy has sp={self.policy.sp}, the forward context sp={ctx.sp}",
+            )
+        return self.policy
+
+    def forward(self, x):
+        """prepare -> experts -> finalize under the live forward context (numpy)."""
+        ctx = get_forward_context()
+        mctx = self.context(ctx)
+        hidden, mask = token_prepare(x, ctx.comm_type, mctx, self.groups)
+        routed = self.experts(hidden, mask, ctx.comm_type)
+        return token_finalize(routed, ctx.comm_type, mctx, self.groups)

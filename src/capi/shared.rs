@@ -1,0 +1,183 @@
+//! The shared-expert token helpers (SPEC section 5, `crate::moe::shared`):
+//! DP-only = `amoe_shared_pad_split`, MLP, `amoe_shared_gather_unpad`;
+//! SP-only = `amoe_shared_gather_unpad`, MLP, `amoe_shared_pad_reduce_scatter`.
+//! Each op has an `*_output_shape` twin calling the Rust shape function the op
+//! sizes its output with.
+
+use super::comm::{amoe_comm, amoe_stream, comm_ref};
+use super::ffi::{check_out, ffi, read_meta, read_tensor, write_shape, write_tensor};
+use super::{amoe_status, amoe_tensor};
+use crate::moe::shared;
+use crate::{Collectives, Comm, Tensor};
+
+/// The body of a shape export: `shape_of(x shape)` written to the out-pointers.
+///
+/// # Safety
+/// `x` valid; out-pointers as `amoe_moe_finalize_routing_output_shape`.
+unsafe fn shape_body(
+    f: &'static str,
+    x: *const amoe_tensor,
+    shape_of: impl FnOnce(&[usize]) -> crate::Result<Vec<usize>>,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: the caller's descriptor contract.
+        let m = unsafe { read_meta(f, "x", x) }?;
+        let shape = shape_of(&m.shape)?;
+        // SAFETY: the caller's contracts for the out-pointers.
+        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
+/// The body of an op export: `out = op(x, tp)` after `out` is checked against
+/// `shape_of(x shape, tp rank, tp size)`.
+///
+/// # Safety
+/// `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
+unsafe fn op_body(
+    f: &'static str,
+    x: *const amoe_tensor,
+    tp_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+    shape_of: impl FnOnce(&[usize], usize, usize) -> crate::Result<Vec<usize>>,
+    op: impl FnOnce(&Tensor, &Comm) -> crate::Result<Tensor>,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        // SAFETY: the caller's contracts, for every call below.
+        let tp = unsafe { comm_ref(f, tp_comm) }?;
+        let x = unsafe { read_tensor(f, "x", x) }?;
+        let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
+        let y = op(&x, tp)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { write_tensor(f, "out", out, &y) }
+    })
+}
+
+/// Output shape of `amoe_shared_pad_split` on TP rank `tp_rank` of `tp_size`:
+/// `x [T, H...]` -> `[ceil(T / tp_size), H...]`. Out-pointers as
+/// `amoe_moe_finalize_routing_output_shape`.
+///
+/// # Safety
+/// `x` valid; out-pointers writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_shared_pad_split_output_shape(
+    x: *const amoe_tensor,
+    tp_rank: usize,
+    tp_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_shared_pad_split_output_shape";
+    let shape_of = |s: &[usize]| shared::shared_pad_split_output_shape(s, tp_rank, tp_size);
+    // SAFETY: the caller's contracts.
+    unsafe { shape_body(F, x, shape_of, out_shape, cap, out_ndim) }
+}
+
+/// DP-only shared-expert prepare: zero-pad the DP batch `x [T, H...]` to a
+/// multiple of the TP size and write this TP rank's equal part. Local (no
+/// communication); `tp_comm` gives the rank and size. Ownership as
+/// `amoe_moe_finalize_routing`.
+///
+/// # Safety
+/// `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_shared_pad_split(
+    x: *const amoe_tensor,
+    tp_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_shared_pad_split";
+    let op = |x: &Tensor, tp: &Comm| shared::shared_pad_split(x, tp);
+    // SAFETY: the caller's contracts.
+    unsafe { op_body(F, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op) }
+}
+
+/// Output shape of `amoe_shared_gather_unpad`: `x` must have
+/// `ceil(num_tokens / tp_size)` rows; the output has `num_tokens`.
+///
+/// # Safety
+/// `x` valid; out-pointers writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_shared_gather_unpad_output_shape(
+    x: *const amoe_tensor,
+    num_tokens: usize,
+    tp_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_shared_gather_unpad_output_shape";
+    let shape_of = |s: &[usize]| shared::shared_gather_unpad_output_shape(s, num_tokens, tp_size);
+    // SAFETY: the caller's contracts.
+    unsafe { shape_body(F, x, shape_of, out_shape, cap, out_ndim) }
+}
+
+/// DP-only shared-expert finalize and SP-only prepare: TP all-gather every
+/// rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
+/// Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
+///
+/// # Safety
+/// As `amoe_shared_pad_split`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_shared_gather_unpad(
+    x: *const amoe_tensor,
+    num_tokens: usize,
+    tp_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_shared_gather_unpad";
+    let shape_of =
+        |s: &[usize], _rank: usize, size: usize| shared::shared_gather_unpad_output_shape(s, num_tokens, size);
+    let op = |x: &Tensor, tp: &Comm| shared::shared_gather_unpad(x, num_tokens, tp);
+    // SAFETY: the caller's contracts.
+    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op) }
+}
+
+/// Output shape of `amoe_shared_pad_reduce_scatter`: `x [T, H...]` ->
+/// `[ceil(T / tp_size), H...]`.
+///
+/// # Safety
+/// `x` valid; out-pointers writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter_output_shape(
+    x: *const amoe_tensor,
+    tp_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_shared_pad_reduce_scatter_output_shape";
+    let shape_of = |s: &[usize]| shared::shared_pad_reduce_scatter_output_shape(s, tp_size);
+    // SAFETY: the caller's contracts.
+    unsafe { shape_body(F, x, shape_of, out_shape, cap, out_ndim) }
+}
+
+/// SP-only shared-expert finalize: zero-pad the TP-partial `x [T, H...]` to a
+/// multiple of the TP size and reduce-scatter (sum) over `tp_comm`: this rank's
+/// complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
+///
+/// # Safety
+/// As `amoe_shared_pad_split`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter(
+    x: *const amoe_tensor,
+    tp_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_shared_pad_reduce_scatter";
+    let shape_of = |s: &[usize], _rank: usize, size: usize| shared::shared_pad_reduce_scatter_output_shape(s, size);
+    let op = |x: &Tensor, tp: &Comm| shared::shared_pad_reduce_scatter(x, tp);
+    // SAFETY: the caller's contracts.
+    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op) }
+}

@@ -1,0 +1,133 @@
+//! The shared-expert token helpers of the two shared-expert layouts that move
+//! tokens over the TP group (SPEC section 5).
+//!
+//! vLLM-Ascend (`ops/fused_moe/shared_experts.py`, `SharedExperts.parallel_mode`
+//! and its `_prepare_*` / `_finalize_*` helpers) runs a shared expert with TP
+//! size > 1 in one of two token layouts:
+//!
+//! * **DP-only** (replicated weights, full activations): each TP rank pads the
+//!   DP batch to a multiple of TP with zero rows, keeps its equal part
+//!   ([`shared_pad_split`]), runs the MLP on it, and the parts are TP
+//!   all-gathered and the padding dropped ([`shared_gather_unpad`]).
+//! * **SP-only** (TP-sharded weights, sequence-sharded activations): each TP
+//!   rank TP all-gathers the sequence shards and drops the padding
+//!   ([`shared_gather_unpad`]), runs its weight shard on the whole batch (a
+//!   TP-partial sum), then pads back to a multiple of TP and reduce-scatters
+//!   ([`shared_pad_reduce_scatter`]): each rank ends with its complete shard.
+//!
+//! Every TP rank of a DP rank holds `ceil(T / TP)` rows in the sharded form
+//! (`T` = tokens of the DP rank), which is the SP layout of section 2.
+//! Each op sizes its output with its `*_output_shape` function.
+
+use crate::backend::args::with_rows;
+use crate::comm::{Collectives, ReduceOp};
+use crate::{Error, Result, Tensor};
+
+const PAD_SPLIT: &str = "shared_pad_split";
+const GATHER_UNPAD: &str = "shared_gather_unpad";
+const PAD_REDUCE_SCATTER: &str = "shared_pad_reduce_scatter";
+
+fn check_tp(op: &'static str, tp_rank: usize, tp_size: usize) -> Result<()> {
+    if tp_size == 0 || tp_rank >= tp_size {
+        return Err(Error::invalid(op, "tp", format!("rank {tp_rank} is not a rank of a TP group of {tp_size}")));
+    }
+    Ok(())
+}
+
+fn rows_of(op: &'static str, arg: &'static str, shape: &[usize]) -> Result<usize> {
+    shape.first().copied().ok_or_else(|| Error::shape(op, arg, "[rows, H...] (at least 1-D)", shape))
+}
+
+/// Shape function of [`shared_pad_split`]: `x [T, H...]` -> `[ceil(T / tp_size), H...]`.
+pub fn shared_pad_split_output_shape(x_shape: &[usize], tp_rank: usize, tp_size: usize) -> Result<Vec<usize>> {
+    check_tp(PAD_SPLIT, tp_rank, tp_size)?;
+    let t = rows_of(PAD_SPLIT, "x", x_shape)?;
+    with_rows(PAD_SPLIT, "x", x_shape, t.div_ceil(tp_size))
+}
+
+/// DP-only prepare: zero-pads `x` (`[T, H...]`, the DP batch) to a multiple of
+/// the TP size and returns this TP rank's equal part, rows
+/// `[r * ceil(T/TP), (r + 1) * ceil(T/TP))` (padding rows are zeros). Local:
+/// `tp` gives only this rank's place in the TP group.
+pub fn shared_pad_split<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
+    let shape = shared_pad_split_output_shape(x.shape(), tp.rank(), tp.world_size())?;
+    let device = x.device();
+    let backend = device.backend();
+    let mut out = backend.zeros(&shape, x.dtype())?;
+    let first = tp.rank() * shape[0];
+    let real = x.rows().saturating_sub(first).min(shape[0]);
+    if real > 0 {
+        backend.copy_rows(x, first, &mut out, 0, real)?;
+    }
+    Ok(out)
+}
+
+/// Shape function of [`shared_gather_unpad`]: `x` must have
+/// `ceil(num_tokens / tp_size)` rows; the output has `num_tokens`.
+pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp_size: usize) -> Result<Vec<usize>> {
+    check_tp(GATHER_UNPAD, 0, tp_size)?;
+    let rows = rows_of(GATHER_UNPAD, "x", x_shape)?;
+    let part = num_tokens.div_ceil(tp_size);
+    if rows != part {
+        return Err(Error::shape(
+            GATHER_UNPAD,
+            "x",
+            format!("{part} rows (ceil({num_tokens} tokens / TP {tp_size}))"),
+            x_shape,
+        ));
+    }
+    with_rows(GATHER_UNPAD, "x", x_shape, num_tokens)
+}
+
+/// DP-only finalize and SP-only prepare: TP all-gathers every rank's
+/// `ceil(num_tokens / TP)` rows and keeps the first `num_tokens` (drops the
+/// padding). Collective over `tp`; every rank passes the same `num_tokens`.
+pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usize, tp: &C) -> Result<Tensor> {
+    let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
+    let device = x.device();
+    let backend = device.backend();
+    let mut full = backend.zeros(&with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?, x.dtype())?;
+    if full.numel() > 0 {
+        tp.all_gather(x, &mut full)?;
+    }
+    if full.rows() == num_tokens {
+        return Ok(full);
+    }
+    let mut out = backend.zeros(&shape, x.dtype())?;
+    if num_tokens > 0 {
+        backend.copy_rows(&full, 0, &mut out, 0, num_tokens)?;
+    }
+    Ok(out)
+}
+
+/// Shape function of [`shared_pad_reduce_scatter`]: `x [T, H...]` ->
+/// `[ceil(T / tp_size), H...]`.
+pub fn shared_pad_reduce_scatter_output_shape(x_shape: &[usize], tp_size: usize) -> Result<Vec<usize>> {
+    check_tp(PAD_REDUCE_SCATTER, 0, tp_size)?;
+    let t = rows_of(PAD_REDUCE_SCATTER, "x", x_shape)?;
+    with_rows(PAD_REDUCE_SCATTER, "x", x_shape, t.div_ceil(tp_size))
+}
+
+/// SP-only finalize: zero-pads the TP-partial `x` (`[T, H...]`) to a multiple
+/// of the TP size and reduce-scatters (sum) it over `tp`: this rank's complete
+/// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`.
+pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
+    let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())?;
+    let device = x.device();
+    let backend = device.backend();
+    let padded_rows = shape[0] * tp.world_size();
+    let mut out = backend.zeros(&shape, x.dtype())?;
+    if out.numel() == 0 {
+        return Ok(out);
+    }
+    if padded_rows == x.rows() {
+        tp.reduce_scatter(x, &mut out, ReduceOp::Sum)?;
+    } else {
+        let mut padded = backend.zeros(&with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), padded_rows)?, x.dtype())?;
+        if x.rows() > 0 {
+            backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
+        }
+        tp.reduce_scatter(&padded, &mut out, ReduceOp::Sum)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,131 @@
+//! The shared-expert contract (SPEC section 5): a TP-sharded shared expert with
+//! SP on and TP > 1 is refused as `TensorParallel` (it is `SequenceParallelOnly`),
+//! and the DP-only / SP-only token helpers against a plain model of the TP group.
+
+use ascend_moe::backend::cpu::comm::run_ranks;
+use ascend_moe::moe::reduce::{ReducePolicy, SharedMode};
+use ascend_moe::moe::shared::*;
+use ascend_moe::{CommOptions, Tensor};
+
+fn opts() -> CommOptions {
+    CommOptions::with_timeout(std::time::Duration::from_secs(30))
+}
+
+/// Value of row `i`, column `c` of TP rank `r`'s tensor: distinct per (r, i, c), exact in f32.
+fn val(r: usize, i: usize, c: usize) -> f32 {
+    (r * 1000 + i * 10 + c) as f32 + 0.5
+}
+
+fn data(r: usize, rows: usize, h: usize) -> Vec<f32> {
+    (0..rows).flat_map(|i| (0..h).map(move |c| val(r, i, c))).collect()
+}
+
+#[test]
+fn tensor_parallel_with_sp_and_tp_over_one_is_refused_as_sequence_parallel_only() {
+    for (tp, ep) in [(2, 2), (2, 4), (4, 8)] {
+        let e = ReducePolicy::new(SharedMode::TensorParallel, false, true, tp, ep).unwrap_err().to_string();
+        assert!(e.contains("`shared_mode`"), "{e}");
+        assert!(e.contains("SequenceParallelOnly") && e.contains("vLLM-Ascend"), "{e}");
+        assert!(e.contains(&format!("tp_size {tp}")), "{e}");
+    }
+    // TP 1 (nothing is sharded) and SP off stay valid.
+    assert!(ReducePolicy::new(SharedMode::TensorParallel, false, true, 1, 4).is_ok());
+    assert!(ReducePolicy::new(SharedMode::TensorParallel, true, false, 2, 4).is_ok());
+    assert!(ReducePolicy::new(SharedMode::SequenceParallelOnly, false, true, 2, 4).is_ok());
+}
+
+#[test]
+fn shape_functions_follow_the_spec() {
+    // T = 9 tokens on TP 4: parts of ceil(9/4) = 3 rows.
+    assert_eq!(shared_pad_split_output_shape(&[9, 5], 3, 4).unwrap(), vec![3, 5]);
+    assert_eq!(shared_pad_split_output_shape(&[0, 5], 0, 4).unwrap(), vec![0, 5]);
+    assert_eq!(shared_gather_unpad_output_shape(&[3, 5], 9, 4).unwrap(), vec![9, 5]);
+    assert_eq!(shared_pad_reduce_scatter_output_shape(&[9, 2, 3], 4).unwrap(), vec![3, 2, 3]);
+    assert_eq!(shared_pad_reduce_scatter_output_shape(&[1, 2], 2).unwrap(), vec![1, 2]);
+    let e = shared_gather_unpad_output_shape(&[2, 5], 9, 4).unwrap_err().to_string();
+    assert!(e.contains("`x`") && e.contains('3') && e.contains('9'), "{e}");
+    let e = shared_pad_split_output_shape(&[9, 5], 4, 4).unwrap_err().to_string();
+    assert!(e.contains("`tp`") && e.contains('4'), "{e}");
+    assert!(shared_pad_reduce_scatter_output_shape(&[], 2).is_err());
+    assert!(shared_pad_reduce_scatter_output_shape(&[4], 0).is_err());
+}
+
+#[test]
+fn dp_only_pad_split_then_gather_unpad_matches_the_plain_model() {
+    let h = 3;
+    for (tp, t) in [(1usize, 5usize), (2, 5), (2, 4), (4, 9), (4, 3), (4, 1), (4, 0), (2, 1)] {
+        let part = t.div_ceil(tp);
+        let outs = run_ranks(tp, &opts(), |r, comm| {
+            // Every TP rank holds the whole DP batch (the same rows): rank 0's data.
+            let x = Tensor::from_slice(&data(0, t, h), &[t, h])?;
+            let mine = shared_pad_split(&x, &comm)?;
+            assert_eq!(mine.shape(), shared_pad_split_output_shape(x.shape(), r, tp)?.as_slice());
+            let split = mine.to_vec::<f32>()?;
+            // The MLP stand-in: a rank-independent map of each row.
+            let y: Vec<f32> = split.iter().map(|v| 2.0 * v + 1.0).collect();
+            let y = Tensor::from_slice(&y, mine.shape())?;
+            let back = shared_gather_unpad(&y, t, &comm)?;
+            assert_eq!(back.shape(), shared_gather_unpad_output_shape(y.shape(), t, tp)?.as_slice());
+            Ok((split, back.to_vec::<f32>()?))
+        })
+        .unwrap();
+        for (r, (split, back)) in outs.iter().enumerate() {
+            // Plain model: rows [r*part, (r+1)*part) of the batch, zeros past T.
+            let want: Vec<f32> = (r * part..(r + 1) * part)
+                .flat_map(|i| (0..h).map(move |c| if i < t { val(0, i, c) } else { 0.0 }))
+                .collect();
+            assert_eq!(split, &want, "tp {tp} T {t} rank {r}: split");
+            let want_back: Vec<f32> = data(0, t, h).iter().map(|v| 2.0 * v + 1.0).collect();
+            assert_eq!(back, &want_back, "tp {tp} T {t} rank {r}: gather-unpad");
+        }
+    }
+}
+
+#[test]
+fn sp_only_gather_unpad_then_pad_reduce_scatter_matches_the_plain_model() {
+    let h = 2;
+    for (tp, t) in [(2usize, 5usize), (2, 4), (4, 9), (4, 2), (4, 0), (1, 3)] {
+        let part = t.div_ceil(tp);
+        // The DP batch, zero-padded to TP * part rows; TP rank r holds chunk r.
+        let batch: Vec<f32> =
+            data(7, tp * part, h).into_iter().enumerate().map(|(i, v)| if i / h < t { v } else { 0.0 }).collect();
+        let outs = run_ranks(tp, &opts(), |r, comm| {
+            let shard = Tensor::from_slice(&batch[r * part * h..(r + 1) * part * h], &[part, h])?;
+            let full = shared_gather_unpad(&shard, t, &comm)?;
+            assert_eq!(full.shape(), &[t, h]);
+            let gathered = full.to_vec::<f32>()?;
+            // TP-partial of this rank: its own rows of data(r).
+            let partial = Tensor::from_slice(&data(r, t, h), &[t, h])?;
+            let out = shared_pad_reduce_scatter(&partial, &comm)?;
+            assert_eq!(out.shape(), shared_pad_reduce_scatter_output_shape(partial.shape(), tp)?.as_slice());
+            Ok((gathered, out.to_vec::<f32>()?))
+        })
+        .unwrap();
+        for (r, (gathered, out)) in outs.iter().enumerate() {
+            assert_eq!(gathered, &batch[..t * h].to_vec(), "tp {tp} T {t} rank {r}: gather-unpad");
+            // Plain model: rows [r*part, (r+1)*part) of sum_q data(q), zeros past T.
+            let want: Vec<f32> = (r * part..(r + 1) * part)
+                .flat_map(|i| {
+                    (0..h).map(
+                        move |c| if i < t { (0..tp).map(|q| val(q, i, c) as f64).sum::<f64>() as f32 } else { 0.0 },
+                    )
+                })
+                .collect();
+            assert_eq!(out, &want, "tp {tp} T {t} rank {r}: pad-reduce-scatter");
+        }
+    }
+}
+
+#[test]
+fn gather_unpad_refuses_a_shard_of_the_wrong_size_on_every_rank() {
+    let errs = run_ranks(2, &opts(), |r, comm| {
+        let rows = if r == 0 { 3 } else { 2 };
+        let x = Tensor::from_slice(&data(r, rows, 2), &[rows, 2])?;
+        Ok(shared_gather_unpad(&x, 5, &comm).map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    // Rank 0's shard (3 rows for 5 tokens on TP 2) is right: it waits and fails with the peer.
+    let e = errs[1].as_ref().unwrap_err();
+    assert!(e.contains("`x`") && e.contains("3 rows"), "{e}");
+    assert!(errs[0].is_err(), "rank 0 must not return a result when its peer refused");
+}
