@@ -246,7 +246,18 @@ pub fn generate(krate: Crate, headers: &Headers) -> Result<String, String> {
         Crate::Acl => acl_builder(headers),
         Crate::Hccl => hccl_builder(headers).ok_or("no hccl/hccl.h next to acl/acl.h")?,
     };
-    let text = builder.generate().map_err(|e| format!("bindgen failed: {e}"))?.to_string();
+    let text = match builder.generate() {
+        Ok(b) => b.to_string(),
+        // Some releases' ACL headers are C++ only (the torch-npu 2.9.0 wheel's
+        // acl_rt.h declares a file-scope `constexpr`); their C API sits in
+        // `extern "C"`, so parsing them as C++ binds the same functions.
+        Err(c_err) if krate == Crate::Acl => acl_builder(headers)
+            .clang_args(["-x", "c++", "-std=c++11"])
+            .generate()
+            .map_err(|e| format!("bindgen failed as C ({c_err}) and as C++ ({e})"))?
+            .to_string(),
+        Err(e) => return Err(format!("bindgen failed: {e}")),
+    };
     let missing: Vec<&str> =
         krate.functions().iter().copied().filter(|f| !text.contains(&format!("pub {f}: Result<"))).collect();
     if !missing.is_empty() {
