@@ -52,10 +52,19 @@ pub fn acl_dtype(d: DType) -> aclDataType {
         DType::I8 => aclDataType::ACL_INT8,
         DType::U8 => aclDataType::ACL_UINT8,
         DType::Bool => aclDataType::ACL_BOOL,
-        DType::F8E4M3 => aclDataType::ACL_FLOAT8_E4M3FN,
-        DType::F8E5M2 => aclDataType::ACL_FLOAT8_E5M2,
+        // Raw codes: `ACL_FLOAT8_E5M2 = 35` and `ACL_FLOAT8_E4M3FN = 36` in the
+        // `aclDataType` of acl_base.h from the torch-npu 2.11.0+ headers on; the
+        // 2.9.0 (CANN 8.1-era) headers have no such variants, and the crate
+        // must build against them too.
+        DType::F8E4M3 => aclDataType(ACL_FLOAT8_E4M3FN as _),
+        DType::F8E5M2 => aclDataType(ACL_FLOAT8_E5M2 as _),
     }
 }
+
+/// `aclDataType` code of fp8 e5m2 (acl_base.h, torch-npu 2.11.0+ headers).
+const ACL_FLOAT8_E5M2: i32 = 35;
+/// `aclDataType` code of fp8 e4m3fn (acl_base.h, torch-npu 2.11.0+ headers).
+const ACL_FLOAT8_E4M3FN: i32 = 36;
 
 /// An `aclTensor` descriptor, destroyed on drop.
 struct Desc {
