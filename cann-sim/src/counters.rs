@@ -14,42 +14,14 @@ use crate::arena;
 use crate::ffi::*;
 use crate::status::{self, write_out};
 
-/// `CannsimCounters`, the C struct `cannsim_counters` fills (field order
-/// fixed, every field `uint64_t`):
-///
-/// ```c
-/// typedef struct {
-///     uint64_t host_syncs;     /* aclrtSynchronizeStream[WithTimeout], aclrtSynchronizeDevice,
-///                                 aclrtSynchronizeEvent, aclrtMemcpy, aclrtMemset */
-///     uint64_t device_mallocs; /* aclrtMalloc */
-///     uint64_t device_frees;   /* aclrtFree */
-///     uint64_t host_mallocs;   /* aclrtMallocHost */
-///     uint64_t host_frees;     /* aclrtFreeHost */
-///     uint64_t h2d_copies;     /* host-to-device aclrtMemcpy or aclrtMemcpyAsync */
-///     uint64_t d2h_copies;     /* device-to-host aclrtMemcpy or aclrtMemcpyAsync */
-///     uint64_t queries;        /* aclrtQueryEventStatus */
-/// } CannsimCounters;
-/// ```
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CannsimCounters {
-    /// Host synchronisations.
-    pub host_syncs: u64,
-    /// `aclrtMalloc` calls.
-    pub device_mallocs: u64,
-    /// `aclrtFree` calls.
-    pub device_frees: u64,
-    /// `aclrtMallocHost` calls.
-    pub host_mallocs: u64,
-    /// `aclrtFreeHost` calls.
-    pub host_frees: u64,
-    /// Host-to-device copies (synchronous or asynchronous).
-    pub h2d_copies: u64,
-    /// Device-to-host copies (synchronous or asynchronous).
-    pub d2h_copies: u64,
-    /// Event status queries.
-    pub queries: u64,
-}
+/// `CannsimCounters`, the C struct `cannsim_counters` fills: eight
+/// `uint64_t` in this order, `host_syncs` (`aclrtSynchronizeStream[WithTimeout]`,
+/// `aclrtSynchronizeDevice`, `aclrtSynchronizeEvent`, `aclrtMemcpy`,
+/// `aclrtMemset`), `device_mallocs`, `device_frees`, `host_mallocs`,
+/// `host_frees`, `h2d_copies`, `d2h_copies` (synchronous or asynchronous) and
+/// `queries` (`aclrtQueryEventStatus`). The one definition is acl-sys's, which
+/// the crate reads them through, so the two sides cannot disagree on the layout.
+pub use acl_sys::CannsimCounters;
 
 thread_local! {
     static COUNTERS: Cell<CannsimCounters> = const {

@@ -153,15 +153,13 @@ fn destroy_event(e: Ptr) {
     assert_eq!(unsafe { (sim().aclrtDestroyEvent)(e) }, 0);
 }
 
-/// gm[1][i] = 2 * gm[0][i] + tiling[0], each block taking a contiguous chunk.
-unsafe extern "C" fn twice_plus(block: u32, blocks: u32, gm: *const Ptr, tiling: *const c_void) {
-    let t = unsafe { &*(tiling as *const [u64; 2]) };
-    let (n, bias) = (t[1] as usize, f32::from_bits(t[0] as u32));
-    let (input, out) = unsafe { (*gm.add(0) as *const f32, *gm.add(1) as *mut f32) };
-    let chunk = n.div_ceil(blocks as usize);
-    let lo = block as usize * chunk;
-    for i in lo..(lo + chunk).min(n) {
-        unsafe { *out.add(i) = 2.0 * *input.add(i) + bias };
+/// gm[1][i] = gm[0][i]² for i below tiling[0]; block b takes i = b, b + blocks, ...
+unsafe extern "C" fn square(block: u32, blocks: u32, gm: *const Ptr, tiling: *const c_void) {
+    let n = unsafe { *(tiling as *const u64) } as usize;
+    let (x, y) = unsafe { (*gm as *const f32, *gm.add(1) as *mut f32) };
+    for i in (block as usize..n).step_by(blocks as usize) {
+        let v = unsafe { *x.add(i) };
+        unsafe { *y.add(i) = v * v };
     }
 }
 
@@ -176,7 +174,7 @@ fn a_replay_reruns_memsets_copies_a_kernel_and_aclnn_add_on_the_new_inputs() {
     let (host_in, host_out) = (malloc_host(N * 4), malloc_host(N * 4));
     let (ta, tb, tc) =
         (tensor(&[N as i64], ACL_FLOAT, k_out), tensor(&[N as i64], ACL_FLOAT, b), tensor(&[N as i64], ACL_FLOAT, out));
-    let tiling = [0.5f32.to_bits() as u64, N as u64];
+    let tiling = [N as u64];
 
     assert_eq!(info(st), (STATUS_NONE, NULL));
     begin(st, GLOBAL);
@@ -188,10 +186,9 @@ fn a_replay_reruns_memsets_copies_a_kernel_and_aclnn_add_on_the_new_inputs() {
         assert_eq!((s.aclrtMemsetAsync)(flag, N, 0, N, st), 0, "{}", err_msg());
         assert_eq!((s.aclrtMemcpyAsync)(tmp, N * 4, a, N * 4, D2D, st), 0, "{}", err_msg());
         assert_eq!((s.aclrtMemcpyAsync)(b, N * 4, host_in, N * 4, H2D, st), 0, "{}", err_msg());
-        // k_out = 2 * tmp + 0.5
+        // k_out = tmp²
         let gm = [tmp, k_out];
-        let r =
-            (s.cannsim_launch_kernel)(st, 3, Some(twice_plus), gm.as_ptr(), 2, tiling.as_ptr() as *const c_void, 16);
+        let r = (s.cannsim_launch_kernel)(st, 3, Some(square), gm.as_ptr(), 2, tiling.as_ptr() as *const c_void, 8);
         assert_eq!(r, 0, "{}", err_msg());
         // out = k_out + 1 * b
         let mut one = 1.0f32;
@@ -223,7 +220,7 @@ fn a_replay_reruns_memsets_copies_a_kernel_and_aclnn_add_on_the_new_inputs() {
         execute(model, st);
         assert_eq!(counters(), Counters::default(), "a replay makes no host-side call");
         sync(st);
-        let want: Vec<f32> = av.iter().zip(&hv).map(|(x, h)| 2.0 * x + 0.5 + h).collect();
+        let want: Vec<f32> = av.iter().zip(&hv).map(|(x, h)| x * x + h).collect();
         assert_eq!(download::<f32>(out, N), want, "round {round}");
         assert_eq!(download::<f32>(b, N), hv, "round {round}: the H2D copy read the host buffer at replay time");
         assert!(download::<u8>(flag, N).iter().all(|&v| v == 0), "round {round}: the memset ran again");
