@@ -60,6 +60,9 @@ enum amoe_status
   AMOE_STATUS_PANIC = 17,
   // A device kernel reported a fault (bad index, tiling, or a simulated hardware rule).
   AMOE_STATUS_KERNEL = 18,
+  // Work captured for one forward context ran under another (found on the
+  // device by the captured ops' guard, reported by the stream check).
+  AMOE_STATUS_STALE_CONTEXT = 19,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
