@@ -392,6 +392,35 @@ impl aclrtMemAttr {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct aclrtMemAttr(pub ::std::os::raw::c_uint);
+pub type aclmdlRI = *mut ::std::os::raw::c_void;
+impl aclmdlRICaptureMode {
+    pub const ACL_MODEL_RI_CAPTURE_MODE_GLOBAL: aclmdlRICaptureMode = aclmdlRICaptureMode(
+        0,
+    );
+    pub const ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL: aclmdlRICaptureMode = aclmdlRICaptureMode(
+        1,
+    );
+    pub const ACL_MODEL_RI_CAPTURE_MODE_RELAXED: aclmdlRICaptureMode = aclmdlRICaptureMode(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct aclmdlRICaptureMode(pub ::std::os::raw::c_uint);
+impl aclmdlRICaptureStatus {
+    pub const ACL_MODEL_RI_CAPTURE_STATUS_NONE: aclmdlRICaptureStatus = aclmdlRICaptureStatus(
+        0,
+    );
+    pub const ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE: aclmdlRICaptureStatus = aclmdlRICaptureStatus(
+        1,
+    );
+    pub const ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED: aclmdlRICaptureStatus = aclmdlRICaptureStatus(
+        2,
+    );
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct aclmdlRICaptureStatus(pub ::std::os::raw::c_uint);
 pub struct AclLib {
     __library: ::libloading::Library,
     pub aclrtGetSocName: Result<
@@ -545,6 +574,30 @@ pub struct AclLib {
         ) -> aclError,
         ::libloading::Error,
     >,
+    pub aclmdlRICaptureBegin: Result<
+        unsafe extern "C" fn(stream: aclrtStream, mode: aclmdlRICaptureMode) -> aclError,
+        ::libloading::Error,
+    >,
+    pub aclmdlRICaptureGetInfo: Result<
+        unsafe extern "C" fn(
+            stream: aclrtStream,
+            status: *mut aclmdlRICaptureStatus,
+            modelRI: *mut aclmdlRI,
+        ) -> aclError,
+        ::libloading::Error,
+    >,
+    pub aclmdlRICaptureEnd: Result<
+        unsafe extern "C" fn(stream: aclrtStream, modelRI: *mut aclmdlRI) -> aclError,
+        ::libloading::Error,
+    >,
+    pub aclmdlRIExecuteAsync: Result<
+        unsafe extern "C" fn(modelRI: aclmdlRI, stream: aclrtStream) -> aclError,
+        ::libloading::Error,
+    >,
+    pub aclmdlRIDestroy: Result<
+        unsafe extern "C" fn(modelRI: aclmdlRI) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclrtGetVersion: Result<
         unsafe extern "C" fn(
             majorVersion: *mut i32,
@@ -609,6 +662,17 @@ impl AclLib {
             .get(b"aclrtStreamWaitEvent\0")
             .map(|sym| *sym);
         let aclrtGetMemInfo = __library.get(b"aclrtGetMemInfo\0").map(|sym| *sym);
+        let aclmdlRICaptureBegin = __library
+            .get(b"aclmdlRICaptureBegin\0")
+            .map(|sym| *sym);
+        let aclmdlRICaptureGetInfo = __library
+            .get(b"aclmdlRICaptureGetInfo\0")
+            .map(|sym| *sym);
+        let aclmdlRICaptureEnd = __library.get(b"aclmdlRICaptureEnd\0").map(|sym| *sym);
+        let aclmdlRIExecuteAsync = __library
+            .get(b"aclmdlRIExecuteAsync\0")
+            .map(|sym| *sym);
+        let aclmdlRIDestroy = __library.get(b"aclmdlRIDestroy\0").map(|sym| *sym);
         let aclrtGetVersion = __library.get(b"aclrtGetVersion\0").map(|sym| *sym);
         Ok(AclLib {
             __library,
@@ -640,6 +704,11 @@ impl AclLib {
             aclrtSynchronizeStreamWithTimeout,
             aclrtStreamWaitEvent,
             aclrtGetMemInfo,
+            aclmdlRICaptureBegin,
+            aclmdlRICaptureGetInfo,
+            aclmdlRICaptureEnd,
+            aclmdlRIExecuteAsync,
+            aclmdlRIDestroy,
             aclrtGetVersion,
         })
     }
@@ -873,6 +942,55 @@ impl AclLib {
             .aclrtGetMemInfo
             .as_ref()
             .expect("Expected function, got error."))(attr, free, total)
+    }
+    #[must_use]
+    pub unsafe fn aclmdlRICaptureBegin(
+        &self,
+        stream: aclrtStream,
+        mode: aclmdlRICaptureMode,
+    ) -> aclError {
+        (self
+            .aclmdlRICaptureBegin
+            .as_ref()
+            .expect("Expected function, got error."))(stream, mode)
+    }
+    #[must_use]
+    pub unsafe fn aclmdlRICaptureGetInfo(
+        &self,
+        stream: aclrtStream,
+        status: *mut aclmdlRICaptureStatus,
+        modelRI: *mut aclmdlRI,
+    ) -> aclError {
+        (self
+            .aclmdlRICaptureGetInfo
+            .as_ref()
+            .expect("Expected function, got error."))(stream, status, modelRI)
+    }
+    #[must_use]
+    pub unsafe fn aclmdlRICaptureEnd(
+        &self,
+        stream: aclrtStream,
+        modelRI: *mut aclmdlRI,
+    ) -> aclError {
+        (self
+            .aclmdlRICaptureEnd
+            .as_ref()
+            .expect("Expected function, got error."))(stream, modelRI)
+    }
+    #[must_use]
+    pub unsafe fn aclmdlRIExecuteAsync(
+        &self,
+        modelRI: aclmdlRI,
+        stream: aclrtStream,
+    ) -> aclError {
+        (self
+            .aclmdlRIExecuteAsync
+            .as_ref()
+            .expect("Expected function, got error."))(modelRI, stream)
+    }
+    #[must_use]
+    pub unsafe fn aclmdlRIDestroy(&self, modelRI: aclmdlRI) -> aclError {
+        (self.aclmdlRIDestroy.as_ref().expect("Expected function, got error."))(modelRI)
     }
     #[must_use]
     pub unsafe fn aclrtGetVersion(

@@ -53,10 +53,82 @@ pub type CannsimLaunchKernelFn = unsafe extern "C" fn(
     tiling_len: usize,
 ) -> aclError;
 
+/// Host-side call counts of the simulated runtime for the calling thread
+/// (`CannsimCounters` of `libcann_sim.so`; the field order is part of its C
+/// ABI). A call is counted when the calling thread makes it, whether it
+/// succeeds or not; work a stream runs later (a queued task, a graph replay)
+/// counts nothing.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct CannsimCounters {
+    /// `aclrtSynchronizeStream[WithTimeout]`, `aclrtSynchronizeDevice`,
+    /// `aclrtSynchronizeEvent`, and the blocking `aclrtMemcpy` / `aclrtMemset`.
+    pub host_syncs: u64,
+    /// `aclrtMalloc`.
+    pub device_mallocs: u64,
+    /// `aclrtFree`.
+    pub device_frees: u64,
+    /// `aclrtMallocHost`.
+    pub host_mallocs: u64,
+    /// `aclrtFreeHost`.
+    pub host_frees: u64,
+    /// Host-to-device copies, `aclrtMemcpy` or `aclrtMemcpyAsync`.
+    pub h2d_copies: u64,
+    /// Device-to-host copies, `aclrtMemcpy` or `aclrtMemcpyAsync`.
+    pub d2h_copies: u64,
+    /// `aclrtQueryEventStatus`.
+    pub queries: u64,
+}
+
+/// `int32_t cannsim_counters(CannsimCounters *out)`: simulator only. Writes
+/// the calling thread's counters; `ACL_ERROR_INVALID_PARAM` when `out` is NULL.
+pub type CannsimCountersFn = unsafe extern "C" fn(out: *mut CannsimCounters) -> aclError;
+
+/// `void cannsim_counters_reset(void)`: simulator only. Zeroes the calling
+/// thread's counters.
+pub type CannsimCountersResetFn = unsafe extern "C" fn();
+
+/// An optional ACL symbol the loaded runtime does not export (an older CANN,
+/// or a runtime built without the feature).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MissingSymbol {
+    /// The symbol, e.g. `aclmdlRICaptureBegin`.
+    pub name: &'static str,
+    /// The loader's reason.
+    pub reason: String,
+}
+
+impl std::fmt::Display for MissingSymbol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the loaded ACL runtime does not export {} ({})", self.name, self.reason)
+    }
+}
+
+impl std::error::Error for MissingSymbol {}
+
+/// The function of an optional symbol of [`AclLib`], or which one is missing:
+/// `acl_sys::require(&api.lib.aclmdlRICaptureBegin, "aclmdlRICaptureBegin")`
+/// (or [`acl_symbol!`]). The generated `AclLib` methods panic on a missing
+/// symbol; this is the non-panicking way to call one that a release may lack.
+pub fn require<'a, T>(symbol: &'a Result<T, libloading::Error>, name: &'static str) -> Result<&'a T, MissingSymbol> {
+    symbol.as_ref().map_err(|e| MissingSymbol { name, reason: e.to_string() })
+}
+
+/// `acl_symbol!(api, aclmdlRICaptureBegin)`: [`require`] on the field of
+/// `api.lib` with that name, naming it in the error.
+#[macro_export]
+macro_rules! acl_symbol {
+    ($api:expr, $name:ident) => {
+        $crate::require(&$api.lib.$name, stringify!($name))
+    };
+}
+
 /// Symbols every supported CANN release exports; a library without one of
 /// them is rejected at load time. The others (`aclGetRecentErrMsg`,
-/// `aclrtSynchronizeStreamWithTimeout`, `aclrtGetSocName`, `aclrtGetVersion`)
-/// are newer and stay `Err` in [`AclLib`] when absent.
+/// `aclrtSynchronizeStreamWithTimeout`, `aclrtGetSocName`, `aclrtGetVersion`,
+/// and the graph capture calls `aclmdlRICaptureBegin`, `aclmdlRICaptureGetInfo`,
+/// `aclmdlRICaptureEnd`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`) are newer
+/// and stay `Err` in [`AclLib`] when absent; call them through [`require`].
 pub const ACL_REQUIRED: &[&str] = &[
     "aclInit",
     "aclFinalize",
@@ -93,6 +165,29 @@ pub struct Acl {
     pub origin: loader::Candidate,
     /// The simulator's kernel launcher, present only under the simulated runtime.
     pub cannsim_launch_kernel: Option<CannsimLaunchKernelFn>,
+    /// The simulator's per-thread call counters, present only under the simulated runtime.
+    pub cannsim_counters: Option<CannsimCountersFn>,
+    /// Resets those counters, present only under the simulated runtime.
+    pub cannsim_counters_reset: Option<CannsimCountersResetFn>,
+}
+
+impl Acl {
+    /// The calling thread's simulator counters; `None` on real CANN.
+    pub fn counters(&self) -> Option<CannsimCounters> {
+        let f = self.cannsim_counters?;
+        let mut out = CannsimCounters::default();
+        // SAFETY: `f` is the simulator's `cannsim_counters`, which writes one
+        // CannsimCounters through a valid pointer.
+        (unsafe { f(&mut out) } == 0).then_some(out)
+    }
+
+    /// Zeroes the calling thread's simulator counters; false on real CANN.
+    pub fn reset_counters(&self) -> bool {
+        let Some(f) = self.cannsim_counters_reset else { return false };
+        // SAFETY: the simulator's `cannsim_counters_reset` takes no arguments.
+        unsafe { f() };
+        true
+    }
 }
 
 impl std::fmt::Debug for Acl {
@@ -100,6 +195,7 @@ impl std::fmt::Debug for Acl {
         f.debug_struct("Acl")
             .field("origin", &self.origin)
             .field("cannsim_launch_kernel", &self.cannsim_launch_kernel.is_some())
+            .field("cannsim_counters", &self.cannsim_counters.is_some())
             .finish()
     }
 }
@@ -113,11 +209,22 @@ pub fn acl() -> Result<&'static Acl, LoadError> {
         // exactly the signature of `CannsimLaunchKernelFn` (NPU contract).
         let launch =
             unsafe { opened.library.get::<CannsimLaunchKernelFn>(b"cannsim_launch_kernel\0") }.ok().map(|s| *s);
+        // SAFETY: as above, for the simulator's counter exports.
+        let counters = unsafe { opened.library.get::<CannsimCountersFn>(b"cannsim_counters\0") }.ok().map(|s| *s);
+        // SAFETY: as above.
+        let counters_reset =
+            unsafe { opened.library.get::<CannsimCountersResetFn>(b"cannsim_counters_reset\0") }.ok().map(|s| *s);
         // SAFETY: the generated loader only looks symbols up by name; their
         // types come from the same headers the library was built from.
         let lib = unsafe { AclLib::from_library(opened.library) };
         match lib {
-            Ok(lib) => Ok(Acl { lib, origin: opened.candidate, cannsim_launch_kernel: launch }),
+            Ok(lib) => Ok(Acl {
+                lib,
+                origin: opened.candidate,
+                cannsim_launch_kernel: launch,
+                cannsim_counters: counters,
+                cannsim_counters_reset: counters_reset,
+            }),
             Err(e) => Err(LoadError {
                 library: loader::ACL.soname,
                 env: loader::ACL.env,
@@ -127,4 +234,30 @@ pub fn acl() -> Result<&'static Acl, LoadError> {
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_optional_symbol_is_named_instead_of_panicking() {
+        // SAFETY: libc is already loaded in every process; opening it again runs no new initialisers.
+        let libc = unsafe { libloading::Library::new("libc.so.6") }.expect("libc loads");
+        // SAFETY: only looked up, never called.
+        let found = unsafe { libc.get::<unsafe extern "C" fn()>(b"aclmdlRICaptureBegin\0") }.map(|s| *s);
+        let err = require(&found, "aclmdlRICaptureBegin").unwrap_err();
+        assert_eq!(err.name, "aclmdlRICaptureBegin");
+        assert!(err.to_string().contains("does not export aclmdlRICaptureBegin"), "{err}");
+        // SAFETY: only looked up, never called.
+        let present = unsafe { libc.get::<unsafe extern "C" fn()>(b"abort\0") }.map(|s| *s);
+        assert!(require(&present, "abort").is_ok());
+    }
+
+    #[test]
+    fn counters_struct_has_the_c_layout() {
+        assert_eq!(std::mem::size_of::<CannsimCounters>(), 8 * 8);
+        assert_eq!(std::mem::offset_of!(CannsimCounters, host_syncs), 0);
+        assert_eq!(std::mem::offset_of!(CannsimCounters, queries), 7 * 8);
+    }
 }

@@ -57,6 +57,12 @@ pub const ACL_FUNCTIONS: &[&str] = &[
     "aclGetRecentErrMsg",
     "aclrtGetSocName",
     "aclrtGetVersion",
+    // ACL graph capture (acl_mdl.h in CANN 8.1, acl_rt.h since 8.3).
+    "aclmdlRICaptureBegin",
+    "aclmdlRICaptureGetInfo",
+    "aclmdlRICaptureEnd",
+    "aclmdlRIExecuteAsync",
+    "aclmdlRIDestroy",
 ];
 
 /// The ACL types acl-sys exports beyond those the functions pull in (the
@@ -71,6 +77,9 @@ pub const ACL_TYPES: &[&str] = &[
     "aclrtMemcpyKind",
     "aclrtMemAttr",
     "aclrtEventRecordedStatus",
+    "aclmdlRI",
+    "aclmdlRICaptureMode",
+    "aclmdlRICaptureStatus",
 ];
 
 /// The HCCL functions hccl-sys binds (the NPU symbol contract).
