@@ -28,11 +28,13 @@
 pub(crate) mod ffi;
 
 mod comm;
+mod live;
 mod ops;
 mod prepare;
 mod shared;
 
 pub use comm::*;
+pub use live::*;
 pub use ops::*;
 pub use prepare::*;
 pub use shared::*;

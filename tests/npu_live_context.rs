@@ -1,0 +1,180 @@
+//! The live forward context on the device and the guards of ops built for
+//! one context, through the C ABI: a guard passes when the live context is
+//! the one its ops were built for, and the stream check reports a difference
+//! (field, both values) exactly once. Ignored without an NPU (`ci/sim.sh`
+//! runs them on the simulated runtime).
+
+use std::ffi::CStr;
+use std::ptr::null_mut;
+
+use ascend_moe::backend::npu::{self, NpuDevice};
+use ascend_moe::capi::*;
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; amoe_last_error_length()];
+    let mut n = 0usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::Ok);
+    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
+}
+
+/// An engine-owned stream wrapped for the C ABI, and a live context on its device.
+struct Engine {
+    _device: NpuDevice,
+    stream: *mut amoe_stream,
+    live: *mut amoe_live_context,
+}
+
+impl Engine {
+    fn new() -> Engine {
+        let device = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
+        let mut stream = null_mut();
+        // SAFETY: the device's own stream outlives the handle (both live in Engine).
+        let st = unsafe { amoe_stream_wrap(device.stream().raw(), 0, &mut stream) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        let mut live = null_mut();
+        // SAFETY: live stream handle, writable out-pointer.
+        let st = unsafe { amoe_live_context_new(stream, &mut live) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        Engine { _device: device, stream, live }
+    }
+
+    fn set(&self, fc: &amoe_forward_context) {
+        // SAFETY: live handles; `fc` valid with its dp_tokens.
+        let st = unsafe { amoe_live_context_set(self.live, fc, self.stream) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    }
+
+    fn guard(&self, fc: &amoe_forward_context, flags: u32) -> amoe_status {
+        // SAFETY: as above.
+        unsafe { amoe_live_context_guard(self.live, fc, flags, self.stream) }
+    }
+
+    fn check(&self) -> (amoe_status, String) {
+        // SAFETY: live handles.
+        let st = unsafe { amoe_live_context_check(self.live, self.stream) };
+        (st, if st == amoe_status::Ok { String::new() } else { last_error() })
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // SAFETY: live handles, not used afterwards.
+        unsafe {
+            amoe_live_context_free(self.live);
+            amoe_stream_free(self.stream);
+        }
+    }
+}
+
+fn fc(comm: amoe_comm_type, dp: &[usize], actual: usize) -> amoe_forward_context {
+    amoe_forward_context {
+        comm_type: comm as u32,
+        sp: 0,
+        dp_tokens: dp.as_ptr(),
+        dp_size: dp.len(),
+        num_actual_tokens: actual,
+        pcp_size: 1,
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_guard_passes_under_the_context_it_was_built_for() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&mc2);
+    for _ in 0..3 {
+        assert_eq!(e.guard(&mc2, AMOE_GUARD_ACTUAL_TOKENS), amoe_status::Ok, "{}", last_error());
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn another_comm_type_is_reported_once_with_both_values() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&fc(amoe_comm_type::Alltoall, &dp, AMOE_ALL_TOKENS));
+    assert_eq!(e.guard(&mc2, 0), amoe_status::Ok);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("comm_type is 2 (ALLTOALL)"), "{msg}");
+    assert!(msg.contains("captured for 1 (MC2)"), "{msg}");
+    // SAFETY: a static NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(amoe_status_name(amoe_status::StaleContext as u32)) };
+    assert_eq!(name.to_str().unwrap(), "stale forward context");
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "reported once");
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_live_context_is_read_when_the_stream_runs_the_guard() {
+    let e = Engine::new();
+    let (a, b) = ([4usize, 4], [4usize, 9]);
+    let ca = fc(amoe_comm_type::Allgather, &a, AMOE_ALL_TOKENS);
+    // set(a), guard(a), set(b), guard(a): only the second guard sees b.
+    e.set(&ca);
+    assert_eq!(e.guard(&ca, 0), amoe_status::Ok);
+    e.set(&fc(amoe_comm_type::Allgather, &b, AMOE_ALL_TOKENS));
+    assert_eq!(e.guard(&ca, 0), amoe_status::Ok);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 9") && msg.contains("captured for 4"), "{msg}");
+    // Many more updates than staging slots, each read by its own guard.
+    for t in 0..20usize {
+        let dp = [t, 3];
+        let c = fc(amoe_comm_type::Allgather, &dp, AMOE_ALL_TOKENS);
+        e.set(&c);
+        assert_eq!(e.guard(&c, 0), amoe_status::Ok);
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn actual_tokens_count_only_for_guards_that_ask_and_an_unset_context_is_reported() {
+    let e = Engine::new();
+    let (st, msg) = {
+        let dp = [8usize];
+        assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), 0), amoe_status::Ok);
+        e.check()
+    };
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("never written"), "{msg}");
+    let dp = [8usize];
+    e.set(&fc(amoe_comm_type::Mc2, &dp, 5));
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, 6), 0), amoe_status::Ok);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, 6), AMOE_GUARD_ACTUAL_TOKENS), amoe_status::Ok);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("num_actual_tokens is 5") && msg.contains("captured for 6"), "{msg}");
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn bad_contexts_and_flags_are_refused_before_anything_is_enqueued() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), 0x10), amoe_status::InvalidArgument);
+    assert!(last_error().contains("flags"), "{}", last_error());
+    let mut bad = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    bad.comm_type = 7;
+    assert_eq!(e.guard(&bad, 0), amoe_status::InvalidArgument);
+    assert!(last_error().contains("unknown MoE comm type 7"), "{}", last_error());
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, 9), 0), amoe_status::InvalidArgument);
+    assert!(last_error().contains("num_actual_tokens"), "{}", last_error());
+    let many = [1usize; 58];
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &many, AMOE_ALL_TOKENS), 0), amoe_status::InvalidArgument);
+    assert!(last_error().contains("58 DP ranks"), "{}", last_error());
+    // SAFETY: NULL context / stream on purpose.
+    unsafe {
+        assert_eq!(amoe_live_context_guard(null_mut(), &bad, 0, e.stream), amoe_status::NullArgument);
+        assert_eq!(amoe_live_context_check(e.live, std::ptr::null()), amoe_status::NullArgument);
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "nothing was enqueued");
+}
