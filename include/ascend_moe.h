@@ -610,6 +610,19 @@ amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_
 // `ctx` NULL or a live handle not used afterwards.
 void amoe_live_context_free(struct amoe_live_context *ctx);
 
+// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
+// called with this stream that depends on the forward context
+// (`amoe_token_prepare[_ex]`, `amoe_token_finalize[_ex]` with their MoE
+// context; the reduction points with their comm type) first enqueues a
+// guard of its own context, so a graph captured with these ops reports a
+// replay under another context at `amoe_live_context_check`. The stream
+// handle keeps the context alive while attached.
+//
+// # Safety
+// `stream` live; `ctx` NULL or live.
+amoe_status amoe_stream_attach_live_context(const struct amoe_stream *stream,
+                                            const struct amoe_live_context *ctx);
+
 // The live buffer's device address and size (256 bytes), for an engine that
 // writes it with its own copies. Layout: 64 `uint32_t` words, `[0]` =
 // 0x43464D41, `[1]` = 1, `[2]` comm type, `[3]` SP (0/1), `[4]` PCP size,

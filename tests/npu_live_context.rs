@@ -268,3 +268,80 @@ fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
     });
     drop(refused);
 }
+
+/// One TP rank of two: the reduction point with a live context attached to
+/// its stream guards itself, so a call made for MC2 while the live context
+/// says ALLGATHER is reported by the check, on every rank, and a call made
+/// for the live comm type is not.
+fn attached_rank(rank: usize, root: &ascend_moe::backend::npu::HcclRootInfo) -> ascend_moe::Result<()> {
+    use ascend_moe::backend::npu::HcclComm;
+    let dev = NpuDevice::open(rank as u32)?;
+    let hccl = HcclComm::from_root_info(&dev, root, 2, rank, &ascend_moe::CommOptions::from_env())?;
+    let (mut s, mut c, mut live) = (null_mut(), null_mut(), null_mut());
+    // SAFETY: live stream and communicator of this device, outliving the handles.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(dev.stream().raw(), rank as u32, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
+    }
+    let x = dev.clone_htod(&[rank as f32 + 1.0; 8])?;
+    let out = dev.alloc_zeros::<f32>(8)?;
+    dev.synchronize()?;
+    let shape = [8usize];
+    let d = |b: &ascend_moe::backend::npu::DeviceBuffer<f32>| amoe_tensor {
+        data: b.as_bytes().as_ptr(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: 1,
+        shape: shape.as_ptr(),
+        strides: std::ptr::null(),
+        device_kind: amoe_device_kind::Npu as u32,
+        device_ordinal: rank as i32,
+    };
+    let (xd, od) = (d(&x), d(&out));
+    let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    let dp = [4usize];
+    let live_fc = fc(amoe_comm_type::Allgather, &dp, AMOE_ALL_TOKENS);
+    // SAFETY: live handles and descriptors over live device memory of this device.
+    unsafe {
+        assert_eq!(amoe_live_context_set(live, &live_fc, s), amoe_status::Ok, "{}", last_error());
+        let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Allgather as u32, c, &od, s);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
+        let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Mc2 as u32, c, &od, s);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::StaleContext);
+        let msg = last_error();
+        assert!(msg.contains("amoe_reduce_final") && msg.contains("comm_type is 0 (ALLGATHER)"), "{msg}");
+        assert!(msg.contains("captured for 1 (MC2)"), "{msg}");
+        // Detached, the op no longer guards itself.
+        assert_eq!(amoe_stream_attach_live_context(s, std::ptr::null()), amoe_status::Ok);
+        let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Mc2 as u32, c, &od, s);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
+        amoe_live_context_free(live);
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn an_op_on_a_stream_with_an_attached_live_context_guards_itself() {
+    use ascend_moe::backend::npu::HcclRootInfo;
+    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                sc.spawn({
+                    let root = &root;
+                    move || attached_rank(r, root)
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    });
+}

@@ -3,11 +3,14 @@
 //! another context.
 
 use super::amoe_status;
+use std::sync::{Arc, Mutex};
+
 use super::comm::amoe_stream;
 use super::ffi::{ffi, read_sizes, try_out, try_ref, write_out, Failure};
-use super::prepare::AMOE_ALL_TOKENS;
-use crate::backend::npu::kernel::guard::ContextWords;
-use crate::backend::npu::{LiveContext, NpuDevice};
+use crate::backend::npu::kernel::guard::{ContextWords, GuardTiling};
+use crate::backend::npu::live_context::LiveContext;
+use crate::backend::npu::NpuDevice;
+use crate::moe::prepare_finalize::MoeContext;
 use crate::CommType;
 
 /// One forward pass's context (SPEC section 5): the live comm type, the
@@ -50,7 +53,8 @@ unsafe fn words(f: &str, fc: *const amoe_forward_context) -> Result<ContextWords
     let comm = CommType::from_u32(c.comm_type)?;
     // SAFETY: the contract for `dp_tokens`.
     let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
-    let actual = (c.num_actual_tokens != AMOE_ALL_TOKENS).then_some(c.num_actual_tokens);
+    // `AMOE_ALL_TOKENS` (usize::MAX): every token of the DP rank is real.
+    let actual = (c.num_actual_tokens != usize::MAX).then_some(c.num_actual_tokens);
     if let Some(n) = actual {
         if dp.iter().all(|&t| n > t) {
             return Err(Failure::invalid(
@@ -79,8 +83,52 @@ unsafe fn live<'a>(f: &str, ctx: *const amoe_live_context) -> Result<&'a LiveCon
     if ctx.is_null() {
         return Err(Failure::null(f, "ctx"));
     }
-    // SAFETY: a live handle is a Box<LiveContext> from `amoe_live_context_new`.
+    // SAFETY: a live handle is an `Arc::into_raw` of a LiveContext from
+    // `amoe_live_context_new`, kept alive by that reference until freed.
     Ok(unsafe { &*(ctx as *const LiveContext) })
+}
+
+/// Live contexts attached to stream handles: (stream handle, context).
+static ATTACHED: Mutex<Vec<(usize, Arc<LiveContext>)>> = Mutex::new(Vec::new());
+
+fn attached_lock() -> std::sync::MutexGuard<'static, Vec<(usize, Arc<LiveContext>)>> {
+    // Each critical section is a single push, retain or lookup.
+    ATTACHED.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Forgets the live context attached to `stream` (its handle is being freed).
+pub(crate) fn detach_stream(stream: *const amoe_stream) {
+    attached_lock().retain(|(s, _)| *s != stream as usize);
+}
+
+fn attached(stream: *const amoe_stream) -> Option<Arc<LiveContext>> {
+    attached_lock().iter().find(|(s, _)| *s == stream as usize).map(|(_, c)| c.clone())
+}
+
+/// The guard an op that depends on the forward context enqueues first, when
+/// a live context is attached to its stream: against `ctx` (the MoE context
+/// the call was made with) or, without one, the comm type alone.
+///
+/// # Safety
+/// `stream` NULL or a live handle.
+pub(crate) unsafe fn guard_op(
+    f: &'static str,
+    stream: *const amoe_stream,
+    comm: CommType,
+    ctx: Option<&MoeContext>,
+) -> Result<(), Failure> {
+    let Some(live) = attached(stream) else { return Ok(()) };
+    // SAFETY: the caller's contract.
+    let dev = unsafe { stream_device(f, stream) }?;
+    let tiling = match ctx {
+        Some(c) => GuardTiling::new(
+            &ContextWords::encode(comm as u32, c.sp(), c.pcp_size().max(1), None, c.dp_tokens())?,
+            false,
+        ),
+        None => GuardTiling::comm_type_only(comm as u32),
+    };
+    live.guard_with(f, &tiling, dev.stream())?;
+    Ok(())
 }
 
 /// Makes a live context on the device of `stream`: zeroed (never written, so
@@ -100,9 +148,9 @@ pub unsafe extern "C" fn amoe_live_context_new(
         let out = try_out!(F, out, "out");
         // SAFETY: the export's contract.
         let dev = unsafe { stream_device(F, stream) }?;
-        let ctx = LiveContext::new(&dev)?;
+        let ctx = Arc::new(LiveContext::new(&dev)?);
         // SAFETY: `out` checked non-null; writable per the contract.
-        unsafe { write_out(out, Box::into_raw(Box::new(ctx)) as *mut amoe_live_context) };
+        unsafe { write_out(out, Arc::into_raw(ctx) as *mut amoe_live_context) };
         Ok(())
     })
 }
@@ -118,9 +166,55 @@ pub unsafe extern "C" fn amoe_live_context_free(ctx: *mut amoe_live_context) {
         return;
     }
     let _ = std::panic::catch_unwind(|| {
-        // SAFETY: a live handle from `amoe_live_context_new`, not used again.
-        drop(unsafe { Box::from_raw(ctx as *mut LiveContext) });
+        let p = ctx as *const LiveContext;
+        attached_lock().retain(|(_, c)| !std::ptr::eq(Arc::as_ptr(c), p));
+        // SAFETY: a live handle from `amoe_live_context_new` (Arc::into_raw),
+        // not used again.
+        drop(unsafe { Arc::from_raw(p) });
     });
+}
+
+/// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
+/// called with this stream that depends on the forward context
+/// (`amoe_token_prepare[_ex]`, `amoe_token_finalize[_ex]` with their MoE
+/// context; the reduction points with their comm type) first enqueues a
+/// guard of its own context, so a graph captured with these ops reports a
+/// replay under another context at `amoe_live_context_check`. The stream
+/// handle keeps the context alive while attached.
+///
+/// # Safety
+/// `stream` live; `ctx` NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_stream_attach_live_context(
+    stream: *const amoe_stream,
+    ctx: *const amoe_live_context,
+) -> amoe_status {
+    const F: &str = "amoe_stream_attach_live_context";
+    ffi!(F, {
+        // SAFETY: the export's contract.
+        let dev = unsafe { stream_device(F, stream) }?;
+        detach_stream(stream);
+        if ctx.is_null() {
+            return Ok(());
+        }
+        // SAFETY: the export's contract.
+        let c = unsafe { live(F, ctx) }?;
+        if c.ordinal() != dev.ordinal() {
+            return Err(Failure::from(crate::Error::Device {
+                op: F,
+                arg: "ctx",
+                expected: format!("npu:{}", dev.ordinal()),
+                actual: format!("npu:{}", c.ordinal()),
+            }));
+        }
+        // SAFETY: a live handle is an Arc::into_raw; one more reference for the table.
+        let arc = unsafe {
+            Arc::increment_strong_count(ctx as *const LiveContext);
+            Arc::from_raw(ctx as *const LiveContext)
+        };
+        attached_lock().push((stream as usize, arc));
+        Ok(())
+    })
 }
 
 /// The live buffer's device address and size (256 bytes), for an engine that

@@ -30,7 +30,8 @@ use super::kernel::guard::{
 use super::kernel::{NpuKernelLib, STATUS_WORDS};
 use super::memory::{NpuBuffer, PinnedHostBuffer};
 use super::runtime::{acl_fn, check};
-use super::{NpuDevice, NpuEvent, NpuStream};
+use super::runtime::{NpuEvent, NpuStream};
+use super::NpuDevice;
 use crate::{Error, Result};
 
 /// Bytes of the live context buffer.
@@ -209,6 +210,12 @@ impl LiveContext {
     /// `expected` (`actual`: they also depend on the actual-token count).
     /// Only enqueues: the result is read by [`check`](Self::check).
     pub fn guard(&self, op: &'static str, expected: &ContextWords, actual: bool, stream: &NpuStream) -> Result<()> {
+        self.guard_with(op, &GuardTiling::new(expected, actual), stream)
+    }
+
+    /// [`guard`](Self::guard) with a given tiling (for example
+    /// [`GuardTiling::comm_type_only`]).
+    pub fn guard_with(&self, op: &'static str, tiling: &GuardTiling, stream: &NpuStream) -> Result<()> {
         const F: &str = "LiveContext::guard";
         self.same_device(F, stream)?;
         let captured = is_capturing(stream)?;
@@ -229,15 +236,14 @@ impl LiveContext {
             s.next_seq += 1;
             i
         };
-        let launched = self.launch_guard(slot, expected, actual, stream);
+        let launched = self.launch_guard(slot, tiling, stream);
         if launched.is_err() {
             lock(&self.slots).slots[slot] = Slot::Free;
         }
         launched
     }
 
-    fn launch_guard(&self, slot: usize, expected: &ContextWords, actual: bool, stream: &NpuStream) -> Result<()> {
-        let tiling = GuardTiling::new(expected, actual);
+    fn launch_guard(&self, slot: usize, tiling: &GuardTiling, stream: &NpuStream) -> Result<()> {
         let record = self.records.as_ptr().cast::<u8>().wrapping_add(slot * RECORD_BYTES).cast::<c_void>();
         let api = stream.enter()?;
         let memset = acl_fn!(api, aclrtMemsetAsync)?;

@@ -9,7 +9,7 @@
 //! |---|---|
 //! | [`runtime`] | loading, ACL errors, per-thread device binding, [`NpuStream`], [`NpuEvent`] |
 //! | [`memory`] | [`NpuBuffer`], [`DeviceBuffer`], [`PinnedHostBuffer`] |
-//! | [`live_context`] | [`LiveContext`]: the live forward context on the device and the guards of captured ops |
+//! | [`live_context`] | `LiveContext`: the live forward context on the device and the guards of captured ops |
 //! | [`hccl`] | [`HcclRootInfo`], [`HcclComm`] and its collectives, [`npu_run_ranks`] |
 //! | `ops` | aclnn calls behind [`Backend`] |
 //! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
@@ -25,7 +25,6 @@ pub mod runtime;
 use std::sync::Arc;
 
 pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
-pub use live_context::LiveContext;
 pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
 pub use ops::{acl_dtype, FinalizeImpl, FINALIZE_ENV};
 pub use probe::{probe, probe_report, ProbeReport};

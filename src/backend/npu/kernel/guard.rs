@@ -13,6 +13,7 @@
 
 use std::ffi::c_void;
 
+pub use super::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS};
 use super::abi::{STATUS_NOT_RUN, STATUS_WORDS};
 use crate::{Error, Result};
 
@@ -40,12 +41,6 @@ pub const CTX_MAX_DP: usize = CTX_WORDS - W_DP_TOKENS;
 pub const CTX_ALL: u32 = u32::MAX;
 /// `AMOE_GUARD_TILING_MAGIC` ('AMG1').
 pub const GUARD_TILING_MAGIC: u32 = 0x3147_4D41;
-/// Index of the live context in the guard's global-memory pointers.
-pub const GUARD_GM_LIVE: usize = 0;
-/// Index of the status record.
-pub const GUARD_GM_STATUS: usize = 1;
-/// Number of global-memory pointers of a guard launch.
-pub const GUARD_GM_COUNT: usize = 2;
 
 const ST_OK: u32 = 0;
 const ST_BAD_TILING: u32 = 4;
@@ -145,6 +140,18 @@ impl GuardTiling {
             mask: expected.mask(actual),
             expected: expected.0,
         }
+    }
+
+    /// The guard of ops that depend on the comm type alone (the reduction
+    /// points): only the header and the comm type are compared.
+    pub fn comm_type_only(comm_type: u32) -> GuardTiling {
+        let mut expected = [0u32; CTX_WORDS];
+        expected[0] = CTX_MAGIC;
+        expected[1] = CTX_VERSION;
+        expected[W_COMM_TYPE] = comm_type;
+        let mut mask = [0u32; CTX_WORDS / 32];
+        mask[0] = 0b111;
+        GuardTiling { magic: GUARD_TILING_MAGIC, words: CTX_WORDS as u32, mask, expected }
     }
 
     /// The tiling's bytes.

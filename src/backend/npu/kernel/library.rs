@@ -236,7 +236,7 @@ impl NpuKernelLib {
     pub unsafe fn launch_guard(
         &self,
         stream: *mut c_void,
-        gm: &[*mut c_void; super::guard::GUARD_GM_COUNT],
+        gm: &[*mut c_void; GUARD_GM_COUNT],
         tiling_dev: *mut c_void,
     ) -> Result<()> {
         let f = self.guard.ok_or_else(|| {
