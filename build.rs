@@ -30,6 +30,8 @@ const KERNEL_SOURCES: &[&str] = &[
     "build/npu_flags.rs",
     "kernels/finalize_kernel.cpp",
     "kernels/finalize_tiling.h",
+    "kernels/guard_kernel.cpp",
+    "kernels/guard_tiling.h",
     "kernels/npu_launch.cpp",
     "kernels/host_model/cpu_debug_hooks.h",
     "kernels/host_model/host_entry.cpp",
@@ -194,6 +196,7 @@ fn build_host_kernel() {
             ],
             api: true,
         },
+        Unit { name: "guard", file: "kernels/guard_kernel.cpp", defines: &[], api: true },
         Unit { name: "host_entry", file: "kernels/host_model/host_entry.cpp", defines: &[], api: true },
         Unit { name: "model", file: "kernels/host_model/model.cpp", defines: &[], api: false },
     ];

@@ -10,6 +10,10 @@
 // Most dimensions an `amoe_tensor` may have.
 #define AMOE_MAX_NDIM 8
 
+// `amoe_live_context_guard` flag: the guarded ops also depend on
+// `num_actual_tokens` (for example an MC2 mask of the real rows).
+#define AMOE_GUARD_ACTUAL_TOKENS 1
+
 // Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 #define AMOE_MAX_EP_RANKS (1 << 20)
 
@@ -60,6 +64,9 @@ enum amoe_status
   AMOE_STATUS_PANIC = 17,
   // A device kernel reported a fault (bad index, tiling, or a simulated hardware rule).
   AMOE_STATUS_KERNEL = 18,
+  // Work captured for one forward context ran under another (found on the
+  // device by the captured ops' guard, reported by the stream check).
+  AMOE_STATUS_STALE_CONTEXT = 19,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -227,6 +234,12 @@ typedef uint32_t amoe_drop_pad_mode;
 // different threads concurrently.
 typedef struct amoe_comm amoe_comm;
 
+// A live forward context in NPU memory (256 bytes), which the engine
+// rewrites before each graph replay, plus the records of the guards
+// enqueued against it. Owned by the caller (free with
+// `amoe_live_context_free`, outside capture).
+typedef struct amoe_live_context amoe_live_context;
+
 // The EP / TP / DP groups of a MoE layer, split from a world communicator.
 // Owned by the caller (free with `amoe_moe_groups_free`).
 typedef struct amoe_moe_groups amoe_moe_groups;
@@ -269,6 +282,25 @@ typedef struct amoe_tensor {
   // NPU ordinal (ignored for host tensors).
   int32_t device_ordinal;
 } amoe_tensor;
+
+// One forward pass's context (SPEC section 5): the live comm type, the
+// tokens of every DP rank, this DP rank's actual tokens (rows past them are
+// graph padding), SP on/off and the PCP size. Read only; `dp_tokens` stays
+// owned by the caller and is read during the call only.
+typedef struct amoe_forward_context {
+  // An `amoe_comm_type` code.
+  uint32_t comm_type;
+  // Non-zero when MoE sequence parallelism is on.
+  uint8_t sp;
+  // Tokens of each DP rank, `dp_size` entries.
+  const size_t *dp_tokens;
+  // Number of DP ranks (1 to 57 for a live context).
+  size_t dp_size;
+  // Real tokens of this DP rank; `AMOE_ALL_TOKENS` = all of them.
+  size_t num_actual_tokens;
+  // PCP size (0 or 1 = no prefill context parallelism).
+  size_t pcp_size;
+} amoe_forward_context;
 
 // The inputs of the fused finalize (SPEC section 1). All tensors are read
 // only; optional ones may be NULL. Ownership of every descriptor stays with
@@ -561,6 +593,84 @@ amoe_status amoe_broadcast(const struct amoe_comm *comm,
 // # Safety
 // `comm` live.
 amoe_status amoe_barrier(const struct amoe_comm *comm, const struct amoe_stream *stream);
+
+// Makes a live context on the device of `stream`: zeroed (never written, so
+// every guard reports it until the engine sets it), with 128 guard records.
+// Allocates device and pinned memory and synchronises the stream once: call
+// it outside capture. `*out` receives a new handle owned by the caller.
+//
+// # Safety
+// `stream` a live handle; `out` writable.
+amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_live_context **out);
+
+// Frees a live context (NULL is a no-op). Outside capture, after the work
+// that reads it has run.
+//
+// # Safety
+// `ctx` NULL or a live handle not used afterwards.
+void amoe_live_context_free(struct amoe_live_context *ctx);
+
+// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
+// called with this stream that depends on the forward context
+// (`amoe_token_prepare[_ex]`, `amoe_token_finalize[_ex]` with their MoE
+// context; the reduction points with their comm type) first enqueues a
+// guard of its own context, so a graph captured with these ops reports a
+// replay under another context at `amoe_live_context_check`. The stream
+// handle keeps the context alive while attached.
+//
+// # Safety
+// `stream` live; `ctx` NULL or live.
+amoe_status amoe_stream_attach_live_context(const struct amoe_stream *stream,
+                                            const struct amoe_live_context *ctx);
+
+// The live buffer's device address and size (256 bytes), for an engine that
+// writes it with its own copies. Layout: 64 `uint32_t` words, `[0]` =
+// 0x43464D41, `[1]` = 1, `[2]` comm type, `[3]` SP (0/1), `[4]` PCP size,
+// `[5]` actual tokens (0xFFFFFFFF = all), `[6]` DP size, `[7..]` the tokens
+// of each DP rank, the rest zero. `amoe_live_context_set` writes exactly this.
+//
+// # Safety
+// `ctx` live; `data` and `bytes` writable.
+amoe_status amoe_live_context_device_ptr(const struct amoe_live_context *ctx,
+                                         void **data,
+                                         size_t *bytes);
+
+// Enqueues on `stream` the update of the live context to `fc` (a copy from
+// pinned staging the library owns). The engine calls it before each replay,
+// outside capture. Never synchronises, except to wait for the oldest of 8
+// earlier updates that the stream has not run yet.
+//
+// # Safety
+// `ctx`, `stream` live; `fc` valid.
+amoe_status amoe_live_context_set(const struct amoe_live_context *ctx,
+                                  const struct amoe_forward_context *fc,
+                                  const struct amoe_stream *stream);
+
+// Enqueues on `stream` a guard of the ops that follow it, built for the
+// context `captured_for`: on the device, the live context is compared with
+// it (comm type, SP, PCP size, DP size and every DP rank's tokens, and with
+// `AMOE_GUARD_ACTUAL_TOKENS` in `flags` the actual tokens too), and a
+// difference is recorded. Capture it with the ops: every replay checks the
+// context the engine set for it. Only enqueues (no sync, no allocation, no
+// host read); `amoe_live_context_check` reports the difference.
+//
+// # Safety
+// `ctx`, `stream` live; `captured_for` valid.
+amoe_status amoe_live_context_guard(const struct amoe_live_context *ctx,
+                                    const struct amoe_forward_context *captured_for,
+                                    uint32_t flags,
+                                    const struct amoe_stream *stream);
+
+// The caller's sync point for the guards: synchronises `stream`, then
+// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
+// guard found the live context different from the one its ops were captured
+// for (the first such guard, in enqueue order; each difference is reported
+// once), else OK. Outside capture.
+//
+// # Safety
+// `ctx`, `stream` live.
+amoe_status amoe_live_context_check(const struct amoe_live_context *ctx,
+                                    const struct amoe_stream *stream);
 
 // Output shape of `amoe_moe_finalize_routing` (`[N, H...]`, dtype of
 // `expanded_x`) from the shapes and dtypes in `args`; validates every input

@@ -1,7 +1,8 @@
 /*
- * NPU build only (CANN's bisheng/ccec, -xcce): the finalize kernel for the AI
- * Core plus a host-callable launcher, built into libamoe_kernels_npu.so and
- * loaded at run time. Not compiled by the host build (kernels/sim).
+ * NPU build only (CANN's bisheng/ccec, -xcce): the finalize kernel and the
+ * forward-context guard for the AI Core, each with a host-callable launcher,
+ * built into libamoe_kernels_npu.so and loaded at run time. Not compiled by
+ * the host build (kernels/host_model).
  *
  * `gm` is a host array of AMOE_FIN_GM_COUNT device pointers in the order of
  * finalize_tiling.h (NULL for absent optional inputs); `tiling` is a device
@@ -22,5 +23,21 @@ extern "C" int32_t amoe_finalize_launch_npu(uint32_t block_dim, void *stream, vo
         static_cast<GM_ADDR>(gm[AMOE_FIN_GM_EXPERT_IDX]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_OUT]),
         static_cast<GM_ADDR>(gm[AMOE_FIN_GM_SLOT_OFFSETS]), static_cast<GM_ADDR>(gm[AMOE_FIN_GM_STATUS]),
         static_cast<GM_ADDR>(tiling));
+    return 0;
+}
+
+#include "guard_kernel.cpp"
+
+/* The forward-context guard on one core: `gm` holds AMOE_GUARD_GM_COUNT
+ * device pointers (live context, status record); `tiling` is a device copy of
+ * the AmoeGuardTiling. */
+extern "C" int32_t amoe_guard_launch_npu(void *stream, void *const *gm, void *tiling)
+{
+    if (gm == nullptr || tiling == nullptr || gm[AMOE_GUARD_GM_LIVE] == nullptr || gm[AMOE_GUARD_GM_STATUS] == nullptr) {
+        return 107000; /* ACL_ERROR_INVALID_PARAM */
+    }
+    amoe_guard_kernel<<<1, nullptr, stream>>>(static_cast<GM_ADDR>(gm[AMOE_GUARD_GM_LIVE]),
+                                              static_cast<GM_ADDR>(gm[AMOE_GUARD_GM_STATUS]),
+                                              static_cast<GM_ADDR>(tiling));
     return 0;
 }

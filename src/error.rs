@@ -143,6 +143,21 @@ pub enum Error {
         /// What went wrong.
         detail: String,
     },
+    /// Work captured for one forward context ran under another: the live
+    /// context the engine set before a graph replay differs from the one the
+    /// graph's ops were captured for, so their layout or reductions no
+    /// longer apply. Found on the device, reported at the next stream check.
+    #[error("{op}: the forward context changed since these ops were captured: {field} is {live}, the graph was captured for {captured}; capture a graph for this context or set the context it was captured for")]
+    StaleContext {
+        /// The captured op (or layer) whose guard found it.
+        op: &'static str,
+        /// The context field that differs.
+        field: String,
+        /// Its value when the ops were captured.
+        captured: String,
+        /// Its live value.
+        live: String,
+    },
 }
 
 /// Why a collective failed.

@@ -42,6 +42,7 @@ const KNOWN_CYCLES: &[&[&str]] = &[
     &[
         "crate::capi",
         "crate::capi::comm",
+        "crate::capi::live",
         "crate::capi::ffi",
         "crate::capi::ops",
         "crate::capi::prepare",

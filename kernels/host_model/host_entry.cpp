@@ -19,6 +19,7 @@
 #include <string>
 
 #include "finalize_tiling.h"
+#include "guard_tiling.h"
 #include "kernel_operator.h"
 #include "model.h"
 
@@ -28,6 +29,7 @@ extern "C" void amoe_finalize_kernel(GM_ADDR expandedX, GM_ADDR rowIdx, GM_ADDR 
 extern "C" void amoe_finalize_kernel_dropped_barrier(GM_ADDR expandedX, GM_ADDR rowIdx, GM_ADDR x1, GM_ADDR x2,
                                                      GM_ADDR bias, GM_ADDR scales, GM_ADDR expertIdx, GM_ADDR out,
                                                      GM_ADDR slotOffsets, GM_ADDR status, GM_ADDR tiling);
+extern "C" void amoe_guard_kernel(GM_ADDR live, GM_ADDR status, GM_ADDR tiling);
 
 /* ---- AscendC::check: the API-level checks of the CPU-debug build ---- */
 
@@ -181,6 +183,67 @@ extern "C" void amoe_finalize_kernel_host(uint32_t block_idx, uint32_t block_dim
                                           const void *tiling)
 {
     HostEntry(amoe_finalize_kernel, block_idx, block_dim, gm, tiling);
+}
+
+namespace {
+
+struct GuardLaunch {
+    void *const *gm;
+    const void *tiling;
+};
+
+void RunGuard(void *ctx)
+{
+    const GuardLaunch &l = *static_cast<const GuardLaunch *>(ctx);
+    amoe_guard_kernel(static_cast<GM_ADDR>(l.gm[AMOE_GUARD_GM_LIVE]), static_cast<GM_ADDR>(l.gm[AMOE_GUARD_GM_STATUS]),
+                      static_cast<GM_ADDR>(const_cast<void *>(l.tiling)));
+}
+
+} // namespace
+
+/* Host entry of the forward-context guard (guard_kernel.cpp), with the
+ * signature of cannsim_kernel_entry. */
+extern "C" void amoe_guard_kernel_host(uint32_t block_idx, uint32_t block_dim, void *const *gm, const void *tiling)
+{
+    if (gm == nullptr) {
+        return;
+    }
+    void *status = gm[AMOE_GUARD_GM_STATUS];
+    if (block_idx >= block_dim || status == nullptr) {
+        return;
+    }
+    if (tiling == nullptr) {
+        ReportViolation(status, block_idx, "launch: null tiling pointer");
+        return;
+    }
+    amoe_hm::GmRange ranges[AMOE_GUARD_GM_COUNT];
+    size_t n = 0;
+    if (gm[AMOE_GUARD_GM_LIVE] != nullptr) {
+        ranges[n++] = {gm[AMOE_GUARD_GM_LIVE], AMOE_CTX_WORDS * 4u, "live_context"};
+    }
+    ranges[n++] = {status, static_cast<uint64_t>(block_dim) * AMOE_FIN_STATUS_WORDS * 4u, "status"};
+    GuardLaunch l{gm, tiling};
+    const std::string violation = amoe_hm::RunCore(block_idx, block_dim, ranges, n, RunGuard, &l);
+    if (!violation.empty()) {
+        ReportViolation(status, block_idx, "block " + std::to_string(block_idx) + ": " + violation);
+    }
+}
+
+/* Byte offsets of AmoeGuardTiling's fields, then its sizeof. */
+extern "C" size_t amoe_guard_tiling_layout(uint32_t *out, size_t cap)
+{
+    const uint32_t v[] = {
+        offsetof(AmoeGuardTiling, magic),
+        offsetof(AmoeGuardTiling, words),
+        offsetof(AmoeGuardTiling, mask),
+        offsetof(AmoeGuardTiling, expected),
+        sizeof(AmoeGuardTiling),
+    };
+    const size_t n = sizeof(v) / sizeof(v[0]);
+    for (size_t i = 0; i < n && i < cap && out != nullptr; ++i) {
+        out[i] = v[i];
+    }
+    return n;
 }
 
 /* The same kernel built with AMOE_FINALIZE_DROP_BARRIER (one PipeBarrier of

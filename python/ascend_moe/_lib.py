@@ -35,6 +35,7 @@ class Status(enum.IntEnum):
     BUFFER_TOO_SMALL = 16
     PANIC = 17
     KERNEL = 18
+    STALE_CONTEXT = 19
 
 
 class AmoeError(RuntimeError):

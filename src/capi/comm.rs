@@ -237,6 +237,7 @@ pub unsafe extern "C" fn amoe_stream_free(stream: *mut amoe_stream) {
     if stream.is_null() {
         return;
     }
+    super::live::detach_stream(stream);
     let _ = std::panic::catch_unwind(|| {
         // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`,
         // not used again, per the contract. Its stream is borrowed, so

@@ -71,6 +71,7 @@ pub(crate) fn status_of(e: &Error) -> amoe_status {
         Error::Unavailable(_) => amoe_status::Unavailable,
         Error::Io { .. } => amoe_status::Io,
         Error::Kernel { .. } => amoe_status::Kernel,
+        Error::StaleContext { .. } => amoe_status::StaleContext,
     }
 }
 

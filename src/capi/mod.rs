@@ -28,11 +28,13 @@
 pub(crate) mod ffi;
 
 mod comm;
+mod live;
 mod ops;
 mod prepare;
 mod shared;
 
 pub use comm::*;
+pub use live::*;
 pub use ops::*;
 pub use prepare::*;
 pub use shared::*;
@@ -84,6 +86,9 @@ pub enum amoe_status {
     Panic = 17,
     /// A device kernel reported a fault (bad index, tiling, or a simulated hardware rule).
     Kernel = 18,
+    /// Work captured for one forward context ran under another (found on the
+    /// device by the captured ops' guard, reported by the stream check).
+    StaleContext = 19,
 }
 
 /// Element type codes of `amoe_tensor::dtype` (the crate's `DType` numbering).
@@ -277,6 +282,7 @@ pub extern "C" fn amoe_status_name(status: u32) -> *const c_char {
         16 => "buffer too small\0",
         17 => "internal panic\0",
         18 => "kernel fault\0",
+        19 => "stale forward context\0",
         _ => "unknown status\0",
     };
     s.as_ptr() as *const c_char

@@ -701,17 +701,21 @@ enum Point {
 
 /// # Safety
 /// As the reduction-point exports.
+#[allow(clippy::too_many_arguments)] // the export's arguments, plus which point it is
 unsafe fn reduce_point(
-    f: &str,
+    f: &'static str,
     point: Point,
     p: *const amoe_reduce_policy,
     x: *const amoe_tensor,
     comm_type: u32,
     tp_comm: *const amoe_comm,
     out: *const amoe_tensor,
+    stream: *const amoe_stream,
 ) -> Result<(), Failure> {
     let p = policy(f, p)?;
     let c = CommType::from_u32(comm_type)?;
+    // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+    unsafe { super::live::guard_op(f, stream, c, None) }?;
     // SAFETY: the caller's contracts, for every call below.
     let tp = unsafe { comm_ref(f, tp_comm) }?;
     let x = unsafe { super::ffi::read_consumed(f, "x", x, out) }?;
@@ -748,7 +752,7 @@ pub unsafe extern "C" fn amoe_reduce_routed_early(
         // SAFETY: `stream` is NULL or a live handle, per the export's contract.
         let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts, forwarded.
-        unsafe { reduce_point(F, Point::RoutedEarly, policy, x, comm_type, tp_comm, out) }
+        unsafe { reduce_point(F, Point::RoutedEarly, policy, x, comm_type, tp_comm, out, stream) }
     })
 }
 
@@ -771,7 +775,7 @@ pub unsafe extern "C" fn amoe_reduce_shared(
         // SAFETY: `stream` is NULL or a live handle, per the export's contract.
         let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts, forwarded.
-        unsafe { reduce_point(F, Point::Shared, policy, x, comm_type, tp_comm, out) }
+        unsafe { reduce_point(F, Point::Shared, policy, x, comm_type, tp_comm, out, stream) }
     })
 }
 
@@ -794,6 +798,6 @@ pub unsafe extern "C" fn amoe_reduce_final(
         // SAFETY: `stream` is NULL or a live handle, per the export's contract.
         let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         // SAFETY: the caller's contracts, forwarded.
-        unsafe { reduce_point(F, Point::Final, policy, x, comm_type, tp_comm, out) }
+        unsafe { reduce_point(F, Point::Final, policy, x, comm_type, tp_comm, out, stream) }
     })
 }

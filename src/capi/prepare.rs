@@ -263,6 +263,8 @@ unsafe fn prepare_body(
         // SAFETY: `groups` is NULL or live, per the caller's contract.
         let g = unsafe { groups_ref(f, groups) }?;
         let ct = CommType::from_u32(comm_type)?;
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        unsafe { super::live::guard_op(f, stream, ct, Some(&c)) }?;
         // SAFETY: `x` is a valid descriptor, per the caller's contract.
         let x = unsafe { read_tensor(f, "x", x) }?;
         let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
@@ -411,6 +413,8 @@ unsafe fn finalize_body(
         // SAFETY: `groups` is NULL or live, per the caller's contract.
         let g = unsafe { groups_ref(f, groups) }?;
         let ct = CommType::from_u32(comm_type)?;
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        unsafe { super::live::guard_op(f, stream, ct, Some(&c)) }?;
         // SAFETY: `y` is a valid descriptor, per the caller's contract.
         let y = unsafe { super::ffi::read_consumed(f, "y", y, out) }?;
         let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;

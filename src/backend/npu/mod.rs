@@ -9,12 +9,14 @@
 //! |---|---|
 //! | [`runtime`] | loading, ACL errors, per-thread device binding, [`NpuStream`], [`NpuEvent`] |
 //! | [`memory`] | [`NpuBuffer`], [`DeviceBuffer`], [`PinnedHostBuffer`] |
+//! | [`live_context`] | `LiveContext`: the live forward context on the device and the guards of captured ops |
 //! | [`hccl`] | [`HcclRootInfo`], [`HcclComm`] and its collectives, [`npu_run_ranks`] |
 //! | `ops` | aclnn calls behind [`Backend`] |
 //! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
 
 pub mod hccl;
 pub mod kernel;
+pub mod live_context;
 pub mod memory;
 mod ops;
 pub mod probe;

@@ -153,3 +153,18 @@ pub type NpuLaunchFn =
 /// device pointers and the tiling already copied to the device. Returns 0 or
 /// an ACL error code.
 pub const NPU_LAUNCH_SYMBOL: &str = "amoe_finalize_launch_npu";
+
+/// Signature of [`NPU_GUARD_LAUNCH_SYMBOL`] in the AI Core build.
+pub type NpuGuardLaunchFn =
+    unsafe extern "C" fn(stream: *mut c_void, gm: *const *mut c_void, tiling: *mut c_void) -> i32;
+
+/// Guard launcher exported by the AI Core build:
+/// `int32_t amoe_guard_launch_npu(aclrtStream stream, void *const *gm, void *tiling_dev)`.
+pub const NPU_GUARD_LAUNCH_SYMBOL: &str = "amoe_guard_launch_npu";
+
+/// Index of the live context in the guard's global-memory pointers.
+pub const GUARD_GM_LIVE: usize = 0;
+/// Index of the status record.
+pub const GUARD_GM_STATUS: usize = 1;
+/// Number of global-memory pointers of a guard launch.
+pub const GUARD_GM_COUNT: usize = 2;

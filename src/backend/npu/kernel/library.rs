@@ -151,6 +151,7 @@ pub fn npu_kernel_library() -> Option<PathBuf> {
 /// time so the crate never links CANN.
 pub struct NpuKernelLib {
     launch: NpuLaunchFn,
+    guard: Option<NpuGuardLaunchFn>,
     path: PathBuf,
     // Keeps `launch` valid; dropped last.
     _lib: libloading::Library,
@@ -188,7 +189,10 @@ impl NpuKernelLib {
         let launch = unsafe { lib.get::<NpuLaunchFn>(sym.as_bytes()) }
             .map(|s| *s)
             .map_err(|e| Error::Unavailable(format!("{}: no {NPU_LAUNCH_SYMBOL}: {e}", path.display())))?;
-        Ok(NpuKernelLib { launch, path, _lib: lib })
+        let guard_sym = format!("{NPU_GUARD_LAUNCH_SYMBOL}\0");
+        // SAFETY: the symbol has the C signature NpuGuardLaunchFn (kernels/npu_launch.cpp).
+        let guard = unsafe { lib.get::<NpuGuardLaunchFn>(guard_sym.as_bytes()) }.ok().map(|s| *s);
+        Ok(NpuKernelLib { launch, guard, path, _lib: lib })
     }
 
     /// Where the library was loaded from.
@@ -218,6 +222,32 @@ impl NpuKernelLib {
             Ok(())
         } else {
             Err(Error::Acl { call: NPU_LAUNCH_SYMBOL, code, msg: String::new() })
+        }
+    }
+
+    /// Enqueues the forward-context guard (`amoe_guard_kernel`, one core) on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live `aclrtStream`; `gm[GUARD_GM_LIVE]` is a live context
+    /// of `CTX_WORDS` words and `gm[GUARD_GM_STATUS]` one status record of
+    /// `STATUS_WORDS` words, both device memory of the stream's device;
+    /// `tiling_dev` is device memory holding an `AmoeGuardTiling`. All of it
+    /// stays alive until the stream has run it.
+    pub unsafe fn launch_guard(
+        &self,
+        stream: *mut c_void,
+        gm: &[*mut c_void; GUARD_GM_COUNT],
+        tiling_dev: *mut c_void,
+    ) -> Result<()> {
+        let f = self.guard.ok_or_else(|| {
+            Error::Unavailable(format!("{}: no {NPU_GUARD_LAUNCH_SYMBOL} (an older kernel build)", self.path.display()))
+        })?;
+        // SAFETY: forwarded from this function's contract.
+        let code = unsafe { f(stream, gm.as_ptr(), tiling_dev) };
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(Error::Acl { call: NPU_GUARD_LAUNCH_SYMBOL, code, msg: String::new() })
         }
     }
 }

@@ -1,0 +1,347 @@
+//! The live forward context on the device and the guards of ops built for
+//! one context, through the C ABI: a guard passes when the live context is
+//! the one its ops were built for, and the stream check reports a difference
+//! (field, both values) exactly once. Ignored without an NPU (`ci/sim.sh`
+//! runs them on the simulated runtime).
+
+use std::ffi::CStr;
+use std::ptr::null_mut;
+
+use ascend_moe::backend::npu::{self, NpuDevice};
+use ascend_moe::capi::*;
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; amoe_last_error_length()];
+    let mut n = 0usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::Ok);
+    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
+}
+
+/// An engine-owned stream wrapped for the C ABI, and a live context on its device.
+struct Engine {
+    _device: NpuDevice,
+    stream: *mut amoe_stream,
+    live: *mut amoe_live_context,
+}
+
+impl Engine {
+    fn new() -> Engine {
+        let device = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
+        let mut stream = null_mut();
+        // SAFETY: the device's own stream outlives the handle (both live in Engine).
+        let st = unsafe { amoe_stream_wrap(device.stream().raw(), 0, &mut stream) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        let mut live = null_mut();
+        // SAFETY: live stream handle, writable out-pointer.
+        let st = unsafe { amoe_live_context_new(stream, &mut live) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        Engine { _device: device, stream, live }
+    }
+
+    fn set(&self, fc: &amoe_forward_context) {
+        // SAFETY: live handles; `fc` valid with its dp_tokens.
+        let st = unsafe { amoe_live_context_set(self.live, fc, self.stream) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    }
+
+    fn guard(&self, fc: &amoe_forward_context, flags: u32) -> amoe_status {
+        // SAFETY: as above.
+        unsafe { amoe_live_context_guard(self.live, fc, flags, self.stream) }
+    }
+
+    fn check(&self) -> (amoe_status, String) {
+        // SAFETY: live handles.
+        let st = unsafe { amoe_live_context_check(self.live, self.stream) };
+        (st, if st == amoe_status::Ok { String::new() } else { last_error() })
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // SAFETY: live handles, not used afterwards.
+        unsafe {
+            amoe_live_context_free(self.live);
+            amoe_stream_free(self.stream);
+        }
+    }
+}
+
+fn fc(comm: amoe_comm_type, dp: &[usize], actual: usize) -> amoe_forward_context {
+    amoe_forward_context {
+        comm_type: comm as u32,
+        sp: 0,
+        dp_tokens: dp.as_ptr(),
+        dp_size: dp.len(),
+        num_actual_tokens: actual,
+        pcp_size: 1,
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_guard_passes_under_the_context_it_was_built_for() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&mc2);
+    for _ in 0..3 {
+        assert_eq!(e.guard(&mc2, AMOE_GUARD_ACTUAL_TOKENS), amoe_status::Ok, "{}", last_error());
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn another_comm_type_is_reported_once_with_both_values() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&fc(amoe_comm_type::Alltoall, &dp, AMOE_ALL_TOKENS));
+    assert_eq!(e.guard(&mc2, 0), amoe_status::Ok);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("comm_type is 2 (ALLTOALL)"), "{msg}");
+    assert!(msg.contains("captured for 1 (MC2)"), "{msg}");
+    // SAFETY: a static NUL-terminated string.
+    let name = unsafe { CStr::from_ptr(amoe_status_name(amoe_status::StaleContext as u32)) };
+    assert_eq!(name.to_str().unwrap(), "stale forward context");
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "reported once");
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_live_context_is_read_when_the_stream_runs_the_guard() {
+    let e = Engine::new();
+    let (a, b) = ([4usize, 4], [4usize, 9]);
+    let ca = fc(amoe_comm_type::Allgather, &a, AMOE_ALL_TOKENS);
+    // set(a), guard(a), set(b), guard(a): only the second guard sees b.
+    e.set(&ca);
+    assert_eq!(e.guard(&ca, 0), amoe_status::Ok);
+    e.set(&fc(amoe_comm_type::Allgather, &b, AMOE_ALL_TOKENS));
+    assert_eq!(e.guard(&ca, 0), amoe_status::Ok);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 9") && msg.contains("captured for 4"), "{msg}");
+    // Many more updates than staging slots, each read by its own guard.
+    for t in 0..20usize {
+        let dp = [t, 3];
+        let c = fc(amoe_comm_type::Allgather, &dp, AMOE_ALL_TOKENS);
+        e.set(&c);
+        assert_eq!(e.guard(&c, 0), amoe_status::Ok);
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn actual_tokens_count_only_for_guards_that_ask_and_an_unset_context_is_reported() {
+    let e = Engine::new();
+    let (st, msg) = {
+        let dp = [8usize];
+        assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), 0), amoe_status::Ok);
+        e.check()
+    };
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("never written"), "{msg}");
+    let dp = [8usize];
+    e.set(&fc(amoe_comm_type::Mc2, &dp, 5));
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, 6), 0), amoe_status::Ok);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, 6), AMOE_GUARD_ACTUAL_TOKENS), amoe_status::Ok);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("num_actual_tokens is 5") && msg.contains("captured for 6"), "{msg}");
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn bad_contexts_and_flags_are_refused_before_anything_is_enqueued() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), 0x10), amoe_status::InvalidArgument);
+    assert!(last_error().contains("flags"), "{}", last_error());
+    let mut bad = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    bad.comm_type = 7;
+    assert_eq!(e.guard(&bad, 0), amoe_status::InvalidArgument);
+    assert!(last_error().contains("unknown MoE comm type 7"), "{}", last_error());
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &dp, 9), 0), amoe_status::InvalidArgument);
+    assert!(last_error().contains("num_actual_tokens"), "{}", last_error());
+    let many = [1usize; 58];
+    assert_eq!(e.guard(&fc(amoe_comm_type::Mc2, &many, AMOE_ALL_TOKENS), 0), amoe_status::InvalidArgument);
+    assert!(last_error().contains("58 DP ranks"), "{}", last_error());
+    // SAFETY: NULL context / stream on purpose.
+    unsafe {
+        assert_eq!(amoe_live_context_guard(null_mut(), &bad, 0, e.stream), amoe_status::NullArgument);
+        assert_eq!(amoe_live_context_check(e.live, std::ptr::null()), amoe_status::NullArgument);
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "nothing was enqueued");
+}
+
+/// `aclmdlRICaptureBegin` / `End` / `ExecuteAsync` / `Destroy` of the loaded runtime.
+struct Graph {
+    model: acl_sys::aclmdlRI,
+}
+
+impl Graph {
+    /// Captures what `body` enqueues on `raw` (GLOBAL mode).
+    fn capture(raw: acl_sys::aclrtStream, body: impl FnOnce()) -> Graph {
+        let api = acl_sys::acl().expect("ACL loaded");
+        let begin = api.lib.aclmdlRICaptureBegin.as_ref().expect("aclmdlRICaptureBegin");
+        let end = api.lib.aclmdlRICaptureEnd.as_ref().expect("aclmdlRICaptureEnd");
+        // SAFETY: a live stream of the bound device.
+        let st = unsafe { begin(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL) };
+        assert_eq!(st, 0, "aclmdlRICaptureBegin");
+        body();
+        let mut model: acl_sys::aclmdlRI = null_mut();
+        // SAFETY: the capturing stream and a writable out-pointer.
+        let st = unsafe { end(raw, &mut model) };
+        assert_eq!(st, 0, "aclmdlRICaptureEnd");
+        Graph { model }
+    }
+
+    fn replay(&self, raw: acl_sys::aclrtStream) {
+        let api = acl_sys::acl().expect("ACL loaded");
+        let exec = api.lib.aclmdlRIExecuteAsync.as_ref().expect("aclmdlRIExecuteAsync");
+        // SAFETY: a live model and stream.
+        assert_eq!(unsafe { exec(self.model, raw) }, 0, "aclmdlRIExecuteAsync");
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        let api = acl_sys::acl().expect("ACL loaded");
+        let destroy = api.lib.aclmdlRIDestroy.as_ref().expect("aclmdlRIDestroy");
+        // SAFETY: a live model, destroyed once.
+        assert_eq!(unsafe { destroy(self.model) }, 0, "aclmdlRIDestroy");
+    }
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
+    let e = Engine::new();
+    let raw = e._device.stream().raw();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&mc2);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    let api = acl_sys::acl().expect("ACL loaded");
+    api.reset_counters();
+    let graph = Graph::capture(raw, || assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error()));
+    if let Some(c) = api.counters() {
+        assert_eq!(
+            (c.host_syncs, c.device_mallocs, c.device_frees, c.host_mallocs, c.host_frees),
+            (0, 0, 0, 0, 0),
+            "a guard only enqueues: {c:?}"
+        );
+    }
+    // Replays under the context it was captured for pass, every time.
+    for _ in 0..3 {
+        e.set(&mc2);
+        graph.replay(raw);
+        assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    }
+    // A replay under another comm type, then other DP token counts: reported.
+    e.set(&fc(amoe_comm_type::Allgather, &dp, AMOE_ALL_TOKENS));
+    graph.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("comm_type is 0 (ALLGATHER)") && msg.contains("captured for 1 (MC2)"), "{msg}");
+    let other = [4usize, 2];
+    e.set(&fc(amoe_comm_type::Mc2, &other, AMOE_ALL_TOKENS));
+    graph.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 2"), "{msg}");
+    // And back: the record was reset after it was reported.
+    e.set(&mc2);
+    graph.replay(raw);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    // Setting the live context during a capture is refused (it belongs before the replay).
+    let refused = Graph::capture(raw, || {
+        // SAFETY: live handles.
+        let st = unsafe { amoe_live_context_set(e.live, &mc2, e.stream) };
+        assert_eq!(st, amoe_status::InvalidArgument);
+        assert!(last_error().contains("outside capture"), "{}", last_error());
+    });
+    drop(refused);
+}
+
+/// One TP rank of two: the reduction point with a live context attached to
+/// its stream guards itself, so a call made for MC2 while the live context
+/// says ALLGATHER is reported by the check, on every rank, and a call made
+/// for the live comm type is not.
+fn attached_rank(rank: usize, root: &ascend_moe::backend::npu::HcclRootInfo) -> ascend_moe::Result<()> {
+    use ascend_moe::backend::npu::HcclComm;
+    let dev = NpuDevice::open(rank as u32)?;
+    let hccl = HcclComm::from_root_info(&dev, root, 2, rank, &ascend_moe::CommOptions::from_env())?;
+    let (mut s, mut c, mut live) = (null_mut(), null_mut(), null_mut());
+    // SAFETY: live stream and communicator of this device, outliving the handles.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(dev.stream().raw(), rank as u32, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
+    }
+    let x = dev.clone_htod(&[rank as f32 + 1.0; 8])?;
+    let out = dev.alloc_zeros::<f32>(8)?;
+    dev.synchronize()?;
+    let shape = [8usize];
+    let d = |b: &ascend_moe::backend::npu::DeviceBuffer<f32>| amoe_tensor {
+        data: b.as_bytes().as_ptr(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: 1,
+        shape: shape.as_ptr(),
+        strides: std::ptr::null(),
+        device_kind: amoe_device_kind::Npu as u32,
+        device_ordinal: rank as i32,
+    };
+    let (xd, od) = (d(&x), d(&out));
+    let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    let dp = [4usize];
+    let live_fc = fc(amoe_comm_type::Allgather, &dp, AMOE_ALL_TOKENS);
+    // SAFETY: live handles and descriptors over live device memory of this device.
+    unsafe {
+        assert_eq!(amoe_live_context_set(live, &live_fc, s), amoe_status::Ok, "{}", last_error());
+        let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Allgather as u32, c, &od, s);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
+        let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Mc2 as u32, c, &od, s);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::StaleContext);
+        let msg = last_error();
+        assert!(msg.contains("amoe_reduce_final") && msg.contains("comm_type is 0 (ALLGATHER)"), "{msg}");
+        assert!(msg.contains("captured for 1 (MC2)"), "{msg}");
+        // Detached, the op no longer guards itself.
+        assert_eq!(amoe_stream_attach_live_context(s, std::ptr::null()), amoe_status::Ok);
+        let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Mc2 as u32, c, &od, s);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
+        amoe_live_context_free(live);
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn an_op_on_a_stream_with_an_attached_live_context_guards_itself() {
+    use ascend_moe::backend::npu::HcclRootInfo;
+    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                sc.spawn({
+                    let root = &root;
+                    move || attached_rank(r, root)
+                })
+            })
+            .collect();
+        for (r, h) in hs.into_iter().enumerate() {
+            h.join().expect("rank thread").unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    });
+}
