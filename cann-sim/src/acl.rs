@@ -264,9 +264,7 @@ fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize
         ACL_MEMCPY_HOST_TO_HOST => Some((false, false)),
         ACL_MEMCPY_HOST_TO_DEVICE | ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE => Some((true, false)),
         ACL_MEMCPY_DEVICE_TO_HOST => Some((false, true)),
-        ACL_MEMCPY_DEVICE_TO_DEVICE | ACL_MEMCPY_INNER_DEVICE_TO_DEVICE | ACL_MEMCPY_INTER_DEVICE_TO_DEVICE => {
-            Some((true, true))
-        }
+        ACL_MEMCPY_DEVICE_TO_DEVICE => Some((true, true)),
         ACL_MEMCPY_DEFAULT => None,
         _ => return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemcpyKind {kind}")),
     };
@@ -285,9 +283,6 @@ fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize
                 ),
             );
         }
-    }
-    if kind == ACL_MEMCPY_INNER_DEVICE_TO_DEVICE && d != s {
-        return fail(ACL_ERROR_INVALID_PARAM, format!("{}: {} to {}", kind_name(kind), loc_name(s), loc_name(d)));
     }
     let c = CopyPlan { dst: dst as usize, src: src as usize, count, dst_dev, src_dev };
     // Check device extents now, so the caller gets the error synchronously.
@@ -326,7 +321,7 @@ pub unsafe extern "C" fn aclrtMemcpy(
     kind: i32,
 ) -> AclError {
     status::acl("aclrtMemcpy", || {
-        if acl_rules::memcpy(dst, dest_max, src, count, kind)? == Proceed::Done {
+        if acl_rules::copy("aclrtMemcpy", dst, dest_max, src, count, kind)? == Proceed::Done {
             return Ok(());
         }
         let c = plan_copy(dst, dest_max, src, count, kind)?;
@@ -346,7 +341,7 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
     stream: AclrtStream,
 ) -> AclError {
     status::acl("aclrtMemcpyAsync", || {
-        if acl_rules::memcpy_async(dst, dest_max, src, count, kind)? == Proceed::Done {
+        if acl_rules::copy("aclrtMemcpyAsync", dst, dest_max, src, count, kind)? == Proceed::Done {
             return Ok(());
         }
         // ApiImpl::MemcpyAsync: the stream must belong to the thread's

@@ -120,32 +120,20 @@ pub fn free_host(host_ptr: *mut c_void) -> SimResult<()> {
     Ok(())
 }
 
-/// `aclrtMemcpy(dst, destMax, src, count, kind)`.
-pub fn memcpy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize, kind: i32) -> SimResult<Proceed> {
-    // acl `aclrtMemcpyImpl`: "count is 0, no memory copy will be performed".
-    if count == 0 {
-        return Ok(Proceed::Done);
-    }
-    not_null(dst, "dst")?;
-    not_null(src, "src")?;
-    copy_kind(kind)?;
-    count_within(count, dest_max, "destMax")?;
-    // `ApiImpl::MemCopySync` needs the thread's context even for host memory.
-    current_device("aclrtMemcpy")?;
-    Ok(Proceed::Run)
-}
-
-/// `aclrtMemcpyAsync(dst, destMax, src, count, kind, stream)`. The stream's
-/// device, the host-to-host refusal and the 64-byte alignment are checked by
-/// the export (see acl.rs).
-pub fn memcpy_async(
+/// `aclrtMemcpy(dst, destMax, src, count, kind)` and the same arguments of
+/// `aclrtMemcpyAsync` (`call` names the export), in CANN's order. The
+/// stream's device, the host-to-host refusal and the 64-byte alignment of the
+/// asynchronous copy are checked by the export (see acl.rs).
+pub fn copy(
+    call: &str,
     dst: *mut c_void,
     dest_max: usize,
     src: *const c_void,
     count: usize,
     kind: i32,
 ) -> SimResult<Proceed> {
-    // acl `aclrtMemcpyAsyncImpl`: "count is 0, no memory copy async will be performed".
+    // acl `aclrtMemcpyImpl` / `aclrtMemcpyAsyncImpl`: "count is 0, no memory
+    // copy will be performed", before any other check.
     if count == 0 {
         return Ok(Proceed::Done);
     }
@@ -153,8 +141,9 @@ pub fn memcpy_async(
     not_null(src, "src")?;
     copy_kind(kind)?;
     count_within(count, dest_max, "destMax")?;
-    // `ApiErrorDecorator::MemcpyAsyncCheckLocation` / `ApiImpl::MemcpyAsync`.
-    current_device("aclrtMemcpyAsync")?;
+    // `ApiImpl::MemCopySync` needs the thread's context even for host memory;
+    // `ApiErrorDecorator::MemcpyAsyncCheckLocation` / `ApiImpl::MemcpyAsync` too.
+    current_device(call)?;
     Ok(Proceed::Run)
 }
 

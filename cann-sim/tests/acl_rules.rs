@@ -309,3 +309,19 @@ fn mem_info_refuses_an_unknown_memory_attribute() {
     }
     assert!(total > 0);
 }
+
+#[test]
+fn out_pointers_and_host_sizes_are_checked_before_anything_is_created() {
+    let s = use_device(2);
+    let mut p = NULL;
+    unsafe {
+        assert_eq!((s.aclrtMallocHost)(NULL as *mut Ptr, 64), ACL_ERROR_INVALID_PARAM, "hostPtr NULL");
+        assert_eq!((s.aclrtMallocHost)(&mut p, 0), ACL_ERROR_INVALID_PARAM, "size 0");
+        assert!(p.is_null());
+        assert_eq!((s.aclrtCreateStream)(NULL as *mut Ptr), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetDevice)(std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetDeviceCount)(std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        let (mut a, mut b) = (0, 0);
+        assert_eq!((s.aclrtGetVersion)(&mut a, &mut b, std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+    }
+}
