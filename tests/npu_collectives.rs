@@ -203,3 +203,40 @@ fn mismatched_sizes_fail_with_a_clear_error() {
     })
     .unwrap();
 }
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn split_with_unsorted_ranks_fails_naming_the_order_and_the_rule() {
+    npu_run_ranks(WORLD, &opts(), |rank, world| {
+        // Pairs {0, 1} and {2, 3}, each listed in descending order.
+        let pair: Vec<usize> = if rank < 2 { vec![1, 0] } else { vec![3, 2] };
+        let err = world.split(&pair).map(|_| ()).expect_err("a descending rank list");
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("{pair:?}")) && msg.contains("not ascending"), "{msg}");
+        assert!(msg.contains("HcclCreateSubCommConfig"), "the message names HCCL's rule: {msg}");
+        // Nothing was created, and the world communicator still works.
+        let mut buf = tensor::<f32>(&world.device(), &[1.0])?;
+        world.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        assert_eq!(read(&buf)?, [WORLD as f64]);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_sub_communicator_is_split_through_the_global_one() {
+    npu_run_ranks(WORLD, &opts(), |rank, world| {
+        // HCCL splits only the global communicator; a split of {0,1,2,3}'s
+        // sub-communicator {rank pairs} is made from the world one.
+        let pair_ranks: Vec<usize> = if rank < 2 { vec![0, 1] } else { vec![2, 3] };
+        let pair = world.split(&pair_ranks)?;
+        let nested = pair.split(&[0, 1])?;
+        assert_eq!((nested.rank(), nested.world_size()), (rank % 2, 2));
+        let mut buf = tensor::<f32>(&world.device(), &[val(rank, 0)])?;
+        nested.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+        assert_eq!(read(&buf)?, [pair_ranks.iter().map(|&r| val(r, 0)).sum::<f64>()]);
+        Ok(())
+    })
+    .unwrap();
+}

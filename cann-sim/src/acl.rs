@@ -13,6 +13,7 @@ use std::ffi::{c_char, c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
+use crate::acl_rules::{self, Proceed};
 use crate::arena::{self, Span};
 use crate::config;
 use crate::context::{self, EVENTS, STREAMS};
@@ -80,13 +81,12 @@ pub unsafe extern "C" fn aclrtCreateStream(stream: *mut AclrtStream) -> AclError
 }
 
 /// `aclError aclrtDestroyStream(aclrtStream stream)`. Queued work is run
-/// first, so nothing queued is lost.
+/// first, so nothing queued is lost (API reference: "if the stream has
+/// unfinished tasks, it waits for them to complete before destroying it").
 #[no_mangle]
 pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
     status::acl("aclrtDestroyStream", || {
-        if stream.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be destroyed");
-        }
+        acl_rules::destroy_stream(stream)?;
         crate::capture::destroy_stream(stream as usize)?;
         let s = STREAMS
             .remove(stream as usize)
@@ -100,20 +100,19 @@ pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
     status::acl("aclrtSynchronizeStream", || {
+        acl_rules::synchronize_stream(stream)?;
         crate::capture::sync_stream("aclrtSynchronizeStream", stream as usize)?;
         context::stream(stream as usize)?.synchronize(None)
     })
 }
 
 /// `aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)`;
-/// timeout in ms, -1 waits forever, 0 polls.
+/// timeout in ms, -1 waits forever; 0 is refused (see [`acl_rules`]).
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout: i32) -> AclError {
     status::acl("aclrtSynchronizeStreamWithTimeout", || {
+        acl_rules::synchronize_stream_with_timeout(stream, timeout)?;
         crate::capture::sync_stream("aclrtSynchronizeStreamWithTimeout", stream as usize)?;
-        if timeout < -1 {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("timeout {timeout} ms (expected -1 or >= 0)"));
-        }
         let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
         context::stream(stream as usize)?.synchronize(t)
     })
@@ -123,6 +122,7 @@ pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout
 #[no_mangle]
 pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -> AclError {
     status::acl("aclrtStreamWaitEvent", || {
+        acl_rules::stream_wait_event(stream, event)?;
         let s = context::stream_here(stream as usize)?;
         let e = context::event(event as usize)?;
         if crate::capture::wait_event(&s, &e)? {
@@ -142,21 +142,8 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -
     })
 }
 
-const POLICY_FLAGS: u32 = 0x0100 | 0x1000 | 0x10_0000;
-
-fn check_policy(policy: i32) -> SimResult<()> {
-    let p = policy as u32;
-    if p & !POLICY_FLAGS > 7 {
-        return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemMallocPolicy {policy:#x}"));
-    }
-    Ok(())
-}
-
 fn malloc(dev_ptr: *mut *mut c_void, size: usize, policy: i32) -> SimResult<()> {
-    if dev_ptr.is_null() {
-        return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
-    }
-    check_policy(policy)?;
+    acl_rules::malloc(dev_ptr, size, policy)?;
     let d = context::current()?;
     let addr = arena::arena(d)?.alloc(size)?;
     write_out(dev_ptr, addr as *mut c_void, ACL_ERROR_INVALID_PARAM, "devPtr")
@@ -216,11 +203,13 @@ pub unsafe extern "C" fn aclrtMallocHost(host_ptr: *mut *mut c_void, size: usize
 #[no_mangle]
 pub extern "C" fn aclrtFreeHost(host_ptr: *mut c_void) -> AclError {
     status::acl("aclrtFreeHost", || {
+        acl_rules::free_host(host_ptr)?;
         crate::capture::allocation("aclrtFreeHost")?;
         let addr = host_ptr as usize;
+        // The driver frees only what it allocated; an unknown host pointer is
+        // refused with the runtime's invalid-value code (ApiImpl::HostFree).
         let Some(size) = host_bufs().remove(&addr) else {
-            let what = if arena::owner(addr).is_some() { " (it is device memory)" } else { "" };
-            return fail(ACL_ERROR_INVALID_PARAM, format!("{addr:#x} was not returned by aclrtMallocHost{what}"));
+            return fail(ACL_ERROR_RT_PARAM_INVALID, format!("{addr:#x} was not returned by aclrtMallocHost"));
         };
         // Invariant: the same layout was accepted by aclrtMallocHost.
         let layout = std::alloc::Layout::from_size_align(size, 64).expect("layout accepted at allocation");
@@ -273,21 +262,21 @@ fn kind_name(kind: i32) -> &'static str {
     }
 }
 
+/// Checks each operand's owner against `kind`. Stricter than CANN: its
+/// runtime infers or corrects the direction from the addresses (the API
+/// reference of `aclrtMemcpy` calls `kind` reserved since CANN 8.0;
+/// `ApiErrorDecorator::MemcpyKindAutoCorrect`), so a wrong kind is refused
+/// here to show the caller's mistake. NULL, count and destMax were checked by
+/// [`acl_rules`].
 fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize, kind: i32) -> SimResult<CopyPlan> {
-    if count > dest_max {
-        return fail(ACL_ERROR_INVALID_PARAM, format!("count {count} exceeds destMax {dest_max}"));
-    }
-    if count > 0 && (dst.is_null() || src.is_null()) {
-        return fail(ACL_ERROR_INVALID_PARAM, "dst or src is NULL");
-    }
+    // Invariant: every caller runs its `acl_rules` check first.
+    debug_assert!(count <= dest_max && !dst.is_null() && !src.is_null());
     let (d, s) = (loc(dst as usize), loc(src as usize));
     let want: Option<(bool, bool)> = match kind {
         ACL_MEMCPY_HOST_TO_HOST => Some((false, false)),
         ACL_MEMCPY_HOST_TO_DEVICE | ACL_MEMCPY_HOST_TO_BUF_TO_DEVICE => Some((true, false)),
         ACL_MEMCPY_DEVICE_TO_HOST => Some((false, true)),
-        ACL_MEMCPY_DEVICE_TO_DEVICE | ACL_MEMCPY_INNER_DEVICE_TO_DEVICE | ACL_MEMCPY_INTER_DEVICE_TO_DEVICE => {
-            Some((true, true))
-        }
+        ACL_MEMCPY_DEVICE_TO_DEVICE => Some((true, true)),
         ACL_MEMCPY_DEFAULT => None,
         _ => return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemcpyKind {kind}")),
     };
@@ -306,9 +295,6 @@ fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize
                 ),
             );
         }
-    }
-    if kind == ACL_MEMCPY_INNER_DEVICE_TO_DEVICE && d != s {
-        return fail(ACL_ERROR_INVALID_PARAM, format!("{}: {} to {}", kind_name(kind), loc_name(s), loc_name(d)));
     }
     let c = CopyPlan { dst: dst as usize, src: src as usize, count, dst_dev, src_dev };
     // Check device extents now, so the caller gets the error synchronously.
@@ -348,10 +334,10 @@ pub unsafe extern "C" fn aclrtMemcpy(
 ) -> AclError {
     status::acl("aclrtMemcpy", || {
         crate::capture::blocking_copy(dst as usize, src as usize, count)?;
-        let c = plan_copy(dst, dest_max, src, count, kind)?;
-        if c.dst_dev || c.src_dev {
-            context::current()?;
+        if acl_rules::copy("aclrtMemcpy", dst, dest_max, src, count, kind)? == Proceed::Done {
+            return Ok(());
         }
+        let c = plan_copy(dst, dest_max, src, count, kind)?;
         run_copy(c)
     })
 }
@@ -368,12 +354,23 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
     stream: AclrtStream,
 ) -> AclError {
     status::acl("aclrtMemcpyAsync", || {
+        if acl_rules::copy("aclrtMemcpyAsync", dst, dest_max, src, count, kind)? == Proceed::Done {
+            return Ok(());
+        }
+        // ApiImpl::MemcpyAsync: the stream must belong to the thread's
+        // context (RT_ERROR_STREAM_CONTEXT).
         let s = context::stream_here(stream as usize)?;
         let c = plan_copy(dst, dest_max, src, count, kind)?;
+        // API reference: "does not support asynchronous memory copy within the
+        // host ... returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
+        // ApiErrorDecorator::MemcpyAsync: "H2H is not supported".
         if !c.dst_dev && !c.src_dev {
             return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "asynchronous host-to-host copies are not supported");
         }
         crate::capture::async_copy(&s, c.dst, c.src, c.count)?;
+        // acl_rt.h (torch-npu 2.9.0 and 2.14.0 headers), aclrtMemcpyAsync:
+        // "For on-chip Device-to-Device memory copy, both the source and
+        // destination addresses must be 64-byte aligned".
         if c.dst_dev && c.src_dev && loc(c.dst) == loc(c.src) && (c.dst % 64 != 0 || c.src % 64 != 0) {
             return fail(
                 ACL_ERROR_RT_ADDR_UNALIGNED,
@@ -388,13 +385,9 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
     })
 }
 
-fn plan_memset(dev_ptr: *mut c_void, max_count: usize, count: usize) -> SimResult<(usize, bool)> {
-    if count > max_count {
-        return fail(ACL_ERROR_INVALID_PARAM, format!("count {count} exceeds maxCount {max_count}"));
-    }
-    if dev_ptr.is_null() {
-        return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
-    }
+/// NULL, the count and host memory were checked by [`acl_rules`]; device
+/// memory must hold the whole range.
+fn plan_memset(dev_ptr: *mut c_void, count: usize) -> SimResult<(usize, bool)> {
     let addr = dev_ptr as usize;
     let dev = arena::owner(addr).is_some();
     if dev && count > 0 {
@@ -422,8 +415,11 @@ fn run_memset(addr: usize, dev: bool, value: i32, count: usize) -> SimResult<()>
 #[no_mangle]
 pub unsafe extern "C" fn aclrtMemset(dev_ptr: *mut c_void, max_count: usize, value: i32, count: usize) -> AclError {
     status::acl("aclrtMemset", || {
+        if acl_rules::memset(dev_ptr, max_count, count)? == Proceed::Done {
+            return Ok(());
+        }
         crate::capture::blocking_memset()?;
-        let (addr, dev) = plan_memset(dev_ptr, max_count, count)?;
+        let (addr, dev) = plan_memset(dev_ptr, count)?;
         run_memset(addr, dev, value, count)
     })
 }
@@ -438,8 +434,12 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
     stream: AclrtStream,
 ) -> AclError {
     status::acl("aclrtMemsetAsync", || {
+        if acl_rules::memset_async(dev_ptr, max_count, count)? == Proceed::Done {
+            return Ok(());
+        }
+        // ApiImpl::MemsetAsync: the stream must belong to the thread's context.
         let s = context::stream_here(stream as usize)?;
-        let (addr, dev) = plan_memset(dev_ptr, max_count, count)?;
+        let (addr, dev) = plan_memset(dev_ptr, count)?;
         s.enqueue("aclrtMemsetAsync", Box::new(move || run_memset(addr, dev, value, count)));
         Ok(())
     })
@@ -450,8 +450,10 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetMemInfo(attr: i32, free: *mut usize, total: *mut usize) -> AclError {
     status::acl("aclrtGetMemInfo", || {
+        // ApiErrorDecorator::MemGetInfoEx: outside [RT_MEMORYINFO_DDR,
+        // RT_MEMORYINFO_P2P_HUGE1G] (0..=17) is RT_ERROR_INVALID_MEMORY_TYPE.
         if !(0..=17).contains(&attr) {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclrtMemAttr {attr}"));
+            return fail(ACL_ERROR_RT_INVALID_MEMORY_TYPE, format!("unknown aclrtMemAttr {attr}"));
         }
         let a = arena::arena(context::current()?)?;
         write_out(free, a.free_bytes(), ACL_ERROR_INVALID_PARAM, "free")?;
@@ -476,8 +478,12 @@ pub unsafe extern "C" fn aclrtCreateEvent(event: *mut AclrtEvent) -> AclError {
 #[no_mangle]
 pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> AclError {
     status::acl("aclrtRecordEvent", || {
+        acl_rules::record_event(event, stream)?;
         let e = context::event(event as usize)?;
+        // ApiImpl::EventRecord: the stream must belong to the thread's context.
         let s = context::stream_here(stream as usize)?;
+        // Stricter than CANN, whose runtime has no such check: an event is
+        // recorded on a stream of the device it was created on.
         if e.device != s.device {
             return fail(
                 ACL_ERROR_RT_STREAM_CONTEXT,
@@ -494,6 +500,7 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeEvent(event: AclrtEvent) -> AclError {
     status::acl("aclrtSynchronizeEvent", || {
+        acl_rules::event_handle(event)?;
         crate::capture::sync_event(event as usize)?;
         let e = context::event(event as usize)?;
         match e.target() {
@@ -509,6 +516,7 @@ pub extern "C" fn aclrtSynchronizeEvent(event: AclrtEvent) -> AclError {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtQueryEventStatus(event: AclrtEvent, status_out: *mut i32) -> AclError {
     status::acl("aclrtQueryEventStatus", || {
+        acl_rules::query_event_status(event, status_out)?;
         crate::capture::query_event(event as usize)?;
         let e = context::event(event as usize)?;
         if let Some((s, seq)) = e.target() {
@@ -523,9 +531,11 @@ pub unsafe extern "C" fn aclrtQueryEventStatus(event: AclrtEvent, status_out: *m
 #[no_mangle]
 pub unsafe extern "C" fn aclrtEventElapsedTime(ms: *mut f32, start: AclrtEvent, end: AclrtEvent) -> AclError {
     status::acl("aclrtEventElapsedTime", || {
+        acl_rules::event_elapsed_time(ms, start, end)?;
         let (a, b) = (context::event(start as usize)?, context::event(end as usize)?);
+        // Checked by the rule; a record only ever goes from pending to done.
         let (Some(ta), Some(tb)) = (a.time(), b.time()) else {
-            return fail(ACL_ERROR_RT_EVENT_NOT_COMPLETE, "both events must be recorded and complete");
+            return fail(ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID, "both events must be recorded and complete");
         };
         let v = if tb >= ta { (tb - ta).as_secs_f64() * 1e3 } else { -((ta - tb).as_secs_f64() * 1e3) };
         write_out(ms, v as f32, ACL_ERROR_INVALID_PARAM, "ms")
@@ -536,6 +546,7 @@ pub unsafe extern "C" fn aclrtEventElapsedTime(ms: *mut f32, start: AclrtEvent, 
 #[no_mangle]
 pub extern "C" fn aclrtDestroyEvent(event: AclrtEvent) -> AclError {
     status::acl("aclrtDestroyEvent", || {
+        acl_rules::event_handle(event)?;
         EVENTS
             .remove(event as usize)
             .map(|_| ())

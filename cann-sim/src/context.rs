@@ -68,6 +68,8 @@ thread_local! {
 }
 
 fn check_id(id: i64) -> SimResult<u32> {
+    // ApiErrorDecorator::SetDevice / DeviceReset: an id outside
+    // [0, device count) is RT_ERROR_DEVICE_ID (ACL_ERROR_RT_INVALID_DEVICEID).
     let n = config::get().devices;
     if id < 0 || id >= n as i64 {
         return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("device {id} does not exist ({n} simulated devices)"));
@@ -98,8 +100,14 @@ pub fn reset_device(id: i32) -> SimResult<()> {
     let d = check_id(id as i64)?;
     let stream = {
         let mut devs = DEVICES.lock().unwrap_or_else(|e| e.into_inner());
+        // ApiErrorDecorator::DeviceReset: RT_ERROR_CONTEXT_DEL
+        // (ACL_ERROR_RT_CONTEXT_RELEASE_ERROR), "The device has not been set
+        // or has already been reset".
         let Some(slot) = devs.get_mut(d as usize).filter(|s| s.refs > 0) else {
-            return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("device {d} was not set in this process"));
+            return fail(
+                ACL_ERROR_RT_CONTEXT_RELEASE_ERROR,
+                format!("device {d} has not been set in this process or has already been reset"),
+            );
         };
         slot.refs -= 1;
         if slot.refs == 0 {
@@ -119,7 +127,11 @@ pub fn reset_device(id: i32) -> SimResult<()> {
     Ok(())
 }
 
-/// The calling thread's device.
+/// The calling thread's device. CANN's context is per thread: `aclrtSetDevice`
+/// binds the device's default context to the calling thread only, and every
+/// call that needs one fails with RT_ERROR_CONTEXT_NULL
+/// (ACL_ERROR_RT_CONTEXT_NULL) without it (`ApiImpl::GetDevice`,
+/// `CHECK_CONTEXT_VALID_WITH_RETURN` in `ApiImpl`).
 pub fn current() -> SimResult<u32> {
     CURRENT.with(|c| c.get()).ok_or_else(|| {
         SimError::new(ACL_ERROR_RT_CONTEXT_NULL, "no current device on this thread (call aclrtSetDevice first)")
@@ -164,7 +176,8 @@ pub fn device_streams(d: u32) -> Vec<Arc<Stream>> {
     v
 }
 
-/// The stream of handle `h`, which must belong to the calling thread's device.
+/// The stream of handle `h`, which must belong to the calling thread's device
+/// (`ApiImpl`: `COND_RETURN_AND_MSG_INVALID_CONTEXT_STREAM`, RT_ERROR_STREAM_CONTEXT).
 pub fn stream_here(h: usize) -> SimResult<Arc<Stream>> {
     let cur = current()?;
     let s = stream(h)?;

@@ -10,6 +10,7 @@
 //! | module | exports |
 //! |---|---|
 //! | [`acl`] | `aclInit` ... `aclrtGetVersion`: devices, streams, memory, events |
+//! | [`acl_rules`] | (no exports) the argument rules of the real ACL runtime, applied at each ACL export's entry |
 //! | [`nnop`] | `aclCreateTensor`, `aclDestroyTensor`, `aclCreateScalar`, `aclDestroyScalar` |
 //! | [`aclnn`] | `aclnnMoeFinalizeRoutingV2`, `aclnnMoeTokenUnpermute`, `aclnnAdd` (+ `GetWorkspaceSize`) |
 //! | [`hccl`] | `HcclGetRootInfo` ... `HcclBarrier`, over the crate's CPU communicator |
@@ -25,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod acl;
+pub mod acl_rules;
 pub mod aclnn;
 pub mod arena;
 pub mod capture;

@@ -257,7 +257,8 @@ fn acl_init_and_finalize_follow_the_documented_lifecycle() {
             assert_eq!((s.aclInit)(std::ptr::null()), 100002);
             assert_eq!((s.aclrtSetDevice)(0), 0);
             assert_eq!((s.aclrtResetDevice)(0), 0);
-            assert_eq!((s.aclrtResetDevice)(0), 107001, "reset of a device that is not set");
+            // ApiErrorDecorator::DeviceReset: RT_ERROR_CONTEXT_DEL -> ACL_ERROR_RT_CONTEXT_RELEASE_ERROR.
+            assert_eq!((s.aclrtResetDevice)(0), 507007, "reset of a device that is not set");
             let mut d = 0;
             assert_eq!((s.aclrtGetDevice)(&mut d), 107002, "no current device after the reset");
             assert_eq!((s.aclFinalize)(), 0);

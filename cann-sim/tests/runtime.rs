@@ -53,14 +53,15 @@ fn copy_kind_and_pointer_mixups_are_rejected() {
         assert_eq!((s.aclrtMemcpyAsync)((dev as usize + 8) as Ptr, 32, dev, 32, D2D, st), 107008);
         destroy_stream(st);
         assert_eq!((s.aclrtMemcpy)(dev, 64, hp, 64, 99), 100000);
-        // count > destMax, and an access past the allocation.
-        assert_eq!((s.aclrtMemcpy)(dev, 32, hp, 64, H2D), 100000);
+        // count > destMax (ApiErrorDecorator::MemCopySync: RT_ERROR_INVALID_VALUE),
+        // and an access past the allocation.
+        assert_eq!((s.aclrtMemcpy)(dev, 32, hp, 64, H2D), 107000);
         assert_eq!((s.aclrtMemcpy)(dev, 65, hp, 65, H2D), 107000);
         assert!(err_msg().contains("overrun"), "{}", err_msg());
         // Frees: host pointer, interior pointer, double free, FreeHost of device memory.
         assert_eq!((s.aclrtFree)(hp), 107000);
         assert_eq!((s.aclrtFree)((dev as usize + 32) as Ptr), 107000);
-        assert_eq!((s.aclrtFreeHost)(dev), 100000);
+        assert_eq!((s.aclrtFreeHost)(dev), 107000);
         assert!(err_msg().contains("device memory"), "{}", err_msg());
         assert_eq!((s.aclrtFree)(NULL), 100000);
         assert_eq!((s.aclrtFree)(dev), 0);
@@ -88,7 +89,11 @@ fn malloc_follows_the_documented_alignment_and_padding() {
     let mut p = NULL;
     unsafe {
         assert_eq!((s.aclrtMalloc)(&mut p, 0, 0), 100000, "size 0 is invalid");
-        assert_eq!((s.aclrtMalloc)(&mut p, 16, 0x77), 100000, "unknown policy");
+        // An out-of-range policy falls back to the default (acl memory.cpp,
+        // aclMallocMemInner; API reference of aclrtMallocAlign32).
+        assert_eq!((s.aclrtMalloc)(&mut p, 16, 0x77), 0, "unknown policy: {}", err_msg());
+        assert_eq!(p as usize % 64, 0);
+        assert_eq!((s.aclrtFree)(p), 0);
         let (mut free_b, mut total) = (0usize, 0usize);
         assert_eq!((s.aclrtGetMemInfo)(1, &mut free_b, &mut total), 0);
         assert!(free_b < total && total > 0);
@@ -160,9 +165,9 @@ fn a_stream_waits_for_an_event_recorded_on_another() {
         assert_eq!((s.aclrtRecordEvent)(e0, s1), 0);
         assert_eq!((s.aclrtMemcpyAsync)(a, 256, payload.as_ptr() as *const c_void, 256, H2D, s1), 0);
         assert_eq!((s.aclrtRecordEvent)(e1, s1), 0);
-        // Neither record has run: no elapsed time yet.
+        // Neither record has run: no timestamp, so no elapsed time yet.
         let mut ms = 0f32;
-        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, e0, e1), 507006);
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, e0, e1), 107006);
         // s2 copies a -> b only after e1: synchronising s2 alone must pull s1's copy through.
         assert_eq!((s.aclrtStreamWaitEvent)(s2, e1), 0);
         assert_eq!((s.aclrtMemcpyAsync)(b, 256, a, 256, D2D, s2), 0);

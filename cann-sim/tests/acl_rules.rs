@@ -1,0 +1,327 @@
+//! The ACL runtime rules of `src/acl_rules.rs` (and the checks in acl.rs and
+//! context.rs they complete): one test per rule, each proving the refusal
+//! through CANN's C signatures with the code real CANN returns. The sources
+//! are cited next to each check and in README.md's rules table.
+//!
+//! The current device is per thread, so every test sets its own device, and
+//! the tests about a thread without a device spawn a fresh thread.
+
+mod common;
+
+use std::ffi::c_void;
+
+use common::*;
+
+const NULL: Ptr = std::ptr::null_mut();
+
+const ACL_ERROR_INVALID_PARAM: i32 = 100000;
+const ACL_ERROR_RT_PARAM_INVALID: i32 = 107000;
+const ACL_ERROR_RT_CONTEXT_NULL: i32 = 107002;
+const ACL_ERROR_RT_STREAM_CONTEXT: i32 = 107003;
+const ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID: i32 = 107006;
+const ACL_ERROR_RT_INVALID_MEMORY_TYPE: i32 = 107016;
+const ACL_ERROR_RT_INTERNAL_ERROR: i32 = 507000;
+
+/// Runs `f` on a new thread that never called `aclrtSetDevice` (after this
+/// process's `aclInit`, which the caller's `use_device` did).
+fn on_a_thread_without_a_device(f: impl FnOnce(&'static Api) + Send) {
+    std::thread::scope(|sc| {
+        sc.spawn(|| f(sim())).join().expect("the thread without a device panicked");
+    });
+}
+
+#[test]
+fn a_size_that_overflows_with_the_malloc_padding_is_refused() {
+    let s = use_device(0);
+    let mut p = NULL;
+    unsafe {
+        assert_eq!((s.aclrtMalloc)(&mut p, usize::MAX - 10, 0), ACL_ERROR_INVALID_PARAM);
+        assert!(err_msg().contains("overflows"), "{}", err_msg());
+        assert_eq!((s.aclrtMalloc)(NULL as *mut Ptr, 64, 0), ACL_ERROR_INVALID_PARAM, "devPtr NULL");
+    }
+    assert!(p.is_null(), "nothing was written through devPtr");
+}
+
+#[test]
+fn free_host_refuses_null_and_memory_it_did_not_allocate() {
+    let s = use_device(0);
+    let mut host = [0u8; 64];
+    unsafe {
+        assert_eq!((s.aclrtFreeHost)(NULL), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtFreeHost)(host.as_mut_ptr() as Ptr), ACL_ERROR_RT_PARAM_INVALID, "malloc'd host memory");
+        let mut pinned = NULL;
+        assert_eq!((s.aclrtMallocHost)(&mut pinned, 64), 0);
+        assert_eq!((s.aclrtFreeHost)(pinned), 0);
+        assert_eq!((s.aclrtFreeHost)(pinned), ACL_ERROR_RT_PARAM_INVALID, "double free");
+    }
+}
+
+#[test]
+fn a_copy_needs_a_current_device_even_between_host_buffers() {
+    use_device(0);
+    on_a_thread_without_a_device(|s| {
+        let (src, mut dst) = ([1u8; 16], [0u8; 16]);
+        unsafe {
+            let r = (s.aclrtMemcpy)(dst.as_mut_ptr() as Ptr, 16, src.as_ptr() as *const c_void, 16, H2H);
+            assert_eq!(r, ACL_ERROR_RT_CONTEXT_NULL, "{}", err_msg());
+        }
+        assert_eq!(dst, [0u8; 16], "nothing was copied");
+    });
+}
+
+#[test]
+fn a_count_above_dest_max_is_refused_by_both_copies() {
+    let s = use_device(1);
+    let dev = malloc(128);
+    let st = stream();
+    let host = [0u8; 128];
+    unsafe {
+        let hp = host.as_ptr() as *const c_void;
+        assert_eq!((s.aclrtMemcpy)(dev, 64, hp, 65, H2D), ACL_ERROR_RT_PARAM_INVALID);
+        assert!(err_msg().contains("destMax"), "{}", err_msg());
+        assert_eq!((s.aclrtMemcpyAsync)(dev, 64, hp, 65, H2D, st), ACL_ERROR_RT_PARAM_INVALID);
+        assert_eq!((s.aclrtMemcpyAsync)(dev, 0, hp, 1, H2D, st), ACL_ERROR_RT_PARAM_INVALID, "destMax 0");
+    }
+    destroy_stream(st);
+    free(dev);
+}
+
+#[test]
+fn copy_kinds_outside_the_acl_mapping_are_refused() {
+    let s = use_device(1);
+    let (a, b) = (malloc(64), malloc(64));
+    let st = stream();
+    unsafe {
+        // ACL_MEMCPY_INNER_DEVICE_TO_DEVICE (6), ACL_MEMCPY_INTER_DEVICE_TO_DEVICE (7), and beyond.
+        for kind in [6, 7, 8, -1] {
+            assert_eq!((s.aclrtMemcpy)(a, 64, b, 64, kind), ACL_ERROR_INVALID_PARAM, "aclrtMemcpy kind {kind}");
+            assert_eq!(
+                (s.aclrtMemcpyAsync)(a, 64, b, 64, kind, st),
+                ACL_ERROR_INVALID_PARAM,
+                "aclrtMemcpyAsync kind {kind}"
+            );
+        }
+        assert!(err_msg().contains("aclrtMemcpyKind"), "{}", err_msg());
+        // ACL_MEMCPY_DEVICE_TO_DEVICE itself is fine.
+        assert_eq!((s.aclrtMemcpyAsync)(a, 64, b, 64, D2D, st), 0, "{}", err_msg());
+    }
+    sync(st);
+    destroy_stream(st);
+    free(a);
+    free(b);
+}
+
+#[test]
+fn zero_byte_copies_and_memsets_succeed_without_touching_anything() {
+    let s = use_device(1);
+    let st = stream();
+    unsafe {
+        // CANN returns success for count 0 before it looks at the pointers.
+        assert_eq!((s.aclrtMemcpy)(NULL, 0, NULL, 0, H2D), 0);
+        assert_eq!((s.aclrtMemcpyAsync)(NULL, 0, NULL, 0, H2D, st), 0);
+        assert_eq!((s.aclrtMemset)(NULL, 0, 0, 0), 0);
+        assert_eq!((s.aclrtMemsetAsync)(NULL, 0, 0, 0, st), 0);
+        // With a byte to move, NULL is refused.
+        let dev = malloc(64);
+        let host = [0u8; 64];
+        assert_eq!((s.aclrtMemcpy)(NULL, 64, host.as_ptr() as *const c_void, 1, H2D), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtMemcpyAsync)(dev, 64, NULL, 1, H2D, st), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtMemset)(NULL, 64, 0, 1), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtMemsetAsync)(NULL, 64, 0, 1, st), ACL_ERROR_INVALID_PARAM);
+        free(dev);
+    }
+    destroy_stream(st);
+}
+
+#[test]
+fn a_memset_needs_a_current_device() {
+    use_device(2);
+    let dev = malloc(64) as usize;
+    on_a_thread_without_a_device(|s| unsafe {
+        assert_eq!((s.aclrtMemset)(dev as Ptr, 64, 0, 64), ACL_ERROR_RT_CONTEXT_NULL, "{}", err_msg());
+    });
+    assert_eq!(download::<u8>(dev as Ptr, 64), vec![0xFF; 64], "the memory was not touched");
+    free(dev as Ptr);
+}
+
+#[test]
+fn a_memset_count_above_max_count_is_refused() {
+    let s = use_device(2);
+    let dev = malloc(128);
+    let st = stream();
+    unsafe {
+        assert_eq!((s.aclrtMemset)(dev, 64, 0, 65), ACL_ERROR_RT_PARAM_INVALID);
+        assert!(err_msg().contains("maxCount"), "{}", err_msg());
+        assert_eq!((s.aclrtMemsetAsync)(dev, 64, 0, 65, st), ACL_ERROR_RT_PARAM_INVALID);
+    }
+    sync(st);
+    assert_eq!(download::<u8>(dev, 128), vec![0xFF; 128], "nothing was set");
+    destroy_stream(st);
+    free(dev);
+}
+
+#[test]
+fn a_memset_of_host_memory_not_from_malloc_host_is_refused() {
+    let s = use_device(2);
+    let mut host = [7u8; 64];
+    let st = stream();
+    unsafe {
+        let hp = host.as_mut_ptr() as Ptr;
+        assert_eq!((s.aclrtMemset)(hp, 64, 0, 64), ACL_ERROR_RT_PARAM_INVALID);
+        assert!(err_msg().contains("aclrtMallocHost"), "{}", err_msg());
+        assert_eq!((s.aclrtMemsetAsync)(hp, 64, 0, 64, st), ACL_ERROR_RT_PARAM_INVALID);
+        // aclrtMallocHost memory may be set, but only inside the buffer.
+        let mut pinned = NULL;
+        assert_eq!((s.aclrtMallocHost)(&mut pinned, 64), 0);
+        assert_eq!((s.aclrtMemset)(pinned, 64, 3, 64), 0, "{}", err_msg());
+        assert_eq!(std::slice::from_raw_parts(pinned as *const u8, 64), &[3u8; 64][..]);
+        assert_eq!((s.aclrtMemset)((pinned as usize + 32) as Ptr, 64, 0, 64), ACL_ERROR_RT_PARAM_INVALID, "overrun");
+        assert_eq!((s.aclrtFreeHost)(pinned), 0);
+    }
+    assert_eq!(host, [7u8; 64]);
+    destroy_stream(st);
+}
+
+#[test]
+fn a_stream_is_destroyed_only_from_its_own_device() {
+    let s = use_device(3);
+    let st = stream() as usize;
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let s = use_device(2);
+            unsafe { assert_eq!((s.aclrtDestroyStream)(st as Ptr), ACL_ERROR_RT_STREAM_CONTEXT, "{}", err_msg()) };
+        });
+    });
+    on_a_thread_without_a_device(|s| unsafe {
+        assert_eq!((s.aclrtDestroyStream)(st as Ptr), ACL_ERROR_RT_CONTEXT_NULL);
+    });
+    unsafe {
+        assert_eq!((s.aclrtDestroyStream)(NULL), ACL_ERROR_INVALID_PARAM, "the default stream");
+        assert_eq!((s.aclrtDestroyStream)(st as Ptr), 0, "the stream survived the refusals");
+    }
+}
+
+#[test]
+fn a_stream_sync_needs_a_current_device() {
+    use_device(3);
+    let st = stream() as usize;
+    on_a_thread_without_a_device(|s| unsafe {
+        assert_eq!((s.aclrtSynchronizeStream)(st as Ptr), ACL_ERROR_RT_CONTEXT_NULL);
+        assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st as Ptr, 1000), ACL_ERROR_RT_CONTEXT_NULL);
+    });
+    destroy_stream(st as Ptr);
+}
+
+#[test]
+fn a_sync_timeout_is_minus_one_or_positive() {
+    let s = use_device(3);
+    let st = stream();
+    unsafe {
+        assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, 0), ACL_ERROR_RT_PARAM_INVALID);
+        assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, -2), ACL_ERROR_RT_PARAM_INVALID);
+        assert!(err_msg().contains("timeout -2"), "{}", err_msg());
+        assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, -1), 0);
+        assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, 1), 0);
+    }
+    destroy_stream(st);
+}
+
+#[test]
+fn event_calls_refuse_null_handles() {
+    let s = use_device(0);
+    let st = stream();
+    let mut e = NULL;
+    unsafe {
+        assert_eq!((s.aclrtCreateEvent)(NULL as *mut Ptr), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtCreateEvent)(&mut e), 0);
+        let mut status = 0;
+        let mut ms = 0f32;
+        assert_eq!((s.aclrtRecordEvent)(NULL, st), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtStreamWaitEvent)(st, NULL), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtSynchronizeEvent)(NULL), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtQueryEventStatus)(NULL, &mut status), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtQueryEventStatus)(e, std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, NULL, e), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, e, NULL), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtEventElapsedTime)(std::ptr::null_mut(), e, e), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtDestroyEvent)(NULL), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtDestroyEvent)(e), 0);
+    }
+    destroy_stream(st);
+}
+
+#[test]
+fn elapsed_time_needs_two_recorded_and_completed_events() {
+    let s = use_device(0);
+    let st = stream();
+    let (mut a, mut b) = (NULL, NULL);
+    let mut ms = -1f32;
+    unsafe {
+        assert_eq!((s.aclrtCreateEvent)(&mut a), 0);
+        assert_eq!((s.aclrtCreateEvent)(&mut b), 0);
+        // Never recorded: Event::ElapsedTime's RT_ERROR_EVENT_RECORDER_NULL.
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, a, b), ACL_ERROR_RT_INTERNAL_ERROR);
+        assert!(err_msg().contains("never recorded"), "{}", err_msg());
+        assert_eq!((s.aclrtRecordEvent)(a, st), 0);
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, a, b), ACL_ERROR_RT_INTERNAL_ERROR, "end never recorded");
+        assert_eq!((s.aclrtRecordEvent)(b, st), 0);
+        // Recorded, not run yet (lazy stream): no timestamp.
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, a, b), ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID);
+        assert_eq!(ms, -1.0, "ms untouched on failure");
+    }
+    sync(st);
+    unsafe {
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, a, b), 0, "{}", err_msg());
+        assert!(ms >= 0.0, "{ms}");
+        assert_eq!((s.aclrtDestroyEvent)(a), 0);
+        assert_eq!((s.aclrtDestroyEvent)(b), 0);
+    }
+    destroy_stream(st);
+}
+
+#[test]
+fn an_event_is_recorded_only_on_a_stream_of_its_device() {
+    let s = use_device(1);
+    let mut e = NULL;
+    unsafe { assert_eq!((s.aclrtCreateEvent)(&mut e), 0) };
+    let e_u = e as usize;
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let s = use_device(2);
+            let st = stream();
+            unsafe { assert_eq!((s.aclrtRecordEvent)(e_u as Ptr, st), ACL_ERROR_RT_STREAM_CONTEXT, "{}", err_msg()) };
+            destroy_stream(st);
+        });
+    });
+    unsafe { assert_eq!((s.aclrtDestroyEvent)(e), 0) };
+}
+
+#[test]
+fn mem_info_refuses_an_unknown_memory_attribute() {
+    let s = use_device(1);
+    let (mut free_b, mut total) = (0usize, 0usize);
+    unsafe {
+        assert_eq!((s.aclrtGetMemInfo)(18, &mut free_b, &mut total), ACL_ERROR_RT_INVALID_MEMORY_TYPE);
+        assert_eq!((s.aclrtGetMemInfo)(-1, &mut free_b, &mut total), ACL_ERROR_RT_INVALID_MEMORY_TYPE);
+        assert_eq!((total, free_b), (0, 0), "nothing written");
+        assert_eq!((s.aclrtGetMemInfo)(1, std::ptr::null_mut(), &mut total), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetMemInfo)(1, &mut free_b, &mut total), 0);
+    }
+    assert!(total > 0);
+}
+
+#[test]
+fn out_pointers_and_host_sizes_are_checked_before_anything_is_created() {
+    let s = use_device(2);
+    let mut p = NULL;
+    unsafe {
+        assert_eq!((s.aclrtMallocHost)(NULL as *mut Ptr, 64), ACL_ERROR_INVALID_PARAM, "hostPtr NULL");
+        assert_eq!((s.aclrtMallocHost)(&mut p, 0), ACL_ERROR_INVALID_PARAM, "size 0");
+        assert!(p.is_null());
+        assert_eq!((s.aclrtCreateStream)(NULL as *mut Ptr), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetDevice)(std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetDeviceCount)(std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        let (mut a, mut b) = (0, 0);
+        assert_eq!((s.aclrtGetVersion)(&mut a, &mut b, std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+    }
+}
