@@ -137,6 +137,8 @@ _SIGNATURES = {
     "amoe_comm_rank": [_COMM, _SZ],
     "amoe_comm_world_size": [_COMM, _SZ],
     "amoe_comm_free": [_COMM],
+    "amoe_stream_wrap": [c_void_p, c_uint32, POINTER(c_void_p)],
+    "amoe_stream_free": [_STREAM],
     "amoe_all_reduce": [_COMM, _T, _T, c_uint32, _STREAM],
     "amoe_reduce_scatter": [_COMM, _T, _T, c_uint32, _STREAM],
     "amoe_all_gather": [_COMM, _T, _T, _STREAM],
@@ -181,6 +183,7 @@ _RESTYPES = {
     "amoe_version": c_char_p,
     "amoe_last_error_length": c_size_t,
     "amoe_comm_free": None,
+    "amoe_stream_free": None,
     "amoe_moe_groups_free": None,
 }
 
