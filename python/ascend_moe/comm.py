@@ -106,7 +106,8 @@ class Comm:
                 f"Comm.from_process_group: the group uses the {backend!r} backend; only an HCCL group "
                 "(torch_npu's ProcessGroupHCCL) has an HcclComm to borrow (use Comm.cpu for host ranks)",
             )
-        hccl = pg._get_backend(torch.device("npu"))
+        # PrivateUse1's device name: "npu" once torch_npu has renamed the backend.
+        hccl = pg._get_backend(torch.device(torch._C._get_privateuse1_backend_name()))
         getter = getattr(hccl, "get_hccl_comm", None)
         if getter is None:
             raise AmoeError(

@@ -298,3 +298,59 @@ def test_torch_op_real_kernel_reads_tensor_memory_in_place(no_numpy_round_trip):
     with am.Comm.cpu("tensors-torch-op", 1, 0) as c:
         y = torch.ops.ascend_moe.all_reduce(x, c.handle_id)
         assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_from_process_group_refuses_a_non_hccl_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(am.AmoeError, match="uses the 'gloo' backend; only an HCCL group") as e:
+            am.Comm.from_process_group(dist.group.WORLD)
+        assert e.value.status == am.Status.INVALID_ARGUMENT
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
+    """The glue to torch_npu's ProcessGroupHCCL, with a stand-in group: the raw
+    comm of this rank in the group goes to `Comm.from_hccl` with the device."""
+    import types
+
+    import torch.distributed as dist
+
+    asked, wrapped = [], []
+
+    class HcclBackend:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def get_hccl_comm(self, rank):
+            asked.append(rank)
+            return self.raw
+
+    class Group:
+        def __init__(self, raw):
+            self.backend = HcclBackend(raw)
+
+        def _get_backend(self, device):
+            assert device.type in ("npu", "privateuseone")
+            return self.backend
+
+    def from_hccl(cls, raw, device):
+        wrapped.append((raw, device))
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(dist, "get_backend", lambda pg: "hccl")
+    monkeypatch.setattr(dist, "get_rank", lambda pg: 3)
+    monkeypatch.setattr(am.Comm, "from_hccl", classmethod(from_hccl))
+    pg = Group(0x7F00_1234)
+    comm = am.Comm.from_process_group(pg, device_ordinal=5)
+    assert asked == [3] and wrapped == [(0x7F00_1234, 5)] and comm._owner is pg
+    with pytest.raises(am.AmoeError, match="returned a null HcclComm"):
+        am.Comm.from_process_group(Group(0), device_ordinal=5)
+    assert wrapped == [(0x7F00_1234, 5)]
