@@ -79,6 +79,9 @@ PY
 echo "wheel built in $((SECONDS - wheel_start)) s"
 "$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 unset ASCEND_MOE_LIB
+# python/tests/test_sim.py runs the Python API on simulated NPU memory.
+cargo build -p cann-sim
+export CANNSIM_LIB="$target_dir/debug/libcann_sim.so"
 # Run from the repository root so the installed package, not python/ascend_moe,
 # is imported. pytest's exit code is the job's: 1 = failures, 5 = no tests ran.
 pytest_rc=0

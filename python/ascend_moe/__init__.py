@@ -16,9 +16,9 @@ input lives: numpy, or `torch.empty(..., device=x.device)`) and `stream=` (an
 object with `.npu_stream`, the raw aclrtStream, like torch_npu's `Stream`;
 default `torch.npu.current_stream()` for NPU operands, an error naming the
 missing stream without torch_npu; host operands need none). Each raw stream
-is wrapped once per process. `Comm.from_process_group(pg)` borrows the
-HcclComm of a torch.distributed HCCL group, `Comm.from_hccl(raw, device)` any
-engine-owned one.
+is wrapped once per process (`release_streams()` frees those handles).
+`Comm.from_process_group(pg)` borrows the HcclComm of a torch.distributed
+HCCL group, `Comm.from_hccl(raw, device)` any engine-owned one.
 
 When torch is importable, the ops are also registered as torch custom ops
 (`torch.ops.ascend_moe.*`, functional: each returns a new tensor), with real
@@ -59,6 +59,7 @@ import os as _os
 
 from . import shapes
 from ._lib import AmoeError, Status, library_path
+from ._tensor import release_streams
 from ._lib import lib as _lib
 from .comm import Comm, ReduceOp, all_gather, all_reduce, broadcast, reduce_scatter
 from .ops import (
@@ -111,6 +112,7 @@ __all__ = [
     "moe_finalize_routing",
     "moe_token_unpermute",
     "reduce_scatter",
+    "release_streams",
     "routed_is_reduced",
     "shapes",
     "shared_gather_unpad",

@@ -18,7 +18,7 @@ from ctypes import c_size_t
 import ml_dtypes
 import numpy as np
 
-from ._lib import MAX_NDIM, AmoeError, Status, Tensor, call
+from ._lib import MAX_NDIM, AmoeError, Status, Tensor, call, lib
 
 # `amoe_device_kind` codes.
 DEVICE_CPU = 0
@@ -225,6 +225,18 @@ def wrap_stream(raw: int, device: int) -> ctypes.c_void_p:
             call("amoe_stream_wrap", ctypes.c_void_p(key[0]), key[1], ctypes.byref(h))
             _STREAMS[key] = h
     return h
+
+
+def release_streams() -> int:
+    """Frees every cached stream handle (never the engine's streams), for an
+    engine about to destroy the streams they wrap; returns how many. Later
+    calls wrap their streams again."""
+    with _STREAMS_LOCK:
+        handles = list(_STREAMS.values())
+        _STREAMS.clear()
+    for h in handles:
+        lib().amoe_stream_free(h)
+    return len(handles)
 
 
 _NO_TORCH_NPU = []  # the reason torch_npu could not be imported, once known
