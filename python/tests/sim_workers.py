@@ -8,10 +8,12 @@ NPU tensor (`device`, `data_ptr()`, `dtype`, `shape`, `is_contiguous()`) and a
 stand-in stream (`.npu_stream`), as torch_npu would.
 
     python sim_workers.py SCENARIO     (prints "ok SCENARIO" on success)
+    python sim_workers.py rank R ROOT  (one rank of world4_procs)
 """
 
 import ctypes
 import os
+import subprocess
 import sys
 import threading
 
@@ -145,55 +147,114 @@ def local_ops():
     DeviceTensor.free_all()
 
 
-def world4():
-    """4 devices as threads: HCCL communicators made by the caller, borrowed
-    with `Comm.from_hccl`; all_reduce, all_gather and the EP pad/reduce on
-    device memory, each rank on its own stream."""
-    world = 4
+def layer_round_trips(world, rank, stream):
+    """Token prepare then finalize with identity experts on device memory,
+    every comm type, with and without SP, DP 2 x TP 2 (groups split from the
+    caller's HCCL world): ALLGATHER returns `DP * x` without SP and `EP * x`
+    with SP, the others `x` (SPEC section 6)."""
+    tp, dp_tokens, size = 2, [3, 1], world.world_size
+    d, t = rank // tp, rank % tp
+    with am.MoeGroups(world, tp) as groups:
+        for sp in (False, True):
+            ctx = am.MoeContext(dp_tokens, tp, d, t, sp)
+            rows = -(-dp_tokens[d] // tp) if sp else dp_tokens[d]
+            x = rand(rng_for("sim-prep", rank if sp else d, int(sp)), (rows, 4), np.float32)
+            dx = DeviceTensor.upload(x, rank)
+            for ct in am.CommType:
+                hidden, _mask = am.token_prepare(dx, ct, ctx, groups, stream=stream)
+                assert isinstance(hidden, DeviceTensor) and hidden.shape == am.shapes.token_prepare(x, ct, ctx)
+                back = am.token_finalize(hidden, ct, ctx, groups, stream=stream)
+                stream.synchronize()
+                factor = (size if sp else size // tp) if ct == am.CommType.ALLGATHER else 1
+                assert_close(back.download(), x.astype(np.float64) * factor, np.float32, f"npu:{rank} {ct.name} sp={sp}")
+
+
+WORLD = 4
+LAYOUT = am.SpLayout([3, 1, 0, 2])
+
+
+def rank_body(r, root):
+    """Rank `r` of the 4-device world of `root` (an HcclRootInfo): the
+    caller's HCCL communicator borrowed with `Comm.from_hccl`; all_reduce,
+    all_gather, the EP pad/reduce and the token prepare / finalize round trips
+    on device memory, checked against numpy, on this rank's own stream.
+    Returns `(stream, raw_comm)` for the caller to destroy."""
+    xs = [rand(rng_for("sim-w4", q), (LAYOUT.total_rows, 5), np.float32) for q in range(WORLD)]
+    gs = [rand(rng_for("sim-w4g", q), (2, 5), np.float32) for q in range(WORLD)]
+    check("aclrtSetDevice", SIM.aclrtSetDevice(r))
+    raw = ctypes.c_void_p()
+    check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(WORLD, root, r, ctypes.byref(raw)))
+    stream = Stream()
+    with am.Comm.from_hccl(raw.value, r) as comm:
+        x = DeviceTensor.upload(xs[r], r)
+        ar = am.all_reduce(x, comm, stream=stream)
+        ag = am.all_gather(DeviceTensor.upload(gs[r], r), comm, stream=stream)
+        pr = am.maybe_pad_and_reduce(x, LAYOUT, comm, stream=stream)
+        stream.synchronize()
+        total = np.sum(np.stack(xs).astype(np.float64), axis=0)
+        start = sum(LAYOUT.local_sizes[:r])
+        assert_close(ar.download(), total, np.float32, f"all_reduce on npu:{r}")
+        assert_close(ag.download(), np.concatenate(gs), np.float32, f"all_gather on npu:{r}")
+        pr_want = total[start : start + LAYOUT.local_sizes[r]]
+        assert_close(pr.download(), pr_want, np.float32, f"maybe_pad_and_reduce on npu:{r}")
+        layer_round_trips(comm, r, stream)
+    return stream, raw.value
+
+
+def teardown(ranks):
+    """Frees the stream handles, then each rank's stream and communicator, then the memory."""
+    assert am.release_streams() == len(ranks)
+    for r, (stream, raw) in ranks.items():
+        check("aclrtSetDevice", SIM.aclrtSetDevice(r))
+        stream.destroy()
+        check("HcclCommDestroy", SIM.HcclCommDestroy(raw))
+    DeviceTensor.free_all()
+
+
+def root_info():
     check("aclrtSetDevice", SIM.aclrtSetDevice(0))
     root = ctypes.create_string_buffer(HCCL_ROOT_INFO_BYTES)
     check("HcclGetRootInfo", SIM.HcclGetRootInfo(root))
-    layout = am.SpLayout([3, 1, 0, 2])
-    xs = [rand(rng_for("sim-w4", r), (layout.total_rows, 5), np.float32) for r in range(world)]
-    gs = [rand(rng_for("sim-w4g", r), (2, 5), np.float32) for r in range(world)]
-    results, errors = {}, []
+    return root
+
+
+def world4():
+    """4 devices as threads of this process."""
+    root = root_info()
+    ranks, errors = {}, []
 
     def rank(r):
         try:
-            check("aclrtSetDevice", SIM.aclrtSetDevice(r))
-            raw = ctypes.c_void_p()
-            check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(world, root, r, ctypes.byref(raw)))
-            stream = Stream()
-            comm = am.Comm.from_hccl(raw.value, r)
-            x = DeviceTensor.upload(xs[r], r)
-            ar = am.all_reduce(x, comm, stream=stream)
-            ag = am.all_gather(DeviceTensor.upload(gs[r], r), comm, stream=stream)
-            pr = am.maybe_pad_and_reduce(x, layout, comm, stream=stream)
-            stream.synchronize()
-            results[r] = (ar.download(), ag.download(), pr.download(), stream, raw.value)
-            comm.close()
+            ranks[r] = rank_body(r, root)
         except Exception as e:  # noqa: BLE001
             errors.append(f"rank {r}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
-    total = np.sum(np.stack(xs).astype(np.float64), axis=0)
-    starts = np.cumsum([0] + list(layout.local_sizes))
-    for r in range(world):
-        ar, ag, pr, _, _ = results[r]
-        assert_close(ar, total, np.float32, f"all_reduce on npu:{r}")
-        assert_close(ag, np.concatenate(gs), np.float32, f"all_gather on npu:{r}")
-        assert_close(pr, total[starts[r] : starts[r + 1]], np.float32, f"maybe_pad_and_reduce on npu:{r}")
-    assert am.release_streams() == world
-    for r in range(world):
-        check("aclrtSetDevice", SIM.aclrtSetDevice(r))
-        results[r][3].destroy()
-        check("HcclCommDestroy", SIM.HcclCommDestroy(results[r][4]))
-    DeviceTensor.free_all()
+    teardown(ranks)
+
+
+def world4_procs():
+    """4 devices as processes (`sim_workers.py rank R ROOT_HEX`), the root info
+    passed to each as hex, as an engine's launcher would."""
+    root = root_info().raw.hex()
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "rank", str(r), root], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(WORLD)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    bad = [f"rank {r} exit {p.returncode}:\n{o}" for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode or f"ok rank {r}" not in o]
+    assert not bad, "\n".join(bad)
+
+
+def one_rank(r, root_hex):
+    root = ctypes.create_string_buffer(bytes.fromhex(root_hex), HCCL_ROOT_INFO_BYTES)
+    teardown({r: rank_body(r, root)})
+    print(f"ok rank {r}")
 
 
 def missing_stream():
@@ -213,5 +274,8 @@ def missing_stream():
 if __name__ == "__main__":
     check("aclInit", SIM.aclInit(None))
     scenario = sys.argv[1]
-    {"local_ops": local_ops, "world4": world4, "missing_stream": missing_stream}[scenario]()
+    if scenario == "rank":
+        one_rank(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream}[scenario]()
     print(f"ok {scenario}")
