@@ -11,6 +11,7 @@ non-contiguous NPU tensor or `out` is an error."""
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 from ctypes import c_size_t
@@ -246,6 +247,9 @@ def default_stream(device: int):
     """`torch.npu.current_stream(device)` when torch_npu is importable, else None."""
     if _NO_TORCH_NPU:
         return None
+    if os.environ.get("ASCEND_MOE_TORCH", "1") == "0":
+        _NO_TORCH_NPU.append("torch is disabled by ASCEND_MOE_TORCH=0")
+        return None
     try:
         import torch
         import torch_npu  # noqa: F401  (registers torch.npu)
@@ -270,7 +274,7 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
                 Status.NULL_ARGUMENT,
                 f"`{npu[0].arg}` is an NPU tensor (npu:{npu[0].npu}) but no stream was given: pass `stream=`"
                 f" (an object with .npu_stream, the raw aclrtStream, such as torch.npu.current_stream());"
-                f" the default needs torch_npu, which is not importable ({why})",
+                f" the default, torch_npu's current stream, is unavailable ({why})",
             )
     raw = getattr(stream, "npu_stream", None)
     if not raw:
@@ -278,10 +282,12 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
             Status.INVALID_ARGUMENT,
             f"`stream` must have a non-null .npu_stream (the raw aclrtStream), got {type(stream).__name__}",
         )
+    index = getattr(getattr(stream, "device", None), "index", None)
     if npu:
         device = npu[0].npu
+        if index is not None and int(index) != device:
+            raise AmoeError(Status.DEVICE, f"`stream` is on npu:{int(index)}, but `{npu[0].arg}` is on npu:{device}")
     else:
-        index = getattr(getattr(stream, "device", None), "index", None)
         if index is None:
             raise AmoeError(
                 Status.INVALID_ARGUMENT, "`stream` has no .device.index and no operand is an NPU tensor to take it from"

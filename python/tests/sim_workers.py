@@ -173,11 +173,58 @@ WORLD = 4
 LAYOUT = am.SpLayout([3, 1, 0, 2])
 
 
+def tp_ops(world, rank, stream):
+    """Over the TP pair of `rank` (a sub-communicator of the caller's world):
+    the shared-expert helpers and a reduction point, on device memory."""
+    tp_size, group = 2, rank // 2
+    with world.split([group * 2, group * 2 + 1]) as tp:
+        t = tp.rank
+        for tokens in (1, 5):
+            part = -(-tokens // tp_size)
+            batch = rand(rng_for("sim-shared", group, tokens), (tokens, 3), np.float32)
+            padded = np.zeros((part * tp_size, 3), np.float32)
+            padded[:tokens] = batch
+            mine = am.shared_pad_split(DeviceTensor.upload(batch, rank), tp, stream=stream)
+            back = am.shared_gather_unpad(mine, tokens, tp, stream=stream)
+            partials = [rand(rng_for("sim-part", group, tokens, q), (tokens, 3), np.float32) for q in range(tp_size)]
+            rs = am.shared_pad_reduce_scatter(DeviceTensor.upload(partials[t], rank), tp, stream=stream)
+            stream.synchronize()
+            np.testing.assert_array_equal(mine.download(), padded[t * part : (t + 1) * part])
+            np.testing.assert_array_equal(back.download(), batch)
+            total = np.zeros((part * tp_size, 3))
+            total[:tokens] = np.sum(partials, axis=0, dtype=np.float64)
+            assert_close(rs.download(), total[t * part : (t + 1) * part], np.float32, f"pad_reduce_scatter T={tokens}")
+        policy = am.ReducePolicy("tensor_parallel", False, False, tp_size, WORLD)
+        xs = [rand(rng_for("sim-point", group, q), (4, 3), np.float32) for q in range(tp_size)]
+        for ct in am.CommType:
+            got = policy.reduce_shared(DeviceTensor.upload(xs[t], rank), ct, tp, stream=stream)
+            stream.synchronize()
+            want = np.sum(xs, axis=0, dtype=np.float64) if policy.decisions(ct)["shared"] else xs[t]
+            assert_close(got.download(), want, np.float32, f"reduce_shared {ct.name} on npu:{rank}")
+
+
+def fused_finalize(world, rank, stream):
+    """`finalize_and_reduce` over the world: every rank's finalize summed, this
+    rank's layout rows kept."""
+    cases = []
+    for q in range(WORLD):
+        ex, idx, kw = finalize_case(rng_for("sim-far", q), 0, np.float32, n=LAYOUT.total_rows)
+        cases.append((ex, idx, kw))
+    total = sum(finalize_golden(ex, idx, *[kw[k] for k in ("x1", "x2", "bias", "scales", "expert_idx")], 0) for ex, idx, kw in cases)
+    ex, idx, kw = cases[rank]
+    dev = {k: (DeviceTensor.upload(v, rank) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    got = am.finalize_and_reduce(DeviceTensor.upload(ex, rank), DeviceTensor.upload(idx, rank), LAYOUT, world, **dev, stream=stream)
+    stream.synchronize()
+    start = sum(LAYOUT.local_sizes[:rank])
+    assert_close(got.download(), total[start : start + LAYOUT.local_sizes[rank]], np.float32, f"finalize_and_reduce npu:{rank}")
+
+
 def rank_body(r, root):
     """Rank `r` of the 4-device world of `root` (an HcclRootInfo): the
     caller's HCCL communicator borrowed with `Comm.from_hccl`; all_reduce,
-    all_gather, the EP pad/reduce and the token prepare / finalize round trips
-    on device memory, checked against numpy, on this rank's own stream.
+    all_gather, the EP pad/reduce, the token prepare / finalize round trips,
+    the shared-expert helpers, a reduction point and the fused finalize +
+    reduce on device memory, checked against numpy, on this rank's own stream.
     Returns `(stream, raw_comm)` for the caller to destroy."""
     xs = [rand(rng_for("sim-w4", q), (LAYOUT.total_rows, 5), np.float32) for q in range(WORLD)]
     gs = [rand(rng_for("sim-w4g", q), (2, 5), np.float32) for q in range(WORLD)]
@@ -198,6 +245,8 @@ def rank_body(r, root):
         pr_want = total[start : start + LAYOUT.local_sizes[r]]
         assert_close(pr.download(), pr_want, np.float32, f"maybe_pad_and_reduce on npu:{r}")
         layer_round_trips(comm, r, stream)
+        tp_ops(comm, r, stream)
+        fused_finalize(comm, r, stream)
     return stream, raw.value
 
 

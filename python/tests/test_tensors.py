@@ -183,6 +183,19 @@ def test_unusable_tensors_are_refused_before_the_library_is_called(recorded):
     assert recorded == ([], [])
 
 
+def test_a_stream_of_another_device_is_refused(recorded):
+    x = NpuTensor((4, 2), np.float32, 0x4000_0000, index=1)
+    idx = NpuTensor((4,), np.int32, 0x4100_0000, index=1)
+    out = NpuTensor((4, 2), np.float32, 0x4200_0000, index=1)
+    stream = Stream(0x99)
+    stream.device = Device("npu", 2)
+    with pytest.raises(am.AmoeError, match="`stream` is on npu:2, but `permuted` is on npu:1"):
+        am.moe_token_unpermute(x, idx, out=out, stream=stream)
+    stream.device = Device("npu", 1)
+    assert am.moe_token_unpermute(x, idx, out=out, stream=stream) is out
+    assert recorded[1] == [(0x99, 1)]
+
+
 def _finalize_numpy(seed, dtype=np.float32):
     ex, idx, kw = finalize_case(rng_for("tensors-out", seed), 0, dtype)
     want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
