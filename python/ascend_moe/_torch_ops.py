@@ -80,6 +80,7 @@ def register() -> bool:
     """Registers the ops once; False when this torch lacks `torch.library.custom_op`."""
     if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
         return False
+
     def custom_op(name, **kw):
         return torch.library.custom_op(name, device_types=DEVICE_TYPES, **kw)
 
