@@ -38,13 +38,13 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test"
 cargo test --workspace 2>&1 | record
 
-step "python package + multi-process pytest suite"
+step "python wheel + multi-process pytest suite"
 # The C header drift check and the C smoke program ran in `cargo test`
-# (tests/capi_header.rs, tests/capi_c.rs). Here: install the Python package
-# into a virtualenv and run its suite against the cdylib cargo just built.
+# (tests/capi_header.rs, tests/capi_c.rs). Here: build the Python package's
+# wheel (setuptools-rust compiles the cdylib into it), check the library is
+# inside, install it into a virtualenv and run its suite against it, with no
+# ASCEND_MOE_LIB: the installed package must find its own library.
 target_dir="$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
-cargo build --lib
-export ASCEND_MOE_LIB="$target_dir/debug/libascend_moe.so"
 venv="$target_dir/ci-venv"
 py="$venv/bin/python"
 # A venv left by an earlier run is reused only if its pip really runs.
@@ -58,7 +58,30 @@ fi
 "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir torch
 "$py" -c 'import numpy, ml_dtypes, pytest, torch; torch.library.custom_op' \
     || { echo "ci/test.sh: the venv's numpy / ml_dtypes / pytest / torch do not import" >&2; exit 1; }
-"$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps ./python
+# The wheel is built in cargo's target directory with the dev profile, which
+# `cargo test` above already compiled: pip's build finds the library fresh
+# (pyproject.toml passes the crate types of Cargo.toml's [lib]). pip's build
+# environment gets setuptools and setuptools-rust from the package index, as
+# on any fresh machine.
+wheel_dir="$target_dir/python-wheel"
+rm -rf "$wheel_dir"
+wheel_start=$SECONDS
+CARGO_TARGET_DIR="$target_dir" SETUPTOOLS_RUST_CARGO_PROFILE=dev \
+    "$py" -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir "$wheel_dir" ./python
+wheel="$(ls "$wheel_dir"/ascend_moe-*.whl)"
+"$py" - "$wheel" <<'PY' || { echo "ci/test.sh: the wheel does not bundle the native library" >&2; exit 1; }
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+libs = [n for n in names if n.startswith("ascend_moe/libascend_moe") and n.endswith(".so")]
+print(f"{sys.argv[1]}: {len(names)} files, native library {libs}")
+sys.exit(0 if len(libs) == 1 else 1)
+PY
+echo "wheel built in $((SECONDS - wheel_start)) s"
+"$py" -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$wheel"
+unset ASCEND_MOE_LIB
+# python/tests/test_sim.py runs the Python API on simulated NPU memory.
+cargo build -p cann-sim
+export CANNSIM_LIB="$target_dir/debug/libcann_sim.so"
 # Run from the repository root so the installed package, not python/ascend_moe,
 # is imported. pytest's exit code is the job's: 1 = failures, 5 = no tests ran.
 pytest_rc=0

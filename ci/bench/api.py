@@ -4,9 +4,10 @@
 
 Finalize (the CLI's case: mode 2, f32 scales, x1): rounds alternate the CLI
 (kernel time and its same-run triad floor) and the Python op on the same
-shape and threads; each is the best of `--iters` calls, and the report gives
-the medians over `--rounds` rounds of: kernel, floor, Python, Python / kernel
-and floor / Python.
+shape and threads, the op once into a reused `out=` array and once
+allocating its output; each is the best of `--iters` calls, and the report
+gives the medians over `--rounds` rounds of: kernel, floor, Python (`out=`),
+Python (allocating), Python / kernel and floor / Python.
 
 Collectives: `--ranks` Python processes, each a rank of one CPU world, time
 all_reduce and all_gather of `--bytes` per rank (bf16; all_gather's per-rank
@@ -51,12 +52,17 @@ def cli_json(cmd: list[str]) -> list[dict]:
     return doc.get("rows") or doc.get("results") or []
 
 
-def python_finalize_s(inputs, iters: int) -> float:
+def python_finalize_s(inputs, iters: int, reuse_out: bool) -> float:
+    """Best call time of the Python op; with `reuse_out`, every call writes the
+    same `out=` array (as an engine reusing its buffers does), else each call
+    allocates its output."""
     import ascend_moe
 
     expanded_x, x1, scales, row_idx = inputs
     args = dict(x1=x1, scales=scales, drop_pad_mode=2)
-    ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)  # warm-up
+    out = ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)  # warm-up
+    if reuse_out:
+        args["out"] = out
     best = float("inf")
     for _ in range(iters):
         t0 = time.perf_counter()
@@ -72,8 +78,11 @@ def bench_finalize(a) -> dict:
     rounds = []
     for _ in range(a.rounds):
         r = cli_json(cmd)[0]
-        py = python_finalize_s(inputs, a.iters)
-        rounds.append({"kernel_s": r["time_us"] / 1e6, "floor_s": r["floor_us"] / 1e6, "python_s": py})
+        py = python_finalize_s(inputs, a.iters, reuse_out=True)
+        alloc = python_finalize_s(inputs, a.iters, reuse_out=False)
+        rounds.append(
+            {"kernel_s": r["time_us"] / 1e6, "floor_s": r["floor_us"] / 1e6, "python_s": py, "python_alloc_s": alloc}
+        )
     med = {k: median(r[k] for r in rounds) for k in rounds[0]}
     return {
         "op": "finalize",
@@ -83,7 +92,9 @@ def bench_finalize(a) -> dict:
         "kernel_ms": med["kernel_s"] * 1e3,
         "floor_ms": med["floor_s"] * 1e3,
         "python_ms": med["python_s"] * 1e3,
+        "python_alloc_ms": med["python_alloc_s"] * 1e3,
         "python_over_kernel": median(r["python_s"] / r["kernel_s"] for r in rounds),
+        "python_alloc_over_kernel": median(r["python_alloc_s"] / r["kernel_s"] for r in rounds),
         "floor_over_python": median(r["floor_s"] / r["python_s"] for r in rounds),
         "floor_over_kernel": median(r["floor_s"] / r["kernel_s"] for r in rounds),
     }
@@ -175,7 +186,8 @@ def main() -> int:
         doc["finalize"] = f
         print(
             f"finalize {f['shape']} bf16, {f['threads']} threads: kernel {f['kernel_ms']:.2f} ms, "
-            f"python {f['python_ms']:.2f} ms ({f['python_over_kernel']:.3f}x kernel), "
+            f"python out= {f['python_ms']:.2f} ms ({f['python_over_kernel']:.3f}x kernel), "
+            f"python allocating {f['python_alloc_ms']:.2f} ms ({f['python_alloc_over_kernel']:.3f}x), "
             f"floor {f['floor_ms']:.2f} ms: python {f['floor_over_python']:.3f} of floor "
             f"(kernel {f['floor_over_kernel']:.3f})",
             file=sys.stderr,

@@ -1,15 +1,31 @@
 """ascend_moe: the MoE communication and finalize layer for vLLM-Ascend, over
 the library's C ABI (ctypes).
 
-The native library is `$ASCEND_MOE_LIB` when set, else `libascend_moe.so`
-next to this package. Arrays are numpy (float32, float16,
-`ml_dtypes.bfloat16`, int32 indices); every op returns a new array. Errors
-raise `AmoeError` (a `RuntimeError`) carrying the library's message.
+The native library is `$ASCEND_MOE_LIB` when set, else the one `pip install`
+built into this package. Errors raise `AmoeError` (a `RuntimeError`) carrying
+the library's message.
+
+Operands are numpy arrays (float32, float16, `ml_dtypes.bfloat16`, int32
+indices, ...) or tensors, passed where they live, never copied: numpy by its
+buffer, any tensor-like (`device`, `data_ptr()`, `dtype`, `shape`,
+`is_contiguous()`: torch and torch_npu tensors) by `data_ptr()`, as NPU memory
+when `device.type == "npu"`. A non-contiguous host input is made contiguous
+first; a non-contiguous NPU tensor or `out` is an error. Every op takes
+`out=` (written there and returned; default a new output where the first
+input lives: numpy, or `torch.empty(..., device=x.device)`) and `stream=` (an
+object with `.npu_stream`, the raw aclrtStream, like torch_npu's `Stream`;
+default `torch.npu.current_stream()` for NPU operands, an error naming the
+missing stream without torch_npu; host operands need none). Each raw stream
+is wrapped once per process (`release_streams()` frees those handles).
+`Comm.from_process_group(pg)` borrows the HcclComm of a torch.distributed
+HCCL group, `Comm.from_hccl(raw, device)` any engine-owned one.
 
 When torch is importable, the ops are also registered as torch custom ops
-(`torch.ops.ascend_moe.*`, functional: each returns a new tensor) whose fake
-implementations size their outputs with `shapes`, so they work under
-`FakeTensorMode`, on meta tensors and inside `torch.compile(fullgraph=True)`:
+(`torch.ops.ascend_moe.*`, functional: each returns a new tensor), with real
+implementations for CPU and PrivateUse1 (torch_npu's NPU tensors, which never
+leave the device) and fake implementations that size their outputs with
+`shapes`, so they work under `FakeTensorMode`, on meta tensors and inside
+`torch.compile(fullgraph=True)`:
 
     moe_finalize_routing(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None,
                          scales=None, expert_idx=None, drop_pad_mode=0)
@@ -43,6 +59,7 @@ import os as _os
 
 from . import shapes
 from ._lib import AmoeError, Status, library_path
+from ._tensor import release_streams
 from ._lib import lib as _lib
 from .comm import Comm, ReduceOp, all_gather, all_reduce, broadcast, reduce_scatter
 from .ops import (
@@ -95,6 +112,7 @@ __all__ = [
     "moe_finalize_routing",
     "moe_token_unpermute",
     "reduce_scatter",
+    "release_streams",
     "routed_is_reduced",
     "shapes",
     "shared_gather_unpad",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import importlib.machinery
 import os
 import sys
 import threading
@@ -137,6 +138,8 @@ _SIGNATURES = {
     "amoe_comm_rank": [_COMM, _SZ],
     "amoe_comm_world_size": [_COMM, _SZ],
     "amoe_comm_free": [_COMM],
+    "amoe_stream_wrap": [c_void_p, c_uint32, POINTER(c_void_p)],
+    "amoe_stream_free": [_STREAM],
     "amoe_all_reduce": [_COMM, _T, _T, c_uint32, _STREAM],
     "amoe_reduce_scatter": [_COMM, _T, _T, c_uint32, _STREAM],
     "amoe_all_gather": [_COMM, _T, _T, _STREAM],
@@ -181,6 +184,7 @@ _RESTYPES = {
     "amoe_version": c_char_p,
     "amoe_last_error_length": c_size_t,
     "amoe_comm_free": None,
+    "amoe_stream_free": None,
     "amoe_moe_groups_free": None,
 }
 
@@ -190,18 +194,27 @@ _lock = threading.Lock()
 _lib = None
 
 
+def _bundled() -> list[Path]:
+    """Where a cdylib inside the package may be: the plain platform name (copied
+    by hand), then the names `pip install` gives it (`libascend_moe` plus each
+    extension-module suffix of this interpreter, e.g. `.cpython-311-x86_64-linux-gnu.so`)."""
+    here = Path(__file__).resolve().parent
+    plain = _LIB_NAMES.get(sys.platform, "libascend_moe.so")
+    stem = "ascend_moe" if sys.platform == "win32" else "libascend_moe"
+    names = [plain] + [stem + suffix for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    return [here / n for n in dict.fromkeys(names)]
+
+
 def _candidates() -> list[Path]:
-    out = []
     env = os.environ.get("ASCEND_MOE_LIB")
     if env:
-        out.append(Path(env))
-    name = _LIB_NAMES.get(sys.platform, "libascend_moe.so")
-    out.append(Path(__file__).resolve().parent / name)
-    return out
+        # An explicit override is the only candidate: a typo must not fall back silently.
+        return [Path(env)]
+    return _bundled()
 
 
 def library_path() -> Path:
-    """The cdylib this package uses: `$ASCEND_MOE_LIB` if set, else the one next to the package."""
+    """The cdylib this package uses: `$ASCEND_MOE_LIB` if set, else the one inside the package."""
     tried = _candidates()
     for p in tried:
         if p.is_file():
@@ -209,8 +222,8 @@ def library_path() -> Path:
     raise OSError(
         "ascend_moe: the native library was not found; tried "
         + ", ".join(str(p) for p in tried)
-        + ". Build it with `cargo build --release` and set ASCEND_MOE_LIB to target/release/libascend_moe.so,"
-        " or copy it next to the package."
+        + ". `pip install ./python` builds it into the package; or build it with `cargo build --release`"
+        " and set ASCEND_MOE_LIB to target/release/libascend_moe.so."
     )
 
 

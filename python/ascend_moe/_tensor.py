@@ -1,14 +1,29 @@
-"""numpy arrays <-> `amoe_tensor` descriptors, and shape-only metadata."""
+"""Arrays and tensors <-> `amoe_tensor` descriptors, outputs, streams, and
+shape-only metadata.
+
+Operands are passed where they are, never copied: numpy arrays by their
+buffer, tensor-likes (anything with `device`, `data_ptr()`, `dtype`, `shape`,
+`is_contiguous()`, such as torch and torch_npu tensors) by `data_ptr()`, as NPU
+memory (device kind 1, ordinal `device.index`) when `device.type == "npu"`.
+The one copy: a non-contiguous host *input* is made contiguous first. A
+non-contiguous NPU tensor or `out` is an error."""
 
 from __future__ import annotations
 
 import ctypes
+import os
+import sys
+import threading
 from ctypes import c_size_t
 
 import ml_dtypes
 import numpy as np
 
-from ._lib import MAX_NDIM, AmoeError, Status, Tensor
+from ._lib import MAX_NDIM, AmoeError, Status, Tensor, call, lib
+
+# `amoe_device_kind` codes.
+DEVICE_CPU = 0
+DEVICE_NPU = 1
 
 # amoe_dtype codes by dtype name (numpy, ml_dtypes and torch names agree on these).
 # Codes 5..=9 are the one-byte dtypes data movement carries as exact bytes
@@ -56,24 +71,36 @@ def dtype_code(arg: str, dtype) -> int:
     return DTYPE_CODES[name]
 
 
-class Desc:
-    """An `amoe_tensor` for a host array (or for a shape + dtype only), keeping
-    everything it points to alive."""
+def _torch_tensor(x) -> bool:
+    """Whether `x` is a real `torch.Tensor` (torch is never imported here)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
-    def __init__(self, arg: str, shape, dtype, array: np.ndarray | None = None):
+
+def _tensor_like(x) -> bool:
+    """A torch-style tensor: `device`, `data_ptr()`, `dtype`, `shape`, `is_contiguous()`."""
+    return not isinstance(x, np.ndarray) and hasattr(x, "data_ptr") and hasattr(x, "device")
+
+
+class Desc:
+    """An `amoe_tensor` over a host array, host / NPU tensor memory (or a shape
+    and dtype only), keeping everything it points to alive. `obj` is the
+    array or tensor it describes; `npu` the NPU ordinal, None for host memory."""
+
+    def __init__(self, arg: str, shape, dtype, obj=None, data=None, npu: int | None = None):
         shape = tuple(int(s) for s in shape)
         if len(shape) > MAX_NDIM:
             raise AmoeError(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
-        self.array = array
+        self.arg, self.obj, self.npu, self.shape = arg, obj, npu, shape
         self.shape_buf = (c_size_t * max(len(shape), 1))(*shape)
         self.c = Tensor()
-        self.c.data = array.ctypes.data if array is not None else None
+        self.c.data = data
         self.c.dtype = dtype_code(arg, dtype)
         self.c.ndim = len(shape)
         self.c.shape = ctypes.cast(self.shape_buf, ctypes.POINTER(c_size_t))
         self.c.strides = None
-        self.c.device_kind = 0
-        self.c.device_ordinal = 0
+        self.c.device_kind = DEVICE_NPU if npu is not None else DEVICE_CPU
+        self.c.device_ordinal = npu if npu is not None else 0
 
     @property
     def ptr(self):
@@ -81,23 +108,220 @@ class Desc:
 
 
 def as_array(arg: str, x) -> np.ndarray:
-    """`x` as a C-contiguous numpy array of a supported dtype (no copy when it already is one)."""
+    """`x` as a C-contiguous numpy array of a supported dtype: no copy when it
+    already is one; a non-contiguous input array is copied to a contiguous one."""
     if not isinstance(x, np.ndarray):
         if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
             x = np.asarray(x)
         else:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"`{arg}` must be a numpy array, got {type(x).__name__}")
+            raise AmoeError(
+                Status.INVALID_ARGUMENT,
+                f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(x).__name__}",
+            )
     dtype_code(arg, x.dtype)
     return np.ascontiguousarray(x)
 
 
+def _device(arg: str, x) -> int | None:
+    """The NPU ordinal of tensor-like `x`, None on the CPU; an error on any other device."""
+    dev = x.device
+    kind = getattr(dev, "type", dev)
+    if kind == "cpu":
+        return None
+    if kind == "npu":
+        index = getattr(dev, "index", None)
+        if index is None or int(index) < 0:
+            raise AmoeError(Status.DEVICE, f"`{arg}` is on device {dev!r}, which names no NPU ordinal")
+        return int(index)
+    if kind == "meta":
+        raise AmoeError(Status.DEVICE, f"`{arg}` is a meta tensor, which has no data (the shape functions take it)")
+    raise AmoeError(Status.DEVICE, f"`{arg}` is on device {dev}; expected a cpu or npu tensor")
+
+
+def _tensor_desc(arg: str, x, writable: bool) -> Desc:
+    """A descriptor over tensor-like `x`'s own memory (`data_ptr()`), never a copy,
+    except that a non-contiguous CPU *input* is made contiguous (`.contiguous()`)."""
+    npu = _device(arg, x)
+    dtype_code(arg, x.dtype)
+    if not x.is_contiguous():
+        if npu is not None or writable or not hasattr(x, "contiguous"):
+            where = "an NPU" if npu is not None else "a CPU"
+            raise AmoeError(
+                Status.SHAPE,
+                f"`{arg}` is {where} tensor that is not contiguous; the library takes C-contiguous tensors"
+                + (" (call .contiguous() first)" if not writable else " (pass a contiguous `out`)"),
+            )
+        x = x.contiguous()
+    return Desc(arg, tuple(x.shape), x.dtype, x, x.data_ptr() or None, npu)
+
+
 def desc_in(arg: str, x) -> Desc:
+    """An input descriptor: tensors (cpu or npu) by `data_ptr()`, numpy arrays by their buffer."""
+    if _tensor_like(x):
+        return _tensor_desc(arg, x, writable=False)
     a = as_array(arg, x)
-    return Desc(arg, a.shape, a.dtype, a)
+    return Desc(arg, a.shape, a.dtype, a, a.ctypes.data)
 
 
 def desc_opt(arg: str, x) -> Desc | None:
     return None if x is None else desc_in(arg, x)
+
+
+def desc_out(arg: str, out, shape, code: int) -> Desc:
+    """A descriptor over the caller's `out`, which must have the op's output
+    shape and dtype and be contiguous and writable (it is never copied)."""
+    shape = tuple(int(s) for s in shape)
+    if _tensor_like(out):
+        d = _tensor_desc(arg, out, writable=True)
+    elif isinstance(out, np.ndarray):
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise AmoeError(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
+        d = Desc(arg, out.shape, out.dtype, out, out.ctypes.data)
+    else:
+        raise AmoeError(
+            Status.INVALID_ARGUMENT, f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(out).__name__}"
+        )
+    if d.shape != shape:
+        raise AmoeError(Status.SHAPE, f"`{arg}` has shape {list(d.shape)}, the op's output is {list(shape)}")
+    if d.c.dtype != code:
+        raise AmoeError(
+            Status.DTYPE, f"`{arg}` has dtype {dtype_name(out.dtype)}, the op's output is {NUMPY_DTYPES[code].name}"
+        )
+    return d
+
+
+def alloc(arg: str, shape, like: Desc):
+    """A new output of `shape` with `like`'s dtype, where `like` lives: numpy
+    for arrays, `torch.empty(..., device=like.device)` for torch tensors (torch's
+    caching allocator owns it), `like.new_empty(shape)` for other tensor-likes."""
+    shape = tuple(int(s) for s in shape)
+    x = like.obj
+    if _torch_tensor(x):
+        return sys.modules["torch"].empty(shape, dtype=x.dtype, device=x.device)
+    if _tensor_like(x):
+        if hasattr(x, "new_empty"):
+            return x.new_empty(shape)
+        raise AmoeError(
+            Status.INVALID_ARGUMENT,
+            f"`{like.arg}` ({type(x).__name__} on {x.device}) has no `new_empty` to allocate the output: pass `{arg}=`",
+        )
+    return np.empty(shape, dtype=NUMPY_DTYPES[like.c.dtype])
+
+
+# --------------------------------------------------------------- streams
+
+_STREAMS: dict = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def wrap_stream(raw: int, device: int) -> ctypes.c_void_p:
+    """The library's handle on the engine's stream `raw` (an `aclrtStream`) of
+    NPU `device`: wrapped once per (stream, device) and kept for the process,
+    never owning the stream (`amoe_stream_wrap`)."""
+    key = (int(raw), int(device))
+    with _STREAMS_LOCK:
+        h = _STREAMS.get(key)
+        if h is None:
+            h = ctypes.c_void_p()
+            call("amoe_stream_wrap", ctypes.c_void_p(key[0]), key[1], ctypes.byref(h))
+            _STREAMS[key] = h
+    return h
+
+
+def release_streams() -> int:
+    """Frees every cached stream handle (never the engine's streams), for an
+    engine about to destroy the streams they wrap; returns how many. Later
+    calls wrap their streams again."""
+    with _STREAMS_LOCK:
+        handles = list(_STREAMS.values())
+        _STREAMS.clear()
+    for h in handles:
+        lib().amoe_stream_free(h)
+    return len(handles)
+
+
+_NO_TORCH_NPU = []  # the reason torch_npu could not be imported, once known
+
+
+def default_stream(device: int):
+    """`torch.npu.current_stream(device)` when torch_npu is importable, else None."""
+    if _NO_TORCH_NPU:
+        return None
+    if os.environ.get("ASCEND_MOE_TORCH", "1") == "0":
+        _NO_TORCH_NPU.append("torch is disabled by ASCEND_MOE_TORCH=0")
+        return None
+    try:
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception as e:  # noqa: BLE001
+        _NO_TORCH_NPU.append(str(e))
+        return None
+    return torch.npu.current_stream(device)
+
+
+def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
+    """The `amoe_stream` of a call over `descs`: NULL when every operand is host
+    memory and no stream was given; else the wrapped `stream.npu_stream`
+    (default `torch.npu.current_stream()`), on the device of the NPU operands."""
+    npu = [d for d in descs if d is not None and d.npu is not None]
+    if stream is None:
+        if not npu:
+            return None
+        stream = default_stream(npu[0].npu)
+        if stream is None:
+            why = _NO_TORCH_NPU[0] if _NO_TORCH_NPU else "no current stream"
+            raise AmoeError(
+                Status.NULL_ARGUMENT,
+                f"`{npu[0].arg}` is an NPU tensor (npu:{npu[0].npu}) but no stream was given: pass `stream=`"
+                f" (an object with .npu_stream, the raw aclrtStream, such as torch.npu.current_stream());"
+                f" the default, torch_npu's current stream, is unavailable ({why})",
+            )
+    raw = getattr(stream, "npu_stream", None)
+    if not raw:
+        raise AmoeError(
+            Status.INVALID_ARGUMENT,
+            f"`stream` must have a non-null .npu_stream (the raw aclrtStream), got {type(stream).__name__}",
+        )
+    index = getattr(getattr(stream, "device", None), "index", None)
+    if npu:
+        device = npu[0].npu
+        if index is not None and int(index) != device:
+            raise AmoeError(Status.DEVICE, f"`stream` is on npu:{int(index)}, but `{npu[0].arg}` is on npu:{device}")
+    else:
+        if index is None:
+            raise AmoeError(
+                Status.INVALID_ARGUMENT, "`stream` has no .device.index and no operand is an NPU tensor to take it from"
+            )
+        device = int(index)
+    return wrap_stream(raw, device)
+
+
+class Operands:
+    """The descriptors of one op call, its output (`out=` or a new one) and its stream."""
+
+    def __init__(self, stream=None):
+        self.descs: list = []
+        self._stream = stream
+        self.result = None
+
+    def input(self, arg: str, x) -> Desc:
+        d = desc_in(arg, x)
+        self.descs.append(d)
+        return d
+
+    def optional(self, arg: str, x) -> Desc | None:
+        return None if x is None else self.input(arg, x)
+
+    def output(self, shape, like: Desc, out=None, arg: str = "out") -> Desc:
+        """`out` checked against the op's output (`shape`, `like`'s dtype), or a new output."""
+        self.result = alloc(arg, shape, like) if out is None else out
+        d = desc_out(arg, self.result, shape, like.c.dtype)
+        self.descs.append(d)
+        return d
+
+    @property
+    def stream(self):
+        return resolve_stream(self.descs, self._stream)
 
 
 def desc_meta(arg: str, x) -> Desc:
@@ -113,10 +337,6 @@ def desc_meta(arg: str, x) -> Desc:
 
 def desc_meta_opt(arg: str, x) -> Desc | None:
     return None if x is None else desc_meta(arg, x)
-
-
-def empty(shape, code: int) -> np.ndarray:
-    return np.empty(tuple(shape), dtype=NUMPY_DTYPES[code])
 
 
 def ptr(d: Desc | None):

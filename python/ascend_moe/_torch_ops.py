@@ -1,7 +1,13 @@
-"""torch custom ops (`torch.ops.ascend_moe.*`) over the numpy API, with fake
+"""torch custom ops (`torch.ops.ascend_moe.*`) over the Python API, with fake
 implementations that size their outputs with `ascend_moe.shapes`. Imported
-only when torch is importable; CPU tensors only (NPU tensors need the NPU
-backend).
+only when torch is importable.
+
+The real implementations are registered for CPU and for PrivateUse1, the
+dispatch key of torch_npu's NPU tensors. They pass the tensors to the library
+where they are (`data_ptr()`: host memory on the CPU, device memory on the
+NPU, never a host copy), allocate outputs with `torch.empty(...,
+device=x.device)` (torch's caching allocator) and run NPU work on
+`torch.npu.current_stream()`. No other device has a kernel.
 
 Ops cannot take Python objects, so a communicator is passed as its
 `Comm.handle_id` (an int), an EP/SP layout as `local_sizes` (a list of ints or
@@ -28,34 +34,38 @@ from .ops import ReducePolicy
 Tensor = torch.Tensor
 
 
-def _ml_dtypes():
-    """torch dtypes numpy lacks -> (same-size integer torch dtype, ml_dtypes numpy dtype)."""
+# Where the real implementations run: CPU and PrivateUse1 (torch_npu's key,
+# named "privateuseone" until torch_npu renames the backend to "npu").
+DEVICE_TYPES = ("cpu", "privateuseone")
+
+
+def _numpy_view(t: Tensor):
+    """A CPU tensor as a numpy array over the same memory (bf16 / fp8 through
+    `ml_dtypes`); NPU tensors are returned as they are."""
+    if t.device.type != "cpu":
+        return t
     import ml_dtypes
 
-    return {
+    t = t.detach()
+    special = {
         torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
         torch.float8_e4m3fn: (torch.uint8, ml_dtypes.float8_e4m3fn),
         torch.float8_e5m2: (torch.uint8, ml_dtypes.float8_e5m2),
-    }
-
-
-def _np(t: Optional[Tensor]):
-    if t is None:
-        return None
-    t = t.detach().contiguous().cpu()
-    pair = _ml_dtypes().get(t.dtype)
-    if pair is not None:
-        return t.view(pair[0]).numpy().view(pair[1])
+    }.get(t.dtype)
+    if special is not None:
+        return t.view(special[0]).numpy().view(special[1])
     return t.numpy()
 
 
-def _torch(a: np.ndarray, dtype: torch.dtype) -> Tensor:
-    # Every numpy op returns a fresh array, so the tensor may share its memory.
-    pair = _ml_dtypes().get(dtype)
-    if pair is not None:
-        bits = np.int16 if pair[0] == torch.int16 else np.uint8
-        return torch.from_numpy(np.ascontiguousarray(a).view(bits)).view(dtype)
-    return torch.from_numpy(np.ascontiguousarray(a))
+def _as_tensor(a, like: Tensor) -> Tensor:
+    """A numpy result as a tensor over the same memory (tensors pass through)."""
+    if isinstance(a, torch.Tensor):
+        return a
+    a = np.ascontiguousarray(a)
+    if like.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        bits = np.int16 if like.dtype == torch.bfloat16 else np.uint8
+        return torch.from_numpy(a.view(bits)).view(like.dtype)
+    return torch.from_numpy(a)
 
 
 def _layout(local_sizes: Optional[List[int]]):
@@ -70,7 +80,9 @@ def register() -> bool:
     """Registers the ops once; False when this torch lacks `torch.library.custom_op`."""
     if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
         return False
-    custom_op = torch.library.custom_op
+
+    def custom_op(name, **kw):
+        return torch.library.custom_op(name, device_types=DEVICE_TYPES, **kw)
 
     # ------------------------------------------------------------ local ops
 
@@ -85,8 +97,7 @@ def register() -> bool:
         expert_idx: Optional[Tensor] = None,
         drop_pad_mode: int = 0,
     ) -> Tensor:
-        arrays = [_np(t) for t in (expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx)]
-        return _torch(ops.moe_finalize_routing(*arrays, drop_pad_mode), expanded_x.dtype)
+        return ops.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode)
 
     @moe_finalize_routing.register_fake
     def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0):
@@ -95,7 +106,7 @@ def register() -> bool:
 
     @custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
     def moe_token_unpermute(permuted: Tensor, sorted_indices: Tensor, probs: Optional[Tensor] = None) -> Tensor:
-        return _torch(ops.moe_token_unpermute(_np(permuted), _np(sorted_indices), _np(probs)), permuted.dtype)
+        return ops.moe_token_unpermute(permuted, sorted_indices, probs)
 
     @moe_token_unpermute.register_fake
     def _(permuted, sorted_indices, probs=None):
@@ -107,7 +118,7 @@ def register() -> bool:
 
     @custom_op("ascend_moe::all_reduce", mutates_args=())
     def all_reduce(x: Tensor, comm: int, op: int = 0) -> Tensor:
-        return _torch(_comm.all_reduce(_np(x), Comm.lookup(comm), op), x.dtype)
+        return _comm.all_reduce(x, Comm.lookup(comm), op)
 
     @all_reduce.register_fake
     def _(x, comm, op=0):
@@ -116,7 +127,7 @@ def register() -> bool:
 
     @custom_op("ascend_moe::reduce_scatter", mutates_args=())
     def reduce_scatter(x: Tensor, comm: int, op: int = 0) -> Tensor:
-        return _torch(_comm.reduce_scatter(_np(x), Comm.lookup(comm), op), x.dtype)
+        return _comm.reduce_scatter(x, Comm.lookup(comm), op)
 
     @reduce_scatter.register_fake
     def _(x, comm, op=0):
@@ -124,7 +135,7 @@ def register() -> bool:
 
     @custom_op("ascend_moe::all_gather", mutates_args=())
     def all_gather(x: Tensor, comm: int) -> Tensor:
-        return _torch(_comm.all_gather(_np(x), Comm.lookup(comm)), x.dtype)
+        return _comm.all_gather(x, Comm.lookup(comm))
 
     @all_gather.register_fake
     def _(x, comm):
@@ -134,7 +145,7 @@ def register() -> bool:
 
     @custom_op("ascend_moe::maybe_pad_and_reduce", mutates_args=())
     def maybe_pad_and_reduce(x: Tensor, ep_comm: int, local_sizes: Optional[List[int]] = None) -> Tensor:
-        return _torch(ops.maybe_pad_and_reduce(_np(x), _layout(local_sizes), Comm.lookup(ep_comm)), x.dtype)
+        return ops.maybe_pad_and_reduce(x, _layout(local_sizes), Comm.lookup(ep_comm))
 
     @maybe_pad_and_reduce.register_fake
     def _(x, ep_comm, local_sizes=None):
@@ -142,8 +153,7 @@ def register() -> bool:
 
     @custom_op("ascend_moe::maybe_all_gather_and_maybe_unpad", mutates_args=())
     def maybe_all_gather_and_maybe_unpad(x: Tensor, ep_comm: int, local_sizes: Optional[List[int]] = None) -> Tensor:
-        y = ops.maybe_all_gather_and_maybe_unpad(_np(x), _layout(local_sizes), Comm.lookup(ep_comm))
-        return _torch(y, x.dtype)
+        return ops.maybe_all_gather_and_maybe_unpad(x, _layout(local_sizes), Comm.lookup(ep_comm))
 
     @maybe_all_gather_and_maybe_unpad.register_fake
     def _(x, ep_comm, local_sizes=None):
@@ -170,7 +180,7 @@ def register() -> bool:
             ep_size: int,
         ) -> Tensor:
             policy = _policy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
-            return _torch(method(policy, _np(x), comm_type, Comm.lookup(tp_comm)), x.dtype)
+            return method(policy, x, comm_type, Comm.lookup(tp_comm))
 
         @point.register_fake
         def _(x, comm_type, tp_comm, shared_mode, has_routed_transform, sp, tp_size, ep_size):
@@ -191,7 +201,9 @@ def register() -> bool:
 
     @custom_op("ascend_moe::moe_layer_fc", mutates_args=())
     def moe_layer_fc(x: Tensor, layer: int) -> Tensor:
-        return _torch(MoeLayer.lookup(layer).forward(_np(x)), x.dtype)
+        # The experts callable takes numpy arrays for CPU tensors (views of
+        # the tensor memory) and the tensors themselves on the NPU.
+        return _as_tensor(MoeLayer.lookup(layer).forward(_numpy_view(x)), x)
 
     @moe_layer_fc.register_fake
     def _(x, layer):
@@ -210,7 +222,7 @@ def register() -> bool:
         def point(x: Tensor, layer: int) -> Tensor:
             ctx = get_forward_context()
             lay = MoeLayer.lookup(layer)
-            return _torch(method(lay.checked_policy(ctx), _np(x), ctx.comm_type, lay.tp_comm), x.dtype)
+            return method(lay.checked_policy(ctx), x, ctx.comm_type, lay.tp_comm)
 
         @point.register_fake
         def _(x, layer):

@@ -9,9 +9,11 @@ import threading
 import weakref
 from ctypes import c_size_t, c_void_p
 
+import numpy as np
+
 from . import shapes
 from ._lib import AmoeError, Status, call, lib, sizes
-from ._tensor import desc_in, empty
+from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
 
 
 class ReduceOp(enum.IntEnum):
@@ -76,6 +78,51 @@ class Comm:
         call("amoe_comm_from_hccl", c_void_p(raw_hccl_comm), device_ordinal, ctypes.byref(out))
         return cls(out.value)
 
+    @classmethod
+    def from_process_group(cls, pg, device_ordinal=None) -> "Comm":
+        """Borrows the HcclComm of the torch.distributed group `pg`, which must
+        use the HCCL backend (torch_npu's ProcessGroupHCCL): no communicator is
+        created and no HCCL buffer reserved beyond the group's own. The handle
+        keeps `pg` alive; `close()` releases only the handle.
+
+        The raw comm is `pg._get_backend(torch.device("npu")).get_hccl_comm(rank)`
+        with this process's rank in `pg`: torch_npu's
+        `ProcessGroupHCCL::getHcclComm(int rankid)` (csrc/distributed/ProcessGroupHCCL.cpp)
+        returns the group's `HcclComm` of that rank's device as an int64,
+        initialising it on first use. `device_ordinal` defaults to
+        `torch.npu.current_device()`."""
+        import torch
+        import torch.distributed as dist
+
+        try:
+            backend = str(dist.get_backend(pg)).lower()
+        except Exception as e:  # noqa: BLE001
+            raise AmoeError(
+                Status.INVALID_ARGUMENT, f"Comm.from_process_group: {pg!r} is not a usable torch.distributed group: {e}"
+            ) from e
+        if backend != "hccl":
+            raise AmoeError(
+                Status.INVALID_ARGUMENT,
+                f"Comm.from_process_group: the group uses the {backend!r} backend; only an HCCL group "
+                "(torch_npu's ProcessGroupHCCL) has an HcclComm to borrow (use Comm.cpu for host ranks)",
+            )
+        # PrivateUse1's device name: "npu" once torch_npu has renamed the backend.
+        hccl = pg._get_backend(torch.device(torch._C._get_privateuse1_backend_name()))
+        getter = getattr(hccl, "get_hccl_comm", None)
+        if getter is None:
+            raise AmoeError(
+                Status.UNAVAILABLE,
+                f"Comm.from_process_group: the group's backend {type(hccl).__name__} has no get_hccl_comm",
+            )
+        raw = int(getter(dist.get_rank(pg)))
+        if not raw:
+            raise AmoeError(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
+        if device_ordinal is None:
+            device_ordinal = torch.npu.current_device()
+        comm = cls.from_hccl(raw, int(device_ordinal))
+        comm._owner = pg
+        return comm
+
     @property
     def handle(self) -> c_void_p:
         if not self._h.value:
@@ -102,8 +149,9 @@ class Comm:
         call("amoe_comm_split", self.handle, arr, n, ctypes.byref(out))
         return Comm(out.value)
 
-    def barrier(self) -> None:
-        call("amoe_barrier", self.handle, None)
+    def barrier(self, stream=None) -> None:
+        """Returns once every rank reached it (on `stream` for an HCCL communicator)."""
+        call("amoe_barrier", self.handle, resolve_stream([], stream) if stream is not None else None)
 
     def close(self) -> None:
         h, self._h = self._h, c_void_p()
@@ -139,37 +187,44 @@ def _op(op) -> int:
     return int(op)
 
 
-def all_reduce(x, comm: Comm, op=ReduceOp.SUM):
-    """`op` of `x` over every rank; a new array of `x`'s shape and dtype."""
-    s = desc_in("x", x)
-    y = empty(s.array.shape, s.c.dtype)
-    d = desc_in("out", y)
-    call("amoe_all_reduce", comm.handle, s.ptr, d.ptr, _op(op), None)
-    return y
+def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
+    o = Operands(stream)
+    s = o.input("x", x)
+    d = o.output(shape_fn(s.obj, comm), s, out)
+    call(name, comm.handle, s.ptr, d.ptr, *extra, o.stream)
+    return o.result
 
 
-def reduce_scatter(x, comm: Comm, op=ReduceOp.SUM):
+def all_reduce(x, comm: Comm, op=ReduceOp.SUM, *, out=None, stream=None):
+    """`op` of `x` over every rank, of `x`'s shape and dtype, into `out` (default a new one)."""
+    return _collective("amoe_all_reduce", shapes.all_reduce, x, comm, (_op(op),), out, stream)
+
+
+def reduce_scatter(x, comm: Comm, op=ReduceOp.SUM, *, out=None, stream=None):
     """Block `rank` (rows `[rank*R/W, (rank+1)*R/W)`) of `op(x over ranks)`."""
-    s = desc_in("x", x)
-    y = empty(shapes.reduce_scatter(s.array, comm), s.c.dtype)
-    d = desc_in("out", y)
-    call("amoe_reduce_scatter", comm.handle, s.ptr, d.ptr, _op(op), None)
-    return y
+    return _collective("amoe_reduce_scatter", shapes.reduce_scatter, x, comm, (_op(op),), out, stream)
 
 
-def all_gather(x, comm: Comm):
+def all_gather(x, comm: Comm, *, out=None, stream=None):
     """Concatenation of every rank's `x` along dim 0, in rank order."""
-    s = desc_in("x", x)
-    y = empty(shapes.all_gather(s.array, comm), s.c.dtype)
-    d = desc_in("out", y)
-    call("amoe_all_gather", comm.handle, s.ptr, d.ptr, None)
-    return y
+    return _collective("amoe_all_gather", shapes.all_gather, x, comm, (), out, stream)
 
 
-def broadcast(x, comm: Comm, root: int = 0):
-    """Rank `root`'s `x` on every rank (a new array)."""
-    s = desc_in("x", x)
-    y = s.array.copy()
-    d = desc_in("x", y)
-    call("amoe_broadcast", comm.handle, d.ptr, int(root), None)
-    return y
+def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
+    """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
+    is first copied into `out` (default a copy of `x`: `copy()` for arrays,
+    `clone()` for tensors; an `out` tensor takes it with `out.copy_(x)`)."""
+    if out is None:
+        out = x.clone() if hasattr(x, "clone") else as_array("x", x).copy()
+    elif out is not x:
+        if hasattr(out, "copy_"):
+            out.copy_(x)
+        elif isinstance(out, np.ndarray):
+            out[...] = as_array("x", x)
+        else:
+            raise AmoeError(
+                Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
+            )
+    d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
+    call("amoe_broadcast", comm.handle, d.ptr, int(root), resolve_stream([d], stream))
+    return out

@@ -105,8 +105,11 @@ class MoeLayer:
     `layer_id`: its groups (`MoeGroups`, built with the PCP size the forward
     contexts will use), its TP communicator, this rank's place (TP size, DP /
     TP / PCP rank), its reduce policy and its experts, a callable
-    `experts(hidden, mc2_mask, comm_type) -> routed` on numpy arrays that maps
-    the prepared tokens to the routed output of the same rows."""
+    `experts(hidden, mc2_mask, comm_type) -> routed` that maps the prepared
+    tokens to the routed output of the same rows. `hidden` is of the kind of
+    the forward's input: numpy arrays for numpy input (and for CPU tensors
+    through `torch.ops.ascend_moe.moe_layer_fc`, as views of their memory), the
+    NPU tensors themselves on the NPU."""
 
     def __init__(
         self,
@@ -159,7 +162,7 @@ class MoeLayer:
         return self.policy
 
     def forward(self, x):
-        """prepare -> experts -> finalize under the live forward context (numpy)."""
+        """prepare -> experts -> finalize under the live forward context."""
         ctx = get_forward_context()
         mctx = self.context(ctx)
         hidden, mask = token_prepare(x, ctx.comm_type, mctx, self.groups)

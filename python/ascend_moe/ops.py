@@ -1,4 +1,8 @@
-"""The MoE ops (SPEC sections 1-5) on numpy arrays."""
+"""The MoE ops (SPEC sections 1-5) on numpy arrays and tensors (cpu or npu).
+
+Every op takes `out=` (written and returned; default a new output where the
+first input lives) and `stream=` (an object with `.npu_stream`; default
+`torch.npu.current_stream()` for NPU operands, none for host ones)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from ctypes import c_size_t, c_uint8
 
 from . import shapes
 from ._lib import AmoeError, ReducePolicyC, Status, call, sizes
-from ._tensor import desc_in, desc_opt, empty, ptr
+from ._tensor import Operands
 from .comm import Comm
 
 
@@ -95,49 +99,59 @@ def _layout_arg(layout):
 
 
 def moe_finalize_routing(
-    expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0
+    expanded_x,
+    expanded_row_idx,
+    x1=None,
+    x2=None,
+    bias=None,
+    scales=None,
+    expert_idx=None,
+    drop_pad_mode=0,
+    *,
+    out=None,
+    stream=None,
 ):
     """`out[i] = x1[i] + x2[i] + sum_k s(i,k) * (row(R(i,k)) + bias[expert_idx[i,k]])`, `[N, H...]`."""
+    o = Operands(stream)
     args, keep = shapes.finalize_args(
-        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_in
+        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
     )
-    y = empty(shapes.moe_finalize_routing(*[d.array if d else None for d in keep], drop_pad_mode), keep[0].c.dtype)
-    out = desc_in("out", y)
-    call("amoe_moe_finalize_routing", args, out.ptr, None)
-    return y
+    y = o.output(shapes.moe_finalize_routing(*[d.obj if d else None for d in keep], drop_pad_mode), keep[0], out)
+    call("amoe_moe_finalize_routing", args, y.ptr, o.stream)
+    return o.result
 
 
-def moe_token_unpermute(permuted, sorted_indices, probs=None):
+def moe_token_unpermute(permuted, sorted_indices, probs=None, *, out=None, stream=None):
     """`out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`, `[T, H...]`."""
-    p, s, pr = desc_in("permuted", permuted), desc_in("sorted_indices", sorted_indices), desc_opt("probs", probs)
-    y = empty(shapes.moe_token_unpermute(p.array, s.array, pr.array if pr else None), p.c.dtype)
-    out = desc_in("out", y)
-    call("amoe_moe_token_unpermute", p.ptr, s.ptr, ptr(pr), out.ptr, None)
-    return y
+    o = Operands(stream)
+    p, s, pr = o.input("permuted", permuted), o.input("sorted_indices", sorted_indices), o.optional("probs", probs)
+    y = o.output(shapes.moe_token_unpermute(p.obj, s.obj, pr.obj if pr else None), p, out)
+    call("amoe_moe_token_unpermute", p.ptr, s.ptr, pr.ptr if pr else None, y.ptr, o.stream)
+    return o.result
 
 
-def maybe_pad_and_reduce(x, layout, ep_comm: Comm):
+def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP finalize (SPEC section 3): this rank's `[local_sizes[rank], H...]`
     shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
-    d = desc_in("x", x)
+    o = Operands(stream)
+    d = o.input("x", x)
     ls, n = _layout_arg(layout)
-    y = empty(shapes.maybe_pad_and_reduce(d.array, layout, ep_comm), d.c.dtype)
-    out = desc_in("out", y)
-    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, ep_comm.handle, out.ptr, None)
-    return y
+    y = o.output(shapes.maybe_pad_and_reduce(d.obj, layout, ep_comm), d, out)
+    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
+    return o.result
 
 
-def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm):
+def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP prepare (SPEC section 4): every rank's `x` (`local_sizes[rank]`
     rows) concatenated, `[sum(local_sizes), H...]`."""
-    d = desc_in("x", x)
+    o = Operands(stream)
+    d = o.input("x", x)
     ls, n = _layout_arg(layout)
     # The shape function checks x's rows against this rank's layout entry
     # before any collective starts.
-    y = empty(shapes.maybe_all_gather_and_maybe_unpad(d.array, layout, ep_comm), d.c.dtype)
-    out = desc_in("out", y)
-    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, ep_comm.handle, out.ptr, None)
-    return y
+    y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d.obj, layout, ep_comm), d, out)
+    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
+    return o.result
 
 
 def finalize_and_reduce(
@@ -151,45 +165,48 @@ def finalize_and_reduce(
     scales=None,
     expert_idx=None,
     drop_pad_mode=0,
+    *,
+    out=None,
+    stream=None,
 ):
     """`maybe_pad_and_reduce(moe_finalize_routing(...), layout, ep_comm)` in one pass."""
+    o = Operands(stream)
     args, keep = shapes.finalize_args(
-        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_in
+        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
     )
-    arrays = [d.array if d else None for d in keep]
-    shape = shapes.finalize_and_reduce(arrays[0], arrays[1], layout, ep_comm, *arrays[2:], drop_pad_mode)
-    y = empty(shape, keep[0].c.dtype)
-    out = desc_in("out", y)
+    objs = [d.obj if d else None for d in keep]
+    shape = shapes.finalize_and_reduce(objs[0], objs[1], layout, ep_comm, *objs[2:], drop_pad_mode)
+    y = o.output(shape, keep[0], out)
     ls, n = _layout_arg(layout)
-    call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, out.ptr, None)
-    return y
+    call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, y.ptr, o.stream)
+    return o.result
 
 
-def _tp_op(name: str, shape, x, tp_comm: Comm, *counts):
-    d = desc_in("x", x)
-    y = empty(shape, d.c.dtype)
-    out = desc_in("out", y)
-    call(name, d.ptr, *counts, tp_comm.handle, out.ptr, None)
-    return y
+def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream):
+    o = Operands(stream)
+    d = o.input("x", x)
+    y = o.output(shape_fn(d.obj, *counts, tp_comm), d, out)
+    call(name, d.ptr, *counts, tp_comm.handle, y.ptr, o.stream)
+    return o.result
 
 
-def shared_pad_split(x, tp_comm: Comm):
+def shared_pad_split(x, tp_comm: Comm, *, out=None, stream=None):
     """DP-only shared-expert prepare: this TP rank's equal part of the DP batch
     `x [T, H...]` zero-padded to a multiple of TP, `[ceil(T / TP), H...]`."""
-    return _tp_op("amoe_shared_pad_split", shapes.shared_pad_split(x, tp_comm), x, tp_comm)
+    return _tp_op("amoe_shared_pad_split", shapes.shared_pad_split, x, tp_comm, (), out, stream)
 
 
-def shared_gather_unpad(x, num_tokens: int, tp_comm: Comm):
+def shared_gather_unpad(x, num_tokens: int, tp_comm: Comm, *, out=None, stream=None):
     """DP-only shared-expert finalize / SP-only prepare: every TP rank's
     `ceil(num_tokens / TP)` rows gathered, the first `num_tokens` kept."""
-    shape = shapes.shared_gather_unpad(x, num_tokens, tp_comm)
-    return _tp_op("amoe_shared_gather_unpad", shape, x, tp_comm, int(num_tokens))
+    counts = (shapes._count("num_tokens", num_tokens),)
+    return _tp_op("amoe_shared_gather_unpad", shapes.shared_gather_unpad, x, tp_comm, counts, out, stream)
 
 
-def shared_pad_reduce_scatter(x, tp_comm: Comm):
+def shared_pad_reduce_scatter(x, tp_comm: Comm, *, out=None, stream=None):
     """SP-only shared-expert finalize: the TP-partial `x [T, H...]` zero-padded
     to a multiple of TP and reduce-scattered (sum): `[ceil(T / TP), H...]`."""
-    return _tp_op("amoe_shared_pad_reduce_scatter", shapes.shared_pad_reduce_scatter(x, tp_comm), x, tp_comm)
+    return _tp_op("amoe_shared_pad_reduce_scatter", shapes.shared_pad_reduce_scatter, x, tp_comm, (), out, stream)
 
 
 def routed_is_reduced(comm_type, sp: bool) -> bool:
@@ -232,25 +249,25 @@ class ReducePolicy:
     def early(self) -> bool:
         return self.decisions(CommType.ALLGATHER)["early"]
 
-    def _point(self, name: str, x, comm_type, tp_comm: Comm):
-        d = desc_in("x", x)
-        y = empty(d.array.shape, d.c.dtype)
-        out = desc_in("out", y)
-        call(name, ctypes.byref(self._c), d.ptr, int(comm_type), tp_comm.handle, out.ptr, None)
-        return y
+    def _point(self, name: str, x, comm_type, tp_comm: Comm, out, stream):
+        o = Operands(stream)
+        d = o.input("x", x)
+        y = o.output(d.shape, d, out)
+        call(name, ctypes.byref(self._c), d.ptr, int(comm_type), tp_comm.handle, y.ptr, o.stream)
+        return o.result
 
-    def reduce_routed_early(self, x, comm_type, tp_comm: Comm):
+    def reduce_routed_early(self, x, comm_type, tp_comm: Comm, *, out=None, stream=None):
         """Point 1: routed output before the transform (TP all-reduce if `early`
-        and not `routed_is_reduced`). Returns a new array."""
-        return self._point("amoe_reduce_routed_early", x, comm_type, tp_comm)
+        and not `routed_is_reduced`). Returns `out` (default a new array / tensor)."""
+        return self._point("amoe_reduce_routed_early", x, comm_type, tp_comm, out, stream)
 
-    def reduce_shared(self, x, comm_type, tp_comm: Comm):
-        """Point 2: the shared-expert output. Returns a new array."""
-        return self._point("amoe_reduce_shared", x, comm_type, tp_comm)
+    def reduce_shared(self, x, comm_type, tp_comm: Comm, *, out=None, stream=None):
+        """Point 2: the shared-expert output. Returns `out` (default a new array / tensor)."""
+        return self._point("amoe_reduce_shared", x, comm_type, tp_comm, out, stream)
 
-    def reduce_final(self, x, comm_type, tp_comm: Comm):
-        """Point 3: after `shared + routed`. Returns a new array."""
-        return self._point("amoe_reduce_final", x, comm_type, tp_comm)
+    def reduce_final(self, x, comm_type, tp_comm: Comm, *, out=None, stream=None):
+        """Point 3: after `shared + routed`. Returns `out` (default a new array / tensor)."""
+        return self._point("amoe_reduce_final", x, comm_type, tp_comm, out, stream)
 
     def __repr__(self) -> str:
         return (

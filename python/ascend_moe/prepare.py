@@ -8,7 +8,7 @@ from ctypes import c_size_t, c_void_p
 import numpy as np
 
 from ._lib import ALL_TOKENS, AmoeError, MoeContextC, MoeContextExC, Status, call, lib, sizes
-from ._tensor import desc_in, desc_meta, empty, shape_of, shape_out
+from ._tensor import Operands, desc_meta, shape_of, shape_out
 from .comm import Comm
 
 
@@ -100,25 +100,38 @@ def token_finalize_shape(y, comm_type, ctx: MoeContext) -> tuple:
     return shape_of(buf, ndim)
 
 
-def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups):
+def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
     """This rank's tokens prepared for the experts under the live `comm_type`:
-    `(hidden, mc2_mask)`, the mask (bool array, True = real token) only for
-    MC2 / FUSED_MC2, else None."""
-    d = desc_in("x", x)
-    y = empty(token_prepare_shape(d.array, comm_type, ctx), d.c.dtype)
-    out = desc_in("out", y)
-    cap = max(y.shape[0] if y.ndim else 1, 1)
+    `(hidden, mc2_mask)`, `hidden` in `out` (default a new one where `x`
+    lives), the mask (a host bool array, True = real token) only for MC2 /
+    FUSED_MC2, else None."""
+    o = Operands(stream)
+    d = o.input("x", x)
+    y = o.output(token_prepare_shape(d.obj, comm_type, ctx), d, out)
+    cap = max(y.shape[0] if y.shape else 1, 1)
     mask = (ctypes.c_uint8 * cap)()
     mask_len = c_size_t(0)
-    call("amoe_token_prepare_ex", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, mask, cap, ctypes.byref(mask_len), None)
+    call(
+        "amoe_token_prepare_ex",
+        d.ptr,
+        int(comm_type),
+        ctx.ptr,
+        groups.handle,
+        y.ptr,
+        mask,
+        cap,
+        ctypes.byref(mask_len),
+        o.stream,
+    )
     ct = int(comm_type)
-    return y, (np.array(mask[: mask_len.value], dtype=bool) if ct in (1, 3) else None)
+    return o.result, (np.array(mask[: mask_len.value], dtype=bool) if ct in (1, 3) else None)
 
 
-def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups):
-    """The experts' output `y` back in this rank's token layout."""
-    d = desc_in("y", y)
-    r = empty(token_finalize_shape(d.array, comm_type, ctx), d.c.dtype)
-    out = desc_in("out", r)
-    call("amoe_token_finalize_ex", d.ptr, int(comm_type), ctx.ptr, groups.handle, out.ptr, None)
-    return r
+def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
+    """The experts' output `y` back in this rank's token layout, in `out`
+    (default a new one where `y` lives)."""
+    o = Operands(stream)
+    d = o.input("y", y)
+    r = o.output(token_finalize_shape(d.obj, comm_type, ctx), d, out)
+    call("amoe_token_finalize_ex", d.ptr, int(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
+    return o.result

@@ -1,4 +1,4 @@
-"""The suite needs the native library: `$ASCEND_MOE_LIB` or one next to the package."""
+"""The suite needs the native library: `$ASCEND_MOE_LIB` or the one inside the installed package."""
 
 import pytest
 

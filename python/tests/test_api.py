@@ -37,6 +37,21 @@ def test_library_is_found_next_to_the_package(tmp_path):
     assert out.splitlines()[0] == str(pkg / "libascend_moe.so")
 
 
+def test_installed_package_bundles_its_library(tmp_path):
+    """`pip install ./python` builds the cdylib into the package, where it is
+    found with no ASCEND_MOE_LIB (CI runs the suite that way)."""
+    pkg = Path(am.__file__).resolve().parent
+    if pkg == ROOT / "python" / "ascend_moe" and not os.environ.get("CI"):
+        pytest.skip("the suite imports the source tree, not an installed package")
+    env = {k: v for k, v in os.environ.items() if k not in ("ASCEND_MOE_LIB", "PYTHONPATH")}
+    code = "import ascend_moe as am; print(am.library_path()); print(am.version())"
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    path, version = run.stdout.splitlines()
+    assert Path(path).parent == pkg and Path(path).name.startswith("libascend_moe"), path
+    assert version == am.version()
+
+
 def test_missing_library_names_the_paths_tried(tmp_path):
     env = dict(os.environ, ASCEND_MOE_LIB=str(tmp_path / "nope.so"))
     code = "import ascend_moe as am\ntry:\n    am.version()\nexcept OSError as e:\n    print(e)"

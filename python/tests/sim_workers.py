@@ -1,0 +1,330 @@
+"""The Python API on simulated NPU memory (cann-sim), in a process whose
+loader env points at libcann_sim.so (`test_sim.py` sets it up).
+
+The test plays the engine: it owns the device memory (`aclrtMalloc`), the
+streams (`aclrtCreateStream`) and the HCCL communicators
+(`HcclCommInitRootInfo`), and hands them to the package only as a stand-in
+NPU tensor (`device`, `data_ptr()`, `dtype`, `shape`, `is_contiguous()`) and a
+stand-in stream (`.npu_stream`), as torch_npu would.
+
+    python sim_workers.py SCENARIO     (prints "ok SCENARIO" on success)
+    python sim_workers.py rank R ROOT  (one rank of world4_procs)
+"""
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+
+import ascend_moe as am
+from workers import BF16, assert_close, finalize_case, finalize_golden, rand, rng_for, unpermute_golden
+
+ACL_MEMCPY_HOST_TO_DEVICE = 1
+ACL_MEMCPY_DEVICE_TO_HOST = 2
+HCCL_ROOT_INFO_BYTES = 4108
+
+SIM = ctypes.CDLL(os.environ["ASCEND_MOE_ACL_LIB"])
+for _name, _args in {
+    "aclInit": [ctypes.c_char_p],
+    "aclrtSetDevice": [ctypes.c_int32],
+    "aclrtMalloc": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint32],
+    "aclrtFree": [ctypes.c_void_p],
+    "aclrtMemcpy": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32],
+    "aclrtCreateStream": [ctypes.POINTER(ctypes.c_void_p)],
+    "aclrtSynchronizeStream": [ctypes.c_void_p],
+    "aclrtDestroyStream": [ctypes.c_void_p],
+    "HcclGetRootInfo": [ctypes.c_void_p],
+    "HcclCommInitRootInfo": [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p)],
+    "HcclCommDestroy": [ctypes.c_void_p],
+}.items():
+    getattr(SIM, _name).argtypes = _args
+    getattr(SIM, _name).restype = ctypes.c_int32
+
+
+def check(what, code):
+    if code != 0:
+        raise RuntimeError(f"{what} failed with {code}")
+
+
+class Device:
+    def __init__(self, index):
+        self.type, self.index = "npu", index
+
+    def __repr__(self):
+        return f"npu:{self.index}"
+
+
+class DeviceTensor:
+    """A stand-in NPU tensor over simulator device memory it allocated (the
+    engine's allocator); `new_empty` is how the package allocates outputs."""
+
+    live: list = []
+
+    def __init__(self, shape, dtype, index):
+        self.shape, self.dtype, self.device = tuple(int(s) for s in shape), np.dtype(dtype), Device(index)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        p = ctypes.c_void_p()
+        check("aclrtMalloc", SIM.aclrtMalloc(ctypes.byref(p), max(self.nbytes, 1), 0))
+        self.ptr = p.value
+        DeviceTensor.live.append(self)
+
+    @classmethod
+    def upload(cls, a, index):
+        a = np.ascontiguousarray(a)
+        t = cls(a.shape, a.dtype, index)
+        check("aclrtMemcpy H2D", SIM.aclrtMemcpy(t.ptr, t.nbytes, a.ctypes.data, a.nbytes, ACL_MEMCPY_HOST_TO_DEVICE))
+        return t
+
+    def download(self):
+        a = np.empty(self.shape, self.dtype)
+        check("aclrtMemcpy D2H", SIM.aclrtMemcpy(a.ctypes.data, a.nbytes, self.ptr, self.nbytes, ACL_MEMCPY_DEVICE_TO_HOST))
+        return a
+
+    def data_ptr(self):
+        return self.ptr
+
+    def is_contiguous(self):
+        return True
+
+    def new_empty(self, shape):
+        return DeviceTensor(shape, self.dtype, self.device.index)
+
+    @classmethod
+    def free_all(cls):
+        for t in cls.live:
+            check("aclrtFree", SIM.aclrtFree(t.ptr))
+        cls.live.clear()
+
+
+class Stream:
+    """torch_npu's Stream: `.npu_stream` is the raw aclrtStream."""
+
+    def __init__(self):
+        s = ctypes.c_void_p()
+        check("aclrtCreateStream", SIM.aclrtCreateStream(ctypes.byref(s)))
+        self.npu_stream = s.value
+
+    def synchronize(self):
+        check("aclrtSynchronizeStream", SIM.aclrtSynchronizeStream(self.npu_stream))
+
+    def destroy(self):
+        check("aclrtDestroyStream", SIM.aclrtDestroyStream(self.npu_stream))
+
+
+def local_ops():
+    """finalize (into `out=` and allocated) and unpermute on device 1."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(1))
+    stream = Stream()
+    for dtype in (np.dtype(np.float32), BF16):
+        ex, idx, kw = finalize_case(rng_for("sim-fin", str(dtype)), 0, dtype)
+        kw["scales"] = kw["scales"].astype(np.float32)
+        want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
+        dev = {k: (DeviceTensor.upload(v, 1) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+        dex, didx = DeviceTensor.upload(ex, 1), DeviceTensor.upload(idx, 1)
+        out = DeviceTensor(want.shape, dtype, 1)
+        assert am.moe_finalize_routing(dex, didx, **dev, out=out, stream=stream) is out
+        made = am.moe_finalize_routing(dex, didx, **dev, stream=stream)
+        assert isinstance(made, DeviceTensor) and made.device.index == 1 and made.shape == want.shape
+        stream.synchronize()
+        assert_close(out.download(), want, dtype, f"finalize {dtype} into out on npu:1")
+        assert_close(made.download(), want, dtype, f"finalize {dtype} allocated on npu:1")
+
+        permuted = rand(rng_for("sim-unperm", str(dtype)), (6, 4), dtype)
+        sorted_idx = np.array([3, 0, 5, 1, 4, 2], np.int32)
+        probs = rand(rng_for("sim-probs", str(dtype)), (3, 2), dtype)
+        uout = DeviceTensor((3, 4), dtype, 1)
+        got = am.moe_token_unpermute(
+            DeviceTensor.upload(permuted, 1), DeviceTensor.upload(sorted_idx, 1), DeviceTensor.upload(probs, 1), out=uout, stream=stream
+        )
+        assert got is uout
+        stream.synchronize()
+        assert_close(uout.download(), unpermute_golden(permuted, sorted_idx, probs), dtype, f"unpermute {dtype}")
+    assert am.release_streams() == 1
+    stream.destroy()
+    DeviceTensor.free_all()
+
+
+def layer_round_trips(world, rank, stream):
+    """Token prepare then finalize with identity experts on device memory,
+    every comm type, with and without SP, DP 2 x TP 2 (groups split from the
+    caller's HCCL world): ALLGATHER returns `DP * x` without SP and `EP * x`
+    with SP, the others `x` (SPEC section 6)."""
+    tp, dp_tokens, size = 2, [3, 1], world.world_size
+    d, t = rank // tp, rank % tp
+    with am.MoeGroups(world, tp) as groups:
+        for sp in (False, True):
+            ctx = am.MoeContext(dp_tokens, tp, d, t, sp)
+            rows = -(-dp_tokens[d] // tp) if sp else dp_tokens[d]
+            x = rand(rng_for("sim-prep", rank if sp else d, int(sp)), (rows, 4), np.float32)
+            dx = DeviceTensor.upload(x, rank)
+            for ct in am.CommType:
+                hidden, _mask = am.token_prepare(dx, ct, ctx, groups, stream=stream)
+                assert isinstance(hidden, DeviceTensor) and hidden.shape == am.shapes.token_prepare(x, ct, ctx)
+                back = am.token_finalize(hidden, ct, ctx, groups, stream=stream)
+                stream.synchronize()
+                factor = (size if sp else size // tp) if ct == am.CommType.ALLGATHER else 1
+                assert_close(back.download(), x.astype(np.float64) * factor, np.float32, f"npu:{rank} {ct.name} sp={sp}")
+
+
+WORLD = 4
+LAYOUT = am.SpLayout([3, 1, 0, 2])
+
+
+def tp_ops(world, rank, stream):
+    """Over the TP pair of `rank` (a sub-communicator of the caller's world):
+    the shared-expert helpers and a reduction point, on device memory."""
+    tp_size, group = 2, rank // 2
+    with world.split([group * 2, group * 2 + 1]) as tp:
+        t = tp.rank
+        for tokens in (1, 5):
+            part = -(-tokens // tp_size)
+            batch = rand(rng_for("sim-shared", group, tokens), (tokens, 3), np.float32)
+            padded = np.zeros((part * tp_size, 3), np.float32)
+            padded[:tokens] = batch
+            mine = am.shared_pad_split(DeviceTensor.upload(batch, rank), tp, stream=stream)
+            back = am.shared_gather_unpad(mine, tokens, tp, stream=stream)
+            partials = [rand(rng_for("sim-part", group, tokens, q), (tokens, 3), np.float32) for q in range(tp_size)]
+            rs = am.shared_pad_reduce_scatter(DeviceTensor.upload(partials[t], rank), tp, stream=stream)
+            stream.synchronize()
+            np.testing.assert_array_equal(mine.download(), padded[t * part : (t + 1) * part])
+            np.testing.assert_array_equal(back.download(), batch)
+            total = np.zeros((part * tp_size, 3))
+            total[:tokens] = np.sum(partials, axis=0, dtype=np.float64)
+            assert_close(rs.download(), total[t * part : (t + 1) * part], np.float32, f"pad_reduce_scatter T={tokens}")
+        policy = am.ReducePolicy("tensor_parallel", False, False, tp_size, WORLD)
+        xs = [rand(rng_for("sim-point", group, q), (4, 3), np.float32) for q in range(tp_size)]
+        for ct in am.CommType:
+            got = policy.reduce_shared(DeviceTensor.upload(xs[t], rank), ct, tp, stream=stream)
+            stream.synchronize()
+            want = np.sum(xs, axis=0, dtype=np.float64) if policy.decisions(ct)["shared"] else xs[t]
+            assert_close(got.download(), want, np.float32, f"reduce_shared {ct.name} on npu:{rank}")
+
+
+def fused_finalize(world, rank, stream):
+    """`finalize_and_reduce` over the world: every rank's finalize summed, this
+    rank's layout rows kept."""
+    cases = []
+    for q in range(WORLD):
+        ex, idx, kw = finalize_case(rng_for("sim-far", q), 0, np.float32, n=LAYOUT.total_rows)
+        cases.append((ex, idx, kw))
+    total = sum(finalize_golden(ex, idx, *[kw[k] for k in ("x1", "x2", "bias", "scales", "expert_idx")], 0) for ex, idx, kw in cases)
+    ex, idx, kw = cases[rank]
+    dev = {k: (DeviceTensor.upload(v, rank) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    got = am.finalize_and_reduce(DeviceTensor.upload(ex, rank), DeviceTensor.upload(idx, rank), LAYOUT, world, **dev, stream=stream)
+    stream.synchronize()
+    start = sum(LAYOUT.local_sizes[:rank])
+    assert_close(got.download(), total[start : start + LAYOUT.local_sizes[rank]], np.float32, f"finalize_and_reduce npu:{rank}")
+
+
+def rank_body(r, root):
+    """Rank `r` of the 4-device world of `root` (an HcclRootInfo): the
+    caller's HCCL communicator borrowed with `Comm.from_hccl`; all_reduce,
+    all_gather, the EP pad/reduce, the token prepare / finalize round trips,
+    the shared-expert helpers, a reduction point and the fused finalize +
+    reduce on device memory, checked against numpy, on this rank's own stream.
+    Returns `(stream, raw_comm)` for the caller to destroy."""
+    xs = [rand(rng_for("sim-w4", q), (LAYOUT.total_rows, 5), np.float32) for q in range(WORLD)]
+    gs = [rand(rng_for("sim-w4g", q), (2, 5), np.float32) for q in range(WORLD)]
+    check("aclrtSetDevice", SIM.aclrtSetDevice(r))
+    raw = ctypes.c_void_p()
+    check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(WORLD, root, r, ctypes.byref(raw)))
+    stream = Stream()
+    with am.Comm.from_hccl(raw.value, r) as comm:
+        x = DeviceTensor.upload(xs[r], r)
+        ar = am.all_reduce(x, comm, stream=stream)
+        ag = am.all_gather(DeviceTensor.upload(gs[r], r), comm, stream=stream)
+        pr = am.maybe_pad_and_reduce(x, LAYOUT, comm, stream=stream)
+        stream.synchronize()
+        total = np.sum(np.stack(xs).astype(np.float64), axis=0)
+        start = sum(LAYOUT.local_sizes[:r])
+        assert_close(ar.download(), total, np.float32, f"all_reduce on npu:{r}")
+        assert_close(ag.download(), np.concatenate(gs), np.float32, f"all_gather on npu:{r}")
+        pr_want = total[start : start + LAYOUT.local_sizes[r]]
+        assert_close(pr.download(), pr_want, np.float32, f"maybe_pad_and_reduce on npu:{r}")
+        layer_round_trips(comm, r, stream)
+        tp_ops(comm, r, stream)
+        fused_finalize(comm, r, stream)
+    return stream, raw.value
+
+
+def teardown(ranks):
+    """Frees the stream handles, then each rank's stream and communicator, then the memory."""
+    assert am.release_streams() == len(ranks)
+    for r, (stream, raw) in ranks.items():
+        check("aclrtSetDevice", SIM.aclrtSetDevice(r))
+        stream.destroy()
+        check("HcclCommDestroy", SIM.HcclCommDestroy(raw))
+    DeviceTensor.free_all()
+
+
+def root_info():
+    check("aclrtSetDevice", SIM.aclrtSetDevice(0))
+    root = ctypes.create_string_buffer(HCCL_ROOT_INFO_BYTES)
+    check("HcclGetRootInfo", SIM.HcclGetRootInfo(root))
+    return root
+
+
+def world4():
+    """4 devices as threads of this process."""
+    root = root_info()
+    ranks, errors = {}, []
+
+    def rank(r):
+        try:
+            ranks[r] = rank_body(r, root)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    teardown(ranks)
+
+
+def world4_procs():
+    """4 devices as processes (`sim_workers.py rank R ROOT_HEX`), the root info
+    passed to each as hex, as an engine's launcher would."""
+    root = root_info().raw.hex()
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "rank", str(r), root], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(WORLD)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    bad = [f"rank {r} exit {p.returncode}:\n{o}" for r, (p, o) in enumerate(zip(procs, outs)) if p.returncode or f"ok rank {r}" not in o]
+    assert not bad, "\n".join(bad)
+
+
+def one_rank(r, root_hex):
+    root = ctypes.create_string_buffer(bytes.fromhex(root_hex), HCCL_ROOT_INFO_BYTES)
+    teardown({r: rank_body(r, root)})
+    print(f"ok rank {r}")
+
+
+def missing_stream():
+    """An NPU operand and no stream (no torch_npu here): a clear error."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(0))
+    x = DeviceTensor.upload(np.zeros((4, 2), np.float32), 0)
+    idx = DeviceTensor.upload(np.arange(4, dtype=np.int32), 0)
+    try:
+        am.moe_token_unpermute(x, idx)
+    except am.AmoeError as e:
+        assert "no stream was given" in str(e) and "npu:0" in str(e), e
+    else:
+        raise AssertionError("an NPU call without a stream succeeded")
+    DeviceTensor.free_all()
+
+
+if __name__ == "__main__":
+    check("aclInit", SIM.aclInit(None))
+    scenario = sys.argv[1]
+    if scenario == "rank":
+        one_rank(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream}[scenario]()
+    print(f"ok {scenario}")

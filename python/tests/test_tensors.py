@@ -1,0 +1,369 @@
+"""Operands where they live: NPU descriptors from tensor-likes (a stand-in NPU
+tensor and stream with only the attributes torch_npu's have), the stream
+default and its error, the stream-handle cache, `out=` on numpy and torch CPU,
+and no numpy round trip for torch CPU tensors. Needs no NPU and no torch_npu:
+the library call is recorded, not run, for the NPU descriptors."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ascend_moe as am
+from ascend_moe import _tensor
+from workers import assert_close, finalize_case, finalize_golden, rng_for
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+class Device:
+    """`torch.device`'s two attributes."""
+
+    def __init__(self, type_, index):
+        self.type, self.index = type_, index
+
+    def __repr__(self):
+        return f"{self.type}:{self.index}"
+
+
+class NpuTensor:
+    """Only what the package may use of an NPU tensor: `device`, `data_ptr()`,
+    `dtype`, `shape`, `is_contiguous()` (no `new_empty`, no `numpy`)."""
+
+    def __init__(self, shape, dtype, ptr, index=0, contiguous=True):
+        self.shape, self.dtype, self._ptr = tuple(shape), np.dtype(dtype), ptr
+        self.device = Device("npu", index)
+        self._contiguous = contiguous
+
+    def data_ptr(self):
+        return self._ptr
+
+    def is_contiguous(self):
+        return self._contiguous
+
+
+class AllocatingNpuTensor(NpuTensor):
+    """A stand-in whose `new_empty` (torch's allocator entry point) is recorded."""
+
+    allocated: list = []
+
+    def new_empty(self, shape):
+        t = AllocatingNpuTensor(shape, self.dtype, 0x7000_0000 + 0x1000 * len(self.allocated), self.device.index)
+        AllocatingNpuTensor.allocated.append(t)
+        return t
+
+
+class Stream:
+    """torch_npu's `Stream`: `.npu_stream` is the raw aclrtStream."""
+
+    def __init__(self, raw):
+        self.npu_stream = raw
+
+
+def _desc(p):
+    """`amoe_tensor` fields of a descriptor pointer (None for NULL)."""
+    if not p:
+        return None
+    c = p.contents
+    return dict(
+        data=c.data, dtype=c.dtype, shape=tuple(c.shape[i] for i in range(c.ndim)), kind=c.device_kind, ordinal=c.device_ordinal
+    )
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Records the op calls (never run) and wraps streams into fake handles,
+    counting `amoe_stream_wrap` calls."""
+    calls, wraps = [], []
+    real_call = _tensor.call
+
+    def fake_call(name, *args):
+        if name == "amoe_stream_wrap":
+            raw, device, out = args
+            wraps.append((raw.value, device))
+            out._obj.value = 0x5000 + len(wraps)
+            return
+        if name.endswith("_output_shape") or name.startswith("amoe_comm_") or name == "amoe_reduce_policy_decisions":
+            return real_call(name, *args)
+        calls.append((name, args))
+
+    monkeypatch.setattr(_tensor, "_STREAMS", {})
+    monkeypatch.setattr(_tensor, "call", fake_call)
+    for mod in (am.ops, am.comm, am.prepare):
+        monkeypatch.setattr(mod, "call", fake_call)
+    return calls, wraps
+
+
+def test_npu_tensors_become_npu_descriptors_of_their_own_memory(recorded):
+    calls, wraps = recorded
+    ex = NpuTensor((6, 4), BF16, 0x1000_0000, index=2)
+    idx = NpuTensor((6,), np.int32, 0x1100_0000, index=2)
+    scales = NpuTensor((3, 2), np.float32, 0x1200_0000, index=2)
+    out = NpuTensor((3, 4), BF16, 0x1300_0000, index=2)
+    got = am.moe_finalize_routing(ex, idx, scales=scales, out=out, stream=Stream(0xABC0))
+    assert got is out
+    [(name, (args, out_ptr, stream))] = calls
+    assert name == "amoe_moe_finalize_routing"
+    want = {
+        "expanded_x": (0x1000_0000, 2, (6, 4)),
+        "expanded_row_idx": (0x1100_0000, 3, (6,)),
+        "scales": (0x1200_0000, 0, (3, 2)),
+    }
+    for field, (ptr, dtype, shape) in want.items():
+        d = _desc(getattr(args, field))
+        assert d == dict(data=ptr, dtype=dtype, shape=shape, kind=1, ordinal=2), field
+    for field in ("x1", "x2", "bias", "expert_idx"):
+        assert not getattr(args, field), field
+    assert _desc(out_ptr) == dict(data=0x1300_0000, dtype=2, shape=(3, 4), kind=1, ordinal=2)
+    assert wraps == [(0xABC0, 2)] and stream.value == 0x5001
+
+
+def test_a_stream_is_wrapped_once_per_raw_stream_and_device(recorded):
+    calls, wraps = recorded
+    x = NpuTensor((4, 2), np.float32, 0x2000_0000, index=1)
+    policy = am.ReducePolicy("none", False, False, 1, 1)
+    with am.Comm.cpu("tensors-stream-cache", 1, 0) as c:
+        for raw in (0xAA00, 0xAA00, 0xBB00, 0xAA00):
+            out = NpuTensor((4, 2), np.float32, 0x2100_0000, index=1)
+            assert policy.reduce_final(x, am.CommType.MC2, c, out=out, stream=Stream(raw)) is out
+    assert wraps == [(0xAA00, 1), (0xBB00, 1)]
+    assert [a[-1].value for _, a in calls] == [0x5001, 0x5001, 0x5002, 0x5001]
+
+
+def test_outputs_of_npu_tensors_come_from_their_allocator(recorded):
+    calls, _ = recorded
+    AllocatingNpuTensor.allocated.clear()
+    x = AllocatingNpuTensor((5, 3), np.float16, 0x3000_0000, index=0)
+    idx = NpuTensor((5,), np.int32, 0x3100_0000, index=0)
+    y = am.moe_token_unpermute(x, idx, stream=Stream(0x10))
+    assert AllocatingNpuTensor.allocated == [y] and y.shape == (5, 3) and y.dtype == np.float16
+    assert _desc(calls[0][1][3])["data"] == y.data_ptr()
+
+
+def test_npu_outputs_need_out_without_an_allocator(recorded):
+    x = NpuTensor((4, 2), np.float32, 0x4000_0000)
+    idx = NpuTensor((4,), np.int32, 0x4100_0000)
+    with pytest.raises(am.AmoeError, match=r"`permuted` \(NpuTensor on npu:0\) has no `new_empty`.*pass `out=`"):
+        am.moe_token_unpermute(x, idx, stream=Stream(0x10))
+    assert recorded[0] == []
+
+
+def test_an_npu_tensor_without_a_stream_is_a_clear_error(recorded):
+    try:
+        import torch_npu  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("torch_npu is importable: the default stream exists")
+    x = NpuTensor((4, 2), np.float32, 0x4000_0000, index=3)
+    out = NpuTensor((4, 2), np.float32, 0x4100_0000, index=3)
+    with am.Comm.cpu("tensors-no-stream", 1, 0) as c:
+        with pytest.raises(am.AmoeError, match=r"`x` is an NPU tensor \(npu:3\) but no stream was given: pass `stream=`") as e:
+            am.all_reduce(x, c, out=out)
+    assert "torch_npu" in str(e.value) and "npu_stream" in str(e.value)
+    with pytest.raises(am.AmoeError, match="non-null .npu_stream"):
+        am.moe_token_unpermute(x, NpuTensor((4,), np.int32, 0x10, index=3), out=out, stream=object())
+    assert recorded == ([], [])
+
+
+def test_unusable_tensors_are_refused_before_the_library_is_called(recorded):
+    x = NpuTensor((4, 2), np.float32, 0x4000_0000, contiguous=False)
+    idx = NpuTensor((4,), np.int32, 0x4100_0000)
+    out = NpuTensor((4, 2), np.float32, 0x4200_0000)
+    with pytest.raises(am.AmoeError, match="`permuted` is an NPU tensor that is not contiguous"):
+        am.moe_token_unpermute(x, idx, out=out, stream=Stream(1))
+    cuda = NpuTensor((4, 2), np.float32, 0x4000_0000)
+    cuda.device = Device("cuda", 0)
+    with pytest.raises(am.AmoeError, match="`permuted` is on device cuda:0; expected a cpu or npu tensor"):
+        am.moe_token_unpermute(cuda, idx, out=out, stream=Stream(1))
+    good = NpuTensor((4, 2), np.float32, 0x4000_0000)
+    with pytest.raises(am.AmoeError, match=r"`out` has shape \[3, 2\], the op's output is \[4, 2\]"):
+        am.moe_token_unpermute(good, idx, out=NpuTensor((3, 2), np.float32, 1), stream=Stream(1))
+    with pytest.raises(am.AmoeError, match="`out` has dtype float16, the op's output is float32"):
+        am.moe_token_unpermute(good, idx, out=NpuTensor((4, 2), np.float16, 1), stream=Stream(1))
+    assert recorded == ([], [])
+
+
+def test_a_stream_of_another_device_is_refused(recorded):
+    x = NpuTensor((4, 2), np.float32, 0x4000_0000, index=1)
+    idx = NpuTensor((4,), np.int32, 0x4100_0000, index=1)
+    out = NpuTensor((4, 2), np.float32, 0x4200_0000, index=1)
+    stream = Stream(0x99)
+    stream.device = Device("npu", 2)
+    with pytest.raises(am.AmoeError, match="`stream` is on npu:2, but `permuted` is on npu:1"):
+        am.moe_token_unpermute(x, idx, out=out, stream=stream)
+    stream.device = Device("npu", 1)
+    assert am.moe_token_unpermute(x, idx, out=out, stream=stream) is out
+    assert recorded[1] == [(0x99, 1)]
+
+
+def _finalize_numpy(seed, dtype=np.float32):
+    ex, idx, kw = finalize_case(rng_for("tensors-out", seed), 0, dtype)
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
+    return ex, idx, kw, want
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+def test_out_is_written_and_returned_for_numpy(dtype):
+    ex, idx, kw, want = _finalize_numpy(1, dtype)
+    out = np.full(want.shape, 7, dtype)
+    got = am.moe_finalize_routing(ex, idx, **kw, out=out)
+    assert got is out
+    assert_close(out, want, dtype, "finalize into out")
+    # A second call reuses the same buffer and overwrites it.
+    out[...] = 0
+    assert am.moe_finalize_routing(ex, idx, **kw, out=out) is out
+    assert_close(out, want, dtype, "finalize into a reused out")
+    with pytest.raises(am.AmoeError, match="C-contiguous, writable"):
+        am.moe_finalize_routing(ex, idx, **kw, out=np.zeros((want.shape[0] * 2,) + want.shape[1:], dtype)[::2])
+    with pytest.raises(am.AmoeError, match="`out` has dtype float16"):
+        am.moe_finalize_routing(ex, idx, **kw, out=np.zeros(want.shape, np.float16))
+
+
+def test_collectives_and_reduction_points_take_out():
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    with am.Comm.cpu("tensors-out-coll", 1, 0) as c:
+        for fn in (lambda o: am.all_reduce(x, c, out=o), lambda o: am.all_gather(x, c, out=o)):
+            out = np.zeros_like(x)
+            assert fn(out) is out
+            np.testing.assert_array_equal(out, x)
+        policy = am.ReducePolicy("none", False, False, 1, 1)
+        out = np.zeros_like(x)
+        assert policy.reduce_final(x, am.CommType.ALLGATHER, c, out=out) is out
+        np.testing.assert_array_equal(out, x)
+        y = x.copy()
+        assert am.broadcast(y, c, 0, out=y) is y
+        np.testing.assert_array_equal(y, x)
+
+
+torch = pytest.importorskip("torch") if am.TORCH_OPS else None
+
+
+@pytest.fixture
+def no_numpy_round_trip(monkeypatch):
+    """Any tensor -> numpy conversion fails the test."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError("a torch tensor went through numpy")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    monkeypatch.setattr(torch.Tensor, "__array__", refuse)
+
+
+def _finalize_torch(seed, dtype):
+    ex, idx, kw, want = _finalize_numpy(seed, dtype)
+    from torch_workers import to_torch
+
+    tkw = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    return to_torch(ex), to_torch(idx), tkw, want
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+def test_torch_cpu_tensors_pass_by_data_ptr_into_out(dtype, no_numpy_round_trip):
+    ex, idx, kw, want = _finalize_torch(2, dtype)
+    out = torch.full(want.shape, 7.0, dtype=ex.dtype)
+    ptr = out.data_ptr()
+    got = am.moe_finalize_routing(ex, idx, **kw, out=out)
+    assert got is out and got.data_ptr() == ptr
+    fresh = am.moe_finalize_routing(ex, idx, **kw)
+    assert isinstance(fresh, torch.Tensor) and fresh.device.type == "cpu" and fresh.dtype == ex.dtype
+    assert torch.equal(fresh, out)
+    assert_close(_listed(out, dtype), want, dtype, "finalize of torch tensors into out")
+
+
+def _listed(t, dtype):
+    """`t` as a numpy array through `tolist()` (no numpy view of the tensor)."""
+    return np.array(t.float().tolist(), np.float32).astype(dtype)
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_non_contiguous_torch_inputs_are_made_contiguous_but_outputs_are_refused():
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2]
+    assert not x.is_contiguous()
+    idx = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+    y = am.moe_token_unpermute(x, idx)
+    assert torch.equal(y, x[idx.long()])
+    with pytest.raises(am.AmoeError, match="`out` is a CPU tensor that is not contiguous"):
+        am.moe_token_unpermute(x.contiguous(), idx, out=torch.zeros(4, 6)[:, ::2])
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_torch_ops_have_cpu_and_privateuse1_kernels_only():
+    from test_torch_ops import ALL_OPS
+
+    names = ALL_OPS + ["moe_layer_fc", "reduce_routed_early_fc", "reduce_shared_fc", "reduce_final_fc"]
+    for name in names:
+        qual = f"ascend_moe::{name}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CPU"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "PrivateUse1"), name
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Meta"), name
+        # No catch-all real kernel: a CUDA (or any other) tensor finds none.
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CUDA"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CompositeExplicitAutograd"), name
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_torch_op_real_kernel_reads_tensor_memory_in_place(no_numpy_round_trip):
+    ex, idx, kw, want = _finalize_torch(3, np.dtype(np.float32))
+    got = torch.ops.ascend_moe.moe_finalize_routing(ex, idx, **kw)
+    assert_close(_listed(got, np.float32), want, np.dtype(np.float32), "torch op finalize")
+    x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    with am.Comm.cpu("tensors-torch-op", 1, 0) as c:
+        y = torch.ops.ascend_moe.all_reduce(x, c.handle_id)
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_from_process_group_refuses_a_non_hccl_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(am.AmoeError, match="uses the 'gloo' backend; only an HCCL group") as e:
+            am.Comm.from_process_group(dist.group.WORLD)
+        assert e.value.status == am.Status.INVALID_ARGUMENT
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
+    """The glue to torch_npu's ProcessGroupHCCL, with a stand-in group: the raw
+    comm of this rank in the group goes to `Comm.from_hccl` with the device."""
+    import types
+
+    import torch.distributed as dist
+
+    asked, wrapped = [], []
+
+    class HcclBackend:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def get_hccl_comm(self, rank):
+            asked.append(rank)
+            return self.raw
+
+    class Group:
+        def __init__(self, raw):
+            self.backend = HcclBackend(raw)
+
+        def _get_backend(self, device):
+            assert device.type in ("npu", "privateuseone")
+            return self.backend
+
+    def from_hccl(cls, raw, device):
+        wrapped.append((raw, device))
+        return types.SimpleNamespace()
+
+    monkeypatch.setattr(dist, "get_backend", lambda pg: "hccl")
+    monkeypatch.setattr(dist, "get_rank", lambda pg: 3)
+    monkeypatch.setattr(am.Comm, "from_hccl", classmethod(from_hccl))
+    pg = Group(0x7F00_1234)
+    comm = am.Comm.from_process_group(pg, device_ordinal=5)
+    assert asked == [3] and wrapped == [(0x7F00_1234, 5)] and comm._owner is pg
+    with pytest.raises(am.AmoeError, match="returned a null HcclComm"):
+        am.Comm.from_process_group(Group(0), device_ordinal=5)
+    assert wrapped == [(0x7F00_1234, 5)]
