@@ -79,6 +79,7 @@ from .ops import (
 )
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 from .forward import ForwardContext, MoeLayer, forward_context, get_forward_context, set_forward_context
+from .live import LiveContext
 
 
 def version() -> str:
@@ -105,6 +106,7 @@ __all__ = [
     "MoeLayer",
     "set_forward_context",
     "library_path",
+    "LiveContext",
     "MoeContext",
     "MoeGroups",
     "maybe_all_gather_and_maybe_unpad",

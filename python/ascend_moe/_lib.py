@@ -117,6 +117,19 @@ class MoeContextExC(ctypes.Structure):
     ]
 
 
+class ForwardContextC(ctypes.Structure):
+    """`amoe_forward_context`."""
+
+    _fields_ = [
+        ("comm_type", c_uint32),
+        ("sp", c_uint8),
+        ("dp_tokens", POINTER(c_size_t)),
+        ("dp_size", c_size_t),
+        ("num_actual_tokens", c_size_t),
+        ("pcp_size", c_size_t),
+    ]
+
+
 # `AMOE_ALL_TOKENS`: every token of the DP rank is real.
 ALL_TOKENS = ctypes.c_size_t(-1).value
 
@@ -140,6 +153,13 @@ _SIGNATURES = {
     "amoe_comm_free": [_COMM],
     "amoe_stream_wrap": [c_void_p, c_uint32, POINTER(c_void_p)],
     "amoe_stream_free": [_STREAM],
+    "amoe_live_context_new": [_STREAM, POINTER(c_void_p)],
+    "amoe_live_context_free": [c_void_p],
+    "amoe_live_context_device_ptr": [c_void_p, POINTER(c_void_p), _SZ],
+    "amoe_live_context_set": [c_void_p, POINTER(ForwardContextC), _STREAM],
+    "amoe_live_context_guard": [c_void_p, POINTER(ForwardContextC), c_uint32, _STREAM],
+    "amoe_live_context_check": [c_void_p, _STREAM],
+    "amoe_stream_attach_live_context": [_STREAM, c_void_p],
     "amoe_all_reduce": [_COMM, _T, _T, c_uint32, _STREAM],
     "amoe_reduce_scatter": [_COMM, _T, _T, c_uint32, _STREAM],
     "amoe_all_gather": [_COMM, _T, _T, _STREAM],
@@ -185,6 +205,7 @@ _RESTYPES = {
     "amoe_last_error_length": c_size_t,
     "amoe_comm_free": None,
     "amoe_stream_free": None,
+    "amoe_live_context_free": None,
     "amoe_moe_groups_free": None,
 }
 

@@ -320,11 +320,47 @@ def missing_stream():
     DeviceTensor.free_all()
 
 
+def live_context():
+    """The live forward context: a guard passes under its context; a guard of
+    MC2 ops run while the live context says ALLTOALL is reported once, naming
+    both; an attached context makes the reduction points guard themselves."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(2))
+    stream = Stream()
+    live = am.LiveContext(stream, device=2)
+    ptr, nbytes = live.device_ptr
+    assert ptr and nbytes == 256, (ptr, nbytes)
+    mc2 = am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 4])
+    live.set(mc2)
+    live.guard(mc2)
+    live.check()
+    live.set(am.ForwardContext(am.CommType.ALLTOALL, dp_tokens=[4, 4]))
+    live.guard(mc2)
+    try:
+        live.check()
+    except am.AmoeError as e:
+        assert e.status == am.Status.STALE_CONTEXT, e
+        assert "comm_type is 2 (ALLTOALL)" in str(e) and "captured for 1 (MC2)" in str(e), e
+    else:
+        raise AssertionError("a guard of MC2 ops under ALLTOALL was not reported")
+    live.check()  # reported once
+    live.set(mc2)
+    live.guard(am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 4], num_actual_tokens=3), actual_tokens=True)
+    try:
+        live.check()
+    except am.AmoeError as e:
+        assert "num_actual_tokens is all" in str(e) and "captured for 3" in str(e), e
+    else:
+        raise AssertionError("a guard of the actual-token count was not reported")
+    live.close()
+    assert am.release_streams() == 1
+    stream.destroy()
+
+
 if __name__ == "__main__":
     check("aclInit", SIM.aclInit(None))
     scenario = sys.argv[1]
     if scenario == "rank":
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream, "live_context": live_context}[scenario]()
     print(f"ok {scenario}")

@@ -1,0 +1,122 @@
+"""The live forward context on an NPU, for ACL graphs (`amoe_live_context_*`).
+
+A graph captured under one forward context replays that context's layout and
+reductions. The engine keeps the live context in a 256-byte device buffer and
+rewrites it before each replay; every op called on a stream the context is
+attached to enqueues a guard that compares it, on the device, with the context
+the op was called with. `check()` is the engine's sync point: it reports a
+replay under another context as `AmoeError(Status.STALE_CONTEXT)` naming the
+field and both values.
+
+    live = ascend_moe.LiveContext(stream)          # outside capture
+    live.attach()                                  # ops on `stream` guard themselves
+    ... capture the layer ...
+    live.set(ForwardContext(CommType.MC2, dp_tokens=[8, 8]))   # before each replay
+    graph.replay()
+    live.check()
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ._lib import ALL_TOKENS, AmoeError, ForwardContextC, Status, call, lib, sizes
+from ._tensor import wrap_stream
+from .forward import ForwardContext
+
+# `AMOE_GUARD_ACTUAL_TOKENS`.
+GUARD_ACTUAL_TOKENS = 1
+
+
+def _stream_handle(stream, device):
+    raw = getattr(stream, "npu_stream", None)
+    if not raw:
+        raise AmoeError(
+            Status.INVALID_ARGUMENT,
+            f"`stream` must have a non-null .npu_stream (the raw aclrtStream), got {type(stream).__name__}",
+        )
+    if device is None:
+        device = getattr(getattr(stream, "device", None), "index", None)
+    if device is None:
+        raise AmoeError(Status.INVALID_ARGUMENT, "the stream's device is unknown: pass `device=`")
+    return wrap_stream(raw, int(device)), int(device)
+
+
+def _context_c(ctx: ForwardContext):
+    dp, n = sizes(ctx.dp_tokens)
+    c = ForwardContextC(
+        comm_type=int(ctx.comm_type),
+        sp=1 if ctx.sp else 0,
+        dp_tokens=ctypes.cast(dp, ctypes.POINTER(ctypes.c_size_t)),
+        dp_size=n,
+        num_actual_tokens=ALL_TOKENS if ctx.num_actual_tokens is None else int(ctx.num_actual_tokens),
+        pcp_size=int(ctx.pcp_size),
+    )
+    return c, dp
+
+
+class LiveContext:
+    """A live forward context on the device of `stream` (an object with
+    `.npu_stream`, such as torch_npu's Stream), with 128 guard records.
+    Made and freed outside capture (it allocates)."""
+
+    def __init__(self, stream, device=None):
+        self._stream, self.device = _stream_handle(stream, device)
+        h = ctypes.c_void_p()
+        call("amoe_live_context_new", self._stream, ctypes.byref(h))
+        self._h = h
+
+    def _handle(self):
+        if self._h is None:
+            raise AmoeError(Status.NULL_ARGUMENT, "the live context was closed")
+        return self._h
+
+    def set(self, ctx: ForwardContext) -> None:
+        """Enqueues the update of the live context to `ctx` on the stream:
+        before each replay, outside capture."""
+        c, _keep = _context_c(ctx)
+        call("amoe_live_context_set", self._handle(), ctypes.byref(c), self._stream)
+
+    def guard(self, ctx: ForwardContext, actual_tokens: bool = False) -> None:
+        """Enqueues a guard of the ops that follow, built for `ctx` (capture it
+        with them); `actual_tokens`: they also depend on `num_actual_tokens`."""
+        c, _keep = _context_c(ctx)
+        flags = GUARD_ACTUAL_TOKENS if actual_tokens else 0
+        call("amoe_live_context_guard", self._handle(), ctypes.byref(c), flags, self._stream)
+
+    def attach(self) -> None:
+        """Makes every op on this stream that depends on the forward context
+        guard itself first."""
+        call("amoe_stream_attach_live_context", self._stream, self._handle())
+
+    def detach(self) -> None:
+        call("amoe_stream_attach_live_context", self._stream, None)
+
+    def check(self) -> None:
+        """Synchronises the stream and raises `AmoeError(Status.STALE_CONTEXT)`
+        when a guard found the live context different from its ops' context."""
+        call("amoe_live_context_check", self._handle(), self._stream)
+
+    @property
+    def device_ptr(self) -> tuple:
+        """`(address, bytes)` of the live buffer, for an engine that writes it itself."""
+        p, n = ctypes.c_void_p(), ctypes.c_size_t()
+        call("amoe_live_context_device_ptr", self._handle(), ctypes.byref(p), ctypes.byref(n))
+        return p.value, n.value
+
+    def close(self) -> None:
+        if self._h is not None:
+            lib().amoe_live_context_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
