@@ -107,10 +107,12 @@ pub const HCCL_E_RUNTIME: HcclResult = 15;
 pub const HCCL_E_REMOTE: HcclResult = 21;
 
 // HcclDataType.
+pub const HCCL_DATA_TYPE_INT8: i32 = 0;
 pub const HCCL_DATA_TYPE_INT32: i32 = 2;
 pub const HCCL_DATA_TYPE_FP16: i32 = 3;
 pub const HCCL_DATA_TYPE_FP32: i32 = 4;
 pub const HCCL_DATA_TYPE_INT64: i32 = 5;
+pub const HCCL_DATA_TYPE_UINT8: i32 = 7;
 pub const HCCL_DATA_TYPE_BFP16: i32 = 11;
 
 // HcclReduceOp.

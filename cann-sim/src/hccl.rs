@@ -365,6 +365,11 @@ fn dtype(dt: i32) -> SimResult<DType> {
         HCCL_DATA_TYPE_BFP16 => DType::BF16,
         HCCL_DATA_TYPE_INT32 => DType::I32,
         HCCL_DATA_TYPE_INT64 => DType::I64,
+        // `HcclDataType` of hccl_types.h: INT8 = 0, UINT8 = 7, in every
+        // header generation. The simulator moves them (gathers, all-to-all,
+        // broadcast) and, stricter than HCCL, never reduces them.
+        HCCL_DATA_TYPE_INT8 => DType::I8,
+        HCCL_DATA_TYPE_UINT8 => DType::U8,
         other => return fail(HCCL_E_NOT_SUPPORT, format!("HcclDataType {other} is not simulated")),
     })
 }

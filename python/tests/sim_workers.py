@@ -194,6 +194,31 @@ def tp_ops(world, rank, stream):
             total = np.zeros((part * tp_size, 3))
             total[:tokens] = np.sum(partials, axis=0, dtype=np.float64)
             assert_close(rs.download(), total[t * part : (t + 1) * part], np.float32, f"pad_reduce_scatter T={tokens}")
+        # Quantize before gather: one-byte hidden states, packed fp4, masks and
+        # 1-D per-token f32 scales travel as exact byte moves on the device.
+        import ml_dtypes
+
+        g = rng_for("sim-bytes", group)
+        for dtype, shape in (
+            (np.int8, (5, 4)),
+            (np.uint8, (5, 4)),
+            (np.bool_, (5, 4)),
+            (ml_dtypes.float8_e4m3fn, (5, 4)),
+            (ml_dtypes.float8_e5m2, (5, 4)),
+            (np.float32, (5,)),
+        ):
+            raw = g.integers(0, 256, size=int(np.prod(shape)), dtype=np.uint8)
+            if np.dtype(dtype) == np.bool_:
+                batch = (raw % 2).astype(np.bool_).reshape(shape)
+            elif np.dtype(dtype).itemsize == 1:
+                batch = raw.view(dtype).reshape(shape)
+            else:
+                batch = g.standard_normal(shape).astype(dtype)
+            mine = am.shared_pad_split(DeviceTensor.upload(batch, rank), tp, stream=stream)
+            back = am.shared_gather_unpad(mine, 5, tp, stream=stream)
+            stream.synchronize()
+            assert back.dtype == np.dtype(dtype), (back.dtype, dtype)
+            assert back.download().tobytes() == batch.tobytes(), f"{np.dtype(dtype)} gather on npu:{rank} is not an exact byte move"
         policy = am.ReducePolicy("tensor_parallel", False, False, tp_size, WORLD)
         xs = [rand(rng_for("sim-point", group, q), (4, 3), np.float32) for q in range(tp_size)]
         for ct in am.CommType:
