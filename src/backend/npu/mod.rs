@@ -17,6 +17,7 @@ pub mod hccl;
 pub mod kernel;
 pub mod memory;
 mod ops;
+pub mod pool;
 pub mod probe;
 pub mod runtime;
 
@@ -25,6 +26,7 @@ use std::sync::Arc;
 pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
 pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
 pub use ops::{acl_dtype, FinalizeImpl, FINALIZE_ENV};
+pub use pool::{Allocator, PoolStats, WORKSPACE_ALIGN};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
 
@@ -120,6 +122,13 @@ impl NpuDevice {
         self.stream.synchronize()
     }
 
+    /// The sync point of this handle's stream: waits for its work and returns
+    /// the first error the device recorded for it since the last check (see
+    /// [`NpuStream::check`]).
+    pub fn check(&self) -> Result<()> {
+        self.stream.check()
+    }
+
     /// `len` zero elements of `T`.
     pub fn alloc_zeros<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         DeviceBuffer::zeros(self, len)
@@ -153,13 +162,22 @@ impl NpuDevice {
     }
 }
 
+fn shape_bytes(shape: &[usize], dtype: DType) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+        .ok_or_else(|| Error::invalid("zeros", "shape", format!("{shape:?} overflows the address space")))
+}
+
 impl Backend for NpuDevice {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let bytes = shape
-            .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::invalid("zeros", "shape", format!("{shape:?} overflows the address space")))?;
+        let bytes = shape_bytes(shape, dtype)?;
         let buf = NpuBuffer::zeros(self, bytes)?;
+        Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(buf))
+    }
+
+    fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let buf = NpuBuffer::workspace_zeros(self, shape_bytes(shape, dtype)?)?;
         Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(buf))
     }
 
