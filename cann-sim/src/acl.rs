@@ -87,6 +87,7 @@ pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
         if stream.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be destroyed");
         }
+        crate::capture::destroy_stream(stream as usize)?;
         let s = STREAMS
             .remove(stream as usize)
             .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{stream:p} is not a live stream")))?;
@@ -98,7 +99,10 @@ pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
 /// `aclError aclrtSynchronizeStream(aclrtStream stream)`.
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
-    status::acl("aclrtSynchronizeStream", || context::stream(stream as usize)?.synchronize(None))
+    status::acl("aclrtSynchronizeStream", || {
+        crate::capture::sync_stream("aclrtSynchronizeStream", stream as usize)?;
+        context::stream(stream as usize)?.synchronize(None)
+    })
 }
 
 /// `aclError aclrtSynchronizeStreamWithTimeout(aclrtStream stream, int32_t timeout)`;
@@ -106,6 +110,7 @@ pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout: i32) -> AclError {
     status::acl("aclrtSynchronizeStreamWithTimeout", || {
+        crate::capture::sync_stream("aclrtSynchronizeStreamWithTimeout", stream as usize)?;
         if timeout < -1 {
             return fail(ACL_ERROR_INVALID_PARAM, format!("timeout {timeout} ms (expected -1 or >= 0)"));
         }
@@ -120,6 +125,9 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -
     status::acl("aclrtStreamWaitEvent", || {
         let s = context::stream_here(stream as usize)?;
         let e = context::event(event as usize)?;
+        if crate::capture::wait_event(&s, &e)? {
+            return Ok(());
+        }
         if let Some((src, seq)) = e.target() {
             s.enqueue(
                 "aclrtStreamWaitEvent",
@@ -157,7 +165,10 @@ fn malloc(dev_ptr: *mut *mut c_void, size: usize, policy: i32) -> SimResult<()> 
 /// `aclError aclrtMalloc(void **devPtr, size_t size, aclrtMemMallocPolicy policy)`.
 #[no_mangle]
 pub unsafe extern "C" fn aclrtMalloc(dev_ptr: *mut *mut c_void, size: usize, policy: i32) -> AclError {
-    status::acl("aclrtMalloc", || malloc(dev_ptr, size, policy))
+    status::acl("aclrtMalloc", || {
+        crate::capture::allocation("aclrtMalloc")?;
+        malloc(dev_ptr, size, policy)
+    })
 }
 
 /// `aclError aclrtFree(void *devPtr)`. Frees at once, without waiting for
@@ -165,6 +176,7 @@ pub unsafe extern "C" fn aclrtMalloc(dev_ptr: *mut *mut c_void, size: usize, pol
 #[no_mangle]
 pub extern "C" fn aclrtFree(dev_ptr: *mut c_void) -> AclError {
     status::acl("aclrtFree", || {
+        crate::capture::allocation("aclrtFree")?;
         let addr = dev_ptr as usize;
         if addr == 0 {
             return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
@@ -181,6 +193,7 @@ pub extern "C" fn aclrtFree(dev_ptr: *mut c_void) -> AclError {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtMallocHost(host_ptr: *mut *mut c_void, size: usize) -> AclError {
     status::acl("aclrtMallocHost", || {
+        crate::capture::allocation("aclrtMallocHost")?;
         if host_ptr.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "hostPtr is NULL");
         }
@@ -203,6 +216,7 @@ pub unsafe extern "C" fn aclrtMallocHost(host_ptr: *mut *mut c_void, size: usize
 #[no_mangle]
 pub extern "C" fn aclrtFreeHost(host_ptr: *mut c_void) -> AclError {
     status::acl("aclrtFreeHost", || {
+        crate::capture::allocation("aclrtFreeHost")?;
         let addr = host_ptr as usize;
         let Some(size) = host_bufs().remove(&addr) else {
             let what = if arena::owner(addr).is_some() { " (it is device memory)" } else { "" };
@@ -333,6 +347,7 @@ pub unsafe extern "C" fn aclrtMemcpy(
     kind: i32,
 ) -> AclError {
     status::acl("aclrtMemcpy", || {
+        crate::capture::blocking_copy(dst as usize, src as usize, count)?;
         let c = plan_copy(dst, dest_max, src, count, kind)?;
         if c.dst_dev || c.src_dev {
             context::current()?;
@@ -358,6 +373,7 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
         if !c.dst_dev && !c.src_dev {
             return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "asynchronous host-to-host copies are not supported");
         }
+        crate::capture::async_copy(&s, c.dst, c.src, c.count)?;
         if c.dst_dev && c.src_dev && loc(c.dst) == loc(c.src) && (c.dst % 64 != 0 || c.src % 64 != 0) {
             return fail(
                 ACL_ERROR_RT_ADDR_UNALIGNED,
@@ -406,6 +422,7 @@ fn run_memset(addr: usize, dev: bool, value: i32, count: usize) -> SimResult<()>
 #[no_mangle]
 pub unsafe extern "C" fn aclrtMemset(dev_ptr: *mut c_void, max_count: usize, value: i32, count: usize) -> AclError {
     status::acl("aclrtMemset", || {
+        crate::capture::blocking_memset()?;
         let (addr, dev) = plan_memset(dev_ptr, max_count, count)?;
         run_memset(addr, dev, value, count)
     })
@@ -468,6 +485,7 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
             );
         }
         e.record(&s);
+        crate::capture::record_event(&e, &s);
         Ok(())
     })
 }
@@ -476,6 +494,7 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeEvent(event: AclrtEvent) -> AclError {
     status::acl("aclrtSynchronizeEvent", || {
+        crate::capture::sync_event(event as usize)?;
         let e = context::event(event as usize)?;
         match e.target() {
             None => Ok(()),
@@ -490,6 +509,7 @@ pub extern "C" fn aclrtSynchronizeEvent(event: AclrtEvent) -> AclError {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtQueryEventStatus(event: AclrtEvent, status_out: *mut i32) -> AclError {
     status::acl("aclrtQueryEventStatus", || {
+        crate::capture::query_event(event as usize)?;
         let e = context::event(event as usize)?;
         if let Some((s, seq)) = e.target() {
             s.release(seq);

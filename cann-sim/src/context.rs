@@ -139,12 +139,29 @@ fn default_stream(d: u32) -> SimResult<Arc<Stream>> {
     })
 }
 
-/// The stream of handle `h` (NULL = the current device's default stream).
+/// The stream of handle `h` (NULL = the current device's default stream),
+/// for a call that uses it: refused while graph capture forbids that use
+/// (see [`crate::capture::admit`]).
 pub fn stream(h: usize) -> SimResult<Arc<Stream>> {
+    let s = resolve_stream(h)?;
+    crate::capture::admit(&s)?;
+    Ok(s)
+}
+
+/// The stream of handle `h` (NULL = the current device's default stream),
+/// without the graph capture checks (for the capture calls themselves).
+pub fn resolve_stream(h: usize) -> SimResult<Arc<Stream>> {
     if h == 0 {
         return default_stream(current()?);
     }
     STREAMS.get(h).ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{h:#x} is not a live stream")))
+}
+
+/// The default stream of device `d` and every live stream created on it.
+pub fn device_streams(d: u32) -> Vec<Arc<Stream>> {
+    let mut v: Vec<Arc<Stream>> = default_stream(d).into_iter().collect();
+    v.extend(STREAMS.all().into_iter().map(|(_, s)| s).filter(|s| s.device == d));
+    v
 }
 
 /// The stream of handle `h`, which must belong to the calling thread's device.

@@ -434,7 +434,8 @@ fn zeros(n: usize, dt: DType) -> Tensor {
     Tensor::zeros_cpu(&[n], dt)
 }
 
-type CollJob = Box<dyn FnOnce(&SimComm, &CpuComm) -> SimResult<()> + Send>;
+/// A collective's exchange; `Fn` so that a captured collective replays.
+type CollJob = Box<dyn Fn(&SimComm, &CpuComm) -> SimResult<()> + Send + Sync>;
 
 /// Validates the communicator and stream, then queues `job` on the stream.
 fn enqueue(

@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{self, LeakMode};
-use crate::{acl, aclnn, arena, context, hccl, nnop};
+use crate::{acl, aclnn, arena, capture, context, hccl, nnop};
 
 static ARMED: AtomicBool = AtomicBool::new(false);
 
@@ -51,6 +51,9 @@ pub fn collect() -> Report {
     }
     for (h, _) in aclnn::EXECUTORS.all() {
         r.leaks.push(format!("aclOpExecutor {h:#x} (GetWorkspaceSize without the launch)"));
+    }
+    for (h, m) in capture::MODELS.all() {
+        r.leaks.push(format!("aclmdlRI {h:#x} (device {}, {} recorded tasks)", m.device, m.tasks()));
     }
     for (h, c) in hccl::COMMS.all() {
         r.leaks.push(format!("HcclComm {h:#x} ({} rank {}/{})", c.name, c.rank, c.size));

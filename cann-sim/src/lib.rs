@@ -16,6 +16,8 @@
 //! | [`hccl_rules`] | (no exports) the argument rules of real HCCL, applied at each HCCL export's entry |
 //! | [`version`] | (no exports) the emulated CANN release, `CANNSIM_CANN_VERSION` |
 //! | [`kernel`] | `cannsim_launch_kernel` (simulator-only) |
+//! | [`capture`] | `aclmdlRICaptureBegin` ... `aclmdlRIDestroy`, `aclrtSynchronizeDevice`: ACL graph capture |
+//! | [`counters`] | `cannsim_counters`, `cannsim_counters_reset` (simulator-only): per-thread host call counts |
 //!
 //! What it models and what it does not: see README.md. Configuration: see
 //! [`config`].
@@ -25,8 +27,10 @@
 pub mod acl;
 pub mod aclnn;
 pub mod arena;
+pub mod capture;
 pub mod config;
 pub mod context;
+pub mod counters;
 pub mod ffi;
 pub mod handles;
 pub mod hccl;

@@ -21,8 +21,10 @@ use crate::config;
 use crate::ffi::*;
 use crate::status::{fail, SimError, SimResult};
 
-/// Work run on a stream's worker.
-pub type Job = Box<dyn FnOnce() -> SimResult<()> + Send>;
+/// Work run on a stream's worker. It is `Fn`, not `FnOnce`: work queued on a
+/// capturing stream is recorded into a model and runs again at every replay
+/// (`aclmdlRIExecuteAsync`), on the same buffers.
+pub type Job = Box<dyn Fn() -> SimResult<()> + Send + Sync>;
 
 struct Task {
     seq: u64,
@@ -106,7 +108,7 @@ impl Stream {
             let result = if skip {
                 Ok(())
             } else {
-                match catch_unwind(AssertUnwindSafe(task.job)) {
+                match catch_unwind(AssertUnwindSafe(|| (task.job)())) {
                     Ok(r) => r,
                     Err(_) => fail(ACL_ERROR_RT_INTERNAL_ERROR, "the task panicked inside the simulator"),
                 }
@@ -125,7 +127,10 @@ impl Stream {
     }
 
     /// Queues `job` (named after the call that queued it); returns its number.
+    /// On a capturing stream the job is recorded into the capture's model
+    /// instead, and the number of the last task queued before it is returned.
     pub fn enqueue(&self, name: &'static str, job: Job) -> u64 {
+        let Some(job) = crate::capture::intercept(self, name, job) else { return self.last() };
         let mut g = self.lock();
         g.last += 1;
         let seq = g.last;

@@ -1,0 +1,111 @@
+//! Host-side call counters, per calling thread: `cannsim_counters` and
+//! `cannsim_counters_reset` (simulator only).
+//!
+//! They let a test assert that an operation makes no host synchronisation,
+//! no allocation and no host copy. A call is counted on the thread that makes
+//! it, when it is made, whether it succeeds or not; work that a stream runs
+//! later (a queued task, a graph replay) counts nothing.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::cell::Cell;
+
+use crate::arena;
+use crate::ffi::*;
+use crate::status::{self, write_out};
+
+/// `CannsimCounters`, the C struct `cannsim_counters` fills (field order
+/// fixed, every field `uint64_t`):
+///
+/// ```c
+/// typedef struct {
+///     uint64_t host_syncs;     /* aclrtSynchronizeStream[WithTimeout], aclrtSynchronizeDevice,
+///                                 aclrtSynchronizeEvent, aclrtMemcpy, aclrtMemset */
+///     uint64_t device_mallocs; /* aclrtMalloc */
+///     uint64_t device_frees;   /* aclrtFree */
+///     uint64_t host_mallocs;   /* aclrtMallocHost */
+///     uint64_t host_frees;     /* aclrtFreeHost */
+///     uint64_t h2d_copies;     /* host-to-device aclrtMemcpy or aclrtMemcpyAsync */
+///     uint64_t d2h_copies;     /* device-to-host aclrtMemcpy or aclrtMemcpyAsync */
+///     uint64_t queries;        /* aclrtQueryEventStatus */
+/// } CannsimCounters;
+/// ```
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CannsimCounters {
+    /// Host synchronisations.
+    pub host_syncs: u64,
+    /// `aclrtMalloc` calls.
+    pub device_mallocs: u64,
+    /// `aclrtFree` calls.
+    pub device_frees: u64,
+    /// `aclrtMallocHost` calls.
+    pub host_mallocs: u64,
+    /// `aclrtFreeHost` calls.
+    pub host_frees: u64,
+    /// Host-to-device copies (synchronous or asynchronous).
+    pub h2d_copies: u64,
+    /// Device-to-host copies (synchronous or asynchronous).
+    pub d2h_copies: u64,
+    /// Event status queries.
+    pub queries: u64,
+}
+
+thread_local! {
+    static COUNTERS: Cell<CannsimCounters> = const {
+        Cell::new(CannsimCounters {
+            host_syncs: 0,
+            device_mallocs: 0,
+            device_frees: 0,
+            host_mallocs: 0,
+            host_frees: 0,
+            h2d_copies: 0,
+            d2h_copies: 0,
+            queries: 0,
+        })
+    };
+}
+
+/// Applies `f` to the calling thread's counters.
+pub fn bump(f: impl FnOnce(&mut CannsimCounters)) {
+    COUNTERS.with(|c| {
+        let mut v = c.get();
+        f(&mut v);
+        c.set(v);
+    });
+}
+
+/// Counts a host synchronisation.
+pub fn host_sync() {
+    bump(|c| c.host_syncs += 1);
+}
+
+/// Counts a copy of `count` bytes by the direction its operands give.
+pub fn copy(dst: usize, src: usize, count: usize) {
+    if count == 0 {
+        return;
+    }
+    match (arena::owner(dst).is_some(), arena::owner(src).is_some()) {
+        (true, false) => bump(|c| c.h2d_copies += 1),
+        (false, true) => bump(|c| c.d2h_copies += 1),
+        _ => {}
+    }
+}
+
+/// The calling thread's counters.
+pub fn get() -> CannsimCounters {
+    COUNTERS.with(|c| c.get())
+}
+
+/// `int32_t cannsim_counters(CannsimCounters *out)`: writes the calling
+/// thread's counters; `ACL_ERROR_INVALID_PARAM` when `out` is NULL.
+#[no_mangle]
+pub unsafe extern "C" fn cannsim_counters(out: *mut CannsimCounters) -> AclError {
+    status::acl("cannsim_counters", || write_out(out, get(), ACL_ERROR_INVALID_PARAM, "out"))
+}
+
+/// `void cannsim_counters_reset(void)`: zeroes the calling thread's counters.
+#[no_mangle]
+pub extern "C" fn cannsim_counters_reset() {
+    COUNTERS.with(|c| c.set(CannsimCounters::default()));
+}

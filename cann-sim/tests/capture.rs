@@ -1,0 +1,705 @@
+//! ACL graph capture on the simulator, through CANN's C signatures: work
+//! queued on a capturing stream is recorded, not run; a replay reruns it on the
+//! same buffers with whatever they hold then; every call CANN forbids during
+//! capture fails with its code and invalidates the capture; HCCL collectives
+//! captured on 4 devices replay together; the host-side call counters.
+//!
+//! Capture modes act across threads (GLOBAL forbids unsafe calls on every
+//! thread), so the tests of this binary take [`serial`] and never overlap.
+
+mod common;
+
+use std::ffi::c_void;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use common::*;
+
+const NULL: Ptr = std::ptr::null_mut();
+
+const GLOBAL: i32 = 0;
+const THREAD_LOCAL: i32 = 1;
+const RELAXED: i32 = 2;
+
+const STATUS_NONE: i32 = 0;
+const STATUS_ACTIVE: i32 = 1;
+const STATUS_INVALIDATED: i32 = 2;
+
+const INVALID_PARAM: i32 = 100000;
+const STREAM_CONTEXT: i32 = 107003;
+const INVALID_HANDLE: i32 = 107017;
+const CAPTURE_DEPENDENCY: i32 = 107024;
+const STREAM_UNJOINED: i32 = 107025;
+const MODEL_CAPTURED: i32 = 107026;
+const STREAM_CAPTURED: i32 = 107027;
+const EVENT_CAPTURED: i32 = 107028;
+const STREAM_NOT_CAPTURED: i32 = 107029;
+const CAPTURE_MODE_NOT_SUPPORT: i32 = 107030;
+const STREAM_CAPTURE_IMPLICIT: i32 = 107031;
+const STREAM_CAPTURE_UNMATCHED: i32 = 107036;
+const MODEL_RUNNING: i32 = 107037;
+const STREAM_CAPTURE_WRONG_THREAD: i32 = 107038;
+const STREAM_CAPTURE_INVALIDATED: i32 = 507903;
+
+/// `CannsimCounters`, field for field.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Counters {
+    host_syncs: u64,
+    device_mallocs: u64,
+    device_frees: u64,
+    host_mallocs: u64,
+    host_frees: u64,
+    h2d_copies: u64,
+    d2h_copies: u64,
+    queries: u64,
+}
+
+/// The capture exports, with their C signatures.
+struct Capture {
+    begin: unsafe extern "C" fn(Ptr, i32) -> i32,
+    get_info: unsafe extern "C" fn(Ptr, *mut i32, *mut Ptr) -> i32,
+    end: unsafe extern "C" fn(Ptr, *mut Ptr) -> i32,
+    execute: unsafe extern "C" fn(Ptr, Ptr) -> i32,
+    destroy: unsafe extern "C" fn(Ptr) -> i32,
+    sync_device: unsafe extern "C" fn() -> i32,
+    counters: unsafe extern "C" fn(*mut Counters) -> i32,
+    counters_reset: unsafe extern "C" fn(),
+    _lib: libloading::Library,
+}
+
+fn cap() -> &'static Capture {
+    static C: OnceLock<Capture> = OnceLock::new();
+    C.get_or_init(|| {
+        sim();
+        // SAFETY: the same library `sim()` loaded (dlopen returns the loaded
+        // instance); each symbol is read with its C signature.
+        unsafe {
+            let lib = libloading::Library::new(lib_path()).expect("load libcann_sim.so");
+            Capture {
+                begin: *lib.get(b"aclmdlRICaptureBegin\0").expect("aclmdlRICaptureBegin"),
+                get_info: *lib.get(b"aclmdlRICaptureGetInfo\0").expect("aclmdlRICaptureGetInfo"),
+                end: *lib.get(b"aclmdlRICaptureEnd\0").expect("aclmdlRICaptureEnd"),
+                execute: *lib.get(b"aclmdlRIExecuteAsync\0").expect("aclmdlRIExecuteAsync"),
+                destroy: *lib.get(b"aclmdlRIDestroy\0").expect("aclmdlRIDestroy"),
+                sync_device: *lib.get(b"aclrtSynchronizeDevice\0").expect("aclrtSynchronizeDevice"),
+                counters: *lib.get(b"cannsim_counters\0").expect("cannsim_counters"),
+                counters_reset: *lib.get(b"cannsim_counters_reset\0").expect("cannsim_counters_reset"),
+                _lib: lib,
+            }
+        }
+    })
+}
+
+fn serial() -> MutexGuard<'static, ()> {
+    static M: Mutex<()> = Mutex::new(());
+    M.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn begin(st: Ptr, mode: i32) {
+    let r = unsafe { (cap().begin)(st, mode) };
+    assert_eq!(r, 0, "aclmdlRICaptureBegin: {}", err_msg());
+}
+
+fn info(st: Ptr) -> (i32, Ptr) {
+    let (mut status, mut model) = (-1, NULL);
+    let r = unsafe { (cap().get_info)(st, &mut status, &mut model) };
+    assert_eq!(r, 0, "aclmdlRICaptureGetInfo: {}", err_msg());
+    (status, model)
+}
+
+fn end(st: Ptr) -> Ptr {
+    let mut model = NULL;
+    let r = unsafe { (cap().end)(st, &mut model) };
+    assert_eq!(r, 0, "aclmdlRICaptureEnd: {}", err_msg());
+    assert!(!model.is_null());
+    model
+}
+
+fn execute(model: Ptr, st: Ptr) {
+    let r = unsafe { (cap().execute)(model, st) };
+    assert_eq!(r, 0, "aclmdlRIExecuteAsync: {}", err_msg());
+}
+
+fn destroy(model: Ptr) {
+    let r = unsafe { (cap().destroy)(model) };
+    assert_eq!(r, 0, "aclmdlRIDestroy: {}", err_msg());
+}
+
+fn counters() -> Counters {
+    let mut c = Counters::default();
+    assert_eq!(unsafe { (cap().counters)(&mut c) }, 0);
+    c
+}
+
+fn write<T: Copy>(dst: Ptr, v: &[T]) {
+    let b = bytes_of(v);
+    let r = unsafe { (sim().aclrtMemcpy)(dst, b.len(), b.as_ptr() as *const c_void, b.len(), H2D) };
+    assert_eq!(r, 0, "H2D: {}", err_msg());
+}
+
+fn malloc_host(bytes: usize) -> Ptr {
+    let mut p = NULL;
+    assert_eq!(unsafe { (sim().aclrtMallocHost)(&mut p, bytes) }, 0, "{}", err_msg());
+    p
+}
+
+fn event() -> Ptr {
+    let mut e = NULL;
+    assert_eq!(unsafe { (sim().aclrtCreateEvent)(&mut e) }, 0);
+    e
+}
+
+fn destroy_event(e: Ptr) {
+    assert_eq!(unsafe { (sim().aclrtDestroyEvent)(e) }, 0);
+}
+
+/// gm[1][i] = 2 * gm[0][i] + tiling[0], each block taking a contiguous chunk.
+unsafe extern "C" fn twice_plus(block: u32, blocks: u32, gm: *const Ptr, tiling: *const c_void) {
+    let t = unsafe { &*(tiling as *const [u64; 2]) };
+    let (n, bias) = (t[1] as usize, f32::from_bits(t[0] as u32));
+    let (input, out) = unsafe { (*gm.add(0) as *const f32, *gm.add(1) as *mut f32) };
+    let chunk = n.div_ceil(blocks as usize);
+    let lo = block as usize * chunk;
+    for i in lo..(lo + chunk).min(n) {
+        unsafe { *out.add(i) = 2.0 * *input.add(i) + bias };
+    }
+}
+
+#[test]
+fn a_replay_reruns_memsets_copies_a_kernel_and_aclnn_add_on_the_new_inputs() {
+    let _g = serial();
+    let s = use_device(0);
+    const N: usize = 48;
+    let st = stream();
+    let (a, b, tmp, k_out, out, flag) =
+        (malloc(N * 4), malloc(N * 4), malloc(N * 4), malloc(N * 4), malloc(N * 4), malloc(N));
+    let (host_in, host_out) = (malloc_host(N * 4), malloc_host(N * 4));
+    let (ta, tb, tc) =
+        (tensor(&[N as i64], ACL_FLOAT, k_out), tensor(&[N as i64], ACL_FLOAT, b), tensor(&[N as i64], ACL_FLOAT, out));
+    let tiling = [0.5f32.to_bits() as u64, N as u64];
+
+    assert_eq!(info(st), (STATUS_NONE, NULL));
+    begin(st, GLOBAL);
+    let (status, during) = info(st);
+    assert_eq!(status, STATUS_ACTIVE);
+    assert!(!during.is_null());
+    unsafe {
+        // flag = 0 (bytes), tmp = a, b += pinned host input
+        assert_eq!((s.aclrtMemsetAsync)(flag, N, 0, N, st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtMemcpyAsync)(tmp, N * 4, a, N * 4, D2D, st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtMemcpyAsync)(b, N * 4, host_in, N * 4, H2D, st), 0, "{}", err_msg());
+        // k_out = 2 * tmp + 0.5
+        let gm = [tmp, k_out];
+        let r =
+            (s.cannsim_launch_kernel)(st, 3, Some(twice_plus), gm.as_ptr(), 2, tiling.as_ptr() as *const c_void, 16);
+        assert_eq!(r, 0, "{}", err_msg());
+        // out = k_out + 1 * b
+        let mut one = 1.0f32;
+        let alpha = (s.aclCreateScalar)(&mut one as *mut f32 as Ptr, ACL_FLOAT);
+        let (mut ws, mut ex) = (0u64, NULL);
+        assert_eq!((s.aclnnAddGetWorkspaceSize)(ta, tb, alpha, tc, &mut ws, &mut ex), 0, "{}", err_msg());
+        assert_eq!((s.aclnnAdd)(NULL, 0, ex, st), 0, "{}", err_msg());
+        assert_eq!((s.aclDestroyScalar)(alpha), 0);
+        // the executor was consumed by the launch, as in eager mode
+        assert_eq!((s.aclnnAdd)(NULL, 0, ex, st), 161002);
+        assert_eq!((s.aclrtMemcpyAsync)(host_out, N * 4, out, N * 4, D2H, st), 0, "{}", err_msg());
+    }
+    let model = end(st);
+    assert_eq!(model, during, "GetInfo names the model End returns");
+    assert_eq!(info(st), (STATUS_NONE, NULL));
+    // Recorded, not run: the outputs still hold the fresh-allocation fill.
+    sync(st);
+    assert!(download::<u8>(out, N * 4).iter().all(|&v| v == 0xFF));
+    assert!(download::<u8>(flag, N).iter().all(|&v| v == 0xFF));
+
+    for round in 0..3 {
+        let av: Vec<f32> = (0..N).map(|i| (i as f32 - 7.0) * 0.25 + round as f32).collect();
+        let hv: Vec<f32> = (0..N).map(|i| (round * 100 + i) as f32 * 0.125).collect();
+        write(a, &av);
+        write(flag, &[0x5Au8; N]);
+        // SAFETY: host_in is an aclrtMallocHost buffer of N f32.
+        unsafe { std::ptr::copy_nonoverlapping(hv.as_ptr(), host_in as *mut f32, N) };
+        unsafe { (cap().counters_reset)() };
+        execute(model, st);
+        assert_eq!(counters(), Counters::default(), "a replay makes no host-side call");
+        sync(st);
+        let want: Vec<f32> = av.iter().zip(&hv).map(|(x, h)| 2.0 * x + 0.5 + h).collect();
+        assert_eq!(download::<f32>(out, N), want, "round {round}");
+        assert_eq!(download::<f32>(b, N), hv, "round {round}: the H2D copy read the host buffer at replay time");
+        assert!(download::<u8>(flag, N).iter().all(|&v| v == 0), "round {round}: the memset ran again");
+        // SAFETY: host_out is an aclrtMallocHost buffer of N f32, written by the replay's D2H copy.
+        let back = unsafe { std::slice::from_raw_parts(host_out as *const f32, N) }.to_vec();
+        assert_eq!(back, want, "round {round}: the D2H copy wrote the host buffer");
+    }
+    destroy(model);
+    assert_eq!(unsafe { (cap().execute)(model, st) }, INVALID_HANDLE, "a destroyed model");
+    assert_eq!(unsafe { (cap().destroy)(model) }, INVALID_HANDLE, "destroyed twice");
+    for t in [ta, tb, tc] {
+        destroy_tensor(t);
+    }
+    for p in [a, b, tmp, k_out, out, flag] {
+        free(p);
+    }
+    unsafe {
+        assert_eq!((s.aclrtFreeHost)(host_in), 0);
+        assert_eq!((s.aclrtFreeHost)(host_out), 0);
+    }
+    destroy_stream(st);
+}
+
+/// Begins a GLOBAL capture on a fresh stream, runs `call`, expects `code`, and
+/// checks that the capture is then INVALIDATED, refuses further work, and that
+/// End fails and ends it. `scratch` is a 64-byte device buffer.
+fn refused_under_capture(what: &str, code: i32, scratch: Ptr, call: impl FnOnce(Ptr) -> i32) {
+    let st = stream();
+    begin(st, GLOBAL);
+    assert_eq!(unsafe { (sim().aclrtMemsetAsync)(scratch, 64, 1, 64, st) }, 0, "{what}: {}", err_msg());
+    let r = call(st);
+    assert_eq!(r, code, "{what}: {}", err_msg());
+    assert_eq!(info(st).0, STATUS_INVALIDATED, "{what} invalidates the capture");
+    assert_eq!(unsafe { (sim().aclrtMemsetAsync)(scratch, 64, 0, 64, st) }, STREAM_CAPTURE_INVALIDATED, "{what}");
+    let mut model = 0x1 as Ptr;
+    assert_eq!(unsafe { (cap().end)(st, &mut model) }, STREAM_CAPTURE_INVALIDATED, "{what}: End");
+    assert!(model.is_null(), "{what}: no model from an invalidated capture");
+    assert_eq!(info(st), (STATUS_NONE, NULL), "{what}: the capture ended");
+    // The stream works normally again.
+    unsafe { assert_eq!((sim().aclrtMemsetAsync)(scratch, 64, 7, 64, st), 0) };
+    sync(st);
+    assert!(download::<u8>(scratch, 64).iter().all(|&v| v == 7), "{what}");
+    destroy_stream(st);
+}
+
+#[test]
+fn every_call_cann_forbids_during_capture_fails_with_its_code_and_invalidates_the_capture() {
+    let _g = serial();
+    let s = use_device(0);
+    let dev = malloc(256);
+    let host: Vec<u8> = vec![1; 256];
+    let pageable = vec![0u8; 256];
+    let scratch = malloc(64);
+    let pinned = malloc_host(64) as usize;
+    type Case = (&'static str, i32, Box<dyn FnOnce(Ptr) -> i32>);
+    let cases: Vec<Case> = vec![
+        ("aclrtSynchronizeStream", STREAM_CAPTURED, Box::new(|st| unsafe { (s.aclrtSynchronizeStream)(st) })),
+        (
+            "aclrtSynchronizeStreamWithTimeout",
+            STREAM_CAPTURED,
+            Box::new(|st| unsafe { (s.aclrtSynchronizeStreamWithTimeout)(st, 100) }),
+        ),
+        ("aclrtSynchronizeDevice", STREAM_CAPTURED, Box::new(|_| unsafe { (cap().sync_device)() })),
+        (
+            "aclrtSynchronizeEvent on an event recorded in the capture",
+            EVENT_CAPTURED,
+            Box::new(|st| unsafe {
+                let e = event();
+                assert_eq!((s.aclrtRecordEvent)(e, st), 0, "{}", err_msg());
+                let r = (s.aclrtSynchronizeEvent)(e);
+                destroy_event(e);
+                r
+            }),
+        ),
+        (
+            "aclrtQueryEventStatus on an event recorded in the capture",
+            EVENT_CAPTURED,
+            Box::new(|st| unsafe {
+                let e = event();
+                assert_eq!((s.aclrtRecordEvent)(e, st), 0, "{}", err_msg());
+                let mut status = -1;
+                let r = (s.aclrtQueryEventStatus)(e, &mut status);
+                destroy_event(e);
+                r
+            }),
+        ),
+        (
+            "aclrtMemcpy",
+            CAPTURE_MODE_NOT_SUPPORT,
+            Box::new(move |_| unsafe { (s.aclrtMemcpy)(dev, 256, host.as_ptr() as *const c_void, 256, H2D) }),
+        ),
+        ("aclrtMemset", CAPTURE_MODE_NOT_SUPPORT, Box::new(move |_| unsafe { (s.aclrtMemset)(dev, 256, 0, 256) })),
+        (
+            "aclrtMalloc",
+            CAPTURE_MODE_NOT_SUPPORT,
+            Box::new(|_| unsafe {
+                let mut p = NULL;
+                let r = (s.aclrtMalloc)(&mut p, 64, 0);
+                assert!(p.is_null(), "the refused allocation returned no memory");
+                r
+            }),
+        ),
+        ("aclrtFree", CAPTURE_MODE_NOT_SUPPORT, Box::new(move |_| unsafe { (s.aclrtFree)(dev) })),
+        (
+            "aclrtMallocHost",
+            CAPTURE_MODE_NOT_SUPPORT,
+            Box::new(|_| unsafe {
+                let mut p = NULL;
+                (s.aclrtMallocHost)(&mut p, 64)
+            }),
+        ),
+        ("aclrtFreeHost", CAPTURE_MODE_NOT_SUPPORT, Box::new(move |_| unsafe { (s.aclrtFreeHost)(pinned as Ptr) })),
+        (
+            "aclrtMemcpyAsync from pageable host memory on the capturing stream",
+            CAPTURE_MODE_NOT_SUPPORT,
+            Box::new(move |st| unsafe {
+                (s.aclrtMemcpyAsync)(dev, 256, pageable.as_ptr() as *const c_void, 256, H2D, st)
+            }),
+        ),
+        (
+            "work on the default stream",
+            STREAM_CAPTURE_IMPLICIT,
+            Box::new(move |_| unsafe { (s.aclrtMemsetAsync)(dev, 256, 0, 256, NULL) }),
+        ),
+        (
+            "aclrtStreamWaitEvent on an event recorded outside the capture",
+            CAPTURE_DEPENDENCY,
+            Box::new(|st| unsafe {
+                let other = stream();
+                let e = event();
+                assert_eq!((s.aclrtRecordEvent)(e, other), 0, "{}", err_msg());
+                let r = (s.aclrtStreamWaitEvent)(st, e);
+                destroy_event(e);
+                destroy_stream(other);
+                r
+            }),
+        ),
+        (
+            "aclrtDestroyStream of the capturing stream",
+            STREAM_CAPTURED,
+            Box::new(|st| unsafe { (s.aclrtDestroyStream)(st) }),
+        ),
+    ];
+    for (what, code, call) in cases {
+        refused_under_capture(what, code, scratch, call);
+    }
+    // The refused frees freed nothing: the buffers are still live.
+    free(dev);
+    assert_eq!(unsafe { (s.aclrtFreeHost)(pinned as Ptr) }, 0, "{}", err_msg());
+    free(scratch);
+}
+
+#[test]
+fn capture_modes_decide_which_threads_may_call_unsafe_functions() {
+    let _g = serial();
+    let s = use_device(0);
+    let dev = malloc(64);
+    let host = [3u8; 64];
+    let dev = dev as usize;
+    let memcpy = move || unsafe { (s.aclrtMemcpy)(dev as Ptr, 64, host.as_ptr() as *const c_void, 64, H2D) };
+    let on_other_thread = |f: &(dyn Fn() -> i32 + Sync)| {
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                use_device(0);
+                f()
+            })
+            .join()
+            .expect("thread")
+        })
+    };
+    let st = stream();
+
+    // GLOBAL: no thread may.
+    begin(st, GLOBAL);
+    assert_eq!(on_other_thread(&memcpy), CAPTURE_MODE_NOT_SUPPORT, "GLOBAL, another thread");
+    assert_eq!(info(st).0, STATUS_INVALIDATED);
+    let mut m = NULL;
+    assert_eq!(unsafe { (cap().end)(st, &mut m) }, STREAM_CAPTURE_INVALIDATED);
+
+    // THREAD_LOCAL: the capturing thread may not, others may.
+    begin(st, THREAD_LOCAL);
+    assert_eq!(on_other_thread(&memcpy), 0, "THREAD_LOCAL, another thread: {}", err_msg());
+    assert_eq!(info(st).0, STATUS_ACTIVE);
+    assert_eq!(memcpy(), CAPTURE_MODE_NOT_SUPPORT, "THREAD_LOCAL, the capturing thread");
+    assert_eq!(info(st).0, STATUS_INVALIDATED);
+    assert_eq!(unsafe { (cap().end)(st, &mut m) }, STREAM_CAPTURE_INVALIDATED);
+
+    // RELAXED: every thread may; synchronising the stream is still refused.
+    begin(st, RELAXED);
+    assert_eq!(memcpy(), 0, "RELAXED: {}", err_msg());
+    assert_eq!(on_other_thread(&memcpy), 0, "RELAXED, another thread");
+    assert_eq!(info(st).0, STATUS_ACTIVE);
+    // Pageable host memory: fine on a stream that does not capture, refused in a
+    // captured copy whatever the mode.
+    let (side, pageable) = (stream(), [5u8; 64]);
+    let copy_on =
+        |q: Ptr| unsafe { (s.aclrtMemcpyAsync)(dev as Ptr, 64, pageable.as_ptr() as *const c_void, 64, H2D, q) };
+    assert_eq!(copy_on(side), 0, "RELAXED, pageable copy on another stream: {}", err_msg());
+    sync(side);
+    destroy_stream(side);
+    assert_eq!(info(st).0, STATUS_ACTIVE);
+    let model = end(st);
+    destroy(model);
+    begin(st, RELAXED);
+    assert_eq!(copy_on(st), CAPTURE_MODE_NOT_SUPPORT, "RELAXED, pageable copy on the capturing stream");
+    assert_eq!(unsafe { (cap().end)(st, &mut m) }, STREAM_CAPTURE_INVALIDATED);
+    begin(st, RELAXED);
+    assert_eq!(unsafe { (s.aclrtSynchronizeStream)(st) }, STREAM_CAPTURED, "synchronisation is illegal in every mode");
+    assert_eq!(unsafe { (cap().end)(st, &mut m) }, STREAM_CAPTURE_INVALIDATED);
+
+    // A GLOBAL/THREAD_LOCAL capture ends on the thread that began it; RELAXED anywhere.
+    begin(st, GLOBAL);
+    let other_end = |st: Ptr| {
+        let st = st as usize;
+        std::thread::scope(|sc| {
+            sc.spawn(move || {
+                use_device(0);
+                let mut m = NULL;
+                let r = unsafe { (cap().end)(st as Ptr, &mut m) };
+                (r, m as usize)
+            })
+            .join()
+            .expect("thread")
+        })
+    };
+    assert_eq!(other_end(st).0, STREAM_CAPTURE_WRONG_THREAD);
+    destroy(end(st));
+    begin(st, RELAXED);
+    let (r, m2) = other_end(st);
+    assert_eq!(r, 0, "RELAXED ends on any thread");
+    destroy(m2 as Ptr);
+    free(dev as Ptr);
+    destroy_stream(st);
+}
+
+#[test]
+fn capture_lifecycle_errors_are_refused_with_cann_codes() {
+    let _g = serial();
+    let s = use_device(0);
+    let st = stream();
+    let buf = malloc(64);
+    let mut m = NULL;
+    unsafe {
+        assert_eq!((cap().end)(st, &mut m), STREAM_NOT_CAPTURED, "End without Begin");
+        assert_eq!((cap().begin)(NULL, GLOBAL), INVALID_PARAM, "the default stream");
+        assert_eq!((cap().begin)(st, 3), INVALID_PARAM, "an unknown mode");
+        begin(st, THREAD_LOCAL);
+        assert_eq!((cap().begin)(st, THREAD_LOCAL), STREAM_CAPTURED, "Begin twice");
+        assert_eq!(info(st).0, STATUS_ACTIVE, "a refused Begin leaves the capture alone");
+        let (_, during) = info(st);
+        let other = stream();
+        assert_eq!((cap().execute)(during, other), MODEL_CAPTURED, "replay of a model being captured");
+        assert_eq!((cap().destroy)(during), MODEL_CAPTURED, "destroy of a model being captured");
+        assert_eq!((s.aclrtMemsetAsync)(buf, 64, 9, 64, st), 0);
+        let model = end(st);
+        assert_eq!((cap().get_info)(st, std::ptr::null_mut(), &mut m), INVALID_PARAM);
+
+        // A replay on a capturing stream is refused.
+        begin(other, THREAD_LOCAL);
+        assert_eq!((cap().execute)(model, other), CAPTURE_MODE_NOT_SUPPORT);
+        destroy(end(other));
+
+        // Replay on another device's stream.
+        assert_eq!((s.aclrtSetDevice)(1), 0);
+        let st1 = stream();
+        assert_eq!((cap().execute)(model, st1), STREAM_CONTEXT, "a stream of device 1");
+        destroy_stream(st1);
+        assert_eq!((s.aclrtResetDevice)(1), 0);
+        assert_eq!((s.aclrtSetDevice)(0), 0);
+
+        // The default stream may replay a model once no capture runs.
+        write(buf, &[0u8; 64]);
+        execute(model, NULL);
+        if std::env::var("CANNSIM_STREAM_MODE").as_deref() != Ok("eager") {
+            // Lazy streams: the replay has not run, so the model is still running.
+            assert_eq!((cap().destroy)(model), MODEL_RUNNING);
+        }
+        sync(NULL);
+        assert!(download::<u8>(buf, 64).iter().all(|&v| v == 9));
+        destroy(model);
+        destroy_stream(other);
+    }
+    free(buf);
+    destroy_stream(st);
+}
+
+#[test]
+fn a_stream_joins_a_capture_through_an_event_and_must_be_joined_back() {
+    let _g = serial();
+    let s = use_device(0);
+    let (st, side) = (stream(), stream());
+    let (a, b) = (malloc(64), malloc(64));
+    let (fork, join) = (event(), event());
+    unsafe {
+        begin(st, THREAD_LOCAL);
+        assert_eq!((s.aclrtMemsetAsync)(a, 64, 1, 64, st), 0);
+        assert_eq!((s.aclrtRecordEvent)(fork, st), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(side, fork), 0, "{}", err_msg());
+        assert_eq!(info(side).0, STATUS_ACTIVE, "the waiting stream joined the capture");
+        assert_eq!((s.aclrtMemcpyAsync)(b, 64, a, 64, D2D, side), 0, "{}", err_msg());
+        assert_eq!((s.aclrtRecordEvent)(join, side), 0);
+        let mut m = NULL;
+        assert_eq!((cap().end)(side, &mut m), STREAM_CAPTURE_UNMATCHED, "End on the joined stream");
+        assert_eq!((s.aclrtStreamWaitEvent)(st, join), 0, "{}", err_msg());
+        let model = end(st);
+        assert_eq!(info(side), (STATUS_NONE, NULL), "End ended the joined stream's capture too");
+        write(b, &[0u8; 64]);
+        execute(model, st);
+        sync(st);
+        assert!(download::<u8>(b, 64).iter().all(|&v| v == 1), "the side stream's copy ran after the memset");
+        destroy(model);
+
+        // Without the join back, End fails.
+        begin(st, THREAD_LOCAL);
+        assert_eq!((s.aclrtRecordEvent)(fork, st), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(side, fork), 0);
+        assert_eq!((s.aclrtMemsetAsync)(b, 64, 2, 64, side), 0);
+        assert_eq!((cap().end)(st, &mut m), STREAM_UNJOINED);
+        assert!(m.is_null());
+        assert_eq!(info(side), (STATUS_NONE, NULL));
+    }
+    destroy_event(fork);
+    destroy_event(join);
+    free(a);
+    free(b);
+    destroy_stream(st);
+    destroy_stream(side);
+}
+
+/// A v10 `HcclCommConfig` as `HcclCommConfigInit` leaves it, exec timeout 30 s.
+fn comm_config() -> Vec<u8> {
+    let mut c = vec![0u8; 2240];
+    c[0..8].copy_from_slice(&2240usize.to_le_bytes());
+    c[8..12].copy_from_slice(&0xf0f0_f0f0u32.to_le_bytes());
+    c[12..16].copy_from_slice(&10u32.to_le_bytes());
+    c[24..32].fill(0xff);
+    c[316..320].copy_from_slice(&30i32.to_le_bytes());
+    c
+}
+
+fn rank_data(rank: usize, round: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| (rank * 10 + round * 100 + i) as f32 * 0.5).collect()
+}
+
+#[test]
+fn hccl_collectives_captured_on_four_devices_replay_together() {
+    let _g = serial();
+    const WORLD: usize = 4;
+    const N: usize = 24;
+    const G: usize = 5;
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let cfg = comm_config();
+    std::thread::scope(|sc| {
+        for r in 0..WORLD {
+            let (root, cfg) = (&root, &cfg);
+            sc.spawn(move || {
+                let s = use_device(r as i32);
+                let mut comm = NULL;
+                unsafe {
+                    let rc =
+                        (s.HcclCommInitRootInfoConfig)(WORLD as u32, root.as_ptr(), r as u32, cfg.as_ptr(), &mut comm);
+                    assert_eq!(rc, 0, "rank {r}: {}", err_msg());
+                }
+                let st = stream();
+                let (send, recv, gsend, grecv) = (malloc(N * 4), malloc(N * 4), malloc(G * 4), malloc(G * 4 * WORLD));
+                // Each rank's thread captures its own stream; THREAD_LOCAL keeps the
+                // other ranks' uploads legal while this one captures.
+                begin(st, THREAD_LOCAL);
+                unsafe {
+                    assert_eq!(
+                        (s.HcclAllReduce)(send, recv, N as u64, HCCL_FP32, HCCL_SUM, comm, st),
+                        0,
+                        "{}",
+                        err_msg()
+                    );
+                    assert_eq!((s.HcclAllGather)(gsend, grecv, G as u64, HCCL_FP32, comm, st), 0, "{}", err_msg());
+                }
+                let model = end(st);
+                sync(st);
+                assert!(download::<u8>(recv, N * 4).iter().all(|&v| v == 0xFF), "rank {r}: recorded, not run");
+                for round in 0..3 {
+                    write(send, &rank_data(r, round, N));
+                    write(gsend, &rank_data(r, round, G));
+                    execute(model, st);
+                    sync(st);
+                    let want: Vec<f32> =
+                        (0..N).map(|i| (0..WORLD).map(|q| rank_data(q, round, N)[i]).fold(0.0, |a, v| a + v)).collect();
+                    assert_eq!(download::<f32>(recv, N), want, "rank {r} round {round}: all-reduce");
+                    let gathered: Vec<f32> = (0..WORLD).flat_map(|q| rank_data(q, round, G)).collect();
+                    assert_eq!(download::<f32>(grecv, G * WORLD), gathered, "rank {r} round {round}: all-gather");
+                }
+                destroy(model);
+                for p in [send, recv, gsend, grecv] {
+                    free(p);
+                }
+                destroy_stream(st);
+                unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+            });
+        }
+    });
+}
+
+#[test]
+fn counters_count_each_host_call_on_the_calling_thread() {
+    let _g = serial();
+    let s = use_device(0);
+    let st = stream();
+    let host = [0u8; 64];
+    let mut back = [0u8; 64];
+    unsafe {
+        (cap().counters_reset)();
+        assert_eq!(counters(), Counters::default());
+        let dev = malloc(64);
+        assert_eq!(counters(), Counters { device_mallocs: 1, ..Default::default() });
+        sync(st);
+        assert_eq!(counters().host_syncs, 1, "aclrtSynchronizeStream");
+        assert_eq!((s.aclrtMemcpy)(dev, 64, host.as_ptr() as *const c_void, 64, H2D), 0);
+        assert_eq!((counters().host_syncs, counters().h2d_copies), (2, 1), "a blocking H2D copy");
+        assert_eq!((s.aclrtMemcpyAsync)(back.as_mut_ptr() as Ptr, 64, dev, 64, D2H, st), 0);
+        assert_eq!((counters().host_syncs, counters().d2h_copies), (2, 1), "an async D2H copy syncs nothing");
+        assert_eq!((s.aclrtMemcpyAsync)(dev, 64, dev, 64, D2D, st), 0);
+        assert_eq!((s.aclrtMemset)(dev, 64, 0, 64), 0);
+        assert_eq!(counters().host_syncs, 3, "aclrtMemset blocks");
+        assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, -1), 0);
+        assert_eq!((cap().sync_device)(), 0);
+        let e = event();
+        assert_eq!((s.aclrtRecordEvent)(e, st), 0);
+        let mut status = -1;
+        assert_eq!((s.aclrtQueryEventStatus)(e, &mut status), 0);
+        assert_eq!((s.aclrtSynchronizeEvent)(e), 0);
+        destroy_event(e);
+        let h = malloc_host(64);
+        assert_eq!((s.aclrtFreeHost)(h), 0);
+        free(dev);
+        // Another thread's calls are its own.
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                use_device(0);
+                free(malloc(64));
+                assert_eq!(counters(), Counters { device_mallocs: 1, device_frees: 1, ..Default::default() });
+            });
+        });
+        assert_eq!(
+            counters(),
+            Counters {
+                host_syncs: 6,
+                device_mallocs: 1,
+                device_frees: 1,
+                host_mallocs: 1,
+                host_frees: 1,
+                h2d_copies: 1,
+                d2h_copies: 1,
+                queries: 1,
+            }
+        );
+        assert_eq!((cap().counters)(std::ptr::null_mut()), INVALID_PARAM);
+        (cap().counters_reset)();
+        assert_eq!(counters(), Counters::default());
+    }
+    destroy_stream(st);
+}
+
+#[test]
+fn the_leak_report_lists_live_models() {
+    if role().as_deref() == Some("model-leak") {
+        use_device(0);
+        let st = stream();
+        begin(st, RELAXED);
+        let _model = end(st);
+        destroy_stream(st);
+        return;
+    }
+    let o = run_child("the_leak_report_lists_live_models", "model-leak", &[("CANNSIM_LEAK_REPORT", "fail")]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(97), "{err}");
+    assert!(err.contains("1 leaked object(s)") && err.contains("aclmdlRI"), "{err}");
+}
