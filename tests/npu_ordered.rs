@@ -11,8 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ascend_moe::backend::npu::{npu_run_ranks, Allocator, NpuDevice};
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
-use ascend_moe::moe::{finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, SpLayout};
-use ascend_moe::{Collectives, CommOptions, DType, Device, ReduceOp, Result, Tensor};
+use ascend_moe::moe::{
+    finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, ReducePolicy, SharedMode, SpLayout,
+};
+use ascend_moe::{Collectives, CommOptions, CommType, DType, Device, ReduceOp, Result, Tensor};
 
 const WORLD: usize = 4;
 
@@ -170,6 +172,23 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         p.extend(measure_with_staging(&nd, "finalize_and_reduce", 1, || {
             finalize_and_reduce(&args, Some(&layout), &comm).map(drop)
         }));
+
+        // The three reduction points, each on a policy where it reduces (TP 4).
+        let early = ReducePolicy::new(SharedMode::TensorParallel, true, false, WORLD, WORLD)?;
+        let late = ReducePolicy::new(SharedMode::TensorParallel, false, false, WORLD, WORLD)?;
+        let ag = CommType::AllGather;
+        assert!(early.routed_early_reduces(ag) && early.shared_reduces(ag) && late.final_reduces(ag));
+        let mut held = Some(filled(&dev, &[8, h], rank)?);
+        let mut point = |name: &str, f: &dyn Fn(Tensor) -> Result<Tensor>| {
+            measure(&nd, name, || {
+                let t = held.take().expect("the tensor goes through every point");
+                held = Some(f(t)?);
+                Ok(())
+            })
+        };
+        p.extend(point("reduce_routed_early", &|t| early.reduce_routed_early(t, ag, &comm)));
+        p.extend(point("reduce_shared", &|t| early.reduce_shared(t, ag, &comm)));
+        p.extend(point("reduce_final", &|t| late.reduce_final(t, ag, &comm)));
         Ok(p)
     })
     .unwrap();
