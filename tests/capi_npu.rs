@@ -196,6 +196,27 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     engine_stream.synchronize()?;
     assert_eq!(nob.to_vec()?, host_out, "finalize rank {rank}");
 
+    // A bad index is found on the device: the op queues the kernel and
+    // returns OK; amoe_stream_check reports the index, its position and value,
+    // once. The check of NULL (host-only work) is OK.
+    if dev.finalize_impl()? == "native" {
+        let bad = dev.clone_htod(&[3i32, 0, 5, 1, 9, 2])?;
+        dev.synchronize()?;
+        let nb = desc(ptr(&bad), amoe_dtype::I32, &ris, amoe_device_kind::Npu, ord);
+        // SAFETY: as above.
+        let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nb, &ns), &no, s) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        // SAFETY: a live stream handle.
+        let st = unsafe { amoe_stream_check(s) };
+        assert_eq!(st, amoe_status::IndexOutOfRange, "{}", last_error());
+        let msg = last_error();
+        assert!(msg.contains("expanded_row_idx") && msg.contains('4') && msg.contains('9'), "{msg}");
+        // SAFETY: as above.
+        assert_eq!(unsafe { amoe_stream_check(s) }, amoe_status::Ok, "reported once: {}", last_error());
+    }
+    // SAFETY: NULL is accepted.
+    assert_eq!(unsafe { amoe_stream_check(null()) }, amoe_status::Ok);
+
     // Freeing the handles leaves the engine's stream, communicator and memory alone.
     // SAFETY: live handles, not used afterwards.
     unsafe {
