@@ -661,7 +661,19 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // written into `out`, which the caller allocated with the shape from
 // `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
 // An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
-// and `out` is then not written.
+// and `out` is then not written (unspecified on NPU).
+//
+// NPU tensors, native kernel (the default where it can launch): enqueues on
+// `stream` one memset of the status words and one kernel launch writing
+// `out` in place (plus, for the padded layout, one small copy of the slot
+// offsets from a pinned staging block); workspace comes from the stream's
+// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+// reads device data on the host; a bad index is returned by
+// `amoe_stream_check(stream)` with its argument, position and value. NPU
+// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): index values are read
+// and checked on the host first (one device-to-host copy and
+// synchronisation; refused while `stream` is captured), then
+// `aclnnMoeFinalizeRoutingV2` is enqueued.
 //
 // # Safety
 // `args` and its descriptors valid; `out` a valid, writable descriptor.
@@ -685,6 +697,12 @@ amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *perm
 // Token unpermute: `out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`
 // (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
 // nothing. Ownership as `amoe_moe_finalize_routing`.
+//
+// NPU: not yet stream-ordered. The indices are read on the host (one
+// device-to-host copy and synchronisation) to decide whether
+// `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in range),
+// which is then enqueued; other inputs are computed on the host and copied
+// back. Refused while `stream` is captured into a graph.
 //
 // # Safety
 // Descriptors valid; `out` writable.
@@ -731,6 +749,13 @@ amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
 // `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
 // Collective: every rank of `ep_comm` calls it with the same layout.
 // Ownership as `amoe_moe_finalize_routing`.
+//
+// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
+// `stream` the row copies into a padded workspace buffer, one HCCL
+// collective and one device copy of the result into `out`; never
+// synchronises, never allocates outside the stream's pool, never reads
+// device data on the host. A mismatch between ranks is returned by
+// `amoe_stream_check`.
 //
 // # Safety
 // `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
@@ -789,6 +814,12 @@ amoe_status amoe_finalize_and_reduce_output_shape(const struct amoe_finalize_arg
 // `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
 // buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
 //
+// NPU: enqueues the finalize into a padded workspace buffer (as
+// `amoe_moe_finalize_routing`), the HCCL reduce-scatter, and at most one
+// device copy of this rank's rows into `out`; never synchronises, never
+// allocates outside the stream's pool, never reads device data on the host.
+// Device-found errors come from `amoe_stream_check`.
+//
 // # Safety
 // As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
 amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
@@ -825,6 +856,11 @@ amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy
 // comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
 // shape function is the identity); `x` and `out` may be the same memory.
 // Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
+//
+// NPU (this and the other two reduction points): enqueues on `stream` one
+// device copy of `x` into `out` (none when they are the same memory) and,
+// when the point reduces, one in-place HCCL all-reduce of `out`; never
+// synchronises, never allocates, never reads device data on the host.
 //
 // # Safety
 // `policy` valid; `x`, `out` valid descriptors; `tp_comm` live.
@@ -919,6 +955,14 @@ amoe_status amoe_token_prepare_ex_output_shape(const struct amoe_tensor *x,
 // `*mask_len`; other comm types write length 0. `mc2_mask` and `mask_len`
 // may be NULL to skip the mask; a too-small `mask_cap` returns
 // `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
+//
+// NPU (this and `amoe_token_finalize`): the row copies and the HCCL
+// collectives are enqueued on `stream`, intermediates come from its pool,
+// and the result reaches `out` by one device copy. Not yet free of host
+// waits: every EP rank first agrees on `comm_type` through a small
+// all-gather whose result is read on the host (one synchronisation), and
+// ALLTOALL reads its exchanged counts and routing on the host, since
+// `HcclAlltoAllV` takes its counts as host arrays.
 //
 // # Safety
 // Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
