@@ -301,6 +301,8 @@ fn the_pool_reserves_ahead_reuses_blocks_and_never_grows_under_capture() {
     let msg = err.to_string();
     assert!(msg.contains("captured") && msg.contains("reserve"), "{msg}");
     assert!(dev.stream().reserve_workspace(8 << 20).is_err(), "no reserve under capture");
+    let err = dev.check().expect_err("a check would synchronise the capturing stream");
+    assert!(err.to_string().contains("captured"), "{err}");
     drop(fits);
     let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
     // SAFETY: the stream began the capture; valid out-pointer.

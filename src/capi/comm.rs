@@ -603,8 +603,10 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 /// error is reported once. NULL (host-only work) returns `AMOE_STATUS_OK`.
 ///
 /// This is the only function that waits for the device on the host; call it
-/// where the engine synchronises anyway (e.g. once per step). It must not be
-/// called while `stream` is being captured into a graph.
+/// where the engine synchronises anyway (e.g. once per step). While `stream`
+/// is being captured into a graph it is refused
+/// (`AMOE_STATUS_INVALID_ARGUMENT`) and nothing is waited for or reported:
+/// check after the capture ends.
 ///
 /// # Safety
 /// `stream` must be NULL or a live handle from `amoe_stream_wrap`.

@@ -425,27 +425,23 @@ impl NpuStream {
         if lock(&self.inner.state).pool.largest_free() >= bytes {
             return Ok(());
         }
-        if self.is_capturing()? {
-            return Err(Error::invalid(
-                "reserve_workspace",
-                "stream",
-                format!("{self:?} is being captured into a graph: reserve before the capture begins"),
-            ));
-        }
+        self.refuse_under_capture("reserve_workspace", "reserve before the capture begins")?;
         lock(&self.inner.state).pool.grow(api, bytes)
+    }
+
+    /// An error naming `op` while this stream is captured into a graph.
+    fn refuse_under_capture(&self, op: &'static str, advice: &str) -> Result<()> {
+        if self.is_capturing()? {
+            return Err(Error::invalid(op, "stream", format!("{self:?} is being captured into a graph: {advice}")));
+        }
+        Ok(())
     }
 
     /// Makes sure a pinned staging block of at least `bytes` is free (small
     /// host data the native kernel needs: slot offsets, a tiling).
     pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
         let api = self.enter()?;
-        if self.is_capturing()? {
-            return Err(Error::invalid(
-                "reserve_staging",
-                "stream",
-                format!("{self:?} is being captured into a graph: reserve before the capture begins"),
-            ));
-        }
+        self.refuse_under_capture("reserve_staging", "reserve before the capture begins")?;
         lock(&self.inner.state).staging.reserve(api, bytes)
     }
 
@@ -553,7 +549,11 @@ impl NpuStream {
     /// queue order: a collective's HCCL async error (naming the collective,
     /// group and rank), a kernel's status (a bad index with its position and
     /// value), or the failed wait itself. Each error is reported once.
+    /// Refused while the stream is captured into a graph.
     pub fn check_with_timeout(&self, default_timeout: Duration) -> Result<()> {
+        // A synchronisation would invalidate the capture (CANN's runtime
+        // guide, capture restriction 2): refused before anything is taken.
+        self.refuse_under_capture("check", "check after the capture ends (e.g. after a replay)")?;
         let pending = std::mem::take(&mut lock(&self.inner.state).pending);
         let timeout = pending.iter().filter_map(|p| p.timeout()).max().unwrap_or(default_timeout);
         let wait = self.synchronize_timeout(timeout).err();
