@@ -234,3 +234,33 @@ fn a_mismatch_between_ranks_is_reported_by_the_check_of_the_operands_stream() {
     })
     .unwrap();
 }
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_rank_that_never_joins_is_reported_by_the_check_never_a_hang() {
+    let opts = CommOptions::with_timeout(std::time::Duration::from_secs(2));
+    npu_run_ranks(WORLD, &opts, |rank, comm| {
+        let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+        if rank == WORLD - 1 {
+            // This rank never calls the collective.
+            return Ok(());
+        }
+        let dev = comm.device();
+        let src = Tensor::zeros(&[4], DType::F32, &dev)?;
+        let mut dst = Tensor::zeros(&[4], DType::F32, &dev)?;
+        comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: the host does not wait");
+        let err = hccl.npu_device().check().expect_err("rank 3 never joins");
+        match &err {
+            ascend_moe::Error::Comm { collective, group, rank: r, kind, .. } => {
+                assert_eq!((collective.as_str(), group.as_str(), *r), ("all_reduce", comm.name(), rank), "{err}");
+                assert!(
+                    matches!(kind, ascend_moe::CommErrorKind::Timeout | ascend_moe::CommErrorKind::PeerFailed),
+                    "{err}"
+                );
+            }
+            other => panic!("expected a Comm error, got {other:?}"),
+        }
+        Ok(())
+    })
+    .unwrap();
+}
