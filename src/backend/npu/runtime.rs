@@ -250,6 +250,18 @@ unsafe impl Send for StreamInner {}
 // SAFETY: as above; shared references only launch work or synchronise.
 unsafe impl Sync for StreamInner {}
 
+/// `aclmdlRICaptureGetInfo` (acl_mdl.h of CANN 8.1): true unless the status
+/// is `ACL_MODEL_RI_CAPTURE_STATUS_NONE`; false on a runtime without the
+/// capture API. The stream's device must be bound.
+fn capturing(api: &'static Acl, raw: aclrtStream) -> Result<bool> {
+    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(false) };
+    let mut status = acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
+    let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
+    // SAFETY: live stream, device bound, valid out-pointers.
+    check("aclmdlRICaptureGetInfo", unsafe { f(raw, &mut status, &mut model) })?;
+    Ok(status != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
+}
+
 impl StreamInner {
     /// Frees the workspace pool when this is the last handle of the stream:
     /// the stream is synchronised first (the pool's blocks may still be in
@@ -260,6 +272,16 @@ impl StreamInner {
             if Arc::strong_count(&self.state) > 1 || (st.pool.is_empty() && st.staging.is_empty()) {
                 return Ok(());
             }
+        }
+        // Under capture the sync would invalidate the capture and the blocks
+        // may belong to the graph being recorded: they are kept (and reported).
+        if capturing(api, self.raw)? {
+            return Err(Error::invalid(
+                "NpuStream::drop",
+                "stream",
+                "the last handle of a stream was dropped while it is captured: its workspace pool is kept \
+                 (freeing it would synchronise the capture); drop the handle after the capture ends",
+            ));
         }
         let sync = acl_fn!(api, aclrtSynchronizeStream)?;
         // SAFETY: `raw` is a live stream (destroyed only after this).
@@ -403,18 +425,12 @@ impl NpuStream {
         &self.inner.state
     }
 
-    /// True while the stream is being captured into a graph
-    /// (`aclmdlRICaptureGetInfo`, acl_mdl.h of CANN 8.1: status
-    /// `ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE`); false on a runtime without the
-    /// capture API, which cannot capture.
+    /// True while the stream is being captured into a graph (status
+    /// `ACTIVE`, or `INVALIDATED` until the capture ends), see [`capturing`];
+    /// false on a runtime without the capture API, which cannot capture.
     pub fn is_capturing(&self) -> Result<bool> {
         let api = self.enter()?;
-        let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(false) };
-        let mut status = acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
-        let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
-        // SAFETY: live stream, device bound, valid out-pointers.
-        check("aclmdlRICaptureGetInfo", unsafe { f(self.raw(), &mut status, &mut model) })?;
-        Ok(status != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
+        capturing(api, self.raw())
     }
 
     /// Makes sure the workspace pool of this stream has a free block of at
