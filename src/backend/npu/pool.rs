@@ -18,9 +18,8 @@
 
 use std::ffi::c_void;
 
-use acl_sys::{aclrtMemMallocPolicy, aclrtStream, Acl};
+use acl_sys::aclrtStream;
 
-use super::runtime::{acl_fn, check};
 use crate::{Error, Result};
 
 /// Granularity of the pool's blocks: every block starts on a multiple of this
@@ -87,7 +86,9 @@ pub struct PoolStats {
     pub callback_frees: usize,
 }
 
-fn round_up(bytes: usize) -> Result<usize> {
+/// `bytes` rounded up to [`WORKSPACE_ALIGN`] (at least one block).
+pub(crate) fn round_up(bytes: usize) -> Result<usize> {
+    let bytes = bytes.max(1);
     bytes
         .checked_next_multiple_of(WORKSPACE_ALIGN)
         .ok_or_else(|| Error::invalid("workspace", "bytes", format!("{bytes} bytes overflow the address space")))
@@ -97,7 +98,7 @@ impl Pool {
     /// A block of at least `bytes` (rounded up to [`WORKSPACE_ALIGN`]) from a
     /// free range, `None` when no free range fits.
     pub(crate) fn take(&mut self, bytes: usize) -> Result<Option<(usize, usize)>> {
-        let want = round_up(bytes.max(1))?;
+        let want = round_up(bytes)?;
         // Best fit: the smallest free range that holds the request.
         let Some(i) =
             self.free.iter().enumerate().filter(|(_, r)| r.len >= want).min_by_key(|(_, r)| r.len).map(|(i, _)| i)
@@ -147,18 +148,12 @@ impl Pool {
         self.free.iter().map(|r| r.len).max().unwrap_or(0)
     }
 
-    /// Adds a segment of `bytes` from aclrtMalloc (the device must be bound).
-    pub(crate) fn grow(&mut self, api: &'static Acl, bytes: usize) -> Result<()> {
-        let len = round_up(bytes.max(1))?;
-        let f = acl_fn!(api, aclrtMalloc)?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer, nonzero size, device bound by the caller.
-        check("aclrtMalloc", unsafe { f(&mut ptr, len, aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
-        self.segments.push((ptr as usize, len));
+    /// Adds a segment from aclrtMalloc: `len` bytes at device address `ptr`.
+    pub(crate) fn add_segment(&mut self, ptr: usize, len: usize) {
+        self.segments.push((ptr, len));
         self.free.push(Range { segment: self.segments.len() - 1, start: 0, len });
         self.stats.segments += 1;
         self.stats.reserved_bytes += len;
-        Ok(())
     }
 
     /// True when no segment is held.
@@ -166,21 +161,12 @@ impl Pool {
         self.segments.is_empty()
     }
 
-    /// Frees every segment (`aclrtFree`). The caller synchronised the stream
-    /// and holds no block: every block's buffer keeps the pool alive.
-    pub(crate) fn release(&mut self, api: &'static Acl) -> Result<()> {
-        let f = acl_fn!(api, aclrtFree)?;
-        let mut first = Ok(());
-        for (ptr, _) in self.segments.drain(..) {
-            // SAFETY: allocated by aclrtMalloc in `grow`, freed once; the
-            // stream that used it was synchronised by the caller.
-            let r = check("aclrtFree", unsafe { f(ptr as *mut c_void) });
-            if first.is_ok() {
-                first = r;
-            }
-        }
+    /// Hands every segment back for `aclrtFree` and forgets them. The caller
+    /// synchronised the stream and holds no block: every block's buffer
+    /// keeps the pool alive.
+    pub(crate) fn take_segments(&mut self) -> Vec<(usize, usize)> {
         self.free.clear();
-        first
+        std::mem::take(&mut self.segments)
     }
 }
 
@@ -197,43 +183,27 @@ pub(crate) struct Staging {
 }
 
 impl Staging {
-    /// A block of at least `bytes`, allocated when none is free (refused
-    /// under capture by the caller, which knows the stream).
-    pub(crate) fn take(&mut self, api: &'static Acl, bytes: usize, may_grow: bool) -> Result<(usize, usize)> {
-        if let Some(i) = self.free.iter().position(|&(_, n)| n >= bytes) {
-            let b = self.free.swap_remove(i);
-            self.in_flight.push(b);
-            return Ok(b);
-        }
-        if !may_grow {
-            return Err(Error::invalid(
-                "workspace",
-                "staging",
-                format!(
-                    "{bytes} bytes of pinned staging are needed under graph capture and none is free; reserve \
-                     with amoe_workspace_reserve / NpuStream::reserve_workspace before the capture begins"
-                ),
-            ));
-        }
-        let len = round_up(bytes.max(1))?;
-        let f = acl_fn!(api, aclrtMallocHost)?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and nonzero size.
-        check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
-        self.host_blocks += 1;
-        self.in_flight.push((ptr as usize, len));
-        Ok((ptr as usize, len))
+    /// A free block of at least `bytes`, now in flight; `None` when none is free.
+    pub(crate) fn take_free(&mut self, bytes: usize) -> Option<(usize, usize)> {
+        let i = self.free.iter().position(|&(_, n)| n >= bytes)?;
+        let b = self.free.swap_remove(i);
+        self.in_flight.push(b);
+        Some(b)
     }
 
-    /// Adds a free block of `bytes` unless one is free already.
-    pub(crate) fn reserve(&mut self, api: &'static Acl, bytes: usize) -> Result<()> {
-        if self.free.iter().any(|&(_, n)| n >= bytes) {
-            return Ok(());
+    /// A new block from aclrtMallocHost, in flight (`free`: free at once).
+    pub(crate) fn add(&mut self, block: (usize, usize), free: bool) {
+        self.host_blocks += 1;
+        if free {
+            self.free.push(block);
+        } else {
+            self.in_flight.push(block);
         }
-        let b = self.take(api, bytes, true)?;
-        self.in_flight.retain(|&x| x != b);
-        self.free.push(b);
-        Ok(())
+    }
+
+    /// True when a free block holds `bytes`.
+    pub(crate) fn has_free(&self, bytes: usize) -> bool {
+        self.free.iter().any(|&(_, n)| n >= bytes)
     }
 
     /// The stream drained: every block in flight is free again.
@@ -241,18 +211,11 @@ impl Staging {
         self.free.append(&mut self.in_flight);
     }
 
-    /// Frees every block (the stream was synchronised).
-    pub(crate) fn release(&mut self, api: &'static Acl) -> Result<()> {
-        let f = acl_fn!(api, aclrtFreeHost)?;
-        let mut first = Ok(());
-        for (ptr, _) in self.free.drain(..).chain(self.in_flight.drain(..)) {
-            // SAFETY: from aclrtMallocHost in `take`, freed once, no copy queued.
-            let r = check("aclrtFreeHost", unsafe { f(ptr as *mut c_void) });
-            if first.is_ok() {
-                first = r;
-            }
-        }
-        first
+    /// Hands every block back for `aclrtFreeHost` (the stream was synchronised).
+    pub(crate) fn take_all(&mut self) -> Vec<(usize, usize)> {
+        let mut all = std::mem::take(&mut self.free);
+        all.append(&mut self.in_flight);
+        all
     }
 
     /// True when no block is held.

@@ -286,9 +286,24 @@ impl StreamInner {
         let sync = acl_fn!(api, aclrtSynchronizeStream)?;
         // SAFETY: `raw` is a live stream (destroyed only after this).
         settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
-        let mut st = lock(&self.state);
-        let staged = st.staging.release(api);
-        st.pool.release(api).and(staged)
+        let (segments, staged) = {
+            let mut st = lock(&self.state);
+            (st.pool.take_segments(), st.staging.take_all())
+        };
+        let free = acl_fn!(api, aclrtFree)?;
+        let free_host = acl_fn!(api, aclrtFreeHost)?;
+        let mut first = Ok(());
+        for (ptr, _) in segments {
+            // SAFETY: a segment from aclrtMalloc (`reserve_workspace`), freed
+            // once; the stream that used it was synchronised just above.
+            first = first.and(check("aclrtFree", unsafe { free(ptr as *mut std::ffi::c_void) }));
+        }
+        for (ptr, _) in staged {
+            // SAFETY: a block from aclrtMallocHost (`staging_block`), freed
+            // once; no copy from it is queued any more.
+            first = first.and(check("aclrtFreeHost", unsafe { free_host(ptr as *mut std::ffi::c_void) }));
+        }
+        first
     }
 }
 
@@ -442,7 +457,23 @@ impl NpuStream {
             return Ok(());
         }
         self.refuse_under_capture("reserve_workspace", "reserve before the capture begins")?;
-        lock(&self.inner.state).pool.grow(api, bytes)
+        let len = super::pool::round_up(bytes)?;
+        let f = acl_fn!(api, aclrtMalloc)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, nonzero size, device bound.
+        check("aclrtMalloc", unsafe { f(&mut ptr, len, acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
+        lock(&self.inner.state).pool.add_segment(ptr as usize, len);
+        Ok(())
+    }
+
+    /// A new pinned staging block of at least `bytes` (`aclrtMallocHost`).
+    fn staging_block(api: &'static Acl, bytes: usize) -> Result<(usize, usize)> {
+        let len = super::pool::round_up(bytes)?;
+        let f = acl_fn!(api, aclrtMallocHost)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and nonzero size.
+        check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
+        Ok((ptr as usize, len))
     }
 
     /// An error naming `op` while this stream is captured into a graph.
@@ -458,7 +489,12 @@ impl NpuStream {
     pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
         let api = self.enter()?;
         self.refuse_under_capture("reserve_staging", "reserve before the capture begins")?;
-        lock(&self.inner.state).staging.reserve(api, bytes)
+        if lock(&self.inner.state).staging.has_free(bytes) {
+            return Ok(());
+        }
+        let b = Self::staging_block(api, bytes)?;
+        lock(&self.inner.state).staging.add(b, true);
+        Ok(())
     }
 
     /// Serves every workspace block of this stream from `allocator` (`None`:
@@ -520,8 +556,20 @@ impl NpuStream {
             return Err(Error::invalid("stage_to_device", "dst", format!("{dst_len} bytes for {}", data.len())));
         }
         let api = self.enter()?;
-        let may_grow = !self.is_capturing()?;
-        let (ptr, _) = lock(&self.inner.state).staging.take(api, data.len(), may_grow)?;
+        let taken = lock(&self.inner.state).staging.take_free(data.len());
+        let (ptr, _) = match taken {
+            Some(b) => b,
+            None => {
+                self.refuse_under_capture(
+                    "stage_to_device",
+                    "no pinned staging block is free and none can be allocated; reserve with \
+                     amoe_workspace_reserve / NpuStream::reserve_staging before the capture begins",
+                )?;
+                let b = Self::staging_block(api, data.len())?;
+                lock(&self.inner.state).staging.add(b, false);
+                b
+            }
+        };
         // SAFETY: `ptr` is a pinned block of at least `data.len()` bytes that
         // no queued copy reads (it was free), exclusively ours until the sync.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
