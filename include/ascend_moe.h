@@ -631,8 +631,9 @@ amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
 // timeout, dead peer, naming the collective, the group and the rank). Each
 // error is reported once. NULL (host-only work) returns `AMOE_STATUS_OK`.
 //
-// This is the only function that waits for the device on the host; call it
-// where the engine synchronises anyway (e.g. once per step). While `stream`
+// It is the sync point of the stream-ordered functions (those whose docs
+// say they never synchronise); call it where the engine synchronises anyway
+// (e.g. once per step). While `stream`
 // is being captured into a graph it is refused
 // (`AMOE_STATUS_INVALID_ARGUMENT`) and nothing is waited for or reported:
 // check after the capture ends.
