@@ -283,6 +283,15 @@ typedef struct amoe_tensor {
   int32_t device_ordinal;
 } amoe_tensor;
 
+// `alloc(ctx, bytes, raw_stream)`: device memory of at least `bytes` usable by
+// work queued on `raw_stream` (an `aclrtStream`), or NULL when there is none.
+typedef void *(*amoe_alloc_fn)(void *ctx, size_t bytes, void *raw_stream);
+
+// `free(ctx, ptr, bytes, raw_stream)`: gives back a block from `alloc`. Work
+// queued on `raw_stream` before the call may still use it, so the allocator
+// must reuse it only in stream order (as torch's caching allocator does).
+typedef void (*amoe_free_fn)(void *ctx, void *ptr, size_t bytes, void *raw_stream);
+
 // One forward pass's context (SPEC section 5): the live comm type, the
 // tokens of every DP rank, this DP rank's actual tokens (rows past them are
 // graph padding), SP on/off and the PCP size. Read only; `dp_tokens` stays
@@ -435,9 +444,9 @@ amoe_status amoe_comm_cpu_new(const char *name,
 // returned handle borrows `raw_hccl_comm`, `amoe_comm_free` releases only the
 // handle, and the engine must keep the HCCL communicator alive until then.
 //
-// Collectives run on a stream of the library's own on that device, ordered
-// after the streams of their NPU operands and waited for before returning;
-// every wait is bounded by `ASCEND_MOE_COMM_TIMEOUT` (or 60 s).
+// Collectives are enqueued on the `amoe_stream` of each call (whose device
+// must be `device_ordinal`) and return without waiting; the wait of
+// `amoe_stream_check` is bounded by `ASCEND_MOE_COMM_TIMEOUT` (or 60 s).
 // Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
 // cannot be loaded; `*out` is then not written.
 //
@@ -501,10 +510,20 @@ amoe_status amoe_stream_wrap(void *raw_acl_stream,
 void amoe_stream_free(struct amoe_stream *stream);
 
 // `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
-// dtype on every rank, and may be the same memory (in place). Host tensors
-// are read from and written to the caller's memory; nothing is retained.
-// Blocks until every rank called it, or fails on every rank (mismatch,
-// timeout, dead peer).
+// dtype on every rank, and may be the same memory (in place).
+//
+// How every collective runs (this one and those below):
+// - CPU communicator (host tensors): the call returns when every rank
+//   called it, or fails on every rank (mismatch, timeout, dead peer); host
+//   memory is read and written during the call only, nothing is retained.
+// - HCCL communicator (NPU tensors): the collective is enqueued on `stream`
+//   (one HCCL call, after the communicator's previous collective) and the
+//   call returns. It never synchronises, never allocates device memory,
+//   never copies or reads device data on the host; `dst` is written in
+//   place by HCCL. Errors of the arguments (sizes, dtypes, devices) are
+//   returned; what only the device learns (a size mismatch between ranks,
+//   a hung or dead peer) is returned by `amoe_stream_check(stream)`, naming
+//   the collective, the group and the rank.
 //
 // # Safety
 // `comm` live; `src` and `dst` valid descriptors (see `amoe_tensor`).
@@ -588,11 +607,72 @@ amoe_status amoe_broadcast(const struct amoe_comm *comm,
                            size_t root,
                            const struct amoe_stream *stream);
 
-// Waits until every rank of `comm` called it (or the timeout passed).
+// A barrier over `comm`. CPU communicator: returns once every rank called
+// it (or the timeout passed). HCCL communicator: enqueues `HcclBarrier` on
+// `stream` (the communicator's device stream when NULL) and returns; work
+// queued after it on that stream runs once every rank reached it, and
+// `amoe_stream_check` reports a rank that never does.
 //
 // # Safety
 // `comm` live.
 amoe_status amoe_barrier(const struct amoe_comm *comm, const struct amoe_stream *stream);
+
+// Reserves workspace on `stream` ahead of use: afterwards its pool holds a
+// free block of at least `bytes` device bytes and a pinned staging block of
+// at least `staging_bytes` host bytes (small host data the native kernel
+// needs: slot offsets, a tiling; a few KiB cover every call). Ops take their
+// intermediates from that pool without `aclrtMalloc`; under graph capture the
+// pool cannot grow, so reserve (or run each op once) before capturing. Size
+// `bytes` from the ops' shape functions (the largest intermediate of a call
+// is about the size of its largest tensor, times two for the padded paths).
+// Refused while the stream is captured (`AMOE_STATUS_INVALID_ARGUMENT`).
+// The memory is released when the last handle of the stream is freed,
+// after one synchronisation of the stream.
+//
+// # Safety
+// `stream` must be a live handle from `amoe_stream_wrap`.
+amoe_status amoe_workspace_reserve(const struct amoe_stream *stream,
+                                   size_t bytes,
+                                   size_t staging_bytes);
+
+// Serves every workspace block of the ops queued on `stream` from the
+// engine's allocator (e.g. torch_npu's caching allocator) instead of the
+// stream's pool: `alloc` is called inside ops, also under graph capture, and
+// `free` when the op no longer needs the block (its work may still be
+// queued). Both may be called from any thread that runs an op on `stream`,
+// and must not call back into this library. Passing NULL for both goes back
+// to the pool; passing only one is `AMOE_STATUS_NULL_ARGUMENT`. Blocks
+// already handed out return to where they came from.
+//
+// # Safety
+// `stream` must be a live handle; `alloc`/`free` valid for as long as ops run
+// on `stream`, `ctx` valid for both.
+amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
+                                      amoe_alloc_fn alloc,
+                                      amoe_free_fn free,
+                                      void *ctx);
+
+// The sync point the caller owns: waits for the work queued on `stream`
+// (bounded by the timeout of the communicators whose collectives were queued
+// there since the last check, else `ASCEND_MOE_COMM_TIMEOUT` or 60 s: a hung
+// collective is `AMOE_STATUS_COMM_TIMEOUT`, never a hang), then returns the
+// first error the device recorded for that work since the last check, in
+// queue order, naming the op and the position: a kernel's bad index
+// (`AMOE_STATUS_INDEX_OUT_OF_RANGE` with the argument, position and value),
+// a collective's HCCL async error (`HcclGetCommAsyncError`: mismatch,
+// timeout, dead peer, naming the collective, the group and the rank). Each
+// error is reported once. NULL (host-only work) returns `AMOE_STATUS_OK`.
+//
+// It is the sync point of the stream-ordered functions (those whose docs
+// say they never synchronise); call it where the engine synchronises anyway
+// (e.g. once per step). While `stream`
+// is being captured into a graph it is refused
+// (`AMOE_STATUS_INVALID_ARGUMENT`) and nothing is waited for or reported:
+// check after the capture ends.
+//
+// # Safety
+// `stream` must be NULL or a live handle from `amoe_stream_wrap`.
+amoe_status amoe_stream_check(const struct amoe_stream *stream);
 
 // Makes a live context on the device of `stream`: zeroed (never written, so
 // every guard reports it until the engine sets it), with 128 guard records.
@@ -694,7 +774,19 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // written into `out`, which the caller allocated with the shape from
 // `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
 // An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
-// and `out` is then not written.
+// and `out` is then not written (unspecified on NPU).
+//
+// NPU tensors, native kernel (the default where it can launch): enqueues on
+// `stream` one memset of the status words and one kernel launch writing
+// `out` in place (plus, for the padded layout, one small copy of the slot
+// offsets from a pinned staging block); workspace comes from the stream's
+// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+// reads device data on the host; a bad index is returned by
+// `amoe_stream_check(stream)` with its argument, position and value. NPU
+// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): index values are read
+// and checked on the host first (one device-to-host copy and
+// synchronisation; refused while `stream` is captured), then
+// `aclnnMoeFinalizeRoutingV2` is enqueued.
 //
 // # Safety
 // `args` and its descriptors valid; `out` a valid, writable descriptor.
@@ -718,6 +810,12 @@ amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *perm
 // Token unpermute: `out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`
 // (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
 // nothing. Ownership as `amoe_moe_finalize_routing`.
+//
+// NPU: not yet stream-ordered. The indices are read on the host (one
+// device-to-host copy and synchronisation) to decide whether
+// `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in range),
+// which is then enqueued; other inputs are computed on the host and copied
+// back. Refused while `stream` is captured into a graph.
 //
 // # Safety
 // Descriptors valid; `out` writable.
@@ -764,6 +862,13 @@ amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
 // `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
 // Collective: every rank of `ep_comm` calls it with the same layout.
 // Ownership as `amoe_moe_finalize_routing`.
+//
+// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
+// `stream` the row copies into a padded workspace buffer, one HCCL
+// collective and one device copy of the result into `out`; never
+// synchronises, never allocates outside the stream's pool, never reads
+// device data on the host. A mismatch between ranks is returned by
+// `amoe_stream_check`.
 //
 // # Safety
 // `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
@@ -822,6 +927,12 @@ amoe_status amoe_finalize_and_reduce_output_shape(const struct amoe_finalize_arg
 // `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
 // buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
 //
+// NPU: enqueues the finalize into a padded workspace buffer (as
+// `amoe_moe_finalize_routing`), the HCCL reduce-scatter, and at most one
+// device copy of this rank's rows into `out`; never synchronises, never
+// allocates outside the stream's pool, never reads device data on the host.
+// Device-found errors come from `amoe_stream_check`.
+//
 // # Safety
 // As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
 amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
@@ -858,6 +969,11 @@ amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy
 // comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
 // shape function is the identity); `x` and `out` may be the same memory.
 // Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
+//
+// NPU (this and the other two reduction points): enqueues on `stream` one
+// device copy of `x` into `out` (none when they are the same memory) and,
+// when the point reduces, one in-place HCCL all-reduce of `out`; never
+// synchronises, never allocates, never reads device data on the host.
 //
 // # Safety
 // `policy` valid; `x`, `out` valid descriptors; `tp_comm` live.
@@ -952,6 +1068,14 @@ amoe_status amoe_token_prepare_ex_output_shape(const struct amoe_tensor *x,
 // `*mask_len`; other comm types write length 0. `mc2_mask` and `mask_len`
 // may be NULL to skip the mask; a too-small `mask_cap` returns
 // `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
+//
+// NPU (this and `amoe_token_finalize`): the row copies and the HCCL
+// collectives are enqueued on `stream`, intermediates come from its pool,
+// and the result reaches `out` by one device copy. Not yet free of host
+// waits: every EP rank first agrees on `comm_type` through a small
+// all-gather whose result is read on the host (one synchronisation), and
+// ALLTOALL reads its exchanged counts and routing on the host, since
+// `HcclAlltoAllV` takes its counts as host arrays.
 //
 // # Safety
 // Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.

@@ -132,7 +132,7 @@ pub fn finalize_then_reduce_scatter<C: Collectives + ?Sized>(
     let slot_shape = with_rows(OP, "expanded_x", out.shape(), m)?;
     let device = out.device();
     let backend = device.backend();
-    let mut padded = backend.zeros(&padded_shape, out.dtype())?;
+    let mut padded = backend.scratch(&padded_shape, out.dtype())?;
     if padded.numel() == 0 {
         // Every rank sees the same layout, so every rank skips together; `out`
         // is empty as well (no slot rows, or empty rows).
@@ -142,7 +142,7 @@ pub fn finalize_then_reduce_scatter<C: Collectives + ?Sized>(
     if mine == m {
         return comm.reduce_scatter(&padded, out, ReduceOp::Sum);
     }
-    let mut slot = backend.zeros(&slot_shape, out.dtype())?;
+    let mut slot = backend.scratch(&slot_shape, out.dtype())?;
     comm.reduce_scatter(&padded, &mut slot, ReduceOp::Sum)?;
     if mine > 0 {
         backend.copy_rows(&slot, 0, out, 0, mine)?;

@@ -196,6 +196,49 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     engine_stream.synchronize()?;
     assert_eq!(nob.to_vec()?, host_out, "finalize rank {rank}");
 
+    // A bad index is found on the device: the op queues the kernel and
+    // returns OK; amoe_stream_check reports the index, its position and value,
+    // once. The check of NULL (host-only work) is OK.
+    if dev.finalize_impl()? == "native" {
+        let bad = dev.clone_htod(&[3i32, 0, 5, 1, 9, 2])?;
+        dev.synchronize()?;
+        let nb = desc(ptr(&bad), amoe_dtype::I32, &ris, amoe_device_kind::Npu, ord);
+        // SAFETY: as above.
+        let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nb, &ns), &no, s) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        // SAFETY: a live stream handle.
+        let st = unsafe { amoe_stream_check(s) };
+        assert_eq!(st, amoe_status::IndexOutOfRange, "{}", last_error());
+        let msg = last_error();
+        assert!(msg.contains("expanded_row_idx") && msg.contains('4') && msg.contains('9'), "{msg}");
+        // SAFETY: as above.
+        assert_eq!(unsafe { amoe_stream_check(s) }, amoe_status::Ok, "reported once: {}", last_error());
+    }
+    // SAFETY: NULL is accepted.
+    assert_eq!(unsafe { amoe_stream_check(null()) }, amoe_status::Ok);
+
+    // Reduction point 3 (TP 4, no routed transform, no SP: it reduces) into
+    // the caller's `out`, then in place; `x` stays unchanged in the first.
+    let pol = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: WORLD, ep_size: WORLD };
+    let xv: Vec<f32> = (0..len).map(|i| val(rank + 2, i)).collect();
+    let want: Vec<f32> = (0..len).map(|i| (0..WORLD).map(|r| val(r + 2, i)).sum()).collect();
+    let xr = dev.clone_htod(&xv)?;
+    let or = dev.alloc_zeros::<f32>(len)?;
+    dev.synchronize()?;
+    let xdsc = desc(ptr(&xr), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord);
+    let odsc = desc(ptr(&or), amoe_dtype::F32, &shape, amoe_device_kind::Npu, ord);
+    // SAFETY: live handles; descriptors over live device memory of this device.
+    let st = unsafe { amoe_reduce_final(&pol, &xdsc, 0, c, &odsc, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    assert_eq!(xr.to_vec()?, xv, "reduce_final leaves x alone, rank {rank}");
+    // SAFETY: as above, in place.
+    let st = unsafe { amoe_reduce_final(&pol, &xdsc, 0, c, &xdsc, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    // SAFETY: a live stream handle.
+    assert_eq!(unsafe { amoe_stream_check(s) }, amoe_status::Ok, "{}", last_error());
+    assert_eq!(or.to_vec()?, want, "reduce_final into out, rank {rank}");
+    assert_eq!(xr.to_vec()?, want, "reduce_final in place, rank {rank}");
+
     // Freeing the handles leaves the engine's stream, communicator and memory alone.
     // SAFETY: live handles, not used afterwards.
     unsafe {

@@ -206,6 +206,67 @@ fn mismatched_sizes_fail_with_a_clear_error() {
 
 #[test]
 #[ignore = "needs an Ascend NPU"]
+fn a_mismatch_between_ranks_is_reported_by_the_check_of_the_operands_stream() {
+    npu_run_ranks(WORLD, &opts(), |rank, comm| {
+        let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+        // The operands live on a second stream of the rank's device: the
+        // collective is queued there, not on the communicator's own stream.
+        let other = NpuDevice::open(rank as u32)?;
+        let dev = Device::Npu(other.clone());
+        let n = if rank == 0 { 8 } else { 4 };
+        let src = Tensor::zeros(&[n], DType::F32, &dev)?;
+        let mut dst = Tensor::zeros(&[n], DType::F32, &dev)?;
+        comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: only the device sees the mismatch");
+        hccl.npu_device().check().expect("nothing was queued on the communicator's stream");
+        let err = other.check().expect_err("rank 0 reduces 8 elements, the others 4");
+        match &err {
+            ascend_moe::Error::Comm { collective, group, rank: r, .. } => {
+                assert_eq!((collective.as_str(), group.as_str(), *r), ("all_reduce", comm.name(), rank), "{err}");
+            }
+            other => panic!("expected a Comm error, got {other:?}"),
+        }
+        // Reported once: the next check has nothing new to say about the
+        // collective (the stream itself may keep CANN's sticky error).
+        if let Err(again) = other.check() {
+            assert!(!matches!(again, ascend_moe::Error::Comm { .. }), "reported twice: {again}");
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_rank_that_never_joins_is_reported_by_the_check_never_a_hang() {
+    let opts = CommOptions::with_timeout(std::time::Duration::from_secs(2));
+    npu_run_ranks(WORLD, &opts, |rank, comm| {
+        let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+        if rank == WORLD - 1 {
+            // This rank never calls the collective.
+            return Ok(());
+        }
+        let dev = comm.device();
+        let src = Tensor::zeros(&[4], DType::F32, &dev)?;
+        let mut dst = Tensor::zeros(&[4], DType::F32, &dev)?;
+        comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: the host does not wait");
+        let err = hccl.npu_device().check().expect_err("rank 3 never joins");
+        match &err {
+            ascend_moe::Error::Comm { collective, group, rank: r, kind, .. } => {
+                assert_eq!((collective.as_str(), group.as_str(), *r), ("all_reduce", comm.name(), rank), "{err}");
+                assert!(
+                    matches!(kind, ascend_moe::CommErrorKind::Timeout | ascend_moe::CommErrorKind::PeerFailed),
+                    "{err}"
+                );
+            }
+            other => panic!("expected a Comm error, got {other:?}"),
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
 fn split_with_unsorted_ranks_fails_naming_the_order_and_the_rule() {
     npu_run_ranks(WORLD, &opts(), |rank, world| {
         // Pairs {0, 1} and {2, 3}, each listed in descending order.

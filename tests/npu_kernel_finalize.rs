@@ -127,6 +127,14 @@ fn npu(imp: FinalizeImpl) -> Device {
     Device::Npu(d)
 }
 
+/// The NPU handle behind an NPU [`Device`].
+fn npu_device(d: &Device) -> &NpuDevice {
+    match d {
+        Device::Npu(n) => n,
+        Device::Cpu => panic!("an NPU device"),
+    }
+}
+
 fn golden_matrix(imp: FinalizeImpl) {
     let dev = npu(imp);
     let cpu = Device::Cpu;
@@ -235,12 +243,16 @@ fn native_finalize_reports_an_out_of_range_index() {
         };
         let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
         let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
-        match dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense) {
+        // The kernel finds the bad index on the device: the op only queues
+        // the launch, and the stream's check reports it, once.
+        dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");
+        match npu_device(&dev).check() {
             Err(Error::IndexOutOfRange { arg: a, position: p, value: v, .. }) => {
                 assert_eq!((a, p, v), (arg, position, value), "{mode:?}");
             }
             other => panic!("{mode:?}: expected IndexOutOfRange, got {other:?}"),
         }
+        npu_device(&dev).check().expect("reported once");
     }
     // A bad expert index too.
     let idx = Tensor::from_slice(&[0i32, 1, 2, 3, 4, 5], &[n]).unwrap().to_device(&dev).unwrap();
@@ -258,7 +270,8 @@ fn native_finalize_reports_an_out_of_range_index() {
     };
     let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 2 };
     let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
-    match dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense) {
+    dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");
+    match npu_device(&dev).check() {
         Err(Error::IndexOutOfRange { arg: "expert_idx", position: 3, value: 2, .. }) => {}
         other => panic!("expected IndexOutOfRange on expert_idx[3], got {other:?}"),
     }

@@ -43,6 +43,12 @@ pub struct FinalizeArgs<'a> {
 pub trait Backend {
     /// A zero-filled tensor on this backend's device.
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor>;
+    /// A zero-filled tensor an op makes for itself (an intermediate or its
+    /// result): on an NPU, workspace of the stream (its pool or the caller's
+    /// allocator), whose release never synchronises; elsewhere [`zeros`](Self::zeros).
+    fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        self.zeros(shape, dtype)
+    }
     /// A copy of `src` (on any device) on this backend's device.
     fn copy_from(&self, src: &Tensor) -> Result<Tensor>;
     /// Copies `rows` rows of `src` starting at `src_row` into `dst` at `dst_row`.

@@ -89,9 +89,9 @@ pub unsafe extern "C" fn amoe_comm_cpu_new(
 /// returned handle borrows `raw_hccl_comm`, `amoe_comm_free` releases only the
 /// handle, and the engine must keep the HCCL communicator alive until then.
 ///
-/// Collectives run on a stream of the library's own on that device, ordered
-/// after the streams of their NPU operands and waited for before returning;
-/// every wait is bounded by `ASCEND_MOE_COMM_TIMEOUT` (or 60 s).
+/// Collectives are enqueued on the `amoe_stream` of each call (whose device
+/// must be `device_ordinal`) and return without waiting; the wait of
+/// `amoe_stream_check` is bounded by `ASCEND_MOE_COMM_TIMEOUT` (or 60 s).
 /// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
 /// cannot be loaded; `*out` is then not written.
 ///
@@ -275,10 +275,20 @@ unsafe fn out_like(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tenso
 }
 
 /// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
-/// dtype on every rank, and may be the same memory (in place). Host tensors
-/// are read from and written to the caller's memory; nothing is retained.
-/// Blocks until every rank called it, or fails on every rank (mismatch,
-/// timeout, dead peer).
+/// dtype on every rank, and may be the same memory (in place).
+///
+/// How every collective runs (this one and those below):
+/// - CPU communicator (host tensors): the call returns when every rank
+///   called it, or fails on every rank (mismatch, timeout, dead peer); host
+///   memory is read and written during the call only, nothing is retained.
+/// - HCCL communicator (NPU tensors): the collective is enqueued on `stream`
+///   (one HCCL call, after the communicator's previous collective) and the
+///   call returns. It never synchronises, never allocates device memory,
+///   never copies or reads device data on the host; `dst` is written in
+///   place by HCCL. Errors of the arguments (sizes, dtypes, devices) are
+///   returned; what only the device learns (a size mismatch between ranks,
+///   a hung or dead peer) is returned by `amoe_stream_check(stream)`, naming
+///   the collective, the group and the rank.
 ///
 /// # Safety
 /// `comm` live; `src` and `dst` valid descriptors (see `amoe_tensor`).
@@ -483,7 +493,11 @@ pub unsafe extern "C" fn amoe_broadcast(
     })
 }
 
-/// Waits until every rank of `comm` called it (or the timeout passed).
+/// A barrier over `comm`. CPU communicator: returns once every rank called
+/// it (or the timeout passed). HCCL communicator: enqueues `HcclBarrier` on
+/// `stream` (the communicator's device stream when NULL) and returns; work
+/// queued after it on that stream runs once every rank reached it, and
+/// `amoe_stream_check` reports a rank that never does.
 ///
 /// # Safety
 /// `comm` live.
@@ -494,8 +508,121 @@ pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amo
         // SAFETY: `stream` is NULL or a live handle, per the export's contract.
         let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
         let c = try_comm!(F, comm);
-        c.barrier()?;
+        match (c, stream.is_null()) {
+            // SAFETY: non-NULL, so a live handle (a Box<NpuDevice> from
+            // `amoe_stream_wrap`), per the export's contract.
+            (Comm::Npu(h), false) => h.barrier_on(unsafe { &*(stream as *const NpuDevice) }.stream())?,
+            _ => c.barrier()?,
+        }
         Ok(())
+    })
+}
+
+/// Reserves workspace on `stream` ahead of use: afterwards its pool holds a
+/// free block of at least `bytes` device bytes and a pinned staging block of
+/// at least `staging_bytes` host bytes (small host data the native kernel
+/// needs: slot offsets, a tiling; a few KiB cover every call). Ops take their
+/// intermediates from that pool without `aclrtMalloc`; under graph capture the
+/// pool cannot grow, so reserve (or run each op once) before capturing. Size
+/// `bytes` from the ops' shape functions (the largest intermediate of a call
+/// is about the size of its largest tensor, times two for the padded paths).
+/// Refused while the stream is captured (`AMOE_STATUS_INVALID_ARGUMENT`).
+/// The memory is released when the last handle of the stream is freed,
+/// after one synchronisation of the stream.
+///
+/// # Safety
+/// `stream` must be a live handle from `amoe_stream_wrap`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_workspace_reserve(
+    stream: *const amoe_stream,
+    bytes: usize,
+    staging_bytes: usize,
+) -> amoe_status {
+    const F: &str = "amoe_workspace_reserve";
+    ffi!(F, {
+        let dev = try_ref!(F, stream as *const NpuDevice, "stream");
+        dev.stream().reserve_workspace(bytes)?;
+        if staging_bytes > 0 {
+            dev.stream().reserve_staging(staging_bytes)?;
+        }
+        Ok(())
+    })
+}
+
+/// `alloc(ctx, bytes, raw_stream)`: device memory of at least `bytes` usable by
+/// work queued on `raw_stream` (an `aclrtStream`), or NULL when there is none.
+pub type amoe_alloc_fn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, bytes: usize, raw_stream: *mut c_void) -> *mut c_void>;
+/// `free(ctx, ptr, bytes, raw_stream)`: gives back a block from `alloc`. Work
+/// queued on `raw_stream` before the call may still use it, so the allocator
+/// must reuse it only in stream order (as torch's caching allocator does).
+pub type amoe_free_fn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, bytes: usize, raw_stream: *mut c_void)>;
+
+/// Serves every workspace block of the ops queued on `stream` from the
+/// engine's allocator (e.g. torch_npu's caching allocator) instead of the
+/// stream's pool: `alloc` is called inside ops, also under graph capture, and
+/// `free` when the op no longer needs the block (its work may still be
+/// queued). Both may be called from any thread that runs an op on `stream`,
+/// and must not call back into this library. Passing NULL for both goes back
+/// to the pool; passing only one is `AMOE_STATUS_NULL_ARGUMENT`. Blocks
+/// already handed out return to where they came from.
+///
+/// # Safety
+/// `stream` must be a live handle; `alloc`/`free` valid for as long as ops run
+/// on `stream`, `ctx` valid for both.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_stream_set_allocator(
+    stream: *const amoe_stream,
+    alloc: amoe_alloc_fn,
+    free: amoe_free_fn,
+    ctx: *mut c_void,
+) -> amoe_status {
+    const F: &str = "amoe_stream_set_allocator";
+    ffi!(F, {
+        let dev = try_ref!(F, stream as *const NpuDevice, "stream");
+        let a = match (alloc, free) {
+            (Some(alloc), Some(free)) => Some(crate::backend::npu::Allocator { alloc, free, ctx }),
+            (None, None) => None,
+            (None, Some(_)) => return Err(Failure::null(F, "alloc")),
+            (Some(_), None) => return Err(Failure::null(F, "free")),
+        };
+        dev.stream().set_allocator(a);
+        Ok(())
+    })
+}
+
+/// The sync point the caller owns: waits for the work queued on `stream`
+/// (bounded by the timeout of the communicators whose collectives were queued
+/// there since the last check, else `ASCEND_MOE_COMM_TIMEOUT` or 60 s: a hung
+/// collective is `AMOE_STATUS_COMM_TIMEOUT`, never a hang), then returns the
+/// first error the device recorded for that work since the last check, in
+/// queue order, naming the op and the position: a kernel's bad index
+/// (`AMOE_STATUS_INDEX_OUT_OF_RANGE` with the argument, position and value),
+/// a collective's HCCL async error (`HcclGetCommAsyncError`: mismatch,
+/// timeout, dead peer, naming the collective, the group and the rank). Each
+/// error is reported once. NULL (host-only work) returns `AMOE_STATUS_OK`.
+///
+/// It is the sync point of the stream-ordered functions (those whose docs
+/// say they never synchronise); call it where the engine synchronises anyway
+/// (e.g. once per step). While `stream`
+/// is being captured into a graph it is refused
+/// (`AMOE_STATUS_INVALID_ARGUMENT`) and nothing is waited for or reported:
+/// check after the capture ends.
+///
+/// # Safety
+/// `stream` must be NULL or a live handle from `amoe_stream_wrap`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_stream_check(stream: *const amoe_stream) -> amoe_status {
+    const F: &str = "amoe_stream_check";
+    ffi!(F, {
+        if stream.is_null() {
+            return Ok(());
+        }
+        // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`.
+        let dev = unsafe { &*(stream as *const NpuDevice) };
+        dev.check()?;
+        super::live::check_attached(stream)
     })
 }
 

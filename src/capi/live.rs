@@ -105,6 +105,15 @@ fn attached(stream: *const amoe_stream) -> Option<Arc<LiveContext>> {
     attached_lock().iter().find(|(s, _)| *s == stream as usize).map(|(_, c)| c.clone())
 }
 
+/// Reads the guards of the live context attached to `stream`, if any (after
+/// the stream was synchronised): the second half of `amoe_stream_check`.
+pub(crate) fn check_attached(stream: *const amoe_stream) -> Result<(), Failure> {
+    match attached(stream) {
+        Some(live) => Ok(live.check()?),
+        None => Ok(()),
+    }
+}
+
 /// The guard an op that depends on the forward context enqueues first, when
 /// a live context is attached to its stream: against `ctx` (the MoE context
 /// the call was made with) or, without one, the comm type alone.

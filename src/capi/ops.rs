@@ -15,6 +15,7 @@ use super::{amoe_status, amoe_tensor};
 use crate::backend::FinalizeArgs;
 use crate::moe::finalize::{drop_pad_mode, FinalizeMeta, TensorMeta};
 use crate::moe::{self, ReducePolicy, SharedMode, SpLayout};
+use crate::tensor::Storage;
 use crate::{Collectives, Comm, CommType, Tensor};
 
 /// Shared-expert modes of `amoe_reduce_policy::shared_mode` (SPEC section 5).
@@ -252,7 +253,10 @@ unsafe fn layout_op_shape(
 }
 
 /// The body of an EP/SP layout op's export: `out = op(x, layout, ep_comm)`,
-/// after `out` is checked against `shape_of`.
+/// after `out` is checked against `shape_of`. On NPU the op computes into
+/// workspace of the stream's pool and its result is copied into `out` by one
+/// device copy queued on the stream; nothing synchronises or allocates
+/// outside the pool.
 ///
 /// # Safety
 /// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`;
@@ -320,7 +324,19 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 /// written into `out`, which the caller allocated with the shape from
 /// `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
 /// An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
-/// and `out` is then not written.
+/// and `out` is then not written (unspecified on NPU).
+///
+/// NPU tensors, native kernel (the default where it can launch): enqueues on
+/// `stream` one memset of the status words and one kernel launch writing
+/// `out` in place (plus, for the padded layout, one small copy of the slot
+/// offsets from a pinned staging block); workspace comes from the stream's
+/// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+/// reads device data on the host; a bad index is returned by
+/// `amoe_stream_check(stream)` with its argument, position and value. NPU
+/// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): index values are read
+/// and checked on the host first (one device-to-host copy and
+/// synchronisation; refused while `stream` is captured), then
+/// `aclnnMoeFinalizeRoutingV2` is enqueued.
 ///
 /// # Safety
 /// `args` and its descriptors valid; `out` a valid, writable descriptor.
@@ -389,6 +405,12 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute_output_shape(
 /// Token unpermute: `out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`
 /// (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
 /// nothing. Ownership as `amoe_moe_finalize_routing`.
+///
+/// NPU: not yet stream-ordered. The indices are read on the host (one
+/// device-to-host copy and synchronisation) to decide whether
+/// `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in range),
+/// which is then enqueued; other inputs are computed on the host and copied
+/// back. Refused while `stream` is captured into a graph.
 ///
 /// # Safety
 /// Descriptors valid; `out` writable.
@@ -494,6 +516,13 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
 /// Collective: every rank of `ep_comm` calls it with the same layout.
 /// Ownership as `amoe_moe_finalize_routing`.
 ///
+/// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
+/// `stream` the row copies into a padded workspace buffer, one HCCL
+/// collective and one device copy of the result into `out`; never
+/// synchronises, never allocates outside the stream's pool, never reads
+/// device data on the host. A mismatch between ranks is returned by
+/// `amoe_stream_check`.
+///
 /// # Safety
 /// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
 #[no_mangle]
@@ -589,6 +618,12 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce_output_shape(
 /// Finalize routing fused with the EP/SP reduce: the result of
 /// `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
 /// buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
+///
+/// NPU: enqueues the finalize into a padded workspace buffer (as
+/// `amoe_moe_finalize_routing`), the HCCL reduce-scatter, and at most one
+/// device copy of this rank's rows into `out`; never synchronises, never
+/// allocates outside the stream's pool, never reads device data on the host.
+/// Device-found errors come from `amoe_stream_check`.
 ///
 /// # Safety
 /// As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
@@ -718,9 +753,31 @@ unsafe fn reduce_point(
     unsafe { super::live::guard_op(f, stream, c, None) }?;
     // SAFETY: the caller's contracts, for every call below.
     let tp = unsafe { comm_ref(f, tp_comm) }?;
-    let x = unsafe { super::ffi::read_consumed(f, "x", x, out) }?;
+    let x_in = unsafe { read_tensor(f, "x", x) }?;
     // SAFETY: `out` is a valid descriptor, per the export's contract.
-    unsafe { check_out(f, "out", out, x.shape(), x.dtype()) }?;
+    unsafe { check_out(f, "out", out, x_in.shape(), x_in.dtype()) }?;
+    let x = if x_in.is_cpu() {
+        // A host input is borrowed read-only: the op's first write makes it
+        // a private copy.
+        x_in
+    } else {
+        // An NPU input is reduced in the caller's `out`: `x` is copied there
+        // on the stream (nothing when they are the same memory), so no
+        // buffer is allocated and the result needs no copy.
+        // SAFETY: `out` is a valid descriptor over NPU memory of the stream's device.
+        let o = unsafe { super::ffi::out_tensor(f, "out", out) }?;
+        if let (Storage::Npu(src), Storage::Npu(dst)) = (x_in.storage(), o.storage()) {
+            if src.as_ptr() != dst.as_ptr() {
+                dst.copy_from_device(0, src, 0, src.len_bytes())?;
+            }
+        } else {
+            return Err(Failure::new(
+                amoe_status::Device,
+                format!("{f}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)"),
+            ));
+        }
+        o
+    };
     let y = match point {
         Point::RoutedEarly => p.reduce_routed_early(x, c, tp)?,
         Point::Shared => p.reduce_shared(x, c, tp)?,
@@ -735,6 +792,11 @@ unsafe fn reduce_point(
 /// comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
 /// shape function is the identity); `x` and `out` may be the same memory.
 /// Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
+///
+/// NPU (this and the other two reduction points): enqueues on `stream` one
+/// device copy of `x` into `out` (none when they are the same memory) and,
+/// when the point reduces, one in-place HCCL all-reduce of `out`; never
+/// synchronises, never allocates, never reads device data on the host.
 ///
 /// # Safety
 /// `policy` valid; `x`, `out` valid descriptors; `tp_comm` live.

@@ -304,6 +304,14 @@ unsafe fn prepare_body(
 /// may be NULL to skip the mask; a too-small `mask_cap` returns
 /// `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
 ///
+/// NPU (this and `amoe_token_finalize`): the row copies and the HCCL
+/// collectives are enqueued on `stream`, intermediates come from its pool,
+/// and the result reaches `out` by one device copy. Not yet free of host
+/// waits: every EP rank first agrees on `comm_type` through a small
+/// all-gather whose result is read on the host (one synchronisation), and
+/// ALLTOALL reads its exchanged counts and routing on the host, since
+/// `HcclAlltoAllV` takes its counts as host arrays.
+///
 /// # Safety
 /// Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
 #[no_mangle]

@@ -105,14 +105,14 @@ fn reduce_padded<C: Collectives + ?Sized>(
     let mine = l.local_size(ep.rank());
     if padded.numel() == 0 {
         // Every rank sees the same layout, so every rank skips together.
-        return backend.zeros(out_shape, padded.dtype());
+        return backend.scratch(out_shape, padded.dtype());
     }
-    let mut slot = backend.zeros(&with_rows(PAD_REDUCE, "x", padded.shape(), m)?, padded.dtype())?;
+    let mut slot = backend.scratch(&with_rows(PAD_REDUCE, "x", padded.shape(), m)?, padded.dtype())?;
     ep.reduce_scatter(padded, &mut slot, ReduceOp::Sum)?;
     if mine == m {
         return Ok(slot);
     }
-    let mut out = backend.zeros(out_shape, padded.dtype())?;
+    let mut out = backend.scratch(out_shape, padded.dtype())?;
     if mine > 0 {
         backend.copy_rows(&slot, 0, &mut out, 0, mine)?;
     }
@@ -135,7 +135,7 @@ pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<
     }
     let backend = device.backend();
     let m = l.max_rows();
-    let mut padded = backend.zeros(&with_rows(PAD_REDUCE, "x", x.shape(), l.padded_rows())?, x.dtype())?;
+    let mut padded = backend.scratch(&with_rows(PAD_REDUCE, "x", x.shape(), l.padded_rows())?, x.dtype())?;
     for (r, &rows) in l.local_sizes().iter().enumerate() {
         if rows > 0 {
             backend.copy_rows(x, l.offset(r), &mut padded, r * m, rows)?;
@@ -203,13 +203,13 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     let m = l.max_rows();
     if l.padded_rows().checked_mul(x.row_len()) == Some(0) {
         // Nothing to move; every rank sees the same layout and skips together.
-        return backend.zeros(&out_shape, x.dtype());
+        return backend.scratch(&out_shape, x.dtype());
     }
-    let mut gathered = backend.zeros(&with_rows(GATHER_UNPAD, "x", x.shape(), l.padded_rows())?, x.dtype())?;
+    let mut gathered = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), l.padded_rows())?, x.dtype())?;
     if x.rows() == m {
         ep.all_gather(x, &mut gathered)?;
     } else {
-        let mut padded = backend.zeros(&with_rows(GATHER_UNPAD, "x", x.shape(), m)?, x.dtype())?;
+        let mut padded = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), m)?, x.dtype())?;
         if x.rows() > 0 {
             backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
         }
@@ -218,7 +218,7 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     if l.is_uniform() {
         return Ok(gathered);
     }
-    let mut out = backend.zeros(&out_shape, x.dtype())?;
+    let mut out = backend.scratch(&out_shape, x.dtype())?;
     for (r, &rows) in l.local_sizes().iter().enumerate() {
         if rows > 0 {
             backend.copy_rows(&gathered, r * m, &mut out, l.offset(r), rows)?;
@@ -267,7 +267,7 @@ pub fn finalize_and_reduce<C: Collectives + ?Sized>(
 ) -> Result<Tensor> {
     let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
     let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
-    let mut out = device.backend().zeros(&out_shape, args.expanded_x.dtype())?;
+    let mut out = device.backend().scratch(&out_shape, args.expanded_x.dtype())?;
     finalize_and_reduce_into(args, layout, ep, &mut out)?;
     Ok(out)
 }

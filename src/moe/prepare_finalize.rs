@@ -396,7 +396,7 @@ pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C
     }
     let device = ep.device();
     let mine = Tensor::from_slice(&[comm as i32], &[1])?.to_device(&device)?;
-    let mut all = Tensor::zeros(&[world], DType::I32, &device)?;
+    let mut all = device.backend().scratch(&[world], DType::I32)?;
     ep.all_gather(&mine, &mut all)?;
     let chosen = all.to_vec::<i32>()?;
     if chosen.iter().all(|&c| c == comm as i32) {
@@ -449,9 +449,9 @@ pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
     let hidden = match token_plan(comm, ctx) {
         TokenPlan::SpGather(l) => maybe_all_gather_and_maybe_unpad(x, Some(&l), &groups.ep)?,
         TokenPlan::DpGather { max_tokens } => {
-            let mut out = backend.zeros(&shape, x.dtype())?;
+            let mut out = backend.scratch(&shape, x.dtype())?;
             if out.numel() > 0 {
-                let mut padded = backend.zeros(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
+                let mut padded = backend.scratch(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
                 if x.rows() > 0 {
                     backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
                 }
@@ -460,7 +460,7 @@ pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
                     // the DP all-gather first, then the PCP all-gather of its result.
                     Some(pcp) => {
                         let dp_rows = max_tokens * ctx.dp_size();
-                        let mut dp_out = backend.zeros(&with_rows(PREPARE, "x", x.shape(), dp_rows)?, x.dtype())?;
+                        let mut dp_out = backend.scratch(&with_rows(PREPARE, "x", x.shape(), dp_rows)?, x.dtype())?;
                         groups.dp.all_gather(&padded, &mut dp_out)?;
                         pcp.all_gather(&dp_out, &mut out)?;
                     }
@@ -471,7 +471,7 @@ pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         }
         TokenPlan::TpSplit { sizes, .. } => {
             let first: usize = sizes[..ctx.tp_rank].iter().sum();
-            let mut out = backend.zeros(&shape, x.dtype())?;
+            let mut out = backend.scratch(&shape, x.dtype())?;
             // Rows past the real tokens stay zero (the padding).
             let real = x.rows().saturating_sub(first).min(sizes[ctx.tp_rank]);
             if real > 0 {
@@ -496,7 +496,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         if full.rows() == shape[0] {
             return Ok(full);
         }
-        let mut out = backend.zeros(&shape, full.dtype())?;
+        let mut out = backend.scratch(&shape, full.dtype())?;
         if shape[0] > 0 {
             backend.copy_rows(&full, 0, &mut out, 0, shape[0])?;
         }
@@ -505,7 +505,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
     match token_plan(comm, ctx) {
         TokenPlan::SpGather(l) => maybe_pad_and_reduce(&y, Some(&l), &groups.ep),
         TokenPlan::DpGather { max_tokens } => {
-            let mut slot = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
+            let mut slot = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
             if slot.numel() > 0 {
                 match &groups.pcp {
                     // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
@@ -513,7 +513,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
                     // prepare, then the DP reduce-scatter to `max_d T_d`.
                     Some(pcp) => {
                         let dp_rows = max_tokens * ctx.dp_size();
-                        let mut dp_in = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
+                        let mut dp_in = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
                         pcp.reduce_scatter(&y, &mut dp_in, ReduceOp::Sum)?;
                         groups.dp.reduce_scatter(&dp_in, &mut slot, ReduceOp::Sum)?;
                     }
@@ -523,7 +523,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
             keep(slot)
         }
         TokenPlan::TpSplit { padded, sizes } => {
-            let mut full = backend.zeros(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?;
+            let mut full = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?;
             if full.numel() > 0 {
                 if sizes.iter().all(|s| *s == sizes[0]) {
                     groups.tp.all_gather(&y, &mut full)?;
@@ -557,7 +557,7 @@ fn exchange_counts(ep: &Comm, send: &[usize]) -> Result<Vec<usize>> {
     let world = ep.world_size();
     let s: Vec<i64> = send.iter().map(|&c| c as i64).collect();
     let src = Tensor::from_slice(&s, &[world])?.to_device(&ep.device())?;
-    let mut dst = Tensor::zeros(&[world], DType::I64, &ep.device())?;
+    let mut dst = ep.device().backend().scratch(&[world], DType::I64)?;
     ep.all_to_all_v(&src, &vec![1; world], &mut dst, &vec![1; world])?;
     Ok(dst.to_vec::<i64>()?.into_iter().map(|c| c.max(0) as usize).collect())
 }
@@ -630,12 +630,12 @@ pub fn dispatch(
     let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
     let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
     let recv_total: usize = recv_counts.iter().sum();
-    let mut rows = Tensor::zeros(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype(), &device)?;
+    let mut rows = device.backend().scratch(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype())?;
     let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
     let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
     ep.all_to_all_v(&send, &sc, &mut rows, &rc)?;
     let se = Tensor::from_slice(&send_experts, &[send_experts.len()])?.to_device(&device)?;
-    let mut re = Tensor::zeros(&[recv_total], DType::I32, &device)?;
+    let mut re = device.backend().scratch(&[recv_total], DType::I32)?;
     ep.all_to_all_v(&se, &send_counts, &mut re, &recv_counts)?;
     Ok(Dispatched { rows, experts: re.to_vec::<i32>()?, send_counts, recv_counts, send_pos, tokens: n, top_k })
 }
@@ -662,7 +662,7 @@ pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &
     let sent: usize = d.send_counts.iter().sum();
     let mut back_shape = vec![1, sent];
     back_shape.extend_from_slice(&expert_out.shape()[1..]);
-    let mut back = Tensor::zeros(&back_shape, expert_out.dtype(), &device)?;
+    let mut back = device.backend().scratch(&back_shape, expert_out.dtype())?;
     let sc: Vec<usize> = d.recv_counts.iter().map(|c| c * h).collect();
     let rc: Vec<usize> = d.send_counts.iter().map(|c| c * h).collect();
     ep.all_to_all_v(expert_out, &sc, &mut back, &rc)?;

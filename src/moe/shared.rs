@@ -53,7 +53,7 @@ pub fn shared_pad_split<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<T
     let shape = shared_pad_split_output_shape(x.shape(), tp.rank(), tp.world_size())?;
     let device = x.device();
     let backend = device.backend();
-    let mut out = backend.zeros(&shape, x.dtype())?;
+    let mut out = backend.scratch(&shape, x.dtype())?;
     let first = tp.rank() * shape[0];
     let real = x.rows().saturating_sub(first).min(shape[0]);
     if real > 0 {
@@ -86,14 +86,14 @@ pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usiz
     let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
     let device = x.device();
     let backend = device.backend();
-    let mut full = backend.zeros(&with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?, x.dtype())?;
+    let mut full = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?, x.dtype())?;
     if full.numel() > 0 {
         tp.all_gather(x, &mut full)?;
     }
     if full.rows() == num_tokens {
         return Ok(full);
     }
-    let mut out = backend.zeros(&shape, x.dtype())?;
+    let mut out = backend.scratch(&shape, x.dtype())?;
     if num_tokens > 0 {
         backend.copy_rows(&full, 0, &mut out, 0, num_tokens)?;
     }
@@ -116,14 +116,14 @@ pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) ->
     let device = x.device();
     let backend = device.backend();
     let padded_rows = shape[0] * tp.world_size();
-    let mut out = backend.zeros(&shape, x.dtype())?;
+    let mut out = backend.scratch(&shape, x.dtype())?;
     if out.numel() == 0 {
         return Ok(out);
     }
     if padded_rows == x.rows() {
         tp.reduce_scatter(x, &mut out, ReduceOp::Sum)?;
     } else {
-        let mut padded = backend.zeros(&with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), padded_rows)?, x.dtype())?;
+        let mut padded = backend.scratch(&with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), padded_rows)?, x.dtype())?;
         if x.rows() > 0 {
             backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
         }

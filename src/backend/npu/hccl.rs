@@ -1,10 +1,18 @@
 //! HCCL, safely: root info, communicators (from root info, sub-communicators,
 //! borrowed from the host engine) and the collectives of SPEC section 8.
 //!
-//! Every collective is queued on the communicator's device stream, ordered
-//! after the streams of its operands, and then waited for with the
-//! communicator's timeout, so a failure or a hang surfaces as an error of that
-//! call (with `HcclGetCommAsyncError` consulted on a timeout).
+//! Every collective is queued on the stream of its call (the stream of its
+//! operands: for the C ABI the caller's `amoe_stream`) and returns: the host
+//! never waits inside a collective. The HCCL API reference gives each
+//! collective's `stream` argument as "the stream of the rank" (HcclAllReduce,
+//! HcclAllGather, ..., hcclcpp_07_0021 and neighbours, CANN 8.0), any stream of
+//! the communicator's device, on which the collective is one more task.
+//! A collective whose operands live on other streams, or whose communicator
+//! last ran on another stream, is ordered after them on the device (event
+//! record and wait), so one communicator's collectives run in call order.
+//! What only the device can tell (a mismatch between ranks, a hung peer:
+//! `HcclGetCommAsyncError`) is reported by [`NpuStream::check`] of that
+//! stream, naming the collective, the group and the rank.
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr};
@@ -13,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use hccl_sys::{Hccl, HcclCommConfig, HcclDataType, HcclReduceOp, HcclResult, HcclRootInfo as RawRootInfo};
 
 use super::memory::NpuBuffer;
-use super::runtime::record_drop_error;
+use super::runtime::{record_drop_error, NpuStream, Pending};
 use super::NpuDevice;
 use crate::comm::{Collectives, Comm, CommOptions, ReduceOp};
 use crate::tensor::Storage;
@@ -212,6 +220,9 @@ struct CommInner {
     global_ranks: Vec<usize>,
     /// A small device allocation passed in place of an empty (NULL) buffer.
     placeholder: std::sync::OnceLock<NpuBuffer>,
+    /// The stream the last collective was queued on: the next one, on
+    /// whatever stream, is ordered after it, and destruction waits for it.
+    last_stream: Mutex<Option<NpuStream>>,
 }
 
 // SAFETY: an HcclComm is a library handle; HCCL allows its use from any
@@ -226,8 +237,12 @@ impl Drop for CommInner {
         if !self.owned {
             return;
         }
+        let last = self.last_stream.lock().map(|mut l| l.take()).unwrap_or_default();
         let result = hccl().and_then(|api| {
-            self.device.stream().synchronize()?;
+            if let Some(s) = last {
+                super::runtime::settled(s.synchronize())?;
+            }
+            super::runtime::settled(self.device.stream().synchronize())?;
             let f = hccl_fn!(api, HcclCommDestroy)?;
             // SAFETY: created by us, destroyed once, no queued collective left.
             check("HcclCommDestroy", unsafe { f(self.raw) })
@@ -389,6 +404,7 @@ impl HcclComm {
                 global,
                 global_ranks,
                 placeholder: std::sync::OnceLock::new(),
+                last_stream: Mutex::new(None),
             }),
         }
     }
@@ -522,46 +538,60 @@ impl HcclComm {
         }
     }
 
-    /// Queues one HCCL call on the stream after the operands' streams, then
-    /// waits for it with the communicator's timeout.
+    /// Queues one HCCL call on the stream of the call (the first operand's;
+    /// the communicator's device stream when there is none), ordered after the
+    /// other operands' streams and after this communicator's previous
+    /// collective, records it for [`NpuStream::check`] and returns without
+    /// waiting.
     fn run(
         &self,
         call: &'static str,
         operands: &[&NpuBuffer],
         launch: impl FnOnce(&Hccl, acl_sys::aclrtStream) -> Result<()>,
     ) -> Result<()> {
+        let stream = operands.first().map_or_else(|| self.inner.device.stream(), |b| b.stream()).clone();
+        self.run_on(&stream, call, operands, launch)
+    }
+
+    fn run_on(
+        &self,
+        stream: &NpuStream,
+        call: &'static str,
+        operands: &[&NpuBuffer],
+        launch: impl FnOnce(&Hccl, acl_sys::aclrtStream) -> Result<()>,
+    ) -> Result<()> {
         let api = hccl()?;
-        let stream = self.inner.device.stream();
+        if stream.ordinal() != self.inner.device.ordinal() {
+            return Err(Error::Device {
+                op: call,
+                arg: "stream",
+                expected: format!("npu:{}", self.inner.device.ordinal()),
+                actual: format!("npu:{}", stream.ordinal()),
+            });
+        }
         for b in operands {
             stream.wait_for(b.stream())?;
         }
+        let mut last = self.inner.last_stream.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(prev) = last.as_ref() {
+            stream.wait_for(prev)?;
+        }
         stream.enter()?;
         launch(api, stream.raw())?;
-        if let Err(e) = stream.synchronize_timeout(self.inner.opts.timeout) {
-            let async_err = self.async_error();
-            return Err(Error::Comm {
-                collective: call.to_string(),
-                group: self.inner.name.clone(),
-                rank: self.inner.rank,
-                world: self.inner.world,
-                detail: format!("waiting for the collective failed: {e}{async_err}"),
-                kind: crate::CommErrorKind::Timeout,
-            });
-        }
+        *last = Some(stream.clone());
+        drop(last);
+        stream.record_pending(Box::new(QueuedCollective { call, comm: Arc::downgrade(&self.inner) }));
         Ok(())
     }
 
-    fn async_error(&self) -> String {
-        let Ok(api) = hccl() else { return String::new() };
-        let Ok(f) = api.lib.HcclGetCommAsyncError.as_ref() else { return String::new() };
-        let mut code = HcclResult::HCCL_SUCCESS;
-        // SAFETY: live communicator, valid out-pointer.
-        let rc = unsafe { f(self.inner.raw, &mut code) };
-        if rc == HcclResult::HCCL_SUCCESS && code != HcclResult::HCCL_SUCCESS {
-            format!("; HCCL async error {}: {}", code.0, error_string(code))
-        } else {
-            String::new()
-        }
+    /// [`Collectives::barrier`] queued on `stream` (a stream of this
+    /// communicator's device, e.g. the caller's) instead of the device's own.
+    pub fn barrier_on(&self, stream: &NpuStream) -> Result<()> {
+        self.run_on(stream, "barrier", &[], |api, raw| {
+            let f = hccl_fn!(api, HcclBarrier)?;
+            // SAFETY: live communicator and stream of its device.
+            check("HcclBarrier", unsafe { f(self.inner.raw, raw) })
+        })
     }
 
     fn same_dtype(&self, op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
@@ -600,6 +630,67 @@ const FNV_SEED: u64 = 0xcbf2_9ce4_8422_2325;
 /// FNV-1a over `bytes`, continuing from `seed`: a stable id, the same on every rank.
 fn fnv1a(seed: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
     bytes.into_iter().fold(seed, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// A collective queued on a stream, reported by that stream's check.
+struct QueuedCollective {
+    call: &'static str,
+    comm: std::sync::Weak<CommInner>,
+}
+
+impl CommInner {
+    /// `HcclGetCommAsyncError`: the error HCCL recorded for this communicator
+    /// (a collective that failed on the device), `None` when there is none.
+    /// HCCL API reference: "queries the asynchronous error of a communicator".
+    fn async_error(&self) -> Option<HcclResult> {
+        let f = hccl().ok()?.lib.HcclGetCommAsyncError.as_ref().ok()?;
+        let mut code = HcclResult::HCCL_SUCCESS;
+        // SAFETY: live communicator (held by the caller), valid out-pointer.
+        let rc = unsafe { f(self.raw, &mut code) };
+        (rc == HcclResult::HCCL_SUCCESS && code != HcclResult::HCCL_SUCCESS).then_some(code)
+    }
+}
+
+impl Pending for QueuedCollective {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        Some((self.comm.as_ptr() as usize, self.call))
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        self.comm.upgrade().map(|c| c.opts.timeout)
+    }
+
+    fn outcome(&self, wait: Option<&Error>, _stream: &NpuStream) -> Result<()> {
+        // A destroyed communicator waited for its work and reported any
+        // failure as a drop error.
+        let Some(c) = self.comm.upgrade() else { return Ok(()) };
+        let err = |kind, detail: String| Error::Comm {
+            collective: self.call.to_string(),
+            group: c.name.clone(),
+            rank: c.rank,
+            world: c.world,
+            detail,
+            kind,
+        };
+        if let Some(code) = c.async_error() {
+            let kind = match code {
+                HcclResult::HCCL_E_TIMEOUT => crate::CommErrorKind::Timeout,
+                HcclResult::HCCL_E_REMOTE => crate::CommErrorKind::PeerFailed,
+                _ => crate::CommErrorKind::Mismatch,
+            };
+            let how = wait.map(|e| format!(" (the stream reported: {e})")).unwrap_or_default();
+            return Err(err(kind, format!("HCCL async error {}: {}{how}", code.0, error_string(code))));
+        }
+        // A wait that timed out with no error recorded by HCCL: this
+        // collective (the first one queued since the last check) is named.
+        match wait {
+            Some(e @ Error::Acl { code, .. }) if *code == acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT => Err(err(
+                crate::CommErrorKind::Timeout,
+                format!("waiting for the stream (timeout {:?}) failed: {e}", c.opts.timeout),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Collectives for HcclComm {

@@ -1,17 +1,22 @@
 //! Device memory ([`NpuBuffer`], typed [`DeviceBuffer`]) and pinned host
 //! memory ([`PinnedHostBuffer`]).
 //!
-//! A buffer belongs to a stream: work on it is queued there, and dropping it
-//! synchronises that stream before `aclrtFree`, so memory is never released
-//! under queued work. "Sync" copies synchronise the stream first and then use
-//! the blocking `aclrtMemcpy`; "async" copies are queued on the stream.
+//! A buffer belongs to a stream: work on it is queued there. An owned buffer
+//! ([`NpuBuffer::alloc`]) synchronises that stream before `aclrtFree` on drop,
+//! so memory is never released under queued work. A workspace buffer
+//! ([`NpuBuffer::workspace`], what ops use for their intermediates) comes from
+//! the stream's pool or the caller's allocator and goes back there on drop
+//! without any synchronisation (see [`super::pool`]). "Sync" copies
+//! synchronise the stream first and then use the blocking `aclrtMemcpy`;
+//! "async" copies are queued on the stream.
 
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
 use acl_sys::{aclrtMemMallocPolicy, aclrtMemcpyKind};
 
-use super::runtime::{acl_fn, check, record_drop_error, NpuStream};
+use super::pool::{self, Allocator};
+use super::runtime::{acl_fn, check, lock, record_drop_error, settled, NpuStream};
 use super::NpuDevice;
 use crate::{Element, Error, Result};
 
@@ -27,7 +32,20 @@ pub struct NpuBuffer {
     ptr: *mut c_void,
     len: usize,
     device: NpuDevice,
-    owned: bool,
+    origin: Origin,
+}
+
+/// Where a buffer's memory comes from, and where it goes on drop.
+#[derive(Debug, Clone, Copy)]
+enum Origin {
+    /// `aclrtMalloc`; freed after a synchronisation of the stream.
+    Owned,
+    /// The host engine's memory; never freed.
+    Borrowed,
+    /// A block of the stream's pool (`len` rounded up); returned without sync.
+    Pool { block: usize },
+    /// A block of the caller's allocator; returned through its `free`.
+    Callback(Allocator),
 }
 
 // SAFETY: the pointer is device memory, never dereferenced on the host; ACL
@@ -46,14 +64,87 @@ impl NpuBuffer {
     /// Allocates `len` uninitialised bytes on `device` (queued work goes on its stream).
     pub fn alloc(device: &NpuDevice, len: usize) -> Result<Self> {
         if len == 0 {
-            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), owned: true });
+            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin: Origin::Owned });
         }
         let api = device.stream().enter()?;
         let f = acl_fn!(api, aclrtMalloc)?;
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer, nonzero size, device bound.
         check("aclrtMalloc", unsafe { f(&mut ptr, len, aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
-        Ok(NpuBuffer { ptr, len, device: device.clone(), owned: true })
+        Ok(NpuBuffer { ptr, len, device: device.clone(), origin: Origin::Owned })
+    }
+
+    /// `len` uninitialised bytes of workspace for work queued on `device`'s
+    /// stream: from the caller's allocator when one is set on the stream,
+    /// else from the stream's pool, which grows (`aclrtMalloc`) only outside
+    /// graph capture. Dropping it never synchronises.
+    pub fn workspace(device: &NpuDevice, len: usize) -> Result<Self> {
+        let origin = Origin::Pool { block: 0 };
+        if len == 0 {
+            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin });
+        }
+        let stream = device.stream();
+        let allocator = lock(stream.state()).allocator;
+        if let Some(a) = allocator {
+            let ptr = pool::callback_alloc(&a, len, stream.raw())?;
+            lock(stream.state()).pool.stats.callback_blocks += 1;
+            return Ok(NpuBuffer { ptr, len, device: device.clone(), origin: Origin::Callback(a) });
+        }
+        if let Some((ptr, block)) = lock(stream.state()).pool.take(len)? {
+            return Ok(NpuBuffer {
+                ptr: ptr as *mut c_void,
+                len,
+                device: device.clone(),
+                origin: Origin::Pool { block },
+            });
+        }
+        if stream.is_capturing()? {
+            let largest = lock(stream.state()).pool.largest_free();
+            return Err(Error::invalid(
+                "workspace",
+                "bytes",
+                format!(
+                    "{len} bytes of workspace are needed while {:?} is captured into a graph and the largest free \
+                     block of its pool has {largest}; the pool cannot grow under capture: reserve ahead with \
+                     amoe_workspace_reserve / NpuStream::reserve_workspace (or run the op once before capture), \
+                     or set an allocator on the stream",
+                    stream
+                ),
+            ));
+        }
+        stream.reserve_workspace(len)?;
+        let (ptr, block) = lock(stream.state()).pool.take(len)?.ok_or_else(|| {
+            Error::invalid("workspace", "bytes", format!("a fresh pool segment does not hold {len} bytes"))
+        })?;
+        Ok(NpuBuffer { ptr: ptr as *mut c_void, len, device: device.clone(), origin: Origin::Pool { block } })
+    }
+
+    /// Takes a pool block out of its buffer, which then neither returns nor
+    /// holds it: `(address, block bytes)`, for a record that must outlive the
+    /// op without keeping its stream alive; give it back with
+    /// [`NpuStream::give_back_block`]. `None` for memory not from the pool.
+    pub(crate) fn detach_pool_block(self) -> Option<(usize, usize)> {
+        let me = std::mem::ManuallyDrop::new(self);
+        match me.origin {
+            Origin::Pool { block } if !me.ptr.is_null() => {
+                // SAFETY: `me` is never used again and never dropped; its
+                // device handle is dropped here exactly once.
+                drop(unsafe { std::ptr::read(&me.device) });
+                Some((me.ptr as usize, block))
+            }
+            _ => {
+                let me = std::mem::ManuallyDrop::into_inner(me);
+                drop(me);
+                None
+            }
+        }
+    }
+
+    /// `len` zero bytes of workspace (the memset is queued on the stream).
+    pub fn workspace_zeros(device: &NpuDevice, len: usize) -> Result<Self> {
+        let b = Self::workspace(device, len)?;
+        b.memset_async(0, 0, len)?;
+        Ok(b)
     }
 
     /// Wraps `len` bytes of device memory owned by someone else (e.g. a
@@ -69,12 +160,19 @@ impl NpuBuffer {
         if ptr.is_null() && len > 0 {
             return Err(Error::invalid("NpuBuffer::borrow_raw", "ptr", format!("NULL for {len} bytes")));
         }
-        Ok(NpuBuffer { ptr, len, device: device.clone(), owned: false })
+        Ok(NpuBuffer { ptr, len, device: device.clone(), origin: Origin::Borrowed })
     }
 
-    /// Whether dropping this buffer frees its memory (false for [`NpuBuffer::borrow_raw`]).
+    /// Whether dropping this buffer frees or returns its memory (false for
+    /// [`NpuBuffer::borrow_raw`]).
     pub fn is_owned(&self) -> bool {
-        self.owned
+        !matches!(self.origin, Origin::Borrowed)
+    }
+
+    /// Whether this is workspace (pool or the caller's allocator), whose drop
+    /// never synchronises.
+    pub fn is_workspace(&self) -> bool {
+        matches!(self.origin, Origin::Pool { .. } | Origin::Callback(_))
     }
 
     /// Allocates `len` zero bytes.
@@ -268,11 +366,28 @@ impl NpuBuffer {
 
 impl Drop for NpuBuffer {
     fn drop(&mut self) {
-        if self.ptr.is_null() || !self.owned {
+        if self.ptr.is_null() {
             return;
         }
+        match self.origin {
+            Origin::Borrowed => return,
+            Origin::Owned => {}
+            Origin::Pool { block } => {
+                // Stream-ordered reuse: no sync (module docs).
+                lock(self.device.stream().state()).pool.give_back(self.ptr as usize, block);
+                return;
+            }
+            Origin::Callback(a) => {
+                // SAFETY: `ptr` came from `a.alloc` with `len` bytes on this
+                // stream and is returned once; the allocator's contract
+                // allows work queued on the stream to still use it.
+                unsafe { (a.free)(a.ctx, self.ptr, self.len, self.device.stream().raw()) };
+                lock(self.device.stream().state()).pool.stats.callback_frees += 1;
+                return;
+            }
+        }
         let stream = self.device.stream().clone();
-        let result = stream.synchronize().and_then(|_| {
+        let result = settled(stream.synchronize()).and_then(|_| {
             let api = stream.enter()?;
             let f = acl_fn!(api, aclrtFree)?;
             // SAFETY: allocated by aclrtMalloc, freed once, no queued work left.
@@ -457,7 +572,7 @@ impl Drop for PinnedHostBuffer {
             return;
         }
         let stream = self.device.stream().clone();
-        let result = stream.synchronize().and_then(|_| {
+        let result = settled(stream.synchronize()).and_then(|_| {
             let api = stream.enter()?;
             let f = acl_fn!(api, aclrtFreeHost)?;
             // SAFETY: allocated by aclrtMallocHost, freed once, no queued copy left.

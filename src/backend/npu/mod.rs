@@ -19,6 +19,7 @@ pub mod kernel;
 pub mod live_context;
 pub mod memory;
 mod ops;
+pub mod pool;
 pub mod probe;
 pub mod runtime;
 
@@ -27,6 +28,7 @@ use std::sync::Arc;
 pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
 pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
 pub use ops::{acl_dtype, FinalizeImpl, FINALIZE_ENV};
+pub use pool::{Allocator, PoolStats, WORKSPACE_ALIGN};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
 
@@ -122,6 +124,13 @@ impl NpuDevice {
         self.stream.synchronize()
     }
 
+    /// The sync point of this handle's stream: waits for its work and returns
+    /// the first error the device recorded for it since the last check (see
+    /// [`NpuStream::check`]).
+    pub fn check(&self) -> Result<()> {
+        self.stream.check()
+    }
+
     /// `len` zero elements of `T`.
     pub fn alloc_zeros<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
         DeviceBuffer::zeros(self, len)
@@ -155,21 +164,33 @@ impl NpuDevice {
     }
 }
 
+fn shape_bytes(shape: &[usize], dtype: DType) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
+        .ok_or_else(|| Error::invalid("zeros", "shape", format!("{shape:?} overflows the address space")))
+}
+
 impl Backend for NpuDevice {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let bytes = shape
-            .iter()
-            .try_fold(dtype.size(), |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::invalid("zeros", "shape", format!("{shape:?} overflows the address space")))?;
+        let bytes = shape_bytes(shape, dtype)?;
         let buf = NpuBuffer::zeros(self, bytes)?;
+        Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(buf))
+    }
+
+    fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let buf = NpuBuffer::workspace_zeros(self, shape_bytes(shape, dtype)?)?;
         Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(buf))
     }
 
     fn copy_from(&self, src: &Tensor) -> Result<Tensor> {
         match src.storage() {
             Storage::Cpu(_) => self.upload(src),
+            // A device copy is an op's own result or intermediate (a consumed
+            // input it must not modify): workspace of this stream, like
+            // `scratch`, so it neither allocates nor synchronises.
             Storage::Npu(b) => {
-                let buf = NpuBuffer::alloc(self, b.len_bytes())?;
+                let buf = NpuBuffer::workspace(self, b.len_bytes())?;
                 buf.copy_from_device(0, b, 0, b.len_bytes())?;
                 Tensor::from_parts(src.shape().to_vec(), src.dtype(), Storage::Npu(buf))
             }

@@ -1,8 +1,11 @@
 //! The backend ops through aclnn's two-phase calls: describe the operands
 //! (`aclCreateTensor`), size the workspace and build the executor (phase one),
-//! run on the device stream (phase two), then release the descriptors. The
-//! workspace buffer is freed only after the stream finished with it (buffers
-//! synchronise their stream before `aclrtFree`).
+//! run on the device stream (phase two), then release the descriptors; and
+//! the native finalize kernel. Every op queues its work on the stream of its
+//! call and returns: workspace comes from the stream's pool (or the caller's
+//! allocator) and goes back without a synchronisation, since its next user is
+//! queued after this op on the same stream; what the device finds (the
+//! kernel's status words) is reported by the stream's check.
 
 use std::ffi::c_void;
 use std::sync::OnceLock;
@@ -187,12 +190,12 @@ fn run_phase_two(
     ws: u64,
     executor: *mut aclOpExecutor,
 ) -> Result<()> {
-    let workspace = NpuBuffer::alloc(device, ws as usize)?;
+    let workspace = NpuBuffer::workspace(device, ws as usize)?;
     let stream = device.stream();
     stream.enter()?;
     // SAFETY: the executor came from phase one of the same op; the workspace
-    // holds `ws` bytes (or is NULL for 0) and lives until the stream finished
-    // with it (its drop synchronises the stream).
+    // holds `ws` bytes (or is NULL for 0); its block is reused only by work
+    // queued after this on the same stream.
     check(call, unsafe { run(workspace.as_ptr(), ws, executor, stream.raw()) })
 }
 
@@ -201,7 +204,17 @@ fn run_phase_two(
 /// a device-to-host copy and a stream synchronisation on the aclnn path: the
 /// one place it happens, so a device-side check can replace it. The native
 /// kernel path checks indices on the device and reports them in its status.
-fn read_indices_to_host_for_validation(t: &Tensor) -> Result<Vec<i32>> {
+/// Refused while the stream is captured into a graph (a host read cannot be
+/// captured, and a replay would not repeat it).
+fn read_indices_to_host_for_validation(device: &NpuDevice, op: &'static str, t: &Tensor) -> Result<Vec<i32>> {
+    if device.stream().is_capturing()? {
+        return Err(Error::invalid(
+            op,
+            "stream",
+            "the aclnn path validates index values on the host, which cannot be captured into a graph; \
+             use the native finalize (ASCEND_MOE_NPU_FINALIZE=native), which checks them on the device",
+        ));
+    }
     t.to_vec::<i32>()
 }
 
@@ -242,8 +255,7 @@ pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) 
     check("aclnnAddGetWorkspaceSize", unsafe {
         (add.get_workspace_size)(da.raw, db.raw, alpha.raw, dout.raw, &mut ws, &mut exec)
     })?;
-    run_phase_two(device, "aclnnAdd", add.run, ws, exec)?;
-    device.stream().synchronize()
+    run_phase_two(device, "aclnnAdd", add.run, ws, exec)
 }
 
 /// How [`NpuDevice`]'s finalize routing runs.
@@ -360,8 +372,7 @@ fn finalize_native(
     }
     if dims.n == 0 {
         // No tokens: every row of the (padded) output is padding.
-        out_buf.memset_async(0, 0, out_buf.len_bytes())?;
-        return device.stream().synchronize();
+        return out_buf.memset_async(0, 0, out_buf.len_bytes());
     }
     let ptr = |arg: &'static str, t: Option<&Tensor>| -> Result<*mut c_void> {
         Ok(match t {
@@ -378,25 +389,20 @@ fn finalize_native(
     gm[kernels::GM_SCALES] = ptr("scales", args.scales)?;
     gm[kernels::GM_EXPERT_IDX] = ptr("expert_idx", args.expert_idx)?;
     gm[kernels::GM_OUT] = out_buf.as_ptr();
+    let stream = device.stream();
     let offsets = kernels::slot_offsets(rows)?;
-    let offsets_buf = if offsets.is_empty() {
-        None
-    } else {
-        let b = NpuBuffer::alloc(device, offsets.len() * 4)?;
-        b.copy_from_host_at(0, bytemuck::cast_slice(&offsets))?;
-        gm[kernels::GM_SLOT_OFFSETS] = b.as_ptr();
-        Some(b)
-    };
+    let offsets_buf = NpuBuffer::workspace(device, offsets.len() * 4)?;
+    if !offsets.is_empty() {
+        stream.stage_to_device(bytemuck::cast_slice(&offsets), offsets_buf.as_ptr(), offsets_buf.len_bytes())?;
+        gm[kernels::GM_SLOT_OFFSETS] = offsets_buf.as_ptr();
+    }
     let status_words = tiling.status_words();
-    let status_buf = NpuBuffer::alloc(device, status_words * 4)?;
+    let status_buf = NpuBuffer::workspace(device, status_words * 4)?;
     // Bytes 0xFF: every word STATUS_NOT_RUN, so a core that never ran is reported.
     status_buf.memset_async(0xFF, 0, status_buf.len_bytes())?;
     gm[kernels::GM_STATUS] = status_buf.as_ptr();
 
-    let stream = device.stream();
     let tiling_bytes = tiling.as_bytes();
-    // Holds the device copy of the tiling (AI Core build only) until the sync below.
-    let mut _tiling_dev = None;
     match launcher {
         Launcher::Sim(launch, entry) => {
             stream.enter()?;
@@ -404,7 +410,9 @@ fn finalize_native(
             // this stream's device, sized as check_launch verified against the
             // tiling (slot offsets and status sized by the tiling too), NULL
             // exactly where the tiling marks an input absent; the tiling bytes
-            // are copied at enqueue; all buffers outlive the synchronisation below.
+            // are copied at enqueue; the workspace blocks are reused only by
+            // work queued after this launch, and the status block is held by
+            // the stream's check until it was read.
             let code = unsafe {
                 launch(
                     stream.raw(),
@@ -419,20 +427,56 @@ fn finalize_native(
             super::runtime::check("cannsim_launch_kernel", code)?;
         }
         Launcher::Npu(lib) => {
-            let t = NpuBuffer::alloc(device, tiling_bytes.len())?;
-            t.copy_from_host_at(0, tiling_bytes)?;
+            let t = NpuBuffer::workspace(device, tiling_bytes.len())?;
+            stream.stage_to_device(tiling_bytes, t.as_ptr(), t.len_bytes())?;
             stream.enter()?;
-            // SAFETY: as above, with the tiling in device memory (`t`, kept
-            // alive until the synchronisation below) and block_dim the tiling's.
+            // SAFETY: as above, with the tiling in device workspace (`t`,
+            // reused only by work queued after the launch) and block_dim the tiling's.
             unsafe { lib.launch(tiling.block_dim, stream.raw(), &gm, t.as_ptr())? };
-            _tiling_dev = Some(t);
         }
     }
-    stream.synchronize()?;
-    let mut status = vec![0u32; status_words];
-    status_buf.copy_to_host(bytemuck::cast_slice_mut(&mut status))?;
-    drop(offsets_buf);
-    kernels::check_status(&status, &tiling)
+    // The status block is held by the check (detached, so the record does
+    // not keep the stream alive), returned to the pool once read.
+    let status = status_buf
+        .detach_pool_block()
+        .ok_or_else(|| Error::invalid(OP, "status", "the status words are not in the stream's pool"))?;
+    stream.record_pending(Box::new(KernelStatus { status, tiling }));
+    Ok(())
+}
+
+/// The status words of a queued native launch (a detached pool block),
+/// decoded by the stream's check ([`kernels::check_status`]): a bad index
+/// with its position and value.
+struct KernelStatus {
+    status: (usize, usize),
+    tiling: kernels::FinalizeTiling,
+}
+
+impl super::runtime::Pending for KernelStatus {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        None
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    fn outcome(&self, wait: Option<&Error>, stream: &super::NpuStream) -> Result<()> {
+        let (ptr, block) = self.status;
+        // The stream failed: the status words may not have been written; the
+        // failed wait is what the check reports.
+        let r = match wait {
+            Some(_) => Ok(()),
+            None => {
+                let mut words = vec![0u32; self.tiling.status_words()];
+                stream
+                    .read_drained(ptr, bytemuck::cast_slice_mut(&mut words))
+                    .and_then(|_| kernels::check_status(&words, &self.tiling))
+            }
+        };
+        stream.give_back_block(ptr, block);
+        r
+    }
 }
 
 /// Fused finalize: the native kernel or aclnnMoeFinalizeRoutingV2, as
@@ -509,11 +553,11 @@ fn finalize_aclnn(
     // Index values: aclnn does not check them (a bad one reads outside
     // expandedX), so they are checked here, before the call.
     let mode = args.drop_pad_mode;
-    let idx = read_indices_to_host_for_validation(args.expanded_row_idx)?;
+    let idx = read_indices_to_host_for_validation(device, OP, args.expanded_row_idx)?;
     let lo = if mode.is_drop_pad() { -1 } else { 0 };
     check_indices(OP, "expanded_row_idx", &idx, lo, dims.expanded_rows as i64)?;
     if let (Some(_), Some(e)) = (args.bias, args.expert_idx) {
-        check_indices(OP, "expert_idx", &read_indices_to_host_for_validation(e)?, 0, dims.experts as i64)?;
+        check_indices(OP, "expert_idx", &read_indices_to_host_for_validation(device, OP, e)?, 0, dims.experts as i64)?;
     }
 
     let out_buf = npu_buf(device, OP, "out", out)?;
@@ -541,7 +585,7 @@ fn finalize_aclnn(
                     out.shape(),
                 ));
             }
-            (Some((local_sizes, slot_rows)), Some(NpuBuffer::alloc(device, n * h * dt.size())?))
+            (Some((local_sizes, slot_rows)), Some(NpuBuffer::workspace(device, n * h * dt.size())?))
         }
     };
     let dst: &NpuBuffer = scratch.as_ref().unwrap_or(out_buf);
@@ -606,7 +650,7 @@ fn finalize_aclnn(
             src_row += rows_r;
         }
     }
-    device.stream().synchronize()
+    Ok(())
 }
 
 /// Token unpermute through aclnnMoeTokenUnpermute when its input contract
@@ -629,7 +673,7 @@ pub(crate) fn token_unpermute(
     const OP: &str = "token_unpermute";
     let dt = permuted.dtype();
     let (rows, h) = (permuted.rows(), permuted.row_len());
-    let idx = read_indices_to_host_for_validation(sorted_indices)?;
+    let idx = read_indices_to_host_for_validation(device, OP, sorted_indices)?;
     if k == 0 || idx.len() % k != 0 {
         return Err(Error::invalid(OP, "k", format!("k = {k} must divide the {} indices", idx.len())));
     }
@@ -677,8 +721,7 @@ pub(crate) fn token_unpermute(
             &mut exec,
         )
     })?;
-    run_phase_two(device, "aclnnMoeTokenUnpermute", op.run, ws, exec)?;
-    device.stream().synchronize()
+    run_phase_two(device, "aclnnMoeTokenUnpermute", op.run, ws, exec)
 }
 
 /// Token unpermute of inputs aclnnMoeTokenUnpermute cannot take (repeated or
@@ -699,6 +742,5 @@ fn token_unpermute_on_host(
     let mut host_out = Tensor::zeros_cpu(out.shape(), out.dtype());
     crate::backend::cpu::finalize::token_unpermute(&p, &i, w.as_ref(), k, &mut host_out)?;
     let dst = npu_buf(device, "token_unpermute", "out", out)?;
-    dst.copy_from_host_at(0, host_out.cpu_bytes()?)?;
-    device.stream().synchronize()
+    dst.copy_from_host_at(0, host_out.cpu_bytes()?)
 }

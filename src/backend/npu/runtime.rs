@@ -6,12 +6,22 @@
 //! before its children. Handles borrowed from a host engine (a torch_npu
 //! stream) are never destroyed by us. `Drop` never panics: failures are
 //! recorded in [`drop_errors`].
+//!
+//! Ordering without host waits: an op queues its work on the stream of its
+//! call and returns. What only the device can tell (an HCCL async error, a
+//! kernel's status words) is recorded as pending work of that stream and
+//! reported by [`NpuStream::check`], the one sync point the caller owns.
+//! Handles the device may still use (events of a cross-stream wait) are kept
+//! with the stream until its next synchronisation.
 
+use std::collections::HashMap;
 use std::ffi::CStr;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use acl_sys::{aclError, aclrtEvent, aclrtStream, Acl};
+
+use super::pool::{Allocator, Pool, Staging};
 
 use crate::{Error, Result};
 
@@ -71,6 +81,22 @@ pub(crate) fn record_drop_error(e: Error) {
         if log.len() < 1024 {
             log.push(e);
         }
+    }
+}
+
+/// The result of the synchronisation a `Drop` makes before it releases
+/// memory or a handle: a timeout (work may still run) stops the release; any
+/// other failure is recorded and the release goes on, since a stream whose
+/// task failed runs nothing more (its later tasks are skipped and every sync
+/// returns the error), so nothing on the device still uses the memory.
+pub(crate) fn settled(r: Result<()>) -> Result<()> {
+    match r {
+        Err(e @ Error::Acl { code, .. }) if code == acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT as aclError => Err(e),
+        Err(e) => {
+            record_drop_error(e);
+            Ok(())
+        }
+        Ok(()) => Ok(()),
     }
 }
 
@@ -157,10 +183,64 @@ impl DeviceCtx {
     }
 }
 
+/// Queued work whose outcome only the device knows: a collective (its
+/// communicator's async error), a kernel launch (its status words). Recorded
+/// when the work is queued, examined by [`NpuStream::check`] after the stream
+/// drained.
+pub(crate) trait Pending: Send + Sync {
+    /// Identifies work that reports the same thing (one communicator and
+    /// collective): a repeat replaces nothing and is not recorded again.
+    fn key(&self) -> Option<(usize, &'static str)>;
+    /// The longest this work may take (a collective's communicator timeout).
+    fn timeout(&self) -> Option<Duration>;
+    /// The error recorded on the device for this work, once the stream is
+    /// drained (or failed to drain: then `wait` holds why).
+    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()>;
+}
+
+/// The state shared by every handle on one raw stream: its pending checks,
+/// the handles its queued work still uses, and its workspace.
+#[derive(Default)]
+pub(crate) struct StreamState {
+    pending: Vec<Box<dyn Pending>>,
+    keep: Vec<Box<dyn Send + Sync>>,
+    pub(crate) pool: Pool,
+    pub(crate) staging: Staging,
+    pub(crate) allocator: Option<Allocator>,
+}
+
+pub(crate) type StateRef = Arc<Mutex<StreamState>>;
+
+/// One [`StreamState`] per `(device, raw stream)` while a handle of it lives,
+/// so two wraps of the host engine's stream share one check and one pool.
+type StateMap = HashMap<(u32, usize), std::sync::Weak<Mutex<StreamState>>>;
+
+fn states() -> &'static Mutex<StateMap> {
+    static STATES: OnceLock<Mutex<StateMap>> = OnceLock::new();
+    STATES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn state_for(ordinal: u32, raw: aclrtStream) -> StateRef {
+    let mut map = states().lock().unwrap_or_else(|p| p.into_inner());
+    let slot = map.entry((ordinal, raw as usize)).or_default();
+    if let Some(s) = slot.upgrade() {
+        return s;
+    }
+    let s = StateRef::default();
+    *slot = Arc::downgrade(&s);
+    s
+}
+
+pub(crate) fn lock(state: &StateRef) -> std::sync::MutexGuard<'_, StreamState> {
+    // A panic while holding the lock leaves plain lists behind: still usable.
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 struct StreamInner {
     raw: aclrtStream,
     owned: bool,
     ctx: Arc<DeviceCtx>,
+    state: StateRef,
 }
 
 // SAFETY: an aclrtStream is a runtime handle, not thread-affine: ACL allows
@@ -170,17 +250,83 @@ unsafe impl Send for StreamInner {}
 // SAFETY: as above; shared references only launch work or synchronise.
 unsafe impl Sync for StreamInner {}
 
+/// `aclmdlRICaptureGetInfo` (acl_mdl.h of CANN 8.1): true unless the status
+/// is `ACL_MODEL_RI_CAPTURE_STATUS_NONE`; false on a runtime without the
+/// capture API. The stream's device must be bound.
+fn capturing(api: &'static Acl, raw: aclrtStream) -> Result<bool> {
+    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(false) };
+    let mut status = acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
+    let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
+    // SAFETY: live stream, device bound, valid out-pointers.
+    check("aclmdlRICaptureGetInfo", unsafe { f(raw, &mut status, &mut model) })?;
+    Ok(status != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
+}
+
+impl StreamInner {
+    /// Frees the workspace pool when this is the last handle of the stream:
+    /// the stream is synchronised first (the pool's blocks may still be in
+    /// use by queued work), the one synchronisation the pool ever makes.
+    fn release_pool(&self, api: &'static Acl) -> Result<()> {
+        {
+            let st = lock(&self.state);
+            if Arc::strong_count(&self.state) > 1 || (st.pool.is_empty() && st.staging.is_empty()) {
+                return Ok(());
+            }
+        }
+        // Under capture the sync would invalidate the capture and the blocks
+        // may belong to the graph being recorded: they are kept (and reported).
+        if capturing(api, self.raw)? {
+            return Err(Error::invalid(
+                "NpuStream::drop",
+                "stream",
+                "the last handle of a stream was dropped while it is captured: its workspace pool is kept \
+                 (freeing it would synchronise the capture); drop the handle after the capture ends",
+            ));
+        }
+        let sync = acl_fn!(api, aclrtSynchronizeStream)?;
+        // SAFETY: `raw` is a live stream (destroyed only after this).
+        settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
+        let (segments, staged) = {
+            let mut st = lock(&self.state);
+            (st.pool.take_segments(), st.staging.take_all())
+        };
+        let free = acl_fn!(api, aclrtFree)?;
+        let free_host = acl_fn!(api, aclrtFreeHost)?;
+        let mut first = Ok(());
+        for (ptr, _) in segments {
+            // SAFETY: a segment from aclrtMalloc (`reserve_workspace`), freed
+            // once; the stream that used it was synchronised just above.
+            first = first.and(check("aclrtFree", unsafe { free(ptr as *mut std::ffi::c_void) }));
+        }
+        for (ptr, _) in staged {
+            // SAFETY: a block from aclrtMallocHost (`staging_block`), freed
+            // once; no copy from it is queued any more.
+            first = first.and(check("aclrtFreeHost", unsafe { free_host(ptr as *mut std::ffi::c_void) }));
+        }
+        first
+    }
+}
+
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        let api = self.ctx.api;
         if !self.owned {
+            if let Err(e) = self.ctx.bind().and_then(|_| self.release_pool(api)) {
+                record_drop_error(e);
+            }
             return;
         }
-        let api = self.ctx.api;
         let result = self.ctx.bind().and_then(|_| {
             // Pending work must finish before the stream is destroyed.
             let sync = acl_fn!(api, aclrtSynchronizeStream)?;
             // SAFETY: `raw` is a live stream we created.
-            check("aclrtSynchronizeStream", unsafe { sync(self.raw) })?;
+            settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
+            let kept = std::mem::take(&mut lock(&self.state).keep);
+            drop(kept);
+            self.release_pool(api)?;
+            if let Ok(mut map) = states().lock() {
+                map.remove(&(self.ctx.ordinal, self.raw as usize));
+            }
             let destroy = acl_fn!(api, aclrtDestroyStream)?;
             // SAFETY: owned, synchronised, destroyed exactly once.
             check("aclrtDestroyStream", unsafe { destroy(self.raw) })
@@ -217,7 +363,8 @@ impl NpuStream {
         let mut raw: aclrtStream = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the device is bound.
         check("aclrtCreateStream", unsafe { f(&mut raw) })?;
-        Ok(NpuStream { inner: Arc::new(StreamInner { raw, owned: true, ctx: ctx.clone() }) })
+        let state = state_for(ctx.ordinal, raw);
+        Ok(NpuStream { inner: Arc::new(StreamInner { raw, owned: true, ctx: ctx.clone(), state }) })
     }
 
     /// Wraps a stream owned by someone else (e.g. `torch.npu.current_stream()`
@@ -227,7 +374,8 @@ impl NpuStream {
     /// `raw` must be a live stream of `ctx`'s device (or NULL, the default
     /// stream) and outlive every use of the returned handle.
     pub unsafe fn borrow_raw(ctx: &Arc<DeviceCtx>, raw: aclrtStream) -> Self {
-        NpuStream { inner: Arc::new(StreamInner { raw, owned: false, ctx: ctx.clone() }) }
+        let state = state_for(ctx.ordinal, raw);
+        NpuStream { inner: Arc::new(StreamInner { raw, owned: false, ctx: ctx.clone(), state }) }
     }
 
     /// The raw handle.
@@ -261,12 +409,14 @@ impl NpuStream {
         Ok(self.inner.ctx.api)
     }
 
-    /// Waits for all work on the stream.
+    /// Waits for all work on the stream (a host wait: never inside an op).
     pub fn synchronize(&self) -> Result<()> {
         let api = self.enter()?;
         let f = acl_fn!(api, aclrtSynchronizeStream)?;
         // SAFETY: live stream, device bound.
-        check("aclrtSynchronizeStream", unsafe { f(self.raw()) })
+        check("aclrtSynchronizeStream", unsafe { f(self.raw()) })?;
+        self.release_kept();
+        Ok(())
     }
 
     /// Waits for all work on the stream, at most `timeout` (falls back to an
@@ -277,10 +427,220 @@ impl NpuStream {
             Ok(f) => {
                 let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
                 // SAFETY: live stream, device bound, positive timeout in ms.
-                check("aclrtSynchronizeStreamWithTimeout", unsafe { f(self.raw(), ms) })
+                check("aclrtSynchronizeStreamWithTimeout", unsafe { f(self.raw(), ms) })?;
+                self.release_kept();
+                Ok(())
             }
             Err(_) => self.synchronize(),
         }
+    }
+
+    /// The state shared by the handles of this raw stream.
+    pub(crate) fn state(&self) -> &StateRef {
+        &self.inner.state
+    }
+
+    /// True while the stream is being captured into a graph (status
+    /// `ACTIVE`, or `INVALIDATED` until the capture ends), see [`capturing`];
+    /// false on a runtime without the capture API, which cannot capture.
+    pub fn is_capturing(&self) -> Result<bool> {
+        let api = self.enter()?;
+        capturing(api, self.raw())
+    }
+
+    /// Makes sure the workspace pool of this stream has a free block of at
+    /// least `bytes` (adding an `aclrtMalloc` segment when it has not), so
+    /// ops of that size can run under graph capture. Refused under capture.
+    pub fn reserve_workspace(&self, bytes: usize) -> Result<()> {
+        let api = self.enter()?;
+        if lock(&self.inner.state).pool.largest_free() >= bytes {
+            return Ok(());
+        }
+        self.refuse_under_capture("reserve_workspace", "reserve before the capture begins")?;
+        let len = super::pool::round_up(bytes)?;
+        let f = acl_fn!(api, aclrtMalloc)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, nonzero size, device bound.
+        check("aclrtMalloc", unsafe { f(&mut ptr, len, acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
+        lock(&self.inner.state).pool.add_segment(ptr as usize, len);
+        Ok(())
+    }
+
+    /// A new pinned staging block of at least `bytes` (`aclrtMallocHost`).
+    fn staging_block(api: &'static Acl, bytes: usize) -> Result<(usize, usize)> {
+        let len = super::pool::round_up(bytes)?;
+        let f = acl_fn!(api, aclrtMallocHost)?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer and nonzero size.
+        check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
+        Ok((ptr as usize, len))
+    }
+
+    /// An error naming `op` while this stream is captured into a graph.
+    fn refuse_under_capture(&self, op: &'static str, advice: &str) -> Result<()> {
+        if self.is_capturing()? {
+            return Err(Error::invalid(op, "stream", format!("{self:?} is being captured into a graph: {advice}")));
+        }
+        Ok(())
+    }
+
+    /// Makes sure a pinned staging block of at least `bytes` is free (small
+    /// host data the native kernel needs: slot offsets, a tiling).
+    pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
+        let api = self.enter()?;
+        self.refuse_under_capture("reserve_staging", "reserve before the capture begins")?;
+        if lock(&self.inner.state).staging.has_free(bytes) {
+            return Ok(());
+        }
+        let b = Self::staging_block(api, bytes)?;
+        lock(&self.inner.state).staging.add(b, true);
+        Ok(())
+    }
+
+    /// Serves every workspace block of this stream from `allocator` (`None`:
+    /// from the stream's pool again). Blocks already handed out go back where
+    /// they came from.
+    pub fn set_allocator(&self, allocator: Option<Allocator>) {
+        lock(&self.inner.state).allocator = allocator;
+    }
+
+    /// Returns a block detached from a workspace buffer to the pool.
+    pub(crate) fn give_back_block(&self, ptr: usize, block: usize) {
+        lock(&self.inner.state).pool.give_back(ptr, block);
+    }
+
+    /// Reads `dst.len()` bytes of device memory at `src` (a drained stream's).
+    pub(crate) fn read_drained(&self, src: usize, dst: &mut [u8]) -> Result<()> {
+        let api = self.enter()?;
+        let f = acl_fn!(api, aclrtMemcpy)?;
+        let n = dst.len();
+        // SAFETY: `src` is device memory of at least `n` bytes of this device
+        // that no queued work writes (the stream drained); `dst` is exclusive.
+        check("aclrtMemcpy", unsafe {
+            f(
+                dst.as_mut_ptr().cast(),
+                n,
+                src as *const std::ffi::c_void,
+                n,
+                acl_sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
+            )
+        })
+    }
+
+    /// What this stream's workspace did so far.
+    pub fn workspace_stats(&self) -> super::pool::PoolStats {
+        lock(&self.inner.state).pool.stats
+    }
+
+    /// Drops the handles queued work used, once the stream drained.
+    fn release_kept(&self) {
+        let kept = {
+            let mut st = lock(&self.inner.state);
+            st.staging.drained();
+            std::mem::take(&mut st.keep)
+        };
+        drop(kept);
+    }
+
+    /// Queues a copy of `data` into the device memory `dst` (at least
+    /// `data.len()` bytes) through a pinned staging block of this stream, so
+    /// the host never waits and never copies from pageable memory
+    /// (aclrtMemcpyAsync, AscendCL API reference: asynchronous host copies
+    /// need page-locked memory to be truly asynchronous). The block stays
+    /// reserved until the stream's next synchronisation.
+    pub(crate) fn stage_to_device(&self, data: &[u8], dst: *mut std::ffi::c_void, dst_len: usize) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if dst_len < data.len() {
+            return Err(Error::invalid("stage_to_device", "dst", format!("{dst_len} bytes for {}", data.len())));
+        }
+        let api = self.enter()?;
+        let taken = lock(&self.inner.state).staging.take_free(data.len());
+        let (ptr, _) = match taken {
+            Some(b) => b,
+            None => {
+                self.refuse_under_capture(
+                    "stage_to_device",
+                    "no pinned staging block is free and none can be allocated; reserve with \
+                     amoe_workspace_reserve / NpuStream::reserve_staging before the capture begins",
+                )?;
+                let b = Self::staging_block(api, data.len())?;
+                lock(&self.inner.state).staging.add(b, false);
+                b
+            }
+        };
+        // SAFETY: `ptr` is a pinned block of at least `data.len()` bytes that
+        // no queued copy reads (it was free), exclusively ours until the sync.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
+        let f = acl_fn!(api, aclrtMemcpyAsync)?;
+        // SAFETY: `dst` is device memory of `dst_len >= data.len()` bytes; the
+        // pinned source stays allocated and unchanged until the stream drained.
+        check("aclrtMemcpyAsync", unsafe {
+            f(
+                dst,
+                dst_len,
+                ptr as *const std::ffi::c_void,
+                data.len(),
+                acl_sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
+                self.raw(),
+            )
+        })
+    }
+
+    /// Keeps `handle` alive until this stream's next synchronisation (work
+    /// queued on the stream still uses it).
+    pub(crate) fn keep_until_sync(&self, handle: Box<dyn Send + Sync>) {
+        lock(&self.inner.state).keep.push(handle);
+    }
+
+    /// Records queued work whose outcome [`check`](Self::check) reports.
+    /// Work with the key of an entry already pending reports through that one.
+    pub(crate) fn record_pending(&self, p: Box<dyn Pending>) {
+        let mut st = lock(&self.inner.state);
+        if let Some(k) = p.key() {
+            if st.pending.iter().any(|q| q.key() == Some(k)) {
+                return;
+            }
+        }
+        st.pending.push(p);
+    }
+
+    /// The sync point the caller owns: waits for every queued work of this
+    /// stream (bounded by the longest communicator timeout of the
+    /// collectives queued since the last check, else `default_timeout`), then
+    /// returns the first error recorded for it since the last check, in
+    /// queue order: a collective's HCCL async error (naming the collective,
+    /// group and rank), a kernel's status (a bad index with its position and
+    /// value), or the failed wait itself. Each error is reported once.
+    /// Refused while the stream is captured into a graph.
+    pub fn check_with_timeout(&self, default_timeout: Duration) -> Result<()> {
+        // A synchronisation would invalidate the capture (CANN's runtime
+        // guide, capture restriction 2): refused before anything is taken.
+        self.refuse_under_capture("check", "check after the capture ends (e.g. after a replay)")?;
+        let pending = std::mem::take(&mut lock(&self.inner.state).pending);
+        let timeout = pending.iter().filter_map(|p| p.timeout()).max().unwrap_or(default_timeout);
+        let wait = self.synchronize_timeout(timeout).err();
+        let mut first = Ok(());
+        for p in &pending {
+            // Every entry is looked at (and releases what it holds); the
+            // first error in queue order is the one returned.
+            let r = p.outcome(wait.as_ref(), self);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first?;
+        match wait {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// [`check_with_timeout`](Self::check_with_timeout) with the timeout of
+    /// `ASCEND_MOE_COMM_TIMEOUT` (or 60 s) when no collective is pending.
+    pub fn check(&self) -> Result<()> {
+        self.check_with_timeout(crate::CommOptions::from_env().timeout)
     }
 
     /// Makes this stream wait (on the device) for `event`.
@@ -291,7 +651,11 @@ impl NpuStream {
         check("aclrtStreamWaitEvent", unsafe { f(self.raw(), event.raw) })
     }
 
-    /// Orders this stream after all work currently queued on `other`.
+    /// Orders this stream after all work currently queued on `other`, on the
+    /// device: an event recorded on `other` and waited for here. The host
+    /// does not wait; the event is kept until this stream's next
+    /// synchronisation, since CANN asks that an event not be destroyed while
+    /// a call still uses it (aclrtDestroyEvent, AscendCL API reference).
     pub fn wait_for(&self, other: &NpuStream) -> Result<()> {
         if self.same_as(other) {
             return Ok(());
@@ -299,8 +663,8 @@ impl NpuStream {
         let ev = NpuEvent::create(other)?;
         ev.record(other)?;
         self.wait_event(&ev)?;
-        // The wait must be consumed before the event may be destroyed.
-        self.synchronize()
+        self.keep_until_sync(Box::new(ev));
+        Ok(())
     }
 }
 

@@ -1,0 +1,280 @@
+//! Workspace: device memory for the intermediates of an op without
+//! `aclrtMalloc`/`aclrtFree` inside the op.
+//!
+//! Each stream has a caching pool. Its segments come from `aclrtMalloc`,
+//! reserved ahead ([`NpuStream::reserve_workspace`]) or on first use outside
+//! graph capture; a request is carved out of a free range of a segment, and a
+//! freed block goes back to the free list without any synchronisation: the
+//! next user of the range is queued on the same stream, after the work of the
+//! previous one, so the reuse is stream-ordered. The pool grows only outside
+//! capture; under capture a request no free range fits is an error that says
+//! how much to reserve. The segments are released (after the one
+//! synchronisation that needs) when the last handle of the stream goes.
+//!
+//! Alternatively the host engine passes an [`Allocator`] (e.g. torch's caching
+//! allocator): every workspace block of that stream then comes from its
+//! `alloc` callback and goes back through `free`, also under capture (the
+//! engine's allocator serves graph capture from its own private pool).
+
+use std::ffi::c_void;
+
+use acl_sys::aclrtStream;
+
+use crate::{Error, Result};
+
+/// Granularity of the pool's blocks: every block starts on a multiple of this
+/// (more than the 64 bytes asynchronous device-to-device copies need).
+pub const WORKSPACE_ALIGN: usize = 512;
+
+/// `alloc(ctx, bytes, stream)`: `bytes` of device memory usable by work queued
+/// on `stream` (an `aclrtStream`), or NULL when it cannot.
+pub type AllocFn = unsafe extern "C" fn(ctx: *mut c_void, bytes: usize, stream: *mut c_void) -> *mut c_void;
+/// `free(ctx, ptr, bytes, stream)`: returns a block from `alloc`; work queued on
+/// `stream` before the call may still use it (stream-ordered release).
+pub type FreeFn = unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, bytes: usize, stream: *mut c_void);
+
+/// A caller-supplied device allocator for a stream's workspace.
+#[derive(Clone, Copy, Debug)]
+pub struct Allocator {
+    /// Allocates a block.
+    pub alloc: AllocFn,
+    /// Frees a block from `alloc`.
+    pub free: FreeFn,
+    /// Passed to both callbacks unchanged.
+    pub ctx: *mut c_void,
+}
+
+// SAFETY: the callbacks' contract (see `amoe_stream_set_allocator`) is that they
+// may be called from any thread; `ctx` is opaque to this crate.
+unsafe impl Send for Allocator {}
+// SAFETY: as above; the value is only copied and called.
+unsafe impl Sync for Allocator {}
+
+/// A range `[start, start + len)` of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Range {
+    segment: usize,
+    start: usize,
+    len: usize,
+}
+
+/// The caching pool of one stream.
+#[derive(Debug, Default)]
+pub(crate) struct Pool {
+    /// Segments from aclrtMalloc: (device address, bytes).
+    segments: Vec<(usize, usize)>,
+    /// Free ranges, sorted by (segment, start); adjacent ones are merged.
+    free: Vec<Range>,
+    /// Blocks handed out and not yet returned.
+    in_use: usize,
+    /// Counts for tests and reports.
+    pub(crate) stats: PoolStats,
+}
+
+/// What a pool did since it was created.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Segments taken from aclrtMalloc.
+    pub segments: usize,
+    /// Bytes in those segments.
+    pub reserved_bytes: usize,
+    /// Blocks served from the pool.
+    pub blocks: usize,
+    /// Blocks served by the caller's allocator callback.
+    pub callback_blocks: usize,
+    /// Blocks returned to the caller's allocator callback.
+    pub callback_frees: usize,
+}
+
+/// `bytes` rounded up to [`WORKSPACE_ALIGN`] (at least one block).
+pub(crate) fn round_up(bytes: usize) -> Result<usize> {
+    let bytes = bytes.max(1);
+    bytes
+        .checked_next_multiple_of(WORKSPACE_ALIGN)
+        .ok_or_else(|| Error::invalid("workspace", "bytes", format!("{bytes} bytes overflow the address space")))
+}
+
+impl Pool {
+    /// A block of at least `bytes` (rounded up to [`WORKSPACE_ALIGN`]) from a
+    /// free range, `None` when no free range fits.
+    pub(crate) fn take(&mut self, bytes: usize) -> Result<Option<(usize, usize)>> {
+        let want = round_up(bytes)?;
+        // Best fit: the smallest free range that holds the request.
+        let Some(i) =
+            self.free.iter().enumerate().filter(|(_, r)| r.len >= want).min_by_key(|(_, r)| r.len).map(|(i, _)| i)
+        else {
+            return Ok(None);
+        };
+        let r = self.free[i];
+        if r.len == want {
+            self.free.remove(i);
+        } else {
+            self.free[i] = Range { segment: r.segment, start: r.start + want, len: r.len - want };
+        }
+        self.in_use += 1;
+        self.stats.blocks += 1;
+        Ok(Some((self.segments[r.segment].0 + r.start, want)))
+    }
+
+    /// Returns a block from [`take`](Self::take) to the free list (no sync:
+    /// its next user is queued after its last one on the same stream).
+    pub(crate) fn give_back(&mut self, ptr: usize, len: usize) {
+        let Some(segment) = self.segments.iter().position(|&(base, n)| ptr >= base && ptr + len <= base + n) else {
+            return;
+        };
+        let start = ptr - self.segments[segment].0;
+        let at = self.free.partition_point(|r| (r.segment, r.start) < (segment, start));
+        self.free.insert(at, Range { segment, start, len });
+        // Merge with the following, then the preceding range of the same segment.
+        if at + 1 < self.free.len() {
+            let (a, b) = (self.free[at], self.free[at + 1]);
+            if b.segment == a.segment && a.start + a.len == b.start {
+                self.free[at].len += b.len;
+                self.free.remove(at + 1);
+            }
+        }
+        if at > 0 {
+            let (a, b) = (self.free[at - 1], self.free[at]);
+            if a.segment == b.segment && a.start + a.len == b.start {
+                self.free[at - 1].len += b.len;
+                self.free.remove(at);
+            }
+        }
+        self.in_use = self.in_use.saturating_sub(1);
+    }
+
+    /// The largest free range, in bytes.
+    pub(crate) fn largest_free(&self) -> usize {
+        self.free.iter().map(|r| r.len).max().unwrap_or(0)
+    }
+
+    /// Adds a segment from aclrtMalloc: `len` bytes at device address `ptr`.
+    pub(crate) fn add_segment(&mut self, ptr: usize, len: usize) {
+        self.segments.push((ptr, len));
+        self.free.push(Range { segment: self.segments.len() - 1, start: 0, len });
+        self.stats.segments += 1;
+        self.stats.reserved_bytes += len;
+    }
+
+    /// True when no segment is held.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.segments.is_empty()
+    }
+
+    /// Hands every segment back for `aclrtFree` and forgets them. The caller
+    /// synchronised the stream and holds no block: every block's buffer
+    /// keeps the pool alive.
+    pub(crate) fn take_segments(&mut self) -> Vec<(usize, usize)> {
+        self.free.clear();
+        std::mem::take(&mut self.segments)
+    }
+}
+
+/// Pinned host blocks (`aclrtMallocHost`) that carry small host data (slot
+/// offsets, a tiling) to the device with an asynchronous copy. A block whose
+/// copy is queued stays in flight until the stream's next synchronisation,
+/// then it is free for reuse; the blocks are freed with the pool.
+#[derive(Debug, Default)]
+pub(crate) struct Staging {
+    free: Vec<(usize, usize)>,
+    in_flight: Vec<(usize, usize)>,
+    /// Host allocations made so far.
+    pub(crate) host_blocks: usize,
+}
+
+impl Staging {
+    /// A free block of at least `bytes`, now in flight; `None` when none is free.
+    pub(crate) fn take_free(&mut self, bytes: usize) -> Option<(usize, usize)> {
+        let i = self.free.iter().position(|&(_, n)| n >= bytes)?;
+        let b = self.free.swap_remove(i);
+        self.in_flight.push(b);
+        Some(b)
+    }
+
+    /// A new block from aclrtMallocHost, in flight (`free`: free at once).
+    pub(crate) fn add(&mut self, block: (usize, usize), free: bool) {
+        self.host_blocks += 1;
+        if free {
+            self.free.push(block);
+        } else {
+            self.in_flight.push(block);
+        }
+    }
+
+    /// True when a free block holds `bytes`.
+    pub(crate) fn has_free(&self, bytes: usize) -> bool {
+        self.free.iter().any(|&(_, n)| n >= bytes)
+    }
+
+    /// The stream drained: every block in flight is free again.
+    pub(crate) fn drained(&mut self) {
+        self.free.append(&mut self.in_flight);
+    }
+
+    /// Hands every block back for `aclrtFreeHost` (the stream was synchronised).
+    pub(crate) fn take_all(&mut self) -> Vec<(usize, usize)> {
+        let mut all = std::mem::take(&mut self.free);
+        all.append(&mut self.in_flight);
+        all
+    }
+
+    /// True when no block is held.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.free.is_empty() && self.in_flight.is_empty()
+    }
+}
+
+/// Calls `a.alloc` for `bytes` on `stream`.
+pub(crate) fn callback_alloc(a: &Allocator, bytes: usize, stream: aclrtStream) -> Result<*mut c_void> {
+    // SAFETY: the allocator's contract: callable from any thread with its
+    // own `ctx`, a size and the raw stream.
+    let p = unsafe { (a.alloc)(a.ctx, bytes, stream) };
+    if p.is_null() {
+        return Err(Error::invalid(
+            "workspace",
+            "allocator",
+            format!("the allocator callback returned NULL for {bytes} bytes"),
+        ));
+    }
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool_with(segments: &[usize]) -> Pool {
+        let mut p = Pool::default();
+        let mut base = 1 << 20;
+        for &n in segments {
+            p.segments.push((base, n));
+            p.free.push(Range { segment: p.segments.len() - 1, start: 0, len: n });
+            base += n + (1 << 20);
+        }
+        p
+    }
+
+    #[test]
+    fn blocks_are_carved_aligned_and_merge_back() {
+        let mut p = pool_with(&[4096]);
+        let (a, na) = p.take(1).unwrap().unwrap();
+        let (b, nb) = p.take(600).unwrap().unwrap();
+        assert_eq!((na, nb), (512, 1024));
+        assert_eq!(b, a + 512);
+        assert_eq!(p.largest_free(), 4096 - 1536);
+        assert!(p.take(4096).unwrap().is_none(), "only 2560 bytes are free");
+        p.give_back(a, na);
+        p.give_back(b, nb);
+        assert_eq!(p.free.len(), 1, "{:?}", p.free);
+        assert_eq!(p.largest_free(), 4096);
+        assert_eq!(p.in_use, 0);
+    }
+
+    #[test]
+    fn best_fit_picks_the_smallest_range_that_holds_the_request() {
+        let mut p = pool_with(&[8192, 1024]);
+        let (ptr, _) = p.take(700).unwrap().unwrap();
+        assert_eq!(ptr, p.segments[1].0, "the 1024-byte segment fits 700 best");
+        assert!(p.take(usize::MAX).is_err(), "an overflowing size is an error");
+    }
+}
