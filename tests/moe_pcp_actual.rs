@@ -204,3 +204,38 @@ fn sp_and_mc2_with_pcp_round_trip() {
     })
     .unwrap();
 }
+
+#[test]
+fn groups_from_the_engines_communicators_prepare_and_finalize_like_split_ones() {
+    // DP2 x TP2: the engine made its TP and DP groups itself.
+    run_ranks(4, &opts(), |rank, world| {
+        let (dp_rank, tp_rank) = (rank / 2, rank % 2);
+        let tp = world.split(&[dp_rank * 2, dp_rank * 2 + 1])?;
+        let dp = world.split(&[tp_rank, 2 + tp_rank])?;
+        let mine = MoeGroups::from_comms(&world, &tp, &dp, None)?;
+        let split = MoeGroups::from_world(&world, 2)?;
+        let ctx = MoeContext::new(&[3, 2], 2, dp_rank, tp_rank, false)?;
+        let x = Tensor::from_slice(&(0..ctx.local_tokens() * 2).map(|i| (rank * 10 + i) as f32).collect::<Vec<_>>(), &[ctx.local_tokens(), 2])?;
+        for comm in CommType::ALL {
+            let a = prepare(&x, comm, &ctx, &mine)?.hidden;
+            let b = prepare(&x, comm, &ctx, &split)?.hidden;
+            assert_eq!(a.to_vec::<f32>()?, b.to_vec::<f32>()?, "{comm:?} prepare, rank {rank}");
+            let fa = finalize(a, comm, &ctx, &mine)?;
+            let fb = finalize(b, comm, &ctx, &split)?;
+            assert_eq!(fa.to_vec::<f32>()?, fb.to_vec::<f32>()?, "{comm:?} finalize, rank {rank}");
+        }
+        // TP and DP swapped: the sizes fit, but ranks 1 and 2 are not where
+        // the DP x TP order puts them.
+        let swapped = MoeGroups::from_comms(&world, &dp, &tp, None);
+        if rank == 1 || rank == 2 {
+            let e = swapped.unwrap_err().to_string();
+            assert!(e.contains(&format!("EP rank {rank}")) && e.contains("(dp * PCP + pcp) * TP + tp"), "{e}");
+        }
+        // Groups that do not multiply to the world's size.
+        let lone = world.split(&[rank])?;
+        let e = MoeGroups::from_comms(&world, &lone, &lone, None).unwrap_err().to_string();
+        assert!(e.contains("4 ranks, but DP 1 x PCP 1 x TP 1 is 1"), "{e}");
+        Ok(())
+    })
+    .unwrap();
+}

@@ -80,6 +80,7 @@ from .ops import (
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 from .forward import ForwardContext, MoeLayer, forward_context, get_forward_context, set_forward_context
 from .live import LiveContext
+from .streams import set_allocator, stream_check, workspace_reserve
 
 
 def version() -> str:
@@ -107,6 +108,9 @@ __all__ = [
     "set_forward_context",
     "library_path",
     "LiveContext",
+    "set_allocator",
+    "stream_check",
+    "workspace_reserve",
     "MoeContext",
     "MoeGroups",
     "maybe_all_gather_and_maybe_unpad",

@@ -60,6 +60,26 @@ class MoeGroups:
         call("amoe_moe_groups_new_pcp", world.handle, int(pcp_size), int(tp_size), ctypes.byref(out))
         self._h = out
 
+    @classmethod
+    def from_comms(cls, ep: Comm, tp: Comm, dp: Comm, pcp: "Comm | None" = None) -> "MoeGroups":
+        """The groups of communicators the engine already has (for example
+        vLLM-Ascend's EP, TP, DP and PCP groups as `Comm.from_hccl` /
+        `Comm.from_process_group`), creating none. They must form the
+        DP x PCP x TP layout; the error names what does not fit."""
+        g = cls.__new__(cls)
+        out = c_void_p()
+        call(
+            "amoe_moe_groups_from_comms",
+            ep.handle,
+            tp.handle,
+            dp.handle,
+            None if pcp is None else pcp.handle,
+            ctypes.byref(out),
+        )
+        g._h = out
+        g._comms = (ep, tp, dp, pcp)
+        return g
+
     @property
     def handle(self) -> c_void_p:
         if not self._h.value:

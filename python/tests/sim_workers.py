@@ -44,6 +44,21 @@ for _name, _args in {
     getattr(SIM, _name).restype = ctypes.c_int32
 
 
+class Counters(ctypes.Structure):
+    """`CannsimCounters` (cann-sim/README.md, "Host call counters")."""
+
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("host_syncs", "device_mallocs", "device_frees", "host_mallocs", "host_frees", "h2d_copies", "d2h_copies", "queries")
+    ]
+
+
+SIM.cannsim_counters.argtypes = [ctypes.c_void_p]
+SIM.cannsim_counters.restype = ctypes.c_int32
+SIM.cannsim_counters_reset.argtypes = []
+SIM.cannsim_counters_reset.restype = None
+
+
 def check(what, code):
     if code != 0:
         raise RuntimeError(f"{what} failed with {code}")
@@ -154,7 +169,9 @@ def layer_round_trips(world, rank, stream):
     with SP, the others `x` (SPEC section 6)."""
     tp, dp_tokens, size = 2, [3, 1], world.world_size
     d, t = rank // tp, rank % tp
-    with am.MoeGroups(world, tp) as groups:
+    # The engine's own TP and DP groups, handed over without creating any.
+    tp_comm, dp_comm = world.split([d * tp, d * tp + 1]), world.split([t, tp + t])
+    for groups in (am.MoeGroups(world, tp), am.MoeGroups.from_comms(world, tp_comm, dp_comm)):
         for sp in (False, True):
             ctx = am.MoeContext(dp_tokens, tp, d, t, sp)
             rows = -(-dp_tokens[d] // tp) if sp else dp_tokens[d]
@@ -167,6 +184,15 @@ def layer_round_trips(world, rank, stream):
                 stream.synchronize()
                 factor = (size if sp else size // tp) if ct == am.CommType.ALLGATHER else 1
                 assert_close(back.download(), x.astype(np.float64) * factor, np.float32, f"npu:{rank} {ct.name} sp={sp}")
+        groups.close()
+    try:
+        am.MoeGroups.from_comms(world, dp_comm, tp_comm)
+    except am.AmoeError as e:
+        assert rank in (1, 2) and "(dp * PCP + pcp) * TP + tp" in str(e), e
+    else:
+        assert rank in (0, 3), "TP and DP swapped were accepted where they cannot fit"
+    tp_comm.close()
+    dp_comm.close()
 
 
 WORLD = 4
@@ -381,11 +407,75 @@ def live_context():
     stream.destroy()
 
 
+def stream_ops():
+    """The stream as the sync point: a bad index found by the device kernel
+    leaves the finalize call successful and is reported once by
+    `stream_check`; reserved workspace and an engine allocator serve the ops."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(1))
+    stream = Stream()
+    ex, idx, kw = finalize_case(rng_for("sim-check"), 0, np.dtype(np.float32))
+    kw["scales"] = kw["scales"].astype(np.float32)
+    bad = idx.copy()
+    bad.flat[3] = 10_000
+    dev = {k: (DeviceTensor.upload(v, 1) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    dex = DeviceTensor.upload(ex, 1)
+    out = am.moe_finalize_routing(dex, DeviceTensor.upload(bad, 1), **dev, stream=stream)
+    assert isinstance(out, DeviceTensor)
+    try:
+        am.stream_check(stream, device=1)
+    except am.AmoeError as e:
+        assert e.status == am.Status.INDEX_OUT_OF_RANGE, e
+        assert "expanded_row_idx" in str(e) and "[3] = 10000" in str(e), e
+    else:
+        raise AssertionError("a bad index on the device was not reported by the stream check")
+    am.stream_check(stream, device=1)  # reported once
+
+    # An NPU op called from Python makes no host copy, sync or allocation:
+    # the simulator's per-thread counters over a second call into `out=`.
+    good = DeviceTensor.upload(idx, 1)
+    fixed = DeviceTensor(out.shape, np.float32, 1)
+    am.moe_finalize_routing(dex, good, **dev, out=fixed, stream=stream)
+    am.stream_check(stream, device=1)
+    SIM.cannsim_counters_reset()
+    am.moe_finalize_routing(dex, good, **dev, out=fixed, stream=stream)
+    c = Counters()
+    check("cannsim_counters", SIM.cannsim_counters(ctypes.byref(c)))
+    seen = {name: getattr(c, name) for name, _ in Counters._fields_}
+    assert all(v == 0 for v in seen.values()), f"a Python finalize on NPU inputs touched the host: {seen}"
+    am.stream_check(stream, device=1)
+
+    am.workspace_reserve(stream, 1 << 20, device=1)
+    calls = {"alloc": 0, "free": []}
+
+    def alloc(nbytes, raw):
+        assert raw == stream.npu_stream
+        p = ctypes.c_void_p()
+        check("aclrtMalloc", SIM.aclrtMalloc(ctypes.byref(p), max(int(nbytes), 1), 0))
+        calls["alloc"] += 1
+        return p.value
+
+    def free(ptr, nbytes, raw):
+        calls["free"].append(ptr)  # returned after the stream ran the work
+
+    am.set_allocator(stream, alloc, free, device=1)
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
+    got = am.moe_finalize_routing(dex, DeviceTensor.upload(idx, 1), **dev, stream=stream)
+    am.stream_check(stream, device=1)
+    assert_close(got.download(), want, np.float32, "finalize with the engine's allocator")
+    am.set_allocator(stream, device=1)
+    assert calls["alloc"] >= 1 and len(calls["free"]) == calls["alloc"], calls
+    for p in calls["free"]:
+        check("aclrtFree", SIM.aclrtFree(p))
+    assert am.release_streams() == 1
+    stream.destroy()
+    DeviceTensor.free_all()
+
+
 if __name__ == "__main__":
     check("aclInit", SIM.aclInit(None))
     scenario = sys.argv[1]
     if scenario == "rank":
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream, "live_context": live_context}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream, "live_context": live_context, "stream_ops": stream_ops}[scenario]()
     print(f"ok {scenario}")

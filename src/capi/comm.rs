@@ -601,7 +601,11 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 /// (`AMOE_STATUS_INDEX_OUT_OF_RANGE` with the argument, position and value),
 /// a collective's HCCL async error (`HcclGetCommAsyncError`: mismatch,
 /// timeout, dead peer, naming the collective, the group and the rank). Each
-/// error is reported once. NULL (host-only work) returns `AMOE_STATUS_OK`.
+/// error is reported once. With a live forward context attached to `stream`
+/// (`amoe_stream_attach_live_context`), its guards are read after the wait:
+/// a replay under another forward context is `AMOE_STATUS_STALE_CONTEXT`
+/// naming the field and both values. NULL (host-only work) returns
+/// `AMOE_STATUS_OK`.
 ///
 /// It is the sync point of the stream-ordered functions (those whose docs
 /// say they never synchronise); call it where the engine synchronises anyway

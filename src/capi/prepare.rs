@@ -146,6 +146,38 @@ pub unsafe extern "C" fn amoe_moe_groups_new(
     })
 }
 
+/// The groups of communicators the engine already has (EP, TP, DP and,
+/// NULL for none, PCP), creating none: local, no communication. They must
+/// form the DP x PCP x TP layout (EP rank `(dp * pcp_size + pcp) * tp_size +
+/// tp`); an error names what does not fit. The handles are shared: the
+/// communicators stay usable through their own handles, and the groups keep
+/// them alive until `amoe_moe_groups_free` (borrowed HCCL communicators must
+/// outlive both). `*out` receives a new handle owned by the caller.
+///
+/// # Safety
+/// `ep`, `tp`, `dp` live; `pcp` NULL or live; `out` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_moe_groups_from_comms(
+    ep: *const amoe_comm,
+    tp: *const amoe_comm,
+    dp: *const amoe_comm,
+    pcp: *const amoe_comm,
+    out: *mut *mut amoe_moe_groups,
+) -> amoe_status {
+    const F: &str = "amoe_moe_groups_from_comms";
+    ffi!(F, {
+        let out = try_out!(F, out, "out");
+        // SAFETY: the communicator handles are NULL or live, per the export's contract.
+        let (e, t, d) = unsafe { (comm_ref(F, ep)?, comm_ref(F, tp)?, comm_ref(F, dp)?) };
+        // SAFETY: as above.
+        let p = if pcp.is_null() { None } else { Some(unsafe { comm_ref(F, pcp) }?) };
+        let g = MoeGroups::from_comms(e, t, d, p)?;
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out, Box::into_raw(Box::new(g)) as *mut amoe_moe_groups) };
+        Ok(())
+    })
+}
+
 /// Releases groups from `amoe_moe_groups_new`. NULL is a no-op.
 ///
 /// # Safety

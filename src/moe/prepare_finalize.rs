@@ -325,6 +325,47 @@ impl MoeGroups {
         };
         Ok(MoeGroups { ep: world.clone(), tp, dp, pcp })
     }
+
+    /// The groups of communicators the engine already has (vLLM-Ascend's EP,
+    /// TP, DP and PCP groups), creating none. They must form the DP x PCP x TP
+    /// layout: `ep` has `dp * pcp * tp` ranks and this rank is EP rank
+    /// `(dp_rank * pcp + pcp_rank) * tp + tp_rank`; an error names the sizes
+    /// and ranks that do not fit. Local: no communication.
+    pub fn from_comms(ep: &Comm, tp: &Comm, dp: &Comm, pcp: Option<&Comm>) -> Result<Self> {
+        const OP: &str = "MoeGroups::from_comms";
+        let (p_size, p_rank) = pcp.map_or((1, 0), |c| (c.world_size(), c.rank()));
+        let want = dp.world_size() * p_size * tp.world_size();
+        if ep.world_size() != want {
+            return Err(Error::invalid(
+                OP,
+                "ep",
+                format!(
+                    "{} ranks, but DP {} x PCP {p_size} x TP {} is {want}",
+                    ep.world_size(),
+                    dp.world_size(),
+                    tp.world_size()
+                ),
+            ));
+        }
+        let at = (dp.rank() * p_size + p_rank) * tp.world_size() + tp.rank();
+        if ep.rank() != at {
+            return Err(Error::invalid(
+                OP,
+                "ep",
+                format!(
+                    "this rank is EP rank {}, but its DP rank {}, PCP rank {p_rank} and TP rank {} make EP rank {at} \
+                     (EP rank = (dp * PCP + pcp) * TP + tp)",
+                    ep.rank(),
+                    dp.rank(),
+                    tp.rank()
+                ),
+            ));
+        }
+        if let Some(c) = pcp.filter(|c| c.world_size() == 1) {
+            return Err(Error::invalid(OP, "pcp", format!("{:?} has one rank: pass no PCP group", c.name())));
+        }
+        Ok(MoeGroups { ep: ep.clone(), tp: tp.clone(), dp: dp.clone(), pcp: pcp.cloned() })
+    }
 }
 
 /// Prepared tokens of one rank.

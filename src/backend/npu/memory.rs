@@ -90,6 +90,19 @@ impl NpuBuffer {
             lock(stream.state()).pool.stats.callback_blocks += 1;
             return Ok(NpuBuffer { ptr, len, device: device.clone(), origin: Origin::Callback(a) });
         }
+        Self::pool_block(device, len)
+    }
+
+    /// `len` bytes from the stream's own pool, whatever allocator is set: for
+    /// records the stream's check holds after the op (a kernel's status
+    /// words), which must not go back to the engine's allocator before they
+    /// were read. Same rules as [`workspace`](Self::workspace) otherwise.
+    pub(crate) fn pool_block(device: &NpuDevice, len: usize) -> Result<Self> {
+        let origin = Origin::Pool { block: 0 };
+        if len == 0 {
+            return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin });
+        }
+        let stream = device.stream();
         if let Some((ptr, block)) = lock(stream.state()).pool.take(len)? {
             return Ok(NpuBuffer {
                 ptr: ptr as *mut c_void,

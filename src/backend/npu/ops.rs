@@ -397,7 +397,8 @@ fn finalize_native(
         gm[kernels::GM_SLOT_OFFSETS] = offsets_buf.as_ptr();
     }
     let status_words = tiling.status_words();
-    let status_buf = NpuBuffer::workspace(device, status_words * 4)?;
+    // From the pool even with an engine allocator: the check holds it.
+    let status_buf = NpuBuffer::pool_block(device, status_words * 4)?;
     // Bytes 0xFF: every word STATUS_NOT_RUN, so a core that never ran is reported.
     status_buf.memset_async(0xFF, 0, status_buf.len_bytes())?;
     gm[kernels::GM_STATUS] = status_buf.as_ptr();

@@ -1,0 +1,71 @@
+"""The NPU stream as the library sees it: the caller's sync point, workspace
+reserved ahead of graph capture, and the engine's allocator.
+
+NPU ops only enqueue work on the stream they are given and return; the
+errors only the device can find (a bad index seen by a kernel, a collective
+that mismatched, timed out or lost a peer, a graph replayed under another
+forward context) are reported by `stream_check(stream)`, where the engine
+synchronises anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ._lib import call
+from ._tensor import wrap_stream
+from .live import _stream_handle
+
+# `amoe_alloc_fn` / `amoe_free_fn` of the header.
+ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+
+# Callbacks handed to the library, per stream handle, kept alive while set.
+_ALLOCATORS: dict = {}
+
+
+def stream_check(stream, device=None) -> None:
+    """Waits for the work queued on `stream` (an object with `.npu_stream`)
+    and raises `AmoeError` with the first error the device recorded for it
+    since the last check (`amoe_stream_check`). Outside graph capture."""
+    h, _ = _stream_handle(stream, device)
+    call("amoe_stream_check", h)
+
+
+def workspace_reserve(stream, nbytes: int, staging_bytes: int = 4096, device=None) -> None:
+    """Reserves `nbytes` of device workspace (and `staging_bytes` of pinned
+    staging) on `stream` before graph capture, where the pool cannot grow."""
+    h, _ = _stream_handle(stream, device)
+    call("amoe_workspace_reserve", h, int(nbytes), int(staging_bytes))
+
+
+def set_allocator(stream, alloc=None, free=None, device=None) -> None:
+    """Serves the ops' workspace on `stream` from the engine's allocator:
+    `alloc(nbytes, raw_stream) -> int` (a device address, 0 when out of
+    memory) and `free(ptr, nbytes, raw_stream)`, for example over torch_npu's
+    caching allocator. Both None goes back to the library's pool. The
+    callbacks must not call into this library."""
+    h, _ = _stream_handle(stream, device)
+    if alloc is None and free is None:
+        call("amoe_stream_set_allocator", h, None, None, None)
+        _ALLOCATORS.pop(h.value, None)
+        return
+
+    def c_alloc(_ctx, nbytes, raw):
+        try:
+            return int(alloc(int(nbytes), raw) or 0) or None
+        except Exception:  # noqa: BLE001 (an exception must not unwind into C)
+            return None
+
+    def c_free(_ctx, ptr, nbytes, raw):
+        try:
+            free(ptr, int(nbytes), raw)
+        except Exception:  # noqa: BLE001
+            pass
+
+    fns = (ALLOC_FN(c_alloc), FREE_FN(c_free))
+    call("amoe_stream_set_allocator", h, ctypes.cast(fns[0], ctypes.c_void_p), ctypes.cast(fns[1], ctypes.c_void_p), None)
+    _ALLOCATORS[h.value] = fns
+
+
+__all__ = ["stream_check", "workspace_reserve", "set_allocator", "wrap_stream"]
