@@ -661,7 +661,11 @@ amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
 // (`AMOE_STATUS_INDEX_OUT_OF_RANGE` with the argument, position and value),
 // a collective's HCCL async error (`HcclGetCommAsyncError`: mismatch,
 // timeout, dead peer, naming the collective, the group and the rank). Each
-// error is reported once. NULL (host-only work) returns `AMOE_STATUS_OK`.
+// error is reported once. With a live forward context attached to `stream`
+// (`amoe_stream_attach_live_context`), its guards are read after the wait:
+// a replay under another forward context is `AMOE_STATUS_STALE_CONTEXT`
+// naming the field and both values. NULL (host-only work) returns
+// `AMOE_STATUS_OK`.
 //
 // It is the sync point of the stream-ordered functions (those whose docs
 // say they never synchronise); call it where the engine synchronises anyway
@@ -1030,6 +1034,22 @@ amoe_status amoe_moe_groups_new_pcp(const struct amoe_comm *world,
 amoe_status amoe_moe_groups_new(const struct amoe_comm *world,
                                 size_t tp_size,
                                 struct amoe_moe_groups **out);
+
+// The groups of communicators the engine already has (EP, TP, DP and,
+// NULL for none, PCP), creating none: local, no communication. They must
+// form the DP x PCP x TP layout (EP rank `(dp * pcp_size + pcp) * tp_size +
+// tp`); an error names what does not fit. The handles are shared: the
+// communicators stay usable through their own handles, and the groups keep
+// them alive until `amoe_moe_groups_free` (borrowed HCCL communicators must
+// outlive both). `*out` receives a new handle owned by the caller.
+//
+// # Safety
+// `ep`, `tp`, `dp` live; `pcp` NULL or live; `out` writable.
+amoe_status amoe_moe_groups_from_comms(const struct amoe_comm *ep,
+                                       const struct amoe_comm *tp,
+                                       const struct amoe_comm *dp,
+                                       const struct amoe_comm *pcp,
+                                       struct amoe_moe_groups **out);
 
 // Releases groups from `amoe_moe_groups_new`. NULL is a no-op.
 //

@@ -215,7 +215,10 @@ fn groups_from_the_engines_communicators_prepare_and_finalize_like_split_ones() 
         let mine = MoeGroups::from_comms(&world, &tp, &dp, None)?;
         let split = MoeGroups::from_world(&world, 2)?;
         let ctx = MoeContext::new(&[3, 2], 2, dp_rank, tp_rank, false)?;
-        let x = Tensor::from_slice(&(0..ctx.local_tokens() * 2).map(|i| (rank * 10 + i) as f32).collect::<Vec<_>>(), &[ctx.local_tokens(), 2])?;
+        let x = Tensor::from_slice(
+            &(0..ctx.local_tokens() * 2).map(|i| (rank * 10 + i) as f32).collect::<Vec<_>>(),
+            &[ctx.local_tokens(), 2],
+        )?;
         for comm in CommType::ALL {
             let a = prepare(&x, comm, &ctx, &mine)?.hidden;
             let b = prepare(&x, comm, &ctx, &split)?.hidden;
