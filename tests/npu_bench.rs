@@ -1,7 +1,9 @@
 //! NPU benchmarks for `ci/npu-4card.sh`: HCCL all-reduce / reduce-scatter /
-//! all-gather bandwidth on 4 ranks and the aclnn finalize, timed on the
-//! device stream (every call here waits for completion). Each result is also
-//! checked, so a fast wrong answer fails. Ignored without an NPU.
+//! all-gather bandwidth on 4 ranks and the finalize, each reported twice:
+//! the host time of one call (ops only enqueue, so this is what a forward pays
+//! on the CPU) and the time per call including the wait at the stream check
+//! (the device's throughput). Each result is also checked, so a fast wrong
+//! answer fails. Ignored without an NPU.
 //!
 //! `ASCEND_MOE_BENCH_ITERS` (default 10) sets the timed iterations.
 
@@ -12,7 +14,30 @@ use std::time::Instant;
 use ascend_moe::backend::npu::npu_run_ranks;
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::half::bf16;
-use ascend_moe::{Collectives, CommOptions, DType, Result, Tensor};
+use ascend_moe::{Collectives, CommOptions, DType, Device, Result, Tensor};
+
+/// The stream check of `dev`: waits for what was queued and reports what the device found.
+fn check(dev: &Device) -> Result<()> {
+    match dev {
+        Device::Npu(d) => d.check(),
+        _ => Ok(()),
+    }
+}
+
+/// Runs `call` `iters()` times after a checked warm-up: (host seconds per
+/// call, seconds per call including the stream check).
+fn timed(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
+    call()?;
+    check(dev)?;
+    let t = Instant::now();
+    for _ in 0..iters() {
+        call()?;
+    }
+    let host = t.elapsed().as_secs_f64();
+    check(dev)?;
+    let total = t.elapsed().as_secs_f64();
+    Ok((host / iters() as f64, total / iters() as f64))
+}
 
 fn iters() -> usize {
     std::env::var("ASCEND_MOE_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10).max(1)
@@ -33,21 +58,22 @@ fn bench_collectives_world4() {
             let mut part = Tensor::zeros(&[n / WORLD], DType::BF16, &dev)?;
             let mut gathered = Tensor::zeros(&[n], DType::BF16, &dev)?;
             let chunk = Tensor::zeros(&[n / WORLD], DType::BF16, &dev)?;
-            comm.all_reduce(&src, &mut dst, ascend_moe::ReduceOp::Sum)?; // warm-up
             let bytes = (n * 2) as f64;
             for (name, bus_factor) in [("all_reduce", 2.0), ("reduce_scatter", 1.0), ("all_gather", 1.0)] {
                 comm.barrier()?;
-                let t = Instant::now();
-                for _ in 0..iters() {
-                    match name {
-                        "all_reduce" => comm.all_reduce(&src, &mut dst, ascend_moe::ReduceOp::Sum)?,
-                        "reduce_scatter" => comm.reduce_scatter(&src, &mut part, ascend_moe::ReduceOp::Sum)?,
-                        _ => comm.all_gather(&chunk, &mut gathered)?,
-                    }
-                }
-                let s = t.elapsed().as_secs_f64() / iters() as f64;
+                check(&dev)?;
+                let (host, s) = timed(&dev, || match name {
+                    "all_reduce" => comm.all_reduce(&src, &mut dst, ascend_moe::ReduceOp::Sum),
+                    "reduce_scatter" => comm.reduce_scatter(&src, &mut part, ascend_moe::ReduceOp::Sum),
+                    _ => comm.all_gather(&chunk, &mut gathered),
+                })?;
                 let busbw = bytes * bus_factor * (WORLD - 1) as f64 / WORLD as f64 / s / 1e9;
-                report.push(format!("{name:>15} {:>10} bytes  {:>9.1} us  busbw {busbw:>7.2} GB/s", n * 2, s * 1e6));
+                report.push(format!(
+                    "{name:>15} {:>10} bytes  host {:>7.1} us/call  with check {:>9.1} us  busbw {busbw:>7.2} GB/s",
+                    n * 2,
+                    host * 1e6,
+                    s * 1e6
+                ));
             }
             let check = dst.to_vec::<bf16>()?;
             assert!(check.iter().all(|v| v.to_f32() == WORLD as f32), "all_reduce of ones on rank {rank}");
@@ -84,14 +110,18 @@ fn bench_finalize_routing() {
     };
     let dims = FinalizeDims { n, k, h, expanded_rows: n * k, experts: 0 };
     let mut out = Tensor::zeros(&[n, h], DType::BF16, &dev).unwrap();
-    dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).unwrap();
-    let t = Instant::now();
-    for _ in 0..iters() {
-        dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).unwrap();
-    }
-    let s = t.elapsed().as_secs_f64() / iters() as f64;
+    let imp = match &dev {
+        Device::Npu(d) => d.finalize_impl().unwrap(),
+        _ => "cpu",
+    };
+    let (host, s) = timed(&dev, || dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense)).unwrap();
     let bytes = ((n * k * h) + n * h) as f64 * 2.0;
-    println!("aclnnMoeFinalizeRoutingV2 N={n} K={k} H={h} bf16: {:.1} us, {:.2} GB/s", s * 1e6, bytes / s / 1e9);
+    println!(
+        "finalize ({imp}) N={n} K={k} H={h} bf16: host {:.1} us/call, with check {:.1} us, {:.2} GB/s",
+        host * 1e6,
+        s * 1e6,
+        bytes / s / 1e9
+    );
     // Spot-check token 0 against the formula.
     let got = out.to_vec::<bf16>().unwrap();
     for j in [0usize, h / 2, h - 1] {
