@@ -474,3 +474,65 @@ fn a_captured_moe_layer_replays_every_comm_type_bit_for_bit() {
 fn a_guarded_layer_graph_replayed_under_another_comm_type_is_reported_on_every_rank() {
     run_cases(true);
 }
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let engine = dev.new_stream().expect("stream");
+    let mut s = null_mut();
+    // SAFETY: a live stream of this device that outlives the handle.
+    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), 0, &mut s) });
+    let (n, h) = (6usize, 8usize);
+    let x: Vec<f32> = inputs(7, 0, n * h);
+    let good: Vec<i32> = (0..n as i32).rev().collect();
+    let x_d = dev.clone_htod(&x).expect("x");
+    let mut idx_d = dev.clone_htod(&good).expect("idx");
+    let out_d = dev.alloc_zeros::<f32>(n * h).expect("out");
+    dev.synchronize().expect("uploads");
+    let (xs, is, os) = ([n, h], [n], [n, h]);
+    let place = Place::Npu(0);
+    let xd = desc(dev_ptr(&x_d), amoe_dtype::F32, &xs, place);
+    let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, place);
+    let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, place);
+    let args = amoe_finalize_args {
+        expanded_x: &xd,
+        expanded_row_idx: &id,
+        x1: null(),
+        x2: null(),
+        bias: null(),
+        scales: null(),
+        expert_idx: null(),
+        drop_pad_mode: 0,
+    };
+    // SAFETY (every call below): live handles; descriptors over live device memory.
+    let run = || ok("finalize", unsafe { amoe_moe_finalize_routing(&args, &od, s) });
+    let check = || unsafe { amoe_stream_check(s) };
+    run();
+    ok("warm-up check", check());
+    let graph = Graph::capture(engine.raw(), run);
+    let want: Vec<f32> = (0..n).flat_map(|i| x[(n - 1 - i) * h..(n - i) * h].to_vec()).collect();
+    for round in 0..3 {
+        graph.replay(engine.raw());
+        ok("check after a clean replay", check());
+        assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want), "replay {round}");
+    }
+    // One replay with an index outside [0, 6) at position 2: its check says so, once.
+    let mut bad = good.clone();
+    bad[2] = 99;
+    idx_d.copy_from_host(&bad).expect("bad index");
+    dev.synchronize().expect("upload");
+    graph.replay(engine.raw());
+    assert_eq!(check(), amoe_status::IndexOutOfRange);
+    let msg = last_error();
+    assert!(msg.contains("expanded_row_idx") && msg.contains("[2] = 99"), "{msg}");
+    ok("reported once", check());
+    idx_d.copy_from_host(&good).expect("good index");
+    dev.synchronize().expect("upload");
+    graph.replay(engine.raw());
+    ok("check after the index is fixed", check());
+    assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want));
+    drop(graph);
+    // SAFETY: a live handle, not used afterwards.
+    unsafe { amoe_stream_free(s) };
+}

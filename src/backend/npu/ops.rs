@@ -397,11 +397,22 @@ fn finalize_native(
         gm[kernels::GM_SLOT_OFFSETS] = offsets_buf.as_ptr();
     }
     let status_words = tiling.status_words();
-    // From the pool even with an engine allocator: the check holds it.
-    let status_buf = NpuBuffer::pool_block(device, status_words * 4)?;
+    let captured = stream.is_capturing()?;
+    // Under capture the status goes to a zeroed record slot the graph keeps
+    // (every replay rewrites it, every check reads it); otherwise to a pool
+    // block (from the pool even with an engine allocator: the check holds it),
+    // and the slots for later captures are reserved now.
+    let (status_buf, record) = if captured {
+        (None, stream.take_capture_record(status_words * 4)?)
+    } else {
+        stream.reserve_capture_records(device, CAPTURED_STATUS_BYTES, CAPTURED_STATUS_SLOTS)?;
+        let b = NpuBuffer::pool_block(device, status_words * 4)?;
+        let p = b.as_ptr() as usize;
+        (Some(b), p)
+    };
     // Bytes 0xFF: every word STATUS_NOT_RUN, so a core that never ran is reported.
-    status_buf.memset_async(0xFF, 0, status_buf.len_bytes())?;
-    gm[kernels::GM_STATUS] = status_buf.as_ptr();
+    memset_on(stream, record, status_words * 4, 0xFF)?;
+    gm[kernels::GM_STATUS] = record as *mut c_void;
 
     let tiling_bytes = tiling.as_bytes();
     match launcher {
@@ -436,13 +447,66 @@ fn finalize_native(
             unsafe { lib.launch(tiling.block_dim, stream.raw(), &gm, t.as_ptr())? };
         }
     }
-    // The status block is held by the check (detached, so the record does
-    // not keep the stream alive), returned to the pool once read.
-    let status = status_buf
-        .detach_pool_block()
-        .ok_or_else(|| Error::invalid(OP, "status", "the status words are not in the stream's pool"))?;
-    stream.record_pending(Box::new(KernelStatus { status, tiling }));
+    match status_buf {
+        // The status block is held by the check (detached, so the record does
+        // not keep the stream alive), returned to the pool once read.
+        Some(b) => {
+            let status = b
+                .detach_pool_block()
+                .ok_or_else(|| Error::invalid(OP, "status", "the status words are not in the stream's pool"))?;
+            stream.record_pending(Box::new(KernelStatus { status, tiling }));
+        }
+        None => stream.record_captured(Box::new(CapturedStatus { record, tiling })),
+    }
     Ok(())
+}
+
+/// Bytes of one captured launch's status record: `NATIVE_BLOCK_DIM` cores.
+const CAPTURED_STATUS_BYTES: usize = NATIVE_BLOCK_DIM as usize * kernels::STATUS_WORDS * 4;
+/// Native launches a stream's graphs may capture.
+const CAPTURED_STATUS_SLOTS: usize = 64;
+
+/// `aclrtMemsetAsync(ptr, len, value, len, stream)` on the op's stream.
+fn memset_on(stream: &super::NpuStream, ptr: usize, len: usize, value: u8) -> Result<()> {
+    let api = stream.enter()?;
+    let f = super::runtime::acl_fn!(api, aclrtMemsetAsync)?;
+    // SAFETY: `ptr` is `len` bytes of this stream's device memory owned by
+    // the op's status record; the stream is live.
+    super::runtime::check("aclrtMemsetAsync", unsafe { f(ptr as *mut c_void, len, value as i32, len, stream.raw()) })
+}
+
+/// The status words of a native launch captured into a graph: a record slot
+/// every replay rewrites (0xFF, then the kernel's words) and every check
+/// reads; once read, it is zeroed (all OK), so a bad index of one replay is
+/// reported once and a check with no replay since reports nothing.
+struct CapturedStatus {
+    record: usize,
+    tiling: kernels::FinalizeTiling,
+}
+
+impl super::runtime::Pending for CapturedStatus {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        None
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    fn outcome(&self, wait: Option<&Error>, stream: &super::NpuStream) -> Result<()> {
+        if wait.is_some() {
+            // The stream failed: its words may be stale; the wait is reported.
+            return Ok(());
+        }
+        let mut words = vec![0u32; self.tiling.status_words()];
+        stream.read_drained(self.record, bytemuck::cast_slice_mut(&mut words))?;
+        if words.iter().all(|&w| w == 0) {
+            return Ok(());
+        }
+        let r = kernels::check_status(&words, &self.tiling);
+        stream.zero_drained(self.record, words.len() * 4)?;
+        r
+    }
 }
 
 /// The status words of a queued native launch (a detached pool block),

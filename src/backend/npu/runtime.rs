@@ -203,6 +203,13 @@ pub(crate) trait Pending: Send + Sync {
 #[derive(Default)]
 pub(crate) struct StreamState {
     pending: Vec<Box<dyn Pending>>,
+    /// Checks of work captured into a graph: every replay rewrites what they
+    /// read, so every check reads them again (they are never drained).
+    captured: Vec<Box<dyn Pending>>,
+    /// Zeroed record slots for kernel launches captured into a graph:
+    /// (device address, slot bytes, slots, slots taken). Reserved outside
+    /// capture from the pool; a slot stays with its captured launch.
+    records: Option<(usize, usize, usize, usize)>,
     keep: Vec<Box<dyn Send + Sync>>,
     pub(crate) pool: Pool,
     pub(crate) staging: Staging,
@@ -630,11 +637,87 @@ impl NpuStream {
                 first = r;
             }
         }
+        // Then what graphs captured on this stream left since the last check.
+        let captured = std::mem::take(&mut lock(&self.inner.state).captured);
+        for p in &captured {
+            let r = p.outcome(wait.as_ref(), self);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        lock(&self.inner.state).captured.splice(0..0, captured);
         first?;
         match wait {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Keeps `p` for every check from now on: the check of work captured
+    /// into a graph, whose replays rewrite what it reads.
+    pub(crate) fn record_captured(&self, p: Box<dyn Pending>) {
+        lock(&self.inner.state).captured.push(p);
+    }
+
+    /// Reserves, outside capture, the zeroed record slots of kernel launches
+    /// captured later (`slots` of `slot_bytes`, from the workspace pool; the
+    /// zeroing is queued on this stream, before any capture that uses them).
+    pub(crate) fn reserve_capture_records(
+        &self,
+        device: &super::NpuDevice,
+        slot_bytes: usize,
+        slots: usize,
+    ) -> Result<()> {
+        if lock(&self.inner.state).records.is_some() {
+            return Ok(());
+        }
+        let bytes = slot_bytes * slots;
+        let block = super::memory::NpuBuffer::pool_block(device, bytes)?;
+        block.memset_async(0, 0, bytes)?;
+        let (ptr, _) = block.detach_pool_block().ok_or_else(|| {
+            Error::invalid("capture records", "pool", "the record slots are not in the stream's pool")
+        })?;
+        lock(&self.inner.state).records = Some((ptr, slot_bytes, slots, 0));
+        Ok(())
+    }
+
+    /// A zeroed record slot of at least `bytes` for a launch being captured,
+    /// kept for the stream's life. An error says how to reserve them when
+    /// none are left (or none were reserved: no launch ran before capture).
+    pub(crate) fn take_capture_record(&self, bytes: usize) -> Result<usize> {
+        let mut st = lock(&self.inner.state);
+        match st.records.as_mut() {
+            Some((base, slot, slots, used)) if *used < *slots && bytes <= *slot => {
+                let p = *base + *used * *slot;
+                *used += 1;
+                Ok(p)
+            }
+            other => Err(Error::invalid(
+                "capture records",
+                "stream",
+                match other {
+                    None => {
+                        "no status records were reserved on this stream: run the op once before capturing it".into()
+                    }
+                    Some((_, slot, slots, _)) if bytes > *slot => {
+                        format!("a launch needs {bytes} bytes of status, a captured record holds {slot}")
+                    }
+                    Some((_, _, slots, _)) => {
+                        format!("all {slots} status records for captured launches are taken by earlier captures on this stream")
+                    }
+                },
+            )),
+        }
+    }
+
+    /// Writes `len` zero bytes at device address `ptr` (a captured launch's
+    /// record, once read) after the stream drained: the check's own write.
+    pub(crate) fn zero_drained(&self, ptr: usize, len: usize) -> Result<()> {
+        let api = self.enter()?;
+        let f = acl_fn!(api, aclrtMemset)?;
+        // SAFETY: `ptr` is `len` bytes of this device's memory that no queued
+        // work writes (the stream drained).
+        check("aclrtMemset", unsafe { f(ptr as *mut std::ffi::c_void, len, 0, len) })
     }
 
     /// [`check_with_timeout`](Self::check_with_timeout) with the timeout of
