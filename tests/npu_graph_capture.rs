@@ -7,6 +7,9 @@
 //! (through the same C ABI on host memory and the CPU communicator) bit for
 //! bit. Ignored without an NPU (`ci/sim.sh` runs it on the simulated runtime).
 
+mod common;
+
+use common::graph::Graph;
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
 
@@ -268,44 +271,6 @@ fn cpu_layer(case: Case, seeds: &[usize]) -> Vec<Vec<Outputs>> {
             .collect();
         hs.into_iter().map(|h| h.join().expect("cpu rank")).collect()
     })
-}
-
-/// `aclmdlRICaptureBegin` ... `aclmdlRIDestroy` of the loaded runtime.
-struct Graph(acl_sys::aclmdlRI);
-
-impl Graph {
-    fn capture(raw: acl_sys::aclrtStream, body: impl FnOnce()) -> Graph {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let begin = api.lib.aclmdlRICaptureBegin.as_ref().expect("aclmdlRICaptureBegin");
-        let end = api.lib.aclmdlRICaptureEnd.as_ref().expect("aclmdlRICaptureEnd");
-        // THREAD_LOCAL: the ranks are threads of one process, and each
-        // captures its own stream while the others keep allocating.
-        // SAFETY: a live stream of the bound device.
-        let st = unsafe { begin(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL) };
-        assert_eq!(st, 0, "aclmdlRICaptureBegin");
-        body();
-        let mut model: acl_sys::aclmdlRI = null_mut();
-        // SAFETY: the capturing stream, a writable out-pointer.
-        let st = unsafe { end(raw, &mut model) };
-        assert_eq!(st, 0, "aclmdlRICaptureEnd: {}", ascend_moe::backend::npu::runtime::recent_error_message());
-        Graph(model)
-    }
-
-    fn replay(&self, raw: acl_sys::aclrtStream) {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let exec = api.lib.aclmdlRIExecuteAsync.as_ref().expect("aclmdlRIExecuteAsync");
-        // SAFETY: a live model and stream.
-        assert_eq!(unsafe { exec(self.0, raw) }, 0, "aclmdlRIExecuteAsync");
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let destroy = api.lib.aclmdlRIDestroy.as_ref().expect("aclmdlRIDestroy");
-        // SAFETY: a live model, destroyed once, its replays run.
-        assert_eq!(unsafe { destroy(self.0) }, 0, "aclmdlRIDestroy");
-    }
 }
 
 fn dev_ptr<T: ascend_moe::Element>(b: &DeviceBuffer<T>) -> *mut c_void {

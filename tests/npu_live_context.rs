@@ -4,6 +4,9 @@
 //! (field, both values) exactly once. Ignored without an NPU (`ci/sim.sh`
 //! runs them on the simulated runtime).
 
+mod common;
+
+use common::graph::Graph;
 use std::ffi::CStr;
 use std::ptr::null_mut;
 
@@ -179,45 +182,6 @@ fn bad_contexts_and_flags_are_refused_before_anything_is_enqueued() {
     assert_eq!(e.check(), (amoe_status::Ok, String::new()), "nothing was enqueued");
 }
 
-/// `aclmdlRICaptureBegin` / `End` / `ExecuteAsync` / `Destroy` of the loaded runtime.
-struct Graph {
-    model: acl_sys::aclmdlRI,
-}
-
-impl Graph {
-    /// Captures what `body` enqueues on `raw` (GLOBAL mode).
-    fn capture(raw: acl_sys::aclrtStream, body: impl FnOnce()) -> Graph {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let begin = api.lib.aclmdlRICaptureBegin.as_ref().expect("aclmdlRICaptureBegin");
-        let end = api.lib.aclmdlRICaptureEnd.as_ref().expect("aclmdlRICaptureEnd");
-        // SAFETY: a live stream of the bound device.
-        let st = unsafe { begin(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL) };
-        assert_eq!(st, 0, "aclmdlRICaptureBegin");
-        body();
-        let mut model: acl_sys::aclmdlRI = null_mut();
-        // SAFETY: the capturing stream and a writable out-pointer.
-        let st = unsafe { end(raw, &mut model) };
-        assert_eq!(st, 0, "aclmdlRICaptureEnd");
-        Graph { model }
-    }
-
-    fn replay(&self, raw: acl_sys::aclrtStream) {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let exec = api.lib.aclmdlRIExecuteAsync.as_ref().expect("aclmdlRIExecuteAsync");
-        // SAFETY: a live model and stream.
-        assert_eq!(unsafe { exec(self.model, raw) }, 0, "aclmdlRIExecuteAsync");
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let destroy = api.lib.aclmdlRIDestroy.as_ref().expect("aclmdlRIDestroy");
-        // SAFETY: a live model, destroyed once.
-        assert_eq!(unsafe { destroy(self.model) }, 0, "aclmdlRIDestroy");
-    }
-}
-
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
@@ -229,7 +193,9 @@ fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
     assert_eq!(e.check(), (amoe_status::Ok, String::new()));
     let api = acl_sys::acl().expect("ACL loaded");
     api.reset_counters();
-    let graph = Graph::capture(raw, || assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error()));
+    let graph = Graph::capture_in(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL, || {
+        assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error())
+    });
     if let Some(c) = api.counters() {
         assert_eq!(
             (c.host_syncs, c.device_mallocs, c.device_frees, c.host_mallocs, c.host_frees),
@@ -260,7 +226,7 @@ fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
     graph.replay(raw);
     assert_eq!(e.check(), (amoe_status::Ok, String::new()));
     // Setting the live context during a capture is refused (it belongs before the replay).
-    let refused = Graph::capture(raw, || {
+    let refused = Graph::capture_in(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL, || {
         // SAFETY: live handles.
         let st = unsafe { amoe_live_context_set(e.live, &mc2, e.stream) };
         assert_eq!(st, amoe_status::InvalidArgument);
