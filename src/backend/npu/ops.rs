@@ -405,7 +405,7 @@ fn finalize_native(
     let (status_buf, record) = if captured {
         (None, stream.take_capture_record(status_words * 4)?)
     } else {
-        stream.reserve_capture_records(device, CAPTURED_STATUS_BYTES, CAPTURED_STATUS_SLOTS)?;
+        reserve_capture_records(device)?;
         let b = NpuBuffer::pool_block(device, status_words * 4)?;
         let p = b.as_ptr() as usize;
         (Some(b), p)
@@ -465,6 +465,24 @@ fn finalize_native(
 const CAPTURED_STATUS_BYTES: usize = NATIVE_BLOCK_DIM as usize * kernels::STATUS_WORDS * 4;
 /// Native launches a stream's graphs may capture.
 const CAPTURED_STATUS_SLOTS: usize = 64;
+
+/// Reserves, outside capture, the zeroed record slots of the native
+/// launches captured later on `device`'s stream: one pool block, its zeroing
+/// queued on the stream before any capture that uses it.
+fn reserve_capture_records(device: &NpuDevice) -> Result<()> {
+    let stream = device.stream();
+    if stream.has_capture_records() {
+        return Ok(());
+    }
+    let bytes = CAPTURED_STATUS_BYTES * CAPTURED_STATUS_SLOTS;
+    let block = NpuBuffer::pool_block(device, bytes)?;
+    block.memset_async(0, 0, bytes)?;
+    let (base, _) = block
+        .detach_pool_block()
+        .ok_or_else(|| Error::invalid("finalize_routing", "status", "the record slots are not in the stream's pool"))?;
+    stream.set_capture_records(base, CAPTURED_STATUS_BYTES, CAPTURED_STATUS_SLOTS);
+    Ok(())
+}
 
 /// `aclrtMemsetAsync(ptr, len, value, len, stream)` on the op's stream.
 fn memset_on(stream: &super::NpuStream, ptr: usize, len: usize, value: u8) -> Result<()> {

@@ -659,26 +659,16 @@ impl NpuStream {
         lock(&self.inner.state).captured.push(p);
     }
 
-    /// Reserves, outside capture, the zeroed record slots of kernel launches
-    /// captured later (`slots` of `slot_bytes`, from the workspace pool; the
-    /// zeroing is queued on this stream, before any capture that uses them).
-    pub(crate) fn reserve_capture_records(
-        &self,
-        device: &super::NpuDevice,
-        slot_bytes: usize,
-        slots: usize,
-    ) -> Result<()> {
-        if lock(&self.inner.state).records.is_some() {
-            return Ok(());
-        }
-        let bytes = slot_bytes * slots;
-        let block = super::memory::NpuBuffer::pool_block(device, bytes)?;
-        block.memset_async(0, 0, bytes)?;
-        let (ptr, _) = block.detach_pool_block().ok_or_else(|| {
-            Error::invalid("capture records", "pool", "the record slots are not in the stream's pool")
-        })?;
-        lock(&self.inner.state).records = Some((ptr, slot_bytes, slots, 0));
-        Ok(())
+    /// True once the record slots of captured launches are reserved.
+    pub(crate) fn has_capture_records(&self) -> bool {
+        lock(&self.inner.state).records.is_some()
+    }
+
+    /// Takes `slots` record slots of `slot_bytes` at device address `base`
+    /// (a detached pool block whose zeroing is queued on this stream) for
+    /// the kernel launches captured later.
+    pub(crate) fn set_capture_records(&self, base: usize, slot_bytes: usize, slots: usize) {
+        lock(&self.inner.state).records = Some((base, slot_bytes, slots, 0));
     }
 
     /// A zeroed record slot of at least `bytes` for a launch being captured,
