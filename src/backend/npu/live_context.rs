@@ -21,13 +21,13 @@
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
-use acl_sys::{aclmdlRICaptureStatus, aclrtMemcpyKind};
+use acl_sys::aclrtMemcpyKind;
 
 use super::kernel::guard::{
     check_guard_status, guard_host_entry, ContextWords, GuardTiling, CTX_WORDS, GUARD_GM_COUNT, GUARD_GM_LIVE,
     GUARD_GM_STATUS,
 };
-use super::kernel::{NpuKernelLib, STATUS_WORDS};
+use super::kernel::{shared_kernel_lib, STATUS_WORDS};
 use super::memory::{NpuBuffer, PinnedHostBuffer};
 use super::runtime::{acl_fn, check};
 use super::runtime::{NpuEvent, NpuStream};
@@ -88,30 +88,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// True when `stream` is capturing an ACL graph. A runtime without
-/// `aclmdlRICaptureGetInfo` (CANN before graph capture) never captures.
-pub fn is_capturing(stream: &NpuStream) -> Result<bool> {
-    let api = stream.enter()?;
-    let Ok(f) = api.lib.aclmdlRICaptureGetInfo.as_ref() else { return Ok(false) };
-    let mut status = aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
-    let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
-    // SAFETY: live stream, valid out-pointers. acl_mdl.h:
-    // `aclmdlRICaptureGetInfo(aclrtStream stream, aclmdlRICaptureStatus *status, aclmdlRI *modelRI)`.
-    check("aclmdlRICaptureGetInfo", unsafe { f(stream.raw(), &mut status, &mut model) })?;
-    Ok(status != aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
-}
-
-fn npu_kernel_lib() -> Option<&'static NpuKernelLib> {
-    static LIB: std::sync::OnceLock<Option<NpuKernelLib>> = std::sync::OnceLock::new();
-    LIB.get_or_init(|| NpuKernelLib::load().ok()).as_ref()
-}
-
 impl LiveContext {
     /// A zeroed live context (never written: every guard reports it until
     /// the engine sets it) with [`GUARD_SLOTS`] guard records, on `device`.
     /// Allocates and synchronises `device`'s stream once: call it outside capture.
     pub fn new(device: &NpuDevice) -> Result<LiveContext> {
-        if is_capturing(device.stream())? {
+        if device.stream().is_capturing()? {
             return Err(Error::invalid(
                 "LiveContext::new",
                 "stream",
@@ -170,7 +152,7 @@ impl LiveContext {
     pub fn set(&self, words: &ContextWords, stream: &NpuStream) -> Result<()> {
         const OP: &str = "LiveContext::set";
         self.same_device(OP, stream)?;
-        if is_capturing(stream)? {
+        if stream.is_capturing()? {
             return Err(Error::invalid(
                 OP,
                 "stream",
@@ -218,7 +200,7 @@ impl LiveContext {
     pub fn guard_with(&self, op: &'static str, tiling: &GuardTiling, stream: &NpuStream) -> Result<()> {
         const F: &str = "LiveContext::guard";
         self.same_device(F, stream)?;
-        let captured = is_capturing(stream)?;
+        let captured = stream.is_capturing()?;
         let slot = {
             let mut s = lock(&self.slots);
             let seq = s.next_seq;
@@ -263,7 +245,7 @@ impl LiveContext {
             };
             return check("cannsim_launch_kernel", code);
         }
-        let lib = npu_kernel_lib().ok_or_else(|| {
+        let lib = shared_kernel_lib().ok_or_else(|| {
             Error::Unavailable(
                 "forward-context guard: neither cannsim_launch_kernel with the host kernel build nor the AI Core \
                  kernel library is available"

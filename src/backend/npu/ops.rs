@@ -8,7 +8,6 @@
 //! kernel's status words) is reported by the stream's check.
 
 use std::ffi::c_void;
-use std::sync::OnceLock;
 
 use acl_sys::aclnn::{self, aclOpExecutor, aclScalar, aclTensor, aclnnStatus, Nnopbase, OpApi};
 use acl_sys::{aclDataType, aclFormat};
@@ -310,18 +309,13 @@ enum Launcher {
     Npu(&'static kernels::NpuKernelLib),
 }
 
-fn npu_kernel_lib() -> Option<&'static kernels::NpuKernelLib> {
-    static LIB: OnceLock<Option<kernels::NpuKernelLib>> = OnceLock::new();
-    LIB.get_or_init(|| kernels::NpuKernelLib::load().ok()).as_ref()
-}
-
 fn launcher() -> Option<Launcher> {
     if let (Ok(api), Some(entry)) = (super::runtime::acl(), kernels::host_entry()) {
         if let Some(launch) = api.cannsim_launch_kernel {
             return Some(Launcher::Sim(launch, entry));
         }
     }
-    npu_kernel_lib().map(Launcher::Npu)
+    kernels::shared_kernel_lib().map(Launcher::Npu)
 }
 
 /// The implementation a finalize call on a device with override `forced`

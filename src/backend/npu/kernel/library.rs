@@ -147,6 +147,14 @@ pub fn npu_kernel_library() -> Option<PathBuf> {
     option_env!("AMOE_NPU_KERNEL_LIB").map(PathBuf::from)
 }
 
+/// The AI Core build loaded once per process ([`NpuKernelLib::load`]), shared
+/// by every launch (the finalize and the forward-context guard); `None` when
+/// there is none.
+pub fn shared_kernel_lib() -> Option<&'static NpuKernelLib> {
+    static LIB: std::sync::OnceLock<Option<NpuKernelLib>> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| NpuKernelLib::load().ok()).as_ref()
+}
+
 /// The AI Core build of the kernel (`libamoe_kernels_npu.so`), loaded at run
 /// time so the crate never links CANN.
 pub struct NpuKernelLib {
