@@ -18,7 +18,9 @@
  * drop-pad modes 1/3, a dropped slot) and an expert index outside
  * [0, experts) are never used to address memory: the slot contributes
  * nothing and the core records the first such position in its status record,
- * which the host turns into an error.
+ * which the host turns into an error. With AMOE_FIN_SKIP_INVALID_ROWS (token
+ * unpermute) a row index outside [0, expanded_rows) contributes nothing and
+ * is not recorded.
  *
  * Synchronisation: the queues order the pipes (EnQue/DeQue/FreeTensor insert
  * the MTE2 -> V, V -> MTE3 and back flags), and every vector instruction
@@ -88,6 +90,7 @@ public:
         hasBias_ = (t.flags & AMOE_FIN_HAS_BIAS) != 0;
         hasScales_ = (t.flags & AMOE_FIN_HAS_SCALES) != 0;
         padded_ = (t.flags & AMOE_FIN_PADDED_OUT) != 0;
+        skipInvalidRows_ = (t.flags & AMOE_FIN_SKIP_INVALID_ROWS) != 0;
         dropPad_ = t.mode == 1u || t.mode == 3u;
         rowLayout_ = t.mode == 2u || t.mode == 3u;
         const uint64_t h = t.h;
@@ -272,7 +275,9 @@ private:
         const int32_t r = idxGm_.GetValue(pos);
         s.dropped = dropPad_ && r == -1;
         if (!s.dropped && (r < 0 || static_cast<uint32_t>(r) >= t_.expanded_rows)) {
-            Flag(AMOE_FIN_ST_ROW_INDEX, pos, r);
+            if (!skipInvalidRows_) {
+                Flag(AMOE_FIN_ST_ROW_INDEX, pos, r);
+            }
             return s;
         }
         if (hasBias_) {
@@ -390,7 +395,7 @@ private:
 
     AmoeFinalizeTiling t_;
     bool hasX1_ = false, hasX2_ = false, hasBias_ = false, hasScales_ = false;
-    bool padded_ = false, dropPad_ = false, rowLayout_ = false;
+    bool padded_ = false, dropPad_ = false, rowLayout_ = false, skipInvalidRows_ = false;
     uint32_t status_[AMOE_FIN_STATUS_HEAD_WORDS];
 
     GlobalTensor<T> xGm_, x1Gm_, x2Gm_, biasGm_, outGm_;

@@ -30,6 +30,9 @@
 #define AMOE_FIN_HAS_SCALES 0x8u
 /* Output is the padded EP buffer [slots * slot_rows, H] of SPEC section 3. */
 #define AMOE_FIN_PADDED_OUT 0x10u
+/* Token unpermute (SPEC section 1): a row index outside [0, expanded_rows)
+ * contributes nothing and is not an error. */
+#define AMOE_FIN_SKIP_INVALID_ROWS 0x20u
 
 /* Order of the global-memory pointers the kernel takes (and of the `gm`
  * array of the host entry). Absent optional inputs may be NULL. */

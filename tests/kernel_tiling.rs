@@ -139,3 +139,54 @@ fn missing_npu_kernel_library_is_unavailable_not_a_panic() {
         e => panic!("{e}"),
     }
 }
+
+/// Every `AMOE_FIN_*` flag, status code and gm slot of `kernels/finalize_tiling.h`
+/// equals its Rust mirror (read from the header text, so a new define
+/// without a mirror, or a renumbered one, fails).
+#[test]
+fn header_defines_match_the_rust_constants() {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/finalize_tiling.h")).unwrap();
+    let mut seen = std::collections::BTreeMap::new();
+    for line in header.lines() {
+        let mut w = line.split_whitespace();
+        if w.next() != Some("#define") {
+            continue;
+        }
+        let (Some(name), Some(value)) = (w.next(), w.next()) else { continue };
+        let v = value.trim_end_matches('u');
+        let parsed = match v.strip_prefix("0x") {
+            Some(hex) => u64::from_str_radix(hex, 16).ok(),
+            None => v.parse::<u64>().ok(),
+        };
+        if let Some(p) = parsed {
+            seen.insert(name.to_string(), p);
+        }
+    }
+    let mirrors: [(&str, u64); 17] = [
+        ("AMOE_FIN_HAS_X1", kernels::FLAG_X1.into()),
+        ("AMOE_FIN_HAS_X2", kernels::FLAG_X2.into()),
+        ("AMOE_FIN_HAS_BIAS", kernels::FLAG_BIAS.into()),
+        ("AMOE_FIN_HAS_SCALES", kernels::FLAG_SCALES.into()),
+        ("AMOE_FIN_PADDED_OUT", kernels::FLAG_PADDED_OUT.into()),
+        ("AMOE_FIN_SKIP_INVALID_ROWS", kernels::FLAG_SKIP_INVALID_ROWS.into()),
+        ("AMOE_FIN_GM_EXPANDED_X", kernels::GM_EXPANDED_X as u64),
+        ("AMOE_FIN_GM_ROW_IDX", kernels::GM_ROW_IDX as u64),
+        ("AMOE_FIN_GM_X1", kernels::GM_X1 as u64),
+        ("AMOE_FIN_GM_X2", kernels::GM_X2 as u64),
+        ("AMOE_FIN_GM_BIAS", kernels::GM_BIAS as u64),
+        ("AMOE_FIN_GM_SCALES", kernels::GM_SCALES as u64),
+        ("AMOE_FIN_GM_EXPERT_IDX", kernels::GM_EXPERT_IDX as u64),
+        ("AMOE_FIN_GM_OUT", kernels::GM_OUT as u64),
+        ("AMOE_FIN_GM_SLOT_OFFSETS", kernels::GM_SLOT_OFFSETS as u64),
+        ("AMOE_FIN_GM_STATUS", kernels::GM_STATUS as u64),
+        ("AMOE_FIN_GM_COUNT", kernels::GM_COUNT as u64),
+    ];
+    for (name, rust) in mirrors {
+        assert_eq!(seen.get(name), Some(&rust), "{name}: header vs Rust");
+    }
+    let mirrored: Vec<&str> = mirrors.iter().map(|m| m.0).collect();
+    let prefixes = ["AMOE_FIN_HAS_", "AMOE_FIN_PADDED_", "AMOE_FIN_SKIP_", "AMOE_FIN_GM_"];
+    for name in seen.keys().filter(|k| prefixes.iter().any(|p| k.starts_with(p))) {
+        assert!(mirrored.contains(&name.as_str()), "{name} of the header has no Rust mirror in this test");
+    }
+}

@@ -501,3 +501,64 @@ fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
     // SAFETY: a live handle, not used afterwards.
     unsafe { amoe_stream_free(s) };
 }
+
+/// Token unpermute through the C ABI, captured once and replayed with new
+/// values and new indices (repeated, negative, past the end: SPEC section 1
+/// lets them contribute nothing) written into the same device buffers; each
+/// replay equals the same call on host memory bit for bit.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_captured_token_unpermute_replays_new_indices_bit_for_bit() {
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let engine = dev.new_stream().expect("stream");
+    let mut s = null_mut();
+    // SAFETY: a live stream of this device that outlives the handle.
+    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), 0, &mut s) });
+    let (t, k, rows, h) = (4usize, 3usize, 10usize, 8usize);
+    let indices = |round: usize| -> Vec<i32> {
+        (0..t * k).map(|i| ((i * 5 + round * 3) % (rows + 3)) as i32 - 1 - (round == 2 && i == 4) as i32).collect()
+    };
+    let mut permuted_d = dev.alloc_zeros::<f32>(rows * h).expect("permuted");
+    let mut idx_d = dev.alloc_zeros::<i32>(t * k).expect("indices");
+    let probs_d = dev.clone_htod(&inputs(5, 0, t * k)).expect("probs");
+    let out_d = dev.alloc_zeros::<f32>(t * h).expect("out");
+    let (ps, is, ws, os) = ([rows, h], [t * k], [t, k], [t, h]);
+    let place = Place::Npu(0);
+    let pd = desc(dev_ptr(&permuted_d), amoe_dtype::F32, &ps, place);
+    let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, Place::Npu(0));
+    let wd = desc(dev_ptr(&probs_d), amoe_dtype::F32, &ws, Place::Npu(0));
+    let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, place);
+    // SAFETY (every call below): live handles; descriptors over live memory.
+    let run = || ok("unpermute", unsafe { amoe_moe_token_unpermute(&pd, &id, &wd, &od, s) });
+    let upload = |round: usize, p_d: &mut DeviceBuffer<f32>, idx_d: &mut DeviceBuffer<i32>| -> Vec<f32> {
+        let perm = inputs(10 + round, 0, rows * h);
+        p_d.copy_from_host(&perm).expect("permuted");
+        idx_d.copy_from_host(&indices(round)).expect("indices");
+        dev.synchronize().expect("uploads");
+        perm
+    };
+    upload(0, &mut permuted_d, &mut idx_d);
+    run();
+    ok("warm-up check", unsafe { amoe_stream_check(s) });
+    let graph = Graph::capture(engine.raw(), run);
+    for round in 1..=3 {
+        let perm = upload(round, &mut permuted_d, &mut idx_d);
+        graph.replay(engine.raw());
+        ok("check after a replay", unsafe { amoe_stream_check(s) });
+        // The same call on host memory (the CPU backend).
+        let idx = indices(round);
+        let probs = inputs(5, 0, t * k);
+        let mut want = vec![0f32; t * h];
+        let hp = desc(perm.as_ptr() as *mut c_void, amoe_dtype::F32, &ps, Place::Host);
+        let hi = desc(idx.as_ptr() as *mut c_void, amoe_dtype::I32, &is, Place::Host);
+        let hw = desc(probs.as_ptr() as *mut c_void, amoe_dtype::F32, &ws, Place::Host);
+        let ho = desc(want.as_mut_ptr().cast(), amoe_dtype::F32, &os, Place::Host);
+        // SAFETY: descriptors over live host memory.
+        ok("host unpermute", unsafe { amoe_moe_token_unpermute(&hp, &hi, &hw, &ho, null()) });
+        assert!(want.iter().any(|&v| v != 0.0), "round {round}: a non-trivial reference");
+        assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want), "replay {round}");
+    }
+    drop(graph);
+    // SAFETY: a live handle, not used afterwards.
+    unsafe { amoe_stream_free(s) };
+}

@@ -286,3 +286,52 @@ fn the_simulated_runtime_defaults_to_the_native_kernel() {
         assert_eq!(d.finalize_impl().unwrap(), "native");
     }
 }
+
+/// Token unpermute on the device (SPEC section 1: `out[t] = sum_k probs[t,k] *
+/// permuted[S[t*K + k]]`, an index outside `[0, rows)` contributing nothing)
+/// equals the CPU backend bit for bit, on both implementations: indices in
+/// range and distinct (what aclnnMoeTokenUnpermute takes), repeated, negative
+/// and past the end, a permuted buffer without T*K rows, probs absent, of the
+/// data type and f32, H over one tile.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn token_unpermute_equals_the_cpu_backend_bit_for_bit() {
+    let cpu = Device::Cpu;
+    let mut checked = 0;
+    for imp in [FinalizeImpl::Native, FinalizeImpl::Aclnn] {
+        let dev = npu(imp);
+        for (dtype, probs) in [
+            (DType::F32, Some(DType::F32)),
+            (DType::F16, Some(DType::F16)),
+            (DType::BF16, Some(DType::F32)),
+            (DType::BF16, Some(DType::BF16)),
+            (DType::F16, None),
+        ] {
+            for (t, k, h) in [(5usize, 2usize, 24usize), (3, 1, 20000), (9, 4, 7)] {
+                let distinct: Vec<i32> = (0..(t * k) as i32).map(|s| (s * 7 + 3) % (t * k) as i32).collect();
+                let mut wild = distinct.clone();
+                wild[0] = -1;
+                wild[1 % (t * k)] = (t * k) as i32;
+                wild[(t * k) - 1] = wild[(t * k) / 2];
+                for (what, idx, rows) in
+                    [("distinct", &distinct, t * k), ("wild", &wild, t * k), ("short", &distinct, t * k - 1)]
+                {
+                    let p = data(dtype, 11, &[rows, h]).unwrap();
+                    let s = Tensor::from_slice(idx, &[t * k]).unwrap();
+                    let w = probs.map(|d| data(d, 12, &[t, k]).unwrap());
+                    let run = |d: &Device| -> Vec<u8> {
+                        let (p, s) = (p.to_device(d).unwrap(), s.to_device(d).unwrap());
+                        let w = w.as_ref().map(|w| w.to_device(d).unwrap());
+                        let mut out = Tensor::zeros(&[t, h], dtype, d).unwrap();
+                        d.backend().token_unpermute(&p, &s, w.as_ref(), k, &mut out).unwrap();
+                        out.to_cpu().unwrap().cpu_bytes().unwrap().to_vec()
+                    };
+                    let label = format!("{} {dtype} probs {probs:?} t {t} k {k} h {h} {what}", imp.name());
+                    assert!(run(&dev) == run(&cpu), "{label}: differs from the CPU backend");
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 2 * 5 * 3 * 3);
+}

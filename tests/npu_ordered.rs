@@ -150,6 +150,14 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         p.extend(measure(&nd, "finalize_routing (native, dense)", || {
             b.finalize_routing(&args, &dims, &mut dense, OutputRows::Dense)
         }));
+        // Native token unpermute, with repeated and out-of-range indices
+        // (SPEC section 1: they contribute nothing), which aclnn cannot take.
+        let wild: Vec<i32> = vec![3, 3, -1, 11, 40, 0, 7, 7, 2, 1, 5, 9];
+        let wild = Tensor::from_slice(&wild, &[n * k])?.to_device(&dev)?;
+        let mut unpermuted = Tensor::zeros(&[n, h], DType::F32, &dev)?;
+        p.extend(measure(&nd, "token_unpermute (native)", || {
+            b.token_unpermute(&ex, &wild, Some(&scales), k, &mut unpermuted)
+        }));
         let local_sizes = [2usize, 0, 3, 1];
         let mut padded = Tensor::zeros(&[4 * 3, h], DType::F32, &dev)?;
         p.extend(measure_with_staging(&nd, "finalize_routing (native, padded)", 1, || {

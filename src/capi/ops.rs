@@ -406,11 +406,18 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute_output_shape(
 /// (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
 /// nothing. Ownership as `amoe_moe_finalize_routing`.
 ///
-/// NPU: not yet stream-ordered. The indices are read on the host (one
-/// device-to-host copy and synchronisation) to decide whether
-/// `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in range),
-/// which is then enqueued; other inputs are computed on the host and copied
-/// back. Refused while `stream` is captured into a graph.
+/// The result is written into `out` in place (host memory that cannot be
+/// borrowed goes through a copy).
+///
+/// NPU, native kernel (the default where it can launch): enqueues on
+/// `stream` one memset of the status words and one kernel launch writing
+/// `out`; it never synchronises, never calls `aclrtMalloc`, never reads device
+/// data on the host, and can be captured into a graph. NPU, aclnn
+/// (`ASCEND_MOE_NPU_FINALIZE=aclnn`, or no native kernel): the indices are
+/// read on the host (one device-to-host copy and synchronisation) to decide
+/// whether `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in
+/// range), which is then enqueued; other inputs are computed on the host and
+/// copied back. Refused while `stream` is captured into a graph.
 ///
 /// # Safety
 /// Descriptors valid; `out` writable.
@@ -435,8 +442,10 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute(
         let (shape, _) = moe::moe_token_unpermute_output_shape(&p, &s, pr.as_ref())?;
         // SAFETY: the caller's contract for `out`.
         unsafe { check_out(F, "out", out, &shape, p.dtype()) }?;
-        let y = moe::moe_token_unpermute(&p, &s, pr.as_ref())?;
         // SAFETY: the caller's contract for `out`.
+        let mut y = unsafe { super::ffi::out_tensor(F, "out", out) }?;
+        moe::moe_token_unpermute_into(&p, &s, pr.as_ref(), &mut y)?;
+        // SAFETY: the caller's contract for `out` (a no-op when written in place).
         unsafe { write_tensor(F, "out", out, &y) }
     })
 }

@@ -358,3 +358,19 @@ pub fn moe_token_unpermute(permuted: &Tensor, sorted_indices: &Tensor, probs: Op
     backend.token_unpermute(permuted, sorted_indices, probs, dims.k, &mut out)?;
     Ok(out)
 }
+
+/// [`moe_token_unpermute`] into `out` (e.g. caller memory borrowed for the
+/// call), which must have the shape of [`moe_token_unpermute_output_shape`]
+/// and the dtype of `permuted`, on its device. Every element is written.
+pub fn moe_token_unpermute_into(
+    permuted: &Tensor,
+    sorted_indices: &Tensor,
+    probs: Option<&Tensor>,
+    out: &mut Tensor,
+) -> Result<()> {
+    let (shape, dims) = moe_token_unpermute_output_shape(permuted, sorted_indices, probs)?;
+    let device = permuted.device();
+    same_device(UNPERMUTE, &device, [("out", Some(&*out))])?;
+    check_out(UNPERMUTE, out, &shape, permuted.dtype())?;
+    device.backend().token_unpermute(permuted, sorted_indices, probs, dims.k, out)
+}

@@ -62,8 +62,8 @@ pub mod shared;
 
 pub use finalize::{
     moe_finalize_routing, moe_finalize_routing_into, moe_finalize_routing_output_shape, moe_finalize_routing_shape,
-    moe_token_unpermute, moe_token_unpermute_output_shape, moe_token_unpermute_shape, FinalizeMeta, TensorMeta,
-    UnpermuteDims,
+    moe_token_unpermute, moe_token_unpermute_into, moe_token_unpermute_output_shape, moe_token_unpermute_shape,
+    FinalizeMeta, TensorMeta, UnpermuteDims,
 };
 pub use layout::SpLayout;
 pub use pad_reduce::{

@@ -18,7 +18,7 @@ use super::runtime::recent_error_message;
 use super::NpuDevice;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
 use crate::tensor::Storage;
-use crate::{with_dtype, DType, Element, Error, Result, Tensor};
+use crate::{with_dtype, DType, DropPadMode, Element, Error, Result, Tensor};
 
 fn nnopbase() -> Result<&'static Nnopbase> {
     aclnn::nnopbase().map_err(|e| Error::Unavailable(e.to_string()))
@@ -344,6 +344,19 @@ fn finalize_native(
     out: &mut Tensor,
     rows: OutputRows<'_>,
 ) -> Result<()> {
+    launch_native(device, args, dims, out, rows, 0)
+}
+
+/// [`finalize_native`] with `extra_flags` (`kernels::FLAG_*`) added to the
+/// tiling's.
+fn launch_native(
+    device: &NpuDevice,
+    args: &FinalizeArgs<'_>,
+    dims: &FinalizeDims,
+    out: &mut Tensor,
+    rows: OutputRows<'_>,
+    extra_flags: u32,
+) -> Result<()> {
     const OP: &str = "finalize_routing";
     let launcher = launcher().ok_or_else(|| {
         Error::Unavailable(
@@ -352,13 +365,14 @@ fn finalize_native(
                 .into(),
         )
     })?;
-    let tiling = kernels::finalize_tiling(&kernels::TilingParams::from_args(
+    let mut tiling = kernels::finalize_tiling(&kernels::TilingParams::from_args(
         args,
         dims,
         rows,
         NATIVE_BLOCK_DIM,
         kernels::UB_BYTES_910B,
     ))?;
+    tiling.flags |= extra_flags;
     kernels::check_launch(args, out, rows, &tiling)?;
     let out_buf = npu_buf(device, OP, "out", out)?;
     if out_buf.len_bytes() == 0 {
@@ -730,8 +744,15 @@ fn finalize_aclnn(
     Ok(())
 }
 
-/// Token unpermute through aclnnMoeTokenUnpermute when its input contract
-/// holds, else on the host.
+/// Token unpermute (SPEC section 1): `out[t] = sum_k probs[t,k] * permuted[S[t*K + k]]`,
+/// an index outside `[0, rows)` contributing nothing.
+///
+/// With the native kernel (the default where it can launch) this is one
+/// launch of the finalize kernel in row mode with `probs` as scales and
+/// [`kernels::FLAG_SKIP_INVALID_ROWS`]: enqueued on the stream, no host read,
+/// no synchronisation, capturable. Otherwise (`ASCEND_MOE_NPU_FINALIZE=aclnn`,
+/// or no kernel can launch here) `aclnnMoeTokenUnpermute` is used when its
+/// input contract holds, which only a host read of the indices can tell.
 ///
 /// The op's documentation: `permutedTokens` has T*K rows and `sortedIndices`
 /// holds no duplicates ("otherwise the result is undefined"); aclnn does not
@@ -750,11 +771,14 @@ pub(crate) fn token_unpermute(
     const OP: &str = "token_unpermute";
     let dt = permuted.dtype();
     let (rows, h) = (permuted.rows(), permuted.row_len());
-    let idx = read_indices_to_host_for_validation(device, OP, sorted_indices)?;
-    if k == 0 || idx.len() % k != 0 {
-        return Err(Error::invalid(OP, "k", format!("k = {k} must divide the {} indices", idx.len())));
+    if sorted_indices.dtype() != DType::I32 {
+        return Err(Error::dtype(OP, "sorted_indices", "i32", sorted_indices.dtype()));
     }
-    let t = idx.len() / k;
+    let slots = sorted_indices.numel();
+    if k == 0 || slots % k != 0 {
+        return Err(Error::invalid(OP, "k", format!("k = {k} must divide the {slots} indices")));
+    }
+    let t = slots / k;
     if out.dtype() != dt {
         return Err(Error::dtype(OP, "out", dt.name(), out.dtype()));
     }
@@ -770,8 +794,26 @@ pub(crate) fn token_unpermute(
     if t == 0 || h == 0 {
         return Ok(());
     }
+    let native_takes_probs = probs.map_or(true, |p| p.dtype() == dt || p.dtype() == DType::F32);
+    if dt.is_float() && native_takes_probs && choose_finalize(device.finalize_override())? == FinalizeImpl::Native {
+        let args = FinalizeArgs {
+            expanded_x: permuted,
+            expanded_row_idx: sorted_indices,
+            x1: None,
+            x2: None,
+            bias: None,
+            scales: probs,
+            expert_idx: None,
+            drop_pad_mode: DropPadMode::DropLessRow,
+        };
+        let dims = FinalizeDims { n: t, k, h, expanded_rows: rows, experts: 0 };
+        return launch_native(device, &args, &dims, out, OutputRows::Dense, kernels::FLAG_SKIP_INVALID_ROWS);
+    }
+    let idx = read_indices_to_host_for_validation(device, OP, sorted_indices)?;
     let mut seen = vec![false; rows];
+    // Without probs the op's K is 1 (it takes K from probs' shape).
     let op_accepts = rows == t * k
+        && (probs.is_some() || k == 1)
         && idx.iter().all(|&v| v >= 0 && (v as usize) < rows && !std::mem::replace(&mut seen[v as usize], true));
     if !op_accepts {
         return token_unpermute_on_host(device, permuted, sorted_indices, probs, k, out);

@@ -49,6 +49,9 @@ pub const FLAG_BIAS: u32 = 0x4;
 pub const FLAG_SCALES: u32 = 0x8;
 /// `flags`: the output is the padded EP buffer of SPEC section 3.
 pub const FLAG_PADDED_OUT: u32 = 0x10;
+/// `flags`: token unpermute (SPEC section 1): a row index outside
+/// `[0, expanded_rows)` contributes nothing and is not an error.
+pub const FLAG_SKIP_INVALID_ROWS: u32 = 0x20;
 
 pub(super) const ST_OK: u32 = 0;
 pub(super) const ST_ROW_INDEX: u32 = 1;
