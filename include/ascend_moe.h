@@ -787,10 +787,14 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
 // reads device data on the host; a bad index is returned by
 // `amoe_stream_check(stream)` with its argument, position and value. NPU
-// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): index values are read
-// and checked on the host first (one device-to-host copy and
-// synchronisation; refused while `stream` is captured), then
-// `aclnnMoeFinalizeRoutingV2` is enqueued.
+// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
+// can launch, one launch of it first checks the index tensors into
+// workspace (bad values replaced by safe ones, the first reported by
+// `amoe_stream_check`), then `aclnnMoeFinalizeRoutingV2` is enqueued over
+// the checked copies: no synchronisation, no host read, capturable. Without
+// the native kernel the indices are read and checked on the host first (one
+// device-to-host copy and synchronisation; refused while `stream` is
+// captured).
 //
 // # Safety
 // `args` and its descriptors valid; `out` a valid, writable descriptor.
@@ -815,11 +819,18 @@ amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *perm
 // (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
 // nothing. Ownership as `amoe_moe_finalize_routing`.
 //
-// NPU: not yet stream-ordered. The indices are read on the host (one
-// device-to-host copy and synchronisation) to decide whether
-// `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in range),
-// which is then enqueued; other inputs are computed on the host and copied
-// back. Refused while `stream` is captured into a graph.
+// The result is written into `out` in place (host memory that cannot be
+// borrowed goes through a copy).
+//
+// NPU, native kernel (the default where it can launch): enqueues on
+// `stream` one memset of the status words and one kernel launch writing
+// `out`; it never synchronises, never calls `aclrtMalloc`, never reads device
+// data on the host, and can be captured into a graph. NPU, aclnn
+// (`ASCEND_MOE_NPU_FINALIZE=aclnn`, or no native kernel): the indices are
+// read on the host (one device-to-host copy and synchronisation) to decide
+// whether `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in
+// range), which is then enqueued; other inputs are computed on the host and
+// copied back. Refused while `stream` is captured into a graph.
 //
 // # Safety
 // Descriptors valid; `out` writable.

@@ -29,6 +29,10 @@
  * --cce-auto-sync to insert them, and the V pipe does not interlock UB
  * dependences between its own instructions.
  *
+ * With AMOE_FIN_CHECK_INDICES the launch only checks the index tensors
+ * (IndexCheck): the aclnn path runs it first and gives aclnn the checked
+ * copies, so a bad index is reported at the stream check and never read.
+ *
  * Built with AMOE_FINALIZE_DROP_BARRIER, the barrier between Muls and the
  * accumulating Add is left out (and the entry is renamed through
  * AMOE_FINALIZE_KERNEL_NAME): a test build that the host model must reject.
@@ -408,6 +412,89 @@ private:
     TBuf<QuePosition::VECCALC> termBuf_, accBuf_, biasF32Buf_, statusBuf_;
 };
 
+/* AMOE_FIN_CHECK_INDICES: copies each index tensor to `out` in chunks through
+ * UB, replacing (and recording the first of) the values outside their range. */
+class IndexCheck {
+public:
+    __aicore__ inline IndexCheck() {}
+
+    __aicore__ inline void Run(GM_ADDR rowIdx, GM_ADDR expertIdx, GM_ADDR out, GM_ADDR status,
+                               const AmoeFinalizeTiling &t)
+    {
+        TPipe pipe;
+        pipe.InitBuffer(chunkBuf_, AMOE_FIN_CHECK_CHUNK * sizeof(int32_t));
+        pipe.InitBuffer(statusBuf_, AMOE_FIN_STATUS_HEAD_WORDS * sizeof(uint32_t));
+        for (uint32_t i = 0; i < AMOE_FIN_STATUS_HEAD_WORDS; ++i) {
+            status_[i] = 0;
+        }
+        const uint64_t nk = static_cast<uint64_t>(t.n) * t.k;
+        const uint32_t b = static_cast<uint32_t>(GetBlockIdx());
+        const uint64_t per = nk / t.block_dim;
+        const uint64_t rem = nk % t.block_dim;
+        const uint64_t first = b * per + (b < rem ? b : rem);
+        const uint64_t count = per + (b < rem ? 1u : 0u);
+        const bool dropPad = t.mode == 1u || t.mode == 3u;
+        const bool hasBias = (t.flags & AMOE_FIN_HAS_BIAS) != 0;
+        const uint64_t expertAt = AMOE_FIN_CHECKED_EXPERT_OFFSET(nk);
+        GlobalTensor<int32_t> rowGm, expertGm, outGm;
+        rowGm.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t *>(rowIdx), nk);
+        outGm.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t *>(out), hasBias ? expertAt + nk : nk);
+        const int32_t rowLo = dropPad ? -1 : 0;
+        Check(rowGm, outGm, 0, first, count, rowLo, static_cast<int64_t>(t.expanded_rows), rowLo,
+              AMOE_FIN_ST_ROW_INDEX);
+        if (hasBias) {
+            expertGm.SetGlobalBuffer(reinterpret_cast<__gm__ int32_t *>(expertIdx), nk);
+            Check(expertGm, outGm, expertAt, first, count, 0, static_cast<int64_t>(t.experts), 0,
+                  AMOE_FIN_ST_EXPERT_INDEX);
+        }
+        StoreStatus(status, statusBuf_.Get<uint32_t>(), status_);
+    }
+
+private:
+    /* Values of src[first, first + count) outside [lo, hi) become `safe` in
+     * out[outAt + first, ...); the first one is recorded with `code`. */
+    __aicore__ inline void Check(const GlobalTensor<int32_t> &src, const GlobalTensor<int32_t> &outGm, uint64_t outAt,
+                                 uint64_t first, uint64_t count, int32_t lo, int64_t hi, int32_t safe, uint32_t code)
+    {
+        LocalTensor<int32_t> l = chunkBuf_.Get<int32_t>();
+        for (uint64_t done = 0; done < count; done += AMOE_FIN_CHECK_CHUNK) {
+            const uint32_t len = static_cast<uint32_t>(
+                count - done < AMOE_FIN_CHECK_CHUNK ? count - done : static_cast<uint64_t>(AMOE_FIN_CHECK_CHUNK));
+            DataCopyExtParams p{1, static_cast<uint32_t>(len * sizeof(int32_t)), 0, 0, 0};
+            DataCopyPadExtParams<int32_t> pad{false, 0, 0, 0};
+            DataCopyPad(l, src[first + done], p, pad);
+            event_t in = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::MTE2_S));
+            SetFlag<HardEvent::MTE2_S>(in);
+            WaitFlag<HardEvent::MTE2_S>(in);
+            for (uint32_t i = 0; i < len; ++i) {
+                const int32_t v = l.GetValue(i);
+                if (v < lo || static_cast<int64_t>(v) >= hi) {
+                    if (status_[AMOE_FIN_STATUS_CODE] == AMOE_FIN_ST_OK) {
+                        status_[AMOE_FIN_STATUS_CODE] = code;
+                        status_[AMOE_FIN_STATUS_POSITION] = static_cast<uint32_t>(first + done + i);
+                        status_[AMOE_FIN_STATUS_VALUE] = static_cast<uint32_t>(v);
+                    }
+                    l.SetValue(i, safe);
+                }
+            }
+            event_t toOut = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::S_MTE3));
+            SetFlag<HardEvent::S_MTE3>(toOut);
+            WaitFlag<HardEvent::S_MTE3>(toOut);
+            DataCopyPad(outGm[outAt + first + done], l, p);
+            /* The next chunk (or the status) overwrites UB only after MTE3 read it. */
+            event_t back = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::MTE3_MTE2));
+            SetFlag<HardEvent::MTE3_MTE2>(back);
+            WaitFlag<HardEvent::MTE3_MTE2>(back);
+            event_t scalar = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::MTE3_S));
+            SetFlag<HardEvent::MTE3_S>(scalar);
+            WaitFlag<HardEvent::MTE3_S>(scalar);
+        }
+    }
+
+    TBuf<QuePosition::VECCALC> chunkBuf_, statusBuf_;
+    uint32_t status_[AMOE_FIN_STATUS_HEAD_WORDS];
+};
+
 __aicore__ inline bool IsDataDtype(uint32_t d) { return d == AMOE_DT_F32 || d == AMOE_DT_F16 || d == AMOE_DT_BF16; }
 
 /* Checks what the kernel cannot survive; sizes are the host's job. */
@@ -464,6 +551,11 @@ extern "C" __global__ __aicore__ void AMOE_FINALIZE_KERNEL_NAME(GM_ADDR expanded
         pipe.InitBuffer(buf, AMOE_FIN_STATUS_HEAD_WORDS * sizeof(uint32_t));
         uint32_t head[AMOE_FIN_STATUS_HEAD_WORDS] = {AMOE_FIN_ST_BAD_TILING, 0, 0, 0, 0, 0, 0, 0};
         StoreStatus(status, buf.Get<uint32_t>(), head);
+        return;
+    }
+    if ((t.flags & AMOE_FIN_CHECK_INDICES) != 0) {
+        IndexCheck check;
+        check.Run(rowIdx, expertIdx, out, status, t);
         return;
     }
     const bool f32Scales = t.scales_dtype == AMOE_DT_F32;

@@ -33,6 +33,18 @@
 /* Token unpermute (SPEC section 1): a row index outside [0, expanded_rows)
  * contributes nothing and is not an error. */
 #define AMOE_FIN_SKIP_INVALID_ROWS 0x20u
+/* Index check only (what runs before aclnnMoeFinalizeRoutingV2, which never
+ * checks index values): nothing is computed; `out` is int32 and receives a
+ * copy of expanded_row_idx at element 0 and, with bias, of expert_idx at
+ * element AMOE_FIN_CHECKED_EXPERT_OFFSET(n * k), every value outside its
+ * range replaced by a safe one (-1 for a row index in the drop-pad modes,
+ * else 0) and the first one recorded in the status as usual. The positions
+ * are split evenly over the cores. */
+#define AMOE_FIN_CHECK_INDICES 0x40u
+/* 128 int32 = 512 bytes: the expert copy starts on a 512-byte boundary. */
+#define AMOE_FIN_CHECKED_EXPERT_OFFSET(nk) ((((nk) + 127u) / 128u) * 128u)
+/* int32 elements a core moves through UB per step of the index check. */
+#define AMOE_FIN_CHECK_CHUNK 2048u
 
 /* Order of the global-memory pointers the kernel takes (and of the `gm`
  * array of the host entry). Absent optional inputs may be NULL. */

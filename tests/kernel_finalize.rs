@@ -728,3 +728,100 @@ fn random_shapes_layouts_and_budgets_match_the_reference() {
         check(&c);
     }
 }
+
+/// The index check of the aclnn path (`FLAG_CHECK_INDICES`) on the host
+/// build: over many slot counts (one value, around the per-core chunk, several
+/// chunks per core), with and without bias, in a drop-less and a drop-pad
+/// mode, the output holds the indices with every bad one replaced (-1 in the
+/// drop-pad modes, else 0; experts 0) and the error names the first bad
+/// position of the first core that has one (a core checks its row indices
+/// before its expert indices).
+#[test]
+fn the_index_check_copies_indices_and_replaces_bad_ones() {
+    let block_dim = 8usize;
+    let h = 4usize;
+    for nk in [1usize, 7, 2047, 2049, 8 * 2048 + 5, 40_000] {
+        for mode in [DropPadMode::DropLessRow, DropPadMode::DropPadRow] {
+            for bias in [false, true] {
+                let (rows, experts) = (nk, 3usize);
+                let lo = if mode.is_drop_pad() { -1 } else { 0 };
+                let mut idx: Vec<i32> = (0..nk).map(|i| ((i * 7919) % rows) as i32).collect();
+                let mut exp: Vec<i32> = (0..nk).map(|i| (i % experts) as i32).collect();
+                // Bad values: a few, at chunk and core edges.
+                for &p in &[nk / 2, nk - 1, (nk * 7) / 8 + 1] {
+                    if p < nk {
+                        idx[p] = if p % 2 == 0 { rows as i32 } else { -5 };
+                    }
+                }
+                if bias && nk > 3 {
+                    exp[nk / 3] = experts as i32;
+                    exp[3] = -1;
+                }
+                let x = Tensor::from_slice(&vec![0f32; rows * h], &[rows, h]).unwrap();
+                let it = Tensor::from_slice(&idx, &[nk]).unwrap();
+                let et = Tensor::from_slice(&exp, &[nk, 1]).unwrap();
+                let bt = Tensor::from_slice(&vec![0f32; experts * h], &[experts, h]).unwrap();
+                let args = FinalizeArgs {
+                    expanded_x: &x,
+                    expanded_row_idx: &it,
+                    x1: None,
+                    x2: None,
+                    bias: bias.then_some(&bt),
+                    scales: None,
+                    expert_idx: bias.then_some(&et),
+                    drop_pad_mode: mode,
+                };
+                let dims =
+                    FinalizeDims { n: nk, k: 1, h, expanded_rows: rows, experts: if bias { experts } else { 0 } };
+                let mut t = kernels::finalize_tiling(&TilingParams::from_args(
+                    &args,
+                    &dims,
+                    OutputRows::Dense,
+                    block_dim as u32,
+                    UB_BYTES_910B,
+                ))
+                .unwrap();
+                t.flags |= kernels::FLAG_CHECK_INDICES;
+                let len = kernels::checked_indices_len(nk, bias);
+                let mut out = Tensor::from_slice(&vec![i32::MIN; len], &[len]).unwrap();
+                let got = kernels::finalize_host_with_tiling(&args, &mut out, OutputRows::Dense, &t);
+
+                // Expected: sanitized copies, and the first error in core order.
+                let bad_row = |v: i32| v < lo || v as i64 >= rows as i64;
+                let bad_exp = |v: i32| v < 0 || v as usize >= experts;
+                let mut want = vec![i32::MIN; len];
+                for p in 0..nk {
+                    want[p] = if bad_row(idx[p]) { lo } else { idx[p] };
+                    if bias {
+                        let q = kernels::checked_expert_offset(nk) + p;
+                        want[q] = if bad_exp(exp[p]) { 0 } else { exp[p] };
+                    }
+                }
+                let (per, rem) = (nk / block_dim, nk % block_dim);
+                let mut first: Option<(&str, usize, i64)> = None;
+                for b in 0..block_dim {
+                    let start = b * per + b.min(rem);
+                    let range = start..start + per + usize::from(b < rem);
+                    if let Some(p) = range.clone().find(|&p| bad_row(idx[p])) {
+                        first = Some(("expanded_row_idx", p, idx[p] as i64));
+                    } else if let Some(p) = range.clone().find(|&p| bias && bad_exp(exp[p])) {
+                        first = Some(("expert_idx", p, exp[p] as i64));
+                    }
+                    if first.is_some() {
+                        break;
+                    }
+                }
+                let what = format!("nk {nk} {mode:?} bias {bias}");
+                match (got, first) {
+                    (Err(Error::IndexOutOfRange { arg, position, value, .. }), Some(f)) => {
+                        assert_eq!((arg, position, value), f, "{what}")
+                    }
+                    (Ok(()), None) => {}
+                    (got, want) => panic!("{what}: got {got:?}, expected {want:?}"),
+                }
+                // Elements between the two copies are never written.
+                assert!(out.as_slice::<i32>().unwrap() == want.as_slice(), "{what}: checked copies");
+            }
+        }
+    }
+}

@@ -162,13 +162,15 @@ fn header_defines_match_the_rust_constants() {
             seen.insert(name.to_string(), p);
         }
     }
-    let mirrors: [(&str, u64); 17] = [
+    let mirrors: [(&str, u64); 19] = [
         ("AMOE_FIN_HAS_X1", kernels::FLAG_X1.into()),
         ("AMOE_FIN_HAS_X2", kernels::FLAG_X2.into()),
         ("AMOE_FIN_HAS_BIAS", kernels::FLAG_BIAS.into()),
         ("AMOE_FIN_HAS_SCALES", kernels::FLAG_SCALES.into()),
         ("AMOE_FIN_PADDED_OUT", kernels::FLAG_PADDED_OUT.into()),
         ("AMOE_FIN_SKIP_INVALID_ROWS", kernels::FLAG_SKIP_INVALID_ROWS.into()),
+        ("AMOE_FIN_CHECK_INDICES", kernels::FLAG_CHECK_INDICES.into()),
+        ("AMOE_FIN_CHECK_CHUNK", kernels::CHECK_CHUNK as u64),
         ("AMOE_FIN_GM_EXPANDED_X", kernels::GM_EXPANDED_X as u64),
         ("AMOE_FIN_GM_ROW_IDX", kernels::GM_ROW_IDX as u64),
         ("AMOE_FIN_GM_X1", kernels::GM_X1 as u64),
@@ -185,7 +187,7 @@ fn header_defines_match_the_rust_constants() {
         assert_eq!(seen.get(name), Some(&rust), "{name}: header vs Rust");
     }
     let mirrored: Vec<&str> = mirrors.iter().map(|m| m.0).collect();
-    let prefixes = ["AMOE_FIN_HAS_", "AMOE_FIN_PADDED_", "AMOE_FIN_SKIP_", "AMOE_FIN_GM_"];
+    let prefixes = ["AMOE_FIN_HAS_", "AMOE_FIN_PADDED_", "AMOE_FIN_SKIP_", "AMOE_FIN_CHECK_", "AMOE_FIN_GM_"];
     for name in seen.keys().filter(|k| prefixes.iter().any(|p| k.starts_with(p))) {
         assert!(mirrored.contains(&name.as_str()), "{name} of the header has no Rust mirror in this test");
     }

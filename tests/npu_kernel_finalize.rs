@@ -219,12 +219,22 @@ fn native_finalize_spans_several_tiles_of_h() {
     }
 }
 
-#[test]
-#[ignore = "needs an Ascend NPU"]
-fn native_finalize_reports_an_out_of_range_index() {
-    let dev = npu(FinalizeImpl::Native);
+/// A bad index is found on the device on both paths (the native kernel, and
+/// the index check the aclnn path launches before aclnn, which then reads
+/// checked copies: the simulated aclnn would fail its task on an index
+/// outside its range): the op only queues, and the stream's check reports
+/// the index, once, with its argument, position and value.
+fn reports_an_out_of_range_index(imp: FinalizeImpl) {
+    let dev = npu(imp);
     let (n, h) = (6usize, 40usize);
     let x = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
+    let expect = |what: &str, arg: &str, position: usize, value: i64| match npu_device(&dev).check() {
+        Err(Error::IndexOutOfRange { arg: a, position: p, value: v, .. }) => {
+            assert_eq!((a, p, v), (arg, position, value), "{} {what}", imp.name());
+            npu_device(&dev).check().expect("reported once");
+        }
+        other => panic!("{} {what}: expected IndexOutOfRange, got {other:?}", imp.name()),
+    };
     for (mode, idx, arg, position, value) in [
         (DropPadMode::DropLessColumn, vec![0i32, 1, 2, 3, 6, 5], "expanded_row_idx", 4, 6),
         (DropPadMode::DropLessRow, vec![0i32, 1, -1, 3, 4, 5], "expanded_row_idx", 2, -1),
@@ -243,16 +253,8 @@ fn native_finalize_reports_an_out_of_range_index() {
         };
         let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
         let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
-        // The kernel finds the bad index on the device: the op only queues
-        // the launch, and the stream's check reports it, once.
         dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");
-        match npu_device(&dev).check() {
-            Err(Error::IndexOutOfRange { arg: a, position: p, value: v, .. }) => {
-                assert_eq!((a, p, v), (arg, position, value), "{mode:?}");
-            }
-            other => panic!("{mode:?}: expected IndexOutOfRange, got {other:?}"),
-        }
-        npu_device(&dev).check().expect("reported once");
+        expect(&format!("{mode:?}"), arg, position, value);
     }
     // A bad expert index too.
     let idx = Tensor::from_slice(&[0i32, 1, 2, 3, 4, 5], &[n]).unwrap().to_device(&dev).unwrap();
@@ -271,10 +273,32 @@ fn native_finalize_reports_an_out_of_range_index() {
     let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 2 };
     let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
     dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");
-    match npu_device(&dev).check() {
-        Err(Error::IndexOutOfRange { arg: "expert_idx", position: 3, value: 2, .. }) => {}
-        other => panic!("expected IndexOutOfRange on expert_idx[3], got {other:?}"),
-    }
+    expect("expert", "expert_idx", 3, 2);
+    // More slots than one core's chunk: the bad index sits in the last
+    // core's second chunk, and the first bad position is the one reported.
+    let (n, h) = (40_000usize, 1usize);
+    let x = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
+    let mut v: Vec<i32> = (0..n as i32).collect();
+    v[38_000] = -7;
+    v[39_999] = n as i32;
+    let idx = Tensor::from_slice(&v, &[n]).unwrap().to_device(&dev).unwrap();
+    let args = FinalizeArgs { expanded_x: &x, expanded_row_idx: &idx, bias: None, expert_idx: None, ..args };
+    let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
+    let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
+    dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");
+    expect("large", "expanded_row_idx", 38_000, -7);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn native_finalize_reports_an_out_of_range_index() {
+    reports_an_out_of_range_index(FinalizeImpl::Native);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn aclnn_finalize_checks_indices_on_the_device() {
+    reports_an_out_of_range_index(FinalizeImpl::Aclnn);
 }
 
 #[test]

@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ascend_moe::backend::npu::{npu_run_ranks, Allocator, NpuDevice};
+use ascend_moe::backend::npu::{npu_run_ranks, Allocator, FinalizeImpl, NpuDevice};
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::moe::{
     finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, ReducePolicy, SharedMode, SpLayout,
@@ -157,6 +157,11 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let mut unpermuted = Tensor::zeros(&[n, h], DType::F32, &dev)?;
         p.extend(measure(&nd, "token_unpermute (native)", || {
             b.token_unpermute(&ex, &wild, Some(&scales), k, &mut unpermuted)
+        }));
+        // The aclnn finalize: its indices are checked on the device first.
+        let aclnn = Device::Npu(nd.clone().with_finalize_impl(FinalizeImpl::Aclnn));
+        p.extend(measure(&nd, "finalize_routing (aclnn, dense)", || {
+            aclnn.backend().finalize_routing(&args, &dims, &mut dense, OutputRows::Dense)
         }));
         let local_sizes = [2usize, 0, 3, 1];
         let mut padded = Tensor::zeros(&[4 * 3, h], DType::F32, &dev)?;

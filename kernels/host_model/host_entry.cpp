@@ -125,7 +125,11 @@ size_t LaunchRanges(const AmoeFinalizeTiling &t, uint32_t block_dim, void *const
         {gm[AMOE_FIN_GM_BIAS], static_cast<uint64_t>(t.experts) * h * d, "bias"},
         {gm[AMOE_FIN_GM_SCALES], nk * s, "scales"},
         {gm[AMOE_FIN_GM_EXPERT_IDX], nk * 4u, "expert_idx"},
-        {gm[AMOE_FIN_GM_OUT], static_cast<uint64_t>(t.out_rows) * h * d, "out"},
+        {gm[AMOE_FIN_GM_OUT],
+         (t.flags & AMOE_FIN_CHECK_INDICES) != 0
+             ? ((t.flags & AMOE_FIN_HAS_BIAS) != 0 ? AMOE_FIN_CHECKED_EXPERT_OFFSET(nk) + nk : nk) * 4u
+             : static_cast<uint64_t>(t.out_rows) * h * d,
+         "out"},
         {gm[AMOE_FIN_GM_SLOT_OFFSETS], (static_cast<uint64_t>(t.slots) + 1u) * 4u, "slot_offsets"},
         {gm[AMOE_FIN_GM_STATUS], static_cast<uint64_t>(block_dim) * AMOE_FIN_STATUS_WORDS * 4u, "status"},
     };

@@ -333,10 +333,14 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 /// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
 /// reads device data on the host; a bad index is returned by
 /// `amoe_stream_check(stream)` with its argument, position and value. NPU
-/// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): index values are read
-/// and checked on the host first (one device-to-host copy and
-/// synchronisation; refused while `stream` is captured), then
-/// `aclnnMoeFinalizeRoutingV2` is enqueued.
+/// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
+/// can launch, one launch of it first checks the index tensors into
+/// workspace (bad values replaced by safe ones, the first reported by
+/// `amoe_stream_check`), then `aclnnMoeFinalizeRoutingV2` is enqueued over
+/// the checked copies: no synchronisation, no host read, capturable. Without
+/// the native kernel the indices are read and checked on the host first (one
+/// device-to-host copy and synchronisation; refused while `stream` is
+/// captured).
 ///
 /// # Safety
 /// `args` and its descriptors valid; `out` a valid, writable descriptor.

@@ -199,10 +199,9 @@ fn run_phase_two(
 }
 
 /// Reads an int32 index tensor to the host, to validate index values before
-/// an aclnn call (aclnn checks shapes and dtypes, never data values). This is
-/// a device-to-host copy and a stream synchronisation on the aclnn path: the
-/// one place it happens, so a device-side check can replace it. The native
-/// kernel path checks indices on the device and reports them in its status.
+/// an aclnn call (aclnn checks shapes and dtypes, never data values) where no
+/// native kernel can launch to check them on the device. A device-to-host
+/// copy and a stream synchronisation: the one place an op makes them.
 /// Refused while the stream is captured into a graph (a host read cannot be
 /// captured, and a replay would not repeat it).
 fn read_indices_to_host_for_validation(device: &NpuDevice, op: &'static str, t: &Tensor) -> Result<Vec<i32>> {
@@ -642,14 +641,41 @@ fn finalize_aclnn(
         return Err(Error::dtype(OP, "out", dt.name(), out.dtype()));
     }
     // Index values: aclnn does not check them (a bad one reads outside
-    // expandedX), so they are checked here, before the call.
+    // expandedX or bias). Where the native kernel can launch they are checked
+    // on the device: one launch copies them, every bad value replaced by a
+    // safe one and the first recorded for the stream check, and aclnn reads
+    // the copies. Elsewhere they are read and checked on the host first.
     let mode = args.drop_pad_mode;
-    let idx = read_indices_to_host_for_validation(device, OP, args.expanded_row_idx)?;
-    let lo = if mode.is_drop_pad() { -1 } else { 0 };
-    check_indices(OP, "expanded_row_idx", &idx, lo, dims.expanded_rows as i64)?;
-    if let (Some(_), Some(e)) = (args.bias, args.expert_idx) {
-        check_indices(OP, "expert_idx", &read_indices_to_host_for_validation(device, OP, e)?, 0, dims.experts as i64)?;
-    }
+    let nk = args.expanded_row_idx.numel();
+    let checked = match launcher() {
+        Some(_) if nk > 0 => Some(checked_indices(device, args, dims)?),
+        Some(_) => None,
+        None => {
+            let idx = read_indices_to_host_for_validation(device, OP, args.expanded_row_idx)?;
+            let lo = if mode.is_drop_pad() { -1 } else { 0 };
+            check_indices(OP, "expanded_row_idx", &idx, lo, dims.expanded_rows as i64)?;
+            if let (Some(_), Some(e)) = (args.bias, args.expert_idx) {
+                let experts = read_indices_to_host_for_validation(device, OP, e)?;
+                check_indices(OP, "expert_idx", &experts, 0, dims.experts as i64)?;
+            }
+            None
+        }
+    };
+    // The index buffers aclnn reads: the checked copies, or the caller's.
+    let idx_buf = match &checked {
+        Some(c) => npu_buf(device, OP, "expanded_row_idx", c)?,
+        None => npu_buf(device, OP, "expanded_row_idx", args.expanded_row_idx)?,
+    };
+    let expert_view = match (&checked, args.bias.and(args.expert_idx)) {
+        (Some(c), Some(_)) => {
+            let base = npu_buf(device, OP, "expert_idx", c)?;
+            let at = kernels::checked_expert_offset(nk) * 4;
+            // SAFETY: the checked buffer holds checked_indices_len(nk, true)
+            // int32, so [at, at + 4 * nk) is inside it; `c` outlives the view.
+            Some(unsafe { NpuBuffer::borrow_raw(device, base.as_ptr().cast::<u8>().add(at).cast(), nk * 4) }?)
+        }
+        _ => None,
+    };
 
     let out_buf = npu_buf(device, OP, "out", out)?;
     let (target, scratch) = match rows {
@@ -691,8 +717,7 @@ fn finalize_aclnn(
             vec![dims.expanded_rows, h]
         };
         let dx = Desc::new(npu_buf(device, OP, "expanded_x", x)?, dt, &x_shape)?;
-        let didx =
-            Desc::new(npu_buf(device, OP, "expanded_row_idx", args.expanded_row_idx)?, DType::I32, &[idx.len()])?;
+        let didx = Desc::new(idx_buf, DType::I32, &[nk])?;
         let nh = [n, h];
         // The op's tiling refuses x2 without x1 ("In the case of x1 parameter
         // is not input, x2 parameter can't be inputted either"); the sum is the
@@ -707,10 +732,11 @@ fn finalize_aclnn(
             args.bias.map(|t| Desc::new(npu_buf(device, OP, "bias", t)?, t.dtype(), &[dims.experts, h])).transpose()?;
         let dscales =
             args.scales.map(|t| Desc::new(npu_buf(device, OP, "scales", t)?, t.dtype(), &[n, k])).transpose()?;
-        let dexp = args
-            .expert_idx
-            .map(|t| Desc::new(npu_buf(device, OP, "expert_idx", t)?, DType::I32, &[n, k]))
-            .transpose()?;
+        let dexp = match (&expert_view, args.expert_idx) {
+            (Some(view), _) => Some(Desc::new(view, DType::I32, &[n, k])?),
+            (None, Some(t)) => Some(Desc::new(npu_buf(device, OP, "expert_idx", t)?, DType::I32, &[n, k])?),
+            (None, None) => None,
+        };
         let dout = Desc::new(dst, dt, &nh)?;
         let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
         // SAFETY: every descriptor is live (optional ones NULL), out-pointers valid.
@@ -742,6 +768,16 @@ fn finalize_aclnn(
         }
     }
     Ok(())
+}
+
+/// The index check of the aclnn finalize on the device: one launch of the
+/// native kernel with [`kernels::FLAG_CHECK_INDICES`] into workspace, whose
+/// status the stream check reports like a native finalize's.
+fn checked_indices(device: &NpuDevice, args: &FinalizeArgs<'_>, dims: &FinalizeDims) -> Result<Tensor> {
+    let len = kernels::checked_indices_len(args.expanded_row_idx.numel(), args.bias.is_some());
+    let mut out = crate::backend::Backend::scratch(device, &[len], DType::I32)?;
+    launch_native(device, args, dims, &mut out, OutputRows::Dense, kernels::FLAG_CHECK_INDICES)?;
+    Ok(out)
 }
 
 /// Token unpermute (SPEC section 1): `out[t] = sum_k probs[t,k] * permuted[S[t*K + k]]`,

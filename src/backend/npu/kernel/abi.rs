@@ -52,6 +52,30 @@ pub const FLAG_PADDED_OUT: u32 = 0x10;
 /// `flags`: token unpermute (SPEC section 1): a row index outside
 /// `[0, expanded_rows)` contributes nothing and is not an error.
 pub const FLAG_SKIP_INVALID_ROWS: u32 = 0x20;
+/// `flags`: check the index tensors only, into an int32 `out` of
+/// [`checked_indices_len`] elements: `expanded_row_idx` at element 0 and,
+/// with bias, `expert_idx` at [`checked_expert_offset`], each value outside
+/// its range replaced by a safe one (-1 for a row index in the drop-pad modes,
+/// else 0) and the first reported in the status as usual.
+pub const FLAG_CHECK_INDICES: u32 = 0x40;
+/// int32 elements a core of the index check moves through UB per step.
+pub const CHECK_CHUNK: usize = 2048;
+
+/// Element where the checked copy of `expert_idx` starts in the output of a
+/// [`FLAG_CHECK_INDICES`] launch over `nk` slots: `nk` rounded up to 128
+/// (512 bytes).
+pub fn checked_expert_offset(nk: usize) -> usize {
+    nk.div_ceil(128) * 128
+}
+
+/// int32 elements of a [`FLAG_CHECK_INDICES`] launch's output.
+pub fn checked_indices_len(nk: usize, bias: bool) -> usize {
+    if bias {
+        checked_expert_offset(nk) + nk
+    } else {
+        nk
+    }
+}
 
 pub(super) const ST_OK: u32 = 0;
 pub(super) const ST_ROW_INDEX: u32 = 1;

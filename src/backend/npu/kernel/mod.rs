@@ -110,6 +110,9 @@ pub fn check_launch(
 ) -> Result<()> {
     let t = tiling;
     tiling::check_geometry(t)?;
+    if t.flags & FLAG_CHECK_INDICES != 0 {
+        return check_index_launch(args, out, rows, t);
+    }
     let data = DType::from_u32(t.data_dtype)
         .filter(|d| d.is_float())
         .ok_or_else(|| Error::invalid(OP, "tiling", format!("data dtype {} is not f32/f16/bf16", t.data_dtype)))?;
@@ -146,6 +149,21 @@ pub fn check_launch(
         }
         _ => Ok(()),
     }
+}
+
+/// [`check_launch`] of a [`FLAG_CHECK_INDICES`] launch: the index tensors and
+/// the int32 output of [`checked_indices_len`] elements.
+fn check_index_launch(args: &FinalizeArgs<'_>, out: &Tensor, rows: OutputRows<'_>, t: &FinalizeTiling) -> Result<()> {
+    if t.flags & (FLAG_PADDED_OUT | FLAG_SKIP_INVALID_ROWS) != 0 || !matches!(rows, OutputRows::Dense) {
+        return Err(Error::invalid(OP, "tiling", "the index check has a dense output and checks every row index"));
+    }
+    let nk = u64::from(t.n) * u64::from(t.k);
+    expect_dtype(args.expanded_row_idx, "expanded_row_idx", DType::I32)?;
+    expect_len(args.expanded_row_idx, "expanded_row_idx", "n * k", nk)?;
+    let has_bias = t.flags & FLAG_BIAS != 0;
+    check_optional(args.expert_idx, has_bias, "expert_idx", DType::I32, "n * k", nk)?;
+    expect_dtype(out, "out", DType::I32)?;
+    expect_len(out, "out", "the checked indices", checked_indices_len(nk as usize, has_bias) as u64)
 }
 
 /// [`finalize_host`] with a given tiling, checked by [`check_launch`]: a
