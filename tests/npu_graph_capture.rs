@@ -562,3 +562,77 @@ fn a_captured_token_unpermute_replays_new_indices_bit_for_bit() {
     // SAFETY: a live handle, not used afterwards.
     unsafe { amoe_stream_free(s) };
 }
+
+/// Host data an op stages through pinned memory while captured (the padded
+/// finalize's slot offsets) is copied again by every replay: eager calls
+/// staging other bytes between the replays must not change what the graph
+/// computes.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
+    use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+    use ascend_moe::{DType, Device, Tensor};
+    let nd = NpuDevice::open(0).expect("npu:0");
+    let dev = Device::Npu(nd.clone());
+    let (n, h) = (6usize, 16usize);
+    let x: Vec<f32> = inputs(3, 0, n * h);
+    let idx: Vec<i32> = (0..n as i32).rev().collect();
+    let captured_sizes = [1usize, 3, 0, 2];
+    let other_sizes = [3usize, 0, 2, 1];
+    let slot_rows = 3;
+    let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
+    let finalize = |d: &Device, sizes: &[usize], out: &mut Tensor| {
+        let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(d).unwrap();
+        let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(d).unwrap();
+        let args = FinalizeArgs {
+            expanded_x: &xd,
+            expanded_row_idx: &id,
+            x1: None,
+            x2: None,
+            bias: None,
+            scales: None,
+            expert_idx: None,
+            drop_pad_mode: DropPadMode::DropLessColumn,
+        };
+        d.backend()
+            .finalize_routing(&args, &dims, out, OutputRows::Padded { local_sizes: sizes, slot_rows })
+            .expect("finalize");
+    };
+    let mut want = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &Device::Cpu).unwrap();
+    finalize(&Device::Cpu, &captured_sizes, &mut want);
+    // Inputs live across the capture: upload once, capture the op over them.
+    let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(&dev).unwrap();
+    let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(&dev).unwrap();
+    let mut out = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &dev).unwrap();
+    let args = FinalizeArgs {
+        expanded_x: &xd,
+        expanded_row_idx: &id,
+        x1: None,
+        x2: None,
+        bias: None,
+        scales: None,
+        expert_idx: None,
+        drop_pad_mode: DropPadMode::DropLessColumn,
+    };
+    let rows = OutputRows::Padded { local_sizes: &captured_sizes, slot_rows };
+    dev.backend().finalize_routing(&args, &dims, &mut out, rows).expect("warm-up");
+    nd.check().expect("warm-up check");
+    nd.set_current().expect("bind");
+    let graph = Graph::capture(nd.stream().raw(), || {
+        dev.backend().finalize_routing(&args, &dims, &mut out, rows).expect("captured finalize");
+    });
+    let mut scratch = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &dev).unwrap();
+    for round in 0..3 {
+        // An eager padded finalize of another layout stages other offsets.
+        finalize(&dev, &other_sizes, &mut scratch);
+        nd.check().expect("eager check");
+        graph.replay(nd.stream().raw());
+        nd.check().expect("replay check");
+        let got = out.to_cpu().unwrap();
+        assert_eq!(
+            bits(got.as_slice::<f32>().unwrap()),
+            bits(want.as_slice::<f32>().unwrap()),
+            "replay {round} used the captured layout"
+        );
+    }
+}

@@ -178,6 +178,9 @@ impl Pool {
 pub(crate) struct Staging {
     free: Vec<(usize, usize)>,
     in_flight: Vec<(usize, usize)>,
+    /// Blocks a graph captured a copy from: every replay copies them again,
+    /// so they keep their bytes for the stream's life.
+    captured: Vec<(usize, usize)>,
     /// Host allocations made so far.
     pub(crate) host_blocks: usize,
 }
@@ -189,6 +192,15 @@ impl Staging {
         let b = self.free.swap_remove(i);
         self.in_flight.push(b);
         Some(b)
+    }
+
+    /// The block in flight at `ptr` was captured into a graph: it is never
+    /// free again.
+    pub(crate) fn keep_for_graph(&mut self, ptr: usize) {
+        if let Some(i) = self.in_flight.iter().position(|&(p, _)| p == ptr) {
+            let b = self.in_flight.swap_remove(i);
+            self.captured.push(b);
+        }
     }
 
     /// A new block from aclrtMallocHost, in flight (`free`: free at once).
@@ -215,12 +227,13 @@ impl Staging {
     pub(crate) fn take_all(&mut self) -> Vec<(usize, usize)> {
         let mut all = std::mem::take(&mut self.free);
         all.append(&mut self.in_flight);
+        all.append(&mut self.captured);
         all
     }
 
     /// True when no block is held.
     pub(crate) fn is_empty(&self) -> bool {
-        self.free.is_empty() && self.in_flight.is_empty()
+        self.free.is_empty() && self.in_flight.is_empty() && self.captured.is_empty()
     }
 }
 

@@ -554,7 +554,9 @@ impl NpuStream {
     /// the host never waits and never copies from pageable memory
     /// (aclrtMemcpyAsync, AscendCL API reference: asynchronous host copies
     /// need page-locked memory to be truly asynchronous). The block stays
-    /// reserved until the stream's next synchronisation.
+    /// reserved until the stream's next synchronisation, or, when the stream
+    /// is captured into a graph, for the stream's life (every replay copies
+    /// from it again).
     pub(crate) fn stage_to_device(&self, data: &[u8], dst: *mut std::ffi::c_void, dst_len: usize) -> Result<()> {
         if data.is_empty() {
             return Ok(());
@@ -580,6 +582,10 @@ impl NpuStream {
         // SAFETY: `ptr` is a pinned block of at least `data.len()` bytes that
         // no queued copy reads (it was free), exclusively ours until the sync.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
+        if self.is_capturing()? {
+            // Every replay copies from the block again: it keeps these bytes.
+            lock(&self.inner.state).staging.keep_for_graph(ptr);
+        }
         let f = acl_fn!(api, aclrtMemcpyAsync)?;
         // SAFETY: `dst` is device memory of `dst_len >= data.len()` bytes; the
         // pinned source stays allocated and unchanged until the stream drained.
