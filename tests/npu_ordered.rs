@@ -6,6 +6,8 @@
 //! allocator behave as documented. Ignored without an NPU; on real CANN,
 //! which has no counters, the counting test says so and checks only results.
 
+mod common;
+
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -327,4 +329,54 @@ fn the_pool_reserves_ahead_reuses_blocks_and_never_grows_under_capture() {
     // Outside capture it grows on demand.
     drop(d.backend().scratch(&[1024, 1024], DType::F32).unwrap());
     assert_eq!(dev.stream().workspace_stats().segments, 2);
+}
+
+/// The comm-type agreement check of `prepare` on the NPU compares the
+/// gathered choices on the device: the call only enqueues (no sync, no host
+/// read), ranks that agree pass their stream check, and when two DP groups
+/// disagree every rank's stream check fails naming a rank of the other
+/// choice. It can be captured and replayed.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_comm_type_agreement_check_runs_on_the_device() {
+    use ascend_moe::moe::prepare_finalize::check_comm_type_agreement;
+    let reports = npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
+        let nd = npu(&comm.device()).clone();
+        // One staged copy: this rank's choice, from pinned memory.
+        let mut p = measure_with_staging(&nd, "agreeing ranks", 1, || check_comm_type_agreement(CommType::Mc2, &comm));
+        let mine = if rank < 2 { CommType::AllGather } else { CommType::Mc2 };
+        check_comm_type_agreement(mine, &comm)?;
+        match nd.check() {
+            Err(e) => {
+                let msg = e.to_string();
+                let other = if rank < 2 { "MC2" } else { "ALLGATHER" };
+                if !(msg.contains("disagree") && msg.contains(other) && msg.contains(&format!("rank {rank}"))) {
+                    p.push(format!("disagreement reported as {msg}"));
+                }
+            }
+            Ok(()) => p.push("a disagreement passed the stream check".into()),
+        }
+        nd.check().map_err(|e| ascend_moe::Error::invalid("test", "check", format!("reported twice: {e}")))?;
+        // Captured with a disagreement, every replay reports it, once each.
+        nd.set_current()?;
+        let graph = common::graph::Graph::capture(nd.stream().raw(), || {
+            check_comm_type_agreement(mine, &comm).expect("captured check");
+        });
+        for round in 0..2 {
+            graph.replay(nd.stream().raw());
+            match nd.check() {
+                Err(e) if e.to_string().contains("disagree") => {}
+                other => p.push(format!("replay {round}: {other:?}")),
+            }
+        }
+        drop(graph);
+        Ok(p)
+    })
+    .unwrap();
+    let problems: Vec<String> = reports
+        .into_iter()
+        .enumerate()
+        .flat_map(|(r, p)| p.into_iter().map(move |s| format!("rank {r}: {s}")))
+        .collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

@@ -35,6 +35,12 @@ pub struct FinalizeArgs<'a> {
     pub drop_pad_mode: DropPadMode,
 }
 
+/// What a failed [`Backend::expect_all_equal`] reports. It is called with
+/// every value when the backend read them all (`Some`, on the host), else
+/// (on the device) with `None`, and always with the first position that
+/// differs and its value.
+pub type Mismatch = Box<dyn Fn(Option<&[i32]>, usize, i32) -> crate::Error + Send + Sync>;
+
 /// The device-side ops every backend implements.
 ///
 /// Arguments reaching these methods are already validated by the op layer
@@ -51,6 +57,14 @@ pub trait Backend {
     }
     /// A copy of `src` (on any device) on this backend's device.
     fn copy_from(&self, src: &Tensor) -> Result<Tensor>;
+    /// A copy on this device of small host data an op made itself (a comm
+    /// type, a few counts): on an NPU, workspace filled from pinned staging by
+    /// an asynchronous copy, so it neither allocates nor synchronises and can
+    /// be captured (a graph keeps the bytes it was captured with); elsewhere
+    /// [`copy_from`](Self::copy_from).
+    fn scratch_from_host(&self, src: &Tensor) -> Result<Tensor> {
+        self.copy_from(src)
+    }
     /// Copies `rows` rows of `src` starting at `src_row` into `dst` at `dst_row`.
     /// Same dtype and row length on both sides.
     fn copy_rows(&self, src: &Tensor, src_row: usize, dst: &mut Tensor, dst_row: usize, rows: usize) -> Result<()>;
@@ -64,6 +78,17 @@ pub trait Backend {
         out: &mut Tensor,
         rows: OutputRows<'_>,
     ) -> Result<()>;
+    /// Checks that every element of the int32 tensor `values` equals
+    /// `expected`, else fails with `mismatch`'s error. Here the values are
+    /// read now; an NPU compares them on the device and reports a difference
+    /// at the caller's next stream check, so the check never synchronises.
+    fn expect_all_equal(&self, values: &Tensor, expected: i32, mismatch: Mismatch) -> Result<()> {
+        let v = values.to_vec::<i32>()?;
+        match v.iter().position(|&x| x != expected) {
+            None => Ok(()),
+            Some(p) => Err(mismatch(Some(&v), p, v[p])),
+        }
+    }
     /// Token unpermute: `out[t] = sum_k probs[t,k] * permuted[idx[t*K + k]]`;
     /// an index outside `[0, permuted.rows)` contributes nothing.
     fn token_unpermute(

@@ -413,9 +413,10 @@ fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) -> Result<()>
 
 /// Whether [`prepare`] checks that every EP rank chose the same comm type:
 /// always on the CPU communicator; on the NPU only with
-/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (the check is an extra collective and a
-/// device-to-host read per layer there). `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it
-/// off everywhere.
+/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (there the check is an extra collective,
+/// a small copy and a guard launch per layer, compared on the device and
+/// reported by the stream check: it never synchronises and can be captured).
+/// `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it off everywhere.
 fn comm_type_check_enabled(ep: &Comm) -> bool {
     match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
         Some("0") => false,
@@ -426,49 +427,74 @@ fn comm_type_check_enabled(ep: &Comm) -> bool {
 
 /// Checks that every rank of `ep` chose `comm` for this forward (SPEC section
 /// 5: all EP ranks of a forward agree on the comm type). One all-gather of one
-/// i32 per rank; on disagreement every rank fails with the same error naming
-/// which ranks chose which type (e.g. DP 0 ALLGATHER, DP 1 MC2), instead of
-/// the collectives of the two paths failing with an unrelated mismatch on some
-/// ranks and succeeding on others.
+/// i32 per rank, then [`crate::backend::Backend::expect_all_equal`]: on the
+/// CPU every rank fails at once with the same error naming which ranks chose
+/// which type (e.g. DP 0 ALLGATHER, DP 1 MC2); on an NPU the choices are
+/// compared on the device and every rank's next stream check fails naming a
+/// rank that chose otherwise. Either way the collectives of two different
+/// paths never fail with an unrelated mismatch on some ranks and succeed on
+/// others unnoticed.
 pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
     let world = ep.world_size();
     if world <= 1 {
         return Ok(());
     }
     let device = ep.device();
-    let mine = Tensor::from_slice(&[comm as i32], &[1])?.to_device(&device)?;
+    let mine = device.backend().scratch_from_host(&Tensor::from_slice(&[comm as i32], &[1])?)?;
     let mut all = device.backend().scratch(&[world], DType::I32)?;
     ep.all_gather(&mine, &mut all)?;
-    let chosen = all.to_vec::<i32>()?;
-    if chosen.iter().all(|&c| c == comm as i32) {
-        return Ok(());
-    }
-    let mut by_type: Vec<(i32, Vec<usize>)> = Vec::new();
-    for (rank, &c) in chosen.iter().enumerate() {
-        match by_type.iter_mut().find(|(t, _)| *t == c) {
-            Some((_, ranks)) => ranks.push(rank),
-            None => by_type.push((c, vec![rank])),
+    let (group, rank) = (ep.name().to_string(), ep.rank());
+    device.backend().expect_all_equal(
+        &all,
+        comm as i32,
+        Box::new(move |chosen, first, value| comm_type_disagreement(comm, &group, rank, chosen, first, value)),
+    )
+}
+
+fn comm_type_name(c: i32) -> String {
+    CommType::from_u32(c as u32).map_or_else(|_| format!("unknown type {c}"), |t| t.name().to_string())
+}
+
+/// The error of ranks that disagree on the comm type: every rank's choice
+/// when they were all read (`chosen`), else the first rank that differs.
+fn comm_type_disagreement(
+    comm: CommType,
+    group: &str,
+    rank: usize,
+    chosen: Option<&[i32]>,
+    first: usize,
+    value: i32,
+) -> Error {
+    let what = match chosen {
+        Some(chosen) => {
+            let mut by_type: Vec<(i32, Vec<usize>)> = Vec::new();
+            for (r, &c) in chosen.iter().enumerate() {
+                match by_type.iter_mut().find(|(t, _)| *t == c) {
+                    Some((_, ranks)) => ranks.push(r),
+                    None => by_type.push((c, vec![r])),
+                }
+            }
+            let parts: Vec<String> = by_type
+                .iter()
+                .map(|(c, ranks)| {
+                    let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+                    let who = if ranks.len() == 1 { "rank" } else { "ranks" };
+                    format!("{who} {} chose {}", list.join(", "), comm_type_name(*c))
+                })
+                .collect();
+            parts.join("; ")
         }
-    }
-    let parts: Vec<String> = by_type
-        .iter()
-        .map(|(c, ranks)| {
-            let name =
-                CommType::from_u32(*c as u32).map_or_else(|_| format!("unknown type {c}"), |t| t.name().to_string());
-            let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
-            format!("{} {} chose {name}", if ranks.len() == 1 { "rank" } else { "ranks" }, list.join(", "))
-        })
-        .collect();
-    Err(Error::invalid(
+        None => format!(
+            "rank {first} chose {} and rank {rank} chose {} (found on the device)",
+            comm_type_name(value),
+            comm.name()
+        ),
+    };
+    Error::invalid(
         PREPARE,
         "comm_type",
-        format!(
-            "the EP ranks of group {:?} disagree on the MoE comm type of this forward: {} (this is rank {})",
-            ep.name(),
-            parts.join("; "),
-            ep.rank()
-        ),
-    ))
+        format!("the EP ranks of group {group:?} disagree on the MoE comm type of this forward: {what} (this is rank {rank})"),
+    )
 }
 
 /// Prepare for `comm` (SPEC section 6): the tokens this rank routes.

@@ -102,55 +102,8 @@ impl NpuBuffer {
         if len == 0 {
             return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin });
         }
-        let stream = device.stream();
-        if let Some((ptr, block)) = lock(stream.state()).pool.take(len)? {
-            return Ok(NpuBuffer {
-                ptr: ptr as *mut c_void,
-                len,
-                device: device.clone(),
-                origin: Origin::Pool { block },
-            });
-        }
-        if stream.is_capturing()? {
-            let largest = lock(stream.state()).pool.largest_free();
-            return Err(Error::invalid(
-                "workspace",
-                "bytes",
-                format!(
-                    "{len} bytes of workspace are needed while {:?} is captured into a graph and the largest free \
-                     block of its pool has {largest}; the pool cannot grow under capture: reserve ahead with \
-                     amoe_workspace_reserve / NpuStream::reserve_workspace (or run the op once before capture), \
-                     or set an allocator on the stream",
-                    stream
-                ),
-            ));
-        }
-        stream.reserve_workspace(len)?;
-        let (ptr, block) = lock(stream.state()).pool.take(len)?.ok_or_else(|| {
-            Error::invalid("workspace", "bytes", format!("a fresh pool segment does not hold {len} bytes"))
-        })?;
+        let (ptr, block) = super::device_check::take_pool_block(device.stream(), len)?;
         Ok(NpuBuffer { ptr: ptr as *mut c_void, len, device: device.clone(), origin: Origin::Pool { block } })
-    }
-
-    /// Takes a pool block out of its buffer, which then neither returns nor
-    /// holds it: `(address, block bytes)`, for a record that must outlive the
-    /// op without keeping its stream alive; give it back with
-    /// [`NpuStream::give_back_block`]. `None` for memory not from the pool.
-    pub(crate) fn detach_pool_block(self) -> Option<(usize, usize)> {
-        let me = std::mem::ManuallyDrop::new(self);
-        match me.origin {
-            Origin::Pool { block } if !me.ptr.is_null() => {
-                // SAFETY: `me` is never used again and never dropped; its
-                // device handle is dropped here exactly once.
-                drop(unsafe { std::ptr::read(&me.device) });
-                Some((me.ptr as usize, block))
-            }
-            _ => {
-                let me = std::mem::ManuallyDrop::into_inner(me);
-                drop(me);
-                None
-            }
-        }
     }
 
     /// `len` zero bytes of workspace (the memset is queued on the stream).

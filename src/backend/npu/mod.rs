@@ -14,6 +14,7 @@
 //! | `ops` | aclnn calls behind [`Backend`] |
 //! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
 
+mod device_check;
 pub mod hccl;
 pub mod kernel;
 pub mod live_context;
@@ -183,6 +184,13 @@ impl Backend for NpuDevice {
         Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(buf))
     }
 
+    fn scratch_from_host(&self, src: &Tensor) -> Result<Tensor> {
+        let bytes = src.cpu_bytes()?;
+        let buf = NpuBuffer::workspace(self, bytes.len())?;
+        self.stream().stage_to_device(bytes, buf.as_ptr(), buf.len_bytes())?;
+        Tensor::from_parts(src.shape().to_vec(), src.dtype(), Storage::Npu(buf))
+    }
+
     fn copy_from(&self, src: &Tensor) -> Result<Tensor> {
         match src.storage() {
             Storage::Cpu(_) => self.upload(src),
@@ -229,5 +237,9 @@ impl Backend for NpuDevice {
         out: &mut Tensor,
     ) -> Result<()> {
         ops::token_unpermute(self, permuted, sorted_indices, probs, k, out)
+    }
+
+    fn expect_all_equal(&self, values: &Tensor, expected: i32, mismatch: crate::backend::Mismatch) -> Result<()> {
+        ops::expect_all_equal(self, values, expected, mismatch)
     }
 }

@@ -12,6 +12,7 @@ use std::ffi::c_void;
 use acl_sys::aclnn::{self, aclOpExecutor, aclScalar, aclTensor, aclnnStatus, Nnopbase, OpApi};
 use acl_sys::{aclDataType, aclFormat};
 
+use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
 use super::memory::NpuBuffer;
 use super::runtime::recent_error_message;
@@ -256,6 +257,51 @@ pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) 
     run_phase_two(device, "aclnnAdd", add.run, ws, exec)
 }
 
+/// [`crate::backend::Backend::expect_all_equal`] on the device: the values
+/// are copied into windows of `CTX_WORDS` words of workspace and the guard
+/// kernel compares each window with `expected`, its record read by the
+/// stream check. Enqueues a copy and one launch per window; no sync.
+pub(crate) fn expect_all_equal(
+    device: &NpuDevice,
+    values: &Tensor,
+    expected: i32,
+    mismatch: crate::backend::Mismatch,
+) -> Result<()> {
+    const OP: &str = "expect_all_equal";
+    use kernels::guard::{decode_guard_status, GuardTiling, CTX_WORDS, GUARD_TILING_MAGIC};
+    if values.dtype() != DType::I32 {
+        return Err(Error::dtype(OP, "values", "i32", values.dtype()));
+    }
+    let n = values.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let src = npu_buf(device, OP, "values", values)?;
+    let windows = n.div_ceil(CTX_WORDS);
+    let words = NpuBuffer::workspace(device, windows * CTX_WORDS * 4)?;
+    words.copy_from_device(0, src, 0, n * 4)?;
+    let mismatch = std::sync::Arc::new(mismatch);
+    for w in 0..windows {
+        let first = w * CTX_WORDS;
+        let count = (n - first).min(CTX_WORDS);
+        let mut mask = [0u32; CTX_WORDS / 32];
+        for i in 0..count {
+            mask[i / 32] |= 1 << (i % 32);
+        }
+        let tiling = GuardTiling {
+            magic: GUARD_TILING_MAGIC,
+            words: CTX_WORDS as u32,
+            mask,
+            expected: [expected as u32; CTX_WORDS],
+        };
+        let m = mismatch.clone();
+        let decode = Box::new(move |rec: &[u32]| decode_guard_status(OP, rec, |i, v, _| m(None, first + i, v as i32)));
+        let at = words.as_ptr().cast::<u8>().wrapping_add(first * 4).cast();
+        super::device_check::guard_words(device.stream(), at, &tiling, decode)?;
+    }
+    Ok(())
+}
+
 /// How [`NpuDevice`]'s finalize routing runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinalizeImpl {
@@ -333,6 +379,8 @@ pub(crate) fn choose_finalize(forced: Option<FinalizeImpl>) -> Result<FinalizeIm
 /// Cores the native kernel spreads the output rows over (the vector cores of
 /// a 910B are more; 8 keeps small calls cheap and still splits large ones).
 const NATIVE_BLOCK_DIM: u32 = 8;
+// A launch's status records fit one captured record slot.
+const _: () = assert!(NATIVE_BLOCK_DIM as usize <= MAX_RECORD_CORES);
 
 /// Fused finalize through the native kernel: tiling, launch checks, one
 /// launch on the device stream, then the per-core status records.
@@ -403,23 +451,10 @@ fn launch_native(
         stream.stage_to_device(bytemuck::cast_slice(&offsets), offsets_buf.as_ptr(), offsets_buf.len_bytes())?;
         gm[kernels::GM_SLOT_OFFSETS] = offsets_buf.as_ptr();
     }
-    let status_words = tiling.status_words();
-    let captured = stream.is_capturing()?;
-    // Under capture the status goes to a zeroed record slot the graph keeps
-    // (every replay rewrites it, every check reads it); otherwise to a pool
-    // block (from the pool even with an engine allocator: the check holds it),
-    // and the slots for later captures are reserved now.
-    let (status_buf, record) = if captured {
-        (None, stream.take_capture_record(status_words * 4)?)
-    } else {
-        reserve_capture_records(device)?;
-        let b = NpuBuffer::pool_block(device, status_words * 4)?;
-        let p = b.as_ptr() as usize;
-        (Some(b), p)
-    };
-    // Bytes 0xFF: every word STATUS_NOT_RUN, so a core that never ran is reported.
-    memset_on(stream, record, status_words * 4, 0xFF)?;
-    gm[kernels::GM_STATUS] = record as *mut c_void;
+    // The status record: a pool block the stream's check holds, or under
+    // capture a zeroed slot the graph keeps (see `device_check`).
+    let record = Record::begin(stream, tiling.status_words())?;
+    gm[kernels::GM_STATUS] = record.ptr();
 
     let tiling_bytes = tiling.as_bytes();
     match launcher {
@@ -454,119 +489,8 @@ fn launch_native(
             unsafe { lib.launch(tiling.block_dim, stream.raw(), &gm, t.as_ptr())? };
         }
     }
-    match status_buf {
-        // The status block is held by the check (detached, so the record does
-        // not keep the stream alive), returned to the pool once read.
-        Some(b) => {
-            let status = b
-                .detach_pool_block()
-                .ok_or_else(|| Error::invalid(OP, "status", "the status words are not in the stream's pool"))?;
-            stream.record_pending(Box::new(KernelStatus { status, tiling }));
-        }
-        None => stream.record_captured(Box::new(CapturedStatus { record, tiling })),
-    }
+    record.finish(Box::new(move |words: &[u32]| kernels::check_status(words, &tiling)));
     Ok(())
-}
-
-/// Bytes of one captured launch's status record: `NATIVE_BLOCK_DIM` cores.
-const CAPTURED_STATUS_BYTES: usize = NATIVE_BLOCK_DIM as usize * kernels::STATUS_WORDS * 4;
-/// Native launches a stream's graphs may capture.
-const CAPTURED_STATUS_SLOTS: usize = 64;
-
-/// Reserves, outside capture, the zeroed record slots of the native
-/// launches captured later on `device`'s stream: one pool block, its zeroing
-/// queued on the stream before any capture that uses it.
-fn reserve_capture_records(device: &NpuDevice) -> Result<()> {
-    let stream = device.stream();
-    if stream.has_capture_records() {
-        return Ok(());
-    }
-    let bytes = CAPTURED_STATUS_BYTES * CAPTURED_STATUS_SLOTS;
-    let block = NpuBuffer::pool_block(device, bytes)?;
-    block.memset_async(0, 0, bytes)?;
-    let (base, _) = block
-        .detach_pool_block()
-        .ok_or_else(|| Error::invalid("finalize_routing", "status", "the record slots are not in the stream's pool"))?;
-    stream.set_capture_records(base, CAPTURED_STATUS_BYTES, CAPTURED_STATUS_SLOTS);
-    Ok(())
-}
-
-/// `aclrtMemsetAsync(ptr, len, value, len, stream)` on the op's stream.
-fn memset_on(stream: &super::NpuStream, ptr: usize, len: usize, value: u8) -> Result<()> {
-    let api = stream.enter()?;
-    let f = super::runtime::acl_fn!(api, aclrtMemsetAsync)?;
-    // SAFETY: `ptr` is `len` bytes of this stream's device memory owned by
-    // the op's status record; the stream is live.
-    super::runtime::check("aclrtMemsetAsync", unsafe { f(ptr as *mut c_void, len, value as i32, len, stream.raw()) })
-}
-
-/// The status words of a native launch captured into a graph: a record slot
-/// every replay rewrites (0xFF, then the kernel's words) and every check
-/// reads; once read, it is zeroed (all OK), so a bad index of one replay is
-/// reported once and a check with no replay since reports nothing.
-struct CapturedStatus {
-    record: usize,
-    tiling: kernels::FinalizeTiling,
-}
-
-impl super::runtime::Pending for CapturedStatus {
-    fn key(&self) -> Option<(usize, &'static str)> {
-        None
-    }
-
-    fn timeout(&self) -> Option<std::time::Duration> {
-        None
-    }
-
-    fn outcome(&self, wait: Option<&Error>, stream: &super::NpuStream) -> Result<()> {
-        if wait.is_some() {
-            // The stream failed: its words may be stale; the wait is reported.
-            return Ok(());
-        }
-        let mut words = vec![0u32; self.tiling.status_words()];
-        stream.read_drained(self.record, bytemuck::cast_slice_mut(&mut words))?;
-        if words.iter().all(|&w| w == 0) {
-            return Ok(());
-        }
-        let r = kernels::check_status(&words, &self.tiling);
-        stream.zero_drained(self.record, words.len() * 4)?;
-        r
-    }
-}
-
-/// The status words of a queued native launch (a detached pool block),
-/// decoded by the stream's check ([`kernels::check_status`]): a bad index
-/// with its position and value.
-struct KernelStatus {
-    status: (usize, usize),
-    tiling: kernels::FinalizeTiling,
-}
-
-impl super::runtime::Pending for KernelStatus {
-    fn key(&self) -> Option<(usize, &'static str)> {
-        None
-    }
-
-    fn timeout(&self) -> Option<std::time::Duration> {
-        None
-    }
-
-    fn outcome(&self, wait: Option<&Error>, stream: &super::NpuStream) -> Result<()> {
-        let (ptr, block) = self.status;
-        // The stream failed: the status words may not have been written; the
-        // failed wait is what the check reports.
-        let r = match wait {
-            Some(_) => Ok(()),
-            None => {
-                let mut words = vec![0u32; self.tiling.status_words()];
-                stream
-                    .read_drained(ptr, bytemuck::cast_slice_mut(&mut words))
-                    .and_then(|_| kernels::check_status(&words, &self.tiling))
-            }
-        };
-        stream.give_back_block(ptr, block);
-        r
-    }
 }
 
 /// Fused finalize: the native kernel or aclnnMoeFinalizeRoutingV2, as

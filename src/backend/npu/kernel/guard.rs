@@ -189,20 +189,28 @@ fn word_value(i: usize, v: u32) -> String {
 /// Decodes the guard's status record (one core, [`STATUS_WORDS`] words) for
 /// the ops of `op`: a differing word becomes [`Error::StaleContext`].
 pub fn check_guard_status(op: &'static str, status: &[u32]) -> Result<()> {
+    decode_guard_status(op, status, |i, live, captured| Error::StaleContext {
+        op,
+        field: word_name(i),
+        captured: word_value(i, captured),
+        live: word_value(i, live),
+    })
+}
+
+/// Decodes a guard's status record over any words: a differing word `i`
+/// becomes `mismatch(i, found, expected)`; the other codes as
+/// [`check_guard_status`].
+pub fn decode_guard_status(
+    op: &'static str,
+    status: &[u32],
+    mismatch: impl FnOnce(usize, u32, u32) -> Error,
+) -> Result<()> {
     let Some(rec) = status.get(..STATUS_WORDS) else {
         return Err(Error::invalid(op, "status", format!("{} words, the guard writes {STATUS_WORDS}", status.len())));
     };
     match rec[0] {
         ST_OK => Ok(()),
-        ST_MISMATCH => {
-            let i = rec[1] as usize;
-            Err(Error::StaleContext {
-                op,
-                field: word_name(i),
-                captured: word_value(i, rec[STATUS_EXPECTED]),
-                live: word_value(i, rec[2]),
-            })
-        }
+        ST_MISMATCH => Err(mismatch(rec[1] as usize, rec[2], rec[STATUS_EXPECTED])),
         ST_BAD_TILING => Err(Error::Kernel { kernel: KERNEL, block: 0, detail: "the tiling was rejected".into() }),
         ST_SIM_VIOLATION => {
             let bytes: &[u8] = bytemuck::cast_slice(rec);
@@ -230,7 +238,7 @@ mod ffi {
 
 /// The host build of the guard, with the signature of the simulated
 /// runtime's `cannsim_kernel_entry`; `None` without a host kernel build.
-pub fn guard_host_entry() -> Option<super::KernelEntry> {
+pub fn guard_host_entry() -> Option<super::abi::KernelEntry> {
     #[cfg(amoe_host_kernel)]
     {
         Some(ffi::amoe_guard_kernel_host)

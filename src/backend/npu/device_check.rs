@@ -1,0 +1,248 @@
+//! Checks only the device can make, reported at the caller's sync point (the
+//! stream check, [`NpuStream::check`]): the status records of kernel
+//! launches, and the guard kernel over any device words.
+//!
+//! A record is a pool block of the stream held by the check until it read
+//! it, or, for a launch captured into a graph, a zeroed slot the graph keeps
+//! (every replay rewrites it, every check reads it and zeroes what it read),
+//! so a bad value of any one replay is reported once, by the check after it.
+//! Nothing here synchronises, allocates under capture or reads device memory
+//! on the host; the stream check does the reading.
+//!
+//! This module knows streams and raw device addresses only, so the ops that
+//! use it stay above it.
+
+use std::ffi::c_void;
+
+use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_WORDS};
+use super::kernel::guard::{guard_host_entry, GuardTiling};
+use super::kernel::library::shared_kernel_lib;
+use super::runtime::{acl_fn, check, lock, NpuStream, Pending};
+use crate::{Error, Result};
+
+/// Turns a launch's status words into its result.
+pub(crate) type Decode = Box<dyn Fn(&[u32]) -> Result<()> + Send + Sync>;
+
+/// Cores a recorded launch may use: the bytes of one captured record slot
+/// are this many status records.
+pub(crate) const MAX_RECORD_CORES: usize = 8;
+/// Bytes of one captured launch's record slot.
+const SLOT_BYTES: usize = MAX_RECORD_CORES * STATUS_WORDS * 4;
+/// Recorded launches a stream's graphs may capture.
+const SLOTS: usize = 64;
+
+/// A block of `len` bytes from `stream`'s pool, detached (device address,
+/// block id; give it back with `NpuStream::give_back_block`). The pool grows
+/// outside capture only; under capture a request that does not fit is an
+/// error saying how to reserve ahead.
+pub(crate) fn take_pool_block(stream: &NpuStream, len: usize) -> Result<(usize, usize)> {
+    if let Some(b) = lock(stream.state()).pool.take(len)? {
+        return Ok(b);
+    }
+    if stream.is_capturing()? {
+        let largest = lock(stream.state()).pool.largest_free();
+        return Err(Error::invalid(
+            "workspace",
+            "bytes",
+            format!(
+                "{len} bytes of workspace are needed while {stream:?} is captured into a graph and the largest free \
+                 block of its pool has {largest}; the pool cannot grow under capture: reserve ahead with \
+                 amoe_workspace_reserve / NpuStream::reserve_workspace (or run the op once before capture), \
+                 or set an allocator on the stream"
+            ),
+        ));
+    }
+    stream.reserve_workspace(len)?;
+    lock(stream.state())
+        .pool
+        .take(len)?
+        .ok_or_else(|| Error::invalid("workspace", "bytes", format!("a fresh pool segment does not hold {len} bytes")))
+}
+
+/// `aclrtMemsetAsync(ptr, len, value, len, stream)`.
+pub(crate) fn memset_on(stream: &NpuStream, ptr: usize, len: usize, value: u8) -> Result<()> {
+    let api = stream.enter()?;
+    let f = acl_fn!(api, aclrtMemsetAsync)?;
+    // SAFETY: `ptr` is `len` bytes of this stream's device memory owned by
+    // the caller's record; the stream is live.
+    check("aclrtMemsetAsync", unsafe { f(ptr as *mut c_void, len, value as i32, len, stream.raw()) })
+}
+
+/// Reserves, outside capture, the zeroed record slots of the launches
+/// captured later on `stream`: one pool block, zeroed on the stream before
+/// any capture that uses it.
+fn reserve_capture_records(stream: &NpuStream) -> Result<()> {
+    if stream.has_capture_records() {
+        return Ok(());
+    }
+    let bytes = SLOT_BYTES * SLOTS;
+    let (base, block) = take_pool_block(stream, bytes)?;
+    if let Err(e) = memset_on(stream, base, bytes, 0) {
+        stream.give_back_block(base, block);
+        return Err(e);
+    }
+    stream.set_capture_records(base, SLOT_BYTES, SLOTS);
+    Ok(())
+}
+
+/// The status record of one launch about to be enqueued on a stream.
+pub(crate) struct Record {
+    stream: NpuStream,
+    ptr: usize,
+    words: usize,
+    /// The pool block of an eager launch, until the check holds it.
+    block: Option<(usize, usize)>,
+}
+
+impl Record {
+    /// Takes the record of a launch writing `words` status words (at most
+    /// [`MAX_RECORD_CORES`] records) on `stream` and fills it with bytes
+    /// `0xFF` (every word `STATUS_NOT_RUN`, so a core that never ran is
+    /// reported). Outside capture this also reserves the slots of later
+    /// captures.
+    pub(crate) fn begin(stream: &NpuStream, words: usize) -> Result<Record> {
+        if words > MAX_RECORD_CORES * STATUS_WORDS {
+            return Err(Error::invalid("status", "words", format!("{words} status words exceed a record slot")));
+        }
+        let record = if stream.is_capturing()? {
+            Record { stream: stream.clone(), ptr: stream.take_capture_record(words * 4)?, words, block: None }
+        } else {
+            reserve_capture_records(stream)?;
+            let (ptr, block) = take_pool_block(stream, words * 4)?;
+            Record { stream: stream.clone(), ptr, words, block: Some((ptr, block)) }
+        };
+        memset_on(stream, record.ptr, words * 4, 0xFF)?;
+        Ok(record)
+    }
+
+    /// The device address the launch writes its status to.
+    pub(crate) fn ptr(&self) -> *mut c_void {
+        self.ptr as *mut c_void
+    }
+
+    /// After the launch was enqueued: the stream's check reads the record and
+    /// reports what `decode` makes of it.
+    pub(crate) fn finish(mut self, decode: Decode) {
+        let stream = self.stream.clone();
+        match self.block.take() {
+            Some(status) => stream.record_pending(Box::new(Eager { status, words: self.words, decode })),
+            None => stream.record_captured(Box::new(Captured { record: self.ptr, words: self.words, decode })),
+        }
+    }
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        // A launch that failed to enqueue: its block goes back to the pool.
+        if let Some((ptr, block)) = self.block.take() {
+            self.stream.give_back_block(ptr, block);
+        }
+    }
+}
+
+/// The record of an eager launch: a detached pool block, read once by the
+/// check and then returned to the pool.
+struct Eager {
+    status: (usize, usize),
+    words: usize,
+    decode: Decode,
+}
+
+impl Pending for Eager {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        None
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
+        let (ptr, block) = self.status;
+        // The stream failed: the status words may not have been written; the
+        // failed wait is what the check reports.
+        let r = match wait {
+            Some(_) => Ok(()),
+            None => {
+                let mut words = vec![0u32; self.words];
+                stream.read_drained(ptr, bytemuck::cast_slice_mut(&mut words)).and_then(|_| (self.decode)(&words))
+            }
+        };
+        stream.give_back_block(ptr, block);
+        r
+    }
+}
+
+/// The record of a launch captured into a graph: a zeroed slot every replay
+/// rewrites (0xFF, then the kernel's words) and every check reads; once read
+/// it is zeroed (all OK), so a bad value of one replay is reported once and a
+/// check with no replay since reports nothing.
+struct Captured {
+    record: usize,
+    words: usize,
+    decode: Decode,
+}
+
+impl Pending for Captured {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        None
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
+        if wait.is_some() {
+            // The stream failed: its words may be stale; the wait is reported.
+            return Ok(());
+        }
+        let mut words = vec![0u32; self.words];
+        stream.read_drained(self.record, bytemuck::cast_slice_mut(&mut words))?;
+        if words.iter().all(|&w| w == 0) {
+            return Ok(());
+        }
+        let r = (self.decode)(&words);
+        stream.zero_drained(self.record, words.len() * 4)?;
+        r
+    }
+}
+
+/// Enqueues on `stream` the guard kernel (one core) over the `CTX_WORDS`
+/// words at device address `words`, comparing them with `tiling`'s expected
+/// words; the stream's check reports what `decode` makes of its status.
+/// The guard launches through the simulated runtime's host build or the AI
+/// Core library, whichever is loaded.
+pub(crate) fn guard_words(stream: &NpuStream, words: *mut c_void, tiling: &GuardTiling, decode: Decode) -> Result<()> {
+    let record = Record::begin(stream, STATUS_WORDS)?;
+    let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
+    gm[GUARD_GM_LIVE] = words;
+    gm[GUARD_GM_STATUS] = record.ptr();
+    let api = stream.enter()?;
+    let bytes = tiling.as_bytes();
+    if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
+        // SAFETY: `gm` holds CTX_WORDS words of this device and one status
+        // record; the tiling bytes are copied at enqueue.
+        let code =
+            unsafe { launch(stream.raw(), 1, Some(entry), gm.as_ptr(), gm.len(), bytes.as_ptr().cast(), bytes.len()) };
+        check("cannsim_launch_kernel", code)?;
+    } else {
+        let lib = shared_kernel_lib().ok_or_else(|| {
+            Error::Unavailable(
+                "device check: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel \
+                 library is available"
+                    .into(),
+            )
+        })?;
+        let (t, block) = take_pool_block(stream, bytes.len())?;
+        let launched = stream.stage_to_device(bytes, t as *mut c_void, bytes.len()).and_then(|_| {
+            // SAFETY: as above, with the tiling in a pool block of this
+            // stream, reused only by work queued after the launch.
+            unsafe { lib.launch_guard(stream.raw(), &gm, t as *mut c_void) }
+        });
+        stream.give_back_block(t, block);
+        launched?;
+    }
+    record.finish(decode);
+    Ok(())
+}
