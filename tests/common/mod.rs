@@ -188,6 +188,45 @@ macro_rules! backend_test {
     };
 }
 
+/// Expands one body over `world` thread ranks into a `cpu` case (the
+/// shared-memory CPU communicator) and an (ignored) `npu` case (HCCL on NPUs
+/// `0..world`):
+///
+/// ```ignore
+/// ranks_test!(sums_over_four_ranks, 4, |rank, comm| { ...; Ok(()) });
+/// ```
+#[macro_export]
+macro_rules! ranks_test {
+    ($name:ident, $world:expr, $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn body(rank: usize, comm: ascend_moe::Comm) -> ascend_moe::Result<()> {
+                let f: fn(usize, ascend_moe::Comm) -> ascend_moe::Result<()> = $body;
+                f(rank, comm)
+            }
+
+            #[test]
+            fn cpu() {
+                let opts = ascend_moe::CommOptions::from_env();
+                if let Err(e) = ascend_moe::backend::cpu::comm::run_ranks($world, &opts, body) {
+                    panic!("cpu: {e}");
+                }
+            }
+
+            #[test]
+            #[ignore = "needs an Ascend NPU"]
+            fn npu() {
+                let opts = ascend_moe::CommOptions::from_env();
+                if let Err(e) = ascend_moe::backend::npu::npu_run_ranks($world, &opts, body) {
+                    panic!("npu: {e}\n{}", ascend_moe::backend::npu::probe_report());
+                }
+            }
+        }
+    };
+}
+
 /// NPU 0 (ordinal from `ASCEND_MOE_TEST_NPU`, default 0); panics with the
 /// probe report when it cannot be opened.
 pub fn npu_device() -> Device {
