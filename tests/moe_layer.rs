@@ -1,17 +1,47 @@
-//! The end-to-end MoE layer matrix on the CPU backend, the graph-replay
-//! regression, and a negative control showing the check catches the
-//! trace-time reduction bug.
+//! The end-to-end MoE layer matrix of SPEC sections 3-6 (every comm type, SP
+//! on and off, every shared-expert mode, f32 and bf16, uneven and zero-token
+//! DP ranks) on the CPU backend and, ignored without an NPU, on NPUs through
+//! HCCL (ranks are threads on NPUs 0..world; `ci/sim.sh` runs them on the
+//! simulated runtime); the graph-replay regression, and a negative control
+//! showing the check catches the trace-time reduction bug.
 
+use ascend_moe::backend::npu::npu_run_ranks;
 use ascend_moe::moe::reduce::{routed_is_reduced, SharedMode};
-use ascend_moe::testing::layer::{all_layer_cases, run_layer_case_cpu, LayerCase};
-use ascend_moe::{CommType, DType};
+use ascend_moe::testing::layer::{
+    all_layer_cases, run_layer_case, run_layer_case_cpu, CaseReport, Launcher, LayerCase, RankReport,
+};
+use ascend_moe::{Comm, CommOptions, CommType, DType, Device, Result};
+
+/// Rank `r` on NPU `r`, one HCCL world per case.
+struct NpuLauncher;
+
+impl Launcher for NpuLauncher {
+    fn device(&self, rank: usize) -> Result<Device> {
+        Device::npu(rank as u32)
+    }
+    fn launch(
+        &self,
+        world: usize,
+        body: &(dyn Fn(usize, Comm) -> Result<RankReport> + Sync),
+    ) -> Result<Vec<RankReport>> {
+        npu_run_ranks(world, &CommOptions::from_env(), body)
+    }
+}
 
 fn run_matrix(dp: usize, tp: usize) {
+    run_matrix_with(dp, tp, run_layer_case_cpu);
+}
+
+fn run_npu_matrix(dp: usize, tp: usize) {
+    run_matrix_with(dp, tp, |c| run_layer_case(c, &NpuLauncher));
+}
+
+fn run_matrix_with(dp: usize, tp: usize, run: impl Fn(&LayerCase) -> Result<CaseReport>) {
     let cases: Vec<LayerCase> = all_layer_cases().into_iter().filter(|c| c.dp == dp && c.tp == tp).collect();
-    assert!(!cases.is_empty());
+    assert!(!cases.is_empty(), "no cases for DP{dp} x TP{tp}");
     let mut failed = Vec::new();
     for c in &cases {
-        match run_layer_case_cpu(c) {
+        match run(c) {
             Ok(r) if r.passed && r.shape_checks > 0 => {}
             Ok(r) => failed.push(format!("{}: {} (max err {:.3e})", r.name, r.detail, r.max_abs_err)),
             Err(e) => failed.push(format!("{}: error {e}", c.name())),
@@ -43,6 +73,27 @@ fn matrix_dp2_tp2() {
 #[test]
 fn matrix_dp2_tp4() {
     run_matrix(2, 4);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_matrix_dp2_tp2() {
+    run_npu_matrix(2, 2);
+}
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_matrix_dp1_tp4_ep4() {
+    run_npu_matrix(1, 4);
+}
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_matrix_dp2_tp1() {
+    run_npu_matrix(2, 1);
+}
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_matrix_dp1_tp2() {
+    run_npu_matrix(1, 2);
 }
 
 #[test]
