@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use ascend_moe::backend::npu::{npu_run_ranks, Allocator, FinalizeImpl, NpuDevice};
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+use ascend_moe::moe::prepare_finalize::{finalize, prepare, MoeContext, MoeGroups};
 use ascend_moe::moe::{
     finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, ReducePolicy, SharedMode, SpLayout,
 };
@@ -187,6 +188,20 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         p.extend(measure_with_staging(&nd, "finalize_and_reduce", 1, || {
             finalize_and_reduce(&args, Some(&layout), &comm).map(drop)
         }));
+
+        // Token prepare and finalize of every comm type, DP2 x TP2, SP on
+        // and off (uneven DP tokens, fewer than TP on DP rank 1).
+        let groups = MoeGroups::from_world(&comm, 2)?;
+        for sp in [false, true] {
+            let ctx = MoeContext::new(&[5, 1], 2, rank / 2, rank % 2, sp)?;
+            let x = filled(&dev, &[ctx.local_tokens(), h], rank)?;
+            for ct in CommType::ALL {
+                p.extend(measure(&nd, &format!("prepare + finalize {} sp {sp}", ct.name()), || {
+                    let prepared = prepare(&x, ct, &ctx, &groups)?;
+                    finalize(prepared.hidden, ct, &ctx, &groups).map(drop)
+                }));
+            }
+        }
 
         // The three reduction points, each on a policy where it reduces (TP 4).
         let early = ReducePolicy::new(SharedMode::TensorParallel, true, false, WORLD, WORLD)?;

@@ -338,11 +338,12 @@ unsafe fn prepare_body(
 ///
 /// NPU (this and `amoe_token_finalize`): the row copies and the HCCL
 /// collectives are enqueued on `stream`, intermediates come from its pool,
-/// and the result reaches `out` by one device copy. Not yet free of host
-/// waits: every EP rank first agrees on `comm_type` through a small
-/// all-gather whose result is read on the host (one synchronisation), and
-/// ALLTOALL reads its exchanged counts and routing on the host, since
-/// `HcclAlltoAllV` takes its counts as host arrays.
+/// and the result reaches `out` by one device copy. It never synchronises,
+/// never allocates outside the stream's pool (or allocator), never reads
+/// device data on the host, and can be captured into a graph: every count is
+/// a shape, known on the host. With `ASCEND_MOE_CHECK_COMM_TYPE=1` every EP
+/// rank first all-gathers its `comm_type`, compared on the device; ranks that
+/// disagree fail their next `amoe_stream_check`.
 ///
 /// # Safety
 /// Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
