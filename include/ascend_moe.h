@@ -1206,6 +1206,11 @@ amoe_status amoe_shared_pad_split_output_shape(const struct amoe_tensor *x,
 // communication); `tp_comm` gives the rank and size. Ownership as
 // `amoe_moe_finalize_routing`.
 //
+// NPU: enqueues on `stream` a copy of this rank's rows into a zeroed
+// workspace buffer and one device copy of it into `out`; never
+// synchronises, never allocates outside the stream's pool (or allocator),
+// never reads device data on the host; can be captured into a graph.
+//
 // # Safety
 // `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
 amoe_status amoe_shared_pad_split(const struct amoe_tensor *x,
@@ -1229,6 +1234,12 @@ amoe_status amoe_shared_gather_unpad_output_shape(const struct amoe_tensor *x,
 // rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
 // Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
 //
+// NPU: enqueues on `stream` one HCCL all-gather into workspace, a copy of
+// the kept rows when padding is cut, and one device copy into `out`; never
+// synchronises, never allocates outside the stream's pool (or allocator),
+// never reads device data on the host; can be captured into a graph. A
+// mismatch between ranks is returned by `amoe_stream_check`.
+//
 // # Safety
 // As `amoe_shared_pad_split`.
 amoe_status amoe_shared_gather_unpad(const struct amoe_tensor *x,
@@ -1251,6 +1262,13 @@ amoe_status amoe_shared_pad_reduce_scatter_output_shape(const struct amoe_tensor
 // SP-only shared-expert finalize: zero-pad the TP-partial `x [T, H...]` to a
 // multiple of the TP size and reduce-scatter (sum) over `tp_comm`: this rank's
 // complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
+//
+// NPU: enqueues on `stream` a copy into a zeroed padded workspace buffer
+// (when `T` is not a multiple of TP), one HCCL reduce-scatter and one
+// device copy into `out`; never synchronises, never allocates outside the
+// stream's pool (or allocator), never reads device data on the host; can be
+// captured into a graph. A mismatch between ranks is returned by
+// `amoe_stream_check`.
 //
 // # Safety
 // As `amoe_shared_pad_split`.

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use ascend_moe::backend::npu::{npu_run_ranks, Allocator, FinalizeImpl, NpuDevice};
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::moe::prepare_finalize::{finalize, prepare, MoeContext, MoeGroups};
+use ascend_moe::moe::shared::{shared_gather_unpad, shared_pad_reduce_scatter, shared_pad_split};
 use ascend_moe::moe::{
     finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, ReducePolicy, SharedMode, SpLayout,
 };
@@ -202,6 +203,15 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
                 }));
             }
         }
+
+        // The shared-expert TP ops (SPEC section 6's split and gather for a
+        // sequence-parallel shared expert), over the TP pairs.
+        let tp = &groups.tp;
+        let tokens = filled(&dev, &[5, h], rank)?;
+        let part = shared_pad_split(&tokens, tp)?;
+        p.extend(measure(&nd, "shared_pad_split", || shared_pad_split(&tokens, tp).map(drop)));
+        p.extend(measure(&nd, "shared_gather_unpad", || shared_gather_unpad(&part, 5, tp).map(drop)));
+        p.extend(measure(&nd, "shared_pad_reduce_scatter", || shared_pad_reduce_scatter(&tokens, tp).map(drop)));
 
         // The three reduction points, each on a policy where it reduces (TP 4).
         let early = ReducePolicy::new(SharedMode::TensorParallel, true, false, WORLD, WORLD)?;

@@ -86,6 +86,11 @@ pub unsafe extern "C" fn amoe_shared_pad_split_output_shape(
 /// communication); `tp_comm` gives the rank and size. Ownership as
 /// `amoe_moe_finalize_routing`.
 ///
+/// NPU: enqueues on `stream` a copy of this rank's rows into a zeroed
+/// workspace buffer and one device copy of it into `out`; never
+/// synchronises, never allocates outside the stream's pool (or allocator),
+/// never reads device data on the host; can be captured into a graph.
+///
 /// # Safety
 /// `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
 #[no_mangle]
@@ -124,6 +129,12 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad_output_shape(
 /// DP-only shared-expert finalize and SP-only prepare: TP all-gather every
 /// rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
 /// Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
+///
+/// NPU: enqueues on `stream` one HCCL all-gather into workspace, a copy of
+/// the kept rows when padding is cut, and one device copy into `out`; never
+/// synchronises, never allocates outside the stream's pool (or allocator),
+/// never reads device data on the host; can be captured into a graph. A
+/// mismatch between ranks is returned by `amoe_stream_check`.
 ///
 /// # Safety
 /// As `amoe_shared_pad_split`.
@@ -165,6 +176,13 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter_output_shape(
 /// SP-only shared-expert finalize: zero-pad the TP-partial `x [T, H...]` to a
 /// multiple of the TP size and reduce-scatter (sum) over `tp_comm`: this rank's
 /// complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
+///
+/// NPU: enqueues on `stream` a copy into a zeroed padded workspace buffer
+/// (when `T` is not a multiple of TP), one HCCL reduce-scatter and one
+/// device copy into `out`; never synchronises, never allocates outside the
+/// stream's pool (or allocator), never reads device data on the host; can be
+/// captured into a graph. A mismatch between ranks is returned by
+/// `amoe_stream_check`.
 ///
 /// # Safety
 /// As `amoe_shared_pad_split`.
