@@ -524,7 +524,7 @@ fn the_import_scanner_resolves_re_exports_super_and_inline_paths() {
     // A `pub use` of a child is the parent depending on the child.
     assert!(has("crate::backend::cpu", "crate::backend::cpu::comm"));
     // `super::` paths.
-    assert!(has("crate::testing::layer", "crate::testing::model"));
+    assert!(has("crate::testing::layer::run", "crate::testing::layer::case"));
     assert!(!has("crate::types", "crate::error"), "types is a leaf");
     assert!(edges.keys().all(|(a, _)| a != "crate::types"), "types imports nothing of the crate");
     // A two-module cycle is reported.

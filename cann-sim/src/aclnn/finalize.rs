@@ -1,0 +1,271 @@
+//! `aclnnMoeFinalizeRoutingV2`.
+
+use std::ffi::c_void;
+
+use crate::ffi::*;
+use crate::nnop::{dtype_name, TensorDesc};
+use crate::status::{self, fail, SimResult};
+
+use super::tensors::{
+    index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
+};
+use super::{check_outs, launch, publish, Executor, MOE_WORKSPACE};
+
+/// Phase-1 snapshot of `aclnnMoeFinalizeRoutingV2`.
+#[derive(Debug)]
+pub struct Finalize {
+    expanded_x: TensorDesc,
+    row_idx: TensorDesc,
+    x1: Option<TensorDesc>,
+    x2: Option<TensorDesc>,
+    bias: Option<TensorDesc>,
+    scales: Option<TensorDesc>,
+    expert_idx: Option<TensorDesc>,
+    out: TensorDesc,
+    mode: i64,
+    n: usize,
+    k: usize,
+    h: usize,
+    rows: usize,
+}
+
+pub(super) const FINALIZE: &str = "aclnnMoeFinalizeRoutingV2";
+
+#[allow(clippy::too_many_arguments)]
+fn finalize_prepare(
+    expanded_x: *const c_void,
+    expanded_row_idx: *const c_void,
+    x1: *const c_void,
+    x2: *const c_void,
+    bias: *const c_void,
+    scales: *const c_void,
+    expert_idx: *const c_void,
+    mode: i64,
+    out: *const c_void,
+) -> SimResult<Finalize> {
+    let op = FINALIZE;
+    let ex = required(expanded_x, op, "expandedX")?;
+    let ri = required(expanded_row_idx, op, "expandedRowIdx")?;
+    let out = required(out, op, "out")?;
+    let (x1, x2) = (tensor(x1, op, "x1Optional")?, tensor(x2, op, "x2Optional")?);
+    let (bias, scales) = (tensor(bias, op, "biasOptional")?, tensor(scales, op, "scalesOptional")?);
+    let expert_idx = tensor(expert_idx, op, "expertIdxOptional")?;
+    if !(0..=3).contains(&mode) {
+        return invalid(op, format!("dropPadMode {mode} (expected 0..=3)"));
+    }
+    let drop_pad = mode == 1 || mode == 3;
+    if !is_float(ex.dtype) {
+        return invalid(op, format!("expandedX is {} (expected float32, float16 or bfloat16)", dtype_name(ex.dtype)));
+    }
+    let (rows, h) = match (drop_pad, ex.dims.as_slice()) {
+        (false, [r, h]) => (*r, *h),
+        (true, [e, c, h]) => (e * c, *h),
+        _ => {
+            let want = if drop_pad { "3-D [E, C, H] (dropPadMode 1/3)" } else { "2-D [N*K, H] (dropPadMode 0/2)" };
+            return invalid(op, format!("expandedX has shape {:?}, expected {want}", ex.dims));
+        }
+    };
+    want_dtype(op, "expandedRowIdx", &ri, ACL_INT32)?;
+    let [nk] = ri.dims.as_slice() else {
+        return invalid(op, format!("expandedRowIdx has shape {:?}, expected 1-D [N*K]", ri.dims));
+    };
+    let (n, k) = match &scales {
+        Some(s) => {
+            let [n, k] = s.dims.as_slice() else {
+                return invalid(op, format!("scalesOptional has shape {:?}, expected [N, K]", s.dims));
+            };
+            // The (expandedX, scales) dtype pairs the op definition
+            // (`moe_finalize_routing_v2_def.cpp`) registers for Atlas A2/A3:
+            // (f16, f16), (f32, f32), (bf16, bf16), (bf16, f32). The aclnn doc:
+            // "in mixed-precision mode scales may be FLOAT32 when expandedX is
+            // BFLOAT16; otherwise its dtype must equal expandedX's".
+            if s.dtype != ex.dtype && !(ex.dtype == ACL_BF16 && s.dtype == ACL_FLOAT) {
+                return invalid(
+                    op,
+                    format!(
+                        "scalesOptional is {} with expandedX {}: the only mixed precision is bfloat16 data with \
+                         float32 scales",
+                        dtype_name(s.dtype),
+                        dtype_name(ex.dtype)
+                    ),
+                );
+            }
+            (*n, *k)
+        }
+        None => (*nk, 1),
+    };
+    if n * k != *nk {
+        return invalid(op, format!("expandedRowIdx has {nk} entries but scales say N*K = {n}*{k}"));
+    }
+    // Empty inputs: the op's tiling divides the rows among the cores; the
+    // simulator refuses 0 tokens or an empty hidden size rather than guess.
+    if n == 0 || h == 0 {
+        return invalid(op, format!("empty input (N = {n}, H = {h}): call the op only with data"));
+    }
+    // Tiling check (`moe_finalize_routing_v2_tiling_membase.cpp`): "In the
+    // case of x1 parameter is not input, x2 parameter can't be inputted
+    // either" (ge::GRAPH_FAILED, reported as ACLNN_ERR_INNER_TILING_ERROR).
+    if x2.is_some() && x1.is_none() {
+        return fail(
+            ACLNN_ERR_INNER_TILING_ERROR,
+            format!("{op}: In the case of x1 parameter is not input, x2 parameter can't be inputted either"),
+        );
+    }
+    // The aclnn doc's constraints: E (expert count: bias rows, or
+    // expandedX's first dimension in drop-pad modes) must be at least K.
+    let experts = bias.as_ref().and_then(|b| b.dims.first().copied()).or(drop_pad.then(|| ex.dims[0]));
+    if let Some(e) = experts {
+        if e < k {
+            return fail(ACLNN_ERR_INNER_TILING_ERROR, format!("{op}: E = {e} experts is less than K = {k}"));
+        }
+    }
+    for (arg, t) in [("x1Optional", &x1), ("x2Optional", &x2)] {
+        if let Some(t) = t {
+            want_dims(op, arg, t, &[n, h])?;
+            want_dtype(op, arg, t, ex.dtype)?;
+        }
+    }
+    if let Some(b) = &bias {
+        let [_, bh] = b.dims.as_slice() else {
+            return invalid(op, format!("biasOptional has shape {:?}, expected [E, H]", b.dims));
+        };
+        if *bh != h {
+            return invalid(op, format!("biasOptional has shape {:?}, expected [E, {h}]", b.dims));
+        }
+        want_dtype(op, "biasOptional", b, ex.dtype)?;
+        if expert_idx.is_none() {
+            return fail(ACLNN_ERR_PARAM_NULLPTR, format!("{op}: expertIdxOptional is required when bias is given"));
+        }
+    }
+    if let Some(e) = &expert_idx {
+        want_dims(op, "expertIdxOptional", e, &[n, k])?;
+        want_dtype(op, "expertIdxOptional", e, ACL_INT32)?;
+    }
+    want_dims(op, "out", &out, &[n, h])?;
+    want_dtype(op, "out", &out, ex.dtype)?;
+    Ok(Finalize {
+        expanded_x: ex,
+        row_idx: ri,
+        x1,
+        x2,
+        bias,
+        scales,
+        expert_idx,
+        out,
+        mode,
+        n: n as usize,
+        k: k as usize,
+        h: h as usize,
+        rows: rows as usize,
+    })
+}
+
+impl Finalize {
+    pub(super) fn tensors(&self) -> Vec<&TensorDesc> {
+        let mut v = vec![&self.expanded_x, &self.row_idx, &self.out];
+        v.extend([&self.x1, &self.x2, &self.bias, &self.scales, &self.expert_idx].into_iter().flatten());
+        v
+    }
+
+    pub(super) fn run(&self) -> SimResult<()> {
+        let op = FINALIZE;
+        let (n, k, h) = (self.n, self.k, self.h);
+        let drop_pad = self.mode == 1 || self.mode == 3;
+        let row_layout = self.mode >= 2;
+        let ridx = read_i32(&self.row_idx)?;
+        let lo = if drop_pad { -1 } else { 0 };
+        if let Some((p, &v)) = ridx.iter().enumerate().find(|(_, &v)| (v as i64) < lo || v as i64 >= self.rows as i64) {
+            return index_error(op, "expandedRowIdx", p, v, lo, self.rows);
+        }
+        let bias = self.bias.as_ref().map(read_f32).transpose()?;
+        let experts = match (&self.bias, &self.expert_idx) {
+            (Some(b), Some(e)) => {
+                let e_rows = b.dims[0] as usize;
+                let idx = read_i32(e)?;
+                if let Some((p, &v)) = idx.iter().enumerate().find(|(_, &v)| v < 0 || v as usize >= e_rows) {
+                    return index_error(op, "expertIdxOptional", p, v, 0, e_rows);
+                }
+                Some(idx)
+            }
+            _ => None,
+        };
+        let x = read_f32(&self.expanded_x)?;
+        let x1 = self.x1.as_ref().map(read_f32).transpose()?;
+        let x2 = self.x2.as_ref().map(read_f32).transpose()?;
+        let scales = self.scales.as_ref().map(read_f32).transpose()?;
+        let mut out = vec![0f32; n * h];
+        for i in 0..n {
+            let acc = &mut out[i * h..(i + 1) * h];
+            match (&x1, &x2) {
+                (Some(a), Some(b)) => {
+                    for j in 0..h {
+                        acc[j] = a[i * h + j] + b[i * h + j];
+                    }
+                }
+                (Some(a), None) | (None, Some(a)) => acc.copy_from_slice(&a[i * h..(i + 1) * h]),
+                (None, None) => {}
+            }
+            for kk in 0..k {
+                let slot = if row_layout { i * k + kk } else { kk * n + i };
+                let r = ridx[slot];
+                let s = scales.as_ref().map_or(1.0, |s| s[i * k + kk]);
+                let brow = match (&bias, &experts) {
+                    (Some(b), Some(e)) => Some(&b[e[i * k + kk] as usize * h..][..h]),
+                    _ => None,
+                };
+                for j in 0..h {
+                    let row = if r < 0 { 0.0 } else { x[r as usize * h + j] };
+                    let t = match brow {
+                        Some(b) => row + b[j],
+                        None => row,
+                    };
+                    acc[j] += s * t;
+                }
+            }
+        }
+        write_f32(&self.out, &out)
+    }
+}
+
+/// `aclnnStatus aclnnMoeFinalizeRoutingV2GetWorkspaceSize(const aclTensor *expandedX, const aclTensor *expandedRowIdx, const aclTensor *x1Optional, const aclTensor *x2Optional, const aclTensor *biasOptional, const aclTensor *scalesOptional, const aclTensor *expertIdxOptional, int64_t dropPadMode, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)`.
+#[no_mangle]
+pub unsafe extern "C" fn aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
+    expanded_x: *const c_void,
+    expanded_row_idx: *const c_void,
+    x1_optional: *const c_void,
+    x2_optional: *const c_void,
+    bias_optional: *const c_void,
+    scales_optional: *const c_void,
+    expert_idx_optional: *const c_void,
+    drop_pad_mode: i64,
+    out: *const c_void,
+    workspace_size: *mut u64,
+    executor: *mut AclOpExecutor,
+) -> AclnnStatus {
+    status::aclnn("aclnnMoeFinalizeRoutingV2GetWorkspaceSize", || {
+        check_outs(workspace_size, executor)?;
+        let f = finalize_prepare(
+            expanded_x,
+            expanded_row_idx,
+            x1_optional,
+            x2_optional,
+            bias_optional,
+            scales_optional,
+            expert_idx_optional,
+            drop_pad_mode,
+            out,
+        )?;
+        publish(Executor::Finalize(Box::new(f)), MOE_WORKSPACE, workspace_size, executor)
+    })
+}
+
+/// `aclnnStatus aclnnMoeFinalizeRoutingV2(void *workspace, uint64_t workspaceSize, aclOpExecutor *executor, aclrtStream stream)`.
+#[no_mangle]
+pub extern "C" fn aclnnMoeFinalizeRoutingV2(
+    workspace: *mut c_void,
+    workspace_size: u64,
+    executor: AclOpExecutor,
+    stream: AclrtStream,
+) -> AclnnStatus {
+    status::aclnn(FINALIZE, || launch(FINALIZE, workspace, workspace_size, executor, stream))
+}

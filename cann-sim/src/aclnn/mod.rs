@@ -1,0 +1,136 @@
+//! opapi exports: `aclnnMoeFinalizeRoutingV2`, `aclnnMoeTokenUnpermute` and
+//! `aclnnAdd`, each as the two-phase pair (`...GetWorkspaceSize`, then the op
+//! on a stream).
+//!
+//! Phase 1 validates shapes and dtypes and snapshots the tensor descriptions
+//! into an executor; phase 2 checks the workspace and queues the computation
+//! on the stream, which reads and writes the device arena when it runs.
+//! Arithmetic follows SPEC.md section 1: f32 accumulation in the stated order,
+//! one rounding to the output type. An index outside its valid range fails
+//! the stream task with `ACLNN_ERR_PARAM_INVALID` (161002), reported by the
+//! next synchronisation, and nothing is read out of bounds.
+
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+mod add;
+mod finalize;
+mod tensors;
+mod unpermute;
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use crate::arena;
+use crate::context;
+use crate::ffi::*;
+use crate::handles::Table;
+use crate::nnop::TensorDesc;
+use crate::status::{fail, write_out, SimError, SimResult};
+
+use add::ADD;
+pub use add::{aclnnAdd, aclnnAddGetWorkspaceSize, Add};
+use finalize::FINALIZE;
+pub use finalize::{aclnnMoeFinalizeRoutingV2, aclnnMoeFinalizeRoutingV2GetWorkspaceSize, Finalize};
+use tensors::{invalid, span};
+use unpermute::UNPERMUTE;
+pub use unpermute::{aclnnMoeTokenUnpermute, aclnnMoeTokenUnpermuteGetWorkspaceSize, Unpermute};
+
+/// Workspace bytes `aclnnMoeFinalizeRoutingV2` and `aclnnMoeTokenUnpermute`
+/// ask for (non-zero, so callers exercise their workspace path).
+pub const MOE_WORKSPACE: u64 = 32 * 1024;
+
+/// A prepared op, created by phase 1 and consumed by phase 2.
+#[derive(Debug)]
+pub enum Executor {
+    /// `aclnnMoeFinalizeRoutingV2`.
+    Finalize(Box<Finalize>),
+    /// `aclnnMoeTokenUnpermute`.
+    Unpermute(Box<Unpermute>),
+    /// `aclnnAdd`.
+    Add(Box<Add>),
+}
+
+/// Live executors (phase 1 done, phase 2 not yet).
+pub static EXECUTORS: Table<Executor> = Table::new("aclOpExecutor", 0x5a5);
+
+pub(super) fn check_outs(workspace_size: *mut u64, executor: *mut AclOpExecutor) -> SimResult<()> {
+    if workspace_size.is_null() || executor.is_null() {
+        return fail(ACLNN_ERR_PARAM_NULLPTR, "workspaceSize or executor is NULL");
+    }
+    Ok(())
+}
+
+pub(super) fn publish(
+    exec: Executor,
+    ws: u64,
+    workspace_size: *mut u64,
+    executor: *mut AclOpExecutor,
+) -> SimResult<()> {
+    let h = EXECUTORS.insert(Arc::new(exec));
+    write_out(workspace_size, ws, ACLNN_ERR_PARAM_NULLPTR, "workspaceSize")?;
+    write_out(executor, h as AclOpExecutor, ACLNN_ERR_PARAM_NULLPTR, "executor")
+}
+
+pub(super) fn launch(
+    op: &'static str,
+    workspace: *mut c_void,
+    ws_size: u64,
+    executor: AclOpExecutor,
+    stream: AclrtStream,
+) -> SimResult<()> {
+    let exec = EXECUTORS.remove(executor as usize).ok_or_else(|| {
+        SimError::new(
+            ACLNN_ERR_PARAM_INVALID,
+            format!("{op}: executor {executor:p} is not live (GetWorkspaceSize not called, or already launched)"),
+        )
+    })?;
+    let (need, tensors, name_ok): (u64, Vec<&TensorDesc>, bool) = match &*exec {
+        Executor::Finalize(f) => (MOE_WORKSPACE, f.tensors(), op == FINALIZE),
+        Executor::Unpermute(u) => (MOE_WORKSPACE, u.tensors(), op == UNPERMUTE),
+        Executor::Add(a) => (0, vec![&a.a, &a.b, &a.out], op == ADD),
+    };
+    if !name_ok {
+        return invalid(op, "the executor was prepared for a different operator");
+    }
+    let s = context::stream_here(stream as usize).map_err(|e| SimError::new(ACLNN_ERR_RUNTIME_ERROR, e.msg))?;
+    if need > 0 {
+        if ws_size < need {
+            return invalid(
+                op,
+                format!("workspaceSize {ws_size} is smaller than the {need} bytes GetWorkspaceSize asked for"),
+            );
+        }
+        let w = arena::resolve(workspace as usize, need as usize, "workspace")
+            .map_err(|e| SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{op}: {}", e.msg)))?;
+        if w.device != s.device {
+            return invalid(op, format!("workspace is on device {}, the stream on device {}", w.device, s.device));
+        }
+    }
+    for t in tensors {
+        if let Some(sp) = span(t).map_err(|e| SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{op}: {}", e.msg)))? {
+            if sp.device != s.device {
+                return invalid(op, format!("a tensor is on device {}, the stream on device {}", sp.device, s.device));
+            }
+        }
+    }
+    let ws_addr = workspace as usize;
+    s.enqueue(
+        op,
+        Box::new(move || {
+            if need > 0 {
+                arena::resolve(ws_addr, need as usize, "workspace").map_err(|e| {
+                    SimError::new(
+                        ACL_ERROR_RT_DEVICE_MEM_ERROR,
+                        format!("{} (freed before the stream used it?)", e.msg),
+                    )
+                })?;
+            }
+            match &*exec {
+                Executor::Finalize(f) => f.run(),
+                Executor::Unpermute(u) => u.run(),
+                Executor::Add(a) => a.run(),
+            }
+        }),
+    );
+    Ok(())
+}

@@ -1,0 +1,263 @@
+//! The `aclmdlRI*` exports and `aclrtSynchronizeDevice`.
+
+use std::sync::{Arc, Mutex};
+
+use crate::context;
+use crate::counters;
+use crate::ffi::*;
+use crate::status::{self, fail, write_out, SimError, SimResult};
+use crate::stream::Stream;
+
+use super::codes::*;
+use super::state::*;
+
+pub(super) fn not_null<T>(p: *mut T, what: &str) -> SimResult<()> {
+    if p.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, format!("{what} is NULL"));
+    }
+    Ok(())
+}
+
+pub(super) fn here(s: &Stream) -> SimResult<()> {
+    let cur = context::current()?;
+    if s.device != cur {
+        return fail(
+            ACL_ERROR_RT_STREAM_CONTEXT,
+            format!("the stream belongs to device {} but the current device is {cur}", s.device),
+        );
+    }
+    Ok(())
+}
+
+/// `aclError aclmdlRICaptureBegin(aclrtStream stream, aclmdlRICaptureMode mode)`.
+///
+/// Refused: an unknown mode (`ACL_ERROR_INVALID_PARAM`); the default stream
+/// (`ACL_ERROR_INVALID_PARAM`: torch_npu's `NPUGraph::capture_begin` requires
+/// "a non-default stream", and the guide forbids the default stream during
+/// capture); a stream of another device (`ACL_ERROR_RT_STREAM_CONTEXT`); a
+/// stream that already captures (`ACL_ERROR_RT_STREAM_CAPTURED`).
+#[no_mangle]
+pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclError {
+    status::acl("aclmdlRICaptureBegin", || {
+        if !(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL..=ACL_MODEL_RI_CAPTURE_MODE_RELAXED).contains(&mode) {
+            return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclmdlRICaptureMode {mode}"));
+        }
+        if stream.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be captured");
+        }
+        let s = context::resolve_stream(stream as usize)?;
+        here(&s)?;
+        let mut m = members();
+        if member_of(&m, &s).is_some() {
+            return fail(ACL_ERROR_RT_STREAM_CAPTURED, "the stream is already capturing");
+        }
+        let session = Session { mode, thread: std::thread::current().id(), origin: s.clone() };
+        let state = ModelState { capture: Some(session), ..ModelState::default() };
+        let h = MODELS.insert(Arc::new(Model { device: s.device, state: Mutex::new(state) }));
+        m.push(Member { stream: s, model: h, recorded: 0, joined: 0 });
+        Ok(())
+    })
+}
+
+/// `aclError aclmdlRICaptureGetInfo(aclrtStream stream, aclmdlRICaptureStatus *status, aclmdlRI *modelRI)`:
+/// NONE (and a NULL model) for a stream that does not capture, else ACTIVE or
+/// INVALIDATED and the model being recorded.
+#[no_mangle]
+pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
+    stream: AclrtStream,
+    status: *mut i32,
+    model_ri: *mut AclmdlRI,
+) -> AclError {
+    status::acl("aclmdlRICaptureGetInfo", || {
+        not_null(status, "status")?;
+        not_null(model_ri, "modelRI")?;
+        let s = context::resolve_stream(stream as usize)?;
+        let h = member_of(&members(), &s).map(|x| x.model);
+        let (st, h) = match h.and_then(|h| MODELS.get(h).map(|m| (h, m))) {
+            None => (ACL_MODEL_RI_CAPTURE_STATUS_NONE, 0),
+            Some((h, m)) if m.lock().invalid.is_some() => (ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED, h),
+            Some((h, _)) => (ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE, h),
+        };
+        write_out(status, st, ACL_ERROR_INVALID_PARAM, "status")?;
+        write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")
+    })
+}
+
+/// `aclError aclmdlRICaptureEnd(aclrtStream stream, aclmdlRI *modelRI)`.
+///
+/// Refused: a stream that does not capture (`ACL_ERROR_RT_STREAM_NOT_CAPTURED`);
+/// a stream that joined a capture begun on another stream
+/// (`ACL_ERROR_RT_STREAM_CAPTURE_UNMATCHED`; the reference: Begin and End
+/// "must use the same stream"); another thread than the one that began a
+/// GLOBAL or THREAD_LOCAL capture (`ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD`;
+/// `aclmdlRICaptureEnd` reference). Otherwise the capture ends on every
+/// stream taking part, and fails with `ACL_ERROR_RT_STREAM_CAPTURE_INVALIDATED`
+/// when it was invalidated or `ACL_ERROR_RT_STREAM_UNJOINED` when a joined
+/// stream has work the capturing stream never waited for; `*modelRI` is then
+/// NULL and the model is gone.
+#[no_mangle]
+pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut AclmdlRI) -> AclError {
+    status::acl("aclmdlRICaptureEnd", || {
+        not_null(model_ri, "modelRI")?;
+        let s = context::resolve_stream(stream as usize)?;
+        here(&s)?;
+        let mut m = members();
+        let Some(h) = member_of(&m, &s).map(|x| x.model) else {
+            return fail(ACL_ERROR_RT_STREAM_NOT_CAPTURED, "the stream is not capturing (no aclmdlRICaptureBegin)");
+        };
+        let model = MODELS.get(h).ok_or_else(|| SimError::new(ACL_ERROR_RT_INTERNAL_ERROR, "capture without model"))?;
+        let mut st = model.lock();
+        if let Some(sess) = &st.capture {
+            if !Arc::ptr_eq(&sess.origin, &s) {
+                return fail(
+                    ACL_ERROR_RT_STREAM_CAPTURE_UNMATCHED,
+                    "the capture was begun on another stream (this one joined it through an event)",
+                );
+            }
+            if sess.mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && sess.thread != std::thread::current().id() {
+                return fail(
+                    ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD,
+                    format!("a capture begun in {} must end on the thread that began it", mode_name(sess.mode)),
+                );
+            }
+        }
+        let unjoined =
+            m.iter().filter(|x| x.model == h && !Arc::ptr_eq(&x.stream, &s) && x.recorded > x.joined).count();
+        m.retain(|x| x.model != h);
+        st.capture = None;
+        let invalid = st.invalid.clone();
+        drop(st);
+        drop(m);
+        captured_events().retain(|c| c.model != h);
+        write_out(model_ri, std::ptr::null_mut(), ACL_ERROR_INVALID_PARAM, "modelRI")?;
+        if let Some(why) = invalid {
+            MODELS.remove(h);
+            return fail(ACL_ERROR_RT_STREAM_CAPTURE_INVALIDATED, format!("the capture was invalidated: {why}"));
+        }
+        if unjoined > 0 {
+            MODELS.remove(h);
+            return fail(
+                ACL_ERROR_RT_STREAM_UNJOINED,
+                format!(
+                    "{unjoined} stream(s) joined the capture and queued work the capturing stream never waited for"
+                ),
+            );
+        }
+        write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")
+    })
+}
+
+pub(super) fn model(h: AclmdlRI) -> SimResult<Arc<Model>> {
+    MODELS.get(h as usize).ok_or_else(|| {
+        SimError::new(
+            ACL_ERROR_RT_INVALID_HANDLE,
+            format!("{h:p} is not a live aclmdlRI (destroyed, or never captured)"),
+        )
+    })
+}
+
+/// `aclError aclmdlRIExecuteAsync(aclmdlRI modelRI, aclrtStream stream)`:
+/// queues one task on `stream` that runs the recorded tasks in order and
+/// returns. Any stream of the model's device may replay it, the default one
+/// included (torch_npu `NPUGraph::replay`: "model_ri_ may be replayed in any
+/// stream"). A failing recorded task fails the replay task: a sticky stream
+/// error, reported by the next synchronisation like any asynchronous failure.
+///
+/// Refused: an unknown or destroyed model (`ACL_ERROR_RT_INVALID_HANDLE`); a
+/// model still being captured (`ACL_ERROR_RT_MODEL_CAPTURED`); a stream of
+/// another device (`ACL_ERROR_RT_STREAM_CONTEXT`); a capturing stream
+/// (`ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT`: the simulator does not nest models).
+#[no_mangle]
+pub extern "C" fn aclmdlRIExecuteAsync(model_ri: AclmdlRI, stream: AclrtStream) -> AclError {
+    status::acl("aclmdlRIExecuteAsync", || {
+        let model = model(model_ri)?;
+        let s = context::stream_here(stream as usize)?;
+        if member_of(&members(), &s).is_some() {
+            return fail(ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT, "a model cannot be executed on a capturing stream");
+        }
+        if s.device != model.device {
+            return fail(
+                ACL_ERROR_RT_STREAM_CONTEXT,
+                format!("the model was captured on device {}, the stream belongs to device {}", model.device, s.device),
+            );
+        }
+        let tasks = {
+            let st = model.lock();
+            if st.capture.is_some() {
+                return fail(
+                    ACL_ERROR_RT_MODEL_CAPTURED,
+                    "the model is still being captured (aclmdlRICaptureEnd first)",
+                );
+            }
+            st.tasks.clone()
+        };
+        let seq = s.enqueue(
+            "aclmdlRIExecuteAsync",
+            Box::new(move || {
+                for (i, (name, job)) in tasks.iter().enumerate() {
+                    job().map_err(|e| SimError::new(e.code, format!("task {i} of the model ({name}): {}", e.msg)))?;
+                }
+                Ok(())
+            }),
+        );
+        let mut st = model.lock();
+        st.replays.retain(|(q, n)| q.done() < *n);
+        st.replays.push((s, seq));
+        Ok(())
+    })
+}
+
+/// `aclError aclmdlRIDestroy(aclmdlRI modelRI)`.
+///
+/// Refused: an unknown or destroyed model (`ACL_ERROR_RT_INVALID_HANDLE`); a
+/// model still being captured (`ACL_ERROR_RT_MODEL_CAPTURED`); a model with a
+/// replay that has not finished (`ACL_ERROR_RT_MODEL_RUNNING`, "the model is
+/// still running"; in lazy stream mode a replay nothing waited for has not run).
+#[no_mangle]
+pub extern "C" fn aclmdlRIDestroy(model_ri: AclmdlRI) -> AclError {
+    status::acl("aclmdlRIDestroy", || {
+        let model = model(model_ri)?;
+        let st = model.lock();
+        if st.capture.is_some() {
+            return fail(ACL_ERROR_RT_MODEL_CAPTURED, "the model is still being captured (aclmdlRICaptureEnd first)");
+        }
+        if st.replays.iter().any(|(s, n)| s.done() < *n) {
+            return fail(
+                ACL_ERROR_RT_MODEL_RUNNING,
+                "a replay of the model has not finished (synchronize its stream first)",
+            );
+        }
+        drop(st);
+        MODELS.remove(model_ri as usize);
+        Ok(())
+    })
+}
+
+/// `aclError aclrtSynchronizeDevice(void)`: runs the queued work of every
+/// stream of the current device and returns the first sticky error. A host
+/// synchronisation; refused with `ACL_ERROR_RT_STREAM_CAPTURED` while a stream
+/// of the device captures, which invalidates those captures (guide,
+/// restriction 2: device synchronisation is illegal in every mode).
+#[no_mangle]
+pub extern "C" fn aclrtSynchronizeDevice() -> AclError {
+    status::acl("aclrtSynchronizeDevice", || {
+        counters::host_sync();
+        let d = context::current()?;
+        let mut capturing: Vec<usize> = members().iter().filter(|x| x.stream.device == d).map(|x| x.model).collect();
+        capturing.dedup();
+        if !capturing.is_empty() {
+            for h in capturing {
+                invalidate(h, "aclrtSynchronizeDevice was called during the capture");
+            }
+            return fail(ACL_ERROR_RT_STREAM_CAPTURED, format!("a stream of device {d} is capturing"));
+        }
+        let mut first = Ok(());
+        for s in context::device_streams(d) {
+            let r = s.synchronize(None);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    })
+}

@@ -1,0 +1,256 @@
+//! The shared gather-scale-sum kernel of finalize and unpermute, over host
+//! slices: output rows split into contiguous chunks, one per thread.
+
+use super::lanes::{accumulate_group, fused_dispatch, Lanes, GROUP};
+use super::threads::{threads_for, WIDE_SIMD};
+
+/// What one output token gathers. Shared by finalize and unpermute.
+pub(super) struct Gather<'a, T> {
+    /// Source rows, `[rows, h]`.
+    pub(super) x: &'a [T],
+    pub(super) rows: usize,
+    pub(super) h: usize,
+    pub(super) x1: Option<&'a [T]>,
+    pub(super) x2: Option<&'a [T]>,
+    /// Bias `[E, h]`, widened once, and the expert of each (i, k) slot (row-major).
+    pub(super) bias: Option<(Vec<f32>, &'a [i32])>,
+    /// Scales `[N, K]` row-major, widened once.
+    pub(super) scales: Option<Vec<f32>>,
+    pub(super) idx: &'a [i32],
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) row_layout: bool,
+    /// Unpermute: an index outside `[0, rows)` contributes nothing. Finalize:
+    /// indices are validated, a negative one is a dropped slot (zero row).
+    pub(super) skip_invalid: bool,
+}
+
+impl<T: Lanes> Gather<'_, T> {
+    /// Collects up to [`GROUP`] consecutive real rows of token `i` from slot
+    /// `*kk` on (skipping out-of-range slots where they contribute nothing),
+    /// stopping before a dropped slot. Returns how many were collected.
+    #[inline(always)]
+    fn collect_group<'s>(
+        &'s self,
+        i: usize,
+        kk: &mut usize,
+        rows: &mut [&'s [T]; GROUP],
+        ss: &mut [f32; GROUP],
+    ) -> usize {
+        let h = self.h;
+        let mut g = 0;
+        while *kk < self.k && g < GROUP {
+            let slot = i * self.k + *kk;
+            let r = self.idx[if self.row_layout { slot } else { *kk * self.n + i }];
+            if r >= 0 && (r as usize) < self.rows {
+                let r = r as usize;
+                rows[g] = &self.x[r * h..(r + 1) * h];
+                ss[g] = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+                g += 1;
+                *kk += 1;
+            } else if self.skip_invalid {
+                *kk += 1;
+            } else {
+                break;
+            }
+        }
+        g
+    }
+
+    /// Token `i` straight into `out` in one pass, when it qualifies: element
+    /// types widened per lane, no bias, at most one skip input, and all its
+    /// slots in one group. Returns false (nothing written) otherwise.
+    ///
+    /// `f16c`: the caller runs with AVX2 and F16C enabled (types with an F16C
+    /// kernel then qualify too).
+    #[inline(always)]
+    fn fused_token(&self, i: usize, out: &mut [T], f16c: bool) -> bool {
+        let f16c = f16c && T::HAS_F16C;
+        if !(T::LANEWISE || f16c) || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
+            return false;
+        }
+        let h = self.h;
+        let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+        let mut ss = [0f32; GROUP];
+        let mut kk = 0;
+        let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
+        if kk < self.k {
+            return false; // a dropped slot: the general path keeps the order
+        }
+        let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
+        #[cfg(target_arch = "x86_64")]
+        if f16c {
+            // SAFETY: `f16c` is only true when the caller runs with AVX2 and F16C.
+            unsafe { T::fused_f16c(skip, &ss, &rows, g, out) };
+            return true;
+        }
+        fused_dispatch(skip, &ss, &rows, g, out);
+        true
+    }
+
+    /// Computes token `i` into `acc` (f32), using `tmp` as scratch.
+    #[inline(always)]
+    fn token(&self, i: usize, acc: &mut [f32], tmp: &mut [f32]) {
+        let h = self.h;
+        match (self.x1, self.x2) {
+            (Some(a), Some(b)) => {
+                T::widen(&a[i * h..(i + 1) * h], acc);
+                T::widen(&b[i * h..(i + 1) * h], tmp);
+                for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+                    *o += *v;
+                }
+            }
+            (Some(a), None) | (None, Some(a)) => T::widen(&a[i * h..(i + 1) * h], acc),
+            (None, None) => acc.fill(0.0),
+        }
+        let mut kk = 0;
+        while kk < self.k {
+            if T::LANEWISE && self.bias.is_none() {
+                // Up to GROUP consecutive real rows, streamed together.
+                let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+                let mut ss = [0f32; GROUP];
+                let g = self.collect_group(i, &mut kk, &mut rows, &mut ss);
+                match g {
+                    1 => accumulate_group::<T, 1>(acc, &ss, &rows),
+                    2 => accumulate_group::<T, 2>(acc, &ss, &rows),
+                    3 => accumulate_group::<T, 3>(acc, &ss, &rows),
+                    4 => accumulate_group::<T, 4>(acc, &ss, &rows),
+                    5 => accumulate_group::<T, 5>(acc, &ss, &rows),
+                    6 => accumulate_group::<T, 6>(acc, &ss, &rows),
+                    7 => accumulate_group::<T, 7>(acc, &ss, &rows),
+                    8 => accumulate_group::<T, 8>(acc, &ss, &rows),
+                    _ => {}
+                }
+                if g > 0 || kk >= self.k {
+                    continue;
+                }
+                // A dropped slot: the general path below, in order.
+            }
+            let slot = i * self.k + kk;
+            let pos = if self.row_layout { slot } else { kk * self.n + i };
+            kk += 1;
+            let r = self.idx[pos];
+            let s = self.scales.as_ref().map_or(1.0, |s| s[slot]);
+            let in_range = r >= 0 && (r as usize) < self.rows;
+            if !in_range && self.skip_invalid {
+                continue;
+            }
+            match (&self.bias, in_range) {
+                // The common case: a real row and no bias, widened on the fly.
+                (None, true) => {
+                    let r = r as usize;
+                    T::axpy(acc, s, &self.x[r * h..(r + 1) * h], tmp);
+                    continue;
+                }
+                (_, true) => {
+                    let r = r as usize;
+                    T::widen(&self.x[r * h..(r + 1) * h], tmp);
+                }
+                (_, false) => tmp.fill(0.0),
+            }
+            match &self.bias {
+                Some((b, experts)) => {
+                    // Validated by the caller: 0 <= e < E.
+                    let e = experts[slot] as usize;
+                    let b = &b[e * h..(e + 1) * h];
+                    for ((o, v), bv) in acc.iter_mut().zip(tmp.iter()).zip(b) {
+                        *o += s * (*v + *bv);
+                    }
+                }
+                None => {
+                    for (o, v) in acc.iter_mut().zip(tmp.iter()) {
+                        *o += s * *v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Computes the output rows of `chunk` (first row `first_row`).
+    /// `f16c`: AVX2 and F16C are available (see [`Gather::fused_token`]).
+    #[inline(always)]
+    fn rows_generic(
+        &self,
+        first_row: usize,
+        chunk: &mut [T],
+        token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+        f16c: bool,
+    ) {
+        let h = self.h;
+        let mut acc = vec![0f32; h];
+        let mut tmp = vec![0f32; h];
+        for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
+            match token_of(first_row + j) {
+                Some(i) => {
+                    if !self.fused_token(i, o, f16c) {
+                        self.token(i, &mut acc, &mut tmp);
+                        T::narrow(&acc, o);
+                    }
+                }
+                None => o.fill(T::default()),
+            }
+        }
+    }
+
+    /// [`Gather::rows_generic`] compiled for AVX2. Same operations in the same
+    /// order (no fused multiply-add), so bitwise the same results.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows_avx2(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        self.rows_generic(first_row, chunk, token_of, false)
+    }
+
+    /// [`Gather::rows_avx2`] with F16C as well, for types with an F16C kernel.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn rows_avx2_f16c(
+        &self,
+        first_row: usize,
+        chunk: &mut [T],
+        token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+    ) {
+        self.rows_generic(first_row, chunk, token_of, true)
+    }
+
+    /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
+    /// or zeros.
+    pub(super) fn run(&self, out: &mut [T], out_rows: usize, token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+        let h = self.h;
+        if out_rows == 0 || h == 0 {
+            return;
+        }
+        let threads = threads_for(out_rows, h);
+        let chunk_rows = out_rows.div_ceil(threads);
+        let wide = WIDE_SIMD.with(|w| w.get());
+        let work = |first_row: usize, chunk: &mut [T]| {
+            #[cfg(target_arch = "x86_64")]
+            if wide && std::arch::is_x86_feature_detected!("avx2") {
+                if T::HAS_F16C && std::arch::is_x86_feature_detected!("f16c") {
+                    // SAFETY: the CPU supports AVX2 and F16C (checked just above).
+                    unsafe { self.rows_avx2_f16c(first_row, chunk, token_of) };
+                    return;
+                }
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                unsafe { self.rows_avx2(first_row, chunk, token_of) };
+                return;
+            }
+            self.rows_generic(first_row, chunk, token_of, false);
+        };
+        if threads == 1 {
+            work(0, out);
+            return;
+        }
+        std::thread::scope(|sc| {
+            let mut chunks = out.chunks_mut(chunk_rows * h).enumerate();
+            // The calling thread takes the first chunk itself.
+            let first = chunks.next();
+            for (c, chunk) in chunks {
+                let work = &work;
+                sc.spawn(move || work(c * chunk_rows, chunk));
+            }
+            if let Some((_, chunk)) = first {
+                work(0, chunk);
+            }
+        });
+    }
+}

@@ -1,0 +1,43 @@
+//! The thread count and SIMD width the CPU kernels use, per calling thread.
+
+use std::cell::Cell;
+
+/// Elements of output a thread must have before another thread is worth spawning.
+const MIN_ELEMS_PER_THREAD: usize = 1 << 16;
+
+thread_local! {
+    static THREADS: Cell<Option<usize>> = const { Cell::new(None) };
+    pub(super) static WIDE_SIMD: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Allows (`true`, the default) or forbids the wider SIMD code path (AVX2) for
+/// calls made from the current thread. Both paths do the same operations in the
+/// same order; the switch exists so tests can show they agree bit for bit.
+pub fn set_wide_simd(enabled: bool) {
+    WIDE_SIMD.with(|w| w.set(enabled));
+}
+
+/// Sets the number of threads the CPU kernels use for calls made from the
+/// current thread (`None`: back to the default). A forced count is used even
+/// for small calls, which is what the determinism tests need.
+pub fn set_num_threads(n: Option<usize>) {
+    THREADS.with(|t| t.set(n.map(|n| n.max(1))));
+}
+
+/// The default thread count: `ASCEND_MOE_NUM_THREADS`, else the available parallelism.
+pub fn default_num_threads() -> usize {
+    std::env::var("ASCEND_MOE_NUM_THREADS")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+}
+
+/// Threads for a call producing `rows` rows of `h` elements.
+pub(super) fn threads_for(rows: usize, h: usize) -> usize {
+    let t = match THREADS.with(|t| t.get()) {
+        Some(n) => n,
+        None => default_num_threads().min((rows * h / MIN_ELEMS_PER_THREAD).max(1)),
+    };
+    t.clamp(1, rows.max(1))
+}

@@ -1,0 +1,149 @@
+//! The token exchange of the MC2 and ALLTOALL paths over the EP group:
+//! [`dispatch`] to the experts' ranks and [`combine`] back.
+
+use crate::backend::args::with_rows;
+use crate::backend::FinalizeArgs;
+use crate::comm::{Collectives, Comm};
+use crate::moe::finalize::moe_finalize_routing;
+use crate::{DType, DropPadMode, Error, Result, Tensor};
+
+/// Tokens after [`dispatch`]: the rows this rank's experts process.
+#[derive(Debug)]
+pub struct Dispatched {
+    /// Received rows `[R, H...]`, grouped by source rank.
+    pub rows: Tensor,
+    /// The (global) expert of every received row.
+    pub experts: Vec<i32>,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    /// Per (token, k) slot (row-major): its position in the send order, or -1.
+    send_pos: Vec<i32>,
+    tokens: usize,
+    top_k: usize,
+}
+
+fn exchange_counts(ep: &Comm, send: &[usize]) -> Result<Vec<usize>> {
+    let world = ep.world_size();
+    let s: Vec<i64> = send.iter().map(|&c| c as i64).collect();
+    let src = Tensor::from_slice(&s, &[world])?.to_device(&ep.device())?;
+    let mut dst = ep.device().backend().scratch(&[world], DType::I64)?;
+    ep.all_to_all_v(&src, &vec![1; world], &mut dst, &vec![1; world])?;
+    Ok(dst.to_vec::<i64>()?.into_iter().map(|c| c.max(0) as usize).collect())
+}
+
+/// MoE dispatch over the EP group: every (token, k) slot of `x` (`[N, H...]`)
+/// whose token is real (`mask`, all real when `None`) is sent to the EP rank
+/// owning expert `topk_ids[token * K + k]` (experts are split evenly, EP rank
+/// `r` owning `[r * E/EP, (r+1) * E/EP)`).
+pub fn dispatch(
+    x: &Tensor,
+    topk_ids: &[i32],
+    top_k: usize,
+    mask: Option<&[bool]>,
+    num_experts: usize,
+    ep: &Comm,
+) -> Result<Dispatched> {
+    const OP: &str = "moe_dispatch";
+    let world = ep.world_size();
+    let n = x.rows();
+    if x.shape().is_empty() {
+        return Err(Error::shape(OP, "x", "[N, H...]", x.shape()));
+    }
+    if top_k == 0 || topk_ids.len() != n * top_k {
+        return Err(Error::invalid(OP, "topk_ids", format!("{} ids for {n} tokens x top-k {top_k}", topk_ids.len())));
+    }
+    if num_experts == 0 || num_experts % world != 0 {
+        return Err(Error::invalid(
+            OP,
+            "num_experts",
+            format!("{num_experts} experts do not split over {world} EP ranks"),
+        ));
+    }
+    if let Some(m) = mask {
+        if m.len() != n {
+            return Err(Error::invalid(OP, "mask", format!("{} entries for {n} tokens", m.len())));
+        }
+    }
+    if let Some(p) = topk_ids.iter().position(|&e| e < 0 || e as usize >= num_experts) {
+        return Err(Error::IndexOutOfRange {
+            op: OP,
+            arg: "topk_ids",
+            position: p,
+            value: topk_ids[p] as i64,
+            valid: format!("[0, {num_experts})"),
+        });
+    }
+    let per_rank = num_experts / world;
+    // Send order: by destination rank, then slot order.
+    let mut order: Vec<(usize, usize)> = Vec::new();
+    for (slot, &e) in topk_ids.iter().enumerate() {
+        if mask.map_or(true, |m| m[slot / top_k]) {
+            order.push((e as usize / per_rank, slot));
+        }
+    }
+    order.sort_by_key(|&(dst, slot)| (dst, slot));
+    let mut send_counts = vec![0usize; world];
+    let mut send_pos = vec![-1i32; n * top_k];
+    let mut gather = Vec::with_capacity(order.len());
+    let mut send_experts = Vec::with_capacity(order.len());
+    for (p, &(dst, slot)) in order.iter().enumerate() {
+        send_counts[dst] += 1;
+        send_pos[slot] = p as i32;
+        gather.push((slot / top_k) as i32);
+        send_experts.push(topk_ids[slot]);
+    }
+    let recv_counts = exchange_counts(ep, &send_counts)?;
+    let device = x.device();
+    let h = x.row_len();
+    // Gather the rows to send with the unpermute op (K = 1: a row gather).
+    let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
+    let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
+    let recv_total: usize = recv_counts.iter().sum();
+    let mut rows = device.backend().scratch(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype())?;
+    let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
+    let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
+    ep.all_to_all_v(&send, &sc, &mut rows, &rc)?;
+    let se = Tensor::from_slice(&send_experts, &[send_experts.len()])?.to_device(&device)?;
+    let mut re = device.backend().scratch(&[recv_total], DType::I32)?;
+    ep.all_to_all_v(&se, &send_counts, &mut re, &recv_counts)?;
+    Ok(Dispatched { rows, experts: re.to_vec::<i32>()?, send_counts, recv_counts, send_pos, tokens: n, top_k })
+}
+
+/// MoE combine: sends every expert output row back to its token's rank and
+/// sums `topk_weights[i, k] * row` per token (the finalize op in drop-pad row
+/// mode; a masked token gets zeros). Output `[N, H...]`, the full routed sum.
+pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &Comm) -> Result<Tensor> {
+    const OP: &str = "moe_combine";
+    let recv_total: usize = d.recv_counts.iter().sum();
+    if expert_out.shape().first() != Some(&recv_total) || expert_out.row_len() != d.rows.row_len() {
+        return Err(Error::shape(
+            OP,
+            "expert_out",
+            format!("{:?} (the dispatched rows)", d.rows.shape()),
+            expert_out.shape(),
+        ));
+    }
+    if topk_weights.shape() != [d.tokens, d.top_k] {
+        return Err(Error::shape(OP, "topk_weights", format!("[{}, {}]", d.tokens, d.top_k), topk_weights.shape()));
+    }
+    let device = expert_out.device();
+    let h = expert_out.row_len();
+    let sent: usize = d.send_counts.iter().sum();
+    let mut back_shape = vec![1, sent];
+    back_shape.extend_from_slice(&expert_out.shape()[1..]);
+    let mut back = device.backend().scratch(&back_shape, expert_out.dtype())?;
+    let sc: Vec<usize> = d.recv_counts.iter().map(|c| c * h).collect();
+    let rc: Vec<usize> = d.send_counts.iter().map(|c| c * h).collect();
+    ep.all_to_all_v(expert_out, &sc, &mut back, &rc)?;
+    let idx = Tensor::from_slice(&d.send_pos, &[d.send_pos.len()])?.to_device(&device)?;
+    moe_finalize_routing(&FinalizeArgs {
+        expanded_x: &back,
+        expanded_row_idx: &idx,
+        x1: None,
+        x2: None,
+        bias: None,
+        scales: Some(topk_weights),
+        expert_idx: None,
+        drop_pad_mode: DropPadMode::DropPadRow,
+    })
+}

@@ -1,0 +1,219 @@
+//! The communicator groups of a MoE layer and the checks that they, and the
+//! comm type every EP rank chose, match the context.
+
+use super::plan::{MoeContext, PREPARE};
+use crate::comm::{Collectives, Comm, CommType};
+use crate::{DType, Error, Result, Tensor};
+
+/// The groups a MoE layer communicates over: EP (= the world, DP-major), the
+/// TP group of this rank, its DP group and, with PCP, its PCP group.
+#[derive(Debug, Clone)]
+pub struct MoeGroups {
+    /// EP group: every rank, EP rank `(dp * PCP + pcp) * TP + tp`.
+    pub ep: Comm,
+    /// This rank's TP group (`tp_size` ranks, same DP and PCP rank).
+    pub tp: Comm,
+    /// This rank's DP group (`dp_size` ranks, same PCP and TP rank).
+    pub dp: Comm,
+    /// This rank's PCP group (`pcp_size` ranks, same DP and TP rank); `None`
+    /// when the PCP size is 1.
+    pub pcp: Option<Comm>,
+}
+
+impl MoeGroups {
+    /// Splits `world` (EP = DP x TP ranks) into TP and DP groups. Every rank calls it.
+    pub fn from_world(world: &Comm, tp_size: usize) -> Result<Self> {
+        let ep = world.world_size();
+        if tp_size == 0 || ep % tp_size != 0 {
+            return Err(Error::invalid(
+                "MoeGroups::from_world",
+                "tp_size",
+                format!("{tp_size} does not divide the world size {ep}"),
+            ));
+        }
+        Self::from_world_pcp(world, 1, tp_size)
+    }
+
+    /// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * PCP + pcp) * TP
+    /// + tp`, as vLLM-Ascend orders them) into TP, DP and PCP groups. Every
+    /// rank calls it. An error names the three sizes when the world is not
+    /// DP x `pcp_size` x `tp_size`.
+    pub fn from_world_pcp(world: &Comm, pcp_size: usize, tp_size: usize) -> Result<Self> {
+        let ep = world.world_size();
+        let [d, p, t] = crate::comm::dp_pcp_tp_coords("MoeGroups::from_world_pcp", world, pcp_size, tp_size)?;
+        let dp_size = ep / (pcp_size * tp_size);
+        let at = |d: usize, p: usize, t: usize| (d * pcp_size + p) * tp_size + t;
+        let tp_ranks: Vec<usize> = (0..tp_size).map(|i| at(d, p, i)).collect();
+        let dp_ranks: Vec<usize> = (0..dp_size).map(|i| at(i, p, t)).collect();
+        let tp = world.split(&tp_ranks)?;
+        let dp = world.split(&dp_ranks)?;
+        let pcp = if pcp_size > 1 {
+            let pcp_ranks: Vec<usize> = (0..pcp_size).map(|i| at(d, i, t)).collect();
+            Some(world.split(&pcp_ranks)?)
+        } else {
+            None
+        };
+        Ok(MoeGroups { ep: world.clone(), tp, dp, pcp })
+    }
+
+    /// The groups of communicators the engine already has (vLLM-Ascend's EP,
+    /// TP, DP and PCP groups), creating none. They must form the DP x PCP x TP
+    /// layout: `ep` has `dp * pcp * tp` ranks and this rank is EP rank
+    /// `(dp_rank * pcp + pcp_rank) * tp + tp_rank`; an error names the sizes
+    /// and ranks that do not fit. Local: no communication.
+    pub fn from_comms(ep: &Comm, tp: &Comm, dp: &Comm, pcp: Option<&Comm>) -> Result<Self> {
+        const OP: &str = "MoeGroups::from_comms";
+        let (p_size, p_rank) = pcp.map_or((1, 0), |c| (c.world_size(), c.rank()));
+        let want = dp.world_size() * p_size * tp.world_size();
+        if ep.world_size() != want {
+            return Err(Error::invalid(
+                OP,
+                "ep",
+                format!(
+                    "{} ranks, but DP {} x PCP {p_size} x TP {} is {want}",
+                    ep.world_size(),
+                    dp.world_size(),
+                    tp.world_size()
+                ),
+            ));
+        }
+        let at = (dp.rank() * p_size + p_rank) * tp.world_size() + tp.rank();
+        if ep.rank() != at {
+            return Err(Error::invalid(
+                OP,
+                "ep",
+                format!(
+                    "this rank is EP rank {}, but its DP rank {}, PCP rank {p_rank} and TP rank {} make EP rank {at} \
+                     (EP rank = (dp * PCP + pcp) * TP + tp)",
+                    ep.rank(),
+                    dp.rank(),
+                    tp.rank()
+                ),
+            ));
+        }
+        if let Some(c) = pcp.filter(|c| c.world_size() == 1) {
+            return Err(Error::invalid(OP, "pcp", format!("{:?} has one rank: pass no PCP group", c.name())));
+        }
+        Ok(MoeGroups { ep: ep.clone(), tp: tp.clone(), dp: dp.clone(), pcp: pcp.cloned() })
+    }
+}
+
+pub(super) fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) -> Result<()> {
+    if g.ep.world_size() != ctx.ep_size() {
+        return Err(Error::invalid(
+            op,
+            "ep",
+            format!(
+                "group has {} ranks, the context has DP {} x PCP {} x TP {} = {}",
+                g.ep.world_size(),
+                ctx.dp_size(),
+                ctx.pcp_size(),
+                ctx.tp_size(),
+                ctx.ep_size()
+            ),
+        ));
+    }
+    let (pcp_size, pcp_rank) = g.pcp.as_ref().map_or((1, 0), |c| (c.world_size(), c.rank()));
+    let checks = [
+        ("pcp", pcp_size, ctx.pcp_size(), pcp_rank, ctx.pcp_rank()),
+        ("ep", g.ep.world_size(), ctx.ep_size(), g.ep.rank(), ctx.ep_rank()),
+        ("tp", g.tp.world_size(), ctx.tp_size(), g.tp.rank(), ctx.tp_rank()),
+        ("dp", g.dp.world_size(), ctx.dp_size(), g.dp.rank(), ctx.dp_rank()),
+    ];
+    for (arg, size, want, rank, want_rank) in checks {
+        if size != want || rank != want_rank {
+            return Err(Error::invalid(
+                op,
+                arg,
+                format!("group is rank {rank} of {size}, the context says rank {want_rank} of {want}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether [`prepare`] checks that every EP rank chose the same comm type:
+/// always on the CPU communicator; on the NPU only with
+/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (there the check is an extra collective,
+/// a small copy and a guard launch per layer, compared on the device and
+/// reported by the stream check: it never synchronises and can be captured).
+/// `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it off everywhere.
+pub(super) fn comm_type_check_enabled(ep: &Comm) -> bool {
+    match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
+        Some("0") => false,
+        Some("1") => true,
+        _ => matches!(ep.device(), crate::Device::Cpu),
+    }
+}
+
+/// Checks that every rank of `ep` chose `comm` for this forward (SPEC section
+/// 5: all EP ranks of a forward agree on the comm type). One all-gather of one
+/// i32 per rank, then [`crate::backend::Backend::expect_all_equal`]: on the
+/// CPU every rank fails at once with the same error naming which ranks chose
+/// which type (e.g. DP 0 ALLGATHER, DP 1 MC2); on an NPU the choices are
+/// compared on the device and every rank's next stream check fails naming a
+/// rank that chose otherwise. Either way the collectives of two different
+/// paths never fail with an unrelated mismatch on some ranks and succeed on
+/// others unnoticed.
+pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
+    let world = ep.world_size();
+    if world <= 1 {
+        return Ok(());
+    }
+    let device = ep.device();
+    let mine = device.backend().scratch_from_host(&Tensor::from_slice(&[comm as i32], &[1])?)?;
+    let mut all = device.backend().scratch(&[world], DType::I32)?;
+    ep.all_gather(&mine, &mut all)?;
+    let (group, rank) = (ep.name().to_string(), ep.rank());
+    device.backend().expect_all_equal(
+        &all,
+        comm as i32,
+        Box::new(move |chosen, first, value| comm_type_disagreement(comm, &group, rank, chosen, first, value)),
+    )
+}
+
+fn comm_type_name(c: i32) -> String {
+    CommType::from_u32(c as u32).map_or_else(|_| format!("unknown type {c}"), |t| t.name().to_string())
+}
+
+/// The error of ranks that disagree on the comm type: every rank's choice
+/// when they were all read (`chosen`), else the first rank that differs.
+fn comm_type_disagreement(
+    comm: CommType,
+    group: &str,
+    rank: usize,
+    chosen: Option<&[i32]>,
+    first: usize,
+    value: i32,
+) -> Error {
+    let what = match chosen {
+        Some(chosen) => {
+            let mut by_type: Vec<(i32, Vec<usize>)> = Vec::new();
+            for (r, &c) in chosen.iter().enumerate() {
+                match by_type.iter_mut().find(|(t, _)| *t == c) {
+                    Some((_, ranks)) => ranks.push(r),
+                    None => by_type.push((c, vec![r])),
+                }
+            }
+            let parts: Vec<String> = by_type
+                .iter()
+                .map(|(c, ranks)| {
+                    let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+                    let who = if ranks.len() == 1 { "rank" } else { "ranks" };
+                    format!("{who} {} chose {}", list.join(", "), comm_type_name(*c))
+                })
+                .collect();
+            parts.join("; ")
+        }
+        None => format!(
+            "rank {first} chose {} and rank {rank} chose {} (found on the device)",
+            comm_type_name(value),
+            comm.name()
+        ),
+    };
+    Error::invalid(
+        PREPARE,
+        "comm_type",
+        format!("the EP ranks of group {group:?} disagree on the MoE comm type of this forward: {what} (this is rank {rank})"),
+    )
+}

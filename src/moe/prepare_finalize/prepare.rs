@@ -1,0 +1,126 @@
+//! Prepare and finalize of the token dimension (SPEC section 6).
+
+use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, MoeGroups};
+use super::plan::{finalize_output_shape, mc2_mask, prepare_output_shape, token_plan, MoeContext, TokenPlan};
+use super::plan::{FINALIZE, PREPARE};
+use crate::backend::args::with_rows;
+use crate::comm::{Collectives, CommType, ReduceOp};
+use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
+use crate::{Result, Tensor};
+
+/// Prepared tokens of one rank.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The tokens this rank routes (`prepare_output_shape` rows).
+    pub hidden: Tensor,
+    /// MC2 / FUSED_MC2: which prepared rows are real tokens ([`mc2_mask`]).
+    pub mc2_mask: Option<Vec<bool>>,
+}
+
+/// Prepare for `comm` (SPEC section 6): the tokens this rank routes.
+///
+/// The comm type of a forward enters here, at its first collective: when the
+/// check is on (see [`check_comm_type_agreement`]; always on the CPU
+/// communicator, where it costs one 4-byte all-gather next to the token
+/// gathers), every EP rank first learns every other rank's choice, so ranks
+/// that disagree all fail with an error naming the choices instead of
+/// running the collectives of two different paths.
+pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
+    let shape = prepare_output_shape(x.shape(), comm, ctx)?;
+    check_groups(PREPARE, ctx, groups)?;
+    if comm_type_check_enabled(&groups.ep) {
+        check_comm_type_agreement(comm, &groups.ep)?;
+    }
+    let device = x.device();
+    let backend = device.backend();
+    let hidden = match token_plan(comm, ctx) {
+        TokenPlan::SpGather(l) => maybe_all_gather_and_maybe_unpad(x, Some(&l), &groups.ep)?,
+        TokenPlan::DpGather { max_tokens } => {
+            let mut out = backend.scratch(&shape, x.dtype())?;
+            if out.numel() > 0 {
+                let mut padded = backend.scratch(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
+                if x.rows() > 0 {
+                    backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
+                }
+                match &groups.pcp {
+                    // vLLM-Ascend (`prepare_finalize.py`, `_prepare_with_dp_group`):
+                    // the DP all-gather first, then the PCP all-gather of its result.
+                    Some(pcp) => {
+                        let dp_rows = max_tokens * ctx.dp_size();
+                        let mut dp_out = backend.scratch(&with_rows(PREPARE, "x", x.shape(), dp_rows)?, x.dtype())?;
+                        groups.dp.all_gather(&padded, &mut dp_out)?;
+                        pcp.all_gather(&dp_out, &mut out)?;
+                    }
+                    None => groups.dp.all_gather(&padded, &mut out)?,
+                }
+            }
+            out
+        }
+        TokenPlan::TpSplit { sizes, .. } => {
+            let first: usize = sizes[..ctx.tp_rank()].iter().sum();
+            let mut out = backend.scratch(&shape, x.dtype())?;
+            // Rows past the real tokens stay zero (the padding).
+            let real = x.rows().saturating_sub(first).min(sizes[ctx.tp_rank()]);
+            if real > 0 {
+                backend.copy_rows(x, first, &mut out, 0, real)?;
+            }
+            out
+        }
+        TokenPlan::Local => backend.copy_from(x)?,
+    };
+    Ok(Prepared { hidden, mc2_mask: mc2_mask(comm, ctx) })
+}
+
+/// Finalize for `comm` (SPEC section 6): the routed output of the prepared
+/// rows back to this rank's `ctx.local_tokens()` rows, in a fresh buffer (or
+/// `y` itself where the path is the identity).
+pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Tensor> {
+    let shape = finalize_output_shape(y.shape(), comm, ctx)?;
+    check_groups(FINALIZE, ctx, groups)?;
+    let device = y.device();
+    let backend = device.backend();
+    let keep = |full: Tensor| -> Result<Tensor> {
+        if full.rows() == shape[0] {
+            return Ok(full);
+        }
+        let mut out = backend.scratch(&shape, full.dtype())?;
+        if shape[0] > 0 {
+            backend.copy_rows(&full, 0, &mut out, 0, shape[0])?;
+        }
+        Ok(out)
+    };
+    match token_plan(comm, ctx) {
+        TokenPlan::SpGather(l) => maybe_pad_and_reduce(&y, Some(&l), &groups.ep),
+        TokenPlan::DpGather { max_tokens } => {
+            let mut slot = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
+            if slot.numel() > 0 {
+                match &groups.pcp {
+                    // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
+                    // the PCP reduce-scatter to the DP-gathered rows recorded at
+                    // prepare, then the DP reduce-scatter to `max_d T_d`.
+                    Some(pcp) => {
+                        let dp_rows = max_tokens * ctx.dp_size();
+                        let mut dp_in = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
+                        pcp.reduce_scatter(&y, &mut dp_in, ReduceOp::Sum)?;
+                        groups.dp.reduce_scatter(&dp_in, &mut slot, ReduceOp::Sum)?;
+                    }
+                    None => groups.dp.reduce_scatter(&y, &mut slot, ReduceOp::Sum)?,
+                }
+            }
+            keep(slot)
+        }
+        TokenPlan::TpSplit { padded, sizes } => {
+            let mut full = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?;
+            if full.numel() > 0 {
+                if sizes.iter().all(|s| *s == sizes[0]) {
+                    groups.tp.all_gather(&y, &mut full)?;
+                } else {
+                    let counts: Vec<usize> = sizes.iter().map(|s| s * y.row_len()).collect();
+                    groups.tp.all_gather_v(&y, &mut full, &counts)?;
+                }
+            }
+            keep(full)
+        }
+        TokenPlan::Local => Ok(y),
+    }
+}
