@@ -1,5 +1,8 @@
 //! Multi-rank tests of the EP/SP pad-and-reduce, gather-and-unpad and the
-//! fused finalize-and-reduce, against a naive per-rank model written here.
+//! fused finalize-and-reduce (SPEC sections 3 and 4), against a naive
+//! per-rank model written here. The bodies run on the CPU communicator and
+//! (`npu` cases, ignored without an NPU) on 4 NPUs through HCCL, every layout
+//! of at most 4 ranks.
 
 mod moe_common;
 
@@ -37,20 +40,25 @@ fn layouts() -> Vec<SpLayout> {
     v
 }
 
-#[test]
-fn pad_and_reduce_matches_naive_model() {
+on_both!(pad_and_reduce_matches_naive_model, pad_and_reduce_matches_naive_model_on);
+
+fn pad_and_reduce_matches_naive_model_on(on: On) {
     let h = 5;
     for (li, l) in layouts().into_iter().enumerate() {
         let ep = l.ep_size();
+        if !on.fits(ep) {
+            continue;
+        }
         let total = l.total_rows();
         let seed = 100 + li as u64;
-        let outs = run_ranks(ep, &opts(), |r, comm| {
-            let x = Tensor::from_slice(&rank_data(seed, r, total, h), &[total, h])?;
-            let out = maybe_pad_and_reduce(&x, Some(&l), &comm)?;
-            assert_eq!(out.shape(), maybe_pad_and_reduce_output_shape(x.shape(), Some(&l), r, ep)?.as_slice());
-            out.to_vec::<f32>()
-        })
-        .unwrap();
+        let outs = on
+            .run(ep, &opts(), |r, comm| {
+                let x = Tensor::from_slice(&rank_data(seed, r, total, h), &[total, h])?.to_device(&comm.device())?;
+                let out = maybe_pad_and_reduce(&x, Some(&l), &comm)?;
+                assert_eq!(out.shape(), maybe_pad_and_reduce_output_shape(x.shape(), Some(&l), r, ep)?.as_slice());
+                out.to_vec::<f32>()
+            })
+            .unwrap();
         let data: Vec<Vec<f32>> = (0..ep).map(|q| rank_data(seed, q, total, h)).collect();
         for (r, out) in outs.iter().enumerate() {
             let (off, rows) = (l.offset(r), l.local_size(r));
@@ -62,22 +70,28 @@ fn pad_and_reduce_matches_naive_model() {
     }
 }
 
-#[test]
-fn all_gather_and_unpad_matches_naive_model() {
+on_both!(all_gather_and_unpad_matches_naive_model, all_gather_and_unpad_matches_naive_model_on);
+
+fn all_gather_and_unpad_matches_naive_model_on(on: On) {
     let h = 3;
     for (li, l) in layouts().into_iter().enumerate() {
         let ep = l.ep_size();
+        if !on.fits(ep) {
+            continue;
+        }
         let seed = 200 + li as u64;
-        let outs = run_ranks(ep, &opts(), |r, comm| {
-            let x = from_f32(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h], DType::BF16);
-            let out = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
-            assert_eq!(
-                out.shape(),
-                maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), Some(&l), r, ep)?.as_slice()
-            );
-            Ok(to_f64(&out))
-        })
-        .unwrap();
+        let outs = on
+            .run(ep, &opts(), |r, comm| {
+                let x = from_f32(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h], DType::BF16)
+                    .to_device(&comm.device())?;
+                let out = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
+                assert_eq!(
+                    out.shape(),
+                    maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), Some(&l), r, ep)?.as_slice()
+                );
+                Ok(to_f64(&out))
+            })
+            .unwrap();
         let want: Vec<f64> = (0..ep)
             .flat_map(|q| rank_data(seed, q, l.local_size(q), h))
             .map(|v| ascend_moe::half::bf16::from_f32(v).to_f64())
@@ -88,22 +102,31 @@ fn all_gather_and_unpad_matches_naive_model() {
     }
 }
 
-#[test]
-fn gather_then_reduce_of_partials_is_the_local_shard_of_their_sum() {
+on_both!(
+    gather_then_reduce_of_partials_is_the_local_shard_of_their_sum,
+    gather_then_reduce_of_partials_is_the_local_shard_of_their_sum_on
+);
+
+fn gather_then_reduce_of_partials_is_the_local_shard_of_their_sum_on(on: On) {
     let h = 4;
     for (li, l) in layouts().into_iter().enumerate() {
         let ep = l.ep_size();
+        if !on.fits(ep) {
+            continue;
+        }
         let seed = 300 + li as u64;
-        let outs = run_ranks(ep, &opts(), |r, comm| {
-            let shard = Tensor::from_slice(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h])?;
-            let gathered = maybe_all_gather_and_maybe_unpad(&shard, Some(&l), &comm)?;
-            // Rank r's partial: (r + 1) * gathered, so the sum over ranks is
-            // ep * (ep + 1) / 2 * gathered.
-            let part: Vec<f32> = gathered.to_vec::<f32>()?.iter().map(|v| v * (r + 1) as f32).collect();
-            let part = Tensor::from_slice(&part, gathered.shape())?;
-            maybe_pad_and_reduce(&part, Some(&l), &comm)?.to_vec::<f32>()
-        })
-        .unwrap();
+        let outs = on
+            .run(ep, &opts(), |r, comm| {
+                let shard = Tensor::from_slice(&rank_data(seed, r, l.local_size(r), h), &[l.local_size(r), h])?
+                    .to_device(&comm.device())?;
+                let gathered = maybe_all_gather_and_maybe_unpad(&shard, Some(&l), &comm)?;
+                // Rank r's partial: (r + 1) * gathered, so the sum over ranks is
+                // ep * (ep + 1) / 2 * gathered.
+                let part: Vec<f32> = gathered.to_vec::<f32>()?.iter().map(|v| v * (r + 1) as f32).collect();
+                let part = Tensor::from_slice(&part, gathered.shape())?.to_device(&comm.device())?;
+                maybe_pad_and_reduce(&part, Some(&l), &comm)?.to_vec::<f32>()
+            })
+            .unwrap();
         let factor = (ep * (ep + 1) / 2) as f64;
         for (r, out) in outs.iter().enumerate() {
             let want: Vec<f64> = rank_data(seed, r, l.local_size(r), h).iter().map(|v| *v as f64 * factor).collect();
@@ -113,20 +136,25 @@ fn gather_then_reduce_of_partials_is_the_local_shard_of_their_sum() {
     }
 }
 
-#[test]
-fn without_layout_it_is_a_plain_reduce_scatter_and_all_gather() {
+on_both!(
+    without_layout_it_is_a_plain_reduce_scatter_and_all_gather,
+    without_layout_it_is_a_plain_reduce_scatter_and_all_gather_on
+);
+
+fn without_layout_it_is_a_plain_reduce_scatter_and_all_gather_on(on: On) {
     let (ep, h, rows) = (4, 2, 8);
-    let outs = run_ranks(ep, &opts(), |r, comm| {
-        let x = Tensor::from_slice(&rank_data(7, r, rows, h), &[rows, h])?;
-        let red = maybe_pad_and_reduce(&x, None, &comm)?.to_vec::<f32>()?;
-        let gat = maybe_all_gather_and_maybe_unpad(&x, None, &comm)?;
-        assert_eq!(gat.shape(), &[rows * ep, h]);
-        let bad = Tensor::from_slice(&[0f32; 10], &[5, 2])?;
-        let e = maybe_pad_and_reduce(&bad, None, &comm).unwrap_err().to_string();
-        assert!(e.contains("`x`") && e.contains('5') && e.contains('4'), "{e}");
-        Ok(red)
-    })
-    .unwrap();
+    let outs = on
+        .run(ep, &opts(), |r, comm| {
+            let x = Tensor::from_slice(&rank_data(7, r, rows, h), &[rows, h])?.to_device(&comm.device())?;
+            let red = maybe_pad_and_reduce(&x, None, &comm)?.to_vec::<f32>()?;
+            let gat = maybe_all_gather_and_maybe_unpad(&x, None, &comm)?;
+            assert_eq!(gat.shape(), &[rows * ep, h]);
+            let bad = Tensor::from_slice(&[0f32; 10], &[5, 2])?.to_device(&comm.device())?;
+            let e = maybe_pad_and_reduce(&bad, None, &comm).unwrap_err().to_string();
+            assert!(e.contains("`x`") && e.contains('5') && e.contains('4'), "{e}");
+            Ok(red)
+        })
+        .unwrap();
     let data: Vec<Vec<f32>> = (0..ep).map(|q| rank_data(7, q, rows, h)).collect();
     for (r, out) in outs.iter().enumerate() {
         let q = rows / ep;
@@ -136,22 +164,28 @@ fn without_layout_it_is_a_plain_reduce_scatter_and_all_gather() {
     }
 }
 
-#[test]
-fn layout_that_does_not_match_the_group_is_refused_on_every_rank() {
+on_both!(
+    layout_that_does_not_match_the_group_is_refused_on_every_rank,
+    layout_that_does_not_match_the_group_is_refused_on_every_rank_on
+);
+
+fn layout_that_does_not_match_the_group_is_refused_on_every_rank_on(on: On) {
     let l = SpLayout::new(&[2, 2, 2]).unwrap();
-    let errs = run_ranks(4, &opts(), |r, comm| {
-        let x = Tensor::from_slice(&[0f32; 12], &[6, 2])?;
-        let e1 = maybe_pad_and_reduce(&x, Some(&l), &comm).unwrap_err().to_string();
-        let y = Tensor::from_slice(&[0f32; 4], &[2, 2])?;
-        let e2 = maybe_all_gather_and_maybe_unpad(&y, Some(&l), &comm).unwrap_err().to_string();
-        let good = SpLayout::new(&[2, 2, 2, 1]).unwrap();
-        let e3 = maybe_pad_and_reduce(&x, Some(&good), &comm).unwrap_err().to_string();
-        let wrong = Tensor::from_slice(&[0f32; 6], &[3, 2])?;
-        let e4 = maybe_all_gather_and_maybe_unpad(&wrong, Some(&good), &comm).unwrap_err().to_string();
-        let _ = r;
-        Ok([e1, e2, e3, e4])
-    })
-    .unwrap();
+    let errs = on
+        .run(4, &opts(), |r, comm| {
+            let dev = comm.device();
+            let x = Tensor::from_slice(&[0f32; 12], &[6, 2])?.to_device(&dev)?;
+            let e1 = maybe_pad_and_reduce(&x, Some(&l), &comm).unwrap_err().to_string();
+            let y = Tensor::from_slice(&[0f32; 4], &[2, 2])?.to_device(&dev)?;
+            let e2 = maybe_all_gather_and_maybe_unpad(&y, Some(&l), &comm).unwrap_err().to_string();
+            let good = SpLayout::new(&[2, 2, 2, 1]).unwrap();
+            let e3 = maybe_pad_and_reduce(&x, Some(&good), &comm).unwrap_err().to_string();
+            let wrong = Tensor::from_slice(&[0f32; 6], &[3, 2])?.to_device(&dev)?;
+            let e4 = maybe_all_gather_and_maybe_unpad(&wrong, Some(&good), &comm).unwrap_err().to_string();
+            let _ = r;
+            Ok([e1, e2, e3, e4])
+        })
+        .unwrap();
     for [e1, e2, e3, e4] in errs {
         assert!(e1.contains("`layout`") && e1.contains("3 entries") && e1.contains("(4)"), "{e1}");
         assert!(e2.contains("`layout`"), "{e2}");
@@ -182,6 +216,16 @@ fn rank_finalize(seed: u64, r: usize, n: usize, k: usize, h: usize, dtype: DType
 }
 
 impl RankFinalize {
+    /// The same inputs on `dev`.
+    fn on(self, dev: &ascend_moe::Device) -> ascend_moe::Result<RankFinalize> {
+        Ok(RankFinalize {
+            x: self.x.to_device(dev)?,
+            idx: self.idx.to_device(dev)?,
+            scales: self.scales.to_device(dev)?,
+            x1: self.x1.to_device(dev)?,
+        })
+    }
+
     fn args(&self) -> FinalizeArgs<'_> {
         FinalizeArgs {
             expanded_x: &self.x,
@@ -196,16 +240,23 @@ impl RankFinalize {
     }
 }
 
-#[test]
-fn finalize_and_reduce_equals_finalize_then_pad_and_reduce() {
+on_both!(
+    finalize_and_reduce_equals_finalize_then_pad_and_reduce,
+    finalize_and_reduce_equals_finalize_then_pad_and_reduce_on
+);
+
+fn finalize_and_reduce_equals_finalize_then_pad_and_reduce_on(on: On) {
     let (k, h) = (2, 6);
     for dtype in [DType::F32, DType::BF16] {
         for (li, l) in layouts().into_iter().enumerate() {
             let ep = l.ep_size();
+            if !on.fits(ep) {
+                continue;
+            }
             let seed = 400 + li as u64;
             let n = l.total_rows();
-            run_ranks(ep, &opts(), |r, comm| {
-                let f = rank_finalize(seed, r, n, k, h, dtype);
+            on.run(ep, &opts(), |r, comm| {
+                let f = rank_finalize(seed, r, n, k, h, dtype).on(&comm.device())?;
                 let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
                 assert_eq!(fused.shape(), finalize_and_reduce_output_shape(&f.args(), Some(&l), r, ep)?.as_slice());
                 assert_eq!(fused.shape(), &[l.local_size(r), h]);
@@ -217,8 +268,8 @@ fn finalize_and_reduce_equals_finalize_then_pad_and_reduce() {
         }
     }
     // Without a layout (rows divide by EP).
-    run_ranks(4, &opts(), |_, comm| {
-        let f = rank_finalize(5, comm.rank(), 8, k, h, DType::BF16);
+    on.run(4, &opts(), |_, comm| {
+        let f = rank_finalize(5, comm.rank(), 8, k, h, DType::BF16).on(&comm.device())?;
         let fused = finalize_and_reduce(&f.args(), None, &comm)?;
         let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, None, &comm)?;
         assert!(bits(&fused) == bits(&two_step));
@@ -311,28 +362,30 @@ fn finalize_and_reduce_against_a_peer_in_the_two_step_path_is_a_mismatch() {
     }
 }
 
+on_both!(draft_model_finalize_returns_the_local_shard, draft_model_finalize_returns_the_local_shard_on);
+
 /// The draft-model regression: the EP/SP finalize of a draft (MTP) model of a
 /// vision-language MoE on DP=2 TP=2 EP=4 with SP and 4096 gathered tokens
 /// returns `local_sizes[rank]` rows, the fully reduced shard, never the 4096
 /// rows of the global layout.
-#[test]
-fn draft_model_finalize_returns_the_local_shard() {
+fn draft_model_finalize_returns_the_local_shard_on(on: On) {
     let (tp, k, h) = (2, 2, 16);
     for dp_tokens in [[2048usize, 2048], [3000, 1096]] {
         let l = SpLayout::from_dp_tokens(&dp_tokens, tp).unwrap();
         assert_eq!(l.total_rows(), 4096);
         let n = 4096;
-        let outs = run_ranks(4, &opts(), |r, comm| {
-            let f = rank_finalize(9, r, n, k, h, DType::BF16);
-            let meta = finalize_and_reduce_output_shape(&f.args(), Some(&l), r, 4)?;
-            let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
-            let unfused = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
-            assert_eq!(meta, vec![l.local_sizes()[r], h]);
-            assert_eq!(fused.shape(), meta.as_slice());
-            assert_eq!(unfused.shape(), meta.as_slice());
-            Ok(to_f64(&fused))
-        })
-        .unwrap();
+        let outs = on
+            .run(4, &opts(), |r, comm| {
+                let f = rank_finalize(9, r, n, k, h, DType::BF16).on(&comm.device())?;
+                let meta = finalize_and_reduce_output_shape(&f.args(), Some(&l), r, 4)?;
+                let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
+                let unfused = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
+                assert_eq!(meta, vec![l.local_sizes()[r], h]);
+                assert_eq!(fused.shape(), meta.as_slice());
+                assert_eq!(unfused.shape(), meta.as_slice());
+                Ok(to_f64(&fused))
+            })
+            .unwrap();
         // Naive: every rank's finalize in f64 (rounded to bf16 like the op's
         // output), summed over ranks, this rank's rows.
         let per_rank: Vec<Vec<f64>> = (0..4)

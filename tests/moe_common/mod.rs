@@ -82,3 +82,53 @@ pub fn assert_close_abs(what: &str, got: &[f64], want: &[f64], rel: f64, abs: &[
         assert!((g - w).abs() <= tol, "{what}: element {i}: got {g}, want {w} (tol {tol})");
     }
 }
+
+/// Where a multi-rank test body runs: thread ranks on the CPU communicator,
+/// or on NPUs `0..world` through HCCL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum On {
+    Cpu,
+    Npu,
+}
+
+impl On {
+    /// Runs `f(rank, comm)` on `world` ranks of this backend.
+    pub fn run<R: Send>(
+        self,
+        world: usize,
+        opts: &ascend_moe::CommOptions,
+        f: impl Fn(usize, ascend_moe::Comm) -> ascend_moe::Result<R> + Sync,
+    ) -> ascend_moe::Result<Vec<R>> {
+        match self {
+            On::Cpu => ascend_moe::backend::cpu::comm::run_ranks(world, opts, f),
+            On::Npu => ascend_moe::backend::npu::npu_run_ranks(world, opts, f),
+        }
+    }
+
+    /// Whether a world of `world` ranks fits this backend (the NPU suite
+    /// runs on 4 devices).
+    pub fn fits(self, world: usize) -> bool {
+        self == On::Cpu || world <= 4
+    }
+}
+
+/// `on_both!(name, body)`: a module `name` with a `cpu` test calling
+/// `body(On::Cpu)` and an `npu` test (ignored without an NPU) calling
+/// `body(On::Npu)`.
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$body($crate::moe_common::On::Cpu);
+            }
+
+            #[test]
+            #[ignore = "needs an Ascend NPU"]
+            fn npu() {
+                super::$body($crate::moe_common::On::Npu);
+            }
+        }
+    };
+}
