@@ -11,7 +11,8 @@
 //!   `AMOE_STATUS_NULL_ARGUMENT`; `*_free` functions accept NULL;
 //! - enum-like inputs (dtype, device kind, reduce op, comm type, shared mode,
 //!   drop-pad mode) are passed as `uint32_t` and validated, so an unknown
-//!   value is an error rather than undefined behaviour;
+//!   value is an error rather than undefined behaviour; their numbers are the
+//!   Rust enums' (`types::ENUMS`), which `amoe_enum_*` also give at run time;
 //! - tensors cross as `amoe_tensor` descriptors. Host (CPU) inputs are read
 //!   from the caller's memory during the call only; outputs are written into
 //!   memory the caller allocated with the shape the matching
@@ -125,6 +126,7 @@ pub extern "C" fn amoe_enum_count() -> usize {
     ENUMS.len()
 }
 
+/// Entry `index` of [`ENUMS`]; an error names the valid range.
 fn c_enum(f: &str, index: usize) -> Result<&'static CEnum, Failure> {
     ENUMS.get(index).ok_or_else(|| {
         Failure::invalid(f, "index", format!("{index} is not an enum index (expected 0..{})", ENUMS.len()))
