@@ -7,9 +7,6 @@
 #include <stdint.h>
 #define AMOE_VERSION "0.1.0"
 
-// Most dimensions an `amoe_tensor` may have.
-#define AMOE_MAX_NDIM 8
-
 // `amoe_live_context_guard` flag: the guarded ops also depend on
 // `num_actual_tokens` (for example an MC2 mask of the real rows).
 #define AMOE_GUARD_ACTUAL_TOKENS 1
@@ -18,6 +15,9 @@
 #define AMOE_MAX_EP_RANKS (1 << 20)
 
 
+
+// Most dimensions an `amoe_tensor` may have.
+#define AMOE_MAX_NDIM 8
 
 // Status code of every export. Numbers are fixed forever: a retired code is
 // never reused for something else.
@@ -82,25 +82,27 @@ enum amoe_dtype
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  // IEEE binary32.
+  // IEEE 754 binary32.
   AMOE_DTYPE_F32 = 0,
-  // IEEE binary16.
+  // IEEE 754 binary16.
   AMOE_DTYPE_F16 = 1,
   // bfloat16.
   AMOE_DTYPE_BF16 = 2,
-  // int32 (index tensors).
+  // Signed 32-bit integer (index tensors).
   AMOE_DTYPE_I32 = 3,
-  // int64.
+  // Signed 64-bit integer.
   AMOE_DTYPE_I64 = 4,
-  // int8 (quantized hidden states; moved, never reduced).
+  // Signed 8-bit integer (int8-quantized hidden states; moved, never reduced).
   AMOE_DTYPE_I8 = 5,
-  // uint8 (also packed fp4, two e2m1 values per byte; moved, never reduced).
+  // Unsigned 8-bit integer (also packed fp4: two e2m1 values per byte; moved,
+  // never reduced).
   AMOE_DTYPE_U8 = 6,
-  // bool, one byte (masks; moved, never reduced).
+  // Boolean, one byte (0 or 1; masks, moved, never reduced).
   AMOE_DTYPE_BOOL = 7,
-  // float8 e4m3fn (moved, never reduced).
+  // 8-bit float, 4 exponent / 3 mantissa bits, finite only (`float8_e4m3fn`;
+  // moved, never reduced).
   AMOE_DTYPE_F8E4M3 = 8,
-  // float8 e5m2 (moved, never reduced).
+  // 8-bit float, 5 exponent / 2 mantissa bits (`float8_e5m2`; moved, never reduced).
   AMOE_DTYPE_F8E5M2 = 9,
 };
 #ifndef __cplusplus
@@ -160,7 +162,7 @@ enum amoe_comm_type
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  // DP all-gather of tokens.
+  // DP all-gather of tokens; routed output is TP-partial unless SP is on.
   AMOE_COMM_TYPE_ALLGATHER = 0,
   // MC2 dispatch / combine.
   AMOE_COMM_TYPE_MC2 = 1,
@@ -208,13 +210,13 @@ enum amoe_drop_pad_mode
   : uint32_t
 #endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
  {
-  // Drop-less, `expanded_x [N*K, H]`, column index layout `idx[k*N + i]`.
+  // Drop-less, `expanded_x [N*K, H]`, column index layout `R(i,k) = idx[k*N + i]`.
   AMOE_DROP_PAD_MODE_DROP_LESS_COLUMN = 0,
-  // Drop-pad, `expanded_x [E, C, H]`, column layout, -1 = dropped slot.
+  // Drop-pad, `expanded_x [E, C, H]`, column layout, `-1` = dropped slot.
   AMOE_DROP_PAD_MODE_DROP_PAD_COLUMN = 1,
-  // Drop-less, row index layout `idx[i*K + k]`.
+  // Drop-less, row index layout `R(i,k) = idx[i*K + k]`.
   AMOE_DROP_PAD_MODE_DROP_LESS_ROW = 2,
-  // Drop-pad, row layout, -1 = dropped slot.
+  // Drop-pad, row layout, `-1` = dropped slot.
   AMOE_DROP_PAD_MODE_DROP_PAD_ROW = 3,
 };
 #ifndef __cplusplus
@@ -412,6 +414,35 @@ amoe_status amoe_last_error_message(char *buf, size_t len, size_t *out_len);
 // The message text of a status code, as a static NUL-terminated string
 // owned by the library (never free it). Unknown codes give `"unknown status"`.
 const char *amoe_status_name(uint32_t status);
+
+// The number of enums the C ABI numbers (`amoe_status`, `amoe_dtype`, ...):
+// `amoe_enum_info` and `amoe_enum_entry` take `0..amoe_enum_count()`, in
+// the order of the header's `enum` blocks. The tables are the library's
+// own numbering, from which the header was generated; bindings read them
+// instead of repeating the numbers.
+size_t amoe_enum_count(void);
+
+// The C type name of enum `index` (`"amoe_dtype"`, a static NUL-terminated
+// string owned by the library, never free it) into `*out_name`, and its
+// number of variants into `*out_len`. `index >= amoe_enum_count()` returns
+// `AMOE_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `out_name` and `out_len` must be NULL or writable.
+amoe_status amoe_enum_info(size_t index, const char **out_name, size_t *out_len);
+
+// Variant `variant` of enum `index`: its name without the enum's prefix
+// (`"BF16"` for `AMOE_DTYPE_BF16`; a static NUL-terminated string owned by
+// the library, never free it) into `*out_name` and its value into
+// `*out_value`. Variants are in numbering order. An index out of range
+// returns `AMOE_STATUS_INVALID_ARGUMENT`.
+//
+// # Safety
+// `out_name` and `out_value` must be NULL or writable.
+amoe_status amoe_enum_entry(size_t index,
+                            size_t variant,
+                            const char **out_name,
+                            uint32_t *out_value);
 
 // vLLM-Ascend's name of a comm type (`"ALLGATHER"`, `"MC2"`, `"ALLTOALL"`,
 // `"FUSED_MC2"`) as a static NUL-terminated string into `*out` (owned by the

@@ -10,40 +10,41 @@ use crate::backend::args::with_rows;
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::HcclComm;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+use crate::types::{numbered, Numbered};
 pub use crate::types::{CommOptions, ReduceOp};
 use crate::{Device, Error, Result, Tensor};
 
-/// vLLM-Ascend's MoE communication type, chosen per forward pass (SPEC section 5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum CommType {
-    /// DP all-gather of tokens; routed output is TP-partial unless SP is on.
-    AllGather = 0,
-    /// MC2 dispatch / combine.
-    Mc2 = 1,
-    /// All-to-all dispatch / combine.
-    AllToAll = 2,
-    /// Fused MC2.
-    FusedMc2 = 3,
+numbered! {
+    /// vLLM-Ascend's MoE communication type, chosen per forward pass (SPEC section 5).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum CommType {
+        /// DP all-gather of tokens; routed output is TP-partial unless SP is on.
+        AllGather = 0 => "ALLGATHER",
+        /// MC2 dispatch / combine.
+        Mc2 = 1 => "MC2",
+        /// All-to-all dispatch / combine.
+        AllToAll = 2 => "ALLTOALL",
+        /// Fused MC2.
+        FusedMc2 = 3 => "FUSED_MC2",
+    }
 }
 
 impl CommType {
     /// Every comm type, in vLLM-Ascend's numbering.
-    pub const ALL: [CommType; 4] = [CommType::AllGather, CommType::Mc2, CommType::AllToAll, CommType::FusedMc2];
+    pub const ALL: [CommType; 4] = Self::VARIANTS;
     /// The comm type for its number; `Err` names the bad value.
     pub fn from_u32(v: u32) -> Result<Self> {
-        Self::ALL.into_iter().find(|c| *c as u32 == v).ok_or_else(|| {
-            Error::invalid("CommType", "comm_type", format!("unknown MoE comm type {v} (expected 0..=3)"))
+        Self::try_from(v).map_err(|_| {
+            Error::invalid(
+                "CommType",
+                "comm_type",
+                format!("unknown MoE comm type {v} (expected {})", Self::expected()),
+            )
         })
     }
-    /// vLLM-Ascend's name.
+    /// vLLM-Ascend's name (`"ALLGATHER"`, `"FUSED_MC2"`, ...).
     pub fn name(self) -> &'static str {
-        match self {
-            CommType::AllGather => "ALLGATHER",
-            CommType::Mc2 => "MC2",
-            CommType::AllToAll => "ALLTOALL",
-            CommType::FusedMc2 => "FUSED_MC2",
-        }
+        self.variant().name
     }
 }
 

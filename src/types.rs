@@ -4,6 +4,7 @@
 //! | item | what |
 //! |---|---|
 //! | [`DType`], [`Element`], [`with_dtype!`](crate::with_dtype) | element types |
+//! | [`Numbered`], [`Variant`], `numbered!` | enums whose numbers the C ABI and Python share, each number written once |
 //! | [`ReduceOp`] | reduction operators of the collectives |
 //! | [`DropPadMode`] | drop-pad modes of the finalize op (SPEC section 1) |
 //! | [`TensorMeta`] | shape + dtype without data (the input of shape functions) |
@@ -19,37 +20,175 @@
 //! (all-gather, all-to-all, broadcast and the SP/DP gathers) moves them as exact
 //! bytes; reductions refuse them ([`DType::is_reducible`]).
 
+use std::ffi::CStr;
 use std::time::Duration;
 
 use half::{bf16, f16};
 
-/// The element type of a tensor or a collective buffer.
+/// One variant of a [`Numbered`] enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variant {
+    /// Upper-case name, the C ABI's spelling without the enum's prefix
+    /// (`"BF16"`, `"FUSED_MC2"`); the Python package's member name.
+    pub name: &'static str,
+    /// [`Variant::name`] NUL-terminated, for the C ABI's name tables.
+    pub c_name: &'static CStr,
+    /// The fixed number.
+    pub value: u32,
+    /// The variant's doc comment, one line per doc line.
+    pub doc: &'static str,
+}
+
+impl Variant {
+    /// `name` NUL-terminated, checked at compile time where `numbered!`
+    /// builds its table (a name holding a NUL fails the build).
+    pub const fn nul_terminated(name_with_nul: &'static str) -> &'static CStr {
+        match CStr::from_bytes_with_nul(name_with_nul.as_bytes()) {
+            Ok(c) => c,
+            Err(_) => panic!("a numbered variant's name must end in its only NUL"),
+        }
+    }
+}
+
+/// A number that is no variant of a [`Numbered`] enum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnknownValue {
+    /// The enum's Rust name.
+    pub type_name: &'static str,
+    /// The number.
+    pub value: u32,
+}
+
+impl std::fmt::Display for UnknownValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is not a {} number", self.value, self.type_name)
+    }
+}
+
+impl std::error::Error for UnknownValue {}
+
+/// An enum whose variants have fixed numbers that the C ABI
+/// (`include/ascend_moe.h`) and the Python package take from it. Defined
+/// with the crate's `numbered!` macro, which writes each number once: the
+/// discriminant, [`TryFrom<u32>`] and [`Numbered::TABLE`] all come from it.
+pub trait Numbered: Copy + Eq + TryFrom<u32, Error = UnknownValue> + 'static {
+    /// The enum's Rust name.
+    const NAME: &'static str;
+    /// Name, number and doc of every variant, in declaration order.
+    const TABLE: &'static [Variant];
+
+    /// The variant's number (its discriminant).
+    fn value(self) -> u32;
+
+    /// The variant's entry of [`Numbered::TABLE`].
+    fn variant(self) -> &'static Variant;
+
+    /// The valid numbers, for error messages: `0..=3`, or a list when they
+    /// are not dense from 0.
+    fn expected() -> String {
+        let n = Self::TABLE.len() as u32;
+        if Self::TABLE.iter().enumerate().all(|(i, e)| e.value == i as u32) {
+            return format!("0..={}", n.saturating_sub(1));
+        }
+        Self::TABLE.iter().map(|e| e.value.to_string()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+/// Defines a `#[repr(u32)]` enum whose numbers are written once, as
+/// `Variant = number => "UPPER_NAME"`, and derives from them the
+/// discriminants, `VARIANTS` (every variant, in order), [`TryFrom<u32>`] and
+/// [`Numbered`] (its table of names, numbers and docs).
 ///
-/// The discriminants are the crate's own stable numbering (also used by the C
-/// ABI); they are not ACL or HCCL values, which live in the sys crates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum DType {
-    /// IEEE 754 binary32.
-    F32 = 0,
-    /// IEEE 754 binary16.
-    F16 = 1,
-    /// bfloat16.
-    BF16 = 2,
-    /// Signed 32-bit integer (index tensors).
-    I32 = 3,
-    /// Signed 64-bit integer.
-    I64 = 4,
-    /// Signed 8-bit integer (int8-quantized hidden states).
-    I8 = 5,
-    /// Unsigned 8-bit integer (also packed fp4: two e2m1 values per byte).
-    U8 = 6,
-    /// Boolean, one byte (0 or 1).
-    Bool = 7,
-    /// 8-bit float, 4 exponent / 3 mantissa bits, finite only (`float8_e4m3fn`).
-    F8E4M3 = 8,
-    /// 8-bit float, 5 exponent / 2 mantissa bits (`float8_e5m2`).
-    F8E5M2 = 9,
+/// A number used twice is a compile error (the discriminants collide).
+macro_rules! numbered {
+    (@entry $upper:literal, $value:literal, [$($doc:literal)*]) => {
+        $crate::types::Variant {
+            name: $upper,
+            c_name: $crate::types::Variant::nul_terminated(concat!($upper, "\0")),
+            value: $value,
+            doc: concat!($($doc, "\n"),*),
+        }
+    };
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $(
+                $(#[doc = $doc:literal])*
+                $variant:ident = $value:literal => $upper:literal
+            ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[repr(u32)]
+        $vis enum $name {
+            $( $(#[doc = $doc])* $variant = $value, )+
+        }
+
+        impl $name {
+            /// Every variant, in numbering order.
+            pub const VARIANTS: [$name; [$(stringify!($variant)),+].len()] = [$($name::$variant),+];
+        }
+
+        impl TryFrom<u32> for $name {
+            type Error = $crate::types::UnknownValue;
+            fn try_from(v: u32) -> Result<Self, Self::Error> {
+                match v {
+                    $($value => Ok($name::$variant),)+
+                    _ => Err($crate::types::UnknownValue { type_name: stringify!($name), value: v }),
+                }
+            }
+        }
+
+        impl $crate::types::Numbered for $name {
+            const NAME: &'static str = stringify!($name);
+            const TABLE: &'static [$crate::types::Variant] =
+                &[$($crate::types::numbered!(@entry $upper, $value, [$($doc)*])),+];
+            fn value(self) -> u32 {
+                self as u32
+            }
+            fn variant(self) -> &'static $crate::types::Variant {
+                match self {
+                    $($name::$variant => {
+                        const V: $crate::types::Variant = $crate::types::numbered!(@entry $upper, $value, [$($doc)*]);
+                        &V
+                    })+
+                }
+            }
+        }
+    };
+}
+pub(crate) use numbered;
+
+numbered! {
+    /// The element type of a tensor or a collective buffer.
+    ///
+    /// The discriminants are the crate's own stable numbering (also used by the C
+    /// ABI); they are not ACL or HCCL values, which live in the sys crates.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum DType {
+        /// IEEE 754 binary32.
+        F32 = 0 => "F32",
+        /// IEEE 754 binary16.
+        F16 = 1 => "F16",
+        /// bfloat16.
+        BF16 = 2 => "BF16",
+        /// Signed 32-bit integer (index tensors).
+        I32 = 3 => "I32",
+        /// Signed 64-bit integer.
+        I64 = 4 => "I64",
+        /// Signed 8-bit integer (int8-quantized hidden states; moved, never reduced).
+        I8 = 5 => "I8",
+        /// Unsigned 8-bit integer (also packed fp4: two e2m1 values per byte; moved,
+        /// never reduced).
+        U8 = 6 => "U8",
+        /// Boolean, one byte (0 or 1; masks, moved, never reduced).
+        Bool = 7 => "BOOL",
+        /// 8-bit float, 4 exponent / 3 mantissa bits, finite only (`float8_e4m3fn`;
+        /// moved, never reduced).
+        F8E4M3 = 8 => "F8E4M3",
+        /// 8-bit float, 5 exponent / 2 mantissa bits (`float8_e5m2`; moved, never reduced).
+        F8E5M2 = 9 => "F8E5M2",
+    }
 }
 
 impl DType {
@@ -59,18 +198,7 @@ impl DType {
     /// reductions refuse.
     pub const BYTE_MOVES: [DType; 5] = [DType::I8, DType::U8, DType::Bool, DType::F8E4M3, DType::F8E5M2];
     /// Every dtype, in numbering order.
-    pub const EVERY: [DType; 10] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::I32,
-        DType::I64,
-        DType::I8,
-        DType::U8,
-        DType::Bool,
-        DType::F8E4M3,
-        DType::F8E5M2,
-    ];
+    pub const EVERY: [DType; 10] = Self::VARIANTS;
     /// The floating-point dtypes data tensors may have.
     pub const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
@@ -113,7 +241,7 @@ impl DType {
 
     /// The dtype for a C ABI / CLI number, if it is one.
     pub fn from_u32(v: u32) -> Option<DType> {
-        Self::EVERY.into_iter().find(|d| *d as u32 == v)
+        Self::try_from(v).ok()
     }
 }
 
@@ -219,24 +347,25 @@ impl Element for i64 {
     }
 }
 
-/// Reduction operator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum ReduceOp {
-    /// Sum (f32 accumulation for f16 / bf16).
-    Sum = 0,
-    /// Elementwise maximum.
-    Max = 1,
-    /// Elementwise minimum.
-    Min = 2,
+numbered! {
+    /// Reduction operator.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum ReduceOp {
+        /// Sum (f32 accumulation for f16 / bf16).
+        Sum = 0 => "SUM",
+        /// Elementwise maximum.
+        Max = 1 => "MAX",
+        /// Elementwise minimum.
+        Min = 2 => "MIN",
+    }
 }
 
 impl ReduceOp {
     /// Every operator.
-    pub const ALL: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
+    pub const ALL: [ReduceOp; 3] = Self::VARIANTS;
     /// The operator for its number.
     pub fn from_u32(v: u32) -> Option<Self> {
-        Self::ALL.into_iter().find(|o| *o as u32 == v)
+        Self::try_from(v).ok()
     }
     /// Lower-case name.
     pub fn name(self) -> &'static str {
@@ -248,30 +377,27 @@ impl ReduceOp {
     }
 }
 
-/// Drop-pad mode of the finalize op (SPEC section 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum DropPadMode {
-    /// Drop-less, `expanded_x [N*K, H]`, column index layout `R(i,k) = idx[k*N + i]`.
-    DropLessColumn = 0,
-    /// Drop-pad, `expanded_x [E, C, H]`, column layout, `-1` = dropped slot.
-    DropPadColumn = 1,
-    /// Drop-less, row index layout `R(i,k) = idx[i*K + k]`.
-    DropLessRow = 2,
-    /// Drop-pad, row layout, `-1` = dropped slot.
-    DropPadRow = 3,
+numbered! {
+    /// Drop-pad mode of the finalize op (SPEC section 1).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum DropPadMode {
+        /// Drop-less, `expanded_x [N*K, H]`, column index layout `R(i,k) = idx[k*N + i]`.
+        DropLessColumn = 0 => "DROP_LESS_COLUMN",
+        /// Drop-pad, `expanded_x [E, C, H]`, column layout, `-1` = dropped slot.
+        DropPadColumn = 1 => "DROP_PAD_COLUMN",
+        /// Drop-less, row index layout `R(i,k) = idx[i*K + k]`.
+        DropLessRow = 2 => "DROP_LESS_ROW",
+        /// Drop-pad, row layout, `-1` = dropped slot.
+        DropPadRow = 3 => "DROP_PAD_ROW",
+    }
 }
 
 impl DropPadMode {
-    /// The mode for its number 0..=3.
+    /// Every mode, in numbering order.
+    pub const ALL: [DropPadMode; 4] = Self::VARIANTS;
+    /// The mode for its number.
     pub fn from_u32(v: u32) -> Option<Self> {
-        match v {
-            0 => Some(Self::DropLessColumn),
-            1 => Some(Self::DropPadColumn),
-            2 => Some(Self::DropLessRow),
-            3 => Some(Self::DropPadRow),
-            _ => None,
-        }
+        Self::try_from(v).ok()
     }
     /// Modes 1 and 3: `expanded_x` is `[E, C, H]` and `-1` marks a dropped slot.
     pub fn is_drop_pad(self) -> bool {

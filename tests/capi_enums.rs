@@ -1,88 +1,197 @@
-//! The numbers of every enum the C ABI carries agree between the Rust enums
-//! and `include/ascend_moe.h`, every variant in both directions
-//! (`python/tests/test_enums.py` ties the Python package to the same header).
+//! Every enum the C ABI carries is numbered once, by its Rust enum, and the
+//! committed header and the library's enum table (`amoe_enum_*`, which the
+//! Python package reads) say the same, every variant, in both directions.
+//! `python/tests/test_enums.py` ties the Python package to the same header
+//! and table.
 
 use std::collections::BTreeMap;
-use std::ffi::CStr;
+use std::ffi::{c_char, CStr};
+use std::fmt::Debug;
 
-use ascend_moe::capi::amoe_status_name;
-use ascend_moe::moe::SharedMode;
-use ascend_moe::types::DropPadMode;
-use ascend_moe::{CommType, DType, ReduceOp};
+use ascend_moe::capi::{
+    amoe_comm_type_name, amoe_device_kind, amoe_enum_count, amoe_enum_entry, amoe_enum_info, amoe_status,
+    amoe_status_name, ENUMS,
+};
+use ascend_moe::types::{Numbered, UnknownValue};
+use ascend_moe::{CommType, DType, DropPadMode, ReduceOp, SharedMode};
 
-/// `AMOE_<ENUM>_<VARIANT> = N` entries of the `enum amoe_<enum>` block.
-fn header_enum(name: &str) -> BTreeMap<String, u32> {
+type Variants = BTreeMap<String, u32>;
+
+/// Every `enum amoe_*` block of the committed header: C name -> (variant
+/// name without the `AMOE_<ENUM>_` prefix -> value).
+fn header_enums() -> BTreeMap<String, Variants> {
     let h = include_str!("../include/ascend_moe.h");
-    let start = h.find(&format!("enum {name}\n")).unwrap_or_else(|| panic!("no enum {name} in the header"));
-    let body = &h[start..];
-    let body = &body[body.find('{').expect("enum body")..body.find("};").expect("enum end")];
-    let prefix = format!("{}_", name.to_uppercase());
     let mut out = BTreeMap::new();
-    for line in body.lines().map(str::trim).filter(|l| l.starts_with("AMOE_")) {
-        let (k, v) = line.trim_end_matches(',').split_once(" = ").unwrap_or_else(|| panic!("odd line {line:?}"));
-        let k = k.strip_prefix(&prefix).unwrap_or_else(|| panic!("{k} lacks the prefix {prefix}"));
-        assert!(out.insert(k.to_string(), v.parse().expect("number")).is_none(), "{k} twice in {name}");
+    let mut rest = h;
+    while let Some(at) = rest.find("\nenum amoe_") {
+        let body = &rest[at + 6..];
+        let name: String = body.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+        let block = &body[body.find('{').expect("enum body") + 1..body.find("};").expect("enum end")];
+        let prefix = format!("{}_", name.to_uppercase());
+        let mut variants = Variants::new();
+        for line in block.lines().map(str::trim).filter(|l| l.starts_with("AMOE_")) {
+            let (k, v) = line.trim_end_matches(',').split_once(" = ").unwrap_or_else(|| panic!("odd line {line:?}"));
+            let k = k.strip_prefix(&prefix).unwrap_or_else(|| panic!("{k} lacks the prefix {prefix}"));
+            let v: u32 = v.parse().unwrap_or_else(|_| panic!("{name}: {k} = {v:?} is not a number"));
+            assert!(variants.insert(k.to_string(), v).is_none(), "{k} twice in {name}");
+        }
+        assert!(!variants.is_empty(), "enum {name} has no variants");
+        assert!(out.insert(name.clone(), variants).is_none(), "enum {name} twice in the header");
+        rest = &body[1..];
     }
-    assert!(!out.is_empty(), "enum {name} has no variants");
     out
 }
 
-/// `TensorParallel` -> `TENSOR_PARALLEL`, the rename cbindgen applies.
-fn screaming(camel: &str) -> String {
-    let mut s = String::new();
-    for (i, c) in camel.chars().enumerate() {
-        if c.is_uppercase() && i > 0 {
-            s.push('_');
+/// The library's enum table through the C exports the Python package uses.
+fn exported_enums() -> BTreeMap<String, Variants> {
+    let text = |p: *const c_char| {
+        assert!(!p.is_null());
+        // SAFETY: the exports write static NUL-terminated strings.
+        unsafe { CStr::from_ptr(p) }.to_str().expect("ASCII").to_string()
+    };
+    let mut out = BTreeMap::new();
+    for i in 0..amoe_enum_count() {
+        let (mut name, mut len) = (std::ptr::null(), 0usize);
+        // SAFETY: valid out-pointers.
+        assert_eq!(unsafe { amoe_enum_info(i, &mut name, &mut len) }, amoe_status::Ok);
+        let mut variants = Variants::new();
+        for j in 0..len {
+            let (mut vname, mut value) = (std::ptr::null(), u32::MAX);
+            // SAFETY: valid out-pointers.
+            assert_eq!(unsafe { amoe_enum_entry(i, j, &mut vname, &mut value) }, amoe_status::Ok);
+            assert!(variants.insert(text(vname), value).is_none());
         }
-        s.push(c.to_ascii_uppercase());
+        assert!(out.insert(text(name), variants).is_none());
     }
-    s
+    out
 }
 
-fn same(name: &str, rust: Vec<(String, u32)>) {
-    let header = header_enum(name);
-    let rust: BTreeMap<String, u32> = rust.into_iter().collect();
-    assert_eq!(rust, header, "{name}: the Rust enum (left) and the header (right) disagree");
+/// One Rust enum's variants, from the enum itself (`VARIANTS`, `as u32`,
+/// `TryFrom`), checked against its own table.
+fn rust_enum<E: Numbered + Debug>(variants: &[E], discriminant: impl Fn(E) -> u32) -> Variants {
+    assert_eq!(variants.len(), E::TABLE.len(), "{}: VARIANTS and TABLE differ in length", E::NAME);
+    let mut out = Variants::new();
+    for (v, entry) in variants.iter().zip(E::TABLE) {
+        let n = discriminant(*v);
+        assert_eq!(v.value(), n, "{}::{v:?}", E::NAME);
+        assert_eq!(entry.value, n, "{}::{v:?}: the table says {}", E::NAME, entry.value);
+        assert_eq!(v.variant(), entry, "{}::{v:?}", E::NAME);
+        assert_eq!(E::try_from(n).ok(), Some(*v), "{}: {n} does not map back to {v:?}", E::NAME);
+        assert_eq!(entry.c_name.to_str(), Ok(entry.name));
+        assert!(out.insert(entry.name.to_string(), n).is_none(), "{}: {} twice", E::NAME, entry.name);
+    }
+    let past = out.values().max().copied().unwrap_or(0) + 1;
+    assert_eq!(E::try_from(past).err(), Some(UnknownValue { type_name: E::NAME, value: past }));
+    assert!(E::try_from(u32::MAX).is_err());
+    out
+}
+
+/// Every enum of the C ABI, from the Rust enums themselves.
+fn rust_enums() -> BTreeMap<String, Variants> {
+    BTreeMap::from([
+        ("amoe_status".to_string(), rust_enum(&amoe_status::VARIANTS, |v| v as u32)),
+        ("amoe_dtype".to_string(), rust_enum(&DType::VARIANTS, |v| v as u32)),
+        ("amoe_device_kind".to_string(), rust_enum(&amoe_device_kind::VARIANTS, |v| v as u32)),
+        ("amoe_reduce_op".to_string(), rust_enum(&ReduceOp::VARIANTS, |v| v as u32)),
+        ("amoe_comm_type".to_string(), rust_enum(&CommType::VARIANTS, |v| v as u32)),
+        ("amoe_shared_mode".to_string(), rust_enum(&SharedMode::VARIANTS, |v| v as u32)),
+        ("amoe_drop_pad_mode".to_string(), rust_enum(&DropPadMode::VARIANTS, |v| v as u32)),
+    ])
 }
 
 #[test]
-fn dtypes_agree() {
-    same("amoe_dtype", DType::EVERY.iter().map(|d| (d.name().to_uppercase(), *d as u32)).collect());
-    for (_, v) in header_enum("amoe_dtype") {
-        assert_eq!(DType::from_u32(v).map(|d| d as u32), Some(v), "dtype code {v}");
+fn rust_enums_header_and_exported_table_agree_every_variant_both_ways() {
+    let rust = rust_enums();
+    let header = header_enums();
+    let exported = exported_enums();
+    // BTreeMap equality is both directions: same enums, same variants, same numbers.
+    assert_eq!(rust, header, "the Rust enums (left) and include/ascend_moe.h (right) disagree");
+    assert_eq!(exported, rust, "amoe_enum_* (left) and the Rust enums (right) disagree");
+    let table: Vec<String> = ENUMS.iter().map(|e| e.name.to_string_lossy().into_owned()).collect();
+    assert_eq!(table.len(), header.len(), "ENUMS lists {table:?}");
+}
+
+#[test]
+fn every_number_is_dense_from_zero() {
+    for (name, variants) in rust_enums() {
+        let mut values: Vec<u32> = variants.values().copied().collect();
+        values.sort_unstable();
+        assert_eq!(values, (0..variants.len() as u32).collect::<Vec<_>>(), "{name}");
+    }
+}
+
+#[test]
+fn the_crate_enums_keep_their_own_lists_and_parsers() {
+    assert_eq!(DType::EVERY, DType::VARIANTS);
+    assert_eq!(CommType::ALL, CommType::VARIANTS);
+    assert_eq!(SharedMode::ALL, SharedMode::VARIANTS);
+    assert_eq!(ReduceOp::ALL, ReduceOp::VARIANTS);
+    for d in DType::EVERY {
+        assert_eq!(DType::from_u32(d as u32), Some(d));
     }
     assert_eq!(DType::from_u32(DType::EVERY.len() as u32), None);
+    assert_eq!(DropPadMode::from_u32(DropPadMode::ALL.len() as u32), None);
+    assert_eq!(ReduceOp::from_u32(ReduceOp::ALL.len() as u32), None);
+    let e = CommType::from_u32(4).expect_err("4 is no comm type").to_string();
+    assert!(e.contains("unknown MoE comm type 4 (expected 0..=3)"), "{e}");
+    let e = SharedMode::from_u32(5).expect_err("5 is no shared mode").to_string();
+    assert!(e.contains("unknown shared-expert mode 5 (expected 0..=4)"), "{e}");
+    for c in CommType::ALL {
+        assert_eq!(c.name(), c.variant().name);
+    }
+    // The C ABI's Rust spellings of the one-word comm types.
+    assert_eq!(ascend_moe::capi::amoe_comm_type::Allgather, CommType::AllGather);
+    assert_eq!(ascend_moe::capi::amoe_comm_type::Alltoall, CommType::AllToAll);
 }
 
 #[test]
-fn comm_types_reduce_ops_shared_and_drop_pad_modes_agree() {
-    same("amoe_comm_type", CommType::ALL.iter().map(|c| (c.name().to_string(), *c as u32)).collect());
-    same("amoe_reduce_op", ReduceOp::ALL.iter().map(|o| (o.name().to_uppercase(), *o as u32)).collect());
-    same("amoe_shared_mode", SharedMode::ALL.iter().map(|m| (screaming(&format!("{m:?}")), *m as u32)).collect());
-    let modes: Vec<DropPadMode> = (0..).map_while(DropPadMode::from_u32).collect();
-    same("amoe_drop_pad_mode", modes.iter().map(|m| (screaming(&format!("{m:?}")), *m as u32)).collect());
-    for (_, v) in header_enum("amoe_comm_type") {
-        assert!(CommType::from_u32(v).is_ok(), "comm type {v}");
+fn the_enum_table_refuses_indices_past_its_end() {
+    let (mut name, mut len, mut value) = (std::ptr::null(), 0usize, 0u32);
+    // SAFETY: valid out-pointers; NULL where the test says.
+    unsafe {
+        assert_eq!(amoe_enum_info(amoe_enum_count(), &mut name, &mut len), amoe_status::InvalidArgument);
+        assert_eq!(amoe_enum_entry(amoe_enum_count(), 0, &mut name, &mut value), amoe_status::InvalidArgument);
+        assert_eq!(
+            amoe_enum_entry(0, amoe_status::VARIANTS.len(), &mut name, &mut value),
+            amoe_status::InvalidArgument
+        );
+        assert_eq!(amoe_enum_info(0, std::ptr::null_mut(), &mut len), amoe_status::NullArgument);
+        assert_eq!(amoe_enum_entry(0, 0, &mut name, std::ptr::null_mut()), amoe_status::NullArgument);
     }
-    assert!(CommType::from_u32(CommType::ALL.len() as u32).is_err());
-    assert!(SharedMode::from_u32(SharedMode::ALL.len() as u32).is_err());
 }
 
 #[test]
 fn every_status_has_a_name_and_nothing_else_does() {
-    let header = header_enum("amoe_status");
     let name = |v: u32| {
         // SAFETY: amoe_status_name returns a static NUL-terminated string.
         unsafe { CStr::from_ptr(amoe_status_name(v)) }.to_str().expect("utf-8").to_string()
     };
-    let max = *header.values().max().expect("statuses");
-    assert_eq!(header.len() as u32, max + 1, "status codes are dense from 0: {header:?}");
+    let header = &header_enums()["amoe_status"];
+    assert_eq!(header.len(), amoe_status::VARIANTS.len());
     let mut seen = std::collections::BTreeSet::new();
-    for (k, v) in &header {
+    for (k, v) in header {
         let n = name(*v);
         assert_ne!(n, "unknown status", "AMOE_STATUS_{k} = {v} has no name");
         assert!(seen.insert(n.clone()), "two statuses are named {n:?}");
     }
-    assert_eq!(name(max + 1), "unknown status");
+    for s in amoe_status::VARIANTS {
+        assert_eq!(name(s as u32), s.message().to_str().expect("utf-8"));
+    }
+    let past = header.values().max().expect("statuses") + 1;
+    assert_eq!(name(past), "unknown status");
     assert_eq!(name(u32::MAX), "unknown status");
+}
+
+#[test]
+fn comm_type_names_are_vllms() {
+    for (c, want) in CommType::ALL.iter().zip(["ALLGATHER", "MC2", "ALLTOALL", "FUSED_MC2"]) {
+        let mut out = std::ptr::null();
+        // SAFETY: a valid out-pointer.
+        assert_eq!(unsafe { amoe_comm_type_name(*c as u32, &mut out) }, amoe_status::Ok);
+        // SAFETY: a static NUL-terminated string.
+        assert_eq!(unsafe { CStr::from_ptr(out) }.to_str(), Ok(want));
+    }
+    let mut out = std::ptr::null();
+    // SAFETY: a valid out-pointer.
+    assert_eq!(unsafe { amoe_comm_type_name(CommType::ALL.len() as u32, &mut out) }, amoe_status::InvalidArgument);
 }

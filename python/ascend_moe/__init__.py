@@ -64,6 +64,7 @@ from ._lib import lib as _lib
 from .comm import Comm, ReduceOp, all_gather, all_reduce, broadcast, reduce_scatter
 from .ops import (
     CommType,
+    DropPadMode,
     ReducePolicy,
     SharedMode,
     SpLayout,
@@ -92,6 +93,7 @@ __all__ = [
     "AmoeError",
     "Comm",
     "CommType",
+    "DropPadMode",
     "ReduceOp",
     "ReducePolicy",
     "SharedMode",

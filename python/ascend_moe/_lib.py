@@ -1,4 +1,10 @@
-"""Loading the cdylib, the C types of include/ascend_moe.h, and error handling."""
+"""Loading the cdylib, the C types of include/ascend_moe.h, the library's enums,
+and error handling.
+
+No enum number is written here: the library numbers every enum once (its Rust
+enums) and `amoe_enum_count` / `amoe_enum_info` / `amoe_enum_entry` give the
+table, which `numbered` turns into `IntEnum` classes when the package is
+imported."""
 
 from __future__ import annotations
 
@@ -12,31 +18,6 @@ from ctypes import POINTER, c_char_p, c_double, c_int32, c_size_t, c_ssize_t, c_
 from pathlib import Path
 
 MAX_NDIM = 8
-
-
-class Status(enum.IntEnum):
-    """`amoe_status` codes (fixed numbers, never reused)."""
-
-    OK = 0
-    NULL_ARGUMENT = 1
-    INVALID_ARGUMENT = 2
-    SHAPE = 3
-    DTYPE = 4
-    INDEX_OUT_OF_RANGE = 5
-    DEVICE = 6
-    COMM_MISMATCH = 7
-    COMM_TIMEOUT = 8
-    COMM_PEER_FAILED = 9
-    COMM_SETUP = 10
-    ACL = 11
-    HCCL = 12
-    ACLNN = 13
-    UNAVAILABLE = 14
-    IO = 15
-    BUFFER_TOO_SMALL = 16
-    PANIC = 17
-    KERNEL = 18
-    STALE_CONTEXT = 19
 
 
 class AmoeError(RuntimeError):
@@ -144,6 +125,10 @@ _SHAPE_OUT = [_SZ, c_size_t, _SZ]
 _SIGNATURES = {
     "amoe_version": [],
     "amoe_last_error_length": [],
+    "amoe_status_name": [c_uint32],
+    "amoe_enum_count": [],
+    "amoe_enum_info": [c_size_t, POINTER(c_char_p), _SZ],
+    "amoe_enum_entry": [c_size_t, c_size_t, POINTER(c_char_p), POINTER(c_uint32)],
     "amoe_last_error_message": [c_char_p, c_size_t, _SZ],
     "amoe_comm_cpu_new": [c_char_p, c_size_t, c_size_t, c_double, POINTER(c_void_p)],
     "amoe_comm_from_hccl": [c_void_p, c_uint32, POINTER(c_void_p)],
@@ -207,6 +192,8 @@ _SIGNATURES = {
 _RESTYPES = {
     "amoe_version": c_char_p,
     "amoe_last_error_length": c_size_t,
+    "amoe_status_name": c_char_p,
+    "amoe_enum_count": c_size_t,
     "amoe_comm_free": None,
     "amoe_stream_free": None,
     "amoe_live_context_free": None,
@@ -295,3 +282,85 @@ def sizes(values) -> tuple:
     if any(v < 0 for v in values):
         raise AmoeError(Status.INVALID_ARGUMENT, f"sizes must be non-negative, got {values}")
     return (c_size_t * max(len(values), 1))(*values), len(values)
+
+
+def _read_enum_tables() -> dict:
+    """`{C enum name: {variant name: value}}` from the library, in its order."""
+    lb = lib()
+
+    def ok(status):
+        # Before the table is read `Status` does not exist yet; like every
+        # export these return AMOE_STATUS_OK, the status that is false.
+        if status:
+            raise OSError(f"ascend_moe: reading the library's enum table failed: {last_error()}")
+
+    tables = {}
+    for i in range(lb.amoe_enum_count()):
+        name, n = c_char_p(), c_size_t(0)
+        ok(lb.amoe_enum_info(i, ctypes.byref(name), ctypes.byref(n)))
+        variants = {}
+        for j in range(n.value):
+            vname, value = c_char_p(), c_uint32(0)
+            ok(lb.amoe_enum_entry(i, j, ctypes.byref(vname), ctypes.byref(value)))
+            variants[vname.value.decode()] = value.value
+        tables[name.value.decode()] = variants
+    return tables
+
+
+# Read once, when the package is imported. Without a loadable library the
+# import still succeeds (so `library_path()` and the first call can say what
+# was tried); the enums then stand in for the missing library.
+try:
+    ENUM_TABLES = _read_enum_tables()
+    _LOAD_ERROR = None
+except OSError as _e:
+    ENUM_TABLES = {}
+    _LOAD_ERROR = _e
+
+
+class _Unloaded:
+    """An enum (or one of its members) of a library that could not be loaded.
+    Naming a member gives another stand-in, so that signatures such as
+    `op=ReduceOp.SUM` still import; using one (its number, a lookup, an
+    iteration) raises the loader's `OSError`."""
+
+    def __init__(self, name: str, error: OSError):
+        self._name = name
+        self._error = error
+
+    def _fail(self, *args, **kwargs):
+        raise OSError(f"ascend_moe.{self._name} needs the native library: {self._error}") from self._error
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Unloaded(f"{self._name}.{attr}", self._error)
+
+    def __repr__(self):
+        return f"<ascend_moe.{self._name}: the native library is not loaded>"
+
+    __call__ = __iter__ = __getitem__ = __len__ = __int__ = __index__ = _fail
+
+
+def numbered(base: type, c_name: str):
+    """The library's `enum c_name` as an `IntEnum` named like `base` without its
+    leading underscore: `base` is a member-less `IntEnum` subclass holding the
+    docstring and methods; the members (`AMOE_DTYPE_BF16` -> `BF16`) and their
+    values come from the library's table."""
+    name = base.__name__.lstrip("_")
+    if _LOAD_ERROR is not None:
+        return _Unloaded(name, _LOAD_ERROR)
+    if c_name not in ENUM_TABLES:
+        raise OSError(
+            f"ascend_moe: the native library {library_path()} has no enum {c_name}; it is older than this package"
+        )
+    cls = base(name, list(ENUM_TABLES[c_name].items()), module=base.__module__, qualname=name)
+    cls.__doc__ = base.__doc__
+    return cls
+
+
+class _Status(enum.IntEnum):
+    """`amoe_status` codes (fixed numbers, never reused)."""
+
+
+Status = numbered(_Status, "amoe_status")

@@ -19,39 +19,38 @@ from ctypes import c_size_t
 import ml_dtypes
 import numpy as np
 
-from ._lib import MAX_NDIM, AmoeError, Status, Tensor, call, lib
+from ._lib import ENUM_TABLES, MAX_NDIM, AmoeError, Status, Tensor, call, lib
 
-# `amoe_device_kind` codes.
-DEVICE_CPU = 0
-DEVICE_NPU = 1
+# `amoe_device_kind` codes, from the library (None without a loadable library,
+# when no descriptor can be used anyway).
+DEVICE_CPU = ENUM_TABLES.get("amoe_device_kind", {}).get("CPU")
+DEVICE_NPU = ENUM_TABLES.get("amoe_device_kind", {}).get("NPU")
 
-# amoe_dtype codes by dtype name (numpy, ml_dtypes and torch names agree on these).
-# Codes 5..=9 are the one-byte dtypes data movement carries as exact bytes
-# (quantized hidden states, packed fp4 as uint8, masks); reductions refuse them.
-DTYPE_CODES = {
-    "float32": 0,
-    "float16": 1,
-    "bfloat16": 2,
-    "int32": 3,
-    "int64": 4,
-    "int8": 5,
-    "uint8": 6,
-    "bool": 7,
-    "float8_e4m3fn": 8,
-    "float8_e5m2": 9,
+# The numpy / ml_dtypes dtype of each `amoe_dtype` variant, by the library's
+# variant name; the codes come from the library. numpy, ml_dtypes and torch
+# agree on the dtype names. The one-byte dtypes (int8 .. float8_e5m2) are
+# carried by data movement as exact bytes (quantized hidden states, packed fp4
+# as uint8, masks); reductions refuse them.
+_NUMPY_BY_VARIANT = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I32": np.int32,
+    "I64": np.int64,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "F8E4M3": ml_dtypes.float8_e4m3fn,
+    "F8E5M2": ml_dtypes.float8_e5m2,
 }
+# amoe_dtype code -> numpy dtype, and dtype name -> code, for the dtypes both
+# the library and this package know.
 NUMPY_DTYPES = {
-    0: np.dtype(np.float32),
-    1: np.dtype(np.float16),
-    2: np.dtype(ml_dtypes.bfloat16),
-    3: np.dtype(np.int32),
-    4: np.dtype(np.int64),
-    5: np.dtype(np.int8),
-    6: np.dtype(np.uint8),
-    7: np.dtype(np.bool_),
-    8: np.dtype(ml_dtypes.float8_e4m3fn),
-    9: np.dtype(ml_dtypes.float8_e5m2),
+    code: np.dtype(_NUMPY_BY_VARIANT[name])
+    for name, code in ENUM_TABLES.get("amoe_dtype", {}).items()
+    if name in _NUMPY_BY_VARIANT
 }
+DTYPE_CODES = {d.name: code for code, d in NUMPY_DTYPES.items()}
 
 
 def dtype_name(dtype) -> str:

@@ -84,6 +84,10 @@ def register() -> bool:
     def custom_op(name, **kw):
         return torch.library.custom_op(name, device_types=DEVICE_TYPES, **kw)
 
+    # Defaults as the plain ints a torch schema holds.
+    drop_less_column = int(ops.DropPadMode.DROP_LESS_COLUMN)
+    sum_op = int(_comm.ReduceOp.SUM)
+
     # ------------------------------------------------------------ local ops
 
     @custom_op("ascend_moe::moe_finalize_routing", mutates_args=())
@@ -95,12 +99,21 @@ def register() -> bool:
         bias: Optional[Tensor] = None,
         scales: Optional[Tensor] = None,
         expert_idx: Optional[Tensor] = None,
-        drop_pad_mode: int = 0,
+        drop_pad_mode: int = drop_less_column,
     ) -> Tensor:
         return ops.moe_finalize_routing(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode)
 
     @moe_finalize_routing.register_fake
-    def _(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0):
+    def _(
+        expanded_x,
+        expanded_row_idx,
+        x1=None,
+        x2=None,
+        bias=None,
+        scales=None,
+        expert_idx=None,
+        drop_pad_mode=drop_less_column,
+    ):
         args = (x1, x2, bias, scales, expert_idx, drop_pad_mode)
         return expanded_x.new_empty(shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args))
 
@@ -117,20 +130,20 @@ def register() -> bool:
     # time, and take rank and world size from it.
 
     @custom_op("ascend_moe::all_reduce", mutates_args=())
-    def all_reduce(x: Tensor, comm: int, op: int = 0) -> Tensor:
+    def all_reduce(x: Tensor, comm: int, op: int = sum_op) -> Tensor:
         return _comm.all_reduce(x, Comm.lookup(comm), op)
 
     @all_reduce.register_fake
-    def _(x, comm, op=0):
+    def _(x, comm, op=sum_op):
         Comm.lookup(comm)
         return x.new_empty(shapes.all_reduce(x))
 
     @custom_op("ascend_moe::reduce_scatter", mutates_args=())
-    def reduce_scatter(x: Tensor, comm: int, op: int = 0) -> Tensor:
+    def reduce_scatter(x: Tensor, comm: int, op: int = sum_op) -> Tensor:
         return _comm.reduce_scatter(x, Comm.lookup(comm), op)
 
     @reduce_scatter.register_fake
-    def _(x, comm, op=0):
+    def _(x, comm, op=sum_op):
         return x.new_empty(shapes.reduce_scatter(x, Comm.lookup(comm)))
 
     @custom_op("ascend_moe::all_gather", mutates_args=())

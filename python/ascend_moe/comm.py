@@ -12,16 +12,15 @@ from ctypes import c_size_t, c_void_p
 import numpy as np
 
 from . import shapes
-from ._lib import AmoeError, Status, call, lib, sizes
+from ._lib import AmoeError, Status, call, lib, numbered, sizes
 from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
 
 
-class ReduceOp(enum.IntEnum):
+class _ReduceOp(enum.IntEnum):
     """`amoe_reduce_op`."""
 
-    SUM = 0
-    MAX = 1
-    MIN = 2
+
+ReduceOp = numbered(_ReduceOp, "amoe_reduce_op")
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an

@@ -46,7 +46,10 @@ class ForwardContext:
         try:
             ct = CommType(int(self.comm_type))
         except ValueError:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown MoE comm type {self.comm_type!r} (expected 0..=3)") from None
+            raise AmoeError(
+                Status.INVALID_ARGUMENT,
+                f"unknown MoE comm type {self.comm_type!r} (expected 0..={int(max(CommType))})",
+            ) from None
         object.__setattr__(self, "comm_type", ct)
         object.__setattr__(self, "dp_tokens", tuple(int(t) for t in self.dp_tokens))
         if not self.dp_tokens or any(t < 0 for t in self.dp_tokens):

@@ -11,28 +11,21 @@ import enum
 from ctypes import c_size_t, c_uint8
 
 from . import shapes
-from ._lib import AmoeError, ReducePolicyC, Status, call, sizes
+from .shapes import DropPadMode
+from ._lib import AmoeError, ReducePolicyC, Status, call, numbered, sizes
 from ._tensor import Operands
 from .comm import Comm
 
 
-class CommType(enum.IntEnum):
+class _CommType(enum.IntEnum):
     """vLLM-Ascend's MoE communication types, chosen per forward pass."""
 
-    ALLGATHER = 0
-    MC2 = 1
-    ALLTOALL = 2
-    FUSED_MC2 = 3
+
+CommType = numbered(_CommType, "amoe_comm_type")
 
 
-class SharedMode(enum.IntEnum):
+class _SharedMode(enum.IntEnum):
     """How a layer's shared expert is parallelised (static)."""
-
-    NONE = 0
-    TENSOR_PARALLEL = 1
-    SEQUENCE_PARALLEL_SEDP = 2
-    SEQUENCE_PARALLEL_ONLY = 3
-    DATA_PARALLEL_ONLY = 4
 
     @classmethod
     def parse(cls, v) -> "SharedMode":
@@ -48,7 +41,12 @@ class SharedMode(enum.IntEnum):
         try:
             return cls(int(v))
         except ValueError:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared mode {v!r} (expected 0..=4)") from None
+            raise AmoeError(
+                Status.INVALID_ARGUMENT, f"unknown shared mode {v!r} (expected 0..={int(max(cls))})"
+            ) from None
+
+
+SharedMode = numbered(_SharedMode, "amoe_shared_mode")
 
 
 class SpLayout:
@@ -106,7 +104,7 @@ def moe_finalize_routing(
     bias=None,
     scales=None,
     expert_idx=None,
-    drop_pad_mode=0,
+    drop_pad_mode=DropPadMode.DROP_LESS_COLUMN,
     *,
     out=None,
     stream=None,
@@ -164,7 +162,7 @@ def finalize_and_reduce(
     bias=None,
     scales=None,
     expert_idx=None,
-    drop_pad_mode=0,
+    drop_pad_mode=DropPadMode.DROP_LESS_COLUMN,
     *,
     out=None,
     stream=None,

@@ -9,8 +9,18 @@ the dtype of its first argument.
 
 from __future__ import annotations
 
-from ._lib import AmoeError, FinalizeArgs, Status, call, sizes
+import enum
+
+from ._lib import AmoeError, FinalizeArgs, Status, call, numbered, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
+
+
+class _DropPadMode(enum.IntEnum):
+    """Drop-pad modes of the finalize op (SPEC section 1); `drop_pad_mode`
+    arguments take a member or its number."""
+
+
+DropPadMode = numbered(_DropPadMode, "amoe_drop_pad_mode")
 
 
 def _ep(ep) -> tuple:
@@ -31,7 +41,9 @@ def _layout(layout):
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
     """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
     if int(drop_pad_mode) < 0:
-        raise AmoeError(Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..=3")
+        raise AmoeError(
+            Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}"
+        )
     make_opt = (lambda a, x: None if x is None else make(a, x))
     descs = [
         make("expanded_x", expanded_x),
@@ -47,7 +59,14 @@ def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx
 
 
 def moe_finalize_routing(
-    expanded_x, expanded_row_idx, x1=None, x2=None, bias=None, scales=None, expert_idx=None, drop_pad_mode=0
+    expanded_x,
+    expanded_row_idx,
+    x1=None,
+    x2=None,
+    bias=None,
+    scales=None,
+    expert_idx=None,
+    drop_pad_mode=DropPadMode.DROP_LESS_COLUMN,
 ) -> tuple:
     """`[N, H...]`; validates every input as the op does."""
     args, _keep = finalize_args(
@@ -105,7 +124,7 @@ def finalize_and_reduce(
     bias=None,
     scales=None,
     expert_idx=None,
-    drop_pad_mode=0,
+    drop_pad_mode=DropPadMode.DROP_LESS_COLUMN,
 ) -> tuple:
     """`[local_sizes[ep_rank], H...]` of the fused finalize + EP/SP reduce."""
     args, _keep = finalize_args(

@@ -1,13 +1,25 @@
-"""Every enum of the Python package has the numbers of `include/ascend_moe.h`, every
-variant in both directions (tests/capi_enums.rs ties the Rust enums to the same header)."""
+"""The Python package numbers no enum itself: its enums and dtype tables are the
+library's table (`amoe_enum_*`, read at import), which is the header's, every
+enum and variant in both directions (tests/capi_enums.rs ties the Rust enums to
+the same header and table)."""
 
+import ast
+import importlib
+import inspect
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import ascend_moe as am
 from ascend_moe import _tensor
 
-HEADER = (Path(__file__).resolve().parents[2] / "include" / "ascend_moe.h").read_text()
+# The module (the package's `_lib` attribute is its `lib()` function).
+_lib = importlib.import_module("ascend_moe._lib")
+
+ROOT = Path(__file__).resolve().parents[2]
+HEADER = (ROOT / "include" / "ascend_moe.h").read_text()
 
 # numpy / torch dtype names of the package -> the header's dtype variant names.
 DTYPE_NAMES = {
@@ -23,32 +35,107 @@ DTYPE_NAMES = {
     "float8_e5m2": "F8E5M2",
 }
 
+# The package's class for each header enum; the dtype and device-kind codes are
+# tables of `_tensor` (checked below).
+CLASSES = {
+    "amoe_status": am.Status,
+    "amoe_comm_type": am.CommType,
+    "amoe_shared_mode": am.SharedMode,
+    "amoe_reduce_op": am.ReduceOp,
+    "amoe_drop_pad_mode": am.DropPadMode,
+}
+TABLES = {"amoe_dtype", "amoe_device_kind"}
 
-def header_enum(name):
-    body = re.search(r"enum %s\n[^{]*\{(.*?)\};" % name, HEADER, re.S)
-    assert body, f"no enum {name} in the header"
-    prefix = name.upper() + "_"
-    entries = dict(
-        (k[len(prefix) :], int(v)) for k, v in re.findall(r"^\s*(AMOE_\w+) = (\d+),?$", body.group(1), re.M)
-    )
-    assert entries, f"enum {name} has no variants"
-    return entries
+
+def header_enums():
+    """`{enum name: {variant name without the prefix: value}}` of every `enum amoe_*` block."""
+    out = {}
+    for name, body in re.findall(r"^enum (amoe_\w+)\n[^{]*\{(.*?)\};", HEADER, re.S | re.M):
+        prefix = name.upper() + "_"
+        entries = {}
+        for k, v in re.findall(r"^\s*(AMOE_\w+) = (\d+),?$", body, re.M):
+            assert k.startswith(prefix), (name, k)
+            assert k[len(prefix) :] not in entries, (name, k)
+            entries[k[len(prefix) :]] = int(v)
+        assert entries, f"enum {name} has no variants"
+        assert name not in out, f"enum {name} twice"
+        out[name] = entries
+    return out
 
 
-def test_int_enums_match_the_header():
-    for cls, name in [
-        (am.Status, "amoe_status"),
-        (am.CommType, "amoe_comm_type"),
-        (am.SharedMode, "amoe_shared_mode"),
-        (am.ReduceOp, "amoe_reduce_op"),
-    ]:
-        assert {m.name: int(m) for m in cls} == header_enum(name), cls.__name__
+def test_the_library_table_is_the_header():
+    header = header_enums()
+    assert len(header) >= 7, sorted(header)
+    # Dict equality is both directions: same enums, same variants, same numbers.
+    assert _lib.ENUM_TABLES == header
+    assert list(_lib.ENUM_TABLES) == list(header), "the table is in header order"
+
+
+def test_every_header_enum_has_a_python_counterpart():
+    assert set(CLASSES) | TABLES == set(header_enums())
+
+
+def test_int_enums_match_the_header_both_ways():
+    header = header_enums()
+    for name, cls in CLASSES.items():
+        assert {m.name: int(m) for m in cls} == header[name], cls.__name__
+        for k, v in header[name].items():
+            assert cls[k] is cls(v), (name, k, v)
+        assert cls.__doc__, cls.__name__
+
+
+def test_status_names_cover_every_status():
+    lb = _lib.lib()
+    names = {int(s): lb.amoe_status_name(int(s)) for s in am.Status}
+    assert len(set(names.values())) == len(am.Status)
+    assert b"unknown status" not in names.values()
+    assert lb.amoe_status_name(max(names) + 1) == b"unknown status"
 
 
 def test_dtype_codes_match_the_header():
-    header = header_enum("amoe_dtype")
+    header = header_enums()["amoe_dtype"]
     assert set(DTYPE_NAMES) == set(_tensor.DTYPE_CODES), "a dtype the package knows is missing here, or vice versa"
     assert {DTYPE_NAMES[n]: c for n, c in _tensor.DTYPE_CODES.items()} == header
     assert set(_tensor.NUMPY_DTYPES) == set(header.values())
     for n, c in _tensor.DTYPE_CODES.items():
         assert _tensor.NUMPY_DTYPES[c].name == n, (n, c)
+
+
+def test_device_kinds_match_the_header():
+    assert header_enums()["amoe_device_kind"] == {"CPU": _tensor.DEVICE_CPU, "NPU": _tensor.DEVICE_NPU}
+
+
+def test_default_drop_pad_mode_is_the_first():
+    for f in (am.moe_finalize_routing, am.finalize_and_reduce, am.shapes.moe_finalize_routing):
+        default = inspect.signature(f).parameters["drop_pad_mode"].default
+        assert default is am.DropPadMode.DROP_LESS_COLUMN and int(default) == 0, f
+
+
+def test_shared_mode_parse_names_the_valid_numbers():
+    top = max(header_enums()["amoe_shared_mode"].values())
+    try:
+        am.SharedMode.parse(top + 1)
+    except am.AmoeError as e:
+        assert e.status is am.Status.INVALID_ARGUMENT
+        assert f"expected 0..={top}" in str(e), str(e)
+    else:
+        raise AssertionError("an unknown shared mode was accepted")
+
+
+def test_no_enum_number_is_written_in_the_package():
+    """No enum class of the package assigns a member: the members come from
+    the library."""
+    for path in sorted((ROOT / "python" / "ascend_moe").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any("Enum" in ast.unparse(b) for b in node.bases):
+                assigns = [s for s in node.body if isinstance(s, ast.Assign | ast.AnnAssign)]
+                members = [ast.unparse(s) for s in assigns]
+                assert not members, f"{path.name}: class {node.name} numbers {members} itself"
+
+
+def test_import_without_the_library_still_works_and_enums_name_it(tmp_path):
+    env = dict(os.environ, ASCEND_MOE_LIB=str(tmp_path / "missing.so"))
+    code = "import ascend_moe as am\ntry:\n    int(am.Status.OK)\nexcept OSError as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "missing.so" in out and "Status" in out, out

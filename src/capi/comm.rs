@@ -4,30 +4,10 @@ use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
 use super::ffi::{ffi, read_sizes, read_str, read_tensor, try_out, try_ref, write_out, write_tensor, Failure};
-use super::{amoe_status, amoe_tensor};
+use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, stream_device};
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::{HcclComm, NpuDevice};
 use crate::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
-
-/// A communicator: one rank's handle on a group (a CPU shared-memory world,
-/// a sub-group of one, or an HCCL communicator).
-///
-/// Created by `amoe_comm_cpu_new`, `amoe_comm_split` or `amoe_comm_from_hccl`;
-/// owned by the caller, who releases it with `amoe_comm_free`. A handle may
-/// be used by one thread at a time; different handles (ranks) may be used by
-/// different threads concurrently.
-pub struct amoe_comm {
-    _private: [u8; 0],
-}
-
-/// A borrowed NPU stream (an `aclrtStream` owned by the engine, e.g. torch_npu's
-/// current stream) on one device. Every op and collective takes one: NPU
-/// tensor descriptors must live on its device and the work is queued on it;
-/// pass NULL when every tensor is a host tensor. The handle never owns the
-/// engine's stream: `amoe_stream_free` releases only the handle.
-pub struct amoe_stream {
-    _private: [u8; 0],
-}
 
 fn comm_ptr(c: Comm) -> *mut amoe_comm {
     Box::into_raw(Box::new(c)) as *mut amoe_comm
@@ -620,12 +600,10 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 pub unsafe extern "C" fn amoe_stream_check(stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_stream_check";
     ffi!(F, {
-        if stream.is_null() {
-            return Ok(());
+        // SAFETY: NULL or a live handle, per the contract.
+        if let Some(dev) = unsafe { stream_device(stream) } {
+            dev.check()?;
         }
-        // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`.
-        let dev = unsafe { &*(stream as *const NpuDevice) };
-        dev.check()?;
         super::live::check_attached(stream)
     })
 }

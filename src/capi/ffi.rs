@@ -13,8 +13,9 @@ use std::cell::RefCell;
 use std::ffi::{c_char, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::comm::amoe_stream;
-use super::{amoe_status, amoe_tensor, AMOE_DEVICE_CPU, AMOE_DEVICE_NPU, AMOE_MAX_NDIM};
+use super::types::{
+    amoe_status, amoe_stream, amoe_tensor, stream_device, AMOE_DEVICE_CPU, AMOE_DEVICE_NPU, AMOE_MAX_NDIM,
+};
 use crate::backend::npu::{NpuBuffer, NpuDevice};
 use crate::error::CommErrorKind;
 use crate::tensor::CpuBuffer;
@@ -101,12 +102,8 @@ impl Drop for NpuScope {
 /// # Safety
 /// `stream` must be NULL or a live handle from `amoe_stream_wrap`.
 pub(crate) unsafe fn bind_stream(_func: &str, stream: *const amoe_stream) -> Result<NpuScope, Failure> {
-    let dev = if stream.is_null() {
-        None
-    } else {
-        // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`.
-        Some(unsafe { &*(stream as *const NpuDevice) }.clone())
-    };
+    // SAFETY: the caller's contract.
+    let dev = unsafe { stream_device(stream) }.cloned();
     Ok(NpuScope(NPU.with(|d| std::mem::replace(&mut *d.borrow_mut(), dev))))
 }
 

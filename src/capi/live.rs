@@ -2,11 +2,10 @@
 //! device that guards ops captured in an ACL graph against replays under
 //! another context.
 
-use super::amoe_status;
 use std::sync::{Arc, Mutex};
 
-use super::comm::amoe_stream;
 use super::ffi::{ffi, read_sizes, try_out, try_ref, write_out, Failure};
+use super::types::{amoe_live_context, amoe_status, amoe_stream, stream_device};
 use crate::backend::npu::kernel::guard::{ContextWords, GuardTiling};
 use crate::backend::npu::live_context::LiveContext;
 use crate::backend::npu::NpuDevice;
@@ -38,14 +37,6 @@ pub struct amoe_forward_context {
 /// `num_actual_tokens` (for example an MC2 mask of the real rows).
 pub const AMOE_GUARD_ACTUAL_TOKENS: u32 = 1;
 
-/// A live forward context in NPU memory (256 bytes), which the engine
-/// rewrites before each graph replay, plus the records of the guards
-/// enqueued against it. Owned by the caller (free with
-/// `amoe_live_context_free`, outside capture).
-pub struct amoe_live_context {
-    _private: [u8; 0],
-}
-
 /// # Safety
 /// `fc` NULL or valid, with `dp_tokens` readable for `dp_size` entries.
 unsafe fn words(f: &str, fc: *const amoe_forward_context) -> Result<ContextWords, Failure> {
@@ -69,12 +60,9 @@ unsafe fn words(f: &str, fc: *const amoe_forward_context) -> Result<ContextWords
 
 /// # Safety
 /// `stream` NULL or a live handle from `amoe_stream_wrap`.
-unsafe fn stream_device(f: &str, stream: *const amoe_stream) -> Result<NpuDevice, Failure> {
-    if stream.is_null() {
-        return Err(Failure::null(f, "stream"));
-    }
-    // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`.
-    Ok(unsafe { &*(stream as *const NpuDevice) }.clone())
+unsafe fn required_stream(f: &str, stream: *const amoe_stream) -> Result<NpuDevice, Failure> {
+    // SAFETY: the caller's contract.
+    unsafe { stream_device(stream) }.cloned().ok_or_else(|| Failure::null(f, "stream"))
 }
 
 /// # Safety
@@ -128,7 +116,7 @@ pub(crate) unsafe fn guard_op(
 ) -> Result<(), Failure> {
     let Some(live) = attached(stream) else { return Ok(()) };
     // SAFETY: the caller's contract.
-    let dev = unsafe { stream_device(f, stream) }?;
+    let dev = unsafe { required_stream(f, stream) }?;
     let tiling = match ctx {
         Some(c) => GuardTiling::new(
             &ContextWords::encode(comm as u32, c.sp(), c.pcp_size().max(1), None, c.dp_tokens())?,
@@ -156,7 +144,7 @@ pub unsafe extern "C" fn amoe_live_context_new(
     ffi!(F, {
         let out = try_out!(F, out, "out");
         // SAFETY: the export's contract.
-        let dev = unsafe { stream_device(F, stream) }?;
+        let dev = unsafe { required_stream(F, stream) }?;
         let ctx = Arc::new(LiveContext::new(&dev)?);
         // SAFETY: `out` checked non-null; writable per the contract.
         unsafe { write_out(out, Arc::into_raw(ctx) as *mut amoe_live_context) };
@@ -201,7 +189,7 @@ pub unsafe extern "C" fn amoe_stream_attach_live_context(
     const F: &str = "amoe_stream_attach_live_context";
     ffi!(F, {
         // SAFETY: the export's contract.
-        let dev = unsafe { stream_device(F, stream) }?;
+        let dev = unsafe { required_stream(F, stream) }?;
         detach_stream(stream);
         if ctx.is_null() {
             return Ok(());
@@ -271,7 +259,7 @@ pub unsafe extern "C" fn amoe_live_context_set(
     const F: &str = "amoe_live_context_set";
     ffi!(F, {
         // SAFETY: the export's contracts.
-        let (c, w, dev) = unsafe { (live(F, ctx)?, words(F, fc)?, stream_device(F, stream)?) };
+        let (c, w, dev) = unsafe { (live(F, ctx)?, words(F, fc)?, required_stream(F, stream)?) };
         c.set(&w, dev.stream())?;
         Ok(())
     })
@@ -300,7 +288,7 @@ pub unsafe extern "C" fn amoe_live_context_guard(
             return Err(Failure::invalid(F, "flags", format!("{flags:#x} has unknown bits")));
         }
         // SAFETY: the export's contracts.
-        let (c, w, dev) = unsafe { (live(F, ctx)?, words(F, captured_for)?, stream_device(F, stream)?) };
+        let (c, w, dev) = unsafe { (live(F, ctx)?, words(F, captured_for)?, required_stream(F, stream)?) };
         c.guard("moe_layer", &w, flags & AMOE_GUARD_ACTUAL_TOKENS != 0, dev.stream())?;
         Ok(())
     })
@@ -322,7 +310,7 @@ pub unsafe extern "C" fn amoe_live_context_check(
     const F: &str = "amoe_live_context_check";
     ffi!(F, {
         // SAFETY: the export's contracts.
-        let (c, dev) = unsafe { (live(F, ctx)?, stream_device(F, stream)?) };
+        let (c, dev) = unsafe { (live(F, ctx)?, required_stream(F, stream)?) };
         dev.synchronize()?;
         c.check()?;
         Ok(())

@@ -11,7 +11,8 @@
 //!   `AMOE_STATUS_NULL_ARGUMENT`; `*_free` functions accept NULL;
 //! - enum-like inputs (dtype, device kind, reduce op, comm type, shared mode,
 //!   drop-pad mode) are passed as `uint32_t` and validated, so an unknown
-//!   value is an error rather than undefined behaviour;
+//!   value is an error rather than undefined behaviour; their numbers are the
+//!   Rust enums' (`types::ENUMS`), which `amoe_enum_*` also give at run time;
 //! - tensors cross as `amoe_tensor` descriptors. Host (CPU) inputs are read
 //!   from the caller's memory during the call only; outputs are written into
 //!   memory the caller allocated with the shape the matching
@@ -32,169 +33,19 @@ mod live;
 mod ops;
 mod prepare;
 mod shared;
+mod types;
 
 pub use comm::*;
 pub use live::*;
 pub use ops::*;
 pub use prepare::*;
 pub use shared::*;
+pub use types::*;
 
-use std::ffi::{c_char, c_void};
+use std::ffi::c_char;
 
+use crate::types::Numbered;
 use ffi::{ffi, try_out, with_last_error, write_out, Failure};
-
-/// Status code of every export. Numbers are fixed forever: a retired code is
-/// never reused for something else.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum amoe_status {
-    /// Success.
-    Ok = 0,
-    /// A required pointer argument was NULL.
-    NullArgument = 1,
-    /// An argument has a value the function does not accept.
-    InvalidArgument = 2,
-    /// A tensor has the wrong shape.
-    Shape = 3,
-    /// A tensor has the wrong dtype, or a dtype code is unknown.
-    Dtype = 4,
-    /// An index tensor holds a value outside its valid range.
-    IndexOutOfRange = 5,
-    /// A tensor is on the wrong device, or a device kind is unknown.
-    Device = 6,
-    /// Ranks called different collectives (kind, count, dtype, root, op).
-    CommMismatch = 7,
-    /// A peer did not arrive within the communicator's timeout.
-    CommTimeout = 8,
-    /// A peer died or aborted the group.
-    CommPeerFailed = 9,
-    /// Rendezvous or sub-group construction was invalid.
-    CommSetup = 10,
-    /// An ACL runtime call failed.
-    Acl = 11,
-    /// An HCCL call failed.
-    Hccl = 12,
-    /// An aclnn operator call failed.
-    Aclnn = 13,
-    /// A runtime library or backend is not available (e.g. no CANN / NPU backend).
-    Unavailable = 14,
-    /// An operating-system call failed (shared memory, files).
-    Io = 15,
-    /// A caller-provided buffer is too small; the needed size was written where the function says.
-    BufferTooSmall = 16,
-    /// The library panicked; this is a bug. The message says where.
-    Panic = 17,
-    /// A device kernel reported a fault (bad index, tiling, or a simulated hardware rule).
-    Kernel = 18,
-    /// Work captured for one forward context ran under another (found on the
-    /// device by the captured ops' guard, reported by the stream check).
-    StaleContext = 19,
-}
-
-/// Element type codes of `amoe_tensor::dtype` (the crate's `DType` numbering).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum amoe_dtype {
-    /// IEEE binary32.
-    F32 = 0,
-    /// IEEE binary16.
-    F16 = 1,
-    /// bfloat16.
-    BF16 = 2,
-    /// int32 (index tensors).
-    I32 = 3,
-    /// int64.
-    I64 = 4,
-    /// int8 (quantized hidden states; moved, never reduced).
-    I8 = 5,
-    /// uint8 (also packed fp4, two e2m1 values per byte; moved, never reduced).
-    U8 = 6,
-    /// bool, one byte (masks; moved, never reduced).
-    Bool = 7,
-    /// float8 e4m3fn (moved, never reduced).
-    F8E4M3 = 8,
-    /// float8 e5m2 (moved, never reduced).
-    F8E5M2 = 9,
-}
-
-/// Device kinds of `amoe_tensor::device_kind`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum amoe_device_kind {
-    /// Host memory.
-    Cpu = 0,
-    /// Ascend NPU memory (`device_ordinal` names the device, which must be
-    /// the device of the call's `amoe_stream`). Borrowed for the call, never
-    /// copied to the host and never freed; `AMOE_STATUS_UNAVAILABLE` when
-    /// CANN cannot be loaded.
-    Npu = 1,
-}
-
-pub(crate) const AMOE_DEVICE_CPU: u32 = amoe_device_kind::Cpu as u32;
-pub(crate) const AMOE_DEVICE_NPU: u32 = amoe_device_kind::Npu as u32;
-
-/// Reduction operators of the collectives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum amoe_reduce_op {
-    /// Sum (f32 accumulation for f16 / bf16).
-    Sum = 0,
-    /// Elementwise maximum.
-    Max = 1,
-    /// Elementwise minimum.
-    Min = 2,
-}
-
-/// vLLM-Ascend's MoE communication types (SPEC section 5), chosen per forward pass.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum amoe_comm_type {
-    /// DP all-gather of tokens.
-    Allgather = 0,
-    /// MC2 dispatch / combine.
-    Mc2 = 1,
-    /// All-to-all dispatch / combine.
-    Alltoall = 2,
-    /// Fused MC2.
-    FusedMc2 = 3,
-}
-
-/// Most dimensions an `amoe_tensor` may have.
-pub const AMOE_MAX_NDIM: usize = 8;
-
-/// A tensor descriptor: where the bytes are, what they hold, on which device.
-///
-/// The descriptor is only read. It never transfers ownership: `data`,
-/// `shape` and `strides` stay owned by the caller and must stay valid for the
-/// duration of the call that receives the descriptor, no longer.
-/// - `data`: for inputs, readable for `prod(shape) * dtype_size` bytes; for
-///   outputs, writable for that many bytes. May be NULL when the tensor has
-///   no elements, and is ignored by `*_output_shape` functions.
-/// - `dtype`: an `amoe_dtype` code.
-/// - `ndim`: number of dimensions, `0..=AMOE_MAX_NDIM`; 0 is a scalar.
-/// - `shape`: `ndim` sizes (may be NULL when `ndim == 0`).
-/// - `strides`: NULL for a C-contiguous tensor, else `ndim` strides in
-///   elements, which must describe a C-contiguous layout (size-1 dimensions
-///   may carry any stride); other layouts are rejected.
-/// - `device_kind`: an `amoe_device_kind` code; `device_ordinal` names the NPU.
-#[derive(Debug, Clone, Copy)]
-#[repr(C)]
-pub struct amoe_tensor {
-    /// First byte of the elements.
-    pub data: *mut c_void,
-    /// An `amoe_dtype` code.
-    pub dtype: u32,
-    /// Number of dimensions.
-    pub ndim: usize,
-    /// `ndim` sizes.
-    pub shape: *const usize,
-    /// NULL, or `ndim` strides in elements (must be C-contiguous).
-    pub strides: *const isize,
-    /// An `amoe_device_kind` code.
-    pub device_kind: u32,
-    /// NPU ordinal (ignored for host tensors).
-    pub device_ordinal: i32,
-}
 
 /// The library version as a static NUL-terminated string (`"MAJOR.MINOR.PATCH"`).
 /// Owned by the library; never free it.
@@ -262,30 +113,91 @@ pub unsafe extern "C" fn amoe_last_error_message(buf: *mut c_char, len: usize, o
 /// owned by the library (never free it). Unknown codes give `"unknown status"`.
 #[no_mangle]
 pub extern "C" fn amoe_status_name(status: u32) -> *const c_char {
-    let s: &'static str = match status {
-        0 => "ok\0",
-        1 => "null argument\0",
-        2 => "invalid argument\0",
-        3 => "shape mismatch\0",
-        4 => "dtype mismatch\0",
-        5 => "index out of range\0",
-        6 => "wrong device\0",
-        7 => "collective mismatch\0",
-        8 => "collective timeout\0",
-        9 => "peer failed\0",
-        10 => "communicator setup failed\0",
-        11 => "ACL error\0",
-        12 => "HCCL error\0",
-        13 => "aclnn error\0",
-        14 => "unavailable\0",
-        15 => "I/O error\0",
-        16 => "buffer too small\0",
-        17 => "internal panic\0",
-        18 => "kernel fault\0",
-        19 => "stale forward context\0",
-        _ => "unknown status\0",
-    };
-    s.as_ptr() as *const c_char
+    amoe_status::try_from(status).map_or(c"unknown status", amoe_status::message).as_ptr()
+}
+
+/// The number of enums the C ABI numbers (`amoe_status`, `amoe_dtype`, ...):
+/// `amoe_enum_info` and `amoe_enum_entry` take `0..amoe_enum_count()`, in
+/// the order of the header's `enum` blocks. The tables are the library's
+/// own numbering, from which the header was generated; bindings read them
+/// instead of repeating the numbers.
+#[no_mangle]
+pub extern "C" fn amoe_enum_count() -> usize {
+    ENUMS.len()
+}
+
+/// Entry `index` of [`ENUMS`]; an error names the valid range.
+fn c_enum(f: &str, index: usize) -> Result<&'static CEnum, Failure> {
+    ENUMS.get(index).ok_or_else(|| {
+        Failure::invalid(f, "index", format!("{index} is not an enum index (expected 0..{})", ENUMS.len()))
+    })
+}
+
+/// The C type name of enum `index` (`"amoe_dtype"`, a static NUL-terminated
+/// string owned by the library, never free it) into `*out_name`, and its
+/// number of variants into `*out_len`. `index >= amoe_enum_count()` returns
+/// `AMOE_STATUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `out_name` and `out_len` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_enum_info(
+    index: usize,
+    out_name: *mut *const c_char,
+    out_len: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_enum_info";
+    ffi!(F, {
+        let out_name = try_out!(F, out_name, "out_name");
+        let out_len = try_out!(F, out_len, "out_len");
+        let e = c_enum(F, index)?;
+        // SAFETY: both checked non-null, writable per the contract.
+        unsafe {
+            write_out(out_name, e.name.as_ptr());
+            write_out(out_len, e.variants.len());
+        }
+        Ok(())
+    })
+}
+
+/// Variant `variant` of enum `index`: its name without the enum's prefix
+/// (`"BF16"` for `AMOE_DTYPE_BF16`; a static NUL-terminated string owned by
+/// the library, never free it) into `*out_name` and its value into
+/// `*out_value`. Variants are in numbering order. An index out of range
+/// returns `AMOE_STATUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+/// `out_name` and `out_value` must be NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_enum_entry(
+    index: usize,
+    variant: usize,
+    out_name: *mut *const c_char,
+    out_value: *mut u32,
+) -> amoe_status {
+    const F: &str = "amoe_enum_entry";
+    ffi!(F, {
+        let out_name = try_out!(F, out_name, "out_name");
+        let out_value = try_out!(F, out_value, "out_value");
+        let e = c_enum(F, index)?;
+        let v = e.variants.get(variant).ok_or_else(|| {
+            Failure::invalid(
+                F,
+                "variant",
+                format!(
+                    "{variant} is not a variant of {} (expected 0..{})",
+                    e.name.to_string_lossy(),
+                    e.variants.len()
+                ),
+            )
+        })?;
+        // SAFETY: both checked non-null, writable per the contract.
+        unsafe {
+            write_out(out_name, v.c_name.as_ptr());
+            write_out(out_value, v.value);
+        }
+        Ok(())
+    })
 }
 
 /// vLLM-Ascend's name of a comm type (`"ALLGATHER"`, `"MC2"`, `"ALLTOALL"`,
@@ -299,14 +211,9 @@ pub unsafe extern "C" fn amoe_comm_type_name(comm_type: u32, out: *mut *const c_
     const F: &str = "amoe_comm_type_name";
     ffi!(F, {
         let out = try_out!(F, out, "out");
-        let name: &'static str = match crate::CommType::from_u32(comm_type)? {
-            crate::CommType::AllGather => "ALLGATHER\0",
-            crate::CommType::Mc2 => "MC2\0",
-            crate::CommType::AllToAll => "ALLTOALL\0",
-            crate::CommType::FusedMc2 => "FUSED_MC2\0",
-        };
+        let name = crate::CommType::from_u32(comm_type)?.variant().c_name;
         // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, name.as_ptr() as *const c_char) };
+        unsafe { write_out(out, name.as_ptr()) };
         Ok(())
     })
 }
@@ -333,14 +240,14 @@ mod tests {
 
     #[test]
     fn every_status_has_a_distinct_name() {
-        let names: std::collections::HashSet<_> = (0..=17u32)
-            .map(|s| {
-                // SAFETY: amoe_status_name returns a static NUL-terminated string.
-                unsafe { std::ffi::CStr::from_ptr(amoe_status_name(s)) }.to_str().map(str::to_owned)
-            })
-            .collect::<Result<_, _>>()
-            .map_err(|e| e.to_string())
-            .unwrap_or_default();
-        assert_eq!(names.len(), 18);
+        let name = |s: u32| {
+            // SAFETY: amoe_status_name returns a static NUL-terminated string.
+            unsafe { std::ffi::CStr::from_ptr(amoe_status_name(s)) }.to_string_lossy().into_owned()
+        };
+        let names: std::collections::HashSet<String> = amoe_status::TABLE.iter().map(|v| name(v.value)).collect();
+        assert_eq!(names.len(), amoe_status::VARIANTS.len(), "{names:?}");
+        assert!(!names.contains("unknown status"), "{names:?}");
+        let past = amoe_status::TABLE.iter().map(|v| v.value).max().unwrap_or(0) + 1;
+        assert_eq!(name(past), "unknown status");
     }
 }

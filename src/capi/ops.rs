@@ -6,47 +6,17 @@
 //! size its result, so a meta / fake implementation built on it cannot
 //! disagree with the real op.
 
-use super::comm::{amoe_comm, amoe_stream, comm_ref};
+use super::comm::comm_ref;
 use super::ffi::{
     check_out, ffi, flag, read_meta, read_opt, read_sizes, read_tensor, try_out, try_ref, write_out, write_shape,
     write_tensor, Failure, Meta,
 };
-use super::{amoe_status, amoe_tensor};
+use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::backend::FinalizeArgs;
 use crate::moe::finalize::{drop_pad_mode, FinalizeMeta, TensorMeta};
 use crate::moe::{self, ReducePolicy, SharedMode, SpLayout};
 use crate::tensor::Storage;
 use crate::{Collectives, Comm, CommType, Tensor};
-
-/// Shared-expert modes of `amoe_reduce_policy::shared_mode` (SPEC section 5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum amoe_shared_mode {
-    /// No shared expert.
-    None = 0,
-    /// TP-sharded weights: each TP rank's output is a TP-partial sum.
-    TensorParallel = 1,
-    /// Sequence parallel (SEDP): output already complete on the shard.
-    SequenceParallelSedp = 2,
-    /// Sequence parallel only: output already complete on the shard.
-    SequenceParallelOnly = 3,
-    /// Replicated weights: output complete.
-    DataParallelOnly = 4,
-}
-
-/// Drop-pad modes of the finalize op (SPEC section 1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u32)]
-pub enum amoe_drop_pad_mode {
-    /// Drop-less, `expanded_x [N*K, H]`, column index layout `idx[k*N + i]`.
-    DropLessColumn = 0,
-    /// Drop-pad, `expanded_x [E, C, H]`, column layout, -1 = dropped slot.
-    DropPadColumn = 1,
-    /// Drop-less, row index layout `idx[i*K + k]`.
-    DropLessRow = 2,
-    /// Drop-pad, row layout, -1 = dropped slot.
-    DropPadRow = 3,
-}
 
 /// The inputs of the fused finalize (SPEC section 1). All tensors are read
 /// only; optional ones may be NULL. Ownership of every descriptor stays with

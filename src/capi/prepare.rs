@@ -1,11 +1,11 @@
 //! Token prepare / finalize per MoE comm type (SPEC section 6): the token
 //! padding, splitting and gathering around the experts of one MoE layer.
 
-use super::comm::{amoe_comm, amoe_stream, comm_ref};
+use super::comm::comm_ref;
 use super::ffi::{
     check_out, ffi, flag, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
 };
-use super::{amoe_status, amoe_tensor};
+use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
 use crate::CommType;
 
@@ -53,12 +53,6 @@ pub struct amoe_moe_context_ex {
     pub pcp_size: usize,
     /// This rank's PCP rank (< `pcp_size`; 0 without PCP).
     pub pcp_rank: usize,
-}
-
-/// The EP / TP / DP groups of a MoE layer, split from a world communicator.
-/// Owned by the caller (free with `amoe_moe_groups_free`).
-pub struct amoe_moe_groups {
-    _private: [u8; 0],
 }
 
 /// # Safety

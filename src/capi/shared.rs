@@ -4,9 +4,9 @@
 //! Each op has an `*_output_shape` twin calling the Rust shape function the op
 //! sizes its output with.
 
-use super::comm::{amoe_comm, amoe_stream, comm_ref};
+use super::comm::comm_ref;
 use super::ffi::{check_out, ffi, read_meta, read_tensor, write_shape, write_tensor};
-use super::{amoe_status, amoe_tensor};
+use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::shared;
 use crate::{Collectives, Comm, Tensor};
 

@@ -11,6 +11,7 @@
 
 use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+use crate::types::Numbered;
 pub use crate::types::TensorMeta;
 use crate::{DType, Device, Error, Result, Tensor};
 
@@ -57,10 +58,13 @@ impl<'a> FinalizeMeta<'a> {
 
 /// The drop-pad mode for a raw number; an error names the value otherwise.
 pub fn drop_pad_mode(op: &'static str, value: i64) -> Result<DropPadMode> {
-    u32::try_from(value)
-        .ok()
-        .and_then(DropPadMode::from_u32)
-        .ok_or_else(|| Error::invalid(op, "drop_pad_mode", format!("unknown drop-pad mode {value} (expected 0..=3)")))
+    u32::try_from(value).ok().and_then(DropPadMode::from_u32).ok_or_else(|| {
+        Error::invalid(
+            op,
+            "drop_pad_mode",
+            format!("unknown drop-pad mode {value} (expected {})", DropPadMode::expected()),
+        )
+    })
 }
 
 fn float_dtype(op: &'static str, arg: &'static str, d: DType) -> Result<()> {

@@ -13,6 +13,7 @@
 //! tensor. Shape functions of these ops are the identity.
 
 use crate::comm::{Collectives, CommType, ReduceOp};
+use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
 
 /// True when the routed output of a comm type is already the full sum on every
@@ -25,36 +26,35 @@ pub fn routed_is_reduced(comm: CommType, sp: bool) -> bool {
     }
 }
 
-/// How the shared expert of a layer is parallelised (static).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum SharedMode {
-    /// No shared expert.
-    None = 0,
-    /// TP-sharded weights: each TP rank's output is a TP-partial sum.
-    TensorParallel = 1,
-    /// Sequence parallel (SEDP): output already complete on the shard.
-    SequenceParallelSedp = 2,
-    /// Sequence parallel only: output already complete on the shard.
-    SequenceParallelOnly = 3,
-    /// Replicated weights: output complete.
-    DataParallelOnly = 4,
+numbered! {
+    /// How the shared expert of a layer is parallelised (static).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum SharedMode {
+        /// No shared expert.
+        None = 0 => "NONE",
+        /// TP-sharded weights: each TP rank's output is a TP-partial sum.
+        TensorParallel = 1 => "TENSOR_PARALLEL",
+        /// Sequence parallel (SEDP): output already complete on the shard.
+        SequenceParallelSedp = 2 => "SEQUENCE_PARALLEL_SEDP",
+        /// Sequence parallel only: output already complete on the shard.
+        SequenceParallelOnly = 3 => "SEQUENCE_PARALLEL_ONLY",
+        /// Replicated weights: output complete.
+        DataParallelOnly = 4 => "DATA_PARALLEL_ONLY",
+    }
 }
 
 impl SharedMode {
     /// Every mode, in numbering order.
-    pub const ALL: [SharedMode; 5] = [
-        SharedMode::None,
-        SharedMode::TensorParallel,
-        SharedMode::SequenceParallelSedp,
-        SharedMode::SequenceParallelOnly,
-        SharedMode::DataParallelOnly,
-    ];
+    pub const ALL: [SharedMode; 5] = Self::VARIANTS;
 
     /// The mode for its number; `Err` names the bad value.
     pub fn from_u32(v: u32) -> Result<Self> {
-        Self::ALL.into_iter().find(|m| *m as u32 == v).ok_or_else(|| {
-            Error::invalid("SharedMode", "shared_mode", format!("unknown shared-expert mode {v} (expected 0..=4)"))
+        Self::try_from(v).map_err(|_| {
+            Error::invalid(
+                "SharedMode",
+                "shared_mode",
+                format!("unknown shared-expert mode {v} (expected {})", Self::expected()),
+            )
         })
     }
 
