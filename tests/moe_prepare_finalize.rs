@@ -1,7 +1,9 @@
 //! Prepare / finalize per comm type and the all_to_all_v dispatch / combine,
 //! against properties computed here: finalize(prepare(x)) returns x times the
 //! number of ranks that contributed it, and combine(dispatch(x)) with identity
-//! experts returns sum_k w_k * x for real tokens, zeros for masked ones.
+//! experts returns sum_k w_k * x for real tokens, zeros for masked ones. Both
+//! run on the CPU communicator and (`npu` cases, ignored without an NPU) on
+//! NPUs through HCCL, every world of at most 4 ranks.
 
 mod moe_common;
 
@@ -19,8 +21,9 @@ fn tokens(d: usize, rows: usize, h: usize) -> Vec<f32> {
     (0..rows * h).map(|i| ((i * 7 + d * 13) % 11) as f32 - 5.0).collect()
 }
 
-#[test]
-fn finalize_of_prepare_is_x_times_the_contributing_ranks() {
+on_both!(finalize_of_prepare_is_x_times_the_contributing_ranks, finalize_of_prepare_on);
+
+fn finalize_of_prepare_on(on: On) {
     let h = 3;
     for (dp_tokens, tp) in [(vec![5usize, 2], 2usize), (vec![9, 0], 4), (vec![1, 3], 4), (vec![6], 2), (vec![7, 7], 1)]
     {
@@ -28,7 +31,10 @@ fn finalize_of_prepare_is_x_times_the_contributing_ranks() {
         for sp in [false, true] {
             for comm_type in CommType::ALL {
                 let world = dp * tp;
-                run_ranks(world, &opts(), |rank, comm| {
+                if !on.fits(world) {
+                    continue;
+                }
+                on.run(world, &opts(), |rank, comm| {
                     let (d, t) = (rank / tp, rank % tp);
                     let ctx = MoeContext::new(&dp_tokens, tp, d, t, sp)?;
                     let groups = MoeGroups::from_world(&comm, tp)?;
@@ -38,7 +44,7 @@ fn finalize_of_prepare_is_x_times_the_contributing_ranks() {
                     let first = if sp { t * local } else { 0 };
                     let x: Vec<f32> =
                         (0..local * h).map(|e| batch.get(first * h + e).copied().unwrap_or(0.0)).collect();
-                    let xt = Tensor::from_slice(&x, &[local, h])?;
+                    let xt = Tensor::from_slice(&x, &[local, h])?.to_device(&comm.device())?;
                     let p = prepare(&xt, comm_type, &ctx, &groups)?;
                     assert_eq!(p.hidden.shape(), prepare_output_shape(xt.shape(), comm_type, &ctx)?.as_slice());
                     let want_shape = finalize_output_shape(p.hidden.shape(), comm_type, &ctx)?;
@@ -61,13 +67,15 @@ fn finalize_of_prepare_is_x_times_the_contributing_ranks() {
     }
 }
 
-#[test]
-fn dispatch_then_combine_with_identity_experts() {
+on_both!(dispatch_then_combine_with_identity_experts, dispatch_then_combine_on);
+
+fn dispatch_then_combine_on(on: On) {
     let (h, k, experts, n) = (4, 3, 8, 6);
     for world in [1, 2, 4] {
-        run_ranks(world, &opts(), |rank, comm| {
+        on.run(world, &opts(), |rank, comm| {
+            let dev = comm.device();
             let x = tokens(rank, n, h);
-            let xt = Tensor::from_slice(&x, &[n, h])?;
+            let xt = Tensor::from_slice(&x, &[n, h])?.to_device(&dev)?;
             let mut rng = Rng::new(50 + rank as u64);
             let ids: Vec<i32> = (0..n * k).map(|_| rng.below(experts) as i32).collect();
             let w: Vec<f32> = (0..n * k).map(|i| [0.5f32, 0.25, 2.0][i % 3]).collect();
@@ -77,7 +85,7 @@ fn dispatch_then_combine_with_identity_experts() {
             let per = experts / world;
             assert!(d.experts.iter().all(|e| (*e as usize) / per == rank), "{:?}", d.experts);
             assert_eq!(d.rows.rows(), d.experts.len());
-            let wt = Tensor::from_slice(&w, &[n, k])?;
+            let wt = Tensor::from_slice(&w, &[n, k])?.to_device(&dev)?;
             let out = combine(&d.rows, &d, &wt, &comm)?.to_vec::<f32>()?;
             for i in 0..n {
                 let s: f32 = if mask[i] { w[i * k..(i + 1) * k].iter().sum() } else { 0.0 };
@@ -86,7 +94,7 @@ fn dispatch_then_combine_with_identity_experts() {
                 }
             }
             // The total received over all ranks is every unmasked slot.
-            let mut cnt = Tensor::from_slice(&[d.experts.len() as i64], &[1])?;
+            let mut cnt = Tensor::from_slice(&[d.experts.len() as i64], &[1])?.to_device(&dev)?;
             comm.all_reduce_in_place(&mut cnt, ascend_moe::ReduceOp::Sum)?;
             assert_eq!(cnt.to_vec::<i64>()?[0] as usize, world * (n - 1) * k);
             Ok(())
