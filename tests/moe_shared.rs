@@ -1,11 +1,15 @@
 //! The shared-expert contract (SPEC section 5): a TP-sharded shared expert with
 //! SP on and TP > 1 is refused as `TensorParallel` (it is `SequenceParallelOnly`),
-//! and the DP-only / SP-only token helpers against a plain model of the TP group.
+//! and the DP-only / SP-only token helpers against a plain model of the TP group,
+//! on the CPU communicator and (`npu` cases, ignored without an NPU) on NPUs.
+
+mod moe_common;
 
 use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::reduce::{ReducePolicy, SharedMode};
 use ascend_moe::moe::shared::*;
-use ascend_moe::{CommOptions, Tensor};
+use ascend_moe::{Collectives, CommOptions, Tensor};
+use moe_common::On;
 
 fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))
@@ -50,25 +54,28 @@ fn shape_functions_follow_the_spec() {
     assert!(shared_pad_reduce_scatter_output_shape(&[4], 0).is_err());
 }
 
-#[test]
-fn dp_only_pad_split_then_gather_unpad_matches_the_plain_model() {
+on_both!(dp_only_pad_split_then_gather_unpad_matches_the_plain_model, dp_only_on);
+
+fn dp_only_on(on: On) {
     let h = 3;
     for (tp, t) in [(1usize, 5usize), (2, 5), (2, 4), (4, 9), (4, 3), (4, 1), (4, 0), (2, 1)] {
         let part = t.div_ceil(tp);
-        let outs = run_ranks(tp, &opts(), |r, comm| {
-            // Every TP rank holds the whole DP batch (the same rows): rank 0's data.
-            let x = Tensor::from_slice(&data(0, t, h), &[t, h])?;
-            let mine = shared_pad_split(&x, &comm)?;
-            assert_eq!(mine.shape(), shared_pad_split_output_shape(x.shape(), r, tp)?.as_slice());
-            let split = mine.to_vec::<f32>()?;
-            // The MLP stand-in: a rank-independent map of each row.
-            let y: Vec<f32> = split.iter().map(|v| 2.0 * v + 1.0).collect();
-            let y = Tensor::from_slice(&y, mine.shape())?;
-            let back = shared_gather_unpad(&y, t, &comm)?;
-            assert_eq!(back.shape(), shared_gather_unpad_output_shape(y.shape(), t, tp)?.as_slice());
-            Ok((split, back.to_vec::<f32>()?))
-        })
-        .unwrap();
+        let outs = on
+            .run(tp, &opts(), |r, comm| {
+                let dev = comm.device();
+                // Every TP rank holds the whole DP batch (the same rows): rank 0's data.
+                let x = Tensor::from_slice(&data(0, t, h), &[t, h])?.to_device(&dev)?;
+                let mine = shared_pad_split(&x, &comm)?;
+                assert_eq!(mine.shape(), shared_pad_split_output_shape(x.shape(), r, tp)?.as_slice());
+                let split = mine.to_vec::<f32>()?;
+                // The MLP stand-in: a rank-independent map of each row.
+                let y: Vec<f32> = split.iter().map(|v| 2.0 * v + 1.0).collect();
+                let y = Tensor::from_slice(&y, mine.shape())?.to_device(&dev)?;
+                let back = shared_gather_unpad(&y, t, &comm)?;
+                assert_eq!(back.shape(), shared_gather_unpad_output_shape(y.shape(), t, tp)?.as_slice());
+                Ok((split, back.to_vec::<f32>()?))
+            })
+            .unwrap();
         for (r, (split, back)) in outs.iter().enumerate() {
             // Plain model: rows [r*part, (r+1)*part) of the batch, zeros past T.
             let want: Vec<f32> = (r * part..(r + 1) * part)
@@ -81,26 +88,30 @@ fn dp_only_pad_split_then_gather_unpad_matches_the_plain_model() {
     }
 }
 
-#[test]
-fn sp_only_gather_unpad_then_pad_reduce_scatter_matches_the_plain_model() {
+on_both!(sp_only_gather_unpad_then_pad_reduce_scatter_matches_the_plain_model, sp_only_on);
+
+fn sp_only_on(on: On) {
     let h = 2;
     for (tp, t) in [(2usize, 5usize), (2, 4), (4, 9), (4, 2), (4, 0), (1, 3)] {
         let part = t.div_ceil(tp);
         // The DP batch, zero-padded to TP * part rows; TP rank r holds chunk r.
         let batch: Vec<f32> =
             data(7, tp * part, h).into_iter().enumerate().map(|(i, v)| if i / h < t { v } else { 0.0 }).collect();
-        let outs = run_ranks(tp, &opts(), |r, comm| {
-            let shard = Tensor::from_slice(&batch[r * part * h..(r + 1) * part * h], &[part, h])?;
-            let full = shared_gather_unpad(&shard, t, &comm)?;
-            assert_eq!(full.shape(), &[t, h]);
-            let gathered = full.to_vec::<f32>()?;
-            // TP-partial of this rank: its own rows of data(r).
-            let partial = Tensor::from_slice(&data(r, t, h), &[t, h])?;
-            let out = shared_pad_reduce_scatter(&partial, &comm)?;
-            assert_eq!(out.shape(), shared_pad_reduce_scatter_output_shape(partial.shape(), tp)?.as_slice());
-            Ok((gathered, out.to_vec::<f32>()?))
-        })
-        .unwrap();
+        let outs = on
+            .run(tp, &opts(), |r, comm| {
+                let dev = comm.device();
+                let shard =
+                    Tensor::from_slice(&batch[r * part * h..(r + 1) * part * h], &[part, h])?.to_device(&dev)?;
+                let full = shared_gather_unpad(&shard, t, &comm)?;
+                assert_eq!(full.shape(), &[t, h]);
+                let gathered = full.to_vec::<f32>()?;
+                // TP-partial of this rank: its own rows of data(r).
+                let partial = Tensor::from_slice(&data(r, t, h), &[t, h])?.to_device(&dev)?;
+                let out = shared_pad_reduce_scatter(&partial, &comm)?;
+                assert_eq!(out.shape(), shared_pad_reduce_scatter_output_shape(partial.shape(), tp)?.as_slice());
+                Ok((gathered, out.to_vec::<f32>()?))
+            })
+            .unwrap();
         for (r, (gathered, out)) in outs.iter().enumerate() {
             assert_eq!(gathered, &batch[..t * h].to_vec(), "tp {tp} T {t} rank {r}: gather-unpad");
             // Plain model: rows [r*part, (r+1)*part) of sum_q data(q), zeros past T.
