@@ -1,0 +1,327 @@
+//! The collectives of SPEC section 8 on an HCCL communicator.
+
+use std::ffi::c_void;
+
+use crate::backend::npu::memory::NpuBuffer;
+use crate::comm::{Collectives, Comm, ReduceOp};
+use crate::tensor::Storage;
+use crate::{Device, Error, Result, Tensor};
+
+use super::api::{check, hccl_dtype, hccl_fn, hccl_op};
+use super::HcclComm;
+
+impl HcclComm {
+    /// The device address to pass for `b`: its own, or for an empty buffer
+    /// (which has no allocation) a small live one. HCCL checks every buffer
+    /// for NULL before it looks at the count (`HcclAllReduceInner`,
+    /// `HcclAllGather`, ...: `CHK_PTR_NULL(sendBuf)`, `CHK_PTR_NULL(recvBuf)`),
+    /// and in the V collectives a rank with count 0 still takes part.
+    fn dev_ptr(&self, b: &NpuBuffer) -> Result<*mut c_void> {
+        if !b.as_ptr().is_null() {
+            return Ok(b.as_ptr());
+        }
+        if let Some(p) = self.inner.placeholder.get() {
+            return Ok(p.as_ptr());
+        }
+        let p = NpuBuffer::alloc(&self.inner.device, 32)?;
+        Ok(self.inner.placeholder.get_or_init(|| p).as_ptr())
+    }
+
+    fn comm_err(&self, collective: &str, detail: String) -> Error {
+        Error::Comm {
+            collective: collective.to_string(),
+            group: self.inner.name.clone(),
+            rank: self.inner.rank,
+            world: self.inner.world,
+            detail,
+            kind: crate::CommErrorKind::Mismatch,
+        }
+    }
+
+    /// Device buffer of `t`, on this communicator's device.
+    fn buffer<'a>(&self, op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a NpuBuffer> {
+        match t.storage() {
+            Storage::Npu(b) if b.device().ordinal() == self.inner.device.ordinal() => Ok(b),
+            _ => Err(Error::Device {
+                op,
+                arg,
+                expected: format!("npu:{}", self.inner.device.ordinal()),
+                actual: t.device().to_string(),
+            }),
+        }
+    }
+
+    fn same_dtype(&self, op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+        if a.dtype() != b.dtype() {
+            return Err(Error::dtype(op, "dst", a.dtype().name(), b.dtype()));
+        }
+        Ok(())
+    }
+
+    fn counts_check(
+        &self,
+        op: &'static str,
+        arg: &'static str,
+        counts: &[usize],
+    ) -> Result<(Vec<u64>, Vec<u64>, usize)> {
+        if counts.len() != self.inner.world {
+            return Err(Error::invalid(
+                op,
+                arg,
+                format!("{} counts for a group of {}", counts.len(), self.inner.world),
+            ));
+        }
+        let c: Vec<u64> = counts.iter().map(|&n| n as u64).collect();
+        let mut displs = Vec::with_capacity(counts.len());
+        let mut total = 0u64;
+        for &n in &c {
+            displs.push(total);
+            total += n;
+        }
+        Ok((c, displs, total as usize))
+    }
+}
+
+impl Collectives for HcclComm {
+    fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world
+    }
+
+    fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    fn device(&self) -> Device {
+        Device::Npu(self.inner.device.clone())
+    }
+
+    fn split(&self, ranks: &[usize]) -> Result<Comm> {
+        Ok(Comm::Npu(self.split_hccl(ranks)?))
+    }
+
+    fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        const OP: &str = "all_reduce";
+        self.same_dtype(OP, src, dst)?;
+        if src.numel() != dst.numel() {
+            return Err(self.comm_err(OP, format!("src has {} elements, dst {}", src.numel(), dst.numel())));
+        }
+        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
+        if n == 0 {
+            // Every rank has the same count: nothing moves anywhere.
+            return Ok(());
+        }
+        self.run(OP, &[s, d], |api, stream| {
+            let f = hccl_fn!(api, HcclAllReduce)?;
+            // SAFETY: both buffers hold `n` elements of `dt` on this device.
+            check("HcclAllReduce", unsafe { f(s.as_ptr(), d.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) })
+        })
+    }
+
+    fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
+        const OP: &str = "all_reduce_in_place";
+        let b = self.buffer(OP, "buf", buf)?;
+        let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(OP, &[b], |api, stream| {
+            let f = hccl_fn!(api, HcclAllReduce)?;
+            // SAFETY: in-place all-reduce is supported; `n` elements of `dt`.
+            check("HcclAllReduce", unsafe { f(b.as_ptr(), b.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) })
+        })
+    }
+
+    fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        const OP: &str = "reduce_scatter";
+        self.same_dtype(OP, src, dst)?;
+        if src.numel() != dst.numel() * self.inner.world {
+            return Err(self.comm_err(
+                OP,
+                format!("src has {} elements, expected world {} x dst {}", src.numel(), self.inner.world, dst.numel()),
+            ));
+        }
+        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (n, dt) = (dst.numel() as u64, hccl_dtype(src.dtype()));
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(OP, &[s, d], |api, stream| {
+            let f = hccl_fn!(api, HcclReduceScatter)?;
+            // SAFETY: src holds world*n, dst n elements of `dt`.
+            check("HcclReduceScatter", unsafe { f(s.as_ptr(), d.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) })
+        })
+    }
+
+    fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        const OP: &str = "all_gather";
+        self.same_dtype(OP, src, dst)?;
+        if dst.numel() != src.numel() * self.inner.world {
+            return Err(self.comm_err(
+                OP,
+                format!("dst has {} elements, expected world {} x src {}", dst.numel(), self.inner.world, src.numel()),
+            ));
+        }
+        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
+        if n == 0 {
+            return Ok(());
+        }
+        self.run(OP, &[s, d], |api, stream| {
+            let f = hccl_fn!(api, HcclAllGather)?;
+            // SAFETY: src holds n, dst world*n elements of `dt`.
+            check("HcclAllGather", unsafe { f(s.as_ptr(), d.as_ptr(), n, dt, self.inner.raw, stream) })
+        })
+    }
+
+    fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+        const OP: &str = "reduce_scatter_v";
+        self.same_dtype(OP, src, dst)?;
+        let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
+        let mine = counts[self.inner.rank];
+        if src.numel() != total || dst.numel() != mine {
+            return Err(self.comm_err(
+                OP,
+                format!(
+                    "src has {} elements (counts sum to {total}), dst {} (my count {mine})",
+                    src.numel(),
+                    dst.numel()
+                ),
+            ));
+        }
+        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let dt = hccl_dtype(src.dtype());
+        if total == 0 {
+            // The counts are the same on every rank: nothing moves anywhere.
+            return Ok(());
+        }
+        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
+        self.run(OP, &[s, d], |api, stream| {
+            let f = hccl_fn!(api, HcclReduceScatterV)?;
+            // SAFETY: counts/displacements are host u64 arrays of world length
+            // that outlive the call; the buffers hold the sizes checked above.
+            check("HcclReduceScatterV", unsafe {
+                f(
+                    sp,
+                    c.as_ptr().cast::<c_void>(),
+                    displs.as_ptr().cast::<c_void>(),
+                    dp,
+                    mine as u64,
+                    dt,
+                    hccl_op(op),
+                    self.inner.raw,
+                    stream,
+                )
+            })
+        })
+    }
+
+    fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
+        const OP: &str = "all_gather_v";
+        self.same_dtype(OP, src, dst)?;
+        let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
+        let mine = counts[self.inner.rank];
+        if src.numel() != mine || dst.numel() != total {
+            return Err(self.comm_err(
+                OP,
+                format!(
+                    "src has {} elements (my count {mine}), dst {} (counts sum to {total})",
+                    src.numel(),
+                    dst.numel()
+                ),
+            ));
+        }
+        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let dt = hccl_dtype(src.dtype());
+        if total == 0 {
+            return Ok(());
+        }
+        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
+        self.run(OP, &[s, d], |api, stream| {
+            let f = hccl_fn!(api, HcclAllGatherV)?;
+            // SAFETY: as for reduce_scatter_v.
+            check("HcclAllGatherV", unsafe {
+                f(
+                    sp,
+                    mine as u64,
+                    dp,
+                    c.as_ptr().cast::<c_void>(),
+                    displs.as_ptr().cast::<c_void>(),
+                    dt,
+                    self.inner.raw,
+                    stream,
+                )
+            })
+        })
+    }
+
+    fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
+        const OP: &str = "all_to_all_v";
+        self.same_dtype(OP, src, dst)?;
+        let (sc, sd, stotal) = self.counts_check(OP, "send_counts", send_counts)?;
+        let (rc, rd, rtotal) = self.counts_check(OP, "recv_counts", recv_counts)?;
+        if src.numel() != stotal || dst.numel() != rtotal {
+            return Err(self.comm_err(
+                OP,
+                format!(
+                    "src has {} elements (send counts sum to {stotal}), dst {} (recv counts sum to {rtotal})",
+                    src.numel(),
+                    dst.numel()
+                ),
+            ));
+        }
+        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let dt = hccl_dtype(src.dtype());
+        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
+        self.run(OP, &[s, d], |api, stream| {
+            let f = hccl_fn!(api, HcclAlltoAllV)?;
+            // SAFETY: host u64 count/displacement arrays of world length; the
+            // buffers hold the totals checked above.
+            check("HcclAlltoAllV", unsafe {
+                f(
+                    sp,
+                    sc.as_ptr().cast::<c_void>(),
+                    sd.as_ptr().cast::<c_void>(),
+                    dt,
+                    dp,
+                    rc.as_ptr().cast::<c_void>(),
+                    rd.as_ptr().cast::<c_void>(),
+                    dt,
+                    self.inner.raw,
+                    stream,
+                )
+            })
+        })
+    }
+
+    fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
+        const OP: &str = "broadcast";
+        if root >= self.inner.world {
+            return Err(self.comm_err(OP, format!("root {root} outside a group of {}", self.inner.world)));
+        }
+        let b = self.buffer(OP, "buf", buf)?;
+        let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
+        if n == 0 {
+            // Every rank has the same count: nothing moves, and an empty
+            // buffer has no address HCCL would accept.
+            return Ok(());
+        }
+        self.run(OP, &[b], |api, stream| {
+            let f = hccl_fn!(api, HcclBroadcast)?;
+            // SAFETY: `n` elements of `dt` on this device.
+            check("HcclBroadcast", unsafe { f(b.as_ptr(), n, dt, root as u32, self.inner.raw, stream) })
+        })
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.run("barrier", &[], |api, stream| {
+            let f = hccl_fn!(api, HcclBarrier)?;
+            // SAFETY: live communicator and stream.
+            check("HcclBarrier", unsafe { f(self.inner.raw, stream) })
+        })
+    }
+}

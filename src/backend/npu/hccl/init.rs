@@ -1,0 +1,196 @@
+//! Making communicators: from a root info, borrowed from the host engine,
+//! and split into sub-communicators.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use hccl_sys::HcclRootInfo as RawRootInfo;
+
+use crate::backend::npu::NpuDevice;
+use crate::comm::CommOptions;
+use crate::{Error, Result};
+
+use super::api::{check, config_for, fnv1a, hccl, hccl_fn, query_name, query_rank_info, FNV_SEED};
+use super::root_info::HcclRootInfo;
+use super::{CommInner, HcclComm};
+
+impl HcclRootInfo {
+    /// Asks HCCL for a new root info (`HcclGetRootInfo`), on `device`. Call it
+    /// on one rank only.
+    pub fn generate(device: &NpuDevice) -> Result<Self> {
+        let api = hccl()?;
+        device.stream().enter()?;
+        let f = hccl_fn!(api, HcclGetRootInfo)?;
+        let mut raw = RawRootInfo::default();
+        // SAFETY: valid out-pointer to a 4108-byte root info; device bound.
+        check("HcclGetRootInfo", unsafe { f(&mut raw) })?;
+        Ok(Self::from_raw(&raw))
+    }
+}
+
+impl HcclComm {
+    /// Joins the communicator of `world` ranks described by `root` as `rank`
+    /// (`HcclCommInitRootInfo`); blocks until every rank joined.
+    pub fn from_root_info(
+        device: &NpuDevice,
+        root: &HcclRootInfo,
+        world: usize,
+        rank: usize,
+        opts: &CommOptions,
+    ) -> Result<Self> {
+        const OP: &str = "HcclComm::from_root_info";
+        if world == 0 || rank >= world {
+            return Err(Error::invalid(OP, "rank", format!("rank {rank} of a world of {world}")));
+        }
+        let api = hccl()?;
+        device.stream().enter()?;
+        let raw_root = root.to_raw();
+        let mut raw: hccl_sys::HcclComm = std::ptr::null_mut();
+        match api.lib.HcclCommInitRootInfoConfig.as_ref() {
+            Ok(f) => {
+                let config = config_for(api, opts);
+                // SAFETY: root info, config and out-pointer are valid for the
+                // call (HCCL copies the config); device bound.
+                check("HcclCommInitRootInfoConfig", unsafe {
+                    f(world as u32, &raw_root, rank as u32, &config, &mut raw)
+                })?;
+            }
+            Err(_) => {
+                let f = hccl_fn!(api, HcclCommInitRootInfo)?;
+                // SAFETY: root info and out-pointer are valid; device bound.
+                check("HcclCommInitRootInfo", unsafe { f(world as u32, &raw_root, rank as u32, &mut raw) })?;
+            }
+        }
+        let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-world-{world}"));
+        let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
+        Ok(Self::wrap(raw, true, device, (rank, world), (name, key), opts, None))
+    }
+
+    /// Wraps a communicator created by the host engine (e.g. torch's
+    /// ProcessGroupHCCL); it is never destroyed by us. Rank and size are
+    /// queried from HCCL.
+    ///
+    /// # Safety
+    /// `raw` must be a live communicator whose device is `device`, and must
+    /// outlive every use of the returned handle.
+    pub unsafe fn borrow_raw(device: &NpuDevice, raw: hccl_sys::HcclComm, opts: &CommOptions) -> Result<Self> {
+        let api = hccl()?;
+        device.stream().enter()?;
+        let (rank, world) = query_rank_info(api, raw)?;
+        let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-borrowed-{world}"));
+        // The host engine names its groups identically on every member.
+        let key = fnv1a(FNV_SEED, name.bytes());
+        Ok(Self::wrap(raw, false, device, (rank, world), (name, key), opts, None))
+    }
+
+    fn wrap(
+        raw: hccl_sys::HcclComm,
+        owned: bool,
+        device: &NpuDevice,
+        (rank, world): (usize, usize),
+        (name, key): (String, u64),
+        opts: &CommOptions,
+        global: Option<(Arc<CommInner>, Vec<usize>)>,
+    ) -> Self {
+        let (global, global_ranks) = match global {
+            Some((g, ranks)) => (Some(g), ranks),
+            None => (None, (0..world).collect()),
+        };
+        HcclComm {
+            inner: Arc::new(CommInner {
+                raw,
+                owned,
+                device: device.clone(),
+                rank,
+                world,
+                name,
+                key,
+                opts: opts.clone(),
+                splits: Mutex::new(HashMap::new()),
+                global,
+                global_ranks,
+                placeholder: std::sync::OnceLock::new(),
+                last_stream: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// A sub-communicator of `ranks` (ranks of this communicator, in the new
+    /// group's order) through `HcclCreateSubCommConfig`. Every member calls it
+    /// with the same list; the calling rank must be in it.
+    ///
+    /// HCCL (API reference, HcclCreateSubCommConfig) splits only a global
+    /// communicator ("nested splitting is not supported"), and numbers the new
+    /// group's ranks by their position in an ordered list of global ranks
+    /// ("the array should be ordered"). So a split of a sub-communicator is
+    /// made from its global communicator, with `ranks` mapped to global
+    /// ranks; the list must be ascending, since HCCL would otherwise give the
+    /// ranks a different order than the caller asked for.
+    pub fn split_hccl(&self, ranks: &[usize]) -> Result<HcclComm> {
+        const OP: &str = "HcclComm::split";
+        let me = self.inner.rank;
+        let Some(sub_rank) = ranks.iter().position(|&r| r == me) else {
+            return Err(Error::invalid(OP, "ranks", format!("rank {me} is not in {ranks:?}")));
+        };
+        let mut seen = vec![false; self.inner.world];
+        for &r in ranks {
+            if r >= self.inner.world || std::mem::replace(&mut seen[r], true) {
+                return Err(Error::invalid(
+                    OP,
+                    "ranks",
+                    format!("{ranks:?} must be distinct ranks below {}", self.inner.world),
+                ));
+            }
+        }
+        if ranks.windows(2).any(|w| w[0] > w[1]) {
+            return Err(Error::invalid(
+                OP,
+                "ranks",
+                format!(
+                    "{ranks:?} is not ascending: an HCCL sub-communicator numbers its ranks in ascending order \
+                     (HcclCreateSubCommConfig takes an ordered rank list), so pass the ranks sorted"
+                ),
+            ));
+        }
+        let global_ids: Vec<usize> = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
+        let root: Arc<CommInner> = self.inner.global.clone().unwrap_or_else(|| self.inner.clone());
+        let serial = {
+            let mut splits = root.splits.lock().map_err(|_| Error::invalid(OP, "self", "split state poisoned"))?;
+            let n = splits.entry(global_ids.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let name = format!(
+            "{}/{}#{serial}",
+            root.name,
+            global_ids.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")
+        );
+        let id = fnv1a(root.key, global_ids.iter().flat_map(|&r| (r as u64).to_le_bytes()).chain(serial.to_le_bytes()));
+        // 0xFFFFFFFF is the subCommId of a rank outside the new group.
+        let id = if id == 0xFFFF_FFFF { id ^ 1 } else { id };
+        let api = hccl()?;
+        self.inner.device.stream().enter()?;
+        let f = hccl_fn!(api, HcclCreateSubCommConfig)?;
+        let mut ids: Vec<u32> = global_ids.iter().map(|&r| r as u32).collect();
+        let mut config = config_for(api, &self.inner.opts);
+        let mut parent = root.raw;
+        let mut sub: hccl_sys::HcclComm = std::ptr::null_mut();
+        // SAFETY: every pointer is valid for the call; HCCL takes a pointer to
+        // the global communicator's handle and does not retain `ids` or
+        // `config`; `ids` is ascending and `sub_rank` is this rank's index in
+        // it, as the HCCL API reference asks.
+        check("HcclCreateSubCommConfig", unsafe {
+            f(&mut parent, ids.len() as u32, ids.as_mut_ptr(), id, sub_rank as u32, &mut config, &mut sub)
+        })?;
+        let name = query_name(api, sub).unwrap_or(name);
+        Ok(Self::wrap(
+            sub,
+            true,
+            &self.inner.device,
+            (sub_rank, ranks.len()),
+            (name, id),
+            &self.inner.opts,
+            Some((root, global_ids)),
+        ))
+    }
+}

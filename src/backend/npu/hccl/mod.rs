@@ -1,0 +1,158 @@
+//! HCCL, safely: root info, communicators (from root info, sub-communicators,
+//! borrowed from the host engine) and the collectives of SPEC section 8.
+//!
+//! Every collective is queued on the stream of its call (the stream of its
+//! operands: for the C ABI the caller's `amoe_stream`) and returns: the host
+//! never waits inside a collective. The HCCL API reference gives each
+//! collective's `stream` argument as "the stream of the rank" (HcclAllReduce,
+//! HcclAllGather, ..., hcclcpp_07_0021 and neighbours, CANN 8.0), any stream of
+//! the communicator's device, on which the collective is one more task.
+//! A collective whose operands live on other streams, or whose communicator
+//! last ran on another stream, is ordered after them on the device (event
+//! record and wait), so one communicator's collectives run in call order.
+//! What only the device can tell (a mismatch between ranks, a hung peer:
+//! `HcclGetCommAsyncError`) is reported by [`NpuStream::check`] of that
+//! stream, naming the collective, the group and the rank.
+
+mod api;
+mod collectives;
+mod init;
+mod queue;
+mod root_info;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::memory::NpuBuffer;
+use super::runtime::{record_drop_error, NpuStream};
+use super::NpuDevice;
+use crate::comm::{Comm, CommOptions};
+use crate::{Error, Result};
+
+use api::hccl_fn;
+pub use api::{check, error_string, hccl, hccl_dtype, hccl_op, ROOT_INFO_BYTES};
+pub use root_info::HcclRootInfo;
+
+struct CommInner {
+    raw: hccl_sys::HcclComm,
+    owned: bool,
+    device: NpuDevice,
+    rank: usize,
+    world: usize,
+    name: String,
+    /// An id identical on every member (from the root info, or the parent's
+    /// id and the rank list), from which sub-communicator ids derive.
+    key: u64,
+    opts: CommOptions,
+    /// Per rank list, how many sub-communicators were split off with it (so
+    /// a repeated split gets a fresh id, the same on every member).
+    splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// The global communicator this one was split from (`None`: this is one).
+    /// HcclCreateSubCommConfig (HCCL API reference) splits only a global
+    /// communicator, so every split goes to it.
+    global: Option<Arc<CommInner>>,
+    /// The global rank of each rank of this communicator (ascending).
+    global_ranks: Vec<usize>,
+    /// A small device allocation passed in place of an empty (NULL) buffer.
+    placeholder: std::sync::OnceLock<NpuBuffer>,
+    /// The stream the last collective was queued on: the next one, on
+    /// whatever stream, is ordered after it, and destruction waits for it.
+    last_stream: Mutex<Option<NpuStream>>,
+}
+
+// SAFETY: an HcclComm is a library handle; HCCL allows its use from any
+// thread bound to the communicator's device, and this crate serialises use
+// of one communicator through its (single) stream.
+unsafe impl Send for CommInner {}
+// SAFETY: as above.
+unsafe impl Sync for CommInner {}
+
+impl Drop for CommInner {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let last = self.last_stream.lock().map(|mut l| l.take()).unwrap_or_default();
+        let result = hccl().and_then(|api| {
+            if let Some(s) = last {
+                super::runtime::settled(s.synchronize())?;
+            }
+            super::runtime::settled(self.device.stream().synchronize())?;
+            let f = hccl_fn!(api, HcclCommDestroy)?;
+            // SAFETY: created by us, destroyed once, no queued collective left.
+            check("HcclCommDestroy", unsafe { f(self.raw) })
+        });
+        if let Err(e) = result {
+            record_drop_error(e);
+        }
+    }
+}
+
+/// An HCCL communicator bound to one device (and its stream).
+#[derive(Clone)]
+pub struct HcclComm {
+    inner: Arc<CommInner>,
+}
+
+impl std::fmt::Debug for HcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "HcclComm({:?}, rank {} of {}, npu:{}{})",
+            self.inner.name,
+            self.inner.rank,
+            self.inner.world,
+            self.inner.device.ordinal(),
+            if self.inner.owned { "" } else { ", borrowed" }
+        )
+    }
+}
+
+impl HcclComm {
+    /// The raw handle (for passing to other HCCL users).
+    pub fn raw(&self) -> hccl_sys::HcclComm {
+        self.inner.raw
+    }
+
+    /// The NPU device.
+    pub fn npu_device(&self) -> &NpuDevice {
+        &self.inner.device
+    }
+}
+
+/// Runs `f(rank, comm)` on `world` threads, rank `r` on NPU `r`, all joined to
+/// one fresh HCCL world (root info created on device 0); returns the results
+/// in rank order, or the first error. The NPU twin of the CPU `run_ranks`.
+pub fn npu_run_ranks<R, F>(world: usize, opts: &CommOptions, f: F) -> Result<Vec<R>>
+where
+    R: Send,
+    F: Fn(usize, Comm) -> Result<R> + Sync,
+{
+    const OP: &str = "npu_run_ranks";
+    if world == 0 {
+        return Err(Error::invalid(OP, "world", "a world needs at least one rank"));
+    }
+    let count = super::runtime::device_count()? as usize;
+    if count < world {
+        return Err(Error::invalid(OP, "world", format!("{world} ranks need {world} devices, {count} visible")));
+    }
+    let root = HcclRootInfo::generate(&NpuDevice::open(0)?)?;
+    let results: Vec<Result<R>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (root, f) = (&root, &f);
+                s.spawn(move || -> Result<R> {
+                    let device = NpuDevice::open(rank as u32)?;
+                    let comm = HcclComm::from_root_info(&device, root, world, rank, opts)?;
+                    f(rank, Comm::Npu(comm))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| h.join().unwrap_or_else(|_| Err(Error::invalid(OP, "f", format!("rank {rank} panicked")))))
+            .collect()
+    });
+    results.into_iter().collect()
+}

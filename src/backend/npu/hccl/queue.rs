@@ -1,0 +1,132 @@
+//! Queuing a collective on a stream, and the check that reports what HCCL
+//! recorded for it on the device.
+
+use std::sync::Arc;
+
+use hccl_sys::{Hccl, HcclResult};
+
+use crate::backend::npu::memory::NpuBuffer;
+use crate::backend::npu::runtime::{NpuStream, Pending};
+use crate::{Error, Result};
+
+use super::api::{check, error_string, hccl, hccl_fn};
+use super::{CommInner, HcclComm};
+
+impl HcclComm {
+    /// Queues one HCCL call on the stream of the call (the first operand's;
+    /// the communicator's device stream when there is none), ordered after the
+    /// other operands' streams and after this communicator's previous
+    /// collective, records it for [`NpuStream::check`] and returns without
+    /// waiting.
+    pub(super) fn run(
+        &self,
+        call: &'static str,
+        operands: &[&NpuBuffer],
+        launch: impl FnOnce(&Hccl, acl_sys::aclrtStream) -> Result<()>,
+    ) -> Result<()> {
+        let stream = operands.first().map_or_else(|| self.inner.device.stream(), |b| b.stream()).clone();
+        self.run_on(&stream, call, operands, launch)
+    }
+
+    pub(super) fn run_on(
+        &self,
+        stream: &NpuStream,
+        call: &'static str,
+        operands: &[&NpuBuffer],
+        launch: impl FnOnce(&Hccl, acl_sys::aclrtStream) -> Result<()>,
+    ) -> Result<()> {
+        let api = hccl()?;
+        if stream.ordinal() != self.inner.device.ordinal() {
+            return Err(Error::Device {
+                op: call,
+                arg: "stream",
+                expected: format!("npu:{}", self.inner.device.ordinal()),
+                actual: format!("npu:{}", stream.ordinal()),
+            });
+        }
+        for b in operands {
+            stream.wait_for(b.stream())?;
+        }
+        let mut last = self.inner.last_stream.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(prev) = last.as_ref() {
+            stream.wait_for(prev)?;
+        }
+        stream.enter()?;
+        launch(api, stream.raw())?;
+        *last = Some(stream.clone());
+        drop(last);
+        stream.record_pending(Box::new(QueuedCollective { call, comm: Arc::downgrade(&self.inner) }));
+        Ok(())
+    }
+
+    /// [`Collectives::barrier`] queued on `stream` (a stream of this
+    /// communicator's device, e.g. the caller's) instead of the device's own.
+    pub fn barrier_on(&self, stream: &NpuStream) -> Result<()> {
+        self.run_on(stream, "barrier", &[], |api, raw| {
+            let f = hccl_fn!(api, HcclBarrier)?;
+            // SAFETY: live communicator and stream of its device.
+            check("HcclBarrier", unsafe { f(self.inner.raw, raw) })
+        })
+    }
+}
+
+/// A collective queued on a stream, reported by that stream's check.
+struct QueuedCollective {
+    call: &'static str,
+    comm: std::sync::Weak<CommInner>,
+}
+
+impl CommInner {
+    /// `HcclGetCommAsyncError`: the error HCCL recorded for this communicator
+    /// (a collective that failed on the device), `None` when there is none.
+    /// HCCL API reference: "queries the asynchronous error of a communicator".
+    fn async_error(&self) -> Option<HcclResult> {
+        let f = hccl().ok()?.lib.HcclGetCommAsyncError.as_ref().ok()?;
+        let mut code = HcclResult::HCCL_SUCCESS;
+        // SAFETY: live communicator (held by the caller), valid out-pointer.
+        let rc = unsafe { f(self.raw, &mut code) };
+        (rc == HcclResult::HCCL_SUCCESS && code != HcclResult::HCCL_SUCCESS).then_some(code)
+    }
+}
+
+impl Pending for QueuedCollective {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        Some((self.comm.as_ptr() as usize, self.call))
+    }
+
+    fn timeout(&self) -> Option<std::time::Duration> {
+        self.comm.upgrade().map(|c| c.opts.timeout)
+    }
+
+    fn outcome(&self, wait: Option<&Error>, _stream: &NpuStream) -> Result<()> {
+        // A destroyed communicator waited for its work and reported any
+        // failure as a drop error.
+        let Some(c) = self.comm.upgrade() else { return Ok(()) };
+        let err = |kind, detail: String| Error::Comm {
+            collective: self.call.to_string(),
+            group: c.name.clone(),
+            rank: c.rank,
+            world: c.world,
+            detail,
+            kind,
+        };
+        if let Some(code) = c.async_error() {
+            let kind = match code {
+                HcclResult::HCCL_E_TIMEOUT => crate::CommErrorKind::Timeout,
+                HcclResult::HCCL_E_REMOTE => crate::CommErrorKind::PeerFailed,
+                _ => crate::CommErrorKind::Mismatch,
+            };
+            let how = wait.map(|e| format!(" (the stream reported: {e})")).unwrap_or_default();
+            return Err(err(kind, format!("HCCL async error {}: {}{how}", code.0, error_string(code))));
+        }
+        // A wait that timed out with no error recorded by HCCL: this
+        // collective (the first one queued since the last check) is named.
+        match wait {
+            Some(e @ Error::Acl { code, .. }) if *code == acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT => Err(err(
+                crate::CommErrorKind::Timeout,
+                format!("waiting for the stream (timeout {:?}) failed: {e}", c.opts.timeout),
+            )),
+            _ => Ok(()),
+        }
+    }
+}

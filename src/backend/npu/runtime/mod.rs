@@ -1,0 +1,29 @@
+//! The ACL runtime, safely: loading, error mapping, per-thread device
+//! binding, streams and events.
+//!
+//! Ownership: a [`NpuStream`] holds an `Arc` of its device context, an
+//! [`NpuEvent`] and every buffer hold their stream, so a parent never dies
+//! before its children. Handles borrowed from a host engine (a torch_npu
+//! stream) are never destroyed by us. `Drop` never panics: failures are
+//! recorded in [`drop_errors`].
+//!
+//! Ordering without host waits: an op queues its work on the stream of its
+//! call and returns. What only the device can tell (an HCCL async error, a
+//! kernel's status words) is recorded as pending work of that stream and
+//! reported by [`NpuStream::check`], the one sync point the caller owns.
+//! Handles the device may still use (events of a cross-stream wait) are kept
+//! with the stream until its next synchronisation.
+
+mod device;
+mod event;
+mod load;
+mod pending;
+mod stream;
+mod workspace;
+
+pub use device::DeviceCtx;
+pub use event::NpuEvent;
+pub use load::{acl, check, device_count, recent_error_message, take_drop_errors};
+pub(crate) use load::{acl_fn, record_drop_error, settled};
+pub use stream::NpuStream;
+pub(crate) use stream::{lock, Pending};

@@ -1,0 +1,303 @@
+//! Streams and the state every handle of one raw stream shares.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use acl_sys::{aclrtStream, Acl};
+
+use super::device::DeviceCtx;
+use super::load::{acl_fn, check, record_drop_error, settled};
+use crate::backend::npu::pool::{Allocator, Pool, Staging};
+use crate::{Error, Result};
+
+/// Queued work whose outcome only the device knows: a collective (its
+/// communicator's async error), a kernel launch (its status words). Recorded
+/// when the work is queued, examined by [`NpuStream::check`] after the stream
+/// drained.
+pub(crate) trait Pending: Send + Sync {
+    /// Identifies work that reports the same thing (one communicator and
+    /// collective): a repeat replaces nothing and is not recorded again.
+    fn key(&self) -> Option<(usize, &'static str)>;
+    /// The longest this work may take (a collective's communicator timeout).
+    fn timeout(&self) -> Option<Duration>;
+    /// The error recorded on the device for this work, once the stream is
+    /// drained (or failed to drain: then `wait` holds why).
+    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()>;
+}
+
+/// The state shared by every handle on one raw stream: its pending checks,
+/// the handles its queued work still uses, and its workspace.
+#[derive(Default)]
+pub(crate) struct StreamState {
+    pub(super) pending: Vec<Box<dyn Pending>>,
+    /// Checks of work captured into a graph: every replay rewrites what they
+    /// read, so every check reads them again (they are never drained).
+    pub(super) captured: Vec<Box<dyn Pending>>,
+    /// Zeroed record slots for kernel launches captured into a graph:
+    /// (device address, slot bytes, slots, slots taken). Reserved outside
+    /// capture from the pool; a slot stays with its captured launch.
+    pub(super) records: Option<(usize, usize, usize, usize)>,
+    pub(super) keep: Vec<Box<dyn Send + Sync>>,
+    pub(crate) pool: Pool,
+    pub(crate) staging: Staging,
+    pub(crate) allocator: Option<Allocator>,
+}
+
+pub(crate) type StateRef = Arc<Mutex<StreamState>>;
+
+/// One [`StreamState`] per `(device, raw stream)` while a handle of it lives,
+/// so two wraps of the host engine's stream share one check and one pool.
+type StateMap = HashMap<(u32, usize), std::sync::Weak<Mutex<StreamState>>>;
+
+fn states() -> &'static Mutex<StateMap> {
+    static STATES: OnceLock<Mutex<StateMap>> = OnceLock::new();
+    STATES.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn state_for(ordinal: u32, raw: aclrtStream) -> StateRef {
+    let mut map = states().lock().unwrap_or_else(|p| p.into_inner());
+    let slot = map.entry((ordinal, raw as usize)).or_default();
+    if let Some(s) = slot.upgrade() {
+        return s;
+    }
+    let s = StateRef::default();
+    *slot = Arc::downgrade(&s);
+    s
+}
+
+pub(crate) fn lock(state: &StateRef) -> std::sync::MutexGuard<'_, StreamState> {
+    // A panic while holding the lock leaves plain lists behind: still usable.
+    state.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct StreamInner {
+    raw: aclrtStream,
+    owned: bool,
+    ctx: Arc<DeviceCtx>,
+    state: StateRef,
+}
+
+// SAFETY: an aclrtStream is a runtime handle, not thread-affine: ACL allows
+// any thread that has set the stream's device (we bind before every call) to
+// launch work on it, and launches on one stream are serialised by the runtime.
+unsafe impl Send for StreamInner {}
+// SAFETY: as above; shared references only launch work or synchronise.
+unsafe impl Sync for StreamInner {}
+
+/// `aclmdlRICaptureGetInfo` (acl_mdl.h of CANN 8.1): true unless the status
+/// is `ACL_MODEL_RI_CAPTURE_STATUS_NONE`; false on a runtime without the
+/// capture API. The stream's device must be bound.
+fn capturing(api: &'static Acl, raw: aclrtStream) -> Result<bool> {
+    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(false) };
+    let mut status = acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
+    let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
+    // SAFETY: live stream, device bound, valid out-pointers.
+    check("aclmdlRICaptureGetInfo", unsafe { f(raw, &mut status, &mut model) })?;
+    Ok(status != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
+}
+
+impl StreamInner {
+    /// Frees the workspace pool when this is the last handle of the stream:
+    /// the stream is synchronised first (the pool's blocks may still be in
+    /// use by queued work), the one synchronisation the pool ever makes.
+    fn release_pool(&self, api: &'static Acl) -> Result<()> {
+        {
+            let st = lock(&self.state);
+            if Arc::strong_count(&self.state) > 1 || (st.pool.is_empty() && st.staging.is_empty()) {
+                return Ok(());
+            }
+        }
+        // Under capture the sync would invalidate the capture and the blocks
+        // may belong to the graph being recorded: they are kept (and reported).
+        if capturing(api, self.raw)? {
+            return Err(Error::invalid(
+                "NpuStream::drop",
+                "stream",
+                "the last handle of a stream was dropped while it is captured: its workspace pool is kept \
+                 (freeing it would synchronise the capture); drop the handle after the capture ends",
+            ));
+        }
+        let sync = acl_fn!(api, aclrtSynchronizeStream)?;
+        // SAFETY: `raw` is a live stream (destroyed only after this).
+        settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
+        let (segments, staged) = {
+            let mut st = lock(&self.state);
+            (st.pool.take_segments(), st.staging.take_all())
+        };
+        let free = acl_fn!(api, aclrtFree)?;
+        let free_host = acl_fn!(api, aclrtFreeHost)?;
+        let mut first = Ok(());
+        for (ptr, _) in segments {
+            // SAFETY: a segment from aclrtMalloc (`reserve_workspace`), freed
+            // once; the stream that used it was synchronised just above.
+            first = first.and(check("aclrtFree", unsafe { free(ptr as *mut std::ffi::c_void) }));
+        }
+        for (ptr, _) in staged {
+            // SAFETY: a block from aclrtMallocHost (`staging_block`), freed
+            // once; no copy from it is queued any more.
+            first = first.and(check("aclrtFreeHost", unsafe { free_host(ptr as *mut std::ffi::c_void) }));
+        }
+        first
+    }
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        let api = self.ctx.api;
+        if !self.owned {
+            if let Err(e) = self.ctx.bind().and_then(|_| self.release_pool(api)) {
+                record_drop_error(e);
+            }
+            return;
+        }
+        let result = self.ctx.bind().and_then(|_| {
+            // Pending work must finish before the stream is destroyed.
+            let sync = acl_fn!(api, aclrtSynchronizeStream)?;
+            // SAFETY: `raw` is a live stream we created.
+            settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
+            let kept = std::mem::take(&mut lock(&self.state).keep);
+            drop(kept);
+            self.release_pool(api)?;
+            if let Ok(mut map) = states().lock() {
+                map.remove(&(self.ctx.ordinal, self.raw as usize));
+            }
+            let destroy = acl_fn!(api, aclrtDestroyStream)?;
+            // SAFETY: owned, synchronised, destroyed exactly once.
+            check("aclrtDestroyStream", unsafe { destroy(self.raw) })
+        });
+        if let Err(e) = result {
+            record_drop_error(e);
+        }
+    }
+}
+
+/// A stream on one device: created by us (destroyed on drop) or borrowed.
+#[derive(Clone)]
+pub struct NpuStream {
+    inner: Arc<StreamInner>,
+}
+
+impl std::fmt::Debug for NpuStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NpuStream(npu:{}, {:p}, {})",
+            self.ordinal(),
+            self.inner.raw,
+            if self.inner.owned { "owned" } else { "borrowed" }
+        )
+    }
+}
+
+impl NpuStream {
+    /// Creates a new stream on `ctx`'s device.
+    pub fn create(ctx: &Arc<DeviceCtx>) -> Result<Self> {
+        ctx.bind()?;
+        let f = acl_fn!(ctx.api, aclrtCreateStream)?;
+        let mut raw: aclrtStream = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the device is bound.
+        check("aclrtCreateStream", unsafe { f(&mut raw) })?;
+        let state = state_for(ctx.ordinal, raw);
+        Ok(NpuStream { inner: Arc::new(StreamInner { raw, owned: true, ctx: ctx.clone(), state }) })
+    }
+
+    /// Wraps a stream owned by someone else (e.g. `torch.npu.current_stream()`
+    /// as a raw pointer). It is never destroyed by us.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of `ctx`'s device (or NULL, the default
+    /// stream) and outlive every use of the returned handle.
+    pub unsafe fn borrow_raw(ctx: &Arc<DeviceCtx>, raw: aclrtStream) -> Self {
+        let state = state_for(ctx.ordinal, raw);
+        NpuStream { inner: Arc::new(StreamInner { raw, owned: false, ctx: ctx.clone(), state }) }
+    }
+
+    /// The raw handle.
+    pub fn raw(&self) -> aclrtStream {
+        self.inner.raw
+    }
+
+    /// True when this handle destroys the stream on drop.
+    pub fn is_owned(&self) -> bool {
+        self.inner.owned
+    }
+
+    /// The device context.
+    pub fn ctx(&self) -> &Arc<DeviceCtx> {
+        &self.inner.ctx
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> u32 {
+        self.inner.ctx.ordinal
+    }
+
+    /// True if both handles name the same stream.
+    pub fn same_as(&self, other: &NpuStream) -> bool {
+        self.inner.raw == other.inner.raw && self.ordinal() == other.ordinal()
+    }
+
+    /// Binds the device and returns the ACL table.
+    pub(crate) fn enter(&self) -> Result<&'static Acl> {
+        self.inner.ctx.bind()?;
+        Ok(self.inner.ctx.api)
+    }
+
+    /// Waits for all work on the stream (a host wait: never inside an op).
+    pub fn synchronize(&self) -> Result<()> {
+        let api = self.enter()?;
+        let f = acl_fn!(api, aclrtSynchronizeStream)?;
+        // SAFETY: live stream, device bound.
+        check("aclrtSynchronizeStream", unsafe { f(self.raw()) })?;
+        self.release_kept();
+        Ok(())
+    }
+
+    /// Waits for all work on the stream, at most `timeout` (falls back to an
+    /// unbounded wait on a CANN without `aclrtSynchronizeStreamWithTimeout`).
+    pub fn synchronize_timeout(&self, timeout: Duration) -> Result<()> {
+        let api = self.enter()?;
+        match api.lib.aclrtSynchronizeStreamWithTimeout.as_ref() {
+            Ok(f) => {
+                let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+                // SAFETY: live stream, device bound, positive timeout in ms.
+                check("aclrtSynchronizeStreamWithTimeout", unsafe { f(self.raw(), ms) })?;
+                self.release_kept();
+                Ok(())
+            }
+            Err(_) => self.synchronize(),
+        }
+    }
+
+    /// The state shared by the handles of this raw stream.
+    pub(crate) fn state(&self) -> &StateRef {
+        &self.inner.state
+    }
+
+    /// True while the stream is being captured into a graph (status
+    /// `ACTIVE`, or `INVALIDATED` until the capture ends), see [`capturing`];
+    /// false on a runtime without the capture API, which cannot capture.
+    pub fn is_capturing(&self) -> Result<bool> {
+        let api = self.enter()?;
+        capturing(api, self.raw())
+    }
+
+    /// An error naming `op` while this stream is captured into a graph.
+    pub(super) fn refuse_under_capture(&self, op: &'static str, advice: &str) -> Result<()> {
+        if self.is_capturing()? {
+            return Err(Error::invalid(op, "stream", format!("{self:?} is being captured into a graph: {advice}")));
+        }
+        Ok(())
+    }
+
+    /// Drops the handles queued work used, once the stream drained.
+    fn release_kept(&self) {
+        let kept = {
+            let mut st = lock(self.state());
+            st.staging.drained();
+            std::mem::take(&mut st.keep)
+        };
+        drop(kept);
+    }
+}
