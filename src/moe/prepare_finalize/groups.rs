@@ -132,7 +132,7 @@ pub(super) fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) ->
     Ok(())
 }
 
-/// Whether [`prepare`] checks that every EP rank chose the same comm type:
+/// Whether [`prepare`](super::prepare()) checks that every EP rank chose the same comm type:
 /// always on the CPU communicator; on the NPU only with
 /// `ASCEND_MOE_CHECK_COMM_TYPE=1` (there the check is an extra collective,
 /// a small copy and a guard launch per layer, compared on the device and

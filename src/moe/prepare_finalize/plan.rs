@@ -229,13 +229,13 @@ fn prepared_rows(plan: &TokenPlan, ctx: &MoeContext) -> usize {
     }
 }
 
-/// Shape function of [`prepare`]: `x_shape` must have `ctx.local_tokens()` rows.
+/// Shape function of [`prepare`](super::prepare()): `x_shape` must have `ctx.local_tokens()` rows.
 pub fn prepare_output_shape(x_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
     check_rows(PREPARE, "x", x_shape, ctx.local_tokens(), "this rank's tokens")?;
     with_rows(PREPARE, "x", x_shape, prepared_rows(&token_plan(comm, ctx), ctx))
 }
 
-/// Shape function of [`finalize`]: `y_shape` must have the prepared rows; the
+/// Shape function of [`finalize`](super::finalize()): `y_shape` must have the prepared rows; the
 /// output has `ctx.local_tokens()` rows.
 pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
     check_rows(FINALIZE, "y", y_shape, prepared_rows(&token_plan(comm, ctx), ctx), "the prepared rows")?;

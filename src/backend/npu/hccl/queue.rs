@@ -59,7 +59,7 @@ impl HcclComm {
         Ok(())
     }
 
-    /// [`Collectives::barrier`] queued on `stream` (a stream of this
+    /// [`Collectives::barrier`](crate::comm::Collectives::barrier) queued on `stream` (a stream of this
     /// communicator's device, e.g. the caller's) instead of the device's own.
     pub fn barrier_on(&self, stream: &NpuStream) -> Result<()> {
         self.run_on(stream, "barrier", &[], |api, raw| {
