@@ -294,25 +294,6 @@ typedef void *(*amoe_alloc_fn)(void *ctx, size_t bytes, void *raw_stream);
 // must reuse it only in stream order (as torch's caching allocator does).
 typedef void (*amoe_free_fn)(void *ctx, void *ptr, size_t bytes, void *raw_stream);
 
-// One forward pass's context (SPEC section 5): the live comm type, the
-// tokens of every DP rank, this DP rank's actual tokens (rows past them are
-// graph padding), SP on/off and the PCP size. Read only; `dp_tokens` stays
-// owned by the caller and is read during the call only.
-typedef struct amoe_forward_context {
-  // An `amoe_comm_type` code.
-  uint32_t comm_type;
-  // Non-zero when MoE sequence parallelism is on.
-  uint8_t sp;
-  // Tokens of each DP rank, `dp_size` entries.
-  const size_t *dp_tokens;
-  // Number of DP ranks (1 to 57 for a live context).
-  size_t dp_size;
-  // Real tokens of this DP rank; `AMOE_ALL_TOKENS` = all of them.
-  size_t num_actual_tokens;
-  // PCP size (0 or 1 = no prefill context parallelism).
-  size_t pcp_size;
-} amoe_forward_context;
-
 // The inputs of the fused finalize (SPEC section 1). All tensors are read
 // only; optional ones may be NULL. Ownership of every descriptor stays with
 // the caller.
@@ -335,20 +316,24 @@ typedef struct amoe_finalize_args {
   uint32_t drop_pad_mode;
 } amoe_finalize_args;
 
-// The static part of a layer's reduction policy (SPEC section 5). The live
-// MoE comm type is passed to each reduction point separately.
-typedef struct amoe_reduce_policy {
-  // An `amoe_shared_mode` code.
-  uint32_t shared_mode;
-  // Non-zero when a transform follows the routed experts.
-  uint8_t has_routed_transform;
+// One forward pass's context (SPEC section 5): the live comm type, the
+// tokens of every DP rank, this DP rank's actual tokens (rows past them are
+// graph padding), SP on/off and the PCP size. Read only; `dp_tokens` stays
+// owned by the caller and is read during the call only.
+typedef struct amoe_forward_context {
+  // An `amoe_comm_type` code.
+  uint32_t comm_type;
   // Non-zero when MoE sequence parallelism is on.
   uint8_t sp;
-  // TP group size (>= 1).
-  size_t tp_size;
-  // EP group size (a positive multiple of `tp_size`).
-  size_t ep_size;
-} amoe_reduce_policy;
+  // Tokens of each DP rank, `dp_size` entries.
+  const size_t *dp_tokens;
+  // Number of DP ranks (1 to 57 for a live context).
+  size_t dp_size;
+  // Real tokens of this DP rank; `AMOE_ALL_TOKENS` = all of them.
+  size_t num_actual_tokens;
+  // PCP size (0 or 1 = no prefill context parallelism).
+  size_t pcp_size;
+} amoe_forward_context;
 
 // The run-time parallel context of one forward pass. Read only; the caller
 // owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
@@ -383,6 +368,21 @@ typedef struct amoe_moe_context_ex {
   // This rank's PCP rank (< `pcp_size`; 0 without PCP).
   size_t pcp_rank;
 } amoe_moe_context_ex;
+
+// The static part of a layer's reduction policy (SPEC section 5). The live
+// MoE comm type is passed to each reduction point separately.
+typedef struct amoe_reduce_policy {
+  // An `amoe_shared_mode` code.
+  uint32_t shared_mode;
+  // Non-zero when a transform follows the routed experts.
+  uint8_t has_routed_transform;
+  // Non-zero when MoE sequence parallelism is on.
+  uint8_t sp;
+  // TP group size (>= 1).
+  size_t tp_size;
+  // EP group size (a positive multiple of `tp_size`).
+  size_t ep_size;
+} amoe_reduce_policy;
 
 #ifdef __cplusplus
 extern "C" {
@@ -709,6 +709,123 @@ amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
 // `stream` must be NULL or a live handle from `amoe_stream_wrap`.
 amoe_status amoe_stream_check(const struct amoe_stream *stream);
 
+// The SP layout of DP token counts (SPEC section 2):
+// `local_sizes[d * tp_size + t] = ceil(dp_tokens[d] / tp_size)`.
+// Writes `n * tp_size` entries to the caller-owned `out` (`cap` entries) and
+// the count to `*out_len`; when `cap` is too small only `*out_len` is written
+// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned.
+//
+// # Safety
+// `dp_tokens` readable for `n`; `out` writable for `cap`; `out_len` writable.
+amoe_status amoe_sp_layout_from_dp_tokens(const size_t *dp_tokens,
+                                          size_t n,
+                                          size_t tp_size,
+                                          size_t *out,
+                                          size_t cap,
+                                          size_t *out_len);
+
+// Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
+// `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
+// when `local_sizes` is NULL. `x`'s data pointer is ignored.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
+                                                   const size_t *local_sizes,
+                                                   size_t n,
+                                                   size_t ep_rank,
+                                                   size_t ep_size,
+                                                   size_t *out_shape,
+                                                   size_t cap,
+                                                   size_t *out_ndim);
+
+// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
+// (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
+// rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
+// `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
+// Collective: every rank of `ep_comm` calls it with the same layout.
+// Ownership as `amoe_moe_finalize_routing`.
+//
+// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
+// `stream` the row copies into a padded workspace buffer, one HCCL
+// collective and one device copy of the result into `out`; never
+// synchronises, never allocates outside the stream's pool, never reads
+// device data on the host. A mismatch between ranks is returned by
+// `amoe_stream_check`.
+//
+// # Safety
+// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
+amoe_status amoe_maybe_pad_and_reduce(const struct amoe_tensor *x,
+                                      const size_t *local_sizes,
+                                      size_t n,
+                                      const struct amoe_comm *ep_comm,
+                                      const struct amoe_tensor *out,
+                                      const struct amoe_stream *stream);
+
+// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
+// `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
+// `[rows * ep_size, H...]` when `local_sizes` is NULL.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// As `amoe_maybe_pad_and_reduce_output_shape`.
+amoe_status amoe_maybe_all_gather_and_maybe_unpad_output_shape(const struct amoe_tensor *x,
+                                                               const size_t *local_sizes,
+                                                               size_t n,
+                                                               size_t ep_rank,
+                                                               size_t ep_size,
+                                                               size_t *out_shape,
+                                                               size_t cap,
+                                                               size_t *out_ndim);
+
+// EP/SP prepare (SPEC section 4): pad `x` (exactly `local_sizes[rank]` rows)
+// to `M` rows, all-gather over `ep_comm`, keep the first `local_sizes[r]`
+// rows of each rank's block. Collective; ownership as `amoe_moe_finalize_routing`.
+//
+// # Safety
+// As `amoe_maybe_pad_and_reduce`.
+amoe_status amoe_maybe_all_gather_and_maybe_unpad(const struct amoe_tensor *x,
+                                                  const size_t *local_sizes,
+                                                  size_t n,
+                                                  const struct amoe_comm *ep_comm,
+                                                  const struct amoe_tensor *out,
+                                                  const struct amoe_stream *stream);
+
+// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
+// with `N = sum(local_sizes)` becomes `[local_sizes[ep_rank], H...]`.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` NULL or readable for `n`.
+amoe_status amoe_finalize_and_reduce_output_shape(const struct amoe_finalize_args *args,
+                                                  const size_t *local_sizes,
+                                                  size_t n,
+                                                  size_t ep_rank,
+                                                  size_t ep_size,
+                                                  size_t *out_shape,
+                                                  size_t cap,
+                                                  size_t *out_ndim);
+
+// Finalize routing fused with the EP/SP reduce: the result of
+// `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
+// buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
+//
+// NPU: enqueues the finalize into a padded workspace buffer (as
+// `amoe_moe_finalize_routing`), the HCCL reduce-scatter, and at most one
+// device copy of this rank's rows into `out`; never synchronises, never
+// allocates outside the stream's pool, never reads device data on the host.
+// Device-found errors come from `amoe_stream_check`.
+//
+// # Safety
+// As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
+amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
+                                     const size_t *local_sizes,
+                                     size_t n,
+                                     const struct amoe_comm *ep_comm,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
 // Makes a live context on the device of `stream`: zeroed (never written, so
 // every guard reports it until the engine sets it), with 128 guard records.
 // Allocates device and pinned memory and synchronises the stream once: call
@@ -870,189 +987,6 @@ amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
                                      const struct amoe_tensor *probs,
                                      const struct amoe_tensor *out,
                                      const struct amoe_stream *stream);
-
-// The SP layout of DP token counts (SPEC section 2):
-// `local_sizes[d * tp_size + t] = ceil(dp_tokens[d] / tp_size)`.
-// Writes `n * tp_size` entries to the caller-owned `out` (`cap` entries) and
-// the count to `*out_len`; when `cap` is too small only `*out_len` is written
-// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned.
-//
-// # Safety
-// `dp_tokens` readable for `n`; `out` writable for `cap`; `out_len` writable.
-amoe_status amoe_sp_layout_from_dp_tokens(const size_t *dp_tokens,
-                                          size_t n,
-                                          size_t tp_size,
-                                          size_t *out,
-                                          size_t cap,
-                                          size_t *out_len);
-
-// Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
-// `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
-// when `local_sizes` is NULL. `x`'s data pointer is ignored.
-// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
-//
-// # Safety
-// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
-amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
-                                                   const size_t *local_sizes,
-                                                   size_t n,
-                                                   size_t ep_rank,
-                                                   size_t ep_size,
-                                                   size_t *out_shape,
-                                                   size_t cap,
-                                                   size_t *out_ndim);
-
-// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
-// (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
-// rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
-// `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
-// Collective: every rank of `ep_comm` calls it with the same layout.
-// Ownership as `amoe_moe_finalize_routing`.
-//
-// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
-// `stream` the row copies into a padded workspace buffer, one HCCL
-// collective and one device copy of the result into `out`; never
-// synchronises, never allocates outside the stream's pool, never reads
-// device data on the host. A mismatch between ranks is returned by
-// `amoe_stream_check`.
-//
-// # Safety
-// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
-amoe_status amoe_maybe_pad_and_reduce(const struct amoe_tensor *x,
-                                      const size_t *local_sizes,
-                                      size_t n,
-                                      const struct amoe_comm *ep_comm,
-                                      const struct amoe_tensor *out,
-                                      const struct amoe_stream *stream);
-
-// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
-// `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
-// `[rows * ep_size, H...]` when `local_sizes` is NULL.
-// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
-//
-// # Safety
-// As `amoe_maybe_pad_and_reduce_output_shape`.
-amoe_status amoe_maybe_all_gather_and_maybe_unpad_output_shape(const struct amoe_tensor *x,
-                                                               const size_t *local_sizes,
-                                                               size_t n,
-                                                               size_t ep_rank,
-                                                               size_t ep_size,
-                                                               size_t *out_shape,
-                                                               size_t cap,
-                                                               size_t *out_ndim);
-
-// EP/SP prepare (SPEC section 4): pad `x` (exactly `local_sizes[rank]` rows)
-// to `M` rows, all-gather over `ep_comm`, keep the first `local_sizes[r]`
-// rows of each rank's block. Collective; ownership as `amoe_moe_finalize_routing`.
-//
-// # Safety
-// As `amoe_maybe_pad_and_reduce`.
-amoe_status amoe_maybe_all_gather_and_maybe_unpad(const struct amoe_tensor *x,
-                                                  const size_t *local_sizes,
-                                                  size_t n,
-                                                  const struct amoe_comm *ep_comm,
-                                                  const struct amoe_tensor *out,
-                                                  const struct amoe_stream *stream);
-
-// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
-// with `N = sum(local_sizes)` becomes `[local_sizes[ep_rank], H...]`.
-// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
-//
-// # Safety
-// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` NULL or readable for `n`.
-amoe_status amoe_finalize_and_reduce_output_shape(const struct amoe_finalize_args *args,
-                                                  const size_t *local_sizes,
-                                                  size_t n,
-                                                  size_t ep_rank,
-                                                  size_t ep_size,
-                                                  size_t *out_shape,
-                                                  size_t cap,
-                                                  size_t *out_ndim);
-
-// Finalize routing fused with the EP/SP reduce: the result of
-// `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
-// buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
-//
-// NPU: enqueues the finalize into a padded workspace buffer (as
-// `amoe_moe_finalize_routing`), the HCCL reduce-scatter, and at most one
-// device copy of this rank's rows into `out`; never synchronises, never
-// allocates outside the stream's pool, never reads device data on the host.
-// Device-found errors come from `amoe_stream_check`.
-//
-// # Safety
-// As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
-amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
-                                     const size_t *local_sizes,
-                                     size_t n,
-                                     const struct amoe_comm *ep_comm,
-                                     const struct amoe_tensor *out,
-                                     const struct amoe_stream *stream);
-
-// Whether the routed output of `comm_type` is already the full sum
-// (SPEC section 5): `comm in {MC2, ALLTOALL, FUSED_MC2} or (ALLGATHER and sp)`.
-// Writes 1 or 0 to `*out`.
-//
-// # Safety
-// `out` writable.
-amoe_status amoe_routed_is_reduced(uint32_t comm_type, uint8_t sp, uint8_t *out);
-
-// Validates a policy and writes its decisions for the live `comm_type`:
-// `*early` (reduce the routed output before the transform), and whether
-// each of the three reduction points all-reduces (`*routed`, `*shared`,
-// `*final_`). Any out-pointer may be NULL to skip it.
-//
-// # Safety
-// `policy` valid; non-NULL out-pointers writable.
-amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy,
-                                         uint32_t comm_type,
-                                         uint8_t *early,
-                                         uint8_t *routed,
-                                         uint8_t *shared,
-                                         uint8_t *final_);
-
-// Reduction point 1 (routed output, before the transform) with the live
-// `comm_type`: `out` = TP all-reduce of `x` when the policy says so for this
-// comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
-// shape function is the identity); `x` and `out` may be the same memory.
-// Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
-//
-// NPU (this and the other two reduction points): enqueues on `stream` one
-// device copy of `x` into `out` (none when they are the same memory) and,
-// when the point reduces, one in-place HCCL all-reduce of `out`; never
-// synchronises, never allocates, never reads device data on the host.
-//
-// # Safety
-// `policy` valid; `x`, `out` valid descriptors; `tp_comm` live.
-amoe_status amoe_reduce_routed_early(const struct amoe_reduce_policy *policy,
-                                     const struct amoe_tensor *x,
-                                     uint32_t comm_type,
-                                     const struct amoe_comm *tp_comm,
-                                     const struct amoe_tensor *out,
-                                     const struct amoe_stream *stream);
-
-// Reduction point 2 (shared-expert output) with the live `comm_type`.
-// As `amoe_reduce_routed_early`.
-//
-// # Safety
-// As `amoe_reduce_routed_early`.
-amoe_status amoe_reduce_shared(const struct amoe_reduce_policy *policy,
-                               const struct amoe_tensor *x,
-                               uint32_t comm_type,
-                               const struct amoe_comm *tp_comm,
-                               const struct amoe_tensor *out,
-                               const struct amoe_stream *stream);
-
-// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
-// As `amoe_reduce_routed_early`.
-//
-// # Safety
-// As `amoe_reduce_routed_early`.
-amoe_status amoe_reduce_final(const struct amoe_reduce_policy *policy,
-                              const struct amoe_tensor *x,
-                              uint32_t comm_type,
-                              const struct amoe_comm *tp_comm,
-                              const struct amoe_tensor *out,
-                              const struct amoe_stream *stream);
 
 // Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * pcp_size + pcp) *
 // tp_size + tp`) into this rank's TP, DP and PCP groups, for contexts with
@@ -1218,6 +1152,72 @@ amoe_status amoe_token_finalize_ex(const struct amoe_tensor *y,
                                    const struct amoe_moe_groups *groups,
                                    const struct amoe_tensor *out,
                                    const struct amoe_stream *stream);
+
+// Whether the routed output of `comm_type` is already the full sum
+// (SPEC section 5): `comm in {MC2, ALLTOALL, FUSED_MC2} or (ALLGATHER and sp)`.
+// Writes 1 or 0 to `*out`.
+//
+// # Safety
+// `out` writable.
+amoe_status amoe_routed_is_reduced(uint32_t comm_type, uint8_t sp, uint8_t *out);
+
+// Validates a policy and writes its decisions for the live `comm_type`:
+// `*early` (reduce the routed output before the transform), and whether
+// each of the three reduction points all-reduces (`*routed`, `*shared`,
+// `*final_`). Any out-pointer may be NULL to skip it.
+//
+// # Safety
+// `policy` valid; non-NULL out-pointers writable.
+amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy,
+                                         uint32_t comm_type,
+                                         uint8_t *early,
+                                         uint8_t *routed,
+                                         uint8_t *shared,
+                                         uint8_t *final_);
+
+// Reduction point 1 (routed output, before the transform) with the live
+// `comm_type`: `out` = TP all-reduce of `x` when the policy says so for this
+// comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
+// shape function is the identity); `x` and `out` may be the same memory.
+// Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
+//
+// NPU (this and the other two reduction points): enqueues on `stream` one
+// device copy of `x` into `out` (none when they are the same memory) and,
+// when the point reduces, one in-place HCCL all-reduce of `out`; never
+// synchronises, never allocates, never reads device data on the host.
+//
+// # Safety
+// `policy` valid; `x`, `out` valid descriptors; `tp_comm` live.
+amoe_status amoe_reduce_routed_early(const struct amoe_reduce_policy *policy,
+                                     const struct amoe_tensor *x,
+                                     uint32_t comm_type,
+                                     const struct amoe_comm *tp_comm,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
+// Reduction point 2 (shared-expert output) with the live `comm_type`.
+// As `amoe_reduce_routed_early`.
+//
+// # Safety
+// As `amoe_reduce_routed_early`.
+amoe_status amoe_reduce_shared(const struct amoe_reduce_policy *policy,
+                               const struct amoe_tensor *x,
+                               uint32_t comm_type,
+                               const struct amoe_comm *tp_comm,
+                               const struct amoe_tensor *out,
+                               const struct amoe_stream *stream);
+
+// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
+// As `amoe_reduce_routed_early`.
+//
+// # Safety
+// As `amoe_reduce_routed_early`.
+amoe_status amoe_reduce_final(const struct amoe_reduce_policy *policy,
+                              const struct amoe_tensor *x,
+                              uint32_t comm_type,
+                              const struct amoe_comm *tp_comm,
+                              const struct amoe_tensor *out,
+                              const struct amoe_stream *stream);
 
 // Output shape of `amoe_shared_pad_split` on TP rank `tp_rank` of `tp_size`:
 // `x [T, H...]` -> `[ceil(T / tp_size), H...]`. Out-pointers as

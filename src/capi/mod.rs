@@ -29,16 +29,20 @@
 pub(crate) mod ffi;
 
 mod comm;
+mod layout_ops;
 mod live;
 mod ops;
 mod prepare;
+mod reduce;
 mod shared;
 mod types;
 
 pub use comm::*;
+pub use layout_ops::*;
 pub use live::*;
 pub use ops::*;
 pub use prepare::*;
+pub use reduce::*;
 pub use shared::*;
 pub use types::*;
 

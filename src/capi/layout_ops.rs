@@ -1,0 +1,316 @@
+//! The EP/SP layout ops (SPEC sections 2-4): the layout of DP token counts,
+//! pad-and-reduce, gather-and-unpad and the fused finalize-and-reduce, each
+//! with its `*_output_shape` twin.
+
+use super::comm::comm_ref;
+use super::ffi::{
+    check_out, ffi, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
+};
+use super::ops::{amoe_finalize_args, host_out, FinalizeInputs, FinalizeMetas};
+use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
+use crate::moe::{self, SpLayout};
+use crate::{Collectives, Comm, Tensor};
+
+/// An optional SP layout: NULL `local_sizes` means none (plain EP
+/// reduce-scatter / all-gather); otherwise `n` entries, one per EP rank.
+///
+/// # Safety
+/// `local_sizes` readable for `n` elements when non-NULL.
+unsafe fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<SpLayout>, Failure> {
+    if local_sizes.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller's contract.
+    let sizes = unsafe { read_sizes(f, "local_sizes", local_sizes, n) }?;
+    Ok(Some(SpLayout::new(&sizes)?))
+}
+
+/// Shape function of an EP/SP layout op: `(x shape, layout, ep_rank, ep_size)`.
+type LayoutShape = fn(&[usize], Option<&SpLayout>, usize, usize) -> crate::Result<Vec<usize>>;
+
+/// The body of the `*_output_shape` export of an EP/SP layout op.
+///
+/// # Safety
+/// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+#[allow(clippy::too_many_arguments)]
+unsafe fn layout_op_shape(
+    f: &'static str,
+    shape_of: LayoutShape,
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_rank: usize,
+    ep_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: the caller's contracts.
+        let m = unsafe { read_meta(f, "x", x) }?;
+        // SAFETY: as above.
+        let l = unsafe { layout(f, local_sizes, n) }?;
+        let shape = shape_of(&m.shape, l.as_ref(), ep_rank, ep_size)?;
+        // SAFETY: the caller's contracts for the out-pointers.
+        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
+/// The body of an EP/SP layout op's export: `out = op(x, layout, ep_comm)`,
+/// after `out` is checked against `shape_of`. On NPU the op computes into
+/// workspace of the stream's pool and its result is copied into `out` by one
+/// device copy queued on the stream; nothing synchronises or allocates
+/// outside the pool.
+///
+/// # Safety
+/// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`;
+/// `ep_comm` live; `stream` NULL or a live handle.
+#[allow(clippy::too_many_arguments)]
+unsafe fn layout_op(
+    f: &'static str,
+    shape_of: LayoutShape,
+    op: fn(&Tensor, Option<&SpLayout>, &Comm) -> crate::Result<Tensor>,
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    ffi!(f, {
+        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
+        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        // SAFETY: the caller's contracts, for every call below.
+        let c = unsafe { comm_ref(f, ep_comm) }?;
+        let x = unsafe { read_tensor(f, "x", x) }?;
+        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the caller's contract.
+        let l = unsafe { layout(f, local_sizes, n) }?;
+        let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
+        let y = op(&x, l.as_ref(), c)?;
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { write_tensor(f, "out", out, &y) }
+    })
+}
+
+/// The SP layout of DP token counts (SPEC section 2):
+/// `local_sizes[d * tp_size + t] = ceil(dp_tokens[d] / tp_size)`.
+/// Writes `n * tp_size` entries to the caller-owned `out` (`cap` entries) and
+/// the count to `*out_len`; when `cap` is too small only `*out_len` is written
+/// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned.
+///
+/// # Safety
+/// `dp_tokens` readable for `n`; `out` writable for `cap`; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
+    dp_tokens: *const usize,
+    n: usize,
+    tp_size: usize,
+    out: *mut usize,
+    cap: usize,
+    out_len: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_sp_layout_from_dp_tokens";
+    ffi!(F, {
+        let out_len = try_out!(F, out_len, "out_len");
+        // SAFETY: the caller's contract.
+        let dp = unsafe { read_sizes(F, "dp_tokens", dp_tokens, n) }?;
+        // The layout has n * tp_size entries: check it fits the caller's
+        // buffer before building it, so its size is bounded by real memory.
+        let Some(need) = n.checked_mul(tp_size) else {
+            return Err(Failure::invalid(F, "tp_size", format!("{n} DP ranks x {tp_size} TP ranks overflows")));
+        };
+        // SAFETY: checked non-null, writable per the contract.
+        unsafe { write_out(out_len, need) };
+        if cap < need {
+            return Err(Failure::new(
+                amoe_status::BufferTooSmall,
+                format!("{F}: `out` holds {cap} entries, the layout has {need}"),
+            ));
+        }
+        let l = SpLayout::from_dp_tokens(&dp, tp_size)?;
+        let sizes = l.local_sizes();
+        let out = try_out!(F, out, "out");
+        // SAFETY: non-null, writable for `cap >= sizes.len()` elements.
+        unsafe { std::ptr::copy_nonoverlapping(sizes.as_ptr(), out, sizes.len()) };
+        Ok(())
+    })
+}
+
+/// Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
+/// `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
+/// when `local_sizes` is NULL. `x`'s data pointer is ignored.
+/// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+///
+/// # Safety
+/// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_rank: usize,
+    ep_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_maybe_pad_and_reduce_output_shape";
+    let shape_of = moe::maybe_pad_and_reduce_output_shape;
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim) }
+}
+
+/// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
+/// (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
+/// rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
+/// `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
+/// Collective: every rank of `ep_comm` calls it with the same layout.
+/// Ownership as `amoe_moe_finalize_routing`.
+///
+/// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
+/// `stream` the row copies into a padded workspace buffer, one HCCL
+/// collective and one device copy of the result into `out`; never
+/// synchronises, never allocates outside the stream's pool, never reads
+/// device data on the host. A mismatch between ranks is returned by
+/// `amoe_stream_check`.
+///
+/// # Safety
+/// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_maybe_pad_and_reduce";
+    let (shape_of, op) = (moe::maybe_pad_and_reduce_output_shape, moe::maybe_pad_and_reduce::<Comm>);
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op(F, shape_of, op, x, local_sizes, n, ep_comm, out, stream) }
+}
+
+/// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
+/// `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
+/// `[rows * ep_size, H...]` when `local_sizes` is NULL.
+/// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+///
+/// # Safety
+/// As `amoe_maybe_pad_and_reduce_output_shape`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad_output_shape(
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_rank: usize,
+    ep_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_maybe_all_gather_and_maybe_unpad_output_shape";
+    let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim) }
+}
+
+/// EP/SP prepare (SPEC section 4): pad `x` (exactly `local_sizes[rank]` rows)
+/// to `M` rows, all-gather over `ep_comm`, keep the first `local_sizes[r]`
+/// rows of each rank's block. Collective; ownership as `amoe_moe_finalize_routing`.
+///
+/// # Safety
+/// As `amoe_maybe_pad_and_reduce`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
+    x: *const amoe_tensor,
+    local_sizes: *const usize,
+    n: usize,
+    ep_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_maybe_all_gather_and_maybe_unpad";
+    let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
+    let op = moe::maybe_all_gather_and_maybe_unpad::<Comm>;
+    // SAFETY: the caller's contracts.
+    unsafe { layout_op(F, shape_of, op, x, local_sizes, n, ep_comm, out, stream) }
+}
+
+/// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
+/// with `N = sum(local_sizes)` becomes `[local_sizes[ep_rank], H...]`.
+/// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+///
+/// # Safety
+/// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` NULL or readable for `n`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_finalize_and_reduce_output_shape(
+    args: *const amoe_finalize_args,
+    local_sizes: *const usize,
+    n: usize,
+    ep_rank: usize,
+    ep_size: usize,
+    out_shape: *mut usize,
+    cap: usize,
+    out_ndim: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_finalize_and_reduce_output_shape";
+    ffi!(F, {
+        // SAFETY: the caller's contracts.
+        let m = unsafe { FinalizeMetas::read(F, args) }?;
+        // SAFETY: as above.
+        let l = unsafe { layout(F, local_sizes, n) }?;
+        let shape = moe::finalize_and_reduce_shape(&m.meta(), l.as_ref(), ep_rank, ep_size)?;
+        // SAFETY: the caller's contracts for the out-pointers.
+        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+    })
+}
+
+/// Finalize routing fused with the EP/SP reduce: the result of
+/// `amoe_maybe_pad_and_reduce(finalize(args))` without the intermediate
+/// buffer. Collective over `ep_comm`; ownership as `amoe_moe_finalize_routing`.
+///
+/// NPU: enqueues the finalize into a padded workspace buffer (as
+/// `amoe_moe_finalize_routing`), the HCCL reduce-scatter, and at most one
+/// device copy of this rank's rows into `out`; never synchronises, never
+/// allocates outside the stream's pool, never reads device data on the host.
+/// Device-found errors come from `amoe_stream_check`.
+///
+/// # Safety
+/// As `amoe_moe_finalize_routing` and `amoe_maybe_pad_and_reduce`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_finalize_and_reduce(
+    args: *const amoe_finalize_args,
+    local_sizes: *const usize,
+    n: usize,
+    ep_comm: *const amoe_comm,
+    out: *const amoe_tensor,
+    stream: *const amoe_stream,
+) -> amoe_status {
+    const F: &str = "amoe_finalize_and_reduce";
+    ffi!(F, {
+        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
+        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
+        // SAFETY: the caller's contracts, for every call below.
+        let c = unsafe { comm_ref(F, ep_comm) }?;
+        let inputs = unsafe { FinalizeInputs::read(F, args) }?;
+        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
+        let l = unsafe { layout(F, local_sizes, n) }?;
+        let a = inputs.args()?;
+        let shape = moe::finalize_and_reduce_output_shape(&a, l.as_ref(), c.rank(), c.world_size())?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        let y = match unsafe { host_out(F, out) }? {
+            Some(mut o) => {
+                moe::finalize_and_reduce_into(&a, l.as_ref(), c, &mut o)?;
+                o
+            }
+            None => moe::finalize_and_reduce(&a, l.as_ref(), c)?,
+        };
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        unsafe { write_tensor(F, "out", out, &y) }
+    })
+}
