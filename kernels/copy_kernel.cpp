@@ -28,9 +28,17 @@
  * copy-in (EnQue/DeQue: MTE2 -> MTE3) and the next copy-in into a buffer
  * after its copy-out (FreeTensor/AllocTensor: MTE3 -> MTE2).
  *
+ * The tiling arrives as scalar arguments: a kernel's parameters may be
+ * basic data types such as int32_t or pointers to them (Ascend C
+ * programming guide, "Kernel Function", atlas_ascendc_10_10067), and the
+ * <<<>>> launch passes them by value, so nothing is staged in device memory.
+ *
  * A tiling the kernel cannot have been planned with (wrong magic, a tile or
- * span that is not a positive multiple of 32) traps: an AI Core exception
- * fails the stream, so a bad launch is never a silent partial copy.
+ * span that is not a positive multiple of 32) traps: AscendC::Trap
+ * "interrupts the running of the AI Core in NPU mode" (Ascend C API
+ * reference, Trap, atlasascendc_api_07_0196; dav_c220 TrapImpl issues
+ * trap()), an AI Core exception that fails the stream, so a bad launch is
+ * never a silent partial copy.
  */
 #include "copy_tiling.h"
 #include "kernel_operator.h"

@@ -243,10 +243,10 @@ pub(crate) unsafe fn enqueue_copy(
 ) -> Result<bool> {
     let tiling = CopyTiling::plan(dst as usize, len)?;
     let api = stream.enter()?;
+    let mut gm = [std::ptr::null_mut::<c_void>(); COPY_GM_COUNT];
+    gm[COPY_GM_DST] = dst;
+    gm[COPY_GM_SRC] = src as *mut c_void;
     if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel_ex, copy_host_entry()) {
-        let mut gm = [std::ptr::null_mut::<c_void>(); COPY_GM_COUNT];
-        gm[COPY_GM_DST] = dst;
-        gm[COPY_GM_SRC] = src as *mut c_void;
         let bytes = tiling.as_bytes();
         // SAFETY: `gm` holds the two device ranges of this function's
         // contract; the simulator copies the tiling bytes at enqueue.
@@ -266,9 +266,6 @@ pub(crate) unsafe fn enqueue_copy(
     }
     match super::library::shared_kernel_lib() {
         Some(lib) if lib.has_copy() => {
-            let mut gm = [std::ptr::null_mut::<c_void>(); COPY_GM_COUNT];
-            gm[COPY_GM_DST] = dst;
-            gm[COPY_GM_SRC] = src as *mut c_void;
             // SAFETY: this function's contract; the tiling passed `check` in
             // `plan` and is read during the call.
             unsafe { lib.launch_copy(tiling.block_dim, stream.raw(), &gm, (&tiling as *const CopyTiling).cast())? };
