@@ -28,11 +28,14 @@ use std::process::Command;
 
 const KERNEL_SOURCES: &[&str] = &[
     "build/npu_flags.rs",
+    "kernels/copy_kernel.cpp",
+    "kernels/copy_tiling.h",
     "kernels/finalize_kernel.cpp",
     "kernels/finalize_tiling.h",
     "kernels/guard_kernel.cpp",
     "kernels/guard_tiling.h",
     "kernels/npu_launch.cpp",
+    "kernels/host_model/copy_entry.cpp",
     "kernels/host_model/cpu_debug_hooks.h",
     "kernels/host_model/host_entry.cpp",
     "kernels/host_model/model.cpp",
@@ -141,9 +144,9 @@ fn header_candidates() -> Vec<AscendcHeaders> {
     c
 }
 
-/// The kernel and the host model for the host. Three translation units
-/// include the Ascend C headers (the kernel, the kernel with one barrier
-/// dropped, the host entry); they compile in parallel.
+/// The kernels and the host model for the host. The translation units
+/// (each kernel, the finalize with one barrier dropped, the host entries,
+/// the model) compile in parallel.
 fn build_host_kernel() {
     let candidates = header_candidates();
     let Some(headers) = candidates.iter().find(|h| h.complete()) else {
@@ -197,6 +200,8 @@ fn build_host_kernel() {
             api: true,
         },
         Unit { name: "guard", file: "kernels/guard_kernel.cpp", defines: &[], api: true },
+        Unit { name: "copy", file: "kernels/copy_kernel.cpp", defines: &[], api: true },
+        Unit { name: "copy_entry", file: "kernels/host_model/copy_entry.cpp", defines: &[], api: true },
         Unit { name: "host_entry", file: "kernels/host_model/host_entry.cpp", defines: &[], api: true },
         Unit { name: "model", file: "kernels/host_model/model.cpp", defines: &[], api: false },
     ];

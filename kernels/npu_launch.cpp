@@ -1,8 +1,8 @@
 /*
- * NPU build only (CANN's bisheng/ccec, -xcce): the finalize kernel and the
- * forward-context guard for the AI Core, each with a host-callable launcher,
- * built into libamoe_kernels_npu.so and loaded at run time. Not compiled by
- * the host build (kernels/host_model).
+ * NPU build only (CANN's bisheng/ccec, -xcce): the finalize kernel, the
+ * forward-context guard and the byte copy for the AI Core, each with a
+ * host-callable launcher, built into libamoe_kernels_npu.so and loaded at
+ * run time. Not compiled by the host build (kernels/host_model).
  *
  * `gm` is a host array of AMOE_FIN_GM_COUNT device pointers in the order of
  * finalize_tiling.h (NULL for absent optional inputs); `tiling` is a device
@@ -39,5 +39,23 @@ extern "C" int32_t amoe_guard_launch_npu(void *stream, void *const *gm, void *ti
     amoe_guard_kernel<<<1, nullptr, stream>>>(static_cast<GM_ADDR>(gm[AMOE_GUARD_GM_LIVE]),
                                               static_cast<GM_ADDR>(gm[AMOE_GUARD_GM_STATUS]),
                                               static_cast<GM_ADDR>(tiling));
+    return 0;
+}
+
+#include "copy_kernel.cpp"
+
+/* The byte copy: `gm` holds AMOE_COPY_GM_COUNT device pointers (dst, src);
+ * `tiling` is a host AmoeCopyTiling whose fields become the kernel's scalar
+ * arguments, so nothing is copied to the device for the launch. */
+extern "C" int32_t amoe_copy_launch_npu(uint32_t block_dim, void *stream, void *const *gm, const void *tiling)
+{
+    if (gm == nullptr || tiling == nullptr || block_dim == 0 || gm[AMOE_COPY_GM_DST] == nullptr ||
+        gm[AMOE_COPY_GM_SRC] == nullptr) {
+        return 107000; /* ACL_ERROR_INVALID_PARAM */
+    }
+    const AmoeCopyTiling *t = static_cast<const AmoeCopyTiling *>(tiling);
+    amoe_copy_kernel<<<block_dim, nullptr, stream>>>(static_cast<GM_ADDR>(gm[AMOE_COPY_GM_DST]),
+                                                     static_cast<GM_ADDR>(gm[AMOE_COPY_GM_SRC]), t->len, t->per_core,
+                                                     t->tile, t->dst_phase, t->magic);
     return 0;
 }

@@ -98,7 +98,7 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
     let reports = npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
         let dev = comm.device();
         let nd = npu(&dev).clone();
-        let h = 16; // 64-byte rows: every row copy is asynchronous
+        let h = 16; // 64-byte rows: every row copy goes to aclrtMemcpyAsync
         let mut p = Vec::new();
 
         // Collectives.
@@ -132,6 +132,11 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let mut sum = Tensor::zeros(&[8, h], DType::F32, &dev)?;
         p.extend(measure(&nd, "add", || b.add(&x, &y, &mut sum)));
         p.extend(measure(&nd, "copy_rows", || b.copy_rows(&x, 4, &mut sum, 0, 4)));
+        // 16-byte rows (H = 4 f32) start off 64-byte boundaries, which
+        // aclrtMemcpyAsync refuses: the byte-copy kernel takes them.
+        let narrow = filled(&dev, &[8, 4], rank)?;
+        let mut narrow_out = Tensor::zeros(&[8, 4], DType::F32, &dev)?;
+        p.extend(measure(&nd, "copy_rows (16-byte rows)", || b.copy_rows(&narrow, 1, &mut narrow_out, 3, 5)));
 
         // Native finalize, dense and into the padded EP buffer.
         let (n, k) = (6usize, 2usize);

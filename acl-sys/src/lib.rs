@@ -53,6 +53,33 @@ pub type CannsimLaunchKernelFn = unsafe extern "C" fn(
     tiling_len: usize,
 ) -> aclError;
 
+/// Entry point of a kernel that can fault, launched through the simulated
+/// runtime: `entry(block_idx, block_dim, gm, tiling, msg, msg_cap)`, nonzero
+/// (with a message written to `msg`) when the core raised an exception.
+pub type CannsimKernelEntryEx = Option<
+    unsafe extern "C" fn(
+        block_idx: u32,
+        block_dim: u32,
+        gm: *const *mut c_void,
+        tiling: *const c_void,
+        msg: *mut std::ffi::c_char,
+        msg_cap: usize,
+    ) -> i32,
+>;
+
+/// `cannsim_launch_kernel_ex`: exported only by the simulated CANN runtime.
+/// As [`CannsimLaunchKernelFn`]; a core that returns nonzero fails the stream
+/// with `ACL_ERROR_RT_AICORE_EXCEPTION`, as an AI Core exception does.
+pub type CannsimLaunchKernelExFn = unsafe extern "C" fn(
+    stream: aclrtStream,
+    block_dim: u32,
+    entry: CannsimKernelEntryEx,
+    gm_dev: *const *mut c_void,
+    n_gm: usize,
+    tiling: *const c_void,
+    tiling_len: usize,
+) -> aclError;
+
 /// Host-side call counts of the simulated runtime for the calling thread
 /// (`CannsimCounters` of `libcann_sim.so`; the field order is part of its C
 /// ABI). A call is counted when the calling thread makes it, whether it
@@ -165,6 +192,8 @@ pub struct Acl {
     pub origin: loader::Candidate,
     /// The simulator's kernel launcher, present only under the simulated runtime.
     pub cannsim_launch_kernel: Option<CannsimLaunchKernelFn>,
+    /// The simulator's launcher of kernels that can fault, present only under the simulated runtime.
+    pub cannsim_launch_kernel_ex: Option<CannsimLaunchKernelExFn>,
     /// The simulator's per-thread call counters, present only under the simulated runtime.
     pub cannsim_counters: Option<CannsimCountersFn>,
     /// Resets those counters, present only under the simulated runtime.
@@ -209,6 +238,9 @@ pub fn acl() -> Result<&'static Acl, LoadError> {
         // exactly the signature of `CannsimLaunchKernelFn` (NPU contract).
         let launch =
             unsafe { opened.library.get::<CannsimLaunchKernelFn>(b"cannsim_launch_kernel\0") }.ok().map(|s| *s);
+        // SAFETY: as above, with the signature of `CannsimLaunchKernelExFn`.
+        let launch_ex =
+            unsafe { opened.library.get::<CannsimLaunchKernelExFn>(b"cannsim_launch_kernel_ex\0") }.ok().map(|s| *s);
         // SAFETY: as above, for the simulator's counter exports.
         let counters = unsafe { opened.library.get::<CannsimCountersFn>(b"cannsim_counters\0") }.ok().map(|s| *s);
         // SAFETY: as above.
@@ -222,6 +254,7 @@ pub fn acl() -> Result<&'static Acl, LoadError> {
                 lib,
                 origin: opened.candidate,
                 cannsim_launch_kernel: launch,
+                cannsim_launch_kernel_ex: launch_ex,
                 cannsim_counters: counters,
                 cannsim_counters_reset: counters_reset,
             }),

@@ -16,7 +16,7 @@
 //! | [`hccl`] | `HcclGetRootInfo` ... `HcclBarrier`, over the crate's CPU communicator |
 //! | [`hccl_rules`] | (no exports) the argument rules of real HCCL, applied at each HCCL export's entry |
 //! | [`version`] | (no exports) the emulated CANN release, `CANNSIM_CANN_VERSION` |
-//! | [`kernel`] | `cannsim_launch_kernel` (simulator-only) |
+//! | [`kernel`] | `cannsim_launch_kernel`, `cannsim_launch_kernel_ex` (simulator-only) |
 //! | [`capture`] | `aclmdlRICaptureBegin` ... `aclmdlRIDestroy`, `aclrtSynchronizeDevice`: ACL graph capture |
 //! | [`counters`] | `cannsim_counters`, `cannsim_counters_reset` (simulator-only): per-thread host call counts |
 //!

@@ -824,6 +824,10 @@ int64_t sff0(uint64_t in)
 uint64_t sbitset0(uint64_t x, int64_t idx) { return x & ~(1ull << idx); }
 uint64_t sbitset1(uint64_t x, int64_t idx) { return x | (1ull << idx); }
 
+/* AscendC::Trap(): on the AI Core an exception that fails the stream; here
+ * it aborts the core. */
+void trap() { amoe_hm::Fail("trap: the kernel raised an AI Core exception"); }
+
 /* The scalar data cache is not modelled: GM is coherent on the host. */
 void dcci(__gm__ void *, uint64_t) {}
 void dcci(__gm__ void *, uint64_t, uint64_t) {}
@@ -865,6 +869,20 @@ void copy_gm_to_ubuf_align_b32(__ubuf__ void *dst, __gm__ void *src, uint8_t, ui
 {
     amoe_hm::CopyPadIn("DataCopyPad GM->UB (copy_gm_to_ubuf_align_b32)", static_cast<uint8_t *>(dst),
                        static_cast<const uint8_t *>(src), 4, nBurst, lenBurst, left, right, srcGap, dstGap);
+}
+
+void copy_gm_to_ubuf_align_b8(__ubuf__ void *dst, __gm__ void *src, uint8_t, uint16_t nBurst, uint32_t lenBurst,
+                              uint8_t left, uint8_t right, uint32_t srcGap, uint32_t dstGap)
+{
+    amoe_hm::CopyPadIn("DataCopyPad GM->UB (copy_gm_to_ubuf_align_b8)", static_cast<uint8_t *>(dst),
+                       static_cast<const uint8_t *>(src), 1, nBurst, lenBurst, left, right, srcGap, dstGap);
+}
+
+void copy_ubuf_to_gm_align_b8(__gm__ void *dst, __ubuf__ void *src, uint8_t, uint16_t nBurst, uint32_t lenBurst,
+                              uint8_t, uint8_t, uint32_t srcGap, uint32_t dstGap)
+{
+    amoe_hm::CopyPadOut("DataCopyPad UB->GM (copy_ubuf_to_gm_align_b8)", static_cast<uint8_t *>(dst),
+                        static_cast<const uint8_t *>(src), nBurst, lenBurst, srcGap, dstGap);
 }
 
 void copy_ubuf_to_gm_align_b16(__gm__ void *dst, __ubuf__ void *src, uint8_t, uint16_t nBurst, uint32_t lenBurst,

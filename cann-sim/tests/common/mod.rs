@@ -36,6 +36,7 @@ macro_rules! api {
 }
 
 pub type KernelEntry = unsafe extern "C" fn(u32, u32, *const Ptr, *const c_void);
+pub type KernelEntryEx = unsafe extern "C" fn(u32, u32, *const Ptr, *const c_void, *mut c_char, usize) -> i32;
 
 api! {
     aclInit: fn(*const c_char) -> i32;
@@ -97,6 +98,7 @@ api! {
     HcclBroadcast: fn(Ptr, u64, i32, u32, Ptr, Ptr) -> i32;
     HcclBarrier: fn(Ptr, Ptr) -> i32;
     cannsim_launch_kernel: fn(Ptr, u32, Option<KernelEntry>, *const Ptr, usize, *const c_void, usize) -> i32;
+    cannsim_launch_kernel_ex: fn(Ptr, u32, Option<KernelEntryEx>, *const Ptr, usize, *const c_void, usize) -> i32;
 }
 
 pub const H2H: i32 = 0;

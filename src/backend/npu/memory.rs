@@ -15,6 +15,7 @@ use std::marker::PhantomData;
 
 use acl_sys::{aclrtMemMallocPolicy, aclrtMemcpyKind};
 
+use super::kernel;
 use super::pool::{self, Allocator};
 use super::runtime::{acl_fn, check, lock, record_drop_error, settled, NpuStream};
 use super::NpuDevice;
@@ -249,9 +250,23 @@ impl NpuBuffer {
     }
 
     /// Copies `len` bytes from `src[src_off..]` to `self[dst_off..]` on this
-    /// buffer's stream (ordered after `src`'s stream). Falls back to a
-    /// blocking copy for addresses the asynchronous engine cannot take or
-    /// for buffers on different devices (staged through the host).
+    /// buffer's stream, ordered after `src`'s stream; the host never waits
+    /// for a copy within one device.
+    ///
+    /// - Both addresses 64-byte aligned: `aclrtMemcpyAsync` (acl_rt.h: an
+    ///   on-chip device-to-device asynchronous copy needs 64-byte aligned
+    ///   source and destination).
+    /// - Any other same-device copy: the byte-copy kernel
+    ///   ([`super::kernel::copy`]), enqueued like the other native kernels;
+    ///   it stages and allocates nothing, so it can be captured into a graph.
+    /// - Where no copy kernel can launch (no AI Core kernel library, not the
+    ///   simulator), an unaligned copy synchronises the stream and uses the
+    ///   blocking `aclrtMemcpy`; under graph capture, which forbids both,
+    ///   that is refused with an error naming the copy.
+    /// - Buffers on different devices are staged through the host (blocking).
+    ///
+    /// Overlapping source and destination ranges are refused (the same
+    /// range is left as it is).
     pub fn copy_from_device(&self, dst_off: usize, src: &NpuBuffer, src_off: usize, len: usize) -> Result<()> {
         const OP: &str = "NpuBuffer::copy_from_device";
         self.range_check(OP, "dst", dst_off, len)?;
@@ -264,24 +279,59 @@ impl NpuBuffer {
             src.copy_to_host_at(src_off, &mut host)?;
             return self.copy_from_host_at(dst_off, &host);
         }
-        self.stream().wait_for(src.stream())?;
         let (d, s) = (self.at(dst_off), src.at(src_off));
+        let (da, sa) = (d as usize, s as usize);
+        if da == sa {
+            return Ok(());
+        }
+        if da < sa.wrapping_add(len) && sa < da.wrapping_add(len) {
+            return Err(Error::invalid(
+                OP,
+                "src",
+                format!(
+                    "the {len} bytes at {sa:#x} overlap the {len} bytes at {da:#x} they would be copied to; \
+                     neither the copy engine nor the copy kernel defines overlapping copies: copy through a \
+                     separate buffer"
+                ),
+            ));
+        }
+        self.stream().wait_for(src.stream())?;
         let api = self.stream().enter()?;
-        if (d as usize) % ASYNC_D2D_ALIGN == 0 && (s as usize) % ASYNC_D2D_ALIGN == 0 {
+        if da % ASYNC_D2D_ALIGN == 0 && sa % ASYNC_D2D_ALIGN == 0 {
             let f = acl_fn!(api, aclrtMemcpyAsync)?;
             // SAFETY: both ranges are inside live allocations of this device;
             // both buffers outlive the queued copy (their drop synchronises).
-            check("aclrtMemcpyAsync", unsafe {
+            return check("aclrtMemcpyAsync", unsafe {
                 f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE, self.stream().raw())
-            })
-        } else {
-            self.stream().synchronize()?;
-            let f = acl_fn!(api, aclrtMemcpy)?;
-            // SAFETY: as above; the blocking copy runs after all queued work.
-            check("aclrtMemcpy", unsafe {
-                f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE)
-            })
+            });
         }
+        // SAFETY: both ranges are inside live allocations of this device and
+        // do not overlap (checked above); an owned buffer's drop synchronises
+        // its stream and workspace is reused only by work queued after this
+        // copy, so both outlive it.
+        if unsafe { kernel::copy::enqueue_copy(self.stream(), d, s, len) }? {
+            return Ok(());
+        }
+        if self.stream().is_capturing()? {
+            return Err(Error::invalid(
+                OP,
+                "stream",
+                format!(
+                    "{len} bytes from {sa:#x} to {da:#x} while {:?} is captured into a graph: the addresses are \
+                     not both 64-byte aligned, which aclrtMemcpyAsync needs, and no copy kernel can launch here \
+                     (neither the simulator's cannsim_launch_kernel_ex with the host kernel build nor an AI Core \
+                     kernel library with {}), so the copy would need a stream synchronisation and the blocking \
+                     aclrtMemcpy, which capture forbids: build the crate with CANN (or set ASCEND_MOE_KERNEL_LIB) \
+                     so the copy kernel exists, or keep both offsets multiples of 64 bytes",
+                    self.stream(),
+                    kernel::copy::NPU_COPY_LAUNCH_SYMBOL
+                ),
+            ));
+        }
+        self.stream().synchronize()?;
+        let f = acl_fn!(api, aclrtMemcpy)?;
+        // SAFETY: as above; the blocking copy runs after all queued work.
+        check("aclrtMemcpy", unsafe { f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE) })
     }
 
     /// Queues a host-to-device copy from pinned memory.

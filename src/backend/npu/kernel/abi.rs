@@ -195,3 +195,21 @@ pub const GUARD_GM_LIVE: usize = 0;
 pub const GUARD_GM_STATUS: usize = 1;
 /// Number of global-memory pointers of a guard launch.
 pub const GUARD_GM_COUNT: usize = 2;
+
+/// Index of the destination in the byte-copy kernel's global-memory pointers.
+pub const COPY_GM_DST: usize = 0;
+/// Index of the source.
+pub const COPY_GM_SRC: usize = 1;
+/// Number of global-memory pointers of a copy launch.
+pub const COPY_GM_COUNT: usize = 2;
+
+/// Signature of [`NPU_COPY_LAUNCH_SYMBOL`] in the AI Core build.
+pub type NpuCopyLaunchFn =
+    unsafe extern "C" fn(block_dim: u32, stream: *mut c_void, gm: *const *mut c_void, tiling: *const c_void) -> i32;
+
+/// Byte-copy launcher exported by the AI Core build:
+/// `int32_t amoe_copy_launch_npu(uint32_t block_dim, aclrtStream stream,
+/// void *const *gm, const AmoeCopyTiling *tiling)`, with `gm` a host array of
+/// [`COPY_GM_COUNT`] device pointers and the tiling in host memory (its
+/// fields become the kernel's scalar arguments).
+pub const NPU_COPY_LAUNCH_SYMBOL: &str = "amoe_copy_launch_npu";

@@ -160,6 +160,7 @@ pub fn shared_kernel_lib() -> Option<&'static NpuKernelLib> {
 pub struct NpuKernelLib {
     launch: NpuLaunchFn,
     guard: Option<NpuGuardLaunchFn>,
+    copy: Option<NpuCopyLaunchFn>,
     path: PathBuf,
     // Keeps `launch` valid; dropped last.
     _lib: libloading::Library,
@@ -200,7 +201,10 @@ impl NpuKernelLib {
         let guard_sym = format!("{NPU_GUARD_LAUNCH_SYMBOL}\0");
         // SAFETY: the symbol has the C signature NpuGuardLaunchFn (kernels/npu_launch.cpp).
         let guard = unsafe { lib.get::<NpuGuardLaunchFn>(guard_sym.as_bytes()) }.ok().map(|s| *s);
-        Ok(NpuKernelLib { launch, guard, path, _lib: lib })
+        let copy_sym = format!("{NPU_COPY_LAUNCH_SYMBOL}\0");
+        // SAFETY: the symbol has the C signature NpuCopyLaunchFn (kernels/npu_launch.cpp).
+        let copy = unsafe { lib.get::<NpuCopyLaunchFn>(copy_sym.as_bytes()) }.ok().map(|s| *s);
+        Ok(NpuKernelLib { launch, guard, copy, path, _lib: lib })
     }
 
     /// Where the library was loaded from.
@@ -256,6 +260,40 @@ impl NpuKernelLib {
             Ok(())
         } else {
             Err(Error::Acl { call: NPU_GUARD_LAUNCH_SYMBOL, code, msg: String::new() })
+        }
+    }
+
+    /// Whether the library has the byte-copy kernel (an older build has not).
+    pub fn has_copy(&self) -> bool {
+        self.copy.is_some()
+    }
+
+    /// Enqueues the byte-copy kernel (`amoe_copy_kernel`) on `stream` over
+    /// `block_dim` cores, with `tiling` pointing at an `AmoeCopyTiling` in
+    /// host memory (`backend::npu::kernel::copy::CopyTiling`), read during
+    /// the call.
+    ///
+    /// # Safety
+    /// `stream` is a live `aclrtStream`; `gm[COPY_GM_DST]` and
+    /// `gm[COPY_GM_SRC]` are device memory of its device valid for the
+    /// tiling's `len` bytes, not overlapping, alive until the stream has run
+    /// the copy; the tiling passed `CopyTiling::check`.
+    pub unsafe fn launch_copy(
+        &self,
+        block_dim: u32,
+        stream: *mut c_void,
+        gm: &[*mut c_void; COPY_GM_COUNT],
+        tiling: *const c_void,
+    ) -> Result<()> {
+        let f = self.copy.ok_or_else(|| {
+            Error::Unavailable(format!("{}: no {NPU_COPY_LAUNCH_SYMBOL} (an older kernel build)", self.path.display()))
+        })?;
+        // SAFETY: forwarded from this function's contract.
+        let code = unsafe { f(block_dim, stream, gm.as_ptr(), tiling) };
+        if code == 0 {
+            Ok(())
+        } else {
+            Err(Error::Acl { call: NPU_COPY_LAUNCH_SYMBOL, code, msg: String::new() })
         }
     }
 }

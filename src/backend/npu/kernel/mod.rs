@@ -29,6 +29,7 @@ use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
 use crate::{DType, DropPadMode, Error, Result, Tensor};
 
 pub mod abi;
+pub mod copy;
 pub mod guard;
 pub mod library;
 pub mod status;
