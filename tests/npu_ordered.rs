@@ -195,14 +195,27 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
             finalize_and_reduce(&args, Some(&layout), &comm).map(drop)
         }));
 
+        // The same pair with 20-byte rows: every row copy is unaligned and
+        // goes through the copy kernel.
+        let odd = 5;
+        let full_odd = filled(&dev, &[n, odd], rank)?;
+        let shard_odd = filled(&dev, &[local_sizes[rank], odd], rank)?;
+        p.extend(measure(&nd, "maybe_pad_and_reduce (20-byte rows)", || {
+            maybe_pad_and_reduce(&full_odd, Some(&layout), &comm).map(drop)
+        }));
+        p.extend(measure(&nd, "maybe_all_gather_and_maybe_unpad (20-byte rows)", || {
+            maybe_all_gather_and_maybe_unpad(&shard_odd, Some(&layout), &comm).map(drop)
+        }));
+
         // Token prepare and finalize of every comm type, DP2 x TP2, SP on
-        // and off (uneven DP tokens, fewer than TP on DP rank 1).
+        // and off (uneven DP tokens, fewer than TP on DP rank 1), with 64-
+        // and 20-byte rows.
         let groups = MoeGroups::from_world(&comm, 2)?;
-        for sp in [false, true] {
+        for (sp, width) in [(false, h), (true, h), (false, odd), (true, odd)] {
             let ctx = MoeContext::new(&[5, 1], 2, rank / 2, rank % 2, sp)?;
-            let x = filled(&dev, &[ctx.local_tokens(), h], rank)?;
+            let x = filled(&dev, &[ctx.local_tokens(), width], rank)?;
             for ct in CommType::ALL {
-                p.extend(measure(&nd, &format!("prepare + finalize {} sp {sp}", ct.name()), || {
+                p.extend(measure(&nd, &format!("prepare + finalize {} sp {sp} h {width}", ct.name()), || {
                     let prepared = prepare(&x, ct, &ctx, &groups)?;
                     finalize(prepared.hidden, ct, &ctx, &groups).map(drop)
                 }));
