@@ -13,7 +13,7 @@ use std::ffi::c_void;
 
 use super::elem::{DType, ReduceOp, Reduction};
 use super::plane::{Group, Round};
-use super::{comm, counts, enqueue, load, store, Buf};
+use super::{comm, counts, enqueue, with_bytes, with_bytes_mut, Buf};
 use crate::ffi::*;
 use crate::hccl_rules;
 use crate::status::{self, fail, SimResult};
@@ -150,9 +150,8 @@ fn run(
     let call = KINDS[kind as usize - 1].1;
     let words = desc.words(kind);
     let job = move |g: &mut Group| {
-        let data = send.iter().map(|b| load(*b, dt)).collect::<SimResult<Vec<_>>>()?;
-        let parts: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
-        g.round(&words, &parts, |round| {
+        g.publish(&words, |w| send.iter().try_for_each(|b| with_bytes(*b, dt, |bytes| w.append(bytes))))?;
+        g.complete(|round| {
             agree(&round.descs)?;
             finish(round)
         })
@@ -160,13 +159,25 @@ fn run(
     enqueue(call, comm_h, stream, bufs, Box::new(job))
 }
 
-/// Every rank's `len` payload bytes from byte `offset`, reduced in rank order.
-fn reduce_ranks(round: &Round<'_>, dt: DType, op: ReduceOp, offset: usize, len: usize) -> SimResult<Vec<u8>> {
-    let mut red = Reduction::new(dt, op, &round.read(0, offset, len)?);
+/// Every rank's payload bytes from byte `offset`, reduced in rank order
+/// into `out` (as many bytes).
+fn reduce_ranks(round: &Round<'_>, dt: DType, op: ReduceOp, offset: usize, out: Buf) -> SimResult<()> {
+    let mut scratch = vec![0u8; out.elems * dt.size()];
+    round.read_into(0, offset, &mut scratch)?;
+    let mut red = Reduction::new(dt, op, &scratch);
     for r in 1..round.descs.len() {
-        red.add(&round.read(r, offset, len)?);
+        round.read_into(r, offset, &mut scratch)?;
+        red.add(&scratch);
     }
-    Ok(red.finish())
+    with_bytes_mut(out, dt, |dst| {
+        red.finish(dst);
+        Ok(())
+    })
+}
+
+/// Fills `out` with rank `rank`'s payload from element `at`.
+fn copy_from(round: &Round<'_>, rank: usize, dt: DType, at: usize, out: Buf) -> SimResult<()> {
+    with_bytes_mut(out, dt, |dst| round.read_into(rank, at * dt.size(), dst))
 }
 
 /// Elements before rank `r`'s block in a packed layout.
@@ -202,9 +213,7 @@ pub extern "C" fn HcclAllReduce(
         let (sb, rb) = (Buf { addr: send_buf as usize, elems: n }, Buf { addr: recv_buf as usize, elems: n });
         let desc = Desc { dtype: Some(dt), op: Some(op), count: Some(n), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
-        run(Kind::AllReduce, comm_h, stream, &bufs, dt, desc, vec![sb], move |round| {
-            store(rb, dt, &reduce_ranks(round, dt, op, 0, n * dt.size())?)
-        })
+        run(Kind::AllReduce, comm_h, stream, &bufs, dt, desc, vec![sb], move |round| reduce_ranks(round, dt, op, 0, rb))
     })
 }
 
@@ -230,8 +239,7 @@ pub extern "C" fn HcclReduceScatter(
         let desc = Desc { dtype: Some(dt), op: Some(op), count: Some(n), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::ReduceScatter, comm_h, stream, &bufs, dt, desc, vec![sb], move |round| {
-            let es = dt.size();
-            store(rb, dt, &reduce_ranks(round, dt, op, round.rank() * n * es, n * es)?)
+            reduce_ranks(round, dt, op, round.rank() * n * dt.size(), rb)
         })
     })
 }
@@ -270,8 +278,7 @@ pub extern "C" fn HcclReduceScatterV(
         let desc = Desc { dtype: Some(dt), op: Some(op), counts: sc.clone(), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::ReduceScatterV, comm_h, stream, &bufs, dt, desc, send, move |round| {
-            let (es, me) = (dt.size(), round.rank());
-            store(rb, dt, &reduce_ranks(round, dt, op, before(&sc, me) * es, sc[me] * es)?)
+            reduce_ranks(round, dt, op, before(&sc, round.rank()) * dt.size(), rb)
         })
     })
 }
@@ -296,11 +303,7 @@ pub extern "C" fn HcclAllGather(
         let desc = Desc { dtype: Some(dt), count: Some(n), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::AllGather, comm_h, stream, &bufs, dt, desc, vec![sb], move |round| {
-            let mut all = Vec::with_capacity(rb.elems * dt.size());
-            for r in 0..round.descs.len() {
-                all.extend(round.read(r, 0, n * dt.size())?);
-            }
-            store(rb, dt, &all)
+            (0..round.descs.len()).try_for_each(|r| copy_from(round, r, dt, 0, rb.part(dt, r * n, n)))
         })
     })
 }
@@ -335,10 +338,10 @@ pub extern "C" fn HcclAllGatherV(
         let desc = Desc { dtype: Some(dt), counts: rc.clone(), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::AllGatherV, comm_h, stream, &bufs, dt, desc, vec![sb], move |round| {
-            for (q, block) in blocks(rb, dt, &rc, &rd).into_iter().enumerate() {
-                store(block, dt, &round.read(q, 0, rc[q] * dt.size())?)?;
-            }
-            Ok(())
+            blocks(rb, dt, &rc, &rd)
+                .into_iter()
+                .enumerate()
+                .try_for_each(|(q, block)| copy_from(round, q, dt, 0, block))
         })
     })
 }
@@ -374,13 +377,12 @@ pub extern "C" fn HcclAlltoAllV(
         let desc = Desc { dtype: Some(dt), counts: sc.iter().chain(&rc).copied().collect(), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::AlltoAllV, comm_h, stream, &bufs, dt, desc, send, move |round| {
-            let (es, me, w) = (dt.size(), round.rank(), rc.len());
-            for (q, block) in blocks(rb, dt, &rc, &rd).into_iter().enumerate() {
+            let (me, w) = (round.rank(), rc.len());
+            blocks(rb, dt, &rc, &rd).into_iter().enumerate().try_for_each(|(q, block)| {
                 // Rank q packed its blocks for ranks 0, 1, ... in order.
                 let sent: Vec<usize> = round.descs[q][FIXED..FIXED + w].iter().map(|&v| v as usize).collect();
-                store(block, dt, &round.read(q, before(&sent, me) * es, rc[q] * es)?)?;
-            }
-            Ok(())
+                copy_from(round, q, dt, before(&sent, me), block)
+            })
         })
     })
 }
@@ -409,7 +411,7 @@ pub extern "C" fn HcclBroadcast(
             if round.rank() == root as usize {
                 return Ok(());
             }
-            store(b, dt, &round.read(root as usize, 0, b.elems * dt.size())?)
+            copy_from(round, root as usize, dt, 0, b)
         })
     })
 }

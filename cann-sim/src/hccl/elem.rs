@@ -132,11 +132,11 @@ impl ReduceOp {
     }
 }
 
-/// Values being reduced, widened.
+/// Values being reduced, widened, and the rank being added (scratch).
 #[derive(Debug)]
 enum Acc {
-    Float(Vec<f32>),
-    Int(Vec<i64>),
+    Float { acc: Vec<f32>, next: Vec<f32> },
+    Int { acc: Vec<i64>, next: Vec<i64> },
 }
 
 /// A reduction in progress: [`Reduction::new`] with rank 0's bytes, then
@@ -148,19 +148,34 @@ pub struct Reduction {
     acc: Acc,
 }
 
-fn floats(dtype: DType, bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes.chunks_exact(dtype.size()).map(move |b| match dtype {
-        DType::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
-        DType::BF16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
-        _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-    })
+/// `out[i] = dec(i-th N-byte element of bytes)`, as a plain indexed loop
+/// (which the simulator's opt-level 1 build compiles tightly).
+fn widen<const N: usize, A: Copy + Default>(bytes: &[u8], out: &mut Vec<A>, dec: fn([u8; N]) -> A) {
+    let n = bytes.len() / N;
+    out.clear();
+    out.resize(n, A::default());
+    for (i, o) in out.iter_mut().enumerate() {
+        let mut b = [0u8; N];
+        b.copy_from_slice(&bytes[i * N..i * N + N]);
+        *o = dec(b);
+    }
 }
 
-fn ints(dtype: DType, bytes: &[u8]) -> impl Iterator<Item = i64> + '_ {
-    bytes.chunks_exact(dtype.size()).map(move |b| match dtype {
-        DType::I32 => i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64,
-        _ => i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
-    })
+/// `bytes` (elements of a float `dtype`) widened into `out`.
+fn widen_floats(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
+    match dtype {
+        DType::F16 => widen(bytes, out, |b| f16::from_le_bytes(b).to_f32()),
+        DType::BF16 => widen(bytes, out, |b| bf16::from_le_bytes(b).to_f32()),
+        _ => widen(bytes, out, f32::from_le_bytes),
+    }
+}
+
+/// `bytes` (elements of an integer `dtype`) widened into `out`.
+fn widen_ints(dtype: DType, bytes: &[u8], out: &mut Vec<i64>) {
+    match dtype {
+        DType::I32 => widen(bytes, out, |b| i32::from_le_bytes(b) as i64),
+        _ => widen(bytes, out, i64::from_le_bytes),
+    }
 }
 
 impl Reduction {
@@ -168,43 +183,65 @@ impl Reduction {
     /// `dtype` by [`ReduceOp::from_hccl`].
     pub fn new(dtype: DType, op: ReduceOp, first: &[u8]) -> Reduction {
         let acc = match dtype {
-            DType::F32 | DType::F16 | DType::BF16 => Acc::Float(floats(dtype, first).collect()),
-            _ => Acc::Int(ints(dtype, first).collect()),
+            DType::F32 | DType::F16 | DType::BF16 => {
+                let mut acc = Vec::new();
+                widen_floats(dtype, first, &mut acc);
+                Acc::Float { acc, next: Vec::new() }
+            }
+            _ => {
+                let mut acc = Vec::new();
+                widen_ints(dtype, first, &mut acc);
+                Acc::Int { acc, next: Vec::new() }
+            }
         };
         Reduction { dtype, op, acc }
     }
 
     /// Combines the next rank's contribution (as many bytes as the first).
     pub fn add(&mut self, next: &[u8]) {
-        let (dtype, op) = (self.dtype, self.op);
         match &mut self.acc {
-            Acc::Float(acc) => acc.iter_mut().zip(floats(dtype, next)).for_each(|(a, x)| {
-                *a = match op {
-                    ReduceOp::Sum => *a + x,
-                    ReduceOp::Max => a.max(x),
-                    ReduceOp::Min => a.min(x),
+            Acc::Float { acc, next: x } => {
+                widen_floats(self.dtype, next, x);
+                let pairs = acc.iter_mut().zip(x.iter());
+                match self.op {
+                    ReduceOp::Sum => pairs.for_each(|(a, x)| *a += *x),
+                    ReduceOp::Max => pairs.for_each(|(a, x)| *a = a.max(*x)),
+                    ReduceOp::Min => pairs.for_each(|(a, x)| *a = a.min(*x)),
                 }
-            }),
-            Acc::Int(acc) => acc.iter_mut().zip(ints(dtype, next)).for_each(|(a, x)| {
-                *a = match op {
-                    ReduceOp::Sum => a.wrapping_add(x),
-                    ReduceOp::Max => (*a).max(x),
-                    ReduceOp::Min => (*a).min(x),
+            }
+            Acc::Int { acc, next: x } => {
+                widen_ints(self.dtype, next, x);
+                let pairs = acc.iter_mut().zip(x.iter());
+                match self.op {
+                    ReduceOp::Sum => pairs.for_each(|(a, x)| *a = a.wrapping_add(*x)),
+                    ReduceOp::Max => pairs.for_each(|(a, x)| *a = (*a).max(*x)),
+                    ReduceOp::Min => pairs.for_each(|(a, x)| *a = (*a).min(*x)),
                 }
-            }),
+            }
         }
     }
 
-    /// The result in the element type (little-endian bytes).
-    pub fn finish(self) -> Vec<u8> {
+    /// The result in the element type (little-endian bytes), into `out`
+    /// (exactly as many bytes as each contribution).
+    pub fn finish(self, out: &mut [u8]) {
         match (self.acc, self.dtype) {
-            (Acc::Float(acc), DType::F16) => acc.iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect(),
-            (Acc::Float(acc), DType::BF16) => acc.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
-            (Acc::Float(acc), _) => acc.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (Acc::Float { acc, .. }, DType::F16) => {
+                out.chunks_exact_mut(2).zip(acc).for_each(|(o, x)| o.copy_from_slice(&f16::from_f32(x).to_le_bytes()))
+            }
+            (Acc::Float { acc, .. }, DType::BF16) => {
+                out.chunks_exact_mut(2).zip(acc).for_each(|(o, x)| o.copy_from_slice(&bf16::from_f32(x).to_le_bytes()))
+            }
+            (Acc::Float { acc, .. }, _) => {
+                out.chunks_exact_mut(4).zip(acc).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes()))
+            }
             // An int32 sum taken modulo 2^64 and truncated equals the wrapping
             // int32 sum (both are the sum modulo 2^32).
-            (Acc::Int(acc), DType::I32) => acc.iter().flat_map(|x| (*x as i32).to_le_bytes()).collect(),
-            (Acc::Int(acc), _) => acc.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            (Acc::Int { acc, .. }, DType::I32) => {
+                out.chunks_exact_mut(4).zip(acc).for_each(|(o, x)| o.copy_from_slice(&(x as i32).to_le_bytes()))
+            }
+            (Acc::Int { acc, .. }, _) => {
+                out.chunks_exact_mut(8).zip(acc).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes()))
+            }
         }
     }
 }
@@ -216,7 +253,9 @@ mod tests {
     fn reduce(dtype: DType, op: ReduceOp, ranks: &[Vec<u8>]) -> Vec<u8> {
         let mut r = Reduction::new(dtype, op, &ranks[0]);
         ranks[1..].iter().for_each(|b| r.add(b));
-        r.finish()
+        let mut out = vec![0u8; ranks[0].len()];
+        r.finish(&mut out);
+        out
     }
 
     #[test]

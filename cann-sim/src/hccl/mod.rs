@@ -381,31 +381,35 @@ fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<()> {
     Ok(())
 }
 
-/// Copies the bytes of `b` out of device memory.
-fn load(b: Buf, dt: DType) -> SimResult<Vec<u8>> {
+/// The host address of the bytes of `b` (in a live allocation), or None
+/// when `b` is empty.
+fn host(b: Buf, dt: DType) -> SimResult<Option<*mut u8>> {
     let bytes = b.elems * dt.size();
-    let mut out = vec![0u8; bytes];
-    if bytes > 0 {
-        let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
-        // SAFETY: `s` lies inside a live allocation of at least `bytes` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(s.host, out.as_mut_ptr(), bytes) };
-    }
-    Ok(out)
-}
-
-/// Copies `src` (exactly the bytes of `b`) into device memory.
-fn store(b: Buf, dt: DType, src: &[u8]) -> SimResult<()> {
-    let bytes = b.elems * dt.size();
-    if src.len() != bytes {
-        return fail(HCCL_E_INTERNAL, format!("{} result bytes for a {bytes}-byte buffer", src.len()));
-    }
     if bytes == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
-    // SAFETY: `s` lies inside a live allocation of at least `bytes` bytes.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), s.host, bytes) };
-    Ok(())
+    Ok(Some(s.host))
+}
+
+/// Runs `f` on the bytes of `b` in device memory.
+fn with_bytes<T>(b: Buf, dt: DType, f: impl FnOnce(&[u8]) -> SimResult<T>) -> SimResult<T> {
+    match host(b, dt)? {
+        None => f(&[]),
+        // SAFETY: `p` starts `b.elems * dt.size()` bytes inside a live
+        // allocation; the collective is the stream's only task while it runs.
+        Some(p) => f(unsafe { std::slice::from_raw_parts(p, b.elems * dt.size()) }),
+    }
+}
+
+/// Runs `f` on the bytes of `b` in device memory, to overwrite them.
+fn with_bytes_mut<T>(b: Buf, dt: DType, f: impl FnOnce(&mut [u8]) -> SimResult<T>) -> SimResult<T> {
+    match host(b, dt)? {
+        None => f(&mut []),
+        // SAFETY: as in `with_bytes`; no other slice of these bytes is alive
+        // (the payload was written before the result is).
+        Some(p) => f(unsafe { std::slice::from_raw_parts_mut(p, b.elems * dt.size()) }),
+    }
 }
 
 /// A collective's work on the group; `Fn` so that a captured collective replays.

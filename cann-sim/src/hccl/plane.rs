@@ -17,11 +17,11 @@
 //! 1. wait until every rank has departed round `g - 1` (nobody still reads this
 //!    rank's data file);
 //! 2. write `[g, descriptor length, descriptor words..., payload]` to the own
-//!    data file, then publish `arrived = g`;
+//!    data file, then publish `arrived = g` ([`Group::publish`]);
 //! 3. wait until every rank has arrived at `g`;
 //! 4. read every rank's descriptor, check that they agree, read the payload
 //!    bytes needed and compute the result locally;
-//! 5. publish `departed = g`.
+//! 5. publish `departed = g` ([`Group::complete`]).
 //!
 //! Every wait is bounded by the communicator's timeout (`HCCL_E_TIMEOUT`,
 //! naming the missing ranks) and notices a peer process that exited
@@ -177,6 +177,24 @@ pub struct Group {
     own: File,
     files: Vec<File>,
     generation: u64,
+    /// When the current round times out.
+    deadline: Instant,
+}
+
+/// Appends a round's payload to this rank's data file.
+pub struct Writer<'a> {
+    group: &'a Group,
+    at: u64,
+}
+
+impl Writer<'_> {
+    /// Appends `bytes`.
+    pub fn append(&mut self, bytes: &[u8]) -> SimResult<()> {
+        let rank = self.group.rank;
+        self.group.own.write_all_at(bytes, self.at).map_err(|e| sys(format!("write rank {rank}'s data"), e))?;
+        self.at += bytes.len() as u64;
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for Group {
@@ -264,7 +282,17 @@ impl Group {
             .open(&own_path)
             .map_err(|e| sys(format!("create {}", own_path.display()), e))?;
         slot.stage.store(1, Ordering::Release);
-        let mut g = Group { name: key.to_string(), rank, size, timeout, header, own, files: Vec::new(), generation: 0 };
+        let mut g = Group {
+            name: key.to_string(),
+            rank,
+            size,
+            timeout,
+            header,
+            own,
+            files: Vec::new(),
+            generation: 0,
+            deadline,
+        };
         g.wait_all("every rank to join", deadline, |s| s.stage.load(Ordering::Acquire) >= 1)?;
         for r in 0..size {
             let p = paths.data(r);
@@ -329,37 +357,37 @@ impl Group {
         self.size
     }
 
-    /// One round: publishes `desc` and the concatenation of `payload`, waits
-    /// for every rank's, and runs `finish` on what they published.
-    pub fn round<T>(
-        &mut self,
-        desc: &[u64],
-        payload: &[&[u8]],
-        finish: impl FnOnce(&Round<'_>) -> SimResult<T>,
-    ) -> SimResult<T> {
-        let deadline = Instant::now() + self.timeout;
+    /// Starts a round: waits until every rank read the previous one, then
+    /// writes `desc` and what `payload` appends to this rank's data file and
+    /// announces it. [`Group::complete`] ends the round.
+    pub fn publish(&mut self, desc: &[u64], payload: impl FnOnce(&mut Writer<'_>) -> SimResult<()>) -> SimResult<()> {
+        self.deadline = Instant::now() + self.timeout;
         let g = self.generation + 1;
-        self.wait_all("the previous collective's data to be read", deadline, |s| {
+        self.wait_all("the previous collective's data to be read", self.deadline, |s| {
             s.departed.load(Ordering::Acquire) >= g - 1
         })?;
         let mut head: Vec<u8> = Vec::with_capacity(8 * (2 + desc.len()));
         for w in [g, desc.len() as u64].iter().chain(desc) {
             head.extend_from_slice(&w.to_le_bytes());
         }
-        let mut at = 0u64;
-        for part in std::iter::once(head.as_slice()).chain(payload.iter().copied()) {
-            self.own.write_all_at(part, at).map_err(|e| sys(format!("write rank {}'s data", self.rank), e))?;
-            at += part.len() as u64;
-        }
+        let mut w = Writer { group: self, at: 0 };
+        w.append(&head)?;
+        payload(&mut w)?;
         self.generation = g;
-        let me = self.header.slot(self.rank);
-        me.arrived.store(g, Ordering::Release);
-        self.wait_all("every rank to arrive", deadline, |s| s.arrived.load(Ordering::Acquire) >= g)?;
+        self.header.slot(self.rank).arrived.store(g, Ordering::Release);
+        Ok(())
+    }
+
+    /// Ends the round [`Group::publish`] started: waits for every rank's data,
+    /// runs `finish` on it, and lets the ranks write the next round.
+    pub fn complete<T>(&mut self, finish: impl FnOnce(&Round<'_>) -> SimResult<T>) -> SimResult<T> {
+        let g = self.generation;
+        self.wait_all("every rank to arrive", self.deadline, |s| s.arrived.load(Ordering::Acquire) >= g)?;
         let r = (|| {
             let descs = (0..self.size).map(|r| self.read_desc(r, g)).collect::<SimResult<Vec<_>>>()?;
             finish(&Round { group: self, descs })
         })();
-        me.departed.store(g, Ordering::Release);
+        self.header.slot(self.rank).departed.store(g, Ordering::Release);
         r
     }
 
@@ -394,13 +422,11 @@ impl Round<'_> {
         self.group.rank as usize
     }
 
-    /// `len` payload bytes of `rank`, from byte `offset` of its payload.
-    pub fn read(&self, rank: usize, offset: usize, len: usize) -> SimResult<Vec<u8>> {
-        let mut b = vec![0u8; len];
+    /// Fills `dst` with payload bytes of `rank`, from byte `offset` of its payload.
+    pub fn read_into(&self, rank: usize, offset: usize, dst: &mut [u8]) -> SimResult<()> {
         let at = 8 * (2 + self.descs[rank].len()) + offset;
         self.group.files[rank]
-            .read_exact_at(&mut b, at as u64)
-            .map_err(|e| sys(format!("read {len} bytes at {offset} of rank {rank}'s payload"), e))?;
-        Ok(b)
+            .read_exact_at(dst, at as u64)
+            .map_err(|e| sys(format!("read {} bytes at {offset} of rank {rank}'s payload", dst.len()), e))
     }
 }
