@@ -203,7 +203,7 @@ impl std::fmt::Debug for Group {
     }
 }
 
-/// Files of a group, removed on a failed join.
+/// Files of a group.
 struct Paths {
     header: PathBuf,
     base: String,
@@ -232,11 +232,7 @@ impl Group {
         let base = shm_dir().join(format!("cannsim-hccl-{key}-{}", next_epoch(key, rank)));
         let base = base.to_string_lossy().into_owned();
         let paths = Paths { header: PathBuf::from(format!("{base}.head")), base };
-        let r = Self::join_files(&paths, key, size, rank, timeout);
-        if r.is_err() {
-            paths.remove(std::iter::once(rank));
-        }
-        r
+        Self::join_files(&paths, key, size, rank, timeout)
     }
 
     fn join_files(paths: &Paths, key: &str, size: u32, rank: u32, timeout: Duration) -> SimResult<Group> {
@@ -293,17 +289,29 @@ impl Group {
             generation: 0,
             deadline,
         };
-        g.wait_all("every rank to join", deadline, |s| s.stage.load(Ordering::Acquire) >= 1)?;
-        for r in 0..size {
+        let r = g.meet(paths, deadline);
+        if r.is_err() {
+            // A failed join removes the files it made; the ranks that did not
+            // come either time out on the files they still hold or start over.
+            paths.remove(std::iter::once(rank));
+        }
+        r.map(|()| g)
+    }
+
+    /// The rest of the join, once this rank's data file exists: wait for
+    /// every rank's, open them all, and wait until every rank has.
+    fn meet(&mut self, paths: &Paths, deadline: Instant) -> SimResult<()> {
+        self.wait_all("every rank to join", deadline, |s| s.stage.load(Ordering::Acquire) >= 1)?;
+        for r in 0..self.size {
             let p = paths.data(r);
-            g.files.push(File::open(&p).map_err(|e| sys(format!("open {}", p.display()), e))?);
+            self.files.push(File::open(&p).map_err(|e| sys(format!("open {}", p.display()), e))?);
         }
-        g.header.slot(rank).stage.store(2, Ordering::Release);
-        g.wait_all("every rank to open the data files", deadline, |s| s.stage.load(Ordering::Acquire) >= 2)?;
-        if rank == 0 {
-            paths.remove(0..size);
+        self.header.slot(self.rank).stage.store(2, Ordering::Release);
+        self.wait_all("every rank to open the data files", deadline, |s| s.stage.load(Ordering::Acquire) >= 2)?;
+        if self.rank == 0 {
+            paths.remove(0..self.size);
         }
-        Ok(g)
+        Ok(())
     }
 
     /// Waits until `done` holds for every rank's slot.
