@@ -355,16 +355,6 @@ impl Group {
         }
     }
 
-    /// This rank.
-    pub fn rank(&self) -> u32 {
-        self.rank
-    }
-
-    /// Ranks in the group.
-    pub fn size(&self) -> u32 {
-        self.size
-    }
-
     /// Starts a round: waits until every rank read the previous one, then
     /// writes `desc` and what `payload` appends to this rank's data file and
     /// announces it. [`Group::complete`] ends the round.
