@@ -351,7 +351,7 @@ impl Group {
             } else {
                 std::thread::sleep(Duration::from_micros(100));
             }
-            polls += 1;
+            polls = polls.wrapping_add(1);
         }
     }
 
