@@ -15,9 +15,11 @@
 //! | `CANNSIM_SOC_NAME` | `aclrtGetSocName()` | Ascend910B1 |
 //! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
 //! | `CANNSIM_CANN_VERSION` | the emulated CANN release, `8.1`, `8.3` or `8.5` (see [`crate::version`]) | 8.5 |
+//! | `ASCEND_MOE_COMM_TIMEOUT` | seconds an HCCL communicator waits for its peers, unless its `HcclCommConfig` sets `hcclExecTimeOut` (read at each communicator creation) | 60 |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::version::CannVersion;
 
@@ -123,6 +125,16 @@ impl Config {
 pub fn get() -> &'static Config {
     static CFG: OnceLock<Config> = OnceLock::new();
     CFG.get_or_init(Config::from_env)
+}
+
+/// The HCCL timeout when the communicator's config sets none:
+/// `ASCEND_MOE_COMM_TIMEOUT` seconds (a positive number), else 60 s.
+pub fn comm_timeout() -> Duration {
+    var("ASCEND_MOE_COMM_TIMEOUT")
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(Duration::from_secs(60))
 }
 
 /// Prints `msg` to stderr when `CANNSIM_TRACE=1`.

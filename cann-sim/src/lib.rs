@@ -13,7 +13,7 @@
 //! | [`acl_rules`] | (no exports) the argument rules of the real ACL runtime, applied at each ACL export's entry |
 //! | [`nnop`] | `aclCreateTensor`, `aclDestroyTensor`, `aclCreateScalar`, `aclDestroyScalar` |
 //! | [`aclnn`] | `aclnnMoeFinalizeRoutingV2`, `aclnnMoeTokenUnpermute`, `aclnnAdd` (+ `GetWorkspaceSize`) |
-//! | [`hccl`] | `HcclGetRootInfo` ... `HcclBarrier`, over the crate's CPU communicator |
+//! | [`hccl`] | `HcclGetRootInfo` ... `HcclBarrier`, over the simulator's own shared-memory data plane |
 //! | [`hccl_rules`] | (no exports) the argument rules of real HCCL, applied at each HCCL export's entry |
 //! | [`version`] | (no exports) the emulated CANN release, `CANNSIM_CANN_VERSION` |
 //! | [`kernel`] | `cannsim_launch_kernel`, `cannsim_launch_kernel_ex` (simulator-only) |

@@ -225,6 +225,28 @@ fn a_dying_rank_process_makes_its_peer_fail_not_hang() {
 }
 
 #[test]
+fn a_dying_rank_process_is_reported_as_a_dead_peer_before_the_timeout() {
+    if role().as_deref() == Some("die-remote") {
+        let (r, _, e) = process_rank(2);
+        // Only rank 0 gets here. With a timeout of a minute, only the
+        // liveness check of the exited peer (an unreaped zombie until this
+        // process ends) can give HCCL_E_REMOTE.
+        assert_eq!(e, 21, "HCCL_E_REMOTE");
+        assert_eq!(r, 507046, "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT");
+        return;
+    }
+    let kids = spawn_ranks(
+        "a_dying_rank_process_is_reported_as_a_dead_peer_before_the_timeout",
+        "die-remote",
+        2,
+        &[("CANNSIM_DIE_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "60")],
+    );
+    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+    assert!(outs[0].status.success(), "rank 0: {}", stderr(&outs[0]));
+    assert_eq!(outs[1].status.code(), Some(77), "rank 1: {}", stderr(&outs[1]));
+}
+
+#[test]
 fn a_rank_that_never_joins_times_out_its_peers() {
     if role().as_deref() == Some("timeout") {
         let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();

@@ -310,3 +310,234 @@ fn bad_hccl_arguments_are_rejected_when_queued() {
         free(dev);
     });
 }
+
+const HCCL_FP16: i32 = 3;
+const HCCL_BF16: i32 = 11;
+const HCCL_INT64: i32 = 5;
+const HCCL_INT8: i32 = 0;
+const HCCL_UINT8: i32 = 7;
+const HCCL_MIN: i32 = 3;
+const E_PARA: i32 = 1;
+
+/// A float dtype's element bytes for `x` (rounded to nearest-even) and back.
+fn float_bytes(dt: i32, x: f64) -> Vec<u8> {
+    match dt {
+        HCCL_FP16 => half::f16::from_f64(x).to_le_bytes().to_vec(),
+        HCCL_BF16 => half::bf16::from_f64(x).to_le_bytes().to_vec(),
+        _ => (x as f32).to_le_bytes().to_vec(),
+    }
+}
+
+fn float_value(dt: i32, b: &[u8]) -> f64 {
+    match dt {
+        HCCL_FP16 => half::f16::from_le_bytes([b[0], b[1]]).to_f64(),
+        HCCL_BF16 => half::bf16::from_le_bytes([b[0], b[1]]).to_f64(),
+        _ => f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64,
+    }
+}
+
+/// Rank r's float at i: multiples of 1/8 in [-1.5, 2.25], plus 96 at every
+/// third position, so sums reach [64, 256) where bf16 must round them.
+fn fval(r: u32, i: usize) -> f64 {
+    let big = if (r as usize + i) % 3 == 0 { 96.0 } else { 0.0 };
+    big + ((r as usize * 5 + i * 3) % 11) as f64 * 0.375 - 1.5
+}
+
+/// Rank r's integer at i: near the type's limits, so sums wrap.
+fn ival(dt: i32, r: u32, i: usize) -> i64 {
+    let step = (r as i64 * 13 + i as i64 * 5) % 17 - 8;
+    match dt {
+        HCCL_INT32 => i32::MAX as i64 / 2 + step * 1000,
+        _ => (1i64 << 62) + step * 1_000_000_007,
+    }
+}
+
+fn int_bytes(dt: i32, v: i64) -> Vec<u8> {
+    if dt == HCCL_INT32 {
+        (v as i32).to_le_bytes().to_vec()
+    } else {
+        v.to_le_bytes().to_vec()
+    }
+}
+
+/// The reduction of `xs` (the ranks' values at one position) under `op`:
+/// floats exactly in f64 then rounded once to the dtype, integers wrapping.
+fn expected(dt: i32, op: i32, floats: Option<&[f64]>, ints: &[i64]) -> Vec<u8> {
+    if let Some(xs) = floats {
+        let x = match op {
+            HCCL_SUM => xs.iter().sum(),
+            HCCL_MAX => xs.iter().cloned().fold(f64::MIN, f64::max),
+            _ => xs.iter().cloned().fold(f64::MAX, f64::min),
+        };
+        return float_bytes(dt, x);
+    }
+    let v = match (op, dt) {
+        (HCCL_SUM, HCCL_INT32) => ints.iter().fold(0i32, |a, &x| a.wrapping_add(x as i32)) as i64,
+        (HCCL_SUM, _) => ints.iter().fold(0i64, |a, &x| a.wrapping_add(x)),
+        (HCCL_MAX, _) => *ints.iter().max().unwrap(),
+        _ => *ints.iter().min().unwrap(),
+    };
+    int_bytes(dt, v)
+}
+
+#[test]
+fn reductions_combine_every_rank_in_every_dtype_and_op() {
+    let (world, n) = (3u32, 5usize);
+    let w = world as usize;
+    with_ranks(world, 20, |r, comm, st| {
+        let s = sim();
+        for dt in [HCCL_FP32, HCCL_FP16, HCCL_BF16, HCCL_INT32, HCCL_INT64] {
+            let is_float = matches!(dt, HCCL_FP32 | HCCL_FP16 | HCCL_BF16);
+            // Each rank's inputs as the dtype holds them, for the references.
+            let floats: Vec<Vec<f64>> = (0..world)
+                .map(|q| (0..n * w).map(|i| float_value(dt, &float_bytes(dt, fval(q, i)))).collect())
+                .collect();
+            let ints: Vec<Vec<i64>> = (0..world).map(|q| (0..n * w).map(|i| ival(dt, q, i)).collect()).collect();
+            let mine: Vec<u8> = (0..n * w)
+                .flat_map(|i| if is_float { float_bytes(dt, fval(r, i)) } else { int_bytes(dt, ival(dt, r, i)) })
+                .collect();
+            let es = mine.len() / (n * w);
+            let send = upload(&mine);
+            let recv = malloc(mine.len());
+            let block = malloc(n * es);
+            for op in [HCCL_SUM, HCCL_MAX, HCCL_MIN] {
+                let want: Vec<u8> = (0..n * w)
+                    .flat_map(|i| {
+                        let fs: Vec<f64> = floats.iter().map(|v| v[i]).collect();
+                        let is: Vec<i64> = ints.iter().map(|v| v[i]).collect();
+                        expected(dt, op, is_float.then_some(fs.as_slice()), &is)
+                    })
+                    .collect();
+                unsafe {
+                    assert_eq!((s.HcclAllReduce)(send, recv, (n * w) as u64, dt, op, comm, st), 0, "{}", err_msg());
+                    assert_eq!((s.HcclReduceScatter)(send, block, n as u64, dt, op, comm, st), 0, "{}", err_msg());
+                }
+                sync(st);
+                assert_eq!(download::<u8>(recv, mine.len()), want, "all_reduce dtype {dt} op {op} rank {r}");
+                let mine_block = want[r as usize * n * es..][..n * es].to_vec();
+                assert_eq!(download::<u8>(block, n * es), mine_block, "reduce_scatter dtype {dt} op {op} rank {r}");
+            }
+            for p in [send, recv, block] {
+                free(p);
+            }
+        }
+    });
+}
+
+#[test]
+fn gathers_and_broadcasts_place_every_rank_in_its_block_for_every_element_size() {
+    let (world, bytes) = (3u32, 24usize);
+    with_ranks(world, 20, |r, comm, st| {
+        let s = sim();
+        let pattern = |q: u32| -> Vec<u8> { (0..bytes).map(|i| (q as usize * 37 + i * 11) as u8).collect() };
+        for (dt, size) in [(HCCL_INT8, 1usize), (HCCL_UINT8, 1), (HCCL_BF16, 2), (HCCL_FP32, 4), (HCCL_INT64, 8)] {
+            let count = (bytes / size) as u64;
+            let send = upload(&pattern(r));
+            let all = malloc(bytes * world as usize);
+            let b = upload(&pattern(r));
+            unsafe {
+                assert_eq!((s.HcclAllGather)(send, all, count, dt, comm, st), 0, "{}", err_msg());
+                assert_eq!((s.HcclBroadcast)(b, count, dt, 1, comm, st), 0, "{}", err_msg());
+            }
+            sync(st);
+            let want: Vec<u8> = (0..world).flat_map(pattern).collect();
+            assert_eq!(download::<u8>(all, bytes * world as usize), want, "all_gather dtype {dt} rank {r}");
+            assert_eq!(download::<u8>(b, bytes), pattern(1), "broadcast dtype {dt} rank {r}");
+            for p in [send, all, b] {
+                free(p);
+            }
+        }
+    });
+}
+
+/// What each rank of a 3-rank world calls in one mismatch scenario:
+/// `(rank, comm, stream, sendBuf, recvBuf)`, both buffers 64 bytes.
+type Call = fn(u32, Ptr, Ptr, Ptr, Ptr) -> i32;
+
+fn all_reduce_of(count: u64, dt: i32, op: i32, comm: Ptr, st: Ptr, send: Ptr, recv: Ptr) -> i32 {
+    unsafe { (sim().HcclAllReduce)(send, recv, count, dt, op, comm, st) }
+}
+
+#[test]
+fn a_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_for_the_timeout() {
+    let scenarios: [(&str, Call); 7] = [
+        ("count", |r, c, st, a, b| all_reduce_of(if r == 2 { 5 } else { 4 }, HCCL_FP32, HCCL_SUM, c, st, a, b)),
+        ("dtype", |r, c, st, a, b| {
+            all_reduce_of(4, if r == 1 { HCCL_INT32 } else { HCCL_FP32 }, HCCL_SUM, c, st, a, b)
+        }),
+        ("op", |r, c, st, a, b| all_reduce_of(4, HCCL_FP32, if r == 0 { HCCL_MAX } else { HCCL_SUM }, c, st, a, b)),
+        ("collective", |r, c, st, a, b| {
+            if r == 1 {
+                unsafe { (sim().HcclAllGather)(a, b, 4, HCCL_FP32, c, st) }
+            } else {
+                all_reduce_of(12, HCCL_FP32, HCCL_SUM, c, st, a, b)
+            }
+        }),
+        ("root", |r, c, st, a, _| unsafe { (sim().HcclBroadcast)(a, 4, HCCL_FP32, if r == 2 { 1 } else { 0 }, c, st) }),
+        ("recvCounts", |r, c, st, a, b| {
+            // Rank 1 says rank 0 sends 2 elements; ranks 0 and 2 say 1.
+            let counts: [u64; 3] = if r == 1 { [2, 1, 1] } else { [1, 1, 1] };
+            let displs: [u64; 3] = [0, 2, 3];
+            let p = |v: &[u64; 3]| v.as_ptr() as *const c_void;
+            unsafe { (sim().HcclAllGatherV)(a, counts[r as usize], b, p(&counts), p(&displs), HCCL_FP32, c, st) }
+        }),
+        ("all-to-all counts", |r, c, st, a, b| {
+            // Everyone sends 1 element to every rank, but rank 2 expects 2 from rank 0.
+            let sc: [u64; 3] = [1, 1, 1];
+            let rcnt: [u64; 3] = if r == 2 { [2, 1, 1] } else { [1, 1, 1] };
+            let d: [u64; 3] = [0, 2, 4];
+            let p = |v: &[u64; 3]| v.as_ptr() as *const c_void;
+            unsafe { (sim().HcclAlltoAllV)(a, p(&sc), p(&d), HCCL_INT32, b, p(&rcnt), p(&d), HCCL_INT32, c, st) }
+        }),
+    ];
+    for (what, call) in scenarios {
+        // A timeout of a minute: a mismatch seen only by waiting would fail
+        // with HCCL_E_TIMEOUT (9), not HCCL_E_PARA.
+        let results = with_ranks(3, 60, |r, comm, st| {
+            let (send, recv) = (malloc(64), malloc(64));
+            let enq = call(r, comm, st, send, recv);
+            let sync_rc = unsafe { (sim().aclrtSynchronizeStream)(st) };
+            let msg = err_msg();
+            let mut e = -1;
+            unsafe { assert_eq!((sim().HcclGetCommAsyncError)(comm, &mut e), 0) };
+            free(send);
+            free(recv);
+            (enq, sync_rc, e, msg)
+        });
+        for (r, (enq, sync_rc, e, msg)) in results.into_iter().enumerate() {
+            assert_eq!(enq, 0, "{what}: rank {r} queues its call");
+            assert_ne!(sync_rc, 0, "{what}: rank {r}'s sync reports the mismatch");
+            assert_eq!(e, E_PARA, "{what}: rank {r}: {msg}");
+            assert!(msg.contains("different collectives") || msg.contains("expects"), "{what}: rank {r}: {msg}");
+        }
+    }
+}
+
+#[test]
+fn a_communicator_leaves_no_file_behind_once_every_rank_joined() {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let end = root[16..].iter().position(|&b| b == 0).unwrap();
+    let name = String::from_utf8(root[16..16 + end].to_vec()).unwrap();
+    let ours = || -> Vec<String> {
+        let dir = if std::path::Path::new("/dev/shm").is_dir() { "/dev/shm".into() } else { std::env::temp_dir() };
+        std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|f| f.contains(&name))
+            .collect()
+    };
+    let mut comm = NULL;
+    unsafe { assert_eq!((s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm), 0, "{}", err_msg()) };
+    assert_eq!(ours(), Vec::<String>::new(), "files of {name} after the join");
+    let st = stream();
+    let buf = upload(&[2.5f32; 4]);
+    unsafe { assert_eq!((s.HcclAllReduce)(buf, buf, 4, HCCL_FP32, HCCL_SUM, comm, st), 0) };
+    sync(st);
+    assert_eq!(download::<f32>(buf, 4), vec![2.5; 4], "a one-rank sum is the input");
+    assert_eq!(ours(), Vec::<String>::new(), "files of {name} after a collective");
+    free(buf);
+    destroy_stream(st);
+    unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+}

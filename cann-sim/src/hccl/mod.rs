@@ -1,25 +1,29 @@
-//! HCCL exports (libhccl), executed through the crate's shared-memory CPU
-//! communicator.
+//! HCCL exports (libhccl) over the simulator's own shared-memory data plane
+//! ([`plane`]), which shares no code with the ascend-moe crate.
 //!
 //! The root info carries a rendezvous name; every rank (a thread or a process)
-//! joins the CPU communicator of that name. Collectives are validated when
-//! queued (communicator, stream and device pointers) and run on the stream's
-//! worker, where device bytes are copied into host tensors, exchanged, and
-//! copied back. A failed collective (timeout, mismatch, dead peer) becomes the
-//! communicator's sticky async error (`HcclGetCommAsyncError`) and the
-//! stream's error (reported by its synchronisation); later collectives on the
-//! communicator fail at once with the same code.
+//! joins the group of that name. Collectives are validated when queued
+//! (communicator, stream, dtype, reduce op and device pointers) and run on the
+//! stream's worker ([`collectives`]): each rank publishes a descriptor of the
+//! call and its device bytes, checks that every rank made the same call, and
+//! computes its own result ([`elem`]). A failed collective (timeout, mismatch,
+//! dead peer) becomes the communicator's sticky async error
+//! (`HcclGetCommAsyncError`) and the stream's error (reported by its
+//! synchronisation); later collectives on the communicator fail at once with
+//! the same code.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
+
+pub mod collectives;
+pub mod elem;
+pub mod plane;
+
+pub use collectives::*;
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-use ascend_moe::backend::cpu::CpuComm;
-use ascend_moe::tensor::{CpuBuffer, Storage};
-use ascend_moe::{Collectives, CommErrorKind, CommOptions, DType, ReduceOp, Tensor};
 
 use crate::arena;
 use crate::config;
@@ -30,9 +34,12 @@ use crate::hccl_rules;
 use crate::status::{self, fail, write_out, SimError, SimResult};
 use crate::stream::Stream;
 
+use elem::DType;
+use plane::Group;
+
 /// A simulated communicator.
 pub struct SimComm {
-    /// Rendezvous name of the CPU communicator.
+    /// Rendezvous name of the group.
     pub key: String,
     /// Name reported by `HcclGetCommName`.
     pub name: String,
@@ -45,7 +52,7 @@ pub struct SimComm {
     /// Device the communicator moves data on.
     pub device: u32,
     timeout: Duration,
-    comm: Mutex<CpuComm>,
+    group: Mutex<Group>,
     error: AtomicI32,
 }
 
@@ -62,22 +69,6 @@ const ROOT_MAGIC: &[u8; 16] = b"CANNSIM-ROOTINFO";
 
 fn fnv(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ *b as u64).wrapping_mul(0x0100_0000_01b3))
-}
-
-fn comm_err(e: &ascend_moe::Error) -> HcclResult {
-    match e {
-        ascend_moe::Error::Comm { kind, .. } => match kind {
-            CommErrorKind::Timeout => HCCL_E_TIMEOUT,
-            CommErrorKind::Mismatch => HCCL_E_PARA,
-            CommErrorKind::PeerFailed => HCCL_E_REMOTE,
-            _ => HCCL_E_INTERNAL,
-        },
-        _ => HCCL_E_INTERNAL,
-    }
-}
-
-fn lift(e: ascend_moe::Error) -> SimError {
-    SimError::new(comm_err(&e), e.to_string())
 }
 
 /// `HcclResult HcclGetRootInfo(HcclRootInfo *rootInfo)`: writes a fresh
@@ -160,11 +151,8 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
         return fail(HCCL_E_PARA, format!("rank {rank} of {size} ranks"));
     }
     let device = context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
-    let mut opts = CommOptions::from_env();
-    if let Some(t) = cfg.timeout {
-        opts.timeout = t;
-    }
-    let comm = CpuComm::rendezvous(&key, size as usize, rank as usize, &opts).map_err(lift)?;
+    let timeout = cfg.timeout.unwrap_or_else(config::comm_timeout);
+    let group = Group::join(&key, size, rank, timeout)?;
     let c = SimComm {
         name: cfg.name.or(name).unwrap_or_else(|| key.clone()),
         key,
@@ -172,8 +160,8 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
         size,
         world_rank,
         device,
-        timeout: opts.timeout,
-        comm: Mutex::new(comm),
+        timeout,
+        group: Mutex::new(group),
         error: AtomicI32::new(HCCL_SUCCESS),
     };
     Ok(COMMS.insert(Arc::new(c)))
@@ -358,31 +346,6 @@ pub extern "C" fn HcclGetCommConfigCapability() -> u32 {
     hccl_rules::capability()
 }
 
-fn dtype(dt: i32) -> SimResult<DType> {
-    Ok(match dt {
-        HCCL_DATA_TYPE_FP32 => DType::F32,
-        HCCL_DATA_TYPE_FP16 => DType::F16,
-        HCCL_DATA_TYPE_BFP16 => DType::BF16,
-        HCCL_DATA_TYPE_INT32 => DType::I32,
-        HCCL_DATA_TYPE_INT64 => DType::I64,
-        // `HcclDataType` of hccl_types.h: INT8 = 0, UINT8 = 7, in every
-        // header generation. The simulator moves them (gathers, all-to-all,
-        // broadcast) and, stricter than HCCL, never reduces them.
-        HCCL_DATA_TYPE_INT8 => DType::I8,
-        HCCL_DATA_TYPE_UINT8 => DType::U8,
-        other => return fail(HCCL_E_NOT_SUPPORT, format!("HcclDataType {other} is not simulated")),
-    })
-}
-
-fn reduce_op(op: i32) -> SimResult<ReduceOp> {
-    Ok(match op {
-        HCCL_REDUCE_SUM => ReduceOp::Sum,
-        HCCL_REDUCE_MAX => ReduceOp::Max,
-        HCCL_REDUCE_MIN => ReduceOp::Min,
-        other => return fail(HCCL_E_NOT_SUPPORT, format!("HcclReduceOp {other} is not simulated")),
-    })
-}
-
 fn counts(p: *const c_void, n: u32, what: &str) -> SimResult<Vec<usize>> {
     if p.is_null() {
         return fail(HCCL_E_PTR, format!("{what} is NULL"));
@@ -400,6 +363,13 @@ struct Buf {
     elems: usize,
 }
 
+impl Buf {
+    /// The `elems` elements of `dt` from element `at` of this buffer on.
+    fn part(self, dt: DType, at: usize, elems: usize) -> Buf {
+        Buf { addr: self.addr + at * dt.size(), elems }
+    }
+}
+
 fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<()> {
     if b.elems == 0 {
         return Ok(());
@@ -411,36 +381,39 @@ fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<()> {
     Ok(())
 }
 
-fn load(b: Buf, dt: DType) -> SimResult<Tensor> {
-    let bytes = b.elems * dt.size();
-    let mut buf = CpuBuffer::zeros(bytes);
-    if bytes > 0 {
-        let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
-        // SAFETY: `s` lies inside a live allocation of at least `bytes` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(s.host, buf.as_bytes_mut().as_mut_ptr(), bytes) };
-    }
-    Tensor::from_parts(vec![b.elems], dt, Storage::Cpu(buf)).map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))
-}
-
-fn store(b: Buf, dt: DType, t: &Tensor, from: usize) -> SimResult<()> {
+/// The host address of the bytes of `b` (in a live allocation), or None
+/// when `b` is empty.
+fn host(b: Buf, dt: DType) -> SimResult<Option<*mut u8>> {
     let bytes = b.elems * dt.size();
     if bytes == 0 {
-        return Ok(());
+        return Ok(None);
     }
-    let src = t.cpu_bytes().map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
-    let src = &src[from * dt.size()..][..bytes];
     let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
-    // SAFETY: `s` lies inside a live allocation of at least `bytes` bytes.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), s.host, bytes) };
-    Ok(())
+    Ok(Some(s.host))
 }
 
-fn zeros(n: usize, dt: DType) -> Tensor {
-    Tensor::zeros_cpu(&[n], dt)
+/// Runs `f` on the bytes of `b` in device memory.
+fn with_bytes<T>(b: Buf, dt: DType, f: impl FnOnce(&[u8]) -> SimResult<T>) -> SimResult<T> {
+    match host(b, dt)? {
+        None => f(&[]),
+        // SAFETY: `p` starts `b.elems * dt.size()` bytes inside a live
+        // allocation; the collective is the stream's only task while it runs.
+        Some(p) => f(unsafe { std::slice::from_raw_parts(p, b.elems * dt.size()) }),
+    }
 }
 
-/// A collective's exchange; `Fn` so that a captured collective replays.
-type CollJob = Box<dyn Fn(&SimComm, &CpuComm) -> SimResult<()> + Send + Sync>;
+/// Runs `f` on the bytes of `b` in device memory, to overwrite them.
+fn with_bytes_mut<T>(b: Buf, dt: DType, f: impl FnOnce(&mut [u8]) -> SimResult<T>) -> SimResult<T> {
+    match host(b, dt)? {
+        None => f(&mut []),
+        // SAFETY: as in `with_bytes`; no other slice of these bytes is alive
+        // (the payload was written before the result is).
+        Some(p) => f(unsafe { std::slice::from_raw_parts_mut(p, b.elems * dt.size()) }),
+    }
+}
+
+/// A collective's work on the group; `Fn` so that a captured collective replays.
+type CollJob = Box<dyn Fn(&mut Group) -> SimResult<()> + Send + Sync>;
 
 /// Validates the communicator and stream, then queues `job` on the stream.
 fn enqueue(
@@ -487,8 +460,8 @@ fn enqueue(
                     format!("CANNSIM_HCCL_TIMEOUT_RANK: world rank {} never joins {call} on {}", c.world_rank, c.name),
                 )
             } else {
-                let guard = c.comm.lock().unwrap_or_else(|e| e.into_inner());
-                job(&c, &guard)
+                let mut group = c.group.lock().unwrap_or_else(|e| e.into_inner());
+                job(&mut group)
             };
             r.map_err(|e| {
                 let _ = c.error.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
@@ -508,297 +481,4 @@ fn enqueue(
         }),
     );
     Ok(())
-}
-
-/// `HcclResult HcclAllReduce(void *sendBuf, void *recvBuf, uint64_t count, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclAllReduce(
-    send_buf: *mut c_void,
-    recv_buf: *mut c_void,
-    count: u64,
-    data_type: i32,
-    op: i32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclAllReduce", || {
-        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
-        let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
-        let n = count as usize;
-        let (sb, rb) = (Buf { addr: send_buf as usize, elems: n }, Buf { addr: recv_buf as usize, elems: n });
-        enqueue(
-            "HcclAllReduce",
-            comm_h,
-            stream,
-            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
-            Box::new(move |_, cc| {
-                let src = load(sb, dt)?;
-                let mut dst = zeros(n, dt);
-                cc.all_reduce(&src, &mut dst, op).map_err(lift)?;
-                store(rb, dt, &dst, 0)
-            }),
-        )
-    })
-}
-
-/// `HcclResult HcclReduceScatter(void *sendBuf, void *recvBuf, uint64_t recvCount, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclReduceScatter(
-    send_buf: *mut c_void,
-    recv_buf: *mut c_void,
-    recv_count: u64,
-    data_type: i32,
-    op: i32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclReduceScatter", || {
-        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
-        let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
-        let world = comm(comm_h)?.size as usize;
-        let n = recv_count as usize;
-        let sb = Buf { addr: send_buf as usize, elems: n * world };
-        let rb = Buf { addr: recv_buf as usize, elems: n };
-        enqueue(
-            "HcclReduceScatter",
-            comm_h,
-            stream,
-            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
-            Box::new(move |_, cc| {
-                let src = load(sb, dt)?;
-                let mut dst = zeros(n, dt);
-                cc.reduce_scatter(&src, &mut dst, op).map_err(lift)?;
-                store(rb, dt, &dst, 0)
-            }),
-        )
-    })
-}
-
-fn extent(counts: &[usize], displs: &[usize]) -> usize {
-    counts.iter().zip(displs).map(|(c, d)| c + d).max().unwrap_or(0)
-}
-
-/// `HcclResult HcclReduceScatterV(void *sendBuf, const void *sendCounts, const void *sendDispls, void *recvBuf, uint64_t recvCount, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclReduceScatterV(
-    send_buf: *mut c_void,
-    send_counts: *const c_void,
-    send_displs: *const c_void,
-    recv_buf: *mut c_void,
-    recv_count: u64,
-    data_type: i32,
-    op: i32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclReduceScatterV", || {
-        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
-        let (dt, op) = (dtype(data_type)?, reduce_op(op)?);
-        let c = comm(comm_h)?;
-        let sc = counts(send_counts, c.size, "sendCounts")?;
-        let sd = counts(send_displs, c.size, "sendDispls")?;
-        if sc[c.rank as usize] != recv_count as usize {
-            return fail(
-                HCCL_E_PARA,
-                format!("recvCount {recv_count} but sendCounts[{}] = {}", c.rank, sc[c.rank as usize]),
-            );
-        }
-        let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
-        let rb = Buf { addr: recv_buf as usize, elems: recv_count as usize };
-        enqueue(
-            "HcclReduceScatterV",
-            comm_h,
-            stream,
-            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
-            Box::new(move |_, cc| {
-                let whole = load(sb, dt)?;
-                let es = dt.size();
-                let bytes = whole.cpu_bytes().map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
-                let mut packed = Vec::with_capacity(sc.iter().sum::<usize>() * es);
-                for (cnt, d) in sc.iter().zip(&sd) {
-                    packed.extend_from_slice(&bytes[d * es..(d + cnt) * es]);
-                }
-                let src = Tensor::from_parts(vec![packed.len() / es], dt, Storage::Cpu(CpuBuffer::from_bytes(&packed)))
-                    .map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
-                let mut dst = zeros(rb.elems, dt);
-                cc.reduce_scatter_v(&src, &mut dst, &sc, op).map_err(lift)?;
-                store(rb, dt, &dst, 0)
-            }),
-        )
-    })
-}
-
-/// `HcclResult HcclAllGather(void *sendBuf, void *recvBuf, uint64_t sendCount, HcclDataType dataType, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclAllGather(
-    send_buf: *mut c_void,
-    recv_buf: *mut c_void,
-    send_count: u64,
-    data_type: i32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclAllGather", || {
-        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
-        let dt = dtype(data_type)?;
-        let world = comm(comm_h)?.size as usize;
-        let n = send_count as usize;
-        let sb = Buf { addr: send_buf as usize, elems: n };
-        let rb = Buf { addr: recv_buf as usize, elems: n * world };
-        enqueue(
-            "HcclAllGather",
-            comm_h,
-            stream,
-            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
-            Box::new(move |_, cc| {
-                let src = load(sb, dt)?;
-                let mut dst = zeros(rb.elems, dt);
-                cc.all_gather(&src, &mut dst).map_err(lift)?;
-                store(rb, dt, &dst, 0)
-            }),
-        )
-    })
-}
-
-/// `HcclResult HcclAllGatherV(void *sendBuf, uint64_t sendCount, void *recvBuf, const void *recvCounts, const void *recvDispls, HcclDataType dataType, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclAllGatherV(
-    send_buf: *mut c_void,
-    send_count: u64,
-    recv_buf: *mut c_void,
-    recv_counts: *const c_void,
-    recv_displs: *const c_void,
-    data_type: i32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclAllGatherV", || {
-        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
-        hccl_rules::distinct_buffers(send_buf, recv_buf)?;
-        let dt = dtype(data_type)?;
-        let c = comm(comm_h)?;
-        let rc = counts(recv_counts, c.size, "recvCounts")?;
-        let rd = counts(recv_displs, c.size, "recvDispls")?;
-        if rc[c.rank as usize] != send_count as usize {
-            return fail(
-                HCCL_E_PARA,
-                format!("sendCount {send_count} but recvCounts[{}] = {}", c.rank, rc[c.rank as usize]),
-            );
-        }
-        let sb = Buf { addr: send_buf as usize, elems: send_count as usize };
-        let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
-        enqueue(
-            "HcclAllGatherV",
-            comm_h,
-            stream,
-            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
-            Box::new(move |_, cc| {
-                let src = load(sb, dt)?;
-                let mut dst = zeros(rc.iter().sum(), dt);
-                cc.all_gather_v(&src, &mut dst, &rc).map_err(lift)?;
-                let mut from = 0;
-                for (cnt, d) in rc.iter().zip(&rd) {
-                    store(Buf { addr: rb.addr + d * dt.size(), elems: *cnt }, dt, &dst, from)?;
-                    from += cnt;
-                }
-                Ok(())
-            }),
-        )
-    })
-}
-
-/// `HcclResult HcclAlltoAllV(const void *sendBuf, const void *sendCounts, const void *sdispls, HcclDataType sendType, const void *recvBuf, const void *recvCounts, const void *rdispls, HcclDataType recvType, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclAlltoAllV(
-    send_buf: *const c_void,
-    send_counts: *const c_void,
-    sdispls: *const c_void,
-    send_type: i32,
-    recv_buf: *const c_void,
-    recv_counts: *const c_void,
-    rdispls: *const c_void,
-    recv_type: i32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclAlltoAllV", || {
-        hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
-        let dt = dtype(send_type)?;
-        if recv_type != send_type {
-            return fail(HCCL_E_PARA, format!("sendType {send_type} != recvType {recv_type}"));
-        }
-        let c = comm(comm_h)?;
-        let sc = counts(send_counts, c.size, "sendCounts")?;
-        let sd = counts(sdispls, c.size, "sdispls")?;
-        let rc = counts(recv_counts, c.size, "recvCounts")?;
-        let rd = counts(rdispls, c.size, "rdispls")?;
-        let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
-        let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
-        enqueue(
-            "HcclAlltoAllV",
-            comm_h,
-            stream,
-            &[(sb, dt, "sendBuf"), (rb, dt, "recvBuf")],
-            Box::new(move |_, cc| {
-                let es = dt.size();
-                let whole = load(sb, dt)?;
-                let bytes = whole.cpu_bytes().map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
-                let mut packed = Vec::with_capacity(sc.iter().sum::<usize>() * es);
-                for (cnt, d) in sc.iter().zip(&sd) {
-                    packed.extend_from_slice(&bytes[d * es..(d + cnt) * es]);
-                }
-                let src = Tensor::from_parts(vec![packed.len() / es], dt, Storage::Cpu(CpuBuffer::from_bytes(&packed)))
-                    .map_err(|e| SimError::new(HCCL_E_INTERNAL, e.to_string()))?;
-                let mut dst = zeros(rc.iter().sum(), dt);
-                cc.all_to_all_v(&src, &sc, &mut dst, &rc).map_err(lift)?;
-                let mut from = 0;
-                for (cnt, d) in rc.iter().zip(&rd) {
-                    store(Buf { addr: rb.addr + d * es, elems: *cnt }, dt, &dst, from)?;
-                    from += cnt;
-                }
-                Ok(())
-            }),
-        )
-    })
-}
-
-/// `HcclResult HcclBroadcast(void *buf, uint64_t count, HcclDataType dataType, uint32_t root, HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclBroadcast(
-    buf: *mut c_void,
-    count: u64,
-    data_type: i32,
-    root: u32,
-    comm_h: HcclComm,
-    stream: AclrtStream,
-) -> HcclResult {
-    status::hccl("HcclBroadcast", || {
-        hccl_rules::operands(&[("buf", buf)], stream)?;
-        let dt = dtype(data_type)?;
-        let size = comm(comm_h)?.size;
-        if root >= size {
-            return fail(HCCL_E_PARA, format!("root {root} of {size} ranks"));
-        }
-        let b = Buf { addr: buf as usize, elems: count as usize };
-        enqueue(
-            "HcclBroadcast",
-            comm_h,
-            stream,
-            &[(b, dt, "buf")],
-            Box::new(move |_, cc| {
-                let mut t = load(b, dt)?;
-                cc.broadcast(&mut t, root as usize).map_err(lift)?;
-                store(b, dt, &t, 0)
-            }),
-        )
-    })
-}
-
-/// `HcclResult HcclBarrier(HcclComm comm, aclrtStream stream)`.
-#[no_mangle]
-pub extern "C" fn HcclBarrier(comm_h: HcclComm, stream: AclrtStream) -> HcclResult {
-    status::hccl("HcclBarrier", || {
-        hccl_rules::operands(&[], stream)?;
-        enqueue("HcclBarrier", comm_h, stream, &[], Box::new(move |_, cc| cc.barrier().map_err(lift)))
-    })
 }
