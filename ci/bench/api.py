@@ -11,7 +11,9 @@ Python (allocating), Python / kernel and floor / Python.
 
 Collectives: `--ranks` Python processes, each a rank of one CPU world, time
 all_reduce and all_gather of `--bytes` per rank (bf16; all_gather's per-rank
-input is bytes / ranks, as the CLI sizes it) with a barrier before each call;
+input is bytes / ranks, as the CLI sizes it) with a barrier before each call,
+once into a reused `out=` array (as the CLI reuses its destination) and once
+allocating the result;
 a call's time is the slowest rank's, and the median call is reported (as
 the CLI does). Rounds alternate with
 `ascend-moe bench collectives --procs` at the same size.
@@ -109,15 +111,19 @@ def _rank(name, world, rank, nbytes, iters, q):
     n = nbytes // 2
     x = np.full(n, rank + 1, dtype=ml_dtypes.bfloat16)
     g = np.full(n // world, rank + 1, dtype=ml_dtypes.bfloat16)
-    times = {"all_reduce": [], "all_gather": []}
+    times = {(op, how): [] for op in ("all_reduce", "all_gather") for how in ("out", "alloc")}
     for op, arg in (("all_reduce", x), ("all_gather", g)):
         fn = getattr(ascend_moe, op)
-        fn(arg, comm)  # warm-up
-        for _ in range(iters):
-            comm.barrier()
-            t0 = time.perf_counter()
-            fn(arg, comm)
-            times[op].append(time.perf_counter() - t0)
+        out = fn(arg, comm)  # warm-up; its result is the reused `out=` array
+        for how in ("out", "alloc"):
+            for _ in range(iters):
+                comm.barrier()
+                t0 = time.perf_counter()
+                if how == "out":
+                    fn(arg, comm, out=out)
+                else:
+                    fn(arg, comm)
+                times[(op, how)].append(time.perf_counter() - t0)
     q.put((rank, times))
 
 
@@ -132,10 +138,10 @@ def python_collectives(a) -> dict:
     for p in procs:
         p.join()
     out = {}
-    for op in ("all_reduce", "all_gather"):
+    for key in per_rank[0][1]:
         # Per call, the slowest rank; then the median call (as the CLI reports).
-        calls = zip(*[t[op] for _, t in per_rank])
-        out[op] = median(max(c) for c in calls)
+        calls = zip(*[t[key] for _, t in per_rank])
+        out[key] = median(max(c) for c in calls)
     return out
 
 
@@ -152,13 +158,20 @@ def bench_collectives(a) -> dict:
     for _ in range(a.rounds):
         c = cli_collectives(a)
         p = python_collectives(a)
-        rounds.append({op: {"cli_s": c[op], "python_s": p[op]} for op in ("all_reduce", "all_gather")})
+        rounds.append(
+            {
+                op: {"cli_s": c[op], "python_s": p[(op, "out")], "python_alloc_s": p[(op, "alloc")]}
+                for op in ("all_reduce", "all_gather")
+            }
+        )
     res = {"ranks": a.ranks, "bytes": a.bytes, "rounds": rounds}
     for op in ("all_reduce", "all_gather"):
         res[op] = {
             "cli_ms": median(r[op]["cli_s"] for r in rounds) * 1e3,
             "python_ms": median(r[op]["python_s"] for r in rounds) * 1e3,
+            "python_alloc_ms": median(r[op]["python_alloc_s"] for r in rounds) * 1e3,
             "python_over_cli": median(r[op]["python_s"] / r[op]["cli_s"] for r in rounds),
+            "python_alloc_over_cli": median(r[op]["python_alloc_s"] / r[op]["cli_s"] for r in rounds),
         }
     return res
 
@@ -199,7 +212,8 @@ def main() -> int:
             o = c[op]
             print(
                 f"{op} {a.ranks} procs bf16 {a.bytes >> 20} MiB: cli {o['cli_ms']:.2f} ms, "
-                f"python {o['python_ms']:.2f} ms ({o['python_over_cli']:.3f}x)",
+                f"python out= {o['python_ms']:.2f} ms ({o['python_over_cli']:.3f}x), "
+                f"python allocating {o['python_alloc_ms']:.2f} ms ({o['python_alloc_over_cli']:.3f}x)",
                 file=sys.stderr,
             )
     doc["load_avg_end"] = os.getloadavg()

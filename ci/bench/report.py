@@ -710,8 +710,11 @@ def api_section(api) -> list[str]:
     if c:
         for op in ("all_reduce", "all_gather"):
             o = c[op]
-            rows.append((f"{op} (Python, numpy bf16)", f"{c['ranks']} procs, {c['bytes'] >> 20} MiB",
-                         _num(o["cli_ms"]), _num(o["python_ms"]), _num(o["python_over_cli"]), ""))
+            alloc = ""
+            if "python_alloc_ms" in o:
+                alloc = f"allocating: {_num(o['python_alloc_ms'])} ms ({_num(o['python_alloc_over_cli'])})"
+            rows.append((f"{op} (Python, numpy bf16, `out=`)", f"{c['ranks']} procs, {c['bytes'] >> 20} MiB",
+                         _num(o["cli_ms"]), _num(o["python_ms"]), _num(o["python_over_cli"]), alloc))
     L.append(_table(["op", "case", "kernel / CLI (ms)", "public API (ms)", "API / kernel", "floor / API"], rows))
     L.append("")
     return L
