@@ -593,6 +593,10 @@ fn finalize_aclnn(
     let expert_view = match (&checked, args.bias.and(args.expert_idx)) {
         (Some(c), Some(_)) => {
             let base = npu_buf(device, OP, "expert_idx", c)?;
+            // Global memory has no alignment rule for operands (CANN TIK
+            // "General Restrictions", Global Memory: no alignment
+            // requirement); the copy still starts on a 512-byte boundary
+            // of the workspace block, like a fresh allocation.
             let at = kernels::checked_expert_offset(nk) * 4;
             // SAFETY: the checked buffer holds checked_indices_len(nk, true)
             // int32, so [at, at + 4 * nk) is inside it; `c` outlives the view.
@@ -696,10 +700,13 @@ fn finalize_aclnn(
 
 /// The index check of the aclnn finalize on the device: one launch of the
 /// native kernel with [`kernels::FLAG_CHECK_INDICES`] into workspace, whose
-/// status the stream check reports like a native finalize's.
+/// status the stream check reports like a native finalize's. The workspace
+/// is not zeroed: the launch writes both copies, and the gap between them is
+/// never read.
 fn checked_indices(device: &NpuDevice, args: &FinalizeArgs<'_>, dims: &FinalizeDims) -> Result<Tensor> {
     let len = kernels::checked_indices_len(args.expanded_row_idx.numel(), args.bias.is_some());
-    let mut out = crate::backend::Backend::scratch(device, &[len], DType::I32)?;
+    let buf = NpuBuffer::workspace(device, len * DType::I32.size())?;
+    let mut out = Tensor::from_parts(vec![len], DType::I32, Storage::Npu(buf))?;
     launch_native(device, args, dims, &mut out, OutputRows::Dense, kernels::FLAG_CHECK_INDICES)?;
     Ok(out)
 }
