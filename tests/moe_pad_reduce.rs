@@ -4,6 +4,7 @@
 //! (`npu` cases, ignored without an NPU) on 4 NPUs through HCCL, every layout
 //! of at most 4 ranks.
 
+mod common;
 mod moe_common;
 
 use ascend_moe::backend::cpu::comm::{run_ranks, run_ranks_with, CpuCommConfig};
@@ -12,6 +13,7 @@ use ascend_moe::moe::finalize::moe_finalize_routing;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::*;
 use ascend_moe::{Collectives, Comm, CommOptions, DType, DropPadMode, Tensor};
+use common::On;
 use moe_common::*;
 
 fn opts() -> CommOptions {

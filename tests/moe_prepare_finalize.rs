@@ -5,11 +5,13 @@
 //! run on the CPU communicator and (`npu` cases, ignored without an NPU) on
 //! NPUs through HCCL, every world of at most 4 ranks.
 
+mod common;
 mod moe_common;
 
 use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::prepare_finalize::*;
 use ascend_moe::{Collectives, CommOptions, CommType, Error, Tensor};
+use common::On;
 use moe_common::*;
 
 fn opts() -> CommOptions {

@@ -3,13 +3,14 @@
 //! and the DP-only / SP-only token helpers against a plain model of the TP group,
 //! on the CPU communicator and (`npu` cases, ignored without an NPU) on NPUs.
 
+mod common;
 mod moe_common;
 
 use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::reduce::{ReducePolicy, SharedMode};
 use ascend_moe::moe::shared::*;
 use ascend_moe::{Collectives, CommOptions, Tensor};
-use moe_common::On;
+use common::On;
 
 fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))

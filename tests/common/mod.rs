@@ -209,19 +209,13 @@ macro_rules! ranks_test {
 
             #[test]
             fn cpu() {
-                let opts = ascend_moe::CommOptions::from_env();
-                if let Err(e) = ascend_moe::backend::cpu::comm::run_ranks($world, &opts, body) {
-                    panic!("cpu: {e}");
-                }
+                $crate::common::On::Cpu.expect_ranks($world, body);
             }
 
             #[test]
             #[ignore = "needs an Ascend NPU"]
             fn npu() {
-                let opts = ascend_moe::CommOptions::from_env();
-                if let Err(e) = ascend_moe::backend::npu::npu_run_ranks($world, &opts, body) {
-                    panic!("npu: {e}\n{}", ascend_moe::backend::npu::probe_report());
-                }
+                $crate::common::On::Npu.expect_ranks($world, body);
             }
         }
     };
@@ -271,4 +265,65 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
+}
+
+/// Where a multi-rank test body runs: thread ranks on the CPU communicator,
+/// or on NPUs `0..world` through HCCL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum On {
+    Cpu,
+    Npu,
+}
+
+impl On {
+    /// Runs `f(rank, comm)` on `world` ranks of this backend.
+    pub fn run<R: Send>(
+        self,
+        world: usize,
+        opts: &ascend_moe::CommOptions,
+        f: impl Fn(usize, ascend_moe::Comm) -> ascend_moe::Result<R> + Sync,
+    ) -> ascend_moe::Result<Vec<R>> {
+        match self {
+            On::Cpu => ascend_moe::backend::cpu::comm::run_ranks(world, opts, f),
+            On::Npu => ascend_moe::backend::npu::npu_run_ranks(world, opts, f),
+        }
+    }
+
+    /// Runs `body` on `world` ranks (options from the environment) and
+    /// panics with the error of a rank that failed.
+    pub fn expect_ranks(self, world: usize, body: fn(usize, ascend_moe::Comm) -> ascend_moe::Result<()>) {
+        if let Err(e) = self.run(world, &ascend_moe::CommOptions::from_env(), body) {
+            match self {
+                On::Cpu => panic!("cpu: {e}"),
+                On::Npu => panic!("npu: {e}\n{}", ascend_moe::backend::npu::probe_report()),
+            }
+        }
+    }
+
+    /// Whether a world of `world` ranks fits this backend (the NPU suite
+    /// runs on 4 devices).
+    pub fn fits(self, world: usize) -> bool {
+        self == On::Cpu || world <= 4
+    }
+}
+
+/// `on_both!(name, body)`: a module `name` with a `cpu` test calling
+/// `body(On::Cpu)` and an `npu` test (ignored without an NPU) calling
+/// `body(On::Npu)`.
+#[macro_export]
+macro_rules! on_both {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[test]
+            fn cpu() {
+                super::$body($crate::common::On::Cpu);
+            }
+
+            #[test]
+            #[ignore = "needs an Ascend NPU"]
+            fn npu() {
+                super::$body($crate::common::On::Npu);
+            }
+        }
+    };
 }
