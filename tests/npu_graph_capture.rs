@@ -390,6 +390,17 @@ fn npu_rank(
     Ok(got)
 }
 
+/// An engine stream of `dev` (what torch_npu's current stream would be) and
+/// its C ABI handle; free the handle with `amoe_stream_free` before the
+/// stream goes.
+fn engine_stream(dev: &NpuDevice) -> (ascend_moe::backend::npu::NpuStream, *mut amoe_stream) {
+    let engine = dev.new_stream().expect("stream");
+    let mut s = null_mut();
+    // SAFETY: a live stream of this device that outlives the handle.
+    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), 0, &mut s) });
+    (engine, s)
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
 }
@@ -444,10 +455,7 @@ fn a_guarded_layer_graph_replayed_under_another_comm_type_is_reported_on_every_r
 #[ignore = "needs an Ascend NPU"]
 fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
     let dev = NpuDevice::open(0).expect("npu:0");
-    let engine = dev.new_stream().expect("stream");
-    let mut s = null_mut();
-    // SAFETY: a live stream of this device that outlives the handle.
-    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), 0, &mut s) });
+    let (engine, s) = engine_stream(&dev);
     let (n, h) = (6usize, 8usize);
     let x: Vec<f32> = inputs(7, 0, n * h);
     let good: Vec<i32> = (0..n as i32).rev().collect();
@@ -510,10 +518,7 @@ fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
 #[ignore = "needs an Ascend NPU"]
 fn a_captured_token_unpermute_replays_new_indices_bit_for_bit() {
     let dev = NpuDevice::open(0).expect("npu:0");
-    let engine = dev.new_stream().expect("stream");
-    let mut s = null_mut();
-    // SAFETY: a live stream of this device that outlives the handle.
-    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), 0, &mut s) });
+    let (engine, s) = engine_stream(&dev);
     let (t, k, rows, h) = (4usize, 3usize, 10usize, 8usize);
     let indices = |round: usize| -> Vec<i32> {
         (0..t * k).map(|i| ((i * 5 + round * 3) % (rows + 3)) as i32 - 1 - (round == 2 && i == 4) as i32).collect()
