@@ -83,6 +83,16 @@ fn measure_with_staging(dev: &NpuDevice, op: &str, staged: u64, mut f: impl FnMu
     problems
 }
 
+/// Fails with every rank's problems, each prefixed with its rank.
+fn assert_no_problems(reports: Vec<Vec<String>>) {
+    let problems: Vec<String> = reports
+        .into_iter()
+        .enumerate()
+        .flat_map(|(r, p)| p.into_iter().map(move |s| format!("rank {r}: {s}")))
+        .collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
 fn filled(dev: &Device, shape: &[usize], seed: usize) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     let v: Vec<f32> = (0..n).map(|i| ((i * 7 + seed * 13) % 11) as f32 - 5.0).collect();
@@ -250,12 +260,7 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         Ok(p)
     })
     .unwrap();
-    let problems: Vec<String> = reports
-        .into_iter()
-        .enumerate()
-        .flat_map(|(r, p)| p.into_iter().map(move |s| format!("rank {r}: {s}")))
-        .collect();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert_no_problems(reports);
 }
 
 static ALLOCS: AtomicUsize = AtomicUsize::new(0);
@@ -416,10 +421,5 @@ fn the_comm_type_agreement_check_runs_on_the_device() {
         Ok(p)
     })
     .unwrap();
-    let problems: Vec<String> = reports
-        .into_iter()
-        .enumerate()
-        .flat_map(|(r, p)| p.into_iter().map(move |s| format!("rank {r}: {s}")))
-        .collect();
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert_no_problems(reports);
 }
