@@ -6,10 +6,10 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
-use crate::backend::args::with_rows;
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::HcclComm;
-use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+use crate::backend::{Backend, Buf, Call, Communicator, FinalizeArgs, FinalizeDims, View, ViewMut};
+use crate::tensor::StorageBuffer;
 use crate::types::{numbered, Numbered};
 pub use crate::types::{CommOptions, ReduceOp};
 use crate::{Device, Error, Result, Tensor};
@@ -53,7 +53,8 @@ impl CommType {
 /// Element counts come from the tensors: `reduce_scatter` takes `src` with
 /// `world * n` elements and `dst` with `n`; `all_gather` the reverse; the `_v`
 /// variants take per-rank counts (`counts.len() == world_size`), blocks packed
-/// contiguously in rank order.
+/// contiguously in rank order. Written once over every [`Communicator`]: each
+/// tensor is lent as a view of the communicator's own buffers.
 pub trait Collectives {
     /// This rank in the group.
     fn rank(&self) -> usize;
@@ -86,69 +87,139 @@ pub trait Collectives {
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
-    /// Finalize routing fused with the EP reduce-scatter (SPEC section 3):
-    /// this rank's finalize output (`[N, H...]`, tokens in EP-rank block order,
-    /// block `r` = `local_sizes[r]` tokens, `local_sizes.len() == world_size`)
-    /// summed over the ranks; `out` (`[local_sizes[rank], H...]`, on this
-    /// communicator's device) receives block `rank` of the sum. `args` and
-    /// `dims` are validated by the op layer, `out` has the shape it computed.
-    ///
-    /// The default materialises the padded `[world * M, H...]` buffer
-    /// ([`finalize_then_reduce_scatter`]); a communicator that can compute the
-    /// rows straight into its own transfer buffers overrides it, with a result
-    /// that is bitwise the same.
+    /// Finalize routing fused with the EP reduce-scatter (SPEC section 3),
+    /// [`Communicator::finalize_reduce_scatter`]: `out`
+    /// (`[local_sizes[rank], H...]`, on this communicator's device) receives
+    /// block `rank` of the summed finalize output.
     fn finalize_reduce_scatter(
         &self,
-        args: &FinalizeArgs<'_>,
+        args: &FinalizeArgs<&Tensor>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: &mut Tensor,
+    ) -> Result<()>;
+}
+
+/// Lends `src` and `dst` to `comm` and runs `f` on the views; when either is
+/// not a buffer of its backend, `comm` refuses `call` with that error.
+fn lend2<C: Communicator>(
+    comm: &C,
+    op: &'static str,
+    call: Call<'_>,
+    src: &Tensor,
+    dst: &mut Tensor,
+    f: impl FnOnce(View<'_, Buf<C>>, ViewMut<'_, Buf<C>>) -> Result<()>,
+) -> Result<()>
+where
+    Buf<C>: StorageBuffer,
+{
+    let at = comm.backend().location();
+    let views = src.view(op, "src", &at).and_then(|s| Ok((s, dst.view_mut(op, "dst", &at)?)));
+    match views {
+        Ok((s, d)) => f(s, d),
+        Err(e) => Err(comm.refuse(call, src.dtype(), e)),
+    }
+}
+
+/// [`lend2`] for the one operand of an in-place collective.
+fn lend1<C: Communicator>(
+    comm: &C,
+    op: &'static str,
+    call: Call<'_>,
+    buf: &mut Tensor,
+    f: impl FnOnce(ViewMut<'_, Buf<C>>) -> Result<()>,
+) -> Result<()>
+where
+    Buf<C>: StorageBuffer,
+{
+    let at = comm.backend().location();
+    let dtype = buf.dtype();
+    match buf.view_mut(op, "buf", &at) {
+        Ok(b) => f(b),
+        Err(e) => Err(comm.refuse(call, dtype, e)),
+    }
+}
+
+impl<C> Collectives for C
+where
+    C: Communicator,
+    Buf<C>: StorageBuffer,
+    C::Backend: Clone,
+    Device: From<C::Backend>,
+    Comm: From<C>,
+{
+    fn rank(&self) -> usize {
+        Communicator::rank(self)
+    }
+    fn world_size(&self) -> usize {
+        Communicator::world_size(self)
+    }
+    fn name(&self) -> &str {
+        Communicator::name(self)
+    }
+    fn device(&self) -> Device {
+        Device::from(self.backend().clone())
+    }
+    fn split(&self, ranks: &[usize]) -> Result<Comm> {
+        Ok(Comm::from(Communicator::split(self, ranks)?))
+    }
+    fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        lend2(self, "all_reduce", Call::AllReduce(op), src, dst, |s, d| Communicator::all_reduce(self, s, d, op))
+    }
+    fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
+        lend1(self, "all_reduce", Call::AllReduceInPlace(op), buf, |b| Communicator::all_reduce_in_place(self, b, op))
+    }
+    fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let call = Call::ReduceScatter(op);
+        lend2(self, "reduce_scatter", call, src, dst, |s, d| Communicator::reduce_scatter(self, s, d, op))
+    }
+    fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        lend2(self, "all_gather", Call::AllGather, src, dst, |s, d| Communicator::all_gather(self, s, d))
+    }
+    fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+        let call = Call::ReduceScatterV(counts, op);
+        lend2(self, "reduce_scatter_v", call, src, dst, |s, d| Communicator::reduce_scatter_v(self, s, d, counts, op))
+    }
+    fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
+        let call = Call::AllGatherV(counts);
+        lend2(self, "all_gather_v", call, src, dst, |s, d| Communicator::all_gather_v(self, s, d, counts))
+    }
+    fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
+        let call = Call::AllToAllV(send_counts, recv_counts);
+        lend2(self, "all_to_all_v", call, src, dst, |s, d| {
+            Communicator::all_to_all_v(self, s, send_counts, d, recv_counts)
+        })
+    }
+    fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
+        lend1(self, "broadcast", Call::Broadcast(root), buf, |b| Communicator::broadcast(self, b, root))
+    }
+    fn barrier(&self) -> Result<()> {
+        Communicator::barrier(self)
+    }
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<&Tensor>,
         dims: &FinalizeDims,
         local_sizes: &[usize],
         out: &mut Tensor,
     ) -> Result<()> {
-        finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
+        const OP: &str = "moe_finalize_routing";
+        let at = self.backend().location();
+        let views = args.try_map(|arg, t| t.view(OP, arg, &at))?;
+        Communicator::finalize_reduce_scatter(self, &views, dims, local_sizes, out.view_mut(OP, "out", &at)?)
     }
 }
 
-/// [`Collectives::finalize_reduce_scatter`] in two steps on any backend: the
-/// finalize writes each token into its row of the padded `[world * M, H...]`
-/// buffer (`M = max(local_sizes)`, padding rows zero), which is then
-/// reduce-scattered; the first `local_sizes[rank]` rows of this rank's slot go
-/// to `out`.
-pub fn finalize_then_reduce_scatter<C: Collectives + ?Sized>(
-    comm: &C,
-    args: &FinalizeArgs<'_>,
-    dims: &FinalizeDims,
-    local_sizes: &[usize],
-    out: &mut Tensor,
-) -> Result<()> {
-    const OP: &str = "finalize_and_reduce";
-    let m = local_sizes.iter().copied().max().unwrap_or(0);
-    let mine = local_sizes.get(comm.rank()).copied().ok_or_else(|| {
-        Error::invalid(
-            OP,
-            "local_sizes",
-            format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
-        )
-    })?;
-    let padded_shape = with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
-    let slot_shape = with_rows(OP, "expanded_x", out.shape(), m)?;
-    let device = out.device();
-    let backend = device.backend();
-    let mut padded = backend.scratch(&padded_shape, out.dtype())?;
-    if padded.numel() == 0 {
-        // Every rank sees the same layout, so every rank skips together; `out`
-        // is empty as well (no slot rows, or empty rows).
-        return Ok(());
+impl From<CpuComm> for Comm {
+    fn from(c: CpuComm) -> Self {
+        Comm::Cpu(c)
     }
-    backend.finalize_routing(args, dims, &mut padded, OutputRows::Padded { local_sizes, slot_rows: m })?;
-    if mine == m {
-        return comm.reduce_scatter(&padded, out, ReduceOp::Sum);
+}
+
+impl From<HcclComm> for Comm {
+    fn from(c: HcclComm) -> Self {
+        Comm::Npu(c)
     }
-    let mut slot = backend.scratch(&slot_shape, out.dtype())?;
-    comm.reduce_scatter(&padded, &mut slot, ReduceOp::Sum)?;
-    if mine > 0 {
-        backend.copy_rows(&slot, 0, out, 0, mine)?;
-    }
-    Ok(())
 }
 
 /// A communicator on either backend.
@@ -186,59 +257,59 @@ macro_rules! dispatch {
 
 impl Collectives for Comm {
     fn rank(&self) -> usize {
-        dispatch!(self, c => c.rank())
+        dispatch!(self, c => Collectives::rank(c))
     }
     fn world_size(&self) -> usize {
-        dispatch!(self, c => c.world_size())
+        dispatch!(self, c => Collectives::world_size(c))
     }
     fn name(&self) -> &str {
-        dispatch!(self, c => c.name())
+        dispatch!(self, c => Collectives::name(c))
     }
     fn device(&self) -> Device {
-        dispatch!(self, c => c.device())
+        dispatch!(self, c => Collectives::device(c))
     }
     fn split(&self, ranks: &[usize]) -> Result<Comm> {
-        dispatch!(self, c => c.split(ranks))
+        dispatch!(self, c => Collectives::split(c, ranks))
     }
     fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
         check_reducible("all_reduce", "src", src.dtype())?;
-        dispatch!(self, c => c.all_reduce(src, dst, op))
+        dispatch!(self, c => Collectives::all_reduce(c, src, dst, op))
     }
     fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
         check_reducible("all_reduce", "buf", buf.dtype())?;
-        dispatch!(self, c => c.all_reduce_in_place(buf, op))
+        dispatch!(self, c => Collectives::all_reduce_in_place(c, buf, op))
     }
     fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
         check_reducible("reduce_scatter", "src", src.dtype())?;
-        dispatch!(self, c => c.reduce_scatter(src, dst, op))
+        dispatch!(self, c => Collectives::reduce_scatter(c, src, dst, op))
     }
     fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
-        dispatch!(self, c => c.all_gather(src, dst))
+        dispatch!(self, c => Collectives::all_gather(c, src, dst))
     }
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
         check_reducible("reduce_scatter_v", "src", src.dtype())?;
-        dispatch!(self, c => c.reduce_scatter_v(src, dst, counts, op))
+        dispatch!(self, c => Collectives::reduce_scatter_v(c, src, dst, counts, op))
     }
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
-        dispatch!(self, c => c.all_gather_v(src, dst, counts))
+        dispatch!(self, c => Collectives::all_gather_v(c, src, dst, counts))
     }
     fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
-        dispatch!(self, c => c.all_to_all_v(src, send_counts, dst, recv_counts))
+        dispatch!(self, c => Collectives::all_to_all_v(c, src, send_counts, dst, recv_counts))
     }
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
-        dispatch!(self, c => c.broadcast(buf, root))
+        dispatch!(self, c => Collectives::broadcast(c, buf, root))
     }
     fn barrier(&self) -> Result<()> {
-        dispatch!(self, c => c.barrier())
+        dispatch!(self, c => Collectives::barrier(c))
     }
     fn finalize_reduce_scatter(
         &self,
-        args: &FinalizeArgs<'_>,
+        args: &FinalizeArgs<&Tensor>,
         dims: &FinalizeDims,
         local_sizes: &[usize],
         out: &mut Tensor,
     ) -> Result<()> {
-        dispatch!(self, c => c.finalize_reduce_scatter(args, dims, local_sizes, out))
+        dispatch!(self, c => Collectives::finalize_reduce_scatter(c, args, dims, local_sizes, out))
     }
 }
 

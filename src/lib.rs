@@ -7,19 +7,19 @@
 //! | layer | module | what it holds |
 //! |---|---|---|
 //! | raw bindings | `acl-sys`, `hccl-sys` | CANN ACL / HCCL symbols, loaded at run time |
-//! | backends | [`backend`] | [`Device`], the [`backend::Backend`] trait, CPU and NPU implementations |
-//! | native kernel | [`backend::npu::kernel`] | tiling, launch and host runner of the Ascend C finalize kernel in `kernels/` |
-//! | communication | [`comm`] | [`Comm`], [`Collectives`], [`ReduceOp`], [`CommType`] |
 //! | basic types (leaf) | [`types`] | [`DType`], [`Element`], [`ReduceOp`], [`DropPadMode`], shapes and metas, [`CommOptions`] |
-//! | tensors | [`tensor`] | [`Tensor`] |
 //! | errors | [`error`] | [`Error`], [`Result`] |
+//! | backends | [`backend`] | the [`backend::Backend`] and [`backend::Communicator`] traits over each backend's own buffers ([`backend::View`]), the CPU and NPU implementations (`backend::npu::kernel`: the Ascend C finalize kernel's launch code) |
+//! | devices | [`device`] | [`Device`] |
+//! | tensors | [`tensor`] | [`Tensor`], `Storage` (a backend's buffer, owned or borrowed) |
+//! | tensor ops | [`ops`], [`comm`], [`ranks`] | [`ops::DeviceOps`] and [`Collectives`] on tensors, written once over the traits; [`Comm`], [`CommType`]; thread ranks |
 //! | MoE ops | [`moe`] | finalize, SP layout, pad/reduce, runtime-aware reductions, prepare/finalize |
 //! | test support | `testing` (hidden) | the layer harness, one RNG, one tolerance, the benches |
 //! | C ABI | [`capi`] | `amoe_*` exports behind `include/ascend_moe.h` (the Python package uses them) |
 //!
-//! Data flows down the table: each layer imports only the ones below it (a
-//! test, `tests/layering.rs`, parses the `use` paths of `src/` and reports
-//! every module cycle).
+//! Each layer imports only the ones listed above it (a
+//! test, `tests/layering.rs`, parses the `use` paths of `src/` and fails on
+//! any module cycle).
 //!
 //! ## Quick start
 //!
@@ -28,7 +28,7 @@
 //! [`backend::cpu::CpuComm`]'s rendezvous by name):
 //!
 //! ```
-//! use ascend_moe::backend::cpu::comm::run_ranks;
+//! use ascend_moe::ranks::run_ranks;
 //! use ascend_moe::backend::FinalizeArgs;
 //! use ascend_moe::moe::moe_finalize_routing;
 //! use ascend_moe::{Collectives, CommOptions, DType, Device, DropPadMode, ReduceOp, Tensor};
@@ -67,15 +67,19 @@
 pub mod backend;
 pub mod capi;
 pub mod comm;
+pub mod device;
 pub mod error;
 pub mod moe;
+pub mod ops;
+pub mod ranks;
 pub mod tensor;
 #[doc(hidden)]
 pub mod testing;
 pub mod types;
 
-pub use backend::{Device, DropPadMode};
+pub use backend::DropPadMode;
 pub use comm::{Collectives, Comm, CommOptions, CommType, ReduceOp};
+pub use device::Device;
 pub use error::{CommErrorKind, Error, Result};
 pub use moe::{ReducePolicy, SharedMode, SpLayout};
 pub use tensor::Tensor;

@@ -5,176 +5,11 @@
 //! hidden copies: moving data between devices is an explicit call.
 
 pub use crate::backend::args::{checked_bytes, checked_numel};
+pub use crate::backend::cpu::CpuBuffer;
 use crate::backend::npu::NpuBuffer;
+use crate::backend::{Backend, Buffer, View, ViewMut};
 use crate::types::TensorMeta;
 use crate::{DType, Device, Element, Error, Result};
-
-/// Host memory with 8-byte alignment, so it can be viewed as any [`Element`]:
-/// either owned, or the caller's memory borrowed for the duration of a call
-/// ([`CpuBuffer::borrow_raw`]).
-pub struct CpuBuffer {
-    mem: HostMem,
-    len: usize,
-}
-
-/// The bytes of a [`CpuBuffer`].
-enum HostMem {
-    /// Our own allocation (8-byte words; an empty one still has an aligned
-    /// dangling pointer, so empty typed views are valid).
-    Owned(Vec<u64>),
-    /// The caller's memory. Read-only memory is copied into an owned
-    /// allocation on the first mutable access, so it is never written.
-    Borrowed { ptr: std::ptr::NonNull<u8>, writable: bool },
-}
-
-// SAFETY: an owned buffer is a `Vec<u64>`. A borrowed one is, by the contract
-// of `CpuBuffer::borrow_raw`, memory lent to this buffer alone for its whole
-// life (writable) or not written by anyone while it lives (read-only), and
-// it is only accessed through `&self` / `&mut self` of the buffer, exactly
-// like the owned case; so moving it to, or sharing it with, another thread is
-// as sound as for a `Vec<u8>`.
-unsafe impl Send for CpuBuffer {}
-// SAFETY: as for `Send` above: `&CpuBuffer` only gives `&[u8]` access.
-unsafe impl Sync for CpuBuffer {}
-
-impl Default for CpuBuffer {
-    fn default() -> Self {
-        CpuBuffer { mem: HostMem::Owned(Vec::new()), len: 0 }
-    }
-}
-
-impl Clone for CpuBuffer {
-    /// A deep copy; the copy of a borrowed buffer is an owned one.
-    fn clone(&self) -> Self {
-        match &self.mem {
-            HostMem::Owned(w) => CpuBuffer { mem: HostMem::Owned(w.clone()), len: self.len },
-            HostMem::Borrowed { .. } => Self::from_bytes(self.as_bytes()),
-        }
-    }
-}
-
-impl CpuBuffer {
-    /// The alignment every host buffer has, owned or borrowed.
-    pub const ALIGN: usize = 8;
-
-    /// `len` zero bytes (calloc-backed, so large buffers are cheap to create).
-    pub fn zeros(len: usize) -> Self {
-        if len == 0 {
-            return Self::default();
-        }
-        CpuBuffer { mem: HostMem::Owned(vec![0u64; len.div_ceil(8)]), len }
-    }
-
-    /// `len` zero bytes, or an error naming `op` when the allocation fails
-    /// (also calloc-backed).
-    pub fn try_zeros(op: &'static str, len: usize) -> Result<Self> {
-        let words = len.div_ceil(8);
-        if words == 0 {
-            return Ok(Self::default());
-        }
-        let failed = || Error::invalid(op, "shape", format!("{len} bytes of host memory could not be allocated"));
-        let layout = std::alloc::Layout::array::<u64>(words).map_err(|_| failed())?;
-        // SAFETY: `layout` has a non-zero size (words >= 1).
-        let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
-        if p.is_null() {
-            return Err(failed());
-        }
-        // SAFETY: `p` comes from the global allocator with the layout of `words`
-        // u64s (what a Vec of that capacity uses), all zero, which are valid u64s.
-        let words = unsafe { Vec::from_raw_parts(p, words, words) };
-        Ok(CpuBuffer { mem: HostMem::Owned(words), len })
-    }
-
-    /// Copies `bytes` into a new buffer.
-    pub fn from_bytes(bytes: &[u8]) -> Self {
-        let mut b = Self::zeros(bytes.len());
-        b.as_bytes_mut().copy_from_slice(bytes);
-        b
-    }
-
-    /// The caller's `len` bytes at `ptr`, without a copy; `None` when `ptr`
-    /// is null or not [`CpuBuffer::ALIGN`]-aligned (copy the bytes with
-    /// [`CpuBuffer::from_bytes`] then). A read-only buffer is never written:
-    /// its first mutable access makes an owned copy.
-    ///
-    /// # Safety
-    /// For the whole life of the returned buffer, `ptr` must be readable (and,
-    /// when `writable`, writable) for `len` bytes; memory lent `writable` must
-    /// not be accessed through any other path, and read-only memory must not
-    /// be written through any other path.
-    pub unsafe fn borrow_raw(ptr: *mut u8, len: usize, writable: bool) -> Option<Self> {
-        if len == 0 {
-            return Some(Self::default());
-        }
-        let ptr = std::ptr::NonNull::new(ptr).filter(|p| p.as_ptr() as usize % Self::ALIGN == 0)?;
-        Some(CpuBuffer { mem: HostMem::Borrowed { ptr, writable }, len })
-    }
-
-    /// True when the bytes are the caller's memory (see [`CpuBuffer::borrow_raw`]).
-    pub fn is_borrowed(&self) -> bool {
-        matches!(self.mem, HostMem::Borrowed { .. })
-    }
-
-    /// Address of the first byte (dangling but aligned for an empty buffer).
-    pub fn as_ptr(&self) -> *const u8 {
-        self.as_bytes().as_ptr()
-    }
-
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// True when the buffer holds no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// The bytes.
-    pub fn as_bytes(&self) -> &[u8] {
-        match &self.mem {
-            HostMem::Owned(w) => &bytemuck::cast_slice(w)[..self.len],
-            // SAFETY: `borrow_raw`'s contract: readable for `len` bytes while
-            // the buffer lives, and not written elsewhere meanwhile.
-            HostMem::Borrowed { ptr, .. } => unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.len) },
-        }
-    }
-
-    /// The bytes, mutable. A read-only borrowed buffer becomes an owned copy
-    /// first, so the caller's memory is never written.
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        if let HostMem::Borrowed { writable: false, .. } = self.mem {
-            *self = Self::from_bytes(self.as_bytes());
-        }
-        let len = self.len;
-        match &mut self.mem {
-            HostMem::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..len],
-            // SAFETY: `borrow_raw`'s contract: writable for `len` bytes while
-            // the buffer lives and lent to it alone; `&mut self` makes this
-            // the only live reference.
-            HostMem::Borrowed { ptr, .. } => unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), len) },
-        }
-    }
-
-    /// Typed view; `len` must be a multiple of `size_of::<T>()`.
-    pub fn typed<T: Element>(&self) -> &[T] {
-        // Owned words and borrowed memory are both 8-byte aligned, which
-        // satisfies every Element.
-        bytemuck::cast_slice(self.as_bytes())
-    }
-
-    /// Typed mutable view.
-    pub fn typed_mut<T: Element>(&mut self) -> &mut [T] {
-        bytemuck::cast_slice_mut(self.as_bytes_mut())
-    }
-}
-
-impl std::fmt::Debug for CpuBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let how = if self.is_borrowed() { "borrowed" } else { "owned" };
-        write!(f, "CpuBuffer({} bytes, {how})", self.len)
-    }
-}
 
 /// Where a tensor's bytes live.
 #[derive(Debug)]
@@ -183,6 +18,75 @@ pub enum Storage {
     Cpu(CpuBuffer),
     /// Device memory on an Ascend NPU (real or simulated).
     Npu(NpuBuffer),
+}
+
+impl Storage {
+    /// Its length in bytes.
+    pub fn len_bytes(&self) -> usize {
+        match self {
+            Storage::Cpu(b) => b.len(),
+            Storage::Npu(b) => b.len_bytes(),
+        }
+    }
+
+    /// A host copy of the bytes (for device memory, waiting for them).
+    pub fn to_host(&self) -> Result<CpuBuffer> {
+        match self {
+            Storage::Cpu(b) => Ok(b.clone()),
+            Storage::Npu(b) => {
+                let mut host = CpuBuffer::try_zeros("Tensor::to_cpu", b.len_bytes())?;
+                b.copy_to_host(host.as_bytes_mut())?;
+                Ok(host)
+            }
+        }
+    }
+}
+
+/// A backend buffer a [`Storage`] holds: what lets a tensor lend its bytes to
+/// the backend that owns them, as a [`View`].
+pub trait StorageBuffer: Buffer + Sized {
+    /// The buffer in `storage`, when it is one of this kind.
+    fn of(storage: &Storage) -> Option<&Self>;
+    /// The buffer in `storage`, mutable, when it is one of this kind.
+    fn of_mut(storage: &mut Storage) -> Option<&mut Self>;
+    /// The storage holding `self`.
+    fn into_storage(self) -> Storage;
+}
+
+impl StorageBuffer for CpuBuffer {
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Cpu(b) => Some(b),
+            Storage::Npu(_) => None,
+        }
+    }
+    fn of_mut(storage: &mut Storage) -> Option<&mut Self> {
+        match storage {
+            Storage::Cpu(b) => Some(b),
+            Storage::Npu(_) => None,
+        }
+    }
+    fn into_storage(self) -> Storage {
+        Storage::Cpu(self)
+    }
+}
+
+impl StorageBuffer for NpuBuffer {
+    fn of(storage: &Storage) -> Option<&Self> {
+        match storage {
+            Storage::Npu(b) => Some(b),
+            Storage::Cpu(_) => None,
+        }
+    }
+    fn of_mut(storage: &mut Storage) -> Option<&mut Self> {
+        match storage {
+            Storage::Npu(b) => Some(b),
+            Storage::Cpu(_) => None,
+        }
+    }
+    fn into_storage(self) -> Storage {
+        Storage::Npu(self)
+    }
 }
 
 /// A contiguous tensor.
@@ -198,10 +102,7 @@ impl Tensor {
     /// `numel * dtype.size()` bytes.
     pub fn from_parts(shape: Vec<usize>, dtype: DType, storage: Storage) -> Result<Self> {
         let need = checked_bytes("Tensor::from_parts", "shape", &shape, dtype)?;
-        let have = match &storage {
-            Storage::Cpu(b) => b.len(),
-            Storage::Npu(b) => b.len_bytes(),
-        };
+        let have = storage.len_bytes();
         if need != have {
             return Err(Error::invalid(
                 "Tensor::from_parts",
@@ -214,7 +115,53 @@ impl Tensor {
 
     /// A zero-filled tensor on `device`.
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Self> {
-        device.backend().zeros(shape, dtype)
+        match device {
+            Device::Cpu => Self::try_zeros_cpu(shape, dtype),
+            Device::Npu(d) => {
+                let n = checked_bytes("Tensor::zeros", "shape", shape, dtype)?;
+                Tensor::from_parts(shape.to_vec(), dtype, Storage::Npu(d.zeros(n)?))
+            }
+        }
+    }
+
+    /// A tensor of `shape` and `dtype` over a backend's buffer `buf`, which
+    /// must hold exactly its bytes.
+    pub fn from_buffer<B: StorageBuffer>(shape: &[usize], dtype: DType, buf: B) -> Result<Self> {
+        Tensor::from_parts(shape.to_vec(), dtype, buf.into_storage())
+    }
+
+    /// Shape and dtype.
+    pub fn meta(&self) -> TensorMeta<'_> {
+        TensorMeta { shape: &self.shape, dtype: self.dtype }
+    }
+
+    /// This tensor lent, as argument `arg` of `op`, to a backend whose
+    /// buffers are `B` and live at `location`; an error naming both when its
+    /// storage is another kind.
+    pub fn view<B: StorageBuffer>(&self, op: &'static str, arg: &'static str, location: &str) -> Result<View<'_, B>> {
+        match B::of(&self.storage) {
+            Some(b) => View::new(op, arg, self.meta(), b),
+            None => Err(self.elsewhere(op, arg, location)),
+        }
+    }
+
+    /// [`view`](Self::view), for an operand the op writes.
+    pub fn view_mut<B: StorageBuffer>(
+        &mut self,
+        op: &'static str,
+        arg: &'static str,
+        location: &str,
+    ) -> Result<ViewMut<'_, B>> {
+        if B::of(&self.storage).is_none() {
+            return Err(self.elsewhere(op, arg, location));
+        }
+        let meta = TensorMeta { shape: &self.shape, dtype: self.dtype };
+        let buf = B::of_mut(&mut self.storage).expect("the storage kind was checked just above");
+        ViewMut::new(op, arg, meta, buf)
+    }
+
+    fn elsewhere(&self, op: &'static str, arg: &'static str, location: &str) -> Error {
+        Error::Device { op, arg, expected: location.to_string(), actual: self.device().to_string() }
     }
 
     /// A zero-filled host tensor, for shapes known to be small.
@@ -374,17 +321,22 @@ impl Tensor {
 
     /// A host copy of this tensor.
     pub fn to_cpu(&self) -> Result<Tensor> {
-        Device::Cpu.backend().copy_from(self)
+        Tensor::from_parts(self.shape.clone(), self.dtype, Storage::Cpu(self.storage.to_host()?))
     }
 
     /// A copy of this tensor on `device`.
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
-        device.backend().copy_from(self)
+        let storage = match (device, &self.storage) {
+            (Device::Cpu, s) => Storage::Cpu(s.to_host()?),
+            (Device::Npu(d), Storage::Cpu(b)) => Storage::Npu(d.upload(b.as_bytes())?),
+            (Device::Npu(d), Storage::Npu(b)) => Storage::Npu(d.duplicate(b)?),
+        };
+        Tensor::from_parts(self.shape.clone(), self.dtype, storage)
     }
 
     /// A deep copy on the same device.
     pub fn try_clone(&self) -> Result<Tensor> {
-        self.device().backend().copy_from(self)
+        self.to_device(&self.device())
     }
 
     fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
@@ -402,6 +354,6 @@ impl Tensor {
 impl<'a> TensorMeta<'a> {
     /// Shape and dtype of `t`.
     pub fn of(t: &'a Tensor) -> Self {
-        TensorMeta { shape: t.shape(), dtype: t.dtype() }
+        t.meta()
     }
 }

@@ -3,10 +3,10 @@
 //! movement collectives and the SP / DP gathers of sections 4 and 6 as exact
 //! bytes; every reduction refuses them with an error naming the dtype.
 
-use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
 use ascend_moe::moe::prepare_finalize::{prepare, MoeContext, MoeGroups};
+use ascend_moe::ranks::run_ranks;
 use ascend_moe::types::{Bool, F8E4M3, F8E5M2};
 use ascend_moe::{with_dtype, Collectives, CommOptions, CommType, DType, Element, ReduceOp, Tensor};
 

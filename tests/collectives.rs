@@ -9,9 +9,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use ascend_moe::backend::cpu::comm::{run_ranks, run_ranks_with, segment_path, CpuCommConfig};
+use ascend_moe::backend::cpu::comm::{segment_path, CpuCommConfig};
 use ascend_moe::backend::cpu::CpuComm;
 use ascend_moe::half::bf16;
+use ascend_moe::ranks::{run_ranks, run_ranks_with};
 use ascend_moe::{with_reducible_dtype, Collectives, Comm, CommErrorKind, CommOptions, Error, ReduceOp, Tensor};
 use common::*;
 
@@ -136,6 +137,56 @@ fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<Str
         comm.barrier()?;
     }
     Ok(fails)
+}
+
+/// A rank whose operand cannot be lent to the communicator (a tensor on
+/// another device: the Tensor layer then calls `Communicator::refuse`) still
+/// joins the collective, so the peer fails with that rank's reason rather than
+/// waiting for it until the timeout.
+#[test]
+fn a_refused_collective_fails_the_peers_with_its_reason() {
+    use ascend_moe::backend::{Call, Communicator};
+    const WHY: &str = "operand on npu:3";
+    let counts = [2usize, 2];
+    #[rustfmt::skip]
+    let calls: [(Call<'_>, usize, usize); 8] = [
+        (Call::AllReduce(ReduceOp::Sum), 4, 4),
+        (Call::AllReduceInPlace(ReduceOp::Sum), 4, 4),
+        (Call::ReduceScatter(ReduceOp::Sum), 8, 4),
+        (Call::AllGather, 4, 8),
+        (Call::ReduceScatterV(&counts, ReduceOp::Sum), 4, 2),
+        (Call::AllGatherV(&counts), 2, 4),
+        (Call::AllToAllV(&counts, &counts), 4, 4),
+        (Call::Broadcast(1), 4, 4),
+    ];
+    for (call, src_len, dst_len) in calls {
+        let errors = run_ranks(2, &opts(10.0), |rank, comm| {
+            let Comm::Cpu(cpu) = &comm else { unreachable!("run_ranks makes CPU communicators") };
+            if rank == 0 {
+                return Ok(cpu.refuse(call, ascend_moe::DType::F32, Error::invalid("test", "src", WHY)));
+            }
+            let src = Tensor::from_slice(&vec![1.0f32; src_len], &[src_len])?;
+            let mut dst = Tensor::zeros_cpu(&[dst_len], ascend_moe::DType::F32);
+            let r = match call {
+                Call::AllReduce(op) => comm.all_reduce(&src, &mut dst, op),
+                Call::AllReduceInPlace(op) => comm.all_reduce_in_place(&mut dst, op),
+                Call::ReduceScatter(op) => comm.reduce_scatter(&src, &mut dst, op),
+                Call::AllGather => comm.all_gather(&src, &mut dst),
+                Call::ReduceScatterV(c, op) => comm.reduce_scatter_v(&src, &mut dst, c, op),
+                Call::AllGatherV(c) => comm.all_gather_v(&src, &mut dst, c),
+                Call::AllToAllV(s, r) => comm.all_to_all_v(&src, s, &mut dst, r),
+                Call::Broadcast(root) => comm.broadcast(&mut dst, root),
+            };
+            Ok(r.expect_err("the peer refused the call"))
+        })
+        .unwrap();
+        assert!(errors[0].to_string().contains(WHY), "{call:?} rank 0: {}", errors[0]);
+        let peer = &errors[1];
+        assert!(
+            matches!(peer, Error::Comm { kind: CommErrorKind::Mismatch, .. }) && peer.to_string().contains(WHY),
+            "{call:?}: the peer should fail with rank 0's reason, got {peer:?}"
+        );
+    }
 }
 
 fn matrix(world: usize) {
@@ -625,8 +676,9 @@ fn ranks_that_disagree_on_the_context_tag_all_fail_naming_who_chose_what() {
 /// only HCCL has: root info, the stream check, HCCL's split rules.
 mod every_backend {
     use crate::ranks_test;
-    use ascend_moe::backend::npu::{npu_run_ranks, HcclRootInfo, NpuDevice};
+    use ascend_moe::backend::npu::{HcclRootInfo, NpuDevice};
     use ascend_moe::half::{bf16, f16};
+    use ascend_moe::ranks::npu_run_ranks;
     use ascend_moe::{Collectives, Comm, CommOptions, DType, Device, Element, ReduceOp, Result, Tensor};
 
     const WORLD: usize = 4;

@@ -4,10 +4,27 @@
 //! here, over the finalize golden matrix; plus the model's enforcement of the
 //! hardware rules, including the ordering of the pipes.
 
+use ascend_moe::backend::cpu::CpuBuffer;
 use ascend_moe::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, UB_BYTES_910B};
-use ascend_moe::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+use ascend_moe::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
 use ascend_moe::half::{bf16, f16};
+use ascend_moe::types::TensorMeta;
 use ascend_moe::{DType, DropPadMode, Error, Tensor};
+
+/// The host tensors of `a` lent to the kernel's host runner.
+fn lend<'a>(a: &FinalizeArgs<&'a Tensor>) -> FinalizeArgs<View<'a, CpuBuffer>> {
+    a.try_map(|arg, t| t.view("kernel_finalize", arg, "cpu")).unwrap()
+}
+
+/// `out` lent to the kernel's host runner.
+fn lend_out(out: &mut Tensor) -> ViewMut<'_, CpuBuffer> {
+    out.view_mut("kernel_finalize", "out", "cpu").unwrap()
+}
+
+/// Shapes and dtypes of `a`, what the tiling is planned from.
+fn metas<'a>(a: &FinalizeArgs<&'a Tensor>) -> FinalizeArgs<TensorMeta<'a>> {
+    a.try_map(|_, t| Ok(t.meta())).unwrap()
+}
 
 /// Small deterministic generator (xorshift64*).
 struct Rng(u64);
@@ -216,7 +233,7 @@ fn tensors(c: &Case, inp: &Inputs) -> Tensors {
     }
 }
 
-fn args<'a>(c: &Case, t: &'a Tensors) -> FinalizeArgs<'a> {
+fn args<'a>(c: &Case, t: &'a Tensors) -> FinalizeArgs<&'a Tensor> {
     FinalizeArgs {
         expanded_x: &t.x,
         expanded_row_idx: &t.idx,
@@ -236,8 +253,8 @@ fn output_rows(c: &Case) -> OutputRows<'_> {
     }
 }
 
-fn tiling(c: &Case, a: &FinalizeArgs<'_>, dims: &FinalizeDims) -> FinalizeTiling {
-    kernels::finalize_tiling(&TilingParams::from_args(a, dims, output_rows(c), c.block_dim, c.ub)).unwrap()
+fn tiling(c: &Case, a: &FinalizeArgs<&Tensor>, dims: &FinalizeDims) -> FinalizeTiling {
+    kernels::finalize_tiling(&TilingParams::from_args(&metas(a), dims, output_rows(c), c.block_dim, c.ub)).unwrap()
 }
 
 /// Runs one case through the kernel and compares every output bit.
@@ -263,7 +280,8 @@ fn check(c: &Case) {
     };
     let mut out = garbage_out(c.data, layout.len(), h);
     let tl = tiling(c, &a, &inp.dims);
-    kernels::finalize_host_with_tiling(&a, &mut out, rows, &tl).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    kernels::finalize_host_with_tiling(&lend(&a), lend_out(&mut out), rows, &tl)
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let got = out_bits(&out);
     // The CPU backend's kernel, through the op layer's own validation.
     let (shape, dims) = ascend_moe::moe::finalize::moe_finalize_routing_output_shape(&a).unwrap();
@@ -419,7 +437,7 @@ fn run_with_idx(c: &Case, edit: impl FnOnce(&mut Inputs)) -> Result<(), Error> {
     let t = tensors(c, &inp);
     let a = args(c, &t);
     let mut out = garbage_out(c.data, inp.dims.n, inp.dims.h);
-    kernels::finalize_host(&a, &inp.dims, &mut out, OutputRows::Dense, c.block_dim)
+    kernels::finalize_host(&lend(&a), &inp.dims, lend_out(&mut out), OutputRows::Dense, c.block_dim)
 }
 
 #[test]
@@ -463,15 +481,16 @@ fn mismatched_buffers_are_rejected_before_launch() {
     let a = args(&c, &t);
     let tl = tiling(&c, &a, &inp.dims);
     let mut small = garbage_out(DType::F32, inp.dims.n - 1, inp.dims.h);
-    let e = kernels::finalize_host_with_tiling(&a, &mut small, OutputRows::Dense, &tl).unwrap_err();
+    let e = kernels::finalize_host_with_tiling(&lend(&a), lend_out(&mut small), OutputRows::Dense, &tl).unwrap_err();
     assert!(matches!(e, Error::Shape { arg: "out", .. }), "{e}");
     let mut out = garbage_out(DType::F32, inp.dims.n, inp.dims.h);
     let no_bias = FinalizeArgs { bias: None, ..a };
-    let e = kernels::finalize_host_with_tiling(&no_bias, &mut out, OutputRows::Dense, &tl).unwrap_err();
+    let e =
+        kernels::finalize_host_with_tiling(&lend(&no_bias), lend_out(&mut out), OutputRows::Dense, &tl).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { arg: "bias", .. }), "{e}");
     let mut bad = tl;
     bad.rows_per_core += 1;
-    let e = kernels::finalize_host_with_tiling(&a, &mut out, OutputRows::Dense, &bad).unwrap_err();
+    let e = kernels::finalize_host_with_tiling(&lend(&a), lend_out(&mut out), OutputRows::Dense, &bad).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { arg: "tiling", .. }), "{e}");
 }
 
@@ -497,7 +516,9 @@ fn sim_rejects_a_plan_that_overflows_the_unified_buffer() {
         let tl = tiling(&c, &a, &inp.dims);
         assert!(tl.ub_bytes as usize > UB_BYTES_910B);
         let mut out = garbage_out(data, inp.dims.n, inp.dims.h);
-        let msg = kernel_error(kernels::finalize_host_with_tiling(&a, &mut out, OutputRows::Dense, &tl).unwrap_err());
+        let msg = kernel_error(
+            kernels::finalize_host_with_tiling(&lend(&a), lend_out(&mut out), OutputRows::Dense, &tl).unwrap_err(),
+        );
         // The CPU-debug headers' own InitBuffer check (one buffer larger than
         // the 196,608-byte UB, or all of them) or the model's (buffers past its end).
         assert!(msg.contains("unified buffer overflow") || msg.contains("196608"), "{msg}");
@@ -519,7 +540,9 @@ fn sim_rejects_a_misaligned_data_copy() {
     tl.tiles = (inp.dims.h as u32).div_ceil(10);
     tl.tail_h = inp.dims.h as u32 - (tl.tiles - 1) * 10;
     let mut out = garbage_out(DType::F32, inp.dims.n, inp.dims.h);
-    let msg = kernel_error(kernels::finalize_host_with_tiling(&a, &mut out, OutputRows::Dense, &tl).unwrap_err());
+    let msg = kernel_error(
+        kernels::finalize_host_with_tiling(&lend(&a), lend_out(&mut out), OutputRows::Dense, &tl).unwrap_err(),
+    );
     assert!(msg.contains("DataCopy") && msg.contains("32B align"), "{msg}");
 }
 
@@ -572,7 +595,7 @@ fn narrowing_rounds_to_nearest_even_like_the_half_crate() {
         };
         let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
         let mut out = garbage_out(data, n, h);
-        kernels::finalize_host(&a, &dims, &mut out, OutputRows::Dense, 3).unwrap();
+        kernels::finalize_host(&lend(&a), &dims, lend_out(&mut out), OutputRows::Dense, 3).unwrap();
         let got = out_bits(&out);
         for (i, &s) in specials.iter().enumerate() {
             // acc = 0 + s * 1.0 (no skip inputs: acc starts at +0).
@@ -774,7 +797,7 @@ fn the_index_check_copies_indices_and_replaces_bad_ones() {
                 let dims =
                     FinalizeDims { n: nk, k: 1, h, expanded_rows: rows, experts: if bias { experts } else { 0 } };
                 let mut t = kernels::finalize_tiling(&TilingParams::from_args(
-                    &args,
+                    &metas(&args),
                     &dims,
                     OutputRows::Dense,
                     block_dim as u32,
@@ -784,7 +807,7 @@ fn the_index_check_copies_indices_and_replaces_bad_ones() {
                 t.flags |= kernels::FLAG_CHECK_INDICES;
                 let len = kernels::checked_indices_len(nk, bias);
                 let mut out = Tensor::from_slice(&vec![i32::MIN; len], &[len]).unwrap();
-                let got = kernels::finalize_host_with_tiling(&args, &mut out, OutputRows::Dense, &t);
+                let got = kernels::finalize_host_with_tiling(&lend(&args), lend_out(&mut out), OutputRows::Dense, &t);
 
                 // Expected: sanitized copies, and the first error in core order.
                 let bad_row = |v: i32| v < lo || v as i64 >= rows as i64;

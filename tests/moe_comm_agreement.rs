@@ -4,8 +4,8 @@
 //! which type, instead of an unrelated collective error on some ranks and
 //! success on others.
 
-use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::prepare_finalize::*;
+use ascend_moe::ranks::run_ranks;
 use ascend_moe::{CommOptions, CommType, Tensor};
 
 fn opts() -> CommOptions {

@@ -86,7 +86,7 @@ fn problem(rng: &mut Rng, mode: DropPadMode, dtype: DType, n: usize, k: usize, t
 }
 
 impl Problem {
-    fn args(&self) -> FinalizeArgs<'_> {
+    fn args(&self) -> FinalizeArgs<&Tensor> {
         FinalizeArgs {
             expanded_x: &self.x,
             expanded_row_idx: &self.idx,

@@ -5,8 +5,8 @@
 //! simulated runtime); the graph-replay regression, and a negative control
 //! showing the check catches the trace-time reduction bug.
 
-use ascend_moe::backend::npu::npu_run_ranks;
 use ascend_moe::moe::reduce::{routed_is_reduced, SharedMode};
+use ascend_moe::ranks::npu_run_ranks;
 use ascend_moe::testing::layer::{
     all_layer_cases, run_layer_case, run_layer_case_cpu, CaseReport, Launcher, LayerCase, RankReport,
 };

@@ -7,11 +7,12 @@
 mod common;
 mod moe_common;
 
-use ascend_moe::backend::cpu::comm::{run_ranks, run_ranks_with, CpuCommConfig};
+use ascend_moe::backend::cpu::comm::CpuCommConfig;
 use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::finalize::moe_finalize_routing;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::*;
+use ascend_moe::ranks::{run_ranks, run_ranks_with};
 use ascend_moe::{Collectives, Comm, CommOptions, DType, DropPadMode, Tensor};
 use common::On;
 use moe_common::*;
@@ -228,7 +229,7 @@ impl RankFinalize {
         })
     }
 
-    fn args(&self) -> FinalizeArgs<'_> {
+    fn args(&self) -> FinalizeArgs<&Tensor> {
         FinalizeArgs {
             expanded_x: &self.x,
             expanded_row_idx: &self.idx,

@@ -3,10 +3,10 @@
 //! parallelism (EP rank order DP x PCP x TP, the SP layout, ALLGATHER prepare /
 //! finalize over DP then PCP).
 
-use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::comm::ParallelGroups;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::prepare_finalize::*;
+use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, Tensor};
 
 fn opts() -> CommOptions {

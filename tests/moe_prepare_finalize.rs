@@ -8,8 +8,8 @@
 mod common;
 mod moe_common;
 
-use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::prepare_finalize::*;
+use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, Error, Tensor};
 use common::On;
 use moe_common::*;

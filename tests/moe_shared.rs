@@ -6,9 +6,9 @@
 mod common;
 mod moe_common;
 
-use ascend_moe::backend::cpu::comm::run_ranks;
 use ascend_moe::moe::reduce::{ReducePolicy, SharedMode};
 use ascend_moe::moe::shared::*;
+use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Collectives, CommOptions, Tensor};
 use common::On;
 

@@ -11,9 +11,9 @@ mod common;
 
 use std::time::Instant;
 
-use ascend_moe::backend::npu::npu_run_ranks;
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::half::bf16;
+use ascend_moe::ranks::npu_run_ranks;
 use ascend_moe::{Collectives, CommOptions, DType, Device, Result, Tensor};
 
 /// The stream check of `dev`: waits for what was queued and reports what the device found.

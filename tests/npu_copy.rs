@@ -13,8 +13,8 @@ use std::ffi::c_void;
 
 use ascend_moe::backend::npu::kernel::copy::{self, CopyTiling};
 use ascend_moe::backend::npu::{NpuBuffer, NpuDevice};
-use ascend_moe::backend::Backend;
 use ascend_moe::half::bf16;
+use ascend_moe::ops::DeviceOps;
 use ascend_moe::tensor::Storage;
 use ascend_moe::Tensor;
 

@@ -11,13 +11,14 @@ mod common;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ascend_moe::backend::npu::{npu_run_ranks, Allocator, FinalizeImpl, NpuDevice};
+use ascend_moe::backend::npu::{Allocator, FinalizeImpl, NpuDevice};
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::moe::prepare_finalize::{finalize, prepare, MoeContext, MoeGroups};
 use ascend_moe::moe::shared::{shared_gather_unpad, shared_pad_reduce_scatter, shared_pad_split};
 use ascend_moe::moe::{
     finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, ReducePolicy, SharedMode, SpLayout,
 };
+use ascend_moe::ranks::npu_run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, DType, Device, ReduceOp, Result, Tensor};
 
 const WORLD: usize = 4;

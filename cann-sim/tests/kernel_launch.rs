@@ -43,9 +43,18 @@ fn finalize_kernel_runs_under_cannsim_launch_kernel() {
     let dims = FinalizeDims { n, k, h, expanded_rows: rows, experts: e };
     let sizes = [2usize, 0, 4];
     for out_rows in [OutputRows::Dense, OutputRows::Padded { local_sizes: &sizes, slot_rows: 4 }] {
-        let tl = kernels::finalize_tiling(&TilingParams::from_args(&args, &dims, out_rows, 5, UB_BYTES_910B)).unwrap();
+        let tl = kernels::finalize_tiling(&TilingParams::from_args(
+            &args.try_map(|_, t| Ok(t.meta())).unwrap(),
+            &dims,
+            out_rows,
+            5,
+            UB_BYTES_910B,
+        ))
+        .unwrap();
         let mut want = Tensor::zeros_cpu(&[tl.out_rows as usize, h], ascend_moe::DType::F16);
-        kernels::finalize_host(&args, &dims, &mut want, out_rows, 5).unwrap();
+        let host = args.try_map(|arg, t| t.view("kernel_launch", arg, "cpu")).unwrap();
+        kernels::finalize_host(&host, &dims, want.view_mut("kernel_launch", "out", "cpu").unwrap(), out_rows, 5)
+            .unwrap();
 
         let st = stream();
         let offs = kernels::slot_offsets(out_rows).unwrap();

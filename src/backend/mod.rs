@@ -1,38 +1,81 @@
-//! Backends: the [`Device`] enum and the small [`Backend`] trait with exactly
-//! the device-side ops the MoE layer needs.
+//! The backend layer: the [`Backend`] and [`Communicator`] traits with exactly
+//! the device-side ops and collectives the MoE layer needs, and their argument
+//! types ([`View`], [`ViewMut`], [`FinalizeArgs`]).
 //!
-//! The ops in [`crate::moe`] are written once against this trait; the CPU
-//! backend is the reference for every op, the NPU backend runs the same ops
-//! through ACL / aclnn / the native kernel.
+//! A backend knows its own buffers ([`Backend::Buffer`]: `CpuBuffer`,
+//! `NpuBuffer`) and nothing above it: `Tensor`, `Device` and `Comm` are one
+//! layer up and lend their storage to the backend that owns it as views. The
+//! CPU backend is the reference for every op; the NPU backend runs the same
+//! ops through ACL / aclnn / the native kernel.
 
 pub mod args;
 pub mod cpu;
 pub mod npu;
+mod view;
 
-pub use crate::types::{DropPadMode, FinalizeDims, OutputRows};
-use crate::{DType, Result, Tensor};
+use crate::types::TensorMeta;
+pub use crate::types::{DropPadMode, FinalizeDims, OutputRows, ReduceOp};
+use crate::{Error, Result};
+pub use view::{Buffer, View, ViewMut};
 
-/// Inputs of the fused finalize (SPEC section 1). Validated by
-/// `moe::finalize::moe_finalize_routing_output_shape`, which produces the
-/// [`FinalizeDims`] every backend receives.
+/// Inputs of the fused finalize (SPEC section 1), each an operand `T`: a
+/// `&Tensor` above the backends, a [`View`] of the backend's buffer below.
+/// Validated by `moe::finalize::moe_finalize_routing_output_shape`, which
+/// produces the [`FinalizeDims`] every backend receives.
 #[derive(Debug, Clone, Copy)]
-pub struct FinalizeArgs<'a> {
+pub struct FinalizeArgs<T> {
     /// `[N*K, H]` (modes 0/2) or `[E, C, H]` (modes 1/3).
-    pub expanded_x: &'a Tensor,
+    pub expanded_x: T,
     /// int32 `[N*K]`.
-    pub expanded_row_idx: &'a Tensor,
+    pub expanded_row_idx: T,
     /// Optional skip input `[N, H]`.
-    pub x1: Option<&'a Tensor>,
+    pub x1: Option<T>,
     /// Optional skip input `[N, H]`.
-    pub x2: Option<&'a Tensor>,
+    pub x2: Option<T>,
     /// Optional `[E, H]`; requires `expert_idx`.
-    pub bias: Option<&'a Tensor>,
+    pub bias: Option<T>,
     /// Optional `[N, K]`, dtype of `expanded_x` or f32.
-    pub scales: Option<&'a Tensor>,
+    pub scales: Option<T>,
     /// Optional int32 `[N, K]`.
-    pub expert_idx: Option<&'a Tensor>,
+    pub expert_idx: Option<T>,
     /// Drop-pad mode.
     pub drop_pad_mode: DropPadMode,
+}
+
+impl<T: Copy> FinalizeArgs<T> {
+    /// Every operand through `f`, which is told the argument's name; the first
+    /// error wins.
+    pub fn try_map<U>(&self, mut f: impl FnMut(&'static str, T) -> Result<U>) -> Result<FinalizeArgs<U>> {
+        let mut opt = |arg: &'static str, t: Option<T>| t.map(|t| f(arg, t)).transpose();
+        Ok(FinalizeArgs {
+            x1: opt("x1", self.x1)?,
+            x2: opt("x2", self.x2)?,
+            bias: opt("bias", self.bias)?,
+            scales: opt("scales", self.scales)?,
+            expert_idx: opt("expert_idx", self.expert_idx)?,
+            expanded_x: opt("expanded_x", Some(self.expanded_x))?.expect("a present operand maps to one"),
+            expanded_row_idx: opt("expanded_row_idx", Some(self.expanded_row_idx))?
+                .expect("a present operand maps to one"),
+            drop_pad_mode: self.drop_pad_mode,
+        })
+    }
+}
+
+impl<'a, B: ?Sized> FinalizeArgs<View<'a, B>> {
+    /// Shapes and dtypes of every operand.
+    pub fn metas(&self) -> FinalizeArgs<TensorMeta<'a>> {
+        let m = |v: View<'a, B>| v.meta();
+        FinalizeArgs {
+            expanded_x: m(self.expanded_x),
+            expanded_row_idx: m(self.expanded_row_idx),
+            x1: self.x1.map(m),
+            x2: self.x2.map(m),
+            bias: self.bias.map(m),
+            scales: self.scales.map(m),
+            expert_idx: self.expert_idx.map(m),
+            drop_pad_mode: self.drop_pad_mode,
+        }
+    }
 }
 
 /// What a failed [`Backend::expect_all_equal`] reports. It is called with
@@ -41,49 +84,71 @@ pub struct FinalizeArgs<'a> {
 /// differs and its value.
 pub type Mismatch = Box<dyn Fn(Option<&[i32]>, usize, i32) -> crate::Error + Send + Sync>;
 
-/// The device-side ops every backend implements.
+/// The device-side ops every backend implements, over its own buffers.
 ///
 /// Arguments reaching these methods are already validated by the op layer
-/// (shapes, dtypes, devices); index values are checked by the backend itself,
-/// because only it can read them.
+/// (shapes, dtypes); every operand is a buffer of this backend, each holding
+/// exactly the bytes its view describes; index values are checked by the
+/// backend itself, because only it can read them.
 pub trait Backend {
-    /// A zero-filled tensor on this backend's device.
-    fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor>;
-    /// A zero-filled tensor an op makes for itself (an intermediate or its
+    /// The memory this backend computes on.
+    type Buffer: Buffer;
+    /// Where its buffers live, as errors name it (`"cpu"`, `"npu:0"`).
+    fn location(&self) -> String;
+    /// `len` zero bytes on this backend.
+    fn zeros(&self, len: usize) -> Result<Self::Buffer>;
+    /// `len` zero bytes an op makes for itself (an intermediate or its
     /// result): on an NPU, workspace of the stream (its pool or the caller's
     /// allocator), whose release never synchronises; elsewhere [`zeros`](Self::zeros).
-    fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        self.zeros(shape, dtype)
+    fn scratch(&self, len: usize) -> Result<Self::Buffer> {
+        self.zeros(len)
     }
-    /// A copy of `src` (on any device) on this backend's device.
-    fn copy_from(&self, src: &Tensor) -> Result<Tensor>;
-    /// A copy on this device of small host data an op made itself (a comm
+    /// A copy of host bytes on this backend.
+    fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
+    /// A copy on this backend of small host data an op made itself (a comm
     /// type, a few counts): on an NPU, workspace filled from pinned staging by
     /// an asynchronous copy, so it neither allocates nor synchronises and can
     /// be captured (a graph keeps the bytes it was captured with); elsewhere
-    /// [`copy_from`](Self::copy_from).
-    fn scratch_from_host(&self, src: &Tensor) -> Result<Tensor> {
-        self.copy_from(src)
+    /// [`upload`](Self::upload).
+    fn scratch_from_host(&self, bytes: &[u8]) -> Result<Self::Buffer> {
+        self.upload(bytes)
     }
+    /// A copy of `src`, a buffer of this backend's kind, on this backend.
+    fn duplicate(&self, src: &Self::Buffer) -> Result<Self::Buffer>;
+    /// Copies `src` into the host bytes `dst` (of its length), waiting for it.
+    fn to_host(&self, src: &Self::Buffer, dst: &mut [u8]) -> Result<()>;
     /// Copies `rows` rows of `src` starting at `src_row` into `dst` at `dst_row`.
     /// Same dtype and row length on both sides.
-    fn copy_rows(&self, src: &Tensor, src_row: usize, dst: &mut Tensor, dst_row: usize, rows: usize) -> Result<()>;
+    fn copy_rows(
+        &self,
+        src: View<'_, Self::Buffer>,
+        src_row: usize,
+        dst: ViewMut<'_, Self::Buffer>,
+        dst_row: usize,
+        rows: usize,
+    ) -> Result<()>;
     /// `out = a + b` elementwise (f32 accumulation, one rounding).
-    fn add(&self, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()>;
+    fn add(&self, a: View<'_, Self::Buffer>, b: View<'_, Self::Buffer>, out: ViewMut<'_, Self::Buffer>) -> Result<()>;
     /// Fused finalize routing (SPEC section 1) into `out`, placed as `rows` says.
     fn finalize_routing(
         &self,
-        args: &FinalizeArgs<'_>,
+        args: &FinalizeArgs<View<'_, Self::Buffer>>,
         dims: &FinalizeDims,
-        out: &mut Tensor,
+        out: ViewMut<'_, Self::Buffer>,
         rows: OutputRows<'_>,
     ) -> Result<()>;
-    /// Checks that every element of the int32 tensor `values` equals
+    /// Checks that every element of the int32 operand `values` equals
     /// `expected`, else fails with `mismatch`'s error. Here the values are
     /// read now; an NPU compares them on the device and reports a difference
     /// at the caller's next stream check, so the check never synchronises.
-    fn expect_all_equal(&self, values: &Tensor, expected: i32, mismatch: Mismatch) -> Result<()> {
-        let v = values.to_vec::<i32>()?;
+    fn expect_all_equal(&self, values: View<'_, Self::Buffer>, expected: i32, mismatch: Mismatch) -> Result<()> {
+        const OP: &str = "expect_all_equal";
+        if values.dtype() != crate::DType::I32 {
+            return Err(Error::dtype(OP, "values", "i32", values.dtype()));
+        }
+        let mut bytes = vec![0u8; values.len_bytes()];
+        self.to_host(values.buf(), &mut bytes)?;
+        let v: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect();
         match v.iter().position(|&x| x != expected) {
             None => Ok(()),
             Some(p) => Err(mismatch(Some(&v), p, v[p])),
@@ -93,59 +158,173 @@ pub trait Backend {
     /// an index outside `[0, permuted.rows)` contributes nothing.
     fn token_unpermute(
         &self,
-        permuted: &Tensor,
-        sorted_indices: &Tensor,
-        probs: Option<&Tensor>,
+        permuted: View<'_, Self::Buffer>,
+        sorted_indices: View<'_, Self::Buffer>,
+        probs: Option<View<'_, Self::Buffer>>,
         k: usize,
-        out: &mut Tensor,
+        out: ViewMut<'_, Self::Buffer>,
     ) -> Result<()>;
 }
 
-/// A compute device: the host CPU or one Ascend NPU.
-#[derive(Debug, Clone)]
-pub enum Device {
-    /// The CPU fallback (also the reference implementation).
-    Cpu,
-    /// An Ascend NPU (real CANN, or the simulated runtime).
-    Npu(npu::NpuDevice),
+/// A collective a rank joins without operands of its own (one was not a
+/// buffer of the communicator's backend): see [`Communicator::refuse`].
+#[derive(Debug, Clone, Copy)]
+pub enum Call<'a> {
+    /// [`Communicator::all_reduce`].
+    AllReduce(ReduceOp),
+    /// [`Communicator::all_reduce_in_place`].
+    AllReduceInPlace(ReduceOp),
+    /// [`Communicator::reduce_scatter`].
+    ReduceScatter(ReduceOp),
+    /// [`Communicator::all_gather`].
+    AllGather,
+    /// [`Communicator::reduce_scatter_v`] with its counts.
+    ReduceScatterV(&'a [usize], ReduceOp),
+    /// [`Communicator::all_gather_v`] with its counts.
+    AllGatherV(&'a [usize]),
+    /// [`Communicator::all_to_all_v`] with its send and receive counts.
+    AllToAllV(&'a [usize], &'a [usize]),
+    /// [`Communicator::broadcast`] from its root.
+    Broadcast(usize),
 }
 
-impl PartialEq for Device {
-    fn eq(&self, other: &Self) -> bool {
-        match (self, other) {
-            (Device::Cpu, Device::Cpu) => true,
-            (Device::Npu(a), Device::Npu(b)) => a.ordinal() == b.ordinal(),
-            _ => false,
-        }
+/// The collectives of SPEC section 8 over one backend's buffers.
+///
+/// Element counts come from the views: `reduce_scatter` takes `src` with
+/// `world * n` elements and `dst` with `n`; `all_gather` the reverse; the `_v`
+/// variants take per-rank counts (`counts.len() == world_size`), blocks packed
+/// contiguously in rank order. Every collective checks that all ranks called
+/// the same thing and fails on every rank when they did not.
+pub trait Communicator: Sized {
+    /// The backend whose buffers this communicator moves.
+    type Backend: Backend;
+    /// This rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Group name (used in every error message).
+    fn name(&self) -> &str;
+    /// The backend (device) whose buffers this communicator moves.
+    fn backend(&self) -> &Self::Backend;
+    /// The backend whose ops on `buf` are ordered with the work already
+    /// queued on it: on an NPU, the device handle (and so the stream) `buf`
+    /// was made on, which may be the caller's stream rather than this
+    /// communicator's.
+    fn backend_of(&self, buf: &Buf<Self>) -> Self::Backend;
+    /// A sub-communicator of the ranks `ranks` (group-local rank numbers,
+    /// distinct, ascending order not required). Called by every member, with the
+    /// same list; the new group's rank order is the list order.
+    fn split(&self, ranks: &[usize]) -> Result<Self>;
+    /// `dst = op(src over ranks)`.
+    fn all_reduce(&self, src: View<'_, Buf<Self>>, dst: ViewMut<'_, Buf<Self>>, op: ReduceOp) -> Result<()>;
+    /// In-place all-reduce.
+    fn all_reduce_in_place(&self, buf: ViewMut<'_, Buf<Self>>, op: ReduceOp) -> Result<()>;
+    /// `dst = block rank of op(src over ranks)`.
+    fn reduce_scatter(&self, src: View<'_, Buf<Self>>, dst: ViewMut<'_, Buf<Self>>, op: ReduceOp) -> Result<()>;
+    /// `dst = concat(src of every rank)`.
+    fn all_gather(&self, src: View<'_, Buf<Self>>, dst: ViewMut<'_, Buf<Self>>) -> Result<()>;
+    /// Reduce-scatter with per-rank block sizes `counts`.
+    fn reduce_scatter_v(
+        &self,
+        src: View<'_, Buf<Self>>,
+        dst: ViewMut<'_, Buf<Self>>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// All-gather with per-rank block sizes `counts`.
+    fn all_gather_v(&self, src: View<'_, Buf<Self>>, dst: ViewMut<'_, Buf<Self>>, counts: &[usize]) -> Result<()>;
+    /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
+    /// to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank `i`.
+    fn all_to_all_v(
+        &self,
+        src: View<'_, Buf<Self>>,
+        send_counts: &[usize],
+        dst: ViewMut<'_, Buf<Self>>,
+        recv_counts: &[usize],
+    ) -> Result<()>;
+    /// Copies `buf` of rank `root` into `buf` of every rank.
+    fn broadcast(&self, buf: ViewMut<'_, Buf<Self>>, root: usize) -> Result<()>;
+    /// Waits for every rank.
+    fn barrier(&self) -> Result<()>;
+    /// Finalize routing fused with the EP reduce-scatter (SPEC section 3):
+    /// this rank's finalize output (`[N, H...]`, tokens in EP-rank block order,
+    /// block `r` = `local_sizes[r]` tokens, `local_sizes.len() == world_size`)
+    /// summed over the ranks; `out` (`[local_sizes[rank], H...]`) receives
+    /// block `rank` of the sum. `args` and `dims` are validated by the op
+    /// layer, `out` has the shape it computed.
+    ///
+    /// The default materialises the padded `[world * M, H...]` buffer
+    /// ([`finalize_then_reduce_scatter`]); a communicator that can compute the
+    /// rows straight into its own transfer buffers overrides it, with a result
+    /// that is bitwise the same.
+    fn finalize_reduce_scatter(
+        &self,
+        args: &FinalizeArgs<View<'_, Buf<Self>>>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: ViewMut<'_, Buf<Self>>,
+    ) -> Result<()> {
+        finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
+    }
+    /// Called instead of `call` when this rank's operands of element type
+    /// `dtype` could not be lent to it (`error` says which and why). The
+    /// default returns `error`; a communicator that can still take part in the
+    /// collective without data does so, so that every rank fails with this
+    /// rank's reason instead of waiting for it.
+    fn refuse(&self, call: Call<'_>, dtype: crate::DType, error: Error) -> Error {
+        let _ = (call, dtype);
+        error
     }
 }
 
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => f.write_str("cpu"),
-            Device::Npu(d) => write!(f, "npu:{}", d.ordinal()),
-        }
-    }
-}
+/// The buffer type of communicator `C`.
+pub type Buf<C> = <<C as Communicator>::Backend as Backend>::Buffer;
 
-impl Device {
-    /// The CPU device.
-    pub fn cpu() -> Self {
-        Device::Cpu
+/// [`Communicator::finalize_reduce_scatter`] in two steps on any backend: the
+/// finalize writes each token into its row of the padded `[world * M, H...]`
+/// buffer (`M = max(local_sizes)`, padding rows zero), which is then
+/// reduce-scattered; the first `local_sizes[rank]` rows of this rank's slot go
+/// to `out`.
+pub fn finalize_then_reduce_scatter<C: Communicator>(
+    comm: &C,
+    args: &FinalizeArgs<View<'_, Buf<C>>>,
+    dims: &FinalizeDims,
+    local_sizes: &[usize],
+    mut out: ViewMut<'_, Buf<C>>,
+) -> Result<()> {
+    const OP: &str = "finalize_and_reduce";
+    let m = local_sizes.iter().copied().max().unwrap_or(0);
+    let mine = local_sizes.get(comm.rank()).copied().ok_or_else(|| {
+        Error::invalid(
+            OP,
+            "local_sizes",
+            format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
+        )
+    })?;
+    let padded_shape = args::with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
+    let slot_shape = args::with_rows(OP, "expanded_x", out.shape(), m)?;
+    let dtype = out.dtype();
+    let backend = comm.backend_of(out.buf());
+    let backend = &backend;
+    let padded_meta = TensorMeta { shape: &padded_shape, dtype };
+    if padded_meta.numel() == 0 {
+        // Every rank sees the same layout, so every rank skips together; `out`
+        // is empty as well (no slot rows, or empty rows).
+        return Ok(());
     }
-
-    /// NPU `ordinal`; `Err(Error::Unavailable)` when CANN (or the simulated
-    /// runtime) cannot be loaded.
-    pub fn npu(ordinal: u32) -> Result<Self> {
-        Ok(Device::Npu(npu::NpuDevice::open(ordinal)?))
+    let mut padded_buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &padded_shape, dtype)?)?;
+    let mut padded = ViewMut::new(OP, "expanded_x", padded_meta, &mut padded_buf)?;
+    let rows = OutputRows::Padded { local_sizes, slot_rows: m };
+    backend.finalize_routing(args, dims, padded.reborrow(), rows)?;
+    if mine == m {
+        return comm.reduce_scatter(padded.as_view(), out, ReduceOp::Sum);
     }
-
-    /// The backend implementing the ops on this device.
-    pub fn backend(&self) -> &(dyn Backend + '_) {
-        match self {
-            Device::Cpu => &cpu::CpuBackend,
-            Device::Npu(d) => d,
-        }
+    let slot_meta = TensorMeta { shape: &slot_shape, dtype };
+    let mut slot_buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &slot_shape, dtype)?)?;
+    let mut slot = ViewMut::new(OP, "expanded_x", slot_meta, &mut slot_buf)?;
+    comm.reduce_scatter(padded.as_view(), slot.reborrow(), ReduceOp::Sum)?;
+    if mine > 0 {
+        backend.copy_rows(slot.as_view(), 0, out.reborrow(), 0, mine)?;
     }
+    Ok(())
 }

@@ -91,7 +91,7 @@ impl FinalizeInputs {
         })
     }
 
-    pub(super) fn args(&self) -> Result<FinalizeArgs<'_>, Failure> {
+    pub(super) fn args(&self) -> Result<FinalizeArgs<&Tensor>, Failure> {
         Ok(FinalizeArgs {
             expanded_x: &self.x,
             expanded_row_idx: &self.idx,

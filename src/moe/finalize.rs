@@ -42,7 +42,7 @@ pub struct FinalizeMeta<'a> {
 
 impl<'a> FinalizeMeta<'a> {
     /// The meta of real finalize arguments.
-    pub fn of(args: &FinalizeArgs<'a>) -> Self {
+    pub fn of(args: &FinalizeArgs<&'a Tensor>) -> Self {
         FinalizeMeta {
             expanded_x: TensorMeta::of(args.expanded_x),
             expanded_row_idx: TensorMeta::of(args.expanded_row_idx),
@@ -236,7 +236,7 @@ fn same_device<'a>(
 
 /// The finalize shape function on real arguments: [`moe_finalize_routing_shape`]
 /// plus the check that every tensor is on the device of `expanded_x`.
-pub fn moe_finalize_routing_output_shape(args: &FinalizeArgs<'_>) -> Result<(Vec<usize>, FinalizeDims)> {
+pub fn moe_finalize_routing_output_shape(args: &FinalizeArgs<&Tensor>) -> Result<(Vec<usize>, FinalizeDims)> {
     let r = moe_finalize_routing_shape(&FinalizeMeta::of(args))?;
     same_device(
         FINALIZE,
@@ -255,7 +255,7 @@ pub fn moe_finalize_routing_output_shape(args: &FinalizeArgs<'_>) -> Result<(Vec
 
 /// Fused MoE finalize routing (SPEC section 1): `[N, H...]` in the dtype of
 /// `expanded_x`, on its device.
-pub fn moe_finalize_routing(args: &FinalizeArgs<'_>) -> Result<Tensor> {
+pub fn moe_finalize_routing(args: &FinalizeArgs<&Tensor>) -> Result<Tensor> {
     let (shape, dims) = moe_finalize_routing_output_shape(args)?;
     let device = args.expanded_x.device();
     let backend = device.backend();
@@ -268,7 +268,7 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<'_>) -> Result<Tensor> {
 /// call), which must have the shape of [`moe_finalize_routing_output_shape`]
 /// and the dtype of `expanded_x`, on its device. Every element is written; on
 /// the CPU an invalid index is reported before any is.
-pub fn moe_finalize_routing_into(args: &FinalizeArgs<'_>, out: &mut Tensor) -> Result<()> {
+pub fn moe_finalize_routing_into(args: &FinalizeArgs<&Tensor>, out: &mut Tensor) -> Result<()> {
     let (shape, dims) = moe_finalize_routing_output_shape(args)?;
     let device = args.expanded_x.device();
     same_device(FINALIZE, &device, [("out", Some(&*out))])?;

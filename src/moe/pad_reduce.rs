@@ -244,7 +244,7 @@ pub fn finalize_and_reduce_shape(
 
 /// Shape function of [`finalize_and_reduce`] on real arguments.
 pub fn finalize_and_reduce_output_shape(
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<&Tensor>,
     layout: Option<&SpLayout>,
     ep_rank: usize,
     ep_size: usize,
@@ -261,7 +261,7 @@ pub fn finalize_and_reduce_output_shape(
 /// output never exists as a tensor of its own and an invalid input on one rank
 /// fails every rank at once).
 pub fn finalize_and_reduce<C: Collectives + ?Sized>(
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<&Tensor>,
     layout: Option<&SpLayout>,
     ep: &C,
 ) -> Result<Tensor> {
@@ -276,7 +276,7 @@ pub fn finalize_and_reduce<C: Collectives + ?Sized>(
 /// [`finalize_and_reduce_output_shape`] and the dtype of `expanded_x`, on the
 /// EP group's device. Every element of `out` is written.
 pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<&Tensor>,
     layout: Option<&SpLayout>,
     ep: &C,
     out: &mut Tensor,

@@ -8,13 +8,13 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::comm::run_ranks;
 use crate::backend::cpu::finalize::set_num_threads;
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
 use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};
 use crate::moe::layout::SpLayout;
 use crate::moe::pad_reduce::{finalize_and_reduce, maybe_pad_and_reduce};
+use crate::ranks::run_ranks;
 use crate::{with_dtype, DType, Device, DropPadMode, Element, Error, Result, Tensor};
 
 /// Sizes of the finalize benchmark.

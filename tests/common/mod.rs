@@ -284,8 +284,8 @@ impl On {
         f: impl Fn(usize, ascend_moe::Comm) -> ascend_moe::Result<R> + Sync,
     ) -> ascend_moe::Result<Vec<R>> {
         match self {
-            On::Cpu => ascend_moe::backend::cpu::comm::run_ranks(world, opts, f),
-            On::Npu => ascend_moe::backend::npu::npu_run_ranks(world, opts, f),
+            On::Cpu => ascend_moe::ranks::run_ranks(world, opts, f),
+            On::Npu => ascend_moe::ranks::npu_run_ranks(world, opts, f),
         }
     }
 

@@ -599,3 +599,26 @@ impl Drop for PinnedHostBuffer {
         }
     }
 }
+
+impl crate::backend::Buffer for NpuBuffer {
+    fn len_bytes(&self) -> usize {
+        NpuBuffer::len_bytes(self)
+    }
+}
+
+impl NpuDevice {
+    /// `len` zero elements of `T`.
+    pub fn alloc_zeros<T: Element>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::zeros(self, len)
+    }
+
+    /// A device copy of `data`.
+    pub fn clone_htod<T: Element>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
+        DeviceBuffer::from_host(self, data)
+    }
+
+    /// The elements of `buf`, copied to the host.
+    pub fn clone_dtoh<T: Element>(&self, buf: &DeviceBuffer<T>) -> Result<Vec<T>> {
+        buf.to_vec()
+    }
+}

@@ -14,12 +14,17 @@ use acl_sys::{aclDataType, aclFormat};
 
 use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
+use super::launch::{choose_finalize, launcher, FinalizeImpl, Launcher};
 use super::memory::NpuBuffer;
 use super::runtime::recent_error_message;
 use super::NpuDevice;
-use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
-use crate::tensor::Storage;
-use crate::{with_dtype, DType, DropPadMode, Element, Error, Result, Tensor};
+use crate::backend::cpu::CpuBuffer;
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
+use crate::types::TensorMeta;
+use crate::{with_dtype, DType, DropPadMode, Element, Error, Result};
+
+type In<'a> = View<'a, NpuBuffer>;
+type Out<'a> = ViewMut<'a, NpuBuffer>;
 
 fn nnopbase() -> Result<&'static Nnopbase> {
     aclnn::nnopbase().map_err(|e| Error::Unavailable(e.to_string()))
@@ -161,25 +166,24 @@ fn opt(d: &Option<Desc>) -> *const aclTensor {
     d.as_ref().map_or(std::ptr::null(), |d| d.raw)
 }
 
-/// The device buffer of `t`, which must be on `device`.
+/// `b`, which must be on `device`, after making `device`'s stream wait for
+/// the work queued on `b`'s.
 pub(crate) fn npu_buf<'a>(
     device: &NpuDevice,
     op: &'static str,
     arg: &'static str,
-    t: &'a Tensor,
+    b: &'a NpuBuffer,
 ) -> Result<&'a NpuBuffer> {
-    match t.storage() {
-        Storage::Npu(b) if b.device().ordinal() == device.ordinal() => {
-            device.stream().wait_for(b.stream())?;
-            Ok(b)
-        }
-        _ => Err(Error::Device {
+    if b.device().ordinal() != device.ordinal() {
+        return Err(Error::Device {
             op,
             arg,
             expected: format!("npu:{}", device.ordinal()),
-            actual: t.device().to_string(),
-        }),
+            actual: format!("npu:{}", b.device().ordinal()),
+        });
     }
+    device.stream().wait_for(b.stream())?;
+    Ok(b)
 }
 
 /// Runs phase two with a workspace of `ws` bytes.
@@ -205,7 +209,7 @@ fn run_phase_two(
 /// copy and a stream synchronisation: the one place an op makes them.
 /// Refused while the stream is captured into a graph (a host read cannot be
 /// captured, and a replay would not repeat it).
-fn read_indices_to_host_for_validation(device: &NpuDevice, op: &'static str, t: &Tensor) -> Result<Vec<i32>> {
+fn read_indices_to_host_for_validation(device: &NpuDevice, op: &'static str, t: In<'_>) -> Result<Vec<i32>> {
     if device.stream().is_capturing()? {
         return Err(Error::invalid(
             op,
@@ -214,7 +218,14 @@ fn read_indices_to_host_for_validation(device: &NpuDevice, op: &'static str, t: 
              use the native finalize (ASCEND_MOE_NPU_FINALIZE=native), which checks them on the device",
         ));
     }
-    t.to_vec::<i32>()
+    Ok(host_copy(op, t)?.typed::<i32>().to_vec())
+}
+
+/// A host copy of `t`'s bytes (waiting for them).
+fn host_copy(op: &'static str, t: In<'_>) -> Result<CpuBuffer> {
+    let mut host = CpuBuffer::try_zeros(op, t.len_bytes())?;
+    t.buf().copy_to_host(host.as_bytes_mut())?;
+    Ok(host)
 }
 
 fn check_indices(op: &'static str, arg: &'static str, idx: &[i32], lo: i64, hi: i64) -> Result<()> {
@@ -225,7 +236,7 @@ fn check_indices(op: &'static str, arg: &'static str, idx: &[i32], lo: i64, hi: 
 }
 
 /// `out = a + b` through aclnnAdd (alpha = 1).
-pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) -> Result<()> {
+pub(crate) fn add(device: &NpuDevice, a: In<'_>, b: In<'_>, out: Out<'_>) -> Result<()> {
     const OP: &str = "add";
     if a.dtype() != b.dtype() || a.dtype() != out.dtype() {
         return Err(Error::dtype(
@@ -245,9 +256,9 @@ pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) 
     let api = opapi()?;
     let add = api.add.ok_or_else(|| op_missing("aclnnAdd", api))?;
     let shape = [a.numel()];
-    let da = Desc::new(npu_buf(device, OP, "a", a)?, a.dtype(), &shape)?;
-    let db = Desc::new(npu_buf(device, OP, "b", b)?, b.dtype(), &shape)?;
-    let dout = Desc::new(npu_buf(device, OP, "out", out)?, out.dtype(), &shape)?;
+    let da = Desc::new(npu_buf(device, OP, "a", a.buf())?, a.dtype(), &shape)?;
+    let db = Desc::new(npu_buf(device, OP, "b", b.buf())?, b.dtype(), &shape)?;
+    let dout = Desc::new(npu_buf(device, OP, "out", out.buf())?, out.dtype(), &shape)?;
     let alpha = Scalar::one(a.dtype())?;
     let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
     // SAFETY: all descriptors are live; out-pointers are valid.
@@ -263,7 +274,7 @@ pub(crate) fn add(device: &NpuDevice, a: &Tensor, b: &Tensor, out: &mut Tensor) 
 /// stream check. Enqueues a copy and one launch per window; no sync.
 pub(crate) fn expect_all_equal(
     device: &NpuDevice,
-    values: &Tensor,
+    values: In<'_>,
     expected: i32,
     mismatch: crate::backend::Mismatch,
 ) -> Result<()> {
@@ -276,7 +287,7 @@ pub(crate) fn expect_all_equal(
     if n == 0 {
         return Ok(());
     }
-    let src = npu_buf(device, OP, "values", values)?;
+    let src = npu_buf(device, OP, "values", values.buf())?;
     let windows = n.div_ceil(CTX_WORDS);
     let words = NpuBuffer::workspace(device, windows * CTX_WORDS * 4)?;
     words.copy_from_device(0, src, 0, n * 4)?;
@@ -302,80 +313,6 @@ pub(crate) fn expect_all_equal(
     Ok(())
 }
 
-/// How [`NpuDevice`]'s finalize routing runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinalizeImpl {
-    /// The native kernel (`kernels/finalize_kernel.cpp`): the AI Core build
-    /// through [`kernels::NpuKernelLib`], or, under the simulated runtime, the
-    /// host build through `cannsim_launch_kernel`. Padded output is written
-    /// in place.
-    Native,
-    /// `aclnnMoeFinalizeRoutingV2` (padded output through a scratch buffer and
-    /// row copies).
-    Aclnn,
-}
-
-impl FinalizeImpl {
-    /// `"native"` or `"aclnn"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            FinalizeImpl::Native => "native",
-            FinalizeImpl::Aclnn => "aclnn",
-        }
-    }
-
-    /// The choice forced by `ASCEND_MOE_NPU_FINALIZE` (`native` or `aclnn`),
-    /// `None` when unset or empty.
-    pub fn from_env() -> Result<Option<FinalizeImpl>> {
-        match std::env::var(FINALIZE_ENV) {
-            Err(_) => Ok(None),
-            Ok(v) => match v.trim() {
-                "" => Ok(None),
-                "native" => Ok(Some(FinalizeImpl::Native)),
-                "aclnn" => Ok(Some(FinalizeImpl::Aclnn)),
-                other => Err(Error::invalid(
-                    "finalize_routing",
-                    FINALIZE_ENV,
-                    format!("{other:?}: expected \"native\" or \"aclnn\""),
-                )),
-            },
-        }
-    }
-}
-
-/// Environment variable forcing the finalize implementation (`native` or `aclnn`).
-pub const FINALIZE_ENV: &str = "ASCEND_MOE_NPU_FINALIZE";
-
-/// A way to launch the native kernel on this runtime.
-enum Launcher {
-    /// The simulated runtime's `cannsim_launch_kernel` with the host build.
-    Sim(acl_sys::CannsimLaunchKernelFn, kernels::KernelEntry),
-    /// The AI Core build.
-    Npu(&'static kernels::NpuKernelLib),
-}
-
-fn launcher() -> Option<Launcher> {
-    if let (Ok(api), Some(entry)) = (super::runtime::acl(), kernels::host_entry()) {
-        if let Some(launch) = api.cannsim_launch_kernel {
-            return Some(Launcher::Sim(launch, entry));
-        }
-    }
-    kernels::shared_kernel_lib().map(Launcher::Npu)
-}
-
-/// The implementation a finalize call on a device with override `forced`
-/// uses: the override, else `ASCEND_MOE_NPU_FINALIZE`, else the native kernel
-/// when it can be launched here, else aclnn.
-pub(crate) fn choose_finalize(forced: Option<FinalizeImpl>) -> Result<FinalizeImpl> {
-    if let Some(f) = forced {
-        return Ok(f);
-    }
-    if let Some(f) = FinalizeImpl::from_env()? {
-        return Ok(f);
-    }
-    Ok(if launcher().is_some() { FinalizeImpl::Native } else { FinalizeImpl::Aclnn })
-}
-
 /// Cores the native kernel spreads the output rows over (the vector cores of
 /// a 910B are more; 8 keeps small calls cheap and still splits large ones).
 const NATIVE_BLOCK_DIM: u32 = 8;
@@ -386,9 +323,9 @@ const _: () = assert!(NATIVE_BLOCK_DIM as usize <= MAX_RECORD_CORES);
 /// launch on the device stream, then the per-core status records.
 fn finalize_native(
     device: &NpuDevice,
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    out: Out<'_>,
     rows: OutputRows<'_>,
 ) -> Result<()> {
     launch_native(device, args, dims, out, rows, 0)
@@ -398,9 +335,9 @@ fn finalize_native(
 /// tiling's.
 fn launch_native(
     device: &NpuDevice,
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    out: Out<'_>,
     rows: OutputRows<'_>,
     extra_flags: u32,
 ) -> Result<()> {
@@ -413,15 +350,15 @@ fn launch_native(
         )
     })?;
     let mut tiling = kernels::finalize_tiling(&kernels::TilingParams::from_args(
-        args,
+        &args.metas(),
         dims,
         rows,
         NATIVE_BLOCK_DIM,
         kernels::UB_BYTES_910B,
     ))?;
     tiling.flags |= extra_flags;
-    kernels::check_launch(args, out, rows, &tiling)?;
-    let out_buf = npu_buf(device, OP, "out", out)?;
+    kernels::check_launch(&args.metas(), out.meta(), rows, &tiling)?;
+    let out_buf = npu_buf(device, OP, "out", out.buf())?;
     if out_buf.len_bytes() == 0 {
         return Ok(());
     }
@@ -429,9 +366,9 @@ fn launch_native(
         // No tokens: every row of the (padded) output is padding.
         return out_buf.memset_async(0, 0, out_buf.len_bytes());
     }
-    let ptr = |arg: &'static str, t: Option<&Tensor>| -> Result<*mut c_void> {
+    let ptr = |arg: &'static str, t: Option<In<'_>>| -> Result<*mut c_void> {
         Ok(match t {
-            Some(t) => npu_buf(device, OP, arg, t)?.as_ptr(),
+            Some(t) => npu_buf(device, OP, arg, t.buf())?.as_ptr(),
             None => std::ptr::null_mut(),
         })
     };
@@ -497,9 +434,9 @@ fn launch_native(
 /// [`choose_finalize`] decides.
 pub(crate) fn finalize_routing(
     device: &NpuDevice,
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    out: Out<'_>,
     rows: OutputRows<'_>,
 ) -> Result<()> {
     if args.expanded_x.dtype() != out.dtype() {
@@ -524,7 +461,7 @@ pub(crate) fn finalize_routing(
 /// Why `aclnnMoeFinalizeRoutingV2` would refuse these arguments (`None`: it
 /// accepts them, possibly after the rewrites [`finalize_aclnn`] makes). From
 /// ops-transformer's `moe_finalize_routing_v2` op definition and aclnn doc.
-fn aclnn_refuses(args: &FinalizeArgs<'_>, dims: &FinalizeDims) -> Option<&'static str> {
+fn aclnn_refuses(args: &FinalizeArgs<In<'_>>, dims: &FinalizeDims) -> Option<&'static str> {
     let data = args.expanded_x.dtype();
     // `moe_finalize_routing_v2_def.cpp` registers (expandedX, scales) as
     // (f16, f16), (f32, f32), (bf16, bf16) and (bf16, f32) on Atlas A2/A3.
@@ -552,9 +489,9 @@ fn aclnn_refuses(args: &FinalizeArgs<'_>, dims: &FinalizeDims) -> Option<&'stati
 /// Fused finalize through aclnnMoeFinalizeRoutingV2.
 fn finalize_aclnn(
     device: &NpuDevice,
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    out: Out<'_>,
     rows: OutputRows<'_>,
 ) -> Result<()> {
     const OP: &str = "finalize_routing";
@@ -588,7 +525,7 @@ fn finalize_aclnn(
     // The index buffers aclnn reads: the checked copies, or the caller's.
     let idx_buf = match &checked {
         Some(c) => npu_buf(device, OP, "expanded_row_idx", c)?,
-        None => npu_buf(device, OP, "expanded_row_idx", args.expanded_row_idx)?,
+        None => npu_buf(device, OP, "expanded_row_idx", args.expanded_row_idx.buf())?,
     };
     let expert_view = match (&checked, args.bias.and(args.expert_idx)) {
         (Some(c), Some(_)) => {
@@ -605,7 +542,7 @@ fn finalize_aclnn(
         _ => None,
     };
 
-    let out_buf = npu_buf(device, OP, "out", out)?;
+    let out_buf = npu_buf(device, OP, "out", out.buf())?;
     let (target, scratch) = match rows {
         OutputRows::Dense => {
             if out.numel() != n * h {
@@ -644,7 +581,7 @@ fn finalize_aclnn(
         } else {
             vec![dims.expanded_rows, h]
         };
-        let dx = Desc::new(npu_buf(device, OP, "expanded_x", x)?, dt, &x_shape)?;
+        let dx = Desc::new(npu_buf(device, OP, "expanded_x", x.buf())?, dt, &x_shape)?;
         let didx = Desc::new(idx_buf, DType::I32, &[nk])?;
         let nh = [n, h];
         // The op's tiling refuses x2 without x1 ("In the case of x1 parameter
@@ -654,15 +591,17 @@ fn finalize_aclnn(
             (None, Some(only)) => (Some(only), None),
             pair => pair,
         };
-        let d1 = x1.map(|t| Desc::new(npu_buf(device, OP, "x1", t)?, t.dtype(), &nh)).transpose()?;
-        let d2 = x2.map(|t| Desc::new(npu_buf(device, OP, "x2", t)?, t.dtype(), &nh)).transpose()?;
-        let dbias =
-            args.bias.map(|t| Desc::new(npu_buf(device, OP, "bias", t)?, t.dtype(), &[dims.experts, h])).transpose()?;
+        let d1 = x1.map(|t| Desc::new(npu_buf(device, OP, "x1", t.buf())?, t.dtype(), &nh)).transpose()?;
+        let d2 = x2.map(|t| Desc::new(npu_buf(device, OP, "x2", t.buf())?, t.dtype(), &nh)).transpose()?;
+        let dbias = args
+            .bias
+            .map(|t| Desc::new(npu_buf(device, OP, "bias", t.buf())?, t.dtype(), &[dims.experts, h]))
+            .transpose()?;
         let dscales =
-            args.scales.map(|t| Desc::new(npu_buf(device, OP, "scales", t)?, t.dtype(), &[n, k])).transpose()?;
+            args.scales.map(|t| Desc::new(npu_buf(device, OP, "scales", t.buf())?, t.dtype(), &[n, k])).transpose()?;
         let dexp = match (&expert_view, args.expert_idx) {
             (Some(view), _) => Some(Desc::new(view, DType::I32, &[n, k])?),
-            (None, Some(t)) => Some(Desc::new(npu_buf(device, OP, "expert_idx", t)?, DType::I32, &[n, k])?),
+            (None, Some(t)) => Some(Desc::new(npu_buf(device, OP, "expert_idx", t.buf())?, DType::I32, &[n, k])?),
             (None, None) => None,
         };
         let dout = Desc::new(dst, dt, &nh)?;
@@ -703,12 +642,13 @@ fn finalize_aclnn(
 /// status the stream check reports like a native finalize's. The workspace
 /// is not zeroed: the launch writes both copies, and the gap between them is
 /// never read.
-fn checked_indices(device: &NpuDevice, args: &FinalizeArgs<'_>, dims: &FinalizeDims) -> Result<Tensor> {
+fn checked_indices(device: &NpuDevice, args: &FinalizeArgs<In<'_>>, dims: &FinalizeDims) -> Result<NpuBuffer> {
     let len = kernels::checked_indices_len(args.expanded_row_idx.numel(), args.bias.is_some());
-    let buf = NpuBuffer::workspace(device, len * DType::I32.size())?;
-    let mut out = Tensor::from_parts(vec![len], DType::I32, Storage::Npu(buf))?;
-    launch_native(device, args, dims, &mut out, OutputRows::Dense, kernels::FLAG_CHECK_INDICES)?;
-    Ok(out)
+    let mut buf = NpuBuffer::workspace(device, len * DType::I32.size())?;
+    let meta = TensorMeta { shape: &[len], dtype: DType::I32 };
+    let out = ViewMut::new("finalize_routing", "expanded_row_idx", meta, &mut buf)?;
+    launch_native(device, args, dims, out, OutputRows::Dense, kernels::FLAG_CHECK_INDICES)?;
+    Ok(buf)
 }
 
 /// Token unpermute (SPEC section 1): `out[t] = sum_k probs[t,k] * permuted[S[t*K + k]]`,
@@ -729,11 +669,11 @@ fn checked_indices(device: &NpuDevice, args: &FinalizeArgs<'_>, dims: &FinalizeD
 /// express: such inputs are computed by [`token_unpermute_on_host`].
 pub(crate) fn token_unpermute(
     device: &NpuDevice,
-    permuted: &Tensor,
-    sorted_indices: &Tensor,
-    probs: Option<&Tensor>,
+    permuted: In<'_>,
+    sorted_indices: In<'_>,
+    probs: Option<In<'_>>,
     k: usize,
-    out: &mut Tensor,
+    out: Out<'_>,
 ) -> Result<()> {
     const OP: &str = "token_unpermute";
     let dt = permuted.dtype();
@@ -788,10 +728,10 @@ pub(crate) fn token_unpermute(
 
     let api = opapi()?;
     let op = api.moe_token_unpermute.ok_or_else(|| op_missing("aclnnMoeTokenUnpermute", api))?;
-    let dperm = Desc::new(npu_buf(device, OP, "permuted", permuted)?, dt, &[rows, h])?;
-    let didx = Desc::new(npu_buf(device, OP, "sorted_indices", sorted_indices)?, DType::I32, &[idx.len()])?;
-    let dprobs = probs.map(|p| Desc::new(npu_buf(device, OP, "probs", p)?, p.dtype(), &[t, k])).transpose()?;
-    let dout = Desc::new(npu_buf(device, OP, "out", out)?, dt, &[t, h])?;
+    let dperm = Desc::new(npu_buf(device, OP, "permuted", permuted.buf())?, dt, &[rows, h])?;
+    let didx = Desc::new(npu_buf(device, OP, "sorted_indices", sorted_indices.buf())?, DType::I32, &[idx.len()])?;
+    let dprobs = probs.map(|p| Desc::new(npu_buf(device, OP, "probs", p.buf())?, p.dtype(), &[t, k])).transpose()?;
+    let dout = Desc::new(npu_buf(device, OP, "out", out.buf())?, dt, &[t, h])?;
     let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
     // SAFETY: live descriptors, NULL restore shape (not padded mode), valid
     // out-pointers; the indices are distinct and inside permutedTokens' T*K rows.
@@ -817,16 +757,24 @@ pub(crate) fn token_unpermute(
 /// inputs.
 fn token_unpermute_on_host(
     device: &NpuDevice,
-    permuted: &Tensor,
-    sorted_indices: &Tensor,
-    probs: Option<&Tensor>,
+    permuted: In<'_>,
+    sorted_indices: In<'_>,
+    probs: Option<In<'_>>,
     k: usize,
-    out: &mut Tensor,
+    out: Out<'_>,
 ) -> Result<()> {
-    let (p, i) = (permuted.to_cpu()?, sorted_indices.to_cpu()?);
-    let w = probs.map(Tensor::to_cpu).transpose()?;
-    let mut host_out = Tensor::zeros_cpu(out.shape(), out.dtype());
-    crate::backend::cpu::finalize::token_unpermute(&p, &i, w.as_ref(), k, &mut host_out)?;
-    let dst = npu_buf(device, "token_unpermute", "out", out)?;
-    dst.copy_from_host_at(0, host_out.cpu_bytes()?)
+    const OP: &str = "token_unpermute";
+    let (p, i) = (host_copy(OP, permuted)?, host_copy(OP, sorted_indices)?);
+    let w = probs.map(|p| Ok::<_, Error>((p.meta(), host_copy(OP, p)?))).transpose()?;
+    let mut host_out = CpuBuffer::try_zeros(OP, out.len_bytes())?;
+    let view = |arg, meta, buf| View::new(OP, arg, meta, buf);
+    crate::backend::cpu::finalize::token_unpermute(
+        view("permuted", permuted.meta(), &p)?,
+        view("sorted_indices", sorted_indices.meta(), &i)?,
+        w.as_ref().map(|(meta, b)| view("probs", *meta, b)).transpose()?,
+        k,
+        ViewMut::new(OP, "out", out.meta(), &mut host_out)?,
+    )?;
+    let dst = npu_buf(device, OP, "out", out.buf())?;
+    dst.copy_from_host_at(0, host_out.as_bytes())
 }

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use ascend_moe::backend::cpu::comm::run_ranks;
+use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Comm, CommOptions};
 
 use crate::launch;

@@ -40,7 +40,7 @@ impl Launcher for CpuLauncher {
         body: &(dyn Fn(usize, Comm) -> Result<RankReport> + Sync),
     ) -> Result<Vec<RankReport>> {
         let opts = self.opts.clone().unwrap_or_default();
-        crate::backend::cpu::comm::run_ranks(world, &opts, |rank, comm| {
+        crate::ranks::run_ranks(world, &opts, |rank, comm| {
             set_num_threads(Some(1));
             body(rank, comm)
         })

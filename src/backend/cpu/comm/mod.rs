@@ -1,4 +1,4 @@
-//! The CPU communicator (SPEC section 8): [`Collectives`] on host tensors,
+//! The CPU communicator (SPEC section 8): [`Communicator`] on host buffers,
 //! over the shared-memory transport of the `shm-comm` crate.
 //!
 //! [`CpuComm`] serves ranks that are threads of one process or separate
@@ -7,26 +7,24 @@
 //! sub-groups, a timeout on every wait, and a loud error on every rank when
 //! ranks disagree. It is the oracle the MoE test matrix runs against.
 //!
-//! This module only translates: tensors to byte slices and element types,
-//! the crate's validation of its tensors into the transport's `check` (so a
+//! This module only translates: views to byte slices and element types,
+//! the crate's validation of its operands into the transport's `check` (so a
 //! rank with bad arguments fails every rank), and the transport's errors into
 //! [`Error`]. The protocol, the shared-memory layout and the failure handling
 //! are documented in `shm-comm`.
 
-mod run;
-
 use shm_comm::{DataType, ShmComm};
 
-pub use run::{run_ranks, run_ranks_with};
 pub use shm_comm::Config as CpuCommConfig;
 pub use shm_comm::{bf16_to_f32_slice, f32_to_bf16_slice, segment_path, shm_dir, MAX_WORLD};
 
-use crate::backend::cpu::finalize::finalize_reduce_scatter;
-use crate::backend::cpu::host;
-use crate::backend::{FinalizeArgs, FinalizeDims};
-use crate::comm::{finalize_then_reduce_scatter, Collectives, Comm, CommOptions, ReduceOp};
+use crate::backend::cpu::finalize::fused_rows;
+use crate::backend::cpu::CpuBackend;
+use crate::backend::cpu::CpuBuffer;
+use crate::backend::{finalize_then_reduce_scatter, Call, Communicator, FinalizeArgs, FinalizeDims, View, ViewMut};
 use crate::error::CommErrorKind;
-use crate::{DType, Device, Element, Error, Result, Tensor};
+use crate::types::{CommOptions, ReduceOp};
+use crate::{DType, Element, Error, Result};
 
 /// A rank's handle on a shared-memory group. Clones share the handle (calls
 /// through clones are serialised); the rank leaves the group when the last clone
@@ -92,30 +90,18 @@ fn reduce_op(op: ReduceOp) -> shm_comm::ReduceOp {
 
 /// Host bytes of `t`; none for a device tensor (the call's check then fails,
 /// and the transport never touches the bytes).
-fn bytes(t: &Tensor) -> &[u8] {
-    t.cpu_bytes().unwrap_or(&[])
-}
-
-fn bytes_mut(t: &mut Tensor) -> &mut [u8] {
-    match t.cpu_bytes_mut() {
-        Ok(b) => b,
-        Err(_) => &mut [],
-    }
-}
-
-/// Checks `src` / `dst` are host tensors of one dtype.
-fn check_pair(op: &'static str, src: &Tensor, dst: &Tensor) -> Result<()> {
-    host(op, "src", src)?;
-    host(op, "dst", dst)?;
+/// Checks `src` / `dst` are of one dtype.
+fn check_pair(op: &'static str, src: &View<'_, CpuBuffer>, dst: &ViewMut<'_, CpuBuffer>) -> Result<()> {
     if src.dtype() != dst.dtype() {
         return Err(Error::dtype(op, "dst", format!("{} (the dtype of src)", src.dtype()), dst.dtype()));
     }
     Ok(())
 }
 
-fn tensor_len(op: &'static str, arg: &'static str, t: &Tensor, expected: usize, what: &str) -> Result<()> {
-    if t.numel() != expected {
-        return Err(Error::shape(op, arg, format!("{expected} elements ({what})"), t.shape()));
+fn tensor_len(op: &'static str, arg: &'static str, shape: &[usize], expected: usize, what: &str) -> Result<()> {
+    let numel: usize = shape.iter().product();
+    if numel != expected {
+        return Err(Error::shape(op, arg, format!("{expected} elements ({what})"), shape));
     }
     Ok(())
 }
@@ -206,24 +192,25 @@ impl CpuComm {
         op: ReduceOp,
         rows: &[usize],
         row_len: usize,
-        dst: &mut Tensor,
+        mut dst: ViewMut<'_, CpuBuffer>,
         local: Result<()>,
         produce: &mut dyn FnMut(usize, usize, &mut [u8]),
     ) -> Result<()> {
         const C: &str = "reduce_scatter_rows";
         let me = self.shm.rank();
         let local = local.and_then(|_| {
-            host(C, "dst", dst)?;
             if dst.dtype() != dtype {
                 return Err(Error::dtype(C, "dst", dtype.name(), dst.dtype()));
             }
             match rows.get(me).and_then(|r| r.checked_mul(row_len)) {
-                Some(n) if rows.len() == self.shm.world_size() => tensor_len(C, "dst", dst, n, "rows[rank] * row_len"),
+                Some(n) if rows.len() == self.shm.world_size() => {
+                    tensor_len(C, "dst", dst.shape(), n, "rows[rank] * row_len")
+                }
                 _ => Ok(()),
             }
         });
         let (dt, op) = (data_type(dtype), reduce_op(op));
-        self.shm.reduce_scatter_rows_with(dt, op, rows, row_len, bytes_mut(dst), local, produce)
+        self.shm.reduce_scatter_rows_with(dt, op, rows, row_len, dst.buf_mut().as_bytes_mut(), local, produce)
     }
 
     /// `dst = op(src over ranks)` on host slices.
@@ -290,7 +277,8 @@ impl CpuComm {
     }
 }
 
-impl Collectives for CpuComm {
+impl Communicator for CpuComm {
+    type Backend = CpuBackend;
     fn rank(&self) -> usize {
         self.shm.rank()
     }
@@ -300,71 +288,86 @@ impl Collectives for CpuComm {
     fn name(&self) -> &str {
         self.shm.name()
     }
-    fn device(&self) -> Device {
-        Device::Cpu
+    fn backend(&self) -> &CpuBackend {
+        &CpuBackend
     }
-    fn split(&self, ranks: &[usize]) -> Result<Comm> {
+    fn backend_of(&self, _: &CpuBuffer) -> CpuBackend {
+        CpuBackend
+    }
+    fn split(&self, ranks: &[usize]) -> Result<CpuComm> {
         let shm = self.shm.split(ranks)?;
-        Ok(Comm::Cpu(CpuComm { shm, opts: self.opts.clone() }))
+        Ok(CpuComm { shm, opts: self.opts.clone() })
     }
 
-    fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn all_reduce(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>, op: ReduceOp) -> Result<()> {
         const C: &str = "all_reduce";
-        let local = check_pair(C, src, dst).and_then(|_| tensor_len(C, "dst", dst, src.numel(), "as src"));
+        let local = check_pair(C, &src, &dst).and_then(|_| tensor_len(C, "dst", dst.shape(), src.numel(), "as src"));
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
-        self.shm.all_reduce(dt, op, bytes(src), bytes_mut(dst), local)
+        self.shm.all_reduce(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
-    fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
-        let local = host("all_reduce", "buf", buf).map(|_| ());
+    fn all_reduce_in_place(&self, mut buf: ViewMut<'_, CpuBuffer>, op: ReduceOp) -> Result<()> {
         let (dt, op) = (data_type(buf.dtype()), reduce_op(op));
-        self.shm.all_reduce_in_place(dt, op, bytes_mut(buf), local)
+        self.shm.all_reduce_in_place(dt, op, buf.buf_mut().as_bytes_mut(), Ok::<(), Error>(()))
     }
 
-    fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>, op: ReduceOp) -> Result<()> {
         const C: &str = "reduce_scatter";
         let w = self.shm.world_size();
-        let local = check_pair(C, src, dst)
-            .and_then(|_| tensor_len(C, "src", src, dst.numel() * w, "world size x dst elements"));
+        let local = check_pair(C, &src, &dst)
+            .and_then(|_| tensor_len(C, "src", src.shape(), dst.numel() * w, "world size x dst elements"));
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
-        self.shm.reduce_scatter(dt, op, bytes(src), bytes_mut(dst), local)
+        self.shm.reduce_scatter(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
-    fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+    fn all_gather(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>) -> Result<()> {
         const C: &str = "all_gather";
         let w = self.shm.world_size();
-        let local = check_pair(C, src, dst)
-            .and_then(|_| tensor_len(C, "dst", dst, src.numel() * w, "world size x src elements"));
-        self.shm.all_gather(data_type(src.dtype()), bytes(src), bytes_mut(dst), local)
+        let local = check_pair(C, &src, &dst)
+            .and_then(|_| tensor_len(C, "dst", dst.shape(), src.numel() * w, "world size x src elements"));
+        self.shm.all_gather(data_type(src.dtype()), src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
-    fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
-        let local = check_pair("reduce_scatter_v", src, dst);
+    fn reduce_scatter_v(
+        &self,
+        src: View<'_, CpuBuffer>,
+        mut dst: ViewMut<'_, CpuBuffer>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let local = check_pair("reduce_scatter_v", &src, &dst);
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
-        self.shm.reduce_scatter_v(dt, op, bytes(src), bytes_mut(dst), counts, local)
+        self.shm.reduce_scatter_v(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), counts, local)
     }
 
-    fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
-        let local = check_pair("all_gather_v", src, dst);
-        self.shm.all_gather_v(data_type(src.dtype()), bytes(src), bytes_mut(dst), counts, local)
+    fn all_gather_v(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>, counts: &[usize]) -> Result<()> {
+        let local = check_pair("all_gather_v", &src, &dst);
+        let dt = data_type(src.dtype());
+        self.shm.all_gather_v(dt, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), counts, local)
     }
 
-    fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
+    fn all_to_all_v(
+        &self,
+        src: View<'_, CpuBuffer>,
+        send_counts: &[usize],
+        mut dst: ViewMut<'_, CpuBuffer>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
         const C: &str = "all_to_all_v";
         let w = self.shm.world_size();
-        let local = check_pair(C, src, dst).and_then(|_| {
+        let local = check_pair(C, &src, &dst).and_then(|_| {
             shm_comm::counts_len(C, "send_counts", send_counts, w)?;
             shm_comm::counts_len(C, "recv_counts", recv_counts, w)?;
-            tensor_len(C, "src", src, counts_sum(C, "send_counts", send_counts)?, "sum of send_counts")?;
-            tensor_len(C, "dst", dst, counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
+            tensor_len(C, "src", src.shape(), counts_sum(C, "send_counts", send_counts)?, "sum of send_counts")?;
+            tensor_len(C, "dst", dst.shape(), counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
         });
         let dt = data_type(src.dtype());
-        self.shm.all_to_all_v(dt, bytes(src), send_counts, bytes_mut(dst), recv_counts, local)
+        self.shm.all_to_all_v(dt, src.buf().as_bytes(), send_counts, dst.buf_mut().as_bytes_mut(), recv_counts, local)
     }
 
-    fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
-        let local = host("broadcast", "buf", buf).map(|_| ());
-        self.shm.broadcast(data_type(buf.dtype()), bytes_mut(buf), root, local)
+    fn broadcast(&self, mut buf: ViewMut<'_, CpuBuffer>, root: usize) -> Result<()> {
+        let dt = data_type(buf.dtype());
+        self.shm.broadcast(dt, buf.buf_mut().as_bytes_mut(), root, Ok::<(), Error>(()))
     }
 
     fn barrier(&self) -> Result<()> {
@@ -372,23 +375,50 @@ impl Collectives for CpuComm {
     }
 
     /// Computes the finalize rows straight into the staging buffers
-    /// ([`finalize_reduce_scatter`]) when a row fits a staging region, so the
+    /// ([`fused_rows`]) when a row fits a staging region, so the
     /// finalize output never exists as a buffer of its own and an invalid input
     /// on one rank fails every rank at once; else the padded two-step default.
     fn finalize_reduce_scatter(
         &self,
-        args: &FinalizeArgs<'_>,
+        args: &FinalizeArgs<View<'_, CpuBuffer>>,
         dims: &FinalizeDims,
         local_sizes: &[usize],
-        out: &mut Tensor,
+        out: ViewMut<'_, CpuBuffer>,
     ) -> Result<()> {
         // Every rank of a group sees the same staging size, world and (when
         // the calls match at all) H and dtype, so every rank takes the same
         // branch; a rank that does not is reported as a mismatched collective.
-        if self.world_size() > 1 && self.rows_per_region(dims.h, args.expanded_x.dtype()) > 0 {
-            return finalize_reduce_scatter(args, dims, local_sizes, self, out);
+        if self.shm.world_size() > 1 && self.rows_per_region(dims.h, args.expanded_x.dtype()) > 0 {
+            let mut rows = fused_rows(args, dims, local_sizes);
+            let (dtype, local) = (rows.dtype, std::mem::replace(&mut rows.local, Ok(())));
+            let mut produce = |block: usize, first: usize, bytes: &mut [u8]| rows.produce(block, first, bytes);
+            return self.reduce_scatter_rows_with(dtype, ReduceOp::Sum, local_sizes, dims.h, out, local, &mut produce);
         }
         finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
+    }
+
+    /// Joins the collective with no data and this rank's error, so every rank
+    /// of the group fails with it at once.
+    fn refuse(&self, call: Call<'_>, dtype: DType, error: Error) -> Error {
+        let (dt, local) = (data_type(dtype), Err(error));
+        let joined = match call {
+            Call::AllReduce(op) => self.shm.all_reduce(dt, reduce_op(op), &[], &mut [], local),
+            Call::AllReduceInPlace(op) => self.shm.all_reduce_in_place(dt, reduce_op(op), &mut [], local),
+            Call::ReduceScatter(op) => self.shm.reduce_scatter(dt, reduce_op(op), &[], &mut [], local),
+            Call::AllGather => self.shm.all_gather(dt, &[], &mut [], local),
+            Call::ReduceScatterV(counts, op) => {
+                self.shm.reduce_scatter_v(dt, reduce_op(op), &[], &mut [], counts, local)
+            }
+            Call::AllGatherV(counts) => self.shm.all_gather_v(dt, &[], &mut [], counts, local),
+            Call::AllToAllV(send, recv) => self.shm.all_to_all_v(dt, &[], send, &mut [], recv, local),
+            Call::Broadcast(root) => self.shm.broadcast(dt, &mut [], root, local),
+        };
+        match joined {
+            Err(e) => e,
+            // The transport returns the local error whenever the call itself
+            // succeeds, so a refused call never comes back Ok.
+            Ok(()) => Error::invalid("refuse", "call", "a refused collective reported success"),
+        }
     }
 }
 

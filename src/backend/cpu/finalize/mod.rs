@@ -24,10 +24,12 @@ mod threads;
 
 use half::{bf16, f16};
 
-use super::{host, host_mut, CpuComm};
-use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
-use crate::comm::ReduceOp;
-use crate::{DType, Element, Error, Result, Tensor};
+use super::CpuBuffer;
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
+use crate::{DType, Element, Error, Result};
+
+type In<'a> = View<'a, CpuBuffer>;
+type Out<'a> = ViewMut<'a, CpuBuffer>;
 use gather::Gather;
 use lanes::Lanes;
 pub use threads::{default_num_threads, set_num_threads, set_wide_simd};
@@ -36,18 +38,17 @@ const FINALIZE: &str = "moe_finalize_routing";
 const UNPERMUTE: &str = "moe_token_unpermute";
 
 /// Widens a float tensor (any of the three float dtypes) to f32.
-fn widen_any(op: &'static str, arg: &'static str, t: &Tensor) -> Result<Vec<f32>> {
-    host(op, arg, t)?;
+fn widen_any(op: &'static str, arg: &'static str, t: In<'_>) -> Result<Vec<f32>> {
     Ok(match t.dtype() {
-        DType::F32 => t.as_slice::<f32>()?.to_vec(),
-        DType::F16 => t.as_slice::<f16>()?.iter().map(|v| v.to_f32()).collect(),
-        DType::BF16 => t.as_slice::<bf16>()?.iter().map(|v| v.to_f32()).collect(),
+        DType::F32 => t.typed::<f32>(op, arg)?.to_vec(),
+        DType::F16 => t.typed::<f16>(op, arg)?.iter().map(|v| v.to_f32()).collect(),
+        DType::BF16 => t.typed::<bf16>(op, arg)?.iter().map(|v| v.to_f32()).collect(),
         d => return Err(Error::dtype(op, arg, "f32, f16 or bf16", d)),
     })
 }
 
 /// The `[N, K]` routing weights `t` widened to f32.
-fn weights(op: &'static str, arg: &'static str, t: &Tensor, n: usize, k: usize) -> Result<Vec<f32>> {
+fn weights(op: &'static str, arg: &'static str, t: In<'_>, n: usize, k: usize) -> Result<Vec<f32>> {
     let v = widen_any(op, arg, t)?;
     if v.len() != n * k {
         return Err(Error::shape(op, arg, format!("[{n}, {k}]"), t.shape()));
@@ -56,12 +57,11 @@ fn weights(op: &'static str, arg: &'static str, t: &Tensor, n: usize, k: usize) 
 }
 
 /// Index slice of an int32 tensor on the host.
-fn indices<'a>(op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a [i32]> {
-    host(op, arg, t)?;
+fn indices<'a>(op: &'static str, arg: &'static str, t: In<'a>) -> Result<&'a [i32]> {
     if t.dtype() != DType::I32 {
         return Err(Error::dtype(op, arg, "i32", t.dtype()));
     }
-    t.as_slice::<i32>()
+    t.typed::<i32>(op, arg)
 }
 
 /// Checks that every index lies in `[lo, hi)`; the first offender names its
@@ -80,12 +80,11 @@ fn check_range(op: &'static str, arg: &'static str, idx: &[i32], lo: i64, hi: us
 }
 
 /// A typed data slice of `t`, which must have dtype `T` and `len` elements.
-fn data<'a, T: Element>(op: &'static str, arg: &'static str, t: &'a Tensor, len: usize) -> Result<&'a [T]> {
-    host(op, arg, t)?;
+fn data<'a, T: Element>(op: &'static str, arg: &'static str, t: In<'a>, len: usize) -> Result<&'a [T]> {
     if t.dtype() != T::DTYPE {
         return Err(Error::dtype(op, arg, T::DTYPE.name(), t.dtype()));
     }
-    let s = t.as_slice::<T>()?;
+    let s = t.typed::<T>(op, arg)?;
     if s.len() != len {
         return Err(Error::shape(op, arg, format!("{len} elements"), t.shape()));
     }
@@ -98,9 +97,9 @@ fn data<'a, T: Element>(op: &'static str, arg: &'static str, t: &'a Tensor, len:
 /// every length it relies on (so it never reads out of bounds even when called
 /// directly) and every index value.
 pub fn finalize_routing(
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    out: Out<'_>,
     rows: OutputRows<'_>,
 ) -> Result<()> {
     match args.expanded_x.dtype() {
@@ -113,7 +112,7 @@ pub fn finalize_routing(
 
 /// Validates every input of a finalize (lengths and index values) and
 /// collects what each output token gathers.
-fn finalize_gather<'a, T: Lanes>(args: &FinalizeArgs<'a>, dims: &FinalizeDims) -> Result<Gather<'a, T>> {
+fn finalize_gather<'a, T: Lanes>(args: &FinalizeArgs<In<'a>>, dims: &FinalizeDims) -> Result<Gather<'a, T>> {
     let FinalizeDims { n, k, h, expanded_rows, experts } = *dims;
     let x = data::<T>(FINALIZE, "expanded_x", args.expanded_x, expanded_rows * h)?;
     let idx = indices(FINALIZE, "expanded_row_idx", args.expanded_row_idx)?;
@@ -161,9 +160,9 @@ fn finalize_gather<'a, T: Lanes>(args: &FinalizeArgs<'a>, dims: &FinalizeDims) -
 }
 
 fn finalize_typed<T: Lanes>(
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    mut out: Out<'_>,
     rows: OutputRows<'_>,
 ) -> Result<()> {
     let g = finalize_gather::<T>(args, dims)?;
@@ -195,7 +194,7 @@ fn finalize_typed<T: Lanes>(
     if out.numel() != out_rows * h {
         return Err(Error::shape(FINALIZE, "out", format!("{out_rows} rows of {h} elements"), out.shape()));
     }
-    let o: &mut [T] = bytemuck::cast_slice_mut(host_mut(FINALIZE, "out", out)?);
+    let o: &mut [T] = bytemuck::cast_slice_mut(out.bytes_mut());
     match rows {
         OutputRows::Dense => g.run(o, out_rows, &Some),
         OutputRows::Padded { local_sizes, slot_rows } => {
@@ -215,42 +214,53 @@ fn finalize_typed<T: Lanes>(
     Ok(())
 }
 
-/// Finalize routing fused with the EP reduce-scatter over a CPU communicator:
-/// this rank's finalize output (`[N, H]`, tokens in EP-rank block order, block
-/// `r` = `local_sizes[r]` tokens) is computed straight into `comm`'s staging
-/// buffers and summed over the ranks; `out` (`[local_sizes[rank], H]`)
-/// receives block `rank` of the sum. Bitwise the same as the dense finalize
-/// followed by a reduce-scatter of the blocks, without the finalize output
-/// ever being written to or read from a buffer of its own.
-///
-/// An invalid input fails the call on every rank of `comm` (with this rank's
-/// reason), not only here. Needs `comm.rows_per_region(H, dtype) >= 1`.
-pub fn finalize_reduce_scatter(
-    args: &FinalizeArgs<'_>,
-    dims: &FinalizeDims,
-    local_sizes: &[usize],
-    comm: &CpuComm,
-    out: &mut Tensor,
-) -> Result<()> {
-    let dtype = args.expanded_x.dtype();
-    match dtype {
-        DType::F32 => reduce_scatter_typed::<f32>(args, dims, local_sizes, comm, out),
-        DType::F16 => reduce_scatter_typed::<f16>(args, dims, local_sizes, comm, out),
-        DType::BF16 => reduce_scatter_typed::<bf16>(args, dims, local_sizes, comm, out),
-        d => {
-            let e = Err(Error::dtype(FINALIZE, "expanded_x", "f32, f16 or bf16", d));
-            comm.reduce_scatter_rows_with(d, ReduceOp::Sum, local_sizes, dims.h, out, e, &mut |_, _, _| {})
-        }
+/// The rows of a finalize fused with the EP reduce-scatter, for a
+/// communicator that sums them straight from its staging buffers
+/// (`CpuComm::reduce_scatter_rows_with`): this rank's finalize output
+/// (`[N, H]`, tokens in EP-rank block order, block `r` = `local_sizes[r]`
+/// tokens) is computed row block by row block into the buffers the
+/// communicator hands to [`FusedRows::produce`], so it never exists as a
+/// buffer of its own. Bitwise the same as the dense finalize.
+pub struct FusedRows<'a> {
+    /// Element type of the rows (`expanded_x`'s).
+    pub dtype: DType,
+    /// The validation of every input (lengths and index values); an error
+    /// fails the collective on every rank, with this rank's reason.
+    pub local: Result<()>,
+    produce: Producer<'a>,
+}
+
+/// Writes rows `first..` of block `block` into the given bytes.
+type Producer<'a> = Box<dyn FnMut(usize, usize, &mut [u8]) + 'a>;
+
+impl FusedRows<'_> {
+    /// Writes rows `first..` of block `block` into `bytes` (whole rows of
+    /// `dtype`); called only when [`FusedRows::local`] is `Ok`.
+    pub fn produce(&mut self, block: usize, first: usize, bytes: &mut [u8]) {
+        (self.produce)(block, first, bytes)
     }
 }
 
-fn reduce_scatter_typed<T: Lanes>(
-    args: &FinalizeArgs<'_>,
+/// [`FusedRows`] of a finalize whose output blocks are `local_sizes`.
+pub fn fused_rows<'a>(args: &FinalizeArgs<In<'a>>, dims: &FinalizeDims, local_sizes: &[usize]) -> FusedRows<'a> {
+    let dtype = args.expanded_x.dtype();
+    match dtype {
+        DType::F32 => fused_typed::<f32>(args, dims, local_sizes),
+        DType::F16 => fused_typed::<f16>(args, dims, local_sizes),
+        DType::BF16 => fused_typed::<bf16>(args, dims, local_sizes),
+        d => FusedRows {
+            dtype: d,
+            local: Err(Error::dtype(FINALIZE, "expanded_x", "f32, f16 or bf16", d)),
+            produce: Box::new(|_, _, _| {}),
+        },
+    }
+}
+
+fn fused_typed<'a, T: Lanes + 'a>(
+    args: &FinalizeArgs<In<'a>>,
     dims: &FinalizeDims,
     local_sizes: &[usize],
-    comm: &CpuComm,
-    out: &mut Tensor,
-) -> Result<()> {
+) -> FusedRows<'a> {
     let h = dims.h;
     let gather = finalize_gather::<T>(args, dims).and_then(|g| {
         let total = local_sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
@@ -272,7 +282,7 @@ fn reduce_scatter_typed<T: Lanes>(
             Some(o)
         })
         .collect();
-    let mut produce = |block: usize, first: usize, bytes: &mut [u8]| {
+    let produce = move |block: usize, first: usize, bytes: &mut [u8]| {
         // Called only when `local` is Ok, i.e. with `g` present.
         if let Some(g) = &g {
             let o: &mut [T] = bytemuck::cast_slice_mut(bytes);
@@ -280,17 +290,17 @@ fn reduce_scatter_typed<T: Lanes>(
             g.run(o, o.len() / h, &|r| Some(base + r));
         }
     };
-    comm.reduce_scatter_rows_with(T::DTYPE, ReduceOp::Sum, local_sizes, h, out, local, &mut produce)
+    FusedRows { dtype: T::DTYPE, local, produce: Box::new(produce) }
 }
 
 /// Token unpermute on the host: `out[t] = sum_k probs[t,k] * permuted[idx[t*K + k]]`;
 /// an index outside `[0, permuted.rows)` contributes nothing.
 pub fn token_unpermute(
-    permuted: &Tensor,
-    sorted_indices: &Tensor,
-    probs: Option<&Tensor>,
+    permuted: In<'_>,
+    sorted_indices: In<'_>,
+    probs: Option<In<'_>>,
     k: usize,
-    out: &mut Tensor,
+    out: Out<'_>,
 ) -> Result<()> {
     match permuted.dtype() {
         DType::F32 => unpermute_typed::<f32>(permuted, sorted_indices, probs, k, out),
@@ -301,11 +311,11 @@ pub fn token_unpermute(
 }
 
 fn unpermute_typed<T: Lanes>(
-    permuted: &Tensor,
-    sorted_indices: &Tensor,
-    probs: Option<&Tensor>,
+    permuted: In<'_>,
+    sorted_indices: In<'_>,
+    probs: Option<In<'_>>,
     k: usize,
-    out: &mut Tensor,
+    mut out: Out<'_>,
 ) -> Result<()> {
     let h = permuted.row_len();
     let rows = if permuted.shape().is_empty() { 0 } else { permuted.rows() };
@@ -322,7 +332,7 @@ fn unpermute_typed<T: Lanes>(
     if out.numel() != n * h {
         return Err(Error::shape(UNPERMUTE, "out", format!("{n} rows of {h} elements"), out.shape()));
     }
-    let o: &mut [T] = bytemuck::cast_slice_mut(host_mut(UNPERMUTE, "out", out)?);
+    let o: &mut [T] = bytemuck::cast_slice_mut(out.bytes_mut());
     let g =
         Gather { x, rows, h, x1: None, x2: None, bias: None, scales, idx, n, k, row_layout: true, skip_invalid: true };
     g.run(o, n, &Some);

@@ -3,9 +3,10 @@
 use std::ffi::c_void;
 
 use crate::backend::npu::memory::NpuBuffer;
-use crate::comm::{Collectives, Comm, ReduceOp};
-use crate::tensor::Storage;
-use crate::{Device, Error, Result, Tensor};
+use crate::backend::npu::NpuDevice;
+use crate::backend::{Communicator, View, ViewMut};
+use crate::types::{ReduceOp, TensorMeta};
+use crate::{Error, Result};
 
 use super::api::{check, hccl_dtype, hccl_fn, hccl_op};
 use super::HcclComm;
@@ -38,22 +39,22 @@ impl HcclComm {
         }
     }
 
-    /// Device buffer of `t`, on this communicator's device.
-    fn buffer<'a>(&self, op: &'static str, arg: &'static str, t: &'a Tensor) -> Result<&'a NpuBuffer> {
-        match t.storage() {
-            Storage::Npu(b) if b.device().ordinal() == self.inner.device.ordinal() => Ok(b),
-            _ => Err(Error::Device {
+    /// `b`, which must be on this communicator's device.
+    fn buffer<'a>(&self, op: &'static str, arg: &'static str, b: &'a NpuBuffer) -> Result<&'a NpuBuffer> {
+        if b.device().ordinal() != self.inner.device.ordinal() {
+            return Err(Error::Device {
                 op,
                 arg,
                 expected: format!("npu:{}", self.inner.device.ordinal()),
-                actual: t.device().to_string(),
-            }),
+                actual: format!("npu:{}", b.device().ordinal()),
+            });
         }
+        Ok(b)
     }
 
-    fn same_dtype(&self, op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-        if a.dtype() != b.dtype() {
-            return Err(Error::dtype(op, "dst", a.dtype().name(), b.dtype()));
+    fn same_dtype(&self, op: &'static str, a: TensorMeta<'_>, b: TensorMeta<'_>) -> Result<()> {
+        if a.dtype != b.dtype {
+            return Err(Error::dtype(op, "dst", a.dtype.name(), b.dtype));
         }
         Ok(())
     }
@@ -82,7 +83,9 @@ impl HcclComm {
     }
 }
 
-impl Collectives for HcclComm {
+impl Communicator for HcclComm {
+    type Backend = NpuDevice;
+
     fn rank(&self) -> usize {
         self.inner.rank
     }
@@ -95,21 +98,25 @@ impl Collectives for HcclComm {
         &self.inner.name
     }
 
-    fn device(&self) -> Device {
-        Device::Npu(self.inner.device.clone())
+    fn backend(&self) -> &NpuDevice {
+        &self.inner.device
     }
 
-    fn split(&self, ranks: &[usize]) -> Result<Comm> {
-        Ok(Comm::Npu(self.split_hccl(ranks)?))
+    fn backend_of(&self, buf: &NpuBuffer) -> NpuDevice {
+        buf.device().clone()
     }
 
-    fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn split(&self, ranks: &[usize]) -> Result<HcclComm> {
+        self.split_hccl(ranks)
+    }
+
+    fn all_reduce(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
-        self.same_dtype(OP, src, dst)?;
+        self.same_dtype(OP, src.meta(), dst.meta())?;
         if src.numel() != dst.numel() {
             return Err(self.comm_err(OP, format!("src has {} elements, dst {}", src.numel(), dst.numel())));
         }
-        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
         if n == 0 {
             // Every rank has the same count: nothing moves anywhere.
@@ -122,9 +129,9 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn all_reduce_in_place(&self, buf: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce_in_place";
-        let b = self.buffer(OP, "buf", buf)?;
+        let b = self.buffer(OP, "buf", buf.buf())?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
         if n == 0 {
             return Ok(());
@@ -136,16 +143,16 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
+    fn reduce_scatter(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "reduce_scatter";
-        self.same_dtype(OP, src, dst)?;
+        self.same_dtype(OP, src.meta(), dst.meta())?;
         if src.numel() != dst.numel() * self.inner.world {
             return Err(self.comm_err(
                 OP,
                 format!("src has {} elements, expected world {} x dst {}", src.numel(), self.inner.world, dst.numel()),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let (n, dt) = (dst.numel() as u64, hccl_dtype(src.dtype()));
         if n == 0 {
             return Ok(());
@@ -157,16 +164,16 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+    fn all_gather(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>) -> Result<()> {
         const OP: &str = "all_gather";
-        self.same_dtype(OP, src, dst)?;
+        self.same_dtype(OP, src.meta(), dst.meta())?;
         if dst.numel() != src.numel() * self.inner.world {
             return Err(self.comm_err(
                 OP,
                 format!("dst has {} elements, expected world {} x src {}", dst.numel(), self.inner.world, src.numel()),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
         if n == 0 {
             return Ok(());
@@ -178,9 +185,15 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
+    fn reduce_scatter_v(
+        &self,
+        src: View<'_, NpuBuffer>,
+        dst: ViewMut<'_, NpuBuffer>,
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
         const OP: &str = "reduce_scatter_v";
-        self.same_dtype(OP, src, dst)?;
+        self.same_dtype(OP, src.meta(), dst.meta())?;
         let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
         let mine = counts[self.inner.rank];
         if src.numel() != total || dst.numel() != mine {
@@ -193,7 +206,7 @@ impl Collectives for HcclComm {
                 ),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
         if total == 0 {
             // The counts are the same on every rank: nothing moves anywhere.
@@ -220,9 +233,9 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
+    fn all_gather_v(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>, counts: &[usize]) -> Result<()> {
         const OP: &str = "all_gather_v";
-        self.same_dtype(OP, src, dst)?;
+        self.same_dtype(OP, src.meta(), dst.meta())?;
         let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
         let mine = counts[self.inner.rank];
         if src.numel() != mine || dst.numel() != total {
@@ -235,7 +248,7 @@ impl Collectives for HcclComm {
                 ),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
         if total == 0 {
             return Ok(());
@@ -259,9 +272,15 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn all_to_all_v(&self, src: &Tensor, send_counts: &[usize], dst: &mut Tensor, recv_counts: &[usize]) -> Result<()> {
+    fn all_to_all_v(
+        &self,
+        src: View<'_, NpuBuffer>,
+        send_counts: &[usize],
+        dst: ViewMut<'_, NpuBuffer>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
         const OP: &str = "all_to_all_v";
-        self.same_dtype(OP, src, dst)?;
+        self.same_dtype(OP, src.meta(), dst.meta())?;
         let (sc, sd, stotal) = self.counts_check(OP, "send_counts", send_counts)?;
         let (rc, rd, rtotal) = self.counts_check(OP, "recv_counts", recv_counts)?;
         if src.numel() != stotal || dst.numel() != rtotal {
@@ -274,7 +293,7 @@ impl Collectives for HcclComm {
                 ),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src)?, self.buffer(OP, "dst", dst)?);
+        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
         let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
         self.run(OP, &[s, d], |api, stream| {
@@ -298,12 +317,12 @@ impl Collectives for HcclComm {
         })
     }
 
-    fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()> {
+    fn broadcast(&self, buf: ViewMut<'_, NpuBuffer>, root: usize) -> Result<()> {
         const OP: &str = "broadcast";
         if root >= self.inner.world {
             return Err(self.comm_err(OP, format!("root {root} outside a group of {}", self.inner.world)));
         }
-        let b = self.buffer(OP, "buf", buf)?;
+        let b = self.buffer(OP, "buf", buf.buf())?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
         if n == 0 {
             // Every rank has the same count: nothing moves, and an empty

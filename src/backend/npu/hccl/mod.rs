@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex};
 use super::memory::NpuBuffer;
 use super::runtime::{record_drop_error, NpuStream};
 use super::NpuDevice;
-use crate::comm::{Comm, CommOptions};
-use crate::{Error, Result};
+use crate::types::CommOptions;
+use crate::Error;
 
 use api::hccl_fn;
 pub use api::{check, error_string, hccl, hccl_dtype, hccl_op, ROOT_INFO_BYTES};
@@ -118,41 +118,4 @@ impl HcclComm {
     pub fn npu_device(&self) -> &NpuDevice {
         &self.inner.device
     }
-}
-
-/// Runs `f(rank, comm)` on `world` threads, rank `r` on NPU `r`, all joined to
-/// one fresh HCCL world (root info created on device 0); returns the results
-/// in rank order, or the first error. The NPU twin of the CPU `run_ranks`.
-pub fn npu_run_ranks<R, F>(world: usize, opts: &CommOptions, f: F) -> Result<Vec<R>>
-where
-    R: Send,
-    F: Fn(usize, Comm) -> Result<R> + Sync,
-{
-    const OP: &str = "npu_run_ranks";
-    if world == 0 {
-        return Err(Error::invalid(OP, "world", "a world needs at least one rank"));
-    }
-    let count = super::runtime::device_count()? as usize;
-    if count < world {
-        return Err(Error::invalid(OP, "world", format!("{world} ranks need {world} devices, {count} visible")));
-    }
-    let root = HcclRootInfo::generate(&NpuDevice::open(0)?)?;
-    let results: Vec<Result<R>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let (root, f) = (&root, &f);
-                s.spawn(move || -> Result<R> {
-                    let device = NpuDevice::open(rank as u32)?;
-                    let comm = HcclComm::from_root_info(&device, root, world, rank, opts)?;
-                    f(rank, Comm::Npu(comm))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, h)| h.join().unwrap_or_else(|_| Err(Error::invalid(OP, "f", format!("rank {rank} panicked")))))
-            .collect()
-    });
-    results.into_iter().collect()
 }

@@ -213,3 +213,8 @@ pub type NpuCopyLaunchFn =
 /// [`COPY_GM_COUNT`] device pointers and the tiling in host memory (its
 /// fields become the kernel's scalar arguments).
 pub const NPU_COPY_LAUNCH_SYMBOL: &str = "amoe_copy_launch_npu";
+
+/// The op name the finalize kernel's argument errors carry.
+pub const FINALIZE_OP: &str = "moe_finalize_routing";
+/// The finalize kernel's name in [`crate::Error::Kernel`].
+pub const FINALIZE_KERNEL: &str = "amoe_finalize";

@@ -25,8 +25,10 @@
 
 use std::ffi::c_void;
 
-use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
-use crate::{DType, DropPadMode, Error, Result, Tensor};
+use crate::backend::cpu::CpuBuffer;
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
+use crate::types::TensorMeta;
+use crate::{DType, DropPadMode, Error, Result};
 
 pub mod abi;
 pub mod copy;
@@ -40,24 +42,30 @@ pub use library::*;
 pub use status::check_status;
 pub use tiling::{finalize_tiling, slot_offsets, TilingParams};
 
-const OP: &str = "moe_finalize_routing";
-const KERNEL: &str = "amoe_finalize";
+const OP: &str = FINALIZE_OP;
 
-fn expect_dtype(t: &Tensor, arg: &'static str, want: DType) -> Result<()> {
-    if t.dtype() != want {
-        return Err(Error::dtype(OP, arg, want.name(), t.dtype()));
+fn expect_dtype(t: TensorMeta<'_>, arg: &'static str, want: DType) -> Result<()> {
+    if t.dtype != want {
+        return Err(Error::dtype(OP, arg, want.name(), t.dtype));
     }
     Ok(())
 }
 
-fn expect_len(t: &Tensor, arg: &'static str, what: &str, want: u64) -> Result<()> {
+fn expect_len(t: TensorMeta<'_>, arg: &'static str, what: &str, want: u64) -> Result<()> {
     if t.numel() as u64 != want {
-        return Err(Error::shape(OP, arg, format!("{want} elements ({what})"), t.shape()));
+        return Err(Error::shape(OP, arg, format!("{want} elements ({what})"), t.shape));
     }
     Ok(())
 }
 
-fn check_optional(t: Option<&Tensor>, flag: bool, arg: &'static str, dtype: DType, what: &str, len: u64) -> Result<()> {
+fn check_optional(
+    t: Option<TensorMeta<'_>>,
+    flag: bool,
+    arg: &'static str,
+    dtype: DType,
+    what: &str,
+    len: u64,
+) -> Result<()> {
     match (t, flag) {
         (None, false) => Ok(()),
         (Some(t), true) => {
@@ -69,11 +77,11 @@ fn check_optional(t: Option<&Tensor>, flag: bool, arg: &'static str, dtype: DTyp
     }
 }
 
-fn host_ptr(t: Option<&Tensor>) -> Result<*mut c_void> {
-    Ok(match t {
-        Some(t) => t.cpu_bytes()?.as_ptr() as *mut c_void,
+fn host_ptr(t: Option<View<'_, CpuBuffer>>) -> *mut c_void {
+    match t {
+        Some(t) => t.bytes().as_ptr() as *mut c_void,
         None => std::ptr::null_mut(),
-    })
+    }
 }
 
 /// Runs the host build of the kernel on host tensors, planning the tiling for
@@ -84,13 +92,13 @@ fn host_ptr(t: Option<&Tensor>) -> Result<*mut c_void> {
 /// Index values are checked by the kernel: an out-of-range one yields
 /// [`Error::IndexOutOfRange`] (the output is then unspecified).
 pub fn finalize_host(
-    args: &FinalizeArgs<'_>,
+    args: &FinalizeArgs<View<'_, CpuBuffer>>,
     dims: &FinalizeDims,
-    out: &mut Tensor,
+    out: ViewMut<'_, CpuBuffer>,
     rows: OutputRows<'_>,
     block_dim: u32,
 ) -> Result<()> {
-    let tiling = finalize_tiling(&TilingParams::from_args(args, dims, rows, block_dim, UB_BYTES_910B))?;
+    let tiling = finalize_tiling(&TilingParams::from_args(&args.metas(), dims, rows, block_dim, UB_BYTES_910B))?;
     finalize_host_with_tiling(args, out, rows, &tiling)
 }
 
@@ -104,8 +112,8 @@ pub fn finalize_host(
 /// [`FinalizeTiling::status_words`] words filled with [`STATUS_NOT_RUN`]
 /// (bytes `0xFF`), and decodes the status with [`check_status`].
 pub fn check_launch(
-    args: &FinalizeArgs<'_>,
-    out: &Tensor,
+    args: &FinalizeArgs<TensorMeta<'_>>,
+    out: TensorMeta<'_>,
     rows: OutputRows<'_>,
     tiling: &FinalizeTiling,
 ) -> Result<()> {
@@ -154,7 +162,12 @@ pub fn check_launch(
 
 /// [`check_launch`] of a [`FLAG_CHECK_INDICES`] launch: the index tensors and
 /// the int32 output of [`checked_indices_len`] elements.
-fn check_index_launch(args: &FinalizeArgs<'_>, out: &Tensor, rows: OutputRows<'_>, t: &FinalizeTiling) -> Result<()> {
+fn check_index_launch(
+    args: &FinalizeArgs<TensorMeta<'_>>,
+    out: TensorMeta<'_>,
+    rows: OutputRows<'_>,
+    t: &FinalizeTiling,
+) -> Result<()> {
     if t.flags & (FLAG_PADDED_OUT | FLAG_SKIP_INVALID_ROWS) != 0 || !matches!(rows, OutputRows::Dense) {
         return Err(Error::invalid(OP, "tiling", "the index check has a dense output and checks every row index"));
     }
@@ -172,25 +185,25 @@ fn check_index_launch(args: &FinalizeArgs<'_>, out: &Tensor, rows: OutputRows<'_
 /// capacity) is caught by the host simulation and returned as
 /// [`Error::Kernel`].
 pub fn finalize_host_with_tiling(
-    args: &FinalizeArgs<'_>,
-    out: &mut Tensor,
+    args: &FinalizeArgs<View<'_, CpuBuffer>>,
+    mut out: ViewMut<'_, CpuBuffer>,
     rows: OutputRows<'_>,
     tiling: &FinalizeTiling,
 ) -> Result<()> {
     let t = tiling;
-    check_launch(args, out, rows, t)?;
+    check_launch(&args.metas(), out.meta(), rows, t)?;
     let offsets = slot_offsets(rows)?;
     let entry = host_entry().ok_or_else(host_unavailable)?;
     let mut status = vec![STATUS_NOT_RUN; t.status_words()];
     let mut gm = [std::ptr::null_mut::<c_void>(); GM_COUNT];
-    gm[GM_EXPANDED_X] = host_ptr(Some(args.expanded_x))?;
-    gm[GM_ROW_IDX] = host_ptr(Some(args.expanded_row_idx))?;
-    gm[GM_X1] = host_ptr(args.x1)?;
-    gm[GM_X2] = host_ptr(args.x2)?;
-    gm[GM_BIAS] = host_ptr(args.bias)?;
-    gm[GM_SCALES] = host_ptr(args.scales)?;
-    gm[GM_EXPERT_IDX] = host_ptr(args.expert_idx)?;
-    gm[GM_OUT] = out.cpu_bytes_mut()?.as_mut_ptr() as *mut c_void;
+    gm[GM_EXPANDED_X] = host_ptr(Some(args.expanded_x));
+    gm[GM_ROW_IDX] = host_ptr(Some(args.expanded_row_idx));
+    gm[GM_X1] = host_ptr(args.x1);
+    gm[GM_X2] = host_ptr(args.x2);
+    gm[GM_BIAS] = host_ptr(args.bias);
+    gm[GM_SCALES] = host_ptr(args.scales);
+    gm[GM_EXPERT_IDX] = host_ptr(args.expert_idx);
+    gm[GM_OUT] = out.bytes_mut().as_mut_ptr() as *mut c_void;
     gm[GM_SLOT_OFFSETS] = if offsets.is_empty() { std::ptr::null_mut() } else { offsets.as_ptr() as *mut c_void };
     gm[GM_STATUS] = status.as_mut_ptr() as *mut c_void;
     for block in 0..t.block_dim {

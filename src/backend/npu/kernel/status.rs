@@ -1,7 +1,7 @@
 //! Decoding the per-core status records a launch writes.
 
 use super::abi::*;
-use super::{KERNEL, OP};
+use super::abi::{FINALIZE_KERNEL as KERNEL, FINALIZE_OP as OP};
 use crate::{DropPadMode, Error, Result};
 
 /// Decodes the status array of a finished launch (`tiling.block_dim` records

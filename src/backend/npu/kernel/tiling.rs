@@ -2,10 +2,11 @@
 //! unified buffer, rows split over the cores), the padded output's slot
 //! offsets, and the geometry check every launch passes first.
 
+use super::abi::FINALIZE_OP as OP;
 use super::abi::*;
-use super::OP;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows};
-use crate::{DType, DropPadMode, Error, Result, Tensor};
+use crate::types::TensorMeta;
+use crate::{DType, DropPadMode, Error, Result};
 
 /// Everything [`finalize_tiling`] needs: sizes, dtypes, flags and the launch shape.
 #[derive(Debug, Clone, Copy)]
@@ -35,7 +36,7 @@ pub struct TilingParams<'a> {
 impl<'a> TilingParams<'a> {
     /// The parameters of a finalize call, read off its arguments.
     pub fn from_args(
-        args: &FinalizeArgs<'_>,
+        args: &FinalizeArgs<TensorMeta<'_>>,
         dims: &FinalizeDims,
         rows: OutputRows<'a>,
         block_dim: u32,
@@ -43,8 +44,8 @@ impl<'a> TilingParams<'a> {
     ) -> Self {
         TilingParams {
             dims: *dims,
-            data: args.expanded_x.dtype(),
-            scales: args.scales.map(Tensor::dtype),
+            data: args.expanded_x.dtype,
+            scales: args.scales.map(|s| s.dtype),
             mode: args.drop_pad_mode,
             x1: args.x1.is_some(),
             x2: args.x2.is_some(),

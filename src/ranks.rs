@@ -1,8 +1,11 @@
-//! Thread ranks: one closure per rank of a fresh world of threads.
+//! Thread ranks: one closure per rank of a fresh world of threads, each given
+//! its [`Comm`]: [`run_ranks`] over the CPU communicator, [`npu_run_ranks`]
+//! over HCCL, rank `r` on NPU `r`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{CpuComm, CpuCommConfig};
+use crate::backend::cpu::comm::{CpuComm, CpuCommConfig};
+use crate::backend::npu::{device_count, HcclComm, HcclRootInfo, NpuDevice};
 use crate::comm::{Comm, CommOptions};
 use crate::error::CommErrorKind;
 use crate::{Error, Result};
@@ -70,4 +73,41 @@ where
         .iter()
         .position(|e| !matches!(e, Error::Comm { kind: CommErrorKind::PeerFailed | CommErrorKind::Mismatch, .. }));
     Err(errors.swap_remove(root.unwrap_or(0)))
+}
+
+/// Runs `f(rank, comm)` on `world` threads, rank `r` on NPU `r`, all joined to
+/// one fresh HCCL world (root info created on device 0); returns the results
+/// in rank order, or the first error. The NPU twin of the CPU `run_ranks`.
+pub fn npu_run_ranks<R, F>(world: usize, opts: &CommOptions, f: F) -> Result<Vec<R>>
+where
+    R: Send,
+    F: Fn(usize, Comm) -> Result<R> + Sync,
+{
+    const OP: &str = "npu_run_ranks";
+    if world == 0 {
+        return Err(Error::invalid(OP, "world", "a world needs at least one rank"));
+    }
+    let count = device_count()? as usize;
+    if count < world {
+        return Err(Error::invalid(OP, "world", format!("{world} ranks need {world} devices, {count} visible")));
+    }
+    let root = HcclRootInfo::generate(&NpuDevice::open(0)?)?;
+    let results: Vec<Result<R>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (root, f) = (&root, &f);
+                s.spawn(move || -> Result<R> {
+                    let device = NpuDevice::open(rank as u32)?;
+                    let comm = HcclComm::from_root_info(&device, root, world, rank, opts)?;
+                    f(rank, Comm::Npu(comm))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| h.join().unwrap_or_else(|_| Err(Error::invalid(OP, "f", format!("rank {rank} panicked")))))
+            .collect()
+    });
+    results.into_iter().collect()
 }
