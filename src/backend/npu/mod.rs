@@ -22,6 +22,7 @@ pub mod memory;
 mod ops;
 pub mod pool;
 pub mod probe;
+pub mod result;
 pub mod runtime;
 
 use std::sync::Arc;

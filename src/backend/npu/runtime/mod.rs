@@ -16,7 +16,7 @@
 
 mod device;
 mod event;
-mod load;
+pub(crate) mod load;
 mod pending;
 mod stream;
 mod workspace;
