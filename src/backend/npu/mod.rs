@@ -7,13 +7,16 @@
 //!
 //! | module | holds |
 //! |---|---|
+//! | [`result`] | the result layer: each ACL, HCCL and aclnn C function wrapped once, returning `Result` |
 //! | [`runtime`] | loading, ACL errors, per-thread device binding, [`NpuStream`], [`NpuEvent`] |
 //! | [`memory`] | [`NpuBuffer`], [`DeviceBuffer`], [`PinnedHostBuffer`] |
 //! | [`live_context`] | `LiveContext`: the live forward context on the device and the guards of captured ops |
 //! | [`hccl`] | [`HcclRootInfo`], [`HcclComm`] and its collectives, [`npu_run_ranks`] |
+//! | `aclnn` | the aclnn operands: tensor descriptors and scalars, destroyed on drop |
 //! | `ops` | aclnn calls behind [`Backend`] |
 //! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
 
+mod aclnn;
 mod device_check;
 pub mod hccl;
 pub mod kernel;
@@ -27,9 +30,10 @@ pub mod runtime;
 
 use std::sync::Arc;
 
+pub use aclnn::acl_dtype;
 pub use hccl::{npu_run_ranks, HcclComm, HcclRootInfo};
 pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
-pub use ops::{acl_dtype, FinalizeImpl, FINALIZE_ENV};
+pub use ops::{FinalizeImpl, FINALIZE_ENV};
 pub use pool::{Allocator, PoolStats, WORKSPACE_ALIGN};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
@@ -150,12 +154,8 @@ impl NpuDevice {
 
     /// `(free, total)` bytes of device memory.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
-        let api = self.stream.enter()?;
-        let f = runtime::acl_fn!(api, aclrtGetMemInfo)?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: valid out-pointers, device bound.
-        runtime::check("aclrtGetMemInfo", unsafe { f(acl_sys::aclrtMemAttr::ACL_HBM_MEM, &mut free, &mut total) })?;
-        Ok((free, total))
+        self.stream.enter()?;
+        result::acl::get_mem_info(acl_sys::aclrtMemAttr::ACL_HBM_MEM)
     }
 
     /// A device tensor holding a copy of the host tensor `src`.
