@@ -14,7 +14,7 @@ use acl_sys::{
     CannsimLaunchKernelFn,
 };
 
-use super::{require, sym};
+use super::{require, status_fns, sym};
 use crate::backend::npu::runtime::load::{acl, check};
 use crate::Result;
 
@@ -97,25 +97,104 @@ pub fn create_stream() -> Result<aclrtStream> {
     Ok(raw)
 }
 
-/// `aclrtDestroyStream`.
-///
-/// # Safety
-/// `stream` was created by [`create_stream`], is destroyed once, and no
-/// queued work is left on it.
-pub unsafe fn destroy_stream(stream: aclrtStream) -> Result<()> {
-    let f = sym!(acl()?, aclrtDestroyStream)?;
-    // SAFETY: the caller's contract.
-    check("aclrtDestroyStream", unsafe { f(stream) })
-}
+status_fns! { acl, check;
+    /// `aclrtDestroyStream`.
+    ///
+    /// # Safety
+    /// `stream` was created by [`create_stream`], is destroyed once, and no
+    /// queued work is left on it.
+    pub unsafe fn destroy_stream = aclrtDestroyStream(stream: aclrtStream);
 
-/// `aclrtSynchronizeStream`: waits on the host for all work on `stream`.
-///
-/// # Safety
-/// `stream` is a live stream of the bound device (or NULL, the default stream).
-pub unsafe fn synchronize_stream(stream: aclrtStream) -> Result<()> {
-    let f = sym!(acl()?, aclrtSynchronizeStream)?;
-    // SAFETY: the caller's contract.
-    check("aclrtSynchronizeStream", unsafe { f(stream) })
+    /// `aclrtSynchronizeStream`: waits on the host for all work on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the bound device (or NULL, the default stream).
+    pub unsafe fn synchronize_stream = aclrtSynchronizeStream(stream: aclrtStream);
+
+    /// `aclrtFree`.
+    ///
+    /// # Safety
+    /// `ptr` came from [`malloc`], is freed once, and no queued work uses it.
+    pub unsafe fn free = aclrtFree(ptr: *mut c_void);
+
+    /// `aclrtFreeHost`.
+    ///
+    /// # Safety
+    /// `ptr` came from [`malloc_host`], is freed once, and no queued copy uses it.
+    pub unsafe fn free_host = aclrtFreeHost(ptr: *mut c_void);
+
+    /// `aclrtMemcpy(dst, dst_max, src, count, kind)`: a blocking copy.
+    ///
+    /// # Safety
+    /// `dst` holds `dst_max >= count` bytes and `src` `count` bytes, of the
+    /// memory kinds `kind` names, and no queued work writes either.
+    pub unsafe fn memcpy = aclrtMemcpy(
+        dst: *mut c_void,
+        dst_max: usize,
+        src: *const c_void,
+        count: usize,
+        kind: aclrtMemcpyKind,
+    );
+
+    /// `aclrtMemcpyAsync(dst, dst_max, src, count, kind, stream)`: a copy queued
+    /// on `stream`.
+    ///
+    /// # Safety
+    /// As [`memcpy`], and both ranges stay allocated (a host source unchanged)
+    /// until the stream has run the copy; `stream` is live.
+    pub unsafe fn memcpy_async = aclrtMemcpyAsync(
+        dst: *mut c_void,
+        dst_max: usize,
+        src: *const c_void,
+        count: usize,
+        kind: aclrtMemcpyKind,
+        stream: aclrtStream,
+    );
+
+    /// `aclrtMemset(ptr, max, value, count)`: a blocking memset.
+    ///
+    /// # Safety
+    /// `ptr` is `max >= count` bytes of device memory of the bound device that
+    /// no queued work uses.
+    pub unsafe fn memset = aclrtMemset(ptr: *mut c_void, max: usize, value: i32, count: usize);
+
+    /// `aclrtMemsetAsync(ptr, max, value, count, stream)`: a memset queued on `stream`.
+    ///
+    /// # Safety
+    /// `ptr` is `max >= count` bytes of device memory of the bound device that
+    /// stay allocated until the stream has run the memset; `stream` is live.
+    pub unsafe fn memset_async = aclrtMemsetAsync(
+        ptr: *mut c_void,
+        max: usize,
+        value: i32,
+        count: usize,
+        stream: aclrtStream,
+    );
+
+    /// `aclrtRecordEvent(event, stream)`.
+    ///
+    /// # Safety
+    /// `event` and `stream` are live, of the bound device.
+    pub unsafe fn record_event = aclrtRecordEvent(event: aclrtEvent, stream: aclrtStream);
+
+    /// `aclrtSynchronizeEvent`: waits on the host until the recorded work completed.
+    ///
+    /// # Safety
+    /// `event` is live.
+    pub unsafe fn synchronize_event = aclrtSynchronizeEvent(event: aclrtEvent);
+
+    /// `aclrtDestroyEvent`.
+    ///
+    /// # Safety
+    /// `event` was created by [`create_event`], is destroyed once, and no call
+    /// still uses it (aclrtDestroyEvent, AscendCL API reference).
+    pub unsafe fn destroy_event = aclrtDestroyEvent(event: aclrtEvent);
+
+    /// `aclrtStreamWaitEvent(stream, event)`: `stream` waits on the device for `event`.
+    ///
+    /// # Safety
+    /// Both handles are live, of the bound device.
+    pub unsafe fn stream_wait_event = aclrtStreamWaitEvent(stream: aclrtStream, event: aclrtEvent);
 }
 
 /// `aclrtSynchronizeStreamWithTimeout(stream, timeout_ms)`, `Ok(None)` on a
@@ -154,16 +233,6 @@ pub fn malloc(len: usize, policy: aclrtMemMallocPolicy) -> Result<*mut c_void> {
     Ok(ptr)
 }
 
-/// `aclrtFree`.
-///
-/// # Safety
-/// `ptr` came from [`malloc`], is freed once, and no queued work uses it.
-pub unsafe fn free(ptr: *mut c_void) -> Result<()> {
-    let f = sym!(acl()?, aclrtFree)?;
-    // SAFETY: the caller's contract.
-    check("aclrtFree", unsafe { f(ptr) })
-}
-
 /// `aclrtMallocHost(len)`: `len` bytes of pinned host memory.
 pub fn malloc_host(len: usize) -> Result<*mut c_void> {
     let f = sym!(acl()?, aclrtMallocHost)?;
@@ -173,74 +242,6 @@ pub fn malloc_host(len: usize) -> Result<*mut c_void> {
     Ok(ptr)
 }
 
-/// `aclrtFreeHost`.
-///
-/// # Safety
-/// `ptr` came from [`malloc_host`], is freed once, and no queued copy uses it.
-pub unsafe fn free_host(ptr: *mut c_void) -> Result<()> {
-    let f = sym!(acl()?, aclrtFreeHost)?;
-    // SAFETY: the caller's contract.
-    check("aclrtFreeHost", unsafe { f(ptr) })
-}
-
-/// `aclrtMemcpy(dst, dst_max, src, count, kind)`: a blocking copy.
-///
-/// # Safety
-/// `dst` holds `dst_max >= count` bytes and `src` `count` bytes, of the
-/// memory kinds `kind` names, and no queued work writes either.
-pub unsafe fn memcpy(
-    dst: *mut c_void,
-    dst_max: usize,
-    src: *const c_void,
-    count: usize,
-    kind: aclrtMemcpyKind,
-) -> Result<()> {
-    let f = sym!(acl()?, aclrtMemcpy)?;
-    // SAFETY: the caller's contract.
-    check("aclrtMemcpy", unsafe { f(dst, dst_max, src, count, kind) })
-}
-
-/// `aclrtMemcpyAsync(dst, dst_max, src, count, kind, stream)`: a copy queued
-/// on `stream`.
-///
-/// # Safety
-/// As [`memcpy`], and both ranges stay allocated (a host source unchanged)
-/// until the stream has run the copy; `stream` is live.
-pub unsafe fn memcpy_async(
-    dst: *mut c_void,
-    dst_max: usize,
-    src: *const c_void,
-    count: usize,
-    kind: aclrtMemcpyKind,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(acl()?, aclrtMemcpyAsync)?;
-    // SAFETY: the caller's contract.
-    check("aclrtMemcpyAsync", unsafe { f(dst, dst_max, src, count, kind, stream) })
-}
-
-/// `aclrtMemset(ptr, max, value, count)`: a blocking memset.
-///
-/// # Safety
-/// `ptr` is `max >= count` bytes of device memory of the bound device that
-/// no queued work uses.
-pub unsafe fn memset(ptr: *mut c_void, max: usize, value: i32, count: usize) -> Result<()> {
-    let f = sym!(acl()?, aclrtMemset)?;
-    // SAFETY: the caller's contract.
-    check("aclrtMemset", unsafe { f(ptr, max, value, count) })
-}
-
-/// `aclrtMemsetAsync(ptr, max, value, count, stream)`: a memset queued on `stream`.
-///
-/// # Safety
-/// `ptr` is `max >= count` bytes of device memory of the bound device that
-/// stay allocated until the stream has run the memset; `stream` is live.
-pub unsafe fn memset_async(ptr: *mut c_void, max: usize, value: i32, count: usize, stream: aclrtStream) -> Result<()> {
-    let f = sym!(acl()?, aclrtMemsetAsync)?;
-    // SAFETY: the caller's contract.
-    check("aclrtMemsetAsync", unsafe { f(ptr, max, value, count, stream) })
-}
-
 /// `aclrtCreateEvent`: a new event on the bound device.
 pub fn create_event() -> Result<aclrtEvent> {
     let f = sym!(acl()?, aclrtCreateEvent)?;
@@ -248,26 +249,6 @@ pub fn create_event() -> Result<aclrtEvent> {
     // SAFETY: valid out-pointer.
     check("aclrtCreateEvent", unsafe { f(&mut raw) })?;
     Ok(raw)
-}
-
-/// `aclrtRecordEvent(event, stream)`.
-///
-/// # Safety
-/// `event` and `stream` are live, of the bound device.
-pub unsafe fn record_event(event: aclrtEvent, stream: aclrtStream) -> Result<()> {
-    let f = sym!(acl()?, aclrtRecordEvent)?;
-    // SAFETY: the caller's contract.
-    check("aclrtRecordEvent", unsafe { f(event, stream) })
-}
-
-/// `aclrtSynchronizeEvent`: waits on the host until the recorded work completed.
-///
-/// # Safety
-/// `event` is live.
-pub unsafe fn synchronize_event(event: aclrtEvent) -> Result<()> {
-    let f = sym!(acl()?, aclrtSynchronizeEvent)?;
-    // SAFETY: the caller's contract.
-    check("aclrtSynchronizeEvent", unsafe { f(event) })
 }
 
 /// `aclrtQueryEventStatus`: whether the recorded work completed.
@@ -292,27 +273,6 @@ pub unsafe fn event_elapsed_time(start: aclrtEvent, end: aclrtEvent) -> Result<f
     // SAFETY: the caller's contract; valid out-pointer.
     check("aclrtEventElapsedTime", unsafe { f(&mut ms, start, end) })?;
     Ok(ms)
-}
-
-/// `aclrtDestroyEvent`.
-///
-/// # Safety
-/// `event` was created by [`create_event`], is destroyed once, and no call
-/// still uses it (aclrtDestroyEvent, AscendCL API reference).
-pub unsafe fn destroy_event(event: aclrtEvent) -> Result<()> {
-    let f = sym!(acl()?, aclrtDestroyEvent)?;
-    // SAFETY: the caller's contract.
-    check("aclrtDestroyEvent", unsafe { f(event) })
-}
-
-/// `aclrtStreamWaitEvent(stream, event)`: `stream` waits on the device for `event`.
-///
-/// # Safety
-/// Both handles are live, of the bound device.
-pub unsafe fn stream_wait_event(stream: aclrtStream, event: aclrtEvent) -> Result<()> {
-    let f = sym!(acl()?, aclrtStreamWaitEvent)?;
-    // SAFETY: the caller's contract.
-    check("aclrtStreamWaitEvent", unsafe { f(stream, event) })
 }
 
 /// `cannsim_launch_kernel` of the simulated runtime (`launch`, from

@@ -36,6 +36,15 @@ pub fn check(call: &'static str, code: aclnnStatus) -> Result<()> {
     }
 }
 
+/// `raw` from the constructor `call`, or [`Error::Aclnn`] (code -1, the
+/// vendor message) when it returned NULL.
+fn created<T>(call: &'static str, raw: *mut T) -> Result<*mut T> {
+    if raw.is_null() {
+        return Err(Error::Aclnn { call, code: -1, msg: recent_error_message() });
+    }
+    Ok(raw)
+}
+
 /// The error for an operator `name` that `api` does not have.
 pub fn op_missing(name: &str, api: &OpApi) -> Error {
     Error::Unavailable(format!(
@@ -50,7 +59,6 @@ pub fn op_missing(name: &str, api: &OpApi) -> Error {
 /// # Safety
 /// `data` is device memory holding the whole view the shapes describe, live
 /// while the descriptor is used.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn create_tensor(
     dims: &[i64],
     dtype: aclDataType,
@@ -76,10 +84,7 @@ pub unsafe fn create_tensor(
             data,
         )
     };
-    if raw.is_null() {
-        return Err(Error::Aclnn { call: "aclCreateTensor", code: -1, msg: recent_error_message() });
-    }
-    Ok(raw)
+    created("aclCreateTensor", raw)
 }
 
 /// `aclDestroyTensor`.
@@ -102,10 +107,7 @@ pub unsafe fn create_scalar(value: *mut c_void, dtype: aclDataType) -> Result<*m
     let nn = nnopbase()?;
     // SAFETY: the caller's contract; aclCreateScalar copies the value.
     let raw = unsafe { (nn.aclCreateScalar)(value, dtype) };
-    if raw.is_null() {
-        return Err(Error::Aclnn { call: "aclCreateScalar", code: -1, msg: recent_error_message() });
-    }
-    Ok(raw)
+    created("aclCreateScalar", raw)
 }
 
 /// `aclDestroyScalar`.
@@ -139,6 +141,17 @@ pub unsafe fn run(
     check(call, unsafe { run(workspace, workspace_size, executor, stream) })
 }
 
+/// Phase one through `f`, which calls `call` with the out-pointers of the
+/// workspace size and the executor: both, or the error of its status.
+fn phase_one(
+    call: &'static str,
+    f: impl FnOnce(*mut u64, *mut *mut aclOpExecutor) -> aclnnStatus,
+) -> Result<(u64, *mut aclOpExecutor)> {
+    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
+    check(call, f(&mut ws, &mut exec))?;
+    Ok((ws, exec))
+}
+
 /// `aclnnAddGetWorkspaceSize(self, other, alpha, out)` of `op`: `out = self +
 /// alpha * other`; the workspace size and the executor.
 ///
@@ -151,12 +164,10 @@ pub unsafe fn add_get_workspace_size(
     alpha: *const aclScalar,
     out: *mut aclTensor,
 ) -> Result<(u64, *mut aclOpExecutor)> {
-    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-    // SAFETY: the caller's contract; valid out-pointers.
-    check("aclnnAddGetWorkspaceSize", unsafe {
-        (op.get_workspace_size)(self_, other, alpha, out, &mut ws, &mut exec)
-    })?;
-    Ok((ws, exec))
+    phase_one("aclnnAddGetWorkspaceSize", |ws, exec| {
+        // SAFETY: the caller's contract; `ws` and `exec` are valid out-pointers.
+        unsafe { (op.get_workspace_size)(self_, other, alpha, out, ws, exec) }
+    })
 }
 
 /// `aclnnMoeFinalizeRoutingV2GetWorkspaceSize(expandedX, expandedRowIdx,
@@ -178,24 +189,24 @@ pub unsafe fn moe_finalize_routing_v2_get_workspace_size(
     drop_pad_mode: i64,
     out: *const aclTensor,
 ) -> Result<(u64, *mut aclOpExecutor)> {
-    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-    // SAFETY: the caller's contract; valid out-pointers.
-    check("aclnnMoeFinalizeRoutingV2GetWorkspaceSize", unsafe {
-        (op.get_workspace_size)(
-            expanded_x,
-            expanded_row_idx,
-            x1,
-            x2,
-            bias,
-            scales,
-            expert_idx,
-            drop_pad_mode,
-            out,
-            &mut ws,
-            &mut exec,
-        )
-    })?;
-    Ok((ws, exec))
+    phase_one("aclnnMoeFinalizeRoutingV2GetWorkspaceSize", |ws, exec| {
+        // SAFETY: the caller's contract; `ws` and `exec` are valid out-pointers.
+        unsafe {
+            (op.get_workspace_size)(
+                expanded_x,
+                expanded_row_idx,
+                x1,
+                x2,
+                bias,
+                scales,
+                expert_idx,
+                drop_pad_mode,
+                out,
+                ws,
+                exec,
+            )
+        }
+    })
 }
 
 /// `aclnnMoeTokenUnpermuteGetWorkspaceSize(permutedTokens, sortedIndices,
@@ -206,7 +217,6 @@ pub unsafe fn moe_finalize_routing_v2_get_workspace_size(
 /// Every descriptor is live until phase two ran (optional ones may be NULL);
 /// the op's documentation asks that `sortedIndices` hold distinct indices of
 /// rows of `permutedTokens`, since aclnn does not check index values.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn moe_token_unpermute_get_workspace_size(
     op: &Op<aclnnMoeTokenUnpermuteGetWorkspaceSize_fn>,
     permuted_tokens: *const aclTensor,
@@ -216,19 +226,10 @@ pub unsafe fn moe_token_unpermute_get_workspace_size(
     restore_shape: *const aclIntArray,
     out: *const aclTensor,
 ) -> Result<(u64, *mut aclOpExecutor)> {
-    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-    // SAFETY: the caller's contract; valid out-pointers.
-    check("aclnnMoeTokenUnpermuteGetWorkspaceSize", unsafe {
-        (op.get_workspace_size)(
-            permuted_tokens,
-            sorted_indices,
-            probs,
-            padded_mode,
-            restore_shape,
-            out,
-            &mut ws,
-            &mut exec,
-        )
-    })?;
-    Ok((ws, exec))
+    phase_one("aclnnMoeTokenUnpermuteGetWorkspaceSize", |ws, exec| {
+        // SAFETY: the caller's contract; `ws` and `exec` are valid out-pointers.
+        unsafe {
+            (op.get_workspace_size)(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape, out, ws, exec)
+        }
+    })
 }

@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_void, CStr};
 use acl_sys::aclrtStream;
 use hccl_sys::{Hccl, HcclComm, HcclCommConfig, HcclDataType, HcclReduceOp, HcclResult, HcclRootInfo};
 
-use super::{require, sym};
+use super::{require, status_fns, sym};
 use crate::backend::npu::runtime::load::recent_error_message;
 use crate::{Error, Result};
 
@@ -111,14 +111,131 @@ pub unsafe fn create_sub_comm_config(
     Ok(sub)
 }
 
-/// `HcclCommDestroy`.
-///
-/// # Safety
-/// `comm` is ours, destroyed once, with no queued collective left.
-pub unsafe fn comm_destroy(comm: HcclComm) -> Result<()> {
-    let f = sym!(hccl()?, HcclCommDestroy)?;
-    // SAFETY: the caller's contract.
-    check("HcclCommDestroy", unsafe { f(comm) })
+status_fns! { hccl, check;
+    /// `HcclCommDestroy`.
+    ///
+    /// # Safety
+    /// `comm` is ours, destroyed once, with no queued collective left.
+    pub unsafe fn comm_destroy = HcclCommDestroy(comm: HcclComm);
+
+    /// `HcclAllReduce`, queued on `stream` (in place when `send == recv`).
+    ///
+    /// # Safety
+    /// `send` and `recv` hold `count` elements of `dtype` on the communicator's
+    /// device and stay allocated until the stream has run the collective;
+    /// `comm` and `stream` are live, the stream of the communicator's device.
+    pub unsafe fn all_reduce = HcclAllReduce(
+        send: *mut c_void,
+        recv: *mut c_void,
+        count: u64,
+        dtype: HcclDataType,
+        op: HcclReduceOp,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclReduceScatter`, queued on `stream`.
+    ///
+    /// # Safety
+    /// As [`all_reduce`], with `send` holding world x `recv_count` elements and
+    /// `recv` `recv_count`.
+    pub unsafe fn reduce_scatter = HcclReduceScatter(
+        send: *mut c_void,
+        recv: *mut c_void,
+        recv_count: u64,
+        dtype: HcclDataType,
+        op: HcclReduceOp,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclAllGather`, queued on `stream`.
+    ///
+    /// # Safety
+    /// As [`all_reduce`], with `send` holding `send_count` elements and `recv`
+    /// world x `send_count`.
+    pub unsafe fn all_gather = HcclAllGather(
+        send: *mut c_void,
+        recv: *mut c_void,
+        send_count: u64,
+        dtype: HcclDataType,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclReduceScatterV`, queued on `stream`; `send_counts` and `send_displs`
+    /// are host arrays of world `u64`.
+    ///
+    /// # Safety
+    /// As [`all_reduce`], with the buffers sized by the counts; the count arrays
+    /// hold world elements.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_scatter_v = HcclReduceScatterV(
+        send: *mut c_void,
+        send_counts: *const c_void,
+        send_displs: *const c_void,
+        recv: *mut c_void,
+        recv_count: u64,
+        dtype: HcclDataType,
+        op: HcclReduceOp,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclAllGatherV`, queued on `stream`; `recv_counts` and `recv_displs` are
+    /// host arrays of world `u64`.
+    ///
+    /// # Safety
+    /// As [`reduce_scatter_v`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_gather_v = HcclAllGatherV(
+        send: *mut c_void,
+        send_count: u64,
+        recv: *mut c_void,
+        recv_counts: *const c_void,
+        recv_displs: *const c_void,
+        dtype: HcclDataType,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclAlltoAllV`, queued on `stream`; the count and displacement arrays
+    /// are host arrays of world `u64`.
+    ///
+    /// # Safety
+    /// As [`reduce_scatter_v`], for both directions.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_to_all_v = HcclAlltoAllV(
+        send: *const c_void,
+        send_counts: *const c_void,
+        send_displs: *const c_void,
+        send_type: HcclDataType,
+        recv: *const c_void,
+        recv_counts: *const c_void,
+        recv_displs: *const c_void,
+        recv_type: HcclDataType,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclBroadcast` of `root`'s `buf`, queued on `stream`.
+    ///
+    /// # Safety
+    /// As [`all_reduce`], with `buf` holding `count` elements.
+    pub unsafe fn broadcast = HcclBroadcast(
+        buf: *mut c_void,
+        count: u64,
+        dtype: HcclDataType,
+        root: u32,
+        comm: HcclComm,
+        stream: aclrtStream,
+    );
+
+    /// `HcclBarrier`, queued on `stream`.
+    ///
+    /// # Safety
+    /// `comm` and `stream` are live, the stream of the communicator's device.
+    pub unsafe fn barrier = HcclBarrier(comm: HcclComm, stream: aclrtStream);
 }
 
 /// `HcclGetRankId`: the calling rank in `comm`.
@@ -184,158 +301,4 @@ pub unsafe fn get_comm_async_error(comm: HcclComm) -> Option<HcclResult> {
     // SAFETY: the caller's contract; valid out-pointer.
     let rc = unsafe { f(comm, &mut code) };
     (rc == HcclResult::HCCL_SUCCESS).then_some(code)
-}
-
-/// `HcclAllReduce`, queued on `stream` (in place when `send == recv`).
-///
-/// # Safety
-/// `send` and `recv` hold `count` elements of `dtype` on the communicator's
-/// device and stay allocated until the stream has run the collective;
-/// `comm` and `stream` are live, the stream of the communicator's device.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn all_reduce(
-    send: *mut c_void,
-    recv: *mut c_void,
-    count: u64,
-    dtype: HcclDataType,
-    op: HcclReduceOp,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclAllReduce)?;
-    // SAFETY: the caller's contract.
-    check("HcclAllReduce", unsafe { f(send, recv, count, dtype, op, comm, stream) })
-}
-
-/// `HcclReduceScatter`, queued on `stream`.
-///
-/// # Safety
-/// As [`all_reduce`], with `send` holding world x `recv_count` elements and
-/// `recv` `recv_count`.
-pub unsafe fn reduce_scatter(
-    send: *mut c_void,
-    recv: *mut c_void,
-    recv_count: u64,
-    dtype: HcclDataType,
-    op: HcclReduceOp,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclReduceScatter)?;
-    // SAFETY: the caller's contract.
-    check("HcclReduceScatter", unsafe { f(send, recv, recv_count, dtype, op, comm, stream) })
-}
-
-/// `HcclAllGather`, queued on `stream`.
-///
-/// # Safety
-/// As [`all_reduce`], with `send` holding `send_count` elements and `recv`
-/// world x `send_count`.
-pub unsafe fn all_gather(
-    send: *mut c_void,
-    recv: *mut c_void,
-    send_count: u64,
-    dtype: HcclDataType,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclAllGather)?;
-    // SAFETY: the caller's contract.
-    check("HcclAllGather", unsafe { f(send, recv, send_count, dtype, comm, stream) })
-}
-
-/// `HcclReduceScatterV`, queued on `stream`; `send_counts` and `send_displs`
-/// are host arrays of world `u64`.
-///
-/// # Safety
-/// As [`all_reduce`], with the buffers sized by the counts; the count arrays
-/// hold world elements.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn reduce_scatter_v(
-    send: *mut c_void,
-    send_counts: *const c_void,
-    send_displs: *const c_void,
-    recv: *mut c_void,
-    recv_count: u64,
-    dtype: HcclDataType,
-    op: HcclReduceOp,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclReduceScatterV)?;
-    // SAFETY: the caller's contract.
-    check("HcclReduceScatterV", unsafe { f(send, send_counts, send_displs, recv, recv_count, dtype, op, comm, stream) })
-}
-
-/// `HcclAllGatherV`, queued on `stream`; `recv_counts` and `recv_displs` are
-/// host arrays of world `u64`.
-///
-/// # Safety
-/// As [`reduce_scatter_v`].
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn all_gather_v(
-    send: *mut c_void,
-    send_count: u64,
-    recv: *mut c_void,
-    recv_counts: *const c_void,
-    recv_displs: *const c_void,
-    dtype: HcclDataType,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclAllGatherV)?;
-    // SAFETY: the caller's contract.
-    check("HcclAllGatherV", unsafe { f(send, send_count, recv, recv_counts, recv_displs, dtype, comm, stream) })
-}
-
-/// `HcclAlltoAllV`, queued on `stream`; the count and displacement arrays
-/// are host arrays of world `u64`.
-///
-/// # Safety
-/// As [`reduce_scatter_v`], for both directions.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn all_to_all_v(
-    send: *const c_void,
-    send_counts: *const c_void,
-    send_displs: *const c_void,
-    send_type: HcclDataType,
-    recv: *const c_void,
-    recv_counts: *const c_void,
-    recv_displs: *const c_void,
-    recv_type: HcclDataType,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclAlltoAllV)?;
-    // SAFETY: the caller's contract.
-    check("HcclAlltoAllV", unsafe {
-        f(send, send_counts, send_displs, send_type, recv, recv_counts, recv_displs, recv_type, comm, stream)
-    })
-}
-
-/// `HcclBroadcast` of `root`'s `buf`, queued on `stream`.
-///
-/// # Safety
-/// As [`all_reduce`], with `buf` holding `count` elements.
-pub unsafe fn broadcast(
-    buf: *mut c_void,
-    count: u64,
-    dtype: HcclDataType,
-    root: u32,
-    comm: HcclComm,
-    stream: aclrtStream,
-) -> Result<()> {
-    let f = sym!(hccl()?, HcclBroadcast)?;
-    // SAFETY: the caller's contract.
-    check("HcclBroadcast", unsafe { f(buf, count, dtype, root, comm, stream) })
-}
-
-/// `HcclBarrier`, queued on `stream`.
-///
-/// # Safety
-/// `comm` and `stream` are live, the stream of the communicator's device.
-pub unsafe fn barrier(comm: HcclComm, stream: aclrtStream) -> Result<()> {
-    let f = sym!(hccl()?, HcclBarrier)?;
-    // SAFETY: the caller's contract.
-    check("HcclBarrier", unsafe { f(comm, stream) })
 }

@@ -38,3 +38,22 @@ macro_rules! sym {
     };
 }
 use sym;
+
+/// `status_fns! { lib, check; /// docs  pub unsafe fn name = CSymbol(arg: Type, ...); ... }`:
+/// wrappers of calls whose only result is a status. Each resolves `CSymbol`
+/// in `lib()`, calls it with its arguments and maps the status with
+/// `check("CSymbol", ..)`; its `# Safety` doc states the caller's contract.
+macro_rules! status_fns {
+    ($lib:ident, $check:ident;
+     $( $(#[$attr:meta])* $vis:vis unsafe fn $name:ident = $sym:ident ( $($arg:ident : $ty:ty),* $(,)? ); )*) => {
+        $(
+            $(#[$attr])*
+            $vis unsafe fn $name($($arg: $ty),*) -> Result<()> {
+                let f = sym!($lib()?, $sym)?;
+                // SAFETY: the caller's contract (`# Safety` above).
+                $check(stringify!($sym), unsafe { f($($arg),*) })
+            }
+        )*
+    };
+}
+use status_fns;
