@@ -2,8 +2,8 @@
 //! wrapped once.
 //!
 //! A wrapper resolves its symbol (a symbol the loaded release lacks is
-//! [`Error::Unavailable`](crate::Error::Unavailable) naming it and the
-//! library), calls it and turns the status into a [`Result`](crate::Result)
+//! [`Error::Unavailable`] naming it and the
+//! library), calls it and turns the status into a [`Result`]
 //! carrying the vendor code and message; out-parameters are return values.
 //! Wrappers that take raw pointers or handles are `unsafe`: their validity is
 //! the caller's job. Nothing here owns anything: the safe types of
