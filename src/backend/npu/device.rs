@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::launch::{choose_finalize, FinalizeImpl};
-use super::runtime::{self, DeviceCtx, NpuStream};
+use super::runtime::{DeviceCtx, NpuStream};
 use crate::Result;
 
 /// One Ascend device plus the stream its backend ops run on.
@@ -101,11 +101,7 @@ impl NpuDevice {
 
     /// `(free, total)` bytes of device memory.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
-        let api = self.stream.enter()?;
-        let f = runtime::acl_fn!(api, aclrtGetMemInfo)?;
-        let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: valid out-pointers, device bound.
-        runtime::check("aclrtGetMemInfo", unsafe { f(acl_sys::aclrtMemAttr::ACL_HBM_MEM, &mut free, &mut total) })?;
-        Ok((free, total))
+        self.stream.enter()?;
+        super::result::acl::get_mem_info(acl_sys::aclrtMemAttr::ACL_HBM_MEM)
     }
 }

@@ -17,7 +17,8 @@ use std::ffi::c_void;
 use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_WORDS};
 use super::kernel::guard::{guard_host_entry, GuardTiling};
 use super::kernel::library::shared_kernel_lib;
-use super::runtime::{acl_fn, check, lock, NpuStream, Pending};
+use super::result::acl as rt;
+use super::runtime::{lock, NpuStream, Pending};
 use crate::{Error, Result};
 
 /// Turns a launch's status words into its result.
@@ -61,11 +62,10 @@ pub(crate) fn take_pool_block(stream: &NpuStream, len: usize) -> Result<(usize, 
 
 /// `aclrtMemsetAsync(ptr, len, value, len, stream)`.
 pub(crate) fn memset_on(stream: &NpuStream, ptr: usize, len: usize, value: u8) -> Result<()> {
-    let api = stream.enter()?;
-    let f = acl_fn!(api, aclrtMemsetAsync)?;
+    stream.enter()?;
     // SAFETY: `ptr` is `len` bytes of this stream's device memory owned by
     // the caller's record; the stream is live.
-    check("aclrtMemsetAsync", unsafe { f(ptr as *mut c_void, len, value as i32, len, stream.raw()) })
+    unsafe { rt::memset_async(ptr as *mut c_void, len, value as i32, len, stream.raw()) }
 }
 
 /// Reserves, outside capture, the zeroed record slots of the launches
@@ -223,9 +223,7 @@ pub(crate) fn guard_words(stream: &NpuStream, words: *mut c_void, tiling: &Guard
     if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
         // SAFETY: `gm` holds CTX_WORDS words of this device and one status
         // record; the tiling bytes are copied at enqueue.
-        let code =
-            unsafe { launch(stream.raw(), 1, Some(entry), gm.as_ptr(), gm.len(), bytes.as_ptr().cast(), bytes.len()) };
-        check("cannsim_launch_kernel", code)?;
+        unsafe { rt::sim_launch_kernel(launch, stream.raw(), 1, Some(entry), &gm, bytes) }?;
     } else {
         let lib = shared_kernel_lib().ok_or_else(|| {
             Error::Unavailable(

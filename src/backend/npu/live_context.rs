@@ -29,7 +29,7 @@ use super::kernel::guard::{
 };
 use super::kernel::{shared_kernel_lib, STATUS_WORDS};
 use super::memory::{NpuBuffer, PinnedHostBuffer};
-use super::runtime::{acl_fn, check};
+use super::result::acl as rt;
 use super::runtime::{NpuEvent, NpuStream};
 use super::NpuDevice;
 use crate::{Error, Result};
@@ -167,13 +167,12 @@ impl LiveContext {
         }
         let off = i * LIVE_BYTES;
         st.host.as_bytes_mut()[off..off + LIVE_BYTES].copy_from_slice(words.as_bytes());
-        let api = stream.enter()?;
-        let f = acl_fn!(api, aclrtMemcpyAsync)?;
+        stream.enter()?;
         // SAFETY: the destination is the live buffer (LIVE_BYTES bytes of this
         // device); the source is a pinned slot of LIVE_BYTES bytes that is not
         // rewritten before the event recorded below completes.
-        check("aclrtMemcpyAsync", unsafe {
-            f(
+        unsafe {
+            rt::memcpy_async(
                 self.live.as_ptr(),
                 LIVE_BYTES,
                 st.host.as_bytes().as_ptr().add(off) as *const c_void,
@@ -181,7 +180,7 @@ impl LiveContext {
                 aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                 stream.raw(),
             )
-        })?;
+        }?;
         let ev = NpuEvent::create(stream)?;
         ev.record(stream)?;
         st.done[i] = Some(ev);
@@ -228,11 +227,10 @@ impl LiveContext {
     fn launch_guard(&self, slot: usize, tiling: &GuardTiling, stream: &NpuStream) -> Result<()> {
         let record = self.records.as_ptr().cast::<u8>().wrapping_add(slot * RECORD_BYTES).cast::<c_void>();
         let api = stream.enter()?;
-        let memset = acl_fn!(api, aclrtMemsetAsync)?;
         // Bytes 0xFF: STATUS_NOT_RUN, so a guard that never ran is reported.
         // SAFETY: the record is RECORD_BYTES bytes inside `records`, owned by
         // this guard's slot; the stream is live and of this device.
-        check("aclrtMemsetAsync", unsafe { memset(record, RECORD_BYTES, 0xFF, RECORD_BYTES, stream.raw()) })?;
+        unsafe { rt::memset_async(record, RECORD_BYTES, 0xFF, RECORD_BYTES, stream.raw()) }?;
         let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
         gm[GUARD_GM_LIVE] = self.live.as_ptr();
         gm[GUARD_GM_STATUS] = record;
@@ -240,10 +238,7 @@ impl LiveContext {
             let bytes = tiling.as_bytes();
             // SAFETY: `gm` holds the live buffer (CTX_WORDS words) and one
             // status record of this device; the tiling bytes are copied at enqueue.
-            let code = unsafe {
-                launch(stream.raw(), 1, Some(entry), gm.as_ptr(), gm.len(), bytes.as_ptr().cast(), bytes.len())
-            };
-            return check("cannsim_launch_kernel", code);
+            return unsafe { rt::sim_launch_kernel(launch, stream.raw(), 1, Some(entry), &gm, bytes) };
         }
         let lib = shared_kernel_lib().ok_or_else(|| {
             Error::Unavailable(
@@ -256,11 +251,10 @@ impl LiveContext {
         let mut host = lock(&self.tiling_host);
         let off = slot * TILING_BYTES;
         host.as_bytes_mut()[off..off + TILING_BYTES].copy_from_slice(tiling.as_bytes());
-        let copy = acl_fn!(api, aclrtMemcpyAsync)?;
         // SAFETY: the pinned slot and the device slot are this guard's own
         // (no other guard writes them while it holds the slot), TILING_BYTES each.
-        check("aclrtMemcpyAsync", unsafe {
-            copy(
+        unsafe {
+            rt::memcpy_async(
                 dev_tiling,
                 TILING_BYTES,
                 host.as_bytes().as_ptr().add(off) as *const c_void,
@@ -268,7 +262,7 @@ impl LiveContext {
                 aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                 stream.raw(),
             )
-        })?;
+        }?;
         // SAFETY: as for the simulated launch, with the tiling in device memory.
         unsafe { lib.launch_guard(stream.raw(), &gm, dev_tiling) }
     }

@@ -15,9 +15,11 @@ use std::marker::PhantomData;
 
 use acl_sys::{aclrtMemMallocPolicy, aclrtMemcpyKind};
 
+use super::aclnn::DeviceMemory;
 use super::kernel;
 use super::pool::{self, Allocator};
-use super::runtime::{acl_fn, check, lock, record_drop_error, settled, NpuStream};
+use super::result::acl as rt;
+use super::runtime::{lock, record_drop_error, settled, NpuStream};
 use super::NpuDevice;
 use crate::{Element, Error, Result};
 
@@ -67,11 +69,9 @@ impl NpuBuffer {
         if len == 0 {
             return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin: Origin::Owned });
         }
-        let api = device.stream().enter()?;
-        let f = acl_fn!(api, aclrtMalloc)?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer, nonzero size, device bound.
-        check("aclrtMalloc", unsafe { f(&mut ptr, len, aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
+        device.stream().enter()?;
+        // Nonzero size, device bound.
+        let ptr = rt::malloc(len, aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST)?;
         Ok(NpuBuffer { ptr, len, device: device.clone(), origin: Origin::Owned })
     }
 
@@ -190,12 +190,9 @@ impl NpuBuffer {
         if len == 0 {
             return Ok(());
         }
-        let api = self.stream().enter()?;
-        let f = acl_fn!(api, aclrtMemsetAsync)?;
+        self.stream().enter()?;
         // SAFETY: the range is inside this allocation; the stream is live.
-        check("aclrtMemsetAsync", unsafe {
-            f(self.at(offset), self.len - offset, value as i32, len, self.stream().raw())
-        })
+        unsafe { rt::memset_async(self.at(offset), self.len - offset, value as i32, len, self.stream().raw()) }
     }
 
     /// Copies `src` into `self[offset..]`, blocking until done.
@@ -205,19 +202,18 @@ impl NpuBuffer {
             return Ok(());
         }
         self.stream().synchronize()?;
-        let api = self.stream().enter()?;
-        let f = acl_fn!(api, aclrtMemcpy)?;
+        self.stream().enter()?;
         // SAFETY: the destination range is inside this allocation and `src` is
         // a live host slice of exactly `src.len()` bytes.
-        check("aclrtMemcpy", unsafe {
-            f(
+        unsafe {
+            rt::memcpy(
                 self.at(offset),
                 self.len - offset,
                 src.as_ptr().cast(),
                 src.len(),
                 aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
             )
-        })
+        }
     }
 
     /// Copies `self[offset..offset+dst.len()]` to `dst`, after all queued work.
@@ -227,14 +223,13 @@ impl NpuBuffer {
             return Ok(());
         }
         self.stream().synchronize()?;
-        let api = self.stream().enter()?;
-        let f = acl_fn!(api, aclrtMemcpy)?;
+        self.stream().enter()?;
         let n = dst.len();
         // SAFETY: the source range is inside this allocation; `dst` is a live,
         // exclusively borrowed host slice of `n` bytes.
-        check("aclrtMemcpy", unsafe {
-            f(dst.as_mut_ptr().cast(), n, self.at(offset), n, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST)
-        })
+        unsafe {
+            rt::memcpy(dst.as_mut_ptr().cast(), n, self.at(offset), n, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST)
+        }
     }
 
     /// Copies the whole buffer to host memory (synchronising its stream).
@@ -296,14 +291,20 @@ impl NpuBuffer {
             ));
         }
         self.stream().wait_for(src.stream())?;
-        let api = self.stream().enter()?;
+        self.stream().enter()?;
         if da % ASYNC_D2D_ALIGN == 0 && sa % ASYNC_D2D_ALIGN == 0 {
-            let f = acl_fn!(api, aclrtMemcpyAsync)?;
             // SAFETY: both ranges are inside live allocations of this device;
             // both buffers outlive the queued copy (their drop synchronises).
-            return check("aclrtMemcpyAsync", unsafe {
-                f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE, self.stream().raw())
-            });
+            return unsafe {
+                rt::memcpy_async(
+                    d,
+                    self.len - dst_off,
+                    s,
+                    len,
+                    aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
+                    self.stream().raw(),
+                )
+            };
         }
         // SAFETY: both ranges are inside live allocations of this device and
         // do not overlap (checked above); an owned buffer's drop synchronises
@@ -329,9 +330,8 @@ impl NpuBuffer {
             ));
         }
         self.stream().synchronize()?;
-        let f = acl_fn!(api, aclrtMemcpy)?;
         // SAFETY: as above; the blocking copy runs after all queued work.
-        check("aclrtMemcpy", unsafe { f(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE) })
+        unsafe { rt::memcpy(d, self.len - dst_off, s, len, aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE) }
     }
 
     /// Queues a host-to-device copy from pinned memory.
@@ -340,13 +340,12 @@ impl NpuBuffer {
         if src.len == 0 {
             return Ok(());
         }
-        let api = self.stream().enter()?;
-        let f = acl_fn!(api, aclrtMemcpyAsync)?;
+        self.stream().enter()?;
         // SAFETY: pinned memory stays valid until its drop, which synchronises
         // the stream it was used with (the caller keeps it alive; see
         // `PinnedHostBuffer`); the device range is inside this allocation.
-        check("aclrtMemcpyAsync", unsafe {
-            f(
+        unsafe {
+            rt::memcpy_async(
                 self.at(offset),
                 self.len - offset,
                 src.ptr,
@@ -354,7 +353,7 @@ impl NpuBuffer {
                 aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                 self.stream().raw(),
             )
-        })
+        }
     }
 
     /// Queues a device-to-host copy into pinned memory (read it after
@@ -364,11 +363,10 @@ impl NpuBuffer {
         if dst.len == 0 {
             return Ok(());
         }
-        let api = self.stream().enter()?;
-        let f = acl_fn!(api, aclrtMemcpyAsync)?;
+        self.stream().enter()?;
         // SAFETY: as for `copy_from_pinned_async`.
-        check("aclrtMemcpyAsync", unsafe {
-            f(
+        unsafe {
+            rt::memcpy_async(
                 dst.ptr,
                 dst.len,
                 self.at(offset),
@@ -376,7 +374,7 @@ impl NpuBuffer {
                 aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
                 self.stream().raw(),
             )
-        })
+        }
     }
 }
 
@@ -404,14 +402,23 @@ impl Drop for NpuBuffer {
         }
         let stream = self.device.stream().clone();
         let result = settled(stream.synchronize()).and_then(|_| {
-            let api = stream.enter()?;
-            let f = acl_fn!(api, aclrtFree)?;
+            stream.enter()?;
             // SAFETY: allocated by aclrtMalloc, freed once, no queued work left.
-            check("aclrtFree", unsafe { f(self.ptr) })
+            unsafe { rt::free(self.ptr) }
         });
         if let Err(e) = result {
             record_drop_error(e);
         }
+    }
+}
+
+impl DeviceMemory for NpuBuffer {
+    fn device_ptr(&self) -> *mut c_void {
+        self.ptr
+    }
+
+    fn size_bytes(&self) -> usize {
+        self.len
     }
 }
 
@@ -543,11 +550,9 @@ impl PinnedHostBuffer {
         if len == 0 {
             return Ok(PinnedHostBuffer { ptr: std::ptr::null_mut(), len, device: device.clone() });
         }
-        let api = device.stream().enter()?;
-        let f = acl_fn!(api, aclrtMallocHost)?;
-        let mut ptr: *mut c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and nonzero size.
-        check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
+        device.stream().enter()?;
+        // Nonzero size.
+        let ptr = rt::malloc_host(len)?;
         // SAFETY: `ptr` is a fresh host allocation of `len` bytes.
         unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, len) };
         Ok(PinnedHostBuffer { ptr, len, device: device.clone() })
@@ -589,10 +594,9 @@ impl Drop for PinnedHostBuffer {
         }
         let stream = self.device.stream().clone();
         let result = settled(stream.synchronize()).and_then(|_| {
-            let api = stream.enter()?;
-            let f = acl_fn!(api, aclrtFreeHost)?;
+            stream.enter()?;
             // SAFETY: allocated by aclrtMallocHost, freed once, no queued copy left.
-            check("aclrtFreeHost", unsafe { f(self.ptr) })
+            unsafe { rt::free_host(self.ptr) }
         });
         if let Err(e) = result {
             record_drop_error(e);

@@ -9,162 +9,23 @@
 
 use std::ffi::c_void;
 
-use acl_sys::aclnn::{self, aclOpExecutor, aclScalar, aclTensor, aclnnStatus, Nnopbase, OpApi};
-use acl_sys::{aclDataType, aclFormat};
+use acl_sys::aclnn::{self, aclOpExecutor};
 
+use super::aclnn::{opt, Desc, Scalar};
 use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
 use super::launch::{choose_finalize, launcher, FinalizeImpl, Launcher};
 use super::memory::NpuBuffer;
-use super::runtime::recent_error_message;
+use super::result::aclnn::{op_missing, opapi};
+use super::result::{acl as rt, aclnn as nn};
 use super::NpuDevice;
 use crate::backend::cpu::CpuBuffer;
 use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
 use crate::types::TensorMeta;
-use crate::{with_dtype, DType, DropPadMode, Element, Error, Result};
+use crate::{DType, DropPadMode, Error, Result};
 
 type In<'a> = View<'a, NpuBuffer>;
 type Out<'a> = ViewMut<'a, NpuBuffer>;
-
-fn nnopbase() -> Result<&'static Nnopbase> {
-    aclnn::nnopbase().map_err(|e| Error::Unavailable(e.to_string()))
-}
-
-fn opapi() -> Result<&'static OpApi> {
-    aclnn::opapi().map_err(|e| Error::Unavailable(e.to_string()))
-}
-
-fn check(call: &'static str, code: aclnnStatus) -> Result<()> {
-    if code == aclnn::ACLNN_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Aclnn { call, code, msg: recent_error_message() })
-    }
-}
-
-fn op_missing(name: &str, api: &OpApi) -> Error {
-    Error::Unavailable(format!(
-        "{name} (and its GetWorkspaceSize) is not exported by {} or the aclnn feature libraries",
-        api.origin.path.to_string_lossy()
-    ))
-}
-
-/// ACL's code for a dtype.
-pub fn acl_dtype(d: DType) -> aclDataType {
-    match d {
-        DType::F32 => aclDataType::ACL_FLOAT,
-        DType::F16 => aclDataType::ACL_FLOAT16,
-        DType::BF16 => aclDataType::ACL_BF16,
-        DType::I32 => aclDataType::ACL_INT32,
-        DType::I64 => aclDataType::ACL_INT64,
-        DType::I8 => aclDataType::ACL_INT8,
-        DType::U8 => aclDataType::ACL_UINT8,
-        DType::Bool => aclDataType::ACL_BOOL,
-        // Raw codes: `ACL_FLOAT8_E5M2 = 35` and `ACL_FLOAT8_E4M3FN = 36` in the
-        // `aclDataType` of acl_base.h from the torch-npu 2.11.0+ headers on; the
-        // 2.9.0 (CANN 8.1-era) headers have no such variants, and the crate
-        // must build against them too.
-        DType::F8E4M3 => aclDataType(ACL_FLOAT8_E4M3FN as _),
-        DType::F8E5M2 => aclDataType(ACL_FLOAT8_E5M2 as _),
-    }
-}
-
-/// `aclDataType` code of fp8 e5m2 (acl_base.h, torch-npu 2.11.0+ headers).
-const ACL_FLOAT8_E5M2: i32 = 35;
-/// `aclDataType` code of fp8 e4m3fn (acl_base.h, torch-npu 2.11.0+ headers).
-const ACL_FLOAT8_E4M3FN: i32 = 36;
-
-/// An `aclTensor` descriptor, destroyed on drop.
-struct Desc {
-    raw: *mut aclTensor,
-    nn: &'static Nnopbase,
-}
-
-impl Desc {
-    /// A contiguous ND descriptor of `shape` over `buf` (which must hold it).
-    fn new(buf: &NpuBuffer, dtype: DType, shape: &[usize]) -> Result<Desc> {
-        let nn = nnopbase()?;
-        let dims: Vec<i64> = shape.iter().map(|&d| d as i64).collect();
-        let mut strides = vec![1i64; dims.len()];
-        for i in (0..dims.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * dims[i + 1].max(1);
-        }
-        let need = shape.iter().product::<usize>() * dtype.size();
-        if need > buf.len_bytes() {
-            return Err(Error::invalid(
-                "aclCreateTensor",
-                "shape",
-                format!("{shape:?} of {dtype} needs {need} bytes, the buffer has {}", buf.len_bytes()),
-            ));
-        }
-        // SAFETY: dims/strides are live arrays of `dims.len()` elements; the
-        // data pointer is device memory holding the whole view (checked above).
-        let raw = unsafe {
-            (nn.aclCreateTensor)(
-                dims.as_ptr(),
-                dims.len() as u64,
-                acl_dtype(dtype),
-                strides.as_ptr(),
-                0,
-                aclFormat::ACL_FORMAT_ND,
-                dims.as_ptr(),
-                dims.len() as u64,
-                buf.as_ptr(),
-            )
-        };
-        if raw.is_null() {
-            return Err(Error::Aclnn { call: "aclCreateTensor", code: -1, msg: recent_error_message() });
-        }
-        Ok(Desc { raw, nn })
-    }
-}
-
-impl Drop for Desc {
-    fn drop(&mut self) {
-        // SAFETY: created by aclCreateTensor, destroyed once, after phase two.
-        let code = unsafe { (self.nn.aclDestroyTensor)(self.raw) };
-        if let Err(e) = check("aclDestroyTensor", code) {
-            super::runtime::record_drop_error(e);
-        }
-    }
-}
-
-struct Scalar {
-    raw: *mut aclScalar,
-    nn: &'static Nnopbase,
-}
-
-impl Scalar {
-    /// The scalar one of `dtype`.
-    fn one(dtype: DType) -> Result<Scalar> {
-        let nn = nnopbase()?;
-        let mut bytes = [0u8; 8];
-        with_dtype!(dtype, T => {
-            let one = T::from_f32(1.0);
-            bytes[..dtype.size()].copy_from_slice(bytemuck::bytes_of(&one));
-        });
-        // SAFETY: `bytes` holds one value of `dtype`; aclCreateScalar copies it.
-        let raw = unsafe { (nn.aclCreateScalar)(bytes.as_mut_ptr().cast::<c_void>(), acl_dtype(dtype)) };
-        if raw.is_null() {
-            return Err(Error::Aclnn { call: "aclCreateScalar", code: -1, msg: recent_error_message() });
-        }
-        Ok(Scalar { raw, nn })
-    }
-}
-
-impl Drop for Scalar {
-    fn drop(&mut self) {
-        // SAFETY: created by aclCreateScalar, destroyed once.
-        let code = unsafe { (self.nn.aclDestroyScalar)(self.raw) };
-        if let Err(e) = check("aclDestroyScalar", code) {
-            super::runtime::record_drop_error(e);
-        }
-    }
-}
-
-fn opt(d: &Option<Desc>) -> *const aclTensor {
-    d.as_ref().map_or(std::ptr::null(), |d| d.raw)
-}
 
 /// `b`, which must be on `device`, after making `device`'s stream wait for
 /// the work queued on `b`'s.
@@ -200,7 +61,7 @@ fn run_phase_two(
     // SAFETY: the executor came from phase one of the same op; the workspace
     // holds `ws` bytes (or is NULL for 0); its block is reused only by work
     // queued after this on the same stream.
-    check(call, unsafe { run(workspace.as_ptr(), ws, executor, stream.raw()) })
+    unsafe { nn::run(call, run, workspace.as_ptr(), ws, executor, stream.raw()) }
 }
 
 /// Reads an int32 index tensor to the host, to validate index values before
@@ -260,11 +121,8 @@ pub(crate) fn add(device: &NpuDevice, a: In<'_>, b: In<'_>, out: Out<'_>) -> Res
     let db = Desc::new(npu_buf(device, OP, "b", b.buf())?, b.dtype(), &shape)?;
     let dout = Desc::new(npu_buf(device, OP, "out", out.buf())?, out.dtype(), &shape)?;
     let alpha = Scalar::one(a.dtype())?;
-    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-    // SAFETY: all descriptors are live; out-pointers are valid.
-    check("aclnnAddGetWorkspaceSize", unsafe {
-        (add.get_workspace_size)(da.raw, db.raw, alpha.raw, dout.raw, &mut ws, &mut exec)
-    })?;
+    // SAFETY: all descriptors are live until phase two ran.
+    let (ws, exec) = unsafe { nn::add_get_workspace_size(&add, da.raw, db.raw, alpha.raw, dout.raw) }?;
     run_phase_two(device, "aclnnAdd", add.run, ws, exec)
 }
 
@@ -404,18 +262,7 @@ fn launch_native(
             // are copied at enqueue; the workspace blocks are reused only by
             // work queued after this launch, and the status block is held by
             // the stream's check until it was read.
-            let code = unsafe {
-                launch(
-                    stream.raw(),
-                    tiling.block_dim,
-                    Some(entry),
-                    gm.as_ptr(),
-                    gm.len(),
-                    tiling_bytes.as_ptr().cast(),
-                    tiling_bytes.len(),
-                )
-            };
-            super::runtime::check("cannsim_launch_kernel", code)?;
+            unsafe { rt::sim_launch_kernel(launch, stream.raw(), tiling.block_dim, Some(entry), &gm, tiling_bytes) }?;
         }
         Launcher::Npu(lib) => {
             let t = NpuBuffer::workspace(device, tiling_bytes.len())?;
@@ -605,10 +452,10 @@ fn finalize_aclnn(
             (None, None) => None,
         };
         let dout = Desc::new(dst, dt, &nh)?;
-        let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-        // SAFETY: every descriptor is live (optional ones NULL), out-pointers valid.
-        check("aclnnMoeFinalizeRoutingV2GetWorkspaceSize", unsafe {
-            (fin.get_workspace_size)(
+        // SAFETY: every descriptor is live until phase two ran (optional ones NULL).
+        let (ws, exec) = unsafe {
+            nn::moe_finalize_routing_v2_get_workspace_size(
+                &fin,
                 dx.raw,
                 didx.raw,
                 opt(&d1),
@@ -618,10 +465,8 @@ fn finalize_aclnn(
                 opt(&dexp),
                 mode as u32 as i64,
                 dout.raw,
-                &mut ws,
-                &mut exec,
             )
-        })?;
+        }?;
         run_phase_two(device, "aclnnMoeFinalizeRoutingV2", fin.run, ws, exec)?;
     }
 
@@ -732,21 +577,19 @@ pub(crate) fn token_unpermute(
     let didx = Desc::new(npu_buf(device, OP, "sorted_indices", sorted_indices.buf())?, DType::I32, &[idx.len()])?;
     let dprobs = probs.map(|p| Desc::new(npu_buf(device, OP, "probs", p.buf())?, p.dtype(), &[t, k])).transpose()?;
     let dout = Desc::new(npu_buf(device, OP, "out", out.buf())?, dt, &[t, h])?;
-    let (mut ws, mut exec) = (0u64, std::ptr::null_mut());
-    // SAFETY: live descriptors, NULL restore shape (not padded mode), valid
-    // out-pointers; the indices are distinct and inside permutedTokens' T*K rows.
-    check("aclnnMoeTokenUnpermuteGetWorkspaceSize", unsafe {
-        (op.get_workspace_size)(
+    // SAFETY: live descriptors, NULL restore shape (not padded mode); the
+    // indices are distinct and inside permutedTokens' T*K rows.
+    let (ws, exec) = unsafe {
+        nn::moe_token_unpermute_get_workspace_size(
+            &op,
             dperm.raw,
             didx.raw,
             opt(&dprobs),
             false,
             std::ptr::null(),
             dout.raw,
-            &mut ws,
-            &mut exec,
         )
-    })?;
+    }?;
     run_phase_two(device, "aclnnMoeTokenUnpermute", op.run, ws, exec)
 }
 

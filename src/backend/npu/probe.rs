@@ -1,10 +1,11 @@
 //! What CANN pieces this process can use, and every place it looked: the
 //! report behind `ascend-moe info`.
 
-use std::ffi::CStr;
 use std::fmt;
 
 use acl_sys::loader::{self, LibSpec};
+
+use super::result::acl as rt;
 
 /// The outcome for one library.
 #[derive(Debug, Clone)]
@@ -71,18 +72,9 @@ pub fn probe() -> ProbeReport {
     let nn = acl_sys::aclnn::nnopbase();
     let opapi = acl_sys::aclnn::opapi();
     let runtime = acl.as_ref().ok().map(|api| {
-        let version = api.lib.aclrtGetVersion.as_ref().ok().and_then(|f| {
-            let (mut a, mut b, mut c) = (0, 0, 0);
-            // SAFETY: valid out-pointers.
-            (unsafe { f(&mut a, &mut b, &mut c) } == 0).then(|| format!("{a}.{b}.{c}"))
-        });
+        let version = rt::get_version().map(|(a, b, c)| format!("{a}.{b}.{c}"));
         let devices = super::runtime::device_count().map_err(|e| e.to_string());
-        let soc = api.lib.aclrtGetSocName.as_ref().ok().and_then(|f| {
-            // SAFETY: no arguments; NULL or a runtime-owned C string.
-            let p = unsafe { f() };
-            // SAFETY: non-NULL, NUL-terminated.
-            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
-        });
+        let soc = rt::get_soc_name();
         RuntimeInfo { version, soc, devices, simulator: api.cannsim_launch_kernel.is_some() }
     });
     let aclnn_ops = match &opapi {

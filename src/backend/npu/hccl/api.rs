@@ -1,61 +1,14 @@
-//! The HCCL library: loading, error mapping, the codes of dtypes and
-//! reductions, and the queries and config every communicator is made with.
+//! The codes of dtypes and reductions, and the queries and config every
+//! communicator is made with.
 
-use std::ffi::CStr;
+use hccl_sys::{HcclCommConfig, HcclDataType, HcclReduceOp};
 
-use hccl_sys::{Hccl, HcclCommConfig, HcclDataType, HcclReduceOp, HcclResult};
-
+use crate::backend::npu::result::hccl as hc;
 use crate::types::{CommOptions, ReduceOp};
-use crate::{DType, Error, Result};
+use crate::{DType, Result};
 
 /// Size of an HCCL root info.
 pub const ROOT_INFO_BYTES: usize = 4108;
-
-/// The loaded HCCL library, or [`Error::Unavailable`] naming every path tried.
-pub fn hccl() -> Result<&'static Hccl> {
-    hccl_sys::hccl().map_err(|e| Error::Unavailable(e.to_string()))
-}
-
-macro_rules! hccl_fn {
-    ($api:expr, $name:ident) => {
-        $api.lib.$name.as_ref().map_err(|_| {
-            Error::Unavailable(format!(
-                "{} is not exported by {}",
-                stringify!($name),
-                $api.origin.path.to_string_lossy()
-            ))
-        })
-    };
-}
-pub(super) use hccl_fn;
-
-/// `HcclGetErrorString(code)`, or an empty string.
-pub fn error_string(code: HcclResult) -> String {
-    let Ok(api) = hccl() else { return String::new() };
-    let Ok(f) = api.lib.HcclGetErrorString.as_ref() else { return String::new() };
-    // SAFETY: any code is accepted; the result is NULL or a static string.
-    let p = unsafe { f(code) };
-    if p.is_null() {
-        return String::new();
-    }
-    // SAFETY: non-NULL and NUL-terminated per the HCCL contract.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
-
-/// `Ok` for `HCCL_SUCCESS`, otherwise [`Error::Hccl`] with the vendor
-/// messages (`HcclGetErrorString`, then `aclGetRecentErrMsg` when it has one).
-pub fn check(call: &'static str, code: HcclResult) -> Result<()> {
-    if code == HcclResult::HCCL_SUCCESS {
-        Ok(())
-    } else {
-        let mut msg = error_string(code);
-        let recent = crate::backend::npu::runtime::recent_error_message();
-        if !recent.is_empty() {
-            msg = if msg.is_empty() { recent } else { format!("{msg}; {recent}") };
-        }
-        Err(Error::Hccl { call, code: code.0 as i32, msg })
-    }
-}
 
 /// HCCL's code for a dtype.
 pub fn hccl_dtype(d: DType) -> HcclDataType {
@@ -83,34 +36,19 @@ pub fn hccl_op(op: ReduceOp) -> HcclReduceOp {
     }
 }
 
-pub(super) fn query_rank_info(api: &Hccl, raw: hccl_sys::HcclComm) -> Result<(usize, usize)> {
-    let (mut rank, mut world) = (0u32, 0u32);
-    let f = hccl_fn!(api, HcclGetRankId)?;
-    // SAFETY: live communicator, valid out-pointer.
-    check("HcclGetRankId", unsafe { f(raw, &mut rank) })?;
-    let f = hccl_fn!(api, HcclGetRankSize)?;
+/// `(rank, world)` of the live communicator `raw`.
+pub(super) fn query_rank_info(raw: hccl_sys::HcclComm) -> Result<(usize, usize)> {
+    // SAFETY: live communicator (the callers' contract).
+    let rank = unsafe { hc::get_rank_id(raw) }?;
     // SAFETY: as above.
-    check("HcclGetRankSize", unsafe { f(raw, &mut world) })?;
+    let world = unsafe { hc::get_rank_size(raw) }?;
     Ok((rank as usize, world as usize))
 }
 
-pub(super) fn query_name(api: &Hccl, raw: hccl_sys::HcclComm) -> Option<String> {
-    let f = api.lib.HcclGetCommName.as_ref().ok()?;
-    let mut buf = [0 as std::ffi::c_char; 129];
-    // SAFETY: HCCL writes at most COMM_NAME_MAX_LENGTH (128) bytes incl. NUL.
-    let code = unsafe { f(raw, buf.as_mut_ptr()) };
-    if code != HcclResult::HCCL_SUCCESS {
-        return None;
-    }
-    // SAFETY: NUL-terminated (the last byte stays 0 in any case).
-    let s = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
-    (!s.is_empty()).then_some(s)
-}
-
-pub(super) fn capability(api: &Hccl) -> Option<u32> {
-    let f = api.lib.HcclGetCommConfigCapability.as_ref().ok()?;
-    // SAFETY: no arguments.
-    Some(unsafe { f() })
+/// The name HCCL gave the live communicator `raw`, if any.
+pub(super) fn query_name(raw: hccl_sys::HcclComm) -> Option<String> {
+    // SAFETY: live communicator (the callers' contract).
+    unsafe { hc::get_comm_name(raw) }
 }
 
 /// A config for the running HCCL: the layout generation its capability
@@ -121,8 +59,8 @@ pub(super) fn capability(api: &Hccl) -> Option<u32> {
 /// carrying the execution timeout of `opts` (whole seconds, rounded up) when
 /// the capability `EXEC_TIMEOUT` is reported. The name is left to HCCL: ranks
 /// that are threads of one process must not share one.
-pub(super) fn config_for(api: &Hccl, opts: &CommOptions) -> HcclCommConfig {
-    let cap = capability(api);
+pub(super) fn config_for(opts: &CommOptions) -> HcclCommConfig {
+    let cap = hc::get_comm_config_capability();
     let mut config = hccl_sys::CommConfigLayout::for_capability(cap).new_config();
     config.adapt_to_capability(cap);
     if HcclCommConfig::supports(cap, hccl_sys::capability::EXEC_TIMEOUT) {

@@ -3,12 +3,13 @@
 use std::ffi::c_void;
 
 use crate::backend::npu::memory::NpuBuffer;
+use crate::backend::npu::result::hccl as hc;
 use crate::backend::npu::NpuDevice;
 use crate::backend::{Communicator, View, ViewMut};
 use crate::types::{ReduceOp, TensorMeta};
 use crate::{Error, Result};
 
-use super::api::{check, hccl_dtype, hccl_fn, hccl_op};
+use super::api::{hccl_dtype, hccl_op};
 use super::HcclComm;
 
 impl HcclComm {
@@ -122,10 +123,9 @@ impl Communicator for HcclComm {
             // Every rank has the same count: nothing moves anywhere.
             return Ok(());
         }
-        self.run(OP, &[s, d], |api, stream| {
-            let f = hccl_fn!(api, HcclAllReduce)?;
+        self.run(OP, &[s, d], |stream| {
             // SAFETY: both buffers hold `n` elements of `dt` on this device.
-            check("HcclAllReduce", unsafe { f(s.as_ptr(), d.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) })
+            unsafe { hc::all_reduce(s.as_ptr(), d.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) }
         })
     }
 
@@ -136,10 +136,9 @@ impl Communicator for HcclComm {
         if n == 0 {
             return Ok(());
         }
-        self.run(OP, &[b], |api, stream| {
-            let f = hccl_fn!(api, HcclAllReduce)?;
+        self.run(OP, &[b], |stream| {
             // SAFETY: in-place all-reduce is supported; `n` elements of `dt`.
-            check("HcclAllReduce", unsafe { f(b.as_ptr(), b.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) })
+            unsafe { hc::all_reduce(b.as_ptr(), b.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) }
         })
     }
 
@@ -157,10 +156,9 @@ impl Communicator for HcclComm {
         if n == 0 {
             return Ok(());
         }
-        self.run(OP, &[s, d], |api, stream| {
-            let f = hccl_fn!(api, HcclReduceScatter)?;
+        self.run(OP, &[s, d], |stream| {
             // SAFETY: src holds world*n, dst n elements of `dt`.
-            check("HcclReduceScatter", unsafe { f(s.as_ptr(), d.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) })
+            unsafe { hc::reduce_scatter(s.as_ptr(), d.as_ptr(), n, dt, hccl_op(op), self.inner.raw, stream) }
         })
     }
 
@@ -178,10 +176,9 @@ impl Communicator for HcclComm {
         if n == 0 {
             return Ok(());
         }
-        self.run(OP, &[s, d], |api, stream| {
-            let f = hccl_fn!(api, HcclAllGather)?;
+        self.run(OP, &[s, d], |stream| {
             // SAFETY: src holds n, dst world*n elements of `dt`.
-            check("HcclAllGather", unsafe { f(s.as_ptr(), d.as_ptr(), n, dt, self.inner.raw, stream) })
+            unsafe { hc::all_gather(s.as_ptr(), d.as_ptr(), n, dt, self.inner.raw, stream) }
         })
     }
 
@@ -213,12 +210,11 @@ impl Communicator for HcclComm {
             return Ok(());
         }
         let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
-        self.run(OP, &[s, d], |api, stream| {
-            let f = hccl_fn!(api, HcclReduceScatterV)?;
+        self.run(OP, &[s, d], |stream| {
             // SAFETY: counts/displacements are host u64 arrays of world length
             // that outlive the call; the buffers hold the sizes checked above.
-            check("HcclReduceScatterV", unsafe {
-                f(
+            unsafe {
+                hc::reduce_scatter_v(
                     sp,
                     c.as_ptr().cast::<c_void>(),
                     displs.as_ptr().cast::<c_void>(),
@@ -229,7 +225,7 @@ impl Communicator for HcclComm {
                     self.inner.raw,
                     stream,
                 )
-            })
+            }
         })
     }
 
@@ -254,11 +250,10 @@ impl Communicator for HcclComm {
             return Ok(());
         }
         let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
-        self.run(OP, &[s, d], |api, stream| {
-            let f = hccl_fn!(api, HcclAllGatherV)?;
+        self.run(OP, &[s, d], |stream| {
             // SAFETY: as for reduce_scatter_v.
-            check("HcclAllGatherV", unsafe {
-                f(
+            unsafe {
+                hc::all_gather_v(
                     sp,
                     mine as u64,
                     dp,
@@ -268,7 +263,7 @@ impl Communicator for HcclComm {
                     self.inner.raw,
                     stream,
                 )
-            })
+            }
         })
     }
 
@@ -296,12 +291,11 @@ impl Communicator for HcclComm {
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
         let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
-        self.run(OP, &[s, d], |api, stream| {
-            let f = hccl_fn!(api, HcclAlltoAllV)?;
+        self.run(OP, &[s, d], |stream| {
             // SAFETY: host u64 count/displacement arrays of world length; the
             // buffers hold the totals checked above.
-            check("HcclAlltoAllV", unsafe {
-                f(
+            unsafe {
+                hc::all_to_all_v(
                     sp,
                     sc.as_ptr().cast::<c_void>(),
                     sd.as_ptr().cast::<c_void>(),
@@ -313,7 +307,7 @@ impl Communicator for HcclComm {
                     self.inner.raw,
                     stream,
                 )
-            })
+            }
         })
     }
 
@@ -329,18 +323,16 @@ impl Communicator for HcclComm {
             // buffer has no address HCCL would accept.
             return Ok(());
         }
-        self.run(OP, &[b], |api, stream| {
-            let f = hccl_fn!(api, HcclBroadcast)?;
+        self.run(OP, &[b], |stream| {
             // SAFETY: `n` elements of `dt` on this device.
-            check("HcclBroadcast", unsafe { f(b.as_ptr(), n, dt, root as u32, self.inner.raw, stream) })
+            unsafe { hc::broadcast(b.as_ptr(), n, dt, root as u32, self.inner.raw, stream) }
         })
     }
 
     fn barrier(&self) -> Result<()> {
-        self.run("barrier", &[], |api, stream| {
-            let f = hccl_fn!(api, HcclBarrier)?;
+        self.run("barrier", &[], |stream| {
             // SAFETY: live communicator and stream.
-            check("HcclBarrier", unsafe { f(self.inner.raw, stream) })
+            unsafe { hc::barrier(self.inner.raw, stream) }
         })
     }
 }

@@ -4,13 +4,12 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use hccl_sys::HcclRootInfo as RawRootInfo;
-
+use crate::backend::npu::result::hccl::{self as hc, hccl};
 use crate::backend::npu::NpuDevice;
 use crate::comm::CommOptions;
 use crate::{Error, Result};
 
-use super::api::{check, config_for, fnv1a, hccl, hccl_fn, query_name, query_rank_info, FNV_SEED};
+use super::api::{config_for, fnv1a, query_name, query_rank_info, FNV_SEED};
 use super::root_info::HcclRootInfo;
 use super::{CommInner, HcclComm};
 
@@ -18,12 +17,10 @@ impl HcclRootInfo {
     /// Asks HCCL for a new root info (`HcclGetRootInfo`), on `device`. Call it
     /// on one rank only.
     pub fn generate(device: &NpuDevice) -> Result<Self> {
-        let api = hccl()?;
+        // A missing HCCL is reported before the device is bound.
+        hccl()?;
         device.stream().enter()?;
-        let f = hccl_fn!(api, HcclGetRootInfo)?;
-        let mut raw = RawRootInfo::default();
-        // SAFETY: valid out-pointer to a 4108-byte root info; device bound.
-        check("HcclGetRootInfo", unsafe { f(&mut raw) })?;
+        let raw = hc::get_root_info()?;
         Ok(Self::from_raw(&raw))
     }
 }
@@ -42,26 +39,17 @@ impl HcclComm {
         if world == 0 || rank >= world {
             return Err(Error::invalid(OP, "rank", format!("rank {rank} of a world of {world}")));
         }
-        let api = hccl()?;
+        // A missing HCCL is reported before the device is bound.
+        hccl()?;
         device.stream().enter()?;
         let raw_root = root.to_raw();
-        let mut raw: hccl_sys::HcclComm = std::ptr::null_mut();
-        match api.lib.HcclCommInitRootInfoConfig.as_ref() {
-            Ok(f) => {
-                let config = config_for(api, opts);
-                // SAFETY: root info, config and out-pointer are valid for the
-                // call (HCCL copies the config); device bound.
-                check("HcclCommInitRootInfoConfig", unsafe {
-                    f(world as u32, &raw_root, rank as u32, &config, &mut raw)
-                })?;
-            }
-            Err(_) => {
-                let f = hccl_fn!(api, HcclCommInitRootInfo)?;
-                // SAFETY: root info and out-pointer are valid; device bound.
-                check("HcclCommInitRootInfo", unsafe { f(world as u32, &raw_root, rank as u32, &mut raw) })?;
-            }
-        }
-        let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-world-{world}"));
+        let raw = if hc::has_comm_init_root_info_config()? {
+            let config = config_for(opts);
+            hc::comm_init_root_info_config(world as u32, &raw_root, rank as u32, &config)?
+        } else {
+            hc::comm_init_root_info(world as u32, &raw_root, rank as u32)?
+        };
+        let name = query_name(raw).unwrap_or_else(|| format!("hccl-world-{world}"));
         let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
         Ok(Self::wrap(raw, true, device, (rank, world), (name, key), opts, None))
     }
@@ -74,10 +62,11 @@ impl HcclComm {
     /// `raw` must be a live communicator whose device is `device`, and must
     /// outlive every use of the returned handle.
     pub unsafe fn borrow_raw(device: &NpuDevice, raw: hccl_sys::HcclComm, opts: &CommOptions) -> Result<Self> {
-        let api = hccl()?;
+        // A missing HCCL is reported before the device is bound.
+        hccl()?;
         device.stream().enter()?;
-        let (rank, world) = query_rank_info(api, raw)?;
-        let name = query_name(api, raw).unwrap_or_else(|| format!("hccl-borrowed-{world}"));
+        let (rank, world) = query_rank_info(raw)?;
+        let name = query_name(raw).unwrap_or_else(|| format!("hccl-borrowed-{world}"));
         // The host engine names its groups identically on every member.
         let key = fnv1a(FNV_SEED, name.bytes());
         Ok(Self::wrap(raw, false, device, (rank, world), (name, key), opts, None))
@@ -168,21 +157,16 @@ impl HcclComm {
         let id = fnv1a(root.key, global_ids.iter().flat_map(|&r| (r as u64).to_le_bytes()).chain(serial.to_le_bytes()));
         // 0xFFFFFFFF is the subCommId of a rank outside the new group.
         let id = if id == 0xFFFF_FFFF { id ^ 1 } else { id };
-        let api = hccl()?;
+        hccl()?;
         self.inner.device.stream().enter()?;
-        let f = hccl_fn!(api, HcclCreateSubCommConfig)?;
         let mut ids: Vec<u32> = global_ids.iter().map(|&r| r as u32).collect();
-        let mut config = config_for(api, &self.inner.opts);
+        let mut config = config_for(&self.inner.opts);
         let mut parent = root.raw;
-        let mut sub: hccl_sys::HcclComm = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call; HCCL takes a pointer to
-        // the global communicator's handle and does not retain `ids` or
-        // `config`; `ids` is ascending and `sub_rank` is this rank's index in
-        // it, as the HCCL API reference asks.
-        check("HcclCreateSubCommConfig", unsafe {
-            f(&mut parent, ids.len() as u32, ids.as_mut_ptr(), id, sub_rank as u32, &mut config, &mut sub)
-        })?;
-        let name = query_name(api, sub).unwrap_or(name);
+        // SAFETY: `parent` is the live global communicator's handle; `ids` is
+        // ascending and `sub_rank` is this rank's index in it, as the HCCL
+        // API reference asks.
+        let sub = unsafe { hc::create_sub_comm_config(&mut parent, &mut ids, id, sub_rank as u32, &mut config) }?;
+        let name = query_name(sub).unwrap_or(name);
         Ok(Self::wrap(
             sub,
             true,

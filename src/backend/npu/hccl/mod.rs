@@ -29,8 +29,9 @@ use super::NpuDevice;
 use crate::types::CommOptions;
 use crate::Error;
 
-use api::hccl_fn;
-pub use api::{check, error_string, hccl, hccl_dtype, hccl_op, ROOT_INFO_BYTES};
+use super::result::hccl as hc;
+pub use super::result::hccl::{check, error_string, hccl};
+pub use api::{hccl_dtype, hccl_op, ROOT_INFO_BYTES};
 pub use root_info::HcclRootInfo;
 
 struct CommInner {
@@ -73,14 +74,13 @@ impl Drop for CommInner {
             return;
         }
         let last = self.last_stream.lock().map(|mut l| l.take()).unwrap_or_default();
-        let result = hccl().and_then(|api| {
+        let result = hccl().and_then(|_| {
             if let Some(s) = last {
                 super::runtime::settled(s.synchronize())?;
             }
             super::runtime::settled(self.device.stream().synchronize())?;
-            let f = hccl_fn!(api, HcclCommDestroy)?;
             // SAFETY: created by us, destroyed once, no queued collective left.
-            check("HcclCommDestroy", unsafe { f(self.raw) })
+            unsafe { hc::comm_destroy(self.raw) }
         });
         if let Err(e) = result {
             record_drop_error(e);

@@ -3,13 +3,13 @@
 
 use std::sync::Arc;
 
-use hccl_sys::{Hccl, HcclResult};
+use hccl_sys::HcclResult;
 
 use crate::backend::npu::memory::NpuBuffer;
+use crate::backend::npu::result::hccl::{self as hc, error_string, hccl};
 use crate::backend::npu::runtime::{NpuStream, Pending};
 use crate::{Error, Result};
 
-use super::api::{check, error_string, hccl, hccl_fn};
 use super::{CommInner, HcclComm};
 
 impl HcclComm {
@@ -22,7 +22,7 @@ impl HcclComm {
         &self,
         call: &'static str,
         operands: &[&NpuBuffer],
-        launch: impl FnOnce(&Hccl, acl_sys::aclrtStream) -> Result<()>,
+        launch: impl FnOnce(acl_sys::aclrtStream) -> Result<()>,
     ) -> Result<()> {
         let stream = operands.first().map_or_else(|| self.inner.device.stream(), |b| b.stream()).clone();
         self.run_on(&stream, call, operands, launch)
@@ -33,9 +33,9 @@ impl HcclComm {
         stream: &NpuStream,
         call: &'static str,
         operands: &[&NpuBuffer],
-        launch: impl FnOnce(&Hccl, acl_sys::aclrtStream) -> Result<()>,
+        launch: impl FnOnce(acl_sys::aclrtStream) -> Result<()>,
     ) -> Result<()> {
-        let api = hccl()?;
+        hccl()?;
         if stream.ordinal() != self.inner.device.ordinal() {
             return Err(Error::Device {
                 op: call,
@@ -52,7 +52,7 @@ impl HcclComm {
             stream.wait_for(prev)?;
         }
         stream.enter()?;
-        launch(api, stream.raw())?;
+        launch(stream.raw())?;
         *last = Some(stream.clone());
         drop(last);
         stream.record_pending(Box::new(QueuedCollective { call, comm: Arc::downgrade(&self.inner) }));
@@ -62,10 +62,9 @@ impl HcclComm {
     /// [`Collectives::barrier`](crate::comm::Collectives::barrier) queued on `stream` (a stream of this
     /// communicator's device, e.g. the caller's) instead of the device's own.
     pub fn barrier_on(&self, stream: &NpuStream) -> Result<()> {
-        self.run_on(stream, "barrier", &[], |api, raw| {
-            let f = hccl_fn!(api, HcclBarrier)?;
+        self.run_on(stream, "barrier", &[], |raw| {
             // SAFETY: live communicator and stream of its device.
-            check("HcclBarrier", unsafe { f(self.inner.raw, raw) })
+            unsafe { hc::barrier(self.inner.raw, raw) }
         })
     }
 }
@@ -77,15 +76,12 @@ struct QueuedCollective {
 }
 
 impl CommInner {
-    /// `HcclGetCommAsyncError`: the error HCCL recorded for this communicator
-    /// (a collective that failed on the device), `None` when there is none.
-    /// HCCL API reference: "queries the asynchronous error of a communicator".
+    /// The error HCCL recorded for this communicator (a collective that
+    /// failed on the device, [`hc::get_comm_async_error`]), `None` when there
+    /// is none.
     fn async_error(&self) -> Option<HcclResult> {
-        let f = hccl().ok()?.lib.HcclGetCommAsyncError.as_ref().ok()?;
-        let mut code = HcclResult::HCCL_SUCCESS;
-        // SAFETY: live communicator (held by the caller), valid out-pointer.
-        let rc = unsafe { f(self.raw, &mut code) };
-        (rc == HcclResult::HCCL_SUCCESS && code != HcclResult::HCCL_SUCCESS).then_some(code)
+        // SAFETY: live communicator (held by the caller).
+        unsafe { hc::get_comm_async_error(self.raw) }.filter(|&code| code != HcclResult::HCCL_SUCCESS)
     }
 }
 

@@ -250,18 +250,16 @@ pub(crate) unsafe fn enqueue_copy(
         let bytes = tiling.as_bytes();
         // SAFETY: `gm` holds the two device ranges of this function's
         // contract; the simulator copies the tiling bytes at enqueue.
-        let code = unsafe {
-            launch(
+        unsafe {
+            crate::backend::npu::result::acl::sim_launch_kernel_ex(
+                launch,
                 stream.raw(),
                 tiling.block_dim,
                 Some(entry),
-                gm.as_ptr(),
-                gm.len(),
-                bytes.as_ptr().cast(),
-                bytes.len(),
+                &gm,
+                bytes,
             )
-        };
-        crate::backend::npu::runtime::check("cannsim_launch_kernel_ex", code)?;
+        }?;
         return Ok(true);
     }
     match super::library::shared_kernel_lib() {

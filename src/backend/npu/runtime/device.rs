@@ -1,11 +1,25 @@
 //! The device context every handle on a device shares.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use acl_sys::{aclError, Acl};
+use acl_sys::Acl;
 
-use super::load::{acl, acl_fn, check, device_count};
+use super::load::acl;
+use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
+
+/// Calls `aclInit(NULL)` once per process.
+fn init() -> Result<()> {
+    static INIT: OnceLock<Result<()>> = OnceLock::new();
+    INIT.get_or_init(rt::init).clone()
+}
+
+/// Number of visible devices.
+pub fn device_count() -> Result<u32> {
+    acl()?;
+    init()?;
+    rt::get_device_count()
+}
 
 /// Per-device state shared by every handle on that device.
 #[derive(Debug)]
@@ -46,14 +60,10 @@ impl DeviceCtx {
     /// device (or none), so a host engine that switched the thread's device
     /// behind our back is noticed.
     pub fn bind(&self) -> Result<()> {
-        let get = acl_fn!(self.api, aclrtGetDevice)?;
-        let mut current = -1i32;
-        // SAFETY: valid out-pointer; fails harmlessly when no device is set.
-        if unsafe { get(&mut current) } == acl_sys::ACL_SUCCESS as aclError && current == self.ordinal as i32 {
+        if rt::get_device()? == Some(self.ordinal as i32) {
             return Ok(());
         }
-        let f = acl_fn!(self.api, aclrtSetDevice)?;
-        // SAFETY: plain integer argument, validated against the device count.
-        check("aclrtSetDevice", unsafe { f(self.ordinal as i32) })
+        // The ordinal was validated against the device count.
+        rt::set_device(self.ordinal as i32)
     }
 }

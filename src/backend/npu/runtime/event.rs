@@ -2,8 +2,9 @@
 
 use acl_sys::aclrtEvent;
 
-use super::load::{acl_fn, check, record_drop_error};
+use super::load::record_drop_error;
 use super::stream::NpuStream;
+use crate::backend::npu::result::acl as rt;
 use crate::Result;
 
 /// An event, created on (and keeping alive) a stream's device.
@@ -27,57 +28,46 @@ impl std::fmt::Debug for NpuEvent {
 impl NpuEvent {
     /// Creates an event on `stream`'s device.
     pub fn create(stream: &NpuStream) -> Result<Self> {
-        let api = stream.enter()?;
-        let f = acl_fn!(api, aclrtCreateEvent)?;
-        let mut raw: aclrtEvent = std::ptr::null_mut();
-        // SAFETY: valid out-pointer, device bound.
-        check("aclrtCreateEvent", unsafe { f(&mut raw) })?;
+        stream.enter()?;
+        let raw = rt::create_event()?;
         Ok(NpuEvent { raw, stream: stream.clone() })
     }
 
     /// Records the event at the current end of `stream`.
     pub fn record(&self, stream: &NpuStream) -> Result<()> {
-        let api = stream.enter()?;
-        let f = acl_fn!(api, aclrtRecordEvent)?;
+        stream.enter()?;
         // SAFETY: live event and stream.
-        check("aclrtRecordEvent", unsafe { f(self.raw, stream.raw()) })
+        unsafe { rt::record_event(self.raw, stream.raw()) }
     }
 
     /// Waits until the recorded work completed.
     pub fn synchronize(&self) -> Result<()> {
-        let api = self.stream.enter()?;
-        let f = acl_fn!(api, aclrtSynchronizeEvent)?;
+        self.stream.enter()?;
         // SAFETY: live event.
-        check("aclrtSynchronizeEvent", unsafe { f(self.raw) })
+        unsafe { rt::synchronize_event(self.raw) }
     }
 
     /// True when the recorded work completed.
     pub fn is_complete(&self) -> Result<bool> {
-        let api = self.stream.enter()?;
-        let f = acl_fn!(api, aclrtQueryEventStatus)?;
-        let mut status = acl_sys::aclrtEventRecordedStatus(0);
-        // SAFETY: live event, valid out-pointer.
-        check("aclrtQueryEventStatus", unsafe { f(self.raw, &mut status) })?;
+        self.stream.enter()?;
+        // SAFETY: live event.
+        let status = unsafe { rt::query_event_status(self.raw) }?;
         Ok(status == acl_sys::aclrtEventRecordedStatus::ACL_EVENT_RECORDED_STATUS_COMPLETE)
     }
 
     /// Milliseconds between `start` and this event (both recorded and complete).
     pub fn elapsed_ms_since(&self, start: &NpuEvent) -> Result<f32> {
-        let api = self.stream.enter()?;
-        let f = acl_fn!(api, aclrtEventElapsedTime)?;
-        let mut ms = 0f32;
-        // SAFETY: live events, valid out-pointer.
-        check("aclrtEventElapsedTime", unsafe { f(&mut ms, start.raw, self.raw) })?;
-        Ok(ms)
+        self.stream.enter()?;
+        // SAFETY: live events.
+        unsafe { rt::event_elapsed_time(start.raw, self.raw) }
     }
 }
 
 impl Drop for NpuEvent {
     fn drop(&mut self) {
-        let result = self.stream.enter().and_then(|api| {
-            let f = acl_fn!(api, aclrtDestroyEvent)?;
+        let result = self.stream.enter().and_then(|_| {
             // SAFETY: created by us, destroyed once.
-            check("aclrtDestroyEvent", unsafe { f(self.raw) })
+            unsafe { rt::destroy_event(self.raw) }
         });
         if let Err(e) = result {
             record_drop_error(e);
@@ -88,10 +78,9 @@ impl Drop for NpuEvent {
 impl NpuStream {
     /// Makes this stream wait (on the device) for `event`.
     pub fn wait_event(&self, event: &NpuEvent) -> Result<()> {
-        let api = self.enter()?;
-        let f = acl_fn!(api, aclrtStreamWaitEvent)?;
+        self.enter()?;
         // SAFETY: both handles are live (the event holds its stream).
-        check("aclrtStreamWaitEvent", unsafe { f(self.raw(), event.raw) })
+        unsafe { rt::stream_wait_event(self.raw(), event.raw) }
     }
 
     /// Orders this stream after all work currently queued on `other`, on the

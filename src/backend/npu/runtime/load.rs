@@ -1,4 +1,5 @@
-//! Loading the ACL runtime, mapping its error codes, and the errors of
+//! Loading the ACL runtime, mapping its error codes (the result layer,
+//! [`crate::backend::npu::result`], calls through these), and the errors of
 //! `Drop`s.
 
 use std::ffi::CStr;
@@ -12,21 +13,6 @@ use crate::{Error, Result};
 pub fn acl() -> Result<&'static Acl> {
     acl_sys::acl().map_err(|e| Error::Unavailable(e.to_string()))
 }
-
-/// Resolves one symbol of the ACL function table; a symbol this CANN release
-/// lacks is [`Error::Unavailable`].
-macro_rules! acl_fn {
-    ($api:expr, $name:ident) => {
-        $api.lib.$name.as_ref().map_err(|_| {
-            $crate::Error::Unavailable(format!(
-                "{} is not exported by {}",
-                stringify!($name),
-                $api.origin.path.to_string_lossy()
-            ))
-        })
-    };
-}
-pub(crate) use acl_fn;
 
 /// `aclGetRecentErrMsg()`, or an empty string.
 pub fn recent_error_message() -> String {
@@ -86,31 +72,4 @@ pub(crate) fn settled(r: Result<()>) -> Result<()> {
 /// Returns and clears the errors recorded while dropping NPU handles.
 pub fn take_drop_errors() -> Vec<Error> {
     drop_error_log().lock().map(|mut l| std::mem::take(&mut *l)).unwrap_or_default()
-}
-
-/// Calls `aclInit(NULL)` once per process. A runtime already initialised by
-/// the host engine (torch_npu) is fine.
-fn init(api: &'static Acl) -> Result<()> {
-    static INIT: OnceLock<Result<()>> = OnceLock::new();
-    INIT.get_or_init(|| {
-        let f = acl_fn!(api, aclInit)?;
-        // SAFETY: NULL config path is documented as "no config file".
-        let code = unsafe { f(std::ptr::null()) };
-        if code == acl_sys::ACL_ERROR_REPEAT_INITIALIZE as aclError {
-            return Ok(());
-        }
-        check("aclInit", code)
-    })
-    .clone()
-}
-
-/// Number of visible devices.
-pub fn device_count() -> Result<u32> {
-    let api = acl()?;
-    init(api)?;
-    let mut n = 0u32;
-    let f = acl_fn!(api, aclrtGetDeviceCount)?;
-    // SAFETY: `n` is a valid out-pointer.
-    check("aclrtGetDeviceCount", unsafe { f(&mut n) })?;
-    Ok(n)
 }

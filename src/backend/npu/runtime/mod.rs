@@ -16,14 +16,15 @@
 
 mod device;
 mod event;
-mod load;
+pub(crate) mod load;
 mod pending;
 mod stream;
 mod workspace;
 
+pub use device::device_count;
 pub use device::DeviceCtx;
 pub use event::NpuEvent;
-pub use load::{acl, check, device_count, recent_error_message, take_drop_errors};
-pub(crate) use load::{acl_fn, record_drop_error, settled};
+pub use load::{acl, check, recent_error_message, take_drop_errors};
+pub(crate) use load::{record_drop_error, settled};
 pub use stream::NpuStream;
 pub(crate) use stream::{lock, Pending};

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use super::load::{acl_fn, check};
 use super::stream::{lock, NpuStream, Pending};
+use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
 impl NpuStream {
@@ -116,11 +116,10 @@ impl NpuStream {
     /// Writes `len` zero bytes at device address `ptr` (a captured launch's
     /// record, once read) after the stream drained: the check's own write.
     pub(crate) fn zero_drained(&self, ptr: usize, len: usize) -> Result<()> {
-        let api = self.enter()?;
-        let f = acl_fn!(api, aclrtMemset)?;
+        self.enter()?;
         // SAFETY: `ptr` is `len` bytes of this device's memory that no queued
         // work writes (the stream drained).
-        check("aclrtMemset", unsafe { f(ptr as *mut std::ffi::c_void, len, 0, len) })
+        unsafe { rt::memset(ptr as *mut std::ffi::c_void, len, 0, len) }
     }
 
     /// [`check_with_timeout`](Self::check_with_timeout) with the timeout of

@@ -7,8 +7,9 @@ use std::time::Duration;
 use acl_sys::{aclrtStream, Acl};
 
 use super::device::DeviceCtx;
-use super::load::{acl_fn, check, record_drop_error, settled};
+use super::load::{record_drop_error, settled};
 use crate::backend::npu::pool::{Allocator, Pool, Staging};
+use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
 /// Queued work whose outcome only the device knows: a collective (its
@@ -85,23 +86,20 @@ unsafe impl Send for StreamInner {}
 // SAFETY: as above; shared references only launch work or synchronise.
 unsafe impl Sync for StreamInner {}
 
-/// `aclmdlRICaptureGetInfo` (acl_mdl.h of CANN 8.1): true unless the status
-/// is `ACL_MODEL_RI_CAPTURE_STATUS_NONE`; false on a runtime without the
+/// True unless the capture status of `raw` ([`rt::capture_get_info`]) is
+/// `ACL_MODEL_RI_CAPTURE_STATUS_NONE`; false on a runtime without the
 /// capture API. The stream's device must be bound.
-fn capturing(api: &'static Acl, raw: aclrtStream) -> Result<bool> {
-    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(false) };
-    let mut status = acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
-    let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
-    // SAFETY: live stream, device bound, valid out-pointers.
-    check("aclmdlRICaptureGetInfo", unsafe { f(raw, &mut status, &mut model) })?;
-    Ok(status != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
+fn capturing(raw: aclrtStream) -> Result<bool> {
+    // SAFETY: live stream, device bound.
+    let status = unsafe { rt::capture_get_info(raw) }?;
+    Ok(status.is_some_and(|s| s != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE))
 }
 
 impl StreamInner {
     /// Frees the workspace pool when this is the last handle of the stream:
     /// the stream is synchronised first (the pool's blocks may still be in
     /// use by queued work), the one synchronisation the pool ever makes.
-    fn release_pool(&self, api: &'static Acl) -> Result<()> {
+    fn release_pool(&self) -> Result<()> {
         {
             let st = lock(&self.state);
             if Arc::strong_count(&self.state) > 1 || (st.pool.is_empty() && st.staging.is_empty()) {
@@ -110,7 +108,7 @@ impl StreamInner {
         }
         // Under capture the sync would invalidate the capture and the blocks
         // may belong to the graph being recorded: they are kept (and reported).
-        if capturing(api, self.raw)? {
+        if capturing(self.raw)? {
             return Err(Error::invalid(
                 "NpuStream::drop",
                 "stream",
@@ -118,25 +116,22 @@ impl StreamInner {
                  (freeing it would synchronise the capture); drop the handle after the capture ends",
             ));
         }
-        let sync = acl_fn!(api, aclrtSynchronizeStream)?;
         // SAFETY: `raw` is a live stream (destroyed only after this).
-        settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
+        settled(unsafe { rt::synchronize_stream(self.raw) })?;
         let (segments, staged) = {
             let mut st = lock(&self.state);
             (st.pool.take_segments(), st.staging.take_all())
         };
-        let free = acl_fn!(api, aclrtFree)?;
-        let free_host = acl_fn!(api, aclrtFreeHost)?;
         let mut first = Ok(());
         for (ptr, _) in segments {
             // SAFETY: a segment from aclrtMalloc (`reserve_workspace`), freed
             // once; the stream that used it was synchronised just above.
-            first = first.and(check("aclrtFree", unsafe { free(ptr as *mut std::ffi::c_void) }));
+            first = first.and(unsafe { rt::free(ptr as *mut std::ffi::c_void) });
         }
         for (ptr, _) in staged {
             // SAFETY: a block from aclrtMallocHost (`staging_block`), freed
             // once; no copy from it is queued any more.
-            first = first.and(check("aclrtFreeHost", unsafe { free_host(ptr as *mut std::ffi::c_void) }));
+            first = first.and(unsafe { rt::free_host(ptr as *mut std::ffi::c_void) });
         }
         first
     }
@@ -144,27 +139,24 @@ impl StreamInner {
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        let api = self.ctx.api;
         if !self.owned {
-            if let Err(e) = self.ctx.bind().and_then(|_| self.release_pool(api)) {
+            if let Err(e) = self.ctx.bind().and_then(|_| self.release_pool()) {
                 record_drop_error(e);
             }
             return;
         }
         let result = self.ctx.bind().and_then(|_| {
             // Pending work must finish before the stream is destroyed.
-            let sync = acl_fn!(api, aclrtSynchronizeStream)?;
             // SAFETY: `raw` is a live stream we created.
-            settled(check("aclrtSynchronizeStream", unsafe { sync(self.raw) }))?;
+            settled(unsafe { rt::synchronize_stream(self.raw) })?;
             let kept = std::mem::take(&mut lock(&self.state).keep);
             drop(kept);
-            self.release_pool(api)?;
+            self.release_pool()?;
             if let Ok(mut map) = states().lock() {
                 map.remove(&(self.ctx.ordinal, self.raw as usize));
             }
-            let destroy = acl_fn!(api, aclrtDestroyStream)?;
             // SAFETY: owned, synchronised, destroyed exactly once.
-            check("aclrtDestroyStream", unsafe { destroy(self.raw) })
+            unsafe { rt::destroy_stream(self.raw) }
         });
         if let Err(e) = result {
             record_drop_error(e);
@@ -194,10 +186,7 @@ impl NpuStream {
     /// Creates a new stream on `ctx`'s device.
     pub fn create(ctx: &Arc<DeviceCtx>) -> Result<Self> {
         ctx.bind()?;
-        let f = acl_fn!(ctx.api, aclrtCreateStream)?;
-        let mut raw: aclrtStream = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; the device is bound.
-        check("aclrtCreateStream", unsafe { f(&mut raw) })?;
+        let raw = rt::create_stream()?;
         let state = state_for(ctx.ordinal, raw);
         Ok(NpuStream { inner: Arc::new(StreamInner { raw, owned: true, ctx: ctx.clone(), state }) })
     }
@@ -246,10 +235,9 @@ impl NpuStream {
 
     /// Waits for all work on the stream (a host wait: never inside an op).
     pub fn synchronize(&self) -> Result<()> {
-        let api = self.enter()?;
-        let f = acl_fn!(api, aclrtSynchronizeStream)?;
+        self.enter()?;
         // SAFETY: live stream, device bound.
-        check("aclrtSynchronizeStream", unsafe { f(self.raw()) })?;
+        unsafe { rt::synchronize_stream(self.raw()) }?;
         self.release_kept();
         Ok(())
     }
@@ -257,16 +245,15 @@ impl NpuStream {
     /// Waits for all work on the stream, at most `timeout` (falls back to an
     /// unbounded wait on a CANN without `aclrtSynchronizeStreamWithTimeout`).
     pub fn synchronize_timeout(&self, timeout: Duration) -> Result<()> {
-        let api = self.enter()?;
-        match api.lib.aclrtSynchronizeStreamWithTimeout.as_ref() {
-            Ok(f) => {
-                let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
-                // SAFETY: live stream, device bound, positive timeout in ms.
-                check("aclrtSynchronizeStreamWithTimeout", unsafe { f(self.raw(), ms) })?;
+        self.enter()?;
+        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
+        // SAFETY: live stream, device bound, positive timeout in ms.
+        match unsafe { rt::synchronize_stream_with_timeout(self.raw(), ms) }? {
+            Some(()) => {
                 self.release_kept();
                 Ok(())
             }
-            Err(_) => self.synchronize(),
+            None => self.synchronize(),
         }
     }
 
@@ -279,8 +266,8 @@ impl NpuStream {
     /// `ACTIVE`, or `INVALIDATED` until the capture ends), see [`capturing`];
     /// false on a runtime without the capture API, which cannot capture.
     pub fn is_capturing(&self) -> Result<bool> {
-        let api = self.enter()?;
-        capturing(api, self.raw())
+        self.enter()?;
+        capturing(self.raw())
     }
 
     /// An error naming `op` while this stream is captured into a graph.

@@ -1,10 +1,8 @@
 //! The workspace pool and the pinned staging blocks of a stream.
 
-use acl_sys::Acl;
-
-use super::load::{acl_fn, check};
 use super::stream::{lock, NpuStream};
 use crate::backend::npu::pool::{self, Allocator, PoolStats};
+use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
 impl NpuStream {
@@ -12,39 +10,35 @@ impl NpuStream {
     /// least `bytes` (adding an `aclrtMalloc` segment when it has not), so
     /// ops of that size can run under graph capture. Refused under capture.
     pub fn reserve_workspace(&self, bytes: usize) -> Result<()> {
-        let api = self.enter()?;
+        self.enter()?;
         if lock(self.state()).pool.largest_free() >= bytes {
             return Ok(());
         }
         self.refuse_under_capture("reserve_workspace", "reserve before the capture begins")?;
         let len = pool::round_up(bytes)?;
-        let f = acl_fn!(api, aclrtMalloc)?;
-        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer, nonzero size, device bound.
-        check("aclrtMalloc", unsafe { f(&mut ptr, len, acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST) })?;
+        // Nonzero size, device bound.
+        let ptr = rt::malloc(len, acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST)?;
         lock(self.state()).pool.add_segment(ptr as usize, len);
         Ok(())
     }
 
     /// A new pinned staging block of at least `bytes` (`aclrtMallocHost`).
-    fn staging_block(api: &'static Acl, bytes: usize) -> Result<(usize, usize)> {
+    fn staging_block(bytes: usize) -> Result<(usize, usize)> {
         let len = pool::round_up(bytes)?;
-        let f = acl_fn!(api, aclrtMallocHost)?;
-        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: valid out-pointer and nonzero size.
-        check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
+        // Nonzero size.
+        let ptr = rt::malloc_host(len)?;
         Ok((ptr as usize, len))
     }
 
     /// Makes sure a pinned staging block of at least `bytes` is free (small
     /// host data the native kernel needs: slot offsets, a tiling).
     pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
-        let api = self.enter()?;
+        self.enter()?;
         self.refuse_under_capture("reserve_staging", "reserve before the capture begins")?;
         if lock(self.state()).staging.has_free(bytes) {
             return Ok(());
         }
-        let b = Self::staging_block(api, bytes)?;
+        let b = Self::staging_block(bytes)?;
         lock(self.state()).staging.add(b, true);
         Ok(())
     }
@@ -63,20 +57,19 @@ impl NpuStream {
 
     /// Reads `dst.len()` bytes of device memory at `src` (a drained stream's).
     pub(crate) fn read_drained(&self, src: usize, dst: &mut [u8]) -> Result<()> {
-        let api = self.enter()?;
-        let f = acl_fn!(api, aclrtMemcpy)?;
+        self.enter()?;
         let n = dst.len();
         // SAFETY: `src` is device memory of at least `n` bytes of this device
         // that no queued work writes (the stream drained); `dst` is exclusive.
-        check("aclrtMemcpy", unsafe {
-            f(
+        unsafe {
+            rt::memcpy(
                 dst.as_mut_ptr().cast(),
                 n,
                 src as *const std::ffi::c_void,
                 n,
                 acl_sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST,
             )
-        })
+        }
     }
 
     /// What this stream's workspace did so far.
@@ -99,7 +92,7 @@ impl NpuStream {
         if dst_len < data.len() {
             return Err(Error::invalid("stage_to_device", "dst", format!("{dst_len} bytes for {}", data.len())));
         }
-        let api = self.enter()?;
+        self.enter()?;
         let taken = lock(self.state()).staging.take_free(data.len());
         let (ptr, _) = match taken {
             Some(b) => b,
@@ -109,7 +102,7 @@ impl NpuStream {
                     "no pinned staging block is free and none can be allocated; reserve with \
                      amoe_workspace_reserve / NpuStream::reserve_staging before the capture begins",
                 )?;
-                let b = Self::staging_block(api, data.len())?;
+                let b = Self::staging_block(data.len())?;
                 lock(self.state()).staging.add(b, false);
                 b
             }
@@ -121,11 +114,10 @@ impl NpuStream {
             // Every replay copies from the block again: it keeps these bytes.
             lock(self.state()).staging.keep_for_graph(ptr);
         }
-        let f = acl_fn!(api, aclrtMemcpyAsync)?;
         // SAFETY: `dst` is device memory of `dst_len >= data.len()` bytes; the
         // pinned source stays allocated and unchanged until the stream drained.
-        check("aclrtMemcpyAsync", unsafe {
-            f(
+        unsafe {
+            rt::memcpy_async(
                 dst,
                 dst_len,
                 ptr as *const std::ffi::c_void,
@@ -133,6 +125,6 @@ impl NpuStream {
                 acl_sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                 self.raw(),
             )
-        })
+        }
     }
 }

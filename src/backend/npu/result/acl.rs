@@ -1,0 +1,317 @@
+//! `libascendcl`: one function per ACL call, named for the call without its
+//! `aclrt` prefix (`aclrtCreateStream` is [`create_stream`]), plus the
+//! kernel launchers only the simulated runtime exports.
+//!
+//! Every wrapper resolves its symbol in the loaded runtime ([`acl()`]) and
+//! maps the status with [`check`]. The device must be bound on the calling
+//! thread ([`set_device`]) for every call that acts on a device.
+
+use std::ffi::{c_void, CStr};
+
+use acl_sys::{
+    aclError, aclmdlRICaptureStatus, aclrtEvent, aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy,
+    aclrtMemcpyKind, aclrtStream, CannsimKernelEntry, CannsimKernelEntryEx, CannsimLaunchKernelExFn,
+    CannsimLaunchKernelFn,
+};
+
+use super::{require, status_fns, sym};
+use crate::backend::npu::runtime::load::{acl, check};
+use crate::Result;
+
+/// `aclInit(NULL)` (NULL: no config file). A runtime already initialised,
+/// e.g. by the host engine (torch_npu), is success
+/// (`ACL_ERROR_REPEAT_INITIALIZE`).
+pub fn init() -> Result<()> {
+    let api = acl()?;
+    let f = sym!(api, aclInit)?;
+    // SAFETY: NULL config path is documented as "no config file".
+    let code = unsafe { f(std::ptr::null()) };
+    if code == acl_sys::ACL_ERROR_REPEAT_INITIALIZE as aclError {
+        return Ok(());
+    }
+    check("aclInit", code)
+}
+
+/// `aclrtGetDeviceCount`: the number of visible devices.
+pub fn get_device_count() -> Result<u32> {
+    let f = sym!(acl()?, aclrtGetDeviceCount)?;
+    let mut n = 0u32;
+    // SAFETY: `n` is a valid out-pointer.
+    check("aclrtGetDeviceCount", unsafe { f(&mut n) })?;
+    Ok(n)
+}
+
+/// `aclrtGetDevice`: the device bound to the calling thread, `None` when
+/// the call fails (no device is set); that failure is not an error and the
+/// runtime's message is left alone.
+pub fn get_device() -> Result<Option<i32>> {
+    let f = sym!(acl()?, aclrtGetDevice)?;
+    let mut current = -1i32;
+    // SAFETY: valid out-pointer; fails harmlessly when no device is set.
+    let code = unsafe { f(&mut current) };
+    Ok((code == acl_sys::ACL_SUCCESS as aclError).then_some(current))
+}
+
+/// `aclrtSetDevice`: binds `device` to the calling thread (the binding is
+/// per thread).
+pub fn set_device(device: i32) -> Result<()> {
+    let f = sym!(acl()?, aclrtSetDevice)?;
+    // SAFETY: plain integer argument; the runtime rejects an unknown device.
+    check("aclrtSetDevice", unsafe { f(device) })
+}
+
+/// `aclrtGetMemInfo(attr)`: `(free, total)` bytes.
+pub fn get_mem_info(attr: aclrtMemAttr) -> Result<(usize, usize)> {
+    let f = sym!(acl()?, aclrtGetMemInfo)?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers.
+    check("aclrtGetMemInfo", unsafe { f(attr, &mut free, &mut total) })?;
+    Ok((free, total))
+}
+
+/// `aclrtGetVersion`: `(major, minor, patch)` of the runtime, `None` when it
+/// lacks the call or the call fails.
+pub fn get_version() -> Option<(i32, i32, i32)> {
+    let f = acl().ok()?.lib.aclrtGetVersion.as_ref().ok()?;
+    let (mut a, mut b, mut c) = (0, 0, 0);
+    // SAFETY: valid out-pointers.
+    (unsafe { f(&mut a, &mut b, &mut c) } == 0).then_some((a, b, c))
+}
+
+/// `aclrtGetSocName`: the chip's name, `None` when the runtime lacks the
+/// call or has no name.
+pub fn get_soc_name() -> Option<String> {
+    let f = acl().ok()?.lib.aclrtGetSocName.as_ref().ok()?;
+    // SAFETY: no arguments; NULL or a runtime-owned C string.
+    let p = unsafe { f() };
+    // SAFETY: non-NULL, NUL-terminated.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// `aclrtCreateStream`: a new stream on the bound device.
+pub fn create_stream() -> Result<aclrtStream> {
+    let f = sym!(acl()?, aclrtCreateStream)?;
+    let mut raw: aclrtStream = std::ptr::null_mut();
+    // SAFETY: `raw` is a valid out-pointer.
+    check("aclrtCreateStream", unsafe { f(&mut raw) })?;
+    Ok(raw)
+}
+
+status_fns! { acl, check;
+    /// `aclrtDestroyStream`.
+    ///
+    /// # Safety
+    /// `stream` was created by [`create_stream`], is destroyed once, and no
+    /// queued work is left on it.
+    pub unsafe fn destroy_stream = aclrtDestroyStream(stream: aclrtStream);
+
+    /// `aclrtSynchronizeStream`: waits on the host for all work on `stream`.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of the bound device (or NULL, the default stream).
+    pub unsafe fn synchronize_stream = aclrtSynchronizeStream(stream: aclrtStream);
+
+    /// `aclrtFree`.
+    ///
+    /// # Safety
+    /// `ptr` came from [`malloc`], is freed once, and no queued work uses it.
+    pub unsafe fn free = aclrtFree(ptr: *mut c_void);
+
+    /// `aclrtFreeHost`.
+    ///
+    /// # Safety
+    /// `ptr` came from [`malloc_host`], is freed once, and no queued copy uses it.
+    pub unsafe fn free_host = aclrtFreeHost(ptr: *mut c_void);
+
+    /// `aclrtMemcpy(dst, dst_max, src, count, kind)`: a blocking copy.
+    ///
+    /// # Safety
+    /// `dst` holds `dst_max >= count` bytes and `src` `count` bytes, of the
+    /// memory kinds `kind` names, and no queued work writes either.
+    pub unsafe fn memcpy = aclrtMemcpy(
+        dst: *mut c_void,
+        dst_max: usize,
+        src: *const c_void,
+        count: usize,
+        kind: aclrtMemcpyKind,
+    );
+
+    /// `aclrtMemcpyAsync(dst, dst_max, src, count, kind, stream)`: a copy queued
+    /// on `stream`.
+    ///
+    /// # Safety
+    /// As [`memcpy`], and both ranges stay allocated (a host source unchanged)
+    /// until the stream has run the copy; `stream` is live.
+    pub unsafe fn memcpy_async = aclrtMemcpyAsync(
+        dst: *mut c_void,
+        dst_max: usize,
+        src: *const c_void,
+        count: usize,
+        kind: aclrtMemcpyKind,
+        stream: aclrtStream,
+    );
+
+    /// `aclrtMemset(ptr, max, value, count)`: a blocking memset.
+    ///
+    /// # Safety
+    /// `ptr` is `max >= count` bytes of device memory of the bound device that
+    /// no queued work uses.
+    pub unsafe fn memset = aclrtMemset(ptr: *mut c_void, max: usize, value: i32, count: usize);
+
+    /// `aclrtMemsetAsync(ptr, max, value, count, stream)`: a memset queued on `stream`.
+    ///
+    /// # Safety
+    /// `ptr` is `max >= count` bytes of device memory of the bound device that
+    /// stay allocated until the stream has run the memset; `stream` is live.
+    pub unsafe fn memset_async = aclrtMemsetAsync(
+        ptr: *mut c_void,
+        max: usize,
+        value: i32,
+        count: usize,
+        stream: aclrtStream,
+    );
+
+    /// `aclrtRecordEvent(event, stream)`.
+    ///
+    /// # Safety
+    /// `event` and `stream` are live, of the bound device.
+    pub unsafe fn record_event = aclrtRecordEvent(event: aclrtEvent, stream: aclrtStream);
+
+    /// `aclrtSynchronizeEvent`: waits on the host until the recorded work completed.
+    ///
+    /// # Safety
+    /// `event` is live.
+    pub unsafe fn synchronize_event = aclrtSynchronizeEvent(event: aclrtEvent);
+
+    /// `aclrtDestroyEvent`.
+    ///
+    /// # Safety
+    /// `event` was created by [`create_event`], is destroyed once, and no call
+    /// still uses it (aclrtDestroyEvent, AscendCL API reference).
+    pub unsafe fn destroy_event = aclrtDestroyEvent(event: aclrtEvent);
+
+    /// `aclrtStreamWaitEvent(stream, event)`: `stream` waits on the device for `event`.
+    ///
+    /// # Safety
+    /// Both handles are live, of the bound device.
+    pub unsafe fn stream_wait_event = aclrtStreamWaitEvent(stream: aclrtStream, event: aclrtEvent);
+}
+
+/// `aclrtSynchronizeStreamWithTimeout(stream, timeout_ms)`, `Ok(None)` on a
+/// runtime without it (a newer call than the others).
+///
+/// # Safety
+/// As [`synchronize_stream`]; `timeout_ms` is positive.
+pub unsafe fn synchronize_stream_with_timeout(stream: aclrtStream, timeout_ms: i32) -> Result<Option<()>> {
+    let Ok(f) = acl()?.lib.aclrtSynchronizeStreamWithTimeout.as_ref() else { return Ok(None) };
+    // SAFETY: the caller's contract.
+    check("aclrtSynchronizeStreamWithTimeout", unsafe { f(stream, timeout_ms) }).map(Some)
+}
+
+/// `aclmdlRICaptureGetInfo` (acl_mdl.h of CANN 8.1): the capture status of
+/// `stream`, `Ok(None)` on a runtime without the capture API (which cannot
+/// capture).
+///
+/// # Safety
+/// `stream` is a live stream of the bound device.
+pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<aclmdlRICaptureStatus>> {
+    let api = acl()?;
+    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(None) };
+    let mut status = aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
+    let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
+    // SAFETY: the caller's contract; valid out-pointers.
+    check("aclmdlRICaptureGetInfo", unsafe { f(stream, &mut status, &mut model) })?;
+    Ok(Some(status))
+}
+
+/// `aclrtMalloc(len, policy)`: `len` bytes of device memory on the bound device.
+pub fn malloc(len: usize, policy: aclrtMemMallocPolicy) -> Result<*mut c_void> {
+    let f = sym!(acl()?, aclrtMalloc)?;
+    let mut ptr: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check("aclrtMalloc", unsafe { f(&mut ptr, len, policy) })?;
+    Ok(ptr)
+}
+
+/// `aclrtMallocHost(len)`: `len` bytes of pinned host memory.
+pub fn malloc_host(len: usize) -> Result<*mut c_void> {
+    let f = sym!(acl()?, aclrtMallocHost)?;
+    let mut ptr: *mut c_void = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check("aclrtMallocHost", unsafe { f(&mut ptr, len) })?;
+    Ok(ptr)
+}
+
+/// `aclrtCreateEvent`: a new event on the bound device.
+pub fn create_event() -> Result<aclrtEvent> {
+    let f = sym!(acl()?, aclrtCreateEvent)?;
+    let mut raw: aclrtEvent = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check("aclrtCreateEvent", unsafe { f(&mut raw) })?;
+    Ok(raw)
+}
+
+/// `aclrtQueryEventStatus`: whether the recorded work completed.
+///
+/// # Safety
+/// `event` is live.
+pub unsafe fn query_event_status(event: aclrtEvent) -> Result<aclrtEventRecordedStatus> {
+    let f = sym!(acl()?, aclrtQueryEventStatus)?;
+    let mut status = aclrtEventRecordedStatus(0);
+    // SAFETY: the caller's contract; valid out-pointer.
+    check("aclrtQueryEventStatus", unsafe { f(event, &mut status) })?;
+    Ok(status)
+}
+
+/// `aclrtEventElapsedTime(start, end)`: milliseconds between two events.
+///
+/// # Safety
+/// Both events are live, recorded and complete.
+pub unsafe fn event_elapsed_time(start: aclrtEvent, end: aclrtEvent) -> Result<f32> {
+    let f = sym!(acl()?, aclrtEventElapsedTime)?;
+    let mut ms = 0f32;
+    // SAFETY: the caller's contract; valid out-pointer.
+    check("aclrtEventElapsedTime", unsafe { f(&mut ms, start, end) })?;
+    Ok(ms)
+}
+
+/// `cannsim_launch_kernel` of the simulated runtime (`launch`, from
+/// [`acl_sys::Acl::cannsim_launch_kernel`]): queues `entry` on `stream` for
+/// `block_dim` blocks with the device pointers `gm` and a copy of `tiling`.
+///
+/// # Safety
+/// `stream` is live; every non-NULL pointer of `gm` is device memory of the
+/// stream's device, sized for what `entry` reads and writes under `tiling`,
+/// that stays allocated until the stream has run the launch.
+pub unsafe fn sim_launch_kernel(
+    launch: CannsimLaunchKernelFn,
+    stream: aclrtStream,
+    block_dim: u32,
+    entry: CannsimKernelEntry,
+    gm: &[*mut c_void],
+    tiling: &[u8],
+) -> Result<()> {
+    // SAFETY: the caller's contract; `gm` and `tiling` are live for the call,
+    // which copies the tiling bytes at enqueue.
+    let code = unsafe { launch(stream, block_dim, entry, gm.as_ptr(), gm.len(), tiling.as_ptr().cast(), tiling.len()) };
+    check("cannsim_launch_kernel", code)
+}
+
+/// `cannsim_launch_kernel_ex` of the simulated runtime (`launch`, from
+/// [`acl_sys::Acl::cannsim_launch_kernel_ex`]): as [`sim_launch_kernel`], for
+/// an entry that can fault.
+///
+/// # Safety
+/// As [`sim_launch_kernel`].
+pub unsafe fn sim_launch_kernel_ex(
+    launch: CannsimLaunchKernelExFn,
+    stream: aclrtStream,
+    block_dim: u32,
+    entry: CannsimKernelEntryEx,
+    gm: &[*mut c_void],
+    tiling: &[u8],
+) -> Result<()> {
+    // SAFETY: as in `sim_launch_kernel`.
+    let code = unsafe { launch(stream, block_dim, entry, gm.as_ptr(), gm.len(), tiling.as_ptr().cast(), tiling.len()) };
+    check("cannsim_launch_kernel_ex", code)
+}
