@@ -2,8 +2,8 @@
 //! stream (see `ops`).
 
 use super::memory::NpuBuffer;
-use super::ops;
 use super::NpuDevice;
+use super::{finalize, ops};
 use crate::backend::args::check_rows;
 use crate::backend::{Backend, FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
 use crate::Result;
@@ -71,7 +71,7 @@ impl Backend for NpuDevice {
         out: Out<'_>,
         rows: OutputRows<'_>,
     ) -> Result<()> {
-        ops::finalize_routing(self, args, dims, out, rows)
+        finalize::finalize_routing(self, args, dims, out, rows)
     }
 
     fn token_unpermute(
@@ -82,7 +82,7 @@ impl Backend for NpuDevice {
         k: usize,
         out: Out<'_>,
     ) -> Result<()> {
-        ops::token_unpermute(self, permuted, sorted_indices, probs, k, out)
+        finalize::token_unpermute(self, permuted, sorted_indices, probs, k, out)
     }
 
     fn expect_all_equal(&self, values: In<'_>, expected: i32, mismatch: crate::backend::Mismatch) -> Result<()> {

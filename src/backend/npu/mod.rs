@@ -9,18 +9,20 @@
 //! |---|---|
 //! | [`result`] | the result layer: each ACL, HCCL and aclnn C function wrapped once, returning `Result` |
 //! | [`runtime`] | loading, ACL errors, per-thread device binding, [`NpuStream`], [`NpuEvent`] |
-//! | [`memory`] | [`NpuBuffer`], [`DeviceBuffer`], [`PinnedHostBuffer`] |
+//! | [`memory`], `device_buffer` | [`NpuBuffer`], [`PinnedHostBuffer`]; [`DeviceBuffer`] |
 //! | [`live_context`] | `LiveContext`: the live forward context on the device and the guards of captured ops |
 //! | [`hccl`] | [`HcclRootInfo`], [`HcclComm`] and its collectives |
 //! | `device`, `backend_impl` | [`NpuDevice`] and its `Backend` impl |
 //! | `aclnn` | the aclnn operands: tensor descriptors and scalars, destroyed on drop |
-//! | `ops`, `launch` | the ops behind `Backend`: aclnn calls and native kernel launches, and which finalize runs |
+//! | `finalize`, `ops`, `launch` | the ops behind `Backend` (the finalize family; add and the device check; what they share) and which finalize runs |
 //! | [`probe`] | [`probe_report`]: which CANN pieces were found, and where we looked |
 
 mod aclnn;
 mod backend_impl;
 mod device;
+mod device_buffer;
 mod device_check;
+mod finalize;
 pub mod hccl;
 pub mod kernel;
 mod launch;
@@ -34,9 +36,10 @@ pub mod runtime;
 
 pub use aclnn::acl_dtype;
 pub use device::NpuDevice;
+pub use device_buffer::DeviceBuffer;
 pub use hccl::{HcclComm, HcclRootInfo};
 pub use launch::{FinalizeImpl, FINALIZE_ENV};
-pub use memory::{DeviceBuffer, NpuBuffer, PinnedHostBuffer};
+pub use memory::{NpuBuffer, PinnedHostBuffer};
 pub use pool::{Allocator, PoolStats, WORKSPACE_ALIGN};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};
