@@ -27,7 +27,6 @@ use super::memory::NpuBuffer;
 use super::runtime::{record_drop_error, NpuStream};
 use super::NpuDevice;
 use crate::types::CommOptions;
-use crate::Error;
 
 use super::result::hccl as hc;
 pub use super::result::hccl::{check, error_string, hccl};
