@@ -208,3 +208,25 @@ fn into_reduction_points_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() 
     })
     .unwrap();
 }
+
+#[test]
+fn into_reduction_points_copy_and_reduce_a_scalar_too() {
+    use ascend_moe::ranks::run_ranks;
+    use ascend_moe::{CommOptions, Tensor};
+    let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 2).unwrap();
+    assert!(p.final_reduces(CommType::AllGather) && !p.final_reduces(CommType::Mc2));
+    let outs = run_ranks(2, &CommOptions::with_timeout(std::time::Duration::from_secs(30)), |r, comm| {
+        let x = Tensor::from_slice(&[1.5f32 + r as f32], &[])?;
+        let mut reduced = Tensor::from_slice(&[f32::NAN], &[])?;
+        p.reduce_final_into(&x, CommType::AllGather, &comm, &mut reduced)?;
+        let mut copied = Tensor::from_slice(&[f32::NAN], &[])?;
+        p.reduce_final_into(&x, CommType::Mc2, &comm, &mut copied)?;
+        assert!(reduced.shape().is_empty() && copied.shape().is_empty());
+        Ok((reduced.to_vec::<f32>()?, copied.to_vec::<f32>()?))
+    })
+    .unwrap();
+    for (r, (reduced, copied)) in outs.into_iter().enumerate() {
+        assert_eq!(reduced, vec![4.0], "rank {r}");
+        assert_eq!(copied, vec![1.5 + r as f32], "rank {r}");
+    }
+}
