@@ -426,32 +426,26 @@ on_both!(into_variants_equal_the_allocating_ops_bit_for_bit, into_variants_equal
 
 fn into_variants_equal_the_allocating_ops_bit_for_bit_on(on: On) {
     let h = 4;
-    for dtype in [DType::F32, DType::BF16] {
-        for (li, l) in layouts().into_iter().enumerate() {
-            let ep = l.ep_size();
-            if !on.fits(ep) {
-                continue;
-            }
-            let seed = 600 + li as u64;
-            on.run(ep, &opts(), |r, comm| {
-                let dev = comm.device();
-                let total = l.total_rows();
+    let fitting = layouts().into_iter().enumerate().filter(|(_, l)| on.fits(l.ep_size()));
+    for (li, l) in fitting {
+        on.run(l.ep_size(), &opts(), |r, comm| {
+            let (dev, seed, total, mine) = (comm.device(), 600 + li as u64, l.total_rows(), l.local_size(r));
+            for dtype in [DType::F32, DType::BF16] {
                 let x = from_f32(&rank_data(seed, r, total, h), &[total, h], dtype).to_device(&dev)?;
                 let want = maybe_pad_and_reduce(&x, Some(&l), &comm)?;
                 let mut out = garbage_out(want.shape(), dtype, &comm)?;
                 maybe_pad_and_reduce_into(&x, Some(&l), &comm, &mut out)?;
                 assert!(bits(&out) == bits(&want), "pad_and_reduce layout {:?} rank {r} {dtype}", l.local_sizes());
 
-                let mine = l.local_size(r);
                 let x = from_f32(&rank_data(seed + 1, r, mine, h), &[mine, h], dtype).to_device(&dev)?;
                 let want = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
                 let mut out = garbage_out(want.shape(), dtype, &comm)?;
                 maybe_all_gather_and_maybe_unpad_into(&x, Some(&l), &comm, &mut out)?;
                 assert!(bits(&out) == bits(&want), "gather_unpad layout {:?} rank {r} {dtype}", l.local_sizes());
-                Ok(())
-            })
-            .unwrap();
-        }
+            }
+            Ok(())
+        })
+        .unwrap();
     }
     // Without a layout (a plain reduce-scatter and all-gather), also on one rank.
     for ep in [1, 4] {

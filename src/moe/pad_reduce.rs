@@ -91,6 +91,37 @@ fn check_device<C: Collectives + ?Sized>(op: &'static str, arg: &'static str, t:
     Ok(d)
 }
 
+/// Checks the input `x` (named `arg`) and `out` are on the EP group's device
+/// and `out` has `out_shape` and the dtype of `x`; returns the device.
+fn check_in_out<C: Collectives + ?Sized>(
+    op: &'static str,
+    arg: &'static str,
+    x: &Tensor,
+    out: &Tensor,
+    out_shape: &[usize],
+    ep: &C,
+) -> Result<Device> {
+    let device = check_device(op, arg, x, ep)?;
+    check_device(op, "out", out, ep)?;
+    check_out(op, out, out_shape, x.dtype())?;
+    Ok(device)
+}
+
+/// An allocating op: `into` writes a scratch tensor of `shape` and the dtype
+/// of `x`, on the EP group's device, which is returned.
+fn with_scratch_out<C: Collectives + ?Sized>(
+    op: &'static str,
+    x: &Tensor,
+    shape: &[usize],
+    ep: &C,
+    into: impl FnOnce(&mut Tensor) -> Result<()>,
+) -> Result<Tensor> {
+    let device = check_device(op, "x", x, ep)?;
+    let mut out = device.backend().scratch(shape, x.dtype())?;
+    into(&mut out)?;
+    Ok(out)
+}
+
 /// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and writes the
 /// first `local_sizes[rank]` rows of this rank's slot into `out`: straight
 /// from the collective when the slot has exactly those rows, else through a
@@ -128,11 +159,8 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
 /// rows: the fully reduced local shard. Without a layout: a plain EP
 /// reduce-scatter (rows must divide by EP).
 pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
-    let out_shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_device(PAD_REDUCE, "x", x, ep)?;
-    let mut out = device.backend().scratch(&out_shape, x.dtype())?;
-    maybe_pad_and_reduce_into(x, layout, ep, &mut out)?;
-    Ok(out)
+    let shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
+    with_scratch_out(PAD_REDUCE, x, &shape, ep, |out| maybe_pad_and_reduce_into(x, layout, ep, out))
 }
 
 /// [`maybe_pad_and_reduce`] into `out`, which must have the shape of
@@ -147,9 +175,7 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     out: &mut Tensor,
 ) -> Result<()> {
     let out_shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_device(PAD_REDUCE, "x", x, ep)?;
-    check_device(PAD_REDUCE, "out", out, ep)?;
-    check_out(PAD_REDUCE, out, &out_shape, x.dtype())?;
+    let device = check_in_out(PAD_REDUCE, "x", x, out, &out_shape, ep)?;
     let l = reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?;
     if l.is_uniform() {
         // No padding anywhere: x already is the padded buffer.
@@ -211,11 +237,8 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     layout: Option<&SpLayout>,
     ep: &C,
 ) -> Result<Tensor> {
-    let out_shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_device(GATHER_UNPAD, "x", x, ep)?;
-    let mut out = device.backend().scratch(&out_shape, x.dtype())?;
-    maybe_all_gather_and_maybe_unpad_into(x, layout, ep, &mut out)?;
-    Ok(out)
+    let shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
+    with_scratch_out(GATHER_UNPAD, x, &shape, ep, |out| maybe_all_gather_and_maybe_unpad_into(x, layout, ep, out))
 }
 
 /// [`maybe_all_gather_and_maybe_unpad`] into `out`, which must have the shape
@@ -229,9 +252,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     out: &mut Tensor,
 ) -> Result<()> {
     let out_shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_device(GATHER_UNPAD, "x", x, ep)?;
-    check_device(GATHER_UNPAD, "out", out, ep)?;
-    check_out(GATHER_UNPAD, out, &out_shape, x.dtype())?;
+    let device = check_in_out(GATHER_UNPAD, "x", x, out, &out_shape, ep)?;
     let backend = device.backend();
     let uniform;
     let l = match layout {
@@ -325,9 +346,7 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
 ) -> Result<()> {
     let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
     let (_, dims) = moe_finalize_routing_output_shape(args)?;
-    check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
-    check_device(FINALIZE_REDUCE, "out", out, ep)?;
-    check_out(FINALIZE_REDUCE, out, &out_shape, args.expanded_x.dtype())?;
+    check_in_out(FINALIZE_REDUCE, "expanded_x", args.expanded_x, out, &out_shape, ep)?;
     let l = reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?;
     ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), out)
 }

@@ -17,7 +17,7 @@
 //! place when the point reduces.
 
 use crate::comm::{Collectives, CommType, ReduceOp};
-use crate::moe::finalize::check_out;
+use crate::moe::finalize::check_out_like;
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
 
@@ -90,6 +90,17 @@ pub struct ReducePolicy {
     tp_size: usize,
     ep_size: usize,
     early: bool,
+}
+
+/// A reduction point's `_into` method: `name(x, comm, tp, out)` copies `x`
+/// into `out` and reduces it there when `decide(comm)`.
+macro_rules! into_point {
+    ($(#[$doc:meta])* $name:ident, $op:literal, $decide:ident) => {
+        $(#[$doc])*
+        pub fn $name<C: Collectives + ?Sized>(&self, x: &Tensor, comm: CommType, tp: &C, out: &mut Tensor) -> Result<()> {
+            self.reduce_if_into($op, self.$decide(comm), x, tp, out)
+        }
+    };
 }
 
 impl ReducePolicy {
@@ -227,16 +238,7 @@ impl ReducePolicy {
         out: &mut Tensor,
     ) -> Result<()> {
         self.check_tp(op, tp)?;
-        let device = x.device();
-        if out.device() != device {
-            return Err(Error::Device {
-                op,
-                arg: "out",
-                expected: format!("{device} (the device of `x`)"),
-                actual: out.device().to_string(),
-            });
-        }
-        check_out(op, out, x.shape(), x.dtype())?;
+        let device = check_out_like(op, x, out, x.shape())?;
         if x.numel() == 0 {
             return Ok(());
         }
@@ -276,41 +278,21 @@ impl ReducePolicy {
         self.reduce_if("reduce_final", self.final_reduces(comm), x, tp)
     }
 
-    /// [`ReducePolicy::reduce_routed_early`] from `x` into `out`, which must
-    /// have the shape and dtype of `x`, on its device, and must not overlap
-    /// it: `x` is copied into `out` and, when the point reduces, all-reduced
-    /// there in place. `x` is left unchanged.
-    pub fn reduce_routed_early_into<C: Collectives + ?Sized>(
-        &self,
-        x: &Tensor,
-        comm: CommType,
-        tp: &C,
-        out: &mut Tensor,
-    ) -> Result<()> {
-        self.reduce_if_into("reduce_routed_early", self.routed_early_reduces(comm), x, tp, out)
+    into_point! {
+        /// [`ReducePolicy::reduce_routed_early`] from `x` into `out`, which
+        /// must have the shape and dtype of `x`, on its device, and must not
+        /// overlap it: `x` is copied into `out` and, when the point reduces,
+        /// all-reduced there in place. `x` is left unchanged.
+        reduce_routed_early_into, "reduce_routed_early", routed_early_reduces
     }
-
-    /// [`ReducePolicy::reduce_shared`] from `x` into `out`; as
-    /// [`ReducePolicy::reduce_routed_early_into`].
-    pub fn reduce_shared_into<C: Collectives + ?Sized>(
-        &self,
-        x: &Tensor,
-        comm: CommType,
-        tp: &C,
-        out: &mut Tensor,
-    ) -> Result<()> {
-        self.reduce_if_into("reduce_shared", self.shared_reduces(comm), x, tp, out)
+    into_point! {
+        /// [`ReducePolicy::reduce_shared`] from `x` into `out`; as
+        /// [`ReducePolicy::reduce_routed_early_into`].
+        reduce_shared_into, "reduce_shared", shared_reduces
     }
-
-    /// [`ReducePolicy::reduce_final`] from `x` into `out`; as
-    /// [`ReducePolicy::reduce_routed_early_into`].
-    pub fn reduce_final_into<C: Collectives + ?Sized>(
-        &self,
-        x: &Tensor,
-        comm: CommType,
-        tp: &C,
-        out: &mut Tensor,
-    ) -> Result<()> {
-        self.reduce_if_into("reduce_final", self.final_reduces(comm), x, tp, out)
+    into_point! {
+        /// [`ReducePolicy::reduce_final`] from `x` into `out`; as
+        /// [`ReducePolicy::reduce_routed_early_into`].
+        reduce_final_into, "reduce_final", final_reduces
     }
 }

@@ -22,8 +22,8 @@
 
 use crate::backend::args::with_rows;
 use crate::comm::{Collectives, ReduceOp};
-use crate::moe::finalize::check_out;
-use crate::{Device, Error, Result, Tensor};
+use crate::moe::finalize::check_out_like;
+use crate::{Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";
 const GATHER_UNPAD: &str = "shared_gather_unpad";
@@ -58,29 +58,13 @@ pub fn shared_pad_split<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<T
     Ok(out)
 }
 
-/// Checks `out` against the op's output shape, the dtype of `x` and its
-/// device; returns that device.
-fn check_into(op: &'static str, x: &Tensor, out: &Tensor, shape: &[usize]) -> Result<Device> {
-    let device = x.device();
-    if out.device() != device {
-        return Err(Error::Device {
-            op,
-            arg: "out",
-            expected: format!("{device} (the device of `x`)"),
-            actual: out.device().to_string(),
-        });
-    }
-    check_out(op, out, shape, x.dtype())?;
-    Ok(device)
-}
-
 /// [`shared_pad_split`] into `out`, which must have the shape of
 /// [`shared_pad_split_output_shape`] and the dtype of `x`, on the device of
 /// `x`, and must not overlap `x`. Every element of `out` is written: this
 /// rank's rows of `x` are copied in and the padding rows set to zero.
 pub fn shared_pad_split_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
     let shape = shared_pad_split_output_shape(x.shape(), tp.rank(), tp.world_size())?;
-    let device = check_into(PAD_SPLIT, x, out, &shape)?;
+    let device = check_out_like(PAD_SPLIT, x, out, &shape)?;
     let backend = device.backend();
     let first = tp.rank() * shape[0];
     let real = x.rows().saturating_sub(first).min(shape[0]);
@@ -133,7 +117,7 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     out: &mut Tensor,
 ) -> Result<()> {
     let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
-    let device = check_into(GATHER_UNPAD, x, out, &shape)?;
+    let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
     let backend = device.backend();
     let full_shape = with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?;
     if full_shape[0] == num_tokens {
@@ -176,7 +160,7 @@ pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) ->
 /// element of `out` directly.
 pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
     let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())?;
-    let device = check_into(PAD_REDUCE_SCATTER, x, out, &shape)?;
+    let device = check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?;
     let backend = device.backend();
     let padded_rows = shape[0] * tp.world_size();
     if out.numel() == 0 {
