@@ -749,7 +749,9 @@ amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
 //
 // NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
 // `stream` the row copies into a padded workspace buffer, one HCCL
-// collective and one device copy of the result into `out`; never
+// collective and, where the layout pads this rank's rows, the copies of
+// the kept rows into `out` (without padding the collective writes `out`
+// itself); never
 // synchronises, never allocates outside the stream's pool, never reads
 // device data on the host. A mismatch between ranks is returned by
 // `amoe_stream_check`.
@@ -1237,8 +1239,8 @@ amoe_status amoe_shared_pad_split_output_shape(const struct amoe_tensor *x,
 // communication); `tp_comm` gives the rank and size. Ownership as
 // `amoe_moe_finalize_routing`.
 //
-// NPU: enqueues on `stream` a copy of this rank's rows into a zeroed
-// workspace buffer and one device copy of it into `out`; never
+// NPU: enqueues on `stream` a copy of this rank's rows into `out` and, for
+// padding rows, one copy of zeros from workspace; never
 // synchronises, never allocates outside the stream's pool (or allocator),
 // never reads device data on the host; can be captured into a graph.
 //
@@ -1265,8 +1267,9 @@ amoe_status amoe_shared_gather_unpad_output_shape(const struct amoe_tensor *x,
 // rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
 // Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
 //
-// NPU: enqueues on `stream` one HCCL all-gather into workspace, a copy of
-// the kept rows when padding is cut, and one device copy into `out`; never
+// NPU: enqueues on `stream` one HCCL all-gather, into `out` itself when no
+// padding is cut, else into workspace followed by a copy of the kept rows
+// into `out`; never
 // synchronises, never allocates outside the stream's pool (or allocator),
 // never reads device data on the host; can be captured into a graph. A
 // mismatch between ranks is returned by `amoe_stream_check`.
@@ -1295,8 +1298,8 @@ amoe_status amoe_shared_pad_reduce_scatter_output_shape(const struct amoe_tensor
 // complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
 //
 // NPU: enqueues on `stream` a copy into a zeroed padded workspace buffer
-// (when `T` is not a multiple of TP), one HCCL reduce-scatter and one
-// device copy into `out`; never synchronises, never allocates outside the
+// (when `T` is not a multiple of TP) and one HCCL reduce-scatter into
+// `out`; never synchronises, never allocates outside the
 // stream's pool (or allocator), never reads device data on the host; can be
 // captured into a graph. A mismatch between ranks is returned by
 // `amoe_stream_check`.

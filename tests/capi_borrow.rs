@@ -166,3 +166,105 @@ fn a_reduction_point_that_reduces_never_writes_its_input() {
         assert_eq!(x, mine, "the consumed input is the caller's and stays unchanged");
     });
 }
+
+/// Rank `r`'s `[rows, 4]` input of seed `s`.
+fn rank_rows(s: usize, r: usize, rows: usize) -> Vec<f32> {
+    (0..rows * 4).map(|i| ((i * 7 + r * 31 + s * 13) % 23) as f32 * 0.25 - 2.0).collect()
+}
+
+/// What the Rust ops give on a CPU world of 3 ranks for rank `r`: pad-reduce,
+/// gather-unpad (layout [3, 0, 2]), shared pad-split, gather-unpad and
+/// pad-reduce-scatter (5 tokens).
+fn layout_and_shared_results() -> Vec<[Vec<f32>; 5]> {
+    use ascend_moe::moe::{pad_reduce, shared};
+    use ascend_moe::{CommOptions, SpLayout, Tensor};
+    let l = SpLayout::new(&[3, 0, 2]).expect("a layout");
+    ascend_moe::ranks::run_ranks(3, &CommOptions::with_timeout(std::time::Duration::from_secs(30)), |r, comm| {
+        let full = Tensor::from_slice(&rank_rows(1, r, 5), &[5, 4])?;
+        let mine = l.local_size(r);
+        let shard = Tensor::from_slice(&rank_rows(2, r, mine), &[mine, 4])?;
+        let part = Tensor::from_slice(&rank_rows(3, r, 2), &[2, 4])?;
+        Ok([
+            pad_reduce::maybe_pad_and_reduce(&full, Some(&l), &comm)?.to_vec()?,
+            pad_reduce::maybe_all_gather_and_maybe_unpad(&shard, Some(&l), &comm)?.to_vec()?,
+            shared::shared_pad_split(&full, &comm)?.to_vec()?,
+            shared::shared_gather_unpad(&part, 5, &comm)?.to_vec()?,
+            shared::shared_pad_reduce_scatter(&full, &comm)?.to_vec()?,
+        ])
+    })
+    .expect("the Rust ops run")
+}
+
+#[test]
+fn layout_and_shared_expert_ops_write_the_callers_output_as_the_rust_ops_compute_it() {
+    let want = layout_and_shared_results();
+    let local = [3usize, 0, 2];
+    on_ranks("borrow-layout", 3, |r, c| {
+        let mut full = rank_rows(1, r, 5);
+        let mut shard = rank_rows(2, r, local[r]);
+        let mut part = rank_rows(3, r, 2);
+        let (full_in, shard_in, part_in) = (full.clone(), shard.clone(), part.clone());
+        let (fs, ss, ps) = ([5, 4], [local[r], 4], [2, 4]);
+        let (fd, sd, pd) = (desc(full.as_mut_ptr(), &fs), desc(shard.as_mut_ptr(), &ss), desc(part.as_mut_ptr(), &ps));
+        let shapes = [[local[r], 4], [5, 4], [2, 4], [5, 4], [2, 4]];
+        for (i, shape) in shapes.iter().enumerate() {
+            let mut out = vec![f32::NAN; shape[0] * 4];
+            let od = desc(out.as_mut_ptr(), shape);
+            // SAFETY: live comm; descriptors over live buffers of their shapes.
+            let st = unsafe {
+                match i {
+                    0 => amoe_maybe_pad_and_reduce(&fd, local.as_ptr(), 3, c, &od, null()),
+                    1 => amoe_maybe_all_gather_and_maybe_unpad(&sd, local.as_ptr(), 3, c, &od, null()),
+                    2 => amoe_shared_pad_split(&fd, c, &od, null()),
+                    3 => amoe_shared_gather_unpad(&pd, 5, c, &od, null()),
+                    _ => amoe_shared_pad_reduce_scatter(&fd, c, &od, null()),
+                }
+            };
+            assert_eq!(st, amoe_status::Ok, "op {i} rank {r}");
+            let same =
+                out.len() == want[r][i].len() && out.iter().zip(&want[r][i]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "op {i} rank {r}: {out:?} vs {:?}", want[r][i]);
+        }
+        assert_eq!((full, shard, part), (full_in, shard_in, part_in), "inputs are read in place, never written");
+    });
+}
+
+#[test]
+fn every_reduction_point_writes_the_callers_output_as_the_rust_point_computes_it() {
+    use ascend_moe::moe::{ReducePolicy, SharedMode};
+    use ascend_moe::{CommType, Tensor};
+    let len = 48;
+    // TP-sharded shared expert, no SP, a routed transform: every point reduces under ALLGATHER.
+    let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 1, sp: 0, tp_size: 2, ep_size: 2 };
+    let p = ReducePolicy::new(SharedMode::TensorParallel, true, false, 2, 2).expect("a policy");
+    let want: Vec<Vec<f32>> = ascend_moe::ranks::run_ranks(2, &ascend_moe::CommOptions::from_env(), |r, comm| {
+        let x = Tensor::from_slice(&rank_rows(4, r, len / 4), &[len / 4, 4])?;
+        p.reduce_shared(x, CommType::AllGather, &comm)?.to_vec()
+    })
+    .expect("the Rust point runs");
+    on_ranks("borrow-points", 2, |r, c| {
+        let mine = rank_rows(4, r, len / 4);
+        let shape = [len / 4, 4];
+        for point in 0..3 {
+            let mut x = mine.clone();
+            let mut out = vec![f32::NAN; len];
+            let (xd, od) = (desc(x.as_mut_ptr(), &shape), desc(out.as_mut_ptr(), &shape));
+            // SAFETY: valid policy; live comm; descriptors over live buffers.
+            let st = unsafe {
+                match point {
+                    0 => amoe_reduce_routed_early(&policy, &xd, 0, c, &od, null()),
+                    1 => amoe_reduce_shared(&policy, &xd, 0, c, &od, null()),
+                    _ => amoe_reduce_final(&policy, &xd, 0, c, &od, null()),
+                }
+            };
+            assert_eq!(st, amoe_status::Ok, "point {point} rank {r}");
+            if point < 2 {
+                assert!(out.iter().zip(&want[r]).all(|(a, b)| a.to_bits() == b.to_bits()), "point {point} rank {r}");
+            } else {
+                // The late point does not reduce under this early policy: a copy of `x`.
+                assert_eq!(out, mine, "point {point} rank {r}");
+            }
+            assert_eq!(x, mine, "point {point} rank {r}: x is never written");
+        }
+    });
+}

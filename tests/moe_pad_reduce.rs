@@ -414,3 +414,82 @@ fn draft_model_finalize_returns_the_local_shard_on(on: On) {
         }
     }
 }
+
+/// A tensor of `shape` full of NaN bits on `comm`'s device: an `out` whose
+/// every element the op must overwrite.
+fn garbage_out(shape: &[usize], dtype: DType, comm: &Comm) -> ascend_moe::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    from_f32(&vec![f32::NAN; n], shape, dtype).to_device(&comm.device())
+}
+
+on_both!(into_variants_equal_the_allocating_ops_bit_for_bit, into_variants_equal_the_allocating_ops_bit_for_bit_on);
+
+fn into_variants_equal_the_allocating_ops_bit_for_bit_on(on: On) {
+    let h = 4;
+    let fitting = layouts().into_iter().enumerate().filter(|(_, l)| on.fits(l.ep_size()));
+    for (li, l) in fitting {
+        on.run(l.ep_size(), &opts(), |r, comm| {
+            let (dev, seed, total, mine) = (comm.device(), 600 + li as u64, l.total_rows(), l.local_size(r));
+            for dtype in [DType::F32, DType::BF16] {
+                let x = from_f32(&rank_data(seed, r, total, h), &[total, h], dtype).to_device(&dev)?;
+                let want = maybe_pad_and_reduce(&x, Some(&l), &comm)?;
+                let mut out = garbage_out(want.shape(), dtype, &comm)?;
+                maybe_pad_and_reduce_into(&x, Some(&l), &comm, &mut out)?;
+                assert!(bits(&out) == bits(&want), "pad_and_reduce layout {:?} rank {r} {dtype}", l.local_sizes());
+
+                let x = from_f32(&rank_data(seed + 1, r, mine, h), &[mine, h], dtype).to_device(&dev)?;
+                let want = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
+                let mut out = garbage_out(want.shape(), dtype, &comm)?;
+                maybe_all_gather_and_maybe_unpad_into(&x, Some(&l), &comm, &mut out)?;
+                assert!(bits(&out) == bits(&want), "gather_unpad layout {:?} rank {r} {dtype}", l.local_sizes());
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+    // Without a layout (a plain reduce-scatter and all-gather), also on one rank.
+    for ep in [1, 4] {
+        on.run(ep, &opts(), |r, comm| {
+            let x = Tensor::from_slice(&rank_data(9, r, 8, h), &[8, h])?.to_device(&comm.device())?;
+            let want = maybe_pad_and_reduce(&x, None, &comm)?;
+            let mut out = garbage_out(want.shape(), DType::F32, &comm)?;
+            maybe_pad_and_reduce_into(&x, None, &comm, &mut out)?;
+            assert!(bits(&out) == bits(&want), "pad_and_reduce without layout, EP {ep}");
+            let want = maybe_all_gather_and_maybe_unpad(&x, None, &comm)?;
+            let mut out = garbage_out(want.shape(), DType::F32, &comm)?;
+            maybe_all_gather_and_maybe_unpad_into(&x, None, &comm, &mut out)?;
+            assert!(bits(&out) == bits(&want), "gather_unpad without layout, EP {ep}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn into_variants_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {
+    let l = SpLayout::new(&[3, 1]).unwrap();
+    let errs = run_ranks(2, &opts(), |r, comm| {
+        let x = Tensor::from_slice(&rank_data(3, r, 4, 2), &[4, 2])?;
+        let mut wrong_rows = Tensor::zeros_cpu(&[l.local_size(r) + 1, 2], DType::F32);
+        let mut wrong_dtype = Tensor::zeros_cpu(&[l.local_size(r), 2], DType::BF16);
+        let a = maybe_pad_and_reduce_into(&x, Some(&l), &comm, &mut wrong_rows).unwrap_err().to_string();
+        let b = maybe_pad_and_reduce_into(&x, Some(&l), &comm, &mut wrong_dtype).unwrap_err().to_string();
+        let mine = l.local_size(r);
+        let y = Tensor::from_slice(&rank_data(4, r, mine, 2), &[mine, 2])?;
+        let mut wrong_rows = Tensor::zeros_cpu(&[3, 2], DType::F32);
+        let mut wrong_dtype = Tensor::zeros_cpu(&[4, 2], DType::F16);
+        let c = maybe_all_gather_and_maybe_unpad_into(&y, Some(&l), &comm, &mut wrong_rows).unwrap_err().to_string();
+        let d = maybe_all_gather_and_maybe_unpad_into(&y, Some(&l), &comm, &mut wrong_dtype).unwrap_err().to_string();
+        Ok([a, b, c, d])
+    })
+    .unwrap();
+    for (r, es) in errs.iter().enumerate() {
+        for (i, e) in es.iter().enumerate() {
+            assert!(e.contains("`out`"), "rank {r} case {i}: {e}");
+            let op = if i < 2 { "maybe_pad_and_reduce" } else { "maybe_all_gather_and_maybe_unpad" };
+            assert!(e.contains(op), "rank {r} case {i}: {e}");
+        }
+        assert!(es[0].contains(&format!("[{}, 2]", l.local_size(r))), "{}", es[0]);
+        assert!(es[1].contains("f32") || es[1].contains("F32"), "{}", es[1]);
+    }
+}

@@ -143,3 +143,90 @@ fn stale_trace_time_decisions_would_be_caught() {
     let (out, want) = simulate(&p, CommType::AllGather, CommType::Mc2);
     assert!((out[0] - want).abs() > 1.0, "missing reduction must show: {out:?} vs {want}");
 }
+
+/// Every reduction point's `_into` twin gives the consuming point's result
+/// bit for bit on the CPU communicator, into an `out` full of NaN, for every
+/// policy of TP 1 or 2 and every live comm type, and leaves `x` unchanged.
+#[test]
+fn into_reduction_points_equal_the_consuming_ones_bit_for_bit() {
+    use ascend_moe::ranks::run_ranks;
+    use ascend_moe::{CommOptions, Tensor};
+    let opts = CommOptions::with_timeout(std::time::Duration::from_secs(30));
+    for tp in [1usize, 2] {
+        let ps: Vec<ReducePolicy> = policies().into_iter().filter(|p| p.tp_size() == tp).collect();
+        assert!(!ps.is_empty());
+        run_ranks(tp, &opts, |r, comm| {
+            let x: Vec<f32> = (0..24).map(|i| (i * (r + 3)) as f32 * 0.37 - 2.0).collect();
+            for p in &ps {
+                for c in CommType::ALL {
+                    for point in 0..3 {
+                        let xt = Tensor::from_slice(&x, &[4, 6])?;
+                        let mut out = Tensor::from_slice(&[f32::NAN; 24], &[4, 6])?;
+                        let want = match point {
+                            0 => p.reduce_routed_early(xt.try_clone()?, c, &comm)?,
+                            1 => p.reduce_shared(xt.try_clone()?, c, &comm)?,
+                            _ => p.reduce_final(xt.try_clone()?, c, &comm)?,
+                        };
+                        match point {
+                            0 => p.reduce_routed_early_into(&xt, c, &comm, &mut out)?,
+                            1 => p.reduce_shared_into(&xt, c, &comm, &mut out)?,
+                            _ => p.reduce_final_into(&xt, c, &comm, &mut out)?,
+                        }
+                        let (got, want) = (out.to_vec::<f32>()?, want.to_vec::<f32>()?);
+                        assert!(
+                            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{p:?} {c:?} point {point}: {got:?} vs {want:?}"
+                        );
+                        assert_eq!(xt.to_vec::<f32>()?, x, "x is read, never written");
+                    }
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn into_reduction_points_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {
+    use ascend_moe::ranks::run_ranks;
+    use ascend_moe::{CommOptions, DType, Tensor};
+    let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 1, 1).unwrap();
+    run_ranks(1, &CommOptions::from_env(), |_, comm| {
+        let x = Tensor::from_slice(&[1f32; 6], &[2, 3])?;
+        for mut bad in [Tensor::zeros_cpu(&[3, 2], DType::F32), Tensor::zeros_cpu(&[2, 3], DType::BF16)] {
+            for (op, e) in [
+                ("reduce_routed_early", p.reduce_routed_early_into(&x, CommType::AllGather, &comm, &mut bad)),
+                ("reduce_shared", p.reduce_shared_into(&x, CommType::AllGather, &comm, &mut bad)),
+                ("reduce_final", p.reduce_final_into(&x, CommType::AllGather, &comm, &mut bad)),
+            ] {
+                let e = e.unwrap_err().to_string();
+                assert!(e.contains("`out`") && e.contains(op), "{op}: {e}");
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn into_reduction_points_copy_and_reduce_a_scalar_too() {
+    use ascend_moe::ranks::run_ranks;
+    use ascend_moe::{CommOptions, Tensor};
+    let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 2).unwrap();
+    assert!(p.final_reduces(CommType::AllGather) && !p.final_reduces(CommType::Mc2));
+    let outs = run_ranks(2, &CommOptions::with_timeout(std::time::Duration::from_secs(30)), |r, comm| {
+        let x = Tensor::from_slice(&[1.5f32 + r as f32], &[])?;
+        let mut reduced = Tensor::from_slice(&[f32::NAN], &[])?;
+        p.reduce_final_into(&x, CommType::AllGather, &comm, &mut reduced)?;
+        let mut copied = Tensor::from_slice(&[f32::NAN], &[])?;
+        p.reduce_final_into(&x, CommType::Mc2, &comm, &mut copied)?;
+        assert!(reduced.shape().is_empty() && copied.shape().is_empty());
+        Ok((reduced.to_vec::<f32>()?, copied.to_vec::<f32>()?))
+    })
+    .unwrap();
+    for (r, (reduced, copied)) in outs.into_iter().enumerate() {
+        assert_eq!(reduced, vec![4.0], "rank {r}");
+        assert_eq!(copied, vec![1.5 + r as f32], "rank {r}");
+    }
+}

@@ -141,3 +141,72 @@ fn gather_unpad_refuses_a_shard_of_the_wrong_size_on_every_rank() {
     assert!(e.contains("`x`") && e.contains("3 rows"), "{e}");
     assert!(errs[0].is_err(), "rank 0 must not return a result when its peer refused");
 }
+
+/// A tensor of `shape` full of NaN on `dev`: an `out` whose every element the
+/// op must overwrite (padding rows included).
+fn garbage_out(shape: &[usize], dev: &ascend_moe::Device) -> ascend_moe::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    Tensor::from_slice(&vec![f32::NAN; n], shape)?.to_device(dev)
+}
+
+fn same_bits(a: &Tensor, b: &Tensor) -> ascend_moe::Result<bool> {
+    let (a, b) = (a.to_vec::<f32>()?, b.to_vec::<f32>()?);
+    Ok(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
+}
+
+on_both!(into_variants_equal_the_allocating_helpers_bit_for_bit, into_variants_on);
+
+fn into_variants_on(on: On) {
+    let h = 3;
+    for (tp, t) in [(1usize, 5usize), (2, 5), (2, 4), (4, 9), (4, 3), (4, 1), (4, 0), (2, 1)] {
+        let part = t.div_ceil(tp);
+        on.run(tp, &opts(), |r, comm| {
+            let dev = comm.device();
+            let batch = Tensor::from_slice(&data(r, t, h), &[t, h])?.to_device(&dev)?;
+            let want = shared_pad_split(&batch, &comm)?;
+            let mut out = garbage_out(want.shape(), &dev)?;
+            shared_pad_split_into(&batch, &comm, &mut out)?;
+            assert!(same_bits(&out, &want)?, "tp {tp} T {t} rank {r}: pad_split");
+
+            let shard = Tensor::from_slice(&data(r + 1, part, h), &[part, h])?.to_device(&dev)?;
+            let want = shared_gather_unpad(&shard, t, &comm)?;
+            let mut out = garbage_out(want.shape(), &dev)?;
+            shared_gather_unpad_into(&shard, t, &comm, &mut out)?;
+            assert!(same_bits(&out, &want)?, "tp {tp} T {t} rank {r}: gather_unpad");
+
+            let want = shared_pad_reduce_scatter(&batch, &comm)?;
+            let mut out = garbage_out(want.shape(), &dev)?;
+            shared_pad_reduce_scatter_into(&batch, &comm, &mut out)?;
+            assert!(same_bits(&out, &want)?, "tp {tp} T {t} rank {r}: pad_reduce_scatter");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn into_variants_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {
+    let errs = run_ranks(2, &opts(), |r, comm| {
+        let x = Tensor::from_slice(&data(r, 5, 2), &[5, 2])?;
+        let shard = Tensor::from_slice(&data(r, 3, 2), &[3, 2])?;
+        let mut rows = Tensor::zeros_cpu(&[2, 2], ascend_moe::DType::F32);
+        let mut dtype = Tensor::zeros_cpu(&[3, 2], ascend_moe::DType::BF16);
+        let mut gathered_rows = Tensor::zeros_cpu(&[6, 2], ascend_moe::DType::F32);
+        let mut gathered_dtype = Tensor::zeros_cpu(&[5, 2], ascend_moe::DType::F16);
+        let e = |r: ascend_moe::Result<()>| r.unwrap_err().to_string();
+        Ok(vec![
+            ("shared_pad_split", e(shared_pad_split_into(&x, &comm, &mut rows))),
+            ("shared_pad_split", e(shared_pad_split_into(&x, &comm, &mut dtype))),
+            ("shared_gather_unpad", e(shared_gather_unpad_into(&shard, 5, &comm, &mut gathered_rows))),
+            ("shared_gather_unpad", e(shared_gather_unpad_into(&shard, 5, &comm, &mut gathered_dtype))),
+            ("shared_pad_reduce_scatter", e(shared_pad_reduce_scatter_into(&x, &comm, &mut rows))),
+            ("shared_pad_reduce_scatter", e(shared_pad_reduce_scatter_into(&x, &comm, &mut dtype))),
+        ])
+    })
+    .unwrap();
+    for (r, es) in errs.iter().enumerate() {
+        for (op, e) in es {
+            assert!(e.contains("`out`") && e.contains(op), "rank {r} {op}: {e}");
+        }
+    }
+}

@@ -183,6 +183,36 @@ pub(crate) unsafe fn out_tensor(func: &str, arg: &str, d: *const amoe_tensor) ->
     Ok(Tensor::try_zeros_cpu(&m.shape, m.dtype)?)
 }
 
+/// The output tensor an op computing from `x` writes in place: the caller's
+/// memory as [`out_tensor`] gives it (host memory that cannot be borrowed is
+/// a fresh tensor [`write_tensor`] copies out), or `None` when `out` is on
+/// another kind of device than `x`, or is NPU memory overlapping `x`: then the
+/// op computes a result of its own, which [`write_tensor`] copies into `out`.
+///
+/// # Safety
+/// As [`out_tensor`].
+pub(crate) unsafe fn out_for(
+    func: &str,
+    arg: &str,
+    d: *const amoe_tensor,
+    x: &Tensor,
+) -> Result<Option<Tensor>, Failure> {
+    let desc = try_ref!(func, d, arg);
+    if (desc.device_kind == AMOE_DEVICE_NPU) == x.is_cpu() {
+        return Ok(None);
+    }
+    // SAFETY: forwarded contract.
+    let o = unsafe { out_tensor(func, arg, d) }?;
+    if let (Storage::Npu(src), Storage::Npu(dst)) = (x.storage(), o.storage()) {
+        let (s, e) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len_bytes());
+        let (ds, de) = (dst.as_ptr() as usize, dst.as_ptr() as usize + dst.len_bytes());
+        if s < de && ds < e {
+            return Ok(None);
+        }
+    }
+    Ok(Some(o))
+}
+
 /// A tensor over the caller's host memory `d.data` (`m.bytes` bytes), or
 /// `None` when it must be copied instead: not 8-byte aligned, or overlapping
 /// memory of this call that is written (for an input) or used at all (for an

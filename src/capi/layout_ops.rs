@@ -4,7 +4,7 @@
 
 use super::comm::comm_ref;
 use super::ffi::{
-    check_out, ffi, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
+    check_out, ffi, out_for, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
 };
 use super::ops::{amoe_finalize_args, host_out, FinalizeInputs, FinalizeMetas};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
@@ -27,6 +27,9 @@ unsafe fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<
 
 /// Shape function of an EP/SP layout op: `(x shape, layout, ep_rank, ep_size)`.
 type LayoutShape = fn(&[usize], Option<&SpLayout>, usize, usize) -> crate::Result<Vec<usize>>;
+
+/// The `_into` form of an EP/SP layout op: `(x, layout, ep_comm, out)`.
+type LayoutInto = fn(&Tensor, Option<&SpLayout>, &Comm, &mut Tensor) -> crate::Result<()>;
 
 /// The body of the `*_output_shape` export of an EP/SP layout op.
 ///
@@ -56,11 +59,12 @@ unsafe fn layout_op_shape(
     })
 }
 
-/// The body of an EP/SP layout op's export: `out = op(x, layout, ep_comm)`,
-/// after `out` is checked against `shape_of`. On NPU the op computes into
-/// workspace of the stream's pool and its result is copied into `out` by one
-/// device copy queued on the stream; nothing synchronises or allocates
-/// outside the pool.
+/// The body of an EP/SP layout op's export: `into(x, layout, ep_comm, out)`
+/// after `out` is checked against `shape_of`, writing the caller's `out` in
+/// place (its intermediates are workspace of the stream's pool on NPU;
+/// nothing synchronises or allocates outside the pool). Where `out` cannot
+/// be written in place (see `ffi::out_for`) `op` computes the result, which
+/// is copied into `out`.
 ///
 /// # Safety
 /// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`;
@@ -70,6 +74,7 @@ unsafe fn layout_op(
     f: &'static str,
     shape_of: LayoutShape,
     op: fn(&Tensor, Option<&SpLayout>, &Comm) -> crate::Result<Tensor>,
+    into: LayoutInto,
     x: *const amoe_tensor,
     local_sizes: *const usize,
     n: usize,
@@ -88,8 +93,16 @@ unsafe fn layout_op(
         let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
         // SAFETY: `out` is a valid descriptor, per the caller's contract.
         unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
-        let y = op(&x, l.as_ref(), c)?;
         // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        let y = match unsafe { out_for(f, "out", out, &x) }? {
+            Some(mut o) => {
+                into(&x, l.as_ref(), c, &mut o)?;
+                o
+            }
+            None => op(&x, l.as_ref(), c)?,
+        };
+        // SAFETY: `out` is a valid descriptor, per the caller's contract (a
+        // no-op when written in place).
         unsafe { write_tensor(f, "out", out, &y) }
     })
 }
@@ -171,7 +184,9 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
 ///
 /// NPU (this and `amoe_maybe_all_gather_and_maybe_unpad`): enqueues on
 /// `stream` the row copies into a padded workspace buffer, one HCCL
-/// collective and one device copy of the result into `out`; never
+/// collective and, where the layout pads this rank's rows, the copies of
+/// the kept rows into `out` (without padding the collective writes `out`
+/// itself); never
 /// synchronises, never allocates outside the stream's pool, never reads
 /// device data on the host. A mismatch between ranks is returned by
 /// `amoe_stream_check`.
@@ -189,8 +204,9 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce";
     let (shape_of, op) = (moe::maybe_pad_and_reduce_output_shape, moe::maybe_pad_and_reduce::<Comm>);
+    let into = moe::maybe_pad_and_reduce_into::<Comm>;
     // SAFETY: the caller's contracts.
-    unsafe { layout_op(F, shape_of, op, x, local_sizes, n, ep_comm, out, stream) }
+    unsafe { layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream) }
 }
 
 /// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
@@ -235,8 +251,9 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad";
     let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
     let op = moe::maybe_all_gather_and_maybe_unpad::<Comm>;
+    let into = moe::maybe_all_gather_and_maybe_unpad_into::<Comm>;
     // SAFETY: the caller's contracts.
-    unsafe { layout_op(F, shape_of, op, x, local_sizes, n, ep_comm, out, stream) }
+    unsafe { layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream) }
 }
 
 /// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`

@@ -119,32 +119,47 @@ unsafe fn reduce_point(
     let x_in = unsafe { read_tensor(f, "x", x) }?;
     // SAFETY: `out` is a valid descriptor, per the export's contract.
     unsafe { check_out(f, "out", out, x_in.shape(), x_in.dtype()) }?;
-    let x = if x_in.is_cpu() {
-        // A host input is borrowed read-only: the op's first write makes it
-        // a private copy.
-        x_in
+    let run = |x: crate::Tensor| match point {
+        Point::RoutedEarly => p.reduce_routed_early(x, c, tp),
+        Point::Shared => p.reduce_shared(x, c, tp),
+        Point::Final => p.reduce_final(x, c, tp),
+    };
+    let into = |x: &crate::Tensor, o: &mut crate::Tensor| match point {
+        Point::RoutedEarly => p.reduce_routed_early_into(x, c, tp, o),
+        Point::Shared => p.reduce_shared_into(x, c, tp, o),
+        Point::Final => p.reduce_final_into(x, c, tp, o),
+    };
+    let y = if x_in.is_cpu() {
+        // A host input is read in place and copied into the caller's `out`
+        // (or, for an NPU `out`, reduced on the host and copied there), where
+        // the point reduces it.
+        // SAFETY: `out` is a valid descriptor, per the export's contract.
+        match unsafe { super::ffi::out_for(f, "out", out, &x_in) }? {
+            Some(mut o) => {
+                into(&x_in, &mut o)?;
+                o
+            }
+            None => run(x_in)?,
+        }
     } else {
         // An NPU input is reduced in the caller's `out`: `x` is copied there
         // on the stream (nothing when they are the same memory), so no
         // buffer is allocated and the result needs no copy.
         // SAFETY: `out` is a valid descriptor over NPU memory of the stream's device.
-        let o = unsafe { super::ffi::out_tensor(f, "out", out) }?;
-        if let (Storage::Npu(src), Storage::Npu(dst)) = (x_in.storage(), o.storage()) {
-            if src.as_ptr() != dst.as_ptr() {
-                dst.copy_from_device(0, src, 0, src.len_bytes())?;
+        let mut o = unsafe { super::ffi::out_tensor(f, "out", out) }?;
+        match (x_in.storage(), o.storage()) {
+            (Storage::Npu(src), Storage::Npu(dst)) if src.as_ptr() == dst.as_ptr() => run(o)?,
+            (Storage::Npu(_), Storage::Npu(_)) => {
+                into(&x_in, &mut o)?;
+                o
             }
-        } else {
-            return Err(Failure::new(
-                amoe_status::Device,
-                format!("{f}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)"),
-            ));
+            _ => {
+                return Err(Failure::new(
+                    amoe_status::Device,
+                    format!("{f}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)"),
+                ))
+            }
         }
-        o
-    };
-    let y = match point {
-        Point::RoutedEarly => p.reduce_routed_early(x, c, tp)?,
-        Point::Shared => p.reduce_shared(x, c, tp)?,
-        Point::Final => p.reduce_final(x, c, tp)?,
     };
     // SAFETY: `out` is a valid descriptor, per the export's contract.
     unsafe { write_tensor(f, "out", out, &y) }

@@ -5,7 +5,7 @@
 //! sizes its output with.
 
 use super::comm::comm_ref;
-use super::ffi::{check_out, ffi, read_meta, read_tensor, write_shape, write_tensor};
+use super::ffi::{check_out, ffi, out_for, read_meta, read_tensor, write_shape, write_tensor};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::shared;
 use crate::{Collectives, Comm, Tensor};
@@ -31,11 +31,14 @@ unsafe fn shape_body(
     })
 }
 
-/// The body of an op export: `out = op(x, tp)` after `out` is checked against
-/// `shape_of(x shape, tp rank, tp size)`.
+/// The body of an op export: `into(x, tp, out)` after `out` is checked
+/// against `shape_of(x shape, tp rank, tp size)`, writing the caller's `out`
+/// in place; where it cannot be (see `ffi::out_for`), `op(x, tp)` computes
+/// the result, which is copied into `out`.
 ///
 /// # Safety
 /// `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
+#[allow(clippy::too_many_arguments)] // the export's arguments, plus the op's three forms
 unsafe fn op_body(
     f: &'static str,
     x: *const amoe_tensor,
@@ -44,6 +47,7 @@ unsafe fn op_body(
     stream: *const amoe_stream,
     shape_of: impl FnOnce(&[usize], usize, usize) -> crate::Result<Vec<usize>>,
     op: impl FnOnce(&Tensor, &Comm) -> crate::Result<Tensor>,
+    into: impl FnOnce(&Tensor, &Comm, &mut Tensor) -> crate::Result<()>,
 ) -> amoe_status {
     ffi!(f, {
         // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
@@ -54,8 +58,16 @@ unsafe fn op_body(
         let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
         // SAFETY: `out` is a valid descriptor, per the caller's contract.
         unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
-        let y = op(&x, tp)?;
         // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        let y = match unsafe { out_for(f, "out", out, &x) }? {
+            Some(mut o) => {
+                into(&x, tp, &mut o)?;
+                o
+            }
+            None => op(&x, tp)?,
+        };
+        // SAFETY: `out` is a valid descriptor, per the caller's contract (a
+        // no-op when written in place).
         unsafe { write_tensor(f, "out", out, &y) }
     })
 }
@@ -86,8 +98,8 @@ pub unsafe extern "C" fn amoe_shared_pad_split_output_shape(
 /// communication); `tp_comm` gives the rank and size. Ownership as
 /// `amoe_moe_finalize_routing`.
 ///
-/// NPU: enqueues on `stream` a copy of this rank's rows into a zeroed
-/// workspace buffer and one device copy of it into `out`; never
+/// NPU: enqueues on `stream` a copy of this rank's rows into `out` and, for
+/// padding rows, one copy of zeros from workspace; never
 /// synchronises, never allocates outside the stream's pool (or allocator),
 /// never reads device data on the host; can be captured into a graph.
 ///
@@ -102,8 +114,9 @@ pub unsafe extern "C" fn amoe_shared_pad_split(
 ) -> amoe_status {
     const F: &str = "amoe_shared_pad_split";
     let op = |x: &Tensor, tp: &Comm| shared::shared_pad_split(x, tp);
+    let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_split_into(x, tp, o);
     // SAFETY: the caller's contracts.
-    unsafe { op_body(F, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op) }
+    unsafe { op_body(F, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op, into) }
 }
 
 /// Output shape of `amoe_shared_gather_unpad`: `x` must have
@@ -130,8 +143,9 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad_output_shape(
 /// rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
 /// Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
 ///
-/// NPU: enqueues on `stream` one HCCL all-gather into workspace, a copy of
-/// the kept rows when padding is cut, and one device copy into `out`; never
+/// NPU: enqueues on `stream` one HCCL all-gather, into `out` itself when no
+/// padding is cut, else into workspace followed by a copy of the kept rows
+/// into `out`; never
 /// synchronises, never allocates outside the stream's pool (or allocator),
 /// never reads device data on the host; can be captured into a graph. A
 /// mismatch between ranks is returned by `amoe_stream_check`.
@@ -150,8 +164,9 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad(
     let shape_of =
         |s: &[usize], _rank: usize, size: usize| shared::shared_gather_unpad_output_shape(s, num_tokens, size);
     let op = |x: &Tensor, tp: &Comm| shared::shared_gather_unpad(x, num_tokens, tp);
+    let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_gather_unpad_into(x, num_tokens, tp, o);
     // SAFETY: the caller's contracts.
-    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op) }
+    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op, into) }
 }
 
 /// Output shape of `amoe_shared_pad_reduce_scatter`: `x [T, H...]` ->
@@ -178,8 +193,8 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter_output_shape(
 /// complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
 ///
 /// NPU: enqueues on `stream` a copy into a zeroed padded workspace buffer
-/// (when `T` is not a multiple of TP), one HCCL reduce-scatter and one
-/// device copy into `out`; never synchronises, never allocates outside the
+/// (when `T` is not a multiple of TP) and one HCCL reduce-scatter into
+/// `out`; never synchronises, never allocates outside the
 /// stream's pool (or allocator), never reads device data on the host; can be
 /// captured into a graph. A mismatch between ranks is returned by
 /// `amoe_stream_check`.
@@ -196,6 +211,7 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter(
     const F: &str = "amoe_shared_pad_reduce_scatter";
     let shape_of = |s: &[usize], _rank: usize, size: usize| shared::shared_pad_reduce_scatter_output_shape(s, size);
     let op = |x: &Tensor, tp: &Comm| shared::shared_pad_reduce_scatter(x, tp);
+    let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_reduce_scatter_into(x, tp, o);
     // SAFETY: the caller's contracts.
-    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op) }
+    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op, into) }
 }

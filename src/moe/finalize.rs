@@ -288,6 +288,22 @@ pub(crate) fn check_out(op: &'static str, out: &Tensor, shape: &[usize], dtype: 
     Ok(())
 }
 
+/// [`check_out`] against the dtype of `x`, with `out` on the device of `x`
+/// (an error naming `out` otherwise); returns that device.
+pub(crate) fn check_out_like(op: &'static str, x: &Tensor, out: &Tensor, shape: &[usize]) -> Result<Device> {
+    let device = x.device();
+    if out.device() != device {
+        return Err(Error::Device {
+            op,
+            arg: "out",
+            expected: format!("{device} (the device of `x`)"),
+            actual: out.device().to_string(),
+        });
+    }
+    check_out(op, out, shape, x.dtype())?;
+    Ok(device)
+}
+
 /// Sizes of a validated unpermute call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UnpermuteDims {

@@ -91,32 +91,65 @@ fn check_device<C: Collectives + ?Sized>(op: &'static str, arg: &'static str, t:
     Ok(d)
 }
 
-/// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and keeps the
-/// first `local_sizes[rank]` rows of this rank's slot.
-fn reduce_padded<C: Collectives + ?Sized>(
+/// Checks the input `x` (named `arg`) and `out` are on the EP group's device
+/// and `out` has `out_shape` and the dtype of `x`; returns the device.
+fn check_in_out<C: Collectives + ?Sized>(
+    op: &'static str,
+    arg: &'static str,
+    x: &Tensor,
+    out: &Tensor,
+    out_shape: &[usize],
+    ep: &C,
+) -> Result<Device> {
+    let device = check_device(op, arg, x, ep)?;
+    check_device(op, "out", out, ep)?;
+    check_out(op, out, out_shape, x.dtype())?;
+    Ok(device)
+}
+
+/// An allocating op: `into` writes a scratch tensor of `shape` and the dtype
+/// of `x`, on the EP group's device, which is returned.
+fn with_scratch_out<C: Collectives + ?Sized>(
+    op: &'static str,
+    x: &Tensor,
+    shape: &[usize],
+    ep: &C,
+    into: impl FnOnce(&mut Tensor) -> Result<()>,
+) -> Result<Tensor> {
+    let device = check_device(op, "x", x, ep)?;
+    let mut out = device.backend().scratch(shape, x.dtype())?;
+    into(&mut out)?;
+    Ok(out)
+}
+
+/// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and writes the
+/// first `local_sizes[rank]` rows of this rank's slot into `out`: straight
+/// from the collective when the slot has exactly those rows, else through a
+/// scratch slot.
+fn reduce_padded_into<C: Collectives + ?Sized>(
     padded: &Tensor,
     l: &SpLayout,
     ep: &C,
-    out_shape: &[usize],
+    out: &mut Tensor,
     device: &Device,
-) -> Result<Tensor> {
+) -> Result<()> {
     let backend = device.backend();
     let m = l.max_rows();
     let mine = l.local_size(ep.rank());
     if padded.numel() == 0 {
-        // Every rank sees the same layout, so every rank skips together.
-        return backend.scratch(out_shape, padded.dtype());
+        // Every rank sees the same layout, so every rank skips together; `out`
+        // has no elements either.
+        return Ok(());
+    }
+    if mine == m {
+        return ep.reduce_scatter(padded, out, ReduceOp::Sum);
     }
     let mut slot = backend.scratch(&with_rows(PAD_REDUCE, "x", padded.shape(), m)?, padded.dtype())?;
     ep.reduce_scatter(padded, &mut slot, ReduceOp::Sum)?;
-    if mine == m {
-        return Ok(slot);
-    }
-    let mut out = backend.scratch(out_shape, padded.dtype())?;
     if mine > 0 {
-        backend.copy_rows(&slot, 0, &mut out, 0, mine)?;
+        backend.copy_rows(&slot, 0, out, 0, mine)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// EP/SP finalize (SPEC section 3). `x`: `[sum(local_sizes), H...]`, this
@@ -126,12 +159,27 @@ fn reduce_padded<C: Collectives + ?Sized>(
 /// rows: the fully reduced local shard. Without a layout: a plain EP
 /// reduce-scatter (rows must divide by EP).
 pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
+    let shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
+    with_scratch_out(PAD_REDUCE, x, &shape, ep, |out| maybe_pad_and_reduce_into(x, layout, ep, out))
+}
+
+/// [`maybe_pad_and_reduce`] into `out`, which must have the shape of
+/// [`maybe_pad_and_reduce_output_shape`] and the dtype of `x`, on the EP
+/// group's device, and must not overlap `x`. Every element of `out` is
+/// written; the reduce-scatter writes `out` directly when this rank's shard
+/// fills its whole slot.
+pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
+    x: &Tensor,
+    layout: Option<&SpLayout>,
+    ep: &C,
+    out: &mut Tensor,
+) -> Result<()> {
     let out_shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_device(PAD_REDUCE, "x", x, ep)?;
+    let device = check_in_out(PAD_REDUCE, "x", x, out, &out_shape, ep)?;
     let l = reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?;
     if l.is_uniform() {
         // No padding anywhere: x already is the padded buffer.
-        return reduce_padded(x, &l, ep, &out_shape, &device);
+        return reduce_padded_into(x, &l, ep, out, &device);
     }
     let backend = device.backend();
     let m = l.max_rows();
@@ -141,7 +189,7 @@ pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<
             backend.copy_rows(x, l.offset(r), &mut padded, r * m, rows)?;
         }
     }
-    reduce_padded(&padded, &l, ep, &out_shape, &device)
+    reduce_padded_into(&padded, &l, ep, out, &device)
 }
 
 /// Shape function of [`maybe_all_gather_and_maybe_unpad`]: `[sum(local_sizes), H...]`
@@ -189,8 +237,22 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     layout: Option<&SpLayout>,
     ep: &C,
 ) -> Result<Tensor> {
+    let shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
+    with_scratch_out(GATHER_UNPAD, x, &shape, ep, |out| maybe_all_gather_and_maybe_unpad_into(x, layout, ep, out))
+}
+
+/// [`maybe_all_gather_and_maybe_unpad`] into `out`, which must have the shape
+/// of [`maybe_all_gather_and_maybe_unpad_output_shape`] and the dtype of `x`,
+/// on the EP group's device, and must not overlap `x`. Every element of `out`
+/// is written; the all-gather writes `out` directly when no rank is padded.
+pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
+    x: &Tensor,
+    layout: Option<&SpLayout>,
+    ep: &C,
+    out: &mut Tensor,
+) -> Result<()> {
     let out_shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_device(GATHER_UNPAD, "x", x, ep)?;
+    let device = check_in_out(GATHER_UNPAD, "x", x, out, &out_shape, ep)?;
     let backend = device.backend();
     let uniform;
     let l = match layout {
@@ -202,8 +264,13 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     };
     let m = l.max_rows();
     if l.padded_rows().checked_mul(x.row_len()) == Some(0) {
-        // Nothing to move; every rank sees the same layout and skips together.
-        return backend.scratch(&out_shape, x.dtype());
+        // Nothing to move (`out` has no elements); every rank sees the same
+        // layout and skips together.
+        return Ok(());
+    }
+    if l.is_uniform() {
+        // No padding anywhere: every rank holds `M` rows, gathered as they are.
+        return ep.all_gather(x, out);
     }
     let mut gathered = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), l.padded_rows())?, x.dtype())?;
     if x.rows() == m {
@@ -215,16 +282,12 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
         }
         ep.all_gather(&padded, &mut gathered)?;
     }
-    if l.is_uniform() {
-        return Ok(gathered);
-    }
-    let mut out = backend.scratch(&out_shape, x.dtype())?;
     for (r, &rows) in l.local_sizes().iter().enumerate() {
         if rows > 0 {
-            backend.copy_rows(&gathered, r * m, &mut out, l.offset(r), rows)?;
+            backend.copy_rows(&gathered, r * m, out, l.offset(r), rows)?;
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Shape function of [`finalize_and_reduce`] on shapes and dtypes only: the
@@ -283,9 +346,7 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
 ) -> Result<()> {
     let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
     let (_, dims) = moe_finalize_routing_output_shape(args)?;
-    check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
-    check_device(FINALIZE_REDUCE, "out", out, ep)?;
-    check_out(FINALIZE_REDUCE, out, &out_shape, args.expanded_x.dtype())?;
+    check_in_out(FINALIZE_REDUCE, "expanded_x", args.expanded_x, out, &out_shape, ep)?;
     let l = reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?;
     ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), out)
 }

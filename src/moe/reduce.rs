@@ -11,8 +11,13 @@
 //! all-reduces in place in that same buffer and returns it; when it does not,
 //! it returns the input unchanged. The result never aliases another live
 //! tensor. Shape functions of these ops are the identity.
+//!
+//! Each point also has an `_into` twin that reads `x` and writes the result
+//! into a separate `out` of the same shape: a copy of `x`, all-reduced there in
+//! place when the point reduces.
 
 use crate::comm::{Collectives, CommType, ReduceOp};
+use crate::moe::finalize::check_out_like;
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
 
@@ -85,6 +90,17 @@ pub struct ReducePolicy {
     tp_size: usize,
     ep_size: usize,
     early: bool,
+}
+
+/// A reduction point's `_into` method: `name(x, comm, tp, out)` copies `x`
+/// into `out` and reduces it there when `decide(comm)`.
+macro_rules! into_point {
+    ($(#[$doc:meta])* $name:ident, $op:literal, $decide:ident) => {
+        $(#[$doc])*
+        pub fn $name<C: Collectives + ?Sized>(&self, x: &Tensor, comm: CommType, tp: &C, out: &mut Tensor) -> Result<()> {
+            self.reduce_if_into($op, self.$decide(comm), x, tp, out)
+        }
+    };
 }
 
 impl ReducePolicy {
@@ -181,13 +197,7 @@ impl ReducePolicy {
         !self.sp && !self.early && !routed_is_reduced(comm, self.sp)
     }
 
-    fn reduce_if<C: Collectives + ?Sized>(
-        &self,
-        op: &'static str,
-        reduce: bool,
-        mut x: Tensor,
-        tp: &C,
-    ) -> Result<Tensor> {
+    fn check_tp<C: Collectives + ?Sized>(&self, op: &'static str, tp: &C) -> Result<()> {
         if tp.world_size() != self.tp_size {
             return Err(Error::invalid(
                 op,
@@ -200,10 +210,53 @@ impl ReducePolicy {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    fn reduce_if<C: Collectives + ?Sized>(
+        &self,
+        op: &'static str,
+        reduce: bool,
+        mut x: Tensor,
+        tp: &C,
+    ) -> Result<Tensor> {
+        self.check_tp(op, tp)?;
         if reduce && self.tp_size > 1 && x.numel() > 0 {
             tp.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         }
         Ok(x)
+    }
+
+    /// `out` = `x`, then all-reduced in place when `reduce`. `out` must have
+    /// the shape and dtype of `x`, on its device, and must not overlap it.
+    fn reduce_if_into<C: Collectives + ?Sized>(
+        &self,
+        op: &'static str,
+        reduce: bool,
+        x: &Tensor,
+        tp: &C,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        self.check_tp(op, tp)?;
+        let device = check_out_like(op, x, out, x.shape())?;
+        if x.numel() == 0 {
+            return Ok(());
+        }
+        if x.shape().is_empty() {
+            // A scalar is one row of one element.
+            let (src, dst) =
+                (x.try_clone()?.reshape(&[1])?, std::mem::replace(out, Tensor::zeros_cpu(&[0], x.dtype())));
+            let mut dst = dst.reshape(&[1])?;
+            let copied = device.backend().copy_rows(&src, 0, &mut dst, 0, 1);
+            *out = dst.reshape(&[])?;
+            copied?;
+        } else {
+            device.backend().copy_rows(x, 0, out, 0, x.rows())?;
+        }
+        if reduce && self.tp_size > 1 {
+            tp.all_reduce_in_place(out, ReduceOp::Sum)?;
+        }
+        Ok(())
     }
 
     /// Reduction point 1 (routed output, before the transform), with the live
@@ -223,5 +276,23 @@ impl ReducePolicy {
     /// type. Consumes `x`; reduces in place when [`ReducePolicy::final_reduces`].
     pub fn reduce_final<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
         self.reduce_if("reduce_final", self.final_reduces(comm), x, tp)
+    }
+
+    into_point! {
+        /// [`ReducePolicy::reduce_routed_early`] from `x` into `out`, which
+        /// must have the shape and dtype of `x`, on its device, and must not
+        /// overlap it: `x` is copied into `out` and, when the point reduces,
+        /// all-reduced there in place. `x` is left unchanged.
+        reduce_routed_early_into, "reduce_routed_early", routed_early_reduces
+    }
+    into_point! {
+        /// [`ReducePolicy::reduce_shared`] from `x` into `out`; as
+        /// [`ReducePolicy::reduce_routed_early_into`].
+        reduce_shared_into, "reduce_shared", shared_reduces
+    }
+    into_point! {
+        /// [`ReducePolicy::reduce_final`] from `x` into `out`; as
+        /// [`ReducePolicy::reduce_routed_early_into`].
+        reduce_final_into, "reduce_final", final_reduces
     }
 }

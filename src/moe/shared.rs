@@ -17,10 +17,12 @@
 //!
 //! Every TP rank of a DP rank holds `ceil(T / TP)` rows in the sharded form
 //! (`T` = tokens of the DP rank), which is the SP layout of section 2.
-//! Each op sizes its output with its `*_output_shape` function.
+//! Each op sizes its output with its `*_output_shape` function; its `_into`
+//! twin writes the result into a caller's tensor of that shape instead.
 
 use crate::backend::args::with_rows;
 use crate::comm::{Collectives, ReduceOp};
+use crate::moe::finalize::check_out_like;
 use crate::{Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";
@@ -51,15 +53,30 @@ pub fn shared_pad_split_output_shape(x_shape: &[usize], tp_rank: usize, tp_size:
 /// `tp` gives only this rank's place in the TP group.
 pub fn shared_pad_split<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
     let shape = shared_pad_split_output_shape(x.shape(), tp.rank(), tp.world_size())?;
-    let device = x.device();
+    let mut out = x.device().backend().scratch(&shape, x.dtype())?;
+    shared_pad_split_into(x, tp, &mut out)?;
+    Ok(out)
+}
+
+/// [`shared_pad_split`] into `out`, which must have the shape of
+/// [`shared_pad_split_output_shape`] and the dtype of `x`, on the device of
+/// `x`, and must not overlap `x`. Every element of `out` is written: this
+/// rank's rows of `x` are copied in and the padding rows set to zero.
+pub fn shared_pad_split_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
+    let shape = shared_pad_split_output_shape(x.shape(), tp.rank(), tp.world_size())?;
+    let device = check_out_like(PAD_SPLIT, x, out, &shape)?;
     let backend = device.backend();
-    let mut out = backend.scratch(&shape, x.dtype())?;
     let first = tp.rank() * shape[0];
     let real = x.rows().saturating_sub(first).min(shape[0]);
     if real > 0 {
-        backend.copy_rows(x, first, &mut out, 0, real)?;
+        backend.copy_rows(x, first, out, 0, real)?;
     }
-    Ok(out)
+    let pad = shape[0] - real;
+    if pad > 0 && out.numel() > 0 {
+        let zeros = backend.scratch(&with_rows(PAD_SPLIT, "x", x.shape(), pad)?, x.dtype())?;
+        backend.copy_rows(&zeros, 0, out, real, pad)?;
+    }
+    Ok(())
 }
 
 /// Shape function of [`shared_gather_unpad`]: `x` must have
@@ -84,20 +101,39 @@ pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp
 /// padding). Collective over `tp`; every rank passes the same `num_tokens`.
 pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usize, tp: &C) -> Result<Tensor> {
     let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
-    let device = x.device();
+    let mut out = x.device().backend().scratch(&shape, x.dtype())?;
+    shared_gather_unpad_into(x, num_tokens, tp, &mut out)?;
+    Ok(out)
+}
+
+/// [`shared_gather_unpad`] into `out`, which must have the shape of
+/// [`shared_gather_unpad_output_shape`] and the dtype of `x`, on the device of
+/// `x`, and must not overlap `x`. Every element of `out` is written; the
+/// all-gather writes `out` directly when there is no padding to drop.
+pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
+    x: &Tensor,
+    num_tokens: usize,
+    tp: &C,
+    out: &mut Tensor,
+) -> Result<()> {
+    let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
+    let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
     let backend = device.backend();
-    let mut full = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?, x.dtype())?;
+    let full_shape = with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?;
+    if full_shape[0] == num_tokens {
+        if out.numel() > 0 {
+            tp.all_gather(x, out)?;
+        }
+        return Ok(());
+    }
+    let mut full = backend.scratch(&full_shape, x.dtype())?;
     if full.numel() > 0 {
         tp.all_gather(x, &mut full)?;
     }
-    if full.rows() == num_tokens {
-        return Ok(full);
-    }
-    let mut out = backend.scratch(&shape, x.dtype())?;
     if num_tokens > 0 {
-        backend.copy_rows(&full, 0, &mut out, 0, num_tokens)?;
+        backend.copy_rows(&full, 0, out, 0, num_tokens)?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Shape function of [`shared_pad_reduce_scatter`]: `x [T, H...]` ->
@@ -113,21 +149,31 @@ pub fn shared_pad_reduce_scatter_output_shape(x_shape: &[usize], tp_size: usize)
 /// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`.
 pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
     let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())?;
-    let device = x.device();
+    let mut out = x.device().backend().scratch(&shape, x.dtype())?;
+    shared_pad_reduce_scatter_into(x, tp, &mut out)?;
+    Ok(out)
+}
+
+/// [`shared_pad_reduce_scatter`] into `out`, which must have the shape of
+/// [`shared_pad_reduce_scatter_output_shape`] and the dtype of `x`, on the
+/// device of `x`, and must not overlap `x`. The reduce-scatter writes every
+/// element of `out` directly.
+pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
+    let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())?;
+    let device = check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?;
     let backend = device.backend();
     let padded_rows = shape[0] * tp.world_size();
-    let mut out = backend.scratch(&shape, x.dtype())?;
     if out.numel() == 0 {
-        return Ok(out);
+        return Ok(());
     }
     if padded_rows == x.rows() {
-        tp.reduce_scatter(x, &mut out, ReduceOp::Sum)?;
+        tp.reduce_scatter(x, out, ReduceOp::Sum)?;
     } else {
         let mut padded = backend.scratch(&with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), padded_rows)?, x.dtype())?;
         if x.rows() > 0 {
             backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
         }
-        tp.reduce_scatter(&padded, &mut out, ReduceOp::Sum)?;
+        tp.reduce_scatter(&padded, out, ReduceOp::Sum)?;
     }
-    Ok(out)
+    Ok(())
 }
