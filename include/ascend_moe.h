@@ -1069,7 +1069,9 @@ amoe_status amoe_token_prepare_ex_output_shape(const struct amoe_tensor *x,
 //
 // NPU (this and `amoe_token_finalize`): the row copies and the HCCL
 // collectives are enqueued on `stream`, intermediates come from its pool,
-// and the result reaches `out` by one device copy. It never synchronises,
+// and the last collective or row copy writes `out` itself (an `out` that
+// overlaps the input gets the result by one device copy; `amoe_token_finalize`
+// with `out` naming `y`'s memory runs in place). It never synchronises,
 // never allocates outside the stream's pool (or allocator), never reads
 // device data on the host, and can be captured into a graph: every count is
 // a shape, known on the host. With `ASCEND_MOE_CHECK_COMM_TYPE=1` every EP

@@ -69,6 +69,87 @@ fn finalize_of_prepare_on(on: On) {
     }
 }
 
+on_both!(prepare_into_and_finalize_into_equal_the_allocating_ops, into_on);
+
+/// A tensor of `shape` full of NaN on `device`: an element the op leaves
+/// unwritten fails the comparison.
+fn nan_out(shape: &[usize], device: &ascend_moe::Device) -> ascend_moe::Result<Tensor> {
+    let n: usize = shape.iter().product();
+    Tensor::from_slice(&vec![f32::NAN; n], shape)?.to_device(device)
+}
+
+fn bits(t: &Tensor) -> ascend_moe::Result<Vec<u32>> {
+    Ok(t.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect())
+}
+
+fn into_on(on: On) {
+    let h = 3;
+    for (dp_tokens, tp) in [(vec![5usize, 2], 2usize), (vec![9, 0], 4), (vec![6], 2), (vec![7, 7], 1)] {
+        let dp = dp_tokens.len();
+        for sp in [false, true] {
+            for comm_type in CommType::ALL {
+                let world = dp * tp;
+                if !on.fits(world) {
+                    continue;
+                }
+                on.run(world, &opts(), |rank, comm| {
+                    let (d, t) = (rank / tp, rank % tp);
+                    let ctx = MoeContext::new(&dp_tokens, tp, d, t, sp)?;
+                    let groups = MoeGroups::from_world(&comm, tp)?;
+                    let dev = comm.device();
+                    let local = ctx.local_tokens();
+                    let x: Vec<f32> = (0..local * h).map(|i| 0.37 * (i + 11 * rank) as f32 - 1.9).collect();
+                    let xt = Tensor::from_slice(&x, &[local, h])?.to_device(&dev)?;
+                    let what = format!("{comm_type:?} sp {sp} tokens {dp_tokens:?} tp {tp} rank {rank}");
+
+                    let p = prepare(&xt, comm_type, &ctx, &groups)?;
+                    let mut hidden = nan_out(p.hidden.shape(), &dev)?;
+                    let mask = prepare_into(&xt, comm_type, &ctx, &groups, &mut hidden)?;
+                    assert_eq!(bits(&hidden)?, bits(&p.hidden)?, "prepare_into, {what}");
+                    assert_eq!(mask, p.mc2_mask, "prepare_into's mask, {what}");
+
+                    // Routed output that differs per rank and row.
+                    let y_host: Vec<f32> =
+                        (0..p.hidden.numel()).map(|i| 0.25 * (i % 7) as f32 + 0.5 * rank as f32 - 0.75).collect();
+                    let y = Tensor::from_slice(&y_host, p.hidden.shape())?.to_device(&dev)?;
+                    let want = finalize(y.try_clone()?, comm_type, &ctx, &groups)?;
+                    let mut got = nan_out(want.shape(), &dev)?;
+                    finalize_into(&y, comm_type, &ctx, &groups, &mut got)?;
+                    assert_eq!(bits(&got)?, bits(&want)?, "finalize_into, {what}");
+                    assert_eq!(y.to_vec::<f32>()?, y_host, "finalize_into leaves y unchanged, {what}");
+                    Ok(())
+                })
+                .unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn prepare_into_and_finalize_into_refuse_a_wrong_out() {
+    run_ranks(2, &opts(), |rank, comm| {
+        let ctx = MoeContext::new(&[4], 2, 0, rank, false)?;
+        let groups = MoeGroups::from_world(&comm, 2)?;
+        let x = Tensor::from_slice(&[1.0f32; 8], &[4, 2])?;
+        for comm_type in CommType::ALL {
+            let shape = prepare_output_shape(x.shape(), comm_type, &ctx)?;
+            let mut wrong_rows = Tensor::zeros_cpu(&[shape[0] + 1, 2], ascend_moe::DType::F32);
+            let e = prepare_into(&x, comm_type, &ctx, &groups, &mut wrong_rows).unwrap_err().to_string();
+            assert!(e.contains("`out`"), "{comm_type:?}: {e}");
+            let mut wrong_dtype = Tensor::zeros_cpu(&shape, ascend_moe::DType::BF16);
+            let e = prepare_into(&x, comm_type, &ctx, &groups, &mut wrong_dtype).unwrap_err().to_string();
+            assert!(e.contains("`out`") && e.contains("bf16"), "{comm_type:?}: {e}");
+            let y = Tensor::zeros_cpu(&shape, ascend_moe::DType::F32);
+            let fshape = finalize_output_shape(y.shape(), comm_type, &ctx)?;
+            let mut wrong = Tensor::zeros_cpu(&[fshape[0] + 2, 2], ascend_moe::DType::F32);
+            let e = finalize_into(&y, comm_type, &ctx, &groups, &mut wrong).unwrap_err().to_string();
+            assert!(e.contains("`out`"), "{comm_type:?}: {e}");
+        }
+        Ok(())
+    })
+    .unwrap();
+}
+
 on_both!(dispatch_then_combine_with_identity_experts, dispatch_then_combine_on);
 
 fn dispatch_then_combine_on(on: On) {

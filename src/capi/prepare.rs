@@ -3,7 +3,8 @@
 
 use super::comm::comm_ref;
 use super::ffi::{
-    check_out, ffi, flag, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
+    check_out, ffi, flag, out_for, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor,
+    Failure,
 };
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
@@ -303,10 +304,22 @@ unsafe fn prepare_body(
                 format!("{f}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
             ));
         }
-        let p = pf::prepare(&x, ct, &c, g)?;
+        // The tokens go straight into the caller's `out` where it can be lent
+        // (else into a buffer of the op's own, copied into `out`).
         // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { write_tensor(f, "out", out, &p.hidden) }?;
-        let mask = p.mc2_mask.unwrap_or_default();
+        let (hidden, mask) = match unsafe { out_for(f, "out", out, &x) }? {
+            Some(mut o) => {
+                let mask = pf::prepare_into(&x, ct, &c, g, &mut o)?;
+                (o, mask)
+            }
+            None => {
+                let p = pf::prepare(&x, ct, &c, g)?;
+                (p.hidden, p.mc2_mask)
+            }
+        };
+        // SAFETY: `out` is a valid descriptor, per the caller's contract.
+        unsafe { write_tensor(f, "out", out, &hidden) }?;
+        let mask = mask.unwrap_or_default();
         if !mask_len.is_null() {
             // SAFETY: non-null, writable per the contract.
             unsafe { write_out(mask_len, mask.len()) };
@@ -332,7 +345,9 @@ unsafe fn prepare_body(
 ///
 /// NPU (this and `amoe_token_finalize`): the row copies and the HCCL
 /// collectives are enqueued on `stream`, intermediates come from its pool,
-/// and the result reaches `out` by one device copy. It never synchronises,
+/// and the last collective or row copy writes `out` itself (an `out` that
+/// overlaps the input gets the result by one device copy; `amoe_token_finalize`
+/// with `out` naming `y`'s memory runs in place). It never synchronises,
 /// never allocates outside the stream's pool (or allocator), never reads
 /// device data on the host, and can be captured into a graph: every count is
 /// a shape, known on the host. With `ASCEND_MOE_CHECK_COMM_TYPE=1` every EP
@@ -450,6 +465,23 @@ unsafe fn finalize_body(
         let ct = CommType::from_u32(comm_type)?;
         // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
         unsafe { super::live::guard_op(f, stream, ct, Some(&c)) }?;
+        // SAFETY: `y` and `out` are valid descriptors, per the caller's contract.
+        let in_place = !out.is_null() && !y.is_null() && unsafe { (*y).data == (*out).data };
+        if !in_place {
+            // SAFETY: `y` is a valid descriptor, per the caller's contract.
+            let yt = unsafe { read_tensor(f, "y", y) }?;
+            let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
+            // SAFETY: `out` is a valid descriptor, per the caller's contract.
+            unsafe { check_out(f, "out", out, &shape, yt.dtype()) }?;
+            // The last collective or copy writes the caller's `out`; `y` is
+            // only read, so it needs no copy of its own.
+            // SAFETY: `out` is a valid descriptor, per the caller's contract.
+            if let Some(mut o) = unsafe { out_for(f, "out", out, &yt) }? {
+                pf::finalize_into(&yt, ct, &c, g, &mut o)?;
+                // SAFETY: `out` is a valid descriptor, per the caller's contract.
+                return unsafe { write_tensor(f, "out", out, &o) };
+            }
+        }
         // SAFETY: `y` is a valid descriptor, per the caller's contract.
         let y = unsafe { super::ffi::read_consumed(f, "y", y, out) }?;
         let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;

@@ -23,4 +23,4 @@ mod prepare;
 pub use exchange::{combine, dispatch, Dispatched};
 pub use groups::{check_comm_type_agreement, MoeGroups};
 pub use plan::{finalize_output_shape, mc2_mask, prepare_output_shape, token_plan, MoeContext, TokenPlan};
-pub use prepare::{finalize, prepare, Prepared};
+pub use prepare::{finalize, finalize_into, prepare, prepare_into, Prepared};

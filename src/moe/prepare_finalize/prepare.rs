@@ -5,7 +5,8 @@ use super::plan::{finalize_output_shape, mc2_mask, prepare_output_shape, token_p
 use super::plan::{FINALIZE, PREPARE};
 use crate::backend::args::with_rows;
 use crate::comm::{Collectives, CommType, ReduceOp};
-use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
+use crate::moe::finalize::check_out_like;
+use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad_into, maybe_pad_and_reduce, maybe_pad_and_reduce_into};
 use crate::{Result, Tensor};
 
 /// Prepared tokens of one rank.
@@ -27,16 +28,32 @@ pub struct Prepared {
 /// running the collectives of two different paths.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
     let shape = prepare_output_shape(x.shape(), comm, ctx)?;
+    let mut hidden = x.device().backend().scratch(&shape, x.dtype())?;
+    let mc2_mask = prepare_into(x, comm, ctx, groups, &mut hidden)?;
+    Ok(Prepared { hidden, mc2_mask })
+}
+
+/// [`prepare`] into `out` (`prepare_output_shape` rows, dtype and device of
+/// `x`; an error naming `out` otherwise), every element of it written; returns
+/// the MC2 mask.
+pub fn prepare_into(
+    x: &Tensor,
+    comm: CommType,
+    ctx: &MoeContext,
+    groups: &MoeGroups,
+    out: &mut Tensor,
+) -> Result<Option<Vec<bool>>> {
+    let shape = prepare_output_shape(x.shape(), comm, ctx)?;
+    check_out_like(PREPARE, x, out, &shape)?;
     check_groups(PREPARE, ctx, groups)?;
     if comm_type_check_enabled(&groups.ep) {
         check_comm_type_agreement(comm, &groups.ep)?;
     }
     let device = x.device();
     let backend = device.backend();
-    let hidden = match token_plan(comm, ctx) {
-        TokenPlan::SpGather(l) => maybe_all_gather_and_maybe_unpad(x, Some(&l), &groups.ep)?,
+    match token_plan(comm, ctx) {
+        TokenPlan::SpGather(l) => maybe_all_gather_and_maybe_unpad_into(x, Some(&l), &groups.ep, out)?,
         TokenPlan::DpGather { max_tokens } => {
-            let mut out = backend.scratch(&shape, x.dtype())?;
             if out.numel() > 0 {
                 let mut padded = backend.scratch(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
                 if x.rows() > 0 {
@@ -49,26 +66,37 @@ pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
                         let dp_rows = max_tokens * ctx.dp_size();
                         let mut dp_out = backend.scratch(&with_rows(PREPARE, "x", x.shape(), dp_rows)?, x.dtype())?;
                         groups.dp.all_gather(&padded, &mut dp_out)?;
-                        pcp.all_gather(&dp_out, &mut out)?;
+                        pcp.all_gather(&dp_out, out)?;
                     }
-                    None => groups.dp.all_gather(&padded, &mut out)?,
+                    None => groups.dp.all_gather(&padded, out)?,
                 }
             }
-            out
         }
         TokenPlan::TpSplit { sizes, .. } => {
             let first: usize = sizes[..ctx.tp_rank()].iter().sum();
-            let mut out = backend.scratch(&shape, x.dtype())?;
-            // Rows past the real tokens stay zero (the padding).
             let real = x.rows().saturating_sub(first).min(sizes[ctx.tp_rank()]);
             if real > 0 {
-                backend.copy_rows(x, first, &mut out, 0, real)?;
+                backend.copy_rows(x, first, out, 0, real)?;
             }
-            out
+            // Rows past the real tokens are zero (the padding); `out` may be
+            // the caller's memory, so they are written here.
+            let pad = out.rows() - real;
+            if pad > 0 && out.row_len() > 0 {
+                let zeros = backend.scratch(&with_rows(PREPARE, "out", out.shape(), pad)?, x.dtype())?;
+                backend.copy_rows(&zeros, 0, out, real, pad)?;
+            }
         }
-        TokenPlan::Local => backend.copy_from(x)?,
-    };
-    Ok(Prepared { hidden, mc2_mask: mc2_mask(comm, ctx) })
+        TokenPlan::Local => copy_all(x, out)?,
+    }
+    Ok(mc2_mask(comm, ctx))
+}
+
+/// Copies every row of `src` into `dst` (same shape).
+fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
+    if src.numel() > 0 {
+        src.device().backend().copy_rows(src, 0, dst, 0, src.rows())?;
+    }
+    Ok(())
 }
 
 /// Finalize for `comm` (SPEC section 6): the routed output of the prepared
@@ -122,5 +150,78 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
             keep(full)
         }
         TokenPlan::Local => Ok(y),
+    }
+}
+
+/// [`finalize`] into `out` (`finalize_output_shape` rows, dtype and device of
+/// `y`; an error naming `out` otherwise), without consuming `y`: the last
+/// collective or copy of the path writes `out`. `out` must not overlap `y`.
+pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups, out: &mut Tensor) -> Result<()> {
+    let shape = finalize_output_shape(y.shape(), comm, ctx)?;
+    check_out_like(FINALIZE, y, out, &shape)?;
+    check_groups(FINALIZE, ctx, groups)?;
+    let device = y.device();
+    let backend = device.backend();
+    // The first `out.rows()` rows of `full` into `out`.
+    let keep = |full: &Tensor, out: &mut Tensor| -> Result<()> {
+        if out.numel() > 0 {
+            backend.copy_rows(full, 0, out, 0, out.rows())?;
+        }
+        Ok(())
+    };
+    match token_plan(comm, ctx) {
+        TokenPlan::SpGather(l) => maybe_pad_and_reduce_into(y, Some(&l), &groups.ep, out),
+        TokenPlan::DpGather { max_tokens } => {
+            let slot_shape = with_rows(FINALIZE, "y", y.shape(), max_tokens)?;
+            let direct = max_tokens == shape[0];
+            let mut slot = if direct { None } else { Some(backend.scratch(&slot_shape, y.dtype())?) };
+            let target = match slot.as_mut() {
+                Some(s) => s,
+                None => &mut *out,
+            };
+            if target.numel() > 0 {
+                match &groups.pcp {
+                    // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
+                    // the PCP reduce-scatter to the DP-gathered rows recorded at
+                    // prepare, then the DP reduce-scatter to `max_d T_d`.
+                    Some(pcp) => {
+                        let dp_rows = max_tokens * ctx.dp_size();
+                        let mut dp_in = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
+                        pcp.reduce_scatter(y, &mut dp_in, ReduceOp::Sum)?;
+                        groups.dp.reduce_scatter(&dp_in, target, ReduceOp::Sum)?;
+                    }
+                    None => groups.dp.reduce_scatter(y, target, ReduceOp::Sum)?,
+                }
+            }
+            match &slot {
+                Some(s) => keep(s, out),
+                None => Ok(()),
+            }
+        }
+        TokenPlan::TpSplit { padded, sizes } => {
+            let direct = padded == shape[0];
+            let mut full = if direct {
+                None
+            } else {
+                Some(backend.scratch(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?)
+            };
+            let target = match full.as_mut() {
+                Some(f) => f,
+                None => &mut *out,
+            };
+            if target.numel() > 0 {
+                if sizes.iter().all(|s| *s == sizes[0]) {
+                    groups.tp.all_gather(y, target)?;
+                } else {
+                    let counts: Vec<usize> = sizes.iter().map(|s| s * y.row_len()).collect();
+                    groups.tp.all_gather_v(y, target, &counts)?;
+                }
+            }
+            match &full {
+                Some(f) => keep(f, out),
+                None => Ok(()),
+            }
+        }
+        TokenPlan::Local => copy_all(y, out),
     }
 }
