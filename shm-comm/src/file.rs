@@ -21,7 +21,14 @@ pub(crate) struct OwnFile {
     pub fd: libc::c_int,
     /// (device, inode).
     pub ino: (u64, u64),
-    pub size: u64,
+}
+
+impl OwnFile {
+    /// The file's size now (read it under the setup lock: a rank that held
+    /// the lock before may have sized it since it was opened).
+    pub(crate) fn size(&self, path: &str) -> Result<u64, Error> {
+        fstat_fd(self.fd).map(|st| st.st_size as u64).ok_or_else(|| Error::os(format!("fstat of {path}")))
+    }
 }
 
 /// What opening the name gave.
@@ -175,5 +182,5 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
         close(fd);
         return Err(refusal(path, &describe(&st)));
     }
-    Ok(Opened::File(OwnFile { fd, ino: dev_ino(&st), size: st.st_size as u64 }))
+    Ok(Opened::File(OwnFile { fd, ino: dev_ino(&st) }))
 }

@@ -17,7 +17,7 @@ use std::ffi::CString;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::file::{ino_at, open_own, Opened, OwnFile, Refused};
+use crate::file::{ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, pid_alive};
 use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
@@ -68,12 +68,13 @@ impl Segment {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::default();
         loop {
-            let OwnFile { fd, ino, size } = match open_own(&cpath, &path) {
+            let file = match open_own(&cpath, &path) {
                 Ok(Opened::File(f)) => f,
                 Ok(Opened::Again) => continue,
                 Err(Refused::Os(e)) => return Err(e),
                 Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
             };
+            let (fd, ino) = (file.fd, file.ino);
             let close = |fd| {
                 // SAFETY: fd is an open descriptor owned here.
                 unsafe { libc::close(fd) };
@@ -101,6 +102,13 @@ impl Segment {
                 close(fd);
                 continue;
             }
+            let size = match file.size(&path) {
+                Ok(s) => s,
+                Err(e) => {
+                    close(fd);
+                    return Err(e);
+                }
+            };
             let found = if size == 0 {
                 Found::Init
             } else {

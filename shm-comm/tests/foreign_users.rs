@@ -315,3 +315,23 @@ fn presence_names_squatted_by_another_user_neither_block_nor_pose_as_a_world() {
     drop(squatter);
     assert!(live_members(&name).is_empty(), "presence outlived the handles");
 }
+
+#[test]
+fn racing_ranks_form_one_world_every_time() {
+    // Every rank opens the name at once: one creates the file, the others
+    // open it while it is still empty and must see it sized once they hold
+    // the setup lock, never take it for a new file of their own.
+    for round in 0..40 {
+        let name = group(&format!("race{round}"));
+        let comms: Vec<ShmComm> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|r| {
+                    let name = &name;
+                    s.spawn(move || ShmComm::rendezvous(name, 4, r, Duration::from_secs(10), &Config::default()))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("rank panicked").expect("rendezvous")).collect()
+        });
+        assert_eq!(sums(comms), vec![10.0; 4], "round {round}");
+    }
+}
