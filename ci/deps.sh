@@ -75,6 +75,22 @@ _probe_cc_in() {
 }
 probe_cc() { in_scratch _probe_cc_in; }
 
+# The sanitizer runtimes of the C compiler (tests/capi_c.rs runs the C smoke
+# program under AddressSanitizer, UndefinedBehaviorSanitizer and leak
+# detection): a program built with them runs, and a leak is reported.
+_probe_sanitizers_in() {
+    local d="$1"
+    printf '#include <stdlib.h>\nvoid *p;\nint main(void){p=malloc(7);p=0;return 0;}\n' >"$d/l.c"
+    "${CC:-cc}" -g -fsanitize=address,undefined -o "$d/l" "$d/l.c" || return 1
+    if ASAN_OPTIONS=detect_leaks=1 "$d/l" 2>"$d/err"; then
+        echo "a leaking program built with -fsanitize=address ran without a leak report"
+        return 1
+    fi
+    grep -q LeakSanitizer "$d/err" || { cat "$d/err"; return 1; }
+    echo "${CC:-cc} -fsanitize=address,undefined with leak detection"
+}
+probe_sanitizers() { in_scratch _probe_sanitizers_in; }
+
 # bindgen, exactly as the acl-sys / hccl-sys build scripts run it: libclang
 # loads and parses a header including <stddef.h> (which needs clang's resource
 # headers, not only a libclang*.so).
@@ -106,7 +122,10 @@ probe_python() {
     return 1
 }
 
-deps_cc() { ensure "C/C++ compiler" probe_cc gcc g++ libc6-dev; }
+deps_cc() {
+    ensure "C/C++ compiler" probe_cc gcc g++ libc6-dev
+    ensure "C sanitizer runtimes" probe_sanitizers libasan8 libubsan1
+}
 deps_libclang() { ensure "libclang for bindgen" probe_libclang libclang-dev; }
 deps_python() {
     ensure "python venv" probe_python python3 python3-venv python3-pip

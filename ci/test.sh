@@ -36,7 +36,14 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo test"
-cargo test --workspace 2>&1 | record
+# The C ABI fuzz test runs on its own below, for a fixed time.
+cargo test --workspace -- --skip random_descriptors_give_clean_errors 2>&1 | record
+
+step "C ABI fuzz test, one minute (tests/capi_fuzz.rs)"
+# The same seed every run, so the cases are a prefix of one fixed sequence;
+# it prints the cases per second. Longer: AMOE_FUZZ_SECS=600 ci/test.sh.
+AMOE_FUZZ_SECS="${AMOE_FUZZ_SECS:-60}" AMOE_FUZZ_CASES=1000000000000 \
+    cargo test --test capi_fuzz -- --nocapture 2>&1 | record
 
 step "python wheel + multi-process pytest suite"
 # The C header drift check and the C smoke program ran in `cargo test`
