@@ -40,8 +40,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 UT = os.path.join(vllm_standins.PINNED, "tests", "ut", "ops")
 
 
-def test_adapter_matches_vllm_ascend_ops_on_four_ranks():
-    results, _ = run_world(vllm_workers.differential, world=4, torch_ops=True, deadline_s=300)
+@pytest.fixture(scope="module")
+def world_results():
+    """Both 4-rank bodies of `vllm_workers`, in one world."""
+    results, _ = run_world(vllm_workers.all_cases, world=4, torch_ops=True, deadline_s=400)
+    return results
+
+
+def test_adapter_matches_vllm_ascend_ops_on_four_ranks(world_results):
+    results = {r: world_results[r]["differential"] for r in range(4)}
     checks = results[0]
     assert all(results[r] == checks for r in range(4))
     for case in ("their-ut", "zero-token", "tokens<tp", "no-dp-metadata", "padded [3, 5]", "draft-vl", "short/long"):
@@ -49,9 +56,9 @@ def test_adapter_matches_vllm_ascend_ops_on_four_ranks():
     assert "float8_e8m0fnu" in checks
 
 
-def test_compiled_layer_replayed_under_every_comm_type():
-    results, _ = run_world(vllm_workers.compiled, world=4, torch_ops=True, deadline_s=300)
-    rows = results[0]
+def test_compiled_layer_replayed_under_every_comm_type(world_results):
+    rows = world_results[0]["compiled"]
+    assert all(world_results[r]["compiled"] == rows for r in range(4))
     with_adapter = [r for r in rows if r[0]]
     without = [r for r in rows if not r[0]]
     # 4 modes (2 without SP, 2 with) x 2 traced x 4 run comm types, each way.

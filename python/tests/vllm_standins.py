@@ -119,15 +119,17 @@ def get_forward_context():
 def forward_context(**fields):
     """Sets vLLM's forward context (attributes as vLLM-Ascend's set_ascend_forward_context sets them)."""
     prev = _STATE.forward_context
-    _STATE.forward_context = ForwardContext(**fields)
+    set_forward_context_obj(ForwardContext(**fields))
     try:
         yield _STATE.forward_context
     finally:
-        _STATE.forward_context = prev
+        set_forward_context_obj(prev)
 
 
 def set_forward_context_obj(ctx):
     _STATE.forward_context = ctx
+    if _STATE.real_vllm:
+        sys.modules["vllm.forward_context"]._forward_context = ctx
 
 
 _GROUPS_BY_ID = {}
@@ -193,9 +195,17 @@ def _register_standin_ops():
         return torch.empty_like(x)
 
 
+_REAL_GROUP_GLOBALS = {"ep": "_EP", "dp": "_DP", "tp": "_TP", "pcp": "_PCP"}
+
+
 def set_groups(**groups):
-    """Sets the groups get_{ep,dp,tp,pcp}_group return (keys ep, dp, tp, pcp)."""
+    """Sets the groups get_{ep,dp,tp,pcp}_group return (keys ep, dp, tp, pcp);
+    with the real vllm, its parallel_state globals."""
     _STATE.groups.update(groups)
+    if _STATE.real_vllm:
+        ps = sys.modules["vllm.distributed.parallel_state"]
+        for k, g in groups.items():
+            setattr(ps, _REAL_GROUP_GLOBALS[k], g)
 
 
 def _getter(name):
@@ -457,10 +467,13 @@ def _install_vllm_ascend():
             get_moe_comm_method=lambda t: None)
 
 
-def setup(real_vllm: bool = False):
-    """Installs the stand-ins (once per process)."""
+def setup(real_vllm=None):
+    """Installs the stand-ins (once per process); `real_vllm` defaults to
+    `$ASCEND_MOE_REAL_VLLM == "1"` (ci/vllm-ascend.sh)."""
     if _STATE.setup:
         return
+    if real_vllm is None:
+        real_vllm = os.environ.get("ASCEND_MOE_REAL_VLLM") == "1"
     # The pinned files are test data: never write bytecode next to them.
     sys.dont_write_bytecode = True
     if not pinned_available():
@@ -468,7 +481,10 @@ def setup(real_vllm: bool = False):
     import torch  # noqa: F401
 
     _install_torch_npu()
-    if not real_vllm:
+    if real_vllm:
+        import vllm.distributed.parallel_state  # noqa: F401
+        import vllm.forward_context  # noqa: F401
+    else:
         _install_vllm()
     _install_vllm_ascend()
     _register_standin_ops()

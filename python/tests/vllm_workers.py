@@ -22,9 +22,15 @@ ORIGINAL_FUNCTIONS = (
 )
 
 
+_INIT = {}
+
+
 def init(name, world, rank, tp_size=2):
-    """Stand-ins, the gloo world and vLLM's groups for DP x TP = world (EP = world)."""
-    vs.setup(real_vllm=os.environ.get("ASCEND_MOE_REAL_VLLM") == "1")
+    """Stand-ins, the gloo world and vLLM's groups for DP x TP = world (EP =
+    world), once per process."""
+    if _INIT:
+        return _INIT["state"]
+    vs.setup()
     init_file = os.path.join(tempfile.gettempdir(), f"{name}.gloo")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     dp_size = world // tp_size
@@ -40,7 +46,13 @@ def init(name, world, rank, tp_size=2):
     vs.set_groups(**groups)
     ops_mod = vs.load("register_custom_ops")
     originals = {n: getattr(ops_mod, n) for n in ORIGINAL_FUNCTIONS}
-    return ops_mod, originals, groups
+    _INIT["state"] = (ops_mod, originals, groups)
+    return _INIT["state"]
+
+
+def all_cases(name, world, rank):
+    """`differential` and `compiled` in one world (one process start-up)."""
+    return {"differential": differential(name, world, rank), "compiled": compiled(name, world, rank)}
 
 
 def _seed(*parts) -> int:
