@@ -119,25 +119,13 @@ def test_their_unit_tests_under_install(tmp_path):
     assert CANNOT_RUN <= set(outcome), sorted(CANNOT_RUN - set(outcome))
 
 
-def test_shared_expert_mode_names_values_and_classifier():
-    import ascend_moe.vllm_ascend as av
+def test_install_uninstall_register_and_shared_expert_modes(world_results):
+    assert all(world_results[r]["api"] == ["modes", "install/uninstall", "register"] for r in range(4))
 
-    vllm_standins.setup()
-    se = vllm_standins.load("shared_experts")
-    from types import SimpleNamespace
 
-    for theirs in se.SharedExpertParallelMode:
-        ours = av.SharedExpertParallelMode[theirs.name]
-        assert ours.value == theirs.value
-        assert av.shared_mode_of(theirs) == av.shared_mode_of(ours) == av.shared_mode_of(theirs.value) == av.shared_mode_of(theirs.name)
-    assert av.shared_mode_of(se.SharedExpertParallelMode.SHARED_EXPERT_DATA_PARALLEL_ONLY) == am.SharedMode.DATA_PARALLEL_ONLY
-    assert av.shared_mode_of(None) == am.SharedMode.NONE
-    with pytest.raises(am.AmoeError, match="expected 1..=4"):
-        av.shared_mode_of(7)
-    for tp in (1, 2, 4):
-        for dp in (False, True):
-            for sp in (False, True):
-                s = se.AscendSharedExperts.__new__(se.AscendSharedExperts)
-                s.weights_replicated = dp
-                s.moe_config = SimpleNamespace(is_sequence_parallel=sp, tp_group=SimpleNamespace(world_size=tp))
-                assert av.classify_shared_expert_mode(tp, dp, sp).name == s.parallel_mode().name, (tp, dp, sp)
+def test_entry_point_is_declared():
+    tomllib = pytest.importorskip("tomllib")
+
+    with open(os.path.join(os.path.dirname(HERE), "pyproject.toml"), "rb") as f:
+        meta = tomllib.load(f)
+    assert meta["project"]["entry-points"]["vllm.general_plugins"] == {"ascend_moe": "ascend_moe.vllm_ascend:register"}

@@ -51,8 +51,86 @@ def init(name, world, rank, tp_size=2):
 
 
 def all_cases(name, world, rank):
-    """`differential` and `compiled` in one world (one process start-up)."""
-    return {"differential": differential(name, world, rank), "compiled": compiled(name, world, rank)}
+    """`adapter_api`, `differential` and `compiled` in one world (one process start-up)."""
+    return {
+        "api": adapter_api(name, world, rank),
+        "differential": differential(name, world, rank),
+        "compiled": compiled(name, world, rank),
+    }
+
+
+def adapter_api(name, world, rank):
+    """install() / uninstall() / status() / register(), the shared-expert
+    modes by name and value and the classifier against vLLM-Ascend's own."""
+    from types import SimpleNamespace
+
+    import ascend_moe as am
+    import ascend_moe.vllm_ascend as av
+
+    ops_mod, orig, groups = init(name, world, rank)
+    fm = vs.load("fused_moe")
+    se = vs.load("shared_experts")
+    done = []
+
+    # Names and values; the classifier against AscendSharedExperts.parallel_mode().
+    for theirs in se.SharedExpertParallelMode:
+        ours = av.SharedExpertParallelMode[theirs.name]
+        assert ours.value == theirs.value, theirs
+        assert av.shared_mode_of(theirs) == av.shared_mode_of(ours) == av.shared_mode_of(theirs.value) == av.shared_mode_of(theirs.name)
+    assert av.shared_mode_of(se.SharedExpertParallelMode.SHARED_EXPERT_DATA_PARALLEL_ONLY) == am.SharedMode.DATA_PARALLEL_ONLY
+    assert av.shared_mode_of(se.SharedExpertParallelMode.SEQUENCE_PARALLEL_SEDP) == am.SharedMode.SEQUENCE_PARALLEL_SEDP
+    assert av.shared_mode_of(None) == am.SharedMode.NONE
+    try:
+        av.shared_mode_of(7)
+        raise AssertionError("mode value 7 was accepted")
+    except am.AmoeError as e:
+        assert "expected 1..=4" in str(e)
+    for tp in (1, 2, 4):
+        for dp in (False, True):
+            for sp in (False, True):
+                s = se.AscendSharedExperts.__new__(se.AscendSharedExperts)
+                s.weights_replicated = dp
+                s.moe_config = SimpleNamespace(is_sequence_parallel=sp, tp_group=SimpleNamespace(world_size=tp))
+                assert av.classify_shared_expert_mode(tp, dp, sp).name == s.parallel_mode().name, (tp, dp, sp)
+    done.append("modes")
+
+    # install() is idempotent and uninstall() restores vLLM-Ascend's code, fakes included.
+    runner = fm.AscendMoERunner
+    before = {m: runner.__dict__[m] for m in av.RUNNER_METHODS}
+    fields = _ctx([3, 5], tp_size=2, layout=False)
+    x = torch.empty(fields["padded_length"] // 2, 3)
+    assert not av.status()["active"]
+    first = av.install()
+    assert av.install() == first and av.status()["active"] and av.status()["replaced"] == first
+    assert "torch.ops.vllm.maybe_pad_and_reduce" in first and "AscendMoERunner._maybe_reduce_final_output" in first
+    assert all(runner.__dict__[m] is not before[m] for m in av.RUNNER_METHODS)
+    with vs.forward_context(**fields):
+        ours = _fake_shape(torch.ops.vllm.maybe_all_gather_and_maybe_unpad, x)
+    assert av.uninstall() == first and not av.status()["active"] and av.uninstall() == []
+    assert all(runner.__dict__[m] is before[m] for m in av.RUNNER_METHODS)
+    assert all(getattr(ops_mod, n) is orig[n] for n in ORIGINAL_FUNCTIONS)
+    with vs.forward_context(**fields):
+        theirs = _fake_shape(torch.ops.vllm.maybe_all_gather_and_maybe_unpad, x)
+    assert ours == (8, 3) and theirs == (12, 3), (ours, theirs)
+    done.append("install/uninstall")
+
+    # The plugin entry point installs only with ASCEND_MOE_VLLM=1.
+    saved = os.environ.pop(av.SWITCH, None)
+    try:
+        os.environ[av.SWITCH] = "0"
+        av.register()
+        assert not av.status()["active"]
+        os.environ[av.SWITCH] = "1"
+        av.register()
+        st = av.status()
+        assert st["active"] and st["switch"] == "1" and st["errors"] == {}, st
+    finally:
+        av.uninstall()
+        os.environ.pop(av.SWITCH, None)
+        if saved is not None:
+            os.environ[av.SWITCH] = saved
+    done.append("register")
+    return done
 
 
 def _seed(*parts) -> int:
