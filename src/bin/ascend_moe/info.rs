@@ -23,7 +23,26 @@ pub fn main() -> i32 {
     // The NPU backend adds its report here: one library call that returns what
     // was found (CANN version, devices) and every path looked at, printed as is.
     print!("npu backend:\n{}", ascend_moe::backend::npu::probe_report());
+    println!();
+    vllm_adapter();
     0
+}
+
+/// The vLLM-Ascend adapter (`ascend_moe.vllm_ascend`): whether its switch is
+/// set here and what `install()` replaces in a vLLM process.
+fn vllm_adapter() {
+    let switch = std::env::var("ASCEND_MOE_VLLM").ok();
+    let state = match switch.as_deref() {
+        Some("1") => "on: vLLM processes started from here install it",
+        Some(_) => "off (only 1 switches it on)",
+        None => "off (not set)",
+    };
+    println!("vllm-ascend adapter: ASCEND_MOE_VLLM={} {state}", switch.as_deref().unwrap_or(""));
+    println!(
+        "  replaces             torch.ops.vllm.maybe_all_gather_and_maybe_unpad, torch.ops.vllm.maybe_pad_and_reduce"
+    );
+    println!("                       AscendMoERunner reduction points (decided from the live comm type)");
+    println!("  in a running process ascend_moe.vllm_ascend.status()");
 }
 
 fn free_space(dir: &str) -> String {

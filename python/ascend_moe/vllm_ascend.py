@@ -1,0 +1,742 @@
+"""The vLLM-Ascend adapter: a running vLLM-Ascend uses ascend-moe for its EP/SP
+token ops and its MoE reduction points.
+
+Switching on: `pip install` this package (it declares the `vllm.general_plugins`
+entry point `ascend_moe = ascend_moe.vllm_ascend:register`) and set
+`ASCEND_MOE_VLLM=1`; vLLM calls `register()` in every process, which calls
+`install()`. `install()` can also be called directly; it is idempotent and
+returns what it replaced, `uninstall()` restores vLLM-Ascend's own code, and
+`status()` says whether the adapter is active and what it replaced.
+
+What `install()` replaces:
+
+- `torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x)` and
+  `torch.ops.vllm.maybe_pad_and_reduce(x)`: same names, same one-tensor
+  schema, kernels for CPU and PrivateUse1 (the NPU) and fakes sized by
+  `ascend_moe.shapes`. They read, when they run, what vLLM-Ascend's own
+  implementations read (`vllm_ascend.ops.register_custom_ops`'s
+  `get_forward_context`, `get_ep_group`, `get_dp_group` and `_EXTRA_CTX`): the
+  forward context's `dp_metadata` (`get_chunk_sizes_across_dp_rank()`,
+  `num_tokens_across_dp_cpu`) and `_EXTRA_CTX.padded_length`.
+  `maybe_pad_and_reduce` always returns this rank's EP shard (SPEC section 3);
+  it never takes the draft-model TP all-reduce path.
+- The reduction points of `AscendMoERunner`
+  (`_maybe_reduce_routed_output_before_transform`,
+  `_reduce_shared_output_if_needed`, `_maybe_reduce_shared_expert_output`,
+  `_maybe_reduce_final_output`): each calls the custom op
+  `torch.ops.ascend_moe.vllm_reduce_point`, which reads the live
+  `_EXTRA_CTX.moe_comm_type` when it runs and applies SPEC section 5, so a
+  compiled graph never freezes "is the routed output already reduced?". The
+  boolean arguments vLLM passes between these methods are ignored.
+
+vLLM's `GroupCoordinator`s map to communicators once each (`comm_for_group`),
+cached per group and device kind: on the NPU the group's HCCL communicator is
+borrowed (`Comm.from_process_group(group.device_group)`); on the CPU, a CPU
+world joined by the group's ranks when all of them are on one host (checked
+over the group's `cpu_group`), otherwise the group's own collectives
+(`group.all_gather`, `group.reduce_scatter`, `group.all_reduce`).
+
+What stays vLLM-Ascend's: the comm-type selection, the MC2 / all-to-all
+dispatch and combine, the MC2 mask and padding (`PrepareAndFinalizeWithMC2`
+writes the mask into the forward context's engine-owned buffer and pads to
+`padded_num_tokens`), the PCP all-gather / reduce-scatter around the EP ops,
+and the shared-expert token communication of `AscendSharedExperts`.
+"""
+
+import enum
+import os
+import socket
+import sys
+import threading
+import uuid
+
+from . import comm as _comm
+from . import ops as _ops
+from . import shapes as _shapes
+from ._lib import AmoeError, Status
+from .comm import Comm
+from .ops import CommType, ReducePolicy, SharedMode, SpLayout
+
+SWITCH = "ASCEND_MOE_VLLM"
+
+GATHER_OP = "maybe_all_gather_and_maybe_unpad"
+REDUCE_OP = "maybe_pad_and_reduce"
+RUNNER_METHODS = (
+    "_maybe_reduce_routed_output_before_transform",
+    "_reduce_shared_output_if_needed",
+    "_maybe_reduce_shared_expert_output",
+    "_maybe_reduce_final_output",
+)
+OPS_MODULE = "vllm_ascend.ops.register_custom_ops"
+RUNNER_MODULE = "vllm_ascend.ops.fused_moe.fused_moe"
+
+
+# ------------------------------------------------------------ shared experts
+
+
+class SharedExpertParallelMode(enum.Enum):
+    """vLLM-Ascend's shared-expert layouts, with its names and values."""
+
+    TENSOR_PARALLEL = 1
+    SHARED_EXPERT_DATA_PARALLEL_ONLY = 2
+    SEQUENCE_PARALLEL_ONLY = 3
+    SEQUENCE_PARALLEL_SEDP = 4
+
+
+_MODE_TO_SHARED = {
+    "TENSOR_PARALLEL": "TENSOR_PARALLEL",
+    "SHARED_EXPERT_DATA_PARALLEL_ONLY": "DATA_PARALLEL_ONLY",
+    "SEQUENCE_PARALLEL_ONLY": "SEQUENCE_PARALLEL_ONLY",
+    "SEQUENCE_PARALLEL_SEDP": "SEQUENCE_PARALLEL_SEDP",
+}
+
+
+def classify_shared_expert_mode(tp_size: int, enable_shared_expert_dp: bool, is_sequence_parallel: bool):
+    """vLLM-Ascend's `AscendSharedExperts.parallel_mode()` from the physical TP
+    size, `enable_shared_expert_dp` (replicated weights) and SP on/off."""
+    if int(tp_size) <= 1:
+        return SharedExpertParallelMode.TENSOR_PARALLEL
+    if is_sequence_parallel:
+        if enable_shared_expert_dp:
+            return SharedExpertParallelMode.SEQUENCE_PARALLEL_SEDP
+        return SharedExpertParallelMode.SEQUENCE_PARALLEL_ONLY
+    if enable_shared_expert_dp:
+        return SharedExpertParallelMode.SHARED_EXPERT_DATA_PARALLEL_ONLY
+    return SharedExpertParallelMode.TENSOR_PARALLEL
+
+
+def shared_mode_of(mode) -> "SharedMode":
+    """ascend-moe's `SharedMode` for a vLLM-Ascend mode: a member of its
+    `SharedExpertParallelMode` (or of this module's copy) by name, checked
+    against its value, its value (1..4), its name, or None (no shared expert)."""
+    if mode is None:
+        return SharedMode.NONE
+    if isinstance(mode, SharedMode):
+        return mode
+    if isinstance(mode, enum.Enum):
+        ours = SharedExpertParallelMode.__members__.get(mode.name)
+        if ours is None or ours.value != mode.value:
+            raise AmoeError(
+                Status.INVALID_ARGUMENT,
+                f"unknown shared-expert mode {mode!r} (expected one of "
+                + ", ".join(f"{m.name}={m.value}" for m in SharedExpertParallelMode)
+                + ")",
+            )
+        return SharedMode[_MODE_TO_SHARED[ours.name]]
+    if isinstance(mode, str):
+        ours = SharedExpertParallelMode.__members__.get(mode.strip().upper())
+        if ours is None:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared-expert mode name {mode!r}")
+        return SharedMode[_MODE_TO_SHARED[ours.name]]
+    try:
+        ours = SharedExpertParallelMode(int(mode))
+    except ValueError:
+        raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared-expert mode value {mode!r} (expected 1..=4)") from None
+    return SharedMode[_MODE_TO_SHARED[ours.name]]
+
+
+# ------------------------------------------------- what vLLM-Ascend reads
+
+
+def _module_attr(module_name: str, name: str, fallback):
+    """`module_name.name` when vLLM-Ascend's module is loaded (so the adapter
+    reads exactly what vLLM-Ascend's own code reads there), else `fallback()`."""
+    mod = sys.modules.get(module_name)
+    if mod is not None and hasattr(mod, name):
+        return getattr(mod, name)
+    return fallback()
+
+
+def _vllm_forward_context():
+    def fb():
+        from vllm.forward_context import get_forward_context
+
+        return get_forward_context
+
+    return _module_attr(OPS_MODULE, "get_forward_context", fb)()
+
+
+def _group(name: str):
+    def fb():
+        import vllm.distributed as vd
+
+        return getattr(vd, name)
+
+    return _module_attr(OPS_MODULE, name, fb)()
+
+
+def _extra_ctx(module_name: str = OPS_MODULE):
+    def fb():
+        from vllm_ascend.ascend_forward_context import _EXTRA_CTX
+
+        return _EXTRA_CTX
+
+    return _module_attr(module_name, "_EXTRA_CTX", fb)
+
+
+# --------------------------------------------------- groups -> communicators
+
+
+class _CommBackend:
+    """A group as an ascend-moe communicator (CPU world or borrowed HCCL comm)."""
+
+    kind = "comm"
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def gather(self, x, layout):
+        return _ops.maybe_all_gather_and_maybe_unpad(x, layout, self.comm)
+
+    def reduce(self, x, layout):
+        return _ops.maybe_pad_and_reduce(x, layout, self.comm)
+
+    def all_reduce(self, x):
+        return _comm.all_reduce(x, self.comm)
+
+
+class _GroupBackend:
+    """A group through its own collectives (`GroupCoordinator.all_gather`,
+    `.reduce_scatter`, `.all_reduce`), with SPEC sections 3 and 4 done around
+    them: used when the group's ranks are not all on one host, or the group
+    has no torch.distributed CPU group to derive a CPU world from."""
+
+    kind = "group"
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.world_size = int(group.rank_in_group), int(group.world_size)
+
+    def gather(self, x, layout):
+        import torch
+
+        if layout is None:
+            return self.group.all_gather(x, 0)
+        sizes = layout.local_sizes
+        m = max(sizes)
+        padded = x.new_zeros((m, *x.shape[1:]))
+        padded[: x.shape[0]].copy_(x)
+        g = self.group.all_gather(padded, 0).view(len(sizes), m, *x.shape[1:])
+        return torch.cat([g[r, :s] for r, s in enumerate(sizes)], dim=0)
+
+    def reduce(self, x, layout):
+        if layout is None:
+            return self.group.reduce_scatter(x, 0)
+        sizes = layout.local_sizes
+        m = max(sizes)
+        padded = x.new_zeros((len(sizes), m, *x.shape[1:]))
+        off = 0
+        for r, s in enumerate(sizes):
+            padded[r, :s] = x[off : off + s]
+            off += s
+        return self.group.reduce_scatter(padded.view(-1, *x.shape[1:]), 0)[: sizes[self.rank]]
+
+    def all_reduce(self, x):
+        return self.group.all_reduce(x)
+
+
+_BACKENDS: dict = {}
+_BACKENDS_LOCK = threading.RLock()
+
+
+def _device_kind(device) -> str:
+    return "cpu" if getattr(device, "type", "cpu") == "cpu" else "npu"
+
+
+def comm_for_group(group, device_kind: str = "cpu"):
+    """The communicator of a vLLM `GroupCoordinator` for `device_kind` ("cpu"
+    or "npu"), built on first use (a collective over the group: every rank of
+    the group calls it at the same point, as every rank runs the same op) and
+    cached for the group's lifetime. Returns an object with `kind` ("comm":
+    an ascend-moe `Comm` in `.comm`; "group": the group's own collectives)."""
+    key = (id(group), device_kind)
+    with _BACKENDS_LOCK:
+        hit = _BACKENDS.get(key)
+        if hit is not None and hit[0] is group:
+            return hit[1]
+        backend = _build_backend(group, device_kind)
+        _BACKENDS[key] = (group, backend)
+        return backend
+
+
+def _build_backend(group, device_kind: str):
+    if device_kind == "npu":
+        pg = getattr(group, "device_group", None)
+        if pg is None:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"vLLM group {_group_name(group)} has no device_group to borrow an HCCL communicator from")
+        return _CommBackend(Comm.from_process_group(pg))
+    cpu_group = getattr(group, "cpu_group", None)
+    if cpu_group is None or os.environ.get("ASCEND_MOE_VLLM_CPU_COMM") == "group":
+        return _GroupBackend(group)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return _GroupBackend(group)
+    world, rank = int(group.world_size), int(group.rank_in_group)
+    if world == 1:
+        return _CommBackend(Comm.cpu(f"vllm-{uuid.uuid4().hex}", 1, 0))
+    hosts = [None] * world
+    dist.all_gather_object(hosts, _host_id(), group=cpu_group)
+    if len(set(hosts)) != 1:
+        return _GroupBackend(group)
+    token = [uuid.uuid4().hex if rank == 0 else None]
+    src = dist.get_global_rank(cpu_group, 0) if hasattr(dist, "get_global_rank") else group.ranks[0]
+    dist.broadcast_object_list(token, src=src, group=cpu_group)
+    return _CommBackend(Comm.cpu(f"vllm-{token[0]}", world, rank))
+
+
+def _host_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _group_name(group) -> str:
+    return str(getattr(group, "unique_name", type(group).__name__))
+
+
+def mapped_groups() -> list:
+    """`[(group name, device kind, backend kind)]` of the groups mapped so far."""
+    with _BACKENDS_LOCK:
+        return [(_group_name(g), k[1], b.kind) for k, (g, b) in _BACKENDS.items()]
+
+
+# ---------------------------------------------------- the two vllm:: ops
+
+
+def _byte_dtypes():
+    """The MX dtypes torch has, which the gather moves as bytes."""
+    import torch
+
+    return tuple(getattr(torch, n) for n in ("float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n))
+
+
+def _ep_local_sizes(dp_metadata, ep_group):
+    """vLLM-Ascend's `_get_ep_local_sizes`: the SP layout when the MoE runner
+    installed one of the EP size, else None."""
+    if dp_metadata is None:
+        return None
+    try:
+        local_sizes = dp_metadata.get_chunk_sizes_across_dp_rank()
+    except (AssertionError, AttributeError):
+        return None
+    if local_sizes is None or len(local_sizes) != int(ep_group.world_size):
+        return None
+    return [int(s) for s in local_sizes]
+
+
+def _host_ints(t) -> list:
+    """The values of a host tensor (or sequence), also inside a fake mode (a fake op reading the context)."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older torch
+        import contextlib
+
+        unset_fake_temporarily = contextlib.nullcontext
+    with unset_fake_temporarily():
+        return [int(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
+
+
+def _padded_layout(chunk_rows: int, dp_metadata, ep_group, what: str):
+    """The layout of the `padded_length` path (DP metadata, no per-EP layout,
+    e.g. PCP > 1): every DP rank's batch is padded to `padded_length` rows and
+    split into equal chunks of `chunk_rows` over its `EP / DP` ranks in EP
+    order; a chunk's real rows are the ones before the DP rank's token count."""
+    ctx = _extra_ctx()
+    padded = ctx.padded_length
+    dp = int(_group("get_dp_group").world_size)
+    ep = int(ep_group.world_size)
+    tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu)
+    if padded is None:
+        raise AmoeError(Status.INVALID_ARGUMENT, f"{what}: the forward context has DP metadata but no padded_length")
+    padded = int(padded)
+    if dp < 1 or ep % dp or len(tokens) != dp:
+        raise AmoeError(
+            Status.INVALID_ARGUMENT,
+            f"{what}: EP size {ep} is not a multiple of the DP size {dp}, or num_tokens_across_dp has {len(tokens)} entries",
+        )
+    per_dp = ep // dp
+    if chunk_rows * per_dp != padded or any(t > padded for t in tokens):
+        raise AmoeError(
+            Status.SHAPE,
+            f"{what}: {chunk_rows} rows per rank x {per_dp} EP ranks per DP rank != padded_length {padded}, "
+            f"or a DP token count {tokens} exceeds it",
+        )
+    return SpLayout([min(max(t - j * chunk_rows, 0), chunk_rows) for t in tokens for j in range(per_dp)])
+
+
+def _gather_plan(x):
+    """`(layout or None, rows of x the gather takes)`: the same on the real
+    and the fake path."""
+    ctx = _vllm_forward_context()
+    ep = _group("get_ep_group")
+    dp_metadata = ctx.dp_metadata
+    sizes = _ep_local_sizes(dp_metadata, ep)
+    rank, rows = int(ep.rank_in_group), int(x.shape[0])
+    if sizes is not None:
+        if rows > sizes[rank]:
+            raise AmoeError(
+                Status.SHAPE,
+                f"maybe_all_gather_and_maybe_unpad: EP rank {rank} holds {rows} rows, more than its "
+                f"{sizes[rank]} in the SP layout {sizes}; the extra rows would be dropped",
+            )
+        return SpLayout(sizes), sizes[rank]
+    if dp_metadata is None:
+        return None, rows
+    layout = _padded_layout(rows, dp_metadata, ep, "maybe_all_gather_and_maybe_unpad")
+    return layout, layout.local_sizes[rank]
+
+
+def _fit_rows(x, rows: int):
+    """`x` with `rows` rows: its first ones, zero rows appended when short."""
+    if x.shape[0] == rows:
+        return x
+    if x.shape[0] > rows:
+        return x[:rows]
+    out = x.new_zeros((rows, *x.shape[1:]))
+    out[: x.shape[0]].copy_(x)
+    return out
+
+
+def _gather_impl(x):
+    layout, rows = _gather_plan(x)
+    ep = _group("get_ep_group")
+    byte_dtype = x.dtype in _byte_dtypes()
+    import torch
+
+    src = x.view(torch.uint8) if byte_dtype else x
+    src = _fit_rows(src.contiguous(), rows)
+    out = comm_for_group(ep, _device_kind(x.device)).gather(src, layout)
+    return out.view(x.dtype) if byte_dtype else out
+
+
+def _gather_fake(x):
+    layout, rows = _gather_plan(x)
+    ep = _group("get_ep_group")
+    shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *x.shape[1:]), _shape_dtype(x)), layout, (ep.rank_in_group, ep.world_size))
+    return x.new_empty(shape)
+
+
+def _reduce_plan(x):
+    """`(layout or None, rows of the result)`."""
+    ctx = _vllm_forward_context()
+    ep = _group("get_ep_group")
+    dp_metadata = ctx.dp_metadata
+    rank, rows = int(ep.rank_in_group), int(x.shape[0])
+    if dp_metadata is None:
+        return None, None
+    sizes = _ep_local_sizes(dp_metadata, ep)
+    if sizes is not None:
+        layout = SpLayout(sizes)
+    else:
+        tokens_dp = int(_group("get_dp_group").world_size)
+        ep_size = int(ep.world_size)
+        padded = _extra_ctx().padded_length
+        if padded is None or tokens_dp < 1 or ep_size % tokens_dp or int(padded) % (ep_size // tokens_dp):
+            raise AmoeError(
+                Status.SHAPE,
+                f"maybe_pad_and_reduce: padded_length {padded} does not split over the {ep_size // max(tokens_dp, 1)} "
+                f"EP ranks of a DP rank (EP {ep_size}, DP {tokens_dp})",
+            )
+        chunk = int(padded) // (ep_size // tokens_dp)
+        layout = _padded_layout(chunk, dp_metadata, ep, "maybe_pad_and_reduce")
+    if rows != layout.total_rows:
+        raise AmoeError(
+            Status.SHAPE,
+            f"maybe_pad_and_reduce: x has {rows} rows, the gathered tokens of layout {list(layout.local_sizes)} are {layout.total_rows}",
+        )
+    return layout, (None if sizes is not None else chunk)
+
+
+def _reduce_impl(x):
+    layout, pad_to = _reduce_plan(x)
+    ep = _group("get_ep_group")
+    if x.dtype in _byte_dtypes():
+        raise AmoeError(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
+    out = comm_for_group(ep, _device_kind(x.device)).reduce(x.contiguous(), layout)
+    return out if pad_to is None else _fit_rows(out, pad_to)
+
+
+def _reduce_fake(x):
+    layout, pad_to = _reduce_plan(x)
+    ep = _group("get_ep_group")
+    shape = _shapes.maybe_pad_and_reduce(x, layout, (ep.rank_in_group, ep.world_size))
+    if pad_to is not None:
+        shape = (pad_to,) + tuple(shape[1:])
+    return x.new_empty(shape)
+
+
+def _shape_dtype(x):
+    """A dtype the shape functions know for `x` (byte dtypes as uint8)."""
+    import torch
+
+    return torch.uint8 if x.dtype in _byte_dtypes() else x.dtype
+
+
+# ------------------------------------------------------ reduction points
+
+_POINTS = ("reduce_routed_early", "reduce_shared", "reduce_final")
+_POLICIES: dict = {}
+_POLICY_IDS: dict = {}
+_REDUCE_OP = None
+
+
+def _runner_policy(runner):
+    """`(policy id, ReducePolicy, TP group or None)` of a runner, from its static
+    configuration (shared-expert mode, routed transform, SP, TP and EP sizes)."""
+    cfg = getattr(runner, "moe_config", None)
+    mode = _runner_mode(runner)
+    # The physical TP group (EP rewrites moe_config.tp_size to 1).
+    tp_group = getattr(cfg, "tp_group", None)
+    tp_size = int((tp_group if tp_group is not None else _tp_group()).world_size)
+    ep_size = int(getattr(cfg, "ep_size", 0) or tp_size)  # EP = DP x TP
+    sp = bool(getattr(cfg, "is_sequence_parallel", False))
+    transform = getattr(runner, "routed_output_transform", None) is not None
+    key = (int(mode), transform, sp, tp_size, ep_size, id(tp_group))
+    pid = _POLICY_IDS.get(key)
+    if pid is None:
+        pid = len(_POLICY_IDS) + 1
+        _POLICY_IDS[key] = pid
+        _POLICIES[pid] = (ReducePolicy(mode, transform, sp, tp_size, ep_size), tp_group)
+    return pid
+
+
+def _runner_mode(runner) -> "SharedMode":
+    shared = getattr(runner, "ascend_shared_experts", None)
+    return SharedMode.NONE if shared is None else shared_mode_of(runner._get_shared_expert_parallel_mode())
+
+
+def _tp_group():
+    return _module_attr(RUNNER_MODULE, "get_tp_group", lambda: _group("get_tp_group"))()
+
+
+def _live_comm_type() -> int:
+    ct = _extra_ctx(RUNNER_MODULE).moe_comm_type
+    if ct is None:
+        raise AmoeError(Status.INVALID_ARGUMENT, "no MoE comm type in vLLM's forward context (_EXTRA_CTX.moe_comm_type is None)")
+    return int(getattr(ct, "value", ct))
+
+
+def _point_impl(x, point: int, layer: int):
+    policy, tp_group = _POLICIES[int(layer)]
+    name = _POINTS[int(point)]
+    ct = _live_comm_type()
+    if not policy.decisions(ct)[("early", "shared", "final")[int(point)]]:
+        return x.clone()
+    if tp_group is None:
+        tp_group = _tp_group()
+    backend = comm_for_group(tp_group, _device_kind(x.device))
+    if backend.kind == "comm":
+        return getattr(policy, name)(x.contiguous(), ct, backend.comm)
+    # The group's own TP all-reduce, the one vLLM-Ascend calls.
+    return _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: backend.all_reduce)(x)
+
+
+def _register_point_op():
+    global _REDUCE_OP
+    if _REDUCE_OP is not None:
+        return _REDUCE_OP
+    import torch
+
+    # PrivateUse1 under its current name ("npu" once torch_npu renamed it).
+    device_types = ("cpu", torch._C._get_privateuse1_backend_name())
+
+    @torch.library.custom_op("ascend_moe::vllm_reduce_point", mutates_args=(), device_types=device_types)
+    def vllm_reduce_point(x: torch.Tensor, point: int, layer: int) -> torch.Tensor:
+        return _point_impl(x, point, layer)
+
+    @vllm_reduce_point.register_fake
+    def _(x, point, layer):
+        if int(layer) not in _POLICIES or not 0 <= int(point) < len(_POINTS):
+            raise AmoeError(Status.INVALID_ARGUMENT, f"vllm_reduce_point: no point {point} of layer {layer}")
+        return x.new_empty(_shapes.reduce_final(x))
+
+    _REDUCE_OP = vllm_reduce_point
+    return _REDUCE_OP
+
+
+def _point_layer(runner, point: int) -> int:
+    """The policy id of `runner` for the op, or 0 when its static policy never
+    reduces at `point` (whatever the comm type). Static: evaluated once per
+    trace, its result is a constant of the graph."""
+    if point == 1 and _runner_mode(runner) != SharedMode.TENSOR_PARALLEL:
+        return 0  # SPEC section 5, point 2: other shared modes are left unchanged
+    pid = _runner_policy(runner)
+    which = ("early", "shared", "final")[point]
+    return pid if any(_POLICIES[pid][0].decisions(ct)[which] for ct in CommType) else 0
+
+
+def _reduce_at(runner, point: int, x):
+    """Point `point` of SPEC section 5 for `runner`: `x` itself when the static
+    policy never reduces there, else the op deciding from the live comm type."""
+    pid = _constant_layer(runner, point)
+    if not pid:
+        return x
+    import torch
+
+    return torch.ops.ascend_moe.vllm_reduce_point(x, point, pid)
+
+
+def _constant_layer(runner, point):
+    global _CONSTANT_LAYER
+    if _CONSTANT_LAYER is None:
+        import torch
+
+        # Dynamo evaluates it while tracing and keeps the int (the policy is
+        # static); the ctypes calls inside are never traced.
+        _CONSTANT_LAYER = torch._dynamo.assume_constant_result(_point_layer)
+    return _CONSTANT_LAYER(runner, point)
+
+
+_CONSTANT_LAYER = None
+
+
+def _routed_before_transform(self, fused_output, fused_output_is_reduced):
+    # With an early reduction the routed output leaves point 1 reduced
+    # whatever the comm type (reduced before, or reduced here).
+    early = bool(_constant_layer(self, 0))
+    return _reduce_at(self, 0, fused_output), (True if early else fused_output_is_reduced)
+
+
+def _reduce_shared_output_if_needed(self, shared_output, fused_output_is_reduced):
+    if shared_output is None:
+        return None
+    return _reduce_at(self, 1, shared_output)
+
+
+def _maybe_reduce_shared_expert_output(self, shared_output, fused_output_is_reduced=None):
+    return _reduce_shared_output_if_needed(self, shared_output, fused_output_is_reduced)
+
+
+def _maybe_reduce_final_output(self, states, trunc_size, output_is_reduced=None):
+    states = _reduce_at(self, 2, states)
+    if trunc_size is not None and trunc_size > 0:
+        return states[..., :trunc_size]
+    return states
+
+
+# vLLM-Ascend's Python functions behind the two ops, for callers that use them directly.
+_FUNCTION_REPLACEMENTS = {
+    "_maybe_all_gather_and_maybe_unpad_impl": _gather_impl,
+    "_maybe_all_gather_and_maybe_unpad_fake": _gather_fake,
+    "_maybe_pad_and_reduce_impl": _reduce_impl,
+    "_maybe_pad_and_reduce_fake": _reduce_fake,
+}
+
+_RUNNER_REPLACEMENTS = {
+    "_maybe_reduce_routed_output_before_transform": _routed_before_transform,
+    "_reduce_shared_output_if_needed": _reduce_shared_output_if_needed,
+    "_maybe_reduce_shared_expert_output": _maybe_reduce_shared_expert_output,
+    "_maybe_reduce_final_output": _maybe_reduce_final_output,
+}
+
+
+# ------------------------------------------------------ install / status
+
+_LOCK = threading.RLock()
+_STATE = {"lib": None, "replaced": [], "saved_methods": {}, "runner": None, "errors": {}}
+
+
+def install() -> list:
+    """Makes vLLM-Ascend use ascend-moe (see the module docstring). Imports
+    `vllm_ascend.ops.register_custom_ops` first, so vLLM-Ascend's own
+    registration precedes the override. Idempotent; returns what is replaced,
+    as `"torch.ops.vllm.<op>"` and `"AscendMoERunner.<method>"` names."""
+    with _LOCK:
+        if _STATE["lib"] is not None:
+            return list(_STATE["replaced"])
+        import importlib
+
+        import torch
+
+        try:
+            importlib.import_module(OPS_MODULE)
+        except Exception as e:  # noqa: BLE001
+            raise AmoeError(
+                Status.UNAVAILABLE, f"ascend_moe.vllm_ascend.install: importing {OPS_MODULE} failed: {e}"
+            ) from e
+        _register_point_op()
+        lib = torch.library.Library("vllm", "FRAGMENT")
+        replaced = []
+        for name, impl, fake in ((GATHER_OP, _gather_impl, _gather_fake), (REDUCE_OP, _reduce_impl, _reduce_fake)):
+            if not hasattr(torch.ops.vllm, name):
+                lib.define(f"{name}(Tensor x) -> Tensor")
+            for key in ("CPU", "PrivateUse1"):
+                lib.impl(name, impl, key)
+            lib._register_fake(name, fake)
+            replaced.append(f"torch.ops.vllm.{name}")
+        mod = sys.modules[OPS_MODULE]
+        saved_fns = {}
+        for fname, fn in _FUNCTION_REPLACEMENTS.items():
+            if hasattr(mod, fname):
+                saved_fns[fname] = getattr(mod, fname)
+                setattr(mod, fname, fn)
+                replaced.append(f"{OPS_MODULE}.{fname}")
+        _STATE["saved_functions"] = saved_fns
+        _STATE["errors"] = {}
+        try:
+            runner_mod = importlib.import_module(RUNNER_MODULE)
+            runner = runner_mod.AscendMoERunner
+            saved = {m: runner.__dict__.get(m) for m in RUNNER_METHODS}
+            for m, fn in _RUNNER_REPLACEMENTS.items():
+                setattr(runner, m, fn)
+                replaced.append(f"AscendMoERunner.{m}")
+            _STATE["runner"], _STATE["saved_methods"] = runner, saved
+        except Exception as e:  # noqa: BLE001
+            _STATE["errors"]["AscendMoERunner"] = f"{type(e).__name__}: {e}"
+        _STATE["lib"], _STATE["replaced"] = lib, replaced
+        return list(replaced)
+
+
+def uninstall() -> list:
+    """Restores vLLM-Ascend's own ops and runner methods; returns what was restored."""
+    with _LOCK:
+        lib = _STATE["lib"]
+        if lib is None:
+            return []
+        lib._destroy()
+        mod = sys.modules.get(OPS_MODULE)
+        saved_fns = _STATE.pop("saved_functions", {})
+        for fname, fn in saved_fns.items():
+            setattr(mod, fname, fn)
+        if {"_maybe_all_gather_and_maybe_unpad_fake", "_maybe_pad_and_reduce_fake"} <= set(saved_fns):
+            # Removing the kernels restores vLLM-Ascend's; its fakes are registered again.
+            restore = __import__("torch").library.Library("vllm", "FRAGMENT")
+            restore._register_fake(GATHER_OP, saved_fns["_maybe_all_gather_and_maybe_unpad_fake"])
+            restore._register_fake(REDUCE_OP, saved_fns["_maybe_pad_and_reduce_fake"])
+            _STATE.setdefault("restorers", []).append(restore)
+        runner = _STATE["runner"]
+        if runner is not None:
+            for m, fn in _STATE["saved_methods"].items():
+                if fn is None:
+                    delattr(runner, m)
+                else:
+                    setattr(runner, m, fn)
+        restored = list(_STATE["replaced"])
+        _STATE.update(lib=None, replaced=[], runner=None, saved_methods={})
+        return restored
+
+
+def status() -> dict:
+    """`{"active", "switch", "replaced", "groups", "errors"}`: whether the
+    adapter is installed, the value of `$ASCEND_MOE_VLLM`, what it replaced,
+    the vLLM groups mapped to communicators so far, and what could not be
+    replaced and why."""
+    with _LOCK:
+        return {
+            "active": _STATE["lib"] is not None,
+            "switch": os.environ.get(SWITCH),
+            "replaced": list(_STATE["replaced"]),
+            "groups": mapped_groups(),
+            "errors": dict(_STATE["errors"]),
+        }
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: `install()` when `$ASCEND_MOE_VLLM` is 1."""
+    if os.environ.get(SWITCH) == "1":
+        install()

@@ -1,0 +1,440 @@
+"""Rank bodies of the vLLM-Ascend adapter tests: 4 CPU processes, a gloo group
+behind each vLLM `GroupCoordinator` stand-in, vLLM-Ascend's pinned code loaded
+at run time (`vllm_standins`)."""
+
+import math
+import os
+import tempfile
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import vllm_standins as vs
+
+ORIGINAL_FUNCTIONS = (
+    "_maybe_all_gather_and_maybe_unpad_impl",
+    "_maybe_all_gather_and_maybe_unpad_fake",
+    "_maybe_pad_and_reduce_impl",
+    "_maybe_pad_and_reduce_fake",
+)
+
+
+_INIT = {}
+
+
+def init(name, world, rank, tp_size=2):
+    """Stand-ins, the gloo world and vLLM's groups for DP x TP = world (EP =
+    world), once per process."""
+    if _INIT:
+        return _INIT["state"]
+    vs.setup()
+    init_file = os.path.join(tempfile.gettempdir(), f"{name}.gloo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dp_size = world // tp_size
+    groups = {"ep": vs.GroupCoordinator(range(world), "ep")}
+    for d in range(dp_size):
+        g = vs.GroupCoordinator([d * tp_size + t for t in range(tp_size)], f"tp:{d}")
+        if rank // tp_size == d:
+            groups["tp"] = g
+    for t in range(tp_size):
+        g = vs.GroupCoordinator([d * tp_size + t for d in range(dp_size)], f"dp:{t}")
+        if rank % tp_size == t:
+            groups["dp"] = g
+    vs.set_groups(**groups)
+    ops_mod = vs.load("register_custom_ops")
+    originals = {n: getattr(ops_mod, n) for n in ORIGINAL_FUNCTIONS}
+    _INIT["state"] = (ops_mod, originals, groups)
+    return _INIT["state"]
+
+
+def all_cases(name, world, rank):
+    """`adapter_api`, `differential` and `compiled` in one world (one process start-up)."""
+    return {
+        "api": adapter_api(name, world, rank),
+        "differential": differential(name, world, rank),
+        "compiled": compiled(name, world, rank),
+    }
+
+
+def adapter_api(name, world, rank):
+    """install() / uninstall() / status() / register(), the shared-expert
+    modes by name and value and the classifier against vLLM-Ascend's own."""
+    from types import SimpleNamespace
+
+    import ascend_moe as am
+    import ascend_moe.vllm_ascend as av
+
+    ops_mod, orig, groups = init(name, world, rank)
+    fm = vs.load("fused_moe")
+    se = vs.load("shared_experts")
+    done = []
+
+    # Names and values; the classifier against AscendSharedExperts.parallel_mode().
+    for theirs in se.SharedExpertParallelMode:
+        ours = av.SharedExpertParallelMode[theirs.name]
+        assert ours.value == theirs.value, theirs
+        assert av.shared_mode_of(theirs) == av.shared_mode_of(ours) == av.shared_mode_of(theirs.value) == av.shared_mode_of(theirs.name)
+    assert av.shared_mode_of(se.SharedExpertParallelMode.SHARED_EXPERT_DATA_PARALLEL_ONLY) == am.SharedMode.DATA_PARALLEL_ONLY
+    assert av.shared_mode_of(se.SharedExpertParallelMode.SEQUENCE_PARALLEL_SEDP) == am.SharedMode.SEQUENCE_PARALLEL_SEDP
+    assert av.shared_mode_of(None) == am.SharedMode.NONE
+    try:
+        av.shared_mode_of(7)
+        raise AssertionError("mode value 7 was accepted")
+    except am.AmoeError as e:
+        assert "expected 1..=4" in str(e)
+    for tp in (1, 2, 4):
+        for dp in (False, True):
+            for sp in (False, True):
+                s = se.AscendSharedExperts.__new__(se.AscendSharedExperts)
+                s.weights_replicated = dp
+                s.moe_config = SimpleNamespace(is_sequence_parallel=sp, tp_group=SimpleNamespace(world_size=tp))
+                assert av.classify_shared_expert_mode(tp, dp, sp).name == s.parallel_mode().name, (tp, dp, sp)
+    done.append("modes")
+
+    # install() is idempotent and uninstall() restores vLLM-Ascend's code, fakes included.
+    runner = fm.AscendMoERunner
+    before = {m: runner.__dict__[m] for m in av.RUNNER_METHODS}
+    fields = _ctx([3, 5], tp_size=2, layout=False)
+    x = torch.empty(fields["padded_length"] // 2, 3)
+    assert not av.status()["active"]
+    first = av.install()
+    assert av.install() == first and av.status()["active"] and av.status()["replaced"] == first
+    assert "torch.ops.vllm.maybe_pad_and_reduce" in first and "AscendMoERunner._maybe_reduce_final_output" in first
+    assert all(runner.__dict__[m] is not before[m] for m in av.RUNNER_METHODS)
+    with vs.forward_context(**fields):
+        ours = _fake_shape(torch.ops.vllm.maybe_all_gather_and_maybe_unpad, x)
+    assert av.uninstall() == first and not av.status()["active"] and av.uninstall() == []
+    assert all(runner.__dict__[m] is before[m] for m in av.RUNNER_METHODS)
+    assert all(getattr(ops_mod, n) is orig[n] for n in ORIGINAL_FUNCTIONS)
+    with vs.forward_context(**fields):
+        theirs = _fake_shape(torch.ops.vllm.maybe_all_gather_and_maybe_unpad, x)
+    assert ours == (8, 3) and theirs == (12, 3), (ours, theirs)
+    done.append("install/uninstall")
+
+    # The plugin entry point installs only with ASCEND_MOE_VLLM=1.
+    saved = os.environ.pop(av.SWITCH, None)
+    try:
+        os.environ[av.SWITCH] = "0"
+        av.register()
+        assert not av.status()["active"]
+        os.environ[av.SWITCH] = "1"
+        av.register()
+        st = av.status()
+        assert st["active"] and st["switch"] == "1" and st["errors"] == {}, st
+    finally:
+        av.uninstall()
+        os.environ.pop(av.SWITCH, None)
+        if saved is not None:
+            os.environ[av.SWITCH] = saved
+    done.append("register")
+    return done
+
+
+def _seed(*parts) -> int:
+    """A seed every rank derives alike (str hashes differ between processes)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def _ints(seed, shape, dtype=torch.float32):
+    """Small integers as `dtype`: every sum of four of them is exact."""
+    g = np.random.default_rng(seed)
+    return torch.from_numpy(g.integers(-8, 9, size=shape).astype(np.float32)).to(dtype)
+
+
+def _ctx(tokens, local_sizes=None, tp_size=2, layout=True, draft=False, comm_type=None):
+    dp_metadata = None
+    if tokens is not None:
+        dp_metadata = vs.DPMetadata(tokens, local_sizes if layout else None)
+    max_tokens = max(tokens) if tokens is not None else 0
+    return dict(
+        dp_metadata=dp_metadata,
+        padded_length=math.ceil(max_tokens / tp_size) * tp_size,
+        is_draft_model=draft,
+        moe_comm_type=comm_type,
+    )
+
+
+def _fake_shape(op, x):
+    with FakeTensorMode() as fm:
+        return tuple(op(fm.from_tensor(x)).shape)
+
+
+def _sp_layout(tokens, tp_size):
+    return [math.ceil(t / tp_size) for t in tokens for _ in range(tp_size)]
+
+
+# Their unit tests' layout, uneven DP, a zero-token DP rank, tokens < TP, random.
+def layout_cases(world, tp_size):
+    rng = np.random.default_rng(24)
+    dp = world // tp_size
+    cases = [
+        ("their-ut", [1, 5], [1, 1, 3, 3]),
+        ("uneven", [5, 3], None),
+        ("zero-token", [0, 7], None),
+        ("tokens<tp", [1, 1], None),
+        ("all-zero", [0, 0], None),
+    ]
+    for i in range(3):
+        cases.append((f"random{i}", [int(t) for t in rng.integers(0, 12, size=dp)], None))
+    return [(n, t, ls if ls is not None else _sp_layout(t, tp_size)) for n, t, ls in cases]
+
+
+def differential(name, world, rank):
+    """vLLM-Ascend's own `_impl` / `_fake` against the adapter's ops, same inputs."""
+    import ascend_moe.vllm_ascend as av
+
+    tp_size = 2
+    ops_mod, orig, groups = init(name, world, rank, tp_size)
+    ops = torch.ops.vllm
+    checks = []
+
+    def both(fn_name, x, ctx_fields):
+        with vs.forward_context(**ctx_fields):
+            theirs = orig[f"_{fn_name}_impl"](x)
+            theirs_fake = tuple(orig[f"_{fn_name}_fake"](x).shape)
+        av.install()
+        try:
+            with vs.forward_context(**ctx_fields):
+                ours = getattr(ops, fn_name)(x)
+                ours_fake = _fake_shape(getattr(ops, fn_name), x)
+        finally:
+            av.uninstall()
+        return theirs, theirs_fake, ours, ours_fake
+
+    # --- SP layout path (dp_metadata with a per-EP layout) and no DP metadata
+    for case, tokens, ls in layout_cases(world, tp_size):
+        for dtype in (torch.float32, torch.bfloat16):
+            fields = _ctx(tokens, ls, tp_size)
+            shards = [_ints(_seed("g", case, r), (ls[r], 3), dtype) for r in range(world)]
+            theirs, tf, ours, of = both("maybe_all_gather_and_maybe_unpad", shards[rank], fields)
+            want = torch.cat(shards)
+            assert torch.equal(ours, want), f"{case}: adapter gather != concatenation"
+            assert torch.equal(theirs, ours) and tf == of == tuple(want.shape), (case, tf, of)
+            parts = [_ints(_seed("r", case, r), (sum(ls), 3), dtype) for r in range(world)]
+            theirs, tf, ours, of = both("maybe_pad_and_reduce", parts[rank], fields)
+            off = sum(ls[:rank])
+            want = sum(p.float() for p in parts)[off : off + ls[rank]].to(dtype)
+            assert torch.equal(ours, want), f"{case}: adapter reduce != EP shard of the sum"
+            assert torch.equal(theirs, ours) and tf == of == tuple(want.shape), (case, tf, of)
+            checks.append(case)
+
+    # Short input (graph padding): zero rows appended, as vLLM-Ascend does; a long one is refused.
+    ls = [1, 1, 3, 3]
+    fields = _ctx([1, 5], ls, tp_size)
+    x = _ints(7 + rank, (min(ls[rank], 1), 3))
+    theirs, tf, ours, of = both("maybe_all_gather_and_maybe_unpad", x, fields)
+    assert torch.equal(theirs, ours) and tf == of == (8, 3)
+    av.install()
+    try:
+        with vs.forward_context(**fields):
+            long_x = _ints(9, (ls[rank] + 1, 3))
+            try:
+                ops.maybe_all_gather_and_maybe_unpad(long_x)
+                raise AssertionError("a long gather input was accepted")
+            except RuntimeError as e:
+                assert "extra rows would be dropped" in str(e), e
+    finally:
+        av.uninstall()
+    checks.append("short/long")
+
+    # --- no DP metadata: plain EP all-gather / reduce-scatter
+    fields = _ctx(None)
+    x = _ints(11 + rank, (2, 3))
+    theirs, tf, ours, of = both("maybe_all_gather_and_maybe_unpad", x, fields)
+    assert torch.equal(theirs, ours) and tf == of == (2 * world, 3)
+    x = _ints(12 + rank, (2 * world, 3))
+    theirs, tf, ours, of = both("maybe_pad_and_reduce", x, fields)
+    assert torch.equal(theirs, ours) and tf == of == (2, 3)
+    checks.append("no-dp-metadata")
+
+    # --- padded_length path (DP metadata, no per-EP layout): real == real, our
+    # fake == our real; vLLM-Ascend's fake disagrees with its real (8 vs 12, 3 vs 2).
+    for tokens in ([3, 5], [0, 4], [1, 1], [6, 2]):
+        fields = _ctx(tokens, tp_size=tp_size, layout=False)
+        chunk = fields["padded_length"] // tp_size
+        d, t = divmod(rank, tp_size)
+        x = _ints(_seed("pg", tuple(tokens), rank), (chunk, 3))
+        theirs, tf, ours, of = both("maybe_all_gather_and_maybe_unpad", x, fields)
+        assert torch.equal(theirs, ours), f"padded path {tokens}: gather differs"
+        assert of == tuple(ours.shape) == (sum(tokens), 3), (tokens, of)
+        assert tf == (chunk * world, 3)
+        parts = [_ints(_seed("pr", tuple(tokens), r), (sum(tokens), 3)) for r in range(world)]
+        theirs, tf, ours, of = both("maybe_pad_and_reduce", parts[rank], fields)
+        assert torch.equal(theirs, ours), f"padded path {tokens}: reduce differs"
+        assert of == tuple(ours.shape) == (chunk, 3), (tokens, of)
+        assert tf == (sum(tokens) // world, 3)
+        checks.append(f"padded {tokens}")
+
+    # --- seed fix 1: draft model of a VL MoE with SP, DP2 TP2.
+    vs.set_vl_model(True)
+    try:
+        tokens = [6, 3]
+        ls = _sp_layout(tokens, tp_size)
+        fields = _ctx(tokens, ls, tp_size, draft=True)
+        parts = [_ints(_seed("draft", r), (sum(ls), 3)) for r in range(world)]
+        theirs, tf, ours, of = both("maybe_pad_and_reduce", parts[rank], fields)
+        assert tuple(theirs.shape) == (sum(ls), 3) != tf, "vLLM-Ascend's draft bypass no longer returns the global rows"
+        off = sum(ls[:rank])
+        want = sum(parts)[off : off + ls[rank]]
+        assert torch.equal(ours, want) and of == tf == tuple(want.shape)
+        checks.append("draft-vl")
+    finally:
+        vs.set_vl_model(False)
+
+    # --- MX dtypes: gathered as bytes.
+    for dt_name in ("float8_e8m0fnu", "float4_e2m1fn_x2"):
+        dt = getattr(torch, dt_name, None)
+        if dt is None:
+            continue
+        ls = _sp_layout([5, 3], tp_size)
+        fields = _ctx([5, 3], ls, tp_size)
+        shards = [torch.from_numpy(np.random.default_rng(40 + r).integers(0, 255, size=(ls[r], 4)).astype(np.uint8)) for r in range(world)]
+        av.install()
+        try:
+            with vs.forward_context(**fields):
+                got = ops.maybe_all_gather_and_maybe_unpad(shards[rank].view(dt))
+                shape = _fake_shape(ops.maybe_all_gather_and_maybe_unpad, shards[rank].view(dt))
+        finally:
+            av.uninstall()
+        assert got.dtype == dt and shape == tuple(got.shape)
+        assert torch.equal(got.view(torch.uint8), torch.cat(shards)), dt_name
+        checks.append(dt_name)
+
+    # The groups map to CPU worlds (all ranks on one host), once each.
+    kinds = {g: b for g, _, b in av.mapped_groups()}
+    assert kinds.get("ep") == "comm", av.mapped_groups()
+    dist.all_reduce(torch.zeros(1))  # every rank done before any exits
+    return checks
+
+
+# ------------------------------------------------ seed fix 2: torch.compile
+
+
+def _routed_op():
+    """The routed experts after vLLM-Ascend's finalize, as the live comm type
+    leaves them: the full sum R when the comm type reduces it (MC2, ALLTOALL,
+    FUSED_MC2, ALLGATHER with SP), else this TP rank's partial R_t."""
+    if hasattr(torch.ops.amoe_vllm_test, "routed") if hasattr(torch.ops, "amoe_vllm_test") else False:
+        return torch.ops.amoe_vllm_test.routed
+
+    @torch.library.custom_op("amoe_vllm_test::routed", mutates_args=(), device_types="cpu")
+    def routed(x: torch.Tensor, sp: bool, tp_rank: int, tp_size: int) -> torch.Tensor:
+        fa = vs.load("ascend_forward_context")
+        ct = fa._EXTRA_CTX.moe_comm_type
+        full = x * 3.0
+        if ct != fa.MoECommType.ALLGATHER or sp:
+            return full
+        return full * (tp_rank + 1) / (tp_size * (tp_size + 1) / 2)
+
+    @routed.register_fake
+    def _(x, sp, tp_rank, tp_size):
+        return torch.empty_like(x)
+
+    return torch.ops.amoe_vllm_test.routed
+
+
+def _compile_once(runner, i, x):
+    """`runner.forward` compiled once under the live forward context, returned
+    as a callable that always runs that compiled code, without Dynamo's guards:
+    the way vLLM dispatches to its compiled code (it captures Dynamo's bytecode
+    with a bytecode hook and runs it in place of `forward`), so a graph traced
+    under one comm type is replayed under another."""
+    import types as _types
+
+    f = type(runner).forward
+    code = f.__code__.replace(co_name=f"forward_case{i}")
+    fresh = _types.FunctionType(code, f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+    captured = []
+
+    def hook(old_code, new_code):
+        if old_code is code:
+            captured.append(new_code)
+
+    handle = torch._dynamo.convert_frame.register_bytecode_hook(hook)
+    try:
+        torch.compile(_types.MethodType(fresh, runner), backend="aot_eager")(x, x)
+    finally:
+        handle.remove()
+    assert len(captured) == 1, f"expected one compiled code object, got {len(captured)}"
+    compiled_fn = _types.FunctionType(captured[0], f.__globals__, code.co_name, f.__defaults__, f.__closure__)
+    return lambda *args: compiled_fn(runner, *args)
+
+
+def compiled(name, world, rank):
+    """A MoE layer compiled under one comm type, run under every other, for
+    every shared-expert mode: wrong without the adapter, the eager result with it."""
+    import types as _types
+
+    import ascend_moe.vllm_ascend as av
+
+    tp_size = 2
+    _, _, groups = init(name, world, rank, tp_size)
+    fm = vs.load("fused_moe")
+    se = vs.load("shared_experts")
+    fa = vs.load("ascend_forward_context")
+    Mode, CT = se.SharedExpertParallelMode, fa.MoECommType
+    routed = _routed_op()
+    tp_rank = groups["tp"].rank_in_group
+
+    class Runner(fm.AscendMoERunner):
+        def _forward_impl(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
+            full_shared = hidden_states * 2.0
+            if self._mode is Mode.TENSOR_PARALLEL:
+                shared = full_shared * (tp_rank + 1) / (tp_size * (tp_size + 1) / 2)
+            else:
+                shared = full_shared
+            return shared, routed(hidden_states, self._sp, tp_rank, tp_size)
+
+    def make(mode, sp):
+        r = Runner.__new__(Runner)
+        r._mode, r._sp = mode, sp
+        r.moe_config = _types.SimpleNamespace(is_sequence_parallel=sp, tp_size=1, ep_size=world, tp_group=groups["tp"])
+        r.ascend_shared_experts = _types.SimpleNamespace(parallel_mode=lambda: mode)
+        r.routed_output_transform = None
+        return r
+
+    cts = [CT.ALLGATHER, CT.MC2, CT.ALLTOALL, CT.FUSED_MC2]
+    # One trace per class of "already reduced?" (ALLTOALL and FUSED_MC2 trace like MC2).
+    TRACED = [CT.ALLGATHER, CT.MC2]
+    def tokens(sp):
+        # Without SP the ranks of a TP group hold the same tokens; with SP each its own shard.
+        return torch.arange(12, dtype=torch.float32).view(4, 3) + (rank if sp else rank // tp_size)
+    results = []
+    for adapter in (False, True):
+        if adapter:
+            av.install()
+        try:
+            for sp in (False, True):
+                modes = [Mode.SEQUENCE_PARALLEL_ONLY, Mode.SEQUENCE_PARALLEL_SEDP] if sp else [Mode.TENSOR_PARALLEL, Mode.SHARED_EXPERT_DATA_PARALLEL_ONLY]
+                x = tokens(sp)
+                want = x * 5.0  # S + R
+                for mode in modes:
+                    for traced in TRACED:
+                        torch._dynamo.reset()
+                        runner = make(mode, sp)
+                        with vs.forward_context(moe_comm_type=traced, dp_metadata=None):
+                            eager = runner.forward(x, x)
+                            fn = _compile_once(runner, len(results), x)
+                        assert torch.allclose(eager, want), f"eager reference wrong for {mode} under {traced}"
+                        for run in cts:
+                            with vs.forward_context(moe_comm_type=run, dp_metadata=None):
+                                got = fn(x, x)
+                            ok = torch.allclose(got, want)
+                            # vLLM-Ascend's "already reduced?" differs between the two comm types.
+                            vllm_differs = (traced == CT.ALLGATHER and not sp) != (run == CT.ALLGATHER and not sp)
+                            if adapter:
+                                assert ok, f"adapter: {mode.name} traced {traced.name} run {run.name} (sp={sp}): {got} != {want}"
+                            else:
+                                assert ok != vllm_differs, (
+                                    f"without adapter: {mode.name} traced {traced.name} run {run.name} (sp={sp}): "
+                                    f"expected {'wrong' if vllm_differs else 'right'} result: {got[0].tolist()} vs {want[0].tolist()}"
+                                )
+                            results.append((adapter, mode.name, traced.name, run.name, sp, ok))
+        finally:
+            if adapter:
+                av.uninstall()
+    dist.all_reduce(torch.zeros(1))  # every rank done before any exits
+    return results
