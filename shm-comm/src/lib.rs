@@ -22,7 +22,16 @@
 //! memory is freed when the last rank unmaps it, even if every rank is
 //! SIGKILLed. A running world stays findable by name through its ranks'
 //! presence names (abstract Unix sockets, released by the kernel with the
-//! process; see [`live_members`]). Layout:
+//! process; see [`live_members`]).
+//!
+//! A world is open to processes of the same effective user on one host and to
+//! no one else. The file is opened without following links and used only when
+//! it is a regular file of this user with mode 0600 and one link; anything else
+//! under the name (another user's file, whatever its mode, or a hard link) is
+//! refused on every rank with an error naming the path, its owner and mode, and
+//! is neither joined nor removed. A symbolic link is removed, never followed.
+//! Presence names count only when the kernel says this user's socket holds
+//! them. Layout:
 //!
 //! | block | size |
 //! |---|---|
@@ -90,7 +99,9 @@ mod collectives;
 mod descriptor;
 mod dtype;
 mod error;
+mod file;
 mod presence;
+mod process;
 mod reduce;
 mod rendezvous;
 mod segment;

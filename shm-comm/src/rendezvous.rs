@@ -17,7 +17,9 @@ use std::ffi::CString;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::file::{ino_at, open_own, Opened, OwnFile, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
+use crate::process::{my_pid, pid_alive};
 use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
 use crate::{Error, ErrorKind, Result};
 
@@ -46,60 +48,6 @@ fn setup_err(name: &str, rank: usize, world: usize, detail: String, kind: ErrorK
     Error::Comm { collective: "rendezvous".into(), group: name.into(), rank, world, detail, kind }
 }
 
-/// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
-/// counts as dead, and so does a recycled pid (another start time).
-pub(crate) fn pid_alive(pid: u32, start: u64) -> bool {
-    if pid == 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return false;
-    }
-    // Exists (or exists under another user); look closer where /proc allows.
-    match proc_stat(pid) {
-        Some((state, started)) => !(state == 'Z' || state == 'X' || (start != 0 && started != start)),
-        None => true,
-    }
-}
-
-/// (state, start time) of a process from `/proc/<pid>/stat`.
-fn proc_stat(pid: u32) -> Option<(char, u64)> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name (which may contain spaces): state is field
-    // 3 of the file, starttime field 22.
-    let rest: Vec<&str> = s[s.rfind(')')? + 1..].split_whitespace().collect();
-    Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
-}
-
-/// Start time of this process (0 if unknown).
-pub(crate) fn my_start() -> u64 {
-    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
-}
-
-/// This process's id.
-pub(crate) fn my_pid() -> u32 {
-    std::process::id()
-}
-
-pub(crate) fn stat_path(path: &CString) -> Option<(u64, u64)> {
-    // SAFETY: zeroed stat is a valid out-parameter; path is NUL-terminated.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let r = unsafe { libc::stat(path.as_ptr(), &mut st) };
-    (r == 0).then_some((st.st_dev as u64, st.st_ino as u64))
-}
-
-fn fstat_fd(fd: libc::c_int) -> Option<((u64, u64), u64)> {
-    // SAFETY: zeroed stat is a valid out-parameter; fd is open.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    let r = unsafe { libc::fstat(fd, &mut st) };
-    (r == 0).then_some(((st.st_dev as u64, st.st_ino as u64), st.st_size as u64))
-}
-
 /// What the rendezvous found under a name.
 enum Found {
     /// Fresh or stale: (re)initialise it.
@@ -120,11 +68,12 @@ impl Segment {
         let deadline = Instant::now() + timeout;
         let mut backoff = Backoff::default();
         loop {
-            // SAFETY: cpath is NUL-terminated; flags and mode are plain integers.
-            let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC, 0o600) };
-            if fd < 0 {
-                return Err(os_err(format!("opening shared-memory segment {path}")));
-            }
+            let OwnFile { fd, ino, size } = match open_own(&cpath, &path) {
+                Ok(Opened::File(f)) => f,
+                Ok(Opened::Again) => continue,
+                Err(Refused::Os(e)) => return Err(e),
+                Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
+            };
             let close = |fd| {
                 // SAFETY: fd is an open descriptor owned here.
                 unsafe { libc::close(fd) };
@@ -147,11 +96,7 @@ impl Segment {
                 }
                 backoff.snooze();
             }
-            let Some((ino, size)) = fstat_fd(fd) else {
-                close(fd);
-                return Err(os_err(format!("fstat of {path}")));
-            };
-            if stat_path(&cpath) != Some(ino) {
+            if ino_at(&cpath) != Some(ino) {
                 // Unlinked or replaced between open and lock: start over.
                 close(fd);
                 continue;
@@ -242,19 +187,21 @@ impl Segment {
     fn attach(mut seg: Segment, name: &str, cpath: &CString) -> Result<Segment> {
         let (world, rank, staging) = (seg.world, seg.rank(), seg.staging);
         let me = Member { rank, world, staging, pid: my_pid() };
-        match Presence::announce(name_hash(name), &me) {
-            Ok(p) => seg.presence = Some(p),
-            Err(true) => {
-                seg.unlock();
-                let why = format!("rank {rank} is already joined (pid {}): duplicate rank", me.pid);
-                return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
-            }
-            // No abstract sockets here: a running world is then only found
-            // while its file exists.
-            Err(false) => {}
+        // The same rank of the same world already held by this process (the
+        // lock is ours, so no other claim of this name is under way).
+        if members_of(name_hash(name))
+            .iter()
+            .any(|m| (m.rank, m.world, m.staging, m.pid) == (rank, world, staging, me.pid))
+        {
+            seg.unlock();
+            let why = format!("rank {rank} is already joined (pid {}): duplicate rank", me.pid);
+            return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
         }
+        // Without abstract sockets a running world is only found while its
+        // file exists.
+        seg.presence = Presence::announce(name_hash(name), &me);
         let others = (0..world).filter(|&r| r != rank && seg.ctrl(r).state.load(Ordering::Acquire) != EMPTY).count();
-        if others + 1 == world && stat_path(cpath) == Some(seg.ino()) {
+        if others + 1 == world && ino_at(cpath) == Some(seg.ino()) {
             // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
             unsafe { libc::unlink(cpath.as_ptr()) };
         }

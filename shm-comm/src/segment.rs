@@ -17,8 +17,9 @@ use std::ffi::CString;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::file::ino_at;
 use crate::presence::Presence;
-use crate::rendezvous::{my_pid, my_start, pid_alive, stat_path};
+use crate::process::{my_pid, my_start, pid_alive};
 use crate::{Error, Result};
 
 /// `"AMOECOMM"` in little-endian.
@@ -204,7 +205,7 @@ impl Segment {
         });
         if !anyone {
             if let Ok(c) = CString::new(self.path.clone()) {
-                if stat_path(&c) == Some(self.ino) {
+                if ino_at(&c) == Some(self.ino) {
                     // SAFETY: c is NUL-terminated; we hold the lock on this inode.
                     unsafe { libc::unlink(c.as_ptr()) };
                 }

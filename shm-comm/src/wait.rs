@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::descriptor::last_call;
 use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT};
-use crate::{rendezvous, ErrorKind, Result, ShmComm, State};
+use crate::{process, ErrorKind, Result, ShmComm, State};
 
 impl ShmComm {
     /// Waits until `ready(ctrl of j)` holds for every rank `j`, failing on a dead
@@ -38,7 +38,7 @@ impl ShmComm {
                 continue;
             }
             // Slow path: look for failed peers, then sleep on the bell.
-            let me = rendezvous::my_pid();
+            let me = process::my_pid();
             let waiting: Vec<usize> = (0..world).filter(|&j| !ready(seg.ctrl(j))).collect();
             #[cfg(test)]
             tests::in_failure_window();
@@ -61,7 +61,7 @@ impl ShmComm {
                     ABORTED => Some((true, format!("rank {j} aborted (its thread panicked)"))),
                     LEFT => Some((true, format!("rank {j} left the group (its communicator was dropped)"))),
                     FAILED => Some((false, format!("rank {j} failed an earlier wait"))),
-                    JOINED if pid != me && !rendezvous::pid_alive(pid, start) => {
+                    JOINED if pid != me && !process::pid_alive(pid, start) => {
                         Some((true, format!("rank {j} (pid {pid}) died")))
                     }
                     _ => None,

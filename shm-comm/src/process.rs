@@ -1,0 +1,69 @@
+//! Which process is this one, and is another still alive.
+
+/// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
+/// counts as dead, and so does a recycled pid (another start time).
+pub(crate) fn pid_alive(pid: u32, start: u64) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    // Exists (or exists under another user); look closer where /proc allows.
+    match proc_stat(pid) {
+        Some((state, started)) => !(state == 'Z' || state == 'X' || (start != 0 && started != start)),
+        None => true,
+    }
+}
+
+/// (state, start time) of a process from `/proc/<pid>/stat`.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may contain spaces): state is field
+    // 3 of the file, starttime field 22.
+    let rest: Vec<&str> = s[s.rfind(')')? + 1..].split_whitespace().collect();
+    Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
+}
+
+/// Start time of this process (0 if unknown).
+pub(crate) fn my_start() -> u64 {
+    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
+}
+
+/// This process's id.
+pub(crate) fn my_pid() -> u32 {
+    std::process::id()
+}
+
+/// The effective user id of this process: the only owner whose segment files
+/// and presence names a rendezvous trusts.
+pub(crate) fn my_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// `uid (name)` for messages, or just the number when the name is unknown.
+pub(crate) fn describe_uid(uid: u32) -> String {
+    let mut pw: libc::passwd = unsafe_zeroed();
+    let mut buf = vec![0 as libc::c_char; 1024];
+    let mut res: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: pw, buf and res are valid for the call; getpwuid_r writes the
+    // strings it points pw at into buf, which outlives their use below.
+    let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr(), buf.len(), &mut res) };
+    if r == 0 && !res.is_null() && !pw.pw_name.is_null() {
+        // SAFETY: pw_name points at a NUL-terminated string inside buf.
+        let name = unsafe { std::ffi::CStr::from_ptr(pw.pw_name) }.to_string_lossy().into_owned();
+        format!("uid {uid} ({name})")
+    } else {
+        format!("uid {uid}")
+    }
+}
+
+fn unsafe_zeroed<T>() -> T {
+    // SAFETY: only used for plain C structs (passwd), for which all-zero bytes
+    // (null pointers, zero ids) is a valid value.
+    unsafe { std::mem::zeroed() }
+}
