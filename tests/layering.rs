@@ -512,7 +512,6 @@ const KNOWN_CRATE_CYCLES: &[(&str, &[&str])] = &[
             "crate::stream",
         ],
     ),
-    ("shm-comm/src", &["crate::rendezvous", "crate::segment"]),
     ("shm-comm/src", &["crate", "crate::collectives"]),
 ];
 
