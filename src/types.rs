@@ -192,8 +192,9 @@ numbered! {
 }
 
 impl DType {
-    /// The dtypes every collective supports, reductions included, in numbering order.
-    pub const ALL: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
+    /// The dtypes reductions take (and every other collective), in numbering
+    /// order: every dtype but the one-byte [`DType::BYTE_MOVES`].
+    pub const REDUCIBLE: [DType; 5] = [DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
     /// The one-byte dtypes that data movement carries as exact bytes and
     /// reductions refuse.
     pub const BYTE_MOVES: [DType; 5] = [DType::I8, DType::U8, DType::Bool, DType::F8E4M3, DType::F8E5M2];

@@ -12,18 +12,62 @@ fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))
 }
 
-/// Runs prepare on DP 2 x TP 2 with `choice(rank)` as each rank's comm type;
-/// returns every rank's outcome (Ok rows or the error message).
-fn prepare_with(choice: fn(usize) -> CommType, sp: bool) -> Vec<Result<usize, String>> {
+const DP_TOKENS: [usize; 2] = [6, 3];
+const TP: usize = 2;
+const H: usize = 4;
+
+/// Row `i` of DP rank `d`'s tokens (the same on each of its TP ranks), values
+/// that name the rank and the row.
+fn token(d: usize, i: usize) -> Vec<f32> {
+    (0..H).map(|j| (d * 100 + i * H + j) as f32).collect()
+}
+
+/// What one rank prepared: the hidden rows, flattened, and the MC2 mask.
+type Outcome = Result<(Vec<f32>, Option<Vec<bool>>), String>;
+
+/// Runs prepare on DP 2 x TP 2 (tokens [6, 3]) with `choice(rank)` as each
+/// rank's comm type; returns every rank's outcome (or the error message).
+fn prepare_with(choice: fn(usize) -> CommType, sp: bool) -> Vec<Outcome> {
     run_ranks(4, &opts(), |rank, comm| {
-        let (d, t) = (rank / 2, rank % 2);
-        let ctx = MoeContext::new(&[6, 3], 2, d, t, sp)?;
-        let groups = MoeGroups::from_world(&comm, 2)?;
+        let (d, t) = (rank / TP, rank % TP);
+        let ctx = MoeContext::new(&DP_TOKENS, TP, d, t, sp)?;
+        let groups = MoeGroups::from_world(&comm, TP)?;
         let local = ctx.local_tokens();
-        let x = Tensor::from_slice(&vec![1f32; local * 4], &[local, 4])?;
-        Ok(prepare(&x, choice(rank), &ctx, &groups).map(|p| p.hidden.rows()).map_err(|e| e.to_string()))
+        let rows: Vec<f32> = (0..local).flat_map(|i| token(d, i)).collect();
+        let x = Tensor::from_slice(&rows, &[local, H])?;
+        Ok(match prepare(&x, choice(rank), &ctx, &groups) {
+            Ok(p) => Ok((p.hidden.to_vec::<f32>()?, p.mc2_mask)),
+            Err(e) => Err(e.to_string()),
+        })
     })
     .unwrap()
+}
+
+/// SPEC section 6 without SP, for the rank `(d, t)`: the rows it prepares
+/// (zero rows are padding) and, for MC2 / FUSED_MC2, which of them are real.
+fn expected(ct: CommType, d: usize, t: usize) -> (Vec<f32>, Option<Vec<bool>>) {
+    let max = *DP_TOKENS.iter().max().unwrap();
+    let own = DP_TOKENS[d];
+    let row = |dd: usize, i: usize| if i < DP_TOKENS[dd] { token(dd, i) } else { vec![0.0; H] };
+    match ct {
+        // Pad to the largest DP rank, all-gather over DP.
+        CommType::AllGather => {
+            ((0..DP_TOKENS.len()).flat_map(|dd| (0..max).flat_map(move |i| row(dd, i))).collect(), None)
+        }
+        // Pad to a multiple of TP of the largest, this TP rank's equal part.
+        CommType::Mc2 | CommType::FusedMc2 => {
+            let part = max.div_ceil(TP);
+            let rows = t * part..(t + 1) * part;
+            (rows.clone().flat_map(|i| row(d, i)).collect(), Some(rows.map(|i| i < own).collect()))
+        }
+        // Pad to TP rows only when fewer; parts differ by one, the larger first.
+        CommType::AllToAll => {
+            let n = own.max(TP);
+            let size = |k: usize| n / TP + usize::from(k < n % TP);
+            let start: usize = (0..t).map(size).sum();
+            ((start..start + size(t)).flat_map(|i| row(d, i)).collect(), None)
+        }
+    }
 }
 
 #[test]
@@ -48,7 +92,7 @@ fn a_single_rank_that_disagrees_is_named_on_every_rank() {
 }
 
 #[test]
-fn agreeing_ranks_prepare_as_before() {
+fn agreeing_ranks_prepare_the_rows_of_spec_section_6() {
     for ct in CommType::ALL {
         let got = prepare_with(
             match ct {
@@ -59,6 +103,11 @@ fn agreeing_ranks_prepare_as_before() {
             },
             false,
         );
-        assert!(got.iter().all(|r| r.is_ok()), "{ct:?}: {got:?}");
+        for (rank, r) in got.into_iter().enumerate() {
+            let (hidden, mask) = r.unwrap_or_else(|e| panic!("{ct:?} rank {rank}: {e}"));
+            let (want, want_mask) = expected(ct, rank / TP, rank % TP);
+            assert_eq!(hidden, want, "{ct:?} rank {rank}: prepared rows");
+            assert_eq!(mask, want_mask, "{ct:?} rank {rank}: mc2 mask");
+        }
     }
 }

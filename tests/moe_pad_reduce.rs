@@ -243,6 +243,26 @@ impl RankFinalize {
     }
 }
 
+/// SPEC section 1 in f64 for `f` (mode 2: `R(i, k) = idx[i * K + k]`, x1,
+/// scales): `out[i] = x1[i] + sum_k s(i, k) * x[R(i, k)]`, and the sum of the
+/// terms' magnitudes (for the tolerance).
+fn finalize_reference(f: &RankFinalize, n: usize, k: usize, h: usize) -> (Vec<f64>, Vec<f64>) {
+    let (x, x1, s) = (to_f64(&f.x), to_f64(&f.x1), to_f64(&f.scales));
+    let idx = f.idx.to_vec::<i32>().unwrap();
+    let (mut out, mut mag) = (x1.clone(), x1.iter().map(|v| v.abs()).collect::<Vec<f64>>());
+    for i in 0..n {
+        for kk in 0..k {
+            let row = idx[i * k + kk] as usize;
+            for j in 0..h {
+                let term = s[i * k + kk] * x[row * h + j];
+                out[i * h + j] += term;
+                mag[i * h + j] += term.abs();
+            }
+        }
+    }
+    (out, mag)
+}
+
 on_both!(
     finalize_and_reduce_equals_finalize_then_pad_and_reduce,
     finalize_and_reduce_equals_finalize_then_pad_and_reduce_on
@@ -258,16 +278,36 @@ fn finalize_and_reduce_equals_finalize_then_pad_and_reduce_on(on: On) {
             }
             let seed = 400 + li as u64;
             let n = l.total_rows();
-            on.run(ep, &opts(), |r, comm| {
-                let f = rank_finalize(seed, r, n, k, h, dtype).on(&comm.device())?;
-                let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
-                assert_eq!(fused.shape(), finalize_and_reduce_output_shape(&f.args(), Some(&l), r, ep)?.as_slice());
-                assert_eq!(fused.shape(), &[l.local_size(r), h]);
-                let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
-                assert!(bits(&fused) == bits(&two_step), "layout {:?} rank {r} {dtype}", l.local_sizes());
-                Ok(())
-            })
-            .unwrap();
+            let outs = on
+                .run(ep, &opts(), |r, comm| {
+                    let f = rank_finalize(seed, r, n, k, h, dtype).on(&comm.device())?;
+                    let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
+                    assert_eq!(fused.shape(), finalize_and_reduce_output_shape(&f.args(), Some(&l), r, ep)?.as_slice());
+                    assert_eq!(fused.shape(), &[l.local_size(r), h]);
+                    let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
+                    assert!(bits(&fused) == bits(&two_step), "layout {:?} rank {r} {dtype}", l.local_sizes());
+                    Ok(to_f64(&fused))
+                })
+                .unwrap();
+            // An independent reference: SPEC section 1 (mode 2, row layout) per
+            // rank in f64, then section 4 (the sum of every rank's rows, the
+            // local shard kept).
+            let fin: Vec<(Vec<f64>, Vec<f64>)> =
+                (0..ep).map(|q| finalize_reference(&rank_finalize(seed, q, n, k, h, dtype), n, k, h)).collect();
+            for (r, got) in outs.iter().enumerate() {
+                let rows = (l.offset(r) * h)..((l.offset(r) + l.local_size(r)) * h);
+                let want: Vec<f64> = rows.clone().map(|e| fin.iter().map(|(v, _)| v[e]).sum()).collect();
+                // One rounding to `dtype` per rank's finalize and per partial sum.
+                let tol: Vec<f64> =
+                    rows.map(|e| 4.0 * eps(dtype) * fin.iter().map(|(_, m)| m[e]).sum::<f64>() + 1e-30).collect();
+                assert_close_abs(
+                    &format!("fused layout {:?} rank {r} {dtype}", l.local_sizes()),
+                    got,
+                    &want,
+                    0.0,
+                    &tol,
+                );
+            }
         }
     }
     // Without a layout (rows divide by EP).

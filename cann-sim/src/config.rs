@@ -127,6 +127,14 @@ pub fn get() -> &'static Config {
     CFG.get_or_init(Config::from_env)
 }
 
+impl CannVersion {
+    /// The emulated release of this process (from [`get`]; the version module
+    /// knows the releases, this one reads which is emulated).
+    pub fn current() -> CannVersion {
+        get().cann_version
+    }
+}
+
 /// The HCCL timeout when the communicator's config sets none:
 /// `ASCEND_MOE_COMM_TIMEOUT` seconds (a positive number), else 60 s.
 pub fn comm_timeout() -> Duration {

@@ -18,8 +18,6 @@
 //! `libopapi_transformer.so`) and op-plugin's `GetOpApiFuncAddr` search of
 //! `libopapi_*.so`.
 
-use crate::config;
-
 /// An emulated CANN release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum CannVersion {
@@ -41,11 +39,6 @@ impl CannVersion {
             (Some("8"), Some("5")) => Some(CannVersion::V8_5),
             _ => None,
         }
-    }
-
-    /// The emulated release of this process.
-    pub fn current() -> CannVersion {
-        config::get().cann_version
     }
 
     /// `"8.1"`, `"8.3"` or `"8.5"`.

@@ -3,7 +3,9 @@ the library's C ABI (ctypes).
 
 The native library is `$ASCEND_MOE_LIB` when set, else the one `pip install`
 built into this package. Errors raise `AmoeError` (a `RuntimeError`) carrying
-the library's message.
+the library's message; argument errors are its subclasses that are also a
+`ValueError` (`InvalidArgumentError`, `ShapeError`, `DeviceError`, ...) or a
+`TypeError` (`DTypeError`).
 
 Operands are numpy arrays (float32, float16, `ml_dtypes.bfloat16`, int32
 indices, ...) or tensors, passed where they live, never copied: numpy by its
@@ -58,15 +60,23 @@ they run, so no compiled graph can freeze it:
 import os as _os
 
 from . import shapes
-from ._lib import AmoeError, Status, library_path
+from ._enums import CommType, DropPadMode, DType, ReduceOp, SharedMode, Status
+from ._errors import (
+    AmoeError,
+    BufferTooSmallError,
+    DeviceError,
+    DTypeError,
+    IndexOutOfRangeError,
+    InvalidArgumentError,
+    NullArgumentError,
+    ShapeError,
+)
+from ._lib import library_path
 from ._tensor import release_streams
 from ._lib import lib as _lib
-from .comm import Comm, ReduceOp, all_gather, all_reduce, broadcast, reduce_scatter
+from .comm import Comm, all_gather, all_reduce, broadcast, reduce_scatter
 from .ops import (
-    CommType,
-    DropPadMode,
     ReducePolicy,
-    SharedMode,
     SpLayout,
     finalize_and_reduce,
     maybe_all_gather_and_maybe_unpad,
@@ -91,9 +101,17 @@ def version() -> str:
 
 __all__ = [
     "AmoeError",
+    "BufferTooSmallError",
     "Comm",
     "CommType",
+    "DeviceError",
     "DropPadMode",
+    "DType",
+    "DTypeError",
+    "IndexOutOfRangeError",
+    "InvalidArgumentError",
+    "NullArgumentError",
+    "ShapeError",
     "ReduceOp",
     "ReducePolicy",
     "SharedMode",

@@ -1,15 +1,12 @@
-"""Loading the cdylib, the C types of include/ascend_moe.h, the library's enums,
-and error handling.
+"""Loading the cdylib, the C types of include/ascend_moe.h, and error handling.
 
-No enum number is written here: the library numbers every enum once (its Rust
-enums) and `amoe_enum_count` / `amoe_enum_info` / `amoe_enum_entry` give the
-table, which `numbered` turns into `IntEnum` classes when the package is
-imported."""
+No enum number is written here: the enums are `_enums` (rendered from the
+library's table by tests/python_enums.rs), and loading the library checks that
+its table (`amoe_enum_count` / `amoe_enum_info` / `amoe_enum_entry`) is that one."""
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import importlib.machinery
 import os
 import sys
@@ -17,20 +14,10 @@ import threading
 from ctypes import POINTER, c_char_p, c_double, c_int32, c_size_t, c_ssize_t, c_uint8, c_uint32, c_void_p
 from pathlib import Path
 
-MAX_NDIM = 8
+from ._enums import MAX_NDIM, TABLES, Status
+from ._errors import AmoeError, error
 
-
-class AmoeError(RuntimeError):
-    """A call into the library failed. `str(err)` is the library's message;
-    `err.status` the `Status` code."""
-
-    def __init__(self, status: int, message: str):
-        try:
-            self.status = Status(status)
-        except ValueError:
-            self.status = status
-        self.message = message
-        super().__init__(message)
+__all__ = ["AmoeError", "MAX_NDIM", "Status", "call", "check", "lib", "library_path", "sizes"]
 
 
 class Tensor(ctypes.Structure):
@@ -246,18 +233,26 @@ def lib() -> ctypes.CDLL:
         return _lib
     with _lock:
         if _lib is None:
-            cdll = ctypes.CDLL(str(library_path()))
+            path = library_path()
+            cdll = ctypes.CDLL(str(path))
             for name, argtypes in _SIGNATURES.items():
                 f = getattr(cdll, name)
                 f.argtypes = argtypes
                 f.restype = _RESTYPES.get(name, c_uint32)
+            table = _read_enum_tables(cdll)
+            ours = {c: {m.name: int(m) for m in cls} for c, cls in TABLES.items()}
+            if table != ours:
+                raise OSError(
+                    f"ascend_moe: the native library {path} numbers its enums differently from this package "
+                    "(python/ascend_moe/_enums.py); install the package and the library from one build"
+                )
             _lib = cdll
     return _lib
 
 
-def last_error() -> str:
+def last_error(lb=None) -> str:
     """This thread's last error message from the library."""
-    lb = lib()
+    lb = lb if lb is not None else lib()
     n = lb.amoe_last_error_length()
     buf = ctypes.create_string_buffer(n)
     written = c_size_t(0)
@@ -268,7 +263,11 @@ def last_error() -> str:
 def check(status: int) -> None:
     """Raises `AmoeError` with the library's message unless `status` is OK."""
     if status != Status.OK:
-        raise AmoeError(status, last_error())
+        try:
+            status = Status(status)
+        except ValueError:
+            pass
+        raise error(status, last_error())
 
 
 def call(name: str, *args) -> None:
@@ -280,19 +279,16 @@ def sizes(values) -> tuple:
     """A `size_t[]` holding `values` (kept alive by the caller) and its length."""
     values = [int(v) for v in values]
     if any(v < 0 for v in values):
-        raise AmoeError(Status.INVALID_ARGUMENT, f"sizes must be non-negative, got {values}")
+        raise error(Status.INVALID_ARGUMENT, f"sizes must be non-negative, got {values}")
     return (c_size_t * max(len(values), 1))(*values), len(values)
 
 
-def _read_enum_tables() -> dict:
-    """`{C enum name: {variant name: value}}` from the library, in its order."""
-    lb = lib()
+def _read_enum_tables(lb) -> dict:
+    """`{C enum name: {variant name: value}}` from the library `lb`, in its order."""
 
     def ok(status):
-        # Before the table is read `Status` does not exist yet; like every
-        # export these return AMOE_STATUS_OK, the status that is false.
-        if status:
-            raise OSError(f"ascend_moe: reading the library's enum table failed: {last_error()}")
+        if status != Status.OK:
+            raise OSError(f"ascend_moe: reading the library's enum table failed: {last_error(lb)}")
 
     tables = {}
     for i in range(lb.amoe_enum_count()):
@@ -307,60 +303,6 @@ def _read_enum_tables() -> dict:
     return tables
 
 
-# Read once, when the package is imported. Without a loadable library the
-# import still succeeds (so `library_path()` and the first call can say what
-# was tried); the enums then stand in for the missing library.
-try:
-    ENUM_TABLES = _read_enum_tables()
-    _LOAD_ERROR = None
-except OSError as _e:
-    ENUM_TABLES = {}
-    _LOAD_ERROR = _e
-
-
-class _Unloaded:
-    """An enum (or one of its members) of a library that could not be loaded.
-    Naming a member gives another stand-in, so that signatures such as
-    `op=ReduceOp.SUM` still import; using one (its number, a lookup, an
-    iteration) raises the loader's `OSError`."""
-
-    def __init__(self, name: str, error: OSError):
-        self._name = name
-        self._error = error
-
-    def _fail(self, *args, **kwargs):
-        raise OSError(f"ascend_moe.{self._name} needs the native library: {self._error}") from self._error
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Unloaded(f"{self._name}.{attr}", self._error)
-
-    def __repr__(self):
-        return f"<ascend_moe.{self._name}: the native library is not loaded>"
-
-    __call__ = __iter__ = __getitem__ = __len__ = __int__ = __index__ = _fail
-
-
-def numbered(base: type, c_name: str):
-    """The library's `enum c_name` as an `IntEnum` named like `base` without its
-    leading underscore: `base` is a member-less `IntEnum` subclass holding the
-    docstring and methods; the members (`AMOE_DTYPE_BF16` -> `BF16`) and their
-    values come from the library's table."""
-    name = base.__name__.lstrip("_")
-    if _LOAD_ERROR is not None:
-        return _Unloaded(name, _LOAD_ERROR)
-    if c_name not in ENUM_TABLES:
-        raise OSError(
-            f"ascend_moe: the native library {library_path()} has no enum {c_name}; it is older than this package"
-        )
-    cls = base(name, list(ENUM_TABLES[c_name].items()), module=base.__module__, qualname=name)
-    cls.__doc__ = base.__doc__
-    return cls
-
-
-class _Status(enum.IntEnum):
-    """`amoe_status` codes (fixed numbers, never reused)."""
-
-
-Status = numbered(_Status, "amoe_status")
+def library_enum_tables() -> dict:
+    """The loaded library's enum table, `{C enum name: {variant name: value}}`."""
+    return _read_enum_tables(lib())

@@ -19,15 +19,16 @@ from ctypes import c_size_t
 import ml_dtypes
 import numpy as np
 
-from ._lib import ENUM_TABLES, MAX_NDIM, AmoeError, Status, Tensor, call, lib
+from ._enums import MAX_NDIM, DeviceKind, DType, Status
+from ._errors import error
+from ._lib import Tensor, call, lib
 
-# `amoe_device_kind` codes, from the library (None without a loadable library,
-# when no descriptor can be used anyway).
-DEVICE_CPU = ENUM_TABLES.get("amoe_device_kind", {}).get("CPU")
-DEVICE_NPU = ENUM_TABLES.get("amoe_device_kind", {}).get("NPU")
+# `amoe_device_kind` codes.
+DEVICE_CPU = int(DeviceKind.CPU)
+DEVICE_NPU = int(DeviceKind.NPU)
 
 # The numpy / ml_dtypes dtype of each `amoe_dtype` variant, by the library's
-# variant name; the codes come from the library. numpy, ml_dtypes and torch
+# variant name; the codes are `DType`'s. numpy, ml_dtypes and torch
 # agree on the dtype names. The one-byte dtypes (int8 .. float8_e5m2) are
 # carried by data movement as exact bytes (quantized hidden states, packed fp4
 # as uint8, masks); reductions refuse them.
@@ -46,9 +47,7 @@ _NUMPY_BY_VARIANT = {
 # amoe_dtype code -> numpy dtype, and dtype name -> code, for the dtypes both
 # the library and this package know.
 NUMPY_DTYPES = {
-    code: np.dtype(_NUMPY_BY_VARIANT[name])
-    for name, code in ENUM_TABLES.get("amoe_dtype", {}).items()
-    if name in _NUMPY_BY_VARIANT
+    int(code): np.dtype(_NUMPY_BY_VARIANT[code.name]) for code in DType if code.name in _NUMPY_BY_VARIANT
 }
 DTYPE_CODES = {d.name: code for code, d in NUMPY_DTYPES.items()}
 
@@ -62,7 +61,7 @@ def dtype_name(dtype) -> str:
 def dtype_code(arg: str, dtype) -> int:
     name = dtype_name(dtype)
     if name not in DTYPE_CODES:
-        raise AmoeError(
+        raise error(
             Status.DTYPE,
             f"`{arg}` has dtype {name}, expected one of float32, float16, bfloat16 (ml_dtypes), int32, int64, "
             "int8, uint8, bool, float8_e4m3fn, float8_e5m2 (ml_dtypes)",
@@ -89,7 +88,7 @@ class Desc:
     def __init__(self, arg: str, shape, dtype, obj=None, data=None, npu: int | None = None):
         shape = tuple(int(s) for s in shape)
         if len(shape) > MAX_NDIM:
-            raise AmoeError(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
+            raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
         self.arg, self.obj, self.npu, self.shape = arg, obj, npu, shape
         self.shape_buf = (c_size_t * max(len(shape), 1))(*shape)
         self.c = Tensor()
@@ -113,7 +112,7 @@ def as_array(arg: str, x) -> np.ndarray:
         if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
             x = np.asarray(x)
         else:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT,
                 f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(x).__name__}",
             )
@@ -130,11 +129,11 @@ def _device(arg: str, x) -> int | None:
     if kind == "npu":
         index = getattr(dev, "index", None)
         if index is None or int(index) < 0:
-            raise AmoeError(Status.DEVICE, f"`{arg}` is on device {dev!r}, which names no NPU ordinal")
+            raise error(Status.DEVICE, f"`{arg}` is on device {dev!r}, which names no NPU ordinal")
         return int(index)
     if kind == "meta":
-        raise AmoeError(Status.DEVICE, f"`{arg}` is a meta tensor, which has no data (the shape functions take it)")
-    raise AmoeError(Status.DEVICE, f"`{arg}` is on device {dev}; expected a cpu or npu tensor")
+        raise error(Status.DEVICE, f"`{arg}` is a meta tensor, which has no data (the shape functions take it)")
+    raise error(Status.DEVICE, f"`{arg}` is on device {dev}; expected a cpu or npu tensor")
 
 
 def _tensor_desc(arg: str, x, writable: bool) -> Desc:
@@ -145,7 +144,7 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     if not x.is_contiguous():
         if npu is not None or writable or not hasattr(x, "contiguous"):
             where = "an NPU" if npu is not None else "a CPU"
-            raise AmoeError(
+            raise error(
                 Status.SHAPE,
                 f"`{arg}` is {where} tensor that is not contiguous; the library takes C-contiguous tensors"
                 + (" (call .contiguous() first)" if not writable else " (pass a contiguous `out`)"),
@@ -174,16 +173,16 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
         d = _tensor_desc(arg, out, writable=True)
     elif isinstance(out, np.ndarray):
         if not out.flags.c_contiguous or not out.flags.writeable:
-            raise AmoeError(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
+            raise error(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
         d = Desc(arg, out.shape, out.dtype, out, out.ctypes.data)
     else:
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT, f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(out).__name__}"
         )
     if d.shape != shape:
-        raise AmoeError(Status.SHAPE, f"`{arg}` has shape {list(d.shape)}, the op's output is {list(shape)}")
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(d.shape)}, the op's output is {list(shape)}")
     if d.c.dtype != code:
-        raise AmoeError(
+        raise error(
             Status.DTYPE, f"`{arg}` has dtype {dtype_name(out.dtype)}, the op's output is {NUMPY_DTYPES[code].name}"
         )
     return d
@@ -200,7 +199,7 @@ def alloc(arg: str, shape, like: Desc):
     if _tensor_like(x):
         if hasattr(x, "new_empty"):
             return x.new_empty(shape)
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT,
             f"`{like.arg}` ({type(x).__name__} on {x.device}) has no `new_empty` to allocate the output: pass `{arg}=`",
         )
@@ -269,7 +268,7 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
         stream = default_stream(npu[0].npu)
         if stream is None:
             why = _NO_TORCH_NPU[0] if _NO_TORCH_NPU else "no current stream"
-            raise AmoeError(
+            raise error(
                 Status.NULL_ARGUMENT,
                 f"`{npu[0].arg}` is an NPU tensor (npu:{npu[0].npu}) but no stream was given: pass `stream=`"
                 f" (an object with .npu_stream, the raw aclrtStream, such as torch.npu.current_stream());"
@@ -277,7 +276,7 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
             )
     raw = getattr(stream, "npu_stream", None)
     if not raw:
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT,
             f"`stream` must have a non-null .npu_stream (the raw aclrtStream), got {type(stream).__name__}",
         )
@@ -285,10 +284,10 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
     if npu:
         device = npu[0].npu
         if index is not None and int(index) != device:
-            raise AmoeError(Status.DEVICE, f"`stream` is on npu:{int(index)}, but `{npu[0].arg}` is on npu:{device}")
+            raise error(Status.DEVICE, f"`stream` is on npu:{int(index)}, but `{npu[0].arg}` is on npu:{device}")
     else:
         if index is None:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT, "`stream` has no .device.index and no operand is an NPU tensor to take it from"
             )
         device = int(index)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import enum
 import itertools
 import threading
 import weakref
@@ -12,15 +11,10 @@ from ctypes import c_size_t, c_void_p
 import numpy as np
 
 from . import shapes
-from ._lib import AmoeError, Status, call, lib, numbered, sizes
+from ._enums import ReduceOp, Status
+from ._errors import error
+from ._lib import call, lib, sizes
 from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
-
-
-class _ReduceOp(enum.IntEnum):
-    """`amoe_reduce_op`."""
-
-
-ReduceOp = numbered(_ReduceOp, "amoe_reduce_op")
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -53,7 +47,7 @@ class Comm:
         none (never created, closed, or garbage-collected)."""
         comm = _REGISTRY.get(int(handle_id))
         if comm is None or not comm._h.value:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT,
                 f"no open communicator has handle_id {int(handle_id)} (closed, freed, or never created)",
             )
@@ -65,7 +59,7 @@ class Comm:
         processes); returns once every rank joined. `timeout_s` bounds every wait
         of this communicator (`<= 0`: `$ASCEND_MOE_COMM_TIMEOUT` or 60 s)."""
         if world_size < 0 or rank < 0:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"world_size {world_size} and rank {rank} must be >= 0")
+            raise error(Status.INVALID_ARGUMENT, f"world_size {world_size} and rank {rank} must be >= 0")
         out = c_void_p()
         call("amoe_comm_cpu_new", name.encode(), world_size, rank, float(timeout_s), ctypes.byref(out))
         return cls(out.value)
@@ -96,11 +90,11 @@ class Comm:
         try:
             backend = str(dist.get_backend(pg)).lower()
         except Exception as e:  # noqa: BLE001
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT, f"Comm.from_process_group: {pg!r} is not a usable torch.distributed group: {e}"
             ) from e
         if backend != "hccl":
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT,
                 f"Comm.from_process_group: the group uses the {backend!r} backend; only an HCCL group "
                 "(torch_npu's ProcessGroupHCCL) has an HcclComm to borrow (use Comm.cpu for host ranks)",
@@ -109,13 +103,13 @@ class Comm:
         hccl = pg._get_backend(torch.device(torch._C._get_privateuse1_backend_name()))
         getter = getattr(hccl, "get_hccl_comm", None)
         if getter is None:
-            raise AmoeError(
+            raise error(
                 Status.UNAVAILABLE,
                 f"Comm.from_process_group: the group's backend {type(hccl).__name__} has no get_hccl_comm",
             )
         raw = int(getter(dist.get_rank(pg)))
         if not raw:
-            raise AmoeError(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
+            raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
         if device_ordinal is None:
             device_ordinal = torch.npu.current_device()
         comm = cls.from_hccl(raw, int(device_ordinal))
@@ -125,7 +119,7 @@ class Comm:
     @property
     def handle(self) -> c_void_p:
         if not self._h.value:
-            raise AmoeError(Status.INVALID_ARGUMENT, "the communicator is closed")
+            raise error(Status.INVALID_ARGUMENT, "the communicator is closed")
         return self._h
 
     @property
@@ -178,12 +172,8 @@ class Comm:
 
 
 def _op(op) -> int:
-    if isinstance(op, str):
-        try:
-            return ReduceOp[op.upper()]
-        except KeyError:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown reduce op {op!r} (sum, max, min)") from None
-    return int(op)
+    """A reduce op by name (`"sum"`); a number goes to the library, which checks it."""
+    return int(ReduceOp.parse(op)) if isinstance(op, str) else int(op)
 
 
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
@@ -221,7 +211,7 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
         elif isinstance(out, np.ndarray):
             out[...] = as_array("x", x)
         else:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
             )
     d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))

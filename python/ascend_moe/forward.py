@@ -25,9 +25,11 @@ import dataclasses
 import threading
 from typing import Callable, Optional
 
-from ._lib import AmoeError, Status
+from ._enums import Status
+from ._errors import error
 from .comm import Comm
-from .ops import CommType, ReducePolicy
+from ._enums import CommType
+from .ops import ReducePolicy
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 
 
@@ -46,16 +48,16 @@ class ForwardContext:
         try:
             ct = CommType(int(self.comm_type))
         except ValueError:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT,
                 f"unknown MoE comm type {self.comm_type!r} (expected 0..={int(max(CommType))})",
             ) from None
         object.__setattr__(self, "comm_type", ct)
         object.__setattr__(self, "dp_tokens", tuple(int(t) for t in self.dp_tokens))
         if not self.dp_tokens or any(t < 0 for t in self.dp_tokens):
-            raise AmoeError(Status.INVALID_ARGUMENT, f"dp_tokens must be one count >= 0 per DP rank, got {list(self.dp_tokens)}")
+            raise error(Status.INVALID_ARGUMENT, f"dp_tokens must be one count >= 0 per DP rank, got {list(self.dp_tokens)}")
         if int(self.pcp_size) < 1:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"pcp_size must be >= 1, got {self.pcp_size}")
+            raise error(Status.INVALID_ARGUMENT, f"pcp_size must be >= 1, got {self.pcp_size}")
         object.__setattr__(self, "pcp_size", int(self.pcp_size))
         object.__setattr__(self, "sp", bool(self.sp))
 
@@ -80,7 +82,7 @@ def get_forward_context() -> ForwardContext:
     """The live forward context of this thread; an error when the engine set none."""
     stack = _stack()
     if not stack:
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT,
             "no MoE forward context is set: run the forward inside `ascend_moe.forward_context(...)` "
             "or after `ascend_moe.set_forward_context(...)`",
@@ -135,7 +137,7 @@ class MoeLayer:
         try:
             return _LAYERS[int(layer_id)]
         except KeyError:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"no MoE layer is registered under id {layer_id}") from None
+            raise error(Status.INVALID_ARGUMENT, f"no MoE layer is registered under id {layer_id}") from None
 
     def close(self) -> None:
         _LAYERS.pop(self.layer_id, None)
@@ -156,9 +158,9 @@ class MoeLayer:
 
     def checked_policy(self, ctx: ForwardContext) -> ReducePolicy:
         if self.policy is None:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"MoE layer {self.layer_id} has no reduce policy")
+            raise error(Status.INVALID_ARGUMENT, f"MoE layer {self.layer_id} has no reduce policy")
         if self.policy.sp != ctx.sp:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT,
                 f"MoE layer {self.layer_id}: its policy has sp={self.policy.sp}, the forward context sp={ctx.sp}",
             )

@@ -20,25 +20,24 @@ from __future__ import annotations
 
 import ctypes
 
-from ._lib import ALL_TOKENS, AmoeError, ForwardContextC, Status, call, lib, sizes
+from ._enums import GUARD_ACTUAL_TOKENS, Status
+from ._errors import error
+from ._lib import ALL_TOKENS, ForwardContextC, call, lib, sizes
 from ._tensor import wrap_stream
 from .forward import ForwardContext
-
-# `AMOE_GUARD_ACTUAL_TOKENS`.
-GUARD_ACTUAL_TOKENS = 1
 
 
 def _stream_handle(stream, device):
     raw = getattr(stream, "npu_stream", None)
     if not raw:
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT,
             f"`stream` must have a non-null .npu_stream (the raw aclrtStream), got {type(stream).__name__}",
         )
     if device is None:
         device = getattr(getattr(stream, "device", None), "index", None)
     if device is None:
-        raise AmoeError(Status.INVALID_ARGUMENT, "the stream's device is unknown: pass `device=`")
+        raise error(Status.INVALID_ARGUMENT, "the stream's device is unknown: pass `device=`")
     return wrap_stream(raw, int(device)), int(device)
 
 
@@ -68,7 +67,7 @@ class LiveContext:
 
     def _handle(self):
         if self._h is None:
-            raise AmoeError(Status.NULL_ARGUMENT, "the live context was closed")
+            raise error(Status.NULL_ARGUMENT, "the live context was closed")
         return self._h
 
     def set(self, ctx: ForwardContext) -> None:

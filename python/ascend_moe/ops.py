@@ -7,46 +7,14 @@ first input lives) and `stream=` (an object with `.npu_stream`; default
 from __future__ import annotations
 
 import ctypes
-import enum
 from ctypes import c_size_t, c_uint8
 
 from . import shapes
-from .shapes import DropPadMode
-from ._lib import AmoeError, ReducePolicyC, Status, call, numbered, sizes
+from ._enums import CommType, DropPadMode, SharedMode, Status
+from ._errors import error
+from ._lib import ReducePolicyC, call, sizes
 from ._tensor import Operands
 from .comm import Comm
-
-
-class _CommType(enum.IntEnum):
-    """vLLM-Ascend's MoE communication types, chosen per forward pass."""
-
-
-CommType = numbered(_CommType, "amoe_comm_type")
-
-
-class _SharedMode(enum.IntEnum):
-    """How a layer's shared expert is parallelised (static)."""
-
-    @classmethod
-    def parse(cls, v) -> "SharedMode":
-        """A mode from itself, its number, or its name (`"tensor_parallel"`, `"none"`, ...)."""
-        if isinstance(v, str):
-            try:
-                return cls[v.strip().upper()]
-            except KeyError:
-                names = ", ".join(m.name.lower() for m in cls)
-                raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared mode {v!r} (expected one of {names})") from None
-        if v is None:
-            return cls.NONE
-        try:
-            return cls(int(v))
-        except ValueError:
-            raise AmoeError(
-                Status.INVALID_ARGUMENT, f"unknown shared mode {v!r} (expected 0..={int(max(cls))})"
-            ) from None
-
-
-SharedMode = numbered(_SharedMode, "amoe_shared_mode")
 
 
 class SpLayout:
@@ -55,9 +23,9 @@ class SpLayout:
     def __init__(self, local_sizes):
         sizes_ = tuple(int(s) for s in local_sizes)
         if not sizes_:
-            raise AmoeError(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
+            raise error(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
         if any(s < 0 for s in sizes_):
-            raise AmoeError(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
+            raise error(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
         self.local_sizes = sizes_
 
     @classmethod
@@ -220,13 +188,13 @@ class ReducePolicy:
     live stays correct when another is used."""
 
     def __init__(self, shared_mode, has_routed_transform: bool, sp: bool, tp_size: int, ep_size: int):
-        self.shared_mode = SharedMode.parse(shared_mode)
+        self.shared_mode = SharedMode.NONE if shared_mode is None else SharedMode.parse(shared_mode)
         self.has_routed_transform = bool(has_routed_transform)
         self.sp = bool(sp)
         self.tp_size = int(tp_size)
         self.ep_size = int(ep_size)
         if self.tp_size < 0 or self.ep_size < 0:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"tp_size {tp_size} and ep_size {ep_size} must be >= 0")
+            raise error(Status.INVALID_ARGUMENT, f"tp_size {tp_size} and ep_size {ep_size} must be >= 0")
         self._c = ReducePolicyC(self.shared_mode, self.has_routed_transform, self.sp, self.tp_size, self.ep_size)
         self.decisions(CommType.ALLGATHER)  # validates
 

@@ -7,8 +7,11 @@ from ctypes import c_size_t, c_void_p
 
 import numpy as np
 
-from ._lib import ALL_TOKENS, AmoeError, MoeContextC, MoeContextExC, Status, call, lib, sizes
-from ._tensor import Operands, desc_meta, shape_of, shape_out
+from . import shapes
+from ._enums import CommType, Status
+from ._errors import error
+from ._lib import ALL_TOKENS, MoeContextC, MoeContextExC, call, lib, sizes
+from ._tensor import Operands
 from .comm import Comm
 
 
@@ -36,7 +39,7 @@ class MoeContext:
             checked.append(("num_actual_tokens", num_actual_tokens))
         for name, v in checked:
             if int(v) < 0:
-                raise AmoeError(Status.INVALID_ARGUMENT, f"MoeContext: {name} must be >= 0, got {v}")
+                raise error(Status.INVALID_ARGUMENT, f"MoeContext: {name} must be >= 0, got {v}")
         self.dp_tokens = tuple(int(t) for t in dp_tokens)
         self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
         self.num_actual_tokens = None if num_actual_tokens is None else int(num_actual_tokens)
@@ -83,7 +86,7 @@ class MoeGroups:
     @property
     def handle(self) -> c_void_p:
         if not self._h.value:
-            raise AmoeError(Status.INVALID_ARGUMENT, "the MoE groups are closed")
+            raise error(Status.INVALID_ARGUMENT, "the MoE groups are closed")
         return self._h
 
     def close(self) -> None:
@@ -104,20 +107,9 @@ class MoeGroups:
             pass
 
 
-def token_prepare_shape(x, comm_type, ctx: MoeContext) -> tuple:
-    """Shape of `token_prepare`'s output (`x` may be a `(shape, dtype)` pair)."""
-    d = desc_meta("x", x)
-    buf, ndim, out = shape_out()
-    call("amoe_token_prepare_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
-    return shape_of(buf, ndim)
-
-
-def token_finalize_shape(y, comm_type, ctx: MoeContext) -> tuple:
-    """Shape of `token_finalize`'s output."""
-    d = desc_meta("y", y)
-    buf, ndim, out = shape_out()
-    call("amoe_token_finalize_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
-    return shape_of(buf, ndim)
+# The shape functions, by the names this module has always given them.
+token_prepare_shape = shapes.token_prepare
+token_finalize_shape = shapes.token_finalize
 
 
 def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
@@ -143,8 +135,8 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
         ctypes.byref(mask_len),
         o.stream,
     )
-    ct = int(comm_type)
-    return o.result, (np.array(mask[: mask_len.value], dtype=bool) if ct in (1, 3) else None)
+    has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
+    return o.result, (np.array(mask[: mask_len.value], dtype=bool) if has_mask else None)
 
 
 def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):

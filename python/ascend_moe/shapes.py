@@ -9,18 +9,10 @@ the dtype of its first argument.
 
 from __future__ import annotations
 
-import enum
-
-from ._lib import AmoeError, FinalizeArgs, Status, call, numbered, sizes
+from ._enums import DropPadMode, Status
+from ._errors import error
+from ._lib import FinalizeArgs, call, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
-
-
-class _DropPadMode(enum.IntEnum):
-    """Drop-pad modes of the finalize op (SPEC section 1); `drop_pad_mode`
-    arguments take a member or its number."""
-
-
-DropPadMode = numbered(_DropPadMode, "amoe_drop_pad_mode")
 
 
 def _ep(ep) -> tuple:
@@ -41,7 +33,7 @@ def _layout(layout):
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
     """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
     if int(drop_pad_mode) < 0:
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}"
         )
     make_opt = (lambda a, x: None if x is None else make(a, x))
@@ -168,7 +160,7 @@ def _count(name: str, v) -> int:
     """A non-negative count, or an `AmoeError` naming it."""
     v = int(v)
     if v < 0:
-        raise AmoeError(Status.INVALID_ARGUMENT, f"{name} must be >= 0, got {v}")
+        raise error(Status.INVALID_ARGUMENT, f"{name} must be >= 0, got {v}")
     return v
 
 
@@ -186,7 +178,7 @@ def reduce_scatter(x, comm) -> tuple:
     s = _identity(x)
     _, world = _ep(comm)
     if not s or s[0] % world:
-        raise AmoeError(Status.SHAPE, f"reduce_scatter: x has shape {s}, whose rows the world size {world} does not divide")
+        raise error(Status.SHAPE, f"reduce_scatter: x has shape {s}, whose rows the world size {world} does not divide")
     return (s[0] // world,) + s[1:]
 
 
@@ -207,14 +199,16 @@ reduce_final = reduce_routed_early
 
 
 def token_prepare(x, comm_type, ctx) -> tuple:
-    """Shape of `ascend_moe.token_prepare`'s hidden output."""
-    from .prepare import token_prepare_shape
-
-    return token_prepare_shape(x, comm_type, ctx)
+    """Shape of `ascend_moe.token_prepare`'s hidden output (`ctx` a `MoeContext`)."""
+    d = desc_meta("x", x)
+    buf, ndim, out = shape_out()
+    call("amoe_token_prepare_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    return shape_of(buf, ndim)
 
 
 def token_finalize(y, comm_type, ctx) -> tuple:
-    """Shape of `ascend_moe.token_finalize`'s output."""
-    from .prepare import token_finalize_shape
-
-    return token_finalize_shape(y, comm_type, ctx)
+    """Shape of `ascend_moe.token_finalize`'s output (`ctx` a `MoeContext`)."""
+    d = desc_meta("y", y)
+    buf, ndim, out = shape_out()
+    call("amoe_token_finalize_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    return shape_of(buf, ndim)

@@ -137,6 +137,23 @@ def test_bad_inputs_raise_amoe_error_with_the_library_message():
         am.all_reduce(np.zeros(3), None)
 
 
+def test_argument_errors_are_value_and_type_errors():
+    # Raised by the library (its statuses mapped to the classes) and by the package.
+    with pytest.raises(ValueError, match="drop_pad_mode|drop-pad mode") as e:
+        am.moe_finalize_routing(np.zeros((2, 2), np.float32), np.zeros(2, np.int32), drop_pad_mode=9)
+    assert isinstance(e.value, am.InvalidArgumentError) and isinstance(e.value, am.AmoeError)
+    with pytest.raises(ValueError, match="expected 1 rows") as e:
+        am.shapes.maybe_all_gather_and_maybe_unpad(((2, 2), "float32"), [3, 1, 0, 4], (1, 4))
+    assert isinstance(e.value, am.ShapeError) and e.value.status is am.Status.SHAPE
+    with pytest.raises(TypeError, match="float64") as e:
+        am.all_reduce(np.zeros(3), None)
+    assert isinstance(e.value, am.DTypeError) and e.value.status is am.Status.DTYPE
+    with pytest.raises(ValueError, match="unknown MoE comm type 7"):
+        am.routed_is_reduced(7, False)
+    with pytest.raises(ValueError, match="unknown reduce op 'prod' \\(expected one of sum, max, min\\)"):
+        am.all_reduce(np.zeros(3, np.float32), None, op="prod")
+
+
 def test_comm_lifecycle_in_threads():
     """Two threads of one process as ranks; ctypes releases the GIL in calls."""
     name = f"pytest-threads-{uuid.uuid4().hex[:12]}"
@@ -168,3 +185,8 @@ def test_from_hccl_is_unavailable_without_the_npu_backend():
     with pytest.raises(am.AmoeError) as e:
         am.Comm.from_hccl(0x1234, 0)
     assert e.value.status == am.Status.UNAVAILABLE
+
+
+def test_the_package_is_typed():
+    # PEP 561: the marker ships in the package (CI runs this against the installed wheel).
+    assert (Path(am.__file__).resolve().parent / "py.typed").is_file()

@@ -1,7 +1,9 @@
-"""The Python package numbers no enum itself: its enums and dtype tables are the
-library's table (`amoe_enum_*`, read at import), which is the header's, every
-enum and variant in both directions (tests/capi_enums.rs ties the Rust enums to
-the same header and table)."""
+"""The Python package numbers no enum itself: its enums are `_enums`, rendered
+from the library's table by tests/python_enums.rs (which fails when the
+committed file is stale), and here they are tied to the header and to the
+loaded library's table (`amoe_enum_*`), every enum and variant in both
+directions (tests/capi_enums.rs ties the Rust enums to the same header and
+table)."""
 
 import ast
 import importlib
@@ -13,7 +15,7 @@ import sys
 from pathlib import Path
 
 import ascend_moe as am
-from ascend_moe import _tensor
+from ascend_moe import _enums, _errors, _tensor
 
 # The module (the package's `_lib` attribute is its `lib()` function).
 _lib = importlib.import_module("ascend_moe._lib")
@@ -35,16 +37,17 @@ DTYPE_NAMES = {
     "float8_e5m2": "F8E5M2",
 }
 
-# The package's class for each header enum; the dtype and device-kind codes are
-# tables of `_tensor` (checked below).
+# The package's class for each header enum (the dtype and device-kind codes
+# also make tables of `_tensor`, checked below).
 CLASSES = {
     "amoe_status": am.Status,
+    "amoe_dtype": am.DType,
+    "amoe_device_kind": _enums.DeviceKind,
     "amoe_comm_type": am.CommType,
     "amoe_shared_mode": am.SharedMode,
     "amoe_reduce_op": am.ReduceOp,
     "amoe_drop_pad_mode": am.DropPadMode,
 }
-TABLES = {"amoe_dtype", "amoe_device_kind"}
 
 
 def header_enums():
@@ -67,12 +70,22 @@ def test_the_library_table_is_the_header():
     header = header_enums()
     assert len(header) >= 7, sorted(header)
     # Dict equality is both directions: same enums, same variants, same numbers.
-    assert _lib.ENUM_TABLES == header
-    assert list(_lib.ENUM_TABLES) == list(header), "the table is in header order"
+    table = _lib.library_enum_tables()
+    assert table == header
+    assert list(table) == list(header), "the table is in header order"
+
+
+def test_the_static_enums_are_the_library_table():
+    table = _lib.library_enum_tables()
+    assert list(_enums.TABLES) == list(table)
+    for name, cls in _enums.TABLES.items():
+        assert [(m.name, int(m)) for m in cls] == list(table[name].items()), name
 
 
 def test_every_header_enum_has_a_python_counterpart():
-    assert set(CLASSES) | TABLES == set(header_enums())
+    assert set(CLASSES) == set(header_enums()) == set(_enums.TABLES)
+    for name, cls in CLASSES.items():
+        assert _enums.TABLES[name] is cls, name
 
 
 def test_int_enums_match_the_header_both_ways():
@@ -115,17 +128,30 @@ def test_shared_mode_parse_names_the_valid_numbers():
     top = max(header_enums()["amoe_shared_mode"].values())
     try:
         am.SharedMode.parse(top + 1)
-    except am.AmoeError as e:
+    except ValueError as e:
+        assert isinstance(e, am.InvalidArgumentError) and isinstance(e, am.AmoeError)
         assert e.status is am.Status.INVALID_ARGUMENT
         assert f"expected 0..={top}" in str(e), str(e)
     else:
         raise AssertionError("an unknown shared mode was accepted")
 
 
+def test_every_error_class_names_a_status():
+    for name, cls in _errors.BY_STATUS_NAME.items():
+        status = am.Status[name]
+        e = _errors.error(status, "m")
+        assert type(e) is cls and e.status is status and isinstance(e, am.AmoeError)
+        assert isinstance(e, (ValueError, TypeError)), name
+    assert type(_errors.error(am.Status.HCCL, "m")) is am.AmoeError
+    assert isinstance(_errors.error(am.Status.DTYPE, "m"), TypeError)
+
+
 def test_no_enum_number_is_written_in_the_package():
-    """No enum class of the package assigns a member: the members come from
-    the library."""
+    """No enum class of the package assigns a member, except in `_enums`,
+    which tests/python_enums.rs renders from the library's table."""
     for path in sorted((ROOT / "python" / "ascend_moe").glob("*.py")):
+        if path.name == "_enums.py":
+            continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and any("Enum" in ast.unparse(b) for b in node.bases):
@@ -134,8 +160,11 @@ def test_no_enum_number_is_written_in_the_package():
                 assert not members, f"{path.name}: class {node.name} numbers {members} itself"
 
 
-def test_import_without_the_library_still_works_and_enums_name_it(tmp_path):
+def test_import_without_the_library_still_works_and_the_first_call_names_it(tmp_path):
     env = dict(os.environ, ASCEND_MOE_LIB=str(tmp_path / "missing.so"))
-    code = "import ascend_moe as am\ntry:\n    int(am.Status.OK)\nexcept OSError as e:\n    print(e)"
+    code = (
+        "import ascend_moe as am\nprint(am.CommType.MC2.name)\n"
+        "try:\n    am.version()\nexcept OSError as e:\n    print(e)"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert "missing.so" in out and "Status" in out, out
+    assert out.startswith("MC2\n") and "missing.so" in out, out
