@@ -84,6 +84,11 @@ pub struct PoolStats {
     pub callback_blocks: usize,
     /// Blocks returned to the caller's allocator callback.
     pub callback_frees: usize,
+    /// Blocks a captured task used: kept by the graph, never served again
+    /// (see [`Pool::retire`]).
+    pub graph_blocks: usize,
+    /// Bytes in those blocks.
+    pub graph_bytes: usize,
 }
 
 /// `bytes` rounded up to [`WORKSPACE_ALIGN`] (at least one block).
@@ -141,6 +146,19 @@ impl Pool {
             }
         }
         self.in_use = self.in_use.saturating_sub(1);
+    }
+
+    /// Takes back a block a task captured into a graph uses, without making
+    /// it free: every replay of the graph reads and writes it again, and the
+    /// runtime guide's single-stream capture restriction 7 asks that what a
+    /// captured task uses stay valid until the model is destroyed, so no later
+    /// eager work may be handed these bytes. The block stays with the graph
+    /// for the stream's life (the crate does not see `aclmdlRIDestroy`); its
+    /// segment is freed with the pool.
+    pub(crate) fn retire(&mut self, len: usize) {
+        self.in_use = self.in_use.saturating_sub(1);
+        self.stats.graph_blocks += 1;
+        self.stats.graph_bytes += len;
     }
 
     /// The largest free range, in bytes.
