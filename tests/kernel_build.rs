@@ -119,7 +119,9 @@ fn every_npu_launcher_returns_the_launch_error() {
         let name = body.split('(').next().unwrap();
         let launch = body.find("<<<").unwrap_or_else(|| panic!("{name}: no <<<>>> launch"));
         let end = body.find("\n}").unwrap_or_else(|| panic!("{name}: no end"));
-        let (before, after) = (&body[..launch], &body[launch..end]);
+        // Up to the start of the launch's line.
+        let line_start = body[..launch].rfind('\n').unwrap_or(0);
+        let (before, after) = (&body[..line_start], &body[launch..end]);
         let prev = before.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
         assert_eq!(
             prev.trim(),

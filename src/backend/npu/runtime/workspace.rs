@@ -65,7 +65,7 @@ impl NpuStream {
         let graph = captured || self.is_capturing().unwrap_or(true);
         let mut st = lock(self.state());
         if graph {
-            st.pool.retire(block);
+            st.pool.retire(ptr, block);
         } else {
             st.pool.give_back(ptr, block);
         }
