@@ -178,10 +178,10 @@ fn unpermute_needs_t_times_k_permuted_rows() {
 #[test]
 fn a_launch_scribbles_its_workspace_when_it_runs() {
     let s = use_device(0);
-    // permuted [4, 2] f32, sorted indices of T=2, K=2, out [2, 2].
+    // permuted [4, 2] f32, four sorted indices, no probs (K = 1): out [4, 2].
     let tokens = tensor(&[4, 2], ACL_FLOAT, upload(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]));
     let sorted = idx(&[0, 1, 2, 3]);
-    let out = dev(&[2, 2], ACL_FLOAT);
+    let out = dev(&[4, 2], ACL_FLOAT);
     let (mut ws, mut ex) = (0u64, NULL);
     let rc =
         unsafe { (s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(tokens, sorted, NULL, false, NULL, out, &mut ws, &mut ex) };
