@@ -14,8 +14,8 @@
 //!
 //! NPU build (when CANN is installed: `ASCEND_HOME_PATH` or
 //! `ASCEND_TOOLKIT_HOME` with its `bisheng` or `ccec`): the same source for
-//! the AI Core into `libamoe_kernels_npu.so` in OUT_DIR, flags per CANN
-//! version (`build/npu_flags.rs`); its path is baked in as
+//! the AI Core into `libamoe_kernels_npu.so` in OUT_DIR, with the command
+//! line of `build/npu_flags.rs`; its path is baked in as
 //! `AMOE_NPU_KERNEL_LIB` and `cfg(amoe_npu_kernel)` is set. A failure is a
 //! build warning, or a build error with `ASCEND_MOE_NATIVE_KERNEL=required`.
 
@@ -49,8 +49,6 @@ const ENV_VARS: &[&str] = &[
     "ASCEND_TOOLKIT_HOME",
     // Ascend C headers for the host build (see the module doc).
     "ASCEND_MOE_ASCENDC_INCLUDE",
-    // AI Core architecture for the NPU build with CANN >= 8.3 (default dav-2201 = Atlas A2 / 910B).
-    "ASCEND_MOE_NPU_ARCH",
     // `1` skips the NPU kernel build even when CANN is present.
     "ASCEND_MOE_NO_NPU_KERNEL",
     // `required`: a missing or failing NPU kernel build on a CANN host is an error.
@@ -313,11 +311,8 @@ fn fail_npu(required: bool, msg: &str) {
 fn build_npu_kernel(cann: &Cann, required: bool) {
     let out = PathBuf::from(env::var_os("OUT_DIR").unwrap_or_default());
     let lib = out.join("libamoe_kernels_npu.so");
-    let arch = env::var("ASCEND_MOE_NPU_ARCH").unwrap_or_else(|_| "dav-2201".to_string());
     let b = npu_flags::NpuBuild {
         home: &cann.home,
-        version: cann.version,
-        npu_arch: &arch,
         source: Path::new("kernels/npu_launch.cpp"),
         kernels_dir: Path::new("kernels"),
         output: &lib,
@@ -332,7 +327,9 @@ fn build_npu_kernel(cann: &Cann, required: bool) {
         Ok(o) => {
             let err = String::from_utf8_lossy(&o.stderr);
             let first = err.lines().take(8).collect::<Vec<_>>().join(" | ");
-            fail_npu(required, &format!("{} exited with {}: {first}", cann.compiler.display(), o.status));
+            let v = cann.version;
+            let what = format!("{} (CANN {}.{}) exited with {}", cann.compiler.display(), v.major, v.minor, o.status);
+            fail_npu(required, &format!("{what}: {first}"));
         }
         Err(e) => fail_npu(required, &format!("could not run {}: {e}", cann.compiler.display())),
     }

@@ -15,9 +15,6 @@ pub struct CannVersion {
 }
 
 impl CannVersion {
-    /// `--npu-arch` replaced `--cce-aicore-arch` from this release on.
-    pub const NPU_ARCH_FLAG: CannVersion = CannVersion { major: 8, minor: 3 };
-
     /// Parses the leading `major.minor` of a version string.
     pub fn parse(s: &str) -> Option<CannVersion> {
         let mut parts = s.trim().split('.');
@@ -70,10 +67,6 @@ pub const MLLVM_OPTIONS: &[&str] = &[
 pub struct NpuBuild<'a> {
     /// CANN install root (`ASCEND_HOME_PATH`).
     pub home: &'a Path,
-    /// Toolkit version.
-    pub version: CannVersion,
-    /// `--npu-arch` value for CANN >= 8.3 (`dav-2201`: Atlas A2 / 910B).
-    pub npu_arch: &'a str,
     /// The launcher source (`kernels/npu_launch.cpp`).
     pub source: &'a Path,
     /// Directory of `finalize_tiling.h` / `finalize_kernel.cpp`.
@@ -88,31 +81,35 @@ fn inc(p: &Path) -> String {
 
 /// The bisheng arguments (without the compiler itself) of a one-step
 /// heterogeneous (`-xcce`) build of the kernel plus the host stub of its
-/// `<<<>>>` launch, as a shared library.
+/// `<<<>>>` launch, as a shared library, for every CANN 8.x release.
 ///
-/// - CANN <= 8.2: the vector-core form of `bisheng_intf.cmake`'s
-///   `aiv_intf_pub` (`--cce-aicore-arch=dav-c220-vec`, `--cce-auto-sync`, its
-///   `-mllvm` options). Its `--cce-aicore-only` is left out: it drops the host
-///   half of the compile, which here is the launch stub.
-/// - CANN >= 8.3: `--npu-arch=<arch>` (default `dav-2201`) with the same options.
+/// The arguments are the vector-core form of the toolkit's own kernel build
+/// interface: `--cce-aicore-arch=dav-c220-vec`, `--cce-auto-sync` and the
+/// `-mllvm` options of `aiv_intf_pub` in tikcpp's `bisheng_intf.cmake`
+/// (CANN 8.1), the same set as `c220_aiv_intf_pub` in the device cmake of
+/// hicann/asc-devkit (the Ascend C devkit of CANN 8.5, which still uses
+/// `--cce-aicore-arch=dav-c220-vec` for vector kernels). Its
+/// `--cce-aicore-only` is left out: it drops the host half of the compile,
+/// which here is the launch stub. `-xcce` is the heterogeneous mode of the
+/// Bisheng compiler guide (异构编译, `atlas_bisheng_10_0003` for 8.0-8.2;
+/// from 8.5 `-x` with the `cce` language, `atlas_bisheng_10_0013`).
+///
+/// `--npu-arch=dav-2201`, which the 8.5 guide lists for the `-x asc` flow,
+/// is not used: it names the architecture and not the core type, and a
+/// one-step build expands `KERNEL_TASK_TYPE_DEFAULT` to nothing, so only the
+/// `-vec` architecture keeps this vector-only kernel on the vector cores.
 ///
 /// Linked against `libascendcl` and `libruntime` of `$ASCEND_HOME_PATH/lib64`
 /// with that directory as the run path: the launch stub calls the runtime's
-/// kernel-registration and launch entry points, and the library is
-/// `dlopen`ed with `RTLD_LOCAL`. The dynamic linker resolves a loaded
-/// object's undefined symbols in the global scope and then in the object's
-/// own `DT_NEEDED` tree (dlopen(3), "local scope"), so the stub resolves no
-/// matter how the process loaded libascendcl.
+/// kernel-registration and launch entry points (and `aclrtGetLastError`), and
+/// the library is `dlopen`ed with `RTLD_LOCAL`. The dynamic linker resolves a
+/// loaded object's undefined symbols in the global scope and then in the
+/// object's own `DT_NEEDED` tree (dlopen(3), "local scope"), so the stub
+/// resolves no matter how the process loaded libascendcl.
 pub fn bisheng_args(b: &NpuBuild<'_>) -> Vec<String> {
     let tik = b.home.join("compiler/tikcpp/tikcfw");
     let lib64 = b.home.join("lib64");
-    let mut a: Vec<String> = vec!["-xcce".into()];
-    if b.version >= CannVersion::NPU_ARCH_FLAG {
-        a.push(format!("--npu-arch={}", b.npu_arch));
-    } else {
-        a.push("--cce-aicore-arch=dav-c220-vec".into());
-    }
-    a.push("--cce-auto-sync".into());
+    let mut a: Vec<String> = vec!["-xcce".into(), "--cce-aicore-arch=dav-c220-vec".into(), "--cce-auto-sync".into()];
     for o in MLLVM_OPTIONS {
         a.push("-mllvm".into());
         a.push((*o).into());

@@ -48,11 +48,9 @@ fn cann_versions_are_read_from_the_toolkit_info_files() {
     assert_eq!(parse_version_file("version=unknown\n"), None);
 }
 
-fn args_for(major: u32, minor: u32) -> Vec<String> {
+fn args() -> Vec<String> {
     bisheng_args(&NpuBuild {
         home: Path::new("/opt/cann"),
-        version: CannVersion { major, minor },
-        npu_arch: "dav-2201",
         source: Path::new("kernels/npu_launch.cpp"),
         kernels_dir: Path::new("kernels"),
         output: Path::new("/out/libamoe_kernels_npu.so"),
@@ -99,21 +97,43 @@ fn assert_common(a: &[String]) {
 }
 
 #[test]
-fn cann_8_0_to_8_2_use_the_aiv_intf_pub_flags() {
-    for minor in [0, 1, 2] {
-        let a = args_for(8, minor);
-        assert_common(&a);
-        assert!(a.iter().any(|x| x == "--cce-aicore-arch=dav-c220-vec"), "8.{minor}: {a:?}");
-        assert!(!a.iter().any(|x| x.starts_with("--npu-arch")), "8.{minor}: --npu-arch exists from 8.3 only");
-    }
+fn every_cann_8_release_builds_for_the_vector_cores_with_the_aiv_intf_pub_flags() {
+    let a = args();
+    assert_common(&a);
+    assert_eq!(a[1], "--cce-aicore-arch=dav-c220-vec", "the vector-core arch: {a:?}");
+    assert!(!a.iter().any(|x| x.starts_with("--npu-arch")), "--npu-arch names no core type: {a:?}");
+    assert!(!a.iter().any(|x| x == "--cce-aicore-only"), "the host stub is compiled too: {a:?}");
 }
 
+/// Every `<<<>>>` launch of kernels/npu_launch.cpp returns the runtime's
+/// launch error: the thread's last error is cleared before the launch and
+/// returned after it (`aclrtGetLastError`), and the launchers' own argument
+/// checks return ACL_ERROR_INVALID_PARAM (100000), not 107000
+/// (ACL_ERROR_RT_PARAM_INVALID, rt_error_codes.h).
 #[test]
-fn cann_8_3_and_later_use_npu_arch() {
-    for (major, minor) in [(8, 3), (8, 5), (9, 0)] {
-        let a = args_for(major, minor);
-        assert_common(&a);
-        assert!(a.iter().any(|x| x == "--npu-arch=dav-2201"), "{major}.{minor}: {a:?}");
-        assert!(!a.iter().any(|x| x.starts_with("--cce-aicore-arch")), "{major}.{minor}: {a:?}");
+fn every_npu_launcher_returns_the_launch_error() {
+    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/npu_launch.cpp")).unwrap();
+    let launchers: Vec<&str> = src.split("extern \"C\" int32_t ").skip(1).collect();
+    assert_eq!(launchers.len(), 3, "the finalize, guard and copy launchers");
+    for body in launchers {
+        let name = body.split('(').next().unwrap();
+        let launch = body.find("<<<").unwrap_or_else(|| panic!("{name}: no <<<>>> launch"));
+        let end = body.find("\n}").unwrap_or_else(|| panic!("{name}: no end"));
+        // Up to the start of the launch's line.
+        let line_start = body[..launch].rfind('\n').unwrap_or(0);
+        let (before, after) = (&body[..line_start], &body[launch..end]);
+        let prev = before.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or_default();
+        assert_eq!(
+            prev.trim(),
+            "(void)amoe_last_launch_error();",
+            "{name}: the last error is not cleared right before the launch"
+        );
+        assert!(
+            after.trim_end().ends_with("return amoe_last_launch_error();"),
+            "{name}: the launch error is not returned"
+        );
+        assert!(!body[..end].contains("return 0;"), "{name}: returns 0 regardless");
+        assert!(!body[..end].contains("107000"), "{name}: 107000 is the runtime's ACL_ERROR_RT_PARAM_INVALID");
     }
+    assert!(src.contains("aclrtGetLastError(ACL_RT_THREAD_LEVEL)"), "the thread level, the only one CANN accepts");
 }

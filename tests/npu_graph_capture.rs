@@ -641,3 +641,52 @@ fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
         );
     }
 }
+
+/// The aclnn workspace of a captured launch stays with the graph: workspace
+/// handed to eager work on the same stream after the capture never shares
+/// its bytes, so replays (each of which overwrites the operator's whole
+/// workspace, as the simulator does) leave eager data alone.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn eager_workspace_after_a_capture_never_shares_the_graphs_bytes() {
+    use ascend_moe::{DType, Device, Tensor};
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let (engine, s) = engine_stream(&dev);
+    let (t, k, rows, h) = (4usize, 2usize, 8usize, 8usize);
+    let permuted_d = dev.clone_htod(&inputs(3, 0, rows * h)).expect("permuted");
+    let idx: Vec<i32> = (0..(t * k) as i32).collect();
+    let idx_d = dev.clone_htod(&idx).expect("indices");
+    let probs_d = dev.clone_htod(&inputs(4, 0, t * k)).expect("probs");
+    let out_d = dev.alloc_zeros::<f32>(t * h).expect("out");
+    let (ps, is, ws, os) = ([rows, h], [t * k], [t, k], [t, h]);
+    let pd = desc(dev_ptr(&permuted_d), amoe_dtype::F32, &ps, Place::Npu(0));
+    let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, Place::Npu(0));
+    let wd = desc(dev_ptr(&probs_d), amoe_dtype::F32, &ws, Place::Npu(0));
+    let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, Place::Npu(0));
+    dev.synchronize().expect("uploads");
+    // SAFETY (every call below): live handles; descriptors over live memory.
+    let run = || ok("unpermute", unsafe { amoe_moe_token_unpermute(&pd, &id, &wd, &od, s) });
+    run();
+    ok("warm-up check", unsafe { amoe_stream_check(s) });
+    let want = out_d.to_vec().expect("eager out");
+    let graph = Graph::capture(engine.raw(), run);
+    // SAFETY: `engine` outlives `on_engine`; both name the same stream and pool.
+    let on_engine = Device::Npu(unsafe { NpuDevice::with_borrowed_stream(0, engine.raw()) }.expect("borrow"));
+    let keep: Vec<f32> = (0..2048).map(|i| i as f32 * 0.5 + 1.0).collect();
+    let host = Tensor::from_slice(&keep, &[2048]).expect("host");
+    let held: Vec<Tensor> =
+        (0..8).map(|_| on_engine.backend().scratch_from_host(&host).expect("eager workspace")).collect();
+    assert!(held.iter().all(|t| t.dtype() == DType::F32));
+    for round in 0..2 {
+        graph.replay(engine.raw());
+        ok("check after a replay", unsafe { amoe_stream_check(s) });
+        assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want), "replay {round}");
+        for (i, t) in held.iter().enumerate() {
+            assert_eq!(t.to_vec::<f32>().expect("held"), keep, "replay {round}: eager block {i} was overwritten");
+        }
+    }
+    drop(held);
+    drop(graph);
+    // SAFETY: a live handle, not used afterwards.
+    unsafe { amoe_stream_free(s) };
+}

@@ -1,6 +1,9 @@
 //! The safe ACL layer itself: typed and pinned buffers, streams (owned and
 //! borrowed), events, and errors from the runtime. Ignored without an NPU.
 
+#[path = "common/graph.rs"]
+mod graph;
+
 use ascend_moe::backend::npu::{self, DeviceBuffer, NpuDevice, NpuEvent, PinnedHostBuffer};
 use ascend_moe::{Error, Tensor};
 
@@ -99,4 +102,66 @@ fn runtime_failures_are_acl_errors_with_the_call_name() {
     assert!(matches!(err, Error::InvalidArgument { arg: "ordinal", .. }), "{err:?}");
     // The device is still fine afterwards.
     assert_eq!(d.clone_htod(&[3i32; 5]).unwrap().to_vec().unwrap(), vec![3i32; 5]);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_device_opened_on_the_default_stream_runs_ops_and_their_checks() {
+    // SAFETY: the default (NULL) stream lives as long as the device context.
+    let d = unsafe { NpuDevice::with_borrowed_stream(0, std::ptr::null_mut()) }.unwrap();
+    // aclmdlRICaptureGetInfo refuses a NULL stream (CANN returns 100000): the
+    // default stream never captures, so it is not asked about it.
+    assert!(!d.stream().is_capturing().unwrap());
+    let dev = ascend_moe::Device::Npu(d.clone());
+    let a: Vec<f32> = (0..96).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let b: Vec<f32> = (0..96).map(|i| 3.25 - i as f32).collect();
+    let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    let ta = Tensor::from_slice(&a, &[8, 12]).unwrap().to_device(&dev).unwrap();
+    let tb = Tensor::from_slice(&b, &[8, 12]).unwrap().to_device(&dev).unwrap();
+    let mut out = Tensor::zeros(&[8, 12], ascend_moe::DType::F32, &dev).unwrap();
+    dev.backend().add(&ta, &tb, &mut out).unwrap();
+    // The device-side equality check queues a kernel and reads its status at the check.
+    let idx = Tensor::from_slice(&[5i32; 16], &[16]).unwrap().to_device(&dev).unwrap();
+    let mismatch: ascend_moe::backend::Mismatch =
+        Box::new(|_, at, v| Error::invalid("default_stream_test", "idx", format!("{v} at {at}")));
+    dev.backend().expect_all_equal(&idx, 5, mismatch).unwrap();
+    d.check().unwrap();
+    assert_eq!(out.to_vec::<f32>().unwrap(), want);
+    assert!(npu::take_drop_errors().is_empty());
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_capture_spans_two_streams_through_their_events_and_replays() {
+    let d = dev();
+    let side_stream = d.new_stream().unwrap();
+    // SAFETY: `side_stream` outlives every use of `side`.
+    let side = unsafe { NpuDevice::with_borrowed_stream(0, side_stream.raw()) }.unwrap();
+    const N: usize = 256;
+    let first: Vec<f32> = (0..N).map(|i| i as f32 * 0.25).collect();
+    let mut a = d.clone_htod(&first).unwrap();
+    let mut b = side.alloc_zeros::<f32>(N).unwrap();
+    let mut c = d.alloc_zeros::<f32>(N).unwrap();
+    d.synchronize().unwrap();
+    side.synchronize().unwrap();
+    // Each copy orders its stream after the source's (NpuStream::wait_for):
+    // the side stream joins the capture through the main stream's event and
+    // is joined back through its own, so the capture ends cleanly. The
+    // runtime refuses aclrtCreateEvent events on a capturing stream, so
+    // this needs aclrtCreateEventExWithFlag(ACL_EVENT_SYNC) events.
+    let graph = graph::Graph::capture(d.stream().raw(), || {
+        b.copy_from_device(&a).expect("captured copy onto the side stream");
+        c.copy_from_device(&b).expect("captured copy back onto the main stream");
+    });
+    assert!(!side.stream().is_capturing().unwrap(), "the capture ended on both streams");
+    for round in 0..3 {
+        let v: Vec<f32> = (0..N).map(|i| (round * 1000 + i) as f32 - 0.5).collect();
+        a.copy_from_host(&v).unwrap();
+        d.synchronize().unwrap();
+        graph.replay(d.stream().raw());
+        d.synchronize().unwrap();
+        assert_eq!(c.to_vec().unwrap(), v, "replay {round}");
+    }
+    drop(graph);
+    assert!(npu::take_drop_errors().is_empty());
 }

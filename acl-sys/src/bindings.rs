@@ -456,6 +456,10 @@ pub struct AclLib {
         unsafe extern "C" fn(event: *mut aclrtEvent) -> aclError,
         ::libloading::Error,
     >,
+    pub aclrtCreateEventExWithFlag: Result<
+        unsafe extern "C" fn(event: *mut aclrtEvent, flag: u32) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclrtDestroyEvent: Result<
         unsafe extern "C" fn(event: aclrtEvent) -> aclError,
         ::libloading::Error,
@@ -631,6 +635,9 @@ impl AclLib {
             .get(b"aclrtGetDeviceCount\0")
             .map(|sym| *sym);
         let aclrtCreateEvent = __library.get(b"aclrtCreateEvent\0").map(|sym| *sym);
+        let aclrtCreateEventExWithFlag = __library
+            .get(b"aclrtCreateEventExWithFlag\0")
+            .map(|sym| *sym);
         let aclrtDestroyEvent = __library.get(b"aclrtDestroyEvent\0").map(|sym| *sym);
         let aclrtRecordEvent = __library.get(b"aclrtRecordEvent\0").map(|sym| *sym);
         let aclrtQueryEventStatus = __library
@@ -685,6 +692,7 @@ impl AclLib {
             aclrtGetDevice,
             aclrtGetDeviceCount,
             aclrtCreateEvent,
+            aclrtCreateEventExWithFlag,
             aclrtDestroyEvent,
             aclrtRecordEvent,
             aclrtQueryEventStatus,
@@ -751,6 +759,17 @@ impl AclLib {
     #[must_use]
     pub unsafe fn aclrtCreateEvent(&self, event: *mut aclrtEvent) -> aclError {
         (self.aclrtCreateEvent.as_ref().expect("Expected function, got error."))(event)
+    }
+    #[must_use]
+    pub unsafe fn aclrtCreateEventExWithFlag(
+        &self,
+        event: *mut aclrtEvent,
+        flag: u32,
+    ) -> aclError {
+        (self
+            .aclrtCreateEventExWithFlag
+            .as_ref()
+            .expect("Expected function, got error."))(event, flag)
     }
     #[must_use]
     pub unsafe fn aclrtDestroyEvent(&self, event: aclrtEvent) -> aclError {

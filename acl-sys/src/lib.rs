@@ -115,6 +115,12 @@ pub type CannsimCountersFn = unsafe extern "C" fn(out: *mut CannsimCounters) -> 
 /// thread's counters.
 pub type CannsimCountersResetFn = unsafe extern "C" fn();
 
+/// `ACL_EVENT_SYNC`, the `aclrtCreateEventExWithFlag` flag of an event other
+/// streams can wait for (`#define ACL_EVENT_SYNC 0x00000001U`, `acl_rt.h`;
+/// the runtime's `include/external/acl/acl_rt.h:28` at v8.5.0). Only
+/// `ACL_SUCCESS`/`ACL_ERROR_*` macros are generated, so it is written here.
+pub const ACL_EVENT_SYNC: u32 = 0x0000_0001;
+
 /// An optional ACL symbol the loaded runtime does not export (an older CANN,
 /// or a runtime built without the feature).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -153,7 +159,7 @@ macro_rules! acl_symbol {
 /// Symbols every supported CANN release exports; a library without one of
 /// them is rejected at load time. The others (`aclGetRecentErrMsg`,
 /// `aclrtSynchronizeStreamWithTimeout`, `aclrtGetSocName`, `aclrtGetVersion`,
-/// and the graph capture calls `aclmdlRICaptureBegin`, `aclmdlRICaptureGetInfo`,
+/// `aclrtCreateEventExWithFlag`, and the graph capture calls `aclmdlRICaptureBegin`, `aclmdlRICaptureGetInfo`,
 /// `aclmdlRICaptureEnd`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`) are newer
 /// and stay `Err` in [`AclLib`] when absent; call them through [`require`].
 pub const ACL_REQUIRED: &[&str] = &[

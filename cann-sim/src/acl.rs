@@ -125,6 +125,18 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -
         acl_rules::stream_wait_event(stream, event)?;
         let s = context::stream_here(stream as usize)?;
         let e = context::event(event as usize)?;
+        // ApiErrorDecorator::StreamWaitEvent (runtime
+        // src/runtime/feature/src/api_impl/api_error.cc:994-995, v8.5.0): an
+        // event without a wait task (aclrtCreateEventExWithFlag without
+        // ACL_EVENT_SYNC) cannot be waited for; the API reference of
+        // aclrtCreateEventExWithFlag says the same.
+        if e.without_wait_task() {
+            return fail(
+                ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+                format!("event flag {:#x} has no ACL_EVENT_SYNC: a stream cannot wait for it", e.flag),
+            );
+        }
+        crate::capture::check_wait(&s, &e)?;
         if crate::capture::wait_event(&s, &e)? {
             return Ok(());
         }
@@ -474,6 +486,93 @@ pub unsafe extern "C" fn aclrtCreateEvent(event: *mut AclrtEvent) -> AclError {
     })
 }
 
+/// `aclError aclrtCreateEventExWithFlag(aclrtEvent *event, uint32_t flag)`:
+/// a "new mode" event (`aclrtCreateEventExWithFlagImpl`, runtime
+/// `src/acl/aclrt_impl/event.cpp:60-79` at v8.5.0, then `ApiImpl::EventCreateEx`).
+/// The flag checks are `ApiErrorDecorator::EventCreateEx`
+/// (`src/runtime/feature/src/api_impl/api_error.cc:1186-1207`): `RT_EVENT_EXTERNAL`
+/// and `RT_EVENT_IPC` are not OR-able with another bit, and a flag outside
+/// `(0, DDSYNC_NS | STREAM_MARK | DDSYNC | TIME_LINE | IPC]` or with none of
+/// those bits is `RT_ERROR_INVALID_VALUE` (`ACL_ERROR_RT_PARAM_INVALID`).
+/// IPC events are not simulated (refused with `ACL_ERROR_RT_FEATURE_NOT_SUPPORT`).
+#[no_mangle]
+pub unsafe extern "C" fn aclrtCreateEventExWithFlag(event: *mut AclrtEvent, flag: u32) -> AclError {
+    use crate::stream::{
+        RT_EVENT_DDSYNC, RT_EVENT_DDSYNC_NS, RT_EVENT_EXTERNAL, RT_EVENT_IPC, RT_EVENT_STREAM_MARK, RT_EVENT_TIME_LINE,
+    };
+    status::acl("aclrtCreateEventExWithFlag", || {
+        // event.cpp:65: ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(event).
+        if event.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "event is NULL");
+        }
+        for solely in [RT_EVENT_EXTERNAL, RT_EVENT_IPC] {
+            if flag & solely != 0 && flag & !solely != 0 {
+                return fail(
+                    ACL_ERROR_RT_PARAM_INVALID,
+                    format!("flag {flag:#x}: {solely:#x} does not support OR operations with other flags"),
+                );
+            }
+        }
+        let max = RT_EVENT_DDSYNC_NS | RT_EVENT_STREAM_MARK | RT_EVENT_DDSYNC | RT_EVENT_TIME_LINE | RT_EVENT_IPC;
+        if flag & max == 0 || flag > max {
+            return fail(ACL_ERROR_RT_PARAM_INVALID, format!("flag {flag:#x} is outside (0, {max:#x}]"));
+        }
+        if flag == RT_EVENT_IPC {
+            return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "IPC events are not simulated");
+        }
+        let d = context::current()?;
+        let h = EVENTS.insert(Arc::new(Event::with_flag(d, flag, true)));
+        write_out(event, h as AclrtEvent, ACL_ERROR_INVALID_PARAM, "event")
+    })
+}
+
+/// Events per device that can synchronise streams: "单个Device支持的Event最大数"
+/// 65536 on Atlas A2/A3 (API reference, `docs/api_docs/aclrtCreateEvent.md`
+/// and `aclrtCreateEventExWithFlag.md` of the runtime at v8.5.0; the runtime's
+/// `MAX_EVENT_ID_NUM = 65536U`, `src/runtime/feature/inc/spec/base_info.hpp:272`).
+/// The resource is taken by an event's first record (same pages) and given
+/// back when the event is destroyed.
+pub const MAX_SYNC_EVENTS_PER_DEVICE: usize = 65536;
+
+fn sync_event_counts() -> std::sync::MutexGuard<'static, BTreeMap<u32, usize>> {
+    static COUNTS: Mutex<BTreeMap<u32, usize>> = Mutex::new(BTreeMap::new());
+    COUNTS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Takes one of `e`'s device's event resources at its first record. Stricter
+/// than CANN: at the limit its runtime "waits for resources to be released"
+/// (the pages above), which never happens while every event stays alive, so
+/// the simulator fails with `ACL_ERROR_RT_NO_EVENT_RESOURCE` instead of hanging.
+fn take_event_resource(e: &Event) -> SimResult<()> {
+    use std::sync::atomic::Ordering;
+    if e.without_wait_task() || e.holds_resource.load(Ordering::Acquire) {
+        return Ok(());
+    }
+    let mut counts = sync_event_counts();
+    let n = counts.entry(e.device).or_default();
+    if *n >= MAX_SYNC_EVENTS_PER_DEVICE {
+        return fail(
+            ACL_ERROR_RT_NO_EVENT_RESOURCE,
+            format!(
+                "device {} already has {MAX_SYNC_EVENTS_PER_DEVICE} recorded synchronising events alive (the A2/A3 \
+                 limit); destroy or reuse events",
+                e.device
+            ),
+        );
+    }
+    *n += 1;
+    e.holds_resource.store(true, Ordering::Release);
+    Ok(())
+}
+
+fn give_back_event_resource(e: &Event) {
+    if e.holds_resource.swap(false, std::sync::atomic::Ordering::AcqRel) {
+        if let Some(n) = sync_event_counts().get_mut(&e.device) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
 /// `aclError aclrtRecordEvent(aclrtEvent event, aclrtStream stream)`.
 #[no_mangle]
 pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> AclError {
@@ -490,6 +589,10 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
                 format!("event of device {} recorded on a stream of device {}", e.device, s.device),
             );
         }
+        if crate::capture::check_record(&e, &s)? {
+            return Ok(());
+        }
+        take_event_resource(&e)?;
         e.record(&s);
         crate::capture::record_event(&e, &s);
         Ok(())
@@ -549,9 +652,37 @@ pub extern "C" fn aclrtDestroyEvent(event: AclrtEvent) -> AclError {
         acl_rules::event_handle(event)?;
         EVENTS
             .remove(event as usize)
-            .map(|_| ())
+            .map(|e| give_back_event_resource(&e))
             .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{event:p} is not a live event")))
     })
+}
+
+/// `aclError aclrtGetLastError(aclrtLastErrLevel level)`: the calling thread's
+/// last error, then cleared; `aclrtPeekAtLastError` below leaves it. Only
+/// `ACL_RT_THREAD_LEVEL` (0) is accepted, anything else is
+/// `ACL_ERROR_INVALID_PARAM` (`aclrtGetLastErrorImpl` /
+/// `aclrtPeekAtLastErrorImpl`, hicann/runtime `src/acl/aclrt_impl/context.cpp:191-211`
+/// at v8.5.0; `ApiImpl::GetLastErr` / `PeekLastErr`, api_impl.cc:7437-7466).
+/// The simulator's last error is that of its last failed ACL call on the
+/// thread, a kernel launch included. Neither call changes it by failing.
+#[no_mangle]
+pub extern "C" fn aclrtGetLastError(level: i32) -> AclError {
+    if level != 0 {
+        status::set_recent(&format!("aclrtGetLastError: level {level}: only ACL_RT_THREAD_LEVEL is supported"));
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    status::last_error(true)
+}
+
+/// `aclError aclrtPeekAtLastError(aclrtLastErrLevel level)`: as
+/// [`aclrtGetLastError`], without clearing.
+#[no_mangle]
+pub extern "C" fn aclrtPeekAtLastError(level: i32) -> AclError {
+    if level != 0 {
+        status::set_recent(&format!("aclrtPeekAtLastError: level {level}: only ACL_RT_THREAD_LEVEL is supported"));
+        return ACL_ERROR_INVALID_PARAM;
+    }
+    status::last_error(false)
 }
 
 /// `const char *aclGetRecentErrMsg()`: this thread's most recent error text.

@@ -75,9 +75,24 @@ pub fn guard(call: &'static str, panic_code: i32, f: impl FnOnce() -> SimResult<
     }
 }
 
-/// ACL-family boundary (panics become `ACL_ERROR_RT_INTERNAL_ERROR`).
+thread_local! {
+    static LAST_ERROR: std::cell::Cell<AclError> = const { std::cell::Cell::new(0) };
+}
+
+/// ACL-family boundary (panics become `ACL_ERROR_RT_INTERNAL_ERROR`). A
+/// failure is also kept as the thread's last error, which
+/// `aclrtGetLastError` / `aclrtPeekAtLastError` report.
 pub fn acl(call: &'static str, f: impl FnOnce() -> SimResult<()>) -> AclError {
-    guard(call, ACL_ERROR_RT_INTERNAL_ERROR, f)
+    let code = guard(call, ACL_ERROR_RT_INTERNAL_ERROR, f);
+    if code != 0 {
+        LAST_ERROR.with(|e| e.set(code));
+    }
+    code
+}
+
+/// The thread's last ACL error; `clear` resets it (`aclrtGetLastError`).
+pub fn last_error(clear: bool) -> AclError {
+    LAST_ERROR.with(|e| if clear { e.replace(0) } else { e.get() })
 }
 
 /// HCCL-family boundary (panics become `HCCL_E_INTERNAL`).

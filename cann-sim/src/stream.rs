@@ -232,18 +232,65 @@ struct EventState {
     time: Option<(u64, Instant)>,
 }
 
+/// `RT_EVENT_DDSYNC_NS` (`ACL_EVENT_SYNC`), runtime `pkg_inc/runtime/runtime/event.h:55` (v8.5.0).
+pub const RT_EVENT_DDSYNC_NS: u32 = 0x01;
+/// `RT_EVENT_STREAM_MARK` (`ACL_EVENT_CAPTURE_STREAM_PROGRESS`), event.h:56.
+pub const RT_EVENT_STREAM_MARK: u32 = 0x02;
+/// `RT_EVENT_DDSYNC`, event.h:57.
+pub const RT_EVENT_DDSYNC: u32 = 0x04;
+/// `RT_EVENT_TIME_LINE` (`ACL_EVENT_TIME_LINE`), event.h:58.
+pub const RT_EVENT_TIME_LINE: u32 = 0x08;
+/// `RT_EVENT_EXTERNAL`, event.h:60.
+pub const RT_EVENT_EXTERNAL: u32 = 0x20;
+/// `RT_EVENT_IPC`, event.h:61 (not OR-able with another flag).
+pub const RT_EVENT_IPC: u32 = 0x40;
+/// `RT_EVENT_DEFAULT`, the flag of an `aclrtCreateEvent` event, event.h:62.
+pub const RT_EVENT_DEFAULT: u32 = RT_EVENT_DDSYNC | RT_EVENT_TIME_LINE | RT_EVENT_STREAM_MARK;
+
 /// A simulated event.
 #[derive(Debug)]
 pub struct Event {
     /// Device the event was created on.
     pub device: u32,
+    /// The runtime flag it was created with (`RT_EVENT_*`).
+    pub flag: u32,
+    /// Created by `aclrtCreateEventExWithFlag` (the runtime's "new mode",
+    /// `Event::IsNewMode`, `ApiImpl::EventCreateEx` at api_impl.cc:1977-1994).
+    pub new_mode: bool,
+    /// True once a record took one of the device's synchronisation event
+    /// resources (see [`crate::acl`]'s event limit).
+    pub holds_resource: std::sync::atomic::AtomicBool,
     state: Mutex<EventState>,
 }
 
 impl Event {
-    /// A new, never recorded event.
+    /// A new, never recorded event of `aclrtCreateEvent` (old mode, `RT_EVENT_DEFAULT`).
     pub fn new(device: u32) -> Event {
-        Event { device, state: Mutex::new(EventState::default()) }
+        Event::with_flag(device, RT_EVENT_DEFAULT, false)
+    }
+
+    /// A new, never recorded event with `flag`, old or new mode.
+    pub fn with_flag(device: u32, flag: u32, new_mode: bool) -> Event {
+        Event {
+            device,
+            flag,
+            new_mode,
+            holds_resource: std::sync::atomic::AtomicBool::new(false),
+            state: Mutex::new(EventState::default()),
+        }
+    }
+
+    /// The runtime's `Event::IsEventWithoutWaitTask` (runtime
+    /// `src/runtime/feature/inc/event/event.hpp:135-137`, v8.5.0): no
+    /// `DDSYNC`, `DDSYNC_NS`, `EXTERNAL` or `IPC` bit, so a stream cannot
+    /// wait for it and its record in a capture is skipped.
+    pub fn without_wait_task(&self) -> bool {
+        self.flag & (RT_EVENT_DDSYNC | RT_EVENT_DDSYNC_NS | RT_EVENT_EXTERNAL | RT_EVENT_IPC) == 0
+    }
+
+    /// True once the event was recorded (the runtime's `Event::HasRecord`).
+    pub fn has_record(&self) -> bool {
+        self.lock().rec.is_some()
     }
 
     fn lock(&self) -> MutexGuard<'_, EventState> {

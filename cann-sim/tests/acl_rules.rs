@@ -325,3 +325,29 @@ fn out_pointers_and_host_sizes_are_checked_before_anything_is_created() {
         assert_eq!((s.aclrtGetVersion)(&mut a, &mut b, std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
     }
 }
+
+#[test]
+fn a_failed_launch_stays_the_threads_last_error_until_aclrt_get_last_error_reads_it() {
+    let s = use_device(0);
+    unsafe {
+        let _earlier = (s.aclrtGetLastError)(0);
+        assert_eq!((s.aclrtGetLastError)(0), 0, "a read cleared it");
+        // A launch on a stream handle that is not one fails; the launcher
+        // returns the code and the thread keeps it as its last error.
+        let bogus = 0x7 as Ptr;
+        let r = (s.cannsim_launch_kernel)(bogus, 1, None, std::ptr::null(), 0, std::ptr::null(), 0);
+        assert_ne!(r, 0);
+        assert_eq!((s.aclrtPeekAtLastError)(0), r, "peek reports it");
+        assert_eq!((s.aclrtPeekAtLastError)(0), r, "and leaves it");
+        // context.cpp:194, 205: only ACL_RT_THREAD_LEVEL.
+        assert_eq!((s.aclrtGetLastError)(1), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetLastError)(0), r, "get reports it");
+        assert_eq!((s.aclrtGetLastError)(0), 0, "and clears it");
+        // The error of another thread is not this one's.
+        let r2 = (s.cannsim_launch_kernel)(bogus, 1, None, std::ptr::null(), 0, std::ptr::null(), 0);
+        std::thread::scope(|sc| {
+            sc.spawn(|| assert_eq!((sim().aclrtPeekAtLastError)(0), 0)).join().expect("thread");
+        });
+        assert_eq!((s.aclrtGetLastError)(0), r2);
+    }
+}

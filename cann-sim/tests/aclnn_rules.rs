@@ -174,3 +174,29 @@ fn unpermute_needs_t_times_k_permuted_rows() {
     let rc = unpermute(dev(&[t + 1, h], ACL_FLOAT), idx(&[0, 1]), NULL, dev(&[t, h], ACL_FLOAT));
     assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
 }
+
+#[test]
+fn a_launch_scribbles_its_workspace_when_it_runs() {
+    let s = use_device(0);
+    // permuted [4, 2] f32, four sorted indices, no probs (K = 1): out [4, 2].
+    let tokens = tensor(&[4, 2], ACL_FLOAT, upload(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]));
+    let sorted = idx(&[0, 1, 2, 3]);
+    let out = dev(&[4, 2], ACL_FLOAT);
+    let (mut ws, mut ex) = (0u64, NULL);
+    let rc =
+        unsafe { (s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(tokens, sorted, NULL, false, NULL, out, &mut ws, &mut ex) };
+    assert_eq!(rc, 0, "{}", err_msg());
+    assert!(ws > 0, "the operator asks for a workspace");
+    let st = stream();
+    let wsp = upload(&vec![0x11u8; ws as usize]);
+    assert_eq!(unsafe { (s.aclnnMoeTokenUnpermute)(wsp, ws, ex, st) }, 0, "{}", err_msg());
+    // Queued, not run yet on a lazy stream: the workspace still holds what the caller put there.
+    if std::env::var("CANNSIM_STREAM_MODE").as_deref() != Ok("eager") {
+        assert!(download::<u8>(wsp, ws as usize).iter().all(|&b| b == 0x11));
+    }
+    sync(st);
+    // The run used every byte as scratch: data kept there is gone.
+    assert!(download::<u8>(wsp, ws as usize).iter().all(|&b| b == 0xA7), "the workspace was overwritten");
+    free(wsp);
+    destroy_stream(st);
+}

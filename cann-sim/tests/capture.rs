@@ -143,7 +143,28 @@ fn malloc_host(bytes: usize) -> Ptr {
     p
 }
 
+/// `ACL_EVENT_SYNC` (acl_rt.h).
+const ACL_EVENT_SYNC: u32 = 0x1;
+/// `ACL_EVENT_TIME_LINE` (acl_rt.h).
+const ACL_EVENT_TIME_LINE: u32 = 0x8;
+const FEATURE_NOT_SUPPORT: i32 = 207000;
+const RT_PARAM_INVALID: i32 = 107000;
+const NO_EVENT_RESOURCE: i32 = 207007;
+
+/// An event streams can wait for inside a capture:
+/// `aclrtCreateEventExWithFlag(ACL_EVENT_SYNC)`.
 fn event() -> Ptr {
+    event_with(ACL_EVENT_SYNC)
+}
+
+fn event_with(flag: u32) -> Ptr {
+    let mut e = NULL;
+    assert_eq!(unsafe { (sim().aclrtCreateEventExWithFlag)(&mut e, flag) }, 0, "{}", err_msg());
+    e
+}
+
+/// An `aclrtCreateEvent` event (the runtime's old mode).
+fn old_event() -> Ptr {
     let mut e = NULL;
     assert_eq!(unsafe { (sim().aclrtCreateEvent)(&mut e) }, 0);
     e
@@ -476,7 +497,16 @@ fn capture_lifecycle_errors_are_refused_with_cann_codes() {
         assert_eq!((cap().destroy)(during), MODEL_CAPTURED, "destroy of a model being captured");
         assert_eq!((s.aclrtMemsetAsync)(buf, 64, 9, 64, st), 0);
         let model = end(st);
-        assert_eq!((cap().get_info)(st, std::ptr::null_mut(), &mut m), INVALID_PARAM);
+        // model_ri.cpp:73-77: the stream must not be NULL, and status and
+        // modelRI not both NULL; one of them may be.
+        assert_eq!((cap().get_info)(st, std::ptr::null_mut(), std::ptr::null_mut()), INVALID_PARAM);
+        let mut status = -1;
+        assert_eq!((cap().get_info)(NULL, &mut status, &mut m), INVALID_PARAM, "the default stream");
+        assert_eq!((cap().get_info)(st, &mut status, std::ptr::null_mut()), 0, "{}", err_msg());
+        assert_eq!(status, STATUS_NONE);
+        m = 0x1 as Ptr;
+        assert_eq!((cap().get_info)(st, std::ptr::null_mut(), &mut m), 0, "{}", err_msg());
+        assert!(m.is_null(), "no model outside a capture");
 
         // A replay on a capturing stream is refused.
         begin(other, THREAD_LOCAL);
@@ -699,4 +729,99 @@ fn the_leak_report_lists_live_models() {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(o.status.code(), Some(97), "{err}");
     assert!(err.contains("1 leaked object(s)") && err.contains("aclmdlRI"), "{err}");
+}
+
+#[test]
+fn an_aclrt_create_event_event_cannot_take_part_in_a_capture_and_a_sync_event_can() {
+    let _g = serial();
+    let s = use_device(0);
+    let (st, side) = (stream(), stream());
+    let buf = malloc(64);
+    let (old, other_old) = (old_event(), old_event());
+    let timeline = event_with(ACL_EVENT_TIME_LINE);
+    unsafe {
+        // api_impl.cc:2114: an old-mode event is not recorded on a capturing
+        // stream; a warning return, the capture stays valid.
+        begin(st, THREAD_LOCAL);
+        assert_eq!((s.aclrtMemsetAsync)(buf, 64, 3, 64, st), 0);
+        assert_eq!((s.aclrtRecordEvent)(old, st), FEATURE_NOT_SUPPORT, "{}", err_msg());
+        assert_eq!(info(st).0, STATUS_ACTIVE);
+        assert_eq!((s.aclrtStreamWaitEvent)(side, old), 0, "the refused record joined nothing");
+        assert_eq!(info(side).0, STATUS_NONE, "the side stream did not join");
+
+        // api_impl.cc:1549-1555: nor waited for by a capturing stream.
+        assert_eq!((s.aclrtRecordEvent)(other_old, side), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(st, other_old), FEATURE_NOT_SUPPORT, "{}", err_msg());
+        assert_eq!(info(st).0, STATUS_ACTIVE);
+
+        // api_impl.cc:2122: a new-mode event without ACL_EVENT_SYNC is
+        // "recorded" without effect, and nothing can wait for it
+        // (api_error.cc:994).
+        assert_eq!((s.aclrtRecordEvent)(timeline, st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtStreamWaitEvent)(side, timeline), FEATURE_NOT_SUPPORT);
+        assert_eq!(info(side).0, STATUS_NONE);
+        let model = end(st);
+        write(buf, &[0u8; 64]);
+        execute(model, st);
+        sync(st);
+        assert!(download::<u8>(buf, 64).iter().all(|&v| v == 3), "the capture kept its memset");
+        destroy(model);
+    }
+    sync(side);
+    for e in [old, other_old, timeline] {
+        destroy_event(e);
+    }
+    free(buf);
+    destroy_stream(st);
+    destroy_stream(side);
+}
+
+#[test]
+fn aclrt_create_event_ex_with_flag_checks_its_arguments_as_the_runtime_does() {
+    let _g = serial();
+    let s = use_device(0);
+    let mut e = NULL;
+    unsafe {
+        // event.cpp:65, then api_error.cc:1186-1207.
+        assert_eq!((s.aclrtCreateEventExWithFlag)(std::ptr::null_mut(), ACL_EVENT_SYNC), INVALID_PARAM);
+        for bad in [0u32, 0x80, 0x20 | ACL_EVENT_SYNC, 0x40 | ACL_EVENT_SYNC, 0x10] {
+            assert_eq!((s.aclrtCreateEventExWithFlag)(&mut e, bad), RT_PARAM_INVALID, "flag {bad:#x}");
+            assert!(e.is_null(), "flag {bad:#x} made no event");
+        }
+        assert_eq!((s.aclrtCreateEventExWithFlag)(&mut e, ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE), 0, "{}", err_msg());
+    }
+    destroy_event(e);
+}
+
+#[test]
+fn a_device_holds_at_most_65536_recorded_sync_events() {
+    let _g = serial();
+    let s = use_device(0);
+    let st = stream();
+    // aclrtCreateEventExWithFlag.md: "单个Device支持的Event最大数" 65536 on A2/A3.
+    const LIMIT: usize = 65536;
+    let events: Vec<Ptr> = (0..=LIMIT).map(|_| event()).collect();
+    unsafe {
+        for (i, e) in events[..LIMIT].iter().enumerate() {
+            let r = (s.aclrtRecordEvent)(*e, st);
+            assert_eq!(r, 0, "record {i}: {}", err_msg());
+        }
+        // Re-recording a held event takes nothing new.
+        assert_eq!((s.aclrtRecordEvent)(events[0], st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtRecordEvent)(events[LIMIT], st), NO_EVENT_RESOURCE);
+        // A timeline-only event needs no synchronising resource.
+        let timeline = event_with(ACL_EVENT_TIME_LINE);
+        assert_eq!((s.aclrtRecordEvent)(timeline, st), 0, "{}", err_msg());
+        destroy_event(timeline);
+        // Destroying one gives its resource back.
+        destroy_event(events[1]);
+        assert_eq!((s.aclrtRecordEvent)(events[LIMIT], st), 0, "{}", err_msg());
+    }
+    sync(st);
+    for (i, e) in events.into_iter().enumerate() {
+        if i != 1 {
+            destroy_event(e);
+        }
+    }
+    destroy_stream(st);
 }

@@ -49,6 +49,7 @@ pub const ACL_FUNCTIONS: &[&str] = &[
     "aclrtMemsetAsync",
     "aclrtGetMemInfo",
     "aclrtCreateEvent",
+    "aclrtCreateEventExWithFlag",
     "aclrtRecordEvent",
     "aclrtSynchronizeEvent",
     "aclrtQueryEventStatus",

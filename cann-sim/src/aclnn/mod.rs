@@ -71,6 +71,9 @@ pub(super) fn publish(
     write_out(executor, h as AclOpExecutor, ACLNN_ERR_PARAM_NULLPTR, "executor")
 }
 
+/// The byte an aclnn operator leaves in every byte of its workspace.
+pub const WORKSPACE_SCRIBBLE: u8 = 0xA7;
+
 pub(super) fn launch(
     op: &'static str,
     workspace: *mut c_void,
@@ -118,12 +121,19 @@ pub(super) fn launch(
         op,
         Box::new(move || {
             if need > 0 {
-                arena::resolve(ws_addr, need as usize, "workspace").map_err(|e| {
+                let w = arena::resolve(ws_addr, need as usize, "workspace").map_err(|e| {
                     SimError::new(
                         ACL_ERROR_RT_DEVICE_MEM_ERROR,
                         format!("{} (freed before the stream used it?)", e.msg),
                     )
                 })?;
+                // A real operator uses its workspace as scratch: every run
+                // (a replay of a captured launch included) overwrites all of
+                // it, so memory handed to other work while the launch can
+                // still run (an eager block reused while a graph that
+                // captured the launch lives) shows as corrupted data.
+                // SAFETY: `w` was just resolved as `need` bytes of a live allocation.
+                unsafe { std::ptr::write_bytes(w.host, WORKSPACE_SCRIBBLE, need as usize) };
             }
             match &*exec {
                 Executor::Finalize(f) => f.run(),

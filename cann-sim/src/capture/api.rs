@@ -62,6 +62,12 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
 /// `aclError aclmdlRICaptureGetInfo(aclrtStream stream, aclmdlRICaptureStatus *status, aclmdlRI *modelRI)`:
 /// NONE (and a NULL model) for a stream that does not capture, else ACTIVE or
 /// INVALIDATED and the model being recorded.
+///
+/// `aclmdlRICaptureGetInfoImpl` (hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:70-92`,
+/// v8.5.0): a NULL stream is `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
+/// line 73; the default stream is not asked about, it never captures); one
+/// of `status` and `modelRI` may be NULL, not both (lines 74-77); each
+/// non-NULL one is written (lines 85-92).
 #[no_mangle]
 pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
     stream: AclrtStream,
@@ -69,8 +75,12 @@ pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
     model_ri: *mut AclmdlRI,
 ) -> AclError {
     status::acl("aclmdlRICaptureGetInfo", || {
-        not_null(status, "status")?;
-        not_null(model_ri, "modelRI")?;
+        if stream.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "stream is NULL (the default stream cannot be asked about)");
+        }
+        if status.is_null() && model_ri.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "status and modelRI cannot both be NULL");
+        }
         let s = context::resolve_stream(stream as usize)?;
         let h = member_of(&members(), &s).map(|x| x.model);
         let (st, h) = match h.and_then(|h| MODELS.get(h).map(|m| (h, m))) {
@@ -78,8 +88,13 @@ pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
             Some((h, m)) if m.lock().invalid.is_some() => (ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED, h),
             Some((h, _)) => (ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE, h),
         };
-        write_out(status, st, ACL_ERROR_INVALID_PARAM, "status")?;
-        write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")
+        if !status.is_null() {
+            write_out(status, st, ACL_ERROR_INVALID_PARAM, "status")?;
+        }
+        if !model_ri.is_null() {
+            write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")?;
+        }
+        Ok(())
     })
 }
 

@@ -213,6 +213,72 @@ pub fn query_event(h: usize) -> SimResult<()> {
     event_check("aclrtQueryEventStatus", h)
 }
 
+/// True while `s` takes part in a capture that is still being recorded (the
+/// runtime's `Event::ToBeCaptured`: the stream has a capture stream whose
+/// model captures, `src/runtime/feature/src/event/event.cc:1239-1252`, v8.5.0).
+fn to_be_captured(s: &Stream) -> bool {
+    let m = members();
+    member_of(&m, s).and_then(|x| MODELS.get(x.model)).is_some_and(|model| model.capturing())
+}
+
+/// Hook of `aclrtRecordEvent(e, s)`, before the record is queued. Returns
+/// true when the record is skipped. On a stream that takes part in a capture
+/// (`ApiImpl::EventRecord`, `src/runtime/feature/src/api_impl/api_impl.cc:2113-2123`
+/// at v8.5.0; an `RT_EVENT_EXTERNAL` event is never captured, event.cc:1241):
+/// - an event of `aclrtCreateEvent` (old mode) is refused with
+///   `ACL_ERROR_RT_FEATURE_NOT_SUPPORT` (207000, api_impl.cc:2114-2116; a
+///   `COND_RETURN_WARN`, so the capture stays valid);
+/// - a new-mode event without a wait task (`aclrtCreateEventExWithFlag`
+///   without `ACL_EVENT_SYNC`) succeeds and records nothing
+///   (api_impl.cc:2122-2123: `COND_RETURN_WARN(..., RT_ERROR_NONE, ...)`).
+pub fn check_record(e: &Event, s: &Stream) -> SimResult<bool> {
+    if e.flag == crate::stream::RT_EVENT_EXTERNAL || !to_be_captured(s) {
+        return Ok(false);
+    }
+    if !e.new_mode {
+        return fail(
+            crate::ffi::ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+            "an event of aclrtCreateEvent cannot be recorded on a capturing stream; create it with \
+             aclrtCreateEventExWithFlag(ACL_EVENT_SYNC) (runtime ApiImpl::EventRecord)",
+        );
+    }
+    Ok(e.without_wait_task())
+}
+
+/// Checks of `aclrtStreamWaitEvent(s, e)` that depend on the event's mode
+/// (`ApiImpl::StreamWaitEvent`, `src/runtime/feature/src/api_impl/api_impl.cc:1532-1565`
+/// at v8.5.0), before [`wait_event`]:
+/// - `e` was recorded in an ongoing capture and `s` is a default stream:
+///   `ACL_ERROR_RT_STREAM_CAPTURE_IMPLICIT` (api_impl.cc:1537-1539);
+/// - `s` takes part in a capture, `e` was not recorded in one and is an
+///   old-mode event other than `RT_EVENT_EXTERNAL`:
+///   `ACL_ERROR_RT_FEATURE_NOT_SUPPORT` (api_impl.cc:1549-1555, a warning
+///   return: the capture stays valid).
+pub fn check_wait(s: &Stream, e: &Arc<Event>) -> SimResult<()> {
+    let captured = {
+        let ev = captured_events();
+        ev.iter().find(|c| Arc::ptr_eq(&c.event, e)).map(|c| c.model)
+    };
+    let captured = captured.and_then(|h| MODELS.get(h)).is_some_and(|m| m.capturing());
+    if captured {
+        if s.is_default {
+            return fail(
+                ACL_ERROR_RT_STREAM_CAPTURE_IMPLICIT,
+                "a default stream waits for an event recorded in a capture (a disallowed implicit dependency)",
+            );
+        }
+        return Ok(());
+    }
+    if to_be_captured(s) && !e.new_mode && e.flag != crate::stream::RT_EVENT_EXTERNAL {
+        return fail(
+            crate::ffi::ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+            "a capturing stream cannot wait for an event of aclrtCreateEvent; create it with \
+             aclrtCreateEventExWithFlag(ACL_EVENT_SYNC) (runtime ApiImpl::StreamWaitEvent)",
+        );
+    }
+    Ok(())
+}
+
 /// Hook of `aclrtRecordEvent`, after the record was queued on `s`: remembers
 /// whether the event's latest record belongs to a capture.
 pub fn record_event(e: &Arc<Event>, s: &Arc<Stream>) {

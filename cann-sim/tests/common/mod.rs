@@ -60,12 +60,15 @@ api! {
     aclrtMemsetAsync: fn(Ptr, usize, i32, usize, Ptr) -> i32;
     aclrtGetMemInfo: fn(i32, *mut usize, *mut usize) -> i32;
     aclrtCreateEvent: fn(*mut Ptr) -> i32;
+    aclrtCreateEventExWithFlag: fn(*mut Ptr, u32) -> i32;
     aclrtRecordEvent: fn(Ptr, Ptr) -> i32;
     aclrtSynchronizeEvent: fn(Ptr) -> i32;
     aclrtQueryEventStatus: fn(Ptr, *mut i32) -> i32;
     aclrtEventElapsedTime: fn(*mut f32, Ptr, Ptr) -> i32;
     aclrtDestroyEvent: fn(Ptr) -> i32;
     aclGetRecentErrMsg: fn() -> *const c_char;
+    aclrtGetLastError: fn(i32) -> i32;
+    aclrtPeekAtLastError: fn(i32) -> i32;
     aclrtGetSocName: fn() -> *const c_char;
     aclrtGetVersion: fn(*mut i32, *mut i32, *mut i32) -> i32;
     aclCreateTensor: fn(*const i64, u64, i32, *const i64, i64, i32, *const i64, u64, Ptr) -> Ptr;

@@ -37,10 +37,16 @@ const SLOTS: usize = 64;
 /// outside capture only; under capture a request that does not fit is an
 /// error saying how to reserve ahead.
 pub(crate) fn take_pool_block(stream: &NpuStream, len: usize) -> Result<(usize, usize)> {
-    if let Some(b) = lock(stream.state()).pool.take(len)? {
+    let capturing = stream.is_capturing()?;
+    let taken = if capturing {
+        lock(stream.state()).pool.take_in_capture(len)?
+    } else {
+        lock(stream.state()).pool.take(len)?
+    };
+    if let Some(b) = taken {
         return Ok(b);
     }
-    if stream.is_capturing()? {
+    if capturing {
         let largest = lock(stream.state()).pool.largest_free();
         return Err(Error::invalid(
             "workspace",

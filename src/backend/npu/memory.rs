@@ -44,8 +44,10 @@ enum Origin {
     Owned,
     /// The host engine's memory; never freed.
     Borrowed,
-    /// A block of the stream's pool (`len` rounded up); returned without sync.
-    Pool { block: usize },
+    /// A block of the stream's pool (`len` rounded up); returned without
+    /// sync, or kept by the graph when taken under capture
+    /// ([`NpuStream::give_back_block`]).
+    Pool { block: usize, captured: bool },
     /// A block of the caller's allocator; returned through its `free`.
     Callback(Allocator),
 }
@@ -79,7 +81,7 @@ impl NpuBuffer {
     /// else from the stream's pool, which grows (`aclrtMalloc`) only outside
     /// graph capture. Dropping it never synchronises.
     pub fn workspace(device: &NpuDevice, len: usize) -> Result<Self> {
-        let origin = Origin::Pool { block: 0 };
+        let origin = Origin::Pool { block: 0, captured: false };
         if len == 0 {
             return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin });
         }
@@ -98,12 +100,14 @@ impl NpuBuffer {
     /// words), which must not go back to the engine's allocator before they
     /// were read. Same rules as [`workspace`](Self::workspace) otherwise.
     pub(crate) fn pool_block(device: &NpuDevice, len: usize) -> Result<Self> {
-        let origin = Origin::Pool { block: 0 };
+        let origin = Origin::Pool { block: 0, captured: false };
         if len == 0 {
             return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin });
         }
+        let captured = device.stream().is_capturing()?;
         let (ptr, block) = super::device_check::take_pool_block(device.stream(), len)?;
-        Ok(NpuBuffer { ptr: ptr as *mut c_void, len, device: device.clone(), origin: Origin::Pool { block } })
+        let origin = Origin::Pool { block, captured };
+        Ok(NpuBuffer { ptr: ptr as *mut c_void, len, device: device.clone(), origin })
     }
 
     /// `len` zero bytes of workspace (the memset is queued on the stream).
@@ -385,9 +389,10 @@ impl Drop for NpuBuffer {
         match self.origin {
             Origin::Borrowed => return,
             Origin::Owned => {}
-            Origin::Pool { block } => {
-                // Stream-ordered reuse: no sync (module docs).
-                lock(self.device.stream().state()).pool.give_back(self.ptr as usize, block);
+            Origin::Pool { block, captured } => {
+                // Stream-ordered reuse: no sync (module docs); a block a
+                // captured task uses stays with the graph.
+                self.device.stream().return_block(self.ptr as usize, block, captured);
                 return;
             }
             Origin::Callback(a) => {

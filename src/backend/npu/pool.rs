@@ -67,6 +67,8 @@ pub(crate) struct Pool {
     free: Vec<Range>,
     /// Blocks handed out and not yet returned.
     in_use: usize,
+    /// Blocks a captured task uses ([`Pool::retire`]): (device address, bytes).
+    graph: Vec<(usize, usize)>,
     /// Counts for tests and reports.
     pub(crate) stats: PoolStats,
 }
@@ -143,6 +145,35 @@ impl Pool {
         self.in_use = self.in_use.saturating_sub(1);
     }
 
+    /// Takes back a block a task captured into a graph uses, without making
+    /// it free for eager work: every replay of the graph reads and writes it
+    /// again, and the runtime guide's single-stream capture restriction 7
+    /// asks that what a captured task uses stay valid until the model is
+    /// destroyed, so no later eager work may be handed these bytes. The block
+    /// joins the stream's graph blocks for the stream's life (the crate does
+    /// not see `aclmdlRIDestroy`); its segment is freed with the pool. Later
+    /// work under capture on the same stream may take it again
+    /// ([`take_in_capture`](Self::take_in_capture)): graphs replay in the
+    /// stream's order, and every captured task that reads such a block runs
+    /// after the captured task that writes it.
+    pub(crate) fn retire(&mut self, ptr: usize, len: usize) {
+        self.in_use = self.in_use.saturating_sub(1);
+        self.graph.push((ptr, len));
+    }
+
+    /// A block for work queued under capture: a graph block of at least
+    /// `bytes` (the smallest that fits), else one from the free ranges.
+    pub(crate) fn take_in_capture(&mut self, bytes: usize) -> Result<Option<(usize, usize)>> {
+        let want = round_up(bytes)?;
+        let best = self.graph.iter().enumerate().filter(|(_, b)| b.1 >= want).min_by_key(|(_, b)| b.1).map(|(i, _)| i);
+        if let Some(i) = best {
+            self.in_use += 1;
+            self.stats.blocks += 1;
+            return Ok(Some(self.graph.swap_remove(i)));
+        }
+        self.take(bytes)
+    }
+
     /// The largest free range, in bytes.
     pub(crate) fn largest_free(&self) -> usize {
         self.free.iter().map(|r| r.len).max().unwrap_or(0)
@@ -166,6 +197,7 @@ impl Pool {
     /// keeps the pool alive.
     pub(crate) fn take_segments(&mut self) -> Vec<(usize, usize)> {
         self.free.clear();
+        self.graph.clear();
         std::mem::take(&mut self.segments)
     }
 }

@@ -8,11 +8,14 @@
 //! [`CopyTiling`] by value (the AI Core build passes its fields as scalar
 //! kernel arguments), so it stages nothing and allocates nothing.
 //!
-//! The kernel has no status record: it can only fail on a broken launch
-//! (which [`CopyTiling::check`] rules out first) and then traps, which fails
-//! the stream like any AI Core exception. Under the simulator, the host build
-//! runs through `cannsim_launch_kernel_ex`, which turns a fault of the host
-//! model into the same stream failure.
+//! The kernel has no status record. A launch the runtime refuses is
+//! reported by its launcher (`amoe_copy_launch_npu` returns the thread's
+//! last error, `aclrtGetLastError`, so the copy fails with that code instead
+//! of copying nothing); a broken tiling, which [`CopyTiling::check`] rules
+//! out first, traps, which fails the stream like any AI Core exception.
+//! Under the simulator, the host build runs through
+//! `cannsim_launch_kernel_ex`, which returns a refused launch's code and
+//! turns a fault of the host model into the same stream failure.
 
 use std::ffi::{c_char, c_void};
 

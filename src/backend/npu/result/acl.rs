@@ -251,6 +251,25 @@ pub fn create_event() -> Result<aclrtEvent> {
     Ok(raw)
 }
 
+/// `aclrtCreateEventExWithFlag(ACL_EVENT_SYNC)`: a new event on the bound
+/// device that other streams can wait for, also inside a graph capture, or
+/// `Ok(None)` on a runtime without the call. An `aclrtCreateEvent` event
+/// cannot be recorded on, or waited for by, a capturing stream
+/// (`ApiImpl::EventRecord` / `ApiImpl::StreamWaitEvent` return
+/// `RT_ERROR_FEATURE_NOT_SUPPORT`: hicann/runtime
+/// `src/runtime/feature/src/api_impl/api_impl.cc:2113-2116` and `:1549-1555`
+/// at v8.5.0); the runtime guide's cross-stream capture page asks for this
+/// call with `ACL_EVENT_SYNC`, without which a record inside a capture is
+/// skipped (api_impl.cc:2122).
+pub fn create_sync_event() -> Result<Option<aclrtEvent>> {
+    let api = acl()?;
+    let Ok(f) = acl_sys::acl_symbol!(api, aclrtCreateEventExWithFlag) else { return Ok(None) };
+    let mut raw: aclrtEvent = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; ACL_EVENT_SYNC is a documented flag.
+    check("aclrtCreateEventExWithFlag", unsafe { f(&mut raw, acl_sys::ACL_EVENT_SYNC) })?;
+    Ok(Some(raw))
+}
+
 /// `aclrtQueryEventStatus`: whether the recorded work completed.
 ///
 /// # Safety

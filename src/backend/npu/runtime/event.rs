@@ -1,9 +1,12 @@
 //! Events, and ordering one stream after another on the device.
 
+use std::sync::Arc;
+
 use acl_sys::aclrtEvent;
 
+use super::device::DeviceCtx;
 use super::load::record_drop_error;
-use super::stream::NpuStream;
+use super::stream::{lock, NpuStream};
 use crate::backend::npu::result::acl as rt;
 use crate::Result;
 
@@ -75,6 +78,50 @@ impl Drop for NpuEvent {
     }
 }
 
+/// The event a stream records for other streams to wait on
+/// ([`NpuStream::wait_for`]): one per stream, re-recorded at every wait, so
+/// waits never create events (an A2/A3 device has at most 65536 events that
+/// synchronise streams: API reference, `aclrtCreateEvent` /
+/// `aclrtCreateEventExWithFlag`, hicann/runtime `docs/api_docs/` at v8.5.0).
+/// Created by `aclrtCreateEventExWithFlag(ACL_EVENT_SYNC)` so that records
+/// and waits also work while a capture spans the streams (the runtime
+/// guide's cross-stream capture; [`rt::create_sync_event`]). Destroyed when
+/// the stream's state and every waiter that may still use it let go.
+pub(crate) struct SyncEvent {
+    raw: aclrtEvent,
+    ctx: Arc<DeviceCtx>,
+}
+
+// SAFETY: as for NpuEvent: a runtime handle usable from any thread bound to its device.
+unsafe impl Send for SyncEvent {}
+// SAFETY: shared references only record it or wait for it.
+unsafe impl Sync for SyncEvent {}
+
+impl SyncEvent {
+    fn create(stream: &NpuStream) -> Result<Self> {
+        stream.enter()?;
+        let raw = match rt::create_sync_event()? {
+            Some(raw) => raw,
+            // A runtime without the call has no graph capture to span either.
+            None => rt::create_event()?,
+        };
+        Ok(SyncEvent { raw, ctx: stream.ctx().clone() })
+    }
+}
+
+impl Drop for SyncEvent {
+    fn drop(&mut self) {
+        let result = self.ctx.bind().and_then(|_| {
+            // SAFETY: created by us, destroyed once, after every stream that
+            // waited for it synchronised or let go of it.
+            unsafe { rt::destroy_event(self.raw) }
+        });
+        if let Err(e) = result {
+            record_drop_error(e);
+        }
+    }
+}
+
 impl NpuStream {
     /// Makes this stream wait (on the device) for `event`.
     pub fn wait_event(&self, event: &NpuEvent) -> Result<()> {
@@ -83,19 +130,39 @@ impl NpuStream {
         unsafe { rt::stream_wait_event(self.raw(), event.raw) }
     }
 
+    /// The event this stream records for waiters, created on first use.
+    fn sync_event(&self) -> Result<Arc<SyncEvent>> {
+        if let Some(ev) = lock(self.state()).sync_event.clone() {
+            return Ok(ev);
+        }
+        let ev = Arc::new(SyncEvent::create(self)?);
+        let mut st = lock(self.state());
+        // Another thread may have created one meanwhile: keep the first.
+        Ok(st.sync_event.get_or_insert(ev).clone())
+    }
+
     /// Orders this stream after all work currently queued on `other`, on the
-    /// device: an event recorded on `other` and waited for here. The host
-    /// does not wait; the event is kept until this stream's next
-    /// synchronisation, since CANN asks that an event not be destroyed while
-    /// a call still uses it (aclrtDestroyEvent, AscendCL API reference).
+    /// device: `other`'s [`SyncEvent`] recorded on `other` and waited for
+    /// here (a wait honours the record made before it, so re-recording the
+    /// event for a later wait does not move an earlier one). The host does
+    /// not wait. This stream keeps the event until its next synchronisation,
+    /// since CANN asks that an event not be destroyed while a call still uses
+    /// it (aclrtDestroyEvent, AscendCL API reference).
     pub fn wait_for(&self, other: &NpuStream) -> Result<()> {
         if self.same_as(other) {
             return Ok(());
         }
-        let ev = NpuEvent::create(other)?;
-        ev.record(other)?;
-        self.wait_event(&ev)?;
-        self.keep_until_sync(Box::new(ev));
+        let ev = other.sync_event()?;
+        other.enter()?;
+        // SAFETY: live event and stream, the stream's device bound.
+        unsafe { rt::record_event(ev.raw, other.raw()) }?;
+        self.enter()?;
+        // SAFETY: live stream and event, the stream's device bound.
+        unsafe { rt::stream_wait_event(self.raw(), ev.raw) }?;
+        let mut st = lock(self.state());
+        if !st.waited.iter().any(|e| Arc::ptr_eq(e, &ev)) {
+            st.waited.push(ev);
+        }
         Ok(())
     }
 }

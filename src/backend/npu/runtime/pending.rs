@@ -8,12 +8,6 @@ use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
 impl NpuStream {
-    /// Keeps `handle` alive until this stream's next synchronisation (work
-    /// queued on the stream still uses it).
-    pub(crate) fn keep_until_sync(&self, handle: Box<dyn Send + Sync>) {
-        lock(self.state()).keep.push(handle);
-    }
-
     /// Records queued work whose outcome [`check`](Self::check) reports.
     /// Work with the key of an entry already pending reports through that one.
     pub(crate) fn record_pending(&self, p: Box<dyn Pending>) {

@@ -39,7 +39,11 @@ pub(crate) struct StreamState {
     /// (device address, slot bytes, slots, slots taken). Reserved outside
     /// capture from the pool; a slot stays with its captured launch.
     pub(super) records: Option<(usize, usize, usize, usize)>,
-    pub(super) keep: Vec<Box<dyn Send + Sync>>,
+    /// The event this stream records for the streams that wait on it.
+    pub(super) sync_event: Option<Arc<super::event::SyncEvent>>,
+    /// Other streams' events this stream waited for since its last
+    /// synchronisation (each once).
+    pub(super) waited: Vec<Arc<super::event::SyncEvent>>,
     pub(crate) pool: Pool,
     pub(crate) staging: Staging,
     pub(crate) allocator: Option<Allocator>,
@@ -89,7 +93,16 @@ unsafe impl Sync for StreamInner {}
 /// True unless the capture status of `raw` ([`rt::capture_get_info`]) is
 /// `ACL_MODEL_RI_CAPTURE_STATUS_NONE`; false on a runtime without the
 /// capture API. The stream's device must be bound.
+///
+/// The default stream (NULL) never captures: `aclmdlRICaptureBegin` refuses a
+/// NULL stream and `aclmdlRICaptureGetInfo` refuses to be asked about one,
+/// both with `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
+/// hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:54` and `:73` at v8.5.0),
+/// so it is not asked.
 fn capturing(raw: aclrtStream) -> Result<bool> {
+    if raw.is_null() {
+        return Ok(false);
+    }
     // SAFETY: live stream, device bound.
     let status = unsafe { rt::capture_get_info(raw) }?;
     Ok(status.is_some_and(|s| s != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE))
@@ -149,7 +162,10 @@ impl Drop for StreamInner {
             // Pending work must finish before the stream is destroyed.
             // SAFETY: `raw` is a live stream we created.
             settled(unsafe { rt::synchronize_stream(self.raw) })?;
-            let kept = std::mem::take(&mut lock(&self.state).keep);
+            let kept = {
+                let mut st = lock(&self.state);
+                std::mem::take(&mut st.waited)
+            };
             drop(kept);
             self.release_pool()?;
             if let Ok(mut map) = states().lock() {
@@ -283,7 +299,7 @@ impl NpuStream {
         let kept = {
             let mut st = lock(self.state());
             st.staging.drained();
-            std::mem::take(&mut st.keep)
+            std::mem::take(&mut st.waited)
         };
         drop(kept);
     }

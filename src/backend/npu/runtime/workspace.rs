@@ -50,9 +50,25 @@ impl NpuStream {
         lock(self.state()).allocator = allocator;
     }
 
-    /// Returns a block detached from a workspace buffer to the pool.
+    /// Returns a block detached from a workspace buffer to the pool, unless
+    /// the stream is being captured: then a captured task may use it, and it
+    /// stays with the graph ([`Pool::retire`](crate::backend::npu::pool::Pool::retire)).
     pub(crate) fn give_back_block(&self, ptr: usize, block: usize) {
-        lock(self.state()).pool.give_back(ptr, block);
+        self.return_block(ptr, block, false)
+    }
+
+    /// [`give_back_block`](Self::give_back_block) of a block that was taken
+    /// under capture when `captured` (it stays with the graph whatever the
+    /// stream does now). When the capture status cannot be read the block is
+    /// kept too: keeping it costs memory, reusing it could corrupt a graph.
+    pub(crate) fn return_block(&self, ptr: usize, block: usize, captured: bool) {
+        let graph = captured || self.is_capturing().unwrap_or(true);
+        let mut st = lock(self.state());
+        if graph {
+            st.pool.retire(ptr, block);
+        } else {
+            st.pool.give_back(ptr, block);
+        }
     }
 
     /// Reads `dst.len()` bytes of device memory at `src` (a drained stream's).
