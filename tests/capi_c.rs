@@ -24,7 +24,8 @@ fn lib_dir() -> PathBuf {
 }
 
 /// The sanitizers of the checked build; errors are fatal, not recovered.
-const SANITIZE: &[&str] = &["-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"];
+const SANITIZE: &[&str] =
+    &["-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all"];
 
 /// Compiles `source` to `exe` with `extra` flags, linked to the cdylib.
 fn compile(source: &Path, exe: &str, extra: &[&str]) -> PathBuf {
