@@ -168,7 +168,7 @@ fn run(
     let call = KINDS[kind as usize - 1].1;
     let words = desc.words(kind);
     let setup_words = words.clone();
-    let setup = move |c: &super::SimComm| c.link_setup(&setup_words, &agree);
+    let setup = move |c: &super::SimComm, before: &dyn Fn()| c.link_setup(&setup_words, &agree, before);
     let job = move |g: &mut Group| {
         g.publish(&words, |w| send.iter().try_for_each(|b| with_bytes(*b, dt, |bytes| w.append(bytes))))?;
         g.complete(|round| {

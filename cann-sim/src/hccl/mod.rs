@@ -88,11 +88,21 @@ impl SimComm {
     /// when an operator of a new type or algorithm is first called on a
     /// communicator ... cannot catch every inconsistent call"). A failed check
     /// leaves the collective without links: its next call sets up again.
-    fn link_setup(&self, words: &[u64], agree: &dyn Fn(&[Vec<u64>]) -> SimResult<()>) -> SimResult<()> {
+    ///
+    /// `before_wait` runs first: it lets the stream's queued work run (a
+    /// device runs it while its host sets up links), since a peer's earlier
+    /// collective may need it before that peer reaches this setup.
+    fn link_setup(
+        &self,
+        words: &[u64],
+        agree: &dyn Fn(&[Vec<u64>]) -> SimResult<()>,
+        before_wait: &dyn Fn(),
+    ) -> SimResult<()> {
         let mut linked = self.linked.lock().unwrap_or_else(|e| e.into_inner());
         if linked.contains(&words[0]) {
             return Ok(());
         }
+        before_wait();
         let mut g = self.link.lock().unwrap_or_else(|e| e.into_inner());
         g.publish(words, |_| Ok(()))?;
         g.complete(|round| agree(&round.descs))?;
@@ -471,6 +481,10 @@ fn with_bytes_mut<T>(b: Buf, dt: DType, f: impl FnOnce(&mut [u8]) -> SimResult<T
     }
 }
 
+/// The link setup of a call: the communicator, and what lets the stream's
+/// queued work run before it waits.
+type LinkSetup = dyn Fn(&SimComm, &dyn Fn()) -> SimResult<()>;
+
 /// A collective's work on the group; `Fn` so that a captured collective replays.
 type CollJob = Box<dyn Fn(&mut Group) -> SimResult<()> + Send + Sync>;
 
@@ -481,7 +495,7 @@ fn enqueue(
     comm_h: HcclComm,
     stream_h: AclrtStream,
     bufs: &[(Buf, DType, &str)],
-    setup: &dyn Fn(&SimComm) -> SimResult<()>,
+    setup: &LinkSetup,
     job: CollJob,
 ) -> SimResult<()> {
     let c = comm(comm_h)?;
@@ -496,7 +510,7 @@ fn enqueue(
     for (b, dt, what) in bufs {
         check_buf(&c, *b, *dt, what)?;
     }
-    setup(&c)?;
+    setup(&c, &|| s.release(s.last()))?;
     s.enqueue(
         call,
         Box::new(move || {
