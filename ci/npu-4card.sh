@@ -15,7 +15,14 @@
 #   ci/npu-4card.sh --no-bench    tests only
 #   ci/npu-4card.sh -- FILTER     only tests whose name contains FILTER
 #
-# ASCEND_MOE_COMM_TIMEOUT (seconds, default 120 here) bounds every collective.
+# ASCEND_MOE_COMM_TIMEOUT (seconds, default 120 here) bounds every wait of the
+# crate's (a stream check, a drop). HCCL's own bounds are set here too, since
+# only CANN 8.5 takes a per-communicator execution timeout (hcclExecTimeOut,
+# HcclCommConfig version 10): HCCL_EXEC_TIMEOUT (default 120 here; HCCL's is
+# 1836 s on A2, integer seconds in HOST mode) bounds a collective on the
+# device, HCCL_CONNECT_TIMEOUT (default 120 here, HCCL's minimum; HCCL waits
+# 20 s more) the link setup of a first call (hicann/hccl
+# docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md, HCCL_CONNECT_TIMEOUT.md).
 # ASCEND_MOE_NATIVE_KERNEL=required makes a missing or failing AI Core build
 # of kernels/ a build error on a host with a CANN toolkit (ASCEND_HOME_PATH),
 # instead of a warning and a silent fall-back to aclnn.
@@ -34,6 +41,8 @@ while (($#)); do
 done
 
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-120}"
+export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-120}"
+export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-120}"
 export ASCEND_MOE_NATIVE_KERNEL="${ASCEND_MOE_NATIVE_KERNEL:-required}"
 export ASCEND_MOE_MIN_DEVICES="${ASCEND_MOE_MIN_DEVICES:-4}"
 step() { printf '\n== %s ==\n' "$*"; }

@@ -47,8 +47,11 @@ export ASCEND_MOE_HCCL_LIB="$lib"
 export ASCEND_MOE_NNOPBASE_LIB="$lib"
 export CANNSIM_DEVICES="${CANNSIM_DEVICES:-4}"
 export CANNSIM_LEAK_REPORT="${CANNSIM_LEAK_REPORT:-1}"
-# Collectives fail fast instead of waiting a minute when a test breaks a rank.
+# Collectives fail fast instead of waiting minutes when a test breaks a rank:
+# the crate's own waits, and HCCL's execution timeout (the simulator, like
+# HCCL, reads only HCCL's variables and, on 8.5, the communicator's config).
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-20}"
+export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-20}"
 
 if [[ ! -x ci/npu-4card.sh ]]; then
     echo "ci/sim.sh: ci/npu-4card.sh is not present" >&2
@@ -71,6 +74,10 @@ if (($# > 0)); then
     run "${CANNSIM_CANN_VERSION:-8.5}" "$@"
     exit
 fi
+# The bounded hangs and teardown, on every release (only 8.5 takes the
+# communicator's own execution timeout).
+timeouts=(a_rank_that_never_joins_is_reported_by_the_check_never_a_hang
+    teardown_after_a_rank_never_joined_ends_with_a_recorded_timeout)
 # The current release runs the whole suite; the old one (CANN 8.1: HCCL config
 # version 5, capability 4, no "not set" values, one libopapi.so) runs what
 # differs between releases: communicator creation with its config, the
@@ -79,4 +86,7 @@ fi
 run 8.5 --no-bench
 run 8.1 --no-bench -- reductions_in_every_dtype_and_op gathers_broadcast_barrier v_variants_with_uneven_and_zero_counts \
     dp2_tp2_and_ep4_sub_communicators root_info_travels_as_hex_between_ranks mismatched_sizes_fail_with_a_clear_error \
-    loader_takes_each_op_from_the_library_that_ships_it
+    loader_takes_each_op_from_the_library_that_ships_it "${timeouts[@]}"
+# CANN 8.3 (config version 6): no hcclExecTimeOut either, so HCCL_EXEC_TIMEOUT
+# bounds its collectives.
+run 8.3 --no-bench -- "${timeouts[@]}"

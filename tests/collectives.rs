@@ -860,31 +860,58 @@ mod every_backend {
 
     #[test]
     #[ignore = "needs an Ascend NPU"]
-    fn a_mismatch_between_ranks_is_reported_by_the_check_of_the_operands_stream() {
+    fn a_count_mismatch_in_the_first_call_is_refused_by_the_call_on_every_rank() {
         npu_run_ranks(WORLD, &opts(), |rank, comm| {
             let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
-            // The operands live on a second stream of the rank's device: the
-            // collective is queued there, not on the communicator's own stream.
+            // The operands live on a second stream of the rank's device.
             let other = NpuDevice::open(rank as u32)?;
             let dev = Device::Npu(other.clone());
             let n = if rank == 0 { 8 } else { 4 };
             let src = Tensor::zeros(&[n], DType::F32, &dev)?;
             let mut dst = Tensor::zeros(&[n], DType::F32, &dev)?;
-            comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: only the device sees the mismatch");
-            hccl.npu_device().check().expect("nothing was queued on the communicator's stream");
-            let err = other.check().expect_err("rank 0 reduces 8 elements, the others 4");
+            // HCCL sets up the links of a communicator's first all-reduce
+            // inside the call and checks there that every rank passed the same
+            // arguments (EI0005): the call itself fails, on every rank.
+            let err =
+                comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect_err("rank 0 reduces 8 elements, the others 4");
             match &err {
-                ascend_moe::Error::Comm { collective, group, rank: r, .. } => {
+                ascend_moe::Error::Comm { collective, group, rank: r, kind, .. } => {
                     assert_eq!((collective.as_str(), group.as_str(), *r), ("all_reduce", comm.name(), rank), "{err}");
+                    assert_eq!(*kind, ascend_moe::CommErrorKind::Mismatch, "{err}");
                 }
                 other => panic!("expected a Comm error, got {other:?}"),
             }
-            // Reported once: the next check has nothing new to say about the
-            // collective (the stream itself may keep CANN's sticky error).
-            if let Err(again) = other.check() {
-                assert!(!matches!(again, ascend_moe::Error::Comm { .. }), "reported twice: {again}");
-            }
+            // Nothing was queued, and HCCL records no async error for it.
+            other.check().expect("nothing was queued on the operands' stream");
+            hccl.npu_device().check().expect("nothing was queued on the communicator's stream");
+            // The communicator still works: matching calls set the links up.
+            let mut buf = tensor::<f32>(&dev, &[val(rank, 0), val(rank, 1)])?;
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            assert_eq!(read(&buf)?, [0, 1].map(|i| (0..WORLD).map(|r| val(r, i)).sum::<f64>()));
             Ok(())
+        })
+        .unwrap();
+    }
+
+    /// Ranks `0..WORLD - 1` queue an all-reduce rank `WORLD - 1` never makes,
+    /// after one all-reduce of every rank (so the links are set up and the
+    /// call itself does not wait for the missing rank); then `after(rank,
+    /// comm)` on the ranks that queued it.
+    fn a_rank_skips_the_second_all_reduce(opts: &CommOptions, after: impl Fn(usize, &Comm) -> Result<()> + Sync) {
+        npu_run_ranks(WORLD, opts, |rank, comm| {
+            let dev = comm.device();
+            let mut warm = tensor::<f32>(&dev, &[1.0])?;
+            comm.all_reduce_in_place(&mut warm, ReduceOp::Sum)?;
+            assert_eq!(read(&warm)?, [WORLD as f64]);
+            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+            hccl.npu_device().check()?;
+            if rank == WORLD - 1 {
+                return Ok(());
+            }
+            let src = Tensor::zeros(&[4], DType::F32, &dev)?;
+            let mut dst = Tensor::zeros(&[4], DType::F32, &dev)?;
+            comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: the host does not wait");
+            after(rank, &comm)
         })
         .unwrap();
     }
@@ -893,16 +920,8 @@ mod every_backend {
     #[ignore = "needs an Ascend NPU"]
     fn a_rank_that_never_joins_is_reported_by_the_check_never_a_hang() {
         let opts = CommOptions::with_timeout(std::time::Duration::from_secs(2));
-        npu_run_ranks(WORLD, &opts, |rank, comm| {
-            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
-            if rank == WORLD - 1 {
-                // This rank never calls the collective.
-                return Ok(());
-            }
-            let dev = comm.device();
-            let src = Tensor::zeros(&[4], DType::F32, &dev)?;
-            let mut dst = Tensor::zeros(&[4], DType::F32, &dev)?;
-            comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: the host does not wait");
+        a_rank_skips_the_second_all_reduce(&opts, |rank, comm| {
+            let Comm::Npu(hccl) = comm else { panic!("an HCCL world") };
             let err = hccl.npu_device().check().expect_err("rank 3 never joins");
             match &err {
                 ascend_moe::Error::Comm { collective, group, rank: r, kind, .. } => {
@@ -914,6 +933,87 @@ mod every_backend {
                 }
                 other => panic!("expected a Comm error, got {other:?}"),
             }
+            Ok(())
+        });
+    }
+
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn teardown_after_a_rank_never_joined_ends_with_a_recorded_timeout() {
+        let _ = ascend_moe::backend::npu::take_drop_errors();
+        let opts = CommOptions::with_timeout(std::time::Duration::from_secs(2));
+        // No check: the tensors, the communicator and the device stream are
+        // dropped with the collective still queued. Each drop's wait is
+        // bounded by the communicator's timeout; the first that times out
+        // records it, the later ones release nothing and do not wait again.
+        a_rank_skips_the_second_all_reduce(&opts, |_, _| Ok(()));
+        let errors = ascend_moe::backend::npu::take_drop_errors();
+        let timeouts = errors
+            .iter()
+            .filter(|e| {
+                matches!(e, ascend_moe::Error::Acl { code, .. }
+                    if *code == acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT as acl_sys::aclError)
+            })
+            .count();
+        // At least one per rank that queued the collective (3 of 4).
+        assert!(timeouts >= WORLD - 1, "{timeouts} timeouts recorded by the drops: {errors:?}");
+    }
+
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn reduce_scatter_v_of_int64_is_refused_naming_the_collective_and_the_dtype() {
+        npu_run_ranks(WORLD, &opts(), |rank, comm| {
+            let dev = comm.device();
+            let counts = [1usize; WORLD];
+            let src = tensor::<i64>(&dev, &[1.0; WORLD])?;
+            let mut dst = Tensor::zeros(&[1], DType::I64, &dev)?;
+            // HcclReduceScatterV takes no int64 on Atlas A2 (HCCL API reference).
+            let err = comm.reduce_scatter_v(&src, &mut dst, &counts, ReduceOp::Sum).expect_err("int64");
+            let msg = err.to_string();
+            assert!(msg.contains("reduce_scatter_v") && msg.contains("HcclReduceScatterV"), "{msg}");
+            assert!(matches!(err, ascend_moe::Error::DType { actual: DType::I64, .. }), "{err:?}");
+            // The reductions whose A2 table has int64 take it.
+            let mut all = tensor::<i64>(&dev, &[rank as f64])?;
+            comm.all_reduce_in_place(&mut all, ReduceOp::Sum)?;
+            assert_eq!(read(&all)?, [(0..WORLD).sum::<usize>() as f64]);
+            Ok(())
+        })
+        .unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn a_barrier_is_refused_under_graph_capture_and_runs_outside_it() {
+        npu_run_ranks(WORLD, &opts(), |_, comm| {
+            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+            let stream = hccl.npu_device().stream().clone();
+            let mut under_capture = None;
+            let graph =
+                crate::common::graph::Graph::capture(stream.raw(), || under_capture = Some(hccl.barrier_on(&stream)));
+            drop(graph);
+            let err = under_capture.expect("the body ran").expect_err("HcclBarrier is not supported under capture");
+            let msg = err.to_string();
+            assert!(msg.contains("HcclBarrier") && msg.contains("captured"), "{msg}");
+            comm.barrier()?;
+            hccl.npu_device().check()
+        })
+        .unwrap();
+    }
+
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn a_borrowed_communicator_is_not_split_since_it_may_be_a_sub_communicator() {
+        npu_run_ranks(WORLD, &opts(), |_, comm| {
+            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+            // SAFETY: the world communicator outlives the borrowed handle.
+            let borrowed =
+                unsafe { ascend_moe::backend::npu::HcclComm::borrow_raw(hccl.npu_device(), hccl.raw(), &opts()) }?;
+            let err = borrowed.split_hccl(&[0, 1, 2, 3]).map(|_| ()).expect_err("a borrowed communicator");
+            let msg = err.to_string();
+            assert!(msg.contains("borrowed") && msg.contains("HcclCreateSubCommConfig"), "{msg}");
+            // The communicator HcclComm::from_root_info made splits.
+            let pair = comm.split(&[0, 1, 2, 3])?;
+            assert_eq!(pair.world_size(), WORLD);
             Ok(())
         })
         .unwrap();

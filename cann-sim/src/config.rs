@@ -15,7 +15,8 @@
 //! | `CANNSIM_SOC_NAME` | `aclrtGetSocName()` | Ascend910B1 |
 //! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
 //! | `CANNSIM_CANN_VERSION` | the emulated CANN release, `8.1`, `8.3` or `8.5` (see [`crate::version`]) | 8.5 |
-//! | `ASCEND_MOE_COMM_TIMEOUT` | seconds an HCCL communicator waits for its peers, unless its `HcclCommConfig` sets `hcclExecTimeOut` (read at each communicator creation) | 60 |
+//! | `HCCL_EXEC_TIMEOUT` | HCCL's own: seconds a collective waits for its peers on the device, unless the communicator's `HcclCommConfig` sets `hcclExecTimeOut` (CANN 8.5 only); `0` never times out (read at each communicator creation, see [`exec_timeout`]) | 1836 |
+//! | `HCCL_CONNECT_TIMEOUT` | HCCL's own: seconds, 120 to 7200, a rank waits for its peers to join a communicator or to set up a collective's links; the wait is this plus 20 s (see [`connect_timeout`]) | 120 |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -135,14 +136,51 @@ impl CannVersion {
     }
 }
 
-/// The HCCL timeout when the communicator's config sets none:
-/// `ASCEND_MOE_COMM_TIMEOUT` seconds (a positive number), else 60 s.
-pub fn comm_timeout() -> Duration {
-    var("ASCEND_MOE_COMM_TIMEOUT")
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .unwrap_or(Duration::from_secs(60))
+/// The execution timeout of a communicator whose config sets no
+/// `hcclExecTimeOut`: `HCCL_EXEC_TIMEOUT` seconds, else HCCL's default of
+/// 1836 s (`None`: `0`, never time out).
+///
+/// hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md` (v9.1.0):
+/// A2 default 1836 s, range [0, 2147483647], 0 = never time out; the
+/// communicator's `hcclExecTimeOut` wins over it. `ParseExecTimeout`
+/// (`src/common/alg_env_config.cc:69-104`, v9.1.0) accepts a non-negative
+/// number with at most 2 decimals and fails the initialisation with
+/// HCCL_E_PARA otherwise (EI0001, `alg_env_config.cc:244-251`).
+pub fn exec_timeout() -> Result<Option<Duration>, String> {
+    const DEFAULT: Duration = Duration::from_secs(1836);
+    let Some(v) = var("HCCL_EXEC_TIMEOUT") else { return Ok(Some(DEFAULT)) };
+    let well_formed = {
+        let (int, frac) = v.split_once('.').unwrap_or((&v, ""));
+        !int.is_empty()
+            && int.bytes().all(|b| b.is_ascii_digit())
+            && frac.len() <= 2
+            && frac.bytes().all(|b| b.is_ascii_digit())
+            && !(v.contains('.') && frac.is_empty())
+    };
+    let secs = v.parse::<f64>().ok().filter(|s| well_formed && *s <= u32::MAX as f64);
+    match secs {
+        None => Err(format!("HCCL_EXEC_TIMEOUT={v:?} is not a non-negative number with up to 2 decimals (EI0001)")),
+        // 0: never time out.
+        Some(s) => Ok((s > 0.0).then(|| Duration::from_secs_f64(s))),
+    }
+}
+
+/// How long a rank waits for its peers to join a communicator or to set up a
+/// collective's links: `HCCL_CONNECT_TIMEOUT` (default 120) plus 20 s.
+///
+/// hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_CONNECT_TIMEOUT.md` (v9.1.0):
+/// an integer in [120, 7200], default 120 s; "the actual wait is the value
+/// plus 20 seconds". A value outside the range is refused.
+pub fn connect_timeout() -> Result<Duration, String> {
+    let secs = match var("HCCL_CONNECT_TIMEOUT") {
+        None => 120,
+        Some(v) => v
+            .parse::<u64>()
+            .ok()
+            .filter(|s| (120..=7200).contains(s))
+            .ok_or_else(|| format!("HCCL_CONNECT_TIMEOUT={v:?} is not an integer from 120 to 7200 (seconds)"))?,
+    };
+    Ok(Duration::from_secs(secs + 20))
 }
 
 /// Prints `msg` to stderr when `CANNSIM_TRACE=1`.

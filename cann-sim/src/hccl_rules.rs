@@ -305,3 +305,94 @@ pub fn distinct_buffers(send: *const c_void, recv: *const c_void) -> SimResult<(
     }
     Ok(())
 }
+
+/// `HcclBarrier` on a capturing stream: HCCL's list of operators supported on
+/// Atlas A2 names no barrier in any mode, aclgraph capture included, and
+/// "operators and modes not listed are not supported" (hicann/hccl v9.1.0
+/// `docs/zh/user_guide/comm_ops_support_list/comm_ops_support_a2.md:13`).
+// The stream is a handle the capture table resolves, never dereferenced.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub fn not_under_capture(call: &str, stream: AclrtStream) -> SimResult<()> {
+    let (mut status, mut model) = (0i32, std::ptr::null_mut());
+    // SAFETY: the exported query writes through the two valid out-pointers.
+    let rc = unsafe { crate::capture::aclmdlRICaptureGetInfo(stream, &mut status, &mut model) };
+    if rc == 0 && status != crate::capture::ACL_MODEL_RI_CAPTURE_STATUS_NONE {
+        return fail(
+            HCCL_E_NOT_SUPPORT,
+            format!("{call} on a capturing stream: HCCL supports no barrier under graph capture (aclgraph)"),
+        );
+    }
+    Ok(())
+}
+
+/// HcclDataType codes the tables below name (`hccl_types.h`).
+const INT16: i32 = 1;
+const UINT64: i32 = 6;
+const UINT16: i32 = 8;
+const UINT32: i32 = 9;
+const FP64: i32 = 10;
+
+/// What a collective of ours takes on Atlas A2, per the HCCL API reference
+/// (hicann/hccl v9.1.0 `docs/zh/api_ref/comm_op_interface/`): the dtypes, and
+/// for reductions the ops. A dtype outside the list is HCCL_E_NOT_SUPPORT, the
+/// code of HCCL's own dtype check (`HcomCheckDataType`, v8.5.0
+/// `src/common/param_check.cc:101-109`); an op outside it HCCL_E_NOT_SUPPORT too.
+pub fn a2_dtype(call: &str, dtype: i32, op: Option<i32>) -> SimResult<()> {
+    const REDUCE: &[i32] = &[
+        HCCL_DATA_TYPE_INT8,
+        INT16,
+        HCCL_DATA_TYPE_INT32,
+        HCCL_DATA_TYPE_INT64,
+        HCCL_DATA_TYPE_FP16,
+        HCCL_DATA_TYPE_FP32,
+        HCCL_DATA_TYPE_BFP16,
+    ];
+    const REDUCE_V: &[i32] = &[
+        HCCL_DATA_TYPE_INT8,
+        INT16,
+        HCCL_DATA_TYPE_INT32,
+        HCCL_DATA_TYPE_FP16,
+        HCCL_DATA_TYPE_FP32,
+        HCCL_DATA_TYPE_BFP16,
+    ];
+    const MOVE: &[i32] = &[
+        HCCL_DATA_TYPE_INT8,
+        HCCL_DATA_TYPE_UINT8,
+        INT16,
+        UINT16,
+        HCCL_DATA_TYPE_INT32,
+        UINT32,
+        HCCL_DATA_TYPE_INT64,
+        UINT64,
+        HCCL_DATA_TYPE_FP16,
+        HCCL_DATA_TYPE_FP32,
+        FP64,
+        HCCL_DATA_TYPE_BFP16,
+    ];
+    const ALL_OPS: &[i32] = &[HCCL_REDUCE_SUM, HCCL_REDUCE_PROD, HCCL_REDUCE_MAX, HCCL_REDUCE_MIN];
+    const NO_PROD: &[i32] = &[HCCL_REDUCE_SUM, HCCL_REDUCE_MAX, HCCL_REDUCE_MIN];
+    let (dtypes, ops, doc): (&[i32], &[i32], &str) = match call {
+        // HcclAllReduce.md:49,57; HcclReduceScatter.md:49,57.
+        "HcclAllReduce" | "HcclReduceScatter" => (REDUCE, ALL_OPS, "int8, int16, int32, int64, fp16, fp32, bfp16"),
+        // HcclReduceScatterV.md:51,58: no int64, no prod.
+        "HcclReduceScatterV" => (REDUCE_V, NO_PROD, "int8, int16, int32, fp16, fp32, bfp16"),
+        // HcclAllGather.md:51, HcclAllGatherV.md:55, HcclAlltoAllV.md:52, HcclBroadcast.md:48.
+        _ => (MOVE, &[], "the 1-, 2-, 4- and 8-byte integers, fp16, fp32, fp64, bfp16"),
+    };
+    if !dtypes.contains(&dtype) {
+        return fail(
+            HCCL_E_NOT_SUPPORT,
+            format!("{call} does not take HcclDataType {dtype} on Atlas A2 (it takes {doc})"),
+        );
+    }
+    if let Some(op) = op {
+        if !ops.contains(&op) {
+            return fail(HCCL_E_NOT_SUPPORT, format!("{call} does not take HcclReduceOp {op} on Atlas A2"));
+        }
+        // "prod does not support int16 and bfp16" (HcclAllReduce.md:57).
+        if op == HCCL_REDUCE_PROD && (dtype == INT16 || dtype == HCCL_DATA_TYPE_BFP16) {
+            return fail(HCCL_E_NOT_SUPPORT, format!("{call}: prod does not take HcclDataType {dtype} on Atlas A2"));
+        }
+    }
+    Ok(())
+}

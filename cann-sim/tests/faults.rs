@@ -216,7 +216,7 @@ fn a_dying_rank_process_makes_its_peer_fail_not_hang() {
         "a_dying_rank_process_makes_its_peer_fail_not_hang",
         "die",
         2,
-        &[("CANNSIM_DIE_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "1")],
+        &[("CANNSIM_DIE_RANK", "1"), ("HCCL_EXEC_TIMEOUT", "1")],
     );
     let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
     assert!(outs[0].status.success(), "rank 0: {}", stderr(&outs[0]));
@@ -239,7 +239,7 @@ fn a_dying_rank_process_is_reported_as_a_dead_peer_before_the_timeout() {
         "a_dying_rank_process_is_reported_as_a_dead_peer_before_the_timeout",
         "die-remote",
         2,
-        &[("CANNSIM_DIE_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "60")],
+        &[("CANNSIM_DIE_RANK", "1"), ("HCCL_EXEC_TIMEOUT", "60")],
     );
     let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
     assert!(outs[0].status.success(), "rank 0: {}", stderr(&outs[0]));
@@ -251,7 +251,9 @@ fn a_rank_that_never_joins_times_out_its_peers() {
     if role().as_deref() == Some("timeout") {
         let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
         let (r, _, e) = process_rank(2);
-        assert_eq!(e, 9, "HCCL_E_TIMEOUT on rank {rank}");
+        // A timeout is the stream's error; HcclGetCommAsyncError reports only
+        // an error CQE (HCCL_E_REMOTE).
+        assert_eq!(e, 0, "no async error on rank {rank}");
         assert_eq!(r, 507046, "rank {rank}");
         // The communicator stays failed: the next collective is refused at once.
         return;
@@ -260,7 +262,7 @@ fn a_rank_that_never_joins_times_out_its_peers() {
         "a_rank_that_never_joins_times_out_its_peers",
         "timeout",
         2,
-        &[("CANNSIM_HCCL_TIMEOUT_RANK", "1"), ("ASCEND_MOE_COMM_TIMEOUT", "0.5")],
+        &[("CANNSIM_HCCL_TIMEOUT_RANK", "1"), ("HCCL_EXEC_TIMEOUT", "0.5")],
     );
     let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
     for (r, o) in outs.iter().enumerate() {
@@ -325,4 +327,101 @@ fn eager_streams_run_work_without_being_waited_on() {
     let name = "eager_streams_run_work_without_being_waited_on";
     let o = run_child(name, "eager", &[("CANNSIM_STREAM_MODE", "eager")]);
     assert!(o.status.success(), "{}", stderr(&o));
+}
+
+/// A 2240-byte (version 10) `HcclCommConfig` that every emulated release
+/// accepts (buffer 200 MB, deterministic off), with `hcclExecTimeOut` set.
+fn config_with_exec_timeout(secs: i32) -> Vec<u8> {
+    let mut c = vec![0u8; 2240];
+    c[0..8].copy_from_slice(&2240usize.to_le_bytes());
+    c[8..12].copy_from_slice(&0xf0f0_f0f0u32.to_le_bytes());
+    c[12..16].copy_from_slice(&10u32.to_le_bytes());
+    c[24..28].copy_from_slice(&200u32.to_le_bytes());
+    c[316..320].copy_from_slice(&secs.to_le_bytes());
+    c
+}
+
+/// One process rank of a world of 2 whose rank 1 hangs
+/// (`CANNSIM_HCCL_TIMEOUT_RANK`), made with an `hcclExecTimeOut` of `EXEC_CFG`
+/// seconds: rank 0 prints the error of its all-reduce, which names the
+/// execution timeout the communicator took.
+fn timed_out_rank() {
+    let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+    let cfg = config_with_exec_timeout(std::env::var("EXEC_CFG").unwrap().parse().unwrap());
+    let root = unhex(&std::env::var("ROOT").unwrap());
+    let s = use_device(rank as i32);
+    let mut comm = NULL;
+    unsafe {
+        assert_eq!((s.HcclCommInitRootInfoConfig)(2, root.as_ptr(), rank, cfg.as_ptr(), &mut comm), 0, "{}", err_msg())
+    };
+    let st = stream();
+    let buf = malloc(32);
+    unsafe { assert_eq!((s.HcclAllReduce)(buf, buf, 8, HCCL_FP32, HCCL_SUM, comm, st), 0, "{}", err_msg()) };
+    let r = unsafe { (s.aclrtSynchronizeStream)(st) };
+    println!("rank {rank}: sync {r}: {}", err_msg());
+}
+
+#[test]
+fn the_execution_timeout_is_hccls_own_setting_per_release() {
+    if role().as_deref() == Some("exec-timeout") {
+        timed_out_rank();
+        return;
+    }
+    const NAME: &str = "the_execution_timeout_is_hccls_own_setting_per_release";
+    // (release, hcclExecTimeOut, HCCL_EXEC_TIMEOUT, the timeout rank 0 takes):
+    // only config version 10 (CANN 8.5) has hcclExecTimeOut, and there it
+    // wins over the variable; older releases never read the field.
+    for (version, cfg, env, want) in
+        [("8.1", "600", "0.5", "500ms"), ("8.3", "600", "0.5", "500ms"), ("8.5", "1", "600", "1s")]
+    {
+        let kids = spawn_ranks(
+            NAME,
+            "exec-timeout",
+            2,
+            &[
+                ("CANNSIM_CANN_VERSION", version),
+                ("CANNSIM_HCCL_TIMEOUT_RANK", "1"),
+                ("HCCL_EXEC_TIMEOUT", env),
+                ("EXEC_CFG", cfg),
+                // Never read by HCCL: it must not shorten anything.
+                ("ASCEND_MOE_COMM_TIMEOUT", "3600"),
+            ],
+        );
+        let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+        let out0 = stderr(&outs[0]);
+        assert!(outs[0].status.success(), "{version}: {out0}");
+        assert!(
+            out0.contains("sync 507046") && out0.contains(&format!("execution timeout {want})")),
+            "{version}: {out0}"
+        );
+    }
+}
+
+#[test]
+fn malformed_hccl_timeout_variables_fail_the_communicator_creation() {
+    if role().as_deref() == Some("bad-timeout-env") {
+        let s = use_device(0);
+        let mut root = vec![0u8; 4108];
+        let mut comm = NULL;
+        unsafe {
+            assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0);
+            assert_eq!((s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm), 1, "HCCL_E_PARA");
+        }
+        println!("{}", err_msg());
+        return;
+    }
+    const NAME: &str = "malformed_hccl_timeout_variables_fail_the_communicator_creation";
+    for (var, value) in [
+        // ParseExecTimeout: a non-negative number with at most 2 decimals.
+        ("HCCL_EXEC_TIMEOUT", "abc"),
+        ("HCCL_EXEC_TIMEOUT", "-1"),
+        ("HCCL_EXEC_TIMEOUT", "1.234"),
+        // HCCL_CONNECT_TIMEOUT: an integer from 120 to 7200.
+        ("HCCL_CONNECT_TIMEOUT", "60"),
+        ("HCCL_CONNECT_TIMEOUT", "7201"),
+    ] {
+        let o = run_child(NAME, "bad-timeout-env", &[(var, value)]);
+        assert!(o.status.success(), "{var}={value}: {}", stderr(&o));
+        assert!(stderr(&o).contains(var), "{var}={value}: {}", stderr(&o));
+    }
 }

@@ -263,28 +263,60 @@ fn sub_communicators_split_the_world() {
 }
 
 #[test]
-fn mismatched_collectives_fail_with_an_error_code_on_every_rank() {
+fn a_first_call_that_differs_between_ranks_is_refused_by_the_call_on_every_rank() {
     let results = with_ranks(2, 2, |r, comm, st| {
         let s = sim();
         let n = if r == 0 { 4 } else { 8 };
         let send = upload(&vec![1f32; n]);
         let recv = malloc(n * 4);
         let enq = unsafe { (s.HcclAllReduce)(send, recv, n as u64, HCCL_FP32, HCCL_SUM, comm, st) };
+        let msg = err_msg();
+        let sync_rc = unsafe { (s.aclrtSynchronizeStream)(st) };
+        let mut e = -1;
+        unsafe { assert_eq!((s.HcclGetCommAsyncError)(comm, &mut e), 0) };
+        // The links were not set up: matching calls set them up and run.
+        let ok = unsafe { (s.HcclAllReduce)(send, recv, 4, HCCL_FP32, HCCL_SUM, comm, st) };
+        sync(st);
+        let out = download::<f32>(recv, 4);
+        free(send);
+        free(recv);
+        (enq, sync_rc, e, ok, out, msg)
+    });
+    for (r, (enq, sync_rc, e, ok, out, msg)) in results.into_iter().enumerate() {
+        assert_eq!(enq, E_PARA, "rank {r}: the call itself fails (EI0005): {msg}");
+        assert!(msg.contains("EI0005") && msg.contains("count 4") && msg.contains("count 8"), "rank {r}: {msg}");
+        assert_eq!((sync_rc, e), (0, 0), "rank {r}: nothing was queued, no async error");
+        assert_eq!((ok, out), (0, vec![2.0; 4]), "rank {r}");
+    }
+}
+
+#[test]
+fn a_later_call_that_differs_between_ranks_fails_the_stream_without_an_async_error() {
+    let results = with_ranks(2, 2, |r, comm, st| {
+        let s = sim();
+        let send = upload(&[1f32; 8]);
+        let recv = malloc(32);
+        // The first all-reduce matches: its links are set up and checked.
+        unsafe { assert_eq!((s.HcclAllReduce)(send, recv, 4, HCCL_FP32, HCCL_SUM, comm, st), 0) };
+        sync(st);
+        // HCCL checks no later all-reduce: this one is queued on both ranks.
+        let n = if r == 0 { 4 } else { 8 };
+        let enq = unsafe { (s.HcclAllReduce)(send, recv, n, HCCL_FP32, HCCL_SUM, comm, st) };
         let sync_rc = unsafe { (s.aclrtSynchronizeStream)(st) };
         let msg = err_msg();
-        let mut e = 0;
+        let mut e = -1;
         unsafe { assert_eq!((s.HcclGetCommAsyncError)(comm, &mut e), 0) };
         // The failed communicator refuses further work at once.
-        let again = unsafe { (s.HcclAllReduce)(send, recv, n as u64, HCCL_FP32, HCCL_SUM, comm, st) };
+        let again = unsafe { (s.HcclAllReduce)(send, recv, 4, HCCL_FP32, HCCL_SUM, comm, st) };
         free(send);
         free(recv);
         (enq, sync_rc, e, again, msg)
     });
     for (r, (enq, sync_rc, e, again, msg)) in results.into_iter().enumerate() {
-        assert_eq!(enq, 0, "rank {r}: queued fine");
-        assert_ne!(sync_rc, 0, "rank {r}: the sync must report the mismatch");
-        assert_ne!(e, 0, "rank {r}: async error");
-        assert_eq!(again, e, "rank {r}");
+        assert_eq!(enq, 0, "rank {r}: queued");
+        assert_ne!(sync_rc, 0, "rank {r}: the sync must fail, never a silent result");
+        assert_eq!(e, 0, "rank {r}: HcclGetCommAsyncError reports only an error CQE (HCCL_E_REMOTE)");
+        assert_eq!(again, 9, "rank {r}: HCCL_E_TIMEOUT");
         assert!(msg.contains("HcclAllReduce"), "rank {r}: {msg}");
     }
 }
@@ -459,7 +491,7 @@ fn all_reduce_of(count: u64, dt: i32, op: i32, comm: Ptr, st: Ptr, send: Ptr, re
 }
 
 #[test]
-fn a_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_for_the_timeout() {
+fn a_first_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_for_the_timeout() {
     let scenarios: [(&str, Call); 7] = [
         ("count", |r, c, st, a, b| all_reduce_of(if r == 2 { 5 } else { 4 }, HCCL_FP32, HCCL_SUM, c, st, a, b)),
         ("dtype", |r, c, st, a, b| {
@@ -492,12 +524,12 @@ fn a_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_for_the
     ];
     for (what, call) in scenarios {
         // A timeout of a minute: a mismatch seen only by waiting would fail
-        // with HCCL_E_TIMEOUT (9), not HCCL_E_PARA.
+        // with HCCL_E_TIMEOUT (9) after it, not HCCL_E_PARA at once.
         let results = with_ranks(3, 60, |r, comm, st| {
             let (send, recv) = (malloc(64), malloc(64));
             let enq = call(r, comm, st, send, recv);
-            let sync_rc = unsafe { (sim().aclrtSynchronizeStream)(st) };
             let msg = err_msg();
+            let sync_rc = unsafe { (sim().aclrtSynchronizeStream)(st) };
             let mut e = -1;
             unsafe { assert_eq!((sim().HcclGetCommAsyncError)(comm, &mut e), 0) };
             free(send);
@@ -505,10 +537,10 @@ fn a_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_for_the
             (enq, sync_rc, e, msg)
         });
         for (r, (enq, sync_rc, e, msg)) in results.into_iter().enumerate() {
-            assert_eq!(enq, 0, "{what}: rank {r} queues its call");
-            assert_ne!(sync_rc, 0, "{what}: rank {r}'s sync reports the mismatch");
-            assert_eq!(e, E_PARA, "{what}: rank {r}: {msg}");
-            assert!(msg.contains("different collectives") || msg.contains("expects"), "{what}: rank {r}: {msg}");
+            // HCCL's consistency check at link setup, inside the first call.
+            assert_eq!(enq, E_PARA, "{what}: rank {r}'s call fails: {msg}");
+            assert!(msg.contains("EI0005") || msg.contains("expects"), "{what}: rank {r}: {msg}");
+            assert_eq!((sync_rc, e), (0, 0), "{what}: rank {r}: nothing queued, no async error");
         }
     }
 }

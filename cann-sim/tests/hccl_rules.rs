@@ -231,14 +231,16 @@ fn ranks_outside_the_group_pass_null_rank_ids_and_the_reserved_id() {
 
 #[test]
 fn collective_buffers_must_not_be_null_even_with_count_zero() {
-    let rcs = with_world(2, |r, comm| {
+    // One rank: a peer would wait for the refused rank at link setup until
+    // the connect timeout.
+    let rcs = with_world(1, |r, comm| {
         let s = sim();
         let st = stream();
-        // Rank 0 sends nothing, but its send buffer must still be a real address.
-        let counts = [0u64, 2];
-        let displs = [0u64, 0];
+        // The rank sends nothing, but its send buffer must still be a real address.
+        let counts = [0u64];
+        let displs = [0u64];
         let recv = malloc(64);
-        let send = if r == 0 { NULL } else { malloc(64) };
+        let send = NULL;
         let rc = unsafe {
             (s.HcclAllGatherV)(
                 send,
@@ -252,9 +254,6 @@ fn collective_buffers_must_not_be_null_even_with_count_zero() {
             )
         };
         free(recv);
-        if !send.is_null() {
-            free(send);
-        }
         destroy_stream(st);
         rc
     });
@@ -313,4 +312,79 @@ fn a_sub_communicator_needs_at_least_one_rank() {
         unsafe { (sim().HcclCreateSubCommConfig)(&mut parent, 0, ids.as_mut_ptr(), 5, 0, cfg.as_mut_ptr(), &mut sub) }
     });
     assert_eq!(rcs, vec![E_PARA]);
+}
+
+const INT64: i32 = 5;
+const SUM: i32 = 0;
+
+#[test]
+fn reduce_scatter_v_takes_no_int64_on_a2_while_all_reduce_and_all_gather_do() {
+    // HCCL API reference (hicann/hccl v9.1.0 docs/zh/api_ref/comm_op_interface):
+    // HcclReduceScatterV.md:51 lists no int64 for Atlas A2; HcclAllReduce.md:49,
+    // HcclReduceScatter.md:49 and HcclAllGather.md:51 do.
+    with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        let (a, b) = (malloc(64), malloc(64));
+        let counts = [2u64];
+        let displs = [0u64];
+        unsafe {
+            let p = |v: &[u64; 1]| v.as_ptr() as *const std::ffi::c_void;
+            let rc = (s.HcclReduceScatterV)(a, p(&counts), p(&displs), b, 2, INT64, SUM, comm, st);
+            assert_eq!(rc, E_NOT_SUPPORT, "{}", err_msg());
+            assert!(err_msg().contains("HcclReduceScatterV") && err_msg().contains("Atlas A2"), "{}", err_msg());
+            // fp32 is in the table: the same call runs.
+            assert_eq!(
+                (s.HcclReduceScatterV)(a, p(&counts), p(&displs), b, 2, FP32, SUM, comm, st),
+                0,
+                "{}",
+                err_msg()
+            );
+            assert_eq!((s.HcclAllReduce)(a, b, 2, INT64, SUM, comm, st), 0, "{}", err_msg());
+            assert_eq!((s.HcclReduceScatter)(a, b, 2, INT64, SUM, comm, st), 0, "{}", err_msg());
+            assert_eq!((s.HcclAllGather)(a, b, 2, INT64, comm, st), 0, "{}", err_msg());
+            // prod is not a ReduceScatterV op on A2 (HcclReduceScatterV.md:58).
+            let rc = (s.HcclReduceScatterV)(a, p(&counts), p(&displs), b, 2, FP32, 1, comm, st);
+            assert_eq!(rc, E_NOT_SUPPORT, "{}", err_msg());
+        }
+        sync(st);
+        free(a);
+        free(b);
+        destroy_stream(st);
+    });
+}
+
+#[test]
+fn a_barrier_is_refused_on_a_capturing_stream() {
+    // HCCL's A2 operator list names no barrier in aclgraph capture mode
+    // (hicann/hccl v9.1.0 docs/zh/user_guide/comm_ops_support_list/comm_ops_support_a2.md:13).
+    let lib = unsafe { libloading::Library::new(lib_path()).expect("load libcann_sim.so") };
+    type Begin = unsafe extern "C" fn(Ptr, i32) -> i32;
+    type End = unsafe extern "C" fn(Ptr, *mut Ptr) -> i32;
+    type Destroy = unsafe extern "C" fn(Ptr) -> i32;
+    let (begin, end, destroy): (Begin, End, Destroy) = unsafe {
+        (
+            *lib.get(b"aclmdlRICaptureBegin\0").unwrap(),
+            *lib.get(b"aclmdlRICaptureEnd\0").unwrap(),
+            *lib.get(b"aclmdlRIDestroy\0").unwrap(),
+        )
+    };
+    with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        // Outside a capture the barrier runs.
+        unsafe { assert_eq!((s.HcclBarrier)(comm, st), 0, "{}", err_msg()) };
+        sync(st);
+        unsafe {
+            // Relaxed mode (2): the capture forbids nothing else here.
+            assert_eq!(begin(st, 2), 0, "{}", err_msg());
+            let rc = (s.HcclBarrier)(comm, st);
+            assert_eq!(rc, E_NOT_SUPPORT, "{}", err_msg());
+            assert!(err_msg().contains("capturing"), "{}", err_msg());
+            let mut model = NULL;
+            assert_eq!(end(st, &mut model), 0, "{}", err_msg());
+            assert_eq!(destroy(model), 0, "{}", err_msg());
+        }
+        destroy_stream(st);
+    });
 }

@@ -78,12 +78,19 @@ class Comm:
         created and no HCCL buffer reserved beyond the group's own. The handle
         keeps `pg` alive; `close()` releases only the handle.
 
-        The raw comm is `pg._get_backend(torch.device("npu")).get_hccl_comm(rank)`
-        with this process's rank in `pg`: torch_npu's
-        `ProcessGroupHCCL::getHcclComm(int rankid)` (csrc/distributed/ProcessGroupHCCL.cpp)
-        returns the group's `HcclComm` of that rank's device as an int64,
-        initialising it on first use. `device_ordinal` defaults to
-        `torch.npu.current_device()`."""
+        The raw comm is `pg._get_backend(torch.device("npu")).get_hccl_comm(device_ordinal)`:
+        torch_npu's `ProcessGroupHCCL::getHcclComm(int rankid)`
+        (torch_npu/csrc/distributed/ProcessGroupHCCL.cpp) returns, as an int64,
+        the group's `HcclComm` on device `getDeviceForRank(rankid)`, that is
+        `rankid % device_count()`, initialising it on first use. So it is asked
+        with this process's local device, not its rank in `pg` (which, for a
+        subgroup, names another NPU). `device_ordinal` defaults to
+        `torch.npu.current_device()`.
+
+        The borrowed communicator may be a sub-communicator of torch's world
+        (torch_npu can make a subgroup with `HcclCreateSubCommConfig`), and
+        HCCL splits only a global communicator: `split` on it is refused;
+        make subgroups with `torch.distributed.new_group` and borrow them."""
         import torch
         import torch.distributed as dist
 
@@ -107,11 +114,11 @@ class Comm:
                 Status.UNAVAILABLE,
                 f"Comm.from_process_group: the group's backend {type(hccl).__name__} has no get_hccl_comm",
             )
-        raw = int(getter(dist.get_rank(pg)))
-        if not raw:
-            raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
         if device_ordinal is None:
             device_ordinal = torch.npu.current_device()
+        raw = int(getter(int(device_ordinal)))
+        if not raw:
+            raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
         comm = cls.from_hccl(raw, int(device_ordinal))
         comm._owner = pg
         return comm

@@ -49,6 +49,7 @@ def sim_env(tmp_path_factory):
         CANNSIM_DEVICES="4",
         CANNSIM_LEAK_REPORT="fail",
         ASCEND_MOE_COMM_TIMEOUT="20",
+        HCCL_EXEC_TIMEOUT="20",
         ASCEND_MOE_TORCH="0",
         PYTHONPATH=os.pathsep.join(
             [str(HERE)] + [str(Path(p).resolve()) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

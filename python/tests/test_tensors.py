@@ -330,8 +330,10 @@ def test_from_process_group_refuses_a_non_hccl_group():
 
 @pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
 def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
-    """The glue to torch_npu's ProcessGroupHCCL, with a stand-in group: the raw
-    comm of this rank in the group goes to `Comm.from_hccl` with the device."""
+    """The glue to torch_npu's ProcessGroupHCCL, with a stand-in group: the
+    group's comm is asked for with the local device (torch_npu keys it by
+    `rankid % device_count()`), not the rank in the group, and goes to
+    `Comm.from_hccl` with the device."""
     import types
 
     import torch.distributed as dist
@@ -363,7 +365,8 @@ def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
     monkeypatch.setattr(am.Comm, "from_hccl", classmethod(from_hccl))
     pg = Group(0x7F00_1234)
     comm = am.Comm.from_process_group(pg, device_ordinal=5)
-    assert asked == [3] and wrapped == [(0x7F00_1234, 5)] and comm._owner is pg
+    # The group rank is 3, the local device 5: the device is what is asked.
+    assert asked == [5] and wrapped == [(0x7F00_1234, 5)] and comm._owner is pg
     with pytest.raises(am.AmoeError, match="returned a null HcclComm"):
         am.Comm.from_process_group(Group(0), device_ordinal=5)
     assert wrapped == [(0x7F00_1234, 5)]

@@ -1,13 +1,21 @@
 //! The HCCL collectives: validated when queued, run on the stream's worker as
 //! one round of the communicator's [`Group`].
 //!
-//! Each rank publishes a descriptor of its call (collective, dtype, reduce
-//! op, root, count, per-rank counts) and the bytes the others need from it.
-//! Every rank checks all descriptors against each other before it reads any
-//! payload, so a call that differs between ranks (another collective, count,
-//! dtype, op, root or count array) fails with `HCCL_E_PARA` on every rank
-//! alike. Then each rank reads what it needs and computes its own result:
-//! reductions combine the ranks in rank order ([`Reduction`]).
+//! The first call of each collective on a communicator is checked on the
+//! host, inside the call, against every rank's (HCCL's parameter consistency
+//! check at link setup, EI0005): a call that differs between ranks (another
+//! collective, count, dtype, op, root or count array) returns `HCCL_E_PARA` on
+//! every rank alike and queues nothing.
+//!
+//! On the stream, each rank publishes a descriptor of its call and the bytes
+//! the others need from it, and checks all descriptors against each other
+//! before it reads any payload. Real HCCL does not check a later call: the
+//! ranks wait for data that never comes until the execution timeout, or move
+//! the wrong bytes. The simulator fails such a collective on every rank with
+//! `HCCL_E_TIMEOUT` at once (the stream's error; no async error: the HCCL API
+//! reference gives `HcclGetCommAsyncError` only the RDMA error CQE), never a
+//! silent result. Then each rank reads what it needs and computes its own
+//! result: reductions combine the ranks in rank order ([`Reduction`]).
 
 use std::ffi::c_void;
 
@@ -16,7 +24,7 @@ use super::plane::{Group, Round};
 use super::{comm, counts, enqueue, with_bytes, with_bytes_mut, Buf};
 use crate::ffi::*;
 use crate::hccl_rules;
-use crate::status::{self, fail, SimResult};
+use crate::status::{self, fail, SimError, SimResult};
 
 /// Descriptor word 0: the collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +108,12 @@ fn describe(w: &[u64]) -> String {
 }
 
 /// Fails unless every rank published the same call. Every rank runs this on
-/// the same descriptors, so all reach the same verdict.
+/// the same descriptors, so all reach the same verdict. The fields are those
+/// of HCCL's `InconsistentCheckParams` (hicann/hccl
+/// `src/common/inconsistent_check.cc:72-142`, v9.1.0: root, op type, reduce
+/// op, data type, count, group and tag; each mismatch is EI0005 and
+/// HCCL_E_PARA, `ReportOpExchangeInfoCheckFailed`, lines 170-196) plus the
+/// count arrays of the V collectives.
 fn agree(descs: &[Vec<u64>]) -> SimResult<()> {
     let first = &descs[0];
     let a2a = |d: &[u64]| d.first() == Some(&(Kind::AlltoAllV as u64));
@@ -112,7 +125,12 @@ fn agree(descs: &[Vec<u64>]) -> SimResult<()> {
         if !same {
             return fail(
                 HCCL_E_PARA,
-                format!("the ranks call different collectives: rank 0 {}, rank {r} {}", describe(first), describe(d)),
+                format!(
+                    "EI0005: the arguments for collective communication are inconsistent between ranks: \
+                     rank 0 calls {}, rank {r} {}",
+                    describe(first),
+                    describe(d)
+                ),
             );
         }
     }
@@ -149,14 +167,25 @@ fn run(
 ) -> SimResult<()> {
     let call = KINDS[kind as usize - 1].1;
     let words = desc.words(kind);
+    let setup_words = words.clone();
+    let setup = move |c: &super::SimComm, before: &dyn Fn()| c.link_setup(&setup_words, &agree, before);
     let job = move |g: &mut Group| {
         g.publish(&words, |w| send.iter().try_for_each(|b| with_bytes(*b, dt, |bytes| w.append(bytes))))?;
         g.complete(|round| {
-            agree(&round.descs)?;
+            agree(&round.descs).map_err(|e| {
+                SimError::new(
+                    HCCL_E_TIMEOUT,
+                    format!(
+                        "{}; HCCL checks only the first call of a collective on a communicator (at link setup): \
+                         this one would wait for data that never comes until the execution timeout",
+                        e.msg
+                    ),
+                )
+            })?;
             finish(round)
         })
     };
-    enqueue(call, comm_h, stream, bufs, Box::new(job))
+    enqueue(call, comm_h, stream, bufs, &setup, Box::new(job))
 }
 
 /// Every rank's payload bytes from byte `offset`, reduced in rank order
@@ -207,6 +236,7 @@ pub extern "C" fn HcclAllReduce(
 ) -> HcclResult {
     status::hccl("HcclAllReduce", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::a2_dtype("HcclAllReduce", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
         let n = count as usize;
@@ -230,6 +260,7 @@ pub extern "C" fn HcclReduceScatter(
 ) -> HcclResult {
     status::hccl("HcclReduceScatter", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::a2_dtype("HcclReduceScatter", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
         let world = comm(comm_h)?.size as usize;
@@ -259,6 +290,7 @@ pub extern "C" fn HcclReduceScatterV(
 ) -> HcclResult {
     status::hccl("HcclReduceScatterV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::a2_dtype("HcclReduceScatterV", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
         let c = comm(comm_h)?;
@@ -295,6 +327,7 @@ pub extern "C" fn HcclAllGather(
 ) -> HcclResult {
     status::hccl("HcclAllGather", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::a2_dtype("HcclAllGather", data_type, None)?;
         let dt = DType::from_hccl(data_type)?;
         let world = comm(comm_h)?.size as usize;
         let n = send_count as usize;
@@ -322,6 +355,7 @@ pub extern "C" fn HcclAllGatherV(
 ) -> HcclResult {
     status::hccl("HcclAllGatherV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::a2_dtype("HcclAllGatherV", data_type, None)?;
         hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = DType::from_hccl(data_type)?;
         let c = comm(comm_h)?;
@@ -362,6 +396,7 @@ pub extern "C" fn HcclAlltoAllV(
 ) -> HcclResult {
     status::hccl("HcclAlltoAllV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::a2_dtype("HcclAlltoAllV", send_type, None)?;
         let dt = DType::from_hccl(send_type)?;
         if recv_type != send_type {
             return fail(HCCL_E_PARA, format!("sendType {send_type} != recvType {recv_type}"));
@@ -399,6 +434,7 @@ pub extern "C" fn HcclBroadcast(
 ) -> HcclResult {
     status::hccl("HcclBroadcast", || {
         hccl_rules::operands(&[("buf", buf)], stream)?;
+        hccl_rules::a2_dtype("HcclBroadcast", data_type, None)?;
         let dt = DType::from_hccl(data_type)?;
         let c = comm(comm_h)?;
         if root >= c.size {
@@ -421,6 +457,7 @@ pub extern "C" fn HcclBroadcast(
 pub extern "C" fn HcclBarrier(comm_h: HcclComm, stream: AclrtStream) -> HcclResult {
     status::hccl("HcclBarrier", || {
         hccl_rules::operands(&[], stream)?;
+        hccl_rules::not_under_capture("HcclBarrier", stream)?;
         // Any dtype: a barrier publishes and reads no payload.
         run(Kind::Barrier, comm_h, stream, &[], DType::U8, Desc::default(), Vec::new(), |_| Ok(()))
     })

@@ -6,11 +6,16 @@
 //! (communicator, stream, dtype, reduce op and device pointers) and run on the
 //! stream's worker ([`collectives`]): each rank publishes a descriptor of the
 //! call and its device bytes, checks that every rank made the same call, and
-//! computes its own result ([`elem`]). A failed collective (timeout, mismatch,
-//! dead peer) becomes the communicator's sticky async error
-//! (`HcclGetCommAsyncError`) and the stream's error (reported by its
-//! synchronisation); later collectives on the communicator fail at once with
-//! the same code.
+//! computes its own result ([`elem`]).
+//!
+//! As in HCCL, the first call of each collective on a communicator sets up
+//! its links on the host, inside the call, and checks there that every rank
+//! passed the same arguments (EI0005, HCCL_E_PARA returned by the call); later
+//! calls are not checked ([`collectives`] says what the simulator does then).
+//! A failed collective (timeout, dead peer) is the stream's error (reported by
+//! its synchronisation) and later collectives on the communicator fail at once
+//! with the same code; `HcclGetCommAsyncError` reports only a dead peer
+//! (`HCCL_E_REMOTE`, HCCL's "error CQE").
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -51,14 +56,58 @@ pub struct SimComm {
     pub world_rank: u32,
     /// Device the communicator moves data on.
     pub device: u32,
-    timeout: Duration,
+    /// HCCL's execution timeout (`None`: never).
+    timeout: Option<Duration>,
     group: Mutex<Group>,
-    error: AtomicI32,
+    /// The host-side group of link setup (its rounds are the consistency
+    /// checks of first calls), bounded by the connect timeout.
+    link: Mutex<Group>,
+    /// Descriptor word 0 of each collective whose links are set up.
+    linked: Mutex<Vec<u64>>,
+    /// What `HcclGetCommAsyncError` reports: `HCCL_E_REMOTE` or success.
+    async_error: AtomicI32,
+    /// The first failure of a collective on the device (sticky).
+    failed: AtomicI32,
 }
 
 impl std::fmt::Debug for SimComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "HcclComm({} rank {}/{} on device {})", self.name, self.rank, self.size, self.device)
+    }
+}
+
+impl SimComm {
+    /// The link setup of the first call of collective `words[0]` on this
+    /// communicator: every rank publishes its descriptor on the host-side
+    /// link group, within the connect timeout, and `agree` checks them (so
+    /// every rank refuses a mismatch alike). Later calls of the collective
+    /// skip it, as in HCCL: hicann/hccl `src/common/inconsistent_check.cc:17-51`
+    /// (v9.1.0, `NeedInconsistentCheck`: in op-base mode only a call without an
+    /// existing context, i.e. the first of its kind, is checked) and
+    /// `docs/zh/user_guide/fault_diagnosis/param_link_stage.md:34-38` ("only
+    /// when an operator of a new type or algorithm is first called on a
+    /// communicator ... cannot catch every inconsistent call"). A failed check
+    /// leaves the collective without links: its next call sets up again.
+    ///
+    /// `before_wait` runs first: it lets the stream's queued work run (a
+    /// device runs it while its host sets up links), since a peer's earlier
+    /// collective may need it before that peer reaches this setup.
+    fn link_setup(
+        &self,
+        words: &[u64],
+        agree: &dyn Fn(&[Vec<u64>]) -> SimResult<()>,
+        before_wait: &dyn Fn(),
+    ) -> SimResult<()> {
+        let mut linked = self.linked.lock().unwrap_or_else(|e| e.into_inner());
+        if linked.contains(&words[0]) {
+            return Ok(());
+        }
+        before_wait();
+        let mut g = self.link.lock().unwrap_or_else(|e| e.into_inner());
+        g.publish(words, |_| Ok(()))?;
+        g.complete(|round| agree(&round.descs))?;
+        linked.push(words[0]);
+        Ok(())
     }
 }
 
@@ -111,6 +160,7 @@ fn root_name(root_info: *const c_void) -> SimResult<String> {
 #[derive(Debug, Default)]
 struct ConfigView {
     name: Option<String>,
+    /// `hcclExecTimeOut` when the config sets it (> 0).
     timeout: Option<Duration>,
 }
 
@@ -136,6 +186,13 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
                 v.name = Some(String::from_utf8_lossy(&name[..end]).into_owned());
             }
         }
+        // `hcclExecTimeOut` exists from config version 10 (CANN 8.5) on: an
+        // older HCCL copies at most its own struct's bytes (`CommConfig::Load`)
+        // and never sees the field, whatever the caller's struct has. -1
+        // (HcclCommConfigInit's value) or 0 leave HCCL_EXEC_TIMEOUT in force
+        // (hicann/hccl docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md, "use
+        // constraints": the communicator's setting wins when it sets one).
+        let size = size.min(crate::version::CannVersion::current().comm_config_size());
         if size >= comm_config::EXEC_TIMEOUT + 4 {
             let t = (p.add(comm_config::EXEC_TIMEOUT) as *const i32).read_unaligned();
             if t > 0 {
@@ -151,8 +208,13 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
         return fail(HCCL_E_PARA, format!("rank {rank} of {size} ranks"));
     }
     let device = context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
-    let timeout = cfg.timeout.unwrap_or_else(config::comm_timeout);
-    let group = Group::join(&key, size, rank, timeout)?;
+    let timeout = match cfg.timeout {
+        Some(t) => Some(t),
+        None => config::exec_timeout().map_err(|m| SimError::new(HCCL_E_PARA, m))?,
+    };
+    let connect = config::connect_timeout().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
+    let group = Group::join(&key, size, rank, connect, timeout)?;
+    let link = Group::join(&format!("{key}.link"), size, rank, connect, Some(connect))?;
     let c = SimComm {
         name: cfg.name.or(name).unwrap_or_else(|| key.clone()),
         key,
@@ -162,7 +224,10 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
         device,
         timeout,
         group: Mutex::new(group),
-        error: AtomicI32::new(HCCL_SUCCESS),
+        link: Mutex::new(link),
+        linked: Mutex::new(Vec::new()),
+        async_error: AtomicI32::new(HCCL_SUCCESS),
+        failed: AtomicI32::new(HCCL_SUCCESS),
     };
     Ok(COMMS.insert(Arc::new(c)))
 }
@@ -331,12 +396,16 @@ pub extern "C" fn HcclGetErrorString(code: HcclResult) -> *const c_char {
     s.as_ptr()
 }
 
-/// `HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError)`.
+/// `HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError)`:
+/// HCCL_E_REMOTE once a collective of the communicator met a dead peer, else
+/// success. The HCCL API reference (HcclGetCommAsyncError, CANN 8.0 to 8.5)
+/// gives the error CQE of an RDMA link (HCCL_E_REMOTE) as the one error this
+/// call reports; a timeout or an argument error is never reported here.
 #[no_mangle]
 pub unsafe extern "C" fn HcclGetCommAsyncError(comm_h: HcclComm, async_error: *mut HcclResult) -> HcclResult {
     status::hccl("HcclGetCommAsyncError", || {
         let c = comm(comm_h)?;
-        write_out(async_error, c.error.load(Ordering::SeqCst), HCCL_E_PTR, "asyncError")
+        write_out(async_error, c.async_error.load(Ordering::SeqCst), HCCL_E_PTR, "asyncError")
     })
 }
 
@@ -412,21 +481,27 @@ fn with_bytes_mut<T>(b: Buf, dt: DType, f: impl FnOnce(&mut [u8]) -> SimResult<T
     }
 }
 
+/// The link setup of a call: the communicator, and what lets the stream's
+/// queued work run before it waits.
+type LinkSetup = dyn Fn(&SimComm, &dyn Fn()) -> SimResult<()>;
+
 /// A collective's work on the group; `Fn` so that a captured collective replays.
 type CollJob = Box<dyn Fn(&mut Group) -> SimResult<()> + Send + Sync>;
 
-/// Validates the communicator and stream, then queues `job` on the stream.
+/// Validates the communicator and stream, runs `setup` (the link setup of a
+/// first call) on the host, then queues `job` on the stream.
 fn enqueue(
     call: &'static str,
     comm_h: HcclComm,
     stream_h: AclrtStream,
     bufs: &[(Buf, DType, &str)],
+    setup: &LinkSetup,
     job: CollJob,
 ) -> SimResult<()> {
     let c = comm(comm_h)?;
-    let e = c.error.load(Ordering::SeqCst);
+    let e = c.failed.load(Ordering::SeqCst);
     if e != HCCL_SUCCESS {
-        return fail(e, format!("communicator {} has a pending async error {e}", c.name));
+        return fail(e, format!("communicator {} failed in an earlier collective (HCCL error {e})", c.name));
     }
     let s: Arc<Stream> = context::stream(stream_h as usize).map_err(|e| SimError::new(HCCL_E_PARA, e.msg))?;
     if s.device != c.device {
@@ -435,6 +510,7 @@ fn enqueue(
     for (b, dt, what) in bufs {
         check_buf(&c, *b, *dt, what)?;
     }
+    setup(&c, &|| s.release(s.last()))?;
     s.enqueue(
         call,
         Box::new(move || {
@@ -448,13 +524,18 @@ fn enqueue(
                     libc::_exit(cfg.die_exit_code)
                 }
             }
-            let prior = c.error.load(Ordering::SeqCst);
+            let prior = c.failed.load(Ordering::SeqCst);
             let r = if prior != HCCL_SUCCESS {
                 fail(prior, format!("communicator {} already failed", c.name))
             } else if cfg.hccl_timeout_rank == Some(c.world_rank) {
                 // A hung rank: it stays silent (and alive) past its peers'
                 // timeout, so they see a timeout rather than a dead peer.
-                std::thread::sleep(c.timeout * 2);
+                match c.timeout {
+                    Some(t) => std::thread::sleep(t * 2),
+                    None => loop {
+                        std::thread::park();
+                    },
+                }
                 fail(
                     HCCL_E_TIMEOUT,
                     format!("CANNSIM_HCCL_TIMEOUT_RANK: world rank {} never joins {call} on {}", c.world_rank, c.name),
@@ -464,7 +545,10 @@ fn enqueue(
                 job(&mut group)
             };
             r.map_err(|e| {
-                let _ = c.error.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
+                let _ = c.failed.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
+                if e.code == HCCL_E_REMOTE {
+                    let _ = c.async_error.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
+                }
                 let acl = if matches!(e.code, HCCL_E_TIMEOUT | HCCL_E_REMOTE) {
                     ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
                 } else {
@@ -473,8 +557,13 @@ fn enqueue(
                 SimError::new(
                     acl,
                     format!(
-                        "{call} on {} (rank {}/{}, timeout {:?}): HCCL error {}: {}",
-                        c.name, c.rank, c.size, c.timeout, e.code, e.msg
+                        "{call} on {} (rank {}/{}, execution timeout {}): HCCL error {}: {}",
+                        c.name,
+                        c.rank,
+                        c.size,
+                        c.timeout.map_or("none".to_string(), |t| format!("{t:?}")),
+                        e.code,
+                        e.msg
                     ),
                 )
             })

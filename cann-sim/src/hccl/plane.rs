@@ -23,9 +23,11 @@
 //!    bytes needed and compute the result locally;
 //! 5. publish `departed = g` ([`Group::complete`]).
 //!
-//! Every wait is bounded by the communicator's timeout (`HCCL_E_TIMEOUT`,
-//! naming the missing ranks) and notices a peer process that exited
-//! (`HCCL_E_REMOTE`). Waiting polls: a few yields, then short sleeps.
+//! The join is bounded by the connect timeout, every round by the round
+//! timeout the group was joined with (`HCCL_E_TIMEOUT`, naming the missing
+//! ranks; no bound when HCCL's execution timeout is 0, "never"), and every
+//! wait notices a peer process that exited (`HCCL_E_REMOTE`). Waiting polls:
+//! a few yields, then short sleeps.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -167,12 +169,21 @@ fn alive(pid: u32) -> bool {
     }
 }
 
+/// `timeout` from now; `None` (or one past what an `Instant` holds): a
+/// year, i.e. no bound.
+fn deadline_after(timeout: Option<Duration>) -> Instant {
+    let now = Instant::now();
+    let year = Duration::from_secs(365 * 24 * 3600);
+    timeout.and_then(|t| now.checked_add(t)).unwrap_or_else(|| now + year)
+}
+
 /// One rank's membership of a communicator.
 pub struct Group {
     name: String,
     rank: u32,
     size: u32,
-    timeout: Duration,
+    /// Bound of each round (`None`: none).
+    timeout: Option<Duration>,
     header: Mapping,
     own: File,
     files: Vec<File>,
@@ -224,19 +235,27 @@ impl Paths {
 
 impl Group {
     /// Joins the communicator `key` as `rank` of `size`, waiting up to
-    /// `timeout` for the other ranks.
-    pub fn join(key: &str, size: u32, rank: u32, timeout: Duration) -> SimResult<Group> {
+    /// `connect` for the other ranks; each round then waits up to `timeout`
+    /// (`None`: without bound).
+    pub fn join(key: &str, size: u32, rank: u32, connect: Duration, timeout: Option<Duration>) -> SimResult<Group> {
         if size == 0 || rank >= size {
             return fail(HCCL_E_PARA, format!("rank {rank} of {size} ranks"));
         }
         let base = shm_dir().join(format!("cannsim-hccl-{key}-{}", next_epoch(key, rank)));
         let base = base.to_string_lossy().into_owned();
         let paths = Paths { header: PathBuf::from(format!("{base}.head")), base };
-        Self::join_files(&paths, key, size, rank, timeout)
+        Self::join_files(&paths, key, size, rank, connect, timeout)
     }
 
-    fn join_files(paths: &Paths, key: &str, size: u32, rank: u32, timeout: Duration) -> SimResult<Group> {
-        let deadline = Instant::now() + timeout;
+    fn join_files(
+        paths: &Paths,
+        key: &str,
+        size: u32,
+        rank: u32,
+        connect: Duration,
+        timeout: Option<Duration>,
+    ) -> SimResult<Group> {
+        let deadline = deadline_after(Some(connect));
         let what = paths.header.display().to_string();
         let head = OpenOptions::new()
             .read(true)
@@ -338,10 +357,9 @@ impl Group {
                 return fail(
                     HCCL_E_TIMEOUT,
                     format!(
-                        "rank {} of {} timed out after {:?} waiting for {what}: ranks {:?} are missing",
+                        "rank {} of {} timed out waiting for {what}: ranks {:?} are missing",
                         self.rank,
                         self.name,
-                        self.timeout,
                         missing()
                     ),
                 );
@@ -359,7 +377,7 @@ impl Group {
     /// writes `desc` and what `payload` appends to this rank's data file and
     /// announces it. [`Group::complete`] ends the round.
     pub fn publish(&mut self, desc: &[u64], payload: impl FnOnce(&mut Writer<'_>) -> SimResult<()>) -> SimResult<()> {
-        self.deadline = Instant::now() + self.timeout;
+        self.deadline = deadline_after(self.timeout);
         let g = self.generation + 1;
         self.wait_all("the previous collective's data to be read", self.deadline, |s| {
             s.departed.load(Ordering::Acquire) >= g - 1

@@ -405,7 +405,9 @@ impl Drop for NpuBuffer {
             }
         }
         let stream = self.device.stream().clone();
-        let result = settled(stream.synchronize()).and_then(|_| {
+        // Bounded: a collective that never completes leaks the buffer rather
+        // than blocking the drop (`teardown_sync`).
+        let result = settled(stream.teardown_sync()).and_then(|_| {
             stream.enter()?;
             // SAFETY: allocated by aclrtMalloc, freed once, no queued work left.
             unsafe { rt::free(self.ptr) }
@@ -496,7 +498,9 @@ impl Drop for PinnedHostBuffer {
             return;
         }
         let stream = self.device.stream().clone();
-        let result = settled(stream.synchronize()).and_then(|_| {
+        // Bounded: a collective that never completes leaks the buffer rather
+        // than blocking the drop (`teardown_sync`).
+        let result = settled(stream.teardown_sync()).and_then(|_| {
             stream.enter()?;
             // SAFETY: allocated by aclrtMallocHost, freed once, no queued copy left.
             unsafe { rt::free_host(self.ptr) }

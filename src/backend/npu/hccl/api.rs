@@ -27,6 +27,50 @@ pub fn hccl_dtype(d: DType) -> HcclDataType {
     }
 }
 
+/// The collectives whose dtype (and reduction) tables differ on Atlas A2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Table {
+    /// `HcclAllReduce`, `HcclReduceScatter`: int8, int16, int32, int64,
+    /// float16, float32, bfp16; sum, prod, max, min (hicann/hccl v9.1.0
+    /// `docs/zh/api_ref/comm_op_interface/HcclAllReduce.md:49,57`,
+    /// `HcclReduceScatter.md:49,57`).
+    Reduce,
+    /// `HcclReduceScatterV`: int8, int16, int32, float16, float32, bfp16 (no
+    /// int64); sum, max, min (`HcclReduceScatterV.md:51,58`).
+    ReduceScatterV,
+}
+// The data movements (`HcclAllGather`, `HcclAllGatherV`, `HcclAlltoAllV`,
+// `HcclBroadcast`) take every 1-, 2-, 4- and 8-byte integer, float16,
+// float32, float64 and bfp16 on A2 (`HcclAllGather.md:51`,
+// `HcclAllGatherV.md:55`, `HcclAlltoAllV.md:52`, `HcclBroadcast.md:48`):
+// every dtype of ours, as `hccl_dtype` maps it.
+
+/// Refuses `dtype` for `collective` (the crate's name) when the HCCL call
+/// behind it does not take it on Atlas A2 ([`Table`]), naming both. HCCL
+/// refuses such a call with HCCL_E_NOT_SUPPORT (`HcomCheckDataType`, hicann/hccl
+/// v8.5.0 `src/common/param_check.cc:101-109`, for its global list).
+pub(super) fn check_dtype(collective: &'static str, table: Table, dtype: DType) -> Result<()> {
+    let ok = match table {
+        // The one-byte dtypes other than int8 travel as HCCL uint8, which no
+        // reduction takes.
+        Table::Reduce => matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::I64 | DType::I8),
+        Table::ReduceScatterV => matches!(dtype, DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::I8),
+    };
+    if ok {
+        return Ok(());
+    }
+    let (call, list) = match table {
+        Table::Reduce => ("HcclAllReduce/HcclReduceScatter", "int8, int16, int32, int64, float16, float32, bfloat16"),
+        Table::ReduceScatterV => ("HcclReduceScatterV", "int8, int16, int32, float16, float32, bfloat16"),
+    };
+    Err(crate::Error::dtype(
+        collective,
+        "src",
+        format!("a dtype {call} reduces on Atlas A2 ({list}; HCCL API reference)"),
+        dtype,
+    ))
+}
+
 /// HCCL's code for a reduction.
 pub fn hccl_op(op: ReduceOp) -> HcclReduceOp {
     match op {

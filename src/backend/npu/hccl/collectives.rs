@@ -9,7 +9,7 @@ use crate::backend::{Communicator, View, ViewMut};
 use crate::types::{ReduceOp, TensorMeta};
 use crate::{Error, Result};
 
-use super::api::{hccl_dtype, hccl_op};
+use super::api::{check_dtype, hccl_dtype, hccl_op, Table};
 use super::HcclComm;
 
 impl HcclComm {
@@ -114,6 +114,7 @@ impl Communicator for HcclComm {
     fn all_reduce(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce";
         self.same_dtype(OP, src.meta(), dst.meta())?;
+        check_dtype(OP, Table::Reduce, src.dtype())?;
         if src.numel() != dst.numel() {
             return Err(self.comm_err(OP, format!("src has {} elements, dst {}", src.numel(), dst.numel())));
         }
@@ -131,6 +132,7 @@ impl Communicator for HcclComm {
 
     fn all_reduce_in_place(&self, buf: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce_in_place";
+        check_dtype(OP, Table::Reduce, buf.dtype())?;
         let b = self.buffer(OP, "buf", buf.buf())?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
         if n == 0 {
@@ -145,6 +147,7 @@ impl Communicator for HcclComm {
     fn reduce_scatter(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "reduce_scatter";
         self.same_dtype(OP, src.meta(), dst.meta())?;
+        check_dtype(OP, Table::Reduce, src.dtype())?;
         if src.numel() != dst.numel() * self.inner.world {
             return Err(self.comm_err(
                 OP,
@@ -191,6 +194,7 @@ impl Communicator for HcclComm {
     ) -> Result<()> {
         const OP: &str = "reduce_scatter_v";
         self.same_dtype(OP, src.meta(), dst.meta())?;
+        check_dtype(OP, Table::ReduceScatterV, src.dtype())?;
         let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
         let mine = counts[self.inner.rank];
         if src.numel() != total || dst.numel() != mine {
@@ -330,9 +334,6 @@ impl Communicator for HcclComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.run("barrier", &[], |stream| {
-            // SAFETY: live communicator and stream.
-            unsafe { hc::barrier(self.inner.raw, stream) }
-        })
+        self.barrier_on(&self.inner.device.stream().clone())
     }
 }

@@ -141,6 +141,23 @@ impl HcclComm {
                 ),
             ));
         }
+        // A borrowed communicator (the host engine's) may itself be a
+        // sub-communicator of the engine's world: torch_npu makes subgroups
+        // with HcclCreateSubCommConfig too, and nothing in HCCL tells them
+        // apart. Splitting one would be the nested split HCCL refuses.
+        if !self.inner.owned && self.inner.global.is_none() {
+            return Err(Error::invalid(
+                OP,
+                "self",
+                format!(
+                    "{self:?} is borrowed from the host engine and may be a sub-communicator; \
+                     HcclCreateSubCommConfig splits only a global communicator (HCCL API reference: nested \
+                     splitting is not supported). Create the group in the engine (e.g. \
+                     torch.distributed.new_group) and borrow it, or split a communicator made with \
+                     HcclComm::from_root_info"
+                ),
+            ));
+        }
         let global_ids: Vec<usize> = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
         let root: Arc<CommInner> = self.inner.global.clone().unwrap_or_else(|| self.inner.clone());
         let serial = {

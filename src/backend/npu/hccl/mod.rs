@@ -73,11 +73,14 @@ impl Drop for CommInner {
             return;
         }
         let last = self.last_stream.lock().map(|mut l| l.take()).unwrap_or_default();
+        // Bounded waits (`teardown_sync`): after a collective that never
+        // completes (a rank that never joined) the communicator is left, not
+        // destroyed under its running work, and the timeout is recorded.
         let result = hccl().and_then(|_| {
             if let Some(s) = last {
-                super::runtime::settled(s.synchronize())?;
+                super::runtime::settled(s.teardown_sync())?;
             }
-            super::runtime::settled(self.device.stream().synchronize())?;
+            super::runtime::settled(self.device.stream().teardown_sync())?;
             // SAFETY: created by us, destroyed once, no queued collective left.
             unsafe { hc::comm_destroy(self.raw) }
         });

@@ -52,16 +52,57 @@ impl HcclComm {
             stream.wait_for(prev)?;
         }
         stream.enter()?;
-        launch(stream.raw())?;
+        launch(stream.raw()).map_err(|e| self.enqueue_error(call, e))?;
         *last = Some(stream.clone());
         drop(last);
         stream.record_pending(Box::new(QueuedCollective { call, comm: Arc::downgrade(&self.inner) }));
         Ok(())
     }
 
+    /// What a refused HCCL call means for the group. The crate checks this
+    /// rank's arguments before the call, so `HCCL_E_PARA` from a collective is
+    /// HCCL's parameter consistency check at link setup, made inside the first
+    /// call of each collective on a communicator: another rank passed other
+    /// arguments (EI0005; hicann/hccl `src/common/inconsistent_check.cc:72-196`
+    /// at v9.1.0). `HCCL_E_TIMEOUT` is the link setup waiting for a rank that
+    /// never made the call (HCCL_CONNECT_TIMEOUT; hicann/hccl
+    /// `docs/zh/user_guide/fault_diagnosis/param_link_stage.md`, EI0006).
+    fn enqueue_error(&self, call: &'static str, e: Error) -> Error {
+        let kind = match &e {
+            Error::Hccl { code, .. } if *code == HcclResult::HCCL_E_PARA.0 as i32 => crate::CommErrorKind::Mismatch,
+            Error::Hccl { code, .. } if *code == HcclResult::HCCL_E_TIMEOUT.0 as i32 => crate::CommErrorKind::Timeout,
+            Error::Hccl { code, .. } if *code == HcclResult::HCCL_E_REMOTE.0 as i32 => crate::CommErrorKind::PeerFailed,
+            _ => return e,
+        };
+        Error::Comm {
+            collective: call.to_string(),
+            group: self.inner.name.clone(),
+            rank: self.inner.rank,
+            world: self.inner.world,
+            detail: format!("HCCL refused the call: {e}"),
+            kind,
+        }
+    }
+
     /// [`Collectives::barrier`](crate::comm::Collectives::barrier) queued on `stream` (a stream of this
     /// communicator's device, e.g. the caller's) instead of the device's own.
+    ///
+    /// Refused while `stream` is captured into a graph: HCCL lists no barrier
+    /// among the operators of the aclgraph capture mode ("operators and modes
+    /// not listed are not supported": hicann/hccl v9.1.0
+    /// `docs/zh/user_guide/comm_ops_support_list/comm_ops_support_a2.md:13`).
     pub fn barrier_on(&self, stream: &NpuStream) -> Result<()> {
+        if stream.is_capturing()? {
+            return Err(Error::invalid(
+                "barrier",
+                "stream",
+                format!(
+                    "{stream:?} is being captured into a graph, and HcclBarrier is not supported under graph \
+                     capture (HCCL's A2 operator list for aclgraph); order the graph's work with the collectives \
+                     themselves, or barrier outside the capture"
+                ),
+            ));
+        }
         self.run_on(stream, "barrier", &[], |raw| {
             // SAFETY: live communicator and stream of its device.
             unsafe { hc::barrier(self.inner.raw, raw) }
@@ -106,14 +147,16 @@ impl Pending for QueuedCollective {
             detail,
             kind,
         };
+        // HcclGetCommAsyncError reports the error CQE of a failed link to a
+        // peer, HCCL_E_REMOTE, and nothing else (HCCL API reference,
+        // HcclGetCommAsyncError, CANN 8.0 to 8.5): a timeout shows only as the
+        // stream's failed wait, below. Any other code is still a peer's failure.
         if let Some(code) = c.async_error() {
-            let kind = match code {
-                HcclResult::HCCL_E_TIMEOUT => crate::CommErrorKind::Timeout,
-                HcclResult::HCCL_E_REMOTE => crate::CommErrorKind::PeerFailed,
-                _ => crate::CommErrorKind::Mismatch,
-            };
             let how = wait.map(|e| format!(" (the stream reported: {e})")).unwrap_or_default();
-            return Err(err(kind, format!("HCCL async error {}: {}{how}", code.0, error_string(code))));
+            return Err(err(
+                crate::CommErrorKind::PeerFailed,
+                format!("HCCL async error {}: {}{how}", code.0, error_string(code)),
+            ));
         }
         // A wait that timed out with no error recorded by HCCL: this
         // collective (the first one queued since the last check) is named.

@@ -47,6 +47,57 @@ pub(crate) struct StreamState {
     pub(crate) pool: Pool,
     pub(crate) staging: Staging,
     pub(crate) allocator: Option<Allocator>,
+    /// A bounded wait on the stream timed out and no wait has succeeded
+    /// since: its work may still run, so a drop releases nothing it may use
+    /// and waits no more ([`teardown_sync`]).
+    pub(super) stalled: bool,
+}
+
+/// The synchronisation a drop makes before it releases what queued work may
+/// use: bounded by the longest communicator timeout of the collectives still
+/// pending on the stream, else [`crate::CommOptions::from_env`]'s, so a
+/// collective that never completes (a rank that never joined; HCCL's own
+/// execution timeout is 1836 s on A2 by default, and only CANN 8.5 takes a
+/// per-communicator one) cannot block a drop. Once a bounded wait on the
+/// stream timed out, later drops fail at once with the same timeout until a
+/// wait succeeds. A timeout is returned as `ACL_ERROR_RT_STREAM_SYNC_TIMEOUT`,
+/// which [`settled`] turns into "release nothing".
+pub(crate) fn teardown_sync(raw: aclrtStream, state: &StateRef) -> Result<()> {
+    let bound = {
+        let st = lock(state);
+        if st.stalled {
+            return Err(Error::Acl {
+                call: "aclrtSynchronizeStreamWithTimeout",
+                code: acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT as acl_sys::aclError,
+                msg: "an earlier bounded wait on this stream timed out and its work may still run: \
+                      nothing it may use is released (leaked, not freed under running work)"
+                    .into(),
+            });
+        }
+        st.pending.iter().filter_map(|p| p.timeout()).max()
+    };
+    let bound = bound.unwrap_or_else(|| crate::CommOptions::from_env().timeout);
+    bounded_sync(raw, state, bound)
+}
+
+/// `aclrtSynchronizeStreamWithTimeout(raw, bound)` (an unbounded
+/// `aclrtSynchronizeStream` on a CANN without it), marking the stream stalled
+/// on a timeout and not stalled on success. The device must be bound.
+fn bounded_sync(raw: aclrtStream, state: &StateRef, bound: Duration) -> Result<()> {
+    let ms = i32::try_from(bound.as_millis()).unwrap_or(i32::MAX).max(1);
+    // SAFETY: live stream, device bound (the callers'), positive timeout in ms.
+    let r = match unsafe { rt::synchronize_stream_with_timeout(raw, ms) } {
+        Ok(Some(())) => Ok(()),
+        // SAFETY: as above.
+        Ok(None) => unsafe { rt::synchronize_stream(raw) },
+        Err(e) => Err(e),
+    };
+    let timed_out = matches!(&r, Err(Error::Acl { code, .. })
+        if *code == acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT as acl_sys::aclError);
+    if timed_out || r.is_ok() {
+        lock(state).stalled = timed_out;
+    }
+    r
 }
 
 pub(crate) type StateRef = Arc<Mutex<StreamState>>;
@@ -129,8 +180,7 @@ impl StreamInner {
                  (freeing it would synchronise the capture); drop the handle after the capture ends",
             ));
         }
-        // SAFETY: `raw` is a live stream (destroyed only after this).
-        settled(unsafe { rt::synchronize_stream(self.raw) })?;
+        settled(teardown_sync(self.raw, &self.state))?;
         let (segments, staged) = {
             let mut st = lock(&self.state);
             (st.pool.take_segments(), st.staging.take_all())
@@ -159,9 +209,9 @@ impl Drop for StreamInner {
             return;
         }
         let result = self.ctx.bind().and_then(|_| {
-            // Pending work must finish before the stream is destroyed.
-            // SAFETY: `raw` is a live stream we created.
-            settled(unsafe { rt::synchronize_stream(self.raw) })?;
+            // Pending work must finish before the stream is destroyed (a
+            // bounded wait: on a timeout the stream is left, not destroyed).
+            settled(teardown_sync(self.raw, &self.state))?;
             let kept = {
                 let mut st = lock(&self.state);
                 std::mem::take(&mut st.waited)
@@ -262,15 +312,17 @@ impl NpuStream {
     /// unbounded wait on a CANN without `aclrtSynchronizeStreamWithTimeout`).
     pub fn synchronize_timeout(&self, timeout: Duration) -> Result<()> {
         self.enter()?;
-        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX).max(1);
-        // SAFETY: live stream, device bound, positive timeout in ms.
-        match unsafe { rt::synchronize_stream_with_timeout(self.raw(), ms) }? {
-            Some(()) => {
-                self.release_kept();
-                Ok(())
-            }
-            None => self.synchronize(),
-        }
+        bounded_sync(self.raw(), self.state(), timeout)?;
+        self.release_kept();
+        Ok(())
+    }
+
+    /// [`teardown_sync`] of this stream: the bounded wait of a drop.
+    pub(crate) fn teardown_sync(&self) -> Result<()> {
+        self.enter()?;
+        teardown_sync(self.raw(), self.state())?;
+        self.release_kept();
+        Ok(())
     }
 
     /// The state shared by the handles of this raw stream.
