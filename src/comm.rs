@@ -100,8 +100,26 @@ pub trait Collectives {
     ) -> Result<()>;
 }
 
+/// Refuses a reduction (`op` names it, `call` says whether it is one) of a
+/// dtype that is only moved: the one-byte dtypes (i8, u8, bool, f8e4m3,
+/// f8e5m2) are exact byte moves in all_gather(_v), all_to_all_v and broadcast,
+/// never summed (SPEC section 8). Every Tensor-level collective passes here,
+/// on [`Comm`] and on each backend's communicator alike.
+fn reducible(op: &'static str, arg: &'static str, call: Call<'_>, dtype: crate::DType) -> Result<()> {
+    if !call.reduces() || dtype.is_reducible() {
+        return Ok(());
+    }
+    Err(Error::dtype(
+        op,
+        arg,
+        format!("a reducible dtype (f32, f16, bf16, i32, i64); {dtype} is moved as bytes, never reduced"),
+        dtype,
+    ))
+}
+
 /// Lends `src` and `dst` to `comm` and runs `f` on the views; when either is
-/// not a buffer of its backend, `comm` refuses `call` with that error.
+/// not a buffer of its backend, or `call` reduces a dtype that is only moved,
+/// `comm` refuses `call` with that error (so every rank fails at once).
 fn lend2<C: Communicator>(
     comm: &C,
     op: &'static str,
@@ -114,7 +132,9 @@ where
     Buf<C>: StorageBuffer,
 {
     let at = comm.backend().location();
-    let views = src.view(op, "src", &at).and_then(|s| Ok((s, dst.view_mut(op, "dst", &at)?)));
+    let views = reducible(op, "src", call, src.dtype())
+        .and_then(|_| src.view(op, "src", &at))
+        .and_then(|s| Ok((s, dst.view_mut(op, "dst", &at)?)));
     match views {
         Ok((s, d)) => f(s, d),
         Err(e) => Err(comm.refuse(call, src.dtype(), e)),
@@ -134,7 +154,7 @@ where
 {
     let at = comm.backend().location();
     let dtype = buf.dtype();
-    match buf.view_mut(op, "buf", &at) {
+    match reducible(op, "buf", call, dtype).and_then(|_| buf.view_mut(op, "buf", &at)) {
         Ok(b) => f(b),
         Err(e) => Err(comm.refuse(call, dtype, e)),
     }
@@ -231,21 +251,6 @@ pub enum Comm {
     Npu(HcclComm),
 }
 
-/// Refuses a reduction (`op` names it) of a dtype that is only moved: the
-/// one-byte dtypes (i8, u8, bool, f8e4m3, f8e5m2) are exact byte moves in
-/// all_gather(_v), all_to_all_v and broadcast, never summed (SPEC section 8).
-pub(crate) fn check_reducible(op: &'static str, arg: &'static str, dtype: crate::DType) -> Result<()> {
-    if dtype.is_reducible() {
-        return Ok(());
-    }
-    Err(Error::dtype(
-        op,
-        arg,
-        format!("a reducible dtype (f32, f16, bf16, i32, i64); {dtype} is moved as bytes, never reduced"),
-        dtype,
-    ))
-}
-
 macro_rules! dispatch {
     ($self:ident, $c:ident => $e:expr) => {
         match $self {
@@ -272,22 +277,18 @@ impl Collectives for Comm {
         dispatch!(self, c => Collectives::split(c, ranks))
     }
     fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
-        check_reducible("all_reduce", "src", src.dtype())?;
         dispatch!(self, c => Collectives::all_reduce(c, src, dst, op))
     }
     fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
-        check_reducible("all_reduce", "buf", buf.dtype())?;
         dispatch!(self, c => Collectives::all_reduce_in_place(c, buf, op))
     }
     fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
-        check_reducible("reduce_scatter", "src", src.dtype())?;
         dispatch!(self, c => Collectives::reduce_scatter(c, src, dst, op))
     }
     fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         dispatch!(self, c => Collectives::all_gather(c, src, dst))
     }
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
-        check_reducible("reduce_scatter_v", "src", src.dtype())?;
         dispatch!(self, c => Collectives::reduce_scatter_v(c, src, dst, counts, op))
     }
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {

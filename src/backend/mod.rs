@@ -188,6 +188,16 @@ pub enum Call<'a> {
     Broadcast(usize),
 }
 
+impl Call<'_> {
+    /// Whether the collective reduces (sums, max, min) rather than moves bytes.
+    pub fn reduces(&self) -> bool {
+        match self {
+            Call::AllReduce(_) | Call::AllReduceInPlace(_) | Call::ReduceScatter(_) | Call::ReduceScatterV(..) => true,
+            Call::AllGather | Call::AllGatherV(_) | Call::AllToAllV(..) | Call::Broadcast(_) => false,
+        }
+    }
+}
+
 /// The collectives of SPEC section 8 over one backend's buffers.
 ///
 /// Element counts come from the views: `reduce_scatter` takes `src` with
