@@ -6,8 +6,8 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
-use crate::backend::cpu::CpuComm;
-use crate::backend::npu::HcclComm;
+use crate::backend::cpu::{CpuBackend, CpuComm};
+use crate::backend::npu::{HcclComm, NpuDevice};
 use crate::backend::{Backend, Buf, Call, Communicator, FinalizeArgs, FinalizeDims, View, ViewMut};
 use crate::tensor::StorageBuffer;
 use crate::types::{numbered, Numbered};
@@ -87,6 +87,13 @@ pub trait Collectives {
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+    /// A barrier ordered on `device`'s stream (a handle of this
+    /// communicator's device, e.g. one over the caller's stream): on an NPU it
+    /// is queued there and returns at once, the work queued after it running
+    /// once every rank reached it (a rank that never does is reported by the
+    /// stream's check); on the CPU it waits as [`Collectives::barrier`]. A
+    /// device other than the communicator's is an error naming both.
+    fn barrier_on(&self, device: &Device) -> Result<()>;
     /// Finalize routing fused with the EP reduce-scatter (SPEC section 3),
     /// [`Communicator::finalize_reduce_scatter`]: `out`
     /// (`[local_sizes[rank], H...]`, on this communicator's device) receives
@@ -160,9 +167,31 @@ where
     }
 }
 
+/// The backend handle a [`Device`] holds, when it is one of this backend.
+pub trait OfDevice: Sized {
+    /// `device`'s handle of this backend, or `None` for another backend.
+    fn of_device(device: &Device) -> Option<Self>;
+}
+
+impl OfDevice for CpuBackend {
+    fn of_device(device: &Device) -> Option<Self> {
+        matches!(device, Device::Cpu).then_some(CpuBackend)
+    }
+}
+
+impl OfDevice for NpuDevice {
+    fn of_device(device: &Device) -> Option<Self> {
+        match device {
+            Device::Npu(d) => Some(d.clone()),
+            Device::Cpu => None,
+        }
+    }
+}
+
 impl<C> Collectives for C
 where
     C: Communicator,
+    C::Backend: OfDevice,
     Buf<C>: StorageBuffer,
     C::Backend: Clone,
     Device: From<C::Backend>,
@@ -215,6 +244,17 @@ where
     }
     fn barrier(&self) -> Result<()> {
         Communicator::barrier(self)
+    }
+    fn barrier_on(&self, device: &Device) -> Result<()> {
+        match C::Backend::of_device(device) {
+            Some(on) if *device == Collectives::device(self) => Communicator::barrier_on(self, &on),
+            _ => Err(Error::Device {
+                op: "barrier",
+                arg: "device",
+                expected: format!("{} (the communicator's device)", Collectives::device(self)),
+                actual: device.to_string(),
+            }),
+        }
     }
     fn finalize_reduce_scatter(
         &self,
@@ -302,6 +342,9 @@ impl Collectives for Comm {
     }
     fn barrier(&self) -> Result<()> {
         dispatch!(self, c => Collectives::barrier(c))
+    }
+    fn barrier_on(&self, device: &Device) -> Result<()> {
+        dispatch!(self, c => Collectives::barrier_on(c, device))
     }
     fn finalize_reduce_scatter(
         &self,

@@ -256,6 +256,14 @@ pub trait Communicator: Sized {
     fn broadcast(&self, buf: ViewMut<'_, Buf<Self>>, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+    /// A barrier ordered with the work queued on `on` (a handle of this
+    /// communicator's device, possibly on another stream): an NPU queues it
+    /// on `on`'s stream and returns, so the work queued after it there runs
+    /// once every rank reached it; the default waits now, as [`barrier`](Self::barrier).
+    fn barrier_on(&self, on: &Self::Backend) -> Result<()> {
+        let _ = on;
+        self.barrier()
+    }
     /// Finalize routing fused with the EP reduce-scatter (SPEC section 3):
     /// this rank's finalize output (`[N, H...]`, tokens in EP-rank block order,
     /// block `r` = `local_sizes[r]` tokens, `local_sizes.len() == world_size`)

@@ -335,4 +335,7 @@ impl Communicator for HcclComm {
             unsafe { hc::barrier(self.inner.raw, stream) }
         })
     }
+    fn barrier_on(&self, on: &NpuDevice) -> Result<()> {
+        HcclComm::barrier_on(self, on.stream())
+    }
 }
