@@ -934,10 +934,10 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // is reported by `amoe_stream_check`). `out` may not overlap any input.
 //
 // NPU tensors, native kernel (the default where it can launch): enqueues on
-// `stream` one memset of the status words and one kernel launch writing
-// `out` in place (plus, for the padded layout, one small copy of the slot
-// offsets from a pinned staging block); workspace comes from the stream's
-// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+// `stream` one memset of the status words, one kernel launch writing a
+// workspace buffer and one device copy of it into `out` (plus, for the
+// padded layout, one small copy of the slot offsets from a pinned staging
+// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
 // reads device data on the host; a bad index is returned by
 // `amoe_stream_check(stream)` with its argument, position and value. NPU
 // tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
