@@ -850,7 +850,9 @@ void amoe_live_context_free(struct amoe_live_context *ctx);
 // context; the reduction points with their comm type) first enqueues a
 // guard of its own context, so a graph captured with these ops reports a
 // replay under another context at `amoe_live_context_check`. The stream
-// handle keeps the context alive while attached.
+// handle keeps the context alive while attached (also after
+// `amoe_live_context_free` releases the caller's handle), until it is
+// detached or the stream handle is freed.
 //
 // # Safety
 // `stream` live; `ctx` NULL or live.
@@ -928,13 +930,14 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // written into `out`, which the caller allocated with the shape from
 // `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
 // An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
-// and `out` is then not written (unspecified on NPU).
+// and `out` is then not written on the host (unspecified on NPU, where it
+// is reported by `amoe_stream_check`). `out` may not overlap any input.
 //
 // NPU tensors, native kernel (the default where it can launch): enqueues on
-// `stream` one memset of the status words and one kernel launch writing
-// `out` in place (plus, for the padded layout, one small copy of the slot
-// offsets from a pinned staging block); workspace comes from the stream's
-// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+// `stream` one memset of the status words, one kernel launch writing a
+// workspace buffer and one device copy of it into `out` (plus, for the
+// padded layout, one small copy of the slot offsets from a pinned staging
+// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
 // reads device data on the host; a bad index is returned by
 // `amoe_stream_check(stream)` with its argument, position and value. NPU
 // tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel

@@ -6,8 +6,8 @@
 //! error naming the collective, group, ranks and sizes when they did not.
 //! Every wait has a timeout.
 
-use crate::backend::cpu::CpuComm;
-use crate::backend::npu::HcclComm;
+use crate::backend::cpu::{CpuBackend, CpuComm};
+use crate::backend::npu::{HcclComm, NpuDevice};
 use crate::backend::{Backend, Buf, Call, Communicator, FinalizeArgs, FinalizeDims, View, ViewMut};
 use crate::tensor::StorageBuffer;
 use crate::types::{numbered, Numbered};
@@ -87,6 +87,13 @@ pub trait Collectives {
     fn broadcast(&self, buf: &mut Tensor, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+    /// A barrier ordered on `device`'s stream (a handle of this
+    /// communicator's device, e.g. one over the caller's stream): on an NPU it
+    /// is queued there and returns at once, the work queued after it running
+    /// once every rank reached it (a rank that never does is reported by the
+    /// stream's check); on the CPU it waits as [`Collectives::barrier`]. A
+    /// device other than the communicator's is an error naming both.
+    fn barrier_on(&self, device: &Device) -> Result<()>;
     /// Finalize routing fused with the EP reduce-scatter (SPEC section 3),
     /// [`Communicator::finalize_reduce_scatter`]: `out`
     /// (`[local_sizes[rank], H...]`, on this communicator's device) receives
@@ -100,8 +107,26 @@ pub trait Collectives {
     ) -> Result<()>;
 }
 
+/// Refuses a reduction (`op` names it, `call` says whether it is one) of a
+/// dtype that is only moved: the one-byte dtypes (i8, u8, bool, f8e4m3,
+/// f8e5m2) are exact byte moves in all_gather(_v), all_to_all_v and broadcast,
+/// never summed (SPEC section 8). Every Tensor-level collective passes here,
+/// on [`Comm`] and on each backend's communicator alike.
+fn reducible(op: &'static str, arg: &'static str, call: Call<'_>, dtype: crate::DType) -> Result<()> {
+    if !call.reduces() || dtype.is_reducible() {
+        return Ok(());
+    }
+    Err(Error::dtype(
+        op,
+        arg,
+        format!("a reducible dtype (f32, f16, bf16, i32, i64); {dtype} is moved as bytes, never reduced"),
+        dtype,
+    ))
+}
+
 /// Lends `src` and `dst` to `comm` and runs `f` on the views; when either is
-/// not a buffer of its backend, `comm` refuses `call` with that error.
+/// not a buffer of its backend, or `call` reduces a dtype that is only moved,
+/// `comm` refuses `call` with that error (so every rank fails at once).
 fn lend2<C: Communicator>(
     comm: &C,
     op: &'static str,
@@ -114,7 +139,9 @@ where
     Buf<C>: StorageBuffer,
 {
     let at = comm.backend().location();
-    let views = src.view(op, "src", &at).and_then(|s| Ok((s, dst.view_mut(op, "dst", &at)?)));
+    let views = reducible(op, "src", call, src.dtype())
+        .and_then(|_| src.view(op, "src", &at))
+        .and_then(|s| Ok((s, dst.view_mut(op, "dst", &at)?)));
     match views {
         Ok((s, d)) => f(s, d),
         Err(e) => Err(comm.refuse(call, src.dtype(), e)),
@@ -134,15 +161,37 @@ where
 {
     let at = comm.backend().location();
     let dtype = buf.dtype();
-    match buf.view_mut(op, "buf", &at) {
+    match reducible(op, "buf", call, dtype).and_then(|_| buf.view_mut(op, "buf", &at)) {
         Ok(b) => f(b),
         Err(e) => Err(comm.refuse(call, dtype, e)),
+    }
+}
+
+/// The backend handle a [`Device`] holds, when it is one of this backend.
+pub trait OfDevice: Sized {
+    /// `device`'s handle of this backend, or `None` for another backend.
+    fn of_device(device: &Device) -> Option<Self>;
+}
+
+impl OfDevice for CpuBackend {
+    fn of_device(device: &Device) -> Option<Self> {
+        matches!(device, Device::Cpu).then_some(CpuBackend)
+    }
+}
+
+impl OfDevice for NpuDevice {
+    fn of_device(device: &Device) -> Option<Self> {
+        match device {
+            Device::Npu(d) => Some(d.clone()),
+            Device::Cpu => None,
+        }
     }
 }
 
 impl<C> Collectives for C
 where
     C: Communicator,
+    C::Backend: OfDevice,
     Buf<C>: StorageBuffer,
     C::Backend: Clone,
     Device: From<C::Backend>,
@@ -196,6 +245,17 @@ where
     fn barrier(&self) -> Result<()> {
         Communicator::barrier(self)
     }
+    fn barrier_on(&self, device: &Device) -> Result<()> {
+        match C::Backend::of_device(device) {
+            Some(on) if *device == Collectives::device(self) => Communicator::barrier_on(self, &on),
+            _ => Err(Error::Device {
+                op: "barrier",
+                arg: "device",
+                expected: format!("{} (the communicator's device)", Collectives::device(self)),
+                actual: device.to_string(),
+            }),
+        }
+    }
     fn finalize_reduce_scatter(
         &self,
         args: &FinalizeArgs<&Tensor>,
@@ -231,21 +291,6 @@ pub enum Comm {
     Npu(HcclComm),
 }
 
-/// Refuses a reduction (`op` names it) of a dtype that is only moved: the
-/// one-byte dtypes (i8, u8, bool, f8e4m3, f8e5m2) are exact byte moves in
-/// all_gather(_v), all_to_all_v and broadcast, never summed (SPEC section 8).
-pub(crate) fn check_reducible(op: &'static str, arg: &'static str, dtype: crate::DType) -> Result<()> {
-    if dtype.is_reducible() {
-        return Ok(());
-    }
-    Err(Error::dtype(
-        op,
-        arg,
-        format!("a reducible dtype (f32, f16, bf16, i32, i64); {dtype} is moved as bytes, never reduced"),
-        dtype,
-    ))
-}
-
 macro_rules! dispatch {
     ($self:ident, $c:ident => $e:expr) => {
         match $self {
@@ -272,22 +317,18 @@ impl Collectives for Comm {
         dispatch!(self, c => Collectives::split(c, ranks))
     }
     fn all_reduce(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
-        check_reducible("all_reduce", "src", src.dtype())?;
         dispatch!(self, c => Collectives::all_reduce(c, src, dst, op))
     }
     fn all_reduce_in_place(&self, buf: &mut Tensor, op: ReduceOp) -> Result<()> {
-        check_reducible("all_reduce", "buf", buf.dtype())?;
         dispatch!(self, c => Collectives::all_reduce_in_place(c, buf, op))
     }
     fn reduce_scatter(&self, src: &Tensor, dst: &mut Tensor, op: ReduceOp) -> Result<()> {
-        check_reducible("reduce_scatter", "src", src.dtype())?;
         dispatch!(self, c => Collectives::reduce_scatter(c, src, dst, op))
     }
     fn all_gather(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         dispatch!(self, c => Collectives::all_gather(c, src, dst))
     }
     fn reduce_scatter_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize], op: ReduceOp) -> Result<()> {
-        check_reducible("reduce_scatter_v", "src", src.dtype())?;
         dispatch!(self, c => Collectives::reduce_scatter_v(c, src, dst, counts, op))
     }
     fn all_gather_v(&self, src: &Tensor, dst: &mut Tensor, counts: &[usize]) -> Result<()> {
@@ -301,6 +342,9 @@ impl Collectives for Comm {
     }
     fn barrier(&self) -> Result<()> {
         dispatch!(self, c => Collectives::barrier(c))
+    }
+    fn barrier_on(&self, device: &Device) -> Result<()> {
+        dispatch!(self, c => Collectives::barrier_on(c, device))
     }
     fn finalize_reduce_scatter(
         &self,

@@ -1050,4 +1050,40 @@ mod every_backend {
         assert_eq!(read(&buf)?, [pair_ranks.iter().map(|&r| val(r, 0)).sum::<f64>()]);
         Ok(())
     });
+
+    /// Each backend's own communicator (not only `Comm`) refuses a reduction
+    /// of a one-byte dtype on every rank, with an error naming the collective
+    /// and the dtype, and the group stays usable.
+    fn refuses_byte_reductions<C: Collectives>(comm: &C) -> Result<()> {
+        let dev = comm.device();
+        let w = comm.world_size();
+        for dt in [DType::Bool, DType::F8E4M3, DType::F8E5M2, DType::U8] {
+            let x = Tensor::zeros(&[2 * w], dt, &dev)?;
+            let mut y = Tensor::zeros(&[2 * w], dt, &dev)?;
+            let mut part = Tensor::zeros(&[2], dt, &dev)?;
+            let mut buf = Tensor::zeros(&[2 * w], dt, &dev)?;
+            let counts = vec![2; w];
+            let errs = [
+                ("all_reduce", comm.all_reduce(&x, &mut y, ReduceOp::Sum).err()),
+                ("all_reduce", comm.all_reduce_in_place(&mut buf, ReduceOp::Max).err()),
+                ("reduce_scatter", comm.reduce_scatter(&x, &mut part, ReduceOp::Sum).err()),
+                ("reduce_scatter_v", comm.reduce_scatter_v(&x, &mut part, &counts, ReduceOp::Min).err()),
+            ];
+            for (op, e) in errs {
+                let e = e.unwrap_or_else(|| panic!("{op} of {dt} on {} succeeded", comm.name())).to_string();
+                assert!(e.contains(op) && e.contains(dt.name()) && e.contains("never reduced"), "{op} {dt}: {e}");
+            }
+        }
+        // Data movement of the same dtype still works after the refusals.
+        let x = Tensor::zeros(&[3], DType::Bool, &dev)?;
+        let mut y = Tensor::zeros(&[3 * w], DType::Bool, &dev)?;
+        comm.all_gather(&x, &mut y)
+    }
+
+    ranks_test!(backend_communicators_refuse_byte_reductions, WORLD, |_rank, comm| {
+        match &comm {
+            Comm::Cpu(c) => refuses_byte_reductions(c),
+            Comm::Npu(c) => refuses_byte_reductions(c),
+        }
+    });
 }

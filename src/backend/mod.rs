@@ -188,6 +188,16 @@ pub enum Call<'a> {
     Broadcast(usize),
 }
 
+impl Call<'_> {
+    /// Whether the collective reduces (sums, max, min) rather than moves bytes.
+    pub fn reduces(&self) -> bool {
+        match self {
+            Call::AllReduce(_) | Call::AllReduceInPlace(_) | Call::ReduceScatter(_) | Call::ReduceScatterV(..) => true,
+            Call::AllGather | Call::AllGatherV(_) | Call::AllToAllV(..) | Call::Broadcast(_) => false,
+        }
+    }
+}
+
 /// The collectives of SPEC section 8 over one backend's buffers.
 ///
 /// Element counts come from the views: `reduce_scatter` takes `src` with
@@ -246,6 +256,14 @@ pub trait Communicator: Sized {
     fn broadcast(&self, buf: ViewMut<'_, Buf<Self>>, root: usize) -> Result<()>;
     /// Waits for every rank.
     fn barrier(&self) -> Result<()>;
+    /// A barrier ordered with the work queued on `on` (a handle of this
+    /// communicator's device, possibly on another stream): an NPU queues it
+    /// on `on`'s stream and returns, so the work queued after it there runs
+    /// once every rank reached it; the default waits now, as [`barrier`](Self::barrier).
+    fn barrier_on(&self, on: &Self::Backend) -> Result<()> {
+        let _ = on;
+        self.barrier()
+    }
     /// Finalize routing fused with the EP reduce-scatter (SPEC section 3):
     /// this rank's finalize output (`[N, H...]`, tokens in EP-rank block order,
     /// block `r` = `local_sizes[r]` tokens, `local_sizes.len() == world_size`)

@@ -3,24 +3,13 @@
 use std::ffi::{c_char, c_void};
 use std::time::Duration;
 
-use super::ffi::{ffi, read_sizes, read_str, read_tensor, try_out, try_ref, write_out, write_tensor, Failure};
-use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, stream_device};
+use super::ffi::{ffi, read_sizes, read_str, try_out, write_out, Call, Failure};
+use super::handle::{box_out, free_box, try_handle};
+use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::{HcclComm, NpuDevice};
-use crate::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
-
-fn comm_ptr(c: Comm) -> *mut amoe_comm {
-    Box::into_raw(Box::new(c)) as *mut amoe_comm
-}
-
-/// `try_comm!(FUNC, ptr)`: the `Comm` behind a handle, or NULL_ARGUMENT.
-macro_rules! try_comm {
-    ($func:expr, $ptr:expr) => {{
-        let c = try_ref!($func, $ptr as *const Comm, "comm");
-        $crate::capi::ffi::check_comm_device($func, c)?;
-        c
-    }};
-}
+use crate::moe::LiveStream;
+use crate::{Collectives, Comm, CommOptions, Device, ReduceOp};
 
 fn timeout_opts(func: &str, timeout_s: f64) -> Result<CommOptions, Failure> {
     if !timeout_s.is_finite() || timeout_s <= 0.0 {
@@ -54,12 +43,10 @@ pub unsafe extern "C" fn amoe_comm_cpu_new(
     const F: &str = "amoe_comm_cpu_new";
     ffi!(F, {
         let out = try_out!(F, out, "out");
-        // SAFETY: the caller's contract for `name`.
-        let name = unsafe { read_str(F, "name", name) }?;
+        let name = read_str(F, "name", name)?;
         let opts = timeout_opts(F, timeout_s)?;
         let c = CpuComm::rendezvous(&name, world_size, rank, &opts)?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, comm_ptr(Comm::Cpu(c))) };
+        box_out(out, Comm::Cpu(c));
         Ok(())
     })
 }
@@ -94,8 +81,7 @@ pub unsafe extern "C" fn amoe_comm_from_hccl(
         // SAFETY: the caller guarantees a live communicator of this device that
         // outlives the handle; `borrow_raw` never destroys it.
         let h = unsafe { HcclComm::borrow_raw(&dev, raw_hccl_comm, &CommOptions::from_env()) }?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, comm_ptr(Comm::Npu(h))) };
+        box_out(out, Comm::Npu(h));
         Ok(())
     })
 }
@@ -117,13 +103,10 @@ pub unsafe extern "C" fn amoe_comm_split(
 ) -> amoe_status {
     const F: &str = "amoe_comm_split";
     ffi!(F, {
-        let c = try_comm!(F, comm);
+        let c = try_handle(F, "comm", comm)?;
         let out = try_out!(F, out, "out");
-        // SAFETY: the caller's contract for `ranks`.
-        let ranks = unsafe { read_sizes(F, "ranks", ranks, n) }?;
-        let sub = c.split(&ranks)?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, comm_ptr(sub)) };
+        let ranks = read_sizes(F, "ranks", ranks, n)?;
+        box_out(out, c.split(&ranks)?);
         Ok(())
     })
 }
@@ -136,10 +119,9 @@ pub unsafe extern "C" fn amoe_comm_split(
 pub unsafe extern "C" fn amoe_comm_rank(comm: *const amoe_comm, out: *mut usize) -> amoe_status {
     const F: &str = "amoe_comm_rank";
     ffi!(F, {
-        let c = try_comm!(F, comm);
+        let c = try_handle(F, "comm", comm)?;
         let out = try_out!(F, out, "out");
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, c.rank()) };
+        write_out(out, c.rank());
         Ok(())
     })
 }
@@ -152,10 +134,9 @@ pub unsafe extern "C" fn amoe_comm_rank(comm: *const amoe_comm, out: *mut usize)
 pub unsafe extern "C" fn amoe_comm_world_size(comm: *const amoe_comm, out: *mut usize) -> amoe_status {
     const F: &str = "amoe_comm_world_size";
     ffi!(F, {
-        let c = try_comm!(F, comm);
+        let c = try_handle(F, "comm", comm)?;
         let out = try_out!(F, out, "out");
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, c.world_size()) };
+        write_out(out, c.world_size());
         Ok(())
     })
 }
@@ -168,14 +149,7 @@ pub unsafe extern "C" fn amoe_comm_world_size(comm: *const amoe_comm, out: *mut 
 /// `comm` must be NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_comm_free(comm: *mut amoe_comm) {
-    if comm.is_null() {
-        return;
-    }
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: a live handle comes from `comm_ptr` (Box::into_raw of a Comm)
-        // and is not used again, per the contract.
-        drop(unsafe { Box::from_raw(comm as *mut Comm) });
-    });
+    free_box(comm);
 }
 
 /// Wraps an engine-owned `aclrtStream` on NPU `device_ordinal` without taking
@@ -202,8 +176,7 @@ pub unsafe extern "C" fn amoe_stream_wrap(
         // SAFETY: the caller guarantees a live stream of this device that
         // outlives the handle; a borrowed stream is never destroyed by us.
         let dev = unsafe { NpuDevice::with_borrowed_stream(device_ordinal, raw_acl_stream) }?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, Box::into_raw(Box::new(dev)) as *mut amoe_stream) };
+        box_out(out, LiveStream::new(dev));
         Ok(())
     })
 }
@@ -214,26 +187,15 @@ pub unsafe extern "C" fn amoe_stream_wrap(
 /// `stream` must be NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_stream_free(stream: *mut amoe_stream) {
-    if stream.is_null() {
-        return;
-    }
-    super::live::detach_stream(stream);
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: a live handle is a Box<NpuDevice> from `amoe_stream_wrap`,
-        // not used again, per the contract. Its stream is borrowed, so
-        // dropping it leaves the engine's stream alone.
-        drop(unsafe { Box::from_raw(stream as *mut NpuDevice) });
-    });
+    // The handle's stream is borrowed, so dropping it leaves the engine's
+    // stream alone; an attached live context loses this reference.
+    free_box(stream);
 }
 
 /// Reads per-rank element counts; their sum must fit in `usize` (it sizes
 /// the tensor the counts describe).
-///
-/// # Safety
-/// `ptr` NULL or readable for `n` elements.
-unsafe fn read_counts(func: &str, arg: &str, ptr: *const usize, n: usize) -> Result<Vec<usize>, Failure> {
-    // SAFETY: forwarded contract.
-    let counts = unsafe { read_sizes(func, arg, ptr, n) }?;
+fn read_counts(func: &str, arg: &str, ptr: *const usize, n: usize) -> Result<Vec<usize>, Failure> {
+    let counts = read_sizes(func, arg, ptr, n)?;
     if counts.iter().try_fold(0usize, |a, &c| a.checked_add(c)).is_none() {
         return Err(Failure::invalid(func, arg, format!("the counts {counts:?} overflow when summed")));
     }
@@ -245,13 +207,21 @@ fn reduce_op(func: &str, op: u32) -> Result<ReduceOp, Failure> {
         .ok_or_else(|| Failure::invalid(func, "op", format!("unknown reduce op {op} (expected 0 sum, 1 max, 2 min)")))
 }
 
-/// An output tensor for the caller's descriptor (see `ffi::out_tensor`).
-///
-/// # Safety
-/// As `ffi::out_tensor`.
-unsafe fn out_like(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Tensor, Failure> {
-    // SAFETY: forwarded contract.
-    unsafe { super::ffi::out_tensor(func, arg, d) }
+/// The body of a collective export (cbindgen reads the signatures, so they
+/// stay written out): converts `comm`, `src` and `dst` through the call,
+/// runs `$run` on them and writes `dst`.
+macro_rules! collective {
+    ($f:expr, $comm:ident, $src:ident, $dst:ident, $stream:ident, |$c:ident, $s:ident, $d:ident| $run:expr) => {
+        ffi!($f, {
+            let cx = &Call::new($f, $stream);
+            let $c = cx.comm($comm)?;
+            let $s = cx.input("src", $src)?;
+            let out = cx.out("dst", $dst)?;
+            let mut $d = cx.output(&out)?;
+            $run?;
+            cx.write(&out, &$d)
+        })
+    };
 }
 
 /// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
@@ -280,19 +250,11 @@ pub unsafe extern "C" fn amoe_all_reduce(
     op: u32,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    const F: &str = "amoe_all_reduce";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        let op = reduce_op(F, op)?;
-        // SAFETY: the caller's descriptor contract, for all three calls.
-        let s = unsafe { read_tensor(F, "src", src) }?;
-        let mut d = unsafe { out_like(F, "dst", dst) }?;
-        c.all_reduce(&s, &mut d, op)?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "dst", dst, &d) }
-    })
+    collective!("amoe_all_reduce", comm, src, dst, stream, |c, s, d| c.all_reduce(
+        &s,
+        &mut d,
+        reduce_op("amoe_all_reduce", op)?
+    ))
 }
 
 /// `dst = block `rank` of op(src over all ranks)`: `src` holds
@@ -309,19 +271,11 @@ pub unsafe extern "C" fn amoe_reduce_scatter(
     op: u32,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    const F: &str = "amoe_reduce_scatter";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        let op = reduce_op(F, op)?;
-        // SAFETY: the caller's descriptor contract, for all three calls.
-        let s = unsafe { read_tensor(F, "src", src) }?;
-        let mut d = unsafe { out_like(F, "dst", dst) }?;
-        c.reduce_scatter(&s, &mut d, op)?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "dst", dst, &d) }
-    })
+    collective!("amoe_reduce_scatter", comm, src, dst, stream, |c, s, d| c.reduce_scatter(
+        &s,
+        &mut d,
+        reduce_op("amoe_reduce_scatter", op)?
+    ))
 }
 
 /// `dst = concat(src of every rank)` in rank order: `dst` holds
@@ -336,18 +290,7 @@ pub unsafe extern "C" fn amoe_all_gather(
     dst: *const amoe_tensor,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    const F: &str = "amoe_all_gather";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        // SAFETY: the caller's descriptor contract, for all three calls.
-        let s = unsafe { read_tensor(F, "src", src) }?;
-        let mut d = unsafe { out_like(F, "dst", dst) }?;
-        c.all_gather(&s, &mut d)?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "dst", dst, &d) }
-    })
+    collective!("amoe_all_gather", comm, src, dst, stream, |c, s, d| c.all_gather(&s, &mut d))
 }
 
 /// Reduce-scatter with per-rank block sizes: `counts[0..n]` (elements, `n ==
@@ -366,21 +309,12 @@ pub unsafe extern "C" fn amoe_reduce_scatter_v(
     op: u32,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    const F: &str = "amoe_reduce_scatter_v";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        let op = reduce_op(F, op)?;
-        // SAFETY: the caller's contracts for `counts` and the descriptors.
-        let counts = unsafe { read_counts(F, "counts", counts, n) }?;
-        let s = unsafe { read_tensor(F, "src", src) }?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        let mut d = unsafe { out_like(F, "dst", dst) }?;
-        c.reduce_scatter_v(&s, &mut d, &counts, op)?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "dst", dst, &d) }
-    })
+    collective!("amoe_reduce_scatter_v", comm, src, dst, stream, |c, s, d| c.reduce_scatter_v(
+        &s,
+        &mut d,
+        &read_counts("amoe_reduce_scatter_v", "counts", counts, n)?,
+        reduce_op("amoe_reduce_scatter_v", op)?
+    ))
 }
 
 /// All-gather with per-rank block sizes `counts[0..n]` (elements, `n ==
@@ -398,20 +332,11 @@ pub unsafe extern "C" fn amoe_all_gather_v(
     n: usize,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    const F: &str = "amoe_all_gather_v";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        // SAFETY: the caller's contracts for `counts` and the descriptors.
-        let counts = unsafe { read_counts(F, "counts", counts, n) }?;
-        let s = unsafe { read_tensor(F, "src", src) }?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        let mut d = unsafe { out_like(F, "dst", dst) }?;
-        c.all_gather_v(&s, &mut d, &counts)?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "dst", dst, &d) }
-    })
+    collective!("amoe_all_gather_v", comm, src, dst, stream, |c, s, d| c.all_gather_v(
+        &s,
+        &mut d,
+        &read_counts("amoe_all_gather_v", "counts", counts, n)?
+    ))
 }
 
 /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
@@ -431,20 +356,10 @@ pub unsafe extern "C" fn amoe_all_to_all_v(
     n_recv: usize,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    const F: &str = "amoe_all_to_all_v";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        // SAFETY: the caller's contracts for the count lists and the descriptors.
-        let sc = unsafe { read_counts(F, "send_counts", send_counts, n_send) }?;
-        let rc = unsafe { read_counts(F, "recv_counts", recv_counts, n_recv) }?;
-        // SAFETY: `src` is a valid descriptor, per the export's contract.
-        let s = unsafe { read_tensor(F, "src", src) }?;
-        let mut d = unsafe { out_like(F, "dst", dst) }?;
-        c.all_to_all_v(&s, &sc, &mut d, &rc)?;
-        // SAFETY: `dst` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "dst", dst, &d) }
+    collective!("amoe_all_to_all_v", comm, src, dst, stream, |c, s, d| {
+        let sc = read_counts("amoe_all_to_all_v", "send_counts", send_counts, n_send)?;
+        let rc = read_counts("amoe_all_to_all_v", "recv_counts", recv_counts, n_recv)?;
+        c.all_to_all_v(&s, &sc, &mut d, &rc)
     })
 }
 
@@ -462,14 +377,11 @@ pub unsafe extern "C" fn amoe_broadcast(
 ) -> amoe_status {
     const F: &str = "amoe_broadcast";
     ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        // SAFETY: the caller's descriptor contract, for both calls.
-        let mut b = unsafe { read_tensor(F, "buf", buf) }?;
+        let cx = &Call::new(F, stream);
+        let c = cx.comm(comm)?;
+        let mut b = cx.input("buf", buf)?;
         c.broadcast(&mut b, root)?;
-        // SAFETY: `buf` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "buf", buf, &b) }
+        cx.write(&cx.out("buf", buf)?, &b)
     })
 }
 
@@ -485,14 +397,11 @@ pub unsafe extern "C" fn amoe_broadcast(
 pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_barrier";
     ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        let c = try_comm!(F, comm);
-        match (c, stream.is_null()) {
-            // SAFETY: non-NULL, so a live handle (a Box<NpuDevice> from
-            // `amoe_stream_wrap`), per the export's contract.
-            (Comm::Npu(h), false) => h.barrier_on(unsafe { &*(stream as *const NpuDevice) }.stream())?,
-            _ => c.barrier()?,
+        let cx = &Call::new(F, stream);
+        let c = cx.comm(comm)?;
+        match cx.stream() {
+            Some(s) => c.barrier_on(&Device::Npu(s.device().clone()))?,
+            None => c.barrier()?,
         }
         Ok(())
     })
@@ -520,7 +429,7 @@ pub unsafe extern "C" fn amoe_workspace_reserve(
 ) -> amoe_status {
     const F: &str = "amoe_workspace_reserve";
     ffi!(F, {
-        let dev = try_ref!(F, stream as *const NpuDevice, "stream");
+        let dev = try_handle(F, "stream", stream)?.device();
         dev.stream().reserve_workspace(bytes)?;
         if staging_bytes > 0 {
             dev.stream().reserve_staging(staging_bytes)?;
@@ -560,7 +469,7 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 ) -> amoe_status {
     const F: &str = "amoe_stream_set_allocator";
     ffi!(F, {
-        let dev = try_ref!(F, stream as *const NpuDevice, "stream");
+        let dev = try_handle(F, "stream", stream)?.device();
         let a = match (alloc, free) {
             (Some(alloc), Some(free)) => Some(crate::backend::npu::Allocator { alloc, free, ctx }),
             (None, None) => None,
@@ -600,18 +509,9 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 pub unsafe extern "C" fn amoe_stream_check(stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_stream_check";
     ffi!(F, {
-        // SAFETY: NULL or a live handle, per the contract.
-        if let Some(dev) = unsafe { stream_device(stream) } {
-            dev.check()?;
+        match Call::new(F, stream).stream() {
+            Some(s) => Ok(s.check()?),
+            None => Ok(()),
         }
-        super::live::check_attached(stream)
     })
-}
-
-/// The `Comm` behind a handle, for the op shims.
-///
-/// # Safety
-/// `comm` must be NULL or a live handle that outlives `'a`.
-pub(crate) unsafe fn comm_ref<'a>(func: &str, comm: *const amoe_comm) -> Result<&'a Comm, Failure> {
-    Ok(try_comm!(func, comm))
 }

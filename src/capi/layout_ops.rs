@@ -2,26 +2,19 @@
 //! pad-and-reduce, gather-and-unpad and the fused finalize-and-reduce, each
 //! with its `*_output_shape` twin.
 
-use super::comm::comm_ref;
-use super::ffi::{
-    check_out, ffi, out_for, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor, Failure,
-};
-use super::ops::{amoe_finalize_args, host_out, FinalizeInputs, FinalizeMetas};
+use super::ffi::{ffi, read_meta, read_sizes, try_out, write_out, write_shape, write_slice, Call, Failure};
+use super::ops::{amoe_finalize_args, FinalizeInputs, FinalizeMetas};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::{self, SpLayout};
 use crate::{Collectives, Comm, Tensor};
 
 /// An optional SP layout: NULL `local_sizes` means none (plain EP
 /// reduce-scatter / all-gather); otherwise `n` entries, one per EP rank.
-///
-/// # Safety
-/// `local_sizes` readable for `n` elements when non-NULL.
-unsafe fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<SpLayout>, Failure> {
+fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<SpLayout>, Failure> {
     if local_sizes.is_null() {
         return Ok(None);
     }
-    // SAFETY: the caller's contract.
-    let sizes = unsafe { read_sizes(f, "local_sizes", local_sizes, n) }?;
+    let sizes = read_sizes(f, "local_sizes", local_sizes, n)?;
     Ok(Some(SpLayout::new(&sizes)?))
 }
 
@@ -32,11 +25,8 @@ type LayoutShape = fn(&[usize], Option<&SpLayout>, usize, usize) -> crate::Resul
 type LayoutInto = fn(&Tensor, Option<&SpLayout>, &Comm, &mut Tensor) -> crate::Result<()>;
 
 /// The body of the `*_output_shape` export of an EP/SP layout op.
-///
-/// # Safety
-/// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
 #[allow(clippy::too_many_arguments)]
-unsafe fn layout_op_shape(
+fn layout_op_shape(
     f: &'static str,
     shape_of: LayoutShape,
     x: *const amoe_tensor,
@@ -49,13 +39,10 @@ unsafe fn layout_op_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: the caller's contracts.
-        let m = unsafe { read_meta(f, "x", x) }?;
-        // SAFETY: as above.
-        let l = unsafe { layout(f, local_sizes, n) }?;
+        let m = read_meta(f, "x", x)?;
+        let l = layout(f, local_sizes, n)?;
         let shape = shape_of(&m.shape, l.as_ref(), ep_rank, ep_size)?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+        write_shape(f, &shape, out_shape, cap, out_ndim)
     })
 }
 
@@ -63,14 +50,10 @@ unsafe fn layout_op_shape(
 /// after `out` is checked against `shape_of`, writing the caller's `out` in
 /// place (its intermediates are workspace of the stream's pool on NPU;
 /// nothing synchronises or allocates outside the pool). Where `out` cannot
-/// be written in place (see `ffi::out_for`) `op` computes the result, which
+/// be written in place (see `Call::output_for`) `op` computes the result, which
 /// is copied into `out`.
-///
-/// # Safety
-/// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`;
-/// `ep_comm` live; `stream` NULL or a live handle.
 #[allow(clippy::too_many_arguments)]
-unsafe fn layout_op(
+fn layout_op(
     f: &'static str,
     shape_of: LayoutShape,
     op: fn(&Tensor, Option<&SpLayout>, &Comm) -> crate::Result<Tensor>,
@@ -83,27 +66,21 @@ unsafe fn layout_op(
     stream: *const amoe_stream,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
-        // SAFETY: the caller's contracts, for every call below.
-        let c = unsafe { comm_ref(f, ep_comm) }?;
-        let x = unsafe { read_tensor(f, "x", x) }?;
-        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the caller's contract.
-        let l = unsafe { layout(f, local_sizes, n) }?;
+        let cx = &Call::new(f, stream);
+        let c = cx.comm(ep_comm)?;
+        let x = cx.input("x", x)?;
+        let l = layout(f, local_sizes, n)?;
         let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        let y = match unsafe { out_for(f, "out", out, &x) }? {
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, x.dtype())?;
+        let y = match cx.output_for(&out, &x)? {
             Some(mut o) => {
                 into(&x, l.as_ref(), c, &mut o)?;
                 o
             }
             None => op(&x, l.as_ref(), c)?,
         };
-        // SAFETY: `out` is a valid descriptor, per the caller's contract (a
-        // no-op when written in place).
-        unsafe { write_tensor(f, "out", out, &y) }
+        cx.write(&out, &y)
     })
 }
 
@@ -127,15 +104,13 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
     const F: &str = "amoe_sp_layout_from_dp_tokens";
     ffi!(F, {
         let out_len = try_out!(F, out_len, "out_len");
-        // SAFETY: the caller's contract.
-        let dp = unsafe { read_sizes(F, "dp_tokens", dp_tokens, n) }?;
+        let dp = read_sizes(F, "dp_tokens", dp_tokens, n)?;
         // The layout has n * tp_size entries: check it fits the caller's
         // buffer before building it, so its size is bounded by real memory.
         let Some(need) = n.checked_mul(tp_size) else {
             return Err(Failure::invalid(F, "tp_size", format!("{n} DP ranks x {tp_size} TP ranks overflows")));
         };
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out_len, need) };
+        write_out(out_len, need);
         if cap < need {
             return Err(Failure::new(
                 amoe_status::BufferTooSmall,
@@ -144,9 +119,7 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
         }
         let l = SpLayout::from_dp_tokens(&dp, tp_size)?;
         let sizes = l.local_sizes();
-        let out = try_out!(F, out, "out");
-        // SAFETY: non-null, writable for `cap >= sizes.len()` elements.
-        unsafe { std::ptr::copy_nonoverlapping(sizes.as_ptr(), out, sizes.len()) };
+        write_slice(try_out!(F, out, "out"), sizes);
         Ok(())
     })
 }
@@ -171,8 +144,7 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce_output_shape";
     let shape_of = moe::maybe_pad_and_reduce_output_shape;
-    // SAFETY: the caller's contracts.
-    unsafe { layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim) }
+    layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim)
 }
 
 /// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
@@ -205,8 +177,7 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
     const F: &str = "amoe_maybe_pad_and_reduce";
     let (shape_of, op) = (moe::maybe_pad_and_reduce_output_shape, moe::maybe_pad_and_reduce::<Comm>);
     let into = moe::maybe_pad_and_reduce_into::<Comm>;
-    // SAFETY: the caller's contracts.
-    unsafe { layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream) }
+    layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream)
 }
 
 /// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
@@ -229,8 +200,7 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad_output_shape";
     let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
-    // SAFETY: the caller's contracts.
-    unsafe { layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim) }
+    layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim)
 }
 
 /// EP/SP prepare (SPEC section 4): pad `x` (exactly `local_sizes[rank]` rows)
@@ -252,8 +222,7 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
     let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
     let op = moe::maybe_all_gather_and_maybe_unpad::<Comm>;
     let into = moe::maybe_all_gather_and_maybe_unpad_into::<Comm>;
-    // SAFETY: the caller's contracts.
-    unsafe { layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream) }
+    layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream)
 }
 
 /// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
@@ -275,13 +244,10 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_finalize_and_reduce_output_shape";
     ffi!(F, {
-        // SAFETY: the caller's contracts.
-        let m = unsafe { FinalizeMetas::read(F, args) }?;
-        // SAFETY: as above.
-        let l = unsafe { layout(F, local_sizes, n) }?;
+        let m = FinalizeMetas::read(F, args)?;
+        let l = layout(F, local_sizes, n)?;
         let shape = moe::finalize_and_reduce_shape(&m.meta(), l.as_ref(), ep_rank, ep_size)?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+        write_shape(F, &shape, out_shape, cap, out_ndim)
     })
 }
 
@@ -308,26 +274,21 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
 ) -> amoe_status {
     const F: &str = "amoe_finalize_and_reduce";
     ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts, for every call below.
-        let c = unsafe { comm_ref(F, ep_comm) }?;
-        let inputs = unsafe { FinalizeInputs::read(F, args) }?;
-        // SAFETY: `local_sizes` is NULL or readable for `n` entries, per the export's contract.
-        let l = unsafe { layout(F, local_sizes, n) }?;
+        let cx = &Call::new(F, stream);
+        let c = cx.comm(ep_comm)?;
+        let inputs = FinalizeInputs::read(cx, args)?;
+        let l = layout(F, local_sizes, n)?;
         let a = inputs.args()?;
         let shape = moe::finalize_and_reduce_output_shape(&a, l.as_ref(), c.rank(), c.world_size())?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        let y = match unsafe { host_out(F, out) }? {
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, inputs.x.dtype())?;
+        let y = match cx.output_for(&out, &inputs.x)? {
             Some(mut o) => {
                 moe::finalize_and_reduce_into(&a, l.as_ref(), c, &mut o)?;
                 o
             }
             None => moe::finalize_and_reduce(&a, l.as_ref(), c)?,
         };
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        unsafe { write_tensor(F, "out", out, &y) }
+        cx.write(&out, &y)
     })
 }

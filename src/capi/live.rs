@@ -2,14 +2,13 @@
 //! device that guards ops captured in an ACL graph against replays under
 //! another context.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use super::ffi::{ffi, read_sizes, try_out, try_ref, write_out, Failure};
-use super::types::{amoe_live_context, amoe_status, amoe_stream, stream_device};
-use crate::backend::npu::kernel::guard::{ContextWords, GuardTiling};
+use super::ffi::{ffi, flag, read_sizes, try_out, try_ref, write_out, Call, Failure};
+use super::handle::{arc_out, clone_arc, free_arc, try_handle};
+use super::types::{amoe_live_context, amoe_status, amoe_stream};
 use crate::backend::npu::live_context::LiveContext;
-use crate::backend::npu::NpuDevice;
-use crate::moe::prepare_finalize::MoeContext;
+use crate::moe::ForwardContext;
 use crate::CommType;
 
 /// One forward pass's context (SPEC section 5): the live comm type, the
@@ -37,95 +36,17 @@ pub struct amoe_forward_context {
 /// `num_actual_tokens` (for example an MC2 mask of the real rows).
 pub const AMOE_GUARD_ACTUAL_TOKENS: u32 = 1;
 
-/// # Safety
-/// `fc` NULL or valid, with `dp_tokens` readable for `dp_size` entries.
-unsafe fn words(f: &str, fc: *const amoe_forward_context) -> Result<ContextWords, Failure> {
+/// The Rust forward context of a descriptor argument.
+fn forward_context(f: &str, fc: *const amoe_forward_context) -> Result<ForwardContext, Failure> {
     let c = try_ref!(f, fc, "ctx");
-    let comm = CommType::from_u32(c.comm_type)?;
-    // SAFETY: the contract for `dp_tokens`.
-    let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
-    // `AMOE_ALL_TOKENS` (usize::MAX): every token of the DP rank is real.
-    let actual = (c.num_actual_tokens != usize::MAX).then_some(c.num_actual_tokens);
-    if let Some(n) = actual {
-        if dp.iter().all(|&t| n > t) {
-            return Err(Failure::invalid(
-                f,
-                "ctx.num_actual_tokens",
-                format!("{n} is more than any DP rank's tokens {dp:?}"),
-            ));
-        }
-    }
-    Ok(ContextWords::encode(comm as u32, c.sp != 0, c.pcp_size.max(1), actual, &dp)?)
-}
-
-/// # Safety
-/// `stream` NULL or a live handle from `amoe_stream_wrap`.
-unsafe fn required_stream(f: &str, stream: *const amoe_stream) -> Result<NpuDevice, Failure> {
-    // SAFETY: the caller's contract.
-    unsafe { stream_device(stream) }.cloned().ok_or_else(|| Failure::null(f, "stream"))
-}
-
-/// # Safety
-/// `ctx` NULL or a live handle.
-unsafe fn live<'a>(f: &str, ctx: *const amoe_live_context) -> Result<&'a LiveContext, Failure> {
-    if ctx.is_null() {
-        return Err(Failure::null(f, "ctx"));
-    }
-    // SAFETY: a live handle is an `Arc::into_raw` of a LiveContext from
-    // `amoe_live_context_new`, kept alive by that reference until freed.
-    Ok(unsafe { &*(ctx as *const LiveContext) })
-}
-
-/// Live contexts attached to stream handles: (stream handle, context).
-static ATTACHED: Mutex<Vec<(usize, Arc<LiveContext>)>> = Mutex::new(Vec::new());
-
-fn attached_lock() -> std::sync::MutexGuard<'static, Vec<(usize, Arc<LiveContext>)>> {
-    // Each critical section is a single push, retain or lookup.
-    ATTACHED.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Forgets the live context attached to `stream` (its handle is being freed).
-pub(crate) fn detach_stream(stream: *const amoe_stream) {
-    attached_lock().retain(|(s, _)| *s != stream as usize);
-}
-
-fn attached(stream: *const amoe_stream) -> Option<Arc<LiveContext>> {
-    attached_lock().iter().find(|(s, _)| *s == stream as usize).map(|(_, c)| c.clone())
-}
-
-/// Reads the guards of the live context attached to `stream`, if any (after
-/// the stream was synchronised): the second half of `amoe_stream_check`.
-pub(crate) fn check_attached(stream: *const amoe_stream) -> Result<(), Failure> {
-    match attached(stream) {
-        Some(live) => Ok(live.check()?),
-        None => Ok(()),
-    }
-}
-
-/// The guard an op that depends on the forward context enqueues first, when
-/// a live context is attached to its stream: against `ctx` (the MoE context
-/// the call was made with) or, without one, the comm type alone.
-///
-/// # Safety
-/// `stream` NULL or a live handle.
-pub(crate) unsafe fn guard_op(
-    f: &'static str,
-    stream: *const amoe_stream,
-    comm: CommType,
-    ctx: Option<&MoeContext>,
-) -> Result<(), Failure> {
-    let Some(live) = attached(stream) else { return Ok(()) };
-    // SAFETY: the caller's contract.
-    let dev = unsafe { required_stream(f, stream) }?;
-    let tiling = match ctx {
-        Some(c) => GuardTiling::new(
-            &ContextWords::encode(comm as u32, c.sp(), c.pcp_size().max(1), None, c.dp_tokens())?,
-            false,
-        ),
-        None => GuardTiling::comm_type_only(comm as u32),
-    };
-    live.guard_with(f, &tiling, dev.stream())?;
-    Ok(())
+    Ok(ForwardContext {
+        comm_type: CommType::from_u32(c.comm_type)?,
+        sp: flag(c.sp),
+        dp_tokens: read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size)?,
+        // `AMOE_ALL_TOKENS` (usize::MAX): every token of the DP rank is real.
+        num_actual_tokens: (c.num_actual_tokens != usize::MAX).then_some(c.num_actual_tokens),
+        pcp_size: c.pcp_size,
+    })
 }
 
 /// Makes a live context on the device of `stream`: zeroed (never written, so
@@ -143,11 +64,8 @@ pub unsafe extern "C" fn amoe_live_context_new(
     const F: &str = "amoe_live_context_new";
     ffi!(F, {
         let out = try_out!(F, out, "out");
-        // SAFETY: the export's contract.
-        let dev = unsafe { required_stream(F, stream) }?;
-        let ctx = Arc::new(LiveContext::new(&dev)?);
-        // SAFETY: `out` checked non-null; writable per the contract.
-        unsafe { write_out(out, Arc::into_raw(ctx) as *mut amoe_live_context) };
+        let s = Call::new(F, stream).required_stream()?;
+        arc_out(out, Arc::new(LiveContext::new(s.device())?));
         Ok(())
     })
 }
@@ -159,16 +77,7 @@ pub unsafe extern "C" fn amoe_live_context_new(
 /// `ctx` NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_live_context_free(ctx: *mut amoe_live_context) {
-    if ctx.is_null() {
-        return;
-    }
-    let _ = std::panic::catch_unwind(|| {
-        let p = ctx as *const LiveContext;
-        attached_lock().retain(|(_, c)| !std::ptr::eq(Arc::as_ptr(c), p));
-        // SAFETY: a live handle from `amoe_live_context_new` (Arc::into_raw),
-        // not used again.
-        drop(unsafe { Arc::from_raw(p) });
-    });
+    free_arc(ctx);
 }
 
 /// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
@@ -177,7 +86,9 @@ pub unsafe extern "C" fn amoe_live_context_free(ctx: *mut amoe_live_context) {
 /// context; the reduction points with their comm type) first enqueues a
 /// guard of its own context, so a graph captured with these ops reports a
 /// replay under another context at `amoe_live_context_check`. The stream
-/// handle keeps the context alive while attached.
+/// handle keeps the context alive while attached (also after
+/// `amoe_live_context_free` releases the caller's handle), until it is
+/// detached or the stream handle is freed.
 ///
 /// # Safety
 /// `stream` live; `ctx` NULL or live.
@@ -188,29 +99,9 @@ pub unsafe extern "C" fn amoe_stream_attach_live_context(
 ) -> amoe_status {
     const F: &str = "amoe_stream_attach_live_context";
     ffi!(F, {
-        // SAFETY: the export's contract.
-        let dev = unsafe { required_stream(F, stream) }?;
-        detach_stream(stream);
-        if ctx.is_null() {
-            return Ok(());
-        }
-        // SAFETY: the export's contract.
-        let c = unsafe { live(F, ctx) }?;
-        if c.ordinal() != dev.ordinal() {
-            return Err(Failure::from(crate::Error::Device {
-                op: F,
-                arg: "ctx",
-                expected: format!("npu:{}", dev.ordinal()),
-                actual: format!("npu:{}", c.ordinal()),
-            }));
-        }
-        // SAFETY: a live handle is an Arc::into_raw; one more reference for the table.
-        let arc = unsafe {
-            Arc::increment_strong_count(ctx as *const LiveContext);
-            Arc::from_raw(ctx as *const LiveContext)
-        };
-        attached_lock().push((stream as usize, arc));
-        Ok(())
+        let s = Call::new(F, stream).required_stream()?;
+        let live = if ctx.is_null() { None } else { Some(clone_arc(F, "ctx", ctx)?) };
+        Ok(s.attach(live)?)
     })
 }
 
@@ -232,13 +123,9 @@ pub unsafe extern "C" fn amoe_live_context_device_ptr(
     ffi!(F, {
         let data = try_out!(F, data, "data");
         let bytes = try_out!(F, bytes, "bytes");
-        // SAFETY: the export's contract.
-        let c = unsafe { live(F, ctx) }?;
-        // SAFETY: both checked non-null; writable per the contract.
-        unsafe {
-            write_out(data, c.device_ptr());
-            write_out(bytes, crate::backend::npu::live_context::LIVE_BYTES);
-        }
+        let c = try_handle(F, "ctx", ctx)?;
+        write_out(data, c.device_ptr());
+        write_out(bytes, crate::backend::npu::live_context::LIVE_BYTES);
         Ok(())
     })
 }
@@ -258,10 +145,10 @@ pub unsafe extern "C" fn amoe_live_context_set(
 ) -> amoe_status {
     const F: &str = "amoe_live_context_set";
     ffi!(F, {
-        // SAFETY: the export's contracts.
-        let (c, w, dev) = unsafe { (live(F, ctx)?, words(F, fc)?, required_stream(F, stream)?) };
-        c.set(&w, dev.stream())?;
-        Ok(())
+        let c = try_handle(F, "ctx", ctx)?;
+        let w = forward_context(F, fc)?.words()?;
+        let s = Call::new(F, stream).required_stream()?;
+        Ok(c.set(&w, s.device().stream())?)
     })
 }
 
@@ -287,10 +174,10 @@ pub unsafe extern "C" fn amoe_live_context_guard(
         if flags & !AMOE_GUARD_ACTUAL_TOKENS != 0 {
             return Err(Failure::invalid(F, "flags", format!("{flags:#x} has unknown bits")));
         }
-        // SAFETY: the export's contracts.
-        let (c, w, dev) = unsafe { (live(F, ctx)?, words(F, captured_for)?, required_stream(F, stream)?) };
-        c.guard("moe_layer", &w, flags & AMOE_GUARD_ACTUAL_TOKENS != 0, dev.stream())?;
-        Ok(())
+        let c = try_handle(F, "ctx", ctx)?;
+        let w = forward_context(F, captured_for)?.words()?;
+        let s = Call::new(F, stream).required_stream()?;
+        Ok(c.guard("moe_layer", &w, flags & AMOE_GUARD_ACTUAL_TOKENS != 0, s.device().stream())?)
     })
 }
 
@@ -309,10 +196,9 @@ pub unsafe extern "C" fn amoe_live_context_check(
 ) -> amoe_status {
     const F: &str = "amoe_live_context_check";
     ffi!(F, {
-        // SAFETY: the export's contracts.
-        let (c, dev) = unsafe { (live(F, ctx)?, required_stream(F, stream)?) };
-        dev.synchronize()?;
-        c.check()?;
-        Ok(())
+        let c = try_handle(F, "ctx", ctx)?;
+        let s = Call::new(F, stream).required_stream()?;
+        s.device().synchronize()?;
+        Ok(c.check()?)
     })
 }

@@ -27,6 +27,7 @@
 #![allow(non_camel_case_types)]
 
 pub(crate) mod ffi;
+mod handle;
 
 mod comm;
 mod layout_ops;
@@ -100,8 +101,7 @@ pub unsafe extern "C" fn amoe_last_error_message(buf: *mut c_char, len: usize, o
                 }
             }
             if !out_len.is_null() {
-                // SAFETY: non-null, writable per the contract.
-                unsafe { write_out(out_len, n) };
+                write_out(out_len, n);
             }
             Ok(if n < msg.len() || len == 0 { amoe_status::BufferTooSmall } else { amoe_status::Ok })
         })
@@ -155,11 +155,8 @@ pub unsafe extern "C" fn amoe_enum_info(
         let out_name = try_out!(F, out_name, "out_name");
         let out_len = try_out!(F, out_len, "out_len");
         let e = c_enum(F, index)?;
-        // SAFETY: both checked non-null, writable per the contract.
-        unsafe {
-            write_out(out_name, e.name.as_ptr());
-            write_out(out_len, e.variants.len());
-        }
+        write_out(out_name, e.name.as_ptr());
+        write_out(out_len, e.variants.len());
         Ok(())
     })
 }
@@ -195,11 +192,8 @@ pub unsafe extern "C" fn amoe_enum_entry(
                 ),
             )
         })?;
-        // SAFETY: both checked non-null, writable per the contract.
-        unsafe {
-            write_out(out_name, v.c_name.as_ptr());
-            write_out(out_value, v.value);
-        }
+        write_out(out_name, v.c_name.as_ptr());
+        write_out(out_value, v.value);
         Ok(())
     })
 }
@@ -216,8 +210,7 @@ pub unsafe extern "C" fn amoe_comm_type_name(comm_type: u32, out: *mut *const c_
     ffi!(F, {
         let out = try_out!(F, out, "out");
         let name = crate::CommType::from_u32(comm_type)?.variant().c_name;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, name.as_ptr()) };
+        write_out(out, name.as_ptr());
         Ok(())
     })
 }

@@ -7,7 +7,7 @@
 //! size its result, so a meta / fake implementation built on it cannot
 //! disagree with the real op.
 
-use super::ffi::{check_out, ffi, read_meta, read_opt, read_tensor, try_ref, write_shape, write_tensor, Failure, Meta};
+use super::ffi::{ffi, read_meta, try_ref, write_shape, Call, Failure, Meta};
 use super::types::{amoe_status, amoe_stream, amoe_tensor};
 use crate::backend::FinalizeArgs;
 use crate::moe;
@@ -38,22 +38,6 @@ pub struct amoe_finalize_args {
     pub drop_pad_mode: u32,
 }
 
-/// The output tensor of a finalize over the caller's host memory (see
-/// `ffi::out_tensor`), or `None` for an NPU output: an NPU finalize computes
-/// into a buffer of its own that is copied into `out` only on success, so an
-/// invalid index leaves `out` unwritten on every device, as documented.
-///
-/// # Safety
-/// `out` a valid descriptor, already checked by `check_out`.
-pub(super) unsafe fn host_out(f: &str, out: *const amoe_tensor) -> Result<Option<Tensor>, Failure> {
-    let d = try_ref!(f, out, "out");
-    if d.device_kind != super::AMOE_DEVICE_CPU {
-        return Ok(None);
-    }
-    // SAFETY: forwarded contract.
-    unsafe { super::ffi::out_tensor(f, "out", out) }.map(Some)
-}
-
 fn meta_of(m: &Meta) -> TensorMeta<'_> {
     TensorMeta { shape: &m.shape, dtype: m.dtype }
 }
@@ -71,22 +55,17 @@ pub(super) struct FinalizeInputs {
 }
 
 impl FinalizeInputs {
-    /// # Safety
-    /// Every non-NULL descriptor in `a` must satisfy the `amoe_tensor` contract.
-    pub(super) unsafe fn read(f: &str, a: *const amoe_finalize_args) -> Result<Self, Failure> {
-        let a = try_ref!(f, a, "args");
-        // SAFETY (all reads below): the caller's descriptor contract.
+    /// The tensors of `a`'s descriptors, converted through the call.
+    pub(super) fn read(cx: &Call<'_>, a: *const amoe_finalize_args) -> Result<Self, Failure> {
+        let a = try_ref!(cx.f, a, "args");
         Ok(FinalizeInputs {
-            x: unsafe { read_tensor(f, "expanded_x", a.expanded_x) }?,
-            // SAFETY: `expanded_row_idx` is a valid descriptor, per the export's contract.
-            idx: unsafe { read_tensor(f, "expanded_row_idx", a.expanded_row_idx) }?,
-            x1: unsafe { read_opt(f, "x1", a.x1) }?,
-            // SAFETY: `x2` is a valid descriptor, per the export's contract.
-            x2: unsafe { read_opt(f, "x2", a.x2) }?,
-            bias: unsafe { read_opt(f, "bias", a.bias) }?,
-            // SAFETY: `scales` is a valid descriptor, per the export's contract.
-            scales: unsafe { read_opt(f, "scales", a.scales) }?,
-            expert_idx: unsafe { read_opt(f, "expert_idx", a.expert_idx) }?,
+            x: cx.input("expanded_x", a.expanded_x)?,
+            idx: cx.input("expanded_row_idx", a.expanded_row_idx)?,
+            x1: cx.input_opt("x1", a.x1)?,
+            x2: cx.input_opt("x2", a.x2)?,
+            bias: cx.input_opt("bias", a.bias)?,
+            scales: cx.input_opt("scales", a.scales)?,
+            expert_idx: cx.input_opt("expert_idx", a.expert_idx)?,
             mode: a.drop_pad_mode,
         })
     }
@@ -114,22 +93,18 @@ pub(super) struct FinalizeMetas {
 }
 
 impl FinalizeMetas {
-    /// # Safety
-    /// As `ffi::meta` for every non-NULL descriptor in `a`.
-    pub(super) unsafe fn read(f: &str, a: *const amoe_finalize_args) -> Result<Self, Failure> {
+    /// The shapes and dtypes of `a`'s descriptors.
+    pub(super) fn read(f: &str, a: *const amoe_finalize_args) -> Result<Self, Failure> {
         let a = try_ref!(f, a, "args");
         let opt = |arg: &str, d: *const amoe_tensor| -> Result<Option<Meta>, Failure> {
             if d.is_null() {
                 return Ok(None);
             }
-            // SAFETY: the caller's descriptor contract.
-            unsafe { read_meta(f, arg, d) }.map(Some)
+            read_meta(f, arg, d).map(Some)
         };
         Ok(FinalizeMetas {
-            // SAFETY: the caller's descriptor contract.
-            x: unsafe { read_meta(f, "expanded_x", a.expanded_x) }?,
-            // SAFETY: the caller's descriptor contract.
-            idx: unsafe { read_meta(f, "expanded_row_idx", a.expanded_row_idx) }?,
+            x: read_meta(f, "expanded_x", a.expanded_x)?,
+            idx: read_meta(f, "expanded_row_idx", a.expanded_row_idx)?,
             opt: [
                 opt("x1", a.x1)?,
                 opt("x2", a.x2)?,
@@ -175,11 +150,9 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_moe_finalize_routing_output_shape";
     ffi!(F, {
-        // SAFETY: the caller's contracts.
-        let m = unsafe { FinalizeMetas::read(F, args) }?;
+        let m = FinalizeMetas::read(F, args)?;
         let (shape, _) = moe::moe_finalize_routing_shape(&m.meta())?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+        write_shape(F, &shape, out_shape, cap, out_ndim)
     })
 }
 
@@ -190,13 +163,14 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 /// written into `out`, which the caller allocated with the shape from
 /// `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
 /// An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
-/// and `out` is then not written (unspecified on NPU).
+/// and `out` is then not written on the host (unspecified on NPU, where it
+/// is reported by `amoe_stream_check`). `out` may not overlap any input.
 ///
 /// NPU tensors, native kernel (the default where it can launch): enqueues on
-/// `stream` one memset of the status words and one kernel launch writing
-/// `out` in place (plus, for the padded layout, one small copy of the slot
-/// offsets from a pinned staging block); workspace comes from the stream's
-/// pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+/// `stream` one memset of the status words, one kernel launch writing a
+/// workspace buffer and one device copy of it into `out` (plus, for the
+/// padded layout, one small copy of the slot offsets from a pinned staging
+/// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
 /// reads device data on the host; a bad index is returned by
 /// `amoe_stream_check(stream)` with its argument, position and value. NPU
 /// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
@@ -218,24 +192,24 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
 ) -> amoe_status {
     const F: &str = "amoe_moe_finalize_routing";
     ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts.
-        let inputs = unsafe { FinalizeInputs::read(F, args) }?;
+        let cx = &Call::new(F, stream);
+        let inputs = FinalizeInputs::read(cx, args)?;
         let a = inputs.args()?;
         let (shape, _) = moe::moe_finalize_routing_output_shape(&a)?;
-        // SAFETY: the caller's contract for `out`.
-        unsafe { check_out(F, "out", out, &shape, inputs.x.dtype()) }?;
-        // SAFETY: the caller's contract for `out`.
-        let y = match unsafe { host_out(F, out) }? {
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, inputs.x.dtype())?;
+        // On the host the op writes the caller's `out` in place; on the NPU it
+        // computes into workspace of the stream, copied into `out` by one
+        // device copy (the Rust op can write an NPU `out` in place too).
+        let lent = if inputs.x.is_cpu() { cx.output_for(&out, &inputs.x)? } else { None };
+        let y = match lent {
             Some(mut o) => {
                 moe::moe_finalize_routing_into(&a, &mut o)?;
                 o
             }
             None => moe::moe_finalize_routing(&a)?,
         };
-        // SAFETY: the caller's contract for `out`.
-        unsafe { write_tensor(F, "out", out, &y) }
+        cx.write(&out, &y)
     })
 }
 
@@ -256,19 +230,11 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_moe_token_unpermute_output_shape";
     ffi!(F, {
-        // SAFETY: the caller's descriptor contracts.
-        let p = unsafe { read_meta(F, "permuted", permuted) }?;
-        // SAFETY: as above.
-        let s = unsafe { read_meta(F, "sorted_indices", sorted_indices) }?;
-        let pr = if probs.is_null() {
-            None
-        } else {
-            // SAFETY: as above.
-            Some(unsafe { read_meta(F, "probs", probs) }?)
-        };
+        let p = read_meta(F, "permuted", permuted)?;
+        let s = read_meta(F, "sorted_indices", sorted_indices)?;
+        let pr = if probs.is_null() { None } else { Some(read_meta(F, "probs", probs)?) };
         let (shape, _) = moe::moe_token_unpermute_shape(meta_of(&p), meta_of(&s), pr.as_ref().map(meta_of))?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(F, &shape, out_shape, cap, out_ndim) }
+        write_shape(F, &shape, out_shape, cap, out_ndim)
     })
 }
 
@@ -301,21 +267,15 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute(
 ) -> amoe_status {
     const F: &str = "amoe_moe_token_unpermute";
     ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's descriptor contracts.
-        let p = unsafe { read_tensor(F, "permuted", permuted) }?;
-        // SAFETY: as above.
-        let s = unsafe { read_tensor(F, "sorted_indices", sorted_indices) }?;
-        // SAFETY: as above.
-        let pr = unsafe { read_opt(F, "probs", probs) }?;
+        let cx = &Call::new(F, stream);
+        let p = cx.input("permuted", permuted)?;
+        let s = cx.input("sorted_indices", sorted_indices)?;
+        let pr = cx.input_opt("probs", probs)?;
         let (shape, _) = moe::moe_token_unpermute_output_shape(&p, &s, pr.as_ref())?;
-        // SAFETY: the caller's contract for `out`.
-        unsafe { check_out(F, "out", out, &shape, p.dtype()) }?;
-        // SAFETY: the caller's contract for `out`.
-        let mut y = unsafe { super::ffi::out_tensor(F, "out", out) }?;
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, p.dtype())?;
+        let mut y = cx.output(&out)?;
         moe::moe_token_unpermute_into(&p, &s, pr.as_ref(), &mut y)?;
-        // SAFETY: the caller's contract for `out` (a no-op when written in place).
-        unsafe { write_tensor(F, "out", out, &y) }
+        cx.write(&out, &y)
     })
 }

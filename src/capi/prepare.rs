@@ -1,11 +1,10 @@
 //! Token prepare / finalize per MoE comm type (SPEC section 6): the token
 //! padding, splitting and gathering around the experts of one MoE layer.
 
-use super::comm::comm_ref;
 use super::ffi::{
-    check_out, ffi, flag, out_for, read_meta, read_sizes, read_tensor, try_out, write_out, write_shape, write_tensor,
-    Failure,
+    ffi, flag, read_meta, read_sizes, try_out, try_ref, write_out, write_shape, write_slice, Call, Failure,
 };
+use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
 use crate::CommType;
@@ -56,31 +55,17 @@ pub struct amoe_moe_context_ex {
     pub pcp_rank: usize,
 }
 
-/// # Safety
-/// `ctx` NULL or valid, with `dp_tokens` readable for `dp_size` entries.
-unsafe fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure> {
-    if ctx.is_null() {
-        return Err(Failure::null(f, "ctx"));
-    }
-    // SAFETY: non-null, valid per the contract.
-    let c = unsafe { &*ctx };
-    // SAFETY: the contract for `dp_tokens`.
-    let dp = unsafe { read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size) }?;
+fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure> {
+    let c = try_ref!(f, ctx, "ctx");
+    let dp = read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size)?;
     // MoeContext::new bounds dp_size * tp_size by AMOE_MAX_EP_RANKS before
     // anything builds per-rank tables.
     Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
 }
 
-/// # Safety
-/// `ctx` NULL or valid, with `base.dp_tokens` readable for `base.dp_size` entries.
-unsafe fn context_ex(f: &str, ctx: *const amoe_moe_context_ex) -> Result<MoeContext, Failure> {
-    if ctx.is_null() {
-        return Err(Failure::null(f, "ctx"));
-    }
-    // SAFETY: non-null, valid per the contract.
-    let c = unsafe { &*ctx };
-    // SAFETY: the contract for `base`.
-    let mut m = unsafe { context(f, &c.base) }?;
+fn context_ex(f: &str, ctx: *const amoe_moe_context_ex) -> Result<MoeContext, Failure> {
+    let c = try_ref!(f, ctx, "ctx");
+    let mut m = context(f, &c.base)?;
     if c.num_actual_tokens != AMOE_ALL_TOKENS {
         m = m.with_num_actual_tokens(c.num_actual_tokens)?;
     }
@@ -107,12 +92,10 @@ pub unsafe extern "C" fn amoe_moe_groups_new_pcp(
 ) -> amoe_status {
     const F: &str = "amoe_moe_groups_new_pcp";
     ffi!(F, {
-        // SAFETY: the communicator handle is NULL or live, per the export's contract.
-        let w = unsafe { comm_ref(F, world) }?;
+        let w = try_handle(F, "world", world)?;
         let out = try_out!(F, out, "out");
         let g = MoeGroups::from_world_pcp(w, pcp_size, tp_size)?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, Box::into_raw(Box::new(g)) as *mut amoe_moe_groups) };
+        box_out(out, g);
         Ok(())
     })
 }
@@ -131,12 +114,10 @@ pub unsafe extern "C" fn amoe_moe_groups_new(
 ) -> amoe_status {
     const F: &str = "amoe_moe_groups_new";
     ffi!(F, {
-        // SAFETY: the communicator handle is NULL or live, per the export's contract.
-        let w = unsafe { comm_ref(F, world) }?;
+        let w = try_handle(F, "world", world)?;
         let out = try_out!(F, out, "out");
         let g = MoeGroups::from_world(w, tp_size)?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, Box::into_raw(Box::new(g)) as *mut amoe_moe_groups) };
+        box_out(out, g);
         Ok(())
     })
 }
@@ -162,13 +143,10 @@ pub unsafe extern "C" fn amoe_moe_groups_from_comms(
     const F: &str = "amoe_moe_groups_from_comms";
     ffi!(F, {
         let out = try_out!(F, out, "out");
-        // SAFETY: the communicator handles are NULL or live, per the export's contract.
-        let (e, t, d) = unsafe { (comm_ref(F, ep)?, comm_ref(F, tp)?, comm_ref(F, dp)?) };
-        // SAFETY: as above.
-        let p = if pcp.is_null() { None } else { Some(unsafe { comm_ref(F, pcp) }?) };
+        let (e, t, d) = (try_handle(F, "ep", ep)?, try_handle(F, "tp", tp)?, try_handle(F, "dp", dp)?);
+        let p = if pcp.is_null() { None } else { Some(try_handle(F, "pcp", pcp)?) };
         let g = MoeGroups::from_comms(e, t, d, p)?;
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, Box::into_raw(Box::new(g)) as *mut amoe_moe_groups) };
+        box_out(out, g);
         Ok(())
     })
 }
@@ -179,32 +157,12 @@ pub unsafe extern "C" fn amoe_moe_groups_from_comms(
 /// `groups` NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_moe_groups_free(groups: *mut amoe_moe_groups) {
-    if groups.is_null() {
-        return;
-    }
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: a live handle is a Box<MoeGroups> from `amoe_moe_groups_new`,
-        // not used again, per the contract.
-        drop(unsafe { Box::from_raw(groups as *mut MoeGroups) });
-    });
-}
-
-/// # Safety
-/// `groups` NULL or live for `'a`.
-unsafe fn groups_ref<'a>(f: &str, groups: *const amoe_moe_groups) -> Result<&'a MoeGroups, Failure> {
-    if groups.is_null() {
-        return Err(Failure::null(f, "groups"));
-    }
-    // SAFETY: non-null and live per the contract.
-    Ok(unsafe { &*(groups as *const MoeGroups) })
+    free_box(groups);
 }
 
 /// The body of the prepare / finalize shape exports.
-///
-/// # Safety
-/// `x` valid; out-pointers writable.
 #[allow(clippy::too_many_arguments)]
-unsafe fn plan_shape(
+fn plan_shape(
     f: &'static str,
     arg: &'static str,
     shape_of: fn(&[usize], CommType, &MoeContext) -> crate::Result<Vec<usize>>,
@@ -216,12 +174,10 @@ unsafe fn plan_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: `x` is a valid descriptor, per the caller's contract.
-        let m = unsafe { read_meta(f, arg, x) }?;
+        let m = read_meta(f, arg, x)?;
         let c = ctx()?;
         let shape = shape_of(&m.shape, CommType::from_u32(comm_type)?, &c)?;
-        // SAFETY: the out-pointers are writable, per the caller's contract.
-        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+        write_shape(f, &shape, out_shape, cap, out_ndim)
     })
 }
 
@@ -240,10 +196,8 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_output_shape";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim) }
+    let ctx = || context(F, ctx);
+    plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// `amoe_token_prepare_output_shape` with an extended context (actual tokens, PCP).
@@ -260,18 +214,13 @@ pub unsafe extern "C" fn amoe_token_prepare_ex_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_ex_output_shape";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context_ex(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim) }
+    let ctx = || context_ex(F, ctx);
+    plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// The body of the prepare exports.
-///
-/// # Safety
-/// As `amoe_token_prepare`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn prepare_body(
+fn prepare_body(
     f: &'static str,
     x: *const amoe_tensor,
     comm_type: u32,
@@ -284,19 +233,15 @@ unsafe fn prepare_body(
     stream: *const amoe_stream,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        let cx = &Call::new(f, stream);
         let c = ctx()?;
-        // SAFETY: `groups` is NULL or live, per the caller's contract.
-        let g = unsafe { groups_ref(f, groups) }?;
+        let g = try_handle(f, "groups", groups)?;
         let ct = CommType::from_u32(comm_type)?;
-        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-        unsafe { super::live::guard_op(f, stream, ct, Some(&c)) }?;
-        // SAFETY: `x` is a valid descriptor, per the caller's contract.
-        let x = unsafe { read_tensor(f, "x", x) }?;
+        cx.guard(ct, Some(&c))?;
+        let x = cx.input("x", x)?;
         let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, x.dtype())?;
         let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
         if !mc2_mask.is_null() && mask_cap < mask_want {
             return Err(Failure::new(
@@ -306,8 +251,7 @@ unsafe fn prepare_body(
         }
         // The tokens go straight into the caller's `out` where it can be lent
         // (else into a buffer of the op's own, copied into `out`).
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        let (hidden, mask) = match unsafe { out_for(f, "out", out, &x) }? {
+        let (hidden, mask) = match cx.output_for(&out, &x)? {
             Some(mut o) => {
                 let mask = pf::prepare_into(&x, ct, &c, g, &mut o)?;
                 (o, mask)
@@ -317,18 +261,14 @@ unsafe fn prepare_body(
                 (p.hidden, p.mc2_mask)
             }
         };
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { write_tensor(f, "out", out, &hidden) }?;
+        cx.write(&out, &hidden)?;
         let mask = mask.unwrap_or_default();
         if !mask_len.is_null() {
-            // SAFETY: non-null, writable per the contract.
-            unsafe { write_out(mask_len, mask.len()) };
+            write_out(mask_len, mask.len());
         }
         if !mc2_mask.is_null() {
-            for (i, &m) in mask.iter().enumerate().take(mask_cap) {
-                // SAFETY: `i < mask_cap`, writable per the contract.
-                unsafe { write_out(mc2_mask.add(i), m as u8) };
-            }
+            let bytes: Vec<u8> = mask.iter().take(mask_cap).map(|&m| m as u8).collect();
+            write_slice(mc2_mask, &bytes);
         }
         Ok(())
     })
@@ -369,10 +309,8 @@ pub unsafe extern "C" fn amoe_token_prepare(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream) }
+    let ctx = || context(F, ctx);
+    prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream)
 }
 
 /// `amoe_token_prepare` with an extended context: the MC2 mask marks the first
@@ -395,10 +333,8 @@ pub unsafe extern "C" fn amoe_token_prepare_ex(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_ex";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context_ex(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream) }
+    let ctx = || context_ex(F, ctx);
+    prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream)
 }
 
 /// Output shape of `amoe_token_finalize` for the experts' output `y` (the
@@ -417,10 +353,8 @@ pub unsafe extern "C" fn amoe_token_finalize_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_output_shape";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim) }
+    let ctx = || context(F, ctx);
+    plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// `amoe_token_finalize_output_shape` with an extended context.
@@ -437,17 +371,12 @@ pub unsafe extern "C" fn amoe_token_finalize_ex_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_ex_output_shape";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context_ex(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim) }
+    let ctx = || context_ex(F, ctx);
+    plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// The body of the finalize exports.
-///
-/// # Safety
-/// As `amoe_token_finalize`.
-unsafe fn finalize_body(
+fn finalize_body(
     f: &'static str,
     y: *const amoe_tensor,
     comm_type: u32,
@@ -457,39 +386,26 @@ unsafe fn finalize_body(
     stream: *const amoe_stream,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
+        let cx = &Call::new(f, stream);
         let c = ctx()?;
-        // SAFETY: `groups` is NULL or live, per the caller's contract.
-        let g = unsafe { groups_ref(f, groups) }?;
+        let g = try_handle(f, "groups", groups)?;
         let ct = CommType::from_u32(comm_type)?;
-        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-        unsafe { super::live::guard_op(f, stream, ct, Some(&c)) }?;
+        cx.guard(ct, Some(&c))?;
         // SAFETY: `y` and `out` are valid descriptors, per the caller's contract.
-        let in_place = !out.is_null() && !y.is_null() && unsafe { (*y).data == (*out).data };
-        if !in_place {
-            // SAFETY: `y` is a valid descriptor, per the caller's contract.
-            let yt = unsafe { read_tensor(f, "y", y) }?;
-            let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
-            // SAFETY: `out` is a valid descriptor, per the caller's contract.
-            unsafe { check_out(f, "out", out, &shape, yt.dtype()) }?;
-            // The last collective or copy writes the caller's `out`; `y` is
-            // only read, so it needs no copy of its own.
-            // SAFETY: `out` is a valid descriptor, per the caller's contract.
-            if let Some(mut o) = unsafe { out_for(f, "out", out, &yt) }? {
+        let yt = cx.input("y", y)?;
+        let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, yt.dtype())?;
+        // The last collective or copy writes the caller's `out` (which may be
+        // `y`'s memory: the op then reads `y` from a copy of its own).
+        let r = match cx.output_for(&out, &yt)? {
+            Some(mut o) => {
                 pf::finalize_into(&yt, ct, &c, g, &mut o)?;
-                // SAFETY: `out` is a valid descriptor, per the caller's contract.
-                return unsafe { write_tensor(f, "out", out, &o) };
+                o
             }
-        }
-        // SAFETY: `y` is a valid descriptor, per the caller's contract.
-        let y = unsafe { super::ffi::read_consumed(f, "y", y, out) }?;
-        let shape = pf::finalize_output_shape(y.shape(), ct, &c)?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { check_out(f, "out", out, &shape, y.dtype()) }?;
-        let r = pf::finalize(y, ct, &c, g)?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { write_tensor(f, "out", out, &r) }
+            None => pf::finalize(yt, ct, &c, g)?,
+        };
+        cx.write(&out, &r)
     })
 }
 
@@ -510,10 +426,8 @@ pub unsafe extern "C" fn amoe_token_finalize(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { finalize_body(F, y, comm_type, ctx, groups, out, stream) }
+    let ctx = || context(F, ctx);
+    finalize_body(F, y, comm_type, ctx, groups, out, stream)
 }
 
 /// `amoe_token_finalize` with an extended context: with `pcp_size > 1`,
@@ -531,8 +445,6 @@ pub unsafe extern "C" fn amoe_token_finalize_ex(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_ex";
-    // SAFETY: `ctx` is valid, per the export's contract.
-    let ctx = || unsafe { context_ex(F, ctx) };
-    // SAFETY: the export's contracts.
-    unsafe { finalize_body(F, y, comm_type, ctx, groups, out, stream) }
+    let ctx = || context_ex(F, ctx);
+    finalize_body(F, y, comm_type, ctx, groups, out, stream)
 }

@@ -1,11 +1,9 @@
 //! The runtime-aware reduce policy (SPEC section 5): its decisions and the
 //! three reduction points, evaluated with the live comm type.
 
-use super::comm::comm_ref;
-use super::ffi::{check_out, ffi, flag, read_tensor, try_out, try_ref, write_out, write_tensor, Failure};
+use super::ffi::{ffi, flag, try_out, try_ref, write_out, Call, Failure};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
-use crate::moe::{self, ReducePolicy, SharedMode};
-use crate::tensor::Storage;
+use crate::moe::{self, Output, ReducePoint, ReducePolicy, SharedMode};
 use crate::CommType;
 
 /// The static part of a layer's reduction policy (SPEC section 5). The live
@@ -37,8 +35,7 @@ pub unsafe extern "C" fn amoe_routed_is_reduced(comm_type: u32, sp: u8, out: *mu
     ffi!(F, {
         let out = try_out!(F, out, "out");
         let r = moe::routed_is_reduced(CommType::from_u32(comm_type)?, flag(sp));
-        // SAFETY: checked non-null, writable per the contract.
-        unsafe { write_out(out, r as u8) };
+        write_out(out, r as u8);
         Ok(())
     })
 }
@@ -81,88 +78,48 @@ pub unsafe extern "C" fn amoe_reduce_policy_decisions(
             (final_, p.final_reduces(c)),
         ] {
             if !ptr.is_null() {
-                // SAFETY: non-null, writable per the contract.
-                unsafe { write_out(ptr, v as u8) };
+                write_out(ptr, v as u8);
             }
         }
         Ok(())
     })
 }
 
-/// Which of the three reduction points a call runs.
-#[derive(Clone, Copy)]
-enum Point {
-    RoutedEarly,
-    Shared,
-    Final,
-}
-
-/// # Safety
-/// As the reduction-point exports.
-#[allow(clippy::too_many_arguments)] // the export's arguments, plus which point it is
-unsafe fn reduce_point(
-    f: &'static str,
-    point: Point,
+/// The body of the reduction-point exports: the point's `_into` form over
+/// the caller's `x` and `out`, which may be the same memory ([`Output::of`]
+/// decides).
+fn reduce_point(
+    cx: &Call<'_>,
+    point: ReducePoint,
     p: *const amoe_reduce_policy,
     x: *const amoe_tensor,
     comm_type: u32,
     tp_comm: *const amoe_comm,
     out: *const amoe_tensor,
-    stream: *const amoe_stream,
 ) -> Result<(), Failure> {
-    let p = policy(f, p)?;
+    let p = policy(cx.f, p)?;
     let c = CommType::from_u32(comm_type)?;
-    // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-    unsafe { super::live::guard_op(f, stream, c, None) }?;
-    // SAFETY: the caller's contracts, for every call below.
-    let tp = unsafe { comm_ref(f, tp_comm) }?;
-    let x_in = unsafe { read_tensor(f, "x", x) }?;
-    // SAFETY: `out` is a valid descriptor, per the export's contract.
-    unsafe { check_out(f, "out", out, x_in.shape(), x_in.dtype()) }?;
-    let run = |x: crate::Tensor| match point {
-        Point::RoutedEarly => p.reduce_routed_early(x, c, tp),
-        Point::Shared => p.reduce_shared(x, c, tp),
-        Point::Final => p.reduce_final(x, c, tp),
-    };
-    let into = |x: &crate::Tensor, o: &mut crate::Tensor| match point {
-        Point::RoutedEarly => p.reduce_routed_early_into(x, c, tp, o),
-        Point::Shared => p.reduce_shared_into(x, c, tp, o),
-        Point::Final => p.reduce_final_into(x, c, tp, o),
-    };
-    let y = if x_in.is_cpu() {
-        // A host input is read in place and copied into the caller's `out`
-        // (or, for an NPU `out`, reduced on the host and copied there), where
-        // the point reduces it.
-        // SAFETY: `out` is a valid descriptor, per the export's contract.
-        match unsafe { super::ffi::out_for(f, "out", out, &x_in) }? {
-            Some(mut o) => {
-                into(&x_in, &mut o)?;
-                o
-            }
-            None => run(x_in)?,
+    cx.guard(c, None)?;
+    let tp = cx.comm(tp_comm)?;
+    let x_in = cx.input("x", x)?;
+    let out = cx.out("out", out)?;
+    out.check(cx, x_in.shape(), x_in.dtype())?;
+    match cx.output_for(&out, &x_in)? {
+        Some(mut o) => {
+            p.reduce_at_into(point, Output::of(point.op(), &x_in, &mut o)?, c, tp)?;
+            cx.write(&out, &o)
         }
-    } else {
-        // An NPU input is reduced in the caller's `out`: `x` is copied there
-        // on the stream (nothing when they are the same memory), so no
-        // buffer is allocated and the result needs no copy.
-        // SAFETY: `out` is a valid descriptor over NPU memory of the stream's device.
-        let mut o = unsafe { super::ffi::out_tensor(f, "out", out) }?;
-        match (x_in.storage(), o.storage()) {
-            (Storage::Npu(src), Storage::Npu(dst)) if src.as_ptr() == dst.as_ptr() => run(o)?,
-            (Storage::Npu(_), Storage::Npu(_)) => {
-                into(&x_in, &mut o)?;
-                o
-            }
-            _ => {
-                return Err(Failure::new(
-                    amoe_status::Device,
-                    format!("{f}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)"),
-                ))
-            }
+        // A host `x` with an NPU `out`: reduced on the host (the first write
+        // makes the borrowed input a private copy), then copied to `out`.
+        None if x_in.is_cpu() => {
+            let y = p.reduce_at(point, x_in, c, tp)?;
+            cx.write(&out, &y)
         }
-    };
-    // SAFETY: `out` is a valid descriptor, per the export's contract.
-    unsafe { write_tensor(f, "out", out, &y) }
+        None => Err(Failure::new(
+            amoe_status::Device,
+            format!("{}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)", cx.f),
+        )),
+    }
 }
 
 /// Reduction point 1 (routed output, before the transform) with the live
@@ -188,12 +145,7 @@ pub unsafe extern "C" fn amoe_reduce_routed_early(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_routed_early";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts, forwarded.
-        unsafe { reduce_point(F, Point::RoutedEarly, policy, x, comm_type, tp_comm, out, stream) }
-    })
+    ffi!(F, { reduce_point(&Call::new(F, stream), ReducePoint::RoutedEarly, policy, x, comm_type, tp_comm, out) })
 }
 
 /// Reduction point 2 (shared-expert output) with the live `comm_type`.
@@ -211,12 +163,7 @@ pub unsafe extern "C" fn amoe_reduce_shared(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_shared";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts, forwarded.
-        unsafe { reduce_point(F, Point::Shared, policy, x, comm_type, tp_comm, out, stream) }
-    })
+    ffi!(F, { reduce_point(&Call::new(F, stream), ReducePoint::Shared, policy, x, comm_type, tp_comm, out) })
 }
 
 /// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
@@ -234,10 +181,5 @@ pub unsafe extern "C" fn amoe_reduce_final(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_final";
-    ffi!(F, {
-        // SAFETY: `stream` is NULL or a live handle, per the export's contract.
-        let _npu = unsafe { super::ffi::bind_stream(F, stream) }?;
-        // SAFETY: the caller's contracts, forwarded.
-        unsafe { reduce_point(F, Point::Final, policy, x, comm_type, tp_comm, out, stream) }
-    })
+    ffi!(F, { reduce_point(&Call::new(F, stream), ReducePoint::Final, policy, x, comm_type, tp_comm, out) })
 }

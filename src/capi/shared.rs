@@ -4,17 +4,13 @@
 //! Each op has an `*_output_shape` twin calling the Rust shape function the op
 //! sizes its output with.
 
-use super::comm::comm_ref;
-use super::ffi::{check_out, ffi, out_for, read_meta, read_tensor, write_shape, write_tensor};
+use super::ffi::{ffi, read_meta, write_shape, Call};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::shared;
 use crate::{Collectives, Comm, Tensor};
 
 /// The body of a shape export: `shape_of(x shape)` written to the out-pointers.
-///
-/// # Safety
-/// `x` valid; out-pointers as `amoe_moe_finalize_routing_output_shape`.
-unsafe fn shape_body(
+fn shape_body(
     f: &'static str,
     x: *const amoe_tensor,
     shape_of: impl FnOnce(&[usize]) -> crate::Result<Vec<usize>>,
@@ -23,23 +19,18 @@ unsafe fn shape_body(
     out_ndim: *mut usize,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: the caller's descriptor contract.
-        let m = unsafe { read_meta(f, "x", x) }?;
+        let m = read_meta(f, "x", x)?;
         let shape = shape_of(&m.shape)?;
-        // SAFETY: the caller's contracts for the out-pointers.
-        unsafe { write_shape(f, &shape, out_shape, cap, out_ndim) }
+        write_shape(f, &shape, out_shape, cap, out_ndim)
     })
 }
 
 /// The body of an op export: `into(x, tp, out)` after `out` is checked
 /// against `shape_of(x shape, tp rank, tp size)`, writing the caller's `out`
-/// in place; where it cannot be (see `ffi::out_for`), `op(x, tp)` computes
+/// in place; where it cannot be (see `Call::output_for`), `op(x, tp)` computes
 /// the result, which is copied into `out`.
-///
-/// # Safety
-/// `x`, `out` valid descriptors; `tp_comm` live; `stream` NULL or live.
 #[allow(clippy::too_many_arguments)] // the export's arguments, plus the op's three forms
-unsafe fn op_body(
+fn op_body(
     f: &'static str,
     x: *const amoe_tensor,
     tp_comm: *const amoe_comm,
@@ -50,25 +41,20 @@ unsafe fn op_body(
     into: impl FnOnce(&Tensor, &Comm, &mut Tensor) -> crate::Result<()>,
 ) -> amoe_status {
     ffi!(f, {
-        // SAFETY: `stream` is NULL or a live handle, per the caller's contract.
-        let _npu = unsafe { super::ffi::bind_stream(f, stream) }?;
-        // SAFETY: the caller's contracts, for every call below.
-        let tp = unsafe { comm_ref(f, tp_comm) }?;
-        let x = unsafe { read_tensor(f, "x", x) }?;
+        let cx = &Call::new(f, stream);
+        let tp = cx.comm(tp_comm)?;
+        let x = cx.input("x", x)?;
         let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        unsafe { check_out(f, "out", out, &shape, x.dtype()) }?;
-        // SAFETY: `out` is a valid descriptor, per the caller's contract.
-        let y = match unsafe { out_for(f, "out", out, &x) }? {
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, x.dtype())?;
+        let y = match cx.output_for(&out, &x)? {
             Some(mut o) => {
                 into(&x, tp, &mut o)?;
                 o
             }
             None => op(&x, tp)?,
         };
-        // SAFETY: `out` is a valid descriptor, per the caller's contract (a
-        // no-op when written in place).
-        unsafe { write_tensor(f, "out", out, &y) }
+        cx.write(&out, &y)
     })
 }
 
@@ -89,8 +75,7 @@ pub unsafe extern "C" fn amoe_shared_pad_split_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_shared_pad_split_output_shape";
     let shape_of = |s: &[usize]| shared::shared_pad_split_output_shape(s, tp_rank, tp_size);
-    // SAFETY: the caller's contracts.
-    unsafe { shape_body(F, x, shape_of, out_shape, cap, out_ndim) }
+    shape_body(F, x, shape_of, out_shape, cap, out_ndim)
 }
 
 /// DP-only shared-expert prepare: zero-pad the DP batch `x [T, H...]` to a
@@ -115,8 +100,7 @@ pub unsafe extern "C" fn amoe_shared_pad_split(
     const F: &str = "amoe_shared_pad_split";
     let op = |x: &Tensor, tp: &Comm| shared::shared_pad_split(x, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_split_into(x, tp, o);
-    // SAFETY: the caller's contracts.
-    unsafe { op_body(F, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op, into) }
+    op_body(F, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op, into)
 }
 
 /// Output shape of `amoe_shared_gather_unpad`: `x` must have
@@ -135,8 +119,7 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_shared_gather_unpad_output_shape";
     let shape_of = |s: &[usize]| shared::shared_gather_unpad_output_shape(s, num_tokens, tp_size);
-    // SAFETY: the caller's contracts.
-    unsafe { shape_body(F, x, shape_of, out_shape, cap, out_ndim) }
+    shape_body(F, x, shape_of, out_shape, cap, out_ndim)
 }
 
 /// DP-only shared-expert finalize and SP-only prepare: TP all-gather every
@@ -165,8 +148,7 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad(
         |s: &[usize], _rank: usize, size: usize| shared::shared_gather_unpad_output_shape(s, num_tokens, size);
     let op = |x: &Tensor, tp: &Comm| shared::shared_gather_unpad(x, num_tokens, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_gather_unpad_into(x, num_tokens, tp, o);
-    // SAFETY: the caller's contracts.
-    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op, into) }
+    op_body(F, x, tp_comm, out, stream, shape_of, op, into)
 }
 
 /// Output shape of `amoe_shared_pad_reduce_scatter`: `x [T, H...]` ->
@@ -184,8 +166,7 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_shared_pad_reduce_scatter_output_shape";
     let shape_of = |s: &[usize]| shared::shared_pad_reduce_scatter_output_shape(s, tp_size);
-    // SAFETY: the caller's contracts.
-    unsafe { shape_body(F, x, shape_of, out_shape, cap, out_ndim) }
+    shape_body(F, x, shape_of, out_shape, cap, out_ndim)
 }
 
 /// SP-only shared-expert finalize: zero-pad the TP-partial `x [T, H...]` to a
@@ -212,6 +193,5 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter(
     let shape_of = |s: &[usize], _rank: usize, size: usize| shared::shared_pad_reduce_scatter_output_shape(s, size);
     let op = |x: &Tensor, tp: &Comm| shared::shared_pad_reduce_scatter(x, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_reduce_scatter_into(x, tp, o);
-    // SAFETY: the caller's contracts.
-    unsafe { op_body(F, x, tp_comm, out, stream, shape_of, op, into) }
+    op_body(F, x, tp_comm, out, stream, shape_of, op, into)
 }

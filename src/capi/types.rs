@@ -8,7 +8,6 @@
 //! | [`amoe_dtype`], [`amoe_device_kind`], [`amoe_reduce_op`], [`amoe_comm_type`], [`amoe_shared_mode`], [`amoe_drop_pad_mode`] | the codes of enum-like arguments |
 //! | [`amoe_tensor`], [`AMOE_MAX_NDIM`] | the tensor descriptor |
 //! | [`amoe_comm`], [`amoe_stream`], [`amoe_live_context`], [`amoe_moe_groups`] | opaque handles |
-//! | `stream_device` | the device behind an `amoe_stream` handle |
 //!
 //! The argument structs of one family of exports (`amoe_finalize_args`,
 //! `amoe_moe_context`, `amoe_forward_context`, ...) live with those exports.
@@ -22,7 +21,6 @@
 
 use std::ffi::{c_void, CStr};
 
-use crate::backend::npu::NpuDevice;
 use crate::moe::SharedMode;
 use crate::types::{numbered, DropPadMode, Numbered, Variant};
 use crate::{CommType, DType, ReduceOp};
@@ -261,14 +259,4 @@ pub struct amoe_live_context {
 /// Owned by the caller (free with `amoe_moe_groups_free`).
 pub struct amoe_moe_groups {
     _private: [u8; 0],
-}
-
-/// The device (and borrowed stream) behind a stream handle; `None` for NULL.
-///
-/// # Safety
-/// `stream` must be NULL or a live handle from `amoe_stream_wrap` (a
-/// `Box<NpuDevice>`) that outlives `'a`.
-pub(crate) unsafe fn stream_device<'a>(stream: *const amoe_stream) -> Option<&'a NpuDevice> {
-    // SAFETY: per the contract, a non-null handle points to a live NpuDevice.
-    unsafe { stream.cast::<NpuDevice>().as_ref() }
 }

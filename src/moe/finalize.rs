@@ -266,13 +266,27 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<&Tensor>) -> Result<Tensor> {
 
 /// [`moe_finalize_routing`] into `out` (e.g. caller memory borrowed for the
 /// call), which must have the shape of [`moe_finalize_routing_output_shape`]
-/// and the dtype of `expanded_x`, on its device. Every element is written; on
-/// the CPU an invalid index is reported before any is.
+/// and the dtype of `expanded_x`, on its device, and may not overlap any
+/// input (an error naming it). Every element is written; on the CPU an
+/// invalid index is reported before any is.
 pub fn moe_finalize_routing_into(args: &FinalizeArgs<&Tensor>, out: &mut Tensor) -> Result<()> {
     let (shape, dims) = moe_finalize_routing_output_shape(args)?;
     let device = args.expanded_x.device();
     same_device(FINALIZE, &device, [("out", Some(&*out))])?;
     check_out(FINALIZE, out, &shape, args.expanded_x.dtype())?;
+    crate::moe::output::apart(
+        FINALIZE,
+        out,
+        [
+            ("expanded_x", Some(args.expanded_x)),
+            ("expanded_row_idx", Some(args.expanded_row_idx)),
+            ("x1", args.x1),
+            ("x2", args.x2),
+            ("bias", args.bias),
+            ("scales", args.scales),
+            ("expert_idx", args.expert_idx),
+        ],
+    )?;
     device.backend().finalize_routing(args, &dims, out, OutputRows::Dense)
 }
 

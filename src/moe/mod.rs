@@ -55,6 +55,8 @@
 
 pub mod finalize;
 pub mod layout;
+pub mod live;
+pub mod output;
 pub mod pad_reduce;
 pub mod prepare_finalize;
 pub mod reduce;
@@ -66,10 +68,12 @@ pub use finalize::{
     FinalizeMeta, TensorMeta, UnpermuteDims,
 };
 pub use layout::SpLayout;
+pub use live::{ForwardContext, LiveStream};
+pub use output::Output;
 pub use pad_reduce::{
     finalize_and_reduce, finalize_and_reduce_into, finalize_and_reduce_output_shape, finalize_and_reduce_shape,
     maybe_all_gather_and_maybe_unpad, maybe_all_gather_and_maybe_unpad_into,
     maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce, maybe_pad_and_reduce_into,
     maybe_pad_and_reduce_output_shape,
 };
-pub use reduce::{routed_is_reduced, ReducePolicy, SharedMode};
+pub use reduce::{routed_is_reduced, ReducePoint, ReducePolicy, SharedMode};

@@ -13,11 +13,16 @@
 //! tensor. Shape functions of these ops are the identity.
 //!
 //! Each point also has an `_into` twin that reads `x` and writes the result
-//! into a separate `out` of the same shape: a copy of `x`, all-reduced there in
-//! place when the point reduces.
+//! into `out` of the same shape: a copy of `x`, all-reduced there in place when
+//! the point reduces. `out` may be `x` itself (then nothing is copied) and
+//! may not overlap it otherwise ([`Output`]). [`ReducePoint`] names the three
+//! points, for callers that choose one at run time
+//! ([`ReducePolicy::reduces`], [`ReducePolicy::reduce_at`],
+//! [`ReducePolicy::reduce_at_into`]).
 
 use crate::comm::{Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
+use crate::moe::output::Output;
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
 
@@ -80,6 +85,31 @@ impl SharedMode {
     }
 }
 
+/// One of the three reduction points of SPEC section 5.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReducePoint {
+    /// 1: the routed output, before the transform.
+    RoutedEarly,
+    /// 2: the shared-expert output.
+    Shared,
+    /// 3: after `out = shared + routed`.
+    Final,
+}
+
+impl ReducePoint {
+    /// The three points, in layer order.
+    pub const ALL: [ReducePoint; 3] = [ReducePoint::RoutedEarly, ReducePoint::Shared, ReducePoint::Final];
+
+    /// The op name errors carry (`"reduce_routed_early"`, ...).
+    pub fn op(self) -> &'static str {
+        match self {
+            ReducePoint::RoutedEarly => "reduce_routed_early",
+            ReducePoint::Shared => "reduce_shared",
+            ReducePoint::Final => "reduce_final",
+        }
+    }
+}
+
 /// The static per-layer reduction policy. It holds no comm type: the decisions
 /// that depend on one are made at each reduction point with the live type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -92,13 +122,13 @@ pub struct ReducePolicy {
     early: bool,
 }
 
-/// A reduction point's `_into` method: `name(x, comm, tp, out)` copies `x`
-/// into `out` and reduces it there when `decide(comm)`.
+/// A reduction point's `_into` method: `name(x, comm, tp, out)` is
+/// [`ReducePolicy::reduce_at_into`] of its point, `out` possibly `x` itself.
 macro_rules! into_point {
-    ($(#[$doc:meta])* $name:ident, $op:literal, $decide:ident) => {
+    ($(#[$doc:meta])* $name:ident, $point:expr) => {
         $(#[$doc])*
         pub fn $name<C: Collectives + ?Sized>(&self, x: &Tensor, comm: CommType, tp: &C, out: &mut Tensor) -> Result<()> {
-            self.reduce_if_into($op, self.$decide(comm), x, tp, out)
+            self.reduce_at_into($point, Output::of($point.op(), x, out)?, comm, tp)
         }
     };
 }
@@ -197,6 +227,51 @@ impl ReducePolicy {
         !self.sp && !self.early && !routed_is_reduced(comm, self.sp)
     }
 
+    /// Whether `point` all-reduces under the live `comm`.
+    pub fn reduces(&self, point: ReducePoint, comm: CommType) -> bool {
+        match point {
+            ReducePoint::RoutedEarly => self.routed_early_reduces(comm),
+            ReducePoint::Shared => self.shared_reduces(comm),
+            ReducePoint::Final => self.final_reduces(comm),
+        }
+    }
+
+    /// Reduction point `point` with the live comm type: consumes `x` and
+    /// returns it, all-reduced in place when [`ReducePolicy::reduces`].
+    pub fn reduce_at<C: Collectives + ?Sized>(
+        &self,
+        point: ReducePoint,
+        x: Tensor,
+        comm: CommType,
+        tp: &C,
+    ) -> Result<Tensor> {
+        self.reduce_if(point.op(), self.reduces(point, comm), x, tp)
+    }
+
+    /// Reduction point `point` with the live comm type, written to `output`:
+    /// in place, `x` is all-reduced where it is when the point reduces (and
+    /// left as it is otherwise); separately, `x` is copied into `out` (shape
+    /// and dtype of `x`, on its device) and reduced there.
+    pub fn reduce_at_into<C: Collectives + ?Sized>(
+        &self,
+        point: ReducePoint,
+        output: Output<'_>,
+        comm: CommType,
+        tp: &C,
+    ) -> Result<()> {
+        let (op, reduce) = (point.op(), self.reduces(point, comm));
+        match output {
+            Output::InPlace(x) => {
+                self.check_tp(op, tp)?;
+                if reduce && self.tp_size > 1 && x.numel() > 0 {
+                    tp.all_reduce_in_place(x, ReduceOp::Sum)?;
+                }
+                Ok(())
+            }
+            Output::Separate { x, out } => self.reduce_if_into(op, reduce, x, tp, out),
+        }
+    }
+
     fn check_tp<C: Collectives + ?Sized>(&self, op: &'static str, tp: &C) -> Result<()> {
         if tp.world_size() != self.tp_size {
             return Err(Error::invalid(
@@ -227,8 +302,8 @@ impl ReducePolicy {
         Ok(x)
     }
 
-    /// `out` = `x`, then all-reduced in place when `reduce`. `out` must have
-    /// the shape and dtype of `x`, on its device, and must not overlap it.
+    /// `out` = `x`, then all-reduced in place when `reduce`. `out` has the
+    /// shape and dtype of `x`, on its device, and does not overlap it.
     fn reduce_if_into<C: Collectives + ?Sized>(
         &self,
         op: &'static str,
@@ -263,36 +338,37 @@ impl ReducePolicy {
     /// comm type. Consumes `x`; reduces in place when
     /// [`ReducePolicy::routed_early_reduces`].
     pub fn reduce_routed_early<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
-        self.reduce_if("reduce_routed_early", self.routed_early_reduces(comm), x, tp)
+        self.reduce_at(ReducePoint::RoutedEarly, x, comm, tp)
     }
 
     /// Reduction point 2 (shared-expert output), with the live comm type.
     /// Consumes `x`; reduces in place when [`ReducePolicy::shared_reduces`].
     pub fn reduce_shared<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
-        self.reduce_if("reduce_shared", self.shared_reduces(comm), x, tp)
+        self.reduce_at(ReducePoint::Shared, x, comm, tp)
     }
 
     /// Reduction point 3 (after `out = shared + routed`), with the live comm
     /// type. Consumes `x`; reduces in place when [`ReducePolicy::final_reduces`].
     pub fn reduce_final<C: Collectives + ?Sized>(&self, x: Tensor, comm: CommType, tp: &C) -> Result<Tensor> {
-        self.reduce_if("reduce_final", self.final_reduces(comm), x, tp)
+        self.reduce_at(ReducePoint::Final, x, comm, tp)
     }
 
     into_point! {
         /// [`ReducePolicy::reduce_routed_early`] from `x` into `out`, which
-        /// must have the shape and dtype of `x`, on its device, and must not
-        /// overlap it: `x` is copied into `out` and, when the point reduces,
-        /// all-reduced there in place. `x` is left unchanged.
-        reduce_routed_early_into, "reduce_routed_early", routed_early_reduces
+        /// has the shape and dtype of `x`, on its device, and is `x` itself
+        /// or memory apart from it ([`Output::of`]): `x` is copied into `out`
+        /// (unless it is `out`) and, when the point reduces, all-reduced there
+        /// in place.
+        reduce_routed_early_into, ReducePoint::RoutedEarly
     }
     into_point! {
         /// [`ReducePolicy::reduce_shared`] from `x` into `out`; as
         /// [`ReducePolicy::reduce_routed_early_into`].
-        reduce_shared_into, "reduce_shared", shared_reduces
+        reduce_shared_into, ReducePoint::Shared
     }
     into_point! {
         /// [`ReducePolicy::reduce_final`] from `x` into `out`; as
         /// [`ReducePolicy::reduce_routed_early_into`].
-        reduce_final_into, "reduce_final", final_reduces
+        reduce_final_into, ReducePoint::Final
     }
 }

@@ -155,13 +155,23 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
 
 /// [`finalize`] into `out` (`finalize_output_shape` rows, dtype and device of
 /// `y`; an error naming `out` otherwise), without consuming `y`: the last
-/// collective or copy of the path writes `out`. `out` must not overlap `y`.
+/// collective or copy of the path writes `out`. `out` may share `y`'s memory
+/// (then `y` is read from a copy in workspace).
 pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups, out: &mut Tensor) -> Result<()> {
     let shape = finalize_output_shape(y.shape(), comm, ctx)?;
     check_out_like(FINALIZE, y, out, &shape)?;
     check_groups(FINALIZE, ctx, groups)?;
     let device = y.device();
     let backend = device.backend();
+    if crate::moe::output::overlaps(y, out) {
+        // `out` is (part of) `y`'s memory: `y` is read from a copy in the
+        // stream's workspace, so no collective reads what it writes.
+        let mut copy = backend.scratch(y.shape(), y.dtype())?;
+        if y.numel() > 0 {
+            backend.copy_rows(y, 0, &mut copy, 0, y.rows())?;
+        }
+        return finalize_into(&copy, comm, ctx, groups, out);
+    }
     // The first `out.rows()` rows of `full` into `out`.
     let keep = |full: &Tensor, out: &mut Tensor| -> Result<()> {
         if out.numel() > 0 {

@@ -336,4 +336,7 @@ impl Communicator for HcclComm {
     fn barrier(&self) -> Result<()> {
         self.barrier_on(&self.inner.device.stream().clone())
     }
+    fn barrier_on(&self, on: &NpuDevice) -> Result<()> {
+        HcclComm::barrier_on(self, on.stream())
+    }
 }
