@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use super::ffi::{write_out, Failure};
+use super::failure::{write_out, Failure};
 use super::types::{amoe_comm, amoe_live_context, amoe_moe_groups, amoe_stream};
 use crate::backend::npu::live_context::LiveContext;
 use crate::moe::prepare_finalize::MoeGroups;

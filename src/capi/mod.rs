@@ -26,6 +26,7 @@
 
 #![allow(non_camel_case_types)]
 
+mod failure;
 pub(crate) mod ffi;
 mod handle;
 

@@ -4,9 +4,8 @@ use std::sync::Arc;
 
 use acl_sys::aclrtEvent;
 
-use super::device::DeviceCtx;
 use super::load::record_drop_error;
-use super::stream::{lock, NpuStream};
+use super::stream::{lock, NpuStream, SyncEvent};
 use crate::backend::npu::result::acl as rt;
 use crate::Result;
 
@@ -70,50 +69,6 @@ impl Drop for NpuEvent {
     fn drop(&mut self) {
         let result = self.stream.enter().and_then(|_| {
             // SAFETY: created by us, destroyed once.
-            unsafe { rt::destroy_event(self.raw) }
-        });
-        if let Err(e) = result {
-            record_drop_error(e);
-        }
-    }
-}
-
-/// The event a stream records for other streams to wait on
-/// ([`NpuStream::wait_for`]): one per stream, re-recorded at every wait, so
-/// waits never create events (an A2/A3 device has at most 65536 events that
-/// synchronise streams: API reference, `aclrtCreateEvent` /
-/// `aclrtCreateEventExWithFlag`, hicann/runtime `docs/api_docs/` at v8.5.0).
-/// Created by `aclrtCreateEventExWithFlag(ACL_EVENT_SYNC)` so that records
-/// and waits also work while a capture spans the streams (the runtime
-/// guide's cross-stream capture; [`rt::create_sync_event`]). Destroyed when
-/// the stream's state and every waiter that may still use it let go.
-pub(crate) struct SyncEvent {
-    raw: aclrtEvent,
-    ctx: Arc<DeviceCtx>,
-}
-
-// SAFETY: as for NpuEvent: a runtime handle usable from any thread bound to its device.
-unsafe impl Send for SyncEvent {}
-// SAFETY: shared references only record it or wait for it.
-unsafe impl Sync for SyncEvent {}
-
-impl SyncEvent {
-    fn create(stream: &NpuStream) -> Result<Self> {
-        stream.enter()?;
-        let raw = match rt::create_sync_event()? {
-            Some(raw) => raw,
-            // A runtime without the call has no graph capture to span either.
-            None => rt::create_event()?,
-        };
-        Ok(SyncEvent { raw, ctx: stream.ctx().clone() })
-    }
-}
-
-impl Drop for SyncEvent {
-    fn drop(&mut self) {
-        let result = self.ctx.bind().and_then(|_| {
-            // SAFETY: created by us, destroyed once, after every stream that
-            // waited for it synchronised or let go of it.
             unsafe { rt::destroy_event(self.raw) }
         });
         if let Err(e) = result {

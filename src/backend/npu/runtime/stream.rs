@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use acl_sys::{aclrtStream, Acl};
+use acl_sys::{aclrtEvent, aclrtStream, Acl};
 
 use super::device::DeviceCtx;
 use super::load::{record_drop_error, settled};
@@ -40,10 +40,10 @@ pub(crate) struct StreamState {
     /// capture from the pool; a slot stays with its captured launch.
     pub(super) records: Option<(usize, usize, usize, usize)>,
     /// The event this stream records for the streams that wait on it.
-    pub(super) sync_event: Option<Arc<super::event::SyncEvent>>,
+    pub(super) sync_event: Option<Arc<SyncEvent>>,
     /// Other streams' events this stream waited for since its last
     /// synchronisation (each once).
-    pub(super) waited: Vec<Arc<super::event::SyncEvent>>,
+    pub(super) waited: Vec<Arc<SyncEvent>>,
     pub(crate) pool: Pool,
     pub(crate) staging: Staging,
     pub(crate) allocator: Option<Allocator>,
@@ -354,5 +354,49 @@ impl NpuStream {
             std::mem::take(&mut st.waited)
         };
         drop(kept);
+    }
+}
+
+/// The event a stream records for other streams to wait on
+/// ([`NpuStream::wait_for`]): one per stream, re-recorded at every wait, so
+/// waits never create events (an A2/A3 device has at most 65536 events that
+/// synchronise streams: API reference, `aclrtCreateEvent` /
+/// `aclrtCreateEventExWithFlag`, hicann/runtime `docs/api_docs/` at v8.5.0).
+/// Created by `aclrtCreateEventExWithFlag(ACL_EVENT_SYNC)` so that records
+/// and waits also work while a capture spans the streams (the runtime
+/// guide's cross-stream capture; [`rt::create_sync_event`]). Destroyed when
+/// the stream's state and every waiter that may still use it let go.
+pub(crate) struct SyncEvent {
+    pub(super) raw: aclrtEvent,
+    ctx: Arc<DeviceCtx>,
+}
+
+// SAFETY: as for NpuEvent: a runtime handle usable from any thread bound to its device.
+unsafe impl Send for SyncEvent {}
+// SAFETY: shared references only record it or wait for it.
+unsafe impl Sync for SyncEvent {}
+
+impl SyncEvent {
+    pub(super) fn create(stream: &NpuStream) -> Result<Self> {
+        stream.enter()?;
+        let raw = match rt::create_sync_event()? {
+            Some(raw) => raw,
+            // A runtime without the call has no graph capture to span either.
+            None => rt::create_event()?,
+        };
+        Ok(SyncEvent { raw, ctx: stream.ctx().clone() })
+    }
+}
+
+impl Drop for SyncEvent {
+    fn drop(&mut self) {
+        let result = self.ctx.bind().and_then(|_| {
+            // SAFETY: created by us, destroyed once, after every stream that
+            // waited for it synchronised or let go of it.
+            unsafe { rt::destroy_event(self.raw) }
+        });
+        if let Err(e) = result {
+            record_drop_error(e);
+        }
     }
 }
