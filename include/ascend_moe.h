@@ -19,6 +19,12 @@
 // Most dimensions an `amoe_tensor` may have.
 #define AMOE_MAX_NDIM 8
 
+// `amoe_comm_from_hccl` flag: the borrowed communicator is the engine's world
+// (made from a root info, e.g. torch.distributed's default group), so
+// `amoe_comm_split` may split it. Without it a borrowed communicator may be a
+// sub-communicator, which HCCL does not split again, and the split is refused.
+#define AMOE_HCCL_WORLD 1
+
 // Status code of every export. Numbers are fixed forever: a retired code is
 // never reused for something else.
 enum amoe_status
@@ -481,11 +487,16 @@ amoe_status amoe_comm_cpu_new(const char *name,
 // Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
 // cannot be loaded; `*out` is then not written.
 //
+// `flags` is 0 or `AMOE_HCCL_WORLD` (the communicator is the engine's world,
+// so `amoe_comm_split` may split it); other bits are refused.
+//
 // # Safety
 // `raw_hccl_comm` must be a live `HcclComm` of NPU `device_ordinal` that
-// outlives the handle; `out` must be writable.
+// outlives the handle (and a global one when `flags` says so); `out` must be
+// writable.
 amoe_status amoe_comm_from_hccl(void *raw_hccl_comm,
                                 uint32_t device_ordinal,
+                                uint32_t flags,
                                 struct amoe_comm **out);
 
 // A sub-communicator of the ranks `ranks[0..n]` (group-local rank numbers of

@@ -40,8 +40,14 @@ fn null_raw_handles_are_null_arguments() {
     assert!(s.is_null());
     let mut c: *mut amoe_comm = null_mut();
     // SAFETY: as above.
-    assert_eq!(unsafe { amoe_comm_from_hccl(null_mut(), 0, &mut c) }, amoe_status::NullArgument);
+    assert_eq!(unsafe { amoe_comm_from_hccl(null_mut(), 0, 0, &mut c) }, amoe_status::NullArgument);
     assert!(last_error().contains("raw_hccl_comm"), "{}", last_error());
+    assert!(c.is_null());
+    // A flag the export does not know is refused before anything is opened.
+    let fake = 0x1000 as *mut c_void;
+    // SAFETY: refused before the pointer is used.
+    assert_eq!(unsafe { amoe_comm_from_hccl(fake, 0, 2, &mut c) }, amoe_status::InvalidArgument);
+    assert!(last_error().contains("flags") && last_error().contains("AMOE_HCCL_WORLD"), "{}", last_error());
     assert!(c.is_null());
 }
 
@@ -72,7 +78,7 @@ fn npu_descriptors_without_cann_are_unavailable_with_the_loaders_message() {
             assert!(s.is_null());
             let mut c: *mut amoe_comm = null_mut();
             // SAFETY: as above.
-            assert_eq!(unsafe { amoe_comm_from_hccl(fake, 0, &mut c) }, amoe_status::Unavailable);
+            assert_eq!(unsafe { amoe_comm_from_hccl(fake, 0, 0, &mut c) }, amoe_status::Unavailable);
             assert!(c.is_null());
         }
         Ok(_) => {
@@ -106,7 +112,7 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     // SAFETY: a live stream and communicator of this device, outliving the handles.
     unsafe {
         assert_eq!(amoe_stream_wrap(engine_stream.raw(), rank as u32, &mut s), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, 0, &mut c), amoe_status::Ok, "{}", last_error());
     }
     let mut n = 0usize;
     // SAFETY: live handle, writable out.

@@ -294,7 +294,7 @@ fn npu_rank(
     // SAFETY: live stream and communicator of this device, outliving the handles.
     unsafe {
         ok("stream", amoe_stream_wrap(engine.raw(), rank as u32, &mut s));
-        ok("hccl world", amoe_comm_from_hccl(hccl.raw(), rank as u32, &mut world));
+        ok("hccl world", amoe_comm_from_hccl(hccl.raw(), rank as u32, AMOE_HCCL_WORLD, &mut world));
         ok("groups", amoe_moe_groups_new(world, TP, &mut groups));
         ok("tp split", amoe_comm_split(world, ranks.as_ptr(), TP, &mut tp));
     }

@@ -247,7 +247,7 @@ fn attached_rank(rank: usize, root: &ascend_moe::backend::npu::HcclRootInfo) -> 
     // SAFETY: live stream and communicator of this device, outliving the handles.
     unsafe {
         assert_eq!(amoe_stream_wrap(dev.stream().raw(), rank as u32, &mut s), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, 0, &mut c), amoe_status::Ok, "{}", last_error());
         assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
         assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
     }

@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use ascend_moe::capi::{CEnum, AMOE_GUARD_ACTUAL_TOKENS, AMOE_MAX_NDIM, ENUMS};
+use ascend_moe::capi::{CEnum, AMOE_GUARD_ACTUAL_TOKENS, AMOE_HCCL_WORLD, AMOE_MAX_NDIM, ENUMS};
 
 /// The Python class name of a C enum: `amoe_shared_mode` -> `SharedMode`
 /// (`amoe_dtype` -> `DType`, as the Rust enum).
@@ -73,6 +73,8 @@ fn render(enums: &[CEnum]) -> String {
     let _ = writeln!(out, "MAX_NDIM = {AMOE_MAX_NDIM}");
     let _ = writeln!(out, "#: `AMOE_GUARD_ACTUAL_TOKENS`: a live-context guard also compares the actual tokens.");
     let _ = writeln!(out, "GUARD_ACTUAL_TOKENS = {AMOE_GUARD_ACTUAL_TOKENS}");
+    let _ = writeln!(out, "#: `AMOE_HCCL_WORLD`: `amoe_comm_from_hccl` flag, the borrowed communicator is the world.");
+    let _ = writeln!(out, "HCCL_WORLD = {AMOE_HCCL_WORLD}");
     out.push_str(
         "\n\nclass _Numbered(enum.IntEnum):\n    \
          \"\"\"An enum of the library; members are its C names without the enum's prefix.\"\"\"\n\n    \

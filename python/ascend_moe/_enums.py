@@ -16,6 +16,8 @@ from ._errors import error
 MAX_NDIM = 8
 #: `AMOE_GUARD_ACTUAL_TOKENS`: a live-context guard also compares the actual tokens.
 GUARD_ACTUAL_TOKENS = 1
+#: `AMOE_HCCL_WORLD`: `amoe_comm_from_hccl` flag, the borrowed communicator is the world.
+HCCL_WORLD = 1
 
 
 class _Numbered(enum.IntEnum):

@@ -118,7 +118,7 @@ _SIGNATURES = {
     "amoe_enum_entry": [c_size_t, c_size_t, POINTER(c_char_p), POINTER(c_uint32)],
     "amoe_last_error_message": [c_char_p, c_size_t, _SZ],
     "amoe_comm_cpu_new": [c_char_p, c_size_t, c_size_t, c_double, POINTER(c_void_p)],
-    "amoe_comm_from_hccl": [c_void_p, c_uint32, POINTER(c_void_p)],
+    "amoe_comm_from_hccl": [c_void_p, c_uint32, c_uint32, POINTER(c_void_p)],
     "amoe_comm_split": [_COMM, _SZ, c_size_t, POINTER(c_void_p)],
     "amoe_comm_rank": [_COMM, _SZ],
     "amoe_comm_world_size": [_COMM, _SZ],

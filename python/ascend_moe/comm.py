@@ -11,7 +11,7 @@ from ctypes import c_size_t, c_void_p
 import numpy as np
 
 from . import shapes
-from ._enums import ReduceOp, Status
+from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
 from ._lib import call, lib, sizes
 from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
@@ -65,10 +65,14 @@ class Comm:
         return cls(out.value)
 
     @classmethod
-    def from_hccl(cls, raw_hccl_comm: int, device_ordinal: int) -> "Comm":
-        """Wraps an engine-owned HCCL communicator without owning it (needs the NPU backend)."""
+    def from_hccl(cls, raw_hccl_comm: int, device_ordinal: int, *, world: bool = False) -> "Comm":
+        """Wraps an engine-owned HCCL communicator without owning it (needs the NPU backend).
+        `world=True` says it is the engine's world communicator (made from a root info),
+        which `split` may split; any other borrowed communicator may be a
+        sub-communicator, and HCCL does not split those again."""
         out = c_void_p()
-        call("amoe_comm_from_hccl", c_void_p(raw_hccl_comm), device_ordinal, ctypes.byref(out))
+        flags = HCCL_WORLD if world else 0
+        call("amoe_comm_from_hccl", c_void_p(raw_hccl_comm), device_ordinal, flags, ctypes.byref(out))
         return cls(out.value)
 
     @classmethod
@@ -89,8 +93,9 @@ class Comm:
 
         The borrowed communicator may be a sub-communicator of torch's world
         (torch_npu can make a subgroup with `HcclCreateSubCommConfig`), and
-        HCCL splits only a global communicator: `split` on it is refused;
-        make subgroups with `torch.distributed.new_group` and borrow them."""
+        HCCL splits only a global communicator: `split` on it is refused, except
+        on torch's default (world) group; make other subgroups with
+        `torch.distributed.new_group` and borrow them."""
         import torch
         import torch.distributed as dist
 
@@ -119,7 +124,8 @@ class Comm:
         raw = int(getter(int(device_ordinal)))
         if not raw:
             raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
-        comm = cls.from_hccl(raw, int(device_ordinal))
+        # torch's default group is its world; any other group may be a split of it.
+        comm = cls.from_hccl(raw, int(device_ordinal), world=pg is None or pg is dist.group.WORLD)
         comm._owner = pg
         return comm
 

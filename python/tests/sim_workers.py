@@ -272,7 +272,7 @@ def fused_finalize(world, rank, stream):
 
 def rank_body(r, root):
     """Rank `r` of the 4-device world of `root` (an HcclRootInfo): the
-    caller's HCCL communicator borrowed with `Comm.from_hccl`; all_reduce,
+    caller's HCCL communicator borrowed with `Comm.from_hccl` as the world; all_reduce,
     all_gather, the EP pad/reduce, the token prepare / finalize round trips,
     the shared-expert helpers, a reduction point and the fused finalize +
     reduce on device memory, checked against numpy, on this rank's own stream.
@@ -283,7 +283,8 @@ def rank_body(r, root):
     raw = ctypes.c_void_p()
     check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(WORLD, root, r, ctypes.byref(raw)))
     stream = Stream()
-    with am.Comm.from_hccl(raw.value, r) as comm:
+    # A communicator made from the root info is a world HCCL may split.
+    with am.Comm.from_hccl(raw.value, r, world=True) as comm:
         x = DeviceTensor.upload(xs[r], r)
         ar = am.all_reduce(x, comm, stream=stream)
         ag = am.all_gather(DeviceTensor.upload(gs[r], r), comm, stream=stream)

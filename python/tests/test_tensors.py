@@ -356,8 +356,8 @@ def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
             assert device.type in ("npu", "privateuseone")
             return self.backend
 
-    def from_hccl(cls, raw, device):
-        wrapped.append((raw, device))
+    def from_hccl(cls, raw, device, world=False):
+        wrapped.append((raw, device, world))
         return types.SimpleNamespace()
 
     monkeypatch.setattr(dist, "get_backend", lambda pg: "hccl")
@@ -365,8 +365,14 @@ def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
     monkeypatch.setattr(am.Comm, "from_hccl", classmethod(from_hccl))
     pg = Group(0x7F00_1234)
     comm = am.Comm.from_process_group(pg, device_ordinal=5)
-    # The group rank is 3, the local device 5: the device is what is asked.
-    assert asked == [5] and wrapped == [(0x7F00_1234, 5)] and comm._owner is pg
+    # The group rank is 3, the local device 5: the device is what is asked; a
+    # group other than torch's world may be a sub-communicator (not splittable).
+    assert asked == [5] and wrapped == [(0x7F00_1234, 5, False)] and comm._owner is pg
     with pytest.raises(am.AmoeError, match="returned a null HcclComm"):
         am.Comm.from_process_group(Group(0), device_ordinal=5)
-    assert wrapped == [(0x7F00_1234, 5)]
+    assert wrapped == [(0x7F00_1234, 5, False)]
+    # torch's default group is its world: borrowed as one, so it may be split.
+    world = Group(0x7F00_5678)
+    monkeypatch.setattr(dist.group, "WORLD", world)
+    am.Comm.from_process_group(world, device_ordinal=5)
+    assert wrapped[-1] == (0x7F00_5678, 5, True)

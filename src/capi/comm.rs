@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::ffi::{ffi, read_sizes, read_str, try_out, write_out, Call, Failure};
 use super::handle::{box_out, free_box, try_handle};
-use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
+use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, AMOE_HCCL_WORLD};
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::{HcclComm, NpuDevice};
 use crate::moe::LiveStream;
@@ -62,13 +62,18 @@ pub unsafe extern "C" fn amoe_comm_cpu_new(
 /// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
 /// cannot be loaded; `*out` is then not written.
 ///
+/// `flags` is 0 or `AMOE_HCCL_WORLD` (the communicator is the engine's world,
+/// so `amoe_comm_split` may split it); other bits are refused.
+///
 /// # Safety
 /// `raw_hccl_comm` must be a live `HcclComm` of NPU `device_ordinal` that
-/// outlives the handle; `out` must be writable.
+/// outlives the handle (and a global one when `flags` says so); `out` must be
+/// writable.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_comm_from_hccl(
     raw_hccl_comm: *mut c_void,
     device_ordinal: u32,
+    flags: u32,
     out: *mut *mut amoe_comm,
 ) -> amoe_status {
     const F: &str = "amoe_comm_from_hccl";
@@ -77,10 +82,21 @@ pub unsafe extern "C" fn amoe_comm_from_hccl(
         if raw_hccl_comm.is_null() {
             return Err(Failure::null(F, "raw_hccl_comm"));
         }
+        if flags & !AMOE_HCCL_WORLD != 0 {
+            return Err(Failure::invalid(F, "flags", format!("{flags:#x} has bits other than AMOE_HCCL_WORLD")));
+        }
         let dev = NpuDevice::open(device_ordinal)?;
+        let opts = CommOptions::from_env();
         // SAFETY: the caller guarantees a live communicator of this device that
-        // outlives the handle; `borrow_raw` never destroys it.
-        let h = unsafe { HcclComm::borrow_raw(&dev, raw_hccl_comm, &CommOptions::from_env()) }?;
+        // outlives the handle (a global one with AMOE_HCCL_WORLD); neither
+        // borrow destroys it.
+        let h = unsafe {
+            if flags & AMOE_HCCL_WORLD != 0 {
+                HcclComm::borrow_raw_world(&dev, raw_hccl_comm, &opts)
+            } else {
+                HcclComm::borrow_raw(&dev, raw_hccl_comm, &opts)
+            }
+        }?;
         box_out(out, Comm::Npu(h));
         Ok(())
     })

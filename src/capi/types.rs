@@ -193,6 +193,12 @@ pub const ENUMS: [CEnum; 7] = [
 /// Most dimensions an `amoe_tensor` may have.
 pub const AMOE_MAX_NDIM: usize = 8;
 
+/// `amoe_comm_from_hccl` flag: the borrowed communicator is the engine's world
+/// (made from a root info, e.g. torch.distributed's default group), so
+/// `amoe_comm_split` may split it. Without it a borrowed communicator may be a
+/// sub-communicator, which HCCL does not split again, and the split is refused.
+pub const AMOE_HCCL_WORLD: u32 = 1;
+
 /// A tensor descriptor: where the bytes are, what they hold, on which device.
 ///
 /// The descriptor is only read. It never transfers ownership: `data`,

@@ -51,7 +51,7 @@ impl HcclComm {
         };
         let name = query_name(raw).unwrap_or_else(|| format!("hccl-world-{world}"));
         let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
-        Ok(Self::wrap(raw, true, device, (rank, world), (name, key), opts, None))
+        Ok(Self::wrap(raw, (true, true), device, (rank, world), (name, key), opts, None))
     }
 
     /// Wraps a communicator created by the host engine (e.g. torch's
@@ -62,6 +62,18 @@ impl HcclComm {
     /// `raw` must be a live communicator whose device is `device`, and must
     /// outlive every use of the returned handle.
     pub unsafe fn borrow_raw(device: &NpuDevice, raw: hccl_sys::HcclComm, opts: &CommOptions) -> Result<Self> {
+        // SAFETY: the caller's contract.
+        unsafe { Self::borrow_with(device, raw, opts, false) }
+    }
+
+    /// # Safety
+    /// As for [`HcclComm::borrow_raw`].
+    unsafe fn borrow_with(
+        device: &NpuDevice,
+        raw: hccl_sys::HcclComm,
+        opts: &CommOptions,
+        splittable: bool,
+    ) -> Result<Self> {
         // A missing HCCL is reported before the device is bound.
         hccl()?;
         device.stream().enter()?;
@@ -69,12 +81,25 @@ impl HcclComm {
         let name = query_name(raw).unwrap_or_else(|| format!("hccl-borrowed-{world}"));
         // The host engine names its groups identically on every member.
         let key = fnv1a(FNV_SEED, name.bytes());
-        Ok(Self::wrap(raw, false, device, (rank, world), (name, key), opts, None))
+        Ok(Self::wrap(raw, (false, splittable), device, (rank, world), (name, key), opts, None))
+    }
+
+    /// [`HcclComm::borrow_raw`] of the engine's world communicator (e.g.
+    /// torch.distributed's default group): one made from a root info, not by
+    /// `HcclCreateSubCommConfig`, so [`HcclComm::split`] may split it.
+    ///
+    /// # Safety
+    /// As for [`HcclComm::borrow_raw`]; and `raw` must be a global
+    /// communicator: splitting a sub-communicator is the nested split HCCL
+    /// refuses (HCCL API reference, `HcclCreateSubCommConfig`).
+    pub unsafe fn borrow_raw_world(device: &NpuDevice, raw: hccl_sys::HcclComm, opts: &CommOptions) -> Result<Self> {
+        // SAFETY: the caller's contract is borrow_raw's.
+        unsafe { Self::borrow_with(device, raw, opts, true) }
     }
 
     fn wrap(
         raw: hccl_sys::HcclComm,
-        owned: bool,
+        (owned, splittable): (bool, bool),
         device: &NpuDevice,
         (rank, world): (usize, usize),
         (name, key): (String, u64),
@@ -89,6 +114,7 @@ impl HcclComm {
             inner: Arc::new(CommInner {
                 raw,
                 owned,
+                splittable,
                 device: device.clone(),
                 rank,
                 world,
@@ -145,7 +171,7 @@ impl HcclComm {
         // sub-communicator of the engine's world: torch_npu makes subgroups
         // with HcclCreateSubCommConfig too, and nothing in HCCL tells them
         // apart. Splitting one would be the nested split HCCL refuses.
-        if !self.inner.owned && self.inner.global.is_none() {
+        if !self.inner.splittable && self.inner.global.is_none() {
             return Err(Error::invalid(
                 OP,
                 "self",
@@ -153,8 +179,8 @@ impl HcclComm {
                     "{self:?} is borrowed from the host engine and may be a sub-communicator; \
                      HcclCreateSubCommConfig splits only a global communicator (HCCL API reference: nested \
                      splitting is not supported). Create the group in the engine (e.g. \
-                     torch.distributed.new_group) and borrow it, or split a communicator made with \
-                     HcclComm::from_root_info"
+                     torch.distributed.new_group) and borrow it, borrow the engine's world with \
+                     HcclComm::borrow_raw_world, or split a communicator made with HcclComm::from_root_info"
                 ),
             ));
         }
@@ -186,7 +212,7 @@ impl HcclComm {
         let name = query_name(sub).unwrap_or(name);
         Ok(Self::wrap(
             sub,
-            true,
+            (true, false),
             &self.inner.device,
             (sub_rank, ranks.len()),
             (name, id),

@@ -36,6 +36,9 @@ pub use root_info::HcclRootInfo;
 struct CommInner {
     raw: hccl_sys::HcclComm,
     owned: bool,
+    /// Whether HCCL can split it: one made from a root info, or one borrowed
+    /// with the caller's word that it is the engine's world communicator.
+    splittable: bool,
     device: NpuDevice,
     rank: usize,
     world: usize,
