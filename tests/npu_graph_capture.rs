@@ -642,10 +642,13 @@ fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
     }
 }
 
-/// The aclnn workspace of a captured launch stays with the graph: workspace
-/// handed to eager work on the same stream after the capture never shares
-/// its bytes, so replays (each of which overwrites the operator's whole
-/// workspace, as the simulator does) leave eager data alone.
+/// The workspace of a captured launch stays with the graph: the native
+/// unpermute's tiling is a workspace block that every replay copies in again
+/// and the kernel reads when it runs (the simulator reads device tilings at
+/// execution, as a kernel reads GM). Eager work queued between replays on the
+/// same stream takes fresh workspace each round; it must never be handed the
+/// graph's bytes, so every replay leaves the eager data alone and computes
+/// SPEC section 1's unpermute of the captured inputs.
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn eager_workspace_after_a_capture_never_shares_the_graphs_bytes() {
@@ -653,31 +656,53 @@ fn eager_workspace_after_a_capture_never_shares_the_graphs_bytes() {
     let dev = NpuDevice::open(0).expect("npu:0");
     let (engine, s) = engine_stream(&dev);
     let (t, k, rows, h) = (4usize, 2usize, 8usize, 8usize);
-    let permuted_d = dev.clone_htod(&inputs(3, 0, rows * h)).expect("permuted");
-    let idx: Vec<i32> = (0..(t * k) as i32).collect();
+    let permuted = inputs(3, 0, rows * h);
+    // A permutation of the T*K rows, so every slot reads another row.
+    let idx: Vec<i32> = (0..(t * k) as i32).map(|i| (i * 3 + 1) % (t * k) as i32).collect();
+    let probs = inputs(4, 0, t * k);
+    // SPEC section 1 in f64: out[t] = sum_k probs[t, k] * permuted[idx[t*K + k]].
+    let want: Vec<f32> = (0..t * h)
+        .map(|o| {
+            let (tok, j) = (o / h, o % h);
+            (0..k)
+                .map(|kk| probs[tok * k + kk] as f64 * permuted[idx[tok * k + kk] as usize * h + j] as f64)
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let permuted_d = dev.clone_htod(&permuted).expect("permuted");
     let idx_d = dev.clone_htod(&idx).expect("indices");
-    let probs_d = dev.clone_htod(&inputs(4, 0, t * k)).expect("probs");
-    let out_d = dev.alloc_zeros::<f32>(t * h).expect("out");
+    let probs_d = dev.clone_htod(&probs).expect("probs");
+    let mut out_d = dev.alloc_zeros::<f32>(t * h).expect("out");
     let (ps, is, ws, os) = ([rows, h], [t * k], [t, k], [t, h]);
     let pd = desc(dev_ptr(&permuted_d), amoe_dtype::F32, &ps, Place::Npu(0));
     let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, Place::Npu(0));
     let wd = desc(dev_ptr(&probs_d), amoe_dtype::F32, &ws, Place::Npu(0));
     let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, Place::Npu(0));
     dev.synchronize().expect("uploads");
-    // SAFETY (every call below): live handles; descriptors over live memory.
-    let run = || ok("unpermute", unsafe { amoe_moe_token_unpermute(&pd, &id, &wd, &od, s) });
+    let unpermute = move || {
+        // SAFETY: live handles; descriptors over live memory.
+        ok("unpermute", unsafe { amoe_moe_token_unpermute(&pd, &id, &wd, &od, s) })
+    };
+    let run = &unpermute;
     run();
+    // SAFETY (every call below): a live handle.
     ok("warm-up check", unsafe { amoe_stream_check(s) });
-    let want = out_d.to_vec().expect("eager out");
+    assert_eq!(bits(&out_d.to_vec().expect("eager out")), bits(&want), "eager unpermute");
     let graph = Graph::capture(engine.raw(), run);
     // SAFETY: `engine` outlives `on_engine`; both name the same stream and pool.
     let on_engine = Device::Npu(unsafe { NpuDevice::with_borrowed_stream(0, engine.raw()) }.expect("borrow"));
-    let keep: Vec<f32> = (0..2048).map(|i| i as f32 * 0.5 + 1.0).collect();
-    let host = Tensor::from_slice(&keep, &[2048]).expect("host");
-    let held: Vec<Tensor> =
-        (0..8).map(|_| on_engine.backend().scratch_from_host(&host).expect("eager workspace")).collect();
-    assert!(held.iter().all(|t| t.dtype() == DType::F32));
-    for round in 0..2 {
+    for round in 0..3 {
+        // Eager work between replays: fresh one-unit (512-byte) workspace
+        // blocks with this round's bytes. The pool hands out the smallest
+        // free range that fits, so had the capture's blocks (its tiling
+        // among them) gone back to the pool, these would be given them.
+        let keep: Vec<f32> = (0..128).map(|i| i as f32 * 0.5 + 1.0 + round as f32 * 4096.0).collect();
+        let host = Tensor::from_slice(&keep, &[128]).expect("host");
+        let held: Vec<Tensor> =
+            (0..16).map(|_| on_engine.backend().scratch_from_host(&host).expect("eager workspace")).collect();
+        assert!(held.iter().all(|t| t.dtype() == DType::F32));
+        // The replay must compute from the captured inputs, not from stale output.
+        out_d.copy_from_host(&vec![0.0; t * h]).expect("clear out");
         graph.replay(engine.raw());
         ok("check after a replay", unsafe { amoe_stream_check(s) });
         assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want), "replay {round}");
@@ -685,7 +710,6 @@ fn eager_workspace_after_a_capture_never_shares_the_graphs_bytes() {
             assert_eq!(t.to_vec::<f32>().expect("held"), keep, "replay {round}: eager block {i} was overwritten");
         }
     }
-    drop(held);
     drop(graph);
     // SAFETY: a live handle, not used afterwards.
     unsafe { amoe_stream_free(s) };

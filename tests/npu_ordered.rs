@@ -48,8 +48,9 @@ fn measure(dev: &NpuDevice, op: &str, f: impl FnMut() -> Result<()>) -> Vec<Stri
 }
 
 /// [`measure`] for an op that stages `staged` small host-to-device copies of
-/// host data through pinned memory (the padded finalize's slot offsets, one
-/// 32-bit word per slot), never tensor data.
+/// host data through pinned memory (a native kernel's tiling, which it reads
+/// from device memory; the padded finalize's slot offsets, one 32-bit word
+/// per slot), never tensor data.
 fn measure_with_staging(dev: &NpuDevice, op: &str, staged: u64, mut f: impl FnMut() -> Result<()>) -> Vec<String> {
     let mut problems = Vec::new();
     if let Err(e) = f().and_then(|_| dev.check()) {
@@ -167,7 +168,8 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         };
         let dims = FinalizeDims { n, k, h, expanded_rows: n * k, experts: 0 };
         let mut dense = Tensor::zeros(&[n, h], DType::F32, &dev)?;
-        p.extend(measure(&nd, "finalize_routing (native, dense)", || {
+        // One staged copy: the kernel's tiling.
+        p.extend(measure_with_staging(&nd, "finalize_routing (native, dense)", 1, || {
             b.finalize_routing(&args, &dims, &mut dense, OutputRows::Dense)
         }));
         // Native token unpermute, with repeated and out-of-range indices
@@ -175,17 +177,19 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let wild: Vec<i32> = vec![3, 3, -1, 11, 40, 0, 7, 7, 2, 1, 5, 9];
         let wild = Tensor::from_slice(&wild, &[n * k])?.to_device(&dev)?;
         let mut unpermuted = Tensor::zeros(&[n, h], DType::F32, &dev)?;
-        p.extend(measure(&nd, "token_unpermute (native)", || {
+        p.extend(measure_with_staging(&nd, "token_unpermute (native)", 1, || {
             b.token_unpermute(&ex, &wild, Some(&scales), k, &mut unpermuted)
         }));
-        // The aclnn finalize: its indices are checked on the device first.
+        // The aclnn finalize: its indices are checked on the device first
+        // (by the native kernel, whose tiling is staged).
         let aclnn = Device::Npu(nd.clone().with_finalize_impl(FinalizeImpl::Aclnn));
-        p.extend(measure(&nd, "finalize_routing (aclnn, dense)", || {
+        p.extend(measure_with_staging(&nd, "finalize_routing (aclnn, dense)", 1, || {
             aclnn.backend().finalize_routing(&args, &dims, &mut dense, OutputRows::Dense)
         }));
         let local_sizes = [2usize, 0, 3, 1];
         let mut padded = Tensor::zeros(&[4 * 3, h], DType::F32, &dev)?;
-        p.extend(measure_with_staging(&nd, "finalize_routing (native, padded)", 1, || {
+        // The slot offsets and the tiling.
+        p.extend(measure_with_staging(&nd, "finalize_routing (native, padded)", 2, || {
             b.finalize_routing(
                 &args,
                 &dims,
@@ -202,7 +206,7 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         p.extend(measure(&nd, "maybe_all_gather_and_maybe_unpad", || {
             maybe_all_gather_and_maybe_unpad(&shard, Some(&layout), &comm).map(drop)
         }));
-        p.extend(measure_with_staging(&nd, "finalize_and_reduce", 1, || {
+        p.extend(measure_with_staging(&nd, "finalize_and_reduce", 2, || {
             finalize_and_reduce(&args, Some(&layout), &comm).map(drop)
         }));
 
@@ -391,8 +395,9 @@ fn the_comm_type_agreement_check_runs_on_the_device() {
     use ascend_moe::moe::prepare_finalize::check_comm_type_agreement;
     let reports = npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
         let nd = npu(&comm.device()).clone();
-        // One staged copy: this rank's choice, from pinned memory.
-        let mut p = measure_with_staging(&nd, "agreeing ranks", 1, || check_comm_type_agreement(CommType::Mc2, &comm));
+        // Two staged copies: this rank's choice, from pinned memory, and the
+        // device check's tiling.
+        let mut p = measure_with_staging(&nd, "agreeing ranks", 2, || check_comm_type_agreement(CommType::Mc2, &comm));
         let mine = if rank < 2 { CommType::AllGather } else { CommType::Mc2 };
         check_comm_type_agreement(mine, &comm)?;
         match nd.check() {

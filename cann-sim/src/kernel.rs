@@ -20,7 +20,10 @@ pub type KernelEntry = unsafe extern "C" fn(u32, u32, *const *mut c_void, *const
 /// `0..block_dim`, in stream order on `stream`'s worker, after translating each
 /// of the `n_gm` device pointers in `gm_dev` (NULL stays NULL) into the host
 /// address of the same byte inside the simulated device memory. `tiling`
-/// (`tiling_len` bytes) is copied now and passed 8-byte aligned. Returns
+/// (`tiling_len` bytes) in host memory is copied now; in device memory of the
+/// stream's device (where a real kernel reads it from GM) it is read each
+/// time the task runs, a graph replay included. Either way it is passed
+/// 8-byte aligned. Returns
 /// `ACL_SUCCESS`, or `ACL_ERROR_RT_PARAM_INVALID` (107000) for a pointer that
 /// is not device memory of the stream's device, `ACL_ERROR_INVALID_PARAM`
 /// for a bad argument. A pointer freed before the kernel runs fails the
@@ -144,11 +147,29 @@ unsafe fn launch(
         }
     }
     let mut tiling_buf = vec![0u64; tiling_len.div_ceil(8)];
-    if tiling_len > 0 {
+    // A tiling in device memory (as a real kernel takes it: a GM address) is
+    // read when the task runs, not now: a captured launch reads its arguments
+    // at every execution, so bytes that change in between (memory handed to
+    // other work) show in the kernel's result. A host tiling is copied now.
+    // Source: hicann/runtime v9.1.0 docs/02_dev_guide/04-01_单流捕获.md:5
+    // (captured tasks run only when aclmdlRIExecuteAsync executes the model)
+    // and :20 (restriction 7: the resources the tasks use must stay valid
+    // until the model is destroyed).
+    let device_tiling = tiling_len > 0 && arena::owner(tiling as usize).is_some();
+    if device_tiling {
+        let sp = arena::resolve_ext(tiling as usize, tiling_len, "tiling", true)?;
+        if sp.device != s.device {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                format!("tiling is on device {}, the stream on device {}", sp.device, s.device),
+            );
+        }
+    } else if tiling_len > 0 {
         // SAFETY: tiling holds tiling_len readable bytes (C contract); the
         // destination has at least that many.
         unsafe { std::ptr::copy_nonoverlapping(tiling as *const u8, tiling_buf.as_mut_ptr() as *mut u8, tiling_len) };
     }
+    let tiling_addr = tiling as usize;
     s.enqueue(
         name,
         Box::new(move || {
@@ -162,6 +183,15 @@ unsafe fn launch(
                     SimError::new(ACL_ERROR_RT_DEVICE_MEM_ERROR, format!("{} (freed before the kernel ran?)", e.msg))
                 })?;
                 gm.push(sp.host as *mut c_void);
+            }
+            let mut tiling_buf = tiling_buf.clone();
+            if device_tiling {
+                let sp = arena::resolve_ext(tiling_addr, tiling_len, "tiling", true).map_err(|e| {
+                    SimError::new(ACL_ERROR_RT_DEVICE_MEM_ERROR, format!("{} (freed before the kernel ran?)", e.msg))
+                })?;
+                // SAFETY: `sp` is `tiling_len` bytes inside a live allocation
+                // of the arena; the destination has at least that many.
+                unsafe { std::ptr::copy_nonoverlapping(sp.host, tiling_buf.as_mut_ptr() as *mut u8, tiling_len) };
             }
             let t = if tiling_len > 0 { tiling_buf.as_ptr() as *const c_void } else { std::ptr::null() };
             for b in 0..block_dim {

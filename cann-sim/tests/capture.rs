@@ -825,3 +825,49 @@ fn a_device_holds_at_most_65536_recorded_sync_events() {
     }
     destroy_stream(st);
 }
+
+/// A captured launch whose tiling is device memory reads that memory each
+/// time the task runs, as a kernel reads its tiling from GM (runtime guide,
+/// single-stream capture restriction 7: what a captured task uses must stay
+/// valid, because every execution uses it again); a host tiling is the copy
+/// made at enqueue.
+#[test]
+fn a_captured_launch_reads_a_device_tiling_when_it_runs_and_a_host_tiling_at_enqueue() {
+    let _g = serial();
+    let s = use_device(0);
+    const N: usize = 16;
+    let st = stream();
+    let (x, y_dev, y_host, dev_tiling) = (malloc(N * 4), malloc(N * 4), malloc(N * 4), malloc(8));
+    let xv: Vec<f32> = (0..N).map(|i| i as f32 + 1.0).collect();
+    write(x, &xv);
+    write(dev_tiling, &[4u64]);
+    let host_tiling = [4u64];
+    begin(st, GLOBAL);
+    unsafe {
+        let gm = [x, y_dev];
+        let r = (s.cannsim_launch_kernel)(st, 2, Some(square), gm.as_ptr(), 2, dev_tiling as *const c_void, 8);
+        assert_eq!(r, 0, "{}", err_msg());
+        let gm = [x, y_host];
+        let r =
+            (s.cannsim_launch_kernel)(st, 2, Some(square), gm.as_ptr(), 2, host_tiling.as_ptr() as *const c_void, 8);
+        assert_eq!(r, 0, "{}", err_msg());
+    }
+    let model = end(st);
+    for n in [8usize, 12] {
+        write(y_dev, &[0f32; N]);
+        write(y_host, &[0f32; N]);
+        // The device tiling changes between replays; the host one cannot.
+        write(dev_tiling, &[n as u64]);
+        execute(model, st);
+        sync(st);
+        let squares =
+            |upto: usize| -> Vec<f32> { (0..N).map(|i| if i < upto { xv[i] * xv[i] } else { 0.0 }).collect() };
+        assert_eq!(download::<f32>(y_dev, N), squares(n), "device tiling {n} read at the replay");
+        assert_eq!(download::<f32>(y_host, N), squares(4), "host tiling copied at enqueue");
+    }
+    destroy(model);
+    for p in [x, y_dev, y_host, dev_tiling] {
+        free(p);
+    }
+    destroy_stream(st);
+}

@@ -226,27 +226,42 @@ pub(crate) fn guard_words(stream: &NpuStream, words: *mut c_void, tiling: &Guard
     gm[GUARD_GM_STATUS] = record.ptr();
     let api = stream.enter()?;
     let bytes = tiling.as_bytes();
-    if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
-        // SAFETY: `gm` holds CTX_WORDS words of this device and one status
-        // record; the tiling bytes are copied at enqueue.
-        unsafe { rt::sim_launch_kernel(launch, stream.raw(), 1, Some(entry), &gm, bytes) }?;
-    } else {
-        let lib = shared_kernel_lib().ok_or_else(|| {
+    let sim = match (api.cannsim_launch_kernel, guard_host_entry()) {
+        (Some(launch), Some(entry)) => Some((launch, entry)),
+        _ => None,
+    };
+    let lib = match sim {
+        Some(_) => None,
+        None => Some(shared_kernel_lib().ok_or_else(|| {
             Error::Unavailable(
                 "device check: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel \
                  library is available"
                     .into(),
             )
-        })?;
-        let (t, block) = take_pool_block(stream, bytes.len())?;
-        let launched = stream.stage_to_device(bytes, t as *mut c_void, bytes.len()).and_then(|_| {
-            // SAFETY: as above, with the tiling in a pool block of this
-            // stream, reused only by work queued after the launch.
-            unsafe { lib.launch_guard(stream.raw(), &gm, t as *mut c_void) }
-        });
-        stream.give_back_block(t, block);
-        launched?;
-    }
+        })?),
+    };
+    let (t, block) = take_pool_block(stream, bytes.len())?;
+    let launched = stream.stage_to_device(bytes, t as *mut c_void, bytes.len()).and_then(|_| match (sim, lib) {
+        // SAFETY: `gm` holds CTX_WORDS words of this device and one status
+        // record; the tiling is in a pool block of this stream, reused only
+        // by work queued after the launch, and read when the task runs.
+        (Some((launch, entry)), _) => unsafe {
+            rt::sim_launch_kernel_device_tiling(
+                launch,
+                stream.raw(),
+                1,
+                Some(entry),
+                &gm,
+                t as *const c_void,
+                bytes.len(),
+            )
+        },
+        // SAFETY: as for the simulated launch.
+        (None, Some(lib)) => unsafe { lib.launch_guard(stream.raw(), &gm, t as *mut c_void) },
+        (None, None) => unreachable!("lib is Some when sim is None"),
+    });
+    stream.give_back_block(t, block);
+    launched?;
     record.finish(decode);
     Ok(())
 }

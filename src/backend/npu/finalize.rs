@@ -107,15 +107,30 @@ fn launch_native(
     let tiling_bytes = tiling.as_bytes();
     match launcher {
         Launcher::Sim(launch, entry) => {
+            // The tiling goes to device workspace as on the NPU, and the
+            // simulator reads it there when the task runs (every replay too).
+            let t = NpuBuffer::workspace(device, tiling_bytes.len())?;
+            stream.stage_to_device(tiling_bytes, t.as_ptr(), t.len_bytes())?;
             stream.enter()?;
             // SAFETY: every non-NULL pointer of `gm` is live device memory of
             // this stream's device, sized as check_launch verified against the
             // tiling (slot offsets and status sized by the tiling too), NULL
-            // exactly where the tiling marks an input absent; the tiling bytes
-            // are copied at enqueue; the workspace blocks are reused only by
-            // work queued after this launch, and the status block is held by
-            // the stream's check until it was read.
-            unsafe { rt::sim_launch_kernel(launch, stream.raw(), tiling.block_dim, Some(entry), &gm, tiling_bytes) }?;
+            // exactly where the tiling marks an input absent; the tiling is
+            // `tiling_bytes.len()` bytes of device workspace (`t`); the
+            // workspace blocks are reused only by work queued after this
+            // launch, and the status block is held by the stream's check
+            // until it was read.
+            unsafe {
+                rt::sim_launch_kernel_device_tiling(
+                    launch,
+                    stream.raw(),
+                    tiling.block_dim,
+                    Some(entry),
+                    &gm,
+                    t.as_ptr(),
+                    tiling_bytes.len(),
+                )
+            }?;
         }
         Launcher::Npu(lib) => {
             let t = NpuBuffer::workspace(device, tiling_bytes.len())?;

@@ -234,19 +234,20 @@ impl LiveContext {
         let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
         gm[GUARD_GM_LIVE] = self.live.as_ptr();
         gm[GUARD_GM_STATUS] = record;
-        if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
-            let bytes = tiling.as_bytes();
-            // SAFETY: `gm` holds the live buffer (CTX_WORDS words) and one
-            // status record of this device; the tiling bytes are copied at enqueue.
-            return unsafe { rt::sim_launch_kernel(launch, stream.raw(), 1, Some(entry), &gm, bytes) };
-        }
-        let lib = shared_kernel_lib().ok_or_else(|| {
-            Error::Unavailable(
-                "forward-context guard: neither cannsim_launch_kernel with the host kernel build nor the AI Core \
-                 kernel library is available"
-                    .into(),
-            )
-        })?;
+        let sim = match (api.cannsim_launch_kernel, guard_host_entry()) {
+            (Some(launch), Some(entry)) => Some((launch, entry)),
+            _ => None,
+        };
+        let lib = match sim {
+            Some(_) => None,
+            None => Some(shared_kernel_lib().ok_or_else(|| {
+                Error::Unavailable(
+                    "forward-context guard: neither cannsim_launch_kernel with the host kernel build nor the AI \
+                     Core kernel library is available"
+                        .into(),
+                )
+            })?),
+        };
         let dev_tiling = self.tilings.as_ptr().cast::<u8>().wrapping_add(slot * TILING_BYTES).cast::<c_void>();
         let mut host = lock(&self.tiling_host);
         let off = slot * TILING_BYTES;
@@ -263,8 +264,18 @@ impl LiveContext {
                 stream.raw(),
             )
         }?;
-        // SAFETY: as for the simulated launch, with the tiling in device memory.
-        unsafe { lib.launch_guard(stream.raw(), &gm, dev_tiling) }
+        match (sim, lib) {
+            // SAFETY: `gm` holds the live buffer (CTX_WORDS words) and one
+            // status record of this device; the tiling is the slot's
+            // TILING_BYTES of device memory, which the simulator reads when
+            // the task runs.
+            (Some((launch, entry)), _) => unsafe {
+                rt::sim_launch_kernel_device_tiling(launch, stream.raw(), 1, Some(entry), &gm, dev_tiling, TILING_BYTES)
+            },
+            // SAFETY: as for the simulated launch.
+            (None, Some(lib)) => unsafe { lib.launch_guard(stream.raw(), &gm, dev_tiling) },
+            (None, None) => unreachable!("lib is Some when sim is None"),
+        }
     }
 
     /// Reads every guard record after the caller synchronised the streams the

@@ -316,6 +316,27 @@ pub unsafe fn sim_launch_kernel(
     check("cannsim_launch_kernel", code)
 }
 
+/// [`sim_launch_kernel`] with the tiling in device memory (`tiling_len`
+/// bytes at `tiling`), which the simulator reads when the task runs, as a
+/// kernel reads its tiling from GM.
+///
+/// # Safety
+/// As [`sim_launch_kernel`]; `tiling` is device memory of the stream's device
+/// that stays allocated until the task ran.
+pub unsafe fn sim_launch_kernel_device_tiling(
+    launch: CannsimLaunchKernelFn,
+    stream: aclrtStream,
+    block_dim: u32,
+    entry: CannsimKernelEntry,
+    gm: &[*mut c_void],
+    tiling: *const c_void,
+    tiling_len: usize,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let code = unsafe { launch(stream, block_dim, entry, gm.as_ptr(), gm.len(), tiling, tiling_len) };
+    check("cannsim_launch_kernel", code)
+}
+
 /// `cannsim_launch_kernel_ex` of the simulated runtime (`launch`, from
 /// [`acl_sys::Acl::cannsim_launch_kernel_ex`]): as [`sim_launch_kernel`], for
 /// an entry that can fault.
