@@ -603,16 +603,7 @@ fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
     let finalize = |d: &Device, sizes: &[usize], out: &mut Tensor| {
         let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(d).unwrap();
         let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(d).unwrap();
-        let args = FinalizeArgs {
-            expanded_x: &xd,
-            expanded_row_idx: &id,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: None,
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessColumn,
-        };
+        let args = FinalizeArgs::new(&xd, &id, DropPadMode::DropLessColumn);
         d.backend()
             .finalize_routing(&args, &dims, out, OutputRows::Padded { local_sizes: sizes, slot_rows })
             .expect("finalize");
@@ -635,16 +626,7 @@ fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
     let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(&dev).unwrap();
     let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(&dev).unwrap();
     let mut out = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &dev).unwrap();
-    let args = FinalizeArgs {
-        expanded_x: &xd,
-        expanded_row_idx: &id,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: None,
-        expert_idx: None,
-        drop_pad_mode: DropPadMode::DropLessColumn,
-    };
+    let args = FinalizeArgs::new(&xd, &id, DropPadMode::DropLessColumn);
     let rows = OutputRows::Padded { local_sizes: &captured_sizes, slot_rows };
     dev.backend().finalize_routing(&args, &dims, &mut out, rows).expect("warm-up");
     nd.check().expect("warm-up check");

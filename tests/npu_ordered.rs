@@ -230,16 +230,7 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let dense_of = |r: usize| finalize_column(&fv(n * k * h, r), &idx_v, &fv(n * k, 3), n, k, h);
         let dense_want = dense_of(rank);
         let scales = filled(&dev, &[n, k], 3)?;
-        let args = FinalizeArgs {
-            expanded_x: &ex,
-            expanded_row_idx: &idx,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: Some(&scales),
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessColumn,
-        };
+        let args = FinalizeArgs::new(&ex, &idx, DropPadMode::DropLessColumn).with_scales(&scales);
         let dims = FinalizeDims { n, k, h, expanded_rows: n * k, experts: 0 };
         let mut dense = Tensor::zeros(&[n, h], DType::F32, &dev)?;
         p.extend(measure(&nd, "finalize_routing (native, dense)", || {
