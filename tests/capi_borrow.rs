@@ -195,9 +195,33 @@ fn layout_and_shared_results() -> Vec<[Vec<f32>; 5]> {
     .expect("the Rust ops run")
 }
 
+/// Element-wise sum of `f(q)` over `world` ranks.
+fn rank_sum(world: usize, f: impl Fn(usize) -> Vec<f32>) -> Vec<f32> {
+    (1..world).fold(f(0), |acc, q| acc.iter().zip(f(q)).map(|(a, b)| a + b).collect())
+}
+
+/// The same five results from SPEC sections 3 and 4 and the shared helpers'
+/// documented rows (TP = the world of 3: 5 tokens pad to 6, 2 rows per
+/// rank), computed on the host. Every value is a multiple of 0.25, so the
+/// sums are exact.
+fn layout_and_shared_spec(r: usize) -> [Vec<f32>; 5] {
+    let local = [3usize, 0, 2];
+    let first: usize = local[..r].iter().sum();
+    let rows = |v: &[f32], from: usize, n: usize| v[from * 4..(from + n) * 4].to_vec();
+    let padded = |q: usize| [rank_rows(1, q, 5), vec![0.0; 4]].concat();
+    [
+        rows(&rank_sum(3, |q| rank_rows(1, q, 5)), first, local[r]),
+        (0..3).flat_map(|q| rank_rows(2, q, local[q])).collect(),
+        rows(&padded(r), 2 * r, 2),
+        (0..3).flat_map(|q| rank_rows(3, q, 2)).take(5 * 4).collect(),
+        rows(&rank_sum(3, padded), 2 * r, 2),
+    ]
+}
+
 #[test]
 fn layout_and_shared_expert_ops_write_the_callers_output_as_the_rust_ops_compute_it() {
     let want = layout_and_shared_results();
+    let spec: Vec<[Vec<f32>; 5]> = (0..3).map(layout_and_shared_spec).collect();
     let local = [3usize, 0, 2];
     on_ranks("borrow-layout", 3, |r, c| {
         let mut full = rank_rows(1, r, 5);
@@ -224,6 +248,7 @@ fn layout_and_shared_expert_ops_write_the_callers_output_as_the_rust_ops_compute
             let same =
                 out.len() == want[r][i].len() && out.iter().zip(&want[r][i]).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "op {i} rank {r}: {out:?} vs {:?}", want[r][i]);
+            assert_eq!(out, spec[r][i], "op {i} rank {r}: SPEC's value");
         }
         assert_eq!((full, shard, part), (full_in, shard_in, part_in), "inputs are read in place, never written");
     });
@@ -242,6 +267,8 @@ fn every_reduction_point_writes_the_callers_output_as_the_rust_point_computes_it
         p.reduce_shared(x, CommType::AllGather, &comm)?.to_vec()
     })
     .expect("the Rust point runs");
+    // Both reducing points are a TP all-reduce (sum) over the 2 ranks.
+    let spec = rank_sum(2, |q| rank_rows(4, q, len / 4));
     on_ranks("borrow-points", 2, |r, c| {
         let mine = rank_rows(4, r, len / 4);
         let shape = [len / 4, 4];
@@ -260,6 +287,7 @@ fn every_reduction_point_writes_the_callers_output_as_the_rust_point_computes_it
             assert_eq!(st, amoe_status::Ok, "point {point} rank {r}");
             if point < 2 {
                 assert!(out.iter().zip(&want[r]).all(|(a, b)| a.to_bits() == b.to_bits()), "point {point} rank {r}");
+                assert_eq!(out, spec, "point {point} rank {r}: SPEC's value");
             } else {
                 // The late point does not reduce under this early policy: a copy of `x`.
                 assert_eq!(out, mine, "point {point} rank {r}");

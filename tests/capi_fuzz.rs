@@ -16,25 +16,7 @@ use std::ptr::{null, null_mut};
 use std::time::{Duration, Instant};
 
 use ascend_moe::capi::*;
-
-/// splitmix64: small, seedable, good enough to drive cases.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
+use ascend_moe::testing::SplitMix as Rng;
 
 /// A descriptor plus the memory it points to.
 struct Desc {
@@ -88,14 +70,14 @@ fn desc(rng: &mut Rng, hint: &[usize], dtype_hint: u32, optional: bool, noise: u
     } else if rng.chance(80) {
         rng.below(5) as u32
     } else {
-        rng.next() as u32
+        rng.next_u64() as u32
     };
     let device_kind = if !rng.chance(noise / 3) {
         0
     } else if rng.chance(50) {
         1
     } else {
-        rng.next() as u32
+        rng.next_u64() as u32
     };
     let n = ndim.min(AMOE_MAX_NDIM);
     let numel = shape[..n].iter().try_fold(1usize, |a, &s| a.checked_mul(s));
@@ -154,7 +136,7 @@ fn small_value(rng: &mut Rng) -> u64 {
             let bits = f.to_bits() as u64;
             bits | (bits << 32)
         }
-        _ => rng.next(),
+        _ => rng.next_u64(),
     }
 }
 
@@ -201,11 +183,11 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                     tp_size: if rng.chance(85) { 1 } else { dim(rng) },
                     dp_rank: if rng.chance(85) { 0 } else { dim(rng) },
                     tp_rank: if rng.chance(85) { 0 } else { dim(rng) },
-                    sp: rng.next() as u8,
+                    sp: rng.next_u64() as u8,
                 };
                 let c = if rng.chance(noise / 10) { null() } else { &ctx as *const _ };
                 let g = if rng.chance(noise / 10) { null() } else { groups };
-                let ct = if rng.chance(85) { rng.below(4) as u32 } else { rng.next() as u32 };
+                let ct = if rng.chance(85) { rng.below(4) as u32 } else { rng.next_u64() as u32 };
                 let rows = dp.first().copied().unwrap_or(0);
                 let x = desc(rng, &[rows, h], dt, false, noise);
                 let out = desc(rng, &[rows, h], dt, false, noise);
@@ -249,7 +231,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                     bias: bias.ptr(),
                     scales: sc.ptr(),
                     expert_idx: ei.ptr(),
-                    drop_pad_mode: if rng.chance(90) { rng.below(4) as u32 } else { rng.next() as u32 },
+                    drop_pad_mode: if rng.chance(90) { rng.below(4) as u32 } else { rng.next_u64() as u32 },
                 };
                 let a = if rng.chance(3) { null() } else { &args as *const _ };
                 if rng.chance(50) {
@@ -337,7 +319,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 let sdt = if rng.chance(20) { rng.below(5) as u32 } else { dt };
                 let src = desc(rng, &[n, h], sdt, false, noise);
                 let dst = desc(rng, &[n, h], dt, false, noise);
-                let op = if rng.chance(90) { rng.below(3) as u32 } else { rng.next() as u32 };
+                let op = if rng.chance(90) { rng.below(3) as u32 } else { rng.next_u64() as u32 };
                 match rng.below(4) {
                     0 => ("all_reduce", amoe_all_reduce(comm, src.ptr(), dst.ptr(), op, null())),
                     1 => ("reduce_scatter", amoe_reduce_scatter(comm, src.ptr(), dst.ptr(), op, null())),
@@ -395,20 +377,20 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
             }
             10 => {
                 let mut out = 0u8;
-                let ct = if rng.chance(80) { rng.below(4) as u32 } else { rng.next() as u32 };
+                let ct = if rng.chance(80) { rng.below(4) as u32 } else { rng.next_u64() as u32 };
                 let o = if rng.chance(5) { null_mut() } else { &mut out as *mut u8 };
-                ("routed_is_reduced", amoe_routed_is_reduced(ct, rng.next() as u8, o))
+                ("routed_is_reduced", amoe_routed_is_reduced(ct, rng.next_u64() as u8, o))
             }
             11 | 12 => {
                 let pol = amoe_reduce_policy {
-                    shared_mode: if rng.chance(85) { rng.below(5) as u32 } else { rng.next() as u32 },
-                    has_routed_transform: rng.next() as u8,
-                    sp: rng.next() as u8,
+                    shared_mode: if rng.chance(85) { rng.below(5) as u32 } else { rng.next_u64() as u32 },
+                    has_routed_transform: rng.next_u64() as u8,
+                    sp: rng.next_u64() as u8,
                     tp_size: if rng.chance(85) { 1 + rng.below(2) as usize } else { dim(rng) },
                     ep_size: if rng.chance(85) { 1 + rng.below(4) as usize } else { dim(rng) },
                 };
                 let p = if rng.chance(4) { null() } else { &pol as *const _ };
-                let ct = if rng.chance(85) { rng.below(4) as u32 } else { rng.next() as u32 };
+                let ct = if rng.chance(85) { rng.below(4) as u32 } else { rng.next_u64() as u32 };
                 let x = desc(rng, &[n, h], dt, false, noise);
                 let out = desc(rng, &[n, h], dt, false, noise);
                 match rng.below(4) {
@@ -431,7 +413,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
             }
             14 => {
                 // Invalid worlds only (a valid multi-rank world would wait for peers).
-                let name = CString::new(format!("fuzz-{}", rng.next())).expect("no NUL");
+                let name = CString::new(format!("fuzz-{}", rng.next_u64())).expect("no NUL");
                 let (w, r) =
                     if rng.chance(50) { (0, 0) } else { (1 + rng.below(3) as usize, 4 + rng.below(9) as usize) };
                 let nm: *const c_char = if rng.chance(10) { null() } else { name.as_ptr() };
@@ -510,16 +492,16 @@ fn random_descriptors_give_clean_errors() {
     assert_eq!(st, amoe_status::Ok, "{}", last_error());
     let trace = std::env::var_os("AMOE_FUZZ_TRACE").is_some();
     let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let mut hist: BTreeMap<(&str, u32), u64> = BTreeMap::new();
     let mut cases = 0u64;
     let start = Instant::now();
     while cases < max_cases && Instant::now() < deadline {
-        let case_seed = rng.next();
+        let case_seed = rng.next_u64();
         if trace {
             eprintln!("case {cases} seed {case_seed:#x}");
         }
-        let (func, st) = one_case(&mut Rng(case_seed), comm, groups);
+        let (func, st) = one_case(&mut Rng::new(case_seed), comm, groups);
         assert_ne!(st, amoe_status::Panic, "{func} panicked (case seed {case_seed:#x}): {}", last_error());
         if st != amoe_status::Ok {
             let msg = last_error();

@@ -201,6 +201,18 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     assert_eq!(st, amoe_status::Ok, "{}", last_error());
     engine_stream.synchronize()?;
     assert_eq!(nob.to_vec()?, host_out, "finalize rank {rank}");
+    // SPEC section 1, mode 0 (column layout): out[i] = sum_k s(i,k) * row(idx[k*T + i]);
+    // every value is a multiple of 1/8, so the sums are exact.
+    let mut spec = vec![0.0f32; t * H];
+    for i in 0..t {
+        for kk in 0..k {
+            let row = rowidx[kk * t + i] as usize;
+            for c in 0..H {
+                spec[i * H + c] += scales[i * k + kk] * ex[row * H + c];
+            }
+        }
+    }
+    assert_eq!(host_out, spec, "finalize rank {rank}: SPEC's value");
 
     // A bad index is found on the device: the op queues the kernel and
     // returns OK; amoe_stream_check reports the index, its position and value,

@@ -234,16 +234,12 @@ fn tensors(c: &Case, inp: &Inputs) -> Tensors {
 }
 
 fn args<'a>(c: &Case, t: &'a Tensors) -> FinalizeArgs<&'a Tensor> {
-    FinalizeArgs {
-        expanded_x: &t.x,
-        expanded_row_idx: &t.idx,
-        x1: t.x1.as_ref(),
-        x2: t.x2.as_ref(),
-        bias: t.bias.as_ref(),
-        scales: t.scales.as_ref(),
-        expert_idx: t.expert.as_ref(),
-        drop_pad_mode: DropPadMode::from_u32(c.mode).unwrap(),
-    }
+    FinalizeArgs::new(&t.x, &t.idx, DropPadMode::from_u32(c.mode).unwrap())
+        .with_x1(t.x1.as_ref())
+        .with_x2(t.x2.as_ref())
+        .with_bias(t.bias.as_ref())
+        .with_scales(t.scales.as_ref())
+        .with_expert_idx(t.expert.as_ref())
 }
 
 fn output_rows(c: &Case) -> OutputRows<'_> {
@@ -583,16 +579,7 @@ fn narrowing_rounds_to_nearest_even_like_the_half_crate() {
         let x = tensor(data, &vec![1.0; n * h], &[n, h]);
         let idx = Tensor::from_slice(&(0..n as i32).collect::<Vec<_>>(), &[n]).unwrap();
         let scales = Tensor::from_slice(&specials, &[n, 1]).unwrap();
-        let a = FinalizeArgs {
-            expanded_x: &x,
-            expanded_row_idx: &idx,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: Some(&scales),
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessRow,
-        };
+        let a = FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow).with_scales(&scales);
         let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
         let mut out = garbage_out(data, n, h);
         kernels::finalize_host(&lend(&a), &dims, lend_out(&mut out), OutputRows::Dense, 3).unwrap();
@@ -784,16 +771,9 @@ fn the_index_check_copies_indices_and_replaces_bad_ones() {
                 let it = Tensor::from_slice(&idx, &[nk]).unwrap();
                 let et = Tensor::from_slice(&exp, &[nk, 1]).unwrap();
                 let bt = Tensor::from_slice(&vec![0f32; experts * h], &[experts, h]).unwrap();
-                let args = FinalizeArgs {
-                    expanded_x: &x,
-                    expanded_row_idx: &it,
-                    x1: None,
-                    x2: None,
-                    bias: bias.then_some(&bt),
-                    scales: None,
-                    expert_idx: bias.then_some(&et),
-                    drop_pad_mode: mode,
-                };
+                let args = FinalizeArgs::new(&x, &it, mode)
+                    .with_bias(bias.then_some(&bt))
+                    .with_expert_idx(bias.then_some(&et));
                 let dims =
                     FinalizeDims { n: nk, k: 1, h, expanded_rows: rows, experts: if bias { experts } else { 0 } };
                 let mut t = kernels::finalize_tiling(&TilingParams::from_args(

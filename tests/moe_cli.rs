@@ -62,8 +62,8 @@ fn check_spec_section_has_a_row_per_op_and_regression() {
             "5 comm type disagreement",
             "6 prepare/finalize MC2 sp=1",
             "6 mc2_mask num_actual_tokens",
-            "regression graph replay MC2 -> ALLGATHER",
-            "regression stale trace-time reduction caught",
+            "regression policy built under MC2 run under ALLGATHER",
+            "regression stale comm type reduction caught",
             "regression draft-model finalize rows = meta",
         ] {
             assert!(rows.iter().any(|r| r.contains(want)), "no row {want:?} on {world} rank(s):\n{out}");

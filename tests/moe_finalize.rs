@@ -87,16 +87,12 @@ fn problem(rng: &mut Rng, mode: DropPadMode, dtype: DType, n: usize, k: usize, t
 
 impl Problem {
     fn args(&self) -> FinalizeArgs<&Tensor> {
-        FinalizeArgs {
-            expanded_x: &self.x,
-            expanded_row_idx: &self.idx,
-            x1: self.x1.as_ref(),
-            x2: self.x2.as_ref(),
-            bias: self.bias.as_ref(),
-            scales: self.scales.as_ref(),
-            expert_idx: self.expert.as_ref(),
-            drop_pad_mode: self.mode,
-        }
+        FinalizeArgs::new(&self.x, &self.idx, self.mode)
+            .with_x1(self.x1.as_ref())
+            .with_x2(self.x2.as_ref())
+            .with_bias(self.bias.as_ref())
+            .with_scales(self.scales.as_ref())
+            .with_expert_idx(self.expert.as_ref())
     }
 
     /// The formula of SPEC section 1 evaluated naively in f64. Returns the
@@ -448,17 +444,8 @@ fn unpermute_equals_finalize_mode_2_without_skips() {
     let it = i32_tensor(&idx, &[t * k]);
     let probs = random(&mut rng, &[t, k], DType::F32);
     let u = moe_token_unpermute(&permuted, &it, Some(&probs)).unwrap();
-    let f = moe_finalize_routing(&FinalizeArgs {
-        expanded_x: &permuted,
-        expanded_row_idx: &it,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: Some(&probs),
-        expert_idx: None,
-        drop_pad_mode: DropPadMode::DropLessRow,
-    })
-    .unwrap();
+    let f =
+        moe_finalize_routing(&FinalizeArgs::new(&permuted, &it, DropPadMode::DropLessRow).with_scales(&probs)).unwrap();
     assert!(bits(&u) == bits(&f));
 }
 
@@ -617,16 +604,12 @@ mod every_backend {
         let bias = up::<T>(dev, &i.bias, &[e, h])?;
         let scales = up::<T>(dev, &i.scales, &[n, k])?;
         let expert = Tensor::from_slice(&i.expert, &[n, k])?.to_device(dev)?;
-        let args = FinalizeArgs {
-            expanded_x: &x,
-            expanded_row_idx: &idx,
-            x1: Some(&x1),
-            x2: Some(&x2),
-            bias: Some(&bias),
-            scales: Some(&scales),
-            expert_idx: Some(&expert),
-            drop_pad_mode: c.mode,
-        };
+        let args = FinalizeArgs::new(&x, &idx, c.mode)
+            .with_x1(&x1)
+            .with_x2(&x2)
+            .with_bias(&bias)
+            .with_scales(&scales)
+            .with_expert_idx(&expert);
         let dims = FinalizeDims { n, k, h, expanded_rows: x.numel() / h, experts: e };
         let out_rows = match rows {
             OutputRows::Dense => n,
@@ -677,16 +660,7 @@ mod every_backend {
         let (n, k, h) = (3usize, 2usize, 4usize);
         let x = Tensor::zeros(&[n * k, h], DType::F32, dev)?;
         let idx = Tensor::from_slice(&[0i32, 1, 2, 3, 6, 5], &[n * k])?.to_device(dev)?;
-        let args = FinalizeArgs {
-            expanded_x: &x,
-            expanded_row_idx: &idx,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: None,
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessColumn,
-        };
+        let args = FinalizeArgs::new(&x, &idx, DropPadMode::DropLessColumn);
         let dims = FinalizeDims { n: n * k, k: 1, h, expanded_rows: n * k, experts: 0 };
         let mut out = Tensor::zeros(&[n * k, h], DType::F32, dev)?;
         let result = dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense);

@@ -2,8 +2,9 @@
 //! on and off, every shared-expert mode, f32 and bf16, uneven and zero-token
 //! DP ranks) on the CPU backend and, ignored without an NPU, on NPUs through
 //! HCCL (ranks are threads on NPUs 0..world; `ci/sim.sh` runs them on the
-//! simulated runtime); the graph-replay regression, and a negative control
-//! showing the check catches the trace-time reduction bug.
+//! simulated runtime); a policy built while another comm type was live, and a
+//! negative control showing the check catches reductions decided with a stale
+//! comm type.
 
 use ascend_moe::moe::reduce::{routed_is_reduced, SharedMode};
 use ascend_moe::ranks::npu_run_ranks;
@@ -137,11 +138,13 @@ fn report_counts_every_real_token_and_shape() {
     assert!(r.shape_checks >= 4 * 4, "{}", r.shape_checks);
 }
 
-/// For every pair (A, B) of comm types: the policy and every static decision
-/// made while A was live, executed with B live, gives the eager result under
-/// B: sum S_i + R.
+/// For every pair (A, B) of comm types: the policy built while A was live,
+/// run with B live, gives the result under B: sum S_i + R. The policy's
+/// constructor takes no comm type, so A changes nothing it could capture;
+/// captured graphs replayed under another comm type are tested in
+/// `npu_graph_capture`.
 #[test]
-fn graph_replay_every_comm_type_pair() {
+fn a_policy_built_while_another_comm_type_was_live_gives_the_live_result() {
     for (dp, tp, sp, shared, transform) in [
         (2, 2, false, SharedMode::TensorParallel, false),
         (1, 4, false, SharedMode::TensorParallel, true),
@@ -154,7 +157,7 @@ fn graph_replay_every_comm_type_pair() {
                 let mut c = LayerCase::new(dp, tp, sp, b, shared, DType::F32);
                 // The TP-sharded shared expert under SP (SequenceParallelOnly).
                 c.shared_tp_weights = shared == SharedMode::SequenceParallelOnly || c.shared_tp_weights;
-                c.trace_comm = Some(a);
+                c.policy_built_under = Some(a);
                 c.routed_transform = transform;
                 c.dp_tokens = if dp == 2 { vec![6, 3] } else { vec![5] };
                 let r = run_layer_case_cpu(&c).unwrap();
@@ -164,11 +167,11 @@ fn graph_replay_every_comm_type_pair() {
     }
 }
 
-/// Negative control: reductions decided with the trace-time comm type A while
+/// Negative control: reductions decided with a stale comm type A while
 /// B is live must be caught by the same check whenever A and B disagree on
 /// `routed_is_reduced` (sum S_i + TP x R, or a missing reduction).
 #[test]
-fn stale_trace_time_reductions_are_caught() {
+fn reductions_decided_with_a_stale_comm_type_are_caught() {
     let mut caught = 0;
     for a in CommType::ALL {
         for b in CommType::ALL {

@@ -230,16 +230,7 @@ impl RankFinalize {
     }
 
     fn args(&self) -> FinalizeArgs<&Tensor> {
-        FinalizeArgs {
-            expanded_x: &self.x,
-            expanded_row_idx: &self.idx,
-            x1: Some(&self.x1),
-            x2: None,
-            bias: None,
-            scales: Some(&self.scales),
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessRow,
-        }
+        FinalizeArgs::new(&self.x, &self.idx, DropPadMode::DropLessRow).with_x1(&self.x1).with_scales(&self.scales)
     }
 }
 

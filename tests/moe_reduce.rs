@@ -105,24 +105,26 @@ fn transform_sees_full_sum(p: &ReducePolicy, live: CommType) -> bool {
 }
 
 #[test]
-fn graph_replay_every_policy_and_comm_pair_reduces_exactly_once() {
+fn a_policy_built_while_another_comm_type_was_live_reduces_exactly_once() {
     let mut checked = 0;
     for p in policies() {
-        // The policy object is built once ("at trace time", whatever comm type
-        // was live then) and is reused for every replay.
-        for traced in CommType::ALL {
-            let policy_at_trace =
+        // The policy is built while some comm type is live and then run under
+        // every live comm type. Its constructor takes no comm type, so the
+        // one built under each type equals the others; this loop replays no
+        // captured graph (that is npu_graph_capture's).
+        for built_under in CommType::ALL {
+            let built =
                 ReducePolicy::new(p.shared_mode(), p.has_routed_transform(), p.sp(), p.tp_size(), p.ep_size()).unwrap();
-            assert_eq!(policy_at_trace, p, "the policy cannot depend on the comm type live at trace time ({traced:?})");
+            assert_eq!(built, p, "a policy built while {built_under:?} was live differs");
             for live in CommType::ALL {
                 if !transform_sees_full_sum(&p, live) {
                     continue;
                 }
-                let (out, want) = simulate(&policy_at_trace, live, live);
+                let (out, want) = simulate(&built, live, live);
                 for (t, o) in out.iter().enumerate() {
                     assert!(
                         (o - want).abs() < 1e-12,
-                        "{p:?} traced {traced:?} live {live:?}: rank {t} got {o}, want {want}"
+                        "{p:?} built under {built_under:?} live {live:?}: rank {t} got {o}, want {want}"
                     );
                 }
                 checked += 1;
@@ -133,8 +135,9 @@ fn graph_replay_every_policy_and_comm_pair_reduces_exactly_once() {
 }
 
 #[test]
-fn stale_trace_time_decisions_would_be_caught() {
-    // The bug class the API removes: deciding with the comm type of the trace.
+fn decisions_made_with_a_stale_comm_type_would_be_caught() {
+    // The bug class the API removes: deciding with a comm type that is no
+    // longer the live one (e.g. the one live when a graph was captured).
     // The same model shows sum S + TP*R or a missing reduction for it.
     let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 4).unwrap();
     let (out, want) = simulate(&p, CommType::Mc2, CommType::AllGather);

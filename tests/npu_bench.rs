@@ -98,16 +98,7 @@ fn bench_finalize_routing() {
     let x_d = Tensor::from_slice(&x, &[n * k, h]).unwrap().to_device(&dev).unwrap();
     let idx_d = Tensor::from_slice(&idx, &[n * k]).unwrap().to_device(&dev).unwrap();
     let sc_d = Tensor::from_slice(&scales, &[n, k]).unwrap().to_device(&dev).unwrap();
-    let args = FinalizeArgs {
-        expanded_x: &x_d,
-        expanded_row_idx: &idx_d,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: Some(&sc_d),
-        expert_idx: None,
-        drop_pad_mode: DropPadMode::DropLessRow,
-    };
+    let args = FinalizeArgs::new(&x_d, &idx_d, DropPadMode::DropLessRow).with_scales(&sc_d);
     let dims = FinalizeDims { n, k, h, expanded_rows: n * k, experts: 0 };
     let mut out = Tensor::zeros(&[n, h], DType::BF16, &dev).unwrap();
     let imp = match &dev {

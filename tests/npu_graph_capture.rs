@@ -562,6 +562,20 @@ fn a_captured_token_unpermute_replays_new_indices_bit_for_bit() {
         ok("host unpermute", unsafe { amoe_moe_token_unpermute(&hp, &hi, &hw, &ho, null()) });
         assert!(want.iter().any(|&v| v != 0.0), "round {round}: a non-trivial reference");
         assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want), "replay {round}");
+        // SPEC section 1: out[t] = sum_k probs[t,k] * permuted[S[t*K + k]], an
+        // index outside [0, rows) contributing nothing (exact: multiples of 1/64).
+        let mut spec = vec![0f32; t * h];
+        for ti in 0..t {
+            for kk in 0..k {
+                let si = idx[ti * k + kk];
+                if (0..rows as i32).contains(&si) {
+                    for c in 0..h {
+                        spec[ti * h + c] += probs[ti * k + kk] * perm[si as usize * h + c];
+                    }
+                }
+            }
+        }
+        assert_eq!(bits(&want), bits(&spec), "round {round}: SPEC's value");
     }
     drop(graph);
     // SAFETY: a live handle, not used afterwards.
@@ -589,36 +603,30 @@ fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
     let finalize = |d: &Device, sizes: &[usize], out: &mut Tensor| {
         let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(d).unwrap();
         let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(d).unwrap();
-        let args = FinalizeArgs {
-            expanded_x: &xd,
-            expanded_row_idx: &id,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: None,
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessColumn,
-        };
+        let args = FinalizeArgs::new(&xd, &id, DropPadMode::DropLessColumn);
         d.backend()
             .finalize_routing(&args, &dims, out, OutputRows::Padded { local_sizes: sizes, slot_rows })
             .expect("finalize");
     };
     let mut want = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &Device::Cpu).unwrap();
     finalize(&Device::Cpu, &captured_sizes, &mut want);
+    // SPEC section 1 with K = 1 and no scales makes token i row idx[i] = n-1-i;
+    // the padded buffer puts block r at row r * slot_rows of slot r, zeros elsewhere.
+    let mut spec = vec![0f32; 4 * slot_rows * h];
+    let mut token = 0;
+    for (r, &size) in captured_sizes.iter().enumerate() {
+        for j in 0..size {
+            let src = idx[token] as usize;
+            spec[(r * slot_rows + j) * h..(r * slot_rows + j + 1) * h].copy_from_slice(&x[src * h..(src + 1) * h]);
+            token += 1;
+        }
+    }
+    assert_eq!(bits(want.as_slice::<f32>().unwrap()), bits(&spec), "the CPU path gives SPEC's value");
     // Inputs live across the capture: upload once, capture the op over them.
     let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(&dev).unwrap();
     let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(&dev).unwrap();
     let mut out = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &dev).unwrap();
-    let args = FinalizeArgs {
-        expanded_x: &xd,
-        expanded_row_idx: &id,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: None,
-        expert_idx: None,
-        drop_pad_mode: DropPadMode::DropLessColumn,
-    };
+    let args = FinalizeArgs::new(&xd, &id, DropPadMode::DropLessColumn);
     let rows = OutputRows::Padded { local_sizes: &captured_sizes, slot_rows };
     dev.backend().finalize_routing(&args, &dims, &mut out, rows).expect("warm-up");
     nd.check().expect("warm-up check");

@@ -94,16 +94,12 @@ fn run(dev: &Device, c: &Case, hi: &Host, rows: OutputRows<'_>) -> Result<Vec<u8
     let (x, idx) = (up(&hi.x)?, up(&hi.idx)?);
     let (x1, x2, bias, scales, expert) =
         (upo(&hi.x1)?, upo(&hi.x2)?, upo(&hi.bias)?, upo(&hi.scales)?, upo(&hi.expert)?);
-    let args = FinalizeArgs {
-        expanded_x: &x,
-        expanded_row_idx: &idx,
-        x1: x1.as_ref(),
-        x2: x2.as_ref(),
-        bias: bias.as_ref(),
-        scales: scales.as_ref(),
-        expert_idx: expert.as_ref(),
-        drop_pad_mode: c.mode,
-    };
+    let args = FinalizeArgs::new(&x, &idx, c.mode)
+        .with_x1(x1.as_ref())
+        .with_x2(x2.as_ref())
+        .with_bias(bias.as_ref())
+        .with_scales(scales.as_ref())
+        .with_expert_idx(expert.as_ref());
     let out_rows = match rows {
         OutputRows::Dense => c.n,
         OutputRows::Padded { local_sizes, slot_rows } => local_sizes.len() * slot_rows,
@@ -241,16 +237,7 @@ fn reports_an_out_of_range_index(imp: FinalizeImpl) {
         (DropPadMode::DropPadRow, vec![0i32, 1, -2, 3, 4, 5], "expanded_row_idx", 2, -2),
     ] {
         let idx = Tensor::from_slice(&idx, &[n]).unwrap().to_device(&dev).unwrap();
-        let args = FinalizeArgs {
-            expanded_x: &x,
-            expanded_row_idx: &idx,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: None,
-            expert_idx: None,
-            drop_pad_mode: mode,
-        };
+        let args = FinalizeArgs::new(&x, &idx, mode);
         let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
         let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
         dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");
@@ -260,16 +247,7 @@ fn reports_an_out_of_range_index(imp: FinalizeImpl) {
     let idx = Tensor::from_slice(&[0i32, 1, 2, 3, 4, 5], &[n]).unwrap().to_device(&dev).unwrap();
     let bias = Tensor::zeros(&[2, h], DType::F32, &dev).unwrap();
     let expert = Tensor::from_slice(&[0i32, 1, 0, 2, 1, 0], &[n, 1]).unwrap().to_device(&dev).unwrap();
-    let args = FinalizeArgs {
-        expanded_x: &x,
-        expanded_row_idx: &idx,
-        x1: None,
-        x2: None,
-        bias: Some(&bias),
-        scales: None,
-        expert_idx: Some(&expert),
-        drop_pad_mode: DropPadMode::DropLessRow,
-    };
+    let args = FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow).with_bias(&bias).with_expert_idx(&expert);
     let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 2 };
     let mut out = Tensor::zeros(&[n, h], DType::F32, &dev).unwrap();
     dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense).expect("queued");

@@ -320,16 +320,7 @@ fn npu_host_has_every_piece_the_suite_tests() {
     let dev = Device::Npu(native);
     let x = ascend_moe::Tensor::zeros_cpu(&[1, 4], DType::F32).to_device(&dev).expect("upload");
     let idx = ascend_moe::Tensor::from_slice(&[0i32], &[1]).and_then(|t| t.to_device(&dev)).expect("upload");
-    let args = ascend_moe::backend::FinalizeArgs {
-        expanded_x: &x,
-        expanded_row_idx: &idx,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: None,
-        expert_idx: None,
-        drop_pad_mode: ascend_moe::backend::DropPadMode::DropLessColumn,
-    };
+    let args = ascend_moe::backend::FinalizeArgs::new(&x, &idx, ascend_moe::backend::DropPadMode::DropLessColumn);
     let dims = ascend_moe::backend::FinalizeDims { n: 1, k: 1, h: 4, expanded_rows: 1, experts: 0 };
     let mut out = ascend_moe::Tensor::zeros_cpu(&[1, 4], DType::F32).to_device(&dev).expect("upload");
     let r = dev.backend().finalize_routing(&args, &dims, &mut out, ascend_moe::backend::OutputRows::Dense);

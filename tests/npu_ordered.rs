@@ -95,10 +95,59 @@ fn assert_no_problems(reports: Vec<Vec<String>>) {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// The values [`filled`] puts in a tensor of `n` elements: small integers,
+/// so every sum and product the ops below make is exact in f32.
+fn fv(n: usize, seed: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i * 7 + seed * 13) % 11) as f32 - 5.0).collect()
+}
+
 fn filled(dev: &Device, shape: &[usize], seed: usize) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|i| ((i * 7 + seed * 13) % 11) as f32 - 5.0).collect();
-    Tensor::from_slice(&v, shape)?.to_device(dev)
+    Tensor::from_slice(&fv(shape.iter().product(), seed), shape)?.to_device(dev)
+}
+
+/// Element-wise sum of `f(r)` over the ranks.
+fn over_ranks(f: impl Fn(usize) -> Vec<f32>) -> Vec<f32> {
+    let mut acc = f(0);
+    for r in 1..WORLD {
+        for (a, b) in acc.iter_mut().zip(f(r)) {
+            *a += b;
+        }
+    }
+    acc
+}
+
+/// Rows `[from, from + count)` of the row-major `v` with `h` columns.
+fn rows(v: &[f32], h: usize, from: usize, count: usize) -> Vec<f32> {
+    v[from * h..(from + count) * h].to_vec()
+}
+
+/// SPEC section 1 in drop-less column mode (0) without skips or bias:
+/// `out[i] = sum_k s(i,k) * row(idx[k*N + i])`.
+fn finalize_column(ex: &[f32], idx: &[i32], scales: &[f32], n: usize, k: usize, h: usize) -> Vec<f32> {
+    let mut out = vec![0f32; n * h];
+    for i in 0..n {
+        for kk in 0..k {
+            let r = idx[kk * n + i] as usize;
+            for c in 0..h {
+                out[i * h + c] += scales[i * k + kk] * ex[r * h + c];
+            }
+        }
+    }
+    out
+}
+
+/// Records a problem when `t` does not hold exactly `want` (every expected
+/// value is a small integer, exact in f32).
+fn expect(p: &mut Vec<String>, op: &str, t: &Tensor, want: &[f32]) {
+    match t.to_vec::<f32>() {
+        Err(e) => p.push(format!("{op}: reading the output: {e}")),
+        Ok(got) if got.len() != want.len() => p.push(format!("{op}: {} values, {} expected", got.len(), want.len())),
+        Ok(got) => {
+            if let Some(i) = got.iter().zip(want).position(|(g, w)| g != w) {
+                p.push(format!("{op}: value {i} is {}, {} expected", got[i], want[i]));
+            }
+        }
+    }
 }
 
 #[test]
@@ -127,14 +176,30 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let sc = [h; WORLD];
         let mut a2a = Tensor::zeros(&[WORLD, h], DType::F32, &dev)?;
         let a2a_src = filled(&dev, &[WORLD, h], rank)?;
+        // What each collective must leave, from SPEC section 8's definitions.
+        let src_sum = over_ranks(|r| fv(WORLD * 4 * h, r));
+        let offset: usize = counts[..rank].iter().sum();
         p.extend(measure(&nd, "all_reduce", || comm.all_reduce(&src, &mut same, ReduceOp::Sum)));
+        expect(&mut p, "all_reduce", &same, &src_sum);
+        // The max over ranks of the same sum is that sum.
         p.extend(measure(&nd, "all_reduce_in_place", || comm.all_reduce_in_place(&mut same, ReduceOp::Max)));
+        expect(&mut p, "all_reduce_in_place", &same, &src_sum);
         p.extend(measure(&nd, "reduce_scatter", || comm.reduce_scatter(&src, &mut part, ReduceOp::Sum)));
+        expect(&mut p, "reduce_scatter", &part, &rows(&src_sum, h, rank * 4, 4));
         p.extend(measure(&nd, "all_gather", || comm.all_gather(&src, &mut all)));
+        expect(&mut p, "all_gather", &all, &(0..WORLD).flat_map(|r| fv(WORLD * 4 * h, r)).collect::<Vec<_>>());
         p.extend(measure(&nd, "reduce_scatter_v", || comm.reduce_scatter_v(&vsrc, &mut vdst, &counts, ReduceOp::Sum)));
+        let vsum = over_ranks(|r| fv(total, r));
+        expect(&mut p, "reduce_scatter_v", &vdst, &vsum[offset..offset + counts[rank]]);
         p.extend(measure(&nd, "all_gather_v", || comm.all_gather_v(&vmine, &mut vall, &counts)));
+        expect(&mut p, "all_gather_v", &vall, &(0..WORLD).flat_map(|r| fv(counts[r], r)).collect::<Vec<_>>());
         p.extend(measure(&nd, "all_to_all_v", || comm.all_to_all_v(&a2a_src, &sc, &mut a2a, &sc)));
+        // Block s of this rank's output is block `rank` of rank s's input.
+        let a2a_want: Vec<f32> = (0..WORLD).flat_map(|s| rows(&fv(WORLD * h, s), h, rank, 1)).collect();
+        expect(&mut p, "all_to_all_v", &a2a, &a2a_want);
         p.extend(measure(&nd, "broadcast", || comm.broadcast(&mut part, 1)));
+        // Rank 1's part of the reduce-scatter, on every rank.
+        expect(&mut p, "broadcast", &part, &rows(&src_sum, h, 4, 4));
         p.extend(measure(&nd, "barrier", || comm.barrier()));
 
         // Backend ops.
@@ -142,50 +207,67 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let x = filled(&dev, &[8, h], rank)?;
         let y = filled(&dev, &[8, h], rank + 1)?;
         let mut sum = Tensor::zeros(&[8, h], DType::F32, &dev)?;
+        let (xv, yv) = (fv(8 * h, rank), fv(8 * h, rank + 1));
+        let added: Vec<f32> = xv.iter().zip(&yv).map(|(a, b)| a + b).collect();
         p.extend(measure(&nd, "add", || b.add(&x, &y, &mut sum)));
+        expect(&mut p, "add", &sum, &added);
         p.extend(measure(&nd, "copy_rows", || b.copy_rows(&x, 4, &mut sum, 0, 4)));
+        // Rows 0..4 are x's rows 4..8; rows 4..8 keep the sum.
+        expect(&mut p, "copy_rows", &sum, &[rows(&xv, h, 4, 4), rows(&added, h, 4, 4)].concat());
         // 16-byte rows (H = 4 f32) start off 64-byte boundaries, which
         // aclrtMemcpyAsync refuses: the byte-copy kernel takes them.
         let narrow = filled(&dev, &[8, 4], rank)?;
         let mut narrow_out = Tensor::zeros(&[8, 4], DType::F32, &dev)?;
         p.extend(measure(&nd, "copy_rows (16-byte rows)", || b.copy_rows(&narrow, 1, &mut narrow_out, 3, 5)));
+        let narrow_want = [vec![0f32; 3 * 4], rows(&fv(8 * 4, rank), 4, 1, 5)].concat();
+        expect(&mut p, "copy_rows (16-byte rows)", &narrow_out, &narrow_want);
 
         // Native finalize, dense and into the padded EP buffer.
         let (n, k) = (6usize, 2usize);
         let ex = filled(&dev, &[n * k, h], rank)?;
-        let idx: Vec<i32> = (0..(n * k) as i32).rev().collect();
-        let idx = Tensor::from_slice(&idx, &[n * k])?.to_device(&dev)?;
+        let idx_v: Vec<i32> = (0..(n * k) as i32).rev().collect();
+        let idx = Tensor::from_slice(&idx_v, &[n * k])?.to_device(&dev)?;
+        // SPEC section 1 on every rank's own expanded_x (the scales are the same everywhere).
+        let dense_of = |r: usize| finalize_column(&fv(n * k * h, r), &idx_v, &fv(n * k, 3), n, k, h);
+        let dense_want = dense_of(rank);
         let scales = filled(&dev, &[n, k], 3)?;
-        let args = FinalizeArgs {
-            expanded_x: &ex,
-            expanded_row_idx: &idx,
-            x1: None,
-            x2: None,
-            bias: None,
-            scales: Some(&scales),
-            expert_idx: None,
-            drop_pad_mode: DropPadMode::DropLessColumn,
-        };
+        let args = FinalizeArgs::new(&ex, &idx, DropPadMode::DropLessColumn).with_scales(&scales);
         let dims = FinalizeDims { n, k, h, expanded_rows: n * k, experts: 0 };
         let mut dense = Tensor::zeros(&[n, h], DType::F32, &dev)?;
         // One staged copy: the kernel's tiling.
         p.extend(measure_with_staging(&nd, "finalize_routing (native, dense)", 1, || {
             b.finalize_routing(&args, &dims, &mut dense, OutputRows::Dense)
         }));
+        expect(&mut p, "finalize_routing (native, dense)", &dense, &dense_want);
         // Native token unpermute, with repeated and out-of-range indices
         // (SPEC section 1: they contribute nothing), which aclnn cannot take.
-        let wild: Vec<i32> = vec![3, 3, -1, 11, 40, 0, 7, 7, 2, 1, 5, 9];
-        let wild = Tensor::from_slice(&wild, &[n * k])?.to_device(&dev)?;
+        let wild_v: Vec<i32> = vec![3, 3, -1, 11, 40, 0, 7, 7, 2, 1, 5, 9];
+        let wild = Tensor::from_slice(&wild_v, &[n * k])?.to_device(&dev)?;
         let mut unpermuted = Tensor::zeros(&[n, h], DType::F32, &dev)?;
         p.extend(measure_with_staging(&nd, "token_unpermute (native)", 1, || {
             b.token_unpermute(&ex, &wild, Some(&scales), k, &mut unpermuted)
         }));
+        let (exv, sv) = (fv(n * k * h, rank), fv(n * k, 3));
+        let mut unpermute_want = vec![0f32; n * h];
+        for t in 0..n {
+            for kk in 0..k {
+                let s = wild_v[t * k + kk];
+                if (0..(n * k) as i32).contains(&s) {
+                    for c in 0..h {
+                        unpermute_want[t * h + c] += sv[t * k + kk] * exv[s as usize * h + c];
+                    }
+                }
+            }
+        }
+        expect(&mut p, "token_unpermute (native)", &unpermuted, &unpermute_want);
         // The aclnn finalize: its indices are checked on the device first
         // (by the native kernel, whose tiling is staged).
         let aclnn = Device::Npu(nd.clone().with_finalize_impl(FinalizeImpl::Aclnn));
+        let mut dense = Tensor::zeros(&[n, h], DType::F32, &dev)?;
         p.extend(measure_with_staging(&nd, "finalize_routing (aclnn, dense)", 1, || {
             aclnn.backend().finalize_routing(&args, &dims, &mut dense, OutputRows::Dense)
         }));
+        expect(&mut p, "finalize_routing (aclnn, dense)", &dense, &dense_want);
         let local_sizes = [2usize, 0, 3, 1];
         let mut padded = Tensor::zeros(&[4 * 3, h], DType::F32, &dev)?;
         // The slot offsets and the tiling.
@@ -197,18 +279,53 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
                 OutputRows::Padded { local_sizes: &local_sizes, slot_rows: 3 },
             )
         }));
+        // Block r of the tokens at row 3r of slot r, zeros elsewhere.
+        let mut padded_want = vec![0f32; 4 * 3 * h];
+        let mut first = 0;
+        for (r, &size) in local_sizes.iter().enumerate() {
+            padded_want[r * 3 * h..(r * 3 + size) * h].copy_from_slice(&rows(&dense_want, h, first, size));
+            first += size;
+        }
+        expect(&mut p, "finalize_routing (native, padded)", &padded, &padded_want);
 
         // The SP pad/reduce and gather/unpad pair, and finalize_and_reduce.
         let layout = SpLayout::new(&local_sizes)?;
         let full = filled(&dev, &[n, h], rank)?;
         let shard = filled(&dev, &[local_sizes[rank], h], rank)?;
-        p.extend(measure(&nd, "maybe_pad_and_reduce", || maybe_pad_and_reduce(&full, Some(&layout), &comm).map(drop)));
-        p.extend(measure(&nd, "maybe_all_gather_and_maybe_unpad", || {
-            maybe_all_gather_and_maybe_unpad(&shard, Some(&layout), &comm).map(drop)
+        // SPEC sections 3 and 4: this rank's block of the sum over ranks, and
+        // every rank's shard in rank order.
+        let mine = local_sizes[rank];
+        let first: usize = local_sizes[..rank].iter().sum();
+        let mut got = None;
+        p.extend(measure(&nd, "maybe_pad_and_reduce", || {
+            got = Some(maybe_pad_and_reduce(&full, Some(&layout), &comm)?);
+            Ok(())
         }));
+        let reduced_want = |width: usize| rows(&over_ranks(|r| fv(n * width, r)), width, first, mine);
+        if let Some(t) = &got {
+            expect(&mut p, "maybe_pad_and_reduce", t, &reduced_want(h));
+        }
+        let gathered_want =
+            |width: usize| -> Vec<f32> { (0..WORLD).flat_map(|r| fv(local_sizes[r] * width, r)).collect() };
+        p.extend(measure(&nd, "maybe_all_gather_and_maybe_unpad", || {
+            got = Some(maybe_all_gather_and_maybe_unpad(&shard, Some(&layout), &comm)?);
+            Ok(())
+        }));
+<<<<<<< HEAD
         p.extend(measure_with_staging(&nd, "finalize_and_reduce", 2, || {
             finalize_and_reduce(&args, Some(&layout), &comm).map(drop)
+=======
+        if let Some(t) = &got {
+            expect(&mut p, "maybe_all_gather_and_maybe_unpad", t, &gathered_want(h));
+        }
+        p.extend(measure_with_staging(&nd, "finalize_and_reduce", 1, || {
+            got = Some(finalize_and_reduce(&args, Some(&layout), &comm)?);
+            Ok(())
+>>>>>>> tests-py2
         }));
+        if let Some(t) = &got {
+            expect(&mut p, "finalize_and_reduce", t, &rows(&over_ranks(dense_of), h, first, mine));
+        }
 
         // The same pair with 20-byte rows: every row copy is unaligned and
         // goes through the copy kernel.
@@ -216,11 +333,19 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let full_odd = filled(&dev, &[n, odd], rank)?;
         let shard_odd = filled(&dev, &[local_sizes[rank], odd], rank)?;
         p.extend(measure(&nd, "maybe_pad_and_reduce (20-byte rows)", || {
-            maybe_pad_and_reduce(&full_odd, Some(&layout), &comm).map(drop)
+            got = Some(maybe_pad_and_reduce(&full_odd, Some(&layout), &comm)?);
+            Ok(())
         }));
+        if let Some(t) = &got {
+            expect(&mut p, "maybe_pad_and_reduce (20-byte rows)", t, &reduced_want(odd));
+        }
         p.extend(measure(&nd, "maybe_all_gather_and_maybe_unpad (20-byte rows)", || {
-            maybe_all_gather_and_maybe_unpad(&shard_odd, Some(&layout), &comm).map(drop)
+            got = Some(maybe_all_gather_and_maybe_unpad(&shard_odd, Some(&layout), &comm)?);
+            Ok(())
         }));
+        if let Some(t) = &got {
+            expect(&mut p, "maybe_all_gather_and_maybe_unpad (20-byte rows)", t, &gathered_want(odd));
+        }
 
         // Token prepare and finalize of every comm type, DP2 x TP2, SP on
         // and off (uneven DP tokens, fewer than TP on DP rank 1), with 64-
@@ -242,9 +367,33 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         let tp = &groups.tp;
         let tokens = filled(&dev, &[5, h], rank)?;
         let part = shared_pad_split(&tokens, tp)?;
-        p.extend(measure(&nd, "shared_pad_split", || shared_pad_split(&tokens, tp).map(drop)));
-        p.extend(measure(&nd, "shared_gather_unpad", || shared_gather_unpad(&part, 5, tp).map(drop)));
-        p.extend(measure(&nd, "shared_pad_reduce_scatter", || shared_pad_reduce_scatter(&tokens, tp).map(drop)));
+        // TP pairs are EP ranks (2d, 2d + 1); each pads its 5 tokens to 6 and
+        // TP rank t holds rows [3t, 3t + 3).
+        let padded_of = |r: usize| [fv(5 * h, r), vec![0f32; h]].concat();
+        let pair = [rank - rank % 2, rank - rank % 2 + 1];
+        p.extend(measure(&nd, "shared_pad_split", || {
+            got = Some(shared_pad_split(&tokens, tp)?);
+            Ok(())
+        }));
+        if let Some(t) = &got {
+            expect(&mut p, "shared_pad_split", t, &rows(&padded_of(rank), h, 3 * (rank % 2), 3));
+        }
+        p.extend(measure(&nd, "shared_gather_unpad", || {
+            got = Some(shared_gather_unpad(&part, 5, tp)?);
+            Ok(())
+        }));
+        let gathered: Vec<f32> = pair.iter().flat_map(|&q| rows(&padded_of(q), h, 3 * (q % 2), 3)).collect();
+        if let Some(t) = &got {
+            expect(&mut p, "shared_gather_unpad", t, &gathered[..5 * h]);
+        }
+        p.extend(measure(&nd, "shared_pad_reduce_scatter", || {
+            got = Some(shared_pad_reduce_scatter(&tokens, tp)?);
+            Ok(())
+        }));
+        let pair_sum: Vec<f32> = padded_of(pair[0]).iter().zip(padded_of(pair[1])).map(|(a, b)| a + b).collect();
+        if let Some(t) = &got {
+            expect(&mut p, "shared_pad_reduce_scatter", t, &rows(&pair_sum, h, 3 * (rank % 2), 3));
+        }
 
         // The three reduction points, each on a policy where it reduces (TP 4).
         let early = ReducePolicy::new(SharedMode::TensorParallel, true, false, WORLD, WORLD)?;
@@ -262,6 +411,13 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         p.extend(point("reduce_routed_early", &|t| early.reduce_routed_early(t, ag, &comm)));
         p.extend(point("reduce_shared", &|t| early.reduce_shared(t, ag, &comm)));
         p.extend(point("reduce_final", &|t| late.reduce_final(t, ag, &comm)));
+        // Six TP all-reduces over the 4 ranks (each point ran twice): the sum
+        // over ranks, then times 4 five times.
+        let reduced: Vec<f32> = over_ranks(|r| fv(8 * h, r)).iter().map(|v| v * 1024.0).collect();
+        match &held {
+            Some(t) => expect(&mut p, "reduce_routed_early, reduce_shared, reduce_final", t, &reduced),
+            None => p.push("the reduction points lost the tensor".into()),
+        }
         Ok(p)
     })
     .unwrap();

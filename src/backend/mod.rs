@@ -42,6 +42,43 @@ pub struct FinalizeArgs<T> {
     pub drop_pad_mode: DropPadMode,
 }
 
+impl<T> FinalizeArgs<T> {
+    /// The two required operands and the mode; no skips, bias, scales or
+    /// expert indices (add them with the `with_*` methods).
+    pub fn new(expanded_x: T, expanded_row_idx: T, drop_pad_mode: DropPadMode) -> Self {
+        FinalizeArgs {
+            expanded_x,
+            expanded_row_idx,
+            x1: None,
+            x2: None,
+            bias: None,
+            scales: None,
+            expert_idx: None,
+            drop_pad_mode,
+        }
+    }
+    /// With the skip input `x1` (or none).
+    pub fn with_x1(self, x1: impl Into<Option<T>>) -> Self {
+        FinalizeArgs { x1: x1.into(), ..self }
+    }
+    /// With the skip input `x2` (or none).
+    pub fn with_x2(self, x2: impl Into<Option<T>>) -> Self {
+        FinalizeArgs { x2: x2.into(), ..self }
+    }
+    /// With `bias` (or none); a bias requires `expert_idx`.
+    pub fn with_bias(self, bias: impl Into<Option<T>>) -> Self {
+        FinalizeArgs { bias: bias.into(), ..self }
+    }
+    /// With `scales` (or none).
+    pub fn with_scales(self, scales: impl Into<Option<T>>) -> Self {
+        FinalizeArgs { scales: scales.into(), ..self }
+    }
+    /// With `expert_idx` (or none).
+    pub fn with_expert_idx(self, expert_idx: impl Into<Option<T>>) -> Self {
+        FinalizeArgs { expert_idx: expert_idx.into(), ..self }
+    }
+}
+
 impl<T: Copy> FinalizeArgs<T> {
     /// Every operand through `f`, which is told the argument's name; the first
     /// error wins.

@@ -14,7 +14,17 @@ mod model;
 
 use crate::DType;
 
-/// The one deterministic generator of the harnesses and benches (SplitMix64).
+/// SplitMix64's step as a stateless hash: `z` plus the golden gamma, then
+/// the finaliser. [`SplitMix`]'s `n`th output is `mix(seed + n * gamma)`;
+/// tests use it to derive one value per (seed, rank, index) directly.
+pub fn mix(z: u64) -> u64 {
+    let mut z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The one deterministic generator of the harnesses, benches and tests (SplitMix64).
 #[derive(Debug, Clone)]
 pub struct SplitMix(u64);
 
@@ -23,14 +33,23 @@ impl SplitMix {
     pub fn new(seed: u64) -> Self {
         SplitMix(seed)
     }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let z = mix(self.0);
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z
+    }
+    /// A value in `[0, n)` (`n` > 0; modulo bias is negligible for small `n`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    /// True with probability `percent` / 100.
+    pub fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
     /// A uniform value in `[-1, 1)` (24 random bits).
     pub fn unit(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
     /// `n` values of [`SplitMix::unit`] times `scale`.
     pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {

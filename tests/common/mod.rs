@@ -10,13 +10,8 @@ pub mod graph;
 use ascend_moe::half::{bf16, f16};
 use ascend_moe::{DType, Device, Element, ReduceOp, Result};
 
-/// splitmix64.
-pub fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+/// The crate's one generator: SplitMix64 as a stateless hash.
+pub use ascend_moe::testing::mix;
 
 /// Element types with a test data generator and a naive reducer.
 pub trait TestElem: Element {
@@ -254,17 +249,9 @@ pub fn assert_close<T: Element>(what: &str, got: &[T], want: &[f64]) -> Result<(
     Ok(())
 }
 
-/// Deterministic pseudo-random values in [-1, 1) (xorshift), no dependency.
+/// Deterministic pseudo-random values in [-1, 1), from the crate's one generator.
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    ascend_moe::testing::SplitMix::new(seed).vec(n, 1.0)
 }
 
 /// Where a multi-rank test body runs: thread ranks on the CPU communicator,

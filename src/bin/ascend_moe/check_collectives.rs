@@ -3,6 +3,7 @@
 //! against a naive reference computed here, on every rank.
 
 use ascend_moe::half::{bf16, f16};
+use ascend_moe::testing::mix;
 use ascend_moe::{with_dtype, with_reducible_dtype, Collectives, Comm, DType, Element, ReduceOp, Tensor};
 
 use crate::check::Row;
@@ -13,13 +14,6 @@ const SIZES: [usize; 4] = [0, 1, 1001, 700_001];
 trait Ref: Element {
     fn gen(seed: u64, rank: usize, i: usize) -> Self;
     fn fold(op: ReduceOp, xs: &[Self]) -> Self;
-}
-
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 fn hash(seed: u64, rank: usize, i: usize) -> u64 {

@@ -10,8 +10,9 @@
 //! * section 5: every reduction point for every policy and live comm type, the
 //!   shared-expert DP-only / SP-only helpers;
 //! * section 6: prepare / finalize per comm type, the actual-token MC2 mask;
-//! * regressions: graph replay (a policy built under comm type A run under B,
-//!   and the negative control that stale trace-time decisions are caught), the
+//! * regressions: a policy built while comm type A was live run under B (its
+//!   constructor takes no comm type; no graph is replayed), the negative
+//!   control that decisions made with a stale comm type are caught, the
 //!   draft-model finalize (local shard rows, never the global token count).
 //!
 //! Every rank runs every case, so all ranks report the same rows.
@@ -385,15 +386,15 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
     }
 
     // Regression (bug class 3): a policy built while comm type A was live,
-    // replayed under B, reduces exactly once; deciding with A is caught.
-    let replayed = ReducePolicy::new(SharedMode::TensorParallel, false, false, w, w)?;
+    // run under B, reduces exactly once; deciding with A is caught.
+    let built = ReducePolicy::new(SharedMode::TensorParallel, false, false, w, w)?;
     let mut stale_caught = 0;
-    for traced in CommType::ALL {
+    for built_under in CommType::ALL {
         for live in CommType::ALL {
-            let case = format!("regression graph replay {} -> {}", traced.name(), live.name());
-            rows.push(row(case, DType::F32, w, reduction_points(comm, &replayed, live, live)));
-            if routed_is_reduced(traced, false) != routed_is_reduced(live, false) {
-                stale_caught += usize::from(reduction_points(comm, &replayed, live, traced).is_err());
+            let case = format!("regression policy built under {} run under {}", built_under.name(), live.name());
+            rows.push(row(case, DType::F32, w, reduction_points(comm, &built, live, live)));
+            if routed_is_reduced(built_under, false) != routed_is_reduced(live, false) {
+                stale_caught += usize::from(reduction_points(comm, &built, live, built_under).is_err());
             }
         }
     }
@@ -401,9 +402,9 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
     let caught = if w == 1 || stale_caught == 6 {
         Ok(())
     } else {
-        Err(format!("{stale_caught} of 6 stale trace-time decisions caught"))
+        Err(format!("{stale_caught} of 6 decisions with a stale comm type caught"))
     };
-    rows.push(row("regression stale trace-time reduction caught".into(), DType::F32, 6, caught));
+    rows.push(row("regression stale comm type reduction caught".into(), DType::F32, 6, caught));
 
     // Section 6 on DP x TP = the world (TP 2 when the world is even).
     let tp = if w % 2 == 0 { 2 } else { 1 };

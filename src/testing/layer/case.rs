@@ -16,11 +16,13 @@ pub struct LayerCase {
     pub sp: bool,
     /// The comm type live when the layer runs.
     pub comm: CommType,
-    /// The comm type live when the static policy was built (graph trace); the
-    /// policy captures nothing from it, which is the point. `None`: same as `comm`.
-    pub trace_comm: Option<CommType>,
+    /// The comm type live when the static policy was built. `ReducePolicy::new`
+    /// takes no comm type, so this only names the case: it checks that a
+    /// policy built while another comm type was live gives the live result
+    /// (it replays no captured graph). `None`: same as `comm`.
+    pub policy_built_under: Option<CommType>,
     /// Negative control: hand this comm type, instead of the live one, to the
-    /// reduction points (the trace-time bug). A correct check then fails
+    /// reduction points (a decision made with a stale comm type). A correct check then fails
     /// whenever the two types disagree on `routed_is_reduced`.
     pub stale_reduction_comm: Option<CommType>,
     /// Shared-expert mode.
@@ -55,7 +57,7 @@ impl LayerCase {
             tp,
             sp,
             comm,
-            trace_comm: None,
+            policy_built_under: None,
             stale_reduction_comm: None,
             shared,
             shared_tp_weights: shared == SharedMode::TensorParallel,
@@ -84,8 +86,8 @@ impl LayerCase {
             self.dp_tokens,
             self.hidden
         );
-        if let Some(t) = self.trace_comm {
-            s.push_str(&format!(" traced-under={}", t.name()));
+        if let Some(t) = self.policy_built_under {
+            s.push_str(&format!(" policy-built-under={}", t.name()));
         }
         if let Some(t) = self.stale_reduction_comm {
             s.push_str(&format!(" STALE-reductions={}", t.name()));

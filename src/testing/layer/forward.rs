@@ -58,7 +58,7 @@ pub(super) fn rank_forward(
     let (h, tp) = (c.hidden, c.tp);
     let (d, t) = (rank / tp, rank % tp);
     let mut checks = 0;
-    // Static, per layer: built "while trace_comm was live"; it takes no comm type.
+    // Static, per layer: built while `policy_built_under` was live; it takes no comm type.
     let policy = ReducePolicy::new(c.shared, c.routed_transform, c.sp, tp, c.world())?;
     let live = c.comm;
     let reduce_with = c.stale_reduction_comm.unwrap_or(live);
