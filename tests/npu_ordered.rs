@@ -311,17 +311,12 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
             got = Some(maybe_all_gather_and_maybe_unpad(&shard, Some(&layout), &comm)?);
             Ok(())
         }));
-<<<<<<< HEAD
-        p.extend(measure_with_staging(&nd, "finalize_and_reduce", 2, || {
-            finalize_and_reduce(&args, Some(&layout), &comm).map(drop)
-=======
         if let Some(t) = &got {
             expect(&mut p, "maybe_all_gather_and_maybe_unpad", t, &gathered_want(h));
         }
-        p.extend(measure_with_staging(&nd, "finalize_and_reduce", 1, || {
+        p.extend(measure_with_staging(&nd, "finalize_and_reduce", 2, || {
             got = Some(finalize_and_reduce(&args, Some(&layout), &comm)?);
             Ok(())
->>>>>>> tests-py2
         }));
         if let Some(t) = &got {
             expect(&mut p, "finalize_and_reduce", t, &rows(&over_ranks(dense_of), h, first, mine));
