@@ -80,6 +80,20 @@ impl<T> FinalizeArgs<T> {
 }
 
 impl<T: Copy> FinalizeArgs<T> {
+    /// Every operand with its argument name, `expanded_x` first; absent
+    /// optional ones are `None`.
+    pub fn operands(&self) -> [(&'static str, Option<T>); 7] {
+        [
+            ("expanded_x", Some(self.expanded_x)),
+            ("expanded_row_idx", Some(self.expanded_row_idx)),
+            ("x1", self.x1),
+            ("x2", self.x2),
+            ("bias", self.bias),
+            ("scales", self.scales),
+            ("expert_idx", self.expert_idx),
+        ]
+    }
+
     /// Every operand through `f`, which is told the argument's name; the first
     /// error wins.
     pub fn try_map<U>(&self, mut f: impl FnMut(&'static str, T) -> Result<U>) -> Result<FinalizeArgs<U>> {

@@ -238,18 +238,7 @@ fn same_device<'a>(
 /// plus the check that every tensor is on the device of `expanded_x`.
 pub fn moe_finalize_routing_output_shape(args: &FinalizeArgs<&Tensor>) -> Result<(Vec<usize>, FinalizeDims)> {
     let r = moe_finalize_routing_shape(&FinalizeMeta::of(args))?;
-    same_device(
-        FINALIZE,
-        &args.expanded_x.device(),
-        [
-            ("expanded_row_idx", Some(args.expanded_row_idx)),
-            ("x1", args.x1),
-            ("x2", args.x2),
-            ("bias", args.bias),
-            ("scales", args.scales),
-            ("expert_idx", args.expert_idx),
-        ],
-    )?;
+    same_device(FINALIZE, &args.expanded_x.device(), args.operands().into_iter().skip(1))?;
     Ok(r)
 }
 
@@ -274,19 +263,7 @@ pub fn moe_finalize_routing_into(args: &FinalizeArgs<&Tensor>, out: &mut Tensor)
     let device = args.expanded_x.device();
     same_device(FINALIZE, &device, [("out", Some(&*out))])?;
     check_out(FINALIZE, out, &shape, args.expanded_x.dtype())?;
-    crate::moe::output::apart(
-        FINALIZE,
-        out,
-        [
-            ("expanded_x", Some(args.expanded_x)),
-            ("expanded_row_idx", Some(args.expanded_row_idx)),
-            ("x1", args.x1),
-            ("x2", args.x2),
-            ("bias", args.bias),
-            ("scales", args.scales),
-            ("expert_idx", args.expert_idx),
-        ],
-    )?;
+    crate::moe::output::apart(FINALIZE, out, args.operands())?;
     device.backend().finalize_routing(args, &dims, out, OutputRows::Dense)
 }
 
