@@ -24,6 +24,13 @@ _REGISTRY_LOCK = threading.RLock()  # reentrant: close() may run from __del__ in
 _NEXT_ID = itertools.count(1)
 
 
+def _is_torch_world(pg) -> bool:
+    """Whether `pg` is torch.distributed's default group (its world)."""
+    import torch.distributed as dist
+
+    return pg is None or pg is dist.group.WORLD
+
+
 class Comm:
     """One rank's handle on a group. Create with `Comm.cpu(...)` or `comm.split(...)`;
     release with `close()` or a `with` block."""
@@ -125,7 +132,7 @@ class Comm:
         if not raw:
             raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
         # torch's default group is its world; any other group may be a split of it.
-        comm = cls.from_hccl(raw, int(device_ordinal), world=pg is None or pg is dist.group.WORLD)
+        comm = cls.from_hccl(raw, int(device_ordinal), world=_is_torch_world(pg))
         comm._owner = pg
         return comm
 

@@ -373,6 +373,15 @@ def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
     assert wrapped == [(0x7F00_1234, 5, False)]
     # torch's default group is its world: borrowed as one, so it may be split.
     world = Group(0x7F00_5678)
-    monkeypatch.setattr(dist.group, "WORLD", world)
+    monkeypatch.setattr(am.comm, "_is_torch_world", lambda pg: pg is world)
     am.Comm.from_process_group(world, device_ordinal=5)
     assert wrapped[-1] == (0x7F00_5678, 5, True)
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_only_torchs_default_group_counts_as_the_world():
+    import torch.distributed as dist
+
+    # Before init_process_group, WORLD is None: the default group is the world.
+    assert am.comm._is_torch_world(dist.group.WORLD)
+    assert not am.comm._is_torch_world(object())

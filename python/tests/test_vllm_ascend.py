@@ -92,7 +92,10 @@ SELECTED = (
 
 def test_their_unit_tests_under_install(tmp_path):
     junit = tmp_path / "ut.xml"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]))
+    # The stand-ins and the plugin from here; ascend_moe from wherever this
+    # process imported it (the installed wheel in CI), never a shadowing copy.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(am.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, package_root, os.environ.get("PYTHONPATH", "")]))
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "vllm_ut_plugin", "-p", "no:cacheprovider",
