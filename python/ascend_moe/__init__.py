@@ -20,7 +20,7 @@ default `torch.npu.current_stream()` for NPU operands, an error naming the
 missing stream without torch_npu; host operands need none). Each raw stream
 is wrapped once per process (`release_streams()` frees those handles).
 `Comm.from_process_group(pg)` borrows the HcclComm of a torch.distributed
-HCCL group, `Comm.from_hccl(raw, device)` any engine-owned one.
+HCCL group, `Comm.from_hccl(raw, device, world=False)` any engine-owned one.
 
 When torch is importable, the ops are also registered as torch custom ops
 (`torch.ops.ascend_moe.*`, functional: each returns a new tensor), with real

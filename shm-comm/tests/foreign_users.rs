@@ -207,85 +207,94 @@ fn a_stale_file_of_our_own_is_reclaimed() {
     assert!(std::fs::symlink_metadata(&path).is_err(), "the formed world left its file under {path}");
 }
 
-/// Set in the squatter process: the abstract names it binds, one per line.
-const SQUAT: &str = "SHM_COMM_TEST_SQUAT";
-
-/// Binds every name of `names` (newline-separated) to a datagram socket, says
-/// `bound` and holds them until its standard input closes.
-fn squatter_main(names: &str) -> i32 {
-    let mut fds = Vec::new();
-    for n in names.lines() {
-        // SAFETY: plain socket creation.
-        let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM, 0) };
-        // SAFETY: sockaddr_un is plain data.
-        let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-        a.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        for (d, s) in a.sun_path[1..].iter_mut().zip(n.as_bytes()) {
-            *d = *s as libc::c_char;
-        }
-        let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + n.len()) as libc::socklen_t;
-        // SAFETY: a is a valid sockaddr_un of at least len bytes.
-        if fd < 0 || unsafe { libc::bind(fd, &a as *const libc::sockaddr_un as *const libc::sockaddr, len) } != 0 {
-            let line = format!("failed to bind {n}: {}\n", std::io::Error::last_os_error());
-            // SAFETY: the buffer is valid for its length.
-            unsafe { libc::write(1, line.as_ptr() as *const libc::c_void, line.len()) };
-            return 1;
-        }
-        fds.push(fd);
-    }
-    // Straight to the descriptor: the test harness may capture `println!`.
-    // SAFETY: getuid has no preconditions; the buffer is valid for its length.
-    let line = format!("bound as uid {}\n", unsafe { libc::getuid() });
-    unsafe { libc::write(1, line.as_ptr() as *const libc::c_void, line.len()) };
-    let mut rest = String::new();
-    let _ = std::io::Read::read_to_string(&mut std::io::stdin(), &mut rest);
-    0
+/// A child process, forked from this one and running as `nobody`, that
+/// holds abstract Unix socket names bound until it is dropped. It is not
+/// exec'd, so it needs no access to this test binary's directory.
+struct Squatter {
+    pid: libc::pid_t,
+    release: libc::c_int,
 }
 
-/// This test binary run again as `nobody`, holding abstract names bound
-/// until it is dropped.
-struct Squatter(std::process::Child);
-
 impl Squatter {
-    fn bind(test: &str, names: &[String]) -> Squatter {
-        use std::io::BufRead;
-        use std::os::unix::process::CommandExt;
+    fn bind(names: &[String]) -> Squatter {
         let (uid, gid) = nobody();
-        let mut child = std::process::Command::new(std::env::current_exe().expect("test binary"))
-            .args(["--exact", test, "--nocapture", "--test-threads=1"])
-            .env(SQUAT, names.join("\n"))
-            .uid(uid)
-            .gid(gid)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn the squatter");
-        let out = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
-        // The test harness prints its own text first, also on the same line.
-        let said = out
-            .map_while(|l| l.ok())
-            .find_map(|l| l.find("bound as").or_else(|| l.find("failed to bind")).map(|at| l[at..].to_string()))
-            .unwrap_or_default();
-        let s = Squatter(child);
-        assert_eq!(said, format!("bound as uid {uid}"), "the squatter could not bind its names as nobody");
+        // Everything the child uses is made before the fork: after it, only
+        // plain system calls run there.
+        let addrs: Vec<(libc::sockaddr_un, libc::socklen_t)> = names
+            .iter()
+            .map(|n| {
+                // SAFETY: sockaddr_un is plain data.
+                let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+                a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+                for (d, s) in a.sun_path[1..].iter_mut().zip(n.as_bytes()) {
+                    *d = *s as libc::c_char;
+                }
+                (a, (std::mem::size_of::<libc::sa_family_t>() + 1 + n.len()) as libc::socklen_t)
+            })
+            .collect();
+        let (mut ready, mut release) = ([0; 2], [0; 2]);
+        // SAFETY: both arrays hold two descriptors.
+        unsafe {
+            assert_eq!(libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC), 0);
+            assert_eq!(libc::pipe2(release.as_mut_ptr(), libc::O_CLOEXEC), 0);
+        }
+        // SAFETY: the child makes only system calls on memory prepared above,
+        // then _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: plain system calls, see above.
+            unsafe {
+                // Keep only the two pipe ends it uses (moved to 1000 and up):
+                // every other descriptor this process had open (other tests'
+                // segment files, the release pipe's write end) is closed, so the
+                // child holds nothing but its own names.
+                let w = libc::fcntl(ready[1], libc::F_DUPFD, 1000);
+                let r = libc::fcntl(release[0], libc::F_DUPFD, w + 1);
+                libc::syscall(libc::SYS_close_range, 3u32, 999u32, 0u32);
+                libc::syscall(libc::SYS_close_range, (w + 1) as u32, (r - 1) as u32, 0u32);
+                libc::syscall(libc::SYS_close_range, (r + 1) as u32, u32::MAX, 0u32);
+                let mut ok: u8 = (w >= 0 && r > w && libc::setgid(gid) == 0 && libc::setuid(uid) == 0) as u8;
+                for (a, len) in &addrs {
+                    let fd = libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM, 0);
+                    if fd < 0 || libc::bind(fd, a as *const libc::sockaddr_un as *const libc::sockaddr, *len) != 0 {
+                        ok = 0;
+                    }
+                }
+                libc::write(w, &ok as *const u8 as *const libc::c_void, 1);
+                let mut byte = 0u8;
+                libc::read(r, &mut byte as *mut u8 as *mut libc::c_void, 1);
+                libc::_exit(0);
+            }
+        }
+        let mut ok = 0u8;
+        // SAFETY: closing our copies of the child's ends; reading one byte into ok.
+        let n = unsafe {
+            libc::close(ready[1]);
+            libc::close(release[0]);
+            let n = libc::read(ready[0], &mut ok as *mut u8 as *mut libc::c_void, 1);
+            libc::close(ready[0]);
+            n
+        };
+        let s = Squatter { pid, release: release[1] };
+        assert!(n == 1 && ok == 1, "the squatter could not become nobody and bind its names");
         s
     }
 }
 
 impl Drop for Squatter {
     fn drop(&mut self) {
-        // Closing its standard input lets it exit.
-        drop(self.0.stdin.take());
-        let _ = self.0.wait();
+        // SAFETY: closing the release pipe lets the child exit; then reap it.
+        unsafe {
+            libc::close(self.release);
+            let mut status = 0;
+            libc::waitpid(self.pid, &mut status, 0);
+        }
     }
 }
 
 #[test]
 fn presence_names_squatted_by_another_user_neither_block_nor_pose_as_a_world() {
-    const TEST: &str = "presence_names_squatted_by_another_user_neither_block_nor_pose_as_a_world";
-    if let Ok(names) = std::env::var(SQUAT) {
-        std::process::exit(squatter_main(&names));
-    }
     if !as_root("squatted presence") {
         return;
     }
@@ -295,17 +304,14 @@ fn presence_names_squatted_by_another_user_neither_block_nor_pose_as_a_world() {
     let hash = &path[path.len() - 16..];
     let staging = Config::default().staging_bytes;
     let me = std::process::id();
-    let squatter = Squatter::bind(
-        TEST,
-        &[
-            // A live world of another size under the name: would refuse every joiner.
-            format!("ascend-moe/{hash}/3/{staging}/0/{me}"),
-            format!("ascend-moe/{hash}/3/{staging}/0/{me}/0000000000000000"),
-            // The very names this process's ranks would announce without a nonce.
-            format!("ascend-moe/{hash}/{WORLD}/{staging}/0/{me}"),
-            format!("ascend-moe/{hash}/{WORLD}/{staging}/1/{me}"),
-        ],
-    );
+    let squatter = Squatter::bind(&[
+        // A live world of another size under the name: would refuse every joiner.
+        format!("ascend-moe/{hash}/3/{staging}/0/{me}"),
+        format!("ascend-moe/{hash}/3/{staging}/0/{me}/0000000000000000"),
+        // The very names this process's ranks would announce without a nonce.
+        format!("ascend-moe/{hash}/{WORLD}/{staging}/0/{me}"),
+        format!("ascend-moe/{hash}/{WORLD}/{staging}/1/{me}"),
+    ]);
     let res = form(&name);
     let comms: Vec<ShmComm> = res.into_iter().map(|r| r.expect("another user's names must not count")).collect();
     let members = live_members(&name);
