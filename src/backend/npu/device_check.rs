@@ -224,44 +224,66 @@ pub(crate) fn guard_words(stream: &NpuStream, words: *mut c_void, tiling: &Guard
     let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
     gm[GUARD_GM_LIVE] = words;
     gm[GUARD_GM_STATUS] = record.ptr();
-    let api = stream.enter()?;
+    let launcher = GuardLauncher::find(stream, "device check")?;
     let bytes = tiling.as_bytes();
-    let sim = match (api.cannsim_launch_kernel, guard_host_entry()) {
-        (Some(launch), Some(entry)) => Some((launch, entry)),
-        _ => None,
-    };
-    let lib = match sim {
-        Some(_) => None,
-        None => Some(shared_kernel_lib().ok_or_else(|| {
-            Error::Unavailable(
-                "device check: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel \
-                 library is available"
-                    .into(),
-            )
-        })?),
-    };
     let (t, block) = take_pool_block(stream, bytes.len())?;
-    let launched = stream.stage_to_device(bytes, t as *mut c_void, bytes.len()).and_then(|_| match (sim, lib) {
+    let launched = stream.stage_to_device(bytes, t as *mut c_void, bytes.len()).and_then(|_| {
         // SAFETY: `gm` holds CTX_WORDS words of this device and one status
         // record; the tiling is in a pool block of this stream, reused only
         // by work queued after the launch, and read when the task runs.
-        (Some((launch, entry)), _) => unsafe {
-            rt::sim_launch_kernel_device_tiling(
-                launch,
-                stream.raw(),
-                1,
-                Some(entry),
-                &gm,
-                t as *const c_void,
-                bytes.len(),
-            )
-        },
-        // SAFETY: as for the simulated launch.
-        (None, Some(lib)) => unsafe { lib.launch_guard(stream.raw(), &gm, t as *mut c_void) },
-        (None, None) => unreachable!("lib is Some when sim is None"),
+        unsafe { launcher.launch(stream, &gm, t as *mut c_void, bytes.len()) }
     });
     stream.give_back_block(t, block);
     launched?;
     record.finish(decode);
     Ok(())
+}
+
+/// How a guard kernel launches on this runtime: through the simulated
+/// runtime's host build, or the AI Core kernel library.
+pub(crate) enum GuardLauncher {
+    Sim(acl_sys::CannsimLaunchKernelFn, super::kernel::abi::KernelEntry),
+    Lib(&'static super::kernel::library::NpuKernelLib),
+}
+
+impl GuardLauncher {
+    /// The launcher for `stream`'s device; an error naming `who` when neither
+    /// is available.
+    pub(crate) fn find(stream: &NpuStream, who: &str) -> Result<Self> {
+        let api = stream.enter()?;
+        if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
+            return Ok(GuardLauncher::Sim(launch, entry));
+        }
+        shared_kernel_lib().map(GuardLauncher::Lib).ok_or_else(|| {
+            Error::Unavailable(format!(
+                "{who}: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel library \
+                 is available"
+            ))
+        })
+    }
+
+    /// Launches the guard kernel on `stream` with `gm` and the `len`-byte
+    /// tiling at device address `tiling`.
+    ///
+    /// # Safety
+    /// `gm` holds the live words and one status record of `stream`'s device;
+    /// `tiling` is `len` bytes of device memory of that device that stay
+    /// valid until the task has run (the simulator and the device read it
+    /// then).
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &NpuStream,
+        gm: &[*mut c_void; GUARD_GM_COUNT],
+        tiling: *mut c_void,
+        len: usize,
+    ) -> Result<()> {
+        match self {
+            // SAFETY: the caller's contract.
+            GuardLauncher::Sim(launch, entry) => unsafe {
+                rt::sim_launch_kernel_device_tiling(*launch, stream.raw(), 1, Some(*entry), gm, tiling, len)
+            },
+            // SAFETY: the caller's contract.
+            GuardLauncher::Lib(lib) => unsafe { lib.launch_guard(stream.raw(), gm, tiling) },
+        }
+    }
 }

@@ -23,11 +23,11 @@ use std::sync::{Mutex, MutexGuard};
 
 use acl_sys::aclrtMemcpyKind;
 
+use super::device_check::GuardLauncher;
 use super::kernel::guard::{
-    check_guard_status, guard_host_entry, ContextWords, GuardTiling, CTX_WORDS, GUARD_GM_COUNT, GUARD_GM_LIVE,
-    GUARD_GM_STATUS,
+    check_guard_status, ContextWords, GuardTiling, CTX_WORDS, GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS,
 };
-use super::kernel::{shared_kernel_lib, STATUS_WORDS};
+use super::kernel::STATUS_WORDS;
 use super::memory::{NpuBuffer, PinnedHostBuffer};
 use super::result::acl as rt;
 use super::runtime::{NpuEvent, NpuStream};
@@ -226,7 +226,7 @@ impl LiveContext {
 
     fn launch_guard(&self, slot: usize, tiling: &GuardTiling, stream: &NpuStream) -> Result<()> {
         let record = self.records.as_ptr().cast::<u8>().wrapping_add(slot * RECORD_BYTES).cast::<c_void>();
-        let api = stream.enter()?;
+        stream.enter()?;
         // Bytes 0xFF: STATUS_NOT_RUN, so a guard that never ran is reported.
         // SAFETY: the record is RECORD_BYTES bytes inside `records`, owned by
         // this guard's slot; the stream is live and of this device.
@@ -234,20 +234,7 @@ impl LiveContext {
         let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
         gm[GUARD_GM_LIVE] = self.live.as_ptr();
         gm[GUARD_GM_STATUS] = record;
-        let sim = match (api.cannsim_launch_kernel, guard_host_entry()) {
-            (Some(launch), Some(entry)) => Some((launch, entry)),
-            _ => None,
-        };
-        let lib = match sim {
-            Some(_) => None,
-            None => Some(shared_kernel_lib().ok_or_else(|| {
-                Error::Unavailable(
-                    "forward-context guard: neither cannsim_launch_kernel with the host kernel build nor the AI \
-                     Core kernel library is available"
-                        .into(),
-                )
-            })?),
-        };
+        let launcher = GuardLauncher::find(stream, "forward-context guard")?;
         let dev_tiling = self.tilings.as_ptr().cast::<u8>().wrapping_add(slot * TILING_BYTES).cast::<c_void>();
         let mut host = lock(&self.tiling_host);
         let off = slot * TILING_BYTES;
@@ -264,18 +251,11 @@ impl LiveContext {
                 stream.raw(),
             )
         }?;
-        match (sim, lib) {
-            // SAFETY: `gm` holds the live buffer (CTX_WORDS words) and one
-            // status record of this device; the tiling is the slot's
-            // TILING_BYTES of device memory, which the simulator reads when
-            // the task runs.
-            (Some((launch, entry)), _) => unsafe {
-                rt::sim_launch_kernel_device_tiling(launch, stream.raw(), 1, Some(entry), &gm, dev_tiling, TILING_BYTES)
-            },
-            // SAFETY: as for the simulated launch.
-            (None, Some(lib)) => unsafe { lib.launch_guard(stream.raw(), &gm, dev_tiling) },
-            (None, None) => unreachable!("lib is Some when sim is None"),
-        }
+        // SAFETY: `gm` holds the live buffer (CTX_WORDS words) and one status
+        // record of this device; the tiling is the slot's TILING_BYTES of
+        // device memory, which the simulator and the device read when the
+        // task runs.
+        unsafe { launcher.launch(stream, &gm, dev_tiling, TILING_BYTES) }
     }
 
     /// Reads every guard record after the caller synchronised the streams the
