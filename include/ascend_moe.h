@@ -242,6 +242,11 @@ typedef uint32_t amoe_drop_pad_mode;
 // different threads concurrently.
 typedef struct amoe_comm amoe_comm;
 
+// Host memory for a large result, from the library's reuse pool
+// (`amoe_host_block_new`). Owned by the caller; `amoe_host_block_free`
+// gives the memory back for a later block of the same size.
+typedef struct amoe_host_block amoe_host_block;
+
 // A live forward context in NPU memory (256 bytes), which the engine
 // rewrites before each graph replay, plus the records of the guards
 // enqueued against it. Owned by the caller (free with
@@ -719,6 +724,29 @@ amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
 // # Safety
 // `stream` must be NULL or a live handle from `amoe_stream_wrap`.
 amoe_status amoe_stream_check(const struct amoe_stream *stream);
+
+// Host memory of `len` bytes (`len` > 0) for a result: `*data` receives its
+// address (aligned to 2 MiB, so any dtype fits), `*out` a handle the caller
+// frees with `amoe_host_block_free` once nothing reads or writes the memory
+// any more. The contents are unspecified (the bytes of an earlier, freed
+// block). From `amoe_host_block_min_len()` bytes on, a freed block's memory
+// serves the next block of the same size, so neither the system allocator
+// nor first-touch page faults are paid again; the library keeps at most
+// 1 GiB of freed blocks. Smaller results are better allocated as usual.
+//
+// # Safety
+// `data` and `out` writable.
+amoe_status amoe_host_block_new(size_t len, void **data, struct amoe_host_block **out);
+
+// The size from which `amoe_host_block_new` reuses freed blocks.
+size_t amoe_host_block_min_len(void);
+
+// Gives a block's memory back to the pool (NULL is a no-op). The memory may
+// be handed out again at once: nothing may use it afterwards.
+//
+// # Safety
+// `block` NULL or a live handle not used afterwards.
+void amoe_host_block_free(struct amoe_host_block *block);
 
 // The SP layout of DP token counts (SPEC section 2):
 // `local_sizes[d * tp_size + t] = ceil(dp_tokens[d] / tp_size)`.

@@ -17,6 +17,9 @@ pub trait DeviceOps {
     fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor>;
     /// A zero-filled tensor an op makes for itself ([`Backend::scratch`]).
     fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor>;
+    /// A tensor for an op's result that the op writes entirely
+    /// ([`Backend::output`]): its contents are unspecified.
+    fn output(&self, shape: &[usize], dtype: DType) -> Result<Tensor>;
     /// A copy of `src` (on any device) on this device.
     fn copy_from(&self, src: &Tensor) -> Result<Tensor>;
     /// A copy of the host tensor `src` an op made itself
@@ -62,6 +65,11 @@ where
     fn scratch(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let len = checked_bytes("Tensor::zeros", "shape", shape, dtype)?;
         Tensor::from_buffer(shape, dtype, Backend::scratch(self, len)?)
+    }
+
+    fn output(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let len = checked_bytes("Tensor::zeros", "shape", shape, dtype)?;
+        Tensor::from_buffer(shape, dtype, Backend::output(self, len)?)
     }
 
     fn copy_from(&self, src: &Tensor) -> Result<Tensor> {

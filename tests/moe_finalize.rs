@@ -187,6 +187,38 @@ fn finalize_matches_naive_for_every_mode_option_and_dtype() {
     assert_eq!(cases, 4 * 3 * 24);
 }
 
+/// Large results come from the host pool: a dropped result's memory serves
+/// the next one (poisoned first in debug builds), so every element must be
+/// written; a result still held is never handed out again.
+#[test]
+fn large_results_reuse_dropped_memory_only_and_are_written_entirely() {
+    let mut rng = Rng::new(21);
+    let all = Opts { x1: true, x2: false, bias: true, scales: Some(DType::F32), expert_without_bias: false };
+    for mode in MODES {
+        // [600, 512] f32: 1.2 MiB, above the size the pool serves.
+        let p = problem(&mut rng, mode, DType::F32, 600, 3, &[512], all);
+        let what = format!("mode {}", mode as u32);
+        let first = moe_finalize_routing(&p.args()).unwrap();
+        let first_bytes = first.cpu_bytes().unwrap().to_vec();
+        let held = moe_finalize_routing(&p.args()).unwrap();
+        let (a, b) = (first.cpu_bytes().unwrap().as_ptr(), held.cpu_bytes().unwrap().as_ptr());
+        assert_ne!(a, b, "{what}: two live results share memory");
+        drop(first);
+        // Reuses `first`'s block, whose old bytes are the same result: poison
+        // (debug) or not, the check below compares with the naive sum.
+        p.check(&format!("{what}, reused block"));
+        assert_eq!(held.cpu_bytes().unwrap(), first_bytes.as_slice(), "{what}: a held result changed");
+    }
+    let permuted = random(&mut rng, &[1200, 512], DType::F32);
+    let idx: Vec<i32> = (0..1200).rev().collect();
+    let sorted = i32_tensor(&idx, &[1200]);
+    let want = naive_unpermute(&permuted, &idx, None, 1);
+    for round in 0..2 {
+        let got = moe_token_unpermute(&permuted, &sorted, None).unwrap();
+        assert_close_abs(&format!("unpermute round {round}"), &to_f64(&got), &want, 0.0, &vec![0.0; want.len()]);
+    }
+}
+
 #[test]
 fn finalize_edge_sizes() {
     let mut rng = Rng::new(2);

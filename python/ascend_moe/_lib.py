@@ -128,6 +128,9 @@ _SIGNATURES = {
     "amoe_stream_check": [_STREAM],
     "amoe_workspace_reserve": [_STREAM, c_size_t, c_size_t],
     "amoe_stream_set_allocator": [_STREAM, c_void_p, c_void_p, c_void_p],
+    "amoe_host_block_new": [c_size_t, POINTER(c_void_p), POINTER(c_void_p)],
+    "amoe_host_block_min_len": [],
+    "amoe_host_block_free": [c_void_p],
     "amoe_live_context_new": [_STREAM, POINTER(c_void_p)],
     "amoe_live_context_free": [c_void_p],
     "amoe_live_context_device_ptr": [c_void_p, POINTER(c_void_p), _SZ],
@@ -184,6 +187,8 @@ _RESTYPES = {
     "amoe_comm_free": None,
     "amoe_stream_free": None,
     "amoe_live_context_free": None,
+    "amoe_host_block_min_len": c_size_t,
+    "amoe_host_block_free": None,
     "amoe_moe_groups_free": None,
 }
 

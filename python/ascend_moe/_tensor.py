@@ -188,13 +188,77 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
     return d
 
 
+class _HostBlock:
+    """Host memory of the library's reuse pool (`amoe_host_block_new`), seen
+    by numpy as `nbytes` bytes. Every array (and torch tensor) over it keeps
+    it alive; when the last one goes, the memory returns to the pool for the
+    next output of the same size."""
+
+    __slots__ = ("__array_interface__", "_free", "_handle")
+
+    def __init__(self, nbytes: int):
+        from ._lib import call, lib
+
+        data, handle = ctypes.c_void_p(), ctypes.c_void_p()
+        call("amoe_host_block_new", nbytes, ctypes.byref(data), ctypes.byref(handle))
+        # Held here, so freeing needs no module lookup (also at interpreter exit).
+        self._free = lib().amoe_host_block_free
+        self._handle = handle
+        self.__array_interface__ = {"data": (data.value, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+    def __del__(self):
+        self._free(self._handle)
+
+
+_POOLED_FROM: list = []
+
+
+def _pooled_bytes(nbytes: int) -> np.ndarray | None:
+    """`nbytes` bytes of the library's host pool as a uint8 array, or None
+    below the size the pool serves (the usual allocator is as cheap there)."""
+    if not _POOLED_FROM:
+        from ._lib import lib
+
+        _POOLED_FROM.append(lib().amoe_host_block_min_len())
+    if nbytes < _POOLED_FROM[0]:
+        return None
+    return np.asarray(_HostBlock(nbytes))
+
+
+def host_empty(shape, dtype) -> np.ndarray:
+    """A host array for an output the library writes entirely: a block of its
+    reuse pool for large ones, `np.empty` otherwise. A fresh large allocation
+    would be new pages on every call, each zeroed and mapped by the kernel
+    when the op first writes it."""
+    dtype = np.dtype(dtype)
+    raw = _pooled_bytes(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    if raw is None:
+        return np.empty(shape, dtype=dtype)
+    return raw.view(dtype).reshape(shape)
+
+
+def _torch_host_empty(shape, dtype):
+    """`host_empty` for a torch CPU output: a tensor over a pool block (it
+    keeps the block alive), or `torch.empty` for small ones."""
+    torch = sys.modules["torch"]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = _pooled_bytes(int(np.prod(shape, dtype=np.int64)) * itemsize)
+    if raw is None:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
 def alloc(arg: str, shape, like: Desc):
     """A new output of `shape` with `like`'s dtype, where `like` lives: numpy
-    for arrays, `torch.empty(..., device=like.device)` for torch tensors (torch's
-    caching allocator owns it), `like.new_empty(shape)` for other tensor-likes."""
+    for arrays and torch's CPU tensors (large ones from the library's reuse
+    pool, `host_empty`), `torch.empty(..., device=like.device)` for other
+    torch tensors (torch's caching allocator owns it), `like.new_empty(shape)`
+    for other tensor-likes."""
     shape = tuple(int(s) for s in shape)
     x = like.obj
     if _torch_tensor(x):
+        if x.device.type == "cpu":
+            return _torch_host_empty(shape, x.dtype)
         return sys.modules["torch"].empty(shape, dtype=x.dtype, device=x.device)
     if _tensor_like(x):
         if hasattr(x, "new_empty"):
@@ -203,7 +267,7 @@ def alloc(arg: str, shape, like: Desc):
             Status.INVALID_ARGUMENT,
             f"`{like.arg}` ({type(x).__name__} on {x.device}) has no `new_empty` to allocate the output: pass `{arg}=`",
         )
-    return np.empty(shape, dtype=NUMPY_DTYPES[like.c.dtype])
+    return host_empty(shape, NUMPY_DTYPES[like.c.dtype])
 
 
 # --------------------------------------------------------------- streams

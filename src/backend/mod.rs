@@ -154,6 +154,12 @@ pub trait Backend {
     fn scratch(&self, len: usize) -> Result<Self::Buffer> {
         self.zeros(len)
     }
+    /// `len` bytes for an op's result that it writes entirely before anyone
+    /// reads it, so their contents are unspecified: on the CPU a reused block
+    /// of the host pool for large results; elsewhere [`scratch`](Self::scratch).
+    fn output(&self, len: usize) -> Result<Self::Buffer> {
+        self.scratch(len)
+    }
     /// A copy of host bytes on this backend.
     fn upload(&self, bytes: &[u8]) -> Result<Self::Buffer>;
     /// A copy on this backend of small host data an op made itself (a comm

@@ -9,6 +9,7 @@
 //! | `amoe_stream` | [`LiveStream`] | `Box` |
 //! | `amoe_moe_groups` | [`MoeGroups`] | `Box` |
 //! | `amoe_live_context` | [`LiveContext`] | `Arc` |
+//! | `amoe_host_block` | [`Block`] | `Box` |
 //!
 //! The functions here take the handle arguments of exports, which each
 //! export's contract makes NULL or a live handle of their type: these are
@@ -17,7 +18,8 @@
 use std::sync::Arc;
 
 use super::failure::{write_out, Failure};
-use super::types::{amoe_comm, amoe_live_context, amoe_moe_groups, amoe_stream};
+use super::types::{amoe_comm, amoe_host_block, amoe_live_context, amoe_moe_groups, amoe_stream};
+use crate::backend::cpu::host_pool::Block;
 use crate::backend::npu::live_context::LiveContext;
 use crate::moe::prepare_finalize::MoeGroups;
 use crate::moe::LiveStream;
@@ -54,6 +56,11 @@ impl Castable for amoe_moe_groups {
 impl Castable for amoe_live_context {
     type Ownership = OwnedArc;
     type RustType = LiveContext;
+}
+
+impl Castable for amoe_host_block {
+    type Ownership = OwnedBox;
+    type RustType = Block;
 }
 
 /// The value behind `p`, borrowed for the call; `None` for NULL.

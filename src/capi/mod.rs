@@ -31,6 +31,7 @@ pub(crate) mod ffi;
 mod handle;
 
 mod comm;
+mod host;
 mod layout_ops;
 mod live;
 mod ops;
@@ -40,6 +41,7 @@ mod shared;
 mod types;
 
 pub use comm::*;
+pub use host::*;
 pub use layout_ops::*;
 pub use live::*;
 pub use ops::*;

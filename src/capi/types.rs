@@ -261,6 +261,13 @@ pub struct amoe_live_context {
     _private: [u8; 0],
 }
 
+/// Host memory for a large result, from the library's reuse pool
+/// (`amoe_host_block_new`). Owned by the caller; `amoe_host_block_free`
+/// gives the memory back for a later block of the same size.
+pub struct amoe_host_block {
+    _private: [u8; 0],
+}
+
 /// The EP / TP / DP groups of a MoE layer, split from a world communicator.
 /// Owned by the caller (free with `amoe_moe_groups_free`).
 pub struct amoe_moe_groups {

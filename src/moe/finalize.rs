@@ -248,7 +248,7 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<&Tensor>) -> Result<Tensor> {
     let (shape, dims) = moe_finalize_routing_output_shape(args)?;
     let device = args.expanded_x.device();
     let backend = device.backend();
-    let mut out = backend.scratch(&shape, args.expanded_x.dtype())?;
+    let mut out = backend.output(&shape, args.expanded_x.dtype())?;
     backend.finalize_routing(args, &dims, &mut out, OutputRows::Dense)?;
     Ok(out)
 }
@@ -365,7 +365,7 @@ pub fn moe_token_unpermute(permuted: &Tensor, sorted_indices: &Tensor, probs: Op
     let (shape, dims) = moe_token_unpermute_output_shape(permuted, sorted_indices, probs)?;
     let device = permuted.device();
     let backend = device.backend();
-    let mut out = backend.scratch(&shape, permuted.dtype())?;
+    let mut out = backend.output(&shape, permuted.dtype())?;
     backend.token_unpermute(permuted, sorted_indices, probs, dims.k, &mut out)?;
     Ok(out)
 }

@@ -107,9 +107,9 @@ fn check_in_out<C: Collectives + ?Sized>(
     Ok(device)
 }
 
-/// An allocating op: `into` writes a scratch tensor of `shape` and the dtype
+/// An allocating op: `into` writes an output tensor of `shape` and the dtype
 /// of `x`, on the EP group's device, which is returned.
-fn with_scratch_out<C: Collectives + ?Sized>(
+fn with_output<C: Collectives + ?Sized>(
     op: &'static str,
     x: &Tensor,
     shape: &[usize],
@@ -117,7 +117,7 @@ fn with_scratch_out<C: Collectives + ?Sized>(
     into: impl FnOnce(&mut Tensor) -> Result<()>,
 ) -> Result<Tensor> {
     let device = check_device(op, "x", x, ep)?;
-    let mut out = device.backend().scratch(shape, x.dtype())?;
+    let mut out = device.backend().output(shape, x.dtype())?;
     into(&mut out)?;
     Ok(out)
 }
@@ -160,7 +160,7 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
 /// reduce-scatter (rows must divide by EP).
 pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
     let shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    with_scratch_out(PAD_REDUCE, x, &shape, ep, |out| maybe_pad_and_reduce_into(x, layout, ep, out))
+    with_output(PAD_REDUCE, x, &shape, ep, |out| maybe_pad_and_reduce_into(x, layout, ep, out))
 }
 
 /// [`maybe_pad_and_reduce`] into `out`, which must have the shape of
@@ -238,7 +238,7 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     ep: &C,
 ) -> Result<Tensor> {
     let shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    with_scratch_out(GATHER_UNPAD, x, &shape, ep, |out| maybe_all_gather_and_maybe_unpad_into(x, layout, ep, out))
+    with_output(GATHER_UNPAD, x, &shape, ep, |out| maybe_all_gather_and_maybe_unpad_into(x, layout, ep, out))
 }
 
 /// [`maybe_all_gather_and_maybe_unpad`] into `out`, which must have the shape
@@ -330,7 +330,7 @@ pub fn finalize_and_reduce<C: Collectives + ?Sized>(
 ) -> Result<Tensor> {
     let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
     let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
-    let mut out = device.backend().scratch(&out_shape, args.expanded_x.dtype())?;
+    let mut out = device.backend().output(&out_shape, args.expanded_x.dtype())?;
     finalize_and_reduce_into(args, layout, ep, &mut out)?;
     Ok(out)
 }

@@ -24,6 +24,10 @@ impl Backend for CpuBackend {
         CpuBuffer::try_zeros("Tensor::zeros", len)
     }
 
+    fn output(&self, len: usize) -> Result<CpuBuffer> {
+        CpuBuffer::try_output("Tensor::output", len)
+    }
+
     fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
         let mut b = CpuBuffer::try_zeros("copy_from", bytes.len())?;
         b.as_bytes_mut().copy_from_slice(bytes);

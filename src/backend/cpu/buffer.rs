@@ -1,6 +1,7 @@
 //! [`CpuBuffer`]: host memory of the CPU backend, owned or borrowed from the
 //! caller for the duration of a call.
 
+use super::host_pool::{self, Block};
 use crate::backend::{Buffer, View, ViewMut};
 use crate::{Element, Error, Result};
 
@@ -17,12 +18,15 @@ enum HostMem {
     /// Our own allocation (8-byte words; an empty one still has an aligned
     /// dangling pointer, so empty typed views are valid).
     Owned(Vec<u64>),
+    /// A large block of the host pool, kept for reuse when dropped.
+    Pooled(Block),
     /// The caller's memory. Read-only memory is copied into an owned
     /// allocation on the first mutable access, so it is never written.
     Borrowed { ptr: std::ptr::NonNull<u8>, writable: bool },
 }
 
-// SAFETY: an owned buffer is a `Vec<u64>`. A borrowed one is, by the contract
+// SAFETY: an owned buffer is a `Vec<u64>` or a pool block (memory it alone
+// refers to, as a Vec's). A borrowed one is, by the contract
 // of `CpuBuffer::borrow_raw`, memory lent to this buffer alone for its whole
 // life (writable) or not written by anyone while it lives (read-only), and
 // it is only accessed through `&self` / `&mut self` of the buffer, exactly
@@ -43,7 +47,7 @@ impl Clone for CpuBuffer {
     fn clone(&self) -> Self {
         match &self.mem {
             HostMem::Owned(w) => CpuBuffer { mem: HostMem::Owned(w.clone()), len: self.len },
-            HostMem::Borrowed { .. } => Self::from_bytes(self.as_bytes()),
+            HostMem::Pooled(_) | HostMem::Borrowed { .. } => Self::from_bytes(self.as_bytes()),
         }
     }
 }
@@ -67,7 +71,7 @@ impl CpuBuffer {
         if words == 0 {
             return Ok(Self::default());
         }
-        let failed = || Error::invalid(op, "shape", format!("{len} bytes of host memory could not be allocated"));
+        let failed = || no_memory(op, len);
         let layout = std::alloc::Layout::array::<u64>(words).map_err(|_| failed())?;
         // SAFETY: `layout` has a non-zero size (words >= 1).
         let p = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<u64>();
@@ -78,6 +82,22 @@ impl CpuBuffer {
         // u64s (what a Vec of that capacity uses), all zero, which are valid u64s.
         let words = unsafe { Vec::from_raw_parts(p, words, words) };
         Ok(CpuBuffer { mem: HostMem::Owned(words), len })
+    }
+
+    /// `len` bytes for a result the op writes entirely before anyone reads
+    /// it, or an error naming `op` when the allocation fails. Their contents
+    /// are unspecified: from [`MIN_POOLED`](host_pool::MIN_POOLED) bytes on,
+    /// a block of the host pool (a previous, dropped result's memory, so
+    /// neither the system allocator nor first-touch page faults are paid
+    /// again), else zeros.
+    pub fn try_output(op: &'static str, len: usize) -> Result<Self> {
+        if len < host_pool::MIN_POOLED {
+            return Self::try_zeros(op, len);
+        }
+        match Block::take(len) {
+            Some(b) => Ok(CpuBuffer { mem: HostMem::Pooled(b), len }),
+            None => Err(no_memory(op, len)),
+        }
     }
 
     /// Copies `bytes` into a new buffer.
@@ -129,6 +149,7 @@ impl CpuBuffer {
     pub fn as_bytes(&self) -> &[u8] {
         match &self.mem {
             HostMem::Owned(w) => &bytemuck::cast_slice(w)[..self.len],
+            HostMem::Pooled(b) => b.as_bytes(),
             // SAFETY: `borrow_raw`'s contract: readable for `len` bytes while
             // the buffer lives, and not written elsewhere meanwhile.
             HostMem::Borrowed { ptr, .. } => unsafe { std::slice::from_raw_parts(ptr.as_ptr(), self.len) },
@@ -144,6 +165,7 @@ impl CpuBuffer {
         let len = self.len;
         match &mut self.mem {
             HostMem::Owned(w) => &mut bytemuck::cast_slice_mut(w)[..len],
+            HostMem::Pooled(b) => b.as_bytes_mut(),
             // SAFETY: `borrow_raw`'s contract: writable for `len` bytes while
             // the buffer lives and lent to it alone; `&mut self` makes this
             // the only live reference.
@@ -153,7 +175,7 @@ impl CpuBuffer {
 
     /// Typed view; `len` must be a multiple of `size_of::<T>()`.
     pub fn typed<T: Element>(&self) -> &[T] {
-        // Owned words and borrowed memory are both 8-byte aligned, which
+        // Owned words, pool blocks and borrowed memory are all 8-byte aligned, which
         // satisfies every Element.
         bytemuck::cast_slice(self.as_bytes())
     }
@@ -175,6 +197,10 @@ impl Buffer for CpuBuffer {
     fn len_bytes(&self) -> usize {
         self.len
     }
+}
+
+fn no_memory(op: &'static str, len: usize) -> Error {
+    Error::invalid(op, "shape", format!("{len} bytes of host memory could not be allocated"))
 }
 
 fn check_dtype<T: Element>(op: &'static str, arg: &'static str, dtype: crate::DType) -> Result<()> {

@@ -5,6 +5,7 @@ mod backend_impl;
 mod buffer;
 pub mod comm;
 pub mod finalize;
+pub(crate) mod host_pool;
 
 pub use backend_impl::CpuBackend;
 pub use buffer::CpuBuffer;

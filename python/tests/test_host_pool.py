@@ -1,0 +1,126 @@
+"""Large outputs allocated by the package come from the library's host pool
+(`amoe_host_block_new`): a result's memory is handed out again only after the
+last array, view or torch tensor over it is gone, and a reused block is
+written entirely by the op."""
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import ascend_moe as am
+from ascend_moe import _tensor
+from ascend_moe._lib import last_error, lib
+from workers import assert_close, finalize_case, finalize_golden, rng_for
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+MIN = lib().amoe_host_block_min_len()
+
+
+def _big_case(seed, dtype):
+    """A finalize whose [N, H] output is above the pooled size (x1 only, so
+    the reference is cheap)."""
+    n, h = 256, MIN // 256 // dtype.itemsize + 8
+    ex, idx, kw = finalize_case(rng_for("host-pool", seed), 2, dtype, n=n, k=2, h=(h,), x2=False, bias=False)
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 2)
+    return ex, idx, kw, want
+
+
+def _addr(a):
+    return a.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+def test_a_held_result_is_never_reused_and_a_dropped_one_is(dtype):
+    ex, idx, kw, want = _big_case(1, dtype)
+    ex2, idx2, kw2, want2 = _big_case(2, dtype)
+    a = am.moe_finalize_routing(ex, idx, **kw)
+    assert a.nbytes >= MIN
+    b = am.moe_finalize_routing(ex2, idx2, **kw2)
+    assert not np.shares_memory(a, b)
+    assert_close(a, want, dtype, "the held result after another call")
+    assert_close(b, want2, dtype, "the second result")
+    # A view keeps the block: the next result may not take it.
+    view = a[100:]
+    old = _addr(a)
+    del a
+    c = am.moe_finalize_routing(ex2, idx2, **kw2)
+    assert not np.shares_memory(view, c)
+    assert_close(view, want[100:], dtype, "a view of a dropped result")
+    assert_close(c, want2, dtype, "a result while a view of another lives")
+    # Once the view goes too, the block serves the next output of its size,
+    # which the op writes entirely.
+    del view
+    d = am.moe_finalize_routing(ex, idx, **kw)
+    assert _addr(d) == old, "a dropped block was not reused"
+    assert_close(d, want, dtype, "a result in a reused block")
+
+
+def test_small_outputs_are_ordinary_numpy_arrays():
+    x = np.arange(12, dtype=np.float32)
+    with am.Comm.cpu("host-pool-small", 1, 0) as c:
+        y = am.all_reduce(x, c)
+    assert y.base is None or isinstance(y.base, np.ndarray)
+    np.testing.assert_array_equal(y, x)
+
+
+def test_collective_results_use_the_pool_and_stay_correct():
+    n = MIN // 4 + 1024
+    x = np.arange(n, dtype=np.float32)
+    with am.Comm.cpu("host-pool-coll", 1, 0) as c:
+        r1 = am.all_reduce(x, c)
+        r2 = am.all_gather(x * 2, c)
+        assert not np.shares_memory(r1, r2)
+        np.testing.assert_array_equal(r1, x)
+        np.testing.assert_array_equal(r2, x * 2)
+        old = _addr(r1)
+        del r1
+        r3 = am.all_reduce(x + 1, c)
+        assert _addr(r3) == old
+        np.testing.assert_array_equal(r3, x + 1)
+
+
+def test_host_block_arguments_are_checked():
+    lb = lib()
+    data, out = ctypes.c_void_p(), ctypes.c_void_p()
+    assert lb.amoe_host_block_new(0, ctypes.byref(data), ctypes.byref(out)) == am.Status.INVALID_ARGUMENT
+    assert "at least one byte" in last_error()
+    assert lb.amoe_host_block_new(64, None, ctypes.byref(out)) == am.Status.NULL_ARGUMENT
+    assert lb.amoe_host_block_new(64, ctypes.byref(data), None) == am.Status.NULL_ARGUMENT
+    assert lb.amoe_host_block_new(MIN, ctypes.byref(data), ctypes.byref(out)) == am.Status.OK
+    assert data.value % (2 << 20) == 0
+    lb.amoe_host_block_free(out)
+    lb.amoe_host_block_free(None)
+
+
+torch = pytest.importorskip("torch") if am.TORCH_OPS else None
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_torch_cpu_results_come_from_the_pool_and_views_keep_them():
+    from torch_workers import to_torch
+
+    ex, idx, kw, want = _big_case(3, np.dtype(np.float32))
+    tex, tidx = to_torch(ex), to_torch(idx)
+    tkw = {k: (to_torch(v) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    a = am.moe_finalize_routing(tex, tidx, **tkw)
+    assert isinstance(a, torch.Tensor) and a.dtype == torch.float32 and tuple(a.shape) == want.shape
+    view = a[10:]
+    ptr = a.data_ptr()
+    del a
+    b = am.moe_finalize_routing(tex, tidx, **tkw)
+    assert b.data_ptr() != ptr, "a block a torch view still uses was reused"
+    assert_close(np.array(view.tolist()), want[10:], np.float32, "a torch view of a dropped result")
+    del view
+    c = am.moe_finalize_routing(tex, tidx, **tkw)
+    assert c.data_ptr() == ptr, "a dropped torch result's block was not reused"
+    assert_close(np.array(c.tolist()), want, np.float32, "a torch result in a reused block")
+    assert torch.equal(b, c)
+
+
+def test_host_empty_gives_the_shape_and_dtype_asked_for():
+    a = _tensor.host_empty((3, MIN // 6 + 5), BF16)
+    assert a.shape == (3, MIN // 6 + 5) and a.dtype == BF16 and a.flags.c_contiguous and a.flags.writeable
+    b = _tensor.host_empty((2, 3), np.float32)
+    assert b.shape == (2, 3) and b.dtype == np.float32
