@@ -60,6 +60,35 @@ fn last_error_is_per_thread_truncates_on_char_boundaries_and_is_not_cleared_by_r
 }
 
 #[test]
+fn host_blocks_check_their_arguments_and_are_reused_once_freed() {
+    let (mut data, mut block) = (null_mut(), null_mut());
+    // SAFETY: the out-pointers are writable or NULL (the cases under test).
+    unsafe {
+        assert_eq!(amoe_host_block_new(0, &mut data, &mut block), amoe_status::InvalidArgument);
+        assert!(last_error().contains("`len`"), "{}", last_error());
+        assert_eq!(amoe_host_block_new(64, null_mut(), &mut block), amoe_status::NullArgument);
+        assert_eq!(amoe_host_block_new(64, &mut data, null_mut()), amoe_status::NullArgument);
+    }
+    let len = amoe_host_block_min_len() * 3 + 5;
+    // SAFETY: both out-pointers writable; each block is freed once, after its
+    // memory was last used.
+    unsafe {
+        assert_eq!(amoe_host_block_new(len, &mut data, &mut block), amoe_status::Ok);
+        assert_eq!(data as usize % (2 << 20), 0);
+        std::ptr::write_bytes(data.cast::<u8>(), 1, len);
+        let (mut d2, mut b2) = (null_mut(), null_mut());
+        assert_eq!(amoe_host_block_new(len, &mut d2, &mut b2), amoe_status::Ok);
+        assert_ne!(d2, data, "two live blocks share memory");
+        let first = data;
+        amoe_host_block_free(block);
+        assert_eq!(amoe_host_block_new(len, &mut data, &mut block), amoe_status::Ok);
+        assert_eq!(data, first, "a freed block was not reused");
+        amoe_host_block_free(block);
+        amoe_host_block_free(b2);
+    }
+}
+
+#[test]
 fn null_arguments_and_small_shape_buffers_are_reported() {
     let mut r = 0usize;
     // SAFETY: NULL comm is the case under test; `r` is writable.
@@ -70,6 +99,7 @@ fn null_arguments_and_small_shape_buffers_are_reported() {
         amoe_comm_free(null_mut());
         amoe_stream_free(null_mut());
         amoe_moe_groups_free(null_mut());
+        amoe_host_block_free(null_mut());
     }
 
     let (mut p, mut i) = (vec![0f32; 12], [0i32, 1, 2]);
