@@ -7,7 +7,7 @@
 
 use std::fmt::Display;
 
-use crate::collectives::{counts_len, counts_sum, same_len};
+use crate::counts::{counts_len, counts_sum, same_len};
 use crate::descriptor::{Desc, Kind};
 use crate::{DataType, Error, ReduceOp, Result, ShmComm};
 

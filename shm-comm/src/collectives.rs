@@ -5,7 +5,7 @@
 use crate::descriptor::{disagreement, Desc, Kind};
 use crate::reduce;
 use crate::segment::{ERR_BYTES, SLOTS};
-use crate::{DataType, Error, ReduceOp, Result, ShmComm, State};
+use crate::{DataType, ReduceOp, Result, ShmComm, State};
 
 impl ShmComm {
     /// Runs one collective. Posts `desc` (flagged invalid, with the error text,
@@ -417,7 +417,7 @@ unsafe fn stage_regions(
 }
 
 /// Displacements of `counts`. The data phases use them only after
-/// [`counts_sum`] accepted the counts, so saturation never shows there; it
+/// [`counts_sum`](crate::counts_sum) accepted the counts, so saturation never shows there; it
 /// keeps a rejected count list from overflowing before the descriptors are
 /// exchanged.
 pub(crate) fn prefix(counts: &[usize]) -> Vec<usize> {
@@ -430,27 +430,4 @@ pub(crate) fn prefix(counts: &[usize]) -> Vec<usize> {
             d
         })
         .collect()
-}
-
-/// `sum(counts)`, or an error naming `arg` when it overflows.
-pub fn counts_sum(op: &'static str, arg: &'static str, counts: &[usize]) -> Result<usize> {
-    counts
-        .iter()
-        .try_fold(0usize, |acc, &c| acc.checked_add(c))
-        .ok_or_else(|| Error::invalid(op, arg, format!("{counts:?} sum past usize::MAX elements")))
-}
-
-pub(crate) fn same_len(op: &'static str, arg: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected != actual {
-        return Err(Error::invalid(op, arg, format!("holds {actual} elements, expected {expected}")));
-    }
-    Ok(())
-}
-
-/// An error naming `arg` unless `counts` has one entry per rank of `world`.
-pub fn counts_len(op: &'static str, arg: &'static str, counts: &[usize], world: usize) -> Result<()> {
-    if counts.len() != world {
-        return Err(Error::invalid(op, arg, format!("has {} entries, expected one per rank ({world})", counts.len())));
-    }
-    Ok(())
 }

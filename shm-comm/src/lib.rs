@@ -96,6 +96,7 @@
 
 mod api;
 mod collectives;
+mod counts;
 mod descriptor;
 mod dtype;
 mod error;
@@ -112,7 +113,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-pub use collectives::{counts_len, counts_sum};
+pub use counts::{counts_len, counts_sum};
 pub use dtype::{DataType, ReduceOp};
 pub use error::{Error, ErrorKind, Result};
 pub use presence::{live_members, Member};
