@@ -346,10 +346,15 @@ typedef struct amoe_forward_context {
   size_t pcp_size;
 } amoe_forward_context;
 
-// The run-time parallel context of one forward pass. Read only; the caller
-// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
-// is at most `AMOE_MAX_EP_RANKS`.
+// The run-time parallel context of one forward pass (SPEC sections 2 and 6).
+// Read only; the caller owns `dp_tokens`, which must stay valid for the
+// call. `dp_size * pcp_size * tp_size` is at most `AMOE_MAX_EP_RANKS`. Fill
+// it with `amoe_moe_context_init` first (which sets `struct_size` and the
+// defaults: every token real, no PCP), then set the fields.
 typedef struct amoe_moe_context {
+  // `sizeof(amoe_moe_context)` of the header the caller was built with
+  // (a later version adds fields at the end); any other value is refused.
+  size_t struct_size;
   // Tokens of every DP rank in this forward (`dp_size` entries).
   const size_t *dp_tokens;
   // Number of DP ranks.
@@ -362,23 +367,16 @@ typedef struct amoe_moe_context {
   size_t tp_rank;
   // Non-zero when MoE sequence parallelism is on.
   uint8_t sp;
-} amoe_moe_context;
-
-// `amoe_moe_context` plus the per-forward values of SPEC sections 2 and 6:
-// the actual-token count of this DP rank (rows past it are graph padding; the
-// MC2 mask marks only the first `num_actual_tokens`) and prefill context
-// parallelism (EP rank order DP x PCP x TP). Read only, like `amoe_moe_context`.
-typedef struct amoe_moe_context_ex {
-  // DP tokens, TP size, this rank's DP / TP rank and SP, as in `amoe_moe_context`.
-  struct amoe_moe_context base;
-  // Real tokens of this DP rank, at most its `dp_tokens` entry;
+  // Real tokens of this DP rank, at most its `dp_tokens` entry (rows past
+  // it are graph padding; the MC2 mask marks only the first ones);
   // `AMOE_ALL_TOKENS` = all of them.
   size_t num_actual_tokens;
-  // PCP size (0 or 1 = no prefill context parallelism).
+  // PCP size (0 or 1 = no prefill context parallelism; EP rank order is
+  // DP x PCP x TP).
   size_t pcp_size;
   // This rank's PCP rank (< `pcp_size`; 0 without PCP).
   size_t pcp_rank;
-} amoe_moe_context_ex;
+} amoe_moe_context;
 
 // The static part of a layer's reduction policy (SPEC section 5). The live
 // MoE comm type is passed to each reduction point separately.
@@ -885,7 +883,7 @@ void amoe_live_context_free(struct amoe_live_context *ctx);
 
 // Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
 // called with this stream that depends on the forward context
-// (`amoe_token_prepare[_ex]`, `amoe_token_finalize[_ex]` with their MoE
+// (`amoe_token_prepare`, `amoe_token_finalize` with their MoE
 // context; the reduction points with their comm type) first enqueues a
 // guard of its own context, so a graph captured with these ops reports a
 // replay under another context at `amoe_live_context_check`. The stream
@@ -1032,26 +1030,25 @@ amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
                                      const struct amoe_tensor *out,
                                      const struct amoe_stream *stream);
 
-// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * pcp_size + pcp) *
-// tp_size + tp`) into this rank's TP, DP and PCP groups, for contexts with
-// `pcp_size > 1`; `pcp_size` 1 is `amoe_moe_groups_new`. Collective. An error
-// names the three sizes when the world is not DP x PCP x TP. `*out` receives a
-// new handle owned by the caller.
+// Fills `*ctx` with its defaults: `struct_size` of this library, no DP
+// tokens (`dp_tokens` NULL, `dp_size` 0), TP size 1, ranks 0, no SP, every
+// token real (`AMOE_ALL_TOKENS`), no PCP.
 //
 // # Safety
-// `world` live; `out` writable.
-amoe_status amoe_moe_groups_new_pcp(const struct amoe_comm *world,
-                                    size_t pcp_size,
-                                    size_t tp_size,
-                                    struct amoe_moe_groups **out);
+// `ctx` writable.
+amoe_status amoe_moe_context_init(struct amoe_moe_context *ctx);
 
-// Splits `world` (EP = DP x TP ranks, EP rank `dp * tp_size + tp`) into this
-// rank's TP and DP groups. Collective: every rank of `world` calls it.
-// `*out` receives a new handle owned by the caller; `world` stays the caller's.
+// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * pcp_size + pcp) *
+// tp_size + tp`; `pcp_size` 0 or 1 = no PCP, EP rank `dp * tp_size + tp`)
+// into this rank's TP, DP and (with PCP) PCP groups. Collective: every rank
+// of `world` calls it. An error names the sizes when the world is not DP x
+// PCP x TP. `*out` receives a new handle owned by the caller; `world` stays
+// the caller's.
 //
 // # Safety
 // `world` live; `out` writable.
 amoe_status amoe_moe_groups_new(const struct amoe_comm *world,
+                                size_t pcp_size,
                                 size_t tp_size,
                                 struct amoe_moe_groups **out);
 
@@ -1071,7 +1068,7 @@ amoe_status amoe_moe_groups_from_comms(const struct amoe_comm *ep,
                                        const struct amoe_comm *pcp,
                                        struct amoe_moe_groups **out);
 
-// Releases groups from `amoe_moe_groups_new`. NULL is a no-op.
+// Releases groups from `amoe_moe_groups_new` or `amoe_moe_groups_from_comms`. NULL is a no-op.
 //
 // # Safety
 // `groups` NULL or a live handle not used afterwards.
@@ -1089,23 +1086,16 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
                                             size_t cap,
                                             size_t *out_ndim);
 
-// `amoe_token_prepare_output_shape` with an extended context (actual tokens, PCP).
-//
-// # Safety
-// As `amoe_token_prepare_output_shape`.
-amoe_status amoe_token_prepare_ex_output_shape(const struct amoe_tensor *x,
-                                               uint32_t comm_type,
-                                               const struct amoe_moe_context_ex *ctx,
-                                               size_t *out_shape,
-                                               size_t cap,
-                                               size_t *out_ndim);
-
 // Prepares this rank's tokens for the experts under the live `comm_type`
 // (pad, DP all-gather or TP split; SPEC section 6). Collective over the
 // groups. `out` has the shape from `amoe_token_prepare_output_shape`.
 // For MC2 / FUSED_MC2 the mask of real rows is written to `mc2_mask`
 // (caller-owned, `mask_cap` bytes, 1 = real token) and its length to
-// `*mask_len`; other comm types write length 0. `mc2_mask` and `mask_len`
+// `*mask_len` (1 for the first `num_actual_tokens` rows of this DP rank);
+// other comm types write length 0. With `pcp_size > 1` (groups from
+// `amoe_moe_groups_new` with the same PCP size) ALLGATHER without SP gathers
+// over DP then PCP, and `amoe_token_finalize` is a PCP reduce-scatter then a
+// DP reduce-scatter. `mc2_mask` and `mask_len`
 // may be NULL to skip the mask; a too-small `mask_cap` returns
 // `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
 //
@@ -1132,23 +1122,6 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
                                size_t *mask_len,
                                const struct amoe_stream *stream);
 
-// `amoe_token_prepare` with an extended context: the MC2 mask marks the first
-// `num_actual_tokens` rows of this DP rank, and with `pcp_size > 1` (groups
-// from `amoe_moe_groups_new_pcp`) ALLGATHER without SP gathers over DP then
-// PCP.
-//
-// # Safety
-// As `amoe_token_prepare`.
-amoe_status amoe_token_prepare_ex(const struct amoe_tensor *x,
-                                  uint32_t comm_type,
-                                  const struct amoe_moe_context_ex *ctx,
-                                  const struct amoe_moe_groups *groups,
-                                  const struct amoe_tensor *out,
-                                  uint8_t *mc2_mask,
-                                  size_t mask_cap,
-                                  size_t *mask_len,
-                                  const struct amoe_stream *stream);
-
 // Output shape of `amoe_token_finalize` for the experts' output `y` (the
 // prepared rows): `[this rank's tokens, H...]`.
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
@@ -1161,17 +1134,6 @@ amoe_status amoe_token_finalize_output_shape(const struct amoe_tensor *y,
                                              size_t *out_shape,
                                              size_t cap,
                                              size_t *out_ndim);
-
-// `amoe_token_finalize_output_shape` with an extended context.
-//
-// # Safety
-// As `amoe_token_prepare_output_shape`.
-amoe_status amoe_token_finalize_ex_output_shape(const struct amoe_tensor *y,
-                                                uint32_t comm_type,
-                                                const struct amoe_moe_context_ex *ctx,
-                                                size_t *out_shape,
-                                                size_t cap,
-                                                size_t *out_ndim);
 
 // Returns the experts' output `y` to this rank's token layout under the
 // live `comm_type` (DP reduce-scatter, TP all-gather, unpad; SPEC section
@@ -1186,18 +1148,6 @@ amoe_status amoe_token_finalize(const struct amoe_tensor *y,
                                 const struct amoe_moe_groups *groups,
                                 const struct amoe_tensor *out,
                                 const struct amoe_stream *stream);
-
-// `amoe_token_finalize` with an extended context: with `pcp_size > 1`,
-// ALLGATHER without SP is a PCP reduce-scatter then a DP reduce-scatter.
-//
-// # Safety
-// As `amoe_token_prepare`.
-amoe_status amoe_token_finalize_ex(const struct amoe_tensor *y,
-                                   uint32_t comm_type,
-                                   const struct amoe_moe_context_ex *ctx,
-                                   const struct amoe_moe_groups *groups,
-                                   const struct amoe_tensor *out,
-                                   const struct amoe_stream *stream);
 
 // Whether the routed output of `comm_type` is already the full sum
 // (SPEC section 5): `comm in {MC2, ALLTOALL, FUSED_MC2} or (ALLGATHER and sp)`.

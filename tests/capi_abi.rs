@@ -60,6 +60,35 @@ fn last_error_is_per_thread_truncates_on_char_boundaries_and_is_not_cleared_by_r
 }
 
 #[test]
+fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is_refused() {
+    // SAFETY: every pointer is NULL (the case under test) or writable / valid.
+    unsafe {
+        assert_eq!(amoe_moe_context_init(null_mut()), amoe_status::NullArgument);
+        let mut c = std::mem::MaybeUninit::<amoe_moe_context>::uninit();
+        assert_eq!(amoe_moe_context_init(c.as_mut_ptr()), amoe_status::Ok);
+        let mut c = c.assume_init();
+        assert_eq!(c.struct_size, std::mem::size_of::<amoe_moe_context>());
+        assert_eq!((c.dp_size, c.tp_size, c.dp_rank, c.tp_rank, c.sp), (0, 1, 0, 0, 0));
+        assert_eq!((c.num_actual_tokens, c.pcp_size, c.pcp_rank), (usize::MAX, 1, 0));
+        let tokens = [3usize];
+        c.dp_tokens = tokens.as_ptr();
+        c.dp_size = 1;
+        let (mut x, xs) = (vec![0f32; 6], [3usize, 2]);
+        let xt = host(&mut x, &xs);
+        let (mut shape, mut nd) = ([0usize; AMOE_MAX_NDIM], 0usize);
+        let st = amoe_token_prepare_output_shape(&xt, 0, &c, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(&shape[..nd], &[3, 2]);
+        // A context of another layout (an older or newer header) is refused by name.
+        c.struct_size -= 8;
+        let st = amoe_token_prepare_output_shape(&xt, 0, &c, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+        assert_eq!(st, amoe_status::InvalidArgument);
+        let e = last_error();
+        assert!(e.contains("ctx.struct_size") && e.contains("amoe_moe_context_init"), "{e}");
+    }
+}
+
+#[test]
 fn host_blocks_check_their_arguments_and_are_reused_once_freed() {
     let (mut data, mut block) = (null_mut(), null_mut());
     // SAFETY: the out-pointers are writable or NULL (the cases under test).
@@ -149,11 +178,17 @@ fn prepare_finalize_rank(name: &CString, rank: usize) -> Result<usize, String> {
         if st != amoe_status::Ok {
             return Err(last_error());
         }
-        if amoe_moe_groups_new(world, tp, &mut groups) != amoe_status::Ok {
+        if amoe_moe_groups_new(world, 1, tp, &mut groups) != amoe_status::Ok {
             return Err(last_error());
         }
-        let ctx =
-            amoe_moe_context { dp_tokens: dp_tokens.as_ptr(), dp_size, tp_size: tp, dp_rank: d, tp_rank: t, sp: 0 };
+        let ctx = amoe_moe_context {
+            dp_tokens: dp_tokens.as_ptr(),
+            dp_size,
+            tp_size: tp,
+            dp_rank: d,
+            tp_rank: t,
+            ..Default::default()
+        };
         // Tokens of DP rank d (the same on its TP ranks): row j = d*10 + j.
         let mut x: Vec<f32> = (0..dp_tokens[d] * h).map(|e| (d * 10 + e / h) as f32 + 0.25 * (e % h) as f32).collect();
         let xs = [dp_tokens[d], h];

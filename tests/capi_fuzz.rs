@@ -184,6 +184,10 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                     dp_rank: if rng.chance(85) { 0 } else { dim(rng) },
                     tp_rank: if rng.chance(85) { 0 } else { dim(rng) },
                     sp: rng.next_u64() as u8,
+                    num_actual_tokens: if rng.chance(85) { AMOE_ALL_TOKENS } else { dim(rng) },
+                    pcp_size: if rng.chance(85) { 1 } else { dim(rng) },
+                    pcp_rank: if rng.chance(85) { 0 } else { dim(rng) },
+                    struct_size: if rng.chance(90) { std::mem::size_of::<amoe_moe_context>() } else { dim(rng) },
                 };
                 let c = if rng.chance(noise / 10) { null() } else { &ctx as *const _ };
                 let g = if rng.chance(noise / 10) { null() } else { groups };
@@ -488,7 +492,7 @@ fn random_descriptors_give_clean_errors() {
 
     let mut groups: *mut amoe_moe_groups = null_mut();
     // SAFETY: a live world of one rank; valid out-pointer.
-    let st = unsafe { amoe_moe_groups_new(comm, 1, &mut groups) };
+    let st = unsafe { amoe_moe_groups_new(comm, 1, 1, &mut groups) };
     assert_eq!(st, amoe_status::Ok, "{}", last_error());
     let trace = std::env::var_os("AMOE_FUZZ_TRACE").is_some();
     let deadline = Instant::now() + Duration::from_secs_f64(secs);

@@ -64,6 +64,7 @@ fn ctx(case: Case, rank: usize) -> amoe_moe_context {
         dp_rank: rank / TP,
         tp_rank: rank % TP,
         sp: u8::from(case.sp),
+        ..Default::default()
     }
 }
 
@@ -231,7 +232,7 @@ fn cpu_layer(case: Case, seeds: &[usize]) -> Vec<Vec<Outputs>> {
                     // SAFETY: out-pointers valid; handles freed below.
                     unsafe {
                         ok("cpu world", amoe_comm_cpu_new(name.as_ptr(), WORLD, rank, 30.0, &mut world));
-                        ok("groups", amoe_moe_groups_new(world, TP, &mut groups));
+                        ok("groups", amoe_moe_groups_new(world, 1, TP, &mut groups));
                         ok("tp split", amoe_comm_split(world, ranks.as_ptr(), TP, &mut tp));
                     }
                     let sh = shapes(case, rank);
@@ -295,7 +296,7 @@ fn npu_rank(
     unsafe {
         ok("stream", amoe_stream_wrap(engine.raw(), rank as u32, &mut s));
         ok("hccl world", amoe_comm_from_hccl(hccl.raw(), rank as u32, AMOE_HCCL_WORLD, &mut world));
-        ok("groups", amoe_moe_groups_new(world, TP, &mut groups));
+        ok("groups", amoe_moe_groups_new(world, 1, TP, &mut groups));
         ok("tp split", amoe_comm_split(world, ranks.as_ptr(), TP, &mut tp));
     }
     // With `guarded`, the engine keeps the live forward context on the device

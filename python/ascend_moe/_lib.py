@@ -65,20 +65,13 @@ class MoeContextC(ctypes.Structure):
     """`amoe_moe_context`."""
 
     _fields_ = [
+        ("struct_size", c_size_t),
         ("dp_tokens", POINTER(c_size_t)),
         ("dp_size", c_size_t),
         ("tp_size", c_size_t),
         ("dp_rank", c_size_t),
         ("tp_rank", c_size_t),
         ("sp", c_uint8),
-    ]
-
-
-class MoeContextExC(ctypes.Structure):
-    """`amoe_moe_context_ex`."""
-
-    _fields_ = [
-        ("base", MoeContextC),
         ("num_actual_tokens", c_size_t),
         ("pcp_size", c_size_t),
         ("pcp_rank", c_size_t),
@@ -166,18 +159,14 @@ _SIGNATURES = {
     "amoe_shared_gather_unpad": [_T, c_size_t, _COMM, _T, _STREAM],
     "amoe_shared_pad_reduce_scatter_output_shape": [_T, c_size_t] + _SHAPE_OUT,
     "amoe_shared_pad_reduce_scatter": [_T, _COMM, _T, _STREAM],
-    "amoe_moe_groups_new": [_COMM, c_size_t, POINTER(c_void_p)],
+    "amoe_moe_groups_new": [_COMM, c_size_t, c_size_t, POINTER(c_void_p)],
+    "amoe_moe_context_init": [POINTER(MoeContextC)],
     "amoe_moe_groups_free": [c_void_p],
     "amoe_token_prepare_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
     "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
     "amoe_token_finalize_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
     "amoe_token_finalize": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _STREAM],
-    "amoe_moe_groups_new_pcp": [_COMM, c_size_t, c_size_t, POINTER(c_void_p)],
     "amoe_moe_groups_from_comms": [_COMM, _COMM, _COMM, _COMM, POINTER(c_void_p)],
-    "amoe_token_prepare_ex_output_shape": [_T, c_uint32, POINTER(MoeContextExC)] + _SHAPE_OUT,
-    "amoe_token_prepare_ex": [_T, c_uint32, POINTER(MoeContextExC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
-    "amoe_token_finalize_ex_output_shape": [_T, c_uint32, POINTER(MoeContextExC)] + _SHAPE_OUT,
-    "amoe_token_finalize_ex": [_T, c_uint32, POINTER(MoeContextExC), c_void_p, _T, _STREAM],
 }
 _RESTYPES = {
     "amoe_version": c_char_p,

@@ -10,7 +10,7 @@ import numpy as np
 from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
-from ._lib import ALL_TOKENS, MoeContextC, MoeContextExC, call, lib, sizes
+from ._lib import ALL_TOKENS, MoeContextC, call, lib, sizes
 from ._tensor import Operands
 from .comm import Comm
 
@@ -44,9 +44,12 @@ class MoeContext:
         self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
         self.num_actual_tokens = None if num_actual_tokens is None else int(num_actual_tokens)
         self.pcp_size, self.pcp_rank = int(pcp_size), int(pcp_rank)
-        base = MoeContextC(self._tokens, n, self.tp_size, self.dp_rank, self.tp_rank, self.sp)
-        actual = ALL_TOKENS if self.num_actual_tokens is None else self.num_actual_tokens
-        self._c = MoeContextExC(base, actual, self.pcp_size, self.pcp_rank)
+        self._c = MoeContextC()
+        call("amoe_moe_context_init", ctypes.byref(self._c))
+        self._c.dp_tokens, self._c.dp_size = self._tokens, n
+        self._c.tp_size, self._c.dp_rank, self._c.tp_rank, self._c.sp = self.tp_size, self.dp_rank, self.tp_rank, self.sp
+        self._c.num_actual_tokens = ALL_TOKENS if self.num_actual_tokens is None else self.num_actual_tokens
+        self._c.pcp_size, self._c.pcp_rank = self.pcp_size, self.pcp_rank
 
     @property
     def ptr(self):
@@ -60,7 +63,7 @@ class MoeGroups:
 
     def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
-        call("amoe_moe_groups_new_pcp", world.handle, int(pcp_size), int(tp_size), ctypes.byref(out))
+        call("amoe_moe_groups_new", world.handle, int(pcp_size), int(tp_size), ctypes.byref(out))
         self._h = out
 
     @classmethod
@@ -124,7 +127,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     mask = (ctypes.c_uint8 * cap)()
     mask_len = c_size_t(0)
     call(
-        "amoe_token_prepare_ex",
+        "amoe_token_prepare",
         d.ptr,
         int(comm_type),
         ctx.ptr,
@@ -145,5 +148,5 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
     o = Operands(stream)
     d = o.input("y", y)
     r = o.output(token_finalize_shape(d.obj, comm_type, ctx), d, out)
-    call("amoe_token_finalize_ex", d.ptr, int(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
+    call("amoe_token_finalize", d.ptr, int(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
     return o.result

@@ -202,7 +202,7 @@ def token_prepare(x, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_prepare`'s hidden output (`ctx` a `MoeContext`)."""
     d = desc_meta("x", x)
     buf, ndim, out = shape_out()
-    call("amoe_token_prepare_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    call("amoe_token_prepare_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
     return shape_of(buf, ndim)
 
 
@@ -210,5 +210,5 @@ def token_finalize(y, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_finalize`'s output (`ctx` a `MoeContext`)."""
     d = desc_meta("y", y)
     buf, ndim, out = shape_out()
-    call("amoe_token_finalize_ex_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    call("amoe_token_finalize_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
     return shape_of(buf, ndim)

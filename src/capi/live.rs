@@ -82,7 +82,7 @@ pub unsafe extern "C" fn amoe_live_context_free(ctx: *mut amoe_live_context) {
 
 /// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
 /// called with this stream that depends on the forward context
-/// (`amoe_token_prepare[_ex]`, `amoe_token_finalize[_ex]` with their MoE
+/// (`amoe_token_prepare`, `amoe_token_finalize` with their MoE
 /// context; the reduction points with their comm type) first enqueues a
 /// guard of its own context, so a graph captured with these ops reports a
 /// replay under another context at `amoe_live_context_check`. The stream

@@ -14,12 +14,20 @@ pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
 // The header needs the literal; the Rust API's bound is the same number.
 const _: () = assert!(AMOE_MAX_EP_RANKS == crate::moe::layout::MAX_EP_RANKS);
 
-/// The run-time parallel context of one forward pass. Read only; the caller
-/// owns `dp_tokens`, which must stay valid for the call. `dp_size * tp_size`
-/// is at most `AMOE_MAX_EP_RANKS`.
+/// `amoe_moe_context::num_actual_tokens` for "every token of the DP rank is real".
+pub const AMOE_ALL_TOKENS: usize = usize::MAX;
+
+/// The run-time parallel context of one forward pass (SPEC sections 2 and 6).
+/// Read only; the caller owns `dp_tokens`, which must stay valid for the
+/// call. `dp_size * pcp_size * tp_size` is at most `AMOE_MAX_EP_RANKS`. Fill
+/// it with `amoe_moe_context_init` first (which sets `struct_size` and the
+/// defaults: every token real, no PCP), then set the fields.
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
 pub struct amoe_moe_context {
+    /// `sizeof(amoe_moe_context)` of the header the caller was built with
+    /// (a later version adds fields at the end); any other value is refused.
+    pub struct_size: usize,
     /// Tokens of every DP rank in this forward (`dp_size` entries).
     pub dp_tokens: *const usize,
     /// Number of DP ranks.
@@ -32,40 +40,68 @@ pub struct amoe_moe_context {
     pub tp_rank: usize,
     /// Non-zero when MoE sequence parallelism is on.
     pub sp: u8,
-}
-
-/// `amoe_moe_context_ex::num_actual_tokens` for "every token of the DP rank is real".
-pub const AMOE_ALL_TOKENS: usize = usize::MAX;
-
-/// `amoe_moe_context` plus the per-forward values of SPEC sections 2 and 6:
-/// the actual-token count of this DP rank (rows past it are graph padding; the
-/// MC2 mask marks only the first `num_actual_tokens`) and prefill context
-/// parallelism (EP rank order DP x PCP x TP). Read only, like `amoe_moe_context`.
-#[derive(Debug, Clone, Copy)]
-#[repr(C)]
-pub struct amoe_moe_context_ex {
-    /// DP tokens, TP size, this rank's DP / TP rank and SP, as in `amoe_moe_context`.
-    pub base: amoe_moe_context,
-    /// Real tokens of this DP rank, at most its `dp_tokens` entry;
+    /// Real tokens of this DP rank, at most its `dp_tokens` entry (rows past
+    /// it are graph padding; the MC2 mask marks only the first ones);
     /// `AMOE_ALL_TOKENS` = all of them.
     pub num_actual_tokens: usize,
-    /// PCP size (0 or 1 = no prefill context parallelism).
+    /// PCP size (0 or 1 = no prefill context parallelism; EP rank order is
+    /// DP x PCP x TP).
     pub pcp_size: usize,
     /// This rank's PCP rank (< `pcp_size`; 0 without PCP).
     pub pcp_rank: usize,
 }
 
+/// Fills `*ctx` with its defaults: `struct_size` of this library, no DP
+/// tokens (`dp_tokens` NULL, `dp_size` 0), TP size 1, ranks 0, no SP, every
+/// token real (`AMOE_ALL_TOKENS`), no PCP.
+///
+/// # Safety
+/// `ctx` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_moe_context_init(ctx: *mut amoe_moe_context) -> amoe_status {
+    const F: &str = "amoe_moe_context_init";
+    ffi!(F, {
+        let ctx = try_out!(F, ctx, "ctx");
+        write_out(ctx, amoe_moe_context::default());
+        Ok(())
+    })
+}
+
+impl Default for amoe_moe_context {
+    /// What `amoe_moe_context_init` writes.
+    fn default() -> Self {
+        amoe_moe_context {
+            struct_size: std::mem::size_of::<amoe_moe_context>(),
+            dp_tokens: std::ptr::null(),
+            dp_size: 0,
+            tp_size: 1,
+            dp_rank: 0,
+            tp_rank: 0,
+            sp: 0,
+            num_actual_tokens: AMOE_ALL_TOKENS,
+            pcp_size: 1,
+            pcp_rank: 0,
+        }
+    }
+}
+
 fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure> {
     let c = try_ref!(f, ctx, "ctx");
+    let want = std::mem::size_of::<amoe_moe_context>();
+    if c.struct_size != want {
+        return Err(Failure::invalid(
+            f,
+            "ctx.struct_size",
+            format!(
+                "is {}, this library's amoe_moe_context has {want} bytes (fill it with amoe_moe_context_init)",
+                c.struct_size
+            ),
+        ));
+    }
     let dp = read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size)?;
     // MoeContext::new bounds dp_size * tp_size by AMOE_MAX_EP_RANKS before
     // anything builds per-rank tables.
-    Ok(MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?)
-}
-
-fn context_ex(f: &str, ctx: *const amoe_moe_context_ex) -> Result<MoeContext, Failure> {
-    let c = try_ref!(f, ctx, "ctx");
-    let mut m = context(f, &c.base)?;
+    let mut m = MoeContext::new(&dp, c.tp_size, c.dp_rank, c.tp_rank, flag(c.sp))?;
     if c.num_actual_tokens != AMOE_ALL_TOKENS {
         m = m.with_num_actual_tokens(c.num_actual_tokens)?;
     }
@@ -76,39 +112,18 @@ fn context_ex(f: &str, ctx: *const amoe_moe_context_ex) -> Result<MoeContext, Fa
 }
 
 /// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * pcp_size + pcp) *
-/// tp_size + tp`) into this rank's TP, DP and PCP groups, for contexts with
-/// `pcp_size > 1`; `pcp_size` 1 is `amoe_moe_groups_new`. Collective. An error
-/// names the three sizes when the world is not DP x PCP x TP. `*out` receives a
-/// new handle owned by the caller.
-///
-/// # Safety
-/// `world` live; `out` writable.
-#[no_mangle]
-pub unsafe extern "C" fn amoe_moe_groups_new_pcp(
-    world: *const amoe_comm,
-    pcp_size: usize,
-    tp_size: usize,
-    out: *mut *mut amoe_moe_groups,
-) -> amoe_status {
-    const F: &str = "amoe_moe_groups_new_pcp";
-    ffi!(F, {
-        let w = try_handle(F, "world", world)?;
-        let out = try_out!(F, out, "out");
-        let g = MoeGroups::from_world_pcp(w, pcp_size, tp_size)?;
-        box_out(out, g);
-        Ok(())
-    })
-}
-
-/// Splits `world` (EP = DP x TP ranks, EP rank `dp * tp_size + tp`) into this
-/// rank's TP and DP groups. Collective: every rank of `world` calls it.
-/// `*out` receives a new handle owned by the caller; `world` stays the caller's.
+/// tp_size + tp`; `pcp_size` 0 or 1 = no PCP, EP rank `dp * tp_size + tp`)
+/// into this rank's TP, DP and (with PCP) PCP groups. Collective: every rank
+/// of `world` calls it. An error names the sizes when the world is not DP x
+/// PCP x TP. `*out` receives a new handle owned by the caller; `world` stays
+/// the caller's.
 ///
 /// # Safety
 /// `world` live; `out` writable.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_moe_groups_new(
     world: *const amoe_comm,
+    pcp_size: usize,
     tp_size: usize,
     out: *mut *mut amoe_moe_groups,
 ) -> amoe_status {
@@ -116,7 +131,11 @@ pub unsafe extern "C" fn amoe_moe_groups_new(
     ffi!(F, {
         let w = try_handle(F, "world", world)?;
         let out = try_out!(F, out, "out");
-        let g = MoeGroups::from_world(w, tp_size)?;
+        let g = if pcp_size > 1 {
+            MoeGroups::from_world_pcp(w, pcp_size, tp_size)?
+        } else {
+            MoeGroups::from_world(w, tp_size)?
+        };
         box_out(out, g);
         Ok(())
     })
@@ -151,7 +170,7 @@ pub unsafe extern "C" fn amoe_moe_groups_from_comms(
     })
 }
 
-/// Releases groups from `amoe_moe_groups_new`. NULL is a no-op.
+/// Releases groups from `amoe_moe_groups_new` or `amoe_moe_groups_from_comms`. NULL is a no-op.
 ///
 /// # Safety
 /// `groups` NULL or a live handle not used afterwards.
@@ -197,24 +216,6 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_output_shape";
     let ctx = || context(F, ctx);
-    plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim)
-}
-
-/// `amoe_token_prepare_output_shape` with an extended context (actual tokens, PCP).
-///
-/// # Safety
-/// As `amoe_token_prepare_output_shape`.
-#[no_mangle]
-pub unsafe extern "C" fn amoe_token_prepare_ex_output_shape(
-    x: *const amoe_tensor,
-    comm_type: u32,
-    ctx: *const amoe_moe_context_ex,
-    out_shape: *mut usize,
-    cap: usize,
-    out_ndim: *mut usize,
-) -> amoe_status {
-    const F: &str = "amoe_token_prepare_ex_output_shape";
-    let ctx = || context_ex(F, ctx);
     plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
@@ -279,7 +280,11 @@ fn prepare_body(
 /// groups. `out` has the shape from `amoe_token_prepare_output_shape`.
 /// For MC2 / FUSED_MC2 the mask of real rows is written to `mc2_mask`
 /// (caller-owned, `mask_cap` bytes, 1 = real token) and its length to
-/// `*mask_len`; other comm types write length 0. `mc2_mask` and `mask_len`
+/// `*mask_len` (1 for the first `num_actual_tokens` rows of this DP rank);
+/// other comm types write length 0. With `pcp_size > 1` (groups from
+/// `amoe_moe_groups_new` with the same PCP size) ALLGATHER without SP gathers
+/// over DP then PCP, and `amoe_token_finalize` is a PCP reduce-scatter then a
+/// DP reduce-scatter. `mc2_mask` and `mask_len`
 /// may be NULL to skip the mask; a too-small `mask_cap` returns
 /// `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
 ///
@@ -313,30 +318,6 @@ pub unsafe extern "C" fn amoe_token_prepare(
     prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream)
 }
 
-/// `amoe_token_prepare` with an extended context: the MC2 mask marks the first
-/// `num_actual_tokens` rows of this DP rank, and with `pcp_size > 1` (groups
-/// from `amoe_moe_groups_new_pcp`) ALLGATHER without SP gathers over DP then
-/// PCP.
-///
-/// # Safety
-/// As `amoe_token_prepare`.
-#[no_mangle]
-pub unsafe extern "C" fn amoe_token_prepare_ex(
-    x: *const amoe_tensor,
-    comm_type: u32,
-    ctx: *const amoe_moe_context_ex,
-    groups: *const amoe_moe_groups,
-    out: *const amoe_tensor,
-    mc2_mask: *mut u8,
-    mask_cap: usize,
-    mask_len: *mut usize,
-    stream: *const amoe_stream,
-) -> amoe_status {
-    const F: &str = "amoe_token_prepare_ex";
-    let ctx = || context_ex(F, ctx);
-    prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream)
-}
-
 /// Output shape of `amoe_token_finalize` for the experts' output `y` (the
 /// prepared rows): `[this rank's tokens, H...]`.
 /// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
@@ -354,24 +335,6 @@ pub unsafe extern "C" fn amoe_token_finalize_output_shape(
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_output_shape";
     let ctx = || context(F, ctx);
-    plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim)
-}
-
-/// `amoe_token_finalize_output_shape` with an extended context.
-///
-/// # Safety
-/// As `amoe_token_prepare_output_shape`.
-#[no_mangle]
-pub unsafe extern "C" fn amoe_token_finalize_ex_output_shape(
-    y: *const amoe_tensor,
-    comm_type: u32,
-    ctx: *const amoe_moe_context_ex,
-    out_shape: *mut usize,
-    cap: usize,
-    out_ndim: *mut usize,
-) -> amoe_status {
-    const F: &str = "amoe_token_finalize_ex_output_shape";
-    let ctx = || context_ex(F, ctx);
     plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
@@ -427,24 +390,5 @@ pub unsafe extern "C" fn amoe_token_finalize(
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
     let ctx = || context(F, ctx);
-    finalize_body(F, y, comm_type, ctx, groups, out, stream)
-}
-
-/// `amoe_token_finalize` with an extended context: with `pcp_size > 1`,
-/// ALLGATHER without SP is a PCP reduce-scatter then a DP reduce-scatter.
-///
-/// # Safety
-/// As `amoe_token_prepare`.
-#[no_mangle]
-pub unsafe extern "C" fn amoe_token_finalize_ex(
-    y: *const amoe_tensor,
-    comm_type: u32,
-    ctx: *const amoe_moe_context_ex,
-    groups: *const amoe_moe_groups,
-    out: *const amoe_tensor,
-    stream: *const amoe_stream,
-) -> amoe_status {
-    const F: &str = "amoe_token_finalize_ex";
-    let ctx = || context_ex(F, ctx);
     finalize_body(F, y, comm_type, ctx, groups, out, stream)
 }
