@@ -167,8 +167,8 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 /// is reported by `amoe_stream_check`). `out` may not overlap any input.
 ///
 /// NPU tensors, native kernel (the default where it can launch): enqueues on
-/// `stream` one memset of the status words, one kernel launch writing a
-/// workspace buffer and one device copy of it into `out` (plus, for the
+/// `stream` one memset of the status words and one kernel launch writing
+/// `out` in place (plus, for the
 /// padded layout, one small copy of the slot offsets from a pinned staging
 /// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
 /// reads device data on the host; a bad index is returned by
@@ -198,11 +198,8 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
         let (shape, _) = moe::moe_finalize_routing_output_shape(&a)?;
         let out = cx.out("out", out)?;
         out.check(cx, &shape, inputs.x.dtype())?;
-        // On the host the op writes the caller's `out` in place; on the NPU it
-        // computes into workspace of the stream, copied into `out` by one
-        // device copy (the Rust op can write an NPU `out` in place too).
-        let lent = if inputs.x.is_cpu() { cx.output_for(&out, &inputs.x)? } else { None };
-        let y = match lent {
+        // The op writes the caller's `out` in place, host or NPU memory.
+        let y = match cx.output_for(&out, &inputs.x)? {
             Some(mut o) => {
                 moe::moe_finalize_routing_into(&a, &mut o)?;
                 o
