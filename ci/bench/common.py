@@ -140,6 +140,14 @@ def decode_sizes(hidden: int, dtype: str = "bf16") -> list[int]:
     return [r * hidden * DTYPE_BYTES[dtype] for r in DECODE_ROWS]
 
 
+def decode_shape(size_bytes: int, dtype: str = "bf16") -> tuple[int, int] | None:
+    """(rows, H) of a decode-table size, or None if no [rows, H] of the table has that size
+    (the table's sizes are distinct: common.decode_sizes)."""
+    e = DTYPE_BYTES[dtype]
+    hits = [(r, h) for h in DECODE_HIDDEN for r in DECODE_ROWS if r * h * e == size_bytes]
+    return hits[0] if len(hits) == 1 else None
+
+
 def floor_us(bytes_moved: float, triad_gbps: float) -> float:
     """Time to move `bytes_moved` at the triad bandwidth (GB/s = 1e9 B/s), in microseconds."""
     return bytes_moved / (triad_gbps * 1e3)

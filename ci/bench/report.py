@@ -150,9 +150,9 @@ def build(docs):
                 )
                 far[key][run] = row
             elif kind == "decode_collectives":
-                h = int(row.get("hidden") or 0)
-                rows_ = int(row["bytes"]) // (h * common.DTYPE_BYTES[row["dtype"]]) if h else 0
-                dec[(d["impl"], row["op"], h, rows_)][run] = row
+                shape = common.decode_shape(int(row["bytes"]), row["dtype"])
+                if shape is not None:
+                    dec[(d["impl"], row["op"], shape[1], shape[0])][run] = row
             elif kind == "decode_finalize":
                 dec[(d["impl"], "finalize", int(row["hidden"]), int(row["tokens"]))][run] = row
     return triad, coll, fin, far, dec

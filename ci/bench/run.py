@@ -388,15 +388,19 @@ def main() -> int:
                     out_format(fl),
                 )
                 plan.append((f"decode ascend-moe H{h}", "decode_collectives", "ascend-moe", cmd, meta))
-            peer_args = ["--ops", args.ops, "--dtype", "bf16", "--sizes", ",".join(map(str, sz))]
-            peer_args += ["--iters", str(it), "--warmup", "2", "--large-iters", str(it)]
-            if "mpi" not in skip and args.mpirun:
-                cmd = [*mpirun, "-np", str(dw), py, os.path.join(HERE, "mpi_coll.py"), *peer_args]
-                cmd += ["--bf16-reduce", args.mpi_bf16_reduce]
-                plan.append((f"decode openmpi H{h}", "decode_collectives", "openmpi", cmd, meta))
-            if "gloo" not in skip and args.torch_python:
-                cmd = [args.torch_python, os.path.join(HERE, "gloo_coll.py"), "--world", str(dw), *peer_args]
-                plan.append((f"decode gloo H{h}", "decode_collectives", "gloo", cmd, meta))
+        # The peers take a size list: one call for both H (each size names its [rows, H]:
+        # common.decode_shape), so gloo spawns and imports torch once.
+        sz = sorted(s for h in common.DECODE_HIDDEN for s in common.decode_sizes(h))
+        meta = {"world": dw, "transport": "procs", "dtype": "bf16"}
+        peer_args = ["--ops", args.ops, "--dtype", "bf16", "--sizes", ",".join(map(str, sz))]
+        peer_args += ["--iters", str(it), "--warmup", "2", "--large-iters", str(it)]
+        if "mpi" not in skip and args.mpirun:
+            cmd = [*mpirun, "-np", str(dw), py, os.path.join(HERE, "mpi_coll.py"), *peer_args]
+            cmd += ["--bf16-reduce", args.mpi_bf16_reduce]
+            plan.append(("decode openmpi", "decode_collectives", "openmpi", cmd, meta))
+        if "gloo" not in skip and args.torch_python:
+            cmd = [args.torch_python, os.path.join(HERE, "gloo_coll.py"), "--world", str(dw), *peer_args]
+            plan.append(("decode gloo", "decode_collectives", "gloo", cmd, meta))
         fl = flags["finalize"]
         dshapes = [f"{r}x{common.DECODE_TOPK}x{h}" for h in common.DECODE_HIDDEN for r in common.DECODE_ROWS]
         if "finalize" not in skip and fl is not None:

@@ -291,7 +291,7 @@ class ApiGlooDecodeReport(unittest.TestCase):
             nb = 16 * 4096 * 2
             for impl, us in (("ascend-moe", cls.DEC_OURS), ("gloo", cls.DEC_GLOO), ("openmpi", cls.DEC_MPI)):
                 row = coll_row("all_reduce", "bf16", 4, nb, 1.0, "procs", wrong=1 if impl == "gloo" else 0)
-                row.update(time_us=us[i], hidden=4096)
+                row.update(time_us=us[i])
                 _write(raw, run, f"decode_{impl}", "decode_collectives", impl, [row])
             fin = {"op": "finalize", "dtype": "bf16", "tokens": 4, "topk": 8, "hidden": 7168}
             _write(raw, run, "decfin", "decode_finalize", "ascend-moe", [dict(fin, time_us=30.0)])
@@ -429,6 +429,21 @@ class ApiGlooDecodeReport(unittest.TestCase):
         self.assertLessEqual(abs(got - want), 1e-5 * max(abs(want), 1e-12), msg or f"{got} != {want}")
 
 
+class GlooPeer(unittest.TestCase):
+    def test_expected_values_are_the_sum_of_the_inputs(self):
+        try:
+            import torch
+
+            import gloo_coll
+        except ImportError:
+            self.skipTest("torch not installed")
+        # v_r[i] = r + 1 + (first + i) % 7; over 3 ranks from element 5: i % 7 = 5, 6, 0, 1.
+        got = gloo_coll._reduced(torch, 4, 3, 5, torch.bfloat16).tolist()
+        self.assertEqual(got, [3 * 5 + 6, 3 * 6 + 6, 0 + 6, 3 + 6])
+        total = sum(gloo_coll._values(torch, 4, r, 5, torch.float32) for r in range(3))
+        self.assertEqual(total.tolist(), got)
+
+
 class Definitions(unittest.TestCase):
     def test_bus_factors_match_nccl_tests(self):
         self.assertEqual(common.bus_factor("all_reduce", 4), 1.5)
@@ -447,6 +462,9 @@ class Definitions(unittest.TestCase):
         self.assertEqual(common.collective_floor_bytes("broadcast", 100, 4), 400)
         self.assertEqual(common.decode_sizes(4096), [8192, 32768, 131072, 524288])
         self.assertEqual(common.decode_sizes(7168), [14336, 57344, 229376, 917504])
+        self.assertEqual(common.decode_shape(57344), (4, 7168))
+        self.assertEqual(common.decode_shape(524288), (64, 4096))
+        self.assertIsNone(common.decode_shape(65536))
 
     def test_ladder_iterations_sizes(self):
         ladder = common.size_ladder(common.parse_bytes("1K"), common.parse_bytes("256M"), 2, extra=[S32])
