@@ -449,6 +449,9 @@ def issue_targets(cs, rs, api, plan=None):
             continue
         per_round = [r["floor_s"] / r[key] for r in f["rounds"] if r.get(key)]
         st = Stat(per_round)
+        if not st.ok:
+            out.append((label, "", "not measured", "n/a", f"`raw/api.json` has no `{key}` per round"))
+            continue
         case = f"{f['shape']}, {f['threads']} threads, {len(per_round)} rounds"
         every = "every round" in label
         worst = f"worst round {_num(st.lo)}"
@@ -487,7 +490,13 @@ def issue_targets(cs, rs, api, plan=None):
     if keys:
         worst = min(rs[k]["speedup"].med for k in keys)
         out.append(
-            (label, f"all {len(keys)} shapes", _num(worst), _reached(worst >= FAR_EVERY_SHAPE), "the worst shape's median")
+            (
+                label,
+                f"all {len(keys)} shapes",
+                _num(worst),
+                _reached(worst >= FAR_EVERY_SHAPE),
+                "the worst shape's median",
+            )
         )
     else:
         out.append((label, "", "not measured", "n/a", ""))
@@ -603,7 +612,8 @@ def plots(out_dir, cs, fs, triad_stat, ds=None):
                         continue
                     xs = [k[3] for k in keys]
                     st = [ds[k]["time_us"] for k in keys]
-                    ax.plot(xs, [v.med for v in st], color=colors[impl], ls=ls, marker="o", label=f"{names[impl]} H={h}")
+                    label = f"{names[impl]} H={h}"
+                    ax.plot(xs, [v.med for v in st], color=colors[impl], ls=ls, marker="o", label=label)
                     ax.fill_between(xs, [v.lo for v in st], [v.hi for v in st], color=colors[impl], alpha=0.15)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -645,7 +655,20 @@ def floor_sources(docs):
 
 
 def write_report(
-    path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name, floor_notes=(), api=None, ds=None, plan=None
+    path,
+    meta,
+    triad,
+    cs,
+    fs,
+    rs,
+    failures,
+    plot_files,
+    plot_note,
+    csv_name,
+    floor_notes=(),
+    api=None,
+    ds=None,
+    plan=None,
 ):
     nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(triad)])
     L = ["# ascend-moe performance report", ""]

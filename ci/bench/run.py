@@ -406,7 +406,8 @@ def main() -> int:
         if "finalize" not in skip and fl is not None:
             for label, shape_args in per_shape(fl, dshapes):
                 cmd = cli("finalize", shape_args, dtype_flag(fl, "bf16"), iter_flags(fl, it, 2), out_format(fl))
-                plan.append((f"decode finalize ascend-moe{label}", "decode_finalize", "ascend-moe", cmd, {"dtype": "bf16"}))
+                name = f"decode finalize ascend-moe{label}"
+                plan.append((name, "decode_finalize", "ascend-moe", cmd, {"dtype": "bf16"}))
         if "numpy" not in skip:
             cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", ",".join(dshapes), "--dtypes", "bf16"]
             cmd += ["--iters", str(it), "--warmup", "2"]

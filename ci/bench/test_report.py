@@ -281,7 +281,8 @@ class ApiGlooDecodeReport(unittest.TestCase):
                 r["vs_floor"] = vf
                 ours.append(r)
             _write(raw, run, "ours", "collectives", "ascend-moe", ours)
-            _write(raw, run, "gloo", "collectives", "gloo", [coll_row("all_reduce", "bf16", 4, S32, cls.GLOO_AR[i], "procs")])
+            gloo = [coll_row("all_reduce", "bf16", 4, S32, cls.GLOO_AR[i], "procs")]
+            _write(raw, run, "gloo", "collectives", "gloo", gloo)
             far_rows = []
             for (t, k, h), (unfused, fused) in cls.FAR.items():
                 base = {"dtype": "bf16", "tokens": t, "topk": k, "hidden": h, "world": 4}
@@ -397,7 +398,8 @@ class ApiGlooDecodeReport(unittest.TestCase):
         self.assertEqual(len(g), 1)
         # gloo is measured against our floor time of the same run: floor ratio = ours_ratio * ours_t / gloo_t.
         f = common.bus_factor("all_reduce", 4)
-        want = sorted(0.73 * (S32 / (o / f * 1e3)) / (S32 / (gl / f * 1e3)) for o, gl in zip(self.OURS_AR, self.GLOO_AR))
+        times = [(S32 / (o / f * 1e3), S32 / (gl / f * 1e3)) for o, gl in zip(self.OURS_AR, self.GLOO_AR)]
+        want = sorted(0.73 * ours_t / gloo_t for ours_t, gloo_t in times)
         self.assertAlmostEqual(float(g[0]["floor_ratio_median"]), want[1])
         self.assertIn("| busbw gloo |", self.md.replace("busbw OpenMPI | busbw gloo", "| busbw gloo"))
         self.assertIn("proc/gloo", self.md)
@@ -407,7 +409,8 @@ class ApiGlooDecodeReport(unittest.TestCase):
         cells = [c.strip() for c in line.split("|")[1:-1]]
         self.assertEqual(cells[3], "128 KiB")
         self.assertEqual(cells[4], "11 [10–12]")
-        self.assertEqual(cells[8], report._num(sorted(o / g for o, g in zip(self.DEC_OURS, self.DEC_GLOO))[1]) + " [0.1–0.2]")
+        over_gloo = sorted(o / g for o, g in zip(self.DEC_OURS, self.DEC_GLOO))
+        self.assertEqual(cells[8], report._num(over_gloo[1]) + " [0.1–0.2]")
         self.assertTrue(cells[9].startswith(report._num(sorted(o / m for o, m in zip(self.DEC_OURS, self.DEC_MPI))[1])))
         self.assertEqual(cells[11], "1")  # gloo's wrong element is counted
         (fin,) = [ln for ln in self.md.splitlines() if ln.startswith("| finalize | 7168 | 4 |")]
