@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command, one performance report: ascend-moe against OpenMPI (collectives), numpy (finalize)
+# One command, one performance report: ascend-moe against OpenMPI and gloo (collectives), numpy (finalize)
 # and the machine's memory bandwidth (a STREAM-like triad), all measured in the same run.
 # Writes bench-report/report.md, bench-report/results.csv and PNG plots. Not part of CI.
 #
@@ -8,7 +8,8 @@
 #   ci/bench.sh --help          all options
 #
 # It installs what it needs: Debian's openmpi-bin + libopenmpi-dev (apt-get), and numpy,
-# ml_dtypes, matplotlib, mpi4py in a venv ($BENCH_VENV, default ~/.cache/ascend-moe-bench/venv).
+# ml_dtypes, matplotlib, mpi4py in a venv ($BENCH_VENV, default ~/.cache/ascend-moe-bench/venv),
+# plus torch (for the gloo peer) unless a venv with it is found (see --help).
 # Method and the JSON/CSV schema: ci/bench/README.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,8 +31,8 @@ usage: ci/bench.sh [options] [-- extra options for ci/bench/run.py]
   --quick           small sizes (1 KiB .. 1 MiB), 2 and 4 ranks, the smallest finalize shape, 1 run
   --runs N          runs of every measurement (default 3; medians with min and max)
   --out DIR         output directory (default bench-report/; its raw/ is replaced)
-  --skip LIST       leave out parts: triad,collectives,mpi,finalize,numpy,far,api
-  --peers-only      only the peers and the C triad (no cargo build): OpenMPI, numpy
+  --skip LIST       leave out parts: triad,collectives,mpi,gloo,finalize,numpy,far,decode,api
+  --peers-only      only the peers and the C triad (no cargo build): OpenMPI, gloo, numpy
   --no-install      do not apt-get / pip install anything (use what is there)
   --keep-raw        add to the raw results already in DIR/raw (e.g. measure the parts
                     one at a time with --skip) instead of starting afresh
@@ -39,7 +40,9 @@ usage: ci/bench.sh [options] [-- extra options for ci/bench/run.py]
 Extra run.py options (after --), e.g. -- --worlds 4 --max-bytes 64M --dtypes bf16
   (see: python3 ci/bench/run.py --help)
 Environment: CARGO_TARGET_DIR (where the binary is built), ASCEND_MOE_BIN (use this binary
-instead of building one), BENCH_VENV (the Python venv).
+instead of building one), BENCH_VENV (the Python venv), BENCH_TORCH_PYTHON (a python with
+torch for the gloo peer; default: the bench venv's, else ci/test.sh's venv, else torch is
+installed into the bench venv).
 EOF
 }
 
@@ -100,6 +103,29 @@ if ! py_deps_ok; then
 fi
 echo "python: $("$PY" -c 'import sys, numpy, ml_dtypes, matplotlib, mpi4py; print(sys.version.split()[0], "numpy", numpy.__version__, "ml_dtypes", ml_dtypes.__version__, "matplotlib", matplotlib.__version__, "mpi4py", mpi4py.__version__)')" >&2
 
+# The gloo peer needs torch: the first python that has it with gloo, of $BENCH_TORCH_PYTHON,
+# the bench venv and the venv ci/test.sh builds; else torch is installed into the bench venv
+# the way ci/test.sh installs it (PyPI, ~5 GB with its CUDA wheels; only its CPU side is used).
+TORCH_PY=""
+torch_ok() { [[ -n $1 && -x $1 ]] && "$1" -c 'import torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null; }
+if ! skipping gloo; then
+    for cand in "${BENCH_TORCH_PYTHON:-}" "$PY" "${CARGO_TARGET_DIR:-$ROOT/target}/ci-venv/bin/python"; do
+        if torch_ok "$cand"; then TORCH_PY="$cand"; break; fi
+    done
+    if [[ -z $TORCH_PY && $INSTALL == 1 ]]; then
+        echo "installing torch into $VENV for the gloo peer (as ci/test.sh does)..." >&2
+        "$PY" -m pip install --quiet --disable-pip-version-check --no-cache-dir torch >&2 \
+            && torch_ok "$PY" && TORCH_PY="$PY"
+    fi
+    if [[ -n $TORCH_PY ]]; then
+        echo "gloo peer: $TORCH_PY (torch $("$TORCH_PY" -c 'import torch; print(torch.__version__)'))" >&2
+    else
+        echo "warning: no python with torch + gloo (set BENCH_TORCH_PYTHON, or drop --no-install): no gloo peer" >&2
+    fi
+fi
+TORCH_VER="not measured"
+[[ -n $TORCH_PY ]] && TORCH_VER="torch $("$TORCH_PY" -c 'import torch; print(torch.__version__)')"
+
 mkdir -p "$OUT"
 [[ $KEEP_RAW == 1 ]] || rm -rf "$OUT/raw"
 rm -f "$OUT"/*.png
@@ -130,7 +156,7 @@ fi
 
 # ---------------------------------------------------------------- host facts for the report
 load() { cut -d' ' -f1-3 /proc/loadavg; }
-"$PY" - "$OUT/raw/meta.json" "$(load)" "$COMMAND" "$ROOT" "${BIN:-none}" "$KEEP_RAW" <<'EOF'
+"$PY" - "$OUT/raw/meta.json" "$(load)" "$COMMAND" "$ROOT" "${BIN:-none}" "$KEEP_RAW" "$TORCH_VER" <<'EOF'
 import json, os, platform, subprocess, sys, datetime
 os.chdir(sys.argv[4])
 def sh(cmd):
@@ -148,6 +174,7 @@ meta = {
     "command": sys.argv[3].strip(), "binary": sys.argv[5],
     "openmpi": (sh("mpirun --version").splitlines() or ["OpenMPI: not installed"])[0],
     "mpi4py": mpi4py.__version__, "numpy": numpy.__version__, "ml_dtypes": ml_dtypes.__version__,
+    "torch": sys.argv[7],
 }
 if sys.argv[6] == "1" and os.path.exists(sys.argv[1]):  # a later part of the same report
     old = json.load(open(sys.argv[1]))
@@ -160,10 +187,11 @@ EOF
 # ---------------------------------------------------------------- measure
 ARGS=(--raw "$OUT/raw" --bin "$BIN" --python "$PY" --triad-bin "$TRIAD")
 skipping mpi || ARGS+=(--mpirun "$(command -v mpirun)")
+[[ -n $TORCH_PY ]] && ARGS+=(--torch-python "$TORCH_PY")
 [[ -n $SKIP ]] && ARGS+=(--skip "$SKIP")
 if [[ $QUICK == 1 ]]; then
     ARGS+=(--runs "${RUNS:-1}" --worlds 2,4 --min-bytes 1K --max-bytes 1M --step-factor 4 --iters 5 --warmup 1
-           --shapes 1024x8x2048 --far-world 2 --far-shapes 1024x8x2048 --far-dtypes bf16)
+           --shapes 1024x8x2048 --far-world 2 --far-shapes 1024x8x2048 --far-dtypes bf16 --decode-iters 10)
 else
     ARGS+=(--runs "${RUNS:-3}")
 fi

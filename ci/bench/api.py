@@ -7,11 +7,13 @@ Finalize (the CLI's case: mode 2, f32 scales, x1): rounds alternate the CLI
 shape and threads, the op once into a reused `out=` array and once
 allocating its output; each is the best of `--iters` calls, and the report
 gives the medians over `--rounds` rounds of: kernel, floor, Python (`out=`),
-Python (allocating), Python / kernel and floor / Python.
+Python (allocating), Python / kernel and floor / Python (both forms; every
+round keeps its own floor / Python, and the worst allocating round is given).
 
 Collectives: `--ranks` Python processes, each a rank of one CPU world, time
-all_reduce and all_gather of `--bytes` per rank (bf16; all_gather's per-rank
-input is bytes / ranks, as the CLI sizes it) with a barrier before each call,
+all_reduce, reduce_scatter and all_gather of `--bytes` per rank (bf16; the
+reduce_scatter output and all_gather's per-rank input are bytes / ranks, as
+the CLI sizes them) with a barrier before each call,
 once into a reused `out=` array (as the CLI reuses its destination) and once
 allocating the result;
 a call's time is the slowest rank's, and the median call is reported (as
@@ -85,7 +87,10 @@ def bench_finalize(a) -> dict:
         rounds.append(
             {"kernel_s": r["time_us"] / 1e6, "floor_s": r["floor_us"] / 1e6, "python_s": py, "python_alloc_s": alloc}
         )
-    med = {k: median(r[k] for r in rounds) for k in rounds[0]}
+    for r in rounds:
+        r["floor_over_python"] = r["floor_s"] / r["python_s"]
+        r["floor_over_python_alloc"] = r["floor_s"] / r["python_alloc_s"]
+    med = {k: median(r[k] for r in rounds) for k in ("kernel_s", "floor_s", "python_s", "python_alloc_s")}
     return {
         "op": "finalize",
         "shape": f"{a.tokens}x{a.topk}x{a.hidden}",
@@ -97,9 +102,14 @@ def bench_finalize(a) -> dict:
         "python_alloc_ms": med["python_alloc_s"] * 1e3,
         "python_over_kernel": median(r["python_s"] / r["kernel_s"] for r in rounds),
         "python_alloc_over_kernel": median(r["python_alloc_s"] / r["kernel_s"] for r in rounds),
-        "floor_over_python": median(r["floor_s"] / r["python_s"] for r in rounds),
+        "floor_over_python": median(r["floor_over_python"] for r in rounds),
+        "floor_over_python_alloc": median(r["floor_over_python_alloc"] for r in rounds),
+        "floor_over_python_alloc_min": min(r["floor_over_python_alloc"] for r in rounds),
         "floor_over_kernel": median(r["floor_s"] / r["kernel_s"] for r in rounds),
     }
+
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def _rank(name, world, rank, nbytes, iters, q):
@@ -109,10 +119,11 @@ def _rank(name, world, rank, nbytes, iters, q):
 
     comm = ascend_moe.Comm.cpu(name, world, rank)
     n = nbytes // 2
+    n -= n % world
     x = np.full(n, rank + 1, dtype=ml_dtypes.bfloat16)
     g = np.full(n // world, rank + 1, dtype=ml_dtypes.bfloat16)
-    times = {(op, how): [] for op in ("all_reduce", "all_gather") for how in ("out", "alloc")}
-    for op, arg in (("all_reduce", x), ("all_gather", g)):
+    times = {(op, how): [] for op in OPS for how in ("out", "alloc")}
+    for op, arg in (("all_reduce", x), ("reduce_scatter", x), ("all_gather", g)):
         fn = getattr(ascend_moe, op)
         out = fn(arg, comm)  # warm-up; its result is the reused `out=` array
         for how in ("out", "alloc"):
@@ -146,11 +157,11 @@ def python_collectives(a) -> dict:
 
 
 def cli_collectives(a) -> dict:
-    cmd = [a.bin, "bench", "collectives", "--procs", "--ranks", str(a.ranks), "--ops", "all_reduce,all_gather"]
+    cmd = [a.bin, "bench", "collectives", "--procs", "--ranks", str(a.ranks), "--ops", ",".join(OPS)]
     cmd += ["--dtype", "bf16", "--iters", str(a.iters), "--json"]
     cmd += ["--min-bytes", str(a.bytes), "--max-bytes", str(a.bytes)]
     docs = cli_json(cmd)
-    return {d["op"]: d["time_us"] / 1e6 for d in docs if d.get("op") in ("all_reduce", "all_gather")}
+    return {d["op"]: d["time_us"] / 1e6 for d in docs if d.get("op") in OPS}
 
 
 def bench_collectives(a) -> dict:
@@ -161,11 +172,11 @@ def bench_collectives(a) -> dict:
         rounds.append(
             {
                 op: {"cli_s": c[op], "python_s": p[(op, "out")], "python_alloc_s": p[(op, "alloc")]}
-                for op in ("all_reduce", "all_gather")
+                for op in OPS
             }
         )
     res = {"ranks": a.ranks, "bytes": a.bytes, "rounds": rounds}
-    for op in ("all_reduce", "all_gather"):
+    for op in OPS:
         res[op] = {
             "cli_ms": median(r[op]["cli_s"] for r in rounds) * 1e3,
             "python_ms": median(r[op]["python_s"] for r in rounds) * 1e3,
@@ -200,7 +211,8 @@ def main() -> int:
         print(
             f"finalize {f['shape']} bf16, {f['threads']} threads: kernel {f['kernel_ms']:.2f} ms, "
             f"python out= {f['python_ms']:.2f} ms ({f['python_over_kernel']:.3f}x kernel), "
-            f"python allocating {f['python_alloc_ms']:.2f} ms ({f['python_alloc_over_kernel']:.3f}x), "
+            f"python allocating {f['python_alloc_ms']:.2f} ms ({f['python_alloc_over_kernel']:.3f}x; floor / it "
+            f"{f['floor_over_python_alloc']:.3f}, worst round {f['floor_over_python_alloc_min']:.3f}), "
             f"floor {f['floor_ms']:.2f} ms: python {f['floor_over_python']:.3f} of floor "
             f"(kernel {f['floor_over_kernel']:.3f})",
             file=sys.stderr,
@@ -208,7 +220,7 @@ def main() -> int:
     if "collectives" not in a.skip:
         c = bench_collectives(a)
         doc["collectives"] = c
-        for op in ("all_reduce", "all_gather"):
+        for op in OPS:
             o = c[op]
             print(
                 f"{op} {a.ranks} procs bf16 {a.bytes >> 20} MiB: cli {o['cli_ms']:.2f} ms, "

@@ -19,10 +19,18 @@ MIB = 1024 * 1024
 GIB = 1024 * 1024 * 1024
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+# Collectives only `ascend-moe bench collectives` runs (the peers do the three above).
+CLI_ONLY_COLLECTIVES = ("all_to_all", "broadcast")
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4, "i64": 8}
 
 # Finalize shapes of the issue: T x K x H.
 FINALIZE_SHAPES = ((1024, 8, 2048), (4096, 8, 4096), (8192, 8, 7168))
+
+# Decode-size latency table: [rows, H] bf16 tensors, 4 process ranks; finalize at T = rows, K = 8.
+DECODE_ROWS = (1, 4, 16, 64)
+DECODE_HIDDEN = (4096, 7168)
+DECODE_TOPK = 8
+DECODE_WORLD = 4
 
 
 def parse_bytes(text: str) -> int:
@@ -95,8 +103,10 @@ def bus_factor(op: str, world: int) -> float:
         return 1.0
     if op == "all_reduce":
         return 2.0 * (world - 1) / world
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return (world - 1) / world
+    if op == "broadcast":
+        return 1.0
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -105,12 +115,15 @@ def collective_floor_bytes(op: str, size_bytes: int, world: int) -> int:
     `size_bytes` the larger buffer as in nccl-tests: every input byte of every rank read once,
     every output byte of every rank written once.
     all_reduce: n*S read + n*S written; reduce_scatter: n*S read + S written (n chunks of S/n);
-    all_gather: S read (n chunks of S/n) + n*S written."""
+    all_gather: S read (n chunks of S/n) + n*S written; all_to_all: n*S read + n*S written;
+    broadcast: the root's S read + S written by each of the n - 1 others."""
     n = world
-    if op == "all_reduce":
+    if op in ("all_reduce", "all_to_all"):
         return 2 * n * size_bytes
     if op in ("reduce_scatter", "all_gather"):
         return (n + 1) * size_bytes
+    if op == "broadcast":
+        return n * size_bytes
     raise ValueError(f"unknown collective {op!r}")
 
 
@@ -119,6 +132,20 @@ def finalize_bytes(tokens: int, topk: int, hidden: int, dtype: str) -> int:
     out [T, H] written (all in `dtype`), expanded_row_idx [T*K] i32 and scales [T, K] f32 read."""
     e = DTYPE_BYTES[dtype]
     return tokens * topk * hidden * e + 2 * tokens * hidden * e + tokens * topk * (4 + 4)
+
+
+def decode_sizes(hidden: int, dtype: str = "bf16") -> list[int]:
+    """nccl-tests sizes of the decode table for one H: a [rows, H] tensor for every rows in
+    DECODE_ROWS (a ladder of factor 4)."""
+    return [r * hidden * DTYPE_BYTES[dtype] for r in DECODE_ROWS]
+
+
+def decode_shape(size_bytes: int, dtype: str = "bf16") -> tuple[int, int] | None:
+    """(rows, H) of a decode-table size, or None if no [rows, H] of the table has that size
+    (the table's sizes are distinct: common.decode_sizes)."""
+    e = DTYPE_BYTES[dtype]
+    hits = [(r, h) for h in DECODE_HIDDEN for r in DECODE_ROWS if r * h * e == size_bytes]
+    return hits[0] if len(hits) == 1 else None
 
 
 def floor_us(bytes_moved: float, triad_gbps: float) -> float:

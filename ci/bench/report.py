@@ -114,6 +114,7 @@ def build(docs):
     coll = defaultdict(dict)  # (impl, transport, op, dtype, world, bytes) -> run -> row
     fin = defaultdict(dict)  # (impl, dtype, T, K, H) -> run -> row
     far = defaultdict(dict)  # (op, dtype, T, K, H, world) -> run -> row
+    dec = defaultdict(dict)  # decode table: (impl, op, H, rows) -> run -> row
     for d in docs:
         run = d["run"]
         for row in d["rows"]:
@@ -148,7 +149,13 @@ def build(docs):
                     int(row.get("world", 0)),
                 )
                 far[key][run] = row
-    return triad, coll, fin, far
+            elif kind == "decode_collectives":
+                shape = common.decode_shape(int(row["bytes"]), row["dtype"])
+                if shape is not None:
+                    dec[(d["impl"], row["op"], shape[1], shape[0])][run] = row
+            elif kind == "decode_finalize":
+                dec[(d["impl"], "finalize", int(row["hidden"]), int(row["tokens"]))][run] = row
+    return triad, coll, fin, far, dec
 
 
 def run_triad(triad, run):
@@ -174,6 +181,9 @@ def _floor_ratio(row, bytes_moved, triad_gbps):
     return common.floor_us(bytes_moved, float(g)) / float(t)
 
 
+PEERS = ("openmpi", "gloo")
+
+
 def collective_series(triad, coll):
     """Per (transport-impl, op, dtype, world, bytes): per-run busbw, algbw, time, floor ratio,
     floor busbw, ratio to OpenMPI; plus the OpenMPI rows with the floor of the same run."""
@@ -181,12 +191,13 @@ def collective_series(triad, coll):
     for key, runs in coll.items():
         impl, transport, op, dtype, world, nbytes = key
         peer = coll.get(("openmpi", "procs", op, dtype, world, nbytes), {})
+        gloo = coll.get(("gloo", "procs", op, dtype, world, nbytes), {})
         ours_any = [coll.get(("ascend-moe", tr, op, dtype, world, nbytes), {}) for tr in ("threads", "procs")]
         s = defaultdict(dict)
         for run, row in runs.items():
             floor_b = common.collective_floor_bytes(op, nbytes, world)
             fr = None
-            if impl == "openmpi":
+            if impl in PEERS:
                 # The floor of the same run and case as ours, so both are measured against one number.
                 for o in ours_any:
                     if run in o and (o[run].get("floor_us") is not None):
@@ -199,7 +210,7 @@ def collective_series(triad, coll):
                 fr = _floor_ratio(row, floor_b, run_triad(triad, run))
             busbw = float(row["busbw_gbps"])
             g = row.get("triad_gbps") or run_triad(triad, run)
-            if impl == "openmpi":
+            if impl in PEERS:
                 g = next((o[run].get("triad_gbps") for o in ours_any if run in o and o[run].get("triad_gbps")), g)
             if g:
                 # Against the minimum traffic (every input read once, every output written once),
@@ -212,8 +223,10 @@ def collective_series(triad, coll):
             s["floor_busbw_gbps"][run] = busbw / fr if fr else None
             s["wrong"][run] = int(row.get("wrong", 0) or 0)
             s["count"][run] = int(row.get("count", 0) or 0)
-            if impl != "openmpi" and run in peer and float(peer[run]["busbw_gbps"]) > 0:
+            if impl not in PEERS and run in peer and float(peer[run]["busbw_gbps"]) > 0:
                 s["vs_peer"][run] = busbw / float(peer[run]["busbw_gbps"])
+            if impl not in PEERS and run in gloo and float(gloo[run]["busbw_gbps"]) > 0:
+                s["vs_gloo"][run] = busbw / float(gloo[run]["busbw_gbps"])
         out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
     return out
 
@@ -262,12 +275,33 @@ def far_series(far):
     return out
 
 
+def decode_series(dec):
+    """Per (impl, op, H, rows): per-run time (us), #wrong and, for ours, the time ratio to each
+    peer of the same run (ours time / peer time: below 1 = ours is faster)."""
+    out = {}
+    for key, runs in dec.items():
+        impl, op, h, nrows = key
+        s = defaultdict(dict)
+        for run, row in runs.items():
+            t = float(row["time_us"])
+            s["time_us"][run] = t
+            s["wrong"][run] = int(row.get("wrong", 0) or 0)
+            if impl == "ascend-moe":
+                for peer in ("gloo", "openmpi", "numpy"):
+                    prow = dec.get((peer, op, h, nrows), {}).get(run)
+                    if prow is not None and float(prow["time_us"]) > 0:
+                        s[f"over_{peer}"][run] = t / float(prow["time_us"])
+        out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Output
 
 
-def write_csv(path, cs, fs, rs):
-    metrics = ["time_us", "algbw_gbps", "busbw_gbps", "gbps", "floor_ratio", "min_floor_ratio", "vs_peer", "speedup"]
+def write_csv(path, cs, fs, rs, ds=None):
+    metrics = ["time_us", "algbw_gbps", "busbw_gbps", "gbps", "floor_ratio", "min_floor_ratio", "vs_peer"]
+    metrics += ["vs_gloo", "speedup"]
     cols = ["suite", "impl", "transport", "op", "dtype", "world", "tokens", "topk", "hidden", "bytes", "runs"]
     for m in metrics:
         cols += [f"{m}_median", f"{m}_min", f"{m}_max"]
@@ -321,6 +355,14 @@ def write_csv(path, cs, fs, rs):
                 st,
             )
         )
+    for (impl, op, h, nrows), st in sorted((ds or {}).items()):
+        base = {"suite": "decode", "impl": impl, "transport": "procs", "op": op, "dtype": "bf16", "hidden": h}
+        base.update({"tokens": nrows, "topk": common.DECODE_TOPK} if op == "finalize" else {})
+        base.update({} if op == "finalize" else {"world": common.DECODE_WORLD, "tokens": nrows})
+        if op != "finalize":
+            base["bytes"] = nrows * h * common.DTYPE_BYTES["bf16"]
+            base["wrong"] = max(st["wrong"].values) if "wrong" in st and st["wrong"].ok else ""
+        rows.append((base, st))
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=cols)
         wr.writeheader()
@@ -370,7 +412,98 @@ def evaluate_targets(cs, fs, rs):
     return out
 
 
-def plots(out_dir, cs, fs, triad_stat):
+# Targets on the public API, the CLI's own floor and the fused op: (label, kind, selector, threshold).
+API_SHAPE = "4096x8x4096"
+API_TARGETS = [
+    ("finalize bf16 4096x8x4096 via Python, `out=`: triad floor / time >= 0.9", "api_fin", "python_s", 0.9),
+    ("the same, allocating (no `out=`): triad floor / time >= 0.85 every round", "api_fin", "python_alloc_s", 0.85),
+]
+API_COLL_TARGETS = [
+    ("Python collectives, `out=`: time / CLI time <= 1.1x", "python_s", 1.1),
+    ("Python collectives, allocating: time / CLI time <= 1.1x", "python_alloc_s", 1.1),
+]
+FLOOR_TARGETS = [
+    ("CLI all_reduce / reduce_scatter 4 ranks bf16 32 MiB: vs_floor >= 0.9", ("all_reduce", "reduce_scatter"), 0.9),
+    (
+        "CLI all_gather / all_to_all / broadcast 4 ranks bf16 32 MiB: vs_floor >= 0.9",
+        ("all_gather", "all_to_all", "broadcast"),
+        0.9,
+    ),
+]
+FAR_EVERY_SHAPE = 1.5
+
+
+def _reached(ok: bool) -> str:
+    return "**reached**" if ok else "not reached"
+
+
+def issue_targets(cs, rs, api, plan=None):
+    """-> rows (target, case, measured, result, note) of the targets on the public API
+    (ci/bench/api.py), the CLI's own `vs_floor` and the fused finalize + reduce-scatter."""
+    plan = plan or {}
+    out = []
+    f = (api or {}).get("finalize")
+    for label, _, key, thr in API_TARGETS:
+        if not f or not f.get("rounds"):
+            out.append((label, "", "not measured", "n/a", "`ci/bench/api.py` did not run"))
+            continue
+        per_round = [r["floor_s"] / r[key] for r in f["rounds"] if r.get(key)]
+        st = Stat(per_round)
+        if not st.ok:
+            out.append((label, "", "not measured", "n/a", f"`raw/api.json` has no `{key}` per round"))
+            continue
+        case = f"{f['shape']}, {f['threads']} threads, {len(per_round)} rounds"
+        every = "every round" in label
+        worst = f"worst round {_num(st.lo)}"
+        if f["shape"] != API_SHAPE:
+            out.append((label, case, st.fmt(), "n/a", f"not the target's shape {API_SHAPE}; {worst}"))
+            continue
+        ok = (st.lo if every else st.med) >= thr
+        out.append((label, case, st.fmt(), _reached(ok), worst))
+    c = (api or {}).get("collectives")
+    for label, key, thr in API_COLL_TARGETS:
+        for op in common.COLLECTIVES:
+            if not c or op not in c or not c.get("rounds"):
+                out.append((label, op, "not measured", "n/a", "`ci/bench/api.py` did not measure it"))
+                continue
+            st = Stat([r[op][key] / r[op]["cli_s"] for r in c["rounds"] if op in r and r[op].get(key)])
+            case = f"{op}, {c['ranks']} procs, {common.fmt_bytes(c['bytes'])}"
+            out.append((label, case, st.fmt(), _reached(st.ok and st.med <= thr), f"{len(st.values)} rounds"))
+    missing = set(plan.get("cli_missing_ops", []))
+    for label, ops, thr in FLOOR_TARGETS:
+        for op in ops:
+            for tr in ("threads", "procs"):
+                st = cs.get(("ascend-moe", tr, op, "bf16", 4, COLL_TARGET_SIZE))
+                if op in missing:
+                    out.append((label, f"{op} {tr}", "not measured", "n/a", f"`bench collectives` has no {op}"))
+                elif st is None or not st["floor_ratio"].ok:
+                    out.append((label, f"{op} {tr}", "not measured", "n/a", ""))
+                else:
+                    fr = st["floor_ratio"]
+                    out.append((label, f"{op} {tr}", fr.fmt(), _reached(fr.med >= thr), "the CLI's own floor"))
+    label = f"fused finalize+reduce-scatter: unfused / fused >= {FAR_EVERY_SHAPE}x at every shape"
+    keys = sorted(k for k in rs if k[0] == FUSED and "speedup" in rs[k] and rs[k]["speedup"].ok)
+    for k in keys:
+        sp = rs[k]["speedup"]
+        case = f"{k[2]}x{k[3]}x{k[4]} {k[1]}, {k[5]} ranks"
+        out.append((label, case, sp.fmt(), _reached(sp.med >= FAR_EVERY_SHAPE), ""))
+    if keys:
+        worst = min(rs[k]["speedup"].med for k in keys)
+        out.append(
+            (
+                label,
+                f"all {len(keys)} shapes",
+                _num(worst),
+                _reached(worst >= FAR_EVERY_SHAPE),
+                "the worst shape's median",
+            )
+        )
+    else:
+        out.append((label, "", "not measured", "n/a", ""))
+    return out
+
+
+def plots(out_dir, cs, fs, triad_stat, ds=None):
     try:
         import matplotlib
 
@@ -387,6 +520,7 @@ def plots(out_dir, cs, fs, triad_stat):
         ("ascend-moe", "threads"): ("C0", "-", "ours (threads)"),
         ("ascend-moe", "procs"): ("C2", "-", "ours (processes)"),
         ("openmpi", "procs"): ("C3", "-", "OpenMPI (sm)"),
+        ("gloo", "procs"): ("C4", "-", "gloo (torch.distributed)"),
     }
     for op in ops:
         for dt in dtypes:
@@ -465,6 +599,35 @@ def plots(out_dir, cs, fs, triad_stat):
         fig.savefig(os.path.join(out_dir, "finalize.png"), dpi=90)
         plt.close(fig)
         files.append("finalize.png")
+    if ds:
+        dops = [o for o in common.COLLECTIVES + ("finalize",) if any(k[1] == o for k in ds)]
+        fig, axes = plt.subplots(1, len(dops), figsize=(4.5 * len(dops), 4), squeeze=False)
+        colors = {"ascend-moe": "C2", "openmpi": "C3", "gloo": "C4", "numpy": "C1"}
+        names = {"ascend-moe": "ours", "openmpi": "OpenMPI", "gloo": "gloo", "numpy": "numpy"}
+        for ax, op in zip(axes[0], dops):
+            for impl in colors:
+                for h, ls in zip(common.DECODE_HIDDEN, ("-", "--")):
+                    keys = sorted(k for k in ds if k[:3] == (impl, op, h))
+                    if not keys:
+                        continue
+                    xs = [k[3] for k in keys]
+                    st = [ds[k]["time_us"] for k in keys]
+                    label = f"{names[impl]} H={h}"
+                    ax.plot(xs, [v.med for v in st], color=colors[impl], ls=ls, marker="o", label=label)
+                    ax.fill_between(xs, [v.lo for v in st], [v.hi for v in st], color=colors[impl], alpha=0.15)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(list(common.DECODE_ROWS))
+            ax.set_xticklabels([str(r) for r in common.DECODE_ROWS])
+            ax.set_title(f"{op} bf16" + ("" if op == "finalize" else f", {common.DECODE_WORLD} process ranks"))
+            ax.set_xlabel("rows (tokens)")
+            ax.set_ylabel("latency (us)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "decode_latency.png"), dpi=90)
+        plt.close(fig)
+        files.append("decode_latency.png")
     return files, None
 
 
@@ -491,7 +654,22 @@ def floor_sources(docs):
     return lines
 
 
-def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note, csv_name, floor_notes=(), api=None):
+def write_report(
+    path,
+    meta,
+    triad,
+    cs,
+    fs,
+    rs,
+    failures,
+    plot_files,
+    plot_note,
+    csv_name,
+    floor_notes=(),
+    api=None,
+    ds=None,
+    plan=None,
+):
     nruns = max([len(st["time_us"].values) for st in list(cs.values()) + list(fs.values())] or [len(triad)])
     L = ["# ascend-moe performance report", ""]
     L.append(
@@ -504,7 +682,8 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
     )
     L.append(
         f"- peers: {meta.get('openmpi', 'OpenMPI ?')}, mpi4py {meta.get('mpi4py', '?')}, "
-        f"numpy {meta.get('numpy', '?')}, ml_dtypes {meta.get('ml_dtypes', '?')}"
+        f"numpy {meta.get('numpy', '?')}, ml_dtypes {meta.get('ml_dtypes', '?')}, "
+        f"gloo: {meta.get('torch', 'torch ?')}"
     )
     L.append(f"- every figure: median [min–max] over {nruns} run(s); ratios are taken within a run, then summarised")
     L.append(
@@ -516,8 +695,8 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
     L.append("## Targets")
     L.append(
         _table(
-            ["target", "case", "measured (median [min–max])", "result", "vs minimum-traffic floor"],
-            evaluate_targets(cs, fs, rs),
+            ["target", "case", "measured (median [min–max])", "result", "vs minimum-traffic floor / note"],
+            evaluate_targets(cs, fs, rs) + issue_targets(cs, rs, api, plan),
         )
     )
     L.append("")
@@ -554,14 +733,15 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
                 th = cs.get(("ascend-moe", "threads", op, dt, w, nb))
                 pr = cs.get(("ascend-moe", "procs", op, dt, w, nb))
                 mp = cs.get(("openmpi", "procs", op, dt, w, nb))
-                if not (th or pr or mp):
+                gl = cs.get(("gloo", "procs", op, dt, w, nb))
+                if not (th or pr or mp or gl):
                     continue
 
                 def g(st, m, spread=True):
                     return st[m].fmt(spread=spread) if st and m in st else "–"
 
-                floor_st = (th or pr or mp or {}).get("floor_busbw_gbps")
-                wrong = sum(max(st["wrong"].values, default=0) for st in (th, pr, mp) if st and "wrong" in st)
+                floor_st = (th or pr or mp or gl or {}).get("floor_busbw_gbps")
+                wrong = sum(max(st["wrong"].values, default=0) for st in (th, pr, mp, gl) if st and "wrong" in st)
                 out.append(
                     (
                         op,
@@ -569,12 +749,16 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
                         g(th, "busbw_gbps"),
                         g(pr, "busbw_gbps"),
                         g(mp, "busbw_gbps"),
+                        g(gl, "busbw_gbps"),
                         floor_st.fmt(spread=False) if floor_st else "–",
                         g(th, "floor_ratio"),
                         g(pr, "floor_ratio"),
                         g(mp, "floor_ratio"),
+                        g(gl, "floor_ratio"),
                         g(th, "vs_peer"),
                         g(pr, "vs_peer"),
+                        g(th, "vs_gloo"),
+                        g(pr, "vs_gloo"),
                         wrong,
                     )
                 )
@@ -586,16 +770,25 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
         "busbw ours thr",
         "busbw ours proc",
         "busbw OpenMPI",
+        "busbw gloo",
         "busbw floor",
         "thr/floor",
         "proc/floor",
         "OpenMPI/floor",
+        "gloo/floor",
         "thr/OpenMPI",
         "proc/OpenMPI",
+        "thr/gloo",
+        "proc/gloo",
         "#wrong",
     ]
     if cs:
         L.append("## Collectives (bus bandwidth GB/s, nccl-tests definitions)")
+        L.append("")
+        L.append(
+            "Ratios `a/b` are bus-bandwidth ratios of one run (above 1 = `a` is faster); `x/floor` = floor time "
+            "/ time. OpenMPI: `mpi_coll.py`; gloo: `gloo_coll.py` (torch.distributed, process ranks)."
+        )
         L.append("")
         key_sizes = {1 * common.MIB, COLL_TARGET_SIZE, 256 * common.MIB}
         for w in worlds:
@@ -655,6 +848,8 @@ def write_report(path, meta, triad, cs, fs, rs, failures, plot_files, plot_note,
             )
         L.append(_table(["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"], rrows))
         L.append("")
+    if ds:
+        L += decode_section(ds)
     if api:
         L += api_section(api)
     if plot_files or plot_note:
@@ -703,33 +898,106 @@ def api_section(api) -> list[str]:
     rows = []
     f = api.get("finalize")
     if f:
-        rows.append(("finalize (Python, numpy bf16)", f"{f['shape']}, {f['threads']} threads",
+        case = f"{f['shape']}, {f['threads']} threads"
+        rows.append(("finalize (Python, numpy bf16, `out=`)", case,
                      _num(f["kernel_ms"]), _num(f["python_ms"]), _num(f["python_over_kernel"]),
                      f"{_num(f['floor_over_python'])} (kernel {_num(f['floor_over_kernel'])})"))
+        if "python_alloc_ms" in f:
+            per_round = [r["floor_s"] / r["python_alloc_s"] for r in f.get("rounds", []) if r.get("python_alloc_s")]
+            worst = f", worst round {_num(min(per_round))}" if per_round else ""
+            rows.append(("finalize (Python, numpy bf16, allocating)", case, _num(f["kernel_ms"]),
+                         _num(f["python_alloc_ms"]), _num(f.get("python_alloc_over_kernel", math.nan)),
+                         f"{_num(f.get('floor_over_python_alloc', math.nan))}{worst}"))
     c = api.get("collectives")
     if c:
-        for op in ("all_reduce", "all_gather"):
-            o = c[op]
-            alloc = ""
+        for op in common.COLLECTIVES:
+            o = c.get(op)
+            if not o:
+                continue
+            case = f"{c['ranks']} procs, {common.fmt_bytes(c['bytes'])}"
+            rows.append((f"{op} (Python, numpy bf16, `out=`)", case,
+                         _num(o["cli_ms"]), _num(o["python_ms"]), _num(o["python_over_cli"]), ""))
             if "python_alloc_ms" in o:
-                alloc = f"allocating: {_num(o['python_alloc_ms'])} ms ({_num(o['python_alloc_over_cli'])})"
-            rows.append((f"{op} (Python, numpy bf16, `out=`)", f"{c['ranks']} procs, {c['bytes'] >> 20} MiB",
-                         _num(o["cli_ms"]), _num(o["python_ms"]), _num(o["python_over_cli"]), alloc))
+                rows.append((f"{op} (Python, numpy bf16, allocating)", case,
+                             _num(o["cli_ms"]), _num(o["python_alloc_ms"]), _num(o["python_alloc_over_cli"]), ""))
     L.append(_table(["op", "case", "kernel / CLI (ms)", "public API (ms)", "API / kernel", "floor / API"], rows))
     L.append("")
     return L
 
 
+def decode_section(ds) -> list[str]:
+    """The decode-size latency table: one row per op, H and rows."""
+    L = ["## Decode-size latency (microseconds, bf16)", ""]
+    L.append(
+        f"[rows, H] tensors, {common.DECODE_WORLD} process ranks for the collectives (ours: `bench collectives "
+        "--procs`; size = the [rows, H] tensor: reduce_scatter's input, all_gather's output); finalize: T = rows, "
+        f"K = {common.DECODE_TOPK}, ours `bench finalize` (best call) against numpy (best call). Collectives: the "
+        "median call, slowest rank. Figures: median [min–max] over runs; `ours/x` = ours time / x's time in "
+        "the same run (below 1 = ours is faster)."
+    )
+    L.append("")
+    rows = []
+    ops = [o for o in common.COLLECTIVES + ("finalize",) if any(k[1] == o for k in ds)]
+    for op in ops:
+        for h in sorted({k[2] for k in ds if k[1] == op}):
+            for nrows in sorted({k[3] for k in ds if k[1] == op and k[2] == h}):
+
+                def g(impl, m, spread=True):
+                    st = ds.get((impl, op, h, nrows))
+                    return st[m].fmt(spread=spread) if st and m in st and st[m].ok else "–"
+
+                wrong = sum(
+                    max(ds[k]["wrong"].values, default=0)
+                    for k in ds
+                    if k[1:] == (op, h, nrows) and "wrong" in ds[k]
+                )
+                rows.append(
+                    (
+                        op,
+                        h,
+                        nrows,
+                        common.fmt_bytes(nrows * h * common.DTYPE_BYTES["bf16"]),
+                        g("ascend-moe", "time_us"),
+                        g("gloo", "time_us"),
+                        g("openmpi", "time_us"),
+                        g("numpy", "time_us"),
+                        g("ascend-moe", "over_gloo"),
+                        g("ascend-moe", "over_openmpi"),
+                        g("ascend-moe", "over_numpy"),
+                        wrong if op != "finalize" else "",
+                    )
+                )
+    L.append(
+        _table(
+            ["op", "H", "rows", "tensor", "ours (us)", "gloo (us)", "OpenMPI (us)", "numpy (us)", "ours/gloo",
+             "ours/OpenMPI", "ours/numpy", "#wrong"],
+            rows,
+        )
+    )
+    L.append("")
+    return L
+
+
+def load_plan(raw: str) -> dict:
+    """What run.py's plans say about the CLI: the union of `cli_missing_ops` over plan-*.json."""
+    missing: set[str] = set()
+    for path in glob.glob(os.path.join(raw, "plan-*.json")):
+        with open(path) as f:
+            missing.update(json.load(f).get("cli_missing_ops", []))
+    return {"cli_missing_ops": sorted(missing)}
+
+
 def generate(raw: str, out_dir: str) -> dict:
     docs, failures, meta = load(raw)
-    triad, coll, fin, far = build(docs)
+    triad, coll, fin, far, dec = build(docs)
     cs = collective_series(triad, coll)
     fs = finalize_series(triad, fin)
     rs = far_series(far)
+    ds = decode_series(dec)
     os.makedirs(out_dir, exist_ok=True)
-    n_csv = write_csv(os.path.join(out_dir, "results.csv"), cs, fs, rs)
+    n_csv = write_csv(os.path.join(out_dir, "results.csv"), cs, fs, rs, ds)
     triad_stat = Stat([run_triad(triad, r) for r in triad])
-    plot_files, plot_note = plots(out_dir, cs, fs, triad_stat)
+    plot_files, plot_note = plots(out_dir, cs, fs, triad_stat, ds)
     write_report(
         os.path.join(out_dir, "report.md"),
         meta,
@@ -743,6 +1011,8 @@ def generate(raw: str, out_dir: str) -> dict:
         "results.csv",
         floor_sources(docs),
         api=load_api(raw),
+        ds=ds,
+        plan=load_plan(raw),
     )
     return {"csv_rows": n_csv, "plots": plot_files, "steps": len(docs), "failures": len(failures)}
 

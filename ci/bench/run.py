@@ -114,9 +114,9 @@ class Runner:
             json.dump(doc, f, indent=1)
 
 
-def cli_flags(binary: str | None, sub: str) -> set[str] | None:
-    """The long flags that `ascend-moe bench <sub> --help` lists; None if the subcommand
-    does not exist (its --help fails)."""
+def cli_help(binary: str | None, sub: str) -> str | None:
+    """The text of `ascend-moe bench <sub> --help`; None if the subcommand does not exist
+    (its --help fails)."""
     if not binary:
         return None
     try:
@@ -125,7 +125,14 @@ def cli_flags(binary: str | None, sub: str) -> set[str] | None:
         return None
     if r.returncode != 0:
         return None
-    return set(re.findall(r"--[a-z][a-z0-9-]*", r.stdout + r.stderr))
+    return r.stdout + r.stderr
+
+
+def cli_flags(binary: str | None, sub: str) -> set[str] | None:
+    """The long flags that `ascend-moe bench <sub> --help` lists; None if the subcommand
+    does not exist."""
+    text = cli_help(binary, sub)
+    return None if text is None else set(re.findall(r"--[a-z][a-z0-9-]*", text))
 
 
 def pick(flags: set[str], *alternatives: list[tuple[str, object]]) -> list[str]:
@@ -178,7 +185,17 @@ def main() -> int:
     p.add_argument("--far-shapes", default=",".join(f"{t}x{k}x{h}" for t, k, h in common.FINALIZE_SHAPES))
     p.add_argument("--far-dtypes", default="f32,f16,bf16")
     p.add_argument("--mpi-bf16-reduce", default="f32", choices=("f32", "userop"))
-    p.add_argument("--skip", default="", help="comma list of: triad,collectives,mpi,finalize,numpy,far")
+    p.add_argument(
+        "--cli-extra-ops",
+        default=",".join(common.CLI_ONLY_COLLECTIVES),
+        help="collectives only ours run, added to --ops when `bench collectives --help` names them",
+    )
+    p.add_argument("--torch-python", default="", help="python with torch for the gloo peer ('' = skip gloo)")
+    p.add_argument("--gloo-worlds", default="4", help="world sizes the gloo peer runs (of --worlds)")
+    p.add_argument("--decode-iters", type=int, default=20, help="timed calls per case of the decode table")
+    p.add_argument(
+        "--skip", default="", help="comma list of: triad,collectives,mpi,gloo,finalize,numpy,far,decode"
+    )
     p.add_argument("--step-timeout", type=float, default=3600.0)
     args = p.parse_args()
 
@@ -214,7 +231,16 @@ def main() -> int:
 
     binary = args.bin or None
     subs = ("triad", "collectives", "finalize", "finalize_and_reduce")
-    flags = {sub: cli_flags(binary, sub) for sub in subs}
+    helps = {sub: cli_help(binary, sub) for sub in subs}
+    flags = {sub: None if t is None else set(re.findall(r"--[a-z][a-z0-9-]*", t)) for sub, t in helps.items()}
+    # Ours run every op of --ops plus those of --cli-extra-ops that the CLI's help names.
+    extra_ops = [o for o in args.cli_extra_ops.split(",") if o and o not in args.ops.split(",")]
+    coll_help = helps["collectives"] or ""
+    cli_missing_ops = [o for o in extra_ops if not re.search(rf"\b{o}\b", coll_help)]
+    ours_ops = ",".join([o for o in args.ops.split(",") if o] + [o for o in extra_ops if o not in cli_missing_ops])
+    if binary and helps["collectives"] is not None and cli_missing_ops:
+        log(f"note: `bench collectives` does not offer {', '.join(cli_missing_ops)}")
+    gloo_worlds = {int(w) for w in args.gloo_worlds.split(",") if w}
     if binary:
         for sub in subs:
             if flags[sub] is None:
@@ -289,7 +315,7 @@ def main() -> int:
                             "collectives",
                             pick(fl, [("--ranks", w)]),
                             ["--procs"] if tr == "procs" else [],
-                            pick(fl, [("--ops", args.ops)]),
+                            pick(fl, [("--ops", ours_ops)]),
                             dtype_flag(fl, dt),
                             size_flags(fl, cls),
                             iter_flags(fl, iters, warmup),
@@ -305,6 +331,12 @@ def main() -> int:
                 cmd += ["--bf16-reduce", args.mpi_bf16_reduce]
                 meta = {"impl": "openmpi", "world": w, "transport": "procs"}
                 plan.append((f"collectives openmpi w{w} {dt}", "collectives", "openmpi", cmd, meta))
+            if "gloo" not in skip and args.torch_python and w in gloo_worlds:
+                cmd = [args.torch_python, os.path.join(HERE, "gloo_coll.py"), "--world", str(w), "--ops", args.ops]
+                cmd += ["--dtype", dt, "--sizes", ",".join(map(str, world_sizes(w))), "--iters", str(args.iters)]
+                cmd += ["--warmup", str(args.warmup), "--large-iters", str(args.large_iters)]
+                meta = {"impl": "gloo", "world": w, "transport": "procs"}
+                plan.append((f"collectives gloo w{w} {dt}", "collectives", "gloo", cmd, meta))
     fl = flags["finalize"]
     for dt in fin_dtypes:
         if "finalize" not in skip and fl is not None:
@@ -331,6 +363,56 @@ def main() -> int:
                 name = f"finalize_and_reduce ascend-moe w{args.far_world} {dt}{label}"
                 plan.append((name, "finalize_and_reduce", "ascend-moe", cmd, meta))
 
+    if "decode" not in skip:
+        # Decode-size latency: [rows, H] bf16 for rows in DECODE_ROWS, 4 process ranks, every
+        # implementation on the same sizes (one ladder of factor 4 per H); finalize at T = rows.
+        dw, it = common.DECODE_WORLD, args.decode_iters
+        fl = flags["collectives"]
+        for h in common.DECODE_HIDDEN:
+            sz = common.decode_sizes(h)
+            meta = {"world": dw, "transport": "procs", "dtype": "bf16", "hidden": h}
+            if "collectives" not in skip and fl is not None and "--procs" in fl:
+                cmd = cli(
+                    "collectives",
+                    pick(fl, [("--ranks", dw)]),
+                    ["--procs"],
+                    pick(fl, [("--ops", args.ops)]),
+                    dtype_flag(fl, "bf16"),
+                    pick(
+                        fl,
+                        [("--sizes", ",".join(map(str, sz)))],
+                        [("--min-bytes", sz[0]), ("--max-bytes", sz[-1]), ("--factor", 4)],
+                        [("--min-bytes", sz[0]), ("--max-bytes", sz[-1]), ("--step-factor", 4)],
+                    ),
+                    iter_flags(fl, it, 2),
+                    out_format(fl),
+                )
+                plan.append((f"decode ascend-moe H{h}", "decode_collectives", "ascend-moe", cmd, meta))
+        # The peers take a size list: one call for both H (each size names its [rows, H]:
+        # common.decode_shape), so gloo spawns and imports torch once.
+        sz = sorted(s for h in common.DECODE_HIDDEN for s in common.decode_sizes(h))
+        meta = {"world": dw, "transport": "procs", "dtype": "bf16"}
+        peer_args = ["--ops", args.ops, "--dtype", "bf16", "--sizes", ",".join(map(str, sz))]
+        peer_args += ["--iters", str(it), "--warmup", "2", "--large-iters", str(it)]
+        if "mpi" not in skip and args.mpirun:
+            cmd = [*mpirun, "-np", str(dw), py, os.path.join(HERE, "mpi_coll.py"), *peer_args]
+            cmd += ["--bf16-reduce", args.mpi_bf16_reduce]
+            plan.append(("decode openmpi", "decode_collectives", "openmpi", cmd, meta))
+        if "gloo" not in skip and args.torch_python:
+            cmd = [args.torch_python, os.path.join(HERE, "gloo_coll.py"), "--world", str(dw), *peer_args]
+            plan.append(("decode gloo", "decode_collectives", "gloo", cmd, meta))
+        fl = flags["finalize"]
+        dshapes = [f"{r}x{common.DECODE_TOPK}x{h}" for h in common.DECODE_HIDDEN for r in common.DECODE_ROWS]
+        if "finalize" not in skip and fl is not None:
+            for label, shape_args in per_shape(fl, dshapes):
+                cmd = cli("finalize", shape_args, dtype_flag(fl, "bf16"), iter_flags(fl, it, 2), out_format(fl))
+                name = f"decode finalize ascend-moe{label}"
+                plan.append((name, "decode_finalize", "ascend-moe", cmd, {"dtype": "bf16"}))
+        if "numpy" not in skip:
+            cmd = [py, os.path.join(HERE, "np_finalize.py"), "--shapes", ",".join(dshapes), "--dtypes", "bf16"]
+            cmd += ["--iters", str(it), "--warmup", "2"]
+            plan.append(("decode finalize numpy", "decode_finalize", "numpy", cmd, {}))
+
     if not plan:
         log("error: nothing to measure (no CLI bench, no peer enabled)")
         return 2
@@ -347,6 +429,8 @@ def main() -> int:
                 "sizes": sizes,
                 "worlds": worlds,
                 "cli": {k: sorted(v or []) for k, v in flags.items()},
+                "cli_ops": ours_ops.split(",") if flags["collectives"] is not None else [],
+                "cli_missing_ops": cli_missing_ops if flags["collectives"] is not None else [],
                 "steps": [shlex.join(c) for _, _, _, c, _ in plan],
             },
             f,

@@ -233,18 +233,241 @@ class SyntheticReport(unittest.TestCase):
             self.assertIn(f"]({name})", self.md)
 
 
+def _target_lines(md):
+    """Target table rows of report.md keyed by "target/case"."""
+    return {
+        ln.split("|")[1].strip() + "/" + ln.split("|")[2].strip(): ln
+        for ln in md.splitlines()
+        if ln.startswith("| ") and ln.count("|") == 6
+    }
+
+
+class ApiGlooDecodeReport(unittest.TestCase):
+    """Public API rounds, the CLI's own floor, gloo beside OpenMPI, the fused op at two shapes and
+    the decode-size table, on synthetic input whose expected values are worked out here."""
+
+    FLOOR_S = 0.1
+    PY_S = [0.105, 0.1, 0.12]  # floor / time: 0.952, 1.0, 0.833 -> median 0.952 >= 0.9
+    ALLOC_S = [0.1, 0.11, 0.2]  # 1.0, 0.909, 0.5 -> median 0.909 >= 0.85, worst round 0.5 < 0.85
+    # Python time / CLI time per round, per op and form.
+    API_RATIO = {
+        ("all_reduce", "python_s"): [1.0, 1.05, 1.2],  # median 1.05 <= 1.1: reached
+        ("all_reduce", "python_alloc_s"): [1.5, 1.4, 1.6],  # not reached
+        ("reduce_scatter", "python_s"): [1.2, 1.3, 1.25],  # not reached
+        ("reduce_scatter", "python_alloc_s"): [1.0, 1.0, 1.0],
+        ("all_gather", "python_s"): [1.0, 1.0, 1.0],
+        ("all_gather", "python_alloc_s"): [1.1, 1.0, 1.05],  # median 1.05: reached
+    }
+    VS_FLOOR = {"all_reduce": 0.73, "reduce_scatter": 0.95, "all_gather": 0.97, "all_to_all": 0.85}
+    OURS_AR = [10.0, 12.0, 11.0]  # busbw, procs
+    GLOO_AR = [2.0, 4.0, 1.0]  # ours / gloo: 5, 3, 11 -> median 5
+    FAR = {(4096, 8, 4096): ([200.0, 190.0, 210.0], 100.0), (1024, 8, 2048): ([16.0, 14.0, 12.0], 10.0)}
+    DEC_OURS = [10.0, 12.0, 11.0]  # all_reduce H=4096 rows=16, us
+    DEC_GLOO = [100.0, 60.0, 110.0]  # ours / gloo: 0.1, 0.2, 0.1 -> median 0.1
+    DEC_MPI = [20.0, 24.0, 44.0]  # 0.5, 0.5, 0.25 -> median 0.5
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        raw = os.path.join(cls.tmp.name, "raw")
+        cls.out = os.path.join(cls.tmp.name, "out")
+        for i in range(3):
+            run = i + 1
+            ours = []
+            for op, vf in cls.VS_FLOOR.items():
+                busbw = cls.OURS_AR[i] if op == "all_reduce" else 8.0
+                r = coll_row(op, "bf16", 4, S32, busbw, "procs")
+                r["floor_us"] = vf * r["time_us"]
+                r["vs_floor"] = vf
+                ours.append(r)
+            _write(raw, run, "ours", "collectives", "ascend-moe", ours)
+            gloo = [coll_row("all_reduce", "bf16", 4, S32, cls.GLOO_AR[i], "procs")]
+            _write(raw, run, "gloo", "collectives", "gloo", gloo)
+            far_rows = []
+            for (t, k, h), (unfused, fused) in cls.FAR.items():
+                base = {"dtype": "bf16", "tokens": t, "topk": k, "hidden": h, "world": 4}
+                far_rows.append(dict(base, op="finalize_and_reduce", time_us=fused))
+                far_rows.append(dict(base, op="finalize_then_pad_reduce", time_us=unfused[i]))
+            _write(raw, run, "far", "finalize_and_reduce", "ascend-moe", far_rows)
+            nb = 16 * 4096 * 2
+            for impl, us in (("ascend-moe", cls.DEC_OURS), ("gloo", cls.DEC_GLOO), ("openmpi", cls.DEC_MPI)):
+                row = coll_row("all_reduce", "bf16", 4, nb, 1.0, "procs", wrong=1 if impl == "gloo" else 0)
+                row.update(time_us=us[i])
+                _write(raw, run, f"decode_{impl}", "decode_collectives", impl, [row])
+            fin = {"op": "finalize", "dtype": "bf16", "tokens": 4, "topk": 8, "hidden": 7168}
+            _write(raw, run, "decfin", "decode_finalize", "ascend-moe", [dict(fin, time_us=30.0)])
+            _write(raw, run, "decfin_np", "decode_finalize", "numpy", [dict(fin, time_us=300.0)])
+        api = {
+            "load_avg": [1.0, 1.0, 1.0],
+            "load_avg_end": [1.0, 1.0, 1.0],
+            "finalize": {
+                "shape": "4096x8x4096",
+                "threads": 2,
+                "kernel_ms": 90.0,
+                "python_ms": 105.0,
+                "python_alloc_ms": 110.0,
+                "python_over_kernel": 1.1,
+                "python_alloc_over_kernel": 1.2,
+                "floor_over_python": 0.95,
+                "floor_over_kernel": 1.0,
+                "rounds": [
+                    {"kernel_s": 0.09, "floor_s": cls.FLOOR_S, "python_s": p, "python_alloc_s": a}
+                    for p, a in zip(cls.PY_S, cls.ALLOC_S)
+                ],
+            },
+            "collectives": {
+                "ranks": 4,
+                "bytes": S32,
+                "rounds": [
+                    {
+                        op: {"cli_s": 0.01, "python_s": 0.01 * cls.API_RATIO[(op, "python_s")][i],
+                             "python_alloc_s": 0.01 * cls.API_RATIO[(op, "python_alloc_s")][i]}
+                        for op in common.COLLECTIVES
+                    }
+                    for i in range(3)
+                ],
+            },
+        }
+        for op in common.COLLECTIVES:
+            api["collectives"][op] = {"cli_ms": 10.0, "python_ms": 10.0, "python_alloc_ms": 10.0,
+                                      "python_over_cli": 1.0, "python_alloc_over_cli": 1.0}
+        with open(os.path.join(raw, "api.json"), "w") as f:
+            json.dump(api, f)
+        with open(os.path.join(raw, "plan-000000.json"), "w") as f:
+            json.dump({"cli_missing_ops": ["broadcast"]}, f)
+        report.generate(raw, cls.out)
+        with open(os.path.join(cls.out, "results.csv")) as f:
+            cls.csv = list(csv.DictReader(f))
+        with open(os.path.join(cls.out, "report.md")) as f:
+            cls.md = f.read()
+        cls.lines = _target_lines(cls.md)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def target(self, prefix, case):
+        hits = [v for k, v in self.lines.items() if k.startswith(prefix) and k.endswith("/" + case)]
+        self.assertEqual(len(hits), 1, f"{prefix} / {case}: {len(hits)} rows")
+        return hits[0]
+
+    def test_finalize_through_python_uses_each_round(self):
+        ln = self.target("finalize bf16 4096x8x4096 via Python, `out=`", "4096x8x4096, 2 threads, 3 rounds")
+        med = sorted(self.FLOOR_S / p for p in self.PY_S)[1]
+        self.assertIn(f"| {report._num(med)} [", ln)
+        self.assertIn("**reached**", ln)
+        # Allocating: the median round passes 0.85, the worst (0.5) does not: not reached.
+        ln = self.target("the same, allocating", "4096x8x4096, 2 threads, 3 rounds")
+        self.assertGreaterEqual(sorted(self.FLOOR_S / a for a in self.ALLOC_S)[1], 0.85)
+        self.assertIn("not reached", ln)
+        self.assertIn("worst round 0.5", ln)
+
+    def test_python_collectives_against_the_cli(self):
+        for op, key, ok in (
+            ("all_reduce", "`out=`", True),
+            ("all_reduce", "allocating", False),
+            ("reduce_scatter", "`out=`", False),
+            ("all_gather", "allocating", True),
+        ):
+            ln = self.target(f"Python collectives, {key}", f"{op}, 4 procs, 32 MiB")
+            self.assertIn("**reached**" if ok else "not reached", ln, (op, key))
+
+    def test_cli_floor_targets_and_a_missing_op(self):
+        for op, vf in self.VS_FLOOR.items():
+            ln = self.target("CLI ", f"{op} procs")
+            self.assertIn("**reached**" if vf >= 0.9 else "not reached", ln, op)
+            self.assertIn(f"| {report._num(vf)} [{report._num(vf)}–{report._num(vf)}] |", ln)
+        self.assertIn("not measured", self.target("CLI ", "all_to_all threads"))
+        self.assertIn("`bench collectives` has no broadcast", self.target("CLI ", "broadcast procs"))
+
+    def test_fused_at_every_shape(self):
+        self.assertIn("**reached**", self.target("fused finalize+reduce-scatter", "4096x8x4096 bf16, 4 ranks"))
+        self.assertIn("not reached", self.target("fused finalize+reduce-scatter", "1024x8x2048 bf16, 4 ranks"))
+        ln = self.target("fused finalize+reduce-scatter", "all 2 shapes")
+        self.assertIn("| 1.4 |", ln)  # the worst shape's median: 16/10, 14/10, 12/10
+        self.assertIn("not reached", ln)
+
+    def test_gloo_beside_openmpi(self):
+        r = [x for x in self.csv if x["suite"] == "collectives" and x["impl"] == "ascend-moe"
+             and x["op"] == "all_reduce"]
+        self.assertEqual(len(r), 1)
+        per_run = sorted(o / g for o, g in zip(self.OURS_AR, self.GLOO_AR))
+        self.assertAlmostEqual(float(r[0]["vs_gloo_median"]), per_run[1])
+        self.assertAlmostEqual(float(r[0]["vs_gloo_min"]), per_run[0])
+        g = [x for x in self.csv if x["suite"] == "collectives" and x["impl"] == "gloo"]
+        self.assertEqual(len(g), 1)
+        # gloo is measured against our floor time of the same run: floor ratio = ours_ratio * ours_t / gloo_t.
+        f = common.bus_factor("all_reduce", 4)
+        times = [(S32 / (o / f * 1e3), S32 / (gl / f * 1e3)) for o, gl in zip(self.OURS_AR, self.GLOO_AR)]
+        want = sorted(0.73 * ours_t / gloo_t for ours_t, gloo_t in times)
+        self.assertAlmostEqual(float(g[0]["floor_ratio_median"]), want[1])
+        self.assertIn("| busbw gloo |", self.md.replace("busbw OpenMPI | busbw gloo", "| busbw gloo"))
+        self.assertIn("proc/gloo", self.md)
+
+    def test_decode_table(self):
+        (line,) = [ln for ln in self.md.splitlines() if ln.startswith("| all_reduce | 4096 | 16 |")]
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        self.assertEqual(cells[3], "128 KiB")
+        self.assertEqual(cells[4], "11 [10–12]")
+        over_gloo = sorted(o / g for o, g in zip(self.DEC_OURS, self.DEC_GLOO))
+        self.assertEqual(cells[8], report._num(over_gloo[1]) + " [0.1–0.2]")
+        self.assertTrue(cells[9].startswith(report._num(sorted(o / m for o, m in zip(self.DEC_OURS, self.DEC_MPI))[1])))
+        self.assertEqual(cells[11], "1")  # gloo's wrong element is counted
+        (fin,) = [ln for ln in self.md.splitlines() if ln.startswith("| finalize | 7168 | 4 |")]
+        self.assertEqual([c.strip() for c in fin.split("|")[1:-1]][10], "0.1 [0.1–0.1]")
+        d = [x for x in self.csv if x["suite"] == "decode" and x["impl"] == "gloo"]
+        self.assertEqual((len(d), d[0]["bytes"], d[0]["wrong"]), (1, str(16 * 4096 * 2), "1"))
+
+    def test_plots_include_gloo_and_decode(self):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            self.skipTest("matplotlib not installed")
+        for name in ("collective_all_reduce_bf16.png", "decode_latency.png"):
+            with open(os.path.join(self.out, name), "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+            self.assertIn(f"]({name})", self.md)
+
+    def assertAlmostEqual(self, got, want, msg=None):  # noqa: N802 - the CSV keeps 6 significant digits
+        self.assertLessEqual(abs(got - want), 1e-5 * max(abs(want), 1e-12), msg or f"{got} != {want}")
+
+
+class GlooPeer(unittest.TestCase):
+    def test_expected_values_are_the_sum_of_the_inputs(self):
+        try:
+            import torch
+
+            import gloo_coll
+        except ImportError:
+            self.skipTest("torch not installed")
+        # v_r[i] = r + 1 + (first + i) % 7; over 3 ranks from element 5: i % 7 = 5, 6, 0, 1.
+        got = gloo_coll._reduced(torch, 4, 3, 5, torch.bfloat16).tolist()
+        self.assertEqual(got, [3 * 5 + 6, 3 * 6 + 6, 0 + 6, 3 + 6])
+        total = sum(gloo_coll._values(torch, 4, r, 5, torch.float32) for r in range(3))
+        self.assertEqual(total.tolist(), got)
+
+
 class Definitions(unittest.TestCase):
     def test_bus_factors_match_nccl_tests(self):
         self.assertEqual(common.bus_factor("all_reduce", 4), 1.5)
         self.assertEqual(common.bus_factor("reduce_scatter", 8), 7 / 8)
         self.assertEqual(common.bus_factor("all_gather", 2), 0.5)
+        self.assertEqual(common.bus_factor("all_to_all", 4), 0.75)
+        self.assertEqual(common.bus_factor("broadcast", 4), 1.0)
         with self.assertRaises(ValueError):
-            common.bus_factor("broadcast", 4)
+            common.bus_factor("scatter", 4)
 
     def test_floor_bytes(self):
         self.assertEqual(common.collective_floor_bytes("all_reduce", 100, 4), 800)
         self.assertEqual(common.collective_floor_bytes("reduce_scatter", 100, 4), 500)
         self.assertEqual(common.collective_floor_bytes("all_gather", 100, 4), 500)
+        self.assertEqual(common.collective_floor_bytes("all_to_all", 100, 4), 800)
+        self.assertEqual(common.collective_floor_bytes("broadcast", 100, 4), 400)
+        self.assertEqual(common.decode_sizes(4096), [8192, 32768, 131072, 524288])
+        self.assertEqual(common.decode_sizes(7168), [14336, 57344, 229376, 917504])
+        self.assertEqual(common.decode_shape(57344), (4, 7168))
+        self.assertEqual(common.decode_shape(524288), (64, 4096))
+        self.assertIsNone(common.decode_shape(65536))
 
     def test_ladder_iterations_sizes(self):
         ladder = common.size_ladder(common.parse_bytes("1K"), common.parse_bytes("256M"), 2, extra=[S32])
