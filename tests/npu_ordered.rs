@@ -11,7 +11,7 @@ mod common;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use ascend_moe::backend::npu::{Allocator, FinalizeImpl, NpuDevice};
+use ascend_moe::backend::npu::{FinalizeImpl, NpuDevice, WorkspaceAllocator};
 use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::moe::prepare_finalize::{finalize, prepare, MoeContext, MoeGroups};
 use ascend_moe::moe::shared::{shared_gather_unpad, shared_pad_reduce_scatter, shared_pad_split};
@@ -424,30 +424,40 @@ static FREES: AtomicUsize = AtomicUsize::new(0);
 
 /// A test allocator over aclrtMalloc/aclrtFree (what an engine's caching
 /// allocator would do once and then cache), counting its calls.
-unsafe extern "C" fn test_alloc(ctx: *mut c_void, bytes: usize, _stream: *mut c_void) -> *mut c_void {
-    assert_eq!(ctx as usize, 0xC0FFEE, "ctx is passed through unchanged");
-    ALLOCS.fetch_add(1, Ordering::SeqCst);
-    let api = acl_sys::acl().unwrap();
-    let mut p = std::ptr::null_mut();
-    // SAFETY: valid out-pointer, nonzero size, the op's device is bound.
-    let rc = unsafe {
-        (api.lib.aclrtMalloc.as_ref().unwrap())(&mut p, bytes, acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST)
-    };
-    if rc == 0 {
-        p
-    } else {
-        std::ptr::null_mut()
-    }
+struct TestAllocator {
+    tag: usize,
 }
 
-unsafe extern "C" fn test_free(_ctx: *mut c_void, ptr: *mut c_void, _bytes: usize, stream: *mut c_void) {
-    FREES.fetch_add(1, Ordering::SeqCst);
-    let api = acl_sys::acl().unwrap();
-    // SAFETY: a live stream of the bound device; the test allocator frees
-    // only after the stream drained (a caching allocator would keep the block).
-    unsafe {
-        (api.lib.aclrtSynchronizeStream.as_ref().unwrap())(stream);
-        (api.lib.aclrtFree.as_ref().unwrap())(ptr);
+impl WorkspaceAllocator for TestAllocator {
+    fn alloc(&self, bytes: usize, _stream: acl_sys::aclrtStream) -> Option<std::ptr::NonNull<c_void>> {
+        assert_eq!(self.tag, 0xC0FFEE, "the allocator the stream was given is the one called");
+        ALLOCS.fetch_add(1, Ordering::SeqCst);
+        let api = acl_sys::acl().unwrap();
+        let mut p = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, nonzero size, the op's device is bound.
+        let rc = unsafe {
+            (api.lib.aclrtMalloc.as_ref().unwrap())(
+                &mut p,
+                bytes,
+                acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST,
+            )
+        };
+        if rc == 0 {
+            std::ptr::NonNull::new(p)
+        } else {
+            None
+        }
+    }
+
+    fn free(&self, ptr: std::ptr::NonNull<c_void>, _bytes: usize, stream: acl_sys::aclrtStream) {
+        FREES.fetch_add(1, Ordering::SeqCst);
+        let api = acl_sys::acl().unwrap();
+        // SAFETY: a live stream of the bound device; the test allocator frees
+        // only after the stream drained (a caching allocator would keep the block).
+        unsafe {
+            (api.lib.aclrtSynchronizeStream.as_ref().unwrap())(stream);
+            (api.lib.aclrtFree.as_ref().unwrap())(ptr.as_ptr());
+        }
     }
 }
 
@@ -457,7 +467,7 @@ fn the_callers_allocator_serves_the_workspace_and_gets_every_block_back() {
     let dev = NpuDevice::open(0).unwrap();
     let d = Device::Npu(dev.clone());
     let (a0, f0) = (ALLOCS.load(Ordering::SeqCst), FREES.load(Ordering::SeqCst));
-    dev.stream().set_allocator(Some(Allocator { alloc: test_alloc, free: test_free, ctx: 0xC0FFEE as *mut c_void }));
+    dev.stream().set_allocator(Some(std::sync::Arc::new(TestAllocator { tag: 0xC0FFEE })));
     let before = dev.stream().workspace_stats();
     let x = filled(&d, &[6, 16], 1).unwrap();
     let y = filled(&d, &[6, 16], 2).unwrap();

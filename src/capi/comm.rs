@@ -1,13 +1,17 @@
 //! Communicator and stream handles, and the collectives (SPEC section 8).
 
 use std::ffi::{c_char, c_void};
+use std::ptr::NonNull;
+use std::sync::Arc;
 use std::time::Duration;
+
+use acl_sys::aclrtStream;
 
 use super::ffi::{ffi, read_sizes, read_str, try_out, write_out, Call, Failure};
 use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, AMOE_HCCL_WORLD};
 use crate::backend::cpu::CpuComm;
-use crate::backend::npu::{HcclComm, NpuDevice};
+use crate::backend::npu::{Allocator, HcclComm, NpuDevice, WorkspaceAllocator};
 use crate::moe::LiveStream;
 use crate::{Collectives, Comm, CommOptions, Device, ReduceOp};
 
@@ -464,6 +468,32 @@ pub type amoe_alloc_fn =
 pub type amoe_free_fn =
     Option<unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, bytes: usize, raw_stream: *mut c_void)>;
 
+/// The C allocator callbacks as a [`WorkspaceAllocator`].
+struct CallbackAllocator {
+    alloc: unsafe extern "C" fn(ctx: *mut c_void, bytes: usize, raw_stream: *mut c_void) -> *mut c_void,
+    free: unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, bytes: usize, raw_stream: *mut c_void),
+    ctx: *mut c_void,
+}
+
+// SAFETY: `amoe_stream_set_allocator`'s contract: the callbacks may be called
+// from any thread with their `ctx`, which is opaque here.
+unsafe impl Send for CallbackAllocator {}
+// SAFETY: as above; the value is only read and its callbacks called.
+unsafe impl Sync for CallbackAllocator {}
+
+impl WorkspaceAllocator for CallbackAllocator {
+    fn alloc(&self, bytes: usize, stream: aclrtStream) -> Option<NonNull<c_void>> {
+        // SAFETY: the contract of `amoe_stream_set_allocator`: callable from
+        // any thread with its `ctx`, a size and the raw stream.
+        NonNull::new(unsafe { (self.alloc)(self.ctx, bytes, stream) })
+    }
+
+    fn free(&self, ptr: NonNull<c_void>, bytes: usize, stream: aclrtStream) {
+        // SAFETY: as `alloc`; `ptr` came from `alloc` with `bytes`, once.
+        unsafe { (self.free)(self.ctx, ptr.as_ptr(), bytes, stream) }
+    }
+}
+
 /// Serves every workspace block of the ops queued on `stream` from the
 /// engine's allocator (e.g. torch_npu's caching allocator) instead of the
 /// stream's pool: `alloc` is called inside ops, also under graph capture, and
@@ -487,7 +517,7 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
     ffi!(F, {
         let dev = try_handle(F, "stream", stream)?.device();
         let a = match (alloc, free) {
-            (Some(alloc), Some(free)) => Some(crate::backend::npu::Allocator { alloc, free, ctx }),
+            (Some(alloc), Some(free)) => Some(Arc::new(CallbackAllocator { alloc, free, ctx }) as Allocator),
             (None, None) => None,
             (None, Some(_)) => return Err(Failure::null(F, "alloc")),
             (Some(_), None) => return Err(Failure::null(F, "free")),

@@ -38,7 +38,7 @@ pub struct NpuBuffer {
 }
 
 /// Where a buffer's memory comes from, and where it goes on drop.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 enum Origin {
     /// `aclrtMalloc`; freed after a synchronisation of the stream.
     Owned,
@@ -50,6 +50,19 @@ enum Origin {
     Pool { block: usize, captured: bool },
     /// A block of the caller's allocator; returned through its `free`.
     Callback(Allocator),
+}
+
+impl std::fmt::Debug for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Owned => f.write_str("Owned"),
+            Origin::Borrowed => f.write_str("Borrowed"),
+            Origin::Pool { block, captured } => {
+                f.debug_struct("Pool").field("block", block).field("captured", captured).finish()
+            }
+            Origin::Callback(_) => f.write_str("Callback"),
+        }
+    }
 }
 
 // SAFETY: the pointer is device memory, never dereferenced on the host; ACL
@@ -86,7 +99,7 @@ impl NpuBuffer {
             return Ok(NpuBuffer { ptr: std::ptr::null_mut(), len, device: device.clone(), origin });
         }
         let stream = device.stream();
-        let allocator = lock(stream.state()).allocator;
+        let allocator = lock(stream.state()).allocator.clone();
         if let Some(a) = allocator {
             let ptr = pool::callback_alloc(&a, len, stream.raw())?;
             lock(stream.state()).pool.stats.callback_blocks += 1;
@@ -386,20 +399,21 @@ impl Drop for NpuBuffer {
         if self.ptr.is_null() {
             return;
         }
-        match self.origin {
+        match &self.origin {
             Origin::Borrowed => return,
             Origin::Owned => {}
-            Origin::Pool { block, captured } => {
+            &Origin::Pool { block, captured } => {
                 // Stream-ordered reuse: no sync (module docs); a block a
                 // captured task uses stays with the graph.
                 self.device.stream().return_block(self.ptr as usize, block, captured);
                 return;
             }
             Origin::Callback(a) => {
-                // SAFETY: `ptr` came from `a.alloc` with `len` bytes on this
-                // stream and is returned once; the allocator's contract
-                // allows work queued on the stream to still use it.
-                unsafe { (a.free)(a.ctx, self.ptr, self.len, self.device.stream().raw()) };
+                // `ptr` came from `a.alloc` with `len` bytes on this stream and
+                // goes back once; work queued on the stream may still use it.
+                if let Some(p) = std::ptr::NonNull::new(self.ptr) {
+                    a.free(p, self.len, self.device.stream().raw());
+                }
                 lock(self.device.stream().state()).pool.stats.callback_frees += 1;
                 return;
             }

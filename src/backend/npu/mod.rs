@@ -40,6 +40,6 @@ pub use device_buffer::DeviceBuffer;
 pub use hccl::{HcclComm, HcclRootInfo};
 pub use launch::{FinalizeImpl, FINALIZE_ENV};
 pub use memory::{NpuBuffer, PinnedHostBuffer};
-pub use pool::{Allocator, PoolStats, WORKSPACE_ALIGN};
+pub use pool::{Allocator, PoolStats, WorkspaceAllocator, WORKSPACE_ALIGN};
 pub use probe::{probe, probe_report, ProbeReport};
 pub use runtime::{device_count, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};

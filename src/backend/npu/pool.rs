@@ -17,6 +17,8 @@
 //! engine's allocator serves graph capture from its own private pool).
 
 use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::Arc;
 
 use acl_sys::aclrtStream;
 
@@ -26,29 +28,25 @@ use crate::{Error, Result};
 /// (more than the 64 bytes asynchronous device-to-device copies need).
 pub const WORKSPACE_ALIGN: usize = 512;
 
-/// `alloc(ctx, bytes, stream)`: `bytes` of device memory usable by work queued
-/// on `stream` (an `aclrtStream`), or NULL when it cannot.
-pub type AllocFn = unsafe extern "C" fn(ctx: *mut c_void, bytes: usize, stream: *mut c_void) -> *mut c_void;
-/// `free(ctx, ptr, bytes, stream)`: returns a block from `alloc`; work queued on
-/// `stream` before the call may still use it (stream-ordered release).
-pub type FreeFn = unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, bytes: usize, stream: *mut c_void);
-
-/// A caller-supplied device allocator for a stream's workspace.
-#[derive(Clone, Copy, Debug)]
-pub struct Allocator {
-    /// Allocates a block.
-    pub alloc: AllocFn,
-    /// Frees a block from `alloc`.
-    pub free: FreeFn,
-    /// Passed to both callbacks unchanged.
-    pub ctx: *mut c_void,
+/// A device allocator the host engine lends a stream for its workspace
+/// (e.g. torch's caching allocator): every workspace block of that stream
+/// then comes from [`alloc`](Self::alloc) and goes back through
+/// [`free`](Self::free), also under graph capture.
+///
+/// Both may be called from any thread that runs an op on the stream, and
+/// must not call back into this crate.
+pub trait WorkspaceAllocator: Send + Sync {
+    /// `bytes` (> 0) of device memory usable by work queued on `stream`, or
+    /// `None` when it cannot.
+    fn alloc(&self, bytes: usize, stream: aclrtStream) -> Option<NonNull<c_void>>;
+    /// Returns a block from [`alloc`](Self::alloc) of `bytes` bytes. Work
+    /// queued on `stream` before the call may still use it (stream-ordered
+    /// release, as a caching allocator's `recordStream`).
+    fn free(&self, ptr: NonNull<c_void>, bytes: usize, stream: aclrtStream);
 }
 
-// SAFETY: the callbacks' contract (see `amoe_stream_set_allocator`) is that they
-// may be called from any thread; `ctx` is opaque to this crate.
-unsafe impl Send for Allocator {}
-// SAFETY: as above; the value is only copied and called.
-unsafe impl Sync for Allocator {}
+/// The allocator a stream's workspace comes from, when the engine set one.
+pub type Allocator = Arc<dyn WorkspaceAllocator>;
 
 /// A range `[start, start + len)` of a segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -269,19 +267,16 @@ impl Staging {
     }
 }
 
-/// Calls `a.alloc` for `bytes` on `stream`.
+/// `a.alloc` for `bytes` on `stream`, or an error saying it had none.
 pub(crate) fn callback_alloc(a: &Allocator, bytes: usize, stream: aclrtStream) -> Result<*mut c_void> {
-    // SAFETY: the allocator's contract: callable from any thread with its
-    // own `ctx`, a size and the raw stream.
-    let p = unsafe { (a.alloc)(a.ctx, bytes, stream) };
-    if p.is_null() {
-        return Err(Error::invalid(
+    match a.alloc(bytes, stream) {
+        Some(p) => Ok(p.as_ptr()),
+        None => Err(Error::invalid(
             "workspace",
             "allocator",
             format!("the allocator callback returned NULL for {bytes} bytes"),
-        ));
+        )),
     }
-    Ok(p)
 }
 
 #[cfg(test)]
