@@ -16,7 +16,7 @@ use ascend_moe::half::{bf16, f16};
 use ascend_moe::{DType, Device, Error, Result, Tensor};
 
 mod moe_common;
-use moe_common::{assert_close_abs, eps, to_f64};
+use moe_common::{assert_within_rounding, to_f64};
 
 const MODES: [DropPadMode; 4] =
     [DropPadMode::DropLessColumn, DropPadMode::DropPadColumn, DropPadMode::DropLessRow, DropPadMode::DropPadRow];
@@ -172,16 +172,13 @@ fn reference(c: &Case, hi: &Host, rows: OutputRows<'_>) -> (Vec<f64>, Vec<f64>) 
     out.into_iter().unzip()
 }
 
-/// Asserts `got` (output bytes of dtype `dt`) is within SPEC section 1's f64
-/// value `want` by the one rounding tolerance of the MoE tests: f32
-/// accumulation in any order and one rounding to `dt`, i.e. a few units of
-/// `dt`'s rounding error of the terms' magnitudes `mag`.
+/// Asserts `got` (output bytes of dtype `dt`) is within rounding of SPEC
+/// section 1's f64 value `want` ([`assert_within_rounding`], the terms'
+/// magnitudes `mag`).
 fn expect_close(what: &str, dt: DType, got: &[u8], want: &[f64], mag: &[f64]) {
     let mut t = Tensor::zeros_cpu(&[want.len()], dt);
     t.cpu_bytes_mut().unwrap().copy_from_slice(got);
-    let got = to_f64(&t);
-    let tol: Vec<f64> = mag.iter().map(|m| 4.0 * eps(dt) * m + 1e-30).collect();
-    assert_close_abs(what, &got, want, 0.0, &tol);
+    assert_within_rounding(what, dt, &to_f64(&t), want, mag);
 }
 
 fn npu(imp: FinalizeImpl) -> Device {
