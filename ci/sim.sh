@@ -7,7 +7,8 @@
 # releases (CANNSIM_CANN_VERSION): the whole suite for 8.5 and, for 8.1, the
 # tests of what differs between releases (see the end of this script).
 # Arguments, when given, are passed to ci/npu-4card.sh and run once, for
-# CANNSIM_CANN_VERSION (default 8.5). Environment knobs (see cann-sim/README.md):
+# CANNSIM_CANN_VERSION (default 8.5); `ci/sim.sh --bench-short` runs only the
+# benches' short form (below). Environment knobs (see cann-sim/README.md):
 #   CANNSIM_LEAK_REPORT  1 (default here: print the leak report of every process)
 #                        or fail (a process that leaks exits non-zero)
 #   CANNSIM_STREAM_MODE  lazy (default: a missing sync always reads stale data) or eager
@@ -69,7 +70,23 @@ run() {
     ci/npu-4card.sh "$@"
 }
 
-# Timings under the simulator mean nothing: skip the benches unless asked.
+# The benches (tests/npu_bench.rs) in their short form, ASCEND_MOE_BENCH_SHORT=1:
+# small sizes and two iterations. Timings under the simulator mean nothing,
+# but every result a bench times is checked against its reference.
+bench_short() {
+    export CANNSIM_CANN_VERSION="${CANNSIM_CANN_VERSION:-8.5}"
+    ASCEND_MOE_OPAPI_LIB="$(op_dir "$CANNSIM_CANN_VERSION")/libopapi.so"
+    export ASCEND_MOE_OPAPI_LIB
+    echo "ci/sim.sh: the benches' short form on simulated CANN $CANNSIM_CANN_VERSION"
+    ASCEND_MOE_BENCH_SHORT=1 cargo test -q --test npu_bench -- --ignored --nocapture --test-threads=1
+}
+
+if [[ "${1:-}" == --bench-short ]]; then
+    bench_short
+    exit
+fi
+# The full-size benches are not run here (timings mean nothing), only their
+# short form, after the suite.
 if (($# > 0)); then
     run "${CANNSIM_CANN_VERSION:-8.5}" "$@"
     exit
@@ -84,6 +101,7 @@ timeouts=(a_rank_that_never_joins_is_reported_by_the_check_never_a_hang
 # sub-communicators and the collectives (the V ones with zero counts), and the
 # loader.
 run 8.5 --no-bench
+bench_short
 run 8.1 --no-bench -- reductions_in_every_dtype_and_op gathers_broadcast_barrier v_variants_with_uneven_and_zero_counts \
     dp2_tp2_and_ep4_sub_communicators root_info_travels_as_hex_between_ranks mismatched_sizes_fail_with_a_clear_error \
     loader_takes_each_op_from_the_library_that_ships_it "${timeouts[@]}"

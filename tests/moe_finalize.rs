@@ -551,7 +551,8 @@ fn overflowing_shapes_are_errors_naming_the_argument_not_panics() {
 /// test for every backend (`backend_test!`).
 mod every_backend {
     use crate::backend_test;
-    use crate::common::{assert_close, values};
+    use crate::common::values;
+    use crate::moe_common::assert_within_rounding;
     use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
     use ascend_moe::half::bf16;
     use ascend_moe::{DType, Device, Element, Error, Result, Tensor};
@@ -603,23 +604,36 @@ mod every_backend {
     }
 
     /// SPEC section 1, straight from the formula.
-    fn reference(c: &Case, i: &Inputs) -> Vec<f64> {
+    /// SPEC section 1 in f64, and per element the sum of the terms'
+    /// magnitudes (for [`assert_within_rounding`]).
+    fn reference(c: &Case, i: &Inputs) -> (Vec<f64>, Vec<f64>) {
         let (n, k, h) = (c.n, c.k, c.h);
-        let mut out = vec![0f64; n * h];
+        let (mut out, mut mag) = (vec![0f64; n * h], vec![0f64; n * h]);
         for t in 0..n {
             for j in 0..h {
-                let mut acc = i.x1[t * h + j] as f64 + i.x2[t * h + j] as f64;
+                let (a, b) = (i.x1[t * h + j] as f64, i.x2[t * h + j] as f64);
+                let (mut acc, mut m) = (a + b, a.abs() + b.abs());
                 for kk in 0..k {
                     let slot = if c.mode.is_row_layout() { t * k + kk } else { kk * n + t };
                     let r = i.idx[slot];
                     let row = if r < 0 { 0.0 } else { i.x[r as usize * h + j] as f64 };
                     let b = i.bias[i.expert[t * k + kk] as usize * h + j] as f64;
-                    acc += i.scales[t * k + kk] as f64 * (row + b);
+                    let term = i.scales[t * k + kk] as f64 * (row + b);
+                    acc += term;
+                    m += term.abs();
                 }
                 out[t * h + j] = acc;
+                mag[t * h + j] = m;
             }
         }
-        out
+        (out, mag)
+    }
+
+    /// `got` within rounding of `want` ([`assert_within_rounding`]).
+    fn expect_close<T: Element>(what: &str, got: &[T], (want, mag): &(Vec<f64>, Vec<f64>)) -> Result<()> {
+        let got: Vec<f64> = got.iter().map(|v| v.to_f64()).collect();
+        assert_within_rounding(what, T::DTYPE, &got, want, mag);
+        Ok(())
     }
 
     fn up<T: Element>(dev: &Device, v: &[f32], shape: &[usize]) -> Result<Tensor> {
@@ -658,34 +672,36 @@ mod every_backend {
         {
             let c = Case { n: 7, k: 3, h: 16, e: 4, mode };
             let want = reference(&c, &inputs(&c));
-            assert_close::<f32>(&format!("f32 mode {mode:?}"), &run_case::<f32>(dev, &c, OutputRows::Dense)?, &want)?;
+            expect_close::<f32>(&format!("f32 mode {mode:?}"), &run_case::<f32>(dev, &c, OutputRows::Dense)?, &want)?;
             let got = run_case::<bf16>(dev, &c, OutputRows::Dense)?;
             // bf16 inputs are rounded, so compare with the reference of the rounded inputs.
             let mut i = inputs(&c);
             for v in [&mut i.x, &mut i.x1, &mut i.x2, &mut i.bias, &mut i.scales] {
                 v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
             }
-            assert_close::<bf16>(&format!("bf16 mode {mode:?}"), &got, &reference(&c, &i))?;
+            expect_close::<bf16>(&format!("bf16 mode {mode:?}"), &got, &reference(&c, &i))?;
         }
         Ok(())
     });
 
     backend_test!(finalize_into_padded_slots_zeroes_the_padding, |dev| {
         let c = Case { n: 6, k: 2, h: 8, e: 3, mode: DropPadMode::DropLessRow };
-        let dense = reference(&c, &inputs(&c));
+        let (dense, dense_mag) = reference(&c, &inputs(&c));
         let local_sizes = [2usize, 0, 3, 1];
         let slot_rows = 3;
         let got = run_case::<f32>(dev, &c, OutputRows::Padded { local_sizes: &local_sizes, slot_rows })?;
         let mut want = vec![0f64; local_sizes.len() * slot_rows * c.h];
+        let mut mag = want.clone();
         let mut t = 0;
         for (r, &s) in local_sizes.iter().enumerate() {
             for j in 0..s {
                 let dst = (r * slot_rows + j) * c.h;
                 want[dst..dst + c.h].copy_from_slice(&dense[(t + j) * c.h..(t + j + 1) * c.h]);
+                mag[dst..dst + c.h].copy_from_slice(&dense_mag[(t + j) * c.h..(t + j + 1) * c.h]);
             }
             t += s;
         }
-        assert_close::<f32>("padded", &got, &want)
+        expect_close::<f32>("padded", &got, &(want, mag))
     });
 
     backend_test!(finalize_rejects_an_out_of_range_row_index, |dev| {
@@ -723,7 +739,7 @@ mod every_backend {
         let mut idx: Vec<i32> = (0..t * k).map(|s| ((s * 3 + 1) % rows) as i32).collect();
         idx[3] = rows as i32; // outside [0, rows): contributes nothing
         idx[6] = -1;
-        let mut want = vec![0f64; t * h];
+        let (mut want, mut mag) = (vec![0f64; t * h], vec![0f64; t * h]);
         for tok in 0..t {
             for kk in 0..k {
                 let r = idx[tok * k + kk];
@@ -731,7 +747,9 @@ mod every_backend {
                     continue;
                 }
                 for j in 0..h {
-                    want[tok * h + j] += probs[tok * k + kk] as f64 * permuted[r as usize * h + j] as f64;
+                    let term = probs[tok * k + kk] as f64 * permuted[r as usize * h + j] as f64;
+                    want[tok * h + j] += term;
+                    mag[tok * h + j] += term.abs();
                 }
             }
         }
@@ -740,6 +758,6 @@ mod every_backend {
         let w = Tensor::from_slice(&probs, &[t, k])?.to_device(dev)?;
         let mut out = Tensor::zeros(&[t, h], DType::F32, dev)?;
         dev.backend().token_unpermute(&p, &s, Some(&w), k, &mut out)?;
-        assert_close::<f32>("unpermute", &out.to_vec::<f32>()?, &want)
+        expect_close::<f32>("unpermute", &out.to_vec::<f32>()?, &(want, mag))
     });
 }

@@ -2,12 +2,17 @@
 //! all-gather bandwidth on 4 ranks and the finalize, each reported twice:
 //! the host time of one call (ops only enqueue, so this is what a forward pays
 //! on the CPU) and the time per call including the wait at the stream check
-//! (the device's throughput). Each result is also checked, so a fast wrong
+//! (the device's throughput). Every result that is timed is also checked,
+//! element by element, against a reference computed here, so a fast wrong
 //! answer fails. Ignored without an NPU.
 //!
 //! `ASCEND_MOE_BENCH_ITERS` (default 10) sets the timed iterations.
+//! `ASCEND_MOE_BENCH_SHORT=1` runs the short form: small sizes and two
+//! iterations, every check the same (what `ci/sim.sh` runs under the
+//! simulated runtime, where timings mean nothing).
 
 mod common;
+mod moe_common;
 
 use std::time::Instant;
 
@@ -40,24 +45,49 @@ fn timed(dev: &Device, mut call: impl FnMut() -> Result<()>) -> Result<(f64, f64
 }
 
 fn iters() -> usize {
-    std::env::var("ASCEND_MOE_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10).max(1)
+    let default = if short() { 2 } else { 10 };
+    std::env::var("ASCEND_MOE_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(default).max(1)
+}
+
+/// Whether `ASCEND_MOE_BENCH_SHORT=1` asks for the short form.
+fn short() -> bool {
+    std::env::var("ASCEND_MOE_BENCH_SHORT").is_ok_and(|v| v == "1")
+}
+
+/// `got` (bf16) equals `want` exactly (small integers: every order of an
+/// exact sum gives the same bits).
+fn expect_exact(what: &str, got: &Tensor, want: impl Fn(usize) -> f32) -> Result<()> {
+    let got = got.to_vec::<bf16>()?;
+    if let Some((i, g)) = got.iter().enumerate().find(|(i, g)| g.to_f32() != want(*i)) {
+        panic!("{what}: element {i} is {g}, want {}", want(i));
+    }
+    Ok(())
 }
 
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn bench_collectives_world4() {
     const WORLD: usize = 4;
-    let sizes = [1usize << 16, 1 << 20, 1 << 23]; // bf16 elements: 128 KiB .. 16 MiB
+    // bf16 elements: 128 KiB .. 16 MiB (short form: 2 KiB and 8 KiB).
+    let sizes: &[usize] = if short() { &[1 << 10, 1 << 12] } else { &[1 << 16, 1 << 20, 1 << 23] };
+    // Rank r sends `i % 7 + r` (all-reduce, reduce-scatter) and `3r + i % 5`
+    // (all-gather): small integers, so every sum is exact in bf16 whatever
+    // the order HCCL reduces in.
+    let sent = |r: usize, i: usize| (i % 7 + r) as f32;
+    let summed = |i: usize| (0..WORLD).map(|r| sent(r, i)).sum::<f32>();
+    let gathered_from = |r: usize, j: usize| (3 * r + j % 5) as f32;
     let rows = npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
         let dev = comm.device();
         let mut report = Vec::new();
-        for &n in &sizes {
-            let ones: Vec<bf16> = vec![bf16::from_f32(1.0); n];
-            let src = Tensor::from_slice(&ones, &[n])?.to_device(&dev)?;
+        for &n in sizes {
+            let block = n / WORLD;
+            let mine: Vec<bf16> = (0..n).map(|i| bf16::from_f32(sent(rank, i))).collect();
+            let src = Tensor::from_slice(&mine, &[n])?.to_device(&dev)?;
             let mut dst = Tensor::zeros(&[n], DType::BF16, &dev)?;
-            let mut part = Tensor::zeros(&[n / WORLD], DType::BF16, &dev)?;
+            let mut part = Tensor::zeros(&[block], DType::BF16, &dev)?;
             let mut gathered = Tensor::zeros(&[n], DType::BF16, &dev)?;
-            let chunk = Tensor::zeros(&[n / WORLD], DType::BF16, &dev)?;
+            let mine: Vec<bf16> = (0..block).map(|j| bf16::from_f32(gathered_from(rank, j))).collect();
+            let chunk = Tensor::from_slice(&mine, &[block])?.to_device(&dev)?;
             let bytes = (n * 2) as f64;
             for (name, bus_factor) in [("all_reduce", 2.0), ("reduce_scatter", 1.0), ("all_gather", 1.0)] {
                 comm.barrier()?;
@@ -75,8 +105,11 @@ fn bench_collectives_world4() {
                     s * 1e6
                 ));
             }
-            let check = dst.to_vec::<bf16>()?;
-            assert!(check.iter().all(|v| v.to_f32() == WORLD as f32), "all_reduce of ones on rank {rank}");
+            expect_exact(&format!("all_reduce of {n} on rank {rank}"), &dst, summed)?;
+            expect_exact(&format!("reduce_scatter of {n} on rank {rank}"), &part, |j| summed(rank * block + j))?;
+            expect_exact(&format!("all_gather of {n} on rank {rank}"), &gathered, |i| {
+                gathered_from(i / block, i % block)
+            })?;
         }
         Ok(report)
     })
@@ -91,7 +124,7 @@ fn bench_collectives_world4() {
 #[ignore = "needs an Ascend NPU"]
 fn bench_finalize_routing() {
     let dev = common::npu_device();
-    let (n, k, h) = (1024usize, 8usize, 2048usize);
+    let (n, k, h) = if short() { (64usize, 4usize, 256usize) } else { (1024usize, 8usize, 2048usize) };
     let x: Vec<bf16> = common::values(1, n * k * h).into_iter().map(bf16::from_f32).collect();
     let idx: Vec<i32> = (0..n * k).map(|s| ((s * 7919) % (n * k)) as i32).collect();
     let scales: Vec<bf16> = vec![bf16::from_f32(0.125); n * k];
@@ -113,10 +146,23 @@ fn bench_finalize_routing() {
         s * 1e6,
         bytes / s / 1e9
     );
-    // Spot-check token 0 against the formula.
-    let got = out.to_vec::<bf16>().unwrap();
-    for j in [0usize, h / 2, h - 1] {
-        let want: f32 = (0..k).map(|kk| 0.125 * x[idx[kk] as usize * h + j].to_f32()).sum();
-        assert!((got[j].to_f32() - want).abs() <= 0.02 * want.abs().max(1.0), "column {j}: {} vs {want}", got[j]);
+    // Every element against SPEC section 1 in f64 (mode 2, scales, no
+    // skips): f32 accumulation in any order and one rounding to bf16.
+    let mut want = vec![0f64; n * h];
+    let mut mag = vec![0f64; n * h];
+    for (slot, &r) in idx.iter().enumerate() {
+        let (row, token) = (&x[r as usize * h..][..h], slot / k);
+        for (j, v) in row.iter().enumerate() {
+            let term = 0.125 * v.to_f64();
+            want[token * h + j] += term;
+            mag[token * h + j] += term.abs();
+        }
     }
+    moe_common::assert_within_rounding(
+        &format!("finalize ({imp})"),
+        DType::BF16,
+        &moe_common::to_f64(&out),
+        &want,
+        &mag,
+    );
 }

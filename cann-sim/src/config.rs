@@ -165,6 +165,32 @@ pub fn exec_timeout() -> Result<Option<Duration>, String> {
     }
 }
 
+/// Whether HCCL's reductions are deterministic by default:
+/// `HCCL_DETERMINISTIC`, read when a communicator is created.
+///
+/// hicann/hccl v8.5.0 `src/common/alg_env_config.cc:686-714`
+/// (`ParseDeterministic`): unset is `false`; the value is upper-cased and must
+/// be `TRUE`, `FALSE` or `STRICT`, anything else fails the initialisation
+/// with HCCL_E_PARA (EI0001, `alg_env_config.cc:34-40`: "Value should be true
+/// ,false or strict."). `STRICT` (reduction order preserved) exists from the
+/// release whose config takes `hcclDeterministic` 2 (8.5); the simulator
+/// refuses it on an older one, where HCCL's config refuses the value too.
+/// The communicator's `hcclDeterministic`, when it sets one, wins
+/// (`docs/zh/user_guide/hccl_env/HCCL_DETERMINISTIC.md`, "use constraints").
+pub fn deterministic() -> Result<bool, String> {
+    let Some(v) = var("HCCL_DETERMINISTIC") else { return Ok(false) };
+    let strict_ok = crate::version::CannVersion::current().max_deterministic() >= 2;
+    match v.to_ascii_uppercase().as_str() {
+        "FALSE" => Ok(false),
+        "TRUE" => Ok(true),
+        "STRICT" if strict_ok => Ok(true),
+        _ => Err(format!(
+            "HCCL_DETERMINISTIC={v:?} is incorrect (EI0001): the value should be true, false{}",
+            if strict_ok { " or strict" } else { " (strict needs CANN 8.5)" }
+        )),
+    }
+}
+
 /// How long a rank waits for its peers to join a communicator or to set up a
 /// collective's links: `HCCL_CONNECT_TIMEOUT` (default 120) plus 20 s.
 ///

@@ -128,11 +128,15 @@ pub const HCCL_ROOT_INFO_BYTES: usize = 4108;
 pub const COMM_NAME_MAX_LENGTH: usize = 128;
 /// `HCCL_COMM_CONFIG_MAGIC_WORD`.
 pub const HCCL_COMM_CONFIG_MAGIC_WORD: u32 = 0xf0f0_f0f0;
+/// `HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET` (config version 6 on).
+pub const HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET: u32 = 0xffff_ffff;
 
 /// Byte offsets of the `HcclCommConfig` fields the simulator reads.
 pub mod comm_config {
     /// `char hcclCommName[128]`.
     pub const COMM_NAME: usize = 32;
+    /// `uint32_t hcclDeterministic`.
+    pub const DETERMINISTIC: usize = 28;
     /// `int32_t hcclExecTimeOut` (seconds).
     pub const EXEC_TIMEOUT: usize = 316;
 }

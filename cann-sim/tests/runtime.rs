@@ -314,7 +314,17 @@ struct Case {
     bias: bool,
 }
 
-/// SPEC section 1, written out naively: acc = x1 (+ x2); acc += s * (row + bias) for k in order.
+/// The simulated aclnn ops' order (README "Order"): the K terms in pairs from
+/// the last, `(t[K-1] + t[K-2]) + (t[K-3] + t[K-4]) + ...`, in f32.
+fn pairs_from_the_last(t: &[f32]) -> f32 {
+    let pair = |c: &[f32]| if c.len() == 2 { c[1] + c[0] } else { c[0] };
+    let mut chunks = t.rchunks(2);
+    let first = chunks.next().map_or(0.0, pair);
+    chunks.fold(first, |a, c| a + pair(c))
+}
+
+/// SPEC section 1's terms, written out naively, in the simulator's order:
+/// `x1 (+ x2) + pairs_from_the_last(s * (row + bias) for each k)`.
 #[allow(clippy::too_many_arguments)]
 fn finalize_reference(
     cs: &Case,
@@ -330,23 +340,24 @@ fn finalize_reference(
     let mut out = Vec::with_capacity(n * h);
     for i in 0..n {
         for j in 0..h {
-            let mut acc = match (x1, x2) {
+            let skips = match (x1, x2) {
                 (Some(a), Some(b)) => a[i * h + j] + b[i * h + j],
                 (Some(a), None) => a[i * h + j],
                 _ => 0.0,
             };
-            for kk in 0..k {
-                let slot = if cs.mode >= 2 { i * k + kk } else { kk * n + i };
-                let r = ridx[slot];
-                let row = if r == -1 { 0.0 } else { x[r as usize * h + j] };
-                let term = match bias {
-                    Some(b) => row + b[experts[i * k + kk] as usize * h + j],
-                    None => row,
-                };
-                let s = scales.map_or(1.0, |s| s[i * k + kk]);
-                acc += s * term;
-            }
-            out.push(acc);
+            let terms: Vec<f32> = (0..k)
+                .map(|kk| {
+                    let slot = if cs.mode >= 2 { i * k + kk } else { kk * n + i };
+                    let r = ridx[slot];
+                    let row = if r == -1 { 0.0 } else { x[r as usize * h + j] };
+                    let term = match bias {
+                        Some(b) => row + b[experts[i * k + kk] as usize * h + j],
+                        None => row,
+                    };
+                    scales.map_or(1.0, |s| s[i * k + kk]) * term
+                })
+                .collect();
+            out.push(skips + pairs_from_the_last(&terms));
         }
     }
     out
@@ -419,7 +430,7 @@ fn run_finalize(cs: &Case, seed: u64) {
 }
 
 #[test]
-fn finalize_matches_a_naive_reference_bit_for_bit() {
+fn finalize_matches_a_naive_reference_in_the_simulators_order_bit_for_bit() {
     let mut seed = 1;
     for mode in 0..4 {
         for dt in [ACL_FLOAT, ACL_BF16, ACL_FLOAT16] {
@@ -546,14 +557,8 @@ fn unpermute_and_add_match_naive_references() {
     let mut want = vec![0f32; t * h];
     for i in 0..t {
         for j in 0..h {
-            let mut acc = 0f32;
-            for kk in 0..k {
-                let r = idx[i * k + kk];
-                if r >= 0 && (r as usize) < t * k {
-                    acc += probs[i * k + kk] * x[r as usize * h + j];
-                }
-            }
-            want[i * h + j] = acc;
+            let terms: Vec<f32> = (0..k).map(|kk| probs[i * k + kk] * x[idx[i * k + kk] as usize * h + j]).collect();
+            want[i * h + j] = pairs_from_the_last(&terms);
         }
     }
     assert_eq!(download::<u8>(ob, t * h * 2), enc(&want, dt));
@@ -643,4 +648,70 @@ fn launched_kernels_run_in_stream_order_over_device_memory() {
     free(input);
     free(out);
     destroy_stream(st);
+}
+
+/// The aclnn MoE ops accumulate in an order of their own, not SPEC.md §1's
+/// (`acc = x1; acc += t0; acc += t1; ...`): CANN promises none. With terms
+/// `2^14` (x1 or the first), `-2^14` and `2^-24`, SPEC's order gives
+/// `(2^14 - 2^14) + 2^-24 = 2^-24`; the simulator's pairs from the last give
+/// `2^14 + (2^-24 + -2^14) = 0` (2^-24 is absorbed in f32). Both values are
+/// exact in f32, f16 and bf16, so the bytes differ in all three.
+#[test]
+fn the_aclnn_moe_ops_do_not_accumulate_in_spec_order() {
+    let s = use_device(1);
+    let tiny = f32::powi(2.0, -24);
+    for dt in [ACL_FLOAT, ACL_FLOAT16, ACL_BF16] {
+        let st = stream();
+        let esz = if dt == ACL_FLOAT { 4 } else { 2 };
+        // Finalize, mode 2, N = 1, K = 2, H = 1: x1 = 2^14, rows -2^14 and 2^-24.
+        let (tx, bx) = dev_tensor(&[2, 1], &[-16384.0, tiny], dt);
+        let (tr, br) = idx_tensor(&[2], &[0, 1]);
+        let (t1, b1) = dev_tensor(&[1, 1], &[16384.0], dt);
+        let (tsc, bsc) = dev_tensor(&[1, 2], &[1.0, 1.0], dt);
+        let ob = malloc(esz);
+        let tout = tensor(&[1, 1], dt, ob);
+        let (mut ws, mut exec) = (0u64, NULL);
+        unsafe {
+            let r = (s.aclnnMoeFinalizeRoutingV2GetWorkspaceSize)(
+                tx, tr, t1, NULL, NULL, tsc, NULL, 2, tout, &mut ws, &mut exec,
+            );
+            assert_eq!(r, 0, "{}", err_msg());
+            let wsp = malloc(ws.max(1) as usize);
+            assert_eq!((s.aclnnMoeFinalizeRoutingV2)(wsp, ws, exec, st), 0, "{}", err_msg());
+            sync(st);
+            free(wsp);
+        }
+        let spec_order = (16384.0f32 + -16384.0) + tiny;
+        assert_eq!(spec_order, tiny);
+        assert_eq!(download::<u8>(ob, esz), enc(&[0.0], dt), "finalize dtype {dt}");
+        assert_ne!(enc(&[0.0], dt), enc(&[spec_order], dt));
+        // Unpermute, T = 1, K = 3, H = 1: terms 2^-24, -2^14, 2^14. SPEC:
+        // (2^-24 - 2^14) + 2^14 = 0; pairs from the last: (2^14 - 2^14) + 2^-24.
+        let (px, pbx) = dev_tensor(&[3, 1], &[tiny, -16384.0, 16384.0], dt);
+        let (pi, pbi) = idx_tensor(&[3], &[0, 1, 2]);
+        let (pp, pbp) = dev_tensor(&[1, 3], &[1.0, 1.0, 1.0], ACL_FLOAT);
+        let pob = malloc(esz);
+        let pout = tensor(&[1, 1], dt, pob);
+        unsafe {
+            assert_eq!(
+                (s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(px, pi, pp, false, NULL, pout, &mut ws, &mut exec),
+                0,
+                "{}",
+                err_msg()
+            );
+            let wsp = malloc(ws.max(1) as usize);
+            assert_eq!((s.aclnnMoeTokenUnpermute)(wsp, ws, exec, st), 0, "{}", err_msg());
+            sync(st);
+            free(wsp);
+        }
+        assert_eq!((tiny + -16384.0f32) + 16384.0, 0.0, "SPEC order");
+        assert_eq!(download::<u8>(pob, esz), enc(&[tiny], dt), "unpermute dtype {dt}");
+        for (t, b) in
+            [(tx, bx), (tr, br), (t1, b1), (tsc, bsc), (tout, ob), (px, pbx), (pi, pbi), (pp, pbp), (pout, pob)]
+        {
+            destroy_tensor(t);
+            free(b);
+        }
+        destroy_stream(st);
+    }
 }

@@ -331,7 +331,7 @@ pub trait Communicator: Sized {
     /// The default materialises the padded `[world * M, H...]` buffer
     /// ([`finalize_then_reduce_scatter`]); a communicator that can compute the
     /// rows straight into its own transfer buffers overrides it, with a result
-    /// that is bitwise the same.
+    /// that is bitwise the same as the default's on that communicator.
     fn finalize_reduce_scatter(
         &self,
         args: &FinalizeArgs<View<'_, Buf<Self>>>,

@@ -317,12 +317,19 @@ pub fn finalize_and_reduce_output_shape(
 }
 
 /// Finalize routing fused with the EP/SP reduce: the same result as
-/// `maybe_pad_and_reduce(&moe_finalize_routing(args)?, layout, ep)`, bit for
-/// bit, with less memory traffic where the communicator can do better than the
-/// padded two-step path ([`Collectives::finalize_reduce_scatter`]: a CPU
+/// `maybe_pad_and_reduce(&moe_finalize_routing(args)?, layout, ep)`, with less
+/// memory traffic where the communicator can do better than the padded
+/// two-step path ([`Collectives::finalize_reduce_scatter`]: a CPU
 /// communicator computes the rows straight into its staging buffers, so the
 /// output never exists as a tensor of its own and an invalid input on one rank
 /// fails every rank at once).
+///
+/// On a CPU communicator the two are equal bit for bit (it reduces in rank
+/// order, SPEC section 8). HCCL promises no reduction order unless the
+/// communicator is deterministic (`HCCL_DETERMINISTIC=true` or `strict`,
+/// hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_DETERMINISTIC.md`), so on the
+/// NPU they agree up to the rounding of the sum's order, as two calls of the
+/// two-step path do.
 pub fn finalize_and_reduce<C: Collectives + ?Sized>(
     args: &FinalizeArgs<&Tensor>,
     layout: Option<&SpLayout>,

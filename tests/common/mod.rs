@@ -226,29 +226,6 @@ pub fn npu_device() -> Device {
     }
 }
 
-/// Absolute tolerance per dtype for values of magnitude up to ~`scale`.
-pub fn tolerance<T: Element>(scale: f64) -> f64 {
-    let eps = match T::DTYPE {
-        ascend_moe::DType::F32 => 1e-6,
-        ascend_moe::DType::F16 => 1e-3,
-        ascend_moe::DType::BF16 => 8e-3,
-        _ => 0.0,
-    };
-    eps * scale.max(1.0)
-}
-
-/// Asserts `got` is within the dtype tolerance of the f64 reference `want`.
-pub fn assert_close<T: Element>(what: &str, got: &[T], want: &[f64]) -> Result<()> {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
-    let tol = tolerance::<T>(scale);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let g = g.to_f64();
-        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w} (tolerance {tol})");
-    }
-    Ok(())
-}
-
 /// Deterministic pseudo-random values in [-1, 1), from the crate's one generator.
 pub fn values(seed: u64, n: usize) -> Vec<f32> {
     ascend_moe::testing::SplitMix::new(seed).vec(n, 1.0)

@@ -9,7 +9,7 @@ use crate::status::{self, fail, SimResult};
 use super::tensors::{
     index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
 };
-use super::{check_outs, launch, publish, Executor, MOE_WORKSPACE};
+use super::{blocked_sum, check_outs, launch, publish, Executor, MOE_WORKSPACE};
 
 /// Phase-1 snapshot of `aclnnMoeFinalizeRoutingV2`.
 #[derive(Debug)]
@@ -205,23 +205,19 @@ impl Finalize {
                 (Some(a), None) | (None, Some(a)) => acc.copy_from_slice(&a[i * h..(i + 1) * h]),
                 (None, None) => {}
             }
-            for kk in 0..k {
+            // Term k of element j: s(i,k) * (row(R(i,k)) + bias[expert_idx[i,k]]).
+            let term = |kk: usize, j: usize| {
                 let slot = if row_layout { i * k + kk } else { kk * n + i };
                 let r = ridx[slot];
                 let s = scales.as_ref().map_or(1.0, |s| s[i * k + kk]);
-                let brow = match (&bias, &experts) {
-                    (Some(b), Some(e)) => Some(&b[e[i * k + kk] as usize * h..][..h]),
-                    _ => None,
+                let row = if r < 0 { 0.0 } else { x[r as usize * h + j] };
+                let t = match (&bias, &experts) {
+                    (Some(b), Some(e)) => row + b[e[i * k + kk] as usize * h + j],
+                    _ => row,
                 };
-                for j in 0..h {
-                    let row = if r < 0 { 0.0 } else { x[r as usize * h + j] };
-                    let t = match brow {
-                        Some(b) => row + b[j],
-                        None => row,
-                    };
-                    acc[j] += s * t;
-                }
-            }
+                s * t
+            };
+            blocked_sum(acc, k, term);
         }
         write_f32(&self.out, &out)
     }

@@ -9,7 +9,7 @@ use crate::status::{self, fail, SimResult};
 use super::tensors::{
     index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
 };
-use super::{check_outs, launch, publish, Executor, MOE_WORKSPACE};
+use super::{blocked_sum, check_outs, launch, publish, Executor, MOE_WORKSPACE};
 
 /// Phase-1 snapshot of `aclnnMoeTokenUnpermute`.
 #[derive(Debug)]
@@ -59,14 +59,11 @@ impl Unpermute {
         let mut out = vec![0f32; t * h];
         for i in 0..t {
             let acc = &mut out[i * h..(i + 1) * h];
-            for kk in 0..k {
-                let r = idx[i * k + kk] as i64;
-                let p = probs.as_ref().map_or(1.0, |p| p[i * k + kk]);
-                let row = &x[r as usize * h..][..h];
-                for j in 0..h {
-                    acc[j] += p * row[j];
-                }
-            }
+            let term = |kk: usize, j: usize| {
+                let r = idx[i * k + kk] as usize;
+                probs.as_ref().map_or(1.0, |p| p[i * k + kk]) * x[r * h + j]
+            };
+            blocked_sum(acc, k, term);
         }
         write_f32(&self.out, &out)
     }

@@ -15,7 +15,8 @@
 //! `HCCL_E_TIMEOUT` at once (the stream's error; no async error: the HCCL API
 //! reference gives `HcclGetCommAsyncError` only the RDMA error CQE), never a
 //! silent result. Then each rank reads what it needs and computes its own
-//! result: reductions combine the ranks in rank order ([`Reduction`]).
+//! result: reductions combine the ranks in the order [`reduction_order`]
+//! gives (rank order only when the communicator is deterministic).
 
 use std::ffi::c_void;
 
@@ -188,13 +189,36 @@ fn run(
     enqueue(call, comm_h, stream, bufs, &setup, Box::new(job))
 }
 
-/// Every rank's payload bytes from byte `offset`, reduced in rank order
-/// into `out` (as many bytes).
+/// The order in which round `number` of a communicator of `size` ranks
+/// combines the ranks.
+///
+/// HCCL promises a reduction order only when asked: `HCCL_DETERMINISTIC`
+/// "true" makes repeated runs give the same output, "strict" also keeps the
+/// reduction order (hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_DETERMINISTIC.md`;
+/// off by default on Atlas A2, v8.5.0 `src/common/alg_env_config.cc:686-714`).
+/// Deterministic, the simulator combines the ranks in rank order, 0 first.
+/// Otherwise the order rotates from call to call and never starts at rank 0
+/// when more than two ranks take part: rank `s = 1 + (number mod (size - 1))`
+/// first, then `s + 1, ..., size - 1, 0, ..., s - 1`. Every rank of one call
+/// computes the same order from the same round number, so all receive the
+/// same bytes (as one HCCL all-reduce gives every rank one result); a caller
+/// that expects the bits of a rank-order sum sees them differ.
+pub(crate) fn reduction_order(size: usize, number: u64, deterministic: bool) -> Vec<usize> {
+    if deterministic || size <= 2 {
+        return (0..size).collect();
+    }
+    let start = 1 + (number % (size as u64 - 1)) as usize;
+    (0..size).map(|i| (start + i) % size).collect()
+}
+
+/// Every rank's payload bytes from byte `offset`, reduced into `out` (as
+/// many bytes) in [`reduction_order`].
 fn reduce_ranks(round: &Round<'_>, dt: DType, op: ReduceOp, offset: usize, out: Buf) -> SimResult<()> {
+    let order = reduction_order(round.descs.len(), round.number(), round.deterministic());
     let mut scratch = vec![0u8; out.elems * dt.size()];
-    round.read_into(0, offset, &mut scratch)?;
+    round.read_into(order[0], offset, &mut scratch)?;
     let mut red = Reduction::new(dt, op, &scratch);
-    for r in 1..round.descs.len() {
+    for &r in &order[1..] {
         round.read_into(r, offset, &mut scratch)?;
         red.add(&scratch);
     }

@@ -1,6 +1,7 @@
 //! Element types and reductions of the simulated HCCL.
 //!
-//! A reduction combines the ranks' contributions in rank order, 0 first.
+//! A reduction combines the ranks' contributions in the order it is given
+//! them (`collectives::reduction_order`).
 //! Floats accumulate in `f32` (f16 and bf16 widen exactly) and are rounded once,
 //! to nearest-even, at the end, so every rank computes the same bits from the
 //! same inputs. Integers reduce exactly, and a sum wraps on overflow like
@@ -140,7 +141,7 @@ enum Acc {
 }
 
 /// A reduction in progress: [`Reduction::new`] with rank 0's bytes, then
-/// [`Reduction::add`] with each further rank's, in rank order.
+/// [`Reduction::add`] with each further rank's, in the reduction's order.
 #[derive(Debug)]
 pub struct Reduction {
     dtype: DType,
@@ -179,7 +180,7 @@ fn widen_ints(dtype: DType, bytes: &[u8], out: &mut Vec<i64>) {
 }
 
 impl Reduction {
-    /// Starts with the first rank's contribution. `op` was accepted for
+    /// Starts with the first contribution. `op` was accepted for
     /// `dtype` by [`ReduceOp::from_hccl`].
     pub fn new(dtype: DType, op: ReduceOp, first: &[u8]) -> Reduction {
         let acc = match dtype {
@@ -197,7 +198,7 @@ impl Reduction {
         Reduction { dtype, op, acc }
     }
 
-    /// Combines the next rank's contribution (as many bytes as the first).
+    /// Combines the next contribution (as many bytes as the first).
     pub fn add(&mut self, next: &[u8]) {
         match &mut self.acc {
             Acc::Float { acc, next: x } => {

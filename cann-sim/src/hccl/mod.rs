@@ -162,6 +162,8 @@ struct ConfigView {
     name: Option<String>,
     /// `hcclExecTimeOut` when the config sets it (> 0).
     timeout: Option<Duration>,
+    /// `hcclDeterministic` when the config sets it (anything but "not set").
+    deterministic: Option<bool>,
 }
 
 fn read_config(config: *const c_void) -> SimResult<ConfigView> {
@@ -199,6 +201,21 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
                 v.timeout = Some(Duration::from_secs(t as u64));
             }
         }
+        // `hcclDeterministic` (every config version; `hccl_rules::comm_config`
+        // has checked its value): 0 off, 1 on, 2 strict (8.5), 0xffffffff "not
+        // set" from config version 6 on, which leaves HCCL_DETERMINISTIC in
+        // force. Before version 6 HcclCommConfigInit writes 0, which is a
+        // setting: the config's switch wins over the variable
+        // (hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_DETERMINISTIC.md`,
+        // "use constraints").
+        if size >= comm_config::DETERMINISTIC + 4 {
+            let d = (p.add(comm_config::DETERMINISTIC) as *const u32).read_unaligned();
+            if d != HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET
+                || !crate::version::CannVersion::current().has_config_not_set()
+            {
+                v.deterministic = Some(d != 0);
+            }
+        }
         Ok(v)
     }
 }
@@ -213,7 +230,11 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
         None => config::exec_timeout().map_err(|m| SimError::new(HCCL_E_PARA, m))?,
     };
     let connect = config::connect_timeout().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
-    let group = Group::join(&key, size, rank, connect, timeout)?;
+    // HCCL parses HCCL_DETERMINISTIC at initialisation (a bad value fails it
+    // even when the config sets the switch).
+    let env_deterministic = config::deterministic().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
+    let mut group = Group::join(&key, size, rank, connect, timeout)?;
+    group.deterministic = cfg.deterministic.unwrap_or(env_deterministic);
     let link = Group::join(&format!("{key}.link"), size, rank, connect, Some(connect))?;
     let c = SimComm {
         name: cfg.name.or(name).unwrap_or_else(|| key.clone()),

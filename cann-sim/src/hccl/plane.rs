@@ -190,6 +190,9 @@ pub struct Group {
     generation: u64,
     /// When the current round times out.
     deadline: Instant,
+    /// Whether reductions combine the ranks in one fixed order
+    /// (`hcclDeterministic` / `HCCL_DETERMINISTIC`, see `collectives.rs`).
+    pub deterministic: bool,
 }
 
 /// Appends a round's payload to this rank's data file.
@@ -306,6 +309,7 @@ impl Group {
             own,
             files: Vec::new(),
             generation: 0,
+            deterministic: false,
             deadline,
         };
         let r = g.meet(paths, deadline);
@@ -436,6 +440,17 @@ impl Round<'_> {
     /// This rank.
     pub fn rank(&self) -> usize {
         self.group.rank as usize
+    }
+
+    /// The round's number on this communicator (1 for its first
+    /// collective): the same on every rank, since all make the same calls.
+    pub fn number(&self) -> u64 {
+        self.group.generation
+    }
+
+    /// Whether the communicator reduces deterministically.
+    pub fn deterministic(&self) -> bool {
+        self.group.deterministic
     }
 
     /// Fills `dst` with payload bytes of `rank`, from byte `offset` of its payload.
