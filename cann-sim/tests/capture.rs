@@ -884,3 +884,40 @@ fn a_captured_launch_reads_a_device_tiling_when_it_runs_and_a_host_tiling_at_enq
     }
     destroy_stream(st);
 }
+
+#[test]
+fn a_capturing_stream_is_refused_by_sync_and_destroy_before_the_context_is_checked() {
+    let _g = serial();
+    use_device(0);
+    let (a, b) = (stream(), stream());
+    begin(a, RELAXED);
+    begin(b, RELAXED);
+    let (ha, hb) = (a as usize, b as usize);
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let s = sim();
+            // A thread without a device: api_error.cc:1010-1011 (sync) and
+            // :977-979 (destroy) refuse the capturing stream before
+            // ApiImpl asks for a context (api_impl.cc:1581, :1432).
+            unsafe {
+                assert_eq!((s.aclrtSynchronizeStream)(ha as Ptr), STREAM_CAPTURED, "{}", err_msg());
+                assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(hb as Ptr, 1000), STREAM_CAPTURED, "{}", err_msg());
+            }
+        })
+        .join()
+        .expect("the thread without a device panicked");
+    });
+    let mut m = NULL;
+    unsafe {
+        assert_eq!((cap().end)(a, &mut m), STREAM_CAPTURE_INVALIDATED, "the refused sync invalidated the capture");
+        assert_eq!((cap().end)(b, &mut m), STREAM_CAPTURE_INVALIDATED);
+    }
+    // Destroy, from device 1: the capture check comes before the stream's context.
+    begin(a, RELAXED);
+    let s = use_device(1);
+    unsafe { assert_eq!((s.aclrtDestroyStream)(a), STREAM_CAPTURED, "{}", err_msg()) };
+    use_device(0);
+    unsafe { assert_eq!((cap().end)(a, &mut m), STREAM_CAPTURE_INVALIDATED) };
+    destroy_stream(a);
+    destroy_stream(b);
+}
