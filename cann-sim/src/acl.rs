@@ -735,9 +735,15 @@ pub extern "C" fn aclrtPeekAtLastError(level: i32) -> AclError {
     status::last_error(false)
 }
 
-/// `const char *aclGetRecentErrMsg()`: this thread's most recent error text.
+/// `const char *aclGetRecentErrMsg()`: this thread's most recent error text,
+/// or NULL when there is none (`aclGetRecentErrMsgImpl`, hicann/runtime
+/// `src/acl/aclrt_impl/acl.cpp:1146-1149` at v8.5.0: "get errorMessage is
+/// empty" returns `nullptr`). It takes no argument and refuses nothing.
 #[no_mangle]
 pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
+    if status::recent_is_empty() {
+        return std::ptr::null();
+    }
     status::recent_ptr()
 }
 

@@ -429,3 +429,16 @@ fn a_failed_launch_stays_the_threads_last_error_until_aclrt_get_last_error_reads
         assert_eq!((s.aclrtGetLastError)(0), r2);
     }
 }
+
+#[test]
+fn the_recent_error_message_is_null_until_a_call_fails_on_the_thread() {
+    use_device(0);
+    on_a_thread_without_a_device(|s| unsafe {
+        // acl.cpp:1146-1149: no message is NULL, not "".
+        assert!((s.aclGetRecentErrMsg)().is_null(), "a fresh thread has no message");
+        assert_eq!((s.aclrtFree)(NULL), ACL_ERROR_INVALID_PARAM);
+        let p = (s.aclGetRecentErrMsg)();
+        assert!(!p.is_null());
+        assert!(std::ffi::CStr::from_ptr(p).to_string_lossy().contains("devPtr is NULL"));
+    });
+}
