@@ -56,12 +56,22 @@ pub extern "C" fn aclrtResetDevice(device_id: i32) -> AclError {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetDevice(device_id: *mut i32) -> AclError {
     status::acl("aclrtGetDevice", || {
+        // acl `device.cpp:139`: `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(deviceId)`,
+        // before the runtime is asked.
+        if device_id.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "deviceId is NULL");
+        }
+        // `ApiImpl::GetDevice`, `api_impl.cc:3307-3320`: no context is
+        // RT_ERROR_CONTEXT_NULL, returned as ACL_ERROR_RT_CONTEXT_NULL by
+        // `rtGetDevice` (`api_c_device.cc:103`).
         let d = context::current()?;
         write_out(device_id, d as i32, ACL_ERROR_INVALID_PARAM, "deviceId")
     })
 }
 
-/// `aclError aclrtGetDeviceCount(uint32_t *count)`.
+/// `aclError aclrtGetDeviceCount(uint32_t *count)`: `count` non-NULL (acl
+/// `device.cpp:244`; `ApiErrorDecorator::GetDeviceCount`, `api_error.cc:2496`);
+/// no context is needed (`ApiImpl::GetDeviceCount`, `api_impl.cc:3239-3245`).
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> AclError {
     status::acl("aclrtGetDeviceCount", || write_out(count, config::get().devices, ACL_ERROR_INVALID_PARAM, "count"))
@@ -71,9 +81,11 @@ pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> AclError {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtCreateStream(stream: *mut AclrtStream) -> AclError {
     status::acl("aclrtCreateStream", || {
+        // acl `stream.cpp:37`; `ApiErrorDecorator::StreamCreate`, `api_error.cc:927`.
         if stream.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "stream is NULL");
         }
+        // `ApiImpl::StreamCreate`, `api_impl.cc:1323-1324`: the thread's context.
         let d = context::current()?;
         let h = STREAMS.insert(Stream::new(d, false)?);
         write_out(stream, h as AclrtStream, ACL_ERROR_INVALID_PARAM, "stream")
@@ -87,7 +99,6 @@ pub unsafe extern "C" fn aclrtCreateStream(stream: *mut AclrtStream) -> AclError
 pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
     status::acl("aclrtDestroyStream", || {
         acl_rules::destroy_stream(stream)?;
-        crate::capture::destroy_stream(stream as usize)?;
         let s = STREAMS
             .remove(stream as usize)
             .ok_or_else(|| SimError::new(ACL_ERROR_RT_INVALID_HANDLE, format!("{stream:p} is not a live stream")))?;
@@ -100,8 +111,10 @@ pub extern "C" fn aclrtDestroyStream(stream: AclrtStream) -> AclError {
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
     status::acl("aclrtSynchronizeStream", || {
-        acl_rules::synchronize_stream(stream)?;
+        // `ApiErrorDecorator::StreamSynchronize`, `api_error.cc:1010-1011`: a
+        // capturing stream is RT_ERROR_STREAM_CAPTURED, before the context.
         crate::capture::sync_stream("aclrtSynchronizeStream", stream as usize)?;
+        acl_rules::synchronize_stream(stream)?;
         context::stream(stream as usize)?.synchronize(None)
     })
 }
@@ -111,8 +124,14 @@ pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
 #[no_mangle]
 pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout: i32) -> AclError {
     status::acl("aclrtSynchronizeStreamWithTimeout", || {
-        acl_rules::synchronize_stream_with_timeout(stream, timeout)?;
+        // The timeout first (acl `stream.cpp:157`, `api_error.cc:1002`), then
+        // the capture (`api_error.cc:1010`), then the context (`api_impl.cc:1581`).
+        if timeout < -1 || timeout == 0 {
+            crate::counters::host_sync();
+            return acl_rules::synchronize_stream_with_timeout(stream, timeout);
+        }
         crate::capture::sync_stream("aclrtSynchronizeStreamWithTimeout", stream as usize)?;
+        acl_rules::synchronize_stream_with_timeout(stream, timeout)?;
         let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
         context::stream(stream as usize)?.synchronize(t)
     })
@@ -172,11 +191,14 @@ pub unsafe extern "C" fn aclrtMalloc(dev_ptr: *mut *mut c_void, size: usize, pol
 
 /// `aclError aclrtFree(void *devPtr)`. Frees at once, without waiting for
 /// queued work (as documented): work still using the memory fails when it runs.
+/// No context is needed: `ApiImpl::DevFree` (`api_impl.cc:2333-2345`) falls
+/// back to the NPU driver without one.
 #[no_mangle]
 pub extern "C" fn aclrtFree(dev_ptr: *mut c_void) -> AclError {
     status::acl("aclrtFree", || {
         crate::capture::allocation("aclrtFree")?;
         let addr = dev_ptr as usize;
+        // acl `memory.cpp:442`: `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(devPtr)`.
         if addr == 0 {
             return fail(ACL_ERROR_INVALID_PARAM, "devPtr is NULL");
         }
@@ -193,12 +215,21 @@ pub extern "C" fn aclrtFree(dev_ptr: *mut c_void) -> AclError {
 pub unsafe extern "C" fn aclrtMallocHost(host_ptr: *mut *mut c_void, size: usize) -> AclError {
     status::acl("aclrtMallocHost", || {
         crate::capture::allocation("aclrtMallocHost")?;
+        // acl `memory.cpp:458`: `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(hostPtr)`.
         if host_ptr.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "hostPtr is NULL");
         }
+        // `memory.cpp:460-463`: "malloc size must be greater than zero".
         if size == 0 {
             return fail(ACL_ERROR_INVALID_PARAM, "size must not be 0");
         }
+        // `ApiImpl::HostMalloc`, `api_impl.cc:2394-2395`: the thread's context
+        // (RT_ERROR_CONTEXT_NULL, `errcode_manage.cc:195`): pinned memory is
+        // allocated through the current device's driver (`:2399`).
+        context::current().map_err(|mut e| {
+            e.msg = format!("aclrtMallocHost needs a current device on this thread: {}", e.msg);
+            e
+        })?;
         let layout = std::alloc::Layout::from_size_align(size, 64)
             .map_err(|e| SimError::new(ACL_ERROR_INVALID_PARAM, format!("size {size}: {e}")))?;
         // SAFETY: the layout has a non-zero size.
@@ -345,10 +376,13 @@ pub unsafe extern "C" fn aclrtMemcpy(
     kind: i32,
 ) -> AclError {
     status::acl("aclrtMemcpy", || {
-        crate::capture::blocking_copy(dst as usize, src as usize, count)?;
-        if acl_rules::copy("aclrtMemcpy", dst, dest_max, src, count, kind)? == Proceed::Done {
+        crate::capture::count_blocking_copy(dst as usize, src as usize, count);
+        if acl_rules::copy("aclrtMemcpy", dst, dest_max, src, count, kind, true)? == Proceed::Done {
             return Ok(());
         }
+        // `ApiImpl::MemCopySync`, `api_impl.cc:2691-2694`: the capture mode,
+        // after the arguments and the context.
+        crate::capture::blocking_copy()?;
         let c = plan_copy(dst, dest_max, src, count, kind)?;
         run_copy(c)
     })
@@ -366,19 +400,23 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
     stream: AclrtStream,
 ) -> AclError {
     status::acl("aclrtMemcpyAsync", || {
-        if acl_rules::copy("aclrtMemcpyAsync", dst, dest_max, src, count, kind)? == Proceed::Done {
-            return Ok(());
-        }
-        // ApiImpl::MemcpyAsync: the stream must belong to the thread's
-        // context (RT_ERROR_STREAM_CONTEXT).
-        let s = context::stream_here(stream as usize)?;
+        acl_rules::copy("aclrtMemcpyAsync", dst, dest_max, src, count, kind, false)?;
         let c = plan_copy(dst, dest_max, src, count, kind)?;
         // API reference: "does not support asynchronous memory copy within the
         // host ... returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
-        // ApiErrorDecorator::MemcpyAsync: "H2H is not supported".
+        // `ApiErrorDecorator::MemcpyAsync`, `api_error.cc:1656-1657`: "Not
+        // support h2h" (RT_ERROR_FEATURE_NOT_SUPPORT, `api_c.cc:1121`).
         if !c.dst_dev && !c.src_dev {
             return fail(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "asynchronous host-to-host copies are not supported");
         }
+        // `api_error.cc:1658-1659`: a copy onto itself succeeds without a task.
+        if c.dst == c.src {
+            return Ok(());
+        }
+        // `ApiImpl::MemcpyAsync`, `api_impl.cc:2756-2762`: the stream (NULL:
+        // the default stream) must belong to the thread's context
+        // (RT_ERROR_STREAM_CONTEXT, `errcode_manage.cc:110`).
+        let s = context::stream_here(stream as usize)?;
         crate::capture::async_copy(&s, c.dst, c.src, c.count)?;
         // acl_rt.h (torch-npu 2.9.0 and 2.14.0 headers), aclrtMemcpyAsync:
         // "For on-chip Device-to-Device memory copy, both the source and
@@ -427,10 +465,11 @@ fn run_memset(addr: usize, dev: bool, value: i32, count: usize) -> SimResult<()>
 #[no_mangle]
 pub unsafe extern "C" fn aclrtMemset(dev_ptr: *mut c_void, max_count: usize, value: i32, count: usize) -> AclError {
     status::acl("aclrtMemset", || {
-        if acl_rules::memset(dev_ptr, max_count, count)? == Proceed::Done {
-            return Ok(());
-        }
+        crate::counters::host_sync();
+        acl_rules::memset(dev_ptr, count)?;
+        // `ApiImpl::MemSetSync`, `api_impl.cc:3059-3062`: the capture mode.
         crate::capture::blocking_memset()?;
+        acl_rules::memset_range(dev_ptr, max_count, count)?;
         let (addr, dev) = plan_memset(dev_ptr, count)?;
         run_memset(addr, dev, value, count)
     })
@@ -446,10 +485,9 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
     stream: AclrtStream,
 ) -> AclError {
     status::acl("aclrtMemsetAsync", || {
-        if acl_rules::memset_async(dev_ptr, max_count, count)? == Proceed::Done {
-            return Ok(());
-        }
-        // ApiImpl::MemsetAsync: the stream must belong to the thread's context.
+        acl_rules::memset_async(dev_ptr, max_count, count)?;
+        // `ApiImpl::MemsetAsync`, `api_impl.cc:3074-3080`: the stream (NULL: the
+        // default stream) must belong to the thread's context.
         let s = context::stream_here(stream as usize)?;
         let (addr, dev) = plan_memset(dev_ptr, count)?;
         s.enqueue("aclrtMemsetAsync", Box::new(move || run_memset(addr, dev, value, count)));
@@ -462,11 +500,23 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetMemInfo(attr: i32, free: *mut usize, total: *mut usize) -> AclError {
     status::acl("aclrtGetMemInfo", || {
-        // ApiErrorDecorator::MemGetInfoEx: outside [RT_MEMORYINFO_DDR,
-        // RT_MEMORYINFO_P2P_HUGE1G] (0..=17) is RT_ERROR_INVALID_MEMORY_TYPE.
-        if !(0..=17).contains(&attr) {
-            return fail(ACL_ERROR_RT_INVALID_MEMORY_TYPE, format!("unknown aclrtMemAttr {attr}"));
+        // acl `memory.cpp:742-743`: both out-pointers before the attribute.
+        if free.is_null() || total.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, if free.is_null() { "free is NULL" } else { "total is NULL" });
         }
+        // `ApiErrorDecorator::MemGetInfoEx`, `api_error.cc:2418-2419` at v8.5.0:
+        // outside [RT_MEMORYINFO_DDR, RT_MEMORYINFO_HBM_P2P_HUGE1G], 0..=11
+        // (`pkg_inc/runtime/runtime/mem.h:151-164`; the ACL value is cast,
+        // `memory.cpp:746`), is RT_ERROR_INVALID_MEMORY_TYPE
+        // (`errcode_manage.cc:301`). `ACL_MEM_NORMAL` .. `ACL_MEM_P2P_HUGE1G`
+        // (12..=17, `acl_rt.h:192-197`) are accepted only from v9.0.0 on.
+        if !(0..=11).contains(&attr) {
+            return fail(
+                ACL_ERROR_RT_INVALID_MEMORY_TYPE,
+                format!("aclrtMemAttr {attr} is outside ACL_DDR_MEM .. ACL_HBM_MEM_P2P_HUGE1G (0..=11)"),
+            );
+        }
+        // `ApiImpl::MemGetInfoEx`, `api_impl.cc:3130-3131`: the thread's context.
         let a = arena::arena(context::current()?)?;
         write_out(free, a.free_bytes(), ACL_ERROR_INVALID_PARAM, "free")?;
         write_out(total, a.total(), ACL_ERROR_INVALID_PARAM, "total")
@@ -685,9 +735,15 @@ pub extern "C" fn aclrtPeekAtLastError(level: i32) -> AclError {
     status::last_error(false)
 }
 
-/// `const char *aclGetRecentErrMsg()`: this thread's most recent error text.
+/// `const char *aclGetRecentErrMsg()`: this thread's most recent error text,
+/// or NULL when there is none (`aclGetRecentErrMsgImpl`, hicann/runtime
+/// `src/acl/aclrt_impl/acl.cpp:1146-1149` at v8.5.0: "get errorMessage is
+/// empty" returns `nullptr`). It takes no argument and refuses nothing.
 #[no_mangle]
 pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
+    if status::recent_is_empty() {
+        return std::ptr::null();
+    }
     status::recent_ptr()
 }
 
@@ -702,6 +758,12 @@ pub extern "C" fn aclrtGetSocName() -> *const c_char {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetVersion(major: *mut i32, minor: *mut i32, patch: *mut i32) -> AclError {
     status::acl("aclrtGetVersion", || {
+        // acl `acl_rt_impl_base.cpp:204-206`: all three before any is written.
+        for (p, what) in [(major, "majorVersion"), (minor, "minorVersion"), (patch, "patchVersion")] {
+            if p.is_null() {
+                return fail(ACL_ERROR_INVALID_PARAM, format!("{what} is NULL"));
+            }
+        }
         write_out(major, 1, ACL_ERROR_INVALID_PARAM, "majorVersion")?;
         write_out(minor, 17, ACL_ERROR_INVALID_PARAM, "minorVersion")?;
         write_out(patch, 0, ACL_ERROR_INVALID_PARAM, "patchVersion")

@@ -9,7 +9,8 @@
 //!   (`hicann/runtime`, `src/acl/aclrt_impl/`), the `aclrt*Impl` functions the
 //!   exports forward to;
 //! - "`ApiErrorDecorator`" / "`ApiImpl`": its runtime layer
-//!   (`src/runtime/api/impl/api_error.cc`, `api_impl.cc`), which checks the
+//!   (`src/runtime/feature/src/api_impl/api_error.cc`, `api_impl.cc` at
+//!   v8.5.0), which checks the
 //!   arguments and the calling thread's context before the work is queued;
 //! - "`errcode_manage.cc`": its map from runtime errors to `aclError`
 //!   (`RT_ERROR_INVALID_VALUE` -> `ACL_ERROR_RT_PARAM_INVALID`,
@@ -19,7 +20,8 @@
 //!   same names (`docs/api_docs/<call>.md` in the same repository).
 //!
 //! A rule that returns `Ok(Proceed::Done)` has found a call CANN completes
-//! without doing anything (a zero-byte copy); the export then returns success.
+//! without doing anything (a synchronous copy onto itself); the export then
+//! returns success.
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -94,23 +96,29 @@ fn current_device(call: &str) -> SimResult<u32> {
 /// `aclrtMallocAlign32` (same path) says an out-of-range policy allocates
 /// huge pages from 2 MB and normal pages below.
 pub fn malloc(dev_ptr: *mut *mut c_void, size: usize, _policy: i32) -> SimResult<()> {
+    // acl `memory.cpp:145` (`aclMallocMemInner`).
     not_null(dev_ptr as *const c_void, "devPtr")?;
-    // `ACL_REQUIRES_POSITIVE_REPORT(size)`; API reference: "size must not be 0".
+    // `memory.cpp:147-152`: "size must be greater than zero"; API reference:
+    // "size must not be 0".
     if size == 0 {
         return fail(ACL_ERROR_INVALID_PARAM, "size must not be 0");
     }
-    // `GetAlignedAndPaddingSize`: "size too large" when size + padding overflows.
+    // `memory.cpp:129-132` (`GetAlignedAndPaddingSize`): "size too large"
+    // when size + padding overflows.
     if size.checked_add(MALLOC_APPEND).is_none() {
         return fail(ACL_ERROR_INVALID_PARAM, format!("size {size} overflows with its 64 bytes of alignment padding"));
     }
+    // `ApiImpl::DevMalloc`, `api_impl.cc:2320-2321`: the thread's context.
     current_device("aclrtMalloc").map(drop)
 }
 
 /// `aclrtFreeHost(hostPtr)`: only `aclrtMallocHost` memory.
 pub fn free_host(host_ptr: *mut c_void) -> SimResult<()> {
+    // acl `memory.cpp:478`; no context is needed (`ApiImpl::HostFree`,
+    // `api_impl.cc:2474-2481`, falls back to the NPU driver).
     not_null(host_ptr, "hostPtr")?;
-    // `ApiImpl::HostFree`: a pointer whose location is not host memory is
-    // RT_ERROR_INVALID_VALUE ("The specified address must be a host address").
+    // `ApiImpl::HostFree`, `api_impl.cc:2486-2491`: a pointer whose location
+    // is not host memory is RT_ERROR_INVALID_VALUE ("is not host memory").
     if arena::owner(host_ptr as usize).is_some() {
         return fail(
             ACL_ERROR_RT_PARAM_INVALID,
@@ -120,9 +128,10 @@ pub fn free_host(host_ptr: *mut c_void) -> SimResult<()> {
     Ok(())
 }
 
-/// `aclrtMemcpy(dst, destMax, src, count, kind)` and the same arguments of
-/// `aclrtMemcpyAsync` (`call` names the export), in CANN's order. The
-/// stream's device, the host-to-host refusal and the 64-byte alignment of the
+/// `aclrtMemcpy(dst, destMax, src, count, kind)` (`sync`) and the same
+/// arguments of `aclrtMemcpyAsync`, in CANN's order (hicann/runtime v8.5.0).
+/// The stricter owner-vs-kind check, the host-to-host refusal, the
+/// same-address shortcut, the stream's device and the 64-byte alignment of the
 /// asynchronous copy are checked by the export (see acl.rs).
 pub fn copy(
     call: &str,
@@ -131,18 +140,36 @@ pub fn copy(
     src: *const c_void,
     count: usize,
     kind: i32,
+    sync: bool,
 ) -> SimResult<Proceed> {
-    // acl `aclrtMemcpyImpl` / `aclrtMemcpyAsyncImpl`: "count is 0, no memory
-    // copy will be performed", before any other check.
-    if count == 0 {
-        return Ok(Proceed::Done);
-    }
+    // acl `memory.cpp:528-529` (sync) / `:572-573` (async):
+    // `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(dst)`, `(src)`, whatever the count.
     not_null(dst, "dst")?;
     not_null(src, "src")?;
+    // `memory.cpp:532` / `:575`: `MemcpyKindTranslate` (`:41-77`).
     copy_kind(kind)?;
+    // `ApiErrorDecorator::MemCopySync`, `api_error.cc:1569` (sync only):
+    // `ZERO_RETURN_AND_MSG_OUTER(destMax)` is RT_ERROR_INVALID_VALUE
+    // (`error_message_manage.hpp:132-134`), ACL_ERROR_RT_PARAM_INVALID
+    // (`errcode_manage.cc:285`).
+    if sync && dest_max == 0 {
+        return fail(ACL_ERROR_RT_PARAM_INVALID, "destMax is 0 (expected > 0)");
+    }
+    // `api_error.cc:1570` (sync) / `:1612` (async): `ZERO_RETURN_AND_MSG_OUTER(cnt)`:
+    // a zero-byte copy is refused, not skipped.
+    if count == 0 {
+        return fail(ACL_ERROR_RT_PARAM_INVALID, "count is 0 (expected > 0)");
+    }
+    // `api_error.cc:1572-1573` / `:1613-1614`: `cnt > destMax`.
     count_within(count, dest_max, "destMax")?;
-    // `ApiImpl::MemCopySync` needs the thread's context even for host memory;
-    // `ApiErrorDecorator::MemcpyAsyncCheckLocation` / `ApiImpl::MemcpyAsync` too.
+    // `api_error.cc:1577`: the synchronous copy onto itself succeeds here,
+    // before the runtime looks for a context.
+    if sync && std::ptr::eq(dst as *const c_void, src) {
+        return Ok(Proceed::Done);
+    }
+    // Sync: `ApiImpl::MemCopySync`, `api_impl.cc:2684-2685`, needs the thread's
+    // context even for host memory; async: `MemcpyAsyncCheckLocation`,
+    // `api_error.cc:2099-2100`.
     current_device(call)?;
     Ok(Proceed::Run)
 }
@@ -169,61 +196,76 @@ fn memset_target(dev_ptr: *mut c_void, count: usize) -> SimResult<()> {
     Ok(())
 }
 
-/// `aclrtMemset(devPtr, maxCount, value, count)`.
-pub fn memset(dev_ptr: *mut c_void, max_count: usize, count: usize) -> SimResult<Proceed> {
-    // acl `aclrtMemsetImpl`: "zero-size memset, no memory set will be performed".
-    if count == 0 {
-        return Ok(Proceed::Done);
-    }
+/// `aclrtMemset(devPtr, maxCount, value, count)`, up to the context check;
+/// the capture-mode check follows in the export, then [`memset_range`].
+pub fn memset(dev_ptr: *mut c_void, count: usize) -> SimResult<()> {
+    // acl `memory.cpp:552`: `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(devPtr)`.
     not_null(dev_ptr, "devPtr")?;
-    // `ApiImpl::MemSetSync`: the thread's context.
-    current_device("aclrtMemset")?;
-    // The runtime passes maxCount to the driver's memset, which bounds the
-    // write; the simulator refuses as `MemsetAsync` does (same code).
+    // `ApiErrorDecorator::MemSetSync`, `api_error.cc:2362`:
+    // `ZERO_RETURN_AND_MSG_OUTER(cnt)`, RT_ERROR_INVALID_VALUE.
+    if count == 0 {
+        return fail(ACL_ERROR_RT_PARAM_INVALID, "count is 0 (expected > 0)");
+    }
+    // `ApiImpl::MemSetSync`, `api_impl.cc:3054-3055`: the thread's context.
+    current_device("aclrtMemset").map(drop)
+}
+
+/// The range of a synchronous memset. The runtime hands `maxCount` to the
+/// driver's memset (`api_impl.cc:3064`), which bounds the write; its code is
+/// not in the open source, so the simulator refuses as `MemsetAsync` does.
+pub fn memset_range(dev_ptr: *mut c_void, max_count: usize, count: usize) -> SimResult<()> {
     count_within(count, max_count, "maxCount")?;
-    memset_target(dev_ptr, count)?;
-    Ok(Proceed::Run)
+    memset_target(dev_ptr, count)
 }
 
 /// `aclrtMemsetAsync(devPtr, maxCount, value, count, stream)`.
-pub fn memset_async(dev_ptr: *mut c_void, max_count: usize, count: usize) -> SimResult<Proceed> {
-    // acl `aclrtMemsetAsyncImpl`: "zero-size memset, no memory set async will be performed".
-    if count == 0 {
-        return Ok(Proceed::Done);
-    }
+pub fn memset_async(dev_ptr: *mut c_void, max_count: usize, count: usize) -> SimResult<()> {
+    // acl `memory.cpp:627`: `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(devPtr)`.
     not_null(dev_ptr, "devPtr")?;
-    // `ApiErrorDecorator::MemsetAsync`: `cnt > destMax` is RT_ERROR_INVALID_VALUE.
+    // `ApiErrorDecorator::MemsetAsync`, `api_error.cc:2373`: `ZERO_RETURN_AND_MSG_OUTER(cnt)`.
+    if count == 0 {
+        return fail(ACL_ERROR_RT_PARAM_INVALID, "count is 0 (expected > 0)");
+    }
+    // `api_error.cc:2374-2375`: `cnt > destMax` is RT_ERROR_INVALID_VALUE.
     count_within(count, max_count, "maxCount")?;
-    // `ApiImpl::MemsetAsync`: the thread's context.
+    // `ApiImpl::MemsetAsync`, `api_impl.cc:3071-3072`: the thread's context.
     current_device("aclrtMemsetAsync")?;
-    memset_target(dev_ptr, count)?;
-    Ok(Proceed::Run)
+    memset_target(dev_ptr, count)
 }
 
 /// `aclrtDestroyStream(stream)`.
 pub fn destroy_stream(stream: AclrtStream) -> SimResult<()> {
-    // acl `aclrtDestroyStreamImpl`: `ACL_REQUIRES_NOT_NULL(stream)`.
+    // acl `stream.cpp:102`: `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(stream)`.
     not_null(stream, "stream (the default stream cannot be destroyed)")?;
-    // `ApiImpl::StreamDestroy`: the thread's context, and the stream must
-    // belong to it (RT_ERROR_STREAM_CONTEXT); API reference: "make sure the
-    // stream is in the current context".
+    // `ApiErrorDecorator::StreamDestroy`, `api_error.cc:977-979`: a capturing
+    // stream is RT_ERROR_STREAM_CAPTURED (`errcode_manage.cc:133`), before
+    // any context check.
+    crate::capture::destroy_stream(stream as usize)?;
+    // `ApiImpl::StreamDestroy`, `api_impl.cc:1431-1434`: the thread's context,
+    // and the stream must belong to it (RT_ERROR_STREAM_CONTEXT,
+    // `errcode_manage.cc:110`); API reference: "make sure the stream is in
+    // the current context".
     current_device("aclrtDestroyStream")?;
     context::stream_here(stream as usize).map(drop)
 }
 
-/// `aclrtSynchronizeStream(stream)`.
+/// `aclrtSynchronizeStream(stream)`, after the capture check
+/// (`ApiErrorDecorator::StreamSynchronize`, `api_error.cc:1010-1011`), which
+/// the export makes first.
 pub fn synchronize_stream(_stream: AclrtStream) -> SimResult<()> {
-    // `ApiImpl::StreamSynchronize`: the thread needs a context even when the
-    // stream is explicit (it then switches to the stream's context).
+    // `ApiImpl::StreamSynchronize`, `api_impl.cc:1580-1581`: the thread needs
+    // a context even when the stream is explicit; a stream of another device
+    // is synchronised by switching to its context (`:1602-1608`).
     current_device("aclrtSynchronizeStream").map(drop)
 }
 
 /// `aclrtSynchronizeStreamWithTimeout(stream, timeout)`.
 pub fn synchronize_stream_with_timeout(_stream: AclrtStream, timeout: i32) -> SimResult<()> {
-    // acl `aclrtSynchronizeStreamWithTimeoutImpl`: timeout < -1 is
-    // ACL_ERROR_RT_PARAM_INVALID; `ApiErrorDecorator::StreamSynchronize`:
-    // "greater than or equal to -1 and not equal to 0". The API reference
-    // lists -1 (wait forever) and > 0 ms only.
+    // acl `stream.cpp:157-160` (`aclrtSynchronizeStreamWithTimeoutImpl`):
+    // timeout < -1 is ACL_ERROR_RT_PARAM_INVALID; `ApiErrorDecorator::StreamSynchronize`,
+    // `api_error.cc:1002-1003`: "greater than or equal to -1 and not equal
+    // to 0" (RT_ERROR_INVALID_VALUE). The API reference lists -1 (wait
+    // forever) and > 0 ms only.
     if timeout < -1 || timeout == 0 {
         return fail(ACL_ERROR_RT_PARAM_INVALID, format!("timeout {timeout} ms (expected -1 or > 0)"));
     }

@@ -42,6 +42,11 @@ pub fn set_recent(msg: &str) {
     RECENT.with(|r| *r.borrow_mut() = c);
 }
 
+/// Whether this thread has no recent error text.
+pub fn recent_is_empty() -> bool {
+    RECENT.with(|r| r.borrow().as_bytes().is_empty())
+}
+
 /// Pointer to this thread's most recent error text; valid until the next
 /// simulated call on this thread.
 pub fn recent_ptr() -> *const c_char {

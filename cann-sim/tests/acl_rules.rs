@@ -21,6 +21,7 @@ const ACL_ERROR_RT_STREAM_CONTEXT: i32 = 107003;
 const ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID: i32 = 107006;
 const ACL_ERROR_RT_INVALID_MEMORY_TYPE: i32 = 107016;
 const ACL_ERROR_RT_INTERNAL_ERROR: i32 = 507000;
+const ACL_ERROR_RT_FEATURE_NOT_SUPPORT: i32 = 207000;
 
 /// Runs `f` on a new thread that never called `aclrtSetDevice` (after this
 /// process's `aclInit`, which the caller's `use_device` did).
@@ -112,25 +113,79 @@ fn copy_kinds_outside_the_acl_mapping_are_refused() {
 }
 
 #[test]
-fn zero_byte_copies_and_memsets_succeed_without_touching_anything() {
+fn zero_byte_copies_and_memsets_are_refused_after_the_null_checks() {
     let s = use_device(1);
     let st = stream();
+    let dev = malloc(64);
+    let host = [7u8; 64];
+    let hp = host.as_ptr() as *const c_void;
     unsafe {
-        // CANN returns success for count 0 before it looks at the pointers.
-        assert_eq!((s.aclrtMemcpy)(NULL, 0, NULL, 0, H2D), 0);
-        assert_eq!((s.aclrtMemcpyAsync)(NULL, 0, NULL, 0, H2D, st), 0);
-        assert_eq!((s.aclrtMemset)(NULL, 0, 0, 0), 0);
-        assert_eq!((s.aclrtMemsetAsync)(NULL, 0, 0, 0, st), 0);
-        // With a byte to move, NULL is refused.
-        let dev = malloc(64);
-        let host = [0u8; 64];
-        assert_eq!((s.aclrtMemcpy)(NULL, 64, host.as_ptr() as *const c_void, 1, H2D), ACL_ERROR_INVALID_PARAM);
-        assert_eq!((s.aclrtMemcpyAsync)(dev, 64, NULL, 1, H2D, st), ACL_ERROR_INVALID_PARAM);
-        assert_eq!((s.aclrtMemset)(NULL, 64, 0, 1), ACL_ERROR_INVALID_PARAM);
-        assert_eq!((s.aclrtMemsetAsync)(NULL, 64, 0, 1, st), ACL_ERROR_INVALID_PARAM);
-        free(dev);
+        // acl memory.cpp:528-529, :572-573, :552, :627: NULL first, whatever the count.
+        assert_eq!((s.aclrtMemcpy)(NULL, 0, NULL, 0, H2D), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtMemcpyAsync)(NULL, 0, NULL, 0, H2D, st), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtMemset)(NULL, 0, 0, 0), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtMemsetAsync)(NULL, 0, 0, 0, st), ACL_ERROR_INVALID_PARAM);
+        // api_error.cc:1570, :1612, :2362, :2373: ZERO_RETURN_AND_MSG_OUTER(cnt).
+        assert_eq!((s.aclrtMemcpy)(dev, 64, hp, 0, H2D), ACL_ERROR_RT_PARAM_INVALID);
+        assert!(err_msg().contains("count is 0"), "{}", err_msg());
+        assert_eq!((s.aclrtMemcpyAsync)(dev, 64, hp, 0, H2D, st), ACL_ERROR_RT_PARAM_INVALID);
+        assert_eq!((s.aclrtMemset)(dev, 64, 0, 0), ACL_ERROR_RT_PARAM_INVALID);
+        assert_eq!((s.aclrtMemsetAsync)(dev, 64, 0, 0, st), ACL_ERROR_RT_PARAM_INVALID);
+        // api_error.cc:1569: the synchronous copy also refuses destMax 0.
+        assert_eq!((s.aclrtMemcpy)(dev, 0, hp, 0, H2D), ACL_ERROR_RT_PARAM_INVALID);
+        assert!(err_msg().contains("destMax is 0"), "{}", err_msg());
     }
+    sync(st);
+    assert_eq!(download::<u8>(dev, 64), vec![0xFF; 64], "nothing was touched");
+    free(dev);
     destroy_stream(st);
+}
+
+#[test]
+fn a_synchronous_copy_onto_itself_succeeds_before_the_context_is_looked_for() {
+    use_device(0);
+    on_a_thread_without_a_device(|s| {
+        let mut buf = [3u8; 16];
+        let p = buf.as_mut_ptr() as Ptr;
+        unsafe {
+            // api_error.cc:1577 returns success before ApiImpl::MemCopySync
+            // (api_impl.cc:2685) asks for a context.
+            assert_eq!((s.aclrtMemcpy)(p, 16, p, 16, H2H), 0, "{}", err_msg());
+            // A copy between two buffers still needs one.
+            let q = (p as usize + 8) as Ptr;
+            assert_eq!((s.aclrtMemcpy)(p, 8, q, 8, H2H), ACL_ERROR_RT_CONTEXT_NULL);
+        }
+        assert_eq!(buf, [3u8; 16]);
+    });
+}
+
+#[test]
+fn an_async_host_to_host_copy_is_refused_before_the_streams_device_is_checked() {
+    let s = use_device(1);
+    let other = stream();
+    let s = {
+        let _ = s;
+        use_device(0)
+    };
+    let (a, b) = ([1u8; 64], [0u8; 64]);
+    let dev = malloc(64);
+    unsafe {
+        // api_error.cc:1656-1657 (h2h) comes before ApiImpl::MemcpyAsync's
+        // stream context (api_impl.cc:2761-2762).
+        let r = (s.aclrtMemcpyAsync)(b.as_ptr() as Ptr, 64, a.as_ptr() as *const c_void, 64, H2H, other);
+        assert_eq!(r, ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "{}", err_msg());
+        // api_error.cc:1658-1659: a device copy onto itself queues nothing, so
+        // the stream is not looked at.
+        assert_eq!((s.aclrtMemcpyAsync)(dev, 64, dev, 64, D2D, other), 0, "{}", err_msg());
+        // Another copy on that stream is refused.
+        let r = (s.aclrtMemcpyAsync)(dev, 64, a.as_ptr() as *const c_void, 64, H2D, other);
+        assert_eq!(r, ACL_ERROR_RT_STREAM_CONTEXT);
+    }
+    assert_eq!(b, [0u8; 64]);
+    free(dev);
+    use_device(1);
+    destroy_stream(other);
+    use_device(0);
 }
 
 #[test]
@@ -301,10 +356,16 @@ fn mem_info_refuses_an_unknown_memory_attribute() {
     let s = use_device(1);
     let (mut free_b, mut total) = (0usize, 0usize);
     unsafe {
-        assert_eq!((s.aclrtGetMemInfo)(18, &mut free_b, &mut total), ACL_ERROR_RT_INVALID_MEMORY_TYPE);
+        // api_error.cc:2418 at v8.5.0: ACL_DDR_MEM .. ACL_HBM_MEM_P2P_HUGE1G
+        // (0..=11); ACL_MEM_NORMAL (12) and above arrive with v9.0.0.
+        assert_eq!((s.aclrtGetMemInfo)(12, &mut free_b, &mut total), ACL_ERROR_RT_INVALID_MEMORY_TYPE);
+        assert_eq!((s.aclrtGetMemInfo)(17, &mut free_b, &mut total), ACL_ERROR_RT_INVALID_MEMORY_TYPE);
         assert_eq!((s.aclrtGetMemInfo)(-1, &mut free_b, &mut total), ACL_ERROR_RT_INVALID_MEMORY_TYPE);
         assert_eq!((total, free_b), (0, 0), "nothing written");
         assert_eq!((s.aclrtGetMemInfo)(1, std::ptr::null_mut(), &mut total), ACL_ERROR_INVALID_PARAM);
+        // memory.cpp:742-743: the out-pointers come before the attribute.
+        assert_eq!((s.aclrtGetMemInfo)(12, &mut free_b, std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        assert_eq!((s.aclrtGetMemInfo)(11, &mut free_b, &mut total), 0);
         assert_eq!((s.aclrtGetMemInfo)(1, &mut free_b, &mut total), 0);
     }
     assert!(total > 0);
@@ -323,7 +384,24 @@ fn out_pointers_and_host_sizes_are_checked_before_anything_is_created() {
         assert_eq!((s.aclrtGetDeviceCount)(std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
         let (mut a, mut b) = (0, 0);
         assert_eq!((s.aclrtGetVersion)(&mut a, &mut b, std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        // acl_rt_impl_base.cpp:204-206: every pointer is checked before any is written.
+        assert_eq!((a, b), (0, 0), "nothing written");
     }
+}
+
+#[test]
+fn get_device_checks_its_pointer_before_the_context_and_malloc_host_needs_a_device() {
+    use_device(0);
+    on_a_thread_without_a_device(|s| unsafe {
+        // device.cpp:139 before ApiImpl::GetDevice (api_impl.cc:3320).
+        assert_eq!((s.aclrtGetDevice)(std::ptr::null_mut()), ACL_ERROR_INVALID_PARAM);
+        let mut d = -1;
+        assert_eq!((s.aclrtGetDevice)(&mut d), ACL_ERROR_RT_CONTEXT_NULL);
+        // ApiImpl::HostMalloc, api_impl.cc:2394-2395.
+        let mut p = NULL;
+        assert_eq!((s.aclrtMallocHost)(&mut p, 64), ACL_ERROR_RT_CONTEXT_NULL, "{}", err_msg());
+        assert!(p.is_null());
+    });
 }
 
 #[test]
@@ -350,4 +428,17 @@ fn a_failed_launch_stays_the_threads_last_error_until_aclrt_get_last_error_reads
         });
         assert_eq!((s.aclrtGetLastError)(0), r2);
     }
+}
+
+#[test]
+fn the_recent_error_message_is_null_until_a_call_fails_on_the_thread() {
+    use_device(0);
+    on_a_thread_without_a_device(|s| unsafe {
+        // acl.cpp:1146-1149: no message is NULL, not "".
+        assert!((s.aclGetRecentErrMsg)().is_null(), "a fresh thread has no message");
+        assert_eq!((s.aclrtFree)(NULL), ACL_ERROR_INVALID_PARAM);
+        let p = (s.aclGetRecentErrMsg)();
+        assert!(!p.is_null());
+        assert!(std::ffi::CStr::from_ptr(p).to_string_lossy().contains("devPtr is NULL"));
+    });
 }

@@ -26,6 +26,7 @@ const STATUS_INVALIDATED: i32 = 2;
 
 const INVALID_PARAM: i32 = 100000;
 const STREAM_CONTEXT: i32 = 107003;
+const MODEL_CONTEXT: i32 = 107004;
 const INVALID_HANDLE: i32 = 107017;
 const CAPTURE_DEPENDENCY: i32 = 107024;
 const STREAM_UNJOINED: i32 = 107025;
@@ -486,8 +487,14 @@ fn capture_lifecycle_errors_are_refused_with_cann_codes() {
     let mut m = NULL;
     unsafe {
         assert_eq!((cap().end)(st, &mut m), STREAM_NOT_CAPTURED, "End without Begin");
+        assert_eq!((cap().end)(NULL, &mut m), INVALID_PARAM, "End on the default stream (model_ri.cpp:101)");
         assert_eq!((cap().begin)(NULL, GLOBAL), INVALID_PARAM, "the default stream");
-        assert_eq!((cap().begin)(st, 3), INVALID_PARAM, "an unknown mode");
+        // NULL before the mode (model_ri.cpp:54, then api_error.cc:5700).
+        assert_eq!((cap().begin)(NULL, 3), INVALID_PARAM, "the default stream, before the mode");
+        assert_eq!((cap().begin)(st, 3), RT_PARAM_INVALID, "an unknown mode (api_error.cc:5700-5702)");
+        assert_eq!((cap().begin)(st, -1), RT_PARAM_INVALID, "a negative mode");
+        assert_eq!((cap().execute)(NULL, st), INVALID_PARAM, "a NULL model (model_ri.cpp:24)");
+        assert_eq!((cap().destroy)(NULL), INVALID_PARAM, "a NULL model (model_ri.cpp:39)");
         begin(st, THREAD_LOCAL);
         assert_eq!((cap().begin)(st, THREAD_LOCAL), STREAM_CAPTURED, "Begin twice");
         assert_eq!(info(st).0, STATUS_ACTIVE, "a refused Begin leaves the capture alone");
@@ -508,15 +515,21 @@ fn capture_lifecycle_errors_are_refused_with_cann_codes() {
         assert_eq!((cap().get_info)(st, std::ptr::null_mut(), &mut m), 0, "{}", err_msg());
         assert!(m.is_null(), "no model outside a capture");
 
-        // A replay on a capturing stream is refused.
+        // A replay on a capturing stream is refused (api_error.cc:3132-3133).
         begin(other, THREAD_LOCAL);
-        assert_eq!((cap().execute)(model, other), CAPTURE_MODE_NOT_SUPPORT);
+        assert_eq!((cap().execute)(model, other), STREAM_CAPTURED);
         destroy(end(other));
 
-        // Replay on another device's stream.
+        // The model belongs to device 0: from device 1 it is in another
+        // context (api_impl.cc:4039, :3991), and from device 0 a stream of
+        // device 1 is (model.cc:1114).
         assert_eq!((s.aclrtSetDevice)(1), 0);
         let st1 = stream();
+        assert_eq!((cap().execute)(model, st1), MODEL_CONTEXT, "device 1 is current");
+        assert_eq!((cap().destroy)(model), MODEL_CONTEXT, "device 1 is current");
+        assert_eq!((s.aclrtSetDevice)(0), 0);
         assert_eq!((cap().execute)(model, st1), STREAM_CONTEXT, "a stream of device 1");
+        assert_eq!((s.aclrtSetDevice)(1), 0);
         destroy_stream(st1);
         assert_eq!((s.aclrtResetDevice)(1), 0);
         assert_eq!((s.aclrtSetDevice)(0), 0);
@@ -870,4 +883,41 @@ fn a_captured_launch_reads_a_device_tiling_when_it_runs_and_a_host_tiling_at_enq
         free(p);
     }
     destroy_stream(st);
+}
+
+#[test]
+fn a_capturing_stream_is_refused_by_sync_and_destroy_before_the_context_is_checked() {
+    let _g = serial();
+    use_device(0);
+    let (a, b) = (stream(), stream());
+    begin(a, RELAXED);
+    begin(b, RELAXED);
+    let (ha, hb) = (a as usize, b as usize);
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let s = sim();
+            // A thread without a device: api_error.cc:1010-1011 (sync) and
+            // :977-979 (destroy) refuse the capturing stream before
+            // ApiImpl asks for a context (api_impl.cc:1581, :1432).
+            unsafe {
+                assert_eq!((s.aclrtSynchronizeStream)(ha as Ptr), STREAM_CAPTURED, "{}", err_msg());
+                assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(hb as Ptr, 1000), STREAM_CAPTURED, "{}", err_msg());
+            }
+        })
+        .join()
+        .expect("the thread without a device panicked");
+    });
+    let mut m = NULL;
+    unsafe {
+        assert_eq!((cap().end)(a, &mut m), STREAM_CAPTURE_INVALIDATED, "the refused sync invalidated the capture");
+        assert_eq!((cap().end)(b, &mut m), STREAM_CAPTURE_INVALIDATED);
+    }
+    // Destroy, from device 1: the capture check comes before the stream's context.
+    begin(a, RELAXED);
+    let s = use_device(1);
+    unsafe { assert_eq!((s.aclrtDestroyStream)(a), STREAM_CAPTURED, "{}", err_msg()) };
+    use_device(0);
+    unsafe { assert_eq!((cap().end)(a, &mut m), STREAM_CAPTURE_INVALIDATED) };
+    destroy_stream(a);
+    destroy_stream(b);
 }

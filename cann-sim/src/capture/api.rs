@@ -31,20 +31,30 @@ pub(super) fn here(s: &Stream) -> SimResult<()> {
 
 /// `aclError aclmdlRICaptureBegin(aclrtStream stream, aclmdlRICaptureMode mode)`.
 ///
-/// Refused: an unknown mode (`ACL_ERROR_INVALID_PARAM`); the default stream
-/// (`ACL_ERROR_INVALID_PARAM`: torch_npu's `NPUGraph::capture_begin` requires
-/// "a non-default stream", and the guide forbids the default stream during
-/// capture); a stream of another device (`ACL_ERROR_RT_STREAM_CONTEXT`); a
-/// stream that already captures (`ACL_ERROR_RT_STREAM_CAPTURED`).
+/// Refused, in the runtime's order (hicann/runtime v8.5.0): the default
+/// stream, NULL (`ACL_ERROR_INVALID_PARAM`, acl `model_ri.cpp:54`; torch_npu's
+/// `NPUGraph::capture_begin` requires "a non-default stream"); a mode outside
+/// GLOBAL..RELAXED (`ACL_ERROR_RT_PARAM_INVALID`: `ApiErrorDecorator::StreamBeginCapture`,
+/// `api_error.cc:5700-5702`, RT_ERROR_INVALID_VALUE; `RT_STREAM_CAPTURE_MODE_MAX`
+/// is 3, `pkg_inc/runtime/runtime/stream.h:66-72`); no current device
+/// (`ACL_ERROR_RT_CONTEXT_NULL`, `ApiImpl::StreamBeginCapture`,
+/// `api_impl.cc:7786-7787`); a stream of another device
+/// (`ACL_ERROR_RT_STREAM_CONTEXT`, `:7788-7789`); a stream that already
+/// captures (`ACL_ERROR_RT_STREAM_CAPTURED`, `Context::StreamBeginCapture`,
+/// `context.cc:4807`).
 #[no_mangle]
 pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclError {
     status::acl("aclmdlRICaptureBegin", || {
-        if !(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL..=ACL_MODEL_RI_CAPTURE_MODE_RELAXED).contains(&mode) {
-            return fail(ACL_ERROR_INVALID_PARAM, format!("unknown aclmdlRICaptureMode {mode}"));
-        }
         if stream.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be captured");
         }
+        if !(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL..=ACL_MODEL_RI_CAPTURE_MODE_RELAXED).contains(&mode) {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                format!("aclmdlRICaptureMode {mode} is outside GLOBAL (0) .. RELAXED (2)"),
+            );
+        }
+        context::current()?;
         let s = context::resolve_stream(stream as usize)?;
         here(&s)?;
         let mut m = members();
@@ -100,7 +110,10 @@ pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
 
 /// `aclError aclmdlRICaptureEnd(aclrtStream stream, aclmdlRI *modelRI)`.
 ///
-/// Refused: a stream that does not capture (`ACL_ERROR_RT_STREAM_NOT_CAPTURED`);
+/// Refused: a NULL stream or `modelRI` (`ACL_ERROR_INVALID_PARAM`, acl
+/// `model_ri.cpp:101-102`); no current device or a stream of another device
+/// (`ApiImpl::StreamEndCapture`, `api_impl.cc:7800-7803`); a stream that does
+/// not capture (`ACL_ERROR_RT_STREAM_NOT_CAPTURED`, `context.cc:4972`);
 /// a stream that joined a capture begun on another stream
 /// (`ACL_ERROR_RT_STREAM_CAPTURE_UNMATCHED`; the reference: Begin and End
 /// "must use the same stream"); another thread than the one that began a
@@ -113,7 +126,9 @@ pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
 #[no_mangle]
 pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut AclmdlRI) -> AclError {
     status::acl("aclmdlRICaptureEnd", || {
+        not_null(stream, "stream (the default stream never captures)")?;
         not_null(model_ri, "modelRI")?;
+        context::current()?;
         let s = context::resolve_stream(stream as usize)?;
         here(&s)?;
         let mut m = members();
@@ -178,24 +193,40 @@ pub(super) fn model(h: AclmdlRI) -> SimResult<Arc<Model>> {
 /// stream"). A failing recorded task fails the replay task: a sticky stream
 /// error, reported by the next synchronisation like any asynchronous failure.
 ///
-/// Refused: an unknown or destroyed model (`ACL_ERROR_RT_INVALID_HANDLE`); a
-/// model still being captured (`ACL_ERROR_RT_MODEL_CAPTURED`); a stream of
-/// another device (`ACL_ERROR_RT_STREAM_CONTEXT`); a capturing stream
-/// (`ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT`: the simulator does not nest models).
+/// Refused, in the runtime's order (hicann/runtime v8.5.0): a NULL model
+/// (`ACL_ERROR_INVALID_PARAM`, acl `model_ri.cpp:24`); an unknown or destroyed
+/// model (`ACL_ERROR_RT_INVALID_HANDLE`); a capturing stream
+/// (`ACL_ERROR_RT_STREAM_CAPTURED`: `ApiErrorDecorator::ModelExecute`,
+/// `api_error.cc:3132-3133`, "The stream cannot be used for model execution
+/// during the capture stage"); no current device (`ApiImpl::ModelExecute`,
+/// `api_impl.cc:4036-4037`); a model of another device than the current one
+/// (`ACL_ERROR_RT_MODEL_CONTEXT`, `:4039-4040`, RT_ERROR_MODEL_CONTEXT,
+/// `errcode_manage.cc:157`); a stream of another device
+/// (`ACL_ERROR_RT_STREAM_CONTEXT`, `Model::Execute`, `model.cc:1114-1115`); a
+/// model still being captured (`ACL_ERROR_RT_MODEL_CAPTURED`).
 #[no_mangle]
 pub extern "C" fn aclmdlRIExecuteAsync(model_ri: AclmdlRI, stream: AclrtStream) -> AclError {
     status::acl("aclmdlRIExecuteAsync", || {
+        not_null(model_ri, "modelRI")?;
         let model = model(model_ri)?;
-        let s = context::stream_here(stream as usize)?;
-        if member_of(&members(), &s).is_some() {
-            return fail(ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT, "a model cannot be executed on a capturing stream");
+        if stream as usize != 0 {
+            if let Ok(s) = context::resolve_stream(stream as usize) {
+                if member_of(&members(), &s).is_some() {
+                    return fail(
+                        ACL_ERROR_RT_STREAM_CAPTURED,
+                        "the stream is capturing: a model cannot be executed on it",
+                    );
+                }
+            }
         }
-        if s.device != model.device {
+        let cur = context::current()?;
+        if model.device != cur {
             return fail(
-                ACL_ERROR_RT_STREAM_CONTEXT,
-                format!("the model was captured on device {}, the stream belongs to device {}", model.device, s.device),
+                ACL_ERROR_RT_MODEL_CONTEXT,
+                format!("the model was captured on device {} but the current device is {cur}", model.device),
             );
         }
+        let s = context::stream_here(stream as usize)?;
         let tasks = {
             let st = model.lock();
             if st.capture.is_some() {
@@ -228,10 +259,23 @@ pub extern "C" fn aclmdlRIExecuteAsync(model_ri: AclmdlRI, stream: AclrtStream) 
 /// model still being captured (`ACL_ERROR_RT_MODEL_CAPTURED`); a model with a
 /// replay that has not finished (`ACL_ERROR_RT_MODEL_RUNNING`, "the model is
 /// still running"; in lazy stream mode a replay nothing waited for has not run).
+/// Before those, as the runtime (v8.5.0) checks: a NULL model
+/// (`ACL_ERROR_INVALID_PARAM`, acl `model_ri.cpp:39`); no current device
+/// (`ApiImpl::ModelDestroy`, `api_impl.cc:3988-3989`); a model of another
+/// device (`ACL_ERROR_RT_MODEL_CONTEXT`, `:3991-3992`). Captured and running:
+/// `Context::ModelDestroy`, `context.cc:2918`, `:2925`.
 #[no_mangle]
 pub extern "C" fn aclmdlRIDestroy(model_ri: AclmdlRI) -> AclError {
     status::acl("aclmdlRIDestroy", || {
+        not_null(model_ri, "modelRI")?;
         let model = model(model_ri)?;
+        let cur = context::current()?;
+        if model.device != cur {
+            return fail(
+                ACL_ERROR_RT_MODEL_CONTEXT,
+                format!("the model was captured on device {} but the current device is {cur}", model.device),
+            );
+        }
         let st = model.lock();
         if st.capture.is_some() {
             return fail(ACL_ERROR_RT_MODEL_CAPTURED, "the model is still being captured (aclmdlRICaptureEnd first)");

@@ -53,3 +53,6 @@ pub(super) fn mode_name(mode: i32) -> &'static str {
         _ => "ACL_MODEL_RI_CAPTURE_MODE_RELAXED",
     }
 }
+/// `ACL_ERROR_RT_MODEL_CONTEXT`: model not in current context
+/// (`include/external/acl/error_codes/rt_error_codes.h:25`, v8.5.0).
+pub const ACL_ERROR_RT_MODEL_CONTEXT: AclError = 107004;

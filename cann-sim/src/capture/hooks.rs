@@ -100,17 +100,22 @@ pub fn unsafe_call(call: &str) -> SimResult<()> {
     )
 }
 
-/// Hook of the blocking copy `aclrtMemcpy`: a host synchronisation, a copy,
-/// and an unsafe function.
-pub fn blocking_copy(dst: usize, src: usize, count: usize) -> SimResult<()> {
+/// Counts a blocking copy `aclrtMemcpy` (a host synchronisation and a copy),
+/// at the call, whether it succeeds or not.
+pub fn count_blocking_copy(dst: usize, src: usize, count: usize) {
     counters::host_sync();
     counters::copy(dst, src, count);
+}
+
+/// Hook of the blocking copy `aclrtMemcpy` once its arguments passed: an
+/// unsafe function.
+pub fn blocking_copy() -> SimResult<()> {
     unsafe_call("aclrtMemcpy")
 }
 
-/// Hook of the blocking `aclrtMemset`: a host synchronisation and an unsafe function.
+/// Hook of the blocking `aclrtMemset` once its arguments passed: an unsafe
+/// function (the export counts the host synchronisation).
 pub fn blocking_memset() -> SimResult<()> {
-    counters::host_sync();
     unsafe_call("aclrtMemset")
 }
 

@@ -156,9 +156,16 @@ pub fn use_device(d: i32) -> &'static Api {
     s
 }
 
-/// This thread's recent error text.
+/// This thread's recent error text ("" when `aclGetRecentErrMsg` returns NULL:
+/// no error yet).
 pub fn err_msg() -> String {
-    unsafe { CStr::from_ptr((sim().aclGetRecentErrMsg)()) }.to_string_lossy().into_owned()
+    // SAFETY: no arguments; the result is NULL or a NUL-terminated string.
+    let p = unsafe { (sim().aclGetRecentErrMsg)() };
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: non-NULL, NUL-terminated, valid until the next call on this thread.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
 }
 
 pub fn malloc(size: usize) -> Ptr {
