@@ -214,24 +214,28 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     }
     assert_eq!(host_out, spec, "finalize rank {rank}: SPEC's value");
 
-    // A bad index is found on the device: the op queues the kernel and
-    // returns OK; amoe_stream_check reports the index, its position and value,
-    // once. The check of NULL (host-only work) is OK.
-    if dev.finalize_impl()? == "native" {
-        let bad = dev.clone_htod(&[3i32, 0, 5, 1, 9, 2])?;
-        dev.synchronize()?;
-        let nb = desc(ptr(&bad), amoe_dtype::I32, &ris, amoe_device_kind::Npu, ord);
-        // SAFETY: as above.
-        let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nb, &ns), &no, s) };
+    // A bad index where the native kernel launches (native or aclnn finalize)
+    // is found on the device: the op queues the work and returns OK;
+    // amoe_stream_check reports the index, its position and value, once.
+    // Elsewhere the op reads the indices first and returns the error itself.
+    // The check of NULL (host-only work) is OK.
+    let bad = dev.clone_htod(&[3i32, 0, 5, 1, 9, 2])?;
+    dev.synchronize()?;
+    let nb = desc(ptr(&bad), amoe_dtype::I32, &ris, amoe_device_kind::Npu, ord);
+    // SAFETY: as above.
+    let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nb, &ns), &no, s) };
+    let st = if dev.checks_indices_on_device() {
         assert_eq!(st, amoe_status::Ok, "{}", last_error());
         // SAFETY: a live stream handle.
-        let st = unsafe { amoe_stream_check(s) };
-        assert_eq!(st, amoe_status::IndexOutOfRange, "{}", last_error());
-        let msg = last_error();
-        assert!(msg.contains("expanded_row_idx") && msg.contains('4') && msg.contains('9'), "{msg}");
-        // SAFETY: as above.
-        assert_eq!(unsafe { amoe_stream_check(s) }, amoe_status::Ok, "reported once: {}", last_error());
-    }
+        unsafe { amoe_stream_check(s) }
+    } else {
+        st
+    };
+    assert_eq!(st, amoe_status::IndexOutOfRange, "{}", last_error());
+    let msg = last_error();
+    assert!(msg.contains("expanded_row_idx") && msg.contains('4') && msg.contains('9'), "{msg}");
+    // SAFETY: as above.
+    assert_eq!(unsafe { amoe_stream_check(s) }, amoe_status::Ok, "reported once: {}", last_error());
     // SAFETY: NULL is accepted.
     assert_eq!(unsafe { amoe_stream_check(null()) }, amoe_status::Ok);
 

@@ -713,9 +713,10 @@ mod every_backend {
         let mut out = Tensor::zeros(&[n * k, h], DType::F32, dev)?;
         let result = dev.backend().finalize_routing(&args, &dims, &mut out, OutputRows::Dense);
         let err = match dev {
-            // The native kernel finds the index on the device: the op queues the
-            // launch and the stream's check reports it (once).
-            Device::Npu(n) if n.finalize_impl()? == "native" => {
+            // Where the native kernel launches, it finds the index on the device
+            // (for aclnn too, into checked copies): the op queues the work and
+            // the stream's check reports it (once).
+            Device::Npu(n) if n.checks_indices_on_device() => {
                 result.expect("queued");
                 let err = n.check().expect_err("index 6 of 6 rows");
                 n.check().expect("reported once");

@@ -65,6 +65,16 @@ impl NpuDevice {
         choose_finalize(self.finalize).map(FinalizeImpl::name)
     }
 
+    /// Whether finalize finds a bad index on the device, whichever
+    /// implementation runs: true where the native kernel can launch (it
+    /// checks the indices itself, or for aclnn into checked copies), and the
+    /// op then returns at once and the stream check reports the index; false
+    /// where the indices are read and checked on the host first, and the op
+    /// itself returns the error.
+    pub fn checks_indices_on_device(&self) -> bool {
+        super::launch::launcher().is_some()
+    }
+
     /// The device ordinal.
     pub fn ordinal(&self) -> u32 {
         self.ctx.ordinal()
