@@ -97,6 +97,27 @@ def element_count(op: str, size_bytes: int, world: int, elt: int) -> int:
     return count
 
 
+def peer_row(op: str, dtype: str, world: int, nbytes: int, count: int, iters: int, t: float, wrong: int, **extra) -> dict:
+    """One collective result of a peer (OpenMPI, gloo) in the rows' format:
+    median call time `t` in seconds, the wrong elements over every rank."""
+    algbw = nbytes / t / 1e9 if t > 0 else 0.0
+    row = {
+        "op": op,
+        "dtype": dtype,
+        "world": world,
+        "transport": "procs",
+        "bytes": nbytes,
+        "count": count,
+        "iters": iters,
+        "time_us": t * 1e6,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * bus_factor(op, world),
+        "wrong": wrong,
+    }
+    row.update(extra)
+    return row
+
+
 def bus_factor(op: str, world: int) -> float:
     """nccl-tests' busbw = algbw * factor."""
     if world <= 1:

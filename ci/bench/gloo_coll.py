@@ -127,21 +127,7 @@ def bench_one(torch, dist, op: str, dtype: str, size: int, args, rank: int, worl
     got, want = result()
     wrong = torch.tensor([int((got != want).sum())], dtype=torch.int64)
     dist.all_reduce(wrong)
-    algbw = nbytes / t / 1e9 if t > 0 else 0.0
-    return {
-        "op": op,
-        "dtype": dtype,
-        "world": world,
-        "transport": "procs",
-        "bytes": nbytes,
-        "count": count,
-        "iters": iters,
-        "time_us": t * 1e6,
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * common.bus_factor(op, world),
-        "wrong": int(wrong[0]),
-        "method": method,
-    }
+    return common.peer_row(op, dtype, world, nbytes, count, iters, t, int(wrong[0]), method=method)
 
 
 def _rank_main(rank: int, args, store_path: str) -> None:

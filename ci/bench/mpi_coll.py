@@ -132,20 +132,7 @@ def bench_one(comm, op: str, dtype: str, size: int, args, bf16_op) -> dict:
         )
     wrong = comm.allreduce(wrong, op=MPI.SUM)
 
-    algbw = nbytes / t / 1e9 if t > 0 else 0.0
-    return {
-        "op": op,
-        "dtype": dtype,
-        "world": n,
-        "transport": "procs",
-        "bytes": nbytes,
-        "count": count,
-        "iters": iters,
-        "time_us": t * 1e6,
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * common.bus_factor(op, n),
-        "wrong": wrong,
-    }
+    return common.peer_row(op, dtype, n, nbytes, count, iters, t, wrong)
 
 
 def main() -> int:

@@ -591,14 +591,8 @@ def plots(out_dir, cs, fs, triad_stat, ds=None):
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_title(f"finalize {dt}")
-            ax.set_xlabel("bytes moved per call")
-            ax.set_ylabel("GB/s")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "finalize.png"), dpi=90)
-        plt.close(fig)
-        files.append("finalize.png")
+            _label_axes(ax, "bytes moved per call", "GB/s", 8)
+        _save(fig, out_dir, "finalize.png", files)
     if ds:
         dops = [o for o in common.COLLECTIVES + ("finalize",) if any(k[1] == o for k in ds)]
         fig, axes = plt.subplots(1, len(dops), figsize=(4.5 * len(dops), 4), squeeze=False)
@@ -620,15 +614,25 @@ def plots(out_dir, cs, fs, triad_stat, ds=None):
             ax.set_xticks(list(common.DECODE_ROWS))
             ax.set_xticklabels([str(r) for r in common.DECODE_ROWS])
             ax.set_title(f"{op} bf16" + ("" if op == "finalize" else f", {common.DECODE_WORLD} process ranks"))
-            ax.set_xlabel("rows (tokens)")
-            ax.set_ylabel("latency (us)")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "decode_latency.png"), dpi=90)
-        plt.close(fig)
-        files.append("decode_latency.png")
+            _label_axes(ax, "rows (tokens)", "latency (us)", 7)
+        _save(fig, out_dir, "decode_latency.png", files)
     return files, None
+
+
+def _label_axes(ax, xlabel: str, ylabel: str, legend_size: int) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def _save(fig, out_dir: str, name: str, files: list) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, name), dpi=90)
+    plt.close(fig)
+    files.append(name)
 
 
 def floor_sources(docs):
