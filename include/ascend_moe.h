@@ -723,6 +723,91 @@ amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
 // `stream` must be NULL or a live handle from `amoe_stream_wrap`.
 amoe_status amoe_stream_check(const struct amoe_stream *stream);
 
+// Output shape of `amoe_moe_finalize_routing` (`[N, H...]`, dtype of
+// `expanded_x`) from the shapes and dtypes in `args`; validates every input
+// exactly as the op does. Data pointers are ignored and may be NULL.
+//
+// The shape goes to `out_shape` (caller-owned, `cap` entries) and its
+// length to `*out_ndim`; when `cap` is too small only `*out_ndim` is written
+// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned. `AMOE_MAX_NDIM` always suffices.
+//
+// # Safety
+// `args` and its non-NULL descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
+amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_args *args,
+                                                   size_t *out_shape,
+                                                   size_t cap,
+                                                   size_t *out_ndim);
+
+// Fused MoE finalize routing (SPEC section 1):
+// `out[i] = x1[i] + x2[i] + sum_k s(i,k) * (row(R(i,k)) + bias[expert_idx[i,k]])`.
+//
+// Inputs are read from the caller's memory during the call; the result is
+// written into `out`, which the caller allocated with the shape from
+// `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
+// An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
+// and `out` is then not written on the host (unspecified on NPU, where it
+// is reported by `amoe_stream_check`). `out` may not overlap any input.
+//
+// NPU tensors, native kernel (the default where it can launch): enqueues on
+// `stream` one memset of the status words and one kernel launch writing
+// `out` in place (plus, for the
+// padded layout, one small copy of the slot offsets from a pinned staging
+// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
+// reads device data on the host; a bad index is returned by
+// `amoe_stream_check(stream)` with its argument, position and value. NPU
+// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
+// can launch, one launch of it first checks the index tensors into
+// workspace (bad values replaced by safe ones, the first reported by
+// `amoe_stream_check`), then `aclnnMoeFinalizeRoutingV2` is enqueued over
+// the checked copies: no synchronisation, no host read, capturable. Without
+// the native kernel the indices are read and checked on the host first (one
+// device-to-host copy and synchronisation; refused while `stream` is
+// captured).
+//
+// # Safety
+// `args` and its descriptors valid; `out` a valid, writable descriptor.
+amoe_status amoe_moe_finalize_routing(const struct amoe_finalize_args *args,
+                                      const struct amoe_tensor *out,
+                                      const struct amoe_stream *stream);
+
+// Output shape of `amoe_moe_token_unpermute` (`[T, H...]`, dtype of
+// `permuted`). `probs` may be NULL (K = 1). Data pointers are ignored.
+// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+//
+// # Safety
+// Descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
+amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *permuted,
+                                                  const struct amoe_tensor *sorted_indices,
+                                                  const struct amoe_tensor *probs,
+                                                  size_t *out_shape,
+                                                  size_t cap,
+                                                  size_t *out_ndim);
+
+// Token unpermute: `out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`
+// (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
+// nothing. Ownership as `amoe_moe_finalize_routing`.
+//
+// The result is written into `out` in place (host memory that cannot be
+// borrowed goes through a copy).
+//
+// NPU, native kernel (the default where it can launch): enqueues on
+// `stream` one memset of the status words and one kernel launch writing
+// `out`; it never synchronises, never calls `aclrtMalloc`, never reads device
+// data on the host, and can be captured into a graph. NPU, aclnn
+// (`ASCEND_MOE_NPU_FINALIZE=aclnn`, or no native kernel): the indices are
+// read on the host (one device-to-host copy and synchronisation) to decide
+// whether `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in
+// range), which is then enqueued; other inputs are computed on the host and
+// copied back. Refused while `stream` is captured into a graph.
+//
+// # Safety
+// Descriptors valid; `out` writable.
+amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
+                                     const struct amoe_tensor *sorted_indices,
+                                     const struct amoe_tensor *probs,
+                                     const struct amoe_tensor *out,
+                                     const struct amoe_stream *stream);
+
 // Host memory of `len` bytes (`len` > 0) for a result: `*data` receives its
 // address (aligned to 2 MiB, so any dtype fits), `*out` a handle the caller
 // frees with `amoe_host_block_free` once nothing reads or writes the memory
@@ -760,6 +845,86 @@ amoe_status amoe_sp_layout_from_dp_tokens(const size_t *dp_tokens,
                                           size_t *out,
                                           size_t cap,
                                           size_t *out_len);
+
+// Makes a live context on the device of `stream`: zeroed (never written, so
+// every guard reports it until the engine sets it), with 128 guard records.
+// Allocates device and pinned memory and synchronises the stream once: call
+// it outside capture. `*out` receives a new handle owned by the caller.
+//
+// # Safety
+// `stream` a live handle; `out` writable.
+amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_live_context **out);
+
+// Frees a live context (NULL is a no-op). Outside capture, after the work
+// that reads it has run.
+//
+// # Safety
+// `ctx` NULL or a live handle not used afterwards.
+void amoe_live_context_free(struct amoe_live_context *ctx);
+
+// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
+// called with this stream that depends on the forward context
+// (`amoe_token_prepare`, `amoe_token_finalize` with their MoE
+// context; the reduction points with their comm type) first enqueues a
+// guard of its own context, so a graph captured with these ops reports a
+// replay under another context at `amoe_live_context_check`. The stream
+// handle keeps the context alive while attached (also after
+// `amoe_live_context_free` releases the caller's handle), until it is
+// detached or the stream handle is freed.
+//
+// # Safety
+// `stream` live; `ctx` NULL or live.
+amoe_status amoe_stream_attach_live_context(const struct amoe_stream *stream,
+                                            const struct amoe_live_context *ctx);
+
+// The live buffer's device address and size (256 bytes), for an engine that
+// writes it with its own copies. Layout: 64 `uint32_t` words, `[0]` =
+// 0x43464D41, `[1]` = 1, `[2]` comm type, `[3]` SP (0/1), `[4]` PCP size,
+// `[5]` actual tokens (0xFFFFFFFF = all), `[6]` DP size, `[7..]` the tokens
+// of each DP rank, the rest zero. `amoe_live_context_set` writes exactly this.
+//
+// # Safety
+// `ctx` live; `data` and `bytes` writable.
+amoe_status amoe_live_context_device_ptr(const struct amoe_live_context *ctx,
+                                         void **data,
+                                         size_t *bytes);
+
+// Enqueues on `stream` the update of the live context to `fc` (a copy from
+// pinned staging the library owns). The engine calls it before each replay,
+// outside capture. Never synchronises, except to wait for the oldest of 8
+// earlier updates that the stream has not run yet.
+//
+// # Safety
+// `ctx`, `stream` live; `fc` valid.
+amoe_status amoe_live_context_set(const struct amoe_live_context *ctx,
+                                  const struct amoe_forward_context *fc,
+                                  const struct amoe_stream *stream);
+
+// Enqueues on `stream` a guard of the ops that follow it, built for the
+// context `captured_for`: on the device, the live context is compared with
+// it (comm type, SP, PCP size, DP size and every DP rank's tokens, and with
+// `AMOE_GUARD_ACTUAL_TOKENS` in `flags` the actual tokens too), and a
+// difference is recorded. Capture it with the ops: every replay checks the
+// context the engine set for it. Only enqueues (no sync, no allocation, no
+// host read); `amoe_live_context_check` reports the difference.
+//
+// # Safety
+// `ctx`, `stream` live; `captured_for` valid.
+amoe_status amoe_live_context_guard(const struct amoe_live_context *ctx,
+                                    const struct amoe_forward_context *captured_for,
+                                    uint32_t flags,
+                                    const struct amoe_stream *stream);
+
+// The caller's sync point for the guards: synchronises `stream`, then
+// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
+// guard found the live context different from the one its ops were captured
+// for (the first such guard, in enqueue order; each difference is reported
+// once), else OK. Outside capture.
+//
+// # Safety
+// `ctx`, `stream` live.
+amoe_status amoe_live_context_check(const struct amoe_live_context *ctx,
+                                    const struct amoe_stream *stream);
 
 // Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
 // `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
@@ -862,171 +1027,6 @@ amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
                                      const size_t *local_sizes,
                                      size_t n,
                                      const struct amoe_comm *ep_comm,
-                                     const struct amoe_tensor *out,
-                                     const struct amoe_stream *stream);
-
-// Makes a live context on the device of `stream`: zeroed (never written, so
-// every guard reports it until the engine sets it), with 128 guard records.
-// Allocates device and pinned memory and synchronises the stream once: call
-// it outside capture. `*out` receives a new handle owned by the caller.
-//
-// # Safety
-// `stream` a live handle; `out` writable.
-amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_live_context **out);
-
-// Frees a live context (NULL is a no-op). Outside capture, after the work
-// that reads it has run.
-//
-// # Safety
-// `ctx` NULL or a live handle not used afterwards.
-void amoe_live_context_free(struct amoe_live_context *ctx);
-
-// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
-// called with this stream that depends on the forward context
-// (`amoe_token_prepare`, `amoe_token_finalize` with their MoE
-// context; the reduction points with their comm type) first enqueues a
-// guard of its own context, so a graph captured with these ops reports a
-// replay under another context at `amoe_live_context_check`. The stream
-// handle keeps the context alive while attached (also after
-// `amoe_live_context_free` releases the caller's handle), until it is
-// detached or the stream handle is freed.
-//
-// # Safety
-// `stream` live; `ctx` NULL or live.
-amoe_status amoe_stream_attach_live_context(const struct amoe_stream *stream,
-                                            const struct amoe_live_context *ctx);
-
-// The live buffer's device address and size (256 bytes), for an engine that
-// writes it with its own copies. Layout: 64 `uint32_t` words, `[0]` =
-// 0x43464D41, `[1]` = 1, `[2]` comm type, `[3]` SP (0/1), `[4]` PCP size,
-// `[5]` actual tokens (0xFFFFFFFF = all), `[6]` DP size, `[7..]` the tokens
-// of each DP rank, the rest zero. `amoe_live_context_set` writes exactly this.
-//
-// # Safety
-// `ctx` live; `data` and `bytes` writable.
-amoe_status amoe_live_context_device_ptr(const struct amoe_live_context *ctx,
-                                         void **data,
-                                         size_t *bytes);
-
-// Enqueues on `stream` the update of the live context to `fc` (a copy from
-// pinned staging the library owns). The engine calls it before each replay,
-// outside capture. Never synchronises, except to wait for the oldest of 8
-// earlier updates that the stream has not run yet.
-//
-// # Safety
-// `ctx`, `stream` live; `fc` valid.
-amoe_status amoe_live_context_set(const struct amoe_live_context *ctx,
-                                  const struct amoe_forward_context *fc,
-                                  const struct amoe_stream *stream);
-
-// Enqueues on `stream` a guard of the ops that follow it, built for the
-// context `captured_for`: on the device, the live context is compared with
-// it (comm type, SP, PCP size, DP size and every DP rank's tokens, and with
-// `AMOE_GUARD_ACTUAL_TOKENS` in `flags` the actual tokens too), and a
-// difference is recorded. Capture it with the ops: every replay checks the
-// context the engine set for it. Only enqueues (no sync, no allocation, no
-// host read); `amoe_live_context_check` reports the difference.
-//
-// # Safety
-// `ctx`, `stream` live; `captured_for` valid.
-amoe_status amoe_live_context_guard(const struct amoe_live_context *ctx,
-                                    const struct amoe_forward_context *captured_for,
-                                    uint32_t flags,
-                                    const struct amoe_stream *stream);
-
-// The caller's sync point for the guards: synchronises `stream`, then
-// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
-// guard found the live context different from the one its ops were captured
-// for (the first such guard, in enqueue order; each difference is reported
-// once), else OK. Outside capture.
-//
-// # Safety
-// `ctx`, `stream` live.
-amoe_status amoe_live_context_check(const struct amoe_live_context *ctx,
-                                    const struct amoe_stream *stream);
-
-// Output shape of `amoe_moe_finalize_routing` (`[N, H...]`, dtype of
-// `expanded_x`) from the shapes and dtypes in `args`; validates every input
-// exactly as the op does. Data pointers are ignored and may be NULL.
-//
-// The shape goes to `out_shape` (caller-owned, `cap` entries) and its
-// length to `*out_ndim`; when `cap` is too small only `*out_ndim` is written
-// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned. `AMOE_MAX_NDIM` always suffices.
-//
-// # Safety
-// `args` and its non-NULL descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
-amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_args *args,
-                                                   size_t *out_shape,
-                                                   size_t cap,
-                                                   size_t *out_ndim);
-
-// Fused MoE finalize routing (SPEC section 1):
-// `out[i] = x1[i] + x2[i] + sum_k s(i,k) * (row(R(i,k)) + bias[expert_idx[i,k]])`.
-//
-// Inputs are read from the caller's memory during the call; the result is
-// written into `out`, which the caller allocated with the shape from
-// `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
-// An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
-// and `out` is then not written on the host (unspecified on NPU, where it
-// is reported by `amoe_stream_check`). `out` may not overlap any input.
-//
-// NPU tensors, native kernel (the default where it can launch): enqueues on
-// `stream` one memset of the status words, one kernel launch writing a
-// workspace buffer and one device copy of it into `out` (plus, for the
-// padded layout, one small copy of the slot offsets from a pinned staging
-// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
-// reads device data on the host; a bad index is returned by
-// `amoe_stream_check(stream)` with its argument, position and value. NPU
-// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
-// can launch, one launch of it first checks the index tensors into
-// workspace (bad values replaced by safe ones, the first reported by
-// `amoe_stream_check`), then `aclnnMoeFinalizeRoutingV2` is enqueued over
-// the checked copies: no synchronisation, no host read, capturable. Without
-// the native kernel the indices are read and checked on the host first (one
-// device-to-host copy and synchronisation; refused while `stream` is
-// captured).
-//
-// # Safety
-// `args` and its descriptors valid; `out` a valid, writable descriptor.
-amoe_status amoe_moe_finalize_routing(const struct amoe_finalize_args *args,
-                                      const struct amoe_tensor *out,
-                                      const struct amoe_stream *stream);
-
-// Output shape of `amoe_moe_token_unpermute` (`[T, H...]`, dtype of
-// `permuted`). `probs` may be NULL (K = 1). Data pointers are ignored.
-// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
-//
-// # Safety
-// Descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
-amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *permuted,
-                                                  const struct amoe_tensor *sorted_indices,
-                                                  const struct amoe_tensor *probs,
-                                                  size_t *out_shape,
-                                                  size_t cap,
-                                                  size_t *out_ndim);
-
-// Token unpermute: `out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`
-// (`probs` NULL = ones, K = 1); an index outside `[0, rows)` contributes
-// nothing. Ownership as `amoe_moe_finalize_routing`.
-//
-// The result is written into `out` in place (host memory that cannot be
-// borrowed goes through a copy).
-//
-// NPU, native kernel (the default where it can launch): enqueues on
-// `stream` one memset of the status words and one kernel launch writing
-// `out`; it never synchronises, never calls `aclrtMalloc`, never reads device
-// data on the host, and can be captured into a graph. NPU, aclnn
-// (`ASCEND_MOE_NPU_FINALIZE=aclnn`, or no native kernel): the indices are
-// read on the host (one device-to-host copy and synchronisation) to decide
-// whether `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in
-// range), which is then enqueued; other inputs are computed on the host and
-// copied back. Refused while `stream` is captured into a graph.
-//
-// # Safety
-// Descriptors valid; `out` writable.
-amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
-                                     const struct amoe_tensor *sorted_indices,
-                                     const struct amoe_tensor *probs,
                                      const struct amoe_tensor *out,
                                      const struct amoe_stream *stream);
 

@@ -3,7 +3,7 @@
 
 use super::memory::NpuBuffer;
 use super::NpuDevice;
-use super::{finalize, ops};
+use super::{elementwise, finalize, operands};
 use crate::backend::args::check_rows;
 use crate::backend::{Backend, FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
 use crate::Result;
@@ -55,13 +55,13 @@ impl Backend for NpuDevice {
         const OP: &str = "copy_rows";
         check_rows(OP, src.meta(), src_row, dst.meta(), dst_row, rows)?;
         let row_bytes = src.row_len() * src.dtype().size();
-        let s = ops::npu_buf(self, OP, "src", src.buf())?;
-        let d = ops::npu_buf(self, OP, "dst", dst.buf())?;
+        let s = operands::npu_buf(self, OP, "src", src.buf())?;
+        let d = operands::npu_buf(self, OP, "dst", dst.buf())?;
         d.copy_from_device(dst_row * row_bytes, s, src_row * row_bytes, rows * row_bytes)
     }
 
     fn add(&self, a: In<'_>, b: In<'_>, out: Out<'_>) -> Result<()> {
-        ops::add(self, a, b, out)
+        elementwise::add(self, a, b, out)
     }
 
     fn finalize_routing(
@@ -86,6 +86,6 @@ impl Backend for NpuDevice {
     }
 
     fn expect_all_equal(&self, values: In<'_>, expected: i32, mismatch: crate::backend::Mismatch) -> Result<()> {
-        ops::expect_all_equal(self, values, expected, mismatch)
+        elementwise::expect_all_equal(self, values, expected, mismatch)
     }
 }

@@ -2,7 +2,7 @@
 //! through the native kernel or aclnnMoeFinalizeRoutingV2, the aclnn path's
 //! index check on the device, and token unpermute (the kernel's row mode, or
 //! aclnnMoeTokenUnpermute). Describing an aclnn call's operands, sizing its
-//! workspace and building its executor is phase one; [`super::ops`] runs
+//! workspace and building its executor is phase one; [`super::operands`] runs
 //! phase two on the device stream.
 
 use std::ffi::c_void;
@@ -12,7 +12,7 @@ use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
 use super::launch::{choose_finalize, launcher, FinalizeImpl, Launcher};
 use super::memory::NpuBuffer;
-use super::ops::{check_indices, host_copy, npu_buf, read_indices_to_host_for_validation, run_phase_two};
+use super::operands::{check_indices, host_copy, npu_buf, read_indices_to_host_for_validation, run_phase_two};
 use super::result::aclnn::{op_missing, opapi};
 use super::result::{acl as rt, aclnn as nn};
 use super::NpuDevice;

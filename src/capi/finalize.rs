@@ -1,6 +1,6 @@
-//! The fused finalize and token unpermute (SPEC section 1) and their shape
-//! functions; the layout ops are in `layout_ops`, the reduce policy in
-//! `reduce`.
+//! The fused finalize and token unpermute (SPEC section 1, `moe::finalize`)
+//! and their shape functions; the ops around an SP layout are in
+//! `pad_reduce`, the reduce policy in `reduce`.
 //!
 //! Every op has an `*_output_shape` twin taking the same descriptors (data
 //! pointers ignored) that calls the same Rust shape function the op uses to

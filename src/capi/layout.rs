@@ -1,0 +1,45 @@
+//! The SP layout of DP token counts (SPEC section 2, `moe::layout`).
+
+use super::ffi::{ffi, read_sizes, try_out, write_out, write_slice, Failure};
+use super::types::amoe_status;
+use crate::moe::SpLayout;
+
+/// The SP layout of DP token counts (SPEC section 2):
+/// `local_sizes[d * tp_size + t] = ceil(dp_tokens[d] / tp_size)`.
+/// Writes `n * tp_size` entries to the caller-owned `out` (`cap` entries) and
+/// the count to `*out_len`; when `cap` is too small only `*out_len` is written
+/// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned.
+///
+/// # Safety
+/// `dp_tokens` readable for `n`; `out` writable for `cap`; `out_len` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
+    dp_tokens: *const usize,
+    n: usize,
+    tp_size: usize,
+    out: *mut usize,
+    cap: usize,
+    out_len: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_sp_layout_from_dp_tokens";
+    ffi!(F, {
+        let out_len = try_out!(F, out_len, "out_len");
+        let dp = read_sizes(F, "dp_tokens", dp_tokens, n)?;
+        // The layout has n * tp_size entries: check it fits the caller's
+        // buffer before building it, so its size is bounded by real memory.
+        let Some(need) = n.checked_mul(tp_size) else {
+            return Err(Failure::invalid(F, "tp_size", format!("{n} DP ranks x {tp_size} TP ranks overflows")));
+        };
+        write_out(out_len, need);
+        if cap < need {
+            return Err(Failure::new(
+                amoe_status::BufferTooSmall,
+                format!("{F}: `out` holds {cap} entries, the layout has {need}"),
+            ));
+        }
+        let l = SpLayout::from_dp_tokens(&dp, tp_size)?;
+        let sizes = l.local_sizes();
+        write_slice(try_out!(F, out, "out"), sizes);
+        Ok(())
+    })
+}
