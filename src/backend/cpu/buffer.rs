@@ -86,7 +86,7 @@ impl CpuBuffer {
 
     /// `len` bytes for a result the op writes entirely before anyone reads
     /// it, or an error naming `op` when the allocation fails. Their contents
-    /// are unspecified: from [`MIN_POOLED`](host_pool::MIN_POOLED) bytes on,
+    /// are unspecified: from 1 MiB on,
     /// a block of the host pool (a previous, dropped result's memory, so
     /// neither the system allocator nor first-touch page faults are paid
     /// again), else zeros.
