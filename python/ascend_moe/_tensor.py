@@ -207,7 +207,9 @@ class _HostBlock:
         self.__array_interface__ = {"data": (data.value, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
 
     def __del__(self):
-        self._free(self._handle)
+        free = getattr(self, "_free", None)  # unset when the allocation failed
+        if free is not None:
+            free(self._handle)
 
 
 _POOLED_FROM: list = []

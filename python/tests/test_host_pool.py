@@ -124,3 +124,15 @@ def test_host_empty_gives_the_shape_and_dtype_asked_for():
     assert a.shape == (3, MIN // 6 + 5) and a.dtype == BF16 and a.flags.c_contiguous and a.flags.writeable
     b = _tensor.host_empty((2, 3), np.float32)
     assert b.shape == (2, 3) and b.dtype == np.float32
+
+
+def test_a_block_that_cannot_be_had_is_a_clear_error(monkeypatch):
+    import gc
+    import sys
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(am.AmoeError, match="could not be allocated"):
+        _tensor._HostBlock(1 << 62)
+    gc.collect()
+    assert not unraisable, "the half-made block failed in __del__"
