@@ -216,6 +216,66 @@ unsafe fn reduce_avx2<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8,
     unsafe { reduce_body::<T>(op, inputs, out, len) }
 }
 
+/// The bf16 sum of [`reduce_body`] with the accumulator in registers: 16
+/// elements at a time, every input widened and added in rank order, then
+/// rounded once as [`f32_to_bf16_slice`] rounds, so the bits are the same.
+/// The block kernel keeps its accumulator in memory and runs this hot case
+/// at about half the speed of a copy.
+///
+/// # Safety
+/// As [`reduce_body`] for `bf16` (2-byte alignment is enough), and the CPU
+/// must support AVX2. A chunk's inputs are all read before its output is
+/// written, so `out` may equal an input.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_sum_avx2(inputs: &[*const u8], out: *mut u8, len: usize) {
+    use std::arch::x86_64::*;
+    // Eight bf16 at `p` as f32 (the bits move to the top half).
+    #[inline(always)]
+    unsafe fn widen(p: *const u16) -> __m256 {
+        // SAFETY: the caller's `p` is readable for 8 elements.
+        let h = unsafe { _mm_loadu_si128(p.cast()) };
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+    // Eight f32 rounded to nearest even as bf16 bits in the low half of each
+    // lane; a NaN keeps its top bits with the quiet bit set.
+    #[inline(always)]
+    unsafe fn narrow(a: __m256) -> __m256i {
+        let b = _mm256_castps_si256(a);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)));
+        let abs = _mm256_and_si256(b, _mm256_set1_epi32(0x7fff_ffff));
+        let is_nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f80_0000));
+        let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(0x40));
+        _mm256_blendv_epi8(rounded, nan, is_nan)
+    }
+    let mut i = 0;
+    while i + 16 <= len {
+        // SAFETY: i + 16 <= len: every input is readable and `out` writable
+        // for these 16 elements (the caller's contract).
+        unsafe {
+            let p0 = inputs[0].cast::<u16>().add(i);
+            let (mut lo, mut hi) = (widen(p0), widen(p0.add(8)));
+            for p in &inputs[1..] {
+                let p = p.cast::<u16>().add(i);
+                lo = _mm256_add_ps(lo, widen(p));
+                hi = _mm256_add_ps(hi, widen(p.add(8)));
+            }
+            // packus interleaves the two halves per 128-bit lane; the permute
+            // puts the 16 results back in order.
+            let packed = _mm256_packus_epi32(narrow(lo), narrow(hi));
+            let ordered = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+            _mm256_storeu_si256(out.cast::<u16>().add(i).cast(), ordered);
+        }
+        i += 16;
+    }
+    if i < len {
+        let tail: Vec<*const u8> = inputs.iter().map(|p| p.wrapping_add(i * 2)).collect();
+        // SAFETY: the remaining len - i elements of every range, as above.
+        unsafe { reduce_body::<half::bf16>(ReduceOp::Sum, &tail, out.add(i * 2), len - i) }
+    }
+}
+
 /// Picks the widest kernel this CPU runs.
 ///
 /// # Safety
@@ -223,6 +283,10 @@ unsafe fn reduce_avx2<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8,
 unsafe fn reduce_typed<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
+        if std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>() && op == ReduceOp::Sum {
+            // SAFETY: AVX2 is present and T is bf16; the rest is forwarded.
+            return unsafe { bf16_sum_avx2(inputs, out, len) };
+        }
         // SAFETY: AVX2 is present; the rest is forwarded from the caller.
         return unsafe { reduce_avx2::<T>(op, inputs, out, len) };
     }
@@ -275,6 +339,35 @@ mod tests {
         for (b, o) in back.iter().zip(&ours) {
             assert_eq!(b.to_bits(), o.to_f32().to_bits());
         }
+    }
+
+    /// The dispatched bf16 sum writing over one of its inputs (as all_reduce
+    /// does with its own staging piece) equals the baseline into fresh memory.
+    #[test]
+    fn dispatched_bf16_sum_in_place_matches_baseline() {
+        let n = 5 * 16 + 7;
+        let mut x: u32 = 0x2545_f491;
+        let mut inputs: Vec<Vec<u16>> = (0..4)
+            .map(|_| {
+                (0..n)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        (x >> 8) as u16
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut want = vec![0u16; n];
+        let ptrs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr() as *const u8).collect();
+        // SAFETY: every buffer holds n u16, 2-byte aligned; `want` is separate.
+        unsafe { reduce_body::<bf16>(ReduceOp::Sum, &ptrs, want.as_mut_ptr() as *mut u8, n) };
+        let out = inputs[2].as_mut_ptr() as *mut u8;
+        let ptrs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr() as *const u8).collect();
+        // SAFETY: as above; `out` is input 2 itself (allowed: equal, not overlapping).
+        unsafe { reduce(DataType::BF16, ReduceOp::Sum, &ptrs, out, n) };
+        assert_eq!(inputs[2], want);
     }
 
     /// The run-time-selected kernel and the baseline kernel agree bitwise.
