@@ -90,12 +90,15 @@ class DeviceTensor:
     def upload(cls, a, index):
         a = np.ascontiguousarray(a)
         t = cls(a.shape, a.dtype, index)
-        check("aclrtMemcpy H2D", SIM.aclrtMemcpy(t.ptr, t.nbytes, a.ctypes.data, a.nbytes, ACL_MEMCPY_HOST_TO_DEVICE))
+        # CANN refuses a zero-byte copy (107000), as an engine's empty tensor never copies.
+        if a.nbytes:
+            check("aclrtMemcpy H2D", SIM.aclrtMemcpy(t.ptr, t.nbytes, a.ctypes.data, a.nbytes, ACL_MEMCPY_HOST_TO_DEVICE))
         return t
 
     def download(self):
         a = np.empty(self.shape, self.dtype)
-        check("aclrtMemcpy D2H", SIM.aclrtMemcpy(a.ctypes.data, a.nbytes, self.ptr, self.nbytes, ACL_MEMCPY_DEVICE_TO_HOST))
+        if a.nbytes:
+            check("aclrtMemcpy D2H", SIM.aclrtMemcpy(a.ctypes.data, a.nbytes, self.ptr, self.nbytes, ACL_MEMCPY_DEVICE_TO_HOST))
         return a
 
     def data_ptr(self):
