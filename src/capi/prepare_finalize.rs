@@ -187,14 +187,14 @@ fn plan_shape(
     shape_of: fn(&[usize], CommType, &MoeContext) -> crate::Result<Vec<usize>>,
     x: *const amoe_tensor,
     comm_type: u32,
-    ctx: impl FnOnce() -> Result<MoeContext, Failure>,
+    ctx: *const amoe_moe_context,
     out_shape: *mut usize,
     cap: usize,
     out_ndim: *mut usize,
 ) -> amoe_status {
     ffi!(f, {
         let m = read_meta(f, arg, x)?;
-        let c = ctx()?;
+        let c = context(f, ctx)?;
         let shape = shape_of(&m.shape, CommType::from_u32(comm_type)?, &c)?;
         write_shape(f, &shape, out_shape, cap, out_ndim)
     })
@@ -215,64 +215,7 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_output_shape";
-    let ctx = || context(F, ctx);
     plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim)
-}
-
-/// The body of the prepare exports.
-#[allow(clippy::too_many_arguments)]
-fn prepare_body(
-    f: &'static str,
-    x: *const amoe_tensor,
-    comm_type: u32,
-    ctx: impl FnOnce() -> Result<MoeContext, Failure>,
-    groups: *const amoe_moe_groups,
-    out: *const amoe_tensor,
-    mc2_mask: *mut u8,
-    mask_cap: usize,
-    mask_len: *mut usize,
-    stream: *const amoe_stream,
-) -> amoe_status {
-    ffi!(f, {
-        let cx = &Call::new(f, stream);
-        let c = ctx()?;
-        let g = try_handle(f, "groups", groups)?;
-        let ct = CommType::from_u32(comm_type)?;
-        cx.guard(ct, Some(&c))?;
-        let x = cx.input("x", x)?;
-        let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, x.dtype())?;
-        let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
-        if !mc2_mask.is_null() && mask_cap < mask_want {
-            return Err(Failure::new(
-                amoe_status::BufferTooSmall,
-                format!("{f}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
-            ));
-        }
-        // The tokens go straight into the caller's `out` where it can be lent
-        // (else into a buffer of the op's own, copied into `out`).
-        let (hidden, mask) = match cx.output_for(&out, &x)? {
-            Some(mut o) => {
-                let mask = pf::prepare_into(&x, ct, &c, g, &mut o)?;
-                (o, mask)
-            }
-            None => {
-                let p = pf::prepare(&x, ct, &c, g)?;
-                (p.hidden, p.mc2_mask)
-            }
-        };
-        cx.write(&out, &hidden)?;
-        let mask = mask.unwrap_or_default();
-        if !mask_len.is_null() {
-            write_out(mask_len, mask.len());
-        }
-        if !mc2_mask.is_null() {
-            let bytes: Vec<u8> = mask.iter().take(mask_cap).map(|&m| m as u8).collect();
-            write_slice(mc2_mask, &bytes);
-        }
-        Ok(())
-    })
 }
 
 /// Prepares this rank's tokens for the experts under the live `comm_type`
@@ -314,8 +257,46 @@ pub unsafe extern "C" fn amoe_token_prepare(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
-    let ctx = || context(F, ctx);
-    prepare_body(F, x, comm_type, ctx, groups, out, mc2_mask, mask_cap, mask_len, stream)
+    ffi!(F, {
+        let cx = &Call::new(F, stream);
+        let c = context(F, ctx)?;
+        let g = try_handle(F, "groups", groups)?;
+        let ct = CommType::from_u32(comm_type)?;
+        cx.guard(ct, Some(&c))?;
+        let x = cx.input("x", x)?;
+        let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, x.dtype())?;
+        let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
+        if !mc2_mask.is_null() && mask_cap < mask_want {
+            return Err(Failure::new(
+                amoe_status::BufferTooSmall,
+                format!("{F}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
+            ));
+        }
+        // The tokens go straight into the caller's `out` where it can be lent
+        // (else into a buffer of the op's own, copied into `out`).
+        let (hidden, mask) = match cx.output_for(&out, &x)? {
+            Some(mut o) => {
+                let mask = pf::prepare_into(&x, ct, &c, g, &mut o)?;
+                (o, mask)
+            }
+            None => {
+                let p = pf::prepare(&x, ct, &c, g)?;
+                (p.hidden, p.mc2_mask)
+            }
+        };
+        cx.write(&out, &hidden)?;
+        let mask = mask.unwrap_or_default();
+        if !mask_len.is_null() {
+            write_out(mask_len, mask.len());
+        }
+        if !mc2_mask.is_null() {
+            let bytes: Vec<u8> = mask.iter().take(mask_cap).map(|&m| m as u8).collect();
+            write_slice(mc2_mask, &bytes);
+        }
+        Ok(())
+    })
 }
 
 /// Output shape of `amoe_token_finalize` for the experts' output `y` (the
@@ -334,42 +315,7 @@ pub unsafe extern "C" fn amoe_token_finalize_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_output_shape";
-    let ctx = || context(F, ctx);
     plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim)
-}
-
-/// The body of the finalize exports.
-fn finalize_body(
-    f: &'static str,
-    y: *const amoe_tensor,
-    comm_type: u32,
-    ctx: impl FnOnce() -> Result<MoeContext, Failure>,
-    groups: *const amoe_moe_groups,
-    out: *const amoe_tensor,
-    stream: *const amoe_stream,
-) -> amoe_status {
-    ffi!(f, {
-        let cx = &Call::new(f, stream);
-        let c = ctx()?;
-        let g = try_handle(f, "groups", groups)?;
-        let ct = CommType::from_u32(comm_type)?;
-        cx.guard(ct, Some(&c))?;
-        // SAFETY: `y` and `out` are valid descriptors, per the caller's contract.
-        let yt = cx.input("y", y)?;
-        let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, yt.dtype())?;
-        // The last collective or copy writes the caller's `out` (which may be
-        // `y`'s memory: the op then reads `y` from a copy of its own).
-        let r = match cx.output_for(&out, &yt)? {
-            Some(mut o) => {
-                pf::finalize_into(&yt, ct, &c, g, &mut o)?;
-                o
-            }
-            None => pf::finalize(yt, ct, &c, g)?,
-        };
-        cx.write(&out, &r)
-    })
 }
 
 /// Returns the experts' output `y` to this rank's token layout under the
@@ -389,6 +335,25 @@ pub unsafe extern "C" fn amoe_token_finalize(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
-    let ctx = || context(F, ctx);
-    finalize_body(F, y, comm_type, ctx, groups, out, stream)
+    ffi!(F, {
+        let cx = &Call::new(F, stream);
+        let c = context(F, ctx)?;
+        let g = try_handle(F, "groups", groups)?;
+        let ct = CommType::from_u32(comm_type)?;
+        cx.guard(ct, Some(&c))?;
+        let yt = cx.input("y", y)?;
+        let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
+        let out = cx.out("out", out)?;
+        out.check(cx, &shape, yt.dtype())?;
+        // The last collective or copy writes the caller's `out` (which may be
+        // `y`'s memory: the op then reads `y` from a copy of its own).
+        let r = match cx.output_for(&out, &yt)? {
+            Some(mut o) => {
+                pf::finalize_into(&yt, ct, &c, g, &mut o)?;
+                o
+            }
+            None => pf::finalize(yt, ct, &c, g)?,
+        };
+        cx.write(&out, &r)
+    })
 }
