@@ -376,6 +376,11 @@ typedef struct amoe_moe_context {
   size_t pcp_size;
   // This rank's PCP rank (< `pcp_size`; 0 without PCP).
   size_t pcp_rank;
+  // Rows MC2 / FUSED_MC2 pad every DP rank's tokens to before the TP split
+  // (the engine's choice, e.g. vLLM-Ascend's `padded_num_tokens`): a
+  // multiple of `tp_size`, at least every `dp_tokens` entry. 0 = the
+  // default, `ceil_to(max dp_tokens, tp_size)`.
+  size_t padded_num_tokens;
 } amoe_moe_context;
 
 // The static part of a layer's reduction policy (SPEC section 5). The live
@@ -1032,7 +1037,7 @@ amoe_status amoe_finalize_and_reduce(const struct amoe_finalize_args *args,
 
 // Fills `*ctx` with its defaults: `struct_size` of this library, no DP
 // tokens (`dp_tokens` NULL, `dp_size` 0), TP size 1, ranks 0, no SP, every
-// token real (`AMOE_ALL_TOKENS`), no PCP.
+// token real (`AMOE_ALL_TOKENS`), no PCP, the default MC2 pad target (0).
 //
 // # Safety
 // `ctx` writable.
@@ -1089,15 +1094,15 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // Prepares this rank's tokens for the experts under the live `comm_type`
 // (pad, DP all-gather or TP split; SPEC section 6). Collective over the
 // groups. `out` has the shape from `amoe_token_prepare_output_shape`.
-// For MC2 / FUSED_MC2 the mask of real rows is written to `mc2_mask`
-// (caller-owned, `mask_cap` bytes, 1 = real token) and its length to
-// `*mask_len` (1 for the first `num_actual_tokens` rows of this DP rank);
-// other comm types write length 0. With `pcp_size > 1` (groups from
-// `amoe_moe_groups_new` with the same PCP size) ALLGATHER without SP gathers
-// over DP then PCP, and `amoe_token_finalize` is a PCP reduce-scatter then a
-// DP reduce-scatter. `mc2_mask` and `mask_len`
-// may be NULL to skip the mask; a too-small `mask_cap` returns
-// `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
+// For MC2 / FUSED_MC2 the mask of this rank's prepared rows is written into
+// `mc2_mask` (NULL to skip it): a caller-owned 1-D `BOOL` or `U8` tensor of
+// exactly `out`'s row count, host or NPU memory (for example the engine's
+// own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
+// rank, 0 for graph and TP padding. Other comm types leave it untouched. A
+// mask of another dtype or length is refused before any communication.
+// With `pcp_size > 1` (groups from `amoe_moe_groups_new` with the same PCP
+// size) ALLGATHER without SP gathers over DP then PCP, and
+// `amoe_token_finalize` is a PCP reduce-scatter then a DP reduce-scatter.
 //
 // NPU (this and `amoe_token_finalize`): the row copies and the HCCL
 // collectives are enqueued on `stream`, intermediates come from its pool,
@@ -1111,15 +1116,13 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // disagree fail their next `amoe_stream_check`.
 //
 // # Safety
-// Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
+// Descriptors valid (`mc2_mask` NULL or valid); `ctx` valid; `groups` live.
 amoe_status amoe_token_prepare(const struct amoe_tensor *x,
                                uint32_t comm_type,
                                const struct amoe_moe_context *ctx,
                                const struct amoe_moe_groups *groups,
                                const struct amoe_tensor *out,
-                               uint8_t *mc2_mask,
-                               size_t mask_cap,
-                               size_t *mask_len,
+                               const struct amoe_tensor *mc2_mask,
                                const struct amoe_stream *stream);
 
 // Output shape of `amoe_token_finalize` for the experts' output `y` (the

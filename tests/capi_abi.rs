@@ -203,8 +203,17 @@ fn prepare_finalize_rank(name: &CString, rank: usize) -> Result<usize, String> {
             let ps = shape[..nd].to_vec();
             let mut prepared = vec![f32::NAN; ps.iter().product()];
             let pt = host(&mut prepared, &ps);
-            let (mut mask, mut mask_len) = ([7u8; 16], 99usize);
-            let st = amoe_token_prepare(&xt, ct, &ctx, groups, &pt, mask.as_mut_ptr(), 16, &mut mask_len, null());
+            // The mask descriptor: one byte per prepared row (the MC2 length).
+            let mask_rows = [ps[0]];
+            let mut mask = vec![7u8; ps[0]];
+            let mt = amoe_tensor {
+                data: mask.as_mut_ptr().cast(),
+                dtype: amoe_dtype::U8 as u32,
+                ndim: 1,
+                shape: mask_rows.as_ptr(),
+                ..xt
+            };
+            let st = amoe_token_prepare(&xt, ct, &ctx, groups, &pt, &mt, null());
             if st != amoe_status::Ok {
                 return Err(format!("prepare {ct}: {}", last_error()));
             }
@@ -212,12 +221,12 @@ fn prepare_finalize_rank(name: &CString, rank: usize) -> Result<usize, String> {
                 // MC2: rows [t*chunk, (t+1)*chunk) of the batch padded to ceil_to(max T, TP).
                 let chunk = 3usize.div_ceil(tp);
                 let want: Vec<u8> = (0..chunk).map(|i| (t * chunk + i < dp_tokens[d]) as u8).collect();
-                if mask[..mask_len] != want[..] {
-                    return Err(format!("mc2 mask {:?}, want {want:?}", &mask[..mask_len]));
+                if mask != want {
+                    return Err(format!("mc2 mask {mask:?}, want {want:?}"));
                 }
                 checks += 1;
-            } else if mask_len != 0 {
-                return Err(format!("comm type {ct} wrote a mask of {mask_len}"));
+            } else if mask.iter().any(|&b| b != 7) {
+                return Err(format!("comm type {ct} wrote the mask {mask:?}"));
             }
             let st = amoe_token_finalize_output_shape(&pt, ct, &ctx, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
             if st != amoe_status::Ok || shape[..nd] != xs {

@@ -187,6 +187,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                     num_actual_tokens: if rng.chance(85) { AMOE_ALL_TOKENS } else { dim(rng) },
                     pcp_size: if rng.chance(85) { 1 } else { dim(rng) },
                     pcp_rank: if rng.chance(85) { 0 } else { dim(rng) },
+                    padded_num_tokens: if rng.chance(85) { 0 } else { dim(rng) },
                     struct_size: if rng.chance(90) { std::mem::size_of::<amoe_moe_context>() } else { dim(rng) },
                 };
                 let c = if rng.chance(noise / 10) { null() } else { &ctx as *const _ };
@@ -206,13 +207,9 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         amoe_token_finalize_output_shape(x.ptr(), ct, c, s.as_mut_ptr(), cap, &mut nd),
                     ),
                     2 => {
-                        let mut mask = [0u8; 8];
-                        let mut ml = 0usize;
-                        let mcap = rng.below(9) as usize;
-                        (
-                            "prepare",
-                            amoe_token_prepare(x.ptr(), ct, c, g, out.ptr(), mask.as_mut_ptr(), mcap, &mut ml, null()),
-                        )
+                        let rows = rng.below(9) as usize;
+                        let mask = desc(rng, &[rows], amoe_dtype::Bool as u32, true, noise);
+                        ("prepare", amoe_token_prepare(x.ptr(), ct, c, g, out.ptr(), mask.ptr(), null()))
                     }
                     _ => ("finalize_tokens", amoe_token_finalize(x.ptr(), ct, c, g, out.ptr(), null())),
                 }

@@ -198,7 +198,7 @@ fn forward(
     // SAFETY: every descriptor points to memory of its shape on `place`,
     // alive until the work has run; handles live.
     unsafe {
-        ok("token_prepare", amoe_token_prepare(&x, ct, &c, groups, &h, null_mut(), 0, null_mut(), stream));
+        ok("token_prepare", amoe_token_prepare(&x, ct, &c, groups, &h, null(), stream));
         ok("experts (finalize)", amoe_moe_finalize_routing(&args, &y, stream));
         ok("reduce_routed_early", amoe_reduce_routed_early(&p, &y, ct, tp, &y2, stream));
         ok("token_finalize", amoe_token_finalize(&y2, ct, &c, groups, &out, stream));

@@ -75,6 +75,7 @@ class MoeContextC(ctypes.Structure):
         ("num_actual_tokens", c_size_t),
         ("pcp_size", c_size_t),
         ("pcp_rank", c_size_t),
+        ("padded_num_tokens", c_size_t),
     ]
 
 
@@ -163,7 +164,7 @@ _SIGNATURES = {
     "amoe_moe_context_init": [POINTER(MoeContextC)],
     "amoe_moe_groups_free": [c_void_p],
     "amoe_token_prepare_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
-    "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _U8, c_size_t, _SZ, _STREAM],
+    "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _T, _STREAM],
     "amoe_token_finalize_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
     "amoe_token_finalize": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _STREAM],
     "amoe_moe_groups_from_comms": [_COMM, _COMM, _COMM, _COMM, POINTER(c_void_p)],

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_size_t, c_void_p
+import sys
+from ctypes import c_void_p
 
 import numpy as np
 
@@ -11,7 +12,7 @@ from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
 from ._lib import ALL_TOKENS, MoeContextC, call, lib, sizes
-from ._tensor import Operands
+from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code
 from .comm import Comm
 
 
@@ -19,8 +20,12 @@ class MoeContext:
     """The run-time parallel context of one forward pass: tokens of every DP
     rank, the TP size, this rank's (dp_rank, tp_rank), whether SP is on, the
     real tokens of this DP rank (`num_actual_tokens`, default all: the MC2 mask
-    marks only these) and prefill context parallelism (`pcp_size`, `pcp_rank`;
-    EP rank order DP x PCP x TP)."""
+    marks only these), prefill context parallelism (`pcp_size`, `pcp_rank`;
+    EP rank order DP x PCP x TP) and the rows MC2 / FUSED_MC2 pad every DP
+    rank's tokens to (`padded_num_tokens`, the engine's choice, e.g.
+    vLLM-Ascend's forward context; default `ceil_to(max(dp_tokens), tp_size)`;
+    the library refuses one that is no multiple of `tp_size` or holds fewer
+    rows than a DP rank's tokens)."""
 
     def __init__(
         self,
@@ -32,11 +37,14 @@ class MoeContext:
         num_actual_tokens=None,
         pcp_size: int = 1,
         pcp_rank: int = 0,
+        padded_num_tokens=None,
     ):
         self._tokens, n = sizes(dp_tokens)
         checked = [("tp_size", tp_size), ("dp_rank", dp_rank), ("tp_rank", tp_rank), ("pcp_size", pcp_size), ("pcp_rank", pcp_rank)]
         if num_actual_tokens is not None:
             checked.append(("num_actual_tokens", num_actual_tokens))
+        if padded_num_tokens is not None:
+            checked.append(("padded_num_tokens", padded_num_tokens))
         for name, v in checked:
             if int(v) < 0:
                 raise error(Status.INVALID_ARGUMENT, f"MoeContext: {name} must be >= 0, got {v}")
@@ -44,12 +52,14 @@ class MoeContext:
         self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
         self.num_actual_tokens = None if num_actual_tokens is None else int(num_actual_tokens)
         self.pcp_size, self.pcp_rank = int(pcp_size), int(pcp_rank)
+        self.padded_num_tokens = None if padded_num_tokens is None else int(padded_num_tokens)
         self._c = MoeContextC()
         call("amoe_moe_context_init", ctypes.byref(self._c))
         self._c.dp_tokens, self._c.dp_size = self._tokens, n
         self._c.tp_size, self._c.dp_rank, self._c.tp_rank, self._c.sp = self.tp_size, self.dp_rank, self.tp_rank, self.sp
         self._c.num_actual_tokens = ALL_TOKENS if self.num_actual_tokens is None else self.num_actual_tokens
         self._c.pcp_size, self._c.pcp_rank = self.pcp_size, self.pcp_rank
+        self._c.padded_num_tokens = self.padded_num_tokens or 0
 
     @property
     def ptr(self):
@@ -115,17 +125,26 @@ token_prepare_shape = shapes.token_prepare
 token_finalize_shape = shapes.token_finalize
 
 
-def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
+def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, mc2_mask=None, stream=None):
     """This rank's tokens prepared for the experts under the live `comm_type`:
-    `(hidden, mc2_mask)`, `hidden` in `out` (default a new one where `x`
-    lives), the mask (a host bool array, True = real token) only for MC2 /
-    FUSED_MC2, else None."""
+    `(hidden, mask)`, `hidden` in `out` (default a new one where `x` lives).
+    For MC2 / FUSED_MC2 `mask` marks the real rows (True for the first
+    `ctx.num_actual_tokens` of this DP rank): written into `mc2_mask` when
+    given (a 1-D bool or uint8 array or tensor of exactly `hidden`'s rows, on
+    the host or on the NPU: for example the engine's own mask buffer sliced to
+    this TP rank), else into a new bool array or tensor where `x` lives. Other
+    comm types return None and leave `mc2_mask` untouched."""
     o = Operands(stream)
     d = o.input("x", x)
-    y = o.output(token_prepare_shape(d.obj, comm_type, ctx), d, out)
-    cap = max(y.shape[0] if y.shape else 1, 1)
-    mask = (ctypes.c_uint8 * cap)()
-    mask_len = c_size_t(0)
+    shape = token_prepare_shape(d.obj, comm_type, ctx)
+    y = o.output(shape, d, out)
+    has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
+    mask = None
+    if has_mask:
+        mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
+    m = None if mask is None else _mask_desc(mask)
+    if m is not None:
+        o.descs.append(m)
     call(
         "amoe_token_prepare",
         d.ptr,
@@ -133,13 +152,25 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
         ctx.ptr,
         groups.handle,
         y.ptr,
-        mask,
-        cap,
-        ctypes.byref(mask_len),
+        None if m is None else m.ptr,
         o.stream,
     )
-    has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
-    return o.result, (np.array(mask[: mask_len.value], dtype=bool) if has_mask else None)
+    return o.result, mask
+
+
+def _bool_like(x, rows: int):
+    """A new bool vector of `rows` entries where `x` lives."""
+    if _torch_tensor(x):
+        return sys.modules["torch"].empty((rows,), dtype=sys.modules["torch"].bool, device=x.device)
+    if _tensor_like(x) and hasattr(x, "new_empty"):
+        return x.new_empty((rows,), dtype=bool)
+    return np.empty(rows, dtype=bool)
+
+
+def _mask_desc(mask) -> Desc:
+    """A descriptor over the caller's mask buffer as it is (the library
+    checks its dtype and length against the mask)."""
+    return desc_out("mc2_mask", mask, tuple(mask.shape), dtype_code("mc2_mask", mask.dtype))
 
 
 def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):

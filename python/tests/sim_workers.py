@@ -107,8 +107,8 @@ class DeviceTensor:
     def is_contiguous(self):
         return True
 
-    def new_empty(self, shape):
-        return DeviceTensor(shape, self.dtype, self.device.index)
+    def new_empty(self, shape, dtype=None):
+        return DeviceTensor(shape, self.dtype if dtype is None else dtype, self.device.index)
 
     @classmethod
     def free_all(cls):

@@ -405,6 +405,26 @@ def pcp_actual(name, world_size, rank):
             _, mask = am.token_prepare(x, am.CommType.MC2, ctx, groups)
             want = {(0, 0): [True, True, True], (0, 1): [True, False, False], (1, 0): [True, True, True], (1, 1): [False] * 3}
             np.testing.assert_array_equal(mask, want[(d, t)])
+            # The engine pads to 8 rows (vLLM-Ascend's padded_num_tokens) and
+            # owns the mask buffer: this TP rank's slice of it is written in place.
+            ctx8 = am.MoeContext([6, 3], 2, d, t, False, num_actual_tokens=4 if d == 0 else None, padded_num_tokens=8)
+            engine = np.full(8, 7, dtype=np.uint8)
+            hidden, got = am.token_prepare(x, am.CommType.FUSED_MC2, ctx8, groups, mc2_mask=engine[4 * t : 4 * t + 4])
+            assert got.base is engine or got.base is engine.base, "the mask is the engine's buffer"
+            real = [4, 3][d]
+            want8 = [1 if 4 * t + i < real else 0 for i in range(4)]
+            np.testing.assert_array_equal(engine[4 * t : 4 * t + 4], want8)
+            assert (engine[4 * (1 - t) : 4 * (1 - t) + 4] == 7).all(), "the other TP rank's slice is untouched"
+            rows = [x[4 * t + i] if 4 * t + i < x.shape[0] else np.zeros(2, np.float32) for i in range(4)]
+            np.testing.assert_array_equal(hidden, np.stack(rows))
+            np.testing.assert_array_equal(am.token_finalize(hidden, am.CommType.FUSED_MC2, ctx8, groups), x)
+            for bad, why in ((np.zeros(3, np.uint8), "length"), (np.zeros(4, np.float32), "dtype")):
+                try:
+                    am.token_prepare(x, am.CommType.MC2, ctx8, groups, mc2_mask=bad)
+                except am.AmoeError as e:
+                    assert "mc2_mask" in str(e), (why, e)
+                else:
+                    raise AssertionError(f"a mask buffer of the wrong {why} was accepted")
         world.barrier()
     return 2
 

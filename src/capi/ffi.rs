@@ -271,6 +271,11 @@ pub(crate) struct Out<'a> {
 }
 
 impl Out<'_> {
+    /// The dtype the descriptor declares.
+    pub(crate) fn dtype(&self) -> DType {
+        self.meta.dtype
+    }
+
     /// Checks the descriptor against the shape and dtype the op's shape
     /// function computed, before any work starts (so no buffer is allocated
     /// for an output the caller did not provide).

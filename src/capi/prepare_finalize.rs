@@ -1,13 +1,11 @@
 //! Token prepare / finalize per MoE comm type (SPEC section 6): the token
 //! padding, splitting and gathering around the experts of one MoE layer.
 
-use super::ffi::{
-    ffi, flag, read_meta, read_sizes, try_out, try_ref, write_out, write_shape, write_slice, Call, Failure,
-};
+use super::ffi::{ffi, flag, read_meta, read_sizes, try_out, try_ref, write_out, write_shape, Call, Failure};
 use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
-use crate::CommType;
+use crate::{CommType, DType};
 
 /// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
@@ -49,11 +47,16 @@ pub struct amoe_moe_context {
     pub pcp_size: usize,
     /// This rank's PCP rank (< `pcp_size`; 0 without PCP).
     pub pcp_rank: usize,
+    /// Rows MC2 / FUSED_MC2 pad every DP rank's tokens to before the TP split
+    /// (the engine's choice, e.g. vLLM-Ascend's `padded_num_tokens`): a
+    /// multiple of `tp_size`, at least every `dp_tokens` entry. 0 = the
+    /// default, `ceil_to(max dp_tokens, tp_size)`.
+    pub padded_num_tokens: usize,
 }
 
 /// Fills `*ctx` with its defaults: `struct_size` of this library, no DP
 /// tokens (`dp_tokens` NULL, `dp_size` 0), TP size 1, ranks 0, no SP, every
-/// token real (`AMOE_ALL_TOKENS`), no PCP.
+/// token real (`AMOE_ALL_TOKENS`), no PCP, the default MC2 pad target (0).
 ///
 /// # Safety
 /// `ctx` writable.
@@ -81,6 +84,7 @@ impl Default for amoe_moe_context {
             num_actual_tokens: AMOE_ALL_TOKENS,
             pcp_size: 1,
             pcp_rank: 0,
+            padded_num_tokens: 0,
         }
     }
 }
@@ -107,6 +111,9 @@ fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure>
     }
     if c.pcp_size > 1 || c.pcp_rank != 0 {
         m = m.with_pcp(c.pcp_size.max(1), c.pcp_rank)?;
+    }
+    if c.padded_num_tokens != 0 {
+        m = m.with_padded_num_tokens(c.padded_num_tokens)?;
     }
     Ok(m)
 }
@@ -221,15 +228,15 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 /// Prepares this rank's tokens for the experts under the live `comm_type`
 /// (pad, DP all-gather or TP split; SPEC section 6). Collective over the
 /// groups. `out` has the shape from `amoe_token_prepare_output_shape`.
-/// For MC2 / FUSED_MC2 the mask of real rows is written to `mc2_mask`
-/// (caller-owned, `mask_cap` bytes, 1 = real token) and its length to
-/// `*mask_len` (1 for the first `num_actual_tokens` rows of this DP rank);
-/// other comm types write length 0. With `pcp_size > 1` (groups from
-/// `amoe_moe_groups_new` with the same PCP size) ALLGATHER without SP gathers
-/// over DP then PCP, and `amoe_token_finalize` is a PCP reduce-scatter then a
-/// DP reduce-scatter. `mc2_mask` and `mask_len`
-/// may be NULL to skip the mask; a too-small `mask_cap` returns
-/// `AMOE_STATUS_BUFFER_TOO_SMALL` before any communication.
+/// For MC2 / FUSED_MC2 the mask of this rank's prepared rows is written into
+/// `mc2_mask` (NULL to skip it): a caller-owned 1-D `BOOL` or `U8` tensor of
+/// exactly `out`'s row count, host or NPU memory (for example the engine's
+/// own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
+/// rank, 0 for graph and TP padding. Other comm types leave it untouched. A
+/// mask of another dtype or length is refused before any communication.
+/// With `pcp_size > 1` (groups from `amoe_moe_groups_new` with the same PCP
+/// size) ALLGATHER without SP gathers over DP then PCP, and
+/// `amoe_token_finalize` is a PCP reduce-scatter then a DP reduce-scatter.
 ///
 /// NPU (this and `amoe_token_finalize`): the row copies and the HCCL
 /// collectives are enqueued on `stream`, intermediates come from its pool,
@@ -243,7 +250,7 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 /// disagree fail their next `amoe_stream_check`.
 ///
 /// # Safety
-/// Descriptors valid; `ctx` valid; `groups` live; mask pointers NULL or writable.
+/// Descriptors valid (`mc2_mask` NULL or valid); `ctx` valid; `groups` live.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_token_prepare(
     x: *const amoe_tensor,
@@ -251,9 +258,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
     ctx: *const amoe_moe_context,
     groups: *const amoe_moe_groups,
     out: *const amoe_tensor,
-    mc2_mask: *mut u8,
-    mask_cap: usize,
-    mask_len: *mut usize,
+    mc2_mask: *const amoe_tensor,
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
@@ -267,33 +272,32 @@ pub unsafe extern "C" fn amoe_token_prepare(
         let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
         let out = cx.out("out", out)?;
         out.check(cx, &shape, x.dtype())?;
-        let mask_want = pf::mc2_mask(ct, &c).map_or(0, |m| m.len());
-        if !mc2_mask.is_null() && mask_cap < mask_want {
-            return Err(Failure::new(
-                amoe_status::BufferTooSmall,
-                format!("{F}: `mc2_mask` holds {mask_cap} bytes, the mask has {mask_want}"),
-            ));
-        }
+        let mask_out = match pf::mc2_mask(ct, &c) {
+            Some(bits) if !mc2_mask.is_null() => {
+                let m = cx.out("mc2_mask", mc2_mask)?;
+                let dtype = m.dtype();
+                if !matches!(dtype, DType::Bool | DType::U8) {
+                    return Err(crate::Error::dtype(F, "mc2_mask", "BOOL or U8", dtype).into());
+                }
+                m.check(cx, &[bits.len()], dtype)?;
+                Some(m)
+            }
+            _ => None,
+        };
         // The tokens go straight into the caller's `out` where it can be lent
         // (else into a buffer of the op's own, copied into `out`).
-        let (hidden, mask) = match cx.output_for(&out, &x)? {
+        let hidden = match cx.output_for(&out, &x)? {
             Some(mut o) => {
-                let mask = pf::prepare_into(&x, ct, &c, g, &mut o)?;
-                (o, mask)
+                pf::prepare_into(&x, ct, &c, g, &mut o)?;
+                o
             }
-            None => {
-                let p = pf::prepare(&x, ct, &c, g)?;
-                (p.hidden, p.mc2_mask)
-            }
+            None => pf::prepare(&x, ct, &c, g)?.hidden,
         };
         cx.write(&out, &hidden)?;
-        let mask = mask.unwrap_or_default();
-        if !mask_len.is_null() {
-            write_out(mask_len, mask.len());
-        }
-        if !mc2_mask.is_null() {
-            let bytes: Vec<u8> = mask.iter().take(mask_cap).map(|&m| m as u8).collect();
-            write_slice(mc2_mask, &bytes);
+        if let Some(m) = mask_out {
+            let mut mask = cx.output(&m)?;
+            pf::mc2_mask_into(ct, &c, &mut mask)?;
+            cx.write(&m, &mask)?;
         }
         Ok(())
     })

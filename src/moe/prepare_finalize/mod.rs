@@ -6,7 +6,7 @@
 //! |---|---|---|---|
 //! | ALLGATHER | on | [`maybe_all_gather_and_maybe_unpad`](crate::moe::maybe_all_gather_and_maybe_unpad) | [`maybe_pad_and_reduce`](crate::moe::maybe_pad_and_reduce) |
 //! | ALLGATHER | off | pad to `max_d T_d`, DP all-gather | DP reduce-scatter, keep `T_d` rows |
-//! | MC2, FUSED_MC2 | off | pad to `ceil_to(max_d T_d, TP)`, equal TP split, `mc2_mask` | TP all-gather, keep `T_d` rows |
+//! | MC2, FUSED_MC2 | off | pad to `padded_num_tokens` (default `ceil_to(max_d T_d, TP)`), equal TP split, `mc2_mask` | TP all-gather, keep `T_d` rows |
 //! | ALLTOALL | off | pad to TP rows only when `T_d < TP`, uneven TP split | TP all-gather, keep `T_d` rows |
 //! | MC2, FUSED_MC2, ALLTOALL | on | none (tokens already sharded) | none |
 //!
@@ -23,4 +23,4 @@ mod prepare;
 pub use exchange::{combine, dispatch, Dispatched};
 pub use groups::{check_comm_type_agreement, MoeGroups};
 pub use plan::{finalize_output_shape, mc2_mask, prepare_output_shape, token_plan, MoeContext, TokenPlan};
-pub use prepare::{finalize, finalize_into, prepare, prepare_into, Prepared};
+pub use prepare::{finalize, finalize_into, mc2_mask_into, prepare, prepare_into, Prepared};

@@ -21,6 +21,8 @@ pub struct MoeContext {
     num_actual_tokens: usize,
     pcp_size: usize,
     pcp_rank: usize,
+    /// MC2 / FUSED_MC2 pad target; `None` = `ceil_to(max_d T_d, TP)`.
+    padded_num_tokens: Option<usize>,
 }
 
 impl MoeContext {
@@ -61,6 +63,7 @@ impl MoeContext {
             num_actual_tokens,
             pcp_size: 1,
             pcp_rank: 0,
+            padded_num_tokens: None,
         })
     }
 
@@ -103,6 +106,33 @@ impl MoeContext {
         self.pcp_size = pcp_size;
         self.pcp_rank = pcp_rank;
         Ok(self)
+    }
+    /// This context with the rows MC2 / FUSED_MC2 pad every DP rank's tokens
+    /// to before the TP split, as the engine chose them (vLLM-Ascend's
+    /// `padded_num_tokens`, `ascend_forward_context.py`: the same number on
+    /// every DP rank); the default is `ceil_to(max_d T_d, TP)`. It must be a
+    /// multiple of the TP size and hold every DP rank's tokens: an error names
+    /// the value, the TP size and the largest token count otherwise.
+    pub fn with_padded_num_tokens(mut self, n: usize) -> Result<Self> {
+        let max_t = self.dp_tokens.iter().copied().max().unwrap_or(0);
+        if n % self.tp_size != 0 || n < max_t {
+            return Err(Error::invalid(
+                "MoeContext::with_padded_num_tokens",
+                "padded_num_tokens",
+                format!(
+                    "{n} must be a multiple of the TP size {} and at least the largest DP token count {max_t}",
+                    self.tp_size
+                ),
+            ));
+        }
+        self.padded_num_tokens = Some(n);
+        Ok(self)
+    }
+    /// The MC2 / FUSED_MC2 pad target: rows every DP rank's tokens are padded
+    /// to before the equal TP split.
+    pub fn padded_num_tokens(&self) -> usize {
+        let max_t = self.dp_tokens.iter().copied().max().unwrap_or(0);
+        self.padded_num_tokens.unwrap_or_else(|| max_t.div_ceil(self.tp_size) * self.tp_size)
     }
     /// Real tokens of this DP rank (default `T_d`).
     pub fn num_actual_tokens(&self) -> usize {
@@ -200,7 +230,7 @@ pub fn token_plan(comm: CommType, ctx: &MoeContext) -> TokenPlan {
         },
         (CommType::AllGather, false) => TokenPlan::DpGather { max_tokens: max_t },
         (CommType::Mc2 | CommType::FusedMc2, false) => {
-            let padded = max_t.div_ceil(tp) * tp;
+            let padded = ctx.padded_num_tokens();
             TokenPlan::TpSplit { padded, sizes: vec![padded / tp; tp] }
         }
         (CommType::AllToAll, false) => {

@@ -7,7 +7,8 @@ use crate::backend::args::with_rows;
 use crate::comm::{Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad_into, maybe_pad_and_reduce, maybe_pad_and_reduce_into};
-use crate::{Result, Tensor};
+use crate::types::Bool;
+use crate::{DType, Error, Result, Tensor};
 
 /// Prepared tokens of one rank.
 #[derive(Debug)]
@@ -89,6 +90,41 @@ pub fn prepare_into(
         TokenPlan::Local => copy_all(x, out)?,
     }
     Ok(mc2_mask(comm, ctx))
+}
+
+/// Writes the MC2 mask of this rank's prepared rows ([`mc2_mask`]) into
+/// `mask`, a 1-D `bool` or `u8` tensor of exactly that many entries on any
+/// device (for example the engine's own mask buffer, vLLM-Ascend's
+/// `_EXTRA_CTX.mc2_mask` sliced to this TP rank), 1 = real token. Returns
+/// `false` and leaves `mask` untouched for comm types without a mask. On an
+/// NPU the mask is one host-to-device row copy enqueued on the stream of
+/// `mask`'s device: no synchronisation, capturable (its values are shapes of
+/// the context, known on the host).
+pub fn mc2_mask_into(comm: CommType, ctx: &MoeContext, mask: &mut Tensor) -> Result<bool> {
+    const ARG: &str = "mc2_mask";
+    let Some(bits) = mc2_mask(comm, ctx) else {
+        return Ok(false);
+    };
+    if !matches!(mask.dtype(), DType::Bool | DType::U8) {
+        return Err(Error::dtype(PREPARE, ARG, "bool or u8", mask.dtype()));
+    }
+    if mask.shape() != [bits.len()] {
+        return Err(Error::shape(PREPARE, ARG, format!("[{}] (this rank's prepared rows)", bits.len()), mask.shape()));
+    }
+    if bits.is_empty() {
+        return Ok(true);
+    }
+    let n = bits.len();
+    let host = if mask.dtype() == DType::Bool {
+        Tensor::from_slice(&bits.iter().map(|&b| Bool(u8::from(b))).collect::<Vec<_>>(), &[n])?
+    } else {
+        Tensor::from_slice(&bits.iter().map(|&b| u8::from(b)).collect::<Vec<_>>(), &[n])?
+    };
+    let device = mask.device();
+    let backend = device.backend();
+    let staged = backend.scratch_from_host(&host)?;
+    backend.copy_rows(&staged, 0, mask, 0, n)?;
+    Ok(true)
 }
 
 /// Copies every row of `src` into `dst` (same shape).
