@@ -73,6 +73,17 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+_STANDINS = set()
+
+
+def standin_modules() -> list:
+    """The modules in sys.modules that are stand-ins, not real code."""
+    return sorted(
+        n for n, m in list(sys.modules.items())
+        if n in _STANDINS or isinstance(m, (_AutoStub, MagicMock))
+    )
+
+
 def _module(name, **attrs):
     m = types.ModuleType(name)
     m.__spec__ = importlib.util.spec_from_loader(name, loader=None)
@@ -80,6 +91,7 @@ def _module(name, **attrs):
     for k, v in attrs.items():
         setattr(m, k, v)
     sys.modules[name] = m
+    _STANDINS.add(name)
     parent, _, child = name.rpartition(".")
     if parent and parent in sys.modules:
         setattr(sys.modules[parent], child, m)
@@ -107,7 +119,8 @@ class DPMetadata:
 
 
 class ForwardContext(SimpleNamespace):
-    pass
+    # vLLM's ForwardContext field MoERunner reads (None: no layer registry).
+    all_moe_layers = None
 
 
 def get_forward_context():
@@ -396,6 +409,7 @@ def _install_torch_npu():
     torch_npu.float8_e8m0fnu = 293
     sys.modules["torch_npu"] = torch_npu
     sys.modules["torch_npu._C"] = torch_npu._C
+    _STANDINS.update(("torch_npu", "torch_npu._C"))
     try:
         torch.utils.rename_privateuse1_backend("npu")
     except RuntimeError:
@@ -511,8 +525,12 @@ def setup(real_vllm=None):
 
     _install_torch_npu()
     if real_vllm:
+        import vllm
         import vllm.distributed.parallel_state  # noqa: F401
         import vllm.forward_context  # noqa: F401
+
+        if not getattr(vllm, "__version__", None) or isinstance(vllm, _AutoStub):
+            raise ImportError(f"ASCEND_MOE_REAL_VLLM=1 but `vllm` is not the vllm package ({vllm!r})")
     else:
         _install_vllm()
     _install_vllm_ascend()

@@ -538,10 +538,23 @@ def compiled(name, world, rank):
 
     def make(mode, sp):
         r = Runner.__new__(Runner)
+        if isinstance(r, torch.nn.Module):
+            torch.nn.Module.__init__(r)  # the real vllm's MoERunner is a torch Module
         r._mode, r._sp = mode, sp
-        r.moe_config = _types.SimpleNamespace(is_sequence_parallel=sp, tp_size=1, ep_size=world, tp_group=groups["tp"])
+        r.moe_config = _types.SimpleNamespace(is_sequence_parallel=sp, tp_size=1, ep_size=world, tp_group=groups["tp"], hidden_dim=3)
         r.ascend_shared_experts = _types.SimpleNamespace(parallel_mode=lambda: mode)
         r.routed_output_transform = None
+        # What the real MoERunner.forward reads besides the reduction points:
+        # no input transform, no hidden-dim padding, no zero expert, scale 1,
+        # and its custom-op entry (`_forward_entry`, which looks the layer up
+        # by name) calling `_forward_impl` directly.
+        r.routed_input_transform = None
+        r._shared_experts = r.ascend_shared_experts
+        r.routed_experts = _types.SimpleNamespace(quant_method=_types.SimpleNamespace(skip_forward_padding=True, has_unpadded_output=False))
+        r.router = None
+        r.layer_name = "moe"
+        r.routed_scaling_factor = 1.0
+        r._forward_entry = lambda hs, logits, shared_in, input_ids, layer_name, unpadded: r._forward_impl(hs, logits, shared_in, input_ids)
         return r
 
     cts = [CT.ALLGATHER, CT.MC2, CT.ALLTOALL, CT.FUSED_MC2]
