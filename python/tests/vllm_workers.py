@@ -316,9 +316,11 @@ def differential(name, world, rank):
 
 
 def _dp_pcp_tp_groups(world, dp, pcp_size, tp):
-    """vLLM's groups for DP x PCP x TP = world, global rank (d * PCP + p) * TP + t
-    (vLLM's rank order, TP innermost): TP over t, PCP over p, DP over d, EP
-    over all ranks. Every rank creates every group, in the same order."""
+    """vLLM's groups for DP x PCP x TP = world (PP 1), global rank
+    (d * PCP + p) * TP + t: TP over t, PCP over p, DP over d, EP over all
+    ranks in that order, as vLLM v0.27.1 builds them
+    (vllm/distributed/parallel_state.py:1821-1827 and 1922-1931, commit
+    6e448d0ea). Every rank creates every group, in the same order."""
     assert dp * pcp_size * tp == world
     idx = [(d, p, t) for d in range(dp) for p in range(pcp_size) for t in range(tp)]
     rank = dist.get_rank()
