@@ -6,6 +6,8 @@ with stand-ins for torch_npu, triton and vllm (`vllm_standins`):
 - differential: vLLM-Ascend's `_impl` / `_fake` against the adapter's
   `torch.ops.vllm.*` on 4 CPU ranks (gloo groups behind vLLM's
   GroupCoordinator), on their unit tests' layout and random ones;
+- PCP = 2: vLLM-Ascend's prepare / finalize with its PCP all-gather around
+  the EP ops, without and with `install()`;
 - the two seed fixes (the draft-model TP bypass; a compiled MoE layer
   replayed under every other comm type);
 - their unit tests, run with `install()` active.
@@ -54,6 +56,16 @@ def test_adapter_matches_vllm_ascend_ops_on_four_ranks(world_results):
     for case in ("their-ut", "zero-token", "tokens<tp", "no-dp-metadata", "padded [3, 5]", "draft-vl", "short/long"):
         assert case in checks, (case, checks)
     assert "float8_e8m0fnu" in checks
+
+
+def test_vllm_ascend_pcp_flow_under_install(world_results):
+    """vLLM-Ascend's PCP = 2 flow (padded_length EP ops inside a PCP
+    all-gather / reduce-scatter), DP1 PCP2 TP2 and DP2 PCP2 TP1."""
+    cases = world_results[0]["pcp"]
+    assert all(world_results[r]["pcp"] == cases for r in range(4))
+    assert [c for c in cases if c.startswith("dp1pcp2tp2")] and [c for c in cases if c.startswith("dp2pcp2tp1")], cases
+    assert len([c for c in cases if "zero-token" in c]) >= 2, cases
+    assert len(cases) == len(vllm_workers.pcp_cases()), cases
 
 
 def test_compiled_layer_replayed_under_every_comm_type(world_results):

@@ -73,6 +73,17 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+_STANDINS = set()
+
+
+def standin_modules() -> list:
+    """The modules in sys.modules that are stand-ins, not real code."""
+    return sorted(
+        n for n, m in list(sys.modules.items())
+        if n in _STANDINS or isinstance(m, (_AutoStub, MagicMock))
+    )
+
+
 def _module(name, **attrs):
     m = types.ModuleType(name)
     m.__spec__ = importlib.util.spec_from_loader(name, loader=None)
@@ -80,6 +91,7 @@ def _module(name, **attrs):
     for k, v in attrs.items():
         setattr(m, k, v)
     sys.modules[name] = m
+    _STANDINS.add(name)
     parent, _, child = name.rpartition(".")
     if parent and parent in sys.modules:
         setattr(sys.modules[parent], child, m)
@@ -107,7 +119,8 @@ class DPMetadata:
 
 
 class ForwardContext(SimpleNamespace):
-    pass
+    # vLLM's ForwardContext field MoERunner reads (None: no layer registry).
+    all_moe_layers = None
 
 
 def get_forward_context():
@@ -243,16 +256,19 @@ def _vllm_lib():
 
 
 class MoERunner:
-    """vLLM's MoERunner contract as the pinned AscendMoERunner overrides it:
-    `forward` runs the experts, then the three reduction points in order,
-    passing "already reduced?" from one to the next."""
+    """vLLM's MoERunner as the pinned AscendMoERunner subclasses it (vLLM
+    v0.27.1, commit 6e448d0ea, vllm/model_executor/layers/fused_moe/runner/
+    moe_runner.py): `forward` runs the experts, then the reduction points in
+    that file's order, passing "already reduced?" from one to the next."""
 
     def __init__(self, layer_name, moe_config, router, routed_experts, enable_dbo=False, gate=None,
                  shared_experts=None, shared_expert_gate=None, routed_input_transform=None,
-                 routed_output_transform=None, routed_scaling_factor=1):
+                 routed_output_transform=None, routed_scaling_factor=1.0):
         self.layer_name, self.moe_config, self.router, self.routed_experts = layer_name, moe_config, router, routed_experts
         self.gate, self.shared_experts = gate, shared_experts
+        self.routed_input_transform = routed_input_transform
         self.routed_output_transform = routed_output_transform
+        self.routed_scaling_factor = routed_scaling_factor
         self._quant_method = getattr(routed_experts, "quant_method", None)
 
     @contextlib.contextmanager
@@ -260,28 +276,54 @@ class MoERunner:
         yield
 
     def _maybe_reduce_routed_output_before_transform(self, fused_output, fused_output_is_reduced):
+        # moe_runner.py:441-460
         cfg = self.moe_config
         if (
             self.routed_output_transform is not None
-            and not fused_output_is_reduced
             and not getattr(cfg, "is_sequence_parallel", False)
             and (getattr(cfg, "tp_size", 1) > 1 or getattr(cfg, "ep_size", 1) > 1)
+            and not fused_output_is_reduced
         ):
             fused_output = sys.modules["vllm.distributed"].tensor_model_parallel_all_reduce(fused_output)
             fused_output_is_reduced = True
         return fused_output, fused_output_is_reduced
 
-    def forward(self, hidden_states, router_logits):
-        result = self._forward_impl(hidden_states, router_logits, None)
-        shared, fused = result if isinstance(result, tuple) else (None, result)
-        reduced = self._fused_output_is_reduced
-        fused, reduced = self._maybe_reduce_routed_output_before_transform(fused, reduced)
+    def _maybe_apply_routed_scale_to_output(self, shared_output, fused_output):
+        # moe_runner.py:391-408
+        if getattr(self, "routed_scaling_factor", 1.0) != 1.0:
+            if fused_output.dtype != torch.float16 or shared_output is None:
+                fused_output = fused_output * self.routed_scaling_factor
+            else:
+                shared_output = shared_output * (1.0 / self.routed_scaling_factor)
+        return shared_output, fused_output
+
+    def apply_routed_output_transform(self, fused_output):
+        # moe_runner.py:376-389
         if self.routed_output_transform is not None:
-            fused = self.routed_output_transform(fused)
-        if shared is not None:
-            shared = self._maybe_reduce_shared_expert_output(shared, reduced)
-            fused = shared + fused
-        return self._maybe_reduce_final_output(fused, None, output_is_reduced=reduced)
+            r = self.routed_output_transform(fused_output)
+            fused_output = r[0] if isinstance(r, tuple) else r
+        return fused_output
+
+    def forward(self, hidden_states, router_logits, input_ids=None, shared_experts_input=None):
+        # The order of moe_runner.py:747-778 (MoERunner.forward, from line 671):
+        # "already reduced?" read once (747), the routed output reduced before
+        # its transform (751-756), the shared output reduced to match (760),
+        # the routed scale (764), the transform (769), shared + routed
+        # (771-774), the final reduction of the sum with the flag of 747-756
+        # (776-778). The routed input transform, the hidden-dim padding and
+        # the custom-op entry (704-730) and the zero-expert output (780) are
+        # left out: the stand-in pads nothing, so both truncation sizes are None.
+        result = self._forward_impl(hidden_states, router_logits, shared_experts_input, input_ids)
+        shared_output, fused_output = result if isinstance(result, tuple) else (None, result)
+        fused_output_is_reduced = self._fused_output_is_reduced
+        fused_output, fused_output_is_reduced = self._maybe_reduce_routed_output_before_transform(
+            fused_output, fused_output_is_reduced
+        )
+        shared_output = self._maybe_reduce_shared_expert_output(shared_output, fused_output_is_reduced)
+        shared_output, fused_output = self._maybe_apply_routed_scale_to_output(shared_output, fused_output)
+        fused_output = self.apply_routed_output_transform(fused_output)
+        result = shared_output + fused_output if shared_output is not None else fused_output
+        return self._maybe_reduce_final_output(result, None, fused_output_is_reduced)
 
 
 def _install_vllm():
@@ -367,6 +409,7 @@ def _install_torch_npu():
     torch_npu.float8_e8m0fnu = 293
     sys.modules["torch_npu"] = torch_npu
     sys.modules["torch_npu._C"] = torch_npu._C
+    _STANDINS.update(("torch_npu", "torch_npu._C"))
     try:
         torch.utils.rename_privateuse1_backend("npu")
     except RuntimeError:
@@ -482,8 +525,12 @@ def setup(real_vllm=None):
 
     _install_torch_npu()
     if real_vllm:
+        import vllm
         import vllm.distributed.parallel_state  # noqa: F401
         import vllm.forward_context  # noqa: F401
+
+        if not getattr(vllm, "__version__", None) or isinstance(vllm, _AutoStub):
+            raise ImportError(f"ASCEND_MOE_REAL_VLLM=1 but `vllm` is not the vllm package ({vllm!r})")
     else:
         _install_vllm()
     _install_vllm_ascend()

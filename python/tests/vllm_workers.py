@@ -2,6 +2,7 @@
 behind each vLLM `GroupCoordinator` stand-in, vLLM-Ascend's pinned code loaded
 at run time (`vllm_standins`)."""
 
+import contextlib
 import math
 import os
 import tempfile
@@ -51,10 +52,11 @@ def init(name, world, rank, tp_size=2):
 
 
 def all_cases(name, world, rank):
-    """`adapter_api`, `differential` and `compiled` in one world (one process start-up)."""
+    """`adapter_api`, `differential`, `pcp` and `compiled` in one world (one process start-up)."""
     return {
         "api": adapter_api(name, world, rank),
         "differential": differential(name, world, rank),
+        "pcp": pcp(name, world, rank),
         "compiled": compiled(name, world, rank),
     }
 
@@ -310,6 +312,154 @@ def differential(name, world, rank):
     return checks
 
 
+# ------------------------------------------------------------- PCP > 1
+
+
+def _dp_pcp_tp_groups(world, dp, pcp_size, tp):
+    """vLLM's groups for DP x PCP x TP = world (PP 1), global rank
+    (d * PCP + p) * TP + t: TP over t, PCP over p, DP over d, EP over all
+    ranks in that order, as vLLM v0.27.1 builds them
+    (vllm/distributed/parallel_state.py:1821-1827 and 1922-1931, commit
+    6e448d0ea). Every rank creates every group, in the same order."""
+    assert dp * pcp_size * tp == world
+    idx = [(d, p, t) for d in range(dp) for p in range(pcp_size) for t in range(tp)]
+    rank = dist.get_rank()
+    mine = idx[rank]
+    groups = {}
+    for key, fixed in (("tp", (0, 1)), ("pcp", (0, 2)), ("dp", (1, 2))):
+        seen = {}
+        for r, c in enumerate(idx):
+            seen.setdefault(tuple(c[i] for i in fixed), []).append(r)
+        for k, ranks in seen.items():
+            g = vs.GroupCoordinator(ranks, f"{key}:{k}:pcp{pcp_size}dp{dp}")
+            if k == tuple(mine[i] for i in fixed):
+                groups[key] = g
+    return groups, mine
+
+
+def pcp_cases():
+    """(name, DP, PCP, TP, tokens per DP rank, max_tokens_across_pcp - gathered rows)."""
+    rng = np.random.default_rng(2402)
+    cases = [
+        ("dp1pcp2tp2 [7]", 1, 2, 2, [7], 0),
+        ("dp1pcp2tp2 [3] zero-token rank", 1, 2, 2, [3], 3),
+        ("dp1pcp2tp2 [0]", 1, 2, 2, [0], 2),
+        ("dp2pcp2tp1 [3, 8] zero-token rank", 2, 2, 1, [3, 8], 0),
+        ("dp2pcp2tp1 [0, 6] zero-token DP rank", 2, 2, 1, [0, 6], 4),
+    ]
+    for i in range(2):
+        # Even maxima, so padded_length splits over the PCP x TP ranks of a DP rank.
+        t = [int(v) for v in rng.integers(0, 11, size=2)]
+        t[t.index(max(t))] += max(t) % 2
+        cases.append((f"dp2pcp2tp1 random{i} {t}", 2, 2, 1, t, int(rng.integers(0, 3))))
+    return cases
+
+
+@contextlib.contextmanager
+def _their_ops_on_cpu(orig):
+    """vLLM-Ascend's own `_impl`s as the CPU kernels of `torch.ops.vllm.*`
+    (they are registered for PrivateUse1 only)."""
+    lib = torch.library.Library("vllm", "FRAGMENT")
+    for op in ("maybe_all_gather_and_maybe_unpad", "maybe_pad_and_reduce"):
+        lib.impl(op, orig[f"_{op}_impl"], "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+def pcp(name, world, rank):
+    """vLLM-Ascend's PCP flow (PrepareAndFinalizeWithAllGather with SP and
+    pcp_size 2: the EP ops on the padded_length path, a pad to
+    max_tokens_across_pcp and a PCP all-gather / reduce-scatter around them)
+    on DP x PCP x TP = 4 ranks, without and with `install()`: identical
+    outputs and shapes, both equal to the result worked out from the inputs."""
+    from types import SimpleNamespace
+
+    import ascend_moe.vllm_ascend as av
+
+    ops_mod, orig, base = init(name, world, rank)
+    pf = vs.load("prepare_finalize")
+    fa = vs.load("ascend_forward_context")
+    ops = torch.ops.vllm
+    H, E = 3, 4
+    # Each EP rank's experts contribute c_r = r + 1 times their input.
+    coeff = [r + 1 for r in range(world)]
+    checks = []
+    configs = {}
+    for case, dp, pcp_size, tp, tokens, extra in pcp_cases():
+        if (dp, pcp_size, tp) not in configs:
+            configs[(dp, pcp_size, tp)] = _dp_pcp_tp_groups(world, dp, pcp_size, tp)
+        groups, (d, p, t) = configs[(dp, pcp_size, tp)]
+        vs.set_groups(ep=base["ep"], **groups)
+        padded = math.ceil(max(tokens) / tp) * tp
+        per_dp = pcp_size * tp
+        assert padded % per_dp == 0, (case, padded)
+        chunk = padded // per_dp
+        n = sum(tokens)
+        fields = dict(
+            # vLLM's SP layout over DP x TP: not of the EP size, so vLLM-Ascend ignores it.
+            dp_metadata=vs.DPMetadata(tokens, _sp_layout(tokens, tp)),
+            padded_length=padded,
+            max_tokens_across_pcp=n + extra,
+            is_draft_model=False,
+            moe_comm_type=fa.MoECommType.ALLGATHER,
+        )
+        cfg = SimpleNamespace(is_sequence_parallel=True, pcp_size=pcp_size, dp_size=dp, dp_group=groups["dp"],
+                              tp_size=tp, ep_size=world)
+        for dtype in (torch.float32, torch.bfloat16):
+            hs = [_ints(_seed("pcp-h", case, r), (chunk, H), dtype) for r in range(world)]
+            lg = [_ints(_seed("pcp-l", case, r), (chunk, E), dtype) for r in range(world)]
+
+            def flow():
+                pfo = pf.PrepareAndFinalizeWithAllGather(cfg)
+                with vs.forward_context(**fields):
+                    prep = pfo.prepare(hs[rank], lg[rank])
+                    out = pfo.finalize(prep.hidden_states * coeff[rank], reduce_results=False)
+                return prep.hidden_states, prep.router_logits, out
+
+            with _their_ops_on_cpu(orig):
+                theirs = flow()
+            av.install()
+            try:
+                ours = flow()
+                with vs.forward_context(**fields):
+                    gather_fake = _fake_shape(ops.maybe_all_gather_and_maybe_unpad, hs[rank])
+                    reduce_fake = _fake_shape(ops.maybe_pad_and_reduce, torch.empty(n, H, dtype=dtype))
+            finally:
+                av.uninstall()
+            with vs.forward_context(**fields):
+                their_gather_fake = tuple(orig["_maybe_all_gather_and_maybe_unpad_fake"](hs[rank]).shape)
+
+            # The EP gather: each DP rank's padded batch (its PCP x TP chunks
+            # in rank order) cut to its token count, DP ranks in order; padded
+            # to max_tokens_across_pcp and gathered over PCP.
+            def real_rows(parts, width):
+                g = torch.cat([torch.cat(parts[dd * per_dp : (dd + 1) * per_dp])[: tokens[dd]] for dd in range(dp)])
+                g = torch.cat([g, torch.zeros(extra, width, dtype=dtype)])
+                return torch.cat([g] * pcp_size)
+
+            want_h, want_l = real_rows(hs, H), real_rows(lg, E)
+            # Finalize: the PCP reduce-scatter sums the PCP ranks' outputs, the
+            # EP reduce-scatter sums over every rank, so each rank gets back
+            # its own chunk, rows past its DP rank's token count zero, times
+            # PCP x sum(c).
+            real = min(max(tokens[d] - (p * tp + t) * chunk, 0), chunk)
+            mask = (torch.arange(chunk) < real).unsqueeze(1)
+            want_out = (hs[rank].float() * mask * (pcp_size * sum(coeff))).to(dtype)
+            for what, th, ou, want in zip(("hidden_states", "router_logits", "output"), theirs, ours, (want_h, want_l, want_out)):
+                assert torch.equal(ou, want), f"{case} {dtype}: adapter {what} {ou.tolist()} != {want.tolist()}"
+                assert th.shape == ou.shape and torch.equal(th, ou), f"{case} {dtype}: vLLM-Ascend's {what} differs"
+            # Our fakes give the shapes the real ops give on this path;
+            # vLLM-Ascend's gather fake says chunk x EP rows (its real gives n).
+            assert gather_fake == (n, H) and reduce_fake == (chunk, H), (case, gather_fake, reduce_fake)
+            assert their_gather_fake == (chunk * world, H), (case, their_gather_fake)
+        checks.append(case)
+    vs.set_groups(**base)
+    dist.all_reduce(torch.zeros(1))  # every rank done before any exits
+    return checks
+
+
 # ------------------------------------------------ seed fix 2: torch.compile
 
 
@@ -390,10 +540,23 @@ def compiled(name, world, rank):
 
     def make(mode, sp):
         r = Runner.__new__(Runner)
+        if isinstance(r, torch.nn.Module):
+            torch.nn.Module.__init__(r)  # the real vllm's MoERunner is a torch Module
         r._mode, r._sp = mode, sp
-        r.moe_config = _types.SimpleNamespace(is_sequence_parallel=sp, tp_size=1, ep_size=world, tp_group=groups["tp"])
+        r.moe_config = _types.SimpleNamespace(is_sequence_parallel=sp, tp_size=1, ep_size=world, tp_group=groups["tp"], hidden_dim=3)
         r.ascend_shared_experts = _types.SimpleNamespace(parallel_mode=lambda: mode)
         r.routed_output_transform = None
+        # What the real MoERunner.forward reads besides the reduction points:
+        # no input transform, no hidden-dim padding, no zero expert, scale 1,
+        # and its custom-op entry (`_forward_entry`, which looks the layer up
+        # by name) calling `_forward_impl` directly.
+        r.routed_input_transform = None
+        r._shared_experts = r.ascend_shared_experts
+        r.routed_experts = _types.SimpleNamespace(quant_method=_types.SimpleNamespace(skip_forward_padding=True, has_unpadded_output=False))
+        r.router = None
+        r.layer_name = "moe"
+        r.routed_scaling_factor = 1.0
+        r._forward_entry = lambda hs, logits, shared_in, input_ids, layer_name, unpadded: r._forward_impl(hs, logits, shared_in, input_ids)
         return r
 
     cts = [CT.ALLGATHER, CT.MC2, CT.ALLTOALL, CT.FUSED_MC2]
