@@ -56,6 +56,7 @@ from . import shapes as _shapes
 from ._lib import AmoeError, Status
 from .comm import Comm
 from .ops import CommType, ReducePolicy, SharedMode, SpLayout
+from .prepare import MoeContext, MoeGroups
 
 SWITCH = "ASCEND_MOE_VLLM"
 
@@ -475,6 +476,70 @@ def _shape_dtype(x):
     import torch
 
     return torch.uint8 if x.dtype in _byte_dtypes() else x.dtype
+
+
+# ------------------------------------------- vLLM's forward context as ours
+
+
+def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) -> "MoeContext":
+    """This rank's `ascend_moe.MoeContext` from vLLM-Ascend's forward context,
+    read when called: the DP token counts (`dp_metadata.num_tokens_across_dp_cpu`,
+    or `[num_tokens]` without DP), the TP and DP ranks of vLLM's groups, `sp`,
+    and the MC2 / FUSED_MC2 pad target `_EXTRA_CTX.padded_num_tokens`.
+    `num_tokens` is this rank's batch (the rows of `hidden_states`);
+    `num_actual_tokens` the real ones among them (vLLM-Ascend's
+    `set_ascend_forward_context` argument, which the forward context does not
+    keep; default all). With it, `ascend_moe.token_prepare(x, comm_type,
+    moe_context(...), moe_groups(), mc2_mask=engine_mask_tp_slice)` computes
+    what `PrepareAndFinalizeWithMC2.prepare` returns and writes the mask into
+    the engine's own buffer."""
+    ctx = _vllm_forward_context()
+    tp, dp = _tp_group(), _group("get_dp_group")
+    dp_metadata = getattr(ctx, "dp_metadata", None)
+    dp_size = int(dp.world_size)
+    if dp_metadata is not None and dp_size > 1:
+        tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu)
+        dp_rank = int(dp.rank_in_group)
+    else:
+        tokens, dp_rank = [int(num_tokens)], 0
+    if len(tokens) != max(dp_size, 1) and dp_metadata is not None and dp_size > 1:
+        raise AmoeError(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
+    if tokens[dp_rank] != int(num_tokens):
+        raise AmoeError(
+            Status.SHAPE,
+            f"moe_context: this rank's batch has {num_tokens} rows, the forward context says DP rank {dp_rank} has {tokens[dp_rank]}",
+        )
+    padded = getattr(_extra_ctx(), "padded_num_tokens", None)
+    return MoeContext(
+        tokens,
+        int(tp.world_size),
+        dp_rank,
+        int(tp.rank_in_group),
+        sp,
+        num_actual_tokens=num_actual_tokens,
+        padded_num_tokens=None if padded is None else int(padded),
+    )
+
+
+def moe_groups(device_kind: str = "cpu") -> "MoeGroups":
+    """`ascend_moe.MoeGroups` of vLLM's EP, TP and DP groups, from the
+    communicators `comm_for_group` maps them to (cached per group); the
+    groups must be ascend-moe communicators (a CPU world, or with
+    `device_kind="npu"` the groups' borrowed HCCL communicators), not the
+    group-collectives fallback."""
+    backends = [comm_for_group(g, device_kind) for g in (_group("get_ep_group"), _tp_group(), _group("get_dp_group"))]
+    if any(b.kind != "comm" for b in backends):
+        raise AmoeError(Status.UNAVAILABLE, "moe_groups: a vLLM group is not an ascend-moe communicator here (ranks on several hosts)")
+    key = tuple(id(b) for b in backends)
+    with _BACKENDS_LOCK:
+        hit = _MOE_GROUPS.get(key)
+        if hit is None:
+            hit = MoeGroups.from_comms(*(b.comm for b in backends))
+            _MOE_GROUPS[key] = hit
+        return hit
+
+
+_MOE_GROUPS: dict = {}
 
 
 # ------------------------------------------------------ reduction points

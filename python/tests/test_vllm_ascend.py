@@ -68,6 +68,15 @@ def test_vllm_ascend_pcp_flow_under_install(world_results):
     assert len(cases) == len(vllm_workers.pcp_cases()), cases
 
 
+def test_mc2_prepare_matches_vllm_ascend_with_the_engines_pad_and_mask(world_results):
+    """ascend-moe's MC2 prepare / finalize from the adapter's `moe_context()`
+    against vLLM-Ascend's PrepareAndFinalizeWithMC2: same rows, pad target
+    `padded_num_tokens`, mask written into the engine's buffer."""
+    cases = world_results[0]["mc2"]
+    assert all(world_results[r]["mc2"] == cases for r in range(4))
+    assert cases == [c[0] for c in vllm_workers.mc2_cases()], cases
+
+
 def test_compiled_layer_replayed_under_every_comm_type(world_results):
     rows = world_results[0]["compiled"]
     assert all(world_results[r]["compiled"] == rows for r in range(4))

@@ -52,11 +52,12 @@ def init(name, world, rank, tp_size=2):
 
 
 def all_cases(name, world, rank):
-    """`adapter_api`, `differential`, `pcp` and `compiled` in one world (one process start-up)."""
+    """`adapter_api`, `differential`, `pcp`, `mc2` and `compiled` in one world (one process start-up)."""
     return {
         "api": adapter_api(name, world, rank),
         "differential": differential(name, world, rank),
         "pcp": pcp(name, world, rank),
+        "mc2": mc2(name, world, rank),
         "compiled": compiled(name, world, rank),
     }
 
@@ -457,6 +458,79 @@ def pcp(name, world, rank):
         checks.append(case)
     vs.set_groups(**base)
     dist.all_reduce(torch.zeros(1))  # every rank done before any exits
+    return checks
+
+
+def mc2_cases():
+    """(name, tokens per DP rank, real tokens per DP rank, the engine's pad target or None for vLLM-Ascend's rule)."""
+    return [
+        ("[3, 2]", [3, 2], [3, 2], None),
+        ("[3, 2] graph padding", [3, 2], [2, 1], None),
+        ("[5, 1] padded to 8", [5, 1], [4, 1], 8),
+        ("[1, 0] zero-token DP rank", [1, 0], [1, 0], None),
+        ("[4, 4] padded to 6", [4, 4], [4, 3], 6),
+    ]
+
+
+def mc2(name, world, rank):
+    """vLLM-Ascend's `PrepareAndFinalizeWithMC2` (TP 2, DP 2) against
+    ascend-moe's token prepare / finalize with the context the adapter reads
+    from vLLM's forward context: the same rows, padded to the forward
+    context's `padded_num_tokens`, and the mask written into the engine's own
+    buffer equal to the slice vLLM-Ascend returns of its mask (which the engine
+    writes as `set_ascend_forward_context` does)."""
+    from types import SimpleNamespace
+
+    import ascend_moe as am
+    import ascend_moe.vllm_ascend as av
+
+    _, _, groups = init(name, world, rank)
+    pf = vs.load("prepare_finalize")
+    fa = vs.load("ascend_forward_context")
+    d, t = rank // 2, rank % 2
+    cfg = SimpleNamespace(tp_group=groups["tp"], dp_group=groups["dp"], tp_size=2, dp_size=2, ep_size=world, pcp_size=1)
+    checks = []
+    for case, tokens, actual, target in mc2_cases():
+        padded = target if target is not None else math.ceil(max(tokens) / 2) * 2
+        # The engine's reserved mask, written as set_ascend_forward_context writes it.
+        reserved = torch.zeros(16, dtype=torch.bool)
+        engine_mask = reserved[:padded]
+        engine_mask[: actual[d]] = True
+        engine_mask[actual[d] :] = False
+        fields = dict(
+            dp_metadata=vs.DPMetadata(tokens),
+            padded_num_tokens=padded,
+            mc2_mask=engine_mask,
+            moe_comm_type=fa.MoECommType.MC2,
+        )
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _ints(_seed("mc2", case, d), (tokens[d], 4), dtype)
+            logits = _ints(_seed("mc2-l", case, d), (tokens[d], 3), dtype)
+            with vs.forward_context(**fields):
+                layer = pf.PrepareAndFinalizeWithMC2(cfg)
+                theirs = layer.prepare(x, logits)
+                their_back = layer.finalize(
+                    theirs.hidden_states, reduce_results=False, padded_hidden_states_shape=theirs.padded_hidden_states_shape
+                )
+                ctx = av.moe_context(tokens[d], num_actual_tokens=actual[d])
+                mg = av.moe_groups()
+                # Our buffer starts as the opposite of the mask, so an unwritten entry shows.
+                ours_buf = ~engine_mask.clone()
+                rows = padded // 2
+                hidden, mask = am.token_prepare(x, am.CommType.MC2, ctx, mg, mc2_mask=ours_buf[t * rows : (t + 1) * rows])
+                our_logits, _ = am.token_prepare(logits, am.CommType.FUSED_MC2, ctx, mg)
+                back = am.token_finalize(hidden, am.CommType.MC2, ctx, mg)
+            what = f"{case} {dtype} rank {rank}"
+            assert torch.equal(hidden, theirs.hidden_states), what
+            assert torch.equal(our_logits, theirs.router_logits), what
+            assert torch.equal(mask, theirs.mc2_mask) and mask.data_ptr() == ours_buf.data_ptr() + t * rows, what
+            assert torch.equal(ours_buf[(1 - t) * rows : (2 - t) * rows], ~engine_mask[(1 - t) * rows : (2 - t) * rows]), what
+            # Worked out from the inputs: rows [t * rows, (t + 1) * rows) of x padded with zeros.
+            want = torch.cat([x, torch.zeros(padded - tokens[d], 4, dtype=dtype)])[t * rows : (t + 1) * rows]
+            assert torch.equal(hidden, want), what
+            assert torch.equal(back, their_back) and torch.equal(back, x), what
+        checks.append(case)
+    dist.all_reduce(torch.zeros(1))
     return checks
 
 
