@@ -3,9 +3,10 @@
 //! type: token prepare, an experts stand-in (the fused finalize), the routed
 //! reduction point, token finalize, the shared-expert and final reduction
 //! points. Each graph is replayed 3 times with new values written into the
-//! same input buffers; every replay's outputs equal the eager CPU results
-//! (through the same C ABI on host memory and the CPU communicator) bit for
-//! bit. Ignored without an NPU (`ci/sim.sh` runs it on the simulated runtime).
+//! same input buffers; every replay's outputs equal, bit for bit, the
+//! layer's SPEC formulas computed here on plain vectors, as do the same C ABI
+//! calls run eagerly on host memory and the CPU communicator. Ignored without
+//! an NPU (`ci/sim.sh` runs it on the simulated runtime).
 
 mod common;
 
@@ -274,6 +275,82 @@ fn cpu_layer(case: Case, seeds: &[usize]) -> Vec<Vec<Outputs>> {
     })
 }
 
+/// The layer's outputs on every rank for one seed, from SPEC sections 5 and
+/// 6 written out here on plain vectors: the experts stand-in scales prepared
+/// row `i` by `w[i]`; the policy never reduces early (no routed transform;
+/// TP-sharded shared expert, SP-only with SP); values are multiples of 1/32
+/// whose sums of at most 4 are exact, so the result is bitwise.
+fn reference_layer(case: Case, seed: usize) -> Vec<Outputs> {
+    let x: Vec<Vec<f32>> = (0..WORLD).map(|r| inputs(seed, r, local_rows(case, r) * H)).collect();
+    let row = |r: usize, i: usize| -> &[f32] { &x[r][i * H..(i + 1) * H] };
+    let weight = |i: usize| if i % 2 == 0 { 0.5f32 } else { 0.25 };
+    // Row i of rank r's batch zero-padded past its rows.
+    let padded = |r: usize, i: usize| -> Vec<f32> {
+        if i < local_rows(case, r) {
+            row(r, i).to_vec()
+        } else {
+            vec![0.0; H]
+        }
+    };
+    let scaled = |v: &[f32], w: f32, times: f32| -> Vec<f32> { v.iter().map(|a| a * w * times).collect() };
+    let add = |a: &[f32], b: &[f32]| -> Vec<f32> { a.iter().zip(b).map(|(p, q)| p + q).collect() };
+    let tp_sum = |r: usize, per: &dyn Fn(usize) -> Vec<f32>| -> Vec<f32> {
+        let [a, b] = tp_ranks(r);
+        add(&per(a), &per(b))
+    };
+    let reduced = !matches!(case.comm, amoe_comm_type::Allgather) || case.sp;
+    let outs = (0..WORLD)
+        .map(|r| {
+            let d = r / TP;
+            if case.sp {
+                // EP gather of every rank's rows in rank order, then the EP
+                // reduce-scatter of 4 identical scaled copies: 4 w[i] x.
+                let first: usize = (0..r).map(|q| local_rows(case, q)).sum();
+                (0..local_rows(case, r)).flat_map(|i| scaled(row(r, i), weight(first + i), WORLD as f32)).collect()
+            } else {
+                match case.comm {
+                    // Pad to max T_d, DP gather (block d at d * 5), DP reduce-scatter of DP identical copies.
+                    amoe_comm_type::Allgather => {
+                        let m = DP_TOKENS.iter().copied().max().unwrap_or(0);
+                        (0..DP_TOKENS[d]).flat_map(|i| scaled(row(r, i), weight(d * m + i), 2.0)).collect()
+                    }
+                    // Row j of the DP batch comes from the TP rank whose slice holds it.
+                    _ => {
+                        let sizes: Vec<usize> = if matches!(case.comm, amoe_comm_type::Alltoall) {
+                            let n = DP_TOKENS[d].max(TP);
+                            (0..TP).map(|q| n / TP + usize::from(q < n % TP)).collect()
+                        } else {
+                            // MC2 pads every DP rank to ceil_to(max_d T_d, TP).
+                            let m = DP_TOKENS.iter().copied().max().unwrap_or(0);
+                            vec![m.div_ceil(TP); TP]
+                        };
+                        (0..DP_TOKENS[d])
+                            .flat_map(|j| {
+                                let (mut q, mut off) = (0, 0);
+                                while j >= off + sizes[q] {
+                                    off += sizes[q];
+                                    q += 1;
+                                }
+                                scaled(&padded(d * TP + q, j), weight(j - off), 1.0)
+                            })
+                            .collect()
+                    }
+                }
+            }
+        })
+        .collect::<Vec<Vec<f32>>>();
+    (0..WORLD)
+        .map(|r| {
+            // Shared output: TP-sharded without SP is all-reduced iff the
+            // routed output already is; SP-only is left as it is.
+            let shared = if !case.sp && reduced { tp_sum(r, &|q| x[q].clone()) } else { x[r].clone() };
+            // Final: without SP, all-reduced over TP unless the routed output already is.
+            let fin = if !case.sp && !reduced { tp_sum(r, &|q| outs[q].clone()) } else { outs[r].clone() };
+            (outs[r].clone(), shared, fin)
+        })
+        .collect()
+}
+
 fn dev_ptr<T: ascend_moe::Element>(b: &DeviceBuffer<T>) -> *mut c_void {
     b.as_bytes().as_ptr()
 }
@@ -409,7 +486,12 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn run_cases(guarded: bool) {
     let seeds: Vec<usize> = (1..=REPLAYS).collect();
     for case in CASES {
-        let want = cpu_layer(case, &seeds);
+        // Expected: the SPEC's formulas (reference_layer); the same C ABI
+        // calls on host memory and the CPU communicator must give them too.
+        let want: Vec<Vec<Outputs>> = (0..WORLD)
+            .map(|r| seeds.iter().map(|&seed| reference_layer(case, seed).swap_remove(r)).collect())
+            .collect();
+        let host = cpu_layer(case, &seeds);
         let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
         let got: Vec<Vec<Outputs>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..WORLD)
@@ -424,6 +506,10 @@ fn run_cases(guarded: bool) {
                 .collect()
         });
         for rank in 0..WORLD {
+            for (i, (c, w)) in host[rank].iter().zip(&want[rank]).enumerate() {
+                let what = format!("{case:?} rank {rank} seed {i} on the host");
+                assert_eq!((bits(&c.0), bits(&c.1), bits(&c.2)), (bits(&w.0), bits(&w.1), bits(&w.2)), "{what}");
+            }
             for (i, (g, w)) in got[rank].iter().zip(&want[rank]).enumerate() {
                 let what = format!("{case:?} rank {rank} replay {i}");
                 assert_eq!(bits(&g.0), bits(&w.0), "{what}: token finalize output");

@@ -150,6 +150,39 @@ fn expect(p: &mut Vec<String>, op: &str, t: &Tensor, want: &[f32]) {
     }
 }
 
+/// finalize(prepare(x)) of SPEC section 6 on DP2 x TP2 with tokens [5, 1],
+/// every rank's `x` its own `fv` values: the reducing ALLGATHER paths sum the
+/// identical gathered copies (EP size with SP, DP size without); MC2 /
+/// FUSED_MC2 / ALLTOALL without SP give back each DP row from the TP rank
+/// whose slice held it (zero past that rank's rows); with SP they are the
+/// identity.
+fn prepare_finalize_want(ct: CommType, sp: bool, rank: usize, local: usize, width: usize) -> Vec<f32> {
+    let mine = fv(local * width, rank);
+    let times = |k: f32| mine.iter().map(|v| v * k).collect::<Vec<f32>>();
+    match (ct, sp) {
+        (CommType::AllGather, true) => times(WORLD as f32),
+        (CommType::AllGather, false) => times(2.0),
+        (_, true) => mine,
+        (_, false) => {
+            let (d, t_d) = (rank / 2, [5usize, 1][rank / 2]);
+            let sizes: Vec<usize> = if ct == CommType::AllToAll {
+                let n = t_d.max(2);
+                (0..2).map(|q| n / 2 + usize::from(q < n % 2)).collect()
+            } else {
+                vec![5usize.div_ceil(2); 2]
+            };
+            (0..t_d)
+                .flat_map(|j| {
+                    let q = usize::from(j >= sizes[0]);
+                    // Rank (d, q) holds t_d rows of its own values.
+                    let src = fv(t_d * width, 2 * d + q);
+                    rows(&src, width, j, 1)
+                })
+                .collect()
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
@@ -346,14 +379,22 @@ fn a_second_call_of_every_op_makes_no_host_sync_allocation_or_host_copy() {
         // and off (uneven DP tokens, fewer than TP on DP rank 1), with 64-
         // and 20-byte rows.
         let groups = MoeGroups::from_world(&comm, 2)?;
+        let dp_tokens = [5usize, 1];
         for (sp, width) in [(false, h), (true, h), (false, odd), (true, odd)] {
-            let ctx = MoeContext::new(&[5, 1], 2, rank / 2, rank % 2, sp)?;
-            let x = filled(&dev, &[ctx.local_tokens(), width], rank)?;
+            let ctx = MoeContext::new(&dp_tokens, 2, rank / 2, rank % 2, sp)?;
+            let local = ctx.local_tokens();
+            let x = filled(&dev, &[local, width], rank)?;
             for ct in CommType::ALL {
-                p.extend(measure(&nd, &format!("prepare + finalize {} sp {sp} h {width}", ct.name()), || {
+                let op = format!("prepare + finalize {} sp {sp} h {width}", ct.name());
+                let mut back = None;
+                p.extend(measure(&nd, &op, || {
                     let prepared = prepare(&x, ct, &ctx, &groups)?;
-                    finalize(prepared.hidden, ct, &ctx, &groups).map(drop)
+                    back = Some(finalize(prepared.hidden, ct, &ctx, &groups)?);
+                    Ok(())
                 }));
+                if let Some(t) = &back {
+                    expect(&mut p, &op, t, &prepare_finalize_want(ct, sp, rank, local, width));
+                }
             }
         }
 
