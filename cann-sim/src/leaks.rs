@@ -1,20 +1,12 @@
 //! The leak report: what is still alive when the process exits.
 //!
-//! Armed by `aclInit`; runs from the library's `.fini_array` entry (at `exit`
-//! or unload). `CANNSIM_LEAK_REPORT=1` prints it to stderr, `=fail` also ends
+//! Armed once `aclInit` has succeeded ([`context::ever_initialized`]); runs
+//! from the library's `.fini_array` entry (at `exit` or unload). `CANNSIM_LEAK_REPORT=1` prints it to stderr, `=fail` also ends
 //! the process with `CANNSIM_LEAK_EXIT_CODE` (97) when anything leaked.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use crate::config::{self, LeakMode};
-use crate::{acl, aclnn, arena, capture, context, hccl, nnop};
-
-static ARMED: AtomicBool = AtomicBool::new(false);
-
-/// Enables the report for this process.
-pub fn arm() {
-    ARMED.store(true, Ordering::SeqCst);
-}
+use crate::host_bufs::host_bufs;
+use crate::{aclnn, arena, capture, context, hccl, nnop};
 
 /// The report: one line per leaked object kind, plus notes. Empty `leaks`
 /// means nothing leaked.
@@ -40,7 +32,7 @@ pub fn collect() -> Report {
             r.leaks.push(format!("device buffer {addr:#x} ({size} bytes, device {})", a.device));
         }
     }
-    for (addr, size) in acl::HOST_BUFS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+    for (addr, size) in host_bufs().iter() {
         r.leaks.push(format!("host buffer {addr:#x} ({size} bytes, aclrtMallocHost)"));
     }
     for (h, t) in nnop::TENSORS.all() {
@@ -77,7 +69,7 @@ pub fn render(r: &Report) -> String {
 }
 
 extern "C" fn at_exit() {
-    if !ARMED.load(Ordering::SeqCst) {
+    if !context::ever_initialized() {
         return;
     }
     let mode = config::get().leak_report;

@@ -22,7 +22,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use crate::arena;
-use crate::context;
+use crate::capture;
 use crate::ffi::*;
 use crate::handles::Table;
 use crate::nnop::TensorDesc;
@@ -127,7 +127,7 @@ pub(super) fn launch(
     if !name_ok {
         return invalid(op, "the executor was prepared for a different operator");
     }
-    let s = context::stream_here(stream as usize).map_err(|e| SimError::new(ACLNN_ERR_RUNTIME_ERROR, e.msg))?;
+    let s = capture::stream_here(stream as usize).map_err(|e| SimError::new(ACLNN_ERR_RUNTIME_ERROR, e.msg))?;
     if need > 0 {
         if ws_size < need {
             return invalid(

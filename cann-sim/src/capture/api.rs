@@ -64,6 +64,9 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
         let session = Session { mode, thread: std::thread::current().id(), origin: s.clone() };
         let state = ModelState { capture: Some(session), ..ModelState::default() };
         let h = MODELS.insert(Arc::new(Model { device: s.device, state: Mutex::new(state) }));
+        // Before the first stream joins a capture, the streams' queues start
+        // passing their jobs to the capture.
+        crate::stream::install_interceptor(super::hooks::intercept);
         m.push(Member { stream: s, model: h, recorded: 0, joined: 0 });
         Ok(())
     })
@@ -226,7 +229,7 @@ pub extern "C" fn aclmdlRIExecuteAsync(model_ri: AclmdlRI, stream: AclrtStream) 
                 format!("the model was captured on device {} but the current device is {cur}", model.device),
             );
         }
-        let s = context::stream_here(stream as usize)?;
+        let s = super::hooks::stream_here(stream as usize)?;
         let tasks = {
             let st = model.lock();
             if st.capture.is_some() {

@@ -524,7 +524,7 @@ fn enqueue(
     if e != HCCL_SUCCESS {
         return fail(e, format!("communicator {} failed in an earlier collective (HCCL error {e})", c.name));
     }
-    let s: Arc<Stream> = context::stream(stream_h as usize).map_err(|e| SimError::new(HCCL_E_PARA, e.msg))?;
+    let s: Arc<Stream> = crate::capture::stream(stream_h as usize).map_err(|e| SimError::new(HCCL_E_PARA, e.msg))?;
     if s.device != c.device {
         return fail(HCCL_E_PARA, format!("stream on device {} but communicator on device {}", s.device, c.device));
     }
