@@ -7,9 +7,9 @@ use std::sync::Arc;
 use crate::arena;
 use crate::context::{self, STREAMS};
 use crate::counters;
-use crate::ffi::ACL_ERROR_RT_STREAM_CONTEXT;
+use crate::ffi::{AclrtStream, ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_STREAM_CONTEXT};
 use crate::host_bufs::host_bufs;
-use crate::status::{fail, SimResult};
+use crate::status::{fail, write_out, SimResult};
 use crate::stream::{Event, Job, Stream};
 
 use super::codes::*;
@@ -203,6 +203,41 @@ pub fn sync_stream(call: &str, h: usize) -> SimResult<()> {
     if let Some(model) = captured {
         invalidate(model, &format!("{call} was called on a capturing stream"));
         return fail(ACL_ERROR_RT_STREAM_CAPTURED, format!("{call}: the stream is capturing (aclmdlRICaptureBegin)"));
+    }
+    Ok(())
+}
+
+/// The query of `aclmdlRICaptureGetInfo(stream, status, modelRI)`: NONE (and
+/// a NULL model) for a stream that does not capture, else ACTIVE or
+/// INVALIDATED and the model being recorded.
+///
+/// `aclmdlRICaptureGetInfoImpl` (hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:70-92`,
+/// v8.5.0): a NULL stream is `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
+/// line 73; the default stream is not asked about, it never captures); one
+/// of `status` and `modelRI` may be NULL, not both (lines 74-77); each
+/// non-NULL one is written (lines 85-92).
+pub unsafe fn capture_info(stream: AclrtStream, status: *mut i32, model_ri: *mut AclmdlRI) -> SimResult<()> {
+    // model_ri.cpp:73.
+    if stream.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, "stream is NULL (the default stream cannot be asked about)");
+    }
+    // model_ri.cpp:74-77.
+    if status.is_null() && model_ri.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, "status and modelRI cannot both be NULL");
+    }
+    let s = context::resolve_stream(stream as usize)?;
+    let h = member_of(&members(), &s).map(|x| x.model);
+    let (st, h) = match h.and_then(|h| MODELS.get(h).map(|m| (h, m))) {
+        None => (ACL_MODEL_RI_CAPTURE_STATUS_NONE, 0),
+        Some((h, m)) if m.lock().invalid.is_some() => (ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED, h),
+        Some((h, _)) => (ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE, h),
+    };
+    // model_ri.cpp:85-92.
+    if !status.is_null() {
+        write_out(status, st, ACL_ERROR_INVALID_PARAM, "status")?;
+    }
+    if !model_ri.is_null() {
+        write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")?;
     }
     Ok(())
 }
