@@ -11,7 +11,8 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 use crate::arena;
-use crate::capture;
+use crate::capture::capture_info;
+use crate::capture::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
 use crate::ffi::*;
 use crate::hccl::comms;
 use crate::status::{self, fail, SimError, SimResult};
@@ -312,10 +313,8 @@ pub fn not_under_capture(call: &str, stream: AclrtStream) -> SimResult<()> {
     // Asked as the ACL call `aclmdlRICaptureGetInfo`, its boundary included:
     // a failed query is the thread's last ACL error (`aclrtGetLastError`).
     // SAFETY: the query writes through the two valid out-pointers.
-    let rc = status::acl("aclmdlRICaptureGetInfo", || unsafe {
-        capture::capture_info(stream, &mut capture_status, &mut model)
-    });
-    if rc == 0 && capture_status != capture::ACL_MODEL_RI_CAPTURE_STATUS_NONE {
+    let rc = status::acl("aclmdlRICaptureGetInfo", || unsafe { capture_info(stream, &mut capture_status, &mut model) });
+    if rc == 0 && capture_status != ACL_MODEL_RI_CAPTURE_STATUS_NONE {
         return fail(
             HCCL_E_NOT_SUPPORT,
             format!("{call} on a capturing stream: HCCL supports no barrier under graph capture (aclgraph)"),

@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use crate::ffi::*;
-use crate::nnop::{dtype_name, Scalar, TensorDesc, SCALARS};
+use crate::nnop::objects::{dtype_name, Scalar, TensorDesc, SCALARS};
 use crate::status::{self, fail, SimError, SimResult};
 
 use super::executor::{check_outs, publish, Op};

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::ffi::*;
 use crate::handles::Table;
-use crate::nnop::TensorDesc;
+use crate::nnop::objects::TensorDesc;
 use crate::status::{fail, write_out, SimResult};
 
 /// Workspace bytes `aclnnMoeFinalizeRoutingV2` and `aclnnMoeTokenUnpermute`

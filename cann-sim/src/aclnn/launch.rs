@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use crate::arena;
 use crate::capture;
 use crate::ffi::*;
-use crate::nnop::TensorDesc;
+use crate::nnop::objects::TensorDesc;
 use crate::status::{SimError, SimResult};
 
 use super::executor::EXECUTORS;

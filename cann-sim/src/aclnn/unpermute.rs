@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use crate::ffi::*;
-use crate::nnop::{dtype_name, TensorDesc};
+use crate::nnop::objects::{dtype_name, TensorDesc};
 use crate::status::{self, fail, SimResult};
 
 use super::executor::{check_outs, publish, Op, MOE_WORKSPACE};
