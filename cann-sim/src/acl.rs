@@ -18,15 +18,9 @@ use crate::arena::{self, Span};
 use crate::config;
 use crate::context::{self, EVENTS, STREAMS};
 use crate::ffi::*;
+use crate::host_bufs::host_bufs;
 use crate::status::{self, fail, write_out, SimError, SimResult};
 use crate::stream::{Event, Stream};
-
-/// Host buffers from `aclrtMallocHost`: address -> size.
-pub static HOST_BUFS: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
-
-fn host_bufs() -> std::sync::MutexGuard<'static, BTreeMap<usize, usize>> {
-    HOST_BUFS.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// `aclError aclInit(const char *configPath)`.
 #[no_mangle]
@@ -115,7 +109,7 @@ pub extern "C" fn aclrtSynchronizeStream(stream: AclrtStream) -> AclError {
         // capturing stream is RT_ERROR_STREAM_CAPTURED, before the context.
         crate::capture::sync_stream("aclrtSynchronizeStream", stream as usize)?;
         acl_rules::synchronize_stream(stream)?;
-        context::stream(stream as usize)?.synchronize(None)
+        crate::capture::stream(stream as usize)?.synchronize(None)
     })
 }
 
@@ -133,7 +127,7 @@ pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout
         crate::capture::sync_stream("aclrtSynchronizeStreamWithTimeout", stream as usize)?;
         acl_rules::synchronize_stream_with_timeout(stream, timeout)?;
         let t = (timeout >= 0).then(|| Duration::from_millis(timeout as u64));
-        context::stream(stream as usize)?.synchronize(t)
+        crate::capture::stream(stream as usize)?.synchronize(t)
     })
 }
 
@@ -142,7 +136,7 @@ pub extern "C" fn aclrtSynchronizeStreamWithTimeout(stream: AclrtStream, timeout
 pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -> AclError {
     status::acl("aclrtStreamWaitEvent", || {
         acl_rules::stream_wait_event(stream, event)?;
-        let s = context::stream_here(stream as usize)?;
+        let s = crate::capture::stream_here(stream as usize)?;
         let e = context::event(event as usize)?;
         // ApiErrorDecorator::StreamWaitEvent (runtime
         // src/runtime/feature/src/api_impl/api_error.cc:994-995, v8.5.0): an
@@ -416,7 +410,7 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
         // `ApiImpl::MemcpyAsync`, `api_impl.cc:2756-2762`: the stream (NULL:
         // the default stream) must belong to the thread's context
         // (RT_ERROR_STREAM_CONTEXT, `errcode_manage.cc:110`).
-        let s = context::stream_here(stream as usize)?;
+        let s = crate::capture::stream_here(stream as usize)?;
         crate::capture::async_copy(&s, c.dst, c.src, c.count)?;
         // acl_rt.h (torch-npu 2.9.0 and 2.14.0 headers), aclrtMemcpyAsync:
         // "For on-chip Device-to-Device memory copy, both the source and
@@ -488,7 +482,7 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
         acl_rules::memset_async(dev_ptr, max_count, count)?;
         // `ApiImpl::MemsetAsync`, `api_impl.cc:3074-3080`: the stream (NULL: the
         // default stream) must belong to the thread's context.
-        let s = context::stream_here(stream as usize)?;
+        let s = crate::capture::stream_here(stream as usize)?;
         let (addr, dev) = plan_memset(dev_ptr, count)?;
         s.enqueue("aclrtMemsetAsync", Box::new(move || run_memset(addr, dev, value, count)));
         Ok(())
@@ -630,7 +624,7 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
         acl_rules::record_event(event, stream)?;
         let e = context::event(event as usize)?;
         // ApiImpl::EventRecord: the stream must belong to the thread's context.
-        let s = context::stream_here(stream as usize)?;
+        let s = crate::capture::stream_here(stream as usize)?;
         // Stricter than CANN, whose runtime has no such check: an event is
         // recorded on a stream of the device it was created on.
         if e.device != s.device {

@@ -30,6 +30,7 @@ use std::ffi::c_void;
 use crate::arena;
 use crate::context;
 use crate::ffi::*;
+use crate::host_bufs::host_bufs;
 use crate::status::{fail, SimResult};
 
 /// What the export does after its rule passed.
@@ -182,7 +183,7 @@ fn memset_target(dev_ptr: *mut c_void, count: usize) -> SimResult<()> {
     if arena::owner(addr).is_some() {
         return Ok(());
     }
-    let bufs = crate::acl::HOST_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    let bufs = host_bufs();
     let inside = bufs.range(..=addr).next_back().is_some_and(|(&base, &len)| addr.saturating_add(count) <= base + len);
     if !inside {
         return fail(
@@ -246,7 +247,7 @@ pub fn destroy_stream(stream: AclrtStream) -> SimResult<()> {
     // `errcode_manage.cc:110`); API reference: "make sure the stream is in
     // the current context".
     current_device("aclrtDestroyStream")?;
-    context::stream_here(stream as usize).map(drop)
+    crate::capture::stream_here(stream as usize).map(drop)
 }
 
 /// `aclrtSynchronizeStream(stream)`, after the capture check

@@ -1,7 +1,12 @@
 //! Process state: `aclInit`, the calling thread's current device, each
 //! device's default stream, and the tables of live streams and events.
+//!
+//! A table layer: it resolves handles and devices and checks no call's use
+//! of them. The graph capture's checks on a stream a call uses sit above it
+//! ([`crate::capture::stream`]), and the leak report reads it from above.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::config;
@@ -24,6 +29,10 @@ enum InitState {
 
 static INIT: Mutex<InitState> = Mutex::new(InitState::Never);
 
+/// Set by the first successful `aclInit` and never cleared: the leak report
+/// runs only in a process that initialised ACL.
+static EVER_INITIALIZED: AtomicBool = AtomicBool::new(false);
+
 /// `aclInit`.
 pub fn init() -> SimResult<()> {
     let mut g = INIT.lock().unwrap_or_else(|e| e.into_inner());
@@ -31,8 +40,14 @@ pub fn init() -> SimResult<()> {
         return fail(ACL_ERROR_REPEAT_INITIALIZE, "aclInit was already called in this process");
     }
     *g = InitState::Initialized;
-    crate::leaks::arm();
+    EVER_INITIALIZED.store(true, Ordering::SeqCst);
     Ok(())
+}
+
+/// True once `aclInit` has succeeded in this process (`aclFinalize` does
+/// not clear it). Lock-free, so the leak report can ask at exit.
+pub fn ever_initialized() -> bool {
+    EVER_INITIALIZED.load(Ordering::SeqCst)
 }
 
 /// `aclFinalize`.
@@ -152,16 +167,8 @@ fn default_stream(d: u32) -> SimResult<Arc<Stream>> {
 }
 
 /// The stream of handle `h` (NULL = the current device's default stream),
-/// for a call that uses it: refused while graph capture forbids that use
-/// (see [`crate::capture::admit`]).
-pub fn stream(h: usize) -> SimResult<Arc<Stream>> {
-    let s = resolve_stream(h)?;
-    crate::capture::admit(&s)?;
-    Ok(s)
-}
-
-/// The stream of handle `h` (NULL = the current device's default stream),
-/// without the graph capture checks (for the capture calls themselves).
+/// without the graph capture checks: [`crate::capture::stream`] adds them for
+/// a call that uses the stream; the capture calls themselves use this.
 pub fn resolve_stream(h: usize) -> SimResult<Arc<Stream>> {
     if h == 0 {
         return default_stream(current()?);
@@ -174,20 +181,6 @@ pub fn device_streams(d: u32) -> Vec<Arc<Stream>> {
     let mut v: Vec<Arc<Stream>> = default_stream(d).into_iter().collect();
     v.extend(STREAMS.all().into_iter().map(|(_, s)| s).filter(|s| s.device == d));
     v
-}
-
-/// The stream of handle `h`, which must belong to the calling thread's device
-/// (`ApiImpl`: `COND_RETURN_AND_MSG_INVALID_CONTEXT_STREAM`, RT_ERROR_STREAM_CONTEXT).
-pub fn stream_here(h: usize) -> SimResult<Arc<Stream>> {
-    let cur = current()?;
-    let s = stream(h)?;
-    if s.device != cur {
-        return fail(
-            ACL_ERROR_RT_STREAM_CONTEXT,
-            format!("the stream belongs to device {} but the current device is {cur}", s.device),
-        );
-    }
-    Ok(s)
 }
 
 /// The event of handle `h`.

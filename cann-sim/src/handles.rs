@@ -8,16 +8,16 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// A table of live objects of one kind.
+/// A table of live objects of one kind (`T` may be a trait object).
 #[derive(Debug)]
-pub struct Table<T> {
+pub struct Table<T: ?Sized> {
     kind: &'static str,
     tag: usize,
     next: AtomicUsize,
     map: Mutex<BTreeMap<usize, Arc<T>>>,
 }
 
-impl<T> Table<T> {
+impl<T: ?Sized> Table<T> {
     /// A table whose handles carry `tag` (distinct per kind).
     pub const fn new(kind: &'static str, tag: usize) -> Self {
         Table { kind, tag, next: AtomicUsize::new(1), map: Mutex::new(BTreeMap::new()) }

@@ -11,8 +11,11 @@ use std::ffi::c_void;
 use std::sync::Mutex;
 
 use crate::arena;
+use crate::capture::capture_info;
+use crate::capture::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
 use crate::ffi::*;
-use crate::status::{fail, SimResult};
+use crate::hccl::comms;
+use crate::status::{self, fail, SimError, SimResult};
 use crate::version::CannVersion;
 
 /// Byte offsets in `HcclCommConfig` (the same in every layout version: each
@@ -143,20 +146,13 @@ static USED_IDS: Mutex<Option<HashSet<(usize, u64)>>> = Mutex::new(None);
 /// `subCommId` a rank outside the new group passes.
 pub const NOT_MEMBER_ID: u64 = 0xFFFF_FFFF;
 
+/// The parent's rank and size, as `HcclGetRankId` / `HcclGetRankSize`
+/// report them; a handle that is not a live communicator fails with their
+/// code.
 fn parent_rank_and_size(parent: HcclComm) -> SimResult<(u32, u32)> {
-    let (mut rank, mut size) = (0u32, 0u32);
-    // SAFETY: the exported HcclGetRankId/HcclGetRankSize validate the handle
-    // and write through the valid out-pointers.
-    let rc = unsafe { crate::hccl::HcclGetRankId(parent, &mut rank) };
-    if rc != HCCL_SUCCESS {
-        return fail(rc, format!("comm {parent:p} is not a live HcclComm"));
-    }
-    // SAFETY: as above.
-    let rc = unsafe { crate::hccl::HcclGetRankSize(parent, &mut size) };
-    if rc != HCCL_SUCCESS {
-        return fail(rc, format!("comm {parent:p} is not a live HcclComm"));
-    }
-    Ok((rank, size))
+    let c =
+        comms::comm(parent).map_err(|e| SimError::new(e.code, format!("comm {parent:p} is not a live HcclComm")))?;
+    Ok((c.rank, c.size))
 }
 
 /// The rules of `HcclCreateSubCommConfig` (HCCL API reference, hcclcpp_07_0019,
@@ -313,10 +309,12 @@ pub fn distinct_buffers(send: *const c_void, recv: *const c_void) -> SimResult<(
 // The stream is a handle the capture table resolves, never dereferenced.
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn not_under_capture(call: &str, stream: AclrtStream) -> SimResult<()> {
-    let (mut status, mut model) = (0i32, std::ptr::null_mut());
-    // SAFETY: the exported query writes through the two valid out-pointers.
-    let rc = unsafe { crate::capture::aclmdlRICaptureGetInfo(stream, &mut status, &mut model) };
-    if rc == 0 && status != crate::capture::ACL_MODEL_RI_CAPTURE_STATUS_NONE {
+    let (mut capture_status, mut model) = (0i32, std::ptr::null_mut());
+    // Asked as the ACL call `aclmdlRICaptureGetInfo`, its boundary included:
+    // a failed query is the thread's last ACL error (`aclrtGetLastError`).
+    // SAFETY: the query writes through the two valid out-pointers.
+    let rc = status::acl("aclmdlRICaptureGetInfo", || unsafe { capture_info(stream, &mut capture_status, &mut model) });
+    if rc == 0 && capture_status != ACL_MODEL_RI_CAPTURE_STATUS_NONE {
         return fail(
             HCCL_E_NOT_SUPPORT,
             format!("{call} on a capturing stream: HCCL supports no barrier under graph capture (aclgraph)"),

@@ -7,7 +7,7 @@
 use std::ffi::{c_char, c_void};
 
 use crate::arena;
-use crate::context;
+use crate::capture;
 use crate::ffi::*;
 use crate::status::{self, fail, SimError, SimResult};
 
@@ -127,7 +127,7 @@ unsafe fn launch(
     if (n_gm > 0 && gm_dev.is_null()) || (tiling_len > 0 && tiling.is_null()) {
         return fail(ACL_ERROR_INVALID_PARAM, "gm_dev or tiling is NULL but its length is not 0");
     }
-    let s = context::stream_here(stream as usize)?;
+    let s = capture::stream_here(stream as usize)?;
     let ptrs: Vec<usize> = if n_gm == 0 {
         Vec::new()
     } else {

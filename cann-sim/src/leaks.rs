@@ -1,20 +1,21 @@
 //! The leak report: what is still alive when the process exits.
 //!
-//! Armed by `aclInit`; runs from the library's `.fini_array` entry (at `exit`
-//! or unload). `CANNSIM_LEAK_REPORT=1` prints it to stderr, `=fail` also ends
-//! the process with `CANNSIM_LEAK_EXIT_CODE` (97) when anything leaked.
+//! Armed once `aclInit` has succeeded ([`context::ever_initialized`]); runs
+//! from the library's `.fini_array` entry (at `exit` or unload).
+//! `CANNSIM_LEAK_REPORT=1` prints it to stderr, `=fail` also ends the
+//! process with `CANNSIM_LEAK_EXIT_CODE` (97) when anything leaked.
+//!
+//! It reads the tables of live objects where they live (each a leaf of its
+//! part of the simulator), not the modules that export the calls filling
+//! them.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
+use crate::aclnn::EXECUTORS;
+use crate::capture::MODELS;
 use crate::config::{self, LeakMode};
-use crate::{acl, aclnn, arena, capture, context, hccl, nnop};
-
-static ARMED: AtomicBool = AtomicBool::new(false);
-
-/// Enables the report for this process.
-pub fn arm() {
-    ARMED.store(true, Ordering::SeqCst);
-}
+use crate::hccl::comms::COMMS;
+use crate::host_bufs::host_bufs;
+use crate::nnop::objects::{SCALARS, TENSORS};
+use crate::{arena, context};
 
 /// The report: one line per leaked object kind, plus notes. Empty `leaks`
 /// means nothing leaked.
@@ -40,22 +41,22 @@ pub fn collect() -> Report {
             r.leaks.push(format!("device buffer {addr:#x} ({size} bytes, device {})", a.device));
         }
     }
-    for (addr, size) in acl::HOST_BUFS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+    for (addr, size) in host_bufs().iter() {
         r.leaks.push(format!("host buffer {addr:#x} ({size} bytes, aclrtMallocHost)"));
     }
-    for (h, t) in nnop::TENSORS.all() {
+    for (h, t) in TENSORS.all() {
         r.leaks.push(format!("aclTensor {h:#x} (shape {:?}, data {:#x})", t.dims, t.data));
     }
-    for (h, _) in nnop::SCALARS.all() {
+    for (h, _) in SCALARS.all() {
         r.leaks.push(format!("aclScalar {h:#x}"));
     }
-    for (h, _) in aclnn::EXECUTORS.all() {
+    for (h, _) in EXECUTORS.all() {
         r.leaks.push(format!("aclOpExecutor {h:#x} (GetWorkspaceSize without the launch)"));
     }
-    for (h, m) in capture::MODELS.all() {
+    for (h, m) in MODELS.all() {
         r.leaks.push(format!("aclmdlRI {h:#x} (device {}, {} recorded tasks)", m.device, m.tasks()));
     }
-    for (h, c) in hccl::COMMS.all() {
+    for (h, c) in COMMS.all() {
         r.leaks.push(format!("HcclComm {h:#x} ({} rank {}/{})", c.name, c.rank, c.size));
     }
     for (d, n) in context::devices_still_set() {
@@ -77,7 +78,7 @@ pub fn render(r: &Report) -> String {
 }
 
 extern "C" fn at_exit() {
-    if !ARMED.load(Ordering::SeqCst) {
+    if !context::ever_initialized() {
         return;
     }
     let mode = config::get().leak_report;

@@ -37,6 +37,7 @@ pub mod ffi;
 pub mod handles;
 pub mod hccl;
 pub mod hccl_rules;
+pub mod host_bufs;
 pub mod kernel;
 pub mod leaks;
 pub mod nnop;

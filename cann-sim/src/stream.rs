@@ -10,10 +10,14 @@
 //!
 //! A failing task leaves a sticky error on its stream: later tasks on it are
 //! skipped and every synchronisation returns the error.
+//!
+//! A leaf under graph capture: a stream knows nothing of captures. Capture
+//! installs its [`Interceptor`] before a stream first takes part in one, and
+//! every queued job passes through it from then on.
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -25,6 +29,22 @@ use crate::status::{fail, SimError, SimResult};
 /// capturing stream is recorded into a model and runs again at every replay
 /// (`aclmdlRIExecuteAsync`), on the same buffers.
 pub type Job = Box<dyn Fn() -> SimResult<()> + Send + Sync>;
+
+/// Takes a job queued on a stream (named after the call that queued it):
+/// returns None when it recorded the job into a graph capture, or hands the
+/// job back to be queued.
+pub type Interceptor = fn(&Stream, &'static str, Job) -> Option<Job>;
+
+/// The interceptor of every stream's queue, once installed.
+static INTERCEPTOR: OnceLock<Interceptor> = OnceLock::new();
+
+/// Installs `f` as the interceptor of every stream's queue; the first
+/// installation stays. Graph capture installs its recorder
+/// ([`crate::capture::intercept`]) before any stream joins a capture, so no
+/// job queued on a capturing stream escapes it.
+pub fn install_interceptor(f: Interceptor) {
+    let _ = INTERCEPTOR.set(f);
+}
 
 struct Task {
     seq: u64,
@@ -128,9 +148,16 @@ impl Stream {
 
     /// Queues `job` (named after the call that queued it); returns its number.
     /// On a capturing stream the job is recorded into the capture's model
-    /// instead, and the number of the last task queued before it is returned.
+    /// instead (by the installed [`Interceptor`]), and the number of the last
+    /// task queued before it is returned.
     pub fn enqueue(&self, name: &'static str, job: Job) -> u64 {
-        let Some(job) = crate::capture::intercept(self, name, job) else { return self.last() };
+        let job = match INTERCEPTOR.get() {
+            Some(intercept) => match intercept(self, name, job) {
+                Some(job) => job,
+                None => return self.last(),
+            },
+            None => job,
+        };
         let mut g = self.lock();
         g.last += 1;
         let seq = g.last;

@@ -1,27 +1,41 @@
 //! `aclnnAdd`.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use crate::ffi::*;
-use crate::nnop::{dtype_name, Scalar, TensorDesc, SCALARS};
+use crate::nnop::objects::{dtype_name, Scalar, TensorDesc, SCALARS};
 use crate::status::{self, fail, SimError, SimResult};
 
+use super::executor::{check_outs, publish, Op};
+use super::launch::launch;
 use super::tensors::{invalid, is_float, read_f32, read_i32, required, want_dims, want_dtype, write_bytes, write_f32};
-use super::{check_outs, launch, publish, Executor};
 
 /// Phase-1 snapshot of `aclnnAdd`.
 #[derive(Debug)]
 pub struct Add {
-    pub(super) a: TensorDesc,
-    pub(super) b: TensorDesc,
+    a: TensorDesc,
+    b: TensorDesc,
     alpha: Scalar,
-    pub(super) out: TensorDesc,
+    out: TensorDesc,
 }
 
 pub(super) const ADD: &str = "aclnnAdd";
 
-impl Add {
-    pub(super) fn run(&self) -> SimResult<()> {
+impl Op for Add {
+    fn name(&self) -> &'static str {
+        ADD
+    }
+
+    fn workspace(&self) -> u64 {
+        0
+    }
+
+    fn tensors(&self) -> Vec<&TensorDesc> {
+        vec![&self.a, &self.b, &self.out]
+    }
+
+    fn run(&self) -> SimResult<()> {
         if self.a.dtype == ACL_INT32 {
             let (a, b) = (read_i32(&self.a)?, read_i32(&self.b)?);
             let alpha = self.alpha.int as i32;
@@ -71,7 +85,7 @@ pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(
             want_dims(op, arg, t, &a.dims)?;
             want_dtype(op, arg, t, a.dtype)?;
         }
-        publish(Executor::Add(Box::new(Add { a, b, alpha, out })), 0, workspace_size, executor)
+        publish(Arc::new(Add { a, b, alpha, out }), workspace_size, executor)
     })
 }
 

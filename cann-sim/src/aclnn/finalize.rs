@@ -1,15 +1,18 @@
 //! `aclnnMoeFinalizeRoutingV2`.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use crate::ffi::*;
-use crate::nnop::{dtype_name, TensorDesc};
+use crate::nnop::objects::{dtype_name, TensorDesc};
 use crate::status::{self, fail, SimResult};
 
+use super::executor::{check_outs, publish, Op, MOE_WORKSPACE};
+use super::launch::launch;
+use super::sum::blocked_sum;
 use super::tensors::{
     index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
 };
-use super::{blocked_sum, check_outs, launch, publish, Executor, MOE_WORKSPACE};
 
 /// Phase-1 snapshot of `aclnnMoeFinalizeRoutingV2`.
 #[derive(Debug)]
@@ -160,14 +163,22 @@ fn finalize_prepare(
     })
 }
 
-impl Finalize {
-    pub(super) fn tensors(&self) -> Vec<&TensorDesc> {
+impl Op for Finalize {
+    fn name(&self) -> &'static str {
+        FINALIZE
+    }
+
+    fn workspace(&self) -> u64 {
+        MOE_WORKSPACE
+    }
+
+    fn tensors(&self) -> Vec<&TensorDesc> {
         let mut v = vec![&self.expanded_x, &self.row_idx, &self.out];
         v.extend([&self.x1, &self.x2, &self.bias, &self.scales, &self.expert_idx].into_iter().flatten());
         v
     }
 
-    pub(super) fn run(&self) -> SimResult<()> {
+    fn run(&self) -> SimResult<()> {
         let op = FINALIZE;
         let (n, k, h) = (self.n, self.k, self.h);
         let drop_pad = self.mode == 1 || self.mode == 3;
@@ -251,7 +262,7 @@ pub unsafe extern "C" fn aclnnMoeFinalizeRoutingV2GetWorkspaceSize(
             drop_pad_mode,
             out,
         )?;
-        publish(Executor::Finalize(Box::new(f)), MOE_WORKSPACE, workspace_size, executor)
+        publish(Arc::new(f), workspace_size, executor)
     })
 }
 

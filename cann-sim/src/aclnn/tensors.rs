@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use crate::arena;
 use crate::ffi::*;
-use crate::nnop::{dtype_name, TensorDesc, TENSORS};
+use crate::nnop::objects::{dtype_name, TensorDesc, TENSORS};
 use crate::status::{fail, SimError, SimResult};
 
 pub(super) fn invalid<T>(op: &str, msg: impl std::fmt::Display) -> SimResult<T> {

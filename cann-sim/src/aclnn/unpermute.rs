@@ -1,15 +1,18 @@
 //! `aclnnMoeTokenUnpermute`.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use crate::ffi::*;
-use crate::nnop::{dtype_name, TensorDesc};
+use crate::nnop::objects::{dtype_name, TensorDesc};
 use crate::status::{self, fail, SimResult};
 
+use super::executor::{check_outs, publish, Op, MOE_WORKSPACE};
+use super::launch::launch;
+use super::sum::blocked_sum;
 use super::tensors::{
     index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
 };
-use super::{blocked_sum, check_outs, launch, publish, Executor, MOE_WORKSPACE};
 
 /// Phase-1 snapshot of `aclnnMoeTokenUnpermute`.
 #[derive(Debug)]
@@ -25,14 +28,22 @@ pub struct Unpermute {
 
 pub(super) const UNPERMUTE: &str = "aclnnMoeTokenUnpermute";
 
-impl Unpermute {
-    pub(super) fn tensors(&self) -> Vec<&TensorDesc> {
+impl Op for Unpermute {
+    fn name(&self) -> &'static str {
+        UNPERMUTE
+    }
+
+    fn workspace(&self) -> u64 {
+        MOE_WORKSPACE
+    }
+
+    fn tensors(&self) -> Vec<&TensorDesc> {
         let mut v = vec![&self.tokens, &self.idx, &self.out];
         v.extend(self.probs.as_ref());
         v
     }
 
-    pub(super) fn run(&self) -> SimResult<()> {
+    fn run(&self) -> SimResult<()> {
         let (t, k, h) = (self.t, self.k, self.h);
         let rows = self.tokens.dims[0];
         let x = read_f32(&self.tokens)?;
@@ -130,7 +141,7 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
         want_dims(op, "out", &out, &[t, *h])?;
         want_dtype(op, "out", &out, tokens.dtype)?;
         let u = Unpermute { h: *h as usize, tokens, idx, probs, out, t: t as usize, k: k as usize };
-        publish(Executor::Unpermute(Box::new(u)), MOE_WORKSPACE, workspace_size, executor)
+        publish(Arc::new(u), workspace_size, executor)
     })
 }
 

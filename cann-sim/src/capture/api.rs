@@ -9,6 +9,7 @@ use crate::status::{self, fail, write_out, SimError, SimResult};
 use crate::stream::Stream;
 
 use super::codes::*;
+use super::hooks::capture_info;
 use super::state::*;
 
 pub(super) fn not_null<T>(p: *mut T, what: &str) -> SimResult<()> {
@@ -64,6 +65,9 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
         let session = Session { mode, thread: std::thread::current().id(), origin: s.clone() };
         let state = ModelState { capture: Some(session), ..ModelState::default() };
         let h = MODELS.insert(Arc::new(Model { device: s.device, state: Mutex::new(state) }));
+        // Before the first stream joins a capture, the streams' queues start
+        // passing their jobs to the capture.
+        crate::stream::install_interceptor(super::hooks::intercept);
         m.push(Member { stream: s, model: h, recorded: 0, joined: 0 });
         Ok(())
     })
@@ -77,35 +81,14 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
 /// v8.5.0): a NULL stream is `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
 /// line 73; the default stream is not asked about, it never captures); one
 /// of `status` and `modelRI` may be NULL, not both (lines 74-77); each
-/// non-NULL one is written (lines 85-92).
+/// non-NULL one is written (lines 85-92). The query is [`capture_info`].
 #[no_mangle]
 pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
     stream: AclrtStream,
     status: *mut i32,
     model_ri: *mut AclmdlRI,
 ) -> AclError {
-    status::acl("aclmdlRICaptureGetInfo", || {
-        if stream.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "stream is NULL (the default stream cannot be asked about)");
-        }
-        if status.is_null() && model_ri.is_null() {
-            return fail(ACL_ERROR_INVALID_PARAM, "status and modelRI cannot both be NULL");
-        }
-        let s = context::resolve_stream(stream as usize)?;
-        let h = member_of(&members(), &s).map(|x| x.model);
-        let (st, h) = match h.and_then(|h| MODELS.get(h).map(|m| (h, m))) {
-            None => (ACL_MODEL_RI_CAPTURE_STATUS_NONE, 0),
-            Some((h, m)) if m.lock().invalid.is_some() => (ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED, h),
-            Some((h, _)) => (ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE, h),
-        };
-        if !status.is_null() {
-            write_out(status, st, ACL_ERROR_INVALID_PARAM, "status")?;
-        }
-        if !model_ri.is_null() {
-            write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")?;
-        }
-        Ok(())
-    })
+    status::acl("aclmdlRICaptureGetInfo", || unsafe { capture_info(stream, status, model_ri) })
 }
 
 /// `aclError aclmdlRICaptureEnd(aclrtStream stream, aclmdlRI *modelRI)`.
@@ -226,7 +209,7 @@ pub extern "C" fn aclmdlRIExecuteAsync(model_ri: AclmdlRI, stream: AclrtStream) 
                 format!("the model was captured on device {} but the current device is {cur}", model.device),
             );
         }
-        let s = context::stream_here(stream as usize)?;
+        let s = super::hooks::stream_here(stream as usize)?;
         let tasks = {
             let st = model.lock();
             if st.capture.is_some() {

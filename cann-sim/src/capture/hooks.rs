@@ -1,20 +1,23 @@
 //! The hooks other calls go through: recording a capturing stream's tasks,
-//! and refusing what CANN refuses while a stream captures.
+//! resolving the stream a call uses, and refusing what CANN refuses while a
+//! stream captures.
 
 use std::sync::Arc;
 
-use crate::acl::HOST_BUFS;
 use crate::arena;
 use crate::context::{self, STREAMS};
 use crate::counters;
-use crate::status::{fail, SimResult};
+use crate::ffi::{AclrtStream, ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_STREAM_CONTEXT};
+use crate::host_bufs::host_bufs;
+use crate::status::{fail, write_out, SimResult};
 use crate::stream::{Event, Job, Stream};
 
 use super::codes::*;
 use super::state::*;
 
-/// Called by [`Stream::enqueue`]: records `job` when `s` captures (returns
-/// None), otherwise hands it back to be queued.
+/// The streams' [`crate::stream::Interceptor`], called by [`Stream::enqueue`]
+/// once a capture has begun: records `job` when `s` captures (returns None),
+/// otherwise hands it back to be queued.
 pub fn intercept(s: &Stream, name: &'static str, job: Job) -> Option<Job> {
     let mut m = members();
     let Some(member) = m.iter_mut().find(|x| std::ptr::eq(&*x.stream, s)) else {
@@ -32,8 +35,32 @@ pub fn intercept(s: &Stream, name: &'static str, job: Job) -> Option<Job> {
     None
 }
 
+/// The stream of handle `h` (NULL = the current device's default stream),
+/// for a call that uses it: refused while graph capture forbids that use
+/// (see [`admit`]).
+pub fn stream(h: usize) -> SimResult<Arc<Stream>> {
+    let s = context::resolve_stream(h)?;
+    admit(&s)?;
+    Ok(s)
+}
+
+/// The stream of handle `h` for a call that uses it, as [`stream`], which
+/// must belong to the calling thread's device (`ApiImpl`:
+/// `COND_RETURN_AND_MSG_INVALID_CONTEXT_STREAM`, RT_ERROR_STREAM_CONTEXT).
+pub fn stream_here(h: usize) -> SimResult<Arc<Stream>> {
+    let cur = context::current()?;
+    let s = stream(h)?;
+    if s.device != cur {
+        return fail(
+            ACL_ERROR_RT_STREAM_CONTEXT,
+            format!("the stream belongs to device {} but the current device is {cur}", s.device),
+        );
+    }
+    Ok(s)
+}
+
 /// Checks a call that uses stream `s` (every stream resolution of
-/// [`context::stream`]):
+/// [`stream`]):
 /// - the default stream of a device on which a stream captures is refused with
 ///   `ACL_ERROR_RT_STREAM_CAPTURE_IMPLICIT` and invalidates those captures
 ///   (guide, restriction 6: "operations on the default stream are illegal
@@ -136,7 +163,7 @@ pub fn allocation(call: &'static str) -> SimResult<()> {
 }
 
 pub(super) fn pinned(addr: usize) -> bool {
-    let bufs = HOST_BUFS.lock().unwrap_or_else(|e| e.into_inner());
+    let bufs = host_bufs();
     bufs.range(..=addr).next_back().is_some_and(|(base, size)| addr < base + size)
 }
 
@@ -176,6 +203,41 @@ pub fn sync_stream(call: &str, h: usize) -> SimResult<()> {
     if let Some(model) = captured {
         invalidate(model, &format!("{call} was called on a capturing stream"));
         return fail(ACL_ERROR_RT_STREAM_CAPTURED, format!("{call}: the stream is capturing (aclmdlRICaptureBegin)"));
+    }
+    Ok(())
+}
+
+/// The query of `aclmdlRICaptureGetInfo(stream, status, modelRI)`: NONE (and
+/// a NULL model) for a stream that does not capture, else ACTIVE or
+/// INVALIDATED and the model being recorded.
+///
+/// `aclmdlRICaptureGetInfoImpl` (hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:70-92`,
+/// v8.5.0): a NULL stream is `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
+/// line 73; the default stream is not asked about, it never captures); one
+/// of `status` and `modelRI` may be NULL, not both (lines 74-77); each
+/// non-NULL one is written (lines 85-92).
+pub unsafe fn capture_info(stream: AclrtStream, status: *mut i32, model_ri: *mut AclmdlRI) -> SimResult<()> {
+    // model_ri.cpp:73.
+    if stream.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, "stream is NULL (the default stream cannot be asked about)");
+    }
+    // model_ri.cpp:74-77.
+    if status.is_null() && model_ri.is_null() {
+        return fail(ACL_ERROR_INVALID_PARAM, "status and modelRI cannot both be NULL");
+    }
+    let s = context::resolve_stream(stream as usize)?;
+    let h = member_of(&members(), &s).map(|x| x.model);
+    let (st, h) = match h.and_then(|h| MODELS.get(h).map(|m| (h, m))) {
+        None => (ACL_MODEL_RI_CAPTURE_STATUS_NONE, 0),
+        Some((h, m)) if m.lock().invalid.is_some() => (ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED, h),
+        Some((h, _)) => (ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE, h),
+    };
+    // model_ri.cpp:85-92.
+    if !status.is_null() {
+        write_out(status, st, ACL_ERROR_INVALID_PARAM, "status")?;
+    }
+    if !model_ri.is_null() {
+        write_out(model_ri, h as AclmdlRI, ACL_ERROR_INVALID_PARAM, "modelRI")?;
     }
     Ok(())
 }

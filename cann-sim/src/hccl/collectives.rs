@@ -20,9 +20,10 @@
 
 use std::ffi::c_void;
 
+use super::comms::{comm, SimComm};
 use super::elem::{DType, ReduceOp, Reduction};
 use super::plane::{Group, Round};
-use super::{comm, counts, enqueue, with_bytes, with_bytes_mut, Buf};
+use super::queue::{counts, enqueue, with_bytes, with_bytes_mut, Buf};
 use crate::ffi::*;
 use crate::hccl_rules;
 use crate::status::{self, fail, SimError, SimResult};
@@ -169,7 +170,7 @@ fn run(
     let call = KINDS[kind as usize - 1].1;
     let words = desc.words(kind);
     let setup_words = words.clone();
-    let setup = move |c: &super::SimComm, before: &dyn Fn()| c.link_setup(&setup_words, &agree, before);
+    let setup = move |c: &SimComm, before: &dyn Fn()| c.link_setup(&setup_words, &agree, before);
     let job = move |g: &mut Group| {
         g.publish(&words, |w| send.iter().try_for_each(|b| with_bytes(*b, dt, |bytes| w.append(bytes))))?;
         g.complete(|round| {

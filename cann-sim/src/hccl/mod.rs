@@ -6,7 +6,9 @@
 //! (communicator, stream, dtype, reduce op and device pointers) and run on the
 //! stream's worker ([`collectives`]): each rank publishes a descriptor of the
 //! call and its device bytes, checks that every rank made the same call, and
-//! computes its own result ([`elem`]).
+//! computes its own result ([`elem`]). The communicators and the table of
+//! live ones are [`comms`], the way of a collective from the call to its
+//! stream is `queue`; neither uses this module.
 //!
 //! As in HCCL, the first call of each collective on a communicator sets up
 //! its links on the host, inside the call, and checks there that every rank
@@ -20,99 +22,27 @@
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
 pub mod collectives;
+pub mod comms;
 pub mod elem;
 pub mod plane;
+mod queue;
 
 pub use collectives::*;
+pub use comms::{SimComm, COMMS};
 
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::arena;
 use crate::config;
 use crate::context;
 use crate::ffi::*;
-use crate::handles::Table;
 use crate::hccl_rules;
 use crate::status::{self, fail, write_out, SimError, SimResult};
-use crate::stream::Stream;
 
-use elem::DType;
+use comms::comm;
 use plane::Group;
-
-/// A simulated communicator.
-pub struct SimComm {
-    /// Rendezvous name of the group.
-    pub key: String,
-    /// Name reported by `HcclGetCommName`.
-    pub name: String,
-    /// Rank in this communicator.
-    pub rank: u32,
-    /// Ranks in this communicator.
-    pub size: u32,
-    /// Rank in the root-info world (fault injection selects by it).
-    pub world_rank: u32,
-    /// Device the communicator moves data on.
-    pub device: u32,
-    /// HCCL's execution timeout (`None`: never).
-    timeout: Option<Duration>,
-    group: Mutex<Group>,
-    /// The host-side group of link setup (its rounds are the consistency
-    /// checks of first calls), bounded by the connect timeout.
-    link: Mutex<Group>,
-    /// Descriptor word 0 of each collective whose links are set up.
-    linked: Mutex<Vec<u64>>,
-    /// What `HcclGetCommAsyncError` reports: `HCCL_E_REMOTE` or success.
-    async_error: AtomicI32,
-    /// The first failure of a collective on the device (sticky).
-    failed: AtomicI32,
-}
-
-impl std::fmt::Debug for SimComm {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "HcclComm({} rank {}/{} on device {})", self.name, self.rank, self.size, self.device)
-    }
-}
-
-impl SimComm {
-    /// The link setup of the first call of collective `words[0]` on this
-    /// communicator: every rank publishes its descriptor on the host-side
-    /// link group, within the connect timeout, and `agree` checks them (so
-    /// every rank refuses a mismatch alike). Later calls of the collective
-    /// skip it, as in HCCL: hicann/hccl `src/common/inconsistent_check.cc:17-51`
-    /// (v9.1.0, `NeedInconsistentCheck`: in op-base mode only a call without an
-    /// existing context, i.e. the first of its kind, is checked) and
-    /// `docs/zh/user_guide/fault_diagnosis/param_link_stage.md:34-38` ("only
-    /// when an operator of a new type or algorithm is first called on a
-    /// communicator ... cannot catch every inconsistent call"). A failed check
-    /// leaves the collective without links: its next call sets up again.
-    ///
-    /// `before_wait` runs first: it lets the stream's queued work run (a
-    /// device runs it while its host sets up links), since a peer's earlier
-    /// collective may need it before that peer reaches this setup.
-    fn link_setup(
-        &self,
-        words: &[u64],
-        agree: &dyn Fn(&[Vec<u64>]) -> SimResult<()>,
-        before_wait: &dyn Fn(),
-    ) -> SimResult<()> {
-        let mut linked = self.linked.lock().unwrap_or_else(|e| e.into_inner());
-        if linked.contains(&words[0]) {
-            return Ok(());
-        }
-        before_wait();
-        let mut g = self.link.lock().unwrap_or_else(|e| e.into_inner());
-        g.publish(words, |_| Ok(()))?;
-        g.complete(|round| agree(&round.descs))?;
-        linked.push(words[0]);
-        Ok(())
-    }
-}
-
-/// Live communicators.
-pub static COMMS: Table<SimComm> = Table::new("HcclComm", 0x5a7);
 
 const ROOT_MAGIC: &[u8; 16] = b"CANNSIM-ROOTINFO";
 
@@ -293,10 +223,6 @@ pub unsafe extern "C" fn HcclCommInitRootInfoConfig(
     })
 }
 
-fn comm(h: HcclComm) -> SimResult<Arc<SimComm>> {
-    COMMS.get(h as usize).ok_or_else(|| SimError::new(HCCL_E_PARA, format!("{h:p} is not a live HcclComm")))
-}
-
 /// `HcclResult HcclCreateSubCommConfig(HcclComm *comm, uint32_t rankNum, uint32_t *rankIds, uint64_t subCommId, uint32_t subCommRankId, HcclCommConfig *config, HcclComm *subComm)`.
 /// Called by the members of the new group only; members must pass the same
 /// id and rank list (otherwise they never meet and time out).
@@ -434,161 +360,4 @@ pub unsafe extern "C" fn HcclGetCommAsyncError(comm_h: HcclComm, async_error: *m
 #[no_mangle]
 pub extern "C" fn HcclGetCommConfigCapability() -> u32 {
     hccl_rules::capability()
-}
-
-fn counts(p: *const c_void, n: u32, what: &str) -> SimResult<Vec<usize>> {
-    if p.is_null() {
-        return fail(HCCL_E_PTR, format!("{what} is NULL"));
-    }
-    // SAFETY: host array of rankSize uint64 values (C contract); copied now,
-    // as HCCL does, so the caller may reuse it after the call returns.
-    let s = unsafe { std::slice::from_raw_parts(p as *const u64, n as usize) };
-    Ok(s.iter().map(|&v| v as usize).collect())
-}
-
-/// A device buffer operand: address and element count.
-#[derive(Debug, Clone, Copy)]
-struct Buf {
-    addr: usize,
-    elems: usize,
-}
-
-impl Buf {
-    /// The `elems` elements of `dt` from element `at` of this buffer on.
-    fn part(self, dt: DType, at: usize, elems: usize) -> Buf {
-        Buf { addr: self.addr + at * dt.size(), elems }
-    }
-}
-
-fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<()> {
-    if b.elems == 0 {
-        return Ok(());
-    }
-    let s = arena::resolve(b.addr, b.elems * dt.size(), what).map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
-    if s.device != c.device {
-        return fail(HCCL_E_PARA, format!("{what} is on device {}, the communicator on device {}", s.device, c.device));
-    }
-    Ok(())
-}
-
-/// The host address of the bytes of `b` (in a live allocation), or None
-/// when `b` is empty.
-fn host(b: Buf, dt: DType) -> SimResult<Option<*mut u8>> {
-    let bytes = b.elems * dt.size();
-    if bytes == 0 {
-        return Ok(None);
-    }
-    let s = arena::resolve(b.addr, bytes, "buffer").map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
-    Ok(Some(s.host))
-}
-
-/// Runs `f` on the bytes of `b` in device memory.
-fn with_bytes<T>(b: Buf, dt: DType, f: impl FnOnce(&[u8]) -> SimResult<T>) -> SimResult<T> {
-    match host(b, dt)? {
-        None => f(&[]),
-        // SAFETY: `p` starts `b.elems * dt.size()` bytes inside a live
-        // allocation; the collective is the stream's only task while it runs.
-        Some(p) => f(unsafe { std::slice::from_raw_parts(p, b.elems * dt.size()) }),
-    }
-}
-
-/// Runs `f` on the bytes of `b` in device memory, to overwrite them.
-fn with_bytes_mut<T>(b: Buf, dt: DType, f: impl FnOnce(&mut [u8]) -> SimResult<T>) -> SimResult<T> {
-    match host(b, dt)? {
-        None => f(&mut []),
-        // SAFETY: as in `with_bytes`; no other slice of these bytes is alive
-        // (the payload was written before the result is).
-        Some(p) => f(unsafe { std::slice::from_raw_parts_mut(p, b.elems * dt.size()) }),
-    }
-}
-
-/// The link setup of a call: the communicator, and what lets the stream's
-/// queued work run before it waits.
-type LinkSetup = dyn Fn(&SimComm, &dyn Fn()) -> SimResult<()>;
-
-/// A collective's work on the group; `Fn` so that a captured collective replays.
-type CollJob = Box<dyn Fn(&mut Group) -> SimResult<()> + Send + Sync>;
-
-/// Validates the communicator and stream, runs `setup` (the link setup of a
-/// first call) on the host, then queues `job` on the stream.
-fn enqueue(
-    call: &'static str,
-    comm_h: HcclComm,
-    stream_h: AclrtStream,
-    bufs: &[(Buf, DType, &str)],
-    setup: &LinkSetup,
-    job: CollJob,
-) -> SimResult<()> {
-    let c = comm(comm_h)?;
-    let e = c.failed.load(Ordering::SeqCst);
-    if e != HCCL_SUCCESS {
-        return fail(e, format!("communicator {} failed in an earlier collective (HCCL error {e})", c.name));
-    }
-    let s: Arc<Stream> = context::stream(stream_h as usize).map_err(|e| SimError::new(HCCL_E_PARA, e.msg))?;
-    if s.device != c.device {
-        return fail(HCCL_E_PARA, format!("stream on device {} but communicator on device {}", s.device, c.device));
-    }
-    for (b, dt, what) in bufs {
-        check_buf(&c, *b, *dt, what)?;
-    }
-    setup(&c, &|| s.release(s.last()))?;
-    s.enqueue(
-        call,
-        Box::new(move || {
-            let cfg = config::get();
-            if cfg.die_rank == Some(c.world_rank) {
-                eprintln!("cann-sim: CANNSIM_DIE_RANK: world rank {} exits during {call}", c.world_rank);
-                // SAFETY: fflush(NULL) flushes every C stdio stream; _exit ends the
-                // process at once (the simulated crash).
-                unsafe {
-                    libc::fflush(std::ptr::null_mut());
-                    libc::_exit(cfg.die_exit_code)
-                }
-            }
-            let prior = c.failed.load(Ordering::SeqCst);
-            let r = if prior != HCCL_SUCCESS {
-                fail(prior, format!("communicator {} already failed", c.name))
-            } else if cfg.hccl_timeout_rank == Some(c.world_rank) {
-                // A hung rank: it stays silent (and alive) past its peers'
-                // timeout, so they see a timeout rather than a dead peer.
-                match c.timeout {
-                    Some(t) => std::thread::sleep(t * 2),
-                    None => loop {
-                        std::thread::park();
-                    },
-                }
-                fail(
-                    HCCL_E_TIMEOUT,
-                    format!("CANNSIM_HCCL_TIMEOUT_RANK: world rank {} never joins {call} on {}", c.world_rank, c.name),
-                )
-            } else {
-                let mut group = c.group.lock().unwrap_or_else(|e| e.into_inner());
-                job(&mut group)
-            };
-            r.map_err(|e| {
-                let _ = c.failed.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
-                if e.code == HCCL_E_REMOTE {
-                    let _ = c.async_error.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);
-                }
-                let acl = if matches!(e.code, HCCL_E_TIMEOUT | HCCL_E_REMOTE) {
-                    ACL_ERROR_RT_STREAM_SYNC_TIMEOUT
-                } else {
-                    ACL_ERROR_RT_INTERNAL_ERROR
-                };
-                SimError::new(
-                    acl,
-                    format!(
-                        "{call} on {} (rank {}/{}, execution timeout {}): HCCL error {}: {}",
-                        c.name,
-                        c.rank,
-                        c.size,
-                        c.timeout.map_or("none".to_string(), |t| format!("{t:?}")),
-                        e.code,
-                        e.msg
-                    ),
-                )
-            })
-        }),
-    );
-    Ok(())
 }

@@ -1,97 +1,20 @@
 //! nnopbase exports: `aclCreateTensor` / `aclDestroyTensor` and
-//! `aclCreateScalar` / `aclDestroyScalar`.
+//! `aclCreateScalar` / `aclDestroyScalar`. The tensors and scalars they
+//! create, and the tables of live ones, are [`objects`], which the aclnn ops
+//! and the leak report read without this module.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
+
+pub mod objects;
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
 use crate::arena;
 use crate::ffi::*;
-use crate::handles::Table;
 use crate::status::{self, fail, SimError, SimResult};
 
-/// Live tensors.
-pub static TENSORS: Table<TensorDesc> = Table::new("aclTensor", 0x5a3);
-/// Live scalars.
-pub static SCALARS: Table<Scalar> = Table::new("aclScalar", 0x5a4);
-
-/// Bytes per element of an ACL data type the simulator computes with.
-pub fn dtype_size(dt: i32) -> Option<usize> {
-    Some(match dt {
-        ACL_FLOAT | ACL_INT32 | ACL_UINT32 => 4,
-        ACL_FLOAT16 | ACL_BF16 | ACL_INT16 | ACL_UINT16 => 2,
-        ACL_INT8 | ACL_UINT8 | ACL_BOOL => 1,
-        ACL_INT64 | ACL_UINT64 | ACL_DOUBLE => 8,
-        _ => return None,
-    })
-}
-
-/// Name of an ACL data type.
-pub fn dtype_name(dt: i32) -> String {
-    match dt {
-        ACL_FLOAT => "ACL_FLOAT".into(),
-        ACL_FLOAT16 => "ACL_FLOAT16".into(),
-        ACL_BF16 => "ACL_BF16".into(),
-        ACL_INT32 => "ACL_INT32".into(),
-        ACL_INT64 => "ACL_INT64".into(),
-        ACL_DOUBLE => "ACL_DOUBLE".into(),
-        other => format!("aclDataType {other}"),
-    }
-}
-
-/// What an `aclTensor` describes.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TensorDesc {
-    /// View shape.
-    pub dims: Vec<i64>,
-    /// aclDataType.
-    pub dtype: i32,
-    /// View strides in elements.
-    pub strides: Vec<i64>,
-    /// View offset in elements.
-    pub offset: i64,
-    /// aclFormat.
-    pub format: i32,
-    /// Storage shape.
-    pub storage: Vec<i64>,
-    /// Device address of the storage.
-    pub data: usize,
-}
-
-impl TensorDesc {
-    /// Number of elements of the view.
-    pub fn numel(&self) -> usize {
-        self.dims.iter().map(|&d| d as usize).product()
-    }
-
-    /// Element size (the dtype was validated at creation).
-    pub fn elem(&self) -> usize {
-        dtype_size(self.dtype).unwrap_or(1)
-    }
-
-    /// True when the view is row-major contiguous.
-    pub fn is_contiguous(&self) -> bool {
-        let mut want = 1i64;
-        for (&d, &s) in self.dims.iter().zip(&self.strides).rev() {
-            if d != 1 && s != want {
-                return false;
-            }
-            want *= d;
-        }
-        true
-    }
-
-    /// Device address of the first element of the view.
-    pub fn addr(&self) -> usize {
-        self.data + self.offset as usize * self.elem()
-    }
-
-    /// Bytes spanned by the (contiguous) view.
-    pub fn bytes(&self) -> usize {
-        self.numel() * self.elem()
-    }
-}
+use objects::{dtype_name, dtype_size, Scalar, TensorDesc, SCALARS, TENSORS};
 
 unsafe fn slice_i64<'a>(p: *const i64, n: u64, what: &str) -> SimResult<&'a [i64]> {
     if n == 0 {
@@ -179,17 +102,6 @@ pub extern "C" fn aclDestroyTensor(tensor: *const c_void) -> AclnnStatus {
             SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{tensor:p} is not a live aclTensor (double destroy?)"))
         })
     })
-}
-
-/// A host scalar.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scalar {
-    /// aclDataType it was created with.
-    pub dtype: i32,
-    /// Its value as f64.
-    pub value: f64,
-    /// Its value as i64 (integers and bools; floats truncated).
-    pub int: i64,
 }
 
 /// `aclScalar *aclCreateScalar(void *value, aclDataType dataType)`.
