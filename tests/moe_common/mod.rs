@@ -2,7 +2,6 @@
 //! builders and per-dtype tolerances.
 #![allow(dead_code)]
 
-use ascend_moe::half::{bf16, f16};
 use ascend_moe::{with_dtype, DType, Element, Tensor};
 
 /// SplitMix64: small, seeded, good enough for test data.
@@ -64,27 +63,9 @@ pub fn i32_tensor(v: &[i32], shape: &[usize]) -> Tensor {
     Tensor::from_slice(v, shape).unwrap()
 }
 
-/// Relative rounding error of one rounding to `dtype`.
-pub fn eps(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => f32::EPSILON as f64,
-        DType::F16 => f16::EPSILON.to_f64(),
-        DType::BF16 => bf16::EPSILON.to_f64(),
-        _ => 0.0,
-    }
-}
-
-/// The per-dtype tolerance of the tests that compare with an f64 reference:
-/// `got[i]` within `4 * eps(dtype) * mag[i]` of `want[i]`, where `mag[i]` is
-/// the sum of the magnitudes of the terms summed into element `i`. That
-/// covers f32 accumulation of a few terms in any order (each addition rounds
-/// by at most `eps(F32) / 2` of the partial sum) and one rounding to `dtype`,
-/// whichever backend computed it and in whatever order.
-pub fn assert_within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag: &[f64]) {
-    assert_eq!(mag.len(), want.len(), "{what}: magnitudes");
-    let tol: Vec<f64> = mag.iter().map(|m| 4.0 * eps(dtype) * m + 1e-30).collect();
-    assert_close_abs(what, got, want, 0.0, &tol);
-}
+/// The one op-level tolerance and its rounding unit.
+#[allow(unused_imports)]
+pub use ascend_moe::testing::{assert_within_rounding, eps};
 
 /// Asserts `got` is within `rel * |want| + abs` of `want`, elementwise.
 pub fn assert_close_abs(what: &str, got: &[f64], want: &[f64], rel: f64, abs: &[f64]) {
