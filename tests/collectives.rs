@@ -671,11 +671,11 @@ fn ranks_that_disagree_on_the_context_tag_all_fail_naming_who_chose_what() {
 }
 
 /// The collectives of SPEC section 8 through the `Comm` API, one body per
-/// test for both communicators (`ranks_test!`: a `cpu` case over the
+/// test for both communicators (`backend_test!`: a `cpu` case over the
 /// shared-memory communicator, an `npu` case over HCCL on 4 NPUs), then what
 /// only HCCL has: root info, the stream check, HCCL's split rules.
 mod every_backend {
-    use crate::ranks_test;
+    use crate::backend_test;
     use ascend_moe::backend::npu::{HcclRootInfo, NpuDevice};
     use ascend_moe::half::{bf16, f16};
     use ascend_moe::ranks::npu_run_ranks;
@@ -738,7 +738,7 @@ mod every_backend {
         Ok(())
     }
 
-    ranks_test!(reductions_in_every_dtype_and_op, WORLD, |rank, comm| {
+    backend_test!(reductions_in_every_dtype_and_op, ranks = WORLD, |rank, comm| {
         reductions_for::<f32>(rank, &comm)?;
         reductions_for::<f16>(rank, &comm)?;
         reductions_for::<bf16>(rank, &comm)?;
@@ -746,7 +746,7 @@ mod every_backend {
         reductions_for::<i64>(rank, &comm)
     });
 
-    ranks_test!(gathers_broadcast_barrier, WORLD, |rank, comm| {
+    backend_test!(gathers_broadcast_barrier, ranks = WORLD, |rank, comm| {
         let dev = comm.device();
         let n = 6;
         let src = tensor::<bf16>(&dev, &(0..n).map(|i| val(rank, i)).collect::<Vec<_>>())?;
@@ -762,7 +762,7 @@ mod every_backend {
         comm.barrier()
     });
 
-    ranks_test!(v_variants_with_uneven_and_zero_counts, WORLD, |rank, comm| {
+    backend_test!(v_variants_with_uneven_and_zero_counts, ranks = WORLD, |rank, comm| {
         let counts = [3usize, 0, 5, 1];
         let total: usize = counts.iter().sum();
         let dev = comm.device();
@@ -792,7 +792,7 @@ mod every_backend {
         Ok(())
     });
 
-    ranks_test!(dp2_tp2_and_ep4_sub_communicators, WORLD, |rank, world| {
+    backend_test!(dp2_tp2_and_ep4_sub_communicators, ranks = WORLD, |rank, world| {
         const TP: usize = 2;
         let (dp, tp) = (rank / TP, rank % TP);
         let tp_ranks: Vec<usize> = (0..TP).map(|t| dp * TP + t).collect();
@@ -1038,7 +1038,7 @@ mod every_backend {
         .unwrap();
     }
 
-    ranks_test!(a_sub_communicator_is_split_through_the_global_one, WORLD, |rank, world| {
+    backend_test!(a_sub_communicator_is_split_through_the_global_one, ranks = WORLD, |rank, world| {
         // HCCL splits only the global communicator; a split of {0,1,2,3}'s
         // sub-communicator {rank pairs} is made from the world one.
         let pair_ranks: Vec<usize> = if rank < 2 { vec![0, 1] } else { vec![2, 3] };
@@ -1080,7 +1080,7 @@ mod every_backend {
         comm.all_gather(&x, &mut y)
     }
 
-    ranks_test!(backend_communicators_refuse_byte_reductions, WORLD, |_rank, comm| {
+    backend_test!(backend_communicators_refuse_byte_reductions, ranks = WORLD, |_rank, comm| {
         match &comm {
             Comm::Cpu(c) => refuses_byte_reductions(c),
             Comm::Npu(c) => refuses_byte_reductions(c),
