@@ -1,17 +1,20 @@
 //! The end-to-end MoE layer matrix of SPEC sections 3-6 (every comm type, SP
 //! on and off, every shared-expert mode, f32 and bf16, uneven and zero-token
 //! DP ranks) on the CPU backend and, ignored without an NPU, on NPUs through
-//! HCCL (ranks are threads on NPUs 0..world; `ci/sim.sh` runs them on the
-//! simulated runtime); a policy built while another comm type was live, and a
+//! HCCL (`backend_test!`; ranks are threads on NPUs 0..world; `ci/sim.sh` runs
+//! them on the simulated runtime); a policy built while another comm type was live, and a
 //! negative control showing the check catches reductions decided with a stale
 //! comm type.
 
 use ascend_moe::moe::reduce::{routed_is_reduced, SharedMode};
 use ascend_moe::ranks::npu_run_ranks;
 use ascend_moe::testing::layer::{
-    all_layer_cases, run_layer_case, run_layer_case_cpu, CaseReport, Launcher, LayerCase, RankReport,
+    all_layer_cases, run_layer_case, run_layer_case_cpu, CpuLauncher, Launcher, LayerCase, RankReport,
 };
 use ascend_moe::{Comm, CommOptions, CommType, DType, Device, Result};
+
+mod common;
+use common::On;
 
 /// Rank `r` on NPU `r`, one HCCL world per case.
 struct NpuLauncher;
@@ -29,20 +32,22 @@ impl Launcher for NpuLauncher {
     }
 }
 
-fn run_matrix(dp: usize, tp: usize) {
-    run_matrix_with(dp, tp, run_layer_case_cpu);
+/// The launcher of `on`'s backend.
+fn launcher(on: On) -> &'static dyn Launcher {
+    static CPU: CpuLauncher = CpuLauncher { opts: None };
+    match on {
+        On::Cpu => &CPU,
+        On::Npu => &NpuLauncher,
+    }
 }
 
-fn run_npu_matrix(dp: usize, tp: usize) {
-    run_matrix_with(dp, tp, |c| run_layer_case(c, &NpuLauncher));
-}
-
-fn run_matrix_with(dp: usize, tp: usize, run: impl Fn(&LayerCase) -> Result<CaseReport>) {
+/// Runs every case of DP `dp` x TP `tp` on `on`'s backend.
+fn run_matrix(on: On, dp: usize, tp: usize) {
     let cases: Vec<LayerCase> = all_layer_cases().into_iter().filter(|c| c.dp == dp && c.tp == tp).collect();
     assert!(!cases.is_empty(), "no cases for DP{dp} x TP{tp}");
     let mut failed = Vec::new();
     for c in &cases {
-        match run(c) {
+        match run_layer_case(c, launcher(on)) {
             Ok(r) if r.passed && r.shape_checks > 0 => {}
             Ok(r) => failed.push(format!("{}: {} (max err {:.3e})", r.name, r.detail, r.max_abs_err)),
             Err(e) => failed.push(format!("{}: error {e}", c.name())),
@@ -51,50 +56,16 @@ fn run_matrix_with(dp: usize, tp: usize, run: impl Fn(&LayerCase) -> Result<Case
     assert!(failed.is_empty(), "{} of {} cases failed:\n{}", failed.len(), cases.len(), failed.join("\n"));
 }
 
-#[test]
-fn matrix_dp1_tp1() {
-    run_matrix(1, 1);
-}
-#[test]
-fn matrix_dp1_tp2() {
-    run_matrix(1, 2);
-}
-#[test]
-fn matrix_dp1_tp4() {
-    run_matrix(1, 4);
-}
-#[test]
-fn matrix_dp2_tp1() {
-    run_matrix(2, 1);
-}
-#[test]
-fn matrix_dp2_tp2() {
-    run_matrix(2, 2);
-}
+backend_test!(matrix_dp1_tp1, |on: On| run_matrix(on, 1, 1));
+backend_test!(matrix_dp1_tp2, |on: On| run_matrix(on, 1, 2));
+backend_test!(matrix_dp1_tp4, |on: On| run_matrix(on, 1, 4));
+backend_test!(matrix_dp2_tp1, |on: On| run_matrix(on, 2, 1));
+backend_test!(matrix_dp2_tp2, |on: On| run_matrix(on, 2, 2));
+
+// CPU only: DP2 x TP4 is 8 ranks, and the NPU suite runs on 4 devices.
 #[test]
 fn matrix_dp2_tp4() {
-    run_matrix(2, 4);
-}
-
-#[test]
-#[ignore = "needs an Ascend NPU"]
-fn npu_matrix_dp2_tp2() {
-    run_npu_matrix(2, 2);
-}
-#[test]
-#[ignore = "needs an Ascend NPU"]
-fn npu_matrix_dp1_tp4_ep4() {
-    run_npu_matrix(1, 4);
-}
-#[test]
-#[ignore = "needs an Ascend NPU"]
-fn npu_matrix_dp2_tp1() {
-    run_npu_matrix(2, 1);
-}
-#[test]
-#[ignore = "needs an Ascend NPU"]
-fn npu_matrix_dp1_tp2() {
-    run_npu_matrix(1, 2);
+    run_matrix(On::Cpu, 2, 4);
 }
 
 #[test]

@@ -2,6 +2,8 @@
 //! builders and per-dtype tolerances.
 #![allow(dead_code)]
 
+pub mod finalize;
+
 use ascend_moe::{with_dtype, DType, Element, Tensor};
 
 /// SplitMix64: small, seeded, good enough for test data.
