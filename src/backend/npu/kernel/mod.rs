@@ -37,6 +37,9 @@ pub mod library;
 pub mod status;
 pub mod tiling;
 
+#[cfg(test)]
+mod tests;
+
 pub use abi::*;
 pub use library::*;
 pub use status::check_status;
