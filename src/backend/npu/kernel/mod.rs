@@ -38,7 +38,11 @@ pub mod status;
 pub mod tiling;
 
 #[cfg(test)]
-mod tests;
+mod copy_tests;
+#[cfg(test)]
+mod guard_tests;
+#[cfg(test)]
+mod tiling_tests;
 
 pub use abi::*;
 pub use library::*;
