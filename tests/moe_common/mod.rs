@@ -1,32 +1,30 @@
-//! Helpers shared by the MoE integration tests: a seeded generator, tensor
-//! builders and per-dtype tolerances.
+//! Helpers shared by the MoE integration tests: the crate's generator with
+//! their seeding, tensor builders, the tolerance and the finalize cases.
 #![allow(dead_code)]
 
 pub mod finalize;
 
+use ascend_moe::testing::SplitMix;
 use ascend_moe::{with_dtype, DType, Element, Tensor};
 
-/// SplitMix64: small, seeded, good enough for test data.
-pub struct Rng(u64);
+/// The crate's one generator ([`SplitMix`]) with the MoE tests' seeding:
+/// `Rng::new(seed)` draws what `SplitMix::new(seed ^ 0x9E37_79B9_7F4A_7C15)` does.
+pub struct Rng(SplitMix);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+        Rng(SplitMix::new(seed ^ 0x9E37_79B9_7F4A_7C15))
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     /// Uniform in `[0, n)`.
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        self.0.below(n as u64) as usize
     }
     /// Uniform in `[-1, 1)`.
     pub fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0.unit()
     }
     pub fn shuffle<T>(&mut self, v: &mut [T]) {
         for i in (1..v.len()).rev() {
