@@ -1,5 +1,6 @@
 //! Every collective x dtype x world size {1, 2, 3, 4, 8} x counts {0, 1, odd, large}
-//! x op, in place and out of place, against a naive reference; plus the
+//! x op, in place and out of place, against a naive reference, on every
+//! backend (`backend_test!`; 8 ranks on the CPU only); plus the
 //! communicator's failure modes (mismatch, missing rank, dead peer, bad input);
 //! and (`every_backend`) the same collectives through `Comm` on the CPU and
 //! HCCL communicators alike, with HCCL's own failure modes (NPU cases are
@@ -13,7 +14,8 @@ use ascend_moe::backend::cpu::comm::{segment_path, CpuCommConfig};
 use ascend_moe::backend::cpu::CpuComm;
 use ascend_moe::half::bf16;
 use ascend_moe::ranks::{run_ranks, run_ranks_with};
-use ascend_moe::{with_reducible_dtype, Collectives, Comm, CommErrorKind, CommOptions, Error, ReduceOp, Tensor};
+use ascend_moe::testing::within_rounding;
+use ascend_moe::{with_reducible_dtype, Collectives, Comm, CommErrorKind, CommOptions, DType, Error, ReduceOp, Tensor};
 use common::*;
 
 /// Multi-round staging even for small tests: 4 KiB per slot.
@@ -31,10 +33,50 @@ fn t<T: TestElem>(v: &[T]) -> Tensor {
 }
 
 fn check<T: TestElem>(fails: &mut Vec<String>, what: String, got: &Tensor, want: &[T]) {
-    match got.as_slice::<T>() {
+    match got.to_vec::<T>() {
         Ok(g) => {
-            if let Err(e) = same_bits(g, want) {
+            if let Err(e) = same_bits(&g, want) {
                 fails.push(format!("{what}: {e}"));
+            }
+        }
+        Err(e) => fails.push(format!("{what}: {e}")),
+    }
+}
+
+/// How `all_cases` checks a float sum: bit for bit against the rank-order
+/// reference (the CPU communicator; any sum of at most two ranks), or within
+/// rounding of the f64 sum (HCCL over more ranks: it promises no order).
+#[derive(Clone, Copy)]
+enum Sums {
+    RankOrder,
+    AnyOrder,
+}
+
+/// `got` of a reduction `op` of the ranks' data `(seed, rank, len)` taken
+/// from element `from`: bit for bit against `want`, except a float sum under
+/// `Sums::AnyOrder`, which must lie within rounding of the f64 sum.
+fn check_reduction<T: TestElem>(
+    fails: &mut Vec<String>,
+    what: String,
+    got: &Tensor,
+    want: &[T],
+    (op, sums): (ReduceOp, Sums),
+    (seed, world, len): (u64, usize, usize),
+    from: usize,
+) {
+    let float = matches!(T::DTYPE, DType::F32 | DType::F16 | DType::BF16);
+    if !(float && op == ReduceOp::Sum && matches!(sums, Sums::AnyOrder)) {
+        return check(fails, what, got, want);
+    }
+    let all: Vec<Vec<f64>> = (0..world).map(|r| data::<T>(seed, r, len).iter().map(|x| x.to_f64()).collect()).collect();
+    let range = from..from + want.len();
+    let exact: Vec<f64> = range.clone().map(|i| all.iter().map(|d| d[i]).sum()).collect();
+    let mag: Vec<f64> = range.map(|i| all.iter().map(|d| d[i].abs()).sum()).collect();
+    match got.to_vec::<T>() {
+        Ok(g) => {
+            let g: Vec<f64> = g.iter().map(|x| x.to_f64()).collect();
+            if let Err(e) = within_rounding(&what, T::DTYPE, &g, &exact, &mag) {
+                fails.push(e);
             }
         }
         Err(e) => fails.push(format!("{what}: {e}")),
@@ -55,57 +97,77 @@ fn prefix(c: &[usize]) -> Vec<usize> {
 fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<String>> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dt = T::DTYPE;
+    let dev = comm.device();
+    let up = |v: &[T]| t(v).to_device(&dev);
+    let zeros = |n: usize| Tensor::zeros(&[n], dt, &dev);
+    let sums = if matches!(comm, Comm::Cpu(_)) || world <= 2 { Sums::RankOrder } else { Sums::AnyOrder };
     let mut fails = Vec::new();
     for (ci, &n) in COUNTS.iter().enumerate() {
         let seed = seed0 ^ (ci as u64 * 1000);
         for (oi, op) in ReduceOp::ALL.into_iter().enumerate() {
             let s = seed + oi as u64;
             // all_reduce, out of place.
-            let src = t(&data::<T>(s, rank, n));
-            let mut dst = Tensor::zeros_cpu(&[n], dt);
+            let src = up(&data::<T>(s, rank, n))?;
+            let mut dst = zeros(n)?;
             comm.all_reduce(&src, &mut dst, op)?;
             let want = reduced::<T>(s, world, n, op);
-            check(&mut fails, format!("all_reduce {dt} n={n} {} w={world} r={rank}", op.name()), &dst, &want);
+            let red = (op, sums);
+            let what = format!("all_reduce {dt} n={n} {} w={world} r={rank}", op.name());
+            check_reduction(&mut fails, what, &dst, &want, red, (s, world, n), 0);
             // all_reduce, in place.
-            let mut buf = t(&data::<T>(s, rank, n));
+            let mut buf = up(&data::<T>(s, rank, n))?;
             comm.all_reduce_in_place(&mut buf, op)?;
-            check(&mut fails, format!("all_reduce_in_place {dt} n={n} {} w={world} r={rank}", op.name()), &buf, &want);
+            let what = format!("all_reduce_in_place {dt} n={n} {} w={world} r={rank}", op.name());
+            check_reduction(&mut fails, what, &buf, &want, red, (s, world, n), 0);
             // reduce_scatter: n elements per rank.
-            let src = t(&data::<T>(s + 7, rank, n * world));
-            let mut dst = Tensor::zeros_cpu(&[n], dt);
+            let src = up(&data::<T>(s + 7, rank, n * world))?;
+            let mut dst = zeros(n)?;
             comm.reduce_scatter(&src, &mut dst, op)?;
             let full = reduced::<T>(s + 7, world, n * world, op);
-            check(
+            check_reduction(
                 &mut fails,
                 format!("reduce_scatter {dt} n={n} {} w={world} r={rank}", op.name()),
                 &dst,
                 &full[rank * n..(rank + 1) * n],
+                red,
+                (s + 7, world, n * world),
+                rank * n,
             );
             // reduce_scatter_v.
             let counts = v_counts(world, n);
             let total: usize = counts.iter().sum();
             let d = prefix(&counts);
-            let src = t(&data::<T>(s + 9, rank, total));
-            let mut dst = Tensor::zeros_cpu(&[counts[rank]], dt);
+            let src = up(&data::<T>(s + 9, rank, total))?;
+            let mut dst = zeros(counts[rank])?;
+            // HCCL's ReduceScatterV has no int64 (Atlas A2): the NPU refuses it by name; int64 sums are CPU-only.
+            if dt == DType::I64 && matches!(comm, Comm::Npu(_)) {
+                let e =
+                    comm.reduce_scatter_v(&src, &mut dst, &counts, op).expect_err("HCCL has no int64 ReduceScatterV");
+                assert!(e.to_string().contains("HcclReduceScatterV"), "{e}");
+                continue;
+            }
             comm.reduce_scatter_v(&src, &mut dst, &counts, op)?;
             let full = reduced::<T>(s + 9, world, total, op);
-            check(
+            check_reduction(
                 &mut fails,
                 format!("reduce_scatter_v {dt} counts={counts:?} {} w={world} r={rank}", op.name()),
                 &dst,
                 &full[d[rank]..d[rank] + counts[rank]],
+                red,
+                (s + 9, world, total),
+                d[rank],
             );
         }
         // all_gather.
-        let src = t(&data::<T>(seed + 11, rank, n));
-        let mut dst = Tensor::zeros_cpu(&[world * n], dt);
+        let src = up(&data::<T>(seed + 11, rank, n))?;
+        let mut dst = zeros(world * n)?;
         comm.all_gather(&src, &mut dst)?;
         let want: Vec<T> = (0..world).flat_map(|j| data::<T>(seed + 11, j, n)).collect();
         check(&mut fails, format!("all_gather {dt} n={n} w={world} r={rank}"), &dst, &want);
         // all_gather_v.
         let counts = v_counts(world, n);
-        let src = t(&data::<T>(seed + 13, rank, counts[rank]));
-        let mut dst = Tensor::zeros_cpu(&[counts.iter().sum()], dt);
+        let src = up(&data::<T>(seed + 13, rank, counts[rank]))?;
+        let mut dst = zeros(counts.iter().sum())?;
         comm.all_gather_v(&src, &mut dst, &counts)?;
         let want: Vec<T> = (0..world).flat_map(|j| data::<T>(seed + 13, j, counts[j])).collect();
         check(&mut fails, format!("all_gather_v {dt} counts={counts:?} w={world} r={rank}"), &dst, &want);
@@ -113,8 +175,8 @@ fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<Str
         let m = a2a_matrix(world, n);
         let send = m[rank].clone();
         let recv: Vec<usize> = (0..world).map(|i| m[i][rank]).collect();
-        let src = t(&data::<T>(seed + 17, rank, send.iter().sum()));
-        let mut dst = Tensor::zeros_cpu(&[recv.iter().sum()], dt);
+        let src = up(&data::<T>(seed + 17, rank, send.iter().sum()))?;
+        let mut dst = zeros(recv.iter().sum())?;
         comm.all_to_all_v(&src, &send, &mut dst, &recv)?;
         let want: Vec<T> = (0..world)
             .flat_map(|i| {
@@ -126,7 +188,7 @@ fn all_cases<T: TestElem>(comm: &Comm, seed0: u64) -> ascend_moe::Result<Vec<Str
         check(&mut fails, format!("all_to_all_v {dt} matrix={m:?} w={world} r={rank}"), &dst, &want);
         // broadcast from a rank that depends on the case.
         let root = (n + ci) % world;
-        let mut buf = t(&data::<T>(seed + 19, rank, n));
+        let mut buf = up(&data::<T>(seed + 19, rank, n))?;
         comm.broadcast(&mut buf, root)?;
         check(
             &mut fails,
@@ -189,8 +251,10 @@ fn a_refused_collective_fails_the_peers_with_its_reason() {
     }
 }
 
-fn matrix(world: usize) {
-    let fails = run_ranks_with(world, &opts(30.0), &SMALL, |_rank, comm| {
+/// Every collective of every reducible dtype on `world` ranks of `on`'s
+/// backend (the CPU communicator with multi-round staging).
+fn matrix(on: On, world: usize) {
+    let body = |_rank: usize, comm: Comm| {
         let mut fails = Vec::new();
         for (i, dtype) in REDUCIBLE_DTYPES.into_iter().enumerate() {
             fails.extend(
@@ -198,31 +262,25 @@ fn matrix(world: usize) {
             );
         }
         Ok(fails)
-    })
+    };
+    let fails = match on {
+        On::Cpu => run_ranks_with(world, &opts(30.0), &SMALL, body),
+        On::Npu => on.run(world, &opts(30.0), body),
+    }
     .expect("no collective may fail");
     let fails: Vec<String> = fails.into_iter().flatten().collect();
     assert!(fails.is_empty(), "{} wrong results, first: {:#?}", fails.len(), &fails[..fails.len().min(10)]);
 }
 
-#[test]
-fn matrix_world_1() {
-    matrix(1);
-}
-#[test]
-fn matrix_world_2() {
-    matrix(2);
-}
-#[test]
-fn matrix_world_3() {
-    matrix(3);
-}
-#[test]
-fn matrix_world_4() {
-    matrix(4);
-}
+backend_test!(matrix_world_1, |on: On| matrix(on, 1));
+backend_test!(matrix_world_2, |on: On| matrix(on, 2));
+backend_test!(matrix_world_3, |on: On| matrix(on, 3));
+backend_test!(matrix_world_4, |on: On| matrix(on, 4));
+
+// CPU only: 8 ranks, and the NPU suite runs on 4 devices.
 #[test]
 fn matrix_world_8() {
-    matrix(8);
+    matrix(On::Cpu, 8);
 }
 
 /// Multi-round with the default staging (4 MiB slots) and the slice API.
@@ -671,11 +729,11 @@ fn ranks_that_disagree_on_the_context_tag_all_fail_naming_who_chose_what() {
 }
 
 /// The collectives of SPEC section 8 through the `Comm` API, one body per
-/// test for both communicators (`ranks_test!`: a `cpu` case over the
+/// test for both communicators (`backend_test!`: a `cpu` case over the
 /// shared-memory communicator, an `npu` case over HCCL on 4 NPUs), then what
 /// only HCCL has: root info, the stream check, HCCL's split rules.
 mod every_backend {
-    use crate::ranks_test;
+    use crate::backend_test;
     use ascend_moe::backend::npu::{HcclRootInfo, NpuDevice};
     use ascend_moe::half::{bf16, f16};
     use ascend_moe::ranks::npu_run_ranks;
@@ -738,7 +796,7 @@ mod every_backend {
         Ok(())
     }
 
-    ranks_test!(reductions_in_every_dtype_and_op, WORLD, |rank, comm| {
+    backend_test!(reductions_in_every_dtype_and_op, ranks = WORLD, |rank, comm| {
         reductions_for::<f32>(rank, &comm)?;
         reductions_for::<f16>(rank, &comm)?;
         reductions_for::<bf16>(rank, &comm)?;
@@ -746,7 +804,7 @@ mod every_backend {
         reductions_for::<i64>(rank, &comm)
     });
 
-    ranks_test!(gathers_broadcast_barrier, WORLD, |rank, comm| {
+    backend_test!(gathers_broadcast_barrier, ranks = WORLD, |rank, comm| {
         let dev = comm.device();
         let n = 6;
         let src = tensor::<bf16>(&dev, &(0..n).map(|i| val(rank, i)).collect::<Vec<_>>())?;
@@ -762,7 +820,7 @@ mod every_backend {
         comm.barrier()
     });
 
-    ranks_test!(v_variants_with_uneven_and_zero_counts, WORLD, |rank, comm| {
+    backend_test!(v_variants_with_uneven_and_zero_counts, ranks = WORLD, |rank, comm| {
         let counts = [3usize, 0, 5, 1];
         let total: usize = counts.iter().sum();
         let dev = comm.device();
@@ -792,7 +850,7 @@ mod every_backend {
         Ok(())
     });
 
-    ranks_test!(dp2_tp2_and_ep4_sub_communicators, WORLD, |rank, world| {
+    backend_test!(dp2_tp2_and_ep4_sub_communicators, ranks = WORLD, |rank, world| {
         const TP: usize = 2;
         let (dp, tp) = (rank / TP, rank % TP);
         let tp_ranks: Vec<usize> = (0..TP).map(|t| dp * TP + t).collect();
@@ -1038,7 +1096,7 @@ mod every_backend {
         .unwrap();
     }
 
-    ranks_test!(a_sub_communicator_is_split_through_the_global_one, WORLD, |rank, world| {
+    backend_test!(a_sub_communicator_is_split_through_the_global_one, ranks = WORLD, |rank, world| {
         // HCCL splits only the global communicator; a split of {0,1,2,3}'s
         // sub-communicator {rank pairs} is made from the world one.
         let pair_ranks: Vec<usize> = if rank < 2 { vec![0, 1] } else { vec![2, 3] };
@@ -1080,7 +1138,7 @@ mod every_backend {
         comm.all_gather(&x, &mut y)
     }
 
-    ranks_test!(backend_communicators_refuse_byte_reductions, WORLD, |_rank, comm| {
+    backend_test!(backend_communicators_refuse_byte_reductions, ranks = WORLD, |_rank, comm| {
         match &comm {
             Comm::Cpu(c) => refuses_byte_reductions(c),
             Comm::Npu(c) => refuses_byte_reductions(c),

@@ -548,160 +548,64 @@ fn overflowing_shapes_are_errors_naming_the_argument_not_panics() {
 }
 
 /// The backend trait's finalize routing and token unpermute, one body per
-/// test for every backend (`backend_test!`).
+/// test for every backend (`backend_test!`), the finalize cases from the
+/// shared case generator (`moe_common::finalize`).
 mod every_backend {
     use crate::backend_test;
     use crate::common::values;
     use crate::moe_common::assert_within_rounding;
+    use crate::moe_common::finalize::{expect_close, golden_matrix, host_inputs, reference, run, Case, MODES};
     use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
-    use ascend_moe::half::bf16;
-    use ascend_moe::{DType, Device, Element, Error, Result, Tensor};
+    use ascend_moe::{DType, Device, Element, Error, Tensor};
 
-    struct Case {
-        n: usize,
-        k: usize,
-        h: usize,
-        e: usize,
-        mode: DropPadMode,
-    }
-
-    struct Inputs {
-        x: Vec<f32>,
-        x_shape: Vec<usize>,
-        idx: Vec<i32>,
-        x1: Vec<f32>,
-        x2: Vec<f32>,
-        bias: Vec<f32>,
-        scales: Vec<f32>,
-        expert: Vec<i32>,
-    }
-
-    fn inputs(c: &Case) -> Inputs {
-        let (n, k, h, e) = (c.n, c.k, c.h, c.e);
-        let (rows, x_shape) = if c.mode.is_drop_pad() {
-            let cap = n * k / e + 2;
-            (e * cap, vec![e, cap, h])
-        } else {
-            (n * k, vec![n * k, h])
-        };
-        // A permutation for drop-less; for drop-pad some slots dropped (-1).
-        let mut idx: Vec<i32> = (0..n * k).map(|s| ((s * 7 + 3) % (n * k)) as i32).collect();
-        if c.mode.is_drop_pad() {
-            for (s, v) in idx.iter_mut().enumerate() {
-                *v = if s % 3 == 1 { -1 } else { ((*v as usize * 5) % rows) as i32 };
-            }
-        }
-        Inputs {
-            x: values(1, rows * h),
-            x_shape,
-            idx,
-            x1: values(2, n * h),
-            x2: values(3, n * h),
-            bias: values(4, e * h),
-            scales: values(5, n * k),
-            expert: (0..n * k).map(|s| ((s * 11) % e) as i32).collect(),
-        }
-    }
-
-    /// SPEC section 1, straight from the formula.
-    /// SPEC section 1 in f64, and per element the sum of the terms'
-    /// magnitudes (for [`assert_within_rounding`]).
-    fn reference(c: &Case, i: &Inputs) -> (Vec<f64>, Vec<f64>) {
-        let (n, k, h) = (c.n, c.k, c.h);
-        let (mut out, mut mag) = (vec![0f64; n * h], vec![0f64; n * h]);
-        for t in 0..n {
-            for j in 0..h {
-                let (a, b) = (i.x1[t * h + j] as f64, i.x2[t * h + j] as f64);
-                let (mut acc, mut m) = (a + b, a.abs() + b.abs());
-                for kk in 0..k {
-                    let slot = if c.mode.is_row_layout() { t * k + kk } else { kk * n + t };
-                    let r = i.idx[slot];
-                    let row = if r < 0 { 0.0 } else { i.x[r as usize * h + j] as f64 };
-                    let b = i.bias[i.expert[t * k + kk] as usize * h + j] as f64;
-                    let term = i.scales[t * k + kk] as f64 * (row + b);
-                    acc += term;
-                    m += term.abs();
-                }
-                out[t * h + j] = acc;
-                mag[t * h + j] = m;
-            }
-        }
-        (out, mag)
-    }
-
-    /// `got` within rounding of `want` ([`assert_within_rounding`]).
-    fn expect_close<T: Element>(what: &str, got: &[T], (want, mag): &(Vec<f64>, Vec<f64>)) -> Result<()> {
-        let got: Vec<f64> = got.iter().map(|v| v.to_f64()).collect();
-        assert_within_rounding(what, T::DTYPE, &got, want, mag);
-        Ok(())
-    }
-
-    fn up<T: Element>(dev: &Device, v: &[f32], shape: &[usize]) -> Result<Tensor> {
-        let t: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
-        Tensor::from_slice(&t, shape)?.to_device(dev)
-    }
-
-    fn run_case<T: Element>(dev: &Device, c: &Case, rows: OutputRows<'_>) -> Result<Vec<T>> {
-        let i = inputs(c);
-        let (n, k, h, e) = (c.n, c.k, c.h, c.e);
-        let x = up::<T>(dev, &i.x, &i.x_shape)?;
-        let idx = Tensor::from_slice(&i.idx, &[n * k])?.to_device(dev)?;
-        let (x1, x2) = (up::<T>(dev, &i.x1, &[n, h])?, up::<T>(dev, &i.x2, &[n, h])?);
-        let bias = up::<T>(dev, &i.bias, &[e, h])?;
-        let scales = up::<T>(dev, &i.scales, &[n, k])?;
-        let expert = Tensor::from_slice(&i.expert, &[n, k])?.to_device(dev)?;
-        let args = FinalizeArgs::new(&x, &idx, c.mode)
-            .with_x1(&x1)
-            .with_x2(&x2)
-            .with_bias(&bias)
-            .with_scales(&scales)
-            .with_expert_idx(&expert);
-        let dims = FinalizeDims { n, k, h, expanded_rows: x.numel() / h, experts: e };
-        let out_rows = match rows {
-            OutputRows::Dense => n,
-            OutputRows::Padded { local_sizes, slot_rows } => local_sizes.len() * slot_rows,
-        };
-        let mut out = Tensor::zeros(&[out_rows, h], T::DTYPE, dev)?;
-        dev.backend().finalize_routing(&args, &dims, &mut out, rows)?;
-        out.to_vec::<T>()
+    /// `n` 7, `k` 3, `h` 16, 4 experts, every optional input, scales of the data's dtype.
+    fn full_case(mode: DropPadMode, dtype: DType) -> Case {
+        Case { n: 7, k: 3, h: 16, e: 4, mode, dtype, scales: Some(dtype), x1: true, x2: true, bias: true }
     }
 
     backend_test!(finalize_matches_the_formula_in_every_mode, |dev| {
-        for mode in
-            [DropPadMode::DropLessColumn, DropPadMode::DropPadColumn, DropPadMode::DropLessRow, DropPadMode::DropPadRow]
-        {
-            let c = Case { n: 7, k: 3, h: 16, e: 4, mode };
-            let want = reference(&c, &inputs(&c));
-            expect_close::<f32>(&format!("f32 mode {mode:?}"), &run_case::<f32>(dev, &c, OutputRows::Dense)?, &want)?;
-            let got = run_case::<bf16>(dev, &c, OutputRows::Dense)?;
-            // bf16 inputs are rounded, so compare with the reference of the rounded inputs.
-            let mut i = inputs(&c);
-            for v in [&mut i.x, &mut i.x1, &mut i.x2, &mut i.bias, &mut i.scales] {
-                v.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+        for mode in MODES {
+            for dtype in [DType::F32, DType::BF16] {
+                let c = full_case(mode, dtype);
+                let hi = host_inputs(&c)?;
+                let (want, mag) = reference(&c, &hi, OutputRows::Dense);
+                let got = run(dev, &c, &hi, OutputRows::Dense)?;
+                expect_close(&format!("{dtype} mode {mode:?}"), dtype, &got, &want, &mag);
             }
-            expect_close::<bf16>(&format!("bf16 mode {mode:?}"), &got, &reference(&c, &i))?;
         }
         Ok(())
     });
 
     backend_test!(finalize_into_padded_slots_zeroes_the_padding, |dev| {
-        let c = Case { n: 6, k: 2, h: 8, e: 3, mode: DropPadMode::DropLessRow };
-        let (dense, dense_mag) = reference(&c, &inputs(&c));
-        let local_sizes = [2usize, 0, 3, 1];
-        let slot_rows = 3;
-        let got = run_case::<f32>(dev, &c, OutputRows::Padded { local_sizes: &local_sizes, slot_rows })?;
-        let mut want = vec![0f64; local_sizes.len() * slot_rows * c.h];
-        let mut mag = want.clone();
-        let mut t = 0;
-        for (r, &s) in local_sizes.iter().enumerate() {
-            for j in 0..s {
-                let dst = (r * slot_rows + j) * c.h;
-                want[dst..dst + c.h].copy_from_slice(&dense[(t + j) * c.h..(t + j + 1) * c.h]);
-                mag[dst..dst + c.h].copy_from_slice(&dense_mag[(t + j) * c.h..(t + j + 1) * c.h]);
+        let c = Case { n: 6, k: 2, h: 8, e: 3, ..full_case(DropPadMode::DropLessRow, DType::F32) };
+        let hi = host_inputs(&c)?;
+        let rows = OutputRows::Padded { local_sizes: &[2, 0, 3, 1], slot_rows: 3 };
+        let (want, mag) = reference(&c, &hi, rows);
+        expect_close("padded", DType::F32, &run(dev, &c, &hi, rows)?, &want, &mag);
+        Ok(())
+    });
+
+    backend_test!(finalize_golden_matrix_is_within_rounding_of_the_formula, |dev| {
+        // aclnnMoeFinalizeRoutingV2 takes K from the scales' shape: without
+        // scales it can only express K = 1.
+        let aclnn = match dev {
+            Device::Npu(n) => n.finalize_impl()? == "aclnn",
+            Device::Cpu => false,
+        };
+        let mut checked = 0;
+        for (c, rows) in golden_matrix() {
+            if aclnn && c.scales.is_none() && c.k > 1 {
+                continue;
             }
-            t += s;
+            let hi = host_inputs(&c)?;
+            let (want, mag) = reference(&c, &hi, rows);
+            expect_close(&format!("{c:?} {rows:?}"), c.dtype, &run(dev, &c, &hi, rows)?, &want, &mag);
+            checked += 1;
         }
-        expect_close::<f32>("padded", &got, &(want, mag))
+        // 400 runs; aclnn skips, per mode and optional-input set, the 4 runs
+        // of K > 1 without scales.
+        assert_eq!(checked, if aclnn { 400 - 4 * 4 * 4 } else { 400 });
+        Ok(())
     });
 
     backend_test!(finalize_rejects_an_out_of_range_row_index, |dev| {
@@ -759,6 +663,8 @@ mod every_backend {
         let w = Tensor::from_slice(&probs, &[t, k])?.to_device(dev)?;
         let mut out = Tensor::zeros(&[t, h], DType::F32, dev)?;
         dev.backend().token_unpermute(&p, &s, Some(&w), k, &mut out)?;
-        expect_close::<f32>("unpermute", &out.to_vec::<f32>()?, &(want, mag))
+        let got: Vec<f64> = out.to_vec::<f32>()?.iter().map(|v| v.to_f64()).collect();
+        assert_within_rounding("unpermute", DType::F32, &got, &want, &mag);
+        Ok(())
     });
 }

@@ -17,7 +17,7 @@ fn batch(d: usize, rows: usize) -> Vec<f32> {
 
 // DP 2 x TP 2, tokens [3, 2], the engine pads to 6 (the default would be 4)
 // and DP rank 0 has 2 real tokens (its third row is graph padding).
-ranks_test!(mc2_pads_to_the_engines_target_and_writes_its_mask_buffer, 4, |rank, comm| {
+backend_test!(mc2_pads_to_the_engines_target_and_writes_its_mask_buffer, ranks = 4, |rank, comm| {
     let (d, t) = (rank / 2, rank % 2);
     let dev = comm.device();
     let mut ctx = MoeContext::new(&[3, 2], 2, d, t, false)?.with_padded_num_tokens(6)?;

@@ -43,9 +43,7 @@ fn layouts() -> Vec<SpLayout> {
     v
 }
 
-on_both!(pad_and_reduce_matches_naive_model, pad_and_reduce_matches_naive_model_on);
-
-fn pad_and_reduce_matches_naive_model_on(on: On) {
+backend_test!(pad_and_reduce_matches_naive_model, |on: On| {
     let h = 5;
     for (li, l) in layouts().into_iter().enumerate() {
         let ep = l.ep_size();
@@ -67,15 +65,15 @@ fn pad_and_reduce_matches_naive_model_on(on: On) {
             let (off, rows) = (l.offset(r), l.local_size(r));
             assert_eq!(out.len(), rows * h, "layout {:?} rank {r}", l.local_sizes());
             let want: Vec<f64> = (off * h..(off + rows) * h).map(|i| data.iter().map(|d| d[i] as f64).sum()).collect();
+            let mag: Vec<f64> =
+                (off * h..(off + rows) * h).map(|i| data.iter().map(|d| (d[i] as f64).abs()).sum()).collect();
             let got: Vec<f64> = out.iter().map(|v| *v as f64).collect();
-            assert_close_abs("pad_and_reduce", &got, &want, 1e-6, &vec![1e-5; want.len()]);
+            assert_within_rounding("pad_and_reduce", DType::F32, &got, &want, &mag);
         }
     }
-}
+});
 
-on_both!(all_gather_and_unpad_matches_naive_model, all_gather_and_unpad_matches_naive_model_on);
-
-fn all_gather_and_unpad_matches_naive_model_on(on: On) {
+backend_test!(all_gather_and_unpad_matches_naive_model, |on: On| {
     let h = 3;
     for (li, l) in layouts().into_iter().enumerate() {
         let ep = l.ep_size();
@@ -103,14 +101,9 @@ fn all_gather_and_unpad_matches_naive_model_on(on: On) {
             assert_eq!(out, want, "layout {:?}", l.local_sizes());
         }
     }
-}
+});
 
-on_both!(
-    gather_then_reduce_of_partials_is_the_local_shard_of_their_sum,
-    gather_then_reduce_of_partials_is_the_local_shard_of_their_sum_on
-);
-
-fn gather_then_reduce_of_partials_is_the_local_shard_of_their_sum_on(on: On) {
+backend_test!(gather_then_reduce_of_partials_is_the_local_shard_of_their_sum, |on: On| {
     let h = 4;
     for (li, l) in layouts().into_iter().enumerate() {
         let ep = l.ep_size();
@@ -133,18 +126,14 @@ fn gather_then_reduce_of_partials_is_the_local_shard_of_their_sum_on(on: On) {
         let factor = (ep * (ep + 1) / 2) as f64;
         for (r, out) in outs.iter().enumerate() {
             let want: Vec<f64> = rank_data(seed, r, l.local_size(r), h).iter().map(|v| *v as f64 * factor).collect();
+            let mag: Vec<f64> = want.iter().map(|w| w.abs()).collect();
             let got: Vec<f64> = out.iter().map(|v| *v as f64).collect();
-            assert_close_abs("gather+reduce", &got, &want, 1e-6, &vec![1e-5; want.len()]);
+            assert_within_rounding("gather+reduce", DType::F32, &got, &want, &mag);
         }
     }
-}
+});
 
-on_both!(
-    without_layout_it_is_a_plain_reduce_scatter_and_all_gather,
-    without_layout_it_is_a_plain_reduce_scatter_and_all_gather_on
-);
-
-fn without_layout_it_is_a_plain_reduce_scatter_and_all_gather_on(on: On) {
+backend_test!(without_layout_it_is_a_plain_reduce_scatter_and_all_gather, |on: On| {
     let (ep, h, rows) = (4, 2, 8);
     let outs = on
         .run(ep, &opts(), |r, comm| {
@@ -162,17 +151,14 @@ fn without_layout_it_is_a_plain_reduce_scatter_and_all_gather_on(on: On) {
     for (r, out) in outs.iter().enumerate() {
         let q = rows / ep;
         let want: Vec<f64> = (r * q * h..(r + 1) * q * h).map(|i| data.iter().map(|d| d[i] as f64).sum()).collect();
+        let mag: Vec<f64> =
+            (r * q * h..(r + 1) * q * h).map(|i| data.iter().map(|d| (d[i] as f64).abs()).sum()).collect();
         let got: Vec<f64> = out.iter().map(|v| *v as f64).collect();
-        assert_close_abs("reduce_scatter", &got, &want, 1e-6, &vec![1e-5; want.len()]);
+        assert_within_rounding("reduce_scatter", DType::F32, &got, &want, &mag);
     }
-}
+});
 
-on_both!(
-    layout_that_does_not_match_the_group_is_refused_on_every_rank,
-    layout_that_does_not_match_the_group_is_refused_on_every_rank_on
-);
-
-fn layout_that_does_not_match_the_group_is_refused_on_every_rank_on(on: On) {
+backend_test!(layout_that_does_not_match_the_group_is_refused_on_every_rank, |on: On| {
     let l = SpLayout::new(&[2, 2, 2]).unwrap();
     let errs = on
         .run(4, &opts(), |r, comm| {
@@ -195,7 +181,7 @@ fn layout_that_does_not_match_the_group_is_refused_on_every_rank_on(on: On) {
         assert!(e3.contains("`x`") && e3.contains("6 rows") && e3.contains('7'), "{e3}");
         assert!(e4.contains("`x`") && e4.contains("[3, 2]"), "{e4}");
     }
-}
+});
 
 /// Finalize inputs of one rank: `n` gathered tokens, drop-less row layout.
 struct RankFinalize {
@@ -254,12 +240,7 @@ fn finalize_reference(f: &RankFinalize, n: usize, k: usize, h: usize) -> (Vec<f6
     (out, mag)
 }
 
-on_both!(
-    finalize_and_reduce_equals_finalize_then_pad_and_reduce,
-    finalize_and_reduce_equals_finalize_then_pad_and_reduce_on
-);
-
-fn finalize_and_reduce_equals_finalize_then_pad_and_reduce_on(on: On) {
+backend_test!(finalize_and_reduce_equals_finalize_then_pad_and_reduce, |on: On| {
     let (k, h) = (2, 6);
     for dtype in [DType::F32, DType::BF16] {
         for (li, l) in layouts().into_iter().enumerate() {
@@ -326,7 +307,7 @@ fn finalize_and_reduce_equals_finalize_then_pad_and_reduce_on(on: On) {
             assert_within_rounding(&format!("{what} without layout rank {r}"), DType::BF16, got, &want, &mag);
         }
     }
-}
+});
 
 /// Staging small enough that the fused finalize-and-reduce on a CPU
 /// communicator takes several rounds per call, and, for wide rows, does not fit
@@ -412,13 +393,11 @@ fn finalize_and_reduce_against_a_peer_in_the_two_step_path_is_a_mismatch() {
     }
 }
 
-on_both!(draft_model_finalize_returns_the_local_shard, draft_model_finalize_returns_the_local_shard_on);
-
-/// The draft-model regression: the EP/SP finalize of a draft (MTP) model of a
-/// vision-language MoE on DP=2 TP=2 EP=4 with SP and 4096 gathered tokens
-/// returns `local_sizes[rank]` rows, the fully reduced shard, never the 4096
-/// rows of the global layout.
-fn draft_model_finalize_returns_the_local_shard_on(on: On) {
+// The draft-model regression: the EP/SP finalize of a draft (MTP) model of a
+// vision-language MoE on DP=2 TP=2 EP=4 with SP and 4096 gathered tokens
+// returns `local_sizes[rank]` rows, the fully reduced shard, never the 4096
+// rows of the global layout.
+backend_test!(draft_model_finalize_returns_the_local_shard, |on: On| {
     let (tp, k, h) = (2, 2, 16);
     for dp_tokens in [[2048usize, 2048], [3000, 1096]] {
         let l = SpLayout::from_dp_tokens(&dp_tokens, tp).unwrap();
@@ -460,7 +439,7 @@ fn draft_model_finalize_returns_the_local_shard_on(on: On) {
             assert_close_abs(&format!("draft rank {r} {dp_tokens:?}"), out, &want, 1e-2, &abs);
         }
     }
-}
+});
 
 /// A tensor of `shape` full of NaN bits on `comm`'s device: an `out` whose
 /// every element the op must overwrite.
@@ -491,13 +470,11 @@ fn expect_sum_of_ranks(
     assert_within_rounding(what, dtype, &to_f64(got), &want, &mag);
 }
 
-on_both!(into_variants_equal_the_allocating_ops, into_variants_equal_the_allocating_ops_on);
-
-/// The `_into` variants write what the allocating ops return: bit for bit on
-/// the CPU communicator (rank-order reductions) and for the gathers (data
-/// movement); the NPU's reductions, whose order HCCL does not promise, are
-/// each checked against an f64 reference instead.
-fn into_variants_equal_the_allocating_ops_on(on: On) {
+// The `_into` variants write what the allocating ops return: bit for bit on
+// the CPU communicator (rank-order reductions) and for the gathers (data
+// movement); the NPU's reductions, whose order HCCL does not promise, are
+// each checked against an f64 reference instead.
+backend_test!(into_variants_equal_the_allocating_ops, |on: On| {
     let h = 4;
     let fitting = layouts().into_iter().enumerate().filter(|(_, l)| on.fits(l.ep_size()));
     for (li, l) in fitting {
@@ -549,7 +526,7 @@ fn into_variants_equal_the_allocating_ops_on(on: On) {
         })
         .unwrap();
     }
-}
+});
 
 #[test]
 fn into_variants_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {

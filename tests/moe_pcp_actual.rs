@@ -1,13 +1,16 @@
 //! SPEC sections 2 and 6: the MC2 mask marks the first `num_actual_tokens`
 //! rows of this DP rank (graph padding excluded), and prefill context
 //! parallelism (EP rank order DP x PCP x TP, the SP layout, ALLGATHER prepare /
-//! finalize over DP then PCP).
+//! finalize over DP then PCP). The multi-rank bodies of at most 4 ranks run on
+//! every backend (`backend_test!`).
 
 use ascend_moe::comm::ParallelGroups;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::prepare_finalize::*;
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, Tensor};
+
+mod common;
 
 fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))
@@ -42,19 +45,15 @@ fn mc2_mask_marks_the_first_num_actual_tokens_rows() {
     assert!(e.contains("`num_actual_tokens`") && e.contains('4') && e.contains('3'), "{e}");
 }
 
-#[test]
-fn prepare_returns_the_actual_token_mask_and_dispatch_skips_graph_padding() {
-    run_ranks(2, &opts(), |rank, comm| {
-        let ctx = MoeContext::new(&[4], 2, 0, rank, false)?.with_num_actual_tokens(3)?;
-        let g = MoeGroups::from_world(&comm, 2)?;
-        let x = Tensor::from_slice(&[1f32, 2., 3., 4.], &[4, 1])?;
-        let p = prepare(&x, CommType::Mc2, &ctx, &g)?;
-        let want = if rank == 0 { vec![true, true] } else { vec![true, false] };
-        assert_eq!(p.mc2_mask.as_deref(), Some(want.as_slice()), "rank {rank}");
-        Ok(())
-    })
-    .unwrap();
-}
+backend_test!(prepare_returns_the_actual_token_mask_and_dispatch_skips_graph_padding, ranks = 2, |rank, comm| {
+    let ctx = MoeContext::new(&[4], 2, 0, rank, false)?.with_num_actual_tokens(3)?;
+    let g = MoeGroups::from_world(&comm, 2)?;
+    let x = Tensor::from_slice(&[1f32, 2., 3., 4.], &[4, 1])?.to_device(&comm.device())?;
+    let p = prepare(&x, CommType::Mc2, &ctx, &g)?;
+    let want = if rank == 0 { vec![true, true] } else { vec![true, false] };
+    assert_eq!(p.mc2_mask.as_deref(), Some(want.as_slice()), "rank {rank}");
+    Ok(())
+});
 
 #[test]
 fn sp_layout_with_pcp_follows_dp_pcp_tp_order() {
@@ -77,6 +76,7 @@ fn sp_layout_with_pcp_follows_dp_pcp_tp_order() {
     assert!(MoeContext::new(&[1], 1, 0, 0, false).unwrap().with_pcp(2, 2).is_err());
 }
 
+// CPU only: worlds of 8 and 6 ranks, and the NPU suite runs on 4 devices.
 #[test]
 fn groups_with_pcp_and_a_world_that_does_not_fit_name_the_three_sizes() {
     // World 8 = DP 2 x PCP 2 x TP 2: rank r = (d * 2 + p) * 2 + t.
@@ -121,32 +121,39 @@ fn row(d: usize, p: usize, i: usize, h: usize) -> Vec<f32> {
     (0..h).map(|c| ((i * 7 + d * 13 + p * 5 + c) % 11) as f32 - 5.0).collect()
 }
 
-#[test]
-fn allgather_with_pcp_gathers_dp_then_pcp_and_finalizes_pcp_then_dp() {
-    // DP 2 x PCP 2 x TP 1 and DP 2 x PCP 2 x TP 2, tokens [3, 1] (PCP ranks of a
-    // DP rank hold different token values, the same count).
+// DP 2 x PCP 2 x TP 1 and DP 2 x PCP 2 x TP 2, tokens [3, 1] (PCP ranks of a
+// DP rank hold different token values, the same count). TP 2 is 8 ranks: CPU
+// only, as the NPU suite runs on 4 devices.
+backend_test!(allgather_with_pcp_gathers_dp_then_pcp_and_finalizes_pcp_then_dp, |on: On| {
     let h = 2;
     for tp in [1usize, 2] {
         let dp_tokens = [3usize, 1];
         let world = 2 * 2 * tp;
-        let outs = run_ranks(world, &opts(), |rank, comm| {
-            let (d, p, t) = (rank / (2 * tp), (rank / tp) % 2, rank % tp);
-            let ctx = MoeContext::new(&dp_tokens, tp, d, t, false)?.with_pcp(2, p)?;
-            assert_eq!(ctx.ep_rank(), rank);
-            let g = MoeGroups::from_world_pcp(&comm, 2, tp)?;
-            let x: Vec<f32> = (0..dp_tokens[d]).flat_map(|i| row(d, p, i, h)).collect();
-            let xt = Tensor::from_slice(&x, &[dp_tokens[d], h])?;
-            let prep = prepare(&xt, CommType::AllGather, &ctx, &g)?;
-            assert_eq!(prep.hidden.shape(), prepare_output_shape(xt.shape(), CommType::AllGather, &ctx)?.as_slice());
-            let gathered = prep.hidden.to_vec::<f32>()?;
-            // The experts' stand-in: scale by (EP rank + 1), so the reduction order shows.
-            let y: Vec<f32> = gathered.iter().map(|v| v * (rank + 1) as f32).collect();
-            let yt = Tensor::from_slice(&y, prep.hidden.shape())?;
-            let out = finalize(yt, CommType::AllGather, &ctx, &g)?;
-            assert_eq!(out.shape(), &[dp_tokens[d], h]);
-            Ok((gathered, out.to_vec::<f32>()?))
-        })
-        .unwrap();
+        if !on.fits(world) {
+            continue;
+        }
+        let outs = on
+            .run(world, &opts(), |rank, comm| {
+                let (d, p, t) = (rank / (2 * tp), (rank / tp) % 2, rank % tp);
+                let ctx = MoeContext::new(&dp_tokens, tp, d, t, false)?.with_pcp(2, p)?;
+                assert_eq!(ctx.ep_rank(), rank);
+                let g = MoeGroups::from_world_pcp(&comm, 2, tp)?;
+                let x: Vec<f32> = (0..dp_tokens[d]).flat_map(|i| row(d, p, i, h)).collect();
+                let xt = Tensor::from_slice(&x, &[dp_tokens[d], h])?.to_device(&comm.device())?;
+                let prep = prepare(&xt, CommType::AllGather, &ctx, &g)?;
+                assert_eq!(
+                    prep.hidden.shape(),
+                    prepare_output_shape(xt.shape(), CommType::AllGather, &ctx)?.as_slice()
+                );
+                let gathered = prep.hidden.to_vec::<f32>()?;
+                // The experts' stand-in: scale by (EP rank + 1), so the reduction order shows.
+                let y: Vec<f32> = gathered.iter().map(|v| v * (rank + 1) as f32).collect();
+                let yt = Tensor::from_slice(&y, prep.hidden.shape())?.to_device(&comm.device())?;
+                let out = finalize(yt, CommType::AllGather, &ctx, &g)?;
+                assert_eq!(out.shape(), &[dp_tokens[d], h]);
+                Ok((gathered, out.to_vec::<f32>()?))
+            })
+            .unwrap();
         for (rank, (gathered, out)) in outs.iter().enumerate() {
             let (d, p, t) = (rank / (2 * tp), (rank / tp) % 2, rank % tp);
             // Prepare: pad to max 3, DP gather [dp0, dp1] of this PCP rank's
@@ -167,8 +174,9 @@ fn allgather_with_pcp_gathers_dp_then_pcp_and_finalizes_pcp_then_dp() {
             assert_eq!(out, &want, "tp {tp} rank {rank}: finalized rows");
         }
     }
-}
+});
 
+// CPU only: DP 2 x PCP 2 x TP 2 is 8 ranks, and the NPU suite runs on 4 devices.
 #[test]
 fn sp_and_mc2_with_pcp_round_trip() {
     // DP 2 x PCP 2 x TP 2, tokens [1, 9]: SP layout [1, 1, 1, 1, 5, 5, 5, 5].
@@ -205,40 +213,37 @@ fn sp_and_mc2_with_pcp_round_trip() {
     .unwrap();
 }
 
-#[test]
-fn groups_from_the_engines_communicators_prepare_and_finalize_like_split_ones() {
-    // DP2 x TP2: the engine made its TP and DP groups itself.
-    run_ranks(4, &opts(), |rank, world| {
-        let (dp_rank, tp_rank) = (rank / 2, rank % 2);
-        let tp = world.split(&[dp_rank * 2, dp_rank * 2 + 1])?;
-        let dp = world.split(&[tp_rank, 2 + tp_rank])?;
-        let mine = MoeGroups::from_comms(&world, &tp, &dp, None)?;
-        let split = MoeGroups::from_world(&world, 2)?;
-        let ctx = MoeContext::new(&[3, 2], 2, dp_rank, tp_rank, false)?;
-        let x = Tensor::from_slice(
-            &(0..ctx.local_tokens() * 2).map(|i| (rank * 10 + i) as f32).collect::<Vec<_>>(),
-            &[ctx.local_tokens(), 2],
-        )?;
-        for comm in CommType::ALL {
-            let a = prepare(&x, comm, &ctx, &mine)?.hidden;
-            let b = prepare(&x, comm, &ctx, &split)?.hidden;
-            assert_eq!(a.to_vec::<f32>()?, b.to_vec::<f32>()?, "{comm:?} prepare, rank {rank}");
-            let fa = finalize(a, comm, &ctx, &mine)?;
-            let fb = finalize(b, comm, &ctx, &split)?;
-            assert_eq!(fa.to_vec::<f32>()?, fb.to_vec::<f32>()?, "{comm:?} finalize, rank {rank}");
-        }
-        // TP and DP swapped: the sizes fit, but ranks 1 and 2 are not where
-        // the DP x TP order puts them.
-        let swapped = MoeGroups::from_comms(&world, &dp, &tp, None);
-        if rank == 1 || rank == 2 {
-            let e = swapped.unwrap_err().to_string();
-            assert!(e.contains(&format!("EP rank {rank}")) && e.contains("(dp * PCP + pcp) * TP + tp"), "{e}");
-        }
-        // Groups that do not multiply to the world's size.
-        let lone = world.split(&[rank])?;
-        let e = MoeGroups::from_comms(&world, &lone, &lone, None).unwrap_err().to_string();
-        assert!(e.contains("4 ranks, but DP 1 x PCP 1 x TP 1 is 1"), "{e}");
-        Ok(())
-    })
-    .unwrap();
-}
+// DP2 x TP2: the engine made its TP and DP groups itself.
+backend_test!(groups_from_the_engines_communicators_prepare_and_finalize_like_split_ones, ranks = 4, |rank, world| {
+    let (dp_rank, tp_rank) = (rank / 2, rank % 2);
+    let tp = world.split(&[dp_rank * 2, dp_rank * 2 + 1])?;
+    let dp = world.split(&[tp_rank, 2 + tp_rank])?;
+    let mine = MoeGroups::from_comms(&world, &tp, &dp, None)?;
+    let split = MoeGroups::from_world(&world, 2)?;
+    let ctx = MoeContext::new(&[3, 2], 2, dp_rank, tp_rank, false)?;
+    let x = Tensor::from_slice(
+        &(0..ctx.local_tokens() * 2).map(|i| (rank * 10 + i) as f32).collect::<Vec<_>>(),
+        &[ctx.local_tokens(), 2],
+    )?
+    .to_device(&world.device())?;
+    for comm in CommType::ALL {
+        let a = prepare(&x, comm, &ctx, &mine)?.hidden;
+        let b = prepare(&x, comm, &ctx, &split)?.hidden;
+        assert_eq!(a.to_vec::<f32>()?, b.to_vec::<f32>()?, "{comm:?} prepare, rank {rank}");
+        let fa = finalize(a, comm, &ctx, &mine)?;
+        let fb = finalize(b, comm, &ctx, &split)?;
+        assert_eq!(fa.to_vec::<f32>()?, fb.to_vec::<f32>()?, "{comm:?} finalize, rank {rank}");
+    }
+    // TP and DP swapped: the sizes fit, but ranks 1 and 2 are not where
+    // the DP x TP order puts them.
+    let swapped = MoeGroups::from_comms(&world, &dp, &tp, None);
+    if rank == 1 || rank == 2 {
+        let e = swapped.unwrap_err().to_string();
+        assert!(e.contains(&format!("EP rank {rank}")) && e.contains("(dp * PCP + pcp) * TP + tp"), "{e}");
+    }
+    // Groups that do not multiply to the world's size.
+    let lone = world.split(&[rank])?;
+    let e = MoeGroups::from_comms(&world, &lone, &lone, None).unwrap_err().to_string();
+    assert!(e.contains("4 ranks, but DP 1 x PCP 1 x TP 1 is 1"), "{e}");
+    Ok(())
+});

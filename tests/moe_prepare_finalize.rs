@@ -11,7 +11,6 @@ mod moe_common;
 use ascend_moe::moe::prepare_finalize::*;
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, Error, Tensor};
-use common::On;
 use moe_common::*;
 
 fn opts() -> CommOptions {
@@ -23,9 +22,7 @@ fn tokens(d: usize, rows: usize, h: usize) -> Vec<f32> {
     (0..rows * h).map(|i| ((i * 7 + d * 13) % 11) as f32 - 5.0).collect()
 }
 
-on_both!(finalize_of_prepare_is_x_times_the_contributing_ranks, finalize_of_prepare_on);
-
-fn finalize_of_prepare_on(on: On) {
+backend_test!(finalize_of_prepare_is_x_times_the_contributing_ranks, |on: On| {
     let h = 3;
     for (dp_tokens, tp) in [(vec![5usize, 2], 2usize), (vec![9, 0], 4), (vec![1, 3], 4), (vec![6], 2), (vec![7, 7], 1)]
     {
@@ -67,9 +64,7 @@ fn finalize_of_prepare_on(on: On) {
             }
         }
     }
-}
-
-on_both!(prepare_into_and_finalize_into_equal_the_allocating_ops, into_on);
+});
 
 /// A tensor of `shape` full of NaN on `device`: an element the op leaves
 /// unwritten fails the comparison.
@@ -82,7 +77,7 @@ fn bits(t: &Tensor) -> ascend_moe::Result<Vec<u32>> {
     Ok(t.to_vec::<f32>()?.iter().map(|v| v.to_bits()).collect())
 }
 
-fn into_on(on: On) {
+backend_test!(prepare_into_and_finalize_into_equal_the_allocating_ops, |on: On| {
     let h = 3;
     for (dp_tokens, tp) in [(vec![5usize, 2], 2usize), (vec![9, 0], 4), (vec![6], 2), (vec![7, 7], 1)] {
         let dp = dp_tokens.len();
@@ -123,7 +118,7 @@ fn into_on(on: On) {
             }
         }
     }
-}
+});
 
 #[test]
 fn prepare_into_and_finalize_into_refuse_a_wrong_out() {
@@ -150,9 +145,7 @@ fn prepare_into_and_finalize_into_refuse_a_wrong_out() {
     .unwrap();
 }
 
-on_both!(dispatch_then_combine_with_identity_experts, dispatch_then_combine_on);
-
-fn dispatch_then_combine_on(on: On) {
+backend_test!(dispatch_then_combine_with_identity_experts, |on: On| {
     let (h, k, experts, n) = (4, 3, 8, 6);
     for world in [1, 2, 4] {
         on.run(world, &opts(), |rank, comm| {
@@ -184,7 +177,7 @@ fn dispatch_then_combine_on(on: On) {
         })
         .unwrap();
     }
-}
+});
 
 #[test]
 fn bad_dispatch_and_context_input_is_named() {

@@ -1,10 +1,13 @@
 //! Runtime-aware reductions (SPEC section 5): the truth table, the policy, and
 //! the invariant "layer output = sum_i S_i + R" for every static policy and
 //! every live comm type, also when the policy was built under another comm
-//! type, checked on a numeric model of the TP ranks.
+//! type, checked on a numeric model of the TP ranks; and the reduction points
+//! themselves on every backend (`backend_test!`).
 
 use ascend_moe::moe::reduce::{routed_is_reduced, ReducePolicy, SharedMode};
-use ascend_moe::CommType;
+use ascend_moe::{Collectives, CommOptions, CommType, DType, Tensor};
+
+mod common;
 
 #[test]
 fn routed_is_reduced_truth_table() {
@@ -147,24 +150,23 @@ fn decisions_made_with_a_stale_comm_type_would_be_caught() {
     assert!((out[0] - want).abs() > 1.0, "missing reduction must show: {out:?} vs {want}");
 }
 
-/// Every reduction point's `_into` twin gives the consuming point's result
-/// bit for bit on the CPU communicator, into an `out` full of NaN, for every
-/// policy of TP 1 or 2 and every live comm type, and leaves `x` unchanged.
-#[test]
-fn into_reduction_points_equal_the_consuming_ones_bit_for_bit() {
-    use ascend_moe::ranks::run_ranks;
-    use ascend_moe::{CommOptions, Tensor};
+// Every reduction point's `_into` twin gives the consuming point's result
+// bit for bit, into an `out` full of NaN, for every policy of TP 1 or 2 and
+// every live comm type, and leaves `x` unchanged. Bit for bit on every
+// backend: a sum over at most two ranks is the same in either order.
+backend_test!(into_reduction_points_equal_the_consuming_ones_bit_for_bit, |on: On| {
     let opts = CommOptions::with_timeout(std::time::Duration::from_secs(30));
     for tp in [1usize, 2] {
         let ps: Vec<ReducePolicy> = policies().into_iter().filter(|p| p.tp_size() == tp).collect();
         assert!(!ps.is_empty());
-        run_ranks(tp, &opts, |r, comm| {
+        on.run(tp, &opts, |r, comm| {
+            let dev = comm.device();
             let x: Vec<f32> = (0..24).map(|i| (i * (r + 3)) as f32 * 0.37 - 2.0).collect();
             for p in &ps {
                 for c in CommType::ALL {
                     for point in 0..3 {
-                        let xt = Tensor::from_slice(&x, &[4, 6])?;
-                        let mut out = Tensor::from_slice(&[f32::NAN; 24], &[4, 6])?;
+                        let xt = Tensor::from_slice(&x, &[4, 6])?.to_device(&dev)?;
+                        let mut out = Tensor::from_slice(&[f32::NAN; 24], &[4, 6])?.to_device(&dev)?;
                         let want = match point {
                             0 => p.reduce_routed_early(xt.try_clone()?, c, &comm)?,
                             1 => p.reduce_shared(xt.try_clone()?, c, &comm)?,
@@ -188,48 +190,42 @@ fn into_reduction_points_equal_the_consuming_ones_bit_for_bit() {
         })
         .unwrap();
     }
-}
+});
 
-#[test]
-fn into_reduction_points_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {
-    use ascend_moe::ranks::run_ranks;
-    use ascend_moe::{CommOptions, DType, Tensor};
+backend_test!(into_reduction_points_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out, ranks = 1, |_, comm| {
     let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 1, 1).unwrap();
-    run_ranks(1, &CommOptions::from_env(), |_, comm| {
-        let x = Tensor::from_slice(&[1f32; 6], &[2, 3])?;
-        for mut bad in [Tensor::zeros_cpu(&[3, 2], DType::F32), Tensor::zeros_cpu(&[2, 3], DType::BF16)] {
-            for (op, e) in [
-                ("reduce_routed_early", p.reduce_routed_early_into(&x, CommType::AllGather, &comm, &mut bad)),
-                ("reduce_shared", p.reduce_shared_into(&x, CommType::AllGather, &comm, &mut bad)),
-                ("reduce_final", p.reduce_final_into(&x, CommType::AllGather, &comm, &mut bad)),
-            ] {
-                let e = e.unwrap_err().to_string();
-                assert!(e.contains("`out`") && e.contains(op), "{op}: {e}");
-            }
+    let dev = comm.device();
+    let x = Tensor::from_slice(&[1f32; 6], &[2, 3])?.to_device(&dev)?;
+    for mut bad in [Tensor::zeros(&[3, 2], DType::F32, &dev)?, Tensor::zeros(&[2, 3], DType::BF16, &dev)?] {
+        for (op, e) in [
+            ("reduce_routed_early", p.reduce_routed_early_into(&x, CommType::AllGather, &comm, &mut bad)),
+            ("reduce_shared", p.reduce_shared_into(&x, CommType::AllGather, &comm, &mut bad)),
+            ("reduce_final", p.reduce_final_into(&x, CommType::AllGather, &comm, &mut bad)),
+        ] {
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains("`out`") && e.contains(op), "{op}: {e}");
         }
-        Ok(())
-    })
-    .unwrap();
-}
+    }
+    Ok(())
+});
 
-#[test]
-fn into_reduction_points_copy_and_reduce_a_scalar_too() {
-    use ascend_moe::ranks::run_ranks;
-    use ascend_moe::{CommOptions, Tensor};
+backend_test!(into_reduction_points_copy_and_reduce_a_scalar_too, |on: On| {
     let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 2).unwrap();
     assert!(p.final_reduces(CommType::AllGather) && !p.final_reduces(CommType::Mc2));
-    let outs = run_ranks(2, &CommOptions::with_timeout(std::time::Duration::from_secs(30)), |r, comm| {
-        let x = Tensor::from_slice(&[1.5f32 + r as f32], &[])?;
-        let mut reduced = Tensor::from_slice(&[f32::NAN], &[])?;
-        p.reduce_final_into(&x, CommType::AllGather, &comm, &mut reduced)?;
-        let mut copied = Tensor::from_slice(&[f32::NAN], &[])?;
-        p.reduce_final_into(&x, CommType::Mc2, &comm, &mut copied)?;
-        assert!(reduced.shape().is_empty() && copied.shape().is_empty());
-        Ok((reduced.to_vec::<f32>()?, copied.to_vec::<f32>()?))
-    })
-    .unwrap();
+    let outs = on
+        .run(2, &CommOptions::with_timeout(std::time::Duration::from_secs(30)), |r, comm| {
+            let dev = comm.device();
+            let x = Tensor::from_slice(&[1.5f32 + r as f32], &[])?.to_device(&dev)?;
+            let mut reduced = Tensor::from_slice(&[f32::NAN], &[])?.to_device(&dev)?;
+            p.reduce_final_into(&x, CommType::AllGather, &comm, &mut reduced)?;
+            let mut copied = Tensor::from_slice(&[f32::NAN], &[])?.to_device(&dev)?;
+            p.reduce_final_into(&x, CommType::Mc2, &comm, &mut copied)?;
+            assert!(reduced.shape().is_empty() && copied.shape().is_empty());
+            Ok((reduced.to_vec::<f32>()?, copied.to_vec::<f32>()?))
+        })
+        .unwrap();
     for (r, (reduced, copied)) in outs.into_iter().enumerate() {
         assert_eq!(reduced, vec![4.0], "rank {r}");
         assert_eq!(copied, vec![1.5 + r as f32], "rank {r}");
     }
-}
+});

@@ -10,7 +10,6 @@ use ascend_moe::moe::reduce::{ReducePolicy, SharedMode};
 use ascend_moe::moe::shared::*;
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Collectives, CommOptions, Tensor};
-use common::On;
 
 fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))
@@ -55,9 +54,7 @@ fn shape_functions_follow_the_spec() {
     assert!(shared_pad_reduce_scatter_output_shape(&[4], 0).is_err());
 }
 
-on_both!(dp_only_pad_split_then_gather_unpad_matches_the_plain_model, dp_only_on);
-
-fn dp_only_on(on: On) {
+backend_test!(dp_only_pad_split_then_gather_unpad_matches_the_plain_model, |on: On| {
     let h = 3;
     for (tp, t) in [(1usize, 5usize), (2, 5), (2, 4), (4, 9), (4, 3), (4, 1), (4, 0), (2, 1)] {
         let part = t.div_ceil(tp);
@@ -87,11 +84,9 @@ fn dp_only_on(on: On) {
             assert_eq!(back, &want_back, "tp {tp} T {t} rank {r}: gather-unpad");
         }
     }
-}
+});
 
-on_both!(sp_only_gather_unpad_then_pad_reduce_scatter_matches_the_plain_model, sp_only_on);
-
-fn sp_only_on(on: On) {
+backend_test!(sp_only_gather_unpad_then_pad_reduce_scatter_matches_the_plain_model, |on: On| {
     let h = 2;
     for (tp, t) in [(2usize, 5usize), (2, 4), (4, 9), (4, 2), (4, 0), (1, 3)] {
         let part = t.div_ceil(tp);
@@ -126,7 +121,7 @@ fn sp_only_on(on: On) {
             assert_eq!(out, &want, "tp {tp} T {t} rank {r}: pad-reduce-scatter");
         }
     }
-}
+});
 
 #[test]
 fn gather_unpad_refuses_a_shard_of_the_wrong_size_on_every_rank() {
@@ -154,9 +149,7 @@ fn same_bits(a: &Tensor, b: &Tensor) -> ascend_moe::Result<bool> {
     Ok(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()))
 }
 
-on_both!(into_variants_equal_the_allocating_helpers_bit_for_bit, into_variants_on);
-
-fn into_variants_on(on: On) {
+backend_test!(into_variants_equal_the_allocating_helpers_bit_for_bit, |on: On| {
     let h = 3;
     for (tp, t) in [(1usize, 5usize), (2, 5), (2, 4), (4, 9), (4, 3), (4, 1), (4, 0), (2, 1)] {
         let part = t.div_ceil(tp);
@@ -182,7 +175,7 @@ fn into_variants_on(on: On) {
         })
         .unwrap();
     }
-}
+});
 
 #[test]
 fn into_variants_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {

@@ -6,7 +6,7 @@
 //! | [`layer`] | the end-to-end MoE layer harness: cases, launchers, per-rank runs |
 //! | `model` | its single-rank reference (weights, routing, the layer in f64) |
 //! | [`bench`] | the finalize and finalize-and-reduce benchmarks (`ascend-moe bench`) |
-//! | here | the one RNG ([`SplitMix`]) and the one tolerance ([`tolerance`]) |
+//! | here | the one RNG ([`SplitMix`]), the op-level tolerance ([`assert_within_rounding`]) and the layer's ([`tolerance`]) |
 
 pub mod bench;
 pub mod layer;
@@ -57,7 +57,48 @@ impl SplitMix {
     }
 }
 
-/// The per-token tolerance of a dtype: `rtol * |want| + atol`.
+/// Relative rounding error of one rounding to `dtype` (0 for the exact
+/// integer dtypes).
+pub fn eps(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => f32::EPSILON as f64,
+        DType::F16 => half::f16::EPSILON.to_f64(),
+        DType::BF16 => half::bf16::EPSILON.to_f64(),
+        _ => 0.0,
+    }
+}
+
+/// The tolerance of every op-level comparison with an f64 reference:
+/// `got[i]` within `4 * eps(dtype) * mag[i]` of `want[i]`, where `mag[i]` is
+/// the sum of the magnitudes of the terms summed into element `i`. That
+/// covers f32 accumulation of a few terms in any order (each addition rounds
+/// by at most `eps(F32) / 2` of the partial sum) and one rounding to `dtype`,
+/// whichever backend computed it and in whatever order. Panics with
+/// [`within_rounding`]'s message.
+pub fn assert_within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag: &[f64]) {
+    if let Err(e) = within_rounding(what, dtype, got, want, mag) {
+        panic!("{e}");
+    }
+}
+
+/// [`assert_within_rounding`] as a result: `Err` names `what` and the first
+/// element outside the tolerance (or the lengths that differ).
+pub fn within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag: &[f64]) -> Result<(), String> {
+    if got.len() != want.len() || mag.len() != want.len() {
+        return Err(format!("{what}: lengths: got {}, want {}, magnitudes {}", got.len(), want.len(), mag.len()));
+    }
+    for (i, ((g, w), m)) in got.iter().zip(want).zip(mag).enumerate() {
+        let tol = 4.0 * eps(dtype) * m + 1e-30;
+        // Written so that a NaN on either side is outside.
+        let inside = (g - w).abs() <= tol;
+        if !inside {
+            return Err(format!("{what}: element {i}: got {g}, want {w} (tol {tol})"));
+        }
+    }
+    Ok(())
+}
+
+/// The per-token tolerance of a dtype in the layer harness: `rtol * |want| + atol`.
 pub fn tolerance(dtype: DType) -> (f64, f64) {
     match dtype {
         DType::F32 => (1e-4, 1e-4),

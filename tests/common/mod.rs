@@ -1,8 +1,8 @@
 //! Helpers shared by the integration tests: deterministic data and a naive
 //! reference for every collective, and `backend_test!`, which turns one test
-//! body `fn(&Device) -> Result<()>` into a module with a `cpu` case and an
-//! `npu` case (ignored here: it needs an Ascend NPU or the simulated runtime,
-//! but it always compiles).
+//! body (on a device, on `N` ranks, or on a backend) into a module with a
+//! `cpu` case and an `npu` case (ignored here: it needs an Ascend NPU or the
+//! simulated runtime, but it always compiles).
 #![allow(dead_code)]
 
 pub mod graph;
@@ -147,13 +147,63 @@ pub fn same_bits<T: Element>(got: &[T], want: &[T]) -> Result<(), String> {
 /// The dtypes reductions take (not the one-byte `DType::BYTE_MOVES`).
 pub const REDUCIBLE_DTYPES: [DType; 5] = DType::REDUCIBLE;
 
-/// Expands one test body into `cpu` and (ignored) `npu` cases:
+/// Expands one test body into a module with a `cpu` case and an `npu` case
+/// (ignored here: it needs an Ascend NPU or the simulated runtime, but it
+/// always compiles). Three forms, by what the body takes:
 ///
 /// ```ignore
+/// // One device: the CPU, or NPU 0 (`npu_device`).
 /// backend_test!(adds_two_tensors, |dev| { ...; Ok(()) });
+/// // `N` thread ranks: the shared-memory CPU communicator, or HCCL on NPUs `0..N`.
+/// backend_test!(sums_over_four_ranks, ranks = 4, |rank, comm| { ...; Ok(()) });
+/// // The backend itself, for bodies that launch several worlds (`On::run`).
+/// backend_test!(pads_every_layout, |on: On| { ... });
 /// ```
 #[macro_export]
 macro_rules! backend_test {
+    ($name:ident, ranks = $world:expr, $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn body(rank: usize, comm: ascend_moe::Comm) -> ascend_moe::Result<()> {
+                let f: fn(usize, ascend_moe::Comm) -> ascend_moe::Result<()> = $body;
+                f(rank, comm)
+            }
+
+            #[test]
+            fn cpu() {
+                $crate::common::On::Cpu.expect_ranks($world, body);
+            }
+
+            #[test]
+            #[ignore = "needs an Ascend NPU"]
+            fn npu() {
+                $crate::common::On::Npu.expect_ranks($world, body);
+            }
+        }
+    };
+    ($name:ident, |$on:ident: On| $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            fn body($on: $crate::common::On) {
+                $body
+            }
+
+            #[test]
+            fn cpu() {
+                body($crate::common::On::Cpu);
+            }
+
+            #[test]
+            #[ignore = "needs an Ascend NPU"]
+            fn npu() {
+                body($crate::common::On::Npu);
+            }
+        }
+    };
     ($name:ident, $body:expr) => {
         mod $name {
             #[allow(unused_imports)]
@@ -178,39 +228,6 @@ macro_rules! backend_test {
                 if let Err(e) = body(&dev) {
                     panic!("npu: {e}");
                 }
-            }
-        }
-    };
-}
-
-/// Expands one body over `world` thread ranks into a `cpu` case (the
-/// shared-memory CPU communicator) and an (ignored) `npu` case (HCCL on NPUs
-/// `0..world`):
-///
-/// ```ignore
-/// ranks_test!(sums_over_four_ranks, 4, |rank, comm| { ...; Ok(()) });
-/// ```
-#[macro_export]
-macro_rules! ranks_test {
-    ($name:ident, $world:expr, $body:expr) => {
-        mod $name {
-            #[allow(unused_imports)]
-            use super::*;
-
-            fn body(rank: usize, comm: ascend_moe::Comm) -> ascend_moe::Result<()> {
-                let f: fn(usize, ascend_moe::Comm) -> ascend_moe::Result<()> = $body;
-                f(rank, comm)
-            }
-
-            #[test]
-            fn cpu() {
-                $crate::common::On::Cpu.expect_ranks($world, body);
-            }
-
-            #[test]
-            #[ignore = "needs an Ascend NPU"]
-            fn npu() {
-                $crate::common::On::Npu.expect_ranks($world, body);
             }
         }
     };
@@ -269,25 +286,4 @@ impl On {
     pub fn fits(self, world: usize) -> bool {
         self == On::Cpu || world <= 4
     }
-}
-
-/// `on_both!(name, body)`: a module `name` with a `cpu` test calling
-/// `body(On::Cpu)` and an `npu` test (ignored without an NPU) calling
-/// `body(On::Npu)`.
-#[macro_export]
-macro_rules! on_both {
-    ($name:ident, $body:ident) => {
-        mod $name {
-            #[test]
-            fn cpu() {
-                super::$body($crate::common::On::Cpu);
-            }
-
-            #[test]
-            #[ignore = "needs an Ascend NPU"]
-            fn npu() {
-                super::$body($crate::common::On::Npu);
-            }
-        }
-    };
 }

@@ -1,31 +1,30 @@
-//! Helpers shared by the MoE integration tests: a seeded generator, tensor
-//! builders and per-dtype tolerances.
+//! Helpers shared by the MoE integration tests: the crate's generator with
+//! their seeding, tensor builders, the tolerance and the finalize cases.
 #![allow(dead_code)]
 
-use ascend_moe::half::{bf16, f16};
+pub mod finalize;
+
+use ascend_moe::testing::SplitMix;
 use ascend_moe::{with_dtype, DType, Element, Tensor};
 
-/// SplitMix64: small, seeded, good enough for test data.
-pub struct Rng(u64);
+/// The crate's one generator ([`SplitMix`]) with the MoE tests' seeding:
+/// `Rng::new(seed)` draws what `SplitMix::new(seed ^ 0x9E37_79B9_7F4A_7C15)` does.
+pub struct Rng(SplitMix);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+        Rng(SplitMix::new(seed ^ 0x9E37_79B9_7F4A_7C15))
     }
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
     /// Uniform in `[0, n)`.
     pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
+        self.0.below(n as u64) as usize
     }
     /// Uniform in `[-1, 1)`.
     pub fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        self.0.unit()
     }
     pub fn shuffle<T>(&mut self, v: &mut [T]) {
         for i in (1..v.len()).rev() {
@@ -64,27 +63,9 @@ pub fn i32_tensor(v: &[i32], shape: &[usize]) -> Tensor {
     Tensor::from_slice(v, shape).unwrap()
 }
 
-/// Relative rounding error of one rounding to `dtype`.
-pub fn eps(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => f32::EPSILON as f64,
-        DType::F16 => f16::EPSILON.to_f64(),
-        DType::BF16 => bf16::EPSILON.to_f64(),
-        _ => 0.0,
-    }
-}
-
-/// The per-dtype tolerance of the tests that compare with an f64 reference:
-/// `got[i]` within `4 * eps(dtype) * mag[i]` of `want[i]`, where `mag[i]` is
-/// the sum of the magnitudes of the terms summed into element `i`. That
-/// covers f32 accumulation of a few terms in any order (each addition rounds
-/// by at most `eps(F32) / 2` of the partial sum) and one rounding to `dtype`,
-/// whichever backend computed it and in whatever order.
-pub fn assert_within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag: &[f64]) {
-    assert_eq!(mag.len(), want.len(), "{what}: magnitudes");
-    let tol: Vec<f64> = mag.iter().map(|m| 4.0 * eps(dtype) * m + 1e-30).collect();
-    assert_close_abs(what, got, want, 0.0, &tol);
-}
+/// The one op-level tolerance and its rounding unit.
+#[allow(unused_imports)]
+pub use ascend_moe::testing::{assert_within_rounding, eps};
 
 /// Asserts `got` is within `rel * |want| + abs` of `want`, elementwise.
 pub fn assert_close_abs(what: &str, got: &[f64], want: &[f64], rel: f64, abs: &[f64]) {

@@ -6,7 +6,9 @@ use std::ffi::c_void;
 use std::path::PathBuf;
 
 use super::abi::*;
-use crate::{DType, Error, Result};
+#[cfg(test)]
+use crate::DType;
+use crate::{Error, Result};
 
 #[cfg(amoe_host_kernel)]
 mod ffi {
@@ -19,8 +21,11 @@ mod ffi {
             gm: *const *mut c_void,
             tiling: *const c_void,
         );
+        #[cfg(test)]
         pub fn amoe_finalize_tiling_layout(out: *mut u32, cap: usize) -> usize;
+        #[cfg(test)]
         pub fn amoe_finalize_ub_bytes_host(data_dtype: u32, tile_h: u32) -> u32;
+        #[cfg(test)]
         pub fn amoe_sim_ub_capacity() -> u32;
         pub fn amoe_sim_selftest(which: u32, msg: *mut std::ffi::c_char, cap: usize) -> i32;
     }
@@ -72,7 +77,8 @@ pub(super) fn host_unavailable() -> Error {
 
 /// Byte offsets of every `AmoeFinalizeTiling` field as the C compiler laid
 /// them out, in declaration order, followed by `sizeof`.
-pub fn c_tiling_layout() -> Result<Vec<u32>> {
+#[cfg(test)]
+pub(crate) fn c_tiling_layout() -> Result<Vec<u32>> {
     #[cfg(amoe_host_kernel)]
     {
         let mut v = vec![0u32; 64];
@@ -89,7 +95,8 @@ pub fn c_tiling_layout() -> Result<Vec<u32>> {
 
 /// The unified-buffer bytes the C header's formula gives (the kernel's own
 /// allocation plan), to check [`ub_bytes`] against.
-pub fn c_ub_bytes(data: DType, tile_h: u32) -> Result<u32> {
+#[cfg(test)]
+pub(crate) fn c_ub_bytes(data: DType, tile_h: u32) -> Result<u32> {
     #[cfg(amoe_host_kernel)]
     {
         // SAFETY: a pure function of two integers.
@@ -103,7 +110,8 @@ pub fn c_ub_bytes(data: DType, tile_h: u32) -> Result<u32> {
 }
 
 /// Unified-buffer capacity per core that the host model enforces.
-pub fn sim_ub_capacity() -> Result<usize> {
+#[cfg(test)]
+pub(crate) fn sim_ub_capacity() -> Result<usize> {
     #[cfg(amoe_host_kernel)]
     {
         // SAFETY: returns a constant.

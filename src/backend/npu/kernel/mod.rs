@@ -37,6 +37,13 @@ pub mod library;
 pub mod status;
 pub mod tiling;
 
+#[cfg(test)]
+mod copy_tests;
+#[cfg(test)]
+mod guard_tests;
+#[cfg(test)]
+mod tiling_tests;
+
 pub use abi::*;
 pub use library::*;
 pub use status::check_status;

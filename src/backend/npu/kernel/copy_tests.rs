@@ -3,10 +3,11 @@
 //! offset, length) copies exactly the source bytes and leaves every byte
 //! around the destination as it was; the model confines each core to the
 //! `len` bytes of each side, so a kernel that over-read or over-wrote would
-//! fail here. A broken tiling traps.
+//! fail here. A broken tiling traps. Tests of the crate's internals, so they
+//! live here rather than in `tests/`.
 
-use ascend_moe::backend::npu::kernel::copy::*;
-use ascend_moe::Error;
+use crate::backend::npu::kernel::copy::*;
+use crate::Error;
 
 /// A 64-byte aligned window of `len` bytes inside a larger vector, so the
 /// tests control each address's offset from a 64-byte boundary.

@@ -2,10 +2,11 @@
 //! over the real Ascend C headers: it passes a live context equal to the one
 //! it was captured for, reports the first differing word with both values,
 //! ignores the words its mask leaves out, and refuses a foreign tiling.
+//! Tests of the crate's internals, so they live here rather than in `tests/`.
 
-use ascend_moe::backend::npu::kernel::guard::*;
-use ascend_moe::backend::npu::kernel::STATUS_WORDS;
-use ascend_moe::Error;
+use crate::backend::npu::kernel::guard::*;
+use crate::backend::npu::kernel::STATUS_WORDS;
+use crate::Error;
 
 const MC2: u32 = 1;
 const ALLTOALL: u32 = 2;
@@ -14,7 +15,7 @@ fn ctx(comm: u32, actual: Option<usize>, dp: &[usize]) -> ContextWords {
     ContextWords::encode(comm, false, 1, actual, dp).expect("encodes")
 }
 
-fn stale(r: ascend_moe::Result<()>) -> (String, String, String) {
+fn stale(r: crate::Result<()>) -> (String, String, String) {
     match r {
         Err(Error::StaleContext { op, field, captured, live }) => {
             assert_eq!(op, "moe_layer");

@@ -1,10 +1,11 @@
-//! The Rust mirror of `kernels/finalize_tiling.h` and the tiling plan.
+//! The Rust mirror of `kernels/finalize_tiling.h` and the tiling plan: tests
+//! of the crate's internals, so they live here rather than in `tests/`.
 
 use std::mem::{offset_of, size_of};
 
-use ascend_moe::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, TILE_ALIGN, UB_BYTES_910B};
-use ascend_moe::backend::{FinalizeDims, OutputRows};
-use ascend_moe::{DType, DropPadMode, Error};
+use crate::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, TILE_ALIGN, UB_BYTES_910B};
+use crate::backend::{FinalizeDims, OutputRows};
+use crate::{DType, DropPadMode, Error};
 
 #[test]
 fn tiling_struct_matches_the_c_layout() {
