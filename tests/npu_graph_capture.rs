@@ -299,6 +299,7 @@ fn reference_layer(case: Case, seed: usize) -> Vec<Outputs> {
         add(&per(a), &per(b))
     };
     let reduced = !matches!(case.comm, amoe_comm_type::Allgather) || case.sp;
+    let max_t = DP_TOKENS.iter().copied().max().unwrap_or(0);
     let outs = (0..WORLD)
         .map(|r| {
             let d = r / TP;
@@ -311,8 +312,7 @@ fn reference_layer(case: Case, seed: usize) -> Vec<Outputs> {
                 match case.comm {
                     // Pad to max T_d, DP gather (block d at d * 5), DP reduce-scatter of DP identical copies.
                     amoe_comm_type::Allgather => {
-                        let m = DP_TOKENS.iter().copied().max().unwrap_or(0);
-                        (0..DP_TOKENS[d]).flat_map(|i| scaled(row(r, i), weight(d * m + i), 2.0)).collect()
+                        (0..DP_TOKENS[d]).flat_map(|i| scaled(row(r, i), weight(d * max_t + i), 2.0)).collect()
                     }
                     // Row j of the DP batch comes from the TP rank whose slice holds it.
                     _ => {
@@ -321,8 +321,7 @@ fn reference_layer(case: Case, seed: usize) -> Vec<Outputs> {
                             (0..TP).map(|q| n / TP + usize::from(q < n % TP)).collect()
                         } else {
                             // MC2 pads every DP rank to ceil_to(max_d T_d, TP).
-                            let m = DP_TOKENS.iter().copied().max().unwrap_or(0);
-                            vec![m.div_ceil(TP); TP]
+                            vec![max_t.div_ceil(TP); TP]
                         };
                         (0..DP_TOKENS[d])
                             .flat_map(|j| {

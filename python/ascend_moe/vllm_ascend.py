@@ -500,10 +500,10 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     if dp_metadata is not None and dp_size > 1:
         tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu)
         dp_rank = int(dp.rank_in_group)
+        if len(tokens) != dp_size:
+            raise AmoeError(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     else:
         tokens, dp_rank = [int(num_tokens)], 0
-    if len(tokens) != max(dp_size, 1) and dp_metadata is not None and dp_size > 1:
-        raise AmoeError(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     if tokens[dp_rank] != int(num_tokens):
         raise AmoeError(
             Status.SHAPE,
