@@ -6,7 +6,7 @@
 //! | [`layer`] | the end-to-end MoE layer harness: cases, launchers, per-rank runs |
 //! | `model` | its single-rank reference (weights, routing, the layer in f64) |
 //! | [`bench`] | the finalize and finalize-and-reduce benchmarks (`ascend-moe bench`) |
-//! | here | the one RNG ([`SplitMix`]), the op-level tolerance ([`assert_within_rounding`]) and the layer's ([`tolerance`]) |
+//! | here | the one RNG ([`SplitMix`]) and the one tolerance ([`assert_within_rounding`], [`Rounding`]), which the layer harness shares |
 
 pub mod bench;
 pub mod layer;
@@ -68,27 +68,71 @@ pub fn eps(dtype: DType) -> f64 {
     }
 }
 
+/// How a result was rounded, for the one op-level tolerance
+/// ([`within_rounding`]): its terms summed in `acc`, the sum stored as `out`.
+///
+/// A [`DType`] converts to "summed and stored in that dtype" (HCCL's
+/// reductions, the NPU's kernels, any order); [`Rounding::once`] is "summed
+/// in f32, rounded once" (the CPU backend's finalize and unpermute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rounding {
+    /// Where the terms are summed.
+    pub acc: DType,
+    /// What the result is stored as.
+    pub out: DType,
+}
+
+impl Rounding {
+    /// Summed in f32, rounded once to `out`.
+    pub fn once(out: DType) -> Self {
+        Rounding { acc: DType::F32, out }
+    }
+
+    /// The bound for one element whose exact value is `want` and whose terms'
+    /// magnitudes sum to `mag`: `4 * eps(acc) * mag`, plus `eps(out) * |want|`
+    /// when the result is stored coarser than it was summed. Each of a few
+    /// additions rounds by at most `eps(acc) / 2` of a partial sum, whose
+    /// size `mag` bounds, in any order; the final store rounds by at most
+    /// half an `out` unit of the result.
+    pub fn tol(&self, want: f64, mag: f64) -> f64 {
+        let store = if eps(self.out) > eps(self.acc) { eps(self.out) * want.abs() } else { 0.0 };
+        4.0 * eps(self.acc) * mag + store + 1e-30
+    }
+}
+
+impl From<DType> for Rounding {
+    fn from(dtype: DType) -> Self {
+        Rounding { acc: dtype, out: dtype }
+    }
+}
+
 /// The tolerance of every op-level comparison with an f64 reference:
-/// `got[i]` within `4 * eps(dtype) * mag[i]` of `want[i]`, where `mag[i]` is
-/// the sum of the magnitudes of the terms summed into element `i`. That
-/// covers f32 accumulation of a few terms in any order (each addition rounds
-/// by at most `eps(F32) / 2` of the partial sum) and one rounding to `dtype`,
-/// whichever backend computed it and in whatever order. Panics with
+/// `got[i]` within [`Rounding::tol`]`(want[i], mag[i])` of `want[i]`, where
+/// `mag[i]` is the sum of the magnitudes of the terms summed into element
+/// `i`. That covers accumulation of a few terms in any order and the
+/// rounding of the result, whichever backend computed it. Panics with
 /// [`within_rounding`]'s message.
-pub fn assert_within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag: &[f64]) {
-    if let Err(e) = within_rounding(what, dtype, got, want, mag) {
+pub fn assert_within_rounding(what: &str, rounding: impl Into<Rounding>, got: &[f64], want: &[f64], mag: &[f64]) {
+    if let Err(e) = within_rounding(what, rounding, got, want, mag) {
         panic!("{e}");
     }
 }
 
 /// [`assert_within_rounding`] as a result: `Err` names `what` and the first
 /// element outside the tolerance (or the lengths that differ).
-pub fn within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag: &[f64]) -> Result<(), String> {
+pub fn within_rounding(
+    what: &str,
+    rounding: impl Into<Rounding>,
+    got: &[f64],
+    want: &[f64],
+    mag: &[f64],
+) -> Result<(), String> {
+    let rounding = rounding.into();
     if got.len() != want.len() || mag.len() != want.len() {
         return Err(format!("{what}: lengths: got {}, want {}, magnitudes {}", got.len(), want.len(), mag.len()));
     }
     for (i, ((g, w), m)) in got.iter().zip(want).zip(mag).enumerate() {
-        let tol = 4.0 * eps(dtype) * m + 1e-30;
+        let tol = rounding.tol(*w, *m);
         // Written so that a NaN on either side is outside.
         let inside = (g - w).abs() <= tol;
         if !inside {
@@ -98,11 +142,32 @@ pub fn within_rounding(what: &str, dtype: DType, got: &[f64], want: &[f64], mag:
     Ok(())
 }
 
-/// The per-token tolerance of a dtype in the layer harness: `rtol * |want| + atol`.
-pub fn tolerance(dtype: DType) -> (f64, f64) {
-    match dtype {
-        DType::F32 => (1e-4, 1e-4),
-        DType::F16 => (1e-2, 1e-2),
-        _ => (3e-2, 3e-2),
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rounding_bound_counts_the_sum_and_a_coarser_store() {
+        let e32 = f32::EPSILON as f64;
+        let ebf = half::bf16::EPSILON.to_f64();
+        // Summed and stored in bf16: 4 bf16 units of the terms' size.
+        assert_eq!(Rounding::from(DType::BF16).tol(1.0, 3.0), 4.0 * ebf * 3.0 + 1e-30);
+        // Summed in f32, stored once as bf16: 4 f32 units of the terms plus a bf16 unit of the result.
+        assert_eq!(Rounding::once(DType::BF16).tol(-2.0, 3.0), 4.0 * e32 * 3.0 + 2.0 * ebf + 1e-30);
+        // f32 stored as f32: no extra store term.
+        assert_eq!(Rounding::once(DType::F32).tol(2.0, 3.0), 4.0 * e32 * 3.0 + 1e-30);
+        // Integers are exact.
+        assert_eq!(Rounding::from(DType::I32).tol(5.0, 9.0), 1e-30);
+    }
+
+    #[test]
+    fn within_rounding_refuses_what_is_outside_and_nan() {
+        let tol = Rounding::from(DType::F16).tol(1.0, 1.0);
+        assert!(within_rounding("x", DType::F16, &[1.0 + tol], &[1.0], &[1.0]).is_ok());
+        let e = within_rounding("x", DType::F16, &[1.0, 1.0 + 2.0 * tol], &[1.0, 1.0], &[1.0, 1.0]).unwrap_err();
+        assert!(e.contains("x: element 1"), "{e}");
+        assert!(within_rounding("x", DType::F32, &[f64::NAN], &[1.0], &[1.0]).is_err());
+        assert!(within_rounding("x", DType::F32, &[1.0], &[f64::NAN], &[1.0]).is_err());
+        assert!(within_rounding("x", DType::F32, &[1.0], &[1.0, 2.0], &[1.0, 1.0]).unwrap_err().contains("lengths"));
     }
 }

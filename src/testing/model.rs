@@ -92,33 +92,49 @@ impl Model {
 
     /// Shared expert restricted to intermediate rows `[lo, hi)`.
     pub(super) fn shared(&self, x: &[f32], lo: usize, hi: usize) -> Vec<f32> {
-        let h = self.h;
-        let mid: Vec<f32> = (lo..hi)
-            .map(|i| self.w1[i * h..(i + 1) * h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh())
-            .collect();
-        (0..h).map(|o| (lo..hi).map(|i| self.w2[o * SHARED_INTER + i] * mid[i - lo]).sum()).collect()
+        let mid = self.shared_mid(x, lo, hi);
+        (0..self.h).map(|o| (lo..hi).map(|i| self.w2[o * SHARED_INTER + i] * mid[i - lo]).sum()).collect()
     }
 
-    /// The whole layer for one token, in f64 where it sums.
-    pub(super) fn reference(&self, x: &[f32]) -> Vec<f64> {
+    /// The shared expert's intermediate rows `[lo, hi)`.
+    fn shared_mid(&self, x: &[f32], lo: usize, hi: usize) -> Vec<f32> {
+        let h = self.h;
+        (lo..hi).map(|i| self.w1[i * h..(i + 1) * h].iter().zip(x).map(|(a, b)| a * b).sum::<f32>().tanh()).collect()
+    }
+
+    /// The whole layer for one token, in f64 where it sums, and each output
+    /// element's rounding magnitude for [`Rounding::tol`]: the routed
+    /// terms' magnitudes (times 1.5, the transform's largest slope, plus
+    /// the transformed value when it follows) plus the shared expert's terms'.
+    ///
+    /// [`Rounding::tol`]: super::Rounding::tol
+    pub(super) fn reference(&self, x: &[f32]) -> (Vec<f64>, Vec<f64>) {
         let (ids, w) = self.route(x);
         let mut routed = vec![0f64; self.h];
+        let mut mag = vec![0f64; self.h];
         for (e, wk) in ids.iter().zip(&w) {
-            for (r, y) in routed.iter_mut().zip(self.expert(*e as usize, x)) {
+            for ((r, m), y) in routed.iter_mut().zip(mag.iter_mut()).zip(self.expert(*e as usize, x)) {
                 *r += *wk as f64 * y as f64;
+                *m += (*wk as f64 * y as f64).abs();
             }
         }
         if self.routed_transform {
-            for r in routed.iter_mut() {
+            for (r, m) in routed.iter_mut().zip(mag.iter_mut()) {
                 *r = transform(*r as f32) as f64;
+                *m = 1.5 * *m + r.abs();
             }
         }
         if self.shared {
-            for (r, s) in routed.iter_mut().zip(self.shared(x, 0, SHARED_INTER)) {
-                *r += s as f64;
+            let mid = self.shared_mid(x, 0, SHARED_INTER);
+            for (o, (r, m)) in routed.iter_mut().zip(mag.iter_mut()).enumerate() {
+                for (i, v) in mid.iter().enumerate() {
+                    let term = self.w2[o * SHARED_INTER + i] as f64 * *v as f64;
+                    *r += term;
+                    *m += term.abs();
+                }
             }
         }
-        routed
+        (routed, mag)
     }
 }
 

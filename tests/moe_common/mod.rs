@@ -63,15 +63,6 @@ pub fn i32_tensor(v: &[i32], shape: &[usize]) -> Tensor {
     Tensor::from_slice(v, shape).unwrap()
 }
 
-/// The one op-level tolerance and its rounding unit.
+/// The one op-level tolerance, and how a result was rounded.
 #[allow(unused_imports)]
-pub use ascend_moe::testing::{assert_within_rounding, eps};
-
-/// Asserts `got` is within `rel * |want| + abs` of `want`, elementwise.
-pub fn assert_close_abs(what: &str, got: &[f64], want: &[f64], rel: f64, abs: &[f64]) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let tol = rel * w.abs() + abs[i];
-        assert!((g - w).abs() <= tol, "{what}: element {i}: got {g}, want {w} (tol {tol})");
-    }
-}
+pub use ascend_moe::testing::{assert_within_rounding, Rounding};

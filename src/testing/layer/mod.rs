@@ -17,6 +17,5 @@ mod case;
 mod forward;
 mod run;
 
-pub use super::tolerance;
 pub use case::{all_layer_cases, shared_modes, token_distributions, CaseReport, LayerCase, RankReport};
 pub use run::{merge_reports, run_layer_case, run_layer_case_cpu, run_layer_case_rank, CpuLauncher, Launcher};

@@ -7,7 +7,7 @@ use crate::backend::cpu::finalize::set_num_threads;
 use crate::comm::{Collectives, Comm, CommOptions};
 use crate::moe::reduce::SharedMode;
 use crate::testing::model::{Model, Spec};
-use crate::testing::tolerance;
+use crate::testing::Rounding;
 use crate::{Device, Error, Result};
 
 /// Runs one closure per rank on some backend.
@@ -77,7 +77,7 @@ pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &
     });
     let h = case.hidden;
     let (out, rows, shape_checks) = rank_forward(case, &m, rank, world, device)?;
-    let (rtol, atol) = tolerance(case.dtype);
+    let rounding = Rounding::from(case.dtype);
     let mut r = RankReport {
         max_abs_err: 0.0,
         worst_ratio: 0.0,
@@ -99,11 +99,11 @@ pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &
         if g >= td {
             continue; // SP padding row
         }
-        let want = m.reference(&m.inputs[d][g * h..(g + 1) * h]);
+        let (want, mag) = m.reference(&m.inputs[d][g * h..(g + 1) * h]);
         r.rows_checked += 1;
-        for (col, (got, w)) in out[j * h..(j + 1) * h].iter().zip(&want).enumerate() {
+        for (col, ((got, w), mg)) in out[j * h..(j + 1) * h].iter().zip(&want).zip(&mag).enumerate() {
             let err = (got - w).abs();
-            let ratio = err / (rtol * w.abs() + atol);
+            let ratio = err / rounding.tol(*w, *mg);
             r.max_abs_err = r.max_abs_err.max(err);
             r.worst_ratio = r.worst_ratio.max(ratio);
             if ratio > 1.0 && r.passed {
