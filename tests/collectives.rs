@@ -10,8 +10,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use ascend_moe::backend::cpu::comm::{segment_path, CpuCommConfig};
 use ascend_moe::backend::cpu::CpuComm;
+use ascend_moe::backend::cpu::{segment_path, CpuCommConfig};
 use ascend_moe::half::bf16;
 use ascend_moe::ranks::{run_ranks, run_ranks_with};
 use ascend_moe::testing::within_rounding;
@@ -609,7 +609,7 @@ fn segments_are_removed_on_teardown() {
     });
     assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
     assert!(!std::path::Path::new(&path).exists(), "{path} left behind");
-    let leftovers: Vec<_> = std::fs::read_dir(ascend_moe::backend::cpu::comm::shm_dir())
+    let leftovers: Vec<_> = std::fs::read_dir(ascend_moe::backend::cpu::shm_dir())
         .expect("shm dir")
         .filter_map(|e| e.ok())
         .map(|e| e.file_name().to_string_lossy().into_owned())

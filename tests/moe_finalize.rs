@@ -7,7 +7,7 @@
 mod common;
 mod moe_common;
 
-use ascend_moe::backend::cpu::finalize::{set_num_threads, set_wide_simd};
+use ascend_moe::backend::cpu::{set_num_threads, set_wide_simd};
 use ascend_moe::backend::{FinalizeArgs, OutputRows};
 use ascend_moe::moe::finalize::*;
 use ascend_moe::{DType, Device, DropPadMode, Error, Tensor};

@@ -7,7 +7,7 @@
 mod common;
 mod moe_common;
 
-use ascend_moe::backend::cpu::comm::CpuCommConfig;
+use ascend_moe::backend::cpu::CpuCommConfig;
 use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::finalize::moe_finalize_routing;
 use ascend_moe::moe::layout::SpLayout;

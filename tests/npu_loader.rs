@@ -125,7 +125,7 @@ fn codes_are_newtypes_that_keep_unknown_values() {
     let unknown = HcclResult(4242);
     assert_eq!(unknown.0, 4242);
     assert_ne!(unknown, HcclResult::HCCL_SUCCESS);
-    let err = npu::hccl::check("HcclAllReduce", unknown).expect_err("non-zero code");
+    let err = npu::result::hccl::check("HcclAllReduce", unknown).expect_err("non-zero code");
     match err {
         Error::Hccl { call, code, .. } => {
             assert_eq!(call, "HcclAllReduce");
@@ -133,15 +133,15 @@ fn codes_are_newtypes_that_keep_unknown_values() {
         }
         other => panic!("expected Error::Hccl, got {other:?}"),
     }
-    assert!(npu::hccl::check("HcclBarrier", HcclResult::HCCL_SUCCESS).is_ok());
-    let acl_err = npu::runtime::check("aclrtMalloc", 207001).expect_err("OOM code");
+    assert!(npu::result::hccl::check("HcclBarrier", HcclResult::HCCL_SUCCESS).is_ok());
+    let acl_err = npu::result::acl::check("aclrtMalloc", 207001).expect_err("OOM code");
     assert!(matches!(acl_err, Error::Acl { call: "aclrtMalloc", code: 207001, .. }), "{acl_err:?}");
     assert!(acl_err.to_string().contains("aclrtMalloc") && acl_err.to_string().contains("207001"));
     assert_eq!(acl_sys::aclDataType(1234).0, 1234);
     assert_eq!(HcclDataType(77).0, 77);
 
     // The values of cann-api.md sections 1.3 / 2.1.
-    let hccl: Vec<u32> = DType::REDUCIBLE.iter().map(|&d| npu::hccl::hccl_dtype(d).0).collect();
+    let hccl: Vec<u32> = DType::REDUCIBLE.iter().map(|&d| npu::hccl_dtype(d).0).collect();
     assert_eq!(hccl, [4, 3, 11, 2, 5], "f32 f16 bf16 i32 i64");
     let acl: Vec<i32> = DType::REDUCIBLE.iter().map(|&d| npu::acl_dtype(d).0).collect();
     assert_eq!(acl, [0, 1, 27, 3, 9], "f32 f16 bf16 i32 i64");
@@ -256,7 +256,7 @@ fn comm_config_init_per_header_generation() {
 
 #[test]
 fn root_info_round_trips_through_bytes_and_hex() {
-    let bytes: Vec<u8> = (0..npu::hccl::ROOT_INFO_BYTES).map(|i| (i * 7 + 3) as u8).collect();
+    let bytes: Vec<u8> = (0..npu::ROOT_INFO_BYTES).map(|i| (i * 7 + 3) as u8).collect();
     let info = HcclRootInfo::from_bytes(&bytes).expect("4108 bytes");
     assert_eq!(&info.as_bytes()[..], &bytes[..]);
     let hex = info.to_hex();

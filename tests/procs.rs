@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ascend_moe::backend::cpu::comm::segment_path;
+use ascend_moe::backend::cpu::segment_path;
 use ascend_moe::backend::cpu::CpuComm;
 use ascend_moe::half::{bf16, f16};
 use ascend_moe::{Collectives, CommOptions, DType, ReduceOp};

@@ -8,7 +8,7 @@
 //! CPU backend is the reference for every op; the NPU backend runs the same
 //! ops through ACL / aclnn / the native kernel.
 
-pub mod args;
+pub(crate) mod args;
 pub mod cpu;
 pub mod npu;
 mod view;

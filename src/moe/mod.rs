@@ -21,7 +21,7 @@
 //! | 5 | [`shared::shared_pad_split`]`(x, tp)`, [`shared::shared_gather_unpad`]`(x, num_tokens, tp)`, [`shared::shared_pad_reduce_scatter`]`(x, tp)` | [`shared::shared_pad_split_output_shape`], [`shared::shared_gather_unpad_output_shape`], [`shared::shared_pad_reduce_scatter_output_shape`] |
 //! | 6 | [`prepare_finalize::prepare`], [`prepare_finalize::finalize`], [`prepare_finalize::dispatch`], [`prepare_finalize::combine`] | [`prepare_finalize::prepare_output_shape`], [`prepare_finalize::finalize_output_shape`] |
 //!
-//! [`layer`] is the end-to-end MoE layer harness (`run_layer_case`,
+//! `testing::layer` is the end-to-end MoE layer harness (`run_layer_case`,
 //! `all_layer_cases`) used by the tests and by `ascend-moe check`.
 //!
 //! ```

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::finalize::set_num_threads;
+use crate::backend::cpu::set_num_threads;
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
 use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};

@@ -21,7 +21,7 @@ impl Graph {
         let mut model: acl_sys::aclmdlRI = null_mut();
         // SAFETY: the capturing stream and a writable out-pointer.
         let st = unsafe { end(raw, &mut model) };
-        assert_eq!(st, 0, "aclmdlRICaptureEnd: {}", ascend_moe::backend::npu::runtime::recent_error_message());
+        assert_eq!(st, 0, "aclmdlRICaptureEnd: {}", ascend_moe::backend::npu::recent_error_message());
         Graph(model)
     }
 

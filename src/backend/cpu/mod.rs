@@ -3,10 +3,11 @@
 
 mod backend_impl;
 mod buffer;
-pub mod comm;
-pub mod finalize;
+pub(crate) mod comm;
+pub(crate) mod finalize;
 pub(crate) mod host_pool;
 
 pub use backend_impl::CpuBackend;
 pub use buffer::CpuBuffer;
-pub use comm::CpuComm;
+pub use comm::{segment_path, shm_dir, CpuComm, CpuCommConfig, MAX_WORLD};
+pub use finalize::{default_num_threads, set_num_threads, set_wide_simd};

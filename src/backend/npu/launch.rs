@@ -4,7 +4,7 @@
 use super::kernel as kernels;
 use crate::{Error, Result};
 
-/// How [`NpuDevice`]'s finalize routing runs.
+/// How [`NpuDevice`](super::NpuDevice)'s finalize routing runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinalizeImpl {
     /// The native kernel (`kernels/finalize_kernel.cpp`): the AI Core build

@@ -148,7 +148,7 @@ impl LiveContext {
     /// Enqueues on `stream` a copy of `words` into the live buffer (through
     /// pinned staging; the copy reads it when the stream runs it). The engine
     /// calls it before each replay, outside capture. It waits on the host
-    /// only when [`STAGING_SLOTS`] earlier updates have not run yet.
+    /// only when `STAGING_SLOTS` earlier updates have not run yet.
     pub fn set(&self, words: &ContextWords, stream: &NpuStream) -> Result<()> {
         const OP: &str = "LiveContext::set";
         self.same_device(OP, stream)?;

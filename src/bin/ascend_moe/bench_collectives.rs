@@ -32,7 +32,7 @@
 
 use std::time::{Duration, Instant};
 
-use ascend_moe::backend::cpu::comm::CpuCommConfig;
+use ascend_moe::backend::cpu::CpuCommConfig;
 use ascend_moe::ranks::run_ranks_with;
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 

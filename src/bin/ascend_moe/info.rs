@@ -1,6 +1,6 @@
 //! `ascend-moe info`: which backends are usable here.
 
-use ascend_moe::backend::cpu::comm::{shm_dir, CpuCommConfig, MAX_WORLD};
+use ascend_moe::backend::cpu::{shm_dir, CpuCommConfig, MAX_WORLD};
 
 pub fn main() -> i32 {
     println!("ascend-moe {}", env!("CARGO_PKG_VERSION"));

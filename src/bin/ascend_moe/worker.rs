@@ -23,8 +23,8 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use ascend_moe::backend::cpu::comm::CpuCommConfig;
 use ascend_moe::backend::cpu::CpuComm;
+use ascend_moe::backend::cpu::CpuCommConfig;
 use ascend_moe::tensor::{CpuBuffer, Storage};
 use ascend_moe::{Collectives, Comm, CommOptions, DType, Error, ReduceOp, Tensor};
 

@@ -3,7 +3,7 @@
 
 use super::case::{CaseReport, LayerCase, RankReport};
 use super::forward::rank_forward;
-use crate::backend::cpu::finalize::set_num_threads;
+use crate::backend::cpu::set_num_threads;
 use crate::comm::{Collectives, Comm, CommOptions};
 use crate::moe::reduce::SharedMode;
 use crate::testing::model::{Model, Spec};

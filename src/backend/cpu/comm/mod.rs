@@ -16,7 +16,7 @@
 use shm_comm::{DataType, ShmComm};
 
 pub use shm_comm::Config as CpuCommConfig;
-pub use shm_comm::{bf16_to_f32_slice, f32_to_bf16_slice, segment_path, shm_dir, MAX_WORLD};
+pub use shm_comm::{segment_path, shm_dir, MAX_WORLD};
 
 use crate::backend::cpu::finalize::fused_rows;
 use crate::backend::cpu::CpuBackend;
@@ -182,7 +182,7 @@ impl CpuComm {
     /// whatever `produce` reads) are good; otherwise the call fails on every
     /// rank with the reason, like any collective.
     ///
-    /// The result is bitwise the same as [`Collectives::reduce_scatter_v`] over
+    /// The result is bitwise the same as [`Collectives::reduce_scatter_v`](crate::Collectives::reduce_scatter_v) over
     /// the concatenated blocks (same reduction order), with one copy of the
     /// input less. Needs [`CpuComm::rows_per_region`] `>= 1`.
     #[allow(clippy::too_many_arguments)]
@@ -375,7 +375,7 @@ impl Communicator for CpuComm {
     }
 
     /// Computes the finalize rows straight into the staging buffers
-    /// ([`fused_rows`]) when a row fits a staging region, so the
+    /// (`fused_rows`) when a row fits a staging region, so the
     /// finalize output never exists as a buffer of its own and an invalid input
     /// on one rank fails every rank at once; else the padded two-step default.
     fn finalize_reduce_scatter(

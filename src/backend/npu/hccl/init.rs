@@ -86,7 +86,7 @@ impl HcclComm {
 
     /// [`HcclComm::borrow_raw`] of the engine's world communicator (e.g.
     /// torch.distributed's default group): one made from a root info, not by
-    /// `HcclCreateSubCommConfig`, so [`HcclComm::split`] may split it.
+    /// `HcclCreateSubCommConfig`, so [`HcclComm::split_hccl`] may split it.
     ///
     /// # Safety
     /// As for [`HcclComm::borrow_raw`]; and `raw` must be a global

@@ -29,7 +29,7 @@ use super::NpuDevice;
 use crate::types::CommOptions;
 
 use super::result::hccl as hc;
-pub use super::result::hccl::{check, error_string, hccl};
+pub use super::result::hccl::hccl;
 pub use api::{hccl_dtype, hccl_op, ROOT_INFO_BYTES};
 pub use root_info::HcclRootInfo;
 

@@ -2,7 +2,7 @@
 //! `aclrt` prefix (`aclrtCreateStream` is [`create_stream`]), plus the
 //! kernel launchers only the simulated runtime exports.
 //!
-//! Every wrapper resolves its symbol in the loaded runtime ([`acl()`]) and
+//! Every wrapper resolves its symbol in the loaded runtime (`acl()`) and
 //! maps the status with [`check`]. The device must be bound on the calling
 //! thread ([`set_device`]) for every call that acts on a device.
 
@@ -15,7 +15,8 @@ use acl_sys::{
 };
 
 use super::{require, status_fns, sym};
-use crate::backend::npu::runtime::load::{acl, check};
+use crate::backend::npu::runtime::load::acl;
+pub use crate::backend::npu::runtime::load::check;
 use crate::Result;
 
 /// `aclInit(NULL)` (NULL: no config file). A runtime already initialised,

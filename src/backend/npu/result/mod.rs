@@ -7,8 +7,9 @@
 //! carrying the vendor code and message; out-parameters are return values.
 //! Wrappers that take raw pointers or handles are `unsafe`: their validity is
 //! the caller's job. Nothing here owns anything: the safe types of
-//! [`runtime`](super::runtime), [`memory`](super::memory) and
-//! [`hccl`](super::hccl) are built on these functions alone.
+//! `runtime`, `memory` and `hccl` ([`NpuStream`](super::NpuStream),
+//! [`NpuBuffer`](super::NpuBuffer), [`HcclComm`](super::HcclComm), ...) are
+//! built on these functions alone.
 //!
 //! | module | wraps |
 //! |---|---|

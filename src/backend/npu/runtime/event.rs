@@ -97,7 +97,7 @@ impl NpuStream {
     }
 
     /// Orders this stream after all work currently queued on `other`, on the
-    /// device: `other`'s [`SyncEvent`] recorded on `other` and waited for
+    /// device: `other`'s `SyncEvent` recorded on `other` and waited for
     /// here (a wait honours the record made before it, so re-recording the
     /// event for a later wait does not move an earlier one). The host does
     /// not wait. This stream keeps the event until its next synchronisation,

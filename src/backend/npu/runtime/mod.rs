@@ -24,7 +24,7 @@ mod workspace;
 pub use device::device_count;
 pub use device::DeviceCtx;
 pub use event::NpuEvent;
-pub use load::{acl, check, recent_error_message, take_drop_errors};
+pub use load::{acl, recent_error_message, take_drop_errors};
 pub(crate) use load::{record_drop_error, settled};
 pub use stream::NpuStream;
 pub(crate) use stream::{lock, Pending};

@@ -331,7 +331,7 @@ impl NpuStream {
     }
 
     /// True while the stream is being captured into a graph (status
-    /// `ACTIVE`, or `INVALIDATED` until the capture ends), see [`capturing`];
+    /// `ACTIVE`, or `INVALIDATED` until the capture ends), see `capturing`;
     /// false on a runtime without the capture API, which cannot capture.
     pub fn is_capturing(&self) -> Result<bool> {
         self.enter()?;
