@@ -14,7 +14,8 @@
 //! | `hccl` | [`HcclRootInfo`], [`HcclComm`] and its collectives |
 //! | `device`, `backend_impl` | [`NpuDevice`] and its `Backend` impl |
 //! | `aclnn` | the aclnn operands: tensor descriptors and scalars, destroyed on drop |
-//! | `finalize`, `ops`, `launch` | the ops behind `Backend` (the finalize family; add and the device check; what they share) and which finalize runs |
+//! | `finalize`, `elementwise`, `operands`, `launch` | the ops behind `Backend` (the finalize family; add and the device-side equality check; what every op shares) and which finalize runs |
+//! | `device_check` | checks only the device can make, reported at the caller's sync point |
 //! | `probe` | [`probe_report`]: which CANN pieces were found, and where we looked |
 
 mod aclnn;
