@@ -40,6 +40,8 @@ pub mod tiling;
 #[cfg(test)]
 mod copy_tests;
 #[cfg(test)]
+mod finalize_tests;
+#[cfg(test)]
 mod guard_tests;
 #[cfg(test)]
 mod tiling_tests;

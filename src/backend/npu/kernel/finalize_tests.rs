@@ -2,15 +2,17 @@
 //! against the real Ascend C headers in CPU-debug mode, over the host model of
 //! kernels/host_model), bit for bit against a plain f32 reference written
 //! here, over the finalize golden matrix; plus the model's enforcement of the
-//! hardware rules, including the ordering of the pipes.
+//! hardware rules, including the ordering of the pipes. Tests of the crate's
+//! internals, so they live here rather than in `tests/`.
 
-use ascend_moe::backend::cpu::CpuBuffer;
-use ascend_moe::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, UB_BYTES_910B};
-use ascend_moe::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
-use ascend_moe::half::{bf16, f16};
-use ascend_moe::testing::SplitMix;
-use ascend_moe::types::TensorMeta;
-use ascend_moe::{DType, DropPadMode, Error, Tensor};
+use half::{bf16, f16};
+
+use crate::backend::cpu::CpuBuffer;
+use crate::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, UB_BYTES_910B};
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
+use crate::testing::SplitMix;
+use crate::types::TensorMeta;
+use crate::{DType, DropPadMode, Error, Tensor};
 
 /// The host tensors of `a` lent to the kernel's host runner.
 fn lend<'a>(a: &FinalizeArgs<&'a Tensor>) -> FinalizeArgs<View<'a, CpuBuffer>> {
@@ -279,11 +281,11 @@ fn check(c: &Case) {
         .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let got = out_bits(&out);
     // The CPU backend's kernel, through the op layer's own validation.
-    let (shape, dims) = ascend_moe::moe::finalize::moe_finalize_routing_output_shape(&a).unwrap();
+    let (shape, dims) = crate::moe::finalize::moe_finalize_routing_output_shape(&a).unwrap();
     assert_eq!(dims, inp.dims, "{c:?}: dims");
     assert_eq!(shape[0], inp.dims.n);
     let mut cpu = garbage_out(c.data, layout.len(), h);
-    ascend_moe::Device::Cpu.backend().finalize_routing(&a, &dims, &mut cpu, rows).unwrap();
+    crate::Device::Cpu.backend().finalize_routing(&a, &dims, &mut cpu, rows).unwrap();
     assert_eq!(out_bits(&cpu), got, "{c:?}: native kernel vs CPU backend");
     for (row, tok) in layout.iter().enumerate() {
         for j in 0..h {
