@@ -543,6 +543,25 @@ fn sim_rejects_a_misaligned_data_copy() {
     assert!(msg.contains("DataCopy") && msg.contains("32B align"), "{msg}");
 }
 
+/// The host build is compiled against the real Ascend C headers (in CI
+/// always: `CI=true` fails the suite if the host build did not happen).
+#[test]
+fn the_host_kernel_is_built_against_the_real_headers() {
+    let ci = std::env::var("CI").as_deref() == Ok("true");
+    match kernels::host_build_info() {
+        Ok(dir) => {
+            assert!(std::path::Path::new(dir).join("basic_api/kernel_operator.h").is_file(), "{dir}");
+            assert!(kernels::host_entry().is_some());
+        }
+        Err(why) => {
+            assert!(!ci, "CI=true, but the host kernel was not built against the Ascend C headers: {why}");
+            assert!(kernels::host_entry().is_none());
+            // Without the headers the reason names where they were looked for.
+            assert!(why.contains("ascendc") || why.contains("failed"), "{why}");
+        }
+    }
+}
+
 #[test]
 fn host_entry_has_the_simulator_signature() {
     // The simulated runtime's cannsim_launch_kernel takes exactly this type.
