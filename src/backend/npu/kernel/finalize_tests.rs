@@ -848,3 +848,102 @@ fn the_index_check_copies_indices_and_replaces_bad_ones() {
         }
     }
 }
+
+/// The host build launched through the simulated runtime's
+/// `cannsim_launch_kernel` on device buffers equals the same kernel run
+/// directly on host memory, dense and into the padded EP buffer. Ignored
+/// without an NPU (`ci/sim.sh` runs it); real hardware has no
+/// `cannsim_launch_kernel`, so there it returns early.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn finalize_kernel_runs_under_cannsim_launch_kernel() {
+    use crate::backend::npu::{NpuBuffer, NpuDevice};
+
+    let dev = NpuDevice::open(0).expect("NPU 0");
+    let api = crate::backend::npu::runtime::acl().expect("ACL loaded");
+    let Some(launch) = api.cannsim_launch_kernel else {
+        eprintln!("not the simulated runtime: cannsim_launch_kernel is not exported");
+        return;
+    };
+    let entry = kernels::host_entry().expect("host kernel build");
+    let (n, k, h, e, c) = (6usize, 2usize, 300usize, 3usize, 4usize);
+    let rows = e * c;
+    let xv: Vec<f16> = (0..rows * h).map(|i| f16::from_f32(((i * 7919) % 1000) as f32 / 250.0 - 2.0)).collect();
+    let idx: Vec<i32> = (0..n * k).map(|i| if i % 5 == 0 { -1 } else { ((i * 7) % rows) as i32 }).collect();
+    let x1v: Vec<f16> = (0..n * h).map(|i| f16::from_f32(((i * 31) % 97) as f32 / 50.0)).collect();
+    let bv: Vec<f16> = (0..e * h).map(|i| f16::from_f32(((i * 13) % 41) as f32 / 20.0 - 1.0)).collect();
+    let sv: Vec<f32> = (0..n * k).map(|i| 0.25 + i as f32 * 0.1).collect();
+    let ev: Vec<i32> = (0..n * k).map(|i| (i % e) as i32).collect();
+    let x = Tensor::from_slice(&xv, &[e, c, h]).unwrap();
+    let it = Tensor::from_slice(&idx, &[n * k]).unwrap();
+    let x1 = Tensor::from_slice(&x1v, &[n, h]).unwrap();
+    let b = Tensor::from_slice(&bv, &[e, h]).unwrap();
+    let sc = Tensor::from_slice(&sv, &[n, k]).unwrap();
+    let ei = Tensor::from_slice(&ev, &[n, k]).unwrap();
+    let args = FinalizeArgs {
+        expanded_x: &x,
+        expanded_row_idx: &it,
+        x1: Some(&x1),
+        x2: None,
+        bias: Some(&b),
+        scales: Some(&sc),
+        expert_idx: Some(&ei),
+        drop_pad_mode: DropPadMode::DropPadRow,
+    };
+    let dims = FinalizeDims { n, k, h, expanded_rows: rows, experts: e };
+    let sizes = [2usize, 0, 4];
+    let upload = |bytes: &[u8]| {
+        let buf = NpuBuffer::alloc(&dev, bytes.len()).unwrap();
+        buf.copy_from_host_at(0, bytes).unwrap();
+        buf
+    };
+    for out_rows in [OutputRows::Dense, OutputRows::Padded { local_sizes: &sizes, slot_rows: 4 }] {
+        let tl = kernels::finalize_tiling(&TilingParams::from_args(&metas(&args), &dims, out_rows, 5, UB_BYTES_910B))
+            .unwrap();
+        let mut want = Tensor::zeros_cpu(&[tl.out_rows as usize, h], DType::F16);
+        kernels::finalize_host(&lend(&args), &dims, lend_out(&mut want), out_rows, 5).unwrap();
+
+        let offs = kernels::slot_offsets(out_rows).unwrap();
+        let out_bytes = tl.out_rows as usize * h * 2;
+        let inputs = [
+            (kernels::GM_EXPANDED_X, upload(bytemuck::cast_slice(&xv))),
+            (kernels::GM_ROW_IDX, upload(bytemuck::cast_slice(&idx))),
+            (kernels::GM_X1, upload(bytemuck::cast_slice(&x1v))),
+            (kernels::GM_BIAS, upload(bytemuck::cast_slice(&bv))),
+            (kernels::GM_SCALES, upload(bytemuck::cast_slice(&sv))),
+            (kernels::GM_EXPERT_IDX, upload(bytemuck::cast_slice(&ev))),
+        ];
+        let out = NpuBuffer::alloc(&dev, out_bytes).unwrap();
+        let offsets = (!offs.is_empty()).then(|| upload(bytemuck::cast_slice(&offs)));
+        let status_buf = upload(bytemuck::cast_slice(&vec![kernels::STATUS_NOT_RUN; tl.status_words()]));
+        let mut gm = [std::ptr::null_mut::<std::ffi::c_void>(); kernels::GM_COUNT];
+        for (at, buf) in &inputs {
+            gm[*at] = buf.as_ptr();
+        }
+        gm[kernels::GM_OUT] = out.as_ptr();
+        if let Some(offsets) = &offsets {
+            gm[kernels::GM_SLOT_OFFSETS] = offsets.as_ptr();
+        }
+        gm[kernels::GM_STATUS] = status_buf.as_ptr();
+        // SAFETY: every non-NULL pointer of `gm` is a buffer of device 0
+        // sized for the tiling, alive until the check below drained the stream.
+        unsafe {
+            crate::backend::npu::result::acl::sim_launch_kernel(
+                launch,
+                dev.stream().raw(),
+                tl.block_dim,
+                Some(entry),
+                &gm,
+                tl.as_bytes(),
+            )
+        }
+        .unwrap();
+        dev.check().unwrap();
+        let mut got = vec![0u8; out_bytes];
+        out.copy_to_host_at(0, &mut got).unwrap();
+        let mut status = vec![0u32; tl.status_words()];
+        status_buf.copy_to_host_at(0, bytemuck::cast_slice_mut(&mut status)).unwrap();
+        kernels::check_status(&status, &tl).unwrap();
+        assert_eq!(got, want.cpu_bytes().unwrap(), "device result differs from the host runner");
+    }
+}
