@@ -18,8 +18,8 @@
  * copy of the tiling: nothing is staged and nothing is allocated, also under
  * graph capture. The struct is what the host builds and the simulated
  * runtime passes to the host entry; it is mirrored by
- * `ascend_moe::backend::npu::kernel::copy::CopyTiling` and checked field by
- * field through amoe_copy_tiling_layout().
+ * `CopyTiling` (src/backend/npu/kernel/copy.rs) and checked field by field
+ * through amoe_copy_tiling_layout().
  */
 #ifndef AMOE_COPY_TILING_H
 #define AMOE_COPY_TILING_H

@@ -4,8 +4,9 @@
  *
  * One definition shared by the device kernel (finalize_kernel.cpp), the host
  * build of the same kernel against kernels/sim, and the Rust mirror
- * `ascend_moe::kernels::FinalizeTiling` (#[repr(C)], checked field by field by
- * tests/kernel_tiling.rs through amoe_finalize_tiling_layout()).
+ * `FinalizeTiling` (src/backend/npu/kernel/abi.rs, #[repr(C)], checked field
+ * by field by src/backend/npu/kernel/tiling_tests.rs through
+ * amoe_finalize_tiling_layout()).
  *
  * Every field is a uint32_t so the struct has no padding and the kernel can
  * load it from global memory word by word.

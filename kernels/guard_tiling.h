@@ -16,7 +16,7 @@
  * expected value.
  *
  * One definition shared by the kernel, its host build and the Rust mirror
- * (`backend::npu::kernel::guard`), checked field by field through
+ * (src/backend/npu/kernel/guard.rs), checked field by field through
  * amoe_guard_tiling_layout().
  */
 #ifndef AMOE_GUARD_TILING_H

@@ -9,7 +9,7 @@
 //! | raw bindings | `acl-sys`, `hccl-sys` | CANN ACL / HCCL symbols, loaded at run time |
 //! | basic types (leaf) | [`types`] | [`DType`], [`Element`], [`ReduceOp`], [`DropPadMode`], shapes and metas, [`CommOptions`] |
 //! | errors | [`error`] | [`Error`], [`Result`] |
-//! | backends | [`backend`] | the [`backend::Backend`] and [`backend::Communicator`] traits over each backend's own buffers ([`backend::View`]), the CPU and NPU implementations (`backend::npu::kernel`: the Ascend C finalize kernel's launch code) |
+//! | backends | [`backend`] | the [`backend::Backend`] and [`backend::Communicator`] traits over each backend's own buffers ([`backend::View`]), the CPU and NPU implementations (the NPU backend's crate-private `kernel` module: the Ascend C kernels' launch code) |
 //! | devices | [`device`] | [`Device`] |
 //! | tensors | [`tensor`] | [`Tensor`], `Storage` (a backend's buffer, owned or borrowed) |
 //! | tensor ops | [`ops`], [`comm`], [`ranks`] | [`ops::DeviceOps`] and [`Collectives`] on tensors, written once over the traits; [`Comm`], [`CommType`]; thread ranks |

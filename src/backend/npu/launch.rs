@@ -8,9 +8,9 @@ use crate::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinalizeImpl {
     /// The native kernel (`kernels/finalize_kernel.cpp`): the AI Core build
-    /// through [`kernels::NpuKernelLib`], or, under the simulated runtime, the
-    /// host build through `cannsim_launch_kernel`. Padded output is written
-    /// in place.
+    /// (`libamoe_kernels_npu.so`, loaded at run time), or, under the
+    /// simulated runtime, the host build through `cannsim_launch_kernel`.
+    /// Padded output is written in place.
     Native,
     /// `aclnnMoeFinalizeRoutingV2` (padded output through a scratch buffer and
     /// row copies).

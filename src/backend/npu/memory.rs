@@ -268,7 +268,7 @@ impl NpuBuffer {
     ///   on-chip device-to-device asynchronous copy needs 64-byte aligned
     ///   source and destination).
     /// - Any other same-device copy: the byte-copy kernel
-    ///   ([`super::kernel::copy`]), enqueued like the other native kernels;
+    ///   (`kernels/copy_kernel.cpp`), enqueued like the other native kernels;
     ///   it stages and allocates nothing, so it can be captured into a graph.
     /// - Where no copy kernel can launch (no AI Core kernel library, not the
     ///   simulator), an unaligned copy synchronises the stream and uses the

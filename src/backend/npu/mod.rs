@@ -10,7 +10,7 @@
 //! | [`result`] | the result layer: each ACL, HCCL and aclnn C function wrapped once, returning `Result` |
 //! | `runtime` | loading, ACL errors, per-thread device binding, [`NpuStream`], [`NpuEvent`] |
 //! | `memory`, `device_buffer` | [`NpuBuffer`], [`PinnedHostBuffer`]; [`DeviceBuffer`] |
-//! | `live_context` | `LiveContext`: the live forward context on the device and the guards of captured ops |
+//! | `live_context` | `LiveContext`: the live forward context on the device and the guards of captured ops ([`ContextWords`], [`GuardTiling`]: the guard kernel's words and tiling) |
 //! | `hccl` | [`HcclRootInfo`], [`HcclComm`] and its collectives |
 //! | `device`, `backend_impl` | [`NpuDevice`] and its `Backend` impl |
 //! | `aclnn` | the aclnn operands: tensor descriptors and scalars, destroyed on drop |
@@ -26,7 +26,7 @@ mod device_check;
 mod elementwise;
 mod finalize;
 pub(crate) mod hccl;
-pub mod kernel;
+pub(crate) mod kernel;
 mod launch;
 pub(crate) mod live_context;
 mod memory;
@@ -40,6 +40,7 @@ pub use aclnn::acl_dtype;
 pub use device::NpuDevice;
 pub use device_buffer::DeviceBuffer;
 pub use hccl::{hccl_dtype, hccl_op, HcclComm, HcclRootInfo, ROOT_INFO_BYTES};
+pub use kernel::guard::{ContextWords, GuardTiling};
 pub use launch::{FinalizeImpl, FINALIZE_ENV};
 pub use live_context::{LiveContext, GUARD_SLOTS, LIVE_BYTES};
 pub use memory::{NpuBuffer, PinnedHostBuffer};

@@ -19,47 +19,48 @@
 
 use std::ffi::{c_char, c_void};
 
-pub use super::abi::{NpuCopyLaunchFn, COPY_GM_COUNT, COPY_GM_DST, COPY_GM_SRC, NPU_COPY_LAUNCH_SYMBOL};
+pub(crate) use super::abi::{COPY_GM_COUNT, COPY_GM_DST, COPY_GM_SRC, NPU_COPY_LAUNCH_SYMBOL};
 use crate::{Error, Result};
 
 /// `AMOE_COPY_TILING_MAGIC` ('AMC1').
-pub const COPY_TILING_MAGIC: u32 = 0x3143_4D41;
+pub(crate) const COPY_TILING_MAGIC: u32 = 0x3143_4D41;
 /// `AMOE_COPY_BLOCK`: spans and tiles are multiples of it, and no two cores
 /// write into one block of this many destination bytes.
-pub const COPY_BLOCK: usize = 32;
+pub(crate) const COPY_BLOCK: usize = 32;
 /// `AMOE_COPY_MAX_TILE`: bytes of one DataCopyPad (two such buffers fit the
 /// 192 KiB unified buffer with room to spare).
-pub const COPY_MAX_TILE: usize = 64 * 1024;
+pub(crate) const COPY_MAX_TILE: usize = 64 * 1024;
 /// Most cores one copy uses.
-pub const COPY_MAX_CORES: u32 = 8;
+pub(crate) const COPY_MAX_CORES: u32 = 8;
 /// Bytes below which another core is not worth its launch share.
-pub const COPY_MIN_SPAN: usize = 32 * 1024;
+pub(crate) const COPY_MIN_SPAN: usize = 32 * 1024;
+#[cfg(test)]
 const KERNEL: &str = "amoe_copy";
 const OP: &str = "copy_kernel";
 
 /// `AmoeCopyTiling` (`kernels/copy_tiling.h`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct CopyTiling {
+pub(crate) struct CopyTiling {
     /// [`COPY_TILING_MAGIC`].
-    pub magic: u32,
+    pub(crate) magic: u32,
     /// Cores of the launch.
-    pub block_dim: u32,
+    pub(crate) block_dim: u32,
     /// Bytes per DataCopyPad: a multiple of [`COPY_BLOCK`] up to [`COPY_MAX_TILE`].
-    pub tile: u32,
+    pub(crate) tile: u32,
     /// `dst % 32`: where the destination's 32-byte blocks start.
-    pub dst_phase: u32,
+    pub(crate) dst_phase: u32,
     /// Bytes to copy (> 0).
-    pub len: u64,
+    pub(crate) len: u64,
     /// Bytes of one core's span, a multiple of [`COPY_BLOCK`].
-    pub per_core: u64,
+    pub(crate) per_core: u64,
 }
 
 impl CopyTiling {
     /// The launch of a copy of `len` bytes into the device address `dst`:
     /// at most [`COPY_MAX_CORES`] cores of at least [`COPY_MIN_SPAN`] bytes
     /// each (one core for a short copy), spans cut at 32-byte blocks of `dst`.
-    pub fn plan(dst: usize, len: usize) -> Result<CopyTiling> {
+    pub(crate) fn plan(dst: usize, len: usize) -> Result<CopyTiling> {
         if len == 0 {
             return Err(Error::invalid(OP, "len", "0 bytes: an empty copy launches nothing"));
         }
@@ -86,7 +87,7 @@ impl CopyTiling {
     /// magic, a positive tile and span that are multiples of 32, a tile of at
     /// most [`COPY_MAX_TILE`], a phase below 32, and `1..=`[`COPY_MAX_CORES`]
     /// cores.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let bad = |what: String| Err(Error::invalid(OP, "tiling", what));
         let block = COPY_BLOCK as u64;
         if self.magic != COPY_TILING_MAGIC {
@@ -111,7 +112,7 @@ impl CopyTiling {
     }
 
     /// The tiling's bytes, as the simulated runtime's launcher takes them.
-    pub fn as_bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         bytemuck::bytes_of(self)
     }
 }
@@ -119,7 +120,7 @@ impl CopyTiling {
 /// One core of the host build, with the signature of the simulated runtime's
 /// `cannsim_kernel_entry_ex`: nonzero (with a message in `msg`) when the core
 /// faulted.
-pub type CopyEntry = unsafe extern "C" fn(
+pub(crate) type CopyEntry = unsafe extern "C" fn(
     block_idx: u32,
     block_dim: u32,
     gm: *const *mut c_void,
@@ -140,12 +141,13 @@ mod ffi {
             msg: *mut c_char,
             msg_cap: usize,
         ) -> i32;
+        #[cfg(test)]
         pub fn amoe_copy_tiling_layout(out: *mut u32, cap: usize) -> usize;
     }
 }
 
 /// The host build of the copy kernel; `None` without a host kernel build.
-pub fn copy_host_entry() -> Option<CopyEntry> {
+pub(crate) fn copy_host_entry() -> Option<CopyEntry> {
     #[cfg(amoe_host_kernel)]
     {
         Some(ffi::amoe_copy_kernel_host)
@@ -158,7 +160,8 @@ pub fn copy_host_entry() -> Option<CopyEntry> {
 
 /// Byte offsets of `AmoeCopyTiling`'s fields as the C compiler laid them
 /// out, then its `sizeof`.
-pub fn c_copy_tiling_layout() -> Result<Vec<u32>> {
+#[cfg(test)]
+pub(crate) fn c_copy_tiling_layout() -> Result<Vec<u32>> {
     #[cfg(amoe_host_kernel)]
     {
         let mut v = vec![0u32; 8];
@@ -179,7 +182,8 @@ pub fn c_copy_tiling_layout() -> Result<Vec<u32>> {
 ///
 /// `tiling` is used as given (not [`CopyTiling::check`]ed), so tests can
 /// show the kernel refusing a broken one; its `len` must fit both slices.
-pub fn copy_host_with_tiling(dst: &mut [u8], src: &[u8], tiling: &CopyTiling) -> Result<()> {
+#[cfg(test)]
+pub(crate) fn copy_host_with_tiling(dst: &mut [u8], src: &[u8], tiling: &CopyTiling) -> Result<()> {
     let entry = copy_host_entry().ok_or_else(super::library::host_unavailable)?;
     let len = usize::try_from(tiling.len).unwrap_or(usize::MAX);
     if len > dst.len() || len > src.len() {
@@ -211,7 +215,8 @@ pub fn copy_host_with_tiling(dst: &mut [u8], src: &[u8], tiling: &CopyTiling) ->
 
 /// Copies `src` into `dst` (equal lengths) with the host build, planning
 /// the tiling for `dst`'s address as a launch on the device would.
-pub fn copy_host(dst: &mut [u8], src: &[u8]) -> Result<()> {
+#[cfg(test)]
+pub(crate) fn copy_host(dst: &mut [u8], src: &[u8]) -> Result<()> {
     if dst.len() != src.len() {
         return Err(Error::invalid(OP, "src", format!("{} bytes for a {}-byte dst", src.len(), dst.len())));
     }
@@ -225,7 +230,8 @@ pub fn copy_host(dst: &mut [u8], src: &[u8]) -> Result<()> {
 /// Whether [`enqueue_copy`] can launch the kernel in this process: the
 /// simulated runtime's `cannsim_launch_kernel_ex` with the host build, or an
 /// AI Core build that has the copy kernel.
-pub fn copy_kernel_available() -> bool {
+#[cfg(test)]
+pub(crate) fn copy_kernel_available() -> bool {
     let sim = crate::backend::npu::runtime::acl().is_ok_and(|api| api.cannsim_launch_kernel_ex.is_some());
     (sim && copy_host_entry().is_some()) || super::library::shared_kernel_lib().is_some_and(|l| l.has_copy())
 }
@@ -233,7 +239,9 @@ pub fn copy_kernel_available() -> bool {
 /// Enqueues the kernel on `stream`: `len` bytes from `src` to `dst`, device
 /// memory of the stream's device that does not overlap (the caller checked
 /// both ranges). Returns `Ok(false)`, having enqueued nothing, when no
-/// launcher exists here ([`copy_kernel_available`]).
+/// launcher exists here (neither the simulated runtime's
+/// `cannsim_launch_kernel_ex` with the host build nor an AI Core build that
+/// has the copy kernel).
 ///
 /// # Safety
 /// `dst` and `src` are valid device memory of `stream`'s device for `len`

@@ -11,36 +11,37 @@
 //! comm type or other DP token counts is reported instead of reducing twice or
 //! not at all.
 
+#[cfg(test)]
 use std::ffi::c_void;
 
-pub use super::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS};
+pub(crate) use super::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS};
 use super::abi::{STATUS_NOT_RUN, STATUS_WORDS};
 use crate::{Error, Result};
 
 /// Words (u32) of the live context buffer: 256 bytes, one DataCopy.
-pub const CTX_WORDS: usize = 64;
+pub(crate) const CTX_WORDS: usize = 64;
 /// `AMOE_CTX_MAGIC` ('AMFC'), word 0 of a written context.
-pub const CTX_MAGIC: u32 = 0x4346_4D41;
+pub(crate) const CTX_MAGIC: u32 = 0x4346_4D41;
 /// `AMOE_CTX_VERSION`, word 1.
-pub const CTX_VERSION: u32 = 1;
+pub(crate) const CTX_VERSION: u32 = 1;
 /// Word of the comm type.
-pub const W_COMM_TYPE: usize = 2;
+pub(crate) const W_COMM_TYPE: usize = 2;
 /// Word of SP on/off.
-pub const W_SP: usize = 3;
+pub(crate) const W_SP: usize = 3;
 /// Word of the PCP size.
-pub const W_PCP: usize = 4;
+pub(crate) const W_PCP: usize = 4;
 /// Word of this DP rank's actual-token count ([`CTX_ALL`] = every token).
-pub const W_ACTUAL: usize = 5;
+pub(crate) const W_ACTUAL: usize = 5;
 /// Word of the DP size.
-pub const W_DP_SIZE: usize = 6;
+pub(crate) const W_DP_SIZE: usize = 6;
 /// First word of the per-DP-rank token counts.
-pub const W_DP_TOKENS: usize = 7;
+pub(crate) const W_DP_TOKENS: usize = 7;
 /// Most DP ranks a context holds.
-pub const CTX_MAX_DP: usize = CTX_WORDS - W_DP_TOKENS;
+pub(crate) const CTX_MAX_DP: usize = CTX_WORDS - W_DP_TOKENS;
 /// `AMOE_CTX_ALL`: every token of the DP rank is real.
-pub const CTX_ALL: u32 = u32::MAX;
+pub(crate) const CTX_ALL: u32 = u32::MAX;
 /// `AMOE_GUARD_TILING_MAGIC` ('AMG1').
-pub const GUARD_TILING_MAGIC: u32 = 0x3147_4D41;
+pub(crate) const GUARD_TILING_MAGIC: u32 = 0x3147_4D41;
 
 const ST_OK: u32 = 0;
 const ST_BAD_TILING: u32 = 4;
@@ -50,15 +51,16 @@ const STATUS_EXPECTED: usize = 3;
 const KERNEL: &str = "amoe_guard";
 
 /// The words of a forward context, as the engine writes them to the live
-/// buffer and as an op records them when it is captured.
+/// buffer and as an op records them when it is captured
+/// (`moe::ForwardContext::words` encodes them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ContextWords(pub [u32; CTX_WORDS]);
+pub struct ContextWords(pub(crate) [u32; CTX_WORDS]);
 
 impl ContextWords {
     /// Encodes a context: comm type (vLLM-Ascend's number), SP on/off, PCP
     /// size, this DP rank's actual tokens (`None` = all) and the tokens of
     /// every DP rank. Errors name the value that does not fit.
-    pub fn encode(
+    pub(crate) fn encode(
         comm_type: u32,
         sp: bool,
         pcp_size: usize,
@@ -97,14 +99,14 @@ impl ContextWords {
     }
 
     /// The words as bytes, to copy into the live buffer.
-    pub fn as_bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         bytemuck::cast_slice(&self.0)
     }
 
     /// Words an op captured for this context depends on: the header, comm
     /// type, SP, PCP, the DP size and every DP rank's count, and, when
     /// `actual` is set, the actual-token count (an op that masks padding rows).
-    pub fn mask(&self, actual: bool) -> [u32; CTX_WORDS / 32] {
+    pub(crate) fn mask(&self, actual: bool) -> [u32; CTX_WORDS / 32] {
         let mut m = [0u32; CTX_WORDS / 32];
         let dp = (self.0[W_DP_SIZE] as usize).min(CTX_MAX_DP);
         for i in 0..W_DP_TOKENS + dp {
@@ -116,23 +118,26 @@ impl ContextWords {
     }
 }
 
-/// `AmoeGuardTiling` (`kernels/guard_tiling.h`).
+/// What a guard compares (`AmoeGuardTiling`, `kernels/guard_tiling.h`): the
+/// context words a set of captured ops depends on, and the values they were
+/// captured for. `LiveContext::guard_with` enqueues it.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GuardTiling {
     /// [`GUARD_TILING_MAGIC`].
-    pub magic: u32,
+    pub(crate) magic: u32,
     /// Words compared (at most [`CTX_WORDS`]).
-    pub words: u32,
+    pub(crate) words: u32,
     /// Bit `i` of `mask[i / 32]`: compare word `i`.
-    pub mask: [u32; CTX_WORDS / 32],
+    pub(crate) mask: [u32; CTX_WORDS / 32],
     /// The words the ops were captured for.
-    pub expected: [u32; CTX_WORDS],
+    pub(crate) expected: [u32; CTX_WORDS],
 }
 
 impl GuardTiling {
-    /// The guard of ops captured for `expected`, comparing the words of
-    /// [`ContextWords::mask`].
+    /// The guard of ops captured for `expected`: it compares the header, the
+    /// comm type, SP, PCP, the DP size and every DP rank's count, and, when
+    /// `actual` is set, the actual-token count (ops that mask padding rows).
     pub fn new(expected: &ContextWords, actual: bool) -> GuardTiling {
         GuardTiling {
             magic: GUARD_TILING_MAGIC,
@@ -155,7 +160,7 @@ impl GuardTiling {
     }
 
     /// The tiling's bytes.
-    pub fn as_bytes(&self) -> &[u8] {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
         bytemuck::bytes_of(self)
     }
 }
@@ -188,7 +193,7 @@ fn word_value(i: usize, v: u32) -> String {
 
 /// Decodes the guard's status record (one core, [`STATUS_WORDS`] words) for
 /// the ops of `op`: a differing word becomes [`Error::StaleContext`].
-pub fn check_guard_status(op: &'static str, status: &[u32]) -> Result<()> {
+pub(crate) fn check_guard_status(op: &'static str, status: &[u32]) -> Result<()> {
     decode_guard_status(op, status, |i, live, captured| Error::StaleContext {
         op,
         field: word_name(i),
@@ -200,7 +205,7 @@ pub fn check_guard_status(op: &'static str, status: &[u32]) -> Result<()> {
 /// Decodes a guard's status record over any words: a differing word `i`
 /// becomes `mismatch(i, found, expected)`; the other codes as
 /// [`check_guard_status`].
-pub fn decode_guard_status(
+pub(crate) fn decode_guard_status(
     op: &'static str,
     status: &[u32],
     mismatch: impl FnOnce(usize, u32, u32) -> Error,
@@ -232,13 +237,14 @@ mod ffi {
     use std::ffi::c_void;
     extern "C" {
         pub fn amoe_guard_kernel_host(block_idx: u32, block_dim: u32, gm: *const *mut c_void, tiling: *const c_void);
+        #[cfg(test)]
         pub fn amoe_guard_tiling_layout(out: *mut u32, cap: usize) -> usize;
     }
 }
 
 /// The host build of the guard, with the signature of the simulated
 /// runtime's `cannsim_kernel_entry`; `None` without a host kernel build.
-pub fn guard_host_entry() -> Option<super::abi::KernelEntry> {
+pub(crate) fn guard_host_entry() -> Option<super::abi::KernelEntry> {
     #[cfg(amoe_host_kernel)]
     {
         Some(ffi::amoe_guard_kernel_host)
@@ -251,7 +257,8 @@ pub fn guard_host_entry() -> Option<super::abi::KernelEntry> {
 
 /// Byte offsets of `AmoeGuardTiling`'s fields as the C compiler laid them
 /// out, then its `sizeof`.
-pub fn c_guard_tiling_layout() -> Result<Vec<u32>> {
+#[cfg(test)]
+pub(crate) fn c_guard_tiling_layout() -> Result<Vec<u32>> {
     #[cfg(amoe_host_kernel)]
     {
         let mut v = vec![0u32; 8];
@@ -269,7 +276,8 @@ pub fn c_guard_tiling_layout() -> Result<Vec<u32>> {
 /// Runs the host build of the guard on a live context in host memory and
 /// returns the raw status record (what a device launch leaves in its status
 /// buffer), for tests of the kernel itself.
-pub fn guard_host_status(live: &[u32; CTX_WORDS], tiling: &GuardTiling) -> Result<Vec<u32>> {
+#[cfg(test)]
+pub(crate) fn guard_host_status(live: &[u32; CTX_WORDS], tiling: &GuardTiling) -> Result<Vec<u32>> {
     let entry = guard_host_entry().ok_or_else(super::library::host_unavailable)?;
     let mut status = vec![STATUS_NOT_RUN; STATUS_WORDS];
     let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
@@ -283,6 +291,7 @@ pub fn guard_host_status(live: &[u32; CTX_WORDS], tiling: &GuardTiling) -> Resul
 }
 
 /// [`guard_host_status`], decoded by [`check_guard_status`].
-pub fn guard_host(op: &'static str, live: &[u32; CTX_WORDS], tiling: &GuardTiling) -> Result<()> {
+#[cfg(test)]
+pub(crate) fn guard_host(op: &'static str, live: &[u32; CTX_WORDS], tiling: &GuardTiling) -> Result<()> {
     check_guard_status(op, &guard_host_status(live, tiling)?)
 }

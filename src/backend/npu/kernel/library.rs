@@ -15,6 +15,7 @@ mod ffi {
     use std::ffi::c_void;
     extern "C" {
         pub fn amoe_finalize_kernel_host(block_idx: u32, block_dim: u32, gm: *const *mut c_void, tiling: *const c_void);
+        #[cfg(test)]
         pub fn amoe_finalize_kernel_host_dropped_barrier(
             block_idx: u32,
             block_dim: u32,
@@ -27,6 +28,7 @@ mod ffi {
         pub fn amoe_finalize_ub_bytes_host(data_dtype: u32, tile_h: u32) -> u32;
         #[cfg(test)]
         pub fn amoe_sim_ub_capacity() -> u32;
+        #[cfg(test)]
         pub fn amoe_sim_selftest(which: u32, msg: *mut std::ffi::c_char, cap: usize) -> i32;
     }
 }
@@ -34,7 +36,7 @@ mod ffi {
 /// The host build of the kernel (`amoe_finalize_kernel_host`), `None` when
 /// `build.rs` could not compile it. This is the entry a simulated runtime's
 /// `cannsim_launch_kernel` runs for every block.
-pub fn host_entry() -> Option<KernelEntry> {
+pub(crate) fn host_entry() -> Option<KernelEntry> {
     #[cfg(amoe_host_kernel)]
     {
         Some(ffi::amoe_finalize_kernel_host)
@@ -48,8 +50,8 @@ pub fn host_entry() -> Option<KernelEntry> {
 /// The same host entry for the kernel built with one `PipeBarrier<PIPE_V>`
 /// left out (the one between `Muls` and the accumulating `Add`): the host
 /// model must reject every launch of it that scales a slot.
-#[doc(hidden)]
-pub fn host_entry_dropped_barrier() -> Option<KernelEntry> {
+#[cfg(test)]
+pub(crate) fn host_entry_dropped_barrier() -> Option<KernelEntry> {
     #[cfg(amoe_host_kernel)]
     {
         Some(ffi::amoe_finalize_kernel_host_dropped_barrier)
@@ -62,7 +64,8 @@ pub fn host_entry_dropped_barrier() -> Option<KernelEntry> {
 
 /// The Ascend C header directory the host build was compiled against, or
 /// why there is no host build (for example, the headers were not found).
-pub fn host_build_info() -> std::result::Result<&'static str, &'static str> {
+#[cfg(test)]
+pub(crate) fn host_build_info() -> std::result::Result<&'static str, &'static str> {
     match (option_env!("AMOE_HOST_KERNEL_HEADERS"), option_env!("AMOE_HOST_KERNEL_UNAVAILABLE")) {
         (Some(headers), _) if cfg!(amoe_host_kernel) => Ok(headers),
         (_, Some(why)) => Err(why),
@@ -70,6 +73,7 @@ pub fn host_build_info() -> std::result::Result<&'static str, &'static str> {
     }
 }
 
+#[cfg(test)]
 pub(super) fn host_unavailable() -> Error {
     let why = host_build_info().err().unwrap_or("build.rs did not build the host kernel");
     Error::Unavailable(format!("the host build of kernels/finalize_kernel.cpp is not in this crate: {why}"))
@@ -128,8 +132,8 @@ pub(crate) fn sim_ub_capacity() -> Result<usize> {
 /// balance, use after free, bounds, alignment, pipe ordering, a wait on an
 /// event never set). Returns the violation message that aborted the run,
 /// `None` if it ran clean.
-#[doc(hidden)]
-pub fn sim_selftest(which: u32) -> Result<Option<String>> {
+#[cfg(test)]
+pub(crate) fn sim_selftest(which: u32) -> Result<Option<String>> {
     #[cfg(amoe_host_kernel)]
     {
         let mut buf = vec![0u8; 512];
@@ -148,7 +152,7 @@ pub fn sim_selftest(which: u32) -> Result<Option<String>> {
 /// The AI Core build (`libamoe_kernels_npu.so`, exporting
 /// [`NPU_LAUNCH_SYMBOL`]): `ASCEND_MOE_KERNEL_LIB` if set, else the library
 /// `build.rs` compiled when CANN was present; `None` otherwise.
-pub fn npu_kernel_library() -> Option<PathBuf> {
+pub(crate) fn npu_kernel_library() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("ASCEND_MOE_KERNEL_LIB") {
         return Some(PathBuf::from(p));
     }
@@ -158,14 +162,14 @@ pub fn npu_kernel_library() -> Option<PathBuf> {
 /// The AI Core build loaded once per process ([`NpuKernelLib::load`]), shared
 /// by every launch (the finalize and the forward-context guard); `None` when
 /// there is none.
-pub fn shared_kernel_lib() -> Option<&'static NpuKernelLib> {
+pub(crate) fn shared_kernel_lib() -> Option<&'static NpuKernelLib> {
     static LIB: std::sync::OnceLock<Option<NpuKernelLib>> = std::sync::OnceLock::new();
     LIB.get_or_init(|| NpuKernelLib::load().ok()).as_ref()
 }
 
 /// The AI Core build of the kernel (`libamoe_kernels_npu.so`), loaded at run
 /// time so the crate never links CANN.
-pub struct NpuKernelLib {
+pub(crate) struct NpuKernelLib {
     launch: NpuLaunchFn,
     guard: Option<NpuGuardLaunchFn>,
     copy: Option<NpuCopyLaunchFn>,
@@ -183,7 +187,7 @@ impl std::fmt::Debug for NpuKernelLib {
 impl NpuKernelLib {
     /// Loads [`npu_kernel_library`]; [`Error::Unavailable`] when there is none
     /// (no CANN at build time and no `ASCEND_MOE_KERNEL_LIB`).
-    pub fn load() -> Result<Self> {
+    pub(crate) fn load() -> Result<Self> {
         let path = npu_kernel_library().ok_or_else(|| {
             Error::Unavailable(
                 "no AI Core build of the finalize kernel: CANN was not found at build time and \
@@ -195,7 +199,7 @@ impl NpuKernelLib {
     }
 
     /// Loads the kernel library at `path`.
-    pub fn load_from(path: impl Into<PathBuf>) -> Result<Self> {
+    pub(crate) fn load_from(path: impl Into<PathBuf>) -> Result<Self> {
         let path = path.into();
         // SAFETY: loading runs the library's initialisers; the AI Core build
         // has none beyond the CANN runtime's kernel registration.
@@ -215,11 +219,6 @@ impl NpuKernelLib {
         Ok(NpuKernelLib { launch, guard, copy, path, _lib: lib })
     }
 
-    /// Where the library was loaded from.
-    pub fn path(&self) -> &std::path::Path {
-        &self.path
-    }
-
     /// Enqueues the kernel on `stream` over `block_dim` cores.
     ///
     /// # Safety
@@ -229,7 +228,7 @@ impl NpuKernelLib {
     /// absent; `tiling_dev` is device memory holding the tiling's bytes; the
     /// status buffer holds `block_dim * STATUS_WORDS` words; `block_dim`
     /// equals the tiling's. All of it stays alive until the stream has run it.
-    pub unsafe fn launch(
+    pub(crate) unsafe fn launch(
         &self,
         block_dim: u32,
         stream: *mut c_void,
@@ -253,7 +252,7 @@ impl NpuKernelLib {
     /// `STATUS_WORDS` words, both device memory of the stream's device;
     /// `tiling_dev` is device memory holding an `AmoeGuardTiling`. All of it
     /// stays alive until the stream has run it.
-    pub unsafe fn launch_guard(
+    pub(crate) unsafe fn launch_guard(
         &self,
         stream: *mut c_void,
         gm: &[*mut c_void; GUARD_GM_COUNT],
@@ -272,7 +271,7 @@ impl NpuKernelLib {
     }
 
     /// Whether the library has the byte-copy kernel (an older build has not).
-    pub fn has_copy(&self) -> bool {
+    pub(crate) fn has_copy(&self) -> bool {
         self.copy.is_some()
     }
 
@@ -286,7 +285,7 @@ impl NpuKernelLib {
     /// `gm[COPY_GM_SRC]` are device memory of its device valid for the
     /// tiling's `len` bytes, not overlapping, alive until the stream has run
     /// the copy; the tiling passed `CopyTiling::check`.
-    pub unsafe fn launch_copy(
+    pub(crate) unsafe fn launch_copy(
         &self,
         block_dim: u32,
         stream: *mut c_void,

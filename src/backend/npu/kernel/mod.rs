@@ -23,31 +23,37 @@
 //! [`STATUS_WORDS`] words; an out-of-range index is reported there (never
 //! dereferenced) and becomes an [`Error::IndexOutOfRange`].
 
+#[cfg(test)]
 use std::ffi::c_void;
 
+#[cfg(test)]
 use crate::backend::cpu::CpuBuffer;
-use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
+use crate::backend::{FinalizeArgs, OutputRows};
+#[cfg(test)]
+use crate::backend::{FinalizeDims, View, ViewMut};
 use crate::types::TensorMeta;
 use crate::{DType, DropPadMode, Error, Result};
 
-pub mod abi;
-pub mod copy;
-pub mod guard;
-pub mod library;
-pub mod status;
-pub mod tiling;
+pub(crate) mod abi;
+pub(crate) mod copy;
+pub(crate) mod guard;
+pub(crate) mod library;
+mod status;
+mod tiling;
 
 #[cfg(test)]
 mod copy_tests;
+#[cfg(test)]
+mod finalize_tests;
 #[cfg(test)]
 mod guard_tests;
 #[cfg(test)]
 mod tiling_tests;
 
-pub use abi::*;
-pub use library::*;
-pub use status::check_status;
-pub use tiling::{finalize_tiling, slot_offsets, TilingParams};
+pub(crate) use abi::*;
+pub(crate) use library::*;
+pub(crate) use status::check_status;
+pub(crate) use tiling::{finalize_tiling, slot_offsets, TilingParams};
 
 const OP: &str = FINALIZE_OP;
 
@@ -84,6 +90,7 @@ fn check_optional(
     }
 }
 
+#[cfg(test)]
 fn host_ptr(t: Option<View<'_, CpuBuffer>>) -> *mut c_void {
     match t {
         Some(t) => t.bytes().as_ptr() as *mut c_void,
@@ -98,7 +105,8 @@ fn host_ptr(t: Option<View<'_, CpuBuffer>>) -> *mut c_void {
 ///
 /// Index values are checked by the kernel: an out-of-range one yields
 /// [`Error::IndexOutOfRange`] (the output is then unspecified).
-pub fn finalize_host(
+#[cfg(test)]
+pub(crate) fn finalize_host(
     args: &FinalizeArgs<View<'_, CpuBuffer>>,
     dims: &FinalizeDims,
     out: ViewMut<'_, CpuBuffer>,
@@ -118,7 +126,7 @@ pub fn finalize_host(
 /// [`slot_offsets`] for padded output, and a status buffer of
 /// [`FinalizeTiling::status_words`] words filled with [`STATUS_NOT_RUN`]
 /// (bytes `0xFF`), and decodes the status with [`check_status`].
-pub fn check_launch(
+pub(crate) fn check_launch(
     args: &FinalizeArgs<TensorMeta<'_>>,
     out: TensorMeta<'_>,
     rows: OutputRows<'_>,
@@ -191,7 +199,8 @@ fn check_index_launch(
 /// tiling that would break the hardware's rules (tile alignment, unified-buffer
 /// capacity) is caught by the host simulation and returned as
 /// [`Error::Kernel`].
-pub fn finalize_host_with_tiling(
+#[cfg(test)]
+pub(crate) fn finalize_host_with_tiling(
     args: &FinalizeArgs<View<'_, CpuBuffer>>,
     mut out: ViewMut<'_, CpuBuffer>,
     rows: OutputRows<'_>,

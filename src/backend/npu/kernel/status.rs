@@ -6,7 +6,7 @@ use crate::{DropPadMode, Error, Result};
 
 /// Decodes the status array of a finished launch (`tiling.block_dim` records
 /// of [`STATUS_WORDS`]); the lowest core that reported a problem wins.
-pub fn check_status(status: &[u32], tiling: &FinalizeTiling) -> Result<()> {
+pub(crate) fn check_status(status: &[u32], tiling: &FinalizeTiling) -> Result<()> {
     let need = tiling.status_words();
     if status.len() < need {
         return Err(Error::invalid(OP, "status", format!("{} words, a launch needs {need}", status.len())));

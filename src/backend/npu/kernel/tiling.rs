@@ -10,32 +10,32 @@ use crate::{DType, DropPadMode, Error, Result};
 
 /// Everything [`finalize_tiling`] needs: sizes, dtypes, flags and the launch shape.
 #[derive(Debug, Clone, Copy)]
-pub struct TilingParams<'a> {
+pub(crate) struct TilingParams<'a> {
     /// Validated sizes of the call.
-    pub dims: FinalizeDims,
+    pub(crate) dims: FinalizeDims,
     /// Dtype of `expanded_x` (and of x1, x2, bias and the output).
-    pub data: DType,
+    pub(crate) data: DType,
     /// Dtype of `scales`, `None` without scales.
-    pub scales: Option<DType>,
+    pub(crate) scales: Option<DType>,
     /// Drop-pad mode.
-    pub mode: DropPadMode,
+    pub(crate) mode: DropPadMode,
     /// `x1` is given.
-    pub x1: bool,
+    pub(crate) x1: bool,
     /// `x2` is given.
-    pub x2: bool,
+    pub(crate) x2: bool,
     /// `bias` and `expert_idx` are given.
-    pub bias: bool,
+    pub(crate) bias: bool,
     /// Dense output or the padded EP buffer.
-    pub rows: OutputRows<'a>,
+    pub(crate) rows: OutputRows<'a>,
     /// Cores to spread the output rows over (at least 1; more than the rows is fine).
-    pub block_dim: u32,
+    pub(crate) block_dim: u32,
     /// Unified-buffer budget per core in bytes ([`UB_BYTES_910B`] on the 910B class).
-    pub ub_bytes: usize,
+    pub(crate) ub_bytes: usize,
 }
 
 impl<'a> TilingParams<'a> {
     /// The parameters of a finalize call, read off its arguments.
-    pub fn from_args(
+    pub(crate) fn from_args(
         args: &FinalizeArgs<TensorMeta<'_>>,
         dims: &FinalizeDims,
         rows: OutputRows<'a>,
@@ -64,7 +64,7 @@ fn to_u32(arg: &'static str, v: usize) -> Result<u32> {
 /// The tiling of a finalize launch: the largest H tile (a multiple of
 /// [`TILE_ALIGN`]) whose buffers fit `ub_bytes`, and the split of the output
 /// rows over `block_dim` cores.
-pub fn finalize_tiling(p: &TilingParams<'_>) -> Result<FinalizeTiling> {
+pub(crate) fn finalize_tiling(p: &TilingParams<'_>) -> Result<FinalizeTiling> {
     let d = &p.dims;
     if p.block_dim == 0 {
         return Err(Error::invalid(OP, "block_dim", "at least one core is needed"));
@@ -169,7 +169,7 @@ pub fn finalize_tiling(p: &TilingParams<'_>) -> Result<FinalizeTiling> {
 
 /// The int32 `[slots + 1]` prefix sums of `local_sizes` the padded kernel
 /// reads (empty for dense output).
-pub fn slot_offsets(rows: OutputRows<'_>) -> Result<Vec<i32>> {
+pub(crate) fn slot_offsets(rows: OutputRows<'_>) -> Result<Vec<i32>> {
     match rows {
         OutputRows::Dense => Ok(Vec::new()),
         OutputRows::Padded { local_sizes, .. } => {

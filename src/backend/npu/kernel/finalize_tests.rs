@@ -2,15 +2,17 @@
 //! against the real Ascend C headers in CPU-debug mode, over the host model of
 //! kernels/host_model), bit for bit against a plain f32 reference written
 //! here, over the finalize golden matrix; plus the model's enforcement of the
-//! hardware rules, including the ordering of the pipes.
+//! hardware rules, including the ordering of the pipes. Tests of the crate's
+//! internals, so they live here rather than in `tests/`.
 
-use ascend_moe::backend::cpu::CpuBuffer;
-use ascend_moe::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, UB_BYTES_910B};
-use ascend_moe::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
-use ascend_moe::half::{bf16, f16};
-use ascend_moe::testing::SplitMix;
-use ascend_moe::types::TensorMeta;
-use ascend_moe::{DType, DropPadMode, Error, Tensor};
+use half::{bf16, f16};
+
+use crate::backend::cpu::CpuBuffer;
+use crate::backend::npu::kernel::{self as kernels, FinalizeTiling, TilingParams, UB_BYTES_910B};
+use crate::backend::{FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
+use crate::testing::SplitMix;
+use crate::types::TensorMeta;
+use crate::{DType, DropPadMode, Error, Tensor};
 
 /// The host tensors of `a` lent to the kernel's host runner.
 fn lend<'a>(a: &FinalizeArgs<&'a Tensor>) -> FinalizeArgs<View<'a, CpuBuffer>> {
@@ -279,11 +281,11 @@ fn check(c: &Case) {
         .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let got = out_bits(&out);
     // The CPU backend's kernel, through the op layer's own validation.
-    let (shape, dims) = ascend_moe::moe::finalize::moe_finalize_routing_output_shape(&a).unwrap();
+    let (shape, dims) = crate::moe::finalize::moe_finalize_routing_output_shape(&a).unwrap();
     assert_eq!(dims, inp.dims, "{c:?}: dims");
     assert_eq!(shape[0], inp.dims.n);
     let mut cpu = garbage_out(c.data, layout.len(), h);
-    ascend_moe::Device::Cpu.backend().finalize_routing(&a, &dims, &mut cpu, rows).unwrap();
+    crate::Device::Cpu.backend().finalize_routing(&a, &dims, &mut cpu, rows).unwrap();
     assert_eq!(out_bits(&cpu), got, "{c:?}: native kernel vs CPU backend");
     for (row, tok) in layout.iter().enumerate() {
         for j in 0..h {
@@ -539,6 +541,25 @@ fn sim_rejects_a_misaligned_data_copy() {
         kernels::finalize_host_with_tiling(&lend(&a), lend_out(&mut out), OutputRows::Dense, &tl).unwrap_err(),
     );
     assert!(msg.contains("DataCopy") && msg.contains("32B align"), "{msg}");
+}
+
+/// The host build is compiled against the real Ascend C headers (in CI
+/// always: `CI=true` fails the suite if the host build did not happen).
+#[test]
+fn the_host_kernel_is_built_against_the_real_headers() {
+    let ci = std::env::var("CI").as_deref() == Ok("true");
+    match kernels::host_build_info() {
+        Ok(dir) => {
+            assert!(std::path::Path::new(dir).join("basic_api/kernel_operator.h").is_file(), "{dir}");
+            assert!(kernels::host_entry().is_some());
+        }
+        Err(why) => {
+            assert!(!ci, "CI=true, but the host kernel was not built against the Ascend C headers: {why}");
+            assert!(kernels::host_entry().is_none());
+            // Without the headers the reason names where they were looked for.
+            assert!(why.contains("ascendc") || why.contains("failed"), "{why}");
+        }
+    }
 }
 
 #[test]
@@ -825,5 +846,104 @@ fn the_index_check_copies_indices_and_replaces_bad_ones() {
                 assert!(out.as_slice::<i32>().unwrap() == want.as_slice(), "{what}: checked copies");
             }
         }
+    }
+}
+
+/// The host build launched through the simulated runtime's
+/// `cannsim_launch_kernel` on device buffers equals the same kernel run
+/// directly on host memory, dense and into the padded EP buffer. Ignored
+/// without an NPU (`ci/sim.sh` runs it); real hardware has no
+/// `cannsim_launch_kernel`, so there it returns early.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn finalize_kernel_runs_under_cannsim_launch_kernel() {
+    use crate::backend::npu::{NpuBuffer, NpuDevice};
+
+    let dev = NpuDevice::open(0).expect("NPU 0");
+    let api = crate::backend::npu::runtime::acl().expect("ACL loaded");
+    let Some(launch) = api.cannsim_launch_kernel else {
+        eprintln!("not the simulated runtime: cannsim_launch_kernel is not exported");
+        return;
+    };
+    let entry = kernels::host_entry().expect("host kernel build");
+    let (n, k, h, e, c) = (6usize, 2usize, 300usize, 3usize, 4usize);
+    let rows = e * c;
+    let xv: Vec<f16> = (0..rows * h).map(|i| f16::from_f32(((i * 7919) % 1000) as f32 / 250.0 - 2.0)).collect();
+    let idx: Vec<i32> = (0..n * k).map(|i| if i % 5 == 0 { -1 } else { ((i * 7) % rows) as i32 }).collect();
+    let x1v: Vec<f16> = (0..n * h).map(|i| f16::from_f32(((i * 31) % 97) as f32 / 50.0)).collect();
+    let bv: Vec<f16> = (0..e * h).map(|i| f16::from_f32(((i * 13) % 41) as f32 / 20.0 - 1.0)).collect();
+    let sv: Vec<f32> = (0..n * k).map(|i| 0.25 + i as f32 * 0.1).collect();
+    let ev: Vec<i32> = (0..n * k).map(|i| (i % e) as i32).collect();
+    let x = Tensor::from_slice(&xv, &[e, c, h]).unwrap();
+    let it = Tensor::from_slice(&idx, &[n * k]).unwrap();
+    let x1 = Tensor::from_slice(&x1v, &[n, h]).unwrap();
+    let b = Tensor::from_slice(&bv, &[e, h]).unwrap();
+    let sc = Tensor::from_slice(&sv, &[n, k]).unwrap();
+    let ei = Tensor::from_slice(&ev, &[n, k]).unwrap();
+    let args = FinalizeArgs {
+        expanded_x: &x,
+        expanded_row_idx: &it,
+        x1: Some(&x1),
+        x2: None,
+        bias: Some(&b),
+        scales: Some(&sc),
+        expert_idx: Some(&ei),
+        drop_pad_mode: DropPadMode::DropPadRow,
+    };
+    let dims = FinalizeDims { n, k, h, expanded_rows: rows, experts: e };
+    let sizes = [2usize, 0, 4];
+    let upload = |bytes: &[u8]| {
+        let buf = NpuBuffer::alloc(&dev, bytes.len()).unwrap();
+        buf.copy_from_host_at(0, bytes).unwrap();
+        buf
+    };
+    for out_rows in [OutputRows::Dense, OutputRows::Padded { local_sizes: &sizes, slot_rows: 4 }] {
+        let tl = kernels::finalize_tiling(&TilingParams::from_args(&metas(&args), &dims, out_rows, 5, UB_BYTES_910B))
+            .unwrap();
+        let mut want = Tensor::zeros_cpu(&[tl.out_rows as usize, h], DType::F16);
+        kernels::finalize_host(&lend(&args), &dims, lend_out(&mut want), out_rows, 5).unwrap();
+
+        let offs = kernels::slot_offsets(out_rows).unwrap();
+        let out_bytes = tl.out_rows as usize * h * 2;
+        let inputs = [
+            (kernels::GM_EXPANDED_X, upload(bytemuck::cast_slice(&xv))),
+            (kernels::GM_ROW_IDX, upload(bytemuck::cast_slice(&idx))),
+            (kernels::GM_X1, upload(bytemuck::cast_slice(&x1v))),
+            (kernels::GM_BIAS, upload(bytemuck::cast_slice(&bv))),
+            (kernels::GM_SCALES, upload(bytemuck::cast_slice(&sv))),
+            (kernels::GM_EXPERT_IDX, upload(bytemuck::cast_slice(&ev))),
+        ];
+        let out = NpuBuffer::alloc(&dev, out_bytes).unwrap();
+        let offsets = (!offs.is_empty()).then(|| upload(bytemuck::cast_slice(&offs)));
+        let status_buf = upload(bytemuck::cast_slice(&vec![kernels::STATUS_NOT_RUN; tl.status_words()]));
+        let mut gm = [std::ptr::null_mut::<std::ffi::c_void>(); kernels::GM_COUNT];
+        for (at, buf) in &inputs {
+            gm[*at] = buf.as_ptr();
+        }
+        gm[kernels::GM_OUT] = out.as_ptr();
+        if let Some(offsets) = &offsets {
+            gm[kernels::GM_SLOT_OFFSETS] = offsets.as_ptr();
+        }
+        gm[kernels::GM_STATUS] = status_buf.as_ptr();
+        // SAFETY: every non-NULL pointer of `gm` is a buffer of device 0
+        // sized for the tiling, alive until the check below drained the stream.
+        unsafe {
+            crate::backend::npu::result::acl::sim_launch_kernel(
+                launch,
+                dev.stream().raw(),
+                tl.block_dim,
+                Some(entry),
+                &gm,
+                tl.as_bytes(),
+            )
+        }
+        .unwrap();
+        dev.check().unwrap();
+        let mut got = vec![0u8; out_bytes];
+        out.copy_to_host_at(0, &mut got).unwrap();
+        let mut status = vec![0u32; tl.status_words()];
+        status_buf.copy_to_host_at(0, bytemuck::cast_slice_mut(&mut status)).unwrap();
+        kernels::check_status(&status, &tl).unwrap();
+        assert_eq!(got, want.cpu_bytes().unwrap(), "device result differs from the host runner");
     }
 }
