@@ -35,6 +35,9 @@ bash ci/headers.sh
 step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
+step "cargo doc (no broken or private links)"
+RUSTDOCFLAGS=-Dwarnings cargo doc --no-deps -p ascend-moe
+
 step "cargo test"
 # The C ABI fuzz test runs on its own below, for a fixed time.
 cargo test --workspace -- --skip random_descriptors_give_clean_errors 2>&1 | record
