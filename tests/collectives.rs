@@ -1046,8 +1046,9 @@ mod every_backend {
             let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
             let stream = hccl.npu_device().stream().clone();
             let mut under_capture = None;
-            let graph =
-                crate::common::graph::Graph::capture(stream.raw(), || under_capture = Some(hccl.barrier_on(&stream)));
+            let graph = ascend_moe::testing::graph::Graph::capture(stream.raw(), || {
+                under_capture = Some(hccl.barrier_on(&stream))
+            });
             drop(graph);
             let err = under_capture.expect("the body ran").expect_err("HcclBarrier is not supported under capture");
             let msg = err.to_string();

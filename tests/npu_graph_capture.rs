@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::graph::Graph;
+use ascend_moe::testing::graph::Graph;
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
 

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::graph::Graph;
+use ascend_moe::testing::graph::Graph;
 use std::ffi::CStr;
 use std::ptr::null_mut;
 

@@ -615,7 +615,7 @@ fn the_comm_type_agreement_check_runs_on_the_device() {
         nd.check().map_err(|e| ascend_moe::Error::invalid("test", "check", format!("reported twice: {e}")))?;
         // Captured with a disagreement, every replay reports it, once each.
         nd.set_current()?;
-        let graph = common::graph::Graph::capture(nd.stream().raw(), || {
+        let graph = ascend_moe::testing::graph::Graph::capture(nd.stream().raw(), || {
             check_comm_type_agreement(mine, &comm).expect("captured check");
         });
         for round in 0..2 {

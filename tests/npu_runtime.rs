@@ -1,9 +1,6 @@
 //! The safe ACL layer itself: typed and pinned buffers, streams (owned and
 //! borrowed), events, and errors from the runtime. Ignored without an NPU.
 
-#[path = "common/graph.rs"]
-mod graph;
-
 use ascend_moe::backend::npu::{self, DeviceBuffer, NpuDevice, NpuEvent, PinnedHostBuffer};
 use ascend_moe::{Error, Tensor};
 
@@ -149,7 +146,7 @@ fn a_capture_spans_two_streams_through_their_events_and_replays() {
     // is joined back through its own, so the capture ends cleanly. The
     // runtime refuses aclrtCreateEvent events on a capturing stream, so
     // this needs aclrtCreateEventExWithFlag(ACL_EVENT_SYNC) events.
-    let graph = graph::Graph::capture(d.stream().raw(), || {
+    let graph = ascend_moe::testing::graph::Graph::capture(d.stream().raw(), || {
         b.copy_from_device(&a).expect("captured copy onto the side stream");
         c.copy_from_device(&b).expect("captured copy back onto the main stream");
     });

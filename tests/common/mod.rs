@@ -5,8 +5,6 @@
 //! simulated runtime, but it always compiles).
 #![allow(dead_code)]
 
-pub mod graph;
-
 use ascend_moe::half::{bf16, f16};
 use ascend_moe::{DType, Device, Element, ReduceOp, Result};
 

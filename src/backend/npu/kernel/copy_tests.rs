@@ -24,6 +24,7 @@ use crate::backend::npu::kernel::copy::*;
 use crate::backend::npu::{NpuBuffer, NpuDevice};
 use crate::ops::DeviceOps;
 use crate::tensor::Storage;
+use crate::testing::graph::Graph;
 use crate::{Error, Tensor};
 
 /// A 64-byte aligned window of `len` bytes inside a larger vector, so the
@@ -221,45 +222,6 @@ fn open() -> NpuDevice {
     let dev = NpuDevice::open(0).expect("NPU 0");
     assert!(copy_kernel_available(), "no copy kernel can launch on this runtime");
     dev
-}
-
-/// An ACL graph captured (THREAD_LOCAL) through the loaded runtime's own
-/// capture calls, destroyed on drop.
-struct Graph(acl_sys::aclmdlRI);
-
-impl Graph {
-    /// Captures what `body` enqueues on `raw`.
-    fn capture(raw: acl_sys::aclrtStream, body: impl FnOnce()) -> Graph {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let begin = api.lib.aclmdlRICaptureBegin.as_ref().expect("aclmdlRICaptureBegin");
-        let end = api.lib.aclmdlRICaptureEnd.as_ref().expect("aclmdlRICaptureEnd");
-        let mode = acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL;
-        // SAFETY: a live stream of the bound device.
-        assert_eq!(unsafe { begin(raw, mode) }, 0, "aclmdlRICaptureBegin");
-        body();
-        let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
-        // SAFETY: the capturing stream and a writable out-pointer.
-        let st = unsafe { end(raw, &mut model) };
-        assert_eq!(st, 0, "aclmdlRICaptureEnd: {}", crate::backend::npu::runtime::recent_error_message());
-        Graph(model)
-    }
-
-    /// Queues one replay on `raw`.
-    fn replay(&self, raw: acl_sys::aclrtStream) {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let exec = api.lib.aclmdlRIExecuteAsync.as_ref().expect("aclmdlRIExecuteAsync");
-        // SAFETY: a live model and stream.
-        assert_eq!(unsafe { exec(self.0, raw) }, 0, "aclmdlRIExecuteAsync");
-    }
-}
-
-impl Drop for Graph {
-    fn drop(&mut self) {
-        let api = acl_sys::acl().expect("ACL loaded");
-        let destroy = api.lib.aclmdlRIDestroy.as_ref().expect("aclmdlRIDestroy");
-        // SAFETY: a live model, destroyed once, its replays run.
-        assert_eq!(unsafe { destroy(self.0) }, 0, "aclmdlRIDestroy");
-    }
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! An ACL graph through the loaded runtime's own capture calls
 //! (`aclmdlRICaptureBegin` / `End` / `ExecuteAsync` / `Destroy`), for the
-//! NPU tests that capture ops and replay them.
+//! NPU tests (the crate's and the integration tests) that capture ops and
+//! replay them.
 
 use std::ptr::null_mut;
 
@@ -21,7 +22,7 @@ impl Graph {
         let mut model: acl_sys::aclmdlRI = null_mut();
         // SAFETY: the capturing stream and a writable out-pointer.
         let st = unsafe { end(raw, &mut model) };
-        assert_eq!(st, 0, "aclmdlRICaptureEnd: {}", ascend_moe::backend::npu::recent_error_message());
+        assert_eq!(st, 0, "aclmdlRICaptureEnd: {}", crate::backend::npu::recent_error_message());
         Graph(model)
     }
 
