@@ -70,6 +70,42 @@ fn collectives_csv_rows_and_progress() {
     }
 }
 
+/// The floor uses the mean of the triads taken before and after the rows,
+/// and the JSON says all three.
+#[test]
+fn collectives_floor_uses_the_triads_around_the_rows() {
+    let (json, _) = run(&[
+        "bench",
+        "collectives",
+        "--ranks",
+        "2",
+        "--ops",
+        "all_reduce",
+        "--dtype",
+        "f32",
+        "-b",
+        "4K",
+        "-e",
+        "4K",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+    ]);
+    let num = |key: &str| -> f64 {
+        let at = json.find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("no {key} in {json}")) + key.len() + 3;
+        let end = json[at..].find([',', '}']).map(|e| at + e).unwrap_or(json.len());
+        json[at..end].parse().unwrap_or_else(|e| panic!("{key}: {e}: {json}"))
+    };
+    let (mean, before, after) = (num("gbps"), num("before_gbps"), num("after_gbps"));
+    assert!(before > 0.0 && after > 0.0, "{json}");
+    assert!((mean - (before + after) / 2.0).abs() <= 0.002, "{json}");
+    // all_reduce on 2 ranks moves 2 x (5 S + S / 2) bytes; S = 4096.
+    let floor_us = 2.0 * (5.0 * 4096.0 + 2048.0) / (mean * 1e3);
+    assert!((num("floor_us") - floor_us).abs() <= 0.01 * floor_us, "{json}");
+}
+
 #[test]
 fn triad_json() {
     let (json, _) = run(&["bench", "triad", "--threads", "1", "--mib", "1", "--reps", "1", "--json"]);

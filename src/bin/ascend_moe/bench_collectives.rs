@@ -11,7 +11,9 @@
 //!
 //! Floor: a STREAM-like triad (`a[i] = b[i] + s * c[i]` on f32, arrays far
 //! larger than the caches, one thread per rank, best of several runs, counting
-//! 12 bytes per element) gives the machine's memory bandwidth B. The floor of a
+//! 12 bytes per element), taken before and again after each world's rows, gives
+//! the machine's memory bandwidth B as the mean of the two (a shared machine's
+//! bandwidth drifts while the rows run). The floor of a
 //! collective is (bytes it must move through memory) / B, summed over ranks,
 //! where the bytes are those of the staged shared-memory algorithm: user
 //! buffers are private, so every input byte is read once and written once into
@@ -309,6 +311,20 @@ fn floor_bytes(op: &str, s: f64, n: usize) -> f64 {
     }
 }
 
+/// The triad of one world size, measured before and after its rows.
+struct Triad {
+    world: usize,
+    before: f64,
+    after: f64,
+}
+
+impl Triad {
+    /// The bandwidth the floor uses, bytes/s: the mean of the two.
+    fn bandwidth(&self) -> f64 {
+        (self.before + self.after) / 2.0
+    }
+}
+
 struct Line {
     world: usize,
     dtype: String,
@@ -348,11 +364,10 @@ pub fn main(a: Args) -> i32 {
     let mut triads = Vec::new();
     for &world in &a.ranks {
         eprintln!("measuring the triad with {world} threads ...");
-        let bw = triad(world, 8 << 20, 5);
-        triads.push((world, bw));
+        let before = triad(world, 8 << 20, 5);
         eprintln!(
             "triad: {:.2} GB/s; running {} ranks as {} ...",
-            bw / 1e9,
+            before / 1e9,
             world,
             if a.procs { "processes" } else { "threads" }
         );
@@ -380,6 +395,10 @@ pub fn main(a: Args) -> i32 {
                 return 1;
             }
         };
+        eprintln!("measuring the triad with {world} threads again ...");
+        let t = Triad { world, before, after: triad(world, 8 << 20, 5) };
+        let bw = t.bandwidth();
+        triads.push(t);
         for m in meas {
             let t = (m.time_ns as f64 / 1e9).max(1e-12);
             let algbw = m.bytes as f64 / t / 1e9;
@@ -429,13 +448,19 @@ const FLOOR_RULE: &str = "floor = bytes moved by the staged shared-memory algori
 bytes per rank with size S on n ranks: all_reduce 5S+S/n, reduce_scatter 3S+S/n, all_gather 2S+2S/n, \
 all_to_all 4S, broadcast 2S";
 
-fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
+fn print_table(lines: &[Line], triads: &[Triad], cfg: &CpuCommConfig) {
     println!(
         "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 3 slots per rank)",
         cfg.effective_staging() / 1024
     );
-    for (w, bw) in triads {
-        println!("# triad bandwidth with {w} threads: {:.2} GB/s", bw / 1e9);
+    for t in triads {
+        println!(
+            "# triad bandwidth with {} threads: {:.2} GB/s (mean of {:.2} before the rows and {:.2} after)",
+            t.world,
+            t.bandwidth() / 1e9,
+            t.before / 1e9,
+            t.after / 1e9
+        );
     }
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -471,8 +496,19 @@ fn print_table(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
     }
 }
 
-fn print_json(lines: &[Line], triads: &[(usize, f64)], cfg: &CpuCommConfig) {
-    let tri: Vec<String> = triads.iter().map(|(w, bw)| format!("{{\"ranks\":{w},\"gbps\":{:.3}}}", bw / 1e9)).collect();
+fn print_json(lines: &[Line], triads: &[Triad], cfg: &CpuCommConfig) {
+    let tri: Vec<String> = triads
+        .iter()
+        .map(|t| {
+            format!(
+                "{{\"ranks\":{},\"gbps\":{:.3},\"before_gbps\":{:.3},\"after_gbps\":{:.3}}}",
+                t.world,
+                t.bandwidth() / 1e9,
+                t.before / 1e9,
+                t.after / 1e9
+            )
+        })
+        .collect();
     let rows: Vec<String> = lines
         .iter()
         .map(|l| {
