@@ -2,6 +2,7 @@
 //! runs the staging rounds, and the data phase of each collective on raw
 //! pointers (the public calls in `api` check the slices first).
 
+use crate::copy::Copier;
 use crate::descriptor::{disagreement, Desc, Kind};
 use crate::reduce;
 use crate::segment::{ERR_BYTES, SLOTS};
@@ -134,6 +135,7 @@ impl ShmComm {
         let chunk = seg.staging / esz;
         let rounds = n.div_ceil(chunk);
         let span = |k: usize| (k * chunk, chunk.min(n - k * chunk));
+        let cp = Copier::for_bytes(n.saturating_mul(esz));
         // Round k: stage chunk k; barrier; copy out chunk k - 1 (reduced in the
         // previous round); reduce piece `me` of chunk k in place. A last barrier
         // precedes the copy-out of the last chunk. Slot k % 3 is next written in
@@ -144,7 +146,7 @@ impl ShmComm {
                 let (base, len) = span(k);
                 // SAFETY: base + len <= n; the slot holds chunk >= len elements; only
                 // this rank writes its staging, and nobody reads this slot now.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(base * esz), seg.staging_ptr(me, slot), len * esz) };
+                unsafe { cp.copy(src.add(base * esz), seg.staging_ptr(me, slot), len * esz) };
             }
         };
         let mut prev: Option<(usize, usize)> = None;
@@ -156,11 +158,7 @@ impl ShmComm {
                     // SAFETY: piece j of rank j's slot holds reduced values (a
                     // barrier passed since); dst holds n >= base + hi elements.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(j, pslot).add(lo * esz),
-                            dst.add((base + lo) * esz),
-                            (hi - lo) * esz,
-                        )
+                        cp.copy(seg.staging_ptr(j, pslot).add(lo * esz), dst.add((base + lo) * esz), (hi - lo) * esz)
                     };
                 }
             }
@@ -198,10 +196,11 @@ impl ShmComm {
         let (region, esz) = (self.region_bytes(), dtype.size());
         let relems = region / esz;
         let displs = prefix(counts);
+        let cp = Copier::for_bytes(counts.iter().fold(0usize, |a, &c| a.saturating_add(c)).saturating_mul(esz));
         let mut stage = |k: usize, slot: *mut u8| {
             // SAFETY: src holds sum(counts) elements (the caller's contract when
             // staging runs); the slot holds one region per rank.
-            unsafe { stage_regions(src, counts, &displs, slot, k, relems, region, esz) }
+            unsafe { stage_regions(cp, src, counts, &displs, slot, k, relems, region, esz) }
         };
         // SAFETY: the caller's contract on dst; `stage` fills relems <= region / esz
         // elements of each region.
@@ -269,11 +268,12 @@ impl ShmComm {
         let chunk = seg.staging / esz;
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(chunk);
+        let cp = Copier::for_bytes(counts.iter().fold(0usize, |a, &c| a.saturating_add(c)).saturating_mul(esz));
         let mut stage = |k: usize, slot: usize| {
             let (lo, hi) = (k * chunk, ((k + 1) * chunk).min(counts[me]));
             if lo < hi {
                 // SAFETY: hi <= counts[me]; the slot holds chunk elements.
-                unsafe { std::ptr::copy_nonoverlapping(src.add(lo * esz), seg.staging_ptr(me, slot), (hi - lo) * esz) };
+                unsafe { cp.copy(src.add(lo * esz), seg.staging_ptr(me, slot), (hi - lo) * esz) };
             }
         };
         let mut consume = |k: usize, slot: usize| {
@@ -282,13 +282,7 @@ impl ShmComm {
                 if lo < hi {
                     // SAFETY: rank j staged elements lo..hi of its block (synced);
                     // displs[j] + hi <= sum(counts).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(j, slot),
-                            dst.add((displs[j] + lo) * esz),
-                            (hi - lo) * esz,
-                        )
-                    };
+                    unsafe { cp.copy(seg.staging_ptr(j, slot), dst.add((displs[j] + lo) * esz), (hi - lo) * esz) };
                 }
             }
         };
@@ -314,6 +308,8 @@ impl ShmComm {
         let region = self.region_bytes();
         let relems = region / esz;
         let (sd, rd) = (prefix(send), prefix(recv));
+        let total = |c: &[usize]| c.iter().fold(0usize, |a, &c| a.saturating_add(c));
+        let cp = Copier::for_bytes(total(send).max(total(recv)).saturating_mul(esz));
         // The number of rounds depends on every rank's sends (agreed descriptors).
         let rounds = |descs: &[Desc]| {
             (descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize).div_ceil(relems)
@@ -321,7 +317,7 @@ impl ShmComm {
         let mut stage = |k: usize, slot: usize| {
             // SAFETY: src holds sum(send) elements (the caller's contract when
             // staging runs); this rank's slot holds one region per rank.
-            unsafe { stage_regions(src, send, &sd, seg.staging_ptr(me, slot), k, relems, region, esz) }
+            unsafe { stage_regions(cp, src, send, &sd, seg.staging_ptr(me, slot), k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             for (i, &c) in recv.iter().enumerate() {
@@ -331,11 +327,7 @@ impl ShmComm {
                     // (synced; its send count equals our recv count, checked);
                     // rd[i] + hi <= sum(recv).
                     unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            seg.staging_ptr(i, slot).add(me * region),
-                            dst.add((rd[i] + lo) * esz),
-                            (hi - lo) * esz,
-                        )
+                        cp.copy(seg.staging_ptr(i, slot).add(me * region), dst.add((rd[i] + lo) * esz), (hi - lo) * esz)
                     };
                 }
             }
@@ -360,18 +352,19 @@ impl ShmComm {
         let chunk = seg.staging / esz;
         let rounds = n.div_ceil(chunk);
         let span = |k: usize| (k * chunk, chunk.min(n.saturating_sub(k * chunk)));
+        let cp = Copier::for_bytes(n.saturating_mul(esz));
         let mut stage = |k: usize, slot: usize| {
             let (base, len) = span(k);
             if me == root && len > 0 {
                 // SAFETY: base + len <= n; the slot holds chunk elements.
-                unsafe { std::ptr::copy_nonoverlapping(buf.add(base * esz), seg.staging_ptr(root, slot), len * esz) };
+                unsafe { cp.copy(buf.add(base * esz), seg.staging_ptr(root, slot), len * esz) };
             }
         };
         let mut consume = |k: usize, slot: usize| {
             let (base, len) = span(k);
             if me != root && len > 0 {
                 // SAFETY: the root staged this chunk (synced); base + len <= n.
-                unsafe { std::ptr::copy_nonoverlapping(seg.staging_ptr(root, slot), buf.add(base * esz), len * esz) };
+                unsafe { cp.copy(seg.staging_ptr(root, slot), buf.add(base * esz), len * esz) };
             }
         };
         self.drive(Kind::Broadcast, desc, invalid, &|_| rounds, &mut stage, &mut consume, false)
@@ -387,7 +380,7 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
 /// Stages round `k` of a personalised send: elements `[k * relems, (k + 1) *
 /// relems)` of block `j` of `src` (`counts[j]` elements of `esz` bytes from
 /// element `displs[j]`) go to region `j` (`region` bytes from `j * region`) of
-/// the staging slot `slot`.
+/// the staging slot `slot`, copied by `cp`.
 ///
 /// # Safety
 /// `src` readable for `displs[j] + counts[j]` elements for every `j`; `slot`
@@ -395,6 +388,7 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
 /// overlapping `src`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn stage_regions(
+    cp: Copier,
     src: *const u8,
     counts: &[usize],
     displs: &[usize],
@@ -409,9 +403,7 @@ unsafe fn stage_regions(
         if lo < hi {
             // SAFETY: displs[j] + hi <= displs[j] + counts[j]; region j of the
             // slot holds relems >= hi - lo elements (the function's contract).
-            unsafe {
-                std::ptr::copy_nonoverlapping(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz)
-            };
+            unsafe { cp.copy(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz) };
         }
     }
 }

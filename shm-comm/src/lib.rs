@@ -66,6 +66,11 @@
 //!   reduces region `r` of every staging straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
 //!
+//! A collective of 16 MiB or more per rank (several times a last-level cache)
+//! stages and copies out with non-temporal stores, which skip reading each
+//! destination line before writing it; smaller ones keep plain copies so that
+//! their staging stays cached for the peers' reads (`copy`).
+//!
 //! The descriptor also carries the caller's optional context tag
 //! ([`ShmComm::set_context_tag`]); ranks that disagree on it are reported by
 //! tag first (`ranks [0, 1] chose 0, ranks [2, 3] chose 1`), as the context is
@@ -96,6 +101,7 @@
 
 mod api;
 mod collectives;
+mod copy;
 mod counts;
 mod descriptor;
 mod dtype;

@@ -136,3 +136,53 @@ fn one_byte_types_move_exactly_and_are_refused_by_reductions() {
     });
     assert_eq!(out.len(), WORLD);
 }
+
+/// Collectives of 16 MiB and more per rank stream their copies past the
+/// cache; every element still lands where it belongs, at odd lengths (whose
+/// tails are not whole cache lines) and odd offsets into the outputs.
+#[test]
+fn large_collectives_that_stream_their_copies_move_every_element() {
+    // 4 Mi + 3 f32 per rank: just over the 16 MiB from which copies stream.
+    const N: usize = (4 << 20) + 3;
+    let f32s =
+        |v: &[u8]| -> Vec<f32> { v.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect() };
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let value = |rank: usize, i: usize| (rank * 1000 + i % 997) as f32;
+    let out = ranks("stream", |r, c| {
+        let mine: Vec<f32> = (0..N).map(|i| value(r, i)).collect();
+        let src = bytes(&mine);
+        let ok = Ok::<(), Error>(());
+        // all_reduce: the sum over ranks, elementwise.
+        let mut sum = vec![0u8; src.len()];
+        c.all_reduce(DataType::F32, ReduceOp::Sum, &src, &mut sum, ok.clone()).expect("all_reduce");
+        // all_gather into an output that starts one element into its buffer.
+        let mut gathered = vec![0u8; (WORLD * N + 1) * 4];
+        c.all_gather(DataType::F32, &src, &mut gathered[4..], ok.clone()).expect("all_gather");
+        // all_to_all: block j (N elements of this rank's data) goes to rank j.
+        let big: Vec<f32> = (0..WORLD * N).map(|i| value(r, i)).collect();
+        let mut swapped = vec![0u8; WORLD * N * 4];
+        c.all_to_all_v(DataType::F32, &bytes(&big), &[N; WORLD], &mut swapped, &[N; WORLD], ok.clone())
+            .expect("all_to_all");
+        // reduce_scatter: block r of the sum over ranks of `big`.
+        let mut scattered = vec![0u8; N * 4];
+        c.reduce_scatter(DataType::F32, ReduceOp::Sum, &bytes(&big), &mut scattered, ok.clone())
+            .expect("reduce_scatter");
+        // broadcast of rank 2's data.
+        let mut b = if r == 2 { src.clone() } else { vec![0u8; src.len()] };
+        c.broadcast(DataType::F32, &mut b, 2, ok).expect("broadcast");
+        (f32s(&sum), f32s(&gathered[4..]), f32s(&swapped), f32s(&scattered), f32s(&b))
+    });
+    for (r, (sum, gathered, swapped, scattered, b)) in out.iter().enumerate() {
+        for i in 0..N {
+            let want: f32 = (0..WORLD).map(|q| value(q, i)).sum();
+            assert_eq!(sum[i], want, "all_reduce rank {r} element {i}");
+            for q in 0..WORLD {
+                assert_eq!(gathered[q * N + i], value(q, i), "all_gather rank {r} block {q} element {i}");
+                assert_eq!(swapped[q * N + i], value(q, r * N + i), "all_to_all rank {r} block {q} element {i}");
+            }
+            let want: f32 = (0..WORLD).map(|q| value(q, r * N + i)).sum();
+            assert_eq!(scattered[i], want, "reduce_scatter rank {r} element {i}");
+            assert_eq!(b[i], value(2, i), "broadcast rank {r} element {i}");
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The byte copies of the data phases (into and out of staging).
+//!
+//! A collective whose data is several times the last-level cache gains
+//! nothing from caching what it writes: each staged chunk is read once by its
+//! peers after it left the cache, and each output row is written once. Plain
+//! stores still read every destination line before writing it (write
+//! allocate), which makes a copy move three bytes per byte. From
+//! [`STREAM_MIN`] bytes per rank the copies use non-temporal stores instead,
+//! two bytes per byte; smaller collectives, whose staging stays in the cache
+//! for the peers' reads, keep plain copies.
+
+/// Bytes per rank from which a collective's copies stream past the cache.
+pub(crate) const STREAM_MIN: usize = 16 << 20;
+
+/// How one collective copies: plain, or streaming for large data.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Copier {
+    stream: bool,
+}
+
+impl Copier {
+    /// The copier of a collective moving `bytes` per rank.
+    pub(crate) fn for_bytes(bytes: usize) -> Self {
+        Copier { stream: bytes >= STREAM_MIN }
+    }
+
+    /// Copies `len` bytes from `src` to `dst`. Every store is visible to
+    /// other processes before any store this thread makes after the call (a
+    /// streaming copy ends with a store fence), so the release that
+    /// publishes a staged chunk still orders it.
+    ///
+    /// # Safety
+    /// As `std::ptr::copy_nonoverlapping`: `src` readable and `dst` writable
+    /// for `len` bytes, not overlapping.
+    pub(crate) unsafe fn copy(self, src: *const u8, dst: *mut u8, len: usize) {
+        if self.stream {
+            // SAFETY: the caller's contract.
+            unsafe { stream_copy(src, dst, len) }
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+        }
+    }
+}
+
+/// A copy whose stores bypass the cache: plain bytes up to `dst`'s first
+/// 64-byte boundary, then whole lines with SSE2 non-temporal stores (SSE2 is
+/// part of x86-64), then the tail, then `sfence`, which orders the
+/// non-temporal stores before every later store.
+///
+/// # Safety
+/// As [`Copier::copy`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    let head = dst.align_offset(64).min(len);
+    let lines = (len - head) / 64;
+    // SAFETY: every access below lies in [0, len) of `src` / `dst` (head +
+    // 64 * lines + tail = len); the streamed destinations are 16-byte
+    // aligned, since dst + head is 64-byte aligned.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, head);
+        let (s, d) = (src.add(head), dst.add(head));
+        for l in 0..lines {
+            let (s, d) = (s.add(64 * l) as *const __m128i, d.add(64 * l) as *mut __m128i);
+            let (a, b, c, e) =
+                (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+        }
+        let done = head + 64 * lines;
+        std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), len - done);
+        _mm_sfence();
+    }
+}
+
+/// Elsewhere a plain copy.
+///
+/// # Safety
+/// As [`Copier::copy`].
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: the caller's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(stream: bool, src_off: usize, dst_off: usize, len: usize) {
+        let src: Vec<u8> = (0..len + 200).map(|i| (i * 31 + 7) as u8).collect();
+        let mut dst = vec![0xEEu8; len + 200];
+        let c = Copier { stream };
+        // SAFETY: both ranges lie inside their vectors, which do not overlap.
+        unsafe { c.copy(src.as_ptr().add(src_off), dst.as_mut_ptr().add(dst_off), len) };
+        assert_eq!(&dst[dst_off..dst_off + len], &src[src_off..src_off + len], "{stream} {src_off} {dst_off} {len}");
+        assert!(dst[..dst_off].iter().all(|&b| b == 0xEE), "wrote before dst: {src_off} {dst_off} {len}");
+        assert!(dst[dst_off + len..].iter().all(|&b| b == 0xEE), "wrote past dst: {src_off} {dst_off} {len}");
+    }
+
+    #[test]
+    fn streaming_copies_every_byte_and_nothing_else_at_any_alignment() {
+        for len in (0..300).chain([4095, 4096, 65_537]) {
+            for (s, d) in [(0, 0), (1, 0), (0, 3), (5, 17), (63, 1), (16, 48)] {
+                check(true, s, d, len);
+                check(false, s, d, len);
+            }
+        }
+    }
+
+    #[test]
+    fn only_collectives_larger_than_the_cache_stream() {
+        assert!(!Copier::for_bytes(STREAM_MIN - 1).stream);
+        assert!(Copier::for_bytes(STREAM_MIN).stream);
+        assert!(!Copier::for_bytes(0).stream);
+    }
+}
