@@ -66,10 +66,10 @@
 //!   reduces region `r` of every staging straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
 //!
-//! A collective of 16 MiB or more per rank (several times a last-level cache)
-//! stages and copies out with non-temporal stores, which skip reading each
-//! destination line before writing it; smaller ones keep plain copies so that
-//! their staging stays cached for the peers' reads (`copy`).
+//! A collective of 4 MiB or more per rank stages and copies out with
+//! non-temporal stores, which skip reading each destination line before
+//! writing it; smaller ones keep plain copies so that their staging stays
+//! cached for the peers' reads (`copy`, where the threshold's measurement is).
 //!
 //! The descriptor also carries the caller's optional context tag
 //! ([`ShmComm::set_context_tag`]); ranks that disagree on it are reported by

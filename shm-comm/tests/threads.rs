@@ -137,13 +137,13 @@ fn one_byte_types_move_exactly_and_are_refused_by_reductions() {
     assert_eq!(out.len(), WORLD);
 }
 
-/// Collectives of 16 MiB and more per rank stream their copies past the
+/// Collectives of 4 MiB and more per rank stream their copies past the
 /// cache; every element still lands where it belongs, at odd lengths (whose
 /// tails are not whole cache lines) and odd offsets into the outputs.
 #[test]
 fn large_collectives_that_stream_their_copies_move_every_element() {
-    // 4 Mi + 3 f32 per rank: just over the 16 MiB from which copies stream.
-    const N: usize = (4 << 20) + 3;
+    // 1 Mi + 3 f32 per rank: just over the 4 MiB from which copies stream.
+    const N: usize = (1 << 20) + 3;
     let f32s =
         |v: &[u8]| -> Vec<f32> { v.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect() };
     let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
