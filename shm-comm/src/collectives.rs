@@ -196,7 +196,7 @@ impl ShmComm {
         let (region, esz) = (self.region_bytes(), dtype.size());
         let relems = region / esz;
         let displs = prefix(counts);
-        let cp = Copier::for_bytes(counts.iter().fold(0usize, |a, &c| a.saturating_add(c)).saturating_mul(esz));
+        let cp = Copier::for_counts(counts, esz);
         let mut stage = |k: usize, slot: *mut u8| {
             // SAFETY: src holds sum(counts) elements (the caller's contract when
             // staging runs); the slot holds one region per rank.
@@ -268,7 +268,7 @@ impl ShmComm {
         let chunk = seg.staging / esz;
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(chunk);
-        let cp = Copier::for_bytes(counts.iter().fold(0usize, |a, &c| a.saturating_add(c)).saturating_mul(esz));
+        let cp = Copier::for_counts(counts, esz);
         let mut stage = |k: usize, slot: usize| {
             let (lo, hi) = (k * chunk, ((k + 1) * chunk).min(counts[me]));
             if lo < hi {
@@ -308,8 +308,7 @@ impl ShmComm {
         let region = self.region_bytes();
         let relems = region / esz;
         let (sd, rd) = (prefix(send), prefix(recv));
-        let total = |c: &[usize]| c.iter().fold(0usize, |a, &c| a.saturating_add(c));
-        let cp = Copier::for_bytes(total(send).max(total(recv)).saturating_mul(esz));
+        let cp = Copier::for_counts(send, esz).or(Copier::for_counts(recv, esz));
         // The number of rounds depends on every rank's sends (agreed descriptors).
         let rounds = |descs: &[Desc]| {
             (descs.iter().flat_map(|d| d.counts_a.iter()).copied().max().unwrap_or(0) as usize).div_ceil(relems)

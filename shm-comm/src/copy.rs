@@ -29,6 +29,17 @@ impl Copier {
         Copier { stream: bytes >= STREAM_MIN }
     }
 
+    /// The copier of a collective whose per-rank data is `counts` elements of
+    /// `esz` bytes in all.
+    pub(crate) fn for_counts(counts: &[usize], esz: usize) -> Self {
+        Self::for_bytes(counts.iter().fold(0usize, |a, &c| a.saturating_add(c)).saturating_mul(esz))
+    }
+
+    /// Streams if either copier does (a collective whose input and output differ in size).
+    pub(crate) fn or(self, other: Copier) -> Self {
+        Copier { stream: self.stream || other.stream }
+    }
+
     /// Copies `len` bytes from `src` to `dst`. Every store is visible to
     /// other processes before any store this thread makes after the call (a
     /// streaming copy ends with a store fence), so the release that
