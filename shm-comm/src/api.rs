@@ -324,7 +324,18 @@ impl ShmComm {
         // SAFETY: staging runs only when the checks passed: then dst holds
         // counts[me] aligned elements, and relems * esz <= region (rows_per_region).
         finish(local, |inv| unsafe {
-            self.reduce_scatter_core(Kind::ReduceScatterRows, desc, inv, dtype, op, d, &counts, relems, &mut stage)
+            self.reduce_scatter_core(
+                Kind::ReduceScatterRows,
+                desc,
+                inv,
+                dtype,
+                op,
+                d,
+                &counts,
+                relems,
+                None,
+                &mut stage,
+            )
         })
     }
 

@@ -141,12 +141,24 @@ impl ShmComm {
         // precedes the copy-out of the last chunk. Slot k % 3 is next written in
         // round k + 3, after the barrier of round k + 2, which every rank reaches
         // only after copying out chunk k.
+        // Piece `me` of each chunk is not staged: this rank alone reduces it,
+        // reading it from `src`, and writes the result into its slot.
         let mut stage = |k: usize, slot: usize| {
             if k < rounds {
                 let (base, len) = span(k);
-                // SAFETY: base + len <= n; the slot holds chunk >= len elements; only
-                // this rank writes its staging, and nobody reads this slot now.
-                unsafe { cp.copy(src.add(base * esz), seg.staging_ptr(me, slot), len * esz) };
+                let (lo, hi) = piece(me, len, world);
+                for (from, to) in [(0, lo), (hi, len)] {
+                    // SAFETY: base + to <= base + len <= n; the slot holds chunk >=
+                    // len elements; only this rank writes its staging, and nobody
+                    // reads this slot now.
+                    unsafe {
+                        cp.copy(
+                            src.add((base + from) * esz),
+                            seg.staging_ptr(me, slot).add(from * esz),
+                            (to - from) * esz,
+                        )
+                    };
+                }
             }
         };
         let mut prev: Option<(usize, usize)> = None;
@@ -163,14 +175,24 @@ impl ShmComm {
                 }
             }
             if k < rounds {
-                let (_, len) = span(k);
+                let (base, len) = span(k);
                 let (lo, hi) = piece(me, len, world);
-                let inputs: Vec<*const u8> =
-                    // SAFETY: lo <= len <= chunk: inside each staging slot.
-                    (0..world).map(|j| unsafe { seg.staging_ptr(j, slot).add(lo * esz) } as *const u8).collect();
-                // SAFETY: every rank staged this chunk (synced); piece `me` of every
-                // slot is read only by this rank in this round, and the output is
-                // this rank's own piece (equal to input `me`, no partial overlap).
+                let inputs: Vec<*const u8> = (0..world)
+                    .map(|j| {
+                        if j == me {
+                            // SAFETY: base + lo <= n.
+                            unsafe { src.add((base + lo) * esz) }
+                        } else {
+                            // SAFETY: lo <= len <= chunk: inside each staging slot.
+                            unsafe { seg.staging_ptr(j, slot).add(lo * esz) as *const u8 }
+                        }
+                    })
+                    .collect();
+                // SAFETY: every other rank staged this chunk (synced); piece `me` of
+                // every slot is read only by this rank in this round. The output,
+                // this rank's own piece of its slot, was not staged and overlaps no
+                // input. With src == dst (in place), dst's chunk k is written only
+                // by the copy-out in the next round, after this read.
                 unsafe { reduce::reduce(dtype, op, &inputs, seg.staging_ptr(me, slot).add(lo * esz), hi - lo) };
                 prev = Some((k, slot));
             }
@@ -193,28 +215,38 @@ impl ShmComm {
         dst: *mut u8,
         counts: &[usize],
     ) -> Result<()> {
-        let (region, esz) = (self.region_bytes(), dtype.size());
+        let (region, esz, me) = (self.region_bytes(), dtype.size(), self.inner.rank);
         let relems = region / esz;
         let displs = prefix(counts);
         let cp = Copier::for_counts(counts, esz);
         let mut stage = |k: usize, slot: *mut u8| {
             // SAFETY: src holds sum(counts) elements (the caller's contract when
             // staging runs); the slot holds one region per rank.
-            unsafe { stage_regions(cp, src, counts, &displs, slot, k, relems, region, esz) }
+            unsafe { stage_regions(cp, src, counts, &displs, slot, me, k, relems, region, esz) }
         };
-        // SAFETY: the caller's contract on dst; `stage` fills relems <= region / esz
-        // elements of each region.
-        unsafe { self.reduce_scatter_core(kind, desc, invalid, dtype, op, dst, counts, relems, &mut stage) }
+        // This rank's own block is reduced straight from `src`: no rank but this
+        // one reads it, so staging it would only copy it. wrapping_add: with
+        // `invalid`, counts need not describe src, and the pointer is never read.
+        let own = src.wrapping_add(displs.get(me).copied().unwrap_or(0).wrapping_mul(esz));
+        // SAFETY: the caller's contract on src (displs[me] + counts[me] elements)
+        // and dst; `stage` fills relems <= region / esz elements of every other
+        // region.
+        unsafe { self.reduce_scatter_core(kind, desc, invalid, dtype, op, dst, counts, relems, Some(own), &mut stage) }
     }
 
     /// The reduce phase shared by every reduce-scatter: round `k` takes elements
     /// `[k * relems, (k + 1) * relems)` of every block, which `stage(k, slot)`
-    /// has put in region `j` of this rank's staging slot for block `j`.
+    /// has put in region `j` of this rank's staging slot for block `j`. With
+    /// `own`, this rank's contribution to its own block is read from there
+    /// (`counts[rank]` elements) instead of from region `rank`, which `stage`
+    /// then need not fill; the reduction order is the same.
     ///
     /// # Safety
     /// If `invalid` is None: `dst` writable for `counts[rank]` elements of `dtype`,
-    /// aligned, not overlapping the staging; `relems * dtype.size() <=
-    /// region_bytes()`; `stage` writes only inside the slot it is given.
+    /// aligned, not overlapping the staging; `own`, if given, readable for
+    /// `counts[rank]` aligned elements and not partially overlapping `dst`;
+    /// `relems * dtype.size() <= region_bytes()`; `stage` writes only inside
+    /// the slot it is given.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn reduce_scatter_core(
         &self,
@@ -226,6 +258,7 @@ impl ShmComm {
         dst: *mut u8,
         counts: &[usize],
         relems: usize,
+        own: Option<*const u8>,
         stage: &mut dyn FnMut(usize, *mut u8),
     ) -> Result<()> {
         let seg = &self.inner.seg;
@@ -238,10 +271,15 @@ impl ShmComm {
         let mut consume = |k: usize, slot: usize| {
             let (lo, hi) = (k * relems, ((k + 1) * relems).min(counts[me]));
             if lo < hi {
-                let inputs: Vec<*const u8> =
-                    // SAFETY: region `me` lies inside each staging slot.
-                    (0..world).map(|j| unsafe { seg.staging_ptr(j, slot).add(me * region) } as *const u8).collect();
-                // SAFETY: region `me` of every slot holds this round's piece
+                let inputs: Vec<*const u8> = (0..world)
+                    .map(|j| match own {
+                        // SAFETY: lo < counts[me], which `own` holds.
+                        Some(p) if j == me => unsafe { p.add(lo * esz) },
+                        // SAFETY: region `me` lies inside each staging slot.
+                        _ => unsafe { seg.staging_ptr(j, slot).add(me * region) as *const u8 },
+                    })
+                    .collect();
+                // SAFETY: region `me` of every other slot holds this round's piece
                 // (synced) and is read only by this rank; dst holds counts[me].
                 unsafe { reduce::reduce(dtype, op, &inputs, dst.add(lo * esz), hi - lo) };
             }
@@ -316,18 +354,26 @@ impl ShmComm {
         let mut stage = |k: usize, slot: usize| {
             // SAFETY: src holds sum(send) elements (the caller's contract when
             // staging runs); this rank's slot holds one region per rank.
-            unsafe { stage_regions(cp, src, send, &sd, seg.staging_ptr(me, slot), k, relems, region, esz) }
+            unsafe { stage_regions(cp, src, send, &sd, seg.staging_ptr(me, slot), me, k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             for (i, &c) in recv.iter().enumerate() {
                 let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
                 if lo < hi {
-                    // SAFETY: rank i staged its block for this rank in region `me`
-                    // (synced; its send count equals our recv count, checked);
-                    // rd[i] + hi <= sum(recv).
-                    unsafe {
-                        cp.copy(seg.staging_ptr(i, slot).add(me * region), dst.add((rd[i] + lo) * esz), (hi - lo) * esz)
+                    // This rank's own block is not staged: it is copied from src.
+                    let from = if i == me {
+                        // SAFETY: sd[me] + hi <= sum(send), since send[me] == recv[me]
+                        // (checked with the descriptors).
+                        unsafe { src.add((sd[me] + lo) * esz) }
+                    } else {
+                        // SAFETY: region `me` lies inside rank i's staging slot.
+                        unsafe { seg.staging_ptr(i, slot).add(me * region) as *const u8 }
                     };
+                    // SAFETY: rank i staged its block for this rank in region `me`
+                    // (synced; its send count equals our recv count, checked), or
+                    // `from` is in src, which does not overlap dst; rd[i] + hi <=
+                    // sum(recv).
+                    unsafe { cp.copy(from, dst.add((rd[i] + lo) * esz), (hi - lo) * esz) };
                 }
             }
         };
@@ -379,7 +425,8 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
 /// Stages round `k` of a personalised send: elements `[k * relems, (k + 1) *
 /// relems)` of block `j` of `src` (`counts[j]` elements of `esz` bytes from
 /// element `displs[j]`) go to region `j` (`region` bytes from `j * region`) of
-/// the staging slot `slot`, copied by `cp`.
+/// the staging slot `slot`, copied by `cp`. Block `own` is not staged: it is
+/// this rank's own, which the rank reads from `src` itself.
 ///
 /// # Safety
 /// `src` readable for `displs[j] + counts[j]` elements for every `j`; `slot`
@@ -392,6 +439,7 @@ unsafe fn stage_regions(
     counts: &[usize],
     displs: &[usize],
     slot: *mut u8,
+    own: usize,
     k: usize,
     relems: usize,
     region: usize,
@@ -399,7 +447,7 @@ unsafe fn stage_regions(
 ) {
     for (j, &c) in counts.iter().enumerate() {
         let (lo, hi) = (k * relems, ((k + 1) * relems).min(c));
-        if lo < hi {
+        if lo < hi && j != own {
             // SAFETY: displs[j] + hi <= displs[j] + counts[j]; region j of the
             // slot holds relems >= hi - lo elements (the function's contract).
             unsafe { cp.copy(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz) };
