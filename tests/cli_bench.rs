@@ -101,8 +101,8 @@ fn collectives_floor_uses_the_triads_around_the_rows() {
     let (mean, before, after) = (num("gbps"), num("before_gbps"), num("after_gbps"));
     assert!(before > 0.0 && after > 0.0, "{json}");
     assert!((mean - (before + after) / 2.0).abs() <= 0.002, "{json}");
-    // all_reduce on 2 ranks moves 2 x (5 S + S / 2) bytes; S = 4096.
-    let floor_us = 2.0 * (5.0 * 4096.0 + 2048.0) / (mean * 1e3);
+    // all_reduce on 2 ranks moves 2 x (5 S - S / 2) bytes; S = 4096.
+    let floor_us = 2.0 * (5.0 * 4096.0 - 2048.0) / (mean * 1e3);
     assert!((num("floor_us") - floor_us).abs() <= 0.01 * floor_us, "{json}");
 }
 

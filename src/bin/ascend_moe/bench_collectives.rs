@@ -16,17 +16,19 @@
 //! bandwidth drifts while the rows run). The floor of a
 //! collective is (bytes it must move through memory) / B, summed over ranks,
 //! where the bytes are those of the staged shared-memory algorithm: user
-//! buffers are private, so every input byte is read once and written once into
-//! shared staging, every reduction reads each contribution once and writes its
-//! result once, and every output byte is read once from staging and written
-//! once. With size S and n ranks that is, per rank:
+//! buffers are private, so every input byte that a peer needs is read once and
+//! written once into shared staging, every reduction reads each contribution
+//! once and writes its result once, and every output byte is read once (from
+//! staging, or from the rank's own input for its own block) and written once.
+//! A rank's own block of a reduction or an all_to_all is never staged. With
+//! size S and n ranks that is, per rank:
 //!
 //! | collective | bytes per rank |
 //! |---|---|
-//! | all_reduce | 5 S + S / n |
-//! | reduce_scatter | 3 S + S / n |
+//! | all_reduce | 5 S - S / n (stage 2 S (n-1)/n, reduce S + S / n, copy out 2 S) |
+//! | reduce_scatter | 3 S - S / n (stage 2 S (n-1)/n, reduce S + S / n) |
 //! | all_gather | 2 S + 2 S / n |
-//! | all_to_all | 4 S |
+//! | all_to_all | 4 S - 2 S / n (stage and copy out 2 S (n-1)/n each, own block 2 S / n) |
 //! | broadcast | 2 S (the root stages, the others copy out) |
 //!
 //! `vs floor` = floor time / measured time (1.0 = as fast as the triad moves
@@ -303,10 +305,10 @@ fn bus_factor(op: &str, n: usize) -> f64 {
 fn floor_bytes(op: &str, s: f64, n: usize) -> f64 {
     let nf = n as f64;
     match op {
-        "all_reduce" => nf * (5.0 * s + s / nf),
-        "reduce_scatter" => nf * (3.0 * s + s / nf),
+        "all_reduce" => nf * (5.0 * s - s / nf),
+        "reduce_scatter" => nf * (3.0 * s - s / nf),
         "all_gather" => nf * (2.0 * s + 2.0 * s / nf),
-        "all_to_all" => nf * 4.0 * s,
+        "all_to_all" => nf * (4.0 * s - 2.0 * s / nf),
         _ => 2.0 * nf * s,
     }
 }
@@ -445,8 +447,8 @@ pub fn main(a: Args) -> i32 {
 }
 
 const FLOOR_RULE: &str = "floor = bytes moved by the staged shared-memory algorithm / triad bandwidth; \
-bytes per rank with size S on n ranks: all_reduce 5S+S/n, reduce_scatter 3S+S/n, all_gather 2S+2S/n, \
-all_to_all 4S, broadcast 2S";
+bytes per rank with size S on n ranks: all_reduce 5S-S/n, reduce_scatter 3S-S/n, all_gather 2S+2S/n, \
+all_to_all 4S-2S/n, broadcast 2S";
 
 fn print_table(lines: &[Line], triads: &[Triad], cfg: &CpuCommConfig) {
     println!(
