@@ -57,14 +57,19 @@
 //!
 //! - all_reduce: round `k` stages chunk `k` of the input; barrier; every rank
 //!   copies out the reduced chunk `k - 1`; rank `r` reduces piece `r` of chunk
-//!   `k`, reading every rank's staging, in rank order 0..n-1 with f32
-//!   accumulation, and writes the result back into its own staging. A last
-//!   barrier precedes the copy-out of the last chunk. Each element is computed
-//!   once, by one rank, so all ranks get identical bits, run after run.
+//!   `k`, reading every other rank's staging and its own input, in rank order
+//!   0..n-1 with f32 accumulation, and writes the result into its own staging.
+//!   A last barrier precedes the copy-out of the last chunk. Each element is
+//!   computed once, by one rank, so all ranks get identical bits, run after run.
 //! - reduce_scatter(_v): a slot is split into one region per destination rank;
-//!   each rank stages its pieces for every destination; barrier; rank `r`
-//!   reduces region `r` of every staging straight into its output.
+//!   each rank stages its pieces for every other destination; barrier; rank `r`
+//!   reduces region `r` of every other staging and its own piece of its input
+//!   straight into its output.
 //! - all_gather(_v), broadcast, all_to_all_v: stage, barrier, copy out.
+//!
+//! Only data a peer reads is staged: a rank's own piece of an all_reduce chunk,
+//! its own block of a reduce_scatter and its own block of an all_to_all_v are
+//! read from its input directly.
 //!
 //! A collective of 4 MiB or more per rank stages and copies out with
 //! non-temporal stores, which skip reading each destination line before
