@@ -15,7 +15,8 @@ all_reduce, reduce_scatter and all_gather of `--bytes` per rank (bf16; the
 reduce_scatter output and all_gather's per-rank input are bytes / ranks, as
 the CLI sizes them) with a barrier before each call,
 once into a reused `out=` array (as the CLI reuses its destination) and once
-allocating the result;
+allocating the result, each form after one untimed call of its own (as the
+CLI warms up);
 a call's time is the slowest rank's, and the median call is reported (as
 the CLI does). Rounds alternate with
 `ascend-moe bench collectives --procs` at the same size.
@@ -127,6 +128,14 @@ def _rank(name, world, rank, nbytes, iters, q):
         fn = getattr(ascend_moe, op)
         out = fn(arg, comm)  # warm-up; its result is the reused `out=` array
         for how in ("out", "alloc"):
+            if how == "alloc":
+                # The allocating form's own warm-up, dropped at once: its block is
+                # what the timed calls reuse, as every later call of an engine's
+                # loop does. Without it the first timed call maps and faults a
+                # new block (0.1-0.35 s for 8-32 MiB on a freshly booted VM,
+                # whose host backs each guest page on first touch), which
+                # decided the median of a 5-call row.
+                fn(arg, comm)
             for _ in range(iters):
                 comm.barrier()
                 t0 = time.perf_counter()
