@@ -136,13 +136,13 @@ impl ShmComm {
         let rounds = n.div_ceil(chunk);
         let span = |k: usize| (k * chunk, chunk.min(n - k * chunk));
         let cp = Copier::for_bytes(n.saturating_mul(esz));
-        // Round k: stage chunk k; barrier; copy out chunk k - 1 (reduced in the
-        // previous round); reduce piece `me` of chunk k in place. A last barrier
-        // precedes the copy-out of the last chunk. Slot k % 3 is next written in
-        // round k + 3, after the barrier of round k + 2, which every rank reaches
-        // only after copying out chunk k.
-        // Piece `me` of each chunk is not staged: this rank alone reduces it,
-        // reading it from `src`, and writes the result into its slot.
+        // Round k: stage chunk k but for piece `me`; barrier; copy out chunk k - 1
+        // (reduced in the previous round); reduce piece `me` of chunk k, this
+        // rank's part read from `src` (no peer reads it, so it is not staged),
+        // into piece `me` of this rank's slot. A last barrier precedes the
+        // copy-out of the last chunk. Slot k % 3 is next written in round k + 3,
+        // after the barrier of round k + 2, which every rank reaches only after
+        // copying out chunk k.
         let mut stage = |k: usize, slot: usize| {
             if k < rounds {
                 let (base, len) = span(k);
