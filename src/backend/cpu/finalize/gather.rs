@@ -57,15 +57,38 @@ impl<T: Lanes> Gather<'_, T> {
         g
     }
 
+    /// The first [`GROUP`] in-range source rows of token `i` (empty slices
+    /// after them): where the rows of the token after this one start, for
+    /// prefetching.
+    #[inline(always)]
+    fn source_rows(&self, i: usize) -> [&[T]; GROUP] {
+        let h = self.h;
+        let mut rows: [&[T]; GROUP] = [&[]; GROUP];
+        let mut g = 0;
+        for kk in 0..self.k {
+            if g == GROUP {
+                break;
+            }
+            let r = self.idx[if self.row_layout { i * self.k + kk } else { kk * self.n + i }];
+            if r >= 0 && (r as usize) < self.rows {
+                let r = r as usize;
+                rows[g] = &self.x[r * h..(r + 1) * h];
+                g += 1;
+            }
+        }
+        rows
+    }
+
     /// Token `i` straight into `out` in one pass, when it qualifies: element
     /// types widened per lane, no bias, at most one skip input, and all its
     /// slots in one group. Returns false (nothing written) otherwise.
     ///
-    /// `f16c`: the caller runs with AVX2 and F16C enabled (types with an F16C
-    /// kernel then qualify too).
+    /// `next`: the source rows of the token after this one, for prefetching.
+    /// `f16c`: the caller runs with AVX2 and F16C enabled (types with an AVX2
+    /// kernel then take it).
     #[inline(always)]
-    fn fused_token(&self, i: usize, out: &mut [T], f16c: bool) -> bool {
-        let f16c = f16c && T::HAS_F16C;
+    fn fused_token(&self, i: usize, next: &[&[T]], out: &mut [T], f16c: bool) -> bool {
+        let f16c = f16c && T::HAS_SIMD;
         if !(T::LANEWISE || f16c) || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
             return false;
         }
@@ -81,7 +104,7 @@ impl<T: Lanes> Gather<'_, T> {
         #[cfg(target_arch = "x86_64")]
         if f16c {
             // SAFETY: `f16c` is only true when the caller runs with AVX2 and F16C.
-            unsafe { T::fused_f16c(skip, &ss, &rows, g, out) };
+            unsafe { T::fused_simd(skip, &ss, &rows, g, next, out) };
             return true;
         }
         fused_dispatch(skip, &ss, &rows, g, out);
@@ -179,10 +202,13 @@ impl<T: Lanes> Gather<'_, T> {
         let h = self.h;
         let mut acc = vec![0f32; h];
         let mut tmp = vec![0f32; h];
+        let rows = chunk.len() / h;
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
-                    if !self.fused_token(i, o, f16c) {
+                    let next = if j + 1 < rows { token_of(first_row + j + 1) } else { None };
+                    let next = next.map_or([&[][..]; GROUP], |t| self.source_rows(t));
+                    if !self.fused_token(i, &next, o, f16c) {
                         self.token(i, &mut acc, &mut tmp);
                         T::narrow(&acc, o);
                     }
@@ -225,7 +251,7 @@ impl<T: Lanes> Gather<'_, T> {
         let work = |first_row: usize, chunk: &mut [T]| {
             #[cfg(target_arch = "x86_64")]
             if wide && std::arch::is_x86_feature_detected!("avx2") {
-                if T::HAS_F16C && std::arch::is_x86_feature_detected!("f16c") {
+                if T::HAS_SIMD && std::arch::is_x86_feature_detected!("f16c") {
                     // SAFETY: the CPU supports AVX2 and F16C (checked just above).
                     unsafe { self.rows_avx2_f16c(first_row, chunk, token_of) };
                     return;

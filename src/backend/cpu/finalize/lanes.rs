@@ -32,17 +32,56 @@ pub(super) trait Lanes: Element {
             *o += s * *v;
         }
     }
-    /// True when [`Lanes::fused_f16c`] is a hand-vectorised F16C kernel.
-    const HAS_F16C: bool = false;
-    /// [`fused_token`] for the first `g` rows, using AVX2 + F16C where the type
-    /// has such a kernel (the portable loop otherwise).
+    /// True when [`Lanes::fused_simd`] is a hand-vectorised AVX2 kernel.
+    const HAS_SIMD: bool = false;
+    /// [`fused_token`] for the first `g` rows, using the type's AVX2 kernel
+    /// where it has one (the portable loop otherwise). `next` holds the rows
+    /// of the token after this one, for prefetching (empty: none).
     ///
     /// # Safety
-    /// When [`Lanes::HAS_F16C`], the CPU must support AVX2 and F16C.
+    /// When [`Lanes::HAS_SIMD`], the CPU must support AVX2 and F16C.
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn fused_f16c(skip: Option<&[Self]>, s: &[f32; GROUP], rows: &[&[Self]; GROUP], g: usize, out: &mut [Self]) {
+    unsafe fn fused_simd(
+        skip: Option<&[Self]>,
+        s: &[f32; GROUP],
+        rows: &[&[Self]; GROUP],
+        g: usize,
+        next: &[&[Self]],
+        out: &mut [Self],
+    ) {
+        let _ = next;
         fused_dispatch(skip, s, rows, g, out)
+    }
+}
+
+/// [`Lanes::fused_simd`] of a type with an AVX2 kernel: `simd::fused` at `g`.
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn simd_dispatch<T: simd::Eight>(
+    skip: Option<&[T]>,
+    s: &[f32; GROUP],
+    rows: &[&[T]; GROUP],
+    g: usize,
+    next: &[&[T]],
+    out: &mut [T],
+) {
+    // SAFETY (all arms): the caller guarantees AVX2 and F16C.
+    unsafe {
+        match g {
+            0 => simd::fused::<T, 0>(skip, s, rows, next, out),
+            1 => simd::fused::<T, 1>(skip, s, rows, next, out),
+            2 => simd::fused::<T, 2>(skip, s, rows, next, out),
+            3 => simd::fused::<T, 3>(skip, s, rows, next, out),
+            4 => simd::fused::<T, 4>(skip, s, rows, next, out),
+            5 => simd::fused::<T, 5>(skip, s, rows, next, out),
+            6 => simd::fused::<T, 6>(skip, s, rows, next, out),
+            7 => simd::fused::<T, 7>(skip, s, rows, next, out),
+            _ => simd::fused::<T, 8>(skip, s, rows, next, out),
+        }
     }
 }
 
@@ -70,6 +109,20 @@ impl Lanes for f32 {
 
 impl Lanes for bf16 {
     const LANEWISE: bool = true;
+    const HAS_SIMD: bool = true;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn fused_simd(
+        skip: Option<&[Self]>,
+        s: &[f32; GROUP],
+        rows: &[&[Self]; GROUP],
+        g: usize,
+        next: &[&[Self]],
+        out: &mut [Self],
+    ) {
+        // SAFETY: the caller guarantees AVX2 and F16C.
+        unsafe { simd_dispatch(skip, s, rows, g, next, out) }
+    }
     #[inline(always)]
     fn narrow_one(v: f32) -> Self {
         // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
@@ -103,24 +156,19 @@ impl Lanes for bf16 {
 }
 
 impl Lanes for f16 {
-    const HAS_F16C: bool = true;
+    const HAS_SIMD: bool = true;
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn fused_f16c(skip: Option<&[f16]>, s: &[f32; GROUP], rows: &[&[f16]; GROUP], g: usize, out: &mut [f16]) {
-        // SAFETY (all arms): the caller guarantees AVX2 and F16C.
-        unsafe {
-            match g {
-                0 => f16c::fused::<0>(skip, s, rows, out),
-                1 => f16c::fused::<1>(skip, s, rows, out),
-                2 => f16c::fused::<2>(skip, s, rows, out),
-                3 => f16c::fused::<3>(skip, s, rows, out),
-                4 => f16c::fused::<4>(skip, s, rows, out),
-                5 => f16c::fused::<5>(skip, s, rows, out),
-                6 => f16c::fused::<6>(skip, s, rows, out),
-                7 => f16c::fused::<7>(skip, s, rows, out),
-                _ => f16c::fused::<8>(skip, s, rows, out),
-            }
-        }
+    unsafe fn fused_simd(
+        skip: Option<&[Self]>,
+        s: &[f32; GROUP],
+        rows: &[&[Self]; GROUP],
+        g: usize,
+        next: &[&[Self]],
+        out: &mut [Self],
+    ) {
+        // SAFETY: the caller guarantees AVX2 and F16C.
+        unsafe { simd_dispatch(skip, s, rows, g, next, out) }
     }
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
@@ -207,28 +255,121 @@ pub(super) fn fused_dispatch<T: Lanes>(
     }
 }
 
-/// f16 fused token, eight lanes at a time with F16C conversions. Every element
-/// sees the same f32 operations in the same order as [`fused_token`] (separate
-/// multiply and add, no FMA), and F16C rounds to nearest even exactly like
-/// `f16::from_f32` (subnormals, overflow to infinity, quiet NaN), so the bits
-/// match the portable path.
+/// Fused tokens sixteen lanes (two registers of eight) at a time on AVX2, for
+/// f16 (F16C conversions) and bf16 (shifts). Every element sees the same f32
+/// operations in the same order as [`fused_token`] (separate multiply and add,
+/// no FMA), and both narrowings round exactly like [`Lanes::narrow_one`] (to
+/// nearest even, subnormals, overflow, quiet NaN), so the bits match the
+/// portable path.
+///
+/// Each source row is also prefetched [`simd::PREFETCH_AHEAD`] bytes ahead.
 #[cfg(target_arch = "x86_64")]
-mod f16c {
+mod simd {
     use std::arch::x86_64::{
-        __m128i, __m256, _mm256_add_ps, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_mul_ps, _mm256_set1_ps,
-        _mm256_setzero_ps, _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+        __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+        _mm256_cvtps_ph, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64,
+        _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_srli_epi32,
+        _mm256_storeu_si256, _mm_loadu_si128, _mm_prefetch, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
+        _MM_HINT_T0,
     };
 
-    use half::f16;
+    use half::{bf16, f16};
 
-    use crate::backend::cpu::finalize::lanes::GROUP;
+    use crate::backend::cpu::finalize::lanes::{Lanes, GROUP};
 
-    /// Eight f16 at `x[j..j + 8]` widened.
+    /// How far ahead of the element being summed each source row is
+    /// prefetched, in bytes. A token streams up to [`GROUP`] rows at once, and
+    /// the hardware prefetchers stop at every 4 KiB page, so without help each
+    /// of those streams starts cold at every page boundary: in the middle of a
+    /// long row, and again at each row of the next token. Near the end of a
+    /// row the prefetch runs on into the next token's rows.
+    ///
+    /// Set by measurement (`ascend-moe bench finalize`, bf16 4096x8x4096 on 2
+    /// threads, interleaved runs): 2.5-3 KiB ran 10-20% faster than no
+    /// prefetch or 1 KiB; 4 KiB (32 KiB ahead over eight rows, most of an L1)
+    /// lost the gain.
+    pub(super) const PREFETCH_AHEAD: usize = 2560;
+
+    /// A 16-bit element type with eight-lane AVX2 conversions.
+    pub(super) trait Eight: Lanes {
+        /// Eight elements at `p` widened.
+        ///
+        /// # Safety
+        /// `p` is valid for reading 8 elements; the CPU supports AVX2 and F16C.
+        unsafe fn load8(p: *const Self) -> __m256;
+        /// Sixteen lanes, `a` then `b`, rounded and stored at `p`.
+        ///
+        /// # Safety
+        /// `p` is valid for writing 16 elements; the CPU supports AVX2 and F16C.
+        unsafe fn store16(a: __m256, b: __m256, p: *mut Self);
+    }
+
+    impl Eight for f16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f16) -> __m256 {
+            // SAFETY: 8 f16 = 16 bytes readable at `p` (unaligned load); F16C enabled.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
+        }
+        #[inline(always)]
+        unsafe fn store16(a: __m256, b: __m256, p: *mut f16) {
+            // SAFETY: 16 f16 = 32 bytes writable at `p` (unaligned stores); F16C enabled.
+            unsafe {
+                _mm_storeu_si128(p.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
+                _mm_storeu_si128(p.add(8).cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+            }
+        }
+    }
+
+    /// Eight f32 lanes rounded to bf16 as `narrow_one` does, one per 32-bit
+    /// lane (in its lower half): add 0x7fff plus the kept lowest bit and keep
+    /// the upper half; a NaN keeps its upper half with the quiet bit set.
     #[inline(always)]
-    unsafe fn load(x: &[f16], j: usize) -> __m256 {
-        let x = &x[j..j + 8];
-        // SAFETY: `x` holds 8 f16 = 16 bytes (unaligned load); the caller enables F16C.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().cast::<__m128i>())) }
+    unsafe fn bf16_round(v: __m256) -> __m256i {
+        // SAFETY: register-only AVX2 operations; the caller enables AVX2.
+        unsafe {
+            let x = _mm256_castps_si256(v);
+            let hi = _mm256_srli_epi32::<16>(x);
+            let bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(hi, _mm256_set1_epi32(1)));
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(x, bias));
+            let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            _mm256_blendv_epi8(rounded, quiet, nan)
+        }
+    }
+
+    impl Eight for bf16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const bf16) -> __m256 {
+            // SAFETY: 8 bf16 = 16 bytes readable at `p` (unaligned load); AVX2 enabled.
+            // bf16 is the upper half of an f32: zero-extend, shift up.
+            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+        }
+        #[inline(always)]
+        unsafe fn store16(a: __m256, b: __m256, p: *mut bf16) {
+            // SAFETY: 16 bf16 = 32 bytes writable at `p` (unaligned store); AVX2 enabled.
+            unsafe {
+                // Every lane is at most 0xffff, so the saturating pack only
+                // narrows; it interleaves 128-bit halves, which the permute undoes.
+                let packed = _mm256_packus_epi32(bf16_round(a), bf16_round(b));
+                _mm256_storeu_si256(p.cast::<__m256i>(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
+            }
+        }
+    }
+
+    /// Prefetches every row `PREFETCH_AHEAD` bytes past element `j` of `h`: in
+    /// the row itself, or past its end in row `g` of `next`, where the next
+    /// token has one. A hint only: it neither loads nor faults.
+    #[inline(always)]
+    fn prefetch_ahead<T, const G: usize>(rows: &[&[T]; G], next: &[&[T]], j: usize, h: usize) {
+        let a = j + PREFETCH_AHEAD / std::mem::size_of::<T>();
+        for (g, row) in rows.iter().enumerate() {
+            let p = if a < h { row.get(a) } else { next.get(g).and_then(|n| n.get(a - h)) };
+            if let Some(p) = p {
+                // SAFETY: a prefetch of a live reference; SSE is baseline on x86_64.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const T).cast()) };
+            }
+        }
     }
 
     /// `out = round(skip + s[0] * rows[0] + ... + s[G-1] * rows[G-1])` (skip
@@ -237,39 +378,49 @@ mod f16c {
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn fused<const G: usize>(
-        skip: Option<&[f16]>,
+    pub(super) unsafe fn fused<T: Eight, const G: usize>(
+        skip: Option<&[T]>,
         s: &[f32; GROUP],
-        rows: &[&[f16]; GROUP],
-        out: &mut [f16],
+        rows: &[&[T]; GROUP],
+        next: &[&[T]],
+        out: &mut [T],
     ) {
         let h = out.len();
-        let rows: [&[f16]; G] = std::array::from_fn(|g| &rows[g][..h]);
+        let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
         let skip = skip.map(|x| &x[..h]);
         let sv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(s[g]));
-        let main = h - h % 8;
+        let src: [*const T; G] = std::array::from_fn(|g| rows[g].as_ptr());
+        let add = skip.map(|x| x.as_ptr());
+        let dst = out.as_mut_ptr();
+        // One prefetch per row per 64-byte line, every other step.
+        let line = 64 / std::mem::size_of::<T>();
+        let main = h - h % 16;
         let mut j = 0;
         while j < main {
-            // SAFETY: j + 8 <= h, every slice holds h elements; AVX2 + F16C are enabled.
+            if j % line == 0 {
+                prefetch_ahead(&rows, next, j, h);
+            }
+            // SAFETY: j + 16 <= h, and every pointer is to a slice of h elements
+            // (`out` is written only through `dst` in this loop); AVX2 + F16C are enabled.
             unsafe {
-                let mut v = match skip {
-                    Some(x) => load(x, j),
-                    None => _mm256_setzero_ps(),
+                let (mut a, mut b) = match add {
+                    Some(x) => (T::load8(x.add(j)), T::load8(x.add(j + 8))),
+                    None => (_mm256_setzero_ps(), _mm256_setzero_ps()),
                 };
                 for g in 0..G {
-                    v = _mm256_add_ps(v, _mm256_mul_ps(sv[g], load(rows[g], j)));
+                    a = _mm256_add_ps(a, _mm256_mul_ps(sv[g], T::load8(src[g].add(j))));
+                    b = _mm256_add_ps(b, _mm256_mul_ps(sv[g], T::load8(src[g].add(j + 8))));
                 }
-                let o = &mut out[j..j + 8];
-                _mm_storeu_si128(o.as_mut_ptr().cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v));
+                T::store16(a, b, dst.add(j));
             }
-            j += 8;
+            j += 16;
         }
         for j in main..h {
-            let mut v = skip.map_or(0.0, |x| x[j].to_f32());
+            let mut v = skip.map_or(0.0, |x| x[j].lane());
             for g in 0..G {
-                v += s[g] * rows[g][j].to_f32();
+                v += s[g] * rows[g][j].lane();
             }
-            out[j] = f16::from_f32(v);
+            out[j] = T::narrow_one(v);
         }
     }
 }
@@ -348,39 +499,82 @@ mod tests {
         assert!(nan[0].is_nan());
     }
 
-    /// The F16C fused kernel against a naive per-element reference built on
-    /// `half` conversions, on edge values (vector body and scalar tail).
+    /// Edge values for bf16 rounding: ties (even down, odd up), the carry into
+    /// the exponent, the largest finite value and overflow, f32 subnormals,
+    /// infinities and NaN.
+    fn bf16_edge_values() -> Vec<f32> {
+        vec![
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.5,
+            f32::from_bits(0x3f80_8000), // exact tie, even -> down
+            f32::from_bits(0x3f81_8000), // exact tie, odd -> up
+            f32::from_bits(0x3f80_7fff), // just below a tie
+            f32::from_bits(0x3fff_ffff), // rounds up into the next exponent
+            f32::from_bits(0x7f7f_0000), // max finite bf16
+            f32::MAX,                    // overflows to inf
+            -3.3e38,
+            f32::MIN_POSITIVE,
+            f32::from_bits(0x0000_8001), // subnormal, rounds up
+            f32::from_bits(0x8000_0001), // tiny negative subnormal
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            0.333_333_34,
+            1.0e-3,
+        ]
+    }
+
+    /// `T`'s AVX2 fused kernel against a naive per-element reference built on
+    /// `half` conversions, on edge values, at every group size, with and
+    /// without a skip input, for rows short enough that every prefetch runs
+    /// into the next token's rows and long enough that most stay in the row
+    /// (vector body and scalar tail in both).
     #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn f16c_fused_matches_naive_reference() {
+    fn simd_fused_matches_naive_reference<T: Lanes>(edges: &[f32]) {
         if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")) {
             return;
         }
-        let edges = f16_edge_values();
-        // 37 elements: four vectors of 8 and a tail of 5.
-        let h = 37;
-        let skip: Vec<f16> = (0..h).map(|j| f16::from_f32(edges[j % edges.len()])).collect();
-        let srcs: Vec<Vec<f16>> = (0..GROUP)
-            .map(|g| (0..h).map(|j| f16::from_f32(edges[(j * 7 + g * 3) % edges.len()] * 0.75)).collect())
-            .collect();
-        let s = [1.0f32, 0.5, -0.25, 2.0, 1.0e-3, -1.0, 0.125, 3.0];
-        let rows: [&[f16]; GROUP] = std::array::from_fn(|g| srcs[g].as_slice());
-        for g in 0..=GROUP {
-            for with_skip in [false, true] {
-                let sk = with_skip.then_some(skip.as_slice());
-                let mut got = vec![f16::ZERO; h];
-                // SAFETY: AVX2 and F16C were detected above.
-                unsafe { f16::fused_f16c(sk, &s, &rows, g, &mut got) };
-                for j in 0..h {
-                    let mut v = if with_skip { skip[j].to_f32() } else { 0.0 };
-                    for (gg, row) in srcs.iter().enumerate().take(g) {
-                        v += s[gg] * row[j].to_f32();
+        assert!(T::HAS_SIMD);
+        for h in [37, 1029] {
+            let skip: Vec<T> = (0..h).map(|j| T::from_f32(edges[j % edges.len()])).collect();
+            let srcs: Vec<Vec<T>> = (0..2 * GROUP)
+                .map(|g| (0..h).map(|j| T::from_f32(edges[(j * 7 + g * 3) % edges.len()] * 0.75)).collect())
+                .collect();
+            let s = [1.0f32, 0.5, -0.25, 2.0, 1.0e-3, -1.0, 0.125, 3.0];
+            let rows: [&[T]; GROUP] = std::array::from_fn(|g| srcs[g].as_slice());
+            let next: Vec<&[T]> = srcs[GROUP..].iter().map(|r| r.as_slice()).collect();
+            for g in 0..=GROUP {
+                for with_skip in [false, true] {
+                    let sk = with_skip.then_some(skip.as_slice());
+                    let mut got = vec![T::default(); h];
+                    // SAFETY: AVX2 and F16C were detected above.
+                    unsafe { T::fused_simd(sk, &s, &rows, g, &next, &mut got) };
+                    for j in 0..h {
+                        let mut v = if with_skip { skip[j].to_f32() } else { 0.0 };
+                        for (gg, row) in srcs.iter().enumerate().take(g) {
+                            v += s[gg] * row[j].to_f32();
+                        }
+                        let want = T::from_f32(v);
+                        let (gv, wv) = (got[j].to_f32(), want.to_f32());
+                        let ok = gv.to_bits() == wv.to_bits() || (gv.is_nan() && wv.is_nan());
+                        assert!(ok, "h={h} g={g} skip={with_skip} j={j}: {gv:e} vs {wv:e}");
                     }
-                    let want = f16::from_f32(v);
-                    let ok = got[j].to_bits() == want.to_bits() || (got[j].is_nan() && want.is_nan());
-                    assert!(ok, "g={g} skip={with_skip} j={j}: {:#06x} vs {:#06x}", got[j].to_bits(), want.to_bits());
                 }
             }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_simd_fused_matches_naive_reference() {
+        simd_fused_matches_naive_reference::<f16>(&f16_edge_values());
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn bf16_simd_fused_matches_naive_reference() {
+        simd_fused_matches_naive_reference::<bf16>(&bf16_edge_values());
     }
 }
