@@ -230,6 +230,13 @@ unsafe fn reduce_avx2<T: Kern>(op: ReduceOp, inputs: &[*const u8], out: *mut u8,
 #[target_feature(enable = "avx2")]
 unsafe fn bf16_sum_avx2(inputs: &[*const u8], out: *mut u8, len: usize) {
     use std::arch::x86_64::*;
+    // Each input is prefetched this many elements (2.5 KiB) ahead: the
+    // hardware prefetchers stop at every 4 KiB page, so each of the inputs
+    // streamed side by side would otherwise start cold at every page. In an
+    // interleaved A/B (`bench collectives --procs --ranks 4`, 32 MiB, 8 pairs,
+    // twice) all_reduce took 0.90-0.93 and reduce_scatter 0.94-0.96 of the time
+    // without it.
+    const AHEAD: usize = 1280;
     // Eight bf16 at `p` as f32 (the bits move to the top half).
     #[inline(always)]
     unsafe fn widen(p: *const u16) -> __m256 {
@@ -251,6 +258,12 @@ unsafe fn bf16_sum_avx2(inputs: &[*const u8], out: *mut u8, len: usize) {
     }
     let mut i = 0;
     while i + 16 <= len {
+        if i % 32 == 0 && i + AHEAD < len {
+            for p in inputs {
+                // SAFETY: i + AHEAD < len: inside every input's range.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<u16>().add(i + AHEAD).cast()) };
+            }
+        }
         // SAFETY: i + 16 <= len: every input is readable and `out` writable
         // for these 16 elements (the caller's contract).
         unsafe {
@@ -345,7 +358,13 @@ mod tests {
     /// does with its own staging piece) equals the baseline into fresh memory.
     #[test]
     fn dispatched_bf16_sum_in_place_matches_baseline() {
-        let n = 5 * 16 + 7;
+        // Shorter than the prefetch distance, and long enough to prefetch.
+        for n in [5 * 16 + 7, 3000 + 7] {
+            bf16_sum_in_place_matches_baseline(n);
+        }
+    }
+
+    fn bf16_sum_in_place_matches_baseline(n: usize) {
         let mut x: u32 = 0x2545_f491;
         let mut inputs: Vec<Vec<u16>> = (0..4)
             .map(|_| {
