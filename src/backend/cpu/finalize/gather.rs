@@ -88,8 +88,12 @@ impl<T: Lanes> Gather<'_, T> {
     /// kernel then take it).
     #[inline(always)]
     fn fused_token(&self, i: usize, next: &[&[T]], out: &mut [T], f16c: bool) -> bool {
-        let f16c = f16c && T::HAS_SIMD;
-        if !(T::LANEWISE || f16c) || self.bias.is_some() || self.k > GROUP || (self.x1.is_some() && self.x2.is_some()) {
+        let simd = if f16c { T::SIMD } else { None };
+        if !(T::LANEWISE || simd.is_some())
+            || self.bias.is_some()
+            || self.k > GROUP
+            || (self.x1.is_some() && self.x2.is_some())
+        {
             return false;
         }
         let h = self.h;
@@ -102,9 +106,9 @@ impl<T: Lanes> Gather<'_, T> {
         }
         let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
         #[cfg(target_arch = "x86_64")]
-        if f16c {
-            // SAFETY: `f16c` is only true when the caller runs with AVX2 and F16C.
-            unsafe { T::fused_simd(skip, &ss, &rows, g, next, out) };
+        if let Some(kernel) = simd {
+            // SAFETY: `f16c` (so `simd`) is only set when the caller runs with AVX2 and F16C.
+            unsafe { kernel(skip, &ss, &rows, g, next, out) };
             return true;
         }
         fused_dispatch(skip, &ss, &rows, g, out);
@@ -251,7 +255,7 @@ impl<T: Lanes> Gather<'_, T> {
         let work = |first_row: usize, chunk: &mut [T]| {
             #[cfg(target_arch = "x86_64")]
             if wide && std::arch::is_x86_feature_detected!("avx2") {
-                if T::HAS_SIMD && std::arch::is_x86_feature_detected!("f16c") {
+                if T::SIMD.is_some() && std::arch::is_x86_feature_detected!("f16c") {
                     // SAFETY: the CPU supports AVX2 and F16C (checked just above).
                     unsafe { self.rows_avx2_f16c(first_row, chunk, token_of) };
                     return;

@@ -32,35 +32,24 @@ pub(super) trait Lanes: Element {
             *o += s * *v;
         }
     }
-    /// True when [`Lanes::fused_simd`] is a hand-vectorised AVX2 kernel.
-    const HAS_SIMD: bool = false;
-    /// [`fused_token`] for the first `g` rows, using the type's AVX2 kernel
-    /// where it has one (the portable loop otherwise). `next` holds the rows
-    /// of the token after this one, for prefetching (empty: none).
-    ///
-    /// # Safety
-    /// When [`Lanes::HAS_SIMD`], the CPU must support AVX2 and F16C.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn fused_simd(
-        skip: Option<&[Self]>,
-        s: &[f32; GROUP],
-        rows: &[&[Self]; GROUP],
-        g: usize,
-        next: &[&[Self]],
-        out: &mut [Self],
-    ) {
-        let _ = next;
-        fused_dispatch(skip, s, rows, g, out)
-    }
+    /// The type's hand-vectorised AVX2 kernel for a fused token, if it has
+    /// one (the portable [`fused_dispatch`] otherwise).
+    const SIMD: Option<SimdKernel<Self>> = None;
 }
 
-/// [`Lanes::fused_simd`] of a type with an AVX2 kernel: `simd::fused` at `g`.
+/// A fused-token kernel: [`fused_dispatch`]'s arguments, plus `next`, the
+/// rows of the token after this one, for prefetching (empty: none).
+///
+/// # Safety
+/// The CPU must support AVX2 and F16C.
+pub(super) type SimdKernel<T> =
+    unsafe fn(skip: Option<&[T]>, s: &[f32; GROUP], rows: &[&[T]; GROUP], g: usize, next: &[&[T]], out: &mut [T]);
+
+/// The [`SimdKernel`] of a type with an AVX2 kernel: `simd::fused` at `g`.
 ///
 /// # Safety
 /// The CPU must support AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
 unsafe fn simd_dispatch<T: simd::Eight>(
     skip: Option<&[T]>,
     s: &[f32; GROUP],
@@ -109,20 +98,8 @@ impl Lanes for f32 {
 
 impl Lanes for bf16 {
     const LANEWISE: bool = true;
-    const HAS_SIMD: bool = true;
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn fused_simd(
-        skip: Option<&[Self]>,
-        s: &[f32; GROUP],
-        rows: &[&[Self]; GROUP],
-        g: usize,
-        next: &[&[Self]],
-        out: &mut [Self],
-    ) {
-        // SAFETY: the caller guarantees AVX2 and F16C.
-        unsafe { simd_dispatch(skip, s, rows, g, next, out) }
-    }
+    const SIMD: Option<SimdKernel<Self>> = Some(simd_dispatch::<Self>);
     #[inline(always)]
     fn narrow_one(v: f32) -> Self {
         // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
@@ -156,20 +133,8 @@ impl Lanes for bf16 {
 }
 
 impl Lanes for f16 {
-    const HAS_SIMD: bool = true;
     #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn fused_simd(
-        skip: Option<&[Self]>,
-        s: &[f32; GROUP],
-        rows: &[&[Self]; GROUP],
-        g: usize,
-        next: &[&[Self]],
-        out: &mut [Self],
-    ) {
-        // SAFETY: the caller guarantees AVX2 and F16C.
-        unsafe { simd_dispatch(skip, s, rows, g, next, out) }
-    }
+    const SIMD: Option<SimdKernel<Self>> = Some(simd_dispatch::<Self>);
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
@@ -536,7 +501,7 @@ mod tests {
         if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")) {
             return;
         }
-        assert!(T::HAS_SIMD);
+        let kernel = T::SIMD.expect("an AVX2 kernel");
         for h in [37, 1029] {
             let skip: Vec<T> = (0..h).map(|j| T::from_f32(edges[j % edges.len()])).collect();
             let srcs: Vec<Vec<T>> = (0..2 * GROUP)
@@ -550,7 +515,7 @@ mod tests {
                     let sk = with_skip.then_some(skip.as_slice());
                     let mut got = vec![T::default(); h];
                     // SAFETY: AVX2 and F16C were detected above.
-                    unsafe { T::fused_simd(sk, &s, &rows, g, &next, &mut got) };
+                    unsafe { kernel(sk, &s, &rows, g, &next, &mut got) };
                     for j in 0..h {
                         let mut v = if with_skip { skip[j].to_f32() } else { 0.0 };
                         for (gg, row) in srcs.iter().enumerate().take(g) {
