@@ -206,11 +206,14 @@ impl<T: Lanes> Gather<'_, T> {
         let h = self.h;
         let mut acc = vec![0f32; h];
         let mut tmp = vec![0f32; h];
-        let rows = chunk.len() / h;
+        let out_rows = chunk.len() / h;
+        // Only the AVX2 kernels prefetch the next token's rows: elsewhere they
+        // are not looked up.
+        let prefetch = f16c && T::SIMD.is_some();
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
-                    let next = if j + 1 < rows { token_of(first_row + j + 1) } else { None };
+                    let next = if prefetch && j + 1 < out_rows { token_of(first_row + j + 1) } else { None };
                     let next = next.map_or([&[][..]; GROUP], |t| self.source_rows(t));
                     if !self.fused_token(i, &next, o, f16c) {
                         self.token(i, &mut acc, &mut tmp);
