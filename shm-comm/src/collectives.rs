@@ -152,7 +152,7 @@ impl ShmComm {
                     // len elements; only this rank writes its staging, and nobody
                     // reads this slot now.
                     unsafe {
-                        cp.copy(
+                        Copier::STAGE.copy(
                             src.add((base + from) * esz),
                             seg.staging_ptr(me, slot).add(from * esz),
                             (to - from) * esz,
@@ -218,11 +218,10 @@ impl ShmComm {
         let (region, esz, me) = (self.region_bytes(), dtype.size(), self.inner.rank);
         let relems = region / esz;
         let displs = prefix(counts);
-        let cp = Copier::for_counts(counts, esz);
         let mut stage = |k: usize, slot: *mut u8| {
             // SAFETY: src holds sum(counts) elements (the caller's contract when
             // staging runs); the slot holds one region per rank.
-            unsafe { stage_regions(cp, src, counts, &displs, slot, me, k, relems, region, esz) }
+            unsafe { stage_regions(src, counts, &displs, slot, me, k, relems, region, esz) }
         };
         // This rank's own block is reduced straight from `src`: no rank but this
         // one reads it, so staging it would only copy it. wrapping_add: with
@@ -311,7 +310,7 @@ impl ShmComm {
             let (lo, hi) = (k * chunk, ((k + 1) * chunk).min(counts[me]));
             if lo < hi {
                 // SAFETY: hi <= counts[me]; the slot holds chunk elements.
-                unsafe { cp.copy(src.add(lo * esz), seg.staging_ptr(me, slot), (hi - lo) * esz) };
+                unsafe { Copier::STAGE.copy(src.add(lo * esz), seg.staging_ptr(me, slot), (hi - lo) * esz) };
             }
         };
         let mut consume = |k: usize, slot: usize| {
@@ -354,7 +353,7 @@ impl ShmComm {
         let mut stage = |k: usize, slot: usize| {
             // SAFETY: src holds sum(send) elements (the caller's contract when
             // staging runs); this rank's slot holds one region per rank.
-            unsafe { stage_regions(cp, src, send, &sd, seg.staging_ptr(me, slot), me, k, relems, region, esz) }
+            unsafe { stage_regions(src, send, &sd, seg.staging_ptr(me, slot), me, k, relems, region, esz) }
         };
         let mut consume = |k: usize, slot: usize| {
             for (i, &c) in recv.iter().enumerate() {
@@ -402,7 +401,7 @@ impl ShmComm {
             let (base, len) = span(k);
             if me == root && len > 0 {
                 // SAFETY: base + len <= n; the slot holds chunk elements.
-                unsafe { cp.copy(buf.add(base * esz), seg.staging_ptr(root, slot), len * esz) };
+                unsafe { Copier::STAGE.copy(buf.add(base * esz), seg.staging_ptr(root, slot), len * esz) };
             }
         };
         let mut consume = |k: usize, slot: usize| {
@@ -425,7 +424,7 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
 /// Stages round `k` of a personalised send: elements `[k * relems, (k + 1) *
 /// relems)` of block `j` of `src` (`counts[j]` elements of `esz` bytes from
 /// element `displs[j]`) go to region `j` (`region` bytes from `j * region`) of
-/// the staging slot `slot`, copied by `cp`. Block `own` is not staged: it is
+/// the staging slot `slot`, with plain stores. Block `own` is not staged: it is
 /// this rank's own, which the rank reads from `src` itself.
 ///
 /// # Safety
@@ -434,7 +433,6 @@ fn piece(i: usize, len: usize, n: usize) -> (usize, usize) {
 /// overlapping `src`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn stage_regions(
-    cp: Copier,
     src: *const u8,
     counts: &[usize],
     displs: &[usize],
@@ -450,7 +448,7 @@ unsafe fn stage_regions(
         if lo < hi && j != own {
             // SAFETY: displs[j] + hi <= displs[j] + counts[j]; region j of the
             // slot holds relems >= hi - lo elements (the function's contract).
-            unsafe { cp.copy(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz) };
+            unsafe { Copier::STAGE.copy(src.add((displs[j] + lo) * esz), slot.add(j * region), (hi - lo) * esz) };
         }
     }
 }

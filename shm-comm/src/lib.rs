@@ -40,7 +40,7 @@
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
 //! **Shared memory per rank** = 4 KiB + 3 x [`Config::staging_bytes`]
-//! (default 4 MiB per slot, so 12 MiB + 4 KiB per rank; a world of 8 maps 96 MiB
+//! (default 1 MiB per slot, so 3 MiB + 4 KiB per rank; a world of 8 maps 24 MiB
 //! plus the header; pages are only backed once touched, so small collectives use
 //! far less). Collectives of any size run in rounds of at most one slot.
 //! Sub-groups made by [`ShmComm::split`] have their own segment of the same shape.
@@ -71,10 +71,11 @@
 //! its own block of a reduce_scatter and its own block of an all_to_all_v are
 //! read from its input directly.
 //!
-//! A collective of 4 MiB or more per rank stages and copies out with
-//! non-temporal stores, which skip reading each destination line before
-//! writing it; smaller ones keep plain copies so that their staging stays
-//! cached for the peers' reads (`copy`, where the threshold's measurement is).
+//! Staging is written with plain stores, so a round's chunk is still cached
+//! when the peers read it after the barrier. A collective of 4 MiB or more per
+//! rank copies out into the caller's buffers with non-temporal stores, which
+//! skip reading each destination line before writing it; smaller ones copy
+//! out plainly (`copy`, where both choices' measurements are).
 //!
 //! The descriptor also carries the caller's optional context tag
 //! ([`ShmComm::set_context_tag`]); ranks that disagree on it are reported by
@@ -145,8 +146,10 @@ pub struct Config {
 }
 
 impl Config {
-    /// Default staging slot: 4 MiB (fewer barriers per large collective).
-    pub const DEFAULT_STAGING: usize = 4 << 20;
+    /// Default staging slot: 1 MiB. A round moves at most one slot, which
+    /// stays in the cache between its staging and the peers' reads; larger
+    /// slots only save barriers (measured in `copy`).
+    pub const DEFAULT_STAGING: usize = 1 << 20;
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 

@@ -137,9 +137,10 @@ fn one_byte_types_move_exactly_and_are_refused_by_reductions() {
     assert_eq!(out.len(), WORLD);
 }
 
-/// Collectives of 4 MiB and more per rank stream their copies past the
-/// cache; every element still lands where it belongs, at odd lengths (whose
-/// tails are not whole cache lines) and odd offsets into the outputs.
+/// Collectives of 4 MiB and more per rank stream their copy-outs past the
+/// cache (and stage in several 1 MiB rounds); every element still lands
+/// where it belongs, at odd lengths (whose tails are not whole cache lines)
+/// and odd offsets into the outputs.
 #[test]
 fn large_collectives_that_stream_their_copies_move_every_element() {
     // 1 Mi + 3 f32 per rank: just over the 4 MiB from which copies stream.
