@@ -283,10 +283,10 @@ fn matrix_world_8() {
     matrix(On::Cpu, 8);
 }
 
-/// Multi-round with the default staging (1 MiB slots) and the slice API.
+/// Multi-round with the default staging (4 MiB slots) and the slice API.
 #[test]
 fn default_staging_multi_round_and_slice_api() {
-    let n = 1_100_001; // > 4 MiB of f32 (four slots and more), odd
+    let n = 1_100_001; // > 4 MiB of f32, odd
     let res = run_ranks(3, &opts(30.0), |rank, comm| {
         let Comm::Cpu(c) = &comm else { unreachable!("run_ranks makes CPU comms") };
         let mut got = data::<f32>(3, rank, n);

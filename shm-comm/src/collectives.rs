@@ -8,6 +8,13 @@ use crate::reduce;
 use crate::segment::{ERR_BYTES, SLOTS};
 use crate::{DataType, ReduceOp, Result, ShmComm, State};
 
+/// Most bytes a rank stages per round of a data-moving collective: a round's
+/// chunk stays in the cache between its staging and the peers' reads (measured
+/// in `copy`). The fused finalize-and-reduce-scatter (`reduce_scatter_rows_with`)
+/// is not capped: its rounds are compute-bound, and every round costs a
+/// barrier.
+const ROUND_MAX: usize = 1 << 20;
+
 impl ShmComm {
     /// Runs one collective. Posts `desc` (flagged invalid, with the error text,
     /// when `invalid` is given) and, when it is not, stages round 0; one
@@ -110,6 +117,19 @@ impl ShmComm {
         (self.inner.seg.staging / self.inner.world) / 64 * 64
     }
 
+    /// Bytes a rank stages per round of a data-moving collective: one slot,
+    /// at most [`ROUND_MAX`].
+    fn round_bytes(&self) -> usize {
+        self.inner.seg.staging.min(ROUND_MAX)
+    }
+
+    /// Bytes per destination region a rank stages per round of a
+    /// personalised collective: a multiple of 64, at least 64 (a slot holds
+    /// 64 bytes per rank of the largest world) and at most `region_bytes`.
+    fn round_region_bytes(&self) -> usize {
+        self.round_bytes() / self.inner.world / 64 * 64
+    }
+
     // ---- data phases ----
     //
     // Each takes this rank's descriptor and the text of its local validation
@@ -132,7 +152,7 @@ impl ShmComm {
     ) -> Result<()> {
         let seg = &self.inner.seg;
         let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
-        let chunk = seg.staging / esz;
+        let chunk = self.round_bytes() / esz;
         let rounds = n.div_ceil(chunk);
         let span = |k: usize| (k * chunk, chunk.min(n - k * chunk));
         let cp = Copier::for_bytes(n.saturating_mul(esz));
@@ -216,7 +236,7 @@ impl ShmComm {
         counts: &[usize],
     ) -> Result<()> {
         let (region, esz, me) = (self.region_bytes(), dtype.size(), self.inner.rank);
-        let relems = region / esz;
+        let relems = self.round_region_bytes() / esz;
         let displs = prefix(counts);
         let mut stage = |k: usize, slot: *mut u8| {
             // SAFETY: src holds sum(counts) elements (the caller's contract when
@@ -302,7 +322,7 @@ impl ShmComm {
     ) -> Result<()> {
         let seg = &self.inner.seg;
         let (me, esz) = (self.inner.rank, dtype.size());
-        let chunk = seg.staging / esz;
+        let chunk = self.round_bytes() / esz;
         let displs = prefix(counts);
         let rounds = counts.iter().max().copied().unwrap_or(0).div_ceil(chunk);
         let cp = Copier::for_counts(counts, esz);
@@ -343,7 +363,7 @@ impl ShmComm {
         let seg = &self.inner.seg;
         let (me, esz) = (self.inner.rank, dtype.size());
         let region = self.region_bytes();
-        let relems = region / esz;
+        let relems = self.round_region_bytes() / esz;
         let (sd, rd) = (prefix(send), prefix(recv));
         let cp = Copier::for_counts(send, esz).or(Copier::for_counts(recv, esz));
         // The number of rounds depends on every rank's sends (agreed descriptors).
@@ -393,7 +413,7 @@ impl ShmComm {
     ) -> Result<()> {
         let seg = &self.inner.seg;
         let (me, esz) = (self.inner.rank, dtype.size());
-        let chunk = seg.staging / esz;
+        let chunk = self.round_bytes() / esz;
         let rounds = n.div_ceil(chunk);
         let span = |k: usize| (k * chunk, chunk.min(n.saturating_sub(k * chunk)));
         let cp = Copier::for_bytes(n.saturating_mul(esz));
@@ -467,4 +487,42 @@ pub(crate) fn prefix(counts: &[usize]) -> Vec<usize> {
             d
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::ROUND_MAX;
+    use crate::{Config, ShmComm, MAX_WORLD};
+
+    /// A capped round of a personalised collective fits the staging layout
+    /// for every world and slot size: its region is a multiple of 64 bytes
+    /// (aligned for every type), holds at least 64, lies inside the slot's
+    /// region for its destination (what staging and the peers' reads rely
+    /// on), and a whole round stays within the cap.
+    #[test]
+    fn capped_rounds_fit_the_staging_layout() {
+        let slots = [Config::MIN_STAGING, 4096 + 64, ROUND_MAX - 64, ROUND_MAX + 4096, Config::DEFAULT_STAGING];
+        for world in [1, 3, MAX_WORLD] {
+            for staging_bytes in slots {
+                let name = format!("rounds-{world}-{staging_bytes}-{}", std::process::id());
+                let cfg = Config { staging_bytes };
+                std::thread::scope(|s| {
+                    for rank in 0..world {
+                        let (name, cfg) = (&name, &cfg);
+                        s.spawn(move || {
+                            let c = ShmComm::rendezvous(name, world, rank, Duration::from_secs(30), cfg)
+                                .expect("rendezvous");
+                            let (round, region, per) = (c.round_bytes(), c.region_bytes(), c.round_region_bytes());
+                            let what = format!("world {world}, staging {staging_bytes}");
+                            assert_eq!(round, cfg.effective_staging().min(ROUND_MAX), "{what}");
+                            assert!(per >= 64 && per % 64 == 0 && per <= region, "{what}: {per} of {region}");
+                            assert!(per * world <= round, "{what}: {per} x {world} > {round}");
+                        });
+                    }
+                });
+            }
+        }
+    }
 }

@@ -1,17 +1,24 @@
 //! The byte copies of the data phases (into and out of staging).
 //!
 //! **Into staging, plain stores.** A staged chunk is read by its peers right
-//! after the barrier that follows it, and a round moves at most one slot
-//! (1 MiB by default), so the chunk is still in the cache when they read it.
-//! Non-temporal stores would send it to memory only for the peers to read it
-//! back. Measured with `ascend-moe bench collectives`, 4 ranks on a 2-core VM
-//! (2 MiB L2 per core), 8 and 64 MiB per rank, 8 interleaved runs each over
-//! threads and over processes: plain staging in 1 MiB slots took 0.62-0.97 of
-//! the time of streamed staging in 4 MiB slots, median 0.85, over the five
-//! collectives; in 2 MiB slots 0.65-1.12. At 1-2 MiB per rank, where nothing
-//! streamed before either, 1 MiB slots took 0.73-1.03. Streamed staging in
-//! 1 MiB slots gained less and less reliably (0.78-1.52), so the stores
-//! matter, not only the slot size.
+//! after the barrier that follows it, and a data-moving collective stages at
+//! most 1 MiB per rank per round, so the chunk is still in the cache when they
+//! read it. Non-temporal stores would send it to memory only for the peers to
+//! read it back. Measured with `ascend-moe bench collectives`, 4 ranks on a
+//! 2-core VM (2 MiB L2 per core), 8 and 64 MiB per rank, interleaved runs over
+//! threads and over processes, against streamed staging in 4 MiB rounds:
+//! - plain staging in 1 MiB rounds took 0.72-1.06 of the time over the five
+//!   collectives (6 runs); in 1 MiB slots, 0.62-0.97 (8 runs, median 0.85);
+//!   in 2 MiB rounds, 0.65-1.12;
+//! - at 1-2 MiB per rank, where nothing streamed before either, 1 MiB rounds
+//!   took 0.73-1.03;
+//! - streamed staging in 1 MiB rounds gained less and less reliably
+//!   (0.78-1.52): the stores matter, not only the round size.
+//!
+//! The fused finalize-and-reduce-scatter keeps whole-slot rounds: its rounds
+//! are compute-bound, and with 4 ranks on the 2 cores, 1 MiB rounds made it
+//! 1.3-1.5x slower (`bench finalize_and_reduce --dp-tokens 512,512 --top-k 8
+//! --hidden 2048`: 4.1-5.2 ms against 3.0-4.0 ms).
 //!
 //! **Into the caller's buffers, streaming for large collectives.** Each output
 //! byte is written once and not read again by the collective, while the

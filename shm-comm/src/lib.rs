@@ -40,9 +40,10 @@
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
 //! **Shared memory per rank** = 4 KiB + 3 x [`Config::staging_bytes`]
-//! (default 1 MiB per slot, so 3 MiB + 4 KiB per rank; a world of 8 maps 24 MiB
+//! (default 4 MiB per slot, so 12 MiB + 4 KiB per rank; a world of 8 maps 96 MiB
 //! plus the header; pages are only backed once touched, so small collectives use
-//! far less). Collectives of any size run in rounds of at most one slot.
+//! far less). Collectives of any size run in rounds of at most one slot, and
+//! those that only move data stage at most 1 MiB per rank per round.
 //! Sub-groups made by [`ShmComm::split`] have their own segment of the same shape.
 //!
 //! # Protocol
@@ -71,7 +72,8 @@
 //! its own block of a reduce_scatter and its own block of an all_to_all_v are
 //! read from its input directly.
 //!
-//! Staging is written with plain stores, so a round's chunk is still cached
+//! Staging is written with plain stores, in rounds of at most 1 MiB per rank
+//! for the collectives that only move data, so a round's chunk is still cached
 //! when the peers read it after the barrier. A collective of 4 MiB or more per
 //! rank copies out into the caller's buffers with non-temporal stores, which
 //! skip reading each destination line before writing it; smaller ones copy
@@ -149,7 +151,7 @@ impl Config {
     /// Default staging slot: 1 MiB. A round moves at most one slot, which
     /// stays in the cache between its staging and the peers' reads; larger
     /// slots only save barriers (measured in `copy`).
-    pub const DEFAULT_STAGING: usize = 1 << 20;
+    pub const DEFAULT_STAGING: usize = 4 << 20;
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 
