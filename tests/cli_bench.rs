@@ -13,6 +13,13 @@ fn run(args: &[&str]) -> (String, String) {
     (stdout, stderr)
 }
 
+/// The number after the first `"key":` in `json`.
+fn json_number(json: &str, key: &str) -> f64 {
+    let at = json.find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("no {key} in {json}")) + key.len() + 3;
+    let end = json[at..].find([',', '}']).map(|e| at + e).unwrap_or(json.len());
+    json[at..end].parse().unwrap_or_else(|e| panic!("{key}: {e}: {json}"))
+}
+
 #[test]
 fn collectives_csv_rows_and_progress() {
     let (csv, progress) = run(&[
@@ -93,11 +100,7 @@ fn collectives_floor_uses_the_triads_around_the_rows() {
         "0",
         "--json",
     ]);
-    let num = |key: &str| -> f64 {
-        let at = json.find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("no {key} in {json}")) + key.len() + 3;
-        let end = json[at..].find([',', '}']).map(|e| at + e).unwrap_or(json.len());
-        json[at..end].parse().unwrap_or_else(|e| panic!("{key}: {e}: {json}"))
-    };
+    let num = |key: &str| json_number(&json, key);
     let (mean, before, after) = (num("gbps"), num("before_gbps"), num("after_gbps"));
     assert!(before > 0.0 && after > 0.0, "{json}");
     assert!((mean - (before + after) / 2.0).abs() <= 0.002, "{json}");
@@ -187,4 +190,38 @@ fn finalize_and_reduce_csv() {
         let t: f64 = line.rsplit(',').next().and_then(|v| v.parse().ok()).expect("time_us");
         assert!(t > 0.0, "{csv}");
     }
+}
+
+/// `--json` carries the byte model of both paths: an even layout of 4 ranks at
+/// K = 8 with f32 rows of 512 (R = 2048 bytes) moves, on the slowest rank,
+/// G = 64*8*(2048+8) bytes for the gather, then N*R + 2*3*16*R + 4*16*R + 16*R
+/// (two-step) or N*R + 4*16*R + 16*R (fused) or 16*R (minimum) more.
+#[test]
+fn finalize_and_reduce_json_has_the_byte_model() {
+    let (json, _) = run(&[
+        "bench",
+        "finalize_and_reduce",
+        "--dp-tokens",
+        "32,32",
+        "--tp",
+        "2",
+        "--top-k",
+        "8",
+        "--hidden",
+        "512",
+        "--dtype",
+        "f32",
+        "--iters",
+        "1",
+        "--json",
+    ]);
+    let fused = json.split("},{").next().expect("the fused row");
+    assert!(fused.contains("\"op\":\"finalize_and_reduce\""), "{json}");
+    let num = |key: &str| json_number(fused, key);
+    let (g, r) = (64.0 * 8.0 * 2056.0, 2048.0);
+    assert_eq!(num("two_step_bytes"), g + 64.0 * r + 96.0 * r + 64.0 * r + 16.0 * r, "{json}");
+    assert_eq!(num("fused_bytes"), g + 64.0 * r + 64.0 * r + 16.0 * r, "{json}");
+    assert_eq!(num("min_bytes"), g + 16.0 * r, "{json}");
+    assert!((num("bound") - num("two_step_bytes") / num("fused_bytes")).abs() < 1e-4, "{json}");
+    assert!((num("ceiling") - num("two_step_bytes") / num("min_bytes")).abs() < 1e-4, "{json}");
 }

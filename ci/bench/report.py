@@ -271,6 +271,10 @@ def far_series(far):
                 for ok in others:
                     if run in far[ok]:
                         s["speedup"][run] = float(far[ok][run]["time_us"]) / float(row["time_us"])
+                # The byte model of both paths (`bench finalize_and_reduce --json`, when it has one).
+                for m in ("bound", "ceiling"):
+                    if row.get(m) is not None:
+                        s[m][run] = float(row[m])
         out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
     return out
 
@@ -301,7 +305,7 @@ def decode_series(dec):
 
 def write_csv(path, cs, fs, rs, ds=None):
     metrics = ["time_us", "algbw_gbps", "busbw_gbps", "gbps", "floor_ratio", "min_floor_ratio", "vs_peer"]
-    metrics += ["vs_gloo", "speedup"]
+    metrics += ["vs_gloo", "speedup", "bound", "ceiling"]
     cols = ["suite", "impl", "transport", "op", "dtype", "world", "tokens", "topk", "hidden", "bytes", "runs"]
     for m in metrics:
         cols += [f"{m}_median", f"{m}_min", f"{m}_max"]
@@ -486,7 +490,7 @@ def issue_targets(cs, rs, api, plan=None):
     for k in keys:
         sp = rs[k]["speedup"]
         case = f"{k[2]}x{k[3]}x{k[4]} {k[1]}, {k[5]} ranks"
-        out.append((label, case, sp.fmt(), _reached(sp.med >= FAR_EVERY_SHAPE), ""))
+        out.append((label, case, sp.fmt(), _reached(sp.med >= FAR_EVERY_SHAPE), _byte_bounds(rs[k])))
     if keys:
         worst = min(rs[k]["speedup"].med for k in keys)
         out.append(
@@ -501,6 +505,13 @@ def issue_targets(cs, rs, api, plan=None):
     else:
         out.append((label, "", "not measured", "n/a", ""))
     return out
+
+
+def _byte_bounds(st):
+    """The note on a fused shape: the speedups its byte model allows (empty without one)."""
+    if "bound" not in st or not st["bound"].ok:
+        return ""
+    return f"bytes allow {_num(st['bound'].med)} staged, {_num(st['ceiling'].med)} for any fused op"
 
 
 def plots(out_dir, cs, fs, triad_stat, ds=None):
@@ -847,10 +858,17 @@ def write_report(
         L.append("## finalize_and_reduce vs finalize + maybe_pad_and_reduce")
         rrows = []
         for (op, dt, t, k, h, w), st in sorted(rs.items()):
-            rrows.append(
-                (f"{t}x{k}x{h}", dt, w, op, st["time_us"].fmt(), st["speedup"].fmt() if "speedup" in st else "")
-            )
-        L.append(_table(["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"], rrows))
+            extra = [st["speedup"].fmt() if "speedup" in st else ""]
+            extra += [st[m].fmt(spread=False) if m in st else "" for m in ("bound", "ceiling")]
+            rrows.append((f"{t}x{k}x{h}", dt, w, op, st["time_us"].fmt(), *extra))
+        heads = ["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"]
+        L.append(_table(heads + ["byte bound (staged)", "byte ceiling (any fused op)"], rrows))
+        L.append(
+            "\nThe bounds are the speedups at equal bandwidth from the bytes each path moves on the slowest rank"
+            " (`ReduceBytes` in `src/testing/bench.rs`): the fused op as it runs (its rows computed into the"
+            " staging buffers), and the least any fused op can move (every source row read once, every output"
+            " row written once)."
+        )
         L.append("")
     if ds:
         L += decode_section(ds)

@@ -113,7 +113,7 @@ class SyntheticReport(unittest.TestCase):
                 "finalize_and_reduce",
                 "ascend-moe",
                 [
-                    dict(far, op="finalize_and_reduce", time_us=cls.FUSED_US[i]),
+                    dict(far, op="finalize_and_reduce", time_us=cls.FUSED_US[i], bound=1.1461, ceiling=1.4234),
                     dict(far, op="finalize_then_pad_reduce", time_us=cls.UNFUSED_US[i]),
                 ],
             )
@@ -188,6 +188,15 @@ class SyntheticReport(unittest.TestCase):
         r = self.row(suite="finalize_and_reduce", op="finalize_and_reduce")
         sp = sorted(u / f for u, f in zip(self.UNFUSED_US, self.FUSED_US))  # 1.5, 1.1, 1.0
         self.assertAlmostEqual(float(r["speedup_median"]), sp[1])
+
+    def test_fused_byte_bounds(self):
+        r = self.row(suite="finalize_and_reduce", op="finalize_and_reduce")
+        self.assertAlmostEqual(float(r["bound_median"]), 1.1461)
+        self.assertAlmostEqual(float(r["ceiling_max"]), 1.4234)
+        row = [ln for ln in self.md.splitlines() if ln.startswith("| fused finalize+reduce-scatter") and "4 ranks" in ln]
+        self.assertEqual(len(row), 1, self.md)
+        self.assertIn("bytes allow 1.15 staged, 1.42 for any fused op", row[0])
+        self.assertIn("| 1.1 [1–1.5] | 1.15 | 1.42 |", self.md)
 
     def test_targets_and_failures_in_markdown(self):
         lines = {

@@ -202,12 +202,71 @@ pub struct ReduceReport {
     pub fused_s: f64,
     /// `moe_finalize_routing` then `maybe_pad_and_reduce`, seconds.
     pub unfused_s: f64,
+    /// Bytes the slowest rank moves on each path.
+    pub bytes: ReduceBytes,
 }
 
 impl ReduceReport {
     /// `unfused_s / fused_s`.
     pub fn speedup(&self) -> f64 {
         self.unfused_s / self.fused_s
+    }
+}
+
+/// Bytes the slowest rank (the one with the most rows) reads and writes on
+/// each path of [`bench_finalize_and_reduce`], counting every pass over
+/// memory once. Both paths are memory-bound, so at one bandwidth the speedup
+/// cannot pass [`ReduceBytes::bound`], and no fused op whatever can pass
+/// [`ReduceBytes::ceiling`].
+///
+/// With `N` rows in all, `M` on the slowest rank, `n` ranks, top-k `K`, a row
+/// of `R` bytes and `G = N*K*(R + 8)` for the gather (the source rows, an i32
+/// index and an f32 scale per slot):
+/// - `two_step = G + N*R` (finalize writes its output) `+ 2*N*R` (copy into
+///   the padded buffer, uneven layouts only) `+ 2*(n-1)*M*R` (the
+///   reduce-scatter stages the peers' blocks; its own block is read in place)
+///   `+ n*M*R + M*R` (it reads one block from every rank and writes the shard);
+/// - `fused = G + N*R` (the rows are computed straight into the staging
+///   buffers) `+ n*M*R + M*R`;
+/// - `minimum = G + M*R`: a rank's share of the least traffic, every source
+///   row read once and every output row written once.
+///
+/// For an even layout and a large `R`: `two_step / fused -> (K+4-1/n) /
+/// (K+2+1/n)` and `two_step / minimum -> (K+4-1/n) / (K+1/n)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReduceBytes {
+    /// `moe_finalize_routing` then `maybe_pad_and_reduce`.
+    pub two_step: usize,
+    /// `finalize_and_reduce` as the CPU backend runs it (staged).
+    pub fused: usize,
+    /// The least any fused implementation can move.
+    pub minimum: usize,
+}
+
+impl ReduceBytes {
+    /// The model of [`ReduceBytes`] for `layout`, top-k `top_k` and rows of
+    /// `hidden` elements of `dtype`.
+    pub fn new(layout: &SpLayout, top_k: usize, hidden: usize, dtype: DType) -> Self {
+        let (n, total, m) = (layout.ep_size(), layout.total_rows(), layout.max_rows());
+        let row = hidden * dtype.size();
+        let gather = total * top_k * (row + 8);
+        let pad = if layout.is_uniform() { 0 } else { 2 * total * row };
+        let collect = n * m * row + m * row;
+        ReduceBytes {
+            two_step: gather + total * row + pad + 2 * (n - 1) * m * row + collect,
+            fused: gather + total * row + collect,
+            minimum: gather + m * row,
+        }
+    }
+
+    /// `two_step / fused`: the speedup of the staged fused path at equal bandwidth.
+    pub fn bound(&self) -> f64 {
+        self.two_step as f64 / self.fused as f64
+    }
+
+    /// `two_step / minimum`: the speedup no fused implementation can pass.
+    pub fn ceiling(&self) -> f64 {
+        self.two_step as f64 / self.minimum as f64
     }
 }
 
@@ -280,5 +339,39 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
     })?;
     let fused_s = times.iter().map(|t| t.0).fold(0.0, f64::max);
     let unfused_s = times.iter().map(|t| t.1).fold(0.0, f64::max);
-    Ok(ReduceReport { fused_s, unfused_s })
+    Ok(ReduceReport { fused_s, unfused_s, bytes: ReduceBytes::new(&layout, k, h, cfg.dtype) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The limits in the doc of [`ReduceBytes`], for even layouts of 2, 4
+    /// and 8 ranks at top-k 8 and 2, with rows long enough that the index and
+    /// scale bytes are under 0.1% of a row.
+    #[test]
+    fn reduce_bytes_reach_the_even_layout_limits() {
+        for (ranks, k) in [(2usize, 8usize), (4, 8), (8, 8), (4, 2)] {
+            let layout = SpLayout::new(&vec![64; ranks]).unwrap();
+            let b = ReduceBytes::new(&layout, k, 1 << 16, DType::BF16);
+            let (k, n) = (k as f64, ranks as f64);
+            let bound = (k + 4.0 - 1.0 / n) / (k + 2.0 + 1.0 / n);
+            let ceiling = (k + 4.0 - 1.0 / n) / (k + 1.0 / n);
+            assert!((b.bound() / bound - 1.0).abs() < 1e-3, "{ranks} ranks, K {k}: {} vs {bound}", b.bound());
+            assert!((b.ceiling() / ceiling - 1.0).abs() < 1e-3, "{ranks} ranks, K {k}: {} vs {ceiling}", b.ceiling());
+        }
+        // 4 ranks at K = 8, the shapes of `ci/bench.sh`: no fused op reaches 1.5x.
+        let b = ReduceBytes::new(&SpLayout::from_dp_tokens(&[2048, 2048], 2).unwrap(), 8, 4096, DType::BF16);
+        assert!(b.ceiling() < 1.43 && b.bound() < 1.15, "{b:?}");
+    }
+
+    /// An uneven layout, counted by hand: rows [3, 1] (N = 4, M = 3, n = 2),
+    /// K = 2, 4 f32 elements a row (R = 16 bytes).
+    #[test]
+    fn reduce_bytes_of_an_uneven_layout() {
+        let b = ReduceBytes::new(&SpLayout::new(&[3, 1]).unwrap(), 2, 4, DType::F32);
+        // G = 4*2*(16+8) = 192; N*R = 64; pad copy 2*64 = 128; peers' staging
+        // 2*1*3*16 = 96; reading one block per rank 2*3*16 = 96; the shard 48.
+        assert_eq!(b, ReduceBytes { two_step: 192 + 64 + 128 + 96 + 96 + 48, fused: 192 + 64 + 96 + 48, minimum: 240 });
+    }
 }

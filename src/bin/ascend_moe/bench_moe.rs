@@ -8,6 +8,8 @@
 //! `finalize_and_reduce`: DP x TP ranks as threads, the fused EP/SP finalize
 //! (`finalize_and_reduce`) against `moe_finalize_routing` followed by
 //! `maybe_pad_and_reduce`; times are the slowest rank's, best repetition.
+//! `bound` and `ceiling` are the speedups the bytes each path moves allow
+//! (`ReduceBytes`).
 
 use ascend_moe::testing::bench::{bench_finalize, bench_finalize_and_reduce, FinalizeBench, ReduceBench};
 use ascend_moe::DType;
@@ -170,7 +172,16 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
                     })
                     .collect();
             if a.json {
-                let objs: Vec<String> = rows.iter().map(|f| json_object(f)).collect();
+                // JSON only (the CSV keeps its columns): the byte model of both paths.
+                let b = r.bytes;
+                let model = [
+                    ("two_step_bytes", b.two_step.to_string()),
+                    ("fused_bytes", b.fused.to_string()),
+                    ("min_bytes", b.minimum.to_string()),
+                    ("bound", format!("{:.4}", b.bound())),
+                    ("ceiling", format!("{:.4}", b.ceiling())),
+                ];
+                let objs: Vec<String> = rows.iter().map(|f| json_object(&[f.as_slice(), &model].concat())).collect();
                 println!("{{\"bench\":\"finalize_and_reduce\",\"world\":{world},\"rows\":[{}]}}", objs.join(","));
             } else {
                 print_csv(&rows);
@@ -179,11 +190,11 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
         }
         Ok(r) => {
             println!(
-                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10} {:>12} {:>8}",
-                "dp_tokens", "tp", "K", "H", "dtype", "fused ms", "two-step ms", "speedup"
+                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10} {:>12} {:>8} {:>6} {:>8}",
+                "dp_tokens", "tp", "K", "H", "dtype", "fused ms", "two-step ms", "speedup", "bound", "ceiling"
             );
             println!(
-                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10.2} {:>12.2} {:>8.2}",
+                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10.2} {:>12.2} {:>8.2} {:>6.2} {:>8.2}",
                 format!("{:?}", a.dp_tokens),
                 a.tp,
                 a.top_k,
@@ -191,7 +202,16 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
                 dtype,
                 r.fused_s * 1e3,
                 r.unfused_s * 1e3,
-                r.speedup()
+                r.speedup(),
+                r.bytes.bound(),
+                r.bytes.ceiling()
+            );
+            println!(
+                "bound: the speedup at equal bandwidth from the bytes each path moves ({:.1} and {:.1} MB on the \
+                 slowest rank); ceiling: the same for the least any fused op moves ({:.1} MB)",
+                r.bytes.two_step as f64 / 1e6,
+                r.bytes.fused as f64 / 1e6,
+                r.bytes.minimum as f64 / 1e6
             );
             0
         }
