@@ -232,7 +232,10 @@ impl ReduceReport {
 ///   row read once and every output row written once.
 ///
 /// For an even layout and a large `R`: `two_step / fused -> (K+4-1/n) /
-/// (K+2+1/n)` and `two_step / minimum -> (K+4-1/n) / (K+1/n)`.
+/// (K+2+1/n)` and `two_step / minimum -> (K+4-1/n) / (K+1/n)`. On one rank
+/// both come out equal: the fused op runs the two-step code there. The model
+/// assumes a row fits a staging region (1 MiB on 4 ranks: H up to 512 Ki
+/// bf16 elements); a longer row takes the two-step path in the fused op too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReduceBytes {
     /// `moe_finalize_routing` then `maybe_pad_and_reduce`.
