@@ -144,6 +144,22 @@ def pick(flags: set[str], *alternatives: list[tuple[str, object]]) -> list[str]:
     return []
 
 
+# T*K*H from which a finalize_and_reduce shape gets --fin-iters timed calls (4096x8x4096).
+FAR_FULL_ITERS_FROM = 4096 * 8 * 4096
+
+
+def far_iters(shape: str, fin_iters: int) -> int:
+    """Timed calls of the finalize_and_reduce shape `shape` (`TxKxH`; "" when the CLI takes every shape
+    in one call): `fin_iters` from FAR_FULL_ITERS_FROM up, and up to 8x more below it. A call of a few
+    milliseconds on ranks that share 2 cores is timed as its slowest rank's best call, and 5 calls were
+    too few: at 1024x8x2048 one binary gave a speedup of 0.85-1.72 over six runs of 5 calls, and
+    1.12-1.25 over six runs of 40."""
+    if not shape.strip():
+        return fin_iters
+    t, k, h = common.parse_shape(shape.strip())
+    return fin_iters * max(1, min(8, FAR_FULL_ITERS_FROM // (t * k * h)))
+
+
 def ladders(sizes: list[int], factor: int) -> list[list[int]]:
     """Sorted sizes cut into runs s, s*factor, s*factor^2, ... (what --min/--max-bytes can ask for)."""
     out: list[list[int]] = []
@@ -288,16 +304,6 @@ def main() -> int:
             out.append((f" {sh}", pick(fl, tokens + [("--topk", k)] + kh, tokens + [("--top-k", k)] + kh)))
         return out
 
-    def far_iters(label):
-        """Timed calls of one finalize_and_reduce shape: --fin-iters from T*K*H = 4096*8*4096 up, and
-        up to 8x more below it. A call of a few milliseconds on ranks that share 2 cores is timed as
-        its slowest rank's best call, and 5 calls were too few: at 1024x8x2048 one binary gave a
-        speedup of 0.85-1.72 over six runs of 5 calls, and 1.12-1.25 over six runs of 40."""
-        if not label.strip():
-            return args.fin_iters
-        t, k, h = common.parse_shape(label.strip())
-        return args.fin_iters * max(1, min(8, (4096 * 8 * 4096) // max(1, t * k * h)))
-
     # The step list of one run (name, kind, impl, command, meta); the same for every run.
     plan: list[tuple[str, str, str, list[str], dict]] = []
     if "triad" not in skip:
@@ -366,7 +372,7 @@ def main() -> int:
                     pick(fl, [("--ranks", args.far_world)]) if "--dp-tokens" not in fl else [],
                     shape_args,
                     dtype_flag(fl, dt),
-                    iter_flags(fl, far_iters(label), 1),
+                    iter_flags(fl, far_iters(label, args.fin_iters), 1),
                     out_format(fl),
                 )
                 meta = {"world": args.far_world, "dtype": dt}

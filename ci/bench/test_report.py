@@ -500,6 +500,17 @@ class Definitions(unittest.TestCase):
         self.assertEqual(run.ladders([m, 4 * m, 16 * m, 32 * m, 64 * m], 4), [[m, 4 * m, 16 * m], [32 * m], [64 * m]])
         self.assertEqual(run.ladders([4, 1, 2], 2), [[1, 2, 4]])
 
+    def test_small_fused_shapes_get_more_calls(self):
+        import run
+
+        # T*K*H: 2^27 at 4096x8x4096 (5 calls), 2^24 at 1024x8x2048 (8x, the cap), 2^26 at 2048x8x4096 (2x).
+        self.assertEqual(run.far_iters(" 4096x8x4096", 5), 5)
+        self.assertEqual(run.far_iters(" 8192x8x7168", 5), 5)
+        self.assertEqual(run.far_iters(" 1024x8x2048", 5), 40)
+        self.assertEqual(run.far_iters(" 2048x8x4096", 5), 10)
+        self.assertEqual(run.far_iters(" 16x8x4096", 3), 24)
+        self.assertEqual(run.far_iters("", 5), 5)
+
     def test_reader_accepts_header_and_synonyms(self):
         text = json.dumps(
             {
