@@ -163,6 +163,33 @@ fn finalize_json() {
     assert!((num("gbps") - num("bytes") / (t * 1e3)).abs() <= 1e-3 * (1.0 + num("gbps")), "{json}");
 }
 
+/// Without `--threads` the bench runs the default call: `ASCEND_MOE_NUM_THREADS`
+/// threads, but only as many as have 65,536 output elements each, and one for
+/// a decode-size call.
+#[test]
+fn finalize_threads_default_to_the_library_choice() {
+    let threads = |tokens: &str, hidden: &str, env: &str| {
+        let out = Command::new(EXE)
+            .args(["bench", "finalize", "--tokens", tokens, "--top-k", "1", "--hidden", hidden])
+            .args(["--dtype", "f32", "--iters", "1", "--json"])
+            .env("ASCEND_MOE_NUM_THREADS", env)
+            .output()
+            .expect("run ascend-moe");
+        let json = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{json}{}", String::from_utf8_lossy(&out.stderr));
+        field(&json, "threads").parse::<usize>().unwrap_or_else(|e| panic!("threads: {e}: {json}"))
+    };
+    // [4, 4096]: 16,384 output elements, under one thread's share.
+    assert_eq!(threads("4", "4096", "4"), 1);
+    // [48, 4096]: 196,608 elements = 3 shares; the variable allows 4.
+    assert_eq!(threads("48", "4096", "4"), 3);
+    // [64, 4096]: 4 shares, and the variable allows only 2.
+    assert_eq!(threads("64", "4096", "2"), 2);
+    let out = Command::new(EXE).args(["bench", "finalize", "--threads", "0"]).output().expect("run ascend-moe");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("threads >= 1"));
+}
+
 #[test]
 fn finalize_and_reduce_csv() {
     let (csv, _) = run(&[

@@ -953,7 +953,8 @@ def decode_section(ds) -> list[str]:
     L.append(
         f"[rows, H] tensors, {common.DECODE_WORLD} process ranks for the collectives (ours: `bench collectives "
         "--procs`; size = the [rows, H] tensor: reduce_scatter's input, all_gather's output); finalize: T = rows, "
-        f"K = {common.DECODE_TOPK}, ours `bench finalize` (best call) against numpy (best call). Collectives: the "
+        f"K = {common.DECODE_TOPK}, ours `bench finalize` (the threads a default call uses; best call) against "
+        "numpy (best call). Collectives: the "
         "median call, slowest rank. Figures: median [min–max] over runs; `ours/x` = ours time / x's time in "
         "the same run (below 1 = ours is faster)."
     )

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::set_num_threads;
+use crate::backend::cpu::{finalize_threads, set_num_threads};
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
 use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};
@@ -28,21 +28,24 @@ pub struct FinalizeBench {
     pub hidden: usize,
     /// Data dtype.
     pub dtype: DType,
-    /// Kernel threads.
-    pub threads: usize,
+    /// Kernel threads; `None` runs the default call, on the threads the
+    /// library picks for the shape ([`finalize_threads`]).
+    pub threads: Option<usize>,
     /// Timed repetitions (the best is reported).
     pub iters: usize,
 }
 
 impl Default for FinalizeBench {
     fn default() -> Self {
-        FinalizeBench { tokens: 4096, top_k: 8, hidden: 4096, dtype: DType::BF16, threads: 2, iters: 5 }
+        FinalizeBench { tokens: 4096, top_k: 8, hidden: 4096, dtype: DType::BF16, threads: None, iters: 5 }
     }
 }
 
 /// Result of [`bench_finalize`].
 #[derive(Debug, Clone)]
 pub struct FinalizeReport {
+    /// Threads the kernel and the triad ran on.
+    pub threads: usize,
     /// Bytes the kernel must move (expanded_x + x1 read, out written; indices and scales).
     pub bytes: usize,
     /// Best kernel time into a preallocated output, seconds.
@@ -124,7 +127,7 @@ pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
 /// permutation, f32 scales, x1 present).
 pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
     let (n, k, h) = (cfg.tokens, cfg.top_k, cfg.hidden);
-    if n == 0 || k == 0 || h == 0 || cfg.iters == 0 || !cfg.dtype.is_float() {
+    if n == 0 || k == 0 || h == 0 || cfg.iters == 0 || cfg.threads == Some(0) || !cfg.dtype.is_float() {
         return Err(Error::invalid("bench_finalize", "config", format!("{cfg:?}")));
     }
     let x = filled(&[n * k, h], cfg.dtype, 1)?;
@@ -144,7 +147,8 @@ pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
     };
     let es = cfg.dtype.size();
     let bytes = (n * k * h + 2 * n * h) * es + n * k * 8;
-    set_num_threads(Some(cfg.threads));
+    set_num_threads(cfg.threads);
+    let threads = finalize_threads(n, h);
     let (shape, dims) = moe_finalize_routing_output_shape(&args)?;
     let backend = Device::Cpu.backend();
     let mut out = backend.zeros(&shape, cfg.dtype)?;
@@ -168,8 +172,8 @@ pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
     let r = run();
     set_num_threads(None);
     r?;
-    let triad_s = triad_seconds(bytes, cfg.threads, cfg.iters);
-    Ok(FinalizeReport { bytes, kernel_s, op_s, triad_s })
+    let triad_s = triad_seconds(bytes, threads, cfg.iters);
+    Ok(FinalizeReport { threads, bytes, kernel_s, op_s, triad_s })
 }
 
 /// Sizes of the finalize-and-reduce benchmark.

@@ -10,4 +10,4 @@ pub(crate) mod host_pool;
 pub use backend_impl::CpuBackend;
 pub use buffer::CpuBuffer;
 pub use comm::{segment_path, shm_dir, CpuComm, CpuCommConfig, MAX_WORLD};
-pub use finalize::{default_num_threads, set_num_threads, set_wide_simd};
+pub use finalize::{default_num_threads, finalize_threads, set_num_threads, set_wide_simd};

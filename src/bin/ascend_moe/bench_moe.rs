@@ -28,9 +28,10 @@ pub struct FinalizeArgs {
     /// Data dtype.
     #[arg(long, default_value = "bf16")]
     dtype: String,
-    /// Kernel threads.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
+    /// Kernel threads [default: the library's own count for the shape:
+    /// ASCEND_MOE_NUM_THREADS, else the cores, fewer for a small call]
+    #[arg(long)]
+    threads: Option<usize>,
     /// Timed repetitions (best reported).
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -50,9 +51,14 @@ pub fn finalize(a: FinalizeArgs) -> i32 {
             return 2;
         }
     };
+    if a.threads == Some(0) {
+        eprintln!("error: need threads >= 1");
+        return 2;
+    }
     let cfg =
         FinalizeBench { tokens: a.tokens, top_k: a.top_k, hidden: a.hidden, dtype, threads: a.threads, iters: a.iters };
-    eprintln!("finalize {}x{}x{} {dtype} on {} threads ...", a.tokens, a.top_k, a.hidden, a.threads);
+    let on = a.threads.map_or("the default threads".to_string(), |t| format!("{t} threads"));
+    eprintln!("finalize {}x{}x{} {dtype} on {on} ...", a.tokens, a.top_k, a.hidden);
     match bench_finalize(&cfg) {
         Ok(r) if a.json || a.csv => {
             // Field names as ci/bench/README.md reads them; floor = the same-run triad moving the same bytes.
@@ -62,7 +68,7 @@ pub fn finalize(a: FinalizeArgs) -> i32 {
                 ("tokens", a.tokens.to_string()),
                 ("topk", a.top_k.to_string()),
                 ("hidden", a.hidden.to_string()),
-                ("threads", a.threads.to_string()),
+                ("threads", r.threads.to_string()),
                 ("bytes", r.bytes.to_string()),
                 ("iters", a.iters.to_string()),
                 ("time_us", format!("{:.3}", r.kernel_s * 1e6)),
@@ -86,7 +92,7 @@ pub fn finalize(a: FinalizeArgs) -> i32 {
                 a.top_k,
                 a.hidden,
                 dtype,
-                a.threads,
+                r.threads,
                 r.bytes as f64 / 1e6,
                 r.kernel_s * 1e3,
                 r.kernel_gbps(),

@@ -2,7 +2,7 @@
 //! slices: output rows split into contiguous chunks, one per thread.
 
 use super::lanes::{accumulate_group, fused_dispatch, Lanes, GROUP};
-use super::threads::{threads_for, WIDE_SIMD};
+use super::threads::{finalize_threads, WIDE_SIMD};
 
 /// What one output token gathers. Shared by finalize and unpermute.
 pub(super) struct Gather<'a, T> {
@@ -252,7 +252,7 @@ impl<T: Lanes> Gather<'_, T> {
         if out_rows == 0 || h == 0 {
             return;
         }
-        let threads = threads_for(out_rows, h);
+        let threads = finalize_threads(out_rows, h);
         let chunk_rows = out_rows.div_ceil(threads);
         let wide = WIDE_SIMD.with(|w| w.get());
         let work = |first_row: usize, chunk: &mut [T]| {

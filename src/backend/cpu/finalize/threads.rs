@@ -1,6 +1,7 @@
 //! The thread count and SIMD width the CPU kernels use, per calling thread.
 
 use std::cell::Cell;
+use std::sync::OnceLock;
 
 /// Elements of output a thread must have before another thread is worth spawning.
 const MIN_ELEMS_PER_THREAD: usize = 1 << 16;
@@ -30,11 +31,23 @@ pub fn default_num_threads() -> usize {
         .ok()
         .and_then(|s| s.trim().parse::<usize>().ok())
         .filter(|n| *n > 0)
-        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
+        .unwrap_or_else(cores)
 }
 
-/// Threads for a call producing `rows` rows of `h` elements.
-pub(super) fn threads_for(rows: usize, h: usize) -> usize {
+/// The available parallelism, asked once per process: on Linux the question
+/// reads the cgroup's CPU quota files, which takes longer (about 13 us on a
+/// 2-core VM) than a whole decode-size finalize, and every default call asks it.
+fn cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Threads a finalize producing `rows` rows of `h` elements uses when called
+/// from the current thread: the count forced by [`set_num_threads`], else
+/// [`default_num_threads`] lowered so that every thread writes at least
+/// 65,536 elements (a smaller call runs on the calling thread alone: starting
+/// a thread costs more than it saves there). Never more threads than rows.
+pub fn finalize_threads(rows: usize, h: usize) -> usize {
     let t = match THREADS.with(|t| t.get()) {
         Some(n) => n,
         None => default_num_threads().min((rows * h / MIN_ELEMS_PER_THREAD).max(1)),
