@@ -66,6 +66,13 @@ def dtype_code(arg: str, dtype) -> int:
             f"`{arg}` has dtype {name}, expected one of float32, float16, bfloat16 (ml_dtypes), int32, int64, "
             "int8, uint8, bool, float8_e4m3fn, float8_e5m2 (ml_dtypes)",
         )
+    if isinstance(dtype, np.dtype) and not dtype.isnative:
+        # numpy names '>f4' float32 too; the library reads native byte order.
+        raise error(
+            Status.DTYPE,
+            f"`{arg}` has dtype {name} in non-native byte order ({dtype.str}); pass it as "
+            f"`.astype(x.dtype.newbyteorder('='))`",
+        )
     return DTYPE_CODES[name]
 
 

@@ -148,6 +148,22 @@ def test_argument_errors_are_value_and_type_errors():
     with pytest.raises(TypeError, match="float64") as e:
         am.all_reduce(np.zeros(3), None)
     assert isinstance(e.value, am.DTypeError) and e.value.status is am.Status.DTYPE
+
+
+def test_non_native_byte_order_is_refused_not_misread():
+    # numpy names '>f4' float32 as well; the library would read its bytes as
+    # little-endian floats. A native call first, so the dtype is already known.
+    x, idx = np.arange(8, dtype=np.float32).reshape(4, 2), np.array([2, 0, 3, 1], np.int32)
+    y = am.moe_token_unpermute(x, idx)
+    np.testing.assert_array_equal(y, x[[2, 0, 3, 1]])
+    with pytest.raises(TypeError, match=r"`permuted` has dtype float32 in non-native byte order \(>f4\)") as e:
+        am.moe_token_unpermute(x.astype(">f4"), idx)
+    assert isinstance(e.value, am.DTypeError)
+    with pytest.raises(TypeError, match="`sorted_indices` .* non-native byte order"):
+        am.moe_token_unpermute(x, idx.astype(">i4"))
+    with pytest.raises(TypeError, match="`out` .* non-native byte order"):
+        am.moe_token_unpermute(x, idx, out=np.zeros((4, 2), ">f4"))
+    np.testing.assert_array_equal(am.moe_token_unpermute(x.astype("<f4"), idx), y)
     with pytest.raises(ValueError, match="unknown MoE comm type 7"):
         am.routed_is_reduced(7, False)
     with pytest.raises(ValueError, match="unknown reduce op 'prod' \\(expected one of sum, max, min\\)"):
