@@ -58,7 +58,17 @@ def dtype_name(dtype) -> str:
     return s[len("torch.") :] if s.startswith("torch.") else (np.dtype(dtype).name if not isinstance(dtype, str) else s)
 
 
+# The code of every dtype object (numpy, ml_dtypes, torch) or name already
+# accepted: naming a numpy dtype costs microseconds, and every operand of every
+# call asks. Only accepted dtypes are kept, so it holds a few entries.
+_CODE_OF: dict = {}
+
+
 def dtype_code(arg: str, dtype) -> int:
+    try:
+        return _CODE_OF[dtype]
+    except (KeyError, TypeError):
+        pass
     name = dtype_name(dtype)
     if name not in DTYPE_CODES:
         raise error(
@@ -73,7 +83,12 @@ def dtype_code(arg: str, dtype) -> int:
             f"`{arg}` has dtype {name} in non-native byte order ({dtype.str}); pass it as "
             f"`.astype(x.dtype.newbyteorder('='))`",
         )
-    return DTYPE_CODES[name]
+    code = DTYPE_CODES[name]
+    try:
+        _CODE_OF[dtype] = code
+    except TypeError:
+        pass
+    return code
 
 
 def _torch_tensor(x) -> bool:
@@ -92,24 +107,19 @@ class Desc:
     and dtype only), keeping everything it points to alive. `obj` is the
     array or tensor it describes; `npu` the NPU ordinal, None for host memory."""
 
+    __slots__ = ("arg", "obj", "npu", "shape", "shape_buf", "c", "ptr")
+
     def __init__(self, arg: str, shape, dtype, obj=None, data=None, npu: int | None = None):
-        shape = tuple(int(s) for s in shape)
+        # Every operand of every call builds one: kept to one ctypes call each
+        # for the shape array, the struct and its pointer (`ptr`).
+        shape = tuple(map(int, shape))
         if len(shape) > MAX_NDIM:
             raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
         self.arg, self.obj, self.npu, self.shape = arg, obj, npu, shape
-        self.shape_buf = (c_size_t * max(len(shape), 1))(*shape)
-        self.c = Tensor()
-        self.c.data = data
-        self.c.dtype = dtype_code(arg, dtype)
-        self.c.ndim = len(shape)
-        self.c.shape = ctypes.cast(self.shape_buf, ctypes.POINTER(c_size_t))
-        self.c.strides = None
-        self.c.device_kind = DEVICE_NPU if npu is not None else DEVICE_CPU
-        self.c.device_ordinal = npu if npu is not None else 0
-
-    @property
-    def ptr(self):
-        return ctypes.pointer(self.c)
+        self.shape_buf = (c_size_t * (len(shape) or 1))(*shape)
+        kind, ordinal = (DEVICE_CPU, 0) if npu is None else (DEVICE_NPU, npu)
+        self.c = Tensor(data, dtype_code(arg, dtype), len(shape), self.shape_buf, None, kind, ordinal)
+        self.ptr = ctypes.pointer(self.c)
 
 
 def as_array(arg: str, x) -> np.ndarray:
@@ -398,7 +408,10 @@ class Operands:
 def desc_meta(arg: str, x) -> Desc:
     """A descriptor with shape and dtype only: `x` is anything with `.shape` and
     `.dtype` (numpy array, torch tensor incl. meta / fake tensors) or a
-    `(shape, dtype)` pair."""
+    `(shape, dtype)` pair. An op passes the descriptors of its operands, which
+    the shape functions take as they are (they read only shape and dtype)."""
+    if isinstance(x, Desc):
+        return x
     if isinstance(x, tuple) and len(x) == 2 and not hasattr(x, "shape"):
         shape, dtype = x
     else:

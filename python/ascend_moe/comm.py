@@ -199,7 +199,7 @@ def _op(op) -> int:
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
     o = Operands(stream)
     s = o.input("x", x)
-    d = o.output(shape_fn(s.obj, comm), s, out)
+    d = o.output(shape_fn(s, comm), s, out)
     call(name, comm.handle, s.ptr, d.ptr, *extra, o.stream)
     return o.result
 

@@ -82,7 +82,7 @@ def moe_finalize_routing(
     args, keep = shapes.finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
     )
-    y = o.output(shapes.moe_finalize_routing(*[d.obj if d else None for d in keep], drop_pad_mode), keep[0], out)
+    y = o.output(shapes.moe_finalize_routing(*keep, drop_pad_mode), keep[0], out)
     call("amoe_moe_finalize_routing", args, y.ptr, o.stream)
     return o.result
 
@@ -91,7 +91,7 @@ def moe_token_unpermute(permuted, sorted_indices, probs=None, *, out=None, strea
     """`out[t] = sum_k probs[t,k] * permuted[sorted_indices[t*K + k]]`, `[T, H...]`."""
     o = Operands(stream)
     p, s, pr = o.input("permuted", permuted), o.input("sorted_indices", sorted_indices), o.optional("probs", probs)
-    y = o.output(shapes.moe_token_unpermute(p.obj, s.obj, pr.obj if pr else None), p, out)
+    y = o.output(shapes.moe_token_unpermute(p, s, pr), p, out)
     call("amoe_moe_token_unpermute", p.ptr, s.ptr, pr.ptr if pr else None, y.ptr, o.stream)
     return o.result
 
@@ -102,7 +102,7 @@ def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
     o = Operands(stream)
     d = o.input("x", x)
     ls, n = _layout_arg(layout)
-    y = o.output(shapes.maybe_pad_and_reduce(d.obj, layout, ep_comm), d, out)
+    y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
     call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
     return o.result
 
@@ -115,7 +115,7 @@ def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stre
     ls, n = _layout_arg(layout)
     # The shape function checks x's rows against this rank's layout entry
     # before any collective starts.
-    y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d.obj, layout, ep_comm), d, out)
+    y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
     call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
     return o.result
 
@@ -140,8 +140,7 @@ def finalize_and_reduce(
     args, keep = shapes.finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
     )
-    objs = [d.obj if d else None for d in keep]
-    shape = shapes.finalize_and_reduce(objs[0], objs[1], layout, ep_comm, *objs[2:], drop_pad_mode)
+    shape = shapes.finalize_and_reduce(keep[0], keep[1], layout, ep_comm, *keep[2:], drop_pad_mode)
     y = o.output(shape, keep[0], out)
     ls, n = _layout_arg(layout)
     call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, y.ptr, o.stream)
@@ -151,7 +150,7 @@ def finalize_and_reduce(
 def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream):
     o = Operands(stream)
     d = o.input("x", x)
-    y = o.output(shape_fn(d.obj, *counts, tp_comm), d, out)
+    y = o.output(shape_fn(d, *counts, tp_comm), d, out)
     call(name, d.ptr, *counts, tp_comm.handle, y.ptr, o.stream)
     return o.result
 

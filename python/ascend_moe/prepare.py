@@ -136,7 +136,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     comm types return None and leave `mc2_mask` untouched."""
     o = Operands(stream)
     d = o.input("x", x)
-    shape = token_prepare_shape(d.obj, comm_type, ctx)
+    shape = token_prepare_shape(d, comm_type, ctx)
     y = o.output(shape, d, out)
     has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
     mask = None
@@ -178,6 +178,6 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
     (default a new one where `y` lives)."""
     o = Operands(stream)
     d = o.input("y", y)
-    r = o.output(token_finalize_shape(d.obj, comm_type, ctx), d, out)
+    r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
     call("amoe_token_finalize", d.ptr, int(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
     return o.result
