@@ -10,6 +10,12 @@ gives the medians over `--rounds` rounds of: kernel, floor, Python (`out=`),
 Python (allocating), Python / kernel and floor / Python (both forms; every
 round keeps its own floor / Python, and the worst allocating round is given).
 
+Decode-size finalize (`--decode-tokens`, default 1 and 16 rows of the same
+K and H): the same two forms against the CLI's kernel, both on the threads a
+default call uses (the CLI without `--threads`), best of `--decode-iters`
+calls each, medians over the rounds in microseconds: what the package adds to
+a call whose kernel takes microseconds.
+
 Collectives: `--ranks` Python processes, each a rank of one CPU world, time
 all_reduce, reduce_scatter and all_gather of `--bytes` per rank (bf16; the
 reduce_scatter output and all_gather's per-rank input are bytes / ranks, as
@@ -110,6 +116,33 @@ def bench_finalize(a) -> dict:
     }
 
 
+def bench_finalize_decode(a) -> list[dict]:
+    """Decode-size finalize: the Python op (`out=` and allocating) against the
+    CLI's kernel on the threads a default call uses, per row count."""
+    res = []
+    for tokens in a.decode_tokens:
+        inputs = np_finalize.make_inputs(tokens, a.topk, a.hidden, "bf16")
+        cmd = [a.bin, "bench", "finalize", "--tokens", str(tokens), "--top-k", str(a.topk), "--hidden", str(a.hidden)]
+        cmd += ["--dtype", "bf16", "--iters", str(a.decode_iters), "--json"]
+        rounds = []
+        for _ in range(a.rounds):
+            r = cli_json(cmd)[0]
+            py = python_finalize_s(inputs, a.decode_iters, reuse_out=True)
+            alloc = python_finalize_s(inputs, a.decode_iters, reuse_out=False)
+            rounds.append({"kernel_s": r["time_us"] / 1e6, "threads": r["threads"], "python_s": py, "python_alloc_s": alloc})
+        res.append(
+            {
+                "shape": f"{tokens}x{a.topk}x{a.hidden}",
+                "threads": rounds[0]["threads"],
+                "rounds": rounds,
+                **{f"{k[:-2]}_us": median(r[k] for r in rounds) * 1e6 for k in ("kernel_s", "python_s", "python_alloc_s")},
+                "python_over_kernel": median(r["python_s"] / r["kernel_s"] for r in rounds),
+                "python_alloc_over_kernel": median(r["python_alloc_s"] / r["kernel_s"] for r in rounds),
+            }
+        )
+    return res
+
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
@@ -207,7 +240,9 @@ def main() -> int:
     p.add_argument("--bytes", type=int, default=32 << 20, help="bytes per rank of the collectives")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--skip", default="", help="finalize,collectives")
+    p.add_argument("--decode-tokens", type=lambda s: [int(t) for t in s.split(",") if t], default=[1, 16])
+    p.add_argument("--decode-iters", type=int, default=200)
+    p.add_argument("--skip", default="", help="finalize,decode,collectives")
     a = p.parse_args()
     if not a.bin:
         p.error("--bin or ASCEND_MOE_BIN is required")
@@ -226,6 +261,14 @@ def main() -> int:
             f"(kernel {f['floor_over_kernel']:.3f})",
             file=sys.stderr,
         )
+    if "decode" not in a.skip:
+        doc["finalize_decode"] = bench_finalize_decode(a)
+        for d in doc["finalize_decode"]:
+            print(
+                f"finalize {d['shape']} bf16, {d['threads']} thread(s): kernel {d['kernel_us']:.1f} us, "
+                f"python out= {d['python_us']:.1f} us, allocating {d['python_alloc_us']:.1f} us",
+                file=sys.stderr,
+            )
     if "collectives" not in a.skip:
         c = bench_collectives(a)
         doc["collectives"] = c

@@ -944,6 +944,16 @@ def api_section(api) -> list[str]:
                              _num(o["cli_ms"]), _num(o["python_alloc_ms"]), _num(o["python_alloc_over_cli"]), ""))
     L.append(_table(["op", "case", "kernel / CLI (ms)", "public API (ms)", "API / kernel", "floor / API"], rows))
     L.append("")
+    dec = api.get("finalize_decode")
+    if dec:
+        L.append("Decode-size finalize through Python (numpy bf16; microseconds, medians over the rounds of the best "
+                 "call; kernel = `bench finalize` on the threads a default call uses):")
+        L.append("")
+        rows = [(d["shape"], d["threads"], _num(d["kernel_us"]), _num(d["python_us"]), _num(d["python_alloc_us"]),
+                 _num(d["python_over_kernel"]), _num(d["python_alloc_over_kernel"])) for d in dec]
+        L.append(_table(["case", "threads", "kernel (us)", "`out=` (us)", "allocating (us)", "`out=` / kernel",
+                         "allocating / kernel"], rows))
+        L.append("")
     return L
 
 

@@ -324,6 +324,10 @@ class ApiGlooDecodeReport(unittest.TestCase):
                     for p, a in zip(cls.PY_S, cls.ALLOC_S)
                 ],
             },
+            "finalize_decode": [
+                {"shape": "1x8x4096", "threads": 1, "kernel_us": 4.0, "python_us": 20.0, "python_alloc_us": 30.0,
+                 "python_over_kernel": 5.0, "python_alloc_over_kernel": 7.5, "rounds": []},
+            ],
             "collectives": {
                 "ranks": 4,
                 "bytes": S32,
@@ -370,6 +374,10 @@ class ApiGlooDecodeReport(unittest.TestCase):
         self.assertGreaterEqual(sorted(self.FLOOR_S / a for a in self.ALLOC_S)[1], 0.85)
         self.assertIn("not reached", ln)
         self.assertIn("worst round 0.5", ln)
+
+    def test_decode_finalize_through_python(self):
+        self.assertIn("Decode-size finalize through Python", self.md)
+        self.assertIn("| 1x8x4096 | 1 | 4 | 20 | 30 | 5 | 7.5 |", self.md)
 
     def test_python_collectives_against_the_cli(self):
         for op, key, ok in (
