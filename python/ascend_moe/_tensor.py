@@ -11,6 +11,7 @@ non-contiguous NPU tensor or `out` is an error."""
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 import threading
@@ -250,7 +251,7 @@ def host_empty(shape, dtype) -> np.ndarray:
     would be new pages on every call, each zeroed and mapped by the kernel
     when the op first writes it."""
     dtype = np.dtype(dtype)
-    raw = _pooled_bytes(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    raw = _pooled_bytes(math.prod(shape) * dtype.itemsize)
     if raw is None:
         return np.empty(shape, dtype=dtype)
     return raw.view(dtype).reshape(shape)
@@ -260,8 +261,8 @@ def _torch_host_empty(shape, dtype):
     """`host_empty` for a torch CPU output: a tensor over a pool block (it
     keeps the block alive), or `torch.empty` for small ones."""
     torch = sys.modules["torch"]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = _pooled_bytes(int(np.prod(shape, dtype=np.int64)) * itemsize)
+    itemsize = getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
+    raw = _pooled_bytes(math.prod(shape) * itemsize)
     if raw is None:
         return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(raw).view(dtype).reshape(shape)
