@@ -82,7 +82,7 @@ def moe_finalize_routing(
     args, keep = shapes.finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
     )
-    y = o.output(shapes.moe_finalize_routing(*keep, drop_pad_mode), keep[0], out)
+    y = o.output(shapes._finalize_shape(args), keep[0], out)
     call("amoe_moe_finalize_routing", args, y.ptr, o.stream)
     return o.result
 
@@ -140,7 +140,7 @@ def finalize_and_reduce(
     args, keep = shapes.finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
     )
-    shape = shapes.finalize_and_reduce(keep[0], keep[1], layout, ep_comm, *keep[2:], drop_pad_mode)
+    shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
     y = o.output(shape, keep[0], out)
     ls, n = _layout_arg(layout)
     call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, y.ptr, o.stream)

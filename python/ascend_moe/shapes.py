@@ -64,6 +64,12 @@ def moe_finalize_routing(
     args, _keep = finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_meta
     )
+    return _finalize_shape(args)
+
+
+def _finalize_shape(args) -> tuple:
+    """`moe_finalize_routing`'s output shape from an `amoe_finalize_args`
+    (an op passes the one it runs with)."""
     buf, ndim, out = shape_out()
     call("amoe_moe_finalize_routing_output_shape", args, *out)
     return shape_of(buf, ndim)
@@ -122,6 +128,11 @@ def finalize_and_reduce(
     args, _keep = finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, desc_meta
     )
+    return _finalize_and_reduce_shape(args, layout, ep)
+
+
+def _finalize_and_reduce_shape(args, layout, ep) -> tuple:
+    """`finalize_and_reduce`'s output shape from an `amoe_finalize_args`."""
     ls, n = _layout(layout)
     rank, size = _ep(ep)
     buf, ndim, out = shape_out()
