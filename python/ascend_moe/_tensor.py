@@ -103,6 +103,38 @@ def _tensor_like(x) -> bool:
     return not isinstance(x, np.ndarray) and hasattr(x, "data_ptr") and hasattr(x, "device")
 
 
+# The C part of every descriptor built so far, by what it holds: the data
+# pointer, shape, dtype and NPU ordinal. A descriptor is nothing but those
+# values, so the one built for an earlier call over the same memory, shape and
+# dtype is the same bytes: it is reused, and never points anywhere the key does
+# not name. Cleared when full.
+_CORES: dict = {}
+_CORES_MAX = 1024
+
+
+def _core(arg: str, shape, dtype, data, npu):
+    """`(shape, shape_buf, struct, pointer)` of a descriptor, built once per key."""
+    key = (data, shape, dtype, npu)
+    try:
+        return _CORES[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable shape or dtype
+        pass
+    shape = tuple(map(int, shape))
+    if len(shape) > MAX_NDIM:
+        raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
+    shape_buf = (c_size_t * (len(shape) or 1))(*shape)
+    kind, ordinal = (DEVICE_CPU, 0) if npu is None else (DEVICE_NPU, npu)
+    c = Tensor(data, dtype_code(arg, dtype), len(shape), shape_buf, None, kind, ordinal)
+    core = (shape, shape_buf, c, ctypes.pointer(c))
+    try:
+        if len(_CORES) >= _CORES_MAX:
+            _CORES.clear()
+        _CORES[key] = core
+    except TypeError:
+        pass
+    return core
+
+
 class Desc:
     """An `amoe_tensor` over a host array, host / NPU tensor memory (or a shape
     and dtype only), keeping everything it points to alive. `obj` is the
@@ -111,16 +143,8 @@ class Desc:
     __slots__ = ("arg", "obj", "npu", "shape", "shape_buf", "c", "ptr")
 
     def __init__(self, arg: str, shape, dtype, obj=None, data=None, npu: int | None = None):
-        # Every operand of every call builds one: kept to one ctypes call each
-        # for the shape array, the struct and its pointer (`ptr`).
-        shape = tuple(map(int, shape))
-        if len(shape) > MAX_NDIM:
-            raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
-        self.arg, self.obj, self.npu, self.shape = arg, obj, npu, shape
-        self.shape_buf = (c_size_t * (len(shape) or 1))(*shape)
-        kind, ordinal = (DEVICE_CPU, 0) if npu is None else (DEVICE_NPU, npu)
-        self.c = Tensor(data, dtype_code(arg, dtype), len(shape), self.shape_buf, None, kind, ordinal)
-        self.ptr = ctypes.pointer(self.c)
+        self.arg, self.obj, self.npu = arg, obj, npu
+        self.shape, self.shape_buf, self.c, self.ptr = _core(arg, shape, dtype, data, npu)
 
 
 def as_array(arg: str, x) -> np.ndarray:
@@ -173,6 +197,8 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
 
 def desc_in(arg: str, x) -> Desc:
     """An input descriptor: tensors (cpu or npu) by `data_ptr()`, numpy arrays by their buffer."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:
+        return Desc(arg, x.shape, x.dtype, x, x.ctypes.data)
     if _tensor_like(x):
         return _tensor_desc(arg, x, writable=False)
     a = as_array(arg, x)
@@ -186,19 +212,20 @@ def desc_opt(arg: str, x) -> Desc | None:
 def desc_out(arg: str, out, shape, code: int) -> Desc:
     """A descriptor over the caller's `out`, which must have the op's output
     shape and dtype and be contiguous and writable (it is never copied)."""
-    shape = tuple(int(s) for s in shape)
-    if _tensor_like(out):
-        d = _tensor_desc(arg, out, writable=True)
-    elif isinstance(out, np.ndarray):
-        if not out.flags.c_contiguous or not out.flags.writeable:
+    if isinstance(out, np.ndarray):
+        flags = out.flags
+        if not flags.c_contiguous or not flags.writeable:
             raise error(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
         d = Desc(arg, out.shape, out.dtype, out, out.ctypes.data)
+    elif _tensor_like(out):
+        d = _tensor_desc(arg, out, writable=True)
     else:
         raise error(
             Status.INVALID_ARGUMENT, f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(out).__name__}"
         )
-    if d.shape != shape:
-        raise error(Status.SHAPE, f"`{arg}` has shape {list(d.shape)}, the op's output is {list(shape)}")
+    if d.shape != tuple(shape):
+        shape = [int(s) for s in shape]
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(d.shape)}, the op's output is {shape}")
     if d.c.dtype != code:
         raise error(
             Status.DTYPE, f"`{arg}` has dtype {dtype_name(out.dtype)}, the op's output is {NUMPY_DTYPES[code].name}"
@@ -436,4 +463,4 @@ def shape_out():
 
 
 def shape_of(buf, ndim) -> tuple:
-    return tuple(int(buf[i]) for i in range(ndim.value))
+    return tuple(buf[: ndim.value])

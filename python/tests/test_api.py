@@ -170,6 +170,34 @@ def test_non_native_byte_order_is_refused_not_misread():
         am.all_reduce(np.zeros(3, np.float32), None, op="prod")
 
 
+def test_descriptors_of_earlier_calls_never_describe_other_memory(monkeypatch):
+    # The package keeps the C descriptors it built, by pointer, shape, dtype
+    # and device. The same memory seen with another dtype, byte order or
+    # shape must get its own descriptor, as must new memory at another address.
+    from ascend_moe import _tensor
+
+    buf = np.arange(8, dtype=np.float32)
+    x, idx = buf.reshape(4, 2), np.array([2, 0, 3, 1], np.int32)
+    np.testing.assert_array_equal(am.moe_token_unpermute(x, idx), x[[2, 0, 3, 1]])
+    with pytest.raises(am.DTypeError, match="`permuted` has dtype i32, expected f32"):
+        am.moe_token_unpermute(x.view(np.int32), idx)
+    with pytest.raises(am.DTypeError, match=r"non-native byte order \(>f4\)"):
+        am.moe_token_unpermute(x.view(x.dtype.newbyteorder()), idx)
+    wide = buf.reshape(2, 4)  # the same address and dtype, another shape
+    np.testing.assert_array_equal(am.moe_token_unpermute(wide, idx[:2] // 2), wide[[1, 0]])
+    half = x.view(np.float16)  # same address, [4, 4] float16
+    np.testing.assert_array_equal(am.moe_token_unpermute(half, idx), half[[2, 0, 3, 1]])
+    out = np.full((4, 2), -1, np.float32)
+    am.moe_token_unpermute(x, idx, out=out)
+    with pytest.raises(am.ShapeError, match=r"`out` has shape \[2, 4\], the op's output is \[4, 2\]"):
+        am.moe_token_unpermute(x, idx, out=out.reshape(2, 4))
+    # A full table starts over; every call after it still reads its own arrays.
+    monkeypatch.setattr(_tensor, "_CORES_MAX", 3)
+    for k in range(6):
+        xk = np.arange(4 * (k + 1), dtype=np.float32).reshape(4, k + 1) + 10 * k  # a shape not seen before
+        np.testing.assert_array_equal(am.moe_token_unpermute(xk, idx), xk[[2, 0, 3, 1]])
+        assert len(_tensor._CORES) <= 3
+
 def test_comm_lifecycle_in_threads():
     """Two threads of one process as ranks; ctypes releases the GIL in calls."""
     name = f"pytest-threads-{uuid.uuid4().hex[:12]}"
