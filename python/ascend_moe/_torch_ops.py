@@ -5,9 +5,11 @@ only when torch is importable.
 The real implementations are registered for CPU and for PrivateUse1, the
 dispatch key of torch_npu's NPU tensors. They pass the tensors to the library
 where they are (`data_ptr()`: host memory on the CPU, device memory on the
-NPU, never a host copy), allocate outputs with `torch.empty(...,
-device=x.device)` (torch's caching allocator) and run NPU work on
-`torch.npu.current_stream()`. No other device has a kernel.
+NPU, never a host copy), allocate outputs as the Python API does (NPU ones
+with `torch.empty(..., device=x.device)`, torch's caching allocator; large
+CPU ones over blocks of the library's host reuse pool, small ones with
+`torch.empty`) and run NPU work on `torch.npu.current_stream()`. No other
+device has a kernel.
 
 Ops cannot take Python objects, so a communicator is passed as its
 `Comm.handle_id` (an int), an EP/SP layout as `local_sizes` (a list of ints or
