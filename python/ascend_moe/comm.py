@@ -37,6 +37,7 @@ class Comm:
 
     def __init__(self, handle: int):
         self._h = c_void_p(handle)
+        self._rank_size = None  # (rank, world_size), asked once: a handle's group never changes
         with _REGISTRY_LOCK:
             self._id = next(_NEXT_ID)
             _REGISTRY[self._id] = self
@@ -142,17 +143,22 @@ class Comm:
             raise error(Status.INVALID_ARGUMENT, "the communicator is closed")
         return self._h
 
+    def _ask_rank_size(self) -> tuple:
+        h = self.handle  # refuses a closed communicator on every call
+        if self._rank_size is None:
+            rank, size = c_size_t(), c_size_t()
+            call("amoe_comm_rank", h, ctypes.byref(rank))
+            call("amoe_comm_world_size", h, ctypes.byref(size))
+            self._rank_size = (rank.value, size.value)
+        return self._rank_size
+
     @property
     def rank(self) -> int:
-        out = c_size_t()
-        call("amoe_comm_rank", self.handle, ctypes.byref(out))
-        return out.value
+        return self._ask_rank_size()[0]
 
     @property
     def world_size(self) -> int:
-        out = c_size_t()
-        call("amoe_comm_world_size", self.handle, ctypes.byref(out))
-        return out.value
+        return self._ask_rank_size()[1]
 
     def split(self, ranks) -> "Comm":
         """The sub-group of `ranks` (this group's rank numbers; the list order is

@@ -26,7 +26,12 @@ class SpLayout:
             raise error(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
         if any(s < 0 for s in sizes_):
             raise error(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
-        self.local_sizes = sizes_
+        self._local_sizes = sizes_
+        self._size_array = sizes(sizes_)  # the library's size_t[] of them, built once
+
+    @property
+    def local_sizes(self) -> tuple:
+        return self._local_sizes
 
     @classmethod
     def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int) -> "SpLayout":
@@ -55,13 +60,6 @@ class SpLayout:
 
     def __repr__(self) -> str:
         return f"SpLayout({list(self.local_sizes)})"
-
-
-def _layout_arg(layout):
-    if layout is None:
-        return None, 0
-    arr, n = sizes(layout.local_sizes if isinstance(layout, SpLayout) else layout)
-    return arr, n
 
 
 def moe_finalize_routing(
@@ -101,7 +99,7 @@ def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
     shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
     o = Operands(stream)
     d = o.input("x", x)
-    ls, n = _layout_arg(layout)
+    ls, n = shapes._layout(layout)
     y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
     call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
     return o.result
@@ -112,7 +110,7 @@ def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stre
     rows) concatenated, `[sum(local_sizes), H...]`."""
     o = Operands(stream)
     d = o.input("x", x)
-    ls, n = _layout_arg(layout)
+    ls, n = shapes._layout(layout)
     # The shape function checks x's rows against this rank's layout entry
     # before any collective starts.
     y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
@@ -142,7 +140,7 @@ def finalize_and_reduce(
     )
     shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
     y = o.output(shape, keep[0], out)
-    ls, n = _layout_arg(layout)
+    ls, n = shapes._layout(layout)
     call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, y.ptr, o.stream)
     return o.result
 

@@ -17,17 +17,19 @@ from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 def _ep(ep) -> tuple:
     """`(rank, world_size)` of a `Comm` or a pair."""
-    if hasattr(ep, "rank") and hasattr(ep, "world_size"):
+    try:
         return int(ep.rank), int(ep.world_size)
-    rank, size = ep
-    return int(rank), int(size)
+    except AttributeError:
+        rank, size = ep
+        return int(rank), int(size)
 
 
 def _layout(layout):
     """`(size_t[], n)` or `(None, 0)` for an `SpLayout`, a sequence of sizes, or None."""
     if layout is None:
         return None, 0
-    return sizes(getattr(layout, "local_sizes", layout))
+    c = getattr(layout, "_size_array", None)  # an SpLayout keeps its array
+    return c if c is not None else sizes(getattr(layout, "local_sizes", layout))
 
 
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):

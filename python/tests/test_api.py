@@ -104,6 +104,16 @@ def test_sp_layout_from_dp_tokens():
         am.SpLayout([])
 
 
+def test_a_layout_cannot_change_under_the_array_it_keeps():
+    # An SpLayout hands the library a size_t[] built once; its sizes are read-only.
+    layout = am.SpLayout([3, 1])
+    with pytest.raises(AttributeError):
+        layout.local_sizes = (1, 3)
+    assert layout.local_sizes == (3, 1)
+    assert am.shapes.maybe_pad_and_reduce(((4, 2), np.float32), layout, (1, 2)) == (1, 2)
+    assert am.shapes.maybe_all_gather_and_maybe_unpad(((1, 2), np.float32), [3, 1], (1, 2)) == (4, 2)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_unpermute_keeps_dtype_and_gathers_rows(dtype):
     x = (np.arange(12, dtype=np.float32).reshape(4, 3) / 4).astype(dtype)
