@@ -4,11 +4,12 @@
 
 Finalize (the CLI's case: mode 2, f32 scales, x1): rounds alternate the CLI
 (kernel time and its same-run triad floor) and the Python op on the same
-shape and threads, the op once into a reused `out=` array and once
-allocating its output; each is the best of `--iters` calls, and the report
-gives the medians over `--rounds` rounds of: kernel, floor, Python (`out=`),
-Python (allocating), Python / kernel and floor / Python (both forms; every
-round keeps its own floor / Python, and the worst allocating round is given).
+shape and threads, the op into a reused `out=` array and allocating its
+output, call for call in turn; each form is the best of its `--iters`
+calls, and the report gives the medians over `--rounds` rounds of: kernel,
+floor, Python (`out=`), Python (allocating), Python / kernel and floor /
+Python (both forms; every round keeps its own floor / Python, and the worst
+allocating round is given).
 
 Decode-size finalize (`--decode-tokens`, default 1 and 16 rows of the same
 K and H): the same two forms against the CLI's kernel, both on the threads a
@@ -63,23 +64,25 @@ def cli_json(cmd: list[str]) -> list[dict]:
     return doc.get("rows") or doc.get("results") or []
 
 
-def python_finalize_s(inputs, iters: int, reuse_out: bool) -> float:
-    """Best call time of the Python op; with `reuse_out`, every call writes the
-    same `out=` array (as an engine reusing its buffers does), else each call
-    allocates its output."""
+def python_finalize_s(inputs, iters: int) -> tuple[float, float]:
+    """Best call times of the Python op, `(out=, allocating)`: `iters` calls of
+    each, alternating. The `out=` form writes the same array every call (as
+    an engine reusing its buffers does), the other allocates its output every
+    call. Alternating keeps both forms on the same machine: a host that
+    changes speed during the timing changes both, not the one timed then."""
     import ascend_moe
 
     expanded_x, x1, scales, row_idx = inputs
-    args = dict(x1=x1, scales=scales, drop_pad_mode=2)
-    out = ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)  # warm-up
-    if reuse_out:
-        args["out"] = out
-    best = float("inf")
+    alloc = dict(x1=x1, scales=scales, drop_pad_mode=2)
+    reuse = dict(alloc, out=ascend_moe.moe_finalize_routing(expanded_x, row_idx, **alloc))  # also a warm-up
+    ascend_moe.moe_finalize_routing(expanded_x, row_idx, **alloc)  # the allocating form's warm-up
+    best = [float("inf"), float("inf")]
     for _ in range(iters):
-        t0 = time.perf_counter()
-        ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)
-        best = min(best, time.perf_counter() - t0)
-    return best
+        for i, args in enumerate((reuse, alloc)):
+            t0 = time.perf_counter()
+            ascend_moe.moe_finalize_routing(expanded_x, row_idx, **args)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
 
 
 def bench_finalize(a) -> dict:
@@ -89,8 +92,7 @@ def bench_finalize(a) -> dict:
     rounds = []
     for _ in range(a.rounds):
         r = cli_json(cmd)[0]
-        py = python_finalize_s(inputs, a.iters, reuse_out=True)
-        alloc = python_finalize_s(inputs, a.iters, reuse_out=False)
+        py, alloc = python_finalize_s(inputs, a.iters)
         rounds.append(
             {"kernel_s": r["time_us"] / 1e6, "floor_s": r["floor_us"] / 1e6, "python_s": py, "python_alloc_s": alloc}
         )
@@ -127,8 +129,7 @@ def bench_finalize_decode(a) -> list[dict]:
         rounds = []
         for _ in range(a.rounds):
             r = cli_json(cmd)[0]
-            py = python_finalize_s(inputs, a.decode_iters, reuse_out=True)
-            alloc = python_finalize_s(inputs, a.decode_iters, reuse_out=False)
+            py, alloc = python_finalize_s(inputs, a.decode_iters)
             rounds.append({"kernel_s": r["time_us"] / 1e6, "threads": r["threads"], "python_s": py, "python_alloc_s": alloc})
         res.append(
             {
