@@ -85,10 +85,15 @@ def python_finalize_s(inputs, iters: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
+def finalize_cmd(a, tokens: int, iters: int, extra=()) -> list[str]:
+    """`ascend-moe bench finalize --json` on bf16 `[tokens, --topk, --hidden]`."""
+    cmd = [a.bin, "bench", "finalize", "--tokens", str(tokens), "--top-k", str(a.topk), "--hidden", str(a.hidden)]
+    return cmd + ["--dtype", "bf16", *extra, "--iters", str(iters), "--json"]
+
+
 def bench_finalize(a) -> dict:
     inputs = np_finalize.make_inputs(a.tokens, a.topk, a.hidden, "bf16")
-    cmd = [a.bin, "bench", "finalize", "--tokens", str(a.tokens), "--top-k", str(a.topk), "--hidden", str(a.hidden)]
-    cmd += ["--dtype", "bf16", "--threads", str(a.threads), "--iters", str(a.iters), "--json"]
+    cmd = finalize_cmd(a, a.tokens, a.iters, ["--threads", str(a.threads)])
     rounds = []
     for _ in range(a.rounds):
         r = cli_json(cmd)[0]
@@ -124,8 +129,7 @@ def bench_finalize_decode(a) -> list[dict]:
     res = []
     for tokens in a.decode_tokens:
         inputs = np_finalize.make_inputs(tokens, a.topk, a.hidden, "bf16")
-        cmd = [a.bin, "bench", "finalize", "--tokens", str(tokens), "--top-k", str(a.topk), "--hidden", str(a.hidden)]
-        cmd += ["--dtype", "bf16", "--iters", str(a.decode_iters), "--json"]
+        cmd = finalize_cmd(a, tokens, a.decode_iters)
         rounds = []
         for _ in range(a.rounds):
             r = cli_json(cmd)[0]

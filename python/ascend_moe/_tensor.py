@@ -116,9 +116,12 @@ def _core(arg: str, shape, dtype, data, npu):
     """`(shape, shape_buf, struct, pointer)` of a descriptor, built once per key."""
     key = (data, shape, dtype, npu)
     try:
-        return _CORES[key]
-    except (KeyError, TypeError):  # TypeError: an unhashable shape or dtype
-        pass
+        core = _CORES.get(key)
+    except TypeError:  # an unhashable shape (symbolic sizes) or dtype: built, not kept
+        key = None
+    else:
+        if core is not None:
+            return core
     shape = tuple(map(int, shape))
     if len(shape) > MAX_NDIM:
         raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
@@ -126,12 +129,10 @@ def _core(arg: str, shape, dtype, data, npu):
     kind, ordinal = (DEVICE_CPU, 0) if npu is None else (DEVICE_NPU, npu)
     c = Tensor(data, dtype_code(arg, dtype), len(shape), shape_buf, None, kind, ordinal)
     core = (shape, shape_buf, c, ctypes.pointer(c))
-    try:
+    if key is not None:
         if len(_CORES) >= _CORES_MAX:
             _CORES.clear()
         _CORES[key] = core
-    except TypeError:
-        pass
     return core
 
 
