@@ -7,59 +7,15 @@ first input lives) and `stream=` (an object with `.npu_stream`; default
 from __future__ import annotations
 
 import ctypes
-from ctypes import c_size_t, c_uint8
+from ctypes import c_uint8
 
 from . import shapes
 from ._enums import CommType, DropPadMode, SharedMode, Status
 from ._errors import error
-from ._lib import ReducePolicyC, call, sizes
+from ._lib import ReducePolicyC, call
 from ._tensor import Operands
 from .comm import Comm
-
-
-class SpLayout:
-    """Rows held by every EP rank (SPEC section 2)."""
-
-    def __init__(self, local_sizes):
-        sizes_ = tuple(int(s) for s in local_sizes)
-        if not sizes_:
-            raise error(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
-        if any(s < 0 for s in sizes_):
-            raise error(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
-        self._local_sizes = sizes_
-        self._size_array = sizes(sizes_)  # the library's size_t[] of them, built once
-
-    @property
-    def local_sizes(self) -> tuple:
-        return self._local_sizes
-
-    @classmethod
-    def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int) -> "SpLayout":
-        """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`."""
-        arr, n = sizes(num_tokens_across_dp)
-        need = c_size_t(0)
-        cap = max(n * max(int(tp_size), 0), 1)
-        out = (c_size_t * cap)()
-        call("amoe_sp_layout_from_dp_tokens", arr, n, max(int(tp_size), 0), out, cap, ctypes.byref(need))
-        return cls(out[: need.value])
-
-    @property
-    def ep_size(self) -> int:
-        return len(self.local_sizes)
-
-    @property
-    def max_rows(self) -> int:
-        return max(self.local_sizes)
-
-    @property
-    def total_rows(self) -> int:
-        return sum(self.local_sizes)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, SpLayout) and other.local_sizes == self.local_sizes
-
-    def __repr__(self) -> str:
-        return f"SpLayout({list(self.local_sizes)})"
+from .shapes import SpLayout
 
 
 def moe_finalize_routing(
