@@ -92,27 +92,31 @@ fn permutation(n: usize) -> Vec<i32> {
     v.into_iter().map(|(_, i)| i).collect()
 }
 
-/// Best time of a triad `a = b + s * c` over f32 arrays moving `bytes` bytes on `threads` threads,
-/// started as the CPU finalize starts them: the calling thread takes the first chunk and starts a
-/// thread for each other one, so one thread runs on the calling thread alone.
-pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
-    let n = (bytes / 12).max(1);
-    let b = vec![1.0f32; n];
-    let c = vec![2.0f32; n];
-    let mut a = vec![0.0f32; n];
-    let threads = threads.max(1);
-    let chunk = n.div_ceil(threads);
-    let mut best = f64::INFINITY;
-    for it in 0..iters.max(1) + 1 {
-        let s = 0.5 + it as f32;
-        let t0 = Instant::now();
+/// STREAM-style triad arrays (`a = b + s * c`, f32) moving `bytes` bytes a pass.
+struct Triad {
+    a: Vec<f32>,
+    b: Vec<f32>,
+    c: Vec<f32>,
+}
+
+impl Triad {
+    fn new(bytes: usize) -> Self {
+        let n = (bytes / 12).max(1);
+        Triad { a: vec![0.0; n], b: vec![1.0; n], c: vec![2.0; n] }
+    }
+
+    /// One pass on `threads` threads, started as the CPU finalize starts them:
+    /// the calling thread takes the first chunk and starts a thread for each
+    /// other one, so one thread runs on the calling thread alone.
+    fn pass(&mut self, threads: usize, s: f32) {
+        let chunk = self.a.len().div_ceil(threads.max(1));
         let triad = move |a: &mut [f32], b: &[f32], c: &[f32]| {
             for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
                 *a = *b + s * *c;
             }
         };
         std::thread::scope(|sc| {
-            let mut chunks = a.chunks_mut(chunk).zip(b.chunks(chunk)).zip(c.chunks(chunk));
+            let mut chunks = self.a.chunks_mut(chunk).zip(self.b.chunks(chunk)).zip(self.c.chunks(chunk));
             let first = chunks.next();
             for ((a, b), c) in chunks {
                 sc.spawn(move || triad(a, b, c));
@@ -121,23 +125,44 @@ pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
                 triad(a, b, c);
             }
         });
-        let dt = t0.elapsed().as_secs_f64();
-        // The first pass faults the pages in; it is not timed.
+        std::hint::black_box(&self.a);
+    }
+}
+
+/// Best time of a triad `a = b + s * c` over f32 arrays moving `bytes` bytes on `threads` threads
+/// (started as the CPU finalize starts them); the first pass faults the pages in and is not timed.
+pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
+    let mut t = Triad::new(bytes);
+    let mut best = f64::INFINITY;
+    for it in 0..iters.max(1) + 1 {
+        let t0 = Instant::now();
+        t.pass(threads, 0.5 + it as f32);
         if it > 0 {
-            best = best.min(dt);
+            best = best.min(t0.elapsed().as_secs_f64());
         }
     }
-    std::hint::black_box(&a);
     best
+}
+
+/// Refuses a benchmark configuration with a count of 0 or a dtype that is
+/// not a float, naming the field.
+fn check_config(op: &'static str, counts: &[(&'static str, usize)], dtype: DType) -> Result<()> {
+    if let Some((name, _)) = counts.iter().find(|(_, v)| *v == 0) {
+        return Err(Error::invalid(op, name, "must be >= 1"));
+    }
+    if !dtype.is_float() {
+        return Err(Error::dtype(op, "dtype", "a float dtype", dtype));
+    }
+    Ok(())
 }
 
 /// Runs the finalize benchmark on the CPU backend (mode 2, a random
 /// permutation, f32 scales, x1 present).
 pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
     let (n, k, h) = (cfg.tokens, cfg.top_k, cfg.hidden);
-    if n == 0 || k == 0 || h == 0 || cfg.iters == 0 || cfg.threads == Some(0) || !cfg.dtype.is_float() {
-        return Err(Error::invalid("bench_finalize", "config", format!("{cfg:?}")));
-    }
+    let counts =
+        [("tokens", n), ("top_k", k), ("hidden", h), ("iters", cfg.iters), ("threads", cfg.threads.unwrap_or(1))];
+    check_config("bench_finalize", &counts, cfg.dtype)?;
     let x = filled(&[n * k, h], cfg.dtype, 1)?;
     let x1 = filled(&[n, h], cfg.dtype, 2)?;
     let scales = filled(&[n, k], DType::F32, 3)?;
@@ -216,12 +241,22 @@ pub struct ReduceReport {
     pub unfused_s: f64,
     /// Bytes the slowest rank moves on each path.
     pub bytes: ReduceBytes,
+    /// The fused path's floor: every rank at once runs a one-thread triad
+    /// moving [`ReduceBytes::fused`], timed like the paths (a barrier before
+    /// and after, slowest rank, best repetition), seconds.
+    pub floor_s: f64,
 }
 
 impl ReduceReport {
     /// `unfused_s / fused_s`.
     pub fn speedup(&self) -> f64 {
         self.unfused_s / self.fused_s
+    }
+
+    /// `floor_s / fused_s`: the fraction of the same-run triad bandwidth the
+    /// fused path moves its bytes at (1.0: at the floor).
+    pub fn vs_floor(&self) -> f64 {
+        self.floor_s / self.fused_s
     }
 }
 
@@ -291,9 +326,8 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
     let layout = SpLayout::from_dp_tokens(&cfg.dp_tokens, cfg.tp)?;
     let ep = layout.ep_size();
     let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
-    if k == 0 || h == 0 || cfg.iters == 0 || !cfg.dtype.is_float() {
-        return Err(Error::invalid("bench_finalize_and_reduce", "config", format!("{cfg:?}")));
-    }
+    check_config("bench_finalize_and_reduce", &[("top_k", k), ("hidden", h), ("iters", cfg.iters)], cfg.dtype)?;
+    let bytes = ReduceBytes::new(&layout, k, h, cfg.dtype);
     let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
         set_num_threads(Some(1));
         let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;
@@ -350,11 +384,22 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
                 unfused = unfused.min(du);
             }
         }
-        Ok((fused, unfused))
+        // The floor, on the same rank threads at once; the first pass faults the pages in.
+        let mut triad = Triad::new(bytes.fused);
+        let mut floor = f64::INFINITY;
+        for it in 0..cfg.iters + 1 {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            triad.pass(1, 0.5 + it as f32);
+            comm.barrier()?;
+            if it > 0 {
+                floor = floor.min(t0.elapsed().as_secs_f64());
+            }
+        }
+        Ok((fused, unfused, floor))
     })?;
-    let fused_s = times.iter().map(|t| t.0).fold(0.0, f64::max);
-    let unfused_s = times.iter().map(|t| t.1).fold(0.0, f64::max);
-    Ok(ReduceReport { fused_s, unfused_s, bytes: ReduceBytes::new(&layout, k, h, cfg.dtype) })
+    let slowest = |f: fn(&(f64, f64, f64)) -> f64| times.iter().map(f).fold(0.0, f64::max);
+    Ok(ReduceReport { fused_s: slowest(|t| t.0), unfused_s: slowest(|t| t.1), bytes, floor_s: slowest(|t| t.2) })
 }
 
 #[cfg(test)]
@@ -378,6 +423,20 @@ mod tests {
         // 4 ranks at K = 8, the shapes of `ci/bench.sh`: no fused op reaches 1.5x.
         let b = ReduceBytes::new(&SpLayout::from_dp_tokens(&[2048, 2048], 2).unwrap(), 8, 4096, DType::BF16);
         assert!(b.ceiling() < 1.43 && b.bound() < 1.15, "{b:?}");
+    }
+
+    /// A zero count or an integer dtype is refused with the field's name.
+    #[test]
+    fn bad_configs_name_the_field() {
+        let zero = FinalizeBench { threads: Some(0), ..FinalizeBench::default() };
+        let e = bench_finalize(&zero).unwrap_err().to_string();
+        assert!(e.contains("threads") && e.contains(">= 1"), "{e}");
+        let int = FinalizeBench { dtype: DType::I32, tokens: 1, ..FinalizeBench::default() };
+        let e = bench_finalize(&int).unwrap_err().to_string();
+        assert!(e.contains("dtype") && e.contains("float"), "{e}");
+        let zero = ReduceBench { top_k: 0, ..ReduceBench::default() };
+        let e = bench_finalize_and_reduce(&zero).unwrap_err().to_string();
+        assert!(e.contains("top_k") && e.contains(">= 1"), "{e}");
     }
 
     /// An uneven layout, counted by hand: rows [3, 1] (N = 4, M = 3, n = 2),
