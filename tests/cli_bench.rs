@@ -222,7 +222,8 @@ fn finalize_and_reduce_csv() {
 /// `--json` carries the byte model of both paths: an even layout of 4 ranks at
 /// K = 8 with f32 rows of 512 (R = 2048 bytes) moves, on the slowest rank,
 /// G = 64*8*(2048+8) bytes for the gather, then N*R + 2*3*16*R + 4*16*R + 16*R
-/// (two-step) or N*R + 4*16*R + 16*R (fused) or 16*R (minimum) more.
+/// (two-step) or N*R + 4*16*R + 16*R (fused) or 16*R (minimum) more; and
+/// the fused path's same-run floor.
 #[test]
 fn finalize_and_reduce_json_has_the_byte_model() {
     let (json, _) = run(&[
@@ -251,4 +252,8 @@ fn finalize_and_reduce_json_has_the_byte_model() {
     assert_eq!(num("min_bytes"), g + 16.0 * r, "{json}");
     assert!((num("bound") - num("two_step_bytes") / num("fused_bytes")).abs() < 1e-4, "{json}");
     assert!((num("ceiling") - num("two_step_bytes") / num("min_bytes")).abs() < 1e-4, "{json}");
+    // The same-run floor of the fused path: a triad time, and the ratio is floor / fused time.
+    let floor = num("fused_floor_us");
+    assert!(floor > 0.0 && floor.is_finite(), "{json}");
+    assert!((num("fused_vs_floor") / (floor / num("time_us")) - 1.0).abs() < 1e-2, "{json}");
 }

@@ -275,6 +275,9 @@ def far_series(far):
                 for m in ("bound", "ceiling"):
                     if row.get(m) is not None:
                         s[m][run] = float(row[m])
+                # The fused path's same-run floor (floor / fused time), when the CLI has one.
+                if row.get("fused_vs_floor") is not None:
+                    s["floor_ratio"][run] = float(row["fused_vs_floor"])
         out[key] = {m: Stat(list(v.values())) for m, v in s.items()}
     return out
 
@@ -511,7 +514,10 @@ def _byte_bounds(st):
     """The note on a fused shape: the speedups its byte model allows (empty without one)."""
     if "bound" not in st or not st["bound"].ok:
         return ""
-    return f"bytes allow {_num(st['bound'].med)} staged, {_num(st['ceiling'].med)} for any fused op"
+    note = f"bytes allow {_num(st['bound'].med)} staged, {_num(st['ceiling'].med)} for any fused op"
+    if "floor_ratio" in st and st["floor_ratio"].ok:
+        note += f"; fused at {_num(st['floor_ratio'].med)} of its same-run floor"
+    return note
 
 
 def plots(out_dir, cs, fs, triad_stat, ds=None):
@@ -860,14 +866,16 @@ def write_report(
         for (op, dt, t, k, h, w), st in sorted(rs.items()):
             extra = [st["speedup"].fmt() if "speedup" in st else ""]
             extra += [st[m].fmt(spread=False) if m in st else "" for m in ("bound", "ceiling")]
+            extra += [st["floor_ratio"].fmt() if "floor_ratio" in st else ""]
             rrows.append((f"{t}x{k}x{h}", dt, w, op, st["time_us"].fmt(), *extra))
         heads = ["T x K x H", "dtype", "ranks", "op", "time (us)", "speedup (unfused / fused)"]
-        L.append(_table(heads + ["byte bound (staged)", "byte ceiling (any fused op)"], rrows))
+        L.append(_table(heads + ["byte bound (staged)", "byte ceiling (any fused op)", "fused vs floor"], rrows))
         L.append(
             "\nThe bounds are the speedups at equal bandwidth from the bytes each path moves on the slowest rank"
             " (`ReduceBytes` in `src/testing/bench.rs`): the fused op as it runs (its rows computed into the"
             " staging buffers), and the least any fused op can move (every source row read once, every output"
-            " row written once)."
+            " row written once). Fused vs floor: the time every rank takes at once to stream the fused op's"
+            " bytes through a one-thread triad, over the fused op's time, in the same run (1 = at the floor)."
         )
         L.append("")
     if ds:

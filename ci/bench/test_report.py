@@ -74,6 +74,7 @@ class SyntheticReport(unittest.TestCase):
     FIN_NUMPY_US = [400000.0, 300000.0, 420000.0]
     FUSED_US = [100.0, 90.0, 110.0]
     UNFUSED_US = [150.0, 99.0, 110.0]
+    FUSED_VS_FLOOR = [0.9, 0.8, 0.95]
 
     @classmethod
     def setUpClass(cls):
@@ -113,7 +114,14 @@ class SyntheticReport(unittest.TestCase):
                 "finalize_and_reduce",
                 "ascend-moe",
                 [
-                    dict(far, op="finalize_and_reduce", time_us=cls.FUSED_US[i], bound=1.1461, ceiling=1.4234),
+                    dict(
+                        far,
+                        op="finalize_and_reduce",
+                        time_us=cls.FUSED_US[i],
+                        bound=1.1461,
+                        ceiling=1.4234,
+                        fused_vs_floor=cls.FUSED_VS_FLOOR[i],
+                    ),
                     dict(far, op="finalize_then_pad_reduce", time_us=cls.UNFUSED_US[i]),
                 ],
             )
@@ -195,8 +203,10 @@ class SyntheticReport(unittest.TestCase):
         self.assertAlmostEqual(float(r["ceiling_max"]), 1.4234)
         row = [ln for ln in self.md.splitlines() if ln.startswith("| fused finalize+reduce-scatter") and "4 ranks" in ln]
         self.assertEqual(len(row), 1, self.md)
-        self.assertIn("bytes allow 1.15 staged, 1.42 for any fused op", row[0])
-        self.assertIn("| 1.1 [1–1.5] | 1.15 | 1.42 |", self.md)
+        self.assertIn("bytes allow 1.15 staged, 1.42 for any fused op; fused at 0.9 of its same-run floor", row[0])
+        self.assertIn("| 1.1 [1–1.5] | 1.15 | 1.42 | 0.9 [0.8–0.95] |", self.md)
+        self.assertAlmostEqual(float(r["floor_ratio_median"]), 0.9)
+        self.assertAlmostEqual(float(r["floor_ratio_min"]), 0.8)
 
     def test_targets_and_failures_in_markdown(self):
         lines = {

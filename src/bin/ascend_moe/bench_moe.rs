@@ -9,7 +9,8 @@
 //! (`finalize_and_reduce`) against `moe_finalize_routing` followed by
 //! `maybe_pad_and_reduce`; times are the slowest rank's, best repetition.
 //! `bound` and `ceiling` are the speedups the bytes each path moves allow
-//! (`ReduceBytes`).
+//! (`ReduceBytes`); `vs floor` is the same-run triad time for the fused
+//! path's bytes over the fused time.
 
 use ascend_moe::testing::bench::{bench_finalize, bench_finalize_and_reduce, FinalizeBench, ReduceBench};
 use ascend_moe::DType;
@@ -186,6 +187,8 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
                     ("min_bytes", b.minimum.to_string()),
                     ("bound", format!("{:.4}", b.bound())),
                     ("ceiling", format!("{:.4}", b.ceiling())),
+                    ("fused_floor_us", format!("{:.3}", r.floor_s * 1e6)),
+                    ("fused_vs_floor", format!("{:.4}", r.vs_floor())),
                 ];
                 let objs: Vec<String> = rows.iter().map(|f| json_object(&[f.as_slice(), &model].concat())).collect();
                 println!("{{\"bench\":\"finalize_and_reduce\",\"world\":{world},\"rows\":[{}]}}", objs.join(","));
@@ -196,11 +199,22 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
         }
         Ok(r) => {
             println!(
-                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10} {:>12} {:>8} {:>6} {:>8}",
-                "dp_tokens", "tp", "K", "H", "dtype", "fused ms", "two-step ms", "speedup", "bound", "ceiling"
+                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10} {:>12} {:>8} {:>6} {:>8} {:>9} {:>9}",
+                "dp_tokens",
+                "tp",
+                "K",
+                "H",
+                "dtype",
+                "fused ms",
+                "two-step ms",
+                "speedup",
+                "bound",
+                "ceiling",
+                "floor ms",
+                "vs floor"
             );
             println!(
-                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10.2} {:>12.2} {:>8.2} {:>6.2} {:>8.2}",
+                "{:<16} {:>3} {:>3} {:>6} {:<5} {:>10.2} {:>12.2} {:>8.2} {:>6.2} {:>8.2} {:>9.2} {:>9.2}",
                 format!("{:?}", a.dp_tokens),
                 a.tp,
                 a.top_k,
@@ -210,11 +224,14 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
                 r.unfused_s * 1e3,
                 r.speedup(),
                 r.bytes.bound(),
-                r.bytes.ceiling()
+                r.bytes.ceiling(),
+                r.floor_s * 1e3,
+                r.vs_floor()
             );
             println!(
                 "bound: the speedup at equal bandwidth from the bytes each path moves ({:.1} and {:.1} MB on the \
-                 slowest rank); ceiling: the same for the least any fused op moves ({:.1} MB)",
+                 slowest rank); ceiling: the same for the least any fused op moves ({:.1} MB); floor: every rank \
+                 at once streams the fused path's bytes through a one-thread triad, vs floor = floor / fused",
                 r.bytes.two_step as f64 / 1e6,
                 r.bytes.fused as f64 / 1e6,
                 r.bytes.minimum as f64 / 1e6
