@@ -208,6 +208,38 @@ def test_descriptors_of_earlier_calls_never_describe_other_memory(monkeypatch):
         np.testing.assert_array_equal(am.moe_token_unpermute(xk, idx), xk[[2, 0, 3, 1]])
         assert len(_tensor._CORES) <= 3
 
+def test_array_addresses_are_the_arrays_own_memory():
+    # The data pointer comes through the buffer protocol where numpy exports
+    # one and from `ctypes.data` where it does not; both must name the first
+    # element, whatever the dtype, offset or writability.
+    from ascend_moe._tensor import _address
+
+    base = np.arange(64, dtype=np.float32)
+    ro = np.frombuffer(base.tobytes(), np.float32)  # read-only
+    cases = {
+        "f32": base,
+        "bf16": base.astype(ml_dtypes.bfloat16),
+        "f16 offset view": base.astype(np.float16)[5:37],
+        "int8 offset view": base.astype(np.int8)[3:],
+        "read-only": ro,
+        "read-only bf16 offset": ro.astype(ml_dtypes.bfloat16)[9:],
+        "empty": base[:0],
+        "0-d": np.array(3.0, np.float32),
+        "0-d bf16": np.array(3.0, ml_dtypes.bfloat16),
+    }
+    cases["read-only bf16 offset"].flags.writeable = False
+    for name, a in cases.items():
+        assert a.flags.c_contiguous, name
+        assert _address(a) == a.ctypes.data, name
+    # And ops read them: a read-only bfloat16 input at an offset, a writable one.
+    idx = np.array([2, 0, 3, 1], np.int32)
+    x = np.arange(16, dtype=np.float32).astype(ml_dtypes.bfloat16)[8:].reshape(4, 2)
+    x.flags.writeable = False
+    np.testing.assert_array_equal(am.moe_token_unpermute(x, idx), x[[2, 0, 3, 1]])
+    out = np.empty((4, 2), ml_dtypes.bfloat16)[:]
+    np.testing.assert_array_equal(am.moe_token_unpermute(x.copy(), idx, out=out), x[[2, 0, 3, 1]])
+
+
 def test_comm_lifecycle_in_threads():
     """Two threads of one process as ranks; ctypes releases the GIL in calls."""
     name = f"pytest-threads-{uuid.uuid4().hex[:12]}"
