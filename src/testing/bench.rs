@@ -242,7 +242,8 @@ pub struct ReduceReport {
     /// Bytes the slowest rank moves on each path.
     pub bytes: ReduceBytes,
     /// The fused path's floor: every rank at once runs a one-thread triad
-    /// moving [`ReduceBytes::fused`], timed like the paths (a barrier before
+    /// moving [`ReduceBytes::fused`] (over arrays of at most 256 MiB, passed
+    /// over as often as that takes), timed like the paths (a barrier before
     /// and after, slowest rank, best repetition), seconds.
     pub floor_s: f64,
 }
@@ -320,6 +321,10 @@ impl ReduceBytes {
     }
 }
 
+/// Most bytes a rank's floor triad keeps in its arrays; more bytes are moved
+/// in more passes over them (on 4 ranks, at most 1 GiB of arrays in all).
+const FLOOR_ARRAYS: usize = 256 << 20;
+
 /// Runs the fused and the two-step EP/SP finalize on `DP x TP` CPU ranks
 /// (threads; each rank's kernel single-threaded).
 pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
@@ -385,12 +390,17 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
             }
         }
         // The floor, on the same rank threads at once; the first pass faults the pages in.
-        let mut triad = Triad::new(bytes.fused);
+        // Arrays of at most FLOOR_ARRAYS bytes, passed over `reps` times, so the floor
+        // never doubles the memory of a large shape.
+        let reps = bytes.fused.div_ceil(FLOOR_ARRAYS);
+        let mut triad = Triad::new(bytes.fused / reps);
         let mut floor = f64::INFINITY;
         for it in 0..cfg.iters + 1 {
             comm.barrier()?;
             let t0 = Instant::now();
-            triad.pass(1, 0.5 + it as f32);
+            for r in 0..reps {
+                triad.pass(1, 0.5 + (it * reps + r) as f32);
+            }
             comm.barrier()?;
             if it > 0 {
                 floor = floor.min(t0.elapsed().as_secs_f64());
