@@ -310,14 +310,26 @@ impl ReduceBytes {
         }
     }
 
-    /// `two_step / fused`: the speedup of the staged fused path at equal bandwidth.
+    /// `two_step / fused`: the speedup of the staged fused path at equal
+    /// bandwidth (1 without tokens, when no path moves a byte).
     pub fn bound(&self) -> f64 {
-        self.two_step as f64 / self.fused as f64
+        ratio(self.two_step, self.fused)
     }
 
-    /// `two_step / minimum`: the speedup no fused implementation can pass.
+    /// `two_step / minimum`: the speedup no fused implementation can pass (1
+    /// without tokens).
     pub fn ceiling(&self) -> f64 {
-        self.two_step as f64 / self.minimum as f64
+        ratio(self.two_step, self.minimum)
+    }
+}
+
+/// `a / b` of byte counts; 1 when both are 0 (every count of a batch without
+/// tokens is 0, and every count of one with tokens is positive).
+fn ratio(a: usize, b: usize) -> f64 {
+    if a == 0 && b == 0 {
+        1.0
+    } else {
+        a as f64 / b as f64
     }
 }
 
@@ -392,7 +404,7 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
         // The floor, on the same rank threads at once; the first pass faults the pages in.
         // Arrays of at most FLOOR_ARRAYS bytes, passed over `reps` times, so the floor
         // never doubles the memory of a large shape.
-        let reps = bytes.fused.div_ceil(FLOOR_ARRAYS);
+        let reps = bytes.fused.div_ceil(FLOOR_ARRAYS).max(1);
         let mut triad = Triad::new(bytes.fused / reps);
         let mut floor = f64::INFINITY;
         for it in 0..cfg.iters + 1 {
@@ -447,6 +459,17 @@ mod tests {
         let zero = ReduceBench { top_k: 0, ..ReduceBench::default() };
         let e = bench_finalize_and_reduce(&zero).unwrap_err().to_string();
         assert!(e.contains("top_k") && e.contains(">= 1"), "{e}");
+    }
+
+    /// A batch without tokens is a valid call of both paths: the bench runs
+    /// it (no bytes to move, so its floor is a one-element triad and both
+    /// byte ratios are 1, not NaN, which JSON cannot carry).
+    #[test]
+    fn a_batch_without_tokens_runs() {
+        let cfg = ReduceBench { dp_tokens: vec![0, 0], hidden: 8, iters: 1, ..ReduceBench::default() };
+        let r = bench_finalize_and_reduce(&cfg).unwrap();
+        assert_eq!((r.bytes.minimum, r.bytes.bound(), r.bytes.ceiling()), (0, 1.0, 1.0));
+        assert!(r.floor_s.is_finite() && r.fused_s.is_finite() && r.unfused_s.is_finite(), "{r:?}");
     }
 
     /// An uneven layout, counted by hand: rows [3, 1] (N = 4, M = 3, n = 2),
