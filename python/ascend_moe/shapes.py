@@ -68,6 +68,13 @@ class SpLayout:
     def __eq__(self, other) -> bool:
         return isinstance(other, SpLayout) and other.local_sizes == self.local_sizes
 
+    def __hash__(self) -> int:
+        return hash(self._local_sizes)
+
+    def __reduce__(self):
+        # By its sizes: the size_t[] it keeps is rebuilt where it is loaded (ctypes arrays do not pickle).
+        return SpLayout, (self._local_sizes,)
+
     def __repr__(self) -> str:
         return f"SpLayout({list(self.local_sizes)})"
 

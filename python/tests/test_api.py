@@ -114,6 +114,22 @@ def test_a_layout_cannot_change_under_the_array_it_keeps():
     assert am.shapes.maybe_all_gather_and_maybe_unpad(((1, 2), np.float32), [3, 1], (1, 2)) == (4, 2)
 
 
+def test_a_layout_is_a_value():
+    # Sent to another process (pickled), copied or used as a key, a layout is its sizes, and the
+    # size_t[] a loaded copy hands the library is its own.
+    import copy
+    import pickle
+
+    layout = am.SpLayout.from_dp_tokens([5, 2], 2)
+    for other in (pickle.loads(pickle.dumps(layout)), copy.deepcopy(layout), copy.copy(layout)):
+        assert other == layout and hash(other) == hash(layout) and other.local_sizes == (3, 3, 1, 1)
+        assert am.shapes.maybe_pad_and_reduce(((8, 2), np.float32), other, (2, 4)) == (1, 2)
+    loaded = pickle.loads(pickle.dumps(layout))
+    assert loaded._size_array[0] is not layout._size_array[0]
+    assert {layout: "a"}[am.SpLayout([3, 3, 1, 1])] == "a"
+    assert am.SpLayout([3, 1]) != am.SpLayout([1, 3]) and len({am.SpLayout([3, 1]), am.SpLayout([3, 1])}) == 1
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_unpermute_keeps_dtype_and_gathers_rows(dtype):
     x = (np.arange(12, dtype=np.float32).reshape(4, 3) / 4).astype(dtype)
