@@ -11,7 +11,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use ascend_moe::backend::cpu::CpuComm;
-use ascend_moe::backend::cpu::{segment_path, CpuCommConfig};
+use ascend_moe::backend::cpu::{segment_path, CpuCommConfig, MAX_WORLD};
 use ascend_moe::half::bf16;
 use ascend_moe::ranks::{run_ranks, run_ranks_with};
 use ascend_moe::testing::within_rounding;
@@ -556,6 +556,22 @@ fn bad_setup_arguments_say_which() {
     assert!(e.contains("rank 4 is out of range for world size 4"), "{e}");
     let e = run_ranks(0, &o, |_, _| Ok(())).expect_err("world 0").to_string();
     assert!(e.contains("world size 0"), "{e}");
+    // Over the limit: refused by run_ranks itself before any rank starts (a
+    // very large world used to fail starting its threads before any rank's
+    // rendezvous could refuse it).
+    let started = std::sync::atomic::AtomicUsize::new(0);
+    let e = run_ranks(MAX_WORLD + 1, &o, |_, _| {
+        started.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    })
+    .expect_err("one rank over the limit")
+    .to_string();
+    let want = format!(
+        "run_ranks: invalid argument `world`: world size {} exceeds the CPU communicator's limit of {MAX_WORLD} ranks",
+        MAX_WORLD + 1
+    );
+    assert_eq!(e, want);
+    assert_eq!(started.load(std::sync::atomic::Ordering::Relaxed), 0);
 
     // Split: duplicates, out of range, caller not a member.
     let res = run_ranks(3, &o, |rank, comm| {

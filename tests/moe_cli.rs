@@ -3,6 +3,7 @@
 
 use std::process::Command;
 
+use ascend_moe::backend::cpu::MAX_WORLD;
 use ascend_moe::testing::layer::all_layer_cases;
 
 const EXE: &str = env!("CARGO_BIN_EXE_ascend-moe");
@@ -70,5 +71,33 @@ fn check_spec_section_has_a_row_per_op_and_regression() {
         }
         assert!(rows.iter().all(|r| r.contains(" ok ")), "{out}");
         assert!(out.contains(&format!("all {} cases passed on {world} ", rows.len())), "{out}");
+    }
+}
+
+/// A world over the CPU communicator's limit is refused before any rank
+/// starts, as threads and as processes, by `check` and both benchmarks that
+/// start worlds (a very large one used to exhaust memory starting them).
+#[test]
+fn worlds_over_the_limit_are_refused_before_they_start() {
+    let over = (MAX_WORLD + 1).to_string();
+    let threads = format!(
+        "error: run_ranks: invalid argument `world`: world size {over} exceeds the CPU communicator's limit of \
+         {MAX_WORLD} ranks"
+    );
+    let procs = format!("error: world size {over} exceeds the CPU communicator's limit of {MAX_WORLD} ranks");
+    let bench = format!("error: {over} ranks exceed the CPU communicator's limit of {MAX_WORLD}");
+    let sizes = ["--min-bytes", "1K", "--max-bytes", "1K"];
+    let runs: [(Vec<&str>, i32, &str); 5] = [
+        (vec!["check", "--world", &over], 1, &threads),
+        (vec!["check", "--world", &over, "--procs"], 1, &procs),
+        ([&["bench", "collectives", "--ranks", &over][..], &sizes].concat(), 2, &bench),
+        ([&["bench", "collectives", "--ranks", &over, "--procs"][..], &sizes].concat(), 2, &bench),
+        (vec!["bench", "finalize_and_reduce", "--dp-tokens", "1", "--tp", &over], 1, &threads),
+    ];
+    for (args, code, want) in runs {
+        let out = Command::new(EXE).args(&args).output().expect("run ascend-moe");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert_eq!(err.lines().last(), Some(want), "{args:?}: {err}");
     }
 }

@@ -36,7 +36,7 @@
 
 use std::time::{Duration, Instant};
 
-use ascend_moe::backend::cpu::CpuCommConfig;
+use ascend_moe::backend::cpu::{CpuCommConfig, MAX_WORLD};
 use ascend_moe::ranks::run_ranks_with;
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
@@ -351,6 +351,10 @@ pub fn main(a: Args) -> i32 {
     }
     if a.ranks.contains(&0) || a.factor < 2 || a.min_bytes == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
         eprintln!("error: need ranks >= 1, factor >= 2, 0 < min-bytes <= max-bytes, iters >= 1");
+        return 2;
+    }
+    if let Some(big) = a.ranks.iter().find(|&&r| r > MAX_WORLD) {
+        eprintln!("error: {big} ranks exceed the CPU communicator's limit of {MAX_WORLD}");
         return 2;
     }
     let mut sizes = Vec::new();

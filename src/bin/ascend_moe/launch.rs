@@ -1,6 +1,8 @@
 //! Worlds of ranks as threads or as processes (the same binary, `worker` subcommand).
 
 use std::process::{Command, ExitStatus, Stdio};
+
+use ascend_moe::backend::cpu::MAX_WORLD;
 use std::time::Duration;
 
 /// What one worker process printed and how it ended.
@@ -26,6 +28,10 @@ pub fn spawn_world(
     staging: Option<usize>,
     task: &[String],
 ) -> Result<Vec<ProcOutput>, String> {
+    // Refused before a process starts: every rank would fail its rendezvous.
+    if world > MAX_WORLD {
+        return Err(format!("world size {world} exceeds the CPU communicator's limit of {MAX_WORLD} ranks"));
+    }
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
     let name = world_name("procs");
     let mut children = Vec::new();
