@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::cpu::comm::{CpuComm, CpuCommConfig, MAX_WORLD};
+use crate::backend::cpu::comm::{check_world_size, CpuComm, CpuCommConfig};
 use crate::backend::npu::{device_count, HcclComm, HcclRootInfo, NpuDevice};
 use crate::comm::{Comm, CommOptions};
 use crate::error::CommErrorKind;
@@ -30,18 +30,9 @@ where
     R: Send,
     F: Fn(usize, Comm) -> Result<R> + Sync,
 {
-    if world == 0 {
-        return Err(Error::invalid("run_ranks", "world", "world size 0: a group needs at least one rank"));
-    }
     // Refused before a thread starts: every rank would fail its rendezvous
     // anyway, and a very large world fails to start its threads first.
-    if world > MAX_WORLD {
-        return Err(Error::invalid(
-            "run_ranks",
-            "world",
-            format!("world size {world} exceeds the CPU communicator's limit of {MAX_WORLD} ranks"),
-        ));
-    }
+    check_world_size(world).map_err(|why| Error::invalid("run_ranks", "world", why))?;
     let name = format!("run-{}-{}", std::process::id(), WORLD_COUNTER.fetch_add(1, Ordering::Relaxed));
     let f = &f;
     let name = &name;

@@ -137,6 +137,18 @@ pub use segment::MAX_WORLD;
 
 use segment::{Segment, ABORTED, EMPTY, FAILED, LEFT};
 
+/// Why a world of `world_size` ranks cannot form (0, or over [`MAX_WORLD`]),
+/// for callers that start the ranks and should refuse before they do.
+pub fn check_world_size(world_size: usize) -> std::result::Result<(), String> {
+    if world_size == 0 {
+        return Err("world size 0: a group needs at least one rank".into());
+    }
+    if world_size > MAX_WORLD {
+        return Err(format!("world size {world_size} exceeds the CPU communicator's limit of {MAX_WORLD} ranks"));
+    }
+    Ok(())
+}
+
 /// Tuning of the shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Config {
@@ -251,14 +263,7 @@ impl ShmComm {
             detail,
             kind: ErrorKind::Setup,
         };
-        if world_size == 0 {
-            return Err(setup("world size 0: a group needs at least one rank".into()));
-        }
-        if world_size > MAX_WORLD {
-            return Err(setup(format!(
-                "world size {world_size} exceeds the CPU communicator's limit of {MAX_WORLD} ranks"
-            )));
-        }
+        check_world_size(world_size).map_err(setup)?;
         if rank >= world_size {
             return Err(setup(format!(
                 "rank {rank} is out of range for world size {world_size} (valid 0..{world_size})"

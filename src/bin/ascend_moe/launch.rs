@@ -1,9 +1,9 @@
 //! Worlds of ranks as threads or as processes (the same binary, `worker` subcommand).
 
 use std::process::{Command, ExitStatus, Stdio};
-
-use ascend_moe::backend::cpu::MAX_WORLD;
 use std::time::Duration;
+
+use ascend_moe::backend::cpu::check_world_size;
 
 /// What one worker process printed and how it ended.
 pub struct ProcOutput {
@@ -29,9 +29,7 @@ pub fn spawn_world(
     task: &[String],
 ) -> Result<Vec<ProcOutput>, String> {
     // Refused before a process starts: every rank would fail its rendezvous.
-    if world > MAX_WORLD {
-        return Err(format!("world size {world} exceeds the CPU communicator's limit of {MAX_WORLD} ranks"));
-    }
+    check_world_size(world)?;
     let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
     let name = world_name("procs");
     let mut children = Vec::new();

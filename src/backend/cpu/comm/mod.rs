@@ -16,7 +16,7 @@
 use shm_comm::{DataType, ShmComm};
 
 pub use shm_comm::Config as CpuCommConfig;
-pub use shm_comm::{segment_path, shm_dir, MAX_WORLD};
+pub use shm_comm::{check_world_size, segment_path, shm_dir, MAX_WORLD};
 
 use crate::backend::cpu::finalize::fused_rows;
 use crate::backend::cpu::CpuBackend;
