@@ -88,23 +88,61 @@ def _layout(layout):
     return sizes(getattr(layout, "local_sizes", layout))
 
 
+# The `amoe_finalize_args` of every set of operands seen so far, keyed by the
+# identities of its descriptor pointers and its mode. `_tensor._core` builds
+# one descriptor per data pointer, shape, dtype and device, so an equal key
+# means equal operands; a cached struct keeps its pointers alive, so no
+# identity in a key is reused while it is cached. Cleared when full.
+_FINALIZE_ARGS: dict = {}
+_FINALIZE_MAX = 256
+
+# The answers of the library's `*_output_shape` functions, keyed by the
+# function, the identities of the C objects it reads (descriptor pointers,
+# argument structs, size arrays: none changes after it is built) and its
+# integer arguments. An entry keeps those objects alive, so no identity in a
+# key is reused while it is cached. A shape function reads the descriptors'
+# shapes and dtypes only, so its answer stands. Cleared when full.
+_SHAPES: dict = {}
+_SHAPES_MAX = 256
+
+
+def _asked(name: str, objs: tuple, ints: tuple, *args) -> tuple:
+    """The output shape the library's `name` gives for `args` (which pass
+    `objs` and `ints` and nothing else), asked once per key of `_SHAPES`."""
+    key = (name, *map(id, objs), *ints)
+    hit = _SHAPES.get(key)
+    if hit is not None:
+        return hit[1]
+    buf, ndim, out = shape_out()
+    call(name, *args, *out)
+    shape = shape_of(buf, ndim)
+    if len(_SHAPES) >= _SHAPES_MAX:
+        _SHAPES.clear()
+    _SHAPES[key] = (objs, shape)
+    return shape
+
+
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
     """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
-    if int(drop_pad_mode) < 0:
-        raise error(
-            Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}"
-        )
-    make_opt = (lambda a, x: None if x is None else make(a, x))
+    mode = int(drop_pad_mode)
+    if mode < 0:
+        raise error(Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}")
     descs = [
         make("expanded_x", expanded_x),
         make("expanded_row_idx", expanded_row_idx),
-        make_opt("x1", x1),
-        make_opt("x2", x2),
-        make_opt("bias", bias),
-        make_opt("scales", scales),
-        make_opt("expert_idx", expert_idx),
+        None if x1 is None else make("x1", x1),
+        None if x2 is None else make("x2", x2),
+        None if bias is None else make("bias", bias),
+        None if scales is None else make("scales", scales),
+        None if expert_idx is None else make("expert_idx", expert_idx),
     ]
-    args = FinalizeArgs(*[ptr(d) for d in descs], int(drop_pad_mode) & 0xFFFFFFFF)
+    ptrs = [ptr(d) for d in descs]
+    key = (*map(id, ptrs), mode)
+    args = _FINALIZE_ARGS.get(key)
+    if args is None:
+        if len(_FINALIZE_ARGS) >= _FINALIZE_MAX:
+            _FINALIZE_ARGS.clear()
+        args = _FINALIZE_ARGS[key] = FinalizeArgs(*ptrs, mode & 0xFFFFFFFF)
     return args, descs
 
 
@@ -127,18 +165,15 @@ def moe_finalize_routing(
 
 def _finalize_shape(args) -> tuple:
     """`moe_finalize_routing`'s output shape from an `amoe_finalize_args`
-    (an op passes the one it runs with)."""
-    buf, ndim, out = shape_out()
-    call("amoe_moe_finalize_routing_output_shape", args, *out)
-    return shape_of(buf, ndim)
+    of `finalize_args` (an op passes the one it runs with)."""
+    return _asked("amoe_moe_finalize_routing_output_shape", (args,), (), args)
 
 
 def moe_token_unpermute(permuted, sorted_indices, probs=None) -> tuple:
     """`[T, H...]`."""
     p, s, pr = desc_meta("permuted", permuted), desc_meta("sorted_indices", sorted_indices), desc_meta_opt("probs", probs)
-    buf, ndim, out = shape_out()
-    call("amoe_moe_token_unpermute_output_shape", p.ptr, s.ptr, ptr(pr), *out)
-    return shape_of(buf, ndim)
+    objs = (p.ptr, s.ptr, ptr(pr))
+    return _asked("amoe_moe_token_unpermute_output_shape", objs, (), *objs)
 
 
 def maybe_pad_and_reduce(x, layout, ep) -> tuple:
@@ -147,9 +182,8 @@ def maybe_pad_and_reduce(x, layout, ep) -> tuple:
     d = desc_meta("x", x)
     ls, n = _layout(layout)
     rank, size = _ep(ep)
-    buf, ndim, out = shape_out()
-    call("amoe_maybe_pad_and_reduce_output_shape", d.ptr, ls if layout is not None else None, n, rank, size, *out)
-    return shape_of(buf, ndim)
+    objs = (d.ptr, ls if layout is not None else None)
+    return _asked("amoe_maybe_pad_and_reduce_output_shape", objs, (n, rank, size), *objs, n, rank, size)
 
 
 def maybe_all_gather_and_maybe_unpad(x, layout, ep) -> tuple:
@@ -157,17 +191,8 @@ def maybe_all_gather_and_maybe_unpad(x, layout, ep) -> tuple:
     d = desc_meta("x", x)
     ls, n = _layout(layout)
     rank, size = _ep(ep)
-    buf, ndim, out = shape_out()
-    call(
-        "amoe_maybe_all_gather_and_maybe_unpad_output_shape",
-        d.ptr,
-        ls if layout is not None else None,
-        n,
-        rank,
-        size,
-        *out,
-    )
-    return shape_of(buf, ndim)
+    objs = (d.ptr, ls if layout is not None else None)
+    return _asked("amoe_maybe_all_gather_and_maybe_unpad_output_shape", objs, (n, rank, size), *objs, n, rank, size)
 
 
 def finalize_and_reduce(
@@ -193,36 +218,30 @@ def _finalize_and_reduce_shape(args, layout, ep) -> tuple:
     """`finalize_and_reduce`'s output shape from an `amoe_finalize_args`."""
     ls, n = _layout(layout)
     rank, size = _ep(ep)
-    buf, ndim, out = shape_out()
-    call("amoe_finalize_and_reduce_output_shape", args, ls if layout is not None else None, n, rank, size, *out)
-    return shape_of(buf, ndim)
+    objs = (args, ls if layout is not None else None)
+    return _asked("amoe_finalize_and_reduce_output_shape", objs, (n, rank, size), *objs, n, rank, size)
 
 
 def shared_pad_split(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the DP batch `x [T, H...]`; `tp` is the TP `Comm` or `(tp_rank, tp_size)`."""
     d = desc_meta("x", x)
     rank, size = _ep(tp)
-    buf, ndim, out = shape_out()
-    call("amoe_shared_pad_split_output_shape", d.ptr, rank, size, *out)
-    return shape_of(buf, ndim)
+    return _asked("amoe_shared_pad_split_output_shape", (d.ptr,), (rank, size), d.ptr, rank, size)
 
 
 def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
     """`[num_tokens, H...]`; `x` must have `ceil(num_tokens / tp_size)` rows."""
     d = desc_meta("x", x)
     _, size = _ep(tp)
-    buf, ndim, out = shape_out()
-    call("amoe_shared_gather_unpad_output_shape", d.ptr, _count("num_tokens", num_tokens), size, *out)
-    return shape_of(buf, ndim)
+    num_tokens = _count("num_tokens", num_tokens)
+    return _asked("amoe_shared_gather_unpad_output_shape", (d.ptr,), (num_tokens, size), d.ptr, num_tokens, size)
 
 
 def shared_pad_reduce_scatter(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the TP-partial `x [T, H...]`."""
     d = desc_meta("x", x)
     _, size = _ep(tp)
-    buf, ndim, out = shape_out()
-    call("amoe_shared_pad_reduce_scatter_output_shape", d.ptr, size, *out)
-    return shape_of(buf, ndim)
+    return _asked("amoe_shared_pad_reduce_scatter_output_shape", (d.ptr,), (size,), d.ptr, size)
 
 
 def _count(name: str, v) -> int:

@@ -224,6 +224,36 @@ def test_descriptors_of_earlier_calls_never_describe_other_memory(monkeypatch):
         np.testing.assert_array_equal(am.moe_token_unpermute(xk, idx), xk[[2, 0, 3, 1]])
         assert len(_tensor._CORES) <= 3
 
+def test_finalize_args_of_earlier_calls_never_describe_other_operands(monkeypatch):
+    # The package keeps each finalize's argument struct, by the descriptors it
+    # holds, and the library's answer for its output shape, by the struct. The same memory seen with another shape, an
+    # optional input added or dropped, another mode, and a full table that
+    # starts over must each describe the call's own operands.
+    from ascend_moe import shapes
+    from workers import assert_close, finalize_golden
+
+    monkeypatch.setattr(shapes, "_FINALIZE_MAX", 4)
+    monkeypatch.setattr(shapes, "_SHAPES_MAX", 4)
+    rng = np.random.default_rng(7)
+    buf = rng.standard_normal(4 * 6 * 8).astype(np.float32)  # every expanded_x is a view of it
+    scales_buf = rng.standard_normal(4 * 6).astype(np.float32)
+    x1_buf = rng.standard_normal(6 * 8).astype(np.float32)
+    for n, k, h in [(6, 4, 8), (4, 6, 8), (6, 4, 2), (2, 3, 8), (6, 4, 8), (3, 1, 4), (4, 6, 8), (6, 4, 8)]:
+        ex = buf[: n * k * h].reshape(n * k, h)
+        scales = scales_buf[: n * k].reshape(n, k)
+        x1 = x1_buf[: n * h].reshape(n, h)
+        for mode in (0, 2):
+            idx = rng.permutation(n * k).astype(np.int32)
+            for kw in ({"scales": scales}, {"scales": scales, "x1": x1}, {"x1": x1} if k == 1 else {"scales": scales}):
+                got = am.moe_finalize_routing(ex, idx, drop_pad_mode=mode, **kw)
+                want = finalize_golden(ex, idx, kw.get("x1"), None, None, kw.get("scales"), None, mode)
+                assert_close(got, want, np.float32, f"N {n} K {k} H {h} mode {mode} {sorted(kw)}")
+                assert am.shapes.moe_finalize_routing(ex, idx, drop_pad_mode=mode, **kw) == (n, h)
+        assert len(shapes._FINALIZE_ARGS) <= 4 and len(shapes._SHAPES) <= 4
+    with pytest.raises(am.ShapeError):
+        am.moe_finalize_routing(buf[:48].reshape(6, 8), np.arange(6, dtype=np.int32), scales=scales_buf[:12].reshape(4, 3))
+
+
 def test_array_addresses_are_the_arrays_own_memory():
     # The data pointer comes through the buffer protocol where numpy exports
     # one and from `ctypes.data` where it does not; both must name the first
