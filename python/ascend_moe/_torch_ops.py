@@ -36,9 +36,81 @@ from .ops import ReducePolicy
 Tensor = torch.Tensor
 
 
-# Where the real implementations run: CPU and PrivateUse1 (torch_npu's key,
-# named "privateuseone" until torch_npu renames the backend to "npu").
-DEVICE_TYPES = ("cpu", "privateuseone")
+# Where the real implementations run: CPU and PrivateUse1 (torch_npu's
+# dispatch key, whatever name its backend has).
+DISPATCH_KEYS = ("CPU", "PrivateUse1")
+
+
+# Every op is defined straight on a `torch.library.Library`, with the schema
+# `torch.library.custom_op` would infer, one kernel per dispatch key, a fake
+# and an Autograd kernel, as vLLM-Ascend registers its own ops
+# (vllm_ascend/ops/register_custom_ops.py, through vLLM's
+# `direct_register_custom_op`): a `custom_op` runs every call through Python
+# autograd, aliasing and dynamo wrappers, about twice what these kernels cost
+# per call, more than a whole decode-size finalize.
+_LIB: list = []  # the `Library`, made once and kept: a collected one takes its ops with it
+
+
+def custom_op(qualname: str, *, mutates_args):
+    """A decorator defining `qualname` (`ascend_moe::name`) from a function's
+    type hints, its real kernel for `DISPATCH_KEYS`."""
+
+    def define(fn):
+        if not _LIB:
+            _LIB.append(torch.library.Library("ascend_moe", "FRAGMENT"))
+        lib, name = _LIB[0], qualname.split("::", 1)[1]
+        lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        for key in DISPATCH_KEYS:
+            lib.impl(name, fn, key)
+        lib.impl(name, _autograd_kernel(qualname), "Autograd")
+        return _Op(lib, qualname)
+
+    return define
+
+
+def _autograd_kernel(qualname: str):
+    """The op's Autograd kernel: the ops have no gradient. A call that records
+    no gradient (grad mode off, or no input requiring one: every inference
+    call) goes straight to the kernels below autograd; otherwise the output
+    gets a backward that fails naming the op, as a `custom_op` without an
+    autograd formula does (no silent None gradient)."""
+    namespace, name = qualname.split("::", 1)
+
+    def op():
+        return getattr(getattr(torch.ops, namespace), name).default
+
+    class NoGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            return op()(*args)  # grad mode is off here: the fast path below
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(f"{qualname} has no gradient: it is not differentiable")
+
+    def kernel(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return NoGradient.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op()(*args)
+
+    return kernel
+
+
+class _Op:
+    """An op of `custom_op`, as `torch.library.custom_op` returns one: called,
+    it runs the op through the dispatcher; `register_fake` adds its fake kernel."""
+
+    def __init__(self, lib, qualname: str):
+        self._lib, self._qualname = lib, qualname
+
+    def __call__(self, *args, **kwargs):
+        namespace, name = self._qualname.split("::", 1)
+        return getattr(getattr(torch.ops, namespace), name)(*args, **kwargs)
+
+    def register_fake(self, fake):
+        torch.library.register_fake(self._qualname, fake, lib=self._lib)
+        return fake
 
 
 def _numpy_view(t: Tensor):
@@ -79,12 +151,16 @@ def _policy(shared_mode: int, has_routed_transform: bool, sp: bool, tp_size: int
 
 
 def register() -> bool:
-    """Registers the ops once; False when this torch lacks `torch.library.custom_op`."""
-    if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
+    """Registers the ops once; False when this torch lacks
+    `torch.library.infer_schema` or `register_fake` (both from torch 2.4), or
+    the guard the Autograd kernels pass calls below autograd with."""
+    if not hasattr(torch, "library") or not all(
+        hasattr(torch.library, f) for f in ("infer_schema", "register_fake", "Library")
+    ):
+        return False
+    if not hasattr(torch._C, "_AutoDispatchBelowAutograd"):
         return False
 
-    def custom_op(name, **kw):
-        return torch.library.custom_op(name, device_types=DEVICE_TYPES, **kw)
 
     # Defaults as the plain ints a torch schema holds.
     drop_less_column = int(ops.DropPadMode.DROP_LESS_COLUMN)

@@ -607,10 +607,9 @@ def _register_point_op():
         return _REDUCE_OP
     import torch
 
-    # PrivateUse1 under its current name ("npu" once torch_npu renamed it).
-    device_types = ("cpu", torch._C._get_privateuse1_backend_name())
+    from ._torch_ops import custom_op
 
-    @torch.library.custom_op("ascend_moe::vllm_reduce_point", mutates_args=(), device_types=device_types)
+    @custom_op("ascend_moe::vllm_reduce_point", mutates_args=())
     def vllm_reduce_point(x: torch.Tensor, point: int, layer: int) -> torch.Tensor:
         return _point_impl(x, point, layer)
 

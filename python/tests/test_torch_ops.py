@@ -18,7 +18,7 @@ import pytest
 import ascend_moe as am
 
 if not am.TORCH_OPS:
-    _why = am.TORCH_OPS_ERROR or "this torch has no torch.library.custom_op"
+    _why = am.TORCH_OPS_ERROR or "this torch has no torch.library.infer_schema or register_fake"
     if os.environ.get("CI"):
         pytest.fail(f"CI must run the torch custom-op tests, but {_why}", pytrace=False)
     pytest.skip(f"torch custom ops unavailable: {_why}", allow_module_level=True)
@@ -153,6 +153,28 @@ def test_stale_comm_handle_fails_in_fake_and_real():
         OPS.all_reduce(torch.ones(2), hid)
     with pytest.raises(am.AmoeError, match=f"handle_id {hid}"):
         OPS.all_gather(torch.ones(2, device="meta"), hid)
+
+
+def test_ops_have_no_gradient_and_say_so():
+    """The ops are not differentiable: with an input that requires grad the
+    forward runs (grad mode on or off) and gives the op's values, and a
+    backward through it fails naming the op, never a silent None gradient."""
+    (ex, idx), kw, want = finalize_inputs(2, np.float32, 0)
+    x = ex.clone().requires_grad_(True)
+    y = OPS.moe_finalize_routing(x, idx, **kw)
+    assert y.requires_grad
+    assert_close(to_numpy(y.detach()), want, np.float32, "finalize with an input requiring grad")
+    with pytest.raises(RuntimeError, match="ascend_moe::moe_finalize_routing has no gradient"):
+        y.sum().backward()
+    assert x.grad is None
+    with torch.no_grad():
+        z = OPS.moe_finalize_routing(x, idx, **kw)
+    assert not z.requires_grad
+    assert_close(to_numpy(z), want, np.float32, "finalize under no_grad")
+    with am.Comm.cpu(f"torch-grad-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        r = OPS.all_reduce(torch.ones(3, requires_grad=True), c.handle_id)
+        with pytest.raises(RuntimeError, match="ascend_moe::all_reduce has no gradient"):
+            r.sum().backward()
 
 
 def test_opcheck_collectives_on_a_world_of_one():
