@@ -206,6 +206,7 @@ if ! skipping api && [[ -n $BIN ]]; then
     LIB="$(dirname "$BIN")/libascend_moe.so"
     API_ARGS=(--bin "$BIN" --rounds "${RUNS:-3}")
     [[ $QUICK == 1 ]] && API_ARGS=(--bin "$BIN" --rounds 1 --tokens 1024 --hidden 2048 --bytes 1048576)
+    [[ -n $TORCH_PY ]] && API_ARGS+=(--torch-python "$TORCH_PY")
     if [[ -f $LIB ]]; then
         ASCEND_MOE_LIB="$LIB" "$PY" "$HERE/api.py" "${API_ARGS[@]}" > "$OUT/raw/api.json" || { RC=1; rm -f "$OUT/raw/api.json"; }
     else

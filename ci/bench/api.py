@@ -15,7 +15,10 @@ Decode-size finalize (`--decode-tokens`, default 1 and 16 rows of the same
 K and H): the same two forms against the CLI's kernel, both on the threads a
 default call uses (the CLI without `--threads`), best of `--decode-iters`
 calls each, medians over the rounds in microseconds: what the package adds to
-a call whose kernel takes microseconds.
+a call whose kernel takes microseconds. With `--torch-python` (a python with
+torch), every round also times `torch.ops.ascend_moe.moe_finalize_routing`
+on CPU tensors over the same inputs (allocating, as a torch op does), in a
+process of that python: what an engine calling the registered op pays.
 
 Collectives: `--ranks` Python processes, each a rank of one CPU world, time
 all_reduce, reduce_scatter and all_gather of `--bytes` per rank (bf16; the
@@ -123,10 +126,46 @@ def bench_finalize(a) -> dict:
     }
 
 
+def torch_finalize_s(tokens: int, topk: int, hidden: int, iters: int) -> float:
+    """Best call time of `torch.ops.ascend_moe.moe_finalize_routing` on CPU
+    tensors over `np_finalize.make_inputs` (run in a python with torch)."""
+    import torch
+
+    import ascend_moe
+
+    if not ascend_moe.TORCH_OPS:
+        raise SystemExit(f"torch ops unavailable: {ascend_moe.TORCH_OPS_ERROR}")
+    expanded_x, x1, scales, row_idx = np_finalize.make_inputs(tokens, topk, hidden, "bf16")
+
+    def bf16(a):
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+
+    args = (bf16(expanded_x), torch.from_numpy(row_idx), bf16(x1), None, None, torch.from_numpy(scales), None, 2)
+    op = torch.ops.ascend_moe.moe_finalize_routing
+    op(*args)  # warm-up
+    best = float("inf")
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        op(*args)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def torch_finalize_in(python: str, tokens: int, a) -> float:
+    """`torch_finalize_s` in a process of `python` (this one's library and threads)."""
+    cmd = [python, os.path.abspath(__file__), "--torch-finalize", str(tokens), "--topk", str(a.topk)]
+    cmd += ["--hidden", str(a.hidden), "--decode-iters", str(a.decode_iters), "--bin", a.bin]
+    env = dict(os.environ, ASCEND_MOE_TORCH="1")
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
+    return float(out.split()[-1])
+
+
 def bench_finalize_decode(a) -> list[dict]:
-    """Decode-size finalize: the Python op (`out=` and allocating) against the
-    CLI's kernel on the threads a default call uses, per row count."""
+    """Decode-size finalize: the Python op (`out=` and allocating, and the
+    torch op with `--torch-python`) against the CLI's kernel on the threads a
+    default call uses, per row count."""
     res = []
+    forms = ("kernel_s", "python_s", "python_alloc_s") + (("torch_s",) if a.torch_python else ())
     for tokens in a.decode_tokens:
         inputs = np_finalize.make_inputs(tokens, a.topk, a.hidden, "bf16")
         cmd = finalize_cmd(a, tokens, a.decode_iters)
@@ -135,14 +174,19 @@ def bench_finalize_decode(a) -> list[dict]:
             r = cli_json(cmd)[0]
             py, alloc = python_finalize_s(inputs, a.decode_iters)
             rounds.append({"kernel_s": r["time_us"] / 1e6, "threads": r["threads"], "python_s": py, "python_alloc_s": alloc})
+            if a.torch_python:
+                rounds[-1]["torch_s"] = torch_finalize_in(a.torch_python, tokens, a)
         res.append(
             {
                 "shape": f"{tokens}x{a.topk}x{a.hidden}",
                 "threads": rounds[0]["threads"],
                 "rounds": rounds,
-                **{f"{k[:-2]}_us": median(r[k] for r in rounds) * 1e6 for k in ("kernel_s", "python_s", "python_alloc_s")},
-                "python_over_kernel": median(r["python_s"] / r["kernel_s"] for r in rounds),
-                "python_alloc_over_kernel": median(r["python_alloc_s"] / r["kernel_s"] for r in rounds),
+                **{f"{k[:-2]}_us": median(r[k] for r in rounds) * 1e6 for k in forms},
+                **{
+                    f"{k[:-2]}_over_kernel": median(r[k] / r["kernel_s"] for r in rounds)
+                    for k in forms
+                    if k != "kernel_s"
+                },
             }
         )
     return res
@@ -248,7 +292,12 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=lambda s: [int(t) for t in s.split(",") if t], default=[1, 16])
     p.add_argument("--decode-iters", type=int, default=200)
     p.add_argument("--skip", default="", help="finalize,decode,collectives")
+    p.add_argument("--torch-python", help="a python with torch: the decode table adds the torch op")
+    p.add_argument("--torch-finalize", type=int, metavar="TOKENS", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.torch_finalize is not None:  # the torch op's timing, in a process of --torch-python
+        print(torch_finalize_s(a.torch_finalize, a.topk, a.hidden, a.decode_iters))
+        return 0
     if not a.bin:
         p.error("--bin or ASCEND_MOE_BIN is required")
     os.environ["ASCEND_MOE_NUM_THREADS"] = str(a.threads)
@@ -271,7 +320,8 @@ def main() -> int:
         for d in doc["finalize_decode"]:
             print(
                 f"finalize {d['shape']} bf16, {d['threads']} thread(s): kernel {d['kernel_us']:.1f} us, "
-                f"python out= {d['python_us']:.1f} us, allocating {d['python_alloc_us']:.1f} us",
+                f"python out= {d['python_us']:.1f} us, allocating {d['python_alloc_us']:.1f} us"
+                + (f", torch op {d['torch_us']:.1f} us" if "torch_us" in d else ""),
                 file=sys.stderr,
             )
     if "collectives" not in a.skip:

@@ -957,10 +957,17 @@ def api_section(api) -> list[str]:
         L.append("Decode-size finalize through Python (numpy bf16; microseconds, medians over the rounds of the best "
                  "call; kernel = `bench finalize` on the threads a default call uses):")
         L.append("")
+        torch_op = any("torch_us" in d for d in dec)
         rows = [(d["shape"], d["threads"], _num(d["kernel_us"]), _num(d["python_us"]), _num(d["python_alloc_us"]),
-                 _num(d["python_over_kernel"]), _num(d["python_alloc_over_kernel"])) for d in dec]
+                 _num(d["python_over_kernel"]), _num(d["python_alloc_over_kernel"]))
+                + ((_num(d["torch_us"]), _num(d["torch_over_kernel"])) if "torch_us" in d else ("–", "–")) * torch_op
+                for d in dec]
         L.append(_table(["case", "threads", "kernel (us)", "`out=` (us)", "allocating (us)", "`out=` / kernel",
-                         "allocating / kernel"], rows))
+                         "allocating / kernel"] + ["torch op (us)", "torch op / kernel"] * torch_op, rows))
+        if torch_op:
+            L.append("")
+            L.append("torch op: `torch.ops.ascend_moe.moe_finalize_routing` on CPU tensors over the same inputs "
+                     "(allocating, as a torch op does), in a process of the python with torch.")
         L.append("")
     return L
 

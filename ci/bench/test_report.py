@@ -336,7 +336,10 @@ class ApiGlooDecodeReport(unittest.TestCase):
             },
             "finalize_decode": [
                 {"shape": "1x8x4096", "threads": 1, "kernel_us": 4.0, "python_us": 20.0, "python_alloc_us": 30.0,
-                 "python_over_kernel": 5.0, "python_alloc_over_kernel": 7.5, "rounds": []},
+                 "python_over_kernel": 5.0, "python_alloc_over_kernel": 7.5, "torch_us": 26.0,
+                 "torch_over_kernel": 6.5, "rounds": []},
+                {"shape": "16x8x4096", "threads": 1, "kernel_us": 10.0, "python_us": 30.0, "python_alloc_us": 40.0,
+                 "python_over_kernel": 3.0, "python_alloc_over_kernel": 4.0, "rounds": []},
             ],
             "collectives": {
                 "ranks": 4,
@@ -356,6 +359,7 @@ class ApiGlooDecodeReport(unittest.TestCase):
                                       "python_over_cli": 1.0, "python_alloc_over_cli": 1.0}
         with open(os.path.join(raw, "api.json"), "w") as f:
             json.dump(api, f)
+        cls.API = api
         with open(os.path.join(raw, "plan-000000.json"), "w") as f:
             json.dump({"cli_missing_ops": ["broadcast"]}, f)
         report.generate(raw, cls.out)
@@ -387,7 +391,16 @@ class ApiGlooDecodeReport(unittest.TestCase):
 
     def test_decode_finalize_through_python(self):
         self.assertIn("Decode-size finalize through Python", self.md)
-        self.assertIn("| 1x8x4096 | 1 | 4 | 20 | 30 | 5 | 7.5 |", self.md)
+        self.assertIn("| allocating / kernel | torch op (us) | torch op / kernel |", self.md)
+        self.assertIn("| 1x8x4096 | 1 | 4 | 20 | 30 | 5 | 7.5 | 26 | 6.5 |", self.md)
+        self.assertIn("| 16x8x4096 | 1 | 10 | 30 | 40 | 3 | 4 | – | – |", self.md)  # a row without the torch op
+        # Without any torch op timing (no --torch-python) the table has no torch columns.
+        api = {"finalize_decode": [dict(d) for d in self.API["finalize_decode"]]}
+        for d in api["finalize_decode"]:
+            d.pop("torch_us", None)
+        md = "\n".join(report.api_section(api))
+        self.assertIn("| 1x8x4096 | 1 | 4 | 20 | 30 | 5 | 7.5 |\n", md)
+        self.assertNotIn("torch op", md)
 
     def test_python_collectives_against_the_cli(self):
         for op, key, ok in (
