@@ -92,15 +92,18 @@ fn permutation(n: usize) -> Vec<i32> {
     v.into_iter().map(|(_, i)| i).collect()
 }
 
-/// STREAM-style triad arrays (`a = b + s * c`, f32) moving `bytes` bytes a pass.
-struct Triad {
+/// STREAM-style triad arrays (`a = b + s * c`, f32) moving `bytes` bytes a
+/// pass: the memory floor of every CPU benchmark (`bench finalize`,
+/// `bench finalize_and_reduce`, `bench collectives`, `bench triad`).
+pub struct Triad {
     a: Vec<f32>,
     b: Vec<f32>,
     c: Vec<f32>,
 }
 
 impl Triad {
-    fn new(bytes: usize) -> Self {
+    /// Arrays of `bytes / 12` elements each (at least one).
+    pub fn new(bytes: usize) -> Self {
         let n = (bytes / 12).max(1);
         Triad { a: vec![0.0; n], b: vec![1.0; n], c: vec![2.0; n] }
     }
@@ -108,7 +111,7 @@ impl Triad {
     /// One pass on `threads` threads, started as the CPU finalize starts them:
     /// the calling thread takes the first chunk and starts a thread for each
     /// other one, so one thread runs on the calling thread alone.
-    fn pass(&mut self, threads: usize, s: f32) {
+    pub fn pass(&mut self, threads: usize, s: f32) {
         let chunk = self.a.len().div_ceil(threads.max(1));
         let triad = move |a: &mut [f32], b: &[f32], c: &[f32]| {
             for ((a, b), c) in a.iter_mut().zip(b).zip(c) {

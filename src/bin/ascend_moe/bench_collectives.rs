@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use ascend_moe::backend::cpu::{CpuCommConfig, MAX_WORLD};
 use ascend_moe::ranks::run_ranks_with;
+use ascend_moe::testing::bench::Triad;
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
 use crate::launch;
@@ -256,7 +257,8 @@ fn decode(line: &str) -> Option<Meas> {
     })
 }
 
-/// Aggregate triad bandwidth of `threads` concurrent threads, bytes/s (best of `reps`).
+/// Aggregate triad bandwidth of `threads` concurrent threads, each passing
+/// over its own `elems`-element arrays on its own, bytes/s (best of `reps`).
 pub fn triad(threads: usize, elems: usize, reps: usize) -> f64 {
     let barrier = std::sync::Barrier::new(threads);
     let per_rep: Vec<Vec<Duration>> = std::thread::scope(|s| {
@@ -264,17 +266,12 @@ pub fn triad(threads: usize, elems: usize, reps: usize) -> f64 {
             .map(|_| {
                 let barrier = &barrier;
                 s.spawn(move || {
-                    let mut a = vec![0f32; elems];
-                    let b = vec![1.5f32; elems];
-                    let c = vec![2.5f32; elems];
+                    let mut t = Triad::new(elems * 12);
                     let mut ds = Vec::new();
                     for _ in 0..reps {
                         barrier.wait();
                         let t0 = Instant::now();
-                        for ((a, b), c) in a.iter_mut().zip(&b).zip(&c) {
-                            *a = *b + 3.0 * *c;
-                        }
-                        std::hint::black_box(&mut a);
+                        t.pass(1, 3.0);
                         ds.push(t0.elapsed());
                     }
                     ds
@@ -314,13 +311,13 @@ fn floor_bytes(op: &str, s: f64, n: usize) -> f64 {
 }
 
 /// The triad of one world size, measured before and after its rows.
-struct Triad {
+struct WorldTriad {
     world: usize,
     before: f64,
     after: f64,
 }
 
-impl Triad {
+impl WorldTriad {
     /// The bandwidth the floor uses, bytes/s: the mean of the two.
     fn bandwidth(&self) -> f64 {
         (self.before + self.after) / 2.0
@@ -404,7 +401,7 @@ pub fn main(a: Args) -> i32 {
             }
         };
         eprintln!("measuring the triad with {world} threads again ...");
-        let t = Triad { world, before, after: measure() };
+        let t = WorldTriad { world, before, after: measure() };
         let bw = t.bandwidth();
         triads.push(t);
         for m in meas {
@@ -456,7 +453,7 @@ const FLOOR_RULE: &str = "floor = bytes moved by the staged shared-memory algori
 bytes per rank with size S on n ranks: all_reduce 5S-S/n, reduce_scatter 3S-S/n, all_gather 2S+2S/n, \
 all_to_all 4S-2S/n, broadcast 2S";
 
-fn print_table(lines: &[Line], triads: &[Triad], cfg: &CpuCommConfig) {
+fn print_table(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
     println!(
         "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 3 slots per rank)",
         cfg.effective_staging() / 1024
@@ -504,7 +501,7 @@ fn print_table(lines: &[Line], triads: &[Triad], cfg: &CpuCommConfig) {
     }
 }
 
-fn print_json(lines: &[Line], triads: &[Triad], cfg: &CpuCommConfig) {
+fn print_json(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
     let tri: Vec<String> = triads
         .iter()
         .map(|t| {
