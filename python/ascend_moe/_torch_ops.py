@@ -53,7 +53,8 @@ _LIB: list = []  # the `Library`, made once and kept: a collected one takes its 
 
 def custom_op(qualname: str, *, mutates_args):
     """A decorator defining `qualname` (`ascend_moe::name`) from a function's
-    type hints, its real kernel for `DISPATCH_KEYS`."""
+    type hints, with the function as its kernel for `DISPATCH_KEYS` and
+    `_autograd_kernel` for Autograd."""
 
     def define(fn):
         if not _LIB:
@@ -160,7 +161,6 @@ def register() -> bool:
         return False
     if not hasattr(torch._C, "_AutoDispatchBelowAutograd"):
         return False
-
 
     # Defaults as the plain ints a torch schema holds.
     drop_less_column = int(ops.DropPadMode.DROP_LESS_COLUMN)
