@@ -165,6 +165,8 @@ def as_array(arg: str, x) -> np.ndarray:
 
 def _device(arg: str, x) -> int | None:
     """The NPU ordinal of tensor-like `x`, None on the CPU; an error on any other device."""
+    if getattr(x, "is_cpu", False):  # torch's flag: a tenth of the cost of naming `x.device.type`
+        return None
     dev = x.device
     kind = getattr(dev, "type", dev)
     if kind == "cpu":
@@ -193,7 +195,7 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
                 + (" (call .contiguous() first)" if not writable else " (pass a contiguous `out`)"),
             )
         x = x.contiguous()
-    return Desc(arg, tuple(x.shape), x.dtype, x, x.data_ptr() or None, npu)
+    return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None, npu)
 
 
 _BYTES = np.dtype(np.uint8)
@@ -320,7 +322,7 @@ def alloc(arg: str, shape, like: Desc):
     shape = tuple(int(s) for s in shape)
     x = like.obj
     if _torch_tensor(x):
-        if x.device.type == "cpu":
+        if x.is_cpu:
             return _torch_host_empty(shape, x.dtype)
         return sys.modules["torch"].empty(shape, dtype=x.dtype, device=x.device)
     if _tensor_like(x):
