@@ -166,5 +166,7 @@ if TORCH_OPS_ERROR is None:
         from . import _torch_ops
 
         TORCH_OPS = _torch_ops.register()
+        if not TORCH_OPS:
+            TORCH_OPS_ERROR = "this torch lacks " + ", ".join(_torch_ops.missing())
     except Exception as _e:  # noqa: BLE001
         TORCH_OPS_ERROR = f"registering torch custom ops failed: {_e}"

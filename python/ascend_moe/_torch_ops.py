@@ -60,13 +60,39 @@ def custom_op(qualname: str, *, mutates_args):
         if not _LIB:
             _LIB.append(torch.library.Library("ascend_moe", "FRAGMENT"))
         lib, name = _LIB[0], qualname.split("::", 1)[1]
-        lib.define(name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        lib.define(name + _infer_schema()(fn, mutates_args=mutates_args))
         for key in DISPATCH_KEYS:
             lib.impl(name, fn, key)
         lib.impl(name, _autograd_kernel(qualname), "Autograd")
         return _Op(lib, qualname)
 
     return define
+
+
+def _infer_schema():
+    """`torch.library.infer_schema` (public from torch 2.5), else the function
+    torch 2.4's `custom_op` infers schemas with; None without either."""
+    f = getattr(torch.library, "infer_schema", None)
+    if f is None:
+        try:
+            from torch._library.infer_schema import infer_schema as f
+        except ImportError:
+            return None
+    return f
+
+
+def missing() -> list:
+    """What this torch lacks to register the ops (empty: nothing; torch 2.4
+    and later have it all): schema inference, fake kernels, libraries, and the
+    guard the Autograd kernels pass calls below autograd with."""
+    lib = getattr(torch, "library", None)
+    have = {
+        "torch.library.infer_schema": lib is not None and _infer_schema() is not None,
+        "torch.library.register_fake": hasattr(lib, "register_fake"),
+        "torch.library.Library": hasattr(lib, "Library"),
+        "torch._C._AutoDispatchBelowAutograd": hasattr(torch._C, "_AutoDispatchBelowAutograd"),
+    }
+    return [name for name, ok in have.items() if not ok]
 
 
 def _autograd_kernel(qualname: str):
@@ -152,14 +178,9 @@ def _policy(shared_mode: int, has_routed_transform: bool, sp: bool, tp_size: int
 
 
 def register() -> bool:
-    """Registers the ops once; False when this torch lacks
-    `torch.library.infer_schema` or `register_fake` (both from torch 2.4), or
-    the guard the Autograd kernels pass calls below autograd with."""
-    if not hasattr(torch, "library") or not all(
-        hasattr(torch.library, f) for f in ("infer_schema", "register_fake", "Library")
-    ):
-        return False
-    if not hasattr(torch._C, "_AutoDispatchBelowAutograd"):
+    """Registers the ops once; False when this torch lacks what it takes
+    (`missing()` says what)."""
+    if missing():
         return False
 
     # Defaults as the plain ints a torch schema holds.

@@ -18,7 +18,7 @@ import pytest
 import ascend_moe as am
 
 if not am.TORCH_OPS:
-    _why = am.TORCH_OPS_ERROR or "this torch has no torch.library.infer_schema or register_fake"
+    _why = am.TORCH_OPS_ERROR or "torch ops not registered"
     if os.environ.get("CI"):
         pytest.fail(f"CI must run the torch custom-op tests, but {_why}", pytrace=False)
     pytest.skip(f"torch custom ops unavailable: {_why}", allow_module_level=True)
@@ -153,6 +153,25 @@ def test_stale_comm_handle_fails_in_fake_and_real():
         OPS.all_reduce(torch.ones(2), hid)
     with pytest.raises(am.AmoeError, match=f"handle_id {hid}"):
         OPS.all_gather(torch.ones(2, device="meta"), hid)
+
+
+def test_missing_names_what_this_torch_lacks(monkeypatch):
+    """The ops need schema inference (public from torch 2.5; torch 2.4's
+    private one also serves), fake kernels, libraries and the guard below
+    autograd; without them `import ascend_moe` leaves the ops out and
+    TORCH_OPS_ERROR names what is missing."""
+    import torch._library.infer_schema as private
+
+    from ascend_moe import _torch_ops
+
+    assert _torch_ops.missing() == []
+    monkeypatch.delattr(torch.library, "infer_schema")
+    assert _torch_ops.missing() == []
+    assert _torch_ops._infer_schema() is private.infer_schema
+    monkeypatch.delattr(private, "infer_schema")
+    monkeypatch.delattr(torch._C, "_AutoDispatchBelowAutograd")
+    assert _torch_ops.missing() == ["torch.library.infer_schema", "torch._C._AutoDispatchBelowAutograd"]
+    assert _torch_ops.register() is False
 
 
 def test_ops_have_no_gradient_and_say_so():
