@@ -154,7 +154,7 @@ def torch_finalize_s(tokens: int, topk: int, hidden: int, iters: int) -> float:
 def torch_finalize_in(python: str, tokens: int, a) -> float:
     """`torch_finalize_s` in a process of `python` (this one's library and threads)."""
     cmd = [python, os.path.abspath(__file__), "--torch-finalize", str(tokens), "--topk", str(a.topk)]
-    cmd += ["--hidden", str(a.hidden), "--decode-iters", str(a.decode_iters), "--bin", a.bin]
+    cmd += ["--hidden", str(a.hidden), "--decode-iters", str(a.decode_iters)]
     env = dict(os.environ, ASCEND_MOE_TORCH="1")
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout
     return float(out.split()[-1])

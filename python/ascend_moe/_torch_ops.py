@@ -101,10 +101,13 @@ def _autograd_kernel(qualname: str):
     call) goes straight to the kernels below autograd; otherwise the output
     gets a backward that fails naming the op, as a `custom_op` without an
     autograd formula does (no silent None gradient)."""
-    namespace, name = qualname.split("::", 1)
+    resolved = []
 
     def op():
-        return getattr(getattr(torch.ops, namespace), name).default
+        # Resolved on the first call: the op is defined after this kernel is made.
+        if not resolved:
+            resolved.append(_packet(qualname).default)
+        return resolved[0]
 
     class NoGradient(torch.autograd.Function):
         @staticmethod
@@ -124,6 +127,12 @@ def _autograd_kernel(qualname: str):
     return kernel
 
 
+def _packet(qualname: str):
+    """`torch.ops.<namespace>.<name>` of `qualname` (`namespace::name`)."""
+    namespace, name = qualname.split("::", 1)
+    return getattr(getattr(torch.ops, namespace), name)
+
+
 class _Op:
     """An op of `custom_op`, as `torch.library.custom_op` returns one: called,
     it runs the op through the dispatcher; `register_fake` adds its fake kernel."""
@@ -132,8 +141,7 @@ class _Op:
         self._lib, self._qualname = lib, qualname
 
     def __call__(self, *args, **kwargs):
-        namespace, name = self._qualname.split("::", 1)
-        return getattr(getattr(torch.ops, namespace), name)(*args, **kwargs)
+        return _packet(self._qualname)(*args, **kwargs)
 
     def register_fake(self, fake):
         torch.library.register_fake(self._qualname, fake, lib=self._lib)
