@@ -191,8 +191,8 @@ fn large_collectives_that_stream_their_copies_move_every_element() {
 /// The reduce-scatter of computed rows, at sizes that take several rounds
 /// (1 MiB regions on 4 ranks) with a partial last one: every row of every
 /// block is produced exactly once, and the result is bitwise that of
-/// reduce_scatter_v over the same rows (the same reduction order), for f32 and
-/// f16. Rank 1 has no rows: its output is an empty `Vec<u8>`, whose pointer
+/// reduce_scatter_v over the same rows and of the test's own rank-order f32
+/// sum rounded once (the values make the order show), for f32 and f16. Rank 1 has no rows: its output is an empty `Vec<u8>`, whose pointer
 /// need not be aligned to the element type, and both calls take it; a
 /// non-empty output that is not aligned is refused, naming it.
 #[test]
@@ -247,8 +247,22 @@ fn computed_rows_are_produced_once_and_reduced_as_reduce_scatter_v_does() {
             }
             (fused, plain)
         });
+        let first: Vec<usize> = rows.iter().scan(0, |a, &n| Some(std::mem::replace(a, *a + n))).collect();
         for (r, (fused, plain)) in out.iter().enumerate() {
             assert!(fused == plain, "{dt} rank {r}: computed rows differ from reduce_scatter_v");
+            // Independently: the f32 sum over ranks in rank order of each rank's
+            // value as stored (rounded to dt), rounded once to dt.
+            let want: Vec<u8> = (0..rows[r] * ROW)
+                .flat_map(|e| {
+                    let (g, c) = (first[r] + e / ROW, e % ROW);
+                    let stored = |q: usize| match dt {
+                        DataType::F16 => half::f16::from_f32(value(q, g, c)).to_f32(),
+                        _ => value(q, g, c),
+                    };
+                    encode((0..WORLD).fold(0.0f32, |acc, q| acc + stored(q)))
+                })
+                .collect();
+            assert!(fused == &want, "{dt} rank {r}: not the rank-order f32 sum");
         }
     }
 }
