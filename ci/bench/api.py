@@ -32,8 +32,9 @@ the CLI does). Rounds alternate with
 `ascend-moe bench collectives --procs` at the same size.
 
 Prints one JSON document (and a table on stderr). Needs numpy and ml_dtypes,
-ASCEND_MOE_LIB naming the release libascend_moe.so, and ASCEND_MOE_BIN the
-release binary (or --bin).
+ASCEND_MOE_BIN the release binary (or --bin), and ASCEND_MOE_LIB naming the
+release libascend_moe.so (default: the one beside the binary). A Python rank
+that dies fails the run at once, with its error on stderr.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -229,6 +231,22 @@ def _rank(name, world, rank, nbytes, iters, q):
     q.put((rank, times))
 
 
+def _results(procs, q, deadline_s) -> list:
+    """One result per process from `q`; fails as soon as a process died
+    without one (its traceback is on stderr) or the deadline passed."""
+    got, end = [], time.monotonic() + deadline_s
+    while len(got) < len(procs):
+        try:
+            got.append(q.get(timeout=1.0))
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"Python ranks died (rank, exit code): {dead}; see their errors above") from None
+            if time.monotonic() > end:
+                raise RuntimeError(f"Python ranks did not finish within {deadline_s} s") from None
+    return got
+
+
 def python_collectives(a) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -236,9 +254,13 @@ def python_collectives(a) -> dict:
     procs = [ctx.Process(target=_rank, args=(name, a.ranks, r, a.bytes, a.iters, q)) for r in range(a.ranks)]
     for p in procs:
         p.start()
-    per_rank = [q.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
+    try:
+        per_rank = _results(procs, q, deadline_s=600)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join()
     out = {}
     for key in per_rank[0][1]:
         # Per call, the slowest rank; then the median call (as the CLI reports).
@@ -300,6 +322,9 @@ def main() -> int:
         return 0
     if not a.bin:
         p.error("--bin or ASCEND_MOE_BIN is required")
+    beside = os.path.join(os.path.dirname(os.path.abspath(a.bin)), "libascend_moe.so")
+    if "ASCEND_MOE_LIB" not in os.environ and os.path.exists(beside):
+        os.environ["ASCEND_MOE_LIB"] = beside  # the Python ranks inherit it
     os.environ["ASCEND_MOE_NUM_THREADS"] = str(a.threads)
     os.environ.setdefault("ASCEND_MOE_TORCH", "0")
     doc = {"load_avg": os.getloadavg()}
