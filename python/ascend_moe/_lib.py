@@ -278,6 +278,38 @@ def sizes(values) -> tuple:
     return (c_size_t * max(len(values), 1))(*values), len(values)
 
 
+class Table(dict):
+    """Values built once per key, for the calls that follow. It starts over
+    (is cleared) when it holds `max` entries, so it stays bounded whatever
+    keys callers bring."""
+
+    def __init__(self, max_entries: int):
+        super().__init__()
+        self.max = max_entries
+
+    def put(self, key, value):
+        """Stores `value` under `key` and returns it."""
+        if len(self) >= self.max:
+            self.clear()
+        self[key] = value
+        return value
+
+
+# `sizes` arrays by their values. The library only reads them, so equal sizes
+# share one: a layout rebuilt from the same sizes on every call (an engine
+# builds one per forward) then has the same array, and the tables keyed by an
+# array's identity (`shapes._SHAPES`) find it.
+_SIZE_ARRAYS = Table(256)
+
+
+def shared_sizes(values) -> tuple:
+    """`sizes(values)`, one array per distinct tuple of values; nothing may
+    write to it."""
+    key = tuple(map(int, values))
+    hit = _SIZE_ARRAYS.get(key)
+    return hit if hit is not None else _SIZE_ARRAYS.put(key, sizes(key))
+
+
 def _read_enum_tables(lb) -> dict:
     """`{C enum name: {variant name: value}}` from the library `lb`, in its order."""
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._enums import MAX_NDIM, DeviceKind, DType, Status
 from ._errors import error
-from ._lib import Tensor, call, lib
+from ._lib import Table, Tensor, call, lib
 
 # `amoe_device_kind` codes.
 DEVICE_CPU = int(DeviceKind.CPU)
@@ -108,8 +108,7 @@ def _tensor_like(x) -> bool:
 # values, so the one built for an earlier call over the same memory, shape and
 # dtype is the same bytes: it is reused, and never points anywhere the key does
 # not name. Cleared when full.
-_CORES: dict = {}
-_CORES_MAX = 1024
+_CORES = Table(1024)
 
 
 def _core(arg: str, shape, dtype, data, npu):
@@ -130,9 +129,7 @@ def _core(arg: str, shape, dtype, data, npu):
     c = Tensor(data, dtype_code(arg, dtype), len(shape), shape_buf, None, kind, ordinal)
     core = (shape, shape_buf, c, ctypes.pointer(c))
     if key is not None:
-        if len(_CORES) >= _CORES_MAX:
-            _CORES.clear()
-        _CORES[key] = core
+        _CORES.put(key, core)
     return core
 
 

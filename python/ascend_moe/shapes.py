@@ -14,7 +14,7 @@ from ctypes import c_size_t
 
 from ._enums import DropPadMode, Status
 from ._errors import error
-from ._lib import FinalizeArgs, call, sizes
+from ._lib import FinalizeArgs, Table, call, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
@@ -37,7 +37,7 @@ class SpLayout:
         if any(s < 0 for s in sizes_):
             raise error(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
         self._local_sizes = sizes_
-        self._size_array = sizes(sizes_)  # the library's size_t[] of them, built once
+        self._size_array = shared_sizes(sizes_)  # the library's size_t[] of them
 
     @property
     def local_sizes(self) -> tuple:
@@ -85,7 +85,7 @@ def _layout(layout):
         return None, 0
     if isinstance(layout, SpLayout):
         return layout._size_array
-    return sizes(getattr(layout, "local_sizes", layout))
+    return shared_sizes(getattr(layout, "local_sizes", layout))
 
 
 # The `amoe_finalize_args` of every set of operands seen so far, keyed by the
@@ -93,8 +93,7 @@ def _layout(layout):
 # one descriptor per data pointer, shape, dtype and device, so an equal key
 # means equal operands; a cached struct keeps its pointers alive, so no
 # identity in a key is reused while it is cached. Cleared when full.
-_FINALIZE_ARGS: dict = {}
-_FINALIZE_MAX = 256
+_FINALIZE_ARGS = Table(256)
 
 # The answers of the library's `*_output_shape` functions, keyed by the
 # function, the identities of the C objects it reads (descriptor pointers,
@@ -102,8 +101,7 @@ _FINALIZE_MAX = 256
 # integer arguments. An entry keeps those objects alive, so no identity in a
 # key is reused while it is cached. A shape function reads the descriptors'
 # shapes and dtypes only, so its answer stands. Cleared when full.
-_SHAPES: dict = {}
-_SHAPES_MAX = 256
+_SHAPES = Table(256)
 
 
 def _asked(name: str, objs: tuple, ints: tuple, *args) -> tuple:
@@ -116,9 +114,7 @@ def _asked(name: str, objs: tuple, ints: tuple, *args) -> tuple:
     buf, ndim, out = shape_out()
     call(name, *args, *out)
     shape = shape_of(buf, ndim)
-    if len(_SHAPES) >= _SHAPES_MAX:
-        _SHAPES.clear()
-    _SHAPES[key] = (objs, shape)
+    _SHAPES.put(key, (objs, shape))
     return shape
 
 
@@ -140,9 +136,7 @@ def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx
     key = (*map(id, ptrs), mode)
     args = _FINALIZE_ARGS.get(key)
     if args is None:
-        if len(_FINALIZE_ARGS) >= _FINALIZE_MAX:
-            _FINALIZE_ARGS.clear()
-        args = _FINALIZE_ARGS[key] = FinalizeArgs(*ptrs, mode & 0xFFFFFFFF)
+        args = _FINALIZE_ARGS.put(key, FinalizeArgs(*ptrs, mode & 0xFFFFFFFF))
     return args, descs
 
 

@@ -114,9 +114,35 @@ def test_a_layout_cannot_change_under_the_array_it_keeps():
     assert am.shapes.maybe_all_gather_and_maybe_unpad(((1, 2), np.float32), [3, 1], (1, 2)) == (4, 2)
 
 
+def test_a_layout_rebuilt_every_call_is_asked_its_shape_once(monkeypatch):
+    # An engine builds its layout anew for every forward. Layouts of equal sizes (SpLayouts or
+    # plain lists) share one size_t[], so the table of output shapes, keyed by the array, holds
+    # one entry for them instead of one per call; and when the table of arrays starts over,
+    # every layout still hands the library its own sizes.
+    import importlib
+
+    from ascend_moe import shapes
+
+    _lib = importlib.import_module("ascend_moe._lib")
+    x = ((9, 2), np.float32)
+    shapes.maybe_pad_and_reduce(x, am.SpLayout([4, 2, 3]), (2, 3))
+    before = len(shapes._SHAPES)
+    for _ in range(20):
+        assert shapes.maybe_pad_and_reduce(x, am.SpLayout([4, 2, 3]), (2, 3)) == (3, 2)
+        assert shapes.maybe_pad_and_reduce(x, [4, 2, 3], (2, 3)) == (3, 2)
+    assert len(shapes._SHAPES) == before
+    monkeypatch.setattr(_lib._SIZE_ARRAYS, "max", 2)
+    for k in range(12):
+        sizes = [k, 9 - k] if k <= 9 else [1, 8]
+        layout = am.SpLayout(sizes) if k % 2 else sizes
+        assert shapes.maybe_pad_and_reduce(x, layout, (1, 2)) == (sizes[1], 2), sizes
+        assert shapes.maybe_all_gather_and_maybe_unpad(((sizes[0], 2), np.float32), layout, (0, 2)) == (9, 2), sizes
+        assert len(_lib._SIZE_ARRAYS) <= 2
+
+
 def test_a_layout_is_a_value():
     # Sent to another process (pickled), copied or used as a key, a layout is its sizes, and the
-    # size_t[] a loaded copy hands the library is its own.
+    # size_t[] a loaded copy hands the library holds them.
     import copy
     import pickle
 
@@ -125,7 +151,8 @@ def test_a_layout_is_a_value():
         assert other == layout and hash(other) == hash(layout) and other.local_sizes == (3, 3, 1, 1)
         assert am.shapes.maybe_pad_and_reduce(((8, 2), np.float32), other, (2, 4)) == (1, 2)
     loaded = pickle.loads(pickle.dumps(layout))
-    assert loaded._size_array[0] is not layout._size_array[0]
+    arr, n = loaded._size_array
+    assert (list(arr[:n]), n) == ([3, 3, 1, 1], 4)
     assert {layout: "a"}[am.SpLayout([3, 3, 1, 1])] == "a"
     assert am.SpLayout([3, 1]) != am.SpLayout([1, 3]) and len({am.SpLayout([3, 1]), am.SpLayout([3, 1])}) == 1
 
@@ -218,7 +245,7 @@ def test_descriptors_of_earlier_calls_never_describe_other_memory(monkeypatch):
     with pytest.raises(am.ShapeError, match=r"`out` has shape \[2, 4\], the op's output is \[4, 2\]"):
         am.moe_token_unpermute(x, idx, out=out.reshape(2, 4))
     # A full table starts over; every call after it still reads its own arrays.
-    monkeypatch.setattr(_tensor, "_CORES_MAX", 3)
+    monkeypatch.setattr(_tensor._CORES, "max", 3)
     for k in range(6):
         xk = np.arange(4 * (k + 1), dtype=np.float32).reshape(4, k + 1) + 10 * k  # a shape not seen before
         np.testing.assert_array_equal(am.moe_token_unpermute(xk, idx), xk[[2, 0, 3, 1]])
@@ -232,8 +259,8 @@ def test_finalize_args_of_earlier_calls_never_describe_other_operands(monkeypatc
     from ascend_moe import shapes
     from workers import assert_close, finalize_golden
 
-    monkeypatch.setattr(shapes, "_FINALIZE_MAX", 4)
-    monkeypatch.setattr(shapes, "_SHAPES_MAX", 4)
+    monkeypatch.setattr(shapes._FINALIZE_ARGS, "max", 4)
+    monkeypatch.setattr(shapes._SHAPES, "max", 4)
     rng = np.random.default_rng(7)
     buf = rng.standard_normal(4 * 6 * 8).astype(np.float32)  # every expanded_x is a view of it
     scales_buf = rng.standard_normal(4 * 6).astype(np.float32)
