@@ -160,9 +160,11 @@ pub struct Config {
 }
 
 impl Config {
-    /// Default staging slot: 1 MiB. A round moves at most one slot, which
-    /// stays in the cache between its staging and the peers' reads; larger
-    /// slots only save barriers (measured in `copy`).
+    /// Default staging slot: 4 MiB. A data-moving collective stages at most
+    /// 1 MiB of it per round, which stays in the cache between its staging
+    /// and the peers' reads (measured in `copy`); the fused
+    /// finalize-and-reduce-scatter, whose rounds are compute-bound, fills
+    /// the whole slot and so passes fewer barriers.
     pub const DEFAULT_STAGING: usize = 4 << 20;
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
