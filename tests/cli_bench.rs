@@ -118,6 +118,18 @@ fn triad_json() {
     assert!(gbps > 0.0 && gbps.is_finite(), "{json}");
 }
 
+/// Without `--mib` the arrays stream from memory: together three times the
+/// last-level cache this machine reports (at least 32 MiB each).
+#[test]
+fn triad_default_arrays_are_sized_from_the_last_level_cache() {
+    use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes};
+    let (json, progress) = run(&["bench", "triad", "--threads", "1", "--reps", "1", "--json"]);
+    let array = triad_array_bytes(1, last_level_cache_bytes());
+    assert!(array >= 32 << 20 && array >= last_level_cache_bytes().unwrap_or(0).min((4 << 30) / 3), "{array}");
+    assert_eq!(json_number(&json, "bytes"), (3 * array) as f64, "{json}");
+    assert!(progress.contains(&format!("3 x {} MiB per thread", array >> 20)), "{progress}");
+}
+
 #[test]
 fn triad_rejects_zero_threads() {
     let out = Command::new(EXE).args(["bench", "triad", "--threads", "0"]).output().expect("run ascend-moe");

@@ -132,6 +132,55 @@ impl Triad {
     }
 }
 
+/// The largest data or unified CPU cache Linux reports for CPU 0 (sysfs
+/// `cpu0/cache/index*`: `level`, `type`, `size`), in bytes; `None` where it
+/// reports none.
+pub fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    let mut best: Option<(u32, usize)> = None;
+    for entry in dir.flatten() {
+        let path = entry.path();
+        if !entry.file_name().to_string_lossy().starts_with("index") {
+            continue;
+        }
+        let read = |f: &str| std::fs::read_to_string(path.join(f)).ok().map(|v| v.trim().to_string());
+        let (Some(level), Some(kind), Some(size)) = (read("level"), read("type"), read("size")) else { continue };
+        let (Ok(level), Some(size)) = (level.parse::<u32>(), cache_size_bytes(&size)) else { continue };
+        if kind != "Instruction" && best.map_or(true, |b| (level, size) > b) {
+            best = Some((level, size));
+        }
+    }
+    best.map(|(_, size)| size)
+}
+
+/// A sysfs cache size (`"491520K"`, `"32M"`, `"1G"`, or plain bytes) in bytes.
+fn cache_size_bytes(s: &str) -> Option<usize> {
+    let (digits, unit) = match s.as_bytes().last()? {
+        b'K' => (&s[..s.len() - 1], 1 << 10),
+        b'M' => (&s[..s.len() - 1], 1 << 20),
+        b'G' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
+
+/// Least bytes of one triad array.
+const TRIAD_MIN_ARRAY: usize = 32 << 20;
+/// Most bytes of all triad arrays together.
+const TRIAD_MAX_TOTAL: usize = 4 << 30;
+
+/// Bytes of each of the three triad arrays of each of `threads` threads for
+/// a triad that streams from memory: all arrays together hold three times the
+/// last-level cache of `llc` bytes (a triad over less runs partly from it: on a
+/// machine with a 480 MiB L3, 4 threads moved 61 GB/s over 192 MiB of arrays,
+/// 34 over 336 MiB and 29 over 1.5 GiB), at least 32 MiB each and at most
+/// 4 GiB in all.
+pub fn triad_array_bytes(threads: usize, llc: Option<usize>) -> usize {
+    let threads = threads.max(1);
+    let want = llc.map_or(0, |c| c.div_ceil(threads));
+    want.min(TRIAD_MAX_TOTAL / (3 * threads)).max(TRIAD_MIN_ARRAY)
+}
+
 /// Best time of a triad `a = b + s * c` over f32 arrays moving `bytes` bytes on `threads` threads
 /// (started as the CPU finalize starts them); the first pass faults the pages in and is not timed.
 pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
@@ -448,6 +497,31 @@ mod tests {
         // 4 ranks at K = 8, the shapes of `ci/bench.sh`: no fused op reaches 1.5x.
         let b = ReduceBytes::new(&SpLayout::from_dp_tokens(&[2048, 2048], 2).unwrap(), 8, 4096, DType::BF16);
         assert!(b.ceiling() < 1.43 && b.bound() < 1.15, "{b:?}");
+    }
+
+    /// sysfs sizes parse with their unit; anything else is no size.
+    #[test]
+    fn cache_sizes_parse_with_their_unit() {
+        assert_eq!(cache_size_bytes("491520K"), Some(480 << 20));
+        assert_eq!(cache_size_bytes("32M"), Some(32 << 20));
+        assert_eq!(cache_size_bytes("1G"), Some(1 << 30));
+        assert_eq!(cache_size_bytes("4096"), Some(4096));
+        for bad in ["", "K", "12Q", "-1K", "1.5M"] {
+            assert_eq!(cache_size_bytes(bad), None, "{bad:?}");
+        }
+    }
+
+    /// The arrays of a memory triad hold three times the last-level cache in
+    /// all, within the per-array floor and the total cap.
+    #[test]
+    fn triad_arrays_are_three_times_the_last_level_cache() {
+        let total = |threads: usize, llc: Option<usize>| 3 * threads * triad_array_bytes(threads, llc);
+        for threads in [1usize, 2, 4, 8] {
+            assert_eq!(total(threads, Some(480 << 20)), ((3 * 480) << 20).max(3 * threads * (32 << 20)), "{threads}");
+            assert_eq!(triad_array_bytes(threads, None), 32 << 20);
+            assert_eq!(triad_array_bytes(threads, Some(1 << 20)), 32 << 20);
+            assert!(total(threads, Some(64 << 30)) <= 4 << 30);
+        }
     }
 
     /// A zero count or an integer dtype is refused with the field's name.

@@ -9,8 +9,9 @@
 //! reduce_scatter / all_gather / all_to_all, 1 for broadcast), #wrong elements
 //! (summed over ranks, checked after the timed iterations against exact values).
 //!
-//! Floor: a STREAM-like triad (`a[i] = b[i] + s * c[i]` on f32, arrays far
-//! larger than the caches, one thread per rank, best of several runs, counting
+//! Floor: a STREAM-like triad (`a[i] = b[i] + s * c[i]` on f32, arrays that
+//! together hold three times the last-level cache, at least 32 MiB each,
+//! one thread per rank, best of several runs, counting
 //! 12 bytes per element), taken before and again after each world's rows, gives
 //! the machine's memory bandwidth B as the mean of the two (a shared machine's
 //! bandwidth drifts while the rows run). The floor of a
@@ -38,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use ascend_moe::backend::cpu::{CpuCommConfig, MAX_WORLD};
 use ascend_moe::ranks::run_ranks_with;
-use ascend_moe::testing::bench::Triad;
+use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes, Triad};
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
 use crate::launch;
@@ -366,9 +367,11 @@ pub fn main(a: Args) -> i32 {
     let mut lines = Vec::new();
     let mut triads = Vec::new();
     for &world in &a.ranks {
-        // The same triad before and after the rows (32 MiB per array per thread, best of 5).
-        let measure = || triad(world, 8 << 20, 5);
-        eprintln!("measuring the triad with {world} threads ...");
+        // The same triad before and after the rows (arrays far above the
+        // last-level cache, one thread per rank, best of 5).
+        let elems = triad_array_bytes(world, last_level_cache_bytes()) / 4;
+        let measure = || triad(world, elems, 5);
+        eprintln!("measuring the triad with {world} threads, 3 x {} MiB per thread ...", (elems * 4) >> 20);
         let before = measure();
         eprintln!(
             "triad: {:.2} GB/s; running {} ranks as {} ...",

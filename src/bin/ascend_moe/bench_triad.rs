@@ -2,6 +2,8 @@
 //! floor, on its own, so a report can show the machine's memory bandwidth measured by the
 //! same code.
 
+use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes};
+
 use crate::bench_collectives::triad;
 
 #[derive(clap::Args, Clone)]
@@ -9,9 +11,10 @@ pub struct Args {
     /// Threads (default: the available cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// MiB per array per thread (three f32 arrays each; far above the caches).
-    #[arg(long, default_value_t = 32)]
-    mib: usize,
+    /// MiB per array per thread (three f32 arrays each) [default: all arrays
+    /// together three times the last-level cache, at least 32 MiB each].
+    #[arg(long)]
+    mib: Option<usize>,
     /// Passes (the best is reported).
     #[arg(long, default_value_t = 5)]
     reps: usize,
@@ -25,12 +28,15 @@ pub struct Args {
 
 pub fn main(a: Args) -> i32 {
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if threads == 0 || a.mib == 0 || a.reps == 0 {
+    if threads == 0 || a.mib == Some(0) || a.reps == 0 {
         eprintln!("error: need threads >= 1, mib >= 1, reps >= 1");
         return 2;
     }
-    let elems = a.mib * (1 << 20) / 4;
-    eprintln!("measuring the triad with {threads} threads, 3 x {} MiB per thread ...", a.mib);
+    let llc = last_level_cache_bytes();
+    let array = a.mib.map_or_else(|| triad_array_bytes(threads, llc), |m| m << 20);
+    let elems = array / 4;
+    let cache = llc.map_or("no last-level cache size reported".into(), |c| format!("last-level cache {} MiB", c >> 20));
+    eprintln!("measuring the triad with {threads} threads, 3 x {} MiB per thread ({cache}) ...", array >> 20);
     let bw = triad(threads, elems, a.reps);
     let bytes = threads * elems * 12;
     if a.json {
