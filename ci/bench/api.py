@@ -18,7 +18,8 @@ calls each, medians over the rounds in microseconds: what the package adds to
 a call whose kernel takes microseconds. With `--torch-python` (a python with
 torch), every round also times `torch.ops.ascend_moe.moe_finalize_routing`
 on CPU tensors over the same inputs (allocating, as a torch op does), in a
-process of that python: what an engine calling the registered op pays.
+process of that python, under `torch.inference_mode()` as an engine's forward
+runs: what an engine calling the registered op pays.
 
 Collectives: `--ranks` Python processes, each a rank of one CPU world, time
 all_reduce, reduce_scatter and all_gather of `--bytes` per rank (bf16; the
@@ -130,7 +131,9 @@ def bench_finalize(a) -> dict:
 
 def torch_finalize_s(tokens: int, topk: int, hidden: int, iters: int) -> float:
     """Best call time of `torch.ops.ascend_moe.moe_finalize_routing` on CPU
-    tensors over `np_finalize.make_inputs` (run in a python with torch)."""
+    tensors over `np_finalize.make_inputs` (run in a python with torch), under
+    `torch.inference_mode()`, as vLLM's model runners run a forward
+    (`execute_model`)."""
     import torch
 
     import ascend_moe
@@ -144,12 +147,13 @@ def torch_finalize_s(tokens: int, topk: int, hidden: int, iters: int) -> float:
 
     args = (bf16(expanded_x), torch.from_numpy(row_idx), bf16(x1), None, None, torch.from_numpy(scales), None, 2)
     op = torch.ops.ascend_moe.moe_finalize_routing
-    op(*args)  # warm-up
     best = float("inf")
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        op(*args)
-        best = min(best, time.perf_counter() - t0)
+    with torch.inference_mode():
+        op(*args)  # warm-up
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            op(*args)
+            best = min(best, time.perf_counter() - t0)
     return best
 
 

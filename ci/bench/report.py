@@ -967,7 +967,8 @@ def api_section(api) -> list[str]:
         if torch_op:
             L.append("")
             L.append("torch op: `torch.ops.ascend_moe.moe_finalize_routing` on CPU tensors over the same inputs "
-                     "(allocating, as a torch op does), in a process of the python with torch.")
+                     "(allocating, as a torch op does), in a process of the python with torch, under `torch.inference_mode()` "
+                     "as an engine's forward runs.")
         L.append("")
     return L
 
