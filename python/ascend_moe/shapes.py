@@ -104,15 +104,15 @@ _FINALIZE_ARGS = Table(256)
 _SHAPES = Table(256)
 
 
-def _asked(name: str, objs: tuple, ints: tuple, *args) -> tuple:
-    """The output shape the library's `name` gives for `args` (which pass
-    `objs` and `ints` and nothing else), asked once per key of `_SHAPES`."""
+def _asked(name: str, objs: tuple, ints: tuple) -> tuple:
+    """The output shape the library's `name` gives for the arguments `objs`
+    then `ints`, asked once per key of `_SHAPES`."""
     key = (name, *map(id, objs), *ints)
     hit = _SHAPES.get(key)
     if hit is not None:
         return hit[1]
     buf, ndim, out = shape_out()
-    call(name, *args, *out)
+    call(name, *objs, *ints, *out)
     shape = shape_of(buf, ndim)
     _SHAPES.put(key, (objs, shape))
     return shape
@@ -160,14 +160,13 @@ def moe_finalize_routing(
 def _finalize_shape(args) -> tuple:
     """`moe_finalize_routing`'s output shape from an `amoe_finalize_args`
     of `finalize_args` (an op passes the one it runs with)."""
-    return _asked("amoe_moe_finalize_routing_output_shape", (args,), (), args)
+    return _asked("amoe_moe_finalize_routing_output_shape", (args,), ())
 
 
 def moe_token_unpermute(permuted, sorted_indices, probs=None) -> tuple:
     """`[T, H...]`."""
     p, s, pr = desc_meta("permuted", permuted), desc_meta("sorted_indices", sorted_indices), desc_meta_opt("probs", probs)
-    objs = (p.ptr, s.ptr, ptr(pr))
-    return _asked("amoe_moe_token_unpermute_output_shape", objs, (), *objs)
+    return _asked("amoe_moe_token_unpermute_output_shape", (p.ptr, s.ptr, ptr(pr)), ())
 
 
 def maybe_pad_and_reduce(x, layout, ep) -> tuple:
@@ -176,8 +175,7 @@ def maybe_pad_and_reduce(x, layout, ep) -> tuple:
     d = desc_meta("x", x)
     ls, n = _layout(layout)
     rank, size = _ep(ep)
-    objs = (d.ptr, ls if layout is not None else None)
-    return _asked("amoe_maybe_pad_and_reduce_output_shape", objs, (n, rank, size), *objs, n, rank, size)
+    return _asked("amoe_maybe_pad_and_reduce_output_shape", (d.ptr, ls), (n, rank, size))
 
 
 def maybe_all_gather_and_maybe_unpad(x, layout, ep) -> tuple:
@@ -185,8 +183,7 @@ def maybe_all_gather_and_maybe_unpad(x, layout, ep) -> tuple:
     d = desc_meta("x", x)
     ls, n = _layout(layout)
     rank, size = _ep(ep)
-    objs = (d.ptr, ls if layout is not None else None)
-    return _asked("amoe_maybe_all_gather_and_maybe_unpad_output_shape", objs, (n, rank, size), *objs, n, rank, size)
+    return _asked("amoe_maybe_all_gather_and_maybe_unpad_output_shape", (d.ptr, ls), (n, rank, size))
 
 
 def finalize_and_reduce(
@@ -212,15 +209,14 @@ def _finalize_and_reduce_shape(args, layout, ep) -> tuple:
     """`finalize_and_reduce`'s output shape from an `amoe_finalize_args`."""
     ls, n = _layout(layout)
     rank, size = _ep(ep)
-    objs = (args, ls if layout is not None else None)
-    return _asked("amoe_finalize_and_reduce_output_shape", objs, (n, rank, size), *objs, n, rank, size)
+    return _asked("amoe_finalize_and_reduce_output_shape", (args, ls), (n, rank, size))
 
 
 def shared_pad_split(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the DP batch `x [T, H...]`; `tp` is the TP `Comm` or `(tp_rank, tp_size)`."""
     d = desc_meta("x", x)
     rank, size = _ep(tp)
-    return _asked("amoe_shared_pad_split_output_shape", (d.ptr,), (rank, size), d.ptr, rank, size)
+    return _asked("amoe_shared_pad_split_output_shape", (d.ptr,), (rank, size))
 
 
 def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
@@ -228,14 +224,14 @@ def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
     d = desc_meta("x", x)
     _, size = _ep(tp)
     num_tokens = _count("num_tokens", num_tokens)
-    return _asked("amoe_shared_gather_unpad_output_shape", (d.ptr,), (num_tokens, size), d.ptr, num_tokens, size)
+    return _asked("amoe_shared_gather_unpad_output_shape", (d.ptr,), (num_tokens, size))
 
 
 def shared_pad_reduce_scatter(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the TP-partial `x [T, H...]`."""
     d = desc_meta("x", x)
     _, size = _ep(tp)
-    return _asked("amoe_shared_pad_reduce_scatter_output_shape", (d.ptr,), (size,), d.ptr, size)
+    return _asked("amoe_shared_pad_reduce_scatter_output_shape", (d.ptr,), (size,))
 
 
 def _count(name: str, v) -> int:
