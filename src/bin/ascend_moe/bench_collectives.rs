@@ -259,8 +259,10 @@ fn decode(line: &str) -> Option<Meas> {
 }
 
 /// Aggregate triad bandwidth of `threads` concurrent threads, each passing
-/// over its own `elems`-element arrays on its own, bytes/s (best of `reps`).
-pub fn triad(threads: usize, elems: usize, reps: usize) -> f64 {
+/// over its own three arrays of `array_bytes` bytes (f32) on its own, bytes/s
+/// (best of `reps`).
+pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> f64 {
+    let elems = (array_bytes / 4).max(1);
     let barrier = std::sync::Barrier::new(threads);
     let per_rep: Vec<Vec<Duration>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..threads)
@@ -369,9 +371,9 @@ pub fn main(a: Args) -> i32 {
     for &world in &a.ranks {
         // The same triad before and after the rows (arrays far above the
         // last-level cache, one thread per rank, best of 5).
-        let elems = triad_array_bytes(world, last_level_cache_bytes()) / 4;
-        let measure = || triad(world, elems, 5);
-        eprintln!("measuring the triad with {world} threads, 3 x {} MiB per thread ...", (elems * 4) >> 20);
+        let array = triad_array_bytes(world, last_level_cache_bytes());
+        let measure = || triad(world, array, 5);
+        eprintln!("measuring the triad with {world} threads, 3 x {} MiB per thread ...", array >> 20);
         let before = measure();
         eprintln!(
             "triad: {:.2} GB/s; running {} ranks as {} ...",
