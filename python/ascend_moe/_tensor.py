@@ -178,6 +178,14 @@ def _device(arg: str, x) -> int | None:
     raise error(Status.DEVICE, f"`{arg}` is on device {dev}; expected a cpu or npu tensor")
 
 
+# `torch.Tensor` once a call has passed one (this module never imports torch).
+# A contiguous CPU tensor of this exact class takes the short way in
+# `desc_in` and `desc_out`: what `_tensor_desc` would check of it holds
+# already (a CPU device; a dtype the library knows is checked by `_core` when
+# it builds the descriptor), so only its pointer, shape and dtype are read.
+_HOST_TENSOR_TYPES: set = set()
+
+
 def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     """A descriptor over tensor-like `x`'s own memory (`data_ptr()`), never a copy,
     except that a non-contiguous CPU *input* is made contiguous (`.contiguous()`)."""
@@ -192,6 +200,8 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
                 + (" (call .contiguous() first)" if not writable else " (pass a contiguous `out`)"),
             )
         x = x.contiguous()
+    if npu is None and type(x) is getattr(sys.modules.get("torch"), "Tensor", None):
+        _HOST_TENSOR_TYPES.add(type(x))
     return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None, npu)
 
 
@@ -212,8 +222,12 @@ def _address(a: np.ndarray) -> int:
 
 def desc_in(arg: str, x) -> Desc:
     """An input descriptor: tensors (cpu or npu) by `data_ptr()`, numpy arrays by their buffer."""
-    if type(x) is np.ndarray and x.flags.c_contiguous:
-        return Desc(arg, x.shape, x.dtype, x, _address(x))
+    t = type(x)
+    if t is np.ndarray:
+        if x.flags.c_contiguous:
+            return Desc(arg, x.shape, x.dtype, x, _address(x))
+    elif t in _HOST_TENSOR_TYPES and x.is_cpu and x.is_contiguous():
+        return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None)
     if _tensor_like(x):
         return _tensor_desc(arg, x, writable=False)
     a = as_array(arg, x)
@@ -232,6 +246,8 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
         if not flags.c_contiguous or not flags.writeable:
             raise error(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
         d = Desc(arg, out.shape, out.dtype, out, _address(out))
+    elif type(out) in _HOST_TENSOR_TYPES and out.is_cpu and out.is_contiguous():
+        d = Desc(arg, out.shape, out.dtype, out, out.data_ptr() or None)
     elif _tensor_like(out):
         d = _tensor_desc(arg, out, writable=True)
     else:

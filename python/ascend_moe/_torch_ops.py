@@ -139,9 +139,12 @@ class _Op:
 
     def __init__(self, lib, qualname: str):
         self._lib, self._qualname = lib, qualname
+        self._packet = None  # resolved on the first call, after the op is defined
 
     def __call__(self, *args, **kwargs):
-        return _packet(self._qualname)(*args, **kwargs)
+        if self._packet is None:
+            self._packet = _packet(self._qualname)
+        return self._packet(*args, **kwargs)
 
     def register_fake(self, fake):
         torch.library.register_fake(self._qualname, fake, lib=self._lib)

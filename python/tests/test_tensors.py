@@ -288,6 +288,30 @@ def test_non_contiguous_torch_inputs_are_made_contiguous_but_outputs_are_refused
 
 
 @pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_torch_tensors_after_the_first_are_checked_as_the_first_was():
+    # Once a call has passed a torch CPU tensor, later ones take a shorter
+    # way through the descriptors: it must refuse what the first call refuses.
+    idx = torch.tensor([1, 0], dtype=torch.int32)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert torch.equal(am.moe_token_unpermute(x, idx), x[idx.long()])
+    with pytest.raises(am.AmoeError, match="`permuted` has dtype float64") as e:
+        am.moe_token_unpermute(x.double(), idx)
+    assert e.value.status == am.Status.DTYPE
+    with pytest.raises(am.AmoeError, match="`sorted_indices` has dtype complex64"):
+        am.moe_token_unpermute(x, idx.to(torch.complex64))
+    with pytest.raises(am.AmoeError, match="`permuted` is a meta tensor"):
+        am.moe_token_unpermute(x.to("meta"), idx)
+    with pytest.raises(am.AmoeError, match="`out` has dtype float64"):
+        am.moe_token_unpermute(x, idx, out=torch.zeros(2, 2, dtype=torch.float64))
+    with pytest.raises(am.AmoeError, match="`out` has shape \\[3, 2\\]"):
+        am.moe_token_unpermute(x, idx, out=torch.zeros(3, 2))
+    with pytest.raises(am.AmoeError, match="`out` is a CPU tensor that is not contiguous"):
+        am.moe_token_unpermute(x, idx, out=torch.zeros(2, 4)[:, ::2])
+    out = torch.full((2, 2), 9.0)
+    assert am.moe_token_unpermute(x, idx, out=out) is out and torch.equal(out, x[idx.long()])
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
 def test_torch_ops_have_cpu_and_privateuse1_kernels_only():
     from test_torch_ops import ALL_OPS
 
