@@ -221,7 +221,7 @@ pub(super) fn fused_dispatch<T: Lanes>(
 }
 
 /// Fused tokens sixteen lanes (two registers of eight) at a time on AVX2, for
-/// f16 (F16C conversions) and bf16 (shifts). Every element sees the same f32
+/// f16 (F16C conversions) and bf16 (16-bit unpacks). Every element sees the same f32
 /// operations in the same order as [`fused_token`] (separate multiply and add,
 /// no FMA), and both narrowings round exactly like [`Lanes::narrow_one`] (to
 /// nearest even, subnormals, overflow, quiet NaN), so the bits match the
@@ -232,11 +232,10 @@ pub(super) fn fused_dispatch<T: Lanes>(
 mod simd {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
-        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
-        _mm256_cvtps_ph, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32, _mm256_permute4x64_epi64,
-        _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_slli_epi32, _mm256_srli_epi32,
-        _mm256_storeu_si256, _mm_loadu_si128, _mm_prefetch, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
-        _MM_HINT_T0,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_si256,
+        _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_setzero_si256, _mm256_srli_epi32, _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16,
+        _mm_loadu_si128, _mm_prefetch, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_T0,
     };
 
     use half::{bf16, f16};
@@ -256,14 +255,19 @@ mod simd {
     /// lost the gain.
     pub(super) const PREFETCH_AHEAD: usize = 2560;
 
-    /// A 16-bit element type with eight-lane AVX2 conversions.
+    /// A 16-bit element type with sixteen-lane AVX2 conversions.
+    ///
+    /// `load16` may spread the sixteen elements over its two registers in any
+    /// order, the same for every call; `store16` takes them back in that
+    /// order. The kernel only adds and multiplies lane by lane, so every
+    /// element meets the same lanes of every row and of `skip`.
     pub(super) trait Eight: Lanes {
-        /// Eight elements at `p` widened.
+        /// Sixteen elements at `p` widened, in this type's lane order.
         ///
         /// # Safety
-        /// `p` is valid for reading 8 elements; the CPU supports AVX2 and F16C.
-        unsafe fn load8(p: *const Self) -> __m256;
-        /// Sixteen lanes, `a` then `b`, rounded and stored at `p`.
+        /// `p` is valid for reading 16 elements; the CPU supports AVX2 and F16C.
+        unsafe fn load16(p: *const Self) -> (__m256, __m256);
+        /// Sixteen lanes in `load16`'s order, rounded and stored at `p`.
         ///
         /// # Safety
         /// `p` is valid for writing 16 elements; the CPU supports AVX2 and F16C.
@@ -271,10 +275,16 @@ mod simd {
     }
 
     impl Eight for f16 {
+        /// Elements 0-7 in the first register, 8-15 in the second.
         #[inline(always)]
-        unsafe fn load8(p: *const f16) -> __m256 {
-            // SAFETY: 8 f16 = 16 bytes readable at `p` (unaligned load); F16C enabled.
-            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
+        unsafe fn load16(p: *const f16) -> (__m256, __m256) {
+            // SAFETY: 16 f16 = 32 bytes readable at `p` (unaligned loads); F16C enabled.
+            unsafe {
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())),
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast::<__m128i>())),
+                )
+            }
         }
         #[inline(always)]
         unsafe fn store16(a: __m256, b: __m256, p: *mut f16) {
@@ -304,20 +314,32 @@ mod simd {
     }
 
     impl Eight for bf16 {
+        /// Elements 0-3 and 8-11 in the first register, 4-7 and 12-15 in the
+        /// second: the order in which AVX2 unpacks 16-bit lanes within each
+        /// 128-bit half, one instruction per eight elements.
         #[inline(always)]
-        unsafe fn load8(p: *const bf16) -> __m256 {
-            // SAFETY: 8 bf16 = 16 bytes readable at `p` (unaligned load); AVX2 enabled.
-            // bf16 is the upper half of an f32: zero-extend, shift up.
-            unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+        unsafe fn load16(p: *const bf16) -> (__m256, __m256) {
+            // SAFETY: 16 bf16 = 32 bytes readable at `p` (unaligned load); AVX2 enabled.
+            // bf16 is the upper half of an f32: interleaving a zero below each
+            // element widens it.
+            unsafe {
+                let x = _mm256_loadu_si256(p.cast::<__m256i>());
+                let zero = _mm256_setzero_si256();
+                (
+                    _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
+                    _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
+                )
+            }
         }
         #[inline(always)]
         unsafe fn store16(a: __m256, b: __m256, p: *mut bf16) {
             // SAFETY: 16 bf16 = 32 bytes writable at `p` (unaligned store); AVX2 enabled.
             unsafe {
                 // Every lane is at most 0xffff, so the saturating pack only
-                // narrows; it interleaves 128-bit halves, which the permute undoes.
+                // narrows. It takes four lanes of `a` then four of `b` in each
+                // 128-bit half: elements 0-3, 4-7 | 8-11, 12-15, in order.
                 let packed = _mm256_packus_epi32(bf16_round(a), bf16_round(b));
-                _mm256_storeu_si256(p.cast::<__m256i>(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
+                _mm256_storeu_si256(p.cast::<__m256i>(), packed);
             }
         }
     }
@@ -369,12 +391,13 @@ mod simd {
             // (`out` is written only through `dst` in this loop); AVX2 + F16C are enabled.
             unsafe {
                 let (mut a, mut b) = match add {
-                    Some(x) => (T::load8(x.add(j)), T::load8(x.add(j + 8))),
+                    Some(x) => T::load16(x.add(j)),
                     None => (_mm256_setzero_ps(), _mm256_setzero_ps()),
                 };
                 for g in 0..G {
-                    a = _mm256_add_ps(a, _mm256_mul_ps(sv[g], T::load8(src[g].add(j))));
-                    b = _mm256_add_ps(b, _mm256_mul_ps(sv[g], T::load8(src[g].add(j + 8))));
+                    let (ra, rb) = T::load16(src[g].add(j));
+                    a = _mm256_add_ps(a, _mm256_mul_ps(sv[g], ra));
+                    b = _mm256_add_ps(b, _mm256_mul_ps(sv[g], rb));
                 }
                 T::store16(a, b, dst.add(j));
             }
