@@ -50,7 +50,7 @@ pub(super) type SimdKernel<T> =
 /// # Safety
 /// The CPU must support AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
-unsafe fn simd_dispatch<T: simd::Eight>(
+unsafe fn simd_dispatch<T: simd::Sixteen>(
     skip: Option<&[T]>,
     s: &[f32; GROUP],
     rows: &[&[T]; GROUP],
@@ -261,7 +261,7 @@ mod simd {
     /// order, the same for every call; `store16` takes them back in that
     /// order. The kernel only adds and multiplies lane by lane, so every
     /// element meets the same lanes of every row and of `skip`.
-    pub(super) trait Eight: Lanes {
+    pub(super) trait Sixteen: Lanes {
         /// Sixteen elements at `p` widened, in this type's lane order.
         ///
         /// # Safety
@@ -274,7 +274,7 @@ mod simd {
         unsafe fn store16(a: __m256, b: __m256, p: *mut Self);
     }
 
-    impl Eight for f16 {
+    impl Sixteen for f16 {
         /// Elements 0-7 in the first register, 8-15 in the second.
         #[inline(always)]
         unsafe fn load16(p: *const f16) -> (__m256, __m256) {
@@ -313,7 +313,7 @@ mod simd {
         }
     }
 
-    impl Eight for bf16 {
+    impl Sixteen for bf16 {
         /// Elements 0-3 and 8-11 in the first register, 4-7 and 12-15 in the
         /// second: the order in which AVX2 unpacks 16-bit lanes within each
         /// 128-bit half, one instruction per eight elements.
@@ -365,7 +365,7 @@ mod simd {
     /// # Safety
     /// The CPU must support AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn fused<T: Eight, const G: usize>(
+    pub(super) unsafe fn fused<T: Sixteen, const G: usize>(
         skip: Option<&[T]>,
         s: &[f32; GROUP],
         rows: &[&[T]; GROUP],
