@@ -205,6 +205,14 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None, npu)
 
 
+def _host_tensor_desc(arg: str, x) -> Desc | None:
+    """The short way of `_tensor_desc` (see `_HOST_TENSOR_TYPES`), or None
+    when `x` does not qualify for it."""
+    if type(x) in _HOST_TENSOR_TYPES and x.is_cpu and x.is_contiguous():
+        return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None)
+    return None
+
+
 _BYTES = np.dtype(np.uint8)
 
 
@@ -222,12 +230,11 @@ def _address(a: np.ndarray) -> int:
 
 def desc_in(arg: str, x) -> Desc:
     """An input descriptor: tensors (cpu or npu) by `data_ptr()`, numpy arrays by their buffer."""
-    t = type(x)
-    if t is np.ndarray:
+    if type(x) is np.ndarray:
         if x.flags.c_contiguous:
             return Desc(arg, x.shape, x.dtype, x, _address(x))
-    elif t in _HOST_TENSOR_TYPES and x.is_cpu and x.is_contiguous():
-        return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None)
+    elif (d := _host_tensor_desc(arg, x)) is not None:
+        return d
     if _tensor_like(x):
         return _tensor_desc(arg, x, writable=False)
     a = as_array(arg, x)
@@ -246,14 +253,15 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
         if not flags.c_contiguous or not flags.writeable:
             raise error(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
         d = Desc(arg, out.shape, out.dtype, out, _address(out))
-    elif type(out) in _HOST_TENSOR_TYPES and out.is_cpu and out.is_contiguous():
-        d = Desc(arg, out.shape, out.dtype, out, out.data_ptr() or None)
-    elif _tensor_like(out):
-        d = _tensor_desc(arg, out, writable=True)
     else:
-        raise error(
-            Status.INVALID_ARGUMENT, f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(out).__name__}"
-        )
+        d = _host_tensor_desc(arg, out)
+        if d is None:
+            if not _tensor_like(out):
+                raise error(
+                    Status.INVALID_ARGUMENT,
+                    f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(out).__name__}",
+                )
+            d = _tensor_desc(arg, out, writable=True)
     if d.shape != tuple(shape):
         shape = [int(s) for s in shape]
         raise error(Status.SHAPE, f"`{arg}` has shape {list(d.shape)}, the op's output is {shape}")
