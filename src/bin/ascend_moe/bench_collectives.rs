@@ -258,10 +258,10 @@ fn decode(line: &str) -> Option<Meas> {
     })
 }
 
-/// Aggregate triad bandwidth of `threads` concurrent threads, each passing
-/// over its own three arrays of `array_bytes` bytes (f32) on its own, bytes/s
-/// (best of `reps`).
-pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> f64 {
+/// `(bytes a pass moves, bytes/s)` of `threads` concurrent threads, each
+/// passing over its own three f32 arrays of `array_bytes` bytes (rounded down
+/// to whole elements) on its own: the aggregate bandwidth, best of `reps`.
+pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> (usize, f64) {
     let elems = (array_bytes / 4).max(1);
     let barrier = std::sync::Barrier::new(threads);
     let per_rep: Vec<Vec<Duration>> = std::thread::scope(|s| {
@@ -283,13 +283,14 @@ pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> f64 {
             .collect();
         hs.into_iter().map(|h| h.join().unwrap_or_default()).collect()
     });
-    let bytes = (threads * elems * 12) as f64;
-    (0..reps)
+    let bytes = threads * elems * 12;
+    let best = (0..reps)
         .map(|r| {
             let slowest = per_rep.iter().filter_map(|d| d.get(r)).max().copied().unwrap_or(Duration::from_secs(1));
-            bytes / slowest.as_secs_f64().max(1e-9)
+            bytes as f64 / slowest.as_secs_f64().max(1e-9)
         })
-        .fold(0.0, f64::max)
+        .fold(0.0, f64::max);
+    (bytes, best)
 }
 
 fn bus_factor(op: &str, n: usize) -> f64 {
@@ -372,7 +373,7 @@ pub fn main(a: Args) -> i32 {
         // The same triad before and after the rows (arrays far above the
         // last-level cache, one thread per rank, best of 5).
         let array = triad_array_bytes(world, last_level_cache_bytes());
-        let measure = || triad(world, array, 5);
+        let measure = || triad(world, array, 5).1;
         eprintln!("measuring the triad with {world} threads, 3 x {} MiB per thread ...", array >> 20);
         let before = measure();
         eprintln!(

@@ -36,8 +36,7 @@ pub fn main(a: Args) -> i32 {
     let array = a.mib.map_or_else(|| triad_array_bytes(threads, llc), |m| m << 20);
     let cache = llc.map_or("no last-level cache size reported".into(), |c| format!("last-level cache {} MiB", c >> 20));
     eprintln!("measuring the triad with {threads} threads, 3 x {} MiB per thread ({cache}) ...", array >> 20);
-    let bw = triad(threads, array, a.reps);
-    let bytes = threads * (array / 4).max(1) * 12;
+    let (bytes, bw) = triad(threads, array, a.reps);
     if a.json {
         println!("{{\"bench\":\"triad\",\"threads\":{threads},\"bytes\":{bytes},\"gbps\":{:.4}}}", bw / 1e9);
     } else if a.csv {
