@@ -586,11 +586,16 @@ def _live_comm_type() -> int:
     return int(getattr(ct, "value", ct))
 
 
+# The key of `ReducePolicy.decisions` for each point: whether it all-reduces
+# under a given comm type ("early" is the static flag, not a decision).
+_DECISIONS = ("routed", "shared", "final")
+
+
 def _point_impl(x, point: int, layer: int):
     policy, tp_group = _POLICIES[int(layer)]
     name = _POINTS[int(point)]
     ct = _live_comm_type()
-    if not policy.decisions(ct)[("early", "shared", "final")[int(point)]]:
+    if not policy.decisions(ct)[_DECISIONS[int(point)]]:
         return x.clone()
     if tp_group is None:
         tp_group = _tp_group()
@@ -630,8 +635,7 @@ def _point_layer(runner, point: int) -> int:
     if point == 1 and _runner_mode(runner) != SharedMode.TENSOR_PARALLEL:
         return 0  # SPEC section 5, point 2: other shared modes are left unchanged
     pid = _runner_policy(runner)
-    which = ("early", "shared", "final")[point]
-    return pid if any(_POLICIES[pid][0].decisions(ct)[which] for ct in CommType) else 0
+    return pid if any(_POLICIES[pid][0].decisions(ct)[_DECISIONS[point]] for ct in CommType) else 0
 
 
 def _reduce_at(runner, point: int, x):

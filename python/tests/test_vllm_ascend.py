@@ -56,6 +56,8 @@ def test_adapter_matches_vllm_ascend_ops_on_four_ranks(world_results):
     for case in ("their-ut", "zero-token", "tokens<tp", "no-dp-metadata", "padded [3, 5]", "draft-vl", "short/long"):
         assert case in checks, (case, checks)
     assert "float8_e8m0fnu" in checks
+    # The same checks pass with the adapter on the groups' own collectives.
+    assert all(world_results[r]["differential_group"] == checks for r in range(4))
 
 
 def test_vllm_ascend_pcp_flow_under_install(world_results):
@@ -80,11 +82,13 @@ def test_mc2_prepare_matches_vllm_ascend_with_the_engines_pad_and_mask(world_res
 def test_compiled_layer_replayed_under_every_comm_type(world_results):
     rows = world_results[0]["compiled"]
     assert all(world_results[r]["compiled"] == rows for r in range(4))
-    with_adapter = [r for r in rows if r[0]]
-    without = [r for r in rows if not r[0]]
-    # 4 modes (2 without SP, 2 with) x 2 traced x 4 run comm types, each way.
-    assert len(with_adapter) == len(without) == 32
-    assert all(ok for *_, ok in with_adapter)
+    # 4 modes (2 without SP, 2 with) x 2 traced x 4 run comm types, each way:
+    # without the adapter, with it on a CPU world ("comm"), with it on the
+    # group's own collectives ("group").
+    by = {a: [r for r in rows if r[0] == a] for a in (None, "comm", "group")}
+    assert [len(v) for v in by.values()] == [32, 32, 32], rows
+    assert all(ok for a in ("comm", "group") for *_, ok in by[a])
+    without = by[None]
     wrong = [r for r in without if not r[-1]]
     # Without SP: traced under ALLGATHER and replayed under MC2 / ALLTOALL /
     # FUSED_MC2 (3 runs), or traced under MC2 and replayed under ALLGATHER (1).

@@ -51,11 +51,29 @@ def init(name, world, rank, tp_size=2):
     return _INIT["state"]
 
 
+@contextlib.contextmanager
+def cpu_comm(kind):
+    """The adapter's CPU backend for vLLM's groups while inside: "comm" (a CPU
+    world of the group's ranks, what it picks on one host) or "group" (the
+    group's own collectives, its fallback when the ranks span hosts)."""
+    import ascend_moe.vllm_ascend as av
+
+    os.environ["ASCEND_MOE_VLLM_CPU_COMM"] = kind
+    av._BACKENDS.clear()
+    try:
+        yield
+    finally:
+        av._BACKENDS.clear()
+        os.environ.pop("ASCEND_MOE_VLLM_CPU_COMM", None)
+
+
 def all_cases(name, world, rank):
-    """`adapter_api`, `differential`, `pcp`, `mc2` and `compiled` in one world (one process start-up)."""
-    return {
-        "api": adapter_api(name, world, rank),
-        "differential": differential(name, world, rank),
+    """`adapter_api`, `differential` (on both CPU backends), `pcp`, `mc2` and
+    `compiled` in one world (one process start-up)."""
+    out = {"api": adapter_api(name, world, rank), "differential": differential(name, world, rank)}
+    with cpu_comm("group"):
+        out["differential_group"] = differential(name, world, rank, backend="group")
+    return out | {
         "pcp": pcp(name, world, rank),
         "mc2": mc2(name, world, rank),
         "compiled": compiled(name, world, rank),
@@ -185,8 +203,9 @@ def layout_cases(world, tp_size):
     return [(n, t, ls if ls is not None else _sp_layout(t, tp_size)) for n, t, ls in cases]
 
 
-def differential(name, world, rank):
-    """vLLM-Ascend's own `_impl` / `_fake` against the adapter's ops, same inputs."""
+def differential(name, world, rank, backend="comm"):
+    """vLLM-Ascend's own `_impl` / `_fake` against the adapter's ops, same
+    inputs, with the adapter's groups on `backend` (see `cpu_comm`)."""
     import ascend_moe.vllm_ascend as av
 
     tp_size = 2
@@ -306,9 +325,9 @@ def differential(name, world, rank):
         assert torch.equal(got.view(torch.uint8), torch.cat(shards)), dt_name
         checks.append(dt_name)
 
-    # The groups map to CPU worlds (all ranks on one host), once each.
+    # The groups map to `backend`, once each.
     kinds = {g: b for g, _, b in av.mapped_groups()}
-    assert kinds.get("ep") == "comm", av.mapped_groups()
+    assert kinds.get("ep") == backend, av.mapped_groups()
     dist.all_reduce(torch.zeros(1))  # every rank done before any exits
     return checks
 
@@ -640,38 +659,46 @@ def compiled(name, world, rank):
         # Without SP the ranks of a TP group hold the same tokens; with SP each its own shard.
         return torch.arange(12, dtype=torch.float32).view(4, 3) + (rank if sp else rank // tp_size)
     results = []
-    for adapter in (False, True):
-        if adapter:
-            av.install()
-        try:
-            for sp in (False, True):
-                modes = [Mode.SEQUENCE_PARALLEL_ONLY, Mode.SEQUENCE_PARALLEL_SEDP] if sp else [Mode.TENSOR_PARALLEL, Mode.SHARED_EXPERT_DATA_PARALLEL_ONLY]
-                x = tokens(sp)
-                want = x * 5.0  # S + R
-                for mode in modes:
-                    for traced in TRACED:
-                        torch._dynamo.reset()
-                        runner = make(mode, sp)
-                        with vs.forward_context(moe_comm_type=traced, dp_metadata=None):
-                            eager = runner.forward(x, x)
-                            fn = _compile_once(runner, len(results), x)
-                        assert torch.allclose(eager, want), f"eager reference wrong for {mode} under {traced}"
-                        for run in cts:
-                            with vs.forward_context(moe_comm_type=run, dp_metadata=None):
-                                got = fn(x, x)
-                            ok = torch.allclose(got, want)
-                            # vLLM-Ascend's "already reduced?" differs between the two comm types.
-                            vllm_differs = (traced == CT.ALLGATHER and not sp) != (run == CT.ALLGATHER and not sp)
-                            if adapter:
-                                assert ok, f"adapter: {mode.name} traced {traced.name} run {run.name} (sp={sp}): {got} != {want}"
-                            else:
-                                assert ok != vllm_differs, (
-                                    f"without adapter: {mode.name} traced {traced.name} run {run.name} (sp={sp}): "
-                                    f"expected {'wrong' if vllm_differs else 'right'} result: {got[0].tolist()} vs {want[0].tolist()}"
-                                )
-                            results.append((adapter, mode.name, traced.name, run.name, sp, ok))
-        finally:
+    # Without the adapter; with it over a CPU world of the TP group ("comm");
+    # with it over the group's own collectives ("group": what the adapter
+    # falls back to when the ranks span hosts), where the adapter itself
+    # decides whether a point reduces.
+    for adapter in (None, "comm", "group"):
+        with cpu_comm(adapter) if adapter else contextlib.nullcontext():
             if adapter:
-                av.uninstall()
+                av.install()
+            try:
+                for sp in (False, True):
+                    modes = [Mode.SEQUENCE_PARALLEL_ONLY, Mode.SEQUENCE_PARALLEL_SEDP] if sp else [Mode.TENSOR_PARALLEL, Mode.SHARED_EXPERT_DATA_PARALLEL_ONLY]
+                    x = tokens(sp)
+                    want = x * 5.0  # S + R
+                    for mode in modes:
+                        for traced in TRACED:
+                            torch._dynamo.reset()
+                            runner = make(mode, sp)
+                            with vs.forward_context(moe_comm_type=traced, dp_metadata=None):
+                                eager = runner.forward(x, x)
+                                fn = _compile_once(runner, len(results), x)
+                            assert torch.allclose(eager, want), f"eager reference wrong for {mode} under {traced}"
+                            for run in cts:
+                                with vs.forward_context(moe_comm_type=run, dp_metadata=None):
+                                    got = fn(x, x)
+                                ok = torch.allclose(got, want)
+                                # vLLM-Ascend's "already reduced?" differs between the two comm types.
+                                vllm_differs = (traced == CT.ALLGATHER and not sp) != (run == CT.ALLGATHER and not sp)
+                                if adapter:
+                                    assert ok, f"adapter ({adapter}): {mode.name} traced {traced.name} run {run.name} (sp={sp}): {got} != {want}"
+                                else:
+                                    assert ok != vllm_differs, (
+                                        f"without adapter: {mode.name} traced {traced.name} run {run.name} (sp={sp}): "
+                                        f"expected {'wrong' if vllm_differs else 'right'} result: {got[0].tolist()} vs {want[0].tolist()}"
+                                    )
+                                results.append((adapter, mode.name, traced.name, run.name, sp, ok))
+                if adapter:
+                    kind = av.comm_for_group(groups["tp"]).kind
+                    assert kind == adapter, f"the TP group ran on the {kind!r} backend, not {adapter!r}"
+            finally:
+                if adapter:
+                    av.uninstall()
     dist.all_reduce(torch.zeros(1))  # every rank done before any exits
     return results
