@@ -270,11 +270,26 @@ def call(name: str, *args) -> None:
     check(getattr(lib(), name)(*args))
 
 
+SIZE_MAX = c_size_t(-1).value
+U32_MAX = c_uint32(-1).value
+
+
+def c_uint(arg: str, v, top: int = SIZE_MAX) -> int:
+    """`v` as an unsigned C argument of at most `top` (`size_t` by default).
+    ctypes takes an int outside a C type's range modulo its size without a
+    word (`2**32 + 2` reaches a `uint32_t` as 2), so such a value is an
+    `AmoeError` naming `arg` here instead."""
+    n = int(v)
+    if not 0 <= n <= top:
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v}, outside 0..={top}")
+    return n
+
+
 def sizes(values) -> tuple:
     """A `size_t[]` holding `values` (kept alive by the caller) and its length."""
     values = [int(v) for v in values]
-    if any(v < 0 for v in values):
-        raise error(Status.INVALID_ARGUMENT, f"sizes must be non-negative, got {values}")
+    if any(not 0 <= v <= SIZE_MAX for v in values):
+        raise error(Status.INVALID_ARGUMENT, f"sizes must be in 0..={SIZE_MAX}, got {values}")
     return (c_size_t * max(len(values), 1))(*values), len(values)
 
 

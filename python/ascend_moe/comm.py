@@ -13,7 +13,7 @@ import numpy as np
 from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
-from ._lib import call, lib, sizes
+from ._lib import U32_MAX, c_uint, call, lib, sizes
 from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
 
 
@@ -66,8 +66,7 @@ class Comm:
         """Joins the CPU world `name` of `world_size` ranks as `rank` (threads or
         processes); returns once every rank joined. `timeout_s` bounds every wait
         of this communicator (`<= 0`: `$ASCEND_MOE_COMM_TIMEOUT` or 60 s)."""
-        if world_size < 0 or rank < 0:
-            raise error(Status.INVALID_ARGUMENT, f"world_size {world_size} and rank {rank} must be >= 0")
+        world_size, rank = c_uint("world_size", world_size), c_uint("rank", rank)
         out = c_void_p()
         call("amoe_comm_cpu_new", name.encode(), world_size, rank, float(timeout_s), ctypes.byref(out))
         return cls(out.value)
@@ -199,7 +198,7 @@ class Comm:
 
 def _op(op) -> int:
     """A reduce op by name (`"sum"`); a number goes to the library, which checks it."""
-    return int(ReduceOp.parse(op)) if isinstance(op, str) else int(op)
+    return int(ReduceOp.parse(op)) if isinstance(op, str) else c_uint("op", op, U32_MAX)
 
 
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
@@ -241,5 +240,5 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                 Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
             )
     d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
-    call("amoe_broadcast", comm.handle, d.ptr, int(root), resolve_stream([d], stream))
+    call("amoe_broadcast", comm.handle, d.ptr, c_uint("root", root), resolve_stream([d], stream))
     return out

@@ -22,7 +22,7 @@ import ctypes
 
 from ._enums import GUARD_ACTUAL_TOKENS, Status
 from ._errors import error
-from ._lib import ALL_TOKENS, ForwardContextC, call, lib, sizes
+from ._lib import ALL_TOKENS, U32_MAX, ForwardContextC, c_uint, call, lib, sizes
 from ._tensor import wrap_stream
 from .forward import ForwardContext
 
@@ -38,7 +38,8 @@ def _stream_handle(stream, device):
         device = getattr(getattr(stream, "device", None), "index", None)
     if device is None:
         raise error(Status.INVALID_ARGUMENT, "the stream's device is unknown: pass `device=`")
-    return wrap_stream(raw, int(device)), int(device)
+    device = c_uint("device", device, U32_MAX)
+    return wrap_stream(raw, device), device
 
 
 def _context_c(ctx: ForwardContext):
@@ -48,8 +49,8 @@ def _context_c(ctx: ForwardContext):
         sp=1 if ctx.sp else 0,
         dp_tokens=ctypes.cast(dp, ctypes.POINTER(ctypes.c_size_t)),
         dp_size=n,
-        num_actual_tokens=ALL_TOKENS if ctx.num_actual_tokens is None else int(ctx.num_actual_tokens),
-        pcp_size=int(ctx.pcp_size),
+        num_actual_tokens=ALL_TOKENS if ctx.num_actual_tokens is None else c_uint("num_actual_tokens", ctx.num_actual_tokens),
+        pcp_size=c_uint("pcp_size", ctx.pcp_size),
     )
     return c, dp
 

@@ -10,9 +10,8 @@ import ctypes
 from ctypes import c_uint8
 
 from . import shapes
-from ._enums import CommType, DropPadMode, SharedMode, Status
-from ._errors import error
-from ._lib import ReducePolicyC, call
+from ._enums import CommType, DropPadMode, SharedMode
+from ._lib import U32_MAX, ReducePolicyC, c_uint, call
 from ._tensor import Operands
 from .comm import Comm
 from .shapes import SpLayout
@@ -131,7 +130,7 @@ def shared_pad_reduce_scatter(x, tp_comm: Comm, *, out=None, stream=None):
 def routed_is_reduced(comm_type, sp: bool) -> bool:
     """`comm_type in {MC2, ALLTOALL, FUSED_MC2} or (comm_type == ALLGATHER and sp)`."""
     out = c_uint8(0)
-    call("amoe_routed_is_reduced", int(comm_type), 1 if sp else 0, ctypes.byref(out))
+    call("amoe_routed_is_reduced", c_uint("comm_type", comm_type, U32_MAX), 1 if sp else 0, ctypes.byref(out))
     return bool(out.value)
 
 
@@ -144,17 +143,16 @@ class ReducePolicy:
         self.shared_mode = SharedMode.NONE if shared_mode is None else SharedMode.parse(shared_mode)
         self.has_routed_transform = bool(has_routed_transform)
         self.sp = bool(sp)
-        self.tp_size = int(tp_size)
-        self.ep_size = int(ep_size)
-        if self.tp_size < 0 or self.ep_size < 0:
-            raise error(Status.INVALID_ARGUMENT, f"tp_size {tp_size} and ep_size {ep_size} must be >= 0")
+        self.tp_size = c_uint("tp_size", tp_size)
+        self.ep_size = c_uint("ep_size", ep_size)
         self._c = ReducePolicyC(self.shared_mode, self.has_routed_transform, self.sp, self.tp_size, self.ep_size)
         self.decisions(CommType.ALLGATHER)  # validates
 
     def decisions(self, comm_type) -> dict:
         """`{"early", "routed", "shared", "final"}`: which reduction points all-reduce for `comm_type`."""
         vals = [c_uint8(0) for _ in range(4)]
-        call("amoe_reduce_policy_decisions", ctypes.byref(self._c), int(comm_type), *[ctypes.byref(v) for v in vals])
+        ct = c_uint("comm_type", comm_type, U32_MAX)
+        call("amoe_reduce_policy_decisions", ctypes.byref(self._c), ct, *[ctypes.byref(v) for v in vals])
         return dict(zip(("early", "routed", "shared", "final"), (bool(v.value) for v in vals)))
 
     @property
@@ -172,7 +170,8 @@ class ReducePolicy:
         o = Operands(stream)
         d = o.input("x", x)
         y = o.output(d.shape, d, out)
-        call(name, ctypes.byref(self._c), d.ptr, int(comm_type), tp_comm.handle, y.ptr, o.stream)
+        ct = c_uint("comm_type", comm_type, U32_MAX)
+        call(name, ctypes.byref(self._c), d.ptr, ct, tp_comm.handle, y.ptr, o.stream)
         return o.result
 
     def reduce_routed_early(self, x, comm_type, tp_comm: Comm, *, out=None, stream=None):

@@ -11,7 +11,7 @@ import numpy as np
 from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
-from ._lib import ALL_TOKENS, MoeContextC, call, lib, sizes
+from ._lib import ALL_TOKENS, U32_MAX, MoeContextC, c_uint, call, lib, sizes
 from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code
 from .comm import Comm
 
@@ -46,8 +46,7 @@ class MoeContext:
         if padded_num_tokens is not None:
             checked.append(("padded_num_tokens", padded_num_tokens))
         for name, v in checked:
-            if int(v) < 0:
-                raise error(Status.INVALID_ARGUMENT, f"MoeContext: {name} must be >= 0, got {v}")
+            c_uint(name, v)
         self.dp_tokens = tuple(int(t) for t in dp_tokens)
         self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
         self.num_actual_tokens = None if num_actual_tokens is None else int(num_actual_tokens)
@@ -73,7 +72,7 @@ class MoeGroups:
 
     def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
-        call("amoe_moe_groups_new", world.handle, int(pcp_size), int(tp_size), ctypes.byref(out))
+        call("amoe_moe_groups_new", world.handle, c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
         self._h = out
 
     @classmethod
@@ -148,7 +147,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     call(
         "amoe_token_prepare",
         d.ptr,
-        int(comm_type),
+        c_uint("comm_type", comm_type, U32_MAX),
         ctx.ptr,
         groups.handle,
         y.ptr,
@@ -179,5 +178,5 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
     o = Operands(stream)
     d = o.input("y", y)
     r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
-    call("amoe_token_finalize", d.ptr, int(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
+    call("amoe_token_finalize", d.ptr, c_uint("comm_type", comm_type, U32_MAX), ctx.ptr, groups.handle, r.ptr, o.stream)
     return o.result

@@ -14,17 +14,17 @@ from ctypes import c_size_t
 
 from ._enums import DropPadMode, Status
 from ._errors import error
-from ._lib import FinalizeArgs, Table, call, shared_sizes, sizes
+from ._lib import U32_MAX, FinalizeArgs, Table, c_uint, call, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
 def _ep(ep) -> tuple:
     """`(rank, world_size)` of a `Comm` or a pair."""
     try:
-        return int(ep.rank), int(ep.world_size)
+        rank, size = ep.rank, ep.world_size
     except AttributeError:
         rank, size = ep
-        return int(rank), int(size)
+    return c_uint("rank", rank), c_uint("world_size", size)
 
 
 class SpLayout:
@@ -48,9 +48,10 @@ class SpLayout:
         """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`."""
         arr, n = sizes(num_tokens_across_dp)
         need = c_size_t(0)
-        cap = max(n * max(int(tp_size), 0), 1)
+        tp = c_uint("tp_size", tp_size)
+        cap = max(n * tp, 1)
         out = (c_size_t * cap)()
-        call("amoe_sp_layout_from_dp_tokens", arr, n, max(int(tp_size), 0), out, cap, ctypes.byref(need))
+        call("amoe_sp_layout_from_dp_tokens", arr, n, tp, out, cap, ctypes.byref(need))
         return cls(out[: need.value])
 
     @property
@@ -121,7 +122,7 @@ def _asked(name: str, objs: tuple, ints: tuple) -> tuple:
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
     """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
     mode = int(drop_pad_mode)
-    if mode < 0:
+    if not 0 <= mode <= int(max(DropPadMode)):
         raise error(Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}")
     descs = [
         make("expanded_x", expanded_x),
@@ -280,7 +281,7 @@ def token_prepare(x, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_prepare`'s hidden output (`ctx` a `MoeContext`)."""
     d = desc_meta("x", x)
     buf, ndim, out = shape_out()
-    call("amoe_token_prepare_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    call("amoe_token_prepare_output_shape", d.ptr, c_uint("comm_type", comm_type, U32_MAX), ctx.ptr, *out)
     return shape_of(buf, ndim)
 
 
@@ -288,5 +289,5 @@ def token_finalize(y, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_finalize`'s output (`ctx` a `MoeContext`)."""
     d = desc_meta("y", y)
     buf, ndim, out = shape_out()
-    call("amoe_token_finalize_output_shape", d.ptr, int(comm_type), ctx.ptr, *out)
+    call("amoe_token_finalize_output_shape", d.ptr, c_uint("comm_type", comm_type, U32_MAX), ctx.ptr, *out)
     return shape_of(buf, ndim)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
-from ._lib import call
+from ._lib import c_uint, call
 from ._tensor import wrap_stream
 from .live import _stream_handle
 
@@ -36,7 +36,7 @@ def workspace_reserve(stream, nbytes: int, staging_bytes: int = 4096, device=Non
     """Reserves `nbytes` of device workspace (and `staging_bytes` of pinned
     staging) on `stream` before graph capture, where the pool cannot grow."""
     h, _ = _stream_handle(stream, device)
-    call("amoe_workspace_reserve", h, int(nbytes), int(staging_bytes))
+    call("amoe_workspace_reserve", h, c_uint("nbytes", nbytes), c_uint("staging_bytes", staging_bytes))
 
 
 def set_allocator(stream, alloc=None, free=None, device=None) -> None:

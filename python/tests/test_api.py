@@ -190,6 +190,44 @@ def test_bad_inputs_raise_amoe_error_with_the_library_message():
         am.all_reduce(np.zeros(3), None)
 
 
+def test_integers_outside_the_c_arguments_range_are_refused_not_wrapped():
+    # ctypes would pass them modulo 2**32 / 2**64: 2**32 + 2 as mode 2, 2**32 + 1 as MC2.
+    x, idx = np.arange(12, dtype=np.float32).reshape(6, 2), np.array([0, 2, 4, 1, 3, 5], np.int32)
+    scales = np.ones((3, 2), np.float32)
+    for mode in (2**32 + 2, 2**32, -1):
+        with pytest.raises(am.InvalidArgumentError, match=f"drop_pad_mode {mode} "):
+            am.moe_finalize_routing(x, idx, scales=scales, drop_pad_mode=mode)
+    policy = am.ReducePolicy("none", False, False, 1, 1)
+    one = am.Comm.cpu(f"pytest-range-{uuid.uuid4().hex[:12]}", 1, 0)
+    calls = {
+        "comm_type": [
+            lambda v: am.routed_is_reduced(v, False),
+            policy.decisions,
+            lambda v: policy.reduce_final(np.ones(2, np.float32), v, one),
+            lambda v: am.shapes.token_prepare(((4, 2), "float32"), v, am.MoeContext([4], 1, 0, 0)),
+        ],
+        "tp_size": [
+            lambda v: am.ReducePolicy("none", False, False, v, 4),
+            lambda v: am.SpLayout.from_dp_tokens([4], v),
+            lambda v: am.MoeContext([4], v, 0, 0),
+        ],
+        "ep_size": [lambda v: am.ReducePolicy("none", False, False, 1, v)],
+        "op": [lambda v: am.all_reduce(np.ones(2, np.float32), one, v)],
+        "root": [lambda v: am.broadcast(np.ones(2, np.float32), one, v)],
+        "rank": [lambda v: am.Comm.cpu("pytest-range-never", 1, v)],
+    }
+    wide = {"comm_type": 2**32 + 1, "op": 2**32}
+    for arg, fns in calls.items():
+        for v in (-1, wide.get(arg, 2**64 + 2)):
+            for f in fns:
+                with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` is {v}, outside 0..="):
+                    f(v)
+    for bad in ([2**64 + 4], [-1]):
+        with pytest.raises(am.InvalidArgumentError, match="sizes must be in 0..="):
+            am.SpLayout.from_dp_tokens(bad, 1)
+    one.close()
+
+
 def test_argument_errors_are_value_and_type_errors():
     # Raised by the library (its statuses mapped to the classes) and by the package.
     with pytest.raises(ValueError, match="drop_pad_mode|drop-pad mode") as e:
