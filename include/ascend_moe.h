@@ -608,6 +608,9 @@ amoe_status amoe_all_gather(const struct amoe_comm *comm,
 // Reduce-scatter with per-rank block sizes: `counts[0..n]` (elements, `n ==
 // world_size`) partition `src`; `dst` holds `counts[rank]` elements.
 // Ownership as `amoe_all_reduce`.
+// On a CPU communicator `dst` may overlap `src`; on an HCCL communicator
+// it may not (HCCL runs no V collective in place):
+// `AMOE_STATUS_INVALID_ARGUMENT`, naming the overlap.
 //
 // # Safety
 // `comm` live; descriptors valid; `counts` readable for `n` elements.
@@ -622,6 +625,9 @@ amoe_status amoe_reduce_scatter_v(const struct amoe_comm *comm,
 // All-gather with per-rank block sizes `counts[0..n]` (elements, `n ==
 // world_size`): `src` holds `counts[rank]`, `dst` their sum.
 // Ownership as `amoe_all_reduce`.
+// On a CPU communicator `dst` may overlap `src`; on an HCCL communicator
+// it may not (HCCL runs no V collective in place):
+// `AMOE_STATUS_INVALID_ARGUMENT`, naming the overlap.
 //
 // # Safety
 // `comm` live; descriptors valid; `counts` readable for `n` elements.
@@ -635,6 +641,9 @@ amoe_status amoe_all_gather_v(const struct amoe_comm *comm,
 // Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
 // to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank `i`.
 // Both count lists have `world_size` entries. Ownership as `amoe_all_reduce`.
+// On a CPU communicator `dst` may overlap `src`; on an HCCL communicator
+// it may not (HCCL runs no V collective in place):
+// `AMOE_STATUS_INVALID_ARGUMENT`, naming the overlap.
 //
 // # Safety
 // `comm` live; descriptors valid; count lists readable for their lengths.

@@ -143,6 +143,26 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     assert_eq!(st, amoe_status::Device);
     assert!(last_error().contains(&format!("the stream is on npu:{rank}")), "{}", last_error());
 
+    // all_to_all_v in place (one device buffer as src and dst): HCCL refuses
+    // one address for both, so the call is refused before HCCL sees it,
+    // naming the overlap; one element to every rank through a separate dst works.
+    let ones = [1usize; WORLD];
+    let (a2a_shape, sd_a2a) = ([WORLD], desc(ptr(&src), amoe_dtype::F32, &[WORLD], amoe_device_kind::Npu, ord));
+    // SAFETY: live handles; the descriptor covers WORLD of src's 12 elements; counts of world length.
+    let st = unsafe { amoe_all_to_all_v(c, &sd_a2a, ones.as_ptr(), WORLD, &sd_a2a, ones.as_ptr(), WORLD, s) };
+    assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
+    let msg = last_error();
+    assert!(msg.contains("all_to_all_v") && msg.contains("overlap") && msg.contains("in place"), "{msg}");
+    let a2a_dst = dev.alloc_zeros::<f32>(WORLD)?;
+    dev.synchronize()?;
+    let dd_a2a = desc(ptr(&a2a_dst), amoe_dtype::F32, &a2a_shape, amoe_device_kind::Npu, ord);
+    // SAFETY: as above.
+    let st = unsafe { amoe_all_to_all_v(c, &sd_a2a, ones.as_ptr(), WORLD, &dd_a2a, ones.as_ptr(), WORLD, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize()?;
+    // Element i of rank r's dst is element r of rank i's src.
+    assert_eq!(a2a_dst.to_vec()?, (0..WORLD).map(|i| val(i, rank)).collect::<Vec<_>>(), "all_to_all_v rank {rank}");
+
     // maybe_pad_and_reduce: rank r keeps sum over ranks of block r.
     let local = [3usize, 1];
     let rows: usize = local.iter().sum();

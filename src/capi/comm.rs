@@ -316,6 +316,9 @@ pub unsafe extern "C" fn amoe_all_gather(
 /// Reduce-scatter with per-rank block sizes: `counts[0..n]` (elements, `n ==
 /// world_size`) partition `src`; `dst` holds `counts[rank]` elements.
 /// Ownership as `amoe_all_reduce`.
+/// On a CPU communicator `dst` may overlap `src`; on an HCCL communicator
+/// it may not (HCCL runs no V collective in place):
+/// `AMOE_STATUS_INVALID_ARGUMENT`, naming the overlap.
 ///
 /// # Safety
 /// `comm` live; descriptors valid; `counts` readable for `n` elements.
@@ -340,6 +343,9 @@ pub unsafe extern "C" fn amoe_reduce_scatter_v(
 /// All-gather with per-rank block sizes `counts[0..n]` (elements, `n ==
 /// world_size`): `src` holds `counts[rank]`, `dst` their sum.
 /// Ownership as `amoe_all_reduce`.
+/// On a CPU communicator `dst` may overlap `src`; on an HCCL communicator
+/// it may not (HCCL runs no V collective in place):
+/// `AMOE_STATUS_INVALID_ARGUMENT`, naming the overlap.
 ///
 /// # Safety
 /// `comm` live; descriptors valid; `counts` readable for `n` elements.
@@ -362,6 +368,9 @@ pub unsafe extern "C" fn amoe_all_gather_v(
 /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
 /// to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank `i`.
 /// Both count lists have `world_size` entries. Ownership as `amoe_all_reduce`.
+/// On a CPU communicator `dst` may overlap `src`; on an HCCL communicator
+/// it may not (HCCL runs no V collective in place):
+/// `AMOE_STATUS_INVALID_ARGUMENT`, naming the overlap.
 ///
 /// # Safety
 /// `comm` live; descriptors valid; count lists readable for their lengths.

@@ -12,21 +12,54 @@ use crate::{Error, Result};
 use super::api::{check_dtype, hccl_dtype, hccl_op, Table};
 use super::HcclComm;
 
+/// Which buffer of a collective [`HcclComm::dev_ptrs`] stands in for.
+const SEND: usize = 0;
+const RECV: usize = 1;
+
 impl HcclComm {
-    /// The device address to pass for `b`: its own, or for an empty buffer
-    /// (which has no allocation) a small live one. HCCL checks every buffer
-    /// for NULL before it looks at the count (`HcclAllReduceInner`,
-    /// `HcclAllGather`, ...: `CHK_PTR_NULL(sendBuf)`, `CHK_PTR_NULL(recvBuf)`),
-    /// and in the V collectives a rank with count 0 still takes part.
-    fn dev_ptr(&self, b: &NpuBuffer) -> Result<*mut c_void> {
+    /// The device address to pass for `b`, the `side` ([`SEND`] or [`RECV`])
+    /// buffer of a call: its own, or for an empty buffer (which has no
+    /// allocation) a small live one, a different one per side. HCCL checks
+    /// every buffer for NULL before it looks at the count
+    /// (`HcclAllReduceInner`, `HcclAllGather`, ...: `CHK_PTR_NULL(sendBuf)`,
+    /// `CHK_PTR_NULL(recvBuf)`), in the V collectives a rank with count 0
+    /// still takes part, and those refuse one address for both buffers
+    /// whatever the counts (hicann/hccl v9.1.0
+    /// `src/ops/all_to_all_v/all_to_all_v_op.cc:487-489`; API reference
+    /// `HcclAlltoAllV.md:41`, `HcclReduceScatterV.md:40`, `HcclAllGatherV.md:44`).
+    fn dev_ptr(&self, b: &NpuBuffer, side: usize) -> Result<*mut c_void> {
         if !b.as_ptr().is_null() {
             return Ok(b.as_ptr());
         }
-        if let Some(p) = self.inner.placeholder.get() {
-            return Ok(p.as_ptr());
+        if let Some(p) = self.inner.placeholders.get() {
+            return Ok(p[side].as_ptr());
         }
-        let p = NpuBuffer::alloc(&self.inner.device, 32)?;
-        Ok(self.inner.placeholder.get_or_init(|| p).as_ptr())
+        let p = [NpuBuffer::alloc(&self.inner.device, 32)?, NpuBuffer::alloc(&self.inner.device, 32)?];
+        Ok(self.inner.placeholders.get_or_init(|| p)[side].as_ptr())
+    }
+
+    /// The addresses of a V collective's send and receive buffers, which
+    /// must not overlap: HCCL refuses the same address for both (see
+    /// [`HcclComm::dev_ptr`]) and defines no result for overlapping ones,
+    /// where the CPU communicator computes in place.
+    fn dev_ptrs(
+        &self,
+        op: &'static str,
+        (s, s_len): (&NpuBuffer, usize),
+        (d, d_len): (&NpuBuffer, usize),
+    ) -> Result<(*mut c_void, *mut c_void)> {
+        let (sa, da) = (s.as_ptr() as usize, d.as_ptr() as usize);
+        if s_len > 0 && d_len > 0 && sa < da + d_len && da < sa + s_len {
+            return Err(Error::invalid(
+                op,
+                "dst",
+                format!(
+                    "its {d_len} bytes at {da:#x} overlap the {s_len} bytes of `src` at {sa:#x}; HCCL runs no \
+                     V collective in place: pass a separate destination"
+                ),
+            ));
+        }
+        Ok((self.dev_ptr(s, SEND)?, self.dev_ptr(d, RECV)?))
     }
 
     fn comm_err(&self, collective: &str, detail: String) -> Error {
@@ -213,7 +246,7 @@ impl Communicator for HcclComm {
             // The counts are the same on every rank: nothing moves anywhere.
             return Ok(());
         }
-        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
+        let (sp, dp) = self.dev_ptrs(OP, (s, src.len_bytes()), (d, dst.len_bytes()))?;
         self.run(OP, &[s, d], |stream| {
             // SAFETY: counts/displacements are host u64 arrays of world length
             // that outlive the call; the buffers hold the sizes checked above.
@@ -253,7 +286,7 @@ impl Communicator for HcclComm {
         if total == 0 {
             return Ok(());
         }
-        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
+        let (sp, dp) = self.dev_ptrs(OP, (s, src.len_bytes()), (d, dst.len_bytes()))?;
         self.run(OP, &[s, d], |stream| {
             // SAFETY: as for reduce_scatter_v.
             unsafe {
@@ -294,7 +327,7 @@ impl Communicator for HcclComm {
         }
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
-        let (sp, dp) = (self.dev_ptr(s)?, self.dev_ptr(d)?);
+        let (sp, dp) = self.dev_ptrs(OP, (s, src.len_bytes()), (d, dst.len_bytes()))?;
         self.run(OP, &[s, d], |stream| {
             // SAFETY: host u64 count/displacement arrays of world length; the
             // buffers hold the totals checked above.

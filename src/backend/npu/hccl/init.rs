@@ -124,7 +124,7 @@ impl HcclComm {
                 splits: Mutex::new(HashMap::new()),
                 global,
                 global_ranks,
-                placeholder: std::sync::OnceLock::new(),
+                placeholders: std::sync::OnceLock::new(),
                 last_stream: Mutex::new(None),
             }),
         }

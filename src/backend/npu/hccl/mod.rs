@@ -56,8 +56,9 @@ struct CommInner {
     global: Option<Arc<CommInner>>,
     /// The global rank of each rank of this communicator (ascending).
     global_ranks: Vec<usize>,
-    /// A small device allocation passed in place of an empty (NULL) buffer.
-    placeholder: std::sync::OnceLock<NpuBuffer>,
+    /// Small device allocations passed in place of an empty (NULL) send and
+    /// receive buffer: two, as the V collectives refuse one address for both.
+    placeholders: std::sync::OnceLock<[NpuBuffer; 2]>,
     /// The stream the last collective was queued on: the next one, on
     /// whatever stream, is ordered after it, and destruction waits for it.
     last_stream: Mutex<Option<NpuStream>>,
