@@ -293,8 +293,13 @@ pub fn operands(bufs: &[(&str, *const c_void)], stream: AclrtStream) -> SimResul
     Ok(())
 }
 
-/// `HcclAllGatherV` (HCCL API reference): "The addresses configured for
-/// recvBuf and sendBuf cannot be the same."
+/// `HcclAllGatherV`, `HcclReduceScatterV` and `HcclAlltoAllV` (HCCL API
+/// reference, hicann/hccl v9.1.0 `docs/zh/api_ref/comm_op_interface/`
+/// `HcclAllGatherV.md:44`, `HcclReduceScatterV.md:40`, `HcclAlltoAllV.md:41`):
+/// "The addresses configured for recvBuf and sendBuf cannot be the same".
+/// The code of the same release refuses it for AlltoAllV whatever the
+/// counts (`src/ops/all_to_all_v/all_to_all_v_op.cc:487-489`,
+/// `CheckAlltoAllVInputPara`: "AlltoAllV does not support in-place operation").
 pub fn distinct_buffers(send: *const c_void, recv: *const c_void) -> SimResult<()> {
     if send == recv {
         return fail(HCCL_E_PARA, format!("sendBuf and recvBuf are the same address {send:p}"));

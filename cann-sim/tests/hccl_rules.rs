@@ -288,19 +288,33 @@ fn a_null_stream_is_refused_by_collectives() {
 }
 
 #[test]
-fn all_gather_v_needs_distinct_send_and_receive_buffers() {
+fn the_v_collectives_need_distinct_send_and_receive_buffers() {
     let rcs = with_world(1, |_, comm| {
         let st = stream();
-        let dev = malloc(64);
-        let (counts, displs) = ([4u64], [0u64]);
-        let rc = unsafe {
-            (sim().HcclAllGatherV)(dev, 4, dev, counts.as_ptr().cast(), displs.as_ptr().cast(), FP32, comm, st)
-        };
+        let (dev, other) = (malloc(64), malloc(64));
+        let s = sim();
+        let mut rcs = Vec::new();
+        // Counts 4 and 0: AlltoAllV refuses the same address even when nothing moves.
+        for n in [4u64, 0] {
+            let (counts, displs) = ([n], [0u64]);
+            let (c, d) = (counts.as_ptr().cast(), displs.as_ptr().cast());
+            // SAFETY: device buffers of 64 bytes, host arrays of world length.
+            unsafe {
+                rcs.push((s.HcclAllGatherV)(dev, n, dev, c, d, FP32, comm, st));
+                rcs.push((s.HcclReduceScatterV)(dev, c, d, dev, n, FP32, 0, comm, st));
+                rcs.push((s.HcclAlltoAllV)(dev, c, d, FP32, dev, c, d, FP32, comm, st));
+                // The same calls over two buffers are accepted.
+                rcs.push(-(s.HcclAlltoAllV)(dev, c, d, FP32, other, c, d, FP32, comm, st));
+                rcs.push(-(s.HcclReduceScatterV)(dev, c, d, other, n, FP32, 0, comm, st));
+            }
+        }
+        assert_eq!(unsafe { (s.aclrtSynchronizeStream)(st) }, 0, "{}", err_msg());
         free(dev);
+        free(other);
         destroy_stream(st);
-        rc
+        rcs
     });
-    assert_eq!(rcs[0], E_PARA);
+    assert_eq!(rcs[0], [E_PARA, E_PARA, E_PARA, 0, 0, E_PARA, E_PARA, E_PARA, 0, 0]);
 }
 
 #[test]

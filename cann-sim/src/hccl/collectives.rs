@@ -316,6 +316,7 @@ pub extern "C" fn HcclReduceScatterV(
     status::hccl("HcclReduceScatterV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         hccl_rules::a2_dtype("HcclReduceScatterV", data_type, Some(op))?;
+        hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
         let c = comm(comm_h)?;
@@ -422,6 +423,7 @@ pub extern "C" fn HcclAlltoAllV(
     status::hccl("HcclAlltoAllV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
         hccl_rules::a2_dtype("HcclAlltoAllV", send_type, None)?;
+        hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = DType::from_hccl(send_type)?;
         if recv_type != send_type {
             return fail(HCCL_E_PARA, format!("sendType {send_type} != recvType {recv_type}"));
