@@ -635,7 +635,11 @@ def _point_layer(runner, point: int) -> int:
     if point == 1 and _runner_mode(runner) != SharedMode.TENSOR_PARALLEL:
         return 0  # SPEC section 5, point 2: other shared modes are left unchanged
     pid = _runner_policy(runner)
-    return pid if any(_POLICIES[pid][0].decisions(ct)[_DECISIONS[point]] for ct in CommType) else 0
+    # Point 1 by the static flag: `_routed_before_transform` reads a layer of
+    # point 1 as "the routed output leaves it reduced" (early), whichever comm
+    # type runs and whether or not the op then reduces.
+    which = ("early", "shared", "final")[point]
+    return pid if any(_POLICIES[pid][0].decisions(ct)[which] for ct in CommType) else 0
 
 
 def _reduce_at(runner, point: int, x):
