@@ -304,6 +304,7 @@ pub fn event_elapsed_time(ms: *mut f32, start: AclrtEvent, end: AclrtEvent) -> S
     not_null(ms as *const c_void, "ms")?;
     not_null(start, "startEvent")?;
     not_null(end, "endEvent")?;
+    crate::capture::elapsed_time(start as usize, end as usize)?;
     let events = [("startEvent", context::event(start as usize)?), ("endEvent", context::event(end as usize)?)];
     // Runtime `Event::ElapsedTime` checks both records before any timestamp:
     // an event without a record is RT_ERROR_EVENT_RECORDER_NULL

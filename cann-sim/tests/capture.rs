@@ -330,6 +330,19 @@ fn every_call_cann_forbids_during_capture_fails_with_its_code_and_invalidates_th
             }),
         ),
         (
+            "aclrtEventElapsedTime with an event recorded in the capture",
+            EVENT_CAPTURED,
+            Box::new(|st| unsafe {
+                let (before, e) = (event(), event());
+                assert_eq!((s.aclrtRecordEvent)(e, st), 0, "{}", err_msg());
+                let mut ms = 0f32;
+                let r = (s.aclrtEventElapsedTime)(&mut ms, before, e);
+                destroy_event(before);
+                destroy_event(e);
+                r
+            }),
+        ),
+        (
             "aclrtMemcpy",
             CAPTURE_MODE_NOT_SUPPORT,
             Box::new(move |_| unsafe { (s.aclrtMemcpy)(dev, 256, host.as_ptr() as *const c_void, 256, H2D) }),

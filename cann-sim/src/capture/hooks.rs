@@ -280,6 +280,17 @@ pub fn query_event(h: usize) -> SimResult<()> {
     event_check("aclrtQueryEventStatus", h)
 }
 
+/// Hook of `aclrtEventElapsedTime`: refused when either event was recorded
+/// in an ongoing capture, before any record or timestamp is looked at
+/// (`ApiErrorDecorator::EventElapsedTime`, hicann/runtime v8.5.0
+/// `src/runtime/feature/src/api_impl/api_error.cc:1333-1339`, after its NULL
+/// checks: RT_ERROR_EVENT_CAPTURED), and like the other queries of such an
+/// event it invalidates the capture (guide, restriction 2).
+pub fn elapsed_time(start: usize, end: usize) -> SimResult<()> {
+    event_check("aclrtEventElapsedTime", start)?;
+    event_check("aclrtEventElapsedTime", end)
+}
+
 /// True while `s` takes part in a capture that is still being recorded (the
 /// runtime's `Event::ToBeCaptured`: the stream has a capture stream whose
 /// model captures, `src/runtime/feature/src/event/event.cc:1239-1252`, v8.5.0).

@@ -47,7 +47,7 @@ pub use api::{
 pub use codes::*;
 pub use hooks::{
     admit, allocation, async_copy, blocking_copy, blocking_memset, capture_info, check_record, check_wait,
-    count_blocking_copy, destroy_stream, intercept, query_event, record_event, stream, stream_here, sync_event,
-    sync_stream, unsafe_call, wait_event,
+    count_blocking_copy, destroy_stream, elapsed_time, intercept, query_event, record_event, stream, stream_here,
+    sync_event, sync_stream, unsafe_call, wait_event,
 };
 pub use state::{Model, MODELS};
