@@ -285,6 +285,12 @@ def c_uint(arg: str, v, top: int = SIZE_MAX) -> int:
     return n
 
 
+def comm_type_code(v) -> int:
+    """A caller's comm type as the library's `uint32_t` argument (the library
+    names a value it does not know)."""
+    return c_uint("comm_type", v, U32_MAX)
+
+
 def sizes(values) -> tuple:
     """A `size_t[]` holding `values` (kept alive by the caller) and its length."""
     values = [int(v) for v in values]

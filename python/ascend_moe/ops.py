@@ -11,7 +11,7 @@ from ctypes import c_uint8
 
 from . import shapes
 from ._enums import CommType, DropPadMode, SharedMode
-from ._lib import U32_MAX, ReducePolicyC, c_uint, call
+from ._lib import ReducePolicyC, c_uint, call, comm_type_code
 from ._tensor import Operands
 from .comm import Comm
 from .shapes import SpLayout
@@ -130,7 +130,7 @@ def shared_pad_reduce_scatter(x, tp_comm: Comm, *, out=None, stream=None):
 def routed_is_reduced(comm_type, sp: bool) -> bool:
     """`comm_type in {MC2, ALLTOALL, FUSED_MC2} or (comm_type == ALLGATHER and sp)`."""
     out = c_uint8(0)
-    call("amoe_routed_is_reduced", c_uint("comm_type", comm_type, U32_MAX), 1 if sp else 0, ctypes.byref(out))
+    call("amoe_routed_is_reduced", comm_type_code(comm_type), 1 if sp else 0, ctypes.byref(out))
     return bool(out.value)
 
 
@@ -151,7 +151,7 @@ class ReducePolicy:
     def decisions(self, comm_type) -> dict:
         """`{"early", "routed", "shared", "final"}`: which reduction points all-reduce for `comm_type`."""
         vals = [c_uint8(0) for _ in range(4)]
-        ct = c_uint("comm_type", comm_type, U32_MAX)
+        ct = comm_type_code(comm_type)
         call("amoe_reduce_policy_decisions", ctypes.byref(self._c), ct, *[ctypes.byref(v) for v in vals])
         return dict(zip(("early", "routed", "shared", "final"), (bool(v.value) for v in vals)))
 
@@ -170,7 +170,7 @@ class ReducePolicy:
         o = Operands(stream)
         d = o.input("x", x)
         y = o.output(d.shape, d, out)
-        ct = c_uint("comm_type", comm_type, U32_MAX)
+        ct = comm_type_code(comm_type)
         call(name, ctypes.byref(self._c), d.ptr, ct, tp_comm.handle, y.ptr, o.stream)
         return o.result
 

@@ -11,7 +11,7 @@ import numpy as np
 from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
-from ._lib import ALL_TOKENS, U32_MAX, MoeContextC, c_uint, call, lib, sizes
+from ._lib import ALL_TOKENS, MoeContextC, c_uint, call, comm_type_code, lib, sizes
 from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code
 from .comm import Comm
 
@@ -40,18 +40,12 @@ class MoeContext:
         padded_num_tokens=None,
     ):
         self._tokens, n = sizes(dp_tokens)
-        checked = [("tp_size", tp_size), ("dp_rank", dp_rank), ("tp_rank", tp_rank), ("pcp_size", pcp_size), ("pcp_rank", pcp_rank)]
-        if num_actual_tokens is not None:
-            checked.append(("num_actual_tokens", num_actual_tokens))
-        if padded_num_tokens is not None:
-            checked.append(("padded_num_tokens", padded_num_tokens))
-        for name, v in checked:
-            c_uint(name, v)
         self.dp_tokens = tuple(int(t) for t in dp_tokens)
-        self.tp_size, self.dp_rank, self.tp_rank, self.sp = int(tp_size), int(dp_rank), int(tp_rank), bool(sp)
-        self.num_actual_tokens = None if num_actual_tokens is None else int(num_actual_tokens)
-        self.pcp_size, self.pcp_rank = int(pcp_size), int(pcp_rank)
-        self.padded_num_tokens = None if padded_num_tokens is None else int(padded_num_tokens)
+        self.tp_size, self.dp_rank, self.tp_rank = c_uint("tp_size", tp_size), c_uint("dp_rank", dp_rank), c_uint("tp_rank", tp_rank)
+        self.sp = bool(sp)
+        self.num_actual_tokens = None if num_actual_tokens is None else c_uint("num_actual_tokens", num_actual_tokens)
+        self.pcp_size, self.pcp_rank = c_uint("pcp_size", pcp_size), c_uint("pcp_rank", pcp_rank)
+        self.padded_num_tokens = None if padded_num_tokens is None else c_uint("padded_num_tokens", padded_num_tokens)
         self._c = MoeContextC()
         call("amoe_moe_context_init", ctypes.byref(self._c))
         self._c.dp_tokens, self._c.dp_size = self._tokens, n
@@ -147,7 +141,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     call(
         "amoe_token_prepare",
         d.ptr,
-        c_uint("comm_type", comm_type, U32_MAX),
+        comm_type_code(comm_type),
         ctx.ptr,
         groups.handle,
         y.ptr,
@@ -178,5 +172,5 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
     o = Operands(stream)
     d = o.input("y", y)
     r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
-    call("amoe_token_finalize", d.ptr, c_uint("comm_type", comm_type, U32_MAX), ctx.ptr, groups.handle, r.ptr, o.stream)
+    call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
     return o.result

@@ -14,7 +14,7 @@ from ctypes import c_size_t
 
 from ._enums import DropPadMode, Status
 from ._errors import error
-from ._lib import U32_MAX, FinalizeArgs, Table, c_uint, call, shared_sizes, sizes
+from ._lib import FinalizeArgs, Table, c_uint, call, comm_type_code, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
@@ -281,7 +281,7 @@ def token_prepare(x, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_prepare`'s hidden output (`ctx` a `MoeContext`)."""
     d = desc_meta("x", x)
     buf, ndim, out = shape_out()
-    call("amoe_token_prepare_output_shape", d.ptr, c_uint("comm_type", comm_type, U32_MAX), ctx.ptr, *out)
+    call("amoe_token_prepare_output_shape", d.ptr, comm_type_code(comm_type), ctx.ptr, *out)
     return shape_of(buf, ndim)
 
 
@@ -289,5 +289,5 @@ def token_finalize(y, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_finalize`'s output (`ctx` a `MoeContext`)."""
     d = desc_meta("y", y)
     buf, ndim, out = shape_out()
-    call("amoe_token_finalize_output_shape", d.ptr, c_uint("comm_type", comm_type, U32_MAX), ctx.ptr, *out)
+    call("amoe_token_finalize_output_shape", d.ptr, comm_type_code(comm_type), ctx.ptr, *out)
     return shape_of(buf, ndim)
