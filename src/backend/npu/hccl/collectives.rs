@@ -12,7 +12,8 @@ use crate::{Error, Result};
 use super::api::{check_dtype, hccl_dtype, hccl_op, Table};
 use super::HcclComm;
 
-/// Which buffer of a collective [`HcclComm::dev_ptrs`] stands in for.
+/// The side of a call whose empty buffer [`HcclComm::dev_ptr`] stands in
+/// for: the send buffer, and (below) the receive buffer.
 const SEND: usize = 0;
 const RECV: usize = 1;
 
