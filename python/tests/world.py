@@ -6,6 +6,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import tempfile
 import time
 import traceback
 import uuid
@@ -23,22 +25,27 @@ def run_world(fn, world=4, args=(), deadline_s=120.0, expect_exit=(), torch_ops=
     `(results by rank, exit codes by rank)`. Ranks in `expect_exit` may die
     without reporting. Fails when a rank raised, or when the deadline passed
     (every process is then terminated). Without `torch_ops` the processes do
-    not import torch (`ASCEND_MOE_TORCH=0`), which saves seconds per process."""
+    not import torch (`ASCEND_MOE_TORCH=0`), which saves seconds per process.
+    The processes' temp dir (`TMPDIR`) is the world's own, removed at the end
+    with whatever they left there (a gloo store file, for one)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     name = f"pytest-{uuid.uuid4().hex[:16]}"
+    tmp = tempfile.mkdtemp(prefix=f"{name}-")
     procs = [ctx.Process(target=_entry, args=(fn, name, world, r, q, args)) for r in range(world)]
-    saved = os.environ.get("ASCEND_MOE_TORCH")
-    if not torch_ops:
-        os.environ["ASCEND_MOE_TORCH"] = "0"  # spawned children inherit the environment at start
+    # Spawned children inherit the environment at start.
+    child_env = {"TMPDIR": tmp} | ({} if torch_ops else {"ASCEND_MOE_TORCH": "0"})
+    saved = {k: os.environ.get(k) for k in child_env}
+    os.environ.update(child_env)
     try:
         for p in procs:
             p.start()
     finally:
-        if saved is None:
-            os.environ.pop("ASCEND_MOE_TORCH", None)
-        else:
-            os.environ["ASCEND_MOE_TORCH"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     results, errors = {}, {}
     end = time.monotonic() + deadline_s
     try:
@@ -66,5 +73,6 @@ def run_world(fn, world=4, args=(), deadline_s=120.0, expect_exit=(), torch_ops=
             if p.is_alive():
                 p.terminate()
                 p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
     assert not errors, "\n".join(f"rank {r} failed: {e}" for r, e in sorted(errors.items()))
     return results, [p.exitcode for p in procs]
