@@ -170,6 +170,15 @@ pub(super) fn pinned(addr: usize) -> bool {
 /// Hook of `aclrtMemcpyAsync` on stream `s`: counts the copy; a host operand
 /// must be page-locked (`aclrtMallocHost`) when `s` captures (guide,
 /// restriction 5), and a pageable one is an unsafe function otherwise.
+///
+/// The runtime turns a copy that involves pageable memory into a
+/// synchronisation of `s` and a synchronous copy (`ApiErrorDecorator::MemcpyAsync`,
+/// hicann/runtime v8.5.0 `src/runtime/feature/src/api_impl/api_error.cc:1661-1664`).
+/// On a capturing `s` that synchronisation answers RT_ERROR_STREAM_CAPTURED
+/// (`:1010-1011`), 107027; the copy then meets the capture mode as
+/// `aclrtMemcpy` does (`ApiImpl::MemCopySync`, `api_impl.cc:2691`). The
+/// runtime leaves the capture valid; here it is invalidated, as for every
+/// synchronisation of a capturing stream ([`sync_stream`]).
 pub fn async_copy(s: &Stream, dst: usize, src: usize, count: usize) -> SimResult<()> {
     counters::copy(dst, src, count);
     if count == 0 {
@@ -181,10 +190,10 @@ pub fn async_copy(s: &Stream, dst: usize, src: usize, count: usize) -> SimResult
     if let Some(h) = captured {
         invalidate(h, "a pageable host buffer was used by a captured aclrtMemcpyAsync");
         return fail(
-            ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT,
+            ACL_ERROR_RT_STREAM_CAPTURED,
             format!(
-                "aclrtMemcpyAsync on a capturing stream uses pageable host memory {host:#x}; only aclrtMallocHost \
-                 memory may be captured"
+                "aclrtMemcpyAsync on a capturing stream uses pageable host memory {host:#x}, which synchronises the \
+                 stream; only aclrtMallocHost memory may be captured"
             ),
         );
     }
