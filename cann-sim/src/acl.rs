@@ -484,6 +484,12 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
         // default stream) must belong to the thread's context.
         let s = crate::capture::stream_here(stream as usize)?;
         let (addr, dev) = plan_memset(dev_ptr, count)?;
+        // `Context::MemsetAsync`, `context.cc:2600-2606`: host memory is set
+        // at the call, on the calling thread. No task is queued, so nothing
+        // orders it after the stream's work and a capture records nothing.
+        if !dev {
+            return run_memset(addr, dev, value, count);
+        }
         s.enqueue("aclrtMemsetAsync", Box::new(move || run_memset(addr, dev, value, count)));
         Ok(())
     })

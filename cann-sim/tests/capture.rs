@@ -936,3 +936,35 @@ fn a_capturing_stream_is_refused_by_sync_and_destroy_before_the_context_is_check
     destroy_stream(a);
     destroy_stream(b);
 }
+
+/// `aclrtMemsetAsync` on `aclrtMallocHost` memory is done at the call, on the
+/// calling thread (`Context::MemsetAsync`, hicann/runtime v8.5.0
+/// `context.cc:2600-2606`): a capture records nothing for it, so a replay does
+/// not set it again, while a device memset captured beside it is replayed.
+#[test]
+fn a_memset_async_of_pinned_host_memory_runs_at_the_call_and_is_not_captured() {
+    let _g = serial();
+    let s = use_device(0);
+    const N: usize = 64;
+    let (st, host, dev) = (stream(), malloc_host(N), malloc(N));
+    // SAFETY: `host` holds N bytes from aclrtMallocHost.
+    let host_bytes = || unsafe { std::slice::from_raw_parts(host as *const u8, N).to_vec() };
+    begin(st, GLOBAL);
+    unsafe {
+        assert_eq!((s.aclrtMemsetAsync)(host, N, 7, N, st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtMemsetAsync)(dev, N, 9, N, st), 0, "{}", err_msg());
+    }
+    assert_eq!(host_bytes(), vec![7u8; N], "set at the call, before the capture ends");
+    let model = end(st);
+    // SAFETY: as above.
+    unsafe { std::ptr::write_bytes(host as *mut u8, 1, N) };
+    write(dev, &[1u8; N]);
+    execute(model, st);
+    sync(st);
+    assert_eq!(host_bytes(), vec![1u8; N], "the replay does not set host memory");
+    assert_eq!(download::<u8>(dev, N), vec![9u8; N], "the replay sets device memory");
+    destroy(model);
+    assert_eq!(unsafe { (s.aclrtFreeHost)(host) }, 0);
+    free(dev);
+    destroy_stream(st);
+}
