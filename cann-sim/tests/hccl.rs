@@ -492,7 +492,7 @@ fn all_reduce_of(count: u64, dt: i32, op: i32, comm: Ptr, st: Ptr, send: Ptr, re
 
 #[test]
 fn a_first_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_for_the_timeout() {
-    let scenarios: [(&str, Call); 7] = [
+    let scenarios: [(&str, Call); 9] = [
         ("count", |r, c, st, a, b| all_reduce_of(if r == 2 { 5 } else { 4 }, HCCL_FP32, HCCL_SUM, c, st, a, b)),
         ("dtype", |r, c, st, a, b| {
             all_reduce_of(4, if r == 1 { HCCL_INT32 } else { HCCL_FP32 }, HCCL_SUM, c, st, a, b)
@@ -512,6 +512,20 @@ fn a_first_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_f
             let displs: [u64; 3] = [0, 2, 3];
             let p = |v: &[u64; 3]| v.as_ptr() as *const c_void;
             unsafe { (sim().HcclAllGatherV)(a, counts[r as usize], b, p(&counts), p(&displs), HCCL_FP32, c, st) }
+        }),
+        ("recvDispls", |r, c, st, a, b| {
+            // Same counts; rank 1 places rank 1's element at 2, the others at 1
+            // (the API reference: every rank passes the same recvDispls).
+            let counts: [u64; 3] = [1, 1, 1];
+            let displs: [u64; 3] = if r == 1 { [0, 2, 3] } else { [0, 1, 2] };
+            let p = |v: &[u64; 3]| v.as_ptr() as *const c_void;
+            unsafe { (sim().HcclAllGatherV)(a, 1, b, p(&counts), p(&displs), HCCL_FP32, c, st) }
+        }),
+        ("sendDispls", |r, c, st, a, b| {
+            let counts: [u64; 3] = [1, 1, 1];
+            let displs: [u64; 3] = if r == 2 { [0, 2, 3] } else { [0, 1, 2] };
+            let p = |v: &[u64; 3]| v.as_ptr() as *const c_void;
+            unsafe { (sim().HcclReduceScatterV)(a, p(&counts), p(&displs), b, 1, HCCL_FP32, HCCL_SUM, c, st) }
         }),
         ("all-to-all counts", |r, c, st, a, b| {
             // Everyone sends 1 element to every rank, but rank 2 expects 2 from rank 0.
@@ -540,6 +554,12 @@ fn a_first_call_that_differs_between_ranks_fails_on_every_rank_without_waiting_f
             // HCCL's consistency check at link setup, inside the first call.
             assert_eq!(enq, E_PARA, "{what}: rank {r}'s call fails: {msg}");
             assert!(msg.contains("EI0005") || msg.contains("expects"), "{what}: rank {r}: {msg}");
+            if what.ends_with("Displs") {
+                assert!(
+                    msg.contains("displs [0, 1, 2]") && msg.contains("displs [0, 2, 3]"),
+                    "{what}: rank {r}: {msg}"
+                );
+            }
             assert_eq!((sync_rc, e), (0, 0), "{what}: rank {r}: nothing queued, no async error");
         }
     }

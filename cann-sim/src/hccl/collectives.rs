@@ -66,6 +66,13 @@ struct Desc {
     root: Option<u32>,
     count: Option<usize>,
     counts: Vec<usize>,
+    /// The displacements every rank must pass alike: `recvDispls` of
+    /// `HcclAllGatherV` and `sendDispls` of `HcclReduceScatterV` (v9.1.0
+    /// `HcclAllGatherV.md:64`, `HcclReduceScatterV.md:67`). HCCL's consistency
+    /// check leaves them out (`inconsistent_check.cc:72-142`), so a
+    /// disagreement moves undefined bytes there; here it is refused with the
+    /// counts.
+    displs: Vec<usize>,
 }
 
 impl Desc {
@@ -78,7 +85,7 @@ impl Desc {
             opt(self.root.map(u64::from)),
             opt(self.count.map(|c| c as u64)),
         ];
-        w.extend(self.counts.iter().map(|&c| c as u64));
+        w.extend(self.counts.iter().chain(&self.displs).map(|&c| c as u64));
         w
     }
 }
@@ -103,8 +110,13 @@ fn describe(w: &[u64]) -> String {
     if w[4] != NONE {
         parts.push(format!("count {}", w[4]));
     }
-    if w.len() > FIXED {
-        parts.push(format!("counts {:?}", &w[FIXED..]));
+    let tail = &w[FIXED..];
+    let with_displs = [Kind::AllGatherV, Kind::ReduceScatterV].iter().any(|&k| k as u64 == w[0]);
+    if with_displs && tail.len() % 2 == 0 {
+        let (counts, displs) = tail.split_at(tail.len() / 2);
+        parts.push(format!("counts {counts:?}, displs {displs:?}"));
+    } else if !tail.is_empty() {
+        parts.push(format!("counts {tail:?}"));
     }
     format!("{name}({})", parts.join(", "))
 }
@@ -115,7 +127,8 @@ fn describe(w: &[u64]) -> String {
 /// `src/common/inconsistent_check.cc:72-142`, v9.1.0: root, op type, reduce
 /// op, data type, count, group and tag; each mismatch is EI0005 and
 /// HCCL_E_PARA, `ReportOpExchangeInfoCheckFailed`, lines 170-196) plus the
-/// count arrays of the V collectives.
+/// count arrays of the V collectives and the displacements [`Desc::displs`]
+/// names.
 fn agree(descs: &[Vec<u64>]) -> SimResult<()> {
     let first = &descs[0];
     let a2a = |d: &[u64]| d.first() == Some(&(Kind::AlltoAllV as u64));
@@ -330,10 +343,9 @@ pub extern "C" fn HcclReduceScatterV(
         }
         let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
         let rb = Buf { addr: recv_buf as usize, elems: recv_count as usize };
-        // Every rank publishes its blocks packed in rank order; the counts
-        // (not the displacements, which are each rank's own layout) must agree.
+        // Every rank publishes its blocks packed in rank order.
         let send = blocks(sb, dt, &sc, &sd);
-        let desc = Desc { dtype: Some(dt), op: Some(op), counts: sc.clone(), ..Desc::default() };
+        let desc = Desc { dtype: Some(dt), op: Some(op), counts: sc.clone(), displs: sd, ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::ReduceScatterV, comm_h, stream, &bufs, dt, desc, send, move |round| {
             reduce_ranks(round, dt, op, before(&sc, round.rank()) * dt.size(), rb)
@@ -395,7 +407,7 @@ pub extern "C" fn HcclAllGatherV(
         }
         let sb = Buf { addr: send_buf as usize, elems: send_count as usize };
         let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
-        let desc = Desc { dtype: Some(dt), counts: rc.clone(), ..Desc::default() };
+        let desc = Desc { dtype: Some(dt), counts: rc.clone(), displs: rd.clone(), ..Desc::default() };
         let bufs = [(sb, dt, "sendBuf"), (rb, dt, "recvBuf")];
         run(Kind::AllGatherV, comm_h, stream, &bufs, dt, desc, vec![sb], move |round| {
             blocks(rb, dt, &rc, &rd)
