@@ -27,6 +27,8 @@ mod offset {
     pub const BUFFER_SIZE: usize = 24;
     pub const DETERMINISTIC: usize = 28;
     pub const COMM_NAME: usize = 32;
+    /// `uint8_t aclGraphZeroCopyEnable`, from layout version 7.
+    pub const ZERO_COPY: usize = 312;
 }
 
 /// `HCCL_COMM_*_CONFIG_NOT_SET` (config version 6 and later).
@@ -121,6 +123,16 @@ pub unsafe fn comm_config(config: *const c_void) -> SimResult<()> {
                     if not_set_ok { " or 0xffffffff (not set)" } else { " (its HcclCommConfigInit writes 0)" }
                 ),
             );
+        }
+    }
+    // `CommConfig::SetConfigByVersion` (hicann/hcomm
+    // `src/framework/common/src/config/comm_config.cc`): from config version 7,
+    // an `aclGraphZeroCopyEnable` other than 0 or 1 is EI0003, HCCL_E_PARA.
+    if version >= 7 && offset::ZERO_COPY < size {
+        // SAFETY: inside the `size` bytes the header declares.
+        let z = unsafe { (config as *const u8).add(offset::ZERO_COPY).read() };
+        if z > 1 {
+            return fail(HCCL_E_PARA, format!("EI0003: aclGraphZeroCopyEnable {z} is invalid (expected 0 or 1)"));
         }
     }
     Ok(())

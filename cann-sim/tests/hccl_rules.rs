@@ -139,6 +139,17 @@ fn capability_and_config_rules_follow_the_emulated_release() {
             assert_eq!(init_one(c.as_ptr()), 0, "strict deterministic: {}", err_msg());
             set_u32(&mut c, 28, 3);
             assert_eq!(init_one(c.as_ptr()), E_PARA, "deterministic 3");
+            // aclGraphZeroCopyEnable (byte 312, config version 7 on): 0 or 1.
+            let mut c = config(10);
+            c[312] = 1;
+            assert_eq!(init_one(c.as_ptr()), 0, "zero copy 1: {}", err_msg());
+            c[312] = 2;
+            assert_eq!(init_one(c.as_ptr()), E_PARA, "zero copy 2");
+            assert!(err_msg().contains("aclGraphZeroCopyEnable 2"), "{}", err_msg());
+            // A version-6 config has no such field: its byte 312 is never read.
+            let mut c = config(6);
+            c[312] = 2;
+            assert_eq!(init_one(c.as_ptr()), 0, "version 6: {}", err_msg());
         }
     }
 }
