@@ -22,6 +22,11 @@ from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
 _REGISTRY: "weakref.WeakValueDictionary[int, Comm]" = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.RLock()  # reentrant: close() may run from __del__ inside a locked section
 _NEXT_ID = itertools.count(1)
+# A handle id is `seq << 40 | world_size << 20 | rank`: the rank and the world
+# size, which decide the output shapes of the collectives and the EP/SP ops,
+# are part of the int a traced graph holds.
+_ID_FIELD_BITS = 20
+_ID_SEQ_MAX = (1 << (63 - 2 * _ID_FIELD_BITS)) - 1
 
 
 def _is_torch_world(pg) -> bool:
@@ -38,15 +43,25 @@ class Comm:
     def __init__(self, handle: int):
         self._h = c_void_p(handle)
         self._rank_size = None  # (rank, world_size), asked once: a handle's group never changes
+        rank, size = self._ask_rank_size()
+        if size >> _ID_FIELD_BITS:
+            raise error(Status.INVALID_ARGUMENT, f"a world of {size} ranks is larger than handle ids allow (2**20 - 1)")
         with _REGISTRY_LOCK:
-            self._id = next(_NEXT_ID)
+            seq = next(_NEXT_ID)
+            if seq > _ID_SEQ_MAX:
+                raise error(Status.INVALID_ARGUMENT, f"this process opened more than {_ID_SEQ_MAX} communicators")
+            self._id = seq << (2 * _ID_FIELD_BITS) | size << _ID_FIELD_BITS | rank
             _REGISTRY[self._id] = self
 
     @property
     def handle_id(self) -> int:
         """A process-unique int naming this communicator while it is open (ids are
         never reused), for APIs that cannot take a Python object, such as
-        `torch.ops.ascend_moe.*`. `Comm.lookup(id)` returns the communicator."""
+        `torch.ops.ascend_moe.*`. `Comm.lookup(id)` returns the communicator.
+
+        The id carries the rank and the world size: a graph that holds it names
+        what the outputs' shapes depend on, so a compiled-graph cache shared by
+        several processes never hands one rank or world the code of another."""
         return self._id
 
     @staticmethod

@@ -71,3 +71,15 @@ def test_comm_type_disagreement_fails_every_process_naming_the_ranks():
 def test_quantized_dtypes_move_as_bytes_across_4_processes():
     results, _ = run_world(workers.byte_moves, WORLD)
     assert results == {r: 21 for r in range(WORLD)}
+
+
+def test_handle_ids_differ_between_ranks_and_worlds_created_in_the_same_order():
+    """A torch graph holds a communicator as its handle id, and the output shapes
+    of its collectives depend on the rank and world size behind it. Processes
+    that open their communicators in the same order must still get ids that
+    differ wherever the rank or the world size does, so that a compiled-graph
+    cache shared by the processes (Inductor's, on disk) keys them apart."""
+    pair, _ = run_world(workers.first_handle_id, 2)
+    alone, _ = run_world(workers.first_handle_id, 1)
+    ids = [pair[0], pair[1], alone[0]]
+    assert len(set(ids)) == 3, ids

@@ -478,3 +478,9 @@ def byte_moves(name, world_size, rank):
         np.testing.assert_array_equal(got, want)
         c.barrier()
     return checks + 1
+
+
+def first_handle_id(name, world_size, rank):
+    """The handle id of this process's first communicator."""
+    with am.Comm.cpu(name, world_size, rank) as c:
+        return c.handle_id
