@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ from ._errors import error
 from .comm import Comm
 from ._enums import CommType
 from .ops import ReducePolicy
+from ._tensor import dtype_name
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 
 
@@ -103,6 +105,9 @@ def forward_context(comm_type, dp_tokens, num_actual_tokens=None, sp=False, pcp_
 
 
 _LAYERS: dict = {}
+# Layer ids are never reused: a stale id fails instead of running another layer.
+_NEXT_LAYER_ID = itertools.count(1)
+_LAYERS_LOCK = threading.Lock()
 
 
 class MoeLayer:
@@ -129,8 +134,9 @@ class MoeLayer:
     ):
         self.groups, self.tp_comm, self.experts, self.policy = groups, tp_comm, experts, policy
         self.tp_size, self.dp_rank, self.tp_rank, self.pcp_rank = int(tp_size), int(dp_rank), int(tp_rank), int(pcp_rank)
-        self.layer_id = max(_LAYERS, default=0) + 1
-        _LAYERS[self.layer_id] = self
+        with _LAYERS_LOCK:
+            self.layer_id = next(_NEXT_LAYER_ID)
+            _LAYERS[self.layer_id] = self
 
     @staticmethod
     def lookup(layer_id: int) -> "MoeLayer":
@@ -172,4 +178,11 @@ class MoeLayer:
         mctx = self.context(ctx)
         hidden, mask = token_prepare(x, ctx.comm_type, mctx, self.groups)
         routed = self.experts(hidden, mask, ctx.comm_type)
+        got = getattr(routed, "dtype", None)  # without one, token_finalize names what is wrong
+        if got is not None and dtype_name(got) != dtype_name(hidden.dtype):
+            raise error(
+                Status.DTYPE,
+                f"MoE layer {self.layer_id}: the experts returned {dtype_name(got)} for "
+                f"{dtype_name(hidden.dtype)} tokens; the routed output keeps the tokens' dtype",
+            )
         return token_finalize(routed, ctx.comm_type, mctx, self.groups)

@@ -423,3 +423,52 @@ def test_forward_context_ops_pass_opcheck_and_need_a_context():
         with pytest.raises(am.AmoeError, match=f"no MoE layer is registered under id {layer.layer_id}"):
             with am.forward_context(am.CommType.MC2, [4]):
                 OPS.moe_layer_fc(x, layer.layer_id)
+        # A closed layer's id is never handed out again: the stale id keeps failing.
+        later = am.MoeLayer(groups, c, 1, 0, 0, lambda h, mask, ct: h * np.float32(3.0), policy)
+        try:
+            assert later.layer_id != layer.layer_id
+            with pytest.raises(am.AmoeError, match=f"no MoE layer is registered under id {layer.layer_id}"):
+                with am.forward_context(am.CommType.MC2, [4]):
+                    OPS.moe_layer_fc(x, layer.layer_id)
+        finally:
+            later.close()
+
+
+def test_experts_that_change_the_dtype_are_refused_not_reinterpreted():
+    """The routed output keeps the tokens' dtype: float32 experts under bfloat16
+    tokens would otherwise have their bytes read as bfloat16 pairs (a result of
+    another shape than the fake's)."""
+    with am.Comm.cpu(f"torch-fc2-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        policy = am.ReducePolicy("none", False, False, 1, 1)
+        layer = am.MoeLayer(groups, c, 1, 0, 0, lambda h, mask, ct: h.astype(np.float32) * 2, policy)
+        try:
+            x = torch.arange(6, dtype=torch.bfloat16).reshape(3, 2)
+            with am.forward_context(am.CommType.ALLTOALL, [3]):
+                with pytest.raises(am.AmoeError, match="experts returned float32 for bfloat16 tokens") as e:
+                    OPS.moe_layer_fc(x, layer.layer_id)
+            assert e.value.status == am.Status.DTYPE
+        finally:
+            layer.close()
+
+
+def test_layers_created_on_several_threads_get_distinct_ids():
+    with am.Comm.cpu(f"torch-fc3-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        policy = am.ReducePolicy("none", False, False, 1, 1)
+        made = [[] for _ in range(4)]
+
+        def create(out):
+            for _ in range(500):
+                out.append(am.MoeLayer(groups, c, 1, 0, 0, lambda h, mask, ct: h, policy))
+
+        threads = [threading.Thread(target=create, args=(m,)) for m in made]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        layers = [layer for m in made for layer in m]
+        try:
+            assert len({layer.layer_id for layer in layers}) == len(layers) == 2000
+            assert all(am.MoeLayer.lookup(layer.layer_id) is layer for layer in layers)
+        finally:
+            for layer in layers:
+                layer.close()
