@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 
+from ._enums import Status
+from ._errors import error
 from ._lib import c_uint, call
 from ._tensor import wrap_stream
 from .live import _stream_handle
@@ -45,6 +47,14 @@ def set_allocator(stream, alloc=None, free=None, device=None) -> None:
     memory) and `free(ptr, nbytes, raw_stream)`, for example over torch_npu's
     caching allocator. Both None goes back to the library's pool. The
     callbacks must not call into this library."""
+    if (alloc, free) != (None, None):
+        for arg, fn in (("alloc", alloc), ("free", free)):
+            if not callable(fn):
+                raise error(
+                    Status.INVALID_ARGUMENT,
+                    f"set_allocator: `{arg}` is {type(fn).__name__}, expected a callable (give both alloc and "
+                    "free, or neither)",
+                )
     h, _ = _stream_handle(stream, device)
     if alloc is None and free is None:
         call("amoe_stream_set_allocator", h, None, None, None)

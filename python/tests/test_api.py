@@ -384,6 +384,17 @@ def test_from_hccl_is_unavailable_without_the_npu_backend():
     assert e.value.status == am.Status.UNAVAILABLE
 
 
+def test_set_allocator_needs_both_callbacks():
+    """Half an allocator would hand the library's frees to nothing: the device
+    memory it allocated would leak without a word."""
+    for kw, arg in (({"alloc": lambda n, s: 0}, "free"), ({"free": lambda p, n, s: None}, "alloc")):
+        with pytest.raises(am.AmoeError, match=f"`{arg}` is NoneType, expected a callable") as e:
+            am.set_allocator(None, **kw)
+        assert e.value.status == am.Status.INVALID_ARGUMENT
+    with pytest.raises(am.AmoeError, match="`free` is int"):
+        am.set_allocator(None, alloc=lambda n, s: 0, free=0)
+
+
 def test_the_package_is_typed():
     # PEP 561: the marker ships in the package (CI runs this against the installed wheel).
     assert (Path(am.__file__).resolve().parent / "py.typed").is_file()
