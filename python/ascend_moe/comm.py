@@ -14,7 +14,7 @@ from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
 from ._lib import U32_MAX, c_uint, call, lib, sizes
-from ._tensor import Operands, as_array, desc_out, dtype_code, resolve_stream
+from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -241,11 +241,22 @@ def all_gather(x, comm: Comm, *, out=None, stream=None):
 
 def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
-    is first copied into `out` (default a copy of `x`: `copy()` for arrays,
-    `clone()` for tensors; an `out` tensor takes it with `out.copy_(x)`)."""
+    is first copied into `out`, which must have x's shape and dtype (default a
+    dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`)."""
     if out is None:
-        out = x.clone() if hasattr(x, "clone") else as_array("x", x).copy()
+        if hasattr(x, "clone"):
+            out = x.contiguous()  # the library writes dense rows
+            out = x.clone() if out is x else out
+        else:
+            out = as_array("x", x).copy()
     elif out is not x:
+        xa = x if hasattr(x, "dtype") else as_array("x", x)
+        if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
+            raise error(
+                Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
+                f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "
+                f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
+            )
         if hasattr(out, "copy_"):
             out.copy_(x)
         elif isinstance(out, np.ndarray):

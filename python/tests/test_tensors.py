@@ -233,6 +233,13 @@ def test_collectives_and_reduction_points_take_out():
         y = x.copy()
         assert am.broadcast(y, c, 0, out=y) is y
         np.testing.assert_array_equal(y, x)
+        # An `out` of another dtype or shape is refused, never converted or broadcast into.
+        with pytest.raises(am.AmoeError, match=r"`out` is float16 \[4, 3\], `x` is float32") as e:
+            am.broadcast(x, c, 0, out=np.zeros((4, 3), np.float16))
+        assert e.value.status == am.Status.DTYPE
+        with pytest.raises(am.AmoeError, match=r"`out` is float32 \[2, 4, 3\]") as e:
+            am.broadcast(x, c, 0, out=np.zeros((2, 4, 3), np.float32))
+        assert e.value.status == am.Status.SHAPE
 
 
 torch = pytest.importorskip("torch") if am.TORCH_OPS else None
@@ -285,6 +292,14 @@ def test_non_contiguous_torch_inputs_are_made_contiguous_but_outputs_are_refused
     assert torch.equal(y, x[idx.long()])
     with pytest.raises(am.AmoeError, match="`out` is a CPU tensor that is not contiguous"):
         am.moe_token_unpermute(x.contiguous(), idx, out=torch.zeros(4, 6)[:, ::2])
+    # broadcast's default `out` is a dense copy, whatever x's strides.
+    with am.Comm.cpu("tensors-broadcast-transposed", 1, 0) as c:
+        t = torch.arange(6, dtype=torch.float32).reshape(2, 3).T
+        got = am.broadcast(t, c)
+        assert got.is_contiguous() and torch.equal(got, t) and got.data_ptr() != t.data_ptr()
+        dense = t.contiguous()
+        got = am.broadcast(dense, c)
+        assert torch.equal(got, dense) and got.data_ptr() != dense.data_ptr()
 
 
 @pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
