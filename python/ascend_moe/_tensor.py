@@ -157,7 +157,7 @@ def as_array(arg: str, x) -> np.ndarray:
                 f"`{arg}` must be a numpy array or a tensor (cpu or npu), got {type(x).__name__}",
             )
     dtype_code(arg, x.dtype)
-    return np.ascontiguousarray(x)
+    return np.asarray(x, order="C")  # keeps a 0-d array 0-d (ascontiguousarray makes it 1-d)
 
 
 def _device(arg: str, x) -> int | None:

@@ -233,6 +233,10 @@ def test_collectives_and_reduction_points_take_out():
         y = x.copy()
         assert am.broadcast(y, c, 0, out=y) is y
         np.testing.assert_array_equal(y, x)
+        # A numpy scalar is 0-d, and so is its result.
+        for fn in (lambda v: am.all_reduce(v, c), lambda v: am.broadcast(v, c)):
+            got = fn(np.float32(2.5))
+            assert got.shape == () and got == np.float32(2.5), got
         # An `out` of another dtype or shape is refused, never converted or broadcast into.
         with pytest.raises(am.AmoeError, match=r"`out` is float16 \[4, 3\], `x` is float32") as e:
             am.broadcast(x, c, 0, out=np.zeros((4, 3), np.float16))
