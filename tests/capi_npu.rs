@@ -234,6 +234,22 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     }
     assert_eq!(host_out, spec, "finalize rank {rank}: SPEC's value");
 
+    // An NPU output over an input's memory is refused, naming the input: the
+    // kernels read rows the call is writing. Unpermute, K = 1 and no probs:
+    // a row gather of `permuted` [T*K, H] by the six row indices into itself.
+    let before = exb.to_vec()?;
+    // SAFETY: descriptors over live device memory of the stream's device.
+    let st = unsafe { amoe_moe_token_unpermute(&nx, &nr, null(), &nx, s) };
+    assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
+    assert!(last_error().contains("overlaps the input `permuted`"), "{}", last_error());
+    let on_x = desc(ptr(&exb), amoe_dtype::F32, &outs, amoe_device_kind::Npu, ord);
+    // SAFETY: as above.
+    let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nr, &ns), &on_x, s) };
+    assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
+    assert!(last_error().contains("overlaps the input `expanded_x`"), "{}", last_error());
+    engine_stream.synchronize()?;
+    assert_eq!(exb.to_vec()?, before, "nothing was written");
+
     // A bad index where the native kernel launches (native or aclnn finalize)
     // is found on the device: the op queues the work and returns OK;
     // amoe_stream_check reports the index, its position and value, once.

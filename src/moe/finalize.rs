@@ -372,7 +372,8 @@ pub fn moe_token_unpermute(permuted: &Tensor, sorted_indices: &Tensor, probs: Op
 
 /// [`moe_token_unpermute`] into `out` (e.g. caller memory borrowed for the
 /// call), which must have the shape of [`moe_token_unpermute_output_shape`]
-/// and the dtype of `permuted`, on its device. Every element is written.
+/// and the dtype of `permuted`, on its device, and may not overlap any input
+/// (an error naming it). Every element is written.
 pub fn moe_token_unpermute_into(
     permuted: &Tensor,
     sorted_indices: &Tensor,
@@ -383,5 +384,10 @@ pub fn moe_token_unpermute_into(
     let device = permuted.device();
     same_device(UNPERMUTE, &device, [("out", Some(&*out))])?;
     check_out(UNPERMUTE, out, &shape, permuted.dtype())?;
+    crate::moe::output::apart(
+        UNPERMUTE,
+        out,
+        [("permuted", Some(permuted)), ("sorted_indices", Some(sorted_indices)), ("probs", probs)],
+    )?;
     device.backend().token_unpermute(permuted, sorted_indices, probs, dims.k, out)
 }
