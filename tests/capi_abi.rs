@@ -268,3 +268,27 @@ fn token_prepare_and_finalize_round_trip_on_4_threads() {
         assert!(matches!(res, Ok(n) if *n == 6), "rank {r}: {res:?}");
     }
 }
+
+/// An MC2 prepare of 2^44 zero-width rows (no bytes: `data` may be NULL) and
+/// no mask: nothing is held per row, so the call returns instead of
+/// allocating one mask entry per row (which aborts the process).
+#[test]
+fn an_mc2_prepare_holds_nothing_per_row() {
+    let name = CString::new(format!("capi-mc2-rows-{}", std::process::id())).expect("no NUL");
+    let rows = 1usize << 44;
+    let (dp, xs) = ([rows], [rows, 0usize]);
+    let x = amoe_tensor { data: null_mut(), ..host(&mut [], &xs) };
+    let ctx = amoe_moe_context { dp_tokens: dp.as_ptr(), dp_size: 1, tp_size: 1, ..Default::default() };
+    let (mut world, mut groups): (*mut amoe_comm, *mut amoe_moe_groups) = (null_mut(), null_mut());
+    // SAFETY: valid name, out-pointers and descriptors; handles freed at the end.
+    unsafe {
+        assert_eq!(amoe_comm_cpu_new(name.as_ptr(), 1, 0, 20.0, &mut world), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_moe_groups_new(world, 1, 1, &mut groups), amoe_status::Ok, "{}", last_error());
+        for ct in [1u32, 3] {
+            let st = amoe_token_prepare(&x, ct, &ctx, groups, &x, null(), null());
+            assert_eq!(st, amoe_status::Ok, "comm type {ct}: {}", last_error());
+        }
+        amoe_moe_groups_free(groups);
+        amoe_comm_free(world);
+    }
+}

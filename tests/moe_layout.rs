@@ -5,7 +5,9 @@ mod moe_common;
 
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::*;
-use ascend_moe::moe::prepare_finalize::{finalize_output_shape, mc2_mask, prepare_output_shape, MoeContext};
+use ascend_moe::moe::prepare_finalize::{
+    finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, MoeContext,
+};
 use ascend_moe::CommType;
 use moe_common::Rng;
 
@@ -129,8 +131,9 @@ fn prepare_finalize_shapes_follow_spec_for_random_contexts() {
                         let real = (first..first + prep).filter(|g| *g < dp_tokens[d]).count();
                         assert_eq!(mask.iter().filter(|m| **m).count(), real, "{what}");
                         assert!(mask.windows(2).all(|w| w[0] >= w[1]), "{what}: real rows first");
+                        assert_eq!(mc2_mask_extent(comm, &ctx), Some((prep, real)), "{what}");
                     } else {
-                        assert!(mask.is_none());
+                        assert!(mask.is_none() && mc2_mask_extent(comm, &ctx).is_none());
                     }
                 }
             }

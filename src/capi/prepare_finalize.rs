@@ -272,14 +272,14 @@ pub unsafe extern "C" fn amoe_token_prepare(
         let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
         let out = cx.out("out", out)?;
         out.check(cx, &shape, x.dtype())?;
-        let mask_out = match pf::mc2_mask(ct, &c) {
-            Some(bits) if !mc2_mask.is_null() => {
+        let mask_out = match pf::mc2_mask_extent(ct, &c) {
+            Some((rows, _)) if !mc2_mask.is_null() => {
                 let m = cx.out("mc2_mask", mc2_mask)?;
                 let dtype = m.dtype();
                 if !matches!(dtype, DType::Bool | DType::U8) {
                     return Err(crate::Error::dtype(F, "mc2_mask", "BOOL or U8", dtype).into());
                 }
-                m.check(cx, &[bits.len()], dtype)?;
+                m.check(cx, &[rows], dtype)?;
                 Some(m)
             }
             _ => None,
@@ -288,10 +288,14 @@ pub unsafe extern "C" fn amoe_token_prepare(
         // (else into a buffer of the op's own, copied into `out`).
         let hidden = match cx.output_for(&out, &x)? {
             Some(mut o) => {
-                pf::prepare_into(&x, ct, &c, g, &mut o)?;
+                pf::prepare_tokens_into(&x, ct, &c, g, &mut o)?;
                 o
             }
-            None => pf::prepare(&x, ct, &c, g)?.hidden,
+            None => {
+                let mut h = x.device().backend().scratch(&shape, x.dtype())?;
+                pf::prepare_tokens_into(&x, ct, &c, g, &mut h)?;
+                h
+            }
         };
         cx.write(&out, &hidden)?;
         if let Some(m) = mask_out {

@@ -22,5 +22,7 @@ mod prepare;
 
 pub use exchange::{combine, dispatch, Dispatched};
 pub use groups::{check_comm_type_agreement, MoeGroups};
-pub use plan::{finalize_output_shape, mc2_mask, prepare_output_shape, token_plan, MoeContext, TokenPlan};
-pub use prepare::{finalize, finalize_into, mc2_mask_into, prepare, prepare_into, Prepared};
+pub use plan::{
+    finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
+};
+pub use prepare::{finalize, finalize_into, mc2_mask_into, prepare, prepare_into, prepare_tokens_into, Prepared};

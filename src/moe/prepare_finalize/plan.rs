@@ -274,16 +274,23 @@ pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext
 
 /// The MC2 mask of this rank's prepared rows: `true` for the first
 /// `ctx.num_actual_tokens()` rows of this DP rank's tokens, `false` for graph
-/// padding and the TP padding. `Some` for MC2 / FUSED_MC2 only.
+/// padding and the TP padding. `Some` for MC2 / FUSED_MC2 only. One `bool`
+/// per row; [`mc2_mask_extent`] says the same without allocating.
 pub fn mc2_mask(comm: CommType, ctx: &MoeContext) -> Option<Vec<bool>> {
+    mc2_mask_extent(comm, ctx).map(|(rows, real)| (0..rows).map(|i| i < real).collect())
+}
+
+/// The MC2 mask of [`mc2_mask`] as `(rows, real)`: `rows` entries, of which
+/// the first `real` are true (the real tokens come first in every chunk).
+pub fn mc2_mask_extent(comm: CommType, ctx: &MoeContext) -> Option<(usize, usize)> {
     if !matches!(comm, CommType::Mc2 | CommType::FusedMc2) {
         return None;
     }
-    let t = ctx.num_actual_tokens;
     let (first, rows) = match token_plan(comm, ctx) {
         TokenPlan::TpSplit { sizes, .. } => (sizes[..ctx.tp_rank].iter().sum::<usize>(), sizes[ctx.tp_rank]),
         // With SP, the rank holds chunk tp_rank of the batch padded to a multiple of TP.
         _ => (ctx.tp_rank * ctx.local_tokens(), ctx.local_tokens()),
     };
-    Some((first..first + rows).map(|g| g < t).collect())
+    // Rows `first..first + rows` of the padded batch; real below num_actual_tokens.
+    Some((rows, ctx.num_actual_tokens.saturating_sub(first).min(rows)))
 }

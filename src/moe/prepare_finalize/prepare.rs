@@ -1,13 +1,14 @@
 //! Prepare and finalize of the token dimension (SPEC section 6).
 
 use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, MoeGroups};
-use super::plan::{finalize_output_shape, mc2_mask, prepare_output_shape, token_plan, MoeContext, TokenPlan};
+use super::plan::{
+    finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
+};
 use super::plan::{FINALIZE, PREPARE};
 use crate::backend::args::with_rows;
 use crate::comm::{Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad_into, maybe_pad_and_reduce, maybe_pad_and_reduce_into};
-use crate::types::Bool;
 use crate::{DType, Error, Result, Tensor};
 
 /// Prepared tokens of one rank.
@@ -44,6 +45,18 @@ pub fn prepare_into(
     groups: &MoeGroups,
     out: &mut Tensor,
 ) -> Result<Option<Vec<bool>>> {
+    prepare_tokens_into(x, comm, ctx, groups, out)?;
+    Ok(mc2_mask(comm, ctx))
+}
+
+/// [`prepare_into`] without the MC2 mask ([`mc2_mask_into`] writes it).
+pub fn prepare_tokens_into(
+    x: &Tensor,
+    comm: CommType,
+    ctx: &MoeContext,
+    groups: &MoeGroups,
+    out: &mut Tensor,
+) -> Result<()> {
     let shape = prepare_output_shape(x.shape(), comm, ctx)?;
     check_out_like(PREPARE, x, out, &shape)?;
     check_groups(PREPARE, ctx, groups)?;
@@ -89,7 +102,7 @@ pub fn prepare_into(
         }
         TokenPlan::Local => copy_all(x, out)?,
     }
-    Ok(mc2_mask(comm, ctx))
+    Ok(())
 }
 
 /// Writes the MC2 mask of this rank's prepared rows ([`mc2_mask`]) into
@@ -102,24 +115,21 @@ pub fn prepare_into(
 /// the context, known on the host).
 pub fn mc2_mask_into(comm: CommType, ctx: &MoeContext, mask: &mut Tensor) -> Result<bool> {
     const ARG: &str = "mc2_mask";
-    let Some(bits) = mc2_mask(comm, ctx) else {
+    let Some((n, real)) = mc2_mask_extent(comm, ctx) else {
         return Ok(false);
     };
     if !matches!(mask.dtype(), DType::Bool | DType::U8) {
         return Err(Error::dtype(PREPARE, ARG, "bool or u8", mask.dtype()));
     }
-    if mask.shape() != [bits.len()] {
-        return Err(Error::shape(PREPARE, ARG, format!("[{}] (this rank's prepared rows)", bits.len()), mask.shape()));
+    if mask.shape() != [n] {
+        return Err(Error::shape(PREPARE, ARG, format!("[{n}] (this rank's prepared rows)"), mask.shape()));
     }
-    if bits.is_empty() {
+    if n == 0 {
         return Ok(true);
     }
-    let n = bits.len();
-    let host = if mask.dtype() == DType::Bool {
-        Tensor::from_slice(&bits.iter().map(|&b| Bool(u8::from(b))).collect::<Vec<_>>(), &[n])?
-    } else {
-        Tensor::from_slice(&bits.iter().map(|&b| u8::from(b)).collect::<Vec<_>>(), &[n])?
-    };
+    // One byte per entry, bool or u8 alike: 1 for the real rows, then 0.
+    let mut host = Tensor::try_zeros_cpu(&[n], mask.dtype())?;
+    host.cpu_bytes_mut()?[..real].fill(1);
     let device = mask.device();
     let backend = device.backend();
     let staged = backend.scratch_from_host(&host)?;
