@@ -59,6 +59,14 @@ backend_test!(copy_rows_moves_exactly_the_named_rows, |dev| {
         assert!(matches!(err, Error::InvalidArgument { arg: "src_row", .. }), "{err:?}");
         let err = dev.backend().copy_rows(&src, 0, &mut dst, 8, 2).expect_err("rows 8..10 of 9");
         assert!(matches!(err, Error::InvalidArgument { arg: "dst_row", .. }), "{err:?}");
+        // Row ranges whose end does not fit a usize are refused too, not wrapped.
+        let huge = 1usize << 63;
+        let err = dev.backend().copy_rows(&src, huge, &mut dst, huge, huge).expect_err("wrapping rows");
+        assert!(matches!(err, Error::InvalidArgument { arg: "src_row", .. }), "{err:?}");
+        let err = dev.backend().copy_rows(&src, usize::MAX, &mut dst, 0, 1).expect_err("row usize::MAX");
+        assert!(matches!(err, Error::InvalidArgument { arg: "src_row", .. }), "{err:?}");
+        let err = dev.backend().copy_rows(&src, 0, &mut dst, usize::MAX, 1).expect_err("row usize::MAX");
+        assert!(matches!(err, Error::InvalidArgument { arg: "dst_row", .. }), "{err:?}");
     }
     Ok(())
 });

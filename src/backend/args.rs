@@ -45,19 +45,15 @@ pub fn check_rows(
     if src.row_len() != dst.row_len() {
         return Err(Error::shape(op, "dst", format!("rows of {} elements (as src)", src.row_len()), dst.shape));
     }
-    if src_row + rows > src.rows() || src.shape.is_empty() {
-        return Err(Error::invalid(
-            op,
-            "src_row",
-            format!("rows {src_row}..{} outside src with {} rows", src_row + rows, src.rows()),
-        ));
-    }
-    if dst_row + rows > dst.rows() || dst.shape.is_empty() {
-        return Err(Error::invalid(
-            op,
-            "dst_row",
-            format!("rows {dst_row}..{} outside dst with {} rows", dst_row + rows, dst.rows()),
-        ));
+    for (arg, name, t, first) in [("src_row", "src", src, src_row), ("dst_row", "dst", dst, dst_row)] {
+        // `first + rows` may not even be a number of rows.
+        if first.checked_add(rows).map_or(true, |end| end > t.rows()) || t.shape.is_empty() {
+            return Err(Error::invalid(
+                op,
+                arg,
+                format!("{rows} rows from row {first} are outside {name} with {} rows", t.rows()),
+            ));
+        }
     }
     Ok(())
 }
