@@ -292,3 +292,27 @@ fn an_mc2_prepare_holds_nothing_per_row() {
         amoe_comm_free(world);
     }
 }
+
+/// A tensor without elements is contiguous whatever strides it carries:
+/// torch gives shape [2, 0, 3] the strides (3, 3, 1), numpy (0, 0, 0). A
+/// tensor with elements still needs contiguous strides.
+#[test]
+fn empty_tensors_take_any_strides() {
+    let name = CString::new(format!("capi-empty-strides-{}", std::process::id())).expect("no NUL");
+    let mut world: *mut amoe_comm = null_mut();
+    let shape = [2usize, 0, 3];
+    // SAFETY: valid name, out-pointers and descriptors; the handle is freed at the end.
+    unsafe {
+        assert_eq!(amoe_comm_cpu_new(name.as_ptr(), 1, 0, 20.0, &mut world), amoe_status::Ok, "{}", last_error());
+        for strides in [[3isize, 3, 1], [0, 0, 0]] {
+            let t = amoe_tensor { strides: strides.as_ptr(), ..host(&mut [], &shape) };
+            assert_eq!(amoe_all_reduce(world, &t, &t, 0, null()), amoe_status::Ok, "{strides:?}: {}", last_error());
+        }
+        let mut v = vec![0f32; 6];
+        let (full, transposed) = ([2usize, 3], [1isize, 2]);
+        let t = amoe_tensor { strides: transposed.as_ptr(), ..host(&mut v, &full) };
+        assert_eq!(amoe_all_reduce(world, &t, &t, 0, null()), amoe_status::InvalidArgument);
+        assert!(last_error().contains("not contiguous"), "{}", last_error());
+        amoe_comm_free(world);
+    }
+}

@@ -439,7 +439,9 @@ pub(crate) fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta, Failu
         ));
     }
     let bytes = shape.iter().product::<usize>() * dtype.size();
-    if !d.strides.is_null() {
+    // A tensor without elements is contiguous whatever its strides say (torch
+    // and numpy give [2, 0, 3] strides (3, 3, 1) and (0, 0, 0)).
+    if !d.strides.is_null() && bytes > 0 {
         // SAFETY: a descriptor argument's `strides`, non-null, readable for
         // `ndim <= AMOE_MAX_NDIM` elements by the `amoe_tensor` contract.
         let strides = unsafe { std::slice::from_raw_parts(d.strides, d.ndim) };

@@ -212,7 +212,8 @@ pub const AMOE_HCCL_WORLD: u32 = 1;
 /// - `shape`: `ndim` sizes (may be NULL when `ndim == 0`).
 /// - `strides`: NULL for a C-contiguous tensor, else `ndim` strides in
 ///   elements, which must describe a C-contiguous layout (size-1 dimensions
-///   may carry any stride); other layouts are rejected.
+///   may carry any stride, and a tensor without elements any strides); other
+///   layouts are rejected.
 /// - `device_kind`: an `amoe_device_kind` code; `device_ordinal` names the NPU.
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
