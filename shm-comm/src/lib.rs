@@ -291,7 +291,7 @@ impl ShmComm {
             }),
         };
         // Wait until every slot is taken.
-        let deadline = start + timeout;
+        let deadline = wait::deadline(start, timeout);
         let mut st = comm.lock();
         // A slot once taken counts as joined even if its rank already moved on
         // and left: failures show up in the next collective.

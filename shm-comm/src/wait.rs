@@ -9,6 +9,16 @@ use crate::descriptor::last_call;
 use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT};
 use crate::{process, ErrorKind, Result, ShmComm, State};
 
+/// Further than any wait needs: where `timeout` is too large for a deadline,
+/// waits are bounded by this instead (over 30 years).
+const FAR: Duration = Duration::from_secs(1 << 30);
+
+/// The instant `timeout` after `from`; a timeout too large to add (e.g.
+/// `Duration::MAX`) means waiting without practical bound, not a panic.
+pub(crate) fn deadline(from: Instant, timeout: Duration) -> Instant {
+    from.checked_add(timeout).or_else(|| from.checked_add(FAR)).unwrap_or(from)
+}
+
 impl ShmComm {
     /// Waits until `ready(ctrl of j)` holds for every rank `j`, failing on a dead
     /// or departed peer, or at `deadline`.
@@ -131,7 +141,7 @@ impl ShmComm {
         let seg = &self.inner.seg;
         seg.ctrl(self.inner.rank).arrive.store(phase, Ordering::Release);
         seg.ring();
-        let deadline = Instant::now() + self.inner.timeout;
+        let deadline = deadline(Instant::now(), self.inner.timeout);
         self.wait_for(st, coll, deadline, false, |c| c.arrive.load(Ordering::Acquire) >= phase)
     }
 }
