@@ -27,10 +27,12 @@ fn proc_stat(pid: u32) -> Option<(char, u64)> {
     Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
 }
 
-/// Start time of this process (0 if unknown).
+/// Start time of this process (0 if unknown). Read afresh each time (only a
+/// rank claiming its slot asks): a child forked after the crate was used is
+/// another process with its own start time, and peers that checked it
+/// against its parent's would take it for dead.
 pub(crate) fn my_start() -> u64 {
-    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
+    proc_stat(my_pid()).map_or(0, |s| s.1)
 }
 
 /// This process's id.
