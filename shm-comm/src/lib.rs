@@ -99,6 +99,14 @@
 //! it marks itself aborted so its peers fail fast too, and every later call
 //! returns the same error.
 //!
+//! # Processes
+//! A handle belongs to the process that joined. A child forked later without
+//! exec holds a copy of it: collectives and [`ShmComm::split`] called on the
+//! copy are refused with [`ErrorKind::Setup`] naming both processes (before
+//! anything is written to the group), and dropping the copy, as a child that
+//! ends does, only unmaps it: the rank stays in the group. A forked child may
+//! join worlds of its own.
+//!
 //! # Caller validation
 //! Every collective takes a `check: Result<(), E>`: the caller's own validation
 //! of whatever it derived the byte slices from. When it is an error, the rank
@@ -204,6 +212,10 @@ struct Inner {
     timeout: Duration,
     cfg: Config,
     seg: Segment,
+    /// The process that joined: the only one whose calls and drop act on
+    /// the group (a child forked later holds a copy of the handle, not the
+    /// rank).
+    owner: u32,
     state: Mutex<State>,
     splits: Mutex<HashMap<Vec<usize>, u64>>,
     /// Busy-wait iterations before yielding: none when the group has more
@@ -239,6 +251,12 @@ impl std::fmt::Debug for ShmComm {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // A copy inherited through fork only unmaps and closes (the fields'
+        // own drops): the rank's slot belongs to the process that joined,
+        // which may still use it. Asked of the kernel, not of a cache.
+        if std::process::id() != self.owner {
+            return;
+        }
         let broken = self.state.get_mut().map(|s| s.broken.is_some()).unwrap_or(true);
         let state = if std::thread::panicking() {
             ABORTED
@@ -285,6 +303,7 @@ impl ShmComm {
                 timeout,
                 cfg: Config { staging_bytes: staging },
                 seg,
+                owner: process::my_pid(),
                 state: Mutex::new(State::default()),
                 splits: Mutex::new(HashMap::new()),
                 spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
@@ -350,6 +369,25 @@ impl ShmComm {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves State consistent (plain counters).
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Refuses a call from a process that did not join (a child forked after
+    /// the rendezvous): it would act in the slot of the rank its parent is.
+    fn check_owner(&self, coll: &str) -> Result<()> {
+        let me = process::my_pid();
+        if me == self.inner.owner {
+            return Ok(());
+        }
+        Err(self.err(
+            coll,
+            ErrorKind::Setup,
+            format!(
+                "this handle belongs to process {} (which joined as rank {}); process {me} inherited it through \
+                 fork and cannot take part in the group: only the joining process calls collectives or split \
+                 (join a world of its own instead); the group and its ranks are unaffected",
+                self.inner.owner, self.inner.rank
+            ),
+        ))
     }
 
     fn err(&self, coll: &str, kind: ErrorKind, detail: String) -> Error {

@@ -9,6 +9,7 @@ impl ShmComm {
     /// list; the new group's rank order is the list order. Members that pass
     /// different lists fail with a [`ErrorKind::Mismatch`] naming both lists.
     pub fn split(&self, ranks: &[usize]) -> Result<ShmComm> {
+        self.check_owner("split")?;
         let (w, me) = (self.inner.world, self.inner.rank);
         let bad = |detail: String| self.err("split", ErrorKind::Setup, detail);
         if ranks.is_empty() {

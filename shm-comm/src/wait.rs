@@ -225,4 +225,61 @@ mod tests {
         }
         assert_eq!(rank0, Ok(()), "rank 0");
     }
+
+    /// A child forked by rank 0 drops its copy of rank 0's handle while rank 1
+    /// waits for rank 0 at a barrier (between listing rank 0 as missing and
+    /// checking its state). Rank 0 is still in the group: rank 1 must keep
+    /// waiting, and both pass the barrier once rank 0 arrives.
+    #[test]
+    fn a_forked_child_dropping_its_copy_of_a_handle_leaves_the_rank_in_the_group() {
+        let name = format!("fork-drop-window-{}", std::process::id());
+        let t = Duration::from_secs(20);
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (checked_tx, checked_rx) = mpsc::channel::<()>();
+        let peer = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                let c = ShmComm::rendezvous(&name, 2, 1, t, &cfg).map_err(|e| e.to_string())?;
+                WINDOW.with(|w| {
+                    *w.borrow_mut() = Some(Box::new(move || {
+                        let _ = waiting_tx.send(());
+                        let _ = go_rx.recv_timeout(t);
+                        // Runs at the next slow-path round, so only after
+                        // this round's check of rank 0 passed (dropped
+                        // unsent when the thread ends instead).
+                        WINDOW.with(|w| {
+                            *w.borrow_mut() = Some(Box::new(move || {
+                                let _ = checked_tx.send(());
+                            }))
+                        });
+                    }))
+                });
+                c.barrier().map_err(|e| e.to_string())
+            })
+        };
+        let mut mine = Some(ShmComm::rendezvous(&name, 2, 0, t, &cfg).expect("rank 0"));
+        waiting_rx.recv_timeout(t).expect("rank 1 never waited on the slow path");
+        // SAFETY: the child only drops the handle (munmap, close, and with the
+        // defect a state store and an flock) and ends with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            drop(mine.take());
+            // SAFETY: ends the child without running the parent's destructors.
+            unsafe { libc::_exit(0) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut st = 0;
+        // SAFETY: pid is our child.
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        go_tx.send(()).expect("rank 1");
+        // Arrive only once rank 1 has checked rank 0's state (or failed).
+        let _ = checked_rx.recv_timeout(t);
+        let c = mine.take().expect("handle");
+        let rank0 = c.barrier().map_err(|e| e.to_string());
+        let rank1 = peer.join().expect("rank 1 panicked");
+        assert_eq!(rank1, Ok(()), "rank 1");
+        assert_eq!(rank0, Ok(()), "rank 0");
+    }
 }

@@ -74,7 +74,8 @@ fn await_next_tick() {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let mine = start_of(std::process::id());
     loop {
-        let up: f64 = std::fs::read_to_string("/proc/uptime").expect("uptime").split(' ').next().unwrap().parse().unwrap();
+        let up: f64 =
+            std::fs::read_to_string("/proc/uptime").expect("uptime").split(' ').next().unwrap().parse().unwrap();
         if (up * hz) as u64 > mine + 1 {
             return;
         }
@@ -170,3 +171,47 @@ fn a_child_forked_after_the_crate_was_used_joins_a_world_as_itself() {
     assert_eq!(verdict(&lines, "child: "), "Ok", "{lines:?}");
 }
 
+/// A child forked by a rank holds a copy of the rank's handle: using it is
+/// refused with an error naming both processes, and dropping it (as a child
+/// that ends does) leaves the rank in the group: its peers and the rank
+/// itself go on.
+#[test]
+fn a_child_that_inherits_a_handle_is_refused_its_use_and_the_group_goes_on() {
+    const TEST: &str = "a_child_that_inherits_a_handle_is_refused_its_use_and_the_group_goes_on";
+    if std::env::var(ROLE).as_deref() == Ok(TEST) {
+        let name = format!("fork-drop-{}", std::process::id());
+        let (go, wait) = mpsc::channel::<()>();
+        let peer = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                let c = ShmComm::rendezvous(&name, 2, 1, RANK_TIMEOUT, &cfg())?;
+                wait.recv().expect("go");
+                c.barrier()
+            })
+        };
+        let mut mine = Some(ShmComm::rendezvous(&name, 2, 0, RANK_TIMEOUT, &cfg()).expect("rank 0"));
+        let child = fork(|| {
+            let c = mine.take().expect("handle");
+            say(&format!("child barrier: {}", show(&c.barrier())));
+            say(&format!("child split: {}", show(&c.split(&[0]))));
+            drop(c);
+            say("child dropped");
+        });
+        let c = mine.take().expect("handle");
+        reap(child);
+        go.send(()).expect("peer");
+        say(&format!("rank 0: {}", show(&c.barrier())));
+        say(&format!("rank 1: {}", show(&peer.join().expect("peer panicked"))));
+        say("END");
+        return;
+    }
+    let (lines, mut p) = scenario(TEST);
+    p.wait().expect("reap");
+    for key in ["child barrier: ", "child split: "] {
+        let v = verdict(&lines, key);
+        assert!(v.starts_with("Err(Some(Setup)") && v.contains("inherited it through fork"), "{key}{v}");
+    }
+    verdict(&lines, "child dropped");
+    assert_eq!(verdict(&lines, "rank 0: "), "Ok", "{lines:?}");
+    assert_eq!(verdict(&lines, "rank 1: "), "Ok", "{lines:?}");
+}
