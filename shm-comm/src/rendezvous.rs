@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::file::{ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
-use crate::process::{my_pid, pid_alive};
+use crate::process::{my_pid, my_start, pid_alive};
 use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
 use crate::{Error, ErrorKind, Result};
 
@@ -207,7 +207,7 @@ impl Segment {
         }
         // Without abstract sockets a running world is only found while its
         // file exists.
-        seg.presence = Presence::announce(name_hash(name), &me);
+        seg.presence = Presence::announce(name_hash(name), &me, my_start());
         let others = (0..world).filter(|&r| r != rank && seg.ctrl(r).state.load(Ordering::Acquire) != EMPTY).count();
         if others + 1 == world && ino_at(cpath) == Some(seg.ino()) {
             // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.

@@ -215,3 +215,40 @@ fn a_child_that_inherits_a_handle_is_refused_its_use_and_the_group_goes_on() {
     assert_eq!(verdict(&lines, "rank 0: "), "Ok", "{lines:?}");
     assert_eq!(verdict(&lines, "rank 1: "), "Ok", "{lines:?}");
 }
+
+/// A rank forks a helper (no exec) that outlives it and so holds the rank's
+/// presence socket: once the rank's process has ended, a new world under the
+/// name forms, and the name is not listed as a live member.
+#[test]
+fn a_helper_forked_by_a_rank_does_not_keep_the_ended_rank_joined() {
+    const TEST: &str = "a_helper_forked_by_a_rank_does_not_keep_the_ended_rank_joined";
+    if std::env::var(ROLE).as_deref() == Ok(TEST) {
+        let name = format!("fork-helper-{}", std::process::id());
+        let c = ShmComm::rendezvous(&name, 1, 0, RANK_TIMEOUT, &cfg()).expect("rank 0");
+        let helper = fork(|| {
+            // Lives until the test closes this scenario's stdin.
+            let mut byte = 0u8;
+            // SAFETY: reads at most one byte into `byte`.
+            while unsafe { libc::read(0, &mut byte as *mut u8 as *mut libc::c_void, 1) } > 0 {}
+        });
+        say(&format!("helper: {helper}"));
+        say(&format!("world: {name}"));
+        c.barrier().expect("barrier");
+        drop(c);
+        say("END");
+        return;
+    }
+    let (lines, mut p) = scenario(TEST);
+    let name = verdict(&lines, "world: ").to_string();
+    let helper: i32 = verdict(&lines, "helper: ").parse().expect("helper pid");
+    // Child::wait would close stdin first, ending the helper too early.
+    let release = p.stdin.take();
+    p.wait().expect("the rank's process ends");
+    // SAFETY: signal 0 only checks that the helper exists.
+    assert_eq!(unsafe { libc::kill(helper, 0) }, 0, "the helper must still live (and hold the socket)");
+    let members = live_members(&name);
+    let again = ShmComm::rendezvous(&name, 1, 0, RANK_TIMEOUT, &cfg()).and_then(|c| c.barrier().map(|_| c));
+    drop(release); // lets the helper end
+    again.expect("a new world under the name of an ended one");
+    assert!(members.is_empty(), "an ended rank is listed: {members:?}");
+}
