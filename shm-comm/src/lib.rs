@@ -227,7 +227,9 @@ struct Inner {
     /// rank).
     owner: u32,
     state: Mutex<State>,
-    splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Sub-groups made by `split` since the group's last collective started:
+    /// that collective's sequence number, and per rank list how many.
+    splits: Mutex<(u64, HashMap<Vec<usize>, u64>)>,
     /// Busy-wait iterations before yielding: none when the group has more
     /// ranks than this host has cores (a spinning rank would steal the core a
     /// peer needs to arrive).
@@ -315,7 +317,7 @@ impl ShmComm {
                 seg,
                 owner: process::my_pid(),
                 state: Mutex::new(State::default()),
-                splits: Mutex::new(HashMap::new()),
+                splits: Mutex::new((0, HashMap::new())),
                 spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
             }),
         };

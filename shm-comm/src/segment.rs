@@ -25,7 +25,7 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 5;
+pub(crate) const VERSION: u32 = 6;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -34,8 +34,9 @@ pub(crate) const SLOTS: usize = 3;
 pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
 pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD;
-/// Words of a posted split request: generation, length, one byte per rank.
-pub(crate) const SPLIT_WORDS: usize = 2 + MAX_WORLD.div_ceil(8);
+/// Words of a posted split request: generation, length, the parent's
+/// sequence number, one byte per rank.
+pub(crate) const SPLIT_WORDS: usize = 3 + MAX_WORLD.div_ceil(8);
 /// Bytes of error text a rank can publish with an invalid descriptor.
 pub(crate) const ERR_BYTES: usize = 768;
 
@@ -78,7 +79,8 @@ pub(crate) struct Ctrl {
     pub err: [[u8; ERR_BYTES]; 2],
     /// The rank list of this rank's pending (or last failed) `split`, so that
     /// members who passed other lists can name it: generation (odd while being
-    /// written), length (0: none), then the ranks, one byte each.
+    /// written), length (0: none), the collectives this rank had started on
+    /// the group when it split, then the ranks, one byte each.
     pub split: [AtomicU64; SPLIT_WORDS],
 }
 
@@ -282,15 +284,16 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
 }
 
 impl Ctrl {
-    /// Posts `ranks` as this rank's split request (`None` withdraws it). Only
-    /// the owning rank writes.
-    pub fn post_split(&self, ranks: Option<&[usize]>) {
-        let ranks = ranks.unwrap_or(&[]);
+    /// Posts `ranks`, split after `seq` collectives of the group, as this
+    /// rank's split request (`None` withdraws it). Only the owning rank writes.
+    pub fn post_split(&self, req: Option<(&[usize], u64)>) {
+        let (ranks, seq) = req.unwrap_or((&[], 0));
         let g = self.split[0].load(Ordering::Relaxed);
         self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::Release);
         self.split[1].store(ranks.len() as u64, Ordering::Relaxed);
-        for (i, w) in self.split[2..].iter().enumerate() {
+        self.split[2].store(seq, Ordering::Relaxed);
+        for (i, w) in self.split[3..].iter().enumerate() {
             let word =
                 (0..8).fold(0u64, |acc, b| acc | ranks.get(i * 8 + b).map_or(0, |&r| (r as u64 & 0xff) << (8 * b)));
             w.store(word, Ordering::Relaxed);
@@ -298,18 +301,20 @@ impl Ctrl {
         self.split[0].store((g | 1).wrapping_add(1), Ordering::Release);
     }
 
-    /// The posted split request, if any (`None` also when it is being rewritten).
-    pub fn posted_split(&self) -> Option<Vec<usize>> {
+    /// The posted split request (ranks, sequence number), if any (`None`
+    /// also when it is being rewritten).
+    pub fn posted_split(&self) -> Option<(Vec<usize>, u64)> {
         let g = self.split[0].load(Ordering::Acquire);
         if g & 1 == 1 {
             return None;
         }
         let n = (self.split[1].load(Ordering::Relaxed) as usize).min(MAX_WORLD);
-        let words: Vec<u64> = self.split[2..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        let seq = self.split[2].load(Ordering::Relaxed);
+        let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
         std::sync::atomic::fence(Ordering::Acquire);
         if self.split[0].load(Ordering::Relaxed) != g || n == 0 {
             return None;
         }
-        Some((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect())
+        Some(((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect(), seq))
     }
 }

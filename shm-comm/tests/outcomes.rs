@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use shm_comm::{Config, DataType, Error, ShmComm};
+use shm_comm::{Config, DataType, Error, ErrorKind, ShmComm};
 
 fn group(tag: &str) -> String {
     format!("outcomes-{tag}-{}", std::process::id())
@@ -43,4 +43,51 @@ fn a_timeout_too_large_for_a_deadline_bounds_nothing_and_panics_nowhere() {
         Ok(buf[0])
     });
     assert_eq!(out, vec![Ok(8), Ok(8)]);
+}
+
+/// Members that pass different lists fail together, naming both lists (the
+/// group stays usable); after that, a split of one list meets again.
+#[test]
+fn after_members_disagreed_on_a_split_the_same_list_splits_again() {
+    let out = ranks("split-retry", 2, Duration::from_secs(2), |r, c| -> Result<usize, Error> {
+        let first = if r == 0 { [0, 1] } else { [1, 0] };
+        let e = c.split(&first).map(|_| ()).expect_err("members passed different lists");
+        assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "rank {r}: {e}");
+        assert!(
+            e.to_string().contains("rank 0 passed [0, 1]") || e.to_string().contains("rank 1 passed [1, 0]"),
+            "{e}"
+        );
+        c.barrier()?;
+        let again = c.split(&[0, 1])?;
+        again.barrier()?;
+        let twice = c.split(&[0, 1])?;
+        twice.barrier()?;
+        Ok(again.rank() + twice.rank())
+    });
+    assert_eq!(out, vec![Ok(0), Ok(2)]);
+}
+
+/// A member that split after another number of the group's collectives
+/// (here: after a barrier it alone called, which timed out) waits in another
+/// sub-group: both fail naming how many collectives each had started.
+#[test]
+fn members_that_split_after_different_collectives_fail_naming_both_counts() {
+    let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+    let failed_rx = std::sync::Mutex::new(failed_rx);
+    let out = ranks("split-seq", 2, Duration::from_secs(1), |r, c| {
+        if r == 0 {
+            assert_eq!(c.barrier().map_err(|e| e.kind()), Err(Some(ErrorKind::Timeout)));
+            failed_tx.send(()).expect("rank 1");
+        } else {
+            failed_rx.lock().expect("lock").recv().expect("rank 0");
+        }
+        c.split(&[0, 1]).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+    });
+    for (r, o) in out.iter().enumerate() {
+        let (kind, text) = o.as_ref().expect_err("the members never meet");
+        assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+        let (mine, theirs) = if r == 0 { (1, 0) } else { (0, 1) };
+        let want = format!("rank {r} after {mine} collectives, rank {} after {theirs}", 1 - r);
+        assert!(text.contains(&want), "rank {r} does not say {want:?}: {text}");
+    }
 }
