@@ -17,7 +17,11 @@
 //! file under an `flock`, the others map it and take their slot; everybody then
 //! waits (up to the timeout) until all slots are taken. A file whose ranks are
 //! all dead or gone (a crashed run) is replaced; a live world of another size
-//! under the same name is an error. The rank whose claim completes the world
+//! under the same name is an error. A joiner that asks a forming world for
+//! another world size or staging size is refused, and is recorded in the
+//! header: the ranks waiting there fail at once with [`ErrorKind::Mismatch`]
+//! naming it, as do later joiners, since that world can no longer form. The
+//! rank whose claim completes the world
 //! unlinks the file, so once every rank has attached nothing can leak: the
 //! memory is freed when the last rank unmaps it, even if every rank is
 //! SIGKILLed. A running world stays findable by name through its ranks'
@@ -35,7 +39,7 @@
 //!
 //! | block | size |
 //! |---|---|
-//! | header (magic, version, world, staging size, futex word) | 4 KiB |
+//! | header (magic, version, world, staging size, futex word, refused joiner) | 4 KiB |
 //! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!

@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 use crate::file::{ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_start, pid_alive};
-use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
+use crate::segment::{
+    describe_refusal, segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION,
+};
 use crate::{Error, ErrorKind, Result};
 
 /// The file backing group `name`: `<shm dir>/ascend-moe.<readable prefix>.<hash>`.
@@ -235,7 +237,6 @@ impl Segment {
         let h = unsafe { &*(hdr.ptr as *const Header) };
         let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
         let (w, s) = (h.world.load(Ordering::Relaxed) as usize, h.staging.load(Ordering::Relaxed) as usize);
-        drop(hdr);
         if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || size < segment_len(w, s) {
             // Initialised segments are complete before the lock is released, so
             // this is a torn or foreign file.
@@ -257,6 +258,19 @@ impl Segment {
         if live.is_empty() {
             return Ok(Found::Stale);
         }
+        // A joiner of another world or staging size is refused; the ranks
+        // waiting in this forming world learn it from the header (and so
+        // does every later joiner: the world can no longer form).
+        if let Some(refused) = h.refusal() {
+            if (w, s) == (world, staging) {
+                let why = describe_refusal(refused, w, s);
+                return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
+            }
+        }
+        if (w, s) != (world, staging) {
+            h.refuse(rank, world, staging);
+        }
+        drop(hdr);
         // judge() passed: same world size, so `rank < w`.
         match judge(name, world, rank, staging, (w, s), &live)? {
             Found::Join if slots[rank].0 != EMPTY => Ok(Found::Busy(format!(

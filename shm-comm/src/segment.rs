@@ -4,7 +4,7 @@
 //!
 //! | offset | size | what |
 //! |---|---|---|
-//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word |
+//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word, refused joiner |
 //! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
 //! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
 //!
@@ -59,6 +59,52 @@ pub(crate) struct Header {
     pub bell: AtomicU32,
     /// Number of ranks sleeping on `bell`.
     pub sleepers: AtomicU32,
+    /// The first joiner refused while the world formed because it asked for
+    /// another world size or staging size (0: none): `1 << 63 | rank << 32 |
+    /// its world size`, written under the setup lock after `refused_staging`.
+    /// The world can then never form: waiting ranks fail naming it, later
+    /// joiners are refused too.
+    pub refused: AtomicU64,
+    /// The refused joiner's staging size.
+    pub refused_staging: AtomicU64,
+}
+
+impl Header {
+    /// Records that `rank` of a world of `world` ranks with `staging` bytes
+    /// was refused (setup lock held; the first refusal stays), and wakes the
+    /// waiting ranks.
+    pub(crate) fn refuse(&self, rank: usize, world: usize, staging: usize) {
+        if self.refused.load(Ordering::Acquire) == 0 {
+            self.refused_staging.store(staging as u64, Ordering::Relaxed);
+            self.refused.store(1 << 63 | (rank as u64) << 32 | world as u64, Ordering::Release);
+        }
+        self.bell.fetch_add(1, Ordering::SeqCst);
+        futex_wake(&self.bell);
+    }
+
+    /// The refused joiner, if any: (rank, world size, staging size).
+    pub(crate) fn refusal(&self) -> Option<(usize, usize, usize)> {
+        let v = self.refused.load(Ordering::Acquire);
+        (v != 0).then(|| {
+            let s = self.refused_staging.load(Ordering::Relaxed) as usize;
+            (((v >> 32) & 0x7fff_ffff) as usize, (v & 0xffff_ffff) as usize, s)
+        })
+    }
+}
+
+/// Why a world whose joiner `(rank, world, staging)` was refused cannot
+/// form, as told to a rank of the world of `w` ranks with `s` bytes.
+pub(crate) fn describe_refusal(refused: (usize, usize, usize), w: usize, s: usize) -> String {
+    let (rank, world, staging) = refused;
+    let (what, theirs, ours) = if world != w {
+        ("world size", format!("{world} ranks"), format!("{w} ranks"))
+    } else {
+        ("staging size", format!("{staging} staging bytes per slot"), format!("{s} staging bytes per slot"))
+    };
+    format!(
+        "the ranks disagree on the {what}: rank {rank} asked to join with {theirs}, this world has {ours}, \
+         so the world cannot form (rank {rank} was refused)"
+    )
 }
 
 /// One rank's control block (4 KiB).

@@ -52,6 +52,14 @@ impl ShmComm {
             let waiting: Vec<usize> = (0..world).filter(|&j| !ready(seg.ctrl(j))).collect();
             #[cfg(test)]
             tests::in_failure_window();
+            // A joiner refused for asking for another world or staging size:
+            // this world can no longer form (later joiners are refused too).
+            if let Some(refused) = h.refusal().filter(|_| joining) {
+                let detail = segment::describe_refusal(refused, world, seg.staging);
+                let e = self.err(coll, ErrorKind::Mismatch, detail);
+                self.poison(st, &e);
+                return Err(e);
+            }
             // Report a root cause (panic, departure, death) before a peer that
             // only failed because of it.
             //
@@ -281,5 +289,48 @@ mod tests {
         let rank1 = peer.join().expect("rank 1 panicked");
         assert_eq!(rank1, Ok(()), "rank 1");
         assert_eq!(rank0, Ok(()), "rank 0");
+    }
+
+    /// Rank 0 creates a world of 2 and waits for rank 1; a joiner that asks
+    /// for another world size, then one that asks for another staging size,
+    /// is refused at once, and rank 0 fails at once too, naming the
+    /// disagreement, instead of waiting out its timeout for a rank that
+    /// cannot come.
+    #[test]
+    fn a_refused_joiner_fails_the_ranks_waiting_for_the_world_naming_the_disagreement() {
+        let t = Duration::from_secs(20);
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let other = Config { staging_bytes: 1 << 17 };
+        for (case, world, joiner_cfg, says) in [
+            (
+                "size",
+                3,
+                cfg,
+                "the ranks disagree on the world size: rank 1 asked to join with 3 ranks, this world has 2",
+            ),
+            ("staging", 2, other, "the ranks disagree on the staging size: rank 1 asked to join with 131072 staging"),
+        ] {
+            let name = format!("refused-{case}-{}", std::process::id());
+            let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+            let started = std::time::Instant::now();
+            let rank0 = {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    WINDOW.with(|w| {
+                        *w.borrow_mut() = Some(Box::new(move || {
+                            let _ = waiting_tx.send(());
+                        }))
+                    });
+                    ShmComm::rendezvous(&name, 2, 0, t, &cfg).map(|_| ())
+                })
+            };
+            waiting_rx.recv_timeout(t).expect("rank 0 never waited for the world");
+            let e = ShmComm::rendezvous(&name, world, 1, t, &joiner_cfg).map(|_| ()).expect_err("refused");
+            assert_eq!(e.kind(), Some(crate::ErrorKind::Setup), "{case}: {e}");
+            let e = rank0.join().expect("rank 0 panicked").expect_err("the world cannot form");
+            assert_eq!(e.kind(), Some(crate::ErrorKind::Mismatch), "{case}: {e}");
+            assert!(e.to_string().contains(says), "{case}: rank 0 does not say {says:?}: {e}");
+            assert!(started.elapsed() < t, "{case}: rank 0 waited out its timeout");
+        }
     }
 }
