@@ -113,6 +113,16 @@
 //! it marks itself aborted so its peers fail fast too, and every later call
 //! returns the same error.
 //!
+//! Every phase barrier ends the same way on every rank: a word in the header
+//! holds the last phase every rank arrived at, or the phase a rank gave up on
+//! (and which rank), set by compare-and-swap. A rank that sees everyone
+//! arrive passes the phase only if no rank gave up on it first, and a rank
+//! that gives up (timeout, failed peer) fails only if no rank passed it
+//! first; so a rank that arrives late fails with [`ErrorKind::PeerFailed`]
+//! naming the rank that gave up, never succeeds in a call its peer failed.
+//! Each rank reads the word once per barrier, and the first to see every
+//! rank arrive writes it.
+//!
 //! # Processes
 //! A handle belongs to the process that joined. A child forked later without
 //! exec holds a copy of it: collectives and [`ShmComm::split`] called on the
@@ -330,7 +340,7 @@ impl ShmComm {
         let mut st = comm.lock();
         // A slot once taken counts as joined even if its rank already moved on
         // and left: failures show up in the next collective.
-        comm.wait_for(&mut st, "rendezvous", deadline, true, |c| {
+        comm.wait_for(&mut st, "rendezvous", deadline, None, |c| {
             c.state.load(std::sync::atomic::Ordering::Acquire) != EMPTY
         })?;
         drop(st);

@@ -59,6 +59,12 @@ pub(crate) struct Header {
     pub bell: AtomicU32,
     /// Number of ranks sleeping on `bell`.
     pub sleepers: AtomicU32,
+    /// How the phases went, agreed by compare-and-swap (same cache line as
+    /// `bell`, which every arrival bumps anyway): the highest phase that
+    /// every rank arrived at, or the phase a rank gave up on, with that
+    /// rank, and `wait`'s failed bit (the phases before it passed, no later
+    /// one passes).
+    pub verdict: AtomicU64,
     /// The first joiner refused while the world formed because it asked for
     /// another world size or staging size (0: none): `1 << 63 | rank << 32 |
     /// its world size`, written under the setup lock after `refused_staging`.

@@ -91,3 +91,28 @@ fn members_that_split_after_different_collectives_fail_naming_both_counts() {
         assert!(text.contains(&want), "rank {r} does not say {want:?}: {text}");
     }
 }
+
+/// Rank 1 arrives at a single-round collective only after rank 0 gave up on
+/// it (timed out): rank 1 must fail too, naming rank 0, not copy out a
+/// result its peer never got.
+#[test]
+fn a_rank_arriving_after_its_peer_timed_out_fails_the_same_call() {
+    let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+    let failed_rx = std::sync::Mutex::new(failed_rx);
+    let out = ranks("late", 2, Duration::from_secs(1), |r, c| {
+        if r == 1 {
+            failed_rx.lock().expect("lock").recv().expect("rank 0");
+        }
+        let mut buf = vec![r as u8; 16];
+        let res = c.broadcast(DataType::U8, &mut buf, 0, Ok::<(), Error>(())).map_err(|e| (e.kind(), e.to_string()));
+        if r == 0 {
+            failed_tx.send(()).expect("rank 1");
+        }
+        res
+    });
+    let (k0, e0) = out[0].as_ref().expect_err("rank 0 waited alone");
+    assert_eq!(*k0, Some(ErrorKind::Timeout), "{e0}");
+    let (k1, e1) = out[1].as_ref().expect_err("rank 1 must not pass a call rank 0 failed");
+    assert_eq!(*k1, Some(ErrorKind::PeerFailed), "{e1}");
+    assert!(e1.contains("rank 0 failed this step"), "{e1}");
+}
