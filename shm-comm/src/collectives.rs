@@ -37,6 +37,7 @@ impl ShmComm {
         tail: bool,
     ) -> Result<()> {
         let coll = kind.name();
+        self.check_owner(coll)?;
         let mut st = self.lock();
         if let Some(e) = &st.broken {
             return Err(e.clone());

@@ -17,7 +17,11 @@
 //! file under an `flock`, the others map it and take their slot; everybody then
 //! waits (up to the timeout) until all slots are taken. A file whose ranks are
 //! all dead or gone (a crashed run) is replaced; a live world of another size
-//! under the same name is an error. The rank whose claim completes the world
+//! under the same name is an error. A joiner that asks a forming world for
+//! another world size or staging size is refused, and is recorded in the
+//! header: the ranks waiting there fail at once with [`ErrorKind::Mismatch`]
+//! naming it, as do later joiners, since that world can no longer form. The
+//! rank whose claim completes the world
 //! unlinks the file, so once every rank has attached nothing can leak: the
 //! memory is freed when the last rank unmaps it, even if every rank is
 //! SIGKILLed. A running world stays findable by name through its ranks'
@@ -35,16 +39,26 @@
 //!
 //! | block | size |
 //! |---|---|
-//! | header (magic, version, world, staging size, futex word) | 4 KiB |
+//! | header (magic, version, world, staging size, futex word, refused joiner) | 4 KiB |
 //! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
 //! **Shared memory per rank** = 4 KiB + 3 x [`Config::staging_bytes`]
 //! (default 4 MiB per slot, so 12 MiB + 4 KiB per rank; a world of 8 maps 96 MiB
-//! plus the header; pages are only backed once touched, so small collectives use
-//! far less). Collectives of any size run in rounds of at most one slot, and
+//! plus the header). Collectives of any size run in rounds of at most one slot, and
 //! those that only move data stage at most 1 MiB per rank per round.
 //! Sub-groups made by [`ShmComm::split`] have their own segment of the same shape.
+//!
+//! The rank that creates a segment backs all of it at once (`posix_fallocate`),
+//! so the whole size is taken from the shared-memory directory while the world
+//! forms, whatever the collectives later touch (about 3.5 ms for the 48 MiB of a
+//! default world of 4, 7 ms for 96 MiB with 8, on tmpfs). A directory without
+//! room for it (a container's /dev/shm is 64 MiB by default, and any local
+//! process can fill it) fails the rendezvous on every rank with
+//! [`ErrorKind::Setup`] naming the size, the directory and its free space,
+//! where a sparse file would have killed the first collective to touch a page
+//! the directory cannot back with SIGBUS. Lower [`Config::staging_bytes`] or
+//! enlarge the directory (`docker run --shm-size`).
 //!
 //! # Protocol
 //! Each collective starts with every rank posting a descriptor (sequence number,
@@ -98,6 +112,24 @@
 //! [`ErrorKind::Timeout`] at the deadline. After either, the handle is broken:
 //! it marks itself aborted so its peers fail fast too, and every later call
 //! returns the same error.
+//!
+//! Every phase barrier ends the same way on every rank: a word in the header
+//! holds the last phase every rank arrived at, or the phase a rank gave up on
+//! (and which rank), set by compare-and-swap. A rank that sees everyone
+//! arrive passes the phase only if no rank gave up on it first, and a rank
+//! that gives up (timeout, failed peer) fails only if no rank passed it
+//! first; so a rank that arrives late fails with [`ErrorKind::PeerFailed`]
+//! naming the rank that gave up, never succeeds in a call its peer failed.
+//! Each rank reads the word once per barrier, and the first to see every
+//! rank arrive writes it.
+//!
+//! # Processes
+//! A handle belongs to the process that joined. A child forked later without
+//! exec holds a copy of it: collectives and [`ShmComm::split`] called on the
+//! copy are refused with [`ErrorKind::Setup`] naming both processes (before
+//! anything is written to the group), and dropping the copy, as a child that
+//! ends does, only unmaps it: the rank stays in the group. A forked child may
+//! join worlds of its own.
 //!
 //! # Caller validation
 //! Every collective takes a `check: Result<(), E>`: the caller's own validation
@@ -204,8 +236,14 @@ struct Inner {
     timeout: Duration,
     cfg: Config,
     seg: Segment,
+    /// The process that joined: the only one whose calls and drop act on
+    /// the group (a child forked later holds a copy of the handle, not the
+    /// rank).
+    owner: u32,
     state: Mutex<State>,
-    splits: Mutex<HashMap<Vec<usize>, u64>>,
+    /// Sub-groups made by `split` since the group's last collective started:
+    /// that collective's sequence number, and per rank list how many.
+    splits: Mutex<(u64, HashMap<Vec<usize>, u64>)>,
     /// Busy-wait iterations before yielding: none when the group has more
     /// ranks than this host has cores (a spinning rank would steal the core a
     /// peer needs to arrive).
@@ -239,6 +277,12 @@ impl std::fmt::Debug for ShmComm {
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // A copy inherited through fork only unmaps and closes (the fields'
+        // own drops): the rank's slot belongs to the process that joined,
+        // which may still use it. Asked of the kernel, not of a cache.
+        if std::process::id() != self.owner {
+            return;
+        }
         let broken = self.state.get_mut().map(|s| s.broken.is_some()).unwrap_or(true);
         let state = if std::thread::panicking() {
             ABORTED
@@ -285,17 +329,18 @@ impl ShmComm {
                 timeout,
                 cfg: Config { staging_bytes: staging },
                 seg,
+                owner: process::my_pid(),
                 state: Mutex::new(State::default()),
-                splits: Mutex::new(HashMap::new()),
+                splits: Mutex::new((0, HashMap::new())),
                 spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
             }),
         };
         // Wait until every slot is taken.
-        let deadline = start + timeout;
+        let deadline = wait::deadline(start, timeout);
         let mut st = comm.lock();
         // A slot once taken counts as joined even if its rank already moved on
         // and left: failures show up in the next collective.
-        comm.wait_for(&mut st, "rendezvous", deadline, true, |c| {
+        comm.wait_for(&mut st, "rendezvous", deadline, None, |c| {
             c.state.load(std::sync::atomic::Ordering::Acquire) != EMPTY
         })?;
         drop(st);
@@ -350,6 +395,25 @@ impl ShmComm {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock leaves State consistent (plain counters).
         self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Refuses a call from a process that did not join (a child forked after
+    /// the rendezvous): it would act in the slot of the rank its parent is.
+    fn check_owner(&self, coll: &str) -> Result<()> {
+        let me = process::my_pid();
+        if me == self.inner.owner {
+            return Ok(());
+        }
+        Err(self.err(
+            coll,
+            ErrorKind::Setup,
+            format!(
+                "this handle belongs to process {} (which joined as rank {}); process {me} inherited it through \
+                 fork and cannot take part in the group: only the joining process calls collectives or split \
+                 (join a world of its own instead); the group and its ranks are unaffected",
+                self.inner.owner, self.inner.rank
+            ),
+        ))
     }
 
     fn err(&self, coll: &str, kind: ErrorKind, detail: String) -> Error {

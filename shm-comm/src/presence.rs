@@ -5,9 +5,12 @@
 //! later rendezvous under the same name cannot find the running world there.
 //! Each rank therefore binds an abstract Unix socket for the lifetime of its
 //! handle, named after the group (a hash of its name), the world size, the
-//! staging size, its rank, its pid and a random nonce. The kernel releases the
-//! name when the handle is dropped or the process dies, SIGKILL included:
-//! presence never leaks and never outlives its rank.
+//! staging size, its rank, its pid, the start time of that process and a
+//! random nonce. The kernel releases the name when the handle is dropped or
+//! the process dies, SIGKILL included. A child forked without exec holds the
+//! socket as long as it lives, also once its parent's rank has ended: a name
+//! whose process (pid and start time) is gone therefore does not count, so
+//! presence never outlives its rank.
 //!
 //! Any local user can bind an abstract name, so names are trusted by their
 //! owner, not by their text: the bound names and the uid of each socket come
@@ -60,11 +63,13 @@ pub(crate) struct Presence {
 }
 
 impl Presence {
-    /// Binds a presence name of `m` (a fresh nonce each time); `None` where
-    /// abstract Unix sockets are not available.
-    pub(crate) fn announce(hash: u64, m: &Member) -> Option<Presence> {
+    /// Binds a presence name of `m`, whose process started at `start` (a
+    /// fresh nonce each time); `None` where abstract Unix sockets are not
+    /// available.
+    pub(crate) fn announce(hash: u64, m: &Member, start: u64) -> Option<Presence> {
         for _ in 0..4 {
-            let name = format!("{}{}/{}/{}/{}/{:016x}", prefix(hash), m.world, m.staging, m.rank, m.pid, nonce());
+            let (w, s, r, p) = (m.world, m.staging, m.rank, m.pid);
+            let name = format!("{}{w}/{s}/{r}/{p}/{start}/{:016x}", prefix(hash), nonce());
             match bind_abstract(&name) {
                 Ok(fd) => return Some(Presence { fd }),
                 // Taken (only by chance, the nonce being random): draw another.
@@ -115,8 +120,9 @@ impl Drop for Presence {
 }
 
 /// The ranks of group `name` that hold a live handle on this host (in any
-/// world of that name) and belong to this user, as their presence names say.
-/// Empty where the kernel cannot list sockets with their owners.
+/// world of that name) and belong to this user, as their presence names say
+/// (names of processes that have ended, held on by a child they forked, do
+/// not count). Empty where the kernel cannot list sockets with their owners.
 pub fn live_members(name: &str) -> Vec<Member> {
     members_of(name_hash(name))
 }
@@ -128,15 +134,15 @@ pub(crate) fn members_of(hash: u64) -> Vec<Member> {
         .iter()
         .filter_map(|n| {
             let f: Vec<&str> = std::str::from_utf8(n).ok()?.strip_prefix(&want)?.split('/').collect();
-            match f[..] {
-                [w, s, r, p, _nonce] => Some(Member {
-                    world: w.parse().ok()?,
-                    staging: s.parse().ok()?,
-                    rank: r.parse().ok()?,
-                    pid: p.parse().ok()?,
-                }),
-                _ => None,
-            }
+            let [w, s, r, p, start, _nonce] = f[..] else { return None };
+            let m = Member {
+                world: w.parse().ok()?,
+                staging: s.parse().ok()?,
+                rank: r.parse().ok()?,
+                pid: p.parse().ok()?,
+            };
+            // A forked child may hold the name after the rank's process ended.
+            crate::process::pid_alive(m.pid, start.parse().ok()?).then_some(m)
         })
         .collect();
     out.sort_by_key(|m| (m.rank, m.pid));

@@ -1,5 +1,8 @@
 //! Which process is this one, and is another still alive.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Once;
+
 /// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
 /// counts as dead, and so does a recycled pid (another start time).
 pub(crate) fn pid_alive(pid: u32, start: u64) -> bool {
@@ -27,15 +30,35 @@ fn proc_stat(pid: u32) -> Option<(char, u64)> {
     Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
 }
 
-/// Start time of this process (0 if unknown).
+/// Start time of this process (0 if unknown). Read afresh each time (only a
+/// rank claiming its slot asks): a child forked after the crate was used is
+/// another process with its own start time, and peers that checked it
+/// against its parent's would take it for dead.
 pub(crate) fn my_start() -> u64 {
-    static START: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *START.get_or_init(|| proc_stat(my_pid()).map_or(0, |s| s.1))
+    proc_stat(my_pid()).map_or(0, |s| s.1)
 }
 
-/// This process's id.
+/// This process's id, cached: every collective asks (a handle refuses to run
+/// in a process that did not join), and `getpid` is a system call. A child
+/// made by `fork` clears the cache before it runs anything else.
 pub(crate) fn my_pid() -> u32 {
-    std::process::id()
+    static PID: AtomicU32 = AtomicU32::new(0);
+    static WATCH_FORKS: Once = Once::new();
+    extern "C" fn forget() {
+        PID.store(0, Ordering::Relaxed);
+    }
+    let pid = PID.load(Ordering::Relaxed);
+    if pid != 0 {
+        return pid;
+    }
+    // SAFETY: registers a handler that only stores to an atomic, which is
+    // async-signal-safe as a forked child of a threaded process needs.
+    WATCH_FORKS.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(forget));
+    });
+    let pid = std::process::id();
+    PID.store(pid, Ordering::Relaxed);
+    pid
 }
 
 /// The effective user id of this process: the only owner whose segment files

@@ -19,8 +19,10 @@ use std::time::{Duration, Instant};
 
 use crate::file::{ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
-use crate::process::{my_pid, pid_alive};
-use crate::segment::{segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION};
+use crate::process::{my_pid, my_start, pid_alive};
+use crate::segment::{
+    describe_refusal, segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION,
+};
 use crate::{Error, ErrorKind, Result};
 
 /// The file backing group `name`: `<shm dir>/ascend-moe.<readable prefix>.<hash>`.
@@ -65,7 +67,7 @@ impl Segment {
     pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
         let path = segment_path(name);
         let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("rendezvous", "name", "NUL byte"))?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::wait::deadline(Instant::now(), timeout);
         let mut backoff = Backoff::default();
         loop {
             let file = match open_own(&cpath, &path) {
@@ -171,6 +173,13 @@ impl Segment {
                         close(fd);
                         return Err(e);
                     }
+                    if let Err(why) = reserve(fd, len, &path, world, staging) {
+                        // Nothing was initialised: drop the file again.
+                        // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+                        unsafe { libc::unlink(cpath.as_ptr()) };
+                        close(fd);
+                        return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
+                    }
                     let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
                     let h = seg.header();
                     h.version.store(VERSION, Ordering::Relaxed);
@@ -207,7 +216,7 @@ impl Segment {
         }
         // Without abstract sockets a running world is only found while its
         // file exists.
-        seg.presence = Presence::announce(name_hash(name), &me);
+        seg.presence = Presence::announce(name_hash(name), &me, my_start());
         let others = (0..world).filter(|&r| r != rank && seg.ctrl(r).state.load(Ordering::Acquire) != EMPTY).count();
         if others + 1 == world && ino_at(cpath) == Some(seg.ino()) {
             // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
@@ -228,7 +237,6 @@ impl Segment {
         let h = unsafe { &*(hdr.ptr as *const Header) };
         let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
         let (w, s) = (h.world.load(Ordering::Relaxed) as usize, h.staging.load(Ordering::Relaxed) as usize);
-        drop(hdr);
         if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || size < segment_len(w, s) {
             // Initialised segments are complete before the lock is released, so
             // this is a torn or foreign file.
@@ -250,6 +258,19 @@ impl Segment {
         if live.is_empty() {
             return Ok(Found::Stale);
         }
+        // A joiner of another world or staging size is refused; the ranks
+        // waiting in this forming world learn it from the header (and so
+        // does every later joiner: the world can no longer form).
+        if let Some(refused) = h.refusal() {
+            if (w, s) == (world, staging) {
+                let why = describe_refusal(refused, w, s);
+                return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
+            }
+        }
+        if (w, s) != (world, staging) {
+            h.refuse(rank, world, staging);
+        }
+        drop(hdr);
         // judge() passed: same world size, so `rank < w`.
         match judge(name, world, rank, staging, (w, s), &live)? {
             Found::Join if slots[rank].0 != EMPTY => Ok(Found::Busy(format!(
@@ -259,6 +280,55 @@ impl Segment {
             f => Ok(f),
         }
     }
+}
+
+/// Backs all `len` bytes of a new segment file at once. A file only sized
+/// by `ftruncate` is sparse: in a shared-memory directory too small for it
+/// (a container's default /dev/shm is 64 MiB) or filled meanwhile by anyone,
+/// the first collective to touch a page without memory would die of SIGBUS.
+/// The error names the size, the directory and its free space.
+fn reserve(fd: libc::c_int, len: usize, path: &str, world: usize, staging: usize) -> std::result::Result<(), String> {
+    loop {
+        // SAFETY: fd is open for writing; posix_fallocate returns the error
+        // number instead of setting errno.
+        match unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) } {
+            0 => return Ok(()),
+            libc::EINTR => continue,
+            errno => return Err(reserve_failed(errno, len, path, world, staging)),
+        }
+    }
+}
+
+/// Why `len` bytes of segment file `path` could not be backed.
+fn reserve_failed(errno: i32, len: usize, path: &str, world: usize, staging: usize) -> String {
+    let dir = std::path::Path::new(path).parent().map_or_else(shm_dir, |d| d.display().to_string());
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    let free = free_bytes(&dir).map_or(String::new(), |b| format!(" ({:.1} MiB free there)", mib(b)));
+    let hint = if errno == libc::ENOSPC {
+        "; make it larger (e.g. docker run --shm-size) or choose a smaller Config::staging_bytes \
+         (each rank needs 4 KiB + 3 x staging)"
+    } else {
+        ""
+    };
+    format!(
+        "cannot back the shared memory of a world of {world} ranks with {staging}-byte staging slots: \
+         {len} bytes ({:.1} MiB) for {path} in {dir}{free}: {}{hint}",
+        mib(len as u64),
+        std::io::Error::from_raw_os_error(errno)
+    )
+}
+
+/// Bytes available to this user in the file system holding `dir`.
+fn free_bytes(dir: &str) -> Option<u64> {
+    let c = CString::new(dir).ok()?;
+    // SAFETY: statvfs is plain data; zeroed is a valid value to fill in.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is NUL-terminated and st a valid out-parameter.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 /// `(rank, pid)` of live members.
@@ -329,5 +399,48 @@ impl Backoff {
         } else {
             std::thread::sleep(Duration::from_micros(200 * u64::from(self.n.min(25))));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file system without room names the size, the directory, its free
+    /// space and what to do.
+    #[test]
+    fn a_full_directory_is_reported_with_the_size_the_directory_and_a_remedy() {
+        let path = format!("{}/ascend-moe.full.0123456789abcdef", shm_dir());
+        let why = reserve_failed(libc::ENOSPC, 25_190_400, &path, 2, 4 << 20);
+        for part in [
+            "a world of 2 ranks with 4194304-byte staging slots",
+            "25190400 bytes (24.0 MiB)",
+            &format!("for {path} in {}", shm_dir()),
+            "MiB free there",
+            "No space left on device",
+            "--shm-size",
+            "Config::staging_bytes",
+        ] {
+            assert!(why.contains(part), "{part:?} missing from: {why}");
+        }
+    }
+
+    /// A descriptor that cannot be backed (a pipe) fails with the system's
+    /// reason, never silently.
+    #[test]
+    fn a_descriptor_that_cannot_be_backed_fails_naming_the_reason() {
+        let mut fds = [0; 2];
+        // SAFETY: fds holds two descriptors.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let r = reserve(fds[1], 1 << 20, "/nowhere/ascend-moe.pipe", 1, 4096);
+        // SAFETY: both are open and ours.
+        unsafe {
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+        let why = r.expect_err("a pipe cannot be backed");
+        assert!(why.contains("1048576 bytes (1.0 MiB) for /nowhere/ascend-moe.pipe in /nowhere"), "{why}");
+        assert!(why.contains(&std::io::Error::from_raw_os_error(libc::ESPIPE).to_string()), "{why}");
+        assert!(!why.contains("--shm-size"), "only a full directory gets that hint: {why}");
     }
 }

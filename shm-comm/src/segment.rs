@@ -4,7 +4,7 @@
 //!
 //! | offset | size | what |
 //! |---|---|---|
-//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word |
+//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word, refused joiner |
 //! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
 //! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
 //!
@@ -25,7 +25,7 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 5;
+pub(crate) const VERSION: u32 = 6;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -34,8 +34,9 @@ pub(crate) const SLOTS: usize = 3;
 pub(crate) const BLOCK: usize = 4096;
 /// Words in one collective descriptor.
 pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD;
-/// Words of a posted split request: generation, length, one byte per rank.
-pub(crate) const SPLIT_WORDS: usize = 2 + MAX_WORLD.div_ceil(8);
+/// Words of a posted split request: generation, length, the parent's
+/// sequence number, one byte per rank.
+pub(crate) const SPLIT_WORDS: usize = 3 + MAX_WORLD.div_ceil(8);
 /// Bytes of error text a rank can publish with an invalid descriptor.
 pub(crate) const ERR_BYTES: usize = 768;
 
@@ -58,6 +59,58 @@ pub(crate) struct Header {
     pub bell: AtomicU32,
     /// Number of ranks sleeping on `bell`.
     pub sleepers: AtomicU32,
+    /// How the phases went, agreed by compare-and-swap (same cache line as
+    /// `bell`, which every arrival bumps anyway): the highest phase that
+    /// every rank arrived at, or the phase a rank gave up on, with that
+    /// rank, and `wait`'s failed bit (the phases before it passed, no later
+    /// one passes).
+    pub verdict: AtomicU64,
+    /// The first joiner refused while the world formed because it asked for
+    /// another world size or staging size (0: none): `1 << 63 | rank << 32 |
+    /// its world size`, written under the setup lock after `refused_staging`.
+    /// The world can then never form: waiting ranks fail naming it, later
+    /// joiners are refused too.
+    pub refused: AtomicU64,
+    /// The refused joiner's staging size.
+    pub refused_staging: AtomicU64,
+}
+
+impl Header {
+    /// Records that `rank` of a world of `world` ranks with `staging` bytes
+    /// was refused (setup lock held; the first refusal stays), and wakes the
+    /// waiting ranks.
+    pub(crate) fn refuse(&self, rank: usize, world: usize, staging: usize) {
+        if self.refused.load(Ordering::Acquire) == 0 {
+            self.refused_staging.store(staging as u64, Ordering::Relaxed);
+            self.refused.store(1 << 63 | (rank as u64) << 32 | world as u64, Ordering::Release);
+        }
+        self.bell.fetch_add(1, Ordering::SeqCst);
+        futex_wake(&self.bell);
+    }
+
+    /// The refused joiner, if any: (rank, world size, staging size).
+    pub(crate) fn refusal(&self) -> Option<(usize, usize, usize)> {
+        let v = self.refused.load(Ordering::Acquire);
+        (v != 0).then(|| {
+            let s = self.refused_staging.load(Ordering::Relaxed) as usize;
+            (((v >> 32) & 0x7fff_ffff) as usize, (v & 0xffff_ffff) as usize, s)
+        })
+    }
+}
+
+/// Why a world whose joiner `(rank, world, staging)` was refused cannot
+/// form, as told to a rank of the world of `w` ranks with `s` bytes.
+pub(crate) fn describe_refusal(refused: (usize, usize, usize), w: usize, s: usize) -> String {
+    let (rank, world, staging) = refused;
+    let (what, theirs, ours) = if world != w {
+        ("world size", format!("{world} ranks"), format!("{w} ranks"))
+    } else {
+        ("staging size", format!("{staging} staging bytes per slot"), format!("{s} staging bytes per slot"))
+    };
+    format!(
+        "the ranks disagree on the {what}: rank {rank} asked to join with {theirs}, this world has {ours}, \
+         so the world cannot form (rank {rank} was refused)"
+    )
 }
 
 /// One rank's control block (4 KiB).
@@ -78,7 +131,8 @@ pub(crate) struct Ctrl {
     pub err: [[u8; ERR_BYTES]; 2],
     /// The rank list of this rank's pending (or last failed) `split`, so that
     /// members who passed other lists can name it: generation (odd while being
-    /// written), length (0: none), then the ranks, one byte each.
+    /// written), length (0: none), the collectives this rank had started on
+    /// the group when it split, then the ranks, one byte each.
     pub split: [AtomicU64; SPLIT_WORDS],
 }
 
@@ -282,15 +336,16 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
 }
 
 impl Ctrl {
-    /// Posts `ranks` as this rank's split request (`None` withdraws it). Only
-    /// the owning rank writes.
-    pub fn post_split(&self, ranks: Option<&[usize]>) {
-        let ranks = ranks.unwrap_or(&[]);
+    /// Posts `ranks`, split after `seq` collectives of the group, as this
+    /// rank's split request (`None` withdraws it). Only the owning rank writes.
+    pub fn post_split(&self, req: Option<(&[usize], u64)>) {
+        let (ranks, seq) = req.unwrap_or((&[], 0));
         let g = self.split[0].load(Ordering::Relaxed);
         self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::Release);
         self.split[1].store(ranks.len() as u64, Ordering::Relaxed);
-        for (i, w) in self.split[2..].iter().enumerate() {
+        self.split[2].store(seq, Ordering::Relaxed);
+        for (i, w) in self.split[3..].iter().enumerate() {
             let word =
                 (0..8).fold(0u64, |acc, b| acc | ranks.get(i * 8 + b).map_or(0, |&r| (r as u64 & 0xff) << (8 * b)));
             w.store(word, Ordering::Relaxed);
@@ -298,18 +353,20 @@ impl Ctrl {
         self.split[0].store((g | 1).wrapping_add(1), Ordering::Release);
     }
 
-    /// The posted split request, if any (`None` also when it is being rewritten).
-    pub fn posted_split(&self) -> Option<Vec<usize>> {
+    /// The posted split request (ranks, sequence number), if any (`None`
+    /// also when it is being rewritten).
+    pub fn posted_split(&self) -> Option<(Vec<usize>, u64)> {
         let g = self.split[0].load(Ordering::Acquire);
         if g & 1 == 1 {
             return None;
         }
         let n = (self.split[1].load(Ordering::Relaxed) as usize).min(MAX_WORLD);
-        let words: Vec<u64> = self.split[2..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        let seq = self.split[2].load(Ordering::Relaxed);
+        let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
         std::sync::atomic::fence(Ordering::Acquire);
         if self.split[0].load(Ordering::Relaxed) != g || n == 0 {
             return None;
         }
-        Some((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect())
+        Some(((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect(), seq))
     }
 }

@@ -1,6 +1,7 @@
 //! Waiting: phase barriers over the per-rank arrival counters, sleeping on a
 //! futex in the segment header, with a deadline on every wait and a check for
-//! peers that aborted, left or died.
+//! peers that aborted, left or died. Each phase is settled once for the whole
+//! group (passed or failed) in the header's verdict word.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -9,24 +10,107 @@ use crate::descriptor::last_call;
 use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT};
 use crate::{process, ErrorKind, Result, ShmComm, State};
 
+/// Further than any wait needs: where `timeout` is too large for a deadline,
+/// waits are bounded by this instead (over 30 years).
+const FAR: Duration = Duration::from_secs(1 << 30);
+
+/// The instant `timeout` after `from`; a timeout too large to add (e.g.
+/// `Duration::MAX`) means waiting without practical bound, not a panic.
+pub(crate) fn deadline(from: Instant, timeout: Duration) -> Instant {
+    from.checked_add(timeout).or_else(|| from.checked_add(FAR)).unwrap_or(from)
+}
+
+/// A phase settled as failed in [`crate::segment::Header::verdict`]: this
+/// bit, the failing rank at [`FAILED_RANK_SHIFT`], the phase below. Every
+/// earlier phase was passed (the failing rank passed them to get there); no
+/// later one can be.
+const FAILED_PHASE: u64 = 1 << 63;
+const FAILED_RANK_SHIFT: u32 = 56;
+const PHASE_MASK: u64 = (1 << FAILED_RANK_SHIFT) - 1;
+
+/// How a phase was settled.
+enum Settled {
+    /// Every rank arrived.
+    Passed,
+    /// Rank `.0` failed it first.
+    Failed(usize),
+}
+
 impl ShmComm {
+    /// Settles `phase` in the header's verdict word, on which every rank of
+    /// the group agrees: as passed when `failing` is false (the caller saw
+    /// every rank arrive), else as failed by this rank, unless a rank settled
+    /// it (or an earlier phase) first. One compare-and-swap decides, so no
+    /// rank passes a phase that another failed.
+    fn settle(&self, phase: u64, failing: bool) -> Settled {
+        #[cfg(test)]
+        if failing {
+            tests::in_settle_window();
+        }
+        let verdict = &self.inner.seg.header().verdict;
+        let mut v = verdict.load(Ordering::Acquire);
+        loop {
+            // A rank that gave up on a later phase had passed this one.
+            if v & FAILED_PHASE != 0 && v & PHASE_MASK <= phase {
+                return Settled::Failed(((v & !FAILED_PHASE) >> FAILED_RANK_SHIFT) as usize);
+            }
+            if v & FAILED_PHASE != 0 || v >= phase {
+                return Settled::Passed;
+            }
+            let mine = if failing {
+                FAILED_PHASE | (self.inner.rank as u64) << FAILED_RANK_SHIFT | (phase & PHASE_MASK)
+            } else {
+                phase
+            };
+            match verdict.compare_exchange_weak(v, mine, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) if failing => return Settled::Failed(self.inner.rank),
+                Ok(_) => return Settled::Passed,
+                Err(now) => v = now,
+            }
+        }
+    }
+
+    /// Every rank arrived at `phase`: passes it, unless a rank gave up on it
+    /// first (then this rank fails too, naming it).
+    fn pass(&self, st: &mut State, coll: &str, phase: u64) -> Result<()> {
+        match self.settle(phase, false) {
+            Settled::Passed => Ok(()),
+            Settled::Failed(j) => {
+                let detail = format!(
+                    "rank {j} failed this step (it timed out or saw a peer fail) before rank {} saw every rank \
+                     arrive, in its call #{}",
+                    self.inner.rank, st.seq
+                );
+                let e = self.err(coll, ErrorKind::PeerFailed, detail);
+                self.poison(st, &e);
+                Err(e)
+            }
+        }
+    }
+
     /// Waits until `ready(ctrl of j)` holds for every rank `j`, failing on a dead
-    /// or departed peer, or at `deadline`.
+    /// or departed peer, or at `deadline`. `phase` is the phase barrier waited
+    /// at (`None` while the world forms): every rank passes it, or every rank
+    /// fails it.
     pub(crate) fn wait_for(
         &self,
         st: &mut State,
         coll: &str,
         deadline: Instant,
-        joining: bool,
+        phase: Option<u64>,
         ready: impl Fn(&Ctrl) -> bool,
     ) -> Result<()> {
         let seg = &self.inner.seg;
         let world = self.inner.world;
         let h = seg.header();
+        let joining = phase.is_none();
         let mut spins = 0u32;
         loop {
             if (0..world).all(|j| ready(seg.ctrl(j))) {
-                return Ok(());
+                return match phase {
+                    Some(p) => self.pass(st, coll, p),
+                    None => Ok(()),
+                };
             }
             spins += 1;
             if spins < self.inner.spin {
@@ -42,6 +126,14 @@ impl ShmComm {
             let waiting: Vec<usize> = (0..world).filter(|&j| !ready(seg.ctrl(j))).collect();
             #[cfg(test)]
             tests::in_failure_window();
+            // A joiner refused for asking for another world or staging size:
+            // this world can no longer form (later joiners are refused too).
+            if let Some(refused) = h.refusal().filter(|_| joining) {
+                let detail = segment::describe_refusal(refused, world, seg.staging);
+                let e = self.err(coll, ErrorKind::Mismatch, detail);
+                self.poison(st, &e);
+                return Err(e);
+            }
             // Report a root cause (panic, departure, death) before a peer that
             // only failed because of it.
             //
@@ -96,11 +188,20 @@ impl ShmComm {
                 let during = if joining { String::new() } else { format!(" in its call #{}", st.seq) };
                 let detail = format!("{why} while rank {} waited{during}", self.inner.rank);
                 let e = self.err(coll, ErrorKind::PeerFailed, detail);
+                // Every rank arrived meanwhile and one passed the phase: so
+                // does this one (the peer did its part).
+                if let Some(Settled::Passed) = phase.map(|p| self.settle(p, true)) {
+                    return Ok(());
+                }
                 self.poison(st, &e);
                 return Err(e);
             }
             let now = Instant::now();
             if now >= deadline {
+                // The last ranks may have arrived since they were listed.
+                if let (Some(p), true) = (phase, (0..world).all(|j| ready(seg.ctrl(j)))) {
+                    return self.pass(st, coll, p);
+                }
                 let arrived: Vec<usize> = (0..world).filter(|j| !waiting.contains(j)).collect();
                 let what = if joining { "to join" } else { "to arrive" };
                 let e = self.err(
@@ -111,6 +212,9 @@ impl ShmComm {
                         self.inner.timeout
                     ),
                 );
+                if let Some(Settled::Passed) = phase.map(|p| self.settle(p, true)) {
+                    return Ok(());
+                }
                 self.poison(st, &e);
                 return Err(e);
             }
@@ -131,8 +235,8 @@ impl ShmComm {
         let seg = &self.inner.seg;
         seg.ctrl(self.inner.rank).arrive.store(phase, Ordering::Release);
         seg.ring();
-        let deadline = Instant::now() + self.inner.timeout;
-        self.wait_for(st, coll, deadline, false, |c| c.arrive.load(Ordering::Acquire) >= phase)
+        let deadline = deadline(Instant::now(), self.inner.timeout);
+        self.wait_for(st, coll, deadline, Some(phase), |c| c.arrive.load(Ordering::Acquire) >= phase)
     }
 }
 
@@ -151,6 +255,18 @@ mod tests {
 
     pub(super) fn in_failure_window() {
         if let Some(f) = WINDOW.with(|w| w.borrow_mut().take()) {
+            f();
+        }
+    }
+
+    thread_local! {
+        /// Run once by this thread when it next gives up on a phase, just
+        /// before it settles the phase as failed.
+        static SETTLE: RefCell<Option<Box<dyn FnOnce()>>> = RefCell::new(None);
+    }
+
+    pub(super) fn in_settle_window() {
+        if let Some(f) = SETTLE.with(|w| w.borrow_mut().take()) {
             f();
         }
     }
@@ -214,5 +330,187 @@ mod tests {
             assert_eq!(p, &Ok(()), "rank {}", i + 1);
         }
         assert_eq!(rank0, Ok(()), "rank 0");
+    }
+
+    /// A child forked by rank 0 drops its copy of rank 0's handle while rank 1
+    /// waits for rank 0 at a barrier (between listing rank 0 as missing and
+    /// checking its state). Rank 0 is still in the group: rank 1 must keep
+    /// waiting, and both pass the barrier once rank 0 arrives.
+    #[test]
+    fn a_forked_child_dropping_its_copy_of_a_handle_leaves_the_rank_in_the_group() {
+        let name = format!("fork-drop-window-{}", std::process::id());
+        let t = Duration::from_secs(20);
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (checked_tx, checked_rx) = mpsc::channel::<()>();
+        let peer = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                let c = ShmComm::rendezvous(&name, 2, 1, t, &cfg).map_err(|e| e.to_string())?;
+                WINDOW.with(|w| {
+                    *w.borrow_mut() = Some(Box::new(move || {
+                        let _ = waiting_tx.send(());
+                        let _ = go_rx.recv_timeout(t);
+                        // Runs at the next slow-path round, so only after
+                        // this round's check of rank 0 passed (dropped
+                        // unsent when the thread ends instead).
+                        WINDOW.with(|w| {
+                            *w.borrow_mut() = Some(Box::new(move || {
+                                let _ = checked_tx.send(());
+                            }))
+                        });
+                    }))
+                });
+                c.barrier().map_err(|e| e.to_string())
+            })
+        };
+        let mut mine = Some(ShmComm::rendezvous(&name, 2, 0, t, &cfg).expect("rank 0"));
+        waiting_rx.recv_timeout(t).expect("rank 1 never waited on the slow path");
+        // SAFETY: the child only drops the handle (munmap, close, and with the
+        // defect a state store and an flock) and ends with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            drop(mine.take());
+            // SAFETY: ends the child without running the parent's destructors.
+            unsafe { libc::_exit(0) };
+        }
+        assert!(pid > 0, "fork failed");
+        let mut st = 0;
+        // SAFETY: pid is our child.
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        go_tx.send(()).expect("rank 1");
+        // Arrive only once rank 1 has checked rank 0's state (or failed).
+        let _ = checked_rx.recv_timeout(t);
+        let c = mine.take().expect("handle");
+        let rank0 = c.barrier().map_err(|e| e.to_string());
+        let rank1 = peer.join().expect("rank 1 panicked");
+        assert_eq!(rank1, Ok(()), "rank 1");
+        assert_eq!(rank0, Ok(()), "rank 0");
+    }
+
+    /// Rank 0 creates a world of 2 and waits for rank 1; a joiner that asks
+    /// for another world size, then one that asks for another staging size,
+    /// is refused at once, and rank 0 fails at once too, naming the
+    /// disagreement, instead of waiting out its timeout for a rank that
+    /// cannot come.
+    #[test]
+    fn a_refused_joiner_fails_the_ranks_waiting_for_the_world_naming_the_disagreement() {
+        let t = Duration::from_secs(20);
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let other = Config { staging_bytes: 1 << 17 };
+        for (case, world, joiner_cfg, says) in [
+            (
+                "size",
+                3,
+                cfg,
+                "the ranks disagree on the world size: rank 1 asked to join with 3 ranks, this world has 2",
+            ),
+            ("staging", 2, other, "the ranks disagree on the staging size: rank 1 asked to join with 131072 staging"),
+        ] {
+            let name = format!("refused-{case}-{}", std::process::id());
+            let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+            let started = std::time::Instant::now();
+            let rank0 = {
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    WINDOW.with(|w| {
+                        *w.borrow_mut() = Some(Box::new(move || {
+                            let _ = waiting_tx.send(());
+                        }))
+                    });
+                    ShmComm::rendezvous(&name, 2, 0, t, &cfg).map(|_| ())
+                })
+            };
+            waiting_rx.recv_timeout(t).expect("rank 0 never waited for the world");
+            let e = ShmComm::rendezvous(&name, world, 1, t, &joiner_cfg).map(|_| ()).expect_err("refused");
+            assert_eq!(e.kind(), Some(crate::ErrorKind::Setup), "{case}: {e}");
+            let e = rank0.join().expect("rank 0 panicked").expect_err("the world cannot form");
+            assert_eq!(e.kind(), Some(crate::ErrorKind::Mismatch), "{case}: {e}");
+            assert!(e.to_string().contains(says), "{case}: rank 0 does not say {says:?}: {e}");
+            assert!(started.elapsed() < t, "{case}: rank 0 waited out its timeout");
+        }
+    }
+
+    /// Rank 0 times out at a barrier and, just before it settles the phase as
+    /// failed, rank 1 arrives, sees every rank there and passes. The phase
+    /// is settled once for both: rank 0 passes too, instead of failing a
+    /// barrier its peer passed.
+    #[test]
+    fn a_rank_giving_up_as_its_peer_arrives_and_passes_passes_too() {
+        let name = format!("settle-window-{}", std::process::id());
+        let (t, limit) = (Duration::from_millis(300), Duration::from_secs(20));
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let peer = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                let c = ShmComm::rendezvous(&name, 2, 1, limit, &cfg).map_err(|e| e.to_string())?;
+                go_rx.recv_timeout(limit).map_err(|_| "rank 0 never gave up".to_string())?;
+                let res = c.barrier().map_err(|e| e.to_string());
+                let _ = done_tx.send(());
+                res
+            })
+        };
+        let c = ShmComm::rendezvous(&name, 2, 0, t, &cfg).expect("rank 0");
+        SETTLE.with(|w| {
+            *w.borrow_mut() = Some(Box::new(move || {
+                let _ = go_tx.send(());
+                let _ = done_rx.recv_timeout(limit);
+            }))
+        });
+        let rank0 = c.barrier().map_err(|e| e.to_string());
+        let hooked = SETTLE.with(|w| w.borrow_mut().take()).is_none();
+        let rank1 = peer.join().expect("rank 1 panicked");
+        assert!(hooked, "rank 0 never gave up");
+        assert_eq!(rank1, Ok(()), "rank 1");
+        assert_eq!(rank0, Ok(()), "rank 0");
+    }
+
+    /// Rank 2 waits at a barrier (phase 1); ranks 0 and 1 arrive and pass it,
+    /// rank 1 leaves, and rank 0 fails its next barrier (phase 2) for that,
+    /// all before rank 2 looks again. Every rank arrived at phase 1, so rank
+    /// 2 passes it: a failure settled for a later phase is no failure of an
+    /// earlier one.
+    #[test]
+    fn a_failure_at_a_later_phase_does_not_fail_a_rank_still_passing_an_earlier_one() {
+        let name = format!("later-failure-{}", std::process::id());
+        let t = Duration::from_secs(20);
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (name, cfg) = (&name, &cfg);
+        let (rank0, rank1, rank2) = std::thread::scope(|s| {
+            let rank2 = s.spawn(move || {
+                let c = ShmComm::rendezvous(name, 3, 2, t, cfg).map_err(|e| e.to_string())?;
+                WINDOW.with(|w| {
+                    *w.borrow_mut() = Some(Box::new(move || {
+                        let _ = waiting_tx.send(());
+                        let _ = go_rx.recv_timeout(t);
+                    }))
+                });
+                let first = c.barrier().map_err(|e| e.to_string());
+                let hooked = WINDOW.with(|w| w.borrow_mut().take()).is_none();
+                assert!(hooked, "rank 2 never waited on the slow path");
+                first
+            });
+            let rank1 = s.spawn(move || -> std::result::Result<(), String> {
+                let c = ShmComm::rendezvous(name, 3, 1, t, cfg).map_err(|e| e.to_string())?;
+                waiting_rx.recv_timeout(t).map_err(|_| "rank 2 never waited".to_string())?;
+                c.barrier().map_err(|e| e.to_string())
+            });
+            let c = ShmComm::rendezvous(name, 3, 0, t, cfg).expect("rank 0");
+            let first = c.barrier().map_err(|e| e.to_string());
+            let rank1 = rank1.join().expect("rank 1 panicked"); // rank 1 has left
+            let second = c.barrier().map_err(|e| e.to_string());
+            go_tx.send(()).expect("rank 2");
+            ((first, second), rank1, rank2.join().expect("rank 2 panicked"))
+        });
+        assert_eq!(rank0.0, Ok(()), "rank 0, first barrier");
+        let e = rank0.1.expect_err("rank 1 left before the second barrier");
+        assert!(e.contains("rank 1 left the group"), "{e}");
+        assert_eq!(rank1, Ok(()), "rank 1");
+        assert_eq!(rank2, Ok(()), "rank 2, first barrier");
     }
 }

@@ -304,10 +304,14 @@ fn presence_names_squatted_by_another_user_neither_block_nor_pose_as_a_world() {
     let hash = &path[path.len() - 16..];
     let staging = Config::default().staging_bytes;
     let me = std::process::id();
+    // This process's start time: names carry it, and a name counts only while
+    // its process lives.
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("stat");
+    let start = stat[stat.rfind(')').expect(")") + 1..].split_whitespace().nth(19).expect("starttime").to_string();
     let squatter = Squatter::bind(&[
         // A live world of another size under the name: would refuse every joiner.
         format!("ascend-moe/{hash}/3/{staging}/0/{me}"),
-        format!("ascend-moe/{hash}/3/{staging}/0/{me}/0000000000000000"),
+        format!("ascend-moe/{hash}/3/{staging}/0/{me}/{start}/0000000000000000"),
         // The very names this process's ranks would announce without a nonce.
         format!("ascend-moe/{hash}/{WORLD}/{staging}/0/{me}"),
         format!("ascend-moe/{hash}/{WORLD}/{staging}/1/{me}"),

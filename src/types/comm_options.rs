@@ -24,9 +24,7 @@ impl CommOptions {
     pub fn from_env() -> Self {
         let timeout = std::env::var("ASCEND_MOE_COMM_TIMEOUT")
             .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
+            .and_then(|s| parse_timeout(&s))
             .unwrap_or(Self::DEFAULT_TIMEOUT);
         CommOptions { timeout }
     }
@@ -34,5 +32,28 @@ impl CommOptions {
     /// Options with the given timeout.
     pub fn with_timeout(timeout: Duration) -> Self {
         CommOptions { timeout }
+    }
+}
+
+/// A timeout in seconds (may be fractional): `None` unless finite and
+/// positive; more seconds than a `Duration` holds is `Duration::MAX` (no
+/// practical bound), not a panic.
+fn parse_timeout(s: &str) -> Option<Duration> {
+    let s = s.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0)?;
+    Some(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeouts_parse_in_seconds_and_saturate_instead_of_panicking() {
+        assert_eq!(parse_timeout(" 2.5 "), Some(Duration::from_millis(2500)));
+        assert_eq!(parse_timeout("1e30"), Some(Duration::MAX));
+        assert_eq!(parse_timeout("1e300"), Some(Duration::MAX));
+        for bad in ["inf", "NaN", "-1", "0", "soon"] {
+            assert_eq!(parse_timeout(bad), None, "{bad}");
+        }
     }
 }

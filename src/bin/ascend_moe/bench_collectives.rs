@@ -364,7 +364,9 @@ pub fn main(a: Args) -> i32 {
         sizes.push(s);
         s = s.saturating_mul(a.factor);
     }
-    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| Duration::from_secs_f64(t.max(0.001)));
+    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| {
+        Duration::try_from_secs_f64(t.max(0.001)).unwrap_or(Duration::MAX)
+    });
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
     let mut lines = Vec::new();

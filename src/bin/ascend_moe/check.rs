@@ -92,7 +92,9 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: {e}");
         return 2;
     }
-    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| Duration::from_secs_f64(t.max(0.001)));
+    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| {
+        Duration::try_from_secs_f64(t.max(0.001)).unwrap_or(Duration::MAX)
+    });
     let mode = if a.procs { "processes" } else { "threads" };
     eprintln!("checking on a world of {} ranks ({mode}), timeout {:?}", a.world, timeout);
     let per_rank: Result<Vec<Vec<Row>>, String> = if a.procs {

@@ -79,7 +79,7 @@ fn fail(e: impl std::fmt::Display) -> i32 {
 }
 
 pub fn main(a: Args) -> i32 {
-    let opts = CommOptions::with_timeout(Duration::from_secs_f64(a.timeout.max(0.001)));
+    let opts = CommOptions::with_timeout(Duration::try_from_secs_f64(a.timeout.max(0.001)).unwrap_or(Duration::MAX));
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let comm = match CpuComm::rendezvous_with(&a.name, a.world, a.rank, &opts, &cfg) {
         Ok(c) => Comm::Cpu(c),

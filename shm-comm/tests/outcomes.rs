@@ -1,0 +1,118 @@
+//! Thread ranks at the edges of the protocol: timeouts too large for a
+//! deadline, and calls whose failure on one rank must not leave another
+//! rank succeeding or waiting without a cause.
+
+use std::time::Duration;
+
+use shm_comm::{Config, DataType, Error, ErrorKind, ShmComm};
+
+fn group(tag: &str) -> String {
+    format!("outcomes-{tag}-{}", std::process::id())
+}
+
+/// Runs `f(rank, comm)` on `world` threads of a fresh group joined with `timeout`.
+fn ranks<R: Send>(tag: &str, world: usize, timeout: Duration, f: impl Fn(usize, ShmComm) -> R + Sync) -> Vec<R> {
+    let name = group(tag);
+    let f = &f;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let name = &name;
+                s.spawn(move || {
+                    let cfg = Config { staging_bytes: 1 << 16 };
+                    let c = ShmComm::rendezvous(name, world, r, timeout, &cfg).expect("rendezvous");
+                    f(r, c)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    })
+}
+
+/// `Duration::MAX` cannot be added to an instant: it means no practical
+/// bound, for the rendezvous, every collective and a split alike.
+#[test]
+fn a_timeout_too_large_for_a_deadline_bounds_nothing_and_panics_nowhere() {
+    let out = ranks("huge-timeout", 2, Duration::MAX, |r, c| -> Result<u8, Error> {
+        c.barrier()?;
+        let mut buf = vec![r as u8 + 7; 4];
+        c.broadcast(DataType::U8, &mut buf, 1, Ok::<(), Error>(()))?;
+        let sub = c.split(&[1, 0])?;
+        sub.barrier()?;
+        assert_eq!(sub.timeout(), Duration::MAX);
+        Ok(buf[0])
+    });
+    assert_eq!(out, vec![Ok(8), Ok(8)]);
+}
+
+/// Members that pass different lists fail together, naming both lists (the
+/// group stays usable); after that, a split of one list meets again.
+#[test]
+fn after_members_disagreed_on_a_split_the_same_list_splits_again() {
+    let out = ranks("split-retry", 2, Duration::from_secs(2), |r, c| -> Result<usize, Error> {
+        let first = if r == 0 { [0, 1] } else { [1, 0] };
+        let e = c.split(&first).map(|_| ()).expect_err("members passed different lists");
+        assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "rank {r}: {e}");
+        assert!(
+            e.to_string().contains("rank 0 passed [0, 1]") || e.to_string().contains("rank 1 passed [1, 0]"),
+            "{e}"
+        );
+        c.barrier()?;
+        let again = c.split(&[0, 1])?;
+        again.barrier()?;
+        let twice = c.split(&[0, 1])?;
+        twice.barrier()?;
+        Ok(again.rank() + twice.rank())
+    });
+    assert_eq!(out, vec![Ok(0), Ok(2)]);
+}
+
+/// A member that split after another number of the group's collectives
+/// (here: after a barrier it alone called, which timed out) waits in another
+/// sub-group: both fail naming how many collectives each had started.
+#[test]
+fn members_that_split_after_different_collectives_fail_naming_both_counts() {
+    let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+    let failed_rx = std::sync::Mutex::new(failed_rx);
+    let out = ranks("split-seq", 2, Duration::from_secs(1), |r, c| {
+        if r == 0 {
+            assert_eq!(c.barrier().map_err(|e| e.kind()), Err(Some(ErrorKind::Timeout)));
+            failed_tx.send(()).expect("rank 1");
+        } else {
+            failed_rx.lock().expect("lock").recv().expect("rank 0");
+        }
+        c.split(&[0, 1]).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+    });
+    for (r, o) in out.iter().enumerate() {
+        let (kind, text) = o.as_ref().expect_err("the members never meet");
+        assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+        let (mine, theirs) = if r == 0 { (1, 0) } else { (0, 1) };
+        let want = format!("rank {r} after {mine} collectives, rank {} after {theirs}", 1 - r);
+        assert!(text.contains(&want), "rank {r} does not say {want:?}: {text}");
+    }
+}
+
+/// Rank 1 arrives at a single-round collective only after rank 0 gave up on
+/// it (timed out): rank 1 must fail too, naming rank 0, not copy out a
+/// result its peer never got.
+#[test]
+fn a_rank_arriving_after_its_peer_timed_out_fails_the_same_call() {
+    let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+    let failed_rx = std::sync::Mutex::new(failed_rx);
+    let out = ranks("late", 2, Duration::from_secs(1), |r, c| {
+        if r == 1 {
+            failed_rx.lock().expect("lock").recv().expect("rank 0");
+        }
+        let mut buf = vec![r as u8; 16];
+        let res = c.broadcast(DataType::U8, &mut buf, 0, Ok::<(), Error>(())).map_err(|e| (e.kind(), e.to_string()));
+        if r == 0 {
+            failed_tx.send(()).expect("rank 1");
+        }
+        res
+    });
+    let (k0, e0) = out[0].as_ref().expect_err("rank 0 waited alone");
+    assert_eq!(*k0, Some(ErrorKind::Timeout), "{e0}");
+    let (k1, e1) = out[1].as_ref().expect_err("rank 1 must not pass a call rank 0 failed");
+    assert_eq!(*k1, Some(ErrorKind::PeerFailed), "{e1}");
+    assert!(e1.contains("rank 0 failed this step"), "{e1}");
+}
