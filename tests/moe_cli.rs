@@ -101,3 +101,23 @@ fn worlds_over_the_limit_are_refused_before_they_start() {
         assert_eq!(err.lines().last(), Some(want), "{args:?}: {err}");
     }
 }
+
+/// `--timeout` takes a positive number of seconds: NaN, zero and negative
+/// values are refused by name (they used to run with a 1 ms timeout), and
+/// `inf` waits without practical bound (it used to panic).
+#[test]
+fn timeouts_are_positive_seconds_and_inf_is_unbounded() {
+    for cmd in [&["check", "--world", "1"][..], &["bench", "collectives", "--ranks", "1", "-b", "1K", "-e", "1K"]] {
+        for bad in ["nan", "0", "-1", "soon"] {
+            let out = Command::new(EXE).args(cmd).arg(format!("--timeout={bad}")).output().expect("run ascend-moe");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{cmd:?} --timeout {bad}: {err}");
+            assert!(err.contains("--timeout") && err.contains(bad), "{cmd:?} --timeout {bad}: {err}");
+        }
+    }
+    let out = Command::new(EXE)
+        .args(["check", "--world", "1", "--section", "collectives", "--timeout", "inf"])
+        .output()
+        .expect("run ascend-moe");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

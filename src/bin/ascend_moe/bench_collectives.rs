@@ -77,8 +77,8 @@ pub struct Args {
     #[arg(long)]
     procs: bool,
     /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
-    #[arg(long)]
-    timeout: Option<f64>,
+    #[arg(long, value_parser = launch::parse_timeout)]
+    timeout: Option<Duration>,
     /// Staging bytes per slot (default: the communicator's default).
     #[arg(long)]
     staging_bytes: Option<usize>,
@@ -364,9 +364,7 @@ pub fn main(a: Args) -> i32 {
         sizes.push(s);
         s = s.saturating_mul(a.factor);
     }
-    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| {
-        Duration::try_from_secs_f64(t.max(0.001)).unwrap_or(Duration::MAX)
-    });
+    let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
     let mut lines = Vec::new();

@@ -38,8 +38,8 @@ pub struct Args {
     #[arg(long)]
     procs: bool,
     /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
-    #[arg(long)]
-    timeout: Option<f64>,
+    #[arg(long, value_parser = launch::parse_timeout)]
+    timeout: Option<Duration>,
     /// Only these sections (repeatable); default: all.
     #[arg(long)]
     section: Vec<String>,
@@ -56,11 +56,12 @@ pub fn selected(names: &[String]) -> Result<Vec<(&'static str, Section)>, String
     Ok(SECTIONS.iter().filter(|(s, _)| names.is_empty() || names.iter().any(|n| n == s)).copied().collect())
 }
 
-/// Runs the selected sections on one rank.
-pub fn run_rank(comm: &Comm, names: &[String]) -> Result<Vec<Row>, String> {
+/// Runs the selected sections on one rank; an unknown section is an error
+/// naming `section`, a section's own error is returned as it is.
+pub fn run_rank(comm: &Comm, names: &[String]) -> ascend_moe::Result<Vec<Row>> {
     let mut rows = Vec::new();
-    for (_, f) in selected(names)? {
-        rows.extend(f(comm).map_err(|e| e.to_string())?);
+    for (_, f) in selected(names).map_err(|e| ascend_moe::Error::invalid("check", "section", e))? {
+        rows.extend(f(comm)?);
     }
     Ok(rows)
 }
@@ -92,9 +93,7 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: {e}");
         return 2;
     }
-    let timeout = a.timeout.map_or(CommOptions::from_env().timeout, |t| {
-        Duration::try_from_secs_f64(t.max(0.001)).unwrap_or(Duration::MAX)
-    });
+    let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
     let mode = if a.procs { "processes" } else { "threads" };
     eprintln!("checking on a world of {} ranks ({mode}), timeout {:?}", a.world, timeout);
     let per_rank: Result<Vec<Vec<Row>>, String> = if a.procs {
@@ -114,10 +113,8 @@ pub fn main(a: Args) -> i32 {
         })
     } else {
         let names = a.section.clone();
-        run_ranks(a.world, &CommOptions::with_timeout(timeout), |_, comm| {
-            run_rank(&comm, &names).map_err(|e| ascend_moe::Error::invalid("check", "section", e))
-        })
-        .map_err(|e| e.to_string())
+        run_ranks(a.world, &CommOptions::with_timeout(timeout), |_, comm| run_rank(&comm, &names))
+            .map_err(|e| e.to_string())
     };
     let per_rank = match per_rank {
         Ok(p) => p,

@@ -12,6 +12,16 @@ pub struct ProcOutput {
     pub stdout: String,
 }
 
+/// A `--timeout` in seconds (fractions allowed): positive, not NaN; more
+/// seconds than a `Duration` holds (`inf`) wait without practical bound.
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(format!("{s} seconds: a timeout is a positive number of seconds"));
+    }
+    Ok(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
 /// A fresh, unique world name.
 pub fn world_name(tag: &str) -> String {
     let nanos =

@@ -42,8 +42,8 @@ pub struct Args {
     #[arg(long)]
     rank: usize,
     /// Timeout of every wait, in seconds.
-    #[arg(long, default_value_t = 60.0)]
-    timeout: f64,
+    #[arg(long, default_value = "60", value_parser = crate::launch::parse_timeout)]
+    timeout: Duration,
     /// Staging bytes per slot.
     #[arg(long)]
     staging_bytes: Option<usize>,
@@ -79,7 +79,7 @@ fn fail(e: impl std::fmt::Display) -> i32 {
 }
 
 pub fn main(a: Args) -> i32 {
-    let opts = CommOptions::with_timeout(Duration::try_from_secs_f64(a.timeout.max(0.001)).unwrap_or(Duration::MAX));
+    let opts = CommOptions::with_timeout(a.timeout);
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let comm = match CpuComm::rendezvous_with(&a.name, a.world, a.rank, &opts, &cfg) {
         Ok(c) => Comm::Cpu(c),
