@@ -1110,6 +1110,10 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
 // rank, 0 for graph and TP padding. Other comm types leave it untouched. A
 // mask of another dtype or length is refused before any communication.
+// With a live context attached to `stream`, the call first queues a guard of
+// `ctx`; when it writes a mask, the guard compares the actual tokens too (a
+// captured mask is replayed as written), where "all" and this DP rank's
+// token count are the same value.
 // With `pcp_size > 1` (groups from `amoe_moe_groups_new` with the same PCP
 // size) ALLGATHER without SP gathers over DP then PCP, and
 // `amoe_token_finalize` is a PCP reduce-scatter then a DP reduce-scatter.

@@ -52,7 +52,7 @@ extern "C" __global__ __aicore__ void amoe_guard_kernel(GM_ADDR live, GM_ADDR st
                 continue;
             }
             const uint32_t v = l.GetValue(i);
-            if (v != t.expected[i]) {
+            if (v != t.expected[i] && !(i == t.alt_word && v == t.alt_value)) {
                 head[AMOE_FIN_STATUS_CODE] = AMOE_GUARD_ST_MISMATCH;
                 head[AMOE_FIN_STATUS_POSITION] = i;
                 head[AMOE_FIN_STATUS_VALUE] = v;

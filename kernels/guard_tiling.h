@@ -10,8 +10,8 @@
  *   [4] PCP size          [5] actual tokens of this DP rank (AMOE_CTX_ALL = all)
  *   [6] DP size           [7 ..] tokens of each DP rank
  *
- * The tiling carries the expected words and a mask of the words to compare
- * (bit i of mask[i / 32]). The first differing word is written to the status
+ * The tiling carries the expected words, a mask of the words to compare
+ * (bit i of mask[i / 32]) and at most one word with a second accepted value. The first differing word is written to the status
  * record (the finalize kernel's record layout): code, word index, live value,
  * expected value.
  *
@@ -39,8 +39,9 @@
 #define AMOE_CTX_MAX_DP (AMOE_CTX_WORDS - AMOE_CTX_W_DP_TOKENS)
 #define AMOE_CTX_ALL 0xFFFFFFFFu
 
-/* 'AMG1' */
-#define AMOE_GUARD_TILING_MAGIC 0x31474D41u
+/* 'AMG2' */
+#define AMOE_GUARD_TILING_MAGIC 0x32474D41u
+#define AMOE_GUARD_NO_ALT 0xFFFFFFFFu
 
 /* Global-memory pointers of a launch. */
 #define AMOE_GUARD_GM_LIVE 0
@@ -58,6 +59,10 @@ typedef struct AmoeGuardTiling {
     uint32_t words; /* words compared: <= AMOE_CTX_WORDS */
     uint32_t mask[AMOE_CTX_WORDS / 32u];
     uint32_t expected[AMOE_CTX_WORDS];
+    /* One compared word may also equal alt_value (AMOE_GUARD_NO_ALT: none):
+     * "every token is real" is AMOE_CTX_ALL or this DP rank's token count. */
+    uint32_t alt_word;
+    uint32_t alt_value;
 } AmoeGuardTiling;
 
 #endif

@@ -311,3 +311,88 @@ fn an_op_on_a_stream_with_an_attached_live_context_guards_itself() {
         }
     });
 }
+
+/// An MC2 prepare that writes the mask, captured with a live context
+/// attached: the mask is the captured context's, so a replay for another
+/// count of actual tokens (same DP tokens: the engine's graph padding) is
+/// reported, while "all" and the full count pass alike. Without the mask the
+/// actual tokens are not compared (nothing captured depends on them).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_captured_mc2_mask_is_guarded_against_another_count_of_actual_tokens() {
+    use ascend_moe::backend::npu::{HcclComm, HcclRootInfo};
+    let dev = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
+    let root = HcclRootInfo::generate(&dev).expect("root info");
+    let hccl = HcclComm::from_root_info(&dev, &root, 1, 0, &ascend_moe::CommOptions::from_env()).expect("hccl");
+    let raw = dev.stream().raw();
+    let (mut s, mut c, mut g, mut live) = (null_mut(), null_mut(), null_mut(), null_mut());
+    // SAFETY: live stream and communicator of this device, outliving the handles.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(raw, 0, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), 0, AMOE_HCCL_WORLD, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_moe_groups_new(c, 1, 1, &mut g), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
+    }
+    let dp = [8usize];
+    let x = dev.clone_htod(&[1.0f32; 16]).expect("x");
+    let (out, mask) = (dev.alloc_zeros::<f32>(16).expect("out"), dev.alloc_zeros::<u8>(8).expect("mask"));
+    dev.synchronize().expect("sync");
+    let (xs, ms) = ([8usize, 2], [8usize]);
+    let desc = |p: *mut std::ffi::c_void, dtype: amoe_dtype, shape: &[usize]| amoe_tensor {
+        data: p,
+        dtype: dtype as u32,
+        ndim: shape.len(),
+        shape: shape.as_ptr(),
+        strides: std::ptr::null(),
+        device_kind: amoe_device_kind::Npu as u32,
+        device_ordinal: 0,
+    };
+    let (xd, od) =
+        (desc(x.as_bytes().as_ptr(), amoe_dtype::F32, &xs), desc(out.as_bytes().as_ptr(), amoe_dtype::F32, &xs));
+    let md = desc(mask.as_bytes().as_ptr(), amoe_dtype::U8, &ms);
+    let ctx = amoe_moe_context { dp_tokens: dp.as_ptr(), dp_size: 1, tp_size: 1, ..Default::default() };
+    let set = |actual: usize| {
+        // SAFETY: live handles; the context's dp_tokens outlive the call.
+        let st = unsafe { amoe_live_context_set(live, &fc(amoe_comm_type::Mc2, &dp, actual), s) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    };
+    let check = || {
+        // SAFETY: live handles.
+        let st = unsafe { amoe_live_context_check(live, s) };
+        (st, if st == amoe_status::Ok { String::new() } else { last_error() })
+    };
+    let prepare = |m: *const amoe_tensor| {
+        // SAFETY: descriptors over live device memory of this device; live handles.
+        let st = unsafe { amoe_token_prepare(&xd, amoe_comm_type::Mc2 as u32, &ctx, g, &od, m, s) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    };
+    set(AMOE_ALL_TOKENS);
+    // Once outside capture (the pool grows there), then captured.
+    prepare(&md);
+    assert_eq!(check(), (amoe_status::Ok, String::new()));
+    let mode = acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL;
+    let with_mask = Graph::capture_in(raw, mode, || prepare(&md));
+    let without = Graph::capture_in(raw, mode, || prepare(std::ptr::null()));
+    for all in [AMOE_ALL_TOKENS, 8] {
+        set(all);
+        with_mask.replay(raw);
+        without.replay(raw);
+        assert_eq!(check(), (amoe_status::Ok, String::new()), "live actual {all}");
+    }
+    set(3);
+    without.replay(raw);
+    assert_eq!(check(), (amoe_status::Ok, String::new()), "no mask: the actual tokens do not matter");
+    with_mask.replay(raw);
+    let (st, msg) = check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("num_actual_tokens is 3") && msg.contains("captured for all"), "{msg}");
+    drop((with_mask, without));
+    // SAFETY: live handles, not used afterwards.
+    unsafe {
+        amoe_live_context_free(live);
+        amoe_moe_groups_free(g);
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+}

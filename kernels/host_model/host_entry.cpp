@@ -241,6 +241,8 @@ extern "C" size_t amoe_guard_tiling_layout(uint32_t *out, size_t cap)
         offsetof(AmoeGuardTiling, words),
         offsetof(AmoeGuardTiling, mask),
         offsetof(AmoeGuardTiling, expected),
+        offsetof(AmoeGuardTiling, alt_word),
+        offsetof(AmoeGuardTiling, alt_value),
         sizeof(AmoeGuardTiling),
     };
     const size_t n = sizeof(v) / sizeof(v[0]);

@@ -62,10 +62,11 @@ impl<'a> Call<'a> {
     }
 
     /// The guard an op that depends on the forward context queues first when
-    /// a live context is attached to the call's stream ([`LiveStream::guard`]).
-    pub(crate) fn guard(&self, comm: CommType, ctx: Option<&MoeContext>) -> Result<(), Failure> {
+    /// a live context is attached to the call's stream ([`LiveStream::guard`];
+    /// `actual`: the op writes what depends on the actual tokens).
+    pub(crate) fn guard(&self, comm: CommType, ctx: Option<&MoeContext>, actual: bool) -> Result<(), Failure> {
         match self.stream {
-            Some(s) => Ok(s.guard(self.f, comm, ctx)?),
+            Some(s) => Ok(s.guard(self.f, comm, ctx, actual)?),
             None => Ok(()),
         }
     }

@@ -234,6 +234,10 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 /// own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
 /// rank, 0 for graph and TP padding. Other comm types leave it untouched. A
 /// mask of another dtype or length is refused before any communication.
+/// With a live context attached to `stream`, the call first queues a guard of
+/// `ctx`; when it writes a mask, the guard compares the actual tokens too (a
+/// captured mask is replayed as written), where "all" and this DP rank's
+/// token count are the same value.
 /// With `pcp_size > 1` (groups from `amoe_moe_groups_new` with the same PCP
 /// size) ALLGATHER without SP gathers over DP then PCP, and
 /// `amoe_token_finalize` is a PCP reduce-scatter then a DP reduce-scatter.
@@ -267,7 +271,10 @@ pub unsafe extern "C" fn amoe_token_prepare(
         let c = context(F, ctx)?;
         let g = try_handle(F, "groups", groups)?;
         let ct = CommType::from_u32(comm_type)?;
-        cx.guard(ct, Some(&c))?;
+        // A mask written for the captured actual tokens would be replayed
+        // for others: the guard compares them too.
+        let writes_mask = !mc2_mask.is_null() && pf::mc2_mask_extent(ct, &c).is_some();
+        cx.guard(ct, Some(&c), writes_mask)?;
         let x = cx.input("x", x)?;
         let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
         let out = cx.out("out", out)?;
@@ -348,7 +355,7 @@ pub unsafe extern "C" fn amoe_token_finalize(
         let c = context(F, ctx)?;
         let g = try_handle(F, "groups", groups)?;
         let ct = CommType::from_u32(comm_type)?;
-        cx.guard(ct, Some(&c))?;
+        cx.guard(ct, Some(&c), false)?;
         let yt = cx.input("y", y)?;
         let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
         let out = cx.out("out", out)?;

@@ -112,14 +112,19 @@ impl LiveStream {
     /// The guard an op `op` that depends on the forward context queues
     /// first, when a live context is attached: against `ctx` (the MoE
     /// context the call was made with) or, without one, the comm type alone.
-    /// Only enqueues; nothing when no context is attached.
-    pub fn guard(&self, op: &'static str, comm: CommType, ctx: Option<&MoeContext>) -> Result<()> {
+    /// `actual`: the op writes what depends on `ctx`'s actual tokens (an MC2
+    /// mask), so they are compared too. Only enqueues; nothing when no context
+    /// is attached.
+    pub fn guard(&self, op: &'static str, comm: CommType, ctx: Option<&MoeContext>, actual: bool) -> Result<()> {
         let Some(live) = self.attached() else { return Ok(()) };
         let tiling = match ctx {
-            Some(c) => GuardTiling::new(
-                &ContextWords::encode(comm as u32, c.sp(), c.pcp_size().max(1), None, c.dp_tokens())?,
-                false,
-            ),
+            Some(c) => {
+                let words = ContextWords::encode(comm as u32, c.sp(), c.pcp_size().max(1), None, c.dp_tokens())?;
+                match actual {
+                    true => GuardTiling::with_actual_tokens(&words, c.num_actual_tokens(), c.dp_tokens()[c.dp_rank()])?,
+                    false => GuardTiling::new(&words, false),
+                }
+            }
             None => GuardTiling::comm_type_only(comm as u32),
         };
         live.guard_with(op, &tiling, self.device.stream())

@@ -56,7 +56,7 @@ pub(crate) fn expect_all_equal(
     mismatch: crate::backend::Mismatch,
 ) -> Result<()> {
     const OP: &str = "expect_all_equal";
-    use kernels::guard::{decode_guard_status, GuardTiling, CTX_WORDS, GUARD_TILING_MAGIC};
+    use kernels::guard::{decode_guard_status, GuardTiling, CTX_WORDS, GUARD_NO_ALT, GUARD_TILING_MAGIC};
     if values.dtype() != DType::I32 {
         return Err(Error::dtype(OP, "values", "i32", values.dtype()));
     }
@@ -81,6 +81,8 @@ pub(crate) fn expect_all_equal(
             words: CTX_WORDS as u32,
             mask,
             expected: [expected as u32; CTX_WORDS],
+            alt_word: GUARD_NO_ALT,
+            alt_value: 0,
         };
         let m = mismatch.clone();
         let decode = Box::new(move |rec: &[u32]| decode_guard_status(OP, rec, |i, v, _| m(None, first + i, v as i32)));

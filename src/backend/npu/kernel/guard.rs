@@ -40,8 +40,10 @@ pub(crate) const W_DP_TOKENS: usize = 7;
 pub(crate) const CTX_MAX_DP: usize = CTX_WORDS - W_DP_TOKENS;
 /// `AMOE_CTX_ALL`: every token of the DP rank is real.
 pub(crate) const CTX_ALL: u32 = u32::MAX;
-/// `AMOE_GUARD_TILING_MAGIC` ('AMG1').
-pub(crate) const GUARD_TILING_MAGIC: u32 = 0x3147_4D41;
+/// `AMOE_GUARD_TILING_MAGIC` ('AMG2').
+pub(crate) const GUARD_TILING_MAGIC: u32 = 0x3247_4D41;
+/// `AMOE_GUARD_NO_ALT`: no word takes a second value.
+pub(crate) const GUARD_NO_ALT: u32 = u32::MAX;
 
 const ST_OK: u32 = 0;
 const ST_BAD_TILING: u32 = 4;
@@ -132,6 +134,10 @@ pub struct GuardTiling {
     pub(crate) mask: [u32; CTX_WORDS / 32],
     /// The words the ops were captured for.
     pub(crate) expected: [u32; CTX_WORDS],
+    /// A compared word that may also equal `alt_value` ([`GUARD_NO_ALT`]: none).
+    pub(crate) alt_word: u32,
+    /// The second value `alt_word` may take.
+    pub(crate) alt_value: u32,
 }
 
 impl GuardTiling {
@@ -144,7 +150,32 @@ impl GuardTiling {
             words: CTX_WORDS as u32,
             mask: expected.mask(actual),
             expected: expected.0,
+            alt_word: GUARD_NO_ALT,
+            alt_value: 0,
         }
+    }
+
+    /// The guard of ops that write the MC2 mask of `real` real tokens out of
+    /// this DP rank's `tokens` (captured for `expected`, which holds the
+    /// other words): the actual-token count is compared too. When every token
+    /// is real, the live context may say so either way, "all" or `tokens`.
+    pub fn with_actual_tokens(expected: &ContextWords, real: usize, tokens: usize) -> Result<GuardTiling> {
+        let mut w = *expected;
+        if real < tokens {
+            w.0[W_ACTUAL] = u32::try_from(real).ok().filter(|&v| v != CTX_ALL).ok_or_else(|| {
+                Error::invalid(
+                    "forward_context",
+                    "num_actual_tokens",
+                    format!("{real} does not fit a 32-bit context word"),
+                )
+            })?;
+            return Ok(GuardTiling::new(&w, true));
+        }
+        w.0[W_ACTUAL] = CTX_ALL;
+        let mut t = GuardTiling::new(&w, true);
+        // `tokens` is one of the DP counts `expected` holds, so it fits a word.
+        (t.alt_word, t.alt_value) = (W_ACTUAL as u32, tokens as u32);
+        Ok(t)
     }
 
     /// The guard of ops that depend on the comm type alone (the reduction
@@ -156,7 +187,14 @@ impl GuardTiling {
         expected[W_COMM_TYPE] = comm_type;
         let mut mask = [0u32; CTX_WORDS / 32];
         mask[0] = 0b111;
-        GuardTiling { magic: GUARD_TILING_MAGIC, words: CTX_WORDS as u32, mask, expected }
+        GuardTiling {
+            magic: GUARD_TILING_MAGIC,
+            words: CTX_WORDS as u32,
+            mask,
+            expected,
+            alt_word: GUARD_NO_ALT,
+            alt_value: 0,
+        }
     }
 
     /// The tiling's bytes.

@@ -39,8 +39,9 @@ fn the_words_follow_the_header_layout() {
 #[test]
 fn tiling_layout_matches_the_c_header() {
     let c = c_guard_tiling_layout().expect("host kernel built");
-    assert_eq!(c, vec![0, 4, 8, 16, 16 + 4 * CTX_WORDS as u32]);
-    assert_eq!(std::mem::size_of::<GuardTiling>(), 16 + 4 * CTX_WORDS);
+    let alt = 16 + 4 * CTX_WORDS as u32;
+    assert_eq!(c, vec![0, 4, 8, 16, alt, alt + 4, alt + 8]);
+    assert_eq!(std::mem::size_of::<GuardTiling>(), alt as usize + 8);
 }
 
 #[test]
@@ -80,6 +81,26 @@ fn the_actual_token_count_is_compared_only_when_asked() {
     guard_host("moe_layer", &live.0, &GuardTiling::new(&captured, false)).unwrap();
     let (field, was, now) = stale(guard_host("moe_layer", &live.0, &GuardTiling::new(&captured, true)));
     assert_eq!((field.as_str(), was.as_str(), now.as_str()), ("num_actual_tokens", "3", "2"));
+}
+
+/// The guard of ops writing an MC2 mask: captured with padding (3 of 4
+/// real), another count is stale and so is "all"; captured with every token
+/// real, the live context may say "all" or the count, and a smaller count is
+/// stale (the captured mask would mark its padding real).
+#[test]
+fn an_mc2_mask_guard_compares_the_actual_tokens_and_takes_all_either_way() {
+    let padded = GuardTiling::with_actual_tokens(&ctx(MC2, None, &[4, 4]), 3, 4).unwrap();
+    guard_host("moe_layer", &ctx(MC2, Some(3), &[4, 4]).0, &padded).unwrap();
+    for live in [Some(2), Some(4), None] {
+        let (field, was, _) = stale(guard_host("moe_layer", &ctx(MC2, live, &[4, 4]).0, &padded));
+        assert_eq!((field.as_str(), was.as_str()), ("num_actual_tokens", "3"), "live {live:?}");
+    }
+    let full = GuardTiling::with_actual_tokens(&ctx(MC2, None, &[4, 4]), 4, 4).unwrap();
+    for live in [None, Some(4)] {
+        guard_host("moe_layer", &ctx(MC2, live, &[4, 4]).0, &full).unwrap();
+    }
+    let (field, was, now) = stale(guard_host("moe_layer", &ctx(MC2, Some(3), &[4, 4]).0, &full));
+    assert_eq!((field.as_str(), was.as_str(), now.as_str()), ("num_actual_tokens", "all", "3"));
 }
 
 #[test]
