@@ -176,7 +176,17 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
     unsafe {
         match rng.below(18) {
             16 | 17 => {
-                let dp = if rng.chance(85) { vec![rng.below(5) as usize] } else { sizes_upto(rng, 4) };
+                // Sometimes a batch far larger than memory, of zero-width rows
+                // (no bytes): nothing may be held per row.
+                let huge = rng.chance(5);
+                let dp = if huge {
+                    vec![1usize << (40 + rng.below(8))]
+                } else if rng.chance(85) {
+                    vec![rng.below(5) as usize]
+                } else {
+                    sizes_upto(rng, 4)
+                };
+                let h = if huge { 0 } else { h };
                 let ctx = amoe_moe_context {
                     dp_tokens: maybe_null(rng, &dp),
                     dp_size: dp.len(),
