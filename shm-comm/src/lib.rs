@@ -140,6 +140,7 @@
 //! [`Error`] works).
 
 mod api;
+mod clock;
 mod collectives;
 mod copy;
 mod counts;
@@ -336,7 +337,7 @@ impl ShmComm {
             }),
         };
         // Wait until every slot is taken.
-        let deadline = wait::deadline(start, timeout);
+        let deadline = clock::deadline(start, timeout);
         let mut st = comm.lock();
         // A slot once taken counts as joined even if its rank already moved on
         // and left: failures show up in the next collective.

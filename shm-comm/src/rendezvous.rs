@@ -67,7 +67,7 @@ impl Segment {
     pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
         let path = segment_path(name);
         let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("rendezvous", "name", "NUL byte"))?;
-        let deadline = crate::wait::deadline(Instant::now(), timeout);
+        let deadline = crate::clock::deadline(Instant::now(), timeout);
         let mut backoff = Backoff::default();
         loop {
             let file = match open_own(&cpath, &path) {

@@ -6,19 +6,10 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::clock::deadline;
 use crate::descriptor::last_call;
 use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT};
 use crate::{process, ErrorKind, Result, ShmComm, State};
-
-/// Further than any wait needs: where `timeout` is too large for a deadline,
-/// waits are bounded by this instead (over 30 years).
-const FAR: Duration = Duration::from_secs(1 << 30);
-
-/// The instant `timeout` after `from`; a timeout too large to add (e.g.
-/// `Duration::MAX`) means waiting without practical bound, not a panic.
-pub(crate) fn deadline(from: Instant, timeout: Duration) -> Instant {
-    from.checked_add(timeout).or_else(|| from.checked_add(FAR)).unwrap_or(from)
-}
 
 /// A phase settled as failed in [`crate::segment::Header::verdict`]: this
 /// bit, the failing rank at [`FAILED_RANK_SHIFT`], the phase below. Every

@@ -1,0 +1,13 @@
+//! Deadlines that a timeout of any size cannot overflow.
+
+use std::time::{Duration, Instant};
+
+/// Further than any wait needs: where `timeout` is too large for a deadline,
+/// waits are bounded by this instead (over 30 years).
+const FAR: Duration = Duration::from_secs(1 << 30);
+
+/// The instant `timeout` after `from`; a timeout too large to add (e.g.
+/// `Duration::MAX`) means waiting without practical bound, not a panic.
+pub(crate) fn deadline(from: Instant, timeout: Duration) -> Instant {
+    from.checked_add(timeout).or_else(|| from.checked_add(FAR)).unwrap_or(from)
+}
