@@ -99,8 +99,8 @@ fn launch_native(
         stream.stage_to_device(bytemuck::cast_slice(&offsets), offsets_buf.as_ptr(), offsets_buf.len_bytes())?;
         gm[kernels::GM_SLOT_OFFSETS] = offsets_buf.as_ptr();
     }
-    // The status record: a pool block the stream's check holds, or under
-    // capture a zeroed slot the graph keeps (see `device_check`).
+    // The status record: a slot of the stream's ring the check frees, or
+    // under capture a zeroed slot the graph keeps (see `device_check`).
     let record = Record::begin(stream, tiling.status_words())?;
     gm[kernels::GM_STATUS] = record.ptr();
 
