@@ -158,6 +158,42 @@ fn actual_tokens_count_only_for_guards_that_ask_and_an_unset_context_is_reported
     assert!(msg.contains("num_actual_tokens is 5") && msg.contains("captured for 6"), "{msg}");
 }
 
+/// Setting the live context before each replay, as an engine does every
+/// step, makes no event and waits on the host for nothing once the copies
+/// of the earlier sets have run: over rounds of 8 sets (the staging slots a
+/// context has), each after the stream drained, no host sync and no event
+/// creation are counted.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn setting_the_context_after_the_stream_drained_neither_waits_nor_makes_events() {
+    let e = Engine::new();
+    let api = acl_sys::acl().expect("ACL loaded");
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    // Every staging slot used once.
+    for _ in 0..8 {
+        e.set(&mc2);
+    }
+    let mut total = acl_sys::CannsimCounters::default();
+    for _ in 0..4 {
+        e._device.synchronize().unwrap();
+        api.reset_counters();
+        for _ in 0..8 {
+            e.set(&mc2);
+        }
+        if let Some(c) = api.counters() {
+            total.host_syncs += c.host_syncs;
+            total.event_creates += c.event_creates;
+            total.h2d_copies += c.h2d_copies;
+        }
+    }
+    if api.counters().is_some() {
+        assert_eq!((total.host_syncs, total.event_creates, total.h2d_copies), (0, 0, 32), "{total:?}");
+    }
+    assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error());
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn bad_contexts_and_flags_are_refused_before_anything_is_enqueued() {

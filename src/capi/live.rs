@@ -132,8 +132,9 @@ pub unsafe extern "C" fn amoe_live_context_device_ptr(
 
 /// Enqueues on `stream` the update of the live context to `fc` (a copy from
 /// pinned staging the library owns). The engine calls it before each replay,
-/// outside capture. Never synchronises, except to wait for the oldest of 8
-/// earlier updates that the stream has not run yet.
+/// outside capture. Creates no event, and never synchronises except to wait
+/// for the update 8 updates earlier when the stream has not run it yet
+/// (asked first with `aclrtQueryEventStatus`, which does not wait).
 ///
 /// # Safety
 /// `ctx`, `stream` live; `fc` valid.
