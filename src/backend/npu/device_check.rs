@@ -278,12 +278,7 @@ impl GuardLauncher {
         if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
             return Ok(GuardLauncher::Sim(launch, entry));
         }
-        shared_kernel_lib().map(GuardLauncher::Lib).ok_or_else(|| {
-            Error::Unavailable(format!(
-                "{who}: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel library \
-                 is available"
-            ))
-        })
+        shared_kernel_lib().map(GuardLauncher::Lib).ok_or_else(|| super::launch::native_unavailable(who))
     }
 
     /// Launches the guard kernel on `stream` with `gm` and the `len`-byte

@@ -10,7 +10,7 @@ use std::ffi::c_void;
 use super::aclnn::{opt, Desc};
 use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
-use super::launch::{choose_finalize, launcher, FinalizeImpl, Launcher};
+use super::launch::{choose_finalize, launcher, native_unavailable, native_unavailable_reason, FinalizeImpl, Launcher};
 use super::memory::NpuBuffer;
 use super::operands::{check_indices, host_copy, npu_buf, read_indices_to_host_for_validation, run_phase_two};
 use super::result::aclnn::{op_missing, opapi};
@@ -53,13 +53,7 @@ fn launch_native(
     extra_flags: u32,
 ) -> Result<()> {
     const OP: &str = "finalize_routing";
-    let launcher = launcher().ok_or_else(|| {
-        Error::Unavailable(
-            "native finalize: neither cannsim_launch_kernel with the host kernel build nor the AI Core \
-             kernel library is available"
-                .into(),
-        )
-    })?;
+    let launcher = launcher().ok_or_else(|| native_unavailable("native finalize"))?;
     let mut tiling = kernels::finalize_tiling(&kernels::TilingParams::from_args(
         &args.metas(),
         dims,
@@ -166,7 +160,8 @@ pub(crate) fn finalize_routing(
                 Some(_) => finalize_native(device, args, dims, out, rows),
                 None => Err(Error::Unavailable(format!(
                     "finalize_routing: aclnnMoeFinalizeRoutingV2 does not accept this call ({rule}) and the \
-                     native kernel is not available"
+                     native kernel is not available ({})",
+                    native_unavailable_reason()
                 ))),
             },
         },
