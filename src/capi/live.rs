@@ -186,7 +186,9 @@ pub unsafe extern "C" fn amoe_live_context_guard(
 /// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
 /// guard found the live context different from the one its ops were captured
 /// for (the first such guard, in enqueue order; each difference is reported
-/// once), else OK. Outside capture.
+/// once), else OK. Outside capture. The records of guards enqueued outside
+/// capture are released by every check, also one that fails because the
+/// stream failed (its error is returned).
 ///
 /// # Safety
 /// `ctx`, `stream` live.

@@ -276,34 +276,44 @@ impl LiveContext {
 
     /// Reads every guard record after the caller synchronised the streams the
     /// guards ran on, and returns the first stale context (in enqueue order).
-    /// Eager guards' slots are released; a reported record is reset, so each
-    /// mismatch is reported once per run. A host read: this is the caller's
-    /// sync point, never called by an op.
+    /// Eager guards' slots are released, also when the records cannot be read
+    /// (the read's error is returned: the stream failed, and what the guards
+    /// found is lost with it); a reported record is reset, so each mismatch
+    /// is reported once per run. A host read: this is the caller's sync
+    /// point, never called by an op.
     pub fn check(&self) -> Result<()> {
         let mut s = lock(&self.slots);
         if s.slots.iter().all(|x| *x == Slot::Free) {
             return Ok(());
         }
         let mut words = vec![0u32; GUARD_SLOTS * STATUS_WORDS];
-        self.records.copy_to_host(bytemuck::cast_slice_mut(&mut words))?;
+        let read = self.records.copy_to_host(bytemuck::cast_slice_mut(&mut words));
         let mut first: Option<(u64, usize, Error)> = None;
+        let mut reset = Ok(());
         for (i, slot) in s.slots.iter_mut().enumerate() {
             let (op, seq, eager) = match *slot {
                 Slot::Free => continue,
                 Slot::Eager(op, seq) => (op, seq, true),
                 Slot::Captured(op, seq) => (op, seq, false),
             };
+            if eager {
+                *slot = Slot::Free;
+            }
+            if read.is_err() {
+                continue;
+            }
             let rec = &words[i * STATUS_WORDS..(i + 1) * STATUS_WORDS];
             if let Err(e) = check_guard_status(op, rec) {
-                self.records.memset_async(0, i * RECORD_BYTES, RECORD_BYTES)?;
+                if reset.is_ok() {
+                    reset = self.records.memset_async(0, i * RECORD_BYTES, RECORD_BYTES);
+                }
                 if first.as_ref().map_or(true, |(s, _, _)| seq < *s) {
                     first = Some((seq, i, e));
                 }
             }
-            if eager {
-                *slot = Slot::Free;
-            }
         }
+        read?;
+        reset?;
         self.device.synchronize()?;
         match first {
             None => Ok(()),
