@@ -680,7 +680,9 @@ amoe_status amoe_barrier(const struct amoe_comm *comm, const struct amoe_stream 
 // Reserves workspace on `stream` ahead of use: afterwards its pool holds a
 // free block of at least `bytes` device bytes and a pinned staging block of
 // at least `staging_bytes` host bytes (small host data the native kernel
-// needs: slot offsets, a tiling; a few KiB cover every call). Ops take their
+// needs: slot offsets, a tiling; a few KiB cover every call; outside capture
+// a stream also stages through an arena of its own made at its first staged
+// copy, and reuses its blocks once their copies completed). Ops take their
 // intermediates from that pool without `aclrtMalloc`; under graph capture the
 // pool cannot grow, so reserve (or run each op once) before capturing. Size
 // `bytes` from the ops' shape functions (the largest intermediate of a call
@@ -767,8 +769,11 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // `stream` one memset of the status words and one kernel launch writing
 // `out` in place (plus, for the
 // padded layout, one small copy of the slot offsets from a pinned staging
-// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
-// reads device data on the host; a bad index is returned by
+// block); workspace comes from the stream's pool or allocator. It never reads device data on
+// the host. After the first launch on `stream` (which reserves its status records and pinned
+// staging) it never calls `aclrtMalloc` or `aclrtMallocHost`, however many calls run between
+// two `amoe_stream_check`s, and it waits on the host only when 256 launches ran without a check
+// or its 16 staging blocks are all in flight (README, "NPU ops only enqueue"); a bad index is returned by
 // `amoe_stream_check(stream)` with its argument, position and value. NPU
 // tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
 // can launch, one launch of it first checks the index tensors into
@@ -807,8 +812,10 @@ amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *perm
 //
 // NPU, native kernel (the default where it can launch): enqueues on
 // `stream` one memset of the status words and one kernel launch writing
-// `out`; it never synchronises, never calls `aclrtMalloc`, never reads device
-// data on the host, and can be captured into a graph. NPU, aclnn
+// `out`; it never reads device data on the host and can be captured into a
+// graph. After the first launch on `stream` it never calls `aclrtMalloc` or
+// `aclrtMallocHost`, however many calls run between two checks, and waits
+// on the host only as `amoe_moe_finalize_routing` says. NPU, aclnn
 // (`ASCEND_MOE_NPU_FINALIZE=aclnn`, or no native kernel): the indices are
 // read on the host (one device-to-host copy and synchronisation) to decide
 // whether `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in
@@ -906,8 +913,9 @@ amoe_status amoe_live_context_device_ptr(const struct amoe_live_context *ctx,
 
 // Enqueues on `stream` the update of the live context to `fc` (a copy from
 // pinned staging the library owns). The engine calls it before each replay,
-// outside capture. Never synchronises, except to wait for the oldest of 8
-// earlier updates that the stream has not run yet.
+// outside capture. Creates no event, and never synchronises except to wait
+// for the update 8 updates earlier when the stream has not run it yet
+// (asked first with `aclrtQueryEventStatus`, which does not wait).
 //
 // # Safety
 // `ctx`, `stream` live; `fc` valid.
@@ -934,7 +942,9 @@ amoe_status amoe_live_context_guard(const struct amoe_live_context *ctx,
 // returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
 // guard found the live context different from the one its ops were captured
 // for (the first such guard, in enqueue order; each difference is reported
-// once), else OK. Outside capture.
+// once), else OK. Outside capture. The records of guards enqueued outside
+// capture are released by every check, also one that fails because the
+// stream failed (its error is returned).
 //
 // # Safety
 // `ctx`, `stream` live.

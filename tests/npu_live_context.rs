@@ -158,6 +158,86 @@ fn actual_tokens_count_only_for_guards_that_ask_and_an_unset_context_is_reported
     assert!(msg.contains("num_actual_tokens is 5") && msg.contains("captured for 6"), "{msg}");
 }
 
+/// Setting the live context before each replay, as an engine does every
+/// step, makes no event and waits on the host for nothing once the copies
+/// of the earlier sets have run: over rounds of 8 sets (the staging slots a
+/// context has), each after the stream drained, no host sync and no event
+/// creation are counted.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn setting_the_context_after_the_stream_drained_neither_waits_nor_makes_events() {
+    let e = Engine::new();
+    let api = acl_sys::acl().expect("ACL loaded");
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    // Every staging slot used once.
+    for _ in 0..8 {
+        e.set(&mc2);
+    }
+    let mut total = acl_sys::CannsimCounters::default();
+    for _ in 0..4 {
+        e._device.synchronize().unwrap();
+        api.reset_counters();
+        for _ in 0..8 {
+            e.set(&mc2);
+        }
+        if let Some(c) = api.counters() {
+            total.host_syncs += c.host_syncs;
+            total.event_creates += c.event_creates;
+            total.h2d_copies += c.h2d_copies;
+        }
+    }
+    if api.counters().is_some() {
+        assert_eq!((total.host_syncs, total.event_creates, total.h2d_copies), (0, 0, 32), "{total:?}");
+    }
+    assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error());
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+}
+
+/// A check whose records cannot be read (the stream failed: here a copy
+/// from device memory freed before the copy ran) returns the failure and
+/// still releases the eager guards' records, so failing checks do not use
+/// up the context's guard slots.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_check_that_cannot_read_the_records_still_releases_the_eager_guards() {
+    use ascend_moe::backend::npu::{ContextWords, GuardTiling, LiveContext};
+    use ascend_moe::moe::ForwardContext;
+    use ascend_moe::CommType;
+    // Its own device: the failure sticks to the stream.
+    let dev = NpuDevice::open(3).unwrap();
+    let live = LiveContext::new(&dev).unwrap();
+    let ctx = ForwardContext {
+        comm_type: CommType::Mc2,
+        sp: false,
+        dp_tokens: vec![4, 4],
+        num_actual_tokens: None,
+        pcp_size: 1,
+    };
+    let w: ContextWords = ctx.words().unwrap();
+    live.set(&w, dev.stream()).unwrap();
+    live.guard_with("test op", &GuardTiling::new(&w, false), dev.stream()).unwrap();
+    assert_eq!(live.guards_in_use(), 1);
+    let api = acl_sys::acl().unwrap();
+    dev.set_current().unwrap();
+    let (mut src, mut dst) = (null_mut(), null_mut());
+    let policy = acl_sys::aclrtMemMallocPolicy::ACL_MEM_MALLOC_HUGE_FIRST;
+    // SAFETY: valid out-pointers, nonzero sizes, the device is bound; `src`
+    // is freed while the copy from it is still queued, on purpose: the copy
+    // then fails when the stream runs it.
+    unsafe {
+        assert_eq!((api.lib.aclrtMalloc.as_ref().unwrap())(&mut src, 64, policy), 0);
+        assert_eq!((api.lib.aclrtMalloc.as_ref().unwrap())(&mut dst, 64, policy), 0);
+        let kind = acl_sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE;
+        assert_eq!((api.lib.aclrtMemcpyAsync.as_ref().unwrap())(dst, 64, src, 64, kind, dev.stream().raw()), 0);
+        assert_eq!((api.lib.aclrtFree.as_ref().unwrap())(src), 0);
+    }
+    live.check().expect_err("the stream failed");
+    assert_eq!(live.guards_in_use(), 0, "the eager guard's record was released");
+    // SAFETY: allocated above, freed once.
+    unsafe { (api.lib.aclrtFree.as_ref().unwrap())(dst) };
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn bad_contexts_and_flags_are_refused_before_anything_is_enqueued() {

@@ -119,6 +119,23 @@ fn probe_report_names_every_library_and_path() {
     }
 }
 
+/// `ascend-moe info` says why the AI Core kernel library did not load (here:
+/// `ASCEND_MOE_KERNEL_LIB` names a missing file), instead of leaving the
+/// fall-back to aclnn unexplained.
+#[test]
+fn info_reports_why_the_kernel_library_did_not_load() {
+    let missing = std::env::temp_dir().join("ascend-moe-no-such-dir/libamoe_kernels_npu.so");
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ascend-moe"))
+        .arg("info")
+        .env("ASCEND_MOE_KERNEL_LIB", &missing)
+        .output()
+        .expect("run info");
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(text.contains("AI Core library: NOT LOADED"), "{text}");
+    assert!(text.contains(&format!("loading {}", missing.display())), "{text}");
+}
+
 #[test]
 fn codes_are_newtypes_that_keep_unknown_values() {
     // Values a newer CANN might return survive the round trip.

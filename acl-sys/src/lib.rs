@@ -105,6 +105,8 @@ pub struct CannsimCounters {
     pub d2h_copies: u64,
     /// `aclrtQueryEventStatus`.
     pub queries: u64,
+    /// `aclrtCreateEvent`, `aclrtCreateEventExWithFlag`.
+    pub event_creates: u64,
 }
 
 /// `int32_t cannsim_counters(CannsimCounters *out)`: simulator only. Writes

@@ -527,6 +527,7 @@ pub unsafe extern "C" fn aclrtGetMemInfo(attr: i32, free: *mut usize, total: *mu
 #[no_mangle]
 pub unsafe extern "C" fn aclrtCreateEvent(event: *mut AclrtEvent) -> AclError {
     status::acl("aclrtCreateEvent", || {
+        crate::counters::bump(|c| c.event_creates += 1);
         if event.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "event is NULL");
         }
@@ -551,6 +552,7 @@ pub unsafe extern "C" fn aclrtCreateEventExWithFlag(event: *mut AclrtEvent, flag
         RT_EVENT_DDSYNC, RT_EVENT_DDSYNC_NS, RT_EVENT_EXTERNAL, RT_EVENT_IPC, RT_EVENT_STREAM_MARK, RT_EVENT_TIME_LINE,
     };
     status::acl("aclrtCreateEventExWithFlag", || {
+        crate::counters::bump(|c| c.event_creates += 1);
         // event.cpp:65: ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT(event).
         if event.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "event is NULL");

@@ -14,12 +14,13 @@ use crate::arena;
 use crate::ffi::*;
 use crate::status::{self, write_out};
 
-/// `CannsimCounters`, the C struct `cannsim_counters` fills: eight
+/// `CannsimCounters`, the C struct `cannsim_counters` fills: nine
 /// `uint64_t` in this order, `host_syncs` (`aclrtSynchronizeStream[WithTimeout]`,
 /// `aclrtSynchronizeDevice`, `aclrtSynchronizeEvent`, `aclrtMemcpy`,
 /// `aclrtMemset`), `device_mallocs`, `device_frees`, `host_mallocs`,
 /// `host_frees`, `h2d_copies`, `d2h_copies` (synchronous or asynchronous) and
-/// `queries` (`aclrtQueryEventStatus`). The one definition is acl-sys's, which
+/// `queries` (`aclrtQueryEventStatus`), `event_creates` (`aclrtCreateEvent`,
+/// `aclrtCreateEventExWithFlag`). The one definition is acl-sys's, which
 /// the crate reads them through, so the two sides cannot disagree on the layout.
 pub use acl_sys::CannsimCounters;
 
@@ -34,6 +35,7 @@ thread_local! {
             h2d_copies: 0,
             d2h_copies: 0,
             queries: 0,
+            event_creates: 0,
         })
     };
 }

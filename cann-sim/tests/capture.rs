@@ -53,6 +53,7 @@ struct Counters {
     h2d_copies: u64,
     d2h_copies: u64,
     queries: u64,
+    event_creates: u64,
 }
 
 /// The capture exports, with their C signatures.
@@ -707,6 +708,10 @@ fn counters_count_each_host_call_on_the_calling_thread() {
         assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, -1), 0);
         assert_eq!((cap().sync_device)(), 0);
         let e = event();
+        assert_eq!(counters().event_creates, 1, "aclrtCreateEventExWithFlag");
+        let old = old_event();
+        assert_eq!(counters().event_creates, 2, "aclrtCreateEvent");
+        destroy_event(old);
         assert_eq!((s.aclrtRecordEvent)(e, st), 0);
         let mut status = -1;
         assert_eq!((s.aclrtQueryEventStatus)(e, &mut status), 0);
@@ -734,6 +739,7 @@ fn counters_count_each_host_call_on_the_calling_thread() {
                 h2d_copies: 1,
                 d2h_copies: 1,
                 queries: 1,
+                event_creates: 2,
             }
         );
         assert_eq!((cap().counters)(std::ptr::null_mut()), INVALID_PARAM);

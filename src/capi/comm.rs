@@ -439,7 +439,9 @@ pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amo
 /// Reserves workspace on `stream` ahead of use: afterwards its pool holds a
 /// free block of at least `bytes` device bytes and a pinned staging block of
 /// at least `staging_bytes` host bytes (small host data the native kernel
-/// needs: slot offsets, a tiling; a few KiB cover every call). Ops take their
+/// needs: slot offsets, a tiling; a few KiB cover every call; outside capture
+/// a stream also stages through an arena of its own made at its first staged
+/// copy, and reuses its blocks once their copies completed). Ops take their
 /// intermediates from that pool without `aclrtMalloc`; under graph capture the
 /// pool cannot grow, so reserve (or run each op once) before capturing. Size
 /// `bytes` from the ops' shape functions (the largest intermediate of a call

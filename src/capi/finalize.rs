@@ -170,8 +170,11 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 /// `stream` one memset of the status words and one kernel launch writing
 /// `out` in place (plus, for the
 /// padded layout, one small copy of the slot offsets from a pinned staging
-/// block); workspace comes from the stream's pool or allocator. It never synchronises, never calls `aclrtMalloc`, never
-/// reads device data on the host; a bad index is returned by
+/// block); workspace comes from the stream's pool or allocator. It never reads device data on
+/// the host. After the first launch on `stream` (which reserves its status records and pinned
+/// staging) it never calls `aclrtMalloc` or `aclrtMallocHost`, however many calls run between
+/// two `amoe_stream_check`s, and it waits on the host only when 256 launches ran without a check
+/// or its 16 staging blocks are all in flight (README, "NPU ops only enqueue"); a bad index is returned by
 /// `amoe_stream_check(stream)` with its argument, position and value. NPU
 /// tensors, aclnn (`ASCEND_MOE_NPU_FINALIZE=aclnn`): where the native kernel
 /// can launch, one launch of it first checks the index tensors into
@@ -244,8 +247,10 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute_output_shape(
 ///
 /// NPU, native kernel (the default where it can launch): enqueues on
 /// `stream` one memset of the status words and one kernel launch writing
-/// `out`; it never synchronises, never calls `aclrtMalloc`, never reads device
-/// data on the host, and can be captured into a graph. NPU, aclnn
+/// `out`; it never reads device data on the host and can be captured into a
+/// graph. After the first launch on `stream` it never calls `aclrtMalloc` or
+/// `aclrtMallocHost`, however many calls run between two checks, and waits
+/// on the host only as `amoe_moe_finalize_routing` says. NPU, aclnn
 /// (`ASCEND_MOE_NPU_FINALIZE=aclnn`, or no native kernel): the indices are
 /// read on the host (one device-to-host copy and synchronisation) to decide
 /// whether `aclnnMoeTokenUnpermute` accepts them (T*K rows, distinct, in

@@ -132,8 +132,9 @@ pub unsafe extern "C" fn amoe_live_context_device_ptr(
 
 /// Enqueues on `stream` the update of the live context to `fc` (a copy from
 /// pinned staging the library owns). The engine calls it before each replay,
-/// outside capture. Never synchronises, except to wait for the oldest of 8
-/// earlier updates that the stream has not run yet.
+/// outside capture. Creates no event, and never synchronises except to wait
+/// for the update 8 updates earlier when the stream has not run it yet
+/// (asked first with `aclrtQueryEventStatus`, which does not wait).
 ///
 /// # Safety
 /// `ctx`, `stream` live; `fc` valid.
@@ -185,7 +186,9 @@ pub unsafe extern "C" fn amoe_live_context_guard(
 /// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
 /// guard found the live context different from the one its ops were captured
 /// for (the first such guard, in enqueue order; each difference is reported
-/// once), else OK. Outside capture.
+/// once), else OK. Outside capture. The records of guards enqueued outside
+/// capture are released by every check, also one that fails because the
+/// stream failed (its error is returned).
 ///
 /// # Safety
 /// `ctx`, `stream` live.

@@ -2,23 +2,26 @@
 //! stream check, [`NpuStream::check`]): the status records of kernel
 //! launches, and the guard kernel over any device words.
 //!
-//! A record is a pool block of the stream held by the check until it read
-//! it, or, for a launch captured into a graph, a zeroed slot the graph keeps
-//! (every replay rewrites it, every check reads it and zeroes what it read),
-//! so a bad value of any one replay is reported once, by the check after it.
-//! Nothing here synchronises, allocates under capture or reads device memory
-//! on the host; the stream check does the reading.
+//! A record is, for an eager launch, a slot of the stream's ring of status
+//! records (reserved from its pool at the first launch; the check reads it
+//! and frees it, see `EagerRecords` for what happens when every slot is
+//! held), or, for a launch captured into a graph, a zeroed slot the graph
+//! keeps (every replay rewrites it, every check reads it and zeroes what it
+//! read), so a bad value of any one replay is reported once, by the check
+//! after it. Nothing here allocates after the first launch of a stream, or
+//! under capture; the stream check does the reading.
 //!
 //! This module knows streams and raw device addresses only, so the ops that
 //! use it stay above it.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_WORDS};
 use super::kernel::guard::{guard_host_entry, GuardTiling};
 use super::kernel::library::shared_kernel_lib;
 use super::result::acl as rt;
-use super::runtime::{lock, NpuStream, Pending};
+use super::runtime::{lock, NpuStream, Pending, SyncEvent, RECORD_FENCE_EVERY};
 use crate::{Error, Result};
 
 /// Turns a launch's status words into its result.
@@ -31,6 +34,9 @@ pub(crate) const MAX_RECORD_CORES: usize = 8;
 const SLOT_BYTES: usize = MAX_RECORD_CORES * STATUS_WORDS * 4;
 /// Recorded launches a stream's graphs may capture.
 const SLOTS: usize = 64;
+/// Eager launches a stream holds records for between two checks (beyond
+/// them the oldest are read early, see `EagerRecords`).
+const EAGER_SLOTS: usize = 256;
 
 /// A block of `len` bytes from `stream`'s pool, detached (device address,
 /// block id; give it back with `NpuStream::give_back_block`). The pool grows
@@ -74,10 +80,18 @@ pub(crate) fn memset_on(stream: &NpuStream, ptr: usize, len: usize, value: u8) -
     unsafe { rt::memset_async(ptr as *mut c_void, len, value as i32, len, stream.raw()) }
 }
 
-/// Reserves, outside capture, the zeroed record slots of the launches
-/// captured later on `stream`: one pool block, zeroed on the stream before
-/// any capture that uses it.
-fn reserve_capture_records(stream: &NpuStream) -> Result<()> {
+/// Reserves, outside capture, the status records of `stream`'s launches:
+/// the ring of eager records with its fences, and the zeroed record slots of
+/// the launches captured later (one pool block each, the latter zeroed on the
+/// stream before any capture that uses it).
+fn reserve_records(stream: &NpuStream) -> Result<()> {
+    if !stream.has_eager_records() {
+        let fences = (0..=EAGER_SLOTS / RECORD_FENCE_EVERY)
+            .map(|_| SyncEvent::create(stream).map(Arc::new))
+            .collect::<Result<Vec<_>>>()?;
+        let (base, _block) = take_pool_block(stream, SLOT_BYTES * EAGER_SLOTS)?;
+        stream.set_eager_records(base, SLOT_BYTES, EAGER_SLOTS, fences);
+    }
     if stream.has_capture_records() {
         return Ok(());
     }
@@ -96,26 +110,26 @@ pub(crate) struct Record {
     stream: NpuStream,
     ptr: usize,
     words: usize,
-    /// The pool block of an eager launch, until the check holds it.
-    block: Option<(usize, usize)>,
+    /// The sequence number of an eager launch's record, until it finished.
+    eager: Option<u64>,
 }
 
 impl Record {
     /// Takes the record of a launch writing `words` status words (at most
     /// [`MAX_RECORD_CORES`] records) on `stream` and fills it with bytes
     /// `0xFF` (every word `STATUS_NOT_RUN`, so a core that never ran is
-    /// reported). Outside capture this also reserves the slots of later
-    /// captures.
+    /// reported). Outside capture this also reserves the records at the
+    /// stream's first launch.
     pub(crate) fn begin(stream: &NpuStream, words: usize) -> Result<Record> {
         if words > MAX_RECORD_CORES * STATUS_WORDS {
             return Err(Error::invalid("status", "words", format!("{words} status words exceed a record slot")));
         }
         let record = if stream.is_capturing()? {
-            Record { stream: stream.clone(), ptr: stream.take_capture_record(words * 4)?, words, block: None }
+            Record { stream: stream.clone(), ptr: stream.take_capture_record(words * 4)?, words, eager: None }
         } else {
-            reserve_capture_records(stream)?;
-            let (ptr, block) = take_pool_block(stream, words * 4)?;
-            Record { stream: stream.clone(), ptr, words, block: Some((ptr, block)) }
+            reserve_records(stream)?;
+            let (ptr, seq) = stream.take_eager_record(words * 4)?;
+            Record { stream: stream.clone(), ptr, words, eager: Some(seq) }
         };
         memset_on(stream, record.ptr, words * 4, 0xFF)?;
         Ok(record)
@@ -130,8 +144,9 @@ impl Record {
     /// reports what `decode` makes of it.
     pub(crate) fn finish(mut self, decode: Decode) {
         let stream = self.stream.clone();
-        match self.block.take() {
-            Some(status) => stream.record_pending(Box::new(Eager { status, words: self.words, decode })),
+        match self.eager.take() {
+            Some(seq) => stream
+                .finish_eager_record(seq, Some(Box::new(Eager { seq, record: self.ptr, words: self.words, decode }))),
             None => stream.record_captured(Box::new(Captured { record: self.ptr, words: self.words, decode })),
         }
     }
@@ -139,17 +154,19 @@ impl Record {
 
 impl Drop for Record {
     fn drop(&mut self) {
-        // A launch that failed to enqueue: its block goes back to the pool.
-        if let Some((ptr, block)) = self.block.take() {
-            self.stream.give_back_block(ptr, block);
+        // A launch that failed to enqueue: nothing reads its record, which
+        // is freed with the others at the next check.
+        if let Some(seq) = self.eager.take() {
+            self.stream.finish_eager_record(seq, None);
         }
     }
 }
 
-/// The record of an eager launch: a detached pool block, read once by the
-/// check and then returned to the pool.
+/// The record of an eager launch: a slot of the stream's ring, read by the
+/// check (or earlier, when the ring is full).
 struct Eager {
-    status: (usize, usize),
+    seq: u64,
+    record: usize,
     words: usize,
     decode: Decode,
 }
@@ -164,18 +181,25 @@ impl Pending for Eager {
     }
 
     fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
-        let (ptr, block) = self.status;
         // The stream failed: the status words may not have been written; the
         // failed wait is what the check reports.
-        let r = match wait {
-            Some(_) => Ok(()),
-            None => {
-                let mut words = vec![0u32; self.words];
-                stream.read_drained(ptr, bytemuck::cast_slice_mut(&mut words)).and_then(|_| (self.decode)(&words))
-            }
-        };
-        stream.give_back_block(ptr, block);
-        r
+        if wait.is_some() {
+            return Ok(());
+        }
+        let mut words = vec![0u32; self.words];
+        stream.read_drained(self.record, bytemuck::cast_slice_mut(&mut words))?;
+        (self.decode)(&words)
+    }
+
+    fn record_seq(&self) -> Option<u64> {
+        Some(self.seq)
+    }
+
+    fn settle(&self, record: &[u32]) -> Result<()> {
+        match record.get(..self.words) {
+            Some(words) => (self.decode)(words),
+            None => Err(Error::invalid("status records", "words", format!("{} words read", record.len()))),
+        }
     }
 }
 
@@ -254,12 +278,7 @@ impl GuardLauncher {
         if let (Some(launch), Some(entry)) = (api.cannsim_launch_kernel, guard_host_entry()) {
             return Ok(GuardLauncher::Sim(launch, entry));
         }
-        shared_kernel_lib().map(GuardLauncher::Lib).ok_or_else(|| {
-            Error::Unavailable(format!(
-                "{who}: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel library \
-                 is available"
-            ))
-        })
+        shared_kernel_lib().map(GuardLauncher::Lib).ok_or_else(|| super::launch::native_unavailable(who))
     }
 
     /// Launches the guard kernel on `stream` with `gm` and the `len`-byte

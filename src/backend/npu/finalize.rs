@@ -10,7 +10,7 @@ use std::ffi::c_void;
 use super::aclnn::{opt, Desc};
 use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
-use super::launch::{choose_finalize, launcher, FinalizeImpl, Launcher};
+use super::launch::{choose_finalize, launcher, native_unavailable, native_unavailable_reason, FinalizeImpl, Launcher};
 use super::memory::NpuBuffer;
 use super::operands::{check_indices, host_copy, npu_buf, read_indices_to_host_for_validation, run_phase_two};
 use super::result::aclnn::{op_missing, opapi};
@@ -53,13 +53,7 @@ fn launch_native(
     extra_flags: u32,
 ) -> Result<()> {
     const OP: &str = "finalize_routing";
-    let launcher = launcher().ok_or_else(|| {
-        Error::Unavailable(
-            "native finalize: neither cannsim_launch_kernel with the host kernel build nor the AI Core \
-             kernel library is available"
-                .into(),
-        )
-    })?;
+    let launcher = launcher().ok_or_else(|| native_unavailable("native finalize"))?;
     let mut tiling = kernels::finalize_tiling(&kernels::TilingParams::from_args(
         &args.metas(),
         dims,
@@ -99,8 +93,8 @@ fn launch_native(
         stream.stage_to_device(bytemuck::cast_slice(&offsets), offsets_buf.as_ptr(), offsets_buf.len_bytes())?;
         gm[kernels::GM_SLOT_OFFSETS] = offsets_buf.as_ptr();
     }
-    // The status record: a pool block the stream's check holds, or under
-    // capture a zeroed slot the graph keeps (see `device_check`).
+    // The status record: a slot of the stream's ring the check frees, or
+    // under capture a zeroed slot the graph keeps (see `device_check`).
     let record = Record::begin(stream, tiling.status_words())?;
     gm[kernels::GM_STATUS] = record.ptr();
 
@@ -166,7 +160,8 @@ pub(crate) fn finalize_routing(
                 Some(_) => finalize_native(device, args, dims, out, rows),
                 None => Err(Error::Unavailable(format!(
                     "finalize_routing: aclnnMoeFinalizeRoutingV2 does not accept this call ({rule}) and the \
-                     native kernel is not available"
+                     native kernel is not available ({})",
+                    native_unavailable_reason()
                 ))),
             },
         },

@@ -1,6 +1,8 @@
 //! Which finalize implementation an NPU call runs ([`FinalizeImpl`]), and the
 //! launcher of the native kernel on this runtime.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::kernel as kernels;
 use crate::{Error, Result};
 
@@ -56,6 +58,46 @@ pub(super) enum Launcher {
     Npu(&'static kernels::NpuKernelLib),
 }
 
+/// Why the native kernel cannot launch here: the AI Core library's load
+/// error (this runtime has no `cannsim_launch_kernel` with the host build).
+pub(super) fn native_unavailable_reason() -> String {
+    match kernels::kernel_lib_status() {
+        Ok(path) => format!("the AI Core kernel library loaded from {path}"),
+        Err(e) => format!("the AI Core kernel library is not loaded: {e}"),
+    }
+}
+
+/// The error of a call that needs the native kernel where it cannot launch,
+/// naming `who` and why.
+pub(crate) fn native_unavailable(who: &str) -> Error {
+    Error::Unavailable(format!(
+        "{who}: neither cannsim_launch_kernel with the host kernel build nor the AI Core kernel library is \
+         available ({})",
+        native_unavailable_reason()
+    ))
+}
+
+/// The warning printed once per process when finalize calls fall back to
+/// aclnn because the native kernel cannot launch (`reason`), unasked.
+pub(super) fn fallback_warning(reason: &str) -> String {
+    format!(
+        "ascend-moe: warning: the native finalize kernel cannot launch ({reason}); finalize_routing and \
+         token_unpermute use aclnn instead, which reads the index tensors on the host at every call (a stream \
+         synchronisation and a blocking copy, refused under graph capture); set {FINALIZE_ENV}=aclnn to choose \
+         aclnn and silence this warning"
+    )
+}
+
+/// Prints `message` on stderr unless `warned` says it was printed; true when
+/// it printed.
+fn warn_once(warned: &AtomicBool, message: impl FnOnce() -> String) -> bool {
+    if warned.swap(true, Ordering::Relaxed) {
+        return false;
+    }
+    eprintln!("{}", message());
+    true
+}
+
 pub(super) fn launcher() -> Option<Launcher> {
     if let (Ok(api), Some(entry)) = (super::runtime::acl(), kernels::host_entry()) {
         if let Some(launch) = api.cannsim_launch_kernel {
@@ -67,13 +109,49 @@ pub(super) fn launcher() -> Option<Launcher> {
 
 /// The implementation a finalize call on a device with override `forced`
 /// uses: the override, else `ASCEND_MOE_NPU_FINALIZE`, else the native kernel
-/// when it can be launched here, else aclnn.
+/// when it can be launched here, else aclnn, with a warning on stderr the
+/// first time ([`fallback_warning`], naming the library's load error).
 pub(super) fn choose_finalize(forced: Option<FinalizeImpl>) -> Result<FinalizeImpl> {
-    if let Some(f) = forced {
-        return Ok(f);
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let (choice, fallback) = decide(forced, FinalizeImpl::from_env()?, launcher().is_some());
+    if fallback {
+        warn_once(&WARNED, || fallback_warning(&native_unavailable_reason()));
     }
-    if let Some(f) = FinalizeImpl::from_env()? {
-        return Ok(f);
+    Ok(choice)
+}
+
+/// [`choose_finalize`]'s decision from the device's override, the
+/// environment's choice and whether the native kernel can launch, and
+/// whether it is a fall-back to aclnn nobody asked for.
+fn decide(forced: Option<FinalizeImpl>, env: Option<FinalizeImpl>, native: bool) -> (FinalizeImpl, bool) {
+    match forced.or(env) {
+        Some(f) => (f, false),
+        None if native => (FinalizeImpl::Native, false),
+        None => (FinalizeImpl::Aclnn, true),
     }
-    Ok(if launcher().is_some() { FinalizeImpl::Native } else { FinalizeImpl::Aclnn })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_unasked_fall_back_to_aclnn_warns() {
+        use FinalizeImpl::{Aclnn, Native};
+        assert_eq!(decide(None, None, true), (Native, false));
+        assert_eq!(decide(None, None, false), (Aclnn, true), "no native kernel, nothing chosen: warned");
+        assert_eq!(decide(None, Some(Aclnn), false), (Aclnn, false), "ASCEND_MOE_NPU_FINALIZE=aclnn");
+        assert_eq!(decide(Some(Aclnn), None, false), (Aclnn, false), "the device's override");
+        assert_eq!(decide(Some(Native), Some(Aclnn), false), (Native, false));
+    }
+
+    #[test]
+    fn the_fall_back_warning_names_the_load_error_and_is_printed_once() {
+        let text = fallback_warning("loading /nowhere/libamoe_kernels_npu.so: No such file");
+        assert!(text.contains("loading /nowhere/libamoe_kernels_npu.so: No such file"), "{text}");
+        assert!(text.contains("ASCEND_MOE_NPU_FINALIZE=aclnn") && text.contains("on the host"), "{text}");
+        let warned = AtomicBool::new(false);
+        assert!(warn_once(&warned, || "first".into()));
+        assert!(!warn_once(&warned, || "second".into()));
+    }
 }

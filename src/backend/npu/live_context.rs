@@ -59,8 +59,14 @@ struct Slots {
 
 struct Staging {
     host: PinnedHostBuffer,
-    /// The copy out of each staging slot, recorded after it was enqueued.
-    done: Vec<Option<NpuEvent>>,
+    /// One event per staging slot, made with the context and recorded again
+    /// after each copy out of the slot.
+    done: Vec<NpuEvent>,
+    /// Whether the slot's event was recorded (an `aclrtCreateEvent` event
+    /// never recorded does not report complete: `Event::QueryEventStatus`,
+    /// hicann/runtime `src/runtime/feature/src/event/event.cc:1072-1077` at
+    /// v8.5.0).
+    recorded: Vec<bool>,
     next: usize,
 }
 
@@ -107,7 +113,8 @@ impl LiveContext {
         let tiling_host = Mutex::new(PinnedHostBuffer::zeros(device, GUARD_SLOTS * TILING_BYTES)?);
         let staging = Mutex::new(Staging {
             host: PinnedHostBuffer::zeros(device, STAGING_SLOTS * LIVE_BYTES)?,
-            done: (0..STAGING_SLOTS).map(|_| None).collect(),
+            done: (0..STAGING_SLOTS).map(|_| NpuEvent::create(device.stream())).collect::<Result<_>>()?,
+            recorded: vec![false; STAGING_SLOTS],
             next: 0,
         });
         device.synchronize()?;
@@ -147,8 +154,11 @@ impl LiveContext {
 
     /// Enqueues on `stream` a copy of `words` into the live buffer (through
     /// pinned staging; the copy reads it when the stream runs it). The engine
-    /// calls it before each replay, outside capture. It waits on the host
-    /// only when `STAGING_SLOTS` earlier updates have not run yet.
+    /// calls it before each replay, outside capture. It creates no event and
+    /// waits on the host only when the copy `STAGING_SLOTS` updates ago
+    /// (the last one out of the staging slot it reuses) has not run yet:
+    /// the slot's event is asked first, without waiting
+    /// (`aclrtQueryEventStatus`).
     pub fn set(&self, words: &ContextWords, stream: &NpuStream) -> Result<()> {
         const OP: &str = "LiveContext::set";
         self.same_device(OP, stream)?;
@@ -162,8 +172,12 @@ impl LiveContext {
         let mut st = lock(&self.staging);
         let i = st.next;
         st.next = (i + 1) % STAGING_SLOTS;
-        if let Some(ev) = st.done[i].take() {
-            ev.synchronize()?;
+        // aclrtQueryEventStatus reports the latest record's state without
+        // waiting (`aclrtQueryEventStatusImpl`, hicann/runtime
+        // `src/acl/aclrt_impl/event.cpp:153-172`, `Event::QueryEventStatus`,
+        // `src/runtime/feature/src/event/event.cc:1068-1092`, v8.5.0).
+        if st.recorded[i] && !st.done[i].is_complete()? {
+            st.done[i].synchronize()?;
         }
         let off = i * LIVE_BYTES;
         st.host.as_bytes_mut()[off..off + LIVE_BYTES].copy_from_slice(words.as_bytes());
@@ -181,9 +195,11 @@ impl LiveContext {
                 stream.raw(),
             )
         }?;
-        let ev = NpuEvent::create(stream)?;
-        ev.record(stream)?;
-        st.done[i] = Some(ev);
+        // A re-record moves the event to this copy (`Event::Record`,
+        // hicann/runtime `src/runtime/feature/src/event/event.cc:440-495`).
+        st.recorded[i] = false;
+        st.done[i].record(stream)?;
+        st.recorded[i] = true;
         Ok(())
     }
 
@@ -260,34 +276,44 @@ impl LiveContext {
 
     /// Reads every guard record after the caller synchronised the streams the
     /// guards ran on, and returns the first stale context (in enqueue order).
-    /// Eager guards' slots are released; a reported record is reset, so each
-    /// mismatch is reported once per run. A host read: this is the caller's
-    /// sync point, never called by an op.
+    /// Eager guards' slots are released, also when the records cannot be read
+    /// (the read's error is returned: the stream failed, and what the guards
+    /// found is lost with it); a reported record is reset, so each mismatch
+    /// is reported once per run. A host read: this is the caller's sync
+    /// point, never called by an op.
     pub fn check(&self) -> Result<()> {
         let mut s = lock(&self.slots);
         if s.slots.iter().all(|x| *x == Slot::Free) {
             return Ok(());
         }
         let mut words = vec![0u32; GUARD_SLOTS * STATUS_WORDS];
-        self.records.copy_to_host(bytemuck::cast_slice_mut(&mut words))?;
+        let read = self.records.copy_to_host(bytemuck::cast_slice_mut(&mut words));
         let mut first: Option<(u64, usize, Error)> = None;
+        let mut reset = Ok(());
         for (i, slot) in s.slots.iter_mut().enumerate() {
             let (op, seq, eager) = match *slot {
                 Slot::Free => continue,
                 Slot::Eager(op, seq) => (op, seq, true),
                 Slot::Captured(op, seq) => (op, seq, false),
             };
+            if eager {
+                *slot = Slot::Free;
+            }
+            if read.is_err() {
+                continue;
+            }
             let rec = &words[i * STATUS_WORDS..(i + 1) * STATUS_WORDS];
             if let Err(e) = check_guard_status(op, rec) {
-                self.records.memset_async(0, i * RECORD_BYTES, RECORD_BYTES)?;
+                if reset.is_ok() {
+                    reset = self.records.memset_async(0, i * RECORD_BYTES, RECORD_BYTES);
+                }
                 if first.as_ref().map_or(true, |(s, _, _)| seq < *s) {
                     first = Some((seq, i, e));
                 }
             }
-            if eager {
-                *slot = Slot::Free;
-            }
         }
+        read?;
+        reset?;
         self.device.synchronize()?;
         match first {
             None => Ok(()),

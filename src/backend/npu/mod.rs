@@ -45,5 +45,5 @@ pub use launch::{FinalizeImpl, FINALIZE_ENV};
 pub use live_context::{LiveContext, GUARD_SLOTS, LIVE_BYTES};
 pub use memory::{NpuBuffer, PinnedHostBuffer};
 pub use pool::{Allocator, PoolStats, WorkspaceAllocator, WORKSPACE_ALIGN};
-pub use probe::{probe, probe_report, LibraryProbe, ProbeReport, RuntimeInfo};
+pub use probe::{probe, probe_report, LibraryProbe, NativeKernelProbe, ProbeReport, RuntimeInfo};
 pub use runtime::{device_count, recent_error_message, take_drop_errors, DeviceCtx, NpuEvent, NpuStream};

@@ -16,6 +16,7 @@
 //! `alloc` callback and goes back through `free`, also under capture (the
 //! engine's allocator serves graph capture from its own private pool).
 
+use std::collections::VecDeque;
 use std::ffi::c_void;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -200,47 +201,129 @@ impl Pool {
     }
 }
 
+/// Bytes of one block of a stream's staging arena: small host data (a
+/// tiling, slot offsets) fits one.
+pub(crate) const STAGING_BLOCK: usize = 4096;
+/// Blocks of a stream's staging arena (one `aclrtMallocHost`, made at the
+/// first staged copy), and the most staging blocks in flight at once.
+pub(crate) const STAGING_BLOCKS: usize = 16;
+
+/// The fence of a staging block: an event recorded after its copy.
+pub(crate) type Fence = Arc<crate::backend::npu::runtime::SyncEvent>;
+
 /// Pinned host blocks (`aclrtMallocHost`) that carry small host data (slot
 /// offsets, a tiling) to the device with an asynchronous copy. A block whose
-/// copy is queued stays in flight until the stream's next synchronisation,
-/// then it is free for reuse; the blocks are freed with the pool.
-#[derive(Debug, Default)]
+/// copy is queued is in flight, with the fence recorded after that copy,
+/// until the fence completed (asked without waiting when a block is needed)
+/// or the stream synchronised; then it is free for reuse. The allocations
+/// are freed with the pool.
+#[derive(Default)]
 pub(crate) struct Staging {
+    /// What `aclrtMallocHost` returned: (address, bytes), freed with the pool.
+    allocations: Vec<(usize, usize)>,
     free: Vec<(usize, usize)>,
-    in_flight: Vec<(usize, usize)>,
+    /// Blocks whose copy is queued, oldest first, with the fence recorded
+    /// after the copy (`None`: none could be recorded yet).
+    in_flight: VecDeque<((usize, usize), Option<Fence>)>,
     /// Blocks a graph captured a copy from: every replay copies them again,
     /// so they keep their bytes for the stream's life.
     captured: Vec<(usize, usize)>,
+    /// Fences no block holds, recorded again for later copies.
+    spare: Vec<Fence>,
     /// Host allocations made so far.
     pub(crate) host_blocks: usize,
 }
 
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staging")
+            .field("allocations", &self.allocations)
+            .field("free", &self.free)
+            .field("in_flight", &self.in_flight.len())
+            .field("captured", &self.captured)
+            .finish()
+    }
+}
+
 impl Staging {
-    /// A free block of at least `bytes`, now in flight; `None` when none is free.
+    /// The smallest free block of at least `bytes`, now in flight (without a
+    /// fence yet); `None` when none is free.
     pub(crate) fn take_free(&mut self, bytes: usize) -> Option<(usize, usize)> {
-        let i = self.free.iter().position(|&(_, n)| n >= bytes)?;
+        let i = self.free.iter().enumerate().filter(|(_, b)| b.1 >= bytes).min_by_key(|(_, b)| b.1).map(|(i, _)| i)?;
         let b = self.free.swap_remove(i);
-        self.in_flight.push(b);
+        self.in_flight.push_back((b, None));
         Some(b)
     }
 
     /// The block in flight at `ptr` was captured into a graph: it is never
     /// free again.
     pub(crate) fn keep_for_graph(&mut self, ptr: usize) {
-        if let Some(i) = self.in_flight.iter().position(|&(p, _)| p == ptr) {
-            let b = self.in_flight.swap_remove(i);
-            self.captured.push(b);
+        if let Some(i) = self.in_flight.iter().position(|(b, _)| b.0 == ptr) {
+            if let Some((b, fence)) = self.in_flight.remove(i) {
+                self.captured.push(b);
+                self.spare.extend(fence);
+            }
         }
     }
 
-    /// A new block from aclrtMallocHost, in flight (`free`: free at once).
-    pub(crate) fn add(&mut self, block: (usize, usize), free: bool) {
-        self.host_blocks += 1;
-        if free {
-            self.free.push(block);
-        } else {
-            self.in_flight.push(block);
+    /// The copy from the block in flight at `ptr` was not queued: it is free.
+    pub(crate) fn not_queued(&mut self, ptr: usize) {
+        if let Some(i) = self.in_flight.iter().position(|(b, _)| b.0 == ptr) {
+            if let Some((b, fence)) = self.in_flight.remove(i) {
+                self.free.push(b);
+                self.spare.extend(fence);
+            }
         }
+    }
+
+    /// `fence` was recorded after the copy from the block in flight at `ptr`.
+    pub(crate) fn set_fence(&mut self, ptr: usize, fence: Fence) {
+        match self.in_flight.iter_mut().find(|(b, _)| b.0 == ptr) {
+            Some((_, slot)) => {
+                if let Some(old) = slot.replace(fence) {
+                    self.spare.push(old);
+                }
+            }
+            None => self.spare.push(fence),
+        }
+    }
+
+    /// A fence no block holds, to record again.
+    pub(crate) fn take_spare(&mut self) -> Option<Fence> {
+        self.spare.pop()
+    }
+
+    /// Keeps `fence` for later copies.
+    pub(crate) fn add_spare(&mut self, fence: Fence) {
+        self.spare.push(fence);
+    }
+
+    /// Blocks in flight.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The block in flight at position `i` (0: the oldest) and its fence.
+    pub(crate) fn in_flight_at(&self, i: usize) -> Option<(usize, Option<Fence>)> {
+        self.in_flight.get(i).map(|(b, f)| (b.0, f.clone()))
+    }
+
+    /// The copies from the blocks in flight up to the one at `ptr` (oldest
+    /// first) completed: they are free, and their fences spare.
+    pub(crate) fn completed_through(&mut self, ptr: usize) {
+        let Some(i) = self.in_flight.iter().position(|(b, _)| b.0 == ptr) else { return };
+        for (b, fence) in self.in_flight.drain(..=i) {
+            self.free.push(b);
+            self.spare.extend(fence);
+        }
+    }
+
+    /// A new allocation from aclrtMallocHost, served as `blocks` (ranges of
+    /// it), all free.
+    pub(crate) fn add(&mut self, allocation: (usize, usize), blocks: impl IntoIterator<Item = (usize, usize)>) {
+        self.host_blocks += 1;
+        self.allocations.push(allocation);
+        self.free.extend(blocks);
     }
 
     /// True when a free block holds `bytes`.
@@ -248,22 +331,32 @@ impl Staging {
         self.free.iter().any(|&(_, n)| n >= bytes)
     }
 
-    /// The stream drained: every block in flight is free again.
-    pub(crate) fn drained(&mut self) {
-        self.free.append(&mut self.in_flight);
+    /// True once the arena of small blocks was allocated.
+    pub(crate) fn has_arena(&self) -> bool {
+        self.allocations.iter().any(|&(_, n)| n == STAGING_BLOCK * STAGING_BLOCKS)
     }
 
-    /// Hands every block back for `aclrtFreeHost` (the stream was synchronised).
-    pub(crate) fn take_all(&mut self) -> Vec<(usize, usize)> {
-        let mut all = std::mem::take(&mut self.free);
-        all.append(&mut self.in_flight);
-        all.append(&mut self.captured);
-        all
+    /// The stream drained: every block in flight is free again.
+    pub(crate) fn drained(&mut self) {
+        for (b, fence) in self.in_flight.drain(..) {
+            self.free.push(b);
+            self.spare.extend(fence);
+        }
+    }
+
+    /// Hands every allocation back for `aclrtFreeHost` (the stream was
+    /// synchronised) and the fences for destruction.
+    pub(crate) fn take_all(&mut self) -> (Vec<(usize, usize)>, Vec<Fence>) {
+        self.free.clear();
+        self.captured.clear();
+        let mut fences = std::mem::take(&mut self.spare);
+        fences.extend(self.in_flight.drain(..).filter_map(|(_, f)| f));
+        (std::mem::take(&mut self.allocations), fences)
     }
 
     /// True when no block is held.
     pub(crate) fn is_empty(&self) -> bool {
-        self.free.is_empty() && self.in_flight.is_empty() && self.captured.is_empty()
+        self.allocations.is_empty()
     }
 }
 

@@ -47,6 +47,19 @@ pub struct ProbeReport {
     /// The aclnn operators the backend uses, each with the library file it
     /// was resolved from (`None`: not found).
     pub aclnn_ops: Vec<(&'static str, Option<String>)>,
+    /// The native kernels (finalize, guard, copy).
+    pub native_kernel: NativeKernelProbe,
+}
+
+/// Where the native kernels (`kernels/`) can launch.
+#[derive(Debug, Clone)]
+pub struct NativeKernelProbe {
+    /// Whether the host build was compiled in (a simulated runtime launches it).
+    pub host_build: bool,
+    /// The AI Core library (`libamoe_kernels_npu.so`, `ASCEND_MOE_KERNEL_LIB`):
+    /// `Ok(path it was loaded from)` or why it is not loaded. Without it (and
+    /// off the simulator) finalize calls fall back to aclnn.
+    pub library: Result<String, String>,
 }
 
 fn probe_library<T>(spec: &LibSpec, load: Result<T, loader::LoadError>, origin: impl Fn(&T) -> String) -> LibraryProbe {
@@ -98,6 +111,10 @@ pub fn probe() -> ProbeReport {
         ],
         runtime,
         aclnn_ops,
+        native_kernel: NativeKernelProbe {
+            host_build: super::kernel::host_entry().is_some(),
+            library: super::kernel::kernel_lib_status(),
+        },
     }
 }
 
@@ -148,6 +165,17 @@ impl fmt::Display for ProbeReport {
                 }
             }
             None => writeln!(f, "runtime: not loaded")?,
+        }
+        writeln!(f, "native kernels:")?;
+        let host = if self.native_kernel.host_build { "compiled in" } else { "not built" };
+        writeln!(f, "  host build (launched by a simulated runtime): {host}")?;
+        match &self.native_kernel.library {
+            Ok(path) => writeln!(f, "  AI Core library: loaded from {path}")?,
+            Err(e) => writeln!(
+                f,
+                "  AI Core library: NOT LOADED (override: ASCEND_MOE_KERNEL_LIB)\n    {}",
+                e.replace('\n', "\n    ")
+            )?,
         }
         if !self.aclnn_ops.is_empty() {
             writeln!(f, "aclnn operators:")?;

@@ -159,12 +159,33 @@ pub(crate) fn npu_kernel_library() -> Option<PathBuf> {
     option_env!("AMOE_NPU_KERNEL_LIB").map(PathBuf::from)
 }
 
+/// The one attempt per process to load the AI Core build
+/// ([`NpuKernelLib::load`]): the library, or why it is not loaded.
+fn kernel_lib_load() -> &'static std::result::Result<NpuKernelLib, String> {
+    static LIB: std::sync::OnceLock<std::result::Result<NpuKernelLib, String>> = std::sync::OnceLock::new();
+    LIB.get_or_init(|| {
+        NpuKernelLib::load().map_err(|e| match e {
+            Error::Unavailable(msg) => msg,
+            other => other.to_string(),
+        })
+    })
+}
+
 /// The AI Core build loaded once per process ([`NpuKernelLib::load`]), shared
 /// by every launch (the finalize and the forward-context guard); `None` when
-/// there is none.
+/// there is none ([`kernel_lib_status`] says why).
 pub(crate) fn shared_kernel_lib() -> Option<&'static NpuKernelLib> {
-    static LIB: std::sync::OnceLock<Option<NpuKernelLib>> = std::sync::OnceLock::new();
-    LIB.get_or_init(|| NpuKernelLib::load().ok()).as_ref()
+    kernel_lib_load().as_ref().ok()
+}
+
+/// The AI Core build's load: `Ok(path it was loaded from)` or the load error
+/// (no library built or named, or the file named could not be loaded), kept
+/// from the one attempt per process.
+pub(crate) fn kernel_lib_status() -> std::result::Result<String, String> {
+    match kernel_lib_load() {
+        Ok(lib) => Ok(lib.path.display().to_string()),
+        Err(e) => Err(e.clone()),
+    }
 }
 
 /// The AI Core build of the kernel (`libamoe_kernels_npu.so`), loaded at run

@@ -12,7 +12,11 @@
 //! kernel's status words) is recorded as pending work of that stream and
 //! reported by [`NpuStream::check`], the one sync point the caller owns.
 //! Handles the device may still use (events of a cross-stream wait) are kept
-//! with the stream until its next synchronisation.
+//! with the stream until its next synchronisation. Status records of eager
+//! launches and pinned staging blocks are reused in place, freed by the
+//! check or by an event recorded after their work (`EagerRecords`,
+//! `NpuStream::stage_to_device`), so ops allocate nothing once a stream
+//! is warm.
 
 mod device;
 mod event;
@@ -26,5 +30,6 @@ pub use device::DeviceCtx;
 pub use event::NpuEvent;
 pub use load::{acl, recent_error_message, take_drop_errors};
 pub(crate) use load::{record_drop_error, settled};
+pub(crate) use pending::RECORD_FENCE_EVERY;
 pub use stream::NpuStream;
-pub(crate) use stream::{lock, Pending};
+pub(crate) use stream::{lock, Pending, SyncEvent};

@@ -1,11 +1,79 @@
-//! The sync point a caller owns: the work a stream's check reports, and
-//! the record slots of captured launches.
+//! The sync point a caller owns: the work a stream's check reports, the
+//! status records of eager launches, and the record slots of captured
+//! launches.
 
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::stream::{lock, NpuStream, Pending};
+use super::stream::{lock, NpuStream, Pending, SyncEvent};
+use crate::backend::npu::pool::Fence;
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
+
+/// Eager launches between two fences of a stream's status records.
+pub(crate) const RECORD_FENCE_EVERY: usize = 32;
+
+/// The status records of a stream's eager kernel launches: a ring of
+/// `slots` slots of `slot_bytes` bytes at device address `base` (a pool block
+/// reserved at the first launch, kept for the stream's life), so a launch
+/// neither allocates nor frees. A launch takes the next slot and holds it
+/// until the stream check read it. Every [`RECORD_FENCE_EVERY`] launches a
+/// fence (an event of the ring's, recorded again) follows them. When every
+/// slot is held (the engine has not checked for `slots` launches), the
+/// launch frees the slots before the oldest fence: it asks that fence
+/// without waiting, waits for it on the host only when it has not
+/// completed, then reads those records (one blocking device-to-host copy of
+/// completed memory) and keeps the first error among them for the next
+/// check, in its place in the queue order ([`NpuStream::check`]).
+pub(crate) struct EagerRecords {
+    base: usize,
+    slot_bytes: usize,
+    slots: u64,
+    /// The sequence number of the next launch.
+    head: u64,
+    /// The oldest sequence number whose slot is held.
+    tail: u64,
+    /// Launches that took a slot and are not finished (enqueued or not).
+    open: Vec<u64>,
+    /// Launches finished since the last fence.
+    since_fence: usize,
+    /// Fences recorded, oldest first: every launch numbered below `.0` had
+    /// finished (was enqueued, or failed to) when the fence was recorded.
+    fences: VecDeque<(u64, Fence)>,
+    /// Fences not recorded since the last release.
+    spare: Vec<Fence>,
+    /// An error read before the check is held in the pending list.
+    holds_error: bool,
+}
+
+impl EagerRecords {
+    /// The first sequence number not yet finished (every lower one is).
+    fn finished_below(&self) -> u64 {
+        self.open.iter().copied().min().unwrap_or(self.head)
+    }
+}
+
+/// An error read from a status record before the check, reported by the
+/// check in the record's place.
+struct Settled(Mutex<Option<Error>>);
+
+impl Pending for Settled {
+    fn key(&self) -> Option<(usize, &'static str)> {
+        None
+    }
+
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
+
+    fn outcome(&self, _wait: Option<&Error>, _stream: &NpuStream) -> Result<()> {
+        match self.0.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
 
 impl NpuStream {
     /// Records queued work whose outcome [`check`](Self::check) reports.
@@ -32,7 +100,11 @@ impl NpuStream {
         // A synchronisation would invalidate the capture (CANN's runtime
         // guide, capture restriction 2): refused before anything is taken.
         self.refuse_under_capture("check", "check after the capture ends (e.g. after a replay)")?;
-        let pending = std::mem::take(&mut lock(self.state()).pending);
+        let (pending, records_read) = {
+            let mut st = lock(self.state());
+            let upto = st.eager.as_ref().map(|er| er.finished_below());
+            (std::mem::take(&mut st.pending), upto)
+        };
         let timeout = pending.iter().filter_map(|p| p.timeout()).max().unwrap_or(default_timeout);
         let wait = self.synchronize_timeout(timeout).err();
         let mut first = Ok(());
@@ -53,11 +125,203 @@ impl NpuStream {
             }
         }
         lock(self.state()).captured.splice(0..0, captured);
+        if let Some(upto) = records_read {
+            self.release_eager_records(upto);
+        }
         first?;
         match wait {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// True once the status records of eager launches are reserved.
+    pub(crate) fn has_eager_records(&self) -> bool {
+        lock(self.state()).eager.is_some()
+    }
+
+    /// Takes `slots` status records of `slot_bytes` at device address `base`
+    /// (a detached pool block) for the eager launches, with `fences` to
+    /// record between them.
+    pub(crate) fn set_eager_records(&self, base: usize, slot_bytes: usize, slots: usize, fences: Vec<Fence>) {
+        lock(self.state()).eager = Some(EagerRecords {
+            base,
+            slot_bytes,
+            slots: slots as u64,
+            head: 0,
+            tail: 0,
+            open: Vec::new(),
+            since_fence: 0,
+            fences: VecDeque::new(),
+            spare: fences,
+            holds_error: false,
+        });
+    }
+
+    /// The status record of an eager launch of at least `bytes`: (device
+    /// address, sequence number). When every record is held, the oldest
+    /// fenced ones are read first ([`EagerRecords`]).
+    pub(crate) fn take_eager_record(&self, bytes: usize) -> Result<(usize, u64)> {
+        loop {
+            {
+                let mut st = lock(self.state());
+                let Some(er) = st.eager.as_mut() else {
+                    return Err(Error::invalid("status records", "stream", "no status records were reserved"));
+                };
+                if bytes > er.slot_bytes {
+                    return Err(Error::invalid(
+                        "status records",
+                        "bytes",
+                        format!("a launch needs {bytes} bytes of status, a record holds {}", er.slot_bytes),
+                    ));
+                }
+                if er.head - er.tail < er.slots {
+                    let seq = er.head;
+                    er.head += 1;
+                    er.open.push(seq);
+                    return Ok((er.base + (seq % er.slots) as usize * er.slot_bytes, seq));
+                }
+            }
+            self.read_oldest_records()?;
+        }
+    }
+
+    /// The launch of record `seq` was enqueued (`pending` reports it) or
+    /// failed to be (`None`); every [`RECORD_FENCE_EVERY`] of them a fence
+    /// is recorded.
+    pub(crate) fn finish_eager_record(&self, seq: u64, pending: Option<Box<dyn Pending>>) {
+        let fence = {
+            let mut st = lock(self.state());
+            if let Some(p) = pending {
+                st.pending.push(p);
+            }
+            let Some(er) = st.eager.as_mut() else { return };
+            er.open.retain(|&s| s != seq);
+            er.since_fence += 1;
+            if er.since_fence < RECORD_FENCE_EVERY {
+                return;
+            }
+            match er.spare.pop() {
+                Some(f) => (er.finished_below(), f),
+                None => return,
+            }
+        };
+        let (bound, f) = fence;
+        // A fence that cannot be recorded is not kept: the records it would
+        // have covered are covered by a later one, or by the check.
+        let recorded = f.record(self);
+        let mut st = lock(self.state());
+        let Some(er) = st.eager.as_mut() else { return };
+        if recorded.is_ok() {
+            er.fences.push_back((bound, f));
+            er.since_fence = 0;
+        } else {
+            er.spare.push(f);
+        }
+    }
+
+    /// Frees the eager records before the oldest fence (every record is
+    /// held): asks the fence without waiting, waits for it on the host only
+    /// when it has not completed, reads the records, and keeps the first
+    /// error among them in the pending list in their place. With no fence
+    /// recorded, one is recorded now after every finished launch.
+    fn read_oldest_records(&self) -> Result<()> {
+        let (bound, fence) = {
+            let mut st = lock(self.state());
+            let Some(er) = st.eager.as_mut() else { return Ok(()) };
+            match er.fences.pop_front() {
+                Some(f) => f,
+                None => {
+                    let bound = er.finished_below();
+                    if bound == er.tail {
+                        return Err(Error::invalid(
+                            "status records",
+                            "stream",
+                            format!("all {} status records are held by launches being enqueued", er.slots),
+                        ));
+                    }
+                    let f = match er.spare.pop() {
+                        Some(f) => f,
+                        None => {
+                            drop(st);
+                            Arc::new(SyncEvent::create(self)?)
+                        }
+                    };
+                    if let Err(e) = f.record(self) {
+                        if let Some(er) = lock(self.state()).eager.as_mut() {
+                            er.spare.push(f);
+                        }
+                        return Err(e);
+                    }
+                    (bound, f)
+                }
+            }
+        };
+        let done = fence.is_complete().and_then(|c| if c { Ok(()) } else { fence.wait() });
+        let (tail, base, slot_bytes, slots) = {
+            let mut st = lock(self.state());
+            let Some(er) = st.eager.as_mut() else { return Ok(()) };
+            er.spare.push(fence);
+            done?;
+            (er.tail, er.base, er.slot_bytes, er.slots)
+        };
+        if bound <= tail {
+            return Ok(());
+        }
+        // The records in [tail, bound), in ring order (one or two ranges).
+        let n = (bound - tail) as usize;
+        let first = (tail % slots) as usize;
+        let upto_end = n.min(slots as usize - first);
+        let per = slot_bytes / 4;
+        let mut words = vec![0u32; n * per];
+        let (a, b) = words.split_at_mut(upto_end * per);
+        self.read_drained(base + first * slot_bytes, bytemuck::cast_slice_mut(a))?;
+        if !b.is_empty() {
+            self.read_drained(base, bytemuck::cast_slice_mut(b))?;
+        }
+        let mut st = lock(self.state());
+        let mut holds_error = st.eager.as_ref().is_some_and(|er| er.holds_error);
+        let pending = std::mem::take(&mut st.pending);
+        let mut kept: Vec<Box<dyn Pending>> = Vec::with_capacity(pending.len());
+        for p in pending {
+            match p.record_seq() {
+                Some(s) if (tail..bound).contains(&s) => {
+                    let at = (s - tail) as usize * per;
+                    if let Err(e) = p.settle(&words[at..at + per]) {
+                        if !holds_error {
+                            holds_error = true;
+                            kept.push(Box::new(Settled(Mutex::new(Some(e)))));
+                        }
+                    }
+                }
+                _ => kept.push(p),
+            }
+        }
+        // Entries queued meanwhile come after.
+        kept.append(&mut st.pending);
+        st.pending = kept;
+        if let Some(er) = st.eager.as_mut() {
+            er.tail = er.tail.max(bound);
+            er.holds_error = holds_error;
+        }
+        Ok(())
+    }
+
+    /// The eager records below `upto` were read by a check: their slots and
+    /// the fences before them are free.
+    fn release_eager_records(&self, upto: u64) {
+        let mut st = lock(self.state());
+        let Some(er) = st.eager.as_mut() else { return };
+        er.tail = er.tail.max(upto);
+        while er.fences.front().is_some_and(|(b, _)| *b <= upto) {
+            if let Some((_, f)) = er.fences.pop_front() {
+                er.spare.push(f);
+            }
+        }
+        if er.fences.is_empty() {
+            er.since_fence = 0;
+        }
+        er.holds_error = false;
     }
 
     /// Keeps `p` for every check from now on: the check of work captured

@@ -8,6 +8,7 @@ use acl_sys::{aclrtEvent, aclrtStream, Acl};
 
 use super::device::DeviceCtx;
 use super::load::{record_drop_error, settled};
+pub(crate) use super::pending::EagerRecords;
 use crate::backend::npu::pool::{Allocator, Pool, Staging};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
@@ -25,6 +26,16 @@ pub(crate) trait Pending: Send + Sync {
     /// The error recorded on the device for this work, once the stream is
     /// drained (or failed to drain: then `wait` holds why).
     fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()>;
+    /// The sequence number of the eager status record this work reports
+    /// through ([`EagerRecords`]), if it has one.
+    fn record_seq(&self) -> Option<u64> {
+        None
+    }
+    /// The outcome from the words of its status record, read before the
+    /// check once the work completed (work with a [`record_seq`](Self::record_seq)).
+    fn settle(&self, _record: &[u32]) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// The state shared by every handle on one raw stream: its pending checks,
@@ -39,6 +50,8 @@ pub(crate) struct StreamState {
     /// (device address, slot bytes, slots, slots taken). Reserved outside
     /// capture from the pool; a slot stays with its captured launch.
     pub(super) records: Option<(usize, usize, usize, usize)>,
+    /// The status records of eager kernel launches (see [`EagerRecords`]).
+    pub(super) eager: Option<EagerRecords>,
     /// The event this stream records for the streams that wait on it.
     pub(super) sync_event: Option<Arc<SyncEvent>>,
     /// Other streams' events this stream waited for since its last
@@ -181,10 +194,11 @@ impl StreamInner {
             ));
         }
         settled(teardown_sync(self.raw, &self.state))?;
-        let (segments, staged) = {
+        let (segments, (staged, fences)) = {
             let mut st = lock(&self.state);
             (st.pool.take_segments(), st.staging.take_all())
         };
+        drop(fences);
         let mut first = Ok(());
         for (ptr, _) in segments {
             // SAFETY: a segment from aclrtMalloc (`reserve_workspace`), freed
@@ -377,7 +391,7 @@ unsafe impl Send for SyncEvent {}
 unsafe impl Sync for SyncEvent {}
 
 impl SyncEvent {
-    pub(super) fn create(stream: &NpuStream) -> Result<Self> {
+    pub(crate) fn create(stream: &NpuStream) -> Result<Self> {
         stream.enter()?;
         let raw = match rt::create_sync_event()? {
             Some(raw) => raw,
@@ -385,6 +399,45 @@ impl SyncEvent {
             None => rt::create_event()?,
         };
         Ok(SyncEvent { raw, ctx: stream.ctx().clone() })
+    }
+}
+
+impl SyncEvent {
+    /// Records the event at the current end of `stream` again (a re-record
+    /// moves the event: `Event::Record` takes a new record task each time,
+    /// hicann/runtime `src/runtime/feature/src/event/event.cc:440-495` at
+    /// v8.5.0, reached through `aclrtRecordEventImpl`,
+    /// `src/acl/aclrt_impl/event.cpp:99-113`, and `ApiImpl::EventRecord`,
+    /// `src/runtime/feature/src/api_impl/api_impl.cc:2093-2136`).
+    pub(crate) fn record(&self, stream: &NpuStream) -> Result<()> {
+        stream.enter()?;
+        // SAFETY: live event and stream, the stream's device bound.
+        unsafe { rt::record_event(self.raw, stream.raw()) }
+    }
+
+    /// True when the work before the latest record completed, without
+    /// waiting: `aclrtQueryEventStatus` (`aclrtQueryEventStatusImpl`,
+    /// `src/acl/aclrt_impl/event.cpp:153-172`; `ApiErrorDecorator::EventQueryStatus`,
+    /// `src/runtime/feature/src/api_impl/api_error.cc:1309-1317`, refuses
+    /// only external events and events recorded in an ongoing capture;
+    /// `Event::QueryEventStatus`, `src/runtime/feature/src/event/event.cc:1068-1092`,
+    /// reports the latest record's state, and a new-mode event never
+    /// recorded as complete). No host wait.
+    pub(crate) fn is_complete(&self) -> Result<bool> {
+        self.ctx.bind()?;
+        // SAFETY: live event, its device bound.
+        let status = unsafe { rt::query_event_status(self.raw) }?;
+        Ok(status == acl_sys::aclrtEventRecordedStatus::ACL_EVENT_RECORDED_STATUS_COMPLETE)
+    }
+
+    /// Waits on the host until the work before the latest record completed
+    /// (`aclrtSynchronizeEvent`: `aclrtSynchronizeEventImpl`,
+    /// `src/acl/aclrt_impl/event.cpp:199`; `ApiImpl::EventSynchronize`,
+    /// `src/runtime/feature/src/api_impl/api_impl.cc:2229-2247`).
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.ctx.bind()?;
+        // SAFETY: live event, its device bound.
+        unsafe { rt::synchronize_event(self.raw) }
     }
 }
 

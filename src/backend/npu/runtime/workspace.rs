@@ -1,7 +1,9 @@
 //! The workspace pool and the pinned staging blocks of a stream.
 
-use super::stream::{lock, NpuStream};
-use crate::backend::npu::pool::{self, Allocator, PoolStats};
+use std::sync::Arc;
+
+use super::stream::{lock, NpuStream, SyncEvent};
+use crate::backend::npu::pool::{self, Allocator, Fence, PoolStats, STAGING_BLOCK, STAGING_BLOCKS};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
@@ -22,7 +24,7 @@ impl NpuStream {
         Ok(())
     }
 
-    /// A new pinned staging block of at least `bytes` (`aclrtMallocHost`).
+    /// A new pinned allocation of at least `bytes` (`aclrtMallocHost`).
     fn staging_block(bytes: usize) -> Result<(usize, usize)> {
         let len = pool::round_up(bytes)?;
         // Nonzero size.
@@ -39,8 +41,111 @@ impl NpuStream {
             return Ok(());
         }
         let b = Self::staging_block(bytes)?;
-        lock(self.state()).staging.add(b, true);
+        lock(self.state()).staging.add(b, [b]);
         Ok(())
+    }
+
+    /// The first staged copy of the stream: the arena of
+    /// [`STAGING_BLOCKS`] blocks of [`STAGING_BLOCK`] bytes (one
+    /// `aclrtMallocHost`) and a fence for each, so that later copies
+    /// neither allocate nor create events.
+    fn add_staging_arena(&self) -> Result<()> {
+        let fences = (0..STAGING_BLOCKS).map(|_| SyncEvent::create(self).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        let (ptr, len) = Self::staging_block(STAGING_BLOCK * STAGING_BLOCKS)?;
+        let mut st = lock(self.state());
+        st.staging.add((ptr, len), (0..STAGING_BLOCKS).map(|i| (ptr + i * STAGING_BLOCK, STAGING_BLOCK)));
+        for f in fences {
+            st.staging.add_spare(f);
+        }
+        Ok(())
+    }
+
+    /// A fence to record after a staged copy: a spare one, else a new event.
+    fn staging_fence(&self) -> Result<Fence> {
+        if let Some(f) = lock(self.state()).staging.take_spare() {
+            return Ok(f);
+        }
+        Ok(Arc::new(SyncEvent::create(self)?))
+    }
+
+    /// The fence of the block in flight at position `i`, recording one at
+    /// the end of the stream for a block that has none (a later record
+    /// covers its copy too).
+    fn staging_fence_at(&self, i: usize) -> Result<Option<(usize, Fence)>> {
+        let Some((ptr, fence)) = lock(self.state()).staging.in_flight_at(i) else { return Ok(None) };
+        if let Some(f) = fence {
+            return Ok(Some((ptr, f)));
+        }
+        let f = self.staging_fence()?;
+        f.record(self)?;
+        lock(self.state()).staging.set_fence(ptr, f.clone());
+        Ok(Some((ptr, f)))
+    }
+
+    /// Frees staging blocks whose copy completed, outside capture, when a
+    /// request of `bytes` finds no free block or [`STAGING_BLOCKS`] blocks
+    /// are in flight: the fences of the oldest blocks are asked, without
+    /// waiting ([`SyncEvent::is_complete`]), oldest first. Only when
+    /// [`STAGING_BLOCKS`] blocks are still in flight after that does the host
+    /// wait: for the copy of the newest of the older half
+    /// ([`SyncEvent::wait`]), which frees that half. So at most
+    /// [`STAGING_BLOCKS`] blocks are ever in flight.
+    fn reclaim_staging(&self, bytes: usize) -> Result<()> {
+        loop {
+            let needed = {
+                let st = lock(self.state());
+                st.staging.in_flight() >= STAGING_BLOCKS || !st.staging.has_free(bytes)
+            };
+            if !needed {
+                return Ok(());
+            }
+            let Some((ptr, fence)) = self.staging_fence_at(0)? else { return Ok(()) };
+            if !fence.is_complete()? {
+                break;
+            }
+            lock(self.state()).staging.completed_through(ptr);
+        }
+        if lock(self.state()).staging.in_flight() < STAGING_BLOCKS {
+            return Ok(());
+        }
+        if let Some((ptr, fence)) = self.staging_fence_at(STAGING_BLOCKS / 2 - 1)? {
+            fence.wait()?;
+            lock(self.state()).staging.completed_through(ptr);
+        }
+        Ok(())
+    }
+
+    /// A pinned block of at least `bytes` for a staged copy, now in flight.
+    /// Outside capture: a free block (freeing the completed ones first when
+    /// needed, [`reclaim_staging`](Self::reclaim_staging)), else a new
+    /// allocation: the arena at the first copy, later only a request larger
+    /// than [`STAGING_BLOCK`] that no free block holds. Under capture: a free
+    /// block or an error (nothing is allocated or asked).
+    fn take_staging(&self, bytes: usize) -> Result<(usize, usize)> {
+        if self.is_capturing()? {
+            return lock(self.state()).staging.take_free(bytes).ok_or_else(|| {
+                Error::invalid(
+                    "stage_to_device",
+                    "stream",
+                    format!(
+                        "{self:?} is being captured into a graph: no pinned staging block is free and none can \
+                         be allocated; reserve with amoe_workspace_reserve / NpuStream::reserve_staging before \
+                         the capture begins"
+                    ),
+                )
+            });
+        }
+        if !lock(self.state()).staging.has_arena() && bytes <= STAGING_BLOCK {
+            self.add_staging_arena()?;
+        }
+        self.reclaim_staging(bytes)?;
+        if let Some(b) = lock(self.state()).staging.take_free(bytes) {
+            return Ok(b);
+        }
+        let b = Self::staging_block(bytes)?;
+        let mut st = lock(self.state());
+        st.staging.add(b, [b]);
+        Ok(st.staging.take_free(bytes).unwrap_or(b))
     }
 
     /// Serves every workspace block of this stream from `allocator` (`None`:
@@ -97,10 +202,12 @@ impl NpuStream {
     /// `data.len()` bytes) through a pinned staging block of this stream, so
     /// the host never waits and never copies from pageable memory
     /// (aclrtMemcpyAsync, AscendCL API reference: asynchronous host copies
-    /// need page-locked memory to be truly asynchronous). The block stays
-    /// reserved until the stream's next synchronisation, or, when the stream
-    /// is captured into a graph, for the stream's life (every replay copies
-    /// from it again).
+    /// need page-locked memory to be truly asynchronous). Outside capture a
+    /// fence (an event of the stream's, recorded again) follows the copy,
+    /// and the block is free again once the fence completed or the stream
+    /// synchronised ([`take_staging`](Self::take_staging)); when the stream
+    /// is captured into a graph the block stays reserved for the stream's
+    /// life (every replay copies from it again).
     pub(crate) fn stage_to_device(&self, data: &[u8], dst: *mut std::ffi::c_void, dst_len: usize) -> Result<()> {
         if data.is_empty() {
             return Ok(());
@@ -109,30 +216,19 @@ impl NpuStream {
             return Err(Error::invalid("stage_to_device", "dst", format!("{dst_len} bytes for {}", data.len())));
         }
         self.enter()?;
-        let taken = lock(self.state()).staging.take_free(data.len());
-        let (ptr, _) = match taken {
-            Some(b) => b,
-            None => {
-                self.refuse_under_capture(
-                    "stage_to_device",
-                    "no pinned staging block is free and none can be allocated; reserve with \
-                     amoe_workspace_reserve / NpuStream::reserve_staging before the capture begins",
-                )?;
-                let b = Self::staging_block(data.len())?;
-                lock(self.state()).staging.add(b, false);
-                b
-            }
-        };
+        let (ptr, _) = self.take_staging(data.len())?;
         // SAFETY: `ptr` is a pinned block of at least `data.len()` bytes that
         // no queued copy reads (it was free), exclusively ours until the sync.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
-        if self.is_capturing()? {
+        let capturing = self.is_capturing()?;
+        if capturing {
             // Every replay copies from the block again: it keeps these bytes.
             lock(self.state()).staging.keep_for_graph(ptr);
         }
         // SAFETY: `dst` is device memory of `dst_len >= data.len()` bytes; the
-        // pinned source stays allocated and unchanged until the stream drained.
-        unsafe {
+        // pinned source stays allocated and unchanged until its fence
+        // completed or the stream drained.
+        let queued = unsafe {
             rt::memcpy_async(
                 dst,
                 dst_len,
@@ -141,6 +237,23 @@ impl NpuStream {
                 acl_sys::aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                 self.raw(),
             )
+        };
+        if capturing {
+            return queued;
         }
+        if let Err(e) = queued {
+            lock(self.state()).staging.not_queued(ptr);
+            return Err(e);
+        }
+        // Without a fence the block is freed by a later fence or the next sync.
+        let fence = self.staging_fence()?;
+        match fence.record(self) {
+            Ok(()) => lock(self.state()).staging.set_fence(ptr, fence),
+            Err(e) => {
+                lock(self.state()).staging.add_spare(fence);
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 }
