@@ -297,8 +297,9 @@ mod tests {
 
     #[test]
     fn counters_struct_has_the_c_layout() {
-        assert_eq!(std::mem::size_of::<CannsimCounters>(), 8 * 8);
+        assert_eq!(std::mem::size_of::<CannsimCounters>(), 9 * 8);
         assert_eq!(std::mem::offset_of!(CannsimCounters, host_syncs), 0);
         assert_eq!(std::mem::offset_of!(CannsimCounters, queries), 7 * 8);
+        assert_eq!(std::mem::offset_of!(CannsimCounters, event_creates), 8 * 8);
     }
 }
