@@ -1203,6 +1203,11 @@ amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy
 // comm type, else a copy of `x`. Shape and dtype of `out` equal `x`'s (the
 // shape function is the identity); `x` and `out` may be the same memory.
 // Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
+// With TP > 1 on a CPU communicator (on an NPU with
+// `ASCEND_MOE_CHECK_COMM_TYPE=1`) the TP ranks first all-gather their
+// `comm_type`: ranks that disagree all fail, naming who chose what. A rank
+// with an empty `x` still meets its peers in the CPU all-reduce, so a peer
+// with rows fails the call on every rank.
 //
 // NPU (this and the other two reduction points): enqueues on `stream` one
 // device copy of `x` into `out` (none when they are the same memory) and,

@@ -68,6 +68,22 @@ def test_comm_type_disagreement_fails_every_process_naming_the_ranks():
         assert secs < workers.SHORT_TIMEOUT_S, (rank, secs, msg)
 
 
+def test_reduction_points_fail_every_tp_rank_when_the_ranks_disagree():
+    """SPEC section 5: TP ranks that chose different comm types fail the
+    reduction point on every rank, naming the choices; SPEC section 8: a rank
+    with no rows still meets its peer in the collective, so both fail."""
+    results, _ = run_world(workers.reduction_point_disagreements, WORLD)
+    assert sorted(results) == list(range(WORLD))
+    for rank, ((status, secs, msg), helpers) in results.items():
+        assert secs < workers.SHORT_TIMEOUT_S + 5.0, (rank, secs, msg)
+        if rank < 2:
+            assert status == "INVALID_ARGUMENT", (rank, status, msg)
+            assert "rank 0 chose ALLGATHER" in msg and "rank 1 chose MC2" in msg and "TP ranks" in msg, (rank, msg)
+        else:
+            assert status.startswith("COMM_"), (rank, status, msg)
+        assert all(h.startswith("COMM_") for h in helpers), (rank, helpers)
+
+
 def test_quantized_dtypes_move_as_bytes_across_4_processes():
     results, _ = run_world(workers.byte_moves, WORLD)
     assert results == {r: 21 for r in range(WORLD)}

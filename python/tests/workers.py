@@ -441,6 +441,32 @@ def comm_type_disagreement(name, world_size, rank):
         return _expect_error(am.token_prepare, x, ct, ctx, groups)
 
 
+def reduction_point_disagreements(name, world_size, rank):
+    """TP groups of 2 (ranks {0, 1}, {2, 3}). Group 0: TP rank 0 passes
+    ALLGATHER (reduce_final reduces) and TP rank 1 MC2 (it copies). Group 1:
+    TP rank 0 has no rows, TP rank 1 four. Both are errors on every rank of
+    the group, never a rank that returns (an unreduced value, or a sum that
+    pairs with its peer's next call)."""
+    tp_rank = rank % 2
+    with am.Comm.cpu(name, world_size, rank, timeout_s=SHORT_TIMEOUT_S) as world:
+        with world.split([rank - tp_rank, rank - tp_rank + 1]) as tp:
+            policy = am.ReducePolicy(None, False, False, 2, 2)
+            if rank < 2:
+                x = np.full((2, 3), 10.0 ** tp_rank, np.float32)
+                ct = am.CommType.ALLGATHER if tp_rank == 0 else am.CommType.MC2
+                first = _expect_error(policy.reduce_final, x, ct, tp)
+            else:
+                x = np.ones((4 * tp_rank, 3), np.float32)
+                first = _expect_error(policy.reduce_final, x, am.CommType.ALLGATHER, tp)
+            # The shared-expert helpers with one empty rank fail on both ranks too.
+            rows = np.ones((2 * tp_rank, 3), np.float32)
+            helpers = [
+                _expect_error(am.shared_pad_reduce_scatter, rows, tp)[0],
+                _expect_error(am.shared_gather_unpad, rows, 4 * tp_rank, tp)[0],
+            ]
+            return first, helpers
+
+
 def byte_moves(name, world_size, rank):
     """SPEC section 8: int8, uint8 (packed fp4), bool and fp8 arrays, and 1-D
     f32 per-token scales, through all_gather, broadcast and the SP gather as

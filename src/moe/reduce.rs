@@ -23,8 +23,18 @@
 use crate::comm::{Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::Output;
+use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled};
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
+
+/// Whether a rank with nothing to reduce still takes part in the collective:
+/// on the CPU communicator it does, so a peer with rows meets a count of 0
+/// (a clear mismatch on every rank) instead of its next call. HCCL refuses
+/// the empty buffers, so on an NPU the empty rank skips it, and a peer that
+/// expected data waits out the execution timeout, reported by the stream check.
+pub(crate) fn joins_empty<C: Collectives + ?Sized>(group: &C) -> bool {
+    matches!(group.device(), crate::Device::Cpu)
+}
 
 /// True when the routed output of a comm type is already the full sum on every
 /// rank: `comm in {MC2, ALLTOALL, FUSED_MC2} or (comm == ALLGATHER and sp)`.
@@ -245,7 +255,21 @@ impl ReducePolicy {
         comm: CommType,
         tp: &C,
     ) -> Result<Tensor> {
+        self.agree(point.op(), comm, tp)?;
         self.reduce_if(point.op(), self.reduces(point, comm), x, tp)
+    }
+
+    /// Before a reduction point decides: every TP rank chose `comm` (SPEC
+    /// section 5), where the check is on
+    /// ([`comm_type_check_enabled`]). Ranks that disagree would otherwise
+    /// decide differently, one reducing while another copies, and the
+    /// reduction would pair with a later collective of its peer.
+    fn agree<C: Collectives + ?Sized>(&self, op: &'static str, comm: CommType, tp: &C) -> Result<()> {
+        self.check_tp(op, tp)?;
+        if self.tp_size > 1 && comm_type_check_enabled(tp) {
+            comm_type_agreement(op, "TP", comm, tp)?;
+        }
+        Ok(())
     }
 
     /// Reduction point `point` with the live comm type, written to `output`:
@@ -260,10 +284,11 @@ impl ReducePolicy {
         tp: &C,
     ) -> Result<()> {
         let (op, reduce) = (point.op(), self.reduces(point, comm));
+        self.agree(op, comm, tp)?;
         match output {
             Output::InPlace(x) => {
                 self.check_tp(op, tp)?;
-                if reduce && self.tp_size > 1 && x.numel() > 0 {
+                if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {
                     tp.all_reduce_in_place(x, ReduceOp::Sum)?;
                 }
                 Ok(())
@@ -296,7 +321,7 @@ impl ReducePolicy {
         tp: &C,
     ) -> Result<Tensor> {
         self.check_tp(op, tp)?;
-        if reduce && self.tp_size > 1 && x.numel() > 0 {
+        if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {
             tp.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         }
         Ok(x)
@@ -315,6 +340,9 @@ impl ReducePolicy {
         self.check_tp(op, tp)?;
         let device = check_out_like(op, x, out, x.shape())?;
         if x.numel() == 0 {
+            if reduce && self.tp_size > 1 && joins_empty(tp) {
+                tp.all_reduce_in_place(out, ReduceOp::Sum)?;
+            }
             return Ok(());
         }
         if x.shape().is_empty() {

@@ -23,6 +23,7 @@
 use crate::backend::args::with_rows;
 use crate::comm::{Collectives, ReduceOp};
 use crate::moe::finalize::check_out_like;
+use crate::moe::reduce::joins_empty;
 use crate::{Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";
@@ -121,13 +122,13 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     let backend = device.backend();
     let full_shape = with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?;
     if full_shape[0] == num_tokens {
-        if out.numel() > 0 {
+        if out.numel() > 0 || joins_empty(tp) {
             tp.all_gather(x, out)?;
         }
         return Ok(());
     }
     let mut full = backend.scratch(&full_shape, x.dtype())?;
-    if full.numel() > 0 {
+    if full.numel() > 0 || joins_empty(tp) {
         tp.all_gather(x, &mut full)?;
     }
     if num_tokens > 0 {
@@ -163,7 +164,7 @@ pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &
     let device = check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?;
     let backend = device.backend();
     let padded_rows = shape[0] * tp.world_size();
-    if out.numel() == 0 {
+    if out.numel() == 0 && !joins_empty(tp) {
         return Ok(());
     }
     if padded_rows == x.rows() {

@@ -132,17 +132,18 @@ pub(super) fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) ->
     Ok(())
 }
 
-/// Whether [`prepare`](super::prepare()) checks that every EP rank chose the same comm type:
-/// always on the CPU communicator; on the NPU only with
-/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (there the check is an extra collective,
-/// a small copy and a guard launch per layer, compared on the device and
-/// reported by the stream check: it never synchronises and can be captured).
-/// `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it off everywhere.
-pub(super) fn comm_type_check_enabled(ep: &Comm) -> bool {
+/// Whether [`prepare`](super::prepare()) and the reduction points check that
+/// every rank of their group chose the same comm type: always on the CPU
+/// communicator; on the NPU only with `ASCEND_MOE_CHECK_COMM_TYPE=1` (there
+/// the check is an extra collective, a small copy and a guard launch per call,
+/// compared on the device and reported by the stream check: it never
+/// synchronises and can be captured). `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it
+/// off everywhere.
+pub(crate) fn comm_type_check_enabled<C: Collectives + ?Sized>(group: &C) -> bool {
     match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
         Some("0") => false,
         Some("1") => true,
-        _ => matches!(ep.device(), crate::Device::Cpu),
+        _ => matches!(group.device(), crate::Device::Cpu),
     }
 }
 
@@ -156,6 +157,17 @@ pub(super) fn comm_type_check_enabled(ep: &Comm) -> bool {
 /// paths never fail with an unrelated mismatch on some ranks and succeed on
 /// others unnoticed.
 pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
+    comm_type_agreement(PREPARE, "EP", comm, ep)
+}
+
+/// [`check_comm_type_agreement`] for the op `op` over its `kind` group (EP,
+/// TP), which the error names.
+pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
+    op: &'static str,
+    kind: &'static str,
+    comm: CommType,
+    ep: &C,
+) -> Result<()> {
     let world = ep.world_size();
     if world <= 1 {
         return Ok(());
@@ -168,7 +180,9 @@ pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C
     device.backend().expect_all_equal(
         &all,
         comm as i32,
-        Box::new(move |chosen, first, value| comm_type_disagreement(comm, &group, rank, chosen, first, value)),
+        Box::new(move |chosen, first, value| {
+            comm_type_disagreement(op, kind, comm, &group, rank, chosen, first, value)
+        }),
     )
 }
 
@@ -178,7 +192,10 @@ fn comm_type_name(c: i32) -> String {
 
 /// The error of ranks that disagree on the comm type: every rank's choice
 /// when they were all read (`chosen`), else the first rank that differs.
+#[allow(clippy::too_many_arguments)]
 fn comm_type_disagreement(
+    op: &'static str,
+    kind: &'static str,
     comm: CommType,
     group: &str,
     rank: usize,
@@ -212,8 +229,10 @@ fn comm_type_disagreement(
         ),
     };
     Error::invalid(
-        PREPARE,
+        op,
         "comm_type",
-        format!("the EP ranks of group {group:?} disagree on the MoE comm type of this forward: {what} (this is rank {rank})"),
+        format!(
+            "the {kind} ranks of group {group:?} disagree on the MoE comm type of this forward: {what} (this is rank {rank})"
+        ),
     )
 }
