@@ -360,6 +360,8 @@ def alloc(arg: str, shape, like: Desc):
 
 _STREAMS: dict = {}
 _STREAMS_LOCK = threading.Lock()
+# Cached handles that an open LiveContext is attached through, by key: count.
+_HELD: dict = {}
 
 
 def wrap_stream(raw: int, device: int) -> ctypes.c_void_p:
@@ -376,11 +378,37 @@ def wrap_stream(raw: int, device: int) -> ctypes.c_void_p:
     return h
 
 
+def hold_stream(raw: int, device: int) -> ctypes.c_void_p:
+    """`wrap_stream`, for a LiveContext that keeps the handle (the ops on the
+    stream share it): `release_streams` refuses it until `unhold_stream`."""
+    h = wrap_stream(raw, device)
+    key = (int(raw), int(device))
+    with _STREAMS_LOCK:
+        _HELD[key] = _HELD.get(key, 0) + 1
+    return h
+
+
+def unhold_stream(raw: int, device: int) -> None:
+    key = (int(raw), int(device))
+    with _STREAMS_LOCK:
+        n = _HELD.pop(key, 0) - 1
+        if n > 0:
+            _HELD[key] = n
+
+
 def release_streams() -> int:
     """Frees every cached stream handle (never the engine's streams), for an
     engine about to destroy the streams they wrap; returns how many. Later
-    calls wrap their streams again."""
+    calls wrap their streams again. An error, freeing nothing, while a
+    LiveContext is open on one of them (close it first)."""
     with _STREAMS_LOCK:
+        if _HELD:
+            (raw, device), n = next(iter(_HELD.items()))
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"release_streams: {n} open LiveContext(s) use the handle of stream {raw:#x} on npu:{device}; "
+                "close them before releasing the streams",
+            )
         handles = list(_STREAMS.values())
         _STREAMS.clear()
     for h in handles:

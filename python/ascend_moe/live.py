@@ -23,11 +23,13 @@ import ctypes
 from ._enums import GUARD_ACTUAL_TOKENS, Status
 from ._errors import error
 from ._lib import ALL_TOKENS, U32_MAX, ForwardContextC, c_uint, call, lib, sizes
-from ._tensor import wrap_stream
+from ._tensor import hold_stream, unhold_stream, wrap_stream
 from .forward import ForwardContext
 
 
-def _stream_handle(stream, device):
+def _stream_handle(stream, device, hold=False):
+    """The library's handle on `stream` and its device; `hold`: for a
+    LiveContext, which keeps it (see `_tensor.hold_stream`)."""
     raw = getattr(stream, "npu_stream", None)
     if not raw:
         raise error(
@@ -39,7 +41,7 @@ def _stream_handle(stream, device):
     if device is None:
         raise error(Status.INVALID_ARGUMENT, "the stream's device is unknown: pass `device=`")
     device = c_uint("device", device, U32_MAX)
-    return wrap_stream(raw, device), device
+    return (hold_stream if hold else wrap_stream)(raw, device), device
 
 
 def _context_c(ctx: ForwardContext):
@@ -61,9 +63,15 @@ class LiveContext:
     Made and freed outside capture (it allocates)."""
 
     def __init__(self, stream, device=None):
-        self._stream, self.device = _stream_handle(stream, device)
-        h = ctypes.c_void_p()
-        call("amoe_live_context_new", self._stream, ctypes.byref(h))
+        self._h = None
+        self._stream, self.device = _stream_handle(stream, device, hold=True)
+        self._raw = int(stream.npu_stream)
+        try:
+            h = ctypes.c_void_p()
+            call("amoe_live_context_new", self._stream, ctypes.byref(h))
+        except BaseException:
+            unhold_stream(self._raw, self.device)
+            raise
         self._h = h
 
     def _handle(self):
@@ -108,6 +116,7 @@ class LiveContext:
         if self._h is not None:
             lib().amoe_live_context_free(self._h)
             self._h = None
+            unhold_stream(self._raw, self.device)
 
     def __enter__(self):
         return self

@@ -406,6 +406,16 @@ def live_context():
         assert "num_actual_tokens is all" in str(e) and "captured for 3" in str(e), e
     else:
         raise AssertionError("a guard of the actual-token count was not reported")
+    # The open context keeps its stream handle (the ops on the stream share
+    # it): releasing the streams is refused, freeing nothing, until it closes.
+    try:
+        am.release_streams()
+    except am.AmoeError as e:
+        assert e.status == am.Status.INVALID_ARGUMENT and "open LiveContext" in str(e), e
+    else:
+        raise AssertionError("release_streams freed the handle of an open LiveContext")
+    live.set(mc2)
+    live.check()
     live.close()
     assert am.release_streams() == 1
     stream.destroy()
