@@ -123,6 +123,15 @@ fn null_arguments_and_small_shape_buffers_are_reported() {
     // SAFETY: NULL comm is the case under test; `r` is writable.
     assert_eq!(unsafe { amoe_comm_rank(null(), &mut r) }, amoe_status::NullArgument);
     assert_eq!(last_error(), "amoe_comm_rank: `comm` is NULL");
+    // A NULL communicator is named as the caller's parameter.
+    let mut v = vec![1f32; 4];
+    let shape = [4usize];
+    let x = host(&mut v, &shape);
+    let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    // SAFETY: valid policy and descriptors; the NULL communicator is the case under test.
+    let st = unsafe { amoe_reduce_final(&policy, &x, 0, null(), &x, null()) };
+    assert_eq!(st, amoe_status::NullArgument);
+    assert_eq!(last_error(), "amoe_reduce_final: `tp_comm` is NULL");
     // SAFETY: NULL handles are accepted by the free functions.
     unsafe {
         amoe_comm_free(null_mut());

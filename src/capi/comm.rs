@@ -234,7 +234,7 @@ macro_rules! collective {
     ($f:expr, $comm:ident, $src:ident, $dst:ident, $stream:ident, |$c:ident, $s:ident, $d:ident| $run:expr) => {
         ffi!($f, {
             let cx = &Call::new($f, $stream);
-            let $c = cx.comm($comm)?;
+            let $c = cx.comm("comm", $comm)?;
             let $s = cx.input("src", $src)?;
             let out = cx.out("dst", $dst)?;
             let mut $d = cx.output(&out)?;
@@ -407,7 +407,7 @@ pub unsafe extern "C" fn amoe_broadcast(
     const F: &str = "amoe_broadcast";
     ffi!(F, {
         let cx = &Call::new(F, stream);
-        let c = cx.comm(comm)?;
+        let c = cx.comm("comm", comm)?;
         let mut b = cx.input("buf", buf)?;
         c.broadcast(&mut b, root)?;
         cx.write(&cx.out("buf", buf)?, &b)
@@ -427,7 +427,7 @@ pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amo
     const F: &str = "amoe_barrier";
     ffi!(F, {
         let cx = &Call::new(F, stream);
-        let c = cx.comm(comm)?;
+        let c = cx.comm("comm", comm)?;
         match cx.stream() {
             Some(s) => c.barrier_on(&Device::Npu(s.device().clone()))?,
             None => c.barrier()?,

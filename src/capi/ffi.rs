@@ -71,9 +71,10 @@ impl<'a> Call<'a> {
         }
     }
 
-    /// The communicator behind `p`, which must be on the call's stream device.
-    pub(crate) fn comm(&self, p: *const amoe_comm) -> Result<&'a Comm, Failure> {
-        let c = handle::try_handle(self.f, "comm", p)?;
+    /// The communicator behind `p` (the argument `arg`), which must be on the
+    /// call's stream device.
+    pub(crate) fn comm(&self, arg: &'static str, p: *const amoe_comm) -> Result<&'a Comm, Failure> {
+        let c = handle::try_handle(self.f, arg, p)?;
         if let (Comm::Npu(h), Some(s)) = (c, self.stream) {
             let (comm_ord, s) = (h.npu_device().ordinal(), s.device().ordinal());
             if s != comm_ord {

@@ -37,12 +37,13 @@ pub struct amoe_forward_context {
 pub const AMOE_GUARD_ACTUAL_TOKENS: u32 = 1;
 
 /// The Rust forward context of a descriptor argument.
-fn forward_context(f: &str, fc: *const amoe_forward_context) -> Result<ForwardContext, Failure> {
-    let c = try_ref!(f, fc, "ctx");
+/// `arg` names it in errors.
+fn forward_context(f: &str, arg: &str, fc: *const amoe_forward_context) -> Result<ForwardContext, Failure> {
+    let c = try_ref!(f, fc, arg);
     Ok(ForwardContext {
         comm_type: CommType::from_u32(c.comm_type)?,
         sp: flag(c.sp),
-        dp_tokens: read_sizes(f, "ctx.dp_tokens", c.dp_tokens, c.dp_size)?,
+        dp_tokens: read_sizes(f, &format!("{arg}.dp_tokens"), c.dp_tokens, c.dp_size)?,
         // `AMOE_ALL_TOKENS` (usize::MAX): every token of the DP rank is real.
         num_actual_tokens: (c.num_actual_tokens != usize::MAX).then_some(c.num_actual_tokens),
         pcp_size: c.pcp_size,
@@ -147,7 +148,7 @@ pub unsafe extern "C" fn amoe_live_context_set(
     const F: &str = "amoe_live_context_set";
     ffi!(F, {
         let c = try_handle(F, "ctx", ctx)?;
-        let w = forward_context(F, fc)?.words()?;
+        let w = forward_context(F, "fc", fc)?.words()?;
         let s = Call::new(F, stream).required_stream()?;
         Ok(c.set(&w, s.device().stream())?)
     })
@@ -176,7 +177,7 @@ pub unsafe extern "C" fn amoe_live_context_guard(
             return Err(Failure::invalid(F, "flags", format!("{flags:#x} has unknown bits")));
         }
         let c = try_handle(F, "ctx", ctx)?;
-        let w = forward_context(F, captured_for)?.words()?;
+        let w = forward_context(F, "captured_for", captured_for)?.words()?;
         let s = Call::new(F, stream).required_stream()?;
         Ok(c.guard("moe_layer", &w, flags & AMOE_GUARD_ACTUAL_TOKENS != 0, s.device().stream())?)
     })

@@ -67,7 +67,7 @@ fn layout_op(
 ) -> amoe_status {
     ffi!(f, {
         let cx = &Call::new(f, stream);
-        let c = cx.comm(ep_comm)?;
+        let c = cx.comm("ep_comm", ep_comm)?;
         let x = cx.input("x", x)?;
         let l = layout(f, local_sizes, n)?;
         let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
@@ -235,7 +235,7 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
     const F: &str = "amoe_finalize_and_reduce";
     ffi!(F, {
         let cx = &Call::new(F, stream);
-        let c = cx.comm(ep_comm)?;
+        let c = cx.comm("ep_comm", ep_comm)?;
         let inputs = FinalizeInputs::read(cx, args)?;
         let l = layout(F, local_sizes, n)?;
         let a = inputs.args()?;

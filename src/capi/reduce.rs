@@ -100,7 +100,7 @@ fn reduce_point(
     let p = policy(cx.f, p)?;
     let c = CommType::from_u32(comm_type)?;
     cx.guard(c, None, false)?;
-    let tp = cx.comm(tp_comm)?;
+    let tp = cx.comm("tp_comm", tp_comm)?;
     let x_in = cx.input("x", x)?;
     let out = cx.out("out", out)?;
     out.check(cx, x_in.shape(), x_in.dtype())?;

@@ -42,7 +42,7 @@ fn op_body(
 ) -> amoe_status {
     ffi!(f, {
         let cx = &Call::new(f, stream);
-        let tp = cx.comm(tp_comm)?;
+        let tp = cx.comm("tp_comm", tp_comm)?;
         let x = cx.input("x", x)?;
         let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
         let out = cx.out("out", out)?;
