@@ -208,33 +208,43 @@ pub(crate) const STAGING_BLOCK: usize = 4096;
 /// first staged copy), and the most staging blocks in flight at once.
 pub(crate) const STAGING_BLOCKS: usize = 16;
 
-/// The fence of a staging block: an event recorded after its copy.
-pub(crate) type Fence = Arc<crate::backend::npu::runtime::SyncEvent>;
-
 /// Pinned host blocks (`aclrtMallocHost`) that carry small host data (slot
 /// offsets, a tiling) to the device with an asynchronous copy. A block whose
 /// copy is queued is in flight, with the fence recorded after that copy,
 /// until the fence completed (asked without waiting when a block is needed)
 /// or the stream synchronised; then it is free for reuse. The allocations
-/// are freed with the pool.
-#[derive(Default)]
-pub(crate) struct Staging {
+/// are freed with the pool. `F` is the fence: an event the stream records
+/// after a copy (the runtime's `Fence`).
+pub(crate) struct Staging<F> {
     /// What `aclrtMallocHost` returned: (address, bytes), freed with the pool.
     allocations: Vec<(usize, usize)>,
     free: Vec<(usize, usize)>,
     /// Blocks whose copy is queued, oldest first, with the fence recorded
     /// after the copy (`None`: none could be recorded yet).
-    in_flight: VecDeque<((usize, usize), Option<Fence>)>,
+    in_flight: VecDeque<((usize, usize), Option<F>)>,
     /// Blocks a graph captured a copy from: every replay copies them again,
     /// so they keep their bytes for the stream's life.
     captured: Vec<(usize, usize)>,
     /// Fences no block holds, recorded again for later copies.
-    spare: Vec<Fence>,
+    spare: Vec<F>,
     /// Host allocations made so far.
     pub(crate) host_blocks: usize,
 }
 
-impl std::fmt::Debug for Staging {
+impl<F> Default for Staging<F> {
+    fn default() -> Self {
+        Staging {
+            allocations: Vec::new(),
+            free: Vec::new(),
+            in_flight: VecDeque::new(),
+            captured: Vec::new(),
+            spare: Vec::new(),
+            host_blocks: 0,
+        }
+    }
+}
+
+impl<F> std::fmt::Debug for Staging<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Staging")
             .field("allocations", &self.allocations)
@@ -245,7 +255,7 @@ impl std::fmt::Debug for Staging {
     }
 }
 
-impl Staging {
+impl<F: Clone> Staging<F> {
     /// The smallest free block of at least `bytes`, now in flight (without a
     /// fence yet); `None` when none is free.
     pub(crate) fn take_free(&mut self, bytes: usize) -> Option<(usize, usize)> {
@@ -277,7 +287,7 @@ impl Staging {
     }
 
     /// `fence` was recorded after the copy from the block in flight at `ptr`.
-    pub(crate) fn set_fence(&mut self, ptr: usize, fence: Fence) {
+    pub(crate) fn set_fence(&mut self, ptr: usize, fence: F) {
         match self.in_flight.iter_mut().find(|(b, _)| b.0 == ptr) {
             Some((_, slot)) => {
                 if let Some(old) = slot.replace(fence) {
@@ -289,12 +299,12 @@ impl Staging {
     }
 
     /// A fence no block holds, to record again.
-    pub(crate) fn take_spare(&mut self) -> Option<Fence> {
+    pub(crate) fn take_spare(&mut self) -> Option<F> {
         self.spare.pop()
     }
 
     /// Keeps `fence` for later copies.
-    pub(crate) fn add_spare(&mut self, fence: Fence) {
+    pub(crate) fn add_spare(&mut self, fence: F) {
         self.spare.push(fence);
     }
 
@@ -304,7 +314,7 @@ impl Staging {
     }
 
     /// The block in flight at position `i` (0: the oldest) and its fence.
-    pub(crate) fn in_flight_at(&self, i: usize) -> Option<(usize, Option<Fence>)> {
+    pub(crate) fn in_flight_at(&self, i: usize) -> Option<(usize, Option<F>)> {
         self.in_flight.get(i).map(|(b, f)| (b.0, f.clone()))
     }
 
@@ -346,7 +356,7 @@ impl Staging {
 
     /// Hands every allocation back for `aclrtFreeHost` (the stream was
     /// synchronised) and the fences for destruction.
-    pub(crate) fn take_all(&mut self) -> (Vec<(usize, usize)>, Vec<Fence>) {
+    pub(crate) fn take_all(&mut self) -> (Vec<(usize, usize)>, Vec<F>) {
         self.free.clear();
         self.captured.clear();
         let mut fences = std::mem::take(&mut self.spare);

@@ -6,46 +6,12 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::stream::{lock, NpuStream, Pending, SyncEvent};
-use crate::backend::npu::pool::Fence;
+use super::stream::{lock, EagerRecords, Fence, NpuStream, Pending, SyncEvent};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
 /// Eager launches between two fences of a stream's status records.
 pub(crate) const RECORD_FENCE_EVERY: usize = 32;
-
-/// The status records of a stream's eager kernel launches: a ring of
-/// `slots` slots of `slot_bytes` bytes at device address `base` (a pool block
-/// reserved at the first launch, kept for the stream's life), so a launch
-/// neither allocates nor frees. A launch takes the next slot and holds it
-/// until the stream check read it. Every [`RECORD_FENCE_EVERY`] launches a
-/// fence (an event of the ring's, recorded again) follows them. When every
-/// slot is held (the engine has not checked for `slots` launches), the
-/// launch frees the slots before the oldest fence: it asks that fence
-/// without waiting, waits for it on the host only when it has not
-/// completed, then reads those records (one blocking device-to-host copy of
-/// completed memory) and keeps the first error among them for the next
-/// check, in its place in the queue order ([`NpuStream::check`]).
-pub(crate) struct EagerRecords {
-    base: usize,
-    slot_bytes: usize,
-    slots: u64,
-    /// The sequence number of the next launch.
-    head: u64,
-    /// The oldest sequence number whose slot is held.
-    tail: u64,
-    /// Launches that took a slot and are not finished (enqueued or not).
-    open: Vec<u64>,
-    /// Launches finished since the last fence.
-    since_fence: usize,
-    /// Fences recorded, oldest first: every launch numbered below `.0` had
-    /// finished (was enqueued, or failed to) when the fence was recorded.
-    fences: VecDeque<(u64, Fence)>,
-    /// Fences not recorded since the last release.
-    spare: Vec<Fence>,
-    /// An error read before the check is held in the pending list.
-    holds_error: bool,
-}
 
 impl EagerRecords {
     /// The first sequence number not yet finished (every lower one is).

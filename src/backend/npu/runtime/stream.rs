@@ -1,6 +1,6 @@
 //! Streams and the state every handle of one raw stream shares.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -8,8 +8,7 @@ use acl_sys::{aclrtEvent, aclrtStream, Acl};
 
 use super::device::DeviceCtx;
 use super::load::{record_drop_error, settled};
-pub(crate) use super::pending::EagerRecords;
-use crate::backend::npu::pool::{Allocator, Pool, Staging};
+use crate::backend::npu::pool::{self, Allocator, Pool};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
@@ -38,6 +37,43 @@ pub(crate) trait Pending: Send + Sync {
     }
 }
 
+/// The fence of a staging block or of a run of status records: an event
+/// recorded after the work it covers.
+pub(crate) type Fence = Arc<SyncEvent>;
+
+/// The status records of a stream's eager kernel launches: a ring of
+/// `slots` slots of `slot_bytes` bytes at device address `base` (a pool block
+/// reserved at the first launch, kept for the stream's life), so a launch
+/// neither allocates nor frees. A launch takes the next slot and holds it
+/// until the stream check read it. Every [`RECORD_FENCE_EVERY`] launches a
+/// fence (an event of the ring's, recorded again) follows them. When every
+/// slot is held (the engine has not checked for `slots` launches), the
+/// launch frees the slots before the oldest fence: it asks that fence
+/// without waiting, waits for it on the host only when it has not
+/// completed, then reads those records (one blocking device-to-host copy of
+/// completed memory) and keeps the first error among them for the next
+/// check, in its place in the queue order ([`NpuStream::check`]).
+pub(crate) struct EagerRecords {
+    pub(super) base: usize,
+    pub(super) slot_bytes: usize,
+    pub(super) slots: u64,
+    /// The sequence number of the next launch.
+    pub(super) head: u64,
+    /// The oldest sequence number whose slot is held.
+    pub(super) tail: u64,
+    /// Launches that took a slot and are not finished (enqueued or not).
+    pub(super) open: Vec<u64>,
+    /// Launches finished since the last fence.
+    pub(super) since_fence: usize,
+    /// Fences recorded, oldest first: every launch numbered below `.0` had
+    /// finished (was enqueued, or failed to) when the fence was recorded.
+    pub(super) fences: VecDeque<(u64, Fence)>,
+    /// Fences not recorded since the last release.
+    pub(super) spare: Vec<Fence>,
+    /// An error read before the check is held in the pending list.
+    pub(super) holds_error: bool,
+}
+
 /// The state shared by every handle on one raw stream: its pending checks,
 /// the handles its queued work still uses, and its workspace.
 #[derive(Default)]
@@ -58,7 +94,7 @@ pub(crate) struct StreamState {
     /// synchronisation (each once).
     pub(super) waited: Vec<Arc<SyncEvent>>,
     pub(crate) pool: Pool,
-    pub(crate) staging: Staging,
+    pub(crate) staging: pool::Staging<Fence>,
     pub(crate) allocator: Option<Allocator>,
     /// A bounded wait on the stream timed out and no wait has succeeded
     /// since: its work may still run, so a drop releases nothing it may use

@@ -2,8 +2,8 @@
 
 use std::sync::Arc;
 
-use super::stream::{lock, NpuStream, SyncEvent};
-use crate::backend::npu::pool::{self, Allocator, Fence, PoolStats, STAGING_BLOCK, STAGING_BLOCKS};
+use super::stream::{lock, Fence, NpuStream, SyncEvent};
+use crate::backend::npu::pool::{self, Allocator, PoolStats, STAGING_BLOCK, STAGING_BLOCKS};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
