@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import operator
 import os
 import sys
 import threading
 from ctypes import POINTER, c_char_p, c_double, c_int32, c_size_t, c_ssize_t, c_uint8, c_uint32, c_void_p
 from pathlib import Path
 
-from ._enums import MAX_NDIM, TABLES, Status
+from ._enums import MAX_NDIM, TABLES, CommType, Status
 from ._errors import AmoeError, error
 
 __all__ = ["AmoeError", "MAX_NDIM", "Status", "call", "check", "lib", "library_path", "sizes"]
@@ -278,16 +279,23 @@ def c_uint(arg: str, v, top: int = SIZE_MAX) -> int:
     """`v` as an unsigned C argument of at most `top` (`size_t` by default).
     ctypes takes an int outside a C type's range modulo its size without a
     word (`2**32 + 2` reaches a `uint32_t` as 2), so such a value is an
-    `AmoeError` naming `arg` here instead."""
-    n = int(v)
+    `AmoeError` naming `arg` here instead, and so is a value that is not an
+    integer (a float would be truncated, `1.7` reaching the library as 1)."""
+    try:
+        n = operator.index(v)
+    except TypeError:
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v!r}, expected an integer") from None
     if not 0 <= n <= top:
         raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v}, outside 0..={top}")
     return n
 
 
 def comm_type_code(v) -> int:
-    """A caller's comm type as the library's `uint32_t` argument (the library
-    names a value it does not know)."""
+    """A caller's comm type (a `CommType`, its number, or its name such as
+    `"mc2"`) as the library's `uint32_t` argument (the library names a number
+    it does not know)."""
+    if isinstance(v, str):
+        v = CommType.parse(v)
     return c_uint("comm_type", v, U32_MAX)
 
 

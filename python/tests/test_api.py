@@ -384,6 +384,24 @@ def test_from_hccl_is_unavailable_without_the_npu_backend():
     assert e.value.status == am.Status.UNAVAILABLE
 
 
+def test_comm_types_by_name_are_parsed_and_non_integers_refused():
+    """`"mc2"` is CommType.MC2 wherever a comm type is taken; a float is an
+    error naming the argument, never truncated (1.7 used to run as 1)."""
+    from ascend_moe import ops
+
+    policy = ops.ReducePolicy("none", False, False, 1, 1)
+    assert ops.routed_is_reduced("mc2", False) == ops.routed_is_reduced(am.CommType.MC2, False)
+    assert policy.decisions("alltoall") == policy.decisions(am.CommType.ALLTOALL)
+    with pytest.raises(am.AmoeError, match="unknown comm type 'mc3'"):
+        ops.routed_is_reduced("mc3", False)
+    for bad in (1.7, 1.0, "1.5"):
+        with pytest.raises(am.AmoeError) as e:
+            ops.routed_is_reduced(bad, False)
+        assert e.value.status == am.Status.INVALID_ARGUMENT and "comm" in str(e.value), e.value
+    with pytest.raises(am.AmoeError, match=r"`world_size` is 2.5, expected an integer"):
+        am.Comm.cpu("api-float-world", 2.5, 0)
+
+
 def test_set_allocator_needs_both_callbacks():
     """Half an allocator would hand the library's frees to nothing: the device
     memory it allocated would leak without a word."""
