@@ -476,3 +476,47 @@ fn a_captured_mc2_mask_is_guarded_against_another_count_of_actual_tokens() {
         amoe_stream_free(s);
     }
 }
+
+/// A reduction point whose result does not depend on the comm type (one TP
+/// rank: it never reduces) queues no guard, so a stream with an attached live
+/// context runs more such points than the context has guard records (128).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn reduction_points_that_cannot_reduce_take_no_guard_record() {
+    use ascend_moe::backend::npu::{HcclComm, HcclRootInfo};
+    let dev = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
+    let root = HcclRootInfo::generate(&dev).expect("root info");
+    let hccl = HcclComm::from_root_info(&dev, &root, 1, 0, &ascend_moe::CommOptions::from_env()).expect("hccl");
+    let (mut s, mut c, mut live) = (null_mut(), null_mut(), null_mut());
+    let x = dev.clone_htod(&[2.0f32; 8]).expect("x");
+    dev.synchronize().expect("sync");
+    let shape = [8usize];
+    let xd = amoe_tensor {
+        data: x.as_bytes().as_ptr(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: 1,
+        shape: shape.as_ptr(),
+        strides: std::ptr::null(),
+        device_kind: amoe_device_kind::Npu as u32,
+        device_ordinal: 0,
+    };
+    let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 0, sp: 0, tp_size: 1, ep_size: 1 };
+    // SAFETY: live stream and communicator of this device, outliving the
+    // handles; descriptors over live device memory.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(dev.stream().raw(), 0, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), 0, AMOE_HCCL_WORLD, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
+        let dp = [8usize];
+        assert_eq!(amoe_live_context_set(live, &fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), s), amoe_status::Ok);
+        for i in 0..200 {
+            let st = amoe_reduce_final(&policy, &xd, amoe_comm_type::Mc2 as u32, c, &xd, s);
+            assert_eq!(st, amoe_status::Ok, "call {i}: {}", last_error());
+        }
+        assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
+        amoe_live_context_free(live);
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+}
