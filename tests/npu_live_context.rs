@@ -392,6 +392,60 @@ fn an_op_on_a_stream_with_an_attached_live_context_guards_itself() {
     });
 }
 
+/// One rank of a one-rank HCCL world on npu:0: the device's stream and the
+/// world wrapped for the C ABI, with a live context attached to the stream.
+struct OneRank {
+    dev: NpuDevice,
+    _hccl: ascend_moe::backend::npu::HcclComm,
+    s: *mut amoe_stream,
+    c: *mut amoe_comm,
+    live: *mut amoe_live_context,
+}
+
+impl OneRank {
+    fn new() -> OneRank {
+        use ascend_moe::backend::npu::{HcclComm, HcclRootInfo};
+        let dev = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
+        let root = HcclRootInfo::generate(&dev).expect("root info");
+        let hccl = HcclComm::from_root_info(&dev, &root, 1, 0, &ascend_moe::CommOptions::from_env()).expect("hccl");
+        let (mut s, mut c, mut live) = (null_mut(), null_mut(), null_mut());
+        // SAFETY: live stream and communicator of this device, outliving the
+        // handles (all kept in OneRank).
+        unsafe {
+            assert_eq!(amoe_stream_wrap(dev.stream().raw(), 0, &mut s), amoe_status::Ok, "{}", last_error());
+            let st = amoe_comm_from_hccl(hccl.raw(), 0, AMOE_HCCL_WORLD, &mut c);
+            assert_eq!(st, amoe_status::Ok, "{}", last_error());
+            assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
+            assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
+        }
+        OneRank { dev, _hccl: hccl, s, c, live }
+    }
+
+    /// A descriptor over `bytes` of this rank's device memory.
+    fn desc(&self, bytes: *mut std::ffi::c_void, dtype: amoe_dtype, shape: &[usize]) -> amoe_tensor {
+        amoe_tensor {
+            data: bytes,
+            dtype: dtype as u32,
+            ndim: shape.len(),
+            shape: shape.as_ptr(),
+            strides: std::ptr::null(),
+            device_kind: amoe_device_kind::Npu as u32,
+            device_ordinal: 0,
+        }
+    }
+}
+
+impl Drop for OneRank {
+    fn drop(&mut self) {
+        // SAFETY: live handles, not used afterwards.
+        unsafe {
+            amoe_live_context_free(self.live);
+            amoe_comm_free(self.c);
+            amoe_stream_free(self.s);
+        }
+    }
+}
+
 /// An MC2 prepare that writes the mask, captured with a live context
 /// attached: the mask is the captured context's, so a replay for another
 /// count of actual tokens (same DP tokens: the engine's graph padding) is
@@ -400,34 +454,18 @@ fn an_op_on_a_stream_with_an_attached_live_context_guards_itself() {
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn a_captured_mc2_mask_is_guarded_against_another_count_of_actual_tokens() {
-    use ascend_moe::backend::npu::{HcclComm, HcclRootInfo};
-    let dev = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
-    let root = HcclRootInfo::generate(&dev).expect("root info");
-    let hccl = HcclComm::from_root_info(&dev, &root, 1, 0, &ascend_moe::CommOptions::from_env()).expect("hccl");
+    let one = OneRank::new();
+    let (dev, s, live) = (&one.dev, one.s, one.live);
     let raw = dev.stream().raw();
-    let (mut s, mut c, mut g, mut live) = (null_mut(), null_mut(), null_mut(), null_mut());
-    // SAFETY: live stream and communicator of this device, outliving the handles.
-    unsafe {
-        assert_eq!(amoe_stream_wrap(raw, 0, &mut s), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_comm_from_hccl(hccl.raw(), 0, AMOE_HCCL_WORLD, &mut c), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_moe_groups_new(c, 1, 1, &mut g), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
-    }
+    let mut g = null_mut();
+    // SAFETY: a live communicator handle, writable out-pointer.
+    assert_eq!(unsafe { amoe_moe_groups_new(one.c, 1, 1, &mut g) }, amoe_status::Ok, "{}", last_error());
     let dp = [8usize];
     let x = dev.clone_htod(&[1.0f32; 16]).expect("x");
     let (out, mask) = (dev.alloc_zeros::<f32>(16).expect("out"), dev.alloc_zeros::<u8>(8).expect("mask"));
     dev.synchronize().expect("sync");
     let (xs, ms) = ([8usize, 2], [8usize]);
-    let desc = |p: *mut std::ffi::c_void, dtype: amoe_dtype, shape: &[usize]| amoe_tensor {
-        data: p,
-        dtype: dtype as u32,
-        ndim: shape.len(),
-        shape: shape.as_ptr(),
-        strides: std::ptr::null(),
-        device_kind: amoe_device_kind::Npu as u32,
-        device_ordinal: 0,
-    };
+    let desc = |p, dtype, shape: &[usize]| one.desc(p, dtype, shape);
     let (xd, od) =
         (desc(x.as_bytes().as_ptr(), amoe_dtype::F32, &xs), desc(out.as_bytes().as_ptr(), amoe_dtype::F32, &xs));
     let md = desc(mask.as_bytes().as_ptr(), amoe_dtype::U8, &ms);
@@ -468,13 +506,8 @@ fn a_captured_mc2_mask_is_guarded_against_another_count_of_actual_tokens() {
     assert_eq!(st, amoe_status::StaleContext, "{msg}");
     assert!(msg.contains("num_actual_tokens is 3") && msg.contains("captured for all"), "{msg}");
     drop((with_mask, without));
-    // SAFETY: live handles, not used afterwards.
-    unsafe {
-        amoe_live_context_free(live);
-        amoe_moe_groups_free(g);
-        amoe_comm_free(c);
-        amoe_stream_free(s);
-    }
+    // SAFETY: a live handle, not used afterwards.
+    unsafe { amoe_moe_groups_free(g) };
 }
 
 /// A reduction point whose result does not depend on the comm type (one TP
@@ -483,31 +516,15 @@ fn a_captured_mc2_mask_is_guarded_against_another_count_of_actual_tokens() {
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn reduction_points_that_cannot_reduce_take_no_guard_record() {
-    use ascend_moe::backend::npu::{HcclComm, HcclRootInfo};
-    let dev = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}\n{}", npu::probe_report()));
-    let root = HcclRootInfo::generate(&dev).expect("root info");
-    let hccl = HcclComm::from_root_info(&dev, &root, 1, 0, &ascend_moe::CommOptions::from_env()).expect("hccl");
-    let (mut s, mut c, mut live) = (null_mut(), null_mut(), null_mut());
-    let x = dev.clone_htod(&[2.0f32; 8]).expect("x");
-    dev.synchronize().expect("sync");
+    let one = OneRank::new();
+    let (s, c, live) = (one.s, one.c, one.live);
+    let x = one.dev.clone_htod(&[2.0f32; 8]).expect("x");
+    one.dev.synchronize().expect("sync");
     let shape = [8usize];
-    let xd = amoe_tensor {
-        data: x.as_bytes().as_ptr(),
-        dtype: amoe_dtype::F32 as u32,
-        ndim: 1,
-        shape: shape.as_ptr(),
-        strides: std::ptr::null(),
-        device_kind: amoe_device_kind::Npu as u32,
-        device_ordinal: 0,
-    };
+    let xd = one.desc(x.as_bytes().as_ptr(), amoe_dtype::F32, &shape);
     let policy = amoe_reduce_policy { shared_mode: 1, has_routed_transform: 0, sp: 0, tp_size: 1, ep_size: 1 };
-    // SAFETY: live stream and communicator of this device, outliving the
-    // handles; descriptors over live device memory.
+    // SAFETY: live handles; descriptors over live device memory.
     unsafe {
-        assert_eq!(amoe_stream_wrap(dev.stream().raw(), 0, &mut s), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_comm_from_hccl(hccl.raw(), 0, AMOE_HCCL_WORLD, &mut c), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_live_context_new(s, &mut live), amoe_status::Ok, "{}", last_error());
-        assert_eq!(amoe_stream_attach_live_context(s, live), amoe_status::Ok, "{}", last_error());
         let dp = [8usize];
         assert_eq!(amoe_live_context_set(live, &fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), s), amoe_status::Ok);
         for i in 0..200 {
@@ -515,8 +532,5 @@ fn reduction_points_that_cannot_reduce_take_no_guard_record() {
             assert_eq!(st, amoe_status::Ok, "call {i}: {}", last_error());
         }
         assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
-        amoe_live_context_free(live);
-        amoe_comm_free(c);
-        amoe_stream_free(s);
     }
 }
