@@ -4,7 +4,8 @@
 //! type, checked on a numeric model of the TP ranks; and the reduction points
 //! themselves on every backend (`backend_test!`).
 
-use ascend_moe::moe::reduce::{routed_is_reduced, ReducePolicy, SharedMode};
+use ascend_moe::moe::reduce::{routed_is_reduced, ReducePoint, ReducePolicy, SharedMode};
+use ascend_moe::moe::Output;
 use ascend_moe::{Collectives, CommOptions, CommType, DType, Tensor};
 
 mod common;
@@ -228,4 +229,30 @@ backend_test!(into_reduction_points_copy_and_reduce_a_scalar_too, |on: On| {
         assert_eq!(reduced, vec![4.0], "rank {r}");
         assert_eq!(copied, vec![1.5 + r as f32], "rank {r}");
     }
+});
+
+backend_test!(reduction_points_refuse_a_tp_group_of_another_size_naming_tp, ranks = 1, |_, comm| {
+    // A policy for TP 2 given a one-rank group: every form fails before any
+    // collective, naming `tp` and both sizes.
+    let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 2).unwrap();
+    let dev = comm.device();
+    let x = Tensor::from_slice(&[1f32; 6], &[2, 3])?.to_device(&dev)?;
+    for point in [ReducePoint::RoutedEarly, ReducePoint::Shared, ReducePoint::Final] {
+        for comm_type in [CommType::AllGather, CommType::Mc2] {
+            let mut inplace = x.try_clone()?;
+            let mut out = Tensor::zeros(&[2, 3], DType::F32, &dev)?;
+            for e in [
+                p.reduce_at(point, x.try_clone()?, comm_type, &comm).map(|_| ()),
+                p.reduce_at_into(point, Output::InPlace(&mut inplace), comm_type, &comm),
+                p.reduce_at_into(point, Output::Separate { x: &x, out: &mut out }, comm_type, &comm),
+            ] {
+                let e = e.unwrap_err().to_string();
+                assert!(
+                    e.contains(point.op()) && e.contains("`tp`") && e.contains("1 ranks") && e.contains("tp_size is 2"),
+                    "{point:?} {comm_type:?}: {e}"
+                );
+            }
+        }
+    }
+    Ok(())
 });

@@ -120,9 +120,10 @@ impl LiveStream {
         let tiling = match ctx {
             Some(c) => {
                 let words = ContextWords::encode(comm as u32, c.sp(), c.pcp_size().max(1), None, c.dp_tokens())?;
-                match actual {
-                    true => GuardTiling::with_actual_tokens(&words, c.num_actual_tokens(), c.dp_tokens()[c.dp_rank()])?,
-                    false => GuardTiling::new(&words, false),
+                if actual {
+                    GuardTiling::with_actual_tokens(&words, c.num_actual_tokens(), c.dp_tokens()[c.dp_rank()])?
+                } else {
+                    GuardTiling::new(&words, false)
                 }
             }
             None => GuardTiling::comm_type_only(comm as u32),

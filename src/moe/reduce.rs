@@ -256,7 +256,7 @@ impl ReducePolicy {
         tp: &C,
     ) -> Result<Tensor> {
         self.agree(point.op(), comm, tp)?;
-        self.reduce_if(point.op(), self.reduces(point, comm), x, tp)
+        self.reduce_if(self.reduces(point, comm), x, tp)
     }
 
     /// Before a reduction point decides: every TP rank chose `comm` (SPEC
@@ -287,7 +287,6 @@ impl ReducePolicy {
         self.agree(op, comm, tp)?;
         match output {
             Output::InPlace(x) => {
-                self.check_tp(op, tp)?;
                 if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {
                     tp.all_reduce_in_place(x, ReduceOp::Sum)?;
                 }
@@ -313,14 +312,9 @@ impl ReducePolicy {
         Ok(())
     }
 
-    fn reduce_if<C: Collectives + ?Sized>(
-        &self,
-        op: &'static str,
-        reduce: bool,
-        mut x: Tensor,
-        tp: &C,
-    ) -> Result<Tensor> {
-        self.check_tp(op, tp)?;
+    /// `x`, all-reduced in place when `reduce`. After [`Self::agree`], which
+    /// checked `tp`.
+    fn reduce_if<C: Collectives + ?Sized>(&self, reduce: bool, mut x: Tensor, tp: &C) -> Result<Tensor> {
         if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {
             tp.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
         }
@@ -328,7 +322,8 @@ impl ReducePolicy {
     }
 
     /// `out` = `x`, then all-reduced in place when `reduce`. `out` has the
-    /// shape and dtype of `x`, on its device, and does not overlap it.
+    /// shape and dtype of `x`, on its device, and does not overlap it. After
+    /// [`Self::agree`], which checked `tp`.
     fn reduce_if_into<C: Collectives + ?Sized>(
         &self,
         op: &'static str,
@@ -337,7 +332,6 @@ impl ReducePolicy {
         tp: &C,
         out: &mut Tensor,
     ) -> Result<()> {
-        self.check_tp(op, tp)?;
         let device = check_out_like(op, x, out, x.shape())?;
         if x.numel() == 0 {
             if reduce && self.tp_size > 1 && joins_empty(tp) {
