@@ -808,3 +808,105 @@ fn eager_workspace_after_a_capture_never_shares_the_graphs_bytes() {
     // SAFETY: a live handle, not used afterwards.
     unsafe { amoe_stream_free(s) };
 }
+
+fn sim_d2h_copies() -> Option<u64> {
+    acl_sys::acl().ok()?.counters().map(|c| c.d2h_copies)
+}
+
+/// A model whose graph captures more native launches than a stream keeps
+/// records for (256): the first such capture is refused at the 257th launch
+/// with an error that says how to reserve; after
+/// `amoe_capture_records_reserve` the same capture runs, every launch's
+/// record is checked on each replay (a bad index in one replay is reported
+/// once, naming its position), the check reads the records in a few copies
+/// rather than one per launch, and a second graph of the same size captured
+/// after an eager call needs no reservation.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn captures_of_many_launches_reserve_their_records_and_report_each_launch() {
+    const LAUNCHES: usize = 270;
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let (engine, s) = engine_stream(&dev);
+    let (n, h) = (6usize, 8usize);
+    let x: Vec<f32> = inputs(3, 0, n * h);
+    let good: Vec<i32> = (0..n as i32).rev().collect();
+    let x_d = dev.clone_htod(&x).expect("x");
+    let mut idx_d = dev.clone_htod(&good).expect("idx");
+    let out_d = dev.alloc_zeros::<f32>(n * h).expect("out");
+    dev.synchronize().expect("uploads");
+    let (xs, is, os) = ([n, h], [n], [n, h]);
+    let place = Place::Npu(0);
+    let xd = desc(dev_ptr(&x_d), amoe_dtype::F32, &xs, place);
+    let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, place);
+    let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, place);
+    let args = amoe_finalize_args {
+        expanded_x: &xd,
+        expanded_row_idx: &id,
+        x1: null(),
+        x2: null(),
+        bias: null(),
+        scales: null(),
+        expert_idx: null(),
+        drop_pad_mode: 0,
+    };
+    // SAFETY (every call below): live handles; descriptors over live device memory.
+    let run = || unsafe { amoe_moe_finalize_routing(&args, &od, s) };
+    let check = || unsafe { amoe_stream_check(s) };
+    ok("warm-up", run());
+    ok("warm-up check", check());
+    // Without a reservation: the first 256 launches are captured, the next refused.
+    let mut refused = Vec::new();
+    drop(Graph::capture(engine.raw(), || {
+        for i in 0..LAUNCHES {
+            let st = run();
+            if st != amoe_status::Ok {
+                refused.push((i, st, last_error()));
+            }
+        }
+    }));
+    assert_eq!(refused.len(), LAUNCHES - 256, "{:?}", refused.first());
+    let (i, st, msg) = &refused[0];
+    assert_eq!((*i, *st), (256, amoe_status::InvalidArgument), "{msg}");
+    assert!(msg.contains("amoe_capture_records_reserve") && msg.contains("256"), "{msg}");
+    // Refused under capture: the reservation allocates.
+    let mut under = amoe_status::Ok;
+    drop(Graph::capture(engine.raw(), || under = unsafe { amoe_capture_records_reserve(s, LAUNCHES) }));
+    assert_eq!(under, amoe_status::InvalidArgument);
+    assert!(last_error().contains("captur"), "{}", last_error());
+
+    ok("reserve", unsafe { amoe_capture_records_reserve(s, LAUNCHES) });
+    let graph = Graph::capture(engine.raw(), || (0..LAUNCHES).for_each(|_| ok("captured finalize", run())));
+    let want: Vec<f32> = (0..n).flat_map(|i| x[(n - 1 - i) * h..(n - i) * h].to_vec()).collect();
+    graph.replay(engine.raw());
+    let before = sim_d2h_copies();
+    ok("check after a clean replay", check());
+    if let (Some(a), Some(b)) = (before, sim_d2h_copies()) {
+        // The records of the graphs live in two blocks, the eager ones in a third.
+        assert!(b - a <= 3, "{} device-to-host copies for {LAUNCHES} captured records", b - a);
+    }
+    assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want));
+    let mut bad = good.clone();
+    bad[4] = -7;
+    idx_d.copy_from_host(&bad).expect("bad index");
+    dev.synchronize().expect("upload");
+    graph.replay(engine.raw());
+    assert_eq!(check(), amoe_status::IndexOutOfRange);
+    let msg = last_error();
+    assert!(msg.contains("expanded_row_idx") && msg.contains("[4] = -7"), "{msg}");
+    ok("reported once", check());
+    idx_d.copy_from_host(&good).expect("good index");
+    dev.synchronize().expect("upload");
+
+    // An eager call between two captures keeps as many records free as the
+    // largest capture took: the next graph of the model needs no reservation.
+    ok("eager call", run());
+    ok("eager check", check());
+    let second = Graph::capture(engine.raw(), || (0..LAUNCHES).for_each(|_| ok("second graph", run())));
+    second.replay(engine.raw());
+    graph.replay(engine.raw());
+    ok("both graphs", check());
+    assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want));
+    drop((graph, second));
+    // SAFETY: a live handle, not used afterwards.
+    unsafe { amoe_stream_free(s) };
+}

@@ -91,7 +91,7 @@ from .ops import (
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 from .forward import ForwardContext, MoeLayer, forward_context, get_forward_context, set_forward_context
 from .live import LiveContext
-from .streams import set_allocator, stream_check, workspace_reserve
+from .streams import reserve_capture_records, set_allocator, stream_check, workspace_reserve
 
 
 def version() -> str:
@@ -131,6 +131,7 @@ __all__ = [
     "set_allocator",
     "stream_check",
     "workspace_reserve",
+    "reserve_capture_records",
     "MoeContext",
     "MoeGroups",
     "maybe_all_gather_and_maybe_unpad",

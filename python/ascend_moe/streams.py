@@ -41,6 +41,16 @@ def workspace_reserve(stream, nbytes: int, staging_bytes: int = 4096, device=Non
     call("amoe_workspace_reserve", h, c_uint("nbytes", nbytes), c_uint("staging_bytes", staging_bytes))
 
 
+def reserve_capture_records(stream, launches: int, device=None) -> None:
+    """Reserves, before graph capture, the status records of `launches`
+    native kernel launches captured on `stream` (each keeps its record for
+    the stream's life). A stream keeps 256 free, or as many as its largest
+    capture after an eager call took; reserve for a first capture of more
+    (`amoe_capture_records_reserve`)."""
+    h, _ = _stream_handle(stream, device)
+    call("amoe_capture_records_reserve", h, c_uint("launches", launches))
+
+
 def set_allocator(stream, alloc=None, free=None, device=None) -> None:
     """Serves the ops' workspace on `stream` from the engine's allocator:
     `alloc(nbytes, raw_stream) -> int` (a device address, 0 when out of

@@ -39,6 +39,9 @@ for _name, _args in {
     "HcclGetRootInfo": [ctypes.c_void_p],
     "HcclCommInitRootInfo": [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_void_p)],
     "HcclCommDestroy": [ctypes.c_void_p],
+    "aclmdlRICaptureBegin": [ctypes.c_void_p, ctypes.c_int32],
+    "aclmdlRICaptureEnd": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)],
+    "aclmdlRIDestroy": [ctypes.c_void_p],
 }.items():
     getattr(SIM, _name).argtypes = _args
     getattr(SIM, _name).restype = ctypes.c_int32
@@ -462,6 +465,28 @@ def stream_ops():
     am.stream_check(stream, device=1)
 
     am.workspace_reserve(stream, 1 << 20, device=1)
+    # Records for captured launches: reserved outside capture, refused inside
+    # (the reservation allocates), and the count must be a whole number.
+    am.reserve_capture_records(stream, 1000, device=1)
+    for bad in (-1, 2.5):
+        try:
+            am.reserve_capture_records(stream, bad, device=1)
+        except am.AmoeError as e:
+            assert e.status == am.Status.INVALID_ARGUMENT and "launches" in str(e), e
+        else:
+            raise AssertionError(f"reserve_capture_records({bad!r}) was accepted")
+    check("aclmdlRICaptureBegin", SIM.aclmdlRICaptureBegin(stream.npu_stream, 0))
+    try:
+        am.reserve_capture_records(stream, 1000, device=1)
+    except am.AmoeError as e:
+        refused = e
+    else:
+        refused = None
+    model = ctypes.c_void_p()
+    check("aclmdlRICaptureEnd", SIM.aclmdlRICaptureEnd(stream.npu_stream, ctypes.byref(model)))
+    check("aclmdlRIDestroy", SIM.aclmdlRIDestroy(model))
+    assert refused is not None and refused.status == am.Status.INVALID_ARGUMENT, refused
+    assert "captur" in str(refused) and "reserve_capture_records" in str(refused), refused
     calls = {"alloc": 0, "free": []}
 
     def alloc(nbytes, raw):

@@ -441,7 +441,10 @@ pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amo
 /// at least `staging_bytes` host bytes (small host data the native kernel
 /// needs: slot offsets, a tiling; a few KiB cover every call; outside capture
 /// a stream also stages through an arena of its own made at its first staged
-/// copy, and reuses its blocks once their copies completed). Ops take their
+/// copy, and reuses its blocks once their copies completed), and at least
+/// `staging_bytes` are left for the copies captured into graphs later (each
+/// keeps its bytes, in 64-byte pieces, for the stream's life; a stream keeps
+/// 256 KiB, or the most its largest run of captures took). Ops take their
 /// intermediates from that pool without `aclrtMalloc`; under graph capture the
 /// pool cannot grow, so reserve (or run each op once) before capturing. Size
 /// `bytes` from the ops' shape functions (the largest intermediate of a call
@@ -466,6 +469,29 @@ pub unsafe extern "C" fn amoe_workspace_reserve(
             dev.stream().reserve_staging(staging_bytes)?;
         }
         Ok(())
+    })
+}
+
+/// Reserves, before graph capture, the status records of `launches` native
+/// kernel launches captured on `stream`: a captured launch (a native
+/// finalize, unpermute, index check or guard) keeps its record for the
+/// stream's life, since every replay rewrites it and every
+/// `amoe_stream_check` reads it. Outside capture a stream keeps at least
+/// 256 free, or as many as its largest run of captures took (the launches
+/// captured between two eager launches), so a model whose graphs are each
+/// captured after an eager warm-up needs no call; reserve for a first
+/// capture of more launches (a layer's ops times the layers). Refused while
+/// the stream is captured (`AMOE_STATUS_INVALID_ARGUMENT`). The records are
+/// released when the last handle of the stream is freed.
+///
+/// # Safety
+/// `stream` must be a live handle from `amoe_stream_wrap`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_capture_records_reserve(stream: *const amoe_stream, launches: usize) -> amoe_status {
+    const F: &str = "amoe_capture_records_reserve";
+    ffi!(F, {
+        let dev = try_handle(F, "stream", stream)?.device();
+        Ok(dev.stream().reserve_capture_records(launches)?)
     })
 }
 

@@ -21,7 +21,7 @@ use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_
 use super::kernel::guard::{guard_host_entry, GuardTiling};
 use super::kernel::library::shared_kernel_lib;
 use super::result::acl as rt;
-use super::runtime::{lock, NpuStream, Pending, SyncEvent, RECORD_FENCE_EVERY};
+use super::runtime::{lock, NpuStream, Pending, StatusRecord, SyncEvent, RECORD_FENCE_EVERY};
 use crate::{Error, Result};
 
 /// Turns a launch's status words into its result.
@@ -32,8 +32,10 @@ pub(crate) type Decode = Box<dyn Fn(&[u32]) -> Result<()> + Send + Sync>;
 pub(crate) const MAX_RECORD_CORES: usize = 8;
 /// Bytes of one captured launch's record slot.
 const SLOT_BYTES: usize = MAX_RECORD_CORES * STATUS_WORDS * 4;
-/// Recorded launches a stream's graphs may capture.
-const SLOTS: usize = 64;
+/// Record slots for captured launches a stream keeps free outside capture
+/// (at least; more when one run of captures took more), and the size of the
+/// blocks they come in.
+const SLOTS: usize = 256;
 /// Eager launches a stream holds records for between two checks (beyond
 /// them the oldest are read early, see `EagerRecords`).
 const EAGER_SLOTS: usize = 256;
@@ -81,9 +83,12 @@ pub(crate) fn memset_on(stream: &NpuStream, ptr: usize, len: usize, value: u8) -
 }
 
 /// Reserves, outside capture, the status records of `stream`'s launches:
-/// the ring of eager records with its fences, and the zeroed record slots of
-/// the launches captured later (one pool block each, the latter zeroed on the
-/// stream before any capture that uses it).
+/// the ring of eager records with its fences (at the first launch), and
+/// zeroed record slots for the launches captured later: at least
+/// [`SLOTS`] free, or as many as the most that one run of captures took
+/// (the launches captured between two eager launches, such as one graph
+/// captured after its warm-up), so the next graph of the same model finds
+/// its records without a reservation.
 fn reserve_records(stream: &NpuStream) -> Result<()> {
     if !stream.has_eager_records() {
         let fences = (0..=EAGER_SLOTS / RECORD_FENCE_EVERY)
@@ -92,17 +97,46 @@ fn reserve_records(stream: &NpuStream) -> Result<()> {
         let (base, _block) = take_pool_block(stream, SLOT_BYTES * EAGER_SLOTS)?;
         stream.set_eager_records(base, SLOT_BYTES, EAGER_SLOTS, fences);
     }
-    if stream.has_capture_records() {
+    stream.end_captured_run();
+    ensure_capture_records(stream, SLOTS.max(stream.largest_captured_run()))
+}
+
+/// Makes sure `launches` record slots for captured launches are free,
+/// adding one pool block (zeroed on the stream) of the missing ones, at
+/// least [`SLOTS`]. Outside capture.
+fn ensure_capture_records(stream: &NpuStream, launches: usize) -> Result<()> {
+    let free = stream.capture_records_free();
+    if free >= launches {
         return Ok(());
     }
-    let bytes = SLOT_BYTES * SLOTS;
+    let slots = (launches - free).max(SLOTS);
+    let bytes = slots.checked_mul(SLOT_BYTES).ok_or_else(|| {
+        Error::invalid("reserve_capture_records", "launches", format!("{launches} records overflow the address space"))
+    })?;
     let (base, block) = take_pool_block(stream, bytes)?;
     if let Err(e) = memset_on(stream, base, bytes, 0) {
         stream.give_back_block(base, block);
         return Err(e);
     }
-    stream.set_capture_records(base, SLOT_BYTES, SLOTS);
+    stream.add_capture_records(base, SLOT_BYTES, slots);
     Ok(())
+}
+
+impl NpuStream {
+    /// Reserves, before capture, the status records of `launches` native
+    /// kernel launches captured into graphs on this stream (each captured
+    /// launch keeps one for the stream's life, since every replay rewrites
+    /// it): afterwards at least `launches` are free. Outside capture a
+    /// stream keeps at least 256 free, or as many as its largest run of
+    /// captures took; reserve for a first capture of more. Refused while the
+    /// stream captures (it allocates).
+    pub fn reserve_capture_records(&self, launches: usize) -> Result<()> {
+        self.refuse_under_capture(
+            "reserve_capture_records",
+            "reserve the records before the capture begins (the reservation allocates device memory)",
+        )?;
+        ensure_capture_records(self, launches)
+    }
 }
 
 /// The status record of one launch about to be enqueued on a stream.
@@ -110,6 +144,8 @@ pub(crate) struct Record {
     stream: NpuStream,
     ptr: usize,
     words: usize,
+    /// The block holding the record (device address, bytes).
+    block: (usize, usize),
     /// The sequence number of an eager launch's record, until it finished.
     eager: Option<u64>,
 }
@@ -125,11 +161,13 @@ impl Record {
             return Err(Error::invalid("status", "words", format!("{words} status words exceed a record slot")));
         }
         let record = if stream.is_capturing()? {
-            Record { stream: stream.clone(), ptr: stream.take_capture_record(words * 4)?, words, eager: None }
+            let (ptr, block) = stream.take_capture_record(words * 4)?;
+            Record { stream: stream.clone(), ptr, words, block, eager: None }
         } else {
             reserve_records(stream)?;
             let (ptr, seq) = stream.take_eager_record(words * 4)?;
-            Record { stream: stream.clone(), ptr, words, eager: Some(seq) }
+            let block = stream.eager_records_block().unwrap_or((ptr, words * 4));
+            Record { stream: stream.clone(), ptr, words, block, eager: Some(seq) }
         };
         memset_on(stream, record.ptr, words * 4, 0xFF)?;
         Ok(record)
@@ -144,10 +182,11 @@ impl Record {
     /// reports what `decode` makes of it.
     pub(crate) fn finish(mut self, decode: Decode) {
         let stream = self.stream.clone();
-        match self.eager.take() {
-            Some(seq) => stream
-                .finish_eager_record(seq, Some(Box::new(Eager { seq, record: self.ptr, words: self.words, decode }))),
-            None => stream.record_captured(Box::new(Captured { record: self.ptr, words: self.words, decode })),
+        let seq = self.eager.take();
+        let record = StatusRecord { addr: self.ptr, words: self.words, block: self.block, seq };
+        match seq {
+            Some(seq) => stream.finish_eager_record(seq, Some(Box::new(Eager { record, decode }))),
+            None => stream.record_captured(Box::new(Captured { record, decode })),
         }
     }
 }
@@ -162,12 +201,22 @@ impl Drop for Record {
     }
 }
 
+/// Reads `record` alone and settles `p` with its words (a check reads every
+/// record at once; this is the outcome of one entry on its own).
+fn read_alone(p: &dyn Pending, record: &StatusRecord, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
+    // The stream failed: the status words may not have been written; the
+    // failed wait is what the check reports.
+    if wait.is_some() {
+        return Ok(());
+    }
+    let words = stream.read_records(std::slice::from_ref(record))?;
+    p.settle(words.of(record), stream)
+}
+
 /// The record of an eager launch: a slot of the stream's ring, read by the
 /// check (or earlier, when the ring is full).
 struct Eager {
-    seq: u64,
-    record: usize,
-    words: usize,
+    record: StatusRecord,
     decode: Decode,
 }
 
@@ -181,24 +230,17 @@ impl Pending for Eager {
     }
 
     fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
-        // The stream failed: the status words may not have been written; the
-        // failed wait is what the check reports.
-        if wait.is_some() {
-            return Ok(());
-        }
-        let mut words = vec![0u32; self.words];
-        stream.read_drained(self.record, bytemuck::cast_slice_mut(&mut words))?;
-        (self.decode)(&words)
+        read_alone(self, &self.record, wait, stream)
     }
 
-    fn record_seq(&self) -> Option<u64> {
-        Some(self.seq)
+    fn record(&self) -> Option<StatusRecord> {
+        Some(self.record)
     }
 
-    fn settle(&self, record: &[u32]) -> Result<()> {
-        match record.get(..self.words) {
+    fn settle(&self, words: &[u32], _stream: &NpuStream) -> Result<()> {
+        match words.get(..self.record.words) {
             Some(words) => (self.decode)(words),
-            None => Err(Error::invalid("status records", "words", format!("{} words read", record.len()))),
+            None => Err(Error::invalid("status records", "words", format!("{} words read", words.len()))),
         }
     }
 }
@@ -208,8 +250,7 @@ impl Pending for Eager {
 /// it is zeroed (all OK), so a bad value of one replay is reported once and a
 /// check with no replay since reports nothing.
 struct Captured {
-    record: usize,
-    words: usize,
+    record: StatusRecord,
     decode: Decode,
 }
 
@@ -223,17 +264,22 @@ impl Pending for Captured {
     }
 
     fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
-        if wait.is_some() {
-            // The stream failed: its words may be stale; the wait is reported.
-            return Ok(());
-        }
-        let mut words = vec![0u32; self.words];
-        stream.read_drained(self.record, bytemuck::cast_slice_mut(&mut words))?;
+        read_alone(self, &self.record, wait, stream)
+    }
+
+    fn record(&self) -> Option<StatusRecord> {
+        Some(self.record)
+    }
+
+    fn settle(&self, words: &[u32], stream: &NpuStream) -> Result<()> {
+        let Some(words) = words.get(..self.record.words) else {
+            return Err(Error::invalid("status records", "words", format!("{} words read", words.len())));
+        };
         if words.iter().all(|&w| w == 0) {
             return Ok(());
         }
-        let r = (self.decode)(&words);
-        stream.zero_drained(self.record, words.len() * 4)?;
+        let r = (self.decode)(words);
+        stream.zero_drained(self.record.addr, self.record.words * 4)?;
         r
     }
 }

@@ -207,6 +207,13 @@ pub(crate) const STAGING_BLOCK: usize = 4096;
 /// Blocks of a stream's staging arena (one `aclrtMallocHost`, made at the
 /// first staged copy), and the most staging blocks in flight at once.
 pub(crate) const STAGING_BLOCKS: usize = 16;
+/// Pinned bytes a stream keeps, outside capture, for the small host data of
+/// the copies captured later (at least; more when one run of captures took
+/// more): a native launch captures its tiling, a padded finalize also its
+/// slot offsets (4 bytes a row).
+pub(crate) const GRAPH_STAGING: usize = 256 << 10;
+/// Alignment of the pieces cut for captured copies.
+pub(crate) const GRAPH_ALIGN: usize = 64;
 
 /// Pinned host blocks (`aclrtMallocHost`) that carry small host data (slot
 /// offsets, a tiling) to the device with an asynchronous copy. A block whose
@@ -222,9 +229,13 @@ pub(crate) struct Staging<F> {
     /// Blocks whose copy is queued, oldest first, with the fence recorded
     /// after the copy (`None`: none could be recorded yet).
     in_flight: VecDeque<((usize, usize), Option<F>)>,
-    /// Blocks a graph captured a copy from: every replay copies them again,
-    /// so they keep their bytes for the stream's life.
-    captured: Vec<(usize, usize)>,
+    /// Pinned chunks the copies captured into graphs are cut from (address,
+    /// bytes, bytes cut): every replay copies a piece again, so it keeps its
+    /// bytes for the stream's life.
+    graph: Vec<(usize, usize, usize)>,
+    /// Bytes cut for captured copies since the last eager copy, and the most
+    /// any such run cut.
+    graph_run: (usize, usize),
     /// Fences no block holds, recorded again for later copies.
     spare: Vec<F>,
     /// Host allocations made so far.
@@ -237,7 +248,8 @@ impl<F> Default for Staging<F> {
             allocations: Vec::new(),
             free: Vec::new(),
             in_flight: VecDeque::new(),
-            captured: Vec::new(),
+            graph: Vec::new(),
+            graph_run: (0, 0),
             spare: Vec::new(),
             host_blocks: 0,
         }
@@ -250,7 +262,7 @@ impl<F> std::fmt::Debug for Staging<F> {
             .field("allocations", &self.allocations)
             .field("free", &self.free)
             .field("in_flight", &self.in_flight.len())
-            .field("captured", &self.captured)
+            .field("graph", &self.graph)
             .finish()
     }
 }
@@ -265,15 +277,36 @@ impl<F: Clone> Staging<F> {
         Some(b)
     }
 
-    /// The block in flight at `ptr` was captured into a graph: it is never
-    /// free again.
-    pub(crate) fn keep_for_graph(&mut self, ptr: usize) {
-        if let Some(i) = self.in_flight.iter().position(|(b, _)| b.0 == ptr) {
-            if let Some((b, fence)) = self.in_flight.remove(i) {
-                self.captured.push(b);
-                self.spare.extend(fence);
-            }
-        }
+    /// A piece of `bytes` (rounded up to [`GRAPH_ALIGN`]) for a copy being
+    /// captured into a graph, cut from a graph chunk: it is never free again.
+    pub(crate) fn take_for_graph(&mut self, bytes: usize) -> Option<usize> {
+        let n = bytes.checked_next_multiple_of(GRAPH_ALIGN)?;
+        let chunk = self.graph.iter_mut().find(|(_, len, cut)| len - *cut >= n)?;
+        let ptr = chunk.0 + chunk.2;
+        chunk.2 += n;
+        self.graph_run.0 += n;
+        Some(ptr)
+    }
+
+    /// The largest piece the graph chunks can still give.
+    pub(crate) fn graph_room(&self) -> usize {
+        self.graph.iter().map(|(_, len, cut)| len - cut).max().unwrap_or(0)
+    }
+
+    /// An eager copy: the captures before it ended their run. Returns the
+    /// room to keep for the next ones: [`GRAPH_STAGING`], or the most one
+    /// run cut so far.
+    pub(crate) fn end_graph_run(&mut self) -> usize {
+        let (run, most) = self.graph_run;
+        self.graph_run = (0, run.max(most));
+        GRAPH_STAGING.max(run.max(most))
+    }
+
+    /// A new allocation from aclrtMallocHost, cut for captured copies.
+    pub(crate) fn add_graph_chunk(&mut self, allocation: (usize, usize)) {
+        self.host_blocks += 1;
+        self.allocations.push(allocation);
+        self.graph.push((allocation.0, allocation.1, 0));
     }
 
     /// The copy from the block in flight at `ptr` was not queued: it is free.
@@ -358,7 +391,7 @@ impl<F: Clone> Staging<F> {
     /// synchronised) and the fences for destruction.
     pub(crate) fn take_all(&mut self) -> (Vec<(usize, usize)>, Vec<F>) {
         self.free.clear();
-        self.captured.clear();
+        self.graph.clear();
         let mut fences = std::mem::take(&mut self.spare);
         fences.extend(self.in_flight.drain(..).filter_map(|(_, f)| f));
         (std::mem::take(&mut self.allocations), fences)
@@ -419,5 +452,37 @@ mod tests {
         let (ptr, _) = p.take(700).unwrap().unwrap();
         assert_eq!(ptr, p.segments[1].0, "the 1024-byte segment fits 700 best");
         assert!(p.take(usize::MAX).is_err(), "an overflowing size is an error");
+    }
+
+    #[test]
+    fn pieces_for_captured_copies_are_aligned_disjoint_and_never_reused() {
+        let mut st: Staging<()> = Staging::default();
+        assert_eq!(st.take_for_graph(1), None, "no chunk yet");
+        st.add_graph_chunk((1 << 20, 256));
+        let a = st.take_for_graph(1).unwrap();
+        let b = st.take_for_graph(65).unwrap();
+        assert_eq!((a, b), (1 << 20, (1 << 20) + 64), "pieces are cut in 64-byte steps");
+        assert_eq!(st.graph_room(), 256 - 64 - 128);
+        assert_eq!(st.take_for_graph(65), None, "64 bytes left, 128 needed");
+        let c = st.take_for_graph(64).unwrap();
+        assert_eq!(c, (1 << 20) + 192);
+        st.drained();
+        assert_eq!(st.graph_room(), 0, "a drained stream gives nothing captured back");
+        assert!(st.take_free(1).is_none(), "and no piece becomes an eager block");
+        assert_eq!(st.take_for_graph(usize::MAX), None, "an overflowing size is no piece");
+    }
+
+    #[test]
+    fn the_room_kept_for_captures_follows_the_largest_run() {
+        let mut st: Staging<()> = Staging::default();
+        assert_eq!(st.end_graph_run(), GRAPH_STAGING);
+        st.add_graph_chunk((1 << 20, 3 * GRAPH_STAGING));
+        for _ in 0..(GRAPH_STAGING + GRAPH_STAGING / 2) / GRAPH_ALIGN {
+            st.take_for_graph(GRAPH_ALIGN).unwrap();
+        }
+        let run = GRAPH_STAGING + GRAPH_STAGING / 2;
+        assert_eq!(st.end_graph_run(), run, "the run just ended");
+        st.take_for_graph(GRAPH_ALIGN).unwrap();
+        assert_eq!(st.end_graph_run(), run, "a shorter run keeps the most");
     }
 }

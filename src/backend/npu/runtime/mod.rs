@@ -32,4 +32,4 @@ pub use load::{acl, recent_error_message, take_drop_errors};
 pub(crate) use load::{record_drop_error, settled};
 pub(crate) use pending::RECORD_FENCE_EVERY;
 pub use stream::NpuStream;
-pub(crate) use stream::{lock, Pending, SyncEvent};
+pub(crate) use stream::{lock, Pending, StatusRecord, SyncEvent};

@@ -2,21 +2,34 @@
 //! status records of eager launches, and the record slots of captured
 //! launches.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::stream::{lock, EagerRecords, Fence, NpuStream, Pending, SyncEvent};
+use super::stream::{lock, CaptureRecords, EagerRecords, Fence, NpuStream, Pending, StatusRecord, SyncEvent};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
 /// Eager launches between two fences of a stream's status records.
 pub(crate) const RECORD_FENCE_EVERY: usize = 32;
+/// Records of one block further apart than this are read in separate copies.
+const SPAN_GAP: usize = 32 << 10;
 
 impl EagerRecords {
     /// The first sequence number not yet finished (every lower one is).
     fn finished_below(&self) -> u64 {
         self.open.iter().copied().min().unwrap_or(self.head)
+    }
+}
+
+/// The words of status records read by [`NpuStream::read_records`], by
+/// device address.
+pub(crate) struct RecordWords(HashMap<usize, Vec<u32>>);
+
+impl RecordWords {
+    /// The words read for `r` (empty if it was not among those read).
+    pub(crate) fn of(&self, r: &StatusRecord) -> &[u32] {
+        self.0.get(&r.addr).map_or(&[], Vec::as_slice)
     }
 }
 
@@ -73,19 +86,30 @@ impl NpuStream {
         };
         let timeout = pending.iter().filter_map(|p| p.timeout()).max().unwrap_or(default_timeout);
         let wait = self.synchronize_timeout(timeout).err();
-        let mut first = Ok(());
-        for p in &pending {
-            // Every entry is looked at (and releases what it holds); the
-            // first error in queue order is the one returned.
-            let r = p.outcome(wait.as_ref(), self);
-            if first.is_ok() {
-                first = r;
-            }
-        }
         // Then what graphs captured on this stream left since the last check.
         let captured = std::mem::take(&mut lock(self.state()).captured);
-        for p in &captured {
-            let r = p.outcome(wait.as_ref(), self);
+        // Every status record is read after the wait, neighbours in one copy;
+        // when the stream failed, its words may be stale and the failed wait
+        // is what the check reports.
+        let records: Vec<StatusRecord> = pending.iter().chain(&captured).filter_map(|p| p.record()).collect();
+        let mut read = match wait {
+            None if !records.is_empty() => self.read_records(&records).map(Some),
+            _ => Ok(None),
+        };
+        let mut first = Ok(());
+        for p in pending.iter().chain(&captured) {
+            // Every entry is looked at (and releases what it holds); the
+            // first error in queue order is the one returned.
+            let r = match p.record() {
+                None => p.outcome(wait.as_ref(), self),
+                Some(rec) => match &read {
+                    Ok(Some(words)) => p.settle(words.of(&rec), self),
+                    Ok(None) => Ok(()),
+                    // A failed read is reported once, in the place of the
+                    // first record it lost.
+                    Err(_) => std::mem::replace(&mut read, Ok(None)).map(drop),
+                },
+            };
             if first.is_ok() {
                 first = r;
             }
@@ -101,9 +125,49 @@ impl NpuStream {
         }
     }
 
+    /// Reads `records` after the stream drained: the records of one block
+    /// in address order, one copy for each run of them no more than
+    /// [`SPAN_GAP`] bytes apart, never outside the block.
+    pub(crate) fn read_records(&self, records: &[StatusRecord]) -> Result<RecordWords> {
+        let mut sorted: Vec<&StatusRecord> = records.iter().collect();
+        sorted.sort_by_key(|r| (r.block, r.addr));
+        let mut out = RecordWords(HashMap::with_capacity(records.len()));
+        let mut i = 0;
+        while i < sorted.len() {
+            let start = sorted[i].addr;
+            let mut end = start + sorted[i].words * 4;
+            let mut j = i + 1;
+            while j < sorted.len() && sorted[j].block == sorted[i].block && sorted[j].addr <= end + SPAN_GAP {
+                end = end.max(sorted[j].addr + sorted[j].words * 4);
+                j += 1;
+            }
+            let (base, len) = sorted[i].block;
+            if start < base || end > base + len {
+                return Err(Error::invalid(
+                    "status records",
+                    "record",
+                    format!("records {start:#x}..{end:#x} lie outside their block {base:#x}+{len}"),
+                ));
+            }
+            let mut words = vec![0u32; (end - start) / 4];
+            self.read_drained(start, bytemuck::cast_slice_mut(&mut words))?;
+            for r in &sorted[i..j] {
+                let at = (r.addr - start) / 4;
+                out.0.insert(r.addr, words[at..at + r.words].to_vec());
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+
     /// True once the status records of eager launches are reserved.
     pub(crate) fn has_eager_records(&self) -> bool {
         lock(self.state()).eager.is_some()
+    }
+
+    /// The block of the eager records' ring (device address, bytes).
+    pub(crate) fn eager_records_block(&self) -> Option<(usize, usize)> {
+        lock(self.state()).eager.as_ref().map(|er| (er.base, er.slots as usize * er.slot_bytes))
     }
 
     /// Takes `slots` status records of `slot_bytes` at device address `base`
@@ -250,10 +314,10 @@ impl NpuStream {
         let pending = std::mem::take(&mut st.pending);
         let mut kept: Vec<Box<dyn Pending>> = Vec::with_capacity(pending.len());
         for p in pending {
-            match p.record_seq() {
+            match p.record().and_then(|r| r.seq) {
                 Some(s) if (tail..bound).contains(&s) => {
                     let at = (s - tail) as usize * per;
-                    if let Err(e) = p.settle(&words[at..at + per]) {
+                    if let Err(e) = p.settle(&words[at..at + per], self) {
                         if !holds_error {
                             holds_error = true;
                             kept.push(Box::new(Settled(Mutex::new(Some(e)))));
@@ -296,45 +360,67 @@ impl NpuStream {
         lock(self.state()).captured.push(p);
     }
 
-    /// True once the record slots of captured launches are reserved.
-    pub(crate) fn has_capture_records(&self) -> bool {
-        lock(self.state()).records.is_some()
+    /// Record slots for captured launches not yet taken.
+    pub(crate) fn capture_records_free(&self) -> usize {
+        lock(self.state()).capture_records.iter().map(|b| b.slots - b.used).sum()
     }
 
-    /// Takes `slots` record slots of `slot_bytes` at device address `base`
-    /// (a detached pool block whose zeroing is queued on this stream) for
-    /// the kernel launches captured later.
-    pub(crate) fn set_capture_records(&self, base: usize, slot_bytes: usize, slots: usize) {
-        lock(self.state()).records = Some((base, slot_bytes, slots, 0));
+    /// The most record slots one run of captures took so far (the slots
+    /// taken between two eager launches).
+    pub(crate) fn largest_captured_run(&self) -> usize {
+        let st = lock(self.state());
+        st.captured_run.0.max(st.captured_run.1)
+    }
+
+    /// An eager launch: the captures before it ended their run.
+    pub(crate) fn end_captured_run(&self) {
+        let mut st = lock(self.state());
+        let (run, most) = st.captured_run;
+        st.captured_run = (0, run.max(most));
+    }
+
+    /// Adds `slots` record slots of `slot_bytes` at device address `base` (a
+    /// detached pool block whose zeroing is queued on this stream) for the
+    /// kernel launches captured later.
+    pub(crate) fn add_capture_records(&self, base: usize, slot_bytes: usize, slots: usize) {
+        lock(self.state()).capture_records.push(CaptureRecords { base, slot_bytes, slots, used: 0 });
     }
 
     /// A zeroed record slot of at least `bytes` for a launch being captured,
-    /// kept for the stream's life. An error says how to reserve them when
-    /// none are left (or none were reserved: no launch ran before capture).
-    pub(crate) fn take_capture_record(&self, bytes: usize) -> Result<usize> {
+    /// kept for the stream's life: (device address, its block). An error
+    /// says how to reserve more when none are left (or none were reserved:
+    /// no launch ran before capture).
+    pub(crate) fn take_capture_record(&self, bytes: usize) -> Result<(usize, (usize, usize))> {
         let mut st = lock(self.state());
-        match st.records.as_mut() {
-            Some((base, slot, slots, used)) if *used < *slots && bytes <= *slot => {
-                let p = *base + *used * *slot;
-                *used += 1;
-                Ok(p)
-            }
-            other => Err(Error::invalid(
-                "capture records",
-                "stream",
-                match other {
-                    None => {
-                        "no status records were reserved on this stream: run the op once before capturing it".into()
-                    }
-                    Some((_, slot, slots, _)) if bytes > *slot => {
-                        format!("a launch needs {bytes} bytes of status, a captured record holds {slot}")
-                    }
-                    Some((_, _, slots, _)) => {
-                        format!("all {slots} status records for captured launches are taken by earlier captures on this stream")
-                    }
-                },
-            )),
+        let reserved: usize = st.capture_records.iter().map(|b| b.slots).sum();
+        let slot_bytes = st.capture_records.first().map(|b| b.slot_bytes);
+        let free = st.capture_records.iter_mut().find(|b| b.used < b.slots && bytes <= b.slot_bytes);
+        if let Some(b) = free {
+            let p = b.base + b.used * b.slot_bytes;
+            b.used += 1;
+            let block = (b.base, b.slots * b.slot_bytes);
+            st.captured_run.0 += 1;
+            return Ok((p, block));
         }
+        Err(Error::invalid(
+            "capture records",
+            "stream",
+            match slot_bytes {
+                None => "no status records were reserved on this stream: run the op once before capturing it, or \
+                         reserve them with NpuStream::reserve_capture_records / amoe_capture_records_reserve / \
+                         ascend_moe.reserve_capture_records"
+                    .into(),
+                Some(slot) if bytes > slot => {
+                    format!("a launch needs {bytes} bytes of status, a captured record holds {slot}")
+                }
+                Some(_) => format!(
+                    "all {reserved} status records for captured launches are taken (each captured native kernel \
+                     launch keeps one for the stream's life): reserve more before capture with \
+                     NpuStream::reserve_capture_records / amoe_capture_records_reserve / \
+                     ascend_moe.reserve_capture_records"
+                ),
+            },
+        ))
     }
 
     /// Writes `len` zero bytes at device address `ptr` (a captured launch's

@@ -25,16 +25,41 @@ pub(crate) trait Pending: Send + Sync {
     /// The error recorded on the device for this work, once the stream is
     /// drained (or failed to drain: then `wait` holds why).
     fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()>;
-    /// The sequence number of the eager status record this work reports
-    /// through ([`EagerRecords`]), if it has one.
-    fn record_seq(&self) -> Option<u64> {
+    /// The status record this work reports through, if it has one: the
+    /// check reads it with the other records of its block in as few copies
+    /// as their places allow, and gives its words to [`settle`](Self::settle)
+    /// instead of calling [`outcome`](Self::outcome).
+    fn record(&self) -> Option<StatusRecord> {
         None
     }
-    /// The outcome from the words of its status record, read before the
-    /// check once the work completed (work with a [`record_seq`](Self::record_seq)).
-    fn settle(&self, _record: &[u32]) -> Result<()> {
+    /// The outcome from the words of its status record (at least the
+    /// record's words), read once the work completed: by the check, or
+    /// earlier for an eager launch when every slot of the ring is held.
+    fn settle(&self, _words: &[u32], _stream: &NpuStream) -> Result<()> {
         Ok(())
     }
+}
+
+/// Where a launch's status record lies: `words` 32-bit words at device
+/// address `addr`, inside the block `block` (device address, bytes) that
+/// holds it and its neighbours, so the check reads neighbours in one copy
+/// and never past the block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct StatusRecord {
+    pub(crate) addr: usize,
+    pub(crate) words: usize,
+    pub(crate) block: (usize, usize),
+    /// The sequence number of an eager launch's record ([`EagerRecords`]).
+    pub(crate) seq: Option<u64>,
+}
+
+/// A block of zeroed record slots for launches captured into graphs: every
+/// slot taken stays with its captured launch for the stream's life.
+pub(crate) struct CaptureRecords {
+    pub(super) base: usize,
+    pub(super) slot_bytes: usize,
+    pub(super) slots: usize,
+    pub(super) used: usize,
 }
 
 /// The fence of a staging block or of a run of status records: an event
@@ -82,10 +107,13 @@ pub(crate) struct StreamState {
     /// Checks of work captured into a graph: every replay rewrites what they
     /// read, so every check reads them again (they are never drained).
     pub(super) captured: Vec<Box<dyn Pending>>,
-    /// Zeroed record slots for kernel launches captured into a graph:
-    /// (device address, slot bytes, slots, slots taken). Reserved outside
-    /// capture from the pool; a slot stays with its captured launch.
-    pub(super) records: Option<(usize, usize, usize, usize)>,
+    /// Zeroed record slots for kernel launches captured into graphs, in
+    /// blocks reserved outside capture from the pool (a block is never moved
+    /// or freed: captured launches hold its addresses).
+    pub(super) capture_records: Vec<CaptureRecords>,
+    /// Record slots taken by captures since the last eager launch, and the
+    /// most any such run took: an eager launch keeps at least that many free.
+    pub(super) captured_run: (usize, usize),
     /// The status records of eager kernel launches (see [`EagerRecords`]).
     pub(super) eager: Option<EagerRecords>,
     /// The event this stream records for the streams that wait on it.
@@ -389,7 +417,7 @@ impl NpuStream {
     }
 
     /// An error naming `op` while this stream is captured into a graph.
-    pub(super) fn refuse_under_capture(&self, op: &'static str, advice: &str) -> Result<()> {
+    pub(crate) fn refuse_under_capture(&self, op: &'static str, advice: &str) -> Result<()> {
         if self.is_capturing()? {
             return Err(Error::invalid(op, "stream", format!("{self:?} is being captured into a graph: {advice}")));
         }

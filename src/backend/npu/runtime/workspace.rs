@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::stream::{lock, Fence, NpuStream, SyncEvent};
-use crate::backend::npu::pool::{self, Allocator, PoolStats, STAGING_BLOCK, STAGING_BLOCKS};
+use crate::backend::npu::pool::{self, Allocator, PoolStats, GRAPH_STAGING, STAGING_BLOCK, STAGING_BLOCKS};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
@@ -33,15 +33,32 @@ impl NpuStream {
     }
 
     /// Makes sure a pinned staging block of at least `bytes` is free (small
-    /// host data the native kernel needs: slot offsets, a tiling).
+    /// host data the native kernel needs: slot offsets, a tiling), and that
+    /// at least `bytes` of pinned memory are left for the copies captured
+    /// into graphs later (each keeps its bytes for the stream's life; a
+    /// stream keeps 256 KiB, or the most one run of captures took). Refused
+    /// under capture.
     pub fn reserve_staging(&self, bytes: usize) -> Result<()> {
         self.enter()?;
         self.refuse_under_capture("reserve_staging", "reserve before the capture begins")?;
+        self.keep_graph_staging(bytes)?;
         if lock(self.state()).staging.has_free(bytes) {
             return Ok(());
         }
         let b = Self::staging_block(bytes)?;
         lock(self.state()).staging.add(b, [b]);
+        Ok(())
+    }
+
+    /// Makes sure a piece of `bytes` can be cut for a captured copy, adding a
+    /// pinned chunk of at least [`GRAPH_STAGING`] bytes when none can.
+    /// Outside capture.
+    fn keep_graph_staging(&self, bytes: usize) -> Result<()> {
+        if lock(self.state()).staging.graph_room() >= bytes {
+            return Ok(());
+        }
+        let chunk = Self::staging_block(bytes.max(GRAPH_STAGING))?;
+        lock(self.state()).staging.add_graph_chunk(chunk);
         Ok(())
     }
 
@@ -123,14 +140,17 @@ impl NpuStream {
     /// block or an error (nothing is allocated or asked).
     fn take_staging(&self, bytes: usize) -> Result<(usize, usize)> {
         if self.is_capturing()? {
-            return lock(self.state()).staging.take_free(bytes).ok_or_else(|| {
+            let mut st = lock(self.state());
+            let room = st.staging.graph_room();
+            return st.staging.take_for_graph(bytes).map(|p| (p, bytes)).ok_or_else(|| {
                 Error::invalid(
                     "stage_to_device",
                     "stream",
                     format!(
-                        "{self:?} is being captured into a graph: no pinned staging block is free and none can \
-                         be allocated; reserve with amoe_workspace_reserve / NpuStream::reserve_staging before \
-                         the capture begins"
+                        "{self:?} is being captured into a graph: a captured copy keeps its {bytes} bytes of \
+                         pinned staging for the stream's life and {room} are left in one piece; reserve more \
+                         with amoe_workspace_reserve(stream, 0, staging_bytes) / NpuStream::reserve_staging \
+                         before the capture begins"
                     ),
                 )
             });
@@ -138,6 +158,9 @@ impl NpuStream {
         if !lock(self.state()).staging.has_arena() && bytes <= STAGING_BLOCK {
             self.add_staging_arena()?;
         }
+        // The captures since the last eager copy ended: keep room for as many.
+        let keep = lock(self.state()).staging.end_graph_run();
+        self.keep_graph_staging(keep)?;
         self.reclaim_staging(bytes)?;
         if let Some(b) = lock(self.state()).staging.take_free(bytes) {
             return Ok(b);
@@ -220,11 +243,9 @@ impl NpuStream {
         // SAFETY: `ptr` is a pinned block of at least `data.len()` bytes that
         // no queued copy reads (it was free), exclusively ours until the sync.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr as *mut u8, data.len()) };
+        // Under capture the piece was cut for the graph: every replay copies
+        // from it again, and it keeps these bytes.
         let capturing = self.is_capturing()?;
-        if capturing {
-            // Every replay copies from the block again: it keeps these bytes.
-            lock(self.state()).staging.keep_for_graph(ptr);
-        }
         // SAFETY: `dst` is device memory of `dst_len >= data.len()` bytes; the
         // pinned source stays allocated and unchanged until its fence
         // completed or the stream drained.
