@@ -15,8 +15,10 @@
 //! One file per group in `/dev/shm` (see [`shm_dir`]), mapped by every rank.
 //! Ranks meet by (name, world size, rank): the first rank creates and sizes the
 //! file under an `flock`, the others map it and take their slot; everybody then
-//! waits (up to the timeout) until all slots are taken. A file whose ranks are
-//! all dead or gone (a crashed run) is replaced; a live world of another size
+//! waits (up to the timeout) until all slots are taken, and the rendezvous
+//! ends the same way on every rank that took a slot, like a phase barrier
+//! (see "Waiting and failure"). A file whose ranks are all dead or gone (a
+//! crashed run) is replaced; a live world of another size
 //! under the same name is an error. A joiner that asks a forming world for
 //! another world size or staging size is refused, and is recorded in the
 //! header: the ranks waiting there fail at once with [`ErrorKind::Mismatch`]
@@ -39,7 +41,7 @@
 //!
 //! | block | size |
 //! |---|---|
-//! | header (magic, version, world, staging size, futex word, refused joiner) | 4 KiB |
+//! | header (magic, version, world, staging size, futex word, phase verdict, refused joiner) | 4 KiB |
 //! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!
@@ -123,6 +125,19 @@
 //! Each rank reads the word once per barrier, and the first to see every
 //! rank arrive writes it.
 //!
+//! The rendezvous is the first phase settled in that word (a collective's
+//! barriers follow it): a rank that sees every slot taken returns Ok only if
+//! no rank gave up on the world first, and a rank that gives up (timeout, a
+//! peer that died or left while the world formed, a refused joiner) fails
+//! only if no rank saw the world complete first. So every rank that took a
+//! slot gets Ok, or every one gets an error: the rank that gave up gets its
+//! own cause ([`ErrorKind::Timeout`], [`ErrorKind::PeerFailed`] or
+//! [`ErrorKind::Mismatch`]), the others [`ErrorKind::PeerFailed`] naming it
+//! (or the same root cause, when they see it themselves), also those whose
+//! own wait saw the last slot taken after it gave up, and those still
+//! waiting, at once (the world can no longer form). A slot once taken counts
+//! as joined, also when its rank already moved on and left, or gave up.
+//!
 //! # Processes
 //! A handle belongs to the process that joined. A child forked later without
 //! exec holds a copy of it: collectives and [`ShmComm::split`] called on the
@@ -168,7 +183,7 @@ pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
 pub use rendezvous::{segment_path, shm_dir};
 pub use segment::MAX_WORLD;
 
-use segment::{Segment, ABORTED, EMPTY, FAILED, LEFT};
+use segment::{Segment, ABORTED, EMPTY, FAILED, LEFT, RENDEZVOUS};
 
 /// Why a world of `world_size` ranks cannot form (0, or over [`MAX_WORLD`]),
 /// for callers that start the ranks and should refuse before they do.
@@ -253,7 +268,7 @@ struct Inner {
 
 #[derive(Default)]
 struct State {
-    /// Last phase this rank arrived at.
+    /// Last phase this rank arrived at ([`RENDEZVOUS`] once it took its slot).
     phase: u64,
     /// Collectives started.
     seq: u64,
@@ -301,6 +316,14 @@ impl ShmComm {
     /// Ranks may be threads of this process or separate processes; every rank
     /// waits until all have joined (at most `timeout`, which also bounds every
     /// later wait). Every rank of the world must pass the same `cfg`.
+    ///
+    /// Every rank that took its slot in the world returns Ok, or every one
+    /// returns an error: a rank that gave up (at its timeout, or on a peer
+    /// that died, left or was refused while the world formed) makes the
+    /// others fail too, with [`ErrorKind::PeerFailed`] naming it, even those
+    /// that saw the last rank join after it gave up. Errors before a slot is
+    /// taken (arguments, the file, a live world of another size) are this
+    /// rank's alone.
     pub fn rendezvous(name: &str, world_size: usize, rank: usize, timeout: Duration, cfg: &Config) -> Result<ShmComm> {
         let setup = |detail: String| Error::Comm {
             collective: "rendezvous".into(),
@@ -331,17 +354,18 @@ impl ShmComm {
                 cfg: Config { staging_bytes: staging },
                 seg,
                 owner: process::my_pid(),
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State { phase: RENDEZVOUS, ..State::default() }),
                 splits: Mutex::new((0, HashMap::new())),
                 spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
             }),
         };
-        // Wait until every slot is taken.
+        // Wait until every slot is taken, settled for the whole world like a
+        // phase barrier: every rank passes, or every rank fails.
         let deadline = clock::deadline(start, timeout);
         let mut st = comm.lock();
         // A slot once taken counts as joined even if its rank already moved on
         // and left: failures show up in the next collective.
-        comm.wait_for(&mut st, "rendezvous", deadline, None, |c| {
+        comm.wait_for(&mut st, "rendezvous", deadline, RENDEZVOUS, |c| {
             c.state.load(std::sync::atomic::Ordering::Acquire) != EMPTY
         })?;
         drop(st);

@@ -4,7 +4,7 @@
 //!
 //! | offset | size | what |
 //! |---|---|---|
-//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word, refused joiner |
+//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word, phase verdict, refused joiner |
 //! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
 //! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
 //!
@@ -24,8 +24,10 @@ use crate::{Error, Result};
 
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
-/// Layout version; a segment of another version is treated as foreign and stale.
-pub(crate) const VERSION: u32 = 6;
+/// Layout and protocol version (how phases are numbered in
+/// [`Header::verdict`] included); a segment of another version is treated
+/// as foreign and stale.
+pub(crate) const VERSION: u32 = 7;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -39,6 +41,11 @@ pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD;
 pub(crate) const SPLIT_WORDS: usize = 3 + MAX_WORLD.div_ceil(8);
 /// Bytes of error text a rank can publish with an invalid descriptor.
 pub(crate) const ERR_BYTES: usize = 768;
+
+/// The phase of the rendezvous in [`Header::verdict`]: every rank has taken
+/// its slot. The word starts at 0, which reads as "phase 0 passed", so the
+/// first phase settled is 1; a collective's barriers are the phases after it.
+pub(crate) const RENDEZVOUS: u64 = 1;
 
 /// Rank slot states.
 pub(crate) const EMPTY: u32 = 0;
@@ -63,7 +70,9 @@ pub(crate) struct Header {
     /// `bell`, which every arrival bumps anyway): the highest phase that
     /// every rank arrived at, or the phase a rank gave up on, with that
     /// rank, and `wait`'s failed bit (the phases before it passed, no later
-    /// one passes).
+    /// one passes). The first phase is the rendezvous ([`RENDEZVOUS`]: every
+    /// slot taken), the collectives' barriers follow; 0, as the header
+    /// starts, is nothing settled yet.
     pub verdict: AtomicU64,
     /// The first joiner refused while the world formed because it asked for
     /// another world size or staging size (0: none): `1 << 63 | rank << 32 |

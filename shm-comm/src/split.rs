@@ -60,14 +60,19 @@ impl ShmComm {
                 splits.1.insert(ranks.to_vec(), n + 1);
                 Ok(c)
             }
-            Err(e @ Error::Comm { kind: ErrorKind::Timeout, .. }) => Err(self.split_mismatch(ranks, seq).unwrap_or(e)),
+            // A member that timed out there fails the others waiting with
+            // it (PeerFailed): for them too, a disagreement is the cause.
+            Err(e @ Error::Comm { kind: ErrorKind::Timeout | ErrorKind::PeerFailed, .. }) => {
+                Err(self.split_mismatch(ranks, seq).unwrap_or(e))
+            }
             Err(e) => Err(e),
         }
     }
 
-    /// After a split of `ranks` (after `seq` collectives) timed out: the
-    /// members whose pending split has another list, or came after another
-    /// number of collectives, as a [`ErrorKind::Mismatch`] naming both.
+    /// After a split of `ranks` (after `seq` collectives) timed out, or
+    /// failed because a member waiting with this one gave up: the members
+    /// whose pending split has another list, or came after another number
+    /// of collectives, as a [`ErrorKind::Mismatch`] naming both.
     fn split_mismatch(&self, ranks: &[usize], seq: u64) -> Option<Error> {
         let me = self.inner.rank;
         let posted: Vec<(usize, Vec<usize>, u64)> = ranks

@@ -1,14 +1,15 @@
 //! Waiting: phase barriers over the per-rank arrival counters, sleeping on a
 //! futex in the segment header, with a deadline on every wait and a check for
 //! peers that aborted, left or died. Each phase is settled once for the whole
-//! group (passed or failed) in the header's verdict word.
+//! group (passed or failed) in the header's verdict word; the first phase,
+//! [`RENDEZVOUS`], is the world forming (every slot taken).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::clock::deadline;
 use crate::descriptor::last_call;
-use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT};
+use crate::segment::{self, Ctrl, ABORTED, FAILED, JOINED, LEFT, RENDEZVOUS};
 use crate::{process, ErrorKind, Result, ShmComm, State};
 
 /// A phase settled as failed in [`crate::segment::Header::verdict`]: this
@@ -18,6 +19,13 @@ use crate::{process, ErrorKind, Result, ShmComm, State};
 const FAILED_PHASE: u64 = 1 << 63;
 const FAILED_RANK_SHIFT: u32 = 56;
 const PHASE_MASK: u64 = (1 << FAILED_RANK_SHIFT) - 1;
+
+/// The rank that settled `phase` (or an earlier phase) as failed, in the
+/// verdict word `v`.
+fn failed_by(v: u64, phase: u64) -> Option<usize> {
+    // A rank that gave up on a later phase had passed this one.
+    (v & FAILED_PHASE != 0 && v & PHASE_MASK <= phase).then_some(((v & !FAILED_PHASE) >> FAILED_RANK_SHIFT) as usize)
+}
 
 /// How a phase was settled.
 enum Settled {
@@ -41,9 +49,8 @@ impl ShmComm {
         let verdict = &self.inner.seg.header().verdict;
         let mut v = verdict.load(Ordering::Acquire);
         loop {
-            // A rank that gave up on a later phase had passed this one.
-            if v & FAILED_PHASE != 0 && v & PHASE_MASK <= phase {
-                return Settled::Failed(((v & !FAILED_PHASE) >> FAILED_RANK_SHIFT) as usize);
+            if let Some(j) = failed_by(v, phase) {
+                return Settled::Failed(j);
             }
             if v & FAILED_PHASE != 0 || v >= phase {
                 return Settled::Passed;
@@ -67,11 +74,19 @@ impl ShmComm {
         match self.settle(phase, false) {
             Settled::Passed => Ok(()),
             Settled::Failed(j) => {
-                let detail = format!(
-                    "rank {j} failed this step (it timed out or saw a peer fail) before rank {} saw every rank \
-                     arrive, in its call #{}",
-                    self.inner.rank, st.seq
-                );
+                let detail = if phase == RENDEZVOUS {
+                    format!(
+                        "rank {j} gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused) \
+                         before rank {} saw every rank join, so the world did not form",
+                        self.inner.rank
+                    )
+                } else {
+                    format!(
+                        "rank {j} failed this step (it timed out or saw a peer fail) before rank {} saw every rank \
+                         arrive, in its call #{}",
+                        self.inner.rank, st.seq
+                    )
+                };
                 let e = self.err(coll, ErrorKind::PeerFailed, detail);
                 self.poison(st, &e);
                 Err(e)
@@ -81,27 +96,24 @@ impl ShmComm {
 
     /// Waits until `ready(ctrl of j)` holds for every rank `j`, failing on a dead
     /// or departed peer, or at `deadline`. `phase` is the phase barrier waited
-    /// at (`None` while the world forms): every rank passes it, or every rank
-    /// fails it.
+    /// at ([`RENDEZVOUS`] while the world forms): every rank passes it, or
+    /// every rank fails it.
     pub(crate) fn wait_for(
         &self,
         st: &mut State,
         coll: &str,
         deadline: Instant,
-        phase: Option<u64>,
+        phase: u64,
         ready: impl Fn(&Ctrl) -> bool,
     ) -> Result<()> {
         let seg = &self.inner.seg;
         let world = self.inner.world;
         let h = seg.header();
-        let joining = phase.is_none();
+        let joining = phase == RENDEZVOUS;
         let mut spins = 0u32;
         loop {
             if (0..world).all(|j| ready(seg.ctrl(j))) {
-                return match phase {
-                    Some(p) => self.pass(st, coll, p),
-                    None => Ok(()),
-                };
+                return self.pass(st, coll, phase);
             }
             spins += 1;
             if spins < self.inner.spin {
@@ -122,6 +134,9 @@ impl ShmComm {
             if let Some(refused) = h.refusal().filter(|_| joining) {
                 let detail = segment::describe_refusal(refused, world, seg.staging);
                 let e = self.err(coll, ErrorKind::Mismatch, detail);
+                if let Settled::Passed = self.settle(phase, true) {
+                    return Ok(());
+                }
                 self.poison(st, &e);
                 return Err(e);
             }
@@ -131,8 +146,9 @@ impl ShmComm {
             // While a world forms, a rank that already took its slot and then
             // died, aborted or left can never take part: the world cannot
             // complete, so that fails the joiners at once too (a peer that
-            // failed its own rendezvous wait is not a cause: it timed out
-            // like this rank will).
+            // gave up on its own rendezvous wait is not a root cause: the
+            // verdict it settled is reported below, naming the rank that gave
+            // up first).
             let suspects: Vec<usize> =
                 if joining { (0..world).filter(|&j| j != self.inner.rank).collect() } else { waiting.clone() };
             let mut failed: Vec<(bool, String)> = Vec::new();
@@ -168,11 +184,11 @@ impl ShmComm {
                     }
                 }
             }
-            // A world that completed meanwhile owes this rendezvous nothing:
-            // its ranks may already have moved on (failures show up in the
-            // next collective).
+            // A world that completed meanwhile is settled like any phase: its
+            // ranks may already have moved on (failures show up in the next
+            // collective).
             if joining && !failed.is_empty() && (0..world).all(|j| ready(seg.ctrl(j))) {
-                return Ok(());
+                return self.pass(st, coll, phase);
             }
             if let Some(i) = failed.iter().position(|f| f.0).or(if failed.is_empty() { None } else { Some(0) }) {
                 let why = &failed[i].1;
@@ -181,17 +197,35 @@ impl ShmComm {
                 let e = self.err(coll, ErrorKind::PeerFailed, detail);
                 // Every rank arrived meanwhile and one passed the phase: so
                 // does this one (the peer did its part).
-                if let Some(Settled::Passed) = phase.map(|p| self.settle(p, true)) {
+                if let Settled::Passed = self.settle(phase, true) {
                     return Ok(());
                 }
+                self.poison(st, &e);
+                return Err(e);
+            }
+            // A rank that gave up on the rendezvous settled it as failed: the
+            // world can no longer form, so this rank fails now, naming it,
+            // instead of waiting out its own timeout (the slot of a rank that
+            // gave up counts as taken, so the slots alone do not tell).
+            if let Some(j) = failed_by(h.verdict.load(Ordering::Acquire), phase).filter(|_| joining) {
+                let missing: Vec<usize> = (0..world).filter(|&k| !ready(seg.ctrl(k))).collect();
+                if missing.is_empty() {
+                    return self.pass(st, coll, phase);
+                }
+                let detail = format!(
+                    "rank {j} gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused) \
+                     while rank {} was waiting for ranks {missing:?} to join, so the world cannot form",
+                    self.inner.rank
+                );
+                let e = self.err(coll, ErrorKind::PeerFailed, detail);
                 self.poison(st, &e);
                 return Err(e);
             }
             let now = Instant::now();
             if now >= deadline {
                 // The last ranks may have arrived since they were listed.
-                if let (Some(p), true) = (phase, (0..world).all(|j| ready(seg.ctrl(j)))) {
-                    return self.pass(st, coll, p);
+                if (0..world).all(|j| ready(seg.ctrl(j))) {
+                    return self.pass(st, coll, phase);
                 }
                 let arrived: Vec<usize> = (0..world).filter(|j| !waiting.contains(j)).collect();
                 let what = if joining { "to join" } else { "to arrive" };
@@ -203,7 +237,7 @@ impl ShmComm {
                         self.inner.timeout
                     ),
                 );
-                if let Some(Settled::Passed) = phase.map(|p| self.settle(p, true)) {
+                if let Settled::Passed = self.settle(phase, true) {
                     return Ok(());
                 }
                 self.poison(st, &e);
@@ -227,13 +261,13 @@ impl ShmComm {
         seg.ctrl(self.inner.rank).arrive.store(phase, Ordering::Release);
         seg.ring();
         let deadline = deadline(Instant::now(), self.inner.timeout);
-        self.wait_for(st, coll, deadline, Some(phase), |c| c.arrive.load(Ordering::Acquire) >= phase)
+        self.wait_for(st, coll, deadline, phase, |c| c.arrive.load(Ordering::Acquire) >= phase)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use crate::{Config, ShmComm};
+    use crate::{Config, ErrorKind, ShmComm};
     use std::cell::RefCell;
     use std::sync::mpsc;
     use std::time::Duration;
@@ -503,5 +537,115 @@ mod tests {
         assert!(e.contains("rank 1 left the group"), "{e}");
         assert_eq!(rank1, Ok(()), "rank 1");
         assert_eq!(rank2, Ok(()), "rank 2, first barrier");
+    }
+
+    /// Rank 0 of a world of 2 reaches its rendezvous deadline and, just
+    /// before it settles the rendezvous as failed, rank 1 joins, sees every
+    /// slot taken and passes. The rendezvous is settled once for both: rank 0
+    /// passes too instead of timing out in a world its peer joined, and the
+    /// two then pass a barrier together.
+    #[test]
+    fn a_rank_giving_up_on_the_rendezvous_as_the_last_rank_joins_and_passes_passes_too() {
+        let name = format!("rdv-settle-pass-{}", std::process::id());
+        let (t, limit) = (Duration::from_millis(300), Duration::from_secs(20));
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (joined_tx, joined_rx) = mpsc::channel::<()>();
+        let peer = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                go_rx.recv_timeout(limit).map_err(|_| "rank 0 never gave up".to_string())?;
+                let c = ShmComm::rendezvous(&name, 2, 1, limit, &cfg).map_err(|e| e.to_string());
+                let _ = joined_tx.send(());
+                c?.barrier().map_err(|e| e.to_string())
+            })
+        };
+        SETTLE.with(|w| {
+            *w.borrow_mut() = Some(Box::new(move || {
+                let _ = go_tx.send(());
+                let _ = joined_rx.recv_timeout(limit);
+            }))
+        });
+        let rank0 = ShmComm::rendezvous(&name, 2, 0, t, &cfg).and_then(|c| c.barrier()).map_err(|e| e.to_string());
+        let hooked = SETTLE.with(|w| w.borrow_mut().take()).is_none();
+        let rank1 = peer.join().expect("rank 1 panicked");
+        assert_eq!(rank0, Ok(()), "rank 0");
+        assert!(hooked, "rank 0 never gave up");
+        assert_eq!(rank1, Ok(()), "rank 1");
+    }
+
+    /// Rank 2 waits for a world of 3 (held in its wait); rank 0 joins and
+    /// gives up at its deadline; then rank 1, the last rank, joins and finds
+    /// every slot taken (rank 0's still counts, and rank 2 keeps the world's
+    /// file). The world did not form for rank 0, so it forms for no one:
+    /// rank 0 fails with Timeout, and ranks 1 and 2, whose waits see every
+    /// slot taken, fail with PeerFailed naming rank 0, none with Ok.
+    #[test]
+    fn a_rank_that_gives_up_as_the_last_rank_joins_fails_the_rendezvous_on_every_rank() {
+        let name = format!("rdv-settle-fail-{}", std::process::id());
+        let (t, limit) = (Duration::from_millis(200), Duration::from_secs(20));
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let rank2 = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                WINDOW.with(|w| {
+                    *w.borrow_mut() = Some(Box::new(move || {
+                        let _ = waiting_tx.send(());
+                        let _ = go_rx.recv_timeout(limit);
+                    }))
+                });
+                ShmComm::rendezvous(&name, 3, 2, limit, &cfg).map(|_| ())
+            })
+        };
+        waiting_rx.recv_timeout(limit).expect("rank 2 never waited for the world");
+        let rank0 = ShmComm::rendezvous(&name, 3, 0, t, &cfg).map(|_| ());
+        let rank1 = ShmComm::rendezvous(&name, 3, 1, limit, &cfg).map(|_| ());
+        go_tx.send(()).expect("rank 2");
+        let rank2 = rank2.join().expect("rank 2 panicked");
+        let e = rank0.expect_err("rank 0 timed out");
+        assert_eq!(e.kind(), Some(ErrorKind::Timeout), "rank 0: {e}");
+        assert!(e.to_string().contains("waiting for ranks [1] to join"), "rank 0: {e}");
+        for (r, res) in [(1, rank1), (2, rank2)] {
+            let e = res.expect_err("rank 0 gave up on the world");
+            assert_eq!(e.kind(), Some(ErrorKind::PeerFailed), "rank {r}: {e}");
+            let says = format!("rank 0 gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused) before rank {r} saw every rank join");
+            assert!(e.to_string().contains(&says), "rank {r}: {e}");
+        }
+    }
+
+    /// Ranks 2 and 0 of a world of 3 wait for rank 1, which never comes;
+    /// rank 0 gives up at its short deadline. Rank 2 fails at once with
+    /// PeerFailed naming rank 0 and the missing rank, instead of waiting out
+    /// its own long timeout to report a timeout of its own.
+    #[test]
+    fn ranks_waiting_for_a_world_fail_at_once_when_a_rank_gave_up_on_it() {
+        let name = format!("rdv-gave-up-{}", std::process::id());
+        let (t, long) = (Duration::from_millis(200), Duration::from_secs(10));
+        let cfg = Config { staging_bytes: 1 << 16 };
+        let (waiting_tx, waiting_rx) = mpsc::channel::<()>();
+        let rank2 = {
+            let name = name.clone();
+            std::thread::spawn(move || {
+                WINDOW.with(|w| {
+                    *w.borrow_mut() = Some(Box::new(move || {
+                        let _ = waiting_tx.send(());
+                    }))
+                });
+                let started = std::time::Instant::now();
+                (ShmComm::rendezvous(&name, 3, 2, long, &cfg).map(|_| ()), started.elapsed())
+            })
+        };
+        waiting_rx.recv_timeout(long).expect("rank 2 never waited for the world");
+        let e = ShmComm::rendezvous(&name, 3, 0, t, &cfg).map(|_| ()).expect_err("rank 1 never joins");
+        assert_eq!(e.kind(), Some(ErrorKind::Timeout), "rank 0: {e}");
+        let (rank2, took) = rank2.join().expect("rank 2 panicked");
+        let e = rank2.expect_err("rank 1 never joins");
+        assert_eq!(e.kind(), Some(ErrorKind::PeerFailed), "rank 2: {e}");
+        let says = "rank 0 gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused) while \
+                    rank 2 was waiting for ranks [1] to join, so the world cannot form";
+        assert!(e.to_string().contains(says), "rank 2: {e}");
+        assert!(took < long, "rank 2 waited out its timeout ({took:?})");
     }
 }

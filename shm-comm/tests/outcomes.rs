@@ -116,3 +116,34 @@ fn a_rank_arriving_after_its_peer_timed_out_fails_the_same_call() {
     assert_eq!(*k1, Some(ErrorKind::PeerFailed), "{e1}");
     assert!(e1.contains("rank 0 failed this step"), "{e1}");
 }
+
+/// Ranks 0 and 1 split [0, 1, 2], rank 2 splits [2, 1, 0]. Rank 0 (the
+/// shortest timeout) gives up waiting for rank 2 in the sub-group of its
+/// list, which fails rank 1, waiting there with it, at once; rank 2 times
+/// out alone in the sub-group of its own list. Every member fails with a
+/// Mismatch naming both lists, rank 1 too, though its own wait ended on a
+/// peer that gave up rather than on its timeout.
+#[test]
+fn members_failed_by_a_member_that_gave_up_on_a_split_name_the_disagreement() {
+    let name = group("split-gave-up");
+    let name = &name;
+    let out: Vec<Result<(), (Option<ErrorKind>, String)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3)
+            .map(|r| {
+                s.spawn(move || {
+                    let timeout = Duration::from_millis(if r == 0 { 500 } else { 1500 });
+                    let cfg = Config { staging_bytes: 1 << 16 };
+                    let c = ShmComm::rendezvous(name, 3, r, timeout, &cfg).expect("rendezvous");
+                    let list = if r == 2 { [2, 1, 0] } else { [0, 1, 2] };
+                    c.split(&list).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    });
+    for (r, o) in out.iter().enumerate() {
+        let (kind, text) = o.as_ref().expect_err("the members disagree");
+        assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+        assert!(text.contains("[0, 1, 2]") && text.contains("[2, 1, 0]"), "rank {r} does not name both lists: {text}");
+    }
+}
