@@ -888,13 +888,40 @@ amoe_status amoe_sp_layout_from_dp_tokens(const size_t *dp_tokens,
                                           size_t *out_len);
 
 // Makes a live context on the device of `stream`: zeroed (never written, so
-// every guard reports it until the engine sets it), with 128 guard records.
-// Allocates device and pinned memory and synchronises the stream once: call
-// it outside capture. `*out` receives a new handle owned by the caller.
+// every guard reports it until the engine sets it), with 128 guard records
+// to start with (`amoe_live_context_reserve` adds more before capture; a
+// guard outside capture adds 128 when none is free). Allocates device and
+// pinned memory and synchronises the stream once: call it outside capture.
+// `*out` receives a new handle owned by the caller.
 //
 // # Safety
 // `stream` a live handle; `out` writable.
 amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_live_context **out);
+
+// Makes sure `ctx` has at least `guards` free guard records, adding them
+// when it has fewer; the records in use never move. Every guard captured
+// into a graph keeps its record for the context's life, and a guard under
+// capture cannot add records (it fails, naming this function), so call it
+// before capture with the guards the graphs will take: one per guarded op
+// of each graph (an engine capturing a prepare and a finalize guard per MoE
+// layer and a graph per batch size needs layers x 2 x batch sizes).
+// Allocates device and pinned memory and zeroes the new records (a
+// blocking memset); refused with `AMOE_STATUS_INVALID_ARGUMENT` while the
+// stream the context was made on captures.
+//
+// # Safety
+// `ctx` live.
+amoe_status amoe_live_context_reserve(const struct amoe_live_context *ctx, size_t guards);
+
+// The guard records of `ctx` into `*capacity`, and those in use (by
+// captured guards, and by guards enqueued outside capture and not yet
+// checked) into `*in_use`; read together.
+//
+// # Safety
+// `ctx` live; `capacity` and `in_use` writable.
+amoe_status amoe_live_context_guards(const struct amoe_live_context *ctx,
+                                     size_t *capacity,
+                                     size_t *in_use);
 
 // Frees a live context (NULL is a no-op). Outside capture, after the work
 // that reads it has run.

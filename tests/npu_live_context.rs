@@ -59,6 +59,20 @@ impl Engine {
         let st = unsafe { amoe_live_context_check(self.live, self.stream) };
         (st, if st == amoe_status::Ok { String::new() } else { last_error() })
     }
+
+    fn reserve(&self, guards: usize) -> amoe_status {
+        // SAFETY: a live handle.
+        unsafe { amoe_live_context_reserve(self.live, guards) }
+    }
+
+    /// (capacity, in use) of the guard records.
+    fn records(&self) -> (usize, usize) {
+        let (mut cap, mut used) = (0usize, 0usize);
+        // SAFETY: a live handle, writable outs.
+        let st = unsafe { amoe_live_context_guards(self.live, &mut cap, &mut used) };
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        (cap, used)
+    }
 }
 
 impl Drop for Engine {
@@ -533,4 +547,214 @@ fn reduction_points_that_cannot_reduce_take_no_guard_record() {
         }
         assert_eq!(amoe_live_context_check(live, s), amoe_status::Ok, "{}", last_error());
     }
+}
+
+const GLOBAL: acl_sys::aclmdlRICaptureMode = acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL;
+
+/// An engine's graphs outgrow one chunk of guard records (128): 296 captured
+/// guards, one graph each (guard `i` built for DP tokens `[4, i]`), the
+/// first 100 captured into the records the context was made with, the rest
+/// after a reserve added records (the earlier ones did not move: their
+/// graphs still report into them). Every guard passes a replay under its own
+/// context and reports a stale one with its own values, whichever chunk its
+/// record is in, the first in enqueue order when several are stale.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_reserve_before_capture_gives_every_captured_guard_its_own_record() {
+    const N: usize = 296;
+    let e = Engine::new();
+    let raw = e._device.stream().raw();
+    assert_eq!(e.records(), (128, 0));
+    let dps: Vec<[usize; 2]> = (0..N).map(|i| [4, i]).collect();
+    let ctx = |i: usize| fc(amoe_comm_type::Mc2, &dps[i], AMOE_ALL_TOKENS);
+    e.set(&ctx(0));
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    let api = acl_sys::acl().expect("ACL loaded");
+    let capture = |i: usize| {
+        Graph::capture_in(raw, GLOBAL, || {
+            assert_eq!(e.guard(&ctx(i), 0), amoe_status::Ok, "guard {i}: {}", last_error())
+        })
+    };
+    let mut graphs: Vec<Graph> = (0..100).map(capture).collect();
+    assert_eq!(e.records(), (128, 100));
+    assert_eq!(e.reserve(N - 100), amoe_status::Ok, "{}", last_error());
+    let (cap, used) = e.records();
+    assert!(cap >= N && cap % 128 == 0 && used == 100, "{cap} {used}");
+    assert_eq!(e.reserve(N - 100), amoe_status::Ok, "{}", last_error());
+    assert_eq!(e.records(), (cap, 100), "enough records free: nothing added");
+    api.reset_counters();
+    graphs.extend((100..N).map(capture));
+    if let Some(c) = api.counters() {
+        assert_eq!(
+            (c.host_syncs, c.device_mallocs, c.host_mallocs),
+            (0, 0, 0),
+            "reserved records: a captured guard only enqueues: {c:?}"
+        );
+    }
+    assert_eq!(e.records(), (cap, N));
+    // Each replay under the context its guard was captured for passes.
+    for (i, g) in graphs.iter().enumerate() {
+        e.set(&ctx(i));
+        g.replay(raw);
+    }
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    // A stale replay of one graph is reported with that guard's values, in
+    // every chunk (records 0..128, 128..256, 256..).
+    let stale = [4usize, 999];
+    for i in [0, 99, 100, 127, 128, 255, 256, N - 1] {
+        e.set(&fc(amoe_comm_type::Mc2, &stale, AMOE_ALL_TOKENS));
+        graphs[i].replay(raw);
+        let (st, msg) = e.check();
+        assert_eq!(st, amoe_status::StaleContext, "graph {i}: {msg}");
+        assert!(msg.contains("dp_tokens[1] is 999") && msg.contains(&format!("captured for {i};")), "graph {i}: {msg}");
+        assert_eq!(e.check(), (amoe_status::Ok, String::new()), "graph {i}: reported once");
+    }
+    // Several stale: the first in enqueue order, across chunks.
+    e.set(&fc(amoe_comm_type::Mc2, &stale, AMOE_ALL_TOKENS));
+    for i in [N - 1, 200, 130] {
+        graphs[i].replay(raw);
+    }
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("captured for 130;"), "{msg}");
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "every stale record was reset");
+    // And all of them at once: the first guard.
+    for g in &graphs {
+        g.replay(raw);
+    }
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("captured for 0;"), "{msg}");
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "every stale record was reset");
+    drop(graphs);
+}
+
+/// A guard under capture cannot add records: with all 128 taken it is
+/// refused, naming the reserve call of each API, and leaves the capture
+/// valid; a reserve outside capture then makes room. A reserve under
+/// capture is refused (it allocates) and leaves the capture valid too.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_captured_guard_past_the_records_is_refused_naming_reserve_and_reserve_is_refused_under_capture() {
+    let e = Engine::new();
+    let raw = e._device.stream().raw();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&mc2);
+    let full = Graph::capture_in(raw, GLOBAL, || {
+        for i in 0..128 {
+            assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "guard {i}: {}", last_error());
+        }
+        assert_eq!(e.guard(&mc2, 0), amoe_status::InvalidArgument);
+        let msg = last_error();
+        for name in ["all 128 guard records", "128 by captured guards", "reserve N guards", "LiveContext::reserve(N)"] {
+            assert!(msg.contains(name), "{name:?} not in {msg}");
+        }
+        for name in ["amoe_live_context_reserve(ctx, N)", "LiveContext.reserve(N)"] {
+            assert!(msg.contains(name), "{name:?} not in {msg}");
+        }
+        assert_eq!(e.records(), (128, 128), "no record added under capture");
+    });
+    e.set(&fc(amoe_comm_type::Alltoall, &dp, AMOE_ALL_TOKENS));
+    full.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "the capture stayed valid: {msg}");
+    // Reserving under capture is refused, whatever is free, before it allocates.
+    let api = acl_sys::acl().expect("ACL loaded");
+    api.reset_counters();
+    let one = Graph::capture_in(raw, GLOBAL, || {
+        for n in [1, 1000] {
+            assert_eq!(e.reserve(n), amoe_status::InvalidArgument);
+            let msg = last_error();
+            assert!(msg.contains("amoe_live_context_reserve") || msg.contains("LiveContext::reserve"), "{msg}");
+            assert!(msg.contains("capturing a graph") && msg.contains("before the capture"), "{msg}");
+        }
+        assert_eq!(e.guard(&mc2, 0), amoe_status::InvalidArgument, "still full");
+    });
+    if let Some(c) = api.counters() {
+        assert_eq!((c.device_mallocs, c.host_mallocs, c.host_syncs), (0, 0, 0), "{c:?}");
+    }
+    drop(one);
+    assert_eq!(e.records(), (128, 128));
+    // Outside capture, a reserve makes room for the next graph's guard.
+    assert_eq!(e.reserve(1), amoe_status::Ok, "{}", last_error());
+    assert_eq!(e.records(), (256, 128));
+    let more = Graph::capture_in(raw, GLOBAL, || assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error()));
+    e.set(&mc2);
+    full.replay(raw);
+    more.replay(raw);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    e.set(&fc(amoe_comm_type::Mc2, &[4, 5], AMOE_ALL_TOKENS));
+    more.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 5"), "{msg}");
+}
+
+/// Guards outside capture that outnumber the records (no check between
+/// them) add records instead of failing, and the check reads all of them:
+/// the first stale guard in enqueue order is reported, in a chunk added on
+/// the way, and every eager record is released.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn eager_guards_past_the_records_add_records_and_are_all_checked() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    let (seven, eight) = ([4usize, 7], [4usize, 8]);
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&mc2);
+    let run = |n: usize, stale: &[(usize, &[usize; 2])]| {
+        for i in 0..n {
+            let f = stale
+                .iter()
+                .find(|(at, _)| *at == i)
+                .map_or(mc2, |(_, d)| fc(amoe_comm_type::Mc2, *d, AMOE_ALL_TOKENS));
+            assert_eq!(e.guard(&f, 0), amoe_status::Ok, "guard {i}: {}", last_error());
+        }
+    };
+    run(300, &[(290, &eight), (200, &seven)]);
+    assert_eq!(e.records(), (384, 300), "two chunks added on the way");
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 4") && msg.contains("captured for 7;"), "guard 200 first: {msg}");
+    assert_eq!(e.records(), (384, 0), "every eager record released");
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    // Again on the records now there: only the last one, in the third chunk, is stale.
+    run(300, &[(299, &eight)]);
+    assert_eq!(e.records(), (384, 300));
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("captured for 8;"), "{msg}");
+    run(300, &[]);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    assert_eq!(e.records(), (384, 0));
+}
+
+/// The Rust API: a context made with room for a model's guards, and the C
+/// getter's NULL checks.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_context_made_with_capacity_and_the_getters() {
+    use ascend_moe::backend::npu::{LiveContext, GUARD_CHUNK};
+    let dev = NpuDevice::open(1).unwrap_or_else(|e| panic!("npu:1: {e}\n{}", npu::probe_report()));
+    let live = LiveContext::with_capacity(&dev, 60 * 2 * 20).expect("with_capacity");
+    assert_eq!(live.capacity(), 2400usize.div_ceil(GUARD_CHUNK) * GUARD_CHUNK);
+    assert_eq!(live.guards_in_use(), 0);
+    live.reserve(2400).expect("already free");
+    assert_eq!(live.capacity(), 2432);
+    assert_eq!(LiveContext::new(&dev).expect("new").capacity(), GUARD_CHUNK);
+    let e = Engine::new();
+    let mut n = 0usize;
+    // SAFETY: NULL handle / outs on purpose.
+    unsafe {
+        assert_eq!(amoe_live_context_reserve(std::ptr::null(), 1), amoe_status::NullArgument);
+        assert_eq!(amoe_live_context_guards(std::ptr::null(), &mut n, &mut n), amoe_status::NullArgument);
+        assert_eq!(amoe_live_context_guards(e.live, std::ptr::null_mut(), &mut n), amoe_status::NullArgument);
+        assert!(last_error().contains("capacity"), "{}", last_error());
+        assert_eq!(amoe_live_context_guards(e.live, &mut n, std::ptr::null_mut()), amoe_status::NullArgument);
+        assert!(last_error().contains("in_use"), "{}", last_error());
+    }
+    // Far more records than memory: refused by the allocation, nothing added.
+    assert_eq!(e.reserve(usize::MAX), amoe_status::InvalidArgument, "{}", last_error());
+    assert_eq!(e.records(), (128, 0));
 }

@@ -129,6 +129,8 @@ _SIGNATURES = {
     "amoe_host_block_free": [c_void_p],
     "amoe_live_context_new": [_STREAM, POINTER(c_void_p)],
     "amoe_live_context_free": [c_void_p],
+    "amoe_live_context_reserve": [c_void_p, c_size_t],
+    "amoe_live_context_guards": [c_void_p, _SZ, _SZ],
     "amoe_live_context_device_ptr": [c_void_p, POINTER(c_void_p), _SZ],
     "amoe_live_context_set": [c_void_p, POINTER(ForwardContextC), _STREAM],
     "amoe_live_context_guard": [c_void_p, POINTER(ForwardContextC), c_uint32, _STREAM],

@@ -9,6 +9,7 @@ replay under another context as `AmoeError(Status.STALE_CONTEXT)` naming the
 field and both values.
 
     live = ascend_moe.LiveContext(stream)          # outside capture
+    live.reserve(layers * 2 * len(batch_sizes))    # a record per guard the graphs capture
     live.attach()                                  # ops on `stream` guard themselves
     ... capture the layer ...
     live.set(ForwardContext(CommType.MC2, dp_tokens=[8, 8]))   # before each replay
@@ -59,8 +60,11 @@ def _context_c(ctx: ForwardContext):
 
 class LiveContext:
     """A live forward context on the device of `stream` (an object with
-    `.npu_stream`, such as torch_npu's Stream), with 128 guard records.
-    Made and freed outside capture (it allocates)."""
+    `.npu_stream`, such as torch_npu's Stream), with 128 guard records to
+    start with: a guard captured into a graph keeps its record for the
+    context's life and cannot add records, so `reserve(n)` them before
+    capture; a guard outside capture adds records itself. Made and freed
+    outside capture (it allocates)."""
 
     def __init__(self, stream, device=None):
         self._h = None
@@ -91,6 +95,31 @@ class LiveContext:
         c, _keep = _context_c(ctx)
         flags = GUARD_ACTUAL_TOKENS if actual_tokens else 0
         call("amoe_live_context_guard", self._handle(), ctypes.byref(c), flags, self._stream)
+
+    def reserve(self, guards: int) -> None:
+        """Makes sure at least `guards` guard records are free, adding them
+        when fewer are (the records in use never move): call it before
+        capture with the guards the graphs will take, one per guarded op of
+        each graph (a prepare and a finalize guard per MoE layer and a graph
+        per batch size: layers x 2 x batch sizes). Allocates; refused while
+        the stream captures."""
+        call("amoe_live_context_reserve", self._handle(), c_uint("guards", guards))
+
+    @property
+    def capacity(self) -> int:
+        """The guard records the context has, in use or free."""
+        return self._guards()[0]
+
+    @property
+    def guards_in_use(self) -> int:
+        """Guard records in use: by captured guards, and by guards enqueued
+        outside capture and not yet checked."""
+        return self._guards()[1]
+
+    def _guards(self) -> tuple:
+        cap, used = ctypes.c_size_t(), ctypes.c_size_t()
+        call("amoe_live_context_guards", self._handle(), ctypes.byref(cap), ctypes.byref(used))
+        return cap.value, used.value
 
     def attach(self) -> None:
         """Makes every op on this stream that depends on the forward context

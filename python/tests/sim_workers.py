@@ -41,6 +41,7 @@ for _name, _args in {
     "HcclCommDestroy": [ctypes.c_void_p],
     "aclmdlRICaptureBegin": [ctypes.c_void_p, ctypes.c_int32],
     "aclmdlRICaptureEnd": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)],
+    "aclmdlRIExecuteAsync": [ctypes.c_void_p, ctypes.c_void_p],
     "aclmdlRIDestroy": [ctypes.c_void_p],
 }.items():
     getattr(SIM, _name).argtypes = _args
@@ -118,6 +119,29 @@ class DeviceTensor:
         for t in cls.live:
             check("aclrtFree", SIM.aclrtFree(t.ptr))
         cls.live.clear()
+
+
+ACL_MODEL_RI_CAPTURE_MODE_GLOBAL = 0
+
+
+class Graph:
+    """An ACL graph of what `body()` enqueues on `stream` (aclmdlRICapture*),
+    as torch_npu's NPUGraph captures one."""
+
+    def __init__(self, stream, body):
+        check("aclmdlRICaptureBegin", SIM.aclmdlRICaptureBegin(stream.npu_stream, ACL_MODEL_RI_CAPTURE_MODE_GLOBAL))
+        try:
+            body()
+        finally:
+            model = ctypes.c_void_p()
+            check("aclmdlRICaptureEnd", SIM.aclmdlRICaptureEnd(stream.npu_stream, ctypes.byref(model)))
+            self.model = model.value
+
+    def replay(self, stream):
+        check("aclmdlRIExecuteAsync", SIM.aclmdlRIExecuteAsync(self.model, stream.npu_stream))
+
+    def destroy(self):
+        check("aclmdlRIDestroy", SIM.aclmdlRIDestroy(self.model))
 
 
 class Stream:
@@ -424,6 +448,85 @@ def live_context():
     stream.destroy()
 
 
+def live_context_records():
+    """The guard records of a live context: guards outside capture add
+    records when none is free; a graph's guards keep theirs, so records are
+    reserved before capture (`reserve`, refused under capture), and a guard
+    under capture that finds none free is refused naming `LiveContext.reserve`."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(2))
+    stream = Stream()
+    live = am.LiveContext(stream, device=2)
+    assert (live.capacity, live.guards_in_use) == (128, 0)
+    mc2 = am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 4])
+    live.set(mc2)
+    for _ in range(130):
+        live.guard(mc2)
+    assert (live.capacity, live.guards_in_use) == (256, 130)
+    live.check()
+    assert (live.capacity, live.guards_in_use) == (256, 0)
+    for bad in (-1, 1.5, "2"):
+        try:
+            live.reserve(bad)
+        except am.AmoeError as e:
+            assert e.status == am.Status.INVALID_ARGUMENT and "`guards`" in str(e), e
+        else:
+            raise AssertionError(f"reserve({bad!r}) was accepted")
+
+    # Guard i built for DP tokens [4, i], 300 of them, each in its own graph
+    # (an engine's graphs per batch size), after a reserve.
+    n = 300
+    live.reserve(n)
+    assert live.capacity >= n and live.capacity % 128 == 0, live.capacity
+    ctx = [am.ForwardContext(am.CommType.MC2, dp_tokens=[4, i]) for i in range(n)]
+    graphs = []
+    for i in range(n):
+        graphs.append(Graph(stream, lambda i=i: live.guard(ctx[i])))
+    assert live.guards_in_use == n
+    for i, g in enumerate(graphs):
+        live.set(ctx[i])
+        g.replay(stream)
+    live.check()
+    stale = am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 999])
+    for i in (0, 200, n - 1):
+        live.set(stale)
+        graphs[i].replay(stream)
+        try:
+            live.check()
+        except am.AmoeError as e:
+            assert e.status == am.Status.STALE_CONTEXT, e
+            assert "dp_tokens[1] is 999" in str(e) and f"captured for {i};" in str(e), e
+        else:
+            raise AssertionError(f"a stale replay of graph {i} was not reported")
+
+    # Fill every record under capture: the next captured guard is refused,
+    # naming the Python call, and so is a reserve during the capture.
+    free = live.capacity - live.guards_in_use
+
+    def fill():
+        for _ in range(free):
+            live.guard(mc2)
+        refusals = ((lambda: live.guard(mc2), "LiveContext.reserve(N)"), (lambda: live.reserve(1), "before the capture"))
+        for refused, words in refusals:
+            try:
+                refused()
+            except am.AmoeError as e:
+                assert e.status == am.Status.INVALID_ARGUMENT and words in str(e), e
+            else:
+                raise AssertionError(f"not refused under capture ({words})")
+
+    graphs.append(Graph(stream, fill))
+    assert live.guards_in_use == live.capacity
+    live.set(mc2)
+    graphs[-1].replay(stream)
+    live.check()
+    for g in graphs:
+        g.destroy()
+    live.close()
+    assert am.release_streams() == 1
+    stream.synchronize()
+    stream.destroy()
+
+
 def stream_ops():
     """The stream as the sync point: a bad index found by the device kernel
     leaves the finalize call successful and is reported once by
@@ -475,7 +578,7 @@ def stream_ops():
             assert e.status == am.Status.INVALID_ARGUMENT and "launches" in str(e), e
         else:
             raise AssertionError(f"reserve_capture_records({bad!r}) was accepted")
-    check("aclmdlRICaptureBegin", SIM.aclmdlRICaptureBegin(stream.npu_stream, 0))
+    check("aclmdlRICaptureBegin", SIM.aclmdlRICaptureBegin(stream.npu_stream, ACL_MODEL_RI_CAPTURE_MODE_GLOBAL))
     try:
         am.reserve_capture_records(stream, 1000, device=1)
     except am.AmoeError as e:
@@ -519,5 +622,5 @@ if __name__ == "__main__":
     if scenario == "rank":
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream, "live_context": live_context, "stream_ops": stream_ops}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops}[scenario]()
     print(f"ok {scenario}")

@@ -51,9 +51,11 @@ fn forward_context(f: &str, arg: &str, fc: *const amoe_forward_context) -> Resul
 }
 
 /// Makes a live context on the device of `stream`: zeroed (never written, so
-/// every guard reports it until the engine sets it), with 128 guard records.
-/// Allocates device and pinned memory and synchronises the stream once: call
-/// it outside capture. `*out` receives a new handle owned by the caller.
+/// every guard reports it until the engine sets it), with 128 guard records
+/// to start with (`amoe_live_context_reserve` adds more before capture; a
+/// guard outside capture adds 128 when none is free). Allocates device and
+/// pinned memory and synchronises the stream once: call it outside capture.
+/// `*out` receives a new handle owned by the caller.
 ///
 /// # Safety
 /// `stream` a live handle; `out` writable.
@@ -67,6 +69,52 @@ pub unsafe extern "C" fn amoe_live_context_new(
         let out = try_out!(F, out, "out");
         let s = Call::new(F, stream).required_stream()?;
         arc_out(out, Arc::new(LiveContext::new(s.device())?));
+        Ok(())
+    })
+}
+
+/// Makes sure `ctx` has at least `guards` free guard records, adding them
+/// when it has fewer; the records in use never move. Every guard captured
+/// into a graph keeps its record for the context's life, and a guard under
+/// capture cannot add records (it fails, naming this function), so call it
+/// before capture with the guards the graphs will take: one per guarded op
+/// of each graph (an engine capturing a prepare and a finalize guard per MoE
+/// layer and a graph per batch size needs layers x 2 x batch sizes).
+/// Allocates device and pinned memory and zeroes the new records (a
+/// blocking memset); refused with `AMOE_STATUS_INVALID_ARGUMENT` while the
+/// stream the context was made on captures.
+///
+/// # Safety
+/// `ctx` live.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_live_context_reserve(ctx: *const amoe_live_context, guards: usize) -> amoe_status {
+    const F: &str = "amoe_live_context_reserve";
+    ffi!(F, {
+        let c = try_handle(F, "ctx", ctx)?;
+        Ok(c.reserve(guards)?)
+    })
+}
+
+/// The guard records of `ctx` into `*capacity`, and those in use (by
+/// captured guards, and by guards enqueued outside capture and not yet
+/// checked) into `*in_use`; read together.
+///
+/// # Safety
+/// `ctx` live; `capacity` and `in_use` writable.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_live_context_guards(
+    ctx: *const amoe_live_context,
+    capacity: *mut usize,
+    in_use: *mut usize,
+) -> amoe_status {
+    const F: &str = "amoe_live_context_guards";
+    ffi!(F, {
+        let capacity = try_out!(F, capacity, "capacity");
+        let in_use = try_out!(F, in_use, "in_use");
+        let c = try_handle(F, "ctx", ctx)?;
+        let (cap, used) = c.guard_records();
+        write_out(capacity, cap);
+        write_out(in_use, used);
         Ok(())
     })
 }

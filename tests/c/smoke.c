@@ -1,5 +1,6 @@
 /* A C consumer of include/ascend_moe.h: two threads join a CPU world, run a
- * collective and the finalize op, and check the error conventions.
+ * collective and the finalize op, and check the error conventions (also of
+ * the NPU-only live context calls, on NULL handles).
  * Exit status 0 = every check passed; otherwise the failing check is printed.
  * Usage: smoke <world-name> */
 #include <math.h>
@@ -122,6 +123,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "library version %s differs from header %s\n", amoe_version(), AMOE_VERSION);
     return 1;
   }
+  /* The live context's guard records (NPU only; the handle checks hold here). */
+  size_t cap = 0, used = 0;
+  CHECK(amoe_live_context_reserve(NULL, 2400) == AMOE_STATUS_NULL_ARGUMENT, "reserve on NULL");
+  CHECK(strstr(last_error(), "`ctx` is NULL") != NULL, "message: %s", last_error());
+  CHECK(amoe_live_context_guards(NULL, &cap, &used) == AMOE_STATUS_NULL_ARGUMENT, "guards on NULL");
+  CHECK(strstr(last_error(), "amoe_live_context_guards") != NULL, "message: %s", last_error());
   pthread_t th[2];
   for (size_t r = 0; r < 2; r++) pthread_create(&th[r], NULL, thread_main, (void *)(uintptr_t)r);
   int failed = 0;

@@ -14,9 +14,15 @@
 //!
 //! Nothing a guard enqueues synchronises, allocates or reads device memory on
 //! the host: its record and (for the AI Core build) its tiling are slots of
-//! buffers reserved when the context is made. A guard enqueued while its
-//! stream captures keeps its slot for the context's life, since every replay
-//! rewrites it; an eager guard's slot is released by the next check.
+//! memory reserved ahead, in chunks that never move (captured kernels hold
+//! their addresses). A context is made with [`GUARD_CHUNK`] records;
+//! [`LiveContext::reserve`] adds more before capture. A guard enqueued while
+//! its stream captures keeps its slot for the context's life, since every
+//! replay rewrites it, so an engine that captures a graph per batch size
+//! reserves a record for every guard of every graph; an eager guard's slot is
+//! released by the next check. An eager guard that finds every record in use
+//! adds a chunk itself (it may allocate); a guard under capture cannot, and
+//! is refused.
 
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
@@ -36,8 +42,9 @@ use crate::{Error, Result};
 
 /// Bytes of the live context buffer.
 pub const LIVE_BYTES: usize = CTX_WORDS * 4;
-/// Guards a context holds at once (captured ones plus eager ones not yet checked).
-pub const GUARD_SLOTS: usize = 128;
+/// Guard records a new context holds, and the records an eager guard adds
+/// when it finds none free.
+pub const GUARD_CHUNK: usize = 128;
 /// Updates [`LiveContext::set`] may have in flight before it waits for the oldest.
 const STAGING_SLOTS: usize = 8;
 const RECORD_BYTES: usize = STATUS_WORDS * 4;
@@ -52,9 +59,95 @@ enum Slot {
     Captured(&'static str, u64),
 }
 
-struct Slots {
+/// The device records, device tilings and pinned tiling slots of guards
+/// `first..first + len`: allocated together and freed with the context,
+/// never moved (captured kernels and copies hold their addresses).
+struct Chunk {
+    first: usize,
+    len: usize,
+    records: NpuBuffer,
+    tilings: NpuBuffer,
+    tiling_host: PinnedHostBuffer,
+}
+
+impl Chunk {
+    fn new(device: &NpuDevice, op: &'static str, first: usize, len: usize) -> Result<Chunk> {
+        let bytes = |each: usize| {
+            len.checked_mul(each)
+                .ok_or_else(|| Error::invalid(op, "guards", format!("{len} guard records do not fit in memory")))
+        };
+        // Records start as OK (zero): a captured guard's record holds that
+        // until a replay rewrites it. Zeroed before this returns, so no
+        // stream's guard can race the zeroing.
+        let records = NpuBuffer::zeros_now(device, bytes(RECORD_BYTES)?)?;
+        // Each guard copies its tiling into its own slot before it launches.
+        let tilings = NpuBuffer::alloc(device, bytes(TILING_BYTES)?)?;
+        let tiling_host = PinnedHostBuffer::zeros(device, bytes(TILING_BYTES)?)?;
+        Ok(Chunk { first, len, records, tilings, tiling_host })
+    }
+}
+
+/// Where a guard's record and tiling are: addresses in its chunk, which
+/// outlives every use (chunks are freed with the context).
+struct Placed {
+    record: *mut c_void,
+    tiling: *mut c_void,
+    host_tiling: *const c_void,
+}
+
+/// The guard records: a slot per record, in chunk order.
+struct Records {
     slots: Vec<Slot>,
+    chunks: Vec<Chunk>,
     next_seq: u64,
+}
+
+impl Records {
+    fn free(&self) -> usize {
+        self.slots.iter().filter(|x| **x == Slot::Free).count()
+    }
+
+    /// Adds a chunk of `len` records after the others (those stay put).
+    fn grow(&mut self, device: &NpuDevice, op: &'static str, len: usize) -> Result<()> {
+        let first = self.slots.len();
+        self.chunks.push(Chunk::new(device, op, first, len)?);
+        self.slots.resize(first + len, Slot::Free);
+        Ok(())
+    }
+
+    /// Writes `tiling` into the pinned slot of record `i` and returns where
+    /// the guard of record `i` finds its memory.
+    fn place(&mut self, i: usize, tiling: &GuardTiling) -> Placed {
+        let c = self.chunks.partition_point(|c| c.first + c.len <= i);
+        // `i` is a slot index, below the total length of the chunks.
+        let c = &mut self.chunks[c];
+        let k = i - c.first;
+        let off = k * TILING_BYTES;
+        c.tiling_host.as_bytes_mut()[off..off + TILING_BYTES].copy_from_slice(tiling.as_bytes());
+        Placed {
+            record: c.records.as_ptr().cast::<u8>().wrapping_add(k * RECORD_BYTES).cast(),
+            tiling: c.tilings.as_ptr().cast::<u8>().wrapping_add(off).cast(),
+            host_tiling: c.tiling_host.as_bytes()[off..].as_ptr().cast(),
+        }
+    }
+
+    /// The refusal of a guard under capture that finds every record in use.
+    fn full_under_capture(&self, op: &'static str) -> Error {
+        let captured = self.slots.iter().filter(|x| matches!(x, Slot::Captured(..))).count();
+        Error::invalid(
+            op,
+            "guards",
+            format!(
+                "all {} guard records of the live context are in use ({captured} by captured guards, which keep \
+                 theirs for the context's life, the rest by eager guards not yet checked), and a guard under \
+                 capture cannot add records (that allocates): before capturing, reserve N guards, N = the guards \
+                 the graphs still to be captured take (one per guarded op of each graph, e.g. MoE layers x 2 x \
+                 batch sizes), with LiveContext::reserve(N) (C: amoe_live_context_reserve(ctx, N); Python: \
+                 LiveContext.reserve(N))",
+                self.slots.len()
+            ),
+        )
+    }
 }
 
 struct Staging {
@@ -76,11 +169,8 @@ struct Staging {
 pub struct LiveContext {
     device: NpuDevice,
     live: NpuBuffer,
-    records: NpuBuffer,
-    tilings: NpuBuffer,
-    tiling_host: Mutex<PinnedHostBuffer>,
     staging: Mutex<Staging>,
-    slots: Mutex<Slots>,
+    records: Mutex<Records>,
 }
 
 impl std::fmt::Debug for LiveContext {
@@ -94,23 +184,36 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// An error naming `op` while `stream` captures a graph.
+fn refuse_capture(op: &'static str, stream: &NpuStream, advice: &str) -> Result<()> {
+    if stream.is_capturing()? {
+        return Err(Error::invalid(op, "stream", format!("the stream is capturing a graph: {advice}")));
+    }
+    Ok(())
+}
+
+/// `guards` rounded up to whole chunks.
+fn whole_chunks(guards: usize) -> usize {
+    guards.div_ceil(GUARD_CHUNK).saturating_mul(GUARD_CHUNK)
+}
+
 impl LiveContext {
     /// A zeroed live context (never written: every guard reports it until
-    /// the engine sets it) with [`GUARD_SLOTS`] guard records, on `device`.
+    /// the engine sets it) with [`GUARD_CHUNK`] guard records, on `device`.
     /// Allocates and synchronises `device`'s stream once: call it outside capture.
     pub fn new(device: &NpuDevice) -> Result<LiveContext> {
-        if device.stream().is_capturing()? {
-            return Err(Error::invalid(
-                "LiveContext::new",
-                "stream",
-                "the stream is capturing a graph: make the live context before capture (it allocates device memory)",
-            ));
-        }
+        Self::with_capacity(device, GUARD_CHUNK)
+    }
+
+    /// [`new`](Self::new) with room for `guards` guards at once (rounded up
+    /// to a multiple of [`GUARD_CHUNK`], at least one chunk), as
+    /// [`reserve`](Self::reserve) would make.
+    pub fn with_capacity(device: &NpuDevice, guards: usize) -> Result<LiveContext> {
+        const OP: &str = "LiveContext::new";
+        refuse_capture(OP, device.stream(), "make the live context before capture (it allocates device memory)")?;
         let live = NpuBuffer::zeros(device, LIVE_BYTES)?;
-        // Records start as OK (zero): a captured guard's record holds that until a replay rewrites it.
-        let records = NpuBuffer::zeros(device, GUARD_SLOTS * RECORD_BYTES)?;
-        let tilings = NpuBuffer::zeros(device, GUARD_SLOTS * TILING_BYTES)?;
-        let tiling_host = Mutex::new(PinnedHostBuffer::zeros(device, GUARD_SLOTS * TILING_BYTES)?);
+        let mut records = Records { slots: Vec::new(), chunks: Vec::new(), next_seq: 0 };
+        records.grow(device, OP, whole_chunks(guards.max(1)))?;
         let staging = Mutex::new(Staging {
             host: PinnedHostBuffer::zeros(device, STAGING_SLOTS * LIVE_BYTES)?,
             done: (0..STAGING_SLOTS).map(|_| NpuEvent::create(device.stream())).collect::<Result<_>>()?,
@@ -118,15 +221,7 @@ impl LiveContext {
             next: 0,
         });
         device.synchronize()?;
-        Ok(LiveContext {
-            device: device.clone(),
-            live,
-            records,
-            tilings,
-            tiling_host,
-            staging,
-            slots: Mutex::new(Slots { slots: vec![Slot::Free; GUARD_SLOTS], next_seq: 0 }),
-        })
+        Ok(LiveContext { device: device.clone(), live, staging, records: Mutex::new(records) })
     }
 
     /// The device ordinal.
@@ -205,7 +300,11 @@ impl LiveContext {
 
     /// Enqueues on `stream` a guard of the ops of `op`, built for the context
     /// `expected` (`actual`: they also depend on the actual-token count).
-    /// Only enqueues: the result is read by [`check`](Self::check).
+    /// Only enqueues: the result is read by [`check`](Self::check). The guard
+    /// takes a free record; when none is, a guard outside capture adds
+    /// [`GUARD_CHUNK`] records (allocating: refused while the context's own
+    /// stream captures), and a guard under capture is refused with an error
+    /// naming [`reserve`](Self::reserve).
     pub fn guard(&self, op: &'static str, expected: &ContextWords, actual: bool, stream: &NpuStream) -> Result<()> {
         self.guard_with(op, &GuardTiling::new(expected, actual), stream)
     }
@@ -216,52 +315,55 @@ impl LiveContext {
         const F: &str = "LiveContext::guard";
         self.same_device(F, stream)?;
         let captured = stream.is_capturing()?;
-        let slot = {
-            let mut s = lock(&self.slots);
-            let seq = s.next_seq;
-            let i = s.slots.iter().position(|x| *x == Slot::Free).ok_or_else(|| {
-                Error::invalid(
-                    F,
-                    "guards",
-                    format!(
-                        "all {GUARD_SLOTS} guard records are in use (captured guards keep theirs; eager ones are \
-                         released by the stream check): check the stream, or make another live context"
-                    ),
-                )
-            })?;
-            s.slots[i] = if captured { Slot::Captured(op, seq) } else { Slot::Eager(op, seq) };
-            s.next_seq += 1;
-            i
+        let (slot, at) = {
+            let mut r = lock(&self.records);
+            let i = match r.slots.iter().position(|x| *x == Slot::Free) {
+                Some(i) => i,
+                None if captured => return Err(r.full_under_capture(F)),
+                None => {
+                    refuse_capture(
+                        F,
+                        self.device.stream(),
+                        "every guard record is in use and adding more allocates: reserve them before the \
+                         capture (LiveContext::reserve)",
+                    )?;
+                    let i = r.slots.len();
+                    r.grow(&self.device, F, GUARD_CHUNK)?;
+                    i
+                }
+            };
+            let seq = r.next_seq;
+            r.slots[i] = if captured { Slot::Captured(op, seq) } else { Slot::Eager(op, seq) };
+            r.next_seq += 1;
+            (i, r.place(i, tiling))
         };
-        let launched = self.launch_guard(slot, tiling, stream);
+        let launched = self.launch_guard(&at, stream);
         if launched.is_err() {
-            lock(&self.slots).slots[slot] = Slot::Free;
+            lock(&self.records).slots[slot] = Slot::Free;
         }
         launched
     }
 
-    fn launch_guard(&self, slot: usize, tiling: &GuardTiling, stream: &NpuStream) -> Result<()> {
-        let record = self.records.as_ptr().cast::<u8>().wrapping_add(slot * RECORD_BYTES).cast::<c_void>();
+    fn launch_guard(&self, at: &Placed, stream: &NpuStream) -> Result<()> {
         stream.enter()?;
         // Bytes 0xFF: STATUS_NOT_RUN, so a guard that never ran is reported.
-        // SAFETY: the record is RECORD_BYTES bytes inside `records`, owned by
-        // this guard's slot; the stream is live and of this device.
-        unsafe { rt::memset_async(record, RECORD_BYTES, 0xFF, RECORD_BYTES, stream.raw()) }?;
+        // SAFETY: the record is RECORD_BYTES bytes of a chunk of this
+        // context, owned by this guard's slot; the stream is live and of
+        // this device.
+        unsafe { rt::memset_async(at.record, RECORD_BYTES, 0xFF, RECORD_BYTES, stream.raw()) }?;
         let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
         gm[GUARD_GM_LIVE] = self.live.as_ptr();
-        gm[GUARD_GM_STATUS] = record;
+        gm[GUARD_GM_STATUS] = at.record;
         let launcher = GuardLauncher::find(stream, "forward-context guard")?;
-        let dev_tiling = self.tilings.as_ptr().cast::<u8>().wrapping_add(slot * TILING_BYTES).cast::<c_void>();
-        let mut host = lock(&self.tiling_host);
-        let off = slot * TILING_BYTES;
-        host.as_bytes_mut()[off..off + TILING_BYTES].copy_from_slice(tiling.as_bytes());
-        // SAFETY: the pinned slot and the device slot are this guard's own
-        // (no other guard writes them while it holds the slot), TILING_BYTES each.
+        // SAFETY: the pinned slot and the device slot are this guard's own,
+        // TILING_BYTES each, in a chunk freed only with the context (no other
+        // guard writes them while it holds the slot; an eager guard's slot
+        // is released after the stream ran this copy, a captured one never).
         unsafe {
             rt::memcpy_async(
-                dev_tiling,
+                at.tiling,
                 TILING_BYTES,
-                host.as_bytes().as_ptr().add(off) as *const c_void,
+                at.host_tiling,
                 TILING_BYTES,
                 aclrtMemcpyKind::ACL_MEMCPY_HOST_TO_DEVICE,
                 stream.raw(),
@@ -271,44 +373,80 @@ impl LiveContext {
         // record of this device; the tiling is the slot's TILING_BYTES of
         // device memory, which the simulator and the device read when the
         // task runs.
-        unsafe { launcher.launch(stream, &gm, dev_tiling, TILING_BYTES) }
+        unsafe { launcher.launch(stream, &gm, at.tiling, TILING_BYTES) }
+    }
+
+    /// Makes sure at least `guards` guard records are free, adding a chunk
+    /// of them (a multiple of [`GUARD_CHUNK`]) when fewer are; the records in
+    /// use stay where they are. A guard captured into a graph keeps its
+    /// record for the context's life and a guard under capture cannot add
+    /// records, so before capturing, reserve one for every guard the graphs
+    /// will take (an engine that captures a prepare and a finalize guard per
+    /// MoE layer and a graph per batch size: layers x 2 x batch sizes).
+    /// Allocates device and pinned memory and zeroes the records (a blocking
+    /// memset): refused while the context's stream captures.
+    pub fn reserve(&self, guards: usize) -> Result<()> {
+        const OP: &str = "LiveContext::reserve";
+        refuse_capture(
+            OP,
+            self.device.stream(),
+            "reserve guard records before the capture begins (adding them allocates)",
+        )?;
+        let mut r = lock(&self.records);
+        let free = r.free();
+        if free >= guards {
+            return Ok(());
+        }
+        r.grow(&self.device, OP, whole_chunks(guards - free))
     }
 
     /// Reads every guard record after the caller synchronised the streams the
     /// guards ran on, and returns the first stale context (in enqueue order).
-    /// Eager guards' slots are released, also when the records cannot be read
-    /// (the read's error is returned: the stream failed, and what the guards
+    /// One device-to-host copy per chunk of records with a guard. Eager
+    /// guards' slots are released, also when the records cannot be read (the
+    /// read's error is returned: the stream failed, and what the guards
     /// found is lost with it); a reported record is reset, so each mismatch
     /// is reported once per run. A host read: this is the caller's sync
     /// point, never called by an op.
     pub fn check(&self) -> Result<()> {
-        let mut s = lock(&self.slots);
-        if s.slots.iter().all(|x| *x == Slot::Free) {
+        let mut r = lock(&self.records);
+        let Records { slots, chunks, .. } = &mut *r;
+        if slots.iter().all(|x| *x == Slot::Free) {
             return Ok(());
         }
-        let mut words = vec![0u32; GUARD_SLOTS * STATUS_WORDS];
-        let read = self.records.copy_to_host(bytemuck::cast_slice_mut(&mut words));
-        let mut first: Option<(u64, usize, Error)> = None;
+        let mut words: Vec<u32> = Vec::new();
+        let mut read = Ok(());
         let mut reset = Ok(());
-        for (i, slot) in s.slots.iter_mut().enumerate() {
-            let (op, seq, eager) = match *slot {
-                Slot::Free => continue,
-                Slot::Eager(op, seq) => (op, seq, true),
-                Slot::Captured(op, seq) => (op, seq, false),
-            };
-            if eager {
-                *slot = Slot::Free;
-            }
-            if read.is_err() {
+        let mut first: Option<(u64, Error)> = None;
+        for c in chunks.iter() {
+            let held = &mut slots[c.first..c.first + c.len];
+            if held.iter().all(|x| *x == Slot::Free) {
                 continue;
             }
-            let rec = &words[i * STATUS_WORDS..(i + 1) * STATUS_WORDS];
-            if let Err(e) = check_guard_status(op, rec) {
-                if reset.is_ok() {
-                    reset = self.records.memset_async(0, i * RECORD_BYTES, RECORD_BYTES);
+            if read.is_ok() {
+                words.resize(c.len * STATUS_WORDS, 0);
+                read = c.records.copy_to_host(bytemuck::cast_slice_mut(&mut words));
+            }
+            for (k, slot) in held.iter_mut().enumerate() {
+                let (op, seq, eager) = match *slot {
+                    Slot::Free => continue,
+                    Slot::Eager(op, seq) => (op, seq, true),
+                    Slot::Captured(op, seq) => (op, seq, false),
+                };
+                if eager {
+                    *slot = Slot::Free;
                 }
-                if first.as_ref().map_or(true, |(s, _, _)| seq < *s) {
-                    first = Some((seq, i, e));
+                if read.is_err() {
+                    continue;
+                }
+                let rec = &words[k * STATUS_WORDS..(k + 1) * STATUS_WORDS];
+                if let Err(e) = check_guard_status(op, rec) {
+                    if reset.is_ok() {
+                        reset = c.records.memset_async(0, k * RECORD_BYTES, RECORD_BYTES);
+                    }
+                    if first.as_ref().map_or(true, |(s, _)| seq < *s) {
+                        first = Some((seq, e));
+                    }
                 }
             }
         }
@@ -317,12 +455,24 @@ impl LiveContext {
         self.device.synchronize()?;
         match first {
             None => Ok(()),
-            Some((_, _, e)) => Err(e),
+            Some((_, e)) => Err(e),
         }
+    }
+
+    /// Guard records the context has (in use or free).
+    pub fn capacity(&self) -> usize {
+        self.guard_records().0
     }
 
     /// Guards holding a record (captured ones, and eager ones not yet checked).
     pub fn guards_in_use(&self) -> usize {
-        lock(&self.slots).slots.iter().filter(|x| **x != Slot::Free).count()
+        self.guard_records().1
+    }
+
+    /// [`capacity`](Self::capacity) and [`guards_in_use`](Self::guards_in_use),
+    /// read together.
+    pub fn guard_records(&self) -> (usize, usize) {
+        let r = lock(&self.records);
+        (r.slots.len(), r.slots.len() - r.free())
     }
 }

@@ -165,6 +165,29 @@ impl NpuBuffer {
         Ok(b)
     }
 
+    /// Allocates `len` bytes that are zero when this returns: a blocking
+    /// memset, queued on no stream, for memory that work on any stream of
+    /// the device may use next (a queued memset is ordered on the device's
+    /// stream only). Refused while a capture's mode forbids blocking calls.
+    pub fn zeros_now(device: &NpuDevice, len: usize) -> Result<Self> {
+        let b = Self::alloc(device, len)?;
+        if len == 0 {
+            return Ok(b);
+        }
+        device.stream().enter()?;
+        // aclrtMemset is the driver's memset, done when it returns and
+        // ordered with no stream: `aclrtMemsetImpl` -> `rtMemset`
+        // (hicann/runtime v8.5.0 `src/acl/aclrt_impl/memory.cpp:547-560`,
+        // `src/runtime/feature/src/api/api_c.cc:961-974`) -> `ApiImpl::MemSetSync`,
+        // which refuses it when the capture mode forbids it
+        // (`src/runtime/feature/src/api_impl/api_impl.cc:3049-3064`) ->
+        // `NpuDriver::MemSetSync`, `drvMemsetD8`
+        // (`src/runtime/feature/src/drv/npu_driver.cc:2141-2158`).
+        // SAFETY: `len` bytes of this fresh allocation, which no queued work uses.
+        unsafe { rt::memset(b.ptr, len, 0, len) }?;
+        Ok(b)
+    }
+
     /// Size in bytes.
     pub fn len_bytes(&self) -> usize {
         self.len
