@@ -904,8 +904,11 @@ amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_
 // capture cannot add records (it fails, naming this function), so call it
 // before capture with the guards the graphs will take: one per guarded op
 // of each graph (an engine capturing a prepare and a finalize guard per MoE
-// layer and a graph per batch size needs layers x 2 x batch sizes).
-// Allocates device and pinned memory and zeroes the new records (a
+// layer and a graph per batch size needs layers x 2 x batch sizes). A
+// guard outside capture also keeps free as many records as the largest run
+// of captures took (the guards captured between two eager guards), so a
+// graph captured after an eager warm-up needs no call when an earlier graph
+// was as large. Allocates device and pinned memory and zeroes the new records (a
 // blocking memset); refused with `AMOE_STATUS_INVALID_ARGUMENT` while the
 // stream the context was made on captures.
 //

@@ -730,6 +730,52 @@ fn eager_guards_past_the_records_add_records_and_are_all_checked() {
     assert_eq!(e.records(), (384, 0));
 }
 
+/// An engine captures a graph per batch size, each after an eager warm-up:
+/// the warm-up's guard keeps as many records out of the captured guards'
+/// hands as the largest graph took, so only the first graph needs a
+/// reservation, and every graph's guards still check their own context.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn an_eager_guard_after_a_capture_keeps_records_for_a_graph_as_large() {
+    const PER_GRAPH: usize = 200;
+    let e = Engine::new();
+    let raw = e._device.stream().raw();
+    let (a, b) = ([4usize, 1], [4usize, 2]);
+    let (ctx_a, ctx_b) = (fc(amoe_comm_type::Mc2, &a, AMOE_ALL_TOKENS), fc(amoe_comm_type::Mc2, &b, AMOE_ALL_TOKENS));
+    let capture = |c: &amoe_forward_context| {
+        Graph::capture_in(raw, GLOBAL, || {
+            for i in 0..PER_GRAPH {
+                assert_eq!(e.guard(c, 0), amoe_status::Ok, "guard {i}: {}", last_error());
+            }
+        })
+    };
+    assert_eq!(e.reserve(PER_GRAPH), amoe_status::Ok, "{}", last_error());
+    e.set(&ctx_a);
+    assert_eq!(e.guard(&ctx_a, 0), amoe_status::Ok, "warm-up: {}", last_error());
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    let first = capture(&ctx_a);
+    // The warm-up of the next batch size, then its graph, with no reserve.
+    e.set(&ctx_b);
+    assert_eq!(e.guard(&ctx_b, 0), amoe_status::Ok, "warm-up: {}", last_error());
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    let (cap, used) = e.records();
+    assert!(cap - used >= PER_GRAPH, "{cap} records, {used} in use");
+    let second = capture(&ctx_b);
+    assert_eq!(e.records().1, 2 * PER_GRAPH);
+    e.set(&ctx_a);
+    first.replay(raw);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    e.set(&ctx_b);
+    second.replay(raw);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    // Each graph still reports a replay under the other's context.
+    first.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 2") && msg.contains("captured for 1;"), "{msg}");
+    drop((first, second));
+}
+
 /// The Rust API: a context made with room for a model's guards, and the C
 /// getter's NULL checks.
 #[test]

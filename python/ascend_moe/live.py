@@ -63,7 +63,8 @@ class LiveContext:
     `.npu_stream`, such as torch_npu's Stream), with 128 guard records to
     start with: a guard captured into a graph keeps its record for the
     context's life and cannot add records, so `reserve(n)` them before
-    capture; a guard outside capture adds records itself. Made and freed
+    capture; a guard outside capture adds records itself, keeping free as
+    many as the largest run of captures after an eager guard took. Made and freed
     outside capture (it allocates)."""
 
     def __init__(self, stream, device=None):

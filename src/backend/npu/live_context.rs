@@ -21,8 +21,12 @@
 //! replay rewrites it, so an engine that captures a graph per batch size
 //! reserves a record for every guard of every graph; an eager guard's slot is
 //! released by the next check. An eager guard that finds every record in use
-//! adds a chunk itself (it may allocate); a guard under capture cannot, and
-//! is refused.
+//! adds a chunk itself (it may allocate), and so does one that finds fewer
+//! records out of captured guards' hands than the largest run of captures
+//! took (the guards captured between two eager guards): each graph of a
+//! model captured after an eager warm-up then finds its records, and only
+//! the first needs a reservation. A guard under capture cannot add records,
+//! and is refused.
 
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
@@ -100,9 +104,26 @@ struct Records {
     slots: Vec<Slot>,
     chunks: Vec<Chunk>,
     next_seq: u64,
+    /// Slots held by captured guards (kept for the context's life).
+    captured: usize,
+    /// Guards captured since the last eager guard, and the most any such run
+    /// captured: an eager guard keeps at least that many records out of the
+    /// captured ones' hands.
+    run: (usize, usize),
 }
 
 impl Records {
+    /// An eager guard ended the run of captures before it: the records not
+    /// held by captured guards to keep, [`GUARD_CHUNK`] or the most one run
+    /// of captures took (so the next graph of a model, captured after its
+    /// warm-up, finds its records), and how many more that takes.
+    fn end_run(&mut self) -> usize {
+        let (run, most) = self.run;
+        self.run = (0, run.max(most));
+        let keep = GUARD_CHUNK.max(run.max(most));
+        keep.saturating_sub(self.slots.len() - self.captured)
+    }
+
     fn free(&self) -> usize {
         self.slots.iter().filter(|x| **x == Slot::Free).count()
     }
@@ -212,7 +233,7 @@ impl LiveContext {
         const OP: &str = "LiveContext::new";
         refuse_capture(OP, device.stream(), "make the live context before capture (it allocates device memory)")?;
         let live = NpuBuffer::zeros(device, LIVE_BYTES)?;
-        let mut records = Records { slots: Vec::new(), chunks: Vec::new(), next_seq: 0 };
+        let mut records = Records { slots: Vec::new(), chunks: Vec::new(), next_seq: 0, captured: 0, run: (0, 0) };
         records.grow(device, OP, whole_chunks(guards.max(1)))?;
         let staging = Mutex::new(Staging {
             host: PinnedHostBuffer::zeros(device, STAGING_SLOTS * LIVE_BYTES)?,
@@ -317,6 +338,10 @@ impl LiveContext {
         let captured = stream.is_capturing()?;
         let (slot, at) = {
             let mut r = lock(&self.records);
+            let short = if captured { 0 } else { r.end_run() };
+            if short > 0 && !self.device.stream().is_capturing()? {
+                r.grow(&self.device, F, whole_chunks(short))?;
+            }
             let i = match r.slots.iter().position(|x| *x == Slot::Free) {
                 Some(i) => i,
                 None if captured => return Err(r.full_under_capture(F)),
@@ -334,12 +359,21 @@ impl LiveContext {
             };
             let seq = r.next_seq;
             r.slots[i] = if captured { Slot::Captured(op, seq) } else { Slot::Eager(op, seq) };
+            if captured {
+                r.captured += 1;
+                r.run.0 += 1;
+            }
             r.next_seq += 1;
             (i, r.place(i, tiling))
         };
         let launched = self.launch_guard(&at, stream);
         if launched.is_err() {
-            lock(&self.records).slots[slot] = Slot::Free;
+            let mut r = lock(&self.records);
+            r.slots[slot] = Slot::Free;
+            if captured {
+                r.captured -= 1;
+                r.run.0 = r.run.0.saturating_sub(1);
+            }
         }
         launched
     }
