@@ -413,3 +413,57 @@ fn a_barrier_is_refused_on_a_capturing_stream() {
         destroy_stream(st);
     });
 }
+
+/// The `rc`, recent error and communicator of `HcclCommInitRootInfo[Config]`
+/// (with `config` when given) of each rank of a `devices.len()`-rank world,
+/// rank `r` a thread on `devices[r]`; every communicator made is destroyed.
+fn init_on(devices: &[i32], config: Option<&[u8]>) -> Vec<(i32, String, bool)> {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let world = devices.len() as u32;
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let root = &root;
+                sc.spawn(move || {
+                    let s = use_device(devices[r as usize]);
+                    let mut comm = NULL;
+                    let rc = unsafe {
+                        match config {
+                            Some(c) => (s.HcclCommInitRootInfoConfig)(world, root.as_ptr(), r, c.as_ptr(), &mut comm),
+                            None => (s.HcclCommInitRootInfo)(world, root.as_ptr(), r, &mut comm),
+                        }
+                    };
+                    let msg = err_msg();
+                    let made = !comm.is_null();
+                    if made {
+                        unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+                    }
+                    (rc, msg, made)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+#[test]
+fn two_ranks_on_one_device_are_refused_by_every_rank() {
+    // hicann/hcomm v8.5.0 topoinfo_exchange_agent.cc:822-849
+    // (VerifyServerDevicePhysicID), run by every rank on the gathered rank
+    // table while HcclCommInitRootInfo[Config] creates the communicator.
+    let cfg = config(10);
+    for config in [None, Some(cfg.as_slice())] {
+        // Ranks 0 and 2 on device 1, rank 1 on device 0.
+        let outs = init_on(&[1, 0, 1], config);
+        for (r, (rc, msg, made)) in outs.iter().enumerate() {
+            assert_eq!(*rc, E_PARA, "rank {r} (config {}): {msg}", config.is_some());
+            assert!(msg.contains("rank 0 and rank 2") && msg.contains("device 1"), "rank {r}: {msg}");
+            assert!(!made, "rank {r} got a communicator");
+        }
+    }
+    // The same ranks on three devices make a communicator.
+    let outs = init_on(&[1, 0, 2], None);
+    assert!(outs.iter().all(|(rc, _, made)| *rc == 0 && *made), "{outs:?}");
+}
