@@ -414,6 +414,8 @@ fn a_barrier_is_refused_on_a_capturing_stream() {
     });
 }
 
+const E_RUNTIME: i32 = 15;
+
 /// The `rc`, recent error and communicator of `HcclCommInitRootInfo[Config]`
 /// (with `config` when given) of each rank of a `devices.len()`-rank world,
 /// rank `r` a thread on `devices[r]`; every communicator made is destroyed.
@@ -466,4 +468,43 @@ fn two_ranks_on_one_device_are_refused_by_every_rank() {
     // The same ranks on three devices make a communicator.
     let outs = init_on(&[1, 0, 2], None);
     assert!(outs.iter().all(|(rc, _, made)| *rc == 0 && *made), "{outs:?}");
+}
+
+#[test]
+fn hccl_comm_destroy_needs_a_current_device_and_takes_null_as_nothing() {
+    // hicann/hcomm v8.5.0 op_base.cc:2358-2360: the device first
+    // (HCCL_E_RUNTIME without one), then NULL is a success.
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    let mut comm = NULL;
+    unsafe {
+        assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg());
+        assert_eq!((s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm), 0, "{}", err_msg());
+    }
+    let handle = comm as usize;
+    // A thread that never set a device.
+    let (null_rc, live_rc, msg) = std::thread::spawn(move || {
+        let s = sim();
+        unsafe {
+            let r = (s.aclInit)(std::ptr::null());
+            assert!(r == 0 || r == 100002, "aclInit: {r}");
+            let null_rc = (s.HcclCommDestroy)(NULL);
+            let live_rc = (s.HcclCommDestroy)(handle as Ptr);
+            (null_rc, live_rc, err_msg())
+        }
+    })
+    .join()
+    .expect("thread without a device");
+    assert_eq!((null_rc, live_rc), (E_RUNTIME, E_RUNTIME), "{msg}");
+    assert!(msg.contains("aclrtSetDevice"), "{msg}");
+    unsafe {
+        // The refused destroy left the communicator alive.
+        let mut size = 0u32;
+        assert_eq!((s.HcclGetRankSize)(comm, &mut size), 0, "{}", err_msg());
+        assert_eq!(size, 1);
+        // With a device: NULL does nothing and succeeds; the live one goes.
+        assert_eq!((s.HcclCommDestroy)(NULL), 0, "{}", err_msg());
+        assert_eq!((s.HcclCommDestroy)(comm), 0, "{}", err_msg());
+        assert_eq!((s.HcclCommDestroy)(comm), E_PARA, "a destroyed communicator is not live");
+    }
 }

@@ -279,10 +279,14 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
     })
 }
 
-/// `HcclResult HcclCommDestroy(HcclComm comm)`.
+/// `HcclResult HcclCommDestroy(HcclComm comm)`: needs a current device; NULL
+/// is a success without effect (`hccl_rules::comm_destroy`).
 #[no_mangle]
 pub extern "C" fn HcclCommDestroy(comm_h: HcclComm) -> HcclResult {
     status::hccl("HcclCommDestroy", || {
+        if !hccl_rules::comm_destroy(comm_h)? {
+            return Ok(());
+        }
         COMMS
             .remove(comm_h as usize)
             .map(|_| ())
