@@ -300,6 +300,32 @@ pub fn comm_destroy(comm: HcclComm) -> SimResult<bool> {
     Ok(!comm.is_null())
 }
 
+/// `HcclAlltoAllV` on a one-rank communicator: both displacements 0.
+/// Stricter than HCCL, which accepts any: its one-rank all-to-all copies
+/// `sendCounts[0]` elements from the start of `sendBuf` to the start of
+/// `recvBuf` and never reads `sdispls` or `rdispls` (hicann/hcomm v8.5.0
+/// `src/algorithm/impl/operator/alltoall_operator.cc:254-256` selects
+/// `RunAlltoAllSingleExecutor` when the communicator has one rank;
+/// `src/algorithm/impl/coll_executor/coll_all_to_all/coll_all_to_all_single_rank_executor.cc:20-30`
+/// takes the two buffer addresses as they are, `:50-76` copies; the buffers
+/// are the caller's, `src/framework/communicator/impl/hccl_communicator_host.cc:2871-2880`).
+/// With a displacement other than 0 a device would move other bytes than the
+/// simulator, which honours the displacements, so the call is refused.
+pub fn one_rank_all_to_all_displacements(size: u32, sdispls: &[usize], rdispls: &[usize]) -> SimResult<()> {
+    if size == 1 && (sdispls[0] != 0 || rdispls[0] != 0) {
+        return fail(
+            HCCL_E_PARA,
+            format!(
+                "HcclAlltoAllV on a one-rank communicator with sdispls[0] = {}, rdispls[0] = {}: HCCL's one-rank \
+                 all-to-all copies sendCounts[0] elements from the start of sendBuf to the start of recvBuf and \
+                 ignores the displacements (pass buffers that start at the block, with displacements 0)",
+                sdispls[0], rdispls[0]
+            ),
+        );
+    }
+    Ok(())
+}
+
 /// The operand rules of a collective: every buffer non-NULL whatever its
 /// count, every buffer device memory, and the stream non-NULL.
 ///

@@ -508,3 +508,93 @@ fn hccl_comm_destroy_needs_a_current_device_and_takes_null_as_nothing() {
         assert_eq!((s.HcclCommDestroy)(comm), E_PARA, "a destroyed communicator is not live");
     }
 }
+
+/// `count` f32 values of rank `r` (distinct per rank and element).
+fn vals(r: u32, count: usize) -> Vec<f32> {
+    (0..count).map(|i| 10.0 * r as f32 + i as f32 + 0.5).collect()
+}
+
+/// Every collective of ours on the one-rank communicator `comm` of rank
+/// `r`: each leaves the rank's own data (a reduction of one rank is its
+/// input, a gather of one rank its block).
+fn one_rank_collectives(r: u32, comm: Ptr) {
+    let s = sim();
+    let st = stream();
+    let mine = vals(r, 4);
+    let send = upload(&mine);
+    let recv = malloc(16);
+    let (counts, displs) = ([4u64], [0u64]);
+    let (c, d) = (counts.as_ptr().cast(), displs.as_ptr().cast());
+    let mut size = 0u32;
+    unsafe { assert_eq!((s.HcclGetRankSize)(comm, &mut size), 0, "{}", err_msg()) };
+    assert_eq!(size, 1);
+    let calls: [(&str, &dyn Fn() -> i32); 6] = [
+        ("HcclAllReduce", &|| unsafe { (s.HcclAllReduce)(send, recv, 4, FP32, SUM, comm, st) }),
+        ("HcclReduceScatter", &|| unsafe { (s.HcclReduceScatter)(send, recv, 4, FP32, SUM, comm, st) }),
+        ("HcclReduceScatterV", &|| unsafe { (s.HcclReduceScatterV)(send, c, d, recv, 4, FP32, SUM, comm, st) }),
+        ("HcclAllGather", &|| unsafe { (s.HcclAllGather)(send, recv, 4, FP32, comm, st) }),
+        ("HcclAllGatherV", &|| unsafe { (s.HcclAllGatherV)(send, 4, recv, c, d, FP32, comm, st) }),
+        ("HcclAlltoAllV", &|| unsafe { (s.HcclAlltoAllV)(send, c, d, FP32, recv, c, d, FP32, comm, st) }),
+    ];
+    for (call, f) in calls {
+        unsafe { assert_eq!((s.aclrtMemset)(recv, 16, 0, 16), 0, "{}", err_msg()) };
+        assert_eq!(f(), 0, "{call}: {}", err_msg());
+        sync(st);
+        assert_eq!(download::<f32>(recv, 4), mine, "{call} of rank {r} alone");
+    }
+    unsafe {
+        assert_eq!((s.HcclBroadcast)(send, 4, FP32, 0, comm, st), 0, "{}", err_msg());
+        assert_eq!((s.HcclBarrier)(comm, st), 0, "{}", err_msg());
+    }
+    sync(st);
+    assert_eq!(download::<f32>(send, 4), mine, "a broadcast from the only rank");
+    free(send);
+    free(recv);
+    destroy_stream(st);
+}
+
+#[test]
+fn a_one_rank_communicator_and_a_one_rank_sub_communicator_run_every_collective() {
+    // Accepted by HCCL: hicann/hcomm v8.5.0 op_base.cc:1311-1315 and :823-826
+    // refuse only nRanks / rankNum 0; one-rank collectives take the
+    // single-rank executors (e.g. all_reduce_operator.cc:118-122), which copy
+    // sendBuf to recvBuf.
+    with_world(1, one_rank_collectives);
+    // Each rank of a world of 2 splits itself off (rankNum 1, its own id).
+    with_world(2, |r, comm| {
+        let (rc, sub) = split(comm, &[r], 40 + r as u64, 0);
+        assert_eq!(rc, 0, "rank {r}: {}", err_msg());
+        one_rank_collectives(r, sub);
+        unsafe { assert_eq!((sim().HcclCommDestroy)(sub), 0, "{}", err_msg()) };
+    });
+}
+
+#[test]
+fn a_one_rank_all_to_all_v_takes_displacements_zero_only() {
+    // Stricter than HCCL, whose one-rank all-to-all ignores the
+    // displacements (hicann/hcomm v8.5.0
+    // coll_all_to_all_single_rank_executor.cc:50-76).
+    let rcs = with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        let (send, recv) = (upload(&vals(0, 8)), malloc(32));
+        let counts = [4u64];
+        let mut rcs = Vec::new();
+        for (sd, rd) in [([2u64], [0u64]), ([0], [2]), ([0], [0])] {
+            let c = counts.as_ptr().cast();
+            let rc = unsafe {
+                (s.HcclAlltoAllV)(send, c, sd.as_ptr().cast(), FP32, recv, c, rd.as_ptr().cast(), FP32, comm, st)
+            };
+            if rc != 0 {
+                assert!(err_msg().contains("ignores the displacements"), "{}", err_msg());
+            }
+            rcs.push(rc);
+        }
+        sync(st);
+        free(send);
+        free(recv);
+        destroy_stream(st);
+        rcs
+    });
+    assert_eq!(rcs[0], [E_PARA, E_PARA, 0]);
+}
