@@ -912,6 +912,45 @@ mod every_backend {
         assert_eq!(sums, [3.0, 3.0]);
     }
 
+    /// Two ranks of one world asking for one NPU: HCCL refuses that (every
+    /// rank's HcclCommInitRootInfo fails, HCCL_E_PARA), and this process
+    /// refuses the second before it calls HCCL, naming both ranks and the
+    /// NPU. The refused rank then joins on another NPU and the world forms.
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn two_ranks_on_one_npu_are_refused_before_hccl() {
+        let dev0 = NpuDevice::open(0).unwrap();
+        let root = HcclRootInfo::generate(&dev0).unwrap();
+        let outs: Vec<(Option<String>, f64)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let root = &root;
+                    s.spawn(move || -> Result<(Option<String>, f64)> {
+                        let join = |npu: u32| {
+                            let dev = NpuDevice::open(npu)?;
+                            ascend_moe::backend::npu::HcclComm::from_root_info(&dev, root, 2, rank, &opts())
+                        };
+                        // Both ask for NPU 0: whichever comes second is refused.
+                        let (refusal, comm) = match join(0) {
+                            Ok(c) => (None, c),
+                            Err(e) => (Some(e.to_string()), join(1)?),
+                        };
+                        let mut t = tensor::<f32>(&comm.device(), &[rank as f64 + 1.0])?;
+                        comm.all_reduce_in_place(&mut t, ReduceOp::Sum)?;
+                        Ok((refusal, read(&t)?[0]))
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        let refusals: Vec<&String> = outs.iter().filter_map(|(r, _)| r.as_ref()).collect();
+        assert_eq!(refusals.len(), 1, "{outs:?}");
+        let msg = refusals[0];
+        assert!(msg.contains("rank 0") && msg.contains("rank 1") && msg.contains("npu:0"), "{msg}");
+        assert!(msg.contains("HCCL_E_PARA"), "{msg}");
+        assert_eq!(outs.iter().map(|(_, v)| *v).collect::<Vec<_>>(), [3.0, 3.0]);
+    }
+
     #[test]
     #[ignore = "needs an Ascend NPU"]
     fn mismatched_sizes_fail_with_a_clear_error() {

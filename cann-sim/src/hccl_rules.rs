@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use crate::arena;
 use crate::capture::capture_info;
 use crate::capture::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
+use crate::context;
 use crate::ffi::*;
 use crate::hccl::comms;
 use crate::status::{self, fail, SimError, SimResult};
@@ -278,6 +279,51 @@ pub unsafe fn sub_comm_created(comm: *mut HcclComm, sub_comm_id: u64, sub_comm: 
     let (parent, sub) = unsafe { (*comm as usize, *sub_comm as usize) };
     SUB_COMMS.lock().unwrap_or_else(|e| e.into_inner()).push(sub);
     USED_IDS.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert_with(HashSet::new).insert((parent, sub_comm_id));
+}
+
+/// `HcclCommDestroy`'s checks before it looks at the communicator: the
+/// calling thread needs a current device (any device: HCCL then finds the
+/// communicator by the device it was made on), or the call fails with
+/// HCCL_E_RUNTIME; a NULL communicator is then a success that does nothing.
+/// Returns whether there is a communicator to destroy.
+///
+/// hicann/hcomm v8.5.0 `src/framework/op_base/src/op_base.cc:2358-2360`:
+/// `HcclDeviceRefresh` first, then "An empty comm given, skip destroy"
+/// (HCCL_SUCCESS); `HcclDeviceRefresh` (`:3514-3522`) fails when
+/// `hrtGetDeviceRefresh` does, and that returns HCCL_E_RUNTIME when
+/// `aclrtGetDevice` fails ("please make sure that device is set",
+/// `src/platform/common/adapter/adapter_rts.cc:184-202`). The same at
+/// v9.1.0-beta.1 (`op_base.cc:3281-3283`).
+pub fn comm_destroy(comm: HcclComm) -> SimResult<bool> {
+    context::current()
+        .map_err(|e| SimError::new(HCCL_E_RUNTIME, format!("{}: HcclCommDestroy needs a current device", e.msg)))?;
+    Ok(!comm.is_null())
+}
+
+/// `HcclAlltoAllV` on a one-rank communicator: both displacements 0.
+/// Stricter than HCCL, which accepts any: its one-rank all-to-all copies
+/// `sendCounts[0]` elements from the start of `sendBuf` to the start of
+/// `recvBuf` and never reads `sdispls` or `rdispls` (hicann/hcomm v8.5.0
+/// `src/algorithm/impl/operator/alltoall_operator.cc:254-256` selects
+/// `RunAlltoAllSingleExecutor` when the communicator has one rank;
+/// `src/algorithm/impl/coll_executor/coll_all_to_all/coll_all_to_all_single_rank_executor.cc:20-30`
+/// takes the two buffer addresses as they are, `:50-76` copies; the buffers
+/// are the caller's, `src/framework/communicator/impl/hccl_communicator_host.cc:2871-2880`).
+/// With a displacement other than 0 a device would move other bytes than the
+/// simulator, which honours the displacements, so the call is refused.
+pub fn one_rank_all_to_all_displacements(size: u32, sdispls: &[usize], rdispls: &[usize]) -> SimResult<()> {
+    if size == 1 && (sdispls[0] != 0 || rdispls[0] != 0) {
+        return fail(
+            HCCL_E_PARA,
+            format!(
+                "HcclAlltoAllV on a one-rank communicator with sdispls[0] = {}, rdispls[0] = {}: HCCL's one-rank \
+                 all-to-all copies sendCounts[0] elements from the start of sendBuf to the start of recvBuf and \
+                 ignores the displacements (pass buffers that start at the block, with displacements 0)",
+                sdispls[0], rdispls[0]
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// The operand rules of a collective: every buffer non-NULL whatever its

@@ -413,3 +413,188 @@ fn a_barrier_is_refused_on_a_capturing_stream() {
         destroy_stream(st);
     });
 }
+
+const E_RUNTIME: i32 = 15;
+
+/// The `rc`, recent error and communicator of `HcclCommInitRootInfo[Config]`
+/// (with `config` when given) of each rank of a `devices.len()`-rank world,
+/// rank `r` a thread on `devices[r]`; every communicator made is destroyed.
+fn init_on(devices: &[i32], config: Option<&[u8]>) -> Vec<(i32, String, bool)> {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let world = devices.len() as u32;
+    std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..world)
+            .map(|r| {
+                let root = &root;
+                sc.spawn(move || {
+                    let s = use_device(devices[r as usize]);
+                    let mut comm = NULL;
+                    let rc = unsafe {
+                        match config {
+                            Some(c) => (s.HcclCommInitRootInfoConfig)(world, root.as_ptr(), r, c.as_ptr(), &mut comm),
+                            None => (s.HcclCommInitRootInfo)(world, root.as_ptr(), r, &mut comm),
+                        }
+                    };
+                    let msg = err_msg();
+                    let made = !comm.is_null();
+                    if made {
+                        unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+                    }
+                    (rc, msg, made)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    })
+}
+
+#[test]
+fn two_ranks_on_one_device_are_refused_by_every_rank() {
+    // hicann/hcomm v8.5.0 topoinfo_exchange_agent.cc:822-849
+    // (VerifyServerDevicePhysicID), run by every rank on the gathered rank
+    // table while HcclCommInitRootInfo[Config] creates the communicator.
+    let cfg = config(10);
+    for config in [None, Some(cfg.as_slice())] {
+        // Ranks 0 and 2 on device 1, rank 1 on device 0.
+        let outs = init_on(&[1, 0, 1], config);
+        for (r, (rc, msg, made)) in outs.iter().enumerate() {
+            assert_eq!(*rc, E_PARA, "rank {r} (config {}): {msg}", config.is_some());
+            assert!(msg.contains("rank 0 and rank 2") && msg.contains("device 1"), "rank {r}: {msg}");
+            assert!(!made, "rank {r} got a communicator");
+        }
+    }
+    // The same ranks on three devices make a communicator.
+    let outs = init_on(&[1, 0, 2], None);
+    assert!(outs.iter().all(|(rc, _, made)| *rc == 0 && *made), "{outs:?}");
+}
+
+#[test]
+fn hccl_comm_destroy_needs_a_current_device_and_takes_null_as_nothing() {
+    // hicann/hcomm v8.5.0 op_base.cc:2358-2360: the device first
+    // (HCCL_E_RUNTIME without one), then NULL is a success.
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    let mut comm = NULL;
+    unsafe {
+        assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg());
+        assert_eq!((s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm), 0, "{}", err_msg());
+    }
+    let handle = comm as usize;
+    // A thread that never set a device.
+    let (null_rc, live_rc, msg) = std::thread::spawn(move || {
+        let s = sim();
+        unsafe {
+            let r = (s.aclInit)(std::ptr::null());
+            assert!(r == 0 || r == 100002, "aclInit: {r}");
+            let null_rc = (s.HcclCommDestroy)(NULL);
+            let live_rc = (s.HcclCommDestroy)(handle as Ptr);
+            (null_rc, live_rc, err_msg())
+        }
+    })
+    .join()
+    .expect("thread without a device");
+    assert_eq!((null_rc, live_rc), (E_RUNTIME, E_RUNTIME), "{msg}");
+    assert!(msg.contains("aclrtSetDevice"), "{msg}");
+    unsafe {
+        // The refused destroy left the communicator alive.
+        let mut size = 0u32;
+        assert_eq!((s.HcclGetRankSize)(comm, &mut size), 0, "{}", err_msg());
+        assert_eq!(size, 1);
+        // With a device: NULL does nothing and succeeds; the live one goes.
+        assert_eq!((s.HcclCommDestroy)(NULL), 0, "{}", err_msg());
+        assert_eq!((s.HcclCommDestroy)(comm), 0, "{}", err_msg());
+        assert_eq!((s.HcclCommDestroy)(comm), E_PARA, "a destroyed communicator is not live");
+    }
+}
+
+/// `count` f32 values of rank `r` (distinct per rank and element).
+fn vals(r: u32, count: usize) -> Vec<f32> {
+    (0..count).map(|i| 10.0 * r as f32 + i as f32 + 0.5).collect()
+}
+
+/// Every collective of ours on the one-rank communicator `comm` of rank
+/// `r`: each leaves the rank's own data (a reduction of one rank is its
+/// input, a gather of one rank its block).
+fn one_rank_collectives(r: u32, comm: Ptr) {
+    let s = sim();
+    let st = stream();
+    let mine = vals(r, 4);
+    let send = upload(&mine);
+    let recv = malloc(16);
+    let (counts, displs) = ([4u64], [0u64]);
+    let (c, d) = (counts.as_ptr().cast(), displs.as_ptr().cast());
+    let mut size = 0u32;
+    unsafe { assert_eq!((s.HcclGetRankSize)(comm, &mut size), 0, "{}", err_msg()) };
+    assert_eq!(size, 1);
+    let calls: [(&str, &dyn Fn() -> i32); 6] = [
+        ("HcclAllReduce", &|| unsafe { (s.HcclAllReduce)(send, recv, 4, FP32, SUM, comm, st) }),
+        ("HcclReduceScatter", &|| unsafe { (s.HcclReduceScatter)(send, recv, 4, FP32, SUM, comm, st) }),
+        ("HcclReduceScatterV", &|| unsafe { (s.HcclReduceScatterV)(send, c, d, recv, 4, FP32, SUM, comm, st) }),
+        ("HcclAllGather", &|| unsafe { (s.HcclAllGather)(send, recv, 4, FP32, comm, st) }),
+        ("HcclAllGatherV", &|| unsafe { (s.HcclAllGatherV)(send, 4, recv, c, d, FP32, comm, st) }),
+        ("HcclAlltoAllV", &|| unsafe { (s.HcclAlltoAllV)(send, c, d, FP32, recv, c, d, FP32, comm, st) }),
+    ];
+    for (call, f) in calls {
+        unsafe { assert_eq!((s.aclrtMemset)(recv, 16, 0, 16), 0, "{}", err_msg()) };
+        assert_eq!(f(), 0, "{call}: {}", err_msg());
+        sync(st);
+        assert_eq!(download::<f32>(recv, 4), mine, "{call} of rank {r} alone");
+    }
+    unsafe {
+        assert_eq!((s.HcclBroadcast)(send, 4, FP32, 0, comm, st), 0, "{}", err_msg());
+        assert_eq!((s.HcclBarrier)(comm, st), 0, "{}", err_msg());
+    }
+    sync(st);
+    assert_eq!(download::<f32>(send, 4), mine, "a broadcast from the only rank");
+    free(send);
+    free(recv);
+    destroy_stream(st);
+}
+
+#[test]
+fn a_one_rank_communicator_and_a_one_rank_sub_communicator_run_every_collective() {
+    // Accepted by HCCL: hicann/hcomm v8.5.0 op_base.cc:1311-1315 and :823-826
+    // refuse only nRanks / rankNum 0; one-rank collectives take the
+    // single-rank executors (e.g. all_reduce_operator.cc:118-122), which copy
+    // sendBuf to recvBuf.
+    with_world(1, one_rank_collectives);
+    // Each rank of a world of 2 splits itself off (rankNum 1, its own id).
+    with_world(2, |r, comm| {
+        let (rc, sub) = split(comm, &[r], 40 + r as u64, 0);
+        assert_eq!(rc, 0, "rank {r}: {}", err_msg());
+        one_rank_collectives(r, sub);
+        unsafe { assert_eq!((sim().HcclCommDestroy)(sub), 0, "{}", err_msg()) };
+    });
+}
+
+#[test]
+fn a_one_rank_all_to_all_v_takes_displacements_zero_only() {
+    // Stricter than HCCL, whose one-rank all-to-all ignores the
+    // displacements (hicann/hcomm v8.5.0
+    // coll_all_to_all_single_rank_executor.cc:50-76).
+    let rcs = with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        let (send, recv) = (upload(&vals(0, 8)), malloc(32));
+        let counts = [4u64];
+        let mut rcs = Vec::new();
+        for (sd, rd) in [([2u64], [0u64]), ([0], [2]), ([0], [0])] {
+            let c = counts.as_ptr().cast();
+            let rc = unsafe {
+                (s.HcclAlltoAllV)(send, c, sd.as_ptr().cast(), FP32, recv, c, rd.as_ptr().cast(), FP32, comm, st)
+            };
+            if rc != 0 {
+                assert!(err_msg().contains("ignores the displacements"), "{}", err_msg());
+            }
+            rcs.push(rc);
+        }
+        sync(st);
+        free(send);
+        free(recv);
+        destroy_stream(st);
+        rcs
+    });
+    assert_eq!(rcs[0], [E_PARA, E_PARA, 0]);
+}

@@ -445,6 +445,7 @@ pub extern "C" fn HcclAlltoAllV(
         let sd = counts(sdispls, c.size, "sdispls")?;
         let rc = counts(recv_counts, c.size, "recvCounts")?;
         let rd = counts(rdispls, c.size, "rdispls")?;
+        hccl_rules::one_rank_all_to_all_displacements(c.size, &sd, &rd)?;
         let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
         let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
         let send = blocks(sb, dt, &sc, &sd);

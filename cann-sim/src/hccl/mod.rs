@@ -163,9 +163,9 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
     // HCCL parses HCCL_DETERMINISTIC at initialisation (a bad value fails it
     // even when the config sets the switch).
     let env_deterministic = config::deterministic().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
-    let mut group = Group::join(&key, size, rank, connect, timeout)?;
+    let mut group = Group::join(&key, size, rank, device, connect, timeout)?;
     group.deterministic = cfg.deterministic.unwrap_or(env_deterministic);
-    let link = Group::join(&format!("{key}.link"), size, rank, connect, Some(connect))?;
+    let link = Group::join(&format!("{key}.link"), size, rank, device, connect, Some(connect))?;
     let c = SimComm {
         name: cfg.name.or(name).unwrap_or_else(|| key.clone()),
         key,
@@ -279,10 +279,14 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
     })
 }
 
-/// `HcclResult HcclCommDestroy(HcclComm comm)`.
+/// `HcclResult HcclCommDestroy(HcclComm comm)`: needs a current device; NULL
+/// is a success without effect (`hccl_rules::comm_destroy`).
 #[no_mangle]
 pub extern "C" fn HcclCommDestroy(comm_h: HcclComm) -> HcclResult {
     status::hccl("HcclCommDestroy", || {
+        if !hccl_rules::comm_destroy(comm_h)? {
+            return Ok(());
+        }
         COMMS
             .remove(comm_h as usize)
             .map(|_| ())

@@ -8,10 +8,11 @@
 //!   (`arrived`, `departed`);
 //! - one data file per rank, written only by that rank and read by all.
 //!
-//! Joining: each rank claims its slot, creates its data file, waits for every
-//! rank to do the same, opens every data file, and waits again; then rank 0
-//! unlinks all the files (the open descriptors and mappings keep them), so a
-//! crashed run leaves nothing behind.
+//! Joining: each rank claims its slot, records its device, creates its data
+//! file, waits for every rank to do the same, checks that no two ranks share a
+//! device, opens every data file, and waits again; then rank 0 unlinks all the
+//! files (the open descriptors and mappings keep them), so a crashed run
+//! leaves nothing behind.
 //!
 //! A collective is one round, generation `g`:
 //! 1. wait until every rank has departed round `g - 1` (nobody still reads this
@@ -59,6 +60,8 @@ struct Slot {
     claimed: AtomicU32,
     /// Its process id.
     pid: AtomicU32,
+    /// Its device (set before `stage` becomes 1).
+    device: AtomicU32,
     /// 1: its data file exists; 2: it opened every data file.
     stage: AtomicU64,
     /// Last round whose data it published.
@@ -237,24 +240,30 @@ impl Paths {
 }
 
 impl Group {
-    /// Joins the communicator `key` as `rank` of `size`, waiting up to
-    /// `connect` for the other ranks; each round then waits up to `timeout`
-    /// (`None`: without bound).
-    pub fn join(key: &str, size: u32, rank: u32, connect: Duration, timeout: Option<Duration>) -> SimResult<Group> {
+    /// Joins the communicator `key` as `rank` of `size` on `device`, waiting
+    /// up to `connect` for the other ranks; each round then waits up to
+    /// `timeout` (`None`: without bound).
+    pub fn join(
+        key: &str,
+        size: u32,
+        rank: u32,
+        device: u32,
+        connect: Duration,
+        timeout: Option<Duration>,
+    ) -> SimResult<Group> {
         if size == 0 || rank >= size {
             return fail(HCCL_E_PARA, format!("rank {rank} of {size} ranks"));
         }
         let base = shm_dir().join(format!("cannsim-hccl-{key}-{}", next_epoch(key, rank)));
         let base = base.to_string_lossy().into_owned();
         let paths = Paths { header: PathBuf::from(format!("{base}.head")), base };
-        Self::join_files(&paths, key, size, rank, connect, timeout)
+        Self::join_files(&paths, key, (size, rank, device), connect, timeout)
     }
 
     fn join_files(
         paths: &Paths,
         key: &str,
-        size: u32,
-        rank: u32,
+        (size, rank, device): (u32, u32, u32),
         connect: Duration,
         timeout: Option<Duration>,
     ) -> SimResult<Group> {
@@ -290,6 +299,7 @@ impl Group {
             return fail(HCCL_E_PARA, format!("rank {rank} of {key} is claimed twice"));
         }
         slot.pid.store(std::process::id(), Ordering::Release);
+        slot.device.store(device, Ordering::Release);
         let own_path = paths.data(rank);
         let own = OpenOptions::new()
             .read(true)
@@ -325,6 +335,7 @@ impl Group {
     /// every rank's, open them all, and wait until every rank has.
     fn meet(&mut self, paths: &Paths, deadline: Instant) -> SimResult<()> {
         self.wait_all("every rank to join", deadline, |s| s.stage.load(Ordering::Acquire) >= 1)?;
+        self.distinct_devices()?;
         for r in 0..self.size {
             let p = paths.data(r);
             self.files.push(File::open(&p).map_err(|e| sys(format!("open {}", p.display()), e))?);
@@ -333,6 +344,43 @@ impl Group {
         self.wait_all("every rank to open the data files", deadline, |s| s.stage.load(Ordering::Acquire) >= 2)?;
         if self.rank == 0 {
             paths.remove(0..self.size);
+        }
+        Ok(())
+    }
+
+    /// Refuses two ranks on one device, on every rank alike, once every rank
+    /// has joined (before any opens a peer's data file, so all refuse).
+    ///
+    /// HCCL gathers every rank's server (host IP) and device physical id
+    /// while it creates a communicator from a root info, and each rank then
+    /// verifies the whole table: two ranks of one server with the same
+    /// physical id fail the creation with HCCL_E_PARA (EI0015, "rank[a] and
+    /// rank[b] has the same device physic id[d]"). hicann/hcomm v8.5.0
+    /// `src/framework/common/src/topo/topoinfo_exchange_agent.cc:822-849`
+    /// (`VerifyServerDevicePhysicID`), called per server at `:623-649` from
+    /// `VerifyClusterInfo`, which every rank runs on the gathered table at
+    /// `:94-109` (`Setup`); the rank's physical id is that of its current
+    /// device (`topoinfo_detect.cc:476-480`), its server its host IP
+    /// (`topoinfo_exchange_agent.cc:500-502`); `HcclCommInitRootInfo[Config]`
+    /// reach it through `InitCommRootInfo` (`op_base.cc:1137`) and return its
+    /// code. The simulated ranks share one host, and a simulated device id
+    /// is its physical id (the simulator maps no visible-device list).
+    fn distinct_devices(&self) -> SimResult<()> {
+        let device = |r: u32| self.header.slot(r).device.load(Ordering::Acquire);
+        for a in 0..self.size {
+            for b in a + 1..self.size {
+                if device(a) == device(b) {
+                    return fail(
+                        HCCL_E_PARA,
+                        format!(
+                            "EI0015: rank {a} and rank {b} of {} are both on device {} (HCCL refuses two ranks of \
+                             one communicator on one device)",
+                            self.name,
+                            device(a)
+                        ),
+                    );
+                }
+            }
         }
         Ok(())
     }

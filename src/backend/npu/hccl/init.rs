@@ -25,9 +25,90 @@ impl HcclRootInfo {
     }
 }
 
+/// A rank of this process inside `HcclCommInitRootInfo[Config]`: the world
+/// (its root info and size), the rank, its NPU, and the ranks refused for
+/// asking for the same NPU while it joined.
+struct Joiner {
+    key: u64,
+    rank: usize,
+    device: u32,
+    refused: Vec<usize>,
+}
+
+/// The ranks of this process that are joining a world now.
+static JOINING: Mutex<Vec<Joiner>> = Mutex::new(Vec::new());
+
+/// This rank's entry in [`JOINING`] while it joins; dropping it leaves.
+struct Joining {
+    key: u64,
+    rank: usize,
+}
+
+impl Joining {
+    /// Enters `rank` of world `key` on NPU `device`, or refuses it when a
+    /// rank of this process already joins that world on that NPU.
+    ///
+    /// HCCL refuses two ranks of one communicator on one device: every rank
+    /// checks the gathered rank table once all have joined, and two ranks of
+    /// one server with one device physical id fail `HcclCommInitRootInfo` on
+    /// every rank with HCCL_E_PARA (EI0015; hicann/hcomm v8.5.0
+    /// `src/framework/common/src/topo/topoinfo_exchange_agent.cc:822-849`).
+    /// The API reference also forbids concurrent calls from two threads on
+    /// one device. Ranks in other processes cannot be seen here: HCCL's
+    /// refusal (with its message) is what they get.
+    fn claim(op: &'static str, key: u64, rank: usize, device: u32) -> Result<Joining> {
+        let mut joining = JOINING.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(other) = joining.iter_mut().find(|j| j.key == key && j.device == device) {
+            other.refused.push(rank);
+            return Err(Error::invalid(
+                op,
+                "device",
+                format!(
+                    "rank {rank} and rank {} of one HCCL world would both be on npu:{device}: HCCL refuses two \
+                     ranks of one communicator on one device (HcclCommInitRootInfo fails with HCCL_E_PARA, EI0015); \
+                     give each rank its own NPU (rank {} waits in HCCL for rank {rank} until it joins on another \
+                     NPU or the connect timeout passes)",
+                    other.rank, other.rank
+                ),
+            ));
+        }
+        joining.push(Joiner { key, rank, device, refused: Vec::new() });
+        Ok(Joining { key, rank })
+    }
+
+    /// `e`, HCCL's failure of this rank's join, naming the ranks refused for
+    /// this rank's NPU (for which it waited).
+    fn explain(&self, e: Error) -> Error {
+        let joining = JOINING.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(me) = joining.iter().find(|j| j.key == self.key && j.rank == self.rank) else { return e };
+        match e {
+            Error::Hccl { call, code, msg } if !me.refused.is_empty() => Error::Hccl {
+                call,
+                code,
+                msg: format!(
+                    "{msg}; rank(s) {:?} of this world were refused before joining, for asking for npu:{} as this \
+                     rank did",
+                    me.refused, me.device
+                ),
+            },
+            e => e,
+        }
+    }
+}
+
+impl Drop for Joining {
+    fn drop(&mut self) {
+        let mut joining = JOINING.lock().unwrap_or_else(|e| e.into_inner());
+        joining.retain(|j| !(j.key == self.key && j.rank == self.rank));
+    }
+}
+
 impl HcclComm {
     /// Joins the communicator of `world` ranks described by `root` as `rank`
-    /// (`HcclCommInitRootInfo`); blocks until every rank joined.
+    /// (`HcclCommInitRootInfo`); blocks until every rank joined. A rank that
+    /// asks for an NPU another rank of this process is joining the same
+    /// world on is refused before HCCL is called: HCCL refuses two ranks of
+    /// one communicator on one device.
     pub fn from_root_info(
         device: &NpuDevice,
         root: &HcclRootInfo,
@@ -39,18 +120,21 @@ impl HcclComm {
         if world == 0 || rank >= world {
             return Err(Error::invalid(OP, "rank", format!("rank {rank} of a world of {world}")));
         }
+        let raw_root = root.to_raw();
+        let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
+        let joining = Joining::claim(OP, key, rank, device.ordinal())?;
         // A missing HCCL is reported before the device is bound.
         hccl()?;
         device.stream().enter()?;
-        let raw_root = root.to_raw();
-        let raw = if hc::has_comm_init_root_info_config()? {
+        let made = if hc::has_comm_init_root_info_config()? {
             let config = config_for(opts);
-            hc::comm_init_root_info_config(world as u32, &raw_root, rank as u32, &config)?
+            hc::comm_init_root_info_config(world as u32, &raw_root, rank as u32, &config)
         } else {
-            hc::comm_init_root_info(world as u32, &raw_root, rank as u32)?
+            hc::comm_init_root_info(world as u32, &raw_root, rank as u32)
         };
+        let raw = made.map_err(|e| joining.explain(e))?;
+        drop(joining);
         let name = query_name(raw).unwrap_or_else(|| format!("hccl-world-{world}"));
-        let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
         Ok(Self::wrap(raw, (true, true), device, (rank, world), (name, key), opts, None))
     }
 
