@@ -193,17 +193,19 @@ pub unsafe fn create_sub_comm(
         );
     }
     // "Ranks that do not need a sub-communicator pass rankIds == nullptr and
-    // subCommId = 0xFFFFFFFF."
-    if rank_ids.is_null() {
-        if sub_comm_id == NOT_MEMBER_ID {
-            parent_rank_and_size(parent)?;
-            return Ok(SubCommCall::NotMember);
-        }
+    // subCommId = 0xFFFFFFFF." Both or neither: one without the other is
+    // HCCL_E_PARA (hicann/hcomm v8.5.0 `src/framework/op_base/src/op_base.cc:811-818`).
+    if rank_ids.is_null() && sub_comm_id == NOT_MEMBER_ID {
+        parent_rank_and_size(parent)?;
+        return Ok(SubCommCall::NotMember);
+    }
+    if rank_ids.is_null() || sub_comm_id == NOT_MEMBER_ID {
         return fail(
-            HCCL_E_PTR,
+            HCCL_E_PARA,
             format!(
-                "rankIds is NULL with subCommId {sub_comm_id:#x}: only a rank outside the group passes NULL, \
-                 with subCommId 0xFFFFFFFF"
+                "rankIds is {} with subCommId {sub_comm_id:#x}: a rank outside the group passes NULL with \
+                 subCommId 0xFFFFFFFF, a member both valid",
+                if rank_ids.is_null() { "NULL" } else { "given" }
             ),
         );
     }

@@ -232,12 +232,15 @@ fn ranks_outside_the_group_pass_null_rank_ids_and_the_reserved_id() {
         } else {
             // NULL rankIds with the reserved id: a non-member, success.
             let ok = split(comm, &[], 0xFFFF_FFFF, 0).0;
-            // NULL rankIds with any other id is refused.
+            // NULL rankIds with any other id is refused, and so are rankIds
+            // with the reserved id.
             let bad = split(comm, &[], 11, 0).0;
+            let reserved = split(comm, &[1], 0xFFFF_FFFF, 0).0;
+            assert_eq!(reserved, E_PARA, "rankIds with subCommId 0xFFFFFFFF: {}", err_msg());
             (ok, bad)
         }
     });
-    assert_eq!(rcs[1], (0, E_PTR));
+    assert_eq!(rcs[1], (0, E_PARA));
 }
 
 #[test]
