@@ -537,13 +537,57 @@ fn a_guarded_layer_graph_replayed_under_another_comm_type_is_reported_on_every_r
     run_cases(true);
 }
 
-#[test]
-#[ignore = "needs an Ascend NPU"]
-fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
+/// A native finalize through the C ABI on an engine stream of npu:0 that
+/// gathers the 6 rows of an [6, 8] f32 input in reverse (drop-less column
+/// mode, no scales): what the capture tests below replay.
+struct ReversedRows<'a> {
+    dev: &'a NpuDevice,
+    engine: &'a ascend_moe::backend::npu::NpuStream,
+    s: *mut amoe_stream,
+    run: &'a dyn Fn() -> amoe_status,
+    idx_d: &'a mut DeviceBuffer<i32>,
+    good: &'a [i32],
+    want: &'a [f32],
+    out_d: &'a DeviceBuffer<f32>,
+}
+
+impl ReversedRows<'_> {
+    fn check(&self) -> amoe_status {
+        // SAFETY: a live handle.
+        unsafe { amoe_stream_check(self.s) }
+    }
+
+    fn write_index(&mut self, idx: &[i32]) {
+        self.idx_d.copy_from_host(idx).expect("index");
+        self.dev.synchronize().expect("upload");
+    }
+
+    /// One replay of `graph` with index value `value` at position `at`: its
+    /// check reports that position and value, once; then the good index.
+    fn replay_a_bad_index(&mut self, graph: &Graph, at: usize, value: i32) {
+        let mut bad = self.good.to_vec();
+        bad[at] = value;
+        self.write_index(&bad);
+        graph.replay(self.engine.raw());
+        assert_eq!(self.check(), amoe_status::IndexOutOfRange);
+        let msg = last_error();
+        assert!(msg.contains("expanded_row_idx") && msg.contains(&format!("[{at}] = {value}")), "{msg}");
+        ok("reported once", self.check());
+        let good = self.good.to_vec();
+        self.write_index(&good);
+    }
+
+    fn assert_output(&self, what: &str) {
+        assert_eq!(bits(&self.out_d.to_vec().expect("out")), bits(self.want), "{what}");
+    }
+}
+
+/// Runs `f` on a [`ReversedRows`] set up on npu:0, then frees its stream handle.
+fn with_reversed_rows(seed: usize, f: impl FnOnce(ReversedRows<'_>)) {
     let dev = NpuDevice::open(0).expect("npu:0");
     let (engine, s) = engine_stream(&dev);
     let (n, h) = (6usize, 8usize);
-    let x: Vec<f32> = inputs(7, 0, n * h);
+    let x: Vec<f32> = inputs(seed, 0, n * h);
     let good: Vec<i32> = (0..n as i32).rev().collect();
     let x_d = dev.clone_htod(&x).expect("x");
     let mut idx_d = dev.clone_htod(&good).expect("idx");
@@ -564,36 +608,41 @@ fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
         expert_idx: null(),
         drop_pad_mode: 0,
     };
-    // SAFETY (every call below): live handles; descriptors over live device memory.
-    let run = || ok("finalize", unsafe { amoe_moe_finalize_routing(&args, &od, s) });
-    let check = || unsafe { amoe_stream_check(s) };
-    run();
-    ok("warm-up check", check());
-    let graph = Graph::capture(engine.raw(), run);
+    // SAFETY: live handles; descriptors over live device memory.
+    let run = || unsafe { amoe_moe_finalize_routing(&args, &od, s) };
     let want: Vec<f32> = (0..n).flat_map(|i| x[(n - 1 - i) * h..(n - i) * h].to_vec()).collect();
-    for round in 0..3 {
-        graph.replay(engine.raw());
-        ok("check after a clean replay", check());
-        assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want), "replay {round}");
-    }
-    // One replay with an index outside [0, 6) at position 2: its check says so, once.
-    let mut bad = good.clone();
-    bad[2] = 99;
-    idx_d.copy_from_host(&bad).expect("bad index");
-    dev.synchronize().expect("upload");
-    graph.replay(engine.raw());
-    assert_eq!(check(), amoe_status::IndexOutOfRange);
-    let msg = last_error();
-    assert!(msg.contains("expanded_row_idx") && msg.contains("[2] = 99"), "{msg}");
-    ok("reported once", check());
-    idx_d.copy_from_host(&good).expect("good index");
-    dev.synchronize().expect("upload");
-    graph.replay(engine.raw());
-    ok("check after the index is fixed", check());
-    assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want));
-    drop(graph);
+    f(ReversedRows {
+        dev: &dev,
+        engine: &engine,
+        s,
+        run: &run,
+        idx_d: &mut idx_d,
+        good: &good,
+        want: &want,
+        out_d: &out_d,
+    });
     // SAFETY: a live handle, not used afterwards.
     unsafe { amoe_stream_free(s) };
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
+    with_reversed_rows(7, |mut r| {
+        ok("warm-up", (r.run)());
+        ok("warm-up check", r.check());
+        let graph = Graph::capture(r.engine.raw(), || ok("captured finalize", (r.run)()));
+        for round in 0..3 {
+            graph.replay(r.engine.raw());
+            ok("check after a clean replay", r.check());
+            r.assert_output(&format!("replay {round}"));
+        }
+        // One replay with an index outside [0, 6) at position 2: its check says so, once.
+        r.replay_a_bad_index(&graph, 2, 99);
+        graph.replay(r.engine.raw());
+        ok("check after the index is fixed", r.check());
+        r.assert_output("after the index is fixed");
+    });
 }
 
 /// Token unpermute through the C ABI, captured once and replayed with new
@@ -825,88 +874,51 @@ fn sim_d2h_copies() -> Option<u64> {
 #[ignore = "needs an Ascend NPU"]
 fn captures_of_many_launches_reserve_their_records_and_report_each_launch() {
     const LAUNCHES: usize = 270;
-    let dev = NpuDevice::open(0).expect("npu:0");
-    let (engine, s) = engine_stream(&dev);
-    let (n, h) = (6usize, 8usize);
-    let x: Vec<f32> = inputs(3, 0, n * h);
-    let good: Vec<i32> = (0..n as i32).rev().collect();
-    let x_d = dev.clone_htod(&x).expect("x");
-    let mut idx_d = dev.clone_htod(&good).expect("idx");
-    let out_d = dev.alloc_zeros::<f32>(n * h).expect("out");
-    dev.synchronize().expect("uploads");
-    let (xs, is, os) = ([n, h], [n], [n, h]);
-    let place = Place::Npu(0);
-    let xd = desc(dev_ptr(&x_d), amoe_dtype::F32, &xs, place);
-    let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, place);
-    let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, place);
-    let args = amoe_finalize_args {
-        expanded_x: &xd,
-        expanded_row_idx: &id,
-        x1: null(),
-        x2: null(),
-        bias: null(),
-        scales: null(),
-        expert_idx: null(),
-        drop_pad_mode: 0,
-    };
-    // SAFETY (every call below): live handles; descriptors over live device memory.
-    let run = || unsafe { amoe_moe_finalize_routing(&args, &od, s) };
-    let check = || unsafe { amoe_stream_check(s) };
-    ok("warm-up", run());
-    ok("warm-up check", check());
-    // Without a reservation: the first 256 launches are captured, the next refused.
-    let mut refused = Vec::new();
-    drop(Graph::capture(engine.raw(), || {
-        for i in 0..LAUNCHES {
-            let st = run();
-            if st != amoe_status::Ok {
-                refused.push((i, st, last_error()));
+    with_reversed_rows(3, |mut r| {
+        let (run, raw, s) = (r.run, r.engine.raw(), r.s);
+        ok("warm-up", run());
+        ok("warm-up check", r.check());
+        // Without a reservation: the first 256 launches are captured, the next refused.
+        let mut refused = Vec::new();
+        drop(Graph::capture(raw, || {
+            for i in 0..LAUNCHES {
+                let st = run();
+                if st != amoe_status::Ok {
+                    refused.push((i, st, last_error()));
+                }
             }
+        }));
+        assert_eq!(refused.len(), LAUNCHES - 256, "{:?}", refused.first());
+        let (i, st, msg) = &refused[0];
+        assert_eq!((*i, *st), (256, amoe_status::InvalidArgument), "{msg}");
+        assert!(msg.contains("amoe_capture_records_reserve") && msg.contains("256"), "{msg}");
+        // Refused under capture: the reservation allocates.
+        let mut under = amoe_status::Ok;
+        // SAFETY (here and below): a live stream handle.
+        drop(Graph::capture(raw, || under = unsafe { amoe_capture_records_reserve(s, LAUNCHES) }));
+        assert_eq!(under, amoe_status::InvalidArgument);
+        assert!(last_error().contains("captur"), "{}", last_error());
+
+        ok("reserve", unsafe { amoe_capture_records_reserve(s, LAUNCHES) });
+        let graph = Graph::capture(raw, || (0..LAUNCHES).for_each(|_| ok("captured finalize", run())));
+        graph.replay(raw);
+        let before = sim_d2h_copies();
+        ok("check after a clean replay", r.check());
+        if let (Some(a), Some(b)) = (before, sim_d2h_copies()) {
+            // The records of the graphs live in two blocks, the eager ones in a third.
+            assert!(b - a <= 3, "{} device-to-host copies for {LAUNCHES} captured records", b - a);
         }
-    }));
-    assert_eq!(refused.len(), LAUNCHES - 256, "{:?}", refused.first());
-    let (i, st, msg) = &refused[0];
-    assert_eq!((*i, *st), (256, amoe_status::InvalidArgument), "{msg}");
-    assert!(msg.contains("amoe_capture_records_reserve") && msg.contains("256"), "{msg}");
-    // Refused under capture: the reservation allocates.
-    let mut under = amoe_status::Ok;
-    drop(Graph::capture(engine.raw(), || under = unsafe { amoe_capture_records_reserve(s, LAUNCHES) }));
-    assert_eq!(under, amoe_status::InvalidArgument);
-    assert!(last_error().contains("captur"), "{}", last_error());
+        r.assert_output("a clean replay");
+        r.replay_a_bad_index(&graph, 4, -7);
 
-    ok("reserve", unsafe { amoe_capture_records_reserve(s, LAUNCHES) });
-    let graph = Graph::capture(engine.raw(), || (0..LAUNCHES).for_each(|_| ok("captured finalize", run())));
-    let want: Vec<f32> = (0..n).flat_map(|i| x[(n - 1 - i) * h..(n - i) * h].to_vec()).collect();
-    graph.replay(engine.raw());
-    let before = sim_d2h_copies();
-    ok("check after a clean replay", check());
-    if let (Some(a), Some(b)) = (before, sim_d2h_copies()) {
-        // The records of the graphs live in two blocks, the eager ones in a third.
-        assert!(b - a <= 3, "{} device-to-host copies for {LAUNCHES} captured records", b - a);
-    }
-    assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want));
-    let mut bad = good.clone();
-    bad[4] = -7;
-    idx_d.copy_from_host(&bad).expect("bad index");
-    dev.synchronize().expect("upload");
-    graph.replay(engine.raw());
-    assert_eq!(check(), amoe_status::IndexOutOfRange);
-    let msg = last_error();
-    assert!(msg.contains("expanded_row_idx") && msg.contains("[4] = -7"), "{msg}");
-    ok("reported once", check());
-    idx_d.copy_from_host(&good).expect("good index");
-    dev.synchronize().expect("upload");
-
-    // An eager call between two captures keeps as many records free as the
-    // largest capture took: the next graph of the model needs no reservation.
-    ok("eager call", run());
-    ok("eager check", check());
-    let second = Graph::capture(engine.raw(), || (0..LAUNCHES).for_each(|_| ok("second graph", run())));
-    second.replay(engine.raw());
-    graph.replay(engine.raw());
-    ok("both graphs", check());
-    assert_eq!(bits(&out_d.to_vec().expect("out")), bits(&want));
-    drop((graph, second));
-    // SAFETY: a live handle, not used afterwards.
-    unsafe { amoe_stream_free(s) };
+        // An eager call between two captures keeps as many records free as the
+        // largest capture took: the next graph of the model needs no reservation.
+        ok("eager call", run());
+        ok("eager check", r.check());
+        let second = Graph::capture(raw, || (0..LAUNCHES).for_each(|_| ok("second graph", run())));
+        second.replay(raw);
+        graph.replay(raw);
+        ok("both graphs", r.check());
+        r.assert_output("both graphs");
+    });
 }
