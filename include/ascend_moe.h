@@ -261,7 +261,10 @@ typedef struct amoe_moe_groups amoe_moe_groups;
 // current stream) on one device. Every op and collective takes one: NPU
 // tensor descriptors must live on its device and the work is queued on it;
 // pass NULL when every tensor is a host tensor. The handle never owns the
-// engine's stream: `amoe_stream_free` releases only the handle.
+// engine's stream: `amoe_stream_free` releases only the handle. The calls
+// that take one stream (its ops, collectives and `amoe_stream_check`) are
+// made from one thread at a time, as work is queued on a stream in one
+// order: the status records of its launches are freed by its check.
 typedef struct amoe_stream amoe_stream;
 
 // A tensor descriptor: where the bytes are, what they hold, on which device.

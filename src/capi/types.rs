@@ -249,7 +249,10 @@ pub struct amoe_comm {
 /// current stream) on one device. Every op and collective takes one: NPU
 /// tensor descriptors must live on its device and the work is queued on it;
 /// pass NULL when every tensor is a host tensor. The handle never owns the
-/// engine's stream: `amoe_stream_free` releases only the handle.
+/// engine's stream: `amoe_stream_free` releases only the handle. The calls
+/// that take one stream (its ops, collectives and `amoe_stream_check`) are
+/// made from one thread at a time, as work is queued on a stream in one
+/// order: the status records of its launches are freed by its check.
 pub struct amoe_stream {
     _private: [u8; 0],
 }

@@ -309,6 +309,12 @@ impl Drop for StreamInner {
 }
 
 /// A stream on one device: created by us (destroyed on drop) or borrowed.
+/// Work on one raw stream (its ops, collectives and [`check`](Self::check)),
+/// through any of its handles, is queued from one thread at a time, as a
+/// stream runs its work in one order: the status records of its kernel
+/// launches are freed by its check, and a launch on another thread that
+/// finds the ring of records full could take a record a concurrent check
+/// has not read yet.
 #[derive(Clone)]
 pub struct NpuStream {
     inner: Arc<StreamInner>,
