@@ -27,6 +27,11 @@ fn failed_by(v: u64, phase: u64) -> Option<usize> {
     (v & FAILED_PHASE != 0 && v & PHASE_MASK <= phase).then_some(((v & !FAILED_PHASE) >> FAILED_RANK_SHIFT) as usize)
 }
 
+/// How the error of a rank failed by rank `j`'s giving up on the rendezvous starts.
+fn gave_up_on_rendezvous(j: usize) -> String {
+    format!("rank {j} gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused)")
+}
+
 /// How a phase was settled.
 enum Settled {
     /// Every rank arrived.
@@ -76,8 +81,8 @@ impl ShmComm {
             Settled::Failed(j) => {
                 let detail = if phase == RENDEZVOUS {
                     format!(
-                        "rank {j} gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused) \
-                         before rank {} saw every rank join, so the world did not form",
+                        "{} before rank {} saw every rank join, so the world did not form",
+                        gave_up_on_rendezvous(j),
                         self.inner.rank
                     )
                 } else {
@@ -213,8 +218,8 @@ impl ShmComm {
                     return self.pass(st, coll, phase);
                 }
                 let detail = format!(
-                    "rank {j} gave up on the rendezvous (it timed out, saw a peer fail or saw a joiner refused) \
-                     while rank {} was waiting for ranks {missing:?} to join, so the world cannot form",
+                    "{} while rank {} was waiting for ranks {missing:?} to join, so the world cannot form",
+                    gave_up_on_rendezvous(j),
                     self.inner.rank
                 );
                 let e = self.err(coll, ErrorKind::PeerFailed, detail);
