@@ -97,8 +97,8 @@ fn reserve_records(stream: &NpuStream) -> Result<()> {
         let (base, _block) = take_pool_block(stream, SLOT_BYTES * EAGER_SLOTS)?;
         stream.set_eager_records(base, SLOT_BYTES, EAGER_SLOTS, fences);
     }
-    stream.end_captured_run();
-    ensure_capture_records(stream, SLOTS.max(stream.largest_captured_run()))
+    let keep = stream.end_captured_run(SLOTS);
+    ensure_capture_records(stream, keep)
 }
 
 /// Makes sure `launches` record slots for captured launches are free,
@@ -201,18 +201,6 @@ impl Drop for Record {
     }
 }
 
-/// Reads `record` alone and settles `p` with its words (a check reads every
-/// record at once; this is the outcome of one entry on its own).
-fn read_alone(p: &dyn Pending, record: &StatusRecord, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
-    // The stream failed: the status words may not have been written; the
-    // failed wait is what the check reports.
-    if wait.is_some() {
-        return Ok(());
-    }
-    let words = stream.read_records(std::slice::from_ref(record))?;
-    p.settle(words.of(record), stream)
-}
-
 /// The record of an eager launch: a slot of the stream's ring, read by the
 /// check (or earlier, when the ring is full).
 struct Eager {
@@ -229,19 +217,12 @@ impl Pending for Eager {
         None
     }
 
-    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
-        read_alone(self, &self.record, wait, stream)
-    }
-
     fn record(&self) -> Option<StatusRecord> {
         Some(self.record)
     }
 
     fn settle(&self, words: &[u32], _stream: &NpuStream) -> Result<()> {
-        match words.get(..self.record.words) {
-            Some(words) => (self.decode)(words),
-            None => Err(Error::invalid("status records", "words", format!("{} words read", words.len()))),
-        }
+        (self.decode)(words)
     }
 }
 
@@ -263,18 +244,11 @@ impl Pending for Captured {
         None
     }
 
-    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
-        read_alone(self, &self.record, wait, stream)
-    }
-
     fn record(&self) -> Option<StatusRecord> {
         Some(self.record)
     }
 
     fn settle(&self, words: &[u32], stream: &NpuStream) -> Result<()> {
-        let Some(words) = words.get(..self.record.words) else {
-            return Err(Error::invalid("status records", "words", format!("{} words read", words.len())));
-        };
         if words.iter().all(|&w| w == 0) {
             return Ok(());
         }

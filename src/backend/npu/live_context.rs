@@ -39,6 +39,7 @@ use super::kernel::guard::{
 };
 use super::kernel::STATUS_WORDS;
 use super::memory::{NpuBuffer, PinnedHostBuffer};
+use super::pool::CaptureRuns;
 use super::result::acl as rt;
 use super::runtime::{NpuEvent, NpuStream};
 use super::NpuDevice;
@@ -106,10 +107,9 @@ struct Records {
     next_seq: u64,
     /// Slots held by captured guards (kept for the context's life).
     captured: usize,
-    /// Guards captured since the last eager guard, and the most any such run
-    /// captured: an eager guard keeps at least that many records out of the
-    /// captured ones' hands.
-    run: (usize, usize),
+    /// Guards captured, by run of captures: an eager guard keeps at least as
+    /// many records out of the captured ones' hands as the largest run took.
+    run: CaptureRuns,
 }
 
 impl Records {
@@ -118,9 +118,7 @@ impl Records {
     /// of captures took (so the next graph of a model, captured after its
     /// warm-up, finds its records), and how many more that takes.
     fn end_run(&mut self) -> usize {
-        let (run, most) = self.run;
-        self.run = (0, run.max(most));
-        let keep = GUARD_CHUNK.max(run.max(most));
+        let keep = self.run.end(GUARD_CHUNK);
         keep.saturating_sub(self.slots.len() - self.captured)
     }
 
@@ -233,7 +231,8 @@ impl LiveContext {
         const OP: &str = "LiveContext::new";
         refuse_capture(OP, device.stream(), "make the live context before capture (it allocates device memory)")?;
         let live = NpuBuffer::zeros(device, LIVE_BYTES)?;
-        let mut records = Records { slots: Vec::new(), chunks: Vec::new(), next_seq: 0, captured: 0, run: (0, 0) };
+        let mut records =
+            Records { slots: Vec::new(), chunks: Vec::new(), next_seq: 0, captured: 0, run: CaptureRuns::default() };
         records.grow(device, OP, whole_chunks(guards.max(1)))?;
         let staging = Mutex::new(Staging {
             host: PinnedHostBuffer::zeros(device, STAGING_SLOTS * LIVE_BYTES)?,
@@ -361,7 +360,7 @@ impl LiveContext {
             r.slots[i] = if captured { Slot::Captured(op, seq) } else { Slot::Eager(op, seq) };
             if captured {
                 r.captured += 1;
-                r.run.0 += 1;
+                r.run.took(1);
             }
             r.next_seq += 1;
             (i, r.place(i, tiling))
@@ -372,7 +371,7 @@ impl LiveContext {
             r.slots[slot] = Slot::Free;
             if captured {
                 r.captured -= 1;
-                r.run.0 = r.run.0.saturating_sub(1);
+                r.run.gave_back(1);
             }
         }
         launched

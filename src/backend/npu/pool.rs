@@ -215,6 +215,38 @@ pub(crate) const GRAPH_STAGING: usize = 256 << 10;
 /// Alignment of the pieces cut for captured copies.
 pub(crate) const GRAPH_ALIGN: usize = 64;
 
+/// What a stream (or live context) keeps for work captured into graphs,
+/// which holds what it takes for the stream's life: the amount taken by the
+/// current run of captures (everything captured since the last eager call)
+/// and the most any run took. At an eager call the run ends, and at least
+/// as much as the largest run is kept free, so the next graph of a model,
+/// captured after its warm-up, finds what it needs without a reservation.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct CaptureRuns {
+    run: usize,
+    most: usize,
+}
+
+impl CaptureRuns {
+    /// A capture took `n` more.
+    pub(crate) fn took(&mut self, n: usize) {
+        self.run += n;
+    }
+
+    /// A capture gave `n` back (its work was not queued after all).
+    pub(crate) fn gave_back(&mut self, n: usize) {
+        self.run = self.run.saturating_sub(n);
+    }
+
+    /// An eager call: the run ends. Returns what to keep free: `at_least`,
+    /// or the most one run took.
+    pub(crate) fn end(&mut self, at_least: usize) -> usize {
+        self.most = self.most.max(self.run);
+        self.run = 0;
+        at_least.max(self.most)
+    }
+}
+
 /// Pinned host blocks (`aclrtMallocHost`) that carry small host data (slot
 /// offsets, a tiling) to the device with an asynchronous copy. A block whose
 /// copy is queued is in flight, with the fence recorded after that copy,
@@ -233,9 +265,8 @@ pub(crate) struct Staging<F> {
     /// bytes, bytes cut): every replay copies a piece again, so it keeps its
     /// bytes for the stream's life.
     graph: Vec<(usize, usize, usize)>,
-    /// Bytes cut for captured copies since the last eager copy, and the most
-    /// any such run cut.
-    graph_run: (usize, usize),
+    /// Bytes cut for captured copies, by run of captures.
+    graph_run: CaptureRuns,
     /// Fences no block holds, recorded again for later copies.
     spare: Vec<F>,
     /// Host allocations made so far.
@@ -249,7 +280,7 @@ impl<F> Default for Staging<F> {
             free: Vec::new(),
             in_flight: VecDeque::new(),
             graph: Vec::new(),
-            graph_run: (0, 0),
+            graph_run: CaptureRuns::default(),
             spare: Vec::new(),
             host_blocks: 0,
         }
@@ -284,7 +315,7 @@ impl<F: Clone> Staging<F> {
         let chunk = self.graph.iter_mut().find(|(_, len, cut)| len - *cut >= n)?;
         let ptr = chunk.0 + chunk.2;
         chunk.2 += n;
-        self.graph_run.0 += n;
+        self.graph_run.took(n);
         Some(ptr)
     }
 
@@ -297,9 +328,7 @@ impl<F: Clone> Staging<F> {
     /// room to keep for the next ones: [`GRAPH_STAGING`], or the most one
     /// run cut so far.
     pub(crate) fn end_graph_run(&mut self) -> usize {
-        let (run, most) = self.graph_run;
-        self.graph_run = (0, run.max(most));
-        GRAPH_STAGING.max(run.max(most))
+        self.graph_run.end(GRAPH_STAGING)
     }
 
     /// A new allocation from aclrtMallocHost, cut for captured copies.

@@ -314,10 +314,10 @@ impl NpuStream {
         let pending = std::mem::take(&mut st.pending);
         let mut kept: Vec<Box<dyn Pending>> = Vec::with_capacity(pending.len());
         for p in pending {
-            match p.record().and_then(|r| r.seq) {
-                Some(s) if (tail..bound).contains(&s) => {
+            match p.record() {
+                Some(StatusRecord { seq: Some(s), words: n, .. }) if (tail..bound).contains(&s) && n <= per => {
                     let at = (s - tail) as usize * per;
-                    if let Err(e) = p.settle(&words[at..at + per], self) {
+                    if let Err(e) = p.settle(&words[at..at + n], self) {
                         if !holds_error {
                             holds_error = true;
                             kept.push(Box::new(Settled(Mutex::new(Some(e)))));
@@ -365,18 +365,10 @@ impl NpuStream {
         lock(self.state()).capture_records.iter().map(|b| b.slots - b.used).sum()
     }
 
-    /// The most record slots one run of captures took so far (the slots
-    /// taken between two eager launches).
-    pub(crate) fn largest_captured_run(&self) -> usize {
-        let st = lock(self.state());
-        st.captured_run.0.max(st.captured_run.1)
-    }
-
-    /// An eager launch: the captures before it ended their run.
-    pub(crate) fn end_captured_run(&self) {
-        let mut st = lock(self.state());
-        let (run, most) = st.captured_run;
-        st.captured_run = (0, run.max(most));
+    /// An eager launch: the captures before it ended their run. Returns the
+    /// record slots to keep free: `at_least`, or the most one run took.
+    pub(crate) fn end_captured_run(&self, at_least: usize) -> usize {
+        lock(self.state()).captured_run.end(at_least)
     }
 
     /// Adds `slots` record slots of `slot_bytes` at device address `base` (a
@@ -392,16 +384,16 @@ impl NpuStream {
     /// no launch ran before capture).
     pub(crate) fn take_capture_record(&self, bytes: usize) -> Result<(usize, (usize, usize))> {
         let mut st = lock(self.state());
-        let reserved: usize = st.capture_records.iter().map(|b| b.slots).sum();
-        let slot_bytes = st.capture_records.first().map(|b| b.slot_bytes);
         let free = st.capture_records.iter_mut().find(|b| b.used < b.slots && bytes <= b.slot_bytes);
         if let Some(b) = free {
             let p = b.base + b.used * b.slot_bytes;
             b.used += 1;
             let block = (b.base, b.slots * b.slot_bytes);
-            st.captured_run.0 += 1;
+            st.captured_run.took(1);
             return Ok((p, block));
         }
+        let reserved: usize = st.capture_records.iter().map(|b| b.slots).sum();
+        let slot_bytes = st.capture_records.first().map(|b| b.slot_bytes);
         Err(Error::invalid(
             "capture records",
             "stream",

@@ -8,7 +8,7 @@ use acl_sys::{aclrtEvent, aclrtStream, Acl};
 
 use super::device::DeviceCtx;
 use super::load::{record_drop_error, settled};
-use crate::backend::npu::pool::{self, Allocator, Pool};
+use crate::backend::npu::pool::{self, Allocator, CaptureRuns, Pool};
 use crate::backend::npu::result::acl as rt;
 use crate::{Error, Result};
 
@@ -23,8 +23,16 @@ pub(crate) trait Pending: Send + Sync {
     /// The longest this work may take (a collective's communicator timeout).
     fn timeout(&self) -> Option<Duration>;
     /// The error recorded on the device for this work, once the stream is
-    /// drained (or failed to drain: then `wait` holds why).
-    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()>;
+    /// drained (or failed to drain: then `wait` holds why). Work with a
+    /// [`record`](Self::record) reads it and [`settle`](Self::settle)s (a
+    /// check reads every record at once instead); when the stream failed its
+    /// words may be stale, and the failed wait is what the check reports.
+    fn outcome(&self, wait: Option<&Error>, stream: &NpuStream) -> Result<()> {
+        match self.record() {
+            Some(r) if wait.is_none() => self.settle(stream.read_records(&[r])?.of(&r), stream),
+            _ => Ok(()),
+        }
+    }
     /// The status record this work reports through, if it has one: the
     /// check reads it with the other records of its block in as few copies
     /// as their places allow, and gives its words to [`settle`](Self::settle)
@@ -32,7 +40,7 @@ pub(crate) trait Pending: Send + Sync {
     fn record(&self) -> Option<StatusRecord> {
         None
     }
-    /// The outcome from the words of its status record (at least the
+    /// The outcome from the words of its status record (exactly the
     /// record's words), read once the work completed: by the check, or
     /// earlier for an eager launch when every slot of the ring is held.
     fn settle(&self, _words: &[u32], _stream: &NpuStream) -> Result<()> {
@@ -111,9 +119,9 @@ pub(crate) struct StreamState {
     /// blocks reserved outside capture from the pool (a block is never moved
     /// or freed: captured launches hold its addresses).
     pub(super) capture_records: Vec<CaptureRecords>,
-    /// Record slots taken by captures since the last eager launch, and the
-    /// most any such run took: an eager launch keeps at least that many free.
-    pub(super) captured_run: (usize, usize),
+    /// Record slots taken by captures, by run of captures: an eager launch
+    /// keeps at least as many free as the largest run took.
+    pub(super) captured_run: CaptureRuns,
     /// The status records of eager kernel launches (see [`EagerRecords`]).
     pub(super) eager: Option<EagerRecords>,
     /// The event this stream records for the streams that wait on it.
