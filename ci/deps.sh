@@ -37,14 +37,31 @@ apt_install() {
         sudo=(sudo)
     fi
     export DEBIAN_FRONTEND=noninteractive
+    # A machine that is still being provisioned may hold apt's locks for a
+    # while: dpkg's lock is waited for by apt itself, the lists lock (which
+    # `apt-get update` takes without waiting) by trying again.
+    local lock=(-o DPkg::Lock::Timeout=600) err tries=0
+    err="$(mktemp)"
     if ((!_deps_apt_updated)); then
         _deps_log "apt-get update"
-        "${sudo[@]}" apt-get update -qq >/dev/null || _deps_die "apt-get update failed"
+        until "${sudo[@]}" apt-get "${lock[@]}" update -qq >/dev/null 2>"$err"; do
+            if ((++tries >= 60)) || ! grep -qi 'lock' "$err"; then
+                cat "$err" >&2
+                rm -f "$err"
+                _deps_die "apt-get update failed"
+            fi
+            _deps_log "apt's lists are locked by another process; trying again in 10 s"
+            sleep 10
+        done
         _deps_apt_updated=1
     fi
     _deps_log "apt-get install $*"
-    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "$@" >/dev/null \
-        || _deps_die "apt-get install $* failed"
+    if ! "${sudo[@]}" apt-get "${lock[@]}" install -y -qq --no-install-recommends "$@" >/dev/null 2>"$err"; then
+        cat "$err" >&2
+        rm -f "$err"
+        _deps_die "apt-get install $* failed"
+    fi
+    rm -f "$err"
 }
 
 # ensure NAME PROBE PKG...: run PROBE; on failure install PKGs and run it again.
