@@ -586,8 +586,9 @@ fn gather_unpad_and_pad_reduce_are_inverse_layouts_over_uneven_and_empty_dp_rank
         for h in [3usize, 0] {
             let seed = 10 * ci as u64 + h as u64;
             // Rank q's partial of the gathered rows: gathered * scale(q), in
-            // f32, rounded to bf16.
-            let scale = |q: usize| [1.0f32, -0.75, 1.375, 0.5, -2.0, 3.25][q];
+            // f32, rounded to bf16. Ranks 0 and 1 cancel exactly when summed
+            // first, as rank order does; another order loses rank 2's bits.
+            let scale = |q: usize| [16_777_216.0f32, -16_777_216.0, 1.0, -0.75, 1.375, 0.5][q];
             let outs = run_ranks(ep, &opts(), |r, comm| {
                 let x = Tensor::from_slice(&shard(seed, r, sizes[r], h), &[sizes[r], h])?;
                 let gathered = maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)?;
@@ -815,9 +816,17 @@ fn finalize_and_reduce_with_empty_ranks_is_section_1_then_section_3() {
         let mut idx: Vec<i32> = (0..(n * k) as i32).collect();
         rng.shuffle(&mut idx);
         let s: Vec<f32> = (0..n * k).map(|_| rng.unit()).collect();
+        // Ranks 0 and 1 add +-2^24 times the same skip input: their outputs
+        // cancel when summed first, as rank order does.
+        let big: Vec<f32> = spread(&mut Rng::new(76), n * h).iter().map(|v| v * 16_777_216.0).collect();
+        let x1 = match r {
+            0 => big,
+            1 => big.iter().map(|v| -v).collect(),
+            _ => spread(&mut rng, n * h),
+        };
         Fin::new(DropPadMode::DropLessRow, DType::BF16, n, k, h, &[n * k, h], &spread(&mut rng, n * k * h))
             .idx(&idx)
-            .x1(&spread(&mut rng, n * h))
+            .x1(&x1)
             .scales(&s, DType::F32)
     };
     let outs = run_ranks(ep, &opts(), |r, comm| {
