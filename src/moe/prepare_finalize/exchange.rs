@@ -111,7 +111,10 @@ pub fn dispatch(
 
 /// MoE combine: sends every expert output row back to its token's rank and
 /// sums `topk_weights[i, k] * row` per token (the finalize op in drop-pad row
-/// mode; a masked token gets zeros). Output `[N, H...]`, the full routed sum.
+/// mode). A masked token's slots are dropped slots of SPEC section 1, each
+/// adding `topk_weights[i, k] * 0`: the token is zero for finite weights and
+/// NaN where one of its weights is NaN or infinite. Output `[N, H...]`, the
+/// full routed sum.
 pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &Comm) -> Result<Tensor> {
     const OP: &str = "moe_combine";
     let recv_total: usize = d.recv_counts.iter().sum();
