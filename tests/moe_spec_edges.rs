@@ -845,3 +845,28 @@ fn finalize_and_reduce_with_empty_ranks_is_section_1_then_section_3() {
         assert_eq!(bf16_bits(got), bf16_bits(&want), "rank {r}");
     }
 }
+
+#[test]
+fn a_masked_token_adds_weight_times_zero_per_slot() {
+    // One rank, H = 2, K = 2, f32 data. Token 0 is real; tokens 1-3 are
+    // masked, with finite, infinite and NaN weights.
+    let (h, k, experts) = (2usize, 2usize, 4usize);
+    let x = [1.5f32, -2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+    let ids = [0i32, 1, 2, 3, 1, 2, 0, 3];
+    let w = [0.5f32, 0.25, 2.0, -3.0, f32::INFINITY, 1.0, 1.0, f32::NAN];
+    let mask = [true, false, false, false];
+    let out = run_ranks(1, &opts(), |_, comm| {
+        let d = dispatch(&Tensor::from_slice(&x, &[4, h])?, &ids, k, Some(mask.as_slice()), experts, &comm)?;
+        // Only token 0's two slots travel; the experts are identities.
+        assert_eq!(d.experts, [0, 1]);
+        let y = d.rows.to_vec::<f32>()?;
+        combine(&Tensor::from_slice(&y, d.rows.shape())?, &d, &Tensor::from_slice(&w, &[4, k])?, &comm)?.to_vec::<f32>()
+    })
+    .unwrap()
+    .remove(0);
+    // Token 0: 0.5 * x0 + 0.25 * x0; token 1: 2 * 0 + (-3) * 0 = +0 (the f32
+    // sum of +0 and -0); tokens 2 and 3: inf * 0 and NaN * 0 are NaN.
+    let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(b(&out[..4]), b(&[1.125, -1.5, 0.0, 0.0]), "{out:?}");
+    assert!(out[4..].iter().all(|v| v.is_nan()), "{out:?}");
+}
