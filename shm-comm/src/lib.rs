@@ -217,17 +217,21 @@ impl Config {
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 
-    /// The staging size actually used.
+    /// The staging size actually used. Saturates at the largest multiple of
+    /// 64 (a world cannot map that much: [`ShmComm::rendezvous`] refuses
+    /// it, naming the size).
     pub fn effective_staging(&self) -> usize {
-        self.staging_bytes.max(Self::MIN_STAGING).div_ceil(64) * 64
+        let s = self.staging_bytes.max(Self::MIN_STAGING);
+        s.checked_next_multiple_of(64).unwrap_or(usize::MAX / 64 * 64)
     }
 
     /// Staging slots per rank.
     pub const SLOTS: usize = segment::SLOTS;
 
-    /// Shared memory one rank maps, in bytes (control block + staging slots).
+    /// Shared memory one rank maps, in bytes (control block + staging slots);
+    /// saturates at `usize::MAX`.
     pub fn bytes_per_rank(&self) -> usize {
-        segment::BLOCK + segment::SLOTS * self.effective_staging()
+        segment::SLOTS.saturating_mul(self.effective_staging()).saturating_add(segment::BLOCK)
     }
 }
 
@@ -343,6 +347,10 @@ impl ShmComm {
             return Err(setup(format!("invalid group name {name:?} (must be non-empty, without NUL)")));
         }
         let staging = cfg.effective_staging();
+        if segment::checked_segment_len(world_size, staging).is_none() {
+            let asked = format!("{} bytes", cfg.staging_bytes);
+            return Err(setup(rendezvous::too_large(world_size, staging, &asked)));
+        }
         let start = Instant::now();
         let seg = Segment::join(name, world_size, rank, staging, timeout)?;
         let comm = ShmComm {
