@@ -21,7 +21,8 @@ use crate::file::{ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_start, pid_alive};
 use crate::segment::{
-    checked_segment_len, describe_refusal, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION,
+    checked_segment_len, describe_refusal, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD,
+    VERSION,
 };
 use crate::{Error, ErrorKind, Result};
 
