@@ -256,6 +256,17 @@ impl Segment {
         }
     }
 
+    /// Sets this rank's state to `state` (FAILED or ABORTED) and wakes the
+    /// peers. ABORTED, the root cause its peers report, is never replaced
+    /// by FAILED.
+    pub(crate) fn mark(&self, state: u32) {
+        let c = &self.ctrl(self.rank).state;
+        let _ = c.fetch_update(Ordering::Release, Ordering::Acquire, |now| {
+            (now != ABORTED || state == ABORTED).then_some(state)
+        });
+        self.ring();
+    }
+
     /// Marks this rank gone with `state` (LEFT, ABORTED or FAILED); the last
     /// rank out unlinks the file.
     pub(crate) fn leave(&self, state: u32) {
