@@ -373,6 +373,78 @@ fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast() {
     }
 }
 
+/// The same on the padded two-step path (rows too wide for a staging
+/// region): the rank whose finalize refuses its input still joins the
+/// reduce-scatter with its reason, so its peers fail at once naming it
+/// instead of waiting for it until the group's timeout.
+#[test]
+fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast_in_the_two_step_path() {
+    let small = CpuCommConfig { staging_bytes: 4096 };
+    let l = SpLayout::new(&[3, 5, 2, 4]).unwrap();
+    let (n, k) = (l.total_rows(), 2);
+    let h = small.effective_staging() / l.ep_size() + 1;
+    let timeout = std::time::Duration::from_secs(30);
+    let start = std::time::Instant::now();
+    let errs = run_ranks_with(4, &CommOptions::with_timeout(timeout), &small, |r, comm| {
+        let Comm::Cpu(cpu) = &comm else { panic!("run_ranks gives CPU communicators") };
+        assert_eq!(cpu.rows_per_region(h, DType::F32), 0, "the padded path");
+        let mut f = rank_finalize(32, r, n, k, h, DType::F32);
+        if r == 1 {
+            let mut idx = f.idx.to_vec::<i32>()?;
+            idx[3] = (n * k) as i32;
+            f.idx = i32_tensor(&idx, &[n * k]);
+        }
+        Ok(finalize_and_reduce(&f.args(), Some(&l), &comm).expect_err("rank 1's index is out of range"))
+    })
+    .unwrap();
+    assert!(start.elapsed() < timeout / 4, "took {:?}", start.elapsed());
+    for (r, e) in errs.iter().enumerate() {
+        let s = e.to_string();
+        assert!(s.contains("expanded_row_idx"), "rank {r}: {s}");
+        assert!(s.contains(&format!("{}", n * k)), "rank {r} names the value: {s}");
+        if r != 1 {
+            assert!(s.contains("rank 1"), "rank {r} must name the failing rank: {s}");
+            let kind = match e {
+                ascend_moe::Error::Comm { kind, .. } => Some(*kind),
+                _ => None,
+            };
+            assert_eq!(kind, Some(ascend_moe::CommErrorKind::Mismatch), "rank {r}: {s}");
+        }
+    }
+}
+
+/// With empty rows (H = 0) nothing is reduced, yet the inputs are still
+/// checked: an out-of-range index on one rank fails that rank and every
+/// peer (naming it), in a world of one as in a world of three.
+#[test]
+fn finalize_and_reduce_of_empty_rows_still_refuses_a_bad_index_on_every_rank() {
+    for sizes in [&[4usize][..], &[3, 0, 2]] {
+        let l = SpLayout::new(sizes).unwrap();
+        let (ep, n, k, h) = (l.ep_size(), l.total_rows(), 2, 0);
+        let bad = ep - 1;
+        let timeout = std::time::Duration::from_secs(30);
+        let start = std::time::Instant::now();
+        let errs = run_ranks(ep, &CommOptions::with_timeout(timeout), |r, comm| {
+            let mut f = rank_finalize(33, r, n, k, h, DType::F32);
+            if r == bad {
+                let mut idx = f.idx.to_vec::<i32>()?;
+                idx[1] = -1;
+                f.idx = i32_tensor(&idx, &[n * k]);
+            }
+            Ok(finalize_and_reduce(&f.args(), Some(&l), &comm).expect_err("an index is out of range"))
+        })
+        .unwrap();
+        assert!(start.elapsed() < timeout / 4, "{sizes:?} took {:?}", start.elapsed());
+        for (r, e) in errs.iter().enumerate() {
+            let s = e.to_string();
+            assert!(s.contains("expanded_row_idx") && s.contains("-1"), "{sizes:?} rank {r}: {s}");
+            if r != bad {
+                assert!(s.contains(&format!("rank {bad}")), "{sizes:?} rank {r} must name rank {bad}: {s}");
+            }
+        }
+    }
+}
+
 /// One rank fusing while its peer runs the two-step path is a mismatched
 /// collective, reported on both ranks.
 #[test]

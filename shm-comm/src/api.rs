@@ -41,9 +41,10 @@ fn reducible(op: &'static str, dtype: DataType) -> Result<()> {
     Ok(())
 }
 
-/// A reduction writes `arg` through typed pointers: it must be aligned,
-/// unless it is empty (nothing is written then, and an empty `Vec`'s pointer
-/// is only aligned to its own element type).
+/// A reduction reads this rank's input and writes `arg` through typed
+/// pointers: each must be aligned, unless it is empty (nothing is read or
+/// written then, and an empty `Vec`'s pointer is only aligned to its own
+/// element type).
 fn aligned(op: &'static str, arg: &'static str, dtype: DataType, s: &[u8]) -> Result<()> {
     if !s.is_empty() && (s.as_ptr() as usize) % dtype.size() != 0 {
         return Err(Error::invalid(op, arg, format!("is not aligned to the {}-byte {dtype} elements", dtype.size())));
@@ -53,7 +54,7 @@ fn aligned(op: &'static str, arg: &'static str, dtype: DataType, s: &[u8]) -> Re
 
 impl ShmComm {
     /// `dst = op(src over ranks)`; `src` and `dst` hold the same number of
-    /// elements.
+    /// elements, and a non-empty `src` is aligned to them.
     pub fn all_reduce<E: From<Error> + Display>(
         &self,
         dtype: DataType,
@@ -67,15 +68,16 @@ impl ShmComm {
         let local = check.and_then(|_| {
             reducible(C, dtype)?;
             let n = elems(C, "src", dtype, src.len())?;
-            Ok(same_len(C, "dst", n, elems(C, "dst", dtype, dst.len())?)?)
+            same_len(C, "dst", n, elems(C, "dst", dtype, dst.len())?)?;
+            Ok(aligned(C, "src", dtype, src)?)
         });
         let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n);
-        // SAFETY: the data phase runs only when the lengths agree (no invalid
-        // text); & and &mut cannot overlap.
+        // SAFETY: the data phase runs only when the lengths agree and src is
+        // aligned (no invalid text); & and &mut cannot overlap.
         finish(local, |inv| unsafe { self.all_reduce_raw(desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), n) })
     }
 
-    /// In-place all-reduce.
+    /// In-place all-reduce; a non-empty `buf` is aligned to its elements.
     pub fn all_reduce_in_place<E: From<Error> + Display>(
         &self,
         dtype: DataType,
@@ -88,16 +90,18 @@ impl ShmComm {
         let local = check.and_then(|_| {
             reducible(C, dtype)?;
             elems(C, "buf", dtype, buf.len())?;
-            Ok(())
+            Ok(aligned(C, "buf", dtype, buf)?)
         });
         let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n);
         let p = buf.as_mut_ptr();
-        // SAFETY: src == dst (in place is allowed); buf holds n elements.
+        // SAFETY: src == dst (in place is allowed); buf holds n aligned
+        // elements when the data phase runs.
         finish(local, |inv| unsafe { self.all_reduce_raw(desc, inv, dtype, op, p, p, n) })
     }
 
     /// Reduce-scatter: `src` holds `world` blocks of `dst`'s element count;
-    /// `dst` receives block `rank` of the reduction.
+    /// `dst` receives block `rank` of the reduction. Both are aligned to
+    /// their elements (unless empty).
     pub fn reduce_scatter<E: From<Error> + Display>(
         &self,
         dtype: DataType,
@@ -113,18 +117,20 @@ impl ShmComm {
             reducible(C, dtype)?;
             let n = elems(C, "dst", dtype, dst.len())?;
             same_len(C, "src", n.saturating_mul(w), elems(C, "src", dtype, src.len())?)?;
+            aligned(C, "src", dtype, src)?;
             Ok(aligned(C, "dst", dtype, dst)?)
         });
         let desc = Desc::new(Kind::ReduceScatter, dtype, Some(op)).count(n);
         let counts = vec![n; w];
         // SAFETY: the data phase runs only when src holds w * n and dst n
-        // aligned elements.
+        // elements, both aligned.
         finish(local, |inv| unsafe {
             self.reduce_scatter_raw(Kind::ReduceScatter, desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), &counts)
         })
     }
 
-    /// Reduce-scatter with per-rank block sizes `counts` (elements).
+    /// Reduce-scatter with per-rank block sizes `counts` (elements); `src`
+    /// and `dst` are aligned to their elements (unless empty).
     pub fn reduce_scatter_v<E: From<Error> + Display>(
         &self,
         dtype: DataType,
@@ -139,11 +145,12 @@ impl ShmComm {
             reducible(C, dtype)?;
             let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
             self.check_v(C, counts, s, "src", d, "dst")?;
+            aligned(C, "src", dtype, src)?;
             Ok(aligned(C, "dst", dtype, dst)?)
         });
         let desc = Desc::new(Kind::ReduceScatterV, dtype, Some(op)).counts(counts, counts);
         // SAFETY: the data phase runs only when src holds sum(counts) and dst
-        // counts[rank] aligned elements.
+        // counts[rank] elements, both aligned.
         finish(local, |inv| unsafe {
             self.reduce_scatter_raw(Kind::ReduceScatterV, desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), counts)
         })

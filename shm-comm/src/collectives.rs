@@ -29,7 +29,7 @@ impl ShmComm {
     pub(crate) fn drive(
         &self,
         kind: Kind,
-        mut desc: Desc,
+        desc: Desc,
         invalid: Option<&str>,
         rounds: &dyn Fn(&[Desc]) -> usize,
         stage: &mut dyn FnMut(usize, usize),
@@ -38,6 +38,27 @@ impl ShmComm {
     ) -> Result<()> {
         let coll = kind.name();
         self.check_owner(coll)?;
+        // A panic in `stage` or `consume` (the caller's code runs there) would
+        // leave the peers waiting for this rank until their timeout, and this
+        // handle out of step with them: the guard aborts the handle instead.
+        let guard = AbortOnUnwind { comm: self, coll };
+        let r = self.drive_steps(kind, desc, invalid, rounds, stage, consume, tail);
+        std::mem::forget(guard);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn drive_steps(
+        &self,
+        kind: Kind,
+        mut desc: Desc,
+        invalid: Option<&str>,
+        rounds: &dyn Fn(&[Desc]) -> usize,
+        stage: &mut dyn FnMut(usize, usize),
+        consume: &mut dyn FnMut(usize, usize),
+        tail: bool,
+    ) -> Result<()> {
+        let coll = kind.name();
         let mut st = self.lock();
         if let Some(e) = &st.broken {
             return Err(e.clone());
@@ -433,6 +454,20 @@ impl ShmComm {
             }
         };
         self.drive(Kind::Broadcast, desc, invalid, &|_| rounds, &mut stage, &mut consume, false)
+    }
+}
+
+/// Aborts the handle of a collective that unwinds (dropped without being
+/// forgotten): its peers fail at once with [`crate::ErrorKind::PeerFailed`]
+/// naming the panic, and every later call on the handle fails.
+struct AbortOnUnwind<'a> {
+    comm: &'a ShmComm,
+    coll: &'static str,
+}
+
+impl Drop for AbortOnUnwind<'_> {
+    fn drop(&mut self) {
+        self.comm.abort(self.coll);
     }
 }
 

@@ -108,7 +108,8 @@
 //! # Waiting and failure
 //! Waits spin briefly, then sleep on a futex in the segment header (woken by every
 //! arrival), re-checking at least every few milliseconds whether a peer aborted
-//! (its handle was dropped while its thread panicked, or it failed a wait), left,
+//! (its thread panicked inside a collective, or while dropping its
+//! handle, or it failed a wait), left,
 //! or died (its pid no longer exists). Such a peer fails the wait at once with
 //! [`ErrorKind::PeerFailed`]; otherwise the wait fails with
 //! [`ErrorKind::Timeout`] at the deadline. After either, the handle is broken:
@@ -217,17 +218,21 @@ impl Config {
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 
-    /// The staging size actually used.
+    /// The staging size actually used. Saturates at the largest multiple of
+    /// 64 (a world cannot map that much: [`ShmComm::rendezvous`] refuses
+    /// it, naming the size).
     pub fn effective_staging(&self) -> usize {
-        self.staging_bytes.max(Self::MIN_STAGING).div_ceil(64) * 64
+        let s = self.staging_bytes.max(Self::MIN_STAGING);
+        s.checked_next_multiple_of(64).unwrap_or(usize::MAX / 64 * 64)
     }
 
     /// Staging slots per rank.
     pub const SLOTS: usize = segment::SLOTS;
 
-    /// Shared memory one rank maps, in bytes (control block + staging slots).
+    /// Shared memory one rank maps, in bytes (control block + staging slots);
+    /// saturates at `usize::MAX`.
     pub fn bytes_per_rank(&self) -> usize {
-        segment::BLOCK + segment::SLOTS * self.effective_staging()
+        segment::SLOTS.saturating_mul(self.effective_staging()).saturating_add(segment::BLOCK)
     }
 }
 
@@ -300,7 +305,8 @@ impl Drop for Inner {
             return;
         }
         let broken = self.state.get_mut().map(|s| s.broken.is_some()).unwrap_or(true);
-        let state = if std::thread::panicking() {
+        let aborted = self.seg.ctrl(self.rank).state.load(std::sync::atomic::Ordering::Acquire) == ABORTED;
+        let state = if std::thread::panicking() || aborted {
             ABORTED
         } else if broken {
             FAILED
@@ -343,6 +349,10 @@ impl ShmComm {
             return Err(setup(format!("invalid group name {name:?} (must be non-empty, without NUL)")));
         }
         let staging = cfg.effective_staging();
+        if segment::checked_segment_len(world_size, staging).is_none() {
+            let asked = format!("{} bytes", cfg.staging_bytes);
+            return Err(setup(rendezvous::too_large(world_size, staging, &asked)));
+        }
         let start = Instant::now();
         let seg = Segment::join(name, world_size, rank, staging, timeout)?;
         let comm = ShmComm {
@@ -455,8 +465,90 @@ impl ShmComm {
     /// Marks the handle broken: peers see this rank failed and fail fast.
     fn poison(&self, st: &mut State, e: &Error) {
         st.broken = Some(e.clone());
-        let seg = &self.inner.seg;
-        seg.ctrl(self.inner.rank).state.store(FAILED, std::sync::atomic::Ordering::Release);
-        seg.ring();
+        self.inner.seg.mark(FAILED);
+    }
+
+    /// Marks the handle aborted after a panic inside collective `coll`: the
+    /// peers see this rank aborted (a root cause) and fail at once, and every
+    /// later call on this handle returns the error.
+    pub(crate) fn abort(&self, coll: &str) {
+        let mut st = self.lock();
+        let detail = format!(
+            "rank {} panicked inside its call #{}, so this handle was aborted and its peers failed",
+            self.inner.rank, st.seq
+        );
+        st.broken = Some(self.err(coll, ErrorKind::PeerFailed, detail));
+        self.inner.seg.mark(ABORTED);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Barrier;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A panic in the caller's code inside a collective (here the producer of
+    /// a computed-rows reduce-scatter) aborts the handle: the peer fails at
+    /// once naming the panic instead of waiting until its timeout, every
+    /// later call on the handle fails, and dropping the handle leaves the
+    /// rank aborted (the root cause), not merely failed.
+    #[test]
+    fn a_panic_inside_a_collective_aborts_the_handle_and_fails_its_peers() {
+        let name = format!("panic-inside-{}", std::process::id());
+        let both = Barrier::new(2);
+        let (name, both) = (&name, &both);
+        let (r0, r1) = std::thread::scope(|s| {
+            let spawn = |rank: usize| {
+                s.spawn(move || {
+                    let c = ShmComm::rendezvous(name, 2, rank, Duration::from_secs(20), &Config::default())
+                        .expect("rendezvous");
+                    let mut backing = [0u8; 5 * 4];
+                    let at = backing.as_ptr().align_offset(4);
+                    let dst = &mut backing[at..at + 4 * 4];
+                    let mut call = || {
+                        let mut produce = |_: usize, _: usize, out: &mut [u8]| {
+                            assert!(rank != 0, "rank 0's producer fails");
+                            out.fill(0);
+                        };
+                        c.reduce_scatter_rows_with(
+                            DataType::F32,
+                            ReduceOp::Sum,
+                            &[1, 1],
+                            4,
+                            &mut *dst,
+                            Ok::<(), Error>(()),
+                            &mut produce,
+                        )
+                    };
+                    if rank == 0 {
+                        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call));
+                        both.wait();
+                        let later = c.barrier();
+                        drop(c);
+                        both.wait();
+                        (caught.is_err(), later.err(), None)
+                    } else {
+                        let res = call();
+                        both.wait();
+                        both.wait();
+                        let state = c.inner.seg.ctrl(0).state.load(Ordering::Acquire);
+                        (false, res.err(), Some(state))
+                    }
+                })
+            };
+            let (h0, h1) = (spawn(0), spawn(1));
+            (h0.join().expect("rank 0"), h1.join().expect("rank 1"))
+        });
+        assert!(r0.0, "rank 0's call panicked");
+        let later = r0.1.expect("a call on an aborted handle fails");
+        assert_eq!(later.kind(), Some(ErrorKind::PeerFailed), "{later}");
+        assert!(later.to_string().contains("rank 0 panicked inside its call #1"), "{later}");
+        let peer = r1.1.expect("rank 1 fails with rank 0");
+        assert_eq!(peer.kind(), Some(ErrorKind::PeerFailed), "{peer}");
+        assert!(peer.to_string().contains("rank 0 aborted (its thread panicked)"), "{peer}");
+        assert_eq!(r1.2, Some(ABORTED), "dropping an aborted handle keeps it aborted");
     }
 }

@@ -21,7 +21,8 @@ use crate::file::{ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_start, pid_alive};
 use crate::segment::{
-    describe_refusal, segment_len, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD, VERSION,
+    checked_segment_len, describe_refusal, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD,
+    VERSION,
 };
 use crate::{Error, ErrorKind, Result};
 
@@ -65,6 +66,9 @@ enum Found {
 impl Segment {
     /// Creates or joins the segment of group `name` as `rank` of `world`.
     pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
+        let len = checked_segment_len(world, staging).ok_or_else(|| {
+            setup_err(name, rank, world, too_large(world, staging, &format!("{staging} bytes")), ErrorKind::Setup)
+        })?;
         let path = segment_path(name);
         let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("rendezvous", "name", "NUL byte"))?;
         let deadline = crate::clock::deadline(Instant::now(), timeout);
@@ -166,7 +170,6 @@ impl Segment {
                         backoff.snooze();
                         continue;
                     }
-                    let len = segment_len(world, staging);
                     // SAFETY: fd is open for writing.
                     if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
                         let e = os_err(format!("sizing {path} to {len} bytes"));
@@ -189,7 +192,6 @@ impl Segment {
                     return Self::attach(seg, name, &cpath);
                 }
                 Found::Join => {
-                    let len = segment_len(world, staging);
                     let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
                     return Self::attach(seg, name, &cpath);
                 }
@@ -237,7 +239,8 @@ impl Segment {
         let h = unsafe { &*(hdr.ptr as *const Header) };
         let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
         let (w, s) = (h.world.load(Ordering::Relaxed) as usize, h.staging.load(Ordering::Relaxed) as usize);
-        if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || size < segment_len(w, s) {
+        let complete = checked_segment_len(w, s).is_some_and(|len| size >= len);
+        if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || !complete {
             // Initialised segments are complete before the lock is released, so
             // this is a torn or foreign file.
             return Ok(Found::Stale);
@@ -340,6 +343,16 @@ fn describe_live(live: &[(usize, u32)]) -> String {
     live.iter().map(|(r, p)| format!("rank {r} pid {p}")).collect::<Vec<_>>().join(", ")
 }
 
+/// Why a world of `world` ranks cannot use staging slots of `staging` (how
+/// the caller asked for them): its segment cannot be mapped.
+pub(crate) fn too_large(world: usize, staging: usize, asked: &str) -> String {
+    format!(
+        "staging size {asked} per slot (Config::staging_bytes) is too large: a world of {world} ranks maps \
+         4 KiB + {world} x (4 KiB + 3 x {staging} bytes), more than the largest mapping of {} bytes",
+        isize::MAX
+    )
+}
+
 /// Whether rank `rank` of a world of `world` ranks with `staging` bytes may
 /// join the live world of size and staging `found` whose live ranks are
 /// `live`: `Join`, or the error naming why not.
@@ -423,6 +436,32 @@ mod tests {
         ] {
             assert!(why.contains(part), "{part:?} missing from: {why}");
         }
+    }
+
+    /// A file under the name whose header claims a staging size too large
+    /// for any segment (torn or foreign) is stale: it is replaced, and its
+    /// size is never computed with wrapping arithmetic.
+    #[test]
+    fn a_header_whose_segment_would_overflow_is_replaced() {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        use std::sync::atomic::AtomicU64;
+
+        let name = format!("overflowing-header-{}", std::process::id());
+        let path = segment_path(&name);
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).expect("create");
+        let mut block = vec![0u8; 2 * BLOCK];
+        let put = |b: &mut [u8], at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
+        put(&mut block, std::mem::offset_of!(Header, magic), &MAGIC.to_ne_bytes());
+        put(&mut block, std::mem::offset_of!(Header, version), &VERSION.to_ne_bytes());
+        put(&mut block, std::mem::offset_of!(Header, world), &1u32.to_ne_bytes());
+        put(&mut block, std::mem::offset_of!(Header, staging), &(u64::MAX / 2).to_ne_bytes());
+        assert_eq!(std::mem::size_of::<AtomicU64>(), 8);
+        f.write_all(&block).expect("write");
+        drop(f);
+        let cfg = crate::Config::default();
+        let c = crate::ShmComm::rendezvous(&name, 1, 0, Duration::from_secs(20), &cfg).expect("replaced");
+        c.barrier().expect("a world of one");
     }
 
     /// A descriptor that cannot be backed (a pipe) fails with the system's

@@ -149,9 +149,14 @@ const _: () = assert!(std::mem::size_of::<Header>() <= BLOCK);
 const _: () = assert!(std::mem::size_of::<Ctrl>() <= BLOCK);
 const _: () = assert!(MAX_WORLD <= 256, "split requests store one byte per rank");
 
-/// Total segment size for `world` ranks with `staging` bytes per slot.
-pub(crate) fn segment_len(world: usize, staging: usize) -> usize {
-    BLOCK + world * BLOCK + world * SLOTS * staging
+/// Total segment size for `world` ranks with `staging` bytes per slot, if it
+/// can be mapped: at most `isize::MAX` bytes, which also keeps it a valid
+/// file size (`off_t`) and every offset into the mapping a valid pointer
+/// offset. `None` when it is larger, or does not even fit a `usize`.
+pub(crate) fn checked_segment_len(world: usize, staging: usize) -> Option<usize> {
+    let per_rank = SLOTS.checked_mul(staging)?.checked_add(BLOCK)?;
+    let len = world.checked_mul(per_rank)?.checked_add(BLOCK)?;
+    isize::try_from(len).ok().map(|_| len)
 }
 
 /// A mapped segment; unmapped (and unlinked by the last rank out) on drop.
@@ -249,6 +254,17 @@ impl Segment {
         if h.sleepers.load(Ordering::SeqCst) > 0 {
             futex_wake(&h.bell);
         }
+    }
+
+    /// Sets this rank's state to `state` (FAILED or ABORTED) and wakes the
+    /// peers. ABORTED, the root cause its peers report, is never replaced
+    /// by FAILED.
+    pub(crate) fn mark(&self, state: u32) {
+        let c = &self.ctrl(self.rank).state;
+        let _ = c.fetch_update(Ordering::Release, Ordering::Acquire, |now| {
+            (now != ABORTED || state == ABORTED).then_some(state)
+        });
+        self.ring();
     }
 
     /// Marks this rank gone with `state` (LEFT, ABORTED or FAILED); the last

@@ -147,3 +147,25 @@ fn members_failed_by_a_member_that_gave_up_on_a_split_name_the_disagreement() {
         assert!(text.contains("[0, 1, 2]") && text.contains("[2, 1, 0]"), "rank {r} does not name both lists: {text}");
     }
 }
+
+/// A staging size whose segment (4 KiB + world x (4 KiB + 3 x staging))
+/// does not fit a mapping is refused before anything is created, naming the
+/// staging size, instead of wrapping; the sizes a caller prints saturate.
+#[test]
+fn a_staging_size_whose_segment_overflows_is_refused_naming_it() {
+    let world = 2;
+    for staging_bytes in [usize::MAX, usize::MAX / 3, isize::MAX as usize / 4] {
+        let cfg = Config { staging_bytes };
+        let eff = cfg.effective_staging();
+        assert_eq!(eff % 64, 0, "{staging_bytes}: {eff}");
+        assert!(eff >= staging_bytes - 63, "{staging_bytes}: {eff} wrapped");
+        assert!(cfg.bytes_per_rank() >= eff, "{staging_bytes}: {} wrapped", cfg.bytes_per_rank());
+        let name = group(&format!("huge-staging-{staging_bytes}"));
+        let e = ShmComm::rendezvous(&name, world, 0, Duration::from_secs(20), &cfg).expect_err("cannot be mapped");
+        let s = e.to_string();
+        assert_eq!(e.kind(), Some(ErrorKind::Setup), "{s}");
+        assert!(s.contains(&format!("staging size {staging_bytes}")), "{s}");
+        assert!(s.contains("Config::staging_bytes"), "{s}");
+        assert!(!std::path::Path::new(&shm_comm::segment_path(&name)).exists(), "{s}");
+    }
+}

@@ -266,3 +266,49 @@ fn computed_rows_are_produced_once_and_reduced_as_reduce_scatter_v_does() {
         }
     }
 }
+
+/// A reduction reads this rank's own input through typed slices: a non-empty
+/// `src` (or in-place `buf`) that is not aligned to its elements is refused
+/// before any data moves, naming the buffer, on the rank that passed it; its
+/// peers fail the same call quoting it, and the group stays usable.
+#[test]
+fn a_reduction_refuses_an_unaligned_input_on_every_rank() {
+    const N: usize = 64;
+    let out = ranks("unaligned-src", |r, c| {
+        let bad = r == 2;
+        // 4-byte aligned on every rank but rank 2, where it is off by one.
+        let mut backing = vec![0u8; (WORLD * N + 2) * 4];
+        let shift = backing.as_ptr().align_offset(4) + usize::from(bad);
+        let src = &mut backing[shift..shift + WORLD * N * 4];
+        assert_eq!((src.as_ptr() as usize) % 4 != 0, bad);
+        let ok = Ok::<(), Error>(());
+        let mut dst_backing = vec![0u8; (N + 1) * 4];
+        let at = dst_backing.as_ptr().align_offset(4);
+        let dst = &mut dst_backing[at..at + N * 4];
+        let mut all = vec![0u8; WORLD * N * 4];
+        let counts = [N; WORLD];
+        let calls: Vec<(&str, Result<(), Error>)> = vec![
+            ("src", c.all_reduce(DataType::F32, ReduceOp::Sum, src, &mut all, ok.clone())),
+            ("buf", c.all_reduce_in_place(DataType::F32, ReduceOp::Max, src, ok.clone())),
+            ("src", c.reduce_scatter(DataType::F32, ReduceOp::Sum, src, dst, ok.clone())),
+            ("src", c.reduce_scatter_v(DataType::I32, ReduceOp::Min, src, dst, &counts, ok.clone())),
+        ];
+        let after = all_reduce_ones(&c);
+        (calls, after)
+    });
+    let four: Vec<u8> = (0..8).flat_map(|_| 4f32.to_le_bytes()).collect();
+    for (r, (calls, after)) in out.iter().enumerate() {
+        for (arg, res) in calls {
+            let e = res.as_ref().expect_err("rank 2's input is not aligned");
+            let s = e.to_string();
+            assert!(s.contains(&format!("`{arg}`: is not aligned to the 4-byte")), "rank {r}: {s}");
+            if r == 2 {
+                assert!(matches!(e, Error::InvalidArgument { arg: a, .. } if a == arg), "rank {r}: {e:?}");
+            } else {
+                assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "rank {r}: {s}");
+                assert!(s.contains("ranks [2] passed invalid arguments"), "rank {r}: {s}");
+            }
+        }
+        assert_eq!(after.as_ref().expect("the group stays usable"), &four, "rank {r}");
+    }
+}

@@ -360,6 +360,11 @@ pub type Buf<C> = <<C as Communicator>::Backend as Backend>::Buffer;
 /// buffer (`M = max(local_sizes)`, padding rows zero), which is then
 /// reduce-scattered; the first `local_sizes[rank]` rows of this rank's slot go
 /// to `out`.
+///
+/// A failure before the reduce-scatter (a shape, the scratch buffers, the
+/// finalize's own checks of its inputs) is reported through
+/// [`Communicator::refuse`], so the peers, already in the collective, fail
+/// at once with this rank's reason instead of waiting for it.
 pub fn finalize_then_reduce_scatter<C: Communicator>(
     comm: &C,
     args: &FinalizeArgs<View<'_, Buf<C>>>,
@@ -368,17 +373,24 @@ pub fn finalize_then_reduce_scatter<C: Communicator>(
     mut out: ViewMut<'_, Buf<C>>,
 ) -> Result<()> {
     const OP: &str = "finalize_and_reduce";
-    let m = local_sizes.iter().copied().max().unwrap_or(0);
-    let mine = local_sizes.get(comm.rank()).copied().ok_or_else(|| {
-        Error::invalid(
-            OP,
-            "local_sizes",
-            format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
-        )
-    })?;
-    let padded_shape = args::with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
-    let slot_shape = args::with_rows(OP, "expanded_x", out.shape(), m)?;
     let dtype = out.dtype();
+    let refuse = |e: Error| comm.refuse(Call::ReduceScatter(ReduceOp::Sum), dtype, e);
+    let m = local_sizes.iter().copied().max().unwrap_or(0);
+    let shapes = local_sizes
+        .get(comm.rank())
+        .copied()
+        .ok_or_else(|| {
+            Error::invalid(
+                OP,
+                "local_sizes",
+                format!("{} entries, but the group has {} ranks", local_sizes.len(), comm.world_size()),
+            )
+        })
+        .and_then(|mine| {
+            let padded = args::with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
+            Ok((mine, padded, args::with_rows(OP, "expanded_x", out.shape(), m)?))
+        });
+    let (mine, padded_shape, slot_shape) = shapes.map_err(refuse)?;
     let backend = comm.backend_of(out.buf());
     let backend = &backend;
     let padded_meta = TensorMeta { shape: &padded_shape, dtype };
@@ -387,16 +399,28 @@ pub fn finalize_then_reduce_scatter<C: Communicator>(
         // is empty as well (no slot rows, or empty rows).
         return Ok(());
     }
-    let mut padded_buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &padded_shape, dtype)?)?;
-    let mut padded = ViewMut::new(OP, "expanded_x", padded_meta, &mut padded_buf)?;
-    let rows = OutputRows::Padded { local_sizes, slot_rows: m };
-    backend.finalize_routing(args, dims, padded.reborrow(), rows)?;
-    if mine == m {
-        return comm.reduce_scatter(padded.as_view(), out, ReduceOp::Sum);
-    }
     let slot_meta = TensorMeta { shape: &slot_shape, dtype };
-    let mut slot_buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &slot_shape, dtype)?)?;
-    let mut slot = ViewMut::new(OP, "expanded_x", slot_meta, &mut slot_buf)?;
+    // Everything that can fail locally happens before the collective: the
+    // scratch buffers, the finalize, and the checks of the final row copy.
+    let scratch = |shape: &[usize]| backend.scratch(args::checked_bytes(OP, "expanded_x", shape, dtype)?);
+    let mut bufs = scratch(&padded_shape)
+        .and_then(|p| Ok((p, if mine == m { None } else { Some(scratch(&slot_shape)?) })))
+        .map_err(refuse)?;
+    let (padded_buf, slot_buf) = &mut bufs;
+    let rows = OutputRows::Padded { local_sizes, slot_rows: m };
+    let padded = ViewMut::new(OP, "expanded_x", padded_meta, padded_buf).and_then(|mut padded| {
+        backend.finalize_routing(args, dims, padded.reborrow(), rows)?;
+        Ok(padded)
+    });
+    let padded = padded.map_err(refuse)?;
+    let Some(slot_buf) = slot_buf else {
+        return comm.reduce_scatter(padded.as_view(), out, ReduceOp::Sum);
+    };
+    let slot = ViewMut::new(OP, "expanded_x", slot_meta, slot_buf).and_then(|slot| {
+        args::check_rows("copy_rows", slot_meta, 0, out.meta(), 0, mine)?;
+        Ok(slot)
+    });
+    let mut slot = slot.map_err(refuse)?;
     comm.reduce_scatter(padded.as_view(), slot.reborrow(), ReduceOp::Sum)?;
     if mine > 0 {
         backend.copy_rows(slot.as_view(), 0, out.reborrow(), 0, mine)?;

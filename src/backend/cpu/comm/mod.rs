@@ -378,6 +378,9 @@ impl Communicator for CpuComm {
     /// (`fused_rows`) when a row fits a staging region, so the
     /// finalize output never exists as a buffer of its own and an invalid input
     /// on one rank fails every rank at once; else the padded two-step default.
+    /// With no rows to reduce (H = 0, or no tokens on any rank) the inputs
+    /// are still checked, and every rank joins an empty reduce-scatter with
+    /// its verdict, so bad arguments on one rank fail every rank.
     fn finalize_reduce_scatter(
         &self,
         args: &FinalizeArgs<View<'_, CpuBuffer>>,
@@ -385,6 +388,20 @@ impl Communicator for CpuComm {
         local_sizes: &[usize],
         out: ViewMut<'_, CpuBuffer>,
     ) -> Result<()> {
+        if dims.h == 0 || local_sizes.iter().all(|&s| s == 0) {
+            const C: &str = "finalize_and_reduce";
+            let dtype = args.expanded_x.dtype();
+            let local = shm_comm::counts_len(C, "local_sizes", local_sizes, self.shm.world_size())
+                .map_err(Error::from)
+                .and_then(|_| fused_rows(args, dims, local_sizes).local)
+                .and_then(|_| {
+                    if out.dtype() != dtype {
+                        return Err(Error::dtype(C, "out", dtype.name(), out.dtype()));
+                    }
+                    tensor_len(C, "out", out.shape(), 0, "no rows to reduce")
+                });
+            return self.shm.reduce_scatter(data_type(dtype), shm_comm::ReduceOp::Sum, &[], &mut [], local);
+        }
         // Every rank of a group sees the same staging size, world and (when
         // the calls match at all) H and dtype, so every rank takes the same
         // branch; a rank that does not is reported as a mismatched collective.
