@@ -105,6 +105,11 @@ pub trait Collectives {
         local_sizes: &[usize],
         out: &mut Tensor,
     ) -> Result<()>;
+    /// Reports `error`, found by this rank before `call` (of `dtype`), to
+    /// the peers that are making `call`: [`Communicator::refuse`]. A CPU
+    /// communicator joins the collective without data, so every rank fails
+    /// at once with this rank's reason; an HCCL one returns `error`.
+    fn refuse_call(&self, call: Call<'_>, dtype: crate::DType, error: Error) -> Error;
 }
 
 /// Refuses a reduction (`op` names it, `call` says whether it is one) of a
@@ -265,8 +270,14 @@ where
     ) -> Result<()> {
         const OP: &str = "moe_finalize_routing";
         let at = self.backend().location();
-        let views = args.try_map(|arg, t| t.view(OP, arg, &at))?;
-        Communicator::finalize_reduce_scatter(self, &views, dims, local_sizes, out.view_mut(OP, "out", &at)?)
+        let views = args.try_map(|arg, t| t.view(OP, arg, &at)).and_then(|v| Ok((v, out.view_mut(OP, "out", &at)?)));
+        match views {
+            Ok((v, o)) => Communicator::finalize_reduce_scatter(self, &v, dims, local_sizes, o),
+            Err(e) => Err(Communicator::refuse(self, Call::ReduceScatter(ReduceOp::Sum), args.expanded_x.dtype(), e)),
+        }
+    }
+    fn refuse_call(&self, call: Call<'_>, dtype: crate::DType, error: Error) -> Error {
+        Communicator::refuse(self, call, dtype, error)
     }
 }
 
@@ -354,6 +365,9 @@ impl Collectives for Comm {
         out: &mut Tensor,
     ) -> Result<()> {
         dispatch!(self, c => Collectives::finalize_reduce_scatter(c, args, dims, local_sizes, out))
+    }
+    fn refuse_call(&self, call: Call<'_>, dtype: crate::DType, error: Error) -> Error {
+        dispatch!(self, c => Collectives::refuse_call(c, call, dtype, error))
     }
 }
 

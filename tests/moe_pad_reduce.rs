@@ -413,6 +413,46 @@ fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast_in_the_two_st
     }
 }
 
+/// A rank whose arguments fail the op's own checks (its finalize has a row
+/// more than the layout gives it, or its `out` has the wrong shape) still
+/// joins the reduce-scatter its peers are in, so every rank fails at once
+/// naming that rank and the argument: on the fused path and on the padded
+/// two-step one, allocating and into `out`.
+#[test]
+fn finalize_and_reduce_shape_error_on_one_rank_fails_every_rank_fast() {
+    let l = SpLayout::new(&[2, 3, 1]).unwrap();
+    let (n, k) = (l.total_rows(), 2);
+    let timeout = std::time::Duration::from_secs(30);
+    for (staging, h) in [(CpuCommConfig::default(), 8), (CpuCommConfig { staging_bytes: 4096 }, 4096 / 3 + 1)] {
+        for into in [false, true] {
+            let start = std::time::Instant::now();
+            let errs = run_ranks_with(3, &CommOptions::with_timeout(timeout), &staging, |r, comm| {
+                let bad = r == 2;
+                let f = rank_finalize(34, r, if bad && !into { n + 1 } else { n }, k, h, DType::F32);
+                let e = if into {
+                    let rows = l.local_size(r) + usize::from(bad);
+                    let mut out = Tensor::zeros_cpu(&[rows, h], DType::F32);
+                    finalize_and_reduce_into(&f.args(), Some(&l), &comm, &mut out)
+                } else {
+                    finalize_and_reduce(&f.args(), Some(&l), &comm).map(drop)
+                };
+                Ok(e.expect_err("rank 2's arguments do not fit the layout"))
+            })
+            .unwrap();
+            let what = format!("staging {} into {into}", staging.staging_bytes);
+            assert!(start.elapsed() < timeout / 4, "{what}: took {:?}", start.elapsed());
+            let arg = if into { "out" } else { "x" };
+            for (r, e) in errs.iter().enumerate() {
+                let s = e.to_string();
+                assert!(s.contains(&format!("`{arg}`")), "{what} rank {r} names `{arg}`: {s}");
+                if r != 2 {
+                    assert!(s.contains("rank 2"), "{what} rank {r} must name rank 2: {s}");
+                }
+            }
+        }
+    }
+}
+
 /// With empty rows (H = 0) nothing is reduced, yet the inputs are still
 /// checked: an out-of-range index on one rank fails that rank and every
 /// peer (naming it), in a world of one as in a world of three.

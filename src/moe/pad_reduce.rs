@@ -11,7 +11,7 @@
 //! shape function's, whatever the caller's model. Padding rows are zeros.
 
 use crate::backend::args::with_rows;
-use crate::backend::FinalizeArgs;
+use crate::backend::{Call, FinalizeArgs};
 use crate::comm::{Collectives, ReduceOp};
 use crate::moe::finalize::{check_out, moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
@@ -335,11 +335,23 @@ pub fn finalize_and_reduce<C: Collectives + ?Sized>(
     layout: Option<&SpLayout>,
     ep: &C,
 ) -> Result<Tensor> {
-    let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
-    let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
-    let mut out = device.backend().output(&out_shape, args.expanded_x.dtype())?;
+    let dtype = args.expanded_x.dtype();
+    let mut out = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())
+        .and_then(|shape| {
+            let device = check_device(FINALIZE_REDUCE, "expanded_x", args.expanded_x, ep)?;
+            device.backend().output(&shape, dtype)
+        })
+        .map_err(|e| refuse_reduce(ep, dtype, e))?;
     finalize_and_reduce_into(args, layout, ep, &mut out)?;
     Ok(out)
+}
+
+/// A failure found before the fused reduce-scatter, reported through the
+/// collective the peers are making ([`Collectives::refuse_call`]): on a CPU
+/// communicator every rank fails at once naming this rank's reason, instead
+/// of its peers waiting for it until the group's timeout.
+fn refuse_reduce<C: Collectives + ?Sized>(ep: &C, dtype: crate::DType, e: Error) -> Error {
+    ep.refuse_call(Call::ReduceScatter(ReduceOp::Sum), dtype, e)
 }
 
 /// [`finalize_and_reduce`] into `out`, which must have the shape of
@@ -351,9 +363,11 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    let out_shape = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size())?;
-    let (_, dims) = moe_finalize_routing_output_shape(args)?;
-    check_in_out(FINALIZE_REDUCE, "expanded_x", args.expanded_x, out, &out_shape, ep)?;
-    let l = reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?;
+    let checked = finalize_and_reduce_output_shape(args, layout, ep.rank(), ep.world_size()).and_then(|out_shape| {
+        let (_, dims) = moe_finalize_routing_output_shape(args)?;
+        check_in_out(FINALIZE_REDUCE, "expanded_x", args.expanded_x, out, &out_shape, ep)?;
+        Ok((reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?, dims))
+    });
+    let (l, dims) = checked.map_err(|e| refuse_reduce(ep, args.expanded_x.dtype(), e))?;
     ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), out)
 }
