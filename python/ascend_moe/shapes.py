@@ -92,8 +92,10 @@ def _layout(layout):
 # The `amoe_finalize_args` of every set of operands seen so far, keyed by the
 # identities of its descriptor pointers and its mode. `_tensor._core` builds
 # one descriptor per data pointer, shape, dtype and device, so an equal key
-# means equal operands; a cached struct keeps its pointers alive, so no
-# identity in a key is reused while it is cached. Cleared when full.
+# means equal operands. An entry is `(pointers, struct)`: it holds the pointer
+# objects whose identities make up its key (the struct holds only what they
+# point to), so no identity in a key is reused while it is cached. Cleared
+# when full.
 _FINALIZE_ARGS = Table(256)
 
 # The answers of the library's `*_output_shape` functions, keyed by the
@@ -135,10 +137,10 @@ def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx
     ]
     ptrs = [ptr(d) for d in descs]
     key = (*map(id, ptrs), mode)
-    args = _FINALIZE_ARGS.get(key)
-    if args is None:
-        args = _FINALIZE_ARGS.put(key, FinalizeArgs(*ptrs, mode & 0xFFFFFFFF))
-    return args, descs
+    hit = _FINALIZE_ARGS.get(key)
+    if hit is None:
+        hit = _FINALIZE_ARGS.put(key, (ptrs, FinalizeArgs(*ptrs, mode & 0xFFFFFFFF)))
+    return hit[1], descs
 
 
 def moe_finalize_routing(

@@ -319,6 +319,35 @@ def test_finalize_args_of_earlier_calls_never_describe_other_operands(monkeypatc
         am.moe_finalize_routing(buf[:48].reshape(6, 8), np.arange(6, dtype=np.int32), scales=scales_buf[:12].reshape(4, 3))
 
 
+def test_finalize_args_of_freed_descriptors_are_never_found_again():
+    # A descriptor over an unhashable shape (symbolic sizes: torch's SymInts
+    # while tracing) is built for one call and freed after it. The struct of
+    # that call is cached by its pointers' identities; were the entry not to
+    # hold them, the next call's pointer could be allocated where the freed
+    # one was, find the old struct and be answered with the old operands.
+    # `spare` objects freed just before the second call take the places the
+    # new descriptor allocates first, so its pointer object is next in line.
+    import ctypes
+
+    class Dim:  # an int the shape tuple cannot hash, as a SymInt
+        __hash__ = None
+
+        def __init__(self, n):
+            self.n = n
+
+        def __index__(self):
+            return self.n
+
+    idx = ((6,), "int32")
+    for pad in range(5):
+        for first, second in ((4, 8), (8, 4)):
+            spare = [ctypes.c_size_t() for _ in range(pad)]
+            assert am.shapes.moe_finalize_routing(((Dim(6), first), "float32"), idx) == (6, first)
+            del spare
+            got = am.shapes.moe_finalize_routing(((Dim(6), second), "float32"), idx)
+            assert got == (6, second), f"{pad} spare objects: hidden {second} answered as {got}"
+
+
 def test_array_addresses_are_the_arrays_own_memory():
     # The data pointer comes through the buffer protocol where numpy exports
     # one and from `ctypes.data` where it does not; both must name the first
