@@ -13,7 +13,7 @@ import numpy as np
 from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
-from ._lib import U32_MAX, c_uint, call, lib, sizes
+from ._lib import U32_MAX, c_uint, call, integer, lib, sizes
 from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, resolve_stream
 
 
@@ -68,11 +68,12 @@ class Comm:
     def lookup(handle_id: int) -> "Comm":
         """The open communicator with this `handle_id`; `AmoeError` when there is
         none (never created, closed, or garbage-collected)."""
-        comm = _REGISTRY.get(int(handle_id))
+        handle_id = integer("handle_id", handle_id)
+        comm = _REGISTRY.get(handle_id)
         if comm is None or not comm._h.value:
             raise error(
                 Status.INVALID_ARGUMENT,
-                f"no open communicator has handle_id {int(handle_id)} (closed, freed, or never created)",
+                f"no open communicator has handle_id {handle_id} (closed, freed, or never created)",
             )
         return comm
 
@@ -94,7 +95,9 @@ class Comm:
         sub-communicator, and HCCL does not split those again."""
         out = c_void_p()
         flags = HCCL_WORLD if world else 0
-        call("amoe_comm_from_hccl", c_void_p(raw_hccl_comm), device_ordinal, flags, ctypes.byref(out))
+        raw = c_void_p(c_uint("raw_hccl_comm", raw_hccl_comm))
+        device_ordinal = c_uint("device_ordinal", device_ordinal, U32_MAX)
+        call("amoe_comm_from_hccl", raw, device_ordinal, flags, ctypes.byref(out))
         return cls(out.value)
 
     @classmethod
@@ -143,11 +146,12 @@ class Comm:
             )
         if device_ordinal is None:
             device_ordinal = torch.npu.current_device()
-        raw = int(getter(int(device_ordinal)))
+        device_ordinal = c_uint("device_ordinal", device_ordinal, U32_MAX)
+        raw = int(getter(device_ordinal))
         if not raw:
             raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
         # torch's default group is its world; any other group may be a split of it.
-        comm = cls.from_hccl(raw, int(device_ordinal), world=_is_torch_world(pg))
+        comm = cls.from_hccl(raw, device_ordinal, world=_is_torch_world(pg))
         comm._owner = pg
         return comm
 
@@ -177,7 +181,7 @@ class Comm:
     def split(self, ranks) -> "Comm":
         """The sub-group of `ranks` (this group's rank numbers; the list order is
         the new rank order). Called by every listed rank with the same list."""
-        arr, n = sizes(ranks)
+        arr, n = sizes(ranks, "ranks")
         out = c_void_p()
         call("amoe_comm_split", self.handle, arr, n, ctypes.byref(out))
         return Comm(out.value)

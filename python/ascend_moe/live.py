@@ -46,7 +46,7 @@ def _stream_handle(stream, device, hold=False):
 
 
 def _context_c(ctx: ForwardContext):
-    dp, n = sizes(ctx.dp_tokens)
+    dp, n = sizes(ctx.dp_tokens, "dp_tokens")
     c = ForwardContextC(
         comm_type=int(ctx.comm_type),
         sp=1 if ctx.sp else 0,

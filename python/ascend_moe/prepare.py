@@ -39,8 +39,8 @@ class MoeContext:
         pcp_rank: int = 0,
         padded_num_tokens=None,
     ):
-        self._tokens, n = sizes(dp_tokens)
-        self.dp_tokens = tuple(int(t) for t in dp_tokens)
+        self._tokens, n = sizes(dp_tokens, "dp_tokens")
+        self.dp_tokens = tuple(self._tokens[:n])
         self.tp_size, self.dp_rank, self.tp_rank = c_uint("tp_size", tp_size), c_uint("dp_rank", dp_rank), c_uint("tp_rank", tp_rank)
         self.sp = bool(sp)
         self.num_actual_tokens = None if num_actual_tokens is None else c_uint("num_actual_tokens", num_actual_tokens)

@@ -14,7 +14,7 @@ from ctypes import c_size_t
 
 from ._enums import DropPadMode, Status
 from ._errors import error
-from ._lib import FinalizeArgs, Table, c_uint, call, comm_type_code, shared_sizes, sizes
+from ._lib import FinalizeArgs, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
@@ -31,7 +31,7 @@ class SpLayout:
     """Rows held by every EP rank (SPEC section 2)."""
 
     def __init__(self, local_sizes):
-        sizes_ = tuple(int(s) for s in local_sizes)
+        sizes_ = tuple(integer("local_sizes", s) for s in local_sizes)
         if not sizes_:
             raise error(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
         if any(s < 0 for s in sizes_):
@@ -46,7 +46,7 @@ class SpLayout:
     @classmethod
     def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int) -> "SpLayout":
         """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`."""
-        arr, n = sizes(num_tokens_across_dp)
+        arr, n = sizes(num_tokens_across_dp, "num_tokens_across_dp")
         need = c_size_t(0)
         tp = c_uint("tp_size", tp_size)
         cap = max(n * tp, 1)
@@ -86,7 +86,7 @@ def _layout(layout):
         return None, 0
     if isinstance(layout, SpLayout):
         return layout._size_array
-    return shared_sizes(getattr(layout, "local_sizes", layout))
+    return shared_sizes(getattr(layout, "local_sizes", layout), "local_sizes")
 
 
 # The `amoe_finalize_args` of every set of operands seen so far, keyed by the
@@ -123,7 +123,7 @@ def _asked(name: str, objs: tuple, ints: tuple) -> tuple:
 
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
     """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
-    mode = int(drop_pad_mode)
+    mode = integer("drop_pad_mode", drop_pad_mode)
     if not 0 <= mode <= int(max(DropPadMode)):
         raise error(Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}")
     descs = [
@@ -239,7 +239,7 @@ def shared_pad_reduce_scatter(x, tp) -> tuple:
 
 def _count(name: str, v) -> int:
     """A non-negative count, or an `AmoeError` naming it."""
-    v = int(v)
+    v = integer(name, v)
     if v < 0:
         raise error(Status.INVALID_ARGUMENT, f"{name} must be >= 0, got {v}")
     return v

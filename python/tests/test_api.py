@@ -431,6 +431,66 @@ def test_comm_types_by_name_are_parsed_and_non_integers_refused():
         am.Comm.cpu("api-float-world", 2.5, 0)
 
 
+def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
+    """A float, a numpy float or a string where a count, rank, mode or id is
+    taken is an `InvalidArgumentError` naming the argument: `int(...)` would
+    run 2.7 as 2."""
+    from ascend_moe.forward import ForwardContext, MoeLayer
+
+    x, idx = np.arange(12, dtype=np.float32).reshape(6, 2), np.array([0, 2, 4, 1, 3, 5], np.int32)
+    one = am.Comm.cpu(f"pytest-index-{uuid.uuid4().hex[:12]}", 1, 0)
+    layer = MoeLayer(None, one, 1, 0, 0, experts=lambda h, m, c: h)
+    calls = {
+        "drop_pad_mode": [
+            lambda v: am.moe_finalize_routing(x, idx, scales=np.ones((3, 2), np.float32), drop_pad_mode=v),
+            lambda v: am.shapes.moe_finalize_routing(x, idx, scales=np.ones((3, 2), np.float32), drop_pad_mode=v),
+        ],
+        "local_sizes": [
+            lambda v: am.SpLayout([v, 3]),
+            lambda v: am.maybe_pad_and_reduce(x, [v, 3], one),
+            lambda v: am.shapes.maybe_all_gather_and_maybe_unpad(x, [v], (0, 1)),
+        ],
+        "num_tokens_across_dp": [lambda v: am.SpLayout.from_dp_tokens([v, 2], 1)],
+        "dp_tokens": [
+            lambda v: am.MoeContext([v], 1, 0, 0),
+            lambda v: ForwardContext(am.CommType.ALLGATHER, (v,)),
+        ],
+        "num_tokens": [
+            lambda v: am.shared_gather_unpad(x, v, one),
+            lambda v: am.shapes.shared_gather_unpad(x, v, one),
+        ],
+        "comm_type": [lambda v: ForwardContext(v, (4,))],
+        "pcp_size": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), pcp_size=v)],
+        "num_actual_tokens": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), num_actual_tokens=v)],
+        "tp_size": [lambda v: MoeLayer(None, one, v, 0, 0, experts=None)],
+        "tp_rank": [lambda v: MoeLayer(None, one, 1, 0, v, experts=None)],
+        "layer_id": [MoeLayer.lookup],
+        "handle_id": [am.Comm.lookup],
+        "ranks": [lambda v: one.split([v])],
+        "device_ordinal": [lambda v: am.Comm.from_hccl(0x1234, v)],
+    }
+    for arg, fns in calls.items():
+        for v in (2.7, np.float64(0.0), "3"):
+            for f in fns:
+                with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` is {re.escape(repr(v))}, expected an integer"):
+                    f(v)
+    # An id with a fraction never finds the layer or communicator it truncates to.
+    with pytest.raises(am.InvalidArgumentError, match="`layer_id` is .*, expected an integer"):
+        MoeLayer.lookup(layer.layer_id + 0.5)
+    with pytest.raises(am.InvalidArgumentError, match="`handle_id` is .*, expected an integer"):
+        am.Comm.lookup(one.handle_id + 0.5)
+    # Enum arguments name their kind: a float is no member, whatever its fraction.
+    for v in (1.7, np.float64(1.0)):
+        with pytest.raises(am.InvalidArgumentError, match="unknown shared mode"):
+            am.ReducePolicy(v, False, False, 1, 1)
+    # Integers of every kind are still taken as they are.
+    assert am.SpLayout([np.int64(3), True]).local_sizes == (3, 1)
+    assert ForwardContext(np.int32(1), (np.uint8(4),), pcp_size=np.int64(2)).pcp_size == 2
+    assert am.ReducePolicy(np.int64(1), False, False, 1, 1).shared_mode == 1
+    layer.close()
+    one.close()
+
+
 def test_set_allocator_needs_both_callbacks():
     """Half an allocator would hand the library's frees to nothing: the device
     memory it allocated would leak without a word."""
