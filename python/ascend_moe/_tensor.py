@@ -272,6 +272,27 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
     return d
 
 
+def lend_out(arg: str, out) -> None:
+    """Marks the caller's torch tensor `out` as written in place, before the
+    library writes it through its data pointer, where torch cannot see it:
+    its version counter is bumped (`torch.autograd.graph.increment_version`,
+    the API for kernels that write `data_ptr()` memory), so a tensor saved for
+    backward before the write fails that backward instead of giving a wrong
+    gradient. A tensor that requires grad while grad mode is on is refused
+    (`InvalidArgumentError` naming `arg`): autograd cannot record a write
+    done behind it. Anything that is no torch tensor is left as it is."""
+    if not _torch_tensor(out):
+        return
+    torch = sys.modules["torch"]
+    if out.requires_grad and torch.is_grad_enabled():
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`{arg}` requires grad and grad mode is on: the op writes it in place, which autograd cannot "
+            "record; pass a tensor that does not require grad, or call under torch.no_grad()",
+        )
+    torch.autograd.graph.increment_version(out)
+
+
 class _HostBlock:
     """Host memory of the library's reuse pool (`amoe_host_block_new`), seen
     by numpy as `nbytes` bytes. Every array (and torch tensor) over it keeps
@@ -489,9 +510,12 @@ class Operands:
         return None if x is None else self.input(arg, x)
 
     def output(self, shape, like: Desc, out=None, arg: str = "out") -> Desc:
-        """`out` checked against the op's output (`shape`, `like`'s dtype), or a new output."""
+        """`out` checked against the op's output (`shape`, `like`'s dtype) and
+        marked written (`lend_out`), or a new output."""
         self.result = alloc(arg, shape, like) if out is None else out
         d = desc_out(arg, self.result, shape, like.c.dtype)
+        if out is not None:
+            lend_out(arg, out)
         self.descs.append(d)
         return d
 

@@ -14,7 +14,7 @@ from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
 from ._lib import U32_MAX, c_uint, call, integer, lib, sizes
-from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, resolve_stream
+from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -247,6 +247,8 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
     is first copied into `out`, which must have x's shape and dtype (default a
     dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`)."""
+    if out is not None:
+        lend_out("out", out)
     if out is None:
         if hasattr(x, "clone"):
             out = x.contiguous()  # the library writes dense rows

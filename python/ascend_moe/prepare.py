@@ -12,7 +12,7 @@ from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
 from ._lib import ALL_TOKENS, MoeContextC, c_uint, call, comm_type_code, lib, sizes
-from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code
+from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code, lend_out
 from .comm import Comm
 
 
@@ -137,6 +137,8 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
         mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
     m = None if mask is None else _mask_desc(mask)
     if m is not None:
+        if mc2_mask is not None:
+            lend_out("mc2_mask", mc2_mask)
         o.descs.append(m)
     call(
         "amoe_token_prepare",
