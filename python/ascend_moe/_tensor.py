@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 
 from ._enums import MAX_NDIM, DeviceKind, DType, Status
 from ._errors import error
-from ._lib import Table, Tensor, call, lib
+from ._lib import SIZE_MAX, Table, Tensor, call, lib
 
 # `amoe_device_kind` codes.
 DEVICE_CPU = int(DeviceKind.CPU)
@@ -121,7 +122,7 @@ def _core(arg: str, shape, dtype, data, npu):
     else:
         if core is not None:
             return core
-    shape = tuple(map(int, shape))
+    shape = _dims(arg, shape)
     if len(shape) > MAX_NDIM:
         raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
     shape_buf = (c_size_t * (len(shape) or 1))(*shape)
@@ -131,6 +132,20 @@ def _core(arg: str, shape, dtype, data, npu):
     if key is not None:
         _CORES.put(key, core)
     return core
+
+
+def _dims(arg: str, shape) -> tuple:
+    """`shape` as the `size_t` dims of `arg`'s descriptor: each taken by
+    `operator.index` (a float is refused, never truncated) and in
+    0..=SIZE_MAX, since ctypes would store -1 as SIZE_MAX and 2**64 as 0
+    without a word; anything else is a `ShapeError` naming `arg`."""
+    try:
+        dims = tuple(map(operator.index, shape))
+    except TypeError:
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(shape)}, whose dims must be integers") from None
+    if any(not 0 <= s <= SIZE_MAX for s in dims):
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(dims)}, whose dims must be in 0..={SIZE_MAX} (size_t)")
+    return dims
 
 
 class Desc:

@@ -491,6 +491,25 @@ def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
     one.close()
 
 
+def test_shape_dims_outside_size_t_are_refused_naming_the_argument():
+    """ctypes stores a dim of -1 as SIZE_MAX and one of 2**64 as 0 without a
+    word (2**64 rows were sized as 0); such a dim, or one that is no integer,
+    is a ShapeError naming the operand."""
+    idx = ((4,), "int32")
+    for dim in (-1, 2**64, 2**64 + 4, 2**65, 2.5):
+        for arg, f in (
+            ("permuted", lambda d: am.shapes.moe_token_unpermute(((d, 2), "float32"), idx)),
+            ("sorted_indices", lambda d: am.shapes.moe_token_unpermute(((4, 2), "float32"), ((d,), "int32"))),
+            ("x", lambda d: am.shapes.maybe_pad_and_reduce(((d, 2), "float32"), None, (0, 1))),
+            ("x", lambda d: am.shapes.all_gather(((2, d), "float32"), (0, 2))),
+            ("x", lambda d: am.shapes.reduce_final(((d,), "float32"))),
+        ):
+            with pytest.raises(am.ShapeError, match=f"`{arg}` has shape .*whose dims must be"):
+                f(dim)
+    # The largest size_t dim is a dim: the library sizes it (and names the overflow).
+    assert am.shapes.all_reduce(((2**64 - 1, 0), "float32")) == (2**64 - 1, 0)
+
+
 def test_set_allocator_needs_both_callbacks():
     """Half an allocator would hand the library's frees to nothing: the device
     memory it allocated would leak without a word."""
