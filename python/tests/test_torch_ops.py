@@ -518,3 +518,32 @@ def test_out_tensors_written_in_place_keep_autograd_honest():
         with torch.no_grad():
             am.moe_token_unpermute(x, idx, out=leaf)
         assert torch.equal(leaf.detach(), x[[2, 0, 3, 1]])
+
+
+def test_fakes_of_the_collectives_refuse_the_dtypes_the_real_ops_refuse():
+    """A dtype the library does not know fails at trace time (FakeTensorMode
+    and meta tensors) with the error the real op raises, instead of tracing a
+    graph that fails when it runs."""
+    with am.Comm.cpu(f"torch-fake-dtype-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        h = c.handle_id
+        ops = {
+            "all_reduce": lambda t: OPS.all_reduce(t, h),
+            "reduce_scatter": lambda t: OPS.reduce_scatter(t, h),
+            "all_gather": lambda t: OPS.all_gather(t, h),
+            "reduce_routed_early": lambda t: OPS.reduce_routed_early(t, 0, h, 0, False, False, 1, 1),
+            "reduce_final": lambda t: OPS.reduce_final(t, 0, h, 0, False, False, 1, 1),
+        }
+        for dtype in (torch.float64, torch.int16, torch.complex64):
+            for name, op in ops.items():
+                with pytest.raises(am.DTypeError) as real:
+                    op(torch.zeros(4, 2, dtype=dtype))
+                assert "`x`" in str(real.value), str(real.value)
+                with pytest.raises(am.DTypeError) as meta:
+                    op(torch.zeros(4, 2, dtype=dtype, device="meta"))
+                with FakeTensorMode():
+                    with pytest.raises(am.DTypeError) as fake:
+                        op(torch.zeros(4, 2, dtype=dtype))
+                assert str(meta.value) == str(fake.value) == str(real.value), (name, dtype)
+            # and a dtype it knows still traces
+            with FakeTensorMode():
+                assert OPS.all_gather(torch.zeros(4, 2, dtype=torch.float32), h).shape == (4, 2)
