@@ -215,6 +215,17 @@ class Comm:
         return f"Comm(rank={self.rank}, world_size={self.world_size})"
 
 
+def handle_of(arg: str, obj, cls: type = Comm) -> c_void_p:
+    """The library handle of `obj`, passed as `arg`, which must be a `cls`
+    (default `Comm`; `MoeGroups` for groups): anything else (an int, None, a
+    handle id, another class) is an `InvalidArgumentError` naming `arg`
+    instead of an AttributeError deep in the call. A closed one is refused
+    by its own `handle`."""
+    if not isinstance(obj, cls):
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` must be a {cls.__name__}, got {type(obj).__name__}")
+    return obj.handle
+
+
 def _op(op) -> int:
     """A reduce op by name (`"sum"`); a number goes to the library, which checks it."""
     return int(ReduceOp.parse(op)) if isinstance(op, str) else c_uint("op", op, U32_MAX)
@@ -222,9 +233,10 @@ def _op(op) -> int:
 
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
     o = Operands(stream)
-    s = o.input("x", x)
+    s = o.input("x", x)  # x's dtype is named first, as the library would
+    h = handle_of("comm", comm)
     d = o.output(shape_fn(s, comm), s, out)
-    call(name, comm.handle, s.ptr, d.ptr, *extra, o.stream)
+    call(name, h, s.ptr, d.ptr, *extra, o.stream)
     return o.result
 
 
@@ -247,6 +259,7 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
     is first copied into `out`, which must have x's shape and dtype (default a
     dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`)."""
+    h = handle_of("comm", comm)
     if out is not None:
         lend_out("out", out)
     if out is None:
@@ -272,5 +285,5 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                 Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
             )
     d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
-    call("amoe_broadcast", comm.handle, d.ptr, c_uint("root", root), resolve_stream([d], stream))
+    call("amoe_broadcast", h, d.ptr, c_uint("root", root), resolve_stream([d], stream))
     return out

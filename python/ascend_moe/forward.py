@@ -69,6 +69,14 @@ class ForwardContext:
         object.__setattr__(self, "sp", bool(self.sp))
 
 
+def checked_context(ctx, arg: str = "ctx") -> ForwardContext:
+    """`ctx`, which must be a `ForwardContext`; anything else is an
+    `InvalidArgumentError` naming `arg`."""
+    if not isinstance(ctx, ForwardContext):
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` must be a ForwardContext, got {type(ctx).__name__}")
+    return ctx
+
+
 # Per thread: the engine sets the context in the thread that runs the forward
 # (ranks run as threads of one process in tests).
 _LOCAL = threading.local()
@@ -82,7 +90,7 @@ def _stack() -> list:
 
 def set_forward_context(ctx: Optional[ForwardContext]) -> None:
     """Replaces the current forward context of this thread (None clears it)."""
-    _stack()[:] = [] if ctx is None else [ctx]
+    _stack()[:] = [] if ctx is None else [checked_context(ctx)]
 
 
 def get_forward_context() -> ForwardContext:
@@ -156,7 +164,7 @@ class MoeLayer:
 
     def context(self, ctx: Optional[ForwardContext] = None) -> MoeContext:
         """The `MoeContext` of this rank in forward context `ctx` (default: the live one)."""
-        ctx = ctx or get_forward_context()
+        ctx = get_forward_context() if ctx is None else checked_context(ctx)
         return MoeContext(
             ctx.dp_tokens,
             self.tp_size,
@@ -169,6 +177,7 @@ class MoeLayer:
         )
 
     def checked_policy(self, ctx: ForwardContext) -> ReducePolicy:
+        ctx = checked_context(ctx)
         if self.policy is None:
             raise error(Status.INVALID_ARGUMENT, f"MoE layer {self.layer_id} has no reduce policy")
         if self.policy.sp != ctx.sp:

@@ -14,17 +14,33 @@ from ctypes import c_size_t
 
 from ._enums import DropPadMode, Status
 from ._errors import error
-from ._lib import FinalizeArgs, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
+from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
-def _ep(ep) -> tuple:
-    """`(rank, world_size)` of a `Comm` or a pair."""
+def _ep(ep, arg: str = "ep") -> tuple:
+    """`(rank, world_size)` of a `Comm` or a pair passed as `arg`; anything
+    else is an `InvalidArgumentError` naming `arg`."""
     try:
         rank, size = ep.rank, ep.world_size
     except AttributeError:
-        rank, size = ep
+        try:
+            rank, size = ep
+        except (TypeError, ValueError):
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"`{arg}` must be a Comm or a (rank, world_size) pair, got {type(ep).__name__}",
+            ) from None
     return c_uint("rank", rank), c_uint("world_size", size)
+
+
+def _context_ptr(ctx):
+    """The `amoe_moe_context` of a `MoeContext` (`prepare`, which imports this
+    module), known by the struct it holds; anything else is an
+    `InvalidArgumentError` naming `ctx`."""
+    if not isinstance(getattr(ctx, "_c", None), MoeContextC):
+        raise error(Status.INVALID_ARGUMENT, f"`ctx` must be a MoeContext, got {type(ctx).__name__}")
+    return ctx.ptr
 
 
 class SpLayout:
@@ -218,14 +234,14 @@ def _finalize_and_reduce_shape(args, layout, ep) -> tuple:
 def shared_pad_split(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the DP batch `x [T, H...]`; `tp` is the TP `Comm` or `(tp_rank, tp_size)`."""
     d = desc_meta("x", x)
-    rank, size = _ep(tp)
+    rank, size = _ep(tp, "tp")
     return _asked("amoe_shared_pad_split_output_shape", (d.ptr,), (rank, size))
 
 
 def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
     """`[num_tokens, H...]`; `x` must have `ceil(num_tokens / tp_size)` rows."""
     d = desc_meta("x", x)
-    _, size = _ep(tp)
+    _, size = _ep(tp, "tp")
     num_tokens = _count("num_tokens", num_tokens)
     return _asked("amoe_shared_gather_unpad_output_shape", (d.ptr,), (num_tokens, size))
 
@@ -233,7 +249,7 @@ def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
 def shared_pad_reduce_scatter(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the TP-partial `x [T, H...]`."""
     d = desc_meta("x", x)
-    _, size = _ep(tp)
+    _, size = _ep(tp, "tp")
     return _asked("amoe_shared_pad_reduce_scatter_output_shape", (d.ptr,), (size,))
 
 
@@ -260,7 +276,7 @@ def all_reduce(x, comm=None) -> tuple:
 def reduce_scatter(x, comm) -> tuple:
     """`[rows / world_size, ...]`."""
     s = _identity(x)
-    _, world = _ep(comm)
+    _, world = _ep(comm, "comm")
     if not s or s[0] % world:
         raise error(Status.SHAPE, f"reduce_scatter: x has shape {s}, whose rows the world size {world} does not divide")
     return (s[0] // world,) + s[1:]
@@ -269,7 +285,7 @@ def reduce_scatter(x, comm) -> tuple:
 def all_gather(x, comm) -> tuple:
     """`[rows * world_size, ...]`."""
     s = _identity(x)
-    _, world = _ep(comm)
+    _, world = _ep(comm, "comm")
     return (s[0] * world,) + s[1:] if s else (world,)
 
 
@@ -286,7 +302,7 @@ def token_prepare(x, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_prepare`'s hidden output (`ctx` a `MoeContext`)."""
     d = desc_meta("x", x)
     buf, ndim, out = shape_out()
-    call("amoe_token_prepare_output_shape", d.ptr, comm_type_code(comm_type), ctx.ptr, *out)
+    call("amoe_token_prepare_output_shape", d.ptr, comm_type_code(comm_type), _context_ptr(ctx), *out)
     return shape_of(buf, ndim)
 
 
@@ -294,5 +310,5 @@ def token_finalize(y, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_finalize`'s output (`ctx` a `MoeContext`)."""
     d = desc_meta("y", y)
     buf, ndim, out = shape_out()
-    call("amoe_token_finalize_output_shape", d.ptr, comm_type_code(comm_type), ctx.ptr, *out)
+    call("amoe_token_finalize_output_shape", d.ptr, comm_type_code(comm_type), _context_ptr(ctx), *out)
     return shape_of(buf, ndim)

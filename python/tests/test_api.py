@@ -510,6 +510,79 @@ def test_shape_dims_outside_size_t_are_refused_naming_the_argument():
     assert am.shapes.all_reduce(((2**64 - 1, 0), "float32")) == (2**64 - 1, 0)
 
 
+def test_wrong_objects_as_comm_groups_or_context_are_named():
+    """An int, None, a handle id or another class where a communicator,
+    groups or a context is taken is an `InvalidArgumentError` naming the
+    argument, not an AttributeError / TypeError from inside the call."""
+    from ascend_moe.forward import ForwardContext, MoeLayer, set_forward_context
+
+    x = np.ones((4, 2), np.float32)
+    one = am.Comm.cpu(f"pytest-handles-{uuid.uuid4().hex[:12]}", 1, 0)
+    groups = am.MoeGroups(one, 1)
+    ctx = am.MoeContext([4], 1, 0, 0)
+    policy = am.ReducePolicy("none", False, False, 1, 1)
+    fctx = ForwardContext(am.CommType.ALLGATHER, (4,))
+    layer = MoeLayer(groups, one, 1, 0, 0, experts=lambda h, m, c: h, policy=policy)
+    calls = {
+        "comm": [
+            lambda v: am.all_reduce(x, v),
+            lambda v: am.reduce_scatter(x, v),
+            lambda v: am.all_gather(x, v),
+            lambda v: am.broadcast(x, v),
+            lambda v: am.shapes.all_gather(x, v),
+        ],
+        "ep_comm": [
+            lambda v: am.maybe_pad_and_reduce(x, None, v),
+            lambda v: am.maybe_all_gather_and_maybe_unpad(x, None, v),
+            lambda v: am.finalize_and_reduce(x, np.arange(4, dtype=np.int32), None, v),
+        ],
+        "tp_comm": [
+            lambda v: am.shared_pad_split(x, v),
+            lambda v: am.shared_gather_unpad(x, 4, v),
+            lambda v: policy.reduce_final(x, "allgather", v),
+        ],
+        "ep": [lambda v: am.shapes.maybe_pad_and_reduce(x, None, v)],
+        "tp": [lambda v: am.shapes.shared_pad_split(x, v), lambda v: am.MoeGroups.from_comms(one, v, one)],
+        "world": [lambda v: am.MoeGroups(v, 1)],
+        "groups": [
+            lambda v: am.token_prepare(x, "allgather", ctx, v),
+            lambda v: am.token_finalize(x, "allgather", ctx, v),
+        ],
+        "ctx": [
+            lambda v: am.token_prepare(x, "allgather", v, groups),
+            lambda v: am.token_finalize(x, "allgather", v, groups),
+            lambda v: am.shapes.token_prepare(x, "allgather", v),
+            lambda v: am.shapes.token_finalize(x, "allgather", v),
+            lambda v: set_forward_context(v),
+            lambda v: layer.context(v),
+            lambda v: layer.checked_policy(v),
+        ],
+    }
+    wrong = {  # by argument; a (rank, world_size) pair is an `ep` / `tp` of the shape functions
+        "ep": (3, None, groups),
+        "tp": (3, None, groups),
+        "groups": (3, None, one),
+        "ctx": (3, "allgather", one),  # None is the live context where a ForwardContext is taken
+    }
+    for arg, fns in calls.items():
+        for v in wrong.get(arg, (3, None, one.handle_id, groups)):
+            for f in fns:
+                with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` must be a .*, got {type(v).__name__}"):
+                    f(v)
+    for f in calls["ctx"][:4]:
+        with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a MoeContext, got NoneType"):
+            f(None)
+    # A MoeContext is no ForwardContext, nor the reverse.
+    with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a ForwardContext, got MoeContext"):
+        layer.context(ctx)
+    with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a MoeContext, got ForwardContext"):
+        am.token_prepare(x, "allgather", fctx, groups)
+    set_forward_context(None)
+    layer.close()
+    groups.close()
+    one.close()
+
+
 def test_set_allocator_needs_both_callbacks():
     """Half an allocator would hand the library's frees to nothing: the device
     memory it allocated would leak without a word."""
