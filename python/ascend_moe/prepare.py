@@ -128,6 +128,13 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     this TP rank), else into a new bool array or tensor where `x` lives. Other
     comm types return None and leave `mc2_mask` untouched."""
     g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
+    if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
+        # The op writes the mask into it: a list or a scalar has no memory to write.
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`mc2_mask` must be a 1-D bool or uint8 numpy array or tensor (cpu or npu) the op writes into, "
+            f"got {type(mc2_mask).__name__}",
+        )
     o = Operands(stream)
     d = o.input("x", x)
     shape = token_prepare_shape(d, comm_type, ctx)

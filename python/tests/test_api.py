@@ -583,6 +583,23 @@ def test_wrong_objects_as_comm_groups_or_context_are_named():
     one.close()
 
 
+def test_an_mc2_mask_that_is_no_array_is_named():
+    """`mc2_mask` is memory the op writes: a list, a scalar or a string is
+    an `InvalidArgumentError` naming it (under every comm type), where an
+    AttributeError on `.shape` used to come out."""
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    with am.Comm.cpu(f"pytest-mask-{uuid.uuid4().hex[:12]}", 1, 0) as one, am.MoeGroups(one, 1) as groups:
+        ctx = am.MoeContext([4], 1, 0, 0, num_actual_tokens=3)
+        for mask in ([True, True, True, False], (1, 1, 1, 0), 3, True, "mask"):
+            for ct in ("mc2", "fused_mc2", "allgather"):
+                with pytest.raises(am.InvalidArgumentError, match=f"`mc2_mask` must be .*got {type(mask).__name__}"):
+                    am.token_prepare(x, ct, ctx, groups, mc2_mask=mask)
+        mask = np.zeros(4, np.uint8)
+        hidden, got = am.token_prepare(x, "mc2", ctx, groups, mc2_mask=mask)
+        assert got is mask and mask.tolist() == [1, 1, 1, 0]
+        np.testing.assert_array_equal(hidden, x)
+
+
 def test_set_allocator_needs_both_callbacks():
     """Half an allocator would hand the library's frees to nothing: the device
     memory it allocated would leak without a word."""
