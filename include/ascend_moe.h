@@ -1171,7 +1171,9 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // exactly `out`'s row count, host or NPU memory (for example the engine's
 // own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
 // rank, 0 for graph and TP padding. Other comm types leave it untouched. A
-// mask of another dtype or length is refused before any communication.
+// mask of another dtype or length, or one that overlaps `out`
+// (`AMOE_STATUS_INVALID_ARGUMENT`, naming both), is refused before any
+// communication.
 // With a live context attached to `stream`, the call first queues a guard of
 // `ctx`; when it writes a mask, the guard compares the actual tokens too (a
 // captured mask is replayed as written), where "all" and this DP rank's

@@ -302,6 +302,56 @@ fn an_mc2_prepare_holds_nothing_per_row() {
     }
 }
 
+/// An MC2 mask written into bytes of `out` would overwrite prepared rows (or
+/// be overwritten by them): refused before any work, naming both; a mask
+/// right after `out` in the same allocation is apart from it and written.
+#[test]
+fn an_mc2_mask_overlapping_out_is_refused() {
+    let name = CString::new(format!("capi-mask-overlap-{}", std::process::id())).expect("no NUL");
+    let (rows, h) = (4usize, 2usize);
+    let (dp, xs, mask_rows) = ([rows], [rows, h], [rows]);
+    let mut x: Vec<f32> = (0..rows * h).map(|e| e as f32).collect();
+    let xt = host(&mut x, &xs);
+    let ctx =
+        amoe_moe_context { dp_tokens: dp.as_ptr(), dp_size: 1, tp_size: 1, num_actual_tokens: 3, ..Default::default() };
+    // `out`'s rows, then one more f32 per row of room for the mask bytes.
+    let mut buf = vec![-1f32; rows * h + rows];
+    let (mut world, mut groups): (*mut amoe_comm, *mut amoe_moe_groups) = (null_mut(), null_mut());
+    // SAFETY: valid name, out-pointers and descriptors (every mask offset
+    // stays inside `buf`); handles freed at the end.
+    unsafe {
+        assert_eq!(amoe_comm_cpu_new(name.as_ptr(), 1, 0, 20.0, &mut world), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_moe_groups_new(world, 1, 1, &mut groups), amoe_status::Ok, "{}", last_error());
+        let base: *mut u8 = buf.as_mut_ptr().cast();
+        let out = host(&mut buf, &xs);
+        let out_bytes = rows * h * 4;
+        let mask_at = |offset: usize| amoe_tensor {
+            data: base.add(offset).cast(),
+            dtype: amoe_dtype::U8 as u32,
+            ndim: 1,
+            shape: mask_rows.as_ptr(),
+            ..xt
+        };
+        for (offset, what) in [(0, "its start"), (8, "its middle"), (out_bytes - 1, "its last byte")] {
+            for ct in [1u32, 3] {
+                let m = mask_at(offset);
+                let st = amoe_token_prepare(&xt, ct, &ctx, groups, &out, &m, null());
+                let e = last_error();
+                assert_eq!(st, amoe_status::InvalidArgument, "mask at {what} of `out`, comm type {ct}: {e}");
+                assert!(e.contains("`mc2_mask`") && e.contains("`out`") && e.contains("overlap"), "{e}");
+            }
+        }
+        assert!(buf.iter().all(|&v| v == -1.0), "nothing was written: {buf:?}");
+        let m = mask_at(out_bytes);
+        assert_eq!(amoe_token_prepare(&xt, 1, &ctx, groups, &out, &m, null()), amoe_status::Ok, "{}", last_error());
+        assert_eq!(&buf[..rows * h], &x[..], "the prepared rows");
+        let mask: Vec<u8> = std::slice::from_raw_parts(base.add(out_bytes), rows).to_vec();
+        assert_eq!(mask, [1, 1, 1, 0], "the mask after `out`");
+        amoe_moe_groups_free(groups);
+        amoe_comm_free(world);
+    }
+}
+
 /// A tensor without elements is contiguous whatever strides it carries:
 /// torch gives shape [2, 0, 3] the strides (3, 3, 1), numpy (0, 0, 0). A
 /// tensor with elements still needs contiguous strides.

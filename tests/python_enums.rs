@@ -66,6 +66,7 @@ fn render(enums: &[CEnum]) -> String {
          from __future__ import annotations\n\
          \n\
          import enum\n\
+         import operator\n\
          \n\
          from ._errors import error\n\n",
     );
@@ -80,7 +81,8 @@ fn render(enums: &[CEnum]) -> String {
          \"\"\"An enum of the library; members are its C names without the enum's prefix.\"\"\"\n\n    \
          @classmethod\n    \
          def parse(cls, v):\n        \
-         \"\"\"A member from itself, its number, or its name in any case (`\"tensor_parallel\"`).\"\"\"\n        \
+         \"\"\"A member from itself, its number, or its name in any case (`\"tensor_parallel\"`);\n        \
+         a number is taken by `operator.index`, so a float is refused, never truncated.\"\"\"\n        \
          what = LABELS[cls.__name__]\n        \
          if isinstance(v, str):\n            \
          try:\n                \
@@ -89,7 +91,7 @@ fn render(enums: &[CEnum]) -> String {
          names = \", \".join(m.name.lower() for m in cls)\n                \
          raise error(Status.INVALID_ARGUMENT, f\"unknown {what} {v!r} (expected one of {names})\") from None\n        \
          try:\n            \
-         return cls(int(v))\n        \
+         return cls(operator.index(v))\n        \
          except (TypeError, ValueError):\n            \
          top = int(max(cls))\n            \
          raise error(Status.INVALID_ARGUMENT, f\"unknown {what} {v!r} (expected 0..={top})\") from None\n",

@@ -9,6 +9,7 @@ library's table (`amoe_enum_info` / `amoe_enum_entry`) is this one."""
 from __future__ import annotations
 
 import enum
+import operator
 
 from ._errors import error
 
@@ -25,7 +26,8 @@ class _Numbered(enum.IntEnum):
 
     @classmethod
     def parse(cls, v):
-        """A member from itself, its number, or its name in any case (`"tensor_parallel"`)."""
+        """A member from itself, its number, or its name in any case (`"tensor_parallel"`);
+        a number is taken by `operator.index`, so a float is refused, never truncated."""
         what = LABELS[cls.__name__]
         if isinstance(v, str):
             try:
@@ -34,7 +36,7 @@ class _Numbered(enum.IntEnum):
                 names = ", ".join(m.name.lower() for m in cls)
                 raise error(Status.INVALID_ARGUMENT, f"unknown {what} {v!r} (expected one of {names})") from None
         try:
-            return cls(int(v))
+            return cls(operator.index(v))
         except (TypeError, ValueError):
             top = int(max(cls))
             raise error(Status.INVALID_ARGUMENT, f"unknown {what} {v!r} (expected 0..={top})") from None

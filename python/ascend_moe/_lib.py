@@ -278,16 +278,24 @@ SIZE_MAX = c_size_t(-1).value
 U32_MAX = c_uint32(-1).value
 
 
+def integer(arg: str, v) -> int:
+    """`v` as a Python int by `operator.index`: an int, a numpy integer, a
+    bool or an `IntEnum`; anything else (a float, a numpy float, a string) is
+    an `InvalidArgumentError` naming `arg`, never truncated as `int(v)` would
+    (`1.7` as 1, `np.float64(2.9)` as 2)."""
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v!r}, expected an integer") from None
+
+
 def c_uint(arg: str, v, top: int = SIZE_MAX) -> int:
     """`v` as an unsigned C argument of at most `top` (`size_t` by default).
     ctypes takes an int outside a C type's range modulo its size without a
     word (`2**32 + 2` reaches a `uint32_t` as 2), so such a value is an
     `AmoeError` naming `arg` here instead, and so is a value that is not an
-    integer (a float would be truncated, `1.7` reaching the library as 1)."""
-    try:
-        n = operator.index(v)
-    except TypeError:
-        raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v!r}, expected an integer") from None
+    integer (`integer`)."""
+    n = integer(arg, v)
     if not 0 <= n <= top:
         raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v}, outside 0..={top}")
     return n
@@ -302,11 +310,13 @@ def comm_type_code(v) -> int:
     return c_uint("comm_type", v, U32_MAX)
 
 
-def sizes(values) -> tuple:
-    """A `size_t[]` holding `values` (kept alive by the caller) and its length."""
-    values = [int(v) for v in values]
+def sizes(values, arg: str = "sizes") -> tuple:
+    """A `size_t[]` holding `values` (kept alive by the caller) and its length;
+    a value that is no integer (`integer`) or outside `size_t` is an
+    `InvalidArgumentError` naming `arg`."""
+    values = [integer(arg, v) for v in values]
     if any(not 0 <= v <= SIZE_MAX for v in values):
-        raise error(Status.INVALID_ARGUMENT, f"sizes must be in 0..={SIZE_MAX}, got {values}")
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}`: sizes must be in 0..={SIZE_MAX}, got {values}")
     return (c_size_t * max(len(values), 1))(*values), len(values)
 
 
@@ -334,12 +344,12 @@ class Table(dict):
 _SIZE_ARRAYS = Table(256)
 
 
-def shared_sizes(values) -> tuple:
-    """`sizes(values)`, one array per distinct tuple of values; nothing may
-    write to it."""
-    key = tuple(map(int, values))
+def shared_sizes(values, arg: str = "sizes") -> tuple:
+    """`sizes(values, arg)`, one array per distinct tuple of values; nothing
+    may write to it."""
+    key = tuple(integer(arg, v) for v in values)
     hit = _SIZE_ARRAYS.get(key)
-    return hit if hit is not None else _SIZE_ARRAYS.put(key, sizes(key))
+    return hit if hit is not None else _SIZE_ARRAYS.put(key, sizes(key, arg))
 
 
 def _read_enum_tables(lb) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 
 from ._enums import MAX_NDIM, DeviceKind, DType, Status
 from ._errors import error
-from ._lib import Table, Tensor, call, lib
+from ._lib import SIZE_MAX, Table, Tensor, call, lib
 
 # `amoe_device_kind` codes.
 DEVICE_CPU = int(DeviceKind.CPU)
@@ -121,7 +122,7 @@ def _core(arg: str, shape, dtype, data, npu):
     else:
         if core is not None:
             return core
-    shape = tuple(map(int, shape))
+    shape = _dims(arg, shape)
     if len(shape) > MAX_NDIM:
         raise error(Status.SHAPE, f"`{arg}` has {len(shape)} dims, at most {MAX_NDIM} are supported")
     shape_buf = (c_size_t * (len(shape) or 1))(*shape)
@@ -131,6 +132,20 @@ def _core(arg: str, shape, dtype, data, npu):
     if key is not None:
         _CORES.put(key, core)
     return core
+
+
+def _dims(arg: str, shape) -> tuple:
+    """`shape` as the `size_t` dims of `arg`'s descriptor: each taken by
+    `operator.index` (a float is refused, never truncated) and in
+    0..=SIZE_MAX, since ctypes would store -1 as SIZE_MAX and 2**64 as 0
+    without a word; anything else is a `ShapeError` naming `arg`."""
+    try:
+        dims = tuple(map(operator.index, shape))
+    except TypeError:
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(shape)}, whose dims must be integers") from None
+    if any(not 0 <= s <= SIZE_MAX for s in dims):
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(dims)}, whose dims must be in 0..={SIZE_MAX} (size_t)")
+    return dims
 
 
 class Desc:
@@ -270,6 +285,27 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
             Status.DTYPE, f"`{arg}` has dtype {dtype_name(out.dtype)}, the op's output is {NUMPY_DTYPES[code].name}"
         )
     return d
+
+
+def lend_out(arg: str, out) -> None:
+    """Marks the caller's torch tensor `out` as written in place, before the
+    library writes it through its data pointer, where torch cannot see it:
+    its version counter is bumped (`torch.autograd.graph.increment_version`,
+    the API for kernels that write `data_ptr()` memory), so a tensor saved for
+    backward before the write fails that backward instead of giving a wrong
+    gradient. A tensor that requires grad while grad mode is on is refused
+    (`InvalidArgumentError` naming `arg`): autograd cannot record a write
+    done behind it. Anything that is no torch tensor is left as it is."""
+    if not _torch_tensor(out):
+        return
+    torch = sys.modules["torch"]
+    if out.requires_grad and torch.is_grad_enabled():
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`{arg}` requires grad and grad mode is on: the op writes it in place, which autograd cannot "
+            "record; pass a tensor that does not require grad, or call under torch.no_grad()",
+        )
+    torch.autograd.graph.increment_version(out)
 
 
 class _HostBlock:
@@ -489,9 +525,12 @@ class Operands:
         return None if x is None else self.input(arg, x)
 
     def output(self, shape, like: Desc, out=None, arg: str = "out") -> Desc:
-        """`out` checked against the op's output (`shape`, `like`'s dtype), or a new output."""
+        """`out` checked against the op's output (`shape`, `like`'s dtype) and
+        marked written (`lend_out`), or a new output."""
         self.result = alloc(arg, shape, like) if out is None else out
         d = desc_out(arg, self.result, shape, like.c.dtype)
+        if out is not None:
+            lend_out(arg, out)
         self.descs.append(d)
         return d
 

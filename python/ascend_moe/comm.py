@@ -13,8 +13,8 @@ import numpy as np
 from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
-from ._lib import U32_MAX, c_uint, call, lib, sizes
-from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, resolve_stream
+from ._lib import U32_MAX, c_uint, call, integer, lib, sizes
+from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -68,11 +68,12 @@ class Comm:
     def lookup(handle_id: int) -> "Comm":
         """The open communicator with this `handle_id`; `AmoeError` when there is
         none (never created, closed, or garbage-collected)."""
-        comm = _REGISTRY.get(int(handle_id))
+        handle_id = integer("handle_id", handle_id)
+        comm = _REGISTRY.get(handle_id)
         if comm is None or not comm._h.value:
             raise error(
                 Status.INVALID_ARGUMENT,
-                f"no open communicator has handle_id {int(handle_id)} (closed, freed, or never created)",
+                f"no open communicator has handle_id {handle_id} (closed, freed, or never created)",
             )
         return comm
 
@@ -94,7 +95,9 @@ class Comm:
         sub-communicator, and HCCL does not split those again."""
         out = c_void_p()
         flags = HCCL_WORLD if world else 0
-        call("amoe_comm_from_hccl", c_void_p(raw_hccl_comm), device_ordinal, flags, ctypes.byref(out))
+        raw = c_void_p(c_uint("raw_hccl_comm", raw_hccl_comm))
+        device_ordinal = c_uint("device_ordinal", device_ordinal, U32_MAX)
+        call("amoe_comm_from_hccl", raw, device_ordinal, flags, ctypes.byref(out))
         return cls(out.value)
 
     @classmethod
@@ -143,11 +146,12 @@ class Comm:
             )
         if device_ordinal is None:
             device_ordinal = torch.npu.current_device()
-        raw = int(getter(int(device_ordinal)))
+        device_ordinal = c_uint("device_ordinal", device_ordinal, U32_MAX)
+        raw = int(getter(device_ordinal))
         if not raw:
             raise error(Status.HCCL, "Comm.from_process_group: the HCCL group returned a null HcclComm")
         # torch's default group is its world; any other group may be a split of it.
-        comm = cls.from_hccl(raw, int(device_ordinal), world=_is_torch_world(pg))
+        comm = cls.from_hccl(raw, device_ordinal, world=_is_torch_world(pg))
         comm._owner = pg
         return comm
 
@@ -177,7 +181,7 @@ class Comm:
     def split(self, ranks) -> "Comm":
         """The sub-group of `ranks` (this group's rank numbers; the list order is
         the new rank order). Called by every listed rank with the same list."""
-        arr, n = sizes(ranks)
+        arr, n = sizes(ranks, "ranks")
         out = c_void_p()
         call("amoe_comm_split", self.handle, arr, n, ctypes.byref(out))
         return Comm(out.value)
@@ -211,6 +215,17 @@ class Comm:
         return f"Comm(rank={self.rank}, world_size={self.world_size})"
 
 
+def handle_of(arg: str, obj, cls: type = Comm) -> c_void_p:
+    """The library handle of `obj`, passed as `arg`, which must be a `cls`
+    (default `Comm`; `MoeGroups` for groups): anything else (an int, None, a
+    handle id, another class) is an `InvalidArgumentError` naming `arg`
+    instead of an AttributeError deep in the call. A closed one is refused
+    by its own `handle`."""
+    if not isinstance(obj, cls):
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` must be a {cls.__name__}, got {type(obj).__name__}")
+    return obj.handle
+
+
 def _op(op) -> int:
     """A reduce op by name (`"sum"`); a number goes to the library, which checks it."""
     return int(ReduceOp.parse(op)) if isinstance(op, str) else c_uint("op", op, U32_MAX)
@@ -218,9 +233,10 @@ def _op(op) -> int:
 
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
     o = Operands(stream)
-    s = o.input("x", x)
+    s = o.input("x", x)  # x's dtype is named first, as the library would
+    h = handle_of("comm", comm)
     d = o.output(shape_fn(s, comm), s, out)
-    call(name, comm.handle, s.ptr, d.ptr, *extra, o.stream)
+    call(name, h, s.ptr, d.ptr, *extra, o.stream)
     return o.result
 
 
@@ -243,6 +259,9 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
     is first copied into `out`, which must have x's shape and dtype (default a
     dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`)."""
+    h = handle_of("comm", comm)
+    if out is not None:
+        lend_out("out", out)
     if out is None:
         if hasattr(x, "clone"):
             out = x.contiguous()  # the library writes dense rows
@@ -266,5 +285,5 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                 Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
             )
     d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
-    call("amoe_broadcast", comm.handle, d.ptr, c_uint("root", root), resolve_stream([d], stream))
+    call("amoe_broadcast", h, d.ptr, c_uint("root", root), resolve_stream([d], stream))
     return out

@@ -28,6 +28,7 @@ from typing import Callable, Optional
 
 from ._enums import Status
 from ._errors import error
+from ._lib import c_uint, integer
 from .comm import Comm
 from ._enums import CommType
 from .ops import ReducePolicy
@@ -47,21 +48,33 @@ class ForwardContext:
     pcp_size: int = 1
 
     def __post_init__(self):
+        code = integer("comm_type", self.comm_type)
         try:
-            ct = CommType(int(self.comm_type))
+            ct = CommType(code)
         except ValueError:
             raise error(
                 Status.INVALID_ARGUMENT,
                 f"unknown MoE comm type {self.comm_type!r} (expected 0..={int(max(CommType))})",
             ) from None
         object.__setattr__(self, "comm_type", ct)
-        object.__setattr__(self, "dp_tokens", tuple(int(t) for t in self.dp_tokens))
+        object.__setattr__(self, "dp_tokens", tuple(integer("dp_tokens", t) for t in self.dp_tokens))
         if not self.dp_tokens or any(t < 0 for t in self.dp_tokens):
             raise error(Status.INVALID_ARGUMENT, f"dp_tokens must be one count >= 0 per DP rank, got {list(self.dp_tokens)}")
-        if int(self.pcp_size) < 1:
+        if self.num_actual_tokens is not None:
+            object.__setattr__(self, "num_actual_tokens", c_uint("num_actual_tokens", self.num_actual_tokens))
+        pcp_size = integer("pcp_size", self.pcp_size)
+        if pcp_size < 1:
             raise error(Status.INVALID_ARGUMENT, f"pcp_size must be >= 1, got {self.pcp_size}")
-        object.__setattr__(self, "pcp_size", int(self.pcp_size))
+        object.__setattr__(self, "pcp_size", pcp_size)
         object.__setattr__(self, "sp", bool(self.sp))
+
+
+def checked_context(ctx, arg: str = "ctx") -> ForwardContext:
+    """`ctx`, which must be a `ForwardContext`; anything else is an
+    `InvalidArgumentError` naming `arg`."""
+    if not isinstance(ctx, ForwardContext):
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` must be a ForwardContext, got {type(ctx).__name__}")
+    return ctx
 
 
 # Per thread: the engine sets the context in the thread that runs the forward
@@ -77,7 +90,7 @@ def _stack() -> list:
 
 def set_forward_context(ctx: Optional[ForwardContext]) -> None:
     """Replaces the current forward context of this thread (None clears it)."""
-    _stack()[:] = [] if ctx is None else [ctx]
+    _stack()[:] = [] if ctx is None else [checked_context(ctx)]
 
 
 def get_forward_context() -> ForwardContext:
@@ -133,7 +146,8 @@ class MoeLayer:
         pcp_rank: int = 0,
     ):
         self.groups, self.tp_comm, self.experts, self.policy = groups, tp_comm, experts, policy
-        self.tp_size, self.dp_rank, self.tp_rank, self.pcp_rank = int(tp_size), int(dp_rank), int(tp_rank), int(pcp_rank)
+        self.tp_size, self.dp_rank = c_uint("tp_size", tp_size), c_uint("dp_rank", dp_rank)
+        self.tp_rank, self.pcp_rank = c_uint("tp_rank", tp_rank), c_uint("pcp_rank", pcp_rank)
         with _LAYERS_LOCK:
             self.layer_id = next(_NEXT_LAYER_ID)
             _LAYERS[self.layer_id] = self
@@ -141,7 +155,7 @@ class MoeLayer:
     @staticmethod
     def lookup(layer_id: int) -> "MoeLayer":
         try:
-            return _LAYERS[int(layer_id)]
+            return _LAYERS[integer("layer_id", layer_id)]
         except KeyError:
             raise error(Status.INVALID_ARGUMENT, f"no MoE layer is registered under id {layer_id}") from None
 
@@ -150,7 +164,7 @@ class MoeLayer:
 
     def context(self, ctx: Optional[ForwardContext] = None) -> MoeContext:
         """The `MoeContext` of this rank in forward context `ctx` (default: the live one)."""
-        ctx = ctx or get_forward_context()
+        ctx = get_forward_context() if ctx is None else checked_context(ctx)
         return MoeContext(
             ctx.dp_tokens,
             self.tp_size,
@@ -163,6 +177,7 @@ class MoeLayer:
         )
 
     def checked_policy(self, ctx: ForwardContext) -> ReducePolicy:
+        ctx = checked_context(ctx)
         if self.policy is None:
             raise error(Status.INVALID_ARGUMENT, f"MoE layer {self.layer_id} has no reduce policy")
         if self.policy.sp != ctx.sp:

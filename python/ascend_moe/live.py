@@ -25,7 +25,7 @@ from ._enums import GUARD_ACTUAL_TOKENS, Status
 from ._errors import error
 from ._lib import ALL_TOKENS, U32_MAX, ForwardContextC, c_uint, call, lib, sizes
 from ._tensor import hold_stream, unhold_stream, wrap_stream
-from .forward import ForwardContext
+from .forward import ForwardContext, checked_context
 
 
 def _stream_handle(stream, device, hold=False):
@@ -46,7 +46,8 @@ def _stream_handle(stream, device, hold=False):
 
 
 def _context_c(ctx: ForwardContext):
-    dp, n = sizes(ctx.dp_tokens)
+    ctx = checked_context(ctx)
+    dp, n = sizes(ctx.dp_tokens, "dp_tokens")
     c = ForwardContextC(
         comm_type=int(ctx.comm_type),
         sp=1 if ctx.sp else 0,

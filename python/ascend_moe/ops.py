@@ -13,7 +13,7 @@ from . import shapes
 from ._enums import CommType, DropPadMode, SharedMode
 from ._lib import ReducePolicyC, c_uint, call, comm_type_code
 from ._tensor import Operands
-from .comm import Comm
+from .comm import Comm, handle_of
 from .shapes import SpLayout
 
 
@@ -52,24 +52,26 @@ def moe_token_unpermute(permuted, sorted_indices, probs=None, *, out=None, strea
 def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP finalize (SPEC section 3): this rank's `[local_sizes[rank], H...]`
     shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
+    h = handle_of("ep_comm", ep_comm)
     o = Operands(stream)
     d = o.input("x", x)
     ls, n = shapes._layout(layout)
     y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
-    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
+    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, o.stream)
     return o.result
 
 
 def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP prepare (SPEC section 4): every rank's `x` (`local_sizes[rank]`
     rows) concatenated, `[sum(local_sizes), H...]`."""
+    h = handle_of("ep_comm", ep_comm)
     o = Operands(stream)
     d = o.input("x", x)
     ls, n = shapes._layout(layout)
     # The shape function checks x's rows against this rank's layout entry
     # before any collective starts.
     y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
-    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, ep_comm.handle, y.ptr, o.stream)
+    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, o.stream)
     return o.result
 
 
@@ -89,6 +91,7 @@ def finalize_and_reduce(
     stream=None,
 ):
     """`maybe_pad_and_reduce(moe_finalize_routing(...), layout, ep_comm)` in one pass."""
+    h = handle_of("ep_comm", ep_comm)
     o = Operands(stream)
     args, keep = shapes.finalize_args(
         expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
@@ -96,15 +99,16 @@ def finalize_and_reduce(
     shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
     y = o.output(shape, keep[0], out)
     ls, n = shapes._layout(layout)
-    call("amoe_finalize_and_reduce", args, ls, n, ep_comm.handle, y.ptr, o.stream)
+    call("amoe_finalize_and_reduce", args, ls, n, h, y.ptr, o.stream)
     return o.result
 
 
 def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream):
+    h = handle_of("tp_comm", tp_comm)
     o = Operands(stream)
     d = o.input("x", x)
     y = o.output(shape_fn(d, *counts, tp_comm), d, out)
-    call(name, d.ptr, *counts, tp_comm.handle, y.ptr, o.stream)
+    call(name, d.ptr, *counts, h, y.ptr, o.stream)
     return o.result
 
 
@@ -167,11 +171,12 @@ class ReducePolicy:
         return self.decisions(CommType.ALLGATHER)["early"]
 
     def _point(self, name: str, x, comm_type, tp_comm: Comm, out, stream):
+        h = handle_of("tp_comm", tp_comm)
         o = Operands(stream)
         d = o.input("x", x)
         y = o.output(d.shape, d, out)
         ct = comm_type_code(comm_type)
-        call(name, ctypes.byref(self._c), d.ptr, ct, tp_comm.handle, y.ptr, o.stream)
+        call(name, ctypes.byref(self._c), d.ptr, ct, h, y.ptr, o.stream)
         return o.result
 
     def reduce_routed_early(self, x, comm_type, tp_comm: Comm, *, out=None, stream=None):

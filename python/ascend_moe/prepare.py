@@ -12,8 +12,8 @@ from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
 from ._lib import ALL_TOKENS, MoeContextC, c_uint, call, comm_type_code, lib, sizes
-from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code
-from .comm import Comm
+from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code, lend_out
+from .comm import Comm, handle_of
 
 
 class MoeContext:
@@ -39,8 +39,8 @@ class MoeContext:
         pcp_rank: int = 0,
         padded_num_tokens=None,
     ):
-        self._tokens, n = sizes(dp_tokens)
-        self.dp_tokens = tuple(int(t) for t in dp_tokens)
+        self._tokens, n = sizes(dp_tokens, "dp_tokens")
+        self.dp_tokens = tuple(self._tokens[:n])
         self.tp_size, self.dp_rank, self.tp_rank = c_uint("tp_size", tp_size), c_uint("dp_rank", dp_rank), c_uint("tp_rank", tp_rank)
         self.sp = bool(sp)
         self.num_actual_tokens = None if num_actual_tokens is None else c_uint("num_actual_tokens", num_actual_tokens)
@@ -66,7 +66,7 @@ class MoeGroups:
 
     def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
-        call("amoe_moe_groups_new", world.handle, c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
+        call("amoe_moe_groups_new", handle_of("world", world), c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
         self._h = out
 
     @classmethod
@@ -79,10 +79,10 @@ class MoeGroups:
         out = c_void_p()
         call(
             "amoe_moe_groups_from_comms",
-            ep.handle,
-            tp.handle,
-            dp.handle,
-            None if pcp is None else pcp.handle,
+            handle_of("ep", ep),
+            handle_of("tp", tp),
+            handle_of("dp", dp),
+            None if pcp is None else handle_of("pcp", pcp),
             ctypes.byref(out),
         )
         g._h = out
@@ -127,6 +127,14 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     the host or on the NPU: for example the engine's own mask buffer sliced to
     this TP rank), else into a new bool array or tensor where `x` lives. Other
     comm types return None and leave `mc2_mask` untouched."""
+    g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
+    if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
+        # The op writes the mask into it: a list or a scalar has no memory to write.
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`mc2_mask` must be a 1-D bool or uint8 numpy array or tensor (cpu or npu) the op writes into, "
+            f"got {type(mc2_mask).__name__}",
+        )
     o = Operands(stream)
     d = o.input("x", x)
     shape = token_prepare_shape(d, comm_type, ctx)
@@ -137,13 +145,15 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
         mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
     m = None if mask is None else _mask_desc(mask)
     if m is not None:
+        if mc2_mask is not None:
+            lend_out("mc2_mask", mc2_mask)
         o.descs.append(m)
     call(
         "amoe_token_prepare",
         d.ptr,
         comm_type_code(comm_type),
-        ctx.ptr,
-        groups.handle,
+        c,
+        g,
         y.ptr,
         None if m is None else m.ptr,
         o.stream,
@@ -169,8 +179,9 @@ def _mask_desc(mask) -> Desc:
 def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
     """The experts' output `y` back in this rank's token layout, in `out`
     (default a new one where `y` lives)."""
+    g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
     o = Operands(stream)
     d = o.input("y", y)
     r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
-    call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), ctx.ptr, groups.handle, r.ptr, o.stream)
+    call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, o.stream)
     return o.result

@@ -14,24 +14,40 @@ from ctypes import c_size_t
 
 from ._enums import DropPadMode, Status
 from ._errors import error
-from ._lib import FinalizeArgs, Table, c_uint, call, comm_type_code, shared_sizes, sizes
+from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
-def _ep(ep) -> tuple:
-    """`(rank, world_size)` of a `Comm` or a pair."""
+def _ep(ep, arg: str = "ep") -> tuple:
+    """`(rank, world_size)` of a `Comm` or a pair passed as `arg`; anything
+    else is an `InvalidArgumentError` naming `arg`."""
     try:
         rank, size = ep.rank, ep.world_size
     except AttributeError:
-        rank, size = ep
+        try:
+            rank, size = ep
+        except (TypeError, ValueError):
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"`{arg}` must be a Comm or a (rank, world_size) pair, got {type(ep).__name__}",
+            ) from None
     return c_uint("rank", rank), c_uint("world_size", size)
+
+
+def _context_ptr(ctx):
+    """The `amoe_moe_context` of a `MoeContext` (`prepare`, which imports this
+    module), known by the struct it holds; anything else is an
+    `InvalidArgumentError` naming `ctx`."""
+    if not isinstance(getattr(ctx, "_c", None), MoeContextC):
+        raise error(Status.INVALID_ARGUMENT, f"`ctx` must be a MoeContext, got {type(ctx).__name__}")
+    return ctx.ptr
 
 
 class SpLayout:
     """Rows held by every EP rank (SPEC section 2)."""
 
     def __init__(self, local_sizes):
-        sizes_ = tuple(int(s) for s in local_sizes)
+        sizes_ = tuple(integer("local_sizes", s) for s in local_sizes)
         if not sizes_:
             raise error(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
         if any(s < 0 for s in sizes_):
@@ -46,7 +62,7 @@ class SpLayout:
     @classmethod
     def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int) -> "SpLayout":
         """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`."""
-        arr, n = sizes(num_tokens_across_dp)
+        arr, n = sizes(num_tokens_across_dp, "num_tokens_across_dp")
         need = c_size_t(0)
         tp = c_uint("tp_size", tp_size)
         cap = max(n * tp, 1)
@@ -86,14 +102,16 @@ def _layout(layout):
         return None, 0
     if isinstance(layout, SpLayout):
         return layout._size_array
-    return shared_sizes(getattr(layout, "local_sizes", layout))
+    return shared_sizes(getattr(layout, "local_sizes", layout), "local_sizes")
 
 
 # The `amoe_finalize_args` of every set of operands seen so far, keyed by the
 # identities of its descriptor pointers and its mode. `_tensor._core` builds
 # one descriptor per data pointer, shape, dtype and device, so an equal key
-# means equal operands; a cached struct keeps its pointers alive, so no
-# identity in a key is reused while it is cached. Cleared when full.
+# means equal operands. An entry is `(pointers, struct)`: it holds the pointer
+# objects whose identities make up its key (the struct holds only what they
+# point to), so no identity in a key is reused while it is cached. Cleared
+# when full.
 _FINALIZE_ARGS = Table(256)
 
 # The answers of the library's `*_output_shape` functions, keyed by the
@@ -121,7 +139,7 @@ def _asked(name: str, objs: tuple, ints: tuple) -> tuple:
 
 def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, make):
     """An `amoe_finalize_args` plus the descriptors it points to (kept alive)."""
-    mode = int(drop_pad_mode)
+    mode = integer("drop_pad_mode", drop_pad_mode)
     if not 0 <= mode <= int(max(DropPadMode)):
         raise error(Status.INVALID_ARGUMENT, f"drop_pad_mode {drop_pad_mode} is not one of 0..={int(max(DropPadMode))}")
     descs = [
@@ -135,10 +153,10 @@ def finalize_args(expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx
     ]
     ptrs = [ptr(d) for d in descs]
     key = (*map(id, ptrs), mode)
-    args = _FINALIZE_ARGS.get(key)
-    if args is None:
-        args = _FINALIZE_ARGS.put(key, FinalizeArgs(*ptrs, mode & 0xFFFFFFFF))
-    return args, descs
+    hit = _FINALIZE_ARGS.get(key)
+    if hit is None:
+        hit = _FINALIZE_ARGS.put(key, (ptrs, FinalizeArgs(*ptrs, mode & 0xFFFFFFFF)))
+    return hit[1], descs
 
 
 def moe_finalize_routing(
@@ -216,14 +234,14 @@ def _finalize_and_reduce_shape(args, layout, ep) -> tuple:
 def shared_pad_split(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the DP batch `x [T, H...]`; `tp` is the TP `Comm` or `(tp_rank, tp_size)`."""
     d = desc_meta("x", x)
-    rank, size = _ep(tp)
+    rank, size = _ep(tp, "tp")
     return _asked("amoe_shared_pad_split_output_shape", (d.ptr,), (rank, size))
 
 
 def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
     """`[num_tokens, H...]`; `x` must have `ceil(num_tokens / tp_size)` rows."""
     d = desc_meta("x", x)
-    _, size = _ep(tp)
+    _, size = _ep(tp, "tp")
     num_tokens = _count("num_tokens", num_tokens)
     return _asked("amoe_shared_gather_unpad_output_shape", (d.ptr,), (num_tokens, size))
 
@@ -231,20 +249,23 @@ def shared_gather_unpad(x, num_tokens: int, tp) -> tuple:
 def shared_pad_reduce_scatter(x, tp) -> tuple:
     """`[ceil(T / tp_size), H...]` of the TP-partial `x [T, H...]`."""
     d = desc_meta("x", x)
-    _, size = _ep(tp)
+    _, size = _ep(tp, "tp")
     return _asked("amoe_shared_pad_reduce_scatter_output_shape", (d.ptr,), (size,))
 
 
 def _count(name: str, v) -> int:
     """A non-negative count, or an `AmoeError` naming it."""
-    v = int(v)
+    v = integer(name, v)
     if v < 0:
         raise error(Status.INVALID_ARGUMENT, f"{name} must be >= 0, got {v}")
     return v
 
 
 def _identity(x) -> tuple:
-    return tuple(int(s) for s in (x[0] if isinstance(x, tuple) and len(x) == 2 else x.shape))
+    """`x`'s shape, through its descriptor: the fakes of the collectives then
+    refuse a dtype or shape the library cannot take at trace time, with the
+    error the real op (which builds the same descriptor) raises."""
+    return desc_meta("x", x).shape
 
 
 def all_reduce(x, comm=None) -> tuple:
@@ -255,7 +276,7 @@ def all_reduce(x, comm=None) -> tuple:
 def reduce_scatter(x, comm) -> tuple:
     """`[rows / world_size, ...]`."""
     s = _identity(x)
-    _, world = _ep(comm)
+    _, world = _ep(comm, "comm")
     if not s or s[0] % world:
         raise error(Status.SHAPE, f"reduce_scatter: x has shape {s}, whose rows the world size {world} does not divide")
     return (s[0] // world,) + s[1:]
@@ -264,7 +285,7 @@ def reduce_scatter(x, comm) -> tuple:
 def all_gather(x, comm) -> tuple:
     """`[rows * world_size, ...]`."""
     s = _identity(x)
-    _, world = _ep(comm)
+    _, world = _ep(comm, "comm")
     return (s[0] * world,) + s[1:] if s else (world,)
 
 
@@ -281,7 +302,7 @@ def token_prepare(x, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_prepare`'s hidden output (`ctx` a `MoeContext`)."""
     d = desc_meta("x", x)
     buf, ndim, out = shape_out()
-    call("amoe_token_prepare_output_shape", d.ptr, comm_type_code(comm_type), ctx.ptr, *out)
+    call("amoe_token_prepare_output_shape", d.ptr, comm_type_code(comm_type), _context_ptr(ctx), *out)
     return shape_of(buf, ndim)
 
 
@@ -289,5 +310,5 @@ def token_finalize(y, comm_type, ctx) -> tuple:
     """Shape of `ascend_moe.token_finalize`'s output (`ctx` a `MoeContext`)."""
     d = desc_meta("y", y)
     buf, ndim, out = shape_out()
-    call("amoe_token_finalize_output_shape", d.ptr, comm_type_code(comm_type), ctx.ptr, *out)
+    call("amoe_token_finalize_output_shape", d.ptr, comm_type_code(comm_type), _context_ptr(ctx), *out)
     return shape_of(buf, ndim)

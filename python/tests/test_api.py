@@ -319,6 +319,35 @@ def test_finalize_args_of_earlier_calls_never_describe_other_operands(monkeypatc
         am.moe_finalize_routing(buf[:48].reshape(6, 8), np.arange(6, dtype=np.int32), scales=scales_buf[:12].reshape(4, 3))
 
 
+def test_finalize_args_of_freed_descriptors_are_never_found_again():
+    # A descriptor over an unhashable shape (symbolic sizes: torch's SymInts
+    # while tracing) is built for one call and freed after it. The struct of
+    # that call is cached by its pointers' identities; were the entry not to
+    # hold them, the next call's pointer could be allocated where the freed
+    # one was, find the old struct and be answered with the old operands.
+    # `spare` objects freed just before the second call take the places the
+    # new descriptor allocates first, so its pointer object is next in line.
+    import ctypes
+
+    class Dim:  # an int the shape tuple cannot hash, as a SymInt
+        __hash__ = None
+
+        def __init__(self, n):
+            self.n = n
+
+        def __index__(self):
+            return self.n
+
+    idx = ((6,), "int32")
+    for pad in range(5):
+        for first, second in ((4, 8), (8, 4)):
+            spare = [ctypes.c_size_t() for _ in range(pad)]
+            assert am.shapes.moe_finalize_routing(((Dim(6), first), "float32"), idx) == (6, first)
+            del spare
+            got = am.shapes.moe_finalize_routing(((Dim(6), second), "float32"), idx)
+            assert got == (6, second), f"{pad} spare objects: hidden {second} answered as {got}"
+
+
 def test_array_addresses_are_the_arrays_own_memory():
     # The data pointer comes through the buffer protocol where numpy exports
     # one and from `ctypes.data` where it does not; both must name the first
@@ -400,6 +429,175 @@ def test_comm_types_by_name_are_parsed_and_non_integers_refused():
         assert e.value.status == am.Status.INVALID_ARGUMENT and "comm" in str(e.value), e.value
     with pytest.raises(am.AmoeError, match=r"`world_size` is 2.5, expected an integer"):
         am.Comm.cpu("api-float-world", 2.5, 0)
+
+
+def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
+    """A float, a numpy float or a string where a count, rank, mode or id is
+    taken is an `InvalidArgumentError` naming the argument: `int(...)` would
+    run 2.7 as 2."""
+    from ascend_moe.forward import ForwardContext, MoeLayer
+
+    x, idx = np.arange(12, dtype=np.float32).reshape(6, 2), np.array([0, 2, 4, 1, 3, 5], np.int32)
+    one = am.Comm.cpu(f"pytest-index-{uuid.uuid4().hex[:12]}", 1, 0)
+    layer = MoeLayer(None, one, 1, 0, 0, experts=lambda h, m, c: h)
+    calls = {
+        "drop_pad_mode": [
+            lambda v: am.moe_finalize_routing(x, idx, scales=np.ones((3, 2), np.float32), drop_pad_mode=v),
+            lambda v: am.shapes.moe_finalize_routing(x, idx, scales=np.ones((3, 2), np.float32), drop_pad_mode=v),
+        ],
+        "local_sizes": [
+            lambda v: am.SpLayout([v, 3]),
+            lambda v: am.maybe_pad_and_reduce(x, [v, 3], one),
+            lambda v: am.shapes.maybe_all_gather_and_maybe_unpad(x, [v], (0, 1)),
+        ],
+        "num_tokens_across_dp": [lambda v: am.SpLayout.from_dp_tokens([v, 2], 1)],
+        "dp_tokens": [
+            lambda v: am.MoeContext([v], 1, 0, 0),
+            lambda v: ForwardContext(am.CommType.ALLGATHER, (v,)),
+        ],
+        "num_tokens": [
+            lambda v: am.shared_gather_unpad(x, v, one),
+            lambda v: am.shapes.shared_gather_unpad(x, v, one),
+        ],
+        "comm_type": [lambda v: ForwardContext(v, (4,))],
+        "pcp_size": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), pcp_size=v)],
+        "num_actual_tokens": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), num_actual_tokens=v)],
+        "tp_size": [lambda v: MoeLayer(None, one, v, 0, 0, experts=None)],
+        "tp_rank": [lambda v: MoeLayer(None, one, 1, 0, v, experts=None)],
+        "layer_id": [MoeLayer.lookup],
+        "handle_id": [am.Comm.lookup],
+        "ranks": [lambda v: one.split([v])],
+        "device_ordinal": [lambda v: am.Comm.from_hccl(0x1234, v)],
+    }
+    for arg, fns in calls.items():
+        for v in (2.7, np.float64(0.0), "3"):
+            for f in fns:
+                with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` is {re.escape(repr(v))}, expected an integer"):
+                    f(v)
+    # An id with a fraction never finds the layer or communicator it truncates to.
+    with pytest.raises(am.InvalidArgumentError, match="`layer_id` is .*, expected an integer"):
+        MoeLayer.lookup(layer.layer_id + 0.5)
+    with pytest.raises(am.InvalidArgumentError, match="`handle_id` is .*, expected an integer"):
+        am.Comm.lookup(one.handle_id + 0.5)
+    # Enum arguments name their kind: a float is no member, whatever its fraction.
+    for v in (1.7, np.float64(1.0)):
+        with pytest.raises(am.InvalidArgumentError, match="unknown shared mode"):
+            am.ReducePolicy(v, False, False, 1, 1)
+    # Integers of every kind are still taken as they are.
+    assert am.SpLayout([np.int64(3), True]).local_sizes == (3, 1)
+    assert ForwardContext(np.int32(1), (np.uint8(4),), pcp_size=np.int64(2)).pcp_size == 2
+    assert am.ReducePolicy(np.int64(1), False, False, 1, 1).shared_mode == 1
+    layer.close()
+    one.close()
+
+
+def test_shape_dims_outside_size_t_are_refused_naming_the_argument():
+    """ctypes stores a dim of -1 as SIZE_MAX and one of 2**64 as 0 without a
+    word (2**64 rows were sized as 0); such a dim, or one that is no integer,
+    is a ShapeError naming the operand."""
+    idx = ((4,), "int32")
+    for dim in (-1, 2**64, 2**64 + 4, 2**65, 2.5):
+        for arg, f in (
+            ("permuted", lambda d: am.shapes.moe_token_unpermute(((d, 2), "float32"), idx)),
+            ("sorted_indices", lambda d: am.shapes.moe_token_unpermute(((4, 2), "float32"), ((d,), "int32"))),
+            ("x", lambda d: am.shapes.maybe_pad_and_reduce(((d, 2), "float32"), None, (0, 1))),
+            ("x", lambda d: am.shapes.all_gather(((2, d), "float32"), (0, 2))),
+            ("x", lambda d: am.shapes.reduce_final(((d,), "float32"))),
+        ):
+            with pytest.raises(am.ShapeError, match=f"`{arg}` has shape .*whose dims must be"):
+                f(dim)
+    # The largest size_t dim is a dim: the library sizes it (and names the overflow).
+    assert am.shapes.all_reduce(((2**64 - 1, 0), "float32")) == (2**64 - 1, 0)
+
+
+def test_wrong_objects_as_comm_groups_or_context_are_named():
+    """An int, None, a handle id or another class where a communicator,
+    groups or a context is taken is an `InvalidArgumentError` naming the
+    argument, not an AttributeError / TypeError from inside the call."""
+    from ascend_moe.forward import ForwardContext, MoeLayer, set_forward_context
+
+    x = np.ones((4, 2), np.float32)
+    one = am.Comm.cpu(f"pytest-handles-{uuid.uuid4().hex[:12]}", 1, 0)
+    groups = am.MoeGroups(one, 1)
+    ctx = am.MoeContext([4], 1, 0, 0)
+    policy = am.ReducePolicy("none", False, False, 1, 1)
+    fctx = ForwardContext(am.CommType.ALLGATHER, (4,))
+    layer = MoeLayer(groups, one, 1, 0, 0, experts=lambda h, m, c: h, policy=policy)
+    calls = {
+        "comm": [
+            lambda v: am.all_reduce(x, v),
+            lambda v: am.reduce_scatter(x, v),
+            lambda v: am.all_gather(x, v),
+            lambda v: am.broadcast(x, v),
+            lambda v: am.shapes.all_gather(x, v),
+        ],
+        "ep_comm": [
+            lambda v: am.maybe_pad_and_reduce(x, None, v),
+            lambda v: am.maybe_all_gather_and_maybe_unpad(x, None, v),
+            lambda v: am.finalize_and_reduce(x, np.arange(4, dtype=np.int32), None, v),
+        ],
+        "tp_comm": [
+            lambda v: am.shared_pad_split(x, v),
+            lambda v: am.shared_gather_unpad(x, 4, v),
+            lambda v: policy.reduce_final(x, "allgather", v),
+        ],
+        "ep": [lambda v: am.shapes.maybe_pad_and_reduce(x, None, v)],
+        "tp": [lambda v: am.shapes.shared_pad_split(x, v), lambda v: am.MoeGroups.from_comms(one, v, one)],
+        "world": [lambda v: am.MoeGroups(v, 1)],
+        "groups": [
+            lambda v: am.token_prepare(x, "allgather", ctx, v),
+            lambda v: am.token_finalize(x, "allgather", ctx, v),
+        ],
+        "ctx": [
+            lambda v: am.token_prepare(x, "allgather", v, groups),
+            lambda v: am.token_finalize(x, "allgather", v, groups),
+            lambda v: am.shapes.token_prepare(x, "allgather", v),
+            lambda v: am.shapes.token_finalize(x, "allgather", v),
+            lambda v: set_forward_context(v),
+            lambda v: layer.context(v),
+            lambda v: layer.checked_policy(v),
+        ],
+    }
+    wrong = {  # by argument; a (rank, world_size) pair is an `ep` / `tp` of the shape functions
+        "ep": (3, None, groups),
+        "tp": (3, None, groups),
+        "groups": (3, None, one),
+        "ctx": (3, "allgather", one),  # None is the live context where a ForwardContext is taken
+    }
+    for arg, fns in calls.items():
+        for v in wrong.get(arg, (3, None, one.handle_id, groups)):
+            for f in fns:
+                with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` must be a .*, got {type(v).__name__}"):
+                    f(v)
+    for f in calls["ctx"][:4]:
+        with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a MoeContext, got NoneType"):
+            f(None)
+    # A MoeContext is no ForwardContext, nor the reverse.
+    with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a ForwardContext, got MoeContext"):
+        layer.context(ctx)
+    with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a MoeContext, got ForwardContext"):
+        am.token_prepare(x, "allgather", fctx, groups)
+    set_forward_context(None)
+    layer.close()
+    groups.close()
+    one.close()
+
+
+def test_an_mc2_mask_that_is_no_array_is_named():
+    """`mc2_mask` is memory the op writes: a list, a scalar or a string is
+    an `InvalidArgumentError` naming it (under every comm type), where an
+    AttributeError on `.shape` used to come out."""
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    with am.Comm.cpu(f"pytest-mask-{uuid.uuid4().hex[:12]}", 1, 0) as one, am.MoeGroups(one, 1) as groups:
+        ctx = am.MoeContext([4], 1, 0, 0, num_actual_tokens=3)
+        for mask in ([True, True, True, False], (1, 1, 1, 0), 3, True, "mask"):
+            for ct in ("mc2", "fused_mc2", "allgather"):
+                with pytest.raises(am.InvalidArgumentError, match=f"`mc2_mask` must be .*got {type(mask).__name__}"):
+                    am.token_prepare(x, ct, ctx, groups, mc2_mask=mask)
+        mask = np.zeros(4, np.uint8)
+        hidden, got = am.token_prepare(x, "mc2", ctx, groups, mc2_mask=mask)
+        assert got is mask and mask.tolist() == [1, 1, 1, 0]
+        np.testing.assert_array_equal(hidden, x)
 
 
 def test_set_allocator_needs_both_callbacks():

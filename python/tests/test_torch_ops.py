@@ -472,3 +472,78 @@ def test_layers_created_on_several_threads_get_distinct_ids():
         finally:
             for layer in layers:
                 layer.close()
+
+
+def test_out_tensors_written_in_place_keep_autograd_honest():
+    """The library writes a caller's `out` (and `mc2_mask`) through its data
+    pointer, where autograd cannot see it. One that requires grad while grad
+    mode is on is refused naming it; any other has its version bumped, so a
+    backward that saved it before the write fails instead of computing a
+    gradient from the values written after."""
+    x, idx = torch.arange(8, dtype=torch.float32).reshape(4, 2), torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    with am.Comm.cpu(f"torch-out-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        ctx = am.MoeContext([4], 1, 0, 0, num_actual_tokens=3)
+        writes = {
+            "out": [
+                lambda out: am.moe_token_unpermute(x, idx, out=out),
+                lambda out: am.all_reduce(x, c, out=out),
+                lambda out: am.broadcast(x, c, out=out),
+                lambda out: am.broadcast(out, c, out=out),
+                lambda out: am.token_prepare(x, "allgather", ctx, groups, out=out),
+                lambda out: am.ReducePolicy("none", False, False, 1, 1).reduce_final(x, "mc2", c, out=out),
+            ],
+            "mc2_mask": [lambda m: am.token_prepare(x, "mc2", ctx, groups, mc2_mask=m)],
+        }
+        like = {"out": lambda: torch.zeros(4, 2), "mc2_mask": lambda: torch.zeros(4, dtype=torch.float32)}
+        for arg, fns in writes.items():
+            for i, write in enumerate(fns):
+                # A leaf and a non-leaf that require grad.
+                leaf = like[arg]().requires_grad_()
+                for target in (leaf, leaf * 1):
+                    with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` requires grad and grad mode is on"):
+                        write(target)
+                assert leaf.grad is None and not leaf.detach().any(), f"{arg} {i}: written although refused"
+                # Saved for backward by `w * out`, then written by the op.
+                out = like[arg]() if arg == "out" else torch.zeros(4, dtype=torch.bool)
+                w = torch.ones(out.shape, requires_grad=True)
+                y = w * out
+                before = out._version
+                write(out)
+                assert out._version > before, f"{arg} {i}: version {out._version}"
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    y.sum().backward()
+        # Under no_grad a tensor that requires grad may take the result, as
+        # torch's own in-place ops allow (an optimizer step).
+        leaf = torch.zeros(4, 2, requires_grad=True)
+        with torch.no_grad():
+            am.moe_token_unpermute(x, idx, out=leaf)
+        assert torch.equal(leaf.detach(), x[[2, 0, 3, 1]])
+
+
+def test_fakes_of_the_collectives_refuse_the_dtypes_the_real_ops_refuse():
+    """A dtype the library does not know fails at trace time (FakeTensorMode
+    and meta tensors) with the error the real op raises, instead of tracing a
+    graph that fails when it runs."""
+    with am.Comm.cpu(f"torch-fake-dtype-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        h = c.handle_id
+        ops = {
+            "all_reduce": lambda t: OPS.all_reduce(t, h),
+            "reduce_scatter": lambda t: OPS.reduce_scatter(t, h),
+            "all_gather": lambda t: OPS.all_gather(t, h),
+            "reduce_routed_early": lambda t: OPS.reduce_routed_early(t, 0, h, 0, False, False, 1, 1),
+            "reduce_final": lambda t: OPS.reduce_final(t, 0, h, 0, False, False, 1, 1),
+        }
+        for dtype in (torch.float64, torch.int16, torch.complex64):
+            for name, op in ops.items():
+                with pytest.raises(am.DTypeError) as real:
+                    op(torch.zeros(4, 2, dtype=dtype))
+                assert "`x`" in str(real.value), str(real.value)
+                with pytest.raises(am.DTypeError) as meta:
+                    op(torch.zeros(4, 2, dtype=dtype, device="meta"))
+                with FakeTensorMode():
+                    with pytest.raises(am.DTypeError) as fake:
+                        op(torch.zeros(4, 2, dtype=dtype))
+                assert str(meta.value) == str(fake.value) == str(real.value), (name, dtype)
+            # and a dtype it knows still traces
+            with FakeTensorMode():
+                assert OPS.all_gather(torch.zeros(4, 2, dtype=torch.float32), h).shape == (4, 2)

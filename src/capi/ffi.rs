@@ -284,6 +284,39 @@ impl Out<'_> {
     pub(crate) fn check(&self, cx: &Call<'_>, shape: &[usize], dtype: DType) -> Result<(), Failure> {
         check_meta(cx.f, self.arg, self.d, &self.meta, shape, dtype)
     }
+
+    /// The bytes `[start, end)` the descriptor names, with the memory they
+    /// are addresses of (host: `None`; NPU: its ordinal).
+    fn span(&self) -> (Option<i32>, usize, usize) {
+        let kind = (self.d.device_kind == AMOE_DEVICE_NPU).then_some(self.d.device_ordinal);
+        let start = self.d.data as usize;
+        (kind, start, start.saturating_add(self.meta.bytes))
+    }
+
+    /// Whether this output and `other` name common bytes of the same memory.
+    pub(crate) fn overlaps(&self, other: &Out<'_>) -> bool {
+        let ((ak, as_, ae), (bk, bs, be)) = (self.span(), other.span());
+        ak == bk && as_ < be && bs < ae && self.meta.bytes > 0 && other.meta.bytes > 0
+    }
+
+    /// Refuses an output that overlaps the output `other` of the same call:
+    /// whichever is written last would overwrite part of the other.
+    /// INVALID_ARGUMENT naming both, before any work starts.
+    pub(crate) fn apart_from(&self, cx: &Call<'_>, other: &Out<'_>) -> Result<(), Failure> {
+        if !self.overlaps(other) {
+            return Ok(());
+        }
+        let ((_, s, e), (_, os, oe)) = (self.span(), other.span());
+        Err(crate::Error::invalid(
+            cx.f,
+            self.arg,
+            format!(
+                "covers bytes {s:#x}..{e:#x}, which overlap the output `{}` ({os:#x}..{oe:#x}): pass memory apart from it",
+                other.arg
+            ),
+        )
+        .into())
+    }
 }
 
 /// The `len` host bytes of an input descriptor `d` (non-null `data`).

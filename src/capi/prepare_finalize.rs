@@ -233,7 +233,9 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 /// exactly `out`'s row count, host or NPU memory (for example the engine's
 /// own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
 /// rank, 0 for graph and TP padding. Other comm types leave it untouched. A
-/// mask of another dtype or length is refused before any communication.
+/// mask of another dtype or length, or one that overlaps `out`
+/// (`AMOE_STATUS_INVALID_ARGUMENT`, naming both), is refused before any
+/// communication.
 /// With a live context attached to `stream`, the call first queues a guard of
 /// `ctx`; when it writes a mask, the guard compares the actual tokens too (a
 /// captured mask is replayed as written), where "all" and this DP rank's
@@ -287,6 +289,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
                     return Err(crate::Error::dtype(F, "mc2_mask", "BOOL or U8", dtype).into());
                 }
                 m.check(cx, &[rows], dtype)?;
+                m.apart_from(cx, &out)?;
                 Some(m)
             }
             _ => None,
