@@ -113,8 +113,9 @@
 //! or died (its pid no longer exists). Such a peer fails the wait at once with
 //! [`ErrorKind::PeerFailed`]; otherwise the wait fails with
 //! [`ErrorKind::Timeout`] at the deadline. After either, the handle is broken:
-//! it marks itself aborted so its peers fail fast too, and every later call
-//! returns the same error.
+//! it marks its slot failed so its peers fail fast too, and every later call
+//! returns the same error. A panic inside a collective marks the slot
+//! aborted instead (a root cause, which dropping the handle later keeps).
 //!
 //! Every phase barrier ends the same way on every rank: a word in the header
 //! holds the last phase every rank arrived at, or the phase a rank gave up on
