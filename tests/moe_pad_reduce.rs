@@ -453,6 +453,52 @@ fn finalize_and_reduce_shape_error_on_one_rank_fails_every_rank_fast() {
     }
 }
 
+/// The same for the two SP ops: a rank whose `x` does not fit the layout
+/// (allocating form) or whose `out` has a row too many (into form) still
+/// joins the reduce-scatter or all-gather its peers are in, so every rank
+/// fails at once naming that rank and the argument.
+#[test]
+fn sp_op_shape_error_on_one_rank_fails_every_rank_fast() {
+    let l = SpLayout::new(&[2, 3, 1]).unwrap();
+    let h = 4;
+    let timeout = std::time::Duration::from_secs(30);
+    for reduce in [true, false] {
+        for into in [false, true] {
+            let start = std::time::Instant::now();
+            let errs = run_ranks(3, &CommOptions::with_timeout(timeout), |r, comm| {
+                let extra = usize::from(r == 2);
+                let (rows_in, rows_out) =
+                    if reduce { (l.total_rows(), l.local_size(r)) } else { (l.local_size(r), l.total_rows()) };
+                let x = Tensor::zeros_cpu(&[rows_in + if into { 0 } else { extra }, h], DType::F32);
+                let e = match (reduce, into) {
+                    (true, false) => maybe_pad_and_reduce(&x, Some(&l), &comm).map(drop),
+                    (false, false) => maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm).map(drop),
+                    (_, true) => {
+                        let mut out = Tensor::zeros_cpu(&[rows_out + extra, h], DType::F32);
+                        if reduce {
+                            maybe_pad_and_reduce_into(&x, Some(&l), &comm, &mut out)
+                        } else {
+                            maybe_all_gather_and_maybe_unpad_into(&x, Some(&l), &comm, &mut out)
+                        }
+                    }
+                };
+                Ok(e.expect_err("rank 2's tensors do not fit the layout"))
+            })
+            .unwrap();
+            let what = format!("reduce {reduce} into {into}");
+            assert!(start.elapsed() < timeout / 4, "{what}: took {:?}", start.elapsed());
+            let arg = if into { "out" } else { "x" };
+            for (r, e) in errs.iter().enumerate() {
+                let s = e.to_string();
+                assert!(s.contains(&format!("`{arg}`")), "{what} rank {r} names `{arg}`: {s}");
+                if r != 2 {
+                    assert!(s.contains("rank 2"), "{what} rank {r} must name rank 2: {s}");
+                }
+            }
+        }
+    }
+}
+
 /// With empty rows (H = 0) nothing is reduced, yet the inputs are still
 /// checked: an out-of-range index on one rank fails that rank and every
 /// peer (naming it), in a world of one as in a world of three.

@@ -107,17 +107,45 @@ fn check_in_out<C: Collectives + ?Sized>(
     Ok(device)
 }
 
-/// An allocating op: `into` writes an output tensor of `shape` and the dtype
-/// of `x`, on the EP group's device, which is returned.
+/// The collective [`maybe_pad_and_reduce`] makes.
+const PAD_REDUCE_CALL: Call<'static> = Call::ReduceScatter(ReduceOp::Sum);
+
+/// Rows of the padded buffer an SP op moves: the layout's `EP * M`, or
+/// without one `x`'s rows times `per_rank_blocks` (1 for a reduce, whose
+/// input already holds every block; the EP size for a gather).
+fn padded_rows(x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) -> usize {
+    layout.map_or_else(|| x.rows().saturating_mul(per_rank_blocks), SpLayout::padded_rows)
+}
+
+/// A failure found by this rank before its SP collective. When the layout
+/// says the peers move data (`padded_rows` rows of `x`'s row length), they
+/// are in `call` already: the error goes through it
+/// ([`Collectives::refuse_call`]), so on a CPU communicator every rank fails
+/// at once naming this rank's reason instead of waiting for it until the
+/// group's timeout. When nothing moves, the peers make no call and the
+/// error is returned as it is.
+fn refuse_moving<C: Collectives + ?Sized>(ep: &C, call: Call<'_>, x: &Tensor, padded_rows: usize, e: Error) -> Error {
+    if padded_rows.saturating_mul(x.row_len()) == 0 {
+        return e;
+    }
+    ep.refuse_call(call, x.dtype(), e)
+}
+
+/// An allocating SP op: its output shape (from `shape`), then an output
+/// tensor of that shape and the dtype of `x` on the EP group's device, which
+/// `into` writes and which is returned. A failure before `into` goes to
+/// [`refuse_moving`] with `call` and `padded_rows`.
 fn with_output<C: Collectives + ?Sized>(
     op: &'static str,
+    (call, padded_rows): (Call<'_>, usize),
     x: &Tensor,
-    shape: &[usize],
     ep: &C,
+    shape: impl FnOnce() -> Result<Vec<usize>>,
     into: impl FnOnce(&mut Tensor) -> Result<()>,
 ) -> Result<Tensor> {
-    let device = check_device(op, "x", x, ep)?;
-    let mut out = device.backend().output(shape, x.dtype())?;
+    let mut out = shape()
+        .and_then(|shape| check_device(op, "x", x, ep)?.backend().output(&shape, x.dtype()))
+        .map_err(|e| refuse_moving(ep, call, x, padded_rows, e))?;
     into(&mut out)?;
     Ok(out)
 }
@@ -159,8 +187,14 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
 /// rows: the fully reduced local shard. Without a layout: a plain EP
 /// reduce-scatter (rows must divide by EP).
 pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
-    let shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    with_output(PAD_REDUCE, x, &shape, ep, |out| maybe_pad_and_reduce_into(x, layout, ep, out))
+    with_output(
+        PAD_REDUCE,
+        (PAD_REDUCE_CALL, padded_rows(x, layout, 1)),
+        x,
+        ep,
+        || maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()),
+        |out| maybe_pad_and_reduce_into(x, layout, ep, out),
+    )
 }
 
 /// [`maybe_pad_and_reduce`] into `out`, which must have the shape of
@@ -174,9 +208,11 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    let out_shape = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_in_out(PAD_REDUCE, "x", x, out, &out_shape, ep)?;
-    let l = reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?;
+    let checked = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()).and_then(|s| {
+        let device = check_in_out(PAD_REDUCE, "x", x, out, &s, ep)?;
+        Ok((device, reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?))
+    });
+    let (device, l) = checked.map_err(|e| refuse_moving(ep, PAD_REDUCE_CALL, x, padded_rows(x, layout, 1), e))?;
     if l.is_uniform() {
         // No padding anywhere: x already is the padded buffer.
         return reduce_padded_into(x, &l, ep, out, &device);
@@ -237,8 +273,14 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
     layout: Option<&SpLayout>,
     ep: &C,
 ) -> Result<Tensor> {
-    let shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    with_output(GATHER_UNPAD, x, &shape, ep, |out| maybe_all_gather_and_maybe_unpad_into(x, layout, ep, out))
+    with_output(
+        GATHER_UNPAD,
+        (Call::AllGather, padded_rows(x, layout, ep.world_size())),
+        x,
+        ep,
+        || maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size()),
+        |out| maybe_all_gather_and_maybe_unpad_into(x, layout, ep, out),
+    )
 }
 
 /// [`maybe_all_gather_and_maybe_unpad`] into `out`, which must have the shape
@@ -251,8 +293,9 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    let out_shape = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())?;
-    let device = check_in_out(GATHER_UNPAD, "x", x, out, &out_shape, ep)?;
+    let device = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())
+        .and_then(|s| check_in_out(GATHER_UNPAD, "x", x, out, &s, ep))
+        .map_err(|e| refuse_moving(ep, Call::AllGather, x, padded_rows(x, layout, ep.world_size()), e))?;
     let backend = device.backend();
     let uniform;
     let l = match layout {
