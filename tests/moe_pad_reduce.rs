@@ -711,3 +711,36 @@ fn into_variants_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {
         assert!(es[1].contains("f32") || es[1].contains("F32"), "{}", es[1]);
     }
 }
+
+// With H = 0 there is no output element, yet a bad index is reported, by
+// the plain finalize and by the fused one, as when there is data: at once
+// on the CPU, at the stream's check on an NPU.
+backend_test!(an_empty_row_finalize_still_reports_a_bad_index, |on: On| {
+    let l = SpLayout::new(&[4]).unwrap();
+    let (n, k) = (4, 2);
+    on.run(1, &opts(), |r, comm| {
+        let mut f = rank_finalize(35, r, n, k, 0, DType::F32);
+        let mut idx = f.idx.to_vec::<i32>()?;
+        idx[5] = (n * k) as i32;
+        f.idx = i32_tensor(&idx, &[n * k]);
+        let f = f.on(&comm.device())?;
+        let check = || match comm.device() {
+            ascend_moe::Device::Npu(d) => d.check(),
+            ascend_moe::Device::Cpu => Ok(()),
+        };
+        let plain = moe_finalize_routing(&f.args()).map(drop);
+        let plain = plain.and_then(|_| check());
+        let fused = finalize_and_reduce(&f.args(), Some(&l), &comm).map(drop);
+        let fused = fused.and_then(|_| check());
+        for (what, res) in [("plain", plain), ("fused", fused)] {
+            match res {
+                Err(ascend_moe::Error::IndexOutOfRange { arg, position, value, .. }) => {
+                    assert_eq!((arg, position, value), ("expanded_row_idx", 5, 8), "{what}")
+                }
+                other => panic!("{what}: expected expanded_row_idx[5] = 8 out of range, got {other:?}"),
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+});

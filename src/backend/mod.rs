@@ -395,9 +395,13 @@ pub fn finalize_then_reduce_scatter<C: Communicator>(
     let backend = &backend;
     let padded_meta = TensorMeta { shape: &padded_shape, dtype };
     if padded_meta.numel() == 0 {
-        // Every rank sees the same layout, so every rank skips together; `out`
-        // is empty as well (no slot rows, or empty rows).
-        return Ok(());
+        // Every rank sees the same layout, so every rank skips the
+        // collective together; `out` is empty as well (no slot rows, or empty
+        // rows). The finalize still runs into an empty view of `out`'s
+        // buffer, so its inputs are checked as they are when there is data
+        // (an NPU reports a bad index at the stream's check).
+        let padded = ViewMut::new(OP, "expanded_x", padded_meta, out.buf_mut())?;
+        return backend.finalize_routing(args, dims, padded, OutputRows::Padded { local_sizes, slot_rows: m });
     }
     let slot_meta = TensorMeta { shape: &slot_shape, dtype };
     // Everything that can fail locally happens before the collective: the

@@ -65,6 +65,12 @@ fn launch_native(
     kernels::check_launch(&args.metas(), out.meta(), rows, &tiling)?;
     let out_buf = npu_buf(device, OP, "out", out.buf())?;
     if out_buf.len_bytes() == 0 {
+        // No output element (H = 0), yet the caller's indices are checked as
+        // when there is data: one index-check launch, whose status the
+        // stream's check reports.
+        if extra_flags & kernels::FLAG_CHECK_INDICES == 0 && args.expanded_row_idx.numel() > 0 {
+            checked_indices(device, args, dims)?;
+        }
         return Ok(());
     }
     if dims.n == 0 {
