@@ -117,7 +117,7 @@ pub trait Collectives {
 /// f8e5m2) are exact byte moves in all_gather(_v), all_to_all_v and broadcast,
 /// never summed (SPEC section 8). Every Tensor-level collective passes here,
 /// on [`Comm`] and on each backend's communicator alike.
-fn reducible(op: &'static str, arg: &'static str, call: Call<'_>, dtype: crate::DType) -> Result<()> {
+pub(crate) fn reducible(op: &'static str, arg: &'static str, call: Call<'_>, dtype: crate::DType) -> Result<()> {
     if !call.reduces() || dtype.is_reducible() {
         return Ok(());
     }

@@ -76,6 +76,10 @@ fn render(enums: &[CEnum]) -> String {
     let _ = writeln!(out, "GUARD_ACTUAL_TOKENS = {AMOE_GUARD_ACTUAL_TOKENS}");
     let _ = writeln!(out, "#: `AMOE_HCCL_WORLD`: `amoe_comm_from_hccl` flag, the borrowed communicator is the world.");
     let _ = writeln!(out, "HCCL_WORLD = {AMOE_HCCL_WORLD}");
+    out.push_str("\n#: The dtypes a reduction (sum, max, min) takes, as the library's `DType::REDUCIBLE`;\n");
+    out.push_str("#: every other dtype is only moved (all_gather, all_to_all, broadcast).\n");
+    let names: Vec<String> = ascend_moe::DType::REDUCIBLE.iter().map(|d| format!("\"{}\"", d.name())).collect();
+    let _ = writeln!(out, "REDUCIBLE_DTYPE_NAMES = ({})", names.join(", "));
     out.push_str(
         "\n\nclass _Numbered(enum.IntEnum):\n    \
          \"\"\"An enum of the library; members are its C names without the enum's prefix.\"\"\"\n\n    \

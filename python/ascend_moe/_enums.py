@@ -20,6 +20,10 @@ GUARD_ACTUAL_TOKENS = 1
 #: `AMOE_HCCL_WORLD`: `amoe_comm_from_hccl` flag, the borrowed communicator is the world.
 HCCL_WORLD = 1
 
+#: The dtypes a reduction (sum, max, min) takes, as the library's `DType::REDUCIBLE`;
+#: every other dtype is only moved (all_gather, all_to_all, broadcast).
+REDUCIBLE_DTYPE_NAMES = ("f32", "f16", "bf16", "i32", "i64")
+
 
 class _Numbered(enum.IntEnum):
     """An enum of the library; members are its C names without the enum's prefix."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_size_t
 
-from ._enums import DropPadMode, Status
+from ._enums import REDUCIBLE_DTYPE_NAMES, DropPadMode, DType, Status
 from ._errors import error
 from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
@@ -268,14 +268,28 @@ def _identity(x) -> tuple:
     return desc_meta("x", x).shape
 
 
+def _reduced(op: str, x) -> tuple:
+    """`x`'s shape, for collective `op` that sums it: a dtype that is only
+    moved is refused as the library refuses it when the collective runs."""
+    d = desc_meta("x", x)
+    name = DType(d.c.dtype).name.lower()
+    if name not in REDUCIBLE_DTYPE_NAMES:
+        raise error(
+            Status.DTYPE,
+            f"{op}: `src` has dtype {name}, expected a reducible dtype ({', '.join(REDUCIBLE_DTYPE_NAMES)}); "
+            f"{name} is moved as bytes, never reduced",
+        )
+    return d.shape
+
+
 def all_reduce(x, comm=None) -> tuple:
-    """Identity."""
-    return _identity(x)
+    """Identity; the dtype must be one a reduction takes."""
+    return _reduced("all_reduce", x)
 
 
 def reduce_scatter(x, comm) -> tuple:
-    """`[rows / world_size, ...]`."""
-    s = _identity(x)
+    """`[rows / world_size, ...]`; the dtype must be one a reduction takes."""
+    s = _reduced("reduce_scatter", x)
     _, world = _ep(comm, "comm")
     if not s or s[0] % world:
         raise error(Status.SHAPE, f"reduce_scatter: x has shape {s}, whose rows the world size {world} does not divide")

@@ -547,3 +547,36 @@ def test_fakes_of_the_collectives_refuse_the_dtypes_the_real_ops_refuse():
             # and a dtype it knows still traces
             with FakeTensorMode():
                 assert OPS.all_gather(torch.zeros(4, 2, dtype=torch.float32), h).shape == (4, 2)
+
+
+def test_fakes_of_the_reductions_refuse_the_dtypes_that_are_only_moved():
+    """int8, uint8, bool and fp8 are moved as bytes, never summed: the fakes of
+    all_reduce, reduce_scatter and maybe_pad_and_reduce refuse them at trace
+    time with the error the real op raises, and all_gather traces them."""
+    with am.Comm.cpu(f"torch-fake-moved-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        h = c.handle_id
+        ops = {
+            "all_reduce": lambda t: OPS.all_reduce(t, h),
+            "reduce_scatter": lambda t: OPS.reduce_scatter(t, h),
+            "maybe_pad_and_reduce": lambda t: OPS.maybe_pad_and_reduce(t, h, [4]),
+        }
+        for dtype, name in ((torch.int8, "i8"), (torch.uint8, "u8"), (torch.bool, "bool"), (torch.float8_e4m3fn, "f8e4m3")):
+            texts = {}
+            for op_name, op in ops.items():
+                with pytest.raises(am.DTypeError) as real:
+                    op(torch.zeros(4, 2, dtype=dtype))
+                with pytest.raises(am.DTypeError) as meta:
+                    op(torch.zeros(4, 2, dtype=dtype, device="meta"))
+                with FakeTensorMode():
+                    with pytest.raises(am.DTypeError) as fake:
+                        op(torch.zeros(4, 2, dtype=dtype))
+                assert str(meta.value) == str(fake.value) == str(real.value), (op_name, dtype)
+                texts[op_name] = str(real.value)
+            # maybe_pad_and_reduce's text is the library's; the plain
+            # collectives' fakes say the same of their `src`.
+            lib = texts["maybe_pad_and_reduce"]
+            assert lib.startswith(f"maybe_pad_and_reduce: `x` has dtype {name}, expected a reducible dtype"), lib
+            for op_name in ("all_reduce", "reduce_scatter"):
+                assert texts[op_name] == lib.replace("maybe_pad_and_reduce: `x`", f"{op_name}: `src`", 1), texts
+            with FakeTensorMode():
+                assert OPS.all_gather(torch.zeros(4, 2, dtype=dtype), h).shape == (4, 2)

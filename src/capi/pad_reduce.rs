@@ -24,11 +24,17 @@ type LayoutShape = fn(&[usize], Option<&SpLayout>, usize, usize) -> crate::Resul
 /// The `_into` form of an EP/SP layout op: `(x, layout, ep_comm, out)`.
 type LayoutInto = fn(&Tensor, Option<&SpLayout>, &Comm, &mut Tensor) -> crate::Result<()>;
 
-/// The body of the `*_output_shape` export of an EP/SP layout op.
+/// The dtype check of an op that takes every dtype.
+fn any_dtype(_: crate::DType) -> crate::Result<()> {
+    Ok(())
+}
+
+/// The body of the `*_output_shape` export of an EP/SP layout op: its
+/// dtype check, then its shape function.
 #[allow(clippy::too_many_arguments)]
 fn layout_op_shape(
     f: &'static str,
-    shape_of: LayoutShape,
+    (dtype_of, shape_of): (fn(crate::DType) -> crate::Result<()>, LayoutShape),
     x: *const amoe_tensor,
     local_sizes: *const usize,
     n: usize,
@@ -40,6 +46,7 @@ fn layout_op_shape(
 ) -> amoe_status {
     ffi!(f, {
         let m = read_meta(f, "x", x)?;
+        dtype_of(m.dtype)?;
         let l = layout(f, local_sizes, n)?;
         let shape = shape_of(&m.shape, l.as_ref(), ep_rank, ep_size)?;
         write_shape(f, &shape, out_shape, cap, out_ndim)
@@ -103,7 +110,8 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce_output_shape";
-    let shape_of = moe::maybe_pad_and_reduce_output_shape;
+    let shape_of =
+        (moe::maybe_pad_and_reduce_dtype as fn(_) -> _, moe::maybe_pad_and_reduce_output_shape as LayoutShape);
     layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim)
 }
 
@@ -159,7 +167,8 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad_output_shape";
-    let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
+    // A gather moves every dtype as bytes.
+    let shape_of = (any_dtype as fn(_) -> _, moe::maybe_all_gather_and_maybe_unpad_output_shape as LayoutShape);
     layout_op_shape(F, shape_of, x, local_sizes, n, ep_rank, ep_size, out_shape, cap, out_ndim)
 }
 

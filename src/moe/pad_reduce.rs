@@ -110,6 +110,14 @@ fn check_in_out<C: Collectives + ?Sized>(
 /// The collective [`maybe_pad_and_reduce`] makes.
 const PAD_REDUCE_CALL: Call<'static> = Call::ReduceScatter(ReduceOp::Sum);
 
+/// The dtypes [`maybe_pad_and_reduce`] takes: those its reduce-scatter sums
+/// (f32, f16, bf16, i32, i64), never a one-byte dtype, which is only moved
+/// (SPEC section 8). Its shape function in the C ABI refuses the same, so a
+/// traced graph fails where the op would.
+pub fn maybe_pad_and_reduce_dtype(dtype: crate::DType) -> Result<()> {
+    crate::comm::reducible(PAD_REDUCE, "x", PAD_REDUCE_CALL, dtype)
+}
+
 /// Rows of the padded buffer an SP op moves: the layout's `EP * M`, or
 /// without one `x`'s rows times `per_rank_blocks` (1 for a reduce, whose
 /// input already holds every block; the EP size for a gather).
@@ -192,7 +200,10 @@ pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<
         (PAD_REDUCE_CALL, padded_rows(x, layout, 1)),
         x,
         ep,
-        || maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()),
+        || {
+            maybe_pad_and_reduce_dtype(x.dtype())?;
+            maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size())
+        },
         |out| maybe_pad_and_reduce_into(x, layout, ep, out),
     )
 }
@@ -208,7 +219,9 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    let checked = maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()).and_then(|s| {
+    let shape = maybe_pad_and_reduce_dtype(x.dtype())
+        .and_then(|_| maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()));
+    let checked = shape.and_then(|s| {
         let device = check_in_out(PAD_REDUCE, "x", x, out, &s, ep)?;
         Ok((device, reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?))
     });
