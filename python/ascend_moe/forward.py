@@ -145,6 +145,16 @@ class MoeLayer:
         policy: Optional[ReducePolicy] = None,
         pcp_rank: int = 0,
     ):
+        # Imported here: both modules import this one.
+        from .comm import handle_of
+        from .prepare import MoeGroups
+
+        # A layer is registered once and used on every forward: a wrong or
+        # closed object is named here, not at the first forward.
+        handle_of("groups", groups, MoeGroups)
+        handle_of("tp_comm", tp_comm)
+        if not callable(experts):
+            raise error(Status.INVALID_ARGUMENT, f"`experts` must be callable, got {type(experts).__name__}")
         self.groups, self.tp_comm, self.experts, self.policy = groups, tp_comm, experts, policy
         self.tp_size, self.dp_rank = c_uint("tp_size", tp_size), c_uint("dp_rank", dp_rank)
         self.tp_rank, self.pcp_rank = c_uint("tp_rank", tp_rank), c_uint("pcp_rank", pcp_rank)

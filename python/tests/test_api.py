@@ -439,7 +439,8 @@ def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
 
     x, idx = np.arange(12, dtype=np.float32).reshape(6, 2), np.array([0, 2, 4, 1, 3, 5], np.int32)
     one = am.Comm.cpu(f"pytest-index-{uuid.uuid4().hex[:12]}", 1, 0)
-    layer = MoeLayer(None, one, 1, 0, 0, experts=lambda h, m, c: h)
+    groups = am.MoeGroups(one, 1)
+    layer = MoeLayer(groups, one, 1, 0, 0, experts=lambda h, m, c: h)
     calls = {
         "drop_pad_mode": [
             lambda v: am.moe_finalize_routing(x, idx, scales=np.ones((3, 2), np.float32), drop_pad_mode=v),
@@ -462,8 +463,8 @@ def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
         "comm_type": [lambda v: ForwardContext(v, (4,))],
         "pcp_size": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), pcp_size=v)],
         "num_actual_tokens": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), num_actual_tokens=v)],
-        "tp_size": [lambda v: MoeLayer(None, one, v, 0, 0, experts=None)],
-        "tp_rank": [lambda v: MoeLayer(None, one, 1, 0, v, experts=None)],
+        "tp_size": [lambda v: MoeLayer(groups, one, v, 0, 0, experts=print)],
+        "tp_rank": [lambda v: MoeLayer(groups, one, 1, 0, v, experts=print)],
         "layer_id": [MoeLayer.lookup],
         "handle_id": [am.Comm.lookup],
         "ranks": [lambda v: one.split([v])],
@@ -488,6 +489,7 @@ def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
     assert ForwardContext(np.int32(1), (np.uint8(4),), pcp_size=np.int64(2)).pcp_size == 2
     assert am.ReducePolicy(np.int64(1), False, False, 1, 1).shared_mode == 1
     layer.close()
+    groups.close()
     one.close()
 
 
@@ -540,6 +542,7 @@ def test_wrong_objects_as_comm_groups_or_context_are_named():
             lambda v: am.shared_pad_split(x, v),
             lambda v: am.shared_gather_unpad(x, 4, v),
             lambda v: policy.reduce_final(x, "allgather", v),
+            lambda v: MoeLayer(groups, v, 1, 0, 0, experts=lambda h, m, c: h),
         ],
         "ep": [lambda v: am.shapes.maybe_pad_and_reduce(x, None, v)],
         "tp": [lambda v: am.shapes.shared_pad_split(x, v), lambda v: am.MoeGroups.from_comms(one, v, one)],
@@ -547,6 +550,7 @@ def test_wrong_objects_as_comm_groups_or_context_are_named():
         "groups": [
             lambda v: am.token_prepare(x, "allgather", ctx, v),
             lambda v: am.token_finalize(x, "allgather", ctx, v),
+            lambda v: MoeLayer(v, one, 1, 0, 0, experts=lambda h, m, c: h),
         ],
         "ctx": [
             lambda v: am.token_prepare(x, "allgather", v, groups),
@@ -577,6 +581,9 @@ def test_wrong_objects_as_comm_groups_or_context_are_named():
         layer.context(ctx)
     with pytest.raises(am.InvalidArgumentError, match="`ctx` must be a MoeContext, got ForwardContext"):
         am.token_prepare(x, "allgather", fctx, groups)
+    # A layer is checked when it is registered, its experts too.
+    with pytest.raises(am.InvalidArgumentError, match="`experts` must be callable, got int"):
+        MoeLayer(groups, one, 1, 0, 0, experts=3)
     set_forward_context(None)
     layer.close()
     groups.close()
