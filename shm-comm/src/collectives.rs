@@ -29,7 +29,7 @@ impl ShmComm {
     pub(crate) fn drive(
         &self,
         kind: Kind,
-        desc: Desc,
+        mut desc: Desc,
         invalid: Option<&str>,
         rounds: &dyn Fn(&[Desc]) -> usize,
         stage: &mut dyn FnMut(usize, usize),
@@ -41,24 +41,7 @@ impl ShmComm {
         // A panic in `stage` or `consume` (the caller's code runs there) would
         // leave the peers waiting for this rank until their timeout, and this
         // handle out of step with them: the guard aborts the handle instead.
-        let guard = AbortOnUnwind { comm: self, coll };
-        let r = self.drive_steps(kind, desc, invalid, rounds, stage, consume, tail);
-        std::mem::forget(guard);
-        r
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn drive_steps(
-        &self,
-        kind: Kind,
-        mut desc: Desc,
-        invalid: Option<&str>,
-        rounds: &dyn Fn(&[Desc]) -> usize,
-        stage: &mut dyn FnMut(usize, usize),
-        consume: &mut dyn FnMut(usize, usize),
-        tail: bool,
-    ) -> Result<()> {
-        let coll = kind.name();
+        let _guard = AbortOnUnwind { comm: self, coll, panicking: std::thread::panicking() };
         let mut st = self.lock();
         if let Some(e) = &st.broken {
             return Err(e.clone());
@@ -457,17 +440,21 @@ impl ShmComm {
     }
 }
 
-/// Aborts the handle of a collective that unwinds (dropped without being
-/// forgotten): its peers fail at once with [`crate::ErrorKind::PeerFailed`]
-/// naming the panic, and every later call on the handle fails.
+/// Aborts the handle of a collective that unwinds (a panic that began after
+/// the guard was made, `panicking` being whether one was under way then):
+/// its peers fail at once with [`crate::ErrorKind::PeerFailed`] naming the
+/// panic, and every later call on the handle fails.
 struct AbortOnUnwind<'a> {
     comm: &'a ShmComm,
     coll: &'static str,
+    panicking: bool,
 }
 
 impl Drop for AbortOnUnwind<'_> {
     fn drop(&mut self) {
-        self.comm.abort(self.coll);
+        if std::thread::panicking() && !self.panicking {
+            self.comm.abort(self.coll);
+        }
     }
 }
 
