@@ -413,6 +413,36 @@ fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast_in_the_two_st
     }
 }
 
+/// Runs `call(rank, comm, into)` on 3 CPU ranks (staging `staging`), allocating
+/// (`into` false) and into `out`, where rank 2's arguments do not fit the
+/// layout (a row too many in its input, or in its `out`): every rank must
+/// fail before a quarter of the timeout, naming the argument (`x` or
+/// `out`), and the peers naming rank 2.
+fn rank_2_fails_every_rank_fast(
+    what: &str,
+    staging: CpuCommConfig,
+    call: impl Fn(usize, &Comm, bool) -> ascend_moe::Result<()> + Sync,
+) {
+    let timeout = std::time::Duration::from_secs(30);
+    for into in [false, true] {
+        let start = std::time::Instant::now();
+        let errs = run_ranks_with(3, &CommOptions::with_timeout(timeout), &staging, |r, comm| {
+            Ok(call(r, &comm, into).expect_err("rank 2's arguments do not fit the layout"))
+        })
+        .unwrap();
+        let what = format!("{what} into {into}");
+        assert!(start.elapsed() < timeout / 4, "{what}: took {:?}", start.elapsed());
+        let arg = if into { "out" } else { "x" };
+        for (r, e) in errs.iter().enumerate() {
+            let s = e.to_string();
+            assert!(s.contains(&format!("`{arg}`")), "{what} rank {r} names `{arg}`: {s}");
+            if r != 2 {
+                assert!(s.contains("rank 2"), "{what} rank {r} must name rank 2: {s}");
+            }
+        }
+    }
+}
+
 /// A rank whose arguments fail the op's own checks (its finalize has a row
 /// more than the layout gives it, or its `out` has the wrong shape) still
 /// joins the reduce-scatter its peers are in, so every rank fails at once
@@ -422,34 +452,17 @@ fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast_in_the_two_st
 fn finalize_and_reduce_shape_error_on_one_rank_fails_every_rank_fast() {
     let l = SpLayout::new(&[2, 3, 1]).unwrap();
     let (n, k) = (l.total_rows(), 2);
-    let timeout = std::time::Duration::from_secs(30);
     for (staging, h) in [(CpuCommConfig::default(), 8), (CpuCommConfig { staging_bytes: 4096 }, 4096 / 3 + 1)] {
-        for into in [false, true] {
-            let start = std::time::Instant::now();
-            let errs = run_ranks_with(3, &CommOptions::with_timeout(timeout), &staging, |r, comm| {
-                let bad = r == 2;
-                let f = rank_finalize(34, r, if bad && !into { n + 1 } else { n }, k, h, DType::F32);
-                let e = if into {
-                    let rows = l.local_size(r) + usize::from(bad);
-                    let mut out = Tensor::zeros_cpu(&[rows, h], DType::F32);
-                    finalize_and_reduce_into(&f.args(), Some(&l), &comm, &mut out)
-                } else {
-                    finalize_and_reduce(&f.args(), Some(&l), &comm).map(drop)
-                };
-                Ok(e.expect_err("rank 2's arguments do not fit the layout"))
-            })
-            .unwrap();
-            let what = format!("staging {} into {into}", staging.staging_bytes);
-            assert!(start.elapsed() < timeout / 4, "{what}: took {:?}", start.elapsed());
-            let arg = if into { "out" } else { "x" };
-            for (r, e) in errs.iter().enumerate() {
-                let s = e.to_string();
-                assert!(s.contains(&format!("`{arg}`")), "{what} rank {r} names `{arg}`: {s}");
-                if r != 2 {
-                    assert!(s.contains("rank 2"), "{what} rank {r} must name rank 2: {s}");
-                }
+        rank_2_fails_every_rank_fast(&format!("staging {}", staging.staging_bytes), staging, |r, comm, into| {
+            let extra = usize::from(r == 2);
+            let f = rank_finalize(34, r, if into { n } else { n + extra }, k, h, DType::F32);
+            if into {
+                let mut out = Tensor::zeros_cpu(&[l.local_size(r) + extra, h], DType::F32);
+                finalize_and_reduce_into(&f.args(), Some(&l), comm, &mut out)
+            } else {
+                finalize_and_reduce(&f.args(), Some(&l), comm).map(drop)
             }
-        }
+        });
     }
 }
 
@@ -461,41 +474,25 @@ fn finalize_and_reduce_shape_error_on_one_rank_fails_every_rank_fast() {
 fn sp_op_shape_error_on_one_rank_fails_every_rank_fast() {
     let l = SpLayout::new(&[2, 3, 1]).unwrap();
     let h = 4;
-    let timeout = std::time::Duration::from_secs(30);
     for reduce in [true, false] {
-        for into in [false, true] {
-            let start = std::time::Instant::now();
-            let errs = run_ranks(3, &CommOptions::with_timeout(timeout), |r, comm| {
-                let extra = usize::from(r == 2);
-                let (rows_in, rows_out) =
-                    if reduce { (l.total_rows(), l.local_size(r)) } else { (l.local_size(r), l.total_rows()) };
-                let x = Tensor::zeros_cpu(&[rows_in + if into { 0 } else { extra }, h], DType::F32);
-                let e = match (reduce, into) {
-                    (true, false) => maybe_pad_and_reduce(&x, Some(&l), &comm).map(drop),
-                    (false, false) => maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm).map(drop),
-                    (_, true) => {
-                        let mut out = Tensor::zeros_cpu(&[rows_out + extra, h], DType::F32);
-                        if reduce {
-                            maybe_pad_and_reduce_into(&x, Some(&l), &comm, &mut out)
-                        } else {
-                            maybe_all_gather_and_maybe_unpad_into(&x, Some(&l), &comm, &mut out)
-                        }
+        rank_2_fails_every_rank_fast(&format!("reduce {reduce}"), CpuCommConfig::default(), |r, comm, into| {
+            let extra = usize::from(r == 2);
+            let (rows_in, rows_out) =
+                if reduce { (l.total_rows(), l.local_size(r)) } else { (l.local_size(r), l.total_rows()) };
+            let x = Tensor::zeros_cpu(&[rows_in + if into { 0 } else { extra }, h], DType::F32);
+            match (reduce, into) {
+                (true, false) => maybe_pad_and_reduce(&x, Some(&l), comm).map(drop),
+                (false, false) => maybe_all_gather_and_maybe_unpad(&x, Some(&l), comm).map(drop),
+                (_, true) => {
+                    let mut out = Tensor::zeros_cpu(&[rows_out + extra, h], DType::F32);
+                    if reduce {
+                        maybe_pad_and_reduce_into(&x, Some(&l), comm, &mut out)
+                    } else {
+                        maybe_all_gather_and_maybe_unpad_into(&x, Some(&l), comm, &mut out)
                     }
-                };
-                Ok(e.expect_err("rank 2's tensors do not fit the layout"))
-            })
-            .unwrap();
-            let what = format!("reduce {reduce} into {into}");
-            assert!(start.elapsed() < timeout / 4, "{what}: took {:?}", start.elapsed());
-            let arg = if into { "out" } else { "x" };
-            for (r, e) in errs.iter().enumerate() {
-                let s = e.to_string();
-                assert!(s.contains(&format!("`{arg}`")), "{what} rank {r} names `{arg}`: {s}");
-                if r != 2 {
-                    assert!(s.contains("rank 2"), "{what} rank {r} must name rank 2: {s}");
                 }
             }
-        }
+        });
     }
 }
 
