@@ -520,6 +520,20 @@ def test_out_tensors_written_in_place_keep_autograd_honest():
         assert torch.equal(leaf.detach(), x[[2, 0, 3, 1]])
 
 
+def _refused_alike(name, op, dtype) -> str:
+    """`op` of a `[4, 2]` tensor of `dtype` raises a DTypeError on a real,
+    a meta and a fake tensor alike; its text."""
+    with pytest.raises(am.DTypeError) as real:
+        op(torch.zeros(4, 2, dtype=dtype))
+    with pytest.raises(am.DTypeError) as meta:
+        op(torch.zeros(4, 2, dtype=dtype, device="meta"))
+    with FakeTensorMode():
+        with pytest.raises(am.DTypeError) as fake:
+            op(torch.zeros(4, 2, dtype=dtype))
+    assert str(meta.value) == str(fake.value) == str(real.value), (name, dtype)
+    return str(real.value)
+
+
 def test_fakes_of_the_collectives_refuse_the_dtypes_the_real_ops_refuse():
     """A dtype the library does not know fails at trace time (FakeTensorMode
     and meta tensors) with the error the real op raises, instead of tracing a
@@ -535,15 +549,8 @@ def test_fakes_of_the_collectives_refuse_the_dtypes_the_real_ops_refuse():
         }
         for dtype in (torch.float64, torch.int16, torch.complex64):
             for name, op in ops.items():
-                with pytest.raises(am.DTypeError) as real:
-                    op(torch.zeros(4, 2, dtype=dtype))
-                assert "`x`" in str(real.value), str(real.value)
-                with pytest.raises(am.DTypeError) as meta:
-                    op(torch.zeros(4, 2, dtype=dtype, device="meta"))
-                with FakeTensorMode():
-                    with pytest.raises(am.DTypeError) as fake:
-                        op(torch.zeros(4, 2, dtype=dtype))
-                assert str(meta.value) == str(fake.value) == str(real.value), (name, dtype)
+                text = _refused_alike(name, op, dtype)
+                assert "`x`" in text, text
             # and a dtype it knows still traces
             with FakeTensorMode():
                 assert OPS.all_gather(torch.zeros(4, 2, dtype=torch.float32), h).shape == (4, 2)
@@ -563,15 +570,7 @@ def test_fakes_of_the_reductions_refuse_the_dtypes_that_are_only_moved():
         for dtype, name in ((torch.int8, "i8"), (torch.uint8, "u8"), (torch.bool, "bool"), (torch.float8_e4m3fn, "f8e4m3")):
             texts = {}
             for op_name, op in ops.items():
-                with pytest.raises(am.DTypeError) as real:
-                    op(torch.zeros(4, 2, dtype=dtype))
-                with pytest.raises(am.DTypeError) as meta:
-                    op(torch.zeros(4, 2, dtype=dtype, device="meta"))
-                with FakeTensorMode():
-                    with pytest.raises(am.DTypeError) as fake:
-                        op(torch.zeros(4, 2, dtype=dtype))
-                assert str(meta.value) == str(fake.value) == str(real.value), (op_name, dtype)
-                texts[op_name] = str(real.value)
+                texts[op_name] = _refused_alike(op_name, op, dtype)
             # maybe_pad_and_reduce's text is the library's; the plain
             # collectives' fakes say the same of their `src`.
             lib = texts["maybe_pad_and_reduce"]
