@@ -508,6 +508,41 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
     return wrap_stream(raw, device)
 
 
+def _records_grad(x) -> bool:
+    """Whether autograd would record an op on torch tensor `x`: it requires
+    grad and grad mode is on."""
+    return _torch_tensor(x) and x.requires_grad and sys.modules["torch"].is_grad_enabled()
+
+
+_NO_GRADIENT = []
+
+
+def _no_gradient(result, inputs: list):
+    """`result` (a new torch tensor the op writes) as a view that autograd
+    links to `inputs` (`(arg, tensor)` pairs that require grad), whose
+    backward fails naming them: the ops have no gradient, and a result cut
+    off from its inputs would train on silently, as if they had none. The
+    torch custom ops behave the same way."""
+    if not _NO_GRADIENT:
+        torch = sys.modules["torch"]
+
+        class NoGradient(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, names, out, *tensors):
+                ctx.names = names
+                return out.view_as(out)
+
+            @staticmethod
+            def backward(ctx, *grads):
+                raise RuntimeError(
+                    f"ascend_moe ops have no gradient: a backward reached an op whose {ctx.names} required grad"
+                )
+
+        _NO_GRADIENT.append(NoGradient)
+    names = ", ".join(f"`{arg}`" for arg, _ in inputs)
+    return _NO_GRADIENT[0].apply(names, result, *(t for _, t in inputs))
+
+
 class Operands:
     """The descriptors of one op call, its output (`out=` or a new one) and its stream."""
 
@@ -515,10 +550,13 @@ class Operands:
         self.descs: list = []
         self._stream = stream
         self.result = None
+        self._grad: list = []
 
     def input(self, arg: str, x) -> Desc:
         d = desc_in(arg, x)
         self.descs.append(d)
+        if _records_grad(x):
+            self._grad.append((arg, x))
         return d
 
     def optional(self, arg: str, x) -> Desc | None:
@@ -526,11 +564,23 @@ class Operands:
 
     def output(self, shape, like: Desc, out=None, arg: str = "out") -> Desc:
         """`out` checked against the op's output (`shape`, `like`'s dtype) and
-        marked written (`lend_out`), or a new output."""
+        marked written (`lend_out`), or a new output. An input that requires
+        grad in grad mode makes a new output one whose backward fails
+        (`_no_gradient`), and refuses `out`, which cannot record the op (as
+        torch refuses `out=` there)."""
+        if out is not None and self._grad:
+            first = self._grad[0][0]
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"`{first}` requires grad and grad mode is on, but the op has no gradient and writes `{arg}` in "
+                f"place, which autograd cannot record: call it under torch.no_grad(), or pass `{first}`.detach()",
+            )
         self.result = alloc(arg, shape, like) if out is None else out
         d = desc_out(arg, self.result, shape, like.c.dtype)
         if out is not None:
             lend_out(arg, out)
+        elif self._grad and _torch_tensor(self.result):
+            self.result = _no_gradient(self.result, self._grad)
         self.descs.append(d)
         return d
 

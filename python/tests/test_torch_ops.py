@@ -474,6 +474,36 @@ def test_layers_created_on_several_threads_get_distinct_ids():
                 layer.close()
 
 
+def test_inputs_that_require_grad_never_lose_their_gradient_silently():
+    """The ops have no gradient. Through the Python API, an input that
+    requires grad (grad mode on) gives a result that autograd links to it and
+    whose backward fails naming it, as the torch custom ops do, instead of a
+    result cut off from its inputs; `out=` is refused, as torch refuses
+    `out=` there. Under no_grad nothing changes."""
+    idx = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    with am.Comm.cpu(f"torch-grad-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        calls = {
+            "x": lambda x, **kw: am.all_reduce(x, c, **kw),
+            "permuted": lambda x, **kw: am.moe_token_unpermute(x, idx, **kw),
+            "expanded_x": lambda x, **kw: am.moe_finalize_routing(x, idx, scales=torch.ones(4, 1), **kw),
+        }
+        for arg, call in calls.items():
+            x = torch.arange(8, dtype=torch.float32).reshape(4, 2).requires_grad_()
+            want = call(x.detach())
+            y = call(x)
+            assert y.requires_grad and torch.equal(y, want), arg
+            with pytest.raises(RuntimeError, match=f"no gradient: a backward reached an op whose `{arg}` required grad"):
+                (y * 2).sum().backward()
+            assert x.grad is None, arg
+            with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` requires grad and grad mode is on.*`out`"):
+                call(x, out=torch.zeros_like(want))
+            with torch.no_grad():
+                y = call(x)
+                assert not y.requires_grad and torch.equal(y, want), arg
+                out = torch.zeros_like(want)
+                assert call(x, out=out) is out and torch.equal(out, want), arg
+
+
 def test_out_tensors_written_in_place_keep_autograd_honest():
     """The library writes a caller's `out` (and `mc2_mask`) through its data
     pointer, where autograd cannot see it. One that requires grad while grad
