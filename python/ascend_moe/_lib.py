@@ -274,6 +274,80 @@ def call(name: str, *args) -> None:
     check(getattr(lib(), name)(*args))
 
 
+class Lease:
+    """One call's hold on an open library handle: ctypes passes it as the
+    handle itself (`_as_parameter_`), and while it lives the handle's owner
+    does not free the handle, even when another thread closes the owner
+    mid-call. Released when the last reference to it goes (the end of the
+    call that took it, in CPython)."""
+
+    __slots__ = ("_as_parameter_", "_owner")
+
+    def __init__(self, owner: "Owned", h: c_void_p):
+        self._as_parameter_, self._owner = h, owner
+
+    def __del__(self):
+        self._owner._release()
+
+
+class Owned:
+    """A Python object that owns one library handle, freed by `_free_fn`
+    when it is closed and no `Lease` of it is left: `close()` from one
+    thread while another is inside a call on it waits for nothing and frees
+    nothing under that call; the last lease frees the handle instead."""
+
+    _free_fn = ""
+    _closed_text = "closed"
+
+    def _own(self, h) -> None:
+        self._h = h if isinstance(h, c_void_p) else c_void_p(h)
+        self._leases, self._pending = 0, None
+        # Reentrant: a lease may be collected (and released) by the garbage
+        # collector while this thread holds the lock.
+        self._hold = threading.RLock()
+
+    def _lease(self) -> Lease:
+        with self._hold:
+            if not self._h.value:
+                raise error(Status.INVALID_ARGUMENT, self._closed_text)
+            self._leases += 1
+            return Lease(self, self._h)
+
+    def _release(self) -> None:
+        with self._hold:
+            self._leases -= 1
+            h = self._pending if self._leases == 0 else None
+            if h is not None:
+                self._pending = None
+        if h is not None:
+            self._free(h)
+
+    def _free(self, h: c_void_p) -> None:
+        try:
+            getattr(lib(), self._free_fn)(h)
+        except Exception:  # noqa: BLE001 (interpreter shutdown: the library may be gone)
+            pass
+
+    @property
+    def closed(self) -> bool:
+        h = getattr(self, "_h", None)
+        return h is None or not h.value
+
+    def close(self) -> None:
+        """Frees the handle, now or when the last call on it returns."""
+        hold = getattr(self, "_hold", None)
+        if hold is None:  # __init__ failed before the handle was owned
+            return
+        with hold:
+            h, self._h = self._h, c_void_p()
+            if not h.value:
+                return
+            if self._leases:
+                self._pending, h = h, None
+        if h is not None:
+            self._free(h)
+
+
 SIZE_MAX = c_size_t(-1).value
 U32_MAX = c_uint32(-1).value
 

@@ -13,7 +13,7 @@ import numpy as np
 from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import error
-from ._lib import U32_MAX, c_uint, call, integer, lib, sizes
+from ._lib import U32_MAX, Lease, Owned, c_uint, call, integer, sizes
 from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
@@ -36,12 +36,16 @@ def _is_torch_world(pg) -> bool:
     return pg is None or pg is dist.group.WORLD
 
 
-class Comm:
+class Comm(Owned):
     """One rank's handle on a group. Create with `Comm.cpu(...)` or `comm.split(...)`;
-    release with `close()` or a `with` block."""
+    release with `close()` or a `with` block (a call still running on it in
+    another thread keeps the handle until it returns)."""
+
+    _free_fn = "amoe_comm_free"
+    _closed_text = "the communicator is closed"
 
     def __init__(self, handle: int):
-        self._h = c_void_p(handle)
+        self._own(handle)
         self._rank_size = None  # (rank, world_size), asked once: a handle's group never changes
         rank, size = self._ask_rank_size()
         if size >> _ID_FIELD_BITS:
@@ -156,10 +160,10 @@ class Comm:
         return comm
 
     @property
-    def handle(self) -> c_void_p:
-        if not self._h.value:
-            raise error(Status.INVALID_ARGUMENT, "the communicator is closed")
-        return self._h
+    def handle(self) -> Lease:
+        """The library handle, held for the call it is passed to (`Lease`);
+        a closed communicator is refused."""
+        return self._lease()
 
     def _ask_rank_size(self) -> tuple:
         h = self.handle  # refuses a closed communicator on every call
@@ -191,11 +195,9 @@ class Comm:
         call("amoe_barrier", self.handle, resolve_stream([], stream) if stream is not None else None)
 
     def close(self) -> None:
-        h, self._h = self._h, c_void_p()
         with _REGISTRY_LOCK:
             _REGISTRY.pop(getattr(self, "_id", None), None)
-        if h.value:
-            lib().amoe_comm_free(h)
+        super().close()
 
     def __enter__(self) -> "Comm":
         return self
@@ -210,12 +212,12 @@ class Comm:
             pass
 
     def __repr__(self) -> str:
-        if not self._h.value:
+        if self.closed:
             return "Comm(closed)"
         return f"Comm(rank={self.rank}, world_size={self.world_size})"
 
 
-def handle_of(arg: str, obj, cls: type = Comm) -> c_void_p:
+def handle_of(arg: str, obj, cls: type = Comm) -> Lease:
     """The library handle of `obj`, passed as `arg`, which must be a `cls`
     (default `Comm`; `MoeGroups` for groups): anything else (an int, None, a
     handle id, another class) is an `InvalidArgumentError` naming `arg`

@@ -11,7 +11,7 @@ import numpy as np
 from . import shapes
 from ._enums import CommType, Status
 from ._errors import error
-from ._lib import ALL_TOKENS, MoeContextC, c_uint, call, comm_type_code, lib, sizes
+from ._lib import ALL_TOKENS, Lease, MoeContextC, Owned, c_uint, call, comm_type_code, sizes
 from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code, lend_out
 from .comm import Comm, handle_of
 
@@ -59,15 +59,18 @@ class MoeContext:
         return ctypes.byref(self._c)
 
 
-class MoeGroups:
+class MoeGroups(Owned):
     """The TP, DP and (with `pcp_size > 1`) PCP groups of a MoE layer, split
     from the EP world (EP rank `(dp * pcp_size + pcp) * tp_size + tp`).
     Collective: every rank of `world` builds it."""
 
+    _free_fn = "amoe_moe_groups_free"
+    _closed_text = "the MoE groups are closed"
+
     def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
         call("amoe_moe_groups_new", handle_of("world", world), c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
-        self._h = out
+        self._own(out)
 
     @classmethod
     def from_comms(cls, ep: Comm, tp: Comm, dp: Comm, pcp: "Comm | None" = None) -> "MoeGroups":
@@ -85,20 +88,15 @@ class MoeGroups:
             None if pcp is None else handle_of("pcp", pcp),
             ctypes.byref(out),
         )
-        g._h = out
+        g._own(out)
         g._comms = (ep, tp, dp, pcp)
         return g
 
     @property
-    def handle(self) -> c_void_p:
-        if not self._h.value:
-            raise error(Status.INVALID_ARGUMENT, "the MoE groups are closed")
-        return self._h
-
-    def close(self) -> None:
-        h, self._h = self._h, c_void_p()
-        if h.value:
-            lib().amoe_moe_groups_free(h)
+    def handle(self) -> Lease:
+        """The library handle, held for the call it is passed to (`Lease`);
+        closed groups are refused."""
+        return self._lease()
 
     def __enter__(self) -> "MoeGroups":
         return self

@@ -621,3 +621,69 @@ def test_set_allocator_needs_both_callbacks():
 def test_the_package_is_typed():
     # PEP 561: the marker ships in the package (CI runs this against the installed wheel).
     assert (Path(am.__file__).resolve().parent / "py.typed").is_file()
+
+
+def test_a_handle_closed_under_a_running_call_is_freed_when_the_call_returns(monkeypatch):
+    """`close()` from one thread while another thread's call holds the handle
+    (a collective waiting for its peer) frees nothing under that call: new
+    calls are refused at once, the running one completes, and the handle is
+    freed when it returns, once."""
+    comm_mod, lib_mod = sys.modules["ascend_moe.comm"], sys.modules["ascend_moe._lib"]
+
+    freed = []
+    real_free = lib_mod.Owned._free
+    monkeypatch.setattr(lib_mod.Owned, "_free", lambda self, h: (freed.append(type(self).__name__), real_free(self, h)))
+    name = f"pytest-lease-{uuid.uuid4().hex[:12]}"
+    comms = [None, None]
+
+    def join(r):
+        comms[r] = am.Comm.cpu(name, 2, r)
+
+    t = threading.Thread(target=join, args=(1,))
+    t.start()
+    join(0)
+    t.join()
+    c0, c1 = comms
+    # Rank 0 waits in a barrier for rank 1 while the main thread closes it.
+    entered, result = threading.Event(), []
+    real_call = comm_mod.call
+
+    def call(fn, *args):
+        if fn == "amoe_barrier" and threading.current_thread() is not threading.main_thread():
+            entered.set()
+        return real_call(fn, *args)
+
+    monkeypatch.setattr(comm_mod, "call", call)
+
+    def barrier0():
+        try:
+            c0.barrier()
+            result.append("ok")
+        except Exception as e:  # noqa: BLE001
+            result.append(e)
+
+    t = threading.Thread(target=barrier0)
+    t.start()
+    assert entered.wait(60)
+    c0.close()
+    assert freed == [], "the handle was freed under the running barrier"
+    with pytest.raises(am.InvalidArgumentError, match="the communicator is closed"):
+        c0.barrier()
+    c1.barrier()  # rank 1 arrives: rank 0's barrier completes on its held handle
+    t.join()
+    assert result == ["ok"], result
+    assert freed == ["Comm"], freed
+    c0.close()
+    assert freed == ["Comm"], "closed twice, freed twice"
+    # The same for MoE groups, with a lease held by hand.
+    alone = c1.split([1])
+    groups = am.MoeGroups(alone, 1)
+    lease = groups.handle
+    groups.close()
+    assert freed == ["Comm"]
+    with pytest.raises(am.InvalidArgumentError, match="the MoE groups are closed"):
+        groups.handle
+    del lease
+    assert freed == ["Comm", "MoeGroups"], freed
+    alone.close()
+    c1.close()
