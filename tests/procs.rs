@@ -4,6 +4,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -295,16 +296,29 @@ fn stale_segment_of_a_crashed_run_is_replaced() {
     let path = segment_path(&name);
     // Three ranks of a world of 4 attach, then all of them die before the
     // fourth comes: the world never formed, so its file is still linked.
+    // One process group, killed by one signal below.
+    let mut group = 0;
     let mut kids: Vec<Child> = (0..WORLD - 1)
-        .map(|r| worker(&name, r, 20.0, &["hold"]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn"))
+        .map(|r| {
+            let mut w = worker(&name, r, 20.0, &["hold"]);
+            let kid = w.process_group(group).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn");
+            if group == 0 {
+                group = kid.id() as i32;
+            }
+            kid
+        })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(20);
     while shm_comm::live_members(&name).len() < WORLD - 1 {
         assert!(Instant::now() < deadline, "attached: {:?}", shm_comm::live_members(&name));
         std::thread::sleep(Duration::from_millis(2));
     }
+    // All three die by one signal to their group: a rank still alive after
+    // another died would see it die, give up on the world and remove the
+    // file, which is not the crash this test is about.
+    // SAFETY: kill(2) with the group of processes this test spawned.
+    assert_eq!(unsafe { libc::kill(-group, libc::SIGKILL) }, 0, "kill the group");
     for k in kids.iter_mut() {
-        k.kill().expect("kill");
         k.wait().expect("reap");
     }
     assert!(Path::new(&path).exists(), "the crashed run leaves its segment");
