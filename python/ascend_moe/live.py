@@ -23,7 +23,7 @@ import ctypes
 
 from ._enums import GUARD_ACTUAL_TOKENS, Status
 from ._errors import error
-from ._lib import ALL_TOKENS, U32_MAX, ForwardContextC, c_uint, call, lib, sizes
+from ._lib import ALL_TOKENS, U32_MAX, ForwardContextC, Owned, c_uint, call, sizes
 from ._tensor import hold_stream, unhold_stream, wrap_stream
 from .forward import ForwardContext, checked_context
 
@@ -59,17 +59,21 @@ def _context_c(ctx: ForwardContext):
     return c, dp
 
 
-class LiveContext:
+class LiveContext(Owned):
     """A live forward context on the device of `stream` (an object with
     `.npu_stream`, such as torch_npu's Stream), with 128 guard records to
     start with: a guard captured into a graph keeps its record for the
     context's life and cannot add records, so `reserve(n)` them before
     capture; a guard outside capture adds records itself, keeping free as
     many as the largest run of captures after an eager guard took. Made and freed
-    outside capture (it allocates)."""
+    outside capture (it allocates). `close()` while another thread's call
+    (a `check()` waiting on the stream) holds the context frees it, and
+    releases its stream handle, when that call returns."""
+
+    _free_fn = "amoe_live_context_free"
+    _closed_text = "the live context was closed"
 
     def __init__(self, stream, device=None):
-        self._h = None
         self._stream, self.device = _stream_handle(stream, device, hold=True)
         self._raw = int(stream.npu_stream)
         try:
@@ -78,12 +82,17 @@ class LiveContext:
         except BaseException:
             unhold_stream(self._raw, self.device)
             raise
-        self._h = h
+        self._own(h)
+
+    def _free(self, h) -> None:
+        super()._free(h)
+        try:
+            unhold_stream(self._raw, self.device)
+        except Exception:  # noqa: BLE001 (interpreter shutdown: the module may be gone)
+            pass
 
     def _handle(self):
-        if self._h is None:
-            raise error(Status.NULL_ARGUMENT, "the live context was closed")
-        return self._h
+        return self._lease()
 
     def set(self, ctx: ForwardContext) -> None:
         """Enqueues the update of the live context to `ctx` on the stream:
@@ -142,12 +151,6 @@ class LiveContext:
         p, n = ctypes.c_void_p(), ctypes.c_size_t()
         call("amoe_live_context_device_ptr", self._handle(), ctypes.byref(p), ctypes.byref(n))
         return p.value, n.value
-
-    def close(self) -> None:
-        if self._h is not None:
-            lib().amoe_live_context_free(self._h)
-            self._h = None
-            unhold_stream(self._raw, self.device)
 
     def __enter__(self):
         return self

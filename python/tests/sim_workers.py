@@ -443,7 +443,28 @@ def live_context():
         raise AssertionError("release_streams freed the handle of an open LiveContext")
     live.set(mc2)
     live.check()
+    # Closed while another call holds it (a `check()` waiting on the stream
+    # in another thread): new calls are refused at once, and the context and
+    # its stream handle live until the holding call lets go.
+    lease = live._lease()
     live.close()
+    try:
+        live.check()
+    except am.AmoeError as e:
+        assert e.status == am.Status.INVALID_ARGUMENT and "the live context was closed" in str(e), e
+    else:
+        raise AssertionError("a closed LiveContext took a call")
+    try:
+        am.release_streams()
+    except am.AmoeError as e:
+        assert "open LiveContext" in str(e), e
+    else:
+        raise AssertionError("the stream handle was released under a held LiveContext")
+    n = ctypes.c_size_t()
+    check("amoe_live_context_guards", sys.modules["ascend_moe._lib"].lib().amoe_live_context_guards(lease, ctypes.byref(n), ctypes.byref(ctypes.c_size_t())))
+    assert n.value >= 128, n.value
+    del lease
+    live.close()  # closing again frees nothing twice
     assert am.release_streams() == 1
     stream.destroy()
 
