@@ -74,7 +74,7 @@ class Comm(Owned):
         none (never created, closed, or garbage-collected)."""
         handle_id = integer("handle_id", handle_id)
         comm = _REGISTRY.get(handle_id)
-        if comm is None or not comm._h.value:
+        if comm is None or comm.closed:
             raise error(
                 Status.INVALID_ARGUMENT,
                 f"no open communicator has handle_id {handle_id} (closed, freed, or never created)",
