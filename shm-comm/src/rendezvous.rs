@@ -73,10 +73,28 @@ impl Segment {
         let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("rendezvous", "name", "NUL byte"))?;
         let deadline = crate::clock::deadline(Instant::now(), timeout);
         let mut backoff = Backoff::default();
+        let mut again = false;
         loop {
+            // A file replaced or removed under every attempt (a link planted
+            // again and again, an instance unlinked between open and lock)
+            // is bounded by the deadline like every other wait here.
+            if std::mem::replace(&mut again, true) && Instant::now() >= deadline {
+                return Err(setup_err(
+                    name,
+                    rank,
+                    world,
+                    format!(
+                        "timed out after {timeout:?}: {path} was replaced or removed under every attempt to open it"
+                    ),
+                    ErrorKind::Timeout,
+                ));
+            }
             let file = match open_own(&cpath, &path) {
                 Ok(Opened::File(f)) => f,
-                Ok(Opened::Again) => continue,
+                Ok(Opened::Again) => {
+                    backoff.snooze();
+                    continue;
+                }
                 Err(Refused::Os(e)) => return Err(e),
                 Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
             };
@@ -106,6 +124,7 @@ impl Segment {
             if ino_at(&cpath) != Some(ino) {
                 // Unlinked or replaced between open and lock: start over.
                 close(fd);
+                backoff.snooze();
                 continue;
             }
             let size = match file.size(&path) {
