@@ -265,11 +265,23 @@ struct Inner {
     state: Mutex<State>,
     /// Sub-groups made by `split` since the group's last collective started:
     /// that collective's sequence number, and per rank list how many.
-    splits: Mutex<(u64, HashMap<Vec<usize>, u64>)>,
+    splits: Mutex<Splits>,
     /// Busy-wait iterations before yielding: none when the group has more
     /// ranks than this host has cores (a spinning rank would steal the core a
     /// peer needs to arrive).
     spin: u32,
+}
+
+/// One rank's record of the splits of its group ([`ShmComm::split`]).
+#[derive(Default)]
+struct Splits {
+    /// The group's sequence number that `made` counts at.
+    seq: u64,
+    /// Per rank list, how many sub-groups of it were made at `seq`.
+    made: HashMap<Vec<usize>, u64>,
+    /// Per member, the post of the last refusal a failed split of this rank
+    /// reported: reported once, it fails no later split.
+    seen: HashMap<usize, u64>,
 }
 
 #[derive(Default)]
@@ -332,6 +344,19 @@ impl ShmComm {
     /// taken (arguments, the file, a live world of another size) are this
     /// rank's alone.
     pub fn rendezvous(name: &str, world_size: usize, rank: usize, timeout: Duration, cfg: &Config) -> Result<ShmComm> {
+        Self::rendezvous_watching(name, world_size, rank, timeout, cfg, None)
+    }
+
+    /// [`ShmComm::rendezvous`], failing the forming world with a Mismatch
+    /// as soon as `watch` names a cause (asked while the rank waits).
+    pub(crate) fn rendezvous_watching(
+        name: &str,
+        world_size: usize,
+        rank: usize,
+        timeout: Duration,
+        cfg: &Config,
+        watch: Option<&dyn Fn() -> Option<String>>,
+    ) -> Result<ShmComm> {
         let setup = |detail: String| Error::Comm {
             collective: "rendezvous".into(),
             group: name.into(),
@@ -366,7 +391,7 @@ impl ShmComm {
                 seg,
                 owner: process::my_pid(),
                 state: Mutex::new(State { phase: RENDEZVOUS, ..State::default() }),
-                splits: Mutex::new((0, HashMap::new())),
+                splits: Mutex::new(Splits::default()),
                 spin: if world_size <= std::thread::available_parallelism().map_or(1, |n| n.get()) { 256 } else { 0 },
             }),
         };
@@ -376,9 +401,14 @@ impl ShmComm {
         let mut st = comm.lock();
         // A slot once taken counts as joined even if its rank already moved on
         // and left: failures show up in the next collective.
-        comm.wait_for(&mut st, "rendezvous", deadline, RENDEZVOUS, |c| {
-            c.state.load(std::sync::atomic::Ordering::Acquire) != EMPTY
-        })?;
+        comm.wait_for(
+            &mut st,
+            "rendezvous",
+            deadline,
+            RENDEZVOUS,
+            |c| c.state.load(std::sync::atomic::Ordering::Acquire) != EMPTY,
+            watch,
+        )?;
         drop(st);
         Ok(comm)
     }

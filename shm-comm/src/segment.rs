@@ -360,38 +360,70 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
     }
 }
 
+/// A rank's posted split request, as its peers read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Posted {
+    /// The list (the first [`MAX_WORLD`] ranks; a rank from 255 up reads as 255).
+    pub ranks: Vec<usize>,
+    /// Its length as passed.
+    pub len: usize,
+    /// The number of the group's collectives before the split.
+    pub seq: u64,
+    /// The poster refused its own list as invalid and left the split.
+    pub refused: bool,
+    /// Changes with every post of the rank (tells a new refusal from one seen).
+    pub gen: u64,
+}
+
+impl Posted {
+    /// The list as a message shows it.
+    pub fn describe(&self) -> String {
+        if self.len <= MAX_WORLD && self.ranks.iter().all(|&r| r < 0xff) {
+            format!("{:?}", self.ranks)
+        } else {
+            format!("a list of {} ranks", self.len)
+        }
+    }
+}
+
+/// Set in the length word of a refused split request.
+const SPLIT_REFUSED: u64 = 1 << 63;
+
 impl Ctrl {
     /// Posts `ranks`, split after `seq` collectives of the group, as this
-    /// rank's split request (`None` withdraws it). Only the owning rank writes.
-    pub fn post_split(&self, req: Option<(&[usize], u64)>) {
+    /// rank's split request (`None` withdraws it); `refused`: the rank found
+    /// the list invalid and is not joining. Only the owning rank writes.
+    pub(crate) fn post_split(&self, req: Option<(&[usize], u64)>, refused: bool) {
         let (ranks, seq) = req.unwrap_or((&[], 0));
         let g = self.split[0].load(Ordering::Relaxed);
         self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::Release);
-        self.split[1].store(ranks.len() as u64, Ordering::Relaxed);
+        let flag = if refused { SPLIT_REFUSED } else { 0 };
+        self.split[1].store((ranks.len() as u64).min(!SPLIT_REFUSED) | flag, Ordering::Relaxed);
         self.split[2].store(seq, Ordering::Relaxed);
         for (i, w) in self.split[3..].iter().enumerate() {
             let word =
-                (0..8).fold(0u64, |acc, b| acc | ranks.get(i * 8 + b).map_or(0, |&r| (r as u64 & 0xff) << (8 * b)));
+                (0..8).fold(0u64, |acc, b| acc | ranks.get(i * 8 + b).map_or(0, |&r| (r.min(0xff) as u64) << (8 * b)));
             w.store(word, Ordering::Relaxed);
         }
         self.split[0].store((g | 1).wrapping_add(1), Ordering::Release);
     }
 
-    /// The posted split request (ranks, sequence number), if any (`None`
-    /// also when it is being rewritten).
-    pub fn posted_split(&self) -> Option<(Vec<usize>, u64)> {
+    /// The posted split request, if any (`None` also when it is being rewritten).
+    pub(crate) fn posted_split(&self) -> Option<Posted> {
         let g = self.split[0].load(Ordering::Acquire);
         if g & 1 == 1 {
             return None;
         }
-        let n = (self.split[1].load(Ordering::Relaxed) as usize).min(MAX_WORLD);
+        let word = self.split[1].load(Ordering::Relaxed);
+        let len = usize::try_from(word & !SPLIT_REFUSED).unwrap_or(usize::MAX);
         let seq = self.split[2].load(Ordering::Relaxed);
         let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
         std::sync::atomic::fence(Ordering::Acquire);
-        if self.split[0].load(Ordering::Relaxed) != g || n == 0 {
+        if self.split[0].load(Ordering::Relaxed) != g || (len == 0 && word & SPLIT_REFUSED == 0) {
             return None;
         }
-        Some(((0..n).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect(), seq))
+        let ranks = (0..len.min(MAX_WORLD)).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect();
+        Some(Posted { ranks, len, seq, refused: word & SPLIT_REFUSED != 0, gen: g })
     }
 }

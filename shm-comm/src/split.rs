@@ -10,7 +10,27 @@
 
 use std::collections::HashMap;
 
+use crate::segment::Posted;
 use crate::{Error, ErrorKind, Result, ShmComm};
+
+/// Why `ranks` is no rank list for rank `me` of a world of `w` to split.
+fn invalid_list(ranks: &[usize], w: usize, me: usize) -> Option<String> {
+    if ranks.is_empty() {
+        return Some("empty rank list".into());
+    }
+    for (i, &r) in ranks.iter().enumerate() {
+        if r >= w {
+            return Some(format!("rank {r} in {ranks:?} is out of range for world size {w}"));
+        }
+        if ranks[..i].contains(&r) {
+            return Some(format!("rank {r} appears more than once in {ranks:?}"));
+        }
+    }
+    if !ranks.contains(&me) {
+        return Some(format!("rank {me} is not in {ranks:?}: only members call split"));
+    }
+    None
+}
 
 impl ShmComm {
     /// A sub-group of the ranks `ranks` (group-local rank numbers, distinct,
@@ -20,53 +40,84 @@ impl ShmComm {
     /// after different numbers of collectives, fail with a
     /// [`ErrorKind::Mismatch`] naming both (after the timeout); this group
     /// stays usable, and a later split of one list by every member works.
+    /// A member whose own list is invalid (empty, out of range, repeated, or
+    /// without it) fails at once, and so do the members waiting for it, with
+    /// a Mismatch naming its list.
     pub fn split(&self, ranks: &[usize]) -> Result<ShmComm> {
         self.check_owner("split")?;
         let (w, me) = (self.inner.world, self.inner.rank);
-        let bad = |detail: String| self.err("split", ErrorKind::Setup, detail);
-        if ranks.is_empty() {
-            return Err(bad("empty rank list".into()));
-        }
-        for (i, &r) in ranks.iter().enumerate() {
-            if r >= w {
-                return Err(bad(format!("rank {r} in {ranks:?} is out of range for world size {w}")));
-            }
-            if ranks[..i].contains(&r) {
-                return Err(bad(format!("rank {r} appears more than once in {ranks:?}")));
-            }
-        }
-        let Some(pos) = ranks.iter().position(|&r| r == me) else {
-            return Err(bad(format!("rank {me} is not in {ranks:?}: only members call split")));
-        };
         let seq = self.lock().seq;
         // Held until the sub-group formed or failed, so that splits through
         // clones of this handle count one after the other.
         let mut splits = self.inner.splits.lock().unwrap_or_else(|e| e.into_inner());
-        if splits.0 != seq {
-            *splits = (seq, HashMap::new());
+        if splits.seq != seq {
+            splits.seq = seq;
+            splits.made.clear();
         }
-        let n = splits.1.get(ranks).copied().unwrap_or(0);
+        let ctrl = self.inner.seg.ctrl(me);
+        if let Some(why) = invalid_list(ranks, w, me) {
+            // Posted as refused, so the members waiting for this rank fail now.
+            ctrl.post_split(Some((ranks, seq)), true);
+            return Err(self.err("split", ErrorKind::Setup, why));
+        }
+        let pos = ranks.iter().position(|&r| r == me).unwrap_or_default();
+        let n = splits.made.get(ranks).copied().unwrap_or(0);
         let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
         let name = format!("{}/[{}]@{seq}#{n}", self.inner.name, list.join(","));
         // Members meet in the sub-group named by their list, so members with
         // other lists never arrive there. The list is posted in this group's
         // control block meanwhile: a member that times out reads the others'
-        // and reports a disagreement as such.
-        let ctrl = self.inner.seg.ctrl(me);
-        ctrl.post_split(Some((ranks, seq)));
-        match ShmComm::rendezvous(&name, ranks.len(), pos, self.inner.timeout, &self.inner.cfg) {
+        // and reports a disagreement as such, and a member that refused its
+        // own list fails the wait as soon as it is seen.
+        ctrl.post_split(Some((ranks, seq)), false);
+        let seen = &splits.seen;
+        let watch = || {
+            let refused = self.refused_members(ranks, seq, seen);
+            (!refused.is_empty()).then(|| self.refusal_text(ranks, &refused))
+        };
+        let joined =
+            ShmComm::rendezvous_watching(&name, ranks.len(), pos, self.inner.timeout, &self.inner.cfg, Some(&watch));
+        match joined {
             Ok(c) => {
-                ctrl.post_split(None);
-                splits.1.insert(ranks.to_vec(), n + 1);
+                ctrl.post_split(None, false);
+                splits.made.insert(ranks.to_vec(), n + 1);
                 Ok(c)
             }
-            // A member that timed out there fails the others waiting with
-            // it (PeerFailed): for them too, a disagreement is the cause.
-            Err(e @ Error::Comm { kind: ErrorKind::Timeout | ErrorKind::PeerFailed, .. }) => {
+            // A member that timed out or saw a refusal there fails the others
+            // waiting with it (PeerFailed): for them too, a refusal or a
+            // disagreement is the cause.
+            Err(e @ Error::Comm { kind: ErrorKind::Timeout | ErrorKind::PeerFailed | ErrorKind::Mismatch, .. }) => {
+                let refused = self.refused_members(ranks, seq, &splits.seen);
+                if !refused.is_empty() {
+                    let e = self.err("split", ErrorKind::Mismatch, self.refusal_text(ranks, &refused));
+                    splits.seen.extend(refused.iter().map(|(r, p)| (*r, p.gen)));
+                    return Err(e);
+                }
                 Err(self.split_mismatch(ranks, seq).unwrap_or(e))
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// The members of `ranks` other than this rank that refused their own
+    /// list after `seq` collectives, in a post no failed split reported yet.
+    fn refused_members(&self, ranks: &[usize], seq: u64, seen: &HashMap<usize, u64>) -> Vec<(usize, Posted)> {
+        let me = self.inner.rank;
+        ranks
+            .iter()
+            .filter(|&&r| r != me)
+            .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().map(|p| (r, p)))
+            .filter(|(r, p)| p.refused && p.seq == seq && seen.get(r) != Some(&p.gen))
+            .collect()
+    }
+
+    fn refusal_text(&self, ranks: &[usize], refused: &[(usize, Posted)]) -> String {
+        let who: Vec<String> = refused.iter().map(|(r, p)| format!("rank {r} passed {}", p.describe())).collect();
+        format!(
+            "{}, which it refused as invalid, while rank {} passed {ranks:?}: members disagree on the rank list",
+            who.join(", "),
+            self.inner.rank
+        )
     }
 
     /// After a split of `ranks` (after `seq` collectives) timed out, or
@@ -75,19 +126,22 @@ impl ShmComm {
     /// of collectives, as a [`ErrorKind::Mismatch`] naming both.
     fn split_mismatch(&self, ranks: &[usize], seq: u64) -> Option<Error> {
         let me = self.inner.rank;
-        let posted: Vec<(usize, Vec<usize>, u64)> = ranks
+        let posted: Vec<(usize, Posted)> = ranks
             .iter()
             .filter(|&&r| r != me)
-            .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().map(|(l, s)| (r, l, s)))
+            .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().map(|p| (r, p)))
             .collect();
-        let lists: Vec<String> =
-            posted.iter().filter(|(_, l, _)| l != ranks).map(|(r, l, _)| format!("rank {r} passed {l:?}")).collect();
+        let lists: Vec<String> = posted
+            .iter()
+            .filter(|(_, p)| p.ranks != ranks || p.len != ranks.len())
+            .map(|(r, p)| format!("rank {r} passed {}", p.describe()))
+            .collect();
         if !lists.is_empty() {
             let detail = format!("members disagree on the rank list: rank {me} passed {ranks:?}, {}", lists.join(", "));
             return Some(self.err("split", ErrorKind::Mismatch, detail));
         }
         let seqs: Vec<String> =
-            posted.iter().filter(|(_, _, s)| *s != seq).map(|(r, _, s)| format!("rank {r} after {s}")).collect();
+            posted.iter().filter(|(_, p)| p.seq != seq).map(|(r, p)| format!("rank {r} after {}", p.seq)).collect();
         if seqs.is_empty() {
             return None;
         }

@@ -102,7 +102,8 @@ impl ShmComm {
     /// Waits until `ready(ctrl of j)` holds for every rank `j`, failing on a dead
     /// or departed peer, or at `deadline`. `phase` is the phase barrier waited
     /// at ([`RENDEZVOUS`] while the world forms): every rank passes it, or
-    /// every rank fails it.
+    /// every rank fails it. `watch`, asked whenever the wait sleeps, names a
+    /// cause outside this group that fails the wait (a Mismatch) as it is seen.
     pub(crate) fn wait_for(
         &self,
         st: &mut State,
@@ -110,6 +111,7 @@ impl ShmComm {
         deadline: Instant,
         phase: u64,
         ready: impl Fn(&Ctrl) -> bool,
+        watch: Option<&dyn Fn() -> Option<String>>,
     ) -> Result<()> {
         let seg = &self.inner.seg;
         let world = self.inner.world;
@@ -139,6 +141,14 @@ impl ShmComm {
             if let Some(refused) = h.refusal().filter(|_| joining) {
                 let detail = segment::describe_refusal(refused, world, seg.staging);
                 let e = self.err(coll, ErrorKind::Mismatch, detail);
+                if let Settled::Passed = self.settle(phase, true) {
+                    return Ok(());
+                }
+                self.poison(st, &e);
+                return Err(e);
+            }
+            if let Some(why) = watch.and_then(|w| w()) {
+                let e = self.err(coll, ErrorKind::Mismatch, why);
                 if let Settled::Passed = self.settle(phase, true) {
                     return Ok(());
                 }
@@ -266,7 +276,7 @@ impl ShmComm {
         seg.ctrl(self.inner.rank).arrive.store(phase, Ordering::Release);
         seg.ring();
         let deadline = deadline(Instant::now(), self.inner.timeout);
-        self.wait_for(st, coll, deadline, phase, |c| c.arrive.load(Ordering::Acquire) >= phase)
+        self.wait_for(st, coll, deadline, phase, |c| c.arrive.load(Ordering::Acquire) >= phase, None)
     }
 }
 

@@ -169,3 +169,72 @@ fn a_staging_size_whose_segment_overflows_is_refused_naming_it() {
         assert!(!std::path::Path::new(&shm_comm::segment_path(&name)).exists(), "{s}");
     }
 }
+
+/// A member whose own rank list is invalid fails at once, and the members
+/// waiting for it fail with it, naming its list, long before their timeout,
+/// whether it refused before they arrived or while they waited. The refusal
+/// is reported once: a later split of one valid list by every member works.
+#[test]
+fn a_member_refusing_its_own_list_fails_the_members_waiting_for_it_at_once() {
+    use std::time::Instant;
+
+    let timeout = Duration::from_secs(30);
+    for (case, (bad, shown)) in [
+        ([0, 1, 7], "rank 2 passed [0, 1, 7]"),
+        ([0, 1, 1], "rank 2 passed [0, 1, 1]"),
+        ([0, 1, 300], "rank 2 passed a list of 3 ranks"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Case 0: rank 2 refuses before the others arrive; else concurrently.
+        let (refused_first, failed) = (std::sync::Barrier::new(3), std::sync::Barrier::new(3));
+        let start = Instant::now();
+        let out = ranks(&format!("split-refused-{case}"), 3, timeout, |r, c| {
+            if case == 0 && r != 2 {
+                refused_first.wait();
+            }
+            let first = if r == 2 { c.split(&bad) } else { c.split(&[0, 1, 2]) };
+            if case == 0 && r == 2 {
+                refused_first.wait();
+            }
+            let e = first.map(|_| ()).expect_err("rank 2's list is invalid");
+            // Rank 2's next split replaces its refusal: only after the others failed.
+            failed.wait();
+            let again = c.split(&[2, 0, 1]).map(|s| s.rank()).map_err(|e| e.to_string());
+            (e.kind(), e.to_string(), again)
+        });
+        let took = start.elapsed();
+        assert!(took < timeout / 4, "case {case}: the members failed only after {took:?}");
+        let (kind, text, _) = &out[2];
+        assert_eq!(*kind, Some(ErrorKind::Setup), "rank 2: {text}");
+        for (r, (kind, text, _)) in out.iter().enumerate().take(2) {
+            assert_eq!(*kind, Some(ErrorKind::Mismatch), "case {case}, rank {r}: {text}");
+            assert!(
+                text.contains(shown) && text.contains("refused"),
+                "case {case}, rank {r} does not say {shown:?}: {text}"
+            );
+            assert!(text.contains(&format!("rank {r} passed [0, 1, 2]")), "case {case}, rank {r}: {text}");
+        }
+        let again: Vec<_> = out.iter().map(|o| o.2.clone()).collect();
+        assert_eq!(again, vec![Ok(1), Ok(2), Ok(0)], "case {case}: the split after the refusal");
+    }
+}
+
+/// An empty list and one without the caller are refused the same way.
+#[test]
+fn a_member_refusing_an_empty_list_or_one_without_itself_fails_the_others_too() {
+    for (case, bad) in [vec![], vec![0, 1]].into_iter().enumerate() {
+        let out = ranks(&format!("split-refused-own-{case}"), 3, Duration::from_secs(30), |r, c| {
+            let list = if r == 2 { bad.clone() } else { vec![0, 1, 2] };
+            c.split(&list).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+        });
+        let want = format!("rank 2 passed {bad:?}, which it refused");
+        for (r, o) in out.iter().enumerate().take(2) {
+            let (kind, text) = o.as_ref().expect_err("rank 2 refused");
+            assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+            assert!(text.contains(&want), "rank {r} does not say {want:?}: {text}");
+        }
+        assert_eq!(out[2].as_ref().map_err(|e| e.0), Err(Some(ErrorKind::Setup)));
+    }
+}
