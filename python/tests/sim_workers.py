@@ -402,6 +402,18 @@ def missing_stream():
     DeviceTensor.free_all()
 
 
+def raises(call, *parts, status=None, otherwise):
+    """`call()` raises an AmoeError (of `status`, when given) whose text has
+    every one of `parts`; else AssertionError(`otherwise`)."""
+    try:
+        call()
+    except am.AmoeError as e:
+        assert status is None or e.status == status, e
+        assert all(p in str(e) for p in parts), e
+    else:
+        raise AssertionError(otherwise)
+
+
 def live_context():
     """The live forward context: a guard passes under its context; a guard of
     MC2 ops run while the live context says ALLTOALL is reported once, naming
@@ -417,30 +429,26 @@ def live_context():
     live.check()
     live.set(am.ForwardContext(am.CommType.ALLTOALL, dp_tokens=[4, 4]))
     live.guard(mc2)
-    try:
-        live.check()
-    except am.AmoeError as e:
-        assert e.status == am.Status.STALE_CONTEXT, e
-        assert "comm_type is 2 (ALLTOALL)" in str(e) and "captured for 1 (MC2)" in str(e), e
-    else:
-        raise AssertionError("a guard of MC2 ops under ALLTOALL was not reported")
+    raises(
+        live.check,
+        "comm_type is 2 (ALLTOALL)",
+        "captured for 1 (MC2)",
+        status=am.Status.STALE_CONTEXT,
+        otherwise="a guard of MC2 ops under ALLTOALL was not reported",
+    )
     live.check()  # reported once
     live.set(mc2)
     live.guard(am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 4], num_actual_tokens=3), actual_tokens=True)
-    try:
-        live.check()
-    except am.AmoeError as e:
-        assert "num_actual_tokens is all" in str(e) and "captured for 3" in str(e), e
-    else:
-        raise AssertionError("a guard of the actual-token count was not reported")
+    raises(
+        live.check,
+        "num_actual_tokens is all",
+        "captured for 3",
+        otherwise="a guard of the actual-token count was not reported",
+    )
     # The open context keeps its stream handle (the ops on the stream share
     # it): releasing the streams is refused, freeing nothing, until it closes.
-    try:
-        am.release_streams()
-    except am.AmoeError as e:
-        assert e.status == am.Status.INVALID_ARGUMENT and "open LiveContext" in str(e), e
-    else:
-        raise AssertionError("release_streams freed the handle of an open LiveContext")
+    held = "release_streams freed the handle of an open LiveContext"
+    raises(am.release_streams, "open LiveContext", status=am.Status.INVALID_ARGUMENT, otherwise=held)
     live.set(mc2)
     live.check()
     # Closed while another call holds it (a `check()` waiting on the stream
@@ -448,20 +456,12 @@ def live_context():
     # its stream handle live until the holding call lets go.
     lease = live._lease()
     live.close()
-    try:
-        live.check()
-    except am.AmoeError as e:
-        assert e.status == am.Status.INVALID_ARGUMENT and "the live context was closed" in str(e), e
-    else:
-        raise AssertionError("a closed LiveContext took a call")
-    try:
-        am.release_streams()
-    except am.AmoeError as e:
-        assert "open LiveContext" in str(e), e
-    else:
-        raise AssertionError("the stream handle was released under a held LiveContext")
+    closed = "a closed LiveContext took a call"
+    raises(live.check, "the live context was closed", status=am.Status.INVALID_ARGUMENT, otherwise=closed)
+    raises(am.release_streams, "open LiveContext", otherwise=held)
     n = ctypes.c_size_t()
-    check("amoe_live_context_guards", sys.modules["ascend_moe._lib"].lib().amoe_live_context_guards(lease, ctypes.byref(n), ctypes.byref(ctypes.c_size_t())))
+    guards = sys.modules["ascend_moe._lib"].lib().amoe_live_context_guards
+    check("amoe_live_context_guards", guards(lease, ctypes.byref(n), ctypes.byref(ctypes.c_size_t())))
     assert n.value >= 128, n.value
     del lease
     live.close()  # closing again frees nothing twice
