@@ -149,11 +149,27 @@ fn triad_default_arrays_are_sized_from_the_last_level_cache() {
     assert!(progress.contains(&format!("3 x {} MiB per thread", array >> 20)), "{progress}");
 }
 
+/// `ascend-moe args` exits 2 before doing anything, and its error names
+/// the argument out of range and its value.
+fn refused(args: &[&str], says: &str) {
+    let out = Command::new(EXE).args(args).output().expect("run ascend-moe");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "ascend-moe {args:?}: {stderr}");
+    assert!(stderr.contains(says), "ascend-moe {args:?} does not say {says:?}: {stderr}");
+}
+
 #[test]
-fn triad_rejects_zero_threads() {
-    let out = Command::new(EXE).args(["bench", "triad", "--threads", "0"]).output().expect("run ascend-moe");
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("threads >= 1"));
+fn bench_arguments_out_of_range_are_refused_naming_them() {
+    refused(&["bench", "triad", "--threads", "0"], "--threads 0: must be at least 1");
+    refused(&["bench", "triad", "--mib", "0"], "--mib 0: must be at least 1");
+    refused(&["bench", "triad", "--reps", "0"], "--reps 0: must be at least 1");
+    refused(&["bench", "finalize", "--threads", "0"], "--threads 0: must be at least 1");
+    let coll = |extra: &[&'static str]| [&["bench", "collectives"][..], extra].concat();
+    refused(&coll(&["--ranks", "2,0"]), "--ranks [2, 0]: a world needs at least 1 rank");
+    refused(&coll(&["--factor", "1"]), "--factor 1: must be at least 2");
+    refused(&coll(&["-b", "0"]), "--min-bytes 0: must be at least 1");
+    refused(&coll(&["-b", "2M", "-e", "1M"]), "--min-bytes 2097152 exceeds --max-bytes 1048576");
+    refused(&coll(&["--iters", "0"]), "--iters 0: must be at least 1");
 }
 
 /// The value of `"key":` in a flat JSON text (numbers and strings without escapes).
@@ -216,9 +232,6 @@ fn finalize_threads_default_to_the_library_choice() {
     assert_eq!(threads("48", "4096", "4"), 3);
     // [64, 4096]: 4 shares, and the variable allows only 2.
     assert_eq!(threads("64", "4096", "2"), 2);
-    let out = Command::new(EXE).args(["bench", "finalize", "--threads", "0"]).output().expect("run ascend-moe");
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("threads >= 1"));
 }
 
 #[test]

@@ -338,6 +338,27 @@ struct Line {
     ratio: f64,
 }
 
+/// The first argument out of range, named with its value.
+fn check_args(a: &Args) -> Result<(), String> {
+    let fail = |what: String| Err(what);
+    if a.ranks.contains(&0) {
+        return fail(format!("--ranks {:?}: a world needs at least 1 rank", a.ranks));
+    }
+    if a.factor < 2 {
+        return fail(format!("--factor {}: must be at least 2 (the size grows by it from row to row)", a.factor));
+    }
+    if a.min_bytes == 0 {
+        return fail("--min-bytes 0: must be at least 1".into());
+    }
+    if a.min_bytes > a.max_bytes {
+        return fail(format!("--min-bytes {} exceeds --max-bytes {}", a.min_bytes, a.max_bytes));
+    }
+    if a.iters == 0 {
+        return fail("--iters 0: must be at least 1 (the median of the timed iterations is reported)".into());
+    }
+    Ok(())
+}
+
 pub fn main(a: Args) -> i32 {
     let dtype: DType = match a.dtype.parse() {
         Ok(d) => d,
@@ -350,8 +371,8 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: unknown collective {bad:?} (known: {})", OPS.join(", "));
         return 2;
     }
-    if a.ranks.contains(&0) || a.factor < 2 || a.min_bytes == 0 || a.min_bytes > a.max_bytes || a.iters == 0 {
-        eprintln!("error: need ranks >= 1, factor >= 2, 0 < min-bytes <= max-bytes, iters >= 1");
+    if let Err(why) = check_args(&a) {
+        eprintln!("error: {why}");
         return 2;
     }
     if let Some(big) = a.ranks.iter().find(|&&r| r > MAX_WORLD) {

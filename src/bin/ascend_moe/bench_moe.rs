@@ -53,7 +53,7 @@ pub fn finalize(a: FinalizeArgs) -> i32 {
         }
     };
     if a.threads == Some(0) {
-        eprintln!("error: need threads >= 1");
+        eprintln!("error: --threads 0: must be at least 1");
         return 2;
     }
     let cfg =

@@ -28,8 +28,9 @@ pub struct Args {
 
 pub fn main(a: Args) -> i32 {
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    if threads == 0 || a.mib == Some(0) || a.reps == 0 {
-        eprintln!("error: need threads >= 1, mib >= 1, reps >= 1");
+    let bad = [(threads == 0, "--threads 0"), (a.mib == Some(0), "--mib 0"), (a.reps == 0, "--reps 0")];
+    if let Some((_, arg)) = bad.iter().find(|b| b.0) {
+        eprintln!("error: {arg}: must be at least 1");
         return 2;
     }
     let llc = last_level_cache_bytes();
