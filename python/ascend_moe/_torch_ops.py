@@ -30,6 +30,8 @@ import torch
 
 from . import comm as _comm
 from . import ops, shapes
+from ._enums import ReduceOp, Status
+from ._errors import error
 from .comm import Comm
 from .ops import ReducePolicy
 
@@ -188,6 +190,15 @@ def _policy(shared_mode: int, has_routed_transform: bool, sp: bool, tp_size: int
     return ReducePolicy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
 
 
+def _reduce_op(name: str, op) -> None:
+    """Refuses, in a fake, a plain-int `op` that names no reduce op, as the
+    real collective `name` does when it runs. A symbolic `op` is left to the
+    real op: checking it would specialize the graph on its value."""
+    if isinstance(op, int) and op not in set(ReduceOp):
+        known = ", ".join(f"{int(m)} {m.name.lower()}" for m in ReduceOp)
+        raise error(Status.INVALID_ARGUMENT, f"{name}: `op` is {op}, which names no reduce op (expected {known})")
+
+
 def register() -> bool:
     """Registers the ops once; False when this torch lacks what it takes
     (`missing()` says what)."""
@@ -246,7 +257,9 @@ def register() -> bool:
     @all_reduce.register_fake
     def _(x, comm, op=sum_op):
         Comm.lookup(comm)
-        return x.new_empty(shapes.all_reduce(x))
+        shape = shapes.all_reduce(x)
+        _reduce_op("all_reduce", op)
+        return x.new_empty(shape)
 
     @custom_op("ascend_moe::reduce_scatter", mutates_args=())
     def reduce_scatter(x: Tensor, comm: int, op: int = sum_op) -> Tensor:
@@ -254,7 +267,9 @@ def register() -> bool:
 
     @reduce_scatter.register_fake
     def _(x, comm, op=sum_op):
-        return x.new_empty(shapes.reduce_scatter(x, Comm.lookup(comm)))
+        shape = shapes.reduce_scatter(x, Comm.lookup(comm))
+        _reduce_op("reduce_scatter", op)
+        return x.new_empty(shape)
 
     @custom_op("ascend_moe::all_gather", mutates_args=())
     def all_gather(x: Tensor, comm: int) -> Tensor:

@@ -609,3 +609,24 @@ def test_fakes_of_the_reductions_refuse_the_dtypes_that_are_only_moved():
                 assert texts[op_name] == lib.replace("maybe_pad_and_reduce: `x`", f"{op_name}: `src`", 1), texts
             with FakeTensorMode():
                 assert OPS.all_gather(torch.zeros(4, 2, dtype=dtype), h).shape == (4, 2)
+
+
+def test_fakes_refuse_an_unknown_reduce_op_as_the_real_ops_do():
+    """`op` of all_reduce / reduce_scatter is 0 sum, 1 max or 2 min; the real
+    ops refuse any other number, so their fakes (meta tensors, FakeTensorMode,
+    tracing) refuse it too, naming `op` and the value, instead of tracing a
+    graph that fails when it runs. The three known ops still trace."""
+    with am.Comm.cpu(f"torch-fake-op-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        h = c.handle_id
+        for op in (OPS.all_reduce, OPS.reduce_scatter):
+            for bad in (3, 99, -1):
+                with pytest.raises(am.InvalidArgumentError, match=f"`op`.*{bad}|{bad}.*`op`"):
+                    op(torch.ones(4, 2), h, bad)
+                with pytest.raises(am.InvalidArgumentError, match=f"`op`.*{bad}|{bad}.*`op`"):
+                    op(torch.ones(4, 2, device="meta"), h, bad)
+                with FakeTensorMode():
+                    with pytest.raises(am.InvalidArgumentError, match=f"`op`.*{bad}|{bad}.*`op`"):
+                        op(torch.ones(4, 2), h, bad)
+            for good in (0, 1, 2):
+                assert op(torch.ones(4, 2, device="meta"), h, good).shape == (4, 2)
+
