@@ -30,7 +30,7 @@ import torch
 
 from . import comm as _comm
 from . import ops, shapes
-from ._enums import ReduceOp, Status
+from ._enums import CommType, ReduceOp, Status
 from ._errors import error
 from .comm import Comm
 from .ops import ReducePolicy
@@ -299,7 +299,8 @@ def register() -> bool:
 
     # ------------------------------------------------ the reduction points
     # `comm_type` is read only by the real op: the fake validates the static
-    # policy (through the library) and the handle, never the comm type, so
+    # policy (through the library) and the handle, and refuses a plain-int
+    # comm type that names none; a symbolic one is never inspected, so
     # tracing neither needs nor specializes its value.
 
     def reduction_point(name: str):
@@ -324,7 +325,10 @@ def register() -> bool:
         def _(x, comm_type, tp_comm, shared_mode, has_routed_transform, sp, tp_size, ep_size):
             _policy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
             Comm.lookup(tp_comm)
-            return x.new_empty(shape_fn(x))
+            shape = shape_fn(x)
+            if isinstance(comm_type, int):
+                CommType.parse(comm_type)
+            return x.new_empty(shape)
 
     for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
         reduction_point(name)

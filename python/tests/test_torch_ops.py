@@ -630,3 +630,23 @@ def test_fakes_refuse_an_unknown_reduce_op_as_the_real_ops_do():
             for good in (0, 1, 2):
                 assert op(torch.ones(4, 2, device="meta"), h, good).shape == (4, 2)
 
+
+def test_fakes_of_the_reduction_points_refuse_an_unknown_comm_type():
+    """The comm type is a run-time argument, but a number that names no comm
+    type (SPEC section 5: 0..3) is refused by the real reduction points; their
+    fakes refuse the same plain ints, naming the value, so a meta call or a
+    trace never succeeds where the op cannot."""
+    with am.Comm.cpu(f"torch-fake-ct-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        h = c.handle_id
+        for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
+            op = getattr(OPS, name)
+            for bad in (4, 9, -1):
+                for dev in ("cpu", "meta"):
+                    with pytest.raises(am.InvalidArgumentError, match=f"comm.type.*{bad}|{bad}.*comm.type"):
+                        op(torch.ones(4, 2, device=dev), bad, h, 0, False, False, 1, 1)
+                with FakeTensorMode():
+                    with pytest.raises(am.InvalidArgumentError, match=f"comm.type.*{bad}|{bad}.*comm.type"):
+                        op(torch.ones(4, 2), bad, h, 0, False, False, 1, 1)
+            for ct in am.CommType:
+                assert op(torch.ones(4, 2, device="meta"), int(ct), h, 0, False, False, 1, 1).shape == (4, 2)
+
