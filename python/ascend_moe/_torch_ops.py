@@ -199,6 +199,23 @@ def _reduce_op(name: str, op) -> None:
         raise error(Status.INVALID_ARGUMENT, f"{name}: `op` is {op}, which names no reduce op (expected {known})")
 
 
+def _no_meta_beside_data(name: str, **operands) -> None:
+    """Refuses, in a fake, meta tensors mixed with tensors on another device.
+    torch sends such a call to the Meta kernel (the fake), which would return
+    an output of the first operand's device that the op never wrote; the
+    real op takes no meta tensor. All meta, or none, is a fake's input."""
+    tensors = [(arg, t) for arg, t in operands.items() if isinstance(t, Tensor)]
+    meta = [arg for arg, t in tensors if t.device.type == "meta"]
+    data = [(arg, t.device) for arg, t in tensors if t.device.type != "meta"]
+    if meta and data:
+        arg, device = data[0]
+        raise error(
+            Status.DEVICE,
+            f"{name}: `{meta[0]}` is a meta tensor, which has no data, but `{arg}` is on {device}: "
+            "pass every operand on one device (meta tensors only to size the output)",
+        )
+
+
 def register() -> bool:
     """Registers the ops once; False when this torch lacks what it takes
     (`missing()` says what)."""
@@ -236,7 +253,18 @@ def register() -> bool:
         drop_pad_mode=drop_less_column,
     ):
         args = (x1, x2, bias, scales, expert_idx, drop_pad_mode)
-        return expanded_x.new_empty(shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args))
+        shape = shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args)
+        _no_meta_beside_data(
+            "moe_finalize_routing",
+            expanded_x=expanded_x,
+            expanded_row_idx=expanded_row_idx,
+            x1=x1,
+            x2=x2,
+            bias=bias,
+            scales=scales,
+            expert_idx=expert_idx,
+        )
+        return expanded_x.new_empty(shape)
 
     @custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
     def moe_token_unpermute(permuted: Tensor, sorted_indices: Tensor, probs: Optional[Tensor] = None) -> Tensor:
@@ -244,7 +272,9 @@ def register() -> bool:
 
     @moe_token_unpermute.register_fake
     def _(permuted, sorted_indices, probs=None):
-        return permuted.new_empty(shapes.moe_token_unpermute(permuted, sorted_indices, probs))
+        shape = shapes.moe_token_unpermute(permuted, sorted_indices, probs)
+        _no_meta_beside_data("moe_token_unpermute", permuted=permuted, sorted_indices=sorted_indices, probs=probs)
+        return permuted.new_empty(shape)
 
     # ----------------------------------------------------------- collectives
     # The fakes look the communicator up too, so a stale handle fails at trace

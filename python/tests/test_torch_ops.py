@@ -650,3 +650,29 @@ def test_fakes_of_the_reduction_points_refuse_an_unknown_comm_type():
             for ct in am.CommType:
                 assert op(torch.ones(4, 2, device="meta"), int(ct), h, 0, False, False, 1, 1).shape == (4, 2)
 
+
+def test_meta_operands_beside_real_ones_are_refused_not_given_an_empty_result():
+    """A meta tensor has no data. Mixed with CPU tensors, torch dispatches the
+    call to the Meta kernel (the fake), which must not hand back an
+    uninitialised CPU tensor as if the op had run: the call is refused with
+    a DeviceError naming the meta operand, whichever operand it is."""
+    ex = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    idx = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    x1 = torch.ones(4, 2)
+    calls = {
+        "expanded_row_idx": lambda m: OPS.moe_finalize_routing(ex, m(idx)),
+        "expanded_x": lambda m: OPS.moe_finalize_routing(m(ex), idx),
+        "x1": lambda m: OPS.moe_finalize_routing(ex, idx, m(x1)),
+        "scales": lambda m: OPS.moe_finalize_routing(ex, idx, None, None, None, m(torch.ones(4, 1))),
+        "sorted_indices": lambda m: OPS.moe_token_unpermute(ex, m(idx)),
+        "permuted": lambda m: OPS.moe_token_unpermute(m(ex), idx),
+        "probs": lambda m: OPS.moe_token_unpermute(ex, idx, m(torch.ones(4, 1))),
+    }
+    for arg, call in calls.items():
+        with pytest.raises(am.DeviceError, match=f"`{arg}` is a meta tensor"):
+            call(lambda t: t.to("meta"))
+        # All on the CPU, or all meta, the calls run as before.
+        assert call(lambda t: t).device.type == "cpu"
+    meta = lambda t: t.to("meta")  # noqa: E731
+    assert OPS.moe_finalize_routing(meta(ex), meta(idx), meta(x1)).device.type == "meta"
+    assert OPS.moe_token_unpermute(meta(ex), meta(idx), meta(torch.ones(4, 1))).device.type == "meta"
