@@ -210,4 +210,13 @@ class MoeLayer:
                 f"MoE layer {self.layer_id}: the experts returned {dtype_name(got)} for "
                 f"{dtype_name(hidden.dtype)} tokens; the routed output keeps the tokens' dtype",
             )
+        shape = getattr(routed, "shape", None)
+        if shape is not None and tuple(shape)[1:] != tuple(hidden.shape)[1:]:
+            # The rows are token_finalize's to check; the rest is fixed by the
+            # tokens (the torch op's fake sizes its output from them).
+            raise error(
+                Status.SHAPE,
+                f"MoE layer {self.layer_id}: the experts returned shape {[int(d) for d in shape]} for prepared "
+                f"tokens of shape {[int(d) for d in hidden.shape]}; the routed output keeps the tokens' hidden shape",
+            )
         return token_finalize(routed, ctx.comm_type, mctx, self.groups)

@@ -7,6 +7,7 @@ Skipped only when torch is not importable outside CI; under CI (`$CI` set)
 a missing torch fails the run instead of skipping it."""
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -449,6 +450,34 @@ def test_experts_that_change_the_dtype_are_refused_not_reinterpreted():
             assert e.value.status == am.Status.DTYPE
         finally:
             layer.close()
+
+
+def test_experts_that_change_the_hidden_shape_are_refused():
+    """The fake of `moe_layer_fc` sizes its output from the input alone: the
+    routed output has the prepared rows and the tokens' hidden shape. Experts
+    that return another hidden shape (fewer or more columns, an extra dim)
+    would make the real op return a tensor of another shape than the fake's
+    (4 x 3 here), which a compiled graph cannot hold: the real op refuses it
+    with a ShapeError naming both shapes, under every comm type."""
+    with am.Comm.cpu(f"torch-fc-shape-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        policy = am.ReducePolicy("none", False, False, 1, 1)
+        x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+        bad = {
+            "[4, 2]": lambda h, mask, ct: np.ascontiguousarray(h[:, :2]),
+            "[4, 6]": lambda h, mask, ct: np.concatenate([h, h], axis=1),
+            "[4, 3, 1]": lambda h, mask, ct: h.reshape(h.shape[0], 3, 1),
+        }
+        for shape, experts in bad.items():
+            layer = am.MoeLayer(groups, c, 1, 0, 0, experts, policy)
+            try:
+                for ct in am.CommType:
+                    with am.forward_context(ct, [4]):
+                        with FakeTensorMode() as fm:
+                            assert OPS.moe_layer_fc(fm.from_tensor(x), layer.layer_id).shape == (4, 3)
+                        with pytest.raises(am.ShapeError, match=f"experts returned shape {re.escape(shape)}.*\\[4, 3\\]"):
+                            OPS.moe_layer_fc(x, layer.layer_id)
+            finally:
+                layer.close()
 
 
 def test_layers_created_on_several_threads_get_distinct_ids():
