@@ -53,6 +53,7 @@ import uuid
 from . import comm as _comm
 from . import ops as _ops
 from . import shapes as _shapes
+from ._errors import error
 from ._lib import AmoeError, Status
 from .comm import Comm
 from .ops import CommType, ReducePolicy, SharedMode, SpLayout
@@ -591,11 +592,22 @@ def _live_comm_type() -> int:
 _DECISIONS = ("routed", "shared", "final")
 
 
+def _checked_point(point: int, layer: int) -> tuple:
+    """`(point, layer)` of `vllm_reduce_point` as ints, refused (the same
+    error in the real op and its fake) unless `point` is 0..2 and `layer` a
+    registered policy id."""
+    point, layer = int(point), int(layer)
+    if layer not in _POLICIES or not 0 <= point < len(_POINTS):
+        raise error(Status.INVALID_ARGUMENT, f"vllm_reduce_point: no point {point} of layer {layer}")
+    return point, layer
+
+
 def _point_impl(x, point: int, layer: int):
-    policy, tp_group = _POLICIES[int(layer)]
-    name = _POINTS[int(point)]
+    point, layer = _checked_point(point, layer)
+    policy, tp_group = _POLICIES[layer]
+    name = _POINTS[point]
     ct = _live_comm_type()
-    if not policy.decisions(ct)[_DECISIONS[int(point)]]:
+    if not policy.decisions(ct)[_DECISIONS[point]]:
         return x.clone()
     if tp_group is None:
         tp_group = _tp_group()
@@ -620,8 +632,7 @@ def _register_point_op():
 
     @vllm_reduce_point.register_fake
     def _(x, point, layer):
-        if int(layer) not in _POLICIES or not 0 <= int(point) < len(_POINTS):
-            raise AmoeError(Status.INVALID_ARGUMENT, f"vllm_reduce_point: no point {point} of layer {layer}")
+        _checked_point(point, layer)
         return x.new_empty(_shapes.reduce_final(x))
 
     _REDUCE_OP = vllm_reduce_point

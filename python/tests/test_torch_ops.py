@@ -705,3 +705,24 @@ def test_meta_operands_beside_real_ones_are_refused_not_given_an_empty_result():
     meta = lambda t: t.to("meta")  # noqa: E731
     assert OPS.moe_finalize_routing(meta(ex), meta(idx), meta(x1)).device.type == "meta"
     assert OPS.moe_token_unpermute(meta(ex), meta(idx), meta(torch.ones(4, 1))).device.type == "meta"
+
+
+def test_vllm_reduce_point_refuses_an_unknown_point_or_layer_as_its_fake_does(monkeypatch):
+    """`torch.ops.ascend_moe.vllm_reduce_point(x, point, layer)` takes point
+    0..2 and a layer id the adapter registered. Its fake refuses anything else;
+    the real op refuses the same with the same InvalidArgumentError, instead
+    of a KeyError for an unknown layer or running point 2 for point -1 (a
+    Python negative index)."""
+    from ascend_moe import vllm_ascend
+
+    vllm_ascend._register_point_op()
+    layer = max(vllm_ascend._POLICIES, default=0) + 1000
+    monkeypatch.setitem(vllm_ascend._POLICIES, layer, (am.ReducePolicy("none", False, False, 1, 1), None))
+    x = torch.ones(4, 2)
+    for point, lid in ((-1, layer), (3, layer), (0, layer + 1), (-3, layer)):
+        texts = []
+        for dev in ("cpu", "meta"):
+            with pytest.raises(am.InvalidArgumentError) as e:
+                OPS.vllm_reduce_point(x.to(dev), point, lid)
+            texts.append(str(e.value))
+        assert texts[0] == texts[1] and f"no point {point} of layer {lid}" in texts[0], texts
