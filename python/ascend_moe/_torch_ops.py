@@ -32,6 +32,7 @@ from . import comm as _comm
 from . import ops, shapes
 from ._enums import CommType, ReduceOp, Status
 from ._errors import error
+from ._tensor import dtype_code
 from .comm import Comm
 from .ops import ReducePolicy
 
@@ -153,11 +154,14 @@ class _Op:
         return fake
 
 
-def _numpy_view(t: Tensor):
+def _numpy_view(t: Tensor, arg: str = "x"):
     """A CPU tensor as a numpy array over the same memory (bf16 / fp8 through
-    `ml_dtypes`); NPU tensors are returned as they are."""
+    `ml_dtypes`); NPU tensors are returned as they are. A dtype the library
+    does not take is a DTypeError naming `arg`, as the fakes name it (numpy
+    cannot represent some of them at all)."""
     if t.device.type != "cpu":
         return t
+    dtype_code(arg, t.dtype)
     import ml_dtypes
 
     t = t.detach()

@@ -480,6 +480,30 @@ def test_experts_that_change_the_hidden_shape_are_refused():
                 layer.close()
 
 
+def test_moe_layer_fc_refuses_dtypes_numpy_cannot_hold_as_its_fake_does():
+    """The CPU kernel of `moe_layer_fc` hands the experts numpy views of the
+    tokens. A dtype the library does not take and numpy cannot represent
+    (fnuz fp8, e8m0, bits8) is refused with the DTypeError naming `x`
+    that the fake raises, not a bare TypeError from `Tensor.numpy()`."""
+    with am.Comm.cpu(f"torch-fc-dtype-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        policy = am.ReducePolicy("none", False, False, 1, 1)
+        layer = am.MoeLayer(groups, c, 1, 0, 0, lambda h, mask, ct: h, policy)
+        dtypes = [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.bits8]
+        dtypes += [d for d in (getattr(torch, "float8_e8m0fnu", None),) if d is not None]
+        try:
+            with am.forward_context(am.CommType.MC2, [4]):
+                for dtype in dtypes:
+                    x = torch.zeros(4, 3, dtype=torch.uint8).view(dtype)
+                    with pytest.raises(am.DTypeError) as meta:
+                        OPS.moe_layer_fc(x.to("meta"), layer.layer_id)
+                    with pytest.raises(am.DTypeError) as real:
+                        OPS.moe_layer_fc(x, layer.layer_id)
+                    assert str(real.value) == str(meta.value), dtype
+                    assert str(real.value).startswith(f"`x` has dtype {str(dtype)[len('torch.'):]}"), str(real.value)
+        finally:
+            layer.close()
+
+
 def test_layers_created_on_several_threads_get_distinct_ids():
     with am.Comm.cpu(f"torch-fc3-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
         policy = am.ReducePolicy("none", False, False, 1, 1)
