@@ -386,7 +386,9 @@ def register() -> bool:
         from .prepare import token_finalize_shape, token_prepare_shape
 
         ctx = get_forward_context()
-        mctx = MoeLayer.lookup(layer).context(ctx)
+        lay = MoeLayer.lookup(layer)
+        mctx = lay.context(ctx)
+        lay.groups.handle  # closed groups are refused, as the real op refuses them
         prepared = token_prepare_shape(x, ctx.comm_type, mctx)
         return x.new_empty(token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx))
 
@@ -402,7 +404,9 @@ def register() -> bool:
 
         @point.register_fake
         def _(x, layer):
-            MoeLayer.lookup(layer).checked_policy(get_forward_context())
+            lay = MoeLayer.lookup(layer)
+            lay.checked_policy(get_forward_context())
+            lay.tp_comm.handle  # a closed TP communicator is refused, as the real op refuses it
             return x.new_empty(shape_fn(x))
 
     for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):

@@ -504,6 +504,38 @@ def test_moe_layer_fc_refuses_dtypes_numpy_cannot_hold_as_its_fake_does():
             layer.close()
 
 
+def test_context_ops_of_a_layer_with_closed_groups_fail_at_trace_time():
+    """A layer whose MoE groups or TP communicator were closed cannot run:
+    `moe_layer_fc` needs the groups, the `*_fc` reduction points the TP
+    communicator. As the collectives' fakes refuse a stale handle, the fakes
+    of these ops refuse such a layer with the real op's error, so a trace
+    (meta tensors, FakeTensorMode) fails instead of a graph that fails later."""
+    with am.Comm.cpu(f"torch-fc-closed-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        groups, tp = am.MoeGroups(c, 1), c.split([0])
+        layer = am.MoeLayer(groups, tp, 1, 0, 0, lambda h, mask, ct: h, am.ReducePolicy("none", False, False, 1, 1))
+        x = torch.ones(4, 3)
+        try:
+            with am.forward_context(am.CommType.ALLGATHER, [4]):
+                tp.close()
+                for op in (OPS.reduce_routed_early_fc, OPS.reduce_shared_fc, OPS.reduce_final_fc):
+                    for t in (x, x.to("meta")):
+                        with pytest.raises(am.InvalidArgumentError, match="the communicator is closed"):
+                            op(t, layer.layer_id)
+                    with FakeTensorMode():
+                        with pytest.raises(am.InvalidArgumentError, match="the communicator is closed"):
+                            op(torch.ones(4, 3), layer.layer_id)
+                assert torch.equal(OPS.moe_layer_fc(x, layer.layer_id), x)  # needs no TP communicator
+                groups.close()
+                for t in (x, x.to("meta")):
+                    with pytest.raises(am.InvalidArgumentError, match="the MoE groups are closed"):
+                        OPS.moe_layer_fc(t, layer.layer_id)
+                with FakeTensorMode():
+                    with pytest.raises(am.InvalidArgumentError, match="the MoE groups are closed"):
+                        OPS.moe_layer_fc(torch.ones(4, 3), layer.layer_id)
+        finally:
+            layer.close()
+
+
 def test_layers_created_on_several_threads_get_distinct_ids():
     with am.Comm.cpu(f"torch-fc3-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
         policy = am.ReducePolicy("none", False, False, 1, 1)
