@@ -258,16 +258,8 @@ def register() -> bool:
     ):
         args = (x1, x2, bias, scales, expert_idx, drop_pad_mode)
         shape = shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args)
-        _no_meta_beside_data(
-            "moe_finalize_routing",
-            expanded_x=expanded_x,
-            expanded_row_idx=expanded_row_idx,
-            x1=x1,
-            x2=x2,
-            bias=bias,
-            scales=scales,
-            expert_idx=expert_idx,
-        )
+        optional = dict(zip(("x1", "x2", "bias", "scales", "expert_idx"), args))
+        _no_meta_beside_data("moe_finalize_routing", expanded_x=expanded_x, expanded_row_idx=expanded_row_idx, **optional)
         return expanded_x.new_empty(shape)
 
     @custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
