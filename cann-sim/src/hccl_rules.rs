@@ -353,6 +353,26 @@ pub fn operands(bufs: &[(&str, *const c_void)], stream: AclrtStream) -> SimResul
     Ok(())
 }
 
+/// The reductions' buffer alignment: "the input and output addresses
+/// (sendBuf and recvBuf) must be aligned by data type: int8 to 1 byte;
+/// int16, float16, bfp16 to 2 bytes; int32, float32 to 4 bytes; int64,
+/// uint64, float64 to 8 bytes" (HCCL API reference, hicann/hccl v9.1.0
+/// `docs/zh/api_ref/comm_op_interface/HcclAllReduce.md:69-73`,
+/// `HcclReduceScatter.md:70-74`, `HcclReduceScatterV.md:71-75`; the gathers,
+/// the broadcast and the all-to-all state none). HCCL names no code for it:
+/// a parameter error.
+pub fn reduce_aligned(bufs: &[(&str, *const c_void)], elem: usize) -> SimResult<()> {
+    for &(what, p) in bufs {
+        if elem > 1 && p as usize % elem != 0 {
+            return fail(
+                HCCL_E_PARA,
+                format!("{what} {p:p} is not aligned to its {elem}-byte elements, which HCCL reductions need"),
+            );
+        }
+    }
+    Ok(())
+}
+
 /// `HcclAllGatherV`, `HcclReduceScatterV` and `HcclAlltoAllV` (HCCL API
 /// reference, hicann/hccl v9.1.0 `docs/zh/api_ref/comm_op_interface/`
 /// `HcclAllGatherV.md:44`, `HcclReduceScatterV.md:40`, `HcclAlltoAllV.md:41`):

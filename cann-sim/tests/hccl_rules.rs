@@ -601,3 +601,46 @@ fn a_one_rank_all_to_all_v_takes_displacements_zero_only() {
     });
     assert_eq!(rcs[0], [E_PARA, E_PARA, 0]);
 }
+
+const BF16: i32 = 11;
+const FP16: i32 = 3;
+
+#[test]
+fn reductions_refuse_buffers_not_aligned_to_their_elements() {
+    // HcclAllReduce.md:69-73, HcclReduceScatter.md:70-74,
+    // HcclReduceScatterV.md:71-75 (hicann/hccl v9.1.0): 2-byte types at
+    // 2-byte addresses, 4-byte at 4, 8-byte at 8; the gathers state nothing.
+    let rcs = with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        let (a, b) = (malloc(256), malloc(256));
+        let at = |p: Ptr, off: usize| p.cast::<u8>().wrapping_add(off).cast::<std::ffi::c_void>();
+        let (counts, displs) = ([4u64], [0u64]);
+        let (c, d) = (counts.as_ptr().cast(), displs.as_ptr().cast());
+        let mut rcs = Vec::new();
+        // SAFETY: device buffers of 256 bytes, every call within them; host
+        // arrays of world length.
+        unsafe {
+            for (dt, off) in [(BF16, 1), (FP32, 2), (INT64, 4)] {
+                rcs.push((s.HcclAllReduce)(at(a, off), b, 4, dt, SUM, comm, st));
+                rcs.push((s.HcclAllReduce)(a, at(b, off), 4, dt, SUM, comm, st));
+                rcs.push((s.HcclReduceScatter)(at(a, off), b, 4, dt, SUM, comm, st));
+            }
+            rcs.push((s.HcclReduceScatterV)(a, c, d, at(b, 2), 4, FP32, SUM, comm, st));
+            let refused = err_msg();
+            assert!(refused.contains("recvBuf") && refused.contains("4-byte elements"), "{refused}");
+            // Aligned to their elements they run; so does a gather at an odd
+            // address.
+            rcs.push(-(s.HcclAllReduce)(at(a, 2), at(b, 4), 4, BF16, SUM, comm, st));
+            rcs.push(-(s.HcclReduceScatterV)(at(a, 2), c, d, at(b, 6), 4, FP16, SUM, comm, st));
+            rcs.push(-(s.HcclAllGather)(at(a, 1), at(b, 3), 4, FP32, comm, st));
+        }
+        sync(st);
+        free(a);
+        free(b);
+        destroy_stream(st);
+        rcs
+    });
+    assert_eq!(rcs[0][..10], [E_PARA; 10], "{:?}", rcs[0]);
+    assert_eq!(rcs[0][10..], [0, 0, 0], "{:?}", rcs[0]);
+}

@@ -277,6 +277,7 @@ pub extern "C" fn HcclAllReduce(
         hccl_rules::a2_dtype("HcclAllReduce", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
+        hccl_rules::reduce_aligned(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], dt.size())?;
         let n = count as usize;
         let (sb, rb) = (Buf { addr: send_buf as usize, elems: n }, Buf { addr: recv_buf as usize, elems: n });
         let desc = Desc { dtype: Some(dt), op: Some(op), count: Some(n), ..Desc::default() };
@@ -301,6 +302,7 @@ pub extern "C" fn HcclReduceScatter(
         hccl_rules::a2_dtype("HcclReduceScatter", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
+        hccl_rules::reduce_aligned(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], dt.size())?;
         let world = comm(comm_h)?.size as usize;
         let n = recv_count as usize;
         let sb = Buf { addr: send_buf as usize, elems: n * world };
@@ -332,6 +334,7 @@ pub extern "C" fn HcclReduceScatterV(
         hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
+        hccl_rules::reduce_aligned(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], dt.size())?;
         let c = comm(comm_h)?;
         let sc = counts(send_counts, c.size, "sendCounts")?;
         let sd = counts(send_displs, c.size, "sendDispls")?;
