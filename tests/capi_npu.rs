@@ -332,3 +332,50 @@ fn c_abi_runs_collectives_and_ops_on_borrowed_npu_memory_streams_and_comms() {
         }
     });
 }
+
+/// HCCL reduces only buffers aligned to their elements (HcclAllReduce.md,
+/// HcclReduceScatter.md): a caller's pointer two bytes into f32 memory is
+/// refused naming the operand and the rule, on the call, before HCCL; one
+/// element in, the same memory reduces.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_reduction_of_npu_memory_not_aligned_to_its_elements_is_refused_naming_it() {
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let root = HcclRootInfo::generate(&dev).expect("root info");
+    let engine_stream = dev.new_stream().expect("stream");
+    let hccl = HcclComm::from_root_info(&dev, &root, 1, 0, &CommOptions::from_env()).expect("one-rank world");
+    let (mut s, mut c): (*mut amoe_stream, *mut amoe_comm) = (null_mut(), null_mut());
+    // SAFETY: a live stream and communicator of this device, outliving the handles.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(engine_stream.raw(), 0, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), 0, 0, &mut c), amoe_status::Ok, "{}", last_error());
+    }
+    let src = dev.clone_htod(&[1.0f32, 2.0, 3.0, 4.0, 5.0]).expect("src");
+    let dst = dev.alloc_zeros::<f32>(5).expect("dst");
+    dev.synchronize().expect("sync");
+    let at = |b: &DeviceBuffer<f32>, off: usize| ptr(b).cast::<u8>().wrapping_add(off).cast::<c_void>();
+    let shape = [4usize];
+    let f32_at = |p| desc(p, amoe_dtype::F32, &shape, amoe_device_kind::Npu, 0);
+    for (what, s_off, d_off) in [("src", 2, 0), ("dst", 0, 2)] {
+        let (sd, dd) = (f32_at(at(&src, s_off)), f32_at(at(&dst, d_off)));
+        // SAFETY: live handles; 16 bytes of each buffer from the offset are live device memory.
+        let st = unsafe { amoe_all_reduce(c, &sd, &dd, 0, s) };
+        let msg = last_error();
+        assert_eq!(st, amoe_status::InvalidArgument, "{msg}");
+        assert!(msg.contains(&format!("`{what}`")) && msg.contains("not aligned to its 4-byte f32 elements"), "{msg}");
+        // SAFETY: as above.
+        let st = unsafe { amoe_reduce_scatter(c, &sd, &dd, 0, s) };
+        assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
+    }
+    let (sd, dd) = (f32_at(at(&src, 4)), f32_at(at(&dst, 4)));
+    // SAFETY: as above.
+    let st = unsafe { amoe_all_reduce(c, &sd, &dd, 0, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize().expect("sync");
+    assert_eq!(dst.to_vec().expect("dst"), [0.0, 2.0, 3.0, 4.0, 5.0], "one rank's sum is its own input");
+    // SAFETY: handles made above, freed once.
+    unsafe {
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+}

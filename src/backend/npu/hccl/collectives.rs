@@ -6,7 +6,7 @@ use crate::backend::npu::memory::NpuBuffer;
 use crate::backend::npu::result::hccl as hc;
 use crate::backend::npu::NpuDevice;
 use crate::backend::{Communicator, View, ViewMut};
-use crate::types::{ReduceOp, TensorMeta};
+use crate::types::{DType, ReduceOp, TensorMeta};
 use crate::{Error, Result};
 
 use super::api::{check_dtype, hccl_dtype, hccl_op, Table};
@@ -87,6 +87,35 @@ impl HcclComm {
         Ok(b)
     }
 
+    /// `b` of a reduction (`HcclAllReduce`, `HcclReduceScatter[V]`), whose
+    /// address HCCL needs aligned to the element size: 2 bytes for 16-bit
+    /// types, 4 for 32-bit, 8 for 64-bit (HCCL API reference, hicann/hccl
+    /// v9.1.0 `docs/zh/api_ref/comm_op_interface/HcclAllReduce.md:69-73`,
+    /// `HcclReduceScatter.md:70-74`, `HcclReduceScatterV.md:71-75`). Only a
+    /// borrowed buffer (a caller's pointer) can break it.
+    fn reduce_buffer<'a>(
+        &self,
+        op: &'static str,
+        arg: &'static str,
+        b: &'a NpuBuffer,
+        dtype: DType,
+    ) -> Result<&'a NpuBuffer> {
+        let b = self.buffer(op, arg, b)?;
+        let at = b.as_ptr() as usize;
+        if at % dtype.size() != 0 {
+            return Err(Error::invalid(
+                op,
+                arg,
+                format!(
+                    "its address {at:#x} is not aligned to its {}-byte {} elements, which HCCL reductions need",
+                    dtype.size(),
+                    dtype.name()
+                ),
+            ));
+        }
+        Ok(b)
+    }
+
     fn same_dtype(&self, op: &'static str, a: TensorMeta<'_>, b: TensorMeta<'_>) -> Result<()> {
         if a.dtype != b.dtype {
             return Err(Error::dtype(op, "dst", a.dtype.name(), b.dtype));
@@ -152,7 +181,10 @@ impl Communicator for HcclComm {
         if src.numel() != dst.numel() {
             return Err(self.comm_err(OP, format!("src has {} elements, dst {}", src.numel(), dst.numel())));
         }
-        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
+        let (s, d) = (
+            self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
+            self.reduce_buffer(OP, "dst", dst.buf(), src.dtype())?,
+        );
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
         if n == 0 {
             // Every rank has the same count: nothing moves anywhere.
@@ -167,7 +199,7 @@ impl Communicator for HcclComm {
     fn all_reduce_in_place(&self, buf: ViewMut<'_, NpuBuffer>, op: ReduceOp) -> Result<()> {
         const OP: &str = "all_reduce_in_place";
         check_dtype(OP, Table::Reduce, buf.dtype())?;
-        let b = self.buffer(OP, "buf", buf.buf())?;
+        let b = self.reduce_buffer(OP, "buf", buf.buf(), buf.dtype())?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
         if n == 0 {
             return Ok(());
@@ -188,7 +220,10 @@ impl Communicator for HcclComm {
                 format!("src has {} elements, expected world {} x dst {}", src.numel(), self.inner.world, dst.numel()),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
+        let (s, d) = (
+            self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
+            self.reduce_buffer(OP, "dst", dst.buf(), src.dtype())?,
+        );
         let (n, dt) = (dst.numel() as u64, hccl_dtype(src.dtype()));
         if n == 0 {
             return Ok(());
@@ -241,7 +276,10 @@ impl Communicator for HcclComm {
                 ),
             ));
         }
-        let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
+        let (s, d) = (
+            self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
+            self.reduce_buffer(OP, "dst", dst.buf(), src.dtype())?,
+        );
         let dt = hccl_dtype(src.dtype());
         if total == 0 {
             // The counts are the same on every rank: nothing moves anywhere.
@@ -354,7 +392,7 @@ impl Communicator for HcclComm {
         if root >= self.inner.world {
             return Err(self.comm_err(OP, format!("root {root} outside a group of {}", self.inner.world)));
         }
-        let b = self.buffer(OP, "buf", buf.buf())?;
+        let b = self.reduce_buffer(OP, "buf", buf.buf(), buf.dtype())?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
         if n == 0 {
             // Every rank has the same count: nothing moves, and an empty
