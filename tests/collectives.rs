@@ -1006,6 +1006,27 @@ mod every_backend {
         .unwrap();
     }
 
+    /// A collective runs on the stream of its first operand; a destination
+    /// on another stream of the device is read through that stream, which
+    /// is ordered after the collective.
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn a_destination_on_another_stream_holds_the_result_when_read_through_it() {
+        npu_run_ranks(WORLD, &opts(), |rank, comm| {
+            let other = Device::Npu(NpuDevice::open(rank as u32)?);
+            let src = tensor::<f32>(&comm.device(), &[val(rank, 0), val(rank, 1)])?;
+            let mut sum = Tensor::zeros(&[2], DType::F32, &other)?;
+            comm.all_reduce(&src, &mut sum, ReduceOp::Sum)?;
+            assert_eq!(read(&sum)?, [0, 1].map(|i| (0..WORLD).map(|r| val(r, i)).sum::<f64>()), "all_reduce");
+            let mut all = Tensor::zeros(&[2 * WORLD], DType::F32, &other)?;
+            comm.all_gather(&src, &mut all)?;
+            let want: Vec<f64> = (0..WORLD).flat_map(|r| [val(r, 0), val(r, 1)]).collect();
+            assert_eq!(read(&all)?, want, "all_gather");
+            Ok(())
+        })
+        .unwrap();
+    }
+
     /// Ranks `0..WORLD - 1` queue an all-reduce rank `WORLD - 1` never makes,
     /// after one all-reduce of every rank (so the links are set up and the
     /// call itself does not wait for the missing rank); then `after(rank,

@@ -162,3 +162,47 @@ fn a_capture_spans_two_streams_through_their_events_and_replays() {
     drop(graph);
     assert!(npu::take_drop_errors().is_empty());
 }
+
+/// Ops on one stream of a device whose other operands live on a second
+/// stream of it (another handle): each operand's own stream is ordered after
+/// the op, so an output read through its stream holds the op's result, and an
+/// input freed through its stream is not freed under the op.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn an_op_orders_the_streams_of_its_operands_after_it() {
+    use ascend_moe::backend::{DropPadMode, FinalizeArgs};
+    use ascend_moe::moe::finalize::{moe_finalize_routing_into, moe_token_unpermute_into};
+    use ascend_moe::{DType, Device};
+    let (a, b) = (Device::Npu(dev()), Device::Npu(dev()));
+    let on = |t: Tensor, d: &Device| t.to_device(d).unwrap();
+
+    // Finalize, mode 0, K = 1: out[i] = x[idx[i]].
+    let x = on(Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap(), &a);
+    let idx = on(Tensor::from_slice(&[1i32, 0], &[2]).unwrap(), &b);
+    let mut out = Tensor::zeros(&[2, 3], DType::F32, &b).unwrap();
+    moe_finalize_routing_into(&FinalizeArgs::new(&x, &idx, DropPadMode::DropLessColumn), &mut out).unwrap();
+    drop(idx);
+    assert_eq!(out.to_vec::<f32>().unwrap(), [4.0, 5.0, 6.0, 1.0, 2.0, 3.0]);
+
+    // Token unpermute, K = 2: out[t] = sum_k probs[t, k] * permuted[s[2t + k]].
+    let permuted = on(Tensor::from_slice(&[1.0f32, 10.0, 100.0, 1000.0], &[4, 1]).unwrap(), &a);
+    let sorted = on(Tensor::from_slice(&[3i32, 0, 1, 2], &[4]).unwrap(), &b);
+    let probs = on(Tensor::from_slice(&[0.5f32, 2.0, 1.0, 0.25], &[2, 2]).unwrap(), &b);
+    let mut unpermuted = Tensor::zeros(&[2, 1], DType::F32, &b).unwrap();
+    moe_token_unpermute_into(&permuted, &sorted, Some(&probs), &mut unpermuted).unwrap();
+    drop((sorted, probs));
+    // 0.5 * 1000 + 2 * 1, 1 * 10 + 0.25 * 100.
+    assert_eq!(unpermuted.to_vec::<f32>().unwrap(), [502.0, 35.0]);
+
+    // A copy onto the other stream, its source freed through its own.
+    let src = on(Tensor::from_slice(&[7i32, 8, 9], &[3]).unwrap(), &a);
+    let copy = src.to_device(&b).unwrap();
+    drop(src);
+    assert_eq!(copy.to_vec::<i32>().unwrap(), [7, 8, 9]);
+
+    for d in [&a, &b] {
+        let Device::Npu(n) = d else { unreachable!() };
+        n.check().unwrap();
+    }
+    assert!(npu::take_drop_errors().is_empty());
+}

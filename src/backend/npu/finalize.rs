@@ -12,7 +12,9 @@ use super::device_check::{Record, MAX_RECORD_CORES};
 use super::kernel as kernels;
 use super::launch::{choose_finalize, launcher, native_unavailable, native_unavailable_reason, FinalizeImpl, Launcher};
 use super::memory::NpuBuffer;
-use super::operands::{check_indices, host_copy, npu_buf, read_indices_to_host_for_validation, run_phase_two};
+use super::operands::{
+    check_indices, host_copy, npu_buf, read_indices_to_host_for_validation, run_phase_two, streams_of,
+};
 use super::result::aclnn::{op_missing, opapi};
 use super::result::{acl as rt, aclnn as nn};
 use super::NpuDevice;
@@ -146,8 +148,22 @@ fn launch_native(
 }
 
 /// Fused finalize: the native kernel or aclnnMoeFinalizeRoutingV2, as
-/// [`choose_finalize`] decides.
+/// [`choose_finalize`] decides; the operands' streams are then ordered after
+/// it.
 pub(crate) fn finalize_routing(
+    device: &NpuDevice,
+    args: &FinalizeArgs<In<'_>>,
+    dims: &FinalizeDims,
+    out: Out<'_>,
+    rows: OutputRows<'_>,
+) -> Result<()> {
+    let inputs = args.operands().into_iter().filter_map(|(_, t)| t.map(|t| t.buf()));
+    let streams = streams_of(inputs.chain([out.buf()]));
+    finalize_routing_on(device, args, dims, out, rows)?;
+    device.stream().order_operand_streams_after(&streams)
+}
+
+fn finalize_routing_on(
     device: &NpuDevice,
     args: &FinalizeArgs<In<'_>>,
     dims: &FinalizeDims,
@@ -381,7 +397,22 @@ fn checked_indices(device: &NpuDevice, args: &FinalizeArgs<In<'_>>, dims: &Final
 /// `permutedTokens`. SPEC section 1 lets an index outside `[0, rows)`
 /// contribute nothing and allows repeated indices, which the op cannot
 /// express: such inputs are computed by [`token_unpermute_on_host`].
+/// The operands' streams are then ordered after the op.
 pub(crate) fn token_unpermute(
+    device: &NpuDevice,
+    permuted: In<'_>,
+    sorted_indices: In<'_>,
+    probs: Option<In<'_>>,
+    k: usize,
+    out: Out<'_>,
+) -> Result<()> {
+    let inputs = [Some(permuted), Some(sorted_indices), probs].into_iter().flatten().map(|t| t.buf());
+    let streams = streams_of(inputs.chain([out.buf()]));
+    token_unpermute_on(device, permuted, sorted_indices, probs, k, out)?;
+    device.stream().order_operand_streams_after(&streams)
+}
+
+fn token_unpermute_on(
     device: &NpuDevice,
     permuted: In<'_>,
     sorted_indices: In<'_>,

@@ -333,8 +333,9 @@ impl NpuBuffer {
         self.stream().enter()?;
         if da % ASYNC_D2D_ALIGN == 0 && sa % ASYNC_D2D_ALIGN == 0 {
             // SAFETY: both ranges are inside live allocations of this device;
-            // both buffers outlive the queued copy (their drop synchronises).
-            return unsafe {
+            // both buffers outlive the queued copy (their drop synchronises
+            // their stream, and `src`'s is ordered after the copy below).
+            unsafe {
                 rt::memcpy_async(
                     d,
                     self.len - dst_off,
@@ -343,14 +344,17 @@ impl NpuBuffer {
                     aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_DEVICE,
                     self.stream().raw(),
                 )
-            };
+            }?;
+            // `src` is neither overwritten nor freed through its own stream
+            // while the copy still reads it.
+            return self.stream().order_operand_streams_after(std::slice::from_ref(src.stream()));
         }
         // SAFETY: both ranges are inside live allocations of this device and
         // do not overlap (checked above); an owned buffer's drop synchronises
-        // its stream and workspace is reused only by work queued after this
-        // copy, so both outlive it.
+        // its stream (`src`'s is ordered after the copy below) and workspace
+        // is reused only by work queued after this copy, so both outlive it.
         if unsafe { kernel::copy::enqueue_copy(self.stream(), d, s, len) }? {
-            return Ok(());
+            return self.stream().order_operand_streams_after(std::slice::from_ref(src.stream()));
         }
         if self.stream().is_capturing()? {
             return Err(Error::invalid(

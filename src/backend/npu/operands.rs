@@ -10,6 +10,7 @@ use acl_sys::aclnn::{self, aclOpExecutor};
 
 use super::memory::NpuBuffer;
 use super::result::aclnn as nn;
+use super::runtime::NpuStream;
 use super::NpuDevice;
 use crate::backend::cpu::CpuBuffer;
 use crate::backend::View;
@@ -35,6 +36,11 @@ pub(crate) fn npu_buf<'a>(
     }
     device.stream().wait_for(b.stream())?;
     Ok(b)
+}
+
+/// The streams of `bufs` (the streams their own work is queued on).
+pub(crate) fn streams_of<'a>(bufs: impl IntoIterator<Item = &'a NpuBuffer>) -> Vec<NpuStream> {
+    bufs.into_iter().map(|b| b.stream().clone()).collect()
 }
 
 /// Runs phase two with a workspace of `ws` bytes.

@@ -56,7 +56,8 @@ impl HcclComm {
         *last = Some(stream.clone());
         drop(last);
         stream.record_pending(Box::new(QueuedCollective { call, comm: Arc::downgrade(&self.inner) }));
-        Ok(())
+        let operands = crate::backend::npu::operands::streams_of(operands.iter().copied());
+        stream.order_operand_streams_after(&operands)
     }
 
     /// What a refused HCCL call means for the group. The crate checks this

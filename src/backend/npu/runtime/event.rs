@@ -78,6 +78,36 @@ impl Drop for NpuEvent {
 }
 
 impl NpuStream {
+    /// Orders `operand_streams`, the streams of the operands of work just
+    /// queued on this stream, after that work (an event recorded here and
+    /// waited for on each other stream; the host does not wait). An
+    /// operand's own stream is the one its readers, writers and its drop
+    /// synchronise with, so a read of an output through its own stream sees
+    /// what the op wrote, and an input is neither overwritten nor freed while
+    /// the op still reads it.
+    ///
+    /// Not while this stream captures a graph: the captured work runs only
+    /// when the graph is replayed, so there is nothing to order now, and the
+    /// wait would leave the operand's stream in the capture with a wait as
+    /// its last task, which ends the capture unjoined (hicann/runtime v8.5.0
+    /// `src/runtime/feature/src/context/context.cc:4843-4893`,
+    /// `CheckCaptureModelValidity`; `src/runtime/feature/src/model/v100/
+    /// capture_adapt.cc:49-53`: "The last task type is not event record").
+    pub(crate) fn order_operand_streams_after(&self, operand_streams: &[NpuStream]) -> Result<()> {
+        let mut ordered: Vec<&NpuStream> = Vec::new();
+        for s in operand_streams {
+            if s.same_as(self) || ordered.iter().any(|o| o.same_as(s)) {
+                continue;
+            }
+            if ordered.is_empty() && self.is_capturing()? {
+                return Ok(());
+            }
+            s.wait_for(self)?;
+            ordered.push(s);
+        }
+        Ok(())
+    }
+
     /// Makes this stream wait (on the device) for `event`.
     pub fn wait_event(&self, event: &NpuEvent) -> Result<()> {
         self.enter()?;
