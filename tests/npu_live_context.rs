@@ -804,3 +804,40 @@ fn a_context_made_with_capacity_and_the_getters() {
     assert_eq!(e.reserve(usize::MAX), amoe_status::InvalidArgument, "{}", last_error());
     assert_eq!(e.records(), (128, 0));
 }
+
+/// The check waits for its stream and reads the records on the host: while
+/// the stream captures it is refused before anything waits, and the capture
+/// stays valid; a stream of another device is refused as `set` and `guard`
+/// refuse one. The guard's finding is then reported by the check on the
+/// context's own stream.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_check_is_refused_under_capture_and_on_another_devices_stream() {
+    let e = Engine::new();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&fc(amoe_comm_type::Alltoall, &dp, AMOE_ALL_TOKENS));
+    assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error());
+    let raw = e._device.stream().raw();
+    let graph = Graph::capture_in(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL, || {
+        let (st, msg) = e.check();
+        assert_eq!(st, amoe_status::InvalidArgument, "{msg}");
+        assert!(msg.contains("capturing a graph") && msg.contains("after the capture ends"), "{msg}");
+    });
+    drop(graph);
+    let other = NpuDevice::open(1).unwrap();
+    let mut s1 = null_mut();
+    // SAFETY: npu:1's stream outlives the handle, freed below.
+    let st = unsafe { amoe_stream_wrap(other.stream().raw(), 1, &mut s1) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    // SAFETY: live handles.
+    let st = unsafe { amoe_live_context_check(e.live, s1) };
+    let msg = if st == amoe_status::Ok { String::new() } else { last_error() };
+    // SAFETY: a live handle, not used afterwards.
+    unsafe { amoe_stream_free(s1) };
+    assert_ne!(st, amoe_status::Ok, "a stream of npu:1 for a context of npu:0");
+    assert!(msg.contains("stream") && msg.contains("npu:0") && msg.contains("npu:1"), "{msg}");
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("comm_type is 2 (ALLTOALL)"), "{msg}");
+}

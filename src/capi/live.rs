@@ -238,9 +238,11 @@ pub unsafe extern "C" fn amoe_live_context_guard(
 /// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
 /// guard found the live context different from the one its ops were captured
 /// for (the first such guard, in enqueue order; each difference is reported
-/// once), else OK. Outside capture. The records of guards enqueued outside
-/// capture are released by every check, also one that fails because the
-/// stream failed (its error is returned).
+/// once), else OK. Outside capture: refused while `stream` captures (the
+/// capture stays valid), and for a stream of another device than `ctx`'s.
+/// The records of guards enqueued outside capture are released by every
+/// check, also one that fails because the stream failed (its error is
+/// returned).
 ///
 /// # Safety
 /// `ctx`, `stream` live.
@@ -253,7 +255,6 @@ pub unsafe extern "C" fn amoe_live_context_check(
     ffi!(F, {
         let c = try_handle(F, "ctx", ctx)?;
         let s = Call::new(F, stream).required_stream()?;
-        s.device().synchronize()?;
-        Ok(c.check()?)
+        Ok(c.synchronize_and_check(s.device().stream())?)
     })
 }

@@ -442,6 +442,11 @@ impl LiveContext {
     /// is reported once per run. A host read: this is the caller's sync
     /// point, never called by an op.
     pub fn check(&self) -> Result<()> {
+        refuse_capture(
+            "LiveContext::check",
+            self.device.stream(),
+            "check after the capture ends (e.g. after a replay): the check reads the guard records on the host",
+        )?;
         let mut r = lock(&self.records);
         let Records { slots, chunks, .. } = &mut *r;
         if slots.iter().all(|x| *x == Slot::Free) {
@@ -490,6 +495,23 @@ impl LiveContext {
             None => Ok(()),
             Some((_, e)) => Err(e),
         }
+    }
+
+    /// [`check`](Self::check) after synchronising `stream`, the stream of
+    /// this context's device the guards ran on. Refused before anything
+    /// waits for a stream of another device (as [`set`](Self::set) and
+    /// [`guard`](Self::guard) refuse one) and while `stream` captures a
+    /// graph (a synchronisation would invalidate the capture).
+    pub fn synchronize_and_check(&self, stream: &NpuStream) -> Result<()> {
+        const OP: &str = "LiveContext::check";
+        self.same_device(OP, stream)?;
+        refuse_capture(
+            OP,
+            stream,
+            "check after the capture ends (e.g. after a replay): the check waits for the stream",
+        )?;
+        stream.synchronize()?;
+        self.check()
     }
 
     /// Guard records the context has (in use or free).
