@@ -600,6 +600,26 @@ fn a_stream_joins_a_capture_through_an_event_and_must_be_joined_back() {
         assert_eq!((cap().end)(st, &mut m), STREAM_UNJOINED);
         assert!(m.is_null());
         assert_eq!(info(side), (STATUS_NONE, NULL));
+
+        // The joined stream's last task must be a record the capture waited
+        // for (context.cc:4843-4893, v100/capture_adapt.cc:49-53 at v8.5.0):
+        // a stream that only waited, or that waits again after its joined
+        // record, ends the capture unjoined too.
+        begin(st, THREAD_LOCAL);
+        assert_eq!((s.aclrtRecordEvent)(fork, st), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(side, fork), 0);
+        assert_eq!((cap().end)(st, &mut m), STREAM_UNJOINED, "a stream that joined and only waited");
+        begin(st, THREAD_LOCAL);
+        assert_eq!((s.aclrtRecordEvent)(fork, st), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(side, fork), 0);
+        assert_eq!((s.aclrtMemsetAsync)(b, 64, 3, 64, side), 0);
+        assert_eq!((s.aclrtRecordEvent)(join, side), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(st, join), 0);
+        assert_eq!((s.aclrtRecordEvent)(fork, st), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(side, fork), 0, "{}", err_msg());
+        assert_eq!((cap().end)(st, &mut m), STREAM_UNJOINED, "a joined stream that waits after its last record");
+        assert!(m.is_null());
+        assert_eq!(info(side), (STATUS_NONE, NULL));
     }
     destroy_event(fork);
     destroy_event(join);

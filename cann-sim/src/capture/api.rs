@@ -68,7 +68,7 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
         // Before the first stream joins a capture, the streams' queues start
         // passing their jobs to the capture.
         crate::stream::install_interceptor(super::hooks::intercept);
-        m.push(Member { stream: s, model: h, recorded: 0, joined: 0 });
+        m.push(Member { stream: s, model: h, recorded: 0, joined: 0, waits_last: false });
         Ok(())
     })
 }
@@ -134,8 +134,17 @@ pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut 
                 );
             }
         }
-        let unjoined =
-            m.iter().filter(|x| x.model == h && !Arc::ptr_eq(&x.stream, &s) && x.recorded > x.joined).count();
+        // A stream that joined is joined back when its last task is an event
+        // record that a capturing stream waited for: work after that record,
+        // or a wait after it (the last task is then the wait), leaves it
+        // unjoined (hicann/runtime v8.5.0 `src/runtime/feature/src/context/
+        // context.cc:4843-4893`, `Context::CheckCaptureModelValidity`, and
+        // `src/runtime/feature/src/model/v100/capture_adapt.cc:49-53`: "The
+        // last task type is not event record").
+        let unjoined = m
+            .iter()
+            .filter(|x| x.model == h && !Arc::ptr_eq(&x.stream, &s) && (x.recorded > x.joined || x.waits_last))
+            .count();
         m.retain(|x| x.model != h);
         st.capture = None;
         let invalid = st.invalid.clone();

@@ -31,6 +31,7 @@ pub fn intercept(s: &Stream, name: &'static str, job: Job) -> Option<Job> {
     if st.invalid.is_none() {
         st.tasks.push((name, Arc::from(job)));
         member.recorded = st.tasks.len();
+        member.waits_last = false;
     }
     None
 }
@@ -412,7 +413,7 @@ pub fn wait_event(s: &Arc<Stream>, e: &Arc<Event>) -> SimResult<bool> {
             if !MODELS.get(c.model).is_some_and(|x| x.capturing()) {
                 return Ok(false);
             }
-            m.push(Member { stream: s.clone(), model: c.model, recorded: 0, joined: 0 });
+            m.push(Member { stream: s.clone(), model: c.model, recorded: 0, joined: 0, waits_last: true });
             Ok(true)
         }
         (Some(c), Some(i)) => {
@@ -427,6 +428,7 @@ pub fn wait_event(s: &Arc<Stream>, e: &Arc<Event>) -> SimResult<bool> {
             if let Some(r) = m.iter_mut().find(|x| Arc::ptr_eq(&x.stream, &rec)) {
                 r.joined = r.joined.max(at);
             }
+            m[i].waits_last = true;
             Ok(true)
         }
     }

@@ -73,6 +73,9 @@ pub(super) struct Member {
     /// Number of model tasks up to the last of this stream's tasks that
     /// another member waited for.
     pub(super) joined: usize,
+    /// The stream's last captured operation is a wait for an event (the
+    /// wait that made it join, or a later one), not a task of its own.
+    pub(super) waits_last: bool,
 }
 
 /// An event whose latest record was captured.
