@@ -43,7 +43,7 @@ pub(crate) fn add(device: &NpuDevice, a: In<'_>, b: In<'_>, out: Out<'_>) -> Res
     // SAFETY: all descriptors are live until phase two ran.
     let (ws, exec) = unsafe { nn::add_get_workspace_size(&add, da.raw, db.raw, alpha.raw, dout.raw) }?;
     run_phase_two(device, "aclnnAdd", add.run, ws, exec)?;
-    device.stream().order_operand_streams_after(&streams_of([a.buf(), b.buf(), out.buf()]))
+    device.stream().order_operand_streams_after(&streams_of(device.stream(), [a.buf(), b.buf(), out.buf()]))
 }
 
 /// [`crate::backend::Backend::expect_all_equal`] on the device: the values
@@ -90,5 +90,5 @@ pub(crate) fn expect_all_equal(
         let at = words.as_ptr().cast::<u8>().wrapping_add(first * 4).cast();
         super::device_check::guard_words(device.stream(), at, &tiling, decode)?;
     }
-    device.stream().order_operand_streams_after(&streams_of([src]))
+    device.stream().order_operand_streams_after(&streams_of(device.stream(), [src]))
 }

@@ -158,7 +158,7 @@ pub(crate) fn finalize_routing(
     rows: OutputRows<'_>,
 ) -> Result<()> {
     let inputs = args.operands().into_iter().filter_map(|(_, t)| t.map(|t| t.buf()));
-    let streams = streams_of(inputs.chain([out.buf()]));
+    let streams = streams_of(device.stream(), inputs.chain([out.buf()]));
     finalize_routing_on(device, args, dims, out, rows)?;
     device.stream().order_operand_streams_after(&streams)
 }
@@ -407,7 +407,7 @@ pub(crate) fn token_unpermute(
     out: Out<'_>,
 ) -> Result<()> {
     let inputs = [Some(permuted), Some(sorted_indices), probs].into_iter().flatten().map(|t| t.buf());
-    let streams = streams_of(inputs.chain([out.buf()]));
+    let streams = streams_of(device.stream(), inputs.chain([out.buf()]));
     token_unpermute_on(device, permuted, sorted_indices, probs, k, out)?;
     device.stream().order_operand_streams_after(&streams)
 }

@@ -38,9 +38,17 @@ pub(crate) fn npu_buf<'a>(
     Ok(b)
 }
 
-/// The streams of `bufs` (the streams their own work is queued on).
-pub(crate) fn streams_of<'a>(bufs: impl IntoIterator<Item = &'a NpuBuffer>) -> Vec<NpuStream> {
-    bufs.into_iter().map(|b| b.stream().clone()).collect()
+/// The streams of `bufs` (the streams their own work is queued on) other
+/// than `op`, the stream the op runs on, each once: empty, and without
+/// allocating, when every operand is on `op` (the usual case).
+pub(crate) fn streams_of<'a>(op: &NpuStream, bufs: impl IntoIterator<Item = &'a NpuBuffer>) -> Vec<NpuStream> {
+    let mut others: Vec<NpuStream> = Vec::new();
+    for s in bufs.into_iter().map(NpuBuffer::stream) {
+        if !s.same_as(op) && !others.iter().any(|o| o.same_as(s)) {
+            others.push(s.clone());
+        }
+    }
+    others
 }
 
 /// Runs phase two with a workspace of `ws` bytes.

@@ -56,7 +56,7 @@ impl HcclComm {
         *last = Some(stream.clone());
         drop(last);
         stream.record_pending(Box::new(QueuedCollective { call, comm: Arc::downgrade(&self.inner) }));
-        let operands = crate::backend::npu::operands::streams_of(operands.iter().copied());
+        let operands = crate::backend::npu::operands::streams_of(stream, operands.iter().copied());
         stream.order_operand_streams_after(&operands)
     }
 
