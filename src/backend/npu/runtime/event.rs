@@ -79,8 +79,9 @@ impl Drop for NpuEvent {
 
 impl NpuStream {
     /// Orders `operand_streams`, the streams of the operands of work just
-    /// queued on this stream, after that work (an event recorded here and
-    /// waited for on each other stream; the host does not wait). An
+    /// queued on this stream, each listed once, after that work (an event
+    /// recorded here and waited for on each other stream; the host does not
+    /// wait). An
     /// operand's own stream is the one its readers, writers and its drop
     /// synchronise with, so a read of an output through its own stream sees
     /// what the op wrote, and an input is neither overwritten nor freed while
@@ -94,18 +95,11 @@ impl NpuStream {
     /// `CheckCaptureModelValidity`; `src/runtime/feature/src/model/v100/
     /// capture_adapt.cc:49-53`: "The last task type is not event record").
     pub(crate) fn order_operand_streams_after(&self, operand_streams: &[NpuStream]) -> Result<()> {
-        let mut ordered: Vec<&NpuStream> = Vec::new();
-        for s in operand_streams {
-            if s.same_as(self) || ordered.iter().any(|o| o.same_as(s)) {
-                continue;
-            }
-            if ordered.is_empty() && self.is_capturing()? {
-                return Ok(());
-            }
-            s.wait_for(self)?;
-            ordered.push(s);
+        let mut others = operand_streams.iter().filter(|s| !s.same_as(self)).peekable();
+        if others.peek().is_none() || self.is_capturing()? {
+            return Ok(());
         }
-        Ok(())
+        others.try_for_each(|s| s.wait_for(self))
     }
 
     /// Makes this stream wait (on the device) for `event`.
