@@ -102,12 +102,18 @@ impl ShmComm {
     /// The members of `ranks` other than this rank that refused their own
     /// list after `seq` collectives, in a post no failed split reported yet.
     fn refused_members(&self, ranks: &[usize], seq: u64, seen: &HashMap<usize, u64>) -> Vec<(usize, Posted)> {
+        let mut posts = self.posts(ranks);
+        posts.retain(|(r, p)| p.refused && p.seq == seq && seen.get(r) != Some(&p.gen));
+        posts
+    }
+
+    /// The posted split requests of the members of `ranks` other than this rank.
+    fn posts(&self, ranks: &[usize]) -> Vec<(usize, Posted)> {
         let me = self.inner.rank;
         ranks
             .iter()
             .filter(|&&r| r != me)
             .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().map(|p| (r, p)))
-            .filter(|(r, p)| p.refused && p.seq == seq && seen.get(r) != Some(&p.gen))
             .collect()
     }
 
@@ -126,11 +132,7 @@ impl ShmComm {
     /// of collectives, as a [`ErrorKind::Mismatch`] naming both.
     fn split_mismatch(&self, ranks: &[usize], seq: u64) -> Option<Error> {
         let me = self.inner.rank;
-        let posted: Vec<(usize, Posted)> = ranks
-            .iter()
-            .filter(|&&r| r != me)
-            .filter_map(|&r| self.inner.seg.ctrl(r).posted_split().map(|p| (r, p)))
-            .collect();
+        let posted = self.posts(ranks);
         let lists: Vec<String> = posted
             .iter()
             .filter(|(_, p)| p.ranks != ranks || p.len != ranks.len())
