@@ -496,6 +496,39 @@ fn sp_op_shape_error_on_one_rank_fails_every_rank_fast() {
     }
 }
 
+/// Ranks whose layouts disagree while their padded buffers match in size
+/// (one rank holding a stale token count): rank 2 passes [1, 3, 2] where its
+/// peers pass [2, 3, 1], the same `M`, so a padded reduce-scatter or
+/// all-gather would move equal counts and return misaligned rows on every
+/// rank. Each op fails on every rank, naming both lists of counts.
+#[test]
+fn sp_ops_of_ranks_whose_layouts_disagree_fail_on_every_rank_naming_the_counts() {
+    let h = 4;
+    let layout = |r: usize| SpLayout::new(if r == 2 { &[1, 3, 2] } else { &[2, 3, 1] }).unwrap();
+    for reduce in [true, false] {
+        let got = run_ranks(3, &opts(), |r, comm| {
+            let l = layout(r);
+            let rows = if reduce { l.total_rows() } else { l.local_size(r) };
+            let x = Tensor::zeros_cpu(&[rows, h], DType::F32);
+            let res = if reduce {
+                maybe_pad_and_reduce(&x, Some(&l), &comm)
+            } else {
+                maybe_all_gather_and_maybe_unpad(&x, Some(&l), &comm)
+            };
+            Ok(res.map(drop).map_err(|e| e.to_string()))
+        })
+        .unwrap();
+        for (r, res) in got.into_iter().enumerate() {
+            let e = res.expect_err(&format!("reduce {reduce}: rank {r} must fail"));
+            assert!(e.contains("ranks disagree"), "reduce {reduce}: rank {r}: {e}");
+            assert!(
+                e.contains("counts [8, 12, 4]") && e.contains("counts [4, 12, 8]"),
+                "reduce {reduce}: rank {r}: {e}"
+            );
+        }
+    }
+}
+
 /// With empty rows (H = 0) nothing is reduced, yet the inputs are still
 /// checked: an out-of-range index on one rank fails that rank and every
 /// peer (naming it), in a world of one as in a world of three.
@@ -529,7 +562,8 @@ fn finalize_and_reduce_of_empty_rows_still_refuses_a_bad_index_on_every_rank() {
 }
 
 /// One rank fusing while its peer runs the two-step path is a mismatched
-/// collective, reported on both ranks.
+/// collective, reported on both ranks (on the CPU the two-step path with a
+/// layout reduce-scatters the blocks as they are, `reduce_scatter_v`).
 #[test]
 fn finalize_and_reduce_against_a_peer_in_the_two_step_path_is_a_mismatch() {
     let l = SpLayout::new(&[4, 4]).unwrap();
@@ -544,7 +578,7 @@ fn finalize_and_reduce_against_a_peer_in_the_two_step_path_is_a_mismatch() {
     })
     .unwrap();
     for e in &errs {
-        assert!(e.contains("reduce_scatter_rows") && e.contains("reduce_scatter "), "{e}");
+        assert!(e.contains("reduce_scatter_rows") && e.contains("reduce_scatter_v "), "{e}");
     }
 }
 

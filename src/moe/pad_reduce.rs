@@ -158,6 +158,22 @@ fn with_output<C: Collectives + ?Sized>(
     Ok(out)
 }
 
+/// On a CPU group, the element counts of the layout's blocks (`row_len`
+/// elements a row) when the caller passed a layout and some rank moves rows:
+/// the counts of the V collective that moves the blocks as they are. Rank
+/// `r` receives the same rows as from its padded slot, without the padded
+/// copy, and the group compares every rank's counts before any data moves,
+/// so ranks whose layouts disagree (a stale token count on one of them) all
+/// fail, naming each rank's counts, instead of summing or gathering
+/// misaligned rows. An HCCL group compares no counts, and moves the padded
+/// buffer as SPEC sections 3 and 4 describe.
+fn cpu_block_counts(device: &Device, layout: Option<&SpLayout>, l: &SpLayout, row_len: usize) -> Option<Vec<usize>> {
+    if !matches!(device, Device::Cpu) || layout.is_none() || l.max_rows() == 0 || row_len == 0 {
+        return None;
+    }
+    Some(l.local_sizes().iter().map(|&rows| rows * row_len).collect())
+}
+
 /// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and writes the
 /// first `local_sizes[rank]` rows of this rank's slot into `out`: straight
 /// from the collective when the slot has exactly those rows, else through a
@@ -212,7 +228,8 @@ pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<
 /// [`maybe_pad_and_reduce_output_shape`] and the dtype of `x`, on the EP
 /// group's device, and must not overlap `x`. Every element of `out` is
 /// written; the reduce-scatter writes `out` directly when this rank's shard
-/// fills its whole slot.
+/// fills its whole slot, and always on a CPU group given a layout, which
+/// moves the blocks unpadded, with the V collective.
 pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     x: &Tensor,
     layout: Option<&SpLayout>,
@@ -226,6 +243,9 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
         Ok((device, reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?))
     });
     let (device, l) = checked.map_err(|e| refuse_moving(ep, PAD_REDUCE_CALL, x, padded_rows(x, layout, 1), e))?;
+    if let Some(counts) = cpu_block_counts(&device, layout, &l, x.row_len()) {
+        return ep.reduce_scatter_v(x, out, &counts, ReduceOp::Sum);
+    }
     if l.is_uniform() {
         // No padding anywhere: x already is the padded buffer.
         return reduce_padded_into(x, &l, ep, out, &device);
@@ -299,7 +319,8 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
 /// [`maybe_all_gather_and_maybe_unpad`] into `out`, which must have the shape
 /// of [`maybe_all_gather_and_maybe_unpad_output_shape`] and the dtype of `x`,
 /// on the EP group's device, and must not overlap `x`. Every element of `out`
-/// is written; the all-gather writes `out` directly when no rank is padded.
+/// is written; the all-gather writes `out` directly when no rank is padded,
+/// and always on a CPU group given a layout, which moves the blocks unpadded.
 pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     x: &Tensor,
     layout: Option<&SpLayout>,
@@ -318,6 +339,9 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
             &uniform
         }
     };
+    if let Some(counts) = cpu_block_counts(&device, layout, l, x.row_len()) {
+        return ep.all_gather_v(x, out, &counts);
+    }
     let m = l.max_rows();
     if l.padded_rows().checked_mul(x.row_len()) == Some(0) {
         // Nothing to move (`out` has no elements); every rank sees the same

@@ -322,9 +322,9 @@ impl ReduceReport {
 /// With `N` rows in all, `M` on the slowest rank, `n` ranks, top-k `K`, a row
 /// of `R` bytes and `G = N*K*(R + 8)` for the gather (the source rows, an i32
 /// index and an f32 scale per slot):
-/// - `two_step = G + N*R` (finalize writes its output) `+ 2*N*R` (copy into
-///   the padded buffer, uneven layouts only) `+ 2*(n-1)*M*R` (the
-///   reduce-scatter stages the peers' blocks; its own block is read in place)
+/// - `two_step = G + N*R` (finalize writes its output) `+ 2*(N-M)*R` (the
+///   reduce-scatter of the blocks as they are, a CPU group's path with a
+///   layout, stages the peers' blocks; its own block is read in place)
 ///   `+ n*M*R + M*R` (it reads one block from every rank and writes the shard);
 /// - `fused = G + N*R` (the rows are computed straight into the staging
 ///   buffers) `+ n*M*R + M*R`;
@@ -332,7 +332,8 @@ impl ReduceReport {
 ///   row read once and every output row written once.
 ///
 /// For an even layout and a large `R`: `two_step / fused -> (K+4-1/n) /
-/// (K+2+1/n)` and `two_step / minimum -> (K+4-1/n) / (K+1/n)`. On one rank
+/// (K+2+1/n)` and `two_step / minimum -> (K+4-1/n) / (K+1/n)`; an uneven
+/// one stages fewer rows than `N-M = (n-1)*M`, so both are lower. On one rank
 /// both come out equal: the fused op runs the two-step code there. The model
 /// assumes a row fits a staging region (1 MiB on 4 ranks: H up to 512 Ki
 /// bf16 elements); a longer row takes the two-step path in the fused op too.
@@ -353,10 +354,9 @@ impl ReduceBytes {
         let (n, total, m) = (layout.ep_size(), layout.total_rows(), layout.max_rows());
         let row = hidden * dtype.size();
         let gather = total * top_k * (row + 8);
-        let pad = if layout.is_uniform() { 0 } else { 2 * total * row };
         let collect = n * m * row + m * row;
         ReduceBytes {
-            two_step: gather + total * row + pad + 2 * (n - 1) * m * row + collect,
+            two_step: gather + total * row + 2 * (total - m) * row + collect,
             fused: gather + total * row + collect,
             minimum: gather + m * row,
         }
@@ -554,8 +554,8 @@ mod tests {
     #[test]
     fn reduce_bytes_of_an_uneven_layout() {
         let b = ReduceBytes::new(&SpLayout::new(&[3, 1]).unwrap(), 2, 4, DType::F32);
-        // G = 4*2*(16+8) = 192; N*R = 64; pad copy 2*64 = 128; peers' staging
-        // 2*1*3*16 = 96; reading one block per rank 2*3*16 = 96; the shard 48.
-        assert_eq!(b, ReduceBytes { two_step: 192 + 64 + 128 + 96 + 96 + 48, fused: 192 + 64 + 96 + 48, minimum: 240 });
+        // G = 4*2*(16+8) = 192; N*R = 64; staging the peer's block of 1 row
+        // 2*1*16 = 32; reading one block per rank 2*3*16 = 96; the shard 48.
+        assert_eq!(b, ReduceBytes { two_step: 192 + 64 + 32 + 96 + 48, fused: 192 + 64 + 96 + 48, minimum: 240 });
     }
 }
