@@ -44,6 +44,7 @@ and the shared-expert token communication of `AscendSharedExperts`.
 """
 
 import enum
+import operator
 import os
 import socket
 import sys
@@ -73,6 +74,23 @@ OPS_MODULE = "vllm_ascend.ops.register_custom_ops"
 RUNNER_MODULE = "vllm_ascend.ops.fused_moe.fused_moe"
 
 
+# ------------------------------------------------------------ engine values
+
+
+def engine_int(field: str, v) -> int:
+    """An integer the engine provides (a size, rank, token count, mode or
+    comm-type value) as a Python int: a Python int, a numpy integer or a
+    one-element integer tensor, taken by `operator.index`. A bool, a float, a
+    string or anything else is an `InvalidArgumentError` naming `field` and
+    the value, never truncated (`int(2.7)` is 2) nor read as 0 / 1 (`int(True)`)."""
+    if isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
+        raise error(Status.INVALID_ARGUMENT, f"{field} is {v!r}, expected an integer, not a bool")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise error(Status.INVALID_ARGUMENT, f"{field} is {v!r}, expected an integer") from None
+
+
 # ------------------------------------------------------------ shared experts
 
 
@@ -96,7 +114,7 @@ _MODE_TO_SHARED = {
 def classify_shared_expert_mode(tp_size: int, enable_shared_expert_dp: bool, is_sequence_parallel: bool):
     """vLLM-Ascend's `AscendSharedExperts.parallel_mode()` from the physical TP
     size, `enable_shared_expert_dp` (replicated weights) and SP on/off."""
-    if int(tp_size) <= 1:
+    if engine_int("tp_size", tp_size) <= 1:
         return SharedExpertParallelMode.TENSOR_PARALLEL
     if is_sequence_parallel:
         if enable_shared_expert_dp:
@@ -130,8 +148,9 @@ def shared_mode_of(mode) -> "SharedMode":
         if ours is None:
             raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared-expert mode name {mode!r}")
         return SharedMode[_MODE_TO_SHARED[ours.name]]
+    value = engine_int("shared-expert mode", mode)
     try:
-        ours = SharedExpertParallelMode(int(mode))
+        ours = SharedExpertParallelMode(value)
     except ValueError:
         raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared-expert mode value {mode!r} (expected 1..=4)") from None
     return SharedMode[_MODE_TO_SHARED[ours.name]]
@@ -208,7 +227,7 @@ class _GroupBackend:
 
     def __init__(self, group):
         self.group = group
-        self.rank, self.world_size = int(group.rank_in_group), int(group.world_size)
+        self.rank, self.world_size = _rank_and_size(group)
 
     def gather(self, x, layout):
         import torch
@@ -275,7 +294,7 @@ def _build_backend(group, device_kind: str):
 
     if not dist.is_available() or not dist.is_initialized():
         return _GroupBackend(group)
-    world, rank = int(group.world_size), int(group.rank_in_group)
+    rank, world = _rank_and_size(group)
     if world == 1:
         return _CommBackend(Comm.cpu(f"vllm-{uuid.uuid4().hex}", 1, 0))
     hosts = [None] * world
@@ -286,6 +305,12 @@ def _build_backend(group, device_kind: str):
     src = dist.get_global_rank(cpu_group, 0) if hasattr(dist, "get_global_rank") else group.ranks[0]
     dist.broadcast_object_list(token, src=src, group=cpu_group)
     return _CommBackend(Comm.cpu(f"vllm-{token[0]}", world, rank))
+
+
+def _rank_and_size(group) -> tuple:
+    """`(rank_in_group, world_size)` of a vLLM group, as ints."""
+    name = _group_name(group)
+    return engine_int(f"{name}.rank_in_group", group.rank_in_group), engine_int(f"{name}.world_size", group.world_size)
 
 
 def _host_id() -> str:
@@ -326,13 +351,14 @@ def _ep_local_sizes(dp_metadata, ep_group):
         local_sizes = dp_metadata.get_chunk_sizes_across_dp_rank()
     except (AssertionError, AttributeError):
         return None
-    if local_sizes is None or len(local_sizes) != int(ep_group.world_size):
+    if local_sizes is None or len(local_sizes) != engine_int("ep_group.world_size", ep_group.world_size):
         return None
-    return [int(s) for s in local_sizes]
+    return [engine_int("dp_metadata.get_chunk_sizes_across_dp_rank()", s) for s in local_sizes]
 
 
-def _host_ints(t) -> list:
-    """The values of a host tensor (or sequence), also inside a fake mode (a fake op reading the context)."""
+def _host_ints(t, field: str) -> list:
+    """The integer values of a host tensor (or sequence) `field`, also inside
+    a fake mode (a fake op reading the context)."""
     try:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
     except ImportError:  # pragma: no cover - older torch
@@ -340,7 +366,7 @@ def _host_ints(t) -> list:
 
         unset_fake_temporarily = contextlib.nullcontext
     with unset_fake_temporarily():
-        return [int(v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
+        return [engine_int(field, v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
 
 
 def _padded_layout(chunk_rows: int, dp_metadata, ep_group, what: str):
@@ -350,12 +376,12 @@ def _padded_layout(chunk_rows: int, dp_metadata, ep_group, what: str):
     order; a chunk's real rows are the ones before the DP rank's token count."""
     ctx = _extra_ctx()
     padded = ctx.padded_length
-    dp = int(_group("get_dp_group").world_size)
-    ep = int(ep_group.world_size)
-    tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu)
+    dp = engine_int("dp_group.world_size", _group("get_dp_group").world_size)
+    ep = engine_int("ep_group.world_size", ep_group.world_size)
+    tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu")
     if padded is None:
         raise AmoeError(Status.INVALID_ARGUMENT, f"{what}: the forward context has DP metadata but no padded_length")
-    padded = int(padded)
+    padded = engine_int("padded_length", padded)
     if dp < 1 or ep % dp or len(tokens) != dp:
         raise AmoeError(
             Status.INVALID_ARGUMENT,
@@ -378,7 +404,7 @@ def _gather_plan(x):
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
     sizes = _ep_local_sizes(dp_metadata, ep)
-    rank, rows = int(ep.rank_in_group), int(x.shape[0])
+    rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), int(x.shape[0])
     if sizes is not None:
         if rows > sizes[rank]:
             raise AmoeError(
@@ -419,7 +445,7 @@ def _gather_impl(x):
 def _gather_fake(x):
     layout, rows = _gather_plan(x)
     ep = _group("get_ep_group")
-    shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *x.shape[1:]), _shape_dtype(x)), layout, (ep.rank_in_group, ep.world_size))
+    shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *x.shape[1:]), _shape_dtype(x)), layout, _rank_and_size(ep))
     return x.new_empty(shape)
 
 
@@ -428,23 +454,24 @@ def _reduce_plan(x):
     ctx = _vllm_forward_context()
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
-    rank, rows = int(ep.rank_in_group), int(x.shape[0])
+    rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), int(x.shape[0])
     if dp_metadata is None:
         return None, None
     sizes = _ep_local_sizes(dp_metadata, ep)
     if sizes is not None:
         layout = SpLayout(sizes)
     else:
-        tokens_dp = int(_group("get_dp_group").world_size)
-        ep_size = int(ep.world_size)
+        tokens_dp = engine_int("dp_group.world_size", _group("get_dp_group").world_size)
+        ep_size = engine_int("ep_group.world_size", ep.world_size)
         padded = _extra_ctx().padded_length
-        if padded is None or tokens_dp < 1 or ep_size % tokens_dp or int(padded) % (ep_size // tokens_dp):
+        padded = None if padded is None else engine_int("padded_length", padded)
+        if padded is None or tokens_dp < 1 or ep_size % tokens_dp or padded % (ep_size // tokens_dp):
             raise AmoeError(
                 Status.SHAPE,
                 f"maybe_pad_and_reduce: padded_length {padded} does not split over the {ep_size // max(tokens_dp, 1)} "
                 f"EP ranks of a DP rank (EP {ep_size}, DP {tokens_dp})",
             )
-        chunk = int(padded) // (ep_size // tokens_dp)
+        chunk = padded // (ep_size // tokens_dp)
         layout = _padded_layout(chunk, dp_metadata, ep, "maybe_pad_and_reduce")
     if rows != layout.total_rows:
         raise AmoeError(
@@ -466,7 +493,7 @@ def _reduce_impl(x):
 def _reduce_fake(x):
     layout, pad_to = _reduce_plan(x)
     ep = _group("get_ep_group")
-    shape = _shapes.maybe_pad_and_reduce(x, layout, (ep.rank_in_group, ep.world_size))
+    shape = _shapes.maybe_pad_and_reduce(x, layout, _rank_and_size(ep))
     if pad_to is not None:
         shape = (pad_to,) + tuple(shape[1:])
     return x.new_empty(shape)
@@ -497,28 +524,29 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     ctx = _vllm_forward_context()
     tp, dp = _tp_group(), _group("get_dp_group")
     dp_metadata = getattr(ctx, "dp_metadata", None)
-    dp_size = int(dp.world_size)
+    dp_rank, dp_size = _rank_and_size(dp)
+    num_tokens = engine_int("num_tokens", num_tokens)
     if dp_metadata is not None and dp_size > 1:
-        tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu)
-        dp_rank = int(dp.rank_in_group)
+        tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu")
         if len(tokens) != dp_size:
             raise AmoeError(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     else:
-        tokens, dp_rank = [int(num_tokens)], 0
-    if tokens[dp_rank] != int(num_tokens):
+        tokens, dp_rank = [num_tokens], 0
+    if tokens[dp_rank] != num_tokens:
         raise AmoeError(
             Status.SHAPE,
             f"moe_context: this rank's batch has {num_tokens} rows, the forward context says DP rank {dp_rank} has {tokens[dp_rank]}",
         )
     padded = getattr(_extra_ctx(), "padded_num_tokens", None)
+    tp_rank, tp_size = _rank_and_size(tp)
     return MoeContext(
         tokens,
-        int(tp.world_size),
+        tp_size,
         dp_rank,
-        int(tp.rank_in_group),
+        tp_rank,
         sp,
-        num_actual_tokens=num_actual_tokens,
-        padded_num_tokens=None if padded is None else int(padded),
+        num_actual_tokens=None if num_actual_tokens is None else engine_int("num_actual_tokens", num_actual_tokens),
+        padded_num_tokens=None if padded is None else engine_int("padded_num_tokens", padded),
     )
 
 
@@ -558,8 +586,10 @@ def _runner_policy(runner):
     mode = _runner_mode(runner)
     # The physical TP group (EP rewrites moe_config.tp_size to 1).
     tp_group = getattr(cfg, "tp_group", None)
-    tp_size = int((tp_group if tp_group is not None else _tp_group()).world_size)
-    ep_size = int(getattr(cfg, "ep_size", 0) or tp_size)  # EP = DP x TP
+    tp_size = _rank_and_size(tp_group if tp_group is not None else _tp_group())[1]
+    ep_size = getattr(cfg, "ep_size", None)
+    ep_size = engine_int("moe_config.ep_size", ep_size) if ep_size is not None else 0
+    ep_size = ep_size or tp_size  # EP = DP x TP
     sp = bool(getattr(cfg, "is_sequence_parallel", False))
     transform = getattr(runner, "routed_output_transform", None) is not None
     key = (int(mode), transform, sp, tp_size, ep_size, id(tp_group))
@@ -584,7 +614,7 @@ def _live_comm_type() -> int:
     ct = _extra_ctx(RUNNER_MODULE).moe_comm_type
     if ct is None:
         raise AmoeError(Status.INVALID_ARGUMENT, "no MoE comm type in vLLM's forward context (_EXTRA_CTX.moe_comm_type is None)")
-    return int(getattr(ct, "value", ct))
+    return engine_int("moe_comm_type", getattr(ct, "value", ct))
 
 
 # The key of `ReducePolicy.decisions` for each point: whether it all-reduces

@@ -1,0 +1,185 @@
+"""The vLLM-Ascend adapter (`ascend_moe.vllm_ascend`) on the values an engine
+hands it, in this process: vLLM-Ascend's module behind the two ops
+(`get_forward_context`, `get_ep_group`, `get_dp_group`, `_EXTRA_CTX`) and
+its MoE runner module are plain stand-in modules, and the groups are
+single-process stand-ins of vLLM's `GroupCoordinator` (so the adapter takes
+the groups' own collectives). Expected values come from vLLM-Ascend's code
+at 182b75e and SPEC.md, not from the adapter."""
+
+import os
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import ascend_moe as am
+
+if not am.TORCH_OPS:
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the vLLM-Ascend adapter tests, but {am.TORCH_OPS_ERROR}", pytrace=False)
+    pytest.skip(am.TORCH_OPS_ERROR or "torch custom ops unavailable", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import ascend_moe.vllm_ascend as av  # noqa: E402
+
+
+class Group:
+    """vLLM's GroupCoordinator as one rank of it sees it, in one process: every
+    other rank holds the same tensor as this one."""
+
+    def __init__(self, world_size=1, rank_in_group=0, name="g"):
+        self.world_size, self.rank_in_group, self.unique_name = world_size, rank_in_group, name
+
+    def all_gather(self, x, dim=0):
+        return torch.cat([x] * int(self.world_size), dim=dim)
+
+    def reduce_scatter(self, x, dim=0):
+        n = int(self.world_size)
+        return (x * n).tensor_split(n, dim=0)[int(self.rank_in_group)].clone()
+
+    def all_reduce(self, x):
+        return x * int(self.world_size)
+
+
+class DPMetadata:
+    def __init__(self, tokens, local_sizes=None):
+        self.num_tokens_across_dp_cpu = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens)
+        self.local_sizes = local_sizes
+
+    def get_chunk_sizes_across_dp_rank(self):
+        assert self.local_sizes is not None
+        return self.local_sizes
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """The engine's state the adapter reads (`.ctx`, `.extra`, `.ep`, `.dp`,
+    `.tp`), with the adapter installed over stand-in modules."""
+    st = SimpleNamespace(
+        ctx=SimpleNamespace(dp_metadata=None),
+        extra=SimpleNamespace(padded_length=None, padded_num_tokens=None, moe_comm_type=None),
+        ep=Group(1, 0, "ep"),
+        dp=Group(1, 0, "dp"),
+        tp=Group(1, 0, "tp"),
+    )
+    ops_mod = types.ModuleType(av.OPS_MODULE)
+    ops_mod.get_forward_context = lambda: st.ctx
+    ops_mod.get_ep_group = lambda: st.ep
+    ops_mod.get_dp_group = lambda: st.dp
+    ops_mod.get_tp_group = lambda: st.tp
+    ops_mod._EXTRA_CTX = st.extra
+    runner_mod = types.ModuleType(av.RUNNER_MODULE)
+    runner_mod.get_tp_group = lambda: st.tp
+    runner_mod._EXTRA_CTX = st.extra
+    runner_mod.AscendMoERunner = type("AscendMoERunner", (), {})
+    monkeypatch.setitem(sys.modules, av.OPS_MODULE, ops_mod)
+    monkeypatch.setitem(sys.modules, av.RUNNER_MODULE, runner_mod)
+    monkeypatch.setenv("ASCEND_MOE_VLLM_CPU_COMM", "group")
+    av.uninstall()
+    av._BACKENDS.clear()
+    av.install()
+    try:
+        yield st
+    finally:
+        av.uninstall()
+        av._BACKENDS.clear()
+
+
+# --------------------------------------------------------- engine integers
+
+NOT_INTEGERS = [2.7, 2.0, True, False, "2", np.float64(2.0), np.bool_(True), torch.tensor(2.0), torch.tensor(True), None]
+
+
+def test_engine_int_takes_integers_by_index():
+    for v, want in ((3, 3), (np.int64(3), 3), (np.int32(0), 0), (torch.tensor(3), 3), (torch.tensor(5, dtype=torch.int32), 5)):
+        got = av.engine_int("world_size", v)
+        assert got == want and type(got) is int, (v, got)
+
+
+@pytest.mark.parametrize("v", NOT_INTEGERS, ids=repr)
+def test_engine_int_refuses_what_is_no_integer(v):
+    with pytest.raises(am.InvalidArgumentError) as e:
+        av.engine_int("padded_length", v)
+    assert "padded_length" in str(e.value) and repr(v) in str(e.value)
+
+
+def test_float_padded_length_is_refused_not_truncated(engine):
+    # DP2 TP1 (EP 2) without an SP layout: the padded_length path. 5.7 was
+    # taken as 5, which fits the batch, so the gather ran on a wrong value.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5])
+    engine.extra.padded_length = 5.7
+    with pytest.raises(am.InvalidArgumentError, match=r"padded_length.*5\.7"):
+        torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(5, 2))
+    with pytest.raises(am.InvalidArgumentError, match=r"padded_length.*5\.7"):
+        torch.ops.vllm.maybe_pad_and_reduce(torch.ones(8, 2))
+    # An integer padded_length of any integer type keeps working.
+    for padded in (5, np.int64(5), torch.tensor(5)):
+        engine.extra.padded_length = padded
+        out = torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.arange(10.0).view(5, 2))
+        assert out.shape == (8, 2), padded  # vLLM-Ascend: num_tokens_across_dp_cpu.sum() rows
+
+
+@pytest.mark.parametrize("field", ["world_size", "rank_in_group"])
+@pytest.mark.parametrize("v", [True, 1.0, 1.5], ids=repr)
+def test_group_sizes_and_ranks_must_be_integers(engine, field, v):
+    setattr(engine.ep, field, v)
+    with pytest.raises(am.InvalidArgumentError, match=f"{field}.*{v!r}"):
+        torch.ops.vllm.maybe_pad_and_reduce(torch.ones(4, 2))
+    engine.ep = Group(1, 0, "ep")
+    setattr(engine.tp, field, v)
+    with pytest.raises(am.InvalidArgumentError, match=f"{field}.*{v!r}"):
+        av.moe_context(4)
+
+
+def test_float_dp_token_counts_are_refused(engine):
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.extra.padded_length = 6
+    engine.ctx.dp_metadata = DPMetadata(torch.tensor([3.0, 5.0]))
+    with pytest.raises(am.InvalidArgumentError, match=r"num_tokens_across_dp_cpu is 3\.0"):
+        torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(6, 2))
+    with pytest.raises(am.InvalidArgumentError, match=r"num_tokens_across_dp_cpu is 3\.0"):
+        av.moe_context(3)
+    # A bool layout entry is no row count either.
+    engine.ctx.dp_metadata = DPMetadata([1, 1], local_sizes=[True, True])
+    with pytest.raises(am.InvalidArgumentError, match="get_chunk_sizes_across_dp_rank"):
+        torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(1, 2))
+
+
+def test_moe_context_takes_numpy_and_tensor_integers(engine):
+    engine.tp = Group(np.int64(2), torch.tensor(1), "tp")
+    engine.extra.padded_num_tokens = np.int64(6)
+    ctx = av.moe_context(torch.tensor(5), num_actual_tokens=np.int32(4))
+    assert (ctx.dp_tokens, ctx.tp_size, ctx.tp_rank, ctx.num_actual_tokens, ctx.padded_num_tokens) == ((5,), 2, 1, 4, 6)
+    for field, v in (("num_tokens", 5.0), ("num_actual_tokens", True), ("padded_num_tokens", 6.0)):
+        engine.extra.padded_num_tokens = v if field == "padded_num_tokens" else 6
+        with pytest.raises(am.InvalidArgumentError, match=field):
+            av.moe_context(v if field == "num_tokens" else 5, num_actual_tokens=v if field == "num_actual_tokens" else None)
+
+
+def test_shared_expert_mode_values_must_be_integers():
+    se = av.SharedExpertParallelMode
+    assert av.shared_mode_of(np.int64(2)) == av.shared_mode_of(se.SHARED_EXPERT_DATA_PARALLEL_ONLY)
+    for v in (True, 2.7, 1.0):
+        with pytest.raises(am.InvalidArgumentError, match="shared-expert mode"):
+            av.shared_mode_of(v)
+    # AscendSharedExperts.parallel_mode() compares the TP size itself: 1.5 > 1,
+    # so replicated weights are SHARED_EXPERT_DATA_PARALLEL_ONLY there; int(1.5)
+    # made it TENSOR_PARALLEL. A TP size is an integer: refused.
+    with pytest.raises(am.InvalidArgumentError, match="tp_size"):
+        av.classify_shared_expert_mode(1.5, True, False)
+    with pytest.raises(am.InvalidArgumentError, match="tp_size"):
+        av.classify_shared_expert_mode(True, True, False)
+    assert av.classify_shared_expert_mode(np.int64(2), True, False) is se.SHARED_EXPERT_DATA_PARALLEL_ONLY
+
+
+def test_comm_type_value_must_be_an_integer(engine):
+    engine.extra.moe_comm_type = np.int64(2)
+    assert av._live_comm_type() == 2
+    for ct in (True, 1.0):  # True was MC2
+        engine.extra.moe_comm_type = ct
+        with pytest.raises(am.InvalidArgumentError, match="moe_comm_type"):
+            av._live_comm_type()
