@@ -614,7 +614,28 @@ def _live_comm_type() -> int:
     ct = _extra_ctx(RUNNER_MODULE).moe_comm_type
     if ct is None:
         raise AmoeError(Status.INVALID_ARGUMENT, "no MoE comm type in vLLM's forward context (_EXTRA_CTX.moe_comm_type is None)")
-    return engine_int("moe_comm_type", getattr(ct, "value", ct))
+    return int(comm_type_of(ct))
+
+
+def comm_type_of(ct) -> "CommType":
+    """ascend-moe's `CommType` for vLLM-Ascend's comm type: a member of its
+    `MoECommType` by name, checked against its value (a type ascend-moe does
+    not know, or another numbering, is refused), or the value itself."""
+    if isinstance(ct, CommType):
+        return ct
+    if isinstance(ct, enum.Enum):
+        ours = CommType.__members__.get(ct.name)
+        if ours is None or ct.value != int(ours):
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"unknown MoE comm type {ct!r} (expected one of " + ", ".join(f"{m.name}={int(m)}" for m in CommType) + ")",
+            )
+        return ours
+    value = engine_int("moe_comm_type", ct)
+    try:
+        return CommType(value)
+    except ValueError:
+        raise error(Status.INVALID_ARGUMENT, f"unknown MoE comm type value {ct!r} (expected 0..={int(max(CommType))})") from None
 
 
 # The key of `ReducePolicy.decisions` for each point: whether it all-reduces

@@ -6,6 +6,7 @@ single-process stand-ins of vLLM's `GroupCoordinator` (so the adapter takes
 the groups' own collectives). Expected values come from vLLM-Ascend's code
 at 182b75e and SPEC.md, not from the adapter."""
 
+import enum
 import os
 import sys
 import types
@@ -176,10 +177,25 @@ def test_shared_expert_mode_values_must_be_integers():
     assert av.classify_shared_expert_mode(np.int64(2), True, False) is se.SHARED_EXPERT_DATA_PARALLEL_ONLY
 
 
-def test_comm_type_value_must_be_an_integer(engine):
-    engine.extra.moe_comm_type = np.int64(2)
-    assert av._live_comm_type() == 2
-    for ct in (True, 1.0):  # True was MC2
+class MoECommType(enum.Enum):
+    """vLLM-Ascend's (ascend_forward_context.py)."""
+
+    ALLGATHER = 0
+    MC2 = 1
+    ALLTOALL = 2
+    FUSED_MC2 = 3
+
+
+def test_comm_type_by_member_name_checked_against_value(engine):
+    for theirs in MoECommType:
+        engine.extra.moe_comm_type = theirs
+        assert av._live_comm_type() == int(am.CommType[theirs.name])
+    assert av.comm_type_of(np.int64(2)) is am.CommType.ALLTOALL
+    # Another numbering or a type ascend-moe does not know is no comm type of
+    # ascend-moe's: refused, not read by value (NAIVE_MULTICAST = 3 was FUSED_MC2).
+    other = enum.Enum("MoECommType", "ALLGATHER MC2 ALLTOALL FUSED_MC2")  # 1..4
+    legacy = enum.Enum("MoECommType", {"ALLGATHER": 0, "MC2": 1, "ALLTOALL": 2, "NAIVE_MULTICAST": 3})
+    for ct in (other.ALLGATHER, legacy.NAIVE_MULTICAST, True, 1.0, 7, "mc2"):
         engine.extra.moe_comm_type = ct
-        with pytest.raises(am.InvalidArgumentError, match="moe_comm_type"):
+        with pytest.raises(am.InvalidArgumentError, match="comm.type"):
             av._live_comm_type()
