@@ -13,7 +13,9 @@ What `install()` replaces:
 - `torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x)` and
   `torch.ops.vllm.maybe_pad_and_reduce(x)`: same names, same one-tensor
   schema, kernels for CPU and PrivateUse1 (the NPU) and fakes sized by
-  `ascend_moe.shapes`. They read, when they run, what vLLM-Ascend's own
+  `ascend_moe.shapes`; like vLLM-Ascend's, the fakes keep a symbolic token
+  count symbolic (vLLM compiles with a dynamic token dimension), and the
+  real ops check the count when they run. They read, when they run, what vLLM-Ascend's own
   implementations read (`vllm_ascend.ops.register_custom_ops`'s
   `get_forward_context`, `get_ep_group`, `get_dp_group` and `_EXTRA_CTX`): the
   forward context's `dp_metadata` (`get_chunk_sizes_across_dp_rank()`,
@@ -369,11 +371,12 @@ def _host_ints(t, field: str) -> list:
         return [engine_int(field, v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
 
 
-def _padded_layout(chunk_rows: int, dp_metadata, ep_group, what: str):
-    """The layout of the `padded_length` path (DP metadata, no per-EP layout,
-    e.g. PCP > 1): every DP rank's batch is padded to `padded_length` rows and
-    split into equal chunks of `chunk_rows` over its `EP / DP` ranks in EP
-    order; a chunk's real rows are the ones before the DP rank's token count."""
+def _padded_layout(dp_metadata, ep_group, what: str) -> tuple:
+    """`(layout, chunk)` of the `padded_length` path (DP metadata, no per-EP
+    layout, e.g. PCP > 1): every DP rank's batch is padded to `padded_length`
+    rows and split into equal chunks of `chunk = padded_length / (EP / DP)`
+    rows over its `EP / DP` ranks in EP order; a chunk's real rows are the
+    ones before the DP rank's token count."""
     ctx = _extra_ctx()
     padded = ctx.padded_length
     dp = engine_int("dp_group.world_size", _group("get_dp_group").world_size)
@@ -388,34 +391,55 @@ def _padded_layout(chunk_rows: int, dp_metadata, ep_group, what: str):
             f"{what}: EP size {ep} is not a multiple of the DP size {dp}, or num_tokens_across_dp has {len(tokens)} entries",
         )
     per_dp = ep // dp
-    if chunk_rows * per_dp != padded or any(t > padded for t in tokens):
+    if padded % per_dp or any(t > padded for t in tokens):
         raise AmoeError(
             Status.SHAPE,
-            f"{what}: {chunk_rows} rows per rank x {per_dp} EP ranks per DP rank != padded_length {padded}, "
-            f"or a DP token count {tokens} exceeds it",
+            f"{what}: padded_length {padded} does not split over the {per_dp} EP ranks of a DP rank "
+            f"(EP {ep}, DP {dp}), or a DP token count {tokens} exceeds it",
         )
-    return SpLayout([min(max(t - j * chunk_rows, 0), chunk_rows) for t in tokens for j in range(per_dp)])
+    chunk = padded // per_dp
+    return SpLayout([min(max(t - j * chunk, 0), chunk) for t in tokens for j in range(per_dp)]), chunk
+
+
+def _rows(x):
+    """`x`'s token count as an int, or None when it is symbolic (a fake traced
+    with a dynamic token dimension, as vLLM compiles its model): a fake never
+    makes it a constant of the graph; the real op, which runs with the actual
+    count, checks it."""
+    n = x.shape[0]
+    if isinstance(n, int):
+        return n
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return int(n) if is_concrete_int(n) else None
 
 
 def _gather_plan(x):
     """`(layout or None, rows of x the gather takes)`: the same on the real
-    and the fake path."""
+    and the fake path (rows None: symbolic, without a layout)."""
+    what = "maybe_all_gather_and_maybe_unpad"
     ctx = _vllm_forward_context()
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
     sizes = _ep_local_sizes(dp_metadata, ep)
-    rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), int(x.shape[0])
+    rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), _rows(x)
     if sizes is not None:
-        if rows > sizes[rank]:
+        if rows is not None and rows > sizes[rank]:
             raise AmoeError(
                 Status.SHAPE,
-                f"maybe_all_gather_and_maybe_unpad: EP rank {rank} holds {rows} rows, more than its "
+                f"{what}: EP rank {rank} holds {rows} rows, more than its "
                 f"{sizes[rank]} in the SP layout {sizes}; the extra rows would be dropped",
             )
         return SpLayout(sizes), sizes[rank]
     if dp_metadata is None:
         return None, rows
-    layout = _padded_layout(rows, dp_metadata, ep, "maybe_all_gather_and_maybe_unpad")
+    layout, chunk = _padded_layout(dp_metadata, ep, what)
+    if rows is not None and rows != chunk:
+        raise AmoeError(
+            Status.SHAPE,
+            f"{what}: EP rank {rank} holds {rows} rows, not the {chunk} rows per EP rank of padded_length "
+            f"{_extra_ctx().padded_length} split over the EP ranks of its DP rank",
+        )
     return layout, layout.local_sizes[rank]
 
 
@@ -444,41 +468,35 @@ def _gather_impl(x):
 
 def _gather_fake(x):
     layout, rows = _gather_plan(x)
-    ep = _group("get_ep_group")
-    shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *x.shape[1:]), _shape_dtype(x)), layout, _rank_and_size(ep))
-    return x.new_empty(shape)
+    ep = _rank_and_size(_group("get_ep_group"))
+    rest = tuple(x.shape[1:])
+    if rows is not None:
+        return x.new_empty(_shapes.maybe_all_gather_and_maybe_unpad(((rows, *rest), _shape_dtype(x)), layout, ep))
+    # A symbolic token count (no layout): the shape function on one row per
+    # rank, its rows scaled symbolically.
+    shape = _shapes.maybe_all_gather_and_maybe_unpad(((1, *rest), _shape_dtype(x)), None, ep)
+    return x.new_empty((x.shape[0] * ep[1], *shape[1:]))
 
 
 def _reduce_plan(x):
-    """`(layout or None, rows of the result)`."""
+    """`(layout or None, rows of the result on the padded_length path)`."""
     ctx = _vllm_forward_context()
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
-    rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), int(x.shape[0])
     if dp_metadata is None:
         return None, None
     sizes = _ep_local_sizes(dp_metadata, ep)
     if sizes is not None:
-        layout = SpLayout(sizes)
+        layout, chunk = SpLayout(sizes), None
     else:
-        tokens_dp = engine_int("dp_group.world_size", _group("get_dp_group").world_size)
-        ep_size = engine_int("ep_group.world_size", ep.world_size)
-        padded = _extra_ctx().padded_length
-        padded = None if padded is None else engine_int("padded_length", padded)
-        if padded is None or tokens_dp < 1 or ep_size % tokens_dp or padded % (ep_size // tokens_dp):
-            raise AmoeError(
-                Status.SHAPE,
-                f"maybe_pad_and_reduce: padded_length {padded} does not split over the {ep_size // max(tokens_dp, 1)} "
-                f"EP ranks of a DP rank (EP {ep_size}, DP {tokens_dp})",
-            )
-        chunk = padded // (ep_size // tokens_dp)
-        layout = _padded_layout(chunk, dp_metadata, ep, "maybe_pad_and_reduce")
-    if rows != layout.total_rows:
+        layout, chunk = _padded_layout(dp_metadata, ep, "maybe_pad_and_reduce")
+    rows = _rows(x)
+    if rows is not None and rows != layout.total_rows:
         raise AmoeError(
             Status.SHAPE,
             f"maybe_pad_and_reduce: x has {rows} rows, the gathered tokens of layout {list(layout.local_sizes)} are {layout.total_rows}",
         )
-    return layout, (None if sizes is not None else chunk)
+    return layout, chunk
 
 
 def _reduce_impl(x):
@@ -492,11 +510,18 @@ def _reduce_impl(x):
 
 def _reduce_fake(x):
     layout, pad_to = _reduce_plan(x)
-    ep = _group("get_ep_group")
-    shape = _shapes.maybe_pad_and_reduce(x, layout, _rank_and_size(ep))
-    if pad_to is not None:
-        shape = (pad_to,) + tuple(shape[1:])
-    return x.new_empty(shape)
+    ep = _rank_and_size(_group("get_ep_group"))
+    rest = tuple(x.shape[1:])
+    if layout is not None:
+        # The output rows come from the layout; the input's are the gathered tokens.
+        shape = _shapes.maybe_pad_and_reduce(((layout.total_rows, *rest), x.dtype), layout, ep)
+        return x.new_empty(shape if pad_to is None else (pad_to, *shape[1:]))
+    if _rows(x) is not None:
+        return x.new_empty(_shapes.maybe_pad_and_reduce(x, None, ep))
+    # A symbolic token count (no layout): the shape function on one row per
+    # rank, the rows divided symbolically (the real op refuses a remainder).
+    shape = _shapes.maybe_pad_and_reduce(((ep[1], *rest), x.dtype), None, ep)
+    return x.new_empty((x.shape[0] // ep[1], *shape[1:]))
 
 
 def _shape_dtype(x):
@@ -684,7 +709,11 @@ def _register_point_op():
     @vllm_reduce_point.register_fake
     def _(x, point, layer):
         _checked_point(point, layer)
-        return x.new_empty(_shapes.reduce_final(x))
+        rows = _rows(x)
+        # Identity; a symbolic token count stays symbolic (dtype and trailing
+        # dims checked by the shape function on zero rows).
+        shape = _shapes.reduce_final(((0 if rows is None else rows, *x.shape[1:]), x.dtype))
+        return x.new_empty(x.shape if rows is None else shape)
 
     _REDUCE_OP = vllm_reduce_point
     return _REDUCE_OP

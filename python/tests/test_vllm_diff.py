@@ -199,3 +199,82 @@ def test_comm_type_by_member_name_checked_against_value(engine):
         engine.extra.moe_comm_type = ct
         with pytest.raises(am.InvalidArgumentError, match="comm.type"):
             av._live_comm_type()
+
+
+# ------------------------------------------- a dynamic token dimension
+
+
+def _compiled_rows(fn, rows_list, cols=2):
+    """`fn` compiled with its input's dim 0 marked dynamic (as vLLM marks the
+    token dimension), run on inputs of each row count; the output shapes.
+    A fake that turned the token count into a constant fails to compile."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    shapes = []
+    for rows in rows_list:
+        x = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+        torch._dynamo.mark_dynamic(x, 0)
+        shapes.append(tuple(compiled(x).shape))
+    return shapes
+
+
+def test_ops_keep_the_token_dimension_dynamic_without_dp_metadata(engine):
+    # vLLM-Ascend's fakes: x.shape[0] * ep_group.world_size and
+    # x.shape[0] // ep_group.world_size (register_custom_ops.py:120, :134),
+    # symbolic in the token count; a graph traced at 6 rows runs at 10.
+    engine.ep = Group(2, 0, "ep")
+    got = _compiled_rows(lambda x: torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x) + 1, [6, 10])
+    assert got == [(12, 2), (20, 2)]
+    got = _compiled_rows(lambda x: torch.ops.vllm.maybe_pad_and_reduce(x) + 1, [6, 10])
+    assert got == [(3, 2), (5, 2)]
+
+
+def test_ops_keep_the_token_dimension_dynamic_with_dp_metadata(engine):
+    # With an SP layout and with padded_length, vLLM-Ascend's output rows come
+    # from the forward context (sum(local_sizes), local_sizes[rank]; the
+    # padded path: num_tokens_across_dp_cpu.sum() and padded_length / (EP / DP)),
+    # and its fakes never read the input's token count as a constant.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=[3, 5])
+    assert _compiled_rows(lambda x: torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x) + 1, [3]) == [(8, 2)]
+    assert _compiled_rows(lambda x: torch.ops.vllm.maybe_pad_and_reduce(x) + 1, [8]) == [(3, 2)]
+    engine.ctx.dp_metadata = DPMetadata([3, 5])
+    engine.extra.padded_length = 5
+    assert _compiled_rows(lambda x: torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x) + 1, [5]) == [(8, 2)]
+    assert _compiled_rows(lambda x: torch.ops.vllm.maybe_pad_and_reduce(x) + 1, [8]) == [(5, 2)]
+
+
+def test_reduction_point_keeps_the_token_dimension_dynamic(engine):
+    # The runner's reductions are TP all-reduces (fused_moe.py:197): the
+    # identity shape, whatever the token count.
+    engine.tp = Group(2, 0, "tp")
+    engine.extra.moe_comm_type = MoECommType.ALLGATHER
+    runner = SimpleNamespace(
+        moe_config=SimpleNamespace(tp_group=engine.tp, ep_size=2, is_sequence_parallel=False),
+        ascend_shared_experts=None,
+        routed_output_transform=None,
+    )
+    pid = av._runner_policy(runner)
+    final = 2
+    got = _compiled_rows(lambda x: torch.ops.ascend_moe.vllm_reduce_point(x, final, pid) + 1, [6, 10])
+    assert got == [(6, 2), (10, 2)]
+
+
+def test_compiled_ops_check_the_token_count_when_they_run(engine):
+    # A dynamic graph takes any count at trace time; the real op refuses the
+    # ones its layout cannot hold (SPEC sections 3 and 4), eager or compiled.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=[3, 5])
+    gather = torch.compile(lambda x: torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x) + 1, backend="aot_eager", fullgraph=True)
+    reduce = torch.compile(lambda x: torch.ops.vllm.maybe_pad_and_reduce(x) + 1, backend="aot_eager", fullgraph=True)
+    for fn, ok, bad in ((gather, 3, 4), (reduce, 8, 9)):
+        torch._dynamo.reset()
+        x = torch.ones(ok, 2)
+        torch._dynamo.mark_dynamic(x, 0)
+        fn(x)
+        with pytest.raises(am.AmoeError):
+            fn(torch.ones(bad, 2))
+    engine.ctx.dp_metadata = DPMetadata([3, 5])
+    engine.extra.padded_length = 5
+    with pytest.raises(am.AmoeError, match="holds 4 rows, not the 5"):
+        torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(4, 2))
