@@ -57,7 +57,7 @@ from . import comm as _comm
 from . import ops as _ops
 from . import shapes as _shapes
 from ._errors import error
-from ._lib import AmoeError, Status
+from ._lib import Status
 from .comm import Comm
 from .ops import CommType, ReducePolicy, SharedMode, SpLayout
 from .prepare import MoeContext, MoeGroups
@@ -138,7 +138,7 @@ def shared_mode_of(mode) -> "SharedMode":
     if isinstance(mode, enum.Enum):
         ours = SharedExpertParallelMode.__members__.get(mode.name)
         if ours is None or ours.value != mode.value:
-            raise AmoeError(
+            raise error(
                 Status.INVALID_ARGUMENT,
                 f"unknown shared-expert mode {mode!r} (expected one of "
                 + ", ".join(f"{m.name}={m.value}" for m in SharedExpertParallelMode)
@@ -148,13 +148,13 @@ def shared_mode_of(mode) -> "SharedMode":
     if isinstance(mode, str):
         ours = SharedExpertParallelMode.__members__.get(mode.strip().upper())
         if ours is None:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared-expert mode name {mode!r}")
+            raise error(Status.INVALID_ARGUMENT, f"unknown shared-expert mode name {mode!r}")
         return SharedMode[_MODE_TO_SHARED[ours.name]]
     value = engine_int("shared-expert mode", mode)
     try:
         ours = SharedExpertParallelMode(value)
     except ValueError:
-        raise AmoeError(Status.INVALID_ARGUMENT, f"unknown shared-expert mode value {mode!r} (expected 1..=4)") from None
+        raise error(Status.INVALID_ARGUMENT, f"unknown shared-expert mode value {mode!r} (expected 1..=4)") from None
     return SharedMode[_MODE_TO_SHARED[ours.name]]
 
 
@@ -287,7 +287,7 @@ def _build_backend(group, device_kind: str):
     if device_kind == "npu":
         pg = getattr(group, "device_group", None)
         if pg is None:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"vLLM group {_group_name(group)} has no device_group to borrow an HCCL communicator from")
+            raise error(Status.INVALID_ARGUMENT, f"vLLM group {_group_name(group)} has no device_group to borrow an HCCL communicator from")
         return _CommBackend(Comm.from_process_group(pg))
     cpu_group = getattr(group, "cpu_group", None)
     if cpu_group is None or os.environ.get("ASCEND_MOE_VLLM_CPU_COMM") == "group":
@@ -383,16 +383,16 @@ def _padded_layout(dp_metadata, ep_group, what: str) -> tuple:
     ep = engine_int("ep_group.world_size", ep_group.world_size)
     tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu")
     if padded is None:
-        raise AmoeError(Status.INVALID_ARGUMENT, f"{what}: the forward context has DP metadata but no padded_length")
+        raise error(Status.INVALID_ARGUMENT, f"{what}: the forward context has DP metadata but no padded_length")
     padded = engine_int("padded_length", padded)
     if dp < 1 or ep % dp or len(tokens) != dp:
-        raise AmoeError(
+        raise error(
             Status.INVALID_ARGUMENT,
             f"{what}: EP size {ep} is not a multiple of the DP size {dp}, or num_tokens_across_dp has {len(tokens)} entries",
         )
     per_dp = ep // dp
     if padded % per_dp or any(t > padded for t in tokens):
-        raise AmoeError(
+        raise error(
             Status.SHAPE,
             f"{what}: padded_length {padded} does not split over the {per_dp} EP ranks of a DP rank "
             f"(EP {ep}, DP {dp}), or a DP token count {tokens} exceeds it",
@@ -425,7 +425,7 @@ def _gather_plan(x):
     rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), _rows(x)
     if sizes is not None:
         if rows is not None and rows > sizes[rank]:
-            raise AmoeError(
+            raise error(
                 Status.SHAPE,
                 f"{what}: EP rank {rank} holds {rows} rows, more than its "
                 f"{sizes[rank]} in the SP layout {sizes}; the extra rows would be dropped",
@@ -435,7 +435,7 @@ def _gather_plan(x):
         return None, rows
     layout, chunk = _padded_layout(dp_metadata, ep, what)
     if rows is not None and rows != chunk:
-        raise AmoeError(
+        raise error(
             Status.SHAPE,
             f"{what}: EP rank {rank} holds {rows} rows, not the {chunk} rows per EP rank of padded_length "
             f"{_extra_ctx().padded_length} split over the EP ranks of its DP rank",
@@ -492,7 +492,7 @@ def _reduce_plan(x):
         layout, chunk = _padded_layout(dp_metadata, ep, "maybe_pad_and_reduce")
     rows = _rows(x)
     if rows is not None and rows != layout.total_rows:
-        raise AmoeError(
+        raise error(
             Status.SHAPE,
             f"maybe_pad_and_reduce: x has {rows} rows, the gathered tokens of layout {list(layout.local_sizes)} are {layout.total_rows}",
         )
@@ -503,7 +503,7 @@ def _reduce_impl(x):
     layout, pad_to = _reduce_plan(x)
     ep = _group("get_ep_group")
     if x.dtype in _byte_dtypes():
-        raise AmoeError(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
+        raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
     out = comm_for_group(ep, _device_kind(x.device)).reduce(x.contiguous(), layout)
     return out if pad_to is None else _fit_rows(out, pad_to)
 
@@ -554,11 +554,11 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     if dp_metadata is not None and dp_size > 1:
         tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu")
         if len(tokens) != dp_size:
-            raise AmoeError(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
+            raise error(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     else:
         tokens, dp_rank = [num_tokens], 0
     if tokens[dp_rank] != num_tokens:
-        raise AmoeError(
+        raise error(
             Status.SHAPE,
             f"moe_context: this rank's batch has {num_tokens} rows, the forward context says DP rank {dp_rank} has {tokens[dp_rank]}",
         )
@@ -583,7 +583,7 @@ def moe_groups(device_kind: str = "cpu") -> "MoeGroups":
     group-collectives fallback."""
     backends = [comm_for_group(g, device_kind) for g in (_group("get_ep_group"), _tp_group(), _group("get_dp_group"))]
     if any(b.kind != "comm" for b in backends):
-        raise AmoeError(Status.UNAVAILABLE, "moe_groups: a vLLM group is not an ascend-moe communicator here (ranks on several hosts)")
+        raise error(Status.UNAVAILABLE, "moe_groups: a vLLM group is not an ascend-moe communicator here (ranks on several hosts)")
     key = tuple(id(b) for b in backends)
     with _BACKENDS_LOCK:
         hit = _MOE_GROUPS.get(key)
@@ -638,7 +638,7 @@ def _tp_group():
 def _live_comm_type() -> int:
     ct = _extra_ctx(RUNNER_MODULE).moe_comm_type
     if ct is None:
-        raise AmoeError(Status.INVALID_ARGUMENT, "no MoE comm type in vLLM's forward context (_EXTRA_CTX.moe_comm_type is None)")
+        raise error(Status.INVALID_ARGUMENT, "no MoE comm type in vLLM's forward context (_EXTRA_CTX.moe_comm_type is None)")
     return int(comm_type_of(ct))
 
 
@@ -819,7 +819,7 @@ def install() -> list:
         try:
             importlib.import_module(OPS_MODULE)
         except Exception as e:  # noqa: BLE001
-            raise AmoeError(
+            raise error(
                 Status.UNAVAILABLE, f"ascend_moe.vllm_ascend.install: importing {OPS_MODULE} failed: {e}"
             ) from e
         _register_point_op()

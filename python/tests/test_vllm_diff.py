@@ -272,9 +272,31 @@ def test_compiled_ops_check_the_token_count_when_they_run(engine):
         x = torch.ones(ok, 2)
         torch._dynamo.mark_dynamic(x, 0)
         fn(x)
-        with pytest.raises(am.AmoeError):
+        with pytest.raises(am.ShapeError):
             fn(torch.ones(bad, 2))
     engine.ctx.dp_metadata = DPMetadata([3, 5])
     engine.extra.padded_length = 5
-    with pytest.raises(am.AmoeError, match="holds 4 rows, not the 5"):
+    with pytest.raises(am.ShapeError, match="holds 4 rows, not the 5"):
         torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(4, 2))
+
+
+def test_adapter_errors_are_the_packages_typed_errors(engine):
+    # A bad shape is a ShapeError (a ValueError), a bad argument an
+    # InvalidArgumentError, as everywhere else in the package.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=[3, 5])
+    with pytest.raises(am.ShapeError):
+        torch.ops.vllm.maybe_pad_and_reduce(torch.ones(7, 2))
+    engine.ctx.dp_metadata = DPMetadata([3, 5])
+    with pytest.raises(am.InvalidArgumentError, match="no padded_length"):
+        torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(5, 2))
+    with pytest.raises(am.InvalidArgumentError, match="no padded_length"):
+        torch.ops.vllm.maybe_pad_and_reduce(torch.ones(8, 2))
+    with pytest.raises(am.ShapeError, match="DP rank 0 has 3"):
+        av.moe_context(4)
+    for bad in ("sideways", 7, enum.Enum("Other", {"X": 1}).X):
+        with pytest.raises(am.InvalidArgumentError):
+            av.shared_mode_of(bad)
+    engine.extra.moe_comm_type = None
+    with pytest.raises(am.InvalidArgumentError, match="moe_comm_type is None"):
+        av._live_comm_type()
