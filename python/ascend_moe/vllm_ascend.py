@@ -504,7 +504,14 @@ def _reduce_impl(x):
     ep = _group("get_ep_group")
     if x.dtype in _byte_dtypes():
         raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
-    out = comm_for_group(ep, _device_kind(x.device)).reduce(x.contiguous(), layout)
+    backend = comm_for_group(ep, _device_kind(x.device))
+    if layout is None and x.shape[0] % backend.world_size:
+        # SPEC section 3, on the groups' own collectives as on a communicator.
+        raise error(
+            Status.SHAPE,
+            f"maybe_pad_and_reduce: x has {x.shape[0]} rows, which the EP size {backend.world_size} does not divide (no SP layout)",
+        )
+    out = backend.reduce(x.contiguous(), layout)
     return out if pad_to is None else _fit_rows(out, pad_to)
 
 

@@ -300,3 +300,13 @@ def test_adapter_errors_are_the_packages_typed_errors(engine):
     engine.extra.moe_comm_type = None
     with pytest.raises(am.InvalidArgumentError, match="moe_comm_type is None"):
         av._live_comm_type()
+
+
+def test_reduce_without_layout_refuses_rows_the_ep_size_does_not_divide(engine):
+    # SPEC section 3: without a layout a plain EP reduce-scatter, whose rows
+    # must divide by EP, else a clear error (vLLM-Ascend's reduce_scatter
+    # cannot split them either), on the groups' own collectives too.
+    engine.ep = Group(2, 0, "ep")
+    assert torch.ops.vllm.maybe_pad_and_reduce(torch.ones(6, 2)).shape == (3, 2)
+    with pytest.raises(am.ShapeError, match="EP size 2 does not divide"):
+        torch.ops.vllm.maybe_pad_and_reduce(torch.ones(5, 2))
