@@ -125,15 +125,28 @@ fn padded_rows(x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) ->
     layout.map_or_else(|| x.rows().saturating_mul(per_rank_blocks), SpLayout::padded_rows)
 }
 
-/// A failure found by this rank before its SP collective. When the layout
-/// says the peers move data (`padded_rows` rows of `x`'s row length), they
-/// are in `call` already: the error goes through it
+/// Whether the peers of this rank make an SP op's collective (`x` its input,
+/// `per_rank_blocks` as for [`padded_rows`]): on a CPU group given a layout
+/// always, since it moves the blocks with a V collective that every rank
+/// joins even when no rank has a row ([`cpu_block_counts`]); else when the
+/// layout says data moves.
+fn peers_call<C: Collectives + ?Sized>(ep: &C, x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) -> bool {
+    (layout.is_some() && matches!(ep.device(), Device::Cpu))
+        || padded_rows(x, layout, per_rank_blocks).saturating_mul(x.row_len()) != 0
+}
+
+/// A failure found by this rank before its SP collective. When the peers
+/// make `call` ([`peers_call`]), the error goes through it
 /// ([`Collectives::refuse_call`]), so on a CPU communicator every rank fails
 /// at once naming this rank's reason instead of waiting for it until the
-/// group's timeout. When nothing moves, the peers make no call and the
-/// error is returned as it is.
-fn refuse_moving<C: Collectives + ?Sized>(ep: &C, call: Call<'_>, x: &Tensor, padded_rows: usize, e: Error) -> Error {
-    if padded_rows.saturating_mul(x.row_len()) == 0 {
+/// group's timeout. When they make none, the error is returned as it is.
+fn refuse_moving<C: Collectives + ?Sized>(
+    ep: &C,
+    (call, layout, per_rank_blocks): (Call<'_>, Option<&SpLayout>, usize),
+    x: &Tensor,
+    e: Error,
+) -> Error {
+    if !peers_call(ep, x, layout, per_rank_blocks) {
         return e;
     }
     ep.refuse_call(call, x.dtype(), e)
@@ -142,10 +155,10 @@ fn refuse_moving<C: Collectives + ?Sized>(ep: &C, call: Call<'_>, x: &Tensor, pa
 /// An allocating SP op: its output shape (from `shape`), then an output
 /// tensor of that shape and the dtype of `x` on the EP group's device, which
 /// `into` writes and which is returned. A failure before `into` goes to
-/// [`refuse_moving`] with `call` and `padded_rows`.
+/// [`refuse_moving`] with `moving`.
 fn with_output<C: Collectives + ?Sized>(
     op: &'static str,
-    (call, padded_rows): (Call<'_>, usize),
+    moving: (Call<'_>, Option<&SpLayout>, usize),
     x: &Tensor,
     ep: &C,
     shape: impl FnOnce() -> Result<Vec<usize>>,
@@ -153,25 +166,26 @@ fn with_output<C: Collectives + ?Sized>(
 ) -> Result<Tensor> {
     let mut out = shape()
         .and_then(|shape| check_device(op, "x", x, ep)?.backend().output(&shape, x.dtype()))
-        .map_err(|e| refuse_moving(ep, call, x, padded_rows, e))?;
+        .map_err(|e| refuse_moving(ep, moving, x, e))?;
     into(&mut out)?;
     Ok(out)
 }
 
-/// On a CPU group, the element counts of the layout's blocks (`row_len`
-/// elements a row) when the caller passed a layout and some rank moves rows:
-/// the counts of the V collective that moves the blocks as they are. Rank
-/// `r` receives the same rows as from its padded slot, without the padded
-/// copy, and the group compares every rank's counts before any data moves,
-/// so ranks whose layouts disagree (a stale token count on one of them) all
-/// fail, naming each rank's counts, instead of summing or gathering
-/// misaligned rows. An HCCL group compares no counts, and moves the padded
-/// buffer as SPEC sections 3 and 4 describe.
-fn cpu_block_counts(device: &Device, layout: Option<&SpLayout>, l: &SpLayout, row_len: usize) -> Option<Vec<usize>> {
-    if !matches!(device, Device::Cpu) || layout.is_none() || l.max_rows() == 0 || row_len == 0 {
+/// On a CPU group given a layout, the element counts of its blocks
+/// (`row_len` elements a row): the counts of the V collective that moves the
+/// blocks as they are. Rank `r` receives the same rows as from its padded
+/// slot, without the padded copy, and the group compares every rank's counts
+/// before any data moves, so ranks whose layouts disagree (a stale token
+/// count on one of them) all fail, naming each rank's counts, instead of
+/// summing or gathering misaligned rows. Every rank joins, also when no rank
+/// has a row, so that a rank that disagrees there, or fails its own
+/// arguments, fails its peers too. An HCCL group compares no counts, and
+/// moves the padded buffer as SPEC sections 3 and 4 describe.
+fn cpu_block_counts(device: &Device, layout: Option<&SpLayout>, row_len: usize) -> Option<Vec<usize>> {
+    if !matches!(device, Device::Cpu) {
         return None;
     }
-    Some(l.local_sizes().iter().map(|&rows| rows * row_len).collect())
+    Some(layout?.local_sizes().iter().map(|&rows| rows * row_len).collect())
 }
 
 /// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and writes the
@@ -213,7 +227,7 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
 pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
     with_output(
         PAD_REDUCE,
-        (PAD_REDUCE_CALL, padded_rows(x, layout, 1)),
+        (PAD_REDUCE_CALL, layout, 1),
         x,
         ep,
         || {
@@ -242,8 +256,8 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
         let device = check_in_out(PAD_REDUCE, "x", x, out, &s, ep)?;
         Ok((device, reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?))
     });
-    let (device, l) = checked.map_err(|e| refuse_moving(ep, PAD_REDUCE_CALL, x, padded_rows(x, layout, 1), e))?;
-    if let Some(counts) = cpu_block_counts(&device, layout, &l, x.row_len()) {
+    let (device, l) = checked.map_err(|e| refuse_moving(ep, (PAD_REDUCE_CALL, layout, 1), x, e))?;
+    if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
         return ep.reduce_scatter_v(x, out, &counts, ReduceOp::Sum);
     }
     if l.is_uniform() {
@@ -308,7 +322,7 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
 ) -> Result<Tensor> {
     with_output(
         GATHER_UNPAD,
-        (Call::AllGather, padded_rows(x, layout, ep.world_size())),
+        (Call::AllGather, layout, ep.world_size()),
         x,
         ep,
         || maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size()),
@@ -329,7 +343,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
 ) -> Result<()> {
     let device = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())
         .and_then(|s| check_in_out(GATHER_UNPAD, "x", x, out, &s, ep))
-        .map_err(|e| refuse_moving(ep, Call::AllGather, x, padded_rows(x, layout, ep.world_size()), e))?;
+        .map_err(|e| refuse_moving(ep, (Call::AllGather, layout, ep.world_size()), x, e))?;
     let backend = device.backend();
     let uniform;
     let l = match layout {
@@ -339,7 +353,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
             &uniform
         }
     };
-    if let Some(counts) = cpu_block_counts(&device, layout, l, x.row_len()) {
+    if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
         return ep.all_gather_v(x, out, &counts);
     }
     let m = l.max_rows();
