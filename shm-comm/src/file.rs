@@ -126,6 +126,74 @@ fn errno() -> Option<i32> {
     std::io::Error::last_os_error().raw_os_error()
 }
 
+/// Checks that no other user can rename or remove names in directory
+/// `dir`, where the group's files are made. The owner of a directory (and
+/// root) may rename or remove any entry of it, and so may everyone who can
+/// write to it unless it is sticky (`S_ISVTX`: then only the owner of an
+/// entry may, POSIX `rename`/`unlink`, EACCES/EPERM). In a directory that
+/// others could change, another user could move a forming world's file under
+/// the name of another world, whose ranks would join it, or remove it. So
+/// the directory (what the name resolves to, and the link itself when it is
+/// one) must belong to this user or root (see [`unmapped_uid`] for a user
+/// namespace), and be sticky when group or others may write to it.
+pub(crate) fn check_dir(dir: &str) -> Result<(), Refused> {
+    let c = std::ffi::CString::new(dir)
+        .map_err(|_| Refused::Foreign(format!("invalid shared-memory directory {dir:?} (NUL byte)")))?;
+    let unmapped = unmapped_uid();
+    let trusted = |uid: libc::uid_t| uid == my_uid() || uid == 0 || Some(uid) == unmapped;
+    let refuse = |found: String, why: &str| {
+        Refused::Foreign(format!(
+            "refusing shared-memory directory {dir}: it is {found}; {why}, so another user could rename or \
+             remove this group's files there (move them under the name of another group, or replace them). \
+             A CPU world only uses a directory of its own user ({}) or root that only its owner may write \
+             to, or that is sticky (like /dev/shm and /tmp, mode 1777)",
+            describe_uid(my_uid())
+        ))
+    };
+    let Some(l) = lstat_path(&c) else {
+        return Err(Refused::Os(Error::os(format!("shared-memory directory {dir}"))));
+    };
+    if l.st_mode & libc::S_IFMT == libc::S_IFLNK && !trusted(l.st_uid) {
+        return Err(refuse(describe_dir(&l), "its owner may point it elsewhere at any time"));
+    }
+    let mut st = zeroed_stat();
+    // SAFETY: c is NUL-terminated and st a valid out-parameter.
+    if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
+        return Err(Refused::Os(Error::os(format!("shared-memory directory {dir}"))));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        return Err(refuse(describe_dir(&st), "it is not a directory"));
+    }
+    if !trusted(st.st_uid) {
+        return Err(refuse(describe_dir(&st), "its owner may rename or remove any file in it"));
+    }
+    let others_write = st.st_mode & (libc::S_IWGRP | libc::S_IWOTH) != 0;
+    if others_write && st.st_mode & libc::S_ISVTX == 0 {
+        return Err(refuse(describe_dir(&st), "others may write to it and it is not sticky"));
+    }
+    Ok(())
+}
+
+/// In a user namespace other than the first, the uid that every user the
+/// namespace does not map shows as (`/proc/sys/kernel/overflowuid`,
+/// user_namespaces(7)); `None` in the initial namespace, where that uid is
+/// a user of its own (`nobody`). The host's root is one of the unmapped
+/// users there, and its /dev/shm shows as theirs: a directory of that uid
+/// is trusted like root's, as the namespace cannot tell them apart.
+fn unmapped_uid() -> Option<libc::uid_t> {
+    let map = std::fs::read_to_string("/proc/self/uid_map").ok()?;
+    let whole: Vec<&str> = map.split_whitespace().collect();
+    if whole == ["0", "0", "4294967295"] {
+        return None;
+    }
+    std::fs::read_to_string("/proc/sys/kernel/overflowuid").ok()?.trim().parse().ok()
+}
+
+/// "a directory owned by uid 0 (root) with mode 0777".
+fn describe_dir(st: &libc::stat) -> String {
+    format!("{} owned by {} with mode {:04o}", kind_of(st.st_mode), describe_uid(st.st_uid), st.st_mode & 0o7777)
+}
+
 /// Opens (creating when absent) the file at `path` and checks it is this
 /// user's own segment file.
 pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {

@@ -37,7 +37,12 @@
 //! refused on every rank with an error naming the path, its owner and mode, and
 //! is neither joined nor removed. A symbolic link is removed, never followed.
 //! Presence names count only when the kernel says this user's socket holds
-//! them. Layout:
+//! them. The directory itself (and the link, when its name is one) must
+//! belong to this user or root (in a user namespace: or to a user it does
+//! not map, as the host's root is there) and be sticky when others may
+//! write to it, as /dev/shm and /tmp are: in any other, another user could
+//! rename or remove a forming world's file, so every rank is refused there
+//! with an error naming the directory, its owner and mode. Layout:
 //!
 //! | block | size |
 //! |---|---|

@@ -17,7 +17,7 @@ use std::ffi::CString;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::file::{ino_at, open_own, Opened, Refused};
+use crate::file::{check_dir, ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_start, pid_alive};
 use crate::segment::{
@@ -71,6 +71,12 @@ impl Segment {
         })?;
         let path = segment_path(name);
         let cpath = CString::new(path.clone()).map_err(|_| Error::invalid("rendezvous", "name", "NUL byte"))?;
+        let dir = std::path::Path::new(&path).parent().map_or_else(shm_dir, |d| d.display().to_string());
+        match check_dir(&dir) {
+            Ok(()) => {}
+            Err(Refused::Os(e)) => return Err(e),
+            Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
+        }
         let deadline = crate::clock::deadline(Instant::now(), timeout);
         let mut backoff = Backoff::default();
         let mut again = false;

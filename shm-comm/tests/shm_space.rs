@@ -8,6 +8,9 @@
 //! /dev/shm is a 2 MiB tmpfs (`unshare -m`, which needs root or user
 //! namespaces). Where that is not allowed the test says so and passes; the
 //! error text is also checked by unit tests that need no namespace.
+//!
+//! Likewise a /dev/shm that other users could rename files in (writable by
+//! all and not sticky, or owned by another user): no world forms there.
 
 use std::process::Command;
 use std::time::Duration;
@@ -86,4 +89,153 @@ fn a_world_too_large_for_the_shared_memory_directory_fails_its_rendezvous_on_eve
         }
     }
     assert!(text.contains("small: Ok(())"), "a world that fits still forms: {text}");
+}
+
+const DIR_ROLE: &str = "SHM_COMM_DIR_ROLE";
+
+/// Two thread ranks forming a world in the shared-memory directory of this
+/// process (one line per rank, then `END`).
+fn form_in_dir() {
+    let name = format!("dir-{}", std::process::id());
+    let t = Duration::from_secs(20);
+    let res: Vec<Result<ShmComm, Error>> = std::thread::scope(|s| {
+        let name = &name;
+        let hs: Vec<_> = (0..2)
+            .map(|r| s.spawn(move || ShmComm::rendezvous(name, 2, r, t, &Config { staging_bytes: 1 << 16 })))
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    });
+    for (r, x) in res.iter().enumerate() {
+        match x {
+            Ok(_) => println!("rank {r}: Ok"),
+            Err(e) => println!("rank {r}: {:?}: {e}", e.kind()),
+        }
+    }
+    println!("END");
+}
+
+/// Runs test `test` of this binary (role `DIR_ROLE`) after mounting a tmpfs
+/// with `opts` on /dev/shm in private user and mount namespaces (or only a
+/// mount namespace when this is root, so that other uids stay mapped);
+/// `None` (after saying why) where such namespaces cannot be made.
+fn in_dir(test: &str, opts: &str) -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    let ns = if unsafe { libc::geteuid() } == 0 { "-m" } else { "-Urm" };
+    let mount = format!("mount -t tmpfs -o size=2m,{opts} ascend-moe-test /dev/shm");
+    let probe = Command::new("unshare").args([ns, "--propagation", "private", "sh", "-c", &mount]).output();
+    match probe {
+        Ok(o) if o.status.success() => {}
+        other => {
+            let why = other.map_or("unshare is missing".into(), |o| String::from_utf8_lossy(&o.stderr).into_owned());
+            eprintln!("skipped: no private namespaces with a /dev/shm mounted with {opts} here ({})", why.trim());
+            return None;
+        }
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let script = format!("{mount} && exec \"$@\"");
+    let out = Command::new("unshare")
+        .args([ns, "--propagation", "private", "sh", "-c", &script, "sh"])
+        .args([exe.to_str().expect("utf-8 path"), "--exact", test, "--nocapture", "--test-threads=1"])
+        .env(DIR_ROLE, "1")
+        .output()
+        .expect("unshare ran before");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.contains("END"), "the world's process died ({}): {text}", out.status);
+    Some(text)
+}
+
+/// Every rank's line says the rendezvous was refused at setup, naming each of `words`.
+fn assert_dir_refused(text: &str, words: &[&str]) {
+    for r in 0..2 {
+        let line = text.lines().find_map(|l| l.split_once(&format!("rank {r}: ")).map(|x| x.1)).expect("line");
+        assert!(line.starts_with("Some(Setup)"), "rank {r} formed a world in an unsafe directory: {line}");
+        for w in words {
+            assert!(line.contains(w), "rank {r} does not say {w:?}: {line}");
+        }
+    }
+}
+
+/// In a directory that every user may write to and that is not sticky,
+/// anyone may rename or remove the files of others: another user could
+/// move one forming world's file under the name of another (whose ranks
+/// would then join it), or replace it. A world does not form there.
+#[test]
+fn a_shared_memory_directory_others_may_rename_files_in_is_refused() {
+    const TEST: &str = "a_shared_memory_directory_others_may_rename_files_in_is_refused";
+    if std::env::var(DIR_ROLE).is_ok() {
+        form_in_dir();
+        return;
+    }
+    let Some(text) = in_dir(TEST, "mode=0777") else { return };
+    assert_dir_refused(&text, &["/dev/shm", "owned by uid 0", "mode 0777", "not sticky"]);
+}
+
+/// The owner of a directory may rename or remove any file in it, sticky or
+/// not: a directory of another user (not root) is refused.
+#[test]
+fn a_shared_memory_directory_of_another_user_is_refused() {
+    const TEST: &str = "a_shared_memory_directory_of_another_user_is_refused";
+    if std::env::var(DIR_ROLE).is_ok() {
+        form_in_dir();
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: a directory owned by another uid needs root to mount");
+        return;
+    }
+    let Some(text) = in_dir(TEST, "mode=1777,uid=65534") else { return };
+    assert_dir_refused(&text, &["/dev/shm", "uid 65534", "mode 1777"]);
+}
+
+/// In a user namespace of a user other than root, the host's /dev/shm
+/// belongs to a user the namespace does not map (root), shown as the
+/// overflow uid: a world still forms there.
+#[test]
+fn a_world_forms_in_a_user_namespace_that_does_not_map_the_owner_of_dev_shm() {
+    const TEST: &str = "a_world_forms_in_a_user_namespace_that_does_not_map_the_owner_of_dev_shm";
+    if std::env::var(DIR_ROLE).is_ok() {
+        form_in_dir();
+        return;
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let exe = exe.to_str().expect("utf-8 path");
+    let run = ["unshare", "-Ur", exe, "--exact", TEST, "--nocapture", "--test-threads=1"];
+    // Root is mapped in a namespace of its own: run it as nobody instead.
+    let as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"];
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let cmd: Vec<&str> = if root { as_nobody.iter().chain(&run).copied().collect() } else { run.to_vec() };
+    // The same namespace, with `stat` instead of the test binary and its
+    // arguments; then the test binary itself, which that user may not be
+    // allowed to reach (a checkout under a private home directory).
+    let probe = Command::new(cmd[0]).args(&cmd[1..cmd.len() - 5]).args(["stat", "-c", "%u", "/dev/shm"]).output();
+    let lists = |o: &std::process::Output| {
+        o.status.success() && {
+            let l = Command::new(cmd[0]).args(&cmd[1..cmd.len() - 5]).args([exe, "--list"]).output();
+            l.is_ok_and(|l| l.status.success())
+        }
+    };
+    match probe {
+        Ok(o) if o.status.success() && !lists(&o) => {
+            eprintln!("skipped: the test binary {exe} cannot be run by that user here");
+            return;
+        }
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).trim() != "0" => {}
+        Ok(o) if o.status.success() => {
+            eprintln!("skipped: the owner of /dev/shm is mapped in a user namespace here");
+            return;
+        }
+        other => {
+            let why = other.map_or_else(|e| e.to_string(), |o| String::from_utf8_lossy(&o.stderr).into_owned());
+            eprintln!("skipped: no user namespace of a user other than root here ({})", why.trim());
+            return;
+        }
+    }
+    let out = Command::new(cmd[0]).args(&cmd[1..]).env(DIR_ROLE, "1").output().expect("ran before");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("END"), "the world's process died ({}): {text}", out.status);
+    for r in 0..2 {
+        assert!(text.contains(&format!("rank {r}: Ok")), "rank {r}: {text}");
+    }
 }
