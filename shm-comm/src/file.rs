@@ -7,9 +7,13 @@
 //! link: another user can neither have written it nor open it, and no other
 //! name leads to the same inode. Anything else under the name is refused with
 //! an error naming the path, its owner and mode, and is left in place (it is
-//! not ours to remove). The one exception is a symbolic link: it is never
-//! followed, and is removed like any other name that holds no segment, so the
-//! file it points to is never opened, read or written.
+//! not ours to remove). A symbolic link is never followed, so the file it
+//! points to is never opened, read or written; a link of this user's own is
+//! removed like any other name that holds no segment, and another user's is
+//! refused and left in place like their files. (A link is removed by name
+//! once `lstat` said what the name holds: were another user's link removed,
+//! as root may, a rank of this world could have replaced it with the
+//! world's new file in between, and that file would be removed instead.)
 
 use std::ffi::CStr;
 
@@ -221,9 +225,9 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
                 // Removed since: look again.
                 return Ok(Opened::Again);
             };
-            if err == Some(libc::ELOOP) && st.st_mode & libc::S_IFMT == libc::S_IFLNK {
-                // A link holds no segment: remove the link itself (never what
-                // it points to) and start over.
+            if err == Some(libc::ELOOP) && st.st_mode & libc::S_IFMT == libc::S_IFLNK && st.st_uid == my_uid() {
+                // A link of our own holds no segment: remove the link itself
+                // (never what it points to) and start over.
                 // SAFETY: cpath is NUL-terminated; unlink does not follow links.
                 if unsafe { libc::unlink(cpath.as_ptr()) } != 0 && errno() != Some(libc::ENOENT) {
                     let why = std::io::Error::last_os_error();

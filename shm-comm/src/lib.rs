@@ -35,7 +35,8 @@
 //! it is a regular file of this user with mode 0600 and one link; anything else
 //! under the name (another user's file, whatever its mode, or a hard link) is
 //! refused on every rank with an error naming the path, its owner and mode, and
-//! is neither joined nor removed. A symbolic link is removed, never followed.
+//! is neither joined nor removed. A symbolic link is never followed; one of
+//! this user's own is removed, another user's refused like their files.
 //! Presence names count only when the kernel says this user's socket holds
 //! them. The directory itself (and the link, when its name is one) must
 //! belong to this user or root (in a user namespace: or to a user it does

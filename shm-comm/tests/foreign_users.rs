@@ -168,6 +168,33 @@ fn a_symlink_under_the_name_is_removed_and_its_target_never_touched() {
 }
 
 #[test]
+fn a_symlink_of_another_user_is_refused_and_left_in_place() {
+    if !as_root("foreign symlink") {
+        return;
+    }
+    let name = group("foreign-symlink");
+    let path = segment_path(&name);
+    let who = nobody();
+    // An empty file of our own: were the link followed, the rendezvous would
+    // size and initialise it.
+    let target = format!("{}/foreign-link-target-{}", Path::new(&path).parent().unwrap().display(), std::process::id());
+    std::fs::write(&target, b"").unwrap();
+    std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let _ = std::fs::remove_file(&path);
+    std::os::unix::fs::symlink(&target, &path).unwrap();
+    std::os::unix::fs::lchown(&path, Some(who.0), Some(who.1)).expect("lchown");
+    let res = form(&name);
+    let link = std::fs::symlink_metadata(&path);
+    let target_len = std::fs::metadata(&target).map(|m| m.len());
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&target);
+    assert_refused(res, &path, &[&format!("uid {}", who.0), "a symbolic link", "neither joined nor removed"]);
+    let link = link.expect("another user's link must be left in place");
+    assert!(link.file_type().is_symlink() && link.uid() == who.0, "the link was replaced: {link:?}");
+    assert_eq!(target_len.expect("the link's target must still exist"), 0, "the link's target was written to");
+}
+
+#[test]
 fn a_hard_link_under_the_name_is_refused_and_both_names_kept() {
     if !as_root("hard link") {
         return;
