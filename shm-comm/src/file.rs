@@ -201,9 +201,13 @@ fn describe_dir(st: &libc::stat) -> String {
 /// Opens (creating when absent) the file at `path` and checks it is this
 /// user's own segment file.
 pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
-    // O_NOFOLLOW: a link is never followed; O_NONBLOCK: a FIFO planted under
-    // the name cannot block the open. Creating with O_EXCL tells a file made
-    // here from one found.
+    // O_NOFOLLOW: a link is never followed. O_NONBLOCK: nothing planted
+    // under the name can make the open wait: not a FIFO (which POSIX leaves
+    // free to wait for the other end when opened for both), nor a file whose
+    // owner holds a lease on it (fcntl F_SETLEASE), which an open for writing
+    // waits to break for up to /proc/sys/fs/lease-break-time (45 s by
+    // default) unless it fails with EWOULDBLOCK instead. Creating with
+    // O_EXCL tells a file made here from one found.
     let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
     // SAFETY: cpath is NUL-terminated; flags and mode are plain integers.
     let fd = unsafe { libc::open(cpath.as_ptr(), flags | libc::O_CREAT | libc::O_EXCL, 0o600) };

@@ -8,7 +8,7 @@
 //! with `CI` set a non-root run fails instead of passing untested.
 
 use std::ffi::CString;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::time::Duration;
 
@@ -215,6 +215,118 @@ fn a_hard_link_under_the_name_is_refused_and_both_names_kept() {
     assert_refused(res, &path, &["2 links", "one link"]);
     assert_eq!(a.expect("the name must be kept").len(), 0, "the linked file was written to");
     assert_eq!(b.expect("the other name must be kept").len(), 0);
+}
+
+#[test]
+fn a_fifo_under_the_name_neither_blocks_the_rendezvous_nor_is_used() {
+    // Opening a FIFO only for reading or only for writing waits for the
+    // other end (Linux opens one for both at once, as the rendezvous does);
+    // one of our own with mode 0600 passes every check but the file type.
+    let name = group("fifo");
+    let path = segment_path(&name);
+    let _ = std::fs::remove_file(&path);
+    let c = CString::new(path.clone()).unwrap();
+    // SAFETY: c is NUL-terminated.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let n = name.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(form(&n));
+    });
+    let res = rx.recv_timeout(Duration::from_secs(30)).expect("the rendezvous blocked on a FIFO");
+    let meta = std::fs::symlink_metadata(&path).expect("the FIFO must still be there");
+    let _ = std::fs::remove_file(&path);
+    assert_refused(res, &path, &["a FIFO", "neither joined nor removed"]);
+    assert!(meta.file_type().is_fifo());
+}
+
+/// A process of `nobody` holding a read lease (`F_SETLEASE`) on `path`
+/// until dropped: an open of it for writing waits until the lease is given
+/// up, at most /proc/sys/fs/lease-break-time seconds (45 by default),
+/// unless it is non-blocking (then it fails with EWOULDBLOCK at once).
+struct Leaser {
+    pid: libc::pid_t,
+    release: libc::c_int,
+}
+
+impl Leaser {
+    fn hold(path: &str) -> Leaser {
+        let (uid, gid) = nobody();
+        let c = CString::new(path).unwrap();
+        let (mut ready, mut release) = ([0; 2], [0; 2]);
+        // SAFETY: both arrays hold two descriptors.
+        unsafe {
+            assert_eq!(libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC), 0);
+            assert_eq!(libc::pipe2(release.as_mut_ptr(), libc::O_CLOEXEC), 0);
+        }
+        // SAFETY: the child makes only system calls on memory prepared above,
+        // then _exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: plain system calls, see above.
+            unsafe {
+                // Only the parent's ends stay open here, so that closing the
+                // release pipe there ends the wait below.
+                libc::close(ready[0]);
+                libc::close(release[1]);
+                // The lease break is signalled with SIGIO, which would end it.
+                libc::signal(libc::SIGIO, libc::SIG_IGN);
+                let mut ok: u8 = 0;
+                if libc::setgid(gid) == 0 && libc::setuid(uid) == 0 {
+                    let fd = libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                    ok = (fd >= 0 && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0) as u8;
+                }
+                libc::write(ready[1], &ok as *const u8 as *const libc::c_void, 1);
+                let mut byte = 0u8;
+                libc::read(release[0], &mut byte as *mut u8 as *mut libc::c_void, 1);
+                libc::_exit(0);
+            }
+        }
+        let mut ok = 0u8;
+        // SAFETY: closing our copies of the child's ends; reading one byte into ok.
+        let n = unsafe {
+            libc::close(ready[1]);
+            libc::close(release[0]);
+            let n = libc::read(ready[0], &mut ok as *mut u8 as *mut libc::c_void, 1);
+            libc::close(ready[0]);
+            n
+        };
+        let l = Leaser { pid, release: release[1] };
+        assert!(n == 1 && ok == 1, "the leaser could not become nobody and lease {path}");
+        l
+    }
+}
+
+impl Drop for Leaser {
+    fn drop(&mut self) {
+        // SAFETY: closing the release pipe lets the child exit; then reap it.
+        unsafe {
+            libc::close(self.release);
+            let mut status = 0;
+            libc::waitpid(self.pid, &mut status, 0);
+        }
+    }
+}
+
+#[test]
+fn a_leased_file_of_another_user_is_refused_without_waiting_for_the_lease() {
+    if !as_root("leased file") {
+        return;
+    }
+    let name = group("lease");
+    let path = segment_path(&name);
+    let who = nobody();
+    plant(&path, 0o644, who, b"");
+    let leaser = Leaser::hold(&path);
+    let started = std::time::Instant::now();
+    let res = form(&name);
+    let took = started.elapsed();
+    drop(leaser);
+    let _ = std::fs::remove_file(&path);
+    assert!(took < Duration::from_secs(10), "the rendezvous waited {took:?} for another user's lease");
+    assert_refused(res, &path, &[&format!("uid {}", who.0), "mode 0644"]);
 }
 
 #[test]
