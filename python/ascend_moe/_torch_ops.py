@@ -186,6 +186,41 @@ def _as_tensor(a, like: Tensor) -> Tensor:
     return torch.from_numpy(a)
 
 
+def _dim(d) -> Optional[int]:
+    """A dimension as an int, or None when it is symbolic (a fake traced with
+    dynamic shapes, as vLLM compiles its model with a dynamic token count)."""
+    if isinstance(d, int):
+        return d
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return int(d) if is_concrete_int(d) else None
+
+
+def _symbolic(*operands) -> bool:
+    """Whether a dimension of a tensor among `operands` is symbolic."""
+    return any(_dim(d) is None for t in operands if isinstance(t, Tensor) for d in t.shape)
+
+
+def _traced(t, fallback: int = 1):
+    """`(shape, dtype)` of `t` for a shape function, each symbolic dimension at
+    the size it was traced with (`fallback` for one without a traced size):
+    reading that size adds no guard, so the graph keeps the dimension
+    symbolic. The fake validates dtypes, trailing dims and arguments on it and
+    sizes its output from the symbolic dims; the real op checks the actual
+    sizes when it runs. None stays None."""
+    if t is None:
+        return None
+    return tuple(_traced_dim(d, fallback) for d in t.shape), t.dtype
+
+
+def _traced_dim(d, fallback: int) -> int:
+    n = _dim(d)
+    if n is not None:
+        return n
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else fallback
+
+
 def _layout(local_sizes: Optional[List[int]]):
     return None if local_sizes is None else ops.SpLayout(local_sizes)
 
@@ -283,9 +318,9 @@ def register() -> bool:
     @all_reduce.register_fake
     def _(x, comm, op=sum_op):
         Comm.lookup(comm)
-        shape = shapes.all_reduce(x)
+        shape = shapes.all_reduce(_traced(x) if _symbolic(x) else x)
         _reduce_op("all_reduce", op)
-        return x.new_empty(shape)
+        return x.new_empty(x.shape if _symbolic(x) else shape)
 
     @custom_op("ascend_moe::reduce_scatter", mutates_args=())
     def reduce_scatter(x: Tensor, comm: int, op: int = sum_op) -> Tensor:
@@ -293,7 +328,14 @@ def register() -> bool:
 
     @reduce_scatter.register_fake
     def _(x, comm, op=sum_op):
-        shape = shapes.reduce_scatter(x, Comm.lookup(comm))
+        c = Comm.lookup(comm)
+        if not _symbolic(x):
+            shape = shapes.reduce_scatter(x, c)
+        else:
+            # Checked on the traced rows; the rows divided symbolically (the
+            # real op refuses rows the world size does not divide).
+            shapes.reduce_scatter(_traced(x, c.world_size), c)
+            shape = (x.shape[0] // c.world_size, *x.shape[1:])
         _reduce_op("reduce_scatter", op)
         return x.new_empty(shape)
 
@@ -303,7 +345,11 @@ def register() -> bool:
 
     @all_gather.register_fake
     def _(x, comm):
-        return x.new_empty(shapes.all_gather(x, Comm.lookup(comm)))
+        c = Comm.lookup(comm)
+        if not _symbolic(x):
+            return x.new_empty(shapes.all_gather(x, c))
+        shapes.all_gather(_traced(x), c)
+        return x.new_empty((x.shape[0] * c.world_size, *x.shape[1:]))
 
     # ------------------------------------------------------------ EP / SP
 
@@ -313,7 +359,14 @@ def register() -> bool:
 
     @maybe_pad_and_reduce.register_fake
     def _(x, ep_comm, local_sizes=None):
-        return x.new_empty(shapes.maybe_pad_and_reduce(x, _layout(local_sizes), Comm.lookup(ep_comm)))
+        layout, ep = _layout(local_sizes), Comm.lookup(ep_comm)
+        if not _symbolic(x):
+            return x.new_empty(shapes.maybe_pad_and_reduce(x, layout, ep))
+        shape = shapes.maybe_pad_and_reduce(_traced(x, ep.world_size), layout, ep)
+        # With a layout the output rows are its `local_sizes[rank]`; without
+        # one the rows divided symbolically (the real op refuses a remainder).
+        rows = shape[0] if layout is not None else x.shape[0] // ep.world_size
+        return x.new_empty((rows, *x.shape[1:]))
 
     @custom_op("ascend_moe::maybe_all_gather_and_maybe_unpad", mutates_args=())
     def maybe_all_gather_and_maybe_unpad(x: Tensor, ep_comm: int, local_sizes: Optional[List[int]] = None) -> Tensor:
@@ -321,7 +374,14 @@ def register() -> bool:
 
     @maybe_all_gather_and_maybe_unpad.register_fake
     def _(x, ep_comm, local_sizes=None):
-        return x.new_empty(shapes.maybe_all_gather_and_maybe_unpad(x, _layout(local_sizes), Comm.lookup(ep_comm)))
+        layout, ep = _layout(local_sizes), Comm.lookup(ep_comm)
+        if not _symbolic(x):
+            return x.new_empty(shapes.maybe_all_gather_and_maybe_unpad(x, layout, ep))
+        shape = shapes.maybe_all_gather_and_maybe_unpad(_traced(x), layout, ep)
+        # With a layout the output rows are its total; without one the rows
+        # times the EP size, symbolically.
+        rows = shape[0] if layout is not None else x.shape[0] * ep.world_size
+        return x.new_empty((rows, *x.shape[1:]))
 
     # ------------------------------------------------ the reduction points
     # `comm_type` is read only by the real op: the fake validates the static
@@ -351,10 +411,10 @@ def register() -> bool:
         def _(x, comm_type, tp_comm, shared_mode, has_routed_transform, sp, tp_size, ep_size):
             _policy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
             Comm.lookup(tp_comm)
-            shape = shape_fn(x)
+            shape = shape_fn(_traced(x)) if _symbolic(x) else shape_fn(x)
             if isinstance(comm_type, int):
                 CommType.parse(comm_type)
-            return x.new_empty(shape)
+            return x.new_empty(x.shape if _symbolic(x) else shape)
 
     for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
         reduction_point(name)
