@@ -292,9 +292,20 @@ def register() -> bool:
         drop_pad_mode=drop_less_column,
     ):
         args = (x1, x2, bias, scales, expert_idx, drop_pad_mode)
-        shape = shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args)
+        operands = (expanded_x, expanded_row_idx, *args[:-1])
+        dynamic = _symbolic(*operands)
+        if dynamic:
+            shape = shapes.moe_finalize_routing(*map(_traced, operands), drop_pad_mode)
+        else:
+            shape = shapes.moe_finalize_routing(expanded_x, expanded_row_idx, *args)
         optional = dict(zip(("x1", "x2", "bias", "scales", "expert_idx"), args))
         _no_meta_beside_data("moe_finalize_routing", expanded_x=expanded_x, expanded_row_idx=expanded_row_idx, **optional)
+        if dynamic:
+            # `[N, H...]`: N the rows of `scales` (`[N, K]`), else the indices
+            # (K = 1); H the trailing dims of `expanded_x`.
+            rows = (scales if scales is not None else expanded_row_idx).shape[0]
+            trailing = tuple(expanded_x.shape)[len(expanded_x.shape) - (len(shape) - 1) :]
+            shape = (rows, *trailing)
         return expanded_x.new_empty(shape)
 
     @custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
@@ -303,7 +314,13 @@ def register() -> bool:
 
     @moe_token_unpermute.register_fake
     def _(permuted, sorted_indices, probs=None):
-        shape = shapes.moe_token_unpermute(permuted, sorted_indices, probs)
+        if not _symbolic(permuted, sorted_indices, probs):
+            shape = shapes.moe_token_unpermute(permuted, sorted_indices, probs)
+        else:
+            shapes.moe_token_unpermute(_traced(permuted), _traced(sorted_indices), _traced(probs))
+            # `[T, H...]`: T the rows of `probs` (`[T, K]`), else the indices
+            # (K = 1); H the trailing dims of `permuted`.
+            shape = ((probs if probs is not None else sorted_indices).shape[0], *permuted.shape[1:])
         _no_meta_beside_data("moe_token_unpermute", permuted=permuted, sorted_indices=sorted_indices, probs=probs)
         return permuted.new_empty(shape)
 
