@@ -458,8 +458,15 @@ def register() -> bool:
         lay = MoeLayer.lookup(layer)
         mctx = lay.context(ctx)
         lay.groups.handle  # closed groups are refused, as the real op refuses them
-        prepared = token_prepare_shape(x, ctx.comm_type, mctx)
-        return x.new_empty(token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx))
+        if not _symbolic(x):
+            prepared = token_prepare_shape(x, ctx.comm_type, mctx)
+            return x.new_empty(token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx))
+        # The layer returns this rank's tokens, the rows it takes: the shapes
+        # are checked on the traced ones, the output keeps the symbolic rows
+        # (the real op refuses rows the live context does not give this rank).
+        prepared = token_prepare_shape(_traced(x), ctx.comm_type, mctx)
+        token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx)
+        return x.new_empty(x.shape)
 
     def reduction_point_fc(name: str):
         method = getattr(ReducePolicy, name)
@@ -476,6 +483,9 @@ def register() -> bool:
             lay = MoeLayer.lookup(layer)
             lay.checked_policy(get_forward_context())
             lay.tp_comm.handle  # a closed TP communicator is refused, as the real op refuses it
+            if _symbolic(x):
+                shape_fn(_traced(x))
+                return x.new_empty(x.shape)
             return x.new_empty(shape_fn(x))
 
     for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
