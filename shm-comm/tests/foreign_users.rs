@@ -245,69 +245,15 @@ fn a_fifo_under_the_name_neither_blocks_the_rendezvous_nor_is_used() {
 /// until dropped: an open of it for writing waits until the lease is given
 /// up, at most /proc/sys/fs/lease-break-time seconds (45 by default),
 /// unless it is non-blocking (then it fails with EWOULDBLOCK at once).
-struct Leaser {
-    pid: libc::pid_t,
-    release: libc::c_int,
-}
-
-impl Leaser {
-    fn hold(path: &str) -> Leaser {
-        let (uid, gid) = nobody();
-        let c = CString::new(path).unwrap();
-        let (mut ready, mut release) = ([0; 2], [0; 2]);
-        // SAFETY: both arrays hold two descriptors.
+fn lease(path: &str) -> AsNobody {
+    let c = CString::new(path).unwrap();
+    AsNobody::spawn(&format!("lease {path}"), move || {
+        // SAFETY: c is NUL-terminated; plain system calls.
         unsafe {
-            assert_eq!(libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC), 0);
-            assert_eq!(libc::pipe2(release.as_mut_ptr(), libc::O_CLOEXEC), 0);
+            let fd = libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+            fd >= 0 && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0
         }
-        // SAFETY: the child makes only system calls on memory prepared above,
-        // then _exits.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork failed");
-        if pid == 0 {
-            // SAFETY: plain system calls, see above.
-            unsafe {
-                // Only the parent's ends stay open here, so that closing the
-                // release pipe there ends the wait below.
-                libc::close(ready[0]);
-                libc::close(release[1]);
-                // The lease break is signalled with SIGIO, which would end it.
-                libc::signal(libc::SIGIO, libc::SIG_IGN);
-                let mut ok: u8 = 0;
-                if libc::setgid(gid) == 0 && libc::setuid(uid) == 0 {
-                    let fd = libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-                    ok = (fd >= 0 && libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0) as u8;
-                }
-                libc::write(ready[1], &ok as *const u8 as *const libc::c_void, 1);
-                let mut byte = 0u8;
-                libc::read(release[0], &mut byte as *mut u8 as *mut libc::c_void, 1);
-                libc::_exit(0);
-            }
-        }
-        let mut ok = 0u8;
-        // SAFETY: closing our copies of the child's ends; reading one byte into ok.
-        let n = unsafe {
-            libc::close(ready[1]);
-            libc::close(release[0]);
-            let n = libc::read(ready[0], &mut ok as *mut u8 as *mut libc::c_void, 1);
-            libc::close(ready[0]);
-            n
-        };
-        let l = Leaser { pid, release: release[1] };
-        assert!(n == 1 && ok == 1, "the leaser could not become nobody and lease {path}");
-        l
-    }
-}
-
-impl Drop for Leaser {
-    fn drop(&mut self) {
-        // SAFETY: closing the release pipe lets the child exit; then reap it.
-        unsafe {
-            libc::close(self.release);
-            let mut status = 0;
-            libc::waitpid(self.pid, &mut status, 0);
-        }
-    }
+    })
 }
 
 #[test]
@@ -319,7 +265,7 @@ fn a_leased_file_of_another_user_is_refused_without_waiting_for_the_lease() {
     let path = segment_path(&name);
     let who = nobody();
     plant(&path, 0o644, who, b"");
-    let leaser = Leaser::hold(&path);
+    let leaser = lease(&path);
     let started = std::time::Instant::now();
     let res = form(&name);
     let took = started.elapsed();
@@ -346,39 +292,55 @@ fn a_stale_file_of_our_own_is_reclaimed() {
     assert!(std::fs::symlink_metadata(&path).is_err(), "the formed world left its file under {path}");
 }
 
-/// A child process, forked from this one and running as `nobody`, that
-/// holds abstract Unix socket names bound until it is dropped. It is not
-/// exec'd, so it needs no access to this test binary's directory.
-struct Squatter {
+/// A child process of `nobody` that holds the abstract Unix socket names
+/// `names` bound until it is dropped.
+fn squat(names: &[String]) -> AsNobody {
+    let addrs: Vec<(libc::sockaddr_un, libc::socklen_t)> = names
+        .iter()
+        .map(|n| {
+            // SAFETY: sockaddr_un is plain data.
+            let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+            a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+            for (d, s) in a.sun_path[1..].iter_mut().zip(n.as_bytes()) {
+                *d = *s as libc::c_char;
+            }
+            (a, (std::mem::size_of::<libc::sa_family_t>() + 1 + n.len()) as libc::socklen_t)
+        })
+        .collect();
+    AsNobody::spawn("bind its names", move || {
+        addrs.iter().all(|(a, len)| {
+            // SAFETY: a is a valid sockaddr_un of length len; plain system calls.
+            unsafe {
+                let fd = libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM, 0);
+                fd >= 0 && libc::bind(fd, a as *const libc::sockaddr_un as *const libc::sockaddr, *len) == 0
+            }
+        })
+    })
+}
+
+/// A child process, forked from this one and running as `nobody`, that does
+/// what it is given ([`AsNobody::spawn`]) and keeps what that holds (names,
+/// leases, descriptors) until it is dropped. It is not exec'd, so it needs no
+/// access to this test binary's directory.
+struct AsNobody {
     pid: libc::pid_t,
     release: libc::c_int,
 }
 
-impl Squatter {
-    fn bind(names: &[String]) -> Squatter {
+impl AsNobody {
+    /// Forks a child that keeps only its two pipe ends, becomes `nobody`,
+    /// runs `act` (true: it did what it should) and waits until dropped; the
+    /// parent asserts `act` succeeded (`what` says what it was).
+    fn spawn(what: &str, act: impl FnOnce() -> bool) -> AsNobody {
         let (uid, gid) = nobody();
-        // Everything the child uses is made before the fork: after it, only
-        // plain system calls run there.
-        let addrs: Vec<(libc::sockaddr_un, libc::socklen_t)> = names
-            .iter()
-            .map(|n| {
-                // SAFETY: sockaddr_un is plain data.
-                let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-                a.sun_family = libc::AF_UNIX as libc::sa_family_t;
-                for (d, s) in a.sun_path[1..].iter_mut().zip(n.as_bytes()) {
-                    *d = *s as libc::c_char;
-                }
-                (a, (std::mem::size_of::<libc::sa_family_t>() + 1 + n.len()) as libc::socklen_t)
-            })
-            .collect();
         let (mut ready, mut release) = ([0; 2], [0; 2]);
         // SAFETY: both arrays hold two descriptors.
         unsafe {
             assert_eq!(libc::pipe2(ready.as_mut_ptr(), libc::O_CLOEXEC), 0);
             assert_eq!(libc::pipe2(release.as_mut_ptr(), libc::O_CLOEXEC), 0);
         }
-        // SAFETY: the child makes only system calls on memory prepared above,
-        // then _exits.
+        // SAFETY: the child makes only system calls on memory prepared before
+        // the fork (`act` included), then _exits.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0, "fork failed");
         if pid == 0 {
@@ -387,19 +349,16 @@ impl Squatter {
                 // Keep only the two pipe ends it uses (moved to 1000 and up):
                 // every other descriptor this process had open (other tests'
                 // segment files, the release pipe's write end) is closed, so the
-                // child holds nothing but its own names.
+                // child holds nothing but what `act` makes.
                 let w = libc::fcntl(ready[1], libc::F_DUPFD, 1000);
                 let r = libc::fcntl(release[0], libc::F_DUPFD, w + 1);
                 libc::syscall(libc::SYS_close_range, 3u32, 999u32, 0u32);
                 libc::syscall(libc::SYS_close_range, (w + 1) as u32, (r - 1) as u32, 0u32);
                 libc::syscall(libc::SYS_close_range, (r + 1) as u32, u32::MAX, 0u32);
-                let mut ok: u8 = (w >= 0 && r > w && libc::setgid(gid) == 0 && libc::setuid(uid) == 0) as u8;
-                for (a, len) in &addrs {
-                    let fd = libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM, 0);
-                    if fd < 0 || libc::bind(fd, a as *const libc::sockaddr_un as *const libc::sockaddr, *len) != 0 {
-                        ok = 0;
-                    }
-                }
+                // A lease break is signalled with SIGIO, which would end the child.
+                libc::signal(libc::SIGIO, libc::SIG_IGN);
+                let became = w >= 0 && r > w && libc::setgid(gid) == 0 && libc::setuid(uid) == 0;
+                let ok = u8::from(became && act());
                 libc::write(w, &ok as *const u8 as *const libc::c_void, 1);
                 let mut byte = 0u8;
                 libc::read(r, &mut byte as *mut u8 as *mut libc::c_void, 1);
@@ -415,13 +374,13 @@ impl Squatter {
             libc::close(ready[0]);
             n
         };
-        let s = Squatter { pid, release: release[1] };
-        assert!(n == 1 && ok == 1, "the squatter could not become nobody and bind its names");
-        s
+        let child = AsNobody { pid, release: release[1] };
+        assert!(n == 1 && ok == 1, "the child could not become nobody and {what}");
+        child
     }
 }
 
-impl Drop for Squatter {
+impl Drop for AsNobody {
     fn drop(&mut self) {
         // SAFETY: closing the release pipe lets the child exit; then reap it.
         unsafe {
@@ -447,7 +406,7 @@ fn presence_names_squatted_by_another_user_neither_block_nor_pose_as_a_world() {
     // its process lives.
     let stat = std::fs::read_to_string("/proc/self/stat").expect("stat");
     let start = stat[stat.rfind(')').expect(")") + 1..].split_whitespace().nth(19).expect("starttime").to_string();
-    let squatter = Squatter::bind(&[
+    let squatter = squat(&[
         // A live world of another size under the name: would refuse every joiner.
         format!("ascend-moe/{hash}/3/{staging}/0/{me}"),
         format!("ascend-moe/{hash}/3/{staging}/0/{me}/{start}/0000000000000000"),
