@@ -413,7 +413,7 @@ impl ParallelGroups {
     /// Builds the groups; called by every rank of `world` with the same sizes.
     pub fn new(world: &Comm, dp_size: usize, tp_size: usize) -> Result<Self> {
         let n = world.world_size();
-        if dp_size == 0 || tp_size == 0 || dp_size * tp_size != n {
+        if dp_size == 0 || tp_size == 0 || dp_size.checked_mul(tp_size) != Some(n) {
             return Err(Error::invalid(
                 "ParallelGroups::new",
                 "dp_size",

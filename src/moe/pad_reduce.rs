@@ -125,14 +125,21 @@ fn padded_rows(x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) ->
     layout.map_or_else(|| x.rows().saturating_mul(per_rank_blocks), SpLayout::padded_rows)
 }
 
+/// Whether `ep` is a CPU group, whose ranks join a collective also when they
+/// have nothing to move (a count of 0), so that a peer with rows meets a
+/// mismatch instead of a rank that is not there.
+fn on_cpu<C: Collectives + ?Sized>(ep: &C) -> bool {
+    matches!(ep.device(), Device::Cpu)
+}
+
 /// Whether the peers of this rank make an SP op's collective (`x` its input,
-/// `per_rank_blocks` as for [`padded_rows`]): on a CPU group given a layout
-/// always, since it moves the blocks with a V collective that every rank
-/// joins even when no rank has a row ([`cpu_block_counts`]); else when the
-/// layout says data moves.
+/// `per_rank_blocks` as for [`padded_rows`]): on a CPU group always, since
+/// every rank joins it even when it has no element to move (with a layout,
+/// the V collective of [`cpu_block_counts`]; without one, the plain
+/// collective with a count of 0, which a peer with rows meets as a clear
+/// mismatch); else when the layout says data moves.
 fn peers_call<C: Collectives + ?Sized>(ep: &C, x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) -> bool {
-    (layout.is_some() && matches!(ep.device(), Device::Cpu))
-        || padded_rows(x, layout, per_rank_blocks).saturating_mul(x.row_len()) != 0
+    on_cpu(ep) || padded_rows(x, layout, per_rank_blocks).saturating_mul(x.row_len()) != 0
 }
 
 /// A failure found by this rank before its SP collective. When the peers
@@ -202,9 +209,10 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
     let backend = device.backend();
     let m = l.max_rows();
     let mine = l.local_size(ep.rank());
-    if padded.numel() == 0 {
-        // Every rank sees the same layout, so every rank skips together; `out`
-        // has no elements either.
+    if padded.numel() == 0 && !on_cpu(ep) {
+        // HCCL refuses empty buffers. Every rank sees the same layout, so
+        // every rank skips together; `out` has no elements either. A CPU rank
+        // joins with a count of 0, so a peer that has rows fails with it.
         return Ok(());
     }
     if mine == m {
@@ -357,9 +365,10 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
         return ep.all_gather_v(x, out, &counts);
     }
     let m = l.max_rows();
-    if l.padded_rows().checked_mul(x.row_len()) == Some(0) {
-        // Nothing to move (`out` has no elements); every rank sees the same
-        // layout and skips together.
+    if l.padded_rows().checked_mul(x.row_len()) == Some(0) && !on_cpu(ep) {
+        // Nothing to move (`out` has no elements) and HCCL refuses empty
+        // buffers; every rank sees the same layout and skips together. A CPU
+        // rank joins with a count of 0, so a peer that has rows fails with it.
         return Ok(());
     }
     if l.is_uniform() {

@@ -23,18 +23,9 @@
 use crate::comm::{Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::Output;
-use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled};
+use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled, joins_empty};
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
-
-/// Whether a rank with nothing to reduce still takes part in the collective:
-/// on the CPU communicator it does, so a peer with rows meets a count of 0
-/// (a clear mismatch on every rank) instead of its next call. HCCL refuses
-/// the empty buffers, so on an NPU the empty rank skips it, and a peer that
-/// expected data waits out the execution timeout, reported by the stream check.
-pub(crate) fn joins_empty<C: Collectives + ?Sized>(group: &C) -> bool {
-    matches!(group.device(), crate::Device::Cpu)
-}
 
 /// True when the routed output of a comm type is already the full sum on every
 /// rank: `comm in {MC2, ALLTOALL, FUSED_MC2} or (comm == ALLGATHER and sp)`.

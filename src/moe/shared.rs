@@ -23,7 +23,7 @@
 use crate::backend::args::with_rows;
 use crate::comm::{Collectives, ReduceOp};
 use crate::moe::finalize::check_out_like;
-use crate::moe::reduce::joins_empty;
+use crate::moe::prepare_finalize::joins_empty;
 use crate::{Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";
@@ -39,6 +39,20 @@ fn check_tp(op: &'static str, tp_rank: usize, tp_size: usize) -> Result<()> {
 
 fn rows_of(op: &'static str, arg: &'static str, shape: &[usize]) -> Result<usize> {
     shape.first().copied().ok_or_else(|| Error::shape(op, arg, "[rows, H...] (at least 1-D)", shape))
+}
+
+/// Rows of `tp_size` parts of `part_rows` rows each (what the TP all-gather
+/// of `op` moves), or an error naming `x` (of `x_shape`) when they do not fit
+/// in usize.
+fn all_parts(op: &'static str, x_shape: &[usize], part_rows: usize, tp_size: usize) -> Result<usize> {
+    part_rows.checked_mul(tp_size).ok_or_else(|| {
+        Error::shape(
+            op,
+            "x",
+            format!("{part_rows} rows per TP rank that times the TP size {tp_size} fit in usize"),
+            x_shape,
+        )
+    })
 }
 
 /// Shape function of [`shared_pad_split`]: `x [T, H...]` -> `[ceil(T / tp_size), H...]`.
@@ -86,6 +100,7 @@ pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp
     check_tp(GATHER_UNPAD, 0, tp_size)?;
     let rows = rows_of(GATHER_UNPAD, "x", x_shape)?;
     let part = num_tokens.div_ceil(tp_size);
+    all_parts(GATHER_UNPAD, x_shape, part, tp_size)?;
     if rows != part {
         return Err(Error::shape(
             GATHER_UNPAD,
@@ -120,7 +135,8 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
     let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
     let backend = device.backend();
-    let full_shape = with_rows(GATHER_UNPAD, "x", x.shape(), x.rows() * tp.world_size())?;
+    let full_shape =
+        with_rows(GATHER_UNPAD, "x", x.shape(), all_parts(GATHER_UNPAD, x.shape(), x.rows(), tp.world_size())?)?;
     if full_shape[0] == num_tokens {
         if out.numel() > 0 || joins_empty(tp) {
             tp.all_gather(x, out)?;

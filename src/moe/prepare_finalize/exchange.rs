@@ -49,7 +49,7 @@ pub fn dispatch(
     if x.shape().is_empty() {
         return Err(Error::shape(OP, "x", "[N, H...]", x.shape()));
     }
-    if top_k == 0 || topk_ids.len() != n * top_k {
+    if top_k == 0 || n.checked_mul(top_k) != Some(topk_ids.len()) {
         return Err(Error::invalid(OP, "topk_ids", format!("{} ids for {n} tokens x top-k {top_k}", topk_ids.len())));
     }
     if num_experts == 0 || num_experts % world != 0 {

@@ -1,6 +1,6 @@
 //! Prepare and finalize of the token dimension (SPEC section 6).
 
-use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, MoeGroups};
+use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, joins_empty, MoeGroups};
 use super::plan::{
     finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
 };
@@ -68,7 +68,9 @@ pub fn prepare_tokens_into(
     match token_plan(comm, ctx) {
         TokenPlan::SpGather(l) => maybe_all_gather_and_maybe_unpad_into(x, Some(&l), &groups.ep, out)?,
         TokenPlan::DpGather { max_tokens } => {
-            if out.numel() > 0 {
+            // A CPU rank with no element to move still joins (count 0), so a
+            // peer whose context says rows move fails with it.
+            if out.numel() > 0 || joins_empty(&groups.dp) {
                 let mut padded = backend.scratch(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
                 if x.rows() > 0 {
                     backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
@@ -167,7 +169,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         TokenPlan::SpGather(l) => maybe_pad_and_reduce(&y, Some(&l), &groups.ep),
         TokenPlan::DpGather { max_tokens } => {
             let mut slot = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
-            if slot.numel() > 0 {
+            if slot.numel() > 0 || joins_empty(&groups.dp) {
                 match &groups.pcp {
                     // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
                     // the PCP reduce-scatter to the DP-gathered rows recorded at
@@ -185,7 +187,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         }
         TokenPlan::TpSplit { padded, sizes } => {
             let mut full = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?;
-            if full.numel() > 0 {
+            if full.numel() > 0 || joins_empty(&groups.tp) {
                 if sizes.iter().all(|s| *s == sizes[0]) {
                     groups.tp.all_gather(&y, &mut full)?;
                 } else {
@@ -235,7 +237,7 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
                 Some(s) => s,
                 None => &mut *out,
             };
-            if target.numel() > 0 {
+            if target.numel() > 0 || joins_empty(&groups.dp) {
                 match &groups.pcp {
                     // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
                     // the PCP reduce-scatter to the DP-gathered rows recorded at
@@ -265,7 +267,7 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
                 Some(f) => f,
                 None => &mut *out,
             };
-            if target.numel() > 0 {
+            if target.numel() > 0 || joins_empty(&groups.tp) {
                 if sizes.iter().all(|s| *s == sizes[0]) {
                     groups.tp.all_gather(y, target)?;
                 } else {

@@ -1,0 +1,126 @@
+//! Public-API edges on the CPU backend: huge zero-byte shapes whose row
+//! arithmetic overflows must be errors naming the argument (never a panic),
+//! and a rank whose input is empty must not return `Ok` while a peer that
+//! has rows fails.
+
+use std::time::Duration;
+
+use ascend_moe::comm::ParallelGroups;
+use ascend_moe::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
+use ascend_moe::moe::prepare_finalize::{dispatch, finalize, prepare, MoeContext, MoeGroups};
+use ascend_moe::moe::shared::shared_gather_unpad;
+use ascend_moe::ranks::run_ranks;
+use ascend_moe::{CommOptions, CommType, DType, Error, Tensor};
+
+fn opts() -> CommOptions {
+    CommOptions::with_timeout(Duration::from_secs(20))
+}
+
+/// The `Error::Invalid` / `Error::Shape` text of `e`, checked to name `arg`.
+fn names(e: &Error, arg: &str) {
+    let s = e.to_string();
+    assert!(s.contains(arg), "error {s:?} does not name `{arg}`");
+}
+
+#[test]
+fn parallel_groups_with_overflowing_sizes_is_an_error() {
+    // dp_size * tp_size passes usize::MAX: no world has that many ranks.
+    let res = run_ranks(1, &opts(), |_, world| Ok(ParallelGroups::new(&world, usize::MAX, 2).map(|_| ())));
+    let per_rank = res.expect("the world starts");
+    let e = per_rank[0].as_ref().expect_err("dp_size usize::MAX x tp_size 2 is no world of 1 rank");
+    names(e, "dp_size");
+}
+
+#[test]
+fn shared_gather_unpad_of_a_huge_zero_byte_shard_is_an_error_not_an_overflow() {
+    // ceil(usize::MAX / 4) = 2^62 rows per rank (zero bytes each), four
+    // ranks: 2^64 gathered rows before the unpad, which no shape holds.
+    let res = run_ranks(4, &opts(), |_, tp| {
+        let x = Tensor::zeros_cpu(&[1 << 62, 0], DType::U8);
+        Ok(shared_gather_unpad(&x, usize::MAX, &tp).map(|t| t.shape().to_vec()))
+    })
+    .expect("the world starts");
+    for r in &res {
+        names(r.as_ref().expect_err("2^64 gathered rows"), "x");
+    }
+}
+
+#[test]
+fn dispatch_with_tokens_times_top_k_overflowing_is_an_error() {
+    // 2^62 zero-byte tokens x top-k 4 = 2^64 slots; no id slice has them.
+    let res = run_ranks(1, &opts(), |_, ep| {
+        let x = Tensor::zeros_cpu(&[1 << 62, 0], DType::U8);
+        Ok(dispatch(&x, &[], 4, None, 1, &ep).map(|_| ()))
+    })
+    .expect("the world starts");
+    names(res[0].as_ref().expect_err("no ids for 2^64 slots"), "topk_ids");
+}
+
+/// Runs `op` on two ranks, rank 0 with an empty `[0, 4]` input and rank 1
+/// with `rank1_rows` rows: inputs no single EP call can take, so no rank may
+/// succeed (SPEC section 8: a rank that calls a different collective yields
+/// an error on every rank).
+fn empty_rank_against_a_rank_with_rows(
+    rank1_rows: usize,
+    op: impl Fn(&Tensor, &ascend_moe::Comm) -> ascend_moe::Result<Tensor> + Sync,
+) {
+    let res = run_ranks(2, &opts(), |rank, ep| {
+        let rows = if rank == 0 { 0 } else { rank1_rows };
+        let x = Tensor::from_slice(&vec![1.0f32; rows * 4], &[rows, 4])?;
+        Ok(op(&x, &ep).map(|t| t.shape().to_vec()))
+    })
+    .expect("the world starts");
+    for (rank, r) in res.iter().enumerate() {
+        assert!(r.is_err(), "rank {rank} succeeded with {r:?} while its peer's input differs: {res:?}");
+    }
+}
+
+#[test]
+fn gather_without_layout_fails_on_the_empty_rank_too() {
+    empty_rank_against_a_rank_with_rows(2, |x, ep| maybe_all_gather_and_maybe_unpad(x, None, ep));
+}
+
+#[test]
+fn pad_and_reduce_without_layout_fails_on_the_empty_rank_too() {
+    empty_rank_against_a_rank_with_rows(4, |x, ep| maybe_pad_and_reduce(x, None, ep));
+}
+
+/// Two DP ranks (TP 1) under ALLGATHER without SP whose contexts disagree on
+/// DP rank 1's tokens: rank 0 was given a stale count of 0 (so it sees no
+/// row to move anywhere), rank 1 the real count of 2. Rank 0 holds 0 tokens
+/// in both views. No rank may succeed.
+fn stale_dp_tokens(
+    op: impl Fn(&MoeContext, &MoeGroups, usize) -> ascend_moe::Result<Vec<usize>> + Sync,
+) -> Vec<ascend_moe::Result<Vec<usize>>> {
+    run_ranks(2, &opts(), |rank, world| {
+        let dp_tokens: &[usize] = if rank == 0 { &[0, 0] } else { &[0, 2] };
+        let ctx = MoeContext::new(dp_tokens, 1, rank, 0, false)?;
+        let groups = MoeGroups::from_world(&world, 1)?;
+        Ok(op(&ctx, &groups, dp_tokens[rank]))
+    })
+    .expect("the world starts")
+}
+
+#[test]
+fn allgather_prepare_fails_on_every_rank_when_one_rank_sees_no_rows() {
+    let res = stale_dp_tokens(|ctx, groups, t| {
+        let x = Tensor::from_slice(&vec![1.0f32; t * 4], &[t, 4])?;
+        prepare(&x, CommType::AllGather, ctx, groups).map(|p| p.hidden.shape().to_vec())
+    });
+    for (rank, r) in res.iter().enumerate() {
+        assert!(r.is_err(), "rank {rank} succeeded with {r:?} while the contexts disagree: {res:?}");
+    }
+}
+
+#[test]
+fn allgather_finalize_fails_on_every_rank_when_one_rank_sees_no_rows() {
+    let res = stale_dp_tokens(|ctx, groups, _| {
+        // The DP-gathered rows of this rank's context: DP x max_d T_d.
+        let rows = ctx.dp_size() * ctx.dp_tokens().iter().max().copied().unwrap_or(0);
+        let y = Tensor::from_slice(&vec![1.0f32; rows * 4], &[rows, 4])?;
+        finalize(y, CommType::AllGather, ctx, groups).map(|t| t.shape().to_vec())
+    });
+    for (rank, r) in res.iter().enumerate() {
+        assert!(r.is_err(), "rank {rank} succeeded with {r:?} while the contexts disagree: {res:?}");
+    }
+}
