@@ -108,7 +108,9 @@ pub trait Element: bytemuck::Pod + Copy + Send + Sync + PartialEq + std::fmt::De
     const DTYPE: DType;
     /// Widen to f32 (exact for f16 / bf16; may round for i32 / i64).
     fn to_f32(self) -> f32;
-    /// Narrow from f32, rounding to nearest even.
+    /// Narrow from f32: the float types round to nearest even; the integer
+    /// types truncate toward zero, saturating at their range (NaN is 0);
+    /// [`Bool`] is 1 for any non-zero value.
     fn from_f32(v: f32) -> Self;
     /// Widen to f64 (used by reference implementations in tests).
     fn to_f64(self) -> f64;
