@@ -1,7 +1,8 @@
 //! Public-API edges on the CPU backend: huge zero-byte shapes whose row
 //! arithmetic overflows must be errors naming the argument (never a panic),
-//! and a rank whose input is empty must not return `Ok` while a peer that
-//! has rows fails.
+//! a rank whose input is empty must not return `Ok` while a peer that has
+//! rows fails, and a rank's bad dispatch / combine arguments fail its peers
+//! at once.
 
 use std::time::Duration;
 
@@ -122,5 +123,39 @@ fn allgather_finalize_fails_on_every_rank_when_one_rank_sees_no_rows() {
     });
     for (rank, r) in res.iter().enumerate() {
         assert!(r.is_err(), "rank {rank} succeeded with {r:?} while the contexts disagree: {res:?}");
+    }
+}
+
+/// A rank whose dispatch or combine arguments are invalid reports them
+/// through the exchange its peers are already in: every rank fails at once
+/// (well before the timeout), the peers naming that rank and its argument.
+#[test]
+fn a_bad_dispatch_or_combine_on_one_rank_fails_every_rank_at_once() {
+    use ascend_moe::moe::prepare_finalize::combine;
+    for bad_combine in [false, true] {
+        let start = std::time::Instant::now();
+        let res = run_ranks(3, &opts(), |r, ep| {
+            let x = Tensor::from_slice(&[1f32; 8], &[2, 4])?;
+            // Rank 1 routes a token to expert 9 of 6 unless it is combine that fails.
+            let ids: [i32; 2] = if r == 1 && !bad_combine { [0, 9] } else { [0, 5] };
+            let d = match dispatch(&x, &ids, 1, None, 6, &ep) {
+                Ok(d) => d,
+                Err(e) => return Ok(Err(e.to_string())),
+            };
+            // Rank 1 passes weights for 3 tokens where it dispatched 2.
+            let tokens = if r == 1 && bad_combine { 3 } else { 2 };
+            let w = Tensor::from_slice(&vec![1f32; tokens], &[tokens, 1])?;
+            Ok(combine(&d.rows, &d, &w, &ep).map(|_| ()).map_err(|e| e.to_string()))
+        })
+        .expect("the world starts");
+        let arg = if bad_combine { "topk_weights" } else { "topk_ids" };
+        for (r, res) in res.iter().enumerate() {
+            let e = res.as_ref().expect_err("every rank fails");
+            assert!(e.contains(arg), "combine {bad_combine}: rank {r}: {e}");
+            if r != 1 {
+                assert!(e.contains("rank 1"), "combine {bad_combine}: rank {r} names rank 1: {e}");
+            }
+        }
+        assert!(start.elapsed() < opts().timeout / 4, "combine {bad_combine}: took {:?}", start.elapsed());
     }
 }

@@ -2,7 +2,7 @@
 //! [`dispatch`] to the experts' ranks and [`combine`] back.
 
 use crate::backend::args::with_rows;
-use crate::backend::FinalizeArgs;
+use crate::backend::{Call, FinalizeArgs};
 use crate::comm::{Collectives, Comm};
 use crate::moe::finalize::moe_finalize_routing;
 use crate::{DType, DropPadMode, Error, Result, Tensor};
@@ -22,6 +22,8 @@ pub struct Dispatched {
     top_k: usize,
 }
 
+const DISPATCH: &str = "moe_dispatch";
+
 fn exchange_counts(ep: &Comm, send: &[usize]) -> Result<Vec<usize>> {
     let world = ep.world_size();
     let s: Vec<i64> = send.iter().map(|&c| c as i64).collect();
@@ -31,20 +33,16 @@ fn exchange_counts(ep: &Comm, send: &[usize]) -> Result<Vec<usize>> {
     Ok(dst.to_vec::<i64>()?.into_iter().map(|c| c.max(0) as usize).collect())
 }
 
-/// MoE dispatch over the EP group: every (token, k) slot of `x` (`[N, H...]`)
-/// whose token is real (`mask`, all real when `None`) is sent to the EP rank
-/// owning expert `topk_ids[token * K + k]` (experts are split evenly, EP rank
-/// `r` owning `[r * E/EP, (r+1) * E/EP)`).
-pub fn dispatch(
+/// The arguments of [`dispatch`] for an EP group of `world` ranks.
+fn check_dispatch(
     x: &Tensor,
     topk_ids: &[i32],
     top_k: usize,
     mask: Option<&[bool]>,
     num_experts: usize,
-    ep: &Comm,
-) -> Result<Dispatched> {
-    const OP: &str = "moe_dispatch";
-    let world = ep.world_size();
+    world: usize,
+) -> Result<()> {
+    const OP: &str = DISPATCH;
     let n = x.rows();
     if x.shape().is_empty() {
         return Err(Error::shape(OP, "x", "[N, H...]", x.shape()));
@@ -73,6 +71,29 @@ pub fn dispatch(
             valid: format!("[0, {num_experts})"),
         });
     }
+    Ok(())
+}
+
+/// MoE dispatch over the EP group: every (token, k) slot of `x` (`[N, H...]`)
+/// whose token is real (`mask`, all real when `None`) is sent to the EP rank
+/// owning expert `topk_ids[token * K + k]` (experts are split evenly, EP rank
+/// `r` owning `[r * E/EP, (r+1) * E/EP)`).
+pub fn dispatch(
+    x: &Tensor,
+    topk_ids: &[i32],
+    top_k: usize,
+    mask: Option<&[bool]>,
+    num_experts: usize,
+    ep: &Comm,
+) -> Result<Dispatched> {
+    let world = ep.world_size();
+    let n = x.rows();
+    let checked = check_dispatch(x, topk_ids, top_k, mask, num_experts, world);
+    // The peers are in the exchange of the send counts already: a refusal
+    // goes through it, so on a CPU group they fail at once with this rank's
+    // reason instead of waiting for it until the group's timeout.
+    let ones = vec![1; world];
+    checked.map_err(|e| ep.refuse_call(Call::AllToAllV(&ones, &ones), DType::I64, e))?;
     let per_rank = num_experts / world;
     // Send order: by destination rank, then slot order.
     let mut order: Vec<(usize, usize)> = Vec::new();
@@ -118,25 +139,24 @@ pub fn dispatch(
 pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &Comm) -> Result<Tensor> {
     const OP: &str = "moe_combine";
     let recv_total: usize = d.recv_counts.iter().sum();
-    if expert_out.shape().first() != Some(&recv_total) || expert_out.row_len() != d.rows.row_len() {
-        return Err(Error::shape(
-            OP,
-            "expert_out",
-            format!("{:?} (the dispatched rows)", d.rows.shape()),
-            expert_out.shape(),
-        ));
-    }
-    if topk_weights.shape() != [d.tokens, d.top_k] {
-        return Err(Error::shape(OP, "topk_weights", format!("[{}, {}]", d.tokens, d.top_k), topk_weights.shape()));
-    }
+    let h = d.rows.row_len();
+    let sc: Vec<usize> = d.recv_counts.iter().map(|c| c * h).collect();
+    let rc: Vec<usize> = d.send_counts.iter().map(|c| c * h).collect();
+    let checked = if expert_out.shape().first() != Some(&recv_total) || expert_out.row_len() != h {
+        Err(Error::shape(OP, "expert_out", format!("{:?} (the dispatched rows)", d.rows.shape()), expert_out.shape()))
+    } else if topk_weights.shape() != [d.tokens, d.top_k] {
+        Err(Error::shape(OP, "topk_weights", format!("[{}, {}]", d.tokens, d.top_k), topk_weights.shape()))
+    } else {
+        Ok(())
+    };
+    // The peers are in the exchange of the rows already: a refusal goes
+    // through it, as in `dispatch`.
+    checked.map_err(|e| ep.refuse_call(Call::AllToAllV(&sc, &rc), expert_out.dtype(), e))?;
     let device = expert_out.device();
-    let h = expert_out.row_len();
     let sent: usize = d.send_counts.iter().sum();
     let mut back_shape = vec![1, sent];
     back_shape.extend_from_slice(&expert_out.shape()[1..]);
     let mut back = device.backend().scratch(&back_shape, expert_out.dtype())?;
-    let sc: Vec<usize> = d.recv_counts.iter().map(|c| c * h).collect();
-    let rc: Vec<usize> = d.send_counts.iter().map(|c| c * h).collect();
     ep.all_to_all_v(expert_out, &sc, &mut back, &rc)?;
     let idx = Tensor::from_slice(&d.send_pos, &[d.send_pos.len()])?.to_device(&device)?;
     moe_finalize_routing(&FinalizeArgs {
