@@ -8,7 +8,6 @@ token count the op cannot take still fails when the op runs.
 Skipped only when torch is not importable outside CI; under CI (`$CI` set)
 a missing torch fails the run instead of skipping it."""
 
-import os
 import threading
 import uuid
 
@@ -17,11 +16,9 @@ import pytest
 
 import ascend_moe as am
 
-if not am.TORCH_OPS:
-    _why = am.TORCH_OPS_ERROR or "torch ops not registered"
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must run the torch custom-op tests, but {_why}", pytrace=False)
-    pytest.skip(f"torch custom ops unavailable: {_why}", allow_module_level=True)
+from workers import require, torch_ops_missing  # noqa: E402
+
+require("torch custom-op", torch_ops_missing())
 
 import torch  # noqa: E402
 

@@ -18,11 +18,9 @@ import pytest
 
 import ascend_moe as am
 
-if not am.TORCH_OPS:
-    _why = am.TORCH_OPS_ERROR or "torch ops not registered"
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must run the torch custom-op tests, but {_why}", pytrace=False)
-    pytest.skip(f"torch custom ops unavailable: {_why}", allow_module_level=True)
+from workers import require, torch_ops_missing  # noqa: E402
+
+require("torch custom-op", torch_ops_missing())
 
 import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402

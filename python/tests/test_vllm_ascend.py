@@ -25,15 +25,14 @@ import pytest
 import ascend_moe as am
 import vllm_standins
 
-if not vllm_standins.pinned_available() or not am.TORCH_OPS:
-    _why = (
-        f"vLLM-Ascend's pinned files are not at {vllm_standins.PINNED}"
-        if not vllm_standins.pinned_available()
-        else (am.TORCH_OPS_ERROR or "torch custom ops unavailable")
-    )
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must run the vLLM-Ascend adapter tests, but {_why}", pytrace=False)
-    pytest.skip(_why, allow_module_level=True)
+from workers import require, torch_ops_missing  # noqa: E402
+
+require(
+    "vLLM-Ascend adapter",
+    torch_ops_missing()
+    if vllm_standins.pinned_available()
+    else f"vLLM-Ascend's pinned files are not at {vllm_standins.PINNED}",
+)
 
 import vllm_workers  # noqa: E402
 from world import run_world  # noqa: E402

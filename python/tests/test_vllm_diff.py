@@ -7,7 +7,6 @@ the groups' own collectives). Expected values come from vLLM-Ascend's code
 at 182b75e and SPEC.md, not from the adapter."""
 
 import enum
-import os
 import sys
 import types
 from types import SimpleNamespace
@@ -17,10 +16,9 @@ import pytest
 
 import ascend_moe as am
 
-if not am.TORCH_OPS:
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must run the vLLM-Ascend adapter tests, but {am.TORCH_OPS_ERROR}", pytrace=False)
-    pytest.skip(am.TORCH_OPS_ERROR or "torch custom ops unavailable", allow_module_level=True)
+from workers import require, torch_ops_missing  # noqa: E402
+
+require("vLLM-Ascend adapter", torch_ops_missing())
 
 import torch  # noqa: E402
 

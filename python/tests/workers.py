@@ -20,6 +20,24 @@ TOL = {np.dtype(np.float32): (1e-5, 1e-5), np.dtype(np.float16): (2e-3, 2e-3), B
 SHORT_TIMEOUT_S = 3.0
 
 
+def require(what: str, missing) -> None:
+    """Ends the collection of a test module whose `what` tests need something
+    `missing` names (None: nothing is missing): under CI (`$CI` set) the run
+    fails, elsewhere the module is skipped."""
+    if missing is None:
+        return
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run the {what} tests, but {missing}", pytrace=False)
+    pytest.skip(missing, allow_module_level=True)
+
+
+def torch_ops_missing():
+    """Why the torch custom ops are unavailable, or None when they are registered."""
+    return None if am.TORCH_OPS else (am.TORCH_OPS_ERROR or "torch custom ops not registered")
+
+
 def assert_close(got, want, dtype, what):
     rtol, atol = TOL[np.dtype(dtype)]
     got64 = np.asarray(got).astype(np.float64)
