@@ -112,6 +112,16 @@ pub trait Collectives {
     fn refuse_call(&self, call: Call<'_>, dtype: crate::DType, error: Error) -> Error;
 }
 
+/// Whether a rank with nothing to move or reduce still takes part in the
+/// collective: on the CPU communicator it does, so a peer with rows meets a
+/// count of 0 (a clear mismatch on every rank) instead of its next call.
+/// HCCL refuses the empty buffers, so on an NPU the empty rank skips it, and
+/// a peer that expected data waits out the execution timeout, reported by
+/// the stream check.
+pub(crate) fn joins_empty<C: Collectives + ?Sized>(group: &C) -> bool {
+    matches!(group.device(), crate::Device::Cpu)
+}
+
 /// Refuses a reduction (`op` names it, `call` says whether it is one) of a
 /// dtype that is only moved: the one-byte dtypes (i8, u8, bool, f8e4m3,
 /// f8e5m2) are exact byte moves in all_gather(_v), all_to_all_v and broadcast,

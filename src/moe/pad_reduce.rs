@@ -12,7 +12,7 @@
 
 use crate::backend::args::with_rows;
 use crate::backend::{Call, FinalizeArgs};
-use crate::comm::{Collectives, ReduceOp};
+use crate::comm::{joins_empty, Collectives, ReduceOp};
 use crate::moe::finalize::{check_out, moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
 use crate::{Device, Error, Result, Tensor};
@@ -118,54 +118,16 @@ pub fn maybe_pad_and_reduce_dtype(dtype: crate::DType) -> Result<()> {
     crate::comm::reducible(PAD_REDUCE, "x", PAD_REDUCE_CALL, dtype)
 }
 
-/// Rows of the padded buffer an SP op moves: the layout's `EP * M`, or
-/// without one `x`'s rows times `per_rank_blocks` (1 for a reduce, whose
-/// input already holds every block; the EP size for a gather).
-fn padded_rows(x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) -> usize {
-    layout.map_or_else(|| x.rows().saturating_mul(per_rank_blocks), SpLayout::padded_rows)
-}
-
-/// Whether `ep` is a CPU group, whose ranks join a collective also when they
-/// have nothing to move (a count of 0), so that a peer with rows meets a
-/// mismatch instead of a rank that is not there.
-fn on_cpu<C: Collectives + ?Sized>(ep: &C) -> bool {
-    matches!(ep.device(), Device::Cpu)
-}
-
-/// Whether the peers of this rank make an SP op's collective (`x` its input,
-/// `per_rank_blocks` as for [`padded_rows`]): on a CPU group always, since
-/// every rank joins it even when it has no element to move (with a layout,
-/// the V collective of [`cpu_block_counts`]; without one, the plain
-/// collective with a count of 0, which a peer with rows meets as a clear
-/// mismatch); else when the layout says data moves.
-fn peers_call<C: Collectives + ?Sized>(ep: &C, x: &Tensor, layout: Option<&SpLayout>, per_rank_blocks: usize) -> bool {
-    on_cpu(ep) || padded_rows(x, layout, per_rank_blocks).saturating_mul(x.row_len()) != 0
-}
-
-/// A failure found by this rank before its SP collective. When the peers
-/// make `call` ([`peers_call`]), the error goes through it
-/// ([`Collectives::refuse_call`]), so on a CPU communicator every rank fails
-/// at once naming this rank's reason instead of waiting for it until the
-/// group's timeout. When they make none, the error is returned as it is.
-fn refuse_moving<C: Collectives + ?Sized>(
-    ep: &C,
-    (call, layout, per_rank_blocks): (Call<'_>, Option<&SpLayout>, usize),
-    x: &Tensor,
-    e: Error,
-) -> Error {
-    if !peers_call(ep, x, layout, per_rank_blocks) {
-        return e;
-    }
-    ep.refuse_call(call, x.dtype(), e)
-}
-
 /// An allocating SP op: its output shape (from `shape`), then an output
 /// tensor of that shape and the dtype of `x` on the EP group's device, which
-/// `into` writes and which is returned. A failure before `into` goes to
-/// [`refuse_moving`] with `moving`.
+/// `into` writes and which is returned. A failure before `into` is reported
+/// through `call` ([`Collectives::refuse_call`]): a CPU group joins it
+/// without data, so every rank fails at once naming this rank's reason
+/// instead of waiting for it until the group's timeout; an HCCL group
+/// returns the error as it is.
 fn with_output<C: Collectives + ?Sized>(
     op: &'static str,
-    moving: (Call<'_>, Option<&SpLayout>, usize),
+    call: Call<'_>,
     x: &Tensor,
     ep: &C,
     shape: impl FnOnce() -> Result<Vec<usize>>,
@@ -173,7 +135,7 @@ fn with_output<C: Collectives + ?Sized>(
 ) -> Result<Tensor> {
     let mut out = shape()
         .and_then(|shape| check_device(op, "x", x, ep)?.backend().output(&shape, x.dtype()))
-        .map_err(|e| refuse_moving(ep, moving, x, e))?;
+        .map_err(|e| ep.refuse_call(call, x.dtype(), e))?;
     into(&mut out)?;
     Ok(out)
 }
@@ -209,7 +171,7 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
     let backend = device.backend();
     let m = l.max_rows();
     let mine = l.local_size(ep.rank());
-    if padded.numel() == 0 && !on_cpu(ep) {
+    if padded.numel() == 0 && !joins_empty(ep) {
         // HCCL refuses empty buffers. Every rank sees the same layout, so
         // every rank skips together; `out` has no elements either. A CPU rank
         // joins with a count of 0, so a peer that has rows fails with it.
@@ -235,7 +197,7 @@ fn reduce_padded_into<C: Collectives + ?Sized>(
 pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<&SpLayout>, ep: &C) -> Result<Tensor> {
     with_output(
         PAD_REDUCE,
-        (PAD_REDUCE_CALL, layout, 1),
+        PAD_REDUCE_CALL,
         x,
         ep,
         || {
@@ -264,7 +226,7 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
         let device = check_in_out(PAD_REDUCE, "x", x, out, &s, ep)?;
         Ok((device, reduce_layout(PAD_REDUCE, x.rows(), layout, ep.world_size())?))
     });
-    let (device, l) = checked.map_err(|e| refuse_moving(ep, (PAD_REDUCE_CALL, layout, 1), x, e))?;
+    let (device, l) = checked.map_err(|e| ep.refuse_call(PAD_REDUCE_CALL, x.dtype(), e))?;
     if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
         return ep.reduce_scatter_v(x, out, &counts, ReduceOp::Sum);
     }
@@ -330,7 +292,7 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
 ) -> Result<Tensor> {
     with_output(
         GATHER_UNPAD,
-        (Call::AllGather, layout, ep.world_size()),
+        Call::AllGather,
         x,
         ep,
         || maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size()),
@@ -351,7 +313,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
 ) -> Result<()> {
     let device = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())
         .and_then(|s| check_in_out(GATHER_UNPAD, "x", x, out, &s, ep))
-        .map_err(|e| refuse_moving(ep, (Call::AllGather, layout, ep.world_size()), x, e))?;
+        .map_err(|e| ep.refuse_call(Call::AllGather, x.dtype(), e))?;
     let backend = device.backend();
     let uniform;
     let l = match layout {
@@ -365,7 +327,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
         return ep.all_gather_v(x, out, &counts);
     }
     let m = l.max_rows();
-    if l.padded_rows().checked_mul(x.row_len()) == Some(0) && !on_cpu(ep) {
+    if l.padded_rows().checked_mul(x.row_len()) == Some(0) && !joins_empty(ep) {
         // Nothing to move (`out` has no elements) and HCCL refuses empty
         // buffers; every rank sees the same layout and skips together. A CPU
         // rank joins with a count of 0, so a peer that has rows fails with it.

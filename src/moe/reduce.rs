@@ -20,10 +20,10 @@
 //! ([`ReducePolicy::reduces`], [`ReducePolicy::reduce_at`],
 //! [`ReducePolicy::reduce_at_into`]).
 
-use crate::comm::{Collectives, CommType, ReduceOp};
+use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::Output;
-use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled, joins_empty};
+use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled};
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
 

@@ -21,9 +21,8 @@
 //! twin writes the result into a caller's tensor of that shape instead.
 
 use crate::backend::args::with_rows;
-use crate::comm::{Collectives, ReduceOp};
+use crate::comm::{joins_empty, Collectives, ReduceOp};
 use crate::moe::finalize::check_out_like;
-use crate::moe::prepare_finalize::joins_empty;
 use crate::{Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";

@@ -132,16 +132,6 @@ pub(super) fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) ->
     Ok(())
 }
 
-/// Whether a rank with nothing to move or reduce still takes part in the
-/// collective: on the CPU communicator it does, so a peer with rows meets a
-/// count of 0 (a clear mismatch on every rank) instead of its next call.
-/// HCCL refuses the empty buffers, so on an NPU the empty rank skips it, and
-/// a peer that expected data waits out the execution timeout, reported by
-/// the stream check.
-pub(crate) fn joins_empty<C: Collectives + ?Sized>(group: &C) -> bool {
-    matches!(group.device(), crate::Device::Cpu)
-}
-
 /// Whether [`prepare`](super::prepare()) and the reduction points check that
 /// every rank of their group chose the same comm type: always on the CPU
 /// communicator; on the NPU only with `ASCEND_MOE_CHECK_COMM_TYPE=1` (there

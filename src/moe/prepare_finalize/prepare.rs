@@ -1,12 +1,12 @@
 //! Prepare and finalize of the token dimension (SPEC section 6).
 
-use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, joins_empty, MoeGroups};
+use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, MoeGroups};
 use super::plan::{
     finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
 };
 use super::plan::{FINALIZE, PREPARE};
 use crate::backend::args::with_rows;
-use crate::comm::{Collectives, CommType, ReduceOp};
+use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad_into, maybe_pad_and_reduce, maybe_pad_and_reduce_into};
 use crate::{DType, Error, Result, Tensor};
