@@ -181,7 +181,7 @@ backend_test!(dispatch_then_combine_with_identity_experts, |on: On| {
 
 #[test]
 fn bad_dispatch_and_context_input_is_named() {
-    run_ranks(2, &opts(), |_, comm| {
+    run_ranks(2, &opts(), |rank, comm| {
         let x = Tensor::from_slice(&[0f32; 8], &[2, 4])?;
         match dispatch(&x, &[0, 9], 1, None, 8, &comm) {
             Err(Error::IndexOutOfRange { arg, position, value, .. }) => {
@@ -193,7 +193,7 @@ fn bad_dispatch_and_context_input_is_named() {
         assert!(e.contains("`topk_ids`") && e.contains('3'), "{e}");
         let e = dispatch(&x, &[0, 1], 1, None, 3, &comm).unwrap_err().to_string();
         assert!(e.contains("`num_experts`") && e.contains('3') && e.contains('2'), "{e}");
-        let ctx = MoeContext::new(&[4], 2, 0, 0, false)?;
+        let ctx = MoeContext::new(&[4], 2, 0, rank, false)?;
         let g = MoeGroups::from_world(&comm, 2)?;
         let e = prepare(&Tensor::from_slice(&[0f32; 12], &[3, 4])?, CommType::Mc2, &ctx, &g).unwrap_err().to_string();
         assert!(e.contains("`x`") && e.contains("4 rows") && e.contains("[3, 4]"), "{e}");

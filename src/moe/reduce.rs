@@ -20,6 +20,7 @@
 //! ([`ReducePolicy::reduces`], [`ReducePolicy::reduce_at`],
 //! [`ReducePolicy::reduce_at_into`]).
 
+use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::Output;
@@ -129,7 +130,9 @@ macro_rules! into_point {
     ($(#[$doc:meta])* $name:ident, $point:expr) => {
         $(#[$doc])*
         pub fn $name<C: Collectives + ?Sized>(&self, x: &Tensor, comm: CommType, tp: &C, out: &mut Tensor) -> Result<()> {
-            self.reduce_at_into($point, Output::of($point.op(), x, out)?, comm, tp)
+            let output = Output::of($point.op(), x, out)
+                .map_err(|e| self.refuse(self.reduces($point, comm), tp, x.dtype(), e))?;
+            self.reduce_at_into($point, output, comm, tp)
         }
     };
 }
@@ -256,7 +259,9 @@ impl ReducePolicy {
     /// decide differently, one reducing while another copies, and the
     /// reduction would pair with a later collective of its peer.
     fn agree<C: Collectives + ?Sized>(&self, op: &'static str, comm: CommType, tp: &C) -> Result<()> {
-        self.check_tp(op, tp)?;
+        // The peers' policies match the group: with more than one rank they
+        // agree first, where the check is on.
+        self.check_tp(op, tp).map_err(|e| self.refuse(false, tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
             comm_type_agreement(op, "TP", comm, tp)?;
         }
@@ -275,6 +280,9 @@ impl ReducePolicy {
         tp: &C,
     ) -> Result<()> {
         let (op, reduce) = (point.op(), self.reduces(point, comm));
+        if let Output::Separate { x, out } = &output {
+            check_out_like(op, x, out, x.shape()).map_err(|e| self.refuse(reduce, tp, x.dtype(), e))?;
+        }
         self.agree(op, comm, tp)?;
         match output {
             Output::InPlace(x) => {
@@ -283,7 +291,27 @@ impl ReducePolicy {
                 }
                 Ok(())
             }
-            Output::Separate { x, out } => self.reduce_if_into(op, reduce, x, tp, out),
+            Output::Separate { x, out } => self.reduce_if_into(reduce, x, tp, out),
+        }
+    }
+
+    /// Reports `error`, found in this rank's own arguments at a reduction
+    /// point that reduces when `reduce`, to the TP peers through the
+    /// collective they make first ([`Collectives::refuse_call`]): the
+    /// comm-type agreement where the check is on, else the all-reduce. A CPU
+    /// group then fails on every rank at once, naming this rank's argument,
+    /// instead of its peers waiting out the timeout. With one rank, or a
+    /// point no peer communicates at, the error is returned as it is.
+    fn refuse<C: Collectives + ?Sized>(&self, reduce: bool, tp: &C, dtype: crate::DType, error: Error) -> Error {
+        if tp.world_size() < 2 {
+            return error;
+        }
+        if comm_type_check_enabled(tp) {
+            tp.refuse_call(Call::AllGather, dtype, error)
+        } else if reduce {
+            tp.refuse_call(Call::AllReduceInPlace(ReduceOp::Sum), dtype, error)
+        } else {
+            error
         }
     }
 
@@ -313,17 +341,17 @@ impl ReducePolicy {
     }
 
     /// `out` = `x`, then all-reduced in place when `reduce`. `out` has the
-    /// shape and dtype of `x`, on its device, and does not overlap it. After
-    /// [`Self::agree`], which checked `tp`.
+    /// shape and dtype of `x`, on its device, and does not overlap it (as
+    /// [`Self::reduce_at_into`] checked). After [`Self::agree`], which
+    /// checked `tp`.
     fn reduce_if_into<C: Collectives + ?Sized>(
         &self,
-        op: &'static str,
         reduce: bool,
         x: &Tensor,
         tp: &C,
         out: &mut Tensor,
     ) -> Result<()> {
-        let device = check_out_like(op, x, out, x.shape())?;
+        let device = x.device();
         if x.numel() == 0 {
             if reduce && self.tp_size > 1 && joins_empty(tp) {
                 tp.all_reduce_in_place(out, ReduceOp::Sum)?;

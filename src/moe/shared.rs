@@ -21,6 +21,7 @@
 //! twin writes the result into a caller's tensor of that shape instead.
 
 use crate::backend::args::with_rows;
+use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::{Error, Result, Tensor};
@@ -28,6 +29,8 @@ use crate::{Error, Result, Tensor};
 const PAD_SPLIT: &str = "shared_pad_split";
 const GATHER_UNPAD: &str = "shared_gather_unpad";
 const PAD_REDUCE_SCATTER: &str = "shared_pad_reduce_scatter";
+/// The collective of [`shared_pad_reduce_scatter`].
+const REDUCE_SCATTER: Call<'static> = Call::ReduceScatter(ReduceOp::Sum);
 
 fn check_tp(op: &'static str, tp_rank: usize, tp_size: usize) -> Result<()> {
     if tp_size == 0 || tp_rank >= tp_size {
@@ -115,7 +118,8 @@ pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp
 /// `ceil(num_tokens / TP)` rows and keeps the first `num_tokens` (drops the
 /// padding). Collective over `tp`; every rank passes the same `num_tokens`.
 pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usize, tp: &C) -> Result<Tensor> {
-    let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
+    let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())
+        .map_err(|e| tp.refuse_call(Call::AllGather, x.dtype(), e))?;
     let mut out = x.device().backend().scratch(&shape, x.dtype())?;
     shared_gather_unpad_into(x, num_tokens, tp, &mut out)?;
     Ok(out)
@@ -131,11 +135,14 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     tp: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())?;
-    let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
+    let checked = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size()).and_then(|shape| {
+        let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
+        let gathered = all_parts(GATHER_UNPAD, x.shape(), x.rows(), tp.world_size())?;
+        Ok((device, with_rows(GATHER_UNPAD, "x", x.shape(), gathered)?))
+    });
+    // A rank's own bad argument fails its peers in the all-gather at once.
+    let (device, full_shape) = checked.map_err(|e| tp.refuse_call(Call::AllGather, x.dtype(), e))?;
     let backend = device.backend();
-    let full_shape =
-        with_rows(GATHER_UNPAD, "x", x.shape(), all_parts(GATHER_UNPAD, x.shape(), x.rows(), tp.world_size())?)?;
     if full_shape[0] == num_tokens {
         if out.numel() > 0 || joins_empty(tp) {
             tp.all_gather(x, out)?;
@@ -164,7 +171,8 @@ pub fn shared_pad_reduce_scatter_output_shape(x_shape: &[usize], tp_size: usize)
 /// of the TP size and reduce-scatters (sum) it over `tp`: this rank's complete
 /// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`.
 pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
-    let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())?;
+    let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
+        .map_err(|e| tp.refuse_call(REDUCE_SCATTER, x.dtype(), e))?;
     let mut out = x.device().backend().scratch(&shape, x.dtype())?;
     shared_pad_reduce_scatter_into(x, tp, &mut out)?;
     Ok(out)
@@ -175,8 +183,10 @@ pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) ->
 /// device of `x`, and must not overlap `x`. The reduce-scatter writes every
 /// element of `out` directly.
 pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
-    let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())?;
-    let device = check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?;
+    let checked = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
+        .and_then(|shape| Ok((check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?, shape)));
+    // A rank's own bad argument fails its peers in the reduce-scatter at once.
+    let (device, shape) = checked.map_err(|e| tp.refuse_call(REDUCE_SCATTER, x.dtype(), e))?;
     let backend = device.backend();
     let padded_rows = shape[0] * tp.world_size();
     if out.numel() == 0 && !joins_empty(tp) {

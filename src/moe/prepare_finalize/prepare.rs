@@ -6,6 +6,7 @@ use super::plan::{
 };
 use super::plan::{FINALIZE, PREPARE};
 use crate::backend::args::with_rows;
+use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad_into, maybe_pad_and_reduce, maybe_pad_and_reduce_into};
@@ -29,7 +30,8 @@ pub struct Prepared {
 /// that disagree all fail with an error naming the choices instead of
 /// running the collectives of two different paths.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
-    let shape = prepare_output_shape(x.shape(), comm, ctx)?;
+    let shape = prepare_output_shape(x.shape(), comm, ctx)
+        .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
     let mut hidden = x.device().backend().scratch(&shape, x.dtype())?;
     let mc2_mask = prepare_into(x, comm, ctx, groups, &mut hidden)?;
     Ok(Prepared { hidden, mc2_mask })
@@ -57,8 +59,9 @@ pub fn prepare_tokens_into(
     groups: &MoeGroups,
     out: &mut Tensor,
 ) -> Result<()> {
-    let shape = prepare_output_shape(x.shape(), comm, ctx)?;
-    check_out_like(PREPARE, x, out, &shape)?;
+    prepare_output_shape(x.shape(), comm, ctx)
+        .and_then(|shape| check_out_like(PREPARE, x, out, &shape))
+        .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
     check_groups(PREPARE, ctx, groups)?;
     if comm_type_check_enabled(&groups.ep) {
         check_comm_type_agreement(comm, &groups.ep)?;
@@ -139,6 +142,53 @@ pub fn mc2_mask_into(comm: CommType, ctx: &MoeContext, mask: &mut Tensor) -> Res
     Ok(true)
 }
 
+/// Which of the two ops a rank found its arguments bad in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Prepare,
+    Finalize,
+}
+
+/// Reports `error`, found in this rank's own arguments (the tokens, the
+/// output) before `stage` for `comm` communicated, to the peers through the
+/// collective they make first ([`Collectives::refuse_call`]): the comm-type
+/// agreement of prepare where the check is on, else the first collective of
+/// the token plan. A CPU group then fails on every rank at once, naming
+/// this rank's argument, instead of its peers waiting out the timeout. A
+/// plan in which the peers move no row (an MC2 or ALLTOALL prepare without
+/// the check, a local finalize) has nobody waiting: the error is returned as
+/// it is.
+fn refuse_first(
+    stage: Stage,
+    comm: CommType,
+    ctx: &MoeContext,
+    groups: &MoeGroups,
+    dtype: DType,
+    error: Error,
+) -> Error {
+    if check_groups(PREPARE, ctx, groups).is_err() {
+        return error;
+    }
+    let prepare = stage == Stage::Prepare;
+    let (gather, reduce) = (Call::AllGather, Call::ReduceScatter(ReduceOp::Sum));
+    let first = if prepare && comm_type_check_enabled(&groups.ep) {
+        Some((&groups.ep, gather))
+    } else {
+        match token_plan(comm, ctx) {
+            TokenPlan::SpGather(_) => Some((&groups.ep, if prepare { gather } else { reduce })),
+            TokenPlan::DpGather { .. } if prepare => Some((&groups.dp, gather)),
+            // Finalize reduce-scatters over PCP first, where there is one.
+            TokenPlan::DpGather { .. } => Some((groups.pcp.as_ref().unwrap_or(&groups.dp), reduce)),
+            TokenPlan::TpSplit { .. } if !prepare => Some((&groups.tp, gather)),
+            TokenPlan::TpSplit { .. } | TokenPlan::Local => None,
+        }
+    };
+    match first {
+        Some((group, call)) => group.refuse_call(call, dtype, error),
+        None => error,
+    }
+}
+
 /// Copies every row of `src` into `dst` (same shape).
 fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     if src.numel() > 0 {
@@ -151,7 +201,8 @@ fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
 /// rows back to this rank's `ctx.local_tokens()` rows, in a fresh buffer (or
 /// `y` itself where the path is the identity).
 pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Tensor> {
-    let shape = finalize_output_shape(y.shape(), comm, ctx)?;
+    let shape = finalize_output_shape(y.shape(), comm, ctx)
+        .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
     check_groups(FINALIZE, ctx, groups)?;
     let device = y.device();
     let backend = device.backend();
@@ -206,8 +257,9 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
 /// collective or copy of the path writes `out`. `out` may share `y`'s memory
 /// (then `y` is read from a copy in workspace).
 pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups, out: &mut Tensor) -> Result<()> {
-    let shape = finalize_output_shape(y.shape(), comm, ctx)?;
-    check_out_like(FINALIZE, y, out, &shape)?;
+    let shape = finalize_output_shape(y.shape(), comm, ctx)
+        .and_then(|shape| check_out_like(FINALIZE, y, out, &shape).map(|_| shape))
+        .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
     check_groups(FINALIZE, ctx, groups)?;
     let device = y.device();
     let backend = device.backend();
