@@ -376,8 +376,13 @@ pub(crate) struct Posted {
 }
 
 impl Posted {
-    /// The list as a message shows it.
+    /// The list as a message shows it. An empty one is never a valid list:
+    /// it is what a member posts when it has none to pass (a caller that
+    /// could not give one), so it reads as no list at all.
     pub fn describe(&self) -> String {
+        if self.len == 0 {
+            return "no rank list".into();
+        }
         if self.len <= MAX_WORLD && self.ranks.iter().all(|&r| r < 0xff) {
             format!("{:?}", self.ranks)
         } else {

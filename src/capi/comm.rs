@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use acl_sys::aclrtStream;
 
-use super::ffi::{ffi, read_sizes, read_str, try_out, write_out, Call, Failure};
+use super::ffi::{ffi, read_sizes, read_str, refusing, refusing_on, try_out, write_out, Call, Failure};
 use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, AMOE_HCCL_WORLD};
 use crate::backend::cpu::CpuComm;
@@ -124,8 +124,11 @@ pub unsafe extern "C" fn amoe_comm_split(
     const F: &str = "amoe_comm_split";
     ffi!(F, {
         let c = try_handle(F, "comm", comm)?;
-        let out = try_out!(F, out, "out");
-        let ranks = read_sizes(F, "ranks", ranks, n)?;
+        let checked = (|| Ok((try_out!(F, out, "out"), read_sizes(F, "ranks", ranks, n)?)))();
+        // A member that cannot take part leaves the split as one whose list
+        // is invalid: the empty list, refused before any exchange, so the
+        // members waiting for it fail at once.
+        let (out, ranks) = refusing(checked, |e| c.split(&[]).err().unwrap_or(e))?;
         box_out(out, c.split(&ranks)?);
         Ok(())
     })
@@ -228,16 +231,23 @@ fn reduce_op(func: &str, op: u32) -> Result<ReduceOp, Failure> {
 }
 
 /// The body of a collective export (cbindgen reads the signatures, so they
-/// stay written out): converts `comm`, `src` and `dst` through the call,
-/// runs `$run` on them and writes `dst`.
+/// stay written out): converts `comm`, `src` and `dst` and evaluates `$args`
+/// (the export's other arguments, a `Result<_, Failure>`), then runs `$run`
+/// on them and writes `dst`. A bad argument is refused to the peers, which
+/// are waiting in the collective ([`refusing_on`]).
 macro_rules! collective {
-    ($f:expr, $comm:ident, $src:ident, $dst:ident, $stream:ident, |$c:ident, $s:ident, $d:ident| $run:expr) => {
+    ($f:expr, $comm:ident, $src:ident, $dst:ident, $stream:ident, $args:expr,
+     |$c:ident, $s:ident, $d:ident, $a:pat_param| $run:expr) => {
         ffi!($f, {
             let cx = &Call::new($f, $stream);
             let $c = cx.comm("comm", $comm)?;
-            let $s = cx.input("src", $src)?;
-            let out = cx.out("dst", $dst)?;
-            let mut $d = cx.output(&out)?;
+            let checked = (|| {
+                let s = cx.input("src", $src)?;
+                let out = cx.out("dst", $dst)?;
+                let d = cx.output(&out)?;
+                Ok((s, out, d, $args?))
+            })();
+            let ($s, out, mut $d, $a) = refusing_on($c, checked)?;
             $run?;
             cx.write(&out, &$d)
         })
@@ -270,11 +280,8 @@ pub unsafe extern "C" fn amoe_all_reduce(
     op: u32,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    collective!("amoe_all_reduce", comm, src, dst, stream, |c, s, d| c.all_reduce(
-        &s,
-        &mut d,
-        reduce_op("amoe_all_reduce", op)?
-    ))
+    const F: &str = "amoe_all_reduce";
+    collective!(F, comm, src, dst, stream, reduce_op(F, op), |c, s, d, op| c.all_reduce(&s, &mut d, op))
 }
 
 /// `dst = block `rank` of op(src over all ranks)`: `src` holds
@@ -291,11 +298,8 @@ pub unsafe extern "C" fn amoe_reduce_scatter(
     op: u32,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    collective!("amoe_reduce_scatter", comm, src, dst, stream, |c, s, d| c.reduce_scatter(
-        &s,
-        &mut d,
-        reduce_op("amoe_reduce_scatter", op)?
-    ))
+    const F: &str = "amoe_reduce_scatter";
+    collective!(F, comm, src, dst, stream, reduce_op(F, op), |c, s, d, op| c.reduce_scatter(&s, &mut d, op))
 }
 
 /// `dst = concat(src of every rank)` in rank order: `dst` holds
@@ -310,7 +314,8 @@ pub unsafe extern "C" fn amoe_all_gather(
     dst: *const amoe_tensor,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    collective!("amoe_all_gather", comm, src, dst, stream, |c, s, d| c.all_gather(&s, &mut d))
+    const F: &str = "amoe_all_gather";
+    collective!(F, comm, src, dst, stream, Ok::<_, Failure>(()), |c, s, d, ()| c.all_gather(&s, &mut d))
 }
 
 /// Reduce-scatter with per-rank block sizes: `counts[0..n]` (elements, `n ==
@@ -332,12 +337,9 @@ pub unsafe extern "C" fn amoe_reduce_scatter_v(
     op: u32,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    collective!("amoe_reduce_scatter_v", comm, src, dst, stream, |c, s, d| c.reduce_scatter_v(
-        &s,
-        &mut d,
-        &read_counts("amoe_reduce_scatter_v", "counts", counts, n)?,
-        reduce_op("amoe_reduce_scatter_v", op)?
-    ))
+    const F: &str = "amoe_reduce_scatter_v";
+    let args = || Ok::<_, Failure>((read_counts(F, "counts", counts, n)?, reduce_op(F, op)?));
+    collective!(F, comm, src, dst, stream, args(), |c, s, d, (counts, op)| c.reduce_scatter_v(&s, &mut d, &counts, op))
 }
 
 /// All-gather with per-rank block sizes `counts[0..n]` (elements, `n ==
@@ -358,11 +360,9 @@ pub unsafe extern "C" fn amoe_all_gather_v(
     n: usize,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    collective!("amoe_all_gather_v", comm, src, dst, stream, |c, s, d| c.all_gather_v(
-        &s,
-        &mut d,
-        &read_counts("amoe_all_gather_v", "counts", counts, n)?
-    ))
+    const F: &str = "amoe_all_gather_v";
+    let counts = || read_counts(F, "counts", counts, n);
+    collective!(F, comm, src, dst, stream, counts(), |c, s, d, counts| c.all_gather_v(&s, &mut d, &counts))
 }
 
 /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements) goes
@@ -385,11 +385,12 @@ pub unsafe extern "C" fn amoe_all_to_all_v(
     n_recv: usize,
     stream: *const amoe_stream,
 ) -> amoe_status {
-    collective!("amoe_all_to_all_v", comm, src, dst, stream, |c, s, d| {
-        let sc = read_counts("amoe_all_to_all_v", "send_counts", send_counts, n_send)?;
-        let rc = read_counts("amoe_all_to_all_v", "recv_counts", recv_counts, n_recv)?;
-        c.all_to_all_v(&s, &sc, &mut d, &rc)
-    })
+    const F: &str = "amoe_all_to_all_v";
+    let args = || {
+        let sc = read_counts(F, "send_counts", send_counts, n_send)?;
+        Ok::<_, Failure>((sc, read_counts(F, "recv_counts", recv_counts, n_recv)?))
+    };
+    collective!(F, comm, src, dst, stream, args(), |c, s, d, (sc, rc)| c.all_to_all_v(&s, &sc, &mut d, &rc))
 }
 
 /// Copies `buf` of rank `root` into `buf` of every rank (read on `root`,
@@ -408,9 +409,9 @@ pub unsafe extern "C" fn amoe_broadcast(
     ffi!(F, {
         let cx = &Call::new(F, stream);
         let c = cx.comm("comm", comm)?;
-        let mut b = cx.input("buf", buf)?;
+        let (mut b, out) = refusing_on(c, (|| Ok((cx.input("buf", buf)?, cx.out("buf", buf)?)))())?;
         c.broadcast(&mut b, root)?;
-        cx.write(&cx.out("buf", buf)?, &b)
+        cx.write(&out, &b)
     })
 }
 

@@ -375,6 +375,32 @@ macro_rules! ffi {
 }
 pub(crate) use ffi;
 
+/// `checked`, the export's arguments read and checked, or the reason
+/// they are bad, reported by `refuse` before it is returned (with its
+/// status) on this rank. The peers the export communicates with are
+/// already waiting in its first collective; with
+/// [`crate::Collectives::refuse_call`] behind `refuse`, a CPU group fails
+/// on every rank at once, naming this rank and its argument, instead of
+/// waiting out the timeout (HCCL sends nothing).
+pub(crate) fn refusing<T>(
+    checked: Result<T, Failure>,
+    refuse: impl FnOnce(crate::Error) -> crate::Error,
+) -> Result<T, Failure> {
+    // Only the message travels (the peers quote it); this rank returns the
+    // failure itself.
+    checked.inspect_err(|failure| drop(refuse(crate::Error::Unavailable(failure.msg.clone()))))
+}
+
+/// [`refusing`] for an export whose peers make a collective on
+/// `comm` first whatever their own arguments: a collective, or an op
+/// whose CPU ranks always join ([`crate::comm::joins_empty`]). The kind
+/// of the refused collective does not matter: the peers see a refusal
+/// before they compare what each rank called.
+pub(crate) fn refusing_on<T>(comm: &Comm, checked: Result<T, Failure>) -> Result<T, Failure> {
+    use crate::Collectives;
+    refusing(checked, |e| comm.refuse_call(crate::backend::Call::AllGather, DType::U8, e))
+}
+
 /// `try_ref!(FUNC, ptr, "arg")`: a shared reference, or return NULL_ARGUMENT.
 macro_rules! try_ref {
     ($func:expr, $ptr:expr, $arg:expr) => {{

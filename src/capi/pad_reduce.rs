@@ -2,7 +2,7 @@
 //! pad-and-reduce, gather-and-unpad and the fused finalize-and-reduce, each
 //! with its `*_output_shape` twin.
 
-use super::ffi::{ffi, read_meta, read_sizes, write_shape, Call, Failure};
+use super::ffi::{ffi, read_meta, read_sizes, refusing_on, write_shape, Call, Failure};
 use super::finalize::{amoe_finalize_args, FinalizeInputs, FinalizeMetas};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::{self, SpLayout};
@@ -75,12 +75,18 @@ fn layout_op(
     ffi!(f, {
         let cx = &Call::new(f, stream);
         let c = cx.comm("ep_comm", ep_comm)?;
-        let x = cx.input("x", x)?;
-        let l = layout(f, local_sizes, n)?;
-        let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, x.dtype())?;
-        let y = match cx.output_for(&out, &x)? {
+        let checked = (|| {
+            let x = cx.input("x", x)?;
+            let l = layout(f, local_sizes, n)?;
+            let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
+            let out = cx.out("out", out)?;
+            out.check(cx, &shape, x.dtype())?;
+            let o = cx.output_for(&out, &x)?;
+            Ok((x, l, out, o))
+        })();
+        // A CPU rank always joins the op's collective, so its peers wait there.
+        let (x, l, out, o) = refusing_on(c, checked)?;
+        let y = match o {
             Some(mut o) => {
                 into(&x, l.as_ref(), c, &mut o)?;
                 o
@@ -245,13 +251,18 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
     ffi!(F, {
         let cx = &Call::new(F, stream);
         let c = cx.comm("ep_comm", ep_comm)?;
-        let inputs = FinalizeInputs::read(cx, args)?;
-        let l = layout(F, local_sizes, n)?;
+        let checked = (|| {
+            let inputs = FinalizeInputs::read(cx, args)?;
+            let l = layout(F, local_sizes, n)?;
+            let shape = moe::finalize_and_reduce_output_shape(&inputs.args()?, l.as_ref(), c.rank(), c.world_size())?;
+            let out = cx.out("out", out)?;
+            out.check(cx, &shape, inputs.x.dtype())?;
+            let o = cx.output_for(&out, &inputs.x)?;
+            Ok((inputs, l, out, o))
+        })();
+        let (inputs, l, out, o) = refusing_on(c, checked)?;
         let a = inputs.args()?;
-        let shape = moe::finalize_and_reduce_output_shape(&a, l.as_ref(), c.rank(), c.world_size())?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, inputs.x.dtype())?;
-        let y = match cx.output_for(&out, &inputs.x)? {
+        let y = match o {
             Some(mut o) => {
                 moe::finalize_and_reduce_into(&a, l.as_ref(), c, &mut o)?;
                 o

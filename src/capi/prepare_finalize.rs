@@ -1,7 +1,7 @@
 //! Token prepare / finalize per MoE comm type (SPEC section 6): the token
 //! padding, splitting and gathering around the experts of one MoE layer.
 
-use super::ffi::{ffi, flag, read_meta, read_sizes, try_out, try_ref, write_out, write_shape, Call, Failure};
+use super::ffi::{ffi, flag, read_meta, read_sizes, refusing, try_out, try_ref, write_out, write_shape, Call, Failure};
 use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
@@ -277,26 +277,32 @@ pub unsafe extern "C" fn amoe_token_prepare(
         // for others: the guard compares them too.
         let writes_mask = !mc2_mask.is_null() && pf::mc2_mask_extent(ct, &c).is_some();
         cx.guard(ct, Some(&c), writes_mask)?;
-        let x = cx.input("x", x)?;
-        let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, x.dtype())?;
-        let mask_out = match pf::mc2_mask_extent(ct, &c) {
-            Some((rows, _)) if !mc2_mask.is_null() => {
-                let m = cx.out("mc2_mask", mc2_mask)?;
-                let dtype = m.dtype();
-                if !matches!(dtype, DType::Bool | DType::U8) {
-                    return Err(crate::Error::dtype(F, "mc2_mask", "BOOL or U8", dtype).into());
+        let checked = (|| {
+            let x = cx.input("x", x)?;
+            let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
+            let out = cx.out("out", out)?;
+            out.check(cx, &shape, x.dtype())?;
+            let mask_out = match pf::mc2_mask_extent(ct, &c) {
+                Some((rows, _)) if !mc2_mask.is_null() => {
+                    let m = cx.out("mc2_mask", mc2_mask)?;
+                    let dtype = m.dtype();
+                    if !matches!(dtype, DType::Bool | DType::U8) {
+                        return Err(crate::Error::dtype(F, "mc2_mask", "BOOL or U8", dtype).into());
+                    }
+                    m.check(cx, &[rows], dtype)?;
+                    m.apart_from(cx, &out)?;
+                    Some(m)
                 }
-                m.check(cx, &[rows], dtype)?;
-                m.apart_from(cx, &out)?;
-                Some(m)
-            }
-            _ => None,
-        };
+                _ => None,
+            };
+            let o = cx.output_for(&out, &x)?;
+            Ok((x, shape, out, mask_out, o))
+        })();
+        let refuse = |e| pf::refuse_first(pf::Stage::Prepare, ct, &c, g, DType::U8, e);
+        let (x, shape, out, mask_out, o) = refusing(checked, refuse)?;
         // The tokens go straight into the caller's `out` where it can be lent
         // (else into a buffer of the op's own, copied into `out`).
-        let hidden = match cx.output_for(&out, &x)? {
+        let hidden = match o {
             Some(mut o) => {
                 pf::prepare_tokens_into(&x, ct, &c, g, &mut o)?;
                 o
@@ -359,13 +365,19 @@ pub unsafe extern "C" fn amoe_token_finalize(
         let g = try_handle(F, "groups", groups)?;
         let ct = CommType::from_u32(comm_type)?;
         cx.guard(ct, Some(&c), false)?;
-        let yt = cx.input("y", y)?;
-        let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, yt.dtype())?;
+        let checked = (|| {
+            let yt = cx.input("y", y)?;
+            let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
+            let out = cx.out("out", out)?;
+            out.check(cx, &shape, yt.dtype())?;
+            let o = cx.output_for(&out, &yt)?;
+            Ok((yt, out, o))
+        })();
+        let refuse = |e| pf::refuse_first(pf::Stage::Finalize, ct, &c, g, DType::U8, e);
+        let (yt, out, o) = refusing(checked, refuse)?;
         // The last collective or copy writes the caller's `out` (which may be
         // `y`'s memory: the op then reads `y` from a copy of its own).
-        let r = match cx.output_for(&out, &yt)? {
+        let r = match o {
             Some(mut o) => {
                 pf::finalize_into(&yt, ct, &c, g, &mut o)?;
                 o

@@ -1,10 +1,10 @@
 //! The runtime-aware reduce policy (SPEC section 5): its decisions and the
 //! three reduction points, evaluated with the live comm type.
 
-use super::ffi::{ffi, flag, try_out, try_ref, write_out, Call, Failure};
+use super::ffi::{ffi, flag, refusing, try_out, try_ref, write_out, Call, Failure};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
-use crate::moe::{self, Output, ReducePoint, ReducePolicy, SharedMode};
-use crate::CommType;
+use crate::moe::{self, ReducePoint, ReducePolicy, SharedMode};
+use crate::{CommType, DType};
 
 /// The static part of a layer's reduction policy (SPEC section 5). The live
 /// MoE comm type is passed to each reduction point separately.
@@ -97,33 +97,43 @@ fn reduce_point(
     tp_comm: *const amoe_comm,
     out: *const amoe_tensor,
 ) -> Result<(), Failure> {
-    let p = policy(cx.f, p)?;
-    let c = CommType::from_u32(comm_type)?;
-    // Guarded only where the result depends on the comm type: over more than
-    // one rank, a point that reduces under some comm types and not under
-    // others (each guard holds one of the live context's records).
-    if p.tp_size() > 1 && CommType::ALL.iter().any(|&ct| p.reduces(point, ct) != p.reduces(point, c)) {
-        cx.guard(c, None, false)?;
-    }
     let tp = cx.comm("tp_comm", tp_comm)?;
-    let x_in = cx.input("x", x)?;
-    let out = cx.out("out", out)?;
-    out.check(cx, x_in.shape(), x_in.dtype())?;
-    match cx.output_for(&out, &x_in)? {
+    let mut reduces = false;
+    let checked = (|| {
+        let p = policy(cx.f, p)?;
+        let c = CommType::from_u32(comm_type)?;
+        reduces = p.reduces(point, c);
+        // Guarded only where the result depends on the comm type: over more
+        // than one rank, a point that reduces under some comm types and not
+        // under others (each guard holds one of the live context's records).
+        if p.tp_size() > 1 && CommType::ALL.iter().any(|&ct| p.reduces(point, ct) != reduces) {
+            cx.guard(c, None, false)?;
+        }
+        let x_in = cx.input("x", x)?;
+        let out = cx.out("out", out)?;
+        out.check(cx, x_in.shape(), x_in.dtype())?;
+        let o = cx.output_for(&out, &x_in)?;
+        if o.is_none() && !x_in.is_cpu() {
+            return Err(Failure::new(
+                amoe_status::Device,
+                format!("{}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)", cx.f),
+            ));
+        }
+        Ok((p, c, x_in, out, o))
+    })();
+    // The TP peers wait in the comm-type agreement (or the all-reduce).
+    let (p, c, x_in, out, o) = refusing(checked, |e| moe::reduce::refuse_at_point(reduces, tp, DType::I32, e))?;
+    match o {
         Some(mut o) => {
-            p.reduce_at_into(point, Output::of(point.op(), &x_in, &mut o)?, c, tp)?;
+            p.reduce_at_out(point, &x_in, c, tp, &mut o)?;
             cx.write(&out, &o)
         }
         // A host `x` with an NPU `out`: reduced on the host (the first write
         // makes the borrowed input a private copy), then copied to `out`.
-        None if x_in.is_cpu() => {
+        None => {
             let y = p.reduce_at(point, x_in, c, tp)?;
             cx.write(&out, &y)
         }
-        None => Err(Failure::new(
-            amoe_status::Device,
-            format!("{}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)", cx.f),
-        )),
     }
 }
 

@@ -4,7 +4,7 @@
 //! Each op has an `*_output_shape` twin calling the Rust shape function the op
 //! sizes its output with.
 
-use super::ffi::{ffi, read_meta, write_shape, Call};
+use super::ffi::{ffi, read_meta, refusing_on, write_shape, Call};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::shared;
 use crate::{Collectives, Comm, Tensor};
@@ -28,10 +28,12 @@ fn shape_body(
 /// The body of an op export: `into(x, tp, out)` after `out` is checked
 /// against `shape_of(x shape, tp rank, tp size)`, writing the caller's `out`
 /// in place; where it cannot be (see `Call::output_for`), `op(x, tp)` computes
-/// the result, which is copied into `out`.
+/// the result, which is copied into `out`. A `collective` op refuses a bad
+/// argument to its peers ([`refusing_on`]).
 #[allow(clippy::too_many_arguments)] // the export's arguments, plus the op's three forms
 fn op_body(
     f: &'static str,
+    collective: bool,
     x: *const amoe_tensor,
     tp_comm: *const amoe_comm,
     out: *const amoe_tensor,
@@ -43,11 +45,17 @@ fn op_body(
     ffi!(f, {
         let cx = &Call::new(f, stream);
         let tp = cx.comm("tp_comm", tp_comm)?;
-        let x = cx.input("x", x)?;
-        let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
-        let out = cx.out("out", out)?;
-        out.check(cx, &shape, x.dtype())?;
-        let y = match cx.output_for(&out, &x)? {
+        let checked = (|| {
+            let x = cx.input("x", x)?;
+            let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
+            let out = cx.out("out", out)?;
+            out.check(cx, &shape, x.dtype())?;
+            let o = cx.output_for(&out, &x)?;
+            Ok((x, out, o))
+        })();
+        // The peers of a collective op wait in it (a CPU rank always joins).
+        let (x, out, o) = if collective { refusing_on(tp, checked)? } else { checked? };
+        let y = match o {
             Some(mut o) => {
                 into(&x, tp, &mut o)?;
                 o
@@ -100,7 +108,7 @@ pub unsafe extern "C" fn amoe_shared_pad_split(
     const F: &str = "amoe_shared_pad_split";
     let op = |x: &Tensor, tp: &Comm| shared::shared_pad_split(x, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_split_into(x, tp, o);
-    op_body(F, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op, into)
+    op_body(F, false, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op, into)
 }
 
 /// Output shape of `amoe_shared_gather_unpad`: `x` must have
@@ -148,7 +156,7 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad(
         |s: &[usize], _rank: usize, size: usize| shared::shared_gather_unpad_output_shape(s, num_tokens, size);
     let op = |x: &Tensor, tp: &Comm| shared::shared_gather_unpad(x, num_tokens, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_gather_unpad_into(x, num_tokens, tp, o);
-    op_body(F, x, tp_comm, out, stream, shape_of, op, into)
+    op_body(F, true, x, tp_comm, out, stream, shape_of, op, into)
 }
 
 /// Output shape of `amoe_shared_pad_reduce_scatter`: `x [T, H...]` ->
@@ -193,5 +201,5 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter(
     let shape_of = |s: &[usize], _rank: usize, size: usize| shared::shared_pad_reduce_scatter_output_shape(s, size);
     let op = |x: &Tensor, tp: &Comm| shared::shared_pad_reduce_scatter(x, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_reduce_scatter_into(x, tp, o);
-    op_body(F, x, tp_comm, out, stream, shape_of, op, into)
+    op_body(F, true, x, tp_comm, out, stream, shape_of, op, into)
 }

@@ -124,15 +124,38 @@ pub struct ReducePolicy {
     early: bool,
 }
 
+/// Reports `error`, found in this rank's own arguments at a reduction
+/// point that reduces when `reduce`, to the TP peers through the
+/// collective they make first ([`Collectives::refuse_call`]): the
+/// comm-type agreement where the check is on, else the all-reduce. A CPU
+/// group then fails on every rank at once, naming this rank's argument,
+/// instead of its peers waiting out the timeout. With one rank, or a
+/// point no peer communicates at, the error is returned as it is.
+pub(crate) fn refuse_at_point<C: Collectives + ?Sized>(
+    reduce: bool,
+    tp: &C,
+    dtype: crate::DType,
+    error: Error,
+) -> Error {
+    if tp.world_size() < 2 {
+        return error;
+    }
+    if comm_type_check_enabled(tp) {
+        tp.refuse_call(Call::AllGather, dtype, error)
+    } else if reduce {
+        tp.refuse_call(Call::AllReduceInPlace(ReduceOp::Sum), dtype, error)
+    } else {
+        error
+    }
+}
+
 /// A reduction point's `_into` method: `name(x, comm, tp, out)` is
 /// [`ReducePolicy::reduce_at_into`] of its point, `out` possibly `x` itself.
 macro_rules! into_point {
     ($(#[$doc:meta])* $name:ident, $point:expr) => {
         $(#[$doc])*
         pub fn $name<C: Collectives + ?Sized>(&self, x: &Tensor, comm: CommType, tp: &C, out: &mut Tensor) -> Result<()> {
-            let output = Output::of($point.op(), x, out)
-                .map_err(|e| self.refuse(self.reduces($point, comm), tp, x.dtype(), e))?;
-            self.reduce_at_into($point, output, comm, tp)
+            self.reduce_at_out($point, x, comm, tp, out)
         }
     };
 }
@@ -261,7 +284,7 @@ impl ReducePolicy {
     fn agree<C: Collectives + ?Sized>(&self, op: &'static str, comm: CommType, tp: &C) -> Result<()> {
         // The peers' policies match the group: with more than one rank they
         // agree first, where the check is on.
-        self.check_tp(op, tp).map_err(|e| self.refuse(false, tp, crate::DType::I32, e))?;
+        self.check_tp(op, tp).map_err(|e| refuse_at_point(false, tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
             comm_type_agreement(op, "TP", comm, tp)?;
         }
@@ -281,7 +304,7 @@ impl ReducePolicy {
     ) -> Result<()> {
         let (op, reduce) = (point.op(), self.reduces(point, comm));
         if let Output::Separate { x, out } = &output {
-            check_out_like(op, x, out, x.shape()).map_err(|e| self.refuse(reduce, tp, x.dtype(), e))?;
+            check_out_like(op, x, out, x.shape()).map_err(|e| refuse_at_point(reduce, tp, x.dtype(), e))?;
         }
         self.agree(op, comm, tp)?;
         match output {
@@ -295,24 +318,19 @@ impl ReducePolicy {
         }
     }
 
-    /// Reports `error`, found in this rank's own arguments at a reduction
-    /// point that reduces when `reduce`, to the TP peers through the
-    /// collective they make first ([`Collectives::refuse_call`]): the
-    /// comm-type agreement where the check is on, else the all-reduce. A CPU
-    /// group then fails on every rank at once, naming this rank's argument,
-    /// instead of its peers waiting out the timeout. With one rank, or a
-    /// point no peer communicates at, the error is returned as it is.
-    fn refuse<C: Collectives + ?Sized>(&self, reduce: bool, tp: &C, dtype: crate::DType, error: Error) -> Error {
-        if tp.world_size() < 2 {
-            return error;
-        }
-        if comm_type_check_enabled(tp) {
-            tp.refuse_call(Call::AllGather, dtype, error)
-        } else if reduce {
-            tp.refuse_call(Call::AllReduceInPlace(ReduceOp::Sum), dtype, error)
-        } else {
-            error
-        }
+    /// [`ReducePolicy::reduce_at_into`] with `out` a tensor that is `x`
+    /// itself or memory apart from it ([`Output::of`] decides).
+    pub fn reduce_at_out<C: Collectives + ?Sized>(
+        &self,
+        point: ReducePoint,
+        x: &Tensor,
+        comm: CommType,
+        tp: &C,
+        out: &mut Tensor,
+    ) -> Result<()> {
+        let output =
+            Output::of(point.op(), x, out).map_err(|e| refuse_at_point(self.reduces(point, comm), tp, x.dtype(), e))?;
+        self.reduce_at_into(point, output, comm, tp)
     }
 
     fn check_tp<C: Collectives + ?Sized>(&self, op: &'static str, tp: &C) -> Result<()> {

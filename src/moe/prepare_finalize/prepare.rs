@@ -144,7 +144,7 @@ pub fn mc2_mask_into(comm: CommType, ctx: &MoeContext, mask: &mut Tensor) -> Res
 
 /// Which of the two ops a rank found its arguments bad in.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Stage {
+pub(crate) enum Stage {
     Prepare,
     Finalize,
 }
@@ -158,7 +158,7 @@ enum Stage {
 /// plan in which the peers move no row (an MC2 or ALLTOALL prepare without
 /// the check, a local finalize) has nobody waiting: the error is returned as
 /// it is.
-fn refuse_first(
+pub(crate) fn refuse_first(
     stage: Stage,
     comm: CommType,
     ctx: &MoeContext,

@@ -1,0 +1,246 @@
+//! One rank's bad argument to a C ABI export that communicates (a NULL
+//! descriptor or list, an unknown reduce op, an output of the wrong shape)
+//! is found by the export before any collective, on that rank alone, while
+//! its peers already wait in theirs. Each case runs two CPU ranks that keep
+//! their communicators, as an engine does, with rank 1 passing the bad
+//! argument: rank 1 fails naming it, and rank 0 fails at once with a
+//! mismatch naming rank 1 and the argument (a rank 0 that waited out the
+//! timeout would report a timeout naming neither).
+
+use std::ffi::CString;
+use std::ptr::{null, null_mut};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Barrier;
+
+use ascend_moe::capi::*;
+
+/// The rank whose argument is bad.
+const BAD: usize = 1;
+
+fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
+    amoe_tensor {
+        data: data.as_mut_ptr().cast(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: shape.len(),
+        shape: shape.as_ptr(),
+        strides: null(),
+        device_kind: amoe_device_kind::Cpu as u32,
+        device_ordinal: 0,
+    }
+}
+
+fn last_error() -> String {
+    let mut buf = vec![0u8; amoe_last_error_length()];
+    let mut n = 0usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::Ok);
+    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
+}
+
+/// Runs `op(rank, world)` on two ranks of a fresh CPU world and checks: rank
+/// [`BAD`] fails with `bad_status`, naming `arg`; rank 0 fails with
+/// COMM_MISMATCH naming rank [`BAD`] and `arg`.
+fn one_bad_rank(
+    case: &str,
+    arg: &str,
+    bad_status: amoe_status,
+    op: impl Fn(usize, *mut amoe_comm) -> amoe_status + Sync,
+) {
+    one_bad_rank_seen_as(case, arg, bad_status, arg, op)
+}
+
+/// [`one_bad_rank`], rank 0's error naming `seen` for the bad argument.
+fn one_bad_rank_seen_as(
+    case: &str,
+    arg: &str,
+    bad_status: amoe_status,
+    seen: &str,
+    op: impl Fn(usize, *mut amoe_comm) -> amoe_status + Sync,
+) {
+    static WORLDS: AtomicUsize = AtomicUsize::new(0);
+    let name = format!("capi-refusal-{}-{}", std::process::id(), WORLDS.fetch_add(1, Ordering::Relaxed));
+    let name = CString::new(name).expect("no NUL");
+    let held = Barrier::new(2);
+    let res: Vec<(amoe_status, String)> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let (name, held, op) = (&name, &held, &op);
+                s.spawn(move || {
+                    let mut world: *mut amoe_comm = null_mut();
+                    // SAFETY: a valid name and out-pointer.
+                    let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 2, rank, 30.0, &mut world) };
+                    assert_eq!(st, amoe_status::Ok, "{case}: rank {rank}: {}", last_error());
+                    let st = op(rank, world);
+                    let msg = if st == amoe_status::Ok { String::new() } else { last_error() };
+                    // The communicator outlives the failed call on every rank.
+                    held.wait();
+                    // SAFETY: the handle from amoe_comm_cpu_new, freed once.
+                    unsafe { amoe_comm_free(world) };
+                    (st, msg)
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    let (st, msg) = &res[BAD];
+    assert_eq!(*st, bad_status, "{case}: rank {BAD}: {msg}");
+    assert!(msg.contains(arg), "{case}: rank {BAD}'s error does not name `{arg}`: {msg}");
+    let (st, msg) = &res[0];
+    assert_eq!(*st, amoe_status::CommMismatch, "{case}: rank 0 did not learn rank {BAD}'s refusal: {msg}");
+    assert!(msg.contains(&format!("rank {BAD}")) && msg.contains(seen), "{case}: rank 0: {msg}");
+}
+
+#[test]
+fn a_collective_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
+    let bad = |rank: usize| rank == BAD;
+    one_bad_rank("all_reduce src", "src", amoe_status::NullArgument, |rank, c| {
+        let (mut a, mut b) = (vec![1f32; 8], vec![0f32; 8]);
+        let (s, d) = (host(&mut a, &[8]), host(&mut b, &[8]));
+        // SAFETY: live handle; descriptors over live buffers (or NULL).
+        unsafe { amoe_all_reduce(c, if bad(rank) { null() } else { &s }, &d, 0, null()) }
+    });
+    one_bad_rank("all_reduce op", "op", amoe_status::InvalidArgument, |rank, c| {
+        let (mut a, mut b) = (vec![1f32; 8], vec![0f32; 8]);
+        let (s, d) = (host(&mut a, &[8]), host(&mut b, &[8]));
+        // SAFETY: as above.
+        unsafe { amoe_all_reduce(c, &s, &d, if bad(rank) { 7 } else { 0 }, null()) }
+    });
+    one_bad_rank("all_to_all_v", "recv_counts", amoe_status::NullArgument, |rank, c| {
+        let (mut a, mut b) = (vec![1f32; 4], vec![0f32; 4]);
+        let (s, d) = (host(&mut a, &[4]), host(&mut b, &[4]));
+        let counts = [2usize, 2];
+        let recv = if bad(rank) { null() } else { counts.as_ptr() };
+        // SAFETY: as above; the count lists hold 2 entries (or NULL).
+        unsafe { amoe_all_to_all_v(c, &s, counts.as_ptr(), 2, &d, recv, 2, null()) }
+    });
+    one_bad_rank("broadcast", "buf", amoe_status::NullArgument, |rank, c| {
+        let mut a = vec![1f32; 4];
+        let b = host(&mut a, &[4]);
+        // SAFETY: as above.
+        unsafe { amoe_broadcast(c, if bad(rank) { null() } else { &b }, 0, null()) }
+    });
+}
+
+#[test]
+fn an_sp_op_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
+    // Layout [2, 1]: 3 rows in all; rank r keeps local_sizes[r].
+    let sizes = [2usize, 1];
+    one_bad_rank("pad_and_reduce out", "out", amoe_status::Shape, |rank, c| {
+        let mut x = vec![1f32; 3 * 4];
+        let mut o = vec![0f32; 3 * 4];
+        let rows = sizes[rank] + usize::from(rank == BAD);
+        let (xs, os) = ([3usize, 4], [rows, 4]);
+        let (xd, od) = (host(&mut x, &xs), host(&mut o, &os));
+        // SAFETY: live handle; descriptors over live buffers of their shapes.
+        unsafe { amoe_maybe_pad_and_reduce(&xd, sizes.as_ptr(), 2, c, &od, null()) }
+    });
+    one_bad_rank("gather_and_unpad local_sizes", "local_sizes", amoe_status::InvalidArgument, |rank, c| {
+        let mut x = vec![1f32; 2 * 4];
+        let mut o = vec![0f32; 3 * 4];
+        let (xs, os) = ([sizes[rank], 4], [3usize, 4]);
+        let (xd, od) = (host(&mut x, &xs), host(&mut o, &os));
+        // The bad rank's layout has no entry.
+        let n = if rank == BAD { 0 } else { 2 };
+        // SAFETY: as above.
+        unsafe { amoe_maybe_all_gather_and_maybe_unpad(&xd, sizes.as_ptr(), n, c, &od, null()) }
+    });
+    one_bad_rank("finalize_and_reduce args", "args", amoe_status::NullArgument, |rank, c| {
+        let (mut x, mut idx, mut o) = (vec![1f32; 3 * 4], vec![0i32, 1, 2], vec![0f32; sizes[rank] * 4]);
+        let (xs, is, os) = ([3usize, 4], [3usize], [sizes[rank], 4]);
+        let xd = host(&mut x, &xs);
+        let id = amoe_tensor { data: idx.as_mut_ptr().cast(), dtype: amoe_dtype::I32 as u32, ..host(&mut [], &is) };
+        let od = host(&mut o, &os);
+        let args = amoe_finalize_args {
+            expanded_x: &xd,
+            expanded_row_idx: &id,
+            x1: null(),
+            x2: null(),
+            bias: null(),
+            scales: null(),
+            expert_idx: null(),
+            drop_pad_mode: amoe_drop_pad_mode::DropLessRow as u32,
+        };
+        let a = if rank == BAD { null() } else { &args as *const _ };
+        // SAFETY: as above.
+        unsafe { amoe_finalize_and_reduce(a, sizes.as_ptr(), 2, c, &od, null()) }
+    });
+}
+
+#[test]
+fn a_shared_expert_op_or_reduction_point_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
+    one_bad_rank("shared_gather_unpad x", "x", amoe_status::NullArgument, |rank, c| {
+        // 4 tokens over TP 2: shards of 2 rows.
+        let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+        let (xs, os) = ([2usize, 4], [4usize, 4]);
+        let (xd, od) = (host(&mut x, &xs), host(&mut o, &os));
+        // SAFETY: as above.
+        unsafe { amoe_shared_gather_unpad(if rank == BAD { null() } else { &xd }, 4, c, &od, null()) }
+    });
+    // TP 2, no shared expert, no SP: the final point reduces.
+    let policy = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    one_bad_rank("reduce_final out", "out", amoe_status::Shape, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 4 * 4]);
+        let (xs, os) = ([3usize, 4], [3 + usize::from(rank == BAD), 4]);
+        let (xd, od) = (host(&mut x, &xs), host(&mut o, &os));
+        // SAFETY: as above; a valid policy.
+        unsafe { amoe_reduce_final(&policy, &xd, amoe_comm_type::AllGather as u32, c, &od, null()) }
+    });
+}
+
+#[test]
+fn token_prepare_or_finalize_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
+    // DP 2 x TP 1 under ALLGATHER: 2 tokens per DP rank, 4 gathered rows.
+    let dp_tokens = [2usize, 2];
+    let with_groups =
+        |rank: usize, c: *mut amoe_comm, op: &dyn Fn(&amoe_moe_context, *mut amoe_moe_groups) -> amoe_status| {
+            let mut groups: *mut amoe_moe_groups = null_mut();
+            // SAFETY: live world handle and out-pointer.
+            assert_eq!(unsafe { amoe_moe_groups_new(c, 1, 1, &mut groups) }, amoe_status::Ok, "{}", last_error());
+            let ctx = amoe_moe_context {
+                dp_tokens: dp_tokens.as_ptr(),
+                dp_size: 2,
+                tp_size: 1,
+                dp_rank: rank,
+                ..Default::default()
+            };
+            let st = op(&ctx, groups);
+            // SAFETY: the handle from amoe_moe_groups_new, freed once.
+            unsafe { amoe_moe_groups_free(groups) };
+            st
+        };
+    let ag = amoe_comm_type::AllGather as u32;
+    one_bad_rank("prepare out", "out", amoe_status::Shape, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 5 * 4]);
+            let (xs, os) = ([2usize, 4], [4 + usize::from(rank == BAD), 4]);
+            let (xd, od) = (host(&mut x, &xs), host(&mut o, &os));
+            // SAFETY: live handles; descriptors over live buffers.
+            unsafe { amoe_token_prepare(&xd, ag, ctx, g, &od, null(), null()) }
+        })
+    });
+    one_bad_rank("finalize y", "y", amoe_status::NullArgument, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);
+            let (ys, os) = ([4usize, 4], [2usize, 4]);
+            let (yd, od) = (host(&mut y, &ys), host(&mut o, &os));
+            // SAFETY: as above.
+            unsafe { amoe_token_finalize(if rank == BAD { null() } else { &yd }, ag, ctx, g, &od, null()) }
+        })
+    });
+}
+
+#[test]
+fn a_split_with_a_null_list_on_one_rank_fails_every_rank_at_once() {
+    // The peers learn that the member passed no list.
+    one_bad_rank_seen_as("split", "ranks", amoe_status::NullArgument, "no rank list", |rank, c| {
+        let ranks = [0usize, 1];
+        let mut sub: *mut amoe_comm = null_mut();
+        let list = if rank == BAD { null() } else { ranks.as_ptr() };
+        // SAFETY: live handle; the list holds 2 entries (or NULL); out writable.
+        let st = unsafe { amoe_comm_split(c, list, 2, &mut sub) };
+        // SAFETY: NULL or the new handle, freed once.
+        unsafe { amoe_comm_free(sub) };
+        st
+    });
+}
