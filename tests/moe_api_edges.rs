@@ -159,3 +159,39 @@ fn a_bad_dispatch_or_combine_on_one_rank_fails_every_rank_at_once() {
         assert!(start.elapsed() < opts().timeout / 4, "combine {bad_combine}: took {:?}", start.elapsed());
     }
 }
+
+/// A context padded to an absurd batch of empty rows: the MC2 prepare's
+/// output has no byte, but its mask would have one per row. An error naming
+/// the padding, not an abort; a padding whose DP rows overflow is refused
+/// when the context is made.
+#[test]
+fn an_mc2_prepare_padded_past_memory_is_an_error_not_an_abort() {
+    let e =
+        MoeContext::new(&[4, 4], 2, 0, 0, false).and_then(|c| c.with_padded_num_tokens(usize::MAX - 1)).unwrap_err();
+    names(&e, "padded_num_tokens");
+    // 2^62 tokens over TP 2: 2^61 prepared rows of no element per rank.
+    let huge = 1 << 62;
+    let res = run_ranks(2, &opts(), |rank, world| {
+        let ctx = MoeContext::new(&[4], 2, 0, rank, false)?.with_padded_num_tokens(huge)?;
+        let groups = MoeGroups::from_world(&world, 2)?;
+        let x = Tensor::zeros_cpu(&[4, 0], DType::U8);
+        let mut out = Tensor::zeros_cpu(&[huge / 2, 0], DType::U8);
+        Ok(ascend_moe::moe::prepare_finalize::prepare_into(&x, CommType::Mc2, &ctx, &groups, &mut out).map(|_| ()))
+    })
+    .expect("the world starts");
+    for r in res {
+        names(&r.expect_err("no mask of 2^61 rows"), "padded_num_tokens");
+    }
+}
+
+/// A shape no tensor has (its product overflows) gives a saturated count,
+/// never a panic or a wrapped one; a zero dimension still makes it empty.
+#[test]
+fn the_element_count_of_an_overflowing_meta_saturates() {
+    use ascend_moe::types::TensorMeta;
+    let meta = |shape| TensorMeta { shape, dtype: DType::F32 };
+    assert_eq!(meta(&[usize::MAX, 2]).numel(), usize::MAX);
+    assert_eq!(meta(&[3, usize::MAX, 2]).row_len(), usize::MAX);
+    assert_eq!(meta(&[usize::MAX, 2, 0]).numel(), 0);
+    assert_eq!(meta(&[1 << 32, 1 << 31]).numel(), 1 << 63);
+}

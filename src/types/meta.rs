@@ -14,17 +14,19 @@ pub struct TensorMeta<'a> {
 }
 
 impl TensorMeta<'_> {
-    /// Number of elements.
+    /// Number of elements; `usize::MAX` for a shape whose product does not
+    /// fit (no tensor has one: every constructor checks the product).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d))
     }
     /// Rows (dim 0); a 0-d tensor has one row.
     pub fn rows(&self) -> usize {
         self.shape.first().copied().unwrap_or(1)
     }
-    /// Elements per row (product of the trailing dims).
+    /// Elements per row (product of the trailing dims; `usize::MAX` when it
+    /// does not fit, as [`TensorMeta::numel`]).
     pub fn row_len(&self) -> usize {
-        self.shape.iter().skip(1).product()
+        self.shape.iter().skip(1).fold(1usize, |n, &d| n.saturating_mul(d))
     }
 }
 

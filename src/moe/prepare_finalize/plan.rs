@@ -115,6 +115,14 @@ impl MoeContext {
     /// the value, the TP size and the largest token count otherwise.
     pub fn with_padded_num_tokens(mut self, n: usize) -> Result<Self> {
         let max_t = self.dp_tokens.iter().copied().max().unwrap_or(0);
+        // Every token plan's row count is at most DP x the padded batch.
+        if n.checked_mul(self.dp_tokens.len()).is_none() {
+            return Err(Error::invalid(
+                "MoeContext::with_padded_num_tokens",
+                "padded_num_tokens",
+                format!("{n} x DP {} rows overflow", self.dp_tokens.len()),
+            ));
+        }
         if n % self.tp_size != 0 || n < max_t {
             return Err(Error::invalid(
                 "MoeContext::with_padded_num_tokens",
@@ -275,9 +283,24 @@ pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext
 /// The MC2 mask of this rank's prepared rows: `true` for the first
 /// `ctx.num_actual_tokens()` rows of this DP rank's tokens, `false` for graph
 /// padding and the TP padding. `Some` for MC2 / FUSED_MC2 only. One `bool`
-/// per row; [`mc2_mask_extent`] says the same without allocating.
+/// per row; [`mc2_mask_extent`] says the same without allocating (the ops
+/// that return a mask report one that does not fit in memory as an error).
 pub fn mc2_mask(comm: CommType, ctx: &MoeContext) -> Option<Vec<bool>> {
     mc2_mask_extent(comm, ctx).map(|(rows, real)| (0..rows).map(|i| i < real).collect())
+}
+
+/// [`mc2_mask`], or an error naming `padded_num_tokens` where the mask does
+/// not fit in memory (a context padded to an absurd batch).
+pub(crate) fn try_mc2_mask(comm: CommType, ctx: &MoeContext) -> Result<Option<Vec<bool>>> {
+    let Some((rows, real)) = mc2_mask_extent(comm, ctx) else {
+        return Ok(None);
+    };
+    let mut mask = Vec::new();
+    mask.try_reserve_exact(rows).map_err(|e| {
+        Error::invalid(PREPARE, "padded_num_tokens", format!("the MC2 mask of {rows} rows cannot be allocated: {e}"))
+    })?;
+    mask.extend((0..rows).map(|i| i < real));
+    Ok(Some(mask))
 }
 
 /// The MC2 mask of [`mc2_mask`] as `(rows, real)`: `rows` entries, of which

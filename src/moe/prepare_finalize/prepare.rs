@@ -2,7 +2,7 @@
 
 use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, MoeGroups};
 use super::plan::{
-    finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
+    finalize_output_shape, mc2_mask_extent, prepare_output_shape, token_plan, try_mc2_mask, MoeContext, TokenPlan,
 };
 use super::plan::{FINALIZE, PREPARE};
 use crate::backend::args::with_rows;
@@ -17,7 +17,7 @@ use crate::{DType, Error, Result, Tensor};
 pub struct Prepared {
     /// The tokens this rank routes (`prepare_output_shape` rows).
     pub hidden: Tensor,
-    /// MC2 / FUSED_MC2: which prepared rows are real tokens ([`mc2_mask`]).
+    /// MC2 / FUSED_MC2: which prepared rows are real tokens ([`mc2_mask`](super::mc2_mask)).
     pub mc2_mask: Option<Vec<bool>>,
 }
 
@@ -48,7 +48,7 @@ pub fn prepare_into(
     out: &mut Tensor,
 ) -> Result<Option<Vec<bool>>> {
     prepare_tokens_into(x, comm, ctx, groups, out)?;
-    Ok(mc2_mask(comm, ctx))
+    try_mc2_mask(comm, ctx)
 }
 
 /// [`prepare_into`] without the MC2 mask ([`mc2_mask_into`] writes it).
@@ -110,7 +110,7 @@ pub fn prepare_tokens_into(
     Ok(())
 }
 
-/// Writes the MC2 mask of this rank's prepared rows ([`mc2_mask`]) into
+/// Writes the MC2 mask of this rank's prepared rows ([`mc2_mask`](super::mc2_mask)) into
 /// `mask`, a 1-D `bool` or `u8` tensor of exactly that many entries on any
 /// device (for example the engine's own mask buffer, vLLM-Ascend's
 /// `_EXTRA_CTX.mc2_mask` sliced to this TP rank), 1 = real token. Returns
