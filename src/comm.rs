@@ -12,7 +12,7 @@ use crate::backend::{Backend, Buf, Call, Communicator, FinalizeArgs, FinalizeDim
 use crate::tensor::StorageBuffer;
 use crate::types::{numbered, Numbered};
 pub use crate::types::{CommOptions, ReduceOp};
-use crate::{Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 numbered! {
     /// vLLM-Ascend's MoE communication type, chosen per forward pass (SPEC section 5).
@@ -398,6 +398,50 @@ pub(crate) fn dp_pcp_tp_coords(op: &'static str, world: &Comm, pcp_size: usize, 
     Ok([r / cell, (r / tp_size) % pcp_size, r % tp_size])
 }
 
+/// Before `world` is split into groups: every rank passed the same `sizes`
+/// (`(name, value)` pairs), checked on a CPU world with one all-gather of
+/// them. Ranks that passed other sizes then fail at once, each naming every
+/// rank's sizes, and a rank whose own sizes are invalid (`own`, its check of
+/// them) refuses through the all-gather ([`Collectives::refuse_call`]);
+/// otherwise `own` is returned. Without it the splits would wait out the timeout for members that ask
+/// for other lists, or for none. An HCCL world returns `own` and splits as
+/// it is (its splits meet in HCCL, which bounds the wait).
+pub(crate) fn agree_on_sizes<T>(
+    op: &'static str,
+    world: &Comm,
+    sizes: &[(&'static str, usize)],
+    own: Result<T>,
+) -> Result<T> {
+    let n = world.world_size();
+    if !matches!(world.device(), Device::Cpu) || n < 2 {
+        return own;
+    }
+    // Each size as the 64 bits of an i64.
+    let mine: Vec<i64> = sizes.iter().map(|&(_, s)| s as u64 as i64).collect();
+    let k = mine.len();
+    let staged = own.and_then(|v| Ok((v, Tensor::from_slice(&mine, &[k])?)));
+    let (v, staged) = staged.map_err(|e| world.refuse_call(Call::AllGather, DType::I64, e))?;
+    let mut all = Tensor::try_zeros_cpu(&[n * k], DType::I64)?;
+    world.all_gather(&staged, &mut all)?;
+    let all = all.to_vec::<i64>()?;
+    if all.chunks(k).all(|c| c == mine) {
+        return Ok(v);
+    }
+    let passed = |c: &[i64]| -> String {
+        let each: Vec<String> = sizes.iter().zip(c).map(|((name, _), &v)| format!("{name} {}", v as u64)).collect();
+        each.join(", ")
+    };
+    let ranks: Vec<String> = all.chunks(k).enumerate().map(|(r, c)| format!("rank {r} passed {}", passed(c))).collect();
+    Err(Error::Comm {
+        collective: op.to_string(),
+        group: world.name().to_string(),
+        rank: world.rank(),
+        world: n,
+        detail: format!("the ranks disagree on the group sizes: {}", ranks.join("; ")),
+        kind: crate::CommErrorKind::Mismatch,
+    })
+}
+
 /// The TP, DP and EP groups of a world of `dp * tp` ranks.
 ///
 /// World rank `r` has `dp_rank = r / tp`, `tp_rank = r % tp`; its TP group is
@@ -422,14 +466,18 @@ pub struct ParallelGroups {
 impl ParallelGroups {
     /// Builds the groups; called by every rank of `world` with the same sizes.
     pub fn new(world: &Comm, dp_size: usize, tp_size: usize) -> Result<Self> {
+        const OP: &str = "ParallelGroups::new";
         let n = world.world_size();
-        if dp_size == 0 || tp_size == 0 || dp_size.checked_mul(tp_size) != Some(n) {
-            return Err(Error::invalid(
-                "ParallelGroups::new",
+        let own = if dp_size == 0 || tp_size == 0 || dp_size.checked_mul(tp_size) != Some(n) {
+            Err(Error::invalid(
+                OP,
                 "dp_size",
                 format!("dp_size {dp_size} x tp_size {tp_size} must equal the world size {n}"),
-            ));
-        }
+            ))
+        } else {
+            Ok(())
+        };
+        agree_on_sizes(OP, world, &[("dp_size", dp_size), ("tp_size", tp_size)], own)?;
         let r = world.rank();
         let (dp_rank, tp_rank) = (r / tp_size, r % tp_size);
         let tp_ranks: Vec<usize> = (0..tp_size).map(|t| dp_rank * tp_size + t).collect();
@@ -450,14 +498,17 @@ impl ParallelGroups {
     pub fn with_pcp(world: &Comm, dp_size: usize, pcp_size: usize, tp_size: usize) -> Result<Self> {
         const OP: &str = "ParallelGroups::with_pcp";
         let n = world.world_size();
-        if dp_size.checked_mul(pcp_size).and_then(|c| c.checked_mul(tp_size)) != Some(n) || n == 0 {
-            return Err(Error::invalid(
+        let coords = if dp_size.checked_mul(pcp_size).and_then(|c| c.checked_mul(tp_size)) != Some(n) || n == 0 {
+            Err(Error::invalid(
                 OP,
                 "dp_size",
                 format!("DP {dp_size} x PCP {pcp_size} x TP {tp_size} must equal the world size {n}"),
-            ));
-        }
-        let [d, p, t] = dp_pcp_tp_coords(OP, world, pcp_size, tp_size)?;
+            ))
+        } else {
+            dp_pcp_tp_coords(OP, world, pcp_size, tp_size)
+        };
+        let sizes = [("dp_size", dp_size), ("pcp_size", pcp_size), ("tp_size", tp_size)];
+        let [d, p, t] = agree_on_sizes(OP, world, &sizes, coords)?;
         let at = |d: usize, p: usize, t: usize| (d * pcp_size + p) * tp_size + t;
         let tp = world.split(&(0..tp_size).map(|i| at(d, p, i)).collect::<Vec<_>>())?;
         let dp = world.split(&(0..dp_size).map(|i| at(i, p, t)).collect::<Vec<_>>())?;

@@ -132,3 +132,17 @@ fn a_shared_expert_collective_with_a_bad_shard_on_one_rank_fails_every_rank_at_o
         shared_pad_reduce_scatter_into(&rows(5, 4), tp, &mut out)
     });
 }
+
+#[test]
+fn group_sizes_one_rank_gets_wrong_fail_every_rank_at_once() {
+    use ascend_moe::comm::ParallelGroups;
+    let tp_of_bad = |rank, bad_tp| if rank == BAD { bad_tp } else { 2 };
+    // A TP size that does not divide the world, refused through the agreement.
+    one_bad_rank("invalid", 2, "tp_size", |rank, world| MoeGroups::from_world(world, tp_of_bad(rank, 3)).map(|_| ()));
+    // A valid TP size, but another one: every rank names every rank's sizes.
+    one_bad_rank("other", 2, "tp_size", |rank, world| MoeGroups::from_world(world, tp_of_bad(rank, 1)).map(|_| ()));
+    one_bad_rank("parallel groups", 4, "dp_size", |rank, world| {
+        let tp = tp_of_bad(rank, 1);
+        ParallelGroups::new(world, 4 / tp, tp).map(|_| ())
+    });
+}

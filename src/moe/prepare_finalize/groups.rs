@@ -2,7 +2,7 @@
 //! comm type every EP rank chose, match the context.
 
 use super::plan::{MoeContext, PREPARE};
-use crate::comm::{Collectives, Comm, CommType};
+use crate::comm::{agree_on_sizes, Collectives, Comm, CommType};
 use crate::{DType, Error, Result, Tensor};
 
 /// The groups a MoE layer communicates over: EP (= the world, DP-major), the
@@ -23,15 +23,15 @@ pub struct MoeGroups {
 impl MoeGroups {
     /// Splits `world` (EP = DP x TP ranks) into TP and DP groups. Every rank calls it.
     pub fn from_world(world: &Comm, tp_size: usize) -> Result<Self> {
+        const OP: &str = "MoeGroups::from_world";
         let ep = world.world_size();
-        if tp_size == 0 || ep % tp_size != 0 {
-            return Err(Error::invalid(
-                "MoeGroups::from_world",
-                "tp_size",
-                format!("{tp_size} does not divide the world size {ep}"),
-            ));
-        }
-        Self::from_world_pcp(world, 1, tp_size)
+        let coords = if tp_size == 0 || ep % tp_size != 0 {
+            Err(Error::invalid(OP, "tp_size", format!("{tp_size} does not divide the world size {ep}")))
+        } else {
+            crate::comm::dp_pcp_tp_coords(OP, world, 1, tp_size)
+        };
+        let coords = agree_on_sizes(OP, world, &[("pcp_size", 1), ("tp_size", tp_size)], coords)?;
+        Self::split(world, coords, 1, tp_size)
     }
 
     /// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * PCP + pcp) * TP
@@ -39,8 +39,16 @@ impl MoeGroups {
     /// rank calls it. An error names the three sizes when the world is not
     /// DP x `pcp_size` x `tp_size`.
     pub fn from_world_pcp(world: &Comm, pcp_size: usize, tp_size: usize) -> Result<Self> {
+        const OP: &str = "MoeGroups::from_world_pcp";
+        let coords = crate::comm::dp_pcp_tp_coords(OP, world, pcp_size, tp_size);
+        let coords = agree_on_sizes(OP, world, &[("pcp_size", pcp_size), ("tp_size", tp_size)], coords)?;
+        Self::split(world, coords, pcp_size, tp_size)
+    }
+
+    /// The groups of this rank at `coords` (its DP, PCP and TP ranks),
+    /// after every rank agreed on the sizes.
+    fn split(world: &Comm, [d, p, t]: [usize; 3], pcp_size: usize, tp_size: usize) -> Result<Self> {
         let ep = world.world_size();
-        let [d, p, t] = crate::comm::dp_pcp_tp_coords("MoeGroups::from_world_pcp", world, pcp_size, tp_size)?;
         let dp_size = ep / (pcp_size * tp_size);
         let at = |d: usize, p: usize, t: usize| (d * pcp_size + p) * tp_size + t;
         let tp_ranks: Vec<usize> = (0..tp_size).map(|i| at(d, p, i)).collect();
