@@ -2,31 +2,13 @@
 //! token prepare / finalize exports across 4 threads, through the same
 //! `extern "C"` functions a C or Python caller uses.
 
+mod capi_common;
+
 use std::ffi::{c_char, CString};
 use std::ptr::{null, null_mut};
 
 use ascend_moe::capi::*;
-
-fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
-    amoe_tensor {
-        data: data.as_mut_ptr().cast(),
-        dtype: amoe_dtype::F32 as u32,
-        ndim: shape.len(),
-        shape: shape.as_ptr(),
-        strides: null(),
-        device_kind: amoe_device_kind::Cpu as u32,
-        device_ordinal: 0,
-    }
-}
-
-fn last_error() -> String {
-    let mut buf = vec![0u8; amoe_last_error_length()];
-    let mut n = 0usize;
-    // SAFETY: `buf` is writable for its length.
-    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
-    assert_eq!(st, amoe_status::Ok);
-    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
-}
+use capi_common::{host, last_error};
 
 #[test]
 fn last_error_is_per_thread_truncates_on_char_boundaries_and_is_not_cleared_by_reading() {

@@ -3,12 +3,15 @@
 //! freed. The NPU tests are ignored without an NPU (`ci/sim.sh` runs them on
 //! the simulated runtime).
 
+mod capi_common;
+
 use std::ffi::c_void;
 use std::ptr::{null, null_mut};
 
 use ascend_moe::backend::npu::{DeviceBuffer, HcclComm, HcclRootInfo, NpuDevice};
 use ascend_moe::capi::*;
 use ascend_moe::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
+use capi_common::last_error;
 
 fn desc(data: *mut c_void, dtype: amoe_dtype, shape: &[usize], kind: amoe_device_kind, ordinal: i32) -> amoe_tensor {
     amoe_tensor {
@@ -20,15 +23,6 @@ fn desc(data: *mut c_void, dtype: amoe_dtype, shape: &[usize], kind: amoe_device
         device_kind: kind as u32,
         device_ordinal: ordinal,
     }
-}
-
-fn last_error() -> String {
-    let mut buf = vec![0u8; amoe_last_error_length()];
-    let mut n = 0usize;
-    // SAFETY: `buf` is writable for its length.
-    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
-    assert_eq!(st, amoe_status::Ok);
-    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
 }
 
 #[test]

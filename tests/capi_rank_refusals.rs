@@ -7,36 +7,18 @@
 //! mismatch naming rank 1 and the argument (a rank 0 that waited out the
 //! timeout would report a timeout naming neither).
 
+mod capi_common;
+
 use std::ffi::CString;
 use std::ptr::{null, null_mut};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Barrier;
 
 use ascend_moe::capi::*;
+use capi_common::{host, last_error};
 
 /// The rank whose argument is bad.
 const BAD: usize = 1;
-
-fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
-    amoe_tensor {
-        data: data.as_mut_ptr().cast(),
-        dtype: amoe_dtype::F32 as u32,
-        ndim: shape.len(),
-        shape: shape.as_ptr(),
-        strides: null(),
-        device_kind: amoe_device_kind::Cpu as u32,
-        device_ordinal: 0,
-    }
-}
-
-fn last_error() -> String {
-    let mut buf = vec![0u8; amoe_last_error_length()];
-    let mut n = 0usize;
-    // SAFETY: `buf` is writable for its length.
-    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
-    assert_eq!(st, amoe_status::Ok);
-    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
-}
 
 /// Runs `op(rank, world)` on two ranks of a fresh CPU world and checks: rank
 /// [`BAD`] fails with `bad_status`, naming `arg`; rank 0 fails with

@@ -4,6 +4,7 @@
 //! (field, both values) exactly once. Ignored without an NPU (`ci/sim.sh`
 //! runs them on the simulated runtime).
 
+mod capi_common;
 mod common;
 
 use ascend_moe::testing::graph::Graph;
@@ -12,15 +13,7 @@ use std::ptr::null_mut;
 
 use ascend_moe::backend::npu::{self, NpuDevice};
 use ascend_moe::capi::*;
-
-fn last_error() -> String {
-    let mut buf = vec![0u8; amoe_last_error_length()];
-    let mut n = 0usize;
-    // SAFETY: `buf` is writable for its length.
-    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
-    assert_eq!(st, amoe_status::Ok);
-    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
-}
+use capi_common::last_error;
 
 /// An engine-owned stream wrapped for the C ABI, and a live context on its device.
 struct Engine {

@@ -1,0 +1,30 @@
+//! Helpers of the C ABI tests: the calling thread's last error message and
+//! a host f32 descriptor, as a C caller writes them.
+#![allow(dead_code)]
+
+use std::ptr::null;
+
+use ascend_moe::capi::*;
+
+/// The calling thread's last error message (`amoe_last_error_message`).
+pub fn last_error() -> String {
+    let mut buf = vec![0u8; amoe_last_error_length()];
+    let mut n = 0usize;
+    // SAFETY: `buf` is writable for its length.
+    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
+    assert_eq!(st, amoe_status::Ok);
+    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
+}
+
+/// A contiguous host f32 descriptor of `shape` over `data`.
+pub fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
+    amoe_tensor {
+        data: data.as_mut_ptr().cast(),
+        dtype: amoe_dtype::F32 as u32,
+        ndim: shape.len(),
+        shape: shape.as_ptr(),
+        strides: null(),
+        device_kind: amoe_device_kind::Cpu as u32,
+        device_ordinal: 0,
+    }
+}
