@@ -570,6 +570,11 @@ void amoe_stream_free(struct amoe_stream *stream);
 // - CPU communicator (host tensors): the call returns when every rank
 //   called it, or fails on every rank (mismatch, timeout, dead peer); host
 //   memory is read and written during the call only, nothing is retained.
+//   A rank whose own arguments are bad (a NULL or malformed descriptor or
+//   list, an unknown op, a `dst` of the wrong size) returns that error, and
+//   its peers fail at once with `AMOE_STATUS_COMM_MISMATCH` naming the rank
+//   and its error. So do the other exports that communicate (the MoE ops,
+//   `amoe_comm_split`).
 // - HCCL communicator (NPU tensors): the collective is enqueued on `stream`
 //   (one HCCL call, after the communicator's previous collective) and the
 //   call returns. It never synchronises, never allocates device memory,
