@@ -403,9 +403,10 @@ pub(crate) fn dp_pcp_tp_coords(op: &'static str, world: &Comm, pcp_size: usize, 
 /// them. Ranks that passed other sizes then fail at once, each naming every
 /// rank's sizes, and a rank whose own sizes are invalid (`own`, its check of
 /// them) refuses through the all-gather ([`Collectives::refuse_call`]);
-/// otherwise `own` is returned. Without it the splits would wait out the timeout for members that ask
-/// for other lists, or for none. An HCCL world returns `own` and splits as
-/// it is (its splits meet in HCCL, which bounds the wait).
+/// otherwise `own` is returned. Without it the splits would wait out the
+/// timeout for members that ask for other lists, or for none. An HCCL world
+/// returns `own` and splits as it is (its splits meet in HCCL, which bounds
+/// the wait).
 pub(crate) fn agree_on_sizes<T>(
     op: &'static str,
     world: &Comm,

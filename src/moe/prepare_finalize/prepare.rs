@@ -154,10 +154,11 @@ pub(crate) enum Stage {
 /// collective they make first ([`Collectives::refuse_call`]): the comm-type
 /// agreement of prepare where the check is on, else the first collective of
 /// the token plan. A CPU group then fails on every rank at once, naming
-/// this rank's argument, instead of its peers waiting out the timeout. A
-/// plan in which the peers move no row (an MC2 or ALLTOALL prepare without
-/// the check, a local finalize) has nobody waiting: the error is returned as
-/// it is.
+/// this rank's argument, instead of its peers waiting out the timeout. The
+/// error is returned as it is where nobody waits for this rank or it cannot
+/// tell where they wait: a plan in which the peers move no row (an MC2 or
+/// ALLTOALL prepare without the check, a local finalize), or groups that do
+/// not match the context.
 pub(crate) fn refuse_first(
     stage: Stage,
     comm: CommType,
