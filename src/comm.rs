@@ -405,8 +405,10 @@ pub(crate) fn dp_pcp_tp_coords(op: &'static str, world: &Comm, pcp_size: usize, 
 /// them) refuses through the all-gather ([`Collectives::refuse_call`]);
 /// otherwise `own` is returned. Without it the splits would wait out the
 /// timeout for members that ask for other lists, or for none. An HCCL world
-/// returns `own` and splits as it is (its splits meet in HCCL, which bounds
-/// the wait).
+/// returns `own` and splits as it is: a member that never comes is reported
+/// by HCCL after `HCCL_CONNECT_TIMEOUT` (hicann/hccl
+/// `docs/zh/user_guide/hccl_env/HCCL_CONNECT_TIMEOUT.md`: the wait for the
+/// peers to join a communicator).
 pub(crate) fn agree_on_sizes<T>(
     op: &'static str,
     world: &Comm,
