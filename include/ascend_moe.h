@@ -524,6 +524,20 @@ amoe_status amoe_comm_split(const struct amoe_comm *comm,
                             size_t n,
                             struct amoe_comm **out);
 
+// Reports `message`, an error this rank found in its own arguments to a
+// call over `comm` that it will therefore not make, to the peers waiting in
+// that call (for a binding that checks arguments before it calls the
+// library). On a CPU communicator it joins their collective as a refusal:
+// each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`, naming this rank
+// and quoting `message`, and this call returns OK. On an HCCL communicator
+// nothing is sent (OK). The call must be one in which the peers' first
+// collective is over `comm` (a collective, an EP/SP op, a shared-expert
+// gather or reduce-scatter); otherwise this waits out the timeout.
+//
+// # Safety
+// `comm` must be a live handle; `message` a NUL-terminated UTF-8 string.
+amoe_status amoe_comm_refuse(const struct amoe_comm *comm, const char *message);
+
 // This rank's number in `comm`, into `*out`.
 //
 // # Safety
@@ -1210,6 +1224,27 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
                                const struct amoe_tensor *mc2_mask,
                                const struct amoe_stream *stream);
 
+// Reports `message`, an error this rank found in its own arguments to
+// `amoe_token_prepare` (`finalize` 0) or `amoe_token_finalize` (1) that it
+// will therefore not make, to the peers (for a binding that checks
+// arguments before it calls the library). The peers' first collective is
+// the comm-type agreement over the EP group where that check is on (a CPU
+// communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`; prepare only), else
+// the first collective of the token plan: a CPU group joins it as a
+// refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
+// quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
+// peer communicates (an MC2 or ALLTOALL prepare without the check, a local
+// finalize), or when `groups` do not match `ctx` (OK). An unknown
+// `comm_type` or an invalid `ctx` is returned as the error it is.
+//
+// # Safety
+// `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.
+amoe_status amoe_token_refuse(uint32_t comm_type,
+                              const struct amoe_moe_context *ctx,
+                              const struct amoe_moe_groups *groups,
+                              uint8_t finalize,
+                              const char *message);
+
 // Output shape of `amoe_token_finalize` for the experts' output `y` (the
 // prepared rows): `[this rank's tokens, H...]`.
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
@@ -1258,6 +1293,24 @@ amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy
                                          uint8_t *routed,
                                          uint8_t *shared,
                                          uint8_t *final_);
+
+// Reports `message`, an error this rank found in its own arguments at a
+// reduction point that it will therefore not run, to its TP peers (for a
+// binding that checks arguments before it calls the library). `reduces`
+// (0 or 1): whether the point reduces under the policy and comm type
+// (`amoe_reduce_policy_decisions`; 0 when they are unknown). The peers'
+// first collective over `tp_comm` is the comm-type agreement where that
+// check is on (a CPU communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`),
+// else the all-reduce of a point that reduces: a CPU communicator joins it
+// as a refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
+// quoting `message`, and this returns OK. Nothing is sent on an HCCL
+// communicator, over one rank, or where no peer communicates (OK).
+//
+// # Safety
+// `tp_comm` live; `message` a NUL-terminated UTF-8 string.
+amoe_status amoe_reduce_refuse(const struct amoe_comm *tp_comm,
+                               uint8_t reduces,
+                               const char *message);
 
 // Reduction point 1 (routed output, before the transform) with the live
 // `comm_type`: `out` = TP all-reduce of `x` when the policy says so for this

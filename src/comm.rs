@@ -398,6 +398,25 @@ pub(crate) fn dp_pcp_tp_coords(op: &'static str, world: &Comm, pcp_size: usize, 
     Ok([r / cell, (r / tp_size) % pcp_size, r % tp_size])
 }
 
+/// Checks that every rank of `group` holds `value`: one all-gather of one i32
+/// per rank, then [`Backend::expect_all_equal`]. On the CPU every rank
+/// fails at once with `mismatch`'s error (given every rank's value); on an
+/// NPU the values are compared on the device and every rank's next stream
+/// check fails with it (given the first rank that differs): no host sync,
+/// capturable.
+pub(crate) fn expect_group_agrees<C: Collectives + ?Sized>(
+    group: &C,
+    value: i32,
+    mismatch: crate::backend::Mismatch,
+) -> Result<()> {
+    let device = group.device();
+    let backend = device.backend();
+    let mine = backend.scratch_from_host(&Tensor::from_slice(&[value], &[1])?)?;
+    let mut all = backend.scratch(&[group.world_size()], DType::I32)?;
+    group.all_gather(&mine, &mut all)?;
+    backend.expect_all_equal(&all, value, mismatch)
+}
+
 /// Before `world` is split into groups: every rank passed the same `sizes`
 /// (`(name, value)` pairs), checked on a CPU world with one all-gather of
 /// them. Ranks that passed other sizes then fail at once, each naming every

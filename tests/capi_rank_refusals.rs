@@ -21,7 +21,8 @@ use capi_common::{host, last_error};
 const BAD: usize = 1;
 
 /// Runs `op(rank, world)` on two ranks of a fresh CPU world and checks: rank
-/// [`BAD`] fails with `bad_status`, naming `arg`; rank 0 fails with
+/// [`BAD`] fails with `bad_status`, naming `arg` (or returns OK, when it
+/// reports its refusal with `amoe_*_refuse`); rank 0 fails with
 /// COMM_MISMATCH naming rank [`BAD`] and `arg`.
 fn one_bad_rank(
     case: &str,
@@ -67,7 +68,8 @@ fn one_bad_rank_seen_as(
     });
     let (st, msg) = &res[BAD];
     assert_eq!(*st, bad_status, "{case}: rank {BAD}: {msg}");
-    assert!(msg.contains(arg), "{case}: rank {BAD}'s error does not name `{arg}`: {msg}");
+    // A rank that reports its refusal itself (amoe_*_refuse) succeeds in that.
+    assert!(*st == amoe_status::Ok || msg.contains(arg), "{case}: rank {BAD}'s error does not name `{arg}`: {msg}");
     let (st, msg) = &res[0];
     assert_eq!(*st, amoe_status::CommMismatch, "{case}: rank 0 did not learn rank {BAD}'s refusal: {msg}");
     assert!(msg.contains(&format!("rank {BAD}")) && msg.contains(seen), "{case}: rank 0: {msg}");
@@ -223,6 +225,62 @@ fn a_split_with_a_null_list_on_one_rank_fails_every_rank_at_once() {
         let st = unsafe { amoe_comm_split(c, list, 2, &mut sub) };
         // SAFETY: NULL or the new handle, freed once.
         unsafe { amoe_comm_free(sub) };
+        st
+    });
+}
+
+/// A binding that refuses its own arguments before it calls the library
+/// tells the peers through `amoe_comm_refuse`, `amoe_reduce_refuse` or
+/// `amoe_token_refuse`: they fail at once quoting its message.
+#[test]
+fn a_binding_reports_its_own_refusal_to_the_peers_waiting_in_the_call() {
+    let message = CString::new("binding: `x` is float64, which the library does not take").expect("no NUL");
+    one_bad_rank("comm_refuse", "float64", amoe_status::Ok, |rank, c| {
+        let (mut a, mut b) = (vec![1f32; 3 * 4], vec![0f32; 2 * 4]);
+        let (xd, od) = (host(&mut a, &[3, 4]), host(&mut b, &[2, 4]));
+        let sizes = [2usize, 1];
+        // SAFETY: live handle; descriptors over live buffers; a C string.
+        unsafe {
+            if rank == BAD {
+                amoe_comm_refuse(c, message.as_ptr())
+            } else {
+                amoe_maybe_pad_and_reduce(&xd, sizes.as_ptr(), 2, c, &od, null())
+            }
+        }
+    });
+    let policy = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    one_bad_rank("reduce_refuse", "float64", amoe_status::Ok, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 3 * 4]);
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[3, 4]));
+        // SAFETY: as above; a valid policy.
+        unsafe {
+            if rank == BAD {
+                amoe_reduce_refuse(c, 1, message.as_ptr())
+            } else {
+                amoe_reduce_final(&policy, &xd, amoe_comm_type::AllGather as u32, c, &od, null())
+            }
+        }
+    });
+    let dp_tokens = [2usize, 2];
+    one_bad_rank("token_refuse", "float64", amoe_status::Ok, |rank, c| {
+        let mut groups: *mut amoe_moe_groups = null_mut();
+        // SAFETY: live world handle and out-pointer.
+        assert_eq!(unsafe { amoe_moe_groups_new(c, 1, 1, &mut groups) }, amoe_status::Ok, "{}", last_error());
+        let ctx =
+            amoe_moe_context { dp_tokens: dp_tokens.as_ptr(), dp_size: 2, tp_size: 1, dp_rank: rank, ..Default::default() };
+        let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);
+        let (yd, od) = (host(&mut y, &[4, 4]), host(&mut o, &[2, 4]));
+        let ag = amoe_comm_type::AllGather as u32;
+        // SAFETY: live handles; descriptors over live buffers; a C string.
+        let st = unsafe {
+            if rank == BAD {
+                amoe_token_refuse(ag, &ctx, groups, 1, message.as_ptr())
+            } else {
+                amoe_token_finalize(&yd, ag, &ctx, groups, &od, null())
+            }
+        };
+        // SAFETY: the handle from amoe_moe_groups_new, freed once.
+        unsafe { amoe_moe_groups_free(groups) };
         st
     });
 }

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use acl_sys::aclrtStream;
 
-use super::ffi::{ffi, read_sizes, read_str, refusing, refusing_on, try_out, write_out, Call, Failure};
+use super::ffi::{
+    ffi, read_sizes, read_str, refuse_on, refusing, refusing_on, send_refusal, try_out, write_out, Call, Failure,
+};
 use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, AMOE_HCCL_WORLD};
 use crate::backend::cpu::CpuComm;
@@ -131,6 +133,27 @@ pub unsafe extern "C" fn amoe_comm_split(
         let (out, ranks) = refusing(checked, |e| c.split(&[]).err().unwrap_or(e))?;
         box_out(out, c.split(&ranks)?);
         Ok(())
+    })
+}
+
+/// Reports `message`, an error this rank found in its own arguments to a
+/// call over `comm` that it will therefore not make, to the peers waiting in
+/// that call (for a binding that checks arguments before it calls the
+/// library). On a CPU communicator it joins their collective as a refusal:
+/// each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`, naming this rank
+/// and quoting `message`, and this call returns OK. On an HCCL communicator
+/// nothing is sent (OK). The call must be one in which the peers' first
+/// collective is over `comm` (a collective, an EP/SP op, a shared-expert
+/// gather or reduce-scatter); otherwise this waits out the timeout.
+///
+/// # Safety
+/// `comm` must be a live handle; `message` a NUL-terminated UTF-8 string.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_comm_refuse(comm: *const amoe_comm, message: *const c_char) -> amoe_status {
+    const F: &str = "amoe_comm_refuse";
+    ffi!(F, {
+        let c = try_handle(F, "comm", comm)?;
+        send_refusal(F, message, refuse_on(c))
     })
 }
 

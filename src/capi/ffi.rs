@@ -388,17 +388,45 @@ pub(crate) fn refusing<T>(
 ) -> Result<T, Failure> {
     // Only the message travels (the peers quote it); this rank returns the
     // failure itself.
-    checked.inspect_err(|failure| drop(refuse(crate::Error::Unavailable(failure.msg.clone()))))
+    checked.inspect_err(|failure| drop(refuse(refusal_of(failure.msg.clone()))))
+}
+
+/// The error a refusal carries to the peers: only its text travels (they
+/// quote it), so it is the message as it is.
+fn refusal_of(message: String) -> crate::Error {
+    crate::Error::Unavailable(message)
+}
+
+/// The body of the `amoe_*_refuse` exports: `message` (a caller's own error,
+/// found before a call its peers are making) sent through `refuse`. OK once
+/// the peers have it, or where nothing is sent (an HCCL group, a call in
+/// which no peer waits); else the group's own error (a peer died meanwhile,
+/// the timeout passed).
+pub(crate) fn send_refusal(
+    f: &str,
+    message: *const c_char,
+    refuse: impl FnOnce(crate::Error) -> crate::Error,
+) -> Result<(), Failure> {
+    let text = read_str(f, "message", message)?;
+    match refuse(refusal_of(text.clone())) {
+        crate::Error::Unavailable(t) if t == text => Ok(()),
+        e => Err(e.into()),
+    }
 }
 
 /// [`refusing`] for an export whose peers make a collective on
 /// `comm` first whatever their own arguments: a collective, or an op
-/// whose CPU ranks always join ([`crate::comm::joins_empty`]). The kind
-/// of the refused collective does not matter: the peers see a refusal
-/// before they compare what each rank called.
+/// whose CPU ranks always join ([`crate::comm::joins_empty`]).
 pub(crate) fn refusing_on<T>(comm: &Comm, checked: Result<T, Failure>) -> Result<T, Failure> {
+    refusing(checked, refuse_on(comm))
+}
+
+/// The refusal through a collective on `comm`
+/// ([`crate::Collectives::refuse_call`]). Its kind does not matter: the
+/// peers see a refusal before they compare what each rank called.
+pub(crate) fn refuse_on(comm: &Comm) -> impl FnOnce(crate::Error) -> crate::Error + '_ {
     use crate::Collectives;
-    refusing(checked, |e| comm.refuse_call(crate::backend::Call::AllGather, DType::U8, e))
+    move |e| comm.refuse_call(crate::backend::Call::AllGather, DType::U8, e)
 }
 
 /// `try_ref!(FUNC, ptr, "arg")`: a shared reference, or return NULL_ARGUMENT.

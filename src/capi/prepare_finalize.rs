@@ -1,7 +1,11 @@
 //! Token prepare / finalize per MoE comm type (SPEC section 6): the token
 //! padding, splitting and gathering around the experts of one MoE layer.
 
-use super::ffi::{ffi, flag, read_meta, read_sizes, refusing, try_out, try_ref, write_out, write_shape, Call, Failure};
+use std::ffi::c_char;
+
+use super::ffi::{
+    ffi, flag, read_meta, read_sizes, refusing, send_refusal, try_out, try_ref, write_out, write_shape, Call, Failure,
+};
 use super::handle::{box_out, free_box, try_handle};
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
@@ -320,6 +324,39 @@ pub unsafe extern "C" fn amoe_token_prepare(
             cx.write(&m, &mask)?;
         }
         Ok(())
+    })
+}
+
+/// Reports `message`, an error this rank found in its own arguments to
+/// `amoe_token_prepare` (`finalize` 0) or `amoe_token_finalize` (1) that it
+/// will therefore not make, to the peers (for a binding that checks
+/// arguments before it calls the library). The peers' first collective is
+/// the comm-type agreement over the EP group where that check is on (a CPU
+/// communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`; prepare only), else
+/// the first collective of the token plan: a CPU group joins it as a
+/// refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
+/// quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
+/// peer communicates (an MC2 or ALLTOALL prepare without the check, a local
+/// finalize), or when `groups` do not match `ctx` (OK). An unknown
+/// `comm_type` or an invalid `ctx` is returned as the error it is.
+///
+/// # Safety
+/// `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_token_refuse(
+    comm_type: u32,
+    ctx: *const amoe_moe_context,
+    groups: *const amoe_moe_groups,
+    finalize: u8,
+    message: *const c_char,
+) -> amoe_status {
+    const F: &str = "amoe_token_refuse";
+    ffi!(F, {
+        let c = context(F, ctx)?;
+        let g = try_handle(F, "groups", groups)?;
+        let ct = CommType::from_u32(comm_type)?;
+        let stage = if flag(finalize) { pf::Stage::Finalize } else { pf::Stage::Prepare };
+        send_refusal(F, message, |e| pf::refuse_first(stage, ct, &c, g, DType::U8, e))
     })
 }
 

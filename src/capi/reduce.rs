@@ -1,7 +1,10 @@
 //! The runtime-aware reduce policy (SPEC section 5): its decisions and the
 //! three reduction points, evaluated with the live comm type.
 
-use super::ffi::{ffi, flag, refusing, try_out, try_ref, write_out, Call, Failure};
+use std::ffi::c_char;
+
+use super::ffi::{ffi, flag, refusing, send_refusal, try_out, try_ref, write_out, Call, Failure};
+use super::handle::try_handle;
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::{self, ReducePoint, ReducePolicy, SharedMode};
 use crate::{CommType, DType};
@@ -135,6 +138,33 @@ fn reduce_point(
             cx.write(&out, &y)
         }
     }
+}
+
+/// Reports `message`, an error this rank found in its own arguments at a
+/// reduction point that it will therefore not run, to its TP peers (for a
+/// binding that checks arguments before it calls the library). `reduces`
+/// (0 or 1): whether the point reduces under the policy and comm type
+/// (`amoe_reduce_policy_decisions`; 0 when they are unknown). The peers'
+/// first collective over `tp_comm` is the comm-type agreement where that
+/// check is on (a CPU communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`),
+/// else the all-reduce of a point that reduces: a CPU communicator joins it
+/// as a refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
+/// quoting `message`, and this returns OK. Nothing is sent on an HCCL
+/// communicator, over one rank, or where no peer communicates (OK).
+///
+/// # Safety
+/// `tp_comm` live; `message` a NUL-terminated UTF-8 string.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_reduce_refuse(
+    tp_comm: *const amoe_comm,
+    reduces: u8,
+    message: *const c_char,
+) -> amoe_status {
+    const F: &str = "amoe_reduce_refuse";
+    ffi!(F, {
+        let tp = try_handle(F, "tp_comm", tp_comm)?;
+        send_refusal(F, message, |e| moe::reduce::refuse_at_point(flag(reduces), tp, DType::I32, e))
+    })
 }
 
 /// Reduction point 1 (routed output, before the transform) with the live

@@ -2,8 +2,8 @@
 //! comm type every EP rank chose, match the context.
 
 use super::plan::{MoeContext, PREPARE};
-use crate::comm::{agree_on_sizes, Collectives, Comm, CommType};
-use crate::{DType, Error, Result, Tensor};
+use crate::comm::{agree_on_sizes, expect_group_agrees, Collectives, Comm, CommType};
+use crate::{Error, Result};
 
 /// The groups a MoE layer communicates over: EP (= the world, DP-major), the
 /// TP group of this rank, its DP group and, with PCP, its PCP group.
@@ -180,13 +180,9 @@ pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
     if world <= 1 {
         return Ok(());
     }
-    let device = ep.device();
-    let mine = device.backend().scratch_from_host(&Tensor::from_slice(&[comm as i32], &[1])?)?;
-    let mut all = device.backend().scratch(&[world], DType::I32)?;
-    ep.all_gather(&mine, &mut all)?;
     let (group, rank) = (ep.name().to_string(), ep.rank());
-    device.backend().expect_all_equal(
-        &all,
+    expect_group_agrees(
+        ep,
         comm as i32,
         Box::new(move |chosen, first, value| {
             comm_type_disagreement(op, kind, comm, &group, rank, chosen, first, value)
