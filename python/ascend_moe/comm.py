@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import threading
 import weakref
 from ctypes import c_size_t, c_void_p
@@ -11,10 +12,10 @@ from ctypes import c_size_t, c_void_p
 import numpy as np
 
 from . import shapes
-from ._enums import HCCL_WORLD, ReduceOp, Status
-from ._errors import error
+from ._enums import HCCL_WORLD, REDUCIBLE_DTYPE_NAMES, DType, ReduceOp, Status
+from ._errors import AmoeError, error
 from ._lib import U32_MAX, Lease, Owned, c_uint, call, integer, sizes
-from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
+from ._tensor import NUMPY_DTYPES, Desc, Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -233,11 +234,75 @@ def _op(op) -> int:
     return int(ReduceOp.parse(op)) if isinstance(op, str) else c_uint("op", op, U32_MAX)
 
 
+# Elements of the `dst` the library expects for `n` elements of `src` on
+# `world` ranks, by collective.
+_DST_ELEMENTS = {
+    "amoe_all_reduce": lambda n, world: n,
+    "amoe_reduce_scatter": lambda n, world: n // world,
+    "amoe_all_gather": lambda n, world: n * world,
+}
+_REDUCES = ("amoe_all_reduce", "amoe_reduce_scatter")
+
+
+def _shape_and_code(arg: str, t):
+    """`(shape, dtype code)` of an array or tensor whose dtype the library
+    knows, else None."""
+    shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    try:
+        return tuple(int(d) for d in shape), dtype_code(arg, dtype)
+    except (AmoeError, TypeError, ValueError):
+        return None
+
+
+def _join_refused(name: str, h, *args) -> None:
+    """Makes the library call `name`, which refuses its arguments: on a CPU
+    communicator the refusal joins the peers' collective, so they fail at once
+    with this rank's reason. Its own error is the caller's to raise."""
+    try:
+        call(name, h, *args)
+    except AmoeError:
+        pass
+
+
+def _refuse_collective(name: str, h, s: Desc, comm: Comm, out, extra) -> None:
+    """This rank refused its arguments to collective `name` before the
+    library saw them, while its peers are making the call: the library gets
+    them now, where it finds the same fault (an `out` of another element
+    count or dtype, a dtype a reduction never takes, a `src` the world size
+    does not divide) and reports it to every rank instead of leaving the peers
+    to wait out the timeout. It writes into memory of its own, never `out`.
+    A fault the library cannot see (a non-contiguous `out`, one of the right
+    count but another shape) is not passed on."""
+    if s.npu is not None:
+        return  # an HCCL communicator refuses locally: nothing to join
+    n, world = math.prod(s.shape), comm.world_size
+    want = _DST_ELEMENTS[name](n, world)
+    code = s.c.dtype
+    given = _shape_and_code("out", out) if out is not None else None
+    if given is not None and (math.prod(given[0]) != want or given[1] != code):
+        shape, code = given
+    elif (name in _REDUCES and DType(code).name.lower() not in REDUCIBLE_DTYPE_NAMES) or (
+        name == "amoe_reduce_scatter" and n % world
+    ):
+        shape = (want,)
+    else:
+        return
+    scratch = np.empty(shape, NUMPY_DTYPES[code])
+    d = Desc("dst", shape, scratch.dtype, scratch, scratch.ctypes.data)
+    _join_refused(name, h, s.ptr, d.ptr, *extra, None)
+
+
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
     o = Operands(stream)
     s = o.input("x", x)  # x's dtype is named first, as the library would
     h = handle_of("comm", comm)
-    d = o.output(shape_fn(s, comm), s, out)
+    try:
+        d = o.output(shape_fn(s, comm), s, out)
+    except AmoeError:
+        _refuse_collective(name, h, s, comm, out, extra)
+        raise
     call(name, h, s.ptr, d.ptr, *extra, o.stream)
     return o.result
 
@@ -257,6 +322,30 @@ def all_gather(x, comm: Comm, *, out=None, stream=None):
     return _collective("amoe_all_gather", shapes.all_gather, x, comm, (), out, stream)
 
 
+def _on_host(t) -> bool:
+    return getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
+
+
+def _refuse_broadcast(h, x, out, root) -> None:
+    """`out` does not take `x`, while the peers broadcast buffers like `x`:
+    when it holds another element count or dtype, the library is asked to
+    broadcast a buffer of out's shape and dtype (memory of its own), which
+    it refuses on every rank as a mismatched collective, naming the counts
+    and dtypes, instead of leaving the peers to wait out the timeout."""
+    mine, theirs = _shape_and_code("out", out), _shape_and_code("x", x)
+    if mine is None or theirs is None or not (_on_host(out) and _on_host(x)):
+        return
+    if math.prod(mine[0]) == math.prod(theirs[0]) and mine[1] == theirs[1]:
+        return  # the library would take it: nothing true to refuse with
+    try:
+        root = c_uint("root", root)
+    except AmoeError:
+        return
+    scratch = np.empty(mine[0], NUMPY_DTYPES[mine[1]])
+    d = Desc("out", mine[0], scratch.dtype, scratch, scratch.ctypes.data)
+    _join_refused("amoe_broadcast", h, d.ptr, root, None)
+
+
 def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
     is first copied into `out`, which must have x's shape and dtype (default a
@@ -273,6 +362,7 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     elif out is not x:
         xa = x if hasattr(x, "dtype") else as_array("x", x)
         if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
+            _refuse_broadcast(h, xa, out, root)
             raise error(
                 Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
                 f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "

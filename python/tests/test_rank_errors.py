@@ -1,0 +1,177 @@
+"""A bad argument on one rank of a collective fails every rank at once.
+
+One rank passes something wrong (an `out` of the wrong shape or dtype, a
+dtype a reduction never takes, rows the world size does not divide) while
+its peers call the collective correctly. That rank must raise an error
+naming the argument, and each peer must fail promptly with the bad rank's
+reason: never wait out the communicator's timeout, never return.
+
+Ranks run as threads of this process, each keeping its communicator open
+until every rank is done (as an engine whose rank caught the error would):
+a rank that closes it at once fails its peers through the closed group,
+which would hide a refusal that never reached them."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import ascend_moe as am
+
+TIMEOUT_S = 3.0
+F32 = np.float32
+BAD = 1
+
+
+def run_with_one_bad_rank(fn, n=2):
+    """`fn(comm, rank)` on every rank of a fresh n-rank CPU world (threads);
+    returns `{rank: ("ok", value, secs) | ("err", AmoeError, secs)}`. Every
+    rank keeps its communicator open until all of them returned or raised."""
+    name, res = f"rank-errors-{uuid.uuid4().hex[:12]}", {}
+    done = threading.Barrier(n)
+
+    def main(r):
+        try:
+            with am.Comm.cpu(name, n, r, timeout_s=TIMEOUT_S) as c:
+                t0 = time.monotonic()
+                try:
+                    res[r] = ("ok", fn(c, r), time.monotonic() - t0)
+                except am.AmoeError as e:
+                    res[r] = ("err", e, time.monotonic() - t0)
+                except BaseException as e:  # noqa: BLE001 - a wrong exception type is a failure too
+                    res[r] = ("bug", e, time.monotonic() - t0)
+                try:
+                    done.wait(3 * TIMEOUT_S + 5)
+                except threading.BrokenBarrierError:
+                    pass
+        except BaseException as e:  # noqa: BLE001
+            res.setdefault(r, ("bug", e, 0.0))
+
+    ts = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(4 * TIMEOUT_S + 10)
+    assert len(res) == n, f"ranks {sorted(set(range(n)) - set(res))} hung"
+    bugs = {r: v for r, (k, v, _) in res.items() if k == "bug"}
+    assert not bugs, bugs
+    return res
+
+
+def assert_refused_everywhere(res, bad_naming, peer_naming):
+    """The bad rank raised naming `bad_naming`; every peer raised promptly
+    (not a timeout) naming the bad rank and `peer_naming`."""
+    ok = sorted(r for r, (k, _, _) in res.items() if k == "ok")
+    assert not ok, f"ranks {ok} returned while rank {BAD} passed a bad argument: {res}"
+    kind, e, _ = res[BAD]
+    assert bad_naming in str(e), f"rank {BAD}: {e}"
+    for r, (_, e, secs) in sorted(res.items()):
+        if r == BAD:
+            continue
+        assert e.status != am.Status.COMM_TIMEOUT, f"rank {r} waited out the timeout instead of being refused: {e}"
+        assert secs < TIMEOUT_S, f"rank {r} failed after {secs:.2f} s: {e}"
+        names_bad = f"rank {BAD}" in str(e) or f"ranks [{BAD}]" in str(e)
+        assert names_bad and peer_naming in str(e), f"rank {r}: {e}"
+
+
+X = np.arange(12, dtype=F32).reshape(4, 3)
+
+
+def _bad(r, good, bad):
+    return bad if r == BAD else good
+
+
+# (id, the call every rank makes, what the bad rank's error names, what the peers' error names)
+CASES = [
+    (
+        "all_reduce out of the wrong shape",
+        lambda c, r: am.all_reduce(X, c, out=_bad(r, None, np.empty((5, 3), F32))),
+        "`out`",
+        "`dst`",
+    ),
+    (
+        "all_reduce out of the wrong dtype",
+        lambda c, r: am.all_reduce(X, c, out=_bad(r, None, np.empty((4, 3), np.float16))),
+        "`out`",
+        "`dst`",
+    ),
+    (
+        "all_reduce of int8, which is never reduced",
+        lambda c, r: am.all_reduce(_bad(r, X, X.astype(np.int8)), c),
+        "never reduced",
+        "never reduced",
+    ),
+    (
+        "reduce_scatter of rows the world size does not divide",
+        lambda c, r: am.reduce_scatter(_bad(r, X, np.ones((3, 3), F32)), c),
+        "does not divide",
+        "`src`",
+    ),
+    (
+        "reduce_scatter of int8",
+        lambda c, r: am.reduce_scatter(_bad(r, X, X.astype(np.int8)), c),
+        "never reduced",
+        "never reduced",
+    ),
+    (
+        "reduce_scatter out of the wrong shape",
+        lambda c, r: am.reduce_scatter(X, c, out=_bad(r, None, np.empty((4, 3), F32))),
+        "`out`",
+        "`",
+    ),
+    (
+        "all_gather out of the wrong shape",
+        lambda c, r: am.all_gather(X, c, out=_bad(r, None, np.empty((9, 3), F32))),
+        "`out`",
+        "`dst`",
+    ),
+    (
+        "all_gather out of the wrong dtype",
+        lambda c, r: am.all_gather(X, c, out=_bad(r, None, np.empty((8, 3), np.float16))),
+        "`out`",
+        "`dst`",
+    ),
+    (
+        "broadcast out of the wrong shape",
+        lambda c, r: am.broadcast(X, c, out=_bad(r, None, np.empty((5, 3), F32))),
+        "`out`",
+        "count 15",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,bad_naming,peer_naming", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_collective_argument_on_one_rank_fails_every_rank_at_once(call, bad_naming, peer_naming):
+    assert_refused_everywhere(run_with_one_bad_rank(call), bad_naming, peer_naming)
+
+
+def test_the_refusal_leaves_the_group_usable():
+    """After a refused call every rank's next collective pairs with its
+    peers' next one: the refusal took exactly one call on every rank."""
+
+    def body(c, r):
+        try:
+            am.all_reduce(X, c, out=_bad(r, None, np.empty((5, 3), F32)))
+        except am.AmoeError:
+            pass
+        return am.all_reduce(np.full(2, r + 1, F32), c)
+
+    res = run_with_one_bad_rank(body)
+    for r, (kind, v, _) in res.items():
+        assert kind == "ok", (r, v)
+        np.testing.assert_array_equal(v, [3.0, 3.0])
+
+
+def test_the_bad_rank_never_writes_its_out():
+    """The refusal runs over memory of its own: the rejected `out` keeps its contents."""
+    mine = np.full((5, 3), 7.0, F32)
+
+    def body(c, r):
+        return am.all_reduce(X, c, out=_bad(r, None, mine))
+
+    run_with_one_bad_rank(body)
+    assert (mine == 7.0).all()
