@@ -35,7 +35,8 @@ vLLM's `GroupCoordinator`s map to communicators once each (`comm_for_group`),
 cached per group and device kind: on the NPU the group's HCCL communicator is
 borrowed (`Comm.from_process_group(group.device_group)`); on the CPU, a CPU
 world joined by the group's ranks when all of them are on one host (checked
-over the group's `cpu_group`), otherwise the group's own collectives
+over the group's `cpu_group`; its waits are bounded by
+`$ASCEND_MOE_COMM_TIMEOUT`, default 60 s), otherwise the group's own collectives
 (`group.all_gather`, `group.reduce_scatter`, `group.all_reduce`).
 
 What stays vLLM-Ascend's: the comm-type selection, the MC2 / all-to-all
@@ -283,6 +284,12 @@ def comm_for_group(group, device_kind: str = "cpu"):
         return backend
 
 
+# The timeout of the CPU worlds the adapter makes: 0 takes
+# `$ASCEND_MOE_COMM_TIMEOUT` (else 60 s), the engine's one way to say how long
+# a rank waits for a peer that failed before it reached a collective.
+_ENGINE_TIMEOUT = 0.0
+
+
 def _build_backend(group, device_kind: str):
     if device_kind == "npu":
         pg = getattr(group, "device_group", None)
@@ -298,7 +305,7 @@ def _build_backend(group, device_kind: str):
         return _GroupBackend(group)
     rank, world = _rank_and_size(group)
     if world == 1:
-        return _CommBackend(Comm.cpu(f"vllm-{uuid.uuid4().hex}", 1, 0))
+        return _CommBackend(Comm.cpu(f"vllm-{uuid.uuid4().hex}", 1, 0, timeout_s=_ENGINE_TIMEOUT))
     hosts = [None] * world
     dist.all_gather_object(hosts, _host_id(), group=cpu_group)
     if len(set(hosts)) != 1:
@@ -306,7 +313,7 @@ def _build_backend(group, device_kind: str):
     token = [uuid.uuid4().hex if rank == 0 else None]
     src = dist.get_global_rank(cpu_group, 0) if hasattr(dist, "get_global_rank") else group.ranks[0]
     dist.broadcast_object_list(token, src=src, group=cpu_group)
-    return _CommBackend(Comm.cpu(f"vllm-{token[0]}", world, rank))
+    return _CommBackend(Comm.cpu(f"vllm-{token[0]}", world, rank, timeout_s=_ENGINE_TIMEOUT))
 
 
 def _rank_and_size(group) -> tuple:

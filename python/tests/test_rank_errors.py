@@ -175,3 +175,48 @@ def test_the_bad_rank_never_writes_its_out():
 
     run_with_one_bad_rank(body)
     assert (mine == 7.0).all()
+
+
+def test_the_vllm_adapter_cpu_world_waits_as_long_as_the_environment_says(monkeypatch):
+    """The vLLM adapter makes its CPU worlds itself: `$ASCEND_MOE_COMM_TIMEOUT`
+    is the one way an engine sets how long a rank waits there for a peer that
+    failed, so a world made for a group must take it (not a fixed 60 s)."""
+    import torch.distributed as dist
+
+    import ascend_moe.vllm_ascend as av
+
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("ASCEND_MOE_COMM_TIMEOUT", "1")
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank, raising=False)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=0, group=None: objs.__setitem__(0, token))
+    groups = [
+        type("Group", (), dict(cpu_group=object(), rank_in_group=r, world_size=2, ranks=[0, 1], unique_name=f"ep:{r}"))()
+        for r in range(2)
+    ]
+    made, seen = {}, {}
+
+    def rank(r):
+        made[r] = av._build_backend(groups[r], "cpu")
+        if r == 0:  # rank 1 never comes: rank 0 waits out the timeout
+            t0 = time.monotonic()
+            try:
+                am.all_reduce(np.ones(2, F32), made[r].comm)
+            except am.AmoeError as e:
+                seen["err"] = (e, time.monotonic() - t0)
+
+    ts = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in ts:
+        t.start()
+    ts[0].join(70)
+    try:
+        assert "err" in seen, "rank 0's all_reduce did not fail"
+        e, secs = seen["err"]
+        assert e.status == am.Status.COMM_TIMEOUT and "after 1s" in str(e), e
+        assert secs < 10, secs
+    finally:
+        ts[1].join(5)
+        for b in made.values():
+            b.comm.close()
