@@ -462,14 +462,18 @@ def _fit_rows(x, rows: int):
 
 
 def _gather_impl(x):
+    # The group's backend first: building it is a collective over the group
+    # (on the group's gloo CPU group), which a rank whose input is refused
+    # below must still join, or its peers wait there, past every timeout of
+    # ours, for gloo's own.
+    backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
     layout, rows = _gather_plan(x)
-    ep = _group("get_ep_group")
     byte_dtype = x.dtype in _byte_dtypes()
     import torch
 
     src = x.view(torch.uint8) if byte_dtype else x
     src = _fit_rows(src.contiguous(), rows)
-    out = comm_for_group(ep, _device_kind(x.device)).gather(src, layout)
+    out = backend.gather(src, layout)
     return out.view(x.dtype) if byte_dtype else out
 
 
@@ -507,11 +511,11 @@ def _reduce_plan(x):
 
 
 def _reduce_impl(x):
+    # The group's backend first, as in `_gather_impl`.
+    backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
     layout, pad_to = _reduce_plan(x)
-    ep = _group("get_ep_group")
     if x.dtype in _byte_dtypes():
         raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
-    backend = comm_for_group(ep, _device_kind(x.device))
     if layout is None and x.shape[0] % backend.world_size:
         # SPEC section 3, on the groups' own collectives as on a communicator.
         raise error(

@@ -220,3 +220,66 @@ def test_the_vllm_adapter_cpu_world_waits_as_long_as_the_environment_says(monkey
         ts[1].join(5)
         for b in made.values():
             b.comm.close()
+
+
+def _vllm_first_call_refused_on_one_rank(name, world, rank, op):
+    """A rank body (`world.run_world`): vLLM's groups on the CPU, the adapter
+    installed, and a first `torch.ops.vllm.<op>` whose input rank `BAD`
+    refuses (one row too many). Returns `(status, seconds, message)`; the
+    process then stays, with its communicators, until every rank returned."""
+    import os
+    import tempfile
+
+    import torch
+
+    import ascend_moe.vllm_ascend as av
+    import vllm_standins as vs
+    import vllm_workers as vw
+
+    vw.init(name, world, rank, 2)
+    local = vw._sp_layout([5, 3], 2)
+    extra = 1 if rank == BAD else 0
+    av.install()
+    try:
+        with vs.forward_context(**vw._ctx([5, 3], local, 2)):
+            t0 = time.monotonic()
+            try:
+                if op == "gather":
+                    torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(local[rank] + extra, 3))
+                else:
+                    torch.ops.vllm.maybe_pad_and_reduce(torch.ones(sum(local) + extra, 3))
+                seen = ("ok", time.monotonic() - t0, "")
+            except am.AmoeError as e:
+                seen = (am.Status(e.status).name, time.monotonic() - t0, str(e))
+    finally:
+        av.uninstall()
+    here = tempfile.gettempdir()  # the world's own (`run_world`)
+    open(os.path.join(here, f"{name}.done.{rank}"), "w").close()
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not all(os.path.exists(os.path.join(here, f"{name}.done.{r}")) for r in range(world)):
+        time.sleep(0.01)
+    return seen
+
+
+@pytest.mark.parametrize("op", ["gather", "reduce"])
+def test_a_refused_first_vllm_op_on_one_rank_never_strands_its_peers_in_gloo(op, monkeypatch):
+    """The adapter maps vLLM's EP group to a CPU world on its first op, a
+    collective over the group's gloo group. A rank whose input the op
+    refuses still takes part in it, so its peers reach the op's collective
+    and fail there within `$ASCEND_MOE_COMM_TIMEOUT`, instead of waiting in
+    gloo (30 minutes by default) for a rank that already raised."""
+    import vllm_standins
+
+    if not vllm_standins.pinned_available():
+        missing = f"vLLM-Ascend's pinned files are not at {vllm_standins.PINNED}"
+        pytest.fail(missing) if __import__("os").environ.get("CI") else pytest.skip(missing)
+    from world import run_world
+
+    monkeypatch.setenv("ASCEND_MOE_COMM_TIMEOUT", "2")
+    results, _ = run_world(_vllm_first_call_refused_on_one_rank, 4, args=(op,), deadline_s=40, torch_ops=True)
+    for rank, (status, secs, msg) in sorted(results.items()):
+        if rank == BAD:
+            assert status == "SHAPE" and "rows" in msg, (rank, status, msg)
+        else:
+            assert status.startswith("COMM_"), (rank, status, msg)
+            assert secs < 15, (rank, secs, msg)
