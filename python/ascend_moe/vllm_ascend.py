@@ -701,13 +701,17 @@ def _point_impl(x, point: int, layer: int):
     policy, tp_group = _POLICIES[layer]
     name = _POINTS[point]
     ct = _live_comm_type()
-    if not policy.decisions(ct)[_DECISIONS[point]]:
-        return x.clone()
     if tp_group is None:
         tp_group = _tp_group()
     backend = comm_for_group(tp_group, _device_kind(x.device))
     if backend.kind == "comm":
+        # The library decides, also where it only copies: on a CPU world it
+        # checks there that every TP rank chose the same comm type, so a rank
+        # whose choice differs fails with its peers instead of returning an
+        # unreduced copy while they wait to reduce with it.
         return getattr(policy, name)(x.contiguous(), ct, backend.comm)
+    if not policy.decisions(ct)[_DECISIONS[point]]:
+        return x.clone()
     # The group's own TP all-reduce, the one vLLM-Ascend calls.
     return _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: backend.all_reduce)(x)
 

@@ -283,3 +283,74 @@ def test_a_refused_first_vllm_op_on_one_rank_never_strands_its_peers_in_gloo(op,
         else:
             assert status.startswith("COMM_"), (rank, status, msg)
             assert secs < 15, (rank, secs, msg)
+
+
+def test_a_vllm_reduction_point_fails_every_tp_rank_when_one_chose_another_comm_type(monkeypatch):
+    """`torch.ops.ascend_moe.vllm_reduce_point` on two TP ranks of a CPU
+    world whose live comm types differ (ALLGATHER: the final point
+    all-reduces; MC2: it leaves the output as it is). Both fail, naming the
+    choices (SPEC section 5), as the Python API's reduction points do: the
+    rank that would only copy never returns while its peer waits for it."""
+    import sys
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    import ascend_moe.vllm_ascend as av
+
+    local = threading.local()
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("ASCEND_MOE_COMM_TIMEOUT", str(TIMEOUT_S))
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank, raising=False)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [obj] * len(out)))
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda objs, src=0, group=None: objs.__setitem__(0, token))
+    runner = types.ModuleType(av.RUNNER_MODULE)
+    runner._EXTRA_CTX = type("ExtraCtx", (), {"moe_comm_type": property(lambda self: local.ct)})()
+    runner.get_tp_group = lambda: local.group
+    monkeypatch.setitem(sys.modules, av.RUNNER_MODULE, runner)
+    monkeypatch.setattr(av, "_BACKENDS", {})
+    layer = max(av._POLICIES, default=0) + 1000
+    monkeypatch.setitem(av._POLICIES, layer, (am.ReducePolicy(None, False, False, 2, 2), None))
+    op = av._register_point_op()
+    final = 2
+    groups = [
+        type("Group", (), dict(cpu_group=object(), rank_in_group=r, world_size=2, ranks=[0, 1], unique_name=f"tp:{r}"))()
+        for r in range(2)
+    ]
+    res, done = {}, threading.Barrier(2)
+
+    def rank(r):
+        local.ct, local.group = (am.CommType.ALLGATHER, am.CommType.MC2)[r], groups[r]
+        # What comm_for_group builds on the first use, built here: its lock
+        # is per process, and these ranks are threads of one.
+        av._BACKENDS[(id(groups[r]), "cpu")] = (groups[r], av._build_backend(groups[r], "cpu"))
+        t0 = time.monotonic()
+        try:
+            res[r] = ("ok", op(torch.full((2, 3), float(r + 1)), final, layer), time.monotonic() - t0)
+        except am.AmoeError as e:
+            res[r] = ("err", e, time.monotonic() - t0)
+        except BaseException as e:  # noqa: BLE001
+            res[r] = ("bug", e, time.monotonic() - t0)
+        try:
+            done.wait(3 * TIMEOUT_S + 5)
+        except threading.BrokenBarrierError:
+            pass
+
+    ts = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(4 * TIMEOUT_S + 10)
+    try:
+        assert len(res) == 2, f"ranks {sorted({0, 1} - set(res))} hung"
+        for r, (kind, v, secs) in sorted(res.items()):
+            assert kind == "err", f"rank {r} returned {v!r} while the TP ranks disagree: {res}"
+            assert v.status == am.Status.INVALID_ARGUMENT, (r, v)
+            assert "chose ALLGATHER" in str(v) and "chose MC2" in str(v), (r, v)
+            assert secs < TIMEOUT_S, (r, secs, v)
+    finally:
+        for _, backend in av._BACKENDS.values():
+            backend.comm.close()
