@@ -326,12 +326,13 @@ def _on_host(t) -> bool:
     return getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
 
 
-def _refuse_broadcast(h, x, out, root) -> None:
+def _refuse_broadcast(h, comm: Comm, x, out, root) -> None:
     """`out` does not take `x`, while the peers broadcast buffers like `x`:
     when it holds another element count or dtype, the library is asked to
     broadcast a buffer of out's shape and dtype (memory of its own), which
     it refuses on every rank as a mismatched collective, naming the counts
-    and dtypes, instead of leaving the peers to wait out the timeout."""
+    and dtypes, instead of leaving the peers to wait out the timeout. Never
+    on the root, whose buffer would be sent should the peers' match it."""
     mine, theirs = _shape_and_code("out", out), _shape_and_code("x", x)
     if mine is None or theirs is None or not (_on_host(out) and _on_host(x)):
         return
@@ -340,6 +341,8 @@ def _refuse_broadcast(h, x, out, root) -> None:
     try:
         root = c_uint("root", root)
     except AmoeError:
+        return
+    if root == comm.rank:
         return
     scratch = np.empty(mine[0], NUMPY_DTYPES[mine[1]])
     d = Desc("out", mine[0], scratch.dtype, scratch, scratch.ctypes.data)
@@ -362,7 +365,7 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     elif out is not x:
         xa = x if hasattr(x, "dtype") else as_array("x", x)
         if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
-            _refuse_broadcast(h, xa, out, root)
+            _refuse_broadcast(h, comm, xa, out, root)
             raise error(
                 Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
                 f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "

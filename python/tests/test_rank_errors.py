@@ -144,6 +144,22 @@ CASES = [
 ]
 
 
+def test_a_broadcast_root_with_a_bad_out_never_sends_memory_it_did_not_fill():
+    """The root refuses an `out` that does not take its `x`; its peers'
+    buffers happen to have out's shape. Whatever the peers then see, none
+    returns a buffer the root never filled (the refusal is not passed on
+    from the root: its buffer would be sent)."""
+
+    def body(c, r):
+        if r == 0:
+            return am.broadcast(X, c, root=0, out=np.empty((5, 3), F32))
+        return am.broadcast(np.full((5, 3), -1.0, F32), c, root=0)
+
+    res = run_with_one_bad_rank(body)
+    assert res[0][0] == "err" and "`out`" in str(res[0][1]), res[0]
+    assert res[1][0] == "err", f"rank 1 returned {res[1][1]!r}, a broadcast its root refused"
+
+
 @pytest.mark.parametrize("call,bad_naming,peer_naming", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_a_bad_collective_argument_on_one_rank_fails_every_rank_at_once(call, bad_naming, peer_naming):
     assert_refused_everywhere(run_with_one_bad_rank(call), bad_naming, peer_naming)
