@@ -700,10 +700,12 @@ def _point_impl(x, point: int, layer: int):
     point, layer = _checked_point(point, layer)
     policy, tp_group = _POLICIES[layer]
     name = _POINTS[point]
-    ct = _live_comm_type()
     if tp_group is None:
         tp_group = _tp_group()
+    # The group's backend before the comm type is read, as in `_gather_impl`:
+    # a rank without one still joins the collective that builds it.
     backend = comm_for_group(tp_group, _device_kind(x.device))
+    ct = _live_comm_type()
     if backend.kind == "comm":
         # The library decides, also where it only copies: on a CPU world it
         # checks there that every TP rank chose the same comm type, so a rank

@@ -370,3 +370,60 @@ def test_a_vllm_reduction_point_fails_every_tp_rank_when_one_chose_another_comm_
     finally:
         for _, backend in av._BACKENDS.values():
             backend.comm.close()
+
+
+def _vllm_point_without_comm_type_on_one_rank(name, world, rank):
+    """A rank body (`world.run_world`): the first `vllm_reduce_point` of a
+    layer whose final point all-reduces over TP groups of 2, where rank `BAD`
+    has no live comm type. Returns `(status, seconds, message)`; the process
+    then stays until every rank returned."""
+    import os
+    import tempfile
+
+    import torch
+
+    import ascend_moe.vllm_ascend as av
+    import vllm_standins as vs
+    import vllm_workers as vw
+
+    vw.init(name, world, rank, 2)
+    vs.load("fused_moe")
+    fa = vs.load("ascend_forward_context")
+    layer = max(av._POLICIES, default=0) + 1000
+    av._POLICIES[layer] = (am.ReducePolicy(None, False, False, 2, world), None)
+    op = av._register_point_op()
+    ct = None if rank == BAD else fa.MoECommType.ALLGATHER
+    with vs.forward_context(**vw._ctx([4, 4], tp_size=2, layout=False, comm_type=ct)):
+        t0 = time.monotonic()
+        try:
+            op(torch.ones(2, 3), 2, layer)
+            seen = ("ok", time.monotonic() - t0, "")
+        except am.AmoeError as e:
+            seen = (am.Status(e.status).name, time.monotonic() - t0, str(e))
+    here = tempfile.gettempdir()  # the world's own (`run_world`)
+    open(os.path.join(here, f"{name}.done.{rank}"), "w").close()
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not all(os.path.exists(os.path.join(here, f"{name}.done.{r}")) for r in range(world)):
+        time.sleep(0.01)
+    return seen
+
+
+def test_a_vllm_reduction_point_refused_on_one_rank_never_strands_its_tp_peer_in_gloo(monkeypatch):
+    """The first reduction point maps vLLM's TP group to a CPU world, a
+    collective over the group's gloo group. A rank without a live comm type
+    still takes part in it, so its TP peer reaches the all-reduce and fails
+    within `$ASCEND_MOE_COMM_TIMEOUT` instead of waiting in gloo; the other
+    TP group, whose ranks agree, reduces."""
+    import vllm_standins
+
+    if not vllm_standins.pinned_available():
+        missing = f"vLLM-Ascend's pinned files are not at {vllm_standins.PINNED}"
+        pytest.fail(missing) if __import__("os").environ.get("CI") else pytest.skip(missing)
+    from world import run_world
+
+    monkeypatch.setenv("ASCEND_MOE_COMM_TIMEOUT", "2")
+    results, _ = run_world(_vllm_point_without_comm_type_on_one_rank, 4, deadline_s=40, torch_ops=True)
+    assert results[BAD][0] == "INVALID_ARGUMENT" and "comm type" in results[BAD][2], results[BAD]
+    peer = BAD ^ 1
+    assert results[peer][0].startswith("COMM_") and results[peer][1] < 15, results[peer]
+    assert all(results[r][0] == "ok" for r in range(4) if r // 2 != BAD // 2), results
