@@ -1234,8 +1234,9 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
 // refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
 // quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
 // peer communicates (an MC2 or ALLTOALL prepare without the check, a local
-// finalize), or when `groups` do not match `ctx` (OK). An unknown
-// `comm_type` or an invalid `ctx` is returned as the error it is.
+// finalize), or, outside the agreement, when `groups` do not match `ctx`
+// (OK). An unknown `comm_type` or an invalid `ctx` is returned as the error
+// it is.
 //
 // # Safety
 // `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.

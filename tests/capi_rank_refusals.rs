@@ -266,8 +266,13 @@ fn a_binding_reports_its_own_refusal_to_the_peers_waiting_in_the_call() {
         let mut groups: *mut amoe_moe_groups = null_mut();
         // SAFETY: live world handle and out-pointer.
         assert_eq!(unsafe { amoe_moe_groups_new(c, 1, 1, &mut groups) }, amoe_status::Ok, "{}", last_error());
-        let ctx =
-            amoe_moe_context { dp_tokens: dp_tokens.as_ptr(), dp_size: 2, tp_size: 1, dp_rank: rank, ..Default::default() };
+        let ctx = amoe_moe_context {
+            dp_tokens: dp_tokens.as_ptr(),
+            dp_size: 2,
+            tp_size: 1,
+            dp_rank: rank,
+            ..Default::default()
+        };
         let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);
         let (yd, od) = (host(&mut y, &[4, 4]), host(&mut o, &[2, 4]));
         let ag = amoe_comm_type::AllGather as u32;

@@ -146,3 +146,16 @@ fn group_sizes_one_rank_gets_wrong_fail_every_rank_at_once() {
         ParallelGroups::new(world, 4 / tp, tp).map(|_| ())
     });
 }
+
+/// A rank whose context is stale (its TP rank is not its group's) fails its
+/// peers in the comm-type agreement of prepare, which is over the EP group
+/// whatever the context says.
+#[test]
+fn prepare_with_a_context_that_does_not_match_the_groups_on_one_rank_fails_every_rank_at_once() {
+    one_bad_rank("stale tp_rank", 4, "`ep`", |rank, world| {
+        let (_, groups) = layer(rank, world, &[4, 4], 2)?;
+        let tp_rank = if rank == BAD { 0 } else { rank % 2 };
+        let ctx = MoeContext::new(&[4, 4], 2, rank / 2, tp_rank, false)?;
+        prepare(&rows(4, 4), CommType::AllGather, &ctx, &groups).map(|_| ())
+    });
+}

@@ -61,8 +61,8 @@ pub fn prepare_tokens_into(
 ) -> Result<()> {
     prepare_output_shape(x.shape(), comm, ctx)
         .and_then(|shape| check_out_like(PREPARE, x, out, &shape))
+        .and_then(|_| check_groups(PREPARE, ctx, groups))
         .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
-    check_groups(PREPARE, ctx, groups)?;
     if comm_type_check_enabled(&groups.ep) {
         check_comm_type_agreement(comm, &groups.ep)?;
     }
@@ -157,8 +157,8 @@ pub(crate) enum Stage {
 /// this rank's argument, instead of its peers waiting out the timeout. The
 /// error is returned as it is where nobody waits for this rank or it cannot
 /// tell where they wait: a plan in which the peers move no row (an MC2 or
-/// ALLTOALL prepare without the check, a local finalize), or groups that do
-/// not match the context.
+/// ALLTOALL prepare without the check, a local finalize), or, outside the
+/// agreement, groups that do not match the context.
 pub(crate) fn refuse_first(
     stage: Stage,
     comm: CommType,
@@ -167,13 +167,15 @@ pub(crate) fn refuse_first(
     dtype: DType,
     error: Error,
 ) -> Error {
-    if check_groups(PREPARE, ctx, groups).is_err() {
-        return error;
-    }
     let prepare = stage == Stage::Prepare;
     let (gather, reduce) = (Call::AllGather, Call::ReduceScatter(ReduceOp::Sum));
+    // The agreement is over the EP group whatever the context says (a stale
+    // context is one of the errors reported here); the plan's groups are
+    // the context's.
     let first = if prepare && comm_type_check_enabled(&groups.ep) {
         Some((&groups.ep, gather))
+    } else if check_groups(PREPARE, ctx, groups).is_err() {
+        None
     } else {
         match token_plan(comm, ctx) {
             TokenPlan::SpGather(_) => Some((&groups.ep, if prepare { gather } else { reduce })),
