@@ -6,6 +6,7 @@ its table (`amoe_enum_count` / `amoe_enum_info` / `amoe_enum_entry`) is that one
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.machinery
 import operator
@@ -115,6 +116,7 @@ _SIGNATURES = {
     "amoe_comm_cpu_new": [c_char_p, c_size_t, c_size_t, c_double, POINTER(c_void_p)],
     "amoe_comm_from_hccl": [c_void_p, c_uint32, c_uint32, POINTER(c_void_p)],
     "amoe_comm_split": [_COMM, _SZ, c_size_t, POINTER(c_void_p)],
+    "amoe_comm_refuse": [_COMM, c_char_p],
     "amoe_comm_rank": [_COMM, _SZ],
     "amoe_comm_world_size": [_COMM, _SZ],
     "amoe_comm_free": [_COMM],
@@ -158,6 +160,7 @@ _SIGNATURES = {
     "amoe_reduce_routed_early": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
     "amoe_reduce_shared": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
     "amoe_reduce_final": [POINTER(ReducePolicyC), _T, c_uint32, _COMM, _T, _STREAM],
+    "amoe_reduce_refuse": [_COMM, c_uint8, c_char_p],
     "amoe_shared_pad_split_output_shape": [_T, c_size_t, c_size_t] + _SHAPE_OUT,
     "amoe_shared_pad_split": [_T, _COMM, _T, _STREAM],
     "amoe_shared_gather_unpad_output_shape": [_T, c_size_t, c_size_t] + _SHAPE_OUT,
@@ -171,6 +174,7 @@ _SIGNATURES = {
     "amoe_token_prepare": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _T, _STREAM],
     "amoe_token_finalize_output_shape": [_T, c_uint32, POINTER(MoeContextC)] + _SHAPE_OUT,
     "amoe_token_finalize": [_T, c_uint32, POINTER(MoeContextC), c_void_p, _T, _STREAM],
+    "amoe_token_refuse": [c_uint32, POINTER(MoeContextC), c_void_p, c_uint8, c_char_p],
     "amoe_moe_groups_from_comms": [_COMM, _COMM, _COMM, _COMM, POINTER(c_void_p)],
 }
 _RESTYPES = {
@@ -272,6 +276,22 @@ def check(status: int) -> None:
 def call(name: str, *args) -> None:
     """Calls an `amoe_*` function and checks its status."""
     check(getattr(lib(), name)(*args))
+
+
+@contextlib.contextmanager
+def refusing(send):
+    """The argument checks of a call whose peers are already in it: one that
+    fails is sent to them with `send(message)` (an `amoe_*_refuse` export),
+    so that they fail at once quoting it instead of waiting out the timeout,
+    and then raised here. A failure to send is not this rank's to raise."""
+    try:
+        yield
+    except (AmoeError, TypeError, ValueError, OverflowError) as e:
+        try:
+            send(f"{type(e).__name__}: {e}".encode())
+        except AmoeError:
+            pass
+        raise
 
 
 class Lease:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
-import math
 import threading
 import weakref
 from ctypes import c_size_t, c_void_p
@@ -12,10 +12,10 @@ from ctypes import c_size_t, c_void_p
 import numpy as np
 
 from . import shapes
-from ._enums import HCCL_WORLD, REDUCIBLE_DTYPE_NAMES, DType, ReduceOp, Status
+from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import AmoeError, error
-from ._lib import U32_MAX, Lease, Owned, c_uint, call, integer, sizes
-from ._tensor import NUMPY_DTYPES, Desc, Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
+from ._lib import U32_MAX, Lease, Owned, c_uint, call, integer, refusing, sizes
+from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -234,119 +234,43 @@ def _op(op) -> int:
     return int(ReduceOp.parse(op)) if isinstance(op, str) else c_uint("op", op, U32_MAX)
 
 
-# Elements of the `dst` the library expects for `n` elements of `src` on
-# `world` ranks, by collective.
-_DST_ELEMENTS = {
-    "amoe_all_reduce": lambda n, world: n,
-    "amoe_reduce_scatter": lambda n, world: n // world,
-    "amoe_all_gather": lambda n, world: n * world,
-}
-_REDUCES = ("amoe_all_reduce", "amoe_reduce_scatter")
-
-
-def _shape_and_code(arg: str, t):
-    """`(shape, dtype code)` of an array or tensor whose dtype the library
-    knows, else None."""
-    shape, dtype = getattr(t, "shape", None), getattr(t, "dtype", None)
-    if shape is None or dtype is None:
-        return None
-    try:
-        return tuple(int(d) for d in shape), dtype_code(arg, dtype)
-    except (AmoeError, TypeError, ValueError):
-        return None
-
-
-def _join_refused(name: str, h, *args) -> None:
-    """Makes the library call `name`, which refuses its arguments: on a CPU
-    communicator the refusal joins the peers' collective, so they fail at once
-    with this rank's reason. Its own error is the caller's to raise."""
-    try:
-        call(name, h, *args)
-    except AmoeError:
-        pass
-
-
-def _refuse_collective(name: str, h, s: Desc, comm: Comm, out, extra) -> None:
-    """This rank refused its arguments to collective `name` before the
-    library saw them, while its peers are making the call: the library gets
-    them now, where it finds the same fault (an `out` of another element
-    count or dtype, a dtype a reduction never takes, a `src` the world size
-    does not divide) and reports it to every rank instead of leaving the peers
-    to wait out the timeout. It writes into memory of its own, never `out`.
-    A fault the library cannot see (a non-contiguous `out`, one of the right
-    count but another shape) is not passed on."""
-    if s.npu is not None:
-        return  # an HCCL communicator refuses locally: nothing to join
-    n, world = math.prod(s.shape), comm.world_size
-    want = _DST_ELEMENTS[name](n, world)
-    code = s.c.dtype
-    given = _shape_and_code("out", out) if out is not None else None
-    if given is not None and (math.prod(given[0]) != want or given[1] != code):
-        shape, code = given
-    elif (name in _REDUCES and DType(code).name.lower() not in REDUCIBLE_DTYPE_NAMES) or (
-        name == "amoe_reduce_scatter" and n % world
-    ):
-        shape = (want,)
-    else:
-        return
-    scratch = np.empty(shape, NUMPY_DTYPES[code])
-    d = Desc("dst", shape, scratch.dtype, scratch, scratch.ctypes.data)
-    _join_refused(name, h, s.ptr, d.ptr, *extra, None)
+def refusing_on(h):
+    """The argument checks of a call over the communicator `h`: one that
+    fails is reported to the peers waiting in the call (`amoe_comm_refuse`)
+    before it is raised. Without a communicator (`h` None) nothing is."""
+    if h is None:
+        return contextlib.nullcontext()
+    return refusing(lambda message: call("amoe_comm_refuse", h, message))
 
 
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
     o = Operands(stream)
-    s = o.input("x", x)  # x's dtype is named first, as the library would
-    h = handle_of("comm", comm)
     try:
-        d = o.output(shape_fn(s, comm), s, out)
+        h = handle_of("comm", comm)
     except AmoeError:
-        _refuse_collective(name, h, s, comm, out, extra)
-        raise
-    call(name, h, s.ptr, d.ptr, *extra, o.stream)
+        h = None  # raised below, after x's errors
+    with refusing_on(h):
+        s = o.input("x", x)  # x's dtype is named first, as the library would
+        args = extra()
+        h = handle_of("comm", comm)
+        d = o.output(shape_fn(s, comm), s, out)
+    call(name, h, s.ptr, d.ptr, *args, o.stream)
     return o.result
 
 
 def all_reduce(x, comm: Comm, op=ReduceOp.SUM, *, out=None, stream=None):
     """`op` of `x` over every rank, of `x`'s shape and dtype, into `out` (default a new one)."""
-    return _collective("amoe_all_reduce", shapes.all_reduce, x, comm, (_op(op),), out, stream)
+    return _collective("amoe_all_reduce", shapes.all_reduce, x, comm, lambda: (_op(op),), out, stream)
 
 
 def reduce_scatter(x, comm: Comm, op=ReduceOp.SUM, *, out=None, stream=None):
     """Block `rank` (rows `[rank*R/W, (rank+1)*R/W)`) of `op(x over ranks)`."""
-    return _collective("amoe_reduce_scatter", shapes.reduce_scatter, x, comm, (_op(op),), out, stream)
+    return _collective("amoe_reduce_scatter", shapes.reduce_scatter, x, comm, lambda: (_op(op),), out, stream)
 
 
 def all_gather(x, comm: Comm, *, out=None, stream=None):
     """Concatenation of every rank's `x` along dim 0, in rank order."""
-    return _collective("amoe_all_gather", shapes.all_gather, x, comm, (), out, stream)
-
-
-def _on_host(t) -> bool:
-    return getattr(getattr(t, "device", None), "type", "cpu") == "cpu"
-
-
-def _refuse_broadcast(h, comm: Comm, x, out, root) -> None:
-    """`out` does not take `x`, while the peers broadcast buffers like `x`:
-    when it holds another element count or dtype, the library is asked to
-    broadcast a buffer of out's shape and dtype (memory of its own), which
-    it refuses on every rank as a mismatched collective, naming the counts
-    and dtypes, instead of leaving the peers to wait out the timeout. Never
-    on the root, whose buffer would be sent should the peers' match it."""
-    mine, theirs = _shape_and_code("out", out), _shape_and_code("x", x)
-    if mine is None or theirs is None or not (_on_host(out) and _on_host(x)):
-        return
-    if math.prod(mine[0]) == math.prod(theirs[0]) and mine[1] == theirs[1]:
-        return  # the library would take it: nothing true to refuse with
-    try:
-        root = c_uint("root", root)
-    except AmoeError:
-        return
-    if root == comm.rank:
-        return
-    scratch = np.empty(mine[0], NUMPY_DTYPES[mine[1]])
-    d = Desc("out", mine[0], scratch.dtype, scratch, scratch.ctypes.data)
-    _join_refused("amoe_broadcast", h, d.ptr, root, None)
+    return _collective("amoe_all_gather", shapes.all_gather, x, comm, tuple, out, stream)
 
 
 def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
@@ -354,31 +278,32 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     is first copied into `out`, which must have x's shape and dtype (default a
     dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`)."""
     h = handle_of("comm", comm)
-    if out is not None:
-        lend_out("out", out)
-    if out is None:
-        if hasattr(x, "clone"):
-            out = x.contiguous()  # the library writes dense rows
-            out = x.clone() if out is x else out
-        else:
-            out = as_array("x", x).copy()
-    elif out is not x:
-        xa = x if hasattr(x, "dtype") else as_array("x", x)
-        if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
-            _refuse_broadcast(h, comm, xa, out, root)
-            raise error(
-                Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
-                f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "
-                f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
-            )
-        if hasattr(out, "copy_"):
-            out.copy_(x)
-        elif isinstance(out, np.ndarray):
-            out[...] = as_array("x", x)
-        else:
-            raise error(
-                Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
-            )
-    d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
-    call("amoe_broadcast", h, d.ptr, c_uint("root", root), resolve_stream([d], stream))
+    with refusing_on(h):
+        if out is not None:
+            lend_out("out", out)
+        if out is None:
+            if hasattr(x, "clone"):
+                out = x.contiguous()  # the library writes dense rows
+                out = x.clone() if out is x else out
+            else:
+                out = as_array("x", x).copy()
+        elif out is not x:
+            xa = x if hasattr(x, "dtype") else as_array("x", x)
+            if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
+                raise error(
+                    Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
+                    f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "
+                    f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
+                )
+            if hasattr(out, "copy_"):
+                out.copy_(x)
+            elif isinstance(out, np.ndarray):
+                out[...] = as_array("x", x)
+            else:
+                raise error(
+                    Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
+                )
+        d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
+        root = c_uint("root", root)
+    call("amoe_broadcast", h, d.ptr, root, resolve_stream([d], stream))
     return out

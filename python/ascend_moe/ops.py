@@ -6,14 +6,16 @@ first input lives) and `stream=` (an object with `.npu_stream`; default
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from ctypes import c_uint8
 
 from . import shapes
 from ._enums import CommType, DropPadMode, SharedMode
-from ._lib import ReducePolicyC, c_uint, call, comm_type_code
+from ._errors import AmoeError
+from ._lib import ReducePolicyC, c_uint, call, comm_type_code, refusing
 from ._tensor import Operands
-from .comm import Comm, handle_of
+from .comm import Comm, handle_of, refusing_on
 from .shapes import SpLayout
 
 
@@ -54,9 +56,10 @@ def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
     shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
     h = handle_of("ep_comm", ep_comm)
     o = Operands(stream)
-    d = o.input("x", x)
-    ls, n = shapes._layout(layout)
-    y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
+    with refusing_on(h):
+        d = o.input("x", x)
+        ls, n = shapes._layout(layout)
+        y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
     call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, o.stream)
     return o.result
 
@@ -66,11 +69,12 @@ def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stre
     rows) concatenated, `[sum(local_sizes), H...]`."""
     h = handle_of("ep_comm", ep_comm)
     o = Operands(stream)
-    d = o.input("x", x)
-    ls, n = shapes._layout(layout)
-    # The shape function checks x's rows against this rank's layout entry
-    # before any collective starts.
-    y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
+    with refusing_on(h):
+        d = o.input("x", x)
+        ls, n = shapes._layout(layout)
+        # The shape function checks x's rows against this rank's layout entry
+        # before any collective starts.
+        y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
     call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, o.stream)
     return o.result
 
@@ -93,21 +97,26 @@ def finalize_and_reduce(
     """`maybe_pad_and_reduce(moe_finalize_routing(...), layout, ep_comm)` in one pass."""
     h = handle_of("ep_comm", ep_comm)
     o = Operands(stream)
-    args, keep = shapes.finalize_args(
-        expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
-    )
-    shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
-    y = o.output(shape, keep[0], out)
-    ls, n = shapes._layout(layout)
+    with refusing_on(h):
+        args, keep = shapes.finalize_args(
+            expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
+        )
+        shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
+        y = o.output(shape, keep[0], out)
+        ls, n = shapes._layout(layout)
     call("amoe_finalize_and_reduce", args, ls, n, h, y.ptr, o.stream)
     return o.result
 
 
-def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream):
+def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream, collective: bool = True):
+    """A shared-expert op over `tp_comm`; a `collective` one reports a bad
+    argument to the TP peers waiting in its collective."""
     h = handle_of("tp_comm", tp_comm)
     o = Operands(stream)
-    d = o.input("x", x)
-    y = o.output(shape_fn(d, *counts, tp_comm), d, out)
+    with refusing_on(h) if collective else contextlib.nullcontext():
+        d = o.input("x", x)
+        counts = counts()
+        y = o.output(shape_fn(d, *counts, tp_comm), d, out)
     call(name, d.ptr, *counts, h, y.ptr, o.stream)
     return o.result
 
@@ -115,20 +124,24 @@ def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream):
 def shared_pad_split(x, tp_comm: Comm, *, out=None, stream=None):
     """DP-only shared-expert prepare: this TP rank's equal part of the DP batch
     `x [T, H...]` zero-padded to a multiple of TP, `[ceil(T / TP), H...]`."""
-    return _tp_op("amoe_shared_pad_split", shapes.shared_pad_split, x, tp_comm, (), out, stream)
+    return _tp_op("amoe_shared_pad_split", shapes.shared_pad_split, x, tp_comm, tuple, out, stream, collective=False)
 
 
 def shared_gather_unpad(x, num_tokens: int, tp_comm: Comm, *, out=None, stream=None):
     """DP-only shared-expert finalize / SP-only prepare: every TP rank's
     `ceil(num_tokens / TP)` rows gathered, the first `num_tokens` kept."""
-    counts = (shapes._count("num_tokens", num_tokens),)
+    counts = lambda: (shapes._count("num_tokens", num_tokens),)  # noqa: E731
     return _tp_op("amoe_shared_gather_unpad", shapes.shared_gather_unpad, x, tp_comm, counts, out, stream)
 
 
 def shared_pad_reduce_scatter(x, tp_comm: Comm, *, out=None, stream=None):
     """SP-only shared-expert finalize: the TP-partial `x [T, H...]` zero-padded
     to a multiple of TP and reduce-scattered (sum): `[ceil(T / TP), H...]`."""
-    return _tp_op("amoe_shared_pad_reduce_scatter", shapes.shared_pad_reduce_scatter, x, tp_comm, (), out, stream)
+    return _tp_op("amoe_shared_pad_reduce_scatter", shapes.shared_pad_reduce_scatter, x, tp_comm, tuple, out, stream)
+
+
+# The decision of each reduction-point export (`ReducePolicy.decisions`).
+_DECISIONS = {"amoe_reduce_routed_early": "routed", "amoe_reduce_shared": "shared", "amoe_reduce_final": "final"}
 
 
 def routed_is_reduced(comm_type, sp: bool) -> bool:
@@ -173,11 +186,20 @@ class ReducePolicy:
     def _point(self, name: str, x, comm_type, tp_comm: Comm, out, stream):
         h = handle_of("tp_comm", tp_comm)
         o = Operands(stream)
-        d = o.input("x", x)
-        y = o.output(d.shape, d, out)
-        ct = comm_type_code(comm_type)
+        with refusing(lambda message: call("amoe_reduce_refuse", h, self._reduces(name, comm_type), message)):
+            d = o.input("x", x)
+            y = o.output(d.shape, d, out)
+            ct = comm_type_code(comm_type)
         call(name, ctypes.byref(self._c), d.ptr, ct, h, y.ptr, o.stream)
         return o.result
+
+    def _reduces(self, name: str, comm_type) -> int:
+        """1 when the reduction point of export `name` reduces under
+        `comm_type`, 0 also when that is unknown (an unknown comm type)."""
+        try:
+            return int(self.decisions(comm_type)[_DECISIONS[name]])
+        except (AmoeError, TypeError, ValueError):
+            return 0
 
     def reduce_routed_early(self, x, comm_type, tp_comm: Comm, *, out=None, stream=None):
         """Point 1: routed output before the transform (TP all-reduce if `early`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 from ctypes import c_void_p
@@ -10,8 +11,8 @@ import numpy as np
 
 from . import shapes
 from ._enums import CommType, Status
-from ._errors import error
-from ._lib import ALL_TOKENS, Lease, MoeContextC, Owned, c_uint, call, comm_type_code, sizes
+from ._errors import AmoeError, error
+from ._lib import ALL_TOKENS, Lease, MoeContextC, Owned, c_uint, call, comm_type_code, refusing, sizes
 from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code, lend_out
 from .comm import Comm, handle_of
 
@@ -126,26 +127,27 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     this TP rank), else into a new bool array or tensor where `x` lives. Other
     comm types return None and leave `mc2_mask` untouched."""
     g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
-    if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
-        # The op writes the mask into it: a list or a scalar has no memory to write.
-        raise error(
-            Status.INVALID_ARGUMENT,
-            f"`mc2_mask` must be a 1-D bool or uint8 numpy array or tensor (cpu or npu) the op writes into, "
-            f"got {type(mc2_mask).__name__}",
-        )
     o = Operands(stream)
-    d = o.input("x", x)
-    shape = token_prepare_shape(d, comm_type, ctx)
-    y = o.output(shape, d, out)
-    has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
-    mask = None
-    if has_mask:
-        mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
-    m = None if mask is None else _mask_desc(mask)
-    if m is not None:
-        if mc2_mask is not None:
-            lend_out("mc2_mask", mc2_mask)
-        o.descs.append(m)
+    with _refusing(comm_type, c, g, finalize=False):
+        if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
+            # The op writes the mask into it: a list or a scalar has no memory to write.
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"`mc2_mask` must be a 1-D bool or uint8 numpy array or tensor (cpu or npu) the op writes into, "
+                f"got {type(mc2_mask).__name__}",
+            )
+        d = o.input("x", x)
+        shape = token_prepare_shape(d, comm_type, ctx)
+        y = o.output(shape, d, out)
+        has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
+        mask = None
+        if has_mask:
+            mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
+        m = None if mask is None else _mask_desc(mask)
+        if m is not None:
+            if mc2_mask is not None:
+                lend_out("mc2_mask", mc2_mask)
+            o.descs.append(m)
     call(
         "amoe_token_prepare",
         d.ptr,
@@ -157,6 +159,18 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
         o.stream,
     )
     return o.result, mask
+
+
+def _refusing(comm_type, c, g, finalize: bool):
+    """The argument checks of token prepare (or finalize): one that fails is
+    reported to the peers waiting in the op's first collective
+    (`amoe_token_refuse`) before it is raised. With an unknown comm type
+    nobody can tell where they wait, and nothing is sent."""
+    try:
+        ct = comm_type_code(comm_type)
+    except (AmoeError, TypeError, ValueError):
+        return contextlib.nullcontext()
+    return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message))
 
 
 def _bool_like(x, rows: int):
@@ -179,7 +193,8 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
     (default a new one where `y` lives)."""
     g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
     o = Operands(stream)
-    d = o.input("y", y)
-    r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
+    with _refusing(comm_type, c, g, finalize=True):
+        d = o.input("y", y)
+        r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
     call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, o.stream)
     return o.result

@@ -1,10 +1,13 @@
-"""A bad argument on one rank of a collective fails every rank at once.
+"""A bad argument on one rank of a collective or MoE op fails every rank at once.
 
 One rank passes something wrong (an `out` of the wrong shape or dtype, a
-dtype a reduction never takes, rows the world size does not divide) while
-its peers call the collective correctly. That rank must raise an error
-naming the argument, and each peer must fail promptly with the bad rank's
-reason: never wait out the communicator's timeout, never return.
+dtype a reduction never takes, rows the world size does not divide, an
+unknown op or comm type) while its peers call the op correctly. That rank
+must raise an error naming the argument, and each peer must fail promptly
+with the bad rank's reason: never wait out the communicator's timeout,
+never return. Where the package checks an argument before the library sees
+it, it reports the refusal to the peers itself (`amoe_*_refuse`); the
+peers quote its message.
 
 Ranks run as threads of this process, each keeping its communicator open
 until every rank is done (as an engine whose rank caught the error would):
@@ -22,7 +25,7 @@ import pytest
 
 import ascend_moe as am
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 20.0
 F32 = np.float32
 BAD = 1
 
@@ -91,13 +94,13 @@ CASES = [
         "all_reduce out of the wrong shape",
         lambda c, r: am.all_reduce(X, c, out=_bad(r, None, np.empty((5, 3), F32))),
         "`out`",
-        "`dst`",
+        "`out`",
     ),
     (
         "all_reduce out of the wrong dtype",
         lambda c, r: am.all_reduce(X, c, out=_bad(r, None, np.empty((4, 3), np.float16))),
         "`out`",
-        "`dst`",
+        "`out`",
     ),
     (
         "all_reduce of int8, which is never reduced",
@@ -109,7 +112,7 @@ CASES = [
         "reduce_scatter of rows the world size does not divide",
         lambda c, r: am.reduce_scatter(_bad(r, X, np.ones((3, 3), F32)), c),
         "does not divide",
-        "`src`",
+        "does not divide",
     ),
     (
         "reduce_scatter of int8",
@@ -121,25 +124,79 @@ CASES = [
         "reduce_scatter out of the wrong shape",
         lambda c, r: am.reduce_scatter(X, c, out=_bad(r, None, np.empty((4, 3), F32))),
         "`out`",
-        "`",
+        "`out`",
     ),
     (
         "all_gather out of the wrong shape",
         lambda c, r: am.all_gather(X, c, out=_bad(r, None, np.empty((9, 3), F32))),
         "`out`",
-        "`dst`",
+        "`out`",
     ),
     (
         "all_gather out of the wrong dtype",
         lambda c, r: am.all_gather(X, c, out=_bad(r, None, np.empty((8, 3), np.float16))),
         "`out`",
-        "`dst`",
+        "`out`",
     ),
     (
         "broadcast out of the wrong shape",
         lambda c, r: am.broadcast(X, c, out=_bad(r, None, np.empty((5, 3), F32))),
         "`out`",
-        "count 15",
+        "`out`",
+    ),
+    (
+        "all_reduce with an unknown op number",
+        lambda c, r: am.all_reduce(X, c, op=_bad(r, 0, 7)),
+        "op",
+        "unknown reduce op 7",
+    ),
+    (
+        "all_reduce of float64, which the library does not take",
+        lambda c, r: am.all_reduce(_bad(r, X, X.astype(np.float64)), c),
+        "float64",
+        "float64",
+    ),
+]
+
+LAYOUT = am.SpLayout([2, 3])
+
+# MoE ops over two ranks: (id, the call every rank makes, what both the bad
+# rank's error and its peers' name).
+MOE_CASES = [
+    (
+        "maybe_pad_and_reduce with a row too many",
+        lambda c, r: am.maybe_pad_and_reduce(np.ones((_bad(r, 5, 6), 2), F32), LAYOUT, c),
+        "rows",
+    ),
+    (
+        "maybe_all_gather_and_maybe_unpad with rows of another rank",
+        lambda c, r: am.maybe_all_gather_and_maybe_unpad(np.ones((_bad(r, LAYOUT.local_sizes[r], 4), 2), F32), LAYOUT, c),
+        "rows",
+    ),
+    (
+        "finalize_and_reduce with a layout of another total",
+        lambda c, r: am.finalize_and_reduce(
+            np.ones((10, 3), F32), np.arange(10, dtype=np.int32), _bad(r, LAYOUT, am.SpLayout([3, 3])), c,
+            scales=np.ones((5, 2), F32),
+        ),
+        "6",
+    ),
+    (
+        "shared_gather_unpad with a shard of the wrong rows",
+        lambda c, r: am.shared_gather_unpad(np.ones((_bad(r, 3, 2), 3), F32), 5, c),
+        "rows",
+    ),
+    (
+        "reduce_final with an unknown comm type",
+        lambda c, r: am.ReducePolicy(None, False, False, 2, 2).reduce_final(np.ones((4, 3), F32), _bad(r, 0, 9), c),
+        "comm type 9",
+    ),
+    (
+        "reduce_final into an out of the wrong shape",
+        lambda c, r: am.ReducePolicy(None, False, False, 2, 2).reduce_final(
+            np.ones((4, 3), F32), 0, c, out=np.empty((_bad(r, 4, 5), 3), F32)
+        ),
+        "`out`",
     ),
 ]
 
@@ -165,6 +222,33 @@ def test_a_bad_collective_argument_on_one_rank_fails_every_rank_at_once(call, ba
     assert_refused_everywhere(run_with_one_bad_rank(call), bad_naming, peer_naming)
 
 
+@pytest.mark.parametrize("call,naming", [c[1:] for c in MOE_CASES], ids=[c[0] for c in MOE_CASES])
+def test_a_bad_moe_op_argument_on_one_rank_fails_every_rank_at_once(call, naming):
+    assert_refused_everywhere(run_with_one_bad_rank(call), naming, naming)
+
+
+def _token_prepare_with_a_stale_context(c, r):
+    """Token prepare on DP 2 x TP 2, rank `BAD` with a context whose TP rank
+    is not its group's."""
+    with am.MoeGroups(c, 2) as g:
+        d, t = r // 2, r % 2
+        ctx = am.MoeContext([4, 3], 2, d, _bad(r, t, 0), False)
+        return am.token_prepare(np.ones(([4, 3][d], 4), F32), am.CommType.ALLGATHER, ctx, g)[0]
+
+
+def _token_finalize_of_the_wrong_rows(c, r):
+    """Token finalize (ALLGATHER, DP 2 x TP 1): rank `BAD`'s expert output
+    has a row too many."""
+    with am.MoeGroups(c, 1) as g:
+        ctx = am.MoeContext([2, 2], 1, r, 0, False)
+        return am.token_finalize(np.ones((_bad(r, 4, 5), 4), F32), am.CommType.ALLGATHER, ctx, g)
+
+
+def test_token_prepare_or_finalize_refused_on_one_rank_fails_every_rank_at_once():
+    assert_refused_everywhere(run_with_one_bad_rank(_token_prepare_with_a_stale_context, n=4), "`ep`", "`ep`")
+    assert_refused_everywhere(run_with_one_bad_rank(_token_finalize_of_the_wrong_rows), "rows", "rows")
+
+
 def test_the_refusal_leaves_the_group_usable():
     """After a refused call every rank's next collective pairs with its
     peers' next one: the refusal took exactly one call on every rank."""
@@ -183,7 +267,7 @@ def test_the_refusal_leaves_the_group_usable():
 
 
 def test_the_bad_rank_never_writes_its_out():
-    """The refusal runs over memory of its own: the rejected `out` keeps its contents."""
+    """A refused `out` keeps its contents."""
     mine = np.full((5, 3), 7.0, F32)
 
     def body(c, r):
