@@ -474,9 +474,11 @@ def register() -> bool:
 
         @custom_op(f"ascend_moe::{name}_fc", mutates_args=())
         def point(x: Tensor, layer: int) -> Tensor:
-            ctx = get_forward_context()
             lay = MoeLayer.lookup(layer)
-            return method(lay.checked_policy(ctx), x, ctx.comm_type, lay.tp_comm)
+            with lay.point_refusing():
+                ctx = get_forward_context()
+                policy = lay.checked_policy(ctx)
+            return method(policy, x, ctx.comm_type, lay.tp_comm)
 
         @point.register_fake
         def _(x, layer):

@@ -28,12 +28,12 @@ from typing import Callable, Optional
 
 from ._enums import Status
 from ._errors import error
-from ._lib import c_uint, integer
+from ._lib import c_uint, call, integer, refusing
 from .comm import Comm
 from ._enums import CommType
 from .ops import ReducePolicy
 from ._tensor import dtype_name
-from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
+from .prepare import MoeContext, MoeGroups, finalize_refusing, token_finalize, token_prepare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,20 +203,30 @@ class MoeLayer:
         mctx = self.context(ctx)
         hidden, mask = token_prepare(x, ctx.comm_type, mctx, self.groups)
         routed = self.experts(hidden, mask, ctx.comm_type)
-        got = getattr(routed, "dtype", None)  # without one, token_finalize names what is wrong
-        if got is not None and dtype_name(got) != dtype_name(hidden.dtype):
-            raise error(
-                Status.DTYPE,
-                f"MoE layer {self.layer_id}: the experts returned {dtype_name(got)} for "
-                f"{dtype_name(hidden.dtype)} tokens; the routed output keeps the tokens' dtype",
-            )
-        shape = getattr(routed, "shape", None)
-        if shape is not None and tuple(shape)[1:] != tuple(hidden.shape)[1:]:
-            # The rows are token_finalize's to check; the rest is fixed by the
-            # tokens (the torch op's fake sizes its output from them).
-            raise error(
-                Status.SHAPE,
-                f"MoE layer {self.layer_id}: the experts returned shape {[int(d) for d in shape]} for prepared "
-                f"tokens of shape {[int(d) for d in hidden.shape]}; the routed output keeps the tokens' hidden shape",
-            )
+        # A refused expert output fails the peers waiting in token_finalize too.
+        with finalize_refusing(ctx.comm_type, mctx, self.groups):
+            got = getattr(routed, "dtype", None)  # without one, token_finalize names what is wrong
+            if got is not None and dtype_name(got) != dtype_name(hidden.dtype):
+                raise error(
+                    Status.DTYPE,
+                    f"MoE layer {self.layer_id}: the experts returned {dtype_name(got)} for "
+                    f"{dtype_name(hidden.dtype)} tokens; the routed output keeps the tokens' dtype",
+                )
+            shape = getattr(routed, "shape", None)
+            if shape is not None and tuple(shape)[1:] != tuple(hidden.shape)[1:]:
+                # The rows are token_finalize's to check; the rest is fixed by the
+                # tokens (the torch op's fake sizes its output from them).
+                raise error(
+                    Status.SHAPE,
+                    f"MoE layer {self.layer_id}: the experts returned shape {[int(d) for d in shape]} for prepared "
+                    f"tokens of shape {[int(d) for d in hidden.shape]}; the routed output keeps the tokens' hidden "
+                    "shape",
+                )
         return token_finalize(routed, ctx.comm_type, mctx, self.groups)
+
+    def point_refusing(self):
+        """The checks before a reduction point of this layer (the live
+        context, the policy): one that fails is reported to the TP peers
+        waiting in the point (`amoe_reduce_refuse`) before it is raised."""
+        h = self.tp_comm.handle
+        return refusing(lambda message: call("amoe_reduce_refuse", h, 0, message))

@@ -173,6 +173,13 @@ def _refusing(comm_type, c, g, finalize: bool):
     return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message))
 
 
+def finalize_refusing(comm_type, ctx: MoeContext, groups: MoeGroups):
+    """The checks of a caller between token prepare and token finalize (the
+    experts' output): one that fails is reported to the peers waiting in
+    finalize before it is raised."""
+    return _refusing(comm_type, shapes._context_ptr(ctx), handle_of("groups", groups, MoeGroups), finalize=True)
+
+
 def _bool_like(x, rows: int):
     """A new bool vector of `rows` entries where `x` lives."""
     if _torch_tensor(x):

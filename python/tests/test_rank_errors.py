@@ -249,6 +249,51 @@ def test_token_prepare_or_finalize_refused_on_one_rank_fails_every_rank_at_once(
     assert_refused_everywhere(run_with_one_bad_rank(_token_finalize_of_the_wrong_rows), "rows", "rows")
 
 
+def _layer_whose_experts_return_float16_on_one_rank(c, r):
+    """A MoE layer (DP 2 x TP 1, ALLGATHER) whose experts on rank `BAD`
+    return float16 for float32 tokens: that rank refuses before token
+    finalize, which its peer is already in."""
+    with am.MoeGroups(c, 1) as groups, c.split([r]) as tp:
+        experts = lambda h, mask, ct: h.astype(_bad(r, np.float32, np.float16))  # noqa: E731
+        layer = am.MoeLayer(groups, tp, 1, r, 0, experts)
+        try:
+            with am.forward_context(am.CommType.ALLGATHER, [2, 2]):
+                return layer.forward(np.ones((2, 4), F32))
+        finally:
+            layer.close()
+
+
+def test_a_layer_whose_experts_fail_on_one_rank_fails_every_rank_at_once():
+    assert_refused_everywhere(run_with_one_bad_rank(_layer_whose_experts_return_float16_on_one_rank), "float16", "float16")
+
+
+def _reduction_point_fc_without_a_context_on_one_rank(c, r):
+    """`torch.ops.ascend_moe.reduce_final_fc` on TP 2, where the final point
+    reduces; rank `BAD` runs it outside any forward context."""
+    import torch
+
+    with am.MoeGroups(c, 2) as groups:
+        layer = am.MoeLayer(groups, c, 2, 0, r, lambda h, mask, ct: h, am.ReducePolicy(None, False, False, 2, 2))
+        try:
+            x = torch.ones(4, 3)
+            if r == BAD:
+                return torch.ops.ascend_moe.reduce_final_fc(x, layer.layer_id)
+            with am.forward_context(am.CommType.ALLGATHER, [4]):
+                return torch.ops.ascend_moe.reduce_final_fc(x, layer.layer_id)
+        finally:
+            layer.close()
+
+
+def test_a_context_reading_reduction_point_refused_on_one_rank_fails_every_rank_at_once():
+    from workers import torch_ops_missing
+
+    missing = torch_ops_missing()
+    if missing:
+        pytest.fail(missing) if __import__("os").environ.get("CI") else pytest.skip(missing)
+    res = run_with_one_bad_rank(_reduction_point_fc_without_a_context_on_one_rank)
+    assert_refused_everywhere(res, "no MoE forward context", "no MoE forward context")
+
+
 def test_the_refusal_leaves_the_group_usable():
     """After a refused call every rank's next collective pairs with its
     peers' next one: the refusal took exactly one call on every rank."""
