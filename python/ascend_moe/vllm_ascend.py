@@ -46,6 +46,7 @@ writes the mask into the forward context's engine-owned buffer and pads to
 and the shared-expert token communication of `AscendSharedExperts`.
 """
 
+import contextlib
 import enum
 import operator
 import os
@@ -58,7 +59,7 @@ from . import comm as _comm
 from . import ops as _ops
 from . import shapes as _shapes
 from ._errors import error
-from ._lib import Status
+from ._lib import Status, call, refusing
 from .comm import Comm
 from .ops import CommType, ReducePolicy, SharedMode, SpLayout
 from .prepare import MoeContext, MoeGroups
@@ -219,6 +220,17 @@ class _CommBackend:
     def all_reduce(self, x):
         return _comm.all_reduce(x, self.comm)
 
+    def refusing(self):
+        """The adapter's checks before a gather or reduce: one that fails
+        is reported to the peers waiting in it before it is raised."""
+        return _comm.refusing_on(self.comm.handle)
+
+    def point_refusing(self):
+        """The adapter's checks before a reduction point, reported as
+        `refusing` does (the TP peers wait in the point's agreement)."""
+        h = self.comm.handle
+        return refusing(lambda message: call("amoe_reduce_refuse", h, 0, message))
+
 
 class _GroupBackend:
     """A group through its own collectives (`GroupCoordinator.all_gather`,
@@ -231,6 +243,13 @@ class _GroupBackend:
     def __init__(self, group):
         self.group = group
         self.rank, self.world_size = _rank_and_size(group)
+
+    def refusing(self):
+        """The group's own collectives take no refusal: a check that fails
+        is raised on this rank alone."""
+        return contextlib.nullcontext()
+
+    point_refusing = refusing
 
     def gather(self, x, layout):
         import torch
@@ -467,12 +486,13 @@ def _gather_impl(x):
     # below must still join, or its peers wait there, past every timeout of
     # ours, for gloo's own.
     backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
-    layout, rows = _gather_plan(x)
-    byte_dtype = x.dtype in _byte_dtypes()
-    import torch
+    with backend.refusing():
+        layout, rows = _gather_plan(x)
+        byte_dtype = x.dtype in _byte_dtypes()
+        import torch
 
-    src = x.view(torch.uint8) if byte_dtype else x
-    src = _fit_rows(src.contiguous(), rows)
+        src = x.view(torch.uint8) if byte_dtype else x
+        src = _fit_rows(src.contiguous(), rows)
     out = backend.gather(src, layout)
     return out.view(x.dtype) if byte_dtype else out
 
@@ -513,15 +533,17 @@ def _reduce_plan(x):
 def _reduce_impl(x):
     # The group's backend first, as in `_gather_impl`.
     backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
-    layout, pad_to = _reduce_plan(x)
-    if x.dtype in _byte_dtypes():
-        raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
-    if layout is None and x.shape[0] % backend.world_size:
-        # SPEC section 3, on the groups' own collectives as on a communicator.
-        raise error(
-            Status.SHAPE,
-            f"maybe_pad_and_reduce: x has {x.shape[0]} rows, which the EP size {backend.world_size} does not divide (no SP layout)",
-        )
+    with backend.refusing():
+        layout, pad_to = _reduce_plan(x)
+        if x.dtype in _byte_dtypes():
+            raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
+        if layout is None and x.shape[0] % backend.world_size:
+            # SPEC section 3, on the groups' own collectives as on a communicator.
+            raise error(
+                Status.SHAPE,
+                f"maybe_pad_and_reduce: x has {x.shape[0]} rows, which the EP size {backend.world_size} does not "
+                "divide (no SP layout)",
+            )
     out = backend.reduce(x.contiguous(), layout)
     return out if pad_to is None else _fit_rows(out, pad_to)
 
@@ -705,7 +727,8 @@ def _point_impl(x, point: int, layer: int):
     # The group's backend before the comm type is read, as in `_gather_impl`:
     # a rank without one still joins the collective that builds it.
     backend = comm_for_group(tp_group, _device_kind(x.device))
-    ct = _live_comm_type()
+    with backend.point_refusing():
+        ct = _live_comm_type()
     if backend.kind == "comm":
         # The library decides, also where it only copies: on a CPU world it
         # checks there that every TP rank chose the same comm type, so a rank
