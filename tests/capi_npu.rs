@@ -291,6 +291,15 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     assert_eq!(or.to_vec()?, want, "reduce_final into out, rank {rank}");
     assert_eq!(xr.to_vec()?, want, "reduce_final in place, rank {rank}");
 
+    // A binding's refusal on HCCL sends nothing: OK at once, and the group's
+    // next collective (below) still pairs with its peers'.
+    let msg = std::ffi::CString::new("binding: refused").expect("no NUL");
+    // SAFETY: a live handle; a C string.
+    unsafe {
+        assert_eq!(amoe_comm_refuse(c, msg.as_ptr()), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_reduce_refuse(c, 1, msg.as_ptr()), amoe_status::Ok, "{}", last_error());
+    }
+
     // Freeing the handles leaves the engine's stream, communicator and memory alone.
     // SAFETY: live handles, not used afterwards.
     unsafe {
