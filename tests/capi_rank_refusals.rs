@@ -172,27 +172,27 @@ fn a_shared_expert_op_or_reduction_point_with_a_bad_argument_on_one_rank_fails_e
     });
 }
 
+/// Runs `op(ctx, groups)` on rank `rank` of DP 2 x TP 1 under ALLGATHER (2
+/// tokens per DP rank, 4 gathered rows), with the groups of world `c`.
+fn with_groups(
+    rank: usize,
+    c: *mut amoe_comm,
+    op: &dyn Fn(&amoe_moe_context, *mut amoe_moe_groups) -> amoe_status,
+) -> amoe_status {
+    let dp_tokens = [2usize, 2];
+    let mut groups: *mut amoe_moe_groups = null_mut();
+    // SAFETY: live world handle and out-pointer.
+    assert_eq!(unsafe { amoe_moe_groups_new(c, 1, 1, &mut groups) }, amoe_status::Ok, "{}", last_error());
+    let ctx =
+        amoe_moe_context { dp_tokens: dp_tokens.as_ptr(), dp_size: 2, tp_size: 1, dp_rank: rank, ..Default::default() };
+    let st = op(&ctx, groups);
+    // SAFETY: the handle from amoe_moe_groups_new, freed once.
+    unsafe { amoe_moe_groups_free(groups) };
+    st
+}
+
 #[test]
 fn token_prepare_or_finalize_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
-    // DP 2 x TP 1 under ALLGATHER: 2 tokens per DP rank, 4 gathered rows.
-    let dp_tokens = [2usize, 2];
-    let with_groups =
-        |rank: usize, c: *mut amoe_comm, op: &dyn Fn(&amoe_moe_context, *mut amoe_moe_groups) -> amoe_status| {
-            let mut groups: *mut amoe_moe_groups = null_mut();
-            // SAFETY: live world handle and out-pointer.
-            assert_eq!(unsafe { amoe_moe_groups_new(c, 1, 1, &mut groups) }, amoe_status::Ok, "{}", last_error());
-            let ctx = amoe_moe_context {
-                dp_tokens: dp_tokens.as_ptr(),
-                dp_size: 2,
-                tp_size: 1,
-                dp_rank: rank,
-                ..Default::default()
-            };
-            let st = op(&ctx, groups);
-            // SAFETY: the handle from amoe_moe_groups_new, freed once.
-            unsafe { amoe_moe_groups_free(groups) };
-            st
-        };
     let ag = amoe_comm_type::AllGather as u32;
     one_bad_rank("prepare out", "out", amoe_status::Shape, |rank, c| {
         with_groups(rank, c, &|ctx, g| {
@@ -261,31 +261,19 @@ fn a_binding_reports_its_own_refusal_to_the_peers_waiting_in_the_call() {
             }
         }
     });
-    let dp_tokens = [2usize, 2];
     one_bad_rank("token_refuse", "float64", amoe_status::Ok, |rank, c| {
-        let mut groups: *mut amoe_moe_groups = null_mut();
-        // SAFETY: live world handle and out-pointer.
-        assert_eq!(unsafe { amoe_moe_groups_new(c, 1, 1, &mut groups) }, amoe_status::Ok, "{}", last_error());
-        let ctx = amoe_moe_context {
-            dp_tokens: dp_tokens.as_ptr(),
-            dp_size: 2,
-            tp_size: 1,
-            dp_rank: rank,
-            ..Default::default()
-        };
-        let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);
-        let (yd, od) = (host(&mut y, &[4, 4]), host(&mut o, &[2, 4]));
-        let ag = amoe_comm_type::AllGather as u32;
-        // SAFETY: live handles; descriptors over live buffers; a C string.
-        let st = unsafe {
-            if rank == BAD {
-                amoe_token_refuse(ag, &ctx, groups, 1, message.as_ptr())
-            } else {
-                amoe_token_finalize(&yd, ag, &ctx, groups, &od, null())
+        with_groups(rank, c, &|ctx, g| {
+            let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);
+            let (yd, od) = (host(&mut y, &[4, 4]), host(&mut o, &[2, 4]));
+            let ag = amoe_comm_type::AllGather as u32;
+            // SAFETY: live handles; descriptors over live buffers; a C string.
+            unsafe {
+                if rank == BAD {
+                    amoe_token_refuse(ag, ctx, g, 1, message.as_ptr())
+                } else {
+                    amoe_token_finalize(&yd, ag, ctx, g, &od, null())
+                }
             }
-        };
-        // SAFETY: the handle from amoe_moe_groups_new, freed once.
-        unsafe { amoe_moe_groups_free(groups) };
-        st
+        })
     });
 }

@@ -782,3 +782,21 @@ backend_test!(an_empty_row_finalize_still_reports_a_bad_index, |on: On| {
     })
     .unwrap();
 });
+
+/// The SP layout check on CPU ranks: agreeing ranks pass, and ranks whose
+/// layouts differ (equal `M`) all fail at once, naming every rank's
+/// fingerprint.
+#[test]
+fn the_sp_layout_check_fails_every_rank_whose_layout_differs() {
+    let res = run_ranks(3, &CommOptions::with_timeout(std::time::Duration::from_secs(20)), |rank, ep| {
+        let agreed = SpLayout::new(&[2, 1, 1])?;
+        check_sp_layout_agreement(&agreed, &ep)?;
+        let mine = SpLayout::new(if rank == 0 { &[2, 1, 1] } else { &[1, 2, 1] })?;
+        Ok(check_sp_layout_agreement(&mine, &ep).map_err(|e| e.to_string()))
+    })
+    .expect("the world starts");
+    for (rank, r) in res.iter().enumerate() {
+        let e = r.as_ref().expect_err("the layouts differ");
+        assert!(e.contains("disagree on the SP layout") && e.contains("rank 2"), "rank {rank}: {e}");
+    }
+}

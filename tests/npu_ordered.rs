@@ -17,7 +17,8 @@ use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::moe::prepare_finalize::{finalize, prepare, MoeContext, MoeGroups};
 use ascend_moe::moe::shared::{shared_gather_unpad, shared_pad_reduce_scatter, shared_pad_split};
 use ascend_moe::moe::{
-    finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, ReducePolicy, SharedMode, SpLayout,
+    check_sp_layout_agreement, finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce,
+    ReducePolicy, SharedMode, SpLayout,
 };
 use ascend_moe::ranks::npu_run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, DType, Device, ReduceOp, Result, Tensor};
@@ -693,6 +694,45 @@ fn the_comm_type_agreement_check_runs_on_the_device() {
             graph.replay(nd.stream().raw());
             match nd.check() {
                 Err(e) if e.to_string().contains("disagree") => {}
+                other => p.push(format!("replay {round}: {other:?}")),
+            }
+        }
+        drop(graph);
+        Ok(p)
+    })
+    .unwrap();
+    assert_no_problems(reports);
+}
+
+/// The SP layout check (`ASCEND_MOE_CHECK_LAYOUT=1` runs it in the SP ops on
+/// HCCL) compares the layouts' fingerprints on the device: the call only
+/// enqueues (no sync, no host read), ranks that agree pass their stream
+/// check, and when two ranks hold a stale layout (equal `M`, so HCCL itself
+/// would move misaligned rows without complaint) every rank's stream check
+/// fails naming the disagreement. It can be captured and replayed.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_sp_layout_agreement_check_runs_on_the_device() {
+    let reports = npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
+        let nd = npu(&comm.device()).clone();
+        let agreed = SpLayout::new(&[3, 1, 2, 2])?;
+        // Two staged copies: this rank's fingerprint, and the device check's tiling.
+        let mut p = measure_with_staging(&nd, "agreeing ranks", 2, || check_sp_layout_agreement(&agreed, &comm));
+        let mine = SpLayout::new(if rank < 2 { &[3, 1, 2, 2] } else { &[3, 2, 1, 2] })?;
+        check_sp_layout_agreement(&mine, &comm)?;
+        match nd.check() {
+            Err(e) if e.to_string().contains("disagree on the SP layout") => {}
+            other => p.push(format!("a stale layout was reported as {other:?}")),
+        }
+        nd.check().map_err(|e| ascend_moe::Error::invalid("test", "check", format!("reported twice: {e}")))?;
+        nd.set_current()?;
+        let graph = ascend_moe::testing::graph::Graph::capture(nd.stream().raw(), || {
+            check_sp_layout_agreement(&mine, &comm).expect("captured check");
+        });
+        for round in 0..2 {
+            graph.replay(nd.stream().raw());
+            match nd.check() {
+                Err(e) if e.to_string().contains("disagree on the SP layout") => {}
                 other => p.push(format!("replay {round}: {other:?}")),
             }
         }

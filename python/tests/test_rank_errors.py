@@ -88,72 +88,62 @@ def _bad(r, good, bad):
     return bad if r == BAD else good
 
 
-# (id, the call every rank makes, what the bad rank's error names, what the peers' error names)
+# (id, the call every rank makes, what both the bad rank's error and its peers' name; the
+# peers quote the bad rank's error)
 CASES = [
     (
         "all_reduce out of the wrong shape",
         lambda c, r: am.all_reduce(X, c, out=_bad(r, None, np.empty((5, 3), F32))),
-        "`out`",
         "`out`",
     ),
     (
         "all_reduce out of the wrong dtype",
         lambda c, r: am.all_reduce(X, c, out=_bad(r, None, np.empty((4, 3), np.float16))),
         "`out`",
-        "`out`",
     ),
     (
         "all_reduce of int8, which is never reduced",
         lambda c, r: am.all_reduce(_bad(r, X, X.astype(np.int8)), c),
-        "never reduced",
         "never reduced",
     ),
     (
         "reduce_scatter of rows the world size does not divide",
         lambda c, r: am.reduce_scatter(_bad(r, X, np.ones((3, 3), F32)), c),
         "does not divide",
-        "does not divide",
     ),
     (
         "reduce_scatter of int8",
         lambda c, r: am.reduce_scatter(_bad(r, X, X.astype(np.int8)), c),
-        "never reduced",
         "never reduced",
     ),
     (
         "reduce_scatter out of the wrong shape",
         lambda c, r: am.reduce_scatter(X, c, out=_bad(r, None, np.empty((4, 3), F32))),
         "`out`",
-        "`out`",
     ),
     (
         "all_gather out of the wrong shape",
         lambda c, r: am.all_gather(X, c, out=_bad(r, None, np.empty((9, 3), F32))),
-        "`out`",
         "`out`",
     ),
     (
         "all_gather out of the wrong dtype",
         lambda c, r: am.all_gather(X, c, out=_bad(r, None, np.empty((8, 3), np.float16))),
         "`out`",
-        "`out`",
     ),
     (
         "broadcast out of the wrong shape",
         lambda c, r: am.broadcast(X, c, out=_bad(r, None, np.empty((5, 3), F32))),
         "`out`",
-        "`out`",
     ),
     (
         "all_reduce with an unknown op number",
         lambda c, r: am.all_reduce(X, c, op=_bad(r, 0, 7)),
-        "op",
         "unknown reduce op 7",
     ),
     (
         "all_reduce of float64, which the library does not take",
         lambda c, r: am.all_reduce(_bad(r, X, X.astype(np.float64)), c),
-        "float64",
         "float64",
     ),
 ]
@@ -217,9 +207,9 @@ def test_a_broadcast_root_with_a_bad_out_never_sends_memory_it_did_not_fill():
     assert res[1][0] == "err", f"rank 1 returned {res[1][1]!r}, a broadcast its root refused"
 
 
-@pytest.mark.parametrize("call,bad_naming,peer_naming", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_bad_collective_argument_on_one_rank_fails_every_rank_at_once(call, bad_naming, peer_naming):
-    assert_refused_everywhere(run_with_one_bad_rank(call), bad_naming, peer_naming)
+@pytest.mark.parametrize("call,naming", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_collective_argument_on_one_rank_fails_every_rank_at_once(call, naming):
+    assert_refused_everywhere(run_with_one_bad_rank(call), naming, naming)
 
 
 @pytest.mark.parametrize("call,naming", [c[1:] for c in MOE_CASES], ids=[c[0] for c in MOE_CASES])

@@ -71,8 +71,8 @@ pub use layout::SpLayout;
 pub use live::{ForwardContext, LiveStream};
 pub use output::Output;
 pub use pad_reduce::{
-    finalize_and_reduce, finalize_and_reduce_into, finalize_and_reduce_output_shape, finalize_and_reduce_shape,
-    maybe_all_gather_and_maybe_unpad, maybe_all_gather_and_maybe_unpad_into,
+    check_sp_layout_agreement, finalize_and_reduce, finalize_and_reduce_into, finalize_and_reduce_output_shape,
+    finalize_and_reduce_shape, maybe_all_gather_and_maybe_unpad, maybe_all_gather_and_maybe_unpad_into,
     maybe_all_gather_and_maybe_unpad_output_shape, maybe_pad_and_reduce, maybe_pad_and_reduce_dtype,
     maybe_pad_and_reduce_into, maybe_pad_and_reduce_output_shape,
 };

@@ -157,6 +157,73 @@ fn cpu_block_counts(device: &Device, layout: Option<&SpLayout>, row_len: usize) 
     Some(layout?.local_sizes().iter().map(|&rows| rows * row_len).collect())
 }
 
+/// Whether the SP ops compare their layout across an HCCL group:
+/// `ASCEND_MOE_CHECK_LAYOUT=1`. HCCL compares no counts, so without it ranks
+/// whose layouts disagree but share `M` (a stale token count on one of them)
+/// reduce or gather misaligned rows, as vLLM-Ascend's ops do. A CPU group
+/// needs no check: its V collectives compare every rank's counts
+/// ([`cpu_block_counts`]).
+fn layout_check_enabled(device: &Device) -> bool {
+    !matches!(device, Device::Cpu)
+        && std::env::var("ASCEND_MOE_CHECK_LAYOUT").ok().as_deref().map(str::trim) == Some("1")
+}
+
+/// The SP layout check of an op on `device` ([`layout_check_enabled`]).
+fn layout_agrees<C: Collectives + ?Sized>(device: &Device, layout: Option<&SpLayout>, ep: &C) -> Result<()> {
+    match layout {
+        Some(l) if layout_check_enabled(device) => check_sp_layout_agreement(l, ep),
+        _ => Ok(()),
+    }
+}
+
+/// Checks that every rank of `ep` holds `layout`: one all-gather of a 32-bit
+/// fingerprint of its `local_sizes` per rank, compared with this rank's
+/// ([`crate::backend::Backend::expect_all_equal`]). On the CPU every rank fails at
+/// once naming each rank's fingerprint; on an NPU the fingerprints are
+/// compared on the device (one small collective, a staged copy and a guard
+/// launch: no host sync, capturable) and every rank's next stream check fails
+/// naming a rank whose layout differs. The SP ops run it on an HCCL group
+/// with `ASCEND_MOE_CHECK_LAYOUT=1`.
+pub fn check_sp_layout_agreement<C: Collectives + ?Sized>(layout: &SpLayout, ep: &C) -> Result<()> {
+    if ep.world_size() <= 1 {
+        return Ok(());
+    }
+    let sizes = layout.local_sizes().to_vec();
+    let mine = fingerprint(&sizes);
+    let (group, rank) = (ep.name().to_string(), ep.rank());
+    crate::comm::expect_group_agrees(
+        ep,
+        mine,
+        Box::new(move |all, first, value| {
+            let theirs = match all {
+                Some(all) => {
+                    let each: Vec<String> =
+                        all.iter().enumerate().map(|(r, v)| format!("rank {r} {v:#010x}")).collect();
+                    format!("fingerprints {}", each.join(", "))
+                }
+                None => format!("rank {first}'s layout has fingerprint {value:#010x}"),
+            };
+            Error::invalid(
+                "check_sp_layout_agreement",
+                "layout",
+                format!(
+                    "the EP ranks of group {group:?} disagree on the SP layout: {theirs}; this is rank {rank}, \
+                     whose local_sizes {sizes:?} have fingerprint {mine:#010x} (a stale token count on a rank)"
+                ),
+            )
+        }),
+    )
+}
+
+/// FNV-1a of the sizes (as 64-bit little-endian words), folded to 32 bits.
+fn fingerprint(sizes: &[usize]) -> i32 {
+    let h = sizes
+        .iter()
+        .flat_map(|&s| (s as u64).to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    (h ^ (h >> 32)) as u32 as i32
+}
+
 /// Reduce-scatters the padded buffer `[EP * M, H...]` over `ep` and writes the
 /// first `local_sizes[rank]` rows of this rank's slot into `out`: straight
 /// from the collective when the slot has exactly those rows, else through a
@@ -230,6 +297,7 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
         return ep.reduce_scatter_v(x, out, &counts, ReduceOp::Sum);
     }
+    layout_agrees(&device, layout, ep)?;
     if l.is_uniform() {
         // No padding anywhere: x already is the padded buffer.
         return reduce_padded_into(x, &l, ep, out, &device);
@@ -326,6 +394,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
         return ep.all_gather_v(x, out, &counts);
     }
+    layout_agrees(&device, layout, ep)?;
     let m = l.max_rows();
     if l.padded_rows().checked_mul(x.row_len()) == Some(0) && !joins_empty(ep) {
         // Nothing to move (`out` has no elements) and HCCL refuses empty
@@ -434,5 +503,6 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
         Ok((reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?, dims))
     });
     let (l, dims) = checked.map_err(|e| refuse_reduce(ep, args.expanded_x.dtype(), e))?;
+    layout_agrees(&ep.device(), layout, ep)?;
     ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), out)
 }
