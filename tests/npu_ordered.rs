@@ -742,3 +742,62 @@ fn the_sp_layout_agreement_check_runs_on_the_device() {
     .unwrap();
     assert_no_problems(reports);
 }
+
+/// With `ASCEND_MOE_CHECK_LAYOUT=1` the SP ops on an HCCL group compare
+/// their layouts first: ranks holding a stale layout of equal `M` (which
+/// HCCL itself would move without complaint) fail every rank's stream check
+/// in each of the three ops, and ranks that agree pass. Without the variable
+/// the same calls pass the check (the opt-in default).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_sp_ops_compare_their_layouts_with_ascend_moe_check_layout() {
+    const VAR: &str = "ASCEND_MOE_CHECK_LAYOUT";
+    let run = |checked: bool| {
+        npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
+            let nd = npu(&comm.device()).clone();
+            let mut p = Vec::new();
+            // Equal M = 3 and 8 rows in all on every rank; ranks 2 and 3 hold a stale layout.
+            let layout = SpLayout::new(if rank < 2 { &[3, 1, 2, 2] } else { &[3, 2, 1, 2] })?;
+            let h = 4;
+            let dev = comm.device();
+            let full = filled(&dev, &[8, h], rank)?;
+            let shard = filled(&dev, &[layout.local_size(rank), h], rank)?;
+            let xs = filled(&dev, &[8, h], rank)?;
+            let idx = Tensor::from_slice(&(0..8).collect::<Vec<i32>>(), &[8])?.to_device(&dev)?;
+            let args = FinalizeArgs {
+                expanded_x: &xs,
+                expanded_row_idx: &idx,
+                x1: None,
+                x2: None,
+                bias: None,
+                scales: None,
+                expert_idx: None,
+                drop_pad_mode: DropPadMode::DropLessRow,
+            };
+            let ops: [(&str, &dyn Fn() -> Result<()>); 3] = [
+                ("maybe_pad_and_reduce", &|| maybe_pad_and_reduce(&full, Some(&layout), &comm).map(drop)),
+                ("maybe_all_gather_and_maybe_unpad", &|| {
+                    maybe_all_gather_and_maybe_unpad(&shard, Some(&layout), &comm).map(drop)
+                }),
+                ("finalize_and_reduce", &|| finalize_and_reduce(&args, Some(&layout), &comm).map(drop)),
+            ];
+            for (op, f) in ops {
+                f()?;
+                match (checked, nd.check()) {
+                    (true, Err(e)) if e.to_string().contains("disagree on the SP layout") => {}
+                    (false, Ok(())) => {}
+                    (_, other) => p.push(format!("{op}, check {checked}: {other:?}")),
+                }
+            }
+            Ok(p)
+        })
+        .unwrap()
+    };
+    assert_no_problems(run(false));
+    // SAFETY: ci/npu-4card.sh runs these tests one at a time (--test-threads=1);
+    // the variable is set before the rank threads start and removed after they joined.
+    std::env::set_var(VAR, "1");
+    let reports = run(true);
+    std::env::remove_var(VAR);
+    assert_no_problems(reports);
+}
