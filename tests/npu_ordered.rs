@@ -658,6 +658,35 @@ fn the_pool_reserves_ahead_reuses_blocks_and_never_grows_under_capture() {
     assert_eq!(dev.stream().workspace_stats().segments, 2);
 }
 
+/// A device agreement check `check` that the ranks disagree on: its stream
+/// check fails once, with a message `named` accepts, and a graph capturing it
+/// fails on every replay, once each, with a message containing `replayed`.
+/// Problems go to `p`.
+fn disagreement_reported(
+    nd: &NpuDevice,
+    p: &mut Vec<String>,
+    check: &dyn Fn() -> Result<()>,
+    named: &dyn Fn(&str) -> bool,
+    replayed: &str,
+) -> Result<()> {
+    check()?;
+    match nd.check() {
+        Err(e) if named(&e.to_string()) => {}
+        other => p.push(format!("a disagreement was reported as {other:?}")),
+    }
+    nd.check().map_err(|e| ascend_moe::Error::invalid("test", "check", format!("reported twice: {e}")))?;
+    nd.set_current()?;
+    let graph = ascend_moe::testing::graph::Graph::capture(nd.stream().raw(), || check().expect("captured check"));
+    for round in 0..2 {
+        graph.replay(nd.stream().raw());
+        match nd.check() {
+            Err(e) if e.to_string().contains(replayed) => {}
+            other => p.push(format!("replay {round}: {other:?}")),
+        }
+    }
+    Ok(())
+}
+
 /// The comm-type agreement check of `prepare` on the NPU compares the
 /// gathered choices on the device: the call only enqueues (no sync, no host
 /// read), ranks that agree pass their stream check, and when two DP groups
@@ -673,31 +702,10 @@ fn the_comm_type_agreement_check_runs_on_the_device() {
         // device check's tiling.
         let mut p = measure_with_staging(&nd, "agreeing ranks", 2, || check_comm_type_agreement(CommType::Mc2, &comm));
         let mine = if rank < 2 { CommType::AllGather } else { CommType::Mc2 };
-        check_comm_type_agreement(mine, &comm)?;
-        match nd.check() {
-            Err(e) => {
-                let msg = e.to_string();
-                let other = if rank < 2 { "MC2" } else { "ALLGATHER" };
-                if !(msg.contains("disagree") && msg.contains(other) && msg.contains(&format!("rank {rank}"))) {
-                    p.push(format!("disagreement reported as {msg}"));
-                }
-            }
-            Ok(()) => p.push("a disagreement passed the stream check".into()),
-        }
-        nd.check().map_err(|e| ascend_moe::Error::invalid("test", "check", format!("reported twice: {e}")))?;
-        // Captured with a disagreement, every replay reports it, once each.
-        nd.set_current()?;
-        let graph = ascend_moe::testing::graph::Graph::capture(nd.stream().raw(), || {
-            check_comm_type_agreement(mine, &comm).expect("captured check");
-        });
-        for round in 0..2 {
-            graph.replay(nd.stream().raw());
-            match nd.check() {
-                Err(e) if e.to_string().contains("disagree") => {}
-                other => p.push(format!("replay {round}: {other:?}")),
-            }
-        }
-        drop(graph);
+        let other = if rank < 2 { "MC2" } else { "ALLGATHER" };
+        let named =
+            |msg: &str| msg.contains("disagree") && msg.contains(other) && msg.contains(&format!("rank {rank}"));
+        disagreement_reported(&nd, &mut p, &|| check_comm_type_agreement(mine, &comm), &named, "disagree")?;
         Ok(p)
     })
     .unwrap();
@@ -719,24 +727,9 @@ fn the_sp_layout_agreement_check_runs_on_the_device() {
         // Two staged copies: this rank's fingerprint, and the device check's tiling.
         let mut p = measure_with_staging(&nd, "agreeing ranks", 2, || check_sp_layout_agreement(&agreed, &comm));
         let mine = SpLayout::new(if rank < 2 { &[3, 1, 2, 2] } else { &[3, 2, 1, 2] })?;
-        check_sp_layout_agreement(&mine, &comm)?;
-        match nd.check() {
-            Err(e) if e.to_string().contains("disagree on the SP layout") => {}
-            other => p.push(format!("a stale layout was reported as {other:?}")),
-        }
-        nd.check().map_err(|e| ascend_moe::Error::invalid("test", "check", format!("reported twice: {e}")))?;
-        nd.set_current()?;
-        let graph = ascend_moe::testing::graph::Graph::capture(nd.stream().raw(), || {
-            check_sp_layout_agreement(&mine, &comm).expect("captured check");
-        });
-        for round in 0..2 {
-            graph.replay(nd.stream().raw());
-            match nd.check() {
-                Err(e) if e.to_string().contains("disagree on the SP layout") => {}
-                other => p.push(format!("replay {round}: {other:?}")),
-            }
-        }
-        drop(graph);
+        const SAYS: &str = "disagree on the SP layout";
+        let named = |msg: &str| msg.contains(SAYS);
+        disagreement_reported(&nd, &mut p, &|| check_sp_layout_agreement(&mine, &comm), &named, SAYS)?;
         Ok(p)
     })
     .unwrap();
