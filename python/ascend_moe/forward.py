@@ -28,10 +28,10 @@ from typing import Callable, Optional
 
 from ._enums import Status
 from ._errors import error
-from ._lib import c_uint, call, integer, refusing
+from ._lib import c_uint, integer
 from .comm import Comm
 from ._enums import CommType
-from .ops import ReducePolicy
+from .ops import ReducePolicy, point_refusing
 from ._tensor import dtype_name
 from .prepare import MoeContext, MoeGroups, finalize_refusing, token_finalize, token_prepare
 
@@ -228,5 +228,4 @@ class MoeLayer:
         """The checks before a reduction point of this layer (the live
         context, the policy): one that fails is reported to the TP peers
         waiting in the point (`amoe_reduce_refuse`) before it is raised."""
-        h = self.tp_comm.handle
-        return refusing(lambda message: call("amoe_reduce_refuse", h, 0, message))
+        return point_refusing(self.tp_comm.handle)

@@ -140,6 +140,14 @@ def shared_pad_reduce_scatter(x, tp_comm: Comm, *, out=None, stream=None):
     return _tp_op("amoe_shared_pad_reduce_scatter", shapes.shared_pad_reduce_scatter, x, tp_comm, tuple, out, stream)
 
 
+def point_refusing(h, reduces=lambda: 0):
+    """The checks before a reduction point over the TP communicator `h`: one
+    that fails is reported to the TP peers waiting in the point
+    (`amoe_reduce_refuse`, with `reduces()`: 1 when the point reduces, 0 when
+    unknown) before it is raised."""
+    return refusing(lambda message: call("amoe_reduce_refuse", h, reduces(), message))
+
+
 # The decision of each reduction-point export (`ReducePolicy.decisions`).
 _DECISIONS = {"amoe_reduce_routed_early": "routed", "amoe_reduce_shared": "shared", "amoe_reduce_final": "final"}
 
@@ -186,7 +194,7 @@ class ReducePolicy:
     def _point(self, name: str, x, comm_type, tp_comm: Comm, out, stream):
         h = handle_of("tp_comm", tp_comm)
         o = Operands(stream)
-        with refusing(lambda message: call("amoe_reduce_refuse", h, self._reduces(name, comm_type), message)):
+        with point_refusing(h, lambda: self._reduces(name, comm_type)):
             d = o.input("x", x)
             y = o.output(d.shape, d, out)
             ct = comm_type_code(comm_type)

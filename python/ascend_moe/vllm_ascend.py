@@ -59,7 +59,7 @@ from . import comm as _comm
 from . import ops as _ops
 from . import shapes as _shapes
 from ._errors import error
-from ._lib import Status, call, refusing
+from ._lib import Status
 from .comm import Comm
 from .ops import CommType, ReducePolicy, SharedMode, SpLayout
 from .prepare import MoeContext, MoeGroups
@@ -228,8 +228,7 @@ class _CommBackend:
     def point_refusing(self):
         """The adapter's checks before a reduction point, reported as
         `refusing` does (the TP peers wait in the point's agreement)."""
-        h = self.comm.handle
-        return refusing(lambda message: call("amoe_reduce_refuse", h, 0, message))
+        return _ops.point_refusing(self.comm.handle)
 
 
 class _GroupBackend:
