@@ -229,6 +229,28 @@ fn a_split_with_a_null_list_on_one_rank_fails_every_rank_at_once() {
     });
 }
 
+/// Rank 1 splits where rank 0 all-reduces: rank 0 fails at once naming the
+/// split (rank 1 took part in its all-reduce to fail it), and rank 1 with a
+/// mismatch naming the all-reduce, not after the 30 s timeout.
+#[test]
+fn a_split_where_a_peer_calls_a_collective_fails_both_at_once() {
+    one_bad_rank_seen_as("split vs all_reduce", "all_reduce", amoe_status::CommMismatch, "split([0, 1])", |rank, c| {
+        if rank != BAD {
+            let (mut a, mut b) = (vec![1f32; 8], vec![0f32; 8]);
+            let (s, d) = (host(&mut a, &[8]), host(&mut b, &[8]));
+            // SAFETY: live handle; descriptors over live buffers.
+            return unsafe { amoe_all_reduce(c, &s, &d, 0, null()) };
+        }
+        let ranks = [0usize, 1];
+        let mut sub: *mut amoe_comm = null_mut();
+        // SAFETY: live handle; the list holds 2 entries; out writable.
+        let st = unsafe { amoe_comm_split(c, ranks.as_ptr(), 2, &mut sub) };
+        // SAFETY: NULL or the new handle, freed once.
+        unsafe { amoe_comm_free(sub) };
+        st
+    });
+}
+
 /// A binding that refuses its own arguments before it calls the library
 /// tells the peers through `amoe_comm_refuse`, `amoe_reduce_refuse` or
 /// `amoe_token_refuse`: they fail at once quoting its message.

@@ -10,8 +10,11 @@
 
 use std::collections::HashMap;
 
-use crate::segment::Posted;
-use crate::{Error, ErrorKind, Result, ShmComm};
+use std::sync::atomic::Ordering;
+
+use crate::descriptor::{Desc, Kind};
+use crate::segment::{Posted, JOINED};
+use crate::{DataType, Error, ErrorKind, Result, ShmComm};
 
 /// Why `ranks` is no rank list for rank `me` of a world of `w` to split.
 fn invalid_list(ranks: &[usize], w: usize, me: usize) -> Option<String> {
@@ -42,11 +45,19 @@ impl ShmComm {
     /// stays usable, and a later split of one list by every member works.
     /// A member whose own list is invalid (empty, out of range, repeated, or
     /// without it) fails at once, and so do the members waiting for it, with
-    /// a Mismatch naming its list.
+    /// a Mismatch naming its list. A member that called this group's next
+    /// collective instead of the split fails the split at once too: the
+    /// members waiting for it take part in that collective as a refusal, so
+    /// it fails with a Mismatch naming the split, and they with one naming
+    /// its collective (every rank of this group must then have called a
+    /// collective there, as the member's was one of this group's).
     pub fn split(&self, ranks: &[usize]) -> Result<ShmComm> {
         self.check_owner("split")?;
         let (w, me) = (self.inner.world, self.inner.rank);
-        let seq = self.lock().seq;
+        let (seq, phase) = {
+            let st = self.lock();
+            (st.seq, st.phase)
+        };
         // Held until the sub-group formed or failed, so that splits through
         // clones of this handle count one after the other.
         let mut splits = self.inner.splits.lock().unwrap_or_else(|e| e.into_inner());
@@ -73,7 +84,11 @@ impl ShmComm {
         let seen = &splits.seen;
         let watch = || {
             let refused = self.refused_members(ranks, seq, seen);
-            (!refused.is_empty()).then(|| self.refusal_text(ranks, &refused))
+            if !refused.is_empty() {
+                return Some(self.refusal_text(ranks, &refused));
+            }
+            let called = self.members_in_next_call(ranks, seq, phase);
+            (!called.is_empty()).then(|| self.next_call_text(ranks, seq, &called))
         };
         let joined =
             ShmComm::rendezvous_watching(&name, ranks.len(), pos, self.inner.timeout, &self.inner.cfg, Some(&watch));
@@ -93,6 +108,10 @@ impl ShmComm {
                     splits.seen.extend(refused.iter().map(|(r, p)| (*r, p.gen)));
                     return Err(e);
                 }
+                let called = self.members_in_next_call(ranks, seq, phase);
+                if !called.is_empty() {
+                    return Err(self.refuse_next_call(ranks, seq, &called));
+                }
                 Err(self.split_mismatch(ranks, seq).unwrap_or(e))
             }
             Err(e) => Err(e),
@@ -105,6 +124,61 @@ impl ShmComm {
         let mut posts = self.posts(ranks);
         posts.retain(|(r, p)| p.refused && p.seq == seq && seen.get(r) != Some(&p.gen));
         posts
+    }
+
+    /// The members of `ranks` (other than this rank) that called this group's
+    /// next collective, call #`seq + 1`, instead of splitting `ranks` after
+    /// `seq` collectives, each with its call described. A member arrived at
+    /// that call's first phase (`phase + 1`) cannot pass it before this rank
+    /// arrives there too, so it will not come to this split while this rank
+    /// waits. Not counted: a member that failed a wait since (it no longer
+    /// waits there), and one whose posted split came after `seq` collectives
+    /// or later (it did split, maybe another list, failed and went on: the
+    /// lists' disagreement is reported as such).
+    fn members_in_next_call(&self, ranks: &[usize], seq: u64, phase: u64) -> Vec<(usize, String)> {
+        let seg = &self.inner.seg;
+        let slot = ((seq + 1) % 2) as usize;
+        ranks
+            .iter()
+            .filter(|&&r| r != self.inner.rank)
+            .filter(|&&r| {
+                let c = seg.ctrl(r);
+                c.arrive.load(Ordering::Acquire) > phase && c.state.load(Ordering::Acquire) == JOINED
+            })
+            .filter(|&&r| seg.ctrl(r).posted_split().map_or(true, |p| p.seq < seq))
+            .filter_map(|&r| {
+                let p = seg.ctrl_ptr(r);
+                // SAFETY: rank r wrote the descriptor of its call #seq + 1
+                // before arriving at its first phase (acquire, above), and
+                // does not rewrite the slot before every rank passed it.
+                let d = Desc::from_words(unsafe { &*std::ptr::addr_of!((*p).desc[slot]) });
+                (d.seq == seq + 1).then(|| (r, d.describe()))
+            })
+            .collect()
+    }
+
+    fn next_call_text(&self, ranks: &[usize], seq: u64, called: &[(usize, String)]) -> String {
+        let who: Vec<String> = called.iter().map(|(r, d)| format!("rank {r} called {d}")).collect();
+        format!(
+            "{} while rank {} split {ranks:?} after {seq} collectives: every member of the list must call split \
+             there",
+            who.join(", "),
+            self.inner.rank
+        )
+    }
+
+    /// Takes part in this group's call #`seq + 1`, which members `called`
+    /// are waiting in, as a refusal naming this split (they fail with a
+    /// Mismatch at once), and returns this rank's Mismatch naming their calls.
+    fn refuse_next_call(&self, ranks: &[usize], seq: u64, called: &[(usize, String)]) -> Error {
+        let mine = format!("it called split({ranks:?}) after {seq} collectives, not this call");
+        let desc = Desc::new(Kind::Barrier, DataType::F32, None);
+        let joined = self.drive(Kind::Barrier, desc, Some(&mine), &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false);
+        let mut detail = self.next_call_text(ranks, seq, called);
+        if let Err(e) = joined {
+            detail += &format!("; taking part in that call to fail it failed too: {e}");
+        }
+        self.err("split", ErrorKind::Mismatch, detail)
     }
 
     /// The posted split requests of the members of `ranks` other than this rank.

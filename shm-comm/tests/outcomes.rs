@@ -239,3 +239,88 @@ fn a_member_refusing_an_empty_list_or_one_without_itself_fails_the_others_too() 
         assert_eq!(out[2].as_ref().map_err(|e| e.0), Err(Some(ErrorKind::Setup)));
     }
 }
+
+/// A sum all-reduce of one f32 per rank (rank + 1), as `Result`.
+fn sum_of_ranks(c: &ShmComm) -> Result<f32, Error> {
+    let src = (c.rank() as f32 + 1.0).to_ne_bytes();
+    let mut dst = [0u8; 4];
+    c.all_reduce(DataType::F32, shm_comm::ReduceOp::Sum, &src, &mut dst, Ok::<(), Error>(()))?;
+    Ok(f32::from_ne_bytes(dst))
+}
+
+/// Rank 1 calls the group's next collective where rank 0 splits [0, 1]:
+/// neither can ever meet the other. Both fail at once with a Mismatch, each
+/// naming what the other called (not a timeout, which is 60 s here), and the
+/// group stays in step: a later split and all-reduce work.
+#[test]
+fn a_member_calling_a_collective_instead_of_the_split_fails_both_at_once() {
+    let out = ranks("split-vs-call", 2, Duration::from_secs(60), |r, c| {
+        let first = if r == 0 {
+            c.split(&[0, 1]).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+        } else {
+            sum_of_ranks(&c).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+        };
+        let sub = c.split(&[1, 0]).expect("a later split of one list");
+        (first, sum_of_ranks(&sub).expect("the sub-group"), sum_of_ranks(&c).expect("the group"))
+    });
+    let (k0, e0) = out[0].0.as_ref().expect_err("rank 0's split cannot form");
+    assert_eq!(*k0, Some(ErrorKind::Mismatch), "{e0}");
+    assert!(e0.contains("rank 1 called all_reduce") && e0.contains("split [0, 1]"), "{e0}");
+    let (k1, e1) = out[1].0.as_ref().expect_err("rank 1's all_reduce has no rank 0");
+    assert_eq!(*k1, Some(ErrorKind::Mismatch), "{e1}");
+    assert!(e1.contains("rank 0") && e1.contains("split([0, 1])"), "{e1}");
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!((o.1, o.2), (3.0, 3.0), "rank {r}");
+    }
+}
+
+/// Ranks 0 and 2 split [0, 1, 2] while rank 1 broadcasts. The member that
+/// sees rank 1 first fails the sub-group, which fails the other one waiting
+/// there; both take part in rank 1's broadcast as refusals, so all three fail
+/// with a Mismatch naming the split or the broadcast, long before the timeout.
+#[test]
+fn every_member_waiting_for_a_member_in_a_collective_fails_with_it() {
+    let out = ranks("split-vs-bcast", 3, Duration::from_secs(60), |r, c| {
+        if r == 1 {
+            let mut buf = [7u8; 8];
+            c.broadcast(DataType::U8, &mut buf, 1, Ok::<(), Error>(())).map_err(|e| (e.kind(), e.to_string()))
+        } else {
+            c.split(&[0, 1, 2]).map(|_| ()).map_err(|e| (e.kind(), e.to_string()))
+        }
+    });
+    for (r, o) in out.iter().enumerate() {
+        let (kind, text) = o.as_ref().expect_err("the members never meet");
+        assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+        let want = if r == 1 { "split([0, 1, 2])" } else { "rank 1 called broadcast" };
+        assert!(text.contains(want), "rank {r} does not say {want:?}: {text}");
+    }
+}
+
+/// Splitting is not calling: members that split and go straight on to a
+/// collective, while other ranks already wait in it or in the next split,
+/// are never taken for members that skipped the split (many rounds, so a
+/// member that sees its peer in the collective before its own wait noticed
+/// the sub-group formed is exercised).
+#[test]
+fn members_moving_on_from_a_split_to_a_collective_are_not_a_mismatch() {
+    let out = ranks("split-then-call", 4, Duration::from_secs(60), |r, c| -> Result<f32, Error> {
+        let mut total = 0.0;
+        for round in 0..40 {
+            if r < 2 || round % 2 == 0 {
+                let list: &[usize] = if r < 2 { &[0, 1] } else { &[3, 2] };
+                let sub = c.split(list)?;
+                total += sum_of_ranks(&sub)?;
+            }
+            let pair = c.split(if r % 2 == 0 { &[0, 2] } else { &[1, 3] })?;
+            total += sum_of_ranks(&pair)?;
+            total += sum_of_ranks(&c)?;
+        }
+        Ok(total)
+    });
+    // Per round: the pair split sums 1 + 2 = 3, the group 10; ranks 0 and 1
+    // add 3 every round, ranks 2 and 3 add 3 on the 20 even rounds.
+    let want = [40.0 * 16.0, 40.0 * 16.0, 40.0 * 13.0 + 20.0 * 3.0, 40.0 * 13.0 + 20.0 * 3.0];
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!(o.as_ref().map_err(|e| e.to_string()), Ok(&want[r]), "rank {r}");
+    }
+}

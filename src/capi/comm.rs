@@ -112,7 +112,12 @@ pub unsafe extern "C" fn amoe_comm_from_hccl(
 /// `comm`, distinct; the new group's rank order is the list order). Every
 /// listed rank calls it with the same list; ranks not in the list must not
 /// call it. `*out` receives a new handle owned by the caller; `comm` stays
-/// valid and owned by the caller.
+/// valid and owned by the caller. On a CPU communicator, a listed rank that
+/// calls a collective on `comm` instead fails at once with
+/// `AMOE_STATUS_COMM_MISMATCH` naming the split, and the listed ranks waiting
+/// for it with one naming its collective (they take part in it to fail it);
+/// listed ranks that pass different lists fail with one naming both lists,
+/// after the timeout.
 ///
 /// # Safety
 /// `comm` must be a live handle; `ranks` readable for `n` elements; `out` writable.
