@@ -1199,7 +1199,9 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // rank, 0 for graph and TP padding. Other comm types leave it untouched. A
 // mask of another dtype or length, or one that overlaps `out`
 // (`AMOE_STATUS_INVALID_ARGUMENT`, naming both), is refused before any
-// communication.
+// communication. So are an unknown `comm_type` and a NULL or malformed
+// `ctx`; on a CPU group with the comm-type check on, the peers (waiting in
+// that check) fail with them at once, as with any other bad argument.
 // With a live context attached to `stream`, the call first queues a guard of
 // `ctx`; when it writes a mask, the guard compares the actual tokens too (a
 // captured mask is replayed as written), where "all" and this DP rank's

@@ -203,6 +203,26 @@ fn token_prepare_or_finalize_with_a_bad_argument_on_one_rank_fails_every_rank_at
             unsafe { amoe_token_prepare(&xd, ag, ctx, g, &od, null(), null()) }
         })
     });
+    // Without a comm type or a context the bad rank has no plan; its peers
+    // wait in the comm-type agreement, on by default on a CPU group.
+    one_bad_rank("prepare comm_type", "comm_type", amoe_status::InvalidArgument, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+            let (xd, od) = (host(&mut x, &[2, 4]), host(&mut o, &[4, 4]));
+            let ct = if rank == BAD { 99 } else { ag };
+            // SAFETY: live handles; descriptors over live buffers.
+            unsafe { amoe_token_prepare(&xd, ct, ctx, g, &od, null(), null()) }
+        })
+    });
+    one_bad_rank("prepare ctx", "ctx", amoe_status::NullArgument, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+            let (xd, od) = (host(&mut x, &[2, 4]), host(&mut o, &[4, 4]));
+            let ctx: *const amoe_moe_context = if rank == BAD { null() } else { ctx };
+            // SAFETY: live handles; descriptors over live buffers; ctx valid or NULL.
+            unsafe { amoe_token_prepare(&xd, ag, ctx, g, &od, null(), null()) }
+        })
+    });
     one_bad_rank("finalize y", "y", amoe_status::NullArgument, |rank, c| {
         with_groups(rank, c, &|ctx, g| {
             let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);

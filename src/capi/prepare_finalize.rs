@@ -239,7 +239,9 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 /// rank, 0 for graph and TP padding. Other comm types leave it untouched. A
 /// mask of another dtype or length, or one that overlaps `out`
 /// (`AMOE_STATUS_INVALID_ARGUMENT`, naming both), is refused before any
-/// communication.
+/// communication. So are an unknown `comm_type` and a NULL or malformed
+/// `ctx`; on a CPU group with the comm-type check on, the peers (waiting in
+/// that check) fail with them at once, as with any other bad argument.
 /// With a live context attached to `stream`, the call first queues a guard of
 /// `ctx`; when it writes a mask, the guard compares the actual tokens too (a
 /// captured mask is replayed as written), where "all" and this DP rank's
@@ -274,13 +276,19 @@ pub unsafe extern "C" fn amoe_token_prepare(
     const F: &str = "amoe_token_prepare";
     ffi!(F, {
         let cx = &Call::new(F, stream);
-        let c = context(F, ctx)?;
         let g = try_handle(F, "groups", groups)?;
-        let ct = CommType::from_u32(comm_type)?;
-        // A mask written for the captured actual tokens would be replayed
-        // for others: the guard compares them too.
-        let writes_mask = !mc2_mask.is_null() && pf::mc2_mask_extent(ct, &c).is_some();
-        cx.guard(ct, Some(&c), writes_mask)?;
+        // Without a comm type or context this rank cannot plan; its peers
+        // still wait in the comm-type agreement where that check is on.
+        let read = (|| {
+            let c = context(F, ctx)?;
+            let ct = CommType::from_u32(comm_type)?;
+            // A mask written for the captured actual tokens would be replayed
+            // for others: the guard compares them too.
+            let writes_mask = !mc2_mask.is_null() && pf::mc2_mask_extent(ct, &c).is_some();
+            cx.guard(ct, Some(&c), writes_mask)?;
+            Ok((c, ct))
+        })();
+        let (c, ct) = refusing(read, |e| pf::refuse_unread_prepare(g, DType::U8, e))?;
         let checked = (|| {
             let x = cx.input("x", x)?;
             let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;

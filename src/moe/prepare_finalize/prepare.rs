@@ -172,9 +172,10 @@ pub(crate) fn refuse_first(
     // The agreement is over the EP group whatever the context says (a stale
     // context is one of the errors reported here); the plan's groups are
     // the context's.
-    let first = if prepare && comm_type_check_enabled(&groups.ep) {
-        Some((&groups.ep, gather))
-    } else if check_groups(PREPARE, ctx, groups).is_err() {
+    if prepare && comm_type_check_enabled(&groups.ep) {
+        return refuse_unread_prepare(groups, dtype, error);
+    }
+    let first = if check_groups(PREPARE, ctx, groups).is_err() {
         None
     } else {
         match token_plan(comm, ctx) {
@@ -189,6 +190,19 @@ pub(crate) fn refuse_first(
     match first {
         Some((group, call)) => group.refuse_call(call, dtype, error),
         None => error,
+    }
+}
+
+/// [`refuse_first`] for a prepare whose comm type or context this rank could
+/// not read (an unknown comm type, a NULL or malformed context): the peers'
+/// first collective is the comm-type agreement over the EP group where that
+/// check is on, whatever their plan; elsewhere it cannot be told, and
+/// `error` is returned as it is.
+pub(crate) fn refuse_unread_prepare(groups: &MoeGroups, dtype: DType, error: Error) -> Error {
+    if comm_type_check_enabled(&groups.ep) {
+        groups.ep.refuse_call(Call::AllGather, dtype, error)
+    } else {
+        error
     }
 }
 
