@@ -1242,8 +1242,8 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
 // quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
 // peer communicates (an MC2 or ALLTOALL prepare without the check, a local
 // finalize), or, outside the agreement, when `groups` do not match `ctx`
-// (OK). An unknown `comm_type` or an invalid `ctx` is returned as the error
-// it is.
+// (OK). An unknown `comm_type` or a NULL or malformed `ctx` is sent through
+// the agreement where it is on (prepare), else returned as the error it is.
 //
 // # Safety
 // `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.

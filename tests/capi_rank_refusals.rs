@@ -318,4 +318,21 @@ fn a_binding_reports_its_own_refusal_to_the_peers_waiting_in_the_call() {
             }
         })
     });
+    // A binding that could not read its comm type or context: a prepare's
+    // peers still wait in the comm-type agreement.
+    one_bad_rank("token_refuse unread", "float64", amoe_status::Ok, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+            let (xd, od) = (host(&mut x, &[2, 4]), host(&mut o, &[4, 4]));
+            let ag = amoe_comm_type::AllGather as u32;
+            // SAFETY: live handles; descriptors over live buffers; a C string.
+            unsafe {
+                if rank == BAD {
+                    amoe_token_refuse(u32::MAX, null(), g, 0, message.as_ptr())
+                } else {
+                    amoe_token_prepare(&xd, ag, ctx, g, &od, null(), null())
+                }
+            }
+        })
+    });
 }

@@ -126,9 +126,10 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     the host or on the NPU: for example the engine's own mask buffer sliced to
     this TP rank), else into a new bool array or tensor where `x` lives. Other
     comm types return None and leave `mc2_mask` untouched."""
-    g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
+    g = handle_of("groups", groups, MoeGroups)
     o = Operands(stream)
-    with _refusing(comm_type, c, g, finalize=False):
+    with _refusing(comm_type, ctx, g, finalize=False):
+        c = shapes._context_ptr(ctx)
         if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
             # The op writes the mask into it: a list or a scalar has no memory to write.
             raise error(
@@ -161,15 +162,29 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     return o.result, mask
 
 
-def _refusing(comm_type, c, g, finalize: bool):
+# A comm type the library knows to be none (`amoe_token_refuse` then sends
+# through the comm-type agreement, or returns the error).
+_NO_COMM_TYPE = 0xFFFFFFFF
+
+
+def _refusing(comm_type, ctx, g, finalize: bool):
     """The argument checks of token prepare (or finalize): one that fails is
     reported to the peers waiting in the op's first collective
-    (`amoe_token_refuse`) before it is raised. With an unknown comm type
-    nobody can tell where they wait, and nothing is sent."""
-    try:
-        ct = comm_type_code(comm_type)
-    except (AmoeError, TypeError, ValueError):
-        return contextlib.nullcontext()
+    (`amoe_token_refuse`) before it is raised. Without a comm type or a
+    context, a prepare's peers still wait in the comm-type agreement where
+    that check is on (the library sends it there); a finalize's cannot be
+    told, and nothing is sent."""
+    if finalize:
+        c = shapes._context_ptr(ctx)
+        try:
+            ct = comm_type_code(comm_type)
+        except (AmoeError, TypeError, ValueError):
+            return contextlib.nullcontext()
+    else:
+        try:
+            c, ct = shapes._context_ptr(ctx), comm_type_code(comm_type)
+        except (AmoeError, TypeError, ValueError):
+            c, ct = None, _NO_COMM_TYPE
     return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message))
 
 
@@ -177,7 +192,7 @@ def finalize_refusing(comm_type, ctx: MoeContext, groups: MoeGroups):
     """The checks of a caller between token prepare and token finalize (the
     experts' output): one that fails is reported to the peers waiting in
     finalize before it is raised."""
-    return _refusing(comm_type, shapes._context_ptr(ctx), handle_of("groups", groups, MoeGroups), finalize=True)
+    return _refusing(comm_type, ctx, handle_of("groups", groups, MoeGroups), finalize=True)
 
 
 def _bool_like(x, rows: int):
@@ -200,7 +215,7 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
     (default a new one where `y` lives)."""
     g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
     o = Operands(stream)
-    with _refusing(comm_type, c, g, finalize=True):
+    with _refusing(comm_type, ctx, g, finalize=True):
         d = o.input("y", y)
         r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
     call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, o.stream)

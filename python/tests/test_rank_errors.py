@@ -239,6 +239,25 @@ def test_token_prepare_or_finalize_refused_on_one_rank_fails_every_rank_at_once(
     assert_refused_everywhere(run_with_one_bad_rank(_token_finalize_of_the_wrong_rows), "rows", "rows")
 
 
+def _token_prepare_without(what):
+    """Token prepare (ALLGATHER, DP 2 x TP 1), rank `BAD` with no comm type
+    or no context: it cannot plan, but its peers wait in the comm-type
+    agreement."""
+
+    def body(c, r):
+        with am.MoeGroups(c, 1) as g:
+            ctx = am.MoeContext([2, 2], 1, r, 0, False)
+            ct = _bad(r, am.CommType.ALLGATHER, "BROADCAST") if what == "comm_type" else am.CommType.ALLGATHER
+            return am.token_prepare(np.ones((2, 4), F32), ct, _bad(r, ctx, None) if what == "ctx" else ctx, g)[0]
+
+    return body
+
+
+@pytest.mark.parametrize("what,naming", [("comm_type", "BROADCAST"), ("ctx", "`ctx`")])
+def test_token_prepare_without_a_comm_type_or_context_on_one_rank_fails_every_rank_at_once(what, naming):
+    assert_refused_everywhere(run_with_one_bad_rank(_token_prepare_without(what)), naming, naming)
+
+
 def _layer_whose_experts_return_float16_on_one_rank(c, r):
     """A MoE layer (DP 2 x TP 1, ALLGATHER) whose experts on rank `BAD`
     return float16 for float32 tokens: that rank refuses before token

@@ -346,8 +346,8 @@ pub unsafe extern "C" fn amoe_token_prepare(
 /// quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
 /// peer communicates (an MC2 or ALLTOALL prepare without the check, a local
 /// finalize), or, outside the agreement, when `groups` do not match `ctx`
-/// (OK). An unknown `comm_type` or an invalid `ctx` is returned as the error
-/// it is.
+/// (OK). An unknown `comm_type` or a NULL or malformed `ctx` is sent through
+/// the agreement where it is on (prepare), else returned as the error it is.
 ///
 /// # Safety
 /// `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.
@@ -361,11 +361,17 @@ pub unsafe extern "C" fn amoe_token_refuse(
 ) -> amoe_status {
     const F: &str = "amoe_token_refuse";
     ffi!(F, {
-        let c = context(F, ctx)?;
         let g = try_handle(F, "groups", groups)?;
-        let ct = CommType::from_u32(comm_type)?;
         let stage = if flag(finalize) { pf::Stage::Finalize } else { pf::Stage::Prepare };
-        send_refusal(F, message, |e| pf::refuse_first(stage, ct, &c, g, DType::U8, e))
+        match (|| Ok::<_, Failure>((context(F, ctx)?, CommType::from_u32(comm_type)?)))() {
+            Ok((c, ct)) => send_refusal(F, message, |e| pf::refuse_first(stage, ct, &c, g, DType::U8, e)),
+            // The peers of a prepare wait in the comm-type agreement where it
+            // is on, whatever this rank's comm type or context would be.
+            Err(_) if stage == pf::Stage::Prepare && pf::comm_type_check_enabled(&g.ep) => {
+                send_refusal(F, message, |e| pf::refuse_unread_prepare(g, DType::U8, e))
+            }
+            Err(failure) => Err(failure),
+        }
     })
 }
 
