@@ -272,7 +272,9 @@ class _GroupBackend:
         for r, s in enumerate(sizes):
             padded[r, :s] = x[off : off + s]
             off += s
-        return self.group.reduce_scatter(padded.view(-1, *x.shape[1:]), 0)[: sizes[self.rank]]
+        # Every dimension named: `view(-1, ...)` is ambiguous when a
+        # trailing dimension is 0.
+        return self.group.reduce_scatter(padded.view(len(sizes) * m, *x.shape[1:]), 0)[: sizes[self.rank]]
 
     def all_reduce(self, x):
         return self.group.all_reduce(x)

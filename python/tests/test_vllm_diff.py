@@ -308,3 +308,29 @@ def test_reduce_without_layout_refuses_rows_the_ep_size_does_not_divide(engine):
     assert torch.ops.vllm.maybe_pad_and_reduce(torch.ones(6, 2)).shape == (3, 2)
     with pytest.raises(am.ShapeError, match="EP size 2 does not divide"):
         torch.ops.vllm.maybe_pad_and_reduce(torch.ones(5, 2))
+
+
+def _fake_shape(op, x):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as fm:
+        return tuple(op(fm.from_tensor(x)).shape)
+
+
+def test_reduce_with_hidden_size_zero_returns_the_empty_shard(engine):
+    # An empty trailing dimension: this rank's rows of nothing, as the fake
+    # says. (vLLM-Ascend's impl raises here, viewing its zero-element padded
+    # buffer as [-1, 0]; its fake gives these shapes.)
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    reduce = torch.ops.vllm.maybe_pad_and_reduce
+    for fields, want_rows in (
+        (dict(local_sizes=[3, 5]), 3),  # SP layout: local_sizes[rank]
+        (dict(), 5),  # padded_length path: padded_length / (EP / DP)
+    ):
+        engine.ctx.dp_metadata = DPMetadata([3, 5], **fields)
+        engine.extra.padded_length = 5
+        for rest in ((0,), (0, 2), (2, 0)):
+            x = torch.ones(8, *rest)
+            got = reduce(x)
+            assert got.shape == (want_rows, *rest) and got.dtype == x.dtype, (fields, rest, got.shape)
+            assert _fake_shape(reduce, x) == tuple(got.shape)

@@ -325,6 +325,25 @@ def differential(name, world, rank, backend="comm"):
         assert torch.equal(got.view(torch.uint8), torch.cat(shards)), dt_name
         checks.append(dt_name)
 
+    # --- hidden size 0: the reduce gives this rank's rows of nothing, the
+    # shape both fakes give (vLLM-Ascend's impl raises viewing its padded
+    # buffer as [-1, 0]).
+    ls = _sp_layout([5, 3], tp_size)
+    fields = _ctx([5, 3], ls, tp_size)
+    for rest in ((0,), (0, 2)):
+        x = torch.ones(sum(ls), *rest)
+        with vs.forward_context(**fields):
+            their_fake = tuple(orig["_maybe_pad_and_reduce_fake"](x).shape)
+        av.install()
+        try:
+            with vs.forward_context(**fields):
+                got = ops.maybe_pad_and_reduce(x)
+                shape = _fake_shape(ops.maybe_pad_and_reduce, x)
+        finally:
+            av.uninstall()
+        assert tuple(got.shape) == shape == their_fake == (ls[rank], *rest), (rest, got.shape, shape, their_fake)
+    checks.append("hidden-0")
+
     # The groups map to `backend`, once each.
     kinds = {g: b for g, _, b in av.mapped_groups()}
     assert kinds.get("ep") == backend, av.mapped_groups()
