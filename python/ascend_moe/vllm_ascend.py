@@ -428,6 +428,12 @@ def _padded_layout(dp_metadata, ep_group, what: str) -> tuple:
     return SpLayout([min(max(t - j * chunk, 0), chunk) for t in tokens for j in range(per_dp)]), chunk
 
 
+def _token_dim(x, what: str) -> None:
+    """Refuses a 0-d `x`: both ops act on dim 0, the tokens."""
+    if x.dim() == 0:
+        raise error(Status.SHAPE, f"{what}: x is a 0-d tensor; the op takes tokens along dim 0 (x[tokens, ...])")
+
+
 def _rows(x):
     """`x`'s token count as an int, or None when it is symbolic (a fake traced
     with a dynamic token dimension, as vLLM compiles its model): a fake never
@@ -445,6 +451,7 @@ def _gather_plan(x):
     """`(layout or None, rows of x the gather takes)`: the same on the real
     and the fake path (rows None: symbolic, without a layout)."""
     what = "maybe_all_gather_and_maybe_unpad"
+    _token_dim(x, what)
     ctx = _vllm_forward_context()
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
@@ -512,6 +519,7 @@ def _gather_fake(x):
 
 def _reduce_plan(x):
     """`(layout or None, rows of the result on the padded_length path)`."""
+    _token_dim(x, "maybe_pad_and_reduce")
     ctx = _vllm_forward_context()
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata

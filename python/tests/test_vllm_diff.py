@@ -334,3 +334,18 @@ def test_reduce_with_hidden_size_zero_returns_the_empty_shard(engine):
             got = reduce(x)
             assert got.shape == (want_rows, *rest) and got.dtype == x.dtype, (fields, rest, got.shape)
             assert _fake_shape(reduce, x) == tuple(got.shape)
+
+
+def test_zero_dim_input_is_refused_naming_the_token_dimension(engine):
+    # Both ops act on dim 0 (tokens): a 0-d tensor is a clear ShapeError in
+    # the real op and its fake, with and without a layout.
+    engine.ep = Group(2, 0, "ep")
+    x = torch.tensor(1.0)
+    for ctx in (None, DPMetadata([1, 1], local_sizes=[1, 1])):
+        engine.dp = Group(1 if ctx is None else 2, 0, "dp")
+        engine.ctx.dp_metadata = ctx
+        for op in (torch.ops.vllm.maybe_all_gather_and_maybe_unpad, torch.ops.vllm.maybe_pad_and_reduce):
+            with pytest.raises(am.ShapeError, match="0-d"):
+                op(x)
+            with pytest.raises(am.ShapeError, match="0-d"):
+                _fake_shape(op, x)
