@@ -544,8 +544,6 @@ def _reduce_impl(x):
     backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
     with backend.refusing():
         layout, pad_to = _reduce_plan(x)
-        if x.dtype in _byte_dtypes():
-            raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
         if layout is None and x.shape[0] % backend.world_size:
             # SPEC section 3, on the groups' own collectives as on a communicator.
             raise error(
@@ -553,24 +551,37 @@ def _reduce_impl(x):
                 f"maybe_pad_and_reduce: x has {x.shape[0]} rows, which the EP size {backend.world_size} does not "
                 "divide (no SP layout)",
             )
+        # The fake's checks (a dtype that is only moved is never summed).
+        _reduce_shape(x, layout, pad_to)
     out = backend.reduce(x.contiguous(), layout)
     return out if pad_to is None else _fit_rows(out, pad_to)
 
 
-def _reduce_fake(x):
-    layout, pad_to = _reduce_plan(x)
+def _reduce_shape(x, layout, pad_to) -> tuple:
+    """The output shape of `maybe_pad_and_reduce(x)` (its token count None
+    when symbolic without a layout), from the shape function."""
     ep = _rank_and_size(_group("get_ep_group"))
     rest = tuple(x.shape[1:])
+    dtype = _summed_dtype(x)
     if layout is not None:
         # The output rows come from the layout; the input's are the gathered tokens.
-        shape = _shapes.maybe_pad_and_reduce(((layout.total_rows, *rest), x.dtype), layout, ep)
-        return x.new_empty(shape if pad_to is None else (pad_to, *shape[1:]))
-    if _rows(x) is not None:
-        return x.new_empty(_shapes.maybe_pad_and_reduce(x, None, ep))
+        shape = _shapes.maybe_pad_and_reduce(((layout.total_rows, *rest), dtype), layout, ep)
+        return shape if pad_to is None else (pad_to, *shape[1:])
+    rows = _rows(x)
+    if rows is not None:
+        return _shapes.maybe_pad_and_reduce(((rows, *rest), dtype), None, ep)
     # A symbolic token count (no layout): the shape function on one row per
     # rank, the rows divided symbolically (the real op refuses a remainder).
-    shape = _shapes.maybe_pad_and_reduce(((ep[1], *rest), x.dtype), None, ep)
-    return x.new_empty((x.shape[0] // ep[1], *shape[1:]))
+    shape = _shapes.maybe_pad_and_reduce(((ep[1], *rest), dtype), None, ep)
+    return (None, *shape[1:])
+
+
+def _reduce_fake(x):
+    layout, pad_to = _reduce_plan(x)
+    shape = _reduce_shape(x, layout, pad_to)
+    if shape[0] is None:
+        return x.new_empty((x.shape[0] // _rank_and_size(_group("get_ep_group"))[1], *shape[1:]))
+    return x.new_empty(shape)
 
 
 def _shape_dtype(x):
@@ -578,6 +589,14 @@ def _shape_dtype(x):
     import torch
 
     return torch.uint8 if x.dtype in _byte_dtypes() else x.dtype
+
+
+def _summed_dtype(x):
+    """`x`'s dtype for the shape functions of a reduce (which refuse one that
+    is only moved); an MX dtype is refused."""
+    if x.dtype in _byte_dtypes():
+        raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
+    return x.dtype
 
 
 # ------------------------------------------- vLLM's forward context as ours

@@ -349,3 +349,21 @@ def test_zero_dim_input_is_refused_naming_the_token_dimension(engine):
                 op(x)
             with pytest.raises(am.ShapeError, match="0-d"):
                 _fake_shape(op, x)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "bool", "float8_e4m3fn"])
+def test_reduce_refuses_dtypes_it_never_sums_also_on_the_groups_collectives(engine, dtype):
+    # SPEC section 8: these are moved as bytes, never reduced. The fake
+    # refuses them, so the real op does too, whichever collectives it runs
+    # on (vLLM-Ascend sums int8 with wrap-around).
+    dtype = getattr(torch, dtype)
+    engine.ep = Group(2, 0, "ep")
+    reduce = torch.ops.vllm.maybe_pad_and_reduce
+    x = torch.ones(4, 3).to(dtype)
+    for ctx in (None, DPMetadata([2, 2], local_sizes=[2, 2])):
+        engine.dp = Group(1 if ctx is None else 2, 0, "dp")
+        engine.ctx.dp_metadata = ctx
+        with pytest.raises(am.DTypeError, match="never reduced"):
+            _fake_shape(reduce, x)
+        with pytest.raises(am.DTypeError, match="never reduced"):
+            reduce(x)
