@@ -21,7 +21,10 @@ What `install()` replaces:
   forward context's `dp_metadata` (`get_chunk_sizes_across_dp_rank()`,
   `num_tokens_across_dp_cpu`) and `_EXTRA_CTX.padded_length`.
   `maybe_pad_and_reduce` always returns this rank's EP shard (SPEC section 3);
-  it never takes the draft-model TP all-reduce path.
+  it never takes the draft-model TP all-reduce path. A dtype the library
+  does not take (float64, complex, int16, ...) is gathered as bytes and
+  reduce-scattered on the group's own collectives, as vLLM-Ascend's ops do;
+  one that is only moved (int8, uint8, bool, fp8, MX) is never summed.
 - The reduction points of `AscendMoERunner`
   (`_maybe_reduce_routed_output_before_transform`,
   `_reduce_shared_output_if_needed`, `_maybe_reduce_shared_expert_output`,
@@ -60,6 +63,7 @@ from . import ops as _ops
 from . import shapes as _shapes
 from ._errors import error
 from ._lib import Status
+from ._tensor import DTYPE_CODES, dtype_name
 from .comm import Comm
 from .ops import CommType, ReducePolicy, SharedMode, SpLayout
 from .prepare import MoeContext, MoeGroups
@@ -365,10 +369,28 @@ def mapped_groups() -> list:
 
 
 def _byte_dtypes():
-    """The MX dtypes torch has, which the gather moves as bytes."""
+    """The MX dtypes torch has: moved as bytes, never summed."""
     import torch
 
     return tuple(getattr(torch, n) for n in ("float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, n))
+
+
+def _library_dtype(dtype) -> bool:
+    """Whether the library takes `dtype` itself (f32, f16, bf16, i32, i64,
+    i8, u8, bool, fp8)."""
+    return dtype_name(dtype) in DTYPE_CODES
+
+
+def _as_bytes(x):
+    """`x` (contiguous) as `[*x.shape, itemsize]` uint8: the gather moves a
+    dtype the library does not take as bytes, which `_from_bytes` undoes."""
+    import torch
+
+    return x.unsqueeze(-1).view(torch.uint8)
+
+
+def _from_bytes(out, dtype):
+    return out.view(dtype).squeeze(-1)
 
 
 def _ep_local_sizes(dp_metadata, ep_group):
@@ -496,13 +518,11 @@ def _gather_impl(x):
     backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
     with backend.refusing():
         layout, rows = _gather_plan(x)
-        byte_dtype = x.dtype in _byte_dtypes()
-        import torch
-
-        src = x.view(torch.uint8) if byte_dtype else x
-        src = _fit_rows(src.contiguous(), rows)
+        as_bytes = not _library_dtype(x.dtype)
+        src = x.contiguous()
+        src = _fit_rows(_as_bytes(src) if as_bytes else src, rows)
     out = backend.gather(src, layout)
-    return out.view(x.dtype) if byte_dtype else out
+    return _from_bytes(out, x.dtype) if as_bytes else out
 
 
 def _gather_fake(x):
@@ -541,7 +561,8 @@ def _reduce_plan(x):
 
 def _reduce_impl(x):
     # The group's backend first, as in `_gather_impl`.
-    backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
+    group = _group("get_ep_group")
+    backend = comm_for_group(group, _device_kind(x.device))
     with backend.refusing():
         layout, pad_to = _reduce_plan(x)
         if layout is None and x.shape[0] % backend.world_size:
@@ -553,6 +574,10 @@ def _reduce_impl(x):
             )
         # The fake's checks (a dtype that is only moved is never summed).
         _reduce_shape(x, layout, pad_to)
+    if not _library_dtype(x.dtype):
+        # A dtype the library does not sum (f64, complex, i16, ...): the
+        # group's own reduce-scatter sums it, as vLLM-Ascend's does.
+        backend = _GroupBackend(group)
     out = backend.reduce(x.contiguous(), layout)
     return out if pad_to is None else _fit_rows(out, pad_to)
 
@@ -585,18 +610,22 @@ def _reduce_fake(x):
 
 
 def _shape_dtype(x):
-    """A dtype the shape functions know for `x` (byte dtypes as uint8)."""
+    """A dtype the shape functions know for `x` in a gather (a dtype the
+    library does not take moves as bytes: uint8)."""
     import torch
 
-    return torch.uint8 if x.dtype in _byte_dtypes() else x.dtype
+    return x.dtype if _library_dtype(x.dtype) else torch.uint8
 
 
 def _summed_dtype(x):
-    """`x`'s dtype for the shape functions of a reduce (which refuse one that
-    is only moved); an MX dtype is refused."""
+    """A dtype the shape functions know for `x` in a reduce: its own when the
+    library takes it (and refuses it there when it is only moved), float32
+    for one the group's own collectives sum; an MX dtype is refused."""
+    import torch
+
     if x.dtype in _byte_dtypes():
         raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
-    return x.dtype
+    return x.dtype if _library_dtype(x.dtype) else torch.float32
 
 
 # ------------------------------------------- vLLM's forward context as ours

@@ -7,6 +7,7 @@ the groups' own collectives). Expected values come from vLLM-Ascend's code
 at 182b75e and SPEC.md, not from the adapter."""
 
 import enum
+import math
 import sys
 import types
 from types import SimpleNamespace
@@ -367,3 +368,26 @@ def test_reduce_refuses_dtypes_it_never_sums_also_on_the_groups_collectives(engi
             _fake_shape(reduce, x)
         with pytest.raises(am.DTypeError, match="never reduced"):
             reduce(x)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64", "int16"])
+def test_dtypes_the_library_does_not_take_move_and_sum_as_vllm_ascend_does(engine, dtype):
+    # vLLM-Ascend gathers and reduce-scatters any dtype its groups take; the
+    # adapter moves such a dtype as bytes and sums it on the group's own
+    # collectives, its fakes giving the shapes the real ops give.
+    dtype = getattr(torch, dtype)
+    engine.ep, engine.dp = Group(2, 1, "ep"), Group(2, 1, "dp")
+    gather, reduce = torch.ops.vllm.maybe_all_gather_and_maybe_unpad, torch.ops.vllm.maybe_pad_and_reduce
+    for ctx in (None, DPMetadata([3, 5], local_sizes=[3, 5])):
+        engine.ctx.dp_metadata = ctx
+        for rest in ((3,), (), (2, 0)):
+            x = (torch.arange(5 * math.prod(rest)) - 4).view(5, *rest).to(dtype)
+            got = gather(x)
+            want = torch.cat([x, x]) if ctx is None else torch.cat([x[:3], x[:5]])  # every rank holds x
+            assert got.dtype == dtype and torch.equal(got, want), (ctx, rest)
+            assert _fake_shape(gather, x) == tuple(want.shape)
+            x = (torch.arange(8 * math.prod(rest)) - 4).view(8, *rest).to(dtype)
+            got = reduce(x)
+            want = (x * 2)[4:] if ctx is None else (x * 2)[3:8]  # EP rank 1's rows of the sum
+            assert got.dtype == dtype and torch.equal(got, want), (ctx, rest)
+            assert _fake_shape(reduce, x) == tuple(want.shape)

@@ -325,11 +325,27 @@ def differential(name, world, rank, backend="comm"):
         assert torch.equal(got.view(torch.uint8), torch.cat(shards)), dt_name
         checks.append(dt_name)
 
+    # --- dtypes the library does not take: vLLM-Ascend's groups move and sum
+    # them; the adapter moves them as bytes and sums them on the group's own
+    # collectives.
+    ls = _sp_layout([5, 3], tp_size)
+    fields = _ctx([5, 3], ls, tp_size)
+    off = sum(ls[:rank])
+    for dtype in (torch.float64, torch.complex64):
+        for rest in ((3,), ()):
+            shards = [_ints(_seed("g-other", r), (ls[r], *rest)).to(dtype) for r in range(world)]
+            theirs, tf, ours, of = both("maybe_all_gather_and_maybe_unpad", shards[rank], fields)
+            assert ours.dtype == dtype and torch.equal(ours, torch.cat(shards)), (dtype, rest)
+            assert torch.equal(theirs, ours) and tf == of == tuple(ours.shape), (dtype, rest, tf, of)
+            parts = [_ints(_seed("r-other", r), (sum(ls), *rest)).to(dtype) for r in range(world)]
+            theirs, tf, ours, of = both("maybe_pad_and_reduce", parts[rank], fields)
+            assert ours.dtype == dtype and torch.equal(ours, sum(parts)[off : off + ls[rank]]), (dtype, rest)
+            assert torch.equal(theirs, ours) and tf == of == tuple(ours.shape), (dtype, rest, tf, of)
+        checks.append(str(dtype).replace("torch.", ""))
+
     # --- hidden size 0: the reduce gives this rank's rows of nothing, the
     # shape both fakes give (vLLM-Ascend's impl raises viewing its padded
     # buffer as [-1, 0]).
-    ls = _sp_layout([5, 3], tp_size)
-    fields = _ctx([5, 3], ls, tp_size)
     for rest in ((0,), (0, 2)):
         x = torch.ones(sum(ls), *rest)
         with vs.forward_context(**fields):
