@@ -794,6 +794,9 @@ def _point_impl(x, point: int, layer: int):
         return getattr(policy, name)(x.contiguous(), ct, backend.comm)
     if not policy.decisions(ct)[_DECISIONS[point]]:
         return x.clone()
+    if _library_dtype(x.dtype):
+        # A dtype that is only moved is never summed, as on a communicator.
+        _shapes.all_reduce(x)
     # The group's own TP all-reduce, the one vLLM-Ascend calls.
     return _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: backend.all_reduce)(x)
 

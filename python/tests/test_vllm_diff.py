@@ -391,3 +391,29 @@ def test_dtypes_the_library_does_not_take_move_and_sum_as_vllm_ascend_does(engin
             want = (x * 2)[4:] if ctx is None else (x * 2)[3:8]  # EP rank 1's rows of the sum
             assert got.dtype == dtype and torch.equal(got, want), (ctx, rest)
             assert _fake_shape(reduce, x) == tuple(want.shape)
+
+
+def _point_runner(tp):
+    return SimpleNamespace(
+        moe_config=SimpleNamespace(tp_group=tp, ep_size=int(tp.world_size), is_sequence_parallel=False),
+        ascend_shared_experts=None,
+        routed_output_transform=None,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["int8", "bool", "float8_e4m3fn"])
+def test_reduction_point_never_sums_a_dtype_that_is_only_moved(engine, dtype):
+    # SPEC section 8, as on a communicator (whose all-reduce refuses them):
+    # the final point of a TP-2 layer refuses to sum these where the live comm
+    # type makes it reduce, and copies them where it does not.
+    dtype = getattr(torch, dtype)
+    engine.tp = Group(2, 0, "tp")
+    pid = av._runner_policy(_point_runner(engine.tp))
+    final = 2
+    x = torch.ones(4, 3).to(dtype)
+    engine.extra.moe_comm_type = MoECommType.ALLGATHER
+    with pytest.raises(am.DTypeError, match="never reduced"):
+        torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
+    engine.extra.moe_comm_type = MoECommType.MC2
+    got = torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
