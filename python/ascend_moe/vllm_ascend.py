@@ -32,7 +32,9 @@ What `install()` replaces:
   `torch.ops.ascend_moe.vllm_reduce_point`, which reads the live
   `_EXTRA_CTX.moe_comm_type` when it runs and applies SPEC section 5, so a
   compiled graph never freezes "is the routed output already reduced?". The
-  boolean arguments vLLM passes between these methods are ignored.
+  boolean arguments vLLM passes between these methods are ignored. A dtype
+  the library does not take (float64, complex, ...) is reduced by vLLM's
+  own TP all-reduce; one that is only moved is never summed.
 
 vLLM's `GroupCoordinator`s map to communicators once each (`comm_for_group`),
 cached per group and device kind: on the NPU the group's HCCL communicator is
@@ -786,19 +788,21 @@ def _point_impl(x, point: int, layer: int):
     backend = comm_for_group(tp_group, _device_kind(x.device))
     with backend.point_refusing():
         ct = _live_comm_type()
-    if backend.kind == "comm":
+    if backend.kind == "comm" and _library_dtype(x.dtype):
         # The library decides, also where it only copies: on a CPU world it
         # checks there that every TP rank chose the same comm type, so a rank
         # whose choice differs fails with its peers instead of returning an
         # unreduced copy while they wait to reduce with it.
         return getattr(policy, name)(x.contiguous(), ct, backend.comm)
+    # The groups' own collectives, or a dtype the library does not take
+    # (float64, complex, ...): the decision here, the all-reduce vLLM-Ascend's.
     if not policy.decisions(ct)[_DECISIONS[point]]:
         return x.clone()
     if _library_dtype(x.dtype):
         # A dtype that is only moved is never summed, as on a communicator.
         _shapes.all_reduce(x)
     # The group's own TP all-reduce, the one vLLM-Ascend calls.
-    return _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: backend.all_reduce)(x)
+    return _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: tp_group.all_reduce)(x)
 
 
 def _register_point_op():

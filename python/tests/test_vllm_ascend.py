@@ -97,6 +97,15 @@ def test_compiled_layer_replayed_under_every_comm_type(world_results):
     assert all(not sp for *_, sp, ok in wrong)
 
 
+def test_reduction_points_take_the_dtypes_vllm_ascends_all_reduce_takes(world_results):
+    """float64 and complex64 at the final and shared points, under ALLGATHER
+    and MC2, on a CPU world and on the groups' own collectives: vLLM-Ascend's
+    outputs."""
+    cases = world_results[0]["point_dtypes"]
+    assert all(world_results[r]["point_dtypes"] == cases for r in range(4))
+    assert len(cases) == 2 * 2 * 2, cases
+
+
 # Their tests that assert what the adapter deliberately does otherwise (see README).
 CANNOT_RUN = {
     # A no-reduce result is checked by identity (`result is states`): the

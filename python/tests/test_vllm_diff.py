@@ -417,3 +417,27 @@ def test_reduction_point_never_sums_a_dtype_that_is_only_moved(engine, dtype):
     engine.extra.moe_comm_type = MoECommType.MC2
     got = torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64"])
+def test_reduction_point_on_a_communicator_takes_dtypes_the_library_does_not(engine, dtype):
+    # vLLM-Ascend's points return the output itself or its TP all-reduce,
+    # whatever the dtype; on a CPU world (one TP rank here) the point went to
+    # the library, which refused float64 and complex64 even where it only
+    # copies.
+    import uuid
+
+    dtype = getattr(torch, dtype)
+    comm = am.Comm.cpu(f"pytest-point-{uuid.uuid4().hex[:12]}", 1, 0)
+    av._BACKENDS[(id(engine.tp), "cpu")] = (engine.tp, av._CommBackend(comm))
+    try:
+        pid = av._runner_policy(_point_runner(engine.tp))
+        x = (torch.arange(12) - 4).view(4, 3).to(dtype)
+        for ct in MoECommType:
+            engine.extra.moe_comm_type = ct
+            for point in range(3):
+                got = torch.ops.ascend_moe.vllm_reduce_point(x, point, pid)
+                assert got.dtype == dtype and torch.equal(got, x) and got.data_ptr() != x.data_ptr(), (ct, point)
+    finally:
+        av._BACKENDS.clear()
+        comm.close()

@@ -77,6 +77,7 @@ def all_cases(name, world, rank):
         "pcp": pcp(name, world, rank),
         "mc2": mc2(name, world, rank),
         "compiled": compiled(name, world, rank),
+        "point_dtypes": point_dtypes(name, world, rank),
     }
 
 
@@ -585,6 +586,62 @@ def mc2(name, world, rank):
             assert torch.equal(back, their_back) and torch.equal(back, x), what
         checks.append(case)
     dist.all_reduce(torch.zeros(1))
+    return checks
+
+
+# ------------------------------------------------ reduction points, other dtypes
+
+
+def point_dtypes(name, world, rank):
+    """vLLM-Ascend's reduction points (AscendMoERunner's final and shared
+    points, TP 2, a TENSOR_PARALLEL shared expert) against the adapter's, on
+    both CPU backends, for dtypes the library does not take: the same
+    outputs, each the TP sum where the live comm type reduces and the input
+    where it does not."""
+    from types import SimpleNamespace
+
+    import ascend_moe.vllm_ascend as av
+
+    _, _, groups = init(name, world, rank)
+    fm = vs.load("fused_moe")
+    se = vs.load("shared_experts")
+    fa = vs.load("ascend_forward_context")
+    CT = fa.MoECommType
+
+    def make():
+        r = fm.AscendMoERunner.__new__(fm.AscendMoERunner)
+        r.moe_config = SimpleNamespace(is_sequence_parallel=False, tp_size=1, ep_size=world, tp_group=groups["tp"])
+        r.ascend_shared_experts = SimpleNamespace(parallel_mode=lambda: se.SharedExpertParallelMode.TENSOR_PARALLEL)
+        r.routed_output_transform = None
+        return r
+
+    def points(x, ct):
+        with vs.forward_context(moe_comm_type=ct, dp_metadata=None):
+            r = make()
+            return r._maybe_reduce_final_output(x, None), r._maybe_reduce_shared_expert_output(x)
+
+    checks = []
+    tp_ranks = groups["tp"].ranks
+    for dtype in (torch.float64, torch.complex64):
+        xs = [_ints(_seed("point", r), (4, 3)).to(dtype) for r in range(world)]
+        tp_sum = sum(xs[r] for r in tp_ranks)
+        for ct in (CT.ALLGATHER, CT.MC2):
+            # Final: reduced unless the routed output is (ALLGATHER without SP
+            # leaves it partial); shared (TP weights): reduced when it is.
+            want = (tp_sum, xs[rank]) if ct == CT.ALLGATHER else (xs[rank], tp_sum)
+            theirs = points(xs[rank], ct)
+            for backend in ("comm", "group"):
+                with cpu_comm(backend):
+                    av.install()
+                    try:
+                        ours = points(xs[rank], ct)
+                    finally:
+                        av.uninstall()
+                for what, th, ou, w in zip(("final", "shared"), theirs, ours, want):
+                    assert torch.equal(th, w), f"{dtype} {ct.name} {what}: vLLM-Ascend's {th} != {w}"
+                    assert ou.dtype == dtype and torch.equal(ou, w), f"{dtype} {ct.name} {what} ({backend}): {ou} != {w}"
+                checks.append(f"{str(dtype).replace('torch.', '')} {ct.name} {backend}")
+    dist.all_reduce(torch.zeros(1))  # every rank done before any exits
     return checks
 
 
