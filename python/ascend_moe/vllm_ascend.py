@@ -927,6 +927,8 @@ def install() -> list:
 
         import torch
 
+        from ._torch_ops import _autograd_kernel
+
         try:
             importlib.import_module(OPS_MODULE)
         except Exception as e:  # noqa: BLE001
@@ -941,6 +943,8 @@ def install() -> list:
                 lib.define(f"{name}(Tensor x) -> Tensor")
             for key in ("CPU", "PrivateUse1"):
                 lib.impl(name, impl, key)
+            # Not differentiable: a backward through the op fails naming it.
+            lib.impl(name, _autograd_kernel(f"vllm::{name}"), "Autograd")
             lib._register_fake(name, fake)
             replaced.append(f"torch.ops.vllm.{name}")
         mod = sys.modules[OPS_MODULE]

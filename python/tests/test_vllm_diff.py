@@ -441,3 +441,26 @@ def test_reduction_point_on_a_communicator_takes_dtypes_the_library_does_not(eng
     finally:
         av._BACKENDS.clear()
         comm.close()
+
+
+def test_ep_ops_have_no_gradient_and_say_so(engine):
+    # The ops are not differentiable. vLLM-Ascend's have no autograd kernel:
+    # torch warns and backpropagates through the local padding and slicing
+    # as if the collective were not there. The adapter's, on every backend,
+    # give the values with an input that requires grad and fail a backward
+    # naming the op, as ascend-moe's own torch ops do.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=[3, 5])
+    for name, rows, want in (
+        ("maybe_all_gather_and_maybe_unpad", 3, lambda x: torch.cat([x[:3], x[:3], torch.zeros(2, 2)])),
+        ("maybe_pad_and_reduce", 8, lambda x: (x * 2)[:3]),
+    ):
+        op = getattr(torch.ops.vllm, name)
+        x = torch.arange(rows * 2.0).view(rows, 2).requires_grad_(True)
+        y = op(x)
+        assert y.requires_grad and torch.equal(y.detach(), want(x.detach())), name
+        with pytest.raises(RuntimeError, match=f"vllm::{name} has no gradient"):
+            y.sum().backward()
+        assert x.grad is None
+        with torch.no_grad():
+            assert not op(x).requires_grad
