@@ -820,10 +820,15 @@ def _register_point_op():
     @vllm_reduce_point.register_fake
     def _(x, point, layer):
         _checked_point(point, layer)
+        # A dtype the library does not take is reduced by vLLM's all-reduce:
+        # its shape checked as float32.
+        dtype = x.dtype if _library_dtype(x.dtype) else torch.float32
+        if x.dim() == 0:
+            return x.new_empty(_shapes.reduce_final(((), dtype)))
         rows = _rows(x)
         # Identity; a symbolic token count stays symbolic (dtype and trailing
         # dims checked by the shape function on zero rows).
-        shape = _shapes.reduce_final(((0 if rows is None else rows, *x.shape[1:]), x.dtype))
+        shape = _shapes.reduce_final(((0 if rows is None else rows, *x.shape[1:]), dtype))
         return x.new_empty(x.shape if rows is None else shape)
 
     _REDUCE_OP = vllm_reduce_point

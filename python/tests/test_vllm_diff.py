@@ -464,3 +464,28 @@ def test_ep_ops_have_no_gradient_and_say_so(engine):
         assert x.grad is None
         with torch.no_grad():
             assert not op(x).requires_grad
+
+
+@pytest.mark.parametrize("kind", ["float64", "complex64", "0-d"])
+def test_reduction_point_fake_gives_the_shape_the_real_point_gives(engine, kind):
+    # vLLM-Ascend's points return the tensor or its TP all-reduce, whatever
+    # its dtype or rank; the adapter's real point does the same, and its fake
+    # (what torch.compile traces) gives that shape instead of refusing the
+    # dtype or reading dim 0 of a 0-d tensor.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    engine.tp = Group(2, 0, "tp")
+    pid = av._runner_policy(_point_runner(engine.tp))
+    x = torch.tensor(2.0) if kind == "0-d" else torch.ones(4, 3, dtype=getattr(torch, kind))
+    op = torch.ops.ascend_moe.vllm_reduce_point
+    for ct in (MoECommType.ALLGATHER, MoECommType.MC2):
+        engine.extra.moe_comm_type = ct
+        for point in range(3):
+            real = op(x, point, pid)
+            # No shared expert, no transform: only the final point reduces, under
+            # ALLGATHER without SP (the Group stand-in sums 2 equal ranks).
+            want = x * 2 if ct == MoECommType.ALLGATHER and point == 2 else x
+            assert real.dtype == x.dtype and torch.equal(real, want), (ct, point)
+            with FakeTensorMode() as fm:
+                fake = op(fm.from_tensor(x), point, pid)
+            assert fake.shape == real.shape and fake.dtype == real.dtype, (ct, point)
