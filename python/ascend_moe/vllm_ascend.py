@@ -395,6 +395,31 @@ def _from_bytes(out, dtype):
     return out.view(dtype).squeeze(-1)
 
 
+# Bytes of one rank's entry in `_leave_library_together`.
+_LEAVING_BYTES = 48
+
+
+def _leave_library_together(backend, x, what: str, agreed: str = "") -> None:
+    """Before `x`, of a dtype the library does not take, leaves a CPU world
+    for the group's own collectives: the ranks all-gather `"<dtype> <agreed>"`
+    through the world first. A peer whose dtype the library takes is in the
+    library's own collective meanwhile (the op's, or the comm-type check of a
+    reduction point), so both fail at once with a mismatch instead of
+    waiting in two transports; ranks of another such dtype, or another
+    `agreed` (the comm type), fail naming every rank's. On the NPU the world
+    is HCCL, which compares nothing, and nothing is sent."""
+    if backend.kind != "comm" or x.device.type != "cpu":
+        return
+    import torch
+
+    mine = f"{x.dtype} {agreed}".strip().encode()[:_LEAVING_BYTES].ljust(_LEAVING_BYTES, b"\0")
+    got = _comm.all_gather(torch.frombuffer(bytearray(mine), dtype=torch.uint8), backend.comm)
+    entries = [bytes(row).rstrip(b"\0").decode() for row in got.view(-1, _LEAVING_BYTES).tolist()]
+    if len(set(entries)) > 1:
+        listed = ", ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+        raise error(Status.COMM_MISMATCH, f"{what}: the ranks disagree on the dtype or comm type ({listed})")
+
+
 def _ep_local_sizes(dp_metadata, ep_group):
     """vLLM-Ascend's `_get_ep_local_sizes`: the SP layout when the MoE runner
     installed one of the EP size, else None."""
@@ -579,6 +604,7 @@ def _reduce_impl(x):
     if not _library_dtype(x.dtype):
         # A dtype the library does not sum (f64, complex, i16, ...): the
         # group's own reduce-scatter sums it, as vLLM-Ascend's does.
+        _leave_library_together(backend, x, "maybe_pad_and_reduce")
         backend = _GroupBackend(group)
     out = backend.reduce(x.contiguous(), layout)
     return out if pad_to is None else _fit_rows(out, pad_to)
@@ -796,6 +822,8 @@ def _point_impl(x, point: int, layer: int):
         return getattr(policy, name)(x.contiguous(), ct, backend.comm)
     # The groups' own collectives, or a dtype the library does not take
     # (float64, complex, ...): the decision here, the all-reduce vLLM-Ascend's.
+    # The TP ranks still agree on the comm type, with the dtype, on a CPU world.
+    _leave_library_together(backend, x, f"vllm_reduce_point {name}", f"comm type {ct}")
     if not policy.decisions(ct)[_DECISIONS[point]]:
         return x.clone()
     if _library_dtype(x.dtype):

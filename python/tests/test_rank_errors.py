@@ -440,12 +440,11 @@ def test_a_refused_first_vllm_op_on_one_rank_never_strands_its_peers_in_gloo(op,
             assert secs < 15, (rank, secs, msg)
 
 
-def test_a_vllm_reduction_point_fails_every_tp_rank_when_one_chose_another_comm_type(monkeypatch):
-    """`torch.ops.ascend_moe.vllm_reduce_point` on two TP ranks of a CPU
-    world whose live comm types differ (ALLGATHER: the final point
-    all-reduces; MC2: it leaves the output as it is). Both fail, naming the
-    choices (SPEC section 5), as the Python API's reduction points do: the
-    rank that would only copy never returns while its peer waits for it."""
+def _vllm_point_on_two_tp_ranks(monkeypatch, cts, dtypes):
+    """`torch.ops.ascend_moe.vllm_reduce_point` (the final point of a TP-2
+    layer) on two TP ranks of a CPU world, rank r with live comm type
+    `cts[r]` and an input of dtype `dtypes[r]`; returns
+    `{rank: ("ok", value, secs) | ("err", AmoeError, secs)}`."""
     import sys
     import types
 
@@ -478,13 +477,14 @@ def test_a_vllm_reduction_point_fails_every_tp_rank_when_one_chose_another_comm_
     res, done = {}, threading.Barrier(2)
 
     def rank(r):
-        local.ct, local.group = (am.CommType.ALLGATHER, am.CommType.MC2)[r], groups[r]
+        local.ct, local.group = cts[r], groups[r]
         # What comm_for_group builds on the first use, built here: its lock
         # is per process, and these ranks are threads of one.
         av._BACKENDS[(id(groups[r]), "cpu")] = (groups[r], av._build_backend(groups[r], "cpu"))
         t0 = time.monotonic()
         try:
-            res[r] = ("ok", op(torch.full((2, 3), float(r + 1)), final, layer), time.monotonic() - t0)
+            x = torch.full((2, 3), float(r + 1), dtype=dtypes[r])
+            res[r] = ("ok", op(x, final, layer), time.monotonic() - t0)
         except am.AmoeError as e:
             res[r] = ("err", e, time.monotonic() - t0)
         except BaseException as e:  # noqa: BLE001
@@ -501,14 +501,55 @@ def test_a_vllm_reduction_point_fails_every_tp_rank_when_one_chose_another_comm_
         t.join(4 * TIMEOUT_S + 10)
     try:
         assert len(res) == 2, f"ranks {sorted({0, 1} - set(res))} hung"
-        for r, (kind, v, secs) in sorted(res.items()):
-            assert kind == "err", f"rank {r} returned {v!r} while the TP ranks disagree: {res}"
-            assert v.status == am.Status.INVALID_ARGUMENT, (r, v)
-            assert "chose ALLGATHER" in str(v) and "chose MC2" in str(v), (r, v)
-            assert secs < TIMEOUT_S, (r, secs, v)
+        return res
     finally:
         for _, backend in av._BACKENDS.values():
             backend.comm.close()
+
+
+def test_a_vllm_reduction_point_fails_every_tp_rank_when_one_chose_another_comm_type(monkeypatch):
+    """Live comm types ALLGATHER (the final point all-reduces) and MC2 (it
+    leaves the output as it is). Both fail, naming the choices (SPEC section
+    5), as the Python API's reduction points do: the rank that would only
+    copy never returns while its peer waits for it."""
+    import torch
+
+    res = _vllm_point_on_two_tp_ranks(monkeypatch, (am.CommType.ALLGATHER, am.CommType.MC2), (torch.float32,) * 2)
+    for r, (kind, v, secs) in sorted(res.items()):
+        assert kind == "err", f"rank {r} returned {v!r} while the TP ranks disagree: {res}"
+        assert v.status == am.Status.INVALID_ARGUMENT, (r, v)
+        assert "chose ALLGATHER" in str(v) and "chose MC2" in str(v), (r, v)
+        assert secs < TIMEOUT_S, (r, secs, v)
+
+
+@pytest.mark.parametrize(
+    "cts,dtypes",
+    [
+        # float64 goes to vLLM's own all-reduce, float32 to the library's:
+        # without the exchange before the float64 rank leaves, each would
+        # wait for the other in another transport.
+        (("ALLGATHER", "ALLGATHER"), ("float32", "float64")),
+        # Both float64 (neither through the library's comm-type check): the
+        # exchange carries the comm type too, and MC2 would only copy.
+        (("ALLGATHER", "MC2"), ("float64", "float64")),
+    ],
+    ids=["dtypes differ", "comm types differ in float64"],
+)
+def test_a_vllm_reduction_point_of_a_dtype_the_library_does_not_take_fails_with_a_disagreeing_peer(
+    monkeypatch, cts, dtypes
+):
+    import torch
+
+    cts = tuple(getattr(am.CommType, c) for c in cts)
+    res = _vllm_point_on_two_tp_ranks(monkeypatch, cts, tuple(getattr(torch, d) for d in dtypes))
+    for r, (kind, v, secs) in sorted(res.items()):
+        assert kind == "err", f"rank {r} returned {v!r} while the TP ranks disagree: {res}"
+        assert v.status == am.Status.COMM_MISMATCH, (r, v)
+        assert secs < TIMEOUT_S, (r, secs, v)
+    if dtypes[0] == dtypes[1]:
+        # Each names both ranks' comm types.
+        for r, (_, v, _) in res.items():
+            assert f"comm type {int(cts[0])}" in str(v) and f"comm type {int(cts[1])}" in str(v), (r, v)
 
 
 def _vllm_point_without_comm_type_on_one_rank(name, world, rank):
