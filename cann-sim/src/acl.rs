@@ -150,6 +150,12 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -
             );
         }
         crate::capture::check_wait(&s, &e)?;
+        if e.wait_needs_a_record() {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                "a stream cannot wait for an aclrtCreateEvent event before it is recorded (aclrtRecordEvent)",
+            );
+        }
         if crate::capture::wait_event(&s, &e)? {
             return Ok(());
         }
@@ -633,8 +639,10 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
         let e = context::event(event as usize)?;
         // ApiImpl::EventRecord: the stream must belong to the thread's context.
         let s = crate::capture::stream_here(stream as usize)?;
-        // Stricter than CANN, whose runtime has no such check: an event is
-        // recorded on a stream of the device it was created on.
+        // An event is recorded on a stream of the device it was created on:
+        // hicann/runtime v9.1.0 `docs/02_dev_guide/05_多设备编程.md:90` says the
+        // record fails otherwise. Its runtime source has no such check, so
+        // the code is the simulator's choice.
         if e.device != s.device {
             return fail(
                 ACL_ERROR_RT_STREAM_CONTEXT,
@@ -677,7 +685,8 @@ pub unsafe extern "C" fn aclrtQueryEventStatus(event: AclrtEvent, status_out: *m
         if let Some((s, seq)) = e.target() {
             s.release(seq);
         }
-        let st = if e.is_complete() { ACL_EVENT_RECORDED_STATUS_COMPLETE } else { ACL_EVENT_RECORDED_STATUS_NOT_READY };
+        let st =
+            if e.query_complete() { ACL_EVENT_RECORDED_STATUS_COMPLETE } else { ACL_EVENT_RECORDED_STATUS_NOT_READY };
         write_out(status_out, st, ACL_ERROR_INVALID_PARAM, "status")
     })
 }

@@ -320,6 +320,30 @@ impl Event {
         self.lock().rec.is_some()
     }
 
+    /// True when a stream may not wait for the event yet: an old-mode event
+    /// without `DDSYNC_NS` or `EXTERNAL` that was never recorded. The
+    /// runtime's `Event::Wait` refuses such a wait with `RT_ERROR_INVALID_VALUE`
+    /// (runtime `src/runtime/feature/src/event/event.cc:597-605`, v8.5.0,
+    /// reached because `Event::WaitSendCheck` asks for a wait task for every
+    /// old-mode event whose latest record has not run, `:540-546`); a new-mode
+    /// event never recorded is a wait that does nothing (`:519-523`).
+    pub fn wait_needs_a_record(&self) -> bool {
+        !self.new_mode && self.flag & (RT_EVENT_DDSYNC_NS | RT_EVENT_EXTERNAL) == 0 && !self.has_record()
+    }
+
+    /// The status `aclrtQueryEventStatus` reports: complete once the latest
+    /// record has run. Never recorded, a new-mode event is complete and an
+    /// old-mode one is not (`Event::QueryEventStatus`, runtime
+    /// `src/runtime/feature/src/event/event.cc:1072-1077`, v8.5.0: `RT_EVENT_INIT`,
+    /// which `aclrtQueryEventStatusImpl` reports as not ready, acl
+    /// `src/acl/aclrt_impl/event.cpp:167-171`).
+    pub fn query_complete(&self) -> bool {
+        if !self.has_record() {
+            return self.new_mode;
+        }
+        self.is_complete()
+    }
+
     fn lock(&self) -> MutexGuard<'_, EventState> {
         // Every critical section below leaves EventState consistent.
         self.state.lock().unwrap_or_else(|e| e.into_inner())

@@ -334,6 +334,61 @@ fn elapsed_time_needs_two_recorded_and_completed_events() {
     destroy_stream(st);
 }
 
+/// `ACL_EVENT_SYNC` (acl_rt.h).
+const ACL_EVENT_SYNC: u32 = 0x1;
+
+#[test]
+fn a_stream_waits_for_an_aclrt_create_event_event_only_once_it_is_recorded() {
+    let s = use_device(0);
+    let st = stream();
+    let (mut old, mut new) = (NULL, NULL);
+    unsafe {
+        assert_eq!((s.aclrtCreateEvent)(&mut old), 0);
+        assert_eq!((s.aclrtCreateEventExWithFlag)(&mut new, ACL_EVENT_SYNC), 0);
+        // Event::Wait: "the wait event cannot be submitted before the record event".
+        assert_eq!((s.aclrtStreamWaitEvent)(st, old), ACL_ERROR_RT_PARAM_INVALID, "{}", err_msg());
+        assert!(err_msg().contains("before it is recorded"), "{}", err_msg());
+        // A new-mode event never recorded: the wait does nothing.
+        assert_eq!((s.aclrtStreamWaitEvent)(st, new), 0, "{}", err_msg());
+        assert_eq!((s.aclrtRecordEvent)(old, st), 0);
+        assert_eq!((s.aclrtStreamWaitEvent)(st, old), 0, "{}", err_msg());
+    }
+    sync(st);
+    unsafe {
+        assert_eq!((s.aclrtDestroyEvent)(old), 0);
+        assert_eq!((s.aclrtDestroyEvent)(new), 0);
+    }
+    destroy_stream(st);
+}
+
+#[test]
+fn a_never_recorded_event_is_complete_in_new_mode_only() {
+    let s = use_device(0);
+    let st = stream();
+    let (mut old, mut new) = (NULL, NULL);
+    let status = |e: Ptr| {
+        let mut v = -1;
+        assert_eq!(unsafe { (s.aclrtQueryEventStatus)(e, &mut v) }, 0, "{}", err_msg());
+        v
+    };
+    unsafe {
+        assert_eq!((s.aclrtCreateEvent)(&mut old), 0);
+        assert_eq!((s.aclrtCreateEventExWithFlag)(&mut new, ACL_EVENT_SYNC), 0);
+    }
+    // Event::QueryEventStatus: RT_EVENT_INIT (not ready) for the old mode,
+    // RT_EVENT_RECORDED (complete) for the new one.
+    assert_eq!(status(old), 0, "an aclrtCreateEvent event never recorded is not ready");
+    assert_eq!(status(new), 1, "an aclrtCreateEventExWithFlag event never recorded is complete");
+    unsafe { assert_eq!((s.aclrtRecordEvent)(old, st), 0) };
+    sync(st);
+    assert_eq!(status(old), 1, "recorded and run");
+    unsafe {
+        assert_eq!((s.aclrtDestroyEvent)(old), 0);
+        assert_eq!((s.aclrtDestroyEvent)(new), 0);
+    }
+    destroy_stream(st);
+}
+
 #[test]
 fn an_event_is_recorded_only_on_a_stream_of_its_device() {
     let s = use_device(1);

@@ -159,10 +159,10 @@ fn a_stream_waits_for_an_event_recorded_on_another() {
     unsafe {
         assert_eq!((s.aclrtCreateEvent)(&mut e0), 0);
         assert_eq!((s.aclrtCreateEvent)(&mut e1), 0);
-        // A never-recorded event is complete and waiting on it is a no-op.
+        // A never-recorded aclrtCreateEvent event is not ready.
         let mut st = -1;
         assert_eq!((s.aclrtQueryEventStatus)(e1, &mut st), 0);
-        assert_eq!(st, 1);
+        assert_eq!(st, 0);
         assert_eq!((s.aclrtRecordEvent)(e0, s1), 0);
         assert_eq!((s.aclrtMemcpyAsync)(a, 256, payload.as_ptr() as *const c_void, 256, H2D, s1), 0);
         assert_eq!((s.aclrtRecordEvent)(e1, s1), 0);
