@@ -373,6 +373,28 @@ pub fn reduce_aligned(bufs: &[(&str, *const c_void)], elem: usize) -> SimResult<
     Ok(())
 }
 
+/// `SYS_MAX_COUNT`, the largest element count HCCL takes (hicann/hccl
+/// v8.5.0 and v9.1.0 `src/common/hccl_common.h:42`).
+pub const SYS_MAX_COUNT: u64 = 0x7_FFFF_FFFF;
+
+/// A collective's element count is at most [`SYS_MAX_COUNT`], else
+/// HCCL_E_PARA: `HcomCheckCount` (hicann/hccl v8.5.0
+/// `src/common/param_check.cc:92-99`) and `CheckCount` (v9.1.0
+/// `src/ops/op_common/op_common.cc:1940`), checked after the pointers and
+/// before the dtype on `count` of all-reduce and broadcast, `recvCount` of the
+/// reduce-scatters, `sendCount` of the all-gathers, and the largest entry of
+/// `sendCounts` and `recvCounts` of all-to-all-v (v9.1.0
+/// `src/ops/all_reduce/all_reduce_op.cc:125`, `broadcast/broadcast_op.cc:118`,
+/// `reduce_scatter/reduce_scatter_op.cc:52`, `reduce_scatter_v/reduce_scatter_v_op.cc:64`,
+/// `all_gather/all_gather_op.cc:117`, `all_gather_v/all_gather_v_op.cc:56`,
+/// `all_to_all_v/all_to_all_v_op.cc:118-125`).
+pub fn count_in_range(call: &str, what: &str, count: u64) -> SimResult<()> {
+    if count > SYS_MAX_COUNT {
+        return fail(HCCL_E_PARA, format!("{call}: {what} {count} is above HCCL's largest count {SYS_MAX_COUNT:#x}"));
+    }
+    Ok(())
+}
+
 /// `HcclAllGatherV`, `HcclReduceScatterV` and `HcclAlltoAllV` (HCCL API
 /// reference, hicann/hccl v9.1.0 `docs/zh/api_ref/comm_op_interface/`
 /// `HcclAllGatherV.md:44`, `HcclReduceScatterV.md:40`, `HcclAlltoAllV.md:41`):

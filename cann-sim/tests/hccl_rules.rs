@@ -644,3 +644,41 @@ fn reductions_refuse_buffers_not_aligned_to_their_elements() {
     assert_eq!(rcs[0][..10], [E_PARA; 10], "{:?}", rcs[0]);
     assert_eq!(rcs[0][10..], [0, 0, 0], "{:?}", rcs[0]);
 }
+
+#[test]
+fn counts_above_hccls_largest_count_are_refused() {
+    // SYS_MAX_COUNT = 0x7FFFFFFFF (hicann/hccl `src/common/hccl_common.h:42`),
+    // checked by every collective's CheckCount / HcomCheckCount.
+    const MAX: u64 = 0x7_FFFF_FFFF;
+    let rcs = with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        let (a, b) = (malloc(256), malloc(256));
+        let big = MAX + 1;
+        let (counts, displs, zero) = ([big], [0u64], [0u64]);
+        let (c, d, z) = (counts.as_ptr().cast(), displs.as_ptr().cast(), zero.as_ptr().cast());
+        let mut rcs = Vec::new();
+        // SAFETY: device buffers of 256 bytes; host arrays of world length.
+        // Every call is refused before it touches a buffer.
+        unsafe {
+            rcs.push((s.HcclAllReduce)(a, b, big, FP32, SUM, comm, st));
+            assert!(err_msg().contains("largest count"), "{}", err_msg());
+            rcs.push((s.HcclReduceScatter)(a, b, big, FP32, SUM, comm, st));
+            rcs.push((s.HcclReduceScatterV)(a, c, d, b, big, FP32, SUM, comm, st));
+            rcs.push((s.HcclAllGather)(a, b, big, FP32, comm, st));
+            rcs.push((s.HcclAllGatherV)(a, big, b, c, d, FP32, comm, st));
+            rcs.push((s.HcclBroadcast)(a, big, FP32, 0, comm, st));
+            rcs.push((s.HcclAlltoAllV)(a, c, d, FP32, b, c, z, FP32, comm, st));
+            // The largest count itself passes this check; its buffers are too
+            // small for it.
+            rcs.push((s.HcclAllReduce)(a, b, MAX, FP32, SUM, comm, st));
+        }
+        sync(st);
+        free(a);
+        free(b);
+        destroy_stream(st);
+        rcs
+    });
+    assert_eq!(rcs[0][..7], [E_PARA; 7], "{:?}", rcs[0]);
+    assert_eq!(rcs[0][7], E_PTR, "{:?}", rcs[0]);
+}

@@ -274,6 +274,7 @@ pub extern "C" fn HcclAllReduce(
 ) -> HcclResult {
     status::hccl("HcclAllReduce", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::count_in_range("HcclAllReduce", "count", count)?;
         hccl_rules::a2_dtype("HcclAllReduce", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
@@ -299,6 +300,7 @@ pub extern "C" fn HcclReduceScatter(
 ) -> HcclResult {
     status::hccl("HcclReduceScatter", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::count_in_range("HcclReduceScatter", "recvCount", recv_count)?;
         hccl_rules::a2_dtype("HcclReduceScatter", data_type, Some(op))?;
         let dt = DType::from_hccl(data_type)?;
         let op = ReduceOp::from_hccl(op, dt)?;
@@ -330,6 +332,7 @@ pub extern "C" fn HcclReduceScatterV(
 ) -> HcclResult {
     status::hccl("HcclReduceScatterV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::count_in_range("HcclReduceScatterV", "recvCount", recv_count)?;
         hccl_rules::a2_dtype("HcclReduceScatterV", data_type, Some(op))?;
         hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = DType::from_hccl(data_type)?;
@@ -368,6 +371,7 @@ pub extern "C" fn HcclAllGather(
 ) -> HcclResult {
     status::hccl("HcclAllGather", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::count_in_range("HcclAllGather", "sendCount", send_count)?;
         hccl_rules::a2_dtype("HcclAllGather", data_type, None)?;
         let dt = DType::from_hccl(data_type)?;
         let world = comm(comm_h)?.size as usize;
@@ -396,6 +400,7 @@ pub extern "C" fn HcclAllGatherV(
 ) -> HcclResult {
     status::hccl("HcclAllGatherV", || {
         hccl_rules::operands(&[("sendBuf", send_buf), ("recvBuf", recv_buf)], stream)?;
+        hccl_rules::count_in_range("HcclAllGatherV", "sendCount", send_count)?;
         hccl_rules::a2_dtype("HcclAllGatherV", data_type, None)?;
         hccl_rules::distinct_buffers(send_buf, recv_buf)?;
         let dt = DType::from_hccl(data_type)?;
@@ -448,6 +453,8 @@ pub extern "C" fn HcclAlltoAllV(
         let sd = counts(sdispls, c.size, "sdispls")?;
         let rc = counts(recv_counts, c.size, "recvCounts")?;
         let rd = counts(rdispls, c.size, "rdispls")?;
+        let largest = sc.iter().chain(&rc).copied().max().unwrap_or(0);
+        hccl_rules::count_in_range("HcclAlltoAllV", "the largest of sendCounts and recvCounts", largest as u64)?;
         hccl_rules::one_rank_all_to_all_displacements(c.size, &sd, &rd)?;
         let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
         let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
@@ -477,9 +484,13 @@ pub extern "C" fn HcclBroadcast(
 ) -> HcclResult {
     status::hccl("HcclBroadcast", || {
         hccl_rules::operands(&[("buf", buf)], stream)?;
+        hccl_rules::count_in_range("HcclBroadcast", "count", count)?;
         hccl_rules::a2_dtype("HcclBroadcast", data_type, None)?;
         let dt = DType::from_hccl(data_type)?;
         let c = comm(comm_h)?;
+        // `HcomCheckUserRank(rankSize, root)`: HCCL_E_PARA (hicann/hccl v9.1.0
+        // `src/ops/broadcast/broadcast_op.cc:117`; v8.5.0
+        // `src/common/param_check.cc:134-142`).
         if root >= c.size {
             return fail(HCCL_E_PARA, format!("root {root} of {} ranks", c.size));
         }
