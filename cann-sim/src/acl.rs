@@ -345,6 +345,30 @@ fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize
     Ok(c)
 }
 
+/// A copy between the memory of two devices needs the data exchange between
+/// them enabled first: on Atlas A2, "to copy between two Devices, first query
+/// aclrtDeviceCanAccessPeer and enable it with aclrtDeviceEnablePeerAccess"
+/// (hicann/runtime v9.0.0 `docs/api_docs/aclrtMemcpy.md:39-43`; v9.1.0
+/// `docs/02_dev_guide/05_多设备编程.md:98-100`, cross-device data exchange). The
+/// simulator exports no `aclrtDeviceEnablePeerAccess`, so such a copy is
+/// always refused. The runtime hands the copy to the driver, whose code is not
+/// open source: the simulator answers 107000, the driver's "invalid value"
+/// (`RT_ERROR_DRV_INPUT`).
+fn same_device(c: &CopyPlan) -> SimResult<()> {
+    if let (Loc::Device(d), Loc::Device(s)) = (loc(c.dst), loc(c.src)) {
+        if d != s {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                format!(
+                    "a copy from device {s} memory to device {d} memory needs aclrtDeviceEnablePeerAccess, which \
+                     the simulator does not provide: stage the bytes through the host"
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
 fn spans(c: &CopyPlan) -> SimResult<(Option<Span>, Option<Span>)> {
     let d = if c.dst_dev && c.count > 0 { Some(arena::resolve(c.dst, c.count, "dst")?) } else { None };
     let s = if c.src_dev && c.count > 0 { Some(arena::resolve(c.src, c.count, "src")?) } else { None };
@@ -384,6 +408,7 @@ pub unsafe extern "C" fn aclrtMemcpy(
         // after the arguments and the context.
         crate::capture::blocking_copy()?;
         let c = plan_copy(dst, dest_max, src, count, kind)?;
+        same_device(&c)?;
         run_copy(c)
     })
 }
@@ -417,6 +442,7 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
         // the default stream) must belong to the thread's context
         // (RT_ERROR_STREAM_CONTEXT, `errcode_manage.cc:110`).
         let s = crate::capture::stream_here(stream as usize)?;
+        same_device(&c)?;
         crate::capture::async_copy(&s, c.dst, c.src, c.count)?;
         // acl_rt.h (torch-npu 2.9.0 and 2.14.0 headers), aclrtMemcpyAsync:
         // "For on-chip Device-to-Device memory copy, both the source and

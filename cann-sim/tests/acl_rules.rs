@@ -497,3 +497,40 @@ fn the_recent_error_message_is_null_until_a_call_fails_on_the_thread() {
         assert!(std::ffi::CStr::from_ptr(p).to_string_lossy().contains("devPtr is NULL"));
     });
 }
+
+#[test]
+fn a_copy_between_two_devices_is_refused_without_peer_access() {
+    // aclrtMemcpy API reference (Atlas A2): a copy between two devices needs
+    // aclrtDeviceEnablePeerAccess first, which the simulator does not export.
+    use_device(1);
+    let other = malloc(128);
+    let s = use_device(0);
+    let (mine, st) = (malloc(128), stream());
+    unsafe {
+        for kind in [D2D, 4] {
+            assert_eq!((s.aclrtMemcpy)(mine, 128, other, 128, kind), ACL_ERROR_RT_PARAM_INVALID, "{}", err_msg());
+            assert!(err_msg().contains("aclrtDeviceEnablePeerAccess"), "{}", err_msg());
+            assert_eq!((s.aclrtMemcpy)(other, 128, mine, 128, kind), ACL_ERROR_RT_PARAM_INVALID, "kind {kind}");
+            assert_eq!(
+                (s.aclrtMemcpyAsync)(mine, 128, other, 128, kind, st),
+                ACL_ERROR_RT_PARAM_INVALID,
+                "kind {kind}"
+            );
+            assert_eq!(
+                (s.aclrtMemcpyAsync)(other, 128, mine, 128, kind, st),
+                ACL_ERROR_RT_PARAM_INVALID,
+                "kind {kind}"
+            );
+        }
+        // On one device the same copies run.
+        let mine2 = malloc(128);
+        assert_eq!((s.aclrtMemcpy)(mine2, 128, mine, 128, D2D), 0, "{}", err_msg());
+        assert_eq!((s.aclrtMemcpyAsync)(mine2, 128, mine, 128, D2D, st), 0, "{}", err_msg());
+        sync(st);
+        free(mine2);
+    }
+    free(mine);
+    destroy_stream(st);
+    use_device(1);
+    free(other);
+}
