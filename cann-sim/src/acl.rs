@@ -71,9 +71,19 @@ pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> AclError {
     status::acl("aclrtGetDeviceCount", || write_out(count, config::get().devices, ACL_ERROR_INVALID_PARAM, "count"))
 }
 
+/// Streams per device, the default stream included: "the hardware supports at
+/// most 1984 streams" on Atlas A2/A3, and a device that already has N streams
+/// (the default one among them) lets `aclrtCreateStream` make only 1984 - N
+/// more (API reference, hicann/runtime v8.5.0 and v9.0.0
+/// `docs/api_docs/aclrtCreateStream.md:40`). The stream ids come from the driver, whose
+/// `DRV_ERROR_NO_STREAM_RESOURCES` the runtime maps to
+/// `ACL_ERROR_RT_NO_STREAM_RESOURCE` (`errcode_manage.cc:535`, `:92`, v8.5.0).
+pub const MAX_STREAMS_PER_DEVICE: usize = 1984;
+
 /// `aclError aclrtCreateStream(aclrtStream *stream)`.
 #[no_mangle]
 pub unsafe extern "C" fn aclrtCreateStream(stream: *mut AclrtStream) -> AclError {
+    static CREATING: Mutex<()> = Mutex::new(());
     status::acl("aclrtCreateStream", || {
         // acl `stream.cpp:37`; `ApiErrorDecorator::StreamCreate`, `api_error.cc:927`.
         if stream.is_null() {
@@ -81,6 +91,18 @@ pub unsafe extern "C" fn aclrtCreateStream(stream: *mut AclrtStream) -> AclError
         }
         // `ApiImpl::StreamCreate`, `api_impl.cc:1323-1324`: the thread's context.
         let d = context::current()?;
+        // One creation at a time, so the count below stays exact.
+        let _one = CREATING.lock().unwrap_or_else(|e| e.into_inner());
+        let live = context::device_streams(d).len();
+        if live >= MAX_STREAMS_PER_DEVICE {
+            return fail(
+                ACL_ERROR_RT_NO_STREAM_RESOURCE,
+                format!(
+                    "device {d} already has {live} streams (the default one included), the Atlas A2/A3 limit of \
+                     {MAX_STREAMS_PER_DEVICE}: destroy streams no longer used"
+                ),
+            );
+        }
         let h = STREAMS.insert(Stream::new(d, false)?);
         write_out(stream, h as AclrtStream, ACL_ERROR_INVALID_PARAM, "stream")
     })
