@@ -379,7 +379,7 @@ pub const SYS_MAX_COUNT: u64 = 0x7_FFFF_FFFF;
 
 /// A collective's element count is at most [`SYS_MAX_COUNT`], else
 /// HCCL_E_PARA: `HcomCheckCount` (hicann/hccl v8.5.0
-/// `src/common/param_check.cc:92-99`) and `CheckCount` (v9.1.0
+/// `src/common/param_check.cc:91-99`) and `CheckCount` (v9.1.0
 /// `src/ops/op_common/op_common.cc:1940`), checked after the pointers and
 /// before the dtype on `count` of all-reduce and broadcast, `recvCount` of the
 /// reduce-scatters, `sendCount` of the all-gathers, and the largest entry of
