@@ -526,6 +526,20 @@ def _gather_plan(x):
     return layout, layout.local_sizes[rank]
 
 
+def _own_result(out, x):
+    """`out` as the result of an op declared functional over input `x`: a
+    contiguous tensor (the layout the fakes give) sharing no memory with `x`,
+    copied when it is not. vLLM's group collectives return their input
+    itself on a group of one rank (`GroupCoordinator.all_gather`,
+    `.reduce_scatter`, `.all_reduce`), and `clone()` keeps a non-contiguous
+    input's strides."""
+    import torch
+
+    if out.is_contiguous() and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+        return out
+    return out.clone(memory_format=torch.contiguous_format)
+
+
 def _fit_rows(x, rows: int):
     """`x` with `rows` rows: its first ones, zero rows appended when short."""
     if x.shape[0] == rows:
@@ -549,7 +563,7 @@ def _gather_impl(x):
         src = x.contiguous()
         src = _fit_rows(_as_bytes(src) if as_bytes else src, rows)
     out = backend.gather(src, layout)
-    return _from_bytes(out, x.dtype) if as_bytes else out
+    return _own_result(_from_bytes(out, x.dtype) if as_bytes else out, x)
 
 
 def _gather_fake(x):
@@ -607,7 +621,7 @@ def _reduce_impl(x):
         _leave_library_together(backend, x, "maybe_pad_and_reduce")
         backend = _GroupBackend(group)
     out = backend.reduce(x.contiguous(), layout)
-    return out if pad_to is None else _fit_rows(out, pad_to)
+    return _own_result(out if pad_to is None else _fit_rows(out, pad_to), x)
 
 
 def _reduce_shape(x, layout, pad_to) -> tuple:
@@ -825,12 +839,13 @@ def _point_impl(x, point: int, layer: int):
     # The TP ranks still agree on the comm type, with the dtype, on a CPU world.
     _leave_library_together(backend, x, f"vllm_reduce_point {name}", f"comm type {ct}")
     if not policy.decisions(ct)[_DECISIONS[point]]:
-        return x.clone()
+        return _own_result(x, x)
     if _library_dtype(x.dtype):
         # A dtype that is only moved is never summed, as on a communicator.
         _shapes.all_reduce(x)
     # The group's own TP all-reduce, the one vLLM-Ascend calls.
-    return _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: tp_group.all_reduce)(x)
+    all_reduce = _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: tp_group.all_reduce)
+    return _own_result(all_reduce(x.contiguous()), x)
 
 
 def _register_point_op():

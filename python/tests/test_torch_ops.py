@@ -780,3 +780,122 @@ def test_vllm_reduce_point_refuses_an_unknown_point_or_layer_as_its_fake_does(mo
                 OPS.vllm_reduce_point(x.to(dev), point, lid)
             texts.append(str(e.value))
         assert texts[0] == texts[1] and f"no point {point} of layer {lid}" in texts[0], texts
+
+
+class _BypassGroup:
+    """vLLM's GroupCoordinator as one rank sees it, every other rank holding
+    the same tensor, with vLLM's bypass: on a group of one rank `all_gather`,
+    `reduce_scatter` and `all_reduce` return their input itself."""
+
+    def __init__(self, world_size, name):
+        self.world_size, self.rank_in_group, self.unique_name = world_size, 0, name
+
+    def all_gather(self, x, dim=0):
+        return x if self.world_size == 1 else torch.cat([x] * self.world_size, dim=dim)
+
+    def reduce_scatter(self, x, dim=0):
+        n = self.world_size
+        return x if n == 1 else (x * n).tensor_split(n, dim=0)[0].clone()
+
+    def all_reduce(self, x):
+        return x if self.world_size == 1 else x * self.world_size
+
+
+@pytest.fixture
+def vllm_engine(monkeypatch):
+    """The adapter installed over stand-in vLLM-Ascend modules whose groups
+    are `_BypassGroup`s taken through their own collectives."""
+    import types
+    from types import SimpleNamespace
+
+    import ascend_moe.vllm_ascend as av
+
+    st = SimpleNamespace(
+        ctx=SimpleNamespace(dp_metadata=None),
+        extra=SimpleNamespace(padded_length=None, padded_num_tokens=None, moe_comm_type=None),
+        ep=_BypassGroup(1, "ep"),
+        dp=_BypassGroup(1, "dp"),
+        tp=_BypassGroup(1, "tp"),
+    )
+    ops_mod = types.ModuleType(av.OPS_MODULE)
+    ops_mod.get_forward_context = lambda: st.ctx
+    ops_mod.get_ep_group = lambda: st.ep
+    ops_mod.get_dp_group = lambda: st.dp
+    ops_mod.get_tp_group = lambda: st.tp
+    ops_mod._EXTRA_CTX = st.extra
+    runner_mod = types.ModuleType(av.RUNNER_MODULE)
+    runner_mod.get_tp_group = lambda: st.tp
+    runner_mod._EXTRA_CTX = st.extra
+    runner_mod.AscendMoERunner = type("AscendMoERunner", (), {})
+    monkeypatch.setitem(sys.modules, av.OPS_MODULE, ops_mod)
+    monkeypatch.setitem(sys.modules, av.RUNNER_MODULE, runner_mod)
+    monkeypatch.setenv("ASCEND_MOE_VLLM_CPU_COMM", "group")
+    av.uninstall()
+    av._BACKENDS.clear()
+    av.install()
+    try:
+        yield st
+    finally:
+        av.uninstall()
+        av._BACKENDS.clear()
+
+
+def _shares_memory(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_vllm_ops_never_hand_back_their_input_on_a_group_of_one(vllm_engine, monkeypatch, dtype):
+    """The adapter's ops are declared functional (no alias annotation): their
+    output never shares memory with their input. On a group of one rank
+    vLLM's collectives return their input itself; the gather of one rank is
+    the input, the reduce-scatter and the TP all-reduce of one rank are the
+    input, so the ops return a copy of it (a new tensor), and opcheck's
+    schema check (which flags an undeclared alias) passes."""
+    import ascend_moe.vllm_ascend as av
+
+    av._register_point_op()
+    lid = max(av._POLICIES, default=0) + 1000
+    # data_parallel_only: point 1 all-reduces over TP under ALLGATHER without SP (SPEC section 5).
+    monkeypatch.setitem(av._POLICIES, lid, (am.ReducePolicy("data_parallel_only", False, False, 1, 1), None))
+    vllm_engine.extra.moe_comm_type = int(am.CommType.ALLGATHER)
+    x = torch.arange(12, dtype=dtype).reshape(3, 4)
+    want = x.clone()
+    calls = {
+        "gather": (torch.ops.vllm.maybe_all_gather_and_maybe_unpad.default, (x,)),
+        "reduce": (torch.ops.vllm.maybe_pad_and_reduce.default, (x,)),
+        "point": (OPS.vllm_reduce_point.default, (x, 0, lid)),
+    }
+    for what, (op, args) in calls.items():
+        got = op(*args)
+        assert torch.equal(got, want), what
+        assert not _shares_memory(got, x), f"{what}: the output is the input's memory"
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("ct", [am.CommType.ALLGATHER, am.CommType.MC2], ids=lambda c: c.name)
+def test_vllm_reduce_point_gives_the_contiguous_output_its_fake_gives(vllm_engine, monkeypatch, ct):
+    """A non-contiguous input (a transposed view) through the group path of
+    `vllm_reduce_point`: the fake's output is contiguous (`new_empty`), so the
+    real one is too, whether the point reduces or copies. Policy
+    tensor_parallel, no transform, no SP, TP 2 (SPEC section 5): point 1
+    never reduces (not early); point 2 reduces iff routed_is_reduced (MC2);
+    point 3 iff not (ALLGATHER). The stand-in TP group of 2 holds the same
+    tensor on both ranks, so a reduction doubles it."""
+    import ascend_moe.vllm_ascend as av
+
+    vllm_engine.tp = _BypassGroup(2, "tp")
+    vllm_engine.extra.moe_comm_type = int(ct)
+    av._register_point_op()
+    lid = max(av._POLICIES, default=0) + 1000
+    monkeypatch.setitem(av._POLICIES, lid, (am.ReducePolicy("tensor_parallel", False, False, 2, 2), None))
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    x = base.t()
+    reduces = {0: False, 1: ct == am.CommType.MC2, 2: ct == am.CommType.ALLGATHER}
+    for point, reduced in reduces.items():
+        got = OPS.vllm_reduce_point(x, point, lid)
+        with FakeTensorMode() as fm:
+            fake = OPS.vllm_reduce_point(fm.from_tensor(x), point, lid)
+        assert got.is_contiguous() and got.stride() == fake.stride() == (3, 1), (point, got.stride())
+        assert torch.equal(got, base.t() * (2 if reduced else 1)), point
+        torch.library.opcheck(OPS.vllm_reduce_point.default, (x, point, lid))
