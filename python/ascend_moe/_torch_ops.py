@@ -203,11 +203,14 @@ def _symbolic(*operands) -> bool:
 
 def _traced(t, fallback: int = 1):
     """`(shape, dtype)` of `t` for a shape function, each symbolic dimension at
-    the size it was traced with (`fallback` for one without a traced size):
-    reading that size adds no guard, so the graph keeps the dimension
-    symbolic. The fake validates dtypes, trailing dims and arguments on it and
-    sizes its output from the symbolic dims; the real op checks the actual
-    sizes when it runs. None stays None."""
+    the size it was traced with: reading that size adds no guard, so the
+    graph keeps the dimension symbolic. A data-dependent (unbacked) size has
+    none: its expression is evaluated with every unbacked symbol at
+    `fallback` (and every backed one at its traced size), so sizes that are
+    expressions of one symbol (`u0`, `2*u0`) keep their relation. The fake
+    validates dtypes, trailing dims and arguments on it and sizes its output
+    from the symbolic dims; the real op checks the actual sizes when it runs.
+    None stays None."""
     if t is None:
         return None
     return tuple(_traced_dim(d, fallback) for d in t.shape), t.dtype
@@ -218,7 +221,27 @@ def _traced_dim(d, fallback: int) -> int:
     if n is not None:
         return n
     hint = getattr(getattr(d, "node", None), "hint", None)
-    return hint if isinstance(hint, int) else fallback
+    if isinstance(hint, int):
+        return hint
+    from torch.fx.experimental import symbolic_shapes
+
+    # `optimization_hint` where this torch has it, else `hint_int`: neither adds a guard.
+    f = getattr(symbolic_shapes, "optimization_hint", None) or getattr(symbolic_shapes, "hint_int", None)
+    try:
+        return int(f(d, fallback=fallback))
+    except Exception:  # noqa: BLE001 - no hint this torch can give: the fallback
+        return fallback
+
+
+def _traced_rows(t, rows: int):
+    """`_traced(t)`, with a dim 0 that has no traced size (data-dependent) at
+    `rows`, the count the op takes there (an SP layout's): the fake then
+    checks the rest, and the real op the actual rows when it runs."""
+    shape, dtype = _traced(t, rows)
+    d = t.shape[0]
+    if _dim(d) is None and not isinstance(getattr(getattr(d, "node", None), "hint", None), int):
+        shape = (rows, *shape[1:])
+    return shape, dtype
 
 
 def _layout(local_sizes: Optional[List[int]]):
@@ -351,7 +374,7 @@ def register() -> bool:
         else:
             # Checked on the traced rows; the rows divided symbolically (the
             # real op refuses rows the world size does not divide).
-            shapes.reduce_scatter(_traced(x, c.world_size), c)
+            shapes.reduce_scatter(_traced_rows(x, c.world_size), c)
             shape = (x.shape[0] // c.world_size, *x.shape[1:])
         _reduce_op("reduce_scatter", op)
         return x.new_empty(shape)
@@ -379,7 +402,8 @@ def register() -> bool:
         layout, ep = _layout(local_sizes), Comm.lookup(ep_comm)
         if not _symbolic(x):
             return x.new_empty(shapes.maybe_pad_and_reduce(x, layout, ep))
-        shape = shapes.maybe_pad_and_reduce(_traced(x, ep.world_size), layout, ep)
+        taken = ep.world_size if layout is None else layout.total_rows
+        shape = shapes.maybe_pad_and_reduce(_traced_rows(x, taken), layout, ep)
         # With a layout the output rows are its `local_sizes[rank]`; without
         # one the rows divided symbolically (the real op refuses a remainder).
         rows = shape[0] if layout is not None else x.shape[0] // ep.world_size
@@ -394,7 +418,8 @@ def register() -> bool:
         layout, ep = _layout(local_sizes), Comm.lookup(ep_comm)
         if not _symbolic(x):
             return x.new_empty(shapes.maybe_all_gather_and_maybe_unpad(x, layout, ep))
-        shape = shapes.maybe_all_gather_and_maybe_unpad(_traced(x), layout, ep)
+        mine = layout.local_sizes[ep.rank] if layout is not None and ep.rank < layout.ep_size else 1
+        shape = shapes.maybe_all_gather_and_maybe_unpad(_traced_rows(x, mine), layout, ep)
         # With a layout the output rows are its total; without one the rows
         # times the EP size, symbolically.
         rows = shape[0] if layout is not None else x.shape[0] * ep.world_size

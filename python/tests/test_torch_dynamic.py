@@ -266,3 +266,55 @@ def test_reduction_points_of_a_layer_keep_the_token_dimension_dynamic(name):
                 assert torch.equal(got, x + 1)
         finally:
             layer.close()
+
+
+def test_data_dependent_token_counts_trace():
+    """Token counts known only when the graph runs (`x[mask]`: an unbacked
+    size `u0`, no traced value): the fakes check the operands with sizes that
+    keep their relations (`2*u0` indices for `u0` tokens of top-2 probs, an SP
+    layout's rows), instead of one placeholder size per dimension that makes
+    consistent operands look inconsistent, and one graph gives the goldens."""
+    keep_rows = [0, 2, 3]  # rows whose first column is positive
+    y = torch.tensor([[1.0, 2.0, 0.5], [-1.0, 3.0, 1.5], [2.0, 5.0, -2.0], [3.0, 1.0, 4.0]])
+    s_np = y.numpy()[keep_rows]
+    t, k = len(keep_rows), 2
+
+    def selected(y):
+        return y[y[:, 0] > 0]
+
+    def unpermute(y):
+        s = selected(y)
+        permuted = torch.cat([s, s * 2.0])  # [2*u0, H]
+        idx = torch.arange(permuted.shape[0] - 1, -1, -1, dtype=torch.int32)  # reversed
+        probs = torch.full((s.shape[0], 2), 0.5) + torch.arange(2.0)  # [u0, 2]: 0.5, 1.5
+        return OPS.moe_token_unpermute(permuted, idx, probs)
+
+    def finalize(y):
+        s = selected(y)
+        ex = torch.cat([s, s * 3.0])  # [2*u0, H]
+        idx = torch.arange(ex.shape[0], dtype=torch.int32)
+        scales = torch.ones(s.shape[0], 2) * torch.tensor([1.0, 0.25])  # [u0, 2]
+        return OPS.moe_finalize_routing(ex, idx, None, None, None, scales, None, 2)
+
+    permuted = np.concatenate([s_np, s_np * 2.0])
+    probs = np.tile(np.array([[0.5, 1.5]], np.float32), (t, 1))
+    want_unpermute = unpermute_golden(permuted, np.arange(2 * t - 1, -1, -1).astype(np.int32), probs)
+    ex = np.concatenate([s_np, s_np * 3.0])
+    scales = np.tile(np.array([[1.0, 0.25]], np.float32), (t, 1))
+    want_finalize = finalize_golden(ex, np.arange(2 * t).astype(np.int32), None, None, None, scales, None, 2)
+
+    with am.Comm.cpu(_name("unbacked"), 1, 0) as c:
+        h = c.handle_id
+        cases = [
+            (unpermute, want_unpermute),
+            (finalize, want_finalize),
+            (lambda y: OPS.maybe_pad_and_reduce(selected(y), h, [t]), s_np),
+            (lambda y: OPS.maybe_all_gather_and_maybe_unpad(selected(y), h, [t]), s_np),
+            (lambda y: OPS.maybe_pad_and_reduce(torch.cat([selected(y)] * 2), h, [2 * t]), np.concatenate([s_np] * 2)),
+            (lambda y: OPS.reduce_scatter(torch.cat([selected(y)] * 2), h), np.concatenate([s_np] * 2)),
+        ]
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+            for i, (fn, want) in enumerate(cases):
+                got = _compile(fn)(y)
+                assert tuple(got.shape) == want.shape, i
+                assert_close(to_numpy(got), want, np.float32, f"data-dependent token count, case {i}")
