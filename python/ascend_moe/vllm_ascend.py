@@ -850,6 +850,10 @@ def _point_impl(x, point: int, layer: int):
 
 def _register_point_op():
     global _REDUCE_OP
+    # Made here (`install` calls this), before any trace: Dynamo cannot trace
+    # the call that makes it (`assume_constant_result` is on its skip list),
+    # so a first `_constant_layer` inside a compiled forward would break the graph.
+    _make_constant_layer()
     if _REDUCE_OP is not None:
         return _REDUCE_OP
     import torch
@@ -904,6 +908,11 @@ def _reduce_at(runner, point: int, x):
 
 
 def _constant_layer(runner, point):
+    return (_CONSTANT_LAYER or _make_constant_layer())(runner, point)
+
+
+def _make_constant_layer():
+    """`_point_layer` as Dynamo's `assume_constant_result`, made once."""
     global _CONSTANT_LAYER
     if _CONSTANT_LAYER is None:
         import torch
@@ -911,7 +920,7 @@ def _constant_layer(runner, point):
         # Dynamo evaluates it while tracing and keeps the int (the policy is
         # static); the ctypes calls inside are never traced.
         _CONSTANT_LAYER = torch._dynamo.assume_constant_result(_point_layer)
-    return _CONSTANT_LAYER(runner, point)
+    return _CONSTANT_LAYER
 
 
 _CONSTANT_LAYER = None

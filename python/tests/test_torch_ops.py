@@ -899,3 +899,57 @@ def test_vllm_reduce_point_gives_the_contiguous_output_its_fake_gives(vllm_engin
         assert got.is_contiguous() and got.stride() == fake.stride() == (3, 1), (point, got.stride())
         assert torch.equal(got, base.t() * (2 if reduced else 1)), point
         torch.library.opcheck(OPS.vllm_reduce_point.default, (x, point, lid))
+
+
+class _Runner:
+    """vLLM-Ascend's AscendMoERunner as the adapter reads it: TP-sharded
+    shared experts, no routed transform, no SP, TP 2 (the TP group given)."""
+
+    def __init__(self, tp_group):
+        from types import SimpleNamespace
+
+        from ascend_moe.vllm_ascend import SharedExpertParallelMode
+
+        self.moe_config = SimpleNamespace(tp_group=tp_group, ep_size=2, is_sequence_parallel=False)
+        self.ascend_shared_experts = object()
+        self.routed_output_transform = None
+        self._mode = SharedExpertParallelMode.TENSOR_PARALLEL
+
+    def _get_shared_expert_parallel_mode(self):
+        return self._mode
+
+
+def test_runner_reduction_points_compile_in_one_graph_on_the_first_forward(vllm_engine, monkeypatch):
+    """The adapter's runner methods, compiled with `fullgraph=True` on the
+    engine's first forward after `install()` (nothing ran eagerly before):
+    no graph break, and one graph takes the live comm type. Policy
+    tensor_parallel, TP 2 (SPEC section 5): under ALLGATHER the shared output
+    is folded into the final all-reduce, `2 (S + R)`; under MC2 / ALLTOALL it
+    is reduced alone and the routed output is complete, `2 S + R`. The
+    stand-in TP group holds the same tensor on both ranks."""
+    import ascend_moe.vllm_ascend as av
+
+    monkeypatch.setattr(av, "_CONSTANT_LAYER", None)  # a process whose first forward is traced
+    av._register_point_op()  # what install() runs
+    vllm_engine.tp = _BypassGroup(2, "tp")
+    runner = _Runner(vllm_engine.tp)
+
+    def forward(routed, shared):
+        s = av._maybe_reduce_shared_expert_output(runner, shared, False)
+        r, _ = av._routed_before_transform(runner, routed, False)
+        return av._maybe_reduce_final_output(runner, s + r, None)
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(forward, backend=backend, fullgraph=True, dynamic=True)
+    routed, shared = torch.full((4, 3), 1.0), torch.full((4, 3), 10.0)
+    for ct in (am.CommType.ALLGATHER, am.CommType.MC2, am.CommType.ALLTOALL, am.CommType.ALLGATHER):
+        vllm_engine.extra.moe_comm_type = int(ct)
+        want = 2 * (shared + routed) if ct == am.CommType.ALLGATHER else 2 * shared + routed
+        assert torch.equal(compiled(routed, shared), want), ct.name
+    assert len(graphs) == 1, len(graphs)
