@@ -295,10 +295,19 @@ def lend_out(arg: str, out) -> None:
     backward before the write fails that backward instead of giving a wrong
     gradient. A tensor that requires grad while grad mode is on is refused
     (`InvalidArgumentError` naming `arg`): autograd cannot record a write
-    done behind it. Anything that is no torch tensor is left as it is."""
+    done behind it. So is an inference tensor outside inference mode, which
+    torch refuses to update in place there (it has no version counter to
+    bump). Anything that is no torch tensor is left as it is."""
     if not _torch_tensor(out):
         return
     torch = sys.modules["torch"]
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`{arg}` is an inference tensor (made under torch.inference_mode()) and inference mode is off: "
+            "torch refuses to update it in place outside inference mode; call under torch.inference_mode(), "
+            f"or pass a clone of it as `{arg}`",
+        )
     if out.requires_grad and torch.is_grad_enabled():
         raise error(
             Status.INVALID_ARGUMENT,

@@ -953,3 +953,35 @@ def test_runner_reduction_points_compile_in_one_graph_on_the_first_forward(vllm_
         want = 2 * (shared + routed) if ct == am.CommType.ALLGATHER else 2 * shared + routed
         assert torch.equal(compiled(routed, shared), want), ct.name
     assert len(graphs) == 1, len(graphs)
+
+
+def test_out_tensors_made_in_inference_mode_are_written_only_in_inference_mode():
+    """torch refuses an in-place update of an inference tensor outside
+    `torch.inference_mode()` (it has no version counter). The library writes
+    a caller's `out` / `mc2_mask` through its data pointer, where torch
+    cannot check it, so the ops refuse such a tensor themselves, naming it,
+    before anything is written; inside inference mode it takes the result."""
+    x, idx = torch.arange(8, dtype=torch.float32).reshape(4, 2), torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    with am.Comm.cpu(f"torch-inf-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        ctx = am.MoeContext([4], 1, 0, 0, num_actual_tokens=3)
+        writes = {
+            "out": [
+                (lambda out: am.moe_token_unpermute(x, idx, out=out), x[idx.long()]),
+                (lambda out: am.all_reduce(x, c, out=out), x),  # one rank: the sum is x
+                (lambda out: am.broadcast(x, c, out=out), x),
+                (lambda out: am.ReducePolicy("none", False, False, 1, 1).reduce_final(x, "mc2", c, out=out), x),
+            ],
+            # MC2 mask: the first num_actual_tokens rows are real.
+            "mc2_mask": [(lambda m: am.token_prepare(x, "mc2", ctx, groups, mc2_mask=m), torch.tensor([True, True, True, False]))],
+        }
+        for arg, fns in writes.items():
+            for i, (write, want) in enumerate(fns):
+                with torch.inference_mode():
+                    target = torch.zeros(want.shape, dtype=want.dtype)
+                with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` is an inference tensor"):
+                    write(target)
+                assert not target.any(), f"{arg} {i}: written although refused"
+                with torch.inference_mode():
+                    target = torch.zeros(want.shape, dtype=want.dtype)
+                    write(target)
+                    assert torch.equal(target, want), f"{arg} {i}"
