@@ -566,16 +566,27 @@ def _gather_impl(x):
     return _own_result(_from_bytes(out, x.dtype) if as_bytes else out, x)
 
 
+def _trailing(x) -> tuple:
+    """`x`'s dims after the tokens as ints for the shape functions, a
+    symbolic one (a fake traced with dynamic shapes) at its traced size:
+    reading it adds no guard, so the graph keeps it symbolic. The fakes
+    give their outputs `x`'s own trailing dims, which the ops keep."""
+    from ._torch_ops import _traced_dim
+
+    return tuple(_traced_dim(d, 1) for d in x.shape[1:])
+
+
 def _gather_fake(x):
     layout, rows = _gather_plan(x)
     ep = _rank_and_size(_group("get_ep_group"))
-    rest = tuple(x.shape[1:])
+    rest = _trailing(x)
     if rows is not None:
-        return x.new_empty(_shapes.maybe_all_gather_and_maybe_unpad(((rows, *rest), _shape_dtype(x)), layout, ep))
+        shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *rest), _shape_dtype(x)), layout, ep)
+        return x.new_empty((shape[0], *x.shape[1:]))
     # A symbolic token count (no layout): the shape function on one row per
     # rank, its rows scaled symbolically.
-    shape = _shapes.maybe_all_gather_and_maybe_unpad(((1, *rest), _shape_dtype(x)), None, ep)
-    return x.new_empty((x.shape[0] * ep[1], *shape[1:]))
+    _shapes.maybe_all_gather_and_maybe_unpad(((1, *rest), _shape_dtype(x)), None, ep)
+    return x.new_empty((x.shape[0] * ep[1], *x.shape[1:]))
 
 
 def _reduce_plan(x):
@@ -628,7 +639,7 @@ def _reduce_shape(x, layout, pad_to) -> tuple:
     """The output shape of `maybe_pad_and_reduce(x)` (its token count None
     when symbolic without a layout), from the shape function."""
     ep = _rank_and_size(_group("get_ep_group"))
-    rest = tuple(x.shape[1:])
+    rest = _trailing(x)
     dtype = _summed_dtype(x)
     if layout is not None:
         # The output rows come from the layout; the input's are the gathered tokens.
@@ -647,8 +658,8 @@ def _reduce_fake(x):
     layout, pad_to = _reduce_plan(x)
     shape = _reduce_shape(x, layout, pad_to)
     if shape[0] is None:
-        return x.new_empty((x.shape[0] // _rank_and_size(_group("get_ep_group"))[1], *shape[1:]))
-    return x.new_empty(shape)
+        return x.new_empty((x.shape[0] // _rank_and_size(_group("get_ep_group"))[1], *x.shape[1:]))
+    return x.new_empty((shape[0], *x.shape[1:]))
 
 
 def _shape_dtype(x):
@@ -875,8 +886,8 @@ def _register_point_op():
         rows = _rows(x)
         # Identity; a symbolic token count stays symbolic (dtype and trailing
         # dims checked by the shape function on zero rows).
-        shape = _shapes.reduce_final(((0 if rows is None else rows, *x.shape[1:]), dtype))
-        return x.new_empty(x.shape if rows is None else shape)
+        shape = _shapes.reduce_final(((0 if rows is None else rows, *_trailing(x)), dtype))
+        return x.new_empty(x.shape if rows is None else (shape[0], *x.shape[1:]))
 
     _REDUCE_OP = vllm_reduce_point
     return _REDUCE_OP

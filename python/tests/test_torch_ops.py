@@ -985,3 +985,40 @@ def test_out_tensors_made_in_inference_mode_are_written_only_in_inference_mode()
                     target = torch.zeros(want.shape, dtype=want.dtype)
                     write(target)
                     assert torch.equal(target, want), f"{arg} {i}"
+
+
+def test_vllm_ops_keep_the_hidden_dims_dynamic(vllm_engine, monkeypatch):
+    """The adapter's ops under `torch.compile(fullgraph=True)` with dims 0 and
+    1 of the input marked dynamic, as the ascend_moe ops allow: a fake that
+    made the hidden size a constant fails to compile
+    (ConstraintViolationError). One graph serves [4, 3] and [6, 5]. EP and TP
+    groups of 2 whose ranks hold the same tensor: the gather is `[x; x]`, the
+    reduce-scatter rank 0's half of `2 x`, and point 3 of a tensor_parallel
+    TP 2 policy under ALLGATHER the all-reduce `2 x` (SPEC sections 3-5)."""
+    import ascend_moe.vllm_ascend as av
+
+    vllm_engine.ep, vllm_engine.tp = _BypassGroup(2, "ep"), _BypassGroup(2, "tp")
+    vllm_engine.extra.moe_comm_type = int(am.CommType.ALLGATHER)
+    av._register_point_op()
+    lid = max(av._POLICIES, default=0) + 1000
+    monkeypatch.setitem(av._POLICIES, lid, (am.ReducePolicy("tensor_parallel", False, False, 2, 2), None))
+    cases = {
+        "gather": (lambda x: torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x), lambda x: torch.cat([x, x])),
+        "reduce": (lambda x: torch.ops.vllm.maybe_pad_and_reduce(x), lambda x: (2 * x)[: x.shape[0] // 2]),
+        "point": (lambda x: OPS.vllm_reduce_point(x, 2, lid), lambda x: 2 * x),
+    }
+    for what, (op, golden) in cases.items():
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(lambda x: op(x) + 1, backend=backend, fullgraph=True)
+        for rows, hidden in ((4, 3), (6, 5)):
+            x = torch.arange(rows * hidden, dtype=torch.float32).reshape(rows, hidden)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert torch.equal(compiled(x), golden(x) + 1), (what, rows, hidden)
+        assert len(graphs) == 1, (what, len(graphs))
