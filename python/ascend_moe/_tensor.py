@@ -376,7 +376,19 @@ def _torch_host_empty(shape, dtype):
     raw = _pooled_bytes(math.prod(shape) * itemsize)
     if raw is None:
         return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(raw).view(dtype).reshape(shape)
+    return torch_over(raw, dtype, shape)
+
+
+def torch_over(a: np.ndarray, dtype, shape):
+    """A contiguous torch tensor of `dtype` and `shape` over the memory of the
+    C-contiguous array `a` (whose storage keeps `a` alive). It is no view
+    (`._base` is None), as a `torch.empty` output is not: autograd lets a
+    caller modify it in place as it lets any fresh output be, whichever
+    memory it lies on (`from_numpy(a).view(dtype)` would be a view of a
+    tensor of `a`'s dtype)."""
+    torch = sys.modules["torch"]
+    storage = torch.from_numpy(a.reshape(-1).view(_BYTES)).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
 
 def alloc(arg: str, shape, like: Desc):
@@ -527,11 +539,13 @@ _NO_GRADIENT = []
 
 
 def _no_gradient(result, inputs: list):
-    """`result` (a new torch tensor the op writes) as a view that autograd
-    links to `inputs` (`(arg, tensor)` pairs that require grad), whose
-    backward fails naming them: the ops have no gradient, and a result cut
-    off from its inputs would train on silently, as if they had none. The
-    torch custom ops behave the same way."""
+    """`result` (a new torch tensor the op writes) as a tensor over the same
+    memory that autograd links to `inputs` (`(arg, tensor)` pairs that
+    require grad), whose backward fails naming them: the ops have no
+    gradient, and a result cut off from its inputs would train on silently,
+    as if they had none. The torch custom ops behave the same way. It is no
+    view (`detach()`, not `view_as()`), so the caller may modify it in place
+    as any fresh output."""
     if not _NO_GRADIENT:
         torch = sys.modules["torch"]
 
@@ -539,7 +553,7 @@ def _no_gradient(result, inputs: list):
             @staticmethod
             def forward(ctx, names, out, *tensors):
                 ctx.names = names
-                return out.view_as(out)
+                return out.detach()
 
             @staticmethod
             def backward(ctx, *grads):

@@ -32,7 +32,7 @@ from . import comm as _comm
 from . import ops, shapes
 from ._enums import CommType, ReduceOp, Status
 from ._errors import error
-from ._tensor import dtype_code
+from ._tensor import dtype_code, torch_over
 from .comm import Comm
 from .ops import ReducePolicy
 
@@ -181,8 +181,7 @@ def _as_tensor(a, like: Tensor) -> Tensor:
         return a
     a = np.ascontiguousarray(a)
     if like.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-        bits = np.int16 if like.dtype == torch.bfloat16 else np.uint8
-        return torch.from_numpy(a.view(bits)).view(like.dtype)
+        return torch_over(a, like.dtype, a.shape)
     return torch.from_numpy(a)
 
 

@@ -6,6 +6,7 @@ the comm type at run time, and the collectives across 4 processes.
 Skipped only when torch is not importable outside CI; under CI (`$CI` set)
 a missing torch fails the run instead of skipping it."""
 
+import math
 import os
 import re
 import subprocess
@@ -1022,3 +1023,38 @@ def test_vllm_ops_keep_the_hidden_dims_dynamic(vllm_engine, monkeypatch):
             torch._dynamo.mark_dynamic(x, 1)
             assert torch.equal(compiled(x), golden(x) + 1), (what, rows, hidden)
         assert len(graphs) == 1, (what, len(graphs))
+
+
+def test_outputs_are_fresh_tensors_not_views_whatever_their_size():
+    """An op's output is a fresh tensor (`._base` None), as `torch.empty`
+    gives: small ones, large ones over the library's host pool (>= 1 MiB),
+    bfloat16 ones the experts of `moe_layer_fc` return as numpy, and the
+    Python API's result for an input that requires grad. Autograd refuses an
+    in-place update of a view made inside a custom Function, so a view there
+    made `y.add_(1)` fail for some sizes and dtypes only. The update gives
+    `x + 1` (one rank: the sum is x), and a backward still fails naming the op."""
+    with am.Comm.cpu(f"torch-fresh-{uuid.uuid4().hex[:8]}", 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        layer = am.MoeLayer(groups, c, 1, 0, 0, lambda h, mask, ct: h, am.ReducePolicy("none", False, False, 1, 1))
+        try:
+            calls = {
+                "small": (lambda x: OPS.all_reduce(x, c.handle_id), torch.float32, (4, 3)),
+                "pooled": (lambda x: OPS.all_reduce(x, c.handle_id), torch.float32, (4096, 64)),  # 1 MiB
+                "pooled bf16": (lambda x: OPS.all_gather(x, c.handle_id), torch.bfloat16, (8192, 64)),
+                "experts bf16": (lambda x: OPS.moe_layer_fc(x, layer.layer_id), torch.bfloat16, (4, 3)),
+                "api": (lambda x: am.all_reduce(x, c), torch.float32, (4, 3)),
+                "api pooled": (lambda x: am.all_reduce(x, c), torch.float32, (4096, 64)),
+            }
+            with am.forward_context(am.CommType.ALLTOALL, [4]):
+                for what, (op, dtype, shape) in calls.items():
+                    base = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape).remainder(7).to(dtype)
+                    y = op(base)
+                    assert y._base is None and torch.equal(y, base), what
+                    x = base.clone().requires_grad_()
+                    y = op(x)
+                    assert y._base is None and y.requires_grad, what
+                    y.add_(1)
+                    assert torch.equal(y.detach(), base + 1), what
+                    with pytest.raises(RuntimeError, match="no gradient"):
+                        y.sum().backward()
+        finally:
+            layer.close()
