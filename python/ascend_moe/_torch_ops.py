@@ -65,11 +65,27 @@ def custom_op(qualname: str, *, mutates_args):
         lib, name = _LIB[0], qualname.split("::", 1)[1]
         lib.define(name + _infer_schema()(fn, mutates_args=mutates_args))
         for key in DISPATCH_KEYS:
-            lib.impl(name, fn, key)
+            lib.impl(name, _dense(fn), key)
         lib.impl(name, _autograd_kernel(qualname), "Autograd")
         return _Op(lib, qualname)
 
     return define
+
+
+def _dense(fn):
+    """`fn` as a real kernel: its tensor arguments made contiguous first. The
+    fakes take any strides, as torch ops do; the library takes C-contiguous
+    memory, and refuses a non-contiguous NPU tensor (a CPU one the Python API
+    copies itself), so a graph traced on a slice or a transpose would fail
+    on the NPU when it runs. `contiguous()` returns a contiguous tensor as it
+    is, and copies on the tensor's device (on the NPU, on its current stream,
+    the one the op then runs on)."""
+
+    def kernel(*args, **kwargs):
+        args = [a.contiguous() if isinstance(a, Tensor) else a for a in args]
+        return fn(*args, **{k: v.contiguous() if isinstance(v, Tensor) else v for k, v in kwargs.items()})
+
+    return kernel
 
 
 def _infer_schema():

@@ -1058,3 +1058,42 @@ def test_outputs_are_fresh_tensors_not_views_whatever_their_size():
                         y.sum().backward()
         finally:
             layer.close()
+
+
+def test_real_kernels_hand_the_library_contiguous_tensors(monkeypatch):
+    """The fakes take inputs of any strides, as torch ops do, so a graph
+    traced on a slice or a transpose calls the real kernel with it. The
+    library takes C-contiguous memory: the Python API copies a non-contiguous
+    CPU input itself but refuses a non-contiguous NPU tensor, so the real
+    kernels (CPU and PrivateUse1 alike) make their tensor operands contiguous
+    before they reach the Python API. Recorded here at the Python API, with
+    the results checked against torch's own indexing (one rank: a collective
+    is the identity)."""
+    from ascend_moe import comm as amcomm
+    from ascend_moe import ops as amops
+
+    seen = []
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            seen.extend(a.is_contiguous() for a in args if isinstance(a, torch.Tensor))
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(amops, "moe_token_unpermute", recording(amops.moe_token_unpermute))
+    monkeypatch.setattr(amops, "moe_finalize_routing", recording(amops.moe_finalize_routing))
+    monkeypatch.setattr(amcomm, "all_gather", recording(amcomm.all_gather))
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2]  # [4, 3], strides (6, 2)
+    idx = torch.tensor([3, 1, 0, 2], dtype=torch.int32)
+    scales = torch.ones(2, 4)[0].reshape(4, 1).expand(4, 1)
+    probs = torch.ones(4, 2)[:, :1]  # [4, 1], strides (2, 1)
+    with am.Comm.cpu(f"torch-dense-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        results = [
+            (OPS.moe_token_unpermute(x, idx, probs), x[idx.long()]),
+            (OPS.moe_finalize_routing(x.t().contiguous().t(), idx, x, None, None, scales, None, 2), x[idx.long()] + x),
+            (OPS.all_gather(x.t(), c.handle_id), x.t()),
+        ]
+    for i, (got, want) in enumerate(results):
+        assert torch.equal(got, want), i
+    assert len(seen) >= 7 and all(seen), seen
