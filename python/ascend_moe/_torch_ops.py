@@ -504,7 +504,11 @@ def register() -> bool:
         # The layer returns this rank's tokens, the rows it takes: the shapes
         # are checked on the traced ones, the output keeps the symbolic rows
         # (the real op refuses rows the live context does not give this rank).
-        prepared = token_prepare_shape(_traced(x), ctx.comm_type, mctx)
+        # Data-dependent rows are checked at the count the context gives this
+        # rank: its DP rank's tokens, split over TP with SP (SPEC section 2).
+        tokens = ctx.dp_tokens[lay.dp_rank] if lay.dp_rank < len(ctx.dp_tokens) else 1
+        mine = -(-tokens // lay.tp_size) if ctx.sp else tokens
+        prepared = token_prepare_shape(_traced_rows(x, mine), ctx.comm_type, mctx)
         token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx)
         return x.new_empty(x.shape)
 

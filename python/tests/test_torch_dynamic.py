@@ -318,3 +318,29 @@ def test_data_dependent_token_counts_trace():
                 got = _compile(fn)(y)
                 assert tuple(got.shape) == want.shape, i
                 assert_close(to_numpy(got), want, np.float32, f"data-dependent token count, case {i}")
+
+
+def test_moe_layer_fc_traces_a_data_dependent_token_count():
+    """`moe_layer_fc` on tokens selected by a mask (an unbacked row count):
+    the fake checks them at the count the forward context gives this rank
+    (its DP tokens, over TP with SP), not at a placeholder row count the
+    context refuses; one rank, experts `2 h`, under every comm type, with and
+    without SP. A context that gives this rank another count fails when the
+    op runs."""
+    y = torch.tensor([[1.0, 2.0], [-1.0, 3.0], [2.0, 5.0], [3.0, 1.0]])
+    want = 2 * y[[0, 2, 3]]
+    with am.Comm.cpu(_name("fc-unbacked"), 1, 0) as c, am.MoeGroups(c, 1) as groups:
+        layer = _one_rank_layer(c, groups)
+        lid = layer.layer_id
+        try:
+            with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+                compiled = _compile(lambda y: OPS.moe_layer_fc(y[y[:, 0] > 0], lid))
+                for sp in (False, True):
+                    for ct in am.CommType:
+                        with am.forward_context(ct, [3], sp=sp):
+                            assert torch.equal(compiled(y), want), (sp, ct)
+                with am.forward_context(am.CommType.MC2, [4]):
+                    with pytest.raises(am.ShapeError):
+                        compiled(y)
+        finally:
+            layer.close()
