@@ -528,15 +528,22 @@ def _gather_plan(x):
 
 def _own_result(out, x):
     """`out` as the result of an op declared functional over input `x`: a
-    contiguous tensor (the layout the fakes give) sharing no memory with `x`,
-    copied when it is not. vLLM's group collectives return their input
-    itself on a group of one rank (`GroupCoordinator.all_gather`,
+    contiguous tensor at storage offset 0 (the layout the fakes give)
+    sharing no memory with `x`, copied when it is not, and no view (a slice
+    of a fresh tensor, such as the first rows of a reduce-scatter, is
+    detached from it: autograd refuses an in-place update of a view made
+    inside the ops' NoGradient Function). vLLM's group collectives return
+    their input itself on a group of one rank (`GroupCoordinator.all_gather`,
     `.reduce_scatter`, `.all_reduce`), and `clone()` keeps a non-contiguous
     input's strides."""
     import torch
 
-    if out.is_contiguous() and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
-        return out
+    if (
+        out.is_contiguous()
+        and out.storage_offset() == 0
+        and out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    ):
+        return out.detach() if out._is_view() else out
     return out.clone(memory_format=torch.contiguous_format)
 
 

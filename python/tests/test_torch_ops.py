@@ -1097,3 +1097,24 @@ def test_real_kernels_hand_the_library_contiguous_tensors(monkeypatch):
     for i, (got, want) in enumerate(results):
         assert torch.equal(got, want), i
     assert len(seen) >= 7 and all(seen), seen
+
+
+def test_vllm_pad_and_reduce_output_takes_an_in_place_update(vllm_engine):
+    """`torch.ops.vllm.maybe_pad_and_reduce` with an SP layout over the
+    group's own collectives keeps the first `local_sizes[rank]` rows of the
+    reduce-scatter: a fresh tensor, not a view of the scattered block, so an
+    input that requires grad still leaves an output the caller may update in
+    place (autograd refuses that for a view made inside a custom Function).
+    EP 2, layout [3, 1], both ranks holding x (SPEC section 3): rank 0 gets
+    `2 x[:3]`."""
+    from test_vllm_diff import DPMetadata
+
+    vllm_engine.ep = _BypassGroup(2, "ep")
+    vllm_engine.ctx.dp_metadata = DPMetadata([4], [3, 1])
+    x = torch.arange(8, dtype=torch.float32).reshape(4, 2).requires_grad_()
+    y = torch.ops.vllm.maybe_pad_and_reduce(x)
+    assert y._base is None and y.requires_grad
+    y.add_(1)
+    assert torch.equal(y.detach(), 2 * x.detach()[:3] + 1)
+    with pytest.raises(RuntimeError, match="no gradient"):
+        y.sum().backward()
