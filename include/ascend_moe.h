@@ -1236,14 +1236,15 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
 // will therefore not make, to the peers (for a binding that checks
 // arguments before it calls the library). The peers' first collective is
 // the comm-type agreement over the EP group where that check is on (a CPU
-// communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`; prepare only), else
-// the first collective of the token plan: a CPU group joins it as a
-// refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
-// quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
-// peer communicates (an MC2 or ALLTOALL prepare without the check, a local
-// finalize), or, outside the agreement, when `groups` do not match `ctx`
-// (OK). An unknown `comm_type` or a NULL or malformed `ctx` is sent through
-// the agreement where it is on (prepare), else returned as the error it is.
+// communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`; prepare and
+// finalize), else the first collective of the token plan: a CPU group joins
+// it as a refusal, so each peer fails at once with
+// `AMOE_STATUS_COMM_MISMATCH` quoting `message`, and this returns OK.
+// Nothing is sent on HCCL, where no peer communicates (an MC2 or ALLTOALL
+// prepare without the check, a local finalize), or, outside the agreement,
+// when `groups` do not match `ctx` (OK). An unknown `comm_type` or a NULL or
+// malformed `ctx` is sent through the agreement where it is on, else
+// returned as the error it is.
 //
 // # Safety
 // `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.

@@ -1,8 +1,9 @@
 //! SPEC section 5: every EP rank of a forward must agree on the MoE comm type.
 //! When DP ranks disagree (vLLM-Ascend #12195: DP 0 picks ALLGATHER, DP 1 MC2),
-//! the prepare op fails on every rank with an error naming which ranks chose
-//! which type, instead of an unrelated collective error on some ranks and
-//! success on others.
+//! the prepare op (and so does finalize, when the ranks finalize with
+//! different comm types) fails on every rank with an error naming which
+//! ranks chose which type, instead of an unrelated collective error on some
+//! ranks and success on others.
 
 use ascend_moe::moe::prepare_finalize::*;
 use ascend_moe::ranks::run_ranks;
@@ -108,6 +109,31 @@ fn agreeing_ranks_prepare_the_rows_of_spec_section_6() {
             let (want, want_mask) = expected(ct, rank / TP, rank % TP);
             assert_eq!(hidden, want, "{ct:?} rank {rank}: prepared rows");
             assert_eq!(mask, want_mask, "{ct:?} rank {rank}: mc2 mask");
+        }
+    }
+}
+
+#[test]
+fn ranks_finalizing_with_different_comm_types_fail_on_every_rank_naming_the_choice() {
+    // DP 1 x TP 2, 4 tokens: MC2 and ALLTOALL both give each TP rank 2
+    // prepared rows and both finalize with a TP all-gather of 2 + 2 rows; DP
+    // 1 x TP 2, 1 token: ALLGATHER finalizes its 1 row over a DP group of one
+    // (no peer), MC2 all-gathers 1 row per TP rank.
+    for (tokens, rows, choice) in
+        [(4, 2, [CommType::Mc2, CommType::AllToAll]), (1, 1, [CommType::AllGather, CommType::Mc2])]
+    {
+        let got = run_ranks(2, &opts(), |rank, comm| {
+            let ctx = MoeContext::new(&[tokens], 2, 0, rank, false)?;
+            let groups = MoeGroups::from_world(&comm, 2)?;
+            let y = Tensor::from_slice(&vec![1.0f32; rows * H], &[rows, H])?;
+            Ok(finalize(y, choice[rank], &ctx, &groups).map(|_| ()).map_err(|e| e.to_string()))
+        })
+        .unwrap();
+        let names = [choice[0], choice[1]].map(|c| c.name());
+        for (rank, r) in got.iter().enumerate() {
+            let e = r.as_ref().expect_err(&format!("rank {rank} must fail ({names:?})"));
+            let want = [format!("rank 0 chose {}", names[0]), format!("rank 1 chose {}", names[1])];
+            assert!(e.contains("comm type") && want.iter().all(|w| e.contains(w.as_str())), "rank {rank}: {e}");
         }
     }
 }

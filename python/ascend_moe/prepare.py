@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import sys
 from ctypes import c_void_p
@@ -171,20 +170,12 @@ def _refusing(comm_type, ctx, g, finalize: bool):
     """The argument checks of token prepare (or finalize): one that fails is
     reported to the peers waiting in the op's first collective
     (`amoe_token_refuse`) before it is raised. Without a comm type or a
-    context, a prepare's peers still wait in the comm-type agreement where
-    that check is on (the library sends it there); a finalize's cannot be
-    told, and nothing is sent."""
-    if finalize:
-        c = shapes._context_ptr(ctx)
-        try:
-            ct = comm_type_code(comm_type)
-        except (AmoeError, TypeError, ValueError):
-            return contextlib.nullcontext()
-    else:
-        try:
-            c, ct = shapes._context_ptr(ctx), comm_type_code(comm_type)
-        except (AmoeError, TypeError, ValueError):
-            c, ct = None, _NO_COMM_TYPE
+    context, the peers still wait in the comm-type agreement where that
+    check is on (the library sends it there)."""
+    try:
+        c, ct = shapes._context_ptr(ctx), comm_type_code(comm_type)
+    except (AmoeError, TypeError, ValueError):
+        c, ct = None, _NO_COMM_TYPE
     return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message))
 
 

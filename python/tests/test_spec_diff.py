@@ -328,3 +328,26 @@ def test_sp_allgather_prepare_fails_every_rank_when_dp_token_counts_disagree():
             return am.token_prepare(np.ones((dp[r][r], 2), F32), CT.ALLGATHER, ctx, g)[0]
 
     assert_every_rank_fails(run_threads(body, 2), naming="ranks disagree")
+
+
+@pytest.mark.parametrize("cts,dp_tokens,tp", [((CT.ALLGATHER, CT.MC2), [1], 2), ((CT.MC2, CT.ALLTOALL), [4], 2), ((CT.MC2, CT.ALLGATHER), [1, 1], 1)])
+def test_token_finalize_fails_every_rank_when_the_ranks_disagree_on_the_comm_type(cts, dp_tokens, tp):
+    """Section 5: all EP ranks of a forward agree on the comm type, and a
+    disagreement is an error on every rank naming the choices. Every rank
+    prepares with MC2, then the ranks finalize with different comm types
+    whose plans take the same expert-output rows (DP 1 x TP 2 with 1 token:
+    ALLGATHER keeps the 1 DP-gathered row, MC2 all-gathers 1 row per TP rank;
+    4 tokens: MC2 and ALLTOALL both split 2 + 2; DP 2 x TP 1: ALLGATHER's
+    reduce-scatter and MC2's local copy). Without a check one rank returns
+    while its peer waits in a collective the other never joins, or both
+    return from different paths."""
+
+    def body(c, r):
+        d, t = divmod(r, tp)
+        with am.MoeGroups(c, tp) as g:
+            ctx = am.MoeContext(dp_tokens, tp, d, t)
+            h, _ = am.token_prepare(np.ones((dp_tokens[d], 2), F32), CT.MC2, ctx, g)
+            rows = {CT.ALLGATHER: len(dp_tokens) * max(dp_tokens)}.get(cts[r], len(h))
+            return am.token_finalize(np.ones((rows, 2), F32), cts[r], ctx, g)
+
+    assert_every_rank_fails(run_threads(body, len(dp_tokens) * tp), naming="disagree on the MoE comm type")

@@ -340,14 +340,15 @@ pub unsafe extern "C" fn amoe_token_prepare(
 /// will therefore not make, to the peers (for a binding that checks
 /// arguments before it calls the library). The peers' first collective is
 /// the comm-type agreement over the EP group where that check is on (a CPU
-/// communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`; prepare only), else
-/// the first collective of the token plan: a CPU group joins it as a
-/// refusal, so each peer fails at once with `AMOE_STATUS_COMM_MISMATCH`
-/// quoting `message`, and this returns OK. Nothing is sent on HCCL, where no
-/// peer communicates (an MC2 or ALLTOALL prepare without the check, a local
-/// finalize), or, outside the agreement, when `groups` do not match `ctx`
-/// (OK). An unknown `comm_type` or a NULL or malformed `ctx` is sent through
-/// the agreement where it is on (prepare), else returned as the error it is.
+/// communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`; prepare and
+/// finalize), else the first collective of the token plan: a CPU group joins
+/// it as a refusal, so each peer fails at once with
+/// `AMOE_STATUS_COMM_MISMATCH` quoting `message`, and this returns OK.
+/// Nothing is sent on HCCL, where no peer communicates (an MC2 or ALLTOALL
+/// prepare without the check, a local finalize), or, outside the agreement,
+/// when `groups` do not match `ctx` (OK). An unknown `comm_type` or a NULL or
+/// malformed `ctx` is sent through the agreement where it is on, else
+/// returned as the error it is.
 ///
 /// # Safety
 /// `ctx` valid; `groups` live; `message` a NUL-terminated UTF-8 string.
@@ -365,9 +366,10 @@ pub unsafe extern "C" fn amoe_token_refuse(
         let stage = if flag(finalize) { pf::Stage::Finalize } else { pf::Stage::Prepare };
         match (|| Ok::<_, Failure>((context(F, ctx)?, CommType::from_u32(comm_type)?)))() {
             Ok((c, ct)) => send_refusal(F, message, |e| pf::refuse_first(stage, ct, &c, g, DType::U8, e)),
-            // The peers of a prepare wait in the comm-type agreement where it
-            // is on, whatever this rank's comm type or context would be.
-            Err(_) if stage == pf::Stage::Prepare && pf::comm_type_check_enabled(&g.ep) => {
+            // The peers of a prepare or finalize wait in the comm-type
+            // agreement where it is on, whatever this rank's comm type or
+            // context would be.
+            Err(_) if pf::comm_type_check_enabled(&g.ep) => {
                 send_refusal(F, message, |e| pf::refuse_unread_prepare(g, DType::U8, e))
             }
             Err(failure) => Err(failure),
@@ -413,10 +415,16 @@ pub unsafe extern "C" fn amoe_token_finalize(
     const F: &str = "amoe_token_finalize";
     ffi!(F, {
         let cx = &Call::new(F, stream);
-        let c = context(F, ctx)?;
         let g = try_handle(F, "groups", groups)?;
-        let ct = CommType::from_u32(comm_type)?;
-        cx.guard(ct, Some(&c), false)?;
+        // Without a comm type or context this rank cannot plan; its peers
+        // still wait in the comm-type agreement where that check is on.
+        let read = (|| {
+            let c = context(F, ctx)?;
+            let ct = CommType::from_u32(comm_type)?;
+            cx.guard(ct, Some(&c), false)?;
+            Ok((c, ct))
+        })();
+        let (c, ct) = refusing(read, |e| pf::refuse_unread_prepare(g, DType::U8, e))?;
         let checked = (|| {
             let yt = cx.input("y", y)?;
             let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;

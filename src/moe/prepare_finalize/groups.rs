@@ -140,13 +140,13 @@ pub(super) fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) ->
     Ok(())
 }
 
-/// Whether [`prepare`](super::prepare()) and the reduction points check that
-/// every rank of their group chose the same comm type: always on the CPU
-/// communicator; on the NPU only with `ASCEND_MOE_CHECK_COMM_TYPE=1` (there
-/// the check is an extra collective, a small copy and a guard launch per call,
-/// compared on the device and reported by the stream check: it never
-/// synchronises and can be captured). `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it
-/// off everywhere.
+/// Whether [`prepare`](super::prepare()), [`finalize`](super::finalize()) and
+/// the reduction points check that every rank of their group chose the same
+/// comm type: always on the CPU communicator; on the NPU only with
+/// `ASCEND_MOE_CHECK_COMM_TYPE=1` (there the check is an extra collective, a
+/// small copy and a guard launch per call, compared on the device and
+/// reported by the stream check: it never synchronises and can be captured).
+/// `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it off everywhere.
 pub(crate) fn comm_type_check_enabled<C: Collectives + ?Sized>(group: &C) -> bool {
     match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
         Some("0") => false,

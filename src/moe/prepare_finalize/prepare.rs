@@ -1,6 +1,6 @@
 //! Prepare and finalize of the token dimension (SPEC section 6).
 
-use super::groups::{check_comm_type_agreement, check_groups, comm_type_check_enabled, MoeGroups};
+use super::groups::{check_comm_type_agreement, check_groups, comm_type_agreement, comm_type_check_enabled, MoeGroups};
 use super::plan::{
     finalize_output_shape, mc2_mask_extent, prepare_output_shape, token_plan, try_mc2_mask, MoeContext, TokenPlan,
 };
@@ -152,8 +152,8 @@ pub(crate) enum Stage {
 /// Reports `error`, found in this rank's own arguments (the tokens, the
 /// output) before `stage` for `comm` communicated, to the peers through the
 /// collective they make first ([`Collectives::refuse_call`]): the comm-type
-/// agreement of prepare where the check is on, else the first collective of
-/// the token plan. A CPU group then fails on every rank at once, naming
+/// agreement (of prepare and of finalize) where the check is on, else the
+/// first collective of the token plan. A CPU group then fails on every rank at once, naming
 /// this rank's argument, instead of its peers waiting out the timeout. The
 /// error is returned as it is where nobody waits for this rank or it cannot
 /// tell where they wait: a plan in which the peers move no row (an MC2 or
@@ -172,7 +172,7 @@ pub(crate) fn refuse_first(
     // The agreement is over the EP group whatever the context says (a stale
     // context is one of the errors reported here); the plan's groups are
     // the context's.
-    if prepare && comm_type_check_enabled(&groups.ep) {
+    if comm_type_check_enabled(&groups.ep) {
         return refuse_unread_prepare(groups, dtype, error);
     }
     let first = if check_groups(PREPARE, ctx, groups).is_err() {
@@ -193,17 +193,30 @@ pub(crate) fn refuse_first(
     }
 }
 
-/// [`refuse_first`] for a prepare whose comm type or context this rank could
-/// not read (an unknown comm type, a NULL or malformed context): the peers'
-/// first collective is the comm-type agreement over the EP group where that
-/// check is on, whatever their plan; elsewhere it cannot be told, and
-/// `error` is returned as it is.
+/// [`refuse_first`] for a prepare or finalize whose comm type or context this
+/// rank could not read (an unknown comm type, a NULL or malformed context):
+/// the peers' first collective is the comm-type agreement over the EP group
+/// where that check is on, whatever their plan; elsewhere it cannot be told,
+/// and `error` is returned as it is.
 pub(crate) fn refuse_unread_prepare(groups: &MoeGroups, dtype: DType, error: Error) -> Error {
     if comm_type_check_enabled(&groups.ep) {
         groups.ep.refuse_call(Call::AllGather, dtype, error)
     } else {
         error
     }
+}
+
+/// Where the check is on ([`comm_type_check_enabled`]), every EP rank
+/// learns every other rank's comm type before finalize moves a row, as in
+/// [`prepare`]: ranks that finalize with different comm types (SPEC
+/// section 5) all fail naming the choices, instead of one returning from a
+/// path its peers never join (a local copy, a DP group of one) while they
+/// wait in another, or two paths that take the same rows both returning.
+fn agree_before_finalize(comm: CommType, groups: &MoeGroups) -> Result<()> {
+    if comm_type_check_enabled(&groups.ep) {
+        comm_type_agreement(FINALIZE, "EP", comm, &groups.ep)?;
+    }
+    Ok(())
 }
 
 /// Copies every row of `src` into `dst` (same shape).
@@ -219,8 +232,9 @@ fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
 /// `y` itself where the path is the identity).
 pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Tensor> {
     let shape = finalize_output_shape(y.shape(), comm, ctx)
+        .and_then(|shape| check_groups(FINALIZE, ctx, groups).map(|_| shape))
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
-    check_groups(FINALIZE, ctx, groups)?;
+    agree_before_finalize(comm, groups)?;
     let device = y.device();
     let backend = device.backend();
     let keep = |full: Tensor| -> Result<Tensor> {
@@ -276,8 +290,8 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
 pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups, out: &mut Tensor) -> Result<()> {
     let shape = finalize_output_shape(y.shape(), comm, ctx)
         .and_then(|shape| check_out_like(FINALIZE, y, out, &shape).map(|_| shape))
+        .and_then(|shape| check_groups(FINALIZE, ctx, groups).map(|_| shape))
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
-    check_groups(FINALIZE, ctx, groups)?;
     let device = y.device();
     let backend = device.backend();
     if crate::moe::output::overlaps(y, out) {
@@ -289,6 +303,7 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
         }
         return finalize_into(&copy, comm, ctx, groups, out);
     }
+    agree_before_finalize(comm, groups)?;
     // The first `out.rows()` rows of `full` into `out`.
     let keep = |full: &Tensor, out: &mut Tensor| -> Result<()> {
         if out.numel() > 0 {
