@@ -40,10 +40,11 @@ fn moe_benchmarks_run() {
 }
 
 /// The `spec` section prints a row per SPEC op and per regression it covers,
-/// and every one passes, on 1 rank (where nothing reduces) and on 2 ranks.
+/// and every one passes, on 1 rank (where nothing reduces), on 2 ranks and on
+/// 3 (a world that divides no power-of-two token count).
 #[test]
 fn check_spec_section_has_a_row_per_op_and_regression() {
-    for world in ["1", "2"] {
+    for world in ["1", "2", "3"] {
         let o = Command::new(EXE).args(["check", "--world", world, "--section", "spec"]).output().expect("run check");
         let out = String::from_utf8_lossy(&o.stdout);
         assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));

@@ -332,12 +332,14 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
 
     // Regression (bug class 1): a draft / MTP model's finalize returns the
     // local shard (4096 tokens over TP 4: 1024 rows), never the global layout.
+    // Its input holds the batch padded to a multiple of TP (section 3:
+    // `sum(local_sizes)` rows, 4098 over TP 3).
     for dtype in DType::FLOATS {
         let r = (|| -> Check {
             let l = SpLayout::from_dp_tokens(&[4096], w).map_err(err)?;
-            let x = Tensor::zeros_cpu(&[4096, 2], dtype);
+            let x = Tensor::zeros_cpu(&[l.total_rows(), 2], dtype);
             let out = moe::maybe_pad_and_reduce(&x, Some(&l), comm).map_err(err)?;
-            let meta = moe::maybe_pad_and_reduce_output_shape(&[4096, 2], Some(&l), me, w).map_err(err)?;
+            let meta = moe::maybe_pad_and_reduce_output_shape(x.shape(), Some(&l), me, w).map_err(err)?;
             if out.rows() != 4096_usize.div_ceil(w) || out.shape() != meta.as_slice() {
                 return Err(format!("{} rows, meta {:?}, want {}", out.rows(), meta, 4096_usize.div_ceil(w)));
             }
