@@ -204,9 +204,10 @@ def _mask_desc(mask) -> Desc:
 def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
     """The experts' output `y` back in this rank's token layout, in `out`
     (default a new one where `y` lives)."""
-    g, c = handle_of("groups", groups, MoeGroups), shapes._context_ptr(ctx)
+    g = handle_of("groups", groups, MoeGroups)
     o = Operands(stream)
     with _refusing(comm_type, ctx, g, finalize=True):
+        c = shapes._context_ptr(ctx)
         d = o.input("y", y)
         r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
     call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, o.stream)

@@ -253,9 +253,23 @@ def _token_prepare_without(what):
     return body
 
 
+def _token_finalize_without(what):
+    """Token finalize (ALLGATHER, DP 2 x TP 1), rank `BAD` with no comm type
+    or no context: its peers wait in the comm-type agreement."""
+
+    def body(c, r):
+        with am.MoeGroups(c, 1) as g:
+            ctx = am.MoeContext([2, 2], 1, r, 0, False)
+            ct = _bad(r, am.CommType.ALLGATHER, "BROADCAST") if what == "comm_type" else am.CommType.ALLGATHER
+            return am.token_finalize(np.ones((4, 4), F32), ct, _bad(r, ctx, None) if what == "ctx" else ctx, g)
+
+    return body
+
+
 @pytest.mark.parametrize("what,naming", [("comm_type", "BROADCAST"), ("ctx", "`ctx`")])
-def test_token_prepare_without_a_comm_type_or_context_on_one_rank_fails_every_rank_at_once(what, naming):
-    assert_refused_everywhere(run_with_one_bad_rank(_token_prepare_without(what)), naming, naming)
+@pytest.mark.parametrize("op", [_token_prepare_without, _token_finalize_without], ids=["prepare", "finalize"])
+def test_token_op_without_a_comm_type_or_context_on_one_rank_fails_every_rank_at_once(op, what, naming):
+    assert_refused_everywhere(run_with_one_bad_rank(op(what)), naming, naming)
 
 
 def _layer_whose_experts_return_float16_on_one_rank(c, r):

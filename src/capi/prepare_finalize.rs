@@ -288,7 +288,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
             cx.guard(ct, Some(&c), writes_mask)?;
             Ok((c, ct))
         })();
-        let (c, ct) = refusing(read, |e| pf::refuse_unread_prepare(g, DType::U8, e))?;
+        let (c, ct) = refusing(read, |e| pf::refuse_unread(g, DType::U8, e))?;
         let checked = (|| {
             let x = cx.input("x", x)?;
             let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
@@ -370,7 +370,7 @@ pub unsafe extern "C" fn amoe_token_refuse(
             // agreement where it is on, whatever this rank's comm type or
             // context would be.
             Err(_) if pf::comm_type_check_enabled(&g.ep) => {
-                send_refusal(F, message, |e| pf::refuse_unread_prepare(g, DType::U8, e))
+                send_refusal(F, message, |e| pf::refuse_unread(g, DType::U8, e))
             }
             Err(failure) => Err(failure),
         }
@@ -424,7 +424,7 @@ pub unsafe extern "C" fn amoe_token_finalize(
             cx.guard(ct, Some(&c), false)?;
             Ok((c, ct))
         })();
-        let (c, ct) = refusing(read, |e| pf::refuse_unread_prepare(g, DType::U8, e))?;
+        let (c, ct) = refusing(read, |e| pf::refuse_unread(g, DType::U8, e))?;
         let checked = (|| {
             let yt = cx.input("y", y)?;
             let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;

@@ -27,4 +27,4 @@ pub use plan::{
     finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
 };
 pub use prepare::{finalize, finalize_into, mc2_mask_into, prepare, prepare_into, prepare_tokens_into, Prepared};
-pub(crate) use prepare::{refuse_first, refuse_unread_prepare, Stage};
+pub(crate) use prepare::{refuse_first, refuse_unread, Stage};

@@ -153,12 +153,12 @@ pub(crate) enum Stage {
 /// output) before `stage` for `comm` communicated, to the peers through the
 /// collective they make first ([`Collectives::refuse_call`]): the comm-type
 /// agreement (of prepare and of finalize) where the check is on, else the
-/// first collective of the token plan. A CPU group then fails on every rank at once, naming
-/// this rank's argument, instead of its peers waiting out the timeout. The
-/// error is returned as it is where nobody waits for this rank or it cannot
-/// tell where they wait: a plan in which the peers move no row (an MC2 or
-/// ALLTOALL prepare without the check, a local finalize), or, outside the
-/// agreement, groups that do not match the context.
+/// first collective of the token plan. A CPU group then fails on every rank
+/// at once, naming this rank's argument, instead of its peers waiting out
+/// the timeout. The error is returned as it is where nobody waits for this
+/// rank or it cannot tell where they wait: a plan in which the peers move no
+/// row (an MC2 or ALLTOALL prepare without the check, a local finalize), or,
+/// outside the agreement, groups that do not match the context.
 pub(crate) fn refuse_first(
     stage: Stage,
     comm: CommType,
@@ -173,7 +173,7 @@ pub(crate) fn refuse_first(
     // context is one of the errors reported here); the plan's groups are
     // the context's.
     if comm_type_check_enabled(&groups.ep) {
-        return refuse_unread_prepare(groups, dtype, error);
+        return refuse_unread(groups, dtype, error);
     }
     let first = if check_groups(PREPARE, ctx, groups).is_err() {
         None
@@ -198,7 +198,7 @@ pub(crate) fn refuse_first(
 /// the peers' first collective is the comm-type agreement over the EP group
 /// where that check is on, whatever their plan; elsewhere it cannot be told,
 /// and `error` is returned as it is.
-pub(crate) fn refuse_unread_prepare(groups: &MoeGroups, dtype: DType, error: Error) -> Error {
+pub(crate) fn refuse_unread(groups: &MoeGroups, dtype: DType, error: Error) -> Error {
     if comm_type_check_enabled(&groups.ep) {
         groups.ep.refuse_call(Call::AllGather, dtype, error)
     } else {
