@@ -806,39 +806,11 @@ class _BypassGroup:
 def vllm_engine(monkeypatch):
     """The adapter installed over stand-in vLLM-Ascend modules whose groups
     are `_BypassGroup`s taken through their own collectives."""
-    import types
-    from types import SimpleNamespace
+    import vllm_standins
 
-    import ascend_moe.vllm_ascend as av
-
-    st = SimpleNamespace(
-        ctx=SimpleNamespace(dp_metadata=None),
-        extra=SimpleNamespace(padded_length=None, padded_num_tokens=None, moe_comm_type=None),
-        ep=_BypassGroup(1, "ep"),
-        dp=_BypassGroup(1, "dp"),
-        tp=_BypassGroup(1, "tp"),
-    )
-    ops_mod = types.ModuleType(av.OPS_MODULE)
-    ops_mod.get_forward_context = lambda: st.ctx
-    ops_mod.get_ep_group = lambda: st.ep
-    ops_mod.get_dp_group = lambda: st.dp
-    ops_mod.get_tp_group = lambda: st.tp
-    ops_mod._EXTRA_CTX = st.extra
-    runner_mod = types.ModuleType(av.RUNNER_MODULE)
-    runner_mod.get_tp_group = lambda: st.tp
-    runner_mod._EXTRA_CTX = st.extra
-    runner_mod.AscendMoERunner = type("AscendMoERunner", (), {})
-    monkeypatch.setitem(sys.modules, av.OPS_MODULE, ops_mod)
-    monkeypatch.setitem(sys.modules, av.RUNNER_MODULE, runner_mod)
-    monkeypatch.setenv("ASCEND_MOE_VLLM_CPU_COMM", "group")
-    av.uninstall()
-    av._BACKENDS.clear()
-    av.install()
-    try:
+    groups = (_BypassGroup(1, "ep"), _BypassGroup(1, "dp"), _BypassGroup(1, "tp"))
+    with vllm_standins.adapter_over_modules(monkeypatch, *groups) as st:
         yield st
-    finally:
-        av.uninstall()
-        av._BACKENDS.clear()
 
 
 def _shares_memory(a, b) -> bool:

@@ -8,8 +8,6 @@ at 182b75e and SPEC.md, not from the adapter."""
 
 import enum
 import math
-import sys
-import types
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +22,7 @@ require("vLLM-Ascend adapter", torch_ops_missing())
 import torch  # noqa: E402
 
 import ascend_moe.vllm_ascend as av  # noqa: E402
+import vllm_standins  # noqa: E402
 
 
 class Group:
@@ -58,34 +57,9 @@ class DPMetadata:
 def engine(monkeypatch):
     """The engine's state the adapter reads (`.ctx`, `.extra`, `.ep`, `.dp`,
     `.tp`), with the adapter installed over stand-in modules."""
-    st = SimpleNamespace(
-        ctx=SimpleNamespace(dp_metadata=None),
-        extra=SimpleNamespace(padded_length=None, padded_num_tokens=None, moe_comm_type=None),
-        ep=Group(1, 0, "ep"),
-        dp=Group(1, 0, "dp"),
-        tp=Group(1, 0, "tp"),
-    )
-    ops_mod = types.ModuleType(av.OPS_MODULE)
-    ops_mod.get_forward_context = lambda: st.ctx
-    ops_mod.get_ep_group = lambda: st.ep
-    ops_mod.get_dp_group = lambda: st.dp
-    ops_mod.get_tp_group = lambda: st.tp
-    ops_mod._EXTRA_CTX = st.extra
-    runner_mod = types.ModuleType(av.RUNNER_MODULE)
-    runner_mod.get_tp_group = lambda: st.tp
-    runner_mod._EXTRA_CTX = st.extra
-    runner_mod.AscendMoERunner = type("AscendMoERunner", (), {})
-    monkeypatch.setitem(sys.modules, av.OPS_MODULE, ops_mod)
-    monkeypatch.setitem(sys.modules, av.RUNNER_MODULE, runner_mod)
-    monkeypatch.setenv("ASCEND_MOE_VLLM_CPU_COMM", "group")
-    av.uninstall()
-    av._BACKENDS.clear()
-    av.install()
-    try:
+    groups = (Group(1, 0, "ep"), Group(1, 0, "dp"), Group(1, 0, "tp"))
+    with vllm_standins.adapter_over_modules(monkeypatch, *groups) as st:
         yield st
-    finally:
-        av.uninstall()
-        av._BACKENDS.clear()
 
 
 # --------------------------------------------------------- engine integers

@@ -553,3 +553,42 @@ def load(name: str):
     mod = importlib.import_module(full)
     assert os.path.abspath(mod.__file__).startswith(PINNED), f"{full} was not loaded from {PINNED}: {mod.__file__}"
     return mod
+
+
+@contextlib.contextmanager
+def adapter_over_modules(monkeypatch, ep, dp, tp):
+    """The adapter (`ascend_moe.vllm_ascend`) installed over plain stand-in
+    modules for vLLM-Ascend's ops and MoE runner modules, whose groups are
+    `ep`, `dp` and `tp`, taken through their own collectives
+    (`ASCEND_MOE_VLLM_CPU_COMM=group`). Yields the engine's state the adapter
+    reads (`.ctx`, `.extra`, `.ep`, `.dp`, `.tp`), which a test may change."""
+    import ascend_moe.vllm_ascend as av
+
+    st = SimpleNamespace(
+        ctx=SimpleNamespace(dp_metadata=None),
+        extra=SimpleNamespace(padded_length=None, padded_num_tokens=None, moe_comm_type=None),
+        ep=ep,
+        dp=dp,
+        tp=tp,
+    )
+    ops_mod = types.ModuleType(av.OPS_MODULE)
+    ops_mod.get_forward_context = lambda: st.ctx
+    ops_mod.get_ep_group = lambda: st.ep
+    ops_mod.get_dp_group = lambda: st.dp
+    ops_mod.get_tp_group = lambda: st.tp
+    ops_mod._EXTRA_CTX = st.extra
+    runner_mod = types.ModuleType(av.RUNNER_MODULE)
+    runner_mod.get_tp_group = lambda: st.tp
+    runner_mod._EXTRA_CTX = st.extra
+    runner_mod.AscendMoERunner = type("AscendMoERunner", (), {})
+    monkeypatch.setitem(sys.modules, av.OPS_MODULE, ops_mod)
+    monkeypatch.setitem(sys.modules, av.RUNNER_MODULE, runner_mod)
+    monkeypatch.setenv("ASCEND_MOE_VLLM_CPU_COMM", "group")
+    av.uninstall()
+    av._BACKENDS.clear()
+    av.install()
+    try:
+        yield st
+    finally:
+        av.uninstall()
+        av._BACKENDS.clear()
