@@ -1218,8 +1218,11 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // never allocates outside the stream's pool (or allocator), never reads
 // device data on the host, and can be captured into a graph: every count is
 // a shape, known on the host. With `ASCEND_MOE_CHECK_COMM_TYPE=1` every EP
-// rank first all-gathers its `comm_type`, compared on the device; ranks that
-// disagree fail their next `amoe_stream_check`.
+// rank first all-gathers its `comm_type` and a fingerprint of `ctx` (every
+// DP rank's tokens, TP and PCP sizes, SP, the MC2 pad target), compared on
+// the device; ranks that disagree on either fail their next
+// `amoe_stream_check` (on a CPU group, where the check is on by default,
+// the call fails on every rank at once).
 //
 // # Safety
 // Descriptors valid (`mc2_mask` NULL or valid); `ctx` valid; `groups` live.
@@ -1328,7 +1331,8 @@ amoe_status amoe_reduce_refuse(const struct amoe_comm *tp_comm,
 // Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
 // With TP > 1 on a CPU communicator (on an NPU with
 // `ASCEND_MOE_CHECK_COMM_TYPE=1`) the TP ranks first all-gather their
-// `comm_type`: ranks that disagree all fail, naming who chose what. A rank
+// `comm_type`, with a fingerprint of their policy: ranks that disagree on
+// either all fail, naming who chose what (or that the policies differ). A rank
 // with an empty `x` still meets its peers in the CPU all-reduce, so a peer
 // with rows fails the call on every rank.
 //

@@ -137,3 +137,62 @@ fn ranks_finalizing_with_different_comm_types_fail_on_every_rank_naming_the_choi
         }
     }
 }
+
+/// Ranks that chose one comm type but see other forward contexts: a stale DP
+/// token count (DP 2 x TP 1, MC2: rank 0 sees [4, 4], rank 1 [4, 2]; MC2's
+/// prepare is a local pad that no collective compares) and SP on one rank
+/// only (DP 1 x TP 2, MC2). Every rank fails at prepare and at finalize,
+/// naming the context and what it sees, instead of going on with another
+/// layout or waiting for a peer that took another path.
+#[test]
+fn ranks_seeing_other_forward_contexts_fail_at_prepare_and_finalize() {
+    type Case = (usize, fn(usize) -> ascend_moe::Result<MoeContext>, &'static str);
+    let cases: [Case; 2] = [
+        (1, |rank| MoeContext::new(if rank == 0 { &[4, 4] } else { &[4, 2] }, 1, rank, 0, false), "dp_tokens [4, 2]"),
+        (2, |rank| MoeContext::new(&[4], 2, 0, rank, rank == 0), "sp false"),
+    ];
+    for (tp, ctx_of, shown_by_1) in cases {
+        let got = run_ranks(2, &opts(), |rank, comm| {
+            let ctx = ctx_of(rank)?;
+            let groups = MoeGroups::from_world(&comm, tp)?;
+            let local = ctx.local_tokens();
+            let x = Tensor::from_slice(&vec![1.0f32; local * H], &[local, H])?;
+            let prepared = prepare(&x, CommType::Mc2, &ctx, &groups).map(|_| ()).map_err(|e| e.to_string());
+            let rows = ascend_moe::moe::prepare_finalize::prepare_output_shape(&[local, H], CommType::Mc2, &ctx)?[0];
+            let y = Tensor::from_slice(&vec![1.0f32; rows * H], &[rows, H])?;
+            let finalized = finalize(y, CommType::Mc2, &ctx, &groups).map(|_| ()).map_err(|e| e.to_string());
+            Ok([prepared, finalized])
+        })
+        .unwrap();
+        for (rank, ops) in got.iter().enumerate() {
+            for (op, r) in ["prepare", "finalize"].iter().zip(ops) {
+                let e = r.as_ref().expect_err(&format!("TP {tp}: rank {rank}'s {op} must fail"));
+                assert!(e.contains("not on the forward context"), "TP {tp}, rank {rank}, {op}: {e}");
+                assert!(e.contains("[0] and [1]"), "TP {tp}, rank {rank}, {op}: {e}");
+                if rank == 1 {
+                    assert!(e.contains(shown_by_1), "TP {tp}, rank 1, {op}: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// TP ranks of one layer whose policies differ (a routed transform on rank 0
+/// only, TP 2 with a tensor-parallel shared expert) would decide differently
+/// at the routed-early point: rank 0 all-reduces, rank 1 copies. Both fail
+/// naming the policy.
+#[test]
+fn tp_ranks_with_other_reduce_policies_fail_at_the_point_naming_it() {
+    use ascend_moe::moe::reduce::{ReducePoint, ReducePolicy, SharedMode};
+    let got = run_ranks(2, &opts(), |rank, comm| {
+        let p = ReducePolicy::new(SharedMode::TensorParallel, rank == 0, false, 2, 2)?;
+        let x = Tensor::from_slice(&[1.0f32; 3 * H], &[3, H])?;
+        Ok(p.reduce_at(ReducePoint::RoutedEarly, x, CommType::AllGather, &comm).map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, r) in got.iter().enumerate() {
+        let e = r.as_ref().expect_err(&format!("rank {rank} must fail"));
+        assert!(e.contains("not on the layer's reduce policy") && e.contains("[0] and [1]"), "rank {rank}: {e}");
+        assert!(e.contains(&format!("routed transform {}", rank == 0)), "rank {rank}: {e}");
+    }
+}

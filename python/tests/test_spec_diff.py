@@ -319,7 +319,8 @@ def test_maybe_all_gather_and_maybe_unpad_fails_every_rank_when_layouts_disagree
 def test_sp_allgather_prepare_fails_every_rank_when_dp_token_counts_disagree():
     """The DP token counts are forward context (section 5) every EP rank must
     share. DP 2 x TP 1 with SP: rank 1 has a stale count (2 instead of 3), so
-    the ranks would gather 8 and 7 rows; both must fail instead."""
+    the ranks would gather 8 and 7 rows; both must fail instead, at the
+    comm-type check, which compares the contexts too."""
     dp = [[5, 3], [5, 2]]
 
     def body(c, r):
@@ -327,7 +328,7 @@ def test_sp_allgather_prepare_fails_every_rank_when_dp_token_counts_disagree():
             ctx = am.MoeContext(dp[r], 1, r, 0, True)
             return am.token_prepare(np.ones((dp[r][r], 2), F32), CT.ALLGATHER, ctx, g)[0]
 
-    assert_every_rank_fails(run_threads(body, 2), naming="ranks disagree")
+    assert_every_rank_fails(run_threads(body, 2), naming="not on the forward context")
 
 
 @pytest.mark.parametrize("cts,dp_tokens,tp", [((CT.ALLGATHER, CT.MC2), [1], 2), ((CT.MC2, CT.ALLTOALL), [4], 2), ((CT.MC2, CT.ALLGATHER), [1, 1], 1)])

@@ -174,7 +174,8 @@ pub unsafe extern "C" fn amoe_reduce_refuse(
 /// Collective over `tp_comm` when it reduces. Ownership as `amoe_all_reduce`.
 /// With TP > 1 on a CPU communicator (on an NPU with
 /// `ASCEND_MOE_CHECK_COMM_TYPE=1`) the TP ranks first all-gather their
-/// `comm_type`: ranks that disagree all fail, naming who chose what. A rank
+/// `comm_type`, with a fingerprint of their policy: ranks that disagree on
+/// either all fail, naming who chose what (or that the policies differ). A rank
 /// with an empty `x` still meets its peers in the CPU all-reduce, so a peer
 /// with rows fails the call on every rank.
 ///

@@ -216,7 +216,7 @@ pub fn check_sp_layout_agreement<C: Collectives + ?Sized>(layout: &SpLayout, ep:
 }
 
 /// FNV-1a of the sizes (as 64-bit little-endian words), folded to 32 bits.
-fn fingerprint(sizes: &[usize]) -> i32 {
+pub(crate) fn fingerprint(sizes: &[usize]) -> i32 {
     let h = sizes
         .iter()
         .flat_map(|&s| (s as u64).to_le_bytes())

@@ -24,7 +24,7 @@ use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::Output;
-use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled};
+use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled, Facts};
 use crate::types::{numbered, Numbered};
 use crate::{Error, Result, Tensor};
 
@@ -276,6 +276,28 @@ impl ReducePolicy {
         self.reduce_if(self.reduces(point, comm), x, tp)
     }
 
+    /// What every TP rank's policy must hold alike besides the comm type:
+    /// ranks of one layer with other policies would decide differently at a
+    /// point, one reducing while another copies.
+    fn facts(&self) -> Facts {
+        let v = [
+            self.shared_mode as usize,
+            usize::from(self.has_routed_transform),
+            usize::from(self.sp),
+            self.tp_size,
+            self.ep_size,
+            usize::from(self.early),
+        ];
+        Facts {
+            what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes)",
+            shown: format!(
+                "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}",
+                self.shared_mode, self.has_routed_transform, self.sp, self.tp_size, self.ep_size
+            ),
+            print: crate::moe::pad_reduce::fingerprint(&v),
+        }
+    }
+
     /// Before a reduction point decides: every TP rank chose `comm` (SPEC
     /// section 5), where the check is on
     /// ([`comm_type_check_enabled`]). Ranks that disagree would otherwise
@@ -286,7 +308,7 @@ impl ReducePolicy {
         // agree first, where the check is on.
         self.check_tp(op, tp).map_err(|e| refuse_at_point(false, tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
-            comm_type_agreement(op, "TP", comm, tp)?;
+            comm_type_agreement(op, "TP", comm, Some(self.facts()), tp)?;
         }
         Ok(())
     }

@@ -165,15 +165,54 @@ pub(crate) fn comm_type_check_enabled<C: Collectives + ?Sized>(group: &C) -> boo
 /// paths never fail with an unrelated mismatch on some ranks and succeed on
 /// others unnoticed.
 pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
-    comm_type_agreement(PREPARE, "EP", comm, ep)
+    comm_type_agreement(PREPARE, "EP", comm, None, ep)
+}
+
+/// What else the ranks of a comm-type agreement must see alike: `print`, a
+/// fingerprint of it, sent with the comm type; `what` names it and `shown`
+/// gives this rank's, for the error of ranks whose prints differ.
+pub(crate) struct Facts {
+    pub(crate) what: &'static str,
+    pub(crate) shown: String,
+    pub(crate) print: i32,
+}
+
+/// The facts of a forward that every EP rank must see alike for prepare and
+/// finalize (SPEC sections 2 and 6): every DP rank's token count, the TP and
+/// PCP sizes, SP and the MC2 pad target. Ranks that see them otherwise plan
+/// other rows, and where no collective compares counts (an MC2 or ALLTOALL
+/// prepare is a local pad) they would go on with different layouts.
+pub(crate) fn context_facts(ctx: &MoeContext) -> Facts {
+    let mut v = ctx.dp_tokens().to_vec();
+    v.extend([ctx.tp_size(), usize::from(ctx.sp()), ctx.pcp_size(), ctx.padded_num_tokens()]);
+    Facts {
+        what: "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target)",
+        shown: format!(
+            "dp_tokens {:?}, tp_size {}, sp {}, pcp_size {}, MC2 pad target {}",
+            ctx.dp_tokens(),
+            ctx.tp_size(),
+            ctx.sp(),
+            ctx.pcp_size(),
+            ctx.padded_num_tokens()
+        ),
+        print: crate::moe::pad_reduce::fingerprint(&v),
+    }
+}
+
+/// The value a rank sends in the agreement: the comm type in the low byte,
+/// 24 bits of the facts' print above it.
+fn agreement_value(comm: CommType, facts: Option<&Facts>) -> i32 {
+    let print = facts.map_or(0, |f| f.print as u32);
+    ((print << 8) | (comm as u32 & 0xff)) as i32
 }
 
 /// [`check_comm_type_agreement`] for the op `op` over its `kind` group (EP,
-/// TP), which the error names.
+/// TP), which the error names, the ranks also agreeing on `facts`.
 pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
     op: &'static str,
     kind: &'static str,
     comm: CommType,
+    facts: Option<Facts>,
     ep: &C,
 ) -> Result<()> {
     let world = ep.world_size();
@@ -181,16 +220,62 @@ pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
         return Ok(());
     }
     let (group, rank) = (ep.name().to_string(), ep.rank());
+    let value = agreement_value(comm, facts.as_ref());
     expect_group_agrees(
         ep,
-        comm as i32,
-        Box::new(move |chosen, first, value| {
-            comm_type_disagreement(op, kind, comm, &group, rank, chosen, first, value)
+        value,
+        Box::new(move |chosen, first, theirs| {
+            let types_differ = match chosen {
+                Some(chosen) => chosen.iter().any(|&c| c & 0xff != value & 0xff),
+                None => theirs & 0xff != value & 0xff,
+            };
+            match facts.as_ref().filter(|_| !types_differ) {
+                Some(f) => facts_disagreement(op, kind, f, &group, rank, chosen, first),
+                None => comm_type_disagreement(op, kind, comm, &group, rank, chosen, first, theirs),
+            }
         }),
     )
 }
 
+/// The error of ranks that chose one comm type but see other `facts`: the
+/// ranks grouped by what they see (when all were read), else the first rank
+/// that differs.
+fn facts_disagreement(
+    op: &'static str,
+    kind: &'static str,
+    facts: &Facts,
+    group: &str,
+    rank: usize,
+    chosen: Option<&[i32]>,
+    first: usize,
+) -> Error {
+    let who = match chosen {
+        Some(chosen) => {
+            let mut alike: Vec<(i32, Vec<usize>)> = Vec::new();
+            for (r, &c) in chosen.iter().enumerate() {
+                match alike.iter_mut().find(|(v, _)| *v == c) {
+                    Some((_, ranks)) => ranks.push(r),
+                    None => alike.push((c, vec![r])),
+                }
+            }
+            let parts: Vec<String> = alike.iter().map(|(_, ranks)| format!("{ranks:?}")).collect();
+            format!("ranks {} each see one", parts.join(" and "))
+        }
+        None => format!("rank {first} sees another (found on the device)"),
+    };
+    Error::invalid(
+        op,
+        "ctx",
+        format!(
+            "the {kind} ranks of group {group:?} agree on the comm type but not on the {}: {who}; this is rank \
+             {rank}, which sees {}",
+            facts.what, facts.shown
+        ),
+    )
+}
+
 fn comm_type_name(c: i32) -> String {
+    let c = c & 0xff;
     CommType::from_u32(c as u32).map_or_else(|_| format!("unknown type {c}"), |t| t.name().to_string())
 }
 

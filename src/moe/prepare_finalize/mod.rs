@@ -22,7 +22,7 @@ mod prepare;
 
 pub use exchange::{combine, dispatch, Dispatched};
 pub use groups::{check_comm_type_agreement, MoeGroups};
-pub(crate) use groups::{comm_type_agreement, comm_type_check_enabled};
+pub(crate) use groups::{comm_type_agreement, comm_type_check_enabled, Facts};
 pub use plan::{
     finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
 };

@@ -1,6 +1,6 @@
 //! Prepare and finalize of the token dimension (SPEC section 6).
 
-use super::groups::{check_comm_type_agreement, check_groups, comm_type_agreement, comm_type_check_enabled, MoeGroups};
+use super::groups::{check_groups, comm_type_agreement, comm_type_check_enabled, context_facts, MoeGroups};
 use super::plan::{
     finalize_output_shape, mc2_mask_extent, prepare_output_shape, token_plan, try_mc2_mask, MoeContext, TokenPlan,
 };
@@ -24,11 +24,13 @@ pub struct Prepared {
 /// Prepare for `comm` (SPEC section 6): the tokens this rank routes.
 ///
 /// The comm type of a forward enters here, at its first collective: when the
-/// check is on (see [`check_comm_type_agreement`]; always on the CPU
-/// communicator, where it costs one 4-byte all-gather next to the token
-/// gathers), every EP rank first learns every other rank's choice, so ranks
-/// that disagree all fail with an error naming the choices instead of
-/// running the collectives of two different paths.
+/// check is on (see [`check_comm_type_agreement`](super::check_comm_type_agreement);
+/// always on the CPU communicator, where it costs one 4-byte all-gather next
+/// to the token gathers), every EP rank first learns every other rank's
+/// choice, and a fingerprint of its forward context (every DP rank's token
+/// count, the TP and PCP sizes, SP, the MC2 pad target), so ranks that
+/// disagree on either all fail with an error naming it instead of running
+/// the collectives of two different paths or planning other rows.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
     let shape = prepare_output_shape(x.shape(), comm, ctx)
         .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
@@ -64,7 +66,7 @@ pub fn prepare_tokens_into(
         .and_then(|_| check_groups(PREPARE, ctx, groups))
         .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
     if comm_type_check_enabled(&groups.ep) {
-        check_comm_type_agreement(comm, &groups.ep)?;
+        comm_type_agreement(PREPARE, "EP", comm, Some(context_facts(ctx)), &groups.ep)?;
     }
     let device = x.device();
     let backend = device.backend();
@@ -212,9 +214,9 @@ pub(crate) fn refuse_unread(groups: &MoeGroups, dtype: DType, error: Error) -> E
 /// section 5) all fail naming the choices, instead of one returning from a
 /// path its peers never join (a local copy, a DP group of one) while they
 /// wait in another, or two paths that take the same rows both returning.
-fn agree_before_finalize(comm: CommType, groups: &MoeGroups) -> Result<()> {
+fn agree_before_finalize(comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<()> {
     if comm_type_check_enabled(&groups.ep) {
-        comm_type_agreement(FINALIZE, "EP", comm, &groups.ep)?;
+        comm_type_agreement(FINALIZE, "EP", comm, Some(context_facts(ctx)), &groups.ep)?;
     }
     Ok(())
 }
@@ -234,7 +236,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
     let shape = finalize_output_shape(y.shape(), comm, ctx)
         .and_then(|shape| check_groups(FINALIZE, ctx, groups).map(|_| shape))
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
-    agree_before_finalize(comm, groups)?;
+    agree_before_finalize(comm, ctx, groups)?;
     let device = y.device();
     let backend = device.backend();
     let keep = |full: Tensor| -> Result<Tensor> {
@@ -303,7 +305,7 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
         }
         return finalize_into(&copy, comm, ctx, groups, out);
     }
-    agree_before_finalize(comm, groups)?;
+    agree_before_finalize(comm, ctx, groups)?;
     // The first `out.rows()` rows of `full` into `out`.
     let keep = |full: &Tensor, out: &mut Tensor| -> Result<()> {
         if out.numel() > 0 {
