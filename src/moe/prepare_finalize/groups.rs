@@ -251,14 +251,7 @@ fn facts_disagreement(
 ) -> Error {
     let who = match chosen {
         Some(chosen) => {
-            let mut alike: Vec<(i32, Vec<usize>)> = Vec::new();
-            for (r, &c) in chosen.iter().enumerate() {
-                match alike.iter_mut().find(|(v, _)| *v == c) {
-                    Some((_, ranks)) => ranks.push(r),
-                    None => alike.push((c, vec![r])),
-                }
-            }
-            let parts: Vec<String> = alike.iter().map(|(_, ranks)| format!("{ranks:?}")).collect();
+            let parts: Vec<String> = ranks_by(chosen, |c| c).iter().map(|(_, ranks)| format!("{ranks:?}")).collect();
             format!("ranks {} each see one", parts.join(" and "))
         }
         None => format!("rank {first} sees another (found on the device)"),
@@ -272,6 +265,20 @@ fn facts_disagreement(
             facts.what, facts.shown
         ),
     )
+}
+
+/// The ranks of `values` (one per rank) grouped by `key` of their value,
+/// in order of each key's first rank.
+fn ranks_by(values: &[i32], key: impl Fn(i32) -> i32) -> Vec<(i32, Vec<usize>)> {
+    let mut groups: Vec<(i32, Vec<usize>)> = Vec::new();
+    for (r, &v) in values.iter().enumerate() {
+        let k = key(v);
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, ranks)) => ranks.push(r),
+            None => groups.push((k, vec![r])),
+        }
+    }
+    groups
 }
 
 fn comm_type_name(c: i32) -> String {
@@ -294,14 +301,8 @@ fn comm_type_disagreement(
 ) -> Error {
     let what = match chosen {
         Some(chosen) => {
-            let mut by_type: Vec<(i32, Vec<usize>)> = Vec::new();
-            for (r, &c) in chosen.iter().enumerate() {
-                match by_type.iter_mut().find(|(t, _)| *t == c) {
-                    Some((_, ranks)) => ranks.push(r),
-                    None => by_type.push((c, vec![r])),
-                }
-            }
-            let parts: Vec<String> = by_type
+            // By the comm type alone (the low byte of what each rank sent).
+            let parts: Vec<String> = ranks_by(chosen, |c| c & 0xff)
                 .iter()
                 .map(|(c, ranks)| {
                     let list: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
