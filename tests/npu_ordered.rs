@@ -757,16 +757,7 @@ fn the_sp_ops_compare_their_layouts_with_ascend_moe_check_layout() {
             let shard = filled(&dev, &[layout.local_size(rank), h], rank)?;
             let xs = filled(&dev, &[8, h], rank)?;
             let idx = Tensor::from_slice(&(0..8).collect::<Vec<i32>>(), &[8])?.to_device(&dev)?;
-            let args = FinalizeArgs {
-                expanded_x: &xs,
-                expanded_row_idx: &idx,
-                x1: None,
-                x2: None,
-                bias: None,
-                scales: None,
-                expert_idx: None,
-                drop_pad_mode: DropPadMode::DropLessRow,
-            };
+            let args = FinalizeArgs::new(&xs, &idx, DropPadMode::DropLessRow);
             let ops: [(&str, &dyn Fn() -> Result<()>); 3] = [
                 ("maybe_pad_and_reduce", &|| maybe_pad_and_reduce(&full, Some(&layout), &comm).map(drop)),
                 ("maybe_all_gather_and_maybe_unpad", &|| {

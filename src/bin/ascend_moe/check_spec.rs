@@ -193,16 +193,7 @@ fn finalize_and_reduce(comm: &Comm, l: &SpLayout) -> Check {
     let xs: Vec<f32> = (0..n * h).map(|i| val(r + 9, i)).collect();
     let x = tensor(DType::F32, &xs, &[n, h]).map_err(err)?;
     let idx = Tensor::from_slice(&(0..n as i32).collect::<Vec<_>>(), &[n]).map_err(err)?;
-    let args = FinalizeArgs {
-        expanded_x: &x,
-        expanded_row_idx: &idx,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: None,
-        expert_idx: None,
-        drop_pad_mode: DropPadMode::DropLessRow,
-    };
+    let args = FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow);
     let fused = moe::finalize_and_reduce(&args, Some(l), comm).map_err(err)?;
     let two = moe::maybe_pad_and_reduce(&moe::moe_finalize_routing(&args).map_err(err)?, Some(l), comm).map_err(err)?;
     close("finalize_and_reduce", &host(&fused).map_err(err)?, &host(&two).map_err(err)?, 0.0)
