@@ -290,10 +290,15 @@ impl ReducePolicy {
         ];
         Facts {
             what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes)",
-            shown: format!(
-                "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}",
-                self.shared_mode, self.has_routed_transform, self.sp, self.tp_size, self.ep_size
-            ),
+            shown: Box::new({
+                let p = *self;
+                move || {
+                    format!(
+                        "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}",
+                        p.shared_mode, p.has_routed_transform, p.sp, p.tp_size, p.ep_size
+                    )
+                }
+            }),
             print: crate::moe::pad_reduce::fingerprint(&v),
         }
     }

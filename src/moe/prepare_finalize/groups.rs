@@ -170,10 +170,11 @@ pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C
 
 /// What else the ranks of a comm-type agreement must see alike: `print`, a
 /// fingerprint of it, sent with the comm type; `what` names it and `shown`
-/// gives this rank's, for the error of ranks whose prints differ.
+/// gives this rank's, for the error of ranks whose prints differ (written
+/// only then, off the path of every call).
 pub(crate) struct Facts {
     pub(crate) what: &'static str,
-    pub(crate) shown: String,
+    pub(crate) shown: Box<dyn Fn() -> String + Send + Sync>,
     pub(crate) print: i32,
 }
 
@@ -185,17 +186,22 @@ pub(crate) struct Facts {
 pub(crate) fn context_facts(ctx: &MoeContext) -> Facts {
     let mut v = ctx.dp_tokens().to_vec();
     v.extend([ctx.tp_size(), usize::from(ctx.sp()), ctx.pcp_size(), ctx.padded_num_tokens()]);
+    let print = crate::moe::pad_reduce::fingerprint(&v);
     Facts {
         what: "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target)",
-        shown: format!(
-            "dp_tokens {:?}, tp_size {}, sp {}, pcp_size {}, MC2 pad target {}",
-            ctx.dp_tokens(),
-            ctx.tp_size(),
-            ctx.sp(),
-            ctx.pcp_size(),
-            ctx.padded_num_tokens()
-        ),
-        print: crate::moe::pad_reduce::fingerprint(&v),
+        // `v` is the DP token counts, then the four sizes above.
+        shown: Box::new(move || {
+            let n = v.len() - 4;
+            format!(
+                "dp_tokens {:?}, tp_size {}, sp {}, pcp_size {}, MC2 pad target {}",
+                &v[..n],
+                v[n],
+                v[n + 1] == 1,
+                v[n + 2],
+                v[n + 3]
+            )
+        }),
+        print,
     }
 }
 
@@ -262,7 +268,8 @@ fn facts_disagreement(
         format!(
             "the {kind} ranks of group {group:?} agree on the comm type but not on the {}: {who}; this is rank \
              {rank}, which sees {}",
-            facts.what, facts.shown
+            facts.what,
+            (facts.shown)()
         ),
     )
 }
