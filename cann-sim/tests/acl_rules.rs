@@ -337,14 +337,29 @@ fn elapsed_time_needs_two_recorded_and_completed_events() {
 /// `ACL_EVENT_SYNC` (acl_rt.h).
 const ACL_EVENT_SYNC: u32 = 0x1;
 
-#[test]
-fn a_stream_waits_for_an_aclrt_create_event_event_only_once_it_is_recorded() {
-    let s = use_device(0);
-    let st = stream();
+/// An old-mode event (`aclrtCreateEvent`) and a new-mode one
+/// (`aclrtCreateEventExWithFlag`, `ACL_EVENT_SYNC`), neither recorded.
+fn old_and_new_events(s: &Api) -> (Ptr, Ptr) {
     let (mut old, mut new) = (NULL, NULL);
     unsafe {
         assert_eq!((s.aclrtCreateEvent)(&mut old), 0);
         assert_eq!((s.aclrtCreateEventExWithFlag)(&mut new, ACL_EVENT_SYNC), 0);
+    }
+    (old, new)
+}
+
+fn destroy_events(s: &Api, events: &[Ptr]) {
+    for &e in events {
+        assert_eq!(unsafe { (s.aclrtDestroyEvent)(e) }, 0);
+    }
+}
+
+#[test]
+fn a_stream_waits_for_an_aclrt_create_event_event_only_once_it_is_recorded() {
+    let s = use_device(0);
+    let st = stream();
+    let (old, new) = old_and_new_events(s);
+    unsafe {
         // Event::Wait: "the wait event cannot be submitted before the record event".
         assert_eq!((s.aclrtStreamWaitEvent)(st, old), ACL_ERROR_RT_PARAM_INVALID, "{}", err_msg());
         assert!(err_msg().contains("before it is recorded"), "{}", err_msg());
@@ -354,10 +369,7 @@ fn a_stream_waits_for_an_aclrt_create_event_event_only_once_it_is_recorded() {
         assert_eq!((s.aclrtStreamWaitEvent)(st, old), 0, "{}", err_msg());
     }
     sync(st);
-    unsafe {
-        assert_eq!((s.aclrtDestroyEvent)(old), 0);
-        assert_eq!((s.aclrtDestroyEvent)(new), 0);
-    }
+    destroy_events(s, &[old, new]);
     destroy_stream(st);
 }
 
@@ -365,16 +377,12 @@ fn a_stream_waits_for_an_aclrt_create_event_event_only_once_it_is_recorded() {
 fn a_never_recorded_event_is_complete_in_new_mode_only() {
     let s = use_device(0);
     let st = stream();
-    let (mut old, mut new) = (NULL, NULL);
+    let (old, new) = old_and_new_events(s);
     let status = |e: Ptr| {
         let mut v = -1;
         assert_eq!(unsafe { (s.aclrtQueryEventStatus)(e, &mut v) }, 0, "{}", err_msg());
         v
     };
-    unsafe {
-        assert_eq!((s.aclrtCreateEvent)(&mut old), 0);
-        assert_eq!((s.aclrtCreateEventExWithFlag)(&mut new, ACL_EVENT_SYNC), 0);
-    }
     // Event::QueryEventStatus: RT_EVENT_INIT (not ready) for the old mode,
     // RT_EVENT_RECORDED (complete) for the new one.
     assert_eq!(status(old), 0, "an aclrtCreateEvent event never recorded is not ready");
@@ -382,10 +390,7 @@ fn a_never_recorded_event_is_complete_in_new_mode_only() {
     unsafe { assert_eq!((s.aclrtRecordEvent)(old, st), 0) };
     sync(st);
     assert_eq!(status(old), 1, "recorded and run");
-    unsafe {
-        assert_eq!((s.aclrtDestroyEvent)(old), 0);
-        assert_eq!((s.aclrtDestroyEvent)(new), 0);
-    }
+    destroy_events(s, &[old, new]);
     destroy_stream(st);
 }
 
