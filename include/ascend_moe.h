@@ -14,7 +14,8 @@
 // Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
 #define AMOE_MAX_EP_RANKS (1 << 20)
 
-
+// `amoe_moe_context::num_actual_tokens` for "every token of the DP rank is real".
+#define AMOE_ALL_TOKENS (size_t)~0
 
 // Most dimensions an `amoe_tensor` may have.
 #define AMOE_MAX_NDIM 8

@@ -17,7 +17,11 @@ pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
 const _: () = assert!(AMOE_MAX_EP_RANKS == crate::moe::layout::MAX_EP_RANKS);
 
 /// `amoe_moe_context::num_actual_tokens` for "every token of the DP rank is real".
-pub const AMOE_ALL_TOKENS: usize = usize::MAX;
+// Spelled so that the header gets it (`(size_t)~0`, which is `SIZE_MAX`):
+// the generator writes no value for `usize::MAX`, and keeps the cast.
+#[allow(clippy::unnecessary_cast)]
+pub const AMOE_ALL_TOKENS: usize = !0 as usize;
+const _: () = assert!(AMOE_ALL_TOKENS == usize::MAX);
 
 /// The run-time parallel context of one forward pass (SPEC sections 2 and 6).
 /// Read only; the caller owns `dp_tokens`, which must stay valid for the

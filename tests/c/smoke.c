@@ -123,6 +123,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "library version %s differs from header %s\n", amoe_version(), AMOE_VERSION);
     return 1;
   }
+  /* The context's "every token is real" value is in the header, and is what
+   * the defaults hold. */
+  amoe_moe_context mctx;
+  CHECK(amoe_moe_context_init(&mctx) == AMOE_STATUS_OK, "moe_context_init: %s", last_error());
+  CHECK(mctx.num_actual_tokens == AMOE_ALL_TOKENS, "default actual tokens %zu", mctx.num_actual_tokens);
+  CHECK(AMOE_ALL_TOKENS == SIZE_MAX, "AMOE_ALL_TOKENS is not SIZE_MAX");
   /* The live context's guard records (NPU only; the handle checks hold here). */
   size_t cap = 0, used = 0;
   CHECK(amoe_live_context_reserve(NULL, 2400) == AMOE_STATUS_NULL_ARGUMENT, "reserve on NULL");
