@@ -696,7 +696,9 @@ amoe_status amoe_broadcast(const struct amoe_comm *comm,
                            const struct amoe_stream *stream);
 
 // A barrier over `comm`. CPU communicator: returns once every rank called
-// it (or the timeout passed). HCCL communicator: enqueues `HcclBarrier` on
+// it (or the timeout passed); pass NULL for `stream` (a stream is refused,
+// `AMOE_STATUS_DEVICE`, and the peers waiting in the barrier fail at once
+// with `AMOE_STATUS_COMM_MISMATCH` quoting it). HCCL communicator: enqueues `HcclBarrier` on
 // `stream` (the communicator's device stream when NULL) and returns; work
 // queued after it on that stream runs once every rank reached it, and
 // `amoe_stream_check` reports a rank that never does.

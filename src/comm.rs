@@ -263,12 +263,17 @@ where
     fn barrier_on(&self, device: &Device) -> Result<()> {
         match C::Backend::of_device(device) {
             Some(on) if *device == Collectives::device(self) => Communicator::barrier_on(self, &on),
-            _ => Err(Error::Device {
-                op: "barrier",
-                arg: "device",
-                expected: format!("{} (the communicator's device)", Collectives::device(self)),
-                actual: device.to_string(),
-            }),
+            _ => {
+                let e = Error::Device {
+                    op: "barrier",
+                    arg: "device",
+                    expected: format!("{} (the communicator's device)", Collectives::device(self)),
+                    actual: device.to_string(),
+                };
+                // The peers wait in the barrier: a CPU group fails there at
+                // once with this reason (the refusal's kind is not compared).
+                Err(Communicator::refuse(self, Call::AllGather, crate::DType::U8, e))
+            }
         }
     }
     fn finalize_reduce_scatter(

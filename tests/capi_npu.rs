@@ -382,3 +382,48 @@ fn a_reduction_of_npu_memory_not_aligned_to_its_elements_is_refused_naming_it() 
         amoe_stream_free(s);
     }
 }
+
+/// A barrier on a CPU communicator given an NPU stream is refused on the
+/// rank that passed it, and its peer, waiting in the barrier, fails at once
+/// quoting that rank's reason (the timeout is far away: one rank keeps its
+/// handle until the other returned).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_cpu_barrier_given_a_stream_fails_its_peers_too() {
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let engine_stream = dev.new_stream().expect("stream");
+    let mut s: *mut amoe_stream = null_mut();
+    // SAFETY: a live stream of this device, outliving the handle.
+    assert_eq!(unsafe { amoe_stream_wrap(engine_stream.raw(), 0, &mut s) }, amoe_status::Ok, "{}", last_error());
+    let stream = s as usize;
+    let name = std::ffi::CString::new(format!("capi-npu-barrier-{}", std::process::id())).expect("no NUL");
+    let both_returned = std::sync::Barrier::new(2);
+    let res: Vec<(amoe_status, String)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2usize)
+            .map(|r| {
+                let (name, both_returned) = (&name, &both_returned);
+                sc.spawn(move || {
+                    let mut c: *mut amoe_comm = null_mut();
+                    // SAFETY: a valid name and out-pointer.
+                    let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 2, r, 60.0, &mut c) };
+                    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+                    let on = if r == 0 { stream as *const amoe_stream } else { null() };
+                    // SAFETY: live handles.
+                    let st = unsafe { amoe_barrier(c, on) };
+                    let msg = last_error();
+                    both_returned.wait();
+                    // SAFETY: the handle made above, freed once.
+                    unsafe { amoe_comm_free(c) };
+                    (st, msg)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    assert_eq!(res[0].0, amoe_status::Device, "{}", res[0].1);
+    assert!(res[0].1.contains("npu:0") && res[0].1.contains("cpu"), "{}", res[0].1);
+    assert_eq!(res[1].0, amoe_status::CommMismatch, "{}", res[1].1);
+    assert!(res[1].1.contains("rank 0") && res[1].1.contains(&res[0].1), "{}", res[1].1);
+    // SAFETY: the handle made above, freed once.
+    unsafe { amoe_stream_free(s) };
+}
