@@ -477,7 +477,9 @@ amoe_status amoe_comm_type_name(uint32_t comm_type, const char **out);
 // the call returns once all ranks arrived or the timeout passed.
 //
 // `timeout_s` bounds every wait of this communicator (rendezvous and each
-// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s.
+// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s, and
+// a value too large for a duration (such as infinity) is
+// `AMOE_STATUS_INVALID_ARGUMENT`.
 // On success `*out` receives a new handle owned by the caller (free it with
 // `amoe_comm_free`); on failure `*out` is not written.
 //

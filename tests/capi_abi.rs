@@ -42,6 +42,18 @@ fn last_error_is_per_thread_truncates_on_char_boundaries_and_is_not_cleared_by_r
 }
 
 #[test]
+fn an_infinite_timeout_is_refused_not_taken_for_the_default() {
+    let name = CString::new(format!("capi-abi-inf-{}", std::process::id())).expect("no NUL");
+    let mut out: *mut amoe_comm = null_mut();
+    // SAFETY: valid name and out-pointer.
+    let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, f64::INFINITY, &mut out) };
+    // SAFETY: NULL or the handle just made.
+    unsafe { amoe_comm_free(out) };
+    assert_eq!(st, amoe_status::InvalidArgument, "an infinite timeout was accepted");
+    assert!(last_error().contains("`timeout_s`") && last_error().contains("inf"), "{}", last_error());
+}
+
+#[test]
 fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is_refused() {
     // SAFETY: every pointer is NULL (the case under test) or writable / valid.
     unsafe {

@@ -18,7 +18,7 @@ use crate::moe::LiveStream;
 use crate::{Collectives, Comm, CommOptions, Device, ReduceOp};
 
 fn timeout_opts(func: &str, timeout_s: f64) -> Result<CommOptions, Failure> {
-    if !timeout_s.is_finite() || timeout_s <= 0.0 {
+    if timeout_s.is_nan() || timeout_s <= 0.0 {
         return Ok(CommOptions::from_env());
     }
     Duration::try_from_secs_f64(timeout_s)
@@ -32,7 +32,9 @@ fn timeout_opts(func: &str, timeout_s: f64) -> Result<CommOptions, Failure> {
 /// the call returns once all ranks arrived or the timeout passed.
 ///
 /// `timeout_s` bounds every wait of this communicator (rendezvous and each
-/// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s.
+/// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s, and
+/// a value too large for a duration (such as infinity) is
+/// `AMOE_STATUS_INVALID_ARGUMENT`.
 /// On success `*out` receives a new handle owned by the caller (free it with
 /// `amoe_comm_free`); on failure `*out` is not written.
 ///
