@@ -45,6 +45,35 @@ fn policies() -> Vec<ReducePolicy> {
     v
 }
 
+/// Whether a point's result depends on the live comm type, which decides
+/// whether it needs a guard of the live context: only over more than one TP
+/// rank, and only where the SPEC section 5 decision differs between comm
+/// types (ALLGATHER without SP leaves the routed output TP-partial, every
+/// other comm type reduces it).
+#[test]
+fn a_point_depends_on_the_comm_type_only_where_its_decision_differs_over_tp() {
+    use ReducePoint::*;
+    use SharedMode::*;
+    // (shared mode, transform, sp, tp, ep) -> [routed early, shared, final]
+    let table = [
+        // No early reduce: the final point reduces only under ALLGATHER.
+        ((None, false, false, 2, 2), [false, false, true]),
+        // One TP rank: nothing to reduce, whatever the comm type.
+        ((None, false, false, 1, 2), [false, false, false]),
+        // TP-sharded shared expert: the shared point follows the routed output.
+        ((TensorParallel, false, false, 2, 4), [false, true, true]),
+        // Early reduce (DP-only shared expert): the routed point, and not the final one.
+        ((DataParallelOnly, false, false, 2, 2), [true, false, false]),
+        // SP: the routed output is complete under every comm type.
+        ((SequenceParallelOnly, false, true, 2, 2), [false, false, false]),
+    ];
+    for ((mode, transform, sp, tp, ep), want) in table {
+        let p = ReducePolicy::new(mode, transform, sp, tp, ep).expect("valid policy");
+        let got = [RoutedEarly, Shared, Final].map(|pt| p.depends_on_comm_type(pt));
+        assert_eq!(got, want, "{mode:?} transform {transform} sp {sp} tp {tp} ep {ep}");
+    }
+}
+
 #[test]
 fn early_follows_spec() {
     for p in policies() {

@@ -106,10 +106,9 @@ fn reduce_point(
         let p = policy(cx.f, p)?;
         let c = CommType::from_u32(comm_type)?;
         reduces = p.reduces(point, c);
-        // Guarded only where the result depends on the comm type: over more
-        // than one rank, a point that reduces under some comm types and not
-        // under others (each guard holds one of the live context's records).
-        if p.tp_size() > 1 && CommType::ALL.iter().any(|&ct| p.reduces(point, ct) != reduces) {
+        // Guarded only where the result depends on the comm type (each guard
+        // holds one of the live context's records).
+        if p.depends_on_comm_type(point) {
             cx.guard(c, None, false)?;
         }
         let x_in = cx.input("x", x)?;

@@ -263,6 +263,17 @@ impl ReducePolicy {
         }
     }
 
+    /// Whether the result of `point` depends on the live comm type: over
+    /// more than one TP rank, where [`ReducePolicy::reduces`] differs between
+    /// comm types. Work captured at such a point is valid only for the comm
+    /// type it was captured under, so it is what a live-context guard
+    /// ([`crate::moe::LiveStream::guard`]) must cover; elsewhere a guard would
+    /// hold a record for nothing.
+    pub fn depends_on_comm_type(&self, point: ReducePoint) -> bool {
+        let first = self.reduces(point, CommType::ALL[0]);
+        self.tp_size > 1 && CommType::ALL.iter().any(|&c| self.reduces(point, c) != first)
+    }
+
     /// Reduction point `point` with the live comm type: consumes `x` and
     /// returns it, all-reduced in place when [`ReducePolicy::reduces`].
     pub fn reduce_at<C: Collectives + ?Sized>(
