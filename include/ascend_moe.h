@@ -37,7 +37,8 @@ enum amoe_status
   AMOE_STATUS_OK = 0,
   // A required pointer argument was NULL.
   AMOE_STATUS_NULL_ARGUMENT = 1,
-  // An argument has a value the function does not accept.
+  // An argument has a value the function does not accept (also a
+  // handle of another type than the argument's).
   AMOE_STATUS_INVALID_ARGUMENT = 2,
   // A tensor has the wrong shape.
   AMOE_STATUS_SHAPE = 3,

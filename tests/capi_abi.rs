@@ -54,6 +54,53 @@ fn an_infinite_timeout_is_refused_not_taken_for_the_default() {
 }
 
 #[test]
+fn a_handle_of_another_type_is_refused_naming_the_argument() {
+    let name = CString::new(format!("capi-abi-cast-{}", std::process::id())).expect("no NUL");
+    let mut comm: *mut amoe_comm = null_mut();
+    // SAFETY: valid name and out-pointer.
+    assert_eq!(unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, 5.0, &mut comm) }, amoe_status::Ok, "{}", last_error());
+    let (mut data, mut block): (*mut std::ffi::c_void, *mut amoe_host_block) = (null_mut(), null_mut());
+    // SAFETY: valid out-pointers.
+    assert_eq!(unsafe { amoe_host_block_new(64, &mut data, &mut block) }, amoe_status::Ok, "{}", last_error());
+
+    // SAFETY: live handles, each passed where another type is expected (the case under test).
+    let st = unsafe { amoe_stream_check(comm.cast::<amoe_stream>()) };
+    assert_eq!(st, amoe_status::InvalidArgument, "a communicator taken for a stream");
+    assert_eq!(
+        last_error(),
+        "amoe_stream_check: `stream` is not a live amoe_stream handle (a released handle, or one of another type)"
+    );
+    let mut r = 7usize;
+    // SAFETY: as above.
+    let st = unsafe { amoe_comm_rank(block.cast::<amoe_comm>(), &mut r) };
+    assert_eq!((st, r), (amoe_status::InvalidArgument, 7), "a host block taken for a communicator");
+    assert!(last_error().contains("`comm` is not a live amoe_comm handle"), "{}", last_error());
+    let (mut cap, mut used) = (0usize, 0usize);
+    // SAFETY: as above.
+    let st = unsafe { amoe_live_context_guards(comm.cast::<amoe_live_context>(), &mut cap, &mut used) };
+    assert_eq!(st, amoe_status::InvalidArgument, "a communicator taken for a live context");
+    let mut g: *mut amoe_moe_groups = null_mut();
+    // SAFETY: as above.
+    let st = unsafe { amoe_moe_groups_new(block.cast::<amoe_comm>(), 1, 1, &mut g) };
+    assert_eq!(st, amoe_status::InvalidArgument, "a host block taken for a world");
+    assert!(g.is_null());
+    // Releasing a handle through another type's function leaves it alone: it
+    // still works, and is released by its own.
+    // SAFETY: as above.
+    unsafe { amoe_comm_free(block.cast::<amoe_comm>()) };
+    // SAFETY: as above.
+    unsafe { amoe_host_block_free(comm.cast::<amoe_host_block>()) };
+    // SAFETY: live handle and out-pointer.
+    assert_eq!(unsafe { amoe_comm_rank(comm, &mut r) }, amoe_status::Ok, "{}", last_error());
+    assert_eq!(r, 0);
+    // SAFETY: the handles made above, each released once by its own function.
+    unsafe {
+        amoe_host_block_free(block);
+        amoe_comm_free(comm);
+    }
+}
+
+#[test]
 fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is_refused() {
     // SAFETY: every pointer is NULL (the case under test) or writable / valid.
     unsafe {

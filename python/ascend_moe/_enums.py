@@ -55,7 +55,8 @@ class Status(_Numbered):
     OK = 0
     #: A required pointer argument was NULL.
     NULL_ARGUMENT = 1
-    #: An argument has a value the function does not accept.
+    #: An argument has a value the function does not accept (also a
+    #: handle of another type than the argument's).
     INVALID_ARGUMENT = 2
     #: A tensor has the wrong shape.
     SHAPE = 3

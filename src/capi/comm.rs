@@ -10,7 +10,7 @@ use acl_sys::aclrtStream;
 use super::ffi::{
     ffi, read_sizes, read_str, refuse_on, refusing, refusing_on, send_refusal, try_out, write_out, Call, Failure,
 };
-use super::handle::{box_out, free_box, try_handle};
+use super::handle::{box_out, release, try_handle};
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, AMOE_HCCL_WORLD};
 use crate::backend::cpu::CpuComm;
 use crate::backend::npu::{Allocator, HcclComm, NpuDevice, WorkspaceAllocator};
@@ -202,7 +202,7 @@ pub unsafe extern "C" fn amoe_comm_world_size(comm: *const amoe_comm, out: *mut 
 /// `comm` must be NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_comm_free(comm: *mut amoe_comm) {
-    free_box(comm);
+    release(comm);
 }
 
 /// Wraps an engine-owned `aclrtStream` on NPU `device_ordinal` without taking
@@ -242,7 +242,7 @@ pub unsafe extern "C" fn amoe_stream_wrap(
 pub unsafe extern "C" fn amoe_stream_free(stream: *mut amoe_stream) {
     // The handle's stream is borrowed, so dropping it leaves the engine's
     // stream alone; an attached live context loses this reference.
-    free_box(stream);
+    release(stream);
 }
 
 /// Reads per-rank element counts; their sum must fit in `usize` (it sizes
@@ -269,7 +269,7 @@ macro_rules! collective {
     ($f:expr, $comm:ident, $src:ident, $dst:ident, $stream:ident, $args:expr,
      |$c:ident, $s:ident, $d:ident, $a:pat_param| $run:expr) => {
         ffi!($f, {
-            let cx = &Call::new($f, $stream);
+            let cx = &Call::new($f, $stream)?;
             let $c = cx.comm("comm", $comm)?;
             let checked = (|| {
                 let s = cx.input("src", $src)?;
@@ -442,7 +442,7 @@ pub unsafe extern "C" fn amoe_broadcast(
 ) -> amoe_status {
     const F: &str = "amoe_broadcast";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let c = cx.comm("comm", comm)?;
         let (mut b, out) = refusing_on(c, (|| Ok((cx.input("buf", buf)?, cx.out("buf", buf)?)))())?;
         c.broadcast(&mut b, root)?;
@@ -464,7 +464,7 @@ pub unsafe extern "C" fn amoe_broadcast(
 pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_barrier";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let c = cx.comm("comm", comm)?;
         match cx.stream() {
             Some(s) => c.barrier_on(&Device::Npu(s.device().clone()))?,
@@ -630,7 +630,7 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 pub unsafe extern "C" fn amoe_stream_check(stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_stream_check";
     ffi!(F, {
-        match Call::new(F, stream).stream() {
+        match Call::new(F, stream)?.stream() {
             Some(s) => Ok(s.check()?),
             None => Ok(()),
         }

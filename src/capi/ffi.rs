@@ -46,9 +46,10 @@ pub(crate) struct Call<'a> {
 }
 
 impl<'a> Call<'a> {
-    /// The call of export `f` on `stream` (NULL: host tensors only).
-    pub(crate) fn new(f: &'static str, stream: *const amoe_stream) -> Self {
-        Call { f, stream: handle::opt_ref(stream), borrowed: RefCell::new(Vec::new()) }
+    /// The call of export `f` on `stream` (NULL: host tensors only); a
+    /// pointer that is not a live stream handle is INVALID_ARGUMENT.
+    pub(crate) fn new(f: &'static str, stream: *const amoe_stream) -> Result<Self, Failure> {
+        Ok(Call { f, stream: handle::opt_ref(f, "stream", stream)?, borrowed: RefCell::new(Vec::new()) })
     }
 
     /// The call's stream, if one was passed.

@@ -195,7 +195,7 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
 ) -> amoe_status {
     const F: &str = "amoe_moe_finalize_routing";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let inputs = FinalizeInputs::read(cx, args)?;
         let a = inputs.args()?;
         let (shape, _) = moe::moe_finalize_routing_output_shape(&a)?;
@@ -269,7 +269,7 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute(
 ) -> amoe_status {
     const F: &str = "amoe_moe_token_unpermute";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let p = cx.input("permuted", permuted)?;
         let s = cx.input("sorted_indices", sorted_indices)?;
         let pr = cx.input_opt("probs", probs)?;

@@ -11,14 +11,20 @@
 //! | `amoe_live_context` | [`LiveContext`] | `Arc` |
 //! | `amoe_host_block` | [`Block`] | `Box` |
 //!
+//! A handle points to a [`Tagged`] value: a word naming its type, then the
+//! value (for an `Arc` handle, the caller's `Arc`). The word is checked on
+//! every use, so a handle of another type passed in its place is refused
+//! (`AMOE_STATUS_INVALID_ARGUMENT`, naming the argument) instead of being
+//! read as this type, and a release clears it first.
+//!
 //! The functions here take the handle arguments of exports, which each
-//! export's contract makes NULL or a live handle of their type: these are
-//! the only places such a pointer becomes a reference.
+//! export's contract makes NULL or a live handle: these are the only places
+//! such a pointer becomes a reference.
 
 use std::sync::Arc;
 
 use super::failure::{write_out, Failure};
-use super::types::{amoe_comm, amoe_host_block, amoe_live_context, amoe_moe_groups, amoe_stream};
+use super::types::{amoe_comm, amoe_host_block, amoe_live_context, amoe_moe_groups, amoe_status, amoe_stream};
 use crate::backend::cpu::host_pool::Block;
 use crate::backend::npu::live_context::LiveContext;
 use crate::moe::prepare_finalize::MoeGroups;
@@ -27,76 +33,143 @@ use crate::Comm;
 
 /// The handle is a `Box` of its Rust value.
 pub(crate) enum OwnedBox {}
-/// The handle is an `Arc` of its Rust value (`Arc::into_raw`).
+/// The handle is an `Arc` of its Rust value: the caller holds one reference.
 pub(crate) enum OwnedArc {}
 
-/// A C handle type: the Rust value behind it and how it is held.
+/// How a handle holds its Rust value `T`.
+pub(crate) trait Holds<T> {
+    /// What the handle's allocation holds after the tag.
+    type Held: 'static;
+    /// The value behind what is held.
+    fn get(held: &Self::Held) -> &T;
+}
+
+impl<T: 'static> Holds<T> for OwnedBox {
+    type Held = T;
+    fn get(held: &T) -> &T {
+        held
+    }
+}
+
+impl<T: 'static> Holds<T> for OwnedArc {
+    type Held = Arc<T>;
+    fn get(held: &Arc<T>) -> &T {
+        held
+    }
+}
+
+/// A C handle type: the Rust value behind it, how it is held, and the tag
+/// its handles carry.
 pub(crate) trait Castable {
     /// [`OwnedBox`] or [`OwnedArc`].
-    type Ownership;
-    /// The value a handle points to.
-    type RustType;
+    type Ownership: Holds<Self::RustType>;
+    /// The value a handle stands for.
+    type RustType: 'static;
+    /// The first word of every handle of this type (distinct per type, never 0).
+    const TAG: u64;
+    /// The C type name, for errors.
+    const NAME: &'static str;
+}
+
+/// What the handle's allocation holds after the tag.
+type Held<C> = <<C as Castable>::Ownership as Holds<<C as Castable>::RustType>>::Held;
+
+/// What every handle points to: the tag of its type, then what it holds.
+#[repr(C)]
+struct Tagged<T> {
+    tag: u64,
+    held: T,
+}
+
+/// The tag a released handle is left with (no type has it).
+const RELEASED: u64 = 0;
+
+/// A tag from an 8-byte name.
+const fn tag(name: &[u8; 8]) -> u64 {
+    u64::from_le_bytes(*name)
 }
 
 impl Castable for amoe_comm {
     type Ownership = OwnedBox;
     type RustType = Comm;
+    const TAG: u64 = tag(b"amoeCOMM");
+    const NAME: &'static str = "amoe_comm";
 }
 
 impl Castable for amoe_stream {
     type Ownership = OwnedBox;
     type RustType = LiveStream;
+    const TAG: u64 = tag(b"amoeSTRM");
+    const NAME: &'static str = "amoe_stream";
 }
 
 impl Castable for amoe_moe_groups {
     type Ownership = OwnedBox;
     type RustType = MoeGroups;
+    const TAG: u64 = tag(b"amoeGRPS");
+    const NAME: &'static str = "amoe_moe_groups";
 }
 
 impl Castable for amoe_live_context {
     type Ownership = OwnedArc;
     type RustType = LiveContext;
+    const TAG: u64 = tag(b"amoeLIVE");
+    const NAME: &'static str = "amoe_live_context";
 }
 
 impl Castable for amoe_host_block {
     type Ownership = OwnedBox;
     type RustType = Block;
+    const TAG: u64 = tag(b"amoeHBLK");
+    const NAME: &'static str = "amoe_host_block";
 }
 
-/// The value behind `p`, borrowed for the call; `None` for NULL.
-pub(crate) fn opt_ref<'a, C: Castable>(p: *const C) -> Option<&'a C::RustType> {
-    // SAFETY: `p` is a handle argument of an export, NULL or a live handle of
-    // type `C` by the export's contract: a pointer made by `box_out` /
-    // `arc_out` from a `C::RustType` that is not freed before the call ends.
-    unsafe { p.cast::<C::RustType>().as_ref() }
+/// The tag `p` (non-null) carries.
+fn tag_of<C>(p: *const C) -> u64 {
+    // SAFETY: `p` is a non-null handle argument of an export, which its
+    // contract makes a live handle: every handle begins with its tag word
+    // (`Tagged` is `repr(C)`, the tag first), aligned for a `u64`.
+    unsafe { p.cast::<u64>().read() }
+}
+
+/// The value behind `p` (the argument `arg` of export `f`), borrowed for the
+/// call; `None` for NULL. A pointer that does not carry this type's tag is
+/// INVALID_ARGUMENT naming `arg`.
+pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Result<Option<&'a C::RustType>, Failure> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    if tag_of(p) != C::TAG {
+        return Err(Failure::new(
+            amoe_status::InvalidArgument,
+            format!("{f}: `{arg}` is not a live {} handle (a released handle, or one of another type)", C::NAME),
+        ));
+    }
+    // SAFETY: `p` carries `C`'s tag, so it was made by `box_out` / `arc_out`
+    // for `C` and, by the export's contract, is not released before the
+    // call ends.
+    let t = unsafe { &*p.cast::<Tagged<Held<C>>>() };
+    Ok(Some(<C::Ownership as Holds<C::RustType>>::get(&t.held)))
 }
 
 /// The value behind `p`; NULL is NULL_ARGUMENT naming `arg`.
 pub(crate) fn try_handle<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Result<&'a C::RustType, Failure> {
-    opt_ref(p).ok_or_else(|| Failure::null(f, arg))
+    opt_ref(f, arg, p)?.ok_or_else(|| Failure::null(f, arg))
+}
+
+/// Moves `held` into a new handle of `C` written to `*out` (checked non-null).
+fn tagged_out<C: Castable>(out: *mut *mut C, held: Held<C>) {
+    write_out(out, Box::into_raw(Box::new(Tagged { tag: C::TAG, held })).cast::<C>());
 }
 
 /// Moves `v` into a new `Box` handle written to `*out` (checked non-null).
 pub(crate) fn box_out<C: Castable<Ownership = OwnedBox>>(out: *mut *mut C, v: C::RustType) {
-    write_out(out, Box::into_raw(Box::new(v)).cast::<C>());
-}
-
-/// Releases a `Box` handle; NULL is a no-op, and a panic in the value's
-/// `Drop` is contained.
-pub(crate) fn free_box<C: Castable<Ownership = OwnedBox>>(p: *mut C) {
-    if p.is_null() {
-        return;
-    }
-    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: a live `Box` handle (made by `box_out`), not used again, by
-        // the free export's contract.
-        drop(unsafe { Box::from_raw(p.cast::<C::RustType>()) });
-    }));
+    tagged_out::<C>(out, v);
 }
 
 /// Writes a new `Arc` handle of `v` to `*out` (checked non-null).
 pub(crate) fn arc_out<C: Castable<Ownership = OwnedArc>>(out: *mut *mut C, v: Arc<C::RustType>) {
-    write_out(out, Arc::into_raw(v).cast_mut().cast::<C>());
+    tagged_out::<C>(out, v);
 }
 
 /// One more reference to the value of an `Arc` handle; NULL is NULL_ARGUMENT.
@@ -108,23 +181,26 @@ pub(crate) fn clone_arc<C: Castable<Ownership = OwnedArc>>(
     if p.is_null() {
         return Err(Failure::null(f, arg));
     }
-    let p = p.cast::<C::RustType>();
-    // SAFETY: a live `Arc` handle (made by `arc_out`) by the export's
-    // contract; the count is raised before the new `Arc` takes it over.
-    unsafe {
-        Arc::increment_strong_count(p);
-        Ok(Arc::from_raw(p))
-    }
+    opt_ref(f, arg, p)?;
+    // SAFETY: checked just above: a live `Arc` handle of `C`.
+    let t = unsafe { &*p.cast::<Tagged<Arc<C::RustType>>>() };
+    Ok(Arc::clone(&t.held))
 }
 
-/// Releases an `Arc` handle (the caller's reference); NULL is a no-op.
-pub(crate) fn free_arc<C: Castable<Ownership = OwnedArc>>(p: *const C) {
-    if p.is_null() {
+/// Releases a handle (for an `Arc` handle, the caller's reference); NULL, and
+/// a pointer without `C`'s tag, are left alone. A panic in the value's `Drop`
+/// is contained.
+pub(crate) fn release<C: Castable>(p: *mut C) {
+    if p.is_null() || tag_of(p) != C::TAG {
         return;
     }
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: a live `Arc` handle (made by `arc_out`), not used again, by
-        // the free export's contract.
-        drop(unsafe { Arc::from_raw(p.cast::<C::RustType>()) });
+        // SAFETY: a live handle of `C` (its tag checked above), made by
+        // `tagged_out`, not used again by the release export's contract; the
+        // tag is cleared before the memory is given back.
+        let mut b = unsafe { Box::from_raw(p.cast::<Tagged<Held<C>>>()) };
+        // SAFETY: the tag of the box just taken back, a valid `u64`.
+        unsafe { std::ptr::write_volatile(&mut b.tag, RELEASED) };
+        drop(b);
     }));
 }

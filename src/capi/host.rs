@@ -5,7 +5,7 @@
 use std::ffi::c_void;
 
 use super::ffi::{ffi, try_out, write_out, Failure};
-use super::handle::{box_out, free_box};
+use super::handle::{box_out, release};
 use super::types::{amoe_host_block, amoe_status};
 use crate::backend::cpu::host_pool::{Block, MIN_POOLED};
 
@@ -55,5 +55,5 @@ pub extern "C" fn amoe_host_block_min_len() -> usize {
 /// `block` NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_host_block_free(block: *mut amoe_host_block) {
-    free_box(block);
+    release(block);
 }

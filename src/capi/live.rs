@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::ffi::{ffi, flag, read_sizes, try_out, try_ref, write_out, Call, Failure};
-use super::handle::{arc_out, clone_arc, free_arc, try_handle};
+use super::handle::{arc_out, clone_arc, release, try_handle};
 use super::types::{amoe_live_context, amoe_status, amoe_stream};
 use crate::backend::npu::live_context::LiveContext;
 use crate::moe::ForwardContext;
@@ -67,7 +67,7 @@ pub unsafe extern "C" fn amoe_live_context_new(
     const F: &str = "amoe_live_context_new";
     ffi!(F, {
         let out = try_out!(F, out, "out");
-        let s = Call::new(F, stream).required_stream()?;
+        let s = Call::new(F, stream)?.required_stream()?;
         arc_out(out, Arc::new(LiveContext::new(s.device())?));
         Ok(())
     })
@@ -129,7 +129,7 @@ pub unsafe extern "C" fn amoe_live_context_guards(
 /// `ctx` NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_live_context_free(ctx: *mut amoe_live_context) {
-    free_arc(ctx);
+    release(ctx);
 }
 
 /// Attaches `ctx` to `stream` (NULL `ctx` detaches): from then on every op
@@ -151,7 +151,7 @@ pub unsafe extern "C" fn amoe_stream_attach_live_context(
 ) -> amoe_status {
     const F: &str = "amoe_stream_attach_live_context";
     ffi!(F, {
-        let s = Call::new(F, stream).required_stream()?;
+        let s = Call::new(F, stream)?.required_stream()?;
         let live = if ctx.is_null() { None } else { Some(clone_arc(F, "ctx", ctx)?) };
         Ok(s.attach(live)?)
     })
@@ -200,7 +200,7 @@ pub unsafe extern "C" fn amoe_live_context_set(
     ffi!(F, {
         let c = try_handle(F, "ctx", ctx)?;
         let w = forward_context(F, "fc", fc)?.words()?;
-        let s = Call::new(F, stream).required_stream()?;
+        let s = Call::new(F, stream)?.required_stream()?;
         Ok(c.set(&w, s.device().stream())?)
     })
 }
@@ -229,7 +229,7 @@ pub unsafe extern "C" fn amoe_live_context_guard(
         }
         let c = try_handle(F, "ctx", ctx)?;
         let w = forward_context(F, "captured_for", captured_for)?.words()?;
-        let s = Call::new(F, stream).required_stream()?;
+        let s = Call::new(F, stream)?.required_stream()?;
         Ok(c.guard("moe_layer", &w, flags & AMOE_GUARD_ACTUAL_TOKENS != 0, s.device().stream())?)
     })
 }
@@ -254,7 +254,7 @@ pub unsafe extern "C" fn amoe_live_context_check(
     const F: &str = "amoe_live_context_check";
     ffi!(F, {
         let c = try_handle(F, "ctx", ctx)?;
-        let s = Call::new(F, stream).required_stream()?;
+        let s = Call::new(F, stream)?.required_stream()?;
         Ok(c.synchronize_and_check(s.device().stream())?)
     })
 }

@@ -9,6 +9,9 @@
 //!   `AMOE_STATUS_PANIC`, it never unwinds into C;
 //! - every pointer is checked: NULL where a value is required returns
 //!   `AMOE_STATUS_NULL_ARGUMENT`; `*_free` functions accept NULL;
+//! - every handle carries its type (`handle`): a handle of another type
+//!   passed in its place returns `AMOE_STATUS_INVALID_ARGUMENT` naming the
+//!   argument, and a `*_free` function leaves it alone;
 //! - enum-like inputs (dtype, device kind, reduce op, comm type, shared mode,
 //!   drop-pad mode) are passed as `uint32_t` and validated, so an unknown
 //!   value is an error rather than undefined behaviour; their numbers are the

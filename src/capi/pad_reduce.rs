@@ -73,7 +73,7 @@ fn layout_op(
     stream: *const amoe_stream,
 ) -> amoe_status {
     ffi!(f, {
-        let cx = &Call::new(f, stream);
+        let cx = &Call::new(f, stream)?;
         let c = cx.comm("ep_comm", ep_comm)?;
         let checked = (|| {
             let x = cx.input("x", x)?;
@@ -249,7 +249,7 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
 ) -> amoe_status {
     const F: &str = "amoe_finalize_and_reduce";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let c = cx.comm("ep_comm", ep_comm)?;
         let checked = (|| {
             let inputs = FinalizeInputs::read(cx, args)?;

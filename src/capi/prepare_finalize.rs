@@ -6,7 +6,7 @@ use std::ffi::c_char;
 use super::ffi::{
     ffi, flag, read_meta, read_sizes, refusing, send_refusal, try_out, try_ref, write_out, write_shape, Call, Failure,
 };
-use super::handle::{box_out, free_box, try_handle};
+use super::handle::{box_out, release, try_handle};
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
 use crate::{CommType, DType};
@@ -191,7 +191,7 @@ pub unsafe extern "C" fn amoe_moe_groups_from_comms(
 /// `groups` NULL or a live handle not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_moe_groups_free(groups: *mut amoe_moe_groups) {
-    free_box(groups);
+    release(groups);
 }
 
 /// The body of the prepare / finalize shape exports.
@@ -282,7 +282,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let g = try_handle(F, "groups", groups)?;
         // Without a comm type or context this rank cannot plan; its peers
         // still wait in the comm-type agreement where that check is on.
@@ -421,7 +421,7 @@ pub unsafe extern "C" fn amoe_token_finalize(
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
     ffi!(F, {
-        let cx = &Call::new(F, stream);
+        let cx = &Call::new(F, stream)?;
         let g = try_handle(F, "groups", groups)?;
         // Without a comm type or context this rank cannot plan; its peers
         // still wait in the comm-type agreement where that check is on.

@@ -195,7 +195,7 @@ pub unsafe extern "C" fn amoe_reduce_routed_early(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_routed_early";
-    ffi!(F, { reduce_point(&Call::new(F, stream), ReducePoint::RoutedEarly, policy, x, comm_type, tp_comm, out) })
+    ffi!(F, { reduce_point(&Call::new(F, stream)?, ReducePoint::RoutedEarly, policy, x, comm_type, tp_comm, out) })
 }
 
 /// Reduction point 2 (shared-expert output) with the live `comm_type`.
@@ -213,7 +213,7 @@ pub unsafe extern "C" fn amoe_reduce_shared(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_shared";
-    ffi!(F, { reduce_point(&Call::new(F, stream), ReducePoint::Shared, policy, x, comm_type, tp_comm, out) })
+    ffi!(F, { reduce_point(&Call::new(F, stream)?, ReducePoint::Shared, policy, x, comm_type, tp_comm, out) })
 }
 
 /// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
@@ -231,5 +231,5 @@ pub unsafe extern "C" fn amoe_reduce_final(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_final";
-    ffi!(F, { reduce_point(&Call::new(F, stream), ReducePoint::Final, policy, x, comm_type, tp_comm, out) })
+    ffi!(F, { reduce_point(&Call::new(F, stream)?, ReducePoint::Final, policy, x, comm_type, tp_comm, out) })
 }

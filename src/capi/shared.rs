@@ -43,7 +43,7 @@ fn op_body(
     into: impl FnOnce(&Tensor, &Comm, &mut Tensor) -> crate::Result<()>,
 ) -> amoe_status {
     ffi!(f, {
-        let cx = &Call::new(f, stream);
+        let cx = &Call::new(f, stream)?;
         let tp = cx.comm("tp_comm", tp_comm)?;
         let checked = (|| {
             let x = cx.input("x", x)?;

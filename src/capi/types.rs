@@ -34,7 +34,8 @@ numbered! {
         Ok = 0 => "OK",
         /// A required pointer argument was NULL.
         NullArgument = 1 => "NULL_ARGUMENT",
-        /// An argument has a value the function does not accept.
+        /// An argument has a value the function does not accept (also a
+        /// handle of another type than the argument's).
         InvalidArgument = 2 => "INVALID_ARGUMENT",
         /// A tensor has the wrong shape.
         Shape = 3 => "SHAPE",
