@@ -1037,7 +1037,8 @@ amoe_status amoe_live_context_check(const struct amoe_live_context *ctx,
 
 // Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
 // `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
-// when `local_sizes` is NULL. `x`'s data pointer is ignored.
+// when `local_sizes` is NULL (with `n` 0; NULL with `n` > 0 is
+// `AMOE_STATUS_NULL_ARGUMENT`). `x`'s data pointer is ignored.
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 //
 // # Safety
@@ -1054,7 +1055,8 @@ amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
 // EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
 // (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
 // rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
-// `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
+// `local_sizes[rank]` rows. `local_sizes` NULL (with `n` 0) = plain EP
+// reduce-scatter.
 // Collective: every rank of `ep_comm` calls it with the same layout.
 // Ownership as `amoe_moe_finalize_routing`.
 //
@@ -1078,7 +1080,7 @@ amoe_status amoe_maybe_pad_and_reduce(const struct amoe_tensor *x,
 
 // Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
 // `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
-// `[rows * ep_size, H...]` when `local_sizes` is NULL.
+// `[rows * ep_size, H...]` when `local_sizes` is NULL (with `n` 0).
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 //
 // # Safety

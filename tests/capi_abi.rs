@@ -101,6 +101,35 @@ fn a_handle_of_another_type_is_refused_naming_the_argument() {
 }
 
 #[test]
+fn a_null_layout_with_entries_is_refused_not_taken_for_no_layout() {
+    let mut v = vec![0f32; 6];
+    let xs = [6usize, 1];
+    let x = host(&mut v, &xs);
+    let (mut shape, mut ndim) = ([0usize; AMOE_MAX_NDIM], 0usize);
+    // SAFETY: valid descriptor and out-pointers; `local_sizes` is NULL with
+    // 2 entries, the case under test.
+    let st = unsafe {
+        amoe_maybe_pad_and_reduce_output_shape(&x, null(), 2, 0, 2, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut ndim)
+    };
+    assert_eq!(st, amoe_status::NullArgument, "a NULL layout of 2 entries was taken for none");
+    assert!(last_error().contains("`local_sizes` is NULL") && last_error().contains("n = 2"), "{}", last_error());
+    // SAFETY: as above, with n = 0: no layout.
+    let st = unsafe {
+        amoe_maybe_all_gather_and_maybe_unpad_output_shape(
+            &x,
+            null(),
+            0,
+            0,
+            2,
+            shape.as_mut_ptr(),
+            AMOE_MAX_NDIM,
+            &mut ndim,
+        )
+    };
+    assert_eq!((st, &shape[..ndim]), (amoe_status::Ok, &[12usize, 1][..]), "{}", last_error());
+}
+
+#[test]
 fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is_refused() {
     // SAFETY: every pointer is NULL (the case under test) or writable / valid.
     unsafe {

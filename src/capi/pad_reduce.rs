@@ -8,10 +8,17 @@ use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::{self, SpLayout};
 use crate::{Collectives, Comm, Tensor};
 
-/// An optional SP layout: NULL `local_sizes` means none (plain EP
-/// reduce-scatter / all-gather); otherwise `n` entries, one per EP rank.
+/// An optional SP layout: NULL `local_sizes` (with `n` 0) means none (plain
+/// EP reduce-scatter / all-gather); otherwise `n` entries, one per EP rank.
+/// NULL with entries is NULL_ARGUMENT: the caller meant a layout.
 fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<SpLayout>, Failure> {
     if local_sizes.is_null() {
+        if n != 0 {
+            return Err(Failure::new(
+                amoe_status::NullArgument,
+                format!("{f}: `local_sizes` is NULL with n = {n} (no layout is NULL with n = 0)"),
+            ));
+        }
         return Ok(None);
     }
     let sizes = read_sizes(f, "local_sizes", local_sizes, n)?;
@@ -99,7 +106,8 @@ fn layout_op(
 
 /// Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
 /// `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
-/// when `local_sizes` is NULL. `x`'s data pointer is ignored.
+/// when `local_sizes` is NULL (with `n` 0; NULL with `n` > 0 is
+/// `AMOE_STATUS_NULL_ARGUMENT`). `x`'s data pointer is ignored.
 /// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
 /// # Safety
@@ -124,7 +132,8 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
 /// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
 /// (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
 /// rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
-/// `local_sizes[rank]` rows. `local_sizes` NULL = plain EP reduce-scatter.
+/// `local_sizes[rank]` rows. `local_sizes` NULL (with `n` 0) = plain EP
+/// reduce-scatter.
 /// Collective: every rank of `ep_comm` calls it with the same layout.
 /// Ownership as `amoe_moe_finalize_routing`.
 ///
@@ -156,7 +165,7 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
 
 /// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
 /// `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
-/// `[rows * ep_size, H...]` when `local_sizes` is NULL.
+/// `[rows * ep_size, H...]` when `local_sizes` is NULL (with `n` 0).
 /// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
 /// # Safety
