@@ -92,7 +92,8 @@ pub trait Collectives {
     /// is queued there and returns at once, the work queued after it running
     /// once every rank reached it (a rank that never does is reported by the
     /// stream's check); on the CPU it waits as [`Collectives::barrier`]. A
-    /// device other than the communicator's is an error naming both.
+    /// device other than the communicator's is an error naming both, which
+    /// on the CPU also fails the peers waiting in the barrier at once.
     fn barrier_on(&self, device: &Device) -> Result<()>;
     /// Finalize routing fused with the EP reduce-scatter (SPEC section 3),
     /// [`Communicator::finalize_reduce_scatter`]: `out`
