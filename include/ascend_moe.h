@@ -285,6 +285,8 @@ typedef struct amoe_stream amoe_stream;
 //   may carry any stride, and a tensor without elements any strides); other
 //   layouts are rejected.
 // - `device_kind`: an `amoe_device_kind` code; `device_ordinal` names the NPU.
+//   An op over NPU inputs writes its result on the stream, so its `out` is
+//   NPU memory too (a host `out` is `AMOE_STATUS_DEVICE`, before any work).
 typedef struct amoe_tensor {
   // First byte of the elements.
   void *data;

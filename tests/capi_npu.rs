@@ -427,3 +427,56 @@ fn a_cpu_barrier_given_a_stream_fails_its_peers_too() {
     // SAFETY: the handle made above, freed once.
     unsafe { amoe_stream_free(s) };
 }
+
+/// An op over NPU inputs writes an NPU output on the stream: a host `out`
+/// would need a device-to-host copy and a synchronisation, which the NPU
+/// ops never make. It is refused before any work, naming `out`, and left
+/// unwritten.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn an_op_over_npu_inputs_refuses_a_host_output() {
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let engine_stream = dev.new_stream().expect("stream");
+    let mut s: *mut amoe_stream = null_mut();
+    // SAFETY: a live stream of this device, outliving the handle.
+    assert_eq!(unsafe { amoe_stream_wrap(engine_stream.raw(), 0, &mut s) }, amoe_status::Ok, "{}", last_error());
+    let name = std::ffi::CString::new(format!("capi-npu-host-out-{}", std::process::id())).expect("no NUL");
+    let mut c: *mut amoe_comm = null_mut();
+    // SAFETY: a valid name and out-pointer.
+    assert_eq!(unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, 20.0, &mut c) }, amoe_status::Ok, "{}", last_error());
+    let x = dev.clone_htod(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]).expect("x");
+    let idx = dev.clone_htod(&[0i32, 1, 2, 3]).expect("idx");
+    dev.synchronize().expect("sync");
+    let (xs, is) = ([4usize, 2], [4usize]);
+    let xd = desc(ptr(&x), amoe_dtype::F32, &xs, amoe_device_kind::Npu, 0);
+    let id = desc(ptr(&idx), amoe_dtype::I32, &is, amoe_device_kind::Npu, 0);
+    let mut host = [-1.0f32; 8];
+    let od = desc(host.as_mut_ptr().cast(), amoe_dtype::F32, &xs, amoe_device_kind::Cpu, 0);
+
+    // SAFETY: live handles; the descriptors point at live memory of their sizes.
+    let st = unsafe { amoe_shared_pad_split(&xd, c, &od, s) };
+    let msg = last_error();
+    assert_eq!(st, amoe_status::Device, "{msg}");
+    assert!(msg.contains("amoe_shared_pad_split") && msg.contains("`out`"), "{msg}");
+    let args = amoe_finalize_args {
+        expanded_x: &xd,
+        expanded_row_idx: &id,
+        x1: null(),
+        x2: null(),
+        bias: null(),
+        scales: null(),
+        expert_idx: null(),
+        drop_pad_mode: amoe_drop_pad_mode::DropLessColumn as u32,
+    };
+    // SAFETY: as above.
+    let st = unsafe { amoe_moe_finalize_routing(&args, &od, s) };
+    let msg = last_error();
+    assert_eq!(st, amoe_status::Device, "{msg}");
+    assert!(msg.contains("amoe_moe_finalize_routing") && msg.contains("`out`"), "{msg}");
+    assert_eq!(host, [-1.0f32; 8], "the host output is not written");
+    // SAFETY: the handles made above, freed once.
+    unsafe {
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+}

@@ -204,14 +204,24 @@ impl<'a> Call<'a> {
     }
 
     /// The output tensor an op computing from `x` writes: the caller's
-    /// memory as [`Call::output`] gives it, or `None` when `out` is on
-    /// another kind of device than `x`: then the op computes a result of its
-    /// own, which [`Call::write`] copies into `out`.
+    /// memory as [`Call::output`] gives it, or `None` for a host `x` with an
+    /// NPU `out`: then the op computes a result of its own, which
+    /// [`Call::write`] copies into `out`. An NPU `x` with a host `out` is
+    /// DEVICE naming `out`: its result would come back by a device-to-host
+    /// copy and a synchronisation, which the NPU ops never make.
     pub(crate) fn output_for(&self, o: &Out<'_>, x: &Tensor) -> Result<Option<Tensor>, Failure> {
-        if (o.d.device_kind == AMOE_DEVICE_NPU) == x.is_cpu() {
-            return Ok(None);
+        match (o.d.device_kind == AMOE_DEVICE_NPU, x.is_cpu()) {
+            (true, true) => Ok(None),
+            (false, false) => Err(Failure::new(
+                amoe_status::Device,
+                format!(
+                    "{}: `out` is host memory, but the op's input is an NPU tensor: pass NPU memory of the \
+                     stream's device (the op never copies its result to the host)",
+                    self.f
+                ),
+            )),
+            _ => self.output(o).map(Some),
         }
-        self.output(o).map(Some)
     }
 
     /// Puts `t` into the caller's output after checking that its shape and

@@ -115,12 +115,6 @@ fn reduce_point(
         let out = cx.out("out", out)?;
         out.check(cx, x_in.shape(), x_in.dtype())?;
         let o = cx.output_for(&out, &x_in)?;
-        if o.is_none() && !x_in.is_cpu() {
-            return Err(Failure::new(
-                amoe_status::Device,
-                format!("{}: `x` is an NPU tensor, so `out` must be one too (on the stream's device)", cx.f),
-            ));
-        }
         Ok((p, c, x_in, out, o))
     })();
     // The TP peers wait in the comm-type agreement (or the all-reduce).

@@ -216,6 +216,8 @@ pub const AMOE_HCCL_WORLD: u32 = 1;
 ///   may carry any stride, and a tensor without elements any strides); other
 ///   layouts are rejected.
 /// - `device_kind`: an `amoe_device_kind` code; `device_ordinal` names the NPU.
+///   An op over NPU inputs writes its result on the stream, so its `out` is
+///   NPU memory too (a host `out` is `AMOE_STATUS_DEVICE`, before any work).
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
 pub struct amoe_tensor {
