@@ -51,6 +51,10 @@ static int rank_main(size_t rank) {
   size_t r = 99, w = 99;
   CHECK(amoe_comm_rank(comm, &r) == AMOE_STATUS_OK && r == rank, "rank %zu got %zu", rank, r);
   CHECK(amoe_comm_world_size(comm, &w) == AMOE_STATUS_OK && w == 2, "world %zu", w);
+  /* A handle of another type is refused, not read as the expected one. */
+  CHECK(amoe_stream_check((const amoe_stream *)(const void *)comm) == AMOE_STATUS_INVALID_ARGUMENT,
+        "a communicator taken for a stream: %s", last_error());
+  CHECK(strstr(last_error(), "not a live amoe_stream handle") != NULL, "message: %s", last_error());
 
   /* all_reduce sum of x_r[i] = (r + 1) * i over 2 ranks: 3 * i. */
   float x[6], y[6];
