@@ -816,6 +816,11 @@ fn a_check_is_refused_under_capture_and_on_another_devices_stream() {
         let (st, msg) = e.check();
         assert_eq!(st, amoe_status::InvalidArgument, "{msg}");
         assert!(msg.contains("capturing a graph") && msg.contains("after the capture ends"), "{msg}");
+        // Setting the context is refused under capture too.
+        // SAFETY: live handles and a valid forward context.
+        let st = unsafe { amoe_live_context_set(e.live, &mc2, e.stream) };
+        assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
+        assert!(last_error().contains("outside capture"), "{}", last_error());
     });
     drop(graph);
     let other = NpuDevice::open(1).unwrap();
@@ -826,10 +831,21 @@ fn a_check_is_refused_under_capture_and_on_another_devices_stream() {
     // SAFETY: live handles.
     let st = unsafe { amoe_live_context_check(e.live, s1) };
     let msg = if st == amoe_status::Ok { String::new() } else { last_error() };
+    // Setting or guarding the context on that stream is refused the same way.
+    // SAFETY: live handles and a valid forward context.
+    let set = unsafe { amoe_live_context_set(e.live, &mc2, s1) };
+    let set_msg = last_error();
+    // SAFETY: as above.
+    let guard = unsafe { amoe_live_context_guard(e.live, &mc2, 0, s1) };
+    let guard_msg = last_error();
     // SAFETY: a live handle, not used afterwards.
     unsafe { amoe_stream_free(s1) };
     assert_ne!(st, amoe_status::Ok, "a stream of npu:1 for a context of npu:0");
     assert!(msg.contains("stream") && msg.contains("npu:0") && msg.contains("npu:1"), "{msg}");
+    assert_eq!(set, amoe_status::Device, "{set_msg}");
+    assert!(set_msg.contains("npu:0") && set_msg.contains("npu:1"), "{set_msg}");
+    assert_eq!(guard, amoe_status::Device, "{guard_msg}");
+    assert!(guard_msg.contains("npu:0") && guard_msg.contains("npu:1"), "{guard_msg}");
     let (st, msg) = e.check();
     assert_eq!(st, amoe_status::StaleContext, "{msg}");
     assert!(msg.contains("comm_type is 2 (ALLTOALL)"), "{msg}");

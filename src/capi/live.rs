@@ -184,9 +184,11 @@ pub unsafe extern "C" fn amoe_live_context_device_ptr(
 
 /// Enqueues on `stream` the update of the live context to `fc` (a copy from
 /// pinned staging the library owns). The engine calls it before each replay,
-/// outside capture. Creates no event, and never synchronises except to wait
-/// for the update 8 updates earlier when the stream has not run it yet
-/// (asked first with `aclrtQueryEventStatus`, which does not wait).
+/// outside capture (a capturing `stream` is refused,
+/// `AMOE_STATUS_INVALID_ARGUMENT`; a stream of another device than `ctx`'s
+/// is `AMOE_STATUS_DEVICE`). Creates no event, and never synchronises except
+/// to wait for the update 8 updates earlier when the stream has not run it
+/// yet (asked first with `aclrtQueryEventStatus`, which does not wait).
 ///
 /// # Safety
 /// `ctx`, `stream` live; `fc` valid.
@@ -210,8 +212,13 @@ pub unsafe extern "C" fn amoe_live_context_set(
 /// it (comm type, SP, PCP size, DP size and every DP rank's tokens, and with
 /// `AMOE_GUARD_ACTUAL_TOKENS` in `flags` the actual tokens too), and a
 /// difference is recorded. Capture it with the ops: every replay checks the
-/// context the engine set for it. Only enqueues (no sync, no allocation, no
-/// host read); `amoe_live_context_check` reports the difference.
+/// context the engine set for it. Only enqueues (no sync, no host read);
+/// `amoe_live_context_check` reports the difference. It takes a free guard
+/// record: outside capture, when none is free, it first adds 128 (device
+/// and pinned memory, zeroed by a blocking memset, as
+/// `amoe_live_context_new` says); under capture it is refused instead,
+/// naming `amoe_live_context_reserve`. A stream of another device than
+/// `ctx`'s is `AMOE_STATUS_DEVICE`.
 ///
 /// # Safety
 /// `ctx`, `stream` live; `captured_for` valid.
