@@ -1252,7 +1252,7 @@ amoe_status amoe_token_prepare(const struct amoe_tensor *x,
                                const struct amoe_stream *stream);
 
 // Reports `message`, an error this rank found in its own arguments to
-// `amoe_token_prepare` (`finalize` 0) or `amoe_token_finalize` (1) that it
+// `amoe_token_prepare` (`finalize` 0) or `amoe_token_finalize` (non-zero) that it
 // will therefore not make, to the peers (for a binding that checks
 // arguments before it calls the library). The peers' first collective is
 // the comm-type agreement over the EP group where that check is on (a CPU
@@ -1326,7 +1326,7 @@ amoe_status amoe_reduce_policy_decisions(const struct amoe_reduce_policy *policy
 // Reports `message`, an error this rank found in its own arguments at a
 // reduction point that it will therefore not run, to its TP peers (for a
 // binding that checks arguments before it calls the library). `reduces`
-// (0 or 1): whether the point reduces under the policy and comm type
+// (0, or non-zero for 1): whether the point reduces under the policy and comm type
 // (`amoe_reduce_policy_decisions`; 0 when they are unknown). The peers'
 // first collective over `tp_comm` is the comm-type agreement where that
 // check is on (a CPU communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`),

@@ -343,7 +343,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
 }
 
 /// Reports `message`, an error this rank found in its own arguments to
-/// `amoe_token_prepare` (`finalize` 0) or `amoe_token_finalize` (1) that it
+/// `amoe_token_prepare` (`finalize` 0) or `amoe_token_finalize` (non-zero) that it
 /// will therefore not make, to the peers (for a binding that checks
 /// arguments before it calls the library). The peers' first collective is
 /// the comm-type agreement over the EP group where that check is on (a CPU

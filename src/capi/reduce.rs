@@ -136,7 +136,7 @@ fn reduce_point(
 /// Reports `message`, an error this rank found in its own arguments at a
 /// reduction point that it will therefore not run, to its TP peers (for a
 /// binding that checks arguments before it calls the library). `reduces`
-/// (0 or 1): whether the point reduces under the policy and comm type
+/// (0, or non-zero for 1): whether the point reduces under the policy and comm type
 /// (`amoe_reduce_policy_decisions`; 0 when they are unknown). The peers'
 /// first collective over `tp_comm` is the comm-type agreement where that
 /// check is on (a CPU communicator unless `ASCEND_MOE_CHECK_COMM_TYPE=0`),
