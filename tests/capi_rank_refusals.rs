@@ -234,6 +234,54 @@ fn token_prepare_or_finalize_with_a_bad_argument_on_one_rank_fails_every_rank_at
     });
 }
 
+/// A `stream` that is no live stream handle (here the rank's communicator,
+/// a handle of another type) is refused through the communicator the peers
+/// wait on, like any other bad argument.
+#[test]
+fn a_bad_stream_handle_on_one_rank_fails_every_rank_at_once() {
+    let stream = |rank: usize, c: *mut amoe_comm| if rank == BAD { c as *const amoe_stream } else { null() };
+    let inv = amoe_status::InvalidArgument;
+    one_bad_rank("all_reduce stream", "stream", inv, |rank, c| {
+        let (mut a, mut b) = (vec![1f32; 8], vec![0f32; 8]);
+        let (s, d) = (host(&mut a, &[8]), host(&mut b, &[8]));
+        // SAFETY: live handle; descriptors over live buffers; the stream
+        // argument is NULL or a live handle (of another type).
+        unsafe { amoe_all_reduce(c, &s, &d, 0, stream(rank, c)) }
+    });
+    // SAFETY: as above.
+    one_bad_rank("barrier stream", "stream", inv, |rank, c| unsafe { amoe_barrier(c, stream(rank, c)) });
+    let sizes = [2usize, 1];
+    one_bad_rank("pad_and_reduce stream", "stream", inv, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 2 * 4]);
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[sizes[rank], 4]));
+        // SAFETY: as above.
+        unsafe { amoe_maybe_pad_and_reduce(&xd, sizes.as_ptr(), 2, c, &od, stream(rank, c)) }
+    });
+    one_bad_rank("shared_gather_unpad stream", "stream", inv, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+        let (xd, od) = (host(&mut x, &[2, 4]), host(&mut o, &[4, 4]));
+        // SAFETY: as above.
+        unsafe { amoe_shared_gather_unpad(&xd, 4, c, &od, stream(rank, c)) }
+    });
+    let policy = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    one_bad_rank("reduce_final stream", "stream", inv, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 3 * 4]);
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[3, 4]));
+        let ag = amoe_comm_type::AllGather as u32;
+        // SAFETY: as above; a valid policy.
+        unsafe { amoe_reduce_final(&policy, &xd, ag, c, &od, stream(rank, c)) }
+    });
+    one_bad_rank("prepare stream", "stream", inv, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+            let (xd, od) = (host(&mut x, &[2, 4]), host(&mut o, &[4, 4]));
+            let ag = amoe_comm_type::AllGather as u32;
+            // SAFETY: as above.
+            unsafe { amoe_token_prepare(&xd, ag, ctx, g, &od, null(), stream(rank, c)) }
+        })
+    });
+}
+
 #[test]
 fn a_split_with_a_null_list_on_one_rank_fails_every_rank_at_once() {
     // The peers learn that the member passed no list.

@@ -269,8 +269,8 @@ macro_rules! collective {
     ($f:expr, $comm:ident, $src:ident, $dst:ident, $stream:ident, $args:expr,
      |$c:ident, $s:ident, $d:ident, $a:pat_param| $run:expr) => {
         ffi!($f, {
-            let cx = &Call::new($f, $stream)?;
-            let $c = cx.comm("comm", $comm)?;
+            let (cx, $c) = Call::on_comm($f, $stream, "comm", $comm)?;
+            let cx = &cx;
             let checked = (|| {
                 let s = cx.input("src", $src)?;
                 let out = cx.out("dst", $dst)?;
@@ -442,8 +442,8 @@ pub unsafe extern "C" fn amoe_broadcast(
 ) -> amoe_status {
     const F: &str = "amoe_broadcast";
     ffi!(F, {
-        let cx = &Call::new(F, stream)?;
-        let c = cx.comm("comm", comm)?;
+        let (cx, c) = Call::on_comm(F, stream, "comm", comm)?;
+        let cx = &cx;
         let (mut b, out) = refusing_on(c, (|| Ok((cx.input("buf", buf)?, cx.out("buf", buf)?)))())?;
         c.broadcast(&mut b, root)?;
         cx.write(&out, &b)
@@ -464,8 +464,7 @@ pub unsafe extern "C" fn amoe_broadcast(
 pub unsafe extern "C" fn amoe_barrier(comm: *const amoe_comm, stream: *const amoe_stream) -> amoe_status {
     const F: &str = "amoe_barrier";
     ffi!(F, {
-        let cx = &Call::new(F, stream)?;
-        let c = cx.comm("comm", comm)?;
+        let (cx, c) = Call::on_comm(F, stream, "comm", comm)?;
         match cx.stream() {
             Some(s) => c.barrier_on(&Device::Npu(s.device().clone()))?,
             None => c.barrier()?,

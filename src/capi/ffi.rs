@@ -72,10 +72,31 @@ impl<'a> Call<'a> {
         }
     }
 
+    /// The call of export `f` on `stream`, and the communicator behind `p`
+    /// (the argument `arg`), on which the peers wait in a collective whatever
+    /// this rank's arguments. The communicator is read first, so a `stream`
+    /// that is no live stream handle is refused through it too: the peers
+    /// fail at once instead of waiting out the timeout.
+    pub(crate) fn on_comm(
+        f: &'static str,
+        stream: *const amoe_stream,
+        arg: &'static str,
+        p: *const amoe_comm,
+    ) -> Result<(Self, &'a Comm), Failure> {
+        let c = handle::try_handle(f, arg, p)?;
+        let cx = refusing_on(c, Self::new(f, stream))?;
+        let c = cx.on_stream_device(c)?;
+        Ok((cx, c))
+    }
+
     /// The communicator behind `p` (the argument `arg`), which must be on the
     /// call's stream device.
     pub(crate) fn comm(&self, arg: &'static str, p: *const amoe_comm) -> Result<&'a Comm, Failure> {
-        let c = handle::try_handle(self.f, arg, p)?;
+        self.on_stream_device(handle::try_handle(self.f, arg, p)?)
+    }
+
+    /// `c`, which must be on the call's stream device.
+    fn on_stream_device(&self, c: &'a Comm) -> Result<&'a Comm, Failure> {
         if let (Comm::Npu(h), Some(s)) = (c, self.stream) {
             let (comm_ord, s) = (h.npu_device().ordinal(), s.device().ordinal());
             if s != comm_ord {

@@ -80,8 +80,8 @@ fn layout_op(
     stream: *const amoe_stream,
 ) -> amoe_status {
     ffi!(f, {
-        let cx = &Call::new(f, stream)?;
-        let c = cx.comm("ep_comm", ep_comm)?;
+        let (cx, c) = Call::on_comm(f, stream, "ep_comm", ep_comm)?;
+        let cx = &cx;
         let checked = (|| {
             let x = cx.input("x", x)?;
             let l = layout(f, local_sizes, n)?;
@@ -258,8 +258,8 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
 ) -> amoe_status {
     const F: &str = "amoe_finalize_and_reduce";
     ffi!(F, {
-        let cx = &Call::new(F, stream)?;
-        let c = cx.comm("ep_comm", ep_comm)?;
+        let (cx, c) = Call::on_comm(F, stream, "ep_comm", ep_comm)?;
+        let cx = &cx;
         let checked = (|| {
             let inputs = FinalizeInputs::read(cx, args)?;
             let l = layout(F, local_sizes, n)?;

@@ -282,8 +282,8 @@ pub unsafe extern "C" fn amoe_token_prepare(
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare";
     ffi!(F, {
-        let cx = &Call::new(F, stream)?;
         let g = try_handle(F, "groups", groups)?;
+        let cx = &refusing(Call::new(F, stream), |e| pf::refuse_unread(g, DType::U8, e))?;
         // Without a comm type or context this rank cannot plan; its peers
         // still wait in the comm-type agreement where that check is on.
         let read = (|| {
@@ -421,8 +421,8 @@ pub unsafe extern "C" fn amoe_token_finalize(
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize";
     ffi!(F, {
-        let cx = &Call::new(F, stream)?;
         let g = try_handle(F, "groups", groups)?;
+        let cx = &refusing(Call::new(F, stream), |e| pf::refuse_unread(g, DType::U8, e))?;
         // Without a comm type or context this rank cannot plan; its peers
         // still wait in the comm-type agreement where that check is on.
         let read = (|| {

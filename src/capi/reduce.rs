@@ -91,8 +91,10 @@ pub unsafe extern "C" fn amoe_reduce_policy_decisions(
 /// The body of the reduction-point exports: the point's `_into` form over
 /// the caller's `x` and `out`, which may be the same memory ([`Output::of`]
 /// decides).
+#[allow(clippy::too_many_arguments)] // the export's arguments, plus its name and point
 fn reduce_point(
-    cx: &Call<'_>,
+    f: &'static str,
+    stream: *const amoe_stream,
     point: ReducePoint,
     p: *const amoe_reduce_policy,
     x: *const amoe_tensor,
@@ -100,6 +102,10 @@ fn reduce_point(
     tp_comm: *const amoe_comm,
     out: *const amoe_tensor,
 ) -> Result<(), Failure> {
+    // The TP peers wait in the comm-type agreement (or the all-reduce), also
+    // when `stream` is no live stream handle.
+    let tp = try_handle(f, "tp_comm", tp_comm)?;
+    let cx = &refusing(Call::new(f, stream), |e| moe::reduce::refuse_at_point(false, tp, DType::I32, e))?;
     let tp = cx.comm("tp_comm", tp_comm)?;
     let mut reduces = false;
     let checked = (|| {
@@ -189,7 +195,7 @@ pub unsafe extern "C" fn amoe_reduce_routed_early(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_routed_early";
-    ffi!(F, { reduce_point(&Call::new(F, stream)?, ReducePoint::RoutedEarly, policy, x, comm_type, tp_comm, out) })
+    ffi!(F, { reduce_point(F, stream, ReducePoint::RoutedEarly, policy, x, comm_type, tp_comm, out) })
 }
 
 /// Reduction point 2 (shared-expert output) with the live `comm_type`.
@@ -207,7 +213,7 @@ pub unsafe extern "C" fn amoe_reduce_shared(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_shared";
-    ffi!(F, { reduce_point(&Call::new(F, stream)?, ReducePoint::Shared, policy, x, comm_type, tp_comm, out) })
+    ffi!(F, { reduce_point(F, stream, ReducePoint::Shared, policy, x, comm_type, tp_comm, out) })
 }
 
 /// Reduction point 3 (after `shared + routed`) with the live `comm_type`.
@@ -225,5 +231,5 @@ pub unsafe extern "C" fn amoe_reduce_final(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_reduce_final";
-    ffi!(F, { reduce_point(&Call::new(F, stream)?, ReducePoint::Final, policy, x, comm_type, tp_comm, out) })
+    ffi!(F, { reduce_point(F, stream, ReducePoint::Final, policy, x, comm_type, tp_comm, out) })
 }

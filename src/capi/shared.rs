@@ -43,8 +43,14 @@ fn op_body(
     into: impl FnOnce(&Tensor, &Comm, &mut Tensor) -> crate::Result<()>,
 ) -> amoe_status {
     ffi!(f, {
-        let cx = &Call::new(f, stream)?;
-        let tp = cx.comm("tp_comm", tp_comm)?;
+        let (cx, tp) = if collective {
+            Call::on_comm(f, stream, "tp_comm", tp_comm)?
+        } else {
+            let cx = Call::new(f, stream)?;
+            let tp = cx.comm("tp_comm", tp_comm)?;
+            (cx, tp)
+        };
+        let cx = &cx;
         let checked = (|| {
             let x = cx.input("x", x)?;
             let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
