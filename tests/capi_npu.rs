@@ -174,6 +174,13 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     assert_eq!(st, amoe_status::Ok, "{}", last_error());
     engine_stream.synchronize()?;
     assert_eq!(ob.to_vec()?, want, "maybe_pad_and_reduce rank {rank}");
+    // The same into the first rows of `x` itself (read from a copy).
+    let on_x = desc(ptr(&xb), amoe_dtype::F32, &os, amoe_device_kind::Npu, ord);
+    // SAFETY: as above.
+    let st = unsafe { amoe_maybe_pad_and_reduce(&xd, local.as_ptr(), local.len(), c, &on_x, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize()?;
+    assert_eq!(xb.to_vec()?[..local[rank] * H], want[..], "maybe_pad_and_reduce into its own `x`, rank {rank}");
 
     // moe_finalize_routing: NPU descriptors equal the host path.
     let (t, k) = (3usize, 2usize);
@@ -228,21 +235,26 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     }
     assert_eq!(host_out, spec, "finalize rank {rank}: SPEC's value");
 
-    // An NPU output over an input's memory is refused, naming the input: the
-    // kernels read rows the call is writing. Unpermute, K = 1 and no probs:
-    // a row gather of `permuted` [T*K, H] by the six row indices into itself.
-    let before = exb.to_vec()?;
+    // An NPU output over an input's memory gets the result a separate output
+    // gets, as on the host: the op writes workspace, then one device copy.
+    // Unpermute, K = 1 and no probs: a row gather of `permuted` [T*K, H] by
+    // the six row indices into itself.
+    let pb = dev.clone_htod(&ex)?;
+    dev.synchronize()?;
+    let np = desc(ptr(&pb), amoe_dtype::F32, &exs, amoe_device_kind::Npu, ord);
     // SAFETY: descriptors over live device memory of the stream's device.
-    let st = unsafe { amoe_moe_token_unpermute(&nx, &nr, null(), &nx, s) };
-    assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
-    assert!(last_error().contains("overlaps the input `permuted`"), "{}", last_error());
+    let st = unsafe { amoe_moe_token_unpermute(&np, &nr, null(), &np, s) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    engine_stream.synchronize()?;
+    let gathered: Vec<f32> = rowidx.iter().flat_map(|&r| ex[r as usize * H..(r as usize + 1) * H].to_vec()).collect();
+    assert_eq!(pb.to_vec()?, gathered, "unpermute into its own `permuted`, rank {rank}");
+    // Finalize into the first T rows of its own `expanded_x`.
     let on_x = desc(ptr(&exb), amoe_dtype::F32, &outs, amoe_device_kind::Npu, ord);
     // SAFETY: as above.
     let st = unsafe { amoe_moe_finalize_routing(&args(&nx, &nr, &ns), &on_x, s) };
-    assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
-    assert!(last_error().contains("overlaps the input `expanded_x`"), "{}", last_error());
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
     engine_stream.synchronize()?;
-    assert_eq!(exb.to_vec()?, before, "nothing was written");
+    assert_eq!(exb.to_vec()?[..t * H], spec[..], "finalize into its own `expanded_x`, rank {rank}");
 
     // A bad index where the native kernel launches (native or aclnn finalize)
     // is found on the device: the op queues the work and returns OK;

@@ -164,7 +164,11 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
 /// `amoe_moe_finalize_routing_output_shape` and the dtype of `expanded_x`.
 /// An index outside its valid range is an error (`AMOE_STATUS_INDEX_OUT_OF_RANGE`)
 /// and `out` is then not written on the host (unspecified on NPU, where it
-/// is reported by `amoe_stream_check`). `out` may not overlap any input.
+/// is reported by `amoe_stream_check`). `out` may overlap inputs (the
+/// residual `x1` itself, or `expanded_x`): the result is then written to
+/// workspace and copied into `out`, one device copy more on an NPU, the
+/// same result as into separate memory. The same holds for the ops that
+/// take their ownership rules from this one, for an `out` over their `x`.
 ///
 /// NPU tensors, native kernel (the default where it can launch): enqueues on
 /// `stream` one memset of the status words and one kernel launch writing

@@ -11,6 +11,7 @@
 
 use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+use crate::moe::output::write_apart;
 use crate::types::Numbered;
 pub use crate::types::TensorMeta;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -255,16 +256,16 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<&Tensor>) -> Result<Tensor> {
 
 /// [`moe_finalize_routing`] into `out` (e.g. caller memory borrowed for the
 /// call), which must have the shape of [`moe_finalize_routing_output_shape`]
-/// and the dtype of `expanded_x`, on its device, and may not overlap any
-/// input (an error naming it). Every element is written; on the CPU an
-/// invalid index is reported before any is.
+/// and the dtype of `expanded_x`, on its device. `out` may cover inputs (the
+/// residual `x1` itself, say): the result then goes through workspace, one
+/// device copy more. Every element is written; on the CPU an invalid index
+/// is reported before any is.
 pub fn moe_finalize_routing_into(args: &FinalizeArgs<&Tensor>, out: &mut Tensor) -> Result<()> {
     let (shape, dims) = moe_finalize_routing_output_shape(args)?;
     let device = args.expanded_x.device();
     same_device(FINALIZE, &device, [("out", Some(&*out))])?;
     check_out(FINALIZE, out, &shape, args.expanded_x.dtype())?;
-    crate::moe::output::apart(FINALIZE, out, args.operands())?;
-    device.backend().finalize_routing(args, &dims, out, OutputRows::Dense)
+    write_apart(out, args.operands(), |o| device.backend().finalize_routing(args, &dims, o, OutputRows::Dense))
 }
 
 /// Checks that the output `out` of `op` has exactly the `shape` and `dtype`
@@ -372,8 +373,8 @@ pub fn moe_token_unpermute(permuted: &Tensor, sorted_indices: &Tensor, probs: Op
 
 /// [`moe_token_unpermute`] into `out` (e.g. caller memory borrowed for the
 /// call), which must have the shape of [`moe_token_unpermute_output_shape`]
-/// and the dtype of `permuted`, on its device, and may not overlap any input
-/// (an error naming it). Every element is written.
+/// and the dtype of `permuted`, on its device. `out` may cover inputs, as in
+/// [`moe_finalize_routing_into`]. Every element is written.
 pub fn moe_token_unpermute_into(
     permuted: &Tensor,
     sorted_indices: &Tensor,
@@ -384,10 +385,6 @@ pub fn moe_token_unpermute_into(
     let device = permuted.device();
     same_device(UNPERMUTE, &device, [("out", Some(&*out))])?;
     check_out(UNPERMUTE, out, &shape, permuted.dtype())?;
-    crate::moe::output::apart(
-        UNPERMUTE,
-        out,
-        [("permuted", Some(permuted)), ("sorted_indices", Some(sorted_indices)), ("probs", probs)],
-    )?;
-    device.backend().token_unpermute(permuted, sorted_indices, probs, dims.k, out)
+    let inputs = [("permuted", Some(permuted)), ("sorted_indices", Some(sorted_indices)), ("probs", probs)];
+    write_apart(out, inputs, |o| device.backend().token_unpermute(permuted, sorted_indices, probs, dims.k, o))
 }

@@ -6,8 +6,12 @@
 //! tensors may still share memory when both borrow memory they do not own
 //! (the C ABI lends the caller's `x` and `out` descriptors as two tensors).
 //! [`Output::of`] looks at the bytes both tensors cover and picks the form;
-//! every op that writes a caller's output takes the result of that one
-//! decision.
+//! every reduction point takes the result of that one decision. The ops
+//! that gather rows from anywhere in their inputs (finalize, unpermute, the
+//! SP and shared-expert ops) take an `out` over their inputs as well, on
+//! every device: they read a copy of the input (`read_apart`) or write a
+//! workspace result copied into `out` (`write_apart`), so the caller gets
+//! what separate memory would get.
 
 use crate::tensor::Storage;
 use crate::{Device, Error, Result, Tensor};
@@ -42,20 +46,45 @@ pub(crate) fn overlaps(a: &Tensor, b: &Tensor) -> bool {
     ak == bk && as_ < be && bs < ae && a.len_bytes() > 0 && b.len_bytes() > 0
 }
 
-/// Checks that `out`, written by `op` while it reads `inputs`, covers none
-/// of their bytes (an op whose rows are gathered from anywhere in its inputs
-/// cannot be computed in place); an error names the input.
-pub fn apart<'t>(
-    op: &'static str,
-    out: &Tensor,
+/// Has `write` put an op's result into `out` while the op reads `inputs`,
+/// also when `out` covers bytes of them (the residual `x1` as `out`, an
+/// `out` over `expanded_x`): the op's rows come from anywhere in its inputs,
+/// so it then writes a workspace tensor of `out`'s shape on `out`'s device,
+/// copied into `out` afterwards (one device copy, queued on the NPU). On
+/// the host as on an NPU, every input is read as the caller passed it.
+pub(crate) fn write_apart<'t>(
+    out: &mut Tensor,
     inputs: impl IntoIterator<Item = (&'static str, Option<&'t Tensor>)>,
+    write: impl FnOnce(&mut Tensor) -> Result<()>,
 ) -> Result<()> {
-    for (arg, t) in inputs {
-        if t.is_some_and(|t| overlaps(t, out)) {
-            return Err(Error::invalid(op, "out", format!("overlaps the input `{arg}`: pass memory apart from it")));
-        }
+    if !inputs.into_iter().any(|(_, t)| t.is_some_and(|t| overlaps(t, out))) {
+        return write(out);
+    }
+    let device = out.device();
+    let backend = device.backend();
+    let mut result = backend.output(out.shape(), out.dtype())?;
+    write(&mut result)?;
+    if out.numel() > 0 {
+        backend.copy_rows(&result, 0, out, 0, out.rows())?;
     }
     Ok(())
+}
+
+/// `x` as an op writing `out` reads it: `None` when `out` covers none of its
+/// bytes (read `x` itself), else a copy of `x` in the device's workspace (one
+/// device copy, queued on the NPU), so that the op never reads rows it has
+/// already written.
+pub(crate) fn read_apart(x: &Tensor, out: &Tensor) -> Result<Option<Tensor>> {
+    if !overlaps(x, out) {
+        return Ok(None);
+    }
+    let device = x.device();
+    let backend = device.backend();
+    let mut copy = backend.output(x.shape(), x.dtype())?;
+    if x.numel() > 0 {
+        backend.copy_rows(x, 0, &mut copy, 0, x.rows())?;
+    }
+    Ok(Some(copy))
 }
 
 impl<'a> Output<'a> {

@@ -15,6 +15,7 @@ use crate::backend::{Call, FinalizeArgs};
 use crate::comm::{joins_empty, Collectives, ReduceOp};
 use crate::moe::finalize::{check_out, moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
+use crate::moe::output::{read_apart, write_apart};
 use crate::{Device, Error, Result, Tensor};
 
 const PAD_REDUCE: &str = "maybe_pad_and_reduce";
@@ -277,7 +278,8 @@ pub fn maybe_pad_and_reduce<C: Collectives + ?Sized>(x: &Tensor, layout: Option<
 
 /// [`maybe_pad_and_reduce`] into `out`, which must have the shape of
 /// [`maybe_pad_and_reduce_output_shape`] and the dtype of `x`, on the EP
-/// group's device, and must not overlap `x`. Every element of `out` is
+/// group's device; `out` may cover `x` (then read from a copy in
+/// workspace). Every element of `out` is
 /// written; the reduce-scatter writes `out` directly when this rank's shard
 /// fills its whole slot, and always on a CPU group given a layout, which
 /// moves the blocks unpadded, with the V collective.
@@ -287,6 +289,9 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
+    // `out` may cover `x`: `x` is then read from a copy in workspace.
+    let copy = read_apart(x, out)?;
+    let x = copy.as_ref().unwrap_or(x);
     let shape = maybe_pad_and_reduce_dtype(x.dtype())
         .and_then(|_| maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()));
     let checked = shape.and_then(|s| {
@@ -370,7 +375,8 @@ pub fn maybe_all_gather_and_maybe_unpad<C: Collectives + ?Sized>(
 
 /// [`maybe_all_gather_and_maybe_unpad`] into `out`, which must have the shape
 /// of [`maybe_all_gather_and_maybe_unpad_output_shape`] and the dtype of `x`,
-/// on the EP group's device, and must not overlap `x`. Every element of `out`
+/// on the EP group's device; `out` may cover `x` (then read from a copy in
+/// workspace). Every element of `out`
 /// is written; the all-gather writes `out` directly when no rank is padded,
 /// and always on a CPU group given a layout, which moves the blocks unpadded.
 pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
@@ -379,6 +385,9 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
+    // `out` may cover `x`: `x` is then read from a copy in workspace.
+    let copy = read_apart(x, out)?;
+    let x = copy.as_ref().unwrap_or(x);
     let device = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())
         .and_then(|s| check_in_out(GATHER_UNPAD, "x", x, out, &s, ep))
         .map_err(|e| ep.refuse_call(Call::AllGather, x.dtype(), e))?;
@@ -504,5 +513,6 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
     });
     let (l, dims) = checked.map_err(|e| refuse_reduce(ep, args.expanded_x.dtype(), e))?;
     layout_agrees(&ep.device(), layout, ep)?;
-    ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), out)
+    // `out` may cover an operand (the residual `x1`, say).
+    write_apart(out, args.operands(), |o| ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), o))
 }

@@ -24,6 +24,7 @@ use crate::backend::args::with_rows;
 use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, ReduceOp};
 use crate::moe::finalize::check_out_like;
+use crate::moe::output::read_apart;
 use crate::{Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";
@@ -77,9 +78,13 @@ pub fn shared_pad_split<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<T
 
 /// [`shared_pad_split`] into `out`, which must have the shape of
 /// [`shared_pad_split_output_shape`] and the dtype of `x`, on the device of
-/// `x`, and must not overlap `x`. Every element of `out` is written: this
+/// `x`; `out` may cover `x` (then read from a copy in
+/// workspace). Every element of `out` is written: this
 /// rank's rows of `x` are copied in and the padding rows set to zero.
 pub fn shared_pad_split_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
+    // `out` may cover `x`: `x` is then read from a copy in workspace.
+    let copy = read_apart(x, out)?;
+    let x = copy.as_ref().unwrap_or(x);
     let shape = shared_pad_split_output_shape(x.shape(), tp.rank(), tp.world_size())?;
     let device = check_out_like(PAD_SPLIT, x, out, &shape)?;
     let backend = device.backend();
@@ -127,7 +132,8 @@ pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usiz
 
 /// [`shared_gather_unpad`] into `out`, which must have the shape of
 /// [`shared_gather_unpad_output_shape`] and the dtype of `x`, on the device of
-/// `x`, and must not overlap `x`. Every element of `out` is written; the
+/// `x`; `out` may cover `x` (then read from a copy in
+/// workspace). Every element of `out` is written; the
 /// all-gather writes `out` directly when there is no padding to drop.
 pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     x: &Tensor,
@@ -135,6 +141,9 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     tp: &C,
     out: &mut Tensor,
 ) -> Result<()> {
+    // `out` may cover `x`: `x` is then read from a copy in workspace.
+    let copy = read_apart(x, out)?;
+    let x = copy.as_ref().unwrap_or(x);
     let checked = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size()).and_then(|shape| {
         let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
         let gathered = all_parts(GATHER_UNPAD, x.shape(), x.rows(), tp.world_size())?;
@@ -180,9 +189,13 @@ pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) ->
 
 /// [`shared_pad_reduce_scatter`] into `out`, which must have the shape of
 /// [`shared_pad_reduce_scatter_output_shape`] and the dtype of `x`, on the
-/// device of `x`, and must not overlap `x`. The reduce-scatter writes every
+/// device of `x`; `out` may cover `x` (then read from a copy in
+/// workspace). The reduce-scatter writes every
 /// element of `out` directly.
 pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
+    // `out` may cover `x`: `x` is then read from a copy in workspace.
+    let copy = read_apart(x, out)?;
+    let x = copy.as_ref().unwrap_or(x);
     let checked = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
         .and_then(|shape| Ok((check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?, shape)));
     // A rank's own bad argument fails its peers in the reduce-scatter at once.

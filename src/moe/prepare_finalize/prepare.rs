@@ -296,13 +296,9 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
     let device = y.device();
     let backend = device.backend();
-    if crate::moe::output::overlaps(y, out) {
-        // `out` is (part of) `y`'s memory: `y` is read from a copy in the
-        // stream's workspace, so no collective reads what it writes.
-        let mut copy = backend.scratch(y.shape(), y.dtype())?;
-        if y.numel() > 0 {
-            backend.copy_rows(y, 0, &mut copy, 0, y.rows())?;
-        }
+    // `out` is (part of) `y`'s memory: `y` is read from a copy in the
+    // stream's workspace, so no collective reads what it writes.
+    if let Some(copy) = crate::moe::output::read_apart(y, out)? {
         return finalize_into(&copy, comm, ctx, groups, out);
     }
     agree_before_finalize(comm, ctx, groups)?;
