@@ -11,7 +11,9 @@
  *
  * One core. The live context moves GM -> UB in one DataCopy (256 bytes);
  * the scalar unit reads it after an MTE2 -> S flag, and the 32-byte status
- * head goes back through MTE3 after an S -> MTE3 flag.
+ * head goes back through MTE3 after an S -> MTE3 flag. A mismatch also goes
+ * to the record's sticky copy (guard_tiling.h), which a replay does not
+ * reset.
  */
 #include "finalize_tiling.h"
 #include "guard_tiling.h"
@@ -57,6 +59,7 @@ extern "C" __global__ __aicore__ void amoe_guard_kernel(GM_ADDR live, GM_ADDR st
                 head[AMOE_FIN_STATUS_POSITION] = i;
                 head[AMOE_FIN_STATUS_VALUE] = v;
                 head[AMOE_GUARD_STATUS_EXPECTED] = t.expected[i];
+                head[AMOE_FIN_STATUS_HEAD_WORDS - 1u] = AMOE_GUARD_STICKY_MARK;
                 break;
             }
         }
@@ -72,4 +75,10 @@ extern "C" __global__ __aicore__ void amoe_guard_kernel(GM_ADDR live, GM_ADDR st
     SetFlag<HardEvent::S_MTE3>(out);
     WaitFlag<HardEvent::S_MTE3>(out);
     DataCopy(statusGm, s, AMOE_FIN_STATUS_HEAD_WORDS);
+    if (head[AMOE_FIN_STATUS_CODE] == AMOE_GUARD_ST_MISMATCH) {
+        GlobalTensor<uint32_t> stickyGm;
+        stickyGm.SetGlobalBuffer(reinterpret_cast<__gm__ uint32_t *>(status) + AMOE_GUARD_STICKY_WORD,
+                                 AMOE_FIN_STATUS_HEAD_WORDS);
+        DataCopy(stickyGm, s, AMOE_FIN_STATUS_HEAD_WORDS);
+    }
 }

@@ -53,6 +53,14 @@
 #define AMOE_GUARD_ST_MISMATCH 10u
 /* Word 3 of the status head: the expected value of the differing word. */
 #define AMOE_GUARD_STATUS_EXPECTED 3
+/* A mismatch is also written, as a copy of the head whose word 7 is
+ * AMOE_GUARD_STICKY_MARK, to the last 32 bytes of the record (word
+ * AMOE_GUARD_STICKY_WORD). A launch captured into a graph resets only the
+ * head before each replay, so the copy keeps the mismatch of any replay
+ * until the host reads and zeroes the record, also when later replays
+ * match. */
+#define AMOE_GUARD_STICKY_WORD 56u
+#define AMOE_GUARD_STICKY_MARK 0x53474D41u
 
 typedef struct AmoeGuardTiling {
     uint32_t magic; /* AMOE_GUARD_TILING_MAGIC */

@@ -322,6 +322,39 @@ fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
     drop(refused);
 }
 
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_stale_replay_followed_by_a_good_one_is_still_reported_by_the_check_after_both() {
+    let e = Engine::new();
+    let raw = e._device.stream().raw();
+    let dp = [4usize, 4];
+    let mc2 = fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS);
+    e.set(&mc2);
+    let graph = Graph::capture(raw, || assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error()));
+    // Replay 1 runs under ALLTOALL (its reductions were captured for MC2),
+    // replay 2 under MC2 again; the engine checks once, after both.
+    e.set(&fc(amoe_comm_type::Alltoall, &dp, AMOE_ALL_TOKENS));
+    graph.replay(raw);
+    e.set(&mc2);
+    graph.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "the first replay ran under another context: {msg}");
+    assert!(msg.contains("comm_type is 2 (ALLTOALL)") && msg.contains("captured for 1 (MC2)"), "{msg}");
+    // Reported once; later good replays pass.
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    graph.replay(raw);
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    // A stale replay between two good ones is reported too.
+    e.set(&fc(amoe_comm_type::Mc2, &[4usize, 2], AMOE_ALL_TOKENS));
+    graph.replay(raw);
+    e.set(&mc2);
+    graph.replay(raw);
+    graph.replay(raw);
+    let (st, msg) = e.check();
+    assert_eq!(st, amoe_status::StaleContext, "{msg}");
+    assert!(msg.contains("dp_tokens[1] is 2"), "{msg}");
+}
+
 /// One TP rank of two: the reduction point with a live context attached to
 /// its stream guards itself, so a call made for MC2 while the live context
 /// says ALLGATHER is reported by the check, on every rank, and a call made

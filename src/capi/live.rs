@@ -245,7 +245,8 @@ pub unsafe extern "C" fn amoe_live_context_guard(
 /// returns `AMOE_STATUS_STALE_CONTEXT` with the field and both values when a
 /// guard found the live context different from the one its ops were captured
 /// for (the first such guard, in enqueue order; each difference is reported
-/// once), else OK. Outside capture: refused while `stream` captures (the
+/// once; a captured guard reports a difference found by any replay since the
+/// last check, also when later replays matched), else OK. Outside capture: refused while `stream` captures (the
 /// capture stays valid), and for a stream of another device than `ctx`'s.
 /// The records of guards enqueued outside capture are released by every
 /// check, also one that fails because the stream failed (its error is

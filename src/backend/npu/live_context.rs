@@ -8,9 +8,10 @@
 //! ([`LiveContext::guard`]) is one launch of the guard kernel
 //! (`kernels/guard_kernel.cpp`) that compares the live words with the context
 //! the guarded ops were built for and writes the first difference into its
-//! own status record. [`LiveContext::check`], after the caller synchronised
-//! the stream, reads the records and returns the first mismatch as
-//! [`Error::StaleContext`].
+//! own status record, where a captured guard's mismatch stays until it is
+//! read, whatever later replays find. [`LiveContext::check`], after the
+//! caller synchronised the stream, reads the records and returns the first
+//! mismatch as [`Error::StaleContext`].
 //!
 //! Nothing a guard enqueues synchronises, allocates or reads device memory on
 //! the host: its record and (for the AI Core build) its tiling are slots of
@@ -36,6 +37,7 @@ use acl_sys::aclrtMemcpyKind;
 use super::device_check::GuardLauncher;
 use super::kernel::guard::{
     check_guard_status, ContextWords, GuardTiling, CTX_WORDS, GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS,
+    STATUS_HEAD_WORDS,
 };
 use super::kernel::STATUS_WORDS;
 use super::memory::{NpuBuffer, PinnedHostBuffer};
@@ -365,7 +367,7 @@ impl LiveContext {
             r.next_seq += 1;
             (i, r.place(i, tiling))
         };
-        let launched = self.launch_guard(&at, stream);
+        let launched = self.launch_guard(&at, captured, stream);
         if launched.is_err() {
             let mut r = lock(&self.records);
             r.slots[slot] = Slot::Free;
@@ -377,13 +379,18 @@ impl LiveContext {
         launched
     }
 
-    fn launch_guard(&self, at: &Placed, stream: &NpuStream) -> Result<()> {
+    fn launch_guard(&self, at: &Placed, captured: bool, stream: &NpuStream) -> Result<()> {
         stream.enter()?;
         // Bytes 0xFF: STATUS_NOT_RUN, so a guard that never ran is reported.
-        // SAFETY: the record is RECORD_BYTES bytes of a chunk of this
-        // context, owned by this guard's slot; the stream is live and of
-        // this device.
-        unsafe { rt::memset_async(at.record, RECORD_BYTES, 0xFF, RECORD_BYTES, stream.raw()) }?;
+        // A captured guard resets only the head: every replay runs this
+        // memset, and the sticky copy of a mismatch (`guard_tiling.h`) must
+        // outlast later replays until the check reads and zeroes it. An
+        // eager guard's slot is new to it, so the whole record is reset.
+        let bytes = if captured { STATUS_HEAD_WORDS * 4 } else { RECORD_BYTES };
+        // SAFETY: the first `bytes` (at most RECORD_BYTES) bytes of the
+        // record of a chunk of this context, owned by this guard's slot; the
+        // stream is live and of this device.
+        unsafe { rt::memset_async(at.record, bytes, 0xFF, bytes, stream.raw()) }?;
         let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
         gm[GUARD_GM_LIVE] = self.live.as_ptr();
         gm[GUARD_GM_STATUS] = at.record;
@@ -439,8 +446,11 @@ impl LiveContext {
     /// guards' slots are released, also when the records cannot be read (the
     /// read's error is returned: the stream failed, and what the guards
     /// found is lost with it); a reported record is reset, so each mismatch
-    /// is reported once per run. A host read: this is the caller's sync
-    /// point, never called by an op.
+    /// is reported once. A captured guard's record keeps a mismatch of any
+    /// replay since the last check, also when later replays matched (the
+    /// kernel's sticky copy, `kernels/guard_tiling.h`), so replays under
+    /// another context are reported however many ran before the check. A
+    /// host read: this is the caller's sync point, never called by an op.
     pub fn check(&self) -> Result<()> {
         refuse_capture(
             "LiveContext::check",

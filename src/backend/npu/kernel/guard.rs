@@ -50,6 +50,13 @@ const ST_BAD_TILING: u32 = 4;
 const ST_SIM_VIOLATION: u32 = 100;
 const ST_MISMATCH: u32 = 10;
 const STATUS_EXPECTED: usize = 3;
+/// Words of the status head (`AMOE_FIN_STATUS_HEAD_WORDS`).
+pub(crate) const STATUS_HEAD_WORDS: usize = 8;
+/// `AMOE_GUARD_STICKY_WORD`: where a mismatch is also written, a copy of the
+/// head that a captured guard's replays do not reset.
+const STICKY_WORD: usize = 56;
+/// `AMOE_GUARD_STICKY_MARK` ('AMGS'), the last word of a sticky copy.
+const STICKY_MARK: u32 = 0x5347_4D41;
 const KERNEL: &str = "amoe_guard";
 
 /// The words of a forward context, as the engine writes them to the live
@@ -251,7 +258,12 @@ pub(crate) fn decode_guard_status(
     let Some(rec) = status.get(..STATUS_WORDS) else {
         return Err(Error::invalid(op, "status", format!("{} words, the guard writes {STATUS_WORDS}", status.len())));
     };
+    // A mismatch of an earlier replay of a captured guard stays in the
+    // sticky copy when a later replay matched (it rewrote only the head).
+    let sticky = &rec[STICKY_WORD..STICKY_WORD + STATUS_HEAD_WORDS];
+    let sticky_mismatch = sticky[0] == ST_MISMATCH && sticky[STATUS_HEAD_WORDS - 1] == STICKY_MARK;
     match rec[0] {
+        ST_OK | ST_MISMATCH if sticky_mismatch => Err(mismatch(sticky[1] as usize, sticky[2], sticky[STATUS_EXPECTED])),
         ST_OK => Ok(()),
         ST_MISMATCH => Err(mismatch(rec[1] as usize, rec[2], rec[STATUS_EXPECTED])),
         ST_BAD_TILING => Err(Error::Kernel { kernel: KERNEL, block: 0, detail: "the tiling was rejected".into() }),
