@@ -25,6 +25,7 @@ const STATUS_ACTIVE: i32 = 1;
 const STATUS_INVALIDATED: i32 = 2;
 
 const INVALID_PARAM: i32 = 100000;
+const CONTEXT_NULL: i32 = 107002;
 const STREAM_CONTEXT: i32 = 107003;
 const MODEL_CONTEXT: i32 = 107004;
 const INVALID_HANDLE: i32 = 107017;
@@ -563,6 +564,37 @@ fn capture_lifecycle_errors_are_refused_with_cann_codes() {
         destroy_stream(other);
     }
     free(buf);
+    destroy_stream(st);
+}
+
+#[test]
+fn capture_get_info_needs_a_current_device_and_a_stream_of_it() {
+    let _g = serial();
+    let s = use_device(0);
+    let st = stream();
+    let mut status = -1;
+    let mut m = NULL;
+    unsafe {
+        // A thread without a current device (api_impl.cc:7833-7834), also
+        // about a capturing stream; the capture stays valid.
+        begin(st, THREAD_LOCAL);
+        let raw = st as usize;
+        let no_device = std::thread::spawn(move || {
+            let (mut status, mut m) = (-1, NULL);
+            ((cap().get_info)(raw as Ptr, &mut status, &mut m), status)
+        })
+        .join()
+        .expect("thread");
+        assert_eq!(no_device, (CONTEXT_NULL, -1), "no current device: nothing written");
+        // A stream of device 0 asked about from device 1 (:7835-7836).
+        assert_eq!((s.aclrtSetDevice)(1), 0);
+        assert_eq!((cap().get_info)(st, &mut status, &mut m), STREAM_CONTEXT, "device 1 is current");
+        assert_eq!(status, -1, "nothing written");
+        assert_eq!((s.aclrtSetDevice)(0), 0);
+        assert_eq!(info(st).0, STATUS_ACTIVE, "the refused queries left the capture alone");
+        destroy(end(st));
+        assert_eq!((s.aclrtResetDevice)(1), 0);
+    }
     destroy_stream(st);
 }
 

@@ -82,13 +82,30 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
 /// line 73; the default stream is not asked about, it never captures); one
 /// of `status` and `modelRI` may be NULL, not both (lines 74-77); each
 /// non-NULL one is written (lines 85-92). The query is [`capture_info`].
+///
+/// After those checks, `ApiImpl::StreamGetCaptureInfo` (hicann/runtime
+/// `src/runtime/feature/src/api_impl/api_impl.cc:7830-7836`, v8.5.0) refuses
+/// a thread without a current device (`RT_ERROR_CONTEXT_NULL`,
+/// `ACL_ERROR_RT_CONTEXT_NULL`) and a stream of another device than the
+/// current one (`RT_ERROR_STREAM_CONTEXT`, `ACL_ERROR_RT_STREAM_CONTEXT`,
+/// `errcode_manage.cc:195`, `:110`), writing nothing; a refused query leaves
+/// the capture as it is.
 #[no_mangle]
 pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
     stream: AclrtStream,
     status: *mut i32,
     model_ri: *mut AclmdlRI,
 ) -> AclError {
-    status::acl("aclmdlRICaptureGetInfo", || unsafe { capture_info(stream, status, model_ri) })
+    status::acl("aclmdlRICaptureGetInfo", || unsafe {
+        // The NULL checks of model_ri.cpp:73-77 come first (`capture_info`).
+        let args_ok = !stream.is_null() && (!status.is_null() || !model_ri.is_null());
+        if args_ok {
+            context::current()?;
+            let s = context::resolve_stream(stream as usize)?;
+            here(&s)?;
+        }
+        capture_info(stream, status, model_ri)
+    })
 }
 
 /// `aclError aclmdlRICaptureEnd(aclrtStream stream, aclmdlRI *modelRI)`.
