@@ -206,3 +206,37 @@ fn an_op_orders_the_streams_of_its_operands_after_it() {
     }
     assert!(npu::take_drop_errors().is_empty());
 }
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_captured_equality_check_reports_a_bad_replay_followed_by_a_good_one() {
+    let d = dev();
+    let dev = ascend_moe::Device::Npu(d.clone());
+    let good = [5i32; 16];
+    let idx = Tensor::from_slice(&good, &[16]).unwrap().to_device(&dev).unwrap();
+    let write = |v: &[i32]| match idx.storage() {
+        ascend_moe::tensor::Storage::Npu(b) => b.copy_from_host_at(0, bytemuck::cast_slice(v)).unwrap(),
+        _ => unreachable!("an NPU tensor"),
+    };
+    let mismatch = || -> ascend_moe::backend::Mismatch {
+        Box::new(|_, at, v| Error::invalid("captured_equality", "idx", format!("{v} at {at}")))
+    };
+    // Warm-up outside capture: the stream's records and workspace exist.
+    dev.backend().expect_all_equal(&idx, 5, mismatch()).unwrap();
+    d.check().unwrap();
+    let graph = ascend_moe::testing::graph::Graph::capture(d.stream().raw(), || {
+        dev.backend().expect_all_equal(&idx, 5, mismatch()).expect("captured check")
+    });
+    // Replay 1 sees 7 at position 3; replay 2 sees only 5s; one check after both.
+    let mut bad = good;
+    bad[3] = 7;
+    write(&bad);
+    graph.replay(d.stream().raw());
+    write(&good);
+    graph.replay(d.stream().raw());
+    let err = d.check().expect_err("the first replay found 7 at 3");
+    assert!(err.to_string().contains("7 at 3"), "{err}");
+    d.check().expect("reported once");
+    graph.replay(d.stream().raw());
+    d.check().expect("a good replay");
+}

@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_WORDS};
-use super::kernel::guard::{guard_host_entry, GuardTiling};
+use super::kernel::guard::{guard_host_entry, GuardTiling, STATUS_HEAD_WORDS};
 use super::kernel::library::shared_kernel_lib;
 use super::result::acl as rt;
 use super::runtime::{lock, NpuStream, Pending, StatusRecord, SyncEvent, RECORD_FENCE_EVERY};
@@ -157,6 +157,24 @@ impl Record {
     /// reported). Outside capture this also reserves the records at the
     /// stream's first launch.
     pub(crate) fn begin(stream: &NpuStream, words: usize) -> Result<Record> {
+        let record = Self::take(stream, words)?;
+        memset_on(stream, record.ptr, words * 4, 0xFF)?;
+        Ok(record)
+    }
+
+    /// [`begin`](Self::begin) for a guard kernel (one core): under capture
+    /// only the status head is filled, since every replay runs the fill and
+    /// the guard's sticky copy of a mismatch (`kernels/guard_tiling.h`) must
+    /// outlast later replays until the check reads and zeroes the record.
+    pub(crate) fn begin_guard(stream: &NpuStream) -> Result<Record> {
+        let record = Self::take(stream, STATUS_WORDS)?;
+        let words = if record.eager.is_some() { STATUS_WORDS } else { STATUS_HEAD_WORDS };
+        memset_on(stream, record.ptr, words * 4, 0xFF)?;
+        Ok(record)
+    }
+
+    /// The record of [`begin`](Self::begin), not yet filled.
+    fn take(stream: &NpuStream, words: usize) -> Result<Record> {
         if words > MAX_RECORD_CORES * STATUS_WORDS {
             return Err(Error::invalid("status", "words", format!("{words} status words exceed a record slot")));
         }
@@ -169,7 +187,6 @@ impl Record {
             let block = stream.eager_records_block().unwrap_or((ptr, words * 4));
             Record { stream: stream.clone(), ptr, words, block, eager: Some(seq) }
         };
-        memset_on(stream, record.ptr, words * 4, 0xFF)?;
         Ok(record)
     }
 
@@ -229,7 +246,9 @@ impl Pending for Eager {
 /// The record of a launch captured into a graph: a zeroed slot every replay
 /// rewrites (0xFF, then the kernel's words) and every check reads; once read
 /// it is zeroed (all OK), so a bad value of one replay is reported once and a
-/// check with no replay since reports nothing.
+/// check with no replay since reports nothing. A guard's mismatch also stays
+/// in its sticky copy, which replays do not rewrite, so the check reports it
+/// even when later replays matched.
 struct Captured {
     record: StatusRecord,
     decode: Decode,
@@ -264,7 +283,7 @@ impl Pending for Captured {
 /// The guard launches through the simulated runtime's host build or the AI
 /// Core library, whichever is loaded.
 pub(crate) fn guard_words(stream: &NpuStream, words: *mut c_void, tiling: &GuardTiling, decode: Decode) -> Result<()> {
-    let record = Record::begin(stream, STATUS_WORDS)?;
+    let record = Record::begin_guard(stream)?;
     let mut gm = [std::ptr::null_mut::<c_void>(); GUARD_GM_COUNT];
     gm[GUARD_GM_LIVE] = words;
     gm[GUARD_GM_STATUS] = record.ptr();
