@@ -62,19 +62,29 @@ __aicore__ inline void LoadTiling(AmoeFinalizeTiling &t, GM_ADDR tiling)
     }
 }
 
-/* Writes this core's 32-byte status head from UB through MTE3. */
+/* Writes this core's 32-byte status head from UB through MTE3, and a
+ * problem also to the record's sticky copy (finalize_tiling.h). */
 __aicore__ inline void StoreStatus(GM_ADDR status, const LocalTensor<uint32_t> &buf, const uint32_t head[8])
 {
+    __gm__ uint32_t *rec = reinterpret_cast<__gm__ uint32_t *>(status) + GetBlockIdx() * AMOE_FIN_STATUS_WORDS;
     GlobalTensor<uint32_t> gm;
-    gm.SetGlobalBuffer(reinterpret_cast<__gm__ uint32_t *>(status) + GetBlockIdx() * AMOE_FIN_STATUS_WORDS,
-                       AMOE_FIN_STATUS_HEAD_WORDS);
+    gm.SetGlobalBuffer(rec, AMOE_FIN_STATUS_HEAD_WORDS);
+    const bool problem = head[AMOE_FIN_STATUS_CODE] != AMOE_FIN_ST_OK;
     for (uint32_t i = 0; i < AMOE_FIN_STATUS_HEAD_WORDS; ++i) {
         buf.SetValue(i, head[i]);
+    }
+    if (problem) {
+        buf.SetValue(AMOE_FIN_STATUS_HEAD_WORDS - 1u, AMOE_FIN_STICKY_MARK);
     }
     event_t ev = static_cast<event_t>(GetTPipePtr()->FetchEventID(HardEvent::S_MTE3));
     SetFlag<HardEvent::S_MTE3>(ev);
     WaitFlag<HardEvent::S_MTE3>(ev);
     DataCopy(gm, buf, AMOE_FIN_STATUS_HEAD_WORDS);
+    if (problem) {
+        GlobalTensor<uint32_t> sticky;
+        sticky.SetGlobalBuffer(rec + AMOE_FIN_STICKY_WORD, AMOE_FIN_STATUS_HEAD_WORDS);
+        DataCopy(sticky, buf, AMOE_FIN_STATUS_HEAD_WORDS);
+    }
 }
 
 template <typename T, typename S>

@@ -72,6 +72,13 @@
 #define AMOE_FIN_STATUS_POSITION 1 /* flat position in the index tensor */
 #define AMOE_FIN_STATUS_VALUE 2    /* the offending value (int32 bits) */
 #define AMOE_FIN_STATUS_MESSAGE_BYTE 32u
+/* A core that records a problem also writes its head, with word 7 set to
+ * AMOE_FIN_STICKY_MARK, to words AMOE_FIN_STICKY_WORD.. of its record. A
+ * launch captured into a graph resets only the heads before each replay, so
+ * the copy keeps the problem of any replay until the host reads and zeroes
+ * the record, also when later replays found none. */
+#define AMOE_FIN_STICKY_WORD 56u
+#define AMOE_FIN_STICKY_MARK 0x53464D41u
 
 #define AMOE_FIN_ST_OK 0u
 #define AMOE_FIN_ST_ROW_INDEX 1u    /* expanded_row_idx out of range */

@@ -645,6 +645,36 @@ fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
     });
 }
 
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_bad_index_in_a_replay_is_reported_when_later_replays_before_the_check_are_good() {
+    with_reversed_rows(8, |mut r| {
+        ok("warm-up", (r.run)());
+        ok("warm-up check", r.check());
+        let graph = Graph::capture(r.engine.raw(), || ok("captured finalize", (r.run)()));
+        // Replay 1 with 99 at position 4, then two with the good index; the
+        // engine checks once, after all three.
+        let mut bad = r.good.to_vec();
+        bad[4] = 99;
+        r.write_index(&bad);
+        graph.replay(r.engine.raw());
+        // The replay reads the index when it runs: it runs before the good
+        // index is written (a host wait, not the check).
+        r.engine.synchronize().expect("the first replay ran");
+        let good = r.good.to_vec();
+        r.write_index(&good);
+        graph.replay(r.engine.raw());
+        graph.replay(r.engine.raw());
+        assert_eq!(r.check(), amoe_status::IndexOutOfRange, "the first replay read index 99");
+        let msg = last_error();
+        assert!(msg.contains("expanded_row_idx") && msg.contains("[4] = 99"), "{msg}");
+        ok("reported once", r.check());
+        graph.replay(r.engine.raw());
+        ok("a good replay", r.check());
+        r.assert_output("after the good replays");
+    });
+}
+
 /// Token unpermute through the C ABI, captured once and replayed with new
 /// values and new indices (repeated, negative, past the end: SPEC section 1
 /// lets them contribute nothing) written into the same device buffers; each

@@ -156,9 +156,21 @@ impl Record {
     /// `0xFF` (every word `STATUS_NOT_RUN`, so a core that never ran is
     /// reported). Outside capture this also reserves the records at the
     /// stream's first launch.
+    ///
+    /// Under capture only each core's status head is filled (one fill per
+    /// core): every replay runs the fills, and the sticky copy of a problem
+    /// a core recorded (`kernels/finalize_tiling.h`) must outlast later
+    /// replays until the check reads and zeroes the record.
     pub(crate) fn begin(stream: &NpuStream, words: usize) -> Result<Record> {
         let record = Self::take(stream, words)?;
-        memset_on(stream, record.ptr, words * 4, 0xFF)?;
+        if record.eager.is_some() {
+            memset_on(stream, record.ptr, words * 4, 0xFF)?;
+        } else {
+            for core in 0..words.div_ceil(STATUS_WORDS) {
+                let head = STATUS_HEAD_WORDS.min(words - core * STATUS_WORDS);
+                memset_on(stream, record.ptr + core * STATUS_WORDS * 4, head * 4, 0xFF)?;
+            }
+        }
         Ok(record)
     }
 

@@ -88,6 +88,13 @@ pub(super) const ST_SIM_VIOLATION: u32 = 100;
 /// never ran is detected.
 pub(crate) const STATUS_NOT_RUN: u32 = 0xFFFF_FFFF;
 pub(super) const STATUS_MESSAGE_BYTE: usize = 32;
+/// Words of a core's status head (`AMOE_FIN_STATUS_HEAD_WORDS`).
+pub(crate) const STATUS_HEAD_WORDS: usize = 8;
+/// `AMOE_FIN_STICKY_WORD`: where a core that records a problem also writes
+/// its head, a copy that a captured launch's replays do not reset.
+pub(super) const STICKY_WORD: usize = 56;
+/// `AMOE_FIN_STICKY_MARK` ('AMFS'), the last word of a sticky copy.
+pub(super) const STICKY_MARK: u32 = 0x5346_4D41;
 
 /// Tiling of one finalize launch: the `#[repr(C)]` mirror of
 /// `AmoeFinalizeTiling` in `kernels/finalize_tiling.h` (field for field, all

@@ -13,8 +13,16 @@ pub(crate) fn check_status(status: &[u32], tiling: &FinalizeTiling) -> Result<()
     }
     for (block, rec) in status.chunks_exact(STATUS_WORDS).take(tiling.block_dim as usize).enumerate() {
         let block = block as u32;
-        let (position, value) = (rec[1] as usize, i64::from(rec[2] as i32));
-        match rec[0] {
+        // A problem of an earlier replay of a captured launch stays in the
+        // sticky copy when a later replay found none (it rewrote the head).
+        let sticky = &rec[STICKY_WORD..STICKY_WORD + STATUS_HEAD_WORDS];
+        let head = if rec[0] == ST_OK && sticky[STATUS_HEAD_WORDS - 1] == STICKY_MARK && sticky[0] != ST_OK {
+            sticky
+        } else {
+            &rec[..STATUS_HEAD_WORDS]
+        };
+        let (position, value) = (head[1] as usize, i64::from(head[2] as i32));
+        match head[0] {
             ST_OK => {}
             ST_ROW_INDEX => {
                 let lo = if DropPadMode::from_u32(tiling.mode).is_some_and(DropPadMode::is_drop_pad) { -1 } else { 0 };
