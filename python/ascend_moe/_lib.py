@@ -279,14 +279,16 @@ def call(name: str, *args) -> None:
 
 
 @contextlib.contextmanager
-def refusing(send):
+def refusing(send, every: bool = False):
     """The argument checks of a call whose peers are already in it: one that
     fails is sent to them with `send(message)` (an `amoe_*_refuse` export),
     so that they fail at once quoting it instead of waiting out the timeout,
-    and then raised here. A failure to send is not this rank's to raise."""
+    and then raised here. A failure to send is not this rank's to raise.
+    With `every`, any `Exception` is sent (the block runs caller code, such
+    as a layer's experts), not only argument errors."""
     try:
         yield
-    except (AmoeError, TypeError, ValueError, OverflowError) as e:
+    except (Exception if every else (AmoeError, TypeError, ValueError, OverflowError)) as e:
         try:
             send(f"{type(e).__name__}: {e}".encode())
         except AmoeError:

@@ -202,9 +202,10 @@ class MoeLayer:
         ctx = get_forward_context()
         mctx = self.context(ctx)
         hidden, mask = token_prepare(x, ctx.comm_type, mctx, self.groups)
-        routed = self.experts(hidden, mask, ctx.comm_type)
-        # A refused expert output fails the peers waiting in token_finalize too.
-        with finalize_refusing(ctx.comm_type, mctx, self.groups):
+        # Experts that raise, or return an output finalize refuses, fail the
+        # peers waiting in token_finalize too.
+        with finalize_refusing(ctx.comm_type, mctx, self.groups, every=True):
+            routed = self.experts(hidden, mask, ctx.comm_type)
             got = getattr(routed, "dtype", None)  # without one, token_finalize names what is wrong
             if got is not None and dtype_name(got) != dtype_name(hidden.dtype):
                 raise error(

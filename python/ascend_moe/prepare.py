@@ -166,7 +166,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
 _NO_COMM_TYPE = 0xFFFFFFFF
 
 
-def _refusing(comm_type, ctx, g, finalize: bool):
+def _refusing(comm_type, ctx, g, finalize: bool, every: bool = False):
     """The argument checks of token prepare (or finalize): one that fails is
     reported to the peers waiting in the op's first collective
     (`amoe_token_refuse`) before it is raised. Without a comm type or a
@@ -176,14 +176,15 @@ def _refusing(comm_type, ctx, g, finalize: bool):
         c, ct = shapes._context_ptr(ctx), comm_type_code(comm_type)
     except (AmoeError, TypeError, ValueError):
         c, ct = None, _NO_COMM_TYPE
-    return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message))
+    return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message), every)
 
 
-def finalize_refusing(comm_type, ctx: MoeContext, groups: MoeGroups):
+def finalize_refusing(comm_type, ctx: MoeContext, groups: MoeGroups, every: bool = False):
     """The checks of a caller between token prepare and token finalize (the
     experts' output): one that fails is reported to the peers waiting in
-    finalize before it is raised."""
-    return _refusing(comm_type, ctx, handle_of("groups", groups, MoeGroups), finalize=True)
+    finalize before it is raised. With `every`, any `Exception` is (the
+    caller's own code runs there, such as the experts)."""
+    return _refusing(comm_type, ctx, handle_of("groups", groups, MoeGroups), finalize=True, every=every)
 
 
 def _bool_like(x, rows: int):

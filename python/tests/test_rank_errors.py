@@ -290,6 +290,52 @@ def test_a_layer_whose_experts_fail_on_one_rank_fails_every_rank_at_once():
     assert_refused_everywhere(run_with_one_bad_rank(_layer_whose_experts_return_float16_on_one_rank), "float16", "float16")
 
 
+def _layer_whose_experts_raise_on_one_rank(exc):
+    """A MoE layer (DP n x TP 1, ALLGATHER) whose experts on rank `BAD`
+    raise `exc` (an error of the caller's code, not an argument error) after
+    token prepare, while its peers are already in token finalize. The bad
+    rank returns `("raised", its exception)` when the exception reached it
+    unchanged."""
+
+    def body(c, r):
+        def experts(h, mask, ct):
+            if r == BAD:
+                raise exc("the experts failed on this rank")
+            return h
+
+        with am.MoeGroups(c, 1) as groups, c.split([r]) as tp:
+            layer = am.MoeLayer(groups, tp, 1, r, 0, experts)
+            try:
+                with am.forward_context(am.CommType.ALLGATHER, [2] * c.world_size):
+                    return layer.forward(np.ones((2, 4), F32))
+            except exc as e:
+                if r != BAD or isinstance(e, am.AmoeError):
+                    raise
+                return ("raised", e)
+            finally:
+                layer.close()
+
+    return body
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("exc", [RuntimeError, KeyError], ids=["RuntimeError", "KeyError"])
+def test_a_layer_whose_experts_raise_on_one_rank_fails_every_rank_at_once(exc, n):
+    """The experts are the caller's code: whatever they raise on one rank
+    reaches that rank as it is, and its peers fail at once quoting it
+    instead of waiting out the timeout in token finalize."""
+    res = run_with_one_bad_rank(_layer_whose_experts_raise_on_one_rank(exc), n=n)
+    kind, v, _ = res[BAD]
+    assert kind == "ok" and v[0] == "raised" and type(v[1]) is exc, res[BAD]
+    for r, (kind, e, secs) in sorted(res.items()):
+        if r == BAD:
+            continue
+        assert kind == "err", f"rank {r} returned {e!r} while rank {BAD}'s experts raised"
+        assert e.status != am.Status.COMM_TIMEOUT, f"rank {r} waited out the timeout: {e}"
+        assert secs < TIMEOUT_S, (r, secs, e)
+        assert f"rank {BAD}" in str(e) and exc.__name__ in str(e) and "the experts failed" in str(e), (r, e)
+
+
 def _reduction_point_fc_without_a_context_on_one_rank(c, r):
     """`torch.ops.ascend_moe.reduce_final_fc` on TP 2, where the final point
     reduces; rank `BAD` runs it outside any forward context."""
