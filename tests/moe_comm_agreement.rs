@@ -196,3 +196,25 @@ fn tp_ranks_with_other_reduce_policies_fail_at_the_point_naming_it() {
         assert!(e.contains(&format!("routed transform {}", rank == 0)), "rank {rank}: {e}");
     }
 }
+
+/// TP ranks of one layer at different reduction points (rank 1 at the
+/// shared point, rank 0 at the final one; with a tensor-parallel shared
+/// expert under ALLGATHER the final point all-reduces and the shared one
+/// only copies): both fail at once naming the point each is at, instead of
+/// rank 1 returning a copy while rank 0 waits in an all-reduce.
+#[test]
+fn tp_ranks_at_other_reduction_points_fail_naming_them() {
+    use ascend_moe::moe::reduce::{ReducePoint, ReducePolicy, SharedMode};
+    let points = [ReducePoint::Final, ReducePoint::Shared];
+    let got = run_ranks(2, &opts(), |rank, comm| {
+        let p = ReducePolicy::new(SharedMode::TensorParallel, false, false, 2, 2)?;
+        let x = Tensor::from_slice(&[1.0f32; 3 * H], &[3, H])?;
+        Ok(p.reduce_at(points[rank], x, CommType::AllGather, &comm).map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, r) in got.iter().enumerate() {
+        let e = r.as_ref().expect_err(&format!("rank {rank} must fail"));
+        assert!(e.contains("reduction point") && e.contains("[0] and [1]"), "rank {rank}: {e}");
+        assert!(e.contains(&format!("point {}", points[rank].op())), "rank {rank}: {e}");
+    }
+}

@@ -363,6 +363,39 @@ def test_a_context_reading_reduction_point_refused_on_one_rank_fails_every_rank_
     assert_refused_everywhere(res, "no MoE forward context", "no MoE forward context")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize(
+    "transform,points",
+    [
+        # Under ALLGATHER the final point of this policy all-reduces and the
+        # shared point only copies: the copying rank would return while its
+        # peers wait in the final all-reduce for it.
+        (False, ("reduce_final", "reduce_shared")),
+        # Both reduce here: without the check, the routed point's all-reduce
+        # would pair with the shared point's of its peer.
+        (True, ("reduce_routed_early", "reduce_shared")),
+    ],
+    ids=["final vs shared", "routed early vs shared"],
+)
+def test_tp_ranks_at_different_reduction_points_fail_every_rank_at_once(transform, points, n):
+    """One TP rank calls another reduction point of the same layer than its
+    peers (a tensor-parallel shared expert, TP = the world). Every rank
+    fails at once naming the reduction point it is at."""
+    policy = am.ReducePolicy("tensor_parallel", transform, False, n, n)
+
+    def body(c, r):
+        point = points[1] if r == BAD else points[0]
+        return getattr(policy, point)(np.full((2, 3), float(r + 1), F32), am.CommType.ALLGATHER, c)
+
+    res = run_with_one_bad_rank(body, n=n)
+    for r, (kind, e, secs) in sorted(res.items()):
+        assert kind == "err", f"rank {r} returned {e!r} while rank {BAD} was at another reduction point: {res}"
+        assert e.status == am.Status.INVALID_ARGUMENT, (r, e)
+        assert secs < TIMEOUT_S, (r, secs, e)
+        mine = points[1] if r == BAD else points[0]
+        assert "reduction point" in str(e) and f"point {mine}" in str(e), (r, e)
+
+
 def test_the_refusal_leaves_the_group_usable():
     """After a refused call every rank's next collective pairs with its
     peers' next one: the refusal took exactly one call on every rank."""

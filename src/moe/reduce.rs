@@ -283,14 +283,16 @@ impl ReducePolicy {
         comm: CommType,
         tp: &C,
     ) -> Result<Tensor> {
-        self.agree(point.op(), comm, tp)?;
+        self.agree(point, comm, tp)?;
         self.reduce_if(self.reduces(point, comm), x, tp)
     }
 
-    /// What every TP rank's policy must hold alike besides the comm type:
+    /// What every TP rank must hold alike at a point besides the comm type:
     /// ranks of one layer with other policies would decide differently at a
-    /// point, one reducing while another copies.
-    fn facts(&self) -> Facts {
+    /// point, one reducing while another copies, and so would ranks at
+    /// different points of one policy (one point reduces where another
+    /// only copies).
+    fn facts(&self, point: ReducePoint) -> Facts {
         let v = [
             self.shared_mode as usize,
             usize::from(self.has_routed_transform),
@@ -298,15 +300,21 @@ impl ReducePolicy {
             self.tp_size,
             self.ep_size,
             usize::from(self.early),
+            point as usize,
         ];
         Facts {
-            what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes)",
+            what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes) and reduction point",
             shown: Box::new({
                 let p = *self;
                 move || {
                     format!(
-                        "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}",
-                        p.shared_mode, p.has_routed_transform, p.sp, p.tp_size, p.ep_size
+                        "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}, point {}",
+                        p.shared_mode,
+                        p.has_routed_transform,
+                        p.sp,
+                        p.tp_size,
+                        p.ep_size,
+                        point.op()
                     )
                 }
             }),
@@ -319,12 +327,13 @@ impl ReducePolicy {
     /// ([`comm_type_check_enabled`]). Ranks that disagree would otherwise
     /// decide differently, one reducing while another copies, and the
     /// reduction would pair with a later collective of its peer.
-    fn agree<C: Collectives + ?Sized>(&self, op: &'static str, comm: CommType, tp: &C) -> Result<()> {
+    fn agree<C: Collectives + ?Sized>(&self, point: ReducePoint, comm: CommType, tp: &C) -> Result<()> {
+        let op = point.op();
         // The peers' policies match the group: with more than one rank they
         // agree first, where the check is on.
         self.check_tp(op, tp).map_err(|e| refuse_at_point(false, tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
-            comm_type_agreement(op, "TP", comm, Some(self.facts()), tp)?;
+            comm_type_agreement(op, "TP", comm, Some(self.facts(point)), tp)?;
         }
         Ok(())
     }
@@ -344,7 +353,7 @@ impl ReducePolicy {
         if let Output::Separate { x, out } = &output {
             check_out_like(op, x, out, x.shape()).map_err(|e| refuse_at_point(reduce, tp, x.dtype(), e))?;
         }
-        self.agree(op, comm, tp)?;
+        self.agree(point, comm, tp)?;
         match output {
             Output::InPlace(x) => {
                 if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {
