@@ -713,14 +713,30 @@ fn split_with_different_rank_lists_is_a_mismatch_naming_both_lists() {
         });
         assert!(out.iter().all(|o| o.is_ok()), "{lists:?}: {out:?}");
     }
-    // A member that never calls split is still a timeout.
+    // A member that never calls split but keeps its communicator is still a
+    // timeout; one that dropped it never splits, and fails the split at once.
+    let (failed_tx, failed_rx) = std::sync::mpsc::channel::<()>();
+    let failed_rx = std::sync::Mutex::new(failed_rx);
     let name = unique("splitmissing");
     let out = threads(&name, 2, &opts(0.3), |r, c| {
         if r == 1 {
+            failed_rx.lock().expect("lock").recv().expect("rank 0");
             return Ok(());
         }
         let e = c.split(&[0, 1]).expect_err("rank 1 never splits");
+        failed_tx.send(()).expect("rank 1");
         assert_eq!(comm_kind(&e), Some(CommErrorKind::Timeout), "{e}");
+        Ok(())
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+    let name = unique("splitleft");
+    let out = threads(&name, 2, &opts(30.0), |r, c| {
+        if r == 1 {
+            return Ok(());
+        }
+        let e = c.split(&[0, 1]).expect_err("rank 1 left");
+        assert_eq!(comm_kind(&e), Some(CommErrorKind::PeerFailed), "{e}");
+        assert!(e.to_string().contains("rank 1 left the group"), "{e}");
         Ok(())
     });
     assert!(out.iter().all(|o| o.is_ok()), "{out:?}");

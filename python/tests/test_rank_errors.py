@@ -396,6 +396,52 @@ def test_tp_ranks_at_different_reduction_points_fail_every_rank_at_once(transfor
         assert "reduction point" in str(e) and f"point {mine}" in str(e), (r, e)
 
 
+def _split_after_a_member_exits(name, world, rank):
+    """A rank body (`world.run_world`): rank `BAD`'s process exits without
+    closing anything; the others split the whole world. Returns `(status,
+    seconds, message)`."""
+    import os
+
+    with am.Comm.cpu(name, world, rank, timeout_s=TIMEOUT_S) as c:
+        if rank == BAD:
+            os._exit(3)
+        t0 = time.monotonic()
+        try:
+            c.split(list(range(world))).close()
+            return ("ok", time.monotonic() - t0, "")
+        except am.AmoeError as e:
+            return (am.Status(e.status).name, time.monotonic() - t0, str(e))
+
+
+def _split_after_a_member_left(c, r):
+    """Rank `BAD` closes its communicator; the others split the whole world."""
+    if r == BAD:
+        c.close()
+        return None
+    return c.split(list(range(c.world_size)))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_split_waiting_for_a_member_that_is_gone_fails_at_once_naming_it(n):
+    """A member whose process exited, or that closed its communicator, never
+    splits: the members waiting for it fail at once naming it, instead of
+    waiting out the timeout."""
+    from world import run_world
+
+    results, codes = run_world(_split_after_a_member_exits, n, deadline_s=TIMEOUT_S + 20, expect_exit=(BAD,))
+    assert codes[BAD] == 3, codes
+    for r, (status, secs, msg) in sorted(results.items()):
+        assert status == "COMM_PEER_FAILED" and f"rank {BAD} (pid" in msg and "died" in msg, (r, status, msg)
+        assert secs < TIMEOUT_S, (r, secs, msg)
+    res = run_with_one_bad_rank(_split_after_a_member_left, n=n)
+    for r, (kind, e, secs) in sorted(res.items()):
+        if r == BAD:
+            continue
+        assert kind == "err" and e.status == am.Status.COMM_PEER_FAILED, (r, kind, e)
+        assert f"rank {BAD} left the group" in str(e), (r, e)
+        assert secs < TIMEOUT_S, (r, secs, e)
+
+
 def test_the_refusal_leaves_the_group_usable():
     """After a refused call every rank's next collective pairs with its
     peers' next one: the refusal took exactly one call on every rank."""

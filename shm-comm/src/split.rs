@@ -13,7 +13,8 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use crate::descriptor::{Desc, Kind};
-use crate::segment::{Posted, JOINED};
+use crate::process;
+use crate::segment::{Posted, ABORTED, JOINED, LEFT};
 use crate::{DataType, Error, ErrorKind, Result, ShmComm};
 
 /// Why `ranks` is no rank list for rank `me` of a world of `w` to split.
@@ -43,6 +44,9 @@ impl ShmComm {
     /// after different numbers of collectives, fail with a
     /// [`ErrorKind::Mismatch`] naming both (after the timeout); this group
     /// stays usable, and a later split of one list by every member works.
+    /// A member that left this group, aborted or died never splits: the
+    /// members waiting for it fail at once with a [`ErrorKind::PeerFailed`]
+    /// naming it.
     /// A member whose own list is invalid (empty, out of range, repeated, or
     /// without it) fails at once, and so do the members waiting for it, with
     /// a Mismatch naming its list. A member that called this group's next
@@ -79,10 +83,15 @@ impl ShmComm {
         // other lists never arrive there. The list is posted in this group's
         // control block meanwhile: a member that times out reads the others'
         // and reports a disagreement as such, and a member that refused its
-        // own list fails the wait as soon as it is seen.
+        // own list fails the wait as soon as it is seen, as does one that
+        // left or died.
         ctrl.post_split(Some((ranks, seq)), false);
         let seen = &splits.seen;
         let watch = || {
+            let gone = self.gone_members(ranks);
+            if !gone.is_empty() {
+                return Some(self.gone_text(ranks, &gone));
+            }
             let refused = self.refused_members(ranks, seq, seen);
             if !refused.is_empty() {
                 return Some(self.refusal_text(ranks, &refused));
@@ -112,10 +121,50 @@ impl ShmComm {
                 if !called.is_empty() {
                     return Err(self.refuse_next_call(ranks, seq, &called));
                 }
-                Err(self.split_mismatch(ranks, seq).unwrap_or(e))
+                if let Some(e) = self.split_mismatch(ranks, seq) {
+                    return Err(e);
+                }
+                // Last: a member that failed this split for one of the causes
+                // above may have left since.
+                let gone = self.gone_members(ranks);
+                if !gone.is_empty() {
+                    return Err(self.err("split", ErrorKind::PeerFailed, self.gone_text(ranks, &gone)));
+                }
+                Err(e)
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// The members of `ranks` other than this rank that can never split: they
+    /// left this group (dropped their communicator), aborted, or their
+    /// process is gone; each with what happened to it. Members that aborted
+    /// or died come alone when there are any: a member that left may have
+    /// done so only after failing this split because of them.
+    fn gone_members(&self, ranks: &[usize]) -> Vec<String> {
+        let me = process::my_pid();
+        let gone: Vec<(bool, String)> = ranks
+            .iter()
+            .filter(|&&r| r != self.inner.rank)
+            .filter_map(|&r| {
+                let c = self.inner.seg.ctrl(r);
+                let (pid, start) = (c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire));
+                match c.state.load(Ordering::Acquire) {
+                    ABORTED => Some((true, format!("rank {r} aborted (its thread panicked)"))),
+                    LEFT => Some((false, format!("rank {r} left the group (its communicator was dropped)"))),
+                    JOINED if pid != me && !process::pid_alive(pid, start) => {
+                        Some((true, format!("rank {r} (pid {pid}) died")))
+                    }
+                    _ => None,
+                }
+            })
+            .collect();
+        let roots = gone.iter().any(|(root, _)| *root);
+        gone.into_iter().filter(|(root, _)| *root || !roots).map(|(_, why)| why).collect()
+    }
+
+    fn gone_text(&self, ranks: &[usize], gone: &[String]) -> String {
+        format!("{} while rank {} waited to split {ranks:?}: it never splits", gone.join(", "), self.inner.rank)
     }
 
     /// The members of `ranks` other than this rank that refused their own
