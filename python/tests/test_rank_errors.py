@@ -396,6 +396,39 @@ def test_tp_ranks_at_different_reduction_points_fail_every_rank_at_once(transfor
         assert "reduction point" in str(e) and f"point {mine}" in str(e), (r, e)
 
 
+@pytest.mark.parametrize(
+    "lists",
+    [
+        [[0, 1], [1, 0]],
+        [[0, 1, 2], [2, 1, 0], [0, 1, 2]],
+        [[0, 1], [0, 1, 2], [0, 1, 2]],
+    ],
+    ids=["order of 2", "order of 3", "members of 3"],
+)
+def test_members_splitting_different_lists_fail_at_once_naming_both(lists):
+    """Rank r splits `lists[r]`; rank 0's list and rank 1's differ and each
+    holds the other rank: each waits for the other in a sub-group the other
+    never joins. Every rank fails at once (not at the timeout) naming both
+    lists; the group stays usable."""
+
+    def body(c, r):
+        try:
+            c.split(lists[r]).close()
+        except am.AmoeError as e:
+            return e, am.all_reduce(np.ones(2, F32), c)
+        return None, None
+
+    res = run_with_one_bad_rank(body, n=len(lists))
+    for r, (kind, v, secs) in sorted(res.items()):
+        assert kind == "ok", (r, v)
+        e, after = v
+        assert e is not None, f"rank {r} split {lists[r]} while rank {BAD} split {lists[BAD]}"
+        assert e.status == am.Status.COMM_MISMATCH, (r, e)
+        assert str(lists[0]) in str(e) and str(lists[1]) in str(e), (r, e)
+        assert secs < TIMEOUT_S, (r, secs, e)
+        np.testing.assert_array_equal(after, np.full(2, len(lists), F32))
+
+
 def _split_after_a_member_exits(name, world, rank):
     """A rank body (`world.run_world`): rank `BAD`'s process exits without
     closing anything; the others split the whole world. Returns `(status,

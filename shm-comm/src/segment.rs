@@ -371,6 +371,8 @@ pub(crate) struct Posted {
     pub seq: u64,
     /// The poster refused its own list as invalid and left the split.
     pub refused: bool,
+    /// The poster failed this split and left it.
+    pub left: bool,
     /// Changes with every post of the rank (tells a new refusal from one seen).
     pub gen: u64,
 }
@@ -393,18 +395,29 @@ impl Posted {
 
 /// Set in the length word of a refused split request.
 const SPLIT_REFUSED: u64 = 1 << 63;
+/// Set in the length word of a split request its poster failed and left.
+const SPLIT_LEFT: u64 = 1 << 62;
 
 impl Ctrl {
     /// Posts `ranks`, split after `seq` collectives of the group, as this
     /// rank's split request (`None` withdraws it); `refused`: the rank found
     /// the list invalid and is not joining. Only the owning rank writes.
     pub(crate) fn post_split(&self, req: Option<(&[usize], u64)>, refused: bool) {
+        self.post(req, if refused { SPLIT_REFUSED } else { 0 });
+    }
+
+    /// Posts `ranks`, split after `seq` collectives, as a request this rank
+    /// failed and left (its peers waiting for it elsewhere see it has).
+    pub(crate) fn post_split_left(&self, ranks: &[usize], seq: u64) {
+        self.post(Some((ranks, seq)), SPLIT_LEFT);
+    }
+
+    fn post(&self, req: Option<(&[usize], u64)>, flag: u64) {
         let (ranks, seq) = req.unwrap_or((&[], 0));
         let g = self.split[0].load(Ordering::Relaxed);
         self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::Release);
-        let flag = if refused { SPLIT_REFUSED } else { 0 };
-        self.split[1].store((ranks.len() as u64).min(!SPLIT_REFUSED) | flag, Ordering::Relaxed);
+        self.split[1].store((ranks.len() as u64).min(!(SPLIT_REFUSED | SPLIT_LEFT)) | flag, Ordering::Relaxed);
         self.split[2].store(seq, Ordering::Relaxed);
         for (i, w) in self.split[3..].iter().enumerate() {
             let word =
@@ -421,7 +434,7 @@ impl Ctrl {
             return None;
         }
         let word = self.split[1].load(Ordering::Relaxed);
-        let len = usize::try_from(word & !SPLIT_REFUSED).unwrap_or(usize::MAX);
+        let len = usize::try_from(word & !(SPLIT_REFUSED | SPLIT_LEFT)).unwrap_or(usize::MAX);
         let seq = self.split[2].load(Ordering::Relaxed);
         let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
         std::sync::atomic::fence(Ordering::Acquire);
@@ -429,6 +442,6 @@ impl Ctrl {
             return None;
         }
         let ranks = (0..len.min(MAX_WORLD)).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect();
-        Some(Posted { ranks, len, seq, refused: word & SPLIT_REFUSED != 0, gen: g })
+        Some(Posted { ranks, len, seq, refused: word & SPLIT_REFUSED != 0, left: word & SPLIT_LEFT != 0, gen: g })
     }
 }

@@ -42,8 +42,10 @@ impl ShmComm {
     /// list, after the same collectives of this group; the new group's rank
     /// order is the list order. Members that pass different lists, or split
     /// after different numbers of collectives, fail with a
-    /// [`ErrorKind::Mismatch`] naming both (after the timeout); this group
-    /// stays usable, and a later split of one list by every member works.
+    /// [`ErrorKind::Mismatch`] naming both: at once when a member waits in
+    /// a list that holds this rank (each waits for the other), else after
+    /// the timeout; this group stays usable, and a later split of one list
+    /// by every member works.
     /// A member that left this group, aborted or died never splits: the
     /// members waiting for it fail at once with a [`ErrorKind::PeerFailed`]
     /// naming it.
@@ -83,10 +85,10 @@ impl ShmComm {
         // other lists never arrive there. The list is posted in this group's
         // control block meanwhile: a member that times out reads the others'
         // and reports a disagreement as such, and a member that refused its
-        // own list fails the wait as soon as it is seen, as does one that
-        // left or died.
+        // own list, or waits in another list that holds this rank, fails the
+        // wait as soon as it is seen, as does one that left or died.
         ctrl.post_split(Some((ranks, seq)), false);
-        let seen = &splits.seen;
+        let (seen, made) = (&splits.seen, &splits.made);
         let watch = || {
             let gone = self.gone_members(ranks);
             if !gone.is_empty() {
@@ -95,6 +97,11 @@ impl ShmComm {
             let refused = self.refused_members(ranks, seq, seen);
             if !refused.is_empty() {
                 return Some(self.refusal_text(ranks, &refused));
+            }
+            let elsewhere = self.members_waiting_elsewhere(ranks, seq, seen, made);
+            if !elsewhere.is_empty() {
+                let who: Vec<usize> = elsewhere.iter().map(|(r, _)| *r).collect();
+                return Some(format!("ranks {who:?} wait to split another list that holds rank {me}"));
             }
             let called = self.members_in_next_call(ranks, seq, phase);
             (!called.is_empty()).then(|| self.next_call_text(ranks, seq, &called))
@@ -111,6 +118,22 @@ impl ShmComm {
             // waiting with it (PeerFailed): for them too, a refusal or a
             // disagreement is the cause.
             Err(e @ Error::Comm { kind: ErrorKind::Timeout | ErrorKind::PeerFailed | ErrorKind::Mismatch, .. }) => {
+                // Members waiting elsewhere for this rank fail as it does,
+                // seeing it left this split; it returns once they left
+                // theirs, so that its next split never meets them in the
+                // split they are failing. Their posts of this split are then
+                // reported with this failure, never again. The lists are
+                // read first: a member that left may post its next one.
+                let elsewhere = self.members_waiting_elsewhere(ranks, seq, &splits.seen, &splits.made);
+                let mismatch = self.split_mismatch(ranks, seq);
+                ctrl.post_split_left(ranks, seq);
+                self.await_left(&elsewhere);
+                let reported: Vec<(usize, u64)> = self
+                    .posts(ranks)
+                    .into_iter()
+                    .filter(|(_, p)| !p.refused && p.seq == seq)
+                    .map(|(r, p)| (r, p.gen))
+                    .collect();
                 let refused = self.refused_members(ranks, seq, &splits.seen);
                 if !refused.is_empty() {
                     let e = self.err("split", ErrorKind::Mismatch, self.refusal_text(ranks, &refused));
@@ -119,9 +142,11 @@ impl ShmComm {
                 }
                 let called = self.members_in_next_call(ranks, seq, phase);
                 if !called.is_empty() {
+                    splits.seen.extend(reported);
                     return Err(self.refuse_next_call(ranks, seq, &called));
                 }
-                if let Some(e) = self.split_mismatch(ranks, seq) {
+                splits.seen.extend(reported);
+                if let Some(e) = mismatch {
                     return Err(e);
                 }
                 // Last: a member that failed this split for one of the causes
@@ -165,6 +190,49 @@ impl ShmComm {
 
     fn gone_text(&self, ranks: &[usize], gone: &[String]) -> String {
         format!("{} while rank {} waited to split {ranks:?}: it never splits", gone.join(", "), self.inner.rank)
+    }
+
+    /// The members of `ranks` other than this rank that wait, after the
+    /// same `seq` collectives, in a split of another list that holds this
+    /// rank, or failed and left one (in a post no failed split of this rank
+    /// reported yet): neither that split nor this one can form. A list this
+    /// rank already split after these collectives (`made`) is not counted:
+    /// its post may be a member's that has yet to return from that split.
+    fn members_waiting_elsewhere(
+        &self,
+        ranks: &[usize],
+        seq: u64,
+        seen: &HashMap<usize, u64>,
+        made: &HashMap<Vec<usize>, u64>,
+    ) -> Vec<(usize, u64)> {
+        let me = self.inner.rank;
+        let mut posts = self.posts(ranks);
+        posts.retain(|(r, p)| {
+            !p.refused
+                && p.seq == seq
+                && seen.get(r) != Some(&p.gen)
+                && p.len == p.ranks.len()
+                && p.ranks.contains(&me)
+                && p.ranks != ranks
+                && !made.contains_key(&p.ranks)
+        });
+        posts.into_iter().map(|(r, p)| (r, p.gen)).collect()
+    }
+
+    /// Waits, at most the group's timeout, until each member of `members`,
+    /// `(rank, generation of its post)` as [`Self::members_waiting_elsewhere`]
+    /// found it, left the split of that post: it posted that it failed it,
+    /// or posted anything else since, or is gone.
+    fn await_left(&self, members: &[(usize, u64)]) {
+        let deadline = crate::clock::deadline(std::time::Instant::now(), self.inner.timeout);
+        // No post: withdrawn (a split formed) or being rewritten.
+        let left = |r: usize, gen: u64| self.inner.seg.ctrl(r).posted_split().map_or(true, |p| p.left || p.gen != gen);
+        while !members.iter().all(|&(r, gen)| left(r, gen) || !self.gone_members(&[r]).is_empty()) {
+            if std::time::Instant::now() >= deadline {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
     }
 
     /// The members of `ranks` other than this rank that refused their own

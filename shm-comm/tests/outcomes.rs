@@ -67,6 +67,30 @@ fn after_members_disagreed_on_a_split_the_same_list_splits_again() {
     assert_eq!(out, vec![Ok(0), Ok(2)]);
 }
 
+/// Members whose lists differ and hold each other ([0, 1] and [1, 0]) each
+/// wait for the other in a sub-group the other never joins: both fail at
+/// once (not at the 60 s timeout) with a Mismatch naming both lists. Right
+/// after, with no collective between, a split of one list meets, and so
+/// does the next split of another list, whichever member reaches it first.
+#[test]
+fn members_whose_lists_hold_each_other_fail_at_once_and_split_again() {
+    let timeout = Duration::from_secs(60);
+    let start = std::time::Instant::now();
+    let out = ranks("split-hold-each-other", 2, timeout, |r, c| {
+        let first = if r == 0 { [0, 1] } else { [1, 0] };
+        let e = c.split(&first).map(|_| ()).expect_err("members passed different lists");
+        let again = c.split(&[0, 1]).and_then(|s| c.split(&[1, 0]).map(|t| (s.rank(), t.rank())));
+        (e.kind(), e.to_string(), again.map_err(|e| e.to_string()))
+    });
+    let took = start.elapsed();
+    assert!(took < timeout / 4, "the members failed only after {took:?}");
+    for (r, (kind, text, again)) in out.iter().enumerate() {
+        assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+        assert!(text.contains("rank 0 passed [0, 1]") && text.contains("rank 1 passed [1, 0]"), "rank {r}: {text}");
+        assert_eq!(*again, Ok((r, 1 - r)), "rank {r}: the splits after the disagreement");
+    }
+}
+
 /// A member that split after another number of the group's collectives
 /// (here: after a barrier it alone called, which timed out) waits in another
 /// sub-group: both fail naming how many collectives each had started.
