@@ -285,6 +285,8 @@ struct Splits {
     seq: u64,
     /// Per rank list, how many sub-groups of it were made at `seq`.
     made: HashMap<Vec<usize>, u64>,
+    /// The rank lists whose split failed for this rank at `seq`.
+    failed: std::collections::HashSet<Vec<usize>>,
     /// Per member, the post of the last refusal a failed split of this rank
     /// reported: reported once, it fails no later split.
     seen: HashMap<usize, u64>,

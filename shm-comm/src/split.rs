@@ -70,6 +70,7 @@ impl ShmComm {
         if splits.seq != seq {
             splits.seq = seq;
             splits.made.clear();
+            splits.failed.clear();
         }
         let ctrl = self.inner.seg.ctrl(me);
         if let Some(why) = invalid_list(ranks, w, me) {
@@ -88,7 +89,8 @@ impl ShmComm {
         // own list, or waits in another list that holds this rank, fails the
         // wait as soon as it is seen, as does one that left or died.
         ctrl.post_split(Some((ranks, seq)), false);
-        let (seen, made) = (&splits.seen, &splits.made);
+        let seen = &splits.seen;
+        let done = |list: &[usize]| splits.made.contains_key(list) || splits.failed.contains(list);
         let watch = || {
             let gone = self.gone_members(ranks);
             if !gone.is_empty() {
@@ -98,7 +100,7 @@ impl ShmComm {
             if !refused.is_empty() {
                 return Some(self.refusal_text(ranks, &refused));
             }
-            let elsewhere = self.members_waiting_elsewhere(ranks, seq, seen, made);
+            let elsewhere = self.members_waiting_elsewhere(ranks, seq, seen, &done);
             if !elsewhere.is_empty() {
                 let who: Vec<usize> = elsewhere.iter().map(|(r, _)| *r).collect();
                 return Some(format!("ranks {who:?} wait to split another list that holds rank {me}"));
@@ -124,7 +126,8 @@ impl ShmComm {
                 // split they are failing. Their posts of this split are then
                 // reported with this failure, never again. The lists are
                 // read first: a member that left may post its next one.
-                let elsewhere = self.members_waiting_elsewhere(ranks, seq, &splits.seen, &splits.made);
+                let elsewhere = self.members_waiting_elsewhere(ranks, seq, &splits.seen, &done);
+                splits.failed.insert(ranks.to_vec());
                 let mismatch = self.split_mismatch(ranks, seq);
                 ctrl.post_split_left(ranks, seq);
                 self.await_left(&elsewhere);
@@ -196,14 +199,15 @@ impl ShmComm {
     /// same `seq` collectives, in a split of another list that holds this
     /// rank, or failed and left one (in a post no failed split of this rank
     /// reported yet): neither that split nor this one can form. A list this
-    /// rank already split after these collectives (`made`) is not counted:
-    /// its post may be a member's that has yet to return from that split.
+    /// rank already split, or failed to, after these collectives (`done`)
+    /// is not counted: its post may be a member's that has yet to return
+    /// from that split, or to withdraw its post of it.
     fn members_waiting_elsewhere(
         &self,
         ranks: &[usize],
         seq: u64,
         seen: &HashMap<usize, u64>,
-        made: &HashMap<Vec<usize>, u64>,
+        done: &dyn Fn(&[usize]) -> bool,
     ) -> Vec<(usize, u64)> {
         let me = self.inner.rank;
         let mut posts = self.posts(ranks);
@@ -214,7 +218,7 @@ impl ShmComm {
                 && p.len == p.ranks.len()
                 && p.ranks.contains(&me)
                 && p.ranks != ranks
-                && !made.contains_key(&p.ranks)
+                && !done(&p.ranks)
         });
         posts.into_iter().map(|(r, p)| (r, p.gen)).collect()
     }
