@@ -287,6 +287,10 @@ struct Splits {
     made: HashMap<Vec<usize>, u64>,
     /// The rank lists whose split failed for this rank at `seq`.
     failed: std::collections::HashSet<Vec<usize>>,
+    /// How many splits failed for this rank at `seq`, refusals included:
+    /// members that fail a split fail it together, so a split's attempt
+    /// number is the same on every member.
+    failures: u64,
     /// Per member, the post of the last refusal a failed split of this rank
     /// reported: reported once, it fails no later split.
     seen: HashMap<usize, u64>,

@@ -373,6 +373,9 @@ pub(crate) struct Posted {
     pub refused: bool,
     /// The poster failed this split and left it.
     pub left: bool,
+    /// How many splits after `seq` collectives failed for the poster before
+    /// this one.
+    pub attempt: u64,
     /// Changes with every post of the rank (tells a new refusal from one seen).
     pub gen: u64,
 }
@@ -397,27 +400,37 @@ impl Posted {
 const SPLIT_REFUSED: u64 = 1 << 63;
 /// Set in the length word of a split request its poster failed and left.
 const SPLIT_LEFT: u64 = 1 << 62;
+/// The length word holds the list's length in its low bits, and the attempt
+/// number from this bit up to the flags.
+const SPLIT_ATTEMPT_SHIFT: u32 = 40;
+const SPLIT_LEN_MASK: u64 = (1 << SPLIT_ATTEMPT_SHIFT) - 1;
+const SPLIT_ATTEMPT_MASK: u64 = (1 << (62 - SPLIT_ATTEMPT_SHIFT)) - 1;
 
 impl Ctrl {
     /// Posts `ranks`, split after `seq` collectives of the group, as this
-    /// rank's split request (`None` withdraws it); `refused`: the rank found
-    /// the list invalid and is not joining. Only the owning rank writes.
-    pub(crate) fn post_split(&self, req: Option<(&[usize], u64)>, refused: bool) {
-        self.post(req, if refused { SPLIT_REFUSED } else { 0 });
+    /// rank's split request (`None` withdraws it); `attempt`: how many splits
+    /// after `seq` collectives failed for this rank before;
+    /// `refused`: the rank found the list invalid and is not joining. Only
+    /// the owning rank writes.
+    pub(crate) fn post_split(&self, req: Option<(&[usize], u64)>, attempt: u64, refused: bool) {
+        self.post(req, attempt, if refused { SPLIT_REFUSED } else { 0 });
     }
 
-    /// Posts `ranks`, split after `seq` collectives, as a request this rank
-    /// failed and left (its peers waiting for it elsewhere see it has).
-    pub(crate) fn post_split_left(&self, ranks: &[usize], seq: u64) {
-        self.post(Some((ranks, seq)), SPLIT_LEFT);
+    /// Posts `ranks`, split after `seq` collectives, as the request of
+    /// `attempt` that this rank failed and left (its peers waiting for it,
+    /// in that list or another, see it has).
+    pub(crate) fn post_split_left(&self, ranks: &[usize], seq: u64, attempt: u64) {
+        self.post(Some((ranks, seq)), attempt, SPLIT_LEFT);
     }
 
-    fn post(&self, req: Option<(&[usize], u64)>, flag: u64) {
+    fn post(&self, req: Option<(&[usize], u64)>, attempt: u64, flag: u64) {
         let (ranks, seq) = req.unwrap_or((&[], 0));
         let g = self.split[0].load(Ordering::Relaxed);
         self.split[0].store(g.wrapping_add(1) | 1, Ordering::Relaxed);
         std::sync::atomic::fence(Ordering::Release);
-        self.split[1].store((ranks.len() as u64).min(!(SPLIT_REFUSED | SPLIT_LEFT)) | flag, Ordering::Relaxed);
+        let len = (ranks.len() as u64).min(SPLIT_LEN_MASK);
+        let attempt = attempt.min(SPLIT_ATTEMPT_MASK) << SPLIT_ATTEMPT_SHIFT;
+        self.split[1].store(len | attempt | flag, Ordering::Relaxed);
         self.split[2].store(seq, Ordering::Relaxed);
         for (i, w) in self.split[3..].iter().enumerate() {
             let word =
@@ -434,7 +447,7 @@ impl Ctrl {
             return None;
         }
         let word = self.split[1].load(Ordering::Relaxed);
-        let len = usize::try_from(word & !(SPLIT_REFUSED | SPLIT_LEFT)).unwrap_or(usize::MAX);
+        let len = usize::try_from(word & SPLIT_LEN_MASK).unwrap_or(usize::MAX);
         let seq = self.split[2].load(Ordering::Relaxed);
         let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
         std::sync::atomic::fence(Ordering::Acquire);
@@ -442,6 +455,14 @@ impl Ctrl {
             return None;
         }
         let ranks = (0..len.min(MAX_WORLD)).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect();
-        Some(Posted { ranks, len, seq, refused: word & SPLIT_REFUSED != 0, left: word & SPLIT_LEFT != 0, gen: g })
+        Some(Posted {
+            ranks,
+            len,
+            seq,
+            refused: word & SPLIT_REFUSED != 0,
+            left: word & SPLIT_LEFT != 0,
+            attempt: (word >> SPLIT_ATTEMPT_SHIFT) & SPLIT_ATTEMPT_MASK,
+            gen: g,
+        })
     }
 }

@@ -71,11 +71,14 @@ impl ShmComm {
             splits.seq = seq;
             splits.made.clear();
             splits.failed.clear();
+            splits.failures = 0;
         }
         let ctrl = self.inner.seg.ctrl(me);
+        let attempt = splits.failures;
         if let Some(why) = invalid_list(ranks, w, me) {
             // Posted as refused, so the members waiting for this rank fail now.
-            ctrl.post_split(Some((ranks, seq)), true);
+            ctrl.post_split(Some((ranks, seq)), attempt, true);
+            splits.failures += 1;
             return Err(self.err("split", ErrorKind::Setup, why));
         }
         let pos = ranks.iter().position(|&r| r == me).unwrap_or_default();
@@ -88,9 +91,11 @@ impl ShmComm {
         // and reports a disagreement as such, and a member that refused its
         // own list, or waits in another list that holds this rank, fails the
         // wait as soon as it is seen, as does one that left or died.
-        ctrl.post_split(Some((ranks, seq)), false);
+        ctrl.post_split(Some((ranks, seq)), attempt, false);
         let seen = &splits.seen;
-        let done = |list: &[usize]| splits.made.contains_key(list) || splits.failed.contains(list);
+        // Posts of splits this rank knows cannot be waited in for it any more.
+        let stale =
+            |p: &Posted| p.attempt < attempt || splits.made.contains_key(&p.ranks) || splits.failed.contains(&p.ranks);
         let watch = || {
             let gone = self.gone_members(ranks);
             if !gone.is_empty() {
@@ -100,7 +105,11 @@ impl ShmComm {
             if !refused.is_empty() {
                 return Some(self.refusal_text(ranks, &refused));
             }
-            let elsewhere = self.members_waiting_elsewhere(ranks, seq, seen, &done);
+            let left = self.members_that_left(ranks, seq, attempt);
+            if !left.is_empty() {
+                return Some(format!("ranks {left:?} failed this split of {ranks:?} and left it"));
+            }
+            let elsewhere = self.members_waiting_elsewhere(ranks, seq, seen, &stale);
             if !elsewhere.is_empty() {
                 let who: Vec<usize> = elsewhere.iter().map(|(r, _)| *r).collect();
                 return Some(format!("ranks {who:?} wait to split another list that holds rank {me}"));
@@ -112,7 +121,7 @@ impl ShmComm {
             ShmComm::rendezvous_watching(&name, ranks.len(), pos, self.inner.timeout, &self.inner.cfg, Some(&watch));
         match joined {
             Ok(c) => {
-                ctrl.post_split(None, false);
+                ctrl.post_split(None, 0, false);
                 splits.made.insert(ranks.to_vec(), n + 1);
                 Ok(c)
             }
@@ -120,17 +129,22 @@ impl ShmComm {
             // waiting with it (PeerFailed): for them too, a refusal or a
             // disagreement is the cause.
             Err(e @ Error::Comm { kind: ErrorKind::Timeout | ErrorKind::PeerFailed | ErrorKind::Mismatch, .. }) => {
-                // Members waiting elsewhere for this rank fail as it does,
-                // seeing it left this split; it returns once they left
-                // theirs, so that its next split never meets them in the
-                // split they are failing. Their posts of this split are then
+                // Members waiting elsewhere for this rank after as many
+                // failed splits fail as it does, seeing it left this split;
+                // it returns once they left theirs, so that its next split
+                // never meets them in the split they are failing. (One after
+                // more failed splits took this rank's post for a stale one:
+                // it waits on, for this rank's next split.) Their posts of this split are then
                 // reported with this failure, never again. The lists are
                 // read first: a member that left may post its next one.
-                let elsewhere = self.members_waiting_elsewhere(ranks, seq, &splits.seen, &done);
+                let elsewhere = self.members_waiting_elsewhere(ranks, seq, &splits.seen, &stale);
                 splits.failed.insert(ranks.to_vec());
+                splits.failures += 1;
                 let mismatch = self.split_mismatch(ranks, seq);
-                ctrl.post_split_left(ranks, seq);
-                self.await_left(&elsewhere);
+                ctrl.post_split_left(ranks, seq, attempt);
+                let failing: Vec<(usize, u64)> =
+                    elsewhere.iter().filter(|(_, p)| p.attempt == attempt).map(|(r, p)| (*r, p.gen)).collect();
+                self.await_left(&failing);
                 let reported: Vec<(usize, u64)> = self
                     .posts(ranks)
                     .into_iter()
@@ -160,7 +174,11 @@ impl ShmComm {
                 }
                 Err(e)
             }
-            Err(e) => Err(e),
+            Err(e) => {
+                splits.failed.insert(ranks.to_vec());
+                splits.failures += 1;
+                Err(e)
+            }
         }
     }
 
@@ -198,17 +216,18 @@ impl ShmComm {
     /// The members of `ranks` other than this rank that wait, after the
     /// same `seq` collectives, in a split of another list that holds this
     /// rank, or failed and left one (in a post no failed split of this rank
-    /// reported yet): neither that split nor this one can form. A list this
-    /// rank already split, or failed to, after these collectives (`done`)
-    /// is not counted: its post may be a member's that has yet to return
+    /// reported yet): neither that split nor this one can form. Not counted
+    /// (`stale`): a post of a list this rank already split, or failed to,
+    /// after these collectives, and one of a split the poster tried after
+    /// fewer failed splits than this rank's: the poster has yet to return
     /// from that split, or to withdraw its post of it.
     fn members_waiting_elsewhere(
         &self,
         ranks: &[usize],
         seq: u64,
         seen: &HashMap<usize, u64>,
-        done: &dyn Fn(&[usize]) -> bool,
-    ) -> Vec<(usize, u64)> {
+        stale: &dyn Fn(&Posted) -> bool,
+    ) -> Vec<(usize, Posted)> {
         let me = self.inner.rank;
         let mut posts = self.posts(ranks);
         posts.retain(|(r, p)| {
@@ -218,9 +237,22 @@ impl ShmComm {
                 && p.len == p.ranks.len()
                 && p.ranks.contains(&me)
                 && p.ranks != ranks
-                && !done(&p.ranks)
+                && !stale(p)
         });
-        posts.into_iter().map(|(r, p)| (r, p.gen)).collect()
+        posts
+    }
+
+    /// The members of `ranks` other than this rank that failed and left
+    /// this split (the same list after the same `seq` collectives) when
+    /// `attempt` splits after those collectives had failed for them, as for
+    /// this rank now, or more: this rank came late to a split they left,
+    /// which cannot form any more.
+    fn members_that_left(&self, ranks: &[usize], seq: u64, attempt: u64) -> Vec<usize> {
+        let mut posts = self.posts(ranks);
+        posts.retain(|(_, p)| {
+            p.left && p.seq == seq && p.attempt >= attempt && p.len == ranks.len() && p.ranks == ranks
+        });
+        posts.into_iter().map(|(r, _)| r).collect()
     }
 
     /// Waits, at most the group's timeout, until each member of `members`,

@@ -91,6 +91,40 @@ fn members_whose_lists_hold_each_other_fail_at_once_and_split_again() {
     }
 }
 
+/// Rank 0 splits [0, 1] while ranks 1 and 2 split [0, 1, 2]: rank 1 fails
+/// at once (rank 0 waits in a list that holds it), and rank 2, which comes
+/// to [0, 1, 2] only after rank 1 left it, fails at once too, not at the
+/// timeout, with a Mismatch naming the lists. The next split of one list
+/// by all three meets.
+#[test]
+fn a_member_coming_late_to_a_split_its_peer_left_fails_at_once() {
+    let timeout = Duration::from_secs(60);
+    let (left_tx, left_rx) = std::sync::mpsc::channel::<()>();
+    let left_rx = std::sync::Mutex::new(left_rx);
+    let start = std::time::Instant::now();
+    let out = ranks("split-late", 3, timeout, |r, c| {
+        let first: &[usize] = if r == 0 { &[0, 1] } else { &[0, 1, 2] };
+        if r == 2 {
+            left_rx.lock().expect("lock").recv().expect("rank 1");
+        }
+        let e = c.split(first).map(|_| ()).expect_err("rank 0 passed another list");
+        if r == 1 {
+            left_tx.send(()).expect("rank 2");
+        }
+        let again = c.split(&[2, 1, 0]).map(|s| s.rank()).map_err(|e| e.to_string());
+        (e.kind(), e.to_string(), again)
+    });
+    let took = start.elapsed();
+    assert!(took < timeout / 4, "the members failed only after {took:?}");
+    for (r, (kind, text, again)) in out.iter().enumerate() {
+        assert_eq!(*kind, Some(ErrorKind::Mismatch), "rank {r}: {text}");
+        // Rank 2 may read its peers' posts of their next split already.
+        let other = if r == 2 { "rank 0 passed" } else { "[0, 1]" };
+        assert!(text.contains(other) && text.contains("[0, 1, 2]"), "rank {r}: {text}");
+        assert_eq!(*again, Ok(2 - r), "rank {r}: the split after the disagreement");
+    }
+}
+
 /// A member that split after another number of the group's collectives
 /// (here: after a barrier it alone called, which timed out) waits in another
 /// sub-group: both fail naming how many collectives each had started.
