@@ -4,10 +4,13 @@
 //! 8-byte aligned. Each case is checked against the same call on separate,
 //! aligned buffers.
 
+mod capi_common;
+
 use std::ffi::CString;
 use std::ptr::{null, null_mut};
 
 use ascend_moe::capi::*;
+use capi_common::finalize_args;
 
 fn desc(data: *mut f32, shape: &[usize]) -> amoe_tensor {
     amoe_tensor {
@@ -37,16 +40,7 @@ fn finalize_into(x: *mut f32, idx: &mut [i32], out: *mut f32) -> amoe_status {
     let mut ones = vec![1f32; N * K];
     let (x, i, o) = (desc(x, &xs), idx_desc(idx, &is), desc(out, &os));
     let s = desc(ones.as_mut_ptr(), &ss);
-    let args = amoe_finalize_args {
-        expanded_x: &x,
-        expanded_row_idx: &i,
-        x1: null(),
-        x2: null(),
-        bias: null(),
-        scales: &s,
-        expert_idx: null(),
-        drop_pad_mode: amoe_drop_pad_mode::DropLessRow as u32,
-    };
+    let args = amoe_finalize_args { scales: &s, ..finalize_args(&x, &i, amoe_drop_pad_mode::DropLessRow as u32) };
     // SAFETY: every descriptor points at live buffers of the described sizes.
     unsafe { amoe_moe_finalize_routing(&args, &o, null()) }
 }

@@ -11,7 +11,7 @@ use std::ptr::{null, null_mut};
 use ascend_moe::backend::npu::{DeviceBuffer, HcclComm, HcclRootInfo, NpuDevice};
 use ascend_moe::capi::*;
 use ascend_moe::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
-use capi_common::last_error;
+use capi_common::{finalize_args, last_error};
 
 fn desc(data: *mut c_void, dtype: amoe_dtype, shape: &[usize], kind: amoe_device_kind, ordinal: i32) -> amoe_tensor {
     amoe_tensor {
@@ -197,14 +197,8 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     let hs = desc(sch.as_mut_ptr().cast(), amoe_dtype::F32, &scs, amoe_device_kind::Cpu, 0);
     let ho = desc(host_out.as_mut_ptr().cast(), amoe_dtype::F32, &outs, amoe_device_kind::Cpu, 0);
     let args = |x: &amoe_tensor, r: &amoe_tensor, sc: &amoe_tensor| amoe_finalize_args {
-        expanded_x: x,
-        expanded_row_idx: r,
-        x1: null(),
-        x2: null(),
-        bias: null(),
         scales: sc,
-        expert_idx: null(),
-        drop_pad_mode: 0,
+        ..finalize_args(x, r, 0)
     };
     // SAFETY: host descriptors over live memory; no stream for host tensors.
     let st = unsafe { amoe_moe_finalize_routing(&args(&hx, &hr, &hs), &ho, null()) };
@@ -470,16 +464,7 @@ fn an_op_over_npu_inputs_refuses_a_host_output() {
     let msg = last_error();
     assert_eq!(st, amoe_status::Device, "{msg}");
     assert!(msg.contains("amoe_shared_pad_split") && msg.contains("`out`"), "{msg}");
-    let args = amoe_finalize_args {
-        expanded_x: &xd,
-        expanded_row_idx: &id,
-        x1: null(),
-        x2: null(),
-        bias: null(),
-        scales: null(),
-        expert_idx: null(),
-        drop_pad_mode: amoe_drop_pad_mode::DropLessColumn as u32,
-    };
+    let args = finalize_args(&xd, &id, amoe_drop_pad_mode::DropLessColumn as u32);
     // SAFETY: as above.
     let st = unsafe { amoe_moe_finalize_routing(&args, &od, s) };
     let msg = last_error();

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Barrier;
 
 use ascend_moe::capi::*;
-use capi_common::{host, last_error};
+use capi_common::{finalize_args, host, last_error};
 
 /// The rank whose argument is bad.
 const BAD: usize = 1;
@@ -135,16 +135,7 @@ fn an_sp_op_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
         let xd = host(&mut x, &xs);
         let id = amoe_tensor { data: idx.as_mut_ptr().cast(), dtype: amoe_dtype::I32 as u32, ..host(&mut [], &is) };
         let od = host(&mut o, &os);
-        let args = amoe_finalize_args {
-            expanded_x: &xd,
-            expanded_row_idx: &id,
-            x1: null(),
-            x2: null(),
-            bias: null(),
-            scales: null(),
-            expert_idx: null(),
-            drop_pad_mode: amoe_drop_pad_mode::DropLessRow as u32,
-        };
+        let args = finalize_args(&xd, &id, amoe_drop_pad_mode::DropLessRow as u32);
         let a = if rank == BAD { null() } else { &args as *const _ };
         // SAFETY: as above.
         unsafe { amoe_finalize_and_reduce(a, sizes.as_ptr(), 2, c, &od, null()) }

@@ -8,6 +8,7 @@
 //! calls run eagerly on host memory and the CPU communicator. Ignored without
 //! an NPU (`ci/sim.sh` runs it on the simulated runtime).
 
+mod capi_common;
 mod common;
 
 use ascend_moe::testing::graph::Graph;
@@ -17,6 +18,7 @@ use std::ptr::{null, null_mut};
 use ascend_moe::backend::npu::{DeviceBuffer, HcclComm, HcclRootInfo, NpuDevice};
 use ascend_moe::capi::*;
 use ascend_moe::CommOptions;
+use capi_common::finalize_args;
 
 const WORLD: usize = 4;
 const TP: usize = 2;
@@ -186,16 +188,7 @@ fn forward(
     let (y, y2) = (desc(b.y, amoe_dtype::F32, &sh.h, place), desc(b.y2, amoe_dtype::F32, &sh.h, place));
     let (shared, final_) =
         (desc(b.shared, amoe_dtype::F32, &sh.x, place), desc(b.final_, amoe_dtype::F32, &sh.out, place));
-    let args = amoe_finalize_args {
-        expanded_x: &h,
-        expanded_row_idx: &idx,
-        x1: null(),
-        x2: null(),
-        bias: null(),
-        scales: &w,
-        expert_idx: null(),
-        drop_pad_mode: 0,
-    };
+    let args = amoe_finalize_args { scales: &w, ..finalize_args(&h, &idx, 0) };
     // SAFETY: every descriptor points to memory of its shape on `place`,
     // alive until the work has run; handles live.
     unsafe {
@@ -598,16 +591,7 @@ fn with_reversed_rows(seed: usize, f: impl FnOnce(ReversedRows<'_>)) {
     let xd = desc(dev_ptr(&x_d), amoe_dtype::F32, &xs, place);
     let id = desc(dev_ptr(&idx_d), amoe_dtype::I32, &is, place);
     let od = desc(dev_ptr(&out_d), amoe_dtype::F32, &os, place);
-    let args = amoe_finalize_args {
-        expanded_x: &xd,
-        expanded_row_idx: &id,
-        x1: null(),
-        x2: null(),
-        bias: null(),
-        scales: null(),
-        expert_idx: null(),
-        drop_pad_mode: 0,
-    };
+    let args = finalize_args(&xd, &id, 0);
     // SAFETY: live handles; descriptors over live device memory.
     let run = || unsafe { amoe_moe_finalize_routing(&args, &od, s) };
     let want: Vec<f32> = (0..n).flat_map(|i| x[(n - 1 - i) * h..(n - i) * h].to_vec()).collect();

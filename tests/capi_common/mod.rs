@@ -1,5 +1,5 @@
-//! Helpers of the C ABI tests: the calling thread's last error message and
-//! a host f32 descriptor, as a C caller writes them.
+//! Helpers of the C ABI tests: the calling thread's last error message, a
+//! host f32 descriptor and finalize arguments, as a C caller writes them.
 #![allow(dead_code)]
 
 use std::ptr::null;
@@ -26,5 +26,24 @@ pub fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
         strides: null(),
         device_kind: amoe_device_kind::Cpu as u32,
         device_ordinal: 0,
+    }
+}
+
+/// Finalize arguments over the two tensors every call needs, with no skip
+/// terms, bias, scales or expert ids (set those with `..finalize_args(..)`).
+pub fn finalize_args(
+    expanded_x: &amoe_tensor,
+    expanded_row_idx: &amoe_tensor,
+    drop_pad_mode: u32,
+) -> amoe_finalize_args {
+    amoe_finalize_args {
+        expanded_x,
+        expanded_row_idx,
+        x1: null(),
+        x2: null(),
+        bias: null(),
+        scales: null(),
+        expert_idx: null(),
+        drop_pad_mode,
     }
 }
