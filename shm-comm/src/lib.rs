@@ -285,8 +285,6 @@ struct Splits {
     seq: u64,
     /// Per rank list, how many sub-groups of it were made at `seq`.
     made: HashMap<Vec<usize>, u64>,
-    /// The rank lists whose split failed for this rank at `seq`.
-    failed: std::collections::HashSet<Vec<usize>>,
     /// How many splits failed for this rank at `seq`, refusals included:
     /// members that fail a split fail it together, so a split's attempt
     /// number is the same on every member.

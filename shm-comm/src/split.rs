@@ -70,7 +70,6 @@ impl ShmComm {
         if splits.seq != seq {
             splits.seq = seq;
             splits.made.clear();
-            splits.failed.clear();
             splits.failures = 0;
         }
         let ctrl = self.inner.seg.ctrl(me);
@@ -94,8 +93,7 @@ impl ShmComm {
         ctrl.post_split(Some((ranks, seq)), attempt, false);
         let seen = &splits.seen;
         // Posts of splits this rank knows cannot be waited in for it any more.
-        let stale =
-            |p: &Posted| p.attempt < attempt || splits.made.contains_key(&p.ranks) || splits.failed.contains(&p.ranks);
+        let stale = |p: &Posted| p.attempt < attempt || splits.made.contains_key(&p.ranks);
         let watch = || {
             let gone = self.gone_members(ranks);
             if !gone.is_empty() {
@@ -134,11 +132,11 @@ impl ShmComm {
                 // it returns once they left theirs, so that its next split
                 // never meets them in the split they are failing. (One after
                 // more failed splits took this rank's post for a stale one:
-                // it waits on, for this rank's next split.) Their posts of this split are then
-                // reported with this failure, never again. The lists are
-                // read first: a member that left may post its next one.
+                // it waits on, for this rank's next split.) Their posts of
+                // this split are then reported with this failure, never
+                // again. The lists are read first: a member that left may
+                // post its next one.
                 let elsewhere = self.members_waiting_elsewhere(ranks, seq, &splits.seen, &stale);
-                splits.failed.insert(ranks.to_vec());
                 splits.failures += 1;
                 let mismatch = self.split_mismatch(ranks, seq);
                 ctrl.post_split_left(ranks, seq, attempt);
@@ -157,12 +155,11 @@ impl ShmComm {
                     splits.seen.extend(refused.iter().map(|(r, p)| (*r, p.gen)));
                     return Err(e);
                 }
+                splits.seen.extend(reported);
                 let called = self.members_in_next_call(ranks, seq, phase);
                 if !called.is_empty() {
-                    splits.seen.extend(reported);
                     return Err(self.refuse_next_call(ranks, seq, &called));
                 }
-                splits.seen.extend(reported);
                 if let Some(e) = mismatch {
                     return Err(e);
                 }
@@ -175,7 +172,6 @@ impl ShmComm {
                 Err(e)
             }
             Err(e) => {
-                splits.failed.insert(ranks.to_vec());
                 splits.failures += 1;
                 Err(e)
             }
@@ -217,10 +213,10 @@ impl ShmComm {
     /// same `seq` collectives, in a split of another list that holds this
     /// rank, or failed and left one (in a post no failed split of this rank
     /// reported yet): neither that split nor this one can form. Not counted
-    /// (`stale`): a post of a list this rank already split, or failed to,
-    /// after these collectives, and one of a split the poster tried after
-    /// fewer failed splits than this rank's: the poster has yet to return
-    /// from that split, or to withdraw its post of it.
+    /// (`stale`): a post of a list this rank already split after these
+    /// collectives, and one of a split the poster tried after fewer failed
+    /// splits than this rank's (one this rank failed too): the poster has
+    /// yet to return from that split, or to withdraw its post of it.
     fn members_waiting_elsewhere(
         &self,
         ranks: &[usize],
