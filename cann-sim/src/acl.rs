@@ -171,6 +171,20 @@ pub extern "C" fn aclrtStreamWaitEvent(stream: AclrtStream, event: AclrtEvent) -
                 format!("event flag {:#x} has no ACL_EVENT_SYNC: a stream cannot wait for it", e.flag),
             );
         }
+        // A stream waits only for an event of its own device. hicann/runtime
+        // `docs/zh/dev_guide/05_multi_device_programming.md:91` says the wait
+        // fails otherwise; the source (`core/src/event/event.cc:634-646`,
+        // `CrossDeviceEventWait`) turns it into a memory-wait task on chips
+        // with `RT_FEATURE_TASK_VALUE_WAIT` (`config/910_B_93/dev_info_reg.cc:23`)
+        // and, on every other chip, returns success without waiting at all.
+        // Code that relies on it is right on some hosts and racy on the rest:
+        // refused, as documented.
+        if e.device != s.device {
+            return fail(
+                ACL_ERROR_RT_STREAM_CONTEXT,
+                format!("a stream of device {} cannot wait for an event of device {}", s.device, e.device),
+            );
+        }
         crate::capture::check_wait(&s, &e)?;
         if e.wait_needs_a_record() {
             return fail(

@@ -412,6 +412,45 @@ fn an_event_is_recorded_only_on_a_stream_of_its_device() {
 }
 
 #[test]
+fn a_stream_waits_only_for_an_event_of_its_device() {
+    // Guide `05_multi_device_programming.md:91-92`: a wait across devices
+    // fails; a synchronize or a query of another device's event succeeds.
+    let s = use_device(1);
+    let src = stream();
+    let mut e = NULL;
+    unsafe {
+        assert_eq!((s.aclrtCreateEvent)(&mut e), 0);
+        assert_eq!((s.aclrtRecordEvent)(e, src), 0, "{}", err_msg());
+    }
+    let e_u = e as usize;
+    std::thread::scope(|sc| {
+        sc.spawn(move || {
+            let s = use_device(2);
+            let st = stream();
+            let e = e_u as Ptr;
+            unsafe {
+                assert_eq!((s.aclrtStreamWaitEvent)(st, e), ACL_ERROR_RT_STREAM_CONTEXT, "{}", err_msg());
+                assert!(err_msg().contains("device 2 cannot wait for an event of device 1"), "{}", err_msg());
+                assert_eq!((s.aclrtSynchronizeEvent)(e), 0, "{}", err_msg());
+                let mut v = -1;
+                assert_eq!((s.aclrtQueryEventStatus)(e, &mut v), 0, "{}", err_msg());
+                assert_eq!(v, 1, "recorded and synchronized");
+            }
+            destroy_stream(st);
+        });
+    });
+    unsafe {
+        // The same wait on a stream of the event's device is taken.
+        let other = stream();
+        assert_eq!((s.aclrtStreamWaitEvent)(other, e), 0, "{}", err_msg());
+        sync(other);
+        destroy_stream(other);
+        assert_eq!((s.aclrtDestroyEvent)(e), 0);
+    }
+    destroy_stream(src);
+}
+
+#[test]
 fn mem_info_refuses_an_unknown_memory_attribute() {
     let s = use_device(1);
     let (mut free_b, mut total) = (0usize, 0usize);
