@@ -617,7 +617,8 @@ pub unsafe extern "C" fn aclrtCreateEvent(event: *mut AclrtEvent) -> AclError {
 #[no_mangle]
 pub unsafe extern "C" fn aclrtCreateEventExWithFlag(event: *mut AclrtEvent, flag: u32) -> AclError {
     use crate::stream::{
-        RT_EVENT_DDSYNC, RT_EVENT_DDSYNC_NS, RT_EVENT_EXTERNAL, RT_EVENT_IPC, RT_EVENT_STREAM_MARK, RT_EVENT_TIME_LINE,
+        RT_EVENT_DDSYNC, RT_EVENT_DDSYNC_NS, RT_EVENT_EXTERNAL, RT_EVENT_IPC, RT_EVENT_MC2, RT_EVENT_STREAM_MARK,
+        RT_EVENT_TIME_LINE,
     };
     status::acl("aclrtCreateEventExWithFlag", || {
         crate::counters::bump(|c| c.event_creates += 1);
@@ -625,7 +626,10 @@ pub unsafe extern "C" fn aclrtCreateEventExWithFlag(event: *mut AclrtEvent, flag
         if event.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "event is NULL");
         }
-        for solely in [RT_EVENT_EXTERNAL, RT_EVENT_IPC] {
+        // RT_EVENT_MC2 (0x10, `pkg_inc/runtime/runtime/event.h:60`) is
+        // refused with another bit too (`api_error.cc:1657-1663` at HEAD);
+        // alone it has none of the bits of `max` below.
+        for solely in [RT_EVENT_MC2, RT_EVENT_EXTERNAL, RT_EVENT_IPC] {
             if flag & solely != 0 && flag & !solely != 0 {
                 return fail(
                     ACL_ERROR_RT_PARAM_INVALID,

@@ -267,7 +267,10 @@ pub const RT_EVENT_STREAM_MARK: u32 = 0x02;
 pub const RT_EVENT_DDSYNC: u32 = 0x04;
 /// `RT_EVENT_TIME_LINE` (`ACL_EVENT_TIME_LINE`), event.h:58.
 pub const RT_EVENT_TIME_LINE: u32 = 0x08;
-/// `RT_EVENT_EXTERNAL`, event.h:60.
+/// `RT_EVENT_MC2` (`ACL_EVENT_DEVICE_USE_ONLY` in the API reference), not
+/// OR-able with another flag; event.h:60 at HEAD.
+pub const RT_EVENT_MC2: u32 = 0x10;
+/// `RT_EVENT_EXTERNAL`, event.h:60 (v8.5.0).
 pub const RT_EVENT_EXTERNAL: u32 = 0x20;
 /// `RT_EVENT_IPC`, event.h:61 (not OR-able with another flag).
 pub const RT_EVENT_IPC: u32 = 0x40;

@@ -320,6 +320,21 @@ fn every_call_cann_forbids_during_capture_fails_with_its_code_and_invalidates_th
             }),
         ),
         (
+            "aclrtSynchronizeEvent on an event recorded in the capture, then again outside it",
+            EVENT_CAPTURED,
+            Box::new(|st| unsafe {
+                let e = event();
+                let outside = stream();
+                assert_eq!((s.aclrtRecordEvent)(e, st), 0, "{}", err_msg());
+                assert_eq!((s.aclrtRecordEvent)(e, outside), 0, "{}", err_msg());
+                let r = (s.aclrtSynchronizeEvent)(e);
+                sync(outside);
+                destroy_stream(outside);
+                destroy_event(e);
+                r
+            }),
+        ),
+        (
             "aclrtQueryEventStatus on an event recorded in the capture",
             EVENT_CAPTURED,
             Box::new(|st| unsafe {
@@ -870,9 +885,11 @@ fn aclrt_create_event_ex_with_flag_checks_its_arguments_as_the_runtime_does() {
     let s = use_device(0);
     let mut e = NULL;
     unsafe {
-        // event.cpp:65, then api_error.cc:1186-1207.
+        // event.cpp:65, then api_error.cc:1186-1207 (v8.5.0); RT_EVENT_MC2
+        // (0x10) alone or with another bit, api_error.cc:1657-1672 at HEAD.
         assert_eq!((s.aclrtCreateEventExWithFlag)(std::ptr::null_mut(), ACL_EVENT_SYNC), INVALID_PARAM);
-        for bad in [0u32, 0x80, 0x20 | ACL_EVENT_SYNC, 0x40 | ACL_EVENT_SYNC, 0x10] {
+        for bad in [0u32, 0x80, 0x20 | ACL_EVENT_SYNC, 0x40 | ACL_EVENT_SYNC, 0x10, 0x10 | ACL_EVENT_SYNC, 0x10 | 0x08]
+        {
             assert_eq!((s.aclrtCreateEventExWithFlag)(&mut e, bad), RT_PARAM_INVALID, "flag {bad:#x}");
             assert!(e.is_null(), "flag {bad:#x} made no event");
         }

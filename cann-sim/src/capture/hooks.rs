@@ -372,9 +372,20 @@ pub fn check_wait(s: &Stream, e: &Arc<Event>) -> SimResult<()> {
 pub fn record_event(e: &Arc<Event>, s: &Arc<Stream>) {
     let m = members();
     let mut ev = captured_events();
-    ev.retain(|c| !Arc::ptr_eq(&c.event, e));
-    if let Some(member) = member_of(&m, s) {
-        ev.push(CapturedEvent { event: e.clone(), model: member.model, stream: s.clone(), at: member.recorded });
+    match member_of(&m, s) {
+        Some(member) => {
+            ev.retain(|c| !Arc::ptr_eq(&c.event, e));
+            ev.push(CapturedEvent { event: e.clone(), model: member.model, stream: s.clone(), at: member.recorded });
+        }
+        // A record outside every capture leaves the event bound to the
+        // ongoing capture it was recorded in: the runtime clears an event's
+        // capture event only when that capture's model ends or the event is
+        // destroyed (hicann/runtime `feature/aclgraph/capture_model.cc:777-779`,
+        // `core/src/task/task_info/event/event_task.cc:176-180`), and
+        // `Event::IsCapturing` (`feature/aclgraph/event_capture.cc:175-182`)
+        // keeps synchronize, query and elapsed time refused until then.
+        // (A model captures while it has member streams: both end together.)
+        None => ev.retain(|c| !Arc::ptr_eq(&c.event, e) || m.iter().any(|x| x.model == c.model)),
     }
 }
 
