@@ -715,11 +715,19 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
                 format!("event of device {} recorded on a stream of device {}", e.device, s.device),
             );
         }
-        if crate::capture::check_record(&e, &s)? {
+        let kind = crate::capture::check_record(&e, &s)?;
+        if kind == crate::capture::RecordKind::Skipped {
             return Ok(());
         }
         take_event_resource(&e)?;
-        e.record(&s);
+        match kind {
+            // The model's record task, of the runtime's capture event: the
+            // event's own record state is left alone.
+            crate::capture::RecordKind::Captured => {
+                s.enqueue("aclrtRecordEvent", Box::new(|| Ok(())));
+            }
+            _ => e.record(&s),
+        }
         crate::capture::record_event(&e, &s);
         Ok(())
     })

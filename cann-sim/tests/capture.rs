@@ -880,6 +880,101 @@ fn an_aclrt_create_event_event_cannot_take_part_in_a_capture_and_a_sync_event_ca
 }
 
 #[test]
+fn a_captured_record_records_the_runtimes_capture_event_not_the_callers() {
+    // ApiImpl::CaptureEventRecord (api_impl.cc:2053-2090, v8.5.0) records an
+    // internal event bound to the caller's; the caller's own record state
+    // is untouched, however often the graph replays.
+    let _g = serial();
+    let s = use_device(0);
+    let (st, next) = (stream(), stream());
+    let buf = malloc(64);
+    let (start, end_ev) =
+        (event_with(ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE), event_with(ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE));
+    let eager = event();
+    unsafe {
+        // An earlier eager record of `eager`, complete before the capture.
+        assert_eq!((s.aclrtRecordEvent)(eager, st), 0, "{}", err_msg());
+        sync(st);
+        begin(st, THREAD_LOCAL);
+        assert_eq!((s.aclrtRecordEvent)(start, st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtMemsetAsync)(buf, 64, 5, 64, st), 0);
+        assert_eq!((s.aclrtRecordEvent)(end_ev, st), 0, "{}", err_msg());
+        assert_eq!((s.aclrtRecordEvent)(eager, st), 0, "{}", err_msg());
+        let model = end(st);
+        for _ in 0..2 {
+            execute(model, st);
+        }
+        sync(st);
+        assert!(download::<u8>(buf, 64).iter().all(|&v| v == 5), "the graph ran");
+        // Never recorded by the caller: no timestamps (Event::ElapsedTime,
+        // event.cc: RT_ERROR_EVENT_RECORDER_NULL, 507000) ...
+        let mut ms = -1f32;
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, start, end_ev), 507000, "{}", err_msg());
+        assert_eq!(ms, -1.0, "nothing written");
+        // ... a synchronize returns at once (Event::Synchronize, event.cc:962-969)
+        // and a query reports a never-recorded new-mode event as complete.
+        assert_eq!((s.aclrtSynchronizeEvent)(end_ev), 0, "{}", err_msg());
+        let mut status = -1;
+        assert_eq!((s.aclrtQueryEventStatus)(end_ev, &mut status), 0, "{}", err_msg());
+        assert_eq!(status, 1);
+        // `eager` still reports its eager record.
+        assert_eq!((s.aclrtQueryEventStatus)(eager, &mut status), 0, "{}", err_msg());
+        assert_eq!(status, 1);
+        // A later capture that waits for an event recorded only in an ended
+        // capture waits for nothing (`IsCaptureEventWaitNonOp`,
+        // `capture_adapt.cc:65-74`, then `Event::Wait` on a new-mode event
+        // never recorded): taken, and the capture stays valid.
+        begin(next, THREAD_LOCAL);
+        assert_eq!((s.aclrtStreamWaitEvent)(next, end_ev), 0, "{}", err_msg());
+        assert_eq!((s.aclrtMemsetAsync)(buf, 64, 6, 64, next), 0);
+        assert_eq!(info(next).0, STATUS_ACTIVE);
+        let second = end(next);
+        execute(second, next);
+        sync(next);
+        assert!(download::<u8>(buf, 64).iter().all(|&v| v == 6), "the second graph ran");
+        destroy(second);
+        destroy(model);
+    }
+    for e in [start, end_ev, eager] {
+        destroy_event(e);
+    }
+    free(buf);
+    destroy_stream(st);
+    destroy_stream(next);
+}
+
+#[test]
+fn a_wait_across_two_ongoing_captures_invalidates_both() {
+    // ApiImpl::CaptureEventWait (api_impl.cc:1502-1503, v8.5.0): the event's
+    // capture and the stream's differ, RT_ERROR_STREAM_CAPTURE_CONFLICT;
+    // StreamWaitEvent then terminates both captures (:1545).
+    let _g = serial();
+    let s = use_device(0);
+    let (a, b) = (stream(), stream());
+    let buf = malloc(64);
+    let e = event();
+    unsafe {
+        begin(a, RELAXED);
+        begin(b, RELAXED);
+        assert_eq!((s.aclrtMemsetAsync)(buf, 64, 1, 64, a), 0);
+        assert_eq!((s.aclrtRecordEvent)(e, a), 0, "{}", err_msg());
+        assert_eq!((s.aclrtStreamWaitEvent)(b, e), 107032, "{}", err_msg());
+        assert!(err_msg().contains("another ongoing capture"), "{}", err_msg());
+        assert_eq!(info(a).0, STATUS_INVALIDATED, "the event's capture");
+        assert_eq!(info(b).0, STATUS_INVALIDATED, "the waiting stream's capture");
+        for st in [a, b] {
+            let mut model = NULL;
+            assert_eq!((cap().end)(st, &mut model), STREAM_CAPTURE_INVALIDATED, "{}", err_msg());
+            assert!(model.is_null());
+        }
+    }
+    destroy_event(e);
+    free(buf);
+    destroy_stream(a);
+    destroy_stream(b);
+}
+
+#[test]
 fn aclrt_create_event_ex_with_flag_checks_its_arguments_as_the_runtime_does() {
     let _g = serial();
     let s = use_device(0);

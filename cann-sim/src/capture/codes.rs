@@ -23,6 +23,9 @@ pub const ACL_ERROR_RT_STREAM_NOT_CAPTURED: AclError = 107029;
 pub const ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT: AclError = 107030;
 /// `ACL_ERROR_RT_STREAM_CAPTURE_IMPLICIT`: a disallowed implicit dependency from the default stream.
 pub const ACL_ERROR_RT_STREAM_CAPTURE_IMPLICIT: AclError = 107031;
+/// `ACL_ERROR_STREAM_CAPTURE_CONFLICT`: the event and the stream belong to
+/// different captures (`rt_error_codes.h:53`, `errcode_manage.cc:161`).
+pub const ACL_ERROR_STREAM_CAPTURE_CONFLICT: AclError = 107032;
 /// `ACL_ERROR_RT_STREAM_CAPTURE_UNMATCHED`: the capture was not initiated in this stream.
 pub const ACL_ERROR_RT_STREAM_CAPTURE_UNMATCHED: AclError = 107036;
 /// `ACL_ERROR_RT_MODEL_RUNNING`: the model is still running.

@@ -309,19 +309,39 @@ fn to_be_captured(s: &Stream) -> bool {
     member_of(&m, s).and_then(|x| MODELS.get(x.model)).is_some_and(|model| model.capturing())
 }
 
-/// Hook of `aclrtRecordEvent(e, s)`, before the record is queued. Returns
-/// true when the record is skipped. On a stream that takes part in a capture
-/// (`ApiImpl::EventRecord`, `src/runtime/feature/src/api_impl/api_impl.cc:2113-2123`
-/// at v8.5.0; an `RT_EVENT_EXTERNAL` event is never captured, event.cc:1241):
+/// How `aclrtRecordEvent` records an event on a stream ([`check_record`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordKind {
+    /// Not captured: the event's own record moves to the end of the stream.
+    Eager,
+    /// Captured: the model gets a record task of the runtime's own capture
+    /// event; the event itself is not recorded (its latest eager record, if
+    /// any, stays what synchronize, query and elapsed time report).
+    Captured,
+    /// Captured and dropped: nothing is recorded at all.
+    Skipped,
+}
+
+/// Hook of `aclrtRecordEvent(e, s)`, before the record is queued. On a
+/// stream that takes part in a capture (`ApiImpl::EventRecord`,
+/// `src/runtime/feature/src/api_impl/api_impl.cc:2113-2123` at v8.5.0; an
+/// `RT_EVENT_EXTERNAL` event is never captured, event.cc:1241):
 /// - an event of `aclrtCreateEvent` (old mode) is refused with
 ///   `ACL_ERROR_RT_FEATURE_NOT_SUPPORT` (207000, api_impl.cc:2114-2116; a
 ///   `COND_RETURN_WARN`, so the capture stays valid);
 /// - a new-mode event without a wait task (`aclrtCreateEventExWithFlag`
 ///   without `ACL_EVENT_SYNC`) succeeds and records nothing
-///   (api_impl.cc:2122-2123: `COND_RETURN_WARN(..., RT_ERROR_NONE, ...)`).
-pub fn check_record(e: &Event, s: &Stream) -> SimResult<bool> {
+///   (api_impl.cc:2122-2123: `COND_RETURN_WARN(..., RT_ERROR_NONE, ...)`);
+/// - any other event is [`RecordKind::Captured`]: `ApiImpl::CaptureEventRecord`
+///   (api_impl.cc:2053-2090) binds a new internal event to it
+///   (`GetCaptureEvent`, :1440-1484) and records that one
+///   (`captureEvt->Record`, :2080), so the event's own `HasRecord` and
+///   timestamp are untouched: after the capture a synchronize returns at
+///   once (`Event::Synchronize`, `event.cc:962-969`) and an elapsed time
+///   over it is `RT_ERROR_EVENT_RECORDER_NULL`, however often the graph ran.
+pub fn check_record(e: &Event, s: &Stream) -> SimResult<RecordKind> {
     if e.flag == crate::stream::RT_EVENT_EXTERNAL || !to_be_captured(s) {
-        return Ok(false);
+        return Ok(RecordKind::Eager);
     }
     if !e.new_mode {
         return fail(
@@ -330,7 +350,7 @@ pub fn check_record(e: &Event, s: &Stream) -> SimResult<bool> {
              aclrtCreateEventExWithFlag(ACL_EVENT_SYNC) (runtime ApiImpl::EventRecord)",
         );
     }
-    Ok(e.without_wait_task())
+    Ok(if e.without_wait_task() { RecordKind::Skipped } else { RecordKind::Captured })
 }
 
 /// Checks of `aclrtStreamWaitEvent(s, e)` that depend on the event's mode
@@ -394,9 +414,11 @@ pub fn record_event(e: &Arc<Event>, s: &Arc<Stream>) {
 /// - `e` was recorded in a capture and `s` does not capture: `s` joins it;
 /// - both in the same capture: the recording stream is joined into `s` (the
 ///   model's task order already puts the record first);
-/// - `s` captures and `e` was recorded outside it (eagerly, or by another
-///   capture): refused with `ACL_ERROR_RT_CAPTURE_DEPENDENCY`, since a replay
-///   could not honour a dependency on work outside the model.
+/// - `s` captures and `e` was recorded eagerly: refused with
+///   `ACL_ERROR_RT_CAPTURE_DEPENDENCY`, since a replay could not honour a
+///   dependency on work outside the model;
+/// - `s` captures and `e` was recorded in another ongoing capture:
+///   `ACL_ERROR_STREAM_CAPTURE_CONFLICT`, and both captures are invalidated.
 pub fn wait_event(s: &Arc<Stream>, e: &Arc<Event>) -> SimResult<bool> {
     // Read before taking the capture locks: Event::record holds the event's
     // lock while it queues (and so takes them).
@@ -429,11 +451,17 @@ pub fn wait_event(s: &Arc<Stream>, e: &Arc<Event>) -> SimResult<bool> {
         }
         (Some(c), Some(i)) => {
             if m[i].model != c.model {
-                let h = m[i].model;
+                // `ApiImpl::CaptureEventWait`: `IsCrossCaptureModel` is
+                // RT_ERROR_STREAM_CAPTURE_CONFLICT (api_impl.cc:1502-1503 at
+                // v8.5.0), and `StreamWaitEvent` then terminates the event's
+                // capture and the stream's (:1545, `TerminateCapture`,
+                // `capture_model_utils.cc`: both become invalidated).
+                let (h, other) = (m[i].model, c.model);
                 drop(ev);
                 drop(m);
-                invalidate(h, "a captured stream waited for an event of another capture");
-                return fail(ACL_ERROR_RT_CAPTURE_DEPENDENCY, "the event was recorded by another capture");
+                invalidate(h, "a captured stream waited for an event recorded in another capture");
+                invalidate(other, "a stream of another capture waited for an event recorded in this one");
+                return fail(ACL_ERROR_STREAM_CAPTURE_CONFLICT, "the event was recorded in another ongoing capture");
             }
             let (at, rec) = (c.at, c.stream.clone());
             if let Some(r) = m.iter_mut().find(|x| Arc::ptr_eq(&x.stream, &rec)) {

@@ -48,6 +48,6 @@ pub use codes::*;
 pub use hooks::{
     admit, allocation, async_copy, blocking_copy, blocking_memset, capture_info, check_record, check_wait,
     count_blocking_copy, destroy_stream, elapsed_time, intercept, query_event, record_event, stream, stream_here,
-    sync_event, sync_stream, unsafe_call, wait_event,
+    sync_event, sync_stream, unsafe_call, wait_event, RecordKind,
 };
 pub use state::{Model, MODELS};
