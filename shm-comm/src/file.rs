@@ -131,49 +131,107 @@ fn errno() -> Option<i32> {
 }
 
 /// Checks that no other user can rename or remove names in directory
-/// `dir`, where the group's files are made. The owner of a directory (and
-/// root) may rename or remove any entry of it, and so may everyone who can
-/// write to it unless it is sticky (`S_ISVTX`: then only the owner of an
-/// entry may, POSIX `rename`/`unlink`, EACCES/EPERM). In a directory that
-/// others could change, another user could move a forming world's file under
-/// the name of another world, whose ranks would join it, or remove it. So
-/// the directory (what the name resolves to, and the link itself when it is
-/// one) must belong to this user or root (see [`unmapped_uid`] for a user
-/// namespace), and be sticky when group or others may write to it.
+/// `dir`, where the group's files are made, or on the way to it. The owner
+/// of a directory (and root) may rename or remove any entry of it, and so
+/// may everyone who can write to it unless it is sticky (`S_ISVTX`: then
+/// only the owner of an entry may, POSIX `rename`/`unlink`, EACCES/EPERM).
+/// In a directory that others could change, another user could move a
+/// forming world's file under the name of another world, whose ranks would
+/// join it, or remove it; in one on the way to it, they could move the whole
+/// directory aside and put one of their own in its place. So every directory
+/// from `/` to `dir` (links resolved one by one) must belong to this user
+/// or root (see [`unmapped_uid`] for a user namespace) and be sticky when
+/// group or others may write to it, and every symbolic link met on the way
+/// must belong to this user or root (its owner may point it elsewhere at
+/// any time).
 pub(crate) fn check_dir(dir: &str) -> Result<(), Refused> {
-    let c = std::ffi::CString::new(dir)
-        .map_err(|_| Refused::Foreign(format!("invalid shared-memory directory {dir:?} (NUL byte)")))?;
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::{Component, Path, PathBuf};
     let unmapped = unmapped_uid();
     let trusted = |uid: libc::uid_t| uid == my_uid() || uid == 0 || Some(uid) == unmapped;
-    let refuse = |found: String, why: &str| {
+    let refuse = |at: &Path, found: String, why: &str| {
+        let at = at.display().to_string();
+        let which = if at == dir { String::new() } else { format!(" (on the way to it, {at})") };
         Refused::Foreign(format!(
-            "refusing shared-memory directory {dir}: it is {found}; {why}, so another user could rename or \
+            "refusing shared-memory directory {dir}{which}: it is {found}; {why}, so another user could rename or \
              remove this group's files there (move them under the name of another group, or replace them). \
              A CPU world only uses a directory of its own user ({}) or root that only its owner may write \
-             to, or that is sticky (like /dev/shm and /tmp, mode 1777)",
+             to, or that is sticky (like /dev/shm and /tmp, mode 1777), reached through directories and links \
+             of the same kind",
             describe_uid(my_uid())
         ))
     };
-    let Some(l) = lstat_path(&c) else {
-        return Err(Refused::Os(Error::os(format!("shared-memory directory {dir}"))));
+    let os = |at: &Path| Refused::Os(Error::os(format!("shared-memory directory {dir}: {}", at.display())));
+    let lstat_of = |at: &Path| {
+        std::ffi::CString::new(at.as_os_str().as_bytes()).ok().and_then(|c| lstat_path(&c)).ok_or_else(|| os(at))
     };
-    if l.st_mode & libc::S_IFMT == libc::S_IFLNK && !trusted(l.st_uid) {
-        return Err(refuse(describe_dir(&l), "its owner may point it elsewhere at any time"));
+    if dir.as_bytes().contains(&0) {
+        return Err(Refused::Foreign(format!("invalid shared-memory directory {dir:?} (NUL byte)")));
     }
-    let mut st = zeroed_stat();
-    // SAFETY: c is NUL-terminated and st a valid out-parameter.
-    if unsafe { libc::stat(c.as_ptr(), &mut st) } != 0 {
-        return Err(Refused::Os(Error::os(format!("shared-memory directory {dir}"))));
-    }
-    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
-        return Err(refuse(describe_dir(&st), "it is not a directory"));
-    }
-    if !trusted(st.st_uid) {
-        return Err(refuse(describe_dir(&st), "its owner may rename or remove any file in it"));
-    }
-    let others_write = st.st_mode & (libc::S_IWGRP | libc::S_IWOTH) != 0;
-    if others_write && st.st_mode & libc::S_ISVTX == 0 {
-        return Err(refuse(describe_dir(&st), "others may write to it and it is not sticky"));
+    let start = Path::new(dir);
+    let start = if start.is_absolute() {
+        start.to_path_buf()
+    } else {
+        std::env::current_dir().map_err(|_| os(start))?.join(start)
+    };
+    // Components still to walk, first at the end; `at` never holds a link.
+    let mut todo: Vec<std::ffi::OsString> = Vec::new();
+    let push = |todo: &mut Vec<std::ffi::OsString>, p: &Path| {
+        for c in p.components().rev() {
+            match c {
+                Component::Normal(n) => todo.push(n.to_os_string()),
+                Component::ParentDir => todo.push(OsStr::new("..").to_os_string()),
+                Component::RootDir | Component::CurDir | Component::Prefix(_) => {}
+            }
+        }
+    };
+    push(&mut todo, &start);
+    let mut at = PathBuf::from("/");
+    let mut links = 0;
+    let check = |at: &Path, st: &libc::stat| -> Result<(), Refused> {
+        if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+            return Err(refuse(at, describe_dir(st), "it is not a directory"));
+        }
+        if !trusted(st.st_uid) {
+            return Err(refuse(at, describe_dir(st), "its owner may rename or remove any file in it"));
+        }
+        let others_write = st.st_mode & (libc::S_IWGRP | libc::S_IWOTH) != 0;
+        if others_write && st.st_mode & libc::S_ISVTX == 0 {
+            return Err(refuse(at, describe_dir(st), "others may write to it and it is not sticky"));
+        }
+        Ok(())
+    };
+    check(&at, &lstat_of(&at)?)?;
+    while let Some(name) = todo.pop() {
+        if name == ".." {
+            // `at` holds no link, so its parent is the parent on disk.
+            at.pop();
+            continue;
+        }
+        let next = at.join(&name);
+        let l = lstat_of(&next)?;
+        if l.st_mode & libc::S_IFMT == libc::S_IFLNK {
+            if !trusted(l.st_uid) {
+                return Err(refuse(&next, describe_dir(&l), "its owner may point it elsewhere at any time"));
+            }
+            links += 1;
+            // The kernel's own bound on links followed in one lookup (path_resolution(7)).
+            if links > 40 {
+                return Err(Refused::Os(Error::Io {
+                    what: format!("shared-memory directory {dir}: more than 40 symbolic links"),
+                    msg: std::io::Error::from_raw_os_error(libc::ELOOP).to_string(),
+                }));
+            }
+            let target = std::fs::read_link(&next).map_err(|_| os(&next))?;
+            if target.is_absolute() {
+                at = PathBuf::from("/");
+            }
+            push(&mut todo, &target);
+            continue;
+        }
+        check(&next, &l)?;
+        at = next;
     }
     Ok(())
 }
@@ -259,4 +317,114 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
         return Err(refusal(path, &describe(&st)));
     }
     Ok(Opened::File(OwnFile { fd, ino: dev_ino(&st) }))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{symlink, PermissionsExt};
+    use std::path::{Path, PathBuf};
+
+    use super::{check_dir, Refused};
+
+    /// A fresh directory of this user, mode 0700, under the temp dir.
+    fn base(tag: &str) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("shm-comm-dirs-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir(&p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o700)).unwrap();
+        p
+    }
+
+    fn dir(p: &Path, mode: u32) {
+        std::fs::create_dir(p).unwrap();
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    fn refused(p: &Path) -> String {
+        match check_dir(p.to_str().unwrap()) {
+            Ok(()) => panic!("{} was accepted", p.display()),
+            Err(Refused::Foreign(why)) => why,
+            Err(Refused::Os(e)) => e.to_string(),
+        }
+    }
+
+    fn accepted(p: &Path) {
+        match check_dir(p.to_str().unwrap()) {
+            Ok(()) => {}
+            Err(Refused::Foreign(why)) => panic!("{} was refused: {why}", p.display()),
+            Err(Refused::Os(e)) => panic!("{} was refused: {e}", p.display()),
+        }
+    }
+
+    #[test]
+    fn a_directory_reached_through_one_others_may_change_is_refused_naming_it() {
+        let b = base("open");
+        dir(&b.join("open"), 0o777);
+        dir(&b.join("open/shm"), 0o700);
+        let why = refused(&b.join("open/shm"));
+        let open = b.join("open").display().to_string();
+        assert!(why.contains(&format!("(on the way to it, {open})")), "{why}");
+        assert!(why.contains("mode 0777") && why.contains("not sticky"), "{why}");
+        // Sticky, like /tmp: others cannot rename what is not theirs.
+        std::fs::set_permissions(b.join("open"), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        accepted(&b.join("open/shm"));
+        std::fs::remove_dir_all(&b).unwrap();
+    }
+
+    #[test]
+    fn links_are_followed_one_by_one_and_what_they_lead_through_is_checked() {
+        let b = base("links");
+        dir(&b.join("good"), 0o700);
+        dir(&b.join("good/shm"), 0o700);
+        dir(&b.join("open"), 0o777);
+        dir(&b.join("open/shm"), 0o700);
+        // A link of our own into a good directory, and one through `..`.
+        symlink(b.join("good/shm"), b.join("abs")).unwrap();
+        symlink("../good/shm", b.join("good/rel")).unwrap();
+        accepted(&b.join("abs"));
+        accepted(&b.join("good/rel"));
+        accepted(&b.join("good/../abs/."));
+        // A relative target that climbs into a directory others may change.
+        symlink("../open/shm", b.join("good/bad")).unwrap();
+        let why = refused(&b.join("good/bad"));
+        assert!(why.contains(&format!("(on the way to it, {})", b.join("open").display())), "{why}");
+        // A loop ends with ELOOP's text, not a hang.
+        symlink(b.join("loop2"), b.join("loop1")).unwrap();
+        symlink(b.join("loop1"), b.join("loop2")).unwrap();
+        let why = refused(&b.join("loop1"));
+        assert!(why.contains("more than 40 symbolic links"), "{why}");
+        // Not a directory at all.
+        std::fs::write(b.join("file"), b"x").unwrap();
+        let why = refused(&b.join("file"));
+        assert!(why.contains("it is a regular file") && why.contains("it is not a directory"), "{why}");
+        std::fs::remove_dir_all(&b).unwrap();
+    }
+
+    /// A directory or link of another user on the way: chown needs root (CI
+    /// runs as root; with `CI` set a non-root run fails instead of passing
+    /// untested).
+    #[test]
+    fn a_directory_or_link_of_another_user_on_the_way_is_refused() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(std::env::var_os("CI").is_none(), "needs root to chown, and CI is set");
+            eprintln!("skipped: needs root to chown");
+            return;
+        }
+        let nobody = 65534;
+        let b = base("foreign");
+        dir(&b.join("theirs"), 0o755);
+        dir(&b.join("theirs/shm"), 0o700);
+        std::os::unix::fs::chown(b.join("theirs"), Some(nobody), Some(nobody)).unwrap();
+        let why = refused(&b.join("theirs/shm"));
+        assert!(why.contains(&format!("(on the way to it, {})", b.join("theirs").display())), "{why}");
+        assert!(why.contains("owned by uid 65534") && why.contains("rename or remove any file in it"), "{why}");
+        dir(&b.join("mine"), 0o700);
+        symlink(b.join("mine"), b.join("link")).unwrap();
+        accepted(&b.join("link"));
+        std::os::unix::fs::lchown(b.join("link"), Some(nobody), Some(nobody)).unwrap();
+        let why = refused(&b.join("link"));
+        assert!(why.contains("a symbolic link owned by uid 65534") && why.contains("point it elsewhere"), "{why}");
+        std::fs::remove_dir_all(&b).unwrap();
+    }
 }

@@ -38,12 +38,14 @@
 //! is neither joined nor removed. A symbolic link is never followed; one of
 //! this user's own is removed, another user's refused like their files.
 //! Presence names count only when the kernel says this user's socket holds
-//! them. The directory itself (and the link, when its name is one) must
-//! belong to this user or root (in a user namespace: or to a user it does
-//! not map, as the host's root is there) and be sticky when others may
-//! write to it, as /dev/shm and /tmp are: in any other, another user could
-//! rename or remove a forming world's file, so every rank is refused there
-//! with an error naming the directory, its owner and mode. Layout:
+//! them. The directory, and every directory on the way to it from `/`
+//! (symbolic links resolved one by one, each of which must be this user's or
+//! root's), must belong to this user or root (in a user namespace: or to a
+//! user it does not map, as the host's root is there) and be sticky when
+//! others may write to it, as /dev/shm and /tmp are: in any other, another
+//! user could rename or remove a forming world's file, or move the whole
+//! directory aside and put their own in its place, so every rank is refused
+//! there with an error naming the directory, its owner and mode. Layout:
 //!
 //! | block | size |
 //! |---|---|
