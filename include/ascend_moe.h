@@ -38,7 +38,8 @@ enum amoe_status
   // A required pointer argument was NULL.
   AMOE_STATUS_NULL_ARGUMENT = 1,
   // An argument has a value the function does not accept (also a
-  // handle of another type than the argument's).
+  // handle of another type than the argument's, a released handle,
+  // or a pointer that is no handle of this library).
   AMOE_STATUS_INVALID_ARGUMENT = 2,
   // A tensor has the wrong shape.
   AMOE_STATUS_SHAPE = 3,

@@ -68,7 +68,7 @@ fn a_handle_of_another_type_is_refused_naming_the_argument() {
     assert_eq!(st, amoe_status::InvalidArgument, "a communicator taken for a stream");
     assert_eq!(
         last_error(),
-        "amoe_stream_check: `stream` is not a live amoe_stream handle (a released handle, or one of another type)"
+        "amoe_stream_check: `stream` is not a live amoe_stream handle (a released handle, one of another type, or no handle)"
     );
     let mut r = 7usize;
     // SAFETY: as above.
@@ -98,6 +98,37 @@ fn a_handle_of_another_type_is_refused_naming_the_argument() {
         amoe_host_block_free(block);
         amoe_comm_free(comm);
     }
+}
+
+#[test]
+fn released_handles_and_stray_pointers_are_refused_without_being_read() {
+    let name = CString::new(format!("capi-abi-stray-{}", std::process::id())).expect("no NUL");
+    let mut comm: *mut amoe_comm = null_mut();
+    // SAFETY: valid name and out-pointer.
+    assert_eq!(unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, 5.0, &mut comm) }, amoe_status::Ok, "{}", last_error());
+    // A forgery: memory that begins with the bytes a communicator handle
+    // begins with ("amoeCOMM"), then nothing a communicator holds.
+    let mut forged = [0u64; 16];
+    forged[0] = u64::from_le_bytes(*b"amoeCOMM");
+    let stray = forged.as_mut_ptr().cast::<amoe_comm>();
+    let mut r = 7usize;
+    // SAFETY: `stray` is the pointer under test; `r` is writable.
+    let st = unsafe { amoe_comm_rank(stray, &mut r) };
+    assert_eq!((st, r), (amoe_status::InvalidArgument, 7), "a forged communicator was used");
+    assert!(last_error().contains("`comm` is not a live amoe_comm handle"), "{}", last_error());
+    // SAFETY: as above; a release of what is not a live handle does nothing.
+    unsafe { amoe_comm_free(stray) };
+    assert_eq!(forged[0], u64::from_le_bytes(*b"amoeCOMM"), "the forgery was not written to");
+
+    // SAFETY: the handle made above, released once here ...
+    unsafe { amoe_comm_free(comm) };
+    // ... and refused after, by every use and by a second release.
+    // SAFETY: a released handle, the case under test; `r` is writable.
+    let st = unsafe { amoe_comm_rank(comm, &mut r) };
+    assert_eq!((st, r), (amoe_status::InvalidArgument, 7), "a released communicator was used");
+    assert!(last_error().contains("a released handle"), "{}", last_error());
+    // SAFETY: as above.
+    unsafe { amoe_comm_free(comm) };
 }
 
 #[test]

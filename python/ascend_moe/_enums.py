@@ -56,7 +56,8 @@ class Status(_Numbered):
     #: A required pointer argument was NULL.
     NULL_ARGUMENT = 1
     #: An argument has a value the function does not accept (also a
-    #: handle of another type than the argument's).
+    #: handle of another type than the argument's, a released handle,
+    #: or a pointer that is no handle of this library).
     INVALID_ARGUMENT = 2
     #: A tensor has the wrong shape.
     SHAPE = 3

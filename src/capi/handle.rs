@@ -12,16 +12,22 @@
 //! | `amoe_host_block` | [`Block`] | `Box` |
 //!
 //! A handle points to a [`Tagged`] value: a word naming its type, then the
-//! value (for an `Arc` handle, the caller's `Arc`). The word is checked on
-//! every use, so a handle of another type passed in its place is refused
-//! (`AMOE_STATUS_INVALID_ARGUMENT`, naming the argument) instead of being
-//! read as this type, and a release clears it first.
+//! value (for an `Arc` handle, the caller's `Arc`). Every live handle is also
+//! in a table of this process (its address and that word), and only the
+//! table is read to check a handle on every use: a handle of another type, a
+//! released one or any other pointer passed in its place is refused
+//! (`AMOE_STATUS_INVALID_ARGUMENT`, naming the argument) without the memory
+//! it points to being read. A release takes the handle out of the table
+//! first, so a second release of it, or one through another type's function,
+//! does nothing. (A released handle whose address a new handle of the same
+//! type took since is that new handle: the table cannot tell them apart.)
 //!
 //! The functions here take the handle arguments of exports, which each
 //! export's contract makes NULL or a live handle: these are the only places
 //! such a pointer becomes a reference.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, RwLock};
 
 use super::failure::{write_out, Failure};
 use super::types::{amoe_comm, amoe_host_block, amoe_live_context, amoe_moe_groups, amoe_status, amoe_stream};
@@ -124,12 +130,17 @@ impl Castable for amoe_host_block {
     const NAME: &'static str = "amoe_host_block";
 }
 
-/// The tag `p` (non-null) carries.
+/// The live handles: address, and the tag of the handle's type.
+fn live() -> &'static RwLock<HashMap<usize, u64>> {
+    static LIVE: OnceLock<RwLock<HashMap<usize, u64>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+/// The tag of the live handle at `p`; [`RELEASED`] when no live handle is
+/// there. Reads the table only, never `*p`.
 fn tag_of<C>(p: *const C) -> u64 {
-    // SAFETY: `p` is a non-null handle argument of an export, which its
-    // contract makes a live handle: every handle begins with its tag word
-    // (`Tagged` is `repr(C)`, the tag first), aligned for a `u64`.
-    unsafe { p.cast::<u64>().read() }
+    let live = live().read().unwrap_or_else(|e| e.into_inner());
+    live.get(&(p as usize)).copied().unwrap_or(RELEASED)
 }
 
 /// The value behind `p` (the argument `arg` of export `f`), borrowed for the
@@ -142,12 +153,15 @@ pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Resul
     if tag_of(p) != C::TAG {
         return Err(Failure::new(
             amoe_status::InvalidArgument,
-            format!("{f}: `{arg}` is not a live {} handle (a released handle, or one of another type)", C::NAME),
+            format!(
+                "{f}: `{arg}` is not a live {} handle (a released handle, one of another type, or no handle)",
+                C::NAME
+            ),
         ));
     }
-    // SAFETY: `p` carries `C`'s tag, so it was made by `box_out` / `arc_out`
-    // for `C` and, by the export's contract, is not released before the
-    // call ends.
+    // SAFETY: `p` is a live handle of `C` in the table, so it was made by
+    // `box_out` / `arc_out` for `C` and, by the export's contract, is not
+    // released before the call ends.
     let t = unsafe { &*p.cast::<Tagged<Held<C>>>() };
     Ok(Some(<C::Ownership as Holds<C::RustType>>::get(&t.held)))
 }
@@ -159,7 +173,9 @@ pub(crate) fn try_handle<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Re
 
 /// Moves `held` into a new handle of `C` written to `*out` (checked non-null).
 fn tagged_out<C: Castable>(out: *mut *mut C, held: Held<C>) {
-    write_out(out, Box::into_raw(Box::new(Tagged { tag: C::TAG, held })).cast::<C>());
+    let p = Box::into_raw(Box::new(Tagged { tag: C::TAG, held }));
+    live().write().unwrap_or_else(|e| e.into_inner()).insert(p as usize, C::TAG);
+    write_out(out, p.cast::<C>());
 }
 
 /// Moves `v` into a new `Box` handle written to `*out` (checked non-null).
@@ -188,16 +204,23 @@ pub(crate) fn clone_arc<C: Castable<Ownership = OwnedArc>>(
 }
 
 /// Releases a handle (for an `Arc` handle, the caller's reference); NULL, and
-/// a pointer without `C`'s tag, are left alone. A panic in the value's `Drop`
-/// is contained.
+/// a pointer that is not a live handle of `C`, are left alone. A panic in the
+/// value's `Drop` is contained.
 pub(crate) fn release<C: Castable>(p: *mut C) {
-    if p.is_null() || tag_of(p) != C::TAG {
+    if p.is_null() {
         return;
     }
+    {
+        let mut live = live().write().unwrap_or_else(|e| e.into_inner());
+        if live.get(&(p as usize)) != Some(&C::TAG) {
+            return;
+        }
+        live.remove(&(p as usize));
+    }
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: a live handle of `C` (its tag checked above), made by
-        // `tagged_out`, not used again by the release export's contract; the
-        // tag is cleared before the memory is given back.
+        // SAFETY: a live handle of `C` (taken out of the table above, so
+        // released once), made by `tagged_out`, not used again by the release
+        // export's contract; the tag is cleared before the memory is given back.
         let mut b = unsafe { Box::from_raw(p.cast::<Tagged<Held<C>>>()) };
         // SAFETY: the tag of the box just taken back, a valid `u64`.
         unsafe { std::ptr::write_volatile(&mut b.tag, RELEASED) };

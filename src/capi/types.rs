@@ -35,7 +35,8 @@ numbered! {
         /// A required pointer argument was NULL.
         NullArgument = 1 => "NULL_ARGUMENT",
         /// An argument has a value the function does not accept (also a
-        /// handle of another type than the argument's).
+        /// handle of another type than the argument's, a released handle,
+        /// or a pointer that is no handle of this library).
         InvalidArgument = 2 => "INVALID_ARGUMENT",
         /// A tensor has the wrong shape.
         Shape = 3 => "SHAPE",
