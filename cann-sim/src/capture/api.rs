@@ -118,7 +118,8 @@ pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
 /// (`ACL_ERROR_RT_STREAM_CAPTURE_UNMATCHED`; the reference: Begin and End
 /// "must use the same stream"); another thread than the one that began a
 /// GLOBAL or THREAD_LOCAL capture (`ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD`;
-/// `aclmdlRICaptureEnd` reference). Otherwise the capture ends on every
+/// `aclmdlRICaptureEnd` reference), which also ends the capture without a
+/// model. Otherwise the capture ends on every
 /// stream taking part, and fails with `ACL_ERROR_RT_STREAM_CAPTURE_INVALIDATED`
 /// when it was invalidated or `ACL_ERROR_RT_STREAM_UNJOINED` when a joined
 /// stream has work the capturing stream never waited for; `*modelRI` is then
@@ -145,9 +146,22 @@ pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut 
                 );
             }
             if sess.mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && sess.thread != std::thread::current().id() {
+                // `Context::StreamEndCapture` (hicann/runtime v8.5.0
+                // `src/runtime/feature/src/context/context.cc:4983-4987`):
+                // the refusal also takes the stream out of its capture
+                // (`CaptureModeExit`, `ClearCaptureModel`), and no model
+                // comes of it: a later end from the right thread finds no
+                // capture (RT_ERROR_STREAM_NOT_CAPTURED).
+                let why = format!("a capture begun in {} must end on the thread that began it", mode_name(sess.mode));
+                m.retain(|x| x.model != h);
+                st.capture = None;
+                drop(st);
+                drop(m);
+                captured_events().retain(|c| c.model != h);
+                MODELS.remove(h);
                 return fail(
                     ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD,
-                    format!("a capture begun in {} must end on the thread that began it", mode_name(sess.mode)),
+                    format!("{why}; the capture ended without a model"),
                 );
             }
         }
