@@ -11,10 +11,10 @@
 //! | `amoe_live_context` | [`LiveContext`] | `Arc` |
 //! | `amoe_host_block` | [`Block`] | `Box` |
 //!
-//! A handle points to a [`Tagged`] value: a word naming its type, then the
-//! value (for an `Arc` handle, the caller's `Arc`). Every live handle is also
-//! in a table of this process (its address and that word), and only the
-//! table is read to check a handle on every use: a handle of another type, a
+//! A handle points to a boxed value (for an `Arc` handle, the caller's
+//! `Arc`). Every live handle is in a table of this process (its address and
+//! a word naming its type), and only the table is read to check a handle on
+//! every use: a handle of another type, a
 //! released one or any other pointer passed in its place is refused
 //! (`AMOE_STATUS_INVALID_ARGUMENT`, naming the argument) without the memory
 //! it points to being read. A release takes the handle out of the table
@@ -44,7 +44,7 @@ pub(crate) enum OwnedArc {}
 
 /// How a handle holds its Rust value `T`.
 pub(crate) trait Holds<T> {
-    /// What the handle's allocation holds after the tag.
+    /// What the handle's allocation holds.
     type Held: 'static;
     /// The value behind what is held.
     fn get(held: &Self::Held) -> &T;
@@ -65,29 +65,22 @@ impl<T: 'static> Holds<T> for OwnedArc {
 }
 
 /// A C handle type: the Rust value behind it, how it is held, and the tag
-/// its handles carry.
+/// its live handles have in the table.
 pub(crate) trait Castable {
     /// [`OwnedBox`] or [`OwnedArc`].
     type Ownership: Holds<Self::RustType>;
     /// The value a handle stands for.
     type RustType: 'static;
-    /// The first word of every handle of this type (distinct per type, never 0).
+    /// The tag of this type's handles (distinct per type, never 0).
     const TAG: u64;
     /// The C type name, for errors.
     const NAME: &'static str;
 }
 
-/// What the handle's allocation holds after the tag.
+/// What the handle's allocation holds.
 type Held<C> = <<C as Castable>::Ownership as Holds<<C as Castable>::RustType>>::Held;
 
-/// What every handle points to: the tag of its type, then what it holds.
-#[repr(C)]
-struct Tagged<T> {
-    tag: u64,
-    held: T,
-}
-
-/// The tag a released handle is left with (no type has it).
+/// The tag of an address that holds no live handle (no type has it).
 const RELEASED: u64 = 0;
 
 /// A tag from an 8-byte name.
@@ -162,8 +155,8 @@ pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Resul
     // SAFETY: `p` is a live handle of `C` in the table, so it was made by
     // `box_out` / `arc_out` for `C` and, by the export's contract, is not
     // released before the call ends.
-    let t = unsafe { &*p.cast::<Tagged<Held<C>>>() };
-    Ok(Some(<C::Ownership as Holds<C::RustType>>::get(&t.held)))
+    let held = unsafe { &*p.cast::<Held<C>>() };
+    Ok(Some(<C::Ownership as Holds<C::RustType>>::get(held)))
 }
 
 /// The value behind `p`; NULL is NULL_ARGUMENT naming `arg`.
@@ -172,20 +165,22 @@ pub(crate) fn try_handle<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Re
 }
 
 /// Moves `held` into a new handle of `C` written to `*out` (checked non-null).
-fn tagged_out<C: Castable>(out: *mut *mut C, held: Held<C>) {
-    let p = Box::into_raw(Box::new(Tagged { tag: C::TAG, held }));
+fn handle_out<C: Castable>(out: *mut *mut C, held: Held<C>) {
+    // A zero-sized value would box to one shared address for every handle.
+    const { assert!(std::mem::size_of::<Held<C>>() > 0) };
+    let p = Box::into_raw(Box::new(held));
     live().write().unwrap_or_else(|e| e.into_inner()).insert(p as usize, C::TAG);
     write_out(out, p.cast::<C>());
 }
 
 /// Moves `v` into a new `Box` handle written to `*out` (checked non-null).
 pub(crate) fn box_out<C: Castable<Ownership = OwnedBox>>(out: *mut *mut C, v: C::RustType) {
-    tagged_out::<C>(out, v);
+    handle_out::<C>(out, v);
 }
 
 /// Writes a new `Arc` handle of `v` to `*out` (checked non-null).
 pub(crate) fn arc_out<C: Castable<Ownership = OwnedArc>>(out: *mut *mut C, v: Arc<C::RustType>) {
-    tagged_out::<C>(out, v);
+    handle_out::<C>(out, v);
 }
 
 /// One more reference to the value of an `Arc` handle; NULL is NULL_ARGUMENT.
@@ -199,8 +194,8 @@ pub(crate) fn clone_arc<C: Castable<Ownership = OwnedArc>>(
     }
     opt_ref(f, arg, p)?;
     // SAFETY: checked just above: a live `Arc` handle of `C`.
-    let t = unsafe { &*p.cast::<Tagged<Arc<C::RustType>>>() };
-    Ok(Arc::clone(&t.held))
+    let held = unsafe { &*p.cast::<Arc<C::RustType>>() };
+    Ok(Arc::clone(held))
 }
 
 /// Releases a handle (for an `Arc` handle, the caller's reference); NULL, and
@@ -219,11 +214,8 @@ pub(crate) fn release<C: Castable>(p: *mut C) {
     }
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: a live handle of `C` (taken out of the table above, so
-        // released once), made by `tagged_out`, not used again by the release
-        // export's contract; the tag is cleared before the memory is given back.
-        let mut b = unsafe { Box::from_raw(p.cast::<Tagged<Held<C>>>()) };
-        // SAFETY: the tag of the box just taken back, a valid `u64`.
-        unsafe { std::ptr::write_volatile(&mut b.tag, RELEASED) };
-        drop(b);
+        // released once), made by `handle_out`, not used again by the release
+        // export's contract.
+        drop(unsafe { Box::from_raw(p.cast::<Held<C>>()) });
     }));
 }
