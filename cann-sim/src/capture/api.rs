@@ -138,6 +138,7 @@ pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut 
         };
         let model = MODELS.get(h).ok_or_else(|| SimError::new(ACL_ERROR_RT_INTERNAL_ERROR, "capture without model"))?;
         let mut st = model.lock();
+        let mut wrong_thread = None;
         if let Some(sess) = &st.capture {
             if !Arc::ptr_eq(&sess.origin, &s) {
                 return fail(
@@ -145,24 +146,14 @@ pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut 
                     "the capture was begun on another stream (this one joined it through an event)",
                 );
             }
+            // `Context::StreamEndCapture` (hicann/runtime v8.5.0
+            // `src/runtime/feature/src/context/context.cc:4983-4987`): the
+            // refusal also takes the stream out of its capture
+            // (`CaptureModeExit`, `ClearCaptureModel`) and no model comes of
+            // it, so a later end from the right thread finds no capture
+            // (RT_ERROR_STREAM_NOT_CAPTURED): the capture ends below.
             if sess.mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED && sess.thread != std::thread::current().id() {
-                // `Context::StreamEndCapture` (hicann/runtime v8.5.0
-                // `src/runtime/feature/src/context/context.cc:4983-4987`):
-                // the refusal also takes the stream out of its capture
-                // (`CaptureModeExit`, `ClearCaptureModel`), and no model
-                // comes of it: a later end from the right thread finds no
-                // capture (RT_ERROR_STREAM_NOT_CAPTURED).
-                let why = format!("a capture begun in {} must end on the thread that began it", mode_name(sess.mode));
-                m.retain(|x| x.model != h);
-                st.capture = None;
-                drop(st);
-                drop(m);
-                captured_events().retain(|c| c.model != h);
-                MODELS.remove(h);
-                return fail(
-                    ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD,
-                    format!("{why}; the capture ended without a model"),
-                );
+                wrong_thread = Some(sess.mode);
             }
         }
         // A stream that joined is joined back when its last task is an event
@@ -183,6 +174,16 @@ pub unsafe extern "C" fn aclmdlRICaptureEnd(stream: AclrtStream, model_ri: *mut 
         drop(m);
         captured_events().retain(|c| c.model != h);
         write_out(model_ri, std::ptr::null_mut(), ACL_ERROR_INVALID_PARAM, "modelRI")?;
+        if let Some(mode) = wrong_thread {
+            MODELS.remove(h);
+            return fail(
+                ACL_ERROR_RT_STREAM_CAPTURE_WRONG_THREAD,
+                format!(
+                    "a capture begun in {} must end on the thread that began it; the capture ended without a model",
+                    mode_name(mode)
+                ),
+            );
+        }
         if let Some(why) = invalid {
             MODELS.remove(h);
             return fail(ACL_ERROR_RT_STREAM_CAPTURE_INVALIDATED, format!("the capture was invalidated: {why}"));
