@@ -715,18 +715,18 @@ pub extern "C" fn aclrtRecordEvent(event: AclrtEvent, stream: AclrtStream) -> Ac
                 format!("event of device {} recorded on a stream of device {}", e.device, s.device),
             );
         }
-        let kind = crate::capture::check_record(&e, &s)?;
-        if kind == crate::capture::RecordKind::Skipped {
-            return Ok(());
-        }
+        let captured = match crate::capture::check_record(&e, &s)? {
+            crate::capture::RecordKind::Skipped => return Ok(()),
+            crate::capture::RecordKind::Captured => true,
+            crate::capture::RecordKind::Eager => false,
+        };
         take_event_resource(&e)?;
-        match kind {
+        if captured {
             // The model's record task, of the runtime's capture event: the
             // event's own record state is left alone.
-            crate::capture::RecordKind::Captured => {
-                s.enqueue("aclrtRecordEvent", Box::new(|| Ok(())));
-            }
-            _ => e.record(&s),
+            s.enqueue("aclrtRecordEvent", Box::new(|| Ok(())));
+        } else {
+            e.record(&s);
         }
         crate::capture::record_event(&e, &s);
         Ok(())
