@@ -397,6 +397,20 @@ fn bad_finalize_input_names_argument_expected_and_actual() {
     // Drop-pad mode needs [E, C, H].
     let a3 = FinalizeArgs { drop_pad_mode: DropPadMode::DropPadRow, ..a };
     expect_err(moe_finalize_routing(&a3), "expanded_x", &["[E, C, H]", "[8, 8]"]);
+    // In drop-pad mode the bias has one row per expert of expanded_x [E, C, H]:
+    // 5 rows (E = 5) is taken; 6 rows, where every expert index is in range,
+    // is refused like 4.
+    let p = problem(&mut rng, DropPadMode::DropPadColumn, DType::F32, 4, 2, &[8], o);
+    let a = p.args();
+    assert!(moe_finalize_routing(&a).is_ok());
+    for rows in [6, 4] {
+        let bad = random(&mut rng, &[rows, 8], DType::F32);
+        expect_err(
+            moe_finalize_routing(&FinalizeArgs { bias: Some(&bad), ..a }),
+            "bias",
+            &[&format!("[{rows}, 8]"), "[5, 8]", "drop-pad"],
+        );
+    }
     // An unknown mode, through the shape-only function the C ABI uses.
     let meta = FinalizeMeta { drop_pad_mode: 7, ..FinalizeMeta::of(&a) };
     expect_err(moe_finalize_routing_shape(&meta), "drop_pad_mode", &["7", "0..=3"]);

@@ -191,6 +191,23 @@ pub fn moe_finalize_routing_shape(m: &FinalizeMeta<'_>) -> Result<(Vec<usize>, F
                 return Err(Error::shape(op, "bias", format!("[E, {}]", dims_str(trailing)), b.shape));
             }
             checked_numel(op, "bias", b.shape)?;
+            // In the drop-pad modes expanded_x is [E, C, H]: the bias has a
+            // row per expert of it, as the SPEC's shared E says and as
+            // ops-transformer's tiling for aclnnMoeFinalizeRoutingV2 demands
+            // ("the dim 0 of bias should be E when drop_pad_mode is 1 or 3").
+            if mode.is_drop_pad() && b.shape[0] != xs[0] {
+                return Err(Error::shape(
+                    op,
+                    "bias",
+                    format!(
+                        "[{}, {}] (E = expanded_x's first dim in drop-pad mode {})",
+                        xs[0],
+                        dims_str(trailing),
+                        mode as u32
+                    ),
+                    b.shape,
+                ));
+            }
             if m.expert_idx.is_none() {
                 return Err(Error::invalid(
                     op,
