@@ -105,6 +105,32 @@ fn finalize_refuses_fewer_experts_than_k() {
     assert!(err_msg().contains("less than K"), "{}", err_msg());
 }
 
+/// In the drop-pad modes expandedX is [E, C, H] and the bias needs E rows:
+/// one more row is refused though every expert index is in range of it.
+#[test]
+fn finalize_refuses_a_bias_that_is_not_one_row_per_expert_in_drop_pad_modes() {
+    let (n, k, h, e, c) = (2i64, 2i64, 4i64, 3i64, 2i64);
+    for mode in [1, 3] {
+        for (rows, want) in [(e + 1, TILING_ERROR), (e, 0)] {
+            let rc = finalize(
+                dev(&[e, c, h], ACL_FLOAT),
+                idx(&[0, 1, 2, -1]),
+                NULL,
+                NULL,
+                dev(&[rows, h], ACL_FLOAT),
+                dev(&[n, k], ACL_FLOAT),
+                tensor(&[n, k], ACL_INT32, upload(&[0i32, 1, 2, 0])),
+                mode,
+                dev(&[n, h], ACL_FLOAT),
+            );
+            assert_eq!(rc, want, "mode {mode}, {rows} bias rows: {}", err_msg());
+            if want != 0 {
+                assert!(err_msg().contains("dim 0 of bias should be 3"), "{}", err_msg());
+            }
+        }
+    }
+}
+
 #[test]
 fn finalize_refuses_bias_without_expert_idx() {
     let (n, h) = (2i64, 4i64);

@@ -114,6 +114,20 @@ fn finalize_prepare(
             format!("{op}: In the case of x1 parameter is not input, x2 parameter can't be inputted either"),
         );
     }
+    // Tiling check (`moe_finalize_routing_v2_tiling_membase.cpp`, "check
+    // bias"): in drop-pad modes the bias has one row per expert of expandedX
+    // [E, C, H] ("the dim 0 of bias should be E when drop_pad_mode is 1 or 3").
+    if let (true, Some(b)) = (drop_pad, &bias) {
+        if b.dims.first() != Some(&ex.dims[0]) {
+            return fail(
+                ACLNN_ERR_INNER_TILING_ERROR,
+                format!(
+                    "{op}: biasOptional has shape {:?}: the dim 0 of bias should be {} when drop_pad_mode is 1 or 3",
+                    b.dims, ex.dims[0]
+                ),
+            );
+        }
+    }
     // The aclnn doc's constraints: E (expert count: bias rows, or
     // expandedX's first dimension in drop-pad modes) must be at least K.
     let experts = bias.as_ref().and_then(|b| b.dims.first().copied()).or(drop_pad.then(|| ex.dims[0]));
