@@ -131,6 +131,36 @@ fn released_handles_and_stray_pointers_are_refused_without_being_read() {
     unsafe { amoe_comm_free(comm) };
 }
 
+/// A released handle stays refused after new handles of its type are made,
+/// though the allocator hands their values the memory a released one had:
+/// no handle value is given twice.
+#[test]
+fn a_released_handle_is_not_taken_for_a_later_handle_of_its_type() {
+    let mut r = 7usize;
+    // Made and released in turn: the allocator reuses the same memory.
+    let released: Vec<*mut amoe_comm> = (0..32)
+        .map(|i| {
+            let name = CString::new(format!("capi-abi-aba-{}-{i}", std::process::id())).expect("no NUL");
+            let mut c: *mut amoe_comm = null_mut();
+            // SAFETY: valid name and out-pointer.
+            let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, 5.0, &mut c) };
+            assert_eq!(st, amoe_status::Ok, "{}", last_error());
+            // SAFETY: the live handle just made; `r` is writable. Then released once.
+            assert_eq!(unsafe { amoe_comm_rank(c, &mut r) }, amoe_status::Ok, "{}", last_error());
+            unsafe { amoe_comm_free(c) };
+            c
+        })
+        .collect();
+    let distinct: std::collections::HashSet<_> = released.iter().collect();
+    assert_eq!(distinct.len(), released.len(), "a handle value was given twice: {released:?}");
+    let mut r = 7usize;
+    for c in released {
+        // SAFETY: a released handle, the case under test; `r` is writable.
+        let st = unsafe { amoe_comm_rank(c, &mut r) };
+        assert_eq!((st, r), (amoe_status::InvalidArgument, 7), "a released handle was used");
+    }
+}
+
 #[test]
 fn a_null_layout_with_entries_is_refused_not_taken_for_no_layout() {
     let mut v = vec![0f32; 6];

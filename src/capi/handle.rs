@@ -11,22 +11,24 @@
 //! | `amoe_live_context` | [`LiveContext`] | `Arc` |
 //! | `amoe_host_block` | [`Block`] | `Box` |
 //!
-//! A handle points to a boxed value (for an `Arc` handle, the caller's
-//! `Arc`). Every live handle is in a table of this process (its address and
-//! a word naming its type), and only the table is read to check a handle on
-//! every use: a handle of another type, a
-//! released one or any other pointer passed in its place is refused
-//! (`AMOE_STATUS_INVALID_ARGUMENT`, naming the argument) without the memory
-//! it points to being read. A release takes the handle out of the table
+//! A handle is a number of this process, never a pointer to what it stands
+//! for: each new handle gets the next one (never 0, never given twice), and
+//! a table of the live handles maps it to its type's tag and to the boxed
+//! value (for an `Arc` handle, the caller's `Arc`). Only the table is read to
+//! check a handle on every use, so a handle of another type, a released one
+//! (even after a new handle of its type took the memory it stood for) or any
+//! other pointer passed in its place is refused
+//! (`AMOE_STATUS_INVALID_ARGUMENT`, naming the argument) and the memory it
+//! points to is never read. A release takes the handle out of the table
 //! first, so a second release of it, or one through another type's function,
-//! does nothing. (A released handle whose address a new handle of the same
-//! type took since is that new handle: the table cannot tell them apart.)
+//! does nothing.
 //!
 //! The functions here take the handle arguments of exports, which each
 //! export's contract makes NULL or a live handle: these are the only places
-//! such a pointer becomes a reference.
+//! a handle leads to its value.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use super::failure::{write_out, Failure};
@@ -80,9 +82,6 @@ pub(crate) trait Castable {
 /// What the handle's allocation holds.
 type Held<C> = <<C as Castable>::Ownership as Holds<<C as Castable>::RustType>>::Held;
 
-/// The tag of an address that holds no live handle (no type has it).
-const RELEASED: u64 = 0;
-
 /// A tag from an 8-byte name.
 const fn tag(name: &[u8; 8]) -> u64 {
     u64::from_le_bytes(*name)
@@ -123,17 +122,37 @@ impl Castable for amoe_host_block {
     const NAME: &'static str = "amoe_host_block";
 }
 
-/// The live handles: address, and the tag of the handle's type.
-fn live() -> &'static RwLock<HashMap<usize, u64>> {
-    static LIVE: OnceLock<RwLock<HashMap<usize, u64>>> = OnceLock::new();
+/// A live handle: its type's tag and the address of its boxed value.
+#[derive(Clone, Copy)]
+struct Entry {
+    tag: u64,
+    held: usize,
+}
+
+/// The live handles, by handle number.
+fn live() -> &'static RwLock<HashMap<usize, Entry>> {
+    static LIVE: OnceLock<RwLock<HashMap<usize, Entry>>> = OnceLock::new();
     LIVE.get_or_init(Default::default)
 }
 
-/// The tag of the live handle at `p`; [`RELEASED`] when no live handle is
-/// there. Reads the table only, never `*p`.
-fn tag_of<C>(p: *const C) -> u64 {
+/// The handle numbers: multiples of 16 (they look like aligned pointers to
+/// C), from 16 up, each given once. The first 4096 lie below the lowest
+/// address Linux maps by default (`vm.mmap_min_addr`, 64 KiB), so a caller
+/// that dereferences one faults at once.
+fn next_number() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    // 2^60 handles are not made in the life of a process.
+    assert!(n < usize::MAX >> 4, "ascend-moe: C handle numbers exhausted");
+    n << 4
+}
+
+/// The address of the boxed value of the live `C` handle `p`; `None` when
+/// `p` is no live handle of `C`. Reads the table only, never `*p`.
+fn held_of<C: Castable>(p: *const C) -> Option<*const Held<C>> {
     let live = live().read().unwrap_or_else(|e| e.into_inner());
-    live.get(&(p as usize)).copied().unwrap_or(RELEASED)
+    let e = live.get(&(p as usize))?;
+    (e.tag == C::TAG).then_some(e.held as *const Held<C>)
 }
 
 /// The value behind `p` (the argument `arg` of export `f`), borrowed for the
@@ -143,7 +162,7 @@ pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Resul
     if p.is_null() {
         return Ok(None);
     }
-    if tag_of(p) != C::TAG {
+    let Some(held) = held_of(p) else {
         return Err(Failure::new(
             amoe_status::InvalidArgument,
             format!(
@@ -151,11 +170,11 @@ pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Resul
                 C::NAME
             ),
         ));
-    }
-    // SAFETY: `p` is a live handle of `C` in the table, so it was made by
-    // `box_out` / `arc_out` for `C` and, by the export's contract, is not
-    // released before the call ends.
-    let held = unsafe { &*p.cast::<Held<C>>() };
+    };
+    // SAFETY: `p` is a live handle of `C`, so `held` is the value `handle_out`
+    // boxed for it, which by the export's contract is not released before
+    // the call ends.
+    let held = unsafe { &*held };
     Ok(Some(<C::Ownership as Holds<C::RustType>>::get(held)))
 }
 
@@ -166,11 +185,10 @@ pub(crate) fn try_handle<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Re
 
 /// Moves `held` into a new handle of `C` written to `*out` (checked non-null).
 fn handle_out<C: Castable>(out: *mut *mut C, held: Held<C>) {
-    // A zero-sized value would box to one shared address for every handle.
-    const { assert!(std::mem::size_of::<Held<C>>() > 0) };
-    let p = Box::into_raw(Box::new(held));
-    live().write().unwrap_or_else(|e| e.into_inner()).insert(p as usize, C::TAG);
-    write_out(out, p.cast::<C>());
+    let held = Box::into_raw(Box::new(held)) as usize;
+    let number = next_number();
+    live().write().unwrap_or_else(|e| e.into_inner()).insert(number, Entry { tag: C::TAG, held });
+    write_out(out, number as *mut C);
 }
 
 /// Moves `v` into a new `Box` handle written to `*out` (checked non-null).
@@ -193,9 +211,10 @@ pub(crate) fn clone_arc<C: Castable<Ownership = OwnedArc>>(
         return Err(Failure::null(f, arg));
     }
     opt_ref(f, arg, p)?;
-    // SAFETY: checked just above: a live `Arc` handle of `C`.
-    let held = unsafe { &*p.cast::<Arc<C::RustType>>() };
-    Ok(Arc::clone(held))
+    let held: *const Arc<C::RustType> = held_of(p).expect("checked just above");
+    // SAFETY: the boxed `Arc` of a live handle of `C`, not released before
+    // the call ends by the export's contract.
+    Ok(Arc::clone(unsafe { &*held }))
 }
 
 /// Releases a handle (for an `Arc` handle, the caller's reference); NULL, and
@@ -205,17 +224,18 @@ pub(crate) fn release<C: Castable>(p: *mut C) {
     if p.is_null() {
         return;
     }
-    {
+    let held = {
         let mut live = live().write().unwrap_or_else(|e| e.into_inner());
-        if live.get(&(p as usize)) != Some(&C::TAG) {
-            return;
+        match live.get(&(p as usize)) {
+            Some(e) if e.tag == C::TAG => live.remove(&(p as usize)).map(|e| e.held),
+            _ => None,
         }
-        live.remove(&(p as usize));
-    }
+    };
+    let Some(held) = held else { return };
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: a live handle of `C` (taken out of the table above, so
-        // released once), made by `handle_out`, not used again by the release
-        // export's contract.
-        drop(unsafe { Box::from_raw(p.cast::<Held<C>>()) });
+        // SAFETY: the boxed value of a live handle of `C` (taken out of the
+        // table above, so released once), made by `handle_out`, not used
+        // again by the release export's contract.
+        drop(unsafe { Box::from_raw(held as *mut Held<C>) });
     }));
 }
