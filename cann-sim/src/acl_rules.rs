@@ -312,6 +312,27 @@ pub fn event_elapsed_time(ms: *mut f32, start: AclrtEvent, end: AclrtEvent) -> S
     if let Some((what, _)) = events.iter().find(|(_, e)| e.target().is_none()) {
         return fail(ACL_ERROR_RT_INTERNAL_ERROR, format!("{what} was never recorded (aclrtRecordEvent)"));
     }
+    // An event created without ACL_EVENT_TIME_LINE keeps no timestamp
+    // ("ACL_EVENT_TIME_LINE: the event records timestamp information",
+    // `docs/api_docs/aclrtCreateEventExWithFlag.md:27`, v8.5.0; aclrtCreateEvent's
+    // RT_EVENT_DEFAULT carries it, `pkg_inc/runtime/runtime/event.h:62`). The
+    // runtime takes a timeline for a record only when the event has the bit
+    // (`event_task.cc:31-32`), so where it reads timelines the time stays
+    // UINT64_MAX and `Event::ElapsedTime` fails with
+    // RT_ERROR_EVENT_TIMESTAMP_INVALID (`event.cc:1129-1142`); on STARS chips
+    // the record reports a completion with its time only for such an event
+    // or one that needs the report for another reason (`event_task.cc:247-248`),
+    // and a time otherwise is not one the API promises. Refused everywhere
+    // with that code: stricter than a chip that happens to report a time.
+    if let Some((what, e)) = events.iter().find(|(_, e)| e.flag & crate::stream::RT_EVENT_TIME_LINE == 0) {
+        return fail(
+            ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID,
+            format!(
+                "{what} was created with flag {:#x}, without ACL_EVENT_TIME_LINE (0x8): it keeps no timestamp",
+                e.flag
+            ),
+        );
+    }
     // A record that has not run has no timestamp (UINT64_MAX):
     // RT_ERROR_EVENT_TIMESTAMP_INVALID (ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID).
     // API reference: record both, synchronise, then ask for the time.

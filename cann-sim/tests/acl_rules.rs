@@ -336,6 +336,42 @@ fn elapsed_time_needs_two_recorded_and_completed_events() {
 
 /// `ACL_EVENT_SYNC` (acl_rt.h).
 const ACL_EVENT_SYNC: u32 = 0x1;
+/// `ACL_EVENT_TIME_LINE` (acl_rt.h).
+const ACL_EVENT_TIME_LINE: u32 = 0x8;
+
+/// Only events that keep a timestamp time: `aclrtCreateEvent`'s, and those
+/// created with `ACL_EVENT_TIME_LINE`. Two recorded and completed
+/// `ACL_EVENT_SYNC` events, or one of them with a timed event, are refused
+/// with the code of a missing timestamp, naming the event without it.
+#[test]
+fn elapsed_time_needs_events_that_keep_a_timestamp() {
+    let s = use_device(0);
+    let st = stream();
+    let (mut timed, mut sync_only, mut sync_timed) = (NULL, NULL, NULL);
+    let mut ms = -1f32;
+    unsafe {
+        assert_eq!((s.aclrtCreateEvent)(&mut timed), 0);
+        assert_eq!((s.aclrtCreateEventExWithFlag)(&mut sync_only, ACL_EVENT_SYNC), 0);
+        assert_eq!((s.aclrtCreateEventExWithFlag)(&mut sync_timed, ACL_EVENT_SYNC | ACL_EVENT_TIME_LINE), 0);
+        for e in [timed, sync_only, sync_timed] {
+            assert_eq!((s.aclrtRecordEvent)(e, st), 0, "{}", err_msg());
+        }
+    }
+    sync(st);
+    unsafe {
+        for (a, b, what) in [(sync_only, sync_only, "startEvent"), (timed, sync_only, "endEvent")] {
+            assert_eq!((s.aclrtEventElapsedTime)(&mut ms, a, b), ACL_ERROR_RT_EVENT_TIMESTAMP_INVALID);
+            assert!(err_msg().contains(what) && err_msg().contains("ACL_EVENT_TIME_LINE"), "{}", err_msg());
+            assert_eq!(ms, -1.0, "ms untouched on failure");
+        }
+        assert_eq!((s.aclrtEventElapsedTime)(&mut ms, timed, sync_timed), 0, "{}", err_msg());
+        assert!(ms >= 0.0, "{ms}");
+        for e in [timed, sync_only, sync_timed] {
+            assert_eq!((s.aclrtDestroyEvent)(e), 0);
+        }
+    }
+    destroy_stream(st);
+}
 
 /// An old-mode event (`aclrtCreateEvent`) and a new-mode one
 /// (`aclrtCreateEventExWithFlag`, `ACL_EVENT_SYNC`), neither recorded.
