@@ -136,7 +136,7 @@ fn live() -> &'static RwLock<HashMap<usize, Entry>> {
 }
 
 /// The handle numbers: multiples of 16 (they look like aligned pointers to
-/// C), from 16 up, each given once. The first 4096 lie below the lowest
+/// C), from 16 up, each given once. The first 4095 lie below the lowest
 /// address Linux maps by default (`vm.mmap_min_addr`, 64 KiB), so a caller
 /// that dereferences one faults at once.
 fn next_number() -> usize {
