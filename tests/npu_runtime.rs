@@ -61,6 +61,35 @@ fn borrowed_stream_is_used_but_never_destroyed() {
     assert!(npu::take_drop_errors().is_empty());
 }
 
+/// A borrowed stream of another device is refused when it is wrapped,
+/// naming the stream and the device it was claimed for; the same stream
+/// wrapped for its own device works, through the Rust API and the C ABI.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_stream_borrowed_for_another_device_is_refused_naming_it() {
+    use ascend_moe::capi::{amoe_status, amoe_stream, amoe_stream_free, amoe_stream_wrap};
+    let other = NpuDevice::open(1).unwrap_or_else(|e| panic!("npu:1: {e}\n{}", npu::probe_report()));
+    let raw = other.stream().raw();
+    // SAFETY: `other` keeps the stream alive; device 0 is the case under test.
+    let err = unsafe { NpuDevice::with_borrowed_stream(0, raw) }.expect_err("a stream of npu:1 taken for npu:0");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::InvalidArgument { arg: "raw_stream", .. }), "{msg}");
+    assert!(msg.contains(&format!("{raw:p} is not a stream of NPU 0")), "{msg}");
+    let mut s: *mut amoe_stream = std::ptr::null_mut();
+    // SAFETY: as above; `s` is writable.
+    assert_eq!(unsafe { amoe_stream_wrap(raw, 0, &mut s) }, amoe_status::InvalidArgument);
+    assert!(s.is_null(), "no handle on failure");
+    // SAFETY: `other` keeps the stream alive, now claimed for its own device.
+    let own = unsafe { NpuDevice::with_borrowed_stream(1, raw) }.expect("npu:1's own stream");
+    let data = [2.5f32; 16];
+    assert_eq!(own.clone_htod(&data).unwrap().to_vec().unwrap(), data);
+    // SAFETY: as above; the handle is released once.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(raw, 1, &mut s), amoe_status::Ok);
+        amoe_stream_free(s);
+    }
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn events_order_streams_and_time_work() {

@@ -210,7 +210,9 @@ pub unsafe extern "C" fn amoe_comm_free(comm: *mut amoe_comm) {
 /// and the engine must keep the stream alive until then.
 ///
 /// Returns `AMOE_STATUS_UNAVAILABLE` (with the loader's message) when CANN
-/// cannot be loaded; `*out` is then not written.
+/// cannot be loaded, and `AMOE_STATUS_INVALID_ARGUMENT` when the runtime
+/// says the stream belongs to another device (asked without a wait, on a
+/// runtime with the graph-capture API); `*out` is then not written.
 ///
 /// # Safety
 /// `raw_acl_stream` must be a live stream of that device; `out` writable.

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::launch::{choose_finalize, FinalizeImpl};
 use super::runtime::{DeviceCtx, NpuStream};
-use crate::Result;
+use crate::{Error, Result};
 
 /// One Ascend device plus the stream its backend ops run on.
 ///
@@ -34,6 +34,16 @@ impl NpuDevice {
     /// Opens device `ordinal` on a stream owned by the host engine (e.g.
     /// torch_npu's current stream); the stream is never destroyed by us.
     ///
+    /// A stream of another device is refused here, as
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) naming
+    /// `raw_stream` and `ordinal`, rather than at its first op: asked about
+    /// its capture status (`aclmdlRICaptureGetInfo`, no wait) with `ordinal`
+    /// bound, the runtime answers `ACL_ERROR_RT_STREAM_CONTEXT`
+    /// (`ApiImpl::StreamGetCaptureInfo`, hicann/runtime
+    /// `src/runtime/feature/src/api_impl/api_impl.cc:7835-7836` at v8.5.0).
+    /// The default stream, and any stream on a runtime without the capture
+    /// API, are not asked.
+    ///
     /// # Safety
     /// `raw_stream` must be a live stream of device `ordinal` (or NULL for the
     /// default stream) that outlives every handle derived from this device.
@@ -41,6 +51,17 @@ impl NpuDevice {
         let ctx = DeviceCtx::open(ordinal)?;
         // SAFETY: forwarded from this function's contract.
         let stream = unsafe { NpuStream::borrow_raw(&ctx, raw_stream) };
+        match stream.is_capturing() {
+            Err(Error::Acl { code: acl_sys::ACL_ERROR_RT_STREAM_CONTEXT, msg, .. }) => {
+                return Err(Error::invalid(
+                    "NpuDevice::with_borrowed_stream",
+                    "raw_stream",
+                    format!("{raw_stream:p} is not a stream of NPU {ordinal} (the runtime: {msg})"),
+                ))
+            }
+            Err(e) => return Err(e),
+            Ok(_) => {}
+        }
         Ok(NpuDevice { ctx, stream, finalize: None })
     }
 
