@@ -27,7 +27,7 @@
 //! export's contract makes NULL or a live handle: these are the only places
 //! a handle leads to its value.
 
-use std::collections::HashMap;
+use std::collections::{hash_map, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -155,10 +155,10 @@ fn held_of<C: Castable>(p: *const C) -> Option<*const Held<C>> {
     (e.tag == C::TAG).then_some(e.held as *const Held<C>)
 }
 
-/// The value behind `p` (the argument `arg` of export `f`), borrowed for the
-/// call; `None` for NULL. A pointer that does not carry this type's tag is
-/// INVALID_ARGUMENT naming `arg`.
-pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Result<Option<&'a C::RustType>, Failure> {
+/// What the live `C` handle `p` (the argument `arg` of export `f`) holds,
+/// borrowed for the call; `None` for NULL. A pointer that is no live handle
+/// of `C` is INVALID_ARGUMENT naming `arg`.
+fn opt_held<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Result<Option<&'a Held<C>>, Failure> {
     if p.is_null() {
         return Ok(None);
     }
@@ -174,8 +174,14 @@ pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Resul
     // SAFETY: `p` is a live handle of `C`, so `held` is the value `handle_out`
     // boxed for it, which by the export's contract is not released before
     // the call ends.
-    let held = unsafe { &*held };
-    Ok(Some(<C::Ownership as Holds<C::RustType>>::get(held)))
+    Ok(Some(unsafe { &*held }))
+}
+
+/// The value behind `p` (the argument `arg` of export `f`), borrowed for the
+/// call; `None` for NULL. A pointer that is no live handle of `C` is
+/// INVALID_ARGUMENT naming `arg`.
+pub(crate) fn opt_ref<'a, C: Castable>(f: &str, arg: &str, p: *const C) -> Result<Option<&'a C::RustType>, Failure> {
+    Ok(opt_held(f, arg, p)?.map(<C::Ownership as Holds<C::RustType>>::get))
 }
 
 /// The value behind `p`; NULL is NULL_ARGUMENT naming `arg`.
@@ -207,14 +213,8 @@ pub(crate) fn clone_arc<C: Castable<Ownership = OwnedArc>>(
     arg: &str,
     p: *const C,
 ) -> Result<Arc<C::RustType>, Failure> {
-    if p.is_null() {
-        return Err(Failure::null(f, arg));
-    }
-    opt_ref(f, arg, p)?;
-    let held: *const Arc<C::RustType> = held_of(p).expect("checked just above");
-    // SAFETY: the boxed `Arc` of a live handle of `C`, not released before
-    // the call ends by the export's contract.
-    Ok(Arc::clone(unsafe { &*held }))
+    let held: &Arc<C::RustType> = opt_held(f, arg, p)?.ok_or_else(|| Failure::null(f, arg))?;
+    Ok(Arc::clone(held))
 }
 
 /// Releases a handle (for an `Arc` handle, the caller's reference); NULL, and
@@ -224,14 +224,10 @@ pub(crate) fn release<C: Castable>(p: *mut C) {
     if p.is_null() {
         return;
     }
-    let held = {
-        let mut live = live().write().unwrap_or_else(|e| e.into_inner());
-        match live.get(&(p as usize)) {
-            Some(e) if e.tag == C::TAG => live.remove(&(p as usize)).map(|e| e.held),
-            _ => None,
-        }
+    let held = match live().write().unwrap_or_else(|e| e.into_inner()).entry(p as usize) {
+        hash_map::Entry::Occupied(e) if e.get().tag == C::TAG => e.remove().held,
+        _ => return,
     };
-    let Some(held) = held else { return };
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: the boxed value of a live handle of `C` (taken out of the
         // table above, so released once), made by `handle_out`, not used
