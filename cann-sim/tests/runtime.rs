@@ -481,7 +481,7 @@ fn finalize_rejects_bad_arguments_and_out_of_range_indices() {
         assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 1, tout, &mut ws, &mut ex), 161002, "mode 1 needs 3-D");
         assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 0, wrong, &mut ws, &mut ex), 161002);
         assert!(err_msg().contains("out"), "{}", err_msg());
-        assert_eq!(f(tx, tr, NULL, NULL, tx, tsc, NULL, 0, tout, &mut ws, &mut ex), 161001, "bias needs expertIdx");
+        assert_eq!(f(tx, tr, NULL, NULL, tx, tsc, NULL, 0, tout, &mut ws, &mut ex), 561002, "bias needs expertIdx");
         // Index 9 is outside [0, 4): the launch succeeds, the stream reports it.
         assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 0, tout, &mut ws, &mut ex), 0, "{}", err_msg());
         let st = stream();

@@ -150,8 +150,15 @@ fn finalize_prepare(
             return invalid(op, format!("biasOptional has shape {:?}, expected [E, {h}]", b.dims));
         }
         want_dtype(op, "biasOptional", b, ex.dtype)?;
+        // ops-transformer `moe_finalize_routing_v2_tiling_membase.cpp`, "check
+        // bias": "the expert_idx must exist when bias exist" (a tiling check).
         if expert_idx.is_none() {
-            return fail(ACLNN_ERR_PARAM_NULLPTR, format!("{op}: expertIdxOptional is required when bias is given"));
+            return fail(
+                ACLNN_ERR_INNER_TILING_ERROR,
+                format!(
+                    "{op}: expertIdxOptional is required when bias is given: the expert_idx must exist when bias exist"
+                ),
+            );
         }
     }
     if let Some(e) = &expert_idx {
