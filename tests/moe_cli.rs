@@ -19,6 +19,14 @@ fn check_moe_section_passes_on_processes_one_row_per_case() {
     let cases = all_layer_cases().into_iter().filter(|c| c.world() <= 2).count();
     assert!(out.contains(&format!("all {cases} cases passed on 2 ranks")), "{out}");
     assert_eq!(out.lines().filter(|l| l.starts_with("moe ")).count(), cases, "{out}");
+    // The columns line up: the dtype of every row (and the header's) starts
+    // where the header's does, however long the case name.
+    let header = out.lines().find(|l| l.starts_with("section ")).expect("a header row");
+    let col = header.find(" dtype ").expect("a dtype column") + 1;
+    for l in out.lines().filter(|l| l.starts_with("moe ")) {
+        assert_eq!(&l[col - 1..col], " ", "the case runs into the dtype column: {l:?}\n{header:?}");
+        assert!(l[col..].starts_with("f32 ") || l[col..].starts_with("bf16 "), "dtype not at column {col}: {l:?}");
+    }
 }
 
 #[test]

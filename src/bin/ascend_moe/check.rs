@@ -134,7 +134,10 @@ fn print_table(per_rank: &[Vec<Row>]) -> i32 {
         eprintln!("error: ranks reported different numbers of cases: {lens:?}");
         return 1;
     }
-    println!("{:<12} {:<32} {:<5} {:>9}  {:<6} detail", "section", "case", "dtype", "count", "result");
+    // The case column fits the longest case name (the MoE layer cases run
+    // past 32 characters), so the columns after it line up on every row.
+    let w = first.iter().map(|r| r.case.len()).max().unwrap_or(0).max(32);
+    println!("{:<12} {:<w$} {:<5} {:>9}  {:<6} detail", "section", "case", "dtype", "count", "result");
     let mut failed = 0;
     for (i, row) in first.iter().enumerate() {
         let bad: Vec<(usize, &Row)> =
@@ -146,7 +149,7 @@ fn print_table(per_rank: &[Vec<Row>]) -> i32 {
                 ("FAIL", format!("rank {r}: {} ({} ranks failed)", x.detail, bad.len()))
             }
         };
-        println!("{:<12} {:<32} {:<5} {:>9}  {:<6} {detail}", row.section, row.case, row.dtype, row.count, result);
+        println!("{:<12} {:<w$} {:<5} {:>9}  {:<6} {detail}", row.section, row.case, row.dtype, row.count, result);
     }
     println!();
     if failed == 0 {
