@@ -244,7 +244,9 @@ fn a_bad_stream_handle_on_one_rank_fails_every_rank_at_once() {
     let sizes = [2usize, 1];
     one_bad_rank("pad_and_reduce stream", "stream", inv, |rank, c| {
         let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 2 * 4]);
-        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[sizes[rank], 4]));
+        // The descriptor points at its shape: the shape outlives the call.
+        let os = [sizes[rank], 4];
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &os));
         // SAFETY: as above.
         unsafe { amoe_maybe_pad_and_reduce(&xd, sizes.as_ptr(), 2, c, &od, stream(rank, c)) }
     });

@@ -16,7 +16,10 @@ pub fn last_error() -> String {
     String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
 }
 
-/// A contiguous host f32 descriptor of `shape` over `data`.
+/// A contiguous host f32 descriptor of `shape` over `data`. It points at
+/// both without a lifetime, as a C descriptor does: `data` and `shape` must
+/// outlive every call given it (a shape array built in the argument list,
+/// `&[n, 4]` with a variable `n`, is a temporary that does not).
 pub fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
     amoe_tensor {
         data: data.as_mut_ptr().cast(),
