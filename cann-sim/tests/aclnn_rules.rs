@@ -86,6 +86,45 @@ fn finalize_refuses_f16_data_with_f32_scales() {
     assert_eq!(rc, 0, "{}", err_msg());
 }
 
+/// The op's generated phase one refuses a dtype outside the op definition
+/// (161002) before its tiling checks the attribute and the shapes (561002),
+/// so a call wrong in both is a dtype error.
+#[test]
+fn finalize_reports_dtypes_as_invalid_parameters_and_shapes_and_the_mode_as_tiling_errors() {
+    let (n, k, h) = (2i64, 2i64, 4i64);
+    let call = |x: Ptr, x1: Ptr, mode: i64, out: Ptr| {
+        finalize(x, idx(&[0, 1, 2, 3]), x1, NULL, NULL, dev(&[n, k], ACL_FLOAT), NULL, mode, out)
+    };
+    let good = || dev(&[n * k, h], ACL_FLOAT);
+    let good_out = || dev(&[n, h], ACL_FLOAT);
+    assert_eq!(call(good(), NULL, 0, good_out()), 0, "{}", err_msg());
+    // Each case runs when its row is checked, so the message read is its own.
+    let tiling: [(&str, &dyn Fn() -> i32, &str); 6] = [
+        (
+            "scales [N-1, K]",
+            &|| {
+                let x = good();
+                finalize(x, idx(&[0, 1, 2, 3]), NULL, NULL, NULL, dev(&[n - 1, k], ACL_FLOAT), NULL, 0, good_out())
+            },
+            "scalesOptional has shape [1, 2], expected [2, 2]",
+        ),
+        ("x1 [N+1, H]", &|| call(good(), dev(&[n + 1, h], ACL_FLOAT), 0, good_out()), "x1Optional has shape [3, 4]"),
+        ("out [N, H+1]", &|| call(good(), NULL, 0, dev(&[n, h + 1], ACL_FLOAT)), "out has shape [2, 5]"),
+        ("dropPadMode 4", &|| call(good(), NULL, 4, good_out()), "drop_pad_mode should be [0,3]"),
+        ("2-D expandedX in mode 1", &|| call(good(), NULL, 1, good_out()), "should be 3D"),
+        ("expandedX [N*K+1, H] in mode 0", &|| call(dev(&[n * k + 1, h], ACL_FLOAT), NULL, 0, good_out()), "N*K = 4"),
+    ];
+    for (what, run, names) in tiling {
+        assert_eq!(run(), TILING_ERROR, "{what}: {}", err_msg());
+        assert!(err_msg().contains(names), "{what}: {}", err_msg());
+    }
+    // A dtype outside the definition is 161002 even with a wrong shape too.
+    assert_eq!(call(good(), dev(&[n + 1, h], ACL_FLOAT16), 0, good_out()), PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("x1Optional"), "{}", err_msg());
+    assert_eq!(call(good(), NULL, 0, dev(&[n, h], ACL_BF16)), PARAM_INVALID, "{}", err_msg());
+    assert_eq!(call(good(), NULL, 9, dev(&[n, h], ACL_BF16)), PARAM_INVALID, "{}", err_msg());
+}
+
 #[test]
 fn finalize_refuses_fewer_experts_than_k() {
     let (n, k, h, e) = (2i64, 2i64, 4i64, 1i64);

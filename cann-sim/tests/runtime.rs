@@ -477,9 +477,10 @@ fn finalize_rejects_bad_arguments_and_out_of_range_indices() {
     unsafe {
         let f = s.aclnnMoeFinalizeRoutingV2GetWorkspaceSize;
         assert_eq!(f(NULL, tr, NULL, NULL, NULL, tsc, NULL, 0, tout, &mut ws, &mut ex), 161001);
-        assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 4, tout, &mut ws, &mut ex), 161002);
-        assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 1, tout, &mut ws, &mut ex), 161002, "mode 1 needs 3-D");
-        assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 0, wrong, &mut ws, &mut ex), 161002);
+        // The attribute and the shapes are the tiling's checks (561002).
+        assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 4, tout, &mut ws, &mut ex), 561002);
+        assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 1, tout, &mut ws, &mut ex), 561002, "mode 1 needs 3-D");
+        assert_eq!(f(tx, tr, NULL, NULL, NULL, tsc, NULL, 0, wrong, &mut ws, &mut ex), 561002);
         assert!(err_msg().contains("out"), "{}", err_msg());
         assert_eq!(f(tx, tr, NULL, NULL, tx, tsc, NULL, 0, tout, &mut ws, &mut ex), 561002, "bias needs expertIdx");
         // Index 9 is outside [0, 4): the launch succeeds, the stream reports it.

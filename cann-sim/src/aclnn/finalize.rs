@@ -10,9 +10,7 @@ use crate::status::{self, fail, SimResult};
 use super::executor::{check_outs, publish, Op, MOE_WORKSPACE};
 use super::launch::launch;
 use super::sum::blocked_sum;
-use super::tensors::{
-    index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
-};
+use super::tensors::{index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dtype, write_f32};
 
 /// Phase-1 snapshot of `aclnnMoeFinalizeRoutingV2`.
 #[derive(Debug)]
@@ -34,6 +32,28 @@ pub struct Finalize {
 
 pub(super) const FINALIZE: &str = "aclnnMoeFinalizeRoutingV2";
 
+/// `ACLNN_ERR_INNER_TILING_ERROR` with the op's name: what the op's tiling
+/// refuses (ge::GRAPH_FAILED), shape and attribute checks alike.
+fn tiling<T>(msg: impl std::fmt::Display) -> SimResult<T> {
+    fail(ACLNN_ERR_INNER_TILING_ERROR, format!("{FINALIZE}: {msg}"))
+}
+
+/// `t` has shape `want`, else a tiling error naming `arg`.
+fn tiling_dims(arg: &str, t: &TensorDesc, want: &[i64]) -> SimResult<()> {
+    if t.dims != want {
+        return tiling(format!("{arg} has shape {:?}, expected {want:?}", t.dims));
+    }
+    Ok(())
+}
+
+/// Phase one of `aclnnMoeFinalizeRoutingV2`, in CANN's order. The op's
+/// `GetWorkspaceSize` is generated code: it refuses a NULL required tensor
+/// (161001) and a dtype or format outside the op definition
+/// (`moe_finalize_routing_v2_def.cpp`, 161002), then runs the tiling, whose
+/// `DoGetShapeAttrsInfo` (`moe_finalize_routing_v2_tiling_membase.cpp`)
+/// checks the attribute and every shape in the order below (561002). The
+/// aclnn doc's codes agree: 161001 null pointer, 161002 dtype or format,
+/// 561002 shape. The simulator's own rules (marked) come after CANN's.
 #[allow(clippy::too_many_arguments)]
 fn finalize_prepare(
     expanded_x: *const c_void,
@@ -53,120 +73,140 @@ fn finalize_prepare(
     let (x1, x2) = (tensor(x1, op, "x1Optional")?, tensor(x2, op, "x2Optional")?);
     let (bias, scales) = (tensor(bias, op, "biasOptional")?, tensor(scales, op, "scalesOptional")?);
     let expert_idx = tensor(expert_idx, op, "expertIdxOptional")?;
-    if !(0..=3).contains(&mode) {
-        return invalid(op, format!("dropPadMode {mode} (expected 0..=3)"));
-    }
-    let drop_pad = mode == 1 || mode == 3;
+
+    // The op definition's dtype combinations for Atlas A2/A3: expandedX,
+    // x1, x2, bias and y all f16, f32 or bf16; scales the same, or f32 with
+    // bf16 data; the indices int32. The aclnn doc: "in mixed-precision mode
+    // scales may be FLOAT32 when expandedX is BFLOAT16; otherwise its dtype
+    // must equal expandedX's".
     if !is_float(ex.dtype) {
         return invalid(op, format!("expandedX is {} (expected float32, float16 or bfloat16)", dtype_name(ex.dtype)));
     }
+    want_dtype(op, "expandedRowIdx", &ri, ACL_INT32)?;
+    for (arg, t) in [("x1Optional", &x1), ("x2Optional", &x2), ("biasOptional", &bias)] {
+        if let Some(t) = t {
+            want_dtype(op, arg, t, ex.dtype)?;
+        }
+    }
+    if let Some(s) = &scales {
+        if s.dtype != ex.dtype && !(ex.dtype == ACL_BF16 && s.dtype == ACL_FLOAT) {
+            return invalid(
+                op,
+                format!(
+                    "scalesOptional is {} with expandedX {}: the only mixed precision is bfloat16 data with \
+                     float32 scales",
+                    dtype_name(s.dtype),
+                    dtype_name(ex.dtype)
+                ),
+            );
+        }
+    }
+    if let Some(e) = &expert_idx {
+        want_dtype(op, "expertIdxOptional", e, ACL_INT32)?;
+    }
+    want_dtype(op, "out", &out, ex.dtype)?;
+
+    // The tiling, in its order.
+    if !(0..=3).contains(&mode) {
+        return tiling(format!("dropPadMode is {mode}: the value of drop_pad_mode should be [0,3]"));
+    }
+    let drop_pad = mode == 1 || mode == 3;
+    let [nk] = ri.dims.as_slice() else {
+        return tiling(format!("expandedRowIdx has shape {:?}: the expanded_row_idx should be 1D tensor", ri.dims));
+    };
+    let k = match &scales {
+        Some(s) => {
+            let [_, k] = s.dims.as_slice() else {
+                return tiling(format!("scalesOptional has shape {:?}: the scales should be 2D tensor", s.dims));
+            };
+            if *k == 0 {
+                return tiling("scalesOptional has 0 columns: K can not be 0");
+            }
+            *k
+        }
+        None => 1,
+    };
+    // The simulator's own rule: the tiling takes N = N*K / K, rounding down.
+    if nk % k != 0 {
+        return tiling(format!("expandedRowIdx has {nk} entries, not a multiple of K = {k}"));
+    }
+    let n = nk / k;
     let (rows, h) = match (drop_pad, ex.dims.as_slice()) {
         (false, [r, h]) => (*r, *h),
         (true, [e, c, h]) => (e * c, *h),
         _ => {
-            let want = if drop_pad { "3-D [E, C, H] (dropPadMode 1/3)" } else { "2-D [N*K, H] (dropPadMode 0/2)" };
-            return invalid(op, format!("expandedX has shape {:?}, expected {want}", ex.dims));
-        }
-    };
-    want_dtype(op, "expandedRowIdx", &ri, ACL_INT32)?;
-    let [nk] = ri.dims.as_slice() else {
-        return invalid(op, format!("expandedRowIdx has shape {:?}, expected 1-D [N*K]", ri.dims));
-    };
-    let (n, k) = match &scales {
-        Some(s) => {
-            let [n, k] = s.dims.as_slice() else {
-                return invalid(op, format!("scalesOptional has shape {:?}, expected [N, K]", s.dims));
+            let want = if drop_pad {
+                "3D [E, C, H] when drop_pad_mode is 1 or 3"
+            } else {
+                "2D [N*K, H] when drop_pad_mode is 0 or 2"
             };
-            // The (expandedX, scales) dtype pairs the op definition
-            // (`moe_finalize_routing_v2_def.cpp`) registers for Atlas A2/A3:
-            // (f16, f16), (f32, f32), (bf16, bf16), (bf16, f32). The aclnn doc:
-            // "in mixed-precision mode scales may be FLOAT32 when expandedX is
-            // BFLOAT16; otherwise its dtype must equal expandedX's".
-            if s.dtype != ex.dtype && !(ex.dtype == ACL_BF16 && s.dtype == ACL_FLOAT) {
-                return invalid(
-                    op,
-                    format!(
-                        "scalesOptional is {} with expandedX {}: the only mixed precision is bfloat16 data with \
-                         float32 scales",
-                        dtype_name(s.dtype),
-                        dtype_name(ex.dtype)
-                    ),
-                );
-            }
-            (*n, *k)
+            return tiling(format!("expandedX has shape {:?}: the expanded_x should be {want}", ex.dims));
         }
-        None => (*nk, 1),
     };
-    if n * k != *nk {
-        return invalid(op, format!("expandedRowIdx has {nk} entries but scales say N*K = {n}*{k}"));
+    if let Some(t) = &x1 {
+        tiling_dims("x1Optional", t, &[n, h])?;
+    }
+    if let Some(t) = &x2 {
+        if x1.is_none() {
+            return tiling("In the case of x1 parameter is not input, x2 parameter can't be inputted either");
+        }
+        tiling_dims("x2Optional", t, &[n, h])?;
+    }
+    if let Some(b) = &bias {
+        if expert_idx.is_none() {
+            return tiling(
+                "expertIdxOptional is required when bias is given: the expert_idx must exist when bias exist",
+            );
+        }
+        let [e, bh] = b.dims.as_slice() else {
+            return tiling(format!("biasOptional has shape {:?}: the bias should be 2D tensor [E, H]", b.dims));
+        };
+        if drop_pad && *e != ex.dims[0] {
+            return tiling(format!(
+                "biasOptional has shape {:?}: the dim 0 of bias should be {} when drop_pad_mode is 1 or 3",
+                b.dims, ex.dims[0]
+            ));
+        }
+        if *bh != h {
+            return tiling(format!("biasOptional has shape {:?}: the dim 1 of bias should be {h}", b.dims));
+        }
+    }
+    if let Some(e) = &expert_idx {
+        tiling_dims("expertIdxOptional", e, &[n, k])?;
+    }
+    if let Some(b) = &bias {
+        if b.dims[0] < k {
+            return tiling(format!("E = {} experts (bias rows) is less than K = {k}: E should be >= K", b.dims[0]));
+        }
+        // Unreachable after E >= K with K >= 1; kept in CANN's order.
+        if b.dims[0] == 0 {
+            return tiling("biasOptional has 0 rows: E can not be 0");
+        }
+    }
+    tiling_dims("out", &out, &[n, h])?;
+
+    // The simulator's own rules, from the op's infershape, which the tiling
+    // does not repeat. The scales have a row per token, N = N*K / K ("the dim
+    // 0 of skip1, skip2, scales and expert_idx should be same"): the kernel
+    // reads N rows of them.
+    if let Some(s) = &scales {
+        tiling_dims("scalesOptional", s, &[n, k])?;
+    }
+    // In the drop-less modes expandedX has the N*K rows expandedRowIdx
+    // indexes ("the dim 0 of expanded_x and expanded_row_idx should be same").
+    if !drop_pad && rows != *nk {
+        return tiling(format!("expandedX has {rows} rows, expected N*K = {nk} (dropPadMode {mode})"));
+    }
+    // The aclnn doc's constraint E >= K, also without bias in the drop-pad
+    // modes (E is then expandedX's first dimension).
+    if drop_pad && bias.is_none() && ex.dims[0] < k {
+        return tiling(format!("E = {} experts (expandedX's dim 0) is less than K = {k}", ex.dims[0]));
     }
     // Empty inputs: the op's tiling divides the rows among the cores; the
     // simulator refuses 0 tokens or an empty hidden size rather than guess.
     if n == 0 || h == 0 {
         return invalid(op, format!("empty input (N = {n}, H = {h}): call the op only with data"));
     }
-    // Tiling check (`moe_finalize_routing_v2_tiling_membase.cpp`): "In the
-    // case of x1 parameter is not input, x2 parameter can't be inputted
-    // either" (ge::GRAPH_FAILED, reported as ACLNN_ERR_INNER_TILING_ERROR).
-    if x2.is_some() && x1.is_none() {
-        return fail(
-            ACLNN_ERR_INNER_TILING_ERROR,
-            format!("{op}: In the case of x1 parameter is not input, x2 parameter can't be inputted either"),
-        );
-    }
-    // Tiling check (`moe_finalize_routing_v2_tiling_membase.cpp`, "check
-    // bias"): in drop-pad modes the bias has one row per expert of expandedX
-    // [E, C, H] ("the dim 0 of bias should be E when drop_pad_mode is 1 or 3").
-    if let (true, Some(b)) = (drop_pad, &bias) {
-        if b.dims.first() != Some(&ex.dims[0]) {
-            return fail(
-                ACLNN_ERR_INNER_TILING_ERROR,
-                format!(
-                    "{op}: biasOptional has shape {:?}: the dim 0 of bias should be {} when drop_pad_mode is 1 or 3",
-                    b.dims, ex.dims[0]
-                ),
-            );
-        }
-    }
-    // The aclnn doc's constraints: E (expert count: bias rows, or
-    // expandedX's first dimension in drop-pad modes) must be at least K.
-    let experts = bias.as_ref().and_then(|b| b.dims.first().copied()).or(drop_pad.then(|| ex.dims[0]));
-    if let Some(e) = experts {
-        if e < k {
-            return fail(ACLNN_ERR_INNER_TILING_ERROR, format!("{op}: E = {e} experts is less than K = {k}"));
-        }
-    }
-    for (arg, t) in [("x1Optional", &x1), ("x2Optional", &x2)] {
-        if let Some(t) = t {
-            want_dims(op, arg, t, &[n, h])?;
-            want_dtype(op, arg, t, ex.dtype)?;
-        }
-    }
-    if let Some(b) = &bias {
-        let [_, bh] = b.dims.as_slice() else {
-            return invalid(op, format!("biasOptional has shape {:?}, expected [E, H]", b.dims));
-        };
-        if *bh != h {
-            return invalid(op, format!("biasOptional has shape {:?}, expected [E, {h}]", b.dims));
-        }
-        want_dtype(op, "biasOptional", b, ex.dtype)?;
-        // ops-transformer `moe_finalize_routing_v2_tiling_membase.cpp`, "check
-        // bias": "the expert_idx must exist when bias exist" (a tiling check).
-        if expert_idx.is_none() {
-            return fail(
-                ACLNN_ERR_INNER_TILING_ERROR,
-                format!(
-                    "{op}: expertIdxOptional is required when bias is given: the expert_idx must exist when bias exist"
-                ),
-            );
-        }
-    }
-    if let Some(e) = &expert_idx {
-        want_dims(op, "expertIdxOptional", e, &[n, k])?;
-        want_dtype(op, "expertIdxOptional", e, ACL_INT32)?;
-    }
-    want_dims(op, "out", &out, &[n, h])?;
-    want_dtype(op, "out", &out, ex.dtype)?;
     Ok(Finalize {
         expanded_x: ex,
         row_idx: ri,
