@@ -92,9 +92,10 @@ fn finalize_refuses_f16_data_with_f32_scales() {
 #[test]
 fn finalize_reports_dtypes_as_invalid_parameters_and_shapes_and_the_mode_as_tiling_errors() {
     let (n, k, h) = (2i64, 2i64, 4i64);
-    let call = |x: Ptr, x1: Ptr, mode: i64, out: Ptr| {
-        finalize(x, idx(&[0, 1, 2, 3]), x1, NULL, NULL, dev(&[n, k], ACL_FLOAT), NULL, mode, out)
+    let with_scales = |x: Ptr, x1: Ptr, scale_rows: i64, mode: i64, out: Ptr| {
+        finalize(x, idx(&[0, 1, 2, 3]), x1, NULL, NULL, dev(&[scale_rows, k], ACL_FLOAT), NULL, mode, out)
     };
+    let call = |x: Ptr, x1: Ptr, mode: i64, out: Ptr| with_scales(x, x1, n, mode, out);
     let good = || dev(&[n * k, h], ACL_FLOAT);
     let good_out = || dev(&[n, h], ACL_FLOAT);
     assert_eq!(call(good(), NULL, 0, good_out()), 0, "{}", err_msg());
@@ -102,10 +103,7 @@ fn finalize_reports_dtypes_as_invalid_parameters_and_shapes_and_the_mode_as_tili
     let tiling: [(&str, &dyn Fn() -> i32, &str); 6] = [
         (
             "scales [N-1, K]",
-            &|| {
-                let x = good();
-                finalize(x, idx(&[0, 1, 2, 3]), NULL, NULL, NULL, dev(&[n - 1, k], ACL_FLOAT), NULL, 0, good_out())
-            },
+            &|| with_scales(good(), NULL, n - 1, 0, good_out()),
             "scalesOptional has shape [1, 2], expected [2, 2]",
         ),
         ("x1 [N+1, H]", &|| call(good(), dev(&[n + 1, h], ACL_FLOAT), 0, good_out()), "x1Optional has shape [3, 4]"),

@@ -5,12 +5,14 @@ use std::sync::Arc;
 
 use crate::ffi::*;
 use crate::nnop::objects::{dtype_name, TensorDesc};
-use crate::status::{self, fail, SimResult};
+use crate::status::{self, SimResult};
 
 use super::executor::{check_outs, publish, Op, MOE_WORKSPACE};
 use super::launch::launch;
 use super::sum::blocked_sum;
-use super::tensors::{index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dtype, write_f32};
+use super::tensors::{
+    index_error, invalid, is_float, read_f32, read_i32, required, tensor, tiling, tiling_dims, want_dtype, write_f32,
+};
 
 /// Phase-1 snapshot of `aclnnMoeFinalizeRoutingV2`.
 #[derive(Debug)]
@@ -31,20 +33,6 @@ pub struct Finalize {
 }
 
 pub(super) const FINALIZE: &str = "aclnnMoeFinalizeRoutingV2";
-
-/// `ACLNN_ERR_INNER_TILING_ERROR` with the op's name: what the op's tiling
-/// refuses (ge::GRAPH_FAILED), shape and attribute checks alike.
-fn tiling<T>(msg: impl std::fmt::Display) -> SimResult<T> {
-    fail(ACLNN_ERR_INNER_TILING_ERROR, format!("{FINALIZE}: {msg}"))
-}
-
-/// `t` has shape `want`, else a tiling error naming `arg`.
-fn tiling_dims(arg: &str, t: &TensorDesc, want: &[i64]) -> SimResult<()> {
-    if t.dims != want {
-        return tiling(format!("{arg} has shape {:?}, expected {want:?}", t.dims));
-    }
-    Ok(())
-}
 
 /// Phase one of `aclnnMoeFinalizeRoutingV2`, in CANN's order. The op's
 /// `GetWorkspaceSize` is generated code: it refuses a NULL required tensor
@@ -108,19 +96,19 @@ fn finalize_prepare(
 
     // The tiling, in its order.
     if !(0..=3).contains(&mode) {
-        return tiling(format!("dropPadMode is {mode}: the value of drop_pad_mode should be [0,3]"));
+        return tiling(op, format!("dropPadMode is {mode}: the value of drop_pad_mode should be [0,3]"));
     }
     let drop_pad = mode == 1 || mode == 3;
     let [nk] = ri.dims.as_slice() else {
-        return tiling(format!("expandedRowIdx has shape {:?}: the expanded_row_idx should be 1D tensor", ri.dims));
+        return tiling(op, format!("expandedRowIdx has shape {:?}: the expanded_row_idx should be 1D tensor", ri.dims));
     };
     let k = match &scales {
         Some(s) => {
             let [_, k] = s.dims.as_slice() else {
-                return tiling(format!("scalesOptional has shape {:?}: the scales should be 2D tensor", s.dims));
+                return tiling(op, format!("scalesOptional has shape {:?}: the scales should be 2D tensor", s.dims));
             };
             if *k == 0 {
-                return tiling("scalesOptional has 0 columns: K can not be 0");
+                return tiling(op, "scalesOptional has 0 columns: K can not be 0");
             }
             *k
         }
@@ -128,7 +116,7 @@ fn finalize_prepare(
     };
     // The simulator's own rule: the tiling takes N = N*K / K, rounding down.
     if nk % k != 0 {
-        return tiling(format!("expandedRowIdx has {nk} entries, not a multiple of K = {k}"));
+        return tiling(op, format!("expandedRowIdx has {nk} entries, not a multiple of K = {k}"));
     }
     let n = nk / k;
     let (rows, h) = match (drop_pad, ex.dims.as_slice()) {
@@ -140,67 +128,67 @@ fn finalize_prepare(
             } else {
                 "2D [N*K, H] when drop_pad_mode is 0 or 2"
             };
-            return tiling(format!("expandedX has shape {:?}: the expanded_x should be {want}", ex.dims));
+            return tiling(op, format!("expandedX has shape {:?}: the expanded_x should be {want}", ex.dims));
         }
     };
     if let Some(t) = &x1 {
-        tiling_dims("x1Optional", t, &[n, h])?;
+        tiling_dims(op, "x1Optional", t, &[n, h])?;
     }
     if let Some(t) = &x2 {
         if x1.is_none() {
-            return tiling("In the case of x1 parameter is not input, x2 parameter can't be inputted either");
+            return tiling(op, "In the case of x1 parameter is not input, x2 parameter can't be inputted either");
         }
-        tiling_dims("x2Optional", t, &[n, h])?;
+        tiling_dims(op, "x2Optional", t, &[n, h])?;
     }
     if let Some(b) = &bias {
         if expert_idx.is_none() {
             return tiling(
+                op,
                 "expertIdxOptional is required when bias is given: the expert_idx must exist when bias exist",
             );
         }
         let [e, bh] = b.dims.as_slice() else {
-            return tiling(format!("biasOptional has shape {:?}: the bias should be 2D tensor [E, H]", b.dims));
+            return tiling(op, format!("biasOptional has shape {:?}: the bias should be 2D tensor [E, H]", b.dims));
         };
         if drop_pad && *e != ex.dims[0] {
-            return tiling(format!(
-                "biasOptional has shape {:?}: the dim 0 of bias should be {} when drop_pad_mode is 1 or 3",
-                b.dims, ex.dims[0]
-            ));
+            return tiling(
+                op,
+                format!(
+                    "biasOptional has shape {:?}: the dim 0 of bias should be {} when drop_pad_mode is 1 or 3",
+                    b.dims, ex.dims[0]
+                ),
+            );
         }
         if *bh != h {
-            return tiling(format!("biasOptional has shape {:?}: the dim 1 of bias should be {h}", b.dims));
+            return tiling(op, format!("biasOptional has shape {:?}: the dim 1 of bias should be {h}", b.dims));
         }
     }
     if let Some(e) = &expert_idx {
-        tiling_dims("expertIdxOptional", e, &[n, k])?;
+        tiling_dims(op, "expertIdxOptional", e, &[n, k])?;
     }
     if let Some(b) = &bias {
         if b.dims[0] < k {
-            return tiling(format!("E = {} experts (bias rows) is less than K = {k}: E should be >= K", b.dims[0]));
-        }
-        // Unreachable after E >= K with K >= 1; kept in CANN's order.
-        if b.dims[0] == 0 {
-            return tiling("biasOptional has 0 rows: E can not be 0");
+            return tiling(op, format!("E = {} experts (bias rows) is less than K = {k}: E should be >= K", b.dims[0]));
         }
     }
-    tiling_dims("out", &out, &[n, h])?;
+    tiling_dims(op, "out", &out, &[n, h])?;
 
     // The simulator's own rules, from the op's infershape, which the tiling
     // does not repeat. The scales have a row per token, N = N*K / K ("the dim
     // 0 of skip1, skip2, scales and expert_idx should be same"): the kernel
     // reads N rows of them.
     if let Some(s) = &scales {
-        tiling_dims("scalesOptional", s, &[n, k])?;
+        tiling_dims(op, "scalesOptional", s, &[n, k])?;
     }
     // In the drop-less modes expandedX has the N*K rows expandedRowIdx
     // indexes ("the dim 0 of expanded_x and expanded_row_idx should be same").
     if !drop_pad && rows != *nk {
-        return tiling(format!("expandedX has {rows} rows, expected N*K = {nk} (dropPadMode {mode})"));
+        return tiling(op, format!("expandedX has {rows} rows, expected N*K = {nk} (dropPadMode {mode})"));
     }
     // The aclnn doc's constraint E >= K, also without bias in the drop-pad
     // modes (E is then expandedX's first dimension).
     if drop_pad && bias.is_none() && ex.dims[0] < k {
-        return tiling(format!("E = {} experts (expandedX's dim 0) is less than K = {k}", ex.dims[0]));
+        return tiling(op, format!("E = {} experts (expandedX's dim 0) is less than K = {k}", ex.dims[0]));
     }
     // Empty inputs: the op's tiling divides the rows among the cores; the
     // simulator refuses 0 tokens or an empty hidden size rather than guess.

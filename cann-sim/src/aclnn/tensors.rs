@@ -38,11 +38,28 @@ pub(super) fn is_float(dt: i32) -> bool {
     matches!(dt, ACL_FLOAT | ACL_FLOAT16 | ACL_BF16)
 }
 
-pub(super) fn want_dims(op: &str, arg: &str, t: &TensorDesc, want: &[i64]) -> SimResult<()> {
+/// `ACLNN_ERR_INNER_TILING_ERROR` for `op`: what an op's tiling refuses
+/// (ge::GRAPH_FAILED), its shape and attribute checks alike.
+pub(super) fn tiling<T>(op: &str, msg: impl std::fmt::Display) -> SimResult<T> {
+    fail(ACLNN_ERR_INNER_TILING_ERROR, format!("{op}: {msg}"))
+}
+
+/// `t` has shape `want`, else `code` naming `arg`.
+fn dims_or(code: i32, op: &str, arg: &str, t: &TensorDesc, want: &[i64]) -> SimResult<()> {
     if t.dims != want {
-        return invalid(op, format!("{arg} has shape {:?}, expected {want:?}", t.dims));
+        return fail(code, format!("{op}: {arg} has shape {:?}, expected {want:?}", t.dims));
     }
     Ok(())
+}
+
+/// `t` has shape `want`, else ACLNN_ERR_PARAM_INVALID naming `arg`.
+pub(super) fn want_dims(op: &str, arg: &str, t: &TensorDesc, want: &[i64]) -> SimResult<()> {
+    dims_or(ACLNN_ERR_PARAM_INVALID, op, arg, t, want)
+}
+
+/// `t` has shape `want`, else a tiling error naming `arg`.
+pub(super) fn tiling_dims(op: &str, arg: &str, t: &TensorDesc, want: &[i64]) -> SimResult<()> {
+    dims_or(ACLNN_ERR_INNER_TILING_ERROR, op, arg, t, want)
 }
 
 pub(super) fn want_dtype(op: &str, arg: &str, t: &TensorDesc, want: i32) -> SimResult<()> {
