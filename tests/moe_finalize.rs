@@ -306,6 +306,21 @@ fn padded_output_places_blocks_and_zeroes_padding() {
     set_num_threads(None);
 }
 
+#[test]
+fn scales_of_another_dtype_name_the_dtypes_they_may_have() {
+    let mut rng = Rng::new(8);
+    let o = Opts { x1: false, x2: false, bias: false, scales: Some(DType::F16), expert_without_bias: false };
+    for (data, want) in
+        [(DType::F32, "f32 (the dtype of the data)"), (DType::BF16, "bf16 (the dtype of the data) or f32")]
+    {
+        let p = problem(&mut rng, DropPadMode::DropLessRow, data, 3, 2, &[4], o);
+        match moe_finalize_routing(&p.args()) {
+            Err(Error::DType { arg: "scales", expected, actual: DType::F16, .. }) => assert_eq!(expected, want),
+            other => panic!("{data} data with f16 scales: {other:?}"),
+        }
+    }
+}
+
 fn expect_index_error(res: Result<Tensor, Error>, arg: &str, position: usize, value: i64) {
     match res {
         Err(Error::IndexOutOfRange { arg: a, position: p, value: v, ref valid, .. }) => {

@@ -87,7 +87,11 @@ fn same_dtype(op: &'static str, arg: &'static str, want: DType, got: DType) -> R
 /// Scales / probs: `[N, K]`, K >= 1, dtype of the data or f32.
 fn scale_dims(op: &'static str, arg: &'static str, m: &TensorMeta<'_>, data: DType) -> Result<(usize, usize)> {
     if m.dtype != data && m.dtype != DType::F32 {
-        return Err(Error::dtype(op, arg, format!("{data} (the dtype of the data) or f32"), m.dtype));
+        let expected = match data {
+            DType::F32 => "f32 (the dtype of the data)".to_string(),
+            _ => format!("{data} (the dtype of the data) or f32"),
+        };
+        return Err(Error::dtype(op, arg, expected, m.dtype));
     }
     match *m.shape {
         [n, k] if k >= 1 => Ok((n, k)),
