@@ -51,17 +51,14 @@ impl NpuDevice {
         let ctx = DeviceCtx::open(ordinal)?;
         // SAFETY: forwarded from this function's contract.
         let stream = unsafe { NpuStream::borrow_raw(&ctx, raw_stream) };
-        match stream.is_capturing() {
-            Err(Error::Acl { code: acl_sys::ACL_ERROR_RT_STREAM_CONTEXT, msg, .. }) => {
-                return Err(Error::invalid(
-                    "NpuDevice::with_borrowed_stream",
-                    "raw_stream",
-                    format!("{raw_stream:p} is not a stream of NPU {ordinal} (the runtime: {msg})"),
-                ))
-            }
-            Err(e) => return Err(e),
-            Ok(_) => {}
-        }
+        stream.is_capturing().map_err(|e| match e {
+            Error::Acl { code: acl_sys::ACL_ERROR_RT_STREAM_CONTEXT, msg, .. } => Error::invalid(
+                "NpuDevice::with_borrowed_stream",
+                "raw_stream",
+                format!("{raw_stream:p} is not a stream of NPU {ordinal} (the runtime: {msg})"),
+            ),
+            e => e,
+        })?;
         Ok(NpuDevice { ctx, stream, finalize: None })
     }
 
