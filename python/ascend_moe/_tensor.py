@@ -73,11 +73,9 @@ def dtype_code(arg: str, dtype) -> int:
         pass
     name = dtype_name(dtype)
     if name not in DTYPE_CODES:
-        raise error(
-            Status.DTYPE,
-            f"`{arg}` has dtype {name}, expected one of float32, float16, bfloat16 (ml_dtypes), int32, int64, "
-            "int8, uint8, bool, float8_e4m3fn, float8_e5m2 (ml_dtypes)",
-        )
+        # numpy has no bfloat16 or float8: those come from ml_dtypes.
+        where = "" if str(dtype).startswith("torch.") else " (bfloat16 and the float8 types from ml_dtypes)"
+        raise error(Status.DTYPE, f"`{arg}` has dtype {name}, expected one of {', '.join(DTYPE_CODES)}{where}")
     if isinstance(dtype, np.dtype) and not dtype.isnative:
         # numpy names '>f4' float32 too; the library reads native byte order.
         raise error(

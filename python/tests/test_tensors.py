@@ -306,6 +306,14 @@ def test_non_contiguous_torch_inputs_are_made_contiguous_but_outputs_are_refused
         assert torch.equal(got, dense) and got.data_ptr() != dense.data_ptr()
 
 
+def test_an_unknown_numpy_dtype_lists_every_dtype_and_where_bfloat16_comes_from():
+    with pytest.raises(am.DTypeError, match="`permuted` has dtype float64, expected one of float32, ") as e:
+        am.moe_token_unpermute(np.zeros((2, 2)), np.zeros(2, np.int32))
+    for name in ("float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool", "float8_e4m3fn", "float8_e5m2"):
+        assert f" {name}," in str(e.value) or f" {name} " in str(e.value), (name, str(e.value))
+    assert str(e.value).endswith("(bfloat16 and the float8 types from ml_dtypes)"), str(e.value)
+
+
 @pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
 def test_torch_tensors_after_the_first_are_checked_as_the_first_was():
     # Once a call has passed a torch CPU tensor, later ones take a shorter
@@ -316,6 +324,8 @@ def test_torch_tensors_after_the_first_are_checked_as_the_first_was():
     with pytest.raises(am.AmoeError, match="`permuted` has dtype float64") as e:
         am.moe_token_unpermute(x.double(), idx)
     assert e.value.status == am.Status.DTYPE
+    # A torch caller is told torch's names, not where numpy finds bfloat16.
+    assert "ml_dtypes" not in str(e.value) and "bfloat16" in str(e.value), str(e.value)
     with pytest.raises(am.AmoeError, match="`sorted_indices` has dtype complex64"):
         am.moe_token_unpermute(x, idx.to(torch.complex64))
     with pytest.raises(am.AmoeError, match="`permuted` is a meta tensor"):
