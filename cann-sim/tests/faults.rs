@@ -207,9 +207,13 @@ fn ranks_can_be_processes() {
 fn a_dying_rank_process_makes_its_peer_fail_not_hang() {
     if role().as_deref() == Some("die") {
         let (r, _, e) = process_rank(2);
-        // Only rank 0 gets here: rank 1 exits inside its collective.
-        assert_ne!(r, 0, "the peer's death must surface at the sync");
-        assert!(e == 9 || e == 21, "async error {e}");
+        // Only rank 0 gets here: rank 1 exits inside its collective. Within
+        // the one-second bound either the liveness check sees the exited
+        // peer (HCCL_E_REMOTE, the only asynchronous error) or, on a host
+        // slow enough that the bound passes first, the round times out: a
+        // failure either way, never a hang.
+        assert_eq!(r, 507046, "the peer's death must fail the sync");
+        assert!(e == 21 || e == 0, "async error {e}: HCCL_E_REMOTE or none");
         return;
     }
     let kids = spawn_ranks(
