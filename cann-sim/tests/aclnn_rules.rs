@@ -215,6 +215,44 @@ fn finalize_fails_an_expanded_row_idx_outside_its_range() {
     destroy_stream(st);
 }
 
+/// Phase one of aclnnMoeTokenUnpermute with `paddedMode`; its code.
+fn unpermute_phase_one(tokens: Ptr, sorted: Ptr, probs: Ptr, padded: bool, out: Ptr) -> i32 {
+    let s = use_device(0);
+    let (mut ws, mut ex) = (0u64, NULL);
+    unsafe { (s.aclnnMoeTokenUnpermuteGetWorkspaceSize)(tokens, sorted, probs, padded, NULL, out, &mut ws, &mut ex) }
+}
+
+#[test]
+fn unpermute_checks_nulls_then_dtypes_before_the_simulators_own_rules() {
+    let (t, h) = (2i64, 4i64);
+    // A NULL required tensor first (161001), even with paddedMode set.
+    let rc = unpermute_phase_one(NULL, idx(&[0, 1]), NULL, true, dev(&[t, h], ACL_FLOAT));
+    assert_eq!(rc, 161_001, "{}", err_msg());
+    assert!(err_msg().contains("permutedTokens is NULL"), "{}", err_msg());
+    // Then the dtypes of the op definition, before paddedMode and the shapes.
+    let f32_idx = tensor(&[t], ACL_FLOAT, upload(&[0.0f32, 1.0]));
+    let rc = unpermute_phase_one(dev(&[t, h, 1], ACL_FLOAT), f32_idx, NULL, true, dev(&[t, h], ACL_FLOAT));
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("sortedIndices is ACL_FLOAT"), "{}", err_msg());
+    let rc = unpermute_phase_one(dev(&[t, h], ACL_FLOAT), idx(&[0, 1]), NULL, false, dev(&[t + 1, h], ACL_FLOAT16));
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("out is ACL_FLOAT16"), "{}", err_msg());
+    // Probs of a third float dtype: the simulator's own refusal.
+    let rc = unpermute_phase_one(
+        dev(&[t, h], ACL_FLOAT16),
+        idx(&[0, 1]),
+        dev(&[t, 1], ACL_BF16),
+        false,
+        dev(&[t, h], ACL_FLOAT16),
+    );
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("probsOptional is ACL_BF16"), "{}", err_msg());
+    // With every dtype right, paddedMode is refused (the simulator's own rule).
+    let rc = unpermute_phase_one(dev(&[t, h], ACL_FLOAT), idx(&[0, 1]), NULL, true, dev(&[t, h], ACL_FLOAT));
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("paddedMode"), "{}", err_msg());
+}
+
 #[test]
 fn unpermute_refuses_repeated_sorted_indices() {
     let (t, h) = (2i64, 4i64);

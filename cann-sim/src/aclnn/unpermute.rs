@@ -81,7 +81,15 @@ impl Op for Unpermute {
 }
 
 /// `aclnnStatus aclnnMoeTokenUnpermuteGetWorkspaceSize(const aclTensor *permutedTokens, const aclTensor *sortedIndices, const aclTensor *probsOptional, bool paddedMode, const aclIntArray *restoreShapeOptional, const aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)`.
-/// `paddedMode` must be false; `restoreShapeOptional` must be NULL.
+///
+/// On Atlas A2/A3 the call is the generated `aclnnInner...` one
+/// (ops-transformer `moe_token_unpermute/op_host/op_api/aclnn_moe_token_unpermute.cpp`),
+/// so the checks run in its order: a NULL required tensor (161001), then the
+/// dtypes of the op definition (`moe_token_unpermute_def.cpp`, 161002), then
+/// the tiling, which on A2 checks nothing (`moe_token_unpermute_tiling.cpp`,
+/// `InputParamCheck`). The checks after the dtypes are the simulator's own
+/// (161002): `paddedMode` false and `restoreShapeOptional` NULL, and the
+/// shapes of the aclnn doc.
 #[no_mangle]
 pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
     permuted_tokens: *const c_void,
@@ -96,12 +104,6 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
     status::aclnn("aclnnMoeTokenUnpermuteGetWorkspaceSize", || {
         let op = UNPERMUTE;
         check_outs(workspace_size, executor)?;
-        if padded_mode {
-            return invalid(op, "paddedMode = true is not supported");
-        }
-        if !restore_shape_optional.is_null() {
-            return invalid(op, "restoreShapeOptional must be NULL (aclIntArray is not simulated)");
-        }
         let tokens = required(permuted_tokens, op, "permutedTokens")?;
         let idx = required(sorted_indices, op, "sortedIndices")?;
         let probs = tensor(probs_optional, op, "probsOptional")?;
@@ -109,10 +111,22 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
         if !is_float(tokens.dtype) {
             return invalid(op, format!("permutedTokens is {}", dtype_name(tokens.dtype)));
         }
+        want_dtype(op, "sortedIndices", &idx, ACL_INT32)?;
+        // The A2 definition takes probs of any of the three float dtypes;
+        // the simulator only those SPEC section 1 allows (the data's, or f32).
+        if let Some(p) = probs.as_ref().filter(|p| p.dtype != tokens.dtype && p.dtype != ACL_FLOAT) {
+            return invalid(op, format!("probsOptional is {}", dtype_name(p.dtype)));
+        }
+        want_dtype(op, "out", &out, tokens.dtype)?;
+        if padded_mode {
+            return invalid(op, "paddedMode = true is not supported");
+        }
+        if !restore_shape_optional.is_null() {
+            return invalid(op, "restoreShapeOptional must be NULL (aclIntArray is not simulated)");
+        }
         let [_, h] = tokens.dims.as_slice() else {
             return invalid(op, format!("permutedTokens has shape {:?}, expected [T*K, H]", tokens.dims));
         };
-        want_dtype(op, "sortedIndices", &idx, ACL_INT32)?;
         let [tk] = idx.dims.as_slice() else {
             return invalid(op, format!("sortedIndices has shape {:?}, expected 1-D [T*K]", idx.dims));
         };
@@ -121,9 +135,6 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
                 let [t, k] = p.dims.as_slice() else {
                     return invalid(op, format!("probsOptional has shape {:?}, expected [T, K]", p.dims));
                 };
-                if p.dtype != tokens.dtype && p.dtype != ACL_FLOAT {
-                    return invalid(op, format!("probsOptional is {}", dtype_name(p.dtype)));
-                }
                 (*t, *k)
             }
             None => (*tk, 1),
@@ -139,7 +150,6 @@ pub unsafe extern "C" fn aclnnMoeTokenUnpermuteGetWorkspaceSize(
             return invalid(op, format!("empty input (T*K = {tk}, H = {h}): call the op only with data"));
         }
         want_dims(op, "out", &out, &[t, *h])?;
-        want_dtype(op, "out", &out, tokens.dtype)?;
         let u = Unpermute { h: *h as usize, tokens, idx, probs, out, t: t as usize, k: k as usize };
         publish(Arc::new(u), workspace_size, executor)
     })
