@@ -301,3 +301,25 @@ fn a_launch_scribbles_its_workspace_when_it_runs() {
     free(wsp);
     destroy_stream(st);
 }
+
+#[test]
+fn add_checks_nulls_in_canns_order_then_dtypes_before_shapes() {
+    let s = use_device(0);
+    let (mut ws, mut ex) = (0u64, NULL);
+    let mut one = 1.0f32;
+    let alpha = unsafe { (s.aclCreateScalar)(&mut one as *mut f32 as Ptr, ACL_FLOAT) };
+    let (a, b) = (dev(&[2, 4], ACL_FLOAT), dev(&[2, 4], ACL_FLOAT));
+    // self, other, alpha, out: a NULL alpha is named before a NULL out.
+    let rc = unsafe { (s.aclnnAddGetWorkspaceSize)(a, b, NULL, NULL, &mut ws, &mut ex) };
+    assert_eq!(rc, 161_001, "{}", err_msg());
+    assert!(err_msg().contains("alpha is NULL"), "{}", err_msg());
+    // The dtypes before the shapes: `other` of another shape, `out` of another dtype.
+    let (short, f16_out) = (dev(&[2, 3], ACL_FLOAT), dev(&[2, 4], ACL_FLOAT16));
+    let rc = unsafe { (s.aclnnAddGetWorkspaceSize)(a, short, alpha, f16_out, &mut ws, &mut ex) };
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("out is ACL_FLOAT16"), "{}", err_msg());
+    let rc = unsafe { (s.aclnnAddGetWorkspaceSize)(a, short, alpha, dev(&[2, 4], ACL_FLOAT), &mut ws, &mut ex) };
+    assert_eq!(rc, PARAM_INVALID, "{}", err_msg());
+    assert!(err_msg().contains("other has shape [2, 3]"), "{}", err_msg());
+    unsafe { assert_eq!((s.aclDestroyScalar)(alpha), 0) };
+}

@@ -57,6 +57,12 @@ impl Op for Add {
 /// `aclnnStatus aclnnAddGetWorkspaceSize(const aclTensor *self, const aclTensor *other, const aclScalar *alpha, aclTensor *out, uint64_t *workspaceSize, aclOpExecutor **executor)`:
 /// `out = self + alpha * other`, same shapes and dtypes (float32, float16,
 /// bfloat16 or int32), no broadcasting.
+///
+/// The checks run in CANN's order (ops-math `math/add/op_host/op_api/aclnn_add.cpp`,
+/// `CheckParams`): `self`, `other`, `alpha`, `out` non-NULL (161001), then
+/// the dtypes, then the shapes (161002). CANN promotes mixed dtypes, casts to
+/// `out`'s and broadcasts; the simulator takes one dtype and one shape, its
+/// own narrower rule.
 #[no_mangle]
 pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(
     self_: *const c_void,
@@ -71,10 +77,10 @@ pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(
         check_outs(workspace_size, executor)?;
         let a = required(self_, op, "self")?;
         let b = required(other, op, "other")?;
-        let out = required(out, op, "out")?;
         if alpha.is_null() {
             return fail(ACLNN_ERR_PARAM_NULLPTR, format!("{op}: alpha is NULL"));
         }
+        let out = required(out, op, "out")?;
         let alpha = *SCALARS.get(alpha as usize).ok_or_else(|| {
             SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{op}: alpha ({alpha:p}) is not a live aclScalar"))
         })?;
@@ -82,8 +88,10 @@ pub unsafe extern "C" fn aclnnAddGetWorkspaceSize(
             return invalid(op, format!("self is {}", dtype_name(a.dtype)));
         }
         for (arg, t) in [("other", &b), ("out", &out)] {
-            want_dims(op, arg, t, &a.dims)?;
             want_dtype(op, arg, t, a.dtype)?;
+        }
+        for (arg, t) in [("other", &b), ("out", &out)] {
+            want_dims(op, arg, t, &a.dims)?;
         }
         publish(Arc::new(Add { a, b, alpha, out }), workspace_size, executor)
     })
