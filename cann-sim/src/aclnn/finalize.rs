@@ -166,6 +166,8 @@ fn finalize_prepare(
     if let Some(e) = &expert_idx {
         tiling_dims(op, "expertIdxOptional", e, &[n, k])?;
     }
+    // E >= K comes after expertIdx's shape in the tiling, so it is not
+    // folded into the bias block above.
     if let Some(b) = &bias {
         if b.dims[0] < k {
             return tiling(op, format!("E = {} experts (bias rows) is less than K = {k}: E should be >= K", b.dims[0]));
