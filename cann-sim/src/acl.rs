@@ -65,10 +65,22 @@ pub unsafe extern "C" fn aclrtGetDevice(device_id: *mut i32) -> AclError {
 
 /// `aclError aclrtGetDeviceCount(uint32_t *count)`: `count` non-NULL (acl
 /// `device.cpp:244`; `ApiErrorDecorator::GetDeviceCount`, `api_error.cc:2496`);
-/// no context is needed (`ApiImpl::GetDeviceCount`, `api_impl.cc:3239-3245`).
+/// no context is needed; the devices `ASCEND_RT_VISIBLE_DEVICES` makes
+/// visible, or ACL_ERROR_RT_NO_DEVICE when it was refused
+/// (`ApiImpl::GetDeviceCount`, `api_impl.cc:3239-3276`; see
+/// [`config::visible_devices`]).
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetDeviceCount(count: *mut u32) -> AclError {
-    status::acl("aclrtGetDeviceCount", || write_out(count, config::get().devices, ACL_ERROR_INVALID_PARAM, "count"))
+    status::acl("aclrtGetDeviceCount", || {
+        if count.is_null() {
+            return fail(ACL_ERROR_INVALID_PARAM, "count is NULL");
+        }
+        let cfg = config::get();
+        if let Some(why) = &cfg.visible_refused {
+            return fail(ACL_ERROR_RT_NO_DEVICE, why.clone());
+        }
+        write_out(count, cfg.devices, ACL_ERROR_INVALID_PARAM, "count")
+    })
 }
 
 /// Streams per device, the default stream included: "the hardware supports at

@@ -2,7 +2,8 @@
 //!
 //! | variable | meaning | default |
 //! |---|---|---|
-//! | `CANNSIM_DEVICES` | number of devices | 4 |
+//! | `CANNSIM_DEVICES` | number of devices on the simulated host | 4 |
+//! | `ASCEND_RT_VISIBLE_DEVICES` | CANN's own: the host's devices this process sees, as CANN parses it (see [`visible_devices`]) | all |
 //! | `CANNSIM_DEVICE_MEM` | bytes per device (suffix K/M/G allowed) | 4G |
 //! | `CANNSIM_STREAM_MODE` | `lazy`: queued work runs only when something waits for it; `eager`: as soon as possible | lazy |
 //! | `CANNSIM_MALLOC_FILL` | byte written into fresh device memory, or `none` | 0xFF (NaN for every float type) |
@@ -27,8 +28,18 @@ use crate::version::CannVersion;
 /// Parsed configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// Device count.
+    /// Devices this process sees (`aclrtGetDeviceCount`): the device ids
+    /// of the ACL calls are `0..devices`.
     pub devices: u32,
+    /// Devices of the simulated host (`CANNSIM_DEVICES`).
+    pub host_devices: u32,
+    /// `ASCEND_RT_VISIBLE_DEVICES`, when set.
+    pub visible_var: Option<String>,
+    /// The host device behind each id this process sees.
+    pub physical: Vec<u32>,
+    /// Why `ASCEND_RT_VISIBLE_DEVICES` gives this process no device, when it
+    /// does not (`devices` is then 0).
+    pub visible_refused: Option<String>,
     /// Bytes of memory per device.
     pub device_mem: usize,
     /// Lazy stream execution.
@@ -95,8 +106,20 @@ impl Config {
             Some(s) => parse_size(s).map(|v| v as u8).or(Some(0xFF)),
             None => Some(0xFF),
         };
+        let host_devices =
+            var("CANNSIM_DEVICES").and_then(|s| s.parse().ok()).filter(|n| (1..=64).contains(n)).unwrap_or(4);
+        // Unset is every device; set, even to "", it is parsed.
+        let visible = std::env::var_os("ASCEND_RT_VISIBLE_DEVICES").map(std::os::unix::ffi::OsStringExt::into_vec);
+        let (physical, visible_refused) = match visible_devices(visible.as_deref(), host_devices) {
+            Ok(ids) => (ids, None),
+            Err(why) => (Vec::new(), Some(why)),
+        };
         Config {
-            devices: var("CANNSIM_DEVICES").and_then(|s| s.parse().ok()).filter(|n| (1..=64).contains(n)).unwrap_or(4),
+            devices: physical.len() as u32,
+            host_devices,
+            visible_var: visible.as_deref().map(|v| String::from_utf8_lossy(v).into_owned()),
+            physical,
+            visible_refused,
             device_mem: var("CANNSIM_DEVICE_MEM")
                 .and_then(|s| parse_size(&s))
                 .filter(|n| *n >= 4096)
@@ -120,6 +143,86 @@ impl Config {
             },
         }
     }
+}
+
+/// The host devices `ASCEND_RT_VISIBLE_DEVICES` (`raw`, `None` when unset)
+/// makes visible on a host of `host_devices`, in the order of the ids this
+/// process uses; `Err` names why it makes none visible.
+///
+/// hicann/runtime v8.5.0 `src/runtime/feature/src/runtime.cc`: the runtime
+/// reads the variable once, at its initialisation (`Runtime::Init`, `:930`),
+/// and a bad value does not fail `aclInit`. `SplitString` (`:4648-4690`):
+/// no token unless the value starts with a digit; runs of digits separated by
+/// single commas, read up to the first other character or the second comma
+/// in a row (the value's first 128 characters only). `GetVisibleDevices`
+/// (`:4836-4947`): the tokens in turn, up to the first id that is not a
+/// device of the host (`std::stoi`, so one beyond `i32` too) and at most
+/// `host_devices` of them; an id below the one before it
+/// (`RT_ALL_ORDER_ERROR`, "it must be configured in ascending order") or
+/// equal to an earlier one (`RT_ALL_DUPLICATED_ERROR`) makes none visible,
+/// and so does a list with no id read (`RT_ALL_DATA_ERROR`). The runtime
+/// guide says the same (`docs/zh/env_vars/ASCEND_RT_VISIBLE_DEVICES.md`:
+/// "1, 2,3" reads 1; "1,3,8" on 8 devices reads 1 and 3; ascending only).
+/// `ApiImpl::GetDeviceCount` (`api_impl.cc:3239-3276`) then answers the
+/// count of ids read, or `RT_ERROR_DRV_NO_DEVICE` (ACL_ERROR_RT_NO_DEVICE,
+/// `errcode_manage.cc:82`) for each of the three errors; `aclrtSetDevice`
+/// and `aclrtResetDevice` take an id below that count
+/// (`ChgUserDevIdToDeviceId`, `runtime.cc:4721-4737`, from
+/// `api_error.cc:2510-2518` and `:2648-2651`), none when the list was
+/// refused (`userDeviceCnt` stays 0).
+pub fn visible_devices(raw: Option<&[u8]>, host_devices: u32) -> Result<Vec<u32>, String> {
+    let Some(raw) = raw else { return Ok((0..host_devices).collect()) };
+    let text = &raw[..raw.len().min(128)];
+    let mut tokens: Vec<Vec<u8>> = Vec::new();
+    if text.first().is_some_and(u8::is_ascii_digit) {
+        let (mut digits, mut commas) = (Vec::new(), 0);
+        for &c in text {
+            if c.is_ascii_digit() {
+                digits.push(c);
+                commas = 0;
+                continue;
+            }
+            if !digits.is_empty() {
+                tokens.push(std::mem::take(&mut digits));
+            }
+            commas += 1;
+            if c != b',' || commas > 1 {
+                break;
+            }
+        }
+        if !digits.is_empty() {
+            tokens.push(digits);
+        }
+    }
+    let refuse = |what: &str| {
+        let value = String::from_utf8_lossy(raw);
+        Err(format!("ASCEND_RT_VISIBLE_DEVICES={value:?} is invalid (EE2002): {what}"))
+    };
+    let mut ids: Vec<u32> = Vec::new();
+    for t in tokens {
+        // `std::stoi`: a value beyond i32 throws and is read as no device.
+        let id = std::str::from_utf8(&t).ok().and_then(|s| s.parse::<i32>().ok()).and_then(|v| u32::try_from(v).ok());
+        let Some(id) = id.filter(|id| *id < host_devices) else { break };
+        if ids.last().is_some_and(|prev| id < *prev) {
+            return refuse("the device ids must be configured in ascending order");
+        }
+        if ids.contains(&id) {
+            return refuse("the device ids cannot be duplicated");
+        }
+        ids.push(id);
+        if ids.len() as u32 >= host_devices {
+            break;
+        }
+    }
+    if ids.is_empty() {
+        return refuse(&format!("no device id in [0, {host_devices}) is read from it"));
+    }
+    Ok(ids)
+}
+
+/// The host device behind id `device` of this process.
+pub fn physical(device: u32) -> u32 {
+    get().physical.get(device as usize).copied().unwrap_or(device)
 }
 
 /// The process-wide configuration.

@@ -84,10 +84,20 @@ thread_local! {
 
 fn check_id(id: i64) -> SimResult<u32> {
     // ApiErrorDecorator::SetDevice / DeviceReset: an id outside
-    // [0, device count) is RT_ERROR_DEVICE_ID (ACL_ERROR_RT_INVALID_DEVICEID).
-    let n = config::get().devices;
+    // [0, device count) is RT_ERROR_DEVICE_ID (ACL_ERROR_RT_INVALID_DEVICEID);
+    // the count is that of the devices ASCEND_RT_VISIBLE_DEVICES makes
+    // visible, none when it was refused (see `config::visible_devices`).
+    let cfg = config::get();
+    let n = cfg.devices;
     if id < 0 || id >= n as i64 {
-        return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("device {id} does not exist ({n} simulated devices)"));
+        let why = match (&cfg.visible_refused, &cfg.visible_var) {
+            (Some(why), _) => format!("no device is visible: {why}"),
+            (None, Some(v)) => {
+                format!("{n} of the host's {} are visible: ASCEND_RT_VISIBLE_DEVICES={v:?}", cfg.host_devices)
+            }
+            (None, None) => format!("{n} simulated devices"),
+        };
+        return fail(ACL_ERROR_RT_INVALID_DEVICEID, format!("device {id} does not exist ({why})"));
     }
     Ok(id as u32)
 }

@@ -614,3 +614,79 @@ fn a_copy_between_two_devices_is_refused_without_peer_access() {
     use_device(1);
     free(other);
 }
+
+/// What `ASCEND_RT_VISIBLE_DEVICES` (value, on a host of 4 devices) makes of
+/// the device count: `Ok(n)` devices, or `Err(reason)` (none, the count
+/// refused). hicann/runtime v8.5.0 `runtime.cc:4648-4690` (`SplitString`),
+/// `:4836-4947` (`GetVisibleDevices`), `api_impl.cc:3239-3276`; the runtime
+/// guide `docs/zh/env_vars/ASCEND_RT_VISIBLE_DEVICES.md`.
+const VISIBLE_CASES: &[(&str, Result<u32, &str>)] = &[
+    ("1", Ok(1)),
+    ("1,2,3", Ok(3)),
+    // The guide: "1, 2,3" reads 1 (a space ends the list)...
+    ("1, 2,3", Ok(1)),
+    // ... and an id that is no device of the host ends it too.
+    ("1,3,8", Ok(2)),
+    ("0,,1", Ok(1)),
+    ("1;2", Ok(1)),
+    ("0,1,2,3,4", Ok(4)),
+    ("0001,2", Ok(2)),
+    ("2,1", Err("ascending order")),
+    ("1,1", Err("cannot be duplicated")),
+    ("", Err("no device id")),
+    (" 1", Err("no device id")),
+    ("x1", Err("no device id")),
+    ("9", Err("no device id")),
+    ("99999999999", Err("no device id")),
+];
+
+#[test]
+fn visible_devices_are_read_as_the_runtime_reads_them() {
+    const ACL_ERROR_RT_INVALID_DEVICEID: i32 = 107001;
+    const ACL_ERROR_RT_NO_DEVICE: i32 = 207004;
+    let name = "visible_devices_are_read_as_the_runtime_reads_them";
+    if role().as_deref() == Some("visible") {
+        let case: usize = std::env::var("CASE").unwrap().parse().unwrap();
+        let (value, expected) = VISIBLE_CASES[case];
+        let s = sim();
+        let mut count = u32::MAX;
+        unsafe {
+            // A refused list does not fail the initialisation (runtime.cc:930).
+            assert_eq!((s.aclInit)(std::ptr::null()), 0, "{value:?}: {}", err_msg());
+            let rc = (s.aclrtGetDeviceCount)(&mut count);
+            match expected {
+                Ok(n) => {
+                    assert_eq!((rc, count), (0, n), "{value:?}: {}", err_msg());
+                    // The ids are 0..n, whatever host devices are behind them.
+                    assert_eq!((s.aclrtSetDevice)(n as i32 - 1), 0, "{value:?}: {}", err_msg());
+                    assert_eq!((s.aclrtResetDevice)(n as i32 - 1), 0, "{value:?}: {}", err_msg());
+                    assert_eq!((s.aclrtSetDevice)(n as i32), ACL_ERROR_RT_INVALID_DEVICEID, "{value:?}");
+                    assert!(err_msg().contains(&format!("{n} of the host's 4 are visible")), "{}", err_msg());
+                }
+                Err(why) => {
+                    assert_eq!(rc, ACL_ERROR_RT_NO_DEVICE, "{value:?}");
+                    assert_eq!(count, u32::MAX, "{value:?}: a refused count is not written");
+                    assert!(
+                        err_msg().contains("ASCEND_RT_VISIBLE_DEVICES") && err_msg().contains(why),
+                        "{}",
+                        err_msg()
+                    );
+                    assert_eq!((s.aclrtSetDevice)(0), ACL_ERROR_RT_INVALID_DEVICEID, "{value:?}");
+                    assert!(err_msg().contains(why), "{}", err_msg());
+                }
+            }
+        }
+        return;
+    }
+    for (case, (value, _)) in VISIBLE_CASES.iter().enumerate() {
+        let case = case.to_string();
+        let env = [("CASE", case.as_str()), ("CANNSIM_DEVICES", "4"), ("ASCEND_RT_VISIBLE_DEVICES", value)];
+        let o = run_child(name, "visible", &env);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && out.contains("1 passed"),
+            "ASCEND_RT_VISIBLE_DEVICES={value:?}:\n{out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}

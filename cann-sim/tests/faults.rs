@@ -137,14 +137,6 @@ fn leak_report_lists_live_objects_and_fails_the_process() {
 }
 
 /// Root info as hex, to hand to child processes.
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-}
-
 /// One process rank: init from the root info, all-reduce [rank+1; 8], report.
 fn process_rank(world: u32) -> (i32, Vec<f32>, i32) {
     let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();

@@ -682,3 +682,69 @@ fn counts_above_hccls_largest_count_are_refused() {
     assert_eq!(rcs[0][..7], [E_PARA; 7], "{:?}", rcs[0]);
     assert_eq!(rcs[0][7], E_PTR, "{:?}", rcs[0]);
 }
+
+#[test]
+fn ranks_are_told_apart_by_the_host_device_behind_their_visible_one() {
+    // HCCL compares the physical ids of the ranks' current devices
+    // (topoinfo_exchange_agent.cc:822-849, as above); the runtime maps a
+    // process's device ids onto the host's through ASCEND_RT_VISIBLE_DEVICES
+    // (hicann/runtime v8.5.0 runtime.cc:4836-4947, ChgUserDevIdToDeviceId
+    // :4721-4737). One process a rank, each with its own list.
+    let name = "ranks_are_told_apart_by_the_host_device_behind_their_visible_one";
+    if role().as_deref() == Some("visible-rank") {
+        let var = |k: &str| std::env::var(k).unwrap();
+        let (rank, device): (u32, i32) = (var("RANK").parse().unwrap(), var("DEVICE").parse().unwrap());
+        let s = use_device(device);
+        let mut comm = NULL;
+        let rc = unsafe { (s.HcclCommInitRootInfo)(2, unhex(&var("ROOT")).as_ptr(), rank, &mut comm) };
+        let msg = err_msg();
+        match var("EXPECT").as_str() {
+            "apart" => {
+                assert_eq!(rc, 0, "rank {rank}: {msg}");
+                unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+            }
+            _ => {
+                assert_eq!(rc, E_PARA, "rank {rank}: {msg}");
+                assert!(msg.contains("physical device 1"), "rank {rank}: {msg}");
+                assert!(comm.is_null(), "rank {rank} got a communicator");
+            }
+        }
+        return;
+    }
+    let s = use_device(0);
+    // (visible list, device id) of ranks 0 and 1.
+    let cases: [(&str, [(&str, &str); 2]); 2] = [
+        // vLLM's pattern: each worker sees one device and uses id 0.
+        ("apart", [("0", "0"), ("1", "0")]),
+        // Different ids, one host device (1).
+        ("together", [("1", "0"), ("0,1", "1")]),
+    ];
+    for (expect, ranks) in cases {
+        let mut root = vec![0u8; 4108];
+        unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+        let root = hex(&root);
+        let kids: Vec<_> = ranks
+            .iter()
+            .enumerate()
+            .map(|(r, (visible, device))| {
+                let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+                cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
+                    .env("CANNSIM_TEST_ROLE", "visible-rank")
+                    .envs([("RANK", r.to_string().as_str()), ("ROOT", &root), ("EXPECT", expect)])
+                    .envs([("ASCEND_RT_VISIBLE_DEVICES", *visible), ("DEVICE", *device)])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped());
+                cmd.spawn().unwrap()
+            })
+            .collect();
+        for (r, k) in kids.into_iter().enumerate() {
+            let o = k.wait_with_output().unwrap();
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(
+                o.status.success() && out.contains("1 passed"),
+                "{expect}, rank {r}:\n{out}\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+    }
+}

@@ -163,9 +163,11 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
     // HCCL parses HCCL_DETERMINISTIC at initialisation (a bad value fails it
     // even when the config sets the switch).
     let env_deterministic = config::deterministic().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
-    let mut group = Group::join(&key, size, rank, device, connect, timeout)?;
+    // The ranks are told apart by the host device behind their current one.
+    let host_device = config::physical(device);
+    let mut group = Group::join(&key, size, rank, host_device, connect, timeout)?;
     group.deterministic = cfg.deterministic.unwrap_or(env_deterministic);
-    let link = Group::join(&format!("{key}.link"), size, rank, device, connect, Some(connect))?;
+    let link = Group::join(&format!("{key}.link"), size, rank, host_device, connect, Some(connect))?;
     let c = SimComm {
         name: cfg.name.or(name).unwrap_or_else(|| key.clone()),
         key,

@@ -60,7 +60,8 @@ struct Slot {
     claimed: AtomicU32,
     /// Its process id.
     pid: AtomicU32,
-    /// Its device (set before `stage` becomes 1).
+    /// The host device behind its current device (set before `stage`
+    /// becomes 1).
     device: AtomicU32,
     /// 1: its data file exists; 2: it opened every data file.
     stage: AtomicU64,
@@ -240,7 +241,8 @@ impl Paths {
 }
 
 impl Group {
-    /// Joins the communicator `key` as `rank` of `size` on `device`, waiting
+    /// Joins the communicator `key` as `rank` of `size` on host device
+    /// `device` (the physical id behind the rank's current device), waiting
     /// up to `connect` for the other ranks; each round then waits up to
     /// `timeout` (`None`: without bound).
     pub fn join(
@@ -363,8 +365,11 @@ impl Group {
     /// device (`topoinfo_detect.cc:476-480`), its server its host IP
     /// (`topoinfo_exchange_agent.cc:500-502`); `HcclCommInitRootInfo[Config]`
     /// reach it through `InitCommRootInfo` (`op_base.cc:1137`) and return its
-    /// code. The simulated ranks share one host, and a simulated device id
-    /// is its physical id (the simulator maps no visible-device list).
+    /// code. The simulated ranks share one host; a rank's physical id is the
+    /// host device behind its current device, which `ASCEND_RT_VISIBLE_DEVICES`
+    /// decides ([`crate::config::visible_devices`]), so ranks with device 0 in
+    /// processes that see different devices are apart, and ranks that see one
+    /// host device under two ids are not.
     fn distinct_devices(&self) -> SimResult<()> {
         let device = |r: u32| self.header.slot(r).device.load(Ordering::Acquire);
         for a in 0..self.size {
@@ -373,8 +378,8 @@ impl Group {
                     return fail(
                         HCCL_E_PARA,
                         format!(
-                            "EI0015: rank {a} and rank {b} of {} are both on device {} (HCCL refuses two ranks of \
-                             one communicator on one device)",
+                            "EI0015: rank {a} and rank {b} of {} are both on physical device {} (HCCL refuses two \
+                             ranks of one communicator on one device)",
                             self.name,
                             device(a)
                         ),

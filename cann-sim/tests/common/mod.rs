@@ -283,6 +283,16 @@ pub fn run_child(test_name: &str, role: &str, env: &[(&str, &str)]) -> std::proc
     cmd.output().expect("spawn child test process")
 }
 
+/// `b` as hex digits (a root info passed to a child process).
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes of [`hex`]'s digits.
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
 /// The role this process plays (`None` in the parent test run).
 pub fn role() -> Option<String> {
     std::env::var("CANNSIM_TEST_ROLE").ok()
