@@ -36,7 +36,7 @@ step "cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
 step "cargo doc (no broken or private links)"
-RUSTDOCFLAGS=-Dwarnings cargo doc --no-deps -p ascend-moe
+RUSTDOCFLAGS=-Dwarnings cargo doc --no-deps --workspace
 
 step "cargo test"
 # The C ABI fuzz test runs on its own below, for a fixed time.

@@ -3,12 +3,12 @@
 //! on a stream).
 //!
 //! Phase 1 validates shapes and dtypes and snapshots the tensor descriptions
-//! into an executor (an [`Op`], in the table of [`executor`]); phase 2
-//! ([`launch`]) checks the workspace and queues the computation on the
+//! into an executor (an [`Op`], in the table of `executor`); phase 2
+//! (`launch`) checks the workspace and queues the computation on the
 //! stream, which reads and writes the device arena when it runs. Each
 //! operator file implements [`Op`] and uses those modules, not this one.
 //! Arithmetic is SPEC.md section 1's in f32, rounded once to the output type,
-//! but not in SPEC's order: [`sum::blocked_sum`] adds the experts' terms in pairs
+//! but not in SPEC's order: `sum::blocked_sum` adds the experts' terms in pairs
 //! from the last, and finalize adds that sum to `x1 + x2` last. An index outside its valid range fails
 //! the stream task with `ACLNN_ERR_PARAM_INVALID` (161002), reported by the
 //! next synchronisation, and nothing is read out of bounds.

@@ -15,7 +15,7 @@
 //! `HCCL_E_TIMEOUT` at once (the stream's error; no async error: the HCCL API
 //! reference gives `HcclGetCommAsyncError` only the RDMA error CQE), never a
 //! silent result. Then each rank reads what it needs and computes its own
-//! result: reductions combine the ranks in the order [`reduction_order`]
+//! result: reductions combine the ranks in the order `reduction_order`
 //! gives (rank order only when the communicator is deterministic).
 
 use std::ffi::c_void;
