@@ -206,7 +206,7 @@ def layer_round_trips(world, rank, stream):
             ctx = am.MoeContext(dp_tokens, tp, d, t, sp)
             rows = -(-dp_tokens[d] // tp) if sp else dp_tokens[d]
             x = rand(rng_for("sim-prep", rank if sp else d, int(sp)), (rows, 4), np.float32)
-            dx = DeviceTensor.upload(x, rank)
+            dx = DeviceTensor.upload(x, device(rank))
             for ct in am.CommType:
                 hidden, _mask = am.token_prepare(dx, ct, ctx, groups, stream=stream)
                 assert isinstance(hidden, DeviceTensor) and hidden.shape == am.shapes.token_prepare(x, ct, ctx)
@@ -227,6 +227,14 @@ def layer_round_trips(world, rank, stream):
 
 WORLD = 4
 LAYOUT = am.SpLayout([3, 1, 0, 2])
+# Whether this process sees only its rank's device (world4_visible), whose id
+# is then 0, instead of all four (ids 0-3, the rank's own).
+ONE_DEVICE = False
+
+
+def device(rank):
+    """The device id of rank `rank` in this process."""
+    return 0 if ONE_DEVICE else rank
 
 
 def tp_ops(world, rank, stream):
@@ -240,10 +248,10 @@ def tp_ops(world, rank, stream):
             batch = rand(rng_for("sim-shared", group, tokens), (tokens, 3), np.float32)
             padded = np.zeros((part * tp_size, 3), np.float32)
             padded[:tokens] = batch
-            mine = am.shared_pad_split(DeviceTensor.upload(batch, rank), tp, stream=stream)
+            mine = am.shared_pad_split(DeviceTensor.upload(batch, device(rank)), tp, stream=stream)
             back = am.shared_gather_unpad(mine, tokens, tp, stream=stream)
             partials = [rand(rng_for("sim-part", group, tokens, q), (tokens, 3), np.float32) for q in range(tp_size)]
-            rs = am.shared_pad_reduce_scatter(DeviceTensor.upload(partials[t], rank), tp, stream=stream)
+            rs = am.shared_pad_reduce_scatter(DeviceTensor.upload(partials[t], device(rank)), tp, stream=stream)
             stream.synchronize()
             np.testing.assert_array_equal(mine.download(), padded[t * part : (t + 1) * part])
             np.testing.assert_array_equal(back.download(), batch)
@@ -270,7 +278,7 @@ def tp_ops(world, rank, stream):
                 batch = raw.view(dtype).reshape(shape)
             else:
                 batch = g.standard_normal(shape).astype(dtype)
-            mine = am.shared_pad_split(DeviceTensor.upload(batch, rank), tp, stream=stream)
+            mine = am.shared_pad_split(DeviceTensor.upload(batch, device(rank)), tp, stream=stream)
             back = am.shared_gather_unpad(mine, 5, tp, stream=stream)
             stream.synchronize()
             assert back.dtype == np.dtype(dtype), (back.dtype, dtype)
@@ -278,7 +286,7 @@ def tp_ops(world, rank, stream):
         policy = am.ReducePolicy("tensor_parallel", False, False, tp_size, WORLD)
         xs = [rand(rng_for("sim-point", group, q), (4, 3), np.float32) for q in range(tp_size)]
         for ct in am.CommType:
-            got = policy.reduce_shared(DeviceTensor.upload(xs[t], rank), ct, tp, stream=stream)
+            got = policy.reduce_shared(DeviceTensor.upload(xs[t], device(rank)), ct, tp, stream=stream)
             stream.synchronize()
             want = np.sum(xs, axis=0, dtype=np.float64) if policy.decisions(ct)["shared"] else xs[t]
             assert_close(got.download(), want, np.float32, f"reduce_shared {ct.name} on npu:{rank}")
@@ -293,8 +301,8 @@ def fused_finalize(world, rank, stream):
         cases.append((ex, idx, kw))
     total = sum(finalize_golden(ex, idx, *[kw[k] for k in ("x1", "x2", "bias", "scales", "expert_idx")], 0) for ex, idx, kw in cases)
     ex, idx, kw = cases[rank]
-    dev = {k: (DeviceTensor.upload(v, rank) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
-    got = am.finalize_and_reduce(DeviceTensor.upload(ex, rank), DeviceTensor.upload(idx, rank), LAYOUT, world, **dev, stream=stream)
+    dev = {k: (DeviceTensor.upload(v, device(rank)) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    got = am.finalize_and_reduce(DeviceTensor.upload(ex, device(rank)), DeviceTensor.upload(idx, device(rank)), LAYOUT, world, **dev, stream=stream)
     stream.synchronize()
     start = sum(LAYOUT.local_sizes[:rank])
     assert_close(got.download(), total[start : start + LAYOUT.local_sizes[rank]], np.float32, f"finalize_and_reduce npu:{rank}")
@@ -309,15 +317,15 @@ def rank_body(r, root):
     Returns `(stream, raw_comm)` for the caller to destroy."""
     xs = [rand(rng_for("sim-w4", q), (LAYOUT.total_rows, 5), np.float32) for q in range(WORLD)]
     gs = [rand(rng_for("sim-w4g", q), (2, 5), np.float32) for q in range(WORLD)]
-    check("aclrtSetDevice", SIM.aclrtSetDevice(r))
+    check("aclrtSetDevice", SIM.aclrtSetDevice(device(r)))
     raw = ctypes.c_void_p()
     check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(WORLD, root, r, ctypes.byref(raw)))
     stream = Stream()
     # A communicator made from the root info is a world HCCL may split.
-    with am.Comm.from_hccl(raw.value, r, world=True) as comm:
-        x = DeviceTensor.upload(xs[r], r)
+    with am.Comm.from_hccl(raw.value, device(r), world=True) as comm:
+        x = DeviceTensor.upload(xs[r], device(r))
         ar = am.all_reduce(x, comm, stream=stream)
-        ag = am.all_gather(DeviceTensor.upload(gs[r], r), comm, stream=stream)
+        ag = am.all_gather(DeviceTensor.upload(gs[r], device(r)), comm, stream=stream)
         pr = am.maybe_pad_and_reduce(x, LAYOUT, comm, stream=stream)
         stream.synchronize()
         total = np.sum(np.stack(xs).astype(np.float64), axis=0)
@@ -336,7 +344,7 @@ def teardown(ranks):
     """Frees the stream handles, then each rank's stream and communicator, then the memory."""
     assert am.release_streams() == len(ranks)
     for r, (stream, raw) in ranks.items():
-        check("aclrtSetDevice", SIM.aclrtSetDevice(r))
+        check("aclrtSetDevice", SIM.aclrtSetDevice(device(r)))
         stream.destroy()
         check("HcclCommDestroy", SIM.HcclCommDestroy(raw))
     DeviceTensor.free_all()
@@ -369,12 +377,25 @@ def world4():
     teardown(ranks)
 
 
-def world4_procs():
+def world4_procs(visible=False):
     """4 devices as processes (`sim_workers.py rank R ROOT_HEX`), the root info
-    passed to each as hex, as an engine's launcher would."""
+    passed to each as hex, as an engine's launcher would. `visible`: each
+    process sees only its rank's device (`ASCEND_RT_VISIBLE_DEVICES=R`, as a
+    launcher that hands every worker one device sets it) and uses it as
+    device 0."""
     root = root_info().raw.hex()
+
+    def env(r):
+        return dict(os.environ, ASCEND_RT_VISIBLE_DEVICES=str(r)) if visible else None
+
     procs = [
-        subprocess.Popen([sys.executable, __file__, "rank", str(r), root], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, "rank", str(r), root] + (["visible"] if visible else []),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env(r),
+        )
         for r in range(WORLD)
     ]
     outs = [p.communicate(timeout=240)[0] for p in procs]
@@ -641,7 +662,8 @@ if __name__ == "__main__":
     check("aclInit", SIM.aclInit(None))
     scenario = sys.argv[1]
     if scenario == "rank":
+        ONE_DEVICE = sys.argv[4:] == ["visible"]
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops}[scenario]()
     print(f"ok {scenario}")
