@@ -748,3 +748,66 @@ fn ranks_are_told_apart_by_the_host_device_behind_their_visible_one() {
         }
     }
 }
+
+#[test]
+fn a_comm_name_is_taken_on_its_device_until_the_communicator_is_destroyed() {
+    // HCCL keeps each device's communicators by name from creation to
+    // HcclCommDestroy and refuses a second one of a live name with
+    // HCCL_E_PARA before meeting any peer (op_base.cc `InitCommRootInfo`,
+    // HongminTan/ACNC2025-HCCL :1048-1057). The name is the root info's
+    // identifier, or the config's hcclCommName.
+    let s = use_device(0);
+    let root = |s: &Api| {
+        let mut root = vec![0u8; 4108];
+        unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+        root
+    };
+    let init = |root: &[u8], cfg: Option<&[u8]>| {
+        let mut comm = NULL;
+        let rc = unsafe {
+            match cfg {
+                Some(c) => (s.HcclCommInitRootInfoConfig)(1, root.as_ptr(), 0, c.as_ptr(), &mut comm),
+                None => (s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm),
+            }
+        };
+        (rc, comm, err_msg())
+    };
+    let r = root(s);
+    let (rc, first, msg) = init(&r, None);
+    assert_eq!(rc, 0, "{msg}");
+    // The same root info again on this device, the first still alive:
+    // refused at once, nothing written.
+    let (rc, again, msg) = init(&r, None);
+    assert_eq!(rc, E_PARA, "{msg}");
+    assert!(again.is_null() && msg.contains("already exists on device 0"), "{msg}");
+    // On another device the name is free (each device keeps its own).
+    let other = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let s = use_device(1);
+            let mut comm = NULL;
+            let rc = unsafe { (s.HcclCommInitRootInfo)(1, r.as_ptr(), 0, &mut comm) };
+            let msg = err_msg();
+            if rc == 0 {
+                unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+            }
+            (rc, msg)
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(other.0, 0, "device 1: {}", other.1);
+    // Destroyed, the name is free again.
+    unsafe { assert_eq!((s.HcclCommDestroy)(first), 0) };
+    let (rc, second, msg) = init(&r, None);
+    assert_eq!(rc, 0, "{msg}");
+    unsafe { assert_eq!((s.HcclCommDestroy)(second), 0) };
+    // A config's hcclCommName is the name: two roots, one name.
+    let mut named = config(10);
+    named[32..37].copy_from_slice(b"moe-g");
+    let (rc, a, msg) = init(&root(s), Some(&named));
+    assert_eq!(rc, 0, "{msg}");
+    let (rc, b, msg) = init(&root(s), Some(&named));
+    assert_eq!(rc, E_PARA, "{msg}");
+    assert!(b.is_null() && msg.contains("\"moe-g\""), "{msg}");
+    unsafe { assert_eq!((s.HcclCommDestroy)(a), 0) };
+}

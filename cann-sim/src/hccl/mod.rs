@@ -163,13 +163,15 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
     // HCCL parses HCCL_DETERMINISTIC at initialisation (a bad value fails it
     // even when the config sets the switch).
     let env_deterministic = config::deterministic().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
+    let comm_name = cfg.name.clone().or(name).unwrap_or_else(|| key.clone());
+    name_is_free(&comm_name, device)?;
     // The ranks are told apart by the host device behind their current one.
     let host_device = config::physical(device);
     let mut group = Group::join(&key, size, rank, host_device, connect, timeout)?;
     group.deterministic = cfg.deterministic.unwrap_or(env_deterministic);
     let link = Group::join(&format!("{key}.link"), size, rank, host_device, connect, Some(connect))?;
     let c = SimComm {
-        name: cfg.name.or(name).unwrap_or_else(|| key.clone()),
+        name: comm_name,
         key,
         rank,
         size,
@@ -183,6 +185,32 @@ fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32
         failed: AtomicI32::new(HCCL_SUCCESS),
     };
     Ok(COMMS.insert(Arc::new(c)))
+}
+
+/// Refuses a communicator named `name` on `device` while this process has a
+/// live one of that name there: HCCL keeps the communicators of each device
+/// by name (`opGroup2CommMap` of the device's `HcclOpInfoCtx`) from their
+/// creation to `HcclCommDestroy`, and refuses a second one with HCCL_E_PARA
+/// ("The comm name[..] already exists in Group2Comm map") before it meets
+/// any peer. The name is the config's `hcclCommName`, else the root info's
+/// identifier (a root-info communicator) or the parent's name with the
+/// `subCommId` (a sub-communicator). HongminTan/ACNC2025-HCCL (an open 8.x
+/// HCCL) `src/domain/collective_communication/framework/op_base/src/op_base.cc`:
+/// `InitCommRootInfo` `:1048-1057`, `HcclCreateSubCommConfigInner` `:652-659`,
+/// the insert `:1166` and `:727`, the erase in `HcclCommDestroy` `:2563-2566`;
+/// later HCCLs keep the check in `InitCommRootInfo`.
+fn name_is_free(name: &str, device: u32) -> SimResult<()> {
+    match COMMS.all().into_iter().find(|(_, c)| c.device == device && c.name == name) {
+        None => Ok(()),
+        Some((h, live)) => fail(
+            HCCL_E_PARA,
+            format!(
+                "the comm name {name:?} already exists on device {device}: communicator {:#x} (rank {} of {}) of this \
+                 process has it until HcclCommDestroy",
+                h, live.rank, live.size
+            ),
+        ),
+    }
 }
 
 /// `HcclResult HcclCommInitRootInfo(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, HcclComm *comm)`.
