@@ -967,6 +967,31 @@ mod every_backend {
         assert_eq!(outs.iter().map(|(_, v)| *v).collect::<Vec<_>>(), [3.0, 3.0]);
     }
 
+    /// HCCL names a root-info communicator after its root info and refuses
+    /// a second one of a live name on one device (HCCL_E_PARA, saying
+    /// nothing of why): joining a root info again on an NPU that holds its
+    /// communicator is refused here first, naming the NPU and the rank that
+    /// holds it. Once that communicator is dropped, the root info joins again.
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn a_root_info_joined_again_on_one_npu_is_refused_while_its_communicator_lives() {
+        use ascend_moe::backend::npu::HcclComm;
+        let dev = NpuDevice::open(0).unwrap();
+        let root = HcclRootInfo::generate(&dev).unwrap();
+        let first = HcclComm::from_root_info(&dev, &root, 1, 0, &opts()).unwrap();
+        let msg = HcclComm::from_root_info(&dev, &root, 1, 0, &opts()).expect_err("a live name").to_string();
+        assert!(msg.contains("npu:0 already holds a communicator of this root info (rank 0 of 1)"), "{msg}");
+        assert!(msg.contains("HCCL_E_PARA"), "{msg}");
+        // Another root info is another name.
+        let other = HcclComm::from_root_info(&dev, &HcclRootInfo::generate(&dev).unwrap(), 1, 0, &opts()).unwrap();
+        drop((first, other));
+        let again = HcclComm::from_root_info(&dev, &root, 1, 0, &opts()).unwrap();
+        let d = Device::Npu(dev);
+        let mut t = tensor::<f32>(&d, &[2.0]).unwrap();
+        again.all_reduce_in_place(&mut t, ReduceOp::Sum).unwrap();
+        assert_eq!(read(&t).unwrap(), [2.0]);
+    }
+
     #[test]
     #[ignore = "needs an Ascend NPU"]
     fn mismatched_sizes_fail_with_a_clear_error() {

@@ -2,7 +2,7 @@
 //! and split into sub-communicators.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use crate::backend::npu::result::hccl::{self as hc, hccl};
 use crate::backend::npu::NpuDevice;
@@ -103,6 +103,38 @@ impl Drop for Joining {
     }
 }
 
+/// The communicators this process made from a root info, by the root info
+/// and the NPU (see [`refuse_a_live_root`]).
+static LIVE_ROOTS: Mutex<Vec<(u64, u32, Weak<CommInner>)>> = Mutex::new(Vec::new());
+
+/// Refuses a second communicator of root info `root_id` on NPU `device`
+/// while this process holds one. HCCL names a root-info communicator after
+/// its root info and keeps each device's communicators by name until
+/// `HcclCommDestroy`: a second one of a live name fails with HCCL_E_PARA
+/// ("The comm name[..] already exists in Group2Comm map", op_base.cc
+/// `InitCommRootInfo`; HongminTan/ACNC2025-HCCL
+/// `src/domain/collective_communication/framework/op_base/src/op_base.cc:1048-1057`),
+/// which says nothing of why. One whose destruction timed out (left to
+/// HCCL, see `CommInner`'s drop) is not seen here: HCCL refuses it.
+fn refuse_a_live_root(op: &'static str, root_id: u64, device: u32, rank: usize) -> Result<()> {
+    let mut live = LIVE_ROOTS.lock().unwrap_or_else(|e| e.into_inner());
+    live.retain(|(_, _, c)| c.strong_count() > 0);
+    let Some(held) = live.iter().find_map(|(r, d, c)| (*r == root_id && *d == device).then(|| c.upgrade()).flatten())
+    else {
+        return Ok(());
+    };
+    Err(Error::invalid(
+        op,
+        "root",
+        format!(
+            "npu:{device} already holds a communicator of this root info (rank {} of {}) in this process; HCCL \
+             names a communicator after its root info and refuses a second one of a live name on one device \
+             (HCCL_E_PARA): drop the first before rank {rank} joins again, or join a new root info",
+            held.rank, held.world
+        ),
+    ))
+}
+
 impl HcclComm {
     /// Joins the communicator of `world` ranks described by `root` as `rank`
     /// (`HcclCommInitRootInfo`); blocks until every rank joined. A rank that
@@ -121,8 +153,11 @@ impl HcclComm {
             return Err(Error::invalid(OP, "rank", format!("rank {rank} of a world of {world}")));
         }
         let raw_root = root.to_raw();
-        let key = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8).chain((world as u64).to_le_bytes()));
+        let root_bytes = || raw_root.internal.iter().map(|&c| c as u8);
+        let key = fnv1a(FNV_SEED, root_bytes().chain((world as u64).to_le_bytes()));
         let joining = Joining::claim(OP, key, rank, device.ordinal())?;
+        let root_id = fnv1a(FNV_SEED, root_bytes());
+        refuse_a_live_root(OP, root_id, device.ordinal(), rank)?;
         // A missing HCCL is reported before the device is bound.
         hccl()?;
         device.stream().enter()?;
@@ -135,7 +170,10 @@ impl HcclComm {
         let raw = made.map_err(|e| joining.explain(e))?;
         drop(joining);
         let name = query_name(raw).unwrap_or_else(|| format!("hccl-world-{world}"));
-        Ok(Self::wrap(raw, (true, true), device, (rank, world), (name, key), opts, None))
+        let comm = Self::wrap(raw, (true, true), device, (rank, world), (name, key), opts, None);
+        let held = Arc::downgrade(&comm.inner);
+        LIVE_ROOTS.lock().unwrap_or_else(|e| e.into_inner()).push((root_id, device.ordinal(), held));
+        Ok(comm)
     }
 
     /// Wraps a communicator created by the host engine (e.g. torch's
