@@ -402,6 +402,14 @@ fn malformed_hccl_timeout_variables_fail_the_communicator_creation() {
         unsafe {
             assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0);
             assert_eq!((s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm), 1, "HCCL_E_PARA");
+            println!("{}", err_msg());
+            // HCCL parses the variables whatever the config sets
+            // (InitEnvConfig runs before the config is loaded): an
+            // hcclExecTimeOut of its own does not save the creation.
+            let cfg = config_with_exec_timeout(30);
+            let rc = (s.HcclCommInitRootInfoConfig)(1, root.as_ptr(), 0, cfg.as_ptr(), &mut comm);
+            assert_eq!(rc, 1, "HCCL_E_PARA with hcclExecTimeOut set: {}", err_msg());
+            assert!(comm.is_null());
         }
         println!("{}", err_msg());
         return;

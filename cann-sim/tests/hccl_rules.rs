@@ -811,3 +811,60 @@ fn a_comm_name_is_taken_on_its_device_until_the_communicator_is_destroyed() {
     assert!(b.is_null() && msg.contains("\"moe-g\""), "{msg}");
     unsafe { assert_eq!((s.HcclCommDestroy)(a), 0) };
 }
+
+#[test]
+fn root_info_calls_check_their_arguments_in_hccls_order() {
+    // op_base.cc (HongminTan/ACNC2025-HCCL): HcclGetRootInfo :826-833 (the
+    // device, then the pointer); HcclCommInitRootInfoInner :1210-1241 (the
+    // device, rootInfo, nRanks, rank, comm, the environment);
+    // HcclCommInitRootInfoConfigInner :1283-1330 (rootInfo, config, the
+    // device, nRanks, rank, comm, the environment, the config's rules).
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let good = config(10);
+    let mut bad_magic = config(10);
+    set_u32(&mut bad_magic, 8, 0);
+    let (r, g, b) = (root.as_ptr(), good.as_ptr(), bad_magic.as_ptr());
+    let mut comm = NULL;
+    let c: *mut Ptr = &mut comm;
+    let null_root: *const u8 = std::ptr::null();
+    let null_cfg: *const u8 = std::ptr::null();
+    let (r, g, b, c) = (r as usize, g as usize, b as usize, c as usize);
+    // Without a current device.
+    let deviceless = std::thread::spawn(move || {
+        let s = sim();
+        let (r, g, c) = (r as *const u8, g as *const u8, c as *mut Ptr);
+        let (null_root, null_cfg): (*const u8, *const u8) = (std::ptr::null(), std::ptr::null());
+        unsafe {
+            let get = (s.HcclGetRootInfo)(std::ptr::null_mut());
+            let init = (s.HcclCommInitRootInfo)(1, null_root, 0, c);
+            let cfg_null = (s.HcclCommInitRootInfoConfig)(1, r, 0, null_cfg, c);
+            let cfg_ok = (s.HcclCommInitRootInfoConfig)(1, r, 0, g, c);
+            (get, init, cfg_null, cfg_ok)
+        }
+    })
+    .join()
+    .unwrap();
+    // The device first, except that the config variant checks rootInfo and
+    // config before it.
+    assert_eq!(deviceless, (E_RUNTIME, E_RUNTIME, E_PTR, E_RUNTIME));
+    let (r, b) = (r as *const u8, b as *const u8);
+    let null_comm: *mut Ptr = std::ptr::null_mut();
+    unsafe {
+        assert_eq!((s.HcclCommInitRootInfo)(0, null_root, 0, null_comm), E_PTR, "rootInfo before nRanks");
+        assert_eq!((s.HcclCommInitRootInfo)(0, r, 0, null_comm), E_PARA, "nRanks before comm");
+        assert!(err_msg().contains("nRanks 0"), "{}", err_msg());
+        assert_eq!((s.HcclCommInitRootInfo)(1, r, 1, null_comm), E_PARA, "rank before comm");
+        assert!(err_msg().contains("rank 1 should be less than nRanks 1"), "{}", err_msg());
+        assert_eq!((s.HcclCommInitRootInfoConfig)(0, null_root, 0, null_cfg, null_comm), E_PTR);
+        assert!(err_msg().contains("rootInfo"), "rootInfo before config: {}", err_msg());
+        // The config's own rules come last: nRanks and comm are named first.
+        assert_eq!((s.HcclCommInitRootInfoConfig)(0, r, 0, b, null_comm), E_PARA);
+        assert!(err_msg().contains("nRanks 0"), "nRanks before the config's magic: {}", err_msg());
+        assert_eq!((s.HcclCommInitRootInfoConfig)(1, r, 0, b, null_comm), E_PTR, "comm before the config's magic");
+        assert_eq!((s.HcclCommInitRootInfoConfig)(1, r, 0, b, &mut comm), E_PARA);
+        assert!(err_msg().contains("magic"), "{}", err_msg());
+        assert!(comm.is_null());
+    }
+}

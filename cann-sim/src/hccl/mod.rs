@@ -55,10 +55,13 @@ fn fnv(bytes: &[u8]) -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn HcclGetRootInfo(root_info: *mut c_void) -> HcclResult {
     status::hccl("HcclGetRootInfo", || {
+        // The current device, then the pointer (op_base.cc `HcclGetRootInfo`,
+        // HongminTan/ACNC2025-HCCL
+        // src/domain/collective_communication/framework/op_base/src/op_base.cc:826-833).
+        current_device()?;
         if root_info.is_null() {
             return fail(HCCL_E_PTR, "rootInfo is NULL");
         }
-        context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
         static N: AtomicU64 = AtomicU64::new(0);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let name =
@@ -150,25 +153,107 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
     }
 }
 
-fn join(key: String, name: Option<String>, size: u32, rank: u32, world_rank: u32, cfg: ConfigView) -> SimResult<usize> {
-    if size == 0 || rank >= size {
-        return fail(HCCL_E_PARA, format!("rank {rank} of {size} ranks"));
-    }
-    let device = context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))?;
-    let timeout = match cfg.timeout {
-        Some(t) => Some(t),
-        None => config::exec_timeout().map_err(|m| SimError::new(HCCL_E_PARA, m))?,
+/// What HCCL reads from the environment at every communicator's creation,
+/// whatever the config says (a bad value fails the creation with
+/// HCCL_E_PARA, EI0001, even when the config sets the same switch): hicann/hccl
+/// v9.1.0 `src/common/alg_env_config.cc:163-251` (`InitEnvConfig`: the
+/// deterministic switch at `:179`, the execution timeout at `:244`), called
+/// by every creation before its config is loaded (see [`init_root_info`]).
+struct EnvView {
+    /// `HCCL_EXEC_TIMEOUT`, else HCCL's default (`None`: never).
+    exec_timeout: Option<Duration>,
+    /// `HCCL_CONNECT_TIMEOUT` plus 20 s.
+    connect: Duration,
+    /// `HCCL_DETERMINISTIC`.
+    deterministic: bool,
+}
+
+fn read_env() -> SimResult<EnvView> {
+    let para = |m: String| SimError::new(HCCL_E_PARA, m);
+    Ok(EnvView {
+        exec_timeout: config::exec_timeout().map_err(para)?,
+        connect: config::connect_timeout().map_err(para)?,
+        deterministic: config::deterministic().map_err(para)?,
+    })
+}
+
+/// The calling thread's current device, which every creation asks for
+/// first (HCCL_E_RUNTIME without one).
+fn current_device() -> SimResult<u32> {
+    context::current().map_err(|e| SimError::new(HCCL_E_RUNTIME, e.msg))
+}
+
+/// `HcclCommInitRootInfo` (`config` `None`) and `HcclCommInitRootInfoConfig`:
+/// HCCL's checks before the communicator meets its peers, in HCCL's order.
+/// `HcclCommInitRootInfoInner`: the current device, `rootInfo` non-NULL,
+/// `nRanks` > 0, `rank` < `nRanks`, `comm` non-NULL, then the environment;
+/// `HcclCommInitRootInfoConfigInner`: `rootInfo` non-NULL, `config` non-NULL
+/// (EI0003), the device, the same three, the environment, then the config's
+/// own rules (any failure of `CommConfig::Load` is HCCL_E_PARA); both then
+/// the name ([`name_is_free`]). HongminTan/ACNC2025-HCCL
+/// `src/domain/collective_communication/framework/op_base/src/op_base.cc:1210-1241`
+/// and `:1283-1330`. The root info's format is the simulator's own (one of
+/// another format is refused where HCCL checks it for NULL).
+unsafe fn init_root_info(
+    n_ranks: u32,
+    root_info: *const c_void,
+    rank: u32,
+    config: Option<*const c_void>,
+    comm: *mut HcclComm,
+) -> SimResult<()> {
+    let (key, device) = match config {
+        None => {
+            let device = current_device()?;
+            (root_name(root_info)?, device)
+        }
+        Some(c) => {
+            let key = root_name(root_info)?;
+            if c.is_null() {
+                return fail(HCCL_E_PTR, "config is NULL (EI0003; initialise one with HcclCommConfigInit)");
+            }
+            (key, current_device()?)
+        }
     };
-    let connect = config::connect_timeout().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
-    // HCCL parses HCCL_DETERMINISTIC at initialisation (a bad value fails it
-    // even when the config sets the switch).
-    let env_deterministic = config::deterministic().map_err(|m| SimError::new(HCCL_E_PARA, m))?;
+    if n_ranks == 0 {
+        return fail(HCCL_E_PARA, "nRanks 0: should be greater than 0");
+    }
+    if rank >= n_ranks {
+        return fail(HCCL_E_PARA, format!("rank {rank} should be less than nRanks {n_ranks}"));
+    }
+    if comm.is_null() {
+        return fail(HCCL_E_PTR, "comm is NULL");
+    }
+    let env = read_env()?;
+    let cfg = match config {
+        Some(c) => {
+            // SAFETY: non-NULL (checked above); the C contract makes it an HcclCommConfig.
+            unsafe { hccl_rules::comm_config(c) }?;
+            read_config(c)?
+        }
+        None => ConfigView::default(),
+    };
+    let h = join(key, None, (n_ranks, rank, rank), device, env, cfg)?;
+    write_out(comm, h as HcclComm, HCCL_E_PTR, "comm")
+}
+
+/// Creates the communicator `key` as `rank` of `size` on `device` once the
+/// caller's checks passed: the name ([`name_is_free`]), then the meeting.
+fn join(
+    key: String,
+    name: Option<String>,
+    (size, rank, world_rank): (u32, u32, u32),
+    device: u32,
+    env: EnvView,
+    cfg: ConfigView,
+) -> SimResult<usize> {
+    let timeout = cfg.timeout.or(env.exec_timeout);
+    let connect = env.connect;
     let comm_name = cfg.name.clone().or(name).unwrap_or_else(|| key.clone());
     name_is_free(&comm_name, device)?;
     // The ranks are told apart by the host device behind their current one.
     let host_device = config::physical(device);
     let mut group = Group::join(&key, size, rank, host_device, connect, timeout)?;
-    group.deterministic = cfg.deterministic.unwrap_or(env_deterministic);
+    group.deterministic = cfg.deterministic.unwrap_or(env.deterministic);
     let link = Group::join(&format!("{key}.link"), size, rank, host_device, connect, Some(connect))?;
     let c = SimComm {
         name: comm_name,
@@ -221,14 +306,8 @@ pub unsafe extern "C" fn HcclCommInitRootInfo(
     rank: u32,
     comm: *mut HcclComm,
 ) -> HcclResult {
-    status::hccl("HcclCommInitRootInfo", || {
-        if comm.is_null() {
-            return fail(HCCL_E_PTR, "comm is NULL");
-        }
-        let key = root_name(root_info)?;
-        let h = join(key, None, n_ranks, rank, rank, ConfigView::default())?;
-        write_out(comm, h as HcclComm, HCCL_E_PTR, "comm")
-    })
+    // SAFETY: the C contract of the arguments, checked in HCCL's order.
+    status::hccl("HcclCommInitRootInfo", || unsafe { init_root_info(n_ranks, root_info, rank, None, comm) })
 }
 
 /// `HcclResult HcclCommInitRootInfoConfig(uint32_t nRanks, const HcclRootInfo *rootInfo, uint32_t rank, const HcclCommConfig *config, HcclComm *comm)`.
@@ -241,15 +320,9 @@ pub unsafe extern "C" fn HcclCommInitRootInfoConfig(
     config: *const c_void,
     comm: *mut HcclComm,
 ) -> HcclResult {
-    status::hccl("HcclCommInitRootInfoConfig", || {
-        unsafe { hccl_rules::comm_config(config) }?;
-        if comm.is_null() {
-            return fail(HCCL_E_PTR, "comm is NULL");
-        }
-        let key = root_name(root_info)?;
-        let cfg = read_config(config)?;
-        let h = join(key, None, n_ranks, rank, rank, cfg)?;
-        write_out(comm, h as HcclComm, HCCL_E_PTR, "comm")
+    // SAFETY: the C contract of the arguments, checked in HCCL's order.
+    status::hccl("HcclCommInitRootInfoConfig", || unsafe {
+        init_root_info(n_ranks, root_info, rank, Some(config), comm)
     })
 }
 
@@ -300,9 +373,11 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
         }
         let bytes: Vec<u8> = ids.iter().flat_map(|r| r.to_le_bytes()).collect();
         let key = format!("{}.s{:x}.{:x}", parent.key, sub_comm_id, fnv(&bytes));
+        let device = current_device()?;
+        let env = read_env()?;
         let cfg = read_config(config)?;
         let name = format!("{}/sub{sub_comm_id}", parent.name);
-        let h = join(key, Some(name), rank_num, sub_comm_rank_id, parent.world_rank, cfg)?;
+        let h = join(key, Some(name), (rank_num, sub_comm_rank_id, parent.world_rank), device, env, cfg)?;
         write_out(sub_comm, h as HcclComm, HCCL_E_PTR, "subComm")?;
         unsafe { hccl_rules::sub_comm_created(comm_p, sub_comm_id, sub_comm) };
         Ok(())
