@@ -237,6 +237,11 @@ fn ranks_outside_the_group_pass_null_rank_ids_and_the_reserved_id() {
             let bad = split(comm, &[], 11, 0).0;
             let reserved = split(comm, &[1], 0xFFFF_FFFF, 0).0;
             assert_eq!(reserved, E_PARA, "rankIds with subCommId 0xFFFFFFFF: {}", err_msg());
+            // The current device comes first (op_base.cc:762-770), for a
+            // non-member too: a thread without one is refused.
+            let handle = comm as usize;
+            let deviceless = std::thread::spawn(move || split(handle as Ptr, &[], 0xFFFF_FFFF, 0).0).join().unwrap();
+            assert_eq!(deviceless, E_RUNTIME, "a non-member on a thread without a device");
             (ok, bad)
         }
     });

@@ -340,6 +340,10 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
     sub_comm: *mut HcclComm,
 ) -> HcclResult {
     status::hccl("HcclCreateSubCommConfig", || {
+        // The current device before anything else, for a rank outside the
+        // group too (op_base.cc `HcclCreateSubCommConfig`, HongminTan/ACNC2025-HCCL
+        // src/domain/collective_communication/framework/op_base/src/op_base.cc:762-770).
+        current_device()?;
         let call = unsafe {
             hccl_rules::create_sub_comm(comm_p, rank_num, rank_ids, sub_comm_id, sub_comm_rank_id, config, sub_comm)
         }?;
