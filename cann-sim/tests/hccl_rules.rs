@@ -307,6 +307,28 @@ fn a_null_stream_is_refused_by_collectives() {
 }
 
 #[test]
+fn a_null_communicator_is_hccl_e_ptr() {
+    // HCCL's CHK_PTR_NULL(comm) in every call that takes one (op_base.cc
+    // :1462 HcclAllReduce, :2726 HcclGetRankSize, :2741 HcclGetRankId, :3490
+    // HcclGetCommAsyncError, HongminTan/ACNC2025-HCCL).
+    let s = use_device(0);
+    let st = stream();
+    let dev = malloc(64);
+    let mut out = 0u32;
+    let mut err = 0i32;
+    let mut name = [0 as std::ffi::c_char; 128];
+    unsafe {
+        assert_eq!((s.HcclAllReduce)(dev, dev, 4, FP32, 0, NULL, st), E_PTR, "{}", err_msg());
+        assert!(err_msg().contains("comm is NULL"), "{}", err_msg());
+        assert_eq!((s.HcclGetRankSize)(NULL, &mut out), E_PTR);
+        assert_eq!((s.HcclGetRankId)(NULL, &mut out), E_PTR);
+        assert_eq!((s.HcclGetCommAsyncError)(NULL, &mut err), E_PTR);
+        assert_eq!((s.HcclGetCommName)(NULL, name.as_mut_ptr()), E_PTR);
+    }
+    free(dev);
+}
+
+#[test]
 fn the_v_collectives_need_distinct_send_and_receive_buffers() {
     let rcs = with_world(1, |_, comm| {
         let st = stream();

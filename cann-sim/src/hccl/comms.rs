@@ -86,7 +86,17 @@ impl SimComm {
 /// Live communicators.
 pub static COMMS: Table<SimComm> = Table::new("HcclComm", 0x5a7);
 
-/// The communicator of handle `h`.
+/// The communicator of handle `h`. A NULL one is HCCL_E_PTR, as HCCL's
+/// `CHK_PTR_NULL(comm)` answers in every call that takes one (op_base.cc:
+/// HongminTan/ACNC2025-HCCL
+/// `src/domain/collective_communication/framework/op_base/src/op_base.cc:1462`
+/// in `HcclAllReduce`, `:2726` `HcclGetRankSize`, `:2741` `HcclGetRankId`,
+/// `:3490` `HcclGetCommAsyncError`); any other handle that is not a live
+/// communicator, which HCCL would dereference, is the simulator's
+/// HCCL_E_PARA.
 pub fn comm(h: HcclComm) -> SimResult<Arc<SimComm>> {
+    if h.is_null() {
+        return Err(SimError::new(HCCL_E_PTR, "comm is NULL"));
+    }
     COMMS.get(h as usize).ok_or_else(|| SimError::new(HCCL_E_PARA, format!("{h:p} is not a live HcclComm")))
 }
