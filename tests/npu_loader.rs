@@ -313,7 +313,12 @@ fn npu_host_has_the_devices() {
     println!("{}", npu::probe_report());
     let want: u32 = std::env::var("ASCEND_MOE_MIN_DEVICES").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
     let have = npu::device_count().unwrap_or_else(|e| panic!("{e}"));
-    assert!(have >= want, "{have} devices visible, the run needs {want}");
+    // CANN counts only the devices ASCEND_RT_VISIBLE_DEVICES leaves visible.
+    let visible = match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
+        Ok(v) => format!(" (ASCEND_RT_VISIBLE_DEVICES={v:?})"),
+        Err(_) => String::new(),
+    };
+    assert!(have >= want, "{have} devices visible{visible}, the run needs {want}");
     for ordinal in 0..have {
         let dev = npu::NpuDevice::open(ordinal).unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
         let (free, total) = dev.mem_info().unwrap_or_else(|e| panic!("npu:{ordinal}: {e}"));
