@@ -681,12 +681,6 @@ fn visible_devices_are_read_as_the_runtime_reads_them() {
     for (case, (value, _)) in VISIBLE_CASES.iter().enumerate() {
         let case = case.to_string();
         let env = [("CASE", case.as_str()), ("CANNSIM_DEVICES", "4"), ("ASCEND_RT_VISIBLE_DEVICES", value)];
-        let o = run_child(name, "visible", &env);
-        let out = String::from_utf8_lossy(&o.stdout);
-        assert!(
-            o.status.success() && out.contains("1 passed"),
-            "ASCEND_RT_VISIBLE_DEVICES={value:?}:\n{out}\n{}",
-            String::from_utf8_lossy(&o.stderr)
-        );
+        assert_child_passed(&run_child(name, "visible", &env), &format!("ASCEND_RT_VISIBLE_DEVICES={value:?}"));
     }
 }

@@ -91,12 +91,7 @@ fn split(comm: Ptr, ids: &[u32], id: u64, sub_rank: u32) -> (i32, Ptr) {
 
 fn child_ok(test: &str, version: &str) {
     let o = run_child(test, "version", &[("CANNSIM_CANN_VERSION", version)]);
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success() && out.contains("1 passed"),
-        "child ({version}) failed:\n{out}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
+    assert_child_passed(&o, &format!("child ({version})"));
 }
 
 #[test]
@@ -765,13 +760,7 @@ fn ranks_are_told_apart_by_the_host_device_behind_their_visible_one() {
             })
             .collect();
         for (r, k) in kids.into_iter().enumerate() {
-            let o = k.wait_with_output().unwrap();
-            let out = String::from_utf8_lossy(&o.stdout);
-            assert!(
-                o.status.success() && out.contains("1 passed"),
-                "{expect}, rank {r}:\n{out}\n{}",
-                String::from_utf8_lossy(&o.stderr)
-            );
+            assert_child_passed(&k.wait_with_output().unwrap(), &format!("{expect}, rank {r}"));
         }
     }
 }

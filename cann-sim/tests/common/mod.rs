@@ -283,6 +283,17 @@ pub fn run_child(test_name: &str, role: &str, env: &[(&str, &str)]) -> std::proc
     cmd.output().expect("spawn child test process")
 }
 
+/// Asserts that the child test process of `o` (`run_child`, or the test
+/// binary spawned with a role) ran its test and passed; `what` names it.
+pub fn assert_child_passed(o: &std::process::Output, what: &str) {
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("1 passed"),
+        "{what} failed:\n{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 /// `b` as hex digits (a root info passed to a child process).
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
