@@ -159,6 +159,10 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
 /// v9.1.0 `src/common/alg_env_config.cc:163-251` (`InitEnvConfig`: the
 /// deterministic switch at `:179`, the execution timeout at `:244`), called
 /// by every creation before its config is loaded (see [`init_root_info`]).
+/// That HCCL keeps what one thread parsed (`g_algEnvConfig` is thread-local,
+/// `:27`, and returns early once initialised, `:174-176`); the simulator
+/// reads the variables at every creation, so a value changed between two
+/// creations on one thread is seen here only.
 struct EnvView {
     /// `HCCL_EXEC_TIMEOUT`, else HCCL's default (`None`: never).
     exec_timeout: Option<Duration>,
