@@ -119,7 +119,7 @@ static LIVE_ROOTS: Mutex<Vec<(u64, u32, Weak<CommInner>)>> = Mutex::new(Vec::new
 fn refuse_a_live_root(op: &'static str, root_id: u64, device: u32, rank: usize) -> Result<()> {
     let mut live = LIVE_ROOTS.lock().unwrap_or_else(|e| e.into_inner());
     live.retain(|(_, _, c)| c.strong_count() > 0);
-    let Some(held) = live.iter().find_map(|(r, d, c)| (*r == root_id && *d == device).then(|| c.upgrade()).flatten())
+    let Some(held) = live.iter().filter(|(r, d, _)| *r == root_id && *d == device).find_map(|(_, _, c)| c.upgrade())
     else {
         return Ok(());
     };
@@ -153,10 +153,11 @@ impl HcclComm {
             return Err(Error::invalid(OP, "rank", format!("rank {rank} of a world of {world}")));
         }
         let raw_root = root.to_raw();
-        let root_bytes = || raw_root.internal.iter().map(|&c| c as u8);
-        let key = fnv1a(FNV_SEED, root_bytes().chain((world as u64).to_le_bytes()));
+        // The root info alone names HCCL's communicator; with the world size
+        // (FNV-1a continued from it) it keys this world.
+        let root_id = fnv1a(FNV_SEED, raw_root.internal.iter().map(|&c| c as u8));
+        let key = fnv1a(root_id, (world as u64).to_le_bytes());
         let joining = Joining::claim(OP, key, rank, device.ordinal())?;
-        let root_id = fnv1a(FNV_SEED, root_bytes());
         refuse_a_live_root(OP, root_id, device.ordinal(), rank)?;
         // A missing HCCL is reported before the device is bound.
         hccl()?;
