@@ -1,6 +1,12 @@
 //! `check` section `collectives`: every collective x dtype x a few sizes
 //! (0, 1, odd, not divisible by the world size, larger than one staging round)
 //! against a naive reference computed here, on every rank.
+//!
+//! Every rank computes its own reference, and an all-gather's output holds
+//! the whole world's data, so the largest size shrinks as the world grows
+//! past 4 ranks ([`largest`]): memory and time then grow linearly with the
+//! world, not with its square (64 thread ranks at the 4-rank size would need
+//! some 90 GiB).
 
 use ascend_moe::half::{bf16, f16};
 use ascend_moe::testing::mix;
@@ -8,7 +14,23 @@ use ascend_moe::{with_dtype, with_reducible_dtype, Collectives, Comm, DType, Ele
 
 use crate::check::Row;
 
-const SIZES: [usize; 4] = [0, 1, 1001, 700_001];
+/// The sizes of a world of `world` ranks: 0, 1, 1001 and [`largest`].
+fn sizes(world: usize) -> [usize; 4] {
+    [0, 1, 1001, largest(world)]
+}
+
+/// The largest size: 700,001 elements up to 4 ranks (several staging rounds
+/// for the 4- and 8-byte dtypes); beyond, 2.8 M elements in total over the
+/// world, so a rank's references and gathered output stay at the 4-rank size.
+/// Never divisible by the world size.
+fn largest(world: usize) -> usize {
+    let n = if world <= 4 { 700_001 } else { 2_800_000 / world + 1 };
+    if world > 1 && n % world == 0 {
+        n - 1
+    } else {
+        n
+    }
+}
 
 /// Element types with a reference reduction.
 trait Ref: Element {
@@ -77,9 +99,17 @@ fn data<T: Ref>(seed: u64, rank: usize, n: usize) -> Vec<T> {
     (0..n).map(|i| T::gen(seed, rank, i)).collect()
 }
 
-fn reduced<T: Ref>(seed: u64, world: usize, n: usize, op: ReduceOp) -> Vec<T> {
-    let all: Vec<Vec<T>> = (0..world).map(|r| data(seed, r, n)).collect();
-    (0..n).map(|i| T::fold(op, &all.iter().map(|v| v[i]).collect::<Vec<_>>())).collect()
+/// Elements `range` of the reduction over the world, rank 0 first; the
+/// ranks' data is generated element by element, never held whole.
+fn reduced<T: Ref>(seed: u64, world: usize, range: std::ops::Range<usize>, op: ReduceOp) -> Vec<T> {
+    let mut xs = Vec::with_capacity(world);
+    range
+        .map(|i| {
+            xs.clear();
+            xs.extend((0..world).map(|r| T::gen(seed, r, i)));
+            T::fold(op, &xs)
+        })
+        .collect()
 }
 
 fn prefix(c: &[usize]) -> Vec<usize> {
@@ -115,27 +145,27 @@ fn row<T: Element>(case: String, n: usize, got: &Tensor, want: &[T]) -> Row {
 fn cases<T: Ref>(comm: &Comm, rows: &mut Vec<Row>) -> ascend_moe::Result<()> {
     let (rank, w) = (comm.rank(), comm.world_size());
     let dt = T::DTYPE;
-    for (si, &n) in SIZES.iter().enumerate() {
+    for (si, n) in sizes(w).into_iter().enumerate() {
         let seed = (dt as u64) << 32 | (si as u64) << 16;
         for op in ReduceOp::ALL {
             let s = seed + op as u64;
             let src = tensor(&data::<T>(s, rank, n))?;
             let mut dst = Tensor::zeros_cpu(&[n], dt);
             comm.all_reduce(&src, &mut dst, op)?;
-            rows.push(row(format!("all_reduce {}", op.name()), n, &dst, &reduced::<T>(s, w, n, op)));
+            rows.push(row(format!("all_reduce {}", op.name()), n, &dst, &reduced::<T>(s, w, 0..n, op)));
         }
         let s = seed + 4;
         let mut buf = tensor(&data::<T>(s, rank, n))?;
         comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
-        rows.push(row("all_reduce sum in place".into(), n, &buf, &reduced::<T>(s, w, n, ReduceOp::Sum)));
+        rows.push(row("all_reduce sum in place".into(), n, &buf, &reduced::<T>(s, w, 0..n, ReduceOp::Sum)));
         // reduce_scatter: n elements in total, n / w per rank (rounded down).
         let s = seed + 5;
         let per = n / w;
         let src = tensor(&data::<T>(s, rank, per * w))?;
         let mut dst = Tensor::zeros_cpu(&[per], dt);
         comm.reduce_scatter(&src, &mut dst, ReduceOp::Sum)?;
-        let full = reduced::<T>(s, w, per * w, ReduceOp::Sum);
-        rows.push(row("reduce_scatter sum".into(), per * w, &dst, &full[rank * per..(rank + 1) * per]));
+        let want = reduced::<T>(s, w, rank * per..(rank + 1) * per, ReduceOp::Sum);
+        rows.push(row("reduce_scatter sum".into(), per * w, &dst, &want));
         // The V variants: uneven counts that do not divide by the world size.
         let counts: Vec<usize> = (0..w).map(|j| (n / w + j * (n % 7)) % (n + 1)).collect();
         let (total, d) = (counts.iter().sum::<usize>(), prefix(&counts));
@@ -143,8 +173,8 @@ fn cases<T: Ref>(comm: &Comm, rows: &mut Vec<Row>) -> ascend_moe::Result<()> {
         let src = tensor(&data::<T>(s, rank, total))?;
         let mut dst = Tensor::zeros_cpu(&[counts[rank]], dt);
         comm.reduce_scatter_v(&src, &mut dst, &counts, ReduceOp::Max)?;
-        let full = reduced::<T>(s, w, total, ReduceOp::Max);
-        rows.push(row("reduce_scatter_v max".into(), total, &dst, &full[d[rank]..d[rank] + counts[rank]]));
+        let want = reduced::<T>(s, w, d[rank]..d[rank] + counts[rank], ReduceOp::Max);
+        rows.push(row("reduce_scatter_v max".into(), total, &dst, &want));
         move_cases(comm, rows, si, n, seed, T::gen)?;
     }
     comm.barrier()
@@ -212,7 +242,7 @@ fn byte_gen<T: Element>(seed: u64, rank: usize, i: usize) -> T {
 /// The one-byte dtypes: moved bitwise, and a reduction refused on every rank.
 fn byte_cases<T: Element>(comm: &Comm, rows: &mut Vec<Row>) -> ascend_moe::Result<()> {
     let dt = T::DTYPE;
-    for (si, &n) in SIZES.iter().enumerate() {
+    for (si, n) in sizes(comm.world_size()).into_iter().enumerate() {
         move_cases(comm, rows, si, n, (dt as u64) << 32 | (si as u64) << 16, byte_gen::<T>)?;
     }
     let src = tensor(&gen_data(byte_gen::<T>, 1, comm.rank(), 8))?;
@@ -243,4 +273,24 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
         with_dtype!(dt, T => byte_cases::<T>(comm, &mut rows)?);
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::largest;
+
+    #[test]
+    fn the_largest_size_is_never_divisible_and_bounds_the_gathered_output() {
+        for w in 1..=64 {
+            let n = largest(w);
+            assert!(w == 1 || n % w != 0, "{n} elements divide among {w} ranks");
+            if w <= 4 {
+                assert_eq!(n, 700_001, "world {w}");
+            } else {
+                // What one rank gathers (and its reference) stays at the 4-rank size.
+                assert!(n * w <= 4 * 700_001 + w, "world {w}: {n} x {w} elements gathered");
+                assert!(n > 1001, "world {w}: the largest size {n} is not the largest");
+            }
+        }
+    }
 }
