@@ -5,6 +5,7 @@
 //! hidden copies: moving data between devices is an explicit call.
 
 pub use crate::backend::args::{checked_bytes, checked_numel};
+use crate::backend::cpu::no_memory;
 pub use crate::backend::cpu::CpuBuffer;
 use crate::backend::npu::NpuBuffer;
 use crate::backend::{Backend, Buffer, View, ViewMut};
@@ -32,7 +33,7 @@ impl Storage {
     /// A host copy of the bytes (for device memory, waiting for them).
     pub fn to_host(&self) -> Result<CpuBuffer> {
         match self {
-            Storage::Cpu(b) => Ok(b.clone()),
+            Storage::Cpu(b) => CpuBuffer::try_from_bytes("Tensor::to_cpu", b.as_bytes()),
             Storage::Npu(b) => {
                 let mut host = CpuBuffer::try_zeros("Tensor::to_cpu", b.len_bytes())?;
                 b.copy_to_host(host.as_bytes_mut())?;
@@ -195,7 +196,7 @@ impl Tensor {
                 shape,
             ));
         }
-        let buf = CpuBuffer::from_bytes(bytemuck::cast_slice(data));
+        let buf = CpuBuffer::try_from_bytes("Tensor::from_slice", bytemuck::cast_slice(data))?;
         Ok(Tensor { shape: shape.to_vec(), dtype: T::DTYPE, storage: Storage::Cpu(buf) })
     }
 
@@ -314,7 +315,13 @@ impl Tensor {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("Tensor::to_vec")?;
         match &self.storage {
-            Storage::Cpu(b) => Ok(b.typed::<T>().to_vec()),
+            Storage::Cpu(b) => {
+                let src = b.typed::<T>();
+                let mut v = Vec::new();
+                v.try_reserve_exact(src.len()).map_err(|_| no_memory("Tensor::to_vec", b.len_bytes()))?;
+                v.extend_from_slice(src);
+                Ok(v)
+            }
             Storage::Npu(_) => self.to_cpu()?.to_vec(),
         }
     }

@@ -29,13 +29,11 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, bytes: &[u8]) -> Result<CpuBuffer> {
-        let mut b = CpuBuffer::try_zeros("copy_from", bytes.len())?;
-        b.as_bytes_mut().copy_from_slice(bytes);
-        Ok(b)
+        CpuBuffer::try_from_bytes("copy_from", bytes)
     }
 
     fn duplicate(&self, src: &CpuBuffer) -> Result<CpuBuffer> {
-        Ok(src.clone())
+        CpuBuffer::try_from_bytes("Tensor::try_clone", src.as_bytes())
     }
 
     fn to_host(&self, src: &CpuBuffer, dst: &mut [u8]) -> Result<()> {

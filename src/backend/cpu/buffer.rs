@@ -100,7 +100,19 @@ impl CpuBuffer {
         }
     }
 
+    /// Copies `bytes` into a new buffer, or an error naming `op` when the
+    /// allocation fails.
+    pub fn try_from_bytes(op: &'static str, bytes: &[u8]) -> Result<Self> {
+        let mut b = Self::try_zeros(op, bytes.len())?;
+        b.as_bytes_mut().copy_from_slice(bytes);
+        Ok(b)
+    }
+
     /// Copies `bytes` into a new buffer.
+    ///
+    /// # Panics
+    /// When the memory cannot be allocated ([`CpuBuffer::try_from_bytes`]
+    /// returns an error instead).
     pub fn from_bytes(bytes: &[u8]) -> Self {
         let mut b = Self::zeros(bytes.len());
         b.as_bytes_mut().copy_from_slice(bytes);
@@ -199,7 +211,7 @@ impl Buffer for CpuBuffer {
     }
 }
 
-fn no_memory(op: &'static str, len: usize) -> Error {
+pub(crate) fn no_memory(op: &'static str, len: usize) -> Error {
     Error::invalid(op, "shape", format!("{len} bytes of host memory could not be allocated"))
 }
 

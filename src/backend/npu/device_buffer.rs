@@ -77,7 +77,10 @@ impl<T: Element> DeviceBuffer<T> {
 
     /// The elements, copied to a new host vector.
     pub fn to_vec(&self) -> Result<Vec<T>> {
-        let mut v = vec![T::default(); self.len];
+        let mut v = Vec::new();
+        let no_memory = |_| crate::backend::cpu::no_memory("DeviceBuffer::to_vec", self.buf.len_bytes());
+        v.try_reserve_exact(self.len).map_err(no_memory)?;
+        v.resize(self.len, T::default());
         self.copy_to_host(&mut v)?;
         Ok(v)
     }

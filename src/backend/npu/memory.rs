@@ -309,9 +309,9 @@ impl NpuBuffer {
             return Ok(());
         }
         if src.device.ordinal() != self.device.ordinal() {
-            let mut host = vec![0u8; len];
-            src.copy_to_host_at(src_off, &mut host)?;
-            return self.copy_from_host_at(dst_off, &host);
+            let mut host = crate::backend::cpu::CpuBuffer::try_zeros(OP, len)?;
+            src.copy_to_host_at(src_off, host.as_bytes_mut())?;
+            return self.copy_from_host_at(dst_off, host.as_bytes());
         }
         let (d, s) = (self.at(dst_off), src.at(src_off));
         let (da, sa) = (d as usize, s as usize);

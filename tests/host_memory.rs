@@ -1,0 +1,124 @@
+//! Host memory that cannot be had is an error naming the call, never an
+//! abort of the caller's process.
+//!
+//! Each case runs in a child process (this test binary again) whose address
+//! space is capped a little above what it already maps (`RLIMIT_AS`), so a
+//! 1 GiB allocation fails whatever the host's overcommit policy and memory.
+
+use std::process::Command;
+
+use ascend_moe::backend::FinalizeArgs;
+use ascend_moe::moe::moe_finalize_routing;
+use ascend_moe::{DType, DropPadMode, Tensor};
+
+/// Set in the child to the case it runs.
+const CASE: &str = "ASCEND_MOE_TEST_HOST_MEMORY_CASE";
+const TEST: &str = "host_memory_that_cannot_be_had_is_an_error";
+/// f32 elements of 1 GiB.
+const GIB_F32: usize = 1 << 28;
+/// Rows x hidden size of the 1 GiB finalize case.
+const ROWS: usize = 1024;
+
+/// The address space this process maps now, from `/proc/self/status`.
+fn mapped_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmSize:")).expect("VmSize in /proc/self/status");
+    kib.trim().trim_end_matches("kB").trim().parse::<u64>().expect("VmSize in kB") * 1024
+}
+
+/// Caps the address space at what is mapped now plus 256 MiB.
+fn cap_address_space() {
+    let cap = mapped_bytes() + (256 << 20);
+    let lim = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: a plain system call on a valid struct.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) }, 0, "setrlimit(RLIMIT_AS)");
+}
+
+/// `bytes` of read-only zeros that take no memory (the kernel's zero page).
+fn unbacked_zeros(bytes: usize) -> &'static [f32] {
+    // SAFETY: an anonymous private mapping, never unmapped, read only.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of {bytes} bytes");
+    // SAFETY: `bytes` readable bytes at `p`, page-aligned, for the process's life.
+    unsafe { std::slice::from_raw_parts(p.cast::<f32>(), bytes / 4) }
+}
+
+fn finalize_args<'a>(x: &'a Tensor, idx: &'a Tensor) -> FinalizeArgs<&'a Tensor> {
+    FinalizeArgs {
+        expanded_x: x,
+        expanded_row_idx: idx,
+        x1: None,
+        x2: None,
+        bias: None,
+        scales: None,
+        expert_idx: None,
+        drop_pad_mode: DropPadMode::DropLessRow,
+    }
+}
+
+/// Runs `case` with the address space capped; the error each call returns.
+fn run_case(case: &str) -> Vec<(&'static str, ascend_moe::Result<()>)> {
+    let ok = |r: ascend_moe::Result<Tensor>| r.map(drop);
+    match case {
+        "zeros" => {
+            cap_address_space();
+            vec![("Tensor::zeros", ok(Tensor::try_zeros_cpu(&[GIB_F32], DType::F32)))]
+        }
+        "from_slice" => {
+            let src = unbacked_zeros(GIB_F32 * 4);
+            cap_address_space();
+            vec![("Tensor::from_slice", ok(Tensor::from_slice(src, &[GIB_F32])))]
+        }
+        "copies" => {
+            let t = Tensor::try_zeros_cpu(&[GIB_F32], DType::F32).expect("1 GiB before the cap");
+            cap_address_space();
+            vec![
+                ("Tensor::to_cpu", ok(t.try_clone())),
+                ("Tensor::to_cpu", ok(t.to_cpu())),
+                ("Tensor::to_vec", t.to_vec::<f32>().map(drop)),
+            ]
+        }
+        "finalize" => {
+            let idx = Tensor::from_slice(&(0..ROWS as i32).collect::<Vec<_>>(), &[ROWS]).expect("indices");
+            // One small call first, so the op's worker threads exist before the cap.
+            let small = Tensor::try_zeros_cpu(&[ROWS, 4], DType::F32).expect("small input");
+            moe_finalize_routing(&finalize_args(&small, &idx)).expect("the small finalize");
+            let x = Tensor::try_zeros_cpu(&[ROWS, GIB_F32 / ROWS], DType::F32).expect("1 GiB before the cap");
+            cap_address_space();
+            vec![("Tensor::output", ok(moe_finalize_routing(&finalize_args(&x, &idx))))]
+        }
+        other => panic!("unknown case {other:?}"),
+    }
+}
+
+#[test]
+fn host_memory_that_cannot_be_had_is_an_error() {
+    if let Ok(case) = std::env::var(CASE) {
+        for (op, r) in run_case(&case) {
+            let e = r.expect_err("a 1 GiB allocation under a 256 MiB cap succeeded").to_string();
+            assert!(e.contains(op) && e.contains("could not be allocated"), "{case}: {op}: {e}");
+            println!("refused: {e}");
+        }
+        return;
+    }
+    let exe = std::env::current_exe().expect("this test binary");
+    for case in ["zeros", "from_slice", "copies", "finalize"] {
+        let out = Command::new(&exe)
+            .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CASE, case)
+            .output()
+            .expect("run the child");
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "case {case}: {}\n{stdout}\n{stderr}", out.status);
+        assert!(stdout.contains("refused: "), "case {case} ran no call: {stdout}");
+    }
+}
