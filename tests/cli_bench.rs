@@ -170,6 +170,23 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&coll(&["-b", "0"]), "--min-bytes 0: must be at least 1");
     refused(&coll(&["-b", "2M", "-e", "1M"]), "--min-bytes 2097152 exceeds --max-bytes 1048576");
     refused(&coll(&["--iters", "0"]), "--iters 0: must be at least 1");
+    // Rows of no element were timed and reported as 0-byte rows.
+    refused(
+        &coll(&["--ranks", "4", "-b", "7", "-e", "7"]),
+        "--min-bytes 7: a row must hold at least one bf16 element (2 bytes) per rank, 8 bytes on 4 ranks",
+    );
+    // A size past the address space wrapped around; the largest --max-bytes
+    // looped for ever at the saturated size.
+    refused(&coll(&["-e", "17179869184G"]), "size \"17179869184G\" is more bytes than this machine can address");
+    refused(
+        &coll(&["--ranks", "1", "-b", "8", "-e", "18446744073709551615"]),
+        "--max-bytes 18446744073709551615: the row of 9223372036854775808 bytes needs an input and an output",
+    );
+    // Rows larger than the host's memory were killed part-way, without a word.
+    refused(
+        &coll(&["--ranks", "64", "-b", "4096G", "-e", "4096G"]),
+        "on each of 64 ranks (562949953421312 bytes), more than the",
+    );
 }
 
 /// The value of `"key":` in a flat JSON text (numbers and strings without escapes).

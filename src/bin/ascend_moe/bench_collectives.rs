@@ -113,7 +113,8 @@ fn parse_size(s: &str) -> Result<usize, String> {
         Some('G') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>().map(|n| n * mult).map_err(|e| format!("bad size {s:?}: {e}"))
+    let n = num.parse::<usize>().map_err(|e| format!("bad size {s:?}: {e}"))?;
+    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} is more bytes than this machine can address"))
 }
 
 /// One measured row (as rank 0 reports it).
@@ -136,8 +137,16 @@ fn value(i: usize, rank: usize) -> f32 {
 }
 
 fn fill<T: Element>(n: usize, f: impl Fn(usize) -> f32) -> ascend_moe::Result<Tensor> {
-    let v: Vec<T> = (0..n).map(|i| T::from_f32(f(i))).collect();
-    Tensor::from_slice(&v, &[n])
+    let mut t = zeros::<T>(n)?;
+    for (i, x) in t.as_mut_slice::<T>()?.iter_mut().enumerate() {
+        *x = T::from_f32(f(i));
+    }
+    Ok(t)
+}
+
+/// `n` zeros, or an error when the memory cannot be had.
+fn zeros<T: Element>(n: usize) -> ascend_moe::Result<Tensor> {
+    Tensor::try_zeros_cpu(&[n], T::DTYPE)
 }
 
 fn wrong<T: Element>(t: &Tensor, want: impl Fn(usize) -> f32) -> ascend_moe::Result<i64> {
@@ -177,25 +186,25 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
             match op.as_str() {
                 "all_reduce" => {
                     let src = fill::<T>(count, |i| value(i, rank))?;
-                    let mut dst = Tensor::zeros_cpu(&[count], T::DTYPE);
+                    let mut dst = zeros::<T>(count)?;
                     timed!(comm.all_reduce(&src, &mut dst, ReduceOp::Sum)?);
                     bad = wrong::<T>(&dst, |i| (0..n).map(|r| value(i, r)).sum())?;
                 }
                 "reduce_scatter" => {
                     let src = fill::<T>(count, |i| value(i, rank))?;
-                    let mut dst = Tensor::zeros_cpu(&[per], T::DTYPE);
+                    let mut dst = zeros::<T>(per)?;
                     timed!(comm.reduce_scatter(&src, &mut dst, ReduceOp::Sum)?);
                     bad = wrong::<T>(&dst, |j| (0..n).map(|r| value(rank * per + j, r)).sum())?;
                 }
                 "all_gather" => {
                     let src = fill::<T>(per, |j| value(j, rank))?;
-                    let mut dst = Tensor::zeros_cpu(&[count], T::DTYPE);
+                    let mut dst = zeros::<T>(count)?;
                     timed!(comm.all_gather(&src, &mut dst)?);
                     bad = wrong::<T>(&dst, |g| value(g % per.max(1), g / per.max(1)))?;
                 }
                 "all_to_all" => {
                     let src = fill::<T>(count, |i| value(i, rank))?;
-                    let mut dst = Tensor::zeros_cpu(&[count], T::DTYPE);
+                    let mut dst = zeros::<T>(count)?;
                     let counts = vec![per; n];
                     timed!(comm.all_to_all_v(&src, &counts, &mut dst, &counts)?);
                     // Block i of dst is block `rank` of rank i's src.
@@ -338,6 +347,31 @@ struct Line {
     ratio: f64,
 }
 
+/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where it cannot be read).
+fn memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
+    kib.trim().parse::<usize>().ok()?.checked_mul(1024)
+}
+
+/// Refuses rows whose buffers do not fit in `available` bytes: every rank
+/// holds an input and an output of up to the row's size at once (all_reduce
+/// and all_to_all: both of it), so the largest row takes twice its size on
+/// each of `world` ranks. A run that needs more would be killed by the kernel
+/// part-way, without a word.
+fn fits_in_memory(max_bytes: usize, sizes: &[usize], world: usize, available: Option<usize>) -> Result<(), String> {
+    let (Some(&largest), Some(available)) = (sizes.last(), available) else { return Ok(()) };
+    let need = largest.checked_mul(2 * world);
+    if need.map_or(true, |n| n > available) {
+        let need = need.map_or("more bytes than this machine can address".into(), |n| format!("{n} bytes"));
+        return Err(format!(
+            "--max-bytes {max_bytes}: the row of {largest} bytes needs an input and an output of that size on each \
+             of {world} ranks ({need}), more than the {available} bytes of memory available here"
+        ));
+    }
+    Ok(())
+}
+
 /// The first argument out of range, named with its value.
 fn check_args(a: &Args) -> Result<(), String> {
     let fail = |what: String| Err(what);
@@ -379,11 +413,24 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: {big} ranks exceed the CPU communicator's limit of {MAX_WORLD}");
         return 2;
     }
-    let mut sizes = Vec::new();
-    let mut s = a.min_bytes;
-    while s <= a.max_bytes {
+    let largest_world = a.ranks.iter().copied().max().unwrap_or(1);
+    if a.min_bytes < dtype.size() * largest_world {
+        eprintln!(
+            "error: --min-bytes {}: a row must hold at least one {dtype} element ({} bytes) per rank, {} bytes on \
+             {largest_world} ranks",
+            a.min_bytes,
+            dtype.size(),
+            dtype.size() * largest_world
+        );
+        return 2;
+    }
+    let mut sizes = vec![a.min_bytes];
+    while let Some(s) = sizes.last().and_then(|s| s.checked_mul(a.factor)).filter(|&s| s <= a.max_bytes) {
         sizes.push(s);
-        s = s.saturating_mul(a.factor);
+    }
+    if let Err(why) = fits_in_memory(a.max_bytes, &sizes, largest_world, memory_available()) {
+        eprintln!("error: {why}");
+        return 2;
     }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
