@@ -79,22 +79,22 @@ impl Segment {
         }
         let deadline = crate::clock::deadline(Instant::now(), timeout);
         let mut backoff = Backoff::default();
-        let mut again = false;
+        // Why the last attempt started over (`None` before the first).
+        let mut again: Option<&str> = None;
         loop {
             // A file replaced or removed under every attempt (a link planted
             // again and again, an instance unlinked between open and lock)
             // is bounded by the deadline like every other wait here.
-            if std::mem::replace(&mut again, true) && Instant::now() >= deadline {
+            if let Some(why) = again.filter(|_| Instant::now() >= deadline) {
                 return Err(setup_err(
                     name,
                     rank,
                     world,
-                    format!(
-                        "timed out after {timeout:?}: {path} was replaced or removed under every attempt to open it"
-                    ),
+                    format!("timed out after {timeout:?} before the world formed; at the last attempt {path} {why}"),
                     ErrorKind::Timeout,
                 ));
             }
+            again = Some("was removed between its look-up and its opening");
             let file = match open_own(&cpath, &path) {
                 Ok(Opened::File(f)) => f,
                 Ok(Opened::Again) => {
@@ -129,6 +129,7 @@ impl Segment {
             }
             if ino_at(&cpath) != Some(ino) {
                 // Unlinked or replaced between open and lock: start over.
+                again = Some("was unlinked or replaced between its opening and its lock");
                 close(fd);
                 backoff.snooze();
                 continue;
@@ -153,6 +154,7 @@ impl Segment {
             };
             match found {
                 Found::Stale => {
+                    again = Some("was left by ranks that are all gone, and was removed");
                     // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
                     unsafe { libc::unlink(cpath.as_ptr()) };
                     close(fd);
