@@ -52,19 +52,6 @@ fn unbacked_zeros(bytes: usize) -> &'static [f32] {
     unsafe { std::slice::from_raw_parts(p.cast::<f32>(), bytes / 4) }
 }
 
-fn finalize_args<'a>(x: &'a Tensor, idx: &'a Tensor) -> FinalizeArgs<&'a Tensor> {
-    FinalizeArgs {
-        expanded_x: x,
-        expanded_row_idx: idx,
-        x1: None,
-        x2: None,
-        bias: None,
-        scales: None,
-        expert_idx: None,
-        drop_pad_mode: DropPadMode::DropLessRow,
-    }
-}
-
 /// Runs `case` with the address space capped; the error each call returns.
 fn run_case(case: &str) -> Vec<(&'static str, ascend_moe::Result<()>)> {
     let ok = |r: ascend_moe::Result<Tensor>| r.map(drop);
@@ -91,10 +78,11 @@ fn run_case(case: &str) -> Vec<(&'static str, ascend_moe::Result<()>)> {
             let idx = Tensor::from_slice(&(0..ROWS as i32).collect::<Vec<_>>(), &[ROWS]).expect("indices");
             // One small call first, so the op's worker threads exist before the cap.
             let small = Tensor::try_zeros_cpu(&[ROWS, 4], DType::F32).expect("small input");
-            moe_finalize_routing(&finalize_args(&small, &idx)).expect("the small finalize");
+            moe_finalize_routing(&FinalizeArgs::new(&small, &idx, DropPadMode::DropLessRow))
+                .expect("the small finalize");
             let x = Tensor::try_zeros_cpu(&[ROWS, GIB_F32 / ROWS], DType::F32).expect("1 GiB before the cap");
             cap_address_space();
-            vec![("Tensor::output", ok(moe_finalize_routing(&finalize_args(&x, &idx))))]
+            vec![("Tensor::output", ok(moe_finalize_routing(&FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow))))]
         }
         other => panic!("unknown case {other:?}"),
     }
