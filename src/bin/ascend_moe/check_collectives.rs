@@ -19,10 +19,10 @@ fn sizes(world: usize) -> [usize; 4] {
     [0, 1, 1001, largest(world)]
 }
 
-/// The largest size: 700,001 elements up to 4 ranks (several staging rounds
-/// for the 4- and 8-byte dtypes); beyond, 2.8 M elements in total over the
-/// world, so a rank's references and gathered output stay at the 4-rank size.
-/// Never divisible by the world size.
+/// The largest size: 700,001 elements up to 4 ranks (more than one 1 MiB
+/// staging round for every dtype wider than a byte); beyond, 2.8 M elements
+/// in total over the world, so a rank's references and gathered output stay
+/// at the 4-rank size. Never divisible by the world size.
 fn largest(world: usize) -> usize {
     let n = if world <= 4 { 700_001 } else { 2_800_000 / world + 1 };
     if world > 1 && n % world == 0 {
