@@ -250,8 +250,7 @@ fn join(
     env: EnvView,
     cfg: ConfigView,
 ) -> SimResult<usize> {
-    let timeout = cfg.timeout.or(env.exec_timeout);
-    let connect = env.connect;
+    let (timeout, connect) = (cfg.timeout.or(env.exec_timeout), env.connect);
     let comm_name = cfg.name.clone().or(name).unwrap_or_else(|| key.clone());
     name_is_free(&comm_name, device)?;
     // The ranks are told apart by the host device behind their current one.
@@ -347,7 +346,7 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
         // The current device before anything else, for a rank outside the
         // group too (op_base.cc `HcclCreateSubCommConfig`, HongminTan/ACNC2025-HCCL
         // src/domain/collective_communication/framework/op_base/src/op_base.cc:762-770).
-        current_device()?;
+        let device = current_device()?;
         let call = unsafe {
             hccl_rules::create_sub_comm(comm_p, rank_num, rank_ids, sub_comm_id, sub_comm_rank_id, config, sub_comm)
         }?;
@@ -381,7 +380,6 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
         }
         let bytes: Vec<u8> = ids.iter().flat_map(|r| r.to_le_bytes()).collect();
         let key = format!("{}.s{:x}.{:x}", parent.key, sub_comm_id, fnv(&bytes));
-        let device = current_device()?;
         let env = read_env()?;
         let cfg = read_config(config)?;
         let name = format!("{}/sub{sub_comm_id}", parent.name);
