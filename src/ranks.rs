@@ -96,7 +96,7 @@ where
         let handles: Vec<_> = (0..world)
             .map(|rank| {
                 let (root, f) = (&root, &f);
-                s.spawn(move || -> Result<R> {
+                std::thread::Builder::new().name(format!("rank-{rank}")).spawn_scoped(s, move || -> Result<R> {
                     let device = NpuDevice::open(rank as u32)?;
                     let comm = HcclComm::from_root_info(&device, root, world, rank, opts)?;
                     f(rank, Comm::Npu(comm))
@@ -106,7 +106,10 @@ where
         handles
             .into_iter()
             .enumerate()
-            .map(|(rank, h)| h.join().unwrap_or_else(|_| Err(Error::invalid(OP, "f", format!("rank {rank} panicked")))))
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|_| Err(Error::invalid(OP, "f", format!("rank {rank} panicked")))),
+                Err(e) => Err(Error::io("spawning a rank thread", e)),
+            })
             .collect()
     });
     results.into_iter().collect()

@@ -8,7 +8,7 @@
 use std::process::Command;
 
 use ascend_moe::backend::FinalizeArgs;
-use ascend_moe::moe::moe_finalize_routing;
+use ascend_moe::moe::{moe_finalize_routing, moe_finalize_routing_into};
 use ascend_moe::{DType, DropPadMode, Tensor};
 
 /// Set in the child to the case it runs.
@@ -28,7 +28,12 @@ fn mapped_bytes() -> u64 {
 
 /// Caps the address space at what is mapped now plus 256 MiB.
 fn cap_address_space() {
-    let cap = mapped_bytes() + (256 << 20);
+    cap_address_space_above(256 << 20);
+}
+
+/// Caps the address space at what is mapped now plus `headroom` bytes.
+fn cap_address_space_above(headroom: u64) {
+    let cap = mapped_bytes() + headroom;
     let lim = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: a plain system call on a valid struct.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) }, 0, "setrlimit(RLIMIT_AS)");
@@ -88,6 +93,22 @@ fn run_case(case: &str) -> Vec<(&'static str, ascend_moe::Result<()>)> {
     }
 }
 
+/// Runs test `test` of this binary again in a child with `CASE` set to `case`;
+/// its standard output.
+fn run_child(test: &str, case: &str) -> String {
+    let exe = std::env::current_exe().expect("this test binary");
+    let out = Command::new(exe)
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CASE, case)
+        // Rust's default thread stack (2 MiB), which the thread case's cap must not fit.
+        .env_remove("RUST_MIN_STACK")
+        .output()
+        .expect("run the child");
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "case {case}: {}\n{stdout}\n{stderr}", out.status);
+    stdout.into_owned()
+}
+
 #[test]
 fn host_memory_that_cannot_be_had_is_an_error() {
     if let Ok(case) = std::env::var(CASE) {
@@ -98,15 +119,37 @@ fn host_memory_that_cannot_be_had_is_an_error() {
         }
         return;
     }
-    let exe = std::env::current_exe().expect("this test binary");
     for case in ["zeros", "from_slice", "copies", "finalize"] {
-        let out = Command::new(&exe)
-            .args([TEST, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CASE, case)
-            .output()
-            .expect("run the child");
-        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success(), "case {case}: {}\n{stdout}\n{stderr}", out.status);
+        let stdout = run_child(TEST, case);
         assert!(stdout.contains("refused: "), "case {case} ran no call: {stdout}");
     }
+}
+
+/// A finalize asked to use 4 threads where no thread can start (no memory
+/// for a stack) does all of its work on the calling thread: the right
+/// output, and no panic.
+#[test]
+fn a_finalize_whose_threads_cannot_start_runs_on_the_calling_thread() {
+    const THREADS_TEST: &str = "a_finalize_whose_threads_cannot_start_runs_on_the_calling_thread";
+    const H: usize = 64;
+    if std::env::var(CASE).is_ok() {
+        // Identity indices, one slot per token, no scales, bias or skips:
+        // each output row is its input row.
+        let values: Vec<f32> = (0..ROWS * H).map(|i| (i % 65_521) as f32).collect();
+        let x = Tensor::from_slice(&values, &[ROWS, H]).expect("input");
+        let idx = Tensor::from_slice(&(0..ROWS as i32).collect::<Vec<_>>(), &[ROWS]).expect("indices");
+        let mut out = Tensor::try_zeros_cpu(&[ROWS, H], DType::F32).expect("output");
+        ascend_moe::backend::cpu::set_num_threads(Some(4));
+        cap_address_space_above(1 << 20);
+        assert!(std::thread::Builder::new().spawn(|| ()).is_err(), "a thread started under the cap");
+        moe_finalize_routing_into(&FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow), &mut out)
+            .expect("the finalize");
+        let got = out.to_vec::<f32>().expect("the output");
+        let bad = got.iter().zip(&values).position(|(g, v)| g != v);
+        assert_eq!(bad, None, "output differs from the input rows");
+        println!("finalized on the calling thread");
+        return;
+    }
+    let stdout = run_child(THREADS_TEST, "threads");
+    assert!(stdout.contains("finalized on the calling thread"), "{stdout}");
 }

@@ -1,6 +1,8 @@
 //! The shared gather-scale-sum kernel of finalize and unpermute, over host
 //! slices: output rows split into contiguous chunks, one per thread.
 
+use std::sync::{Mutex, PoisonError};
+
 use super::lanes::{accumulate_group, fused_dispatch, Lanes, GROUP};
 use super::threads::{finalize_threads, WIDE_SIMD};
 
@@ -273,17 +275,27 @@ impl<T: Lanes> Gather<'_, T> {
             work(0, out);
             return;
         }
+        // Each chunk sits in a slot that whoever reaches it first empties: a
+        // thread started for it, or the calling thread, which does the first
+        // chunk and then every chunk no thread took. So a thread the system
+        // refuses to start (a process or cgroup thread limit, no memory for
+        // its stack) costs speed, never a panic in the caller; the result is
+        // the same whichever thread does a chunk.
+        let slots: Vec<Mutex<Option<&mut [T]>>> = out.chunks_mut(chunk_rows * h).map(|c| Mutex::new(Some(c))).collect();
+        let take = |c: usize| slots[c].lock().unwrap_or_else(PoisonError::into_inner).take();
+        let run_chunk = |c: usize| {
+            if let Some(chunk) = take(c) {
+                work(c * chunk_rows, chunk);
+            }
+        };
         std::thread::scope(|sc| {
-            let mut chunks = out.chunks_mut(chunk_rows * h).enumerate();
-            // The calling thread takes the first chunk itself.
-            let first = chunks.next();
-            for (c, chunk) in chunks {
-                let work = &work;
-                sc.spawn(move || work(c * chunk_rows, chunk));
+            for c in 1..slots.len() {
+                let run_chunk = &run_chunk;
+                if std::thread::Builder::new().spawn_scoped(sc, move || run_chunk(c)).is_err() {
+                    break;
+                }
             }
-            if let Some((_, chunk)) = first {
-                work(0, chunk);
-            }
+            (0..slots.len()).for_each(run_chunk);
         });
     }
 }
