@@ -76,6 +76,9 @@ enum amoe_status
   // Work captured for one forward context ran under another (found on the
   // device by the captured ops' guard, reported by the stream check).
   AMOE_STATUS_STALE_CONTEXT = 19,
+  // Host memory could not be allocated (the message names the call and
+  // the size). Device memory the ACL runtime refuses is `AMOE_STATUS_ACL`.
+  AMOE_STATUS_HOST_MEMORY = 20,
 };
 #ifndef __cplusplus
 #if __STDC_VERSION__ >= 202311L
@@ -899,6 +902,7 @@ amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
 // serves the next block of the same size, so neither the system allocator
 // nor first-touch page faults are paid again; the library keeps at most
 // 1 GiB of freed blocks. Smaller results are better allocated as usual.
+// `AMOE_STATUS_HOST_MEMORY` when the system refuses the memory.
 //
 // # Safety
 // `data` and `out` writable.

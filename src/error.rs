@@ -120,6 +120,16 @@ pub enum Error {
         /// The vendor message, if any.
         msg: String,
     },
+    /// Host memory could not be allocated: the system refused it (a limit on
+    /// the process's address space or memory, or none left). Device memory
+    /// the ACL runtime refuses is [`Error::Acl`], with ACL's code.
+    #[error("{op}: {bytes} bytes of host memory could not be allocated")]
+    HostMemory {
+        /// The op or function that needed it.
+        op: &'static str,
+        /// The size it asked for.
+        bytes: usize,
+    },
     /// A runtime library (CANN) could not be loaded.
     #[error("{0}")]
     Unavailable(String),

@@ -228,6 +228,13 @@ fn host_blocks_check_their_arguments_and_are_reused_once_freed() {
         assert!(last_error().contains("`len`"), "{}", last_error());
         assert_eq!(amoe_host_block_new(64, null_mut(), &mut block), amoe_status::NullArgument);
         assert_eq!(amoe_host_block_new(64, &mut data, null_mut()), amoe_status::NullArgument);
+        // More than any address space (2^62 bytes), and a size whose rounding
+        // up to the mapping's granule overflows.
+        for len in [1usize << 62, usize::MAX - 1] {
+            assert_eq!(amoe_host_block_new(len, &mut data, &mut block), amoe_status::HostMemory, "{len}");
+            let want = format!("amoe_host_block_new: {len} bytes of host memory could not be allocated");
+            assert_eq!(last_error(), want);
+        }
     }
     let len = amoe_host_block_min_len() * 3 + 5;
     // SAFETY: both out-pointers writable; each block is freed once, after its

@@ -5,7 +5,8 @@ The native library is `$ASCEND_MOE_LIB` when set, else the one `pip install`
 built into this package. Errors raise `AmoeError` (a `RuntimeError`) carrying
 the library's message; argument errors are its subclasses that are also a
 `ValueError` (`InvalidArgumentError`, `ShapeError`, `DeviceError`, ...) or a
-`TypeError` (`DTypeError`).
+`TypeError` (`DTypeError`); host memory that cannot be allocated is a
+`MemoryError` (`HostMemoryError`).
 
 Operands are numpy arrays (float32, float16, `ml_dtypes.bfloat16`, int32
 indices, ...) or tensors, passed where they live, never copied: numpy by its
@@ -66,6 +67,7 @@ from ._errors import (
     BufferTooSmallError,
     DeviceError,
     DTypeError,
+    HostMemoryError,
     IndexOutOfRangeError,
     InvalidArgumentError,
     NullArgumentError,
@@ -108,6 +110,7 @@ __all__ = [
     "DropPadMode",
     "DType",
     "DTypeError",
+    "HostMemoryError",
     "IndexOutOfRangeError",
     "InvalidArgumentError",
     "NullArgumentError",

@@ -94,6 +94,9 @@ class Status(_Numbered):
     #: Work captured for one forward context ran under another (found on the
     #: device by the captured ops' guard, reported by the stream check).
     STALE_CONTEXT = 19
+    #: Host memory could not be allocated (the message names the call and
+    #: the size). Device memory the ACL runtime refuses is `AMOE_STATUS_ACL`.
+    HOST_MEMORY = 20
 
 
 class DType(_Numbered):

@@ -47,6 +47,11 @@ class BufferTooSmallError(AmoeError, ValueError):
     """`Status.BUFFER_TOO_SMALL`: a caller-provided buffer is too small."""
 
 
+class HostMemoryError(AmoeError, MemoryError):
+    """`Status.HOST_MEMORY`: host memory could not be allocated (the message
+    names the call and the size)."""
+
+
 # `Status` member name -> its exception class; every other status is `AmoeError`.
 BY_STATUS_NAME = {
     "NULL_ARGUMENT": NullArgumentError,
@@ -56,6 +61,7 @@ BY_STATUS_NAME = {
     "INDEX_OUT_OF_RANGE": IndexOutOfRangeError,
     "DEVICE": DeviceError,
     "BUFFER_TOO_SMALL": BufferTooSmallError,
+    "HOST_MEMORY": HostMemoryError,
 }
 
 

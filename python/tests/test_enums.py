@@ -141,9 +141,10 @@ def test_every_error_class_names_a_status():
         status = am.Status[name]
         e = _errors.error(status, "m")
         assert type(e) is cls and e.status is status and isinstance(e, am.AmoeError)
-        assert isinstance(e, (ValueError, TypeError)), name
+        assert isinstance(e, (ValueError, TypeError, MemoryError)), name
     assert type(_errors.error(am.Status.HCCL, "m")) is am.AmoeError
     assert isinstance(_errors.error(am.Status.DTYPE, "m"), TypeError)
+    assert isinstance(_errors.error(am.Status.HOST_MEMORY, "m"), MemoryError)
 
 
 # Enums that mirror another project's numbering, not the library's: the

@@ -132,7 +132,8 @@ def test_a_block_that_cannot_be_had_is_a_clear_error(monkeypatch):
 
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    with pytest.raises(am.AmoeError, match="could not be allocated"):
+    with pytest.raises(MemoryError, match=f"{1 << 62} bytes of host memory could not be allocated") as e:
         _tensor._HostBlock(1 << 62)
+    assert isinstance(e.value, am.HostMemoryError) and e.value.status is am.Status.HOST_MEMORY
     gc.collect()
     assert not unraisable, "the half-made block failed in __del__"

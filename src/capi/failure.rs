@@ -54,6 +54,7 @@ pub(crate) fn status_of(e: &Error) -> amoe_status {
         Error::Acl { .. } => amoe_status::Acl,
         Error::Hccl { .. } => amoe_status::Hccl,
         Error::Aclnn { .. } => amoe_status::Aclnn,
+        Error::HostMemory { .. } => amoe_status::HostMemory,
         Error::Unavailable(_) => amoe_status::Unavailable,
         Error::Io { .. } => amoe_status::Io,
         Error::Kernel { .. } => amoe_status::Kernel,

@@ -8,6 +8,7 @@ use super::ffi::{ffi, try_out, write_out, Failure};
 use super::handle::{box_out, release};
 use super::types::{amoe_host_block, amoe_status};
 use crate::backend::cpu::host_pool::{Block, MIN_POOLED};
+use crate::Error;
 
 /// Host memory of `len` bytes (`len` > 0) for a result: `*data` receives its
 /// address (aligned to 2 MiB, so any dtype fits), `*out` a handle the caller
@@ -17,6 +18,7 @@ use crate::backend::cpu::host_pool::{Block, MIN_POOLED};
 /// serves the next block of the same size, so neither the system allocator
 /// nor first-touch page faults are paid again; the library keeps at most
 /// 1 GiB of freed blocks. Smaller results are better allocated as usual.
+/// `AMOE_STATUS_HOST_MEMORY` when the system refuses the memory.
 ///
 /// # Safety
 /// `data` and `out` writable.
@@ -34,7 +36,7 @@ pub unsafe extern "C" fn amoe_host_block_new(
             return Err(Failure::invalid(F, "len", "a host block holds at least one byte"));
         }
         let Some(block) = Block::take(len) else {
-            return Err(Failure::invalid(F, "len", format!("{len} bytes of host memory could not be allocated")));
+            return Err(Error::HostMemory { op: F, bytes: len }.into());
         };
         write_out(data, block.as_ptr().cast::<c_void>());
         box_out(out, block);

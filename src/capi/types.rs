@@ -73,6 +73,9 @@ numbered! {
         /// Work captured for one forward context ran under another (found on the
         /// device by the captured ops' guard, reported by the stream check).
         StaleContext = 19 => "STALE_CONTEXT",
+        /// Host memory could not be allocated (the message names the call and
+        /// the size). Device memory the ACL runtime refuses is `AMOE_STATUS_ACL`.
+        HostMemory = 20 => "HOST_MEMORY",
     }
 }
 
@@ -100,6 +103,7 @@ impl amoe_status {
             amoe_status::Panic => c"internal panic",
             amoe_status::Kernel => c"kernel fault",
             amoe_status::StaleContext => c"stale forward context",
+            amoe_status::HostMemory => c"out of host memory",
         }
     }
 }

@@ -212,7 +212,7 @@ impl Buffer for CpuBuffer {
 }
 
 pub(crate) fn no_memory(op: &'static str, len: usize) -> Error {
-    Error::invalid(op, "shape", format!("{len} bytes of host memory could not be allocated"))
+    Error::HostMemory { op, bytes: len }
 }
 
 fn check_dtype<T: Element>(op: &'static str, arg: &'static str, dtype: crate::DType) -> Result<()> {
