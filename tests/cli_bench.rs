@@ -152,9 +152,14 @@ fn triad_default_arrays_are_sized_from_the_last_level_cache() {
 /// `ascend-moe args` exits 2 before doing anything, and its error names
 /// the argument out of range and its value.
 fn refused(args: &[&str], says: &str) {
+    exits_with(2, args, says);
+}
+
+/// `ascend-moe ARGS` exits with `code`, its standard error saying `says`.
+fn exits_with(code: i32, args: &[&str], says: &str) {
     let out = Command::new(EXE).args(args).output().expect("run ascend-moe");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "ascend-moe {args:?}: {stderr}");
+    assert_eq!(out.status.code(), Some(code), "ascend-moe {args:?}: {stderr}");
     assert!(stderr.contains(says), "ascend-moe {args:?} does not say {says:?}: {stderr}");
 }
 
@@ -186,6 +191,40 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(
         &coll(&["--ranks", "64", "-b", "4096G", "-e", "4096G"]),
         "on each of 64 ranks (562949953421312 bytes), more than the",
+    );
+    // Triad arrays past the host's memory: an abort in the allocator, or the
+    // kernel killing the run; a size past the address space wrapped around.
+    refused(
+        &["bench", "triad", "--threads", "1000", "--mib", "1000000"],
+        "a triad of 1000 threads over 3 arrays of 1048576000000 bytes each needs 3145728000000000 bytes of host \
+         memory, more than the",
+    );
+    refused(&["bench", "triad", "--mib", "18446744073709551615"], "--mib 18446744073709551615: more bytes than");
+    // The benches' own inputs: an element count that wrapped (2^61 x 8 rows
+    // became 0), int32 row indices past their range, and inputs larger than
+    // the host's memory (the first two allocated gigabytes before failing).
+    let moe = |bench: &'static str, extra: &[&'static str]| [&["bench", bench][..], extra].concat();
+    let rows = "expanded rows: int32 row indices reach at most 2147483648 rows";
+    exits_with(
+        1,
+        &moe("finalize", &["--tokens", "2305843009213693952"]),
+        &format!("2305843009213693952 tokens x top_k 8 {rows}"),
+    );
+    exits_with(1, &moe("finalize", &["--tokens", "268435457"]), &format!("268435457 tokens x top_k 8 {rows}"));
+    exits_with(
+        1,
+        &moe("finalize", &["--tokens", "268435456", "--hidden", "1048576"]),
+        "bench_finalize: invalid argument `shape`: finalize 268435456x8x1048576 bf16 needs ",
+    );
+    exits_with(
+        1,
+        &moe("finalize_and_reduce", &["--dp-tokens", "2147483649", "--tp", "1", "--top-k", "1", "--hidden", "2"]),
+        "invalid argument `tokens`: 2147483649 tokens x top_k 1 ",
+    );
+    exits_with(
+        1,
+        &moe("finalize_and_reduce", &["--dp-tokens", "1073741824", "--hidden", "1048576"]),
+        "finalize_and_reduce of 1073741824 tokens x top_k 2 x hidden 1048576 bf16 on 2 ranks needs ",
     );
 }
 

@@ -71,25 +71,82 @@ impl FinalizeReport {
     }
 }
 
+/// `n` elements `f(i)` in a vector, or [`Error::HostMemory`] naming `op`.
+fn try_collect<T>(op: &'static str, n: usize, f: impl Fn(usize) -> T) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::HostMemory { op, bytes: n.saturating_mul(std::mem::size_of::<T>()) })?;
+    v.extend((0..n).map(f));
+    Ok(v)
+}
+
 /// A cheap deterministic fill (the values do not matter for timing, only that
 /// they are finite and not all equal).
 fn filled(shape: &[usize], dtype: DType, salt: u32) -> Result<Tensor> {
     let n: usize = shape.iter().product();
     with_dtype!(dtype, T => {
-        let v: Vec<T> = (0..n as u32)
-            .map(|i| T::from_f32(((i.wrapping_mul(2_654_435_761).wrapping_add(salt) >> 20) as f32) / 4096.0 - 0.5))
-            .collect();
+        let v: Vec<T> = try_collect("bench input", n, |i| {
+            let i = i as u32;
+            T::from_f32(((i.wrapping_mul(2_654_435_761).wrapping_add(salt) >> 20) as f32) / 4096.0 - 0.5)
+        })?;
         Tensor::from_slice(&v, shape)
     })
 }
 
 /// A permutation of `0..n` (multiplicative hash, full period for odd multipliers on powers of two;
-/// otherwise sorted by hash).
-fn permutation(n: usize) -> Vec<i32> {
-    let mut v: Vec<(u32, i32)> =
-        (0..n as u32).map(|i| (i.wrapping_mul(2_246_822_519).rotate_left(13), i as i32)).collect();
+/// otherwise sorted by hash); `n` is at most [`MAX_ROWS`].
+fn permutation(n: usize) -> Result<Vec<i32>> {
+    let key = |i: usize| ((i as u32).wrapping_mul(2_246_822_519).rotate_left(13), i as i32);
+    let mut v: Vec<(u32, i32)> = try_collect("bench row indices", n, key)?;
     v.sort_unstable();
-    v.into_iter().map(|(_, i)| i).collect()
+    try_collect("bench row indices", n, |j| v[j].1)
+}
+
+/// Most expanded rows a benchmark builds: its row indices are int32.
+pub const MAX_ROWS: usize = 1 << 31;
+
+/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where it cannot be read).
+pub fn memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
+    kib.trim().parse::<usize>().ok()?.checked_mul(1024)
+}
+
+/// A sum of products of counts, or `None` where it does not fit in a `usize`.
+pub fn bytes_of(terms: &[&[usize]]) -> Option<usize> {
+    terms.iter().try_fold(0usize, |sum, t| sum.checked_add(t.iter().try_fold(1usize, |p, &f| p.checked_mul(f))?))
+}
+
+/// Why a benchmark of `what` that needs `need` bytes of host memory (`None`:
+/// more than a `usize` counts) cannot run where `available` bytes are
+/// (`None`: unknown, so only an uncountable need is refused); `None` if it
+/// can. A run that needs more would be killed by the kernel part-way,
+/// without a word.
+pub fn memory_shortfall(what: &str, need: Option<usize>, available: Option<usize>) -> Option<String> {
+    match (need, available) {
+        (None, _) => Some(format!("{what} needs more bytes of host memory than this machine can address")),
+        (Some(n), Some(a)) if n > a => {
+            Some(format!("{what} needs {n} bytes of host memory, more than the {a} bytes available here"))
+        }
+        _ => None,
+    }
+}
+
+/// [`memory_shortfall`] with this machine's available memory, as an error
+/// of `op` naming its `shape`.
+fn check_memory(op: &'static str, what: &str, need: Option<usize>) -> Result<()> {
+    memory_shortfall(what, need, memory_available()).map_or(Ok(()), |why| Err(Error::invalid(op, "shape", why)))
+}
+
+/// Refuses `tokens` x `top_k` expanded rows past [`MAX_ROWS`].
+fn check_rows(op: &'static str, tokens: usize, top_k: usize) -> Result<()> {
+    match tokens.checked_mul(top_k) {
+        Some(r) if r <= MAX_ROWS => Ok(()),
+        _ => Err(Error::invalid(
+            op,
+            "tokens",
+            format!("{tokens} tokens x top_k {top_k} expanded rows: int32 row indices reach at most {MAX_ROWS} rows"),
+        )),
+    }
 }
 
 /// STREAM-style triad arrays (`a = b + s * c`, f32) moving `bytes` bytes a
@@ -211,14 +268,23 @@ fn check_config(op: &'static str, counts: &[(&'static str, usize)], dtype: DType
 /// Runs the finalize benchmark on the CPU backend (mode 2, a random
 /// permutation, f32 scales, x1 present).
 pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
+    const OP: &str = "bench_finalize";
     let (n, k, h) = (cfg.tokens, cfg.top_k, cfg.hidden);
     let counts =
         [("tokens", n), ("top_k", k), ("hidden", h), ("iters", cfg.iters), ("threads", cfg.threads.unwrap_or(1))];
-    check_config("bench_finalize", &counts, cfg.dtype)?;
+    check_config(OP, &counts, cfg.dtype)?;
+    check_rows(OP, n, k)?;
+    let es = cfg.dtype.size();
+    // Inputs built in vectors and copied into tensors (x, x1, scales: twice),
+    // the permutation (its (key, index) pairs, the indices and their tensor),
+    // the op's two outputs, and the triad floor (as many bytes as the op moves).
+    let need = bytes_of(&[&[3, n, k, h, es], &[6, n, h, es], &[n, k, 4 + 4 + 8 + 4 + 4 + 8]]);
+    let what = format!("finalize {n}x{k}x{h} {}", cfg.dtype.name());
+    check_memory(OP, &what, need)?;
     let x = filled(&[n * k, h], cfg.dtype, 1)?;
     let x1 = filled(&[n, h], cfg.dtype, 2)?;
     let scales = filled(&[n, k], DType::F32, 3)?;
-    let p = permutation(n * k);
+    let p = permutation(n * k)?;
     let idx = Tensor::from_slice(&p, &[n * k])?;
     let args = FinalizeArgs {
         expanded_x: &x,
@@ -230,7 +296,6 @@ pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
         expert_idx: None,
         drop_pad_mode: DropPadMode::DropLessRow,
     };
-    let es = cfg.dtype.size();
     let bytes = (n * k * h + 2 * n * h) * es + n * k * 8;
     set_num_threads(cfg.threads);
     let threads = finalize_threads(n, h);
@@ -392,16 +457,29 @@ const FLOOR_ARRAYS: usize = 256 << 20;
 /// Runs the fused and the two-step EP/SP finalize on `DP x TP` CPU ranks
 /// (threads; each rank's kernel single-threaded).
 pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
+    const OP: &str = "bench_finalize_and_reduce";
     let layout = SpLayout::from_dp_tokens(&cfg.dp_tokens, cfg.tp)?;
     let ep = layout.ep_size();
     let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
-    check_config("bench_finalize_and_reduce", &[("top_k", k), ("hidden", h), ("iters", cfg.iters)], cfg.dtype)?;
+    check_config(OP, &[("top_k", k), ("hidden", h), ("iters", cfg.iters)], cfg.dtype)?;
+    check_rows(OP, n, k)?;
+    // On each rank: x and the scales built in vectors and copied into
+    // tensors, the permutation (pairs, indices, tensor), the two-step path's
+    // finalized rows and every result (within four times the rows).
+    let es = cfg.dtype.size();
+    let inputs = bytes_of(&[&[2, ep, n, k, h, es], &[ep, n, k, 4 + 4 + 8 + 4 + 4], &[4, ep, n, h, es]]);
+    let what = format!("finalize_and_reduce of {n} tokens x top_k {k} x hidden {h} {} on {ep} ranks", cfg.dtype.name());
+    check_memory(OP, &what, inputs)?;
+    // Within the inputs' count, which fits, so no product of it overflows.
     let bytes = ReduceBytes::new(&layout, k, h, cfg.dtype);
+    // And each rank's floor triad: arrays of at most FLOOR_ARRAYS bytes.
+    let need = inputs.and_then(|b| bytes_of(&[&[ep, bytes.fused.min(FLOOR_ARRAYS)]])?.checked_add(b));
+    check_memory(OP, &what, need)?;
     let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
         set_num_threads(Some(1));
         let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;
         let scales = filled(&[n, k], DType::F32, 7)?;
-        let idx = Tensor::from_slice(&permutation(n * k), &[n * k])?;
+        let idx = Tensor::from_slice(&permutation(n * k)?, &[n * k])?;
         let args = FinalizeArgs {
             expanded_x: &x,
             expanded_row_idx: &idx,
@@ -521,6 +599,32 @@ mod tests {
             assert_eq!(triad_array_bytes(threads, None), 32 << 20);
             assert_eq!(triad_array_bytes(threads, Some(1 << 20)), 32 << 20);
             assert!(total(threads, Some(64 << 30)) <= 4 << 30);
+        }
+    }
+
+    /// Counts are summed and multiplied without wrapping; a need past the
+    /// memory available, or past what a `usize` counts, is refused, naming
+    /// the need and what is available.
+    #[test]
+    fn memory_needs_are_counted_without_wrapping_and_refused_past_what_is_available() {
+        assert_eq!(bytes_of(&[&[3, 4], &[5], &[]]), Some(18));
+        assert_eq!(bytes_of(&[&[1 << 32, 1 << 32]]), None);
+        assert_eq!(bytes_of(&[&[usize::MAX], &[1]]), None);
+        assert_eq!(memory_shortfall("x", Some(10), Some(10)), None);
+        assert_eq!(memory_shortfall("x", Some(10), None), None);
+        let over = "x needs 11 bytes of host memory, more than the 10 bytes available here";
+        assert_eq!(memory_shortfall("x", Some(11), Some(10)).as_deref(), Some(over));
+        let uncountable = "x needs more bytes of host memory than this machine can address";
+        assert_eq!(memory_shortfall("x", None, None).as_deref(), Some(uncountable));
+    }
+
+    /// The bench's row indices hold every row once.
+    #[test]
+    fn permutations_hold_every_row_once() {
+        for n in [0usize, 1, 7, 4096, 10_000] {
+            let mut p = permutation(n).unwrap();
+            p.sort_unstable();
+            assert!(p.iter().copied().eq(0..n as i32), "{n}");
         }
     }
 

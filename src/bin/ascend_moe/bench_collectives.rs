@@ -35,11 +35,14 @@
 //! `vs floor` = floor time / measured time (1.0 = as fast as the triad moves
 //! those bytes; it can exceed 1 when staging stays in the last-level cache).
 
+use std::sync::{Barrier, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use ascend_moe::backend::cpu::{CpuCommConfig, MAX_WORLD};
 use ascend_moe::ranks::run_ranks_with;
-use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes, Triad};
+use ascend_moe::testing::bench::{
+    bytes_of, last_level_cache_bytes, memory_available, memory_shortfall, triad_array_bytes, Triad,
+};
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
 use crate::launch;
@@ -267,31 +270,60 @@ fn decode(line: &str) -> Option<Meas> {
     })
 }
 
+/// Refuses a triad of `threads` threads over three arrays of `array_bytes`
+/// bytes each that does not fit in the memory available here.
+pub fn check_triad_memory(threads: usize, array_bytes: usize) -> Result<(), String> {
+    let what = format!("a triad of {threads} threads over 3 arrays of {array_bytes} bytes each");
+    memory_shortfall(&what, bytes_of(&[&[3, threads, array_bytes]]), memory_available()).map_or(Ok(()), Err)
+}
+
 /// `(bytes a pass moves, bytes/s)` of `threads` concurrent threads, each
 /// passing over its own three f32 arrays of `array_bytes` bytes (rounded down
 /// to whole elements) on its own: the aggregate bandwidth, best of `reps`.
-pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> (usize, f64) {
+/// A thread the system refuses to start is an error (the others, which wait
+/// for all of them before their first pass, end without one).
+pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> Result<(usize, f64), String> {
     let elems = (array_bytes / 4).max(1);
-    let barrier = std::sync::Barrier::new(threads);
+    let barrier = Barrier::new(threads);
+    // Whether every thread started: `None` until the last spawn.
+    let started = (Mutex::new(None::<bool>), Condvar::new());
+    let all_started = || {
+        let lock = started.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = started.1.wait_while(lock, |s| s.is_none()).unwrap_or_else(PoisonError::into_inner);
+        *state == Some(true)
+    };
     let per_rep: Vec<Vec<Duration>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..threads)
-            .map(|_| {
-                let barrier = &barrier;
-                s.spawn(move || {
-                    let mut t = Triad::new(elems * 12);
-                    let mut ds = Vec::new();
-                    for _ in 0..reps {
-                        barrier.wait();
-                        let t0 = Instant::now();
-                        t.pass(1, 3.0);
-                        ds.push(t0.elapsed());
-                    }
-                    ds
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or_default()).collect()
-    });
+        let mut hs = Vec::with_capacity(threads);
+        let mut refused = None;
+        for i in 0..threads {
+            let (barrier, all_started) = (&barrier, &all_started);
+            let h = std::thread::Builder::new().spawn_scoped(s, move || {
+                let mut ds = Vec::new();
+                if !all_started() {
+                    return ds;
+                }
+                let mut t = Triad::new(elems * 12);
+                for _ in 0..reps {
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    t.pass(1, 3.0);
+                    ds.push(t0.elapsed());
+                }
+                ds
+            });
+            match h {
+                Ok(h) => hs.push(h),
+                Err(e) => {
+                    refused = Some(format!("starting triad thread {} of {threads}: {e}", i + 1));
+                    break;
+                }
+            }
+        }
+        *started.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(refused.is_none());
+        started.1.notify_all();
+        let per_rep = hs.into_iter().map(|h| h.join().unwrap_or_default()).collect();
+        refused.map_or(Ok(per_rep), Err)
+    })?;
     let bytes = threads * elems * 12;
     let best = (0..reps)
         .map(|r| {
@@ -299,7 +331,7 @@ pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> (usize, f64) {
             bytes as f64 / slowest.as_secs_f64().max(1e-9)
         })
         .fold(0.0, f64::max);
-    (bytes, best)
+    Ok((bytes, best))
 }
 
 fn bus_factor(op: &str, n: usize) -> f64 {
@@ -345,13 +377,6 @@ struct Line {
     busbw: f64,
     floor_us: f64,
     ratio: f64,
-}
-
-/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where it cannot be read).
-fn memory_available() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
-    kib.trim().parse::<usize>().ok()?.checked_mul(1024)
 }
 
 /// Refuses rows whose buffers do not fit in `available` bytes: every rank
@@ -441,9 +466,15 @@ pub fn main(a: Args) -> i32 {
         // The same triad before and after the rows (arrays far above the
         // last-level cache, one thread per rank, best of 5).
         let array = triad_array_bytes(world, last_level_cache_bytes());
-        let measure = || triad(world, array, 5).1;
+        let measure = || triad(world, array, 5).map(|t| t.1);
         eprintln!("measuring the triad with {world} threads, 3 x {} MiB per thread ...", array >> 20);
-        let before = measure();
+        let before = match check_triad_memory(world, array).and_then(|()| measure()) {
+            Ok(bw) => bw,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
         eprintln!(
             "triad: {:.2} GB/s; running {} ranks as {} ...",
             before / 1e9,
@@ -475,7 +506,14 @@ pub fn main(a: Args) -> i32 {
             }
         };
         eprintln!("measuring the triad with {world} threads again ...");
-        let t = WorldTriad { world, before, after: measure() };
+        let after = match measure() {
+            Ok(bw) => bw,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return 1;
+            }
+        };
+        let t = WorldTriad { world, before, after };
         let bw = t.bandwidth();
         triads.push(t);
         for m in meas {

@@ -4,7 +4,7 @@
 
 use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes};
 
-use crate::bench_collectives::triad;
+use crate::bench_collectives::{check_triad_memory, triad};
 
 #[derive(clap::Args, Clone)]
 pub struct Args {
@@ -34,10 +34,26 @@ pub fn main(a: Args) -> i32 {
         return 2;
     }
     let llc = last_level_cache_bytes();
-    let array = a.mib.map_or_else(|| triad_array_bytes(threads, llc), |m| m << 20);
+    let array = match a.mib.map_or(Some(triad_array_bytes(threads, llc)), |m| m.checked_mul(1 << 20)) {
+        Some(b) => b,
+        None => {
+            eprintln!("error: --mib {}: more bytes than this machine can address", a.mib.unwrap_or_default());
+            return 2;
+        }
+    };
+    if let Err(e) = check_triad_memory(threads, array) {
+        eprintln!("error: {e}");
+        return 2;
+    }
     let cache = llc.map_or("no last-level cache size reported".into(), |c| format!("last-level cache {} MiB", c >> 20));
     eprintln!("measuring the triad with {threads} threads, 3 x {} MiB per thread ({cache}) ...", array >> 20);
-    let (bytes, bw) = triad(threads, array, a.reps);
+    let (bytes, bw) = match triad(threads, array, a.reps) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
     if a.json {
         println!("{{\"bench\":\"triad\",\"threads\":{threads},\"bytes\":{bytes},\"gbps\":{:.4}}}", bw / 1e9);
     } else if a.csv {
