@@ -190,6 +190,26 @@ fn a_null_layout_with_entries_is_refused_not_taken_for_no_layout() {
     assert_eq!((st, &shape[..ndim]), (amoe_status::Ok, &[12usize, 1][..]), "{}", last_error());
 }
 
+/// A layout past `AMOE_MAX_EP_RANKS` entries is refused naming `tp_size`,
+/// before the caller is told a size to allocate for it; one within the
+/// bound asks for its size first.
+#[test]
+fn a_layout_past_the_ep_bound_is_refused_before_its_size_is_asked_for() {
+    let dp = [3usize, 4];
+    let mut len = 7usize;
+    for tp in [AMOE_MAX_EP_RANKS / 2 + 1, 1 << 40, usize::MAX] {
+        // SAFETY: `dp` readable for 2 entries; no `out` (cap 0); `len` writable.
+        let st = unsafe { amoe_sp_layout_from_dp_tokens(dp.as_ptr(), 2, tp, null_mut(), 0, &mut len) };
+        assert_eq!((st, len), (amoe_status::InvalidArgument, 7), "tp {tp}: {}", last_error());
+        let want =
+            format!("invalid argument `tp_size`: dp_size 2 x tp_size {tp} exceeds the maximum of 1048576 EP ranks");
+        assert!(last_error().contains(&want), "{}", last_error());
+    }
+    // SAFETY: as above.
+    let st = unsafe { amoe_sp_layout_from_dp_tokens(dp.as_ptr(), 2, AMOE_MAX_EP_RANKS / 2, null_mut(), 0, &mut len) };
+    assert_eq!((st, len), (amoe_status::BufferTooSmall, AMOE_MAX_EP_RANKS), "{}", last_error());
+}
+
 #[test]
 fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is_refused() {
     // SAFETY: every pointer is NULL (the case under test) or writable / valid.

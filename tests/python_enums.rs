@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use ascend_moe::capi::{CEnum, AMOE_GUARD_ACTUAL_TOKENS, AMOE_HCCL_WORLD, AMOE_MAX_NDIM, ENUMS};
+use ascend_moe::capi::{CEnum, AMOE_GUARD_ACTUAL_TOKENS, AMOE_HCCL_WORLD, AMOE_MAX_EP_RANKS, AMOE_MAX_NDIM, ENUMS};
 
 /// The Python class name of a C enum: `amoe_shared_mode` -> `SharedMode`
 /// (`amoe_dtype` -> `DType`, as the Rust enum).
@@ -76,6 +76,8 @@ fn render(enums: &[CEnum]) -> String {
     let _ = writeln!(out, "GUARD_ACTUAL_TOKENS = {AMOE_GUARD_ACTUAL_TOKENS}");
     let _ = writeln!(out, "#: `AMOE_HCCL_WORLD`: `amoe_comm_from_hccl` flag, the borrowed communicator is the world.");
     let _ = writeln!(out, "HCCL_WORLD = {AMOE_HCCL_WORLD}");
+    let _ = writeln!(out, "#: `AMOE_MAX_EP_RANKS`: most EP ranks a layout or a forward context may have.");
+    let _ = writeln!(out, "MAX_EP_RANKS = {AMOE_MAX_EP_RANKS}");
     out.push_str("\n#: The dtypes a reduction (sum, max, min) takes, as the library's `DType::REDUCIBLE`;\n");
     out.push_str("#: every other dtype is only moved (all_gather, all_to_all, broadcast).\n");
     let names: Vec<String> = ascend_moe::DType::REDUCIBLE.iter().map(|d| format!("\"{}\"", d.name())).collect();

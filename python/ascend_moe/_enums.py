@@ -19,6 +19,8 @@ MAX_NDIM = 8
 GUARD_ACTUAL_TOKENS = 1
 #: `AMOE_HCCL_WORLD`: `amoe_comm_from_hccl` flag, the borrowed communicator is the world.
 HCCL_WORLD = 1
+#: `AMOE_MAX_EP_RANKS`: most EP ranks a layout or a forward context may have.
+MAX_EP_RANKS = 1048576
 
 #: The dtypes a reduction (sum, max, min) takes, as the library's `DType::REDUCIBLE`;
 #: every other dtype is only moved (all_gather, all_to_all, broadcast).

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from ctypes import c_size_t
 
-from ._enums import REDUCIBLE_DTYPE_NAMES, DropPadMode, DType, Status
+from ._enums import MAX_EP_RANKS, REDUCIBLE_DTYPE_NAMES, DropPadMode, DType, Status
 from ._errors import error
 from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
@@ -53,7 +53,7 @@ class SpLayout:
         if any(s < 0 for s in sizes_):
             raise error(Status.INVALID_ARGUMENT, f"SpLayout: local_sizes must be >= 0, got {list(sizes_)}")
         self._local_sizes = sizes_
-        self._size_array = shared_sizes(sizes_)  # the library's size_t[] of them
+        self._size_array = shared_sizes(sizes_, "local_sizes")  # the library's size_t[] of them
 
     @property
     def local_sizes(self) -> tuple:
@@ -65,7 +65,8 @@ class SpLayout:
         arr, n = sizes(num_tokens_across_dp, "num_tokens_across_dp")
         need = c_size_t(0)
         tp = c_uint("tp_size", tp_size)
-        cap = max(n * tp, 1)
+        # The library refuses more than MAX_EP_RANKS entries before it looks at `out`.
+        cap = max(min(n * tp, MAX_EP_RANKS), 1)
         out = (c_size_t * cap)()
         call("amoe_sp_layout_from_dp_tokens", arr, n, tp, out, cap, ctypes.byref(need))
         return cls(out[: need.value])

@@ -104,6 +104,15 @@ def test_sp_layout_from_dp_tokens():
         am.SpLayout([])
 
 
+def test_a_layout_past_the_ep_bound_is_refused_before_anything_is_allocated_for_it():
+    # 10**9 built a 16 GB array for the layout before the library refused it;
+    # 2**63 failed in ctypes with an OverflowError naming nothing.
+    for tp in (10**9, 2**63, 2**64 - 1):
+        with pytest.raises(am.InvalidArgumentError, match=f"tp_size {tp} exceeds the maximum of 1048576 EP ranks"):
+            am.SpLayout.from_dp_tokens([3, 4], tp)
+    assert am.SpLayout.from_dp_tokens([3, 4], 2**19).ep_size == 2**20
+
+
 def test_a_layout_cannot_change_under_the_array_it_keeps():
     # An SpLayout hands the library a size_t[] built once; its sizes are read-only.
     layout = am.SpLayout([3, 1])

@@ -2,6 +2,7 @@
 
 use super::ffi::{ffi, read_sizes, try_out, write_out, write_slice, Failure};
 use super::types::amoe_status;
+use crate::moe::layout::bounded_ep;
 use crate::moe::SpLayout;
 
 /// The SP layout of DP token counts (SPEC section 2):
@@ -25,11 +26,13 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
     ffi!(F, {
         let out_len = try_out!(F, out_len, "out_len");
         let dp = read_sizes(F, "dp_tokens", dp_tokens, n)?;
-        // The layout has n * tp_size entries: check it fits the caller's
-        // buffer before building it, so its size is bounded by real memory.
-        let Some(need) = n.checked_mul(tp_size) else {
-            return Err(Failure::invalid(F, "tp_size", format!("{n} DP ranks x {tp_size} TP ranks overflows")));
-        };
+        // The layout has n * tp_size entries, at most AMOE_MAX_EP_RANKS:
+        // checked before the caller is told a size to allocate, and the
+        // caller's buffer before the layout is built.
+        if tp_size == 0 {
+            return Err(Failure::invalid(F, "tp_size", "expected >= 1, got 0"));
+        }
+        let need = bounded_ep(F, "tp_size", n, tp_size)?;
         write_out(out_len, need);
         if cap < need {
             return Err(Failure::new(
