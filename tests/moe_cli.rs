@@ -130,3 +130,39 @@ fn timeouts_are_positive_seconds_and_inf_is_unbounded() {
         .expect("run ascend-moe");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `info` says where the kernel thread count and the comm timeout come from,
+/// and names a setting that is ignored because it is not a valid value (a
+/// typo such as `30s` left the 60 s default in force without a word).
+#[test]
+fn info_names_the_thread_and_timeout_settings_it_ignores() {
+    let info = |threads: Option<&str>, timeout: Option<&str>| {
+        let mut c = Command::new(EXE);
+        c.arg("info").env_remove("ASCEND_MOE_NUM_THREADS").env_remove("ASCEND_MOE_COMM_TIMEOUT");
+        if let Some(t) = threads {
+            c.env("ASCEND_MOE_NUM_THREADS", t);
+        }
+        if let Some(t) = timeout {
+            c.env("ASCEND_MOE_COMM_TIMEOUT", t);
+        }
+        let o = c.output().expect("run info");
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        out
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let out = info(None, None);
+    assert!(
+        out.contains(&format!("kernel threads       up to {cores} (the cores: ASCEND_MOE_NUM_THREADS not set)")),
+        "{out}"
+    );
+    assert!(out.contains("comm timeout         60s (the default: ASCEND_MOE_COMM_TIMEOUT not set)"), "{out}");
+    let out = info(Some("3"), Some("2.5"));
+    assert!(out.contains("kernel threads       up to 3 (ASCEND_MOE_NUM_THREADS)\n"), "{out}");
+    assert!(out.contains("comm timeout         2.5s (ASCEND_MOE_COMM_TIMEOUT)\n"), "{out}");
+    let out = info(Some("0"), Some("30s"));
+    let threads = format!("up to {cores} (the cores: ASCEND_MOE_NUM_THREADS=\"0\" ignored, not a positive integer)");
+    assert!(out.contains(&threads), "{out}");
+    let timeout = "60s (the default: ASCEND_MOE_COMM_TIMEOUT=\"30s\" ignored, not a positive number of seconds)";
+    assert!(out.contains(timeout), "{out}");
+}

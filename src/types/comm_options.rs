@@ -20,13 +20,21 @@ impl CommOptions {
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
     /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
-    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable.
+    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable
+    /// ([`CommOptions::env_timeout`] says which).
     pub fn from_env() -> Self {
-        let timeout = std::env::var("ASCEND_MOE_COMM_TIMEOUT")
-            .ok()
-            .and_then(|s| parse_timeout(&s))
-            .unwrap_or(Self::DEFAULT_TIMEOUT);
-        CommOptions { timeout }
+        CommOptions { timeout: Self::env_timeout().ok().flatten().unwrap_or(Self::DEFAULT_TIMEOUT) }
+    }
+
+    /// `ASCEND_MOE_COMM_TIMEOUT`: `Ok(None)` when unset, its timeout when a
+    /// positive number of seconds, else `Err` with the value as set, which
+    /// [`CommOptions::from_env`] ignores.
+    pub fn env_timeout() -> Result<Option<Duration>, String> {
+        match std::env::var("ASCEND_MOE_COMM_TIMEOUT") {
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
+            Ok(s) => parse_timeout(&s).map(Some).ok_or(s),
+        }
     }
 
     /// Options with the given timeout.

@@ -1,6 +1,7 @@
 //! `ascend-moe info`: which backends are usable here.
 
-use ascend_moe::backend::cpu::{shm_dir, CpuCommConfig, MAX_WORLD};
+use ascend_moe::backend::cpu::{default_num_threads, env_num_threads, shm_dir, CpuCommConfig, MAX_WORLD};
+use ascend_moe::CommOptions;
 
 pub fn main() -> i32 {
     println!("ascend-moe {}", env!("CARGO_PKG_VERSION"));
@@ -17,7 +18,21 @@ pub fn main() -> i32 {
         cfg.bytes_per_rank() / 1024
     );
     println!("  max ranks per group  {MAX_WORLD}");
-    println!("  comm timeout         {:?} (ASCEND_MOE_COMM_TIMEOUT)", ascend_moe::CommOptions::from_env().timeout);
+    let source = |var: &str, set: Result<bool, String>, fallback: &str, wanted: &str| match set {
+        Ok(true) => var.to_string(),
+        Ok(false) => format!("{fallback}: {var} not set"),
+        Err(v) => format!("{fallback}: {var}={v:?} ignored, not {wanted}"),
+    };
+    let threads =
+        source("ASCEND_MOE_NUM_THREADS", env_num_threads().map(|t| t.is_some()), "the cores", "a positive integer");
+    println!("  kernel threads       up to {} ({threads})", default_num_threads());
+    let timeout = source(
+        "ASCEND_MOE_COMM_TIMEOUT",
+        CommOptions::env_timeout().map(|t| t.is_some()),
+        "the default",
+        "a positive number of seconds",
+    );
+    println!("  comm timeout         {:?} ({timeout})", CommOptions::from_env().timeout);
     println!();
     // ---- NPU / CANN section ------------------------------------------------
     // The NPU backend adds its report here: one library call that returns what

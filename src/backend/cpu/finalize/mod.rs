@@ -32,7 +32,7 @@ type In<'a> = View<'a, CpuBuffer>;
 type Out<'a> = ViewMut<'a, CpuBuffer>;
 use gather::Gather;
 use lanes::Lanes;
-pub use threads::{default_num_threads, finalize_threads, set_num_threads, set_wide_simd};
+pub use threads::{default_num_threads, env_num_threads, finalize_threads, set_num_threads, set_wide_simd};
 
 const FINALIZE: &str = "moe_finalize_routing";
 const UNPERMUTE: &str = "moe_token_unpermute";

@@ -27,11 +27,18 @@ pub fn set_num_threads(n: Option<usize>) {
 
 /// The default thread count: `ASCEND_MOE_NUM_THREADS`, else the available parallelism.
 pub fn default_num_threads() -> usize {
-    std::env::var("ASCEND_MOE_NUM_THREADS")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .filter(|n| *n > 0)
-        .unwrap_or_else(cores)
+    env_num_threads().ok().flatten().unwrap_or_else(cores)
+}
+
+/// `ASCEND_MOE_NUM_THREADS`: `Ok(None)` when unset, its count when a
+/// positive integer, else `Err` with the value as set, which
+/// [`default_num_threads`] ignores.
+pub fn env_num_threads() -> Result<Option<usize>, String> {
+    match std::env::var("ASCEND_MOE_NUM_THREADS") {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
+        Ok(s) => s.trim().parse::<usize>().ok().filter(|n| *n > 0).map(Some).ok_or(s),
+    }
 }
 
 /// The available parallelism, asked once per process: on Linux the question
