@@ -7,6 +7,7 @@
 
 use std::process::Command;
 
+use ascend_moe::backend::npu::{DeviceBuffer, NpuBuffer, NpuDevice};
 use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::{moe_finalize_routing, moe_finalize_routing_into};
 use ascend_moe::{DType, DropPadMode, Tensor};
@@ -98,7 +99,7 @@ fn run_case(case: &str) -> Vec<(&'static str, ascend_moe::Result<()>)> {
 fn run_child(test: &str, case: &str) -> String {
     let exe = std::env::current_exe().expect("this test binary");
     let out = Command::new(exe)
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .args([test, "--exact", "--nocapture", "--test-threads=1", "--include-ignored"])
         .env(CASE, case)
         // Rust's default thread stack (2 MiB), which the thread case's cap must not fit.
         .env_remove("RUST_MIN_STACK")
@@ -125,6 +126,34 @@ fn host_memory_that_cannot_be_had_is_an_error() {
         let stdout = run_child(TEST, case);
         assert!(stdout.contains("refused: "), "case {case} ran no call: {stdout}");
     }
+}
+
+/// Copies of device memory to the host (`DeviceBuffer::to_vec`,
+/// `Tensor::to_cpu` of an NPU tensor) that cannot have their host memory are
+/// an error naming the call, as on the CPU.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_host_copies_that_cannot_be_had_are_an_error() {
+    const NPU_TEST: &str = "npu_host_copies_that_cannot_be_had_are_an_error";
+    if std::env::var(CASE).is_ok() {
+        let device = NpuDevice::open(0).unwrap_or_else(|e| panic!("npu:0: {e}"));
+        // 1 GiB of device memory, never written (nothing of it is copied).
+        let buf = DeviceBuffer::<f32>::alloc(&device, GIB_F32).expect("1 GiB of device memory");
+        let raw = NpuBuffer::alloc(&device, GIB_F32 * 4).expect("1 GiB of device memory");
+        let t = Tensor::from_buffer(&[GIB_F32], DType::F32, raw).expect("an NPU tensor");
+        cap_address_space();
+        for (op, r) in [("DeviceBuffer::to_vec", buf.to_vec().map(drop)), ("Tensor::to_cpu", t.to_cpu().map(drop))] {
+            let e = r.expect_err("a 1 GiB host copy under a 256 MiB cap succeeded");
+            assert!(
+                matches!(e, ascend_moe::Error::HostMemory { op: o, bytes } if o == op && bytes == GIB_F32 * 4),
+                "{e:?}"
+            );
+            println!("refused: {e}");
+        }
+        return;
+    }
+    let stdout = run_child(NPU_TEST, "npu");
+    assert_eq!(stdout.matches("refused: ").count(), 2, "{stdout}");
 }
 
 /// A finalize asked to use 4 threads where no thread can start (no memory
