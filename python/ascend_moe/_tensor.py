@@ -327,6 +327,9 @@ class _HostBlock:
         from ._lib import call, lib
 
         data, handle = ctypes.c_void_p(), ctypes.c_void_p()
+        if nbytes > SIZE_MAX:
+            # ctypes would pass it modulo 2**64: a small block for a huge array.
+            raise error(Status.HOST_MEMORY, f"host block: {nbytes} bytes of host memory could not be allocated")
         call("amoe_host_block_new", nbytes, ctypes.byref(data), ctypes.byref(handle))
         # Held here, so freeing needs no module lookup (also at interpreter exit).
         self._free = lib().amoe_host_block_free

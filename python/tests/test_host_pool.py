@@ -135,5 +135,12 @@ def test_a_block_that_cannot_be_had_is_a_clear_error(monkeypatch):
     with pytest.raises(MemoryError, match=f"{1 << 62} bytes of host memory could not be allocated") as e:
         _tensor._HostBlock(1 << 62)
     assert isinstance(e.value, am.HostMemoryError) and e.value.status is am.Status.HOST_MEMORY
+    # Past size_t: ctypes passed it modulo 2**64 (2**64 as 0, "at least one
+    # byte"; 2**64 + 4 as a 4-byte block).
+    for n in (1 << 64, (1 << 64) + 4, 1 << 82):
+        with pytest.raises(am.HostMemoryError, match=f"{n} bytes of host memory could not be allocated"):
+            _tensor._HostBlock(n)
+    with pytest.raises(am.HostMemoryError, match=f"{1 << 82} bytes"):
+        _tensor.host_empty((1 << 40, 1 << 40), np.float32)
     gc.collect()
     assert not unraisable, "the half-made block failed in __del__"
