@@ -7,10 +7,13 @@
 
 use std::process::Command;
 
+use ascend_moe::backend::cpu::CpuBuffer;
 use ascend_moe::backend::npu::{DeviceBuffer, NpuBuffer, NpuDevice};
 use ascend_moe::backend::FinalizeArgs;
-use ascend_moe::moe::{moe_finalize_routing, moe_finalize_routing_into};
-use ascend_moe::{DType, DropPadMode, Tensor};
+use ascend_moe::moe::shared::{shared_gather_unpad_into, shared_pad_reduce_scatter_into};
+use ascend_moe::moe::{maybe_all_gather_and_maybe_unpad_into, moe_finalize_routing, moe_finalize_routing_into};
+use ascend_moe::ranks::run_ranks;
+use ascend_moe::{CommErrorKind, CommOptions, DType, DropPadMode, SpLayout, Tensor};
 
 /// Set in the child to the case it runs.
 const CASE: &str = "ASCEND_MOE_TEST_HOST_MEMORY_CASE";
@@ -36,6 +39,13 @@ fn cap_address_space() {
 fn cap_address_space_above(headroom: u64) {
     let cap = mapped_bytes() + headroom;
     let lim = libc::rlimit { rlim_cur: cap as libc::rlim_t, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: a plain system call on a valid struct.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) }, 0, "setrlimit(RLIMIT_AS)");
+}
+
+/// Lifts the cap of [`cap_address_space`].
+fn uncap_address_space() {
+    let lim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
     // SAFETY: a plain system call on a valid struct.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) }, 0, "setrlimit(RLIMIT_AS)");
 }
@@ -154,6 +164,97 @@ fn npu_host_copies_that_cannot_be_had_are_an_error() {
     }
     let stdout = run_child(NPU_TEST, "npu");
     assert_eq!(stdout.matches("refused: ").count(), 2, "{stdout}");
+}
+
+/// `bytes` of writable memory that take none until written.
+fn unbacked_mut(bytes: usize) -> *mut u8 {
+    // SAFETY: an anonymous private mapping, never unmapped.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of {bytes} bytes");
+    p.cast()
+}
+
+/// An f32 tensor of `shape` over `bytes` of `mem`, borrowed.
+fn borrowed(mem: *mut u8, shape: &[usize]) -> Tensor {
+    let bytes = shape.iter().product::<usize>() * 4;
+    // SAFETY: `mem` is a mapping of at least `bytes` writable bytes that
+    // outlives the process's tensors (it is never unmapped).
+    let buf = unsafe { CpuBuffer::borrow_raw(mem, bytes, true) }.expect("a borrowed buffer");
+    Tensor::from_buffer(shape, DType::F32, buf).expect("a borrowed tensor")
+}
+
+/// A rank that cannot have the host memory an SP or shared-expert op needs
+/// (here the copy of its `x`, which its `out` covers) fails its peer in the
+/// op's collective at once, quoting why, instead of leaving it to wait out
+/// the group's timeout (10 s here), which it then failed with, without a
+/// word of why.
+#[test]
+fn a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective() {
+    const REFUSAL_TEST: &str = "a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective";
+    // Rows of 64 Ki f32 elements (256 KiB); 2048 of them are 512 MiB, more
+    // than the cap leaves.
+    const H: usize = 1 << 16;
+    const R: usize = 2048;
+    if std::env::var(CASE).is_ok() {
+        let layout = SpLayout::new(&[2 * R, 1]).expect("layout");
+        // Each op's `(x, out)` of rank 0 (`out` covering `x`) and rank 1.
+        type Shapes = ([usize; 2], [usize; 2], [usize; 2]);
+        let ops: [(&str, Shapes); 3] = [
+            // (op, (rank 0's x, rank 1's x, out))
+            ("maybe_all_gather_and_maybe_unpad", ([2 * R, H], [1, H], [2 * R + 1, H])),
+            ("shared_gather_unpad", ([R, H], [R, H], [2 * R, H])),
+            ("shared_pad_reduce_scatter", ([2 * R, H], [2 * R, H], [R, H])),
+        ];
+        let opts = CommOptions::with_timeout(std::time::Duration::from_secs(10));
+        for (op, (x0, x1, out_shape)) in ops {
+            uncap_address_space();
+            let barrier = std::sync::Barrier::new(2);
+            let results = run_ranks(2, &opts, |rank, comm| {
+                let (x_shape, big) = if rank == 0 { (x0, x0.max(out_shape)) } else { (x1, out_shape) };
+                let mem = unbacked_mut(big[0] * H * 4);
+                // Rank 0's `x` and `out` share their first rows; rank 1's are apart.
+                let x = borrowed(if rank == 0 { mem } else { unbacked_mut(x_shape[0] * H * 4) }, &x_shape);
+                let mut out = borrowed(mem, &out_shape);
+                barrier.wait();
+                if rank == 0 {
+                    cap_address_space();
+                }
+                barrier.wait();
+                let r = match op {
+                    "maybe_all_gather_and_maybe_unpad" => {
+                        maybe_all_gather_and_maybe_unpad_into(&x, Some(&layout), &comm, &mut out)
+                    }
+                    "shared_gather_unpad" => shared_gather_unpad_into(&x, 2 * R, &comm, &mut out),
+                    _ => shared_pad_reduce_scatter_into(&x, &comm, &mut out),
+                };
+                // Each rank keeps its communicator until both are done, as an
+                // engine does (a dropped one would tell the peer it left).
+                barrier.wait();
+                Ok(r)
+            })
+            .expect("the ranks ran");
+            let own = results[0].as_ref().expect_err("rank 0 copied its x under a 256 MiB cap");
+            assert!(matches!(own, ascend_moe::Error::HostMemory { .. }), "{op}: rank 0: {own:?}");
+            let peer = results[1].as_ref().expect_err("rank 1 went on without rank 0");
+            // The refusal channel's error: a mismatched call quoting rank 0's reason.
+            let refused = matches!(peer, ascend_moe::Error::Comm { kind: CommErrorKind::Mismatch, .. });
+            let why = format!("rank 0: {own}");
+            assert!(refused && peer.to_string().contains(&why), "{op}: rank 1: {peer:?}");
+            println!("{op} refused: {peer}");
+        }
+        return;
+    }
+    let stdout = run_child(REFUSAL_TEST, "refusal");
+    assert_eq!(stdout.matches(" refused: ").count(), 3, "{stdout}");
 }
 
 /// A finalize asked to use 4 threads where no thread can start (no memory

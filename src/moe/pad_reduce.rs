@@ -289,8 +289,9 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    // `out` may cover `x`: `x` is then read from a copy in workspace.
-    let copy = read_apart(x, out)?;
+    // `out` may cover `x`: `x` is then read from a copy in workspace (whose
+    // allocation may fail, a refusal like any other).
+    let copy = read_apart(x, out).map_err(|e| ep.refuse_call(PAD_REDUCE_CALL, x.dtype(), e))?;
     let x = copy.as_ref().unwrap_or(x);
     let shape = maybe_pad_and_reduce_dtype(x.dtype())
         .and_then(|_| maybe_pad_and_reduce_output_shape(x.shape(), layout, ep.rank(), ep.world_size()));
@@ -385,8 +386,9 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     ep: &C,
     out: &mut Tensor,
 ) -> Result<()> {
-    // `out` may cover `x`: `x` is then read from a copy in workspace.
-    let copy = read_apart(x, out)?;
+    // `out` may cover `x`: `x` is then read from a copy in workspace (whose
+    // allocation may fail, a refusal like any other).
+    let copy = read_apart(x, out).map_err(|e| ep.refuse_call(Call::AllGather, x.dtype(), e))?;
     let x = copy.as_ref().unwrap_or(x);
     let device = maybe_all_gather_and_maybe_unpad_output_shape(x.shape(), layout, ep.rank(), ep.world_size())
         .and_then(|s| check_in_out(GATHER_UNPAD, "x", x, out, &s, ep))

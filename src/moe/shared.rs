@@ -123,9 +123,9 @@ pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp
 /// `ceil(num_tokens / TP)` rows and keeps the first `num_tokens` (drops the
 /// padding). Collective over `tp`; every rank passes the same `num_tokens`.
 pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usize, tp: &C) -> Result<Tensor> {
-    let shape = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())
+    let mut out = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())
+        .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
         .map_err(|e| tp.refuse_call(Call::AllGather, x.dtype(), e))?;
-    let mut out = x.device().backend().scratch(&shape, x.dtype())?;
     shared_gather_unpad_into(x, num_tokens, tp, &mut out)?;
     Ok(out)
 }
@@ -142,15 +142,17 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     out: &mut Tensor,
 ) -> Result<()> {
     // `out` may cover `x`: `x` is then read from a copy in workspace.
-    let copy = read_apart(x, out)?;
+    let refuse = |e| tp.refuse_call(Call::AllGather, x.dtype(), e);
+    let copy = read_apart(x, out).map_err(refuse)?;
     let x = copy.as_ref().unwrap_or(x);
     let checked = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size()).and_then(|shape| {
         let device = check_out_like(GATHER_UNPAD, x, out, &shape)?;
         let gathered = all_parts(GATHER_UNPAD, x.shape(), x.rows(), tp.world_size())?;
         Ok((device, with_rows(GATHER_UNPAD, "x", x.shape(), gathered)?))
     });
-    // A rank's own bad argument fails its peers in the all-gather at once.
-    let (device, full_shape) = checked.map_err(|e| tp.refuse_call(Call::AllGather, x.dtype(), e))?;
+    // A rank's own bad argument (or memory it cannot have) fails its peers
+    // in the all-gather at once.
+    let (device, full_shape) = checked.map_err(refuse)?;
     let backend = device.backend();
     if full_shape[0] == num_tokens {
         if out.numel() > 0 || joins_empty(tp) {
@@ -158,7 +160,7 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
         }
         return Ok(());
     }
-    let mut full = backend.scratch(&full_shape, x.dtype())?;
+    let mut full = backend.scratch(&full_shape, x.dtype()).map_err(refuse)?;
     if full.numel() > 0 || joins_empty(tp) {
         tp.all_gather(x, &mut full)?;
     }
@@ -180,9 +182,9 @@ pub fn shared_pad_reduce_scatter_output_shape(x_shape: &[usize], tp_size: usize)
 /// of the TP size and reduce-scatters (sum) it over `tp`: this rank's complete
 /// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`.
 pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
-    let shape = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
+    let mut out = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
+        .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
         .map_err(|e| tp.refuse_call(REDUCE_SCATTER, x.dtype(), e))?;
-    let mut out = x.device().backend().scratch(&shape, x.dtype())?;
     shared_pad_reduce_scatter_into(x, tp, &mut out)?;
     Ok(out)
 }
@@ -194,12 +196,14 @@ pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) ->
 /// element of `out` directly.
 pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
     // `out` may cover `x`: `x` is then read from a copy in workspace.
-    let copy = read_apart(x, out)?;
+    let refuse = |e| tp.refuse_call(REDUCE_SCATTER, x.dtype(), e);
+    let copy = read_apart(x, out).map_err(refuse)?;
     let x = copy.as_ref().unwrap_or(x);
     let checked = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
         .and_then(|shape| Ok((check_out_like(PAD_REDUCE_SCATTER, x, out, &shape)?, shape)));
-    // A rank's own bad argument fails its peers in the reduce-scatter at once.
-    let (device, shape) = checked.map_err(|e| tp.refuse_call(REDUCE_SCATTER, x.dtype(), e))?;
+    // A rank's own bad argument (or memory it cannot have) fails its peers
+    // in the reduce-scatter at once.
+    let (device, shape) = checked.map_err(refuse)?;
     let backend = device.backend();
     let padded_rows = shape[0] * tp.world_size();
     if out.numel() == 0 && !joins_empty(tp) {
@@ -208,7 +212,8 @@ pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &
     if padded_rows == x.rows() {
         tp.reduce_scatter(x, out, ReduceOp::Sum)?;
     } else {
-        let mut padded = backend.scratch(&with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), padded_rows)?, x.dtype())?;
+        let padded_shape = with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), padded_rows)?;
+        let mut padded = backend.scratch(&padded_shape, x.dtype()).map_err(refuse)?;
         if x.rows() > 0 {
             backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
         }

@@ -298,7 +298,9 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
     let backend = device.backend();
     // `out` is (part of) `y`'s memory: `y` is read from a copy in the
     // stream's workspace, so no collective reads what it writes.
-    if let Some(copy) = crate::moe::output::read_apart(y, out)? {
+    let copy = crate::moe::output::read_apart(y, out)
+        .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
+    if let Some(copy) = copy {
         return finalize_into(&copy, comm, ctx, groups, out);
     }
     agree_before_finalize(comm, ctx, groups)?;
