@@ -10,10 +10,11 @@ use std::process::Command;
 use ascend_moe::backend::cpu::CpuBuffer;
 use ascend_moe::backend::npu::{DeviceBuffer, NpuBuffer, NpuDevice};
 use ascend_moe::backend::FinalizeArgs;
+use ascend_moe::moe::prepare_finalize::{finalize_into, MoeContext, MoeGroups};
 use ascend_moe::moe::shared::{shared_gather_unpad_into, shared_pad_reduce_scatter_into};
 use ascend_moe::moe::{maybe_all_gather_and_maybe_unpad_into, moe_finalize_routing, moe_finalize_routing_into};
 use ascend_moe::ranks::run_ranks;
-use ascend_moe::{CommErrorKind, CommOptions, DType, DropPadMode, SpLayout, Tensor};
+use ascend_moe::{CommErrorKind, CommOptions, CommType, DType, DropPadMode, SpLayout, Tensor};
 
 /// Set in the child to the case it runs.
 const CASE: &str = "ASCEND_MOE_TEST_HOST_MEMORY_CASE";
@@ -192,38 +193,46 @@ fn borrowed(mem: *mut u8, shape: &[usize]) -> Tensor {
     Tensor::from_buffer(shape, DType::F32, buf).expect("a borrowed tensor")
 }
 
-/// A rank that cannot have the host memory an SP or shared-expert op needs
-/// (here the copy of its `x`, which its `out` covers) fails its peer in the
-/// op's collective at once, quoting why, instead of leaving it to wait out
-/// the group's timeout (10 s here), which it then failed with, without a
-/// word of why.
+/// A rank that cannot have the host memory an op needs fails its peer in
+/// the op's collective at once, quoting why, instead of leaving it to wait
+/// out the group's timeout (10 s here), which it then failed with, without a
+/// word of why: the copy of an `x` its `out` covers (the SP ops, the
+/// shared-expert ops, finalize), and a DP-gather finalize's slot of
+/// `max_d T_d` rows (which a rank with fewer tokens needs and one with the
+/// most does not).
 #[test]
-fn a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective() {
-    const REFUSAL_TEST: &str = "a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective";
+fn a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective() {
+    const REFUSAL_TEST: &str = "a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective";
     // Rows of 64 Ki f32 elements (256 KiB); 2048 of them are 512 MiB, more
     // than the cap leaves.
     const H: usize = 1 << 16;
     const R: usize = 2048;
     if std::env::var(CASE).is_ok() {
         let layout = SpLayout::new(&[2 * R, 1]).expect("layout");
-        // Each op's `(x, out)` of rank 0 (`out` covering `x`) and rank 1.
-        type Shapes = ([usize; 2], [usize; 2], [usize; 2]);
-        let ops: [(&str, Shapes); 3] = [
-            // (op, (rank 0's x, rank 1's x, out))
-            ("maybe_all_gather_and_maybe_unpad", ([2 * R, H], [1, H], [2 * R + 1, H])),
-            ("shared_gather_unpad", ([R, H], [R, H], [2 * R, H])),
-            ("shared_pad_reduce_scatter", ([2 * R, H], [2 * R, H], [R, H])),
+        // (op, rank 0's x, rank 1's x, rank 0's out, rank 1's out, whether
+        // rank 0's out covers its x).
+        type Case = (&'static str, usize, usize, usize, usize, bool);
+        let cases: [Case; 5] = [
+            ("maybe_all_gather_and_maybe_unpad", 2 * R, 1, 2 * R + 1, 2 * R + 1, true),
+            ("shared_gather_unpad", R, R, 2 * R, 2 * R, true),
+            ("shared_pad_reduce_scatter", 2 * R, 2 * R, R, R, true),
+            // ALLGATHER over DP 2 (TP 1), dp_tokens [R, R]: y holds 2R rows.
+            ("finalize_into (copy of y)", 2 * R, 2 * R, R, R, true),
+            // dp_tokens [1, R]: rank 0 finalizes into a slot of R rows.
+            ("finalize_into (DP slot)", 2 * R, 2 * R, 1, R, false),
         ];
         let opts = CommOptions::with_timeout(std::time::Duration::from_secs(10));
-        for (op, (x0, x1, out_shape)) in ops {
+        for (op, x0, x1, out0, out1, covers) in cases {
             uncap_address_space();
             let barrier = std::sync::Barrier::new(2);
             let results = run_ranks(2, &opts, |rank, comm| {
-                let (x_shape, big) = if rank == 0 { (x0, x0.max(out_shape)) } else { (x1, out_shape) };
-                let mem = unbacked_mut(big[0] * H * 4);
-                // Rank 0's `x` and `out` share their first rows; rank 1's are apart.
-                let x = borrowed(if rank == 0 { mem } else { unbacked_mut(x_shape[0] * H * 4) }, &x_shape);
-                let mut out = borrowed(mem, &out_shape);
+                let (x_rows, out_rows) = if rank == 0 { (x0, out0) } else { (x1, out1) };
+                let x_mem = unbacked_mut(x_rows.max(out_rows) * H * 4);
+                let out_mem = if rank == 0 && covers { x_mem } else { unbacked_mut(out_rows * H * 4) };
+                let (x, mut out) = (borrowed(x_mem, &[x_rows, H]), borrowed(out_mem, &[out_rows, H]));
+                let dp_tokens = if op.ends_with("(DP slot)") { [1, R] } else { [R, R] };
+                let ctx = MoeContext::new(&dp_tokens, 1, rank, 0, false)?;
+                let groups = MoeGroups::from_world(&comm, 1)?;
                 barrier.wait();
                 if rank == 0 {
                     cap_address_space();
@@ -234,7 +243,8 @@ fn a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective() {
                         maybe_all_gather_and_maybe_unpad_into(&x, Some(&layout), &comm, &mut out)
                     }
                     "shared_gather_unpad" => shared_gather_unpad_into(&x, 2 * R, &comm, &mut out),
-                    _ => shared_pad_reduce_scatter_into(&x, &comm, &mut out),
+                    "shared_pad_reduce_scatter" => shared_pad_reduce_scatter_into(&x, &comm, &mut out),
+                    _ => finalize_into(&x, CommType::AllGather, &ctx, &groups, &mut out),
                 };
                 // Each rank keeps its communicator until both are done, as an
                 // engine does (a dropped one would tell the peer it left).
@@ -242,7 +252,7 @@ fn a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective() {
                 Ok(r)
             })
             .expect("the ranks ran");
-            let own = results[0].as_ref().expect_err("rank 0 copied its x under a 256 MiB cap");
+            let own = results[0].as_ref().expect_err("rank 0 had 512 MiB under a 256 MiB cap");
             assert!(matches!(own, ascend_moe::Error::HostMemory { .. }), "{op}: rank 0: {own:?}");
             let peer = results[1].as_ref().expect_err("rank 1 went on without rank 0");
             // The refusal channel's error: a mismatched call quoting rank 0's reason.
@@ -254,7 +264,7 @@ fn a_rank_without_memory_for_an_sp_op_fails_its_peers_in_the_collective() {
         return;
     }
     let stdout = run_child(REFUSAL_TEST, "refusal");
-    assert_eq!(stdout.matches(" refused: ").count(), 3, "{stdout}");
+    assert_eq!(stdout.matches(" refused: ").count(), 5, "{stdout}");
 }
 
 /// A finalize asked to use 4 threads where no thread can start (no memory

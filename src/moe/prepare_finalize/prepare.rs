@@ -32,9 +32,9 @@ pub struct Prepared {
 /// disagree on either all fail with an error naming it instead of running
 /// the collectives of two different paths or planning other rows.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
-    let shape = prepare_output_shape(x.shape(), comm, ctx)
+    let mut hidden = prepare_output_shape(x.shape(), comm, ctx)
+        .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
         .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
-    let mut hidden = x.device().backend().scratch(&shape, x.dtype())?;
     let mc2_mask = prepare_into(x, comm, ctx, groups, &mut hidden)?;
     Ok(Prepared { hidden, mc2_mask })
 }
@@ -76,7 +76,13 @@ pub fn prepare_tokens_into(
             // A CPU rank with no element to move still joins (count 0), so a
             // peer whose context says rows move fails with it.
             if out.numel() > 0 || joins_empty(&groups.dp) {
-                let mut padded = backend.scratch(&with_rows(PREPARE, "x", x.shape(), max_tokens)?, x.dtype())?;
+                // Memory this rank cannot have fails its peers in the DP
+                // all-gather they go on to, at once.
+                let scratch = |rows| {
+                    let shape = with_rows(PREPARE, "x", x.shape(), rows)?;
+                    backend.scratch(&shape, x.dtype()).map_err(|e| groups.dp.refuse_call(Call::AllGather, x.dtype(), e))
+                };
+                let mut padded = scratch(max_tokens)?;
                 if x.rows() > 0 {
                     backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
                 }
@@ -84,8 +90,7 @@ pub fn prepare_tokens_into(
                     // vLLM-Ascend (`prepare_finalize.py`, `_prepare_with_dp_group`):
                     // the DP all-gather first, then the PCP all-gather of its result.
                     Some(pcp) => {
-                        let dp_rows = max_tokens * ctx.dp_size();
-                        let mut dp_out = backend.scratch(&with_rows(PREPARE, "x", x.shape(), dp_rows)?, x.dtype())?;
+                        let mut dp_out = scratch(max_tokens * ctx.dp_size())?;
                         groups.dp.all_gather(&padded, &mut dp_out)?;
                         pcp.all_gather(&dp_out, out)?;
                     }
@@ -222,6 +227,44 @@ fn agree_before_finalize(comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -
 }
 
 /// Copies every row of `src` into `dst` (same shape).
+/// `rows` rows like `y`'s for a DP-gather finalize, or an error of memory
+/// this rank cannot have that fails its peers in the reduce-scatter they go
+/// on to (PCP's, where there is one, else DP's) at once.
+fn dp_gather_scratch(y: &Tensor, rows: usize, groups: &MoeGroups) -> Result<Tensor> {
+    let shape = with_rows(FINALIZE, "y", y.shape(), rows)?;
+    let first = groups.pcp.as_ref().unwrap_or(&groups.dp);
+    y.device()
+        .backend()
+        .scratch(&shape, y.dtype())
+        .map_err(|e| first.refuse_call(Call::ReduceScatter(ReduceOp::Sum), y.dtype(), e))
+}
+
+/// The row counts, in elements, of a TP-split finalize's gather of `sizes`
+/// rows like `y`'s; `None` when every rank has as many (a plain all-gather).
+fn tp_counts(y: &Tensor, sizes: &[usize]) -> Option<Vec<usize>> {
+    let uniform = sizes.iter().all(|s| *s == sizes[0]);
+    (!uniform).then(|| sizes.iter().map(|s| s * y.row_len()).collect())
+}
+
+/// The `padded` rows a TP-split finalize gathers into, or an error of
+/// memory this rank cannot have that fails its TP peers in that gather.
+fn tp_split_scratch(y: &Tensor, padded: usize, sizes: &[usize], groups: &MoeGroups) -> Result<Tensor> {
+    let shape = with_rows(FINALIZE, "y", y.shape(), padded)?;
+    y.device().backend().scratch(&shape, y.dtype()).map_err(|e| {
+        let counts = tp_counts(y, sizes);
+        let call = counts.as_deref().map_or(Call::AllGather, Call::AllGatherV);
+        groups.tp.refuse_call(call, y.dtype(), e)
+    })
+}
+
+/// A TP-split finalize's gather of every TP rank's rows of `y` into `full`.
+fn tp_gather(y: &Tensor, full: &mut Tensor, sizes: &[usize], groups: &MoeGroups) -> Result<()> {
+    match tp_counts(y, sizes) {
+        None => groups.tp.all_gather(y, full),
+        Some(counts) => groups.tp.all_gather_v(y, full, &counts),
+    }
+}
+
 fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     if src.numel() > 0 {
         src.device().backend().copy_rows(src, 0, dst, 0, src.rows())?;
@@ -252,15 +295,15 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
     match token_plan(comm, ctx) {
         TokenPlan::SpGather(l) => maybe_pad_and_reduce(&y, Some(&l), &groups.ep),
         TokenPlan::DpGather { max_tokens } => {
-            let mut slot = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), max_tokens)?, y.dtype())?;
+            let scratch = |rows| dp_gather_scratch(&y, rows, groups);
+            let mut slot = scratch(max_tokens)?;
             if slot.numel() > 0 || joins_empty(&groups.dp) {
                 match &groups.pcp {
                     // vLLM-Ascend (`prepare_finalize.py`, `_finalize_with_dp_group`):
                     // the PCP reduce-scatter to the DP-gathered rows recorded at
                     // prepare, then the DP reduce-scatter to `max_d T_d`.
                     Some(pcp) => {
-                        let dp_rows = max_tokens * ctx.dp_size();
-                        let mut dp_in = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
+                        let mut dp_in = scratch(max_tokens * ctx.dp_size())?;
                         pcp.reduce_scatter(&y, &mut dp_in, ReduceOp::Sum)?;
                         groups.dp.reduce_scatter(&dp_in, &mut slot, ReduceOp::Sum)?;
                     }
@@ -270,14 +313,9 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
             keep(slot)
         }
         TokenPlan::TpSplit { padded, sizes } => {
-            let mut full = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?;
+            let mut full = tp_split_scratch(&y, padded, &sizes, groups)?;
             if full.numel() > 0 || joins_empty(&groups.tp) {
-                if sizes.iter().all(|s| *s == sizes[0]) {
-                    groups.tp.all_gather(&y, &mut full)?;
-                } else {
-                    let counts: Vec<usize> = sizes.iter().map(|s| s * y.row_len()).collect();
-                    groups.tp.all_gather_v(&y, &mut full, &counts)?;
-                }
+                tp_gather(&y, &mut full, &sizes, groups)?;
             }
             keep(full)
         }
@@ -314,9 +352,9 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
     match token_plan(comm, ctx) {
         TokenPlan::SpGather(l) => maybe_pad_and_reduce_into(y, Some(&l), &groups.ep, out),
         TokenPlan::DpGather { max_tokens } => {
-            let slot_shape = with_rows(FINALIZE, "y", y.shape(), max_tokens)?;
+            let scratch = |rows| dp_gather_scratch(y, rows, groups);
             let direct = max_tokens == shape[0];
-            let mut slot = if direct { None } else { Some(backend.scratch(&slot_shape, y.dtype())?) };
+            let mut slot = if direct { None } else { Some(scratch(max_tokens)?) };
             let target = match slot.as_mut() {
                 Some(s) => s,
                 None => &mut *out,
@@ -327,8 +365,7 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
                     // the PCP reduce-scatter to the DP-gathered rows recorded at
                     // prepare, then the DP reduce-scatter to `max_d T_d`.
                     Some(pcp) => {
-                        let dp_rows = max_tokens * ctx.dp_size();
-                        let mut dp_in = backend.scratch(&with_rows(FINALIZE, "y", y.shape(), dp_rows)?, y.dtype())?;
+                        let mut dp_in = scratch(max_tokens * ctx.dp_size())?;
                         pcp.reduce_scatter(y, &mut dp_in, ReduceOp::Sum)?;
                         groups.dp.reduce_scatter(&dp_in, target, ReduceOp::Sum)?;
                     }
@@ -342,22 +379,13 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
         }
         TokenPlan::TpSplit { padded, sizes } => {
             let direct = padded == shape[0];
-            let mut full = if direct {
-                None
-            } else {
-                Some(backend.scratch(&with_rows(FINALIZE, "y", y.shape(), padded)?, y.dtype())?)
-            };
+            let mut full = if direct { None } else { Some(tp_split_scratch(y, padded, &sizes, groups)?) };
             let target = match full.as_mut() {
                 Some(f) => f,
                 None => &mut *out,
             };
             if target.numel() > 0 || joins_empty(&groups.tp) {
-                if sizes.iter().all(|s| *s == sizes[0]) {
-                    groups.tp.all_gather(y, target)?;
-                } else {
-                    let counts: Vec<usize> = sizes.iter().map(|s| s * y.row_len()).collect();
-                    groups.tp.all_gather_v(y, target, &counts)?;
-                }
+                tp_gather(y, target, &sizes, groups)?;
             }
             match &full {
                 Some(f) => keep(f, out),
