@@ -10,7 +10,7 @@ use std::process::Command;
 use ascend_moe::backend::cpu::CpuBuffer;
 use ascend_moe::backend::npu::{DeviceBuffer, NpuBuffer, NpuDevice};
 use ascend_moe::backend::FinalizeArgs;
-use ascend_moe::moe::prepare_finalize::{finalize_into, MoeContext, MoeGroups};
+use ascend_moe::moe::prepare_finalize::{dispatch, finalize_into, MoeContext, MoeGroups};
 use ascend_moe::moe::shared::{shared_gather_unpad_into, shared_pad_reduce_scatter_into};
 use ascend_moe::moe::{maybe_all_gather_and_maybe_unpad_into, moe_finalize_routing, moe_finalize_routing_into};
 use ascend_moe::ranks::run_ranks;
@@ -197,9 +197,10 @@ fn borrowed(mem: *mut u8, shape: &[usize]) -> Tensor {
 /// the op's collective at once, quoting why, instead of leaving it to wait
 /// out the group's timeout (10 s here), which it then failed with, without a
 /// word of why: the copy of an `x` its `out` covers (the SP ops, the
-/// shared-expert ops, finalize), and a DP-gather finalize's slot of
-/// `max_d T_d` rows (which a rank with fewer tokens needs and one with the
-/// most does not).
+/// shared-expert ops, finalize), a DP-gather finalize's slot of `max_d T_d`
+/// rows (which a rank with fewer tokens needs and one with the most does
+/// not), and the rows a dispatch sends (a rank routing many more than its
+/// peers).
 #[test]
 fn a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective() {
     const REFUSAL_TEST: &str = "a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective";
@@ -212,7 +213,7 @@ fn a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective() {
         // (op, rank 0's x, rank 1's x, rank 0's out, rank 1's out, whether
         // rank 0's out covers its x).
         type Case = (&'static str, usize, usize, usize, usize, bool);
-        let cases: [Case; 5] = [
+        let cases: [Case; 6] = [
             ("maybe_all_gather_and_maybe_unpad", 2 * R, 1, 2 * R + 1, 2 * R + 1, true),
             ("shared_gather_unpad", R, R, 2 * R, 2 * R, true),
             ("shared_pad_reduce_scatter", 2 * R, 2 * R, R, R, true),
@@ -220,6 +221,9 @@ fn a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective() {
             ("finalize_into (copy of y)", 2 * R, 2 * R, R, R, true),
             // dp_tokens [1, R]: rank 0 finalizes into a slot of R rows.
             ("finalize_into (DP slot)", 2 * R, 2 * R, 1, R, false),
+            // Every token to expert 0 of 2 (rank 0's): rank 0 gathers its R
+            // rows to send, rank 1 its one (the op allocates; `out` is unused).
+            ("dispatch", R, 1, 1, 1, false),
         ];
         let opts = CommOptions::with_timeout(std::time::Duration::from_secs(10));
         for (op, x0, x1, out0, out1, covers) in cases {
@@ -244,6 +248,7 @@ fn a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective() {
                     }
                     "shared_gather_unpad" => shared_gather_unpad_into(&x, 2 * R, &comm, &mut out),
                     "shared_pad_reduce_scatter" => shared_pad_reduce_scatter_into(&x, &comm, &mut out),
+                    "dispatch" => dispatch(&x, &vec![0; x_rows], 1, None, 2, &comm).map(drop),
                     _ => finalize_into(&x, CommType::AllGather, &ctx, &groups, &mut out),
                 };
                 // Each rank keeps its communicator until both are done, as an
@@ -264,7 +269,7 @@ fn a_rank_without_memory_for_an_op_fails_its_peers_in_the_collective() {
         return;
     }
     let stdout = run_child(REFUSAL_TEST, "refusal");
-    assert_eq!(stdout.matches(" refused: ").count(), 5, "{stdout}");
+    assert_eq!(stdout.matches(" refused: ").count(), 6, "{stdout}");
 }
 
 /// A finalize asked to use 4 threads where no thread can start (no memory

@@ -116,16 +116,27 @@ pub fn dispatch(
     let recv_counts = exchange_counts(ep, &send_counts)?;
     let device = x.device();
     let h = x.row_len();
-    // Gather the rows to send with the unpermute op (K = 1: a row gather).
-    let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
-    let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
     let recv_total: usize = recv_counts.iter().sum();
-    let mut rows = device.backend().scratch(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype())?;
     let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
     let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
+    // The rows to send, gathered with the unpermute op (K = 1: a row
+    // gather), and room for those received. Memory this rank cannot have
+    // (a rank that sends or receives many more rows than its peers) fails
+    // them in the exchange of the rows at once.
+    let buffers = (|| {
+        let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
+        let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
+        let rows = device.backend().scratch(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype())?;
+        Ok((send, rows))
+    })();
+    let (send, mut rows) = buffers.map_err(|e| ep.refuse_call(Call::AllToAllV(&sc, &rc), x.dtype(), e))?;
     ep.all_to_all_v(&send, &sc, &mut rows, &rc)?;
-    let se = Tensor::from_slice(&send_experts, &[send_experts.len()])?.to_device(&device)?;
-    let mut re = device.backend().scratch(&[recv_total], DType::I32)?;
+    let experts = (|| {
+        let se = Tensor::from_slice(&send_experts, &[send_experts.len()])?.to_device(&device)?;
+        Ok((se, device.backend().scratch(&[recv_total], DType::I32)?))
+    })();
+    let (se, mut re) =
+        experts.map_err(|e| ep.refuse_call(Call::AllToAllV(&send_counts, &recv_counts), DType::I32, e))?;
     ep.all_to_all_v(&se, &send_counts, &mut re, &recv_counts)?;
     Ok(Dispatched { rows, experts: re.to_vec::<i32>()?, send_counts, recv_counts, send_pos, tokens: n, top_k })
 }
@@ -156,7 +167,10 @@ pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &
     let sent: usize = d.send_counts.iter().sum();
     let mut back_shape = vec![1, sent];
     back_shape.extend_from_slice(&expert_out.shape()[1..]);
-    let mut back = device.backend().scratch(&back_shape, expert_out.dtype())?;
+    let mut back = device
+        .backend()
+        .scratch(&back_shape, expert_out.dtype())
+        .map_err(|e| ep.refuse_call(Call::AllToAllV(&sc, &rc), expert_out.dtype(), e))?;
     ep.all_to_all_v(expert_out, &sc, &mut back, &rc)?;
     let idx = Tensor::from_slice(&d.send_pos, &[d.send_pos.len()])?.to_device(&device)?;
     moe_finalize_routing(&FinalizeArgs {
