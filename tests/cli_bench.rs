@@ -202,7 +202,8 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&["bench", "triad", "--mib", "18446744073709551615"], "--mib 18446744073709551615: more bytes than");
     // The benches' own inputs: an element count that wrapped (2^61 x 8 rows
     // became 0), int32 row indices past their range, and inputs larger than
-    // the host's memory (the first two allocated gigabytes before failing).
+    // the host's memory. Unchecked, these built vectors of a wrapped length,
+    // allocated gigabytes before failing, or aborted in the allocator.
     let moe = |bench: &'static str, extra: &[&'static str]| [&["bench", bench][..], extra].concat();
     let rows = "expanded rows: int32 row indices reach at most 2147483648 rows";
     exits_with(

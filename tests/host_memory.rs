@@ -51,22 +51,26 @@ fn uncap_address_space() {
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &lim) }, 0, "setrlimit(RLIMIT_AS)");
 }
 
+/// `bytes` of memory with protection `prot` that take none until written:
+/// an anonymous private mapping, never unmapped.
+fn unbacked(bytes: usize, prot: libc::c_int) -> *mut u8 {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
+    // SAFETY: a new anonymous mapping at an address of the kernel's choice.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), bytes, prot, flags, -1, 0) };
+    assert_ne!(p, libc::MAP_FAILED, "mmap of {bytes} bytes");
+    p.cast()
+}
+
 /// `bytes` of read-only zeros that take no memory (the kernel's zero page).
 fn unbacked_zeros(bytes: usize) -> &'static [f32] {
-    // SAFETY: an anonymous private mapping, never unmapped, read only.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED, "mmap of {bytes} bytes");
+    let p = unbacked(bytes, libc::PROT_READ);
     // SAFETY: `bytes` readable bytes at `p`, page-aligned, for the process's life.
     unsafe { std::slice::from_raw_parts(p.cast::<f32>(), bytes / 4) }
+}
+
+/// `bytes` of writable memory that take none until written.
+fn unbacked_mut(bytes: usize) -> *mut u8 {
+    unbacked(bytes, libc::PROT_READ | libc::PROT_WRITE)
 }
 
 /// Runs `case` with the address space capped; the error each call returns.
@@ -167,24 +171,7 @@ fn npu_host_copies_that_cannot_be_had_are_an_error() {
     assert_eq!(stdout.matches("refused: ").count(), 2, "{stdout}");
 }
 
-/// `bytes` of writable memory that take none until written.
-fn unbacked_mut(bytes: usize) -> *mut u8 {
-    // SAFETY: an anonymous private mapping, never unmapped.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            bytes,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(p, libc::MAP_FAILED, "mmap of {bytes} bytes");
-    p.cast()
-}
-
-/// An f32 tensor of `shape` over `bytes` of `mem`, borrowed.
+/// An f32 tensor of `shape` over the first bytes of `mem`, borrowed.
 fn borrowed(mem: *mut u8, shape: &[usize]) -> Tensor {
     let bytes = shape.iter().product::<usize>() * 4;
     // SAFETY: `mem` is a mapping of at least `bytes` writable bytes that

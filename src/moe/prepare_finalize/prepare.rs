@@ -226,7 +226,6 @@ fn agree_before_finalize(comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -
     Ok(())
 }
 
-/// Copies every row of `src` into `dst` (same shape).
 /// `rows` rows like `y`'s for a DP-gather finalize, or an error of memory
 /// this rank cannot have that fails its peers in the reduce-scatter they go
 /// on to (PCP's, where there is one, else DP's) at once.
@@ -265,6 +264,7 @@ fn tp_gather(y: &Tensor, full: &mut Tensor, sizes: &[usize], groups: &MoeGroups)
     }
 }
 
+/// Copies every row of `src` into `dst` (same shape).
 fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
     if src.numel() > 0 {
         src.device().backend().copy_rows(src, 0, dst, 0, src.rows())?;
