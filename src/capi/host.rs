@@ -8,7 +8,7 @@ use super::ffi::{ffi, try_out, write_out, Failure};
 use super::handle::{box_out, release};
 use super::types::{amoe_host_block, amoe_status};
 use crate::backend::cpu::host_pool::{Block, MIN_POOLED};
-use crate::Error;
+use crate::backend::cpu::no_memory;
 
 /// Host memory of `len` bytes (`len` > 0) for a result: `*data` receives its
 /// address (aligned to 2 MiB, so any dtype fits), `*out` a handle the caller
@@ -36,7 +36,7 @@ pub unsafe extern "C" fn amoe_host_block_new(
             return Err(Failure::invalid(F, "len", "a host block holds at least one byte"));
         }
         let Some(block) = Block::take(len) else {
-            return Err(Error::HostMemory { op: F, bytes: len }.into());
+            return Err(no_memory(F, len).into());
         };
         write_out(data, block.as_ptr().cast::<c_void>());
         box_out(out, block);

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::{finalize_threads, set_num_threads};
+use crate::backend::cpu::{finalize_threads, no_memory, set_num_threads};
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
 use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};
@@ -71,10 +71,10 @@ impl FinalizeReport {
     }
 }
 
-/// `n` elements `f(i)` in a vector, or [`Error::HostMemory`] naming `op`.
+/// `n` elements `f(i)` in a vector, or a [`Error::HostMemory`] naming `op`.
 fn try_collect<T>(op: &'static str, n: usize, f: impl Fn(usize) -> T) -> Result<Vec<T>> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| Error::HostMemory { op, bytes: n.saturating_mul(std::mem::size_of::<T>()) })?;
+    v.try_reserve_exact(n).map_err(|_| no_memory(op, n.saturating_mul(std::mem::size_of::<T>())))?;
     v.extend((0..n).map(f));
     Ok(v)
 }

@@ -30,11 +30,7 @@ impl CommOptions {
     /// positive number of seconds, else `Err` with the value as set, which
     /// [`CommOptions::from_env`] ignores.
     pub fn env_timeout() -> Result<Option<Duration>, String> {
-        match std::env::var("ASCEND_MOE_COMM_TIMEOUT") {
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
-            Ok(s) => parse_timeout(&s).map(Some).ok_or(s),
-        }
+        super::env::env_setting("ASCEND_MOE_COMM_TIMEOUT", parse_timeout)
     }
 
     /// Options with the given timeout.

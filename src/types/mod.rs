@@ -23,12 +23,14 @@
 mod comm_options;
 mod dtype;
 mod enums;
+mod env;
 mod meta;
 mod numbering;
 
 pub use comm_options::CommOptions;
 pub use dtype::{Bool, DType, Element, F8E4M3, F8E5M2};
 pub use enums::{DropPadMode, ReduceOp};
+pub(crate) use env::env_setting;
 pub use meta::{FinalizeDims, OutputRows, TensorMeta};
 pub(crate) use numbering::numbered;
 pub use numbering::{Numbered, UnknownValue, Variant};

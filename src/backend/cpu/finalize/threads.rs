@@ -34,11 +34,7 @@ pub fn default_num_threads() -> usize {
 /// positive integer, else `Err` with the value as set, which
 /// [`default_num_threads`] ignores.
 pub fn env_num_threads() -> Result<Option<usize>, String> {
-    match std::env::var("ASCEND_MOE_NUM_THREADS") {
-        Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(v)) => Err(v.to_string_lossy().into_owned()),
-        Ok(s) => s.trim().parse::<usize>().ok().filter(|n| *n > 0).map(Some).ok_or(s),
-    }
+    crate::types::env_setting("ASCEND_MOE_NUM_THREADS", |s| s.trim().parse::<usize>().ok().filter(|n| *n > 0))
 }
 
 /// The available parallelism, asked once per process: on Linux the question
