@@ -185,12 +185,22 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&coll(&["-e", "17179869184G"]), "size \"17179869184G\" is more bytes than this machine can address");
     refused(
         &coll(&["--ranks", "1", "-b", "8", "-e", "18446744073709551615"]),
-        "--max-bytes 18446744073709551615: the row of 9223372036854775808 bytes needs an input and an output",
+        "--max-bytes 18446744073709551615: the row of 9223372036854775808 bytes, an input and an output of that \
+         size and 12587008 bytes of staging on each of 1 ranks, needs more bytes of host memory than this machine \
+         can address",
     );
     // Rows larger than the host's memory were killed part-way, without a word.
+    // Per rank: 2 x 4096 GiB of buffers and 3 slots of 1 MiB + 4 KiB of
+    // staging segment.
     refused(
-        &coll(&["--ranks", "64", "-b", "4096G", "-e", "4096G"]),
-        "on each of 64 ranks (562949953421312 bytes), more than the",
+        &coll(&["--ranks", "64", "-b", "4096G", "-e", "4096G", "--staging-bytes", "1048576"]),
+        "of staging on each of 64 ranks, needs 562950155010048 bytes of host memory, more than the",
+    );
+    // A staging segment larger than the host's memory, under small rows.
+    refused(
+        &coll(&["--ranks", "2", "-b", "8", "-e", "8", "--staging-bytes", "1099511627776"]),
+        "--max-bytes 8: the row of 8 bytes, an input and an output of that size and 3298534887424 bytes of staging \
+         on each of 2 ranks, needs 6597069774880 bytes of host memory, more than the",
     );
     // Triad arrays past the host's memory: an abort in the allocator, or the
     // kernel killing the run; a size past the address space wrapped around.

@@ -302,6 +302,45 @@ fn a_null_stream_is_refused_by_collectives() {
 }
 
 #[test]
+fn a_collective_needs_its_streams_device_current_on_the_calling_thread() {
+    // The collective's tasks go on the stream through the runtime, which
+    // needs a current context and refuses a stream outside it (v8.5.0
+    // api_impl.cc ApiImpl::NotifyRecord :4606-4616, ApiImpl::MemcpyAsync
+    // :2753-2762); HCCL returns HCCL_E_RUNTIME.
+    let (refused, ran) = with_world(1, |_, comm| {
+        let st = stream();
+        let dev = malloc(64);
+        let (c, s, d) = (comm as usize, st as usize, dev as usize);
+        let from = |device: Option<i32>| {
+            std::thread::spawn(move || {
+                let api = device.map_or_else(sim, use_device);
+                let rc = unsafe { (api.HcclAllReduce)(d as Ptr, d as Ptr, 4, FP32, 0, c as Ptr, s as Ptr) };
+                let msg = err_msg();
+                if let Some(x) = device {
+                    unsafe { assert_eq!((api.aclrtResetDevice)(x), 0) };
+                }
+                (rc, msg)
+            })
+            .join()
+            .expect("caller thread")
+        };
+        let refused = [from(None), from(Some(1))];
+        let ran = unsafe { (sim().HcclAllReduce)(dev, dev, 4, FP32, 0, comm, st) };
+        sync(st);
+        destroy_stream(st);
+        free(dev);
+        (refused, ran)
+    })
+    .remove(0);
+    let [(none_rc, none_msg), (other_rc, other_msg)] = refused;
+    assert_eq!(none_rc, E_RUNTIME, "{none_msg}");
+    assert!(none_msg.contains("aclrtSetDevice"), "{none_msg}");
+    assert_eq!(other_rc, E_RUNTIME, "{other_msg}");
+    assert!(other_msg.contains("belongs to device 0 but the calling thread's current device is 1"), "{other_msg}");
+    assert_eq!(ran, 0, "on the stream's device the collective runs");
+}
+
+#[test]
 fn a_null_communicator_is_hccl_e_ptr() {
     // HCCL's CHK_PTR_NULL(comm) in every call that takes one (op_base.cc
     // :1462 HcclAllReduce, :2726 HcclGetRankSize, :2741 HcclGetRankId, :3490

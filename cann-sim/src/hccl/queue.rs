@@ -10,6 +10,7 @@ use std::sync::Arc;
 use crate::arena;
 use crate::capture;
 use crate::config;
+use crate::context;
 use crate::ffi::*;
 use crate::status::{fail, SimError, SimResult};
 use crate::stream::Stream;
@@ -92,6 +93,26 @@ pub(super) type LinkSetup = dyn Fn(&SimComm, &dyn Fn()) -> SimResult<()>;
 /// A collective's work on the group; `Fn` so that a captured collective replays.
 pub(super) type CollJob = Box<dyn Fn(&mut Group) -> SimResult<()> + Send + Sync>;
 
+/// The tasks of a collective go on `s` through the runtime's task calls
+/// (notify record and wait, asynchronous copies), which need the calling
+/// thread's current context and refuse a stream outside it: runtime v8.5.0
+/// `src/runtime/feature/src/api_impl/api_impl.cc` `ApiImpl::NotifyRecord`
+/// (:4606-4616, CHECK_CONTEXT_VALID_WITH_RETURN then RT_ERROR_STREAM_CONTEXT)
+/// and `ApiImpl::MemcpyAsync` (:2753-2762, the same two checks). HCCL's runtime
+/// adapters return HCCL_E_RUNTIME for a failed runtime call.
+fn tasks_can_go_on(s: &Stream) -> SimResult<()> {
+    let runtime = |m: String| SimError::new(HCCL_E_RUNTIME, m);
+    let cur = context::current().map_err(|e| runtime(format!("{}: a collective queues its tasks there", e.msg)))?;
+    if s.device != cur {
+        return Err(runtime(format!(
+            "the stream belongs to device {} but the calling thread's current device is {cur} \
+             (RT_ERROR_STREAM_CONTEXT on the collective's first task)",
+            s.device
+        )));
+    }
+    Ok(())
+}
+
 /// Validates the communicator and stream, runs `setup` (the link setup of a
 /// first call) on the host, then queues `job` on the stream.
 pub(super) fn enqueue(
@@ -114,6 +135,7 @@ pub(super) fn enqueue(
     for (b, dt, what) in bufs {
         check_buf(&c, *b, *dt, what)?;
     }
+    tasks_can_go_on(&s)?;
     setup(&c, &|| s.release(s.last()))?;
     s.enqueue(
         call,

@@ -381,20 +381,23 @@ struct Line {
 
 /// Refuses rows whose buffers do not fit in `available` bytes: every rank
 /// holds an input and an output of up to the row's size at once (all_reduce
-/// and all_to_all: both of it), so the largest row takes twice its size on
+/// and all_to_all: both of it) and maps its share of the world's staging
+/// segment, so the largest row takes twice its size plus `segment_bytes` on
 /// each of `world` ranks. A run that needs more would be killed by the kernel
 /// part-way, without a word.
-fn fits_in_memory(max_bytes: usize, sizes: &[usize], world: usize, available: Option<usize>) -> Result<(), String> {
-    let (Some(&largest), Some(available)) = (sizes.last(), available) else { return Ok(()) };
-    let need = largest.checked_mul(2 * world);
-    if need.map_or(true, |n| n > available) {
-        let need = need.map_or("more bytes than this machine can address".into(), |n| format!("{n} bytes"));
-        return Err(format!(
-            "--max-bytes {max_bytes}: the row of {largest} bytes needs an input and an output of that size on each \
-             of {world} ranks ({need}), more than the {available} bytes of memory available here"
-        ));
-    }
-    Ok(())
+fn fits_in_memory(
+    max_bytes: usize,
+    sizes: &[usize],
+    world: usize,
+    segment_bytes: usize,
+    available: Option<usize>,
+) -> Result<(), String> {
+    let Some(&largest) = sizes.last() else { return Ok(()) };
+    let what = format!(
+        "--max-bytes {max_bytes}: the row of {largest} bytes, an input and an output of that size and \
+         {segment_bytes} bytes of staging on each of {world} ranks,"
+    );
+    memory_shortfall(&what, bytes_of(&[&[2, world, largest], &[world, segment_bytes]]), available).map_or(Ok(()), Err)
 }
 
 /// The first argument out of range, named with its value.
@@ -453,12 +456,12 @@ pub fn main(a: Args) -> i32 {
     while let Some(s) = sizes.last().and_then(|s| s.checked_mul(a.factor)).filter(|&s| s <= a.max_bytes) {
         sizes.push(s);
     }
-    if let Err(why) = fits_in_memory(a.max_bytes, &sizes, largest_world, memory_available()) {
+    let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
+    if let Err(why) = fits_in_memory(a.max_bytes, &sizes, largest_world, cfg.bytes_per_rank(), memory_available()) {
         eprintln!("error: {why}");
         return 2;
     }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
-    let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
     let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
     let mut lines = Vec::new();
     let mut triads = Vec::new();
