@@ -77,6 +77,35 @@ fn collectives_csv_rows_and_progress() {
     }
 }
 
+/// One-byte dtypes are moved exactly: the bench counts an element wrong only
+/// where it differs from the value the dtype holds (a bool holds 2 and 3 as
+/// 1), and a reduction of one is refused before anything runs.
+#[test]
+fn collectives_move_one_byte_dtypes_and_refuse_to_reduce_them() {
+    for dtype in ["bool", "f8e4m3", "i8"] {
+        let args = ["bench", "collectives", "--ranks", "2", "--ops", "broadcast,all_gather,all_to_all", "--dtype"];
+        let tail = ["-b", "1K", "-e", "1K", "--iters", "1", "--warmup", "0", "--csv"];
+        let (csv, _) = run(&[&args[..], &[dtype], &tail[..]].concat());
+        let mut lines = csv.lines();
+        let header: Vec<&str> = lines.next().expect("a header line").split(',').collect();
+        let wrong = header.iter().position(|h| *h == "wrong").expect("a wrong column");
+        let rows: Vec<&str> = lines.collect();
+        assert_eq!(rows.len(), 3, "{csv}");
+        for r in rows {
+            assert_eq!(r.split(',').nth(wrong), Some("0"), "{dtype}: {csv}");
+        }
+    }
+    refused(
+        &["bench", "collectives", "--dtype", "i8"],
+        "--dtype i8: all_reduce reduces, and i8 is only moved, never reduced (choose --ops among all_gather, \
+         all_to_all, broadcast)",
+    );
+    refused(
+        &["bench", "collectives", "--dtype", "bool", "--ops", "broadcast,reduce_scatter"],
+        "reduce_scatter reduces",
+    );
+}
+
 /// The floor uses the mean of the triads taken before and after the rows,
 /// and the JSON says all three.
 #[test]

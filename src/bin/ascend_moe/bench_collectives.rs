@@ -49,6 +49,8 @@ use crate::launch;
 use crate::progress::Progress;
 
 const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"];
+/// The collectives of [`OPS`] that reduce (and so take only reducible dtypes).
+const REDUCTIONS: [&str; 2] = ["all_reduce", "reduce_scatter"];
 
 #[derive(clap::Args, Clone)]
 pub struct Args {
@@ -152,8 +154,11 @@ fn zeros<T: Element>(n: usize) -> ascend_moe::Result<Tensor> {
     Tensor::try_zeros_cpu(&[n], T::DTYPE)
 }
 
+/// Elements of `t` that differ from `want` as `T` holds it (a bool holds
+/// every non-zero value as 1, an 8-bit float its nearest code).
 fn wrong<T: Element>(t: &Tensor, want: impl Fn(usize) -> f32) -> ascend_moe::Result<i64> {
-    Ok(t.as_slice::<T>()?.iter().enumerate().filter(|(i, x)| x.to_f32() != want(*i)).count() as i64)
+    let held = |i: usize| T::from_f32(want(i)).to_f32();
+    Ok(t.as_slice::<T>()?.iter().enumerate().filter(|&(i, x)| x.to_f32() != held(i)).count() as i64)
 }
 
 /// Runs every (op, size) on this rank; every rank returns the same numbers.
@@ -435,6 +440,13 @@ pub fn main(a: Args) -> i32 {
     }
     if let Err(why) = check_args(&a) {
         eprintln!("error: {why}");
+        return 2;
+    }
+    if let Some(op) = a.ops.iter().find(|o| REDUCTIONS.contains(&o.as_str())).filter(|_| !dtype.is_reducible()) {
+        eprintln!(
+            "error: --dtype {dtype}: {op} reduces, and {dtype} is only moved, never reduced (choose --ops among {})",
+            OPS.iter().filter(|o| !REDUCTIONS.contains(o)).copied().collect::<Vec<_>>().join(", ")
+        );
         return 2;
     }
     if let Some(big) = a.ranks.iter().find(|&&r| r > MAX_WORLD) {
