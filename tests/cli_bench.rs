@@ -178,17 +178,12 @@ fn triad_default_arrays_are_sized_from_the_last_level_cache() {
     assert!(progress.contains(&format!("3 x {} MiB per thread", array >> 20)), "{progress}");
 }
 
-/// `ascend-moe args` exits 2 before doing anything, and its error names
-/// the argument out of range and its value.
+/// `ascend-moe args` exits 2 (refused arguments) before doing anything, and
+/// its error names the argument out of range and its value.
 fn refused(args: &[&str], says: &str) {
-    exits_with(2, args, says);
-}
-
-/// `ascend-moe ARGS` exits with `code`, its standard error saying `says`.
-fn exits_with(code: i32, args: &[&str], says: &str) {
     let out = Command::new(EXE).args(args).output().expect("run ascend-moe");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(code), "ascend-moe {args:?}: {stderr}");
+    assert_eq!(out.status.code(), Some(2), "ascend-moe {args:?}: {stderr}");
     assert!(stderr.contains(says), "ascend-moe {args:?} does not say {says:?}: {stderr}");
 }
 
@@ -245,27 +240,30 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     // allocated gigabytes before failing, or aborted in the allocator.
     let moe = |bench: &'static str, extra: &[&'static str]| [&["bench", bench][..], extra].concat();
     let rows = "expanded rows: int32 row indices reach at most 2147483648 rows";
-    exits_with(
-        1,
+    refused(
         &moe("finalize", &["--tokens", "2305843009213693952"]),
         &format!("2305843009213693952 tokens x top_k 8 {rows}"),
     );
-    exits_with(1, &moe("finalize", &["--tokens", "268435457"]), &format!("268435457 tokens x top_k 8 {rows}"));
-    exits_with(
-        1,
+    refused(&moe("finalize", &["--tokens", "268435457"]), &format!("268435457 tokens x top_k 8 {rows}"));
+    refused(
         &moe("finalize", &["--tokens", "268435456", "--hidden", "1048576"]),
         "bench_finalize: invalid argument `shape`: finalize 268435456x8x1048576 bf16 needs ",
     );
-    exits_with(
-        1,
+    refused(
         &moe("finalize_and_reduce", &["--dp-tokens", "2147483649", "--tp", "1", "--top-k", "1", "--hidden", "2"]),
         "invalid argument `tokens`: 2147483649 tokens x top_k 1 ",
     );
-    exits_with(
-        1,
+    refused(
         &moe("finalize_and_reduce", &["--dp-tokens", "1073741824", "--hidden", "1048576"]),
         "finalize_and_reduce of 1073741824 tokens x top_k 2 x hidden 1048576 bf16 on 2 ranks needs ",
     );
+    // Sizes and dtypes the MoE benchmarks cannot run: refused arguments (2),
+    // not a failed run (1).
+    refused(&moe("finalize", &["--tokens", "0"]), "bench_finalize: invalid argument `tokens`: must be >= 1");
+    refused(&moe("finalize", &["--dtype", "i32"]), "bench_finalize: `dtype` has dtype i32, expected a float dtype");
+    refused(&moe("finalize_and_reduce", &["--iters", "0"]), "invalid argument `iters`: must be >= 1");
+    refused(&moe("finalize_and_reduce", &["--tp", "0"]), "invalid argument `tp_size`: expected >= 1, got 0");
+    refused(&moe("finalize_and_reduce", &["--dtype", "u8"]), "`dtype` has dtype u8, expected a float dtype");
 }
 
 /// The value of `"key":` in a flat JSON text (numbers and strings without escapes).

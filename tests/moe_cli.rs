@@ -83,30 +83,34 @@ fn check_spec_section_has_a_row_per_op_and_regression() {
     }
 }
 
-/// A world over the CPU communicator's limit is refused before any rank
-/// starts, as threads and as processes, by `check` and both benchmarks that
-/// start worlds (a very large one used to exhaust memory starting them).
+/// A world over the CPU communicator's limit, or of no rank, is refused
+/// before any rank starts, as threads and as processes, by `check` and both
+/// benchmarks that start worlds (a very large one used to exhaust memory
+/// starting them), with the exit status of refused arguments, 2 (a failed
+/// check is 1).
 #[test]
 fn worlds_over_the_limit_are_refused_before_they_start() {
     let over = (MAX_WORLD + 1).to_string();
-    let threads = format!(
-        "error: run_ranks: invalid argument `world`: world size {over} exceeds the CPU communicator's limit of \
-         {MAX_WORLD} ranks"
-    );
-    let procs = format!("error: world size {over} exceeds the CPU communicator's limit of {MAX_WORLD} ranks");
+    let limit = format!("world size {over} exceeds the CPU communicator's limit of {MAX_WORLD} ranks");
+    let check = format!("error: --world {over}: {limit}");
+    let empty = "error: --world 0: world size 0: a group needs at least one rank";
     let bench = format!("error: {over} ranks exceed the CPU communicator's limit of {MAX_WORLD}");
+    let reduce =
+        format!("error: bench_finalize_and_reduce: invalid argument `dp_tokens`: {over} ranks (DP x TP): {limit}");
     let sizes = ["--min-bytes", "1K", "--max-bytes", "1K"];
-    let runs: [(Vec<&str>, i32, &str); 5] = [
-        (vec!["check", "--world", &over], 1, &threads),
-        (vec!["check", "--world", &over, "--procs"], 1, &procs),
-        ([&["bench", "collectives", "--ranks", &over][..], &sizes].concat(), 2, &bench),
-        ([&["bench", "collectives", "--ranks", &over, "--procs"][..], &sizes].concat(), 2, &bench),
-        (vec!["bench", "finalize_and_reduce", "--dp-tokens", "1", "--tp", &over], 1, &threads),
+    let runs: [(Vec<&str>, &str); 7] = [
+        (vec!["check", "--world", &over], &check),
+        (vec!["check", "--world", &over, "--procs"], &check),
+        (vec!["check", "--world", "0"], empty),
+        (vec!["check", "--world", "0", "--procs"], empty),
+        ([&["bench", "collectives", "--ranks", &over][..], &sizes].concat(), &bench),
+        ([&["bench", "collectives", "--ranks", &over, "--procs"][..], &sizes].concat(), &bench),
+        (vec!["bench", "finalize_and_reduce", "--dp-tokens", "1", "--tp", &over], &reduce),
     ];
-    for (args, code, want) in runs {
+    for (args, want) in runs {
         let out = Command::new(EXE).args(&args).output().expect("run ascend-moe");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert_eq!(err.lines().last(), Some(want), "{args:?}: {err}");
     }
 }

@@ -30,8 +30,11 @@ mod worker;
 use clap::{Parser, Subcommand};
 
 /// MoE communication and finalize layer for Ascend NPUs, with a CPU fallback.
+///
+/// Exit status: 0 when everything ran and passed; 1 when a check failed or a
+/// run failed part-way; 2 when the arguments were refused before anything ran.
 #[derive(Parser)]
-#[command(name = "ascend-moe", version, about)]
+#[command(name = "ascend-moe", version, about, long_about)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::{finalize_threads, no_memory, set_num_threads};
+use crate::backend::cpu::{check_world_size, finalize_threads, no_memory, set_num_threads};
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
 use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};
@@ -38,6 +38,27 @@ pub struct FinalizeBench {
 impl Default for FinalizeBench {
     fn default() -> Self {
         FinalizeBench { tokens: 4096, top_k: 8, hidden: 4096, dtype: DType::BF16, threads: None, iters: 5 }
+    }
+}
+
+impl FinalizeBench {
+    /// Refuses sizes the benchmark cannot run, before it builds anything: a
+    /// count of 0, a dtype that is not a float, more expanded rows than
+    /// [`MAX_ROWS`], or more host memory than is available here.
+    pub fn check(&self) -> Result<()> {
+        const OP: &str = "bench_finalize";
+        let (n, k, h) = (self.tokens, self.top_k, self.hidden);
+        let counts =
+            [("tokens", n), ("top_k", k), ("hidden", h), ("iters", self.iters), ("threads", self.threads.unwrap_or(1))];
+        check_config(OP, &counts, self.dtype)?;
+        check_rows(OP, n, k)?;
+        // Inputs built in vectors and copied into tensors (x, x1, scales:
+        // twice), the permutation (its (key, index) pairs, the indices and
+        // their tensor), the op's two outputs, and the triad floor (as many
+        // bytes as the op moves).
+        let es = self.dtype.size();
+        let need = bytes_of(&[&[3, n, k, h, es], &[6, n, h, es], &[n, k, 4 + 4 + 8 + 4 + 4 + 8]]);
+        check_memory(OP, &format!("finalize {n}x{k}x{h} {}", self.dtype.name()), need, memory_available())
     }
 }
 
@@ -131,10 +152,9 @@ pub fn memory_shortfall(what: &str, need: Option<usize>, available: Option<usize
     }
 }
 
-/// [`memory_shortfall`] with this machine's available memory, as an error
-/// of `op` naming its `shape`.
-fn check_memory(op: &'static str, what: &str, need: Option<usize>) -> Result<()> {
-    memory_shortfall(what, need, memory_available()).map_or(Ok(()), |why| Err(Error::invalid(op, "shape", why)))
+/// [`memory_shortfall`] as an error of `op` naming its `shape`.
+fn check_memory(op: &'static str, what: &str, need: Option<usize>, available: Option<usize>) -> Result<()> {
+    memory_shortfall(what, need, available).map_or(Ok(()), |why| Err(Error::invalid(op, "shape", why)))
 }
 
 /// Refuses `tokens` x `top_k` expanded rows past [`MAX_ROWS`].
@@ -268,19 +288,9 @@ fn check_config(op: &'static str, counts: &[(&'static str, usize)], dtype: DType
 /// Runs the finalize benchmark on the CPU backend (mode 2, a random
 /// permutation, f32 scales, x1 present).
 pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
-    const OP: &str = "bench_finalize";
+    cfg.check()?;
     let (n, k, h) = (cfg.tokens, cfg.top_k, cfg.hidden);
-    let counts =
-        [("tokens", n), ("top_k", k), ("hidden", h), ("iters", cfg.iters), ("threads", cfg.threads.unwrap_or(1))];
-    check_config(OP, &counts, cfg.dtype)?;
-    check_rows(OP, n, k)?;
     let es = cfg.dtype.size();
-    // Inputs built in vectors and copied into tensors (x, x1, scales: twice),
-    // the permutation (its (key, index) pairs, the indices and their tensor),
-    // the op's two outputs, and the triad floor (as many bytes as the op moves).
-    let need = bytes_of(&[&[3, n, k, h, es], &[6, n, h, es], &[n, k, 4 + 4 + 8 + 4 + 4 + 8]]);
-    let what = format!("finalize {n}x{k}x{h} {}", cfg.dtype.name());
-    check_memory(OP, &what, need)?;
     let x = filled(&[n * k, h], cfg.dtype, 1)?;
     let x1 = filled(&[n, h], cfg.dtype, 2)?;
     let scales = filled(&[n, k], DType::F32, 3)?;
@@ -346,6 +356,42 @@ pub struct ReduceBench {
 impl Default for ReduceBench {
     fn default() -> Self {
         ReduceBench { dp_tokens: vec![3000, 1096], tp: 2, top_k: 2, hidden: 2048, dtype: DType::BF16, iters: 5 }
+    }
+}
+
+impl ReduceBench {
+    /// Refuses sizes the benchmark cannot run, before it builds anything: a
+    /// layout [`SpLayout::from_dp_tokens`] refuses, a count of 0, a dtype that
+    /// is not a float, more expanded rows than [`MAX_ROWS`], or more host
+    /// memory than is available here.
+    pub fn check(&self) -> Result<()> {
+        self.plan().map(drop)
+    }
+
+    /// [`ReduceBench::check`], returning the layout and its byte model.
+    fn plan(&self) -> Result<(SpLayout, ReduceBytes)> {
+        const OP: &str = "bench_finalize_and_reduce";
+        let layout = SpLayout::from_dp_tokens(&self.dp_tokens, self.tp)?;
+        let ep = layout.ep_size();
+        check_world_size(ep).map_err(|why| Error::invalid(OP, "dp_tokens", format!("{ep} ranks (DP x TP): {why}")))?;
+        let (n, k, h) = (layout.total_rows(), self.top_k, self.hidden);
+        check_config(OP, &[("top_k", k), ("hidden", h), ("iters", self.iters)], self.dtype)?;
+        check_rows(OP, n, k)?;
+        // On each rank: x and the scales built in vectors and copied into
+        // tensors, the permutation (pairs, indices, tensor), the two-step
+        // path's finalized rows and every result (within four times the rows).
+        let es = self.dtype.size();
+        let inputs = bytes_of(&[&[2, ep, n, k, h, es], &[ep, n, k, 4 + 4 + 8 + 4 + 4], &[4, ep, n, h, es]]);
+        let what =
+            format!("finalize_and_reduce of {n} tokens x top_k {k} x hidden {h} {} on {ep} ranks", self.dtype.name());
+        let available = memory_available();
+        check_memory(OP, &what, inputs, available)?;
+        // Within the inputs' count, which fits, so no product of it overflows.
+        let bytes = ReduceBytes::new(&layout, k, h, self.dtype);
+        // And each rank's floor triad: arrays of at most FLOOR_ARRAYS bytes.
+        let need = inputs.and_then(|b| bytes_of(&[&[ep, bytes.fused.min(FLOOR_ARRAYS)]])?.checked_add(b));
+        check_memory(OP, &what, need, available)?;
+        Ok((layout, bytes))
     }
 }
 
@@ -457,24 +503,9 @@ const FLOOR_ARRAYS: usize = 256 << 20;
 /// Runs the fused and the two-step EP/SP finalize on `DP x TP` CPU ranks
 /// (threads; each rank's kernel single-threaded).
 pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
-    const OP: &str = "bench_finalize_and_reduce";
-    let layout = SpLayout::from_dp_tokens(&cfg.dp_tokens, cfg.tp)?;
+    let (layout, bytes) = cfg.plan()?;
     let ep = layout.ep_size();
     let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
-    check_config(OP, &[("top_k", k), ("hidden", h), ("iters", cfg.iters)], cfg.dtype)?;
-    check_rows(OP, n, k)?;
-    // On each rank: x and the scales built in vectors and copied into
-    // tensors, the permutation (pairs, indices, tensor), the two-step path's
-    // finalized rows and every result (within four times the rows).
-    let es = cfg.dtype.size();
-    let inputs = bytes_of(&[&[2, ep, n, k, h, es], &[ep, n, k, 4 + 4 + 8 + 4 + 4], &[4, ep, n, h, es]]);
-    let what = format!("finalize_and_reduce of {n} tokens x top_k {k} x hidden {h} {} on {ep} ranks", cfg.dtype.name());
-    check_memory(OP, &what, inputs)?;
-    // Within the inputs' count, which fits, so no product of it overflows.
-    let bytes = ReduceBytes::new(&layout, k, h, cfg.dtype);
-    // And each rank's floor triad: arrays of at most FLOOR_ARRAYS bytes.
-    let need = inputs.and_then(|b| bytes_of(&[&[ep, bytes.fused.min(FLOOR_ARRAYS)]])?.checked_add(b));
-    check_memory(OP, &what, need)?;
     let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
         set_num_threads(Some(1));
         let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;

@@ -58,7 +58,15 @@ pub fn finalize(a: FinalizeArgs) -> i32 {
     }
     let cfg =
         FinalizeBench { tokens: a.tokens, top_k: a.top_k, hidden: a.hidden, dtype, threads: a.threads, iters: a.iters };
-    let on = a.threads.map_or("the default threads".to_string(), |t| format!("{t} threads"));
+    if let Err(e) = cfg.check() {
+        eprintln!("error: {e}");
+        return 2;
+    }
+    let on = match a.threads {
+        None => "the default threads".to_string(),
+        Some(t) if t > a.tokens => format!("{} threads (--threads {t}: at most one per token)", a.tokens),
+        Some(t) => format!("{t} threads"),
+    };
     eprintln!("finalize {}x{}x{} {dtype} on {on} ...", a.tokens, a.top_k, a.hidden);
     match bench_finalize(&cfg) {
         Ok(r) if a.json || a.csv => {
@@ -154,6 +162,10 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
         dtype,
         iters: a.iters,
     };
+    if let Err(e) = cfg.check() {
+        eprintln!("error: {e}");
+        return 2;
+    }
     let world = a.dp_tokens.len() * a.tp;
     eprintln!("finalize_and_reduce dp_tokens {:?} tp {} ({world} ranks) ...", a.dp_tokens, a.tp);
     match bench_finalize_and_reduce(&cfg) {

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use ascend_moe::backend::cpu::check_world_size;
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Comm, CommOptions};
 
@@ -91,6 +92,10 @@ fn decode(line: &str) -> Option<Row> {
 pub fn main(a: Args) -> i32 {
     if let Err(e) = selected(&a.section) {
         eprintln!("error: {e}");
+        return 2;
+    }
+    if let Err(why) = check_world_size(a.world) {
+        eprintln!("error: --world {}: {why}", a.world);
         return 2;
     }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
