@@ -187,13 +187,20 @@ def _vllm_forward_context():
     return _module_attr(OPS_MODULE, "get_forward_context", fb)()
 
 
-def _group(name: str):
+def _group_getter(name: str):
+    """vLLM's group getter `name` as vLLM-Ascend's ops module imported it,
+    else `vllm.distributed`'s."""
+
     def fb():
         import vllm.distributed as vd
 
         return getattr(vd, name)
 
-    return _module_attr(OPS_MODULE, name, fb)()
+    return _module_attr(OPS_MODULE, name, fb)
+
+
+def _group(name: str):
+    return _group_getter(name)()
 
 
 def _extra_ctx(module_name: str = OPS_MODULE):
@@ -789,7 +796,9 @@ def _runner_mode(runner) -> "SharedMode":
 
 
 def _tp_group():
-    return _module_attr(RUNNER_MODULE, "get_tp_group", lambda: _group("get_tp_group"))()
+    """The TP group as vLLM-Ascend's MoE runner module reads it, else as the
+    ops module or vLLM does."""
+    return _module_attr(RUNNER_MODULE, "get_tp_group", lambda: _group_getter("get_tp_group"))()
 
 
 def _live_comm_type() -> int:

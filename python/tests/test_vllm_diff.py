@@ -8,6 +8,8 @@ at 182b75e and SPEC.md, not from the adapter."""
 
 import enum
 import math
+import sys
+import types
 from types import SimpleNamespace
 
 import numpy as np
@@ -121,6 +123,25 @@ def test_float_dp_token_counts_are_refused(engine):
     engine.ctx.dp_metadata = DPMetadata([1, 1], local_sizes=[True, True])
     with pytest.raises(am.InvalidArgumentError, match="get_chunk_sizes_across_dp_rank"):
         torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(1, 2))
+
+
+def test_the_tp_group_is_found_without_vllm_ascends_runner_module(engine, monkeypatch):
+    # vLLM-Ascend's runner module not loaded (or without get_tp_group), and
+    # its ops module importing no get_tp_group: the TP group is vLLM's. The
+    # fallback called the group it had found ("object is not callable").
+    engine.tp = Group(2, 1, "tp")
+    monkeypatch.delattr(sys.modules[av.RUNNER_MODULE], "get_tp_group")
+    monkeypatch.delattr(sys.modules[av.OPS_MODULE], "get_tp_group")
+    vd = types.ModuleType("vllm.distributed")
+    vd.get_tp_group = lambda: engine.tp
+    vllm = types.ModuleType("vllm")
+    vllm.distributed = vd
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", vd)
+    ctx = av.moe_context(4)
+    assert (ctx.dp_tokens, ctx.tp_size, ctx.tp_rank) == ((4,), 2, 1)
+    monkeypatch.delitem(sys.modules, av.RUNNER_MODULE)
+    assert av.moe_context(4).tp_size == 2
 
 
 def test_moe_context_takes_numpy_and_tensor_integers(engine):
