@@ -326,6 +326,48 @@ fn null_arguments_and_small_shape_buffers_are_reported() {
     assert!(last_error().contains("[2, 4], expected [3, 4]"), "{}", last_error());
 }
 
+/// Every failure's message starts with the export's name, also where a layer
+/// below refused the argument under its own name (these read
+/// `SpLayout::from_dp_tokens: ...`, `CommType: ...` and
+/// `moe_finalize_routing: ...`, so a C caller could not tell which call
+/// failed).
+#[test]
+fn every_failure_is_named_by_its_export() {
+    let named = |f: &str, st: amoe_status| {
+        let msg = last_error();
+        assert_eq!(st, amoe_status::InvalidArgument, "{f}: {msg}");
+        assert!(msg.starts_with(&format!("{f}: ")), "{f}: {msg}");
+        msg
+    };
+    let (dp, mut out, mut len) = ([0usize; 0], [0usize; 4], 0usize);
+    // SAFETY: `dp` is readable for its 0 entries, `out` writable for 4, `len` writable.
+    let st = unsafe { amoe_sp_layout_from_dp_tokens(dp.as_ptr(), 0, 2, out.as_mut_ptr(), 4, &mut len) };
+    let msg = named("amoe_sp_layout_from_dp_tokens", st);
+    assert!(msg.contains("SpLayout::from_dp_tokens: invalid argument `dp_tokens`"), "{msg}");
+    let mut flag = 0u8;
+    // SAFETY: `flag` is writable.
+    let st = unsafe { amoe_routed_is_reduced(7, 0, &mut flag) };
+    assert!(named("amoe_routed_is_reduced", st).contains("CommType"));
+    let mut name: *const c_char = null();
+    // SAFETY: `name` is writable.
+    let st = unsafe { amoe_comm_type_name(4, &mut name) };
+    named("amoe_comm_type_name", st);
+    // A name is not doubled where the export already wrote it.
+    let (mut x, mut i) = (vec![0f32; 8], [0i32, 1]);
+    let (xs, is) = ([2usize, 4], [2usize]);
+    let xt = host(&mut x, &xs);
+    let mut it = host(&mut [], &is);
+    it.data = i.as_mut_ptr().cast();
+    it.dtype = amoe_dtype::I32 as u32;
+    let (mut shape, mut ndim) = ([0usize; AMOE_MAX_NDIM], 0usize);
+    let args = capi_common::finalize_args(&xt, &it, 9);
+    // SAFETY: valid descriptors; `shape` holds AMOE_MAX_NDIM entries.
+    let st = unsafe { amoe_moe_finalize_routing_output_shape(&args, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut ndim) };
+    let msg = named("amoe_moe_finalize_routing_output_shape", st);
+    assert!(!msg["amoe_moe_finalize_routing_output_shape: ".len()..].starts_with("amoe_"), "{msg}");
+    assert!(msg.contains("drop_pad_mode"), "{msg}");
+}
+
 /// Rank body: prepare then finalize the rank's tokens (identity experts) under
 /// every comm type, against the SPEC section 6 round trip: ALLGATHER without
 /// SP returns `DP * x` (the DP reduce-scatter sums the DP copies of each

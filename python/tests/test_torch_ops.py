@@ -685,12 +685,15 @@ def test_fakes_of_the_reductions_refuse_the_dtypes_that_are_only_moved():
             texts = {}
             for op_name, op in ops.items():
                 texts[op_name] = _refused_alike(op_name, op, dtype)
-            # maybe_pad_and_reduce's text is the library's; the plain
-            # collectives' fakes say the same of their `src`.
+            # maybe_pad_and_reduce's text is the library's, named by the
+            # export that refused it; the plain collectives' fakes say the
+            # same of their `src`.
             lib = texts["maybe_pad_and_reduce"]
-            assert lib.startswith(f"maybe_pad_and_reduce: `x` has dtype {name}, expected a reducible dtype"), lib
+            export = "amoe_maybe_pad_and_reduce_output_shape: "
+            assert lib.startswith(f"{export}maybe_pad_and_reduce: `x` has dtype {name}, expected a reducible dtype"), lib
             for op_name in ("all_reduce", "reduce_scatter"):
-                assert texts[op_name] == lib.replace("maybe_pad_and_reduce: `x`", f"{op_name}: `src`", 1), texts
+                want = lib[len(export) :].replace("maybe_pad_and_reduce: `x`", f"{op_name}: `src`", 1)
+                assert texts[op_name] == want, texts
             with FakeTensorMode():
                 assert OPS.all_gather(torch.zeros(4, 2, dtype=dtype), h).shape == (4, 2)
 

@@ -369,12 +369,16 @@ pub(crate) fn with_last_error<R>(f: impl FnOnce(&str) -> R) -> R {
     LAST_ERROR.with(|m| f(&m.borrow()))
 }
 
-/// Converts a body's result into a status, recording the message on failure.
-pub(crate) fn finish(r: Result<(), Failure>) -> amoe_status {
+/// Converts the result of export `func`'s body into a status, recording the
+/// message on failure. Every message starts with the export's name, which
+/// is added to one from a layer below that names its own function (so C
+/// and Python callers see which call failed).
+fn finish(func: &str, r: Result<(), Failure>) -> amoe_status {
     match r {
         Ok(()) => amoe_status::Ok,
         Err(f) => {
-            set_last_error(f.msg);
+            let named = f.msg.strip_prefix(func).is_some_and(|rest| rest.starts_with(':'));
+            set_last_error(if named { f.msg } else { format!("{func}: {}", f.msg) });
             f.status
         }
     }
@@ -385,7 +389,7 @@ pub(crate) fn finish(r: Result<(), Failure>) -> amoe_status {
 pub(crate) fn boundary(func: &str, body: impl FnOnce() -> Result<(), Failure>) -> amoe_status {
     let r = catch_unwind(AssertUnwindSafe(body));
     match r {
-        Ok(r) => finish(r),
+        Ok(r) => finish(func, r),
         Err(payload) => {
             let what = payload
                 .downcast_ref::<&str>()
