@@ -16,6 +16,8 @@ import threading
 from ctypes import POINTER, c_char_p, c_double, c_int32, c_size_t, c_ssize_t, c_uint8, c_uint32, c_void_p
 from pathlib import Path
 
+import numpy as np
+
 from ._enums import MAX_NDIM, TABLES, CommType, Status
 from ._errors import AmoeError, error
 
@@ -383,6 +385,22 @@ def integer(arg: str, v) -> int:
         return operator.index(v)
     except TypeError:
         raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v!r}, expected an integer") from None
+
+
+def flag(arg: str, v) -> bool:
+    """`v` as a bool: `True` / `False`, numpy's bool, or the integer 0 or 1
+    (by `operator.index`). Anything else (a string, which `bool()` takes as
+    True even when it reads `"False"`; a float; None) is an
+    `InvalidArgumentError` naming `arg`."""
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    try:
+        n = operator.index(v)
+    except TypeError:
+        n = -1
+    if 0 <= n <= 1:
+        return bool(n)
+    raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v!r}, expected a bool (True or False)")
 
 
 def c_uint(arg: str, v, top: int = SIZE_MAX) -> int:

@@ -204,6 +204,16 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     except that a non-contiguous CPU *input* is made contiguous (`.contiguous()`)."""
     npu = _device(arg, x)
     dtype_code(arg, x.dtype)
+    if getattr(x, "is_neg", None) is not None and x.is_neg():
+        # torch's negative bit: the values are the negated memory (a view
+        # such as `.conj().imag`), which the library would read as it is.
+        if writable:
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"`{arg}` has torch's negative bit (a lazily negated view such as .conj().imag): the library "
+                "writes its memory as it is; pass a tensor without it",
+            )
+        x = x.resolve_neg()
     if not x.is_contiguous():
         if npu is not None or writable or not hasattr(x, "contiguous"):
             where = "an NPU" if npu is not None else "a CPU"
@@ -221,7 +231,7 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
 def _host_tensor_desc(arg: str, x) -> Desc | None:
     """The short way of `_tensor_desc` (see `_HOST_TENSOR_TYPES`), or None
     when `x` does not qualify for it."""
-    if type(x) in _HOST_TENSOR_TYPES and x.is_cpu and x.is_contiguous():
+    if type(x) in _HOST_TENSOR_TYPES and x.is_cpu and x.is_contiguous() and not x.is_neg():
         return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None)
     return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import itertools
+import sys
 import threading
 import weakref
 from ctypes import c_size_t, c_void_p
@@ -15,7 +16,7 @@ from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import AmoeError, error
 from ._lib import U32_MAX, Lease, Owned, c_uint, call, integer, refusing, sizes
-from ._tensor import Operands, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
+from ._tensor import Operands, _no_gradient, _records_grad, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -88,8 +89,14 @@ class Comm(Owned):
         processes); returns once every rank joined. `timeout_s` bounds every wait
         of this communicator (`<= 0`: `$ASCEND_MOE_COMM_TIMEOUT` or 60 s)."""
         world_size, rank = c_uint("world_size", world_size), c_uint("rank", rank)
+        if not isinstance(name, str):
+            raise error(Status.INVALID_ARGUMENT, f"`name` is {name!r}, expected a str")
+        try:
+            timeout_s = float(timeout_s)
+        except (TypeError, ValueError):
+            raise error(Status.INVALID_ARGUMENT, f"`timeout_s` is {timeout_s!r}, expected a number of seconds") from None
         out = c_void_p()
-        call("amoe_comm_cpu_new", name.encode(), world_size, rank, float(timeout_s), ctypes.byref(out))
+        call("amoe_comm_cpu_new", name.encode(), world_size, rank, timeout_s, ctypes.byref(out))
         return cls(out.value)
 
     @classmethod
@@ -276,15 +283,25 @@ def all_gather(x, comm: Comm, *, out=None, stream=None):
 def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     """Rank `root`'s `x` on every rank. In place when `out is x`; otherwise `x`
     is first copied into `out`, which must have x's shape and dtype (default a
-    dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`)."""
+    dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`). Like
+    every op it has no gradient: with an `x` that requires grad in grad mode,
+    a new result's backward fails, and an `out` other than `x` is refused."""
     h = handle_of("comm", comm)
     with refusing_on(h):
+        grad = _records_grad(x)
+        if grad and out is not None and out is not x:
+            raise error(
+                Status.INVALID_ARGUMENT,
+                "`x` requires grad and grad mode is on, but the op has no gradient and writes `out` in place, which "
+                "autograd cannot record: call it under torch.no_grad(), or pass `x`.detach()",
+            )
         if out is not None:
             lend_out("out", out)
+        fresh = out is None
         if out is None:
             if hasattr(x, "clone"):
-                out = x.contiguous()  # the library writes dense rows
-                out = x.clone() if out is x else out
+                # A dense copy the library writes, never linked to `x` by autograd.
+                out = x.detach().clone(memory_format=sys.modules["torch"].contiguous_format)
             else:
                 out = as_array("x", x).copy()
         elif out is not x:
@@ -296,6 +313,9 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                     f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
                 )
             if hasattr(out, "copy_"):
+                if not hasattr(x, "copy_"):  # an array into a tensor: its bytes, as the dtypes matched
+                    raw = sys.modules["torch"].from_numpy(as_array("x", x).reshape(-1).view(np.uint8))
+                    x = raw.view(out.dtype).reshape(out.shape)
                 out.copy_(x)
             elif isinstance(out, np.ndarray):
                 out[...] = as_array("x", x)
@@ -306,4 +326,4 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
         d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
         root = c_uint("root", root)
     call("amoe_broadcast", h, d.ptr, root, resolve_stream([d], stream))
-    return out
+    return _no_gradient(out, [("x", x)]) if fresh and grad else out

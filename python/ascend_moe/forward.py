@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from ._enums import Status
 from ._errors import error
-from ._lib import c_uint, integer
+from ._lib import c_uint, flag, integer
 from .comm import Comm
 from ._enums import CommType
 from .ops import ReducePolicy, point_refusing
@@ -48,14 +48,17 @@ class ForwardContext:
     pcp_size: int = 1
 
     def __post_init__(self):
-        code = integer("comm_type", self.comm_type)
-        try:
-            ct = CommType(code)
-        except ValueError:
-            raise error(
-                Status.INVALID_ARGUMENT,
-                f"unknown MoE comm type {self.comm_type!r} (expected 0..={int(max(CommType))})",
-            ) from None
+        if isinstance(self.comm_type, str):
+            ct = CommType.parse(self.comm_type)
+        else:
+            code = integer("comm_type", self.comm_type)
+            try:
+                ct = CommType(code)
+            except ValueError:
+                raise error(
+                    Status.INVALID_ARGUMENT,
+                    f"unknown MoE comm type {self.comm_type!r} (expected 0..={int(max(CommType))})",
+                ) from None
         object.__setattr__(self, "comm_type", ct)
         object.__setattr__(self, "dp_tokens", tuple(integer("dp_tokens", t) for t in self.dp_tokens))
         if not self.dp_tokens or any(t < 0 for t in self.dp_tokens):
@@ -66,7 +69,7 @@ class ForwardContext:
         if pcp_size < 1:
             raise error(Status.INVALID_ARGUMENT, f"pcp_size must be >= 1, got {self.pcp_size}")
         object.__setattr__(self, "pcp_size", pcp_size)
-        object.__setattr__(self, "sp", bool(self.sp))
+        object.__setattr__(self, "sp", flag("sp", self.sp))
 
 
 def checked_context(ctx, arg: str = "ctx") -> ForwardContext:

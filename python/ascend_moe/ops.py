@@ -13,7 +13,7 @@ from ctypes import c_uint8
 from . import shapes
 from ._enums import CommType, DropPadMode, SharedMode
 from ._errors import AmoeError
-from ._lib import ReducePolicyC, c_uint, call, comm_type_code, refusing
+from ._lib import ReducePolicyC, c_uint, call, comm_type_code, flag, refusing
 from ._tensor import Operands
 from .comm import Comm, handle_of, refusing_on
 from .shapes import SpLayout
@@ -155,7 +155,7 @@ _DECISIONS = {"amoe_reduce_routed_early": "routed", "amoe_reduce_shared": "share
 def routed_is_reduced(comm_type, sp: bool) -> bool:
     """`comm_type in {MC2, ALLTOALL, FUSED_MC2} or (comm_type == ALLGATHER and sp)`."""
     out = c_uint8(0)
-    call("amoe_routed_is_reduced", comm_type_code(comm_type), 1 if sp else 0, ctypes.byref(out))
+    call("amoe_routed_is_reduced", comm_type_code(comm_type), int(flag("sp", sp)), ctypes.byref(out))
     return bool(out.value)
 
 
@@ -166,8 +166,8 @@ class ReducePolicy:
 
     def __init__(self, shared_mode, has_routed_transform: bool, sp: bool, tp_size: int, ep_size: int):
         self.shared_mode = SharedMode.NONE if shared_mode is None else SharedMode.parse(shared_mode)
-        self.has_routed_transform = bool(has_routed_transform)
-        self.sp = bool(sp)
+        self.has_routed_transform = flag("has_routed_transform", has_routed_transform)
+        self.sp = flag("sp", sp)
         self.tp_size = c_uint("tp_size", tp_size)
         self.ep_size = c_uint("ep_size", ep_size)
         self._c = ReducePolicyC(self.shared_mode, self.has_routed_transform, self.sp, self.tp_size, self.ep_size)

@@ -11,7 +11,7 @@ import numpy as np
 from . import shapes
 from ._enums import CommType, Status
 from ._errors import AmoeError, error
-from ._lib import ALL_TOKENS, Lease, MoeContextC, Owned, c_uint, call, comm_type_code, refusing, sizes
+from ._lib import ALL_TOKENS, Lease, MoeContextC, Owned, c_uint, call, comm_type_code, flag, refusing, sizes
 from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code, lend_out
 from .comm import Comm, handle_of
 
@@ -42,7 +42,7 @@ class MoeContext:
         self._tokens, n = sizes(dp_tokens, "dp_tokens")
         self.dp_tokens = tuple(self._tokens[:n])
         self.tp_size, self.dp_rank, self.tp_rank = c_uint("tp_size", tp_size), c_uint("dp_rank", dp_rank), c_uint("tp_rank", tp_rank)
-        self.sp = bool(sp)
+        self.sp = flag("sp", sp)
         self.num_actual_tokens = None if num_actual_tokens is None else c_uint("num_actual_tokens", num_actual_tokens)
         self.pcp_size, self.pcp_rank = c_uint("pcp_size", pcp_size), c_uint("pcp_rank", pcp_rank)
         self.padded_num_tokens = None if padded_num_tokens is None else c_uint("padded_num_tokens", padded_num_tokens)

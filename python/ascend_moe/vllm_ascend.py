@@ -703,7 +703,9 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     read when called: the DP token counts (`dp_metadata.num_tokens_across_dp_cpu`,
     or `[num_tokens]` without DP), the TP and DP ranks of vLLM's groups, `sp`,
     and the MC2 / FUSED_MC2 pad target `_EXTRA_CTX.padded_num_tokens`.
-    `num_tokens` is this rank's batch (the rows of `hidden_states`);
+    `num_tokens` is this DP rank's token count T_d: the rows of
+    `hidden_states` before SP shards them (with `sp` each TP rank holds
+    `ceil(T_d / TP)` of them, and still passes T_d);
     `num_actual_tokens` the real ones among them (vLLM-Ascend's
     `set_ascend_forward_context` argument, which the forward context does not
     keep; default all). With it, `ascend_moe.token_prepare(x, comm_type,
@@ -721,13 +723,15 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
             raise error(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     else:
         tokens, dp_rank = [num_tokens], 0
+    tp_rank, tp_size = _rank_and_size(tp)
     if tokens[dp_rank] != num_tokens:
+        shard = sp and num_tokens == -(-tokens[dp_rank] // tp_size)
         raise error(
             Status.SHAPE,
-            f"moe_context: this rank's batch has {num_tokens} rows, the forward context says DP rank {dp_rank} has {tokens[dp_rank]}",
+            f"moe_context: this rank's batch has {num_tokens} rows, the forward context says DP rank {dp_rank} has {tokens[dp_rank]}"
+            + (f" (with sp, pass the DP rank's {tokens[dp_rank]} tokens, not the {num_tokens} rows of this TP rank's shard)" if shard else ""),
         )
     padded = getattr(_extra_ctx(), "padded_num_tokens", None)
-    tp_rank, tp_size = _rank_and_size(tp)
     return MoeContext(
         tokens,
         tp_size,

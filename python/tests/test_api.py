@@ -469,7 +469,6 @@ def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
             lambda v: am.shared_gather_unpad(x, v, one),
             lambda v: am.shapes.shared_gather_unpad(x, v, one),
         ],
-        "comm_type": [lambda v: ForwardContext(v, (4,))],
         "pcp_size": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), pcp_size=v)],
         "num_actual_tokens": [lambda v: ForwardContext(am.CommType.ALLGATHER, (4,), num_actual_tokens=v)],
         "tp_size": [lambda v: MoeLayer(groups, one, v, 0, 0, experts=print)],
@@ -484,6 +483,13 @@ def test_non_integer_counts_ranks_and_modes_are_refused_not_truncated():
             for f in fns:
                 with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` is {re.escape(repr(v))}, expected an integer"):
                     f(v)
+    # A comm type is a member, its number or its name, as every op takes it:
+    # a float is no number, and "3" is no name.
+    for v in (2.7, np.float64(0.0)):
+        with pytest.raises(am.InvalidArgumentError, match=f"`comm_type` is {re.escape(repr(v))}, expected an integer"):
+            ForwardContext(v, (4,))
+    with pytest.raises(am.InvalidArgumentError, match="unknown comm type '3'"):
+        ForwardContext("3", (4,))
     # An id with a fraction never finds the layer or communicator it truncates to.
     with pytest.raises(am.InvalidArgumentError, match="`layer_id` is .*, expected an integer"):
         MoeLayer.lookup(layer.layer_id + 0.5)

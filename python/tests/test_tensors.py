@@ -306,6 +306,57 @@ def test_non_contiguous_torch_inputs_are_made_contiguous_but_outputs_are_refused
         assert torch.equal(got, dense) and got.data_ptr() != dense.data_ptr()
 
 
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_negated_views_are_read_as_their_values_and_refused_as_outputs():
+    # torch's negative bit: a contiguous view whose values are its memory
+    # negated (`.conj().imag` of one element, `_neg_view`). The library read
+    # the memory, [1, 1] for a tensor of [-1, -1].
+    one = torch.complex(torch.ones(1), torch.full((1,), 3.0)).conj().imag
+    assert one.is_neg() and one.is_contiguous()
+    with am.Comm.cpu("tensors-neg-bit", 1, 0) as c:
+        for x in (torch.ones(2)._neg_view(), one):
+            assert torch.equal(am.all_gather(x, c), x.resolve_neg()), x
+            assert torch.equal(am.broadcast(x, c), x.resolve_neg()), x
+        with pytest.raises(am.InvalidArgumentError, match="`out` has torch's negative bit"):
+            am.all_gather(torch.ones(2), c, out=torch.zeros(2)._neg_view())
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_broadcast_copies_an_array_into_a_tensor_out():
+    # `out.copy_(x)` of a numpy `x` raised torch's TypeError.
+    with am.Comm.cpu("tensors-broadcast-array", 1, 0) as c:
+        for dtype, tdtype in ((np.float32, torch.float32), (BF16, torch.bfloat16), (np.bool_, torch.bool)):
+            x = (np.arange(6).reshape(2, 3) % 2).astype(dtype)
+            out = torch.zeros(2, 3, dtype=tdtype)
+            assert am.broadcast(x, c, out=out) is out
+            assert out.float().tolist() == x.astype(np.float32).tolist(), dtype
+
+
+def test_arguments_of_the_wrong_kind_are_the_packages_errors():
+    # Each raised a bare AttributeError / ValueError, or was taken as True.
+    with pytest.raises(am.InvalidArgumentError, match="`name` is 123, expected a str"):
+        am.Comm.cpu(123, 1, 0)
+    with pytest.raises(am.InvalidArgumentError, match="`timeout_s` is 'soon'"):
+        am.Comm.cpu("tensors-kinds", 1, 0, timeout_s="soon")
+    for bad in ("False", "no", 0.0, None, 2):
+        with pytest.raises(am.InvalidArgumentError, match=f"`sp` is {bad!r}, expected a bool"):
+            am.ReducePolicy("none", False, bad, 1, 1)
+        with pytest.raises(am.InvalidArgumentError, match="`sp`"):
+            am.routed_is_reduced("allgather", bad)
+        with pytest.raises(am.InvalidArgumentError, match="`sp`"):
+            am.MoeContext([4], 1, 0, 0, sp=bad)
+    with pytest.raises(am.InvalidArgumentError, match="`has_routed_transform`"):
+        am.ReducePolicy("none", "yes", False, 1, 1)
+    for ok, want in ((True, True), (np.bool_(False), False), (1, True), (np.int64(0), False)):
+        assert am.ReducePolicy("none", False, ok, 1, 1).sp is want
+        assert am.ForwardContext(0, [4], sp=ok).sp is want
+    # A comm type by name, as every other op takes it.
+    for name, ct in (("mc2", am.CommType.MC2), ("ALLTOALL", am.CommType.ALLTOALL)):
+        assert am.ForwardContext(name, [4]).comm_type is ct
+    with pytest.raises(am.InvalidArgumentError, match="unknown"):
+        am.ForwardContext("sideways", [4])
+
+
 def test_an_unknown_numpy_dtype_lists_every_dtype_and_where_bfloat16_comes_from():
     with pytest.raises(am.DTypeError, match="`permuted` has dtype float64, expected one of float32, ") as e:
         am.moe_token_unpermute(np.zeros((2, 2)), np.zeros(2, np.int32))

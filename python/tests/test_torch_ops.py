@@ -566,12 +566,15 @@ def test_inputs_that_require_grad_never_lose_their_gradient_silently():
     `out=` there. Under no_grad nothing changes."""
     idx = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
     with am.Comm.cpu(f"torch-grad-{uuid.uuid4().hex[:8]}", 1, 0) as c:
-        calls = {
-            "x": lambda x, **kw: am.all_reduce(x, c, **kw),
-            "permuted": lambda x, **kw: am.moe_token_unpermute(x, idx, **kw),
-            "expanded_x": lambda x, **kw: am.moe_finalize_routing(x, idx, scales=torch.ones(4, 1), **kw),
-        }
-        for arg, call in calls.items():
+        calls = [
+            ("x", lambda x, **kw: am.all_reduce(x, c, **kw)),
+            # broadcast's result was a clone of `x` whose backward passed the
+            # gradient through, as if every rank's result were its own `x`.
+            ("x", lambda x, **kw: am.broadcast(x, c, **kw)),
+            ("permuted", lambda x, **kw: am.moe_token_unpermute(x, idx, **kw)),
+            ("expanded_x", lambda x, **kw: am.moe_finalize_routing(x, idx, scales=torch.ones(4, 1), **kw)),
+        ]
+        for arg, call in calls:
             x = torch.arange(8, dtype=torch.float32).reshape(4, 2).requires_grad_()
             want = call(x.detach())
             y = call(x)

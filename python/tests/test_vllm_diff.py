@@ -144,6 +144,19 @@ def test_the_tp_group_is_found_without_vllm_ascends_runner_module(engine, monkey
     assert av.moe_context(4).tp_size == 2
 
 
+def test_moe_context_takes_the_dp_ranks_tokens_also_with_sp(engine):
+    # With SP a TP rank holds ceil(T_d / TP) rows; moe_context takes T_d,
+    # and says so to a caller who passes the shard's rows.
+    engine.ep, engine.dp, engine.tp = Group(4, 0, "ep"), Group(2, 0, "dp"), Group(2, 0, "tp")
+    engine.ctx.dp_metadata = DPMetadata([5, 3])
+    ctx = av.moe_context(5, sp=True)
+    assert (ctx.dp_tokens, ctx.sp) == ((5, 3), True)
+    with pytest.raises(am.ShapeError, match="with sp, pass the DP rank's 5 tokens, not the 3 rows"):
+        av.moe_context(3, sp=True)
+    with pytest.raises(am.ShapeError, match="DP rank 0 has 5$"):
+        av.moe_context(3)
+
+
 def test_moe_context_takes_numpy_and_tensor_integers(engine):
     engine.tp = Group(np.int64(2), torch.tensor(1), "tp")
     engine.extra.padded_num_tokens = np.int64(6)
