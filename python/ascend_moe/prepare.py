@@ -46,6 +46,14 @@ class MoeContext:
         self.num_actual_tokens = None if num_actual_tokens is None else c_uint("num_actual_tokens", num_actual_tokens)
         self.pcp_size, self.pcp_rank = c_uint("pcp_size", pcp_size), c_uint("pcp_rank", pcp_rank)
         self.padded_num_tokens = None if padded_num_tokens is None else c_uint("padded_num_tokens", padded_num_tokens)
+        if self.padded_num_tokens == 0 and any(self.dp_tokens):
+            # The library's struct reads 0 as "the default": say no here, as
+            # the library does to any other target below a DP rank's tokens.
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"MoeContext: invalid argument `padded_num_tokens`: 0 must be a multiple of the TP size {self.tp_size} "
+                f"and at least the largest DP token count {max(self.dp_tokens)}",
+            )
         self._c = MoeContextC()
         call("amoe_moe_context_init", ctypes.byref(self._c))
         self._c.dp_tokens, self._c.dp_size = self._tokens, n
