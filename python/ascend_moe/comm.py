@@ -200,7 +200,10 @@ class Comm(Owned):
 
     def barrier(self, stream=None) -> None:
         """Returns once every rank reached it (on `stream` for an HCCL communicator)."""
-        call("amoe_barrier", self.handle, resolve_stream([], stream) if stream is not None else None)
+        h = self.handle
+        with refusing_on(h):
+            st = resolve_stream([], stream) if stream is not None else None
+        call("amoe_barrier", h, st)
 
     def close(self) -> None:
         with _REGISTRY_LOCK:
@@ -261,7 +264,8 @@ def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
         args = extra()
         h = handle_of("comm", comm)
         d = o.output(shape_fn(s, comm), s, out)
-    call(name, h, s.ptr, d.ptr, *args, o.stream)
+        st = o.stream
+    call(name, h, s.ptr, d.ptr, *args, st)
     return o.result
 
 
@@ -325,5 +329,6 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                 )
         d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
         root = c_uint("root", root)
-    call("amoe_broadcast", h, d.ptr, root, resolve_stream([d], stream))
+        st = resolve_stream([d], stream)
+    call("amoe_broadcast", h, d.ptr, root, st)
     return _no_gradient(out, [("x", x)]) if fresh and grad else out

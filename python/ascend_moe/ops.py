@@ -60,7 +60,8 @@ def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
         d = o.input("x", x)
         ls, n = shapes._layout(layout)
         y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
-    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, o.stream)
+        st = o.stream
+    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, st)
     return o.result
 
 
@@ -75,7 +76,8 @@ def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stre
         # The shape function checks x's rows against this rank's layout entry
         # before any collective starts.
         y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
-    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, o.stream)
+        st = o.stream
+    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, st)
     return o.result
 
 
@@ -104,7 +106,8 @@ def finalize_and_reduce(
         shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
         y = o.output(shape, keep[0], out)
         ls, n = shapes._layout(layout)
-    call("amoe_finalize_and_reduce", args, ls, n, h, y.ptr, o.stream)
+        st = o.stream
+    call("amoe_finalize_and_reduce", args, ls, n, h, y.ptr, st)
     return o.result
 
 
@@ -117,7 +120,8 @@ def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream, collectiv
         d = o.input("x", x)
         counts = counts()
         y = o.output(shape_fn(d, *counts, tp_comm), d, out)
-    call(name, d.ptr, *counts, h, y.ptr, o.stream)
+        st = o.stream
+    call(name, d.ptr, *counts, h, y.ptr, st)
     return o.result
 
 
@@ -198,7 +202,8 @@ class ReducePolicy:
             d = o.input("x", x)
             y = o.output(d.shape, d, out)
             ct = comm_type_code(comm_type)
-        call(name, ctypes.byref(self._c), d.ptr, ct, h, y.ptr, o.stream)
+            st = o.stream
+        call(name, ctypes.byref(self._c), d.ptr, ct, h, y.ptr, st)
         return o.result
 
     def _reduces(self, name: str, comm_type) -> int:

@@ -156,6 +156,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
             if mc2_mask is not None:
                 lend_out("mc2_mask", mc2_mask)
             o.descs.append(m)
+        st = o.stream
     call(
         "amoe_token_prepare",
         d.ptr,
@@ -164,7 +165,7 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
         g,
         y.ptr,
         None if m is None else m.ptr,
-        o.stream,
+        st,
     )
     return o.result, mask
 
@@ -219,5 +220,6 @@ def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None
         c = shapes._context_ptr(ctx)
         d = o.input("y", y)
         r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
-    call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, o.stream)
+        st = o.stream
+    call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, st)
     return o.result

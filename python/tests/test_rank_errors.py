@@ -146,6 +146,23 @@ CASES = [
         lambda c, r: am.all_reduce(_bad(r, X, X.astype(np.float64)), c),
         "float64",
     ),
+    # A stream was resolved after the refusal block: the peers waited out
+    # the timeout.
+    (
+        "all_gather on something that is no stream",
+        lambda c, r: am.all_gather(X, c, stream=_bad(r, None, object())),
+        "`stream`",
+    ),
+    (
+        "barrier on something that is no stream",
+        lambda c, r: c.barrier(stream=_bad(r, None, object())),
+        "`stream`",
+    ),
+    (
+        "broadcast on something that is no stream",
+        lambda c, r: am.broadcast(X, c, stream=_bad(r, None, object())),
+        "`stream`",
+    ),
 ]
 
 LAYOUT = am.SpLayout([2, 3])
@@ -175,6 +192,18 @@ MOE_CASES = [
         "shared_gather_unpad with a shard of the wrong rows",
         lambda c, r: am.shared_gather_unpad(np.ones((_bad(r, 3, 2), 3), F32), 5, c),
         "rows",
+    ),
+    (
+        "maybe_pad_and_reduce on something that is no stream",
+        lambda c, r: am.maybe_pad_and_reduce(np.ones((5, 2), F32), LAYOUT, c, stream=_bad(r, None, object())),
+        "`stream`",
+    ),
+    (
+        "reduce_final on something that is no stream",
+        lambda c, r: am.ReducePolicy(None, False, False, 2, 2).reduce_final(
+            np.ones((4, 3), F32), 0, c, stream=_bad(r, None, object())
+        ),
+        "`stream`",
     ),
     (
         "reduce_final with an unknown comm type",
