@@ -8,7 +8,7 @@
 
 use std::time::Instant;
 
-use crate::backend::cpu::{check_world_size, finalize_threads, no_memory, set_num_threads};
+use crate::backend::cpu::{check_world_size, finalize_threads, no_memory, set_num_threads, CpuCommConfig};
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
 use crate::moe::finalize::{moe_finalize_routing, moe_finalize_routing_output_shape};
@@ -379,9 +379,12 @@ impl ReduceBench {
         check_rows(OP, n, k)?;
         // On each rank: x and the scales built in vectors and copied into
         // tensors, the permutation (pairs, indices, tensor), the two-step
-        // path's finalized rows and every result (within four times the rows).
+        // path's finalized rows and every result (within four times the
+        // rows), and its share of the world's staging segment.
         let es = self.dtype.size();
-        let inputs = bytes_of(&[&[2, ep, n, k, h, es], &[ep, n, k, 4 + 4 + 8 + 4 + 4], &[4, ep, n, h, es]]);
+        let segment = CpuCommConfig::default().bytes_per_rank();
+        let inputs =
+            bytes_of(&[&[2, ep, n, k, h, es], &[ep, n, k, 4 + 4 + 8 + 4 + 4], &[4, ep, n, h, es], &[ep, segment]]);
         let what =
             format!("finalize_and_reduce of {n} tokens x top_k {k} x hidden {h} {} on {ep} ranks", self.dtype.name());
         let available = memory_available();
