@@ -178,6 +178,52 @@ fn aclnn_finalize_checks_indices_on_the_device() {
     reports_an_out_of_range_index(FinalizeImpl::Aclnn);
 }
 
+/// Expert ids without a bias, as vLLM-Ascend passes them on every call
+/// (`export_for_source_row`): they index nothing, so the result is the call's
+/// without them, on the CPU and on either implementation (both refused them:
+/// "given, but the tiling says it is absent"). An id past any expert is not
+/// read either.
+fn expert_ids_without_bias_are_not_read(imp: FinalizeImpl) {
+    let dev = npu(imp);
+    let (n, k, h) = (3usize, 2usize, 5usize);
+    let x: Vec<f32> = (0..n * k * h).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let x = Tensor::from_slice(&x, &[n * k, h]).unwrap();
+    let idx = Tensor::from_slice(&[4i32, 0, 2, 5, 1, 3], &[n * k]).unwrap();
+    let scales = Tensor::from_slice(&[0.5f32, 0.25, 1.0, -1.0, 2.0, 0.75], &[n, k]).unwrap();
+    let ids = Tensor::from_slice(&[0i32, 1, 1, 0, 99, 0], &[n, k]).unwrap();
+    let run = |d: &Device, with_ids: bool| {
+        let (x, idx, scales, ids) = (
+            x.to_device(d).unwrap(),
+            idx.to_device(d).unwrap(),
+            scales.to_device(d).unwrap(),
+            ids.to_device(d).unwrap(),
+        );
+        let mut args = FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow).with_scales(&scales);
+        if with_ids {
+            args = args.with_expert_idx(&ids);
+        }
+        let out =
+            ascend_moe::moe::moe_finalize_routing(&args).unwrap_or_else(|e| panic!("{} {with_ids}: {e}", imp.name()));
+        out.to_vec::<f32>().unwrap()
+    };
+    let want = run(&Device::Cpu, false);
+    assert_eq!(run(&Device::Cpu, true), want);
+    assert_eq!(run(&dev, false), want, "{}", imp.name());
+    assert_eq!(run(&dev, true), want, "{}", imp.name());
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn native_finalize_takes_expert_ids_without_bias() {
+    expert_ids_without_bias_are_not_read(FinalizeImpl::Native);
+}
+
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn aclnn_finalize_takes_expert_ids_without_bias() {
+    expert_ids_without_bias_are_not_read(FinalizeImpl::Aclnn);
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn the_simulated_runtime_defaults_to_the_native_kernel() {

@@ -173,6 +173,17 @@ fn finalize_routing_on(
     if args.expanded_x.dtype() != out.dtype() {
         return Err(Error::dtype("finalize_routing", "out", args.expanded_x.dtype().name(), out.dtype()));
     }
+    // Without a bias the expert ids index nothing (SPEC section 1), so they
+    // are not read, as on the CPU; vLLM-Ascend passes them on every call
+    // (`export_for_source_row`), bias or not. The kernel's tiling, and so its
+    // launch check, has them only with a bias.
+    let without_ids;
+    let args = if args.bias.is_none() && args.expert_idx.is_some() {
+        without_ids = FinalizeArgs { expert_idx: None, ..*args };
+        &without_ids
+    } else {
+        args
+    };
     match choose_finalize(device.finalize_override())? {
         FinalizeImpl::Native => finalize_native(device, args, dims, out, rows),
         FinalizeImpl::Aclnn => match aclnn_refuses(args, dims) {
