@@ -55,9 +55,21 @@ DTYPE_CODES = {d.name: code for code, d in NUMPY_DTYPES.items()}
 
 
 def dtype_name(dtype) -> str:
-    """`float32`, `bfloat16`, ... for a numpy / ml_dtypes / torch dtype or a name."""
+    """`float32`, `bfloat16`, ... for a numpy / ml_dtypes / torch dtype, the
+    package's `DType` or a name; what is none of them is named as it prints
+    (and then refused by `dtype_code`)."""
+    if isinstance(dtype, DType):
+        np_type = _NUMPY_BY_VARIANT.get(dtype.name)
+        return dtype.name.lower() if np_type is None else np.dtype(np_type).name
     s = str(dtype)
-    return s[len("torch.") :] if s.startswith("torch.") else (np.dtype(dtype).name if not isinstance(dtype, str) else s)
+    if s.startswith("torch."):
+        return s[len("torch.") :]
+    if isinstance(dtype, str):
+        return s
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return s
 
 
 # The code of every dtype object (numpy, ml_dtypes, torch) or name already

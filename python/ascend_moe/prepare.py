@@ -51,8 +51,8 @@ class MoeContext:
             # the library does to any other target below a DP rank's tokens.
             raise error(
                 Status.INVALID_ARGUMENT,
-                f"MoeContext: invalid argument `padded_num_tokens`: 0 must be a multiple of the TP size {self.tp_size} "
-                f"and at least the largest DP token count {max(self.dp_tokens)}",
+                f"MoeContext: invalid argument `padded_num_tokens`: 0 rows hold none of the largest DP rank's "
+                f"{max(self.dp_tokens)} tokens (the target is a multiple of the TP size {self.tp_size} and at least that)",
             )
         self._c = MoeContextC()
         call("amoe_moe_context_init", ctypes.byref(self._c))

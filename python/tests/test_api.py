@@ -183,6 +183,11 @@ def test_shapes_accept_meta_pairs_and_agree_with_ops():
     assert am.shapes.maybe_pad_and_reduce(((8, 2), "float32"), am.SpLayout([3, 1, 0, 4]), (3, 4)) == (4, 2)
     assert am.shapes.maybe_pad_and_reduce(((8, 2), "float32"), None, (1, 4)) == (2, 2)
     assert am.shapes.maybe_all_gather_and_maybe_unpad(((0, 2), "bfloat16"), [3, 1, 0, 4], (2, 4)) == (8, 2)
+    # The package's own DType names a dtype too; anything else is a DTypeError
+    # (both raised numpy's TypeError).
+    assert am.shapes.maybe_all_gather_and_maybe_unpad(((0, 2), am.DType.BF16), [3, 1, 0, 4], (2, 4)) == (8, 2)
+    with pytest.raises(am.DTypeError, match="`x` has dtype <object"):
+        am.shapes.maybe_pad_and_reduce(((8, 2), object()), None, (1, 4))
     with pytest.raises(am.AmoeError, match="expected 1 rows"):
         am.shapes.maybe_all_gather_and_maybe_unpad(((2, 2), "float32"), [3, 1, 0, 4], (1, 4))
     with pytest.raises(am.AmoeError, match="does not divide"):

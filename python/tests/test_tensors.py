@@ -347,7 +347,7 @@ def test_arguments_of_the_wrong_kind_are_the_packages_errors():
             am.MoeContext([4], 1, 0, 0, sp=bad)
     # padded_num_tokens=0 reached the library as its "default" and was taken
     # as ceil_to(max T_d, TP); it pads nothing, so it is refused as 5 is.
-    with pytest.raises(am.InvalidArgumentError, match="`padded_num_tokens`: 0 must be a multiple of the TP size 2"):
+    with pytest.raises(am.InvalidArgumentError, match="`padded_num_tokens`: 0 rows hold none of the largest DP rank's 6 tokens"):
         am.MoeContext([6, 3], 2, 0, 0, padded_num_tokens=0)
     assert am.MoeContext([0, 0], 2, 0, 0, padded_num_tokens=0).padded_num_tokens == 0
     with pytest.raises(am.InvalidArgumentError, match="`has_routed_transform`"):
