@@ -454,7 +454,8 @@ size_t amoe_enum_count(void);
 // `AMOE_STATUS_INVALID_ARGUMENT`.
 //
 // # Safety
-// `out_name` and `out_len` must be NULL or writable.
+// `out_name` and `out_len` must be writable (NULL is refused with
+// `AMOE_STATUS_NULL_ARGUMENT`).
 amoe_status amoe_enum_info(size_t index, const char **out_name, size_t *out_len);
 
 // Variant `variant` of enum `index`: its name without the enum's prefix
@@ -464,7 +465,8 @@ amoe_status amoe_enum_info(size_t index, const char **out_name, size_t *out_len)
 // returns `AMOE_STATUS_INVALID_ARGUMENT`.
 //
 // # Safety
-// `out_name` and `out_value` must be NULL or writable.
+// `out_name` and `out_value` must be writable (NULL is refused with
+// `AMOE_STATUS_NULL_ARGUMENT`).
 amoe_status amoe_enum_entry(size_t index,
                             size_t variant,
                             const char **out_name,
@@ -475,7 +477,7 @@ amoe_status amoe_enum_entry(size_t index,
 // library, never free it). Unknown codes return `AMOE_STATUS_INVALID_ARGUMENT`.
 //
 // # Safety
-// `out` must be NULL or writable.
+// `out` must be writable (NULL is refused with `AMOE_STATUS_NULL_ARGUMENT`).
 amoe_status amoe_comm_type_name(uint32_t comm_type, const char **out);
 
 // Joins (or creates) the CPU shared-memory world `name` of `world_size`
@@ -529,8 +531,8 @@ amoe_status amoe_comm_from_hccl(void *raw_hccl_comm,
 // calls a collective on `comm` instead fails at once with
 // `AMOE_STATUS_COMM_MISMATCH` naming the split, and the listed ranks waiting
 // for it with one naming its collective (they take part in it to fail it);
-// listed ranks that pass different lists fail with one naming both lists,
-// after the timeout.
+// listed ranks that pass different lists fail at once with one naming both
+// lists.
 //
 // # Safety
 // `comm` must be a live handle; `ranks` readable for `n` elements; `out` writable.
@@ -1226,7 +1228,8 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // exactly `out`'s row count, host or NPU memory (for example the engine's
 // own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
 // rank, 0 for graph and TP padding. Other comm types leave it untouched. A
-// mask of another dtype or length, or one that overlaps `out`
+// mask of another dtype (`AMOE_STATUS_DTYPE`) or length
+// (`AMOE_STATUS_SHAPE`), or one that overlaps `out`
 // (`AMOE_STATUS_INVALID_ARGUMENT`, naming both), is refused before any
 // communication. So are an unknown `comm_type` and a NULL or malformed
 // `ctx`; on a CPU group with the comm-type check on, the peers (waiting in

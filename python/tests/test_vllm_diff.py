@@ -125,6 +125,21 @@ def test_float_dp_token_counts_are_refused(engine):
         torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(1, 2))
 
 
+def test_register_without_vllm_ascend_fails_only_when_switched_on(monkeypatch):
+    # README: with ASCEND_MOE_VLLM=1 and no importable vLLM-Ascend,
+    # register() raises naming the import; without the switch it does nothing.
+    av.uninstall()
+    monkeypatch.setitem(sys.modules, av.OPS_MODULE, None)  # an import of it fails
+    monkeypatch.delenv("ASCEND_MOE_VLLM", raising=False)
+    av.register()
+    assert av.status()["active"] is False and av.status()["switch"] is None
+    monkeypatch.setenv("ASCEND_MOE_VLLM", "1")
+    with pytest.raises(am.AmoeError, match=f"importing {av.OPS_MODULE} failed") as e:
+        av.register()
+    assert e.value.status == am.Status.UNAVAILABLE
+    assert av.status()["active"] is False and av.status()["switch"] == "1"
+
+
 def test_the_tp_group_is_found_without_vllm_ascends_runner_module(engine, monkeypatch):
     # vLLM-Ascend's runner module not loaded (or without get_tp_group), and
     # its ops module importing no get_tp_group: the TP group is vLLM's. The

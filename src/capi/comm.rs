@@ -118,8 +118,8 @@ pub unsafe extern "C" fn amoe_comm_from_hccl(
 /// calls a collective on `comm` instead fails at once with
 /// `AMOE_STATUS_COMM_MISMATCH` naming the split, and the listed ranks waiting
 /// for it with one naming its collective (they take part in it to fail it);
-/// listed ranks that pass different lists fail with one naming both lists,
-/// after the timeout.
+/// listed ranks that pass different lists fail at once with one naming both
+/// lists.
 ///
 /// # Safety
 /// `comm` must be a live handle; `ranks` readable for `n` elements; `out` writable.

@@ -151,7 +151,8 @@ fn c_enum(f: &str, index: usize) -> Result<&'static CEnum, Failure> {
 /// `AMOE_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `out_name` and `out_len` must be NULL or writable.
+/// `out_name` and `out_len` must be writable (NULL is refused with
+/// `AMOE_STATUS_NULL_ARGUMENT`).
 #[no_mangle]
 pub unsafe extern "C" fn amoe_enum_info(
     index: usize,
@@ -176,7 +177,8 @@ pub unsafe extern "C" fn amoe_enum_info(
 /// returns `AMOE_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `out_name` and `out_value` must be NULL or writable.
+/// `out_name` and `out_value` must be writable (NULL is refused with
+/// `AMOE_STATUS_NULL_ARGUMENT`).
 #[no_mangle]
 pub unsafe extern "C" fn amoe_enum_entry(
     index: usize,
@@ -211,7 +213,7 @@ pub unsafe extern "C" fn amoe_enum_entry(
 /// library, never free it). Unknown codes return `AMOE_STATUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
-/// `out` must be NULL or writable.
+/// `out` must be writable (NULL is refused with `AMOE_STATUS_NULL_ARGUMENT`).
 #[no_mangle]
 pub unsafe extern "C" fn amoe_comm_type_name(comm_type: u32, out: *mut *const c_char) -> amoe_status {
     const F: &str = "amoe_comm_type_name";

@@ -241,7 +241,8 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
 /// exactly `out`'s row count, host or NPU memory (for example the engine's
 /// own mask buffer), 1 for the first `num_actual_tokens` rows of this DP
 /// rank, 0 for graph and TP padding. Other comm types leave it untouched. A
-/// mask of another dtype or length, or one that overlaps `out`
+/// mask of another dtype (`AMOE_STATUS_DTYPE`) or length
+/// (`AMOE_STATUS_SHAPE`), or one that overlaps `out`
 /// (`AMOE_STATUS_INVALID_ARGUMENT`, naming both), is refused before any
 /// communication. So are an unknown `comm_type` and a NULL or malformed
 /// `ctx`; on a CPU group with the comm-type check on, the peers (waiting in

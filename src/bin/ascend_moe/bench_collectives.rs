@@ -60,7 +60,8 @@ pub struct Args {
     /// Collectives, comma separated.
     #[arg(long, value_delimiter = ',', default_value = "all_reduce,reduce_scatter,all_gather,all_to_all,broadcast")]
     ops: Vec<String>,
-    /// Element type.
+    /// Element type. The one-byte types (i8, u8, bool, f8e4m3, f8e5m2) are only
+    /// moved: with them, pick --ops among all_gather, all_to_all, broadcast.
     #[arg(long, default_value = "bf16")]
     dtype: String,
     /// Smallest size in bytes (suffixes K, M, G).
