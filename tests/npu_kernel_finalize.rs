@@ -206,7 +206,14 @@ fn expert_ids_without_bias_are_not_read(imp: FinalizeImpl) {
             ascend_moe::moe::moe_finalize_routing(&args).unwrap_or_else(|e| panic!("{} {with_ids}: {e}", imp.name()));
         out.to_vec::<f32>().unwrap()
     };
+    // SPEC section 1, mode 2 (row layout): out[i] = sum_k s[i,k] * x[idx[i*K + k]];
+    // every value here is exact in f32.
+    let (xv, iv, sv) = (x.to_vec::<f32>().unwrap(), idx.to_vec::<i32>().unwrap(), scales.to_vec::<f32>().unwrap());
+    let formula: Vec<f32> = (0..n * h)
+        .map(|o| (0..k).map(|j| sv[o / h * k + j] * xv[iv[o / h * k + j] as usize * h + o % h]).sum())
+        .collect();
     let want = run(&Device::Cpu, false);
+    assert_eq!(want, formula);
     assert_eq!(run(&Device::Cpu, true), want);
     assert_eq!(run(&dev, false), want, "{}", imp.name());
     assert_eq!(run(&dev, true), want, "{}", imp.name());
