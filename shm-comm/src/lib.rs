@@ -321,6 +321,10 @@ impl std::fmt::Debug for ShmComm {
     }
 }
 
+/// How long a leaving rank waits for the setup lock (at most its timeout):
+/// the lock is held only for a rendezvous's setup or another rank's leave.
+const LEAVE_LOCK_BOUND: Duration = Duration::from_secs(1);
+
 impl Drop for Inner {
     fn drop(&mut self) {
         // A copy inherited through fork only unmaps and closes (the fields'
@@ -338,7 +342,7 @@ impl Drop for Inner {
         } else {
             LEFT
         };
-        self.seg.leave(state);
+        self.seg.leave(state, self.timeout.min(LEAVE_LOCK_BOUND));
     }
 }
 

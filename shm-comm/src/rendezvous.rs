@@ -17,6 +17,7 @@ use std::ffi::CString;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use crate::clock::Backoff;
 use crate::file::{check_dir, ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_start, pid_alive};
@@ -423,23 +424,6 @@ fn judge(
         ));
     }
     Ok(Found::Join)
-}
-
-/// Spin, then yield, then short sleeps (only used while waiting on the setup lock).
-#[derive(Default)]
-struct Backoff {
-    n: u32,
-}
-
-impl Backoff {
-    fn snooze(&mut self) {
-        self.n += 1;
-        if self.n < 16 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(200 * u64::from(self.n.min(25))));
-        }
-    }
 }
 
 #[cfg(test)]

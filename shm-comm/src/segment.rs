@@ -268,14 +268,23 @@ impl Segment {
     }
 
     /// Marks this rank gone with `state` (LEFT, ABORTED or FAILED); the last
-    /// rank out unlinks the file.
-    pub(crate) fn leave(&self, state: u32) {
+    /// rank out unlinks the file. Waits for the setup lock at most `bound`:
+    /// its holder (a joiner, or a peer leaving) sees this rank's state once
+    /// it looks, so giving up leaves the file to it, or to the next
+    /// rendezvous under the name, which replaces a file whose ranks are gone.
+    /// A holder that never lets go (a joiner stopped inside its setup) must
+    /// not turn a rank's failure into a hang.
+    pub(crate) fn leave(&self, state: u32, bound: Duration) {
         self.ctrl(self.rank).state.store(state, Ordering::Release);
         self.ring();
-        // Best effort: a failure here leaves a stale segment the next run replaces.
+        let deadline = crate::clock::deadline(std::time::Instant::now(), bound);
+        let mut backoff = crate::clock::Backoff::default();
         // SAFETY: fd is open.
-        if unsafe { libc::flock(self.fd, libc::LOCK_EX) } != 0 {
-            return;
+        while unsafe { libc::flock(self.fd, libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            if std::time::Instant::now() >= deadline {
+                return;
+            }
+            backoff.snooze();
         }
         let anyone = (0..self.world).any(|r| {
             let c = self.ctrl(r);

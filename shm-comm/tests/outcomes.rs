@@ -382,3 +382,64 @@ fn members_moving_on_from_a_split_to_a_collective_are_not_a_mismatch() {
         assert_eq!(o.as_ref().map_err(|e| e.to_string()), Ok(&want[r]), "rank {r}");
     }
 }
+
+/// A rank that gives up on a forming world returns at its timeout even while
+/// another process holds the setup lock (a joiner stopped inside its setup):
+/// leaving waits for the lock only briefly, and the lock's holder (or the
+/// next rendezvous) deals with the file.
+#[test]
+fn a_rank_that_times_out_returns_while_another_holds_the_setup_lock() {
+    use std::os::fd::AsRawFd;
+    use std::sync::mpsc;
+    use std::time::Instant;
+
+    let name = group("held-lock");
+    let path = shm_comm::segment_path(&name);
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let (locked_tx, locked_rx) = mpsc::channel::<()>();
+    let holder = {
+        let path = path.clone();
+        std::thread::spawn(move || {
+            // Take the lock once rank 0 initialised the file and let go of
+            // it (a sized file: the setup sizes it under the lock).
+            let start = Instant::now();
+            let f = loop {
+                assert!(start.elapsed() < Duration::from_secs(20), "rank 0 never set up {path}");
+                if let Ok(f) = std::fs::File::open(&path) {
+                    // SAFETY: f is an open file.
+                    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                        if f.metadata().map(|m| m.len() > 0).unwrap_or(false) {
+                            break f;
+                        }
+                        // SAFETY: f is an open file.
+                        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+                    }
+                }
+                std::thread::yield_now();
+            };
+            locked_tx.send(()).unwrap();
+            // Held until rank 0 returned, or 30 s at most.
+            let _ = done_rx.recv_timeout(Duration::from_secs(30));
+            drop(f);
+        })
+    };
+    let timeout = Duration::from_millis(300);
+    let start = Instant::now();
+    let cfg = Config { staging_bytes: 1 << 16 };
+    let joined = std::thread::scope(|s| {
+        let h = s.spawn(|| ShmComm::rendezvous(&name, 2, 0, timeout, &cfg));
+        locked_rx.recv_timeout(Duration::from_secs(25)).expect("the lock was taken");
+        h.join().unwrap()
+    });
+    let took = start.elapsed();
+    done_tx.send(()).ok();
+    holder.join().unwrap();
+    let _ = std::fs::remove_file(&path);
+    match joined {
+        Err(Error::Comm { kind: ErrorKind::Timeout, ref detail, .. }) => {
+            assert!(detail.contains("waiting for ranks [1]"), "{detail}")
+        }
+        other => panic!("expected rank 0 to time out waiting for rank 1, got {other:?}"),
+    }
+    assert!(took < Duration::from_secs(10), "rank 0 returned after {took:?}, held by the setup lock");
+}
