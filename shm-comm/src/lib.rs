@@ -45,11 +45,15 @@
 //! others may write to it, as /dev/shm and /tmp are: in any other, another
 //! user could rename or remove a forming world's file, or move the whole
 //! directory aside and put their own in its place, so every rank is refused
-//! there with an error naming the directory, its owner and mode. Layout:
+//! there with an error naming the directory, its owner and mode. The ranks of
+//! a world judge each other's liveness by pid, so they must share a PID
+//! namespace: a joiner from another (two containers sharing /dev/shm but not
+//! their processes) is refused with [`ErrorKind::Mismatch`] naming both
+//! namespaces, and never takes the world's live ranks for dead. Layout:
 //!
 //! | block | size |
 //! |---|---|
-//! | header (magic, version, world, staging size, futex word, phase verdict, refused joiner) | 4 KiB |
+//! | header (magic, version, world, staging size, futex word, phase verdict, refused joiner, PID namespace) | 4 KiB |
 //! | per rank: control block (state, pid, phase counter, 2 descriptors, error text) | 4 KiB |
 //! | per rank: staging, three slots used in rotation | 3 x `staging_bytes` |
 //!

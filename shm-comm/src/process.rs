@@ -61,6 +61,14 @@ pub(crate) fn my_pid() -> u32 {
     pid
 }
 
+/// The PID namespace of this process: the inode of `/proc/self/ns/pid` (0
+/// where /proc does not tell). Two processes whose namespaces differ cannot
+/// tell whether the other is alive by its pid.
+pub(crate) fn my_pid_ns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
+
 /// The effective user id of this process: the only owner whose segment files
 /// and presence names a rendezvous trusts.
 pub(crate) fn my_uid() -> u32 {

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use crate::clock::Backoff;
 use crate::file::{check_dir, ino_at, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
-use crate::process::{my_pid, my_start, pid_alive};
+use crate::process::{my_pid, my_pid_ns, my_start, pid_alive};
 use crate::segment::{
     checked_segment_len, describe_refusal, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD,
     VERSION,
@@ -216,6 +216,7 @@ impl Segment {
                     h.version.store(VERSION, Ordering::Relaxed);
                     h.world.store(world as u32, Ordering::Relaxed);
                     h.staging.store(staging as u64, Ordering::Relaxed);
+                    h.pid_ns.store(my_pid_ns(), Ordering::Relaxed);
                     h.magic.store(MAGIC, Ordering::Release);
                     return Self::attach(seg, name, &cpath);
                 }
@@ -272,6 +273,19 @@ impl Segment {
             // Initialised segments are complete before the lock is released, so
             // this is a torn or foreign file.
             return Ok(Found::Stale);
+        }
+        // Every pid in the file is one of the creator's namespace: from
+        // another, live ranks would look dead and their file stale.
+        let (theirs, ours) = (h.pid_ns.load(Ordering::Relaxed), my_pid_ns());
+        if theirs != 0 && ours != 0 && theirs != ours {
+            let why = format!(
+                "the world forming under this name was made in another PID namespace (pid:[{theirs}]; this \
+                 process is in pid:[{ours}]): the ranks of one world must run in one PID namespace (they judge \
+                 each other's liveness by pid), e.g. one container, or a pod with shareProcessNamespace; if no \
+                 rank of that world runs any more, remove {}",
+                segment_path(name)
+            );
+            return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
         }
         let ctrl = Mapping::new(fd, BLOCK + w * BLOCK).ok_or_else(|| os_err("mapping segment control".into()))?;
         let slots: Vec<(u32, u32, u64)> = (0..w)
@@ -492,5 +506,63 @@ mod tests {
         assert!(why.contains("1048576 bytes (1.0 MiB) for /nowhere/ascend-moe.pipe in /nowhere"), "{why}");
         assert!(why.contains(&std::io::Error::from_raw_os_error(libc::ESPIPE).to_string()), "{why}");
         assert!(!why.contains("--shm-size"), "only a full directory gets that hint: {why}");
+    }
+
+    /// A joiner in another PID namespace than the one the world was made in
+    /// (two containers sharing /dev/shm, not their processes) would see the
+    /// live ranks as dead and remove their file as stale: it is refused
+    /// naming both namespaces, and the world it found stays whole (here it
+    /// forms once the header says the namespace is the joiner's).
+    #[test]
+    fn a_joiner_from_another_pid_namespace_is_refused_and_the_world_stays() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::FileExt;
+
+        let ours = my_pid_ns();
+        assert_ne!(ours, 0, "/proc/self/ns/pid names this process's namespace");
+        let name = format!("other-pid-ns-{}", std::process::id());
+        let path = segment_path(&name);
+        let cfg = crate::Config { staging_bytes: 1 << 16 };
+        let at = std::mem::offset_of!(Header, pid_ns) as u64;
+        std::thread::scope(|s| {
+            let first = s.spawn(|| crate::ShmComm::rendezvous(&name, 2, 0, Duration::from_secs(20), &cfg));
+            // Once rank 0 set the file up (sized, lock released), its header
+            // claims another namespace.
+            let f = loop {
+                if let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+                    // SAFETY: f is an open file.
+                    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                        if f.metadata().is_ok_and(|m| m.len() > 0) {
+                            break f;
+                        }
+                        // SAFETY: as above.
+                        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+                    }
+                }
+                std::thread::yield_now();
+            };
+            f.write_all_at(&(ours ^ 1).to_ne_bytes(), at).expect("header");
+            // SAFETY: f is an open file.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+            let ino = ino_at(&CString::new(path.clone()).unwrap());
+            match crate::ShmComm::rendezvous(&name, 2, 1, Duration::from_secs(20), &cfg) {
+                Err(Error::Comm { kind: ErrorKind::Mismatch, detail, .. }) => {
+                    for part in
+                        ["another PID namespace", &format!("pid:[{}]", ours ^ 1), &format!("pid:[{ours}]"), &path]
+                    {
+                        assert!(detail.contains(part), "{part:?} missing from: {detail}");
+                    }
+                }
+                other => panic!("expected a PID namespace mismatch, got {other:?}"),
+            }
+            assert_eq!(ino_at(&CString::new(path.clone()).unwrap()), ino, "the live world's file was left as it was");
+            f.write_all_at(&ours.to_ne_bytes(), at).expect("header");
+            let second = crate::ShmComm::rendezvous(&name, 2, 1, Duration::from_secs(20), &cfg).expect("rank 1");
+            let first = first.join().unwrap().expect("rank 0");
+            std::thread::scope(|s| {
+                s.spawn(|| first.barrier().expect("barrier"));
+                second.barrier().expect("barrier");
+            });
+        });
     }
 }

@@ -4,7 +4,7 @@
 //!
 //! | offset | size | what |
 //! |---|---|---|
-//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word, phase verdict, refused joiner |
+//! | 0 | 4 KiB | [`Header`]: magic, version, world size, staging size, futex word, phase verdict, refused joiner, PID namespace |
 //! | 4 KiB | `world` x 4 KiB | one [`Ctrl`] block per rank: state, pid, phase counter, descriptors, error text |
 //! | 4 KiB + world x 4 KiB | `world` x [`SLOTS`] x `staging` | per-rank staging slots, used in rotation |
 //!
@@ -27,7 +27,7 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout and protocol version (how phases are numbered in
 /// [`Header::verdict`] included); a segment of another version is treated
 /// as foreign and stale.
-pub(crate) const VERSION: u32 = 7;
+pub(crate) const VERSION: u32 = 8;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
@@ -82,6 +82,10 @@ pub(crate) struct Header {
     pub refused: AtomicU64,
     /// The refused joiner's staging size.
     pub refused_staging: AtomicU64,
+    /// The PID namespace the world was formed in (the inode of its
+    /// creator's `/proc/self/ns/pid`; 0: unknown). Ranks judge each other's
+    /// liveness by pid, which only means something inside one namespace.
+    pub pid_ns: AtomicU64,
 }
 
 impl Header {
