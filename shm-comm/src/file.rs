@@ -308,15 +308,39 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
         close(fd);
         return Err(Refused::Os(e));
     };
-    let own = st.st_mode & libc::S_IFMT == libc::S_IFREG
-        && st.st_uid == my_uid()
-        && st.st_mode & 0o7777 == 0o600
-        && st.st_nlink == 1;
-    if !own {
+    if !is_own(&st) {
         close(fd);
         return Err(refusal(path, &describe(&st)));
     }
     Ok(Opened::File(OwnFile { fd, ino: dev_ino(&st) }))
+}
+
+/// A segment file as this user's own makes it: a regular file of this user,
+/// mode 0600, one link.
+fn is_own(st: &libc::stat) -> bool {
+    st.st_mode & libc::S_IFMT == libc::S_IFREG
+        && st.st_uid == my_uid()
+        && st.st_mode & 0o7777 == 0o600
+        && st.st_nlink == 1
+}
+
+/// The file at `cpath` if it exists and is this user's own (as [`open_own`]
+/// takes it), opened without creating, following links or waiting; else
+/// `None`.
+pub(crate) fn open_existing_own(cpath: &CStr) -> Option<OwnFile> {
+    let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
+    // SAFETY: cpath is NUL-terminated; flags are plain integers.
+    let fd = unsafe { libc::open(cpath.as_ptr(), flags) };
+    if fd < 0 {
+        return None;
+    }
+    match fstat_fd(fd).filter(is_own) {
+        Some(st) => Some(OwnFile { fd, ino: dev_ino(&st) }),
+        None => {
+            close(fd);
+            None
+        }
+    }
 }
 
 #[cfg(test)]

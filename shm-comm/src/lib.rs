@@ -18,7 +18,10 @@
 //! waits (up to the timeout) until all slots are taken, and the rendezvous
 //! ends the same way on every rank that took a slot, like a phase barrier
 //! (see "Waiting and failure"). A file whose ranks are all dead or gone (a
-//! crashed run) is replaced; a live world of another size
+//! crashed run) is replaced, and every rendezvous first removes this user's
+//! files of such worlds under other names too (made in its PID namespace, by
+//! this version), so that a world whose ranks were all killed while it formed
+//! does not hold its memory until its name comes back; a live world of another size
 //! under the same name is an error. A joiner that asks a forming world for
 //! another world size or staging size is refused, and is recorded in the
 //! header: the ranks waiting there fail at once with [`ErrorKind::Mismatch`]

@@ -11,14 +11,15 @@
 //! instead: a joiner of another size, or of a rank that is live there, is
 //! refused as before, and one whose rank has left waits for that world to end.
 //! A file whose ranks are all dead (a crash while the world formed) is
-//! replaced.
+//! replaced, and such files under other names are swept at every
+//! rendezvous ([`sweep_stale`]).
 
 use std::ffi::CString;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::clock::Backoff;
-use crate::file::{check_dir, ino_at, open_own, Opened, Refused};
+use crate::file::{check_dir, ino_at, open_existing_own, open_own, Opened, Refused};
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_pid_ns, my_start, pid_alive};
 use crate::segment::{
@@ -78,6 +79,7 @@ impl Segment {
             Err(Refused::Os(e)) => return Err(e),
             Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
         }
+        sweep_stale(&dir, &path);
         let deadline = crate::clock::deadline(Instant::now(), timeout);
         let mut backoff = Backoff::default();
         // Why the last attempt started over (`None` before the first).
@@ -260,46 +262,27 @@ impl Segment {
 
     /// Reads the header and slots of an existing segment (lock held).
     fn inspect(fd: libc::c_int, size: usize, name: &str, world: usize, rank: usize, staging: usize) -> Result<Found> {
-        if size < BLOCK {
+        let Some(survey) = Survey::of(fd, size)? else {
+            // Initialised segments are complete before the lock is released,
+            // so this is a torn or foreign file.
             return Ok(Found::Stale);
-        }
-        let hdr = Mapping::new(fd, BLOCK).ok_or_else(|| os_err("mapping segment header".into()))?;
-        // SAFETY: the mapping is BLOCK bytes, Header fits (asserted) and is made of atomics.
-        let h = unsafe { &*(hdr.ptr as *const Header) };
-        let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
-        let (w, s) = (h.world.load(Ordering::Relaxed) as usize, h.staging.load(Ordering::Relaxed) as usize);
-        let complete = checked_segment_len(w, s).is_some_and(|len| size >= len);
-        if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || !complete {
-            // Initialised segments are complete before the lock is released, so
-            // this is a torn or foreign file.
-            return Ok(Found::Stale);
-        }
+        };
+        let (w, s, h) = (survey.world, survey.staging, survey.header());
         // Every pid in the file is one of the creator's namespace: from
         // another, live ranks would look dead and their file stale.
-        let (theirs, ours) = (h.pid_ns.load(Ordering::Relaxed), my_pid_ns());
-        if theirs != 0 && ours != 0 && theirs != ours {
+        let ours = my_pid_ns();
+        if survey.pid_ns != 0 && ours != 0 && survey.pid_ns != ours {
             let why = format!(
-                "the world forming under this name was made in another PID namespace (pid:[{theirs}]; this \
+                "the world forming under this name was made in another PID namespace (pid:[{}]; this \
                  process is in pid:[{ours}]): the ranks of one world must run in one PID namespace (they judge \
                  each other's liveness by pid), e.g. one container, or a pod with shareProcessNamespace; if no \
                  rank of that world runs any more, remove {}",
+                survey.pid_ns,
                 segment_path(name)
             );
             return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
         }
-        let ctrl = Mapping::new(fd, BLOCK + w * BLOCK).ok_or_else(|| os_err("mapping segment control".into()))?;
-        let slots: Vec<(u32, u32, u64)> = (0..w)
-            .map(|r| {
-                // SAFETY: the mapping covers the header and w control blocks.
-                let c = unsafe { &*(ctrl.ptr.add(BLOCK + r * BLOCK) as *const Ctrl) };
-                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
-            })
-            .collect();
-        drop(ctrl);
-        let live: Vec<(usize, u32)> = (0..w)
-            .filter(|&r| slots[r].0 == JOINED && pid_alive(slots[r].1, slots[r].2))
-            .map(|r| (r, slots[r].1))
-            .collect();
+        let live = survey.live();
         if live.is_empty() {
             return Ok(Found::Stale);
         }
@@ -315,15 +298,100 @@ impl Segment {
         if (w, s) != (world, staging) {
             h.refuse(rank, world, staging);
         }
-        drop(hdr);
         // judge() passed: same world size, so `rank < w`.
         match judge(name, world, rank, staging, (w, s), &live)? {
-            Found::Join if slots[rank].0 != EMPTY => Ok(Found::Busy(format!(
+            Found::Join if survey.slots[rank].0 != EMPTY => Ok(Found::Busy(format!(
                 "a previous world under this name still runs ({}) and rank {rank}'s slot is not free",
                 describe_live(&live)
             ))),
             f => Ok(f),
         }
+    }
+}
+
+/// What a segment file of this layout version holds (setup lock held): its
+/// header, world and staging sizes, PID namespace and every rank's slot.
+struct Survey {
+    hdr: Mapping,
+    world: usize,
+    staging: usize,
+    pid_ns: u64,
+    /// Per rank: (state, pid, start time).
+    slots: Vec<(u32, u32, u64)>,
+}
+
+impl Survey {
+    /// The survey of the file `fd` of `size` bytes; `None` for a file that
+    /// is not a complete segment of this version (torn or foreign).
+    fn of(fd: libc::c_int, size: usize) -> Result<Option<Survey>> {
+        if size < BLOCK {
+            return Ok(None);
+        }
+        let hdr = Mapping::new(fd, BLOCK).ok_or_else(|| os_err("mapping segment header".into()))?;
+        // SAFETY: the mapping is BLOCK bytes, Header fits (asserted) and is made of atomics.
+        let h = unsafe { &*(hdr.ptr as *const Header) };
+        let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
+        let (w, s) = (h.world.load(Ordering::Relaxed) as usize, h.staging.load(Ordering::Relaxed) as usize);
+        let complete = checked_segment_len(w, s).is_some_and(|len| size >= len);
+        if magic != MAGIC || version != VERSION || w == 0 || w > MAX_WORLD || !complete {
+            return Ok(None);
+        }
+        let pid_ns = h.pid_ns.load(Ordering::Relaxed);
+        let ctrl = Mapping::new(fd, BLOCK + w * BLOCK).ok_or_else(|| os_err("mapping segment control".into()))?;
+        let slots = (0..w)
+            .map(|r| {
+                // SAFETY: the mapping covers the header and w control blocks.
+                let c = unsafe { &*(ctrl.ptr.add(BLOCK + r * BLOCK) as *const Ctrl) };
+                (c.state.load(Ordering::Acquire), c.pid.load(Ordering::Acquire), c.start.load(Ordering::Acquire))
+            })
+            .collect();
+        Ok(Some(Survey { hdr, world: w, staging: s, pid_ns, slots }))
+    }
+
+    fn header(&self) -> &Header {
+        // SAFETY: as in `of`: the mapping lives as long as self.
+        unsafe { &*(self.hdr.ptr as *const Header) }
+    }
+
+    /// `(rank, pid)` of the joined ranks whose process is alive.
+    fn live(&self) -> Vec<(usize, u32)> {
+        (0..self.world)
+            .filter(|&r| self.slots[r].0 == JOINED && pid_alive(self.slots[r].1, self.slots[r].2))
+            .map(|r| (r, self.slots[r].1))
+            .collect()
+    }
+}
+
+/// Removes this user's segment files in `dir` (all but `skip`) that a world
+/// of this version, made in this PID namespace, left when every rank died
+/// before the world was complete (a launcher's SIGTERM or SIGKILL while the
+/// ranks waited for each other): otherwise such a file holds its memory in
+/// the shared-memory directory until a rendezvous under the same name. Best
+/// effort, and nothing waits: a file that is locked (being set up), not
+/// this user's own, torn, of another version or namespace, or with a live
+/// rank is left alone.
+fn sweep_stale(dir: &str, skip: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let ours = my_pid_ns();
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(n) = file.to_str().filter(|n| n.starts_with("ascend-moe.")) else { continue };
+        let path = format!("{dir}/{n}");
+        let Ok(cpath) = CString::new(path.clone()) else { continue };
+        if path == skip || ours == 0 {
+            continue;
+        }
+        let Some(f) = open_existing_own(&cpath) else { continue };
+        // SAFETY: f.fd is open; LOCK_NB never waits.
+        if unsafe { libc::flock(f.fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 && ino_at(&cpath) == Some(f.ino) {
+            let stale = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
+            if stale.is_some_and(|s| s.pid_ns == ours && s.live().is_empty()) {
+                // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
+                unsafe { libc::unlink(cpath.as_ptr()) };
+            }
+        }
+        // SAFETY: f.fd is open and ours; closing releases the lock.
+        unsafe { libc::close(f.fd) };
     }
 }
 

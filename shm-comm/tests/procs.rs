@@ -282,3 +282,31 @@ fn process_ranks_that_disagree_on_the_tag_all_fail_naming_who_chose_what() {
     }
     assert_no_segment(&name);
 }
+
+/// Every rank of a forming world killed at once (a launcher's SIGKILL or
+/// SIGTERM while they waited for each other) leaves its file, full size, in
+/// the shared-memory directory; the next rendezvous, under any name, removes
+/// it. While a rank of it lives, the file is left alone.
+#[test]
+fn a_world_whose_every_rank_died_while_it_formed_is_swept_by_the_next_rendezvous() {
+    const TEST: &str = "a_world_whose_every_rank_died_while_it_formed_is_swept_by_the_next_rendezvous";
+    if let Ok(role) = std::env::var(ROLE) {
+        std::process::exit(rank_main(&role));
+    }
+    let name = unique("swept", 0);
+    let path = segment_path(&name);
+    let mut ranks: Vec<Rank> = (0..2).map(|r| Rank::spawn(TEST, "hold", &name, r)).collect();
+    wait_attached(&name, 2);
+    let cfg = Config { staging_bytes: 1 << 16 };
+    let one_world =
+        |trial| drop(ShmComm::rendezvous(&unique("sweeper", trial), 1, 0, RANK_TIMEOUT, &cfg).expect("one"));
+    one_world(0);
+    assert!(std::path::Path::new(&path).exists(), "the file of a world with live ranks was removed");
+    for r in &mut ranks {
+        r.kill();
+    }
+    // Their file stays until a rendezvous sweeps it: this one, or one of a
+    // test running beside it.
+    one_world(1);
+    assert_no_segment(&name);
+}
