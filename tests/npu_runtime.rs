@@ -269,3 +269,54 @@ fn a_captured_equality_check_reports_a_bad_replay_followed_by_a_good_one() {
     graph.replay(d.stream().raw());
     d.check().expect("a good replay");
 }
+
+/// Buffers dropped while their stream is captured into a graph cannot wait
+/// for the work queued on them (the runtime refuses to synchronise a
+/// capturing stream, and that work still runs): they are left allocated,
+/// each with a recorded drop error naming the capture, without the
+/// synchronisation, rather than freed under it, where a queued copy would
+/// write into a later allocation or read freed host memory.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn buffers_dropped_while_their_stream_captures_are_not_freed_under_queued_work() {
+    use ascend_moe::backend::npu::NpuBuffer;
+    use ascend_moe::testing::graph::Graph;
+    let d = dev();
+    let api = acl_sys::acl().unwrap();
+    let src = NpuBuffer::alloc(&d, 4096).unwrap();
+    src.memset_async(3, 0, 4096).unwrap();
+    let victim = NpuBuffer::alloc(&d, 4096).unwrap();
+    let mut pinned = PinnedHostBuffer::zeros(&d, 4096).unwrap();
+    pinned.as_bytes_mut().fill(5);
+    let dst = NpuBuffer::zeros_now(&d, 4096).unwrap();
+    let marker = NpuBuffer::alloc(&d, 64).unwrap();
+    d.synchronize().unwrap();
+    let _ = npu::take_drop_errors();
+    // Eager work queued on both buffers, then a capture begins.
+    victim.copy_from_device(0, &src, 0, 4096).unwrap();
+    dst.copy_from_pinned_async(0, &pinned).unwrap();
+    api.reset_counters();
+    let graph =
+        Graph::capture_in(d.stream().raw(), acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_RELAXED, || {
+            marker.memset_async(1, 0, 64).unwrap();
+            drop(victim);
+            drop(pinned);
+        });
+    let counters = api.counters();
+    let errors = npu::take_drop_errors();
+    assert_eq!(errors.len(), 2, "one recorded error per buffer left allocated: {errors:?}");
+    for e in &errors {
+        assert!(e.to_string().contains("captured into a graph"), "each names the capture: {e}");
+    }
+    if let Some(c) = counters {
+        assert_eq!((c.device_frees, c.host_frees), (0, 0), "nothing is freed while its stream captures");
+    }
+    let fresh = NpuBuffer::zeros_now(&d, 4096).unwrap();
+    d.synchronize().unwrap();
+    let mut back = vec![9u8; 4096];
+    fresh.copy_to_host(&mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0), "the copy queued before the drop wrote into a later allocation");
+    dst.copy_to_host(&mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 5), "the copy out of the pinned buffer read freed memory");
+    drop(graph);
+}

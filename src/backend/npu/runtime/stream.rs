@@ -146,8 +146,23 @@ pub(crate) struct StreamState {
 /// per-communicator one) cannot block a drop. Once a bounded wait on the
 /// stream timed out, later drops fail at once with the same timeout until a
 /// wait succeeds. A timeout is returned as `ACL_ERROR_RT_STREAM_SYNC_TIMEOUT`,
-/// which [`settled`] turns into "release nothing".
+/// and a stream being captured as an error without waiting, both of which
+/// [`settled`] turns into "release nothing".
 pub(crate) fn teardown_sync(raw: aclrtStream, state: &StateRef) -> Result<()> {
+    // A capturing stream cannot be synchronised (CANN refuses with
+    // RT_ERROR_STREAM_CAPTURED, hicann/runtime v8.5.0
+    // `src/runtime/feature/src/api_impl/api_error.cc:1010-1011`) and its
+    // queued work still runs: the drop releases nothing, and is not the
+    // synchronisation that breaks the capture. A status that cannot be read
+    // leaves it to the wait, which such a stream refuses ([`settled`]).
+    if capturing(raw).unwrap_or(false) {
+        return Err(Error::invalid(
+            "drop",
+            "stream",
+            "dropped while its stream is captured into a graph: what it holds is left allocated (leaked, not \
+             freed under the stream's queued work); drop it after the capture ends",
+        ));
+    }
     let bound = {
         let st = lock(state);
         if st.stalled {
