@@ -13,6 +13,10 @@
 # Method and the JSON/CSV schema: ci/bench/README.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+# The directory cargo builds into: cargo runs in the repository, so a
+# relative CARGO_TARGET_DIR is taken from there, not from the caller's directory.
+TARGET="${CARGO_TARGET_DIR:-target}"
+[[ $TARGET == /* ]] || TARGET="$ROOT/$TARGET"
 COMMAND="ci/bench.sh $*"
 HERE="$ROOT/ci/bench"
 
@@ -109,7 +113,7 @@ echo "python: $("$PY" -c 'import sys, numpy, ml_dtypes, matplotlib, mpi4py; prin
 TORCH_PY=""
 torch_ok() { [[ -n $1 && -x $1 ]] && "$1" -c 'import torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null; }
 if ! skipping gloo; then
-    for cand in "${BENCH_TORCH_PYTHON:-}" "$PY" "${CARGO_TARGET_DIR:-$ROOT/target}/ci-venv/bin/python"; do
+    for cand in "${BENCH_TORCH_PYTHON:-}" "$PY" "$TARGET/ci-venv/bin/python"; do
         if torch_ok "$cand"; then TORCH_PY="$cand"; break; fi
     done
     if [[ -z $TORCH_PY && $INSTALL == 1 ]]; then
@@ -120,7 +124,7 @@ if ! skipping gloo; then
     if [[ -n $TORCH_PY ]]; then
         echo "gloo peer: $TORCH_PY (torch $("$TORCH_PY" -c 'import torch; print(torch.__version__)'))" >&2
     else
-        echo "warning: no python with torch + gloo (set BENCH_TORCH_PYTHON, or drop --no-install): no gloo peer" >&2
+        die "no python with torch + gloo for the gloo peer (set BENCH_TORCH_PYTHON, drop --no-install, or --skip gloo)"
     fi
 fi
 TORCH_VER="not measured"
@@ -140,9 +144,13 @@ elif [[ $PEERS_ONLY == 0 ]] && ! { skipping collectives && skipping finalize && 
     say "cargo build --release --bin ascend-moe"
     (cd "$ROOT" && cargo build --release --bin ascend-moe --lib >&2) \
         || die "cargo build failed (see above); --peers-only measures the peers without our binary"
-    BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release/ascend-moe"
+    BIN="$TARGET/release/ascend-moe"
     [[ -x "$BIN" ]] || die "built, but $BIN does not exist (is CARGO_TARGET_DIR the one cargo used?)"
     "$BIN" bench --help >/dev/null 2>&1 || echo "note: '$BIN bench' is not available: our benches are skipped" >&2
+fi
+# The public API table needs the library beside the binary: checked before anything is measured.
+if [[ -n $BIN ]] && ! skipping api && [[ ! -f "$(dirname "$BIN")/libascend_moe.so" ]]; then
+    die "$(dirname "$BIN")/libascend_moe.so not found beside $BIN: the public API table needs it (or --skip api)"
 fi
 
 TRIAD=""
@@ -190,6 +198,7 @@ skipping mpi || ARGS+=(--mpirun "$(command -v mpirun)")
 [[ -n $TORCH_PY ]] && ARGS+=(--torch-python "$TORCH_PY")
 [[ -n $SKIP ]] && ARGS+=(--skip "$SKIP")
 if [[ $QUICK == 1 ]]; then
+    # shellcheck disable=SC2054 # "2,4" is one argument
     ARGS+=(--runs "${RUNS:-1}" --worlds 2,4 --min-bytes 1K --max-bytes 1M --step-factor 4 --iters 5 --warmup 1
            --shapes 1024x8x2048 --far-world 2 --far-shapes 1024x8x2048 --far-dtypes bf16 --decode-iters 10)
 else
@@ -207,11 +216,7 @@ if ! skipping api && [[ -n $BIN ]]; then
     API_ARGS=(--bin "$BIN" --rounds "${RUNS:-3}")
     [[ $QUICK == 1 ]] && API_ARGS=(--bin "$BIN" --rounds 1 --tokens 1024 --hidden 2048 --bytes 1048576)
     [[ -n $TORCH_PY ]] && API_ARGS+=(--torch-python "$TORCH_PY")
-    if [[ -f $LIB ]]; then
-        ASCEND_MOE_LIB="$LIB" "$PY" "$HERE/api.py" "${API_ARGS[@]}" > "$OUT/raw/api.json" || { RC=1; rm -f "$OUT/raw/api.json"; }
-    else
-        echo "note: $LIB not found: the public API table is skipped" >&2
-    fi
+    ASCEND_MOE_LIB="$LIB" "$PY" "$HERE/api.py" "${API_ARGS[@]}" > "$OUT/raw/api.json" || { RC=1; rm -f "$OUT/raw/api.json"; }
 fi
 "$PY" - "$OUT/raw/meta.json" "$(load)" <<'EOF'
 import json, sys

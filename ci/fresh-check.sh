@@ -70,7 +70,9 @@ mkdir -p "$scratch/home" "$scratch/target"
 
 cargo_home="${CARGO_HOME:-$HOME/.cargo}"
 rustup_home="${RUSTUP_HOME:-$HOME/.rustup}"
-# PATH without anything under $HOME except cargo's bin, and without ~/.local.
+# PATH without ~/.local (pip --user installs) and with cargo's bin first; the
+# rest stays, the machine image's CPython under ~/.pyenv included (a fresh
+# CI machine's image ships its CPython 3.11 with pip there).
 clean_path="$cargo_home/bin"
 IFS=: read -ra parts <<<"$PATH"
 for p in "${parts[@]}"; do

@@ -47,18 +47,49 @@ export ASCEND_MOE_NATIVE_KERNEL="${ASCEND_MOE_NATIVE_KERNEL:-required}"
 export ASCEND_MOE_MIN_DEVICES="${ASCEND_MOE_MIN_DEVICES:-4}"
 step() { printf '\n== %s ==\n' "$*"; }
 
+# `cargo test ARGS`, failing when it ran no test at all: a test name that
+# matches nothing (a typo, a renamed test) is not a green run.
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+tested() {
+    local ran
+    cargo test "$@" 2>&1 | tee "$log"
+    ran="$(grep -Eo '[0-9]+ passed' "$log" | awk '{ s += $1 } END { print s + 0 }')"
+    if ((ran == 0)); then
+        echo "error: cargo test $* ran no test" >&2
+        exit 1
+    fi
+}
+
 step "CANN found by the loader, and at least $ASCEND_MOE_MIN_DEVICES devices"
-cargo test -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_the_devices
+tested -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_the_devices
 
 # Every piece the matrix tests must be here: a missing aclnn operator or an
 # unbuilt native kernel fails the run (it is never skipped or replaced).
 step "every aclnn operator resolves and the native finalize kernel runs"
-cargo test -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_every_piece_the_suite_tests
+tested -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_every_piece_the_suite_tests
 
 step "NPU test matrix (every ignored NPU test, serially)"
-cargo test --workspace -- --ignored --test-threads=1 --skip bench_ "${filter[@]}"
+# Each FILTER names at least one test of the matrix (a typo, or a renamed
+# test, is not a green run); arguments starting with - are libtest flags.
+names=()
+flags=()
+for f in ${filter[@]+"${filter[@]}"}; do
+    case "$f" in
+        -*) flags+=("$f") ;;
+        *) names+=("$f") ;;
+    esac
+done
+for f in ${names[@]+"${names[@]}"}; do
+    listed="$(cargo test -q --workspace -- --ignored --list --skip bench_ ${flags[@]+"${flags[@]}"} "$f" 2>/dev/null)"
+    if ! grep -q ': test$' <<<"$listed"; then
+        echo "error: FILTER $f matches no NPU test" >&2
+        exit 1
+    fi
+done
+tested --workspace -- --ignored --test-threads=1 --skip bench_ ${filter[@]+"${filter[@]}"}
 
 if ((bench)) && ((${#filter[@]} == 0)); then
     step "NPU benches"
-    cargo test --release --test npu_bench -- --ignored --nocapture --test-threads=1
+    tested --release --test npu_bench -- --ignored --nocapture --test-threads=1
 fi

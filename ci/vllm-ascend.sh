@@ -44,7 +44,11 @@ assert vllm.__version__ == sys.argv[1], (vllm.__version__, sys.argv[1])
 print(f"ci/vllm-ascend.sh: vllm {vllm.__version__} from {vllm.__file__}, torch {torch.__version__}")
 EOF
 cargo build -p ascend-moe
-export ASCEND_MOE_REAL_VLLM=1 ASCEND_MOE_LIB="$PWD/target/debug/libascend_moe.so" PYTHONPATH=python:python/tests
+# The library just built, wherever CARGO_TARGET_DIR puts it (relative: from
+# the repository, where cargo ran).
+target="${CARGO_TARGET_DIR:-target}"
+[[ $target == /* ]] || target="$PWD/$target"
+export ASCEND_MOE_REAL_VLLM=1 ASCEND_MOE_LIB="$target/debug/libascend_moe.so" PYTHONPATH=python:python/tests
 
 # What the pinned files still get from stand-ins, with the real vllm.
 "$venv/bin/python" - <<'EOF'

@@ -311,7 +311,10 @@ fn committed_bindings_exist_and_carry_no_vendor_comments() {
 #[ignore = "needs an Ascend NPU"]
 fn npu_host_has_the_devices() {
     println!("{}", npu::probe_report());
-    let want: u32 = std::env::var("ASCEND_MOE_MIN_DEVICES").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let want: u32 = match std::env::var("ASCEND_MOE_MIN_DEVICES") {
+        Ok(s) => s.parse().unwrap_or_else(|_| panic!("ASCEND_MOE_MIN_DEVICES={s:?}: expected a count of devices")),
+        Err(_) => 1,
+    };
     let have = npu::device_count().unwrap_or_else(|e| panic!("{e}"));
     // CANN counts only the devices ASCEND_RT_VISIBLE_DEVICES leaves visible.
     let visible = match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
