@@ -1176,6 +1176,35 @@ mod every_backend {
         .unwrap();
     }
 
+    /// A rank with nothing to send passes a small live buffer in place of
+    /// its empty one (HCCL refuses NULL). It is allocated with the
+    /// communicator, not by the first such call, which may come under a graph
+    /// capture, where nothing is allocated: a V collective with a zero count,
+    /// the world's first collective, is captured and replays.
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn a_zero_count_v_collective_first_called_under_capture_replays() {
+        npu_run_ranks(WORLD, &opts(), |rank, comm| {
+            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+            let dev = comm.device();
+            let counts = [3usize, 0, 5, 1];
+            let src = tensor::<f32>(&dev, &(0..counts[rank]).map(|i| val(rank, i)).collect::<Vec<_>>())?;
+            let mut out = Tensor::zeros(&[counts.iter().sum()], DType::F32, &dev)?;
+            let stream = hccl.npu_device().stream().clone();
+            let mut captured = None;
+            let graph = ascend_moe::testing::graph::Graph::capture(stream.raw(), || {
+                captured = Some(comm.all_gather_v(&src, &mut out, &counts))
+            });
+            captured.expect("the body ran")?;
+            graph.replay(stream.raw());
+            hccl.npu_device().check()?;
+            let want: Vec<f64> = (0..WORLD).flat_map(|r| (0..counts[r]).map(move |i| val(r, i))).collect();
+            assert_eq!(read(&out)?, want, "all_gather_v replayed");
+            Ok(())
+        })
+        .unwrap();
+    }
+
     #[test]
     #[ignore = "needs an Ascend NPU"]
     fn a_borrowed_communicator_is_not_split_since_it_may_be_a_sub_communicator() {

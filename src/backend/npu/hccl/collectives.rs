@@ -32,11 +32,19 @@ impl HcclComm {
         if !b.as_ptr().is_null() {
             return Ok(b.as_ptr());
         }
+        Ok(self.placeholders()?[side].as_ptr())
+    }
+
+    /// The two stand-ins for empty buffers ([`HcclComm::dev_ptr`]),
+    /// allocated once. A new communicator allocates them at once: the first
+    /// empty buffer may come under a graph capture, where nothing may be
+    /// allocated.
+    pub(super) fn placeholders(&self) -> Result<&[NpuBuffer; 2]> {
         if let Some(p) = self.inner.placeholders.get() {
-            return Ok(p[side].as_ptr());
+            return Ok(p);
         }
         let p = [NpuBuffer::alloc(&self.inner.device, 32)?, NpuBuffer::alloc(&self.inner.device, 32)?];
-        Ok(self.inner.placeholders.get_or_init(|| p)[side].as_ptr())
+        Ok(self.inner.placeholders.get_or_init(|| p))
     }
 
     /// The addresses of a V collective's send and receive buffers, which

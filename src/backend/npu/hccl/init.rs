@@ -233,7 +233,7 @@ impl HcclComm {
             Some((g, ranks)) => (Some(g), ranks),
             None => (None, (0..world).collect()),
         };
-        HcclComm {
+        let comm = HcclComm {
             inner: Arc::new(CommInner {
                 raw,
                 owned,
@@ -250,7 +250,11 @@ impl HcclComm {
                 placeholders: std::sync::OnceLock::new(),
                 last_stream: Mutex::new(None),
             }),
-        }
+        };
+        // Now rather than under a capture; a failure here is the first
+        // empty buffer's to report.
+        let _ = comm.placeholders();
+        comm
     }
 
     /// A sub-communicator of `ranks` (ranks of this communicator, in the new

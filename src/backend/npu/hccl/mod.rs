@@ -73,16 +73,17 @@ unsafe impl Sync for CommInner {}
 
 impl Drop for CommInner {
     fn drop(&mut self) {
-        if !self.owned {
-            return;
-        }
         let last = self.last_stream.lock().map(|mut l| l.take()).unwrap_or_default();
         // Bounded waits (`teardown_sync`): after a collective that never
         // completes (a rank that never joined) the communicator is left, not
-        // destroyed under its running work, and the timeout is recorded.
+        // destroyed under its running work, and the timeout is recorded. The
+        // stand-ins for empty buffers, which that work may name, stay too.
         let result = hccl().and_then(|_| {
             if let Some(s) = last {
                 super::runtime::settled(s.teardown_sync())?;
+            }
+            if !self.owned {
+                return Ok(());
             }
             super::runtime::settled(self.device.stream().teardown_sync())?;
             // SAFETY: created by us, destroyed once, no queued collective left.
@@ -90,6 +91,9 @@ impl Drop for CommInner {
         });
         if let Err(e) = result {
             record_drop_error(e);
+            if let Some(p) = self.placeholders.take() {
+                std::mem::forget(p);
+            }
         }
     }
 }
