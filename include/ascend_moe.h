@@ -270,7 +270,12 @@ typedef struct amoe_moe_groups amoe_moe_groups;
 // engine's stream: `amoe_stream_free` releases only the handle. The calls
 // that take one stream (its ops, collectives and `amoe_stream_check`) are
 // made from one thread at a time, as work is queued on a stream in one
-// order: the status records of its launches are freed by its check.
+// order: the status records of its launches are freed by its check. A
+// call on a stream of another device than the calling thread's current one
+// makes the stream's device current for the call only: an export returns
+// with the device the thread had current (`aclrtGetDevice`) current again
+// (by `aclrtSetDevice`, that device's default context; a thread with no
+// device current is left with the one the call bound).
 typedef struct amoe_stream amoe_stream;
 
 // A tensor descriptor: where the bytes are, what they hold, on which device.

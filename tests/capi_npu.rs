@@ -479,3 +479,50 @@ fn an_op_over_npu_inputs_refuses_a_host_output() {
         amoe_stream_free(s);
     }
 }
+
+/// An engine thread whose current device is npu:0 (torch_npu's) calls the
+/// C ABI with a stream of npu:1: each call binds npu:1 for its work and
+/// returns with npu:0 current again, so the engine's next call on the
+/// thread is not sent to npu:1.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_call_on_another_devices_stream_leaves_the_callers_device_current() {
+    let api = acl_sys::acl().expect("ACL");
+    let current = || {
+        let mut id = -1i32;
+        // SAFETY: a writable out-pointer.
+        assert_eq!(unsafe { (api.lib.aclrtGetDevice.as_ref().expect("aclrtGetDevice"))(&mut id) }, 0);
+        id
+    };
+    let dev1 = NpuDevice::open(1).expect("npu:1");
+    let engine_stream = dev1.new_stream().expect("stream");
+    let dev0 = NpuDevice::open(0).expect("npu:0");
+    dev0.set_current().expect("npu:0 current");
+    assert_eq!(current(), 0);
+    let mut s: *mut amoe_stream = null_mut();
+    // SAFETY: a live stream of npu:1, outliving the handle.
+    assert_eq!(unsafe { amoe_stream_wrap(engine_stream.raw(), 1, &mut s) }, amoe_status::Ok, "{}", last_error());
+    assert_eq!(current(), 0, "amoe_stream_wrap left npu:1 current");
+    let src = dev1.clone_htod(&[1.0f32, 2.0, 3.0]).expect("src");
+    dev1.synchronize().expect("sync");
+    dev0.set_current().expect("npu:0 current");
+    let shape = [3usize];
+    let d = desc(ptr(&src), amoe_dtype::F32, &shape, amoe_device_kind::Npu, 1);
+    let mut c: *mut amoe_comm = null_mut();
+    let root = HcclRootInfo::generate(&dev1).expect("root info");
+    let hccl = HcclComm::from_root_info(&dev1, &root, 1, 0, &CommOptions::from_env()).expect("one-rank world");
+    dev0.set_current().expect("npu:0 current");
+    // SAFETY: live handles of npu:1; `src` holds 3 live f32.
+    unsafe {
+        assert_eq!(amoe_comm_from_hccl(hccl.raw(), 1, 0, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(current(), 0, "amoe_comm_from_hccl left npu:1 current");
+        assert_eq!(amoe_all_reduce(c, &d, &d, 0, s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(current(), 0, "amoe_all_reduce left npu:1 current");
+        assert_eq!(amoe_stream_check(s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(current(), 0, "amoe_stream_check left npu:1 current");
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+    assert_eq!(current(), 0, "freeing the handles left npu:1 current");
+    assert_eq!(src.to_vec().expect("src"), [1.0, 2.0, 3.0], "one rank's sum is its own input");
+}

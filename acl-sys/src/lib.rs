@@ -237,9 +237,16 @@ impl std::fmt::Debug for Acl {
     }
 }
 
+/// The result of loading `libascendcl`, once per process.
+static ACL: OnceLock<Result<Acl, LoadError>> = OnceLock::new();
+
+/// The ACL runtime if [`acl`] loaded it already; never loads it.
+pub fn acl_if_loaded() -> Option<&'static Acl> {
+    ACL.get().and_then(|r| r.as_ref().ok())
+}
+
 /// Loads `libascendcl` (once per process; later calls return the same result).
 pub fn acl() -> Result<&'static Acl, LoadError> {
-    static ACL: OnceLock<Result<Acl, LoadError>> = OnceLock::new();
     ACL.get_or_init(|| {
         let opened = loader::open(&loader::ACL, ACL_REQUIRED)?;
         // SAFETY: the symbol, when present, is the simulator's launcher with

@@ -93,6 +93,7 @@ pub unsafe extern "C" fn amoe_comm_from_hccl(
         if flags & !AMOE_HCCL_WORLD != 0 {
             return Err(Failure::invalid(F, "flags", format!("{flags:#x} has bits other than AMOE_HCCL_WORLD")));
         }
+        let _device = crate::backend::npu::runtime::ThreadDevice::kept_loading();
         let dev = NpuDevice::open(device_ordinal)?;
         let opts = CommOptions::from_env();
         // SAFETY: the caller guarantees a live communicator of this device that
@@ -228,6 +229,7 @@ pub unsafe extern "C" fn amoe_stream_wrap(
         if raw_acl_stream.is_null() {
             return Err(Failure::null(F, "raw_acl_stream"));
         }
+        let _device = crate::backend::npu::runtime::ThreadDevice::kept_loading();
         // SAFETY: the caller guarantees a live stream of this device that
         // outlives the handle; a borrowed stream is never destroyed by us.
         let dev = unsafe { NpuDevice::with_borrowed_stream(device_ordinal, raw_acl_stream) }?;

@@ -385,8 +385,11 @@ fn finish(func: &str, r: Result<(), Failure>) -> amoe_status {
 }
 
 /// Runs `body` inside the panic boundary: a panic becomes `AMOE_STATUS_PANIC`
-/// with the panic message as the last error, never an unwind into C.
+/// with the panic message as the last error, never an unwind into C. The
+/// device current on the calling thread is current again when it returns.
 pub(crate) fn boundary(func: &str, body: impl FnOnce() -> Result<(), Failure>) -> amoe_status {
+    // The caller's current device, current again when the export returns.
+    let _device = crate::backend::npu::runtime::ThreadDevice::kept();
     let r = catch_unwind(AssertUnwindSafe(body));
     match r {
         Ok(r) => finish(func, r),

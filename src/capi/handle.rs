@@ -228,6 +228,8 @@ pub(crate) fn release<C: Castable>(p: *mut C) {
         hash_map::Entry::Occupied(e) if e.get().tag == C::TAG => e.remove().held,
         _ => return,
     };
+    // A drop binds the value's device; the caller's is current again after.
+    let _device = crate::backend::npu::runtime::ThreadDevice::kept();
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         // SAFETY: the boxed value of a live handle of `C` (taken out of the
         // table above, so released once), made by `handle_out`, not used

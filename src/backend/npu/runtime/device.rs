@@ -67,3 +67,39 @@ impl DeviceCtx {
         rt::set_device(self.ordinal as i32)
     }
 }
+
+/// The device current on the calling thread when a C ABI call began, made
+/// current again when it ends (on drop): a call on another device's stream
+/// binds that device ([`DeviceCtx::bind`]), and an engine thread (torch_npu's)
+/// must not find its device switched behind its back. Keeps nothing before
+/// the runtime was loaded by this library, or on a thread with no device.
+pub(crate) struct ThreadDevice(Option<i32>);
+
+impl ThreadDevice {
+    pub(crate) fn kept() -> Self {
+        if acl_sys::acl_if_loaded().is_none() {
+            return ThreadDevice(None);
+        }
+        ThreadDevice(rt::get_device().ok().flatten())
+    }
+
+    /// [`kept`](Self::kept) after loading the runtime (a no-op once it is):
+    /// for the exports that bind a device of their own and may be the
+    /// process's first NPU call, made by an engine that loaded the runtime
+    /// itself (torch_npu) and has a device current.
+    pub(crate) fn kept_loading() -> Self {
+        let _ = super::load::acl();
+        Self::kept()
+    }
+}
+
+impl Drop for ThreadDevice {
+    fn drop(&mut self) {
+        let Some(device) = self.0 else { return };
+        if rt::get_device().ok().flatten() != Some(device) {
+            if let Err(e) = rt::set_device(device) {
+                super::record_drop_error(e);
+            }
+        }
+    }
+}

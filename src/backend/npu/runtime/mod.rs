@@ -27,6 +27,7 @@ mod workspace;
 
 pub use device::device_count;
 pub use device::DeviceCtx;
+pub(crate) use device::ThreadDevice;
 pub use event::NpuEvent;
 pub use load::{acl, recent_error_message, take_drop_errors};
 pub(crate) use load::{record_drop_error, settled};
