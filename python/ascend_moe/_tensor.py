@@ -520,6 +520,7 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
     memory and no stream was given; else the wrapped `stream.npu_stream`
     (default `torch.npu.current_stream()`), on the device of the NPU operands."""
     npu = [d for d in descs if d is not None and d.npu is not None]
+    given = stream is not None
     if stream is None:
         if not npu:
             return None
@@ -549,7 +550,34 @@ def resolve_stream(descs, stream) -> ctypes.c_void_p | None:
                 Status.INVALID_ARGUMENT, "`stream` has no .device.index and no operand is an NPU tensor to take it from"
             )
         device = int(index)
+    if given and npu:
+        _order_after_current(stream, device, npu)
     return wrap_stream(raw, device)
+
+
+def _order_after_current(stream, device: int, npu) -> None:
+    """A `stream=` other than torch_npu's current stream of `device` first
+    waits for that stream (`stream.wait_stream`): the caller's inputs, and the
+    package's own copies of them (broadcast's clone or `out.copy_(x)`, a
+    resolved negative bit), were queued there. And every NPU tensor of the
+    call is marked in use on `stream` (`record_stream`): torch's caching
+    allocator gave outputs from the current stream's pool, and must reuse
+    none of them before `stream` is done with it."""
+    current = default_stream(device)
+    if current is None or getattr(current, "npu_stream", None) == getattr(stream, "npu_stream", None):
+        return
+    wait = getattr(stream, "wait_stream", None)
+    if wait is None:
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`stream` ({type(stream).__name__}) is not torch_npu's current stream of npu:{device} and has no "
+            "wait_stream to order it after the current stream's work: pass a torch.npu.Stream",
+        )
+    wait(current)
+    for d in npu:
+        mark = getattr(d.obj, "record_stream", None)
+        if mark is not None:
+            mark(stream)
 
 
 def _records_grad(x) -> bool:

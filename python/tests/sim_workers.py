@@ -24,6 +24,7 @@ from workers import BF16, assert_close, finalize_case, finalize_golden, rand, rn
 
 ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
+ACL_MEMCPY_DEVICE_TO_DEVICE = 3
 HCCL_ROOT_INFO_BYTES = 4108
 
 SIM = ctypes.CDLL(os.environ["ASCEND_MOE_ACL_LIB"])
@@ -43,6 +44,11 @@ for _name, _args in {
     "aclmdlRICaptureEnd": [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)],
     "aclmdlRIExecuteAsync": [ctypes.c_void_p, ctypes.c_void_p],
     "aclmdlRIDestroy": [ctypes.c_void_p],
+    "aclrtMemcpyAsync": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p],
+    "aclrtCreateEvent": [ctypes.POINTER(ctypes.c_void_p)],
+    "aclrtRecordEvent": [ctypes.c_void_p, ctypes.c_void_p],
+    "aclrtStreamWaitEvent": [ctypes.c_void_p, ctypes.c_void_p],
+    "aclrtDestroyEvent": [ctypes.c_void_p],
 }.items():
     getattr(SIM, _name).argtypes = _args
     getattr(SIM, _name).restype = ctypes.c_int32
@@ -155,8 +161,43 @@ class Stream:
     def synchronize(self):
         check("aclrtSynchronizeStream", SIM.aclrtSynchronizeStream(self.npu_stream))
 
+    def wait_stream(self, other):
+        """Work queued here from now on runs after what `other` has queued (an event)."""
+        event = ctypes.c_void_p()
+        check("aclrtCreateEvent", SIM.aclrtCreateEvent(ctypes.byref(event)))
+        check("aclrtRecordEvent", SIM.aclrtRecordEvent(event, other.npu_stream))
+        check("aclrtStreamWaitEvent", SIM.aclrtStreamWaitEvent(self.npu_stream, event))
+        self.events = getattr(self, "events", []) + [event.value]
+
     def destroy(self):
+        for event in getattr(self, "events", []):
+            check("aclrtDestroyEvent", SIM.aclrtDestroyEvent(event))
         check("aclrtDestroyStream", SIM.aclrtDestroyStream(self.npu_stream))
+
+
+class CurrentStreamTensor(DeviceTensor):
+    """torch_npu's tensor as broadcast uses it: `detach().clone()` queues its
+    device-to-device copy on the device's current stream (`current`, what
+    `torch.npu.current_stream()` returns), and `record_stream` notes the
+    streams the tensor was marked in use on."""
+
+    current: dict = {}
+
+    def __init__(self, shape, dtype, index):
+        super().__init__(shape, dtype, index)
+        self.recorded = []
+
+    def detach(self):
+        return self
+
+    def clone(self, memory_format=None):
+        t = CurrentStreamTensor(self.shape, self.dtype, self.device.index)
+        stream = CurrentStreamTensor.current[self.device.index].npu_stream
+        check("aclrtMemcpyAsync D2D", SIM.aclrtMemcpyAsync(t.ptr, t.nbytes, self.ptr, self.nbytes, ACL_MEMCPY_DEVICE_TO_DEVICE, stream))
+        return t
+
+    def record_stream(self, stream):
+        self.recorded.append(stream)
 
 
 def local_ops():
@@ -658,6 +699,55 @@ def stream_ops():
     DeviceTensor.free_all()
 
 
+def side_stream():
+    """A collective on a `stream=` other than torch_npu's current stream (a side
+    stream, to overlap communication): broadcast's copy of `x`, which torch
+    queues on the current stream, is finished before the broadcast on the
+    side stream writes it, so every rank ends with the root's data, and the
+    result is marked in use on the side stream for torch's allocator."""
+    import torch  # noqa: F401  (broadcast names torch.contiguous_format for a tensor's clone)
+
+    import ascend_moe._tensor as tensors
+
+    tensors.default_stream = lambda index: CurrentStreamTensor.current[index]
+    root = root_info()
+    got, errors = {}, []
+
+    def rank(r):
+        try:
+            check("aclrtSetDevice", SIM.aclrtSetDevice(device(r)))
+            raw = ctypes.c_void_p()
+            check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(2, root, r, ctypes.byref(raw)))
+            current, side = Stream(), Stream()
+            CurrentStreamTensor.current[device(r)] = current
+            x = CurrentStreamTensor.upload(np.full(4, 10.0 * (r + 1), np.float32), device(r))
+            with am.Comm.from_hccl(raw.value, device(r)) as comm:
+                y = am.broadcast(x, comm, root=0, stream=side)
+                am.stream_check(side, device=device(r))
+                current.synchronize()
+                got[r] = (y.download(), [s is side for s in y.recorded])
+            current.destroy()
+            side.destroy()
+            check("HcclCommDestroy", SIM.HcclCommDestroy(raw.value))
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for r in range(2):
+        data = got[r][0].tolist()
+        assert data == [10.0] * 4, f"rank {r} got {data}: the broadcast ran before its copy of x"
+    for r in range(2):
+        recorded = got[r][1]
+        assert recorded == [True], f"rank {r}: the result was not marked in use on the side stream ({recorded})"
+    assert am.release_streams() == 2
+    DeviceTensor.free_all()
+
+
 if __name__ == "__main__":
     check("aclInit", SIM.aclInit(None))
     scenario = sys.argv[1]
@@ -665,5 +755,5 @@ if __name__ == "__main__":
         ONE_DEVICE = sys.argv[4:] == ["visible"]
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops, "side_stream": side_stream}[scenario]()
     print(f"ok {scenario}")
