@@ -114,8 +114,8 @@ class Comm(Owned):
 
     @classmethod
     def from_process_group(cls, pg, device_ordinal=None) -> "Comm":
-        """Borrows the HcclComm of the torch.distributed group `pg`, which must
-        use the HCCL backend (torch_npu's ProcessGroupHCCL): no communicator is
+        """Borrows the HcclComm of the torch.distributed group `pg` (None: the
+        default group, as torch.distributed takes it), which must use the HCCL backend (torch_npu's ProcessGroupHCCL): no communicator is
         created and no HCCL buffer reserved beyond the group's own. The handle
         keeps `pg` alive; `close()` releases only the handle.
 
@@ -148,6 +148,8 @@ class Comm(Owned):
                 f"Comm.from_process_group: the group uses the {backend!r} backend; only an HCCL group "
                 "(torch_npu's ProcessGroupHCCL) has an HcclComm to borrow (use Comm.cpu for host ranks)",
             )
+        if pg is None:
+            pg = dist.group.WORLD
         # PrivateUse1's device name: "npu" once torch_npu has renamed the backend.
         hccl = pg._get_backend(torch.device(torch._C._get_privateuse1_backend_name()))
         getter = getattr(hccl, "get_hccl_comm", None)

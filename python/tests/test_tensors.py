@@ -485,6 +485,10 @@ def test_from_process_group_borrows_the_groups_hccl_comm(monkeypatch):
     monkeypatch.setattr(am.comm, "_is_torch_world", lambda pg: pg is world)
     am.Comm.from_process_group(world, device_ordinal=5)
     assert wrapped[-1] == (0x7F00_5678, 5, True)
+    # None is the default group, as torch.distributed takes it.
+    monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=world))
+    comm = am.Comm.from_process_group(None, device_ordinal=5)
+    assert wrapped[-1] == (0x7F00_5678, 5, True) and comm._owner is world
 
 
 @pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
