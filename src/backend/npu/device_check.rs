@@ -62,8 +62,9 @@ pub(crate) fn take_pool_block(stream: &NpuStream, len: usize) -> Result<(usize, 
             format!(
                 "{len} bytes of workspace are needed while {stream:?} is captured into a graph and the largest free \
                  block of its pool has {largest}; the pool cannot grow under capture: reserve ahead with \
-                 amoe_workspace_reserve / NpuStream::reserve_workspace (or run the op once before capture), \
-                 or set an allocator on the stream"
+                 amoe_workspace_reserve / NpuStream::reserve_workspace (or run the op once on this stream \
+                 before capture: pools are per stream, and torch.npu.graph without stream= captures on \
+                 torch_npu's own side stream, not the warm-up's), or set an allocator on the stream"
             ),
         ));
     }

@@ -398,9 +398,11 @@ impl NpuStream {
             "capture records",
             "stream",
             match slot_bytes {
-                None => "no status records were reserved on this stream: run the op once before capturing it, or \
-                         reserve them with NpuStream::reserve_capture_records / amoe_capture_records_reserve / \
-                         ascend_moe.reserve_capture_records"
+                None => "no status records were reserved on this stream (reservations are per stream; an op that \
+                         ran on another stream reserved there): run the op once on this stream before capturing \
+                         it, or reserve them with NpuStream::reserve_capture_records / \
+                         amoe_capture_records_reserve / ascend_moe.reserve_capture_records (torch.npu.graph \
+                         without stream= captures on torch_npu's own side stream, not the warm-up's)"
                     .into(),
                 Some(slot) if bytes > slot => {
                     format!("a launch needs {bytes} bytes of status, a captured record holds {slot}")
