@@ -764,6 +764,20 @@ amoe_status amoe_workspace_reserve(const struct amoe_stream *stream,
 // `stream` must be a live handle from `amoe_stream_wrap`.
 amoe_status amoe_capture_records_reserve(const struct amoe_stream *stream, size_t launches);
 
+// Reserves on `stream` what `warm` (a stream of the same device) reserved
+// by running ops eagerly: the records of captured launches, the pinned
+// staging and a workspace block as large as `warm`'s pool, so that ops
+// first run on `stream` under graph capture find them. Reservations are per
+// stream: call it before capturing on a stream other than the one the
+// warm-up ran on (such as the side stream `torch.npu.graph` captures on when
+// given no `stream=`). Refused while `stream` is captured, and for streams
+// of two devices (`AMOE_STATUS_INVALID_ARGUMENT`).
+//
+// # Safety
+// `stream` and `warm` must be live handles from `amoe_stream_wrap`.
+amoe_status amoe_stream_reserve_like(const struct amoe_stream *stream,
+                                     const struct amoe_stream *warm);
+
 // Serves every workspace block of the ops queued on `stream` from the
 // engine's allocator (e.g. torch_npu's caching allocator) instead of the
 // stream's pool: `alloc` is called inside ops, also under graph capture, and

@@ -759,17 +759,7 @@ fn staged_bytes_of_a_captured_op_survive_later_eager_calls() {
     };
     let mut want = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &Device::Cpu).unwrap();
     finalize(&Device::Cpu, &captured_sizes, &mut want);
-    // SPEC section 1 with K = 1 and no scales makes token i row idx[i] = n-1-i;
-    // the padded buffer puts block r at row r * slot_rows of slot r, zeros elsewhere.
-    let mut spec = vec![0f32; 4 * slot_rows * h];
-    let mut token = 0;
-    for (r, &size) in captured_sizes.iter().enumerate() {
-        for j in 0..size {
-            let src = idx[token] as usize;
-            spec[(r * slot_rows + j) * h..(r * slot_rows + j + 1) * h].copy_from_slice(&x[src * h..(src + 1) * h]);
-            token += 1;
-        }
-    }
+    let spec = padded_unpermute(&x, &idx, &captured_sizes, slot_rows, h);
     assert_eq!(bits(want.as_slice::<f32>().unwrap()), bits(&spec), "the CPU path gives SPEC's value");
     // Inputs live across the capture: upload once, capture the op over them.
     let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(&dev).unwrap();
@@ -872,6 +862,22 @@ fn eager_workspace_after_a_capture_never_shares_the_graphs_bytes() {
     unsafe { amoe_stream_free(s) };
 }
 
+/// SPEC section 1 with K = 1 and no scales, in the padded layout of
+/// `sizes.len()` slots of `slot_rows` rows: token i is row `idx[i]` of `x`,
+/// block r starts at row `r * slot_rows`, zeros elsewhere.
+fn padded_unpermute(x: &[f32], idx: &[i32], sizes: &[usize], slot_rows: usize, h: usize) -> Vec<f32> {
+    let mut out = vec![0f32; sizes.len() * slot_rows * h];
+    let mut token = 0;
+    for (r, &size) in sizes.iter().enumerate() {
+        for j in 0..size {
+            let src = idx[token] as usize;
+            out[(r * slot_rows + j) * h..(r * slot_rows + j + 1) * h].copy_from_slice(&x[src * h..(src + 1) * h]);
+            token += 1;
+        }
+    }
+    out
+}
+
 fn sim_d2h_copies() -> Option<u64> {
     acl_sys::acl().ok()?.counters().map(|c| c.d2h_copies)
 }
@@ -935,4 +941,69 @@ fn captures_of_many_launches_reserve_their_records_and_report_each_launch() {
         ok("both graphs", r.check());
         r.assert_output("both graphs");
     });
+}
+
+/// Reservations are per stream. A finalize warmed up on the device's stream
+/// and first run under capture on another stream of the device (as
+/// `torch.npu.graph` captures on its own side stream when given no
+/// `stream=`) is refused, saying that reservations are per stream; after
+/// `reserve_like(warm)` the capture stream holds what the warm-up stream
+/// does, and the captured op replays SPEC section 1's result.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_capture_stream_reserved_like_the_warm_up_stream_captures_its_ops() {
+    use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+    use ascend_moe::{DType, Device, Tensor};
+    let warm = NpuDevice::open(0).expect("npu:0");
+    let side_stream = warm.new_stream().expect("a second stream");
+    // SAFETY: side_stream is a live stream of npu:0 that outlives `side`.
+    let side = unsafe { NpuDevice::with_borrowed_stream(0, side_stream.raw()) }.expect("npu:0 on the side stream");
+    let (n, h) = (6usize, 16usize);
+    let x: Vec<f32> = inputs(5, 0, n * h);
+    let idx: Vec<i32> = (0..n as i32).rev().collect();
+    let sizes = [2usize, 1, 0, 3];
+    let slot_rows = 3;
+    let dims = FinalizeDims { n, k: 1, h, expanded_rows: n, experts: 0 };
+    let rows = OutputRows::Padded { local_sizes: &sizes, slot_rows };
+    let want = padded_unpermute(&x, &idx, &sizes, slot_rows, h);
+    let run = |d: &Device, out: &mut Tensor| {
+        let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(d).unwrap();
+        let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(d).unwrap();
+        let args = FinalizeArgs::new(&xd, &id, DropPadMode::DropLessColumn);
+        d.backend().finalize_routing(&args, &dims, out, rows)
+    };
+    let on_warm = Device::Npu(warm.clone());
+    let mut eager = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &on_warm).unwrap();
+    run(&on_warm, &mut eager).expect("warm-up");
+    warm.check().expect("warm-up check");
+    let on_side = Device::Npu(side.clone());
+    let xd = Tensor::from_slice(&x, &[n, h]).unwrap().to_device(&on_side).unwrap();
+    let id = Tensor::from_slice(&idx, &[n]).unwrap().to_device(&on_side).unwrap();
+    let mut out = Tensor::zeros(&[4 * slot_rows, h], DType::F32, &on_side).unwrap();
+    side.check().expect("uploads");
+    let args = FinalizeArgs::new(&xd, &id, DropPadMode::DropLessColumn);
+    let mut refused = None;
+    drop(Graph::capture(side.stream().raw(), || {
+        refused = Some(on_side.backend().finalize_routing(&args, &dims, &mut out, rows))
+    }));
+    let msg = refused.expect("the body ran").expect_err("a stream that never ran the op").to_string();
+    assert!(msg.contains("per stream") && msg.contains("torch.npu.graph"), "{msg}");
+    side.stream().reserve_like(warm.stream()).expect("reserve_like");
+    let graph = Graph::capture(side.stream().raw(), || {
+        on_side.backend().finalize_routing(&args, &dims, &mut out, rows).expect("captured finalize")
+    });
+    for round in 0..2 {
+        graph.replay(side.stream().raw());
+        side.check().expect("replay check");
+        assert_eq!(bits(out.to_cpu().unwrap().as_slice::<f32>().unwrap()), bits(&want), "replay {round}");
+    }
+    // Once topped up, the capture stream's pool gets no more from a second
+    // call, also after the capture took blocks for its graph.
+    let reserved = side.stream().workspace_stats().reserved_bytes;
+    side.stream().reserve_like(warm.stream()).expect("again");
+    assert_eq!(side.stream().workspace_stats().reserved_bytes, reserved, "a second reserve_like grew the pool");
+    drop(graph);
+    let other = NpuDevice::open(1).expect("npu:1");
+    let err = other.stream().reserve_like(warm.stream()).expect_err("streams of two devices").to_string();
+    assert!(err.contains("npu:0") && err.contains("npu:1"), "{err}");
 }

@@ -536,6 +536,27 @@ pub unsafe extern "C" fn amoe_capture_records_reserve(stream: *const amoe_stream
     })
 }
 
+/// Reserves on `stream` what `warm` (a stream of the same device) reserved
+/// by running ops eagerly: the records of captured launches, the pinned
+/// staging and a workspace block as large as `warm`'s pool, so that ops
+/// first run on `stream` under graph capture find them. Reservations are per
+/// stream: call it before capturing on a stream other than the one the
+/// warm-up ran on (such as the side stream `torch.npu.graph` captures on when
+/// given no `stream=`). Refused while `stream` is captured, and for streams
+/// of two devices (`AMOE_STATUS_INVALID_ARGUMENT`).
+///
+/// # Safety
+/// `stream` and `warm` must be live handles from `amoe_stream_wrap`.
+#[no_mangle]
+pub unsafe extern "C" fn amoe_stream_reserve_like(stream: *const amoe_stream, warm: *const amoe_stream) -> amoe_status {
+    const F: &str = "amoe_stream_reserve_like";
+    ffi!(F, {
+        let dev = try_handle(F, "stream", stream)?.device();
+        let warm = try_handle(F, "warm", warm)?.device();
+        Ok(dev.stream().reserve_like(warm.stream())?)
+    })
+}
+
 /// `alloc(ctx, bytes, raw_stream)`: device memory of at least `bytes` usable by
 /// work queued on `raw_stream` (an `aclrtStream`), or NULL when there is none.
 pub type amoe_alloc_fn =

@@ -64,7 +64,8 @@ pub(crate) fn take_pool_block(stream: &NpuStream, len: usize) -> Result<(usize, 
                  block of its pool has {largest}; the pool cannot grow under capture: reserve ahead with \
                  amoe_workspace_reserve / NpuStream::reserve_workspace (or run the op once on this stream \
                  before capture: pools are per stream, and torch.npu.graph without stream= captures on \
-                 torch_npu's own side stream, not the warm-up's), or set an allocator on the stream"
+                 torch_npu's own side stream, not the warm-up's: amoe_stream_reserve_like / \
+                 ascend_moe.prepare_capture reserve on it like the warm-up stream), or set an allocator on the stream"
             ),
         ));
     }
@@ -137,6 +138,40 @@ impl NpuStream {
             "reserve the records before the capture begins (the reservation allocates device memory)",
         )?;
         ensure_capture_records(self, launches)
+    }
+
+    /// Reserves on this stream what `warm` reserved by running ops eagerly,
+    /// so that the ops, first run on this stream under a graph capture, find
+    /// what they need: the status records (as many free slots for captured
+    /// launches as `warm` keeps), the pinned staging (the arena, and as much
+    /// room for captured copies) and workspace up to what `warm`'s pool holds
+    /// (a segment of the difference; an allocator set on `warm` is not
+    /// copied: set it on this stream too). For a capture stream other than the one the warm-up ran on, such as the side stream
+    /// `torch.npu.graph` captures on when given no `stream=`. Refused under
+    /// capture, and for streams of two devices.
+    pub fn reserve_like(&self, warm: &NpuStream) -> Result<()> {
+        self.refuse_under_capture("reserve_like", "reserve before the capture begins")?;
+        if warm.ordinal() != self.ordinal() {
+            return Err(Error::invalid(
+                "reserve_like",
+                "warm",
+                format!(
+                    "{warm:?} is on npu:{}, this stream on npu:{}: reservations are copied between streams of \
+                     one device",
+                    warm.ordinal(),
+                    self.ordinal()
+                ),
+            ));
+        }
+        ensure_capture_records(self, warm.capture_records_free())?;
+        self.reserve_staging_like(warm)?;
+        // Topped up to `warm`'s pool, once: blocks captured graphs keep count
+        // as reserved, so a later call after captures adds nothing more.
+        let (want, have) = (warm.workspace_stats().reserved_bytes, self.workspace_stats().reserved_bytes);
+        if want > have {
+            self.reserve_workspace(want - have)?;
+        }
+        Ok(())
     }
 }
 

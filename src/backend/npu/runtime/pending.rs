@@ -402,7 +402,8 @@ impl NpuStream {
                          ran on another stream reserved there): run the op once on this stream before capturing \
                          it, or reserve them with NpuStream::reserve_capture_records / \
                          amoe_capture_records_reserve / ascend_moe.reserve_capture_records (torch.npu.graph \
-                         without stream= captures on torch_npu's own side stream, not the warm-up's)"
+                         without stream= captures on torch_npu's own side stream, not the warm-up's: reserve on it \
+                         like the warm-up stream with amoe_stream_reserve_like / ascend_moe.prepare_capture)"
                     .into(),
                 Some(slot) if bytes > slot => {
                     format!("a launch needs {bytes} bytes of status, a captured record holds {slot}")

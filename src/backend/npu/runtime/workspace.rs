@@ -50,6 +50,22 @@ impl NpuStream {
         Ok(())
     }
 
+    /// The pinned staging `warm` holds, on this stream: its arena, and as
+    /// much room in one piece for captured copies (outside capture).
+    pub(crate) fn reserve_staging_like(&self, warm: &NpuStream) -> Result<()> {
+        let (arena, room) = {
+            let st = lock(warm.state());
+            (st.staging.has_arena(), st.staging.graph_room())
+        };
+        if arena && !lock(self.state()).staging.has_arena() {
+            self.add_staging_arena()?;
+        }
+        if room > 0 {
+            self.keep_graph_staging(room)?;
+        }
+        Ok(())
+    }
+
     /// Makes sure a piece of `bytes` can be cut for a captured copy, adding a
     /// pinned chunk of at least [`GRAPH_STAGING`] bytes when none can.
     /// Outside capture.
