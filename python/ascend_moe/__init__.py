@@ -93,7 +93,7 @@ from .ops import (
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 from .forward import ForwardContext, MoeLayer, forward_context, get_forward_context, set_forward_context
 from .live import LiveContext
-from .streams import reserve_capture_records, set_allocator, stream_check, workspace_reserve
+from .streams import prepare_capture, reserve_capture_records, reserve_like, set_allocator, stream_check, workspace_reserve
 
 
 def version() -> str:
@@ -135,6 +135,8 @@ __all__ = [
     "stream_check",
     "workspace_reserve",
     "reserve_capture_records",
+    "reserve_like",
+    "prepare_capture",
     "MoeContext",
     "MoeGroups",
     "maybe_all_gather_and_maybe_unpad",

@@ -127,6 +127,7 @@ _SIGNATURES = {
     "amoe_stream_check": [_STREAM],
     "amoe_workspace_reserve": [_STREAM, c_size_t, c_size_t],
     "amoe_capture_records_reserve": [_STREAM, c_size_t],
+    "amoe_stream_reserve_like": [_STREAM, _STREAM],
     "amoe_stream_set_allocator": [_STREAM, c_void_p, c_void_p, c_void_p],
     "amoe_host_block_new": [c_size_t, POINTER(c_void_p), POINTER(c_void_p)],
     "amoe_host_block_min_len": [],

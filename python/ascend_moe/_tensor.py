@@ -444,6 +444,12 @@ _STREAMS_LOCK = threading.Lock()
 _HELD: dict = {}
 
 
+def streams_of(device: int) -> list:
+    """The handles of the streams of NPU `device` the package wrapped."""
+    with _STREAMS_LOCK:
+        return [h for (_, d), h in _STREAMS.items() if d == device]
+
+
 def wrap_stream(raw: int, device: int) -> ctypes.c_void_p:
     """The library's handle on the engine's stream `raw` (an `aclrtStream`) of
     NPU `device`: wrapped once per (stream, device) and kept for the process,

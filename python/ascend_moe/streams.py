@@ -15,7 +15,7 @@ import ctypes
 from ._enums import Status
 from ._errors import error
 from ._lib import c_uint, call
-from ._tensor import wrap_stream
+from ._tensor import streams_of, wrap_stream
 from .live import _stream_handle
 
 # `amoe_alloc_fn` / `amoe_free_fn` of the header.
@@ -49,6 +49,28 @@ def reserve_capture_records(stream, launches: int, device=None) -> None:
     (`amoe_capture_records_reserve`)."""
     h, _ = _stream_handle(stream, device)
     call("amoe_capture_records_reserve", h, c_uint("launches", launches))
+
+
+def reserve_like(stream, warm, device=None) -> None:
+    """Reserves on `stream` what `warm` (a stream of the same device)
+    reserved by running ops eagerly, so that ops first run on `stream` under
+    graph capture find it: reservations are per stream
+    (`amoe_stream_reserve_like`)."""
+    h, dev = _stream_handle(stream, device)
+    w, _ = _stream_handle(warm, dev)
+    call("amoe_stream_reserve_like", h, w)
+
+
+def prepare_capture(stream, device=None) -> None:
+    """Before a graph capture on `stream`: reserves on it what every other
+    stream of its device that the package has run ops on reserved
+    (`reserve_like`). `torch.npu.graph` without `stream=` captures on its own
+    side stream, not the stream the warm-up ran on; the vLLM-Ascend adapter
+    calls this for it at every capture (`vllm_ascend.install`)."""
+    h, dev = _stream_handle(stream, device)
+    for w in streams_of(dev):
+        if w.value != h.value:
+            call("amoe_stream_reserve_like", h, w)
 
 
 def set_allocator(stream, alloc=None, free=None, device=None) -> None:

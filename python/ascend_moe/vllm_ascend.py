@@ -44,6 +44,13 @@ over the group's `cpu_group`; its waits are bounded by
 `$ASCEND_MOE_COMM_TIMEOUT`, default 60 s), otherwise the group's own collectives
 (`group.all_gather`, `group.reduce_scatter`, `group.all_reduce`).
 
+Graph capture: `torch.npu.graph` captures, without `stream=`, on torch_npu's
+own side stream, while vLLM-Ascend's warm-up runs on the current stream; the
+library's workspace, capture records and pinned staging are reserved per
+stream. So every capture first reserves on its capture stream what the streams
+the package ran ops on hold (`ascend_moe.prepare_capture`, from a hook on
+`torch.npu.graph.__enter__`, which `uninstall()` removes).
+
 What stays vLLM-Ascend's: the comm-type selection, the MC2 / all-to-all
 dispatch and combine, the MC2 mask and padding (`PrepareAndFinalizeWithMC2`
 writes the mask into the forward context's engine-owned buffer and pads to
@@ -63,7 +70,8 @@ import uuid
 from . import comm as _comm
 from . import ops as _ops
 from . import shapes as _shapes
-from ._errors import error
+from . import streams as _streams
+from ._errors import AmoeError, error
 from ._lib import Status
 from ._tensor import DTYPE_CODES, dtype_name
 from .comm import Comm
@@ -1003,6 +1011,41 @@ _LOCK = threading.RLock()
 _STATE = {"lib": None, "replaced": [], "saved_methods": {}, "runner": None, "errors": {}}
 
 
+def _graph_class():
+    """torch_npu's graph-capture context manager, `torch.npu.graph` (None
+    without torch_npu)."""
+    return getattr(getattr(sys.modules.get("torch"), "npu", None), "graph", None)
+
+
+def _hook_captures():
+    """Makes every `torch.npu.graph` capture first reserve on its capture
+    stream what the streams the package ran ops on hold (`prepare_capture`):
+    without `stream=` it captures on its own side stream, not the stream
+    vLLM-Ascend's warm-up ran on, and reservations are per stream. Returns
+    `(cls, original __enter__)`, or None without torch_npu or when hooked
+    already."""
+    cls = _graph_class()
+    if not isinstance(cls, type) or getattr(cls.__enter__, "_ascend_moe_capture", False):
+        return None
+    original = cls.__enter__
+
+    def __enter__(self, *args, **kwargs):
+        stream = getattr(self, "capture_stream", None)
+        if stream is not None:
+            try:
+                _streams.prepare_capture(stream)
+            except AmoeError as e:
+                # A capture without MoE ops must not fail for it; one with
+                # them is refused by its first op, saying why.
+                with _LOCK:
+                    _STATE["errors"]["prepare_capture"] = str(e)
+        return original(self, *args, **kwargs)
+
+    __enter__._ascend_moe_capture = True
+    cls.__enter__ = __enter__
+    return cls, original
+
+
 def install() -> list:
     """Makes vLLM-Ascend use ascend-moe (see the module docstring). Imports
     `vllm_ascend.ops.register_custom_ops` first, so vLLM-Ascend's own
@@ -1054,6 +1097,9 @@ def install() -> list:
             _STATE["runner"], _STATE["saved_methods"] = runner, saved
         except Exception as e:  # noqa: BLE001
             _STATE["errors"]["AscendMoERunner"] = f"{type(e).__name__}: {e}"
+        _STATE["capture_hook"] = _hook_captures()
+        if _STATE["capture_hook"] is not None:
+            replaced.append("torch.npu.graph.__enter__")
         _STATE["lib"], _STATE["replaced"] = lib, replaced
         return list(replaced)
 
@@ -1082,6 +1128,9 @@ def uninstall() -> list:
                     delattr(runner, m)
                 else:
                     setattr(runner, m, fn)
+        hook = _STATE.pop("capture_hook", None)
+        if hook is not None:
+            hook[0].__enter__ = hook[1]
         restored = list(_STATE["replaced"])
         _STATE.update(lib=None, replaced=[], runner=None, saved_methods={})
         return restored

@@ -699,6 +699,45 @@ def stream_ops():
     DeviceTensor.free_all()
 
 
+def capture_stream():
+    """Reservations are per stream: a finalize warmed up on one stream and
+    first run on another under capture (torch.npu.graph's own side stream)
+    is refused, saying so; after `prepare_capture` on the capture stream it
+    is captured and every replay gives the golden result."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(1))
+    warm, side = Stream(), Stream()
+    ex, idx, kw = finalize_case(rng_for("sim-capture-stream"), 0, np.dtype(np.float32))
+    kw["scales"] = kw["scales"].astype(np.float32)
+    dev = {k: (DeviceTensor.upload(v, 1) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    dex, didx = DeviceTensor.upload(ex, 1), DeviceTensor.upload(idx, 1)
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
+    warmed = am.moe_finalize_routing(dex, didx, **dev, stream=warm)
+    am.stream_check(warm, device=1)
+    assert_close(warmed.download(), want, np.float32, "the warm-up")
+    out = DeviceTensor(want.shape, np.float32, 1)
+    refused = []
+
+    def body():
+        try:
+            am.moe_finalize_routing(dex, didx, **dev, out=out, stream=side)
+        except am.AmoeError as e:
+            refused.append(e)
+
+    Graph(side, body).destroy()
+    assert refused and "per stream" in str(refused[0]) and "torch.npu.graph" in str(refused[0]), refused
+    am.prepare_capture(side, device=1)
+    graph = Graph(side, lambda: am.moe_finalize_routing(dex, didx, **dev, out=out, stream=side))
+    for _ in range(2):
+        graph.replay(side)
+        am.stream_check(side, device=1)
+        assert_close(out.download(), want, np.float32, "a replay on the prepared capture stream")
+    graph.destroy()
+    assert am.release_streams() == 2
+    warm.destroy()
+    side.destroy()
+    DeviceTensor.free_all()
+
+
 def side_stream():
     """A collective on a `stream=` other than torch_npu's current stream (a side
     stream, to overlap communication): broadcast's copy of `x`, which torch
@@ -755,5 +794,5 @@ if __name__ == "__main__":
         ONE_DEVICE = sys.argv[4:] == ["visible"]
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops, "side_stream": side_stream}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops, "side_stream": side_stream, "capture_stream": capture_stream}[scenario]()
     print(f"ok {scenario}")

@@ -134,6 +134,43 @@ def adapter_api(name, world, rank):
     with vs.forward_context(**fields):
         theirs = _fake_shape(torch.ops.vllm.maybe_all_gather_and_maybe_unpad, x)
     assert ours == (8, 3) and theirs == (12, 3), (ours, theirs)
+    # Every torch.npu.graph capture first reserves on its capture stream
+    # (torch_npu's own side stream without `stream=`) what the warm-up's holds.
+    class Graph:
+        def __init__(self, stream):
+            self.capture_stream, self.entered = stream, False
+
+        def __enter__(self):
+            self.entered = True
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    import ascend_moe.streams as streams
+
+    prepared, saved_graph, saved_prepare = [], torch.npu.graph, streams.prepare_capture
+    torch.npu.graph, streams.prepare_capture = Graph, lambda stream, device=None: prepared.append(stream)
+    try:
+        original = Graph.__enter__
+        hooked = av.install()
+        assert hooked == first + ["torch.npu.graph.__enter__"], hooked
+        with Graph("side") as g:
+            assert prepared == ["side"] and g.entered, prepared
+
+        def refused(stream, device=None):
+            raise am.AmoeError(am.Status.INVALID_ARGUMENT, "no room on the capture stream")
+
+        streams.prepare_capture = refused
+        # A capture without MoE ops does not fail for it; status() says why.
+        with Graph("full") as g:
+            assert g.entered
+        assert "no room on the capture stream" in av.status()["errors"]["prepare_capture"], av.status()
+        assert av.uninstall() == hooked and Graph.__enter__ is original
+        with Graph("again"):
+            assert prepared == ["side"], "uninstall() left the capture hook"
+    finally:
+        torch.npu.graph, streams.prepare_capture = saved_graph, saved_prepare
     done.append("install/uninstall")
 
     # The plugin entry point installs only with ASCEND_MOE_VLLM=1.
