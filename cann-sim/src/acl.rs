@@ -18,7 +18,8 @@ use crate::arena::{self, Span};
 use crate::config;
 use crate::context::{self, EVENTS, STREAMS};
 use crate::ffi::*;
-use crate::host_bufs::host_bufs;
+use crate::host_bufs::{host_bufs, HostBuf};
+use crate::lease::{self, Lease};
 use crate::status::{self, fail, write_out, SimError, SimResult};
 use crate::stream::{Event, Stream};
 
@@ -285,7 +286,7 @@ pub unsafe extern "C" fn aclrtMallocHost(host_ptr: *mut *mut c_void, size: usize
         if p.is_null() {
             return fail(ACL_ERROR_RT_MEMORY_ALLOCATION, format!("host allocation of {size} bytes failed"));
         }
-        host_bufs().insert(p as usize, size);
+        host_bufs().insert(p as usize, HostBuf { size, id: arena::next_alloc_id() });
         write_out(host_ptr, p as *mut c_void, ACL_ERROR_INVALID_PARAM, "hostPtr")
     })
 }
@@ -299,7 +300,7 @@ pub extern "C" fn aclrtFreeHost(host_ptr: *mut c_void) -> AclError {
         let addr = host_ptr as usize;
         // The driver frees only what it allocated; an unknown host pointer is
         // refused with the runtime's invalid-value code (ApiImpl::HostFree).
-        let Some(size) = host_bufs().remove(&addr) else {
+        let Some(HostBuf { size, .. }) = host_bufs().remove(&addr) else {
             return fail(ACL_ERROR_RT_PARAM_INVALID, format!("{addr:#x} was not returned by aclrtMallocHost"));
         };
         // Invariant: the same layout was accepted by aclrtMallocHost.
@@ -504,7 +505,22 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
                 ),
             );
         }
-        s.enqueue("aclrtMemcpyAsync", Box::new(move || run_copy(c)));
+        // The operands' allocations, checked again when the copy runs (see
+        // [`crate::lease`]): one freed in between fails the stream.
+        let leases: Vec<Lease> = [(c.dst, "dst"), (c.src, "src")]
+            .into_iter()
+            .map(|(a, what)| Lease::of(a, c.count, what))
+            .collect::<SimResult<Vec<_>>>()?
+            .into_iter()
+            .flatten()
+            .collect();
+        s.enqueue(
+            "aclrtMemcpyAsync",
+            Box::new(move || {
+                lease::check_all(&leases)?;
+                run_copy(c)
+            }),
+        );
         Ok(())
     })
 }
@@ -570,7 +586,14 @@ pub unsafe extern "C" fn aclrtMemsetAsync(
         if !dev {
             return run_memset(addr, dev, value, count);
         }
-        s.enqueue("aclrtMemsetAsync", Box::new(move || run_memset(addr, dev, value, count)));
+        let lease = Lease::of(addr, count, "devPtr")?;
+        s.enqueue(
+            "aclrtMemsetAsync",
+            Box::new(move || {
+                lease.iter().try_for_each(Lease::check)?;
+                run_memset(addr, dev, value, count)
+            }),
+        );
         Ok(())
     })
 }

@@ -30,7 +30,7 @@ use std::ffi::c_void;
 use crate::arena;
 use crate::context;
 use crate::ffi::*;
-use crate::host_bufs::host_bufs;
+use crate::host_bufs;
 use crate::status::{fail, SimResult};
 
 /// What the export does after its rule passed.
@@ -183,8 +183,7 @@ fn memset_target(dev_ptr: *mut c_void, count: usize) -> SimResult<()> {
     if arena::owner(addr).is_some() {
         return Ok(());
     }
-    let bufs = host_bufs();
-    let inside = bufs.range(..=addr).next_back().is_some_and(|(&base, &len)| addr.saturating_add(count) <= base + len);
+    let inside = host_bufs::containing(addr).is_some_and(|(base, b)| addr.saturating_add(count) <= base + b.size);
     if !inside {
         return fail(
             ACL_ERROR_RT_PARAM_INVALID,

@@ -13,6 +13,7 @@
 //! type) because real device memory is not zeroed.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::config;
@@ -32,6 +33,17 @@ pub struct Alloc {
     pub size: usize,
     /// Bytes consumed in the arena (the extent a kernel may touch).
     pub footprint: usize,
+    /// This allocation's number (see [`next_alloc_id`]).
+    pub id: u64,
+}
+
+/// A number never handed out before, for a new device or pinned host
+/// allocation: an allocation made at a freed one's address has another
+/// number, so work queued against the old one can tell them apart
+/// (see [`crate::lease`]).
+pub fn next_alloc_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 #[derive(Debug, Default)]
@@ -132,7 +144,7 @@ impl Arena {
         if len > footprint {
             st.free.insert(off + footprint, len - footprint);
         }
-        st.allocs.insert(off, Alloc { size, footprint });
+        st.allocs.insert(off, Alloc { size, footprint, id: next_alloc_id() });
         st.used += footprint;
         drop(st);
         if let Some(b) = config::get().malloc_fill {
@@ -185,7 +197,7 @@ impl Arena {
     }
 
     /// The live allocation containing `addr`: (start address, allocation).
-    fn find(&self, addr: usize) -> Option<(usize, Alloc)> {
+    pub fn find(&self, addr: usize) -> Option<(usize, Alloc)> {
         let off = addr.checked_sub(self.dev_base)?;
         let st = self.lock();
         let (&start, &a) = st.allocs.range(..=off).next_back()?;
@@ -241,6 +253,10 @@ pub struct Span {
     pub host: *mut u8,
     /// Length in bytes.
     pub len: usize,
+    /// Device address of the allocation the access lies in.
+    pub base: usize,
+    /// Number of that allocation ([`Alloc::id`]).
+    pub id: u64,
 }
 
 // SAFETY: a Span is an address range inside a process-lifetime mapping; the
@@ -277,7 +293,7 @@ pub fn resolve_ext(addr: usize, len: usize, what: &str, kernel: bool) -> SimResu
             ),
         );
     }
-    Ok(Span { device: a.device, addr, host: a.host(addr), len })
+    Ok(Span { device: a.device, addr, host: a.host(addr), len, base: start, id: al.id })
 }
 
 /// [`resolve_ext`] for copies (requested extent).

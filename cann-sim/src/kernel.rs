@@ -9,6 +9,7 @@ use std::ffi::{c_char, c_void};
 use crate::arena;
 use crate::capture;
 use crate::ffi::*;
+use crate::lease::{self, Lease};
 use crate::status::{self, fail, SimError, SimResult};
 
 /// `void (*cannsim_kernel_entry)(uint32_t block_idx, uint32_t block_dim, void *const *gm, const void *tiling)`.
@@ -26,8 +27,9 @@ pub type KernelEntry = unsafe extern "C" fn(u32, u32, *const *mut c_void, *const
 /// 8-byte aligned. Returns
 /// `ACL_SUCCESS`, or `ACL_ERROR_RT_PARAM_INVALID` (107000) for a pointer that
 /// is not device memory of the stream's device, `ACL_ERROR_INVALID_PARAM`
-/// for a bad argument. A pointer freed before the kernel runs fails the
-/// stream with `ACL_ERROR_RT_DEVICE_MEM_ERROR`.
+/// for a bad argument. A pointer whose allocation is freed before the kernel
+/// runs (whether or not the address was allocated again since) fails the
+/// stream with `ACL_ERROR_RT_DEVICE_MEM_ERROR` and the kernel does not run.
 #[no_mangle]
 pub unsafe extern "C" fn cannsim_launch_kernel(
     stream: AclrtStream,
@@ -134,11 +136,16 @@ unsafe fn launch(
         // SAFETY: gm_dev holds n_gm pointers (C contract).
         unsafe { std::slice::from_raw_parts(gm_dev, n_gm) }.iter().map(|p| *p as usize).collect()
     };
+    // The allocation of each operand and of a device tiling, checked again
+    // when the launch runs (see [`crate::lease`]).
+    let mut leases = Vec::new();
     for (i, &p) in ptrs.iter().enumerate() {
         if p == 0 {
             continue;
         }
-        let sp = arena::resolve_ext(p, 0, &format!("gm_dev[{i}]"), true)?;
+        let what = format!("gm_dev[{i}]");
+        let sp = arena::resolve_ext(p, 0, &what, true)?;
+        leases.push(Lease::device(&sp, what));
         if sp.device != s.device {
             return fail(
                 ACL_ERROR_RT_PARAM_INVALID,
@@ -158,6 +165,7 @@ unsafe fn launch(
     let device_tiling = tiling_len > 0 && arena::owner(tiling as usize).is_some();
     if device_tiling {
         let sp = arena::resolve_ext(tiling as usize, tiling_len, "tiling", true)?;
+        leases.push(Lease::device(&sp, "tiling"));
         if sp.device != s.device {
             return fail(
                 ACL_ERROR_RT_PARAM_INVALID,
@@ -173,6 +181,7 @@ unsafe fn launch(
     s.enqueue(
         name,
         Box::new(move || {
+            lease::check_all(&leases)?;
             let mut gm = Vec::with_capacity(ptrs.len());
             for (i, &p) in ptrs.iter().enumerate() {
                 if p == 0 {

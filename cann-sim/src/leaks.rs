@@ -13,7 +13,7 @@ use crate::aclnn::EXECUTORS;
 use crate::capture::MODELS;
 use crate::config::{self, LeakMode};
 use crate::hccl::comms::COMMS;
-use crate::host_bufs::host_bufs;
+use crate::host_bufs::{host_bufs, HostBuf};
 use crate::nnop::objects::{SCALARS, TENSORS};
 use crate::{arena, context};
 
@@ -41,7 +41,7 @@ pub fn collect() -> Report {
             r.leaks.push(format!("device buffer {addr:#x} ({size} bytes, device {})", a.device));
         }
     }
-    for (addr, size) in host_bufs().iter() {
+    for (addr, HostBuf { size, .. }) in host_bufs().iter() {
         r.leaks.push(format!("host buffer {addr:#x} ({size} bytes, aclrtMallocHost)"));
     }
     for (h, t) in TENSORS.all() {

@@ -18,6 +18,7 @@
 //! | [`version`] | (no exports) the emulated CANN release, `CANNSIM_CANN_VERSION` |
 //! | [`kernel`] | `cannsim_launch_kernel`, `cannsim_launch_kernel_ex` (simulator-only) |
 //! | [`capture`] | `aclmdlRICaptureBegin` ... `aclmdlRIDestroy`, `aclrtSynchronizeDevice`: ACL graph capture |
+//! | [`lease`] | (no exports) the allocations a queued task's operands lie in, checked when it runs |
 //! | [`counters`] | `cannsim_counters`, `cannsim_counters_reset` (simulator-only): per-thread host call counts |
 //!
 //! What it models and what it does not: see README.md. Configuration: see
@@ -40,6 +41,7 @@ pub mod hccl_rules;
 pub mod host_bufs;
 pub mod kernel;
 pub mod leaks;
+pub mod lease;
 pub mod nnop;
 pub mod status;
 pub mod stream;

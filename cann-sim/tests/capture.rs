@@ -268,6 +268,42 @@ fn a_replay_reruns_memsets_copies_a_kernel_and_aclnn_add_on_the_new_inputs() {
     destroy_stream(st);
 }
 
+#[test]
+fn a_replay_whose_operand_was_freed_and_allocated_again_fails_and_spares_the_new_owner() {
+    // A captured task keeps its operands' addresses: memory freed while the
+    // model lives (guide, restriction 7) fails the replay's stream, with
+    // ACL_ERROR_RT_DEVICE_MEM_ERROR, instead of writing to the new owner.
+    let _g = serial();
+    let s = use_device(1);
+    const N: usize = 16;
+    let st = stream();
+    let x = upload(&[3.0f32; N]);
+    let y = malloc(N * 4);
+    let tiling = [N as u64];
+    begin(st, GLOBAL);
+    let gm = [x, y];
+    let r = unsafe { (s.cannsim_launch_kernel)(st, 2, Some(square), gm.as_ptr(), 2, tiling.as_ptr().cast(), 8) };
+    assert_eq!(r, 0, "{}", err_msg());
+    let model = end(st);
+    execute(model, st);
+    sync(st);
+    assert_eq!(download::<f32>(y, N), vec![9.0; N]);
+    free(y);
+    let again = malloc(N * 4);
+    assert_eq!(again, y, "a same-size allocation takes the freed address");
+    let mine = vec![0x5Au8; N * 4];
+    assert_eq!(unsafe { (s.aclrtMemcpy)(again, N * 4, mine.as_ptr().cast(), N * 4, H2D) }, 0);
+    execute(model, st);
+    assert_eq!(unsafe { (s.aclrtSynchronizeStream)(st) }, 507053);
+    let msg = err_msg();
+    assert!(msg.contains("cannsim_launch_kernel") && msg.contains(&format!("gm_dev[1] {:#x}", y as usize)), "{msg}");
+    assert_eq!(download::<u8>(again, N * 4), mine, "the new owner's bytes are untouched");
+    destroy(model);
+    free(again);
+    free(x);
+    destroy_stream(st);
+}
+
 /// Begins a GLOBAL capture on a fresh stream, runs `call`, expects `code`, and
 /// checks that the capture is then INVALIDATED, refuses further work, and that
 /// End fails and ends it. `scratch` is a 64-byte device buffer.

@@ -6,6 +6,7 @@ use std::ffi::c_void;
 use crate::arena;
 use crate::capture;
 use crate::ffi::*;
+use crate::lease::{self, Lease};
 use crate::nnop::objects::TensorDesc;
 use crate::status::{SimError, SimResult};
 
@@ -35,6 +36,9 @@ pub(super) fn launch(
         return invalid(op, "the executor was prepared for a different operator");
     }
     let s = capture::stream_here(stream as usize).map_err(|e| SimError::new(ACLNN_ERR_RUNTIME_ERROR, e.msg))?;
+    // The allocations of the workspace and of every tensor, checked again
+    // when the op runs (see [`crate::lease`]).
+    let mut leases = Vec::new();
     if need > 0 {
         if ws_size < need {
             return invalid(
@@ -47,18 +51,21 @@ pub(super) fn launch(
         if w.device != s.device {
             return invalid(op, format!("workspace is on device {}, the stream on device {}", w.device, s.device));
         }
+        leases.push(Lease::device(&w, "workspace"));
     }
     for t in tensors {
         if let Some(sp) = span(t).map_err(|e| SimError::new(ACLNN_ERR_PARAM_INVALID, format!("{op}: {}", e.msg)))? {
             if sp.device != s.device {
                 return invalid(op, format!("a tensor is on device {}, the stream on device {}", sp.device, s.device));
             }
+            leases.push(Lease::device(&sp, "tensor data"));
         }
     }
     let ws_addr = workspace as usize;
     s.enqueue(
         op,
         Box::new(move || {
+            lease::check_all(&leases)?;
             if need > 0 {
                 let w = arena::resolve(ws_addr, need as usize, "workspace").map_err(|e| {
                     SimError::new(

@@ -8,7 +8,7 @@ use crate::arena;
 use crate::context::{self, STREAMS};
 use crate::counters;
 use crate::ffi::{AclrtStream, ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_STREAM_CONTEXT};
-use crate::host_bufs::host_bufs;
+use crate::host_bufs;
 use crate::status::{fail, write_out, SimResult};
 use crate::stream::{Event, Job, Stream};
 
@@ -164,8 +164,7 @@ pub fn allocation(call: &'static str) -> SimResult<()> {
 }
 
 pub(super) fn pinned(addr: usize) -> bool {
-    let bufs = host_bufs();
-    bufs.range(..=addr).next_back().is_some_and(|(base, size)| addr < base + size)
+    host_bufs::containing(addr).is_some()
 }
 
 /// Hook of `aclrtMemcpyAsync` on stream `s`: counts the copy; a host operand

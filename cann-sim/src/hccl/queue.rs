@@ -12,6 +12,7 @@ use crate::capture;
 use crate::config;
 use crate::context;
 use crate::ffi::*;
+use crate::lease::{self, Lease};
 use crate::status::{fail, SimError, SimResult};
 use crate::stream::Stream;
 
@@ -44,15 +45,17 @@ impl Buf {
     }
 }
 
-fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<()> {
+/// Checks that `b` lies in one live allocation of the communicator's device;
+/// returns the lease its task checks again when it runs (None when empty).
+fn check_buf(c: &SimComm, b: Buf, dt: DType, what: &str) -> SimResult<Option<Lease>> {
     if b.elems == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let s = arena::resolve(b.addr, b.elems * dt.size(), what).map_err(|e| SimError::new(HCCL_E_PTR, e.msg))?;
     if s.device != c.device {
         return fail(HCCL_E_PARA, format!("{what} is on device {}, the communicator on device {}", s.device, c.device));
     }
-    Ok(())
+    Ok(Some(Lease::device(&s, what)))
 }
 
 /// The host address of the bytes of `b` (in a live allocation), or None
@@ -132,8 +135,9 @@ pub(super) fn enqueue(
     if s.device != c.device {
         return fail(HCCL_E_PARA, format!("stream on device {} but communicator on device {}", s.device, c.device));
     }
+    let mut leases = Vec::with_capacity(bufs.len());
     for (b, dt, what) in bufs {
-        check_buf(&c, *b, *dt, what)?;
+        leases.extend(check_buf(&c, *b, *dt, what)?);
     }
     tasks_can_go_on(&s)?;
     setup(&c, &|| s.release(s.last()))?;
@@ -150,6 +154,11 @@ pub(super) fn enqueue(
                     libc::_exit(cfg.die_exit_code)
                 }
             }
+            // A buffer freed while the collective was queued: this rank's
+            // task faults before it sends or receives anything (see
+            // [`crate::lease`]); its peers wait for it until
+            // their execution timeout.
+            lease::check_all(&leases)?;
             let prior = c.failed.load(Ordering::SeqCst);
             let r = if prior != HCCL_SUCCESS {
                 fail(prior, format!("communicator {} already failed", c.name))
