@@ -19,9 +19,9 @@
 //! ends the same way on every rank that took a slot, like a phase barrier
 //! (see "Waiting and failure"). A file whose ranks are all dead or gone (a
 //! crashed run) is replaced, and every rendezvous first removes this user's
-//! files of such worlds under other names too (made in its PID namespace, by
-//! this version), so that a world whose ranks were all killed while it formed
-//! does not hold its memory until its name comes back; a live world of another size
+//! files of such worlds under other names too (made by this version), so
+//! that a world whose ranks were all killed while it formed does not hold
+//! its memory until its name comes back; a live world of another size
 //! under the same name is an error. A joiner that asks a forming world for
 //! another world size or staging size is refused, and is recorded in the
 //! header: the ranks waiting there fail at once with [`ErrorKind::Mismatch`]
@@ -52,7 +52,11 @@
 //! a world judge each other's liveness by pid, so they must share a PID
 //! namespace: a joiner from another (two containers sharing /dev/shm but not
 //! their processes) is refused with [`ErrorKind::Mismatch`] naming both
-//! namespaces, and never takes the world's live ranks for dead. Layout:
+//! namespaces while a rank of that world runs, and never takes its live
+//! ranks for dead. Across namespaces a rank's liveness is its slot lock (an
+//! open file description lock on its byte of the file, which the kernel
+//! drops with the process), so the file of a world whose ranks are all gone
+//! is replaced (and swept) from any namespace. Layout:
 //!
 //! | block | size |
 //! |---|---|

@@ -23,8 +23,8 @@ use crate::file::{check_dir, ino_at, open_existing_own, open_own, Opened, Refuse
 use crate::presence::{members_of, name_hash, Member, Presence};
 use crate::process::{my_pid, my_pid_ns, my_start, pid_alive};
 use crate::segment::{
-    checked_segment_len, describe_refusal, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC, MAX_WORLD,
-    VERSION,
+    checked_segment_len, describe_refusal, slot_held, Ctrl, Header, Mapping, Segment, BLOCK, EMPTY, JOINED, MAGIC,
+    MAX_WORLD, VERSION,
 };
 use crate::{Error, ErrorKind, Result};
 
@@ -272,13 +272,17 @@ impl Segment {
         // another, live ranks would look dead and their file stale.
         let ours = my_pid_ns();
         if survey.pid_ns != 0 && ours != 0 && survey.pid_ns != ours {
+            // Its ranks' slot locks tell whether any still runs.
+            if survey.held(fd).is_empty() {
+                return Ok(Found::Stale);
+            }
             let why = format!(
                 "the world forming under this name was made in another PID namespace (pid:[{}]; this \
-                 process is in pid:[{ours}]): the ranks of one world must run in one PID namespace (they judge \
-                 each other's liveness by pid), e.g. one container, or a pod with shareProcessNamespace; if no \
-                 rank of that world runs any more, remove {}",
+                 process is in pid:[{ours}]) and ranks {:?} of it still run: the ranks of one world must run \
+                 in one PID namespace (they judge each other's liveness by pid), e.g. one container, or a pod \
+                 with shareProcessNamespace",
                 survey.pid_ns,
-                segment_path(name)
+                survey.held(fd)
             );
             return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
         }
@@ -353,6 +357,13 @@ impl Survey {
         unsafe { &*(self.hdr.ptr as *const Header) }
     }
 
+    /// The joined ranks whose slot lock a process holds in the file `fd`
+    /// (the caller's own description of it): alive, as seen from any PID
+    /// namespace. A rank the kernel cannot tell about counts as alive.
+    fn held(&self, fd: libc::c_int) -> Vec<usize> {
+        (0..self.world).filter(|&r| self.slots[r].0 == JOINED && slot_held(fd, r).unwrap_or(true)).collect()
+    }
+
     /// `(rank, pid)` of the joined ranks whose process is alive.
     fn live(&self) -> Vec<(usize, u32)> {
         (0..self.world)
@@ -363,13 +374,14 @@ impl Survey {
 }
 
 /// Removes this user's segment files in `dir` (all but `skip`) that a world
-/// of this version, made in this PID namespace, left when every rank died
-/// before the world was complete (a launcher's SIGTERM or SIGKILL while the
-/// ranks waited for each other): otherwise such a file holds its memory in
-/// the shared-memory directory until a rendezvous under the same name. Best
+/// of this version left when every rank died before the world was complete
+/// (a launcher's SIGTERM or SIGKILL while the ranks waited for each other):
+/// otherwise such a file holds its memory in the shared-memory directory
+/// until a rendezvous under the same name. A world of this PID namespace is
+/// judged by its ranks' pids, one of another by their slot locks. Best
 /// effort, and nothing waits: a file that is locked (being set up), not
-/// this user's own, torn, of another version or namespace, or with a live
-/// rank is left alone.
+/// this user's own, torn, of another version, or with a live rank is left
+/// alone.
 fn sweep_stale(dir: &str, skip: &str) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     let ours = my_pid_ns();
@@ -384,8 +396,13 @@ fn sweep_stale(dir: &str, skip: &str) {
         let Some(f) = open_existing_own(&cpath) else { continue };
         // SAFETY: f.fd is open; LOCK_NB never waits.
         if unsafe { libc::flock(f.fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 && ino_at(&cpath) == Some(f.ino) {
-            let stale = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
-            if stale.is_some_and(|s| s.pid_ns == ours && s.live().is_empty()) {
+            let found = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
+            let stale = found.is_some_and(|s| match s.pid_ns {
+                0 => false,
+                ns if ns == ours => s.live().is_empty(),
+                _ => s.held(f.fd).is_empty(),
+            });
+            if stale {
                 // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
                 unsafe { libc::unlink(cpath.as_ptr()) };
             }
@@ -616,7 +633,7 @@ mod tests {
             match crate::ShmComm::rendezvous(&name, 2, 1, Duration::from_secs(20), &cfg) {
                 Err(Error::Comm { kind: ErrorKind::Mismatch, detail, .. }) => {
                     for part in
-                        ["another PID namespace", &format!("pid:[{}]", ours ^ 1), &format!("pid:[{ours}]"), &path]
+                        ["another PID namespace", &format!("pid:[{}]", ours ^ 1), &format!("pid:[{ours}]"), "ranks [0]"]
                     {
                         assert!(detail.contains(part), "{part:?} missing from: {detail}");
                     }
@@ -632,5 +649,49 @@ mod tests {
                 second.barrier().expect("barrier");
             });
         });
+    }
+
+    /// A segment file as a world of another PID namespace left it when its
+    /// ranks died: rank 0 joined (its pid is one this namespace sees alive,
+    /// but its slot lock is gone), the header names another namespace.
+    fn plant_from_another_namespace(name: &str) -> String {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+
+        let path = segment_path(name);
+        let staging = 4096;
+        let len = checked_segment_len(2, staging).unwrap();
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).expect("create");
+        let mut bytes = vec![0u8; len];
+        let put = |b: &mut [u8], at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
+        put(&mut bytes, std::mem::offset_of!(Header, magic), &MAGIC.to_ne_bytes());
+        put(&mut bytes, std::mem::offset_of!(Header, version), &VERSION.to_ne_bytes());
+        put(&mut bytes, std::mem::offset_of!(Header, world), &2u32.to_ne_bytes());
+        put(&mut bytes, std::mem::offset_of!(Header, staging), &(staging as u64).to_ne_bytes());
+        put(&mut bytes, std::mem::offset_of!(Header, pid_ns), &(my_pid_ns() ^ 1).to_ne_bytes());
+        put(&mut bytes, BLOCK + std::mem::offset_of!(Ctrl, state), &JOINED.to_ne_bytes());
+        put(&mut bytes, BLOCK + std::mem::offset_of!(Ctrl, pid), &my_pid().to_ne_bytes());
+        put(&mut bytes, BLOCK + std::mem::offset_of!(Ctrl, start), &my_start().to_ne_bytes());
+        f.write_all(&bytes).expect("write");
+        path
+    }
+
+    /// A world of another PID namespace whose ranks all died while it
+    /// formed (a container killed and restarted with a shared /dev/shm) is
+    /// judged by its ranks' slot locks, not by pids this namespace cannot
+    /// see: its file is replaced under its name and swept under any other.
+    #[test]
+    fn a_world_of_another_pid_namespace_whose_ranks_died_is_replaced_and_swept() {
+        let cfg = crate::Config { staging_bytes: 1 << 16 };
+        let name = format!("dead-other-ns-{}", std::process::id());
+        plant_from_another_namespace(&name);
+        let c = crate::ShmComm::rendezvous(&name, 1, 0, Duration::from_secs(20), &cfg).expect("replaced");
+        c.barrier().expect("a world of one");
+        drop(c);
+        let left = format!("dead-other-ns-left-{}", std::process::id());
+        let path = plant_from_another_namespace(&left);
+        let other = format!("dead-other-ns-sweeper-{}", std::process::id());
+        drop(crate::ShmComm::rendezvous(&other, 1, 0, Duration::from_secs(20), &cfg).expect("a world of one"));
+        assert!(std::fs::symlink_metadata(&path).is_err(), "{path} was left");
     }
 }

@@ -111,6 +111,32 @@ impl Header {
     }
 }
 
+/// `fcntl(fd, cmd)` on the open file description lock of `rank`'s byte of
+/// the segment file (the first byte of its control block), returning the
+/// lock description the kernel gives back. A rank holds a read lock on its
+/// byte for as long as its process has the file open: the kernel drops it
+/// when the process ends, whatever PID namespace looks, which `pid_alive`
+/// cannot tell across namespaces ([`slot_held`]).
+fn slot_lock(fd: libc::c_int, rank: usize, cmd: libc::c_int, kind: libc::c_short) -> Option<libc::flock> {
+    // SAFETY: flock is plain data; zeroed is a valid value (l_pid must be 0
+    // for open file description locks).
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = kind;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    fl.l_start = (BLOCK + rank * BLOCK) as libc::off_t;
+    fl.l_len = 1;
+    // SAFETY: fd is open; fl is a valid flock the call reads and may write.
+    (unsafe { libc::fcntl(fd, cmd, &mut fl) } == 0).then_some(fl)
+}
+
+/// Whether a process holds `rank`'s slot lock in the segment file `fd` (an
+/// open file description of the caller, which holds no lock there); `None`
+/// when the kernel cannot tell.
+pub(crate) fn slot_held(fd: libc::c_int, rank: usize) -> Option<bool> {
+    slot_lock(fd, rank, libc::F_OFD_GETLK, libc::F_WRLCK as libc::c_short)
+        .map(|fl| fl.l_type != libc::F_UNLCK as libc::c_short)
+}
+
 /// Why a world whose joiner `(rank, world, staging)` was refused cannot
 /// form, as told to a rank of the world of `w` ranks with `s` bytes.
 pub(crate) fn describe_refusal(refused: (usize, usize, usize), w: usize, s: usize) -> String {
@@ -213,6 +239,9 @@ impl Segment {
         c.arrive.store(0, Ordering::Relaxed);
         c.pid.store(my_pid(), Ordering::Relaxed);
         c.start.store(my_start(), Ordering::Relaxed);
+        // Best effort: without the lock (a kernel before 3.15) the rank is
+        // only known alive to processes of its own PID namespace.
+        let _ = slot_lock(self.fd, self.rank, libc::F_OFD_SETLK, libc::F_RDLCK as libc::c_short);
         c.state.store(JOINED, Ordering::Release);
         self.ring();
     }
