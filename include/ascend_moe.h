@@ -766,8 +766,9 @@ amoe_status amoe_capture_records_reserve(const struct amoe_stream *stream, size_
 
 // Reserves on `stream` what `warm` (a stream of the same device) reserved
 // by running ops eagerly: the records of captured launches, the pinned
-// staging and a workspace block as large as `warm`'s pool, so that ops
-// first run on `stream` under graph capture find them. Reservations are per
+// staging and workspace up to what `warm`'s pool holds (an allocator set on
+// `warm` is not copied), so that ops first run on `stream` under graph
+// capture find them. Reservations are per
 // stream: call it before capturing on a stream other than the one the
 // warm-up ran on (such as the side stream `torch.npu.graph` captures on when
 // given no `stream=`). Refused while `stream` is captured, and for streams

@@ -115,7 +115,8 @@ class Comm(Owned):
     @classmethod
     def from_process_group(cls, pg, device_ordinal=None) -> "Comm":
         """Borrows the HcclComm of the torch.distributed group `pg` (None: the
-        default group, as torch.distributed takes it), which must use the HCCL backend (torch_npu's ProcessGroupHCCL): no communicator is
+        default group, as torch.distributed takes it), which must use the HCCL
+        backend (torch_npu's ProcessGroupHCCL): no communicator is
         created and no HCCL buffer reserved beyond the group's own. The handle
         keeps `pg` alive; `close()` releases only the handle.
 

@@ -271,18 +271,18 @@ impl Segment {
         // Every pid in the file is one of the creator's namespace: from
         // another, live ranks would look dead and their file stale.
         let ours = my_pid_ns();
-        if survey.pid_ns != 0 && ours != 0 && survey.pid_ns != ours {
+        if survey.elsewhere(ours) {
             // Its ranks' slot locks tell whether any still runs.
-            if survey.held(fd).is_empty() {
+            let held = survey.held(fd);
+            if held.is_empty() {
                 return Ok(Found::Stale);
             }
             let why = format!(
                 "the world forming under this name was made in another PID namespace (pid:[{}]; this \
-                 process is in pid:[{ours}]) and ranks {:?} of it still run: the ranks of one world must run \
-                 in one PID namespace (they judge each other's liveness by pid), e.g. one container, or a pod \
-                 with shareProcessNamespace",
-                survey.pid_ns,
-                survey.held(fd)
+                 process is in pid:[{ours}]) and ranks {held:?} of it still run: the ranks of one world must \
+                 run in one PID namespace (they judge each other's liveness by pid), e.g. one container, or a \
+                 pod with shareProcessNamespace",
+                survey.pid_ns
             );
             return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
         }
@@ -357,6 +357,22 @@ impl Survey {
         unsafe { &*(self.hdr.ptr as *const Header) }
     }
 
+    /// Whether the world was made in another PID namespace than `ours` (both
+    /// known): its pids mean nothing here.
+    fn elsewhere(&self, ours: u64) -> bool {
+        self.pid_ns != 0 && ours != 0 && self.pid_ns != ours
+    }
+
+    /// Whether no rank of the world runs any more: judged by pid within
+    /// this PID namespace, by the slot locks from another.
+    fn all_gone(&self, fd: libc::c_int, ours: u64) -> bool {
+        if self.elsewhere(ours) {
+            self.held(fd).is_empty()
+        } else {
+            self.live().is_empty()
+        }
+    }
+
     /// The joined ranks whose slot lock a process holds in the file `fd`
     /// (the caller's own description of it): alive, as seen from any PID
     /// namespace. A rank the kernel cannot tell about counts as alive.
@@ -383,26 +399,25 @@ impl Survey {
 /// this user's own, torn, of another version, or with a live rank is left
 /// alone.
 fn sweep_stale(dir: &str, skip: &str) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    // Without this process's namespace, no file's can be judged.
     let ours = my_pid_ns();
+    if ours == 0 {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let file = entry.file_name();
         let Some(n) = file.to_str().filter(|n| n.starts_with("ascend-moe.")) else { continue };
         let path = format!("{dir}/{n}");
         let Ok(cpath) = CString::new(path.clone()) else { continue };
-        if path == skip || ours == 0 {
+        if path == skip {
             continue;
         }
         let Some(f) = open_existing_own(&cpath) else { continue };
         // SAFETY: f.fd is open; LOCK_NB never waits.
         if unsafe { libc::flock(f.fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 && ino_at(&cpath) == Some(f.ino) {
             let found = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
-            let stale = found.is_some_and(|s| match s.pid_ns {
-                0 => false,
-                ns if ns == ours => s.live().is_empty(),
-                _ => s.held(f.fd).is_empty(),
-            });
-            if stale {
+            if found.is_some_and(|s| s.pid_ns != 0 && s.all_gone(f.fd, ours)) {
                 // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
                 unsafe { libc::unlink(cpath.as_ptr()) };
             }

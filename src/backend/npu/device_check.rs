@@ -146,9 +146,10 @@ impl NpuStream {
     /// launches as `warm` keeps), the pinned staging (the arena, and as much
     /// room for captured copies) and workspace up to what `warm`'s pool holds
     /// (a segment of the difference; an allocator set on `warm` is not
-    /// copied: set it on this stream too). For a capture stream other than the one the warm-up ran on, such as the side stream
-    /// `torch.npu.graph` captures on when given no `stream=`. Refused under
-    /// capture, and for streams of two devices.
+    /// copied: set it on this stream too). For a capture stream other than
+    /// the one the warm-up ran on, such as the side stream `torch.npu.graph`
+    /// captures on when given no `stream=`. Refused under capture, and for
+    /// streams of two devices.
     pub fn reserve_like(&self, warm: &NpuStream) -> Result<()> {
         self.refuse_under_capture("reserve_like", "reserve before the capture begins")?;
         if warm.ordinal() != self.ordinal() {

@@ -79,7 +79,11 @@ pub(crate) fn settled(r: Result<()>) -> Result<()> {
 
 /// Whether a synchronisation's `code` says a task of the stream failed (the
 /// stream runs nothing more), rather than that the wait did not happen or
-/// did not finish.
+/// did not finish. The classes are those of hicann/runtime v8.5.0
+/// `include/external/acl/error_codes/rt_error_codes.h`: 1xxxxx arguments and
+/// states (`:21` param invalid, `:43-44` device task and stream aborting),
+/// 2xxxxx resources (`:61-65`), 5xxxxx execution (`:82` runtime internal
+/// error, `:97` aicore exception, ...).
 fn task_failed(code: aclError) -> bool {
     const STILL_RUNS: [i32; 7] = [
         acl_sys::ACL_ERROR_RT_STREAM_SYNC_TIMEOUT,
