@@ -308,11 +308,40 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
         close(fd);
         return Err(Refused::Os(e));
     };
-    if !is_own(&st) {
-        close(fd);
-        return Err(refusal(path, &describe(&st)));
+    match seen(&st) {
+        Seen::Own => Ok(Opened::File(OwnFile { fd, ino: dev_ino(&st) })),
+        Seen::Gone => {
+            close(fd);
+            Ok(Opened::Again)
+        }
+        Seen::Foreign => {
+            close(fd);
+            Err(refusal(path, &describe(&st)))
+        }
     }
-    Ok(Opened::File(OwnFile { fd, ino: dev_ino(&st) }))
+}
+
+/// What the `fstat` of a descriptor opened by a group's name says.
+#[derive(Debug, PartialEq)]
+enum Seen {
+    /// This user's own segment file.
+    Own,
+    /// No link left: another rank removed the file (a stale one, or an
+    /// empty one it gave up) between the open and the `fstat`, so the name
+    /// no longer leads to it and must be looked up again.
+    Gone,
+    /// Anything else under the name: never used.
+    Foreign,
+}
+
+fn seen(st: &libc::stat) -> Seen {
+    if st.st_nlink == 0 {
+        Seen::Gone
+    } else if is_own(st) {
+        Seen::Own
+    } else {
+        Seen::Foreign
+    }
 }
 
 /// A segment file as this user's own makes it: a regular file of this user,
@@ -348,7 +377,7 @@ mod tests {
     use std::os::unix::fs::{symlink, PermissionsExt};
     use std::path::{Path, PathBuf};
 
-    use super::{check_dir, Refused};
+    use super::{check_dir, fstat_fd, seen, Refused, Seen};
 
     /// A fresh directory of this user, mode 0700, under the temp dir.
     fn base(tag: &str) -> PathBuf {
@@ -421,6 +450,24 @@ mod tests {
         std::fs::write(b.join("file"), b"x").unwrap();
         let why = refused(&b.join("file"));
         assert!(why.contains("it is a regular file") && why.contains("it is not a directory"), "{why}");
+        std::fs::remove_dir_all(&b).unwrap();
+    }
+
+    #[test]
+    fn a_file_removed_after_its_opening_is_looked_up_again_not_refused() {
+        use std::os::fd::AsRawFd;
+        let b = base("gone");
+        let p = b.join("segment");
+        let f = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(seen(&fstat_fd(f.as_raw_fd()).unwrap()), Seen::Own);
+        // A second name for it is not one of ours.
+        std::fs::hard_link(&p, b.join("second")).unwrap();
+        assert_eq!(seen(&fstat_fd(f.as_raw_fd()).unwrap()), Seen::Foreign);
+        std::fs::remove_file(b.join("second")).unwrap();
+        // Removed by another rank after this one opened it: gone, not foreign.
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(seen(&fstat_fd(f.as_raw_fd()).unwrap()), Seen::Gone);
         std::fs::remove_dir_all(&b).unwrap();
     }
 

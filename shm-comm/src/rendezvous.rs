@@ -97,7 +97,7 @@ impl Segment {
                     ErrorKind::Timeout,
                 ));
             }
-            again = Some("was removed between its look-up and its opening");
+            again = Some("was removed while it was being opened");
             let file = match open_own(&cpath, &path) {
                 Ok(Opened::File(f)) => f,
                 Ok(Opened::Again) => {
