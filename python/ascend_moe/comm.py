@@ -84,10 +84,11 @@ class Comm(Owned):
         return comm
 
     @classmethod
-    def cpu(cls, name: str, world_size: int, rank: int, timeout_s: float = 60.0) -> "Comm":
+    def cpu(cls, name: str, world_size: int, rank: int, timeout_s: float = 0.0) -> "Comm":
         """Joins the CPU world `name` of `world_size` ranks as `rank` (threads or
         processes); returns once every rank joined. `timeout_s` bounds every wait
-        of this communicator (`<= 0`: `$ASCEND_MOE_COMM_TIMEOUT` or 60 s)."""
+        of this communicator (`<= 0`, the default: `$ASCEND_MOE_COMM_TIMEOUT` or
+        60 s, as for the C ABI, the Rust API and the CLI)."""
         world_size, rank = c_uint("world_size", world_size), c_uint("rank", rank)
         if not isinstance(name, str):
             raise error(Status.INVALID_ARGUMENT, f"`name` is {name!r}, expected a str")

@@ -532,6 +532,18 @@ def test_the_bad_rank_never_writes_its_out():
     assert (mine == 7.0).all()
 
 
+def test_a_cpu_world_made_without_a_timeout_waits_as_long_as_the_environment_says(monkeypatch):
+    """`Comm.cpu` without `timeout_s` takes `$ASCEND_MOE_COMM_TIMEOUT`, as the
+    C ABI, the Rust API and the CLI do, not a fixed 60 s."""
+    monkeypatch.setenv("ASCEND_MOE_COMM_TIMEOUT", "0.5")
+    t0 = time.monotonic()
+    with pytest.raises(am.AmoeError) as e:
+        am.Comm.cpu(f"env-timeout-{uuid.uuid4().hex}", 2, 0)  # rank 1 never comes
+    secs = time.monotonic() - t0
+    assert e.value.status == am.Status.COMM_TIMEOUT and "after 500ms" in str(e.value), e.value
+    assert secs < 10, secs
+
+
 def test_the_vllm_adapter_cpu_world_waits_as_long_as_the_environment_says(monkeypatch):
     """The vLLM adapter makes its CPU worlds itself: `$ASCEND_MOE_COMM_TIMEOUT`
     is the one way an engine sets how long a rank waits there for a peer that
