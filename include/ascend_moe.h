@@ -601,8 +601,9 @@ amoe_status amoe_stream_wrap(void *raw_acl_stream,
 // `stream` must be NULL or a live handle not used afterwards.
 void amoe_stream_free(struct amoe_stream *stream);
 
-// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
-// dtype on every rank, and may be the same memory (in place).
+// `dst = op(src over all ranks)`. `src` and `dst` have the same dtype and
+// number of elements on every rank (their shapes may differ: the elements
+// are reduced in order), and may be the same memory (in place).
 //
 // How every collective runs (this one and those below):
 // - CPU communicator (host tensors): the call returns when every rank

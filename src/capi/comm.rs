@@ -288,8 +288,9 @@ macro_rules! collective {
     };
 }
 
-/// `dst = op(src over all ranks)`. `src` and `dst` have the same shape and
-/// dtype on every rank, and may be the same memory (in place).
+/// `dst = op(src over all ranks)`. `src` and `dst` have the same dtype and
+/// number of elements on every rank (their shapes may differ: the elements
+/// are reduced in order), and may be the same memory (in place).
 ///
 /// How every collective runs (this one and those below):
 /// - CPU communicator (host tensors): the call returns when every rank
