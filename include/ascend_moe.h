@@ -1471,7 +1471,10 @@ amoe_status amoe_shared_gather_unpad_output_shape(const struct amoe_tensor *x,
 
 // DP-only shared-expert finalize and SP-only prepare: TP all-gather every
 // rank's `ceil(num_tokens / TP)` rows and keep the first `num_tokens`.
-// Collective over `tp_comm`. Ownership as `amoe_moe_finalize_routing`.
+// Collective over `tp_comm`; every rank passes the same `num_tokens` (a CPU
+// group fails every rank when they differ; an HCCL group compares them
+// with `ASCEND_MOE_CHECK_LAYOUT=1`, reported by `amoe_stream_check`).
+// Ownership as `amoe_moe_finalize_routing`.
 //
 // NPU: enqueues on `stream` one HCCL all-gather, into `out` itself when no
 // padding is cut, else into workspace followed by a copy of the kept rows
@@ -1501,7 +1504,10 @@ amoe_status amoe_shared_pad_reduce_scatter_output_shape(const struct amoe_tensor
 
 // SP-only shared-expert finalize: zero-pad the TP-partial `x [T, H...]` to a
 // multiple of the TP size and reduce-scatter (sum) over `tp_comm`: this rank's
-// complete `ceil(T / TP)` rows. Collective. Ownership as `amoe_moe_finalize_routing`.
+// complete `ceil(T / TP)` rows. Collective; every rank passes the same `T`
+// (a CPU group fails every rank when they differ; an HCCL group compares
+// them with `ASCEND_MOE_CHECK_LAYOUT=1`, reported by `amoe_stream_check`).
+// Ownership as `amoe_moe_finalize_routing`.
 //
 // NPU: enqueues on `stream` a copy into a zeroed padded workspace buffer
 // (when `T` is not a multiple of TP) and one HCCL reduce-scatter into

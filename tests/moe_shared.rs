@@ -203,3 +203,34 @@ fn into_variants_refuse_an_out_of_the_wrong_shape_or_dtype_naming_out() {
         }
     }
 }
+
+/// TP ranks that disagree on the token count (a stale one on one rank) fail
+/// together on a CPU group, naming each rank's counts, also where their parts
+/// have the same size (5 and 6 tokens are 3 rows per rank of TP 2 either
+/// way), which would otherwise gather or sum misaligned rows unnoticed.
+#[test]
+fn shared_helpers_of_tp_ranks_that_disagree_on_the_token_count_fail_on_every_rank() {
+    let h = 4;
+    for gather in [true, false] {
+        let got = run_ranks(2, &opts(), |r, comm| {
+            let tokens = if r == 1 { 6 } else { 5 };
+            let res = if gather {
+                let x = Tensor::from_slice(&data(r, 3, h), &[3, h])?;
+                shared_gather_unpad(&x, tokens, &comm)
+            } else {
+                let x = Tensor::from_slice(&data(r, tokens, h), &[tokens, h])?;
+                shared_pad_reduce_scatter(&x, &comm)
+            };
+            Ok(res.map(drop).map_err(|e| e.to_string()))
+        })
+        .unwrap();
+        for (r, res) in got.into_iter().enumerate() {
+            let e = res.expect_err(&format!("gather {gather}: rank {r} succeeded"));
+            assert!(e.contains("ranks disagree"), "gather {gather}: rank {r}: {e}");
+            // Elements per rank: 3 and 2 rows of H against 3 and 3.
+            assert!(e.contains("counts [12, 8]") && e.contains("counts [12, 12]"), "gather {gather}: rank {r}: {e}");
+            let arg = if gather { "`num_tokens`" } else { "`x`" };
+            assert!(e.contains("different token counts") && e.contains(arg), "gather {gather}: rank {r}: {e}");
+        }
+    }
+}

@@ -733,6 +733,52 @@ fn the_sp_layout_agreement_check_runs_on_the_device() {
     assert_no_problems(reports);
 }
 
+/// With `ASCEND_MOE_CHECK_LAYOUT=1` the shared-expert helpers on an HCCL
+/// group compare the TP ranks' token counts first: ranks holding a stale
+/// count whose parts have the same size (13 and 14 tokens are 4 rows per
+/// rank of TP 4), which HCCL itself would move without complaint, fail every
+/// rank's stream check in both helpers, and ranks that agree pass. Without
+/// the variable the same calls pass the check (the opt-in default).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn the_shared_helpers_compare_their_token_counts_with_ascend_moe_check_layout() {
+    const VAR: &str = "ASCEND_MOE_CHECK_LAYOUT";
+    let run = |checked: bool, stale: bool| {
+        npu_run_ranks(WORLD, &CommOptions::from_env(), |rank, comm| -> Result<Vec<String>> {
+            let nd = npu(&comm.device()).clone();
+            let mut p = Vec::new();
+            let tokens = if stale && rank >= 2 { 14 } else { 13 };
+            let h = 4;
+            let dev = comm.device();
+            let part = filled(&dev, &[4, h], rank)?;
+            let full = filled(&dev, &[tokens, h], rank)?;
+            let ops: [(&str, &dyn Fn() -> Result<()>); 2] = [
+                ("shared_gather_unpad", &|| shared_gather_unpad(&part, tokens, &comm).map(drop)),
+                ("shared_pad_reduce_scatter", &|| shared_pad_reduce_scatter(&full, &comm).map(drop)),
+            ];
+            for (op, f) in ops {
+                f()?;
+                match (checked && stale, nd.check()) {
+                    (true, Err(e)) if e.to_string().contains("disagree on the token count") => {}
+                    (false, Ok(())) => {}
+                    (_, other) => p.push(format!("{op}, check {checked}, stale {stale}: {other:?}")),
+                }
+            }
+            Ok(p)
+        })
+        .unwrap()
+    };
+    assert_no_problems(run(false, true));
+    // SAFETY: ci/npu-4card.sh runs these tests one at a time (--test-threads=1);
+    // the variable is set before the rank threads start and removed after they joined.
+    std::env::set_var(VAR, "1");
+    let agreeing = run(true, false);
+    let stale = run(true, true);
+    std::env::remove_var(VAR);
+    assert_no_problems(agreeing);
+    assert_no_problems(stale);
+}
+
 /// With `ASCEND_MOE_CHECK_LAYOUT=1` the SP ops on an HCCL group compare
 /// their layouts first: ranks holding a stale layout of equal `M` (which
 /// HCCL itself would move without complaint) fail every rank's stream check

@@ -158,13 +158,13 @@ fn cpu_block_counts(device: &Device, layout: Option<&SpLayout>, row_len: usize) 
     Some(layout?.local_sizes().iter().map(|&rows| rows * row_len).collect())
 }
 
-/// Whether the SP ops compare their layout across an HCCL group:
-/// `ASCEND_MOE_CHECK_LAYOUT=1`. HCCL compares no counts, so without it ranks
+/// Whether the SP ops compare their layout, and the shared-expert helpers
+/// their token counts, across an HCCL group: `ASCEND_MOE_CHECK_LAYOUT=1`. HCCL compares no counts, so without it ranks
 /// whose layouts disagree but share `M` (a stale token count on one of them)
 /// reduce or gather misaligned rows, as vLLM-Ascend's ops do. A CPU group
 /// needs no check: its V collectives compare every rank's counts
 /// ([`cpu_block_counts`]).
-fn layout_check_enabled(device: &Device) -> bool {
+pub(crate) fn layout_check_enabled(device: &Device) -> bool {
     !matches!(device, Device::Cpu)
         && std::env::var("ASCEND_MOE_CHECK_LAYOUT").ok().as_deref().map(str::trim) == Some("1")
 }
@@ -189,12 +189,34 @@ pub fn check_sp_layout_agreement<C: Collectives + ?Sized>(layout: &SpLayout, ep:
     if ep.world_size() <= 1 {
         return Ok(());
     }
-    let sizes = layout.local_sizes().to_vec();
-    let mine = fingerprint(&sizes);
-    let (group, rank) = (ep.name().to_string(), ep.rank());
-    crate::comm::expect_group_agrees(
-        ep,
-        mine,
+    let sizes = layout.local_sizes();
+    let mine = fingerprint(sizes);
+    let what = Disagreement { op: "check_sp_layout_agreement", arg: "layout", ranks: "EP", on: "SP layout" };
+    crate::comm::expect_group_agrees(ep, mine, what.mismatch(ep, mine, format!("local_sizes {sizes:?} have")))
+}
+
+/// What a fingerprint agreement over a group compares, for its error.
+pub(crate) struct Disagreement {
+    /// The op and argument the error names.
+    pub(crate) op: &'static str,
+    pub(crate) arg: &'static str,
+    /// Whose ranks they are ("EP", "TP") and what they disagree on.
+    pub(crate) ranks: &'static str,
+    pub(crate) on: &'static str,
+}
+
+impl Disagreement {
+    /// The error of a failed [`crate::comm::expect_group_agrees`] over
+    /// `group` whose value on this rank is `mine`, fingerprinting what `own`
+    /// says ("local_sizes [..] have"): every rank's fingerprint where they
+    /// were read on the host, else the first rank that differs.
+    pub(crate) fn mismatch<C: Collectives + ?Sized>(
+        self,
+        group: &C,
+        mine: i32,
+        own: String,
+    ) -> crate::backend::Mismatch {
+        let (name, rank) = (group.name().to_string(), group.rank());
         Box::new(move |all, first, value| {
             let theirs = match all {
                 Some(all) => {
@@ -202,18 +224,19 @@ pub fn check_sp_layout_agreement<C: Collectives + ?Sized>(layout: &SpLayout, ep:
                         all.iter().enumerate().map(|(r, v)| format!("rank {r} {v:#010x}")).collect();
                     format!("fingerprints {}", each.join(", "))
                 }
-                None => format!("rank {first}'s layout has fingerprint {value:#010x}"),
+                None => format!("rank {first}'s {} has fingerprint {value:#010x}", self.on),
             };
             Error::invalid(
-                "check_sp_layout_agreement",
-                "layout",
+                self.op,
+                self.arg,
                 format!(
-                    "the EP ranks of group {group:?} disagree on the SP layout: {theirs}; this is rank {rank}, \
-                     whose local_sizes {sizes:?} have fingerprint {mine:#010x} (a stale token count on a rank)"
+                    "the {} ranks of group {name:?} disagree on the {}: {theirs}; this is rank {rank}, whose \
+                     {own} fingerprint {mine:#010x} (a stale token count on a rank)",
+                    self.ranks, self.on
                 ),
             )
-        }),
-    )
+        })
+    }
 }
 
 /// FNV-1a of the sizes (as 64-bit little-endian words), folded to 32 bits.

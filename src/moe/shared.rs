@@ -25,7 +25,8 @@ use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::read_apart;
-use crate::{Error, Result, Tensor};
+use crate::moe::pad_reduce::{fingerprint, layout_check_enabled, Disagreement};
+use crate::{CommErrorKind, Device, Error, Result, Tensor};
 
 const PAD_SPLIT: &str = "shared_pad_split";
 const GATHER_UNPAD: &str = "shared_gather_unpad";
@@ -56,6 +57,54 @@ fn all_parts(op: &'static str, x_shape: &[usize], part_rows: usize, tp_size: usi
             x_shape,
         )
     })
+}
+
+/// On a CPU group, how many of the `tokens` rows each TP rank's part of
+/// `part` rows holds (the rest is padding), for the V collectives, which
+/// compare every rank's counts: ranks that disagree on the token count fail
+/// together naming each rank's counts, also where their parts have the same
+/// size. `None` elsewhere: HCCL compares no counts ([`tokens_agree`]).
+fn cpu_token_rows(device: &Device, tokens: usize, part: usize, tp_size: usize) -> Option<Vec<usize>> {
+    // r * part <= (tp_size - 1) * part, which `all_parts` found to fit.
+    matches!(device, Device::Cpu).then(|| (0..tp_size).map(|r| tokens.saturating_sub(r * part).min(part)).collect())
+}
+
+/// A CPU group's count mismatch in the V collective of `op`, told in its
+/// terms: the counts are each TP rank's rows of real tokens times the row
+/// length, so the ranks passed different token counts (`arg`).
+fn in_tokens(op: &'static str, arg: &str, e: Error) -> Error {
+    match e {
+        Error::Comm { collective, group, rank, world, detail, kind: CommErrorKind::Mismatch }
+            if detail.contains(" counts [") =>
+        {
+            let detail = format!(
+                "{detail}; in {op} the counts are each TP rank's rows of real tokens times the row length, \
+                 so the TP ranks passed different token counts (`{arg}`; a stale one on a rank)"
+            );
+            Error::Comm { collective, group, rank, world, detail, kind: CommErrorKind::Mismatch }
+        }
+        e => e,
+    }
+}
+
+/// On an HCCL group with `ASCEND_MOE_CHECK_LAYOUT=1`, as for the SP ops:
+/// every TP rank passed the same token count (`arg` of `op`), compared on
+/// the device ([`crate::comm::expect_group_agrees`]; no host sync,
+/// capturable), so that ranks that disagree fail their stream check instead
+/// of moving misaligned rows of parts of equal size.
+fn tokens_agree<C: Collectives + ?Sized>(
+    op: &'static str,
+    arg: &'static str,
+    device: &Device,
+    tokens: usize,
+    tp: &C,
+) -> Result<()> {
+    if tp.world_size() <= 1 || !layout_check_enabled(device) {
+        return Ok(());
+    }
+    let mine = fingerprint(&[tokens]);
+    let what = Disagreement { op, arg, ranks: "TP", on: "token count" };
+    crate::comm::expect_group_agrees(tp, mine, what.mismatch(tp, mine, format!("{tokens} tokens have")))
 }
 
 /// Shape function of [`shared_pad_split`]: `x [T, H...]` -> `[ceil(T / tp_size), H...]`.
@@ -121,7 +170,10 @@ pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp
 
 /// DP-only finalize and SP-only prepare: TP all-gathers every rank's
 /// `ceil(num_tokens / TP)` rows and keeps the first `num_tokens` (drops the
-/// padding). Collective over `tp`; every rank passes the same `num_tokens`.
+/// padding). Collective over `tp`; every rank passes the same `num_tokens`:
+/// on a CPU group ranks that pass different ones fail together (each sends its real
+/// rows, and the all-gather compares every rank's counts), and on an HCCL
+/// group with `ASCEND_MOE_CHECK_LAYOUT=1` their stream check fails.
 pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usize, tp: &C) -> Result<Tensor> {
     let mut out = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())
         .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
@@ -134,7 +186,8 @@ pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usiz
 /// [`shared_gather_unpad_output_shape`] and the dtype of `x`, on the device of
 /// `x`; `out` may cover `x` (then read from a copy in
 /// workspace). Every element of `out` is written; the
-/// all-gather writes `out` directly when there is no padding to drop.
+/// all-gather writes `out` directly when there is no padding to drop, and
+/// always on a CPU group, which gathers the real rows only.
 pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     x: &Tensor,
     num_tokens: usize,
@@ -154,6 +207,25 @@ pub fn shared_gather_unpad_into<C: Collectives + ?Sized>(
     // in the all-gather at once.
     let (device, full_shape) = checked.map_err(refuse)?;
     let backend = device.backend();
+    if let Some(rows) = cpu_token_rows(&device, num_tokens, x.rows(), tp.world_size()) {
+        // Each rank sends its real rows only, straight into `out`.
+        let counts: Vec<usize> = rows.iter().map(|&r| r * x.row_len()).collect();
+        let own = rows[tp.rank()];
+        if own == x.rows() {
+            return tp.all_gather_v(x, out, &counts).map_err(|e| in_tokens(GATHER_UNPAD, "num_tokens", e));
+        }
+        let head = with_rows(GATHER_UNPAD, "x", x.shape(), own)
+            .and_then(|shape| backend.scratch(&shape, x.dtype()))
+            .and_then(|mut head| {
+                if own > 0 {
+                    backend.copy_rows(x, 0, &mut head, 0, own)?;
+                }
+                Ok(head)
+            })
+            .map_err(refuse)?;
+        return tp.all_gather_v(&head, out, &counts).map_err(|e| in_tokens(GATHER_UNPAD, "num_tokens", e));
+    }
+    tokens_agree(GATHER_UNPAD, "num_tokens", &device, num_tokens, tp)?;
     if full_shape[0] == num_tokens {
         if out.numel() > 0 || joins_empty(tp) {
             tp.all_gather(x, out)?;
@@ -180,7 +252,11 @@ pub fn shared_pad_reduce_scatter_output_shape(x_shape: &[usize], tp_size: usize)
 
 /// SP-only finalize: zero-pads the TP-partial `x` (`[T, H...]`) to a multiple
 /// of the TP size and reduce-scatters (sum) it over `tp`: this rank's complete
-/// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`.
+/// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`:
+/// on a CPU group ranks that pass different ones fail together (each block is reduced
+/// over its real rows only, and the reduce-scatter compares every rank's
+/// counts), and on an HCCL group with `ASCEND_MOE_CHECK_LAYOUT=1` their
+/// stream check fails.
 pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
     let mut out = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())
         .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
@@ -192,8 +268,10 @@ pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) ->
 /// [`shared_pad_reduce_scatter`] into `out`, which must have the shape of
 /// [`shared_pad_reduce_scatter_output_shape`] and the dtype of `x`, on the
 /// device of `x`; `out` may cover `x` (then read from a copy in
-/// workspace). The reduce-scatter writes every
-/// element of `out` directly.
+/// workspace). Every element of `out` is written: by the reduce-scatter
+/// directly, except on a CPU group for a rank whose part has padding rows
+/// (its real rows are reduced into workspace and copied, the rest set to
+/// zero).
 pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &C, out: &mut Tensor) -> Result<()> {
     // `out` may cover `x`: `x` is then read from a copy in workspace.
     let refuse = |e| tp.refuse_call(REDUCE_SCATTER, x.dtype(), e);
@@ -205,7 +283,31 @@ pub fn shared_pad_reduce_scatter_into<C: Collectives + ?Sized>(x: &Tensor, tp: &
     // in the reduce-scatter at once.
     let (device, shape) = checked.map_err(refuse)?;
     let backend = device.backend();
-    let padded_rows = shape[0] * tp.world_size();
+    let part = shape[0];
+    if let Some(rows) = cpu_token_rows(&device, x.rows(), part, tp.world_size()) {
+        // Each rank's block is its real rows only; its padding rows are zeros.
+        let counts: Vec<usize> = rows.iter().map(|&r| r * x.row_len()).collect();
+        let own = rows[tp.rank()];
+        if own == part {
+            return tp
+                .reduce_scatter_v(x, out, &counts, ReduceOp::Sum)
+                .map_err(|e| in_tokens(PAD_REDUCE_SCATTER, "x", e));
+        }
+        let block = with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), own).map_err(refuse)?;
+        let pad = with_rows(PAD_REDUCE_SCATTER, "x", x.shape(), part - own).map_err(refuse)?;
+        let mut head = backend.scratch(&block, x.dtype()).map_err(refuse)?;
+        let zeros = backend.scratch(&pad, x.dtype()).map_err(refuse)?;
+        tp.reduce_scatter_v(x, &mut head, &counts, ReduceOp::Sum).map_err(|e| in_tokens(PAD_REDUCE_SCATTER, "x", e))?;
+        if own > 0 {
+            backend.copy_rows(&head, 0, out, 0, own)?;
+        }
+        if out.numel() > 0 {
+            backend.copy_rows(&zeros, 0, out, own, part - own)?;
+        }
+        return Ok(());
+    }
+    tokens_agree(PAD_REDUCE_SCATTER, "x", &device, x.rows(), tp)?;
+    let padded_rows = part * tp.world_size();
     if out.numel() == 0 && !joins_empty(tp) {
         return Ok(());
     }
