@@ -526,3 +526,73 @@ fn a_call_on_another_devices_stream_leaves_the_callers_device_current() {
     assert_eq!(current(), 0, "freeing the handles left npu:1 current");
     assert_eq!(src.to_vec().expect("src"), [1.0, 2.0, 3.0], "one rank's sum is its own input");
 }
+
+/// An engine that loaded the runtime itself (as torch_npu does) may make its
+/// first call into this library on another device's stream: `amoe_stream_wrap`
+/// loads the runtime before it reads the current device, so it still returns
+/// with the engine's device current. Runs again in a child process, where no
+/// other test loaded the runtime through this library first.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_first_call_on_another_devices_stream_leaves_the_engines_device_current() {
+    const CHILD: &str = "AMOE_TEST_FIRST_NPU_CALL";
+    const NAME: &str = "a_first_call_on_another_devices_stream_leaves_the_engines_device_current";
+    if std::env::var_os(CHILD).is_none() {
+        let exe = std::env::current_exe().expect("this test binary");
+        let out = std::process::Command::new(exe)
+            .args([NAME, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .output()
+            .expect("run the child");
+        let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && o.contains("1 passed"), "the child failed ({}):\n{o}\n{e}", out.status);
+        return;
+    }
+    assert!(acl_sys::acl_if_loaded().is_none(), "the runtime was loaded through this library before the engine");
+    type Init = unsafe extern "C" fn(*const std::ffi::c_char) -> i32;
+    type SetDevice = unsafe extern "C" fn(i32) -> i32;
+    type GetDevice = unsafe extern "C" fn(*mut i32) -> i32;
+    type CreateStream = unsafe extern "C" fn(*mut *mut c_void) -> i32;
+    type DestroyStream = unsafe extern "C" fn(*mut c_void) -> i32;
+    // The engine's own handle on the runtime: the library this one loads too
+    // (`ASCEND_MOE_ACL_LIB`, else the soname), so both use one instance.
+    let path = std::env::var("ASCEND_MOE_ACL_LIB").unwrap_or_else(|_| "libascendcl.so".into());
+    // SAFETY: the ACL runtime; loading it runs no initialiser with preconditions.
+    let lib = unsafe { libloading::Library::new(&path) }.expect("the ACL runtime");
+    // SAFETY: the ACL signatures of these symbols (acl_rt.h, acl_base.h).
+    let (init, set, get, create, destroy) = unsafe {
+        (
+            *lib.get::<Init>(b"aclInit\0").expect("aclInit"),
+            *lib.get::<SetDevice>(b"aclrtSetDevice\0").expect("aclrtSetDevice"),
+            *lib.get::<GetDevice>(b"aclrtGetDevice\0").expect("aclrtGetDevice"),
+            *lib.get::<CreateStream>(b"aclrtCreateStream\0").expect("aclrtCreateStream"),
+            *lib.get::<DestroyStream>(b"aclrtDestroyStream\0").expect("aclrtDestroyStream"),
+        )
+    };
+    let current = || {
+        let mut id = -1;
+        // SAFETY: a writable out-pointer.
+        assert_eq!(unsafe { get(&mut id) }, 0, "aclrtGetDevice");
+        id
+    };
+    let mut raw = null_mut();
+    // SAFETY: plain runtime calls with valid arguments and out-pointers.
+    unsafe {
+        assert_eq!(init(null()), 0, "aclInit");
+        assert_eq!(set(1), 0, "aclrtSetDevice(1)");
+        assert_eq!(create(&mut raw), 0, "aclrtCreateStream on npu:1");
+        assert_eq!(set(0), 0, "aclrtSetDevice(0)");
+    }
+    let mut s: *mut amoe_stream = null_mut();
+    // SAFETY: a live stream of npu:1, outliving the handle.
+    assert_eq!(unsafe { amoe_stream_wrap(raw, 1, &mut s) }, amoe_status::Ok, "{}", last_error());
+    assert_eq!(current(), 0, "the first call, amoe_stream_wrap, left npu:1 current");
+    // SAFETY: the live handle, not used afterwards.
+    unsafe { amoe_stream_free(s) };
+    assert_eq!(current(), 0, "amoe_stream_free left npu:1 current");
+    // SAFETY: the engine's stream, no longer wrapped.
+    unsafe {
+        assert_eq!(set(1), 0, "aclrtSetDevice(1)");
+        assert_eq!(destroy(raw), 0, "aclrtDestroyStream");
+    }
+}
