@@ -239,12 +239,18 @@ fn comm_config_init_writes_the_header_and_defaults() {
 /// Each header generation's `HcclCommConfigInit`, as its `hccl_types.h` /
 /// `hccl.h` writes it: CANN 8.1.RC1 (version 5: 300 bytes, 200 MB buffer,
 /// deterministic 0), torch-npu 2.9.0 (version 6: 312 bytes, "not set"),
-/// torch-npu 2.11.0+ (version 10: 2240 bytes).
+/// CANN 8.5.0 (version 8: 2104 bytes, hicann/hcomm v8.5.0
+/// `include/hccl/hccl_types.h:124,135-151` and `hccl_comm.h:188-222`),
+/// CANN 9.0 / torch-npu 2.11.0+ (version 10: 2240 bytes).
 #[test]
 fn comm_config_init_per_header_generation() {
-    use hccl_sys::CommConfigLayout::{V10, V5, V6};
-    let expected =
-        [(V5, 5, 300, 200, 0), (V6, 6, 312, 0xffff_ffff, 0xffff_ffff), (V10, 10, 2240, 0xffff_ffff, 0xffff_ffff)];
+    use hccl_sys::CommConfigLayout::{V10, V5, V6, V8};
+    let expected = [
+        (V5, 5, 300, 200, 0),
+        (V6, 6, 312, 0xffff_ffff, 0xffff_ffff),
+        (V8, 8, 2104, 0xffff_ffff, 0xffff_ffff),
+        (V10, 10, 2240, 0xffff_ffff, 0xffff_ffff),
+    ];
     for (layout, version, size, buffer, deterministic) in expected {
         let c = layout.new_config();
         assert_eq!((c.header_version(), c.header_size(), c.header_magic()), (version, size, 0xf0f0_f0f0), "{layout:?}");
@@ -253,17 +259,22 @@ fn comm_config_init_per_header_generation() {
         // Fields past the generation's size are never written.
         let untouched = if layout == V10 { 16 } else { 0 };
         assert_eq!(c.hcclSymWinMaxMemSizePerRank, untouched, "{layout:?}");
-        assert_eq!(c.hcclExecTimeOut, if layout == V10 { -1 } else { 0 }, "{layout:?}");
+        let with_timeout = matches!(layout, V8 | V10);
+        assert_eq!(c.hcclExecTimeOut, if with_timeout { -1 } else { 0 }, "{layout:?}");
+        assert_eq!(layout.has_exec_timeout(), with_timeout, "{layout:?}");
+        // The field lies inside the bytes the header says HCCL may read.
+        assert_eq!(std::mem::offset_of!(HcclCommConfig, hcclExecTimeOut) + 4 <= size, with_timeout, "{layout:?}");
     }
     // The generation follows the capability count each header's enum defines
-    // (4, 7, 12); counts in between get the newest generation they reach.
+    // (4, 7, 11, 12); counts in between get the newest generation they reach.
     for (cap, want) in [
         (None, V5),
         (Some(0), V5),
         (Some(4), V5),
         (Some(6), V5),
         (Some(7), V6),
-        (Some(11), V6),
+        (Some(10), V6),
+        (Some(11), V8),
         (Some(12), V10),
         (Some(40), V10),
     ] {

@@ -6,12 +6,15 @@
 //! |---|---|---|---|---|---|
 //! | 8.1 | 4 | version 5 (300 bytes) | refused | 0 or 1 | `libopapi.so` |
 //! | 8.3 | 7 | version 6 (312 bytes) | accepted | 0 or 1 | `libopapi.so` |
-//! | 8.5 | 12 | version 10 (2240 bytes) | accepted | 0, 1 or 2 | `libopapi_transformer.so` (MoE ops), `libopapi_math.so` (Add), `libopapi.so` |
+//! | 8.5 | 11 | version 8 in its header, up to 9 read (2232 bytes) | accepted | 0, 1 or 2 | `libopapi_transformer.so` (MoE ops), `libopapi_math.so` (Add), `libopapi.so` |
 //!
 //! Sources: the `hccl_types.h` of CANN 8.1.RC1 (config version 5, capability
 //! enum ending at `OP_EXPANSION_MODE` = 3), of the torch-npu 2.9.0 wheel
-//! (version 6, up to `JOBID` = 6) and of torch-npu 2.11.0+ (version 10, up to
-//! `BUFFER_NAME` = 11); HCCL's `CommConfig::SetConfigDeterministic` in its
+//! (version 6, up to `JOBID` = 6) and of CANN 8.5.0 (hicann/hcomm v8.5.0
+//! `include/hccl/hccl_types.h:124,135-165`: version 8, up to `RETRY` = 10;
+//! its `CommConfig` reads up to version 9, `bufferName`, in a 2232-byte
+//! `CommConfigHandle`, `src/framework/inc/comm_config_pub.h:31-32,52-69`);
+//! HCCL's `CommConfig::SetConfigDeterministic` in its
 //! three generations (`> 1` refused without a "not set" case; "not set" then
 //! `> 1` refused; "not set" then `> DETERMINISTIC_STRICT` (2) refused); torch_npu's
 //! `GetTransformerOpApiLibName` (CANN 8.5 moves the transformer ops to
@@ -25,7 +28,7 @@ pub enum CannVersion {
     V8_1,
     /// CANN 8.3 (HCCL config version 6).
     V8_3,
-    /// CANN 8.5 (HCCL config version 10, split operator libraries).
+    /// CANN 8.5 (HCCL config version 8, split operator libraries).
     V8_5,
 }
 
@@ -56,7 +59,7 @@ impl CannVersion {
         match self {
             CannVersion::V8_1 => 4,
             CannVersion::V8_3 => 7,
-            CannVersion::V8_5 => 12,
+            CannVersion::V8_5 => 11,
         }
     }
 
@@ -65,7 +68,7 @@ impl CannVersion {
         match self {
             CannVersion::V8_1 => 5,
             CannVersion::V8_3 => 6,
-            CannVersion::V8_5 => 10,
+            CannVersion::V8_5 => 9,
         }
     }
 
@@ -74,7 +77,7 @@ impl CannVersion {
         match self {
             CannVersion::V8_1 => 300,
             CannVersion::V8_3 => 312,
-            CannVersion::V8_5 => 2240,
+            CannVersion::V8_5 => 2232,
         }
     }
 

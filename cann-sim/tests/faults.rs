@@ -328,10 +328,16 @@ fn eager_streams_run_work_without_being_waited_on() {
 /// A 2240-byte (version 10) `HcclCommConfig` that every emulated release
 /// accepts (buffer 200 MB, deterministic off), with `hcclExecTimeOut` set.
 fn config_with_exec_timeout(secs: i32) -> Vec<u8> {
+    config_of_layout(secs, 10, 2240)
+}
+
+/// [`config_with_exec_timeout`] whose header says layout `version` of
+/// `size` bytes (`hcclExecTimeOut`'s bytes are written whatever the size).
+fn config_of_layout(secs: i32, version: u32, size: usize) -> Vec<u8> {
     let mut c = vec![0u8; 2240];
-    c[0..8].copy_from_slice(&2240usize.to_le_bytes());
+    c[0..8].copy_from_slice(&size.to_le_bytes());
     c[8..12].copy_from_slice(&0xf0f0_f0f0u32.to_le_bytes());
-    c[12..16].copy_from_slice(&10u32.to_le_bytes());
+    c[12..16].copy_from_slice(&version.to_le_bytes());
     c[24..28].copy_from_slice(&200u32.to_le_bytes());
     c[316..320].copy_from_slice(&secs.to_le_bytes());
     c
@@ -343,7 +349,10 @@ fn config_with_exec_timeout(secs: i32) -> Vec<u8> {
 /// execution timeout the communicator took.
 fn timed_out_rank() {
     let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
-    let cfg = config_with_exec_timeout(std::env::var("EXEC_CFG").unwrap().parse().unwrap());
+    let layout = std::env::var("EXEC_LAYOUT").unwrap();
+    let (version, size) = layout.split_once('/').unwrap();
+    let secs = std::env::var("EXEC_CFG").unwrap().parse().unwrap();
+    let cfg = config_of_layout(secs, version.parse().unwrap(), size.parse().unwrap());
     let root = unhex(&std::env::var("ROOT").unwrap());
     let s = use_device(rank as i32);
     let mut comm = NULL;
@@ -364,12 +373,20 @@ fn the_execution_timeout_is_hccls_own_setting_per_release() {
         return;
     }
     const NAME: &str = "the_execution_timeout_is_hccls_own_setting_per_release";
-    // (release, hcclExecTimeOut, HCCL_EXEC_TIMEOUT, the timeout rank 0 takes):
-    // only config version 10 (CANN 8.5) has hcclExecTimeOut, and there it
-    // wins over the variable; older releases never read the field.
-    for (version, cfg, env, want) in
-        [("8.1", "600", "0.5", "500ms"), ("8.3", "600", "0.5", "500ms"), ("8.5", "1", "600", "1s")]
-    {
+    // (release, hcclExecTimeOut, the config's version and size,
+    // HCCL_EXEC_TIMEOUT, the timeout rank 0 takes): only CANN 8.5 reads
+    // hcclExecTimeOut, there it wins over the variable, and only from a
+    // config of version 8 (its own) or later (hicann/hcomm v8.5.0
+    // comm_config.cc:204-206): bytes past a version 6 config's end, or the
+    // field of a version 7 one, are never read. Older releases never read it.
+    for (version, cfg, layout, env, want) in [
+        ("8.1", "600", "10/2240", "0.5", "500ms"),
+        ("8.3", "600", "10/2240", "0.5", "500ms"),
+        ("8.5", "1", "10/2240", "600", "1s"),
+        ("8.5", "1", "8/2104", "600", "1s"),
+        ("8.5", "2", "7/2104", "0.5", "500ms"),
+        ("8.5", "2", "6/312", "0.5", "500ms"),
+    ] {
         let kids = spawn_ranks(
             NAME,
             "exec-timeout",
@@ -379,6 +396,7 @@ fn the_execution_timeout_is_hccls_own_setting_per_release() {
                 ("CANNSIM_HCCL_TIMEOUT_RANK", "1"),
                 ("HCCL_EXEC_TIMEOUT", env),
                 ("EXEC_CFG", cfg),
+                ("EXEC_LAYOUT", layout),
                 // Never read by HCCL: it must not shorten anything.
                 ("ASCEND_MOE_COMM_TIMEOUT", "3600"),
             ],
@@ -388,7 +406,7 @@ fn the_execution_timeout_is_hccls_own_setting_per_release() {
         assert!(outs[0].status.success(), "{version}: {out0}");
         assert!(
             out0.contains("sync 507046") && out0.contains(&format!("execution timeout {want})")),
-            "{version}: {out0}"
+            "{version} {layout}: {out0}"
         );
     }
 }

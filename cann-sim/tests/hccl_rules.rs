@@ -15,12 +15,13 @@ const E_NOT_SUPPORT: i32 = 5;
 const FP32: i32 = 4;
 
 /// An `HcclCommConfig` of layout `version` as that version's
-/// `HcclCommConfigInit` writes it (sizes 300 / 312 / 2240; version 5 writes
-/// a 200 MB buffer and deterministic 0, later versions "not set").
+/// `HcclCommConfigInit` writes it (sizes 300 / 312 / 2104 / 2240; version 5
+/// writes a 200 MB buffer and deterministic 0, later versions "not set").
 fn config(version: u32) -> Vec<u8> {
     let size = match version {
         5 => 300usize,
         6 => 312,
+        8 => 2104,
         _ => 2240,
     };
     let mut c = vec![0u8; 2240];
@@ -127,7 +128,11 @@ fn capability_and_config_rules_follow_the_emulated_release() {
             assert_eq!(init_one(c.as_ptr()), E_PARA, "deterministic 2 before strict mode existed");
         }
         _ => {
-            assert_eq!(cap, 12);
+            // hicann/hcomm v8.5.0 include/hccl/hccl_types.h:154-165: capabilities
+            // 0..=10 (up to RETRY); its own config is version 8, and a newer one
+            // (torch-npu 2.11's version 10) is read as far as its CommConfig goes.
+            assert_eq!(cap, 11);
+            assert_eq!(init_one(config(8).as_ptr()), 0, "{}", err_msg());
             assert_eq!(init_one(config(10).as_ptr()), 0, "{}", err_msg());
             let mut c = config(10);
             set_u32(&mut c, 28, 2);

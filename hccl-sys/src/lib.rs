@@ -96,6 +96,8 @@ const _: () = {
     assert!(std::mem::align_of::<HcclCommConfig>() == 8);
     assert!(std::mem::offset_of!(HcclCommConfig, hcclBufferSize) == 24);
     assert!(std::mem::offset_of!(HcclCommConfig, hcclExecTimeOut) == 316);
+    // Version 8 ends with `hcclRetryParams` (2104 bytes with its padding).
+    assert!(std::mem::offset_of!(HcclCommConfig, hcclBufferName) == 2098);
     assert!(std::mem::offset_of!(HcclCommConfig, hcclQos) == 2228);
     assert!(std::mem::offset_of!(HcclCommConfig, hcclSymWinMaxMemSizePerRank) == 2232);
 };
@@ -167,8 +169,9 @@ impl HcclCommConfig {
 /// every header generation, so code names these constants, never the enum's
 /// variants (an older header lacks them and the build would break):
 /// `hccl_types.h` of CANN 8.1.RC1 (config version 5) defines 0..=3, that of
-/// the torch-npu 2.9.0 wheel (version 6) 0..=6, that of torch-npu 2.11.0 and
-/// later (version 10) 0..=11.
+/// the torch-npu 2.9.0 wheel (version 6) 0..=6, that of CANN 8.5.0 (version
+/// 8) 0..=10, that of CANN 9.0 and torch-npu 2.11.0 and later (version 10)
+/// 0..=11.
 pub mod capability {
     /// `HCCL_COMM_CONFIG_BUFFER_SIZE` (all versions).
     pub const BUFFER_SIZE: u32 = 0;
@@ -184,13 +187,13 @@ pub mod capability {
     pub const WORLD_RANKID: u32 = 5;
     /// `HCCL_COMM_CONFIG_JOBID` (version 6 and later).
     pub const JOBID: u32 = 6;
-    /// `HCCL_COMM_CONFIG_ACLGRAPH_ZEROCOPY_ENABLE` (version 10).
+    /// `HCCL_COMM_CONFIG_ACLGRAPH_ZEROCOPY_ENABLE` (version 8 and later).
     pub const ACLGRAPH_ZEROCOPY_ENABLE: u32 = 7;
-    /// `HCCL_COMM_CONFIG_EXEC_TIMEOUT` (version 10).
+    /// `HCCL_COMM_CONFIG_EXEC_TIMEOUT` (version 8 and later).
     pub const EXEC_TIMEOUT: u32 = 8;
-    /// `HCCL_COMM_CONFIG_ALGO` (version 10).
+    /// `HCCL_COMM_CONFIG_ALGO` (version 8 and later).
     pub const ALGO: u32 = 9;
-    /// `HCCL_COMM_CONFIG_RETRY` (version 10).
+    /// `HCCL_COMM_CONFIG_RETRY` (version 8 and later).
     pub const RETRY: u32 = 10;
     /// `HCCL_COMM_CONFIG_BUFFER_NAME` (version 10).
     pub const BUFFER_NAME: u32 = 11;
@@ -212,20 +215,30 @@ pub enum CommConfigLayout {
     /// adding `hcclWorldRankID` and `hcclJobID`; buffer size and
     /// deterministic start "not set" (0xffffffff).
     V6,
-    /// Version 10 (torch-npu 2.11.0 and later): 2240 bytes, up to
-    /// `hcclSymWinMaxMemSizePerRank`; "not set" defaults as in V6.
+    /// Version 8 (CANN 8.5.0's `hccl_types.h`, hicann/hcomm v8.5.0
+    /// `include/hccl/hccl_types.h:124,135-151`): 2104 bytes, up to
+    /// `hcclRetryParams`, adding `aclGraphZeroCopyEnable`, `hcclExecTimeOut`
+    /// (init -1, "not set"), `hcclAlgo`, `hcclRetryEnable`; capabilities up
+    /// to `RETRY` = 10 (`:154-165`). Its HCCL reads `hcclExecTimeOut` only
+    /// from a config of version 8 or later (`src/framework/communicator/comm_config.cc:204-206`).
+    V8,
+    /// Version 10 (CANN 9.0's, hicann/hcomm v9.0.0, and torch-npu 2.11.0 and
+    /// later): 2240 bytes, up to `hcclSymWinMaxMemSizePerRank`; "not set"
+    /// defaults as in V6.
     V10,
 }
 
 impl CommConfigLayout {
     /// Every layout, oldest first.
-    pub const ALL: [CommConfigLayout; 3] = [CommConfigLayout::V5, CommConfigLayout::V6, CommConfigLayout::V10];
+    pub const ALL: [CommConfigLayout; 4] =
+        [CommConfigLayout::V5, CommConfigLayout::V6, CommConfigLayout::V8, CommConfigLayout::V10];
 
     /// `HCCL_COMM_CONFIG_VERSION` of the header generation.
     pub fn version(self) -> u32 {
         match self {
             CommConfigLayout::V5 => 5,
             CommConfigLayout::V6 => 6,
+            CommConfigLayout::V8 => 8,
             CommConfigLayout::V10 => 10,
         }
     }
@@ -235,6 +248,9 @@ impl CommConfigLayout {
         match self {
             CommConfigLayout::V5 => 300,
             CommConfigLayout::V6 => 312,
+            // `hcclRetryParams` ends at 2098; the struct is padded to its
+            // 8-byte alignment (`hcclJobID`).
+            CommConfigLayout::V8 => 2104,
             CommConfigLayout::V10 => std::mem::size_of::<HcclCommConfig>(),
         }
     }
@@ -246,6 +262,7 @@ impl CommConfigLayout {
         match self {
             CommConfigLayout::V5 => 4,
             CommConfigLayout::V6 => 7,
+            CommConfigLayout::V8 => 11,
             CommConfigLayout::V10 => 12,
         }
     }
@@ -257,6 +274,13 @@ impl CommConfigLayout {
     pub fn for_capability(capability: Option<u32>) -> CommConfigLayout {
         let n = capability.unwrap_or(0);
         Self::ALL.into_iter().rev().find(|l| n >= l.capabilities()).unwrap_or(CommConfigLayout::V5)
+    }
+
+    /// Whether the layout has `hcclExecTimeOut` (version 8 and later): an
+    /// HCCL reads the field only from such a config, whatever bytes follow
+    /// an older one's end.
+    pub fn has_exec_timeout(self) -> bool {
+        self.version() >= 8
     }
 
     /// A config as this generation's `HcclCommConfigInit` leaves it (bytes
@@ -279,7 +303,9 @@ impl CommConfigLayout {
         // `HCCL_COMM_DEFAULT_DETERMINISTIC` (0); later: the "not set" values.
         let (buffer, deterministic) = match self {
             CommConfigLayout::V5 => (COMM_CONFIG_DEFAULT_BUFFER_MB, 0),
-            CommConfigLayout::V6 | CommConfigLayout::V10 => (COMM_CONFIG_NOT_SET, COMM_CONFIG_NOT_SET),
+            CommConfigLayout::V6 | CommConfigLayout::V8 | CommConfigLayout::V10 => {
+                (COMM_CONFIG_NOT_SET, COMM_CONFIG_NOT_SET)
+            }
         };
         config.hcclBufferSize = buffer;
         config.hcclDeterministic = deterministic;
@@ -301,6 +327,9 @@ impl CommConfigLayout {
         config.hcclAlgo[0] = 0;
         config.hcclRetryEnable[0] = 0;
         config.hcclRetryParams[0] = 0;
+        if self == CommConfigLayout::V8 {
+            return;
+        }
         config.hcclBufferName[0] = 0;
         config.hcclQos = COMM_CONFIG_NOT_SET;
         config.hcclSymWinMaxMemSizePerRank = 16;

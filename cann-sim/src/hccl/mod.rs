@@ -93,8 +93,9 @@ fn root_name(root_info: *const c_void) -> SimResult<String> {
 #[derive(Debug, Default)]
 struct ConfigView {
     name: Option<String>,
-    /// `hcclExecTimeOut` when the config sets it (> 0).
-    timeout: Option<Duration>,
+    /// `hcclExecTimeOut` when the config sets it: `Some(None)` for 0, which
+    /// on a 910B never times out, else `Some(Some(seconds))`.
+    timeout: Option<Option<Duration>>,
     /// `hcclDeterministic` when the config sets it (anything but "not set").
     deterministic: Option<bool>,
 }
@@ -121,17 +122,23 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
                 v.name = Some(String::from_utf8_lossy(&name[..end]).into_owned());
             }
         }
-        // `hcclExecTimeOut` exists from config version 10 (CANN 8.5) on: an
-        // older HCCL copies at most its own struct's bytes (`CommConfig::Load`)
-        // and never sees the field, whatever the caller's struct has. -1
-        // (HcclCommConfigInit's value) or 0 leave HCCL_EXEC_TIMEOUT in force
-        // (hicann/hccl docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md, "use
-        // constraints": the communicator's setting wins when it sets one).
+        // `hcclExecTimeOut` exists from CANN 8.5 on: an older HCCL copies at
+        // most its own struct's bytes (`CommConfig::Load`) and never sees the
+        // field, whatever the caller's struct has; CANN 8.5.0's reads it only
+        // from a config of version 8 or later (hicann/hcomm v8.5.0
+        // `src/framework/communicator/comm_config.cc:204-206`), so a version
+        // 6 config's bytes past its end are never looked at. -1
+        // (HcclCommConfigInit's value, "not set") and other negative values
+        // (a warning, `:360-377`) leave HCCL_EXEC_TIMEOUT in force; on a 910B
+        // 0 means never (`:370-372`), and any other value wins over the
+        // variable (hicann/hccl docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md,
+        // "use constraints").
+        let version = (p.add(12) as *const u32).read_unaligned();
         let size = size.min(crate::version::CannVersion::current().comm_config_size());
-        if size >= comm_config::EXEC_TIMEOUT + 4 {
+        if version >= 8 && size >= comm_config::EXEC_TIMEOUT + 4 {
             let t = (p.add(comm_config::EXEC_TIMEOUT) as *const i32).read_unaligned();
-            if t > 0 {
-                v.timeout = Some(Duration::from_secs(t as u64));
+            if t >= 0 {
+                v.timeout = Some((t > 0).then(|| Duration::from_secs(t as u64)));
             }
         }
         // `hcclDeterministic` (every config version; `hccl_rules::comm_config`
@@ -250,7 +257,7 @@ fn join(
     env: EnvView,
     cfg: ConfigView,
 ) -> SimResult<usize> {
-    let (timeout, connect) = (cfg.timeout.or(env.exec_timeout), env.connect);
+    let (timeout, connect) = (cfg.timeout.unwrap_or(env.exec_timeout), env.connect);
     let comm_name = cfg.name.clone().or(name).unwrap_or_else(|| key.clone());
     name_is_free(&comm_name, device)?;
     // The ranks are told apart by the host device behind their current one.

@@ -101,13 +101,21 @@ pub(super) fn query_name(raw: hccl_sys::HcclComm) -> Option<String> {
 /// and HcclCreateSubCommConfig: "the config must be initialized by calling
 /// HcclCommConfigInit"; version 5's HCCL rejects the later "not set" values),
 /// carrying the execution timeout of `opts` (whole seconds, rounded up) when
-/// the capability `EXEC_TIMEOUT` is reported. The name is left to HCCL: ranks
-/// that are threads of one process must not share one.
+/// the capability `EXEC_TIMEOUT` is reported and the layout has the field
+/// (version 8, CANN 8.5.0's, on: its HCCL reads `hcclExecTimeOut` only from a
+/// config of that version or later, hicann/hcomm v8.5.0
+/// `src/framework/communicator/comm_config.cc:204-206`). The name is left to
+/// HCCL: ranks that are threads of one process must not share one.
 pub(super) fn config_for(opts: &CommOptions) -> HcclCommConfig {
-    let cap = hc::get_comm_config_capability();
-    let mut config = hccl_sys::CommConfigLayout::for_capability(cap).new_config();
+    config_with(hc::get_comm_config_capability(), opts)
+}
+
+/// [`config_for`] an HCCL reporting `cap`.
+fn config_with(cap: Option<u32>, opts: &CommOptions) -> HcclCommConfig {
+    let layout = hccl_sys::CommConfigLayout::for_capability(cap);
+    let mut config = layout.new_config();
     config.adapt_to_capability(cap);
-    if HcclCommConfig::supports(cap, hccl_sys::capability::EXEC_TIMEOUT) {
+    if layout.has_exec_timeout() && HcclCommConfig::supports(cap, hccl_sys::capability::EXEC_TIMEOUT) {
         let secs = opts.timeout.as_secs() + u64::from(opts.timeout.subsec_nanos() > 0);
         config.hcclExecTimeOut = i32::try_from(secs.max(1)).unwrap_or(i32::MAX);
     }
@@ -119,4 +127,30 @@ pub(super) const FNV_SEED: u64 = 0xcbf2_9ce4_8422_2325;
 /// FNV-1a over `bytes`, continuing from `seed`: a stable id, the same on every rank.
 pub(super) fn fnv1a(seed: u64, bytes: impl IntoIterator<Item = u8>) -> u64 {
     bytes.into_iter().fold(seed, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::config_with;
+    use crate::CommOptions;
+
+    /// The communicator's timeout reaches HCCL where its release reads it:
+    /// CANN 8.5.0 (capability 11) takes `hcclExecTimeOut` from a config of
+    /// version 8 (hicann/hcomm v8.5.0 `comm_config.cc:204-206`), CANN 9.0
+    /// (12) from version 10; older releases have no such field, and nothing
+    /// is written past the bytes the header gives HCCL.
+    #[test]
+    fn the_execution_timeout_is_written_where_each_release_reads_it() {
+        let opts = CommOptions::with_timeout(Duration::from_millis(2500));
+        let at = std::mem::offset_of!(hccl_sys::HcclCommConfig, hcclExecTimeOut);
+        for (cap, version, timeout) in
+            [(Some(4), 5, 0), (Some(7), 6, 0), (Some(10), 6, 0), (Some(11), 8, 3), (Some(12), 10, 3)]
+        {
+            let c = config_with(cap, &opts);
+            assert_eq!((c.header_version(), c.hcclExecTimeOut), (version, timeout), "capability {cap:?}");
+            assert_eq!(at + 4 <= c.header_size(), timeout != 0, "capability {cap:?}: size {}", c.header_size());
+        }
+    }
 }
