@@ -788,18 +788,31 @@ def _runner_policy(runner):
     # The physical TP group (EP rewrites moe_config.tp_size to 1).
     tp_group = getattr(cfg, "tp_group", None)
     tp_size = _rank_and_size(tp_group if tp_group is not None else _tp_group())[1]
-    ep_size = getattr(cfg, "ep_size", None)
-    ep_size = engine_int("moe_config.ep_size", ep_size) if ep_size is not None else 0
-    ep_size = ep_size or tp_size  # EP = DP x TP
+    ep_size = _config_int(cfg, "ep_size")
+    if ep_size <= 1:
+        # Without expert parallelism vLLM sets ep_size 1 and shards every
+        # expert over the flattened DP x TP, its moe_config.tp_size
+        # (FusedMoEParallelConfig.make); vLLM-Ascend's runner then reduces as
+        # for EP over that group (fused_moe.py:75, 193-199).
+        ep_size = _config_int(cfg, "tp_size") or tp_size
     sp = bool(getattr(cfg, "is_sequence_parallel", False))
     transform = getattr(runner, "routed_output_transform", None) is not None
     key = (int(mode), transform, sp, tp_size, ep_size, id(tp_group))
     pid = _POLICY_IDS.get(key)
     if pid is None:
+        # Built before it is registered: a configuration the library refuses
+        # raises its error at every call, never a missing id.
+        policy = ReducePolicy(mode, transform, sp, tp_size, ep_size)
         pid = len(_POLICY_IDS) + 1
+        _POLICIES[pid] = (policy, tp_group)
         _POLICY_IDS[key] = pid
-        _POLICIES[pid] = (ReducePolicy(mode, transform, sp, tp_size, ep_size), tp_group)
     return pid
+
+
+def _config_int(cfg, field) -> int:
+    """`moe_config.<field>` as an integer, 0 when absent."""
+    v = getattr(cfg, field, None)
+    return engine_int(f"moe_config.{field}", v) if v is not None else 0
 
 
 def _runner_mode(runner) -> "SharedMode":

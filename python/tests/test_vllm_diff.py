@@ -282,6 +282,44 @@ def test_reduction_point_keeps_the_token_dimension_dynamic(engine):
     assert got == [(6, 2), (10, 2)]
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_reduction_points_without_expert_parallelism_reduce_as_vllm_ascend_does(engine, dp):
+    # vLLM without EP sets moe_config.ep_size 1 and moe_config.tp_size to the
+    # flattened DP x TP (FusedMoEParallelConfig.make); vLLM-Ascend takes
+    # ALLGATHER there (ascend_forward_context.py:313), and its final point
+    # all-reduces the routed partial sum over TP (fused_moe.py:193-199), as
+    # the other points leave it unreduced: here every rank holds x, so x * 2.
+    engine.tp = Group(2, 0, "tp")
+    engine.extra.moe_comm_type = MoECommType.ALLGATHER
+    runner = SimpleNamespace(
+        moe_config=SimpleNamespace(tp_group=engine.tp, tp_size=2 * dp, ep_size=1, is_sequence_parallel=False),
+        ascend_shared_experts=None,
+        routed_output_transform=None,
+    )
+    pid = av._runner_policy(runner)
+    x = (torch.arange(12.0) - 3).view(4, 3)
+    early, shared, final = 0, 1, 2
+    assert torch.equal(torch.ops.ascend_moe.vllm_reduce_point(x, early, pid), x)
+    assert torch.equal(torch.ops.ascend_moe.vllm_reduce_point(x, shared, pid), x)
+    assert torch.equal(torch.ops.ascend_moe.vllm_reduce_point(x, final, pid), x * 2)
+
+
+def test_a_runner_configuration_the_library_refuses_raises_its_error_at_every_call(engine):
+    # A TP-sharded shared expert with SP on and TP 2 is refused by
+    # ReducePolicy (it is SequenceParallelOnly in vLLM-Ascend's terms); the
+    # second call must say so again, not fail on a policy id left behind.
+    engine.tp = Group(2, 0, "tp")
+    runner = SimpleNamespace(
+        moe_config=SimpleNamespace(tp_group=engine.tp, ep_size=2, is_sequence_parallel=True),
+        ascend_shared_experts=SimpleNamespace(),
+        routed_output_transform=None,
+        _get_shared_expert_parallel_mode=lambda: av.SharedMode.TENSOR_PARALLEL,
+    )
+    for _ in range(2):
+        with pytest.raises(am.AmoeError, match="SequenceParallelOnly"):
+            av._runner_policy(runner)
+
+
 def test_compiled_ops_check_the_token_count_when_they_run(engine):
     # A dynamic graph takes any count at trace time; the real op refuses the
     # ones its layout cannot hold (SPEC sections 3 and 4), eager or compiled.
