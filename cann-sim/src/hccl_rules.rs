@@ -331,12 +331,15 @@ pub fn one_rank_all_to_all_displacements(size: u32, sdispls: &[usize], rdispls: 
 /// The operand rules of a collective: every buffer non-NULL whatever its
 /// count, every buffer device memory, and the stream non-NULL.
 ///
-/// HCCL's collective entry points (`HcclAllReduceInner`, `HcclAllGather`,
-/// `HcclReduceScatter`, ...) start with `CHK_PTR_NULL(sendBuf)`,
-/// `CHK_PTR_NULL(recvBuf)` and `CHK_PTR_NULL(stream)` (HCCL_E_PTR) before
-/// looking at the count, so a rank with count 0 in a V collective still needs
-/// real buffers. HCCL moves the data with the device's DMA engines, which
-/// cannot reach host memory: a host pointer is refused too.
+/// HCCL's collective entry points refuse a NULL buffer or stream with
+/// HCCL_E_PTR (`CHK_PTR_NULL(sendBuf)`, `CHK_PTR_NULL(recvBuf)`,
+/// `CHK_PTR_NULL(stream)`; hicann/hcomm v8.5.0
+/// `src/framework/op_base/src/op_base.cc:1619-1625`). Refusing NULL also for
+/// a count of 0 is stricter than CANN 8.5.0, whose collectives return success
+/// for count 0 before the pointer checks (`:1615`) and whose V collectives
+/// take NULL on a side without elements (`:1717`, `:2044`). HCCL moves the
+/// data with the device's DMA engines, which cannot reach host memory: a host
+/// pointer is refused too.
 pub fn operands(bufs: &[(&str, *const c_void)], stream: AclrtStream) -> SimResult<()> {
     for &(what, p) in bufs {
         if p.is_null() {
@@ -391,6 +394,28 @@ pub const SYS_MAX_COUNT: u64 = 0x7_FFFF_FFFF;
 pub fn count_in_range(call: &str, what: &str, count: u64) -> SimResult<()> {
     if count > SYS_MAX_COUNT {
         return fail(HCCL_E_PARA, format!("{call}: {what} {count} is above HCCL's largest count {SYS_MAX_COUNT:#x}"));
+    }
+    Ok(())
+}
+
+/// Every entry of the counts array of a V collective (`what`: `sendCounts`
+/// of a reduce-scatter-v, `recvCounts` of an all-gather-v), not only this
+/// rank's: CANN 8.5.0's `HcclReduceScatterVInner` and `HcclAllGatherVInner`
+/// refuse any above `SYS_MAX_COUNT` with HCCL_E_PARA on every rank (hicann/hcomm
+/// v8.5.0 `src/framework/op_base/src/op_base.cc:1745-1749`, `:2066-2070`), so a
+/// peer's huge count fails this rank at once instead of leaving it waiting.
+pub fn counts_in_range(call: &str, what: &str, counts: &[usize]) -> SimResult<()> {
+    counts.iter().enumerate().try_for_each(|(i, &c)| count_in_range(call, &format!("{what}[{i}]"), c as u64))
+}
+
+/// This rank's own count of a V collective equals its entry in the counts
+/// array: `recvCount == sendCounts[rank]` (reduce-scatter-v) and `sendCount
+/// == recvCounts[rank]` (all-gather-v), else HCCL_E_PARA (hicann/hcomm v8.5.0
+/// `src/framework/op_base/src/op_base.cc:1784-1788`, `:2105-2109`).
+pub fn own_count(own: (&str, u64), counts: (&str, &[usize]), rank: u32) -> SimResult<()> {
+    let entry = counts.1[rank as usize];
+    if entry as u64 != own.1 {
+        return fail(HCCL_E_PARA, format!("{} {} but {}[{rank}] = {entry}", own.0, own.1, counts.0));
     }
     Ok(())
 }

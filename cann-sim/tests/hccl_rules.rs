@@ -750,6 +750,72 @@ fn counts_above_hccls_largest_count_are_refused() {
 }
 
 #[test]
+fn a_v_collective_with_any_count_above_the_largest_is_refused_on_every_rank() {
+    // hicann/hcomm v8.5.0 op_base.cc:1745-1749 / :2066-2070: every entry of
+    // the counts array is checked, so the rank whose own count is small is
+    // refused too (it would otherwise queue and wait for the refused peer).
+    const MAX: u64 = 0x7_FFFF_FFFF;
+    let rcs = with_world(2, |rank, comm| {
+        let s = sim();
+        let st = stream();
+        let (a, b) = (malloc(256), malloc(256));
+        let (counts, displs) = ([1u64, MAX + 1], [0u64, 1]);
+        let own = counts[rank as usize];
+        let (c, d) = (counts.as_ptr().cast(), displs.as_ptr().cast());
+        // SAFETY: device buffers of 256 bytes; host arrays of world length.
+        let rcs = unsafe {
+            [
+                (s.HcclReduceScatterV)(a, c, d, b, own, FP32, SUM, comm, st),
+                (s.HcclAllGatherV)(a, own, b, c, d, FP32, comm, st),
+            ]
+        };
+        let msg = err_msg();
+        sync(st);
+        free(a);
+        free(b);
+        destroy_stream(st);
+        (rcs, msg)
+    });
+    for (rank, (rcs, msg)) in rcs.iter().enumerate() {
+        assert_eq!(*rcs, [E_PARA; 2], "rank {rank}: {msg}");
+        assert!(msg.contains("largest count"), "rank {rank}: {msg}");
+        if rank == 0 {
+            // Its own count is 1: the peer's entry is what it is refused for.
+            assert!(msg.contains("recvCounts[1] 34359738368"), "rank {rank}: {msg}");
+        }
+    }
+}
+
+#[test]
+fn a_v_collective_whose_own_count_is_not_its_entry_is_refused() {
+    // hicann/hcomm v8.5.0 op_base.cc:1784-1788 (recvCount == sendCounts[rank])
+    // and :2105-2109 (sendCount == recvCounts[rank]).
+    let rcs = with_world(1, |_, comm| {
+        let s = sim();
+        let st = stream();
+        let (a, b) = (malloc(256), malloc(256));
+        let (counts, displs) = ([2u64], [0u64]);
+        let (c, d) = (counts.as_ptr().cast(), displs.as_ptr().cast());
+        // SAFETY: device buffers of 256 bytes; host arrays of world length.
+        let rcs = unsafe {
+            let rs = (s.HcclReduceScatterV)(a, c, d, b, 1, FP32, SUM, comm, st);
+            let rs_msg = err_msg();
+            let ag = (s.HcclAllGatherV)(a, 3, b, c, d, FP32, comm, st);
+            (rs, rs_msg, ag, err_msg())
+        };
+        sync(st);
+        free(a);
+        free(b);
+        destroy_stream(st);
+        rcs
+    });
+    let (rs, rs_msg, ag, ag_msg) = &rcs[0];
+    assert_eq!((*rs, *ag), (E_PARA, E_PARA), "{rs_msg} / {ag_msg}");
+    assert!(rs_msg.contains("recvCount 1 but sendCounts[0] = 2"), "{rs_msg}");
+    assert!(ag_msg.contains("sendCount 3 but recvCounts[0] = 2"), "{ag_msg}");
+}
+
+#[test]
 fn ranks_are_told_apart_by_the_host_device_behind_their_visible_one() {
     // HCCL compares the physical ids of the ranks' current devices
     // (topoinfo_exchange_agent.cc:822-849, as above); the runtime maps a

@@ -341,12 +341,8 @@ pub extern "C" fn HcclReduceScatterV(
         let c = comm(comm_h)?;
         let sc = counts(send_counts, c.size, "sendCounts")?;
         let sd = counts(send_displs, c.size, "sendDispls")?;
-        if sc[c.rank as usize] != recv_count as usize {
-            return fail(
-                HCCL_E_PARA,
-                format!("recvCount {recv_count} but sendCounts[{}] = {}", c.rank, sc[c.rank as usize]),
-            );
-        }
+        hccl_rules::counts_in_range("HcclReduceScatterV", "sendCounts", &sc)?;
+        hccl_rules::own_count(("recvCount", recv_count), ("sendCounts", &sc), c.rank)?;
         let sb = Buf { addr: send_buf as usize, elems: extent(&sc, &sd) };
         let rb = Buf { addr: recv_buf as usize, elems: recv_count as usize };
         // Every rank publishes its blocks packed in rank order.
@@ -407,12 +403,8 @@ pub extern "C" fn HcclAllGatherV(
         let c = comm(comm_h)?;
         let rc = counts(recv_counts, c.size, "recvCounts")?;
         let rd = counts(recv_displs, c.size, "recvDispls")?;
-        if rc[c.rank as usize] != send_count as usize {
-            return fail(
-                HCCL_E_PARA,
-                format!("sendCount {send_count} but recvCounts[{}] = {}", c.rank, rc[c.rank as usize]),
-            );
-        }
+        hccl_rules::counts_in_range("HcclAllGatherV", "recvCounts", &rc)?;
+        hccl_rules::own_count(("sendCount", send_count), ("recvCounts", &rc), c.rank)?;
         let sb = Buf { addr: send_buf as usize, elems: send_count as usize };
         let rb = Buf { addr: recv_buf as usize, elems: extent(&rc, &rd) };
         let desc = Desc { dtype: Some(dt), counts: rc.clone(), displs: rd.clone(), ..Desc::default() };

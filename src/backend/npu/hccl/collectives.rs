@@ -20,12 +20,10 @@ const RECV: usize = 1;
 impl HcclComm {
     /// The device address to pass for `b`, the `side` ([`SEND`] or [`RECV`])
     /// buffer of a call: its own, or for an empty buffer (which has no
-    /// allocation) a small live one, a different one per side. HCCL checks
-    /// every buffer for NULL before it looks at the count
-    /// (`HcclAllReduceInner`, `HcclAllGather`, ...: `CHK_PTR_NULL(sendBuf)`,
-    /// `CHK_PTR_NULL(recvBuf)`), in the V collectives a rank with count 0
-    /// still takes part, and those refuse one address for both buffers
-    /// whatever the counts (hicann/hccl v9.1.0
+    /// allocation) a small live one, a different one per side. In the V
+    /// collectives a rank with count 0 still takes part, and those refuse one
+    /// address for both buffers whatever the counts, so two NULLs would be
+    /// refused (hicann/hccl v9.1.0
     /// `src/ops/all_to_all_v/all_to_all_v_op.cc:487-489`; API reference
     /// `HcclAlltoAllV.md:41`, `HcclReduceScatterV.md:40`, `HcclAllGatherV.md:44`).
     fn dev_ptr(&self, b: &NpuBuffer, side: usize) -> Result<*mut c_void> {
