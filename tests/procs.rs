@@ -321,8 +321,10 @@ fn stale_segment_of_a_crashed_run_is_replaced() {
     for k in kids.iter_mut() {
         k.wait().expect("reap");
     }
-    assert!(Path::new(&path).exists(), "the crashed run leaves its segment");
-    // A new world of another size under the same name starts fine and cleans up.
+    // The crashed run leaves its segment, unless a rendezvous of a test
+    // running beside this one swept it already (every rendezvous removes
+    // the files of worlds whose ranks are all gone). A new world of another
+    // size under the same name starts fine either way and cleans up.
     let o = CommOptions::with_timeout(Duration::from_secs(10));
     let res: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)

@@ -201,7 +201,7 @@ pub use dtype::{DataType, ReduceOp};
 pub use error::{Error, ErrorKind, Result};
 pub use presence::{live_members, Member};
 pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
-pub use rendezvous::{segment_path, shm_dir};
+pub use rendezvous::{joined_ranks, segment_path, shm_dir};
 pub use segment::MAX_WORLD;
 
 use segment::{Segment, ABORTED, EMPTY, FAILED, LEFT, RENDEZVOUS};

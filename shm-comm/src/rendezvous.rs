@@ -389,6 +389,21 @@ impl Survey {
     }
 }
 
+/// The ranks that took their slot in the forming world of group `name`, as
+/// its segment file says: empty with no file (none yet, or the world formed
+/// and unlinked it). For tests that must act after a rank's claim, not only
+/// after its announcement ([`crate::live_members`]).
+#[doc(hidden)]
+pub fn joined_ranks(name: &str) -> Vec<usize> {
+    let path = segment_path(name);
+    let Ok(cpath) = CString::new(path.clone()) else { return Vec::new() };
+    let Some(f) = open_existing_own(&cpath) else { return Vec::new() };
+    let survey = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
+    // SAFETY: f.fd is open and ours.
+    unsafe { libc::close(f.fd) };
+    survey.map_or_else(Vec::new, |s| (0..s.world).filter(|&r| s.slots[r].0 == JOINED).collect())
+}
+
 /// Removes this user's segment files in `dir` (all but `skip`) that a world
 /// of this version left when every rank died before the world was complete
 /// (a launcher's SIGTERM or SIGKILL while the ranks waited for each other):
