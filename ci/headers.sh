@@ -15,7 +15,7 @@
 #   2.9.0   HCCL_COMM_CONFIG_VERSION 6 (no HCCL_COMM_CONFIG_EXEC_TIMEOUT, no
 #           hcclExecTimeOut field)
 # Each header's HCCL_COMM_CONFIG_VERSION must be one hccl-sys has an
-# HcclCommConfigInit for (CommConfigLayout: 5, 6, 10).
+# HcclCommConfigInit for (CommConfigLayout: 5, 6, 8, 10).
 #
 #   ci/headers.sh            check (CI)
 #   ci/headers.sh --update   overwrite the committed bindings with those of $COMMITTED
@@ -68,7 +68,7 @@ for version in "${versions[@]}"; do
 
     config_version="$(sed -n 's/.*pub const HCCL_COMM_CONFIG_VERSION: u32 = \([0-9]*\);.*/\1/p' "$dir/out/hccl.rs")"
     case "$config_version" in
-        5 | 6 | 10) echo "headers.sh: [$version] HCCL_COMM_CONFIG_VERSION $config_version" ;;
+        5 | 6 | 8 | 10) echo "headers.sh: [$version] HCCL_COMM_CONFIG_VERSION $config_version" ;;
         *)
             echo "headers.sh: [$version] HCCL_COMM_CONFIG_VERSION '${config_version}' has no CommConfigLayout" \
                 "in hccl-sys (add its HcclCommConfigInit)" >&2

@@ -17,8 +17,8 @@
 #
 # ASCEND_MOE_COMM_TIMEOUT (seconds, default 120 here) bounds every wait of the
 # crate's (a stream check, a drop). HCCL's own bounds are set here too, since
-# only CANN 8.5 takes a per-communicator execution timeout (hcclExecTimeOut,
-# HcclCommConfig version 8 on): HCCL_EXEC_TIMEOUT (default 120 here; HCCL's is
+# only CANN 8.5 and later take a per-communicator execution timeout
+# (hcclExecTimeOut, HcclCommConfig version 8 on): HCCL_EXEC_TIMEOUT (default 120 here; HCCL's is
 # 1836 s on A2, integer seconds in HOST mode) bounds a collective on the
 # device, HCCL_CONNECT_TIMEOUT (default 120 here, HCCL's minimum; HCCL waits
 # 20 s more) the link setup of a first call (hicann/hccl

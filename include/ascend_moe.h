@@ -1478,7 +1478,8 @@ amoe_status amoe_shared_gather_unpad_output_shape(const struct amoe_tensor *x,
 //
 // NPU: enqueues on `stream` one HCCL all-gather, into `out` itself when no
 // padding is cut, else into workspace followed by a copy of the kept rows
-// into `out`; never
+// into `out` (with `ASCEND_MOE_CHECK_LAYOUT=1` first an all-gather of the
+// ranks' token-count fingerprints and their comparison on the device); never
 // synchronises, never allocates outside the stream's pool (or allocator),
 // never reads device data on the host; can be captured into a graph. A
 // mismatch between ranks is returned by `amoe_stream_check`.
@@ -1511,7 +1512,8 @@ amoe_status amoe_shared_pad_reduce_scatter_output_shape(const struct amoe_tensor
 //
 // NPU: enqueues on `stream` a copy into a zeroed padded workspace buffer
 // (when `T` is not a multiple of TP) and one HCCL reduce-scatter into
-// `out`; never synchronises, never allocates outside the
+// `out` (with `ASCEND_MOE_CHECK_LAYOUT=1` first an all-gather of the ranks'
+// token-count fingerprints and their comparison on the device); never synchronises, never allocates outside the
 // stream's pool (or allocator), never reads device data on the host; can be
 // captured into a graph. A mismatch between ranks is returned by
 // `amoe_stream_check`.

@@ -16,7 +16,7 @@
 //! | `CANNSIM_SOC_NAME` | `aclrtGetSocName()` | Ascend910B1 |
 //! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
 //! | `CANNSIM_CANN_VERSION` | the emulated CANN release, `8.1`, `8.3` or `8.5` (see [`crate::version`]) | 8.5 |
-//! | `HCCL_EXEC_TIMEOUT` | HCCL's own: seconds a collective waits for its peers on the device, unless the communicator's `HcclCommConfig` sets `hcclExecTimeOut` (CANN 8.5 only); `0` never times out (read at each communicator creation, see [`exec_timeout`]) | 1836 |
+//! | `HCCL_EXEC_TIMEOUT` | HCCL's own: seconds a collective waits for its peers on the device, unless the communicator's `HcclCommConfig` of version 8 or later sets `hcclExecTimeOut` (CANN 8.5 only); `0` never times out (read at each communicator creation, see [`exec_timeout`]) | 1836 |
 //! | `HCCL_CONNECT_TIMEOUT` | HCCL's own: seconds, 120 to 7200, a rank waits for its peers to join a communicator or to set up a collective's links; the wait is this plus 20 s (see [`connect_timeout`]) | 120 |
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -781,8 +781,9 @@ _REDUCE_OP = None
 
 
 def _runner_policy(runner):
-    """`(policy id, ReducePolicy, TP group or None)` of a runner, from its static
-    configuration (shared-expert mode, routed transform, SP, TP and EP sizes)."""
+    """The policy id of a runner (`_POLICIES[id]` is its `(ReducePolicy, TP
+    group or None)`), from its static configuration (shared-expert mode,
+    routed transform, SP, TP and EP sizes)."""
     cfg = getattr(runner, "moe_config", None)
     mode = _runner_mode(runner)
     # The physical TP group (EP rewrites moe_config.tp_size to 1).

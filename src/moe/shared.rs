@@ -78,8 +78,9 @@ fn in_tokens(op: &'static str, arg: &str, e: Error) -> Error {
             if detail.contains(" counts [") =>
         {
             let detail = format!(
-                "{detail}; in {op} the counts are each TP rank's rows of real tokens times the row length, \
-                 so the TP ranks passed different token counts (`{arg}`; a stale one on a rank)"
+                "{detail}; where every rank called {op}, the counts are each TP rank's rows of real tokens \
+                 times the row length, so the TP ranks passed different token counts (`{arg}`; a stale one on a \
+                 rank)"
             );
             Error::Comm { collective, group, rank, world, detail, kind: CommErrorKind::Mismatch }
         }
@@ -172,7 +173,8 @@ pub fn shared_gather_unpad_output_shape(x_shape: &[usize], num_tokens: usize, tp
 /// `ceil(num_tokens / TP)` rows and keeps the first `num_tokens` (drops the
 /// padding). Collective over `tp`; every rank passes the same `num_tokens`:
 /// on a CPU group ranks that pass different ones fail together (each sends its real
-/// rows, and the all-gather compares every rank's counts), and on an HCCL
+/// rows, and the all-gather compares every rank's counts; with rows of no
+/// elements nothing is compared, nor moved), and on an HCCL
 /// group with `ASCEND_MOE_CHECK_LAYOUT=1` their stream check fails.
 pub fn shared_gather_unpad<C: Collectives + ?Sized>(x: &Tensor, num_tokens: usize, tp: &C) -> Result<Tensor> {
     let mut out = shared_gather_unpad_output_shape(x.shape(), num_tokens, tp.world_size())
@@ -255,7 +257,8 @@ pub fn shared_pad_reduce_scatter_output_shape(x_shape: &[usize], tp_size: usize)
 /// `ceil(T / TP)` rows. Collective over `tp`; every rank passes the same `T`:
 /// on a CPU group ranks that pass different ones fail together (each block is reduced
 /// over its real rows only, and the reduce-scatter compares every rank's
-/// counts), and on an HCCL group with `ASCEND_MOE_CHECK_LAYOUT=1` their
+/// counts; with rows of no elements nothing is compared, nor moved), and on
+/// an HCCL group with `ASCEND_MOE_CHECK_LAYOUT=1` their
 /// stream check fails.
 pub fn shared_pad_reduce_scatter<C: Collectives + ?Sized>(x: &Tensor, tp: &C) -> Result<Tensor> {
     let mut out = shared_pad_reduce_scatter_output_shape(x.shape(), tp.world_size())

@@ -142,8 +142,8 @@ pub(crate) struct StreamState {
 /// use: bounded by the longest communicator timeout of the collectives still
 /// pending on the stream, else [`crate::CommOptions::from_env`]'s, so a
 /// collective that never completes (a rank that never joined; HCCL's own
-/// execution timeout is 1836 s on A2 by default, and only CANN 8.5 takes a
-/// per-communicator one) cannot block a drop. Once a bounded wait on the
+/// execution timeout is 1836 s on A2 by default, and only CANN 8.5 and later
+/// take a per-communicator one) cannot block a drop. Once a bounded wait on the
 /// stream timed out, later drops fail at once with the same timeout until a
 /// wait succeeds. A timeout is returned as `ACL_ERROR_RT_STREAM_SYNC_TIMEOUT`,
 /// and a stream being captured as an error without waiting, both of which
