@@ -133,12 +133,24 @@ pub const HCCL_COMM_CONFIG_MAGIC_WORD: u32 = 0xf0f0_f0f0;
 /// `HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET` (config version 6 on).
 pub const HCCL_COMM_DETERMINISTIC_CONFIG_NOT_SET: u32 = 0xffff_ffff;
 
-/// Byte offsets of the `HcclCommConfig` fields the simulator reads.
+/// Byte offsets of the `HcclCommConfig` fields the simulator reads (the
+/// same in every layout version: each layout is a prefix of the next,
+/// `hccl_types.h` of versions 5, 6, 8 and 10).
 pub mod comm_config {
-    /// `char hcclCommName[128]`.
-    pub const COMM_NAME: usize = 32;
+    /// `size_t size` of the 24-byte header.
+    pub const SIZE: usize = 0;
+    /// `uint32_t magicWord` of the header.
+    pub const MAGIC: usize = 8;
+    /// `uint32_t version` of the header.
+    pub const VERSION: usize = 12;
+    /// `uint32_t hcclBufferSize`.
+    pub const BUFFER_SIZE: usize = 24;
     /// `uint32_t hcclDeterministic`.
     pub const DETERMINISTIC: usize = 28;
-    /// `int32_t hcclExecTimeOut` (seconds).
+    /// `char hcclCommName[128]`.
+    pub const COMM_NAME: usize = 32;
+    /// `uint8_t aclGraphZeroCopyEnable`, from layout version 7.
+    pub const ZERO_COPY: usize = 312;
+    /// `int32_t hcclExecTimeOut` (seconds), from layout version 8.
     pub const EXEC_TIMEOUT: usize = 316;
 }

@@ -19,19 +19,6 @@ use crate::hccl::comms;
 use crate::status::{self, fail, SimError, SimResult};
 use crate::version::CannVersion;
 
-/// Byte offsets in `HcclCommConfig` (the same in every layout version: each
-/// layout is a prefix of the next, `hccl_types.h` of versions 5, 6 and 10).
-mod offset {
-    pub const SIZE: usize = 0;
-    pub const MAGIC: usize = 8;
-    pub const VERSION: usize = 12;
-    pub const BUFFER_SIZE: usize = 24;
-    pub const DETERMINISTIC: usize = 28;
-    pub const COMM_NAME: usize = 32;
-    /// `uint8_t aclGraphZeroCopyEnable`, from layout version 7.
-    pub const ZERO_COPY: usize = 312;
-}
-
 /// `HCCL_COMM_*_CONFIG_NOT_SET` (config version 6 and later).
 const NOT_SET: u32 = 0xffff_ffff;
 /// `HCCL_CCL_COMM_BUFFER_MIN`: the smallest `hcclBufferSize`, in MB.
@@ -63,9 +50,9 @@ pub unsafe fn comm_config(config: *const c_void) -> SimResult<()> {
     let (size, magic, version) = unsafe {
         let p = config as *const u8;
         (
-            p.add(offset::SIZE).cast::<usize>().read_unaligned(),
-            p.add(offset::MAGIC).cast::<u32>().read_unaligned(),
-            p.add(offset::VERSION).cast::<u32>().read_unaligned(),
+            p.add(comm_config::SIZE).cast::<usize>().read_unaligned(),
+            p.add(comm_config::MAGIC).cast::<u32>().read_unaligned(),
+            p.add(comm_config::VERSION).cast::<u32>().read_unaligned(),
         )
     };
     // HCCL `CommConfig::CheckMagicWord`: "Please make sure the config has been
@@ -73,7 +60,7 @@ pub unsafe fn comm_config(config: *const c_void) -> SimResult<()> {
     // HcclCreateSubCommConfig: "the config must be initialized by calling
     // HcclCommConfigInit". A header whose size does not even cover the magic
     // word leaves HCCL comparing bytes it never copied.
-    if size < offset::VERSION + 4 || magic != HCCL_COMM_CONFIG_MAGIC_WORD {
+    if size < comm_config::VERSION + 4 || magic != HCCL_COMM_CONFIG_MAGIC_WORD {
         return fail(
             HCCL_E_PARA,
             format!(
@@ -89,7 +76,7 @@ pub unsafe fn comm_config(config: *const c_void) -> SimResult<()> {
     }
     // SAFETY: `field` reads only inside the `size` bytes the header declares.
     let (buffer, deterministic) =
-        unsafe { (field(config, size, offset::BUFFER_SIZE), field(config, size, offset::DETERMINISTIC)) };
+        unsafe { (field(config, size, comm_config::BUFFER_SIZE), field(config, size, comm_config::DETERMINISTIC)) };
     let not_set_ok = v.has_config_not_set();
     if let Some(b) = buffer {
         // `CommConfig::SetConfigBufferSize`: below HCCL_CCL_COMM_BUFFER_MIN (1 MB)
@@ -129,9 +116,9 @@ pub unsafe fn comm_config(config: *const c_void) -> SimResult<()> {
     // `CommConfig::SetConfigByVersion` (hicann/hcomm
     // `src/framework/common/src/config/comm_config.cc`): from config version 7,
     // an `aclGraphZeroCopyEnable` other than 0 or 1 is EI0003, HCCL_E_PARA.
-    if version >= 7 && offset::ZERO_COPY < size {
+    if version >= 7 && comm_config::ZERO_COPY < size {
         // SAFETY: inside the `size` bytes the header declares.
-        let z = unsafe { (config as *const u8).add(offset::ZERO_COPY).read() };
+        let z = unsafe { (config as *const u8).add(comm_config::ZERO_COPY).read() };
         if z > 1 {
             return fail(HCCL_E_PARA, format!("EI0003: aclGraphZeroCopyEnable {z} is invalid (expected 0 or 1)"));
         }
@@ -267,7 +254,7 @@ unsafe fn config_has_name(config: *const c_void) -> bool {
     // only when the declared size covers it.
     unsafe {
         let size = (config as *const usize).read_unaligned();
-        size > offset::COMM_NAME && *(config as *const u8).add(offset::COMM_NAME) != 0
+        size > comm_config::COMM_NAME && *(config as *const u8).add(comm_config::COMM_NAME) != 0
     }
 }
 

@@ -110,7 +110,7 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
     // says the caller's struct has them.
     unsafe {
         let size = (p as *const usize).read_unaligned();
-        let magic = (p.add(8) as *const u32).read_unaligned();
+        let magic = (p.add(comm_config::MAGIC) as *const u32).read_unaligned();
         if magic != HCCL_COMM_CONFIG_MAGIC_WORD {
             return fail(HCCL_E_PARA, format!("config magic word {magic:#x} (call HcclCommConfigInit first)"));
         }
@@ -133,7 +133,7 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
         // 0 means never (`:370-372`), and any other value wins over the
         // variable (hicann/hccl docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md,
         // "use constraints").
-        let version = (p.add(12) as *const u32).read_unaligned();
+        let version = (p.add(comm_config::VERSION) as *const u32).read_unaligned();
         let size = size.min(crate::version::CannVersion::current().comm_config_size());
         if version >= 8 && size >= comm_config::EXEC_TIMEOUT + 4 {
             let t = (p.add(comm_config::EXEC_TIMEOUT) as *const i32).read_unaligned();

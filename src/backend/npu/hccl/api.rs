@@ -115,7 +115,8 @@ fn config_with(cap: Option<u32>, opts: &CommOptions) -> HcclCommConfig {
     let layout = hccl_sys::CommConfigLayout::for_capability(cap);
     let mut config = layout.new_config();
     config.adapt_to_capability(cap);
-    if layout.has_exec_timeout() && HcclCommConfig::supports(cap, hccl_sys::capability::EXEC_TIMEOUT) {
+    // A layout that has the field comes with a capability count past EXEC_TIMEOUT.
+    if layout.has_exec_timeout() {
         let secs = opts.timeout.as_secs() + u64::from(opts.timeout.subsec_nanos() > 0);
         config.hcclExecTimeOut = i32::try_from(secs.max(1)).unwrap_or(i32::MAX);
     }
