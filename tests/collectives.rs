@@ -1058,6 +1058,50 @@ mod every_backend {
         .unwrap();
     }
 
+    /// With HCCL's inconsistent-op check on (`HCCL_DFS_CONFIG`, read once per
+    /// process, so in a child), a later all-reduce whose count differs
+    /// between ranks is HCCL's async error HCCL_E_PARA, reported by the
+    /// check as a mismatch on every rank, not as a failed peer.
+    #[test]
+    #[ignore = "needs an Ascend NPU"]
+    fn a_later_disagreeing_call_found_by_hccls_inconsistent_op_check_is_a_mismatch() {
+        const NAME: &str = "every_backend::a_later_disagreeing_call_found_by_hccls_inconsistent_op_check_is_a_mismatch";
+        if std::env::var_os("HCCL_DFS_CONFIG").is_none() {
+            let exe = std::env::current_exe().expect("this test binary");
+            let out = std::process::Command::new(exe)
+                .args([NAME, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+                .env("HCCL_DFS_CONFIG", "inconsistent_check:on")
+                .output()
+                .expect("run the child");
+            let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            assert!(out.status.success() && o.contains("1 passed"), "the child failed ({}):\n{o}\n{e}", out.status);
+            return;
+        }
+        npu_run_ranks(WORLD, &CommOptions::with_timeout(std::time::Duration::from_secs(20)), |rank, comm| {
+            let dev = comm.device();
+            let mut warm = tensor::<f32>(&dev, &[1.0])?;
+            comm.all_reduce_in_place(&mut warm, ReduceOp::Sum)?;
+            assert_eq!(read(&warm)?, [WORLD as f64]);
+            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
+            hccl.npu_device().check()?;
+            let n = if rank == 0 { 8 } else { 4 };
+            let src = Tensor::zeros(&[n], DType::F32, &dev)?;
+            let mut dst = Tensor::zeros(&[n], DType::F32, &dev)?;
+            comm.all_reduce(&src, &mut dst, ReduceOp::Sum).expect("queued: HCCL checks only a first call on the host");
+            let err = hccl.npu_device().check().expect_err("rank 0 reduces 8 elements, the others 4");
+            match &err {
+                ascend_moe::Error::Comm { collective, rank: r, kind, .. } => {
+                    assert_eq!((collective.as_str(), *r), ("all_reduce", rank), "{err}");
+                    assert_eq!(*kind, ascend_moe::CommErrorKind::Mismatch, "{err}");
+                    assert!(err.to_string().contains("inconsistent-op check"), "{err}");
+                }
+                other => panic!("expected a Comm error, got {other:?}"),
+            }
+            Ok(())
+        })
+        .unwrap();
+    }
+
     /// A collective runs on the stream of its first operand; a destination
     /// on another stream of the device is read through that stream, which
     /// is ordered after the collective.

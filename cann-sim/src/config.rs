@@ -17,6 +17,7 @@
 //! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
 //! | `CANNSIM_CANN_VERSION` | the emulated CANN release, `8.1`, `8.3` or `8.5` (see [`crate::version`]) | 8.5 |
 //! | `HCCL_EXEC_TIMEOUT` | HCCL's own: seconds a collective waits for its peers on the device, unless the communicator's `HcclCommConfig` of version 8 or later sets `hcclExecTimeOut` (CANN 8.5 only); `0` never times out (read at each communicator creation, see [`exec_timeout`]) | 1836 |
+//! | `HCCL_DFS_CONFIG` | HCCL's own: `inconsistent_check:on` makes `HcclGetCommAsyncError` report a later collective whose ranks disagree on its type, dtype, operation, root or count as `HCCL_E_PARA`, unless `cluster_heartbeat:off` (see [`inconsistent_check`]) | off |
 //! | `HCCL_CONNECT_TIMEOUT` | HCCL's own: seconds, 120 to 7200, a rank waits for its peers to join a communicator or to set up a collective's links; the wait is this plus 20 s (see [`connect_timeout`]) | 120 |
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,6 +63,9 @@ pub struct Config {
     pub soc_name: String,
     /// Print failing calls.
     pub trace: bool,
+    /// `HCCL_DFS_CONFIG` turns on HCCL's inconsistent-op check
+    /// ([`inconsistent_check`]).
+    pub inconsistent_check: bool,
     /// The emulated CANN release.
     pub cann_version: CannVersion,
 }
@@ -132,6 +136,7 @@ impl Config {
             die_exit_code: var("CANNSIM_DIE_EXIT_CODE").and_then(|s| s.parse().ok()).unwrap_or(77),
             leak_report,
             leak_exit_code: var("CANNSIM_LEAK_EXIT_CODE").and_then(|s| s.parse().ok()).unwrap_or(97),
+            inconsistent_check: inconsistent_check(var("HCCL_DFS_CONFIG").as_deref()),
             soc_name: var("CANNSIM_SOC_NAME").unwrap_or_else(|| "Ascend910B1".to_string()),
             trace: matches!(var("CANNSIM_TRACE").as_deref(), Some("1") | Some("true")),
             cann_version: match var("CANNSIM_CANN_VERSION") {
@@ -237,6 +242,33 @@ impl CannVersion {
     pub fn current() -> CannVersion {
         get().cann_version
     }
+}
+
+/// Whether `HCCL_DFS_CONFIG` (`dfs`, `None` when unset) turns on HCCL's
+/// check that the ranks of a communicator call the same collectives.
+///
+/// hcomm v8.5.0 `src/framework/common/src/config/env_config.cc`:
+/// `ParseDFSConfig` (`:514-572`) drops the spaces of the value, lowercases
+/// it and reads each item at its first occurrence up to the next comma
+/// (`ParseSingleDFSConfigItem`, `:496-512`); `on` and `off` set a switch,
+/// any other value keeps the default (a warning): `cluster_heartbeat` on,
+/// `inconsistent_check` off (`env_config.h:97-101`). The check runs over the
+/// heartbeat, which registers no ranks when it is off
+/// (`heartbeat.cc:286-291`).
+pub fn inconsistent_check(dfs: Option<&str>) -> bool {
+    let Some(dfs) = dfs else { return false };
+    let dfs: String = dfs.chars().filter(|&c| c != ' ').collect::<String>().to_ascii_lowercase();
+    let item = |name: &str| {
+        let start = dfs.find(name)? + name.len();
+        let rest = &dfs[start..];
+        Some(rest[..rest.find(',').unwrap_or(rest.len())].to_string())
+    };
+    let switch = |name: &str, default: bool| match item(name).as_deref() {
+        Some("on") => true,
+        Some("off") => false,
+        _ => default,
+    };
+    switch("cluster_heartbeat:", true) && switch("inconsistent_check:", false)
 }
 
 /// The execution timeout of a communicator whose config sets no

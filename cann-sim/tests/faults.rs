@@ -447,3 +447,52 @@ fn malformed_hccl_timeout_variables_fail_the_communicator_creation() {
         assert!(stderr(&o).contains(var), "{var}={value}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn hccls_inconsistent_op_check_reports_a_later_disagreeing_call_as_an_async_error() {
+    if role().as_deref() == Some("inconsistent") {
+        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+        let root = unhex(&std::env::var("ROOT").unwrap());
+        let s = use_device(rank as i32);
+        let mut comm = NULL;
+        unsafe { assert_eq!((s.HcclCommInitRootInfo)(2, root.as_ptr(), rank, &mut comm), 0, "{}", err_msg()) };
+        let st = stream();
+        let send = upload(&[1f32; 8]);
+        let recv = malloc(32);
+        // The first call matches (its links are set up); the second differs
+        // in its count, which only the check on the device sees.
+        let n = if rank == 0 { 4 } else { 8 };
+        unsafe {
+            assert_eq!((s.HcclAllReduce)(send, recv, 4, HCCL_FP32, HCCL_SUM, comm, st), 0);
+            assert_eq!((s.aclrtSynchronizeStream)(st), 0, "{}", err_msg());
+            assert_eq!((s.HcclAllReduce)(send, recv, n, HCCL_FP32, HCCL_SUM, comm, st), 0);
+        }
+        let r = unsafe { (s.aclrtSynchronizeStream)(st) };
+        let mut e = -1;
+        unsafe { assert_eq!((s.HcclGetCommAsyncError)(comm, &mut e), 0) };
+        println!("rank {rank}: sync {r} async {e}");
+        return;
+    }
+    let name = "hccls_inconsistent_op_check_reports_a_later_disagreeing_call_as_an_async_error";
+    // HCCL_E_PARA (1) with the check on (spaces and case as HCCL reads
+    // them); nothing while it is off (its default) or the heartbeat is off.
+    for (dfs, async_err) in [
+        (Some(" Inconsistent_Check : ON "), 1),
+        (Some("cluster_heartbeat:on,inconsistent_check:on"), 1),
+        (Some("inconsistent_check:on,cluster_heartbeat:off"), 0),
+        (Some("inconsistent_check:yes"), 0),
+        (None, 0),
+    ] {
+        let mut env = vec![("HCCL_EXEC_TIMEOUT", "60")];
+        env.extend(dfs.map(|v| ("HCCL_DFS_CONFIG", v)));
+        let outs: Vec<_> =
+            spawn_ranks(name, "inconsistent", 2, &env).into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+        for (r, o) in outs.iter().enumerate() {
+            let out = stderr(o);
+            assert!(o.status.success(), "{dfs:?} rank {r}: {out}");
+            // The stream fails at once either way: the simulator does not
+            // wait out the execution timeout.
+            assert!(out.contains(&format!("rank {r}: sync 507046 async {async_err}")), "{dfs:?} rank {r}: {out}");
+        }
+    }
+}

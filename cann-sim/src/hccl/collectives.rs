@@ -12,18 +12,21 @@
 //! before it reads any payload. Real HCCL does not check a later call: the
 //! ranks wait for data that never comes until the execution timeout, or move
 //! the wrong bytes. The simulator fails such a collective on every rank with
-//! `HCCL_E_TIMEOUT` at once (the stream's error; no async error: the HCCL API
-//! reference gives `HcclGetCommAsyncError` only the RDMA error CQE), never a
-//! silent result. Then each rank reads what it needs and computes its own
+//! `HCCL_E_TIMEOUT` at once (the stream's error), never a silent result; with
+//! HCCL's inconsistent-op check on (`HCCL_DFS_CONFIG`), a call whose type,
+//! dtype, operation, root or count differs is also `HcclGetCommAsyncError`'s
+//! `HCCL_E_PARA` on every rank. Then each rank reads what it needs and computes its own
 //! result: reductions combine the ranks in the order `reduction_order`
 //! gives (rank order only when the communicator is deterministic).
 
 use std::ffi::c_void;
+use std::sync::atomic::Ordering;
 
 use super::comms::{comm, SimComm};
 use super::elem::{DType, ReduceOp, Reduction};
 use super::plane::{Group, Round};
 use super::queue::{counts, enqueue, with_bytes, with_bytes_mut, Buf};
+use crate::config;
 use crate::ffi::*;
 use crate::hccl_rules;
 use crate::status::{self, fail, SimError, SimResult};
@@ -184,10 +187,18 @@ fn run(
     let words = desc.words(kind);
     let setup_words = words.clone();
     let setup = move |c: &SimComm, before: &dyn Fn()| c.link_setup(&setup_words, &agree, before);
-    let job = move |g: &mut Group| {
+    let job = move |c: &SimComm, g: &mut Group| {
         g.publish(&words, |w| send.iter().try_for_each(|b| with_bytes(*b, dt, |bytes| w.append(bytes))))?;
         g.complete(|round| {
             agree(&round.descs).map_err(|e| {
+                // HCCL's inconsistent-op check, when it is on, compares the
+                // type, dtype, operation, root and count of each call
+                // (hcomm v8.5.0 `heartbeat.cc:982-1023` `CheckIsSameOp`,
+                // recorded at `:1049-1067`), not the count arrays.
+                let fixed = |d: &Vec<u64>| d.get(..FIXED).map(<[u64]>::to_vec);
+                if config::get().inconsistent_check && round.descs.iter().any(|d| fixed(d) != fixed(&round.descs[0])) {
+                    c.inconsistent.store(true, Ordering::SeqCst);
+                }
                 SimError::new(
                     HCCL_E_TIMEOUT,
                     format!(

@@ -4,7 +4,7 @@
 //! the HCCL rules look parents up here, and the leak report reads the table,
 //! none of them through the others.
 
-use std::sync::atomic::AtomicI32;
+use std::sync::atomic::{AtomicBool, AtomicI32};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -36,8 +36,12 @@ pub struct SimComm {
     pub(super) link: Mutex<Group>,
     /// Descriptor word 0 of each collective whose links are set up.
     pub(super) linked: Mutex<Vec<u64>>,
-    /// What `HcclGetCommAsyncError` reports: `HCCL_E_REMOTE` or success.
+    /// The error CQE `HcclGetCommAsyncError` reports first: `HCCL_E_REMOTE`
+    /// or success.
     pub(super) async_error: AtomicI32,
+    /// HCCL's inconsistent-op check found a collective whose ranks disagree
+    /// (reported as `HCCL_E_PARA` when there is no error CQE).
+    pub(super) inconsistent: AtomicBool,
     /// The first failure of a collective on the device (sticky).
     pub(super) failed: AtomicI32,
 }

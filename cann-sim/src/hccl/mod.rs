@@ -16,8 +16,9 @@
 //! calls are not checked ([`collectives`] says what the simulator does then).
 //! A failed collective (timeout, dead peer) is the stream's error (reported by
 //! its synchronisation) and later collectives on the communicator fail at once
-//! with the same code; `HcclGetCommAsyncError` reports only a dead peer
-//! (`HCCL_E_REMOTE`, HCCL's "error CQE").
+//! with the same code; `HcclGetCommAsyncError` reports a dead peer
+//! (`HCCL_E_REMOTE`, HCCL's "error CQE") and, with HCCL's inconsistent-op
+//! check on, ranks that called different collectives (`HCCL_E_PARA`).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -31,7 +32,7 @@ pub use collectives::*;
 pub use comms::{SimComm, COMMS};
 
 use std::ffi::{c_char, c_void, CStr};
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -277,6 +278,7 @@ fn join(
         link: Mutex::new(link),
         linked: Mutex::new(Vec::new()),
         async_error: AtomicI32::new(HCCL_SUCCESS),
+        inconsistent: AtomicBool::new(false),
         failed: AtomicI32::new(HCCL_SUCCESS),
     };
     Ok(COMMS.insert(Arc::new(c)))
@@ -466,15 +468,22 @@ pub extern "C" fn HcclGetErrorString(code: HcclResult) -> *const c_char {
 }
 
 /// `HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError)`:
-/// HCCL_E_REMOTE once a collective of the communicator met a dead peer, else
-/// success. The HCCL API reference (HcclGetCommAsyncError, CANN 8.0 to 8.5)
-/// gives the error CQE of an RDMA link (HCCL_E_REMOTE) as the one error this
-/// call reports; a timeout or an argument error is never reported here.
+/// the error CQE first (HCCL_E_REMOTE once a collective of the communicator
+/// met a dead peer), else HCCL_E_PARA once its inconsistent-op check found a
+/// collective whose ranks disagree, else success; a timeout is never
+/// reported here. hcomm v8.5.0 `src/framework/op_base/src/op_base.cc:3191-3204`
+/// (`CommCheckErrorCqe`, then `CommCheckOpInconsistentError` only on
+/// success), `heartbeat.cc:1941-1956` (HCCL_E_PARA, only with the check on:
+/// [`crate::config::inconsistent_check`]).
 #[no_mangle]
 pub unsafe extern "C" fn HcclGetCommAsyncError(comm_h: HcclComm, async_error: *mut HcclResult) -> HcclResult {
     status::hccl("HcclGetCommAsyncError", || {
         let c = comm(comm_h)?;
-        write_out(async_error, c.async_error.load(Ordering::SeqCst), HCCL_E_PTR, "asyncError")
+        let code = match c.async_error.load(Ordering::SeqCst) {
+            HCCL_SUCCESS if c.inconsistent.load(Ordering::SeqCst) => HCCL_E_PARA,
+            code => code,
+        };
+        write_out(async_error, code, HCCL_E_PTR, "asyncError")
     })
 }
 

@@ -94,7 +94,7 @@ pub(super) fn with_bytes_mut<T>(b: Buf, dt: DType, f: impl FnOnce(&mut [u8]) -> 
 pub(super) type LinkSetup = dyn Fn(&SimComm, &dyn Fn()) -> SimResult<()>;
 
 /// A collective's work on the group; `Fn` so that a captured collective replays.
-pub(super) type CollJob = Box<dyn Fn(&mut Group) -> SimResult<()> + Send + Sync>;
+pub(super) type CollJob = Box<dyn Fn(&SimComm, &mut Group) -> SimResult<()> + Send + Sync>;
 
 /// The tasks of a collective go on `s` through the runtime's task calls
 /// (notify record and wait, asynchronous copies), which need the calling
@@ -177,7 +177,7 @@ pub(super) fn enqueue(
                 )
             } else {
                 let mut group = c.group.lock().unwrap_or_else(|e| e.into_inner());
-                job(&mut group)
+                job(&c, &mut group)
             };
             r.map_err(|e| {
                 let _ = c.failed.compare_exchange(HCCL_SUCCESS, e.code, Ordering::SeqCst, Ordering::SeqCst);

@@ -149,15 +149,25 @@ impl Pending for QueuedCollective {
             kind,
         };
         // HcclGetCommAsyncError reports the error CQE of a failed link to a
-        // peer, HCCL_E_REMOTE, and nothing else (HCCL API reference,
-        // HcclGetCommAsyncError, CANN 8.0 to 8.5): a timeout shows only as the
-        // stream's failed wait, below. Any other code is still a peer's failure.
+        // peer (HCCL_E_REMOTE) or, where there is none and HCCL's
+        // inconsistent-op check is on (`HCCL_DFS_CONFIG=inconsistent_check:on`,
+        // off by default), HCCL_E_PARA for ranks whose calls differ in type,
+        // dtype, operation, root or count: hcomm v8.5.0
+        // `src/framework/op_base/src/op_base.cc:3191-3204`,
+        // `cluster_maintenance/health/heartbeat/heartbeat.cc:982-1023,1941-1956`.
+        // A timeout shows only as the stream's failed wait, below.
         if let Some(code) = c.async_error() {
             let how = wait.map(|e| format!(" (the stream reported: {e})")).unwrap_or_default();
-            return Err(err(
-                crate::CommErrorKind::PeerFailed,
-                format!("HCCL async error {}: {}{how}", code.0, error_string(code)),
-            ));
+            let (kind, what) = if code == HcclResult::HCCL_E_PARA {
+                (
+                    crate::CommErrorKind::Mismatch,
+                    "HCCL's inconsistent-op check found ranks of the group calling different collectives \
+                     (type, dtype, operation, root or count; HCCL's log names both calls): ",
+                )
+            } else {
+                (crate::CommErrorKind::PeerFailed, "")
+            };
+            return Err(err(kind, format!("{what}HCCL async error {}: {}{how}", code.0, error_string(code))));
         }
         // A wait that timed out with no error recorded by HCCL: this
         // collective (the first one queued since the last check) is named.
