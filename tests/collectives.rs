@@ -914,6 +914,45 @@ mod every_backend {
         Ok(())
     });
 
+    // A size or root every rank got wrong on its own is that rank's argument
+    // error, the same on both communicators (never a disagreement: there is
+    // none).
+    backend_test!(
+        a_ranks_own_bad_size_or_root_is_an_argument_error_on_both_communicators,
+        ranks = WORLD,
+        |_rank, world| {
+            use ascend_moe::Error;
+            let dev = world.device();
+            let t = |n: usize| Tensor::zeros(&[n], DType::F32, &dev);
+            let arg_of = |e: &Error| match e {
+                Error::Shape { op, arg, .. } => format!("shape {op} {arg}"),
+                Error::InvalidArgument { op, arg, .. } => format!("invalid {op} {arg}"),
+                other => format!("other {other:?}"),
+            };
+            let cases: Vec<(&str, Error)> = vec![
+                ("shape all_reduce dst", world.all_reduce(&t(4)?, &mut t(3)?, ReduceOp::Sum).unwrap_err()),
+                ("shape reduce_scatter src", world.reduce_scatter(&t(8)?, &mut t(3)?, ReduceOp::Sum).unwrap_err()),
+                ("shape all_gather dst", world.all_gather(&t(2)?, &mut t(7)?).unwrap_err()),
+                ("invalid all_gather_v dst", world.all_gather_v(&t(1)?, &mut t(3)?, &[1; WORLD]).unwrap_err()),
+                ("invalid reduce_scatter_v dst", {
+                    world.reduce_scatter_v(&t(WORLD)?, &mut t(2)?, &[1; WORLD], ReduceOp::Sum).unwrap_err()
+                }),
+                (
+                    "shape all_to_all_v src",
+                    world.all_to_all_v(&t(3)?, &[1; WORLD], &mut t(WORLD)?, &[1; WORLD]).unwrap_err(),
+                ),
+                ("invalid broadcast root", world.broadcast(&mut t(2)?, WORLD).unwrap_err()),
+            ];
+            for (want, e) in &cases {
+                assert_eq!(&arg_of(e), want, "{e}");
+            }
+            // Nothing was queued: the group still works.
+            let mut buf = t(2)?;
+            world.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+            Ok(())
+        }
+    );
+
     #[test]
     #[ignore = "needs an Ascend NPU"]
     fn root_info_travels_as_hex_between_ranks() {

@@ -69,15 +69,18 @@ impl HcclComm {
         Ok((self.dev_ptr(s, SEND)?, self.dev_ptr(d, RECV)?))
     }
 
-    fn comm_err(&self, collective: &str, detail: String) -> Error {
-        Error::Comm {
-            collective: collective.to_string(),
-            group: self.inner.name.clone(),
-            rank: self.inner.rank,
-            world: self.inner.world,
-            detail,
-            kind: crate::CommErrorKind::Mismatch,
-        }
+    /// A size this rank got wrong on its own: the error the CPU
+    /// communicator gives for it (`Error::Shape` naming `arg`), not a
+    /// disagreement between ranks.
+    fn len_err(op: &'static str, arg: &'static str, shape: &[usize], expected: usize, what: &str) -> Error {
+        Error::shape(op, arg, format!("{expected} elements ({what})"), shape)
+    }
+
+    /// A buffer `arg` of `HcclAllGatherV` / `HcclReduceScatterV` whose length
+    /// is not what this rank's counts give (`Error::InvalidArgument`, as on
+    /// the CPU communicator).
+    fn v_len_err(op: &'static str, arg: &'static str, actual: usize, expected: usize, what: &str) -> Error {
+        Error::invalid(op, arg, format!("holds {actual} elements, expected {expected} ({what})"))
     }
 
     /// `b`, which must be on this communicator's device.
@@ -185,7 +188,7 @@ impl Communicator for HcclComm {
         self.same_dtype(OP, src.meta(), dst.meta())?;
         check_dtype(OP, Table::Reduce, src.dtype())?;
         if src.numel() != dst.numel() {
-            return Err(self.comm_err(OP, format!("src has {} elements, dst {}", src.numel(), dst.numel())));
+            return Err(Self::len_err(OP, "dst", dst.shape(), src.numel(), "as src"));
         }
         let (s, d) = (
             self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
@@ -221,10 +224,8 @@ impl Communicator for HcclComm {
         self.same_dtype(OP, src.meta(), dst.meta())?;
         check_dtype(OP, Table::Reduce, src.dtype())?;
         if src.numel() != dst.numel() * self.inner.world {
-            return Err(self.comm_err(
-                OP,
-                format!("src has {} elements, expected world {} x dst {}", src.numel(), self.inner.world, dst.numel()),
-            ));
+            let n = dst.numel() * self.inner.world;
+            return Err(Self::len_err(OP, "src", src.shape(), n, "world size x dst elements"));
         }
         let (s, d) = (
             self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
@@ -244,10 +245,8 @@ impl Communicator for HcclComm {
         const OP: &str = "all_gather";
         self.same_dtype(OP, src.meta(), dst.meta())?;
         if dst.numel() != src.numel() * self.inner.world {
-            return Err(self.comm_err(
-                OP,
-                format!("dst has {} elements, expected world {} x src {}", dst.numel(), self.inner.world, src.numel()),
-            ));
+            let n = src.numel() * self.inner.world;
+            return Err(Self::len_err(OP, "dst", dst.shape(), n, "world size x src elements"));
         }
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
@@ -272,15 +271,11 @@ impl Communicator for HcclComm {
         check_dtype(OP, Table::ReduceScatterV, src.dtype())?;
         let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
         let mine = counts[self.inner.rank];
-        if src.numel() != total || dst.numel() != mine {
-            return Err(self.comm_err(
-                OP,
-                format!(
-                    "src has {} elements (counts sum to {total}), dst {} (my count {mine})",
-                    src.numel(),
-                    dst.numel()
-                ),
-            ));
+        if src.numel() != total {
+            return Err(Self::v_len_err(OP, "src", src.numel(), total, "the sum of counts"));
+        }
+        if dst.numel() != mine {
+            return Err(Self::v_len_err(OP, "dst", dst.numel(), mine, "this rank's count"));
         }
         let (s, d) = (
             self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
@@ -316,15 +311,11 @@ impl Communicator for HcclComm {
         self.same_dtype(OP, src.meta(), dst.meta())?;
         let (c, displs, total) = self.counts_check(OP, "counts", counts)?;
         let mine = counts[self.inner.rank];
-        if src.numel() != mine || dst.numel() != total {
-            return Err(self.comm_err(
-                OP,
-                format!(
-                    "src has {} elements (my count {mine}), dst {} (counts sum to {total})",
-                    src.numel(),
-                    dst.numel()
-                ),
-            ));
+        if src.numel() != mine {
+            return Err(Self::v_len_err(OP, "src", src.numel(), mine, "this rank's count"));
+        }
+        if dst.numel() != total {
+            return Err(Self::v_len_err(OP, "dst", dst.numel(), total, "the sum of counts"));
         }
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
@@ -360,15 +351,11 @@ impl Communicator for HcclComm {
         self.same_dtype(OP, src.meta(), dst.meta())?;
         let (sc, sd, stotal) = self.counts_check(OP, "send_counts", send_counts)?;
         let (rc, rd, rtotal) = self.counts_check(OP, "recv_counts", recv_counts)?;
-        if src.numel() != stotal || dst.numel() != rtotal {
-            return Err(self.comm_err(
-                OP,
-                format!(
-                    "src has {} elements (send counts sum to {stotal}), dst {} (recv counts sum to {rtotal})",
-                    src.numel(),
-                    dst.numel()
-                ),
-            ));
+        if src.numel() != stotal {
+            return Err(Self::len_err(OP, "src", src.shape(), stotal, "sum of send_counts"));
+        }
+        if dst.numel() != rtotal {
+            return Err(Self::len_err(OP, "dst", dst.shape(), rtotal, "sum of recv_counts"));
         }
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
@@ -396,7 +383,8 @@ impl Communicator for HcclComm {
     fn broadcast(&self, buf: ViewMut<'_, NpuBuffer>, root: usize) -> Result<()> {
         const OP: &str = "broadcast";
         if root >= self.inner.world {
-            return Err(self.comm_err(OP, format!("root {root} outside a group of {}", self.inner.world)));
+            let why = format!("root {root} is out of range for world size {}", self.inner.world);
+            return Err(Error::invalid(OP, "root", why));
         }
         let b = self.reduce_buffer(OP, "buf", buf.buf(), buf.dtype())?;
         let (n, dt) = (buf.numel() as u64, hccl_dtype(buf.dtype()));
