@@ -205,3 +205,44 @@ fn bad_dispatch_and_context_input_is_named() {
     let e = MoeContext::new(&[4], 2, 0, 2, true).unwrap_err().to_string();
     assert!(e.contains("`tp_rank`"), "{e}");
 }
+
+/// An `out` covering part of `x` (as the C ABI lends the caller's
+/// descriptors) gets what separate memory gets, for every comm type, with
+/// `out` before and after `x` in one device allocation. NPU only: a host
+/// buffer is borrowed only at an aligned address.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn prepare_into_an_out_overlapping_x_gives_the_separate_result() {
+    use ascend_moe::backend::npu::NpuBuffer;
+    use ascend_moe::tensor::Storage;
+    use ascend_moe::{DType, Device};
+    ascend_moe::ranks::npu_run_ranks(1, &opts(), |_rank, comm| {
+        let Device::Npu(npu) = comm.device() else { panic!("an NPU world") };
+        let ctx = MoeContext::new(&[3], 1, 0, 0, false)?;
+        let groups = MoeGroups::from_world(&comm, 1)?;
+        let (rows, h) = (3usize, 2usize);
+        let n = rows * h;
+        let base_vals: Vec<f32> = (0..n + 2).map(|i| i as f32 + 1.0).collect();
+        // (x's first element, out's first element) in a buffer of n + 2.
+        for (xo, oo) in [(2usize, 0usize), (0, 2)] {
+            for comm_type in CommType::ALL {
+                let base = Tensor::from_slice(&base_vals, &[n + 2])?.to_device(&comm.device())?;
+                let Storage::Npu(b) = base.storage() else { panic!("device storage") };
+                let at = |off: usize| -> ascend_moe::Result<Tensor> {
+                    // SAFETY: `base` holds n + 2 f32 and outlives these views.
+                    let buf = unsafe { NpuBuffer::borrow_raw(&npu, b.as_ptr().cast::<f32>().add(off).cast(), n * 4) }?;
+                    Tensor::from_buffer(&[rows, h], DType::F32, buf)
+                };
+                let (x, mut out) = (at(xo)?, at(oo)?);
+                let apart = Tensor::from_slice(&base_vals[xo..xo + n], &[rows, h])?.to_device(&comm.device())?;
+                let want = prepare(&apart, comm_type, &ctx, &groups)?.hidden.to_vec::<f32>()?;
+                assert_eq!(out.shape(), prepare_output_shape(x.shape(), comm_type, &ctx)?.as_slice());
+                prepare_into(&x, comm_type, &ctx, &groups, &mut out)
+                    .unwrap_or_else(|e| panic!("{comm_type:?} x at {xo}, out at {oo}: {e}"));
+                assert_eq!(out.to_vec::<f32>()?, want, "{comm_type:?} x at {xo}, out at {oo}");
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+}

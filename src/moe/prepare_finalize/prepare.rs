@@ -9,6 +9,7 @@ use crate::backend::args::with_rows;
 use crate::backend::Call;
 use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
+use crate::moe::output::write_apart;
 use crate::moe::pad_reduce::{maybe_all_gather_and_maybe_unpad_into, maybe_pad_and_reduce, maybe_pad_and_reduce_into};
 use crate::{DType, Error, Result, Tensor};
 
@@ -98,7 +99,10 @@ pub fn prepare_tokens_into(
                 }
             }
         }
-        TokenPlan::TpSplit { sizes, .. } => {
+        // These copy rows of `x` into `out`, which may cover bytes of `x`
+        // (the C ABI lends the caller's descriptors as two tensors): they
+        // then write a workspace result copied into `out`.
+        TokenPlan::TpSplit { sizes, .. } => write_apart(out, [("x", Some(x))], |out| {
             let first: usize = sizes[..ctx.tp_rank()].iter().sum();
             let real = x.rows().saturating_sub(first).min(sizes[ctx.tp_rank()]);
             if real > 0 {
@@ -111,8 +115,9 @@ pub fn prepare_tokens_into(
                 let zeros = backend.scratch(&with_rows(PREPARE, "out", out.shape(), pad)?, x.dtype())?;
                 backend.copy_rows(&zeros, 0, out, real, pad)?;
             }
-        }
-        TokenPlan::Local => copy_all(x, out)?,
+            Ok(())
+        })?,
+        TokenPlan::Local => write_apart(out, [("x", Some(x))], |out| copy_all(x, out))?,
     }
     Ok(())
 }
