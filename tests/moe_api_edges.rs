@@ -195,3 +195,19 @@ fn the_element_count_of_an_overflowing_meta_saturates() {
     assert_eq!(meta(&[usize::MAX, 2, 0]).numel(), 0);
     assert_eq!(meta(&[1 << 32, 1 << 31]).numel(), 1 << 63);
 }
+
+#[test]
+fn an_ep_world_too_large_with_pcp_names_each_size_the_caller_passed() {
+    use ascend_moe::SpLayout;
+    let tp = 1usize << 18;
+    // 4 x 262144 = 2^20 EP ranks fits; a PCP size of 2 doubles it.
+    let ctx = MoeContext::new(&[1; 4], tp, 0, 0, false).expect("2^20 EP ranks");
+    let want = format!("dp_size 4 x pcp_size 2 x tp_size {tp} exceeds the maximum of 1048576 EP ranks");
+    let e = ctx.with_pcp(2, 0).expect_err("2^21 EP ranks");
+    assert!(e.to_string().contains(&want) && e.to_string().contains("`pcp_size`"), "{e}");
+    let e = SpLayout::from_dp_tokens_pcp(&[1; 4], 2, tp).expect_err("2^21 EP ranks");
+    assert!(e.to_string().contains(&want), "{e}");
+    // A product past usize names the sizes as passed, not a saturated one.
+    let e = SpLayout::from_dp_tokens_pcp(&[1; 4], 1 << 62, 8).expect_err("2^67 EP ranks");
+    assert!(e.to_string().contains(&format!("dp_size 4 x pcp_size {} x tp_size 8", 1usize << 62)), "{e}");
+}

@@ -32,7 +32,7 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
         if tp_size == 0 {
             return Err(Failure::invalid(F, "tp_size", "expected >= 1, got 0"));
         }
-        let need = bounded_ep(F, "tp_size", n, tp_size)?;
+        let need = bounded_ep(F, "tp_size", &[("dp_size", n), ("tp_size", tp_size)])?;
         write_out(out_len, need);
         if cap < need {
             return Err(Failure::new(

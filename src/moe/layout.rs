@@ -9,15 +9,18 @@ use crate::{Error, Result};
 /// before anything is allocated. The C ABI exports it as `AMOE_MAX_EP_RANKS`.
 pub const MAX_EP_RANKS: usize = 1 << 20;
 
-/// Checks `dp_size * tp_size <= MAX_EP_RANKS` (without overflow) and returns the EP size.
-pub(crate) fn bounded_ep(op: &'static str, arg: &'static str, dp_size: usize, tp_size: usize) -> Result<usize> {
-    match dp_size.checked_mul(tp_size) {
+/// Checks that the product of the named `sizes` (`dp_size`, `pcp_size`,
+/// `tp_size`, ... as the caller passed them) is at most `MAX_EP_RANKS`,
+/// without overflow, and returns it (the EP size); the error, naming `arg`,
+/// gives every factor.
+pub(crate) fn bounded_ep(op: &'static str, arg: &'static str, sizes: &[(&str, usize)]) -> Result<usize> {
+    match sizes.iter().try_fold(1usize, |p, &(_, n)| p.checked_mul(n)) {
         Some(ep) if ep <= MAX_EP_RANKS => Ok(ep),
-        _ => Err(Error::invalid(
-            op,
-            arg,
-            format!("dp_size {dp_size} x tp_size {tp_size} exceeds the maximum of {MAX_EP_RANKS} EP ranks"),
-        )),
+        _ => {
+            let factors: Vec<String> = sizes.iter().map(|(name, n)| format!("{name} {n}")).collect();
+            let why = format!("{} exceeds the maximum of {MAX_EP_RANKS} EP ranks", factors.join(" x "));
+            Err(Error::invalid(op, arg, why))
+        }
     }
 }
 
@@ -76,7 +79,7 @@ impl SpLayout {
         if dp_tokens.is_empty() {
             return Err(Error::invalid(OP, "dp_tokens", "expected one entry per DP rank, got none"));
         }
-        bounded_ep(OP, "tp_size", dp_tokens.len(), tp_size)?;
+        bounded_ep(OP, "tp_size", &[("dp_size", dp_tokens.len()), ("tp_size", tp_size)])?;
         let sizes: Vec<usize> =
             dp_tokens.iter().flat_map(|&t| std::iter::repeat(t.div_ceil(tp_size)).take(tp_size)).collect();
         Self::new(&sizes)
@@ -95,8 +98,8 @@ impl SpLayout {
         if tp_size == 0 {
             return Err(Error::invalid(OP, "tp_size", "expected >= 1, got 0"));
         }
+        bounded_ep(OP, "pcp_size", &[("dp_size", dp_tokens.len()), ("pcp_size", pcp_size), ("tp_size", tp_size)])?;
         let cell = pcp_size.saturating_mul(tp_size);
-        bounded_ep(OP, "pcp_size", dp_tokens.len(), cell)?;
         let sizes: Vec<usize> =
             dp_tokens.iter().flat_map(|&t| std::iter::repeat(t.div_ceil(tp_size)).take(cell)).collect();
         if sizes.is_empty() {
@@ -125,7 +128,7 @@ impl SpLayout {
 
     /// Every rank holding `rows` rows (the layout of a plain reduce-scatter).
     pub fn uniform(ep_size: usize, rows: usize) -> Result<Self> {
-        bounded_ep("SpLayout::uniform", "ep_size", ep_size, 1)?;
+        bounded_ep("SpLayout::uniform", "ep_size", &[("ep_size", ep_size)])?;
         Self::new(&vec![rows; ep_size])
     }
 

@@ -37,7 +37,7 @@ impl MoeContext {
         if tp_size == 0 {
             return Err(Error::invalid(OP, "tp_size", "expected >= 1, got 0"));
         }
-        crate::moe::layout::bounded_ep(OP, "tp_size", dp_tokens.len(), tp_size)?;
+        crate::moe::layout::bounded_ep(OP, "tp_size", &[("dp_size", dp_tokens.len()), ("tp_size", tp_size)])?;
         // Every token plan's row count is at most DP x ceil_to(max_d T_d, TP).
         let max_t = dp_tokens.iter().copied().max().unwrap_or(0);
         if max_t.checked_next_multiple_of(tp_size).and_then(|p| p.checked_mul(dp_tokens.len())).is_none() {
@@ -97,8 +97,9 @@ impl MoeContext {
         if pcp_rank >= pcp_size {
             return Err(Error::invalid(OP, "pcp_rank", format!("{pcp_rank} >= PCP size {pcp_size}")));
         }
+        let sizes = [("dp_size", self.dp_size()), ("pcp_size", pcp_size), ("tp_size", self.tp_size)];
+        crate::moe::layout::bounded_ep(OP, "pcp_size", &sizes)?;
         let dp_pcp = self.dp_size().saturating_mul(pcp_size);
-        crate::moe::layout::bounded_ep(OP, "pcp_size", dp_pcp, self.tp_size)?;
         let max_t = self.dp_tokens.iter().copied().max().unwrap_or(0);
         if max_t.checked_next_multiple_of(self.tp_size).and_then(|p| p.checked_mul(dp_pcp)).is_none() {
             return Err(Error::invalid(OP, "pcp_size", format!("{dp_pcp} DP x PCP ranks of {max_t} tokens overflow")));
