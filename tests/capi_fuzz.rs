@@ -512,11 +512,20 @@ fn random_descriptors_give_clean_errors() {
         if trace {
             eprintln!("case {cases} seed {case_seed:#x}");
         }
+        // A failing call no case makes leaves a message of its own: a case
+        // that fails without setting one is seen, not hidden by an earlier
+        // case's message (a message is kept until the next failure).
+        // SAFETY: NULL is refused before anything is written.
+        assert_eq!(unsafe { amoe_moe_context_init(null_mut()) }, amoe_status::NullArgument);
+        let before = last_error();
         let (func, st) = one_case(&mut Rng::new(case_seed), comm, groups);
         assert_ne!(st, amoe_status::Panic, "{func} panicked (case seed {case_seed:#x}): {}", last_error());
         if st != amoe_status::Ok {
             let msg = last_error();
-            assert!(!msg.is_empty(), "{func} returned {st:?} without a message (case seed {case_seed:#x})");
+            assert!(
+                msg != before && msg.starts_with("amoe_") && msg.contains(": "),
+                "{func} returned {st:?} without a message of its own naming the export (case seed {case_seed:#x}): {msg}"
+            );
         }
         *hist.entry((func, st as u32)).or_default() += 1;
         cases += 1;
