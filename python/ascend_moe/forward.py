@@ -110,14 +110,17 @@ def get_forward_context() -> ForwardContext:
 
 @contextlib.contextmanager
 def forward_context(comm_type, dp_tokens, num_actual_tokens=None, sp=False, pcp_size=1):
-    """Sets the forward context for the body of the `with` (nested contexts
-    restore the outer one on exit)."""
+    """Sets the forward context for the body of the `with`; on exit, this
+    thread's contexts are again those of its entry (the outer one of a
+    nested `with`, the one `set_forward_context` set before it, or none),
+    also when the body set or cleared one itself."""
     stack = _stack()
+    outer = list(stack)
     stack.append(ForwardContext(comm_type, tuple(dp_tokens), num_actual_tokens, sp, pcp_size))
     try:
         yield stack[-1]
     finally:
-        stack.pop()
+        stack[:] = outer
 
 
 _LAYERS: dict = {}

@@ -707,3 +707,33 @@ def test_a_handle_closed_under_a_running_call_is_freed_when_the_call_returns(mon
     assert freed == ["Comm", "MoeGroups"], freed
     alone.close()
     c1.close()
+
+
+def test_leaving_a_forward_context_restores_the_contexts_of_its_entry():
+    from ascend_moe import CommType as CT
+
+    am.set_forward_context(am.ForwardContext(CT.ALLGATHER, [8]))
+    try:
+        # The body sets the next step's context, or clears it: leaving the
+        # `with` restores the one set before it, never pops another.
+        for inside in (am.ForwardContext(CT.ALLTOALL, [2]), None):
+            with am.forward_context(CT.MC2, [4]) as ctx:
+                assert am.get_forward_context() is ctx
+                with am.forward_context(CT.ALLTOALL, [3]):
+                    am.set_forward_context(inside)
+                assert am.get_forward_context() is ctx
+                am.set_forward_context(inside)
+            got = am.get_forward_context()
+            assert (got.comm_type, tuple(got.dp_tokens)) == (CT.ALLGATHER, (8,))
+        # An error in the body is the error raised, the context restored.
+        with pytest.raises(KeyError, match="body"):
+            with am.forward_context(CT.MC2, [4]):
+                am.set_forward_context(None)
+                raise KeyError("body")
+        assert am.get_forward_context().comm_type == CT.ALLGATHER
+    finally:
+        am.set_forward_context(None)
+    with am.forward_context(CT.MC2, [4]):
+        pass
+    with pytest.raises(am.InvalidArgumentError, match="no MoE forward context"):
+        am.get_forward_context()
