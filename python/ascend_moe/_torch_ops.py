@@ -54,16 +54,26 @@ DISPATCH_KEYS = ("CPU", "PrivateUse1")
 _LIB: list = []  # the `Library`, made once and kept: a collected one takes its ops with it
 
 
-def custom_op(qualname: str, *, mutates_args):
+def custom_op(qualname: str, *, mutates_args, collective: bool = True):
     """A decorator defining `qualname` (`ascend_moe::name`) from a function's
     type hints, with the function as its kernel for `DISPATCH_KEYS` and
-    `_autograd_kernel` for Autograd."""
+    `_autograd_kernel` for Autograd.
+
+    A `collective` op (every op that joins a collective of its group, or may)
+    is tagged `nondeterministic_seeded`: FakeTensorMode runs the real kernel
+    of an untagged op whose tensor inputs are all constants it made (a
+    `torch.tensor(...)` inside the traced code), and Inductor's constant
+    folding and the autograd partitioner's recomputation treat a tagged op
+    as one that must run exactly where the program runs it. Untagged, a shape
+    probe or a compile would run the collective on this rank alone, and its
+    peers' next call would meet it."""
 
     def define(fn):
         if not _LIB:
             _LIB.append(torch.library.Library("ascend_moe", "FRAGMENT"))
         lib, name = _LIB[0], qualname.split("::", 1)[1]
-        lib.define(name + _infer_schema()(fn, mutates_args=mutates_args))
+        tags = (torch.Tag.nondeterministic_seeded,) if collective else ()
+        lib.define(name + _infer_schema()(fn, mutates_args=mutates_args), tags=tags)
         for key in DISPATCH_KEYS:
             lib.impl(name, _dense(fn), key)
         lib.impl(name, _autograd_kernel(qualname), "Autograd")
@@ -305,7 +315,7 @@ def register() -> bool:
 
     # ------------------------------------------------------------ local ops
 
-    @custom_op("ascend_moe::moe_finalize_routing", mutates_args=())
+    @custom_op("ascend_moe::moe_finalize_routing", mutates_args=(), collective=False)
     def moe_finalize_routing(
         expanded_x: Tensor,
         expanded_row_idx: Tensor,
@@ -346,7 +356,7 @@ def register() -> bool:
             shape = (rows, *trailing)
         return expanded_x.new_empty(shape)
 
-    @custom_op("ascend_moe::moe_token_unpermute", mutates_args=())
+    @custom_op("ascend_moe::moe_token_unpermute", mutates_args=(), collective=False)
     def moe_token_unpermute(permuted: Tensor, sorted_indices: Tensor, probs: Optional[Tensor] = None) -> Tensor:
         return ops.moe_token_unpermute(permuted, sorted_indices, probs)
 

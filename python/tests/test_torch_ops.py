@@ -1096,3 +1096,41 @@ def test_vllm_pad_and_reduce_output_takes_an_in_place_update(vllm_engine):
     assert torch.equal(y.detach(), 2 * x.detach()[:3] + 1)
     with pytest.raises(RuntimeError, match="no gradient"):
         y.sum().backward()
+
+
+def test_a_fake_pass_or_a_compile_never_runs_a_collective_on_constant_inputs(monkeypatch):
+    # FakeTensorMode runs the real kernel of an untagged op whose tensor
+    # inputs are constants it made (`torch.tensor` inside the mode): a shape
+    # probe would run the collective on this rank alone.
+    import ascend_moe.comm as comm_mod
+    import ascend_moe.ops as ops_mod
+
+    calls = []
+
+    def counted(mod, name):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, **k: (calls.append(name), real(*a, **k))[1])
+
+    counted(comm_mod, "all_reduce")
+    counted(ops_mod, "maybe_pad_and_reduce")
+    with am.Comm.cpu(f"torch-const-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        with FakeTensorMode():
+            r = OPS.all_reduce(torch.tensor([2.0]), c.handle_id)
+            p = OPS.maybe_pad_and_reduce(torch.tensor([[1.0, 2.0]]), c.handle_id, [1])
+        assert (tuple(r.shape), tuple(p.shape)) == ((1,), (1, 2))
+        assert calls == [], "a fake pass ran a collective"
+
+        def f(x):
+            return x + OPS.all_reduce(torch.tensor([2.0]), c.handle_id)
+
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.zeros(1))
+        assert out.tolist() == [2.0]
+        assert calls == ["all_reduce"], "one compiled call runs its collective once, at run time"
+    # Every op that joins a collective carries the tag; the local ones do not.
+    local = {"moe_finalize_routing", "moe_token_unpermute"}
+    for name in dir(OPS):
+        packet = getattr(OPS, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        tagged = torch.Tag.nondeterministic_seeded in packet.default.tags
+        assert tagged == (name not in local), name
