@@ -1004,6 +1004,14 @@ fn a_wait_across_two_ongoing_captures_invalidates_both() {
         assert!(err_msg().contains("another ongoing capture"), "{}", err_msg());
         assert_eq!(info(a).0, STATUS_INVALIDATED, "the event's capture");
         assert_eq!(info(b).0, STATUS_INVALIDATED, "the waiting stream's capture");
+        // A stream outside every capture cannot join the invalidated one:
+        // Context::StreamAddToCaptureModelProc, RT_ERROR_MODEL_CAPTURE_STATUS
+        // (context.cc:4739-4743, v8.5.0), 507000.
+        let plain = stream();
+        assert_eq!((s.aclrtStreamWaitEvent)(plain, e), 507000, "{}", err_msg());
+        assert!(err_msg().contains("invalidated"), "{}", err_msg());
+        assert_eq!(info(plain).0, STATUS_NONE, "the stream did not join");
+        destroy_stream(plain);
         for st in [a, b] {
             let mut model = NULL;
             assert_eq!((cap().end)(st, &mut model), STREAM_CAPTURE_INVALIDATED, "{}", err_msg());

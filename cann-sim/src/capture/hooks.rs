@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::arena;
 use crate::context::{self, STREAMS};
 use crate::counters;
-use crate::ffi::{AclrtStream, ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_STREAM_CONTEXT};
+use crate::ffi::{AclrtStream, ACL_ERROR_INVALID_PARAM, ACL_ERROR_RT_INTERNAL_ERROR, ACL_ERROR_RT_STREAM_CONTEXT};
 use crate::host_bufs;
 use crate::status::{fail, write_out, SimResult};
 use crate::stream::{Event, Job, Stream};
@@ -442,9 +442,22 @@ pub fn wait_event(s: &Arc<Stream>, e: &Arc<Event>) -> SimResult<bool> {
             )
         }
         (Some(c), None) => {
-            if !MODELS.get(c.model).is_some_and(|x| x.capturing()) {
+            let Some(model) = MODELS.get(c.model) else { return Ok(false) };
+            let state = model.lock();
+            if state.capture.is_none() {
                 return Ok(false);
             }
+            // `Context::StreamAddToCaptureModelProc` refuses to add a stream
+            // to an invalidated capture: RT_ERROR_MODEL_CAPTURE_STATUS
+            // (hicann/runtime v8.5.0 `src/runtime/feature/src/context/context.cc:4739-4743`),
+            // 507000 (`errcode_manage.cc:232`); the stream does not join.
+            if let Some(why) = &state.invalid {
+                return fail(
+                    ACL_ERROR_RT_INTERNAL_ERROR,
+                    format!("the event was recorded in a capture that is invalidated ({why}): no stream joins it"),
+                );
+            }
+            drop(state);
             m.push(Member { stream: s.clone(), model: c.model, recorded: 0, joined: 0, waits_last: true });
             Ok(true)
         }
