@@ -874,7 +874,10 @@ pub extern "C" fn aclrtGetSocName() -> *const c_char {
     NAME.get_or_init(|| CString::new(config::get().soc_name.replace('\0', "")).unwrap_or_default()).as_ptr()
 }
 
-/// `aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *patchVersion)`.
+/// `aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *patchVersion)`:
+/// 1.16.0, the interface version of CANN 8.5.0 (hicann/runtime v8.5.0
+/// `include/external/acl/acl_rt.h:25-27`; 1.17.0 from v9.0.0). The headers of
+/// 8.1 and 8.3 are not public source, so those releases report it too.
 #[no_mangle]
 pub unsafe extern "C" fn aclrtGetVersion(major: *mut i32, minor: *mut i32, patch: *mut i32) -> AclError {
     status::acl("aclrtGetVersion", || {
@@ -885,7 +888,7 @@ pub unsafe extern "C" fn aclrtGetVersion(major: *mut i32, minor: *mut i32, patch
             }
         }
         write_out(major, 1, ACL_ERROR_INVALID_PARAM, "majorVersion")?;
-        write_out(minor, 17, ACL_ERROR_INVALID_PARAM, "minorVersion")?;
+        write_out(minor, 16, ACL_ERROR_INVALID_PARAM, "minorVersion")?;
         write_out(patch, 0, ACL_ERROR_INVALID_PARAM, "patchVersion")
     })
 }

@@ -209,7 +209,7 @@ fn finalize_fails_an_expanded_row_idx_outside_its_range() {
     let wsp = malloc(ws.max(1) as usize);
     unsafe { assert_eq!((s.aclnnMoeFinalizeRoutingV2)(wsp, ws, ex, st), 0) };
     let rc = unsafe { (s.aclrtSynchronizeStream)(st) };
-    assert_ne!(rc, 0);
+    assert_eq!(rc, 507015, "ACL_ERROR_RT_AICORE_EXCEPTION: a runtime code");
     assert!(err_msg().contains("expandedRowIdx[1] = 2 is outside"), "{}", err_msg());
     free(wsp);
     destroy_stream(st);
@@ -257,7 +257,7 @@ fn unpermute_checks_nulls_then_dtypes_before_the_simulators_own_rules() {
 fn unpermute_refuses_repeated_sorted_indices() {
     let (t, h) = (2i64, 4i64);
     let rc = unpermute(dev(&[t, h], ACL_FLOAT), idx(&[1, 1]), NULL, dev(&[t, h], ACL_FLOAT));
-    assert_ne!(rc, 0);
+    assert_eq!(rc, 507015, "the sync's ACL_ERROR_RT_AICORE_EXCEPTION");
     assert!(err_msg().contains("repeats"), "{}", err_msg());
 }
 
@@ -265,7 +265,7 @@ fn unpermute_refuses_repeated_sorted_indices() {
 fn unpermute_refuses_an_index_outside_the_permuted_rows() {
     let (t, h) = (2i64, 4i64);
     let rc = unpermute(dev(&[t, h], ACL_FLOAT), idx(&[0, -1]), NULL, dev(&[t, h], ACL_FLOAT));
-    assert_ne!(rc, 0);
+    assert_eq!(rc, 507015, "the sync's ACL_ERROR_RT_AICORE_EXCEPTION");
     assert!(err_msg().contains("outside"), "{}", err_msg());
 }
 

@@ -10,8 +10,9 @@
 //! Arithmetic is SPEC.md section 1's in f32, rounded once to the output type,
 //! but not in SPEC's order: `sum::blocked_sum` adds the experts' terms in pairs
 //! from the last, and finalize adds that sum to `x1 + x2` last. An index outside its valid range fails
-//! the stream task with `ACLNN_ERR_PARAM_INVALID` (161002), reported by the
-//! next synchronisation, and nothing is read out of bounds.
+//! the stream task as a trap of the kernel (`ACL_ERROR_RT_AICORE_EXCEPTION`,
+//! 507015), reported by the next synchronisation, and nothing is read out of
+//! bounds.
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
