@@ -477,7 +477,15 @@ def register() -> bool:
         @point.register_fake
         def _(x, comm_type, tp_comm, shared_mode, has_routed_transform, sp, tp_size, ep_size):
             _policy(shared_mode, has_routed_transform, sp, tp_size, ep_size)
-            Comm.lookup(tp_comm)
+            tp = Comm.lookup(tp_comm)
+            if tp.world_size != tp_size:
+                # What the real op refuses before it runs (the policy's TP
+                # group is the one passed), so a compile fails as the run would.
+                raise error(
+                    Status.INVALID_ARGUMENT,
+                    f"{name}: invalid argument `tp`: the group has {tp.world_size} ranks, "
+                    f"the policy's tp_size is {tp_size}",
+                )
             shape = shape_fn(_traced(x)) if _symbolic(x) else shape_fn(x)
             if isinstance(comm_type, int):
                 CommType.parse(comm_type)

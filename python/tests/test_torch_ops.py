@@ -1134,3 +1134,21 @@ def test_a_fake_pass_or_a_compile_never_runs_a_collective_on_constant_inputs(mon
             continue
         tagged = torch.Tag.nondeterministic_seeded in packet.default.tags
         assert tagged == (name not in local), name
+
+
+def test_a_reduction_point_fake_refuses_a_tp_group_the_policy_contradicts():
+    # The real op refuses a TP group whose size is not the policy's tp_size
+    # before it runs: the fake does too, so a misconfigured layer fails its
+    # compile, not its first run.
+    with am.Comm.cpu(f"torch-tp-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        fields = (0, False, False, 2, 2)  # shared mode, transform, sp, tp_size 2, ep_size 2
+        for name in ("reduce_routed_early", "reduce_shared", "reduce_final"):
+            op = getattr(OPS, name)
+            with pytest.raises(am.InvalidArgumentError, match="has 1 ranks, the policy's tp_size is 2"):
+                op(torch.ones(3, 4), 0, c.handle_id, *fields)
+            with FakeTensorMode() as mode:
+                with pytest.raises(am.InvalidArgumentError, match="has 1 ranks, the policy's tp_size is 2"):
+                    op(mode.from_tensor(torch.ones(3, 4)), 0, c.handle_id, *fields)
+            ok = (0, False, False, 1, 1)
+            with FakeTensorMode() as mode:
+                assert tuple(op(mode.from_tensor(torch.ones(3, 4)), 0, c.handle_id, *ok).shape) == (3, 4)
