@@ -393,7 +393,9 @@ def host_empty(shape, dtype) -> np.ndarray:
 
 def _torch_host_empty(shape, dtype):
     """`host_empty` for a torch CPU output: a tensor over a pool block (it
-    keeps the block alive), or `torch.empty` for small ones."""
+    keeps the block alive), or `torch.empty` for small ones. The block is
+    the tensor's whole storage, which cannot be resized (no larger
+    `resize_`); the README says so."""
     torch = sys.modules["torch"]
     itemsize = getattr(dtype, "itemsize", None) or torch.empty((), dtype=dtype).element_size()
     raw = _pooled_bytes(math.prod(shape) * itemsize)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1152,3 +1153,19 @@ def test_a_reduction_point_fake_refuses_a_tp_group_the_policy_contradicts():
             ok = (0, False, False, 1, 1)
             with FakeTensorMode() as mode:
                 assert tuple(op(mode.from_tensor(torch.ones(3, 4)), 0, c.handle_id, *ok).shape) == (3, 4)
+
+
+def test_a_large_pooled_cpu_result_is_documented_not_to_grow():
+    # A CPU result of 1 MiB or more lies on a block of the host pool, which
+    # cannot be resized (the README says so); a smaller one is torch's own.
+    idx = torch.arange(4096, dtype=torch.int32)
+    small = OPS.moe_finalize_routing(torch.randn(4096, 8), idx)
+    big = OPS.moe_finalize_routing(torch.randn(4096, 1024), idx)
+    assert small.resize_(8192, 8).shape == (8192, 8)
+    grown = big.clone()
+    assert grown.resize_(8192, 1024).shape == (8192, 1024)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        big.resize_(8192, 1024)
+    del big  # torch left it claiming 8192 rows over 4096 rows of storage
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "Trying to resize storage that is not resizable" in readme
