@@ -360,7 +360,21 @@ fn kind_name(kind: i32) -> &'static str {
 /// `ApiErrorDecorator::MemcpyKindAutoCorrect`), so a wrong kind is refused
 /// here to show the caller's mistake. NULL, count and destMax were checked by
 /// [`acl_rules`].
-fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize, kind: i32) -> SimResult<CopyPlan> {
+///
+/// Where `MemcpyKindAutoCorrect` refuses the kind itself (an asynchronous copy
+/// with pageable host memory on a side, `kind` outside the set its rule
+/// allows: hicann/runtime v8.5.0 `api_error.cc:2010-2028`, `:2075-2079`,
+/// reached from `MemcpyAsyncCheckLocation`, `:2131-2137`), the code is its
+/// `RT_ERROR_INVALID_VALUE` (107000); every other refusal of a mismatched
+/// kind is the simulator's own (100000).
+fn plan_copy(
+    dst: *mut c_void,
+    dest_max: usize,
+    src: *const c_void,
+    count: usize,
+    kind: i32,
+    is_async: bool,
+) -> SimResult<CopyPlan> {
     // Invariant: every caller runs its `acl_rules` check first.
     debug_assert!(count <= dest_max && !dst.is_null() && !src.is_null());
     let (d, s) = (loc(dst as usize), loc(src as usize));
@@ -375,8 +389,13 @@ fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize
     let (dst_dev, src_dev) = (d != Loc::Host, s != Loc::Host);
     if let Some((wd, ws)) = want {
         if wd != dst_dev || ws != src_dev {
+            let code = if is_async && !pageable_allows(kind, (s, src as usize), (d, dst as usize)) {
+                ACL_ERROR_RT_PARAM_INVALID
+            } else {
+                ACL_ERROR_INVALID_PARAM
+            };
             return fail(
-                ACL_ERROR_INVALID_PARAM,
+                code,
                 format!(
                     "{}: dst {:#x} is {} and src {:#x} is {}",
                     kind_name(kind),
@@ -392,6 +411,43 @@ fn plan_copy(dst: *mut c_void, dest_max: usize, src: *const c_void, count: usize
     // Check device extents now, so the caller gets the error synchronously.
     spans(&c)?;
     Ok(c)
+}
+
+/// Whether `MemcpyKindAutoCorrect` lets `kind` pass for a copy from `src` to
+/// `dst` (location, address) where a side is pageable host memory (host
+/// memory `aclrtMallocHost` did not give): its rules 5-9 (`api_error.cc:2010-2028`
+/// at v8.5.0) allow host-to-device and device-to-device from pageable memory
+/// to the device, device-to-host and device-to-device the other way,
+/// host-to-host and host-to-device from pinned host memory into pageable,
+/// host-to-host and device-to-host the other way, and any of the four between
+/// pageable buffers. True where no side is pageable (the runtime corrects
+/// the kind there) and for kinds outside those four (left unchecked).
+fn pageable_allows(kind: i32, src: (Loc, usize), dst: (Loc, usize)) -> bool {
+    #[derive(PartialEq)]
+    enum At {
+        Device,
+        Pinned,
+        Pageable,
+    }
+    let at = |(l, addr): (Loc, usize)| match l {
+        Loc::Device(_) => At::Device,
+        Loc::Host if crate::host_bufs::containing(addr).is_some() => At::Pinned,
+        Loc::Host => At::Pageable,
+    };
+    let (s, d) = (at(src), at(dst));
+    let four =
+        [ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE];
+    if (s != At::Pageable && d != At::Pageable) || !four.contains(&kind) {
+        return true;
+    }
+    let allowed: &[i32] = match (s, d) {
+        (At::Pageable, At::Device) => &[ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_DEVICE],
+        (At::Device, At::Pageable) => &[ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE],
+        (At::Pinned, At::Pageable) => &[ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE],
+        (At::Pageable, At::Pinned) => &[ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_DEVICE_TO_HOST],
+        _ => &four,
+    };
+    allowed.contains(&kind)
 }
 
 /// A copy between the memory of two devices needs the data exchange between
@@ -456,7 +512,7 @@ pub unsafe extern "C" fn aclrtMemcpy(
         // `ApiImpl::MemCopySync`, `api_impl.cc:2691-2694`: the capture mode,
         // after the arguments and the context.
         crate::capture::blocking_copy()?;
-        let c = plan_copy(dst, dest_max, src, count, kind)?;
+        let c = plan_copy(dst, dest_max, src, count, kind, false)?;
         same_device(&c)?;
         run_copy(c)
     })
@@ -475,7 +531,7 @@ pub unsafe extern "C" fn aclrtMemcpyAsync(
 ) -> AclError {
     status::acl("aclrtMemcpyAsync", || {
         acl_rules::copy("aclrtMemcpyAsync", dst, dest_max, src, count, kind, false)?;
-        let c = plan_copy(dst, dest_max, src, count, kind)?;
+        let c = plan_copy(dst, dest_max, src, count, kind, true)?;
         // API reference: "does not support asynchronous memory copy within the
         // host ... returns ACL_ERROR_RT_FEATURE_NOT_SUPPORT";
         // `ApiErrorDecorator::MemcpyAsync`, `api_error.cc:1656-1657`: "Not
