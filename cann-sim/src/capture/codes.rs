@@ -46,8 +46,6 @@ pub const ACL_MODEL_RI_CAPTURE_MODE_RELAXED: i32 = 2;
 pub const ACL_MODEL_RI_CAPTURE_STATUS_NONE: i32 = 0;
 /// `ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE`.
 pub const ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE: i32 = 1;
-/// `ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED`.
-pub const ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED: i32 = 2;
 
 pub(super) fn mode_name(mode: i32) -> &'static str {
     match mode {

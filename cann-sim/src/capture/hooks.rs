@@ -217,8 +217,16 @@ pub fn sync_stream(call: &str, h: usize) -> SimResult<()> {
 }
 
 /// The query of `aclmdlRICaptureGetInfo(stream, status, modelRI)`: NONE (and
-/// a NULL model) for a stream that does not capture, else ACTIVE or
-/// INVALIDATED and the model being recorded.
+/// a NULL model) for a stream that does not capture, else ACTIVE and the
+/// model being recorded, also once the capture is invalidated: the runtime
+/// answers with the stream's own status (`Context::StreamGetCaptureInfo`,
+/// `src/runtime/feature/src/context/context.cc:5069-5090`, v8.5.0), which
+/// becomes INVALIDATED only when the runtime fails to allocate a captured
+/// task (`Stream::SingleStreamTerminateCapture`, `stream.cc:3850-3858`, from
+/// `:3868`, `:3916`, `:3926`, `:3942`), a failure the simulator never has;
+/// every invalidation it models terminates the model only
+/// (`CaptureModel::TerminateCapture`, `capture_model.hpp:63-68`), which
+/// `aclmdlRICaptureEnd` reports (`context.cc:4999-5004`).
 ///
 /// `aclmdlRICaptureGetInfoImpl` (hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:70-92`,
 /// v8.5.0): a NULL stream is `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
@@ -238,7 +246,6 @@ pub unsafe fn capture_info(stream: AclrtStream, status: *mut i32, model_ri: *mut
     let h = member_of(&members(), &s).map(|x| x.model);
     let (st, h) = match h.and_then(|h| MODELS.get(h).map(|m| (h, m))) {
         None => (ACL_MODEL_RI_CAPTURE_STATUS_NONE, 0),
-        Some((h, m)) if m.lock().invalid.is_some() => (ACL_MODEL_RI_CAPTURE_STATUS_INVALIDATED, h),
         Some((h, _)) => (ACL_MODEL_RI_CAPTURE_STATUS_ACTIVE, h),
     };
     // model_ri.cpp:85-92.
