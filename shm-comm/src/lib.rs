@@ -407,7 +407,7 @@ impl ShmComm {
             return Err(setup(rendezvous::too_large(world_size, staging, &asked)));
         }
         let start = Instant::now();
-        let seg = Segment::join(name, world_size, rank, staging, timeout)?;
+        let seg = Segment::join(name, world_size, rank, staging, timeout, start)?;
         let comm = ShmComm {
             inner: Arc::new(Inner {
                 name: name.into(),

@@ -66,8 +66,17 @@ enum Found {
 }
 
 impl Segment {
-    /// Creates or joins the segment of group `name` as `rank` of `world`.
-    pub(crate) fn join(name: &str, world: usize, rank: usize, staging: usize, timeout: Duration) -> Result<Segment> {
+    /// Creates or joins the segment of group `name` as `rank` of `world`,
+    /// within `timeout` of `start` (the rendezvous's own start, so that the
+    /// sweep and the join together keep to the caller's timeout).
+    pub(crate) fn join(
+        name: &str,
+        world: usize,
+        rank: usize,
+        staging: usize,
+        timeout: Duration,
+        start: Instant,
+    ) -> Result<Segment> {
         let len = checked_segment_len(world, staging).ok_or_else(|| {
             setup_err(name, rank, world, too_large(world, staging, &format!("{staging} bytes")), ErrorKind::Setup)
         })?;
@@ -79,8 +88,11 @@ impl Segment {
             Err(Refused::Os(e)) => return Err(e),
             Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
         }
-        sweep_stale(&dir, &path);
-        let deadline = crate::clock::deadline(Instant::now(), timeout);
+        // The sweep is best effort: it may take a quarter of the timeout, so
+        // files planted by the thousand in the shared directory cannot
+        // stretch a rendezvous past it.
+        sweep_stale(&dir, &path, crate::clock::deadline(start, timeout / 4));
+        let deadline = crate::clock::deadline(start, timeout);
         let mut backoff = Backoff::default();
         // Why the last attempt started over (`None` before the first).
         let mut again: Option<&str> = None;
@@ -412,17 +424,29 @@ pub fn joined_ranks(name: &str) -> Vec<usize> {
 /// judged by its ranks' pids, one of another by their slot locks. Best
 /// effort, and nothing waits: a file that is locked (being set up), not
 /// this user's own, torn, of another version, or with a live rank is left
-/// alone.
-fn sweep_stale(dir: &str, skip: &str) {
+/// alone. Another user's entries are passed over without being opened (one
+/// `lstat` each), and the sweep stops at `until`, whatever is left: any user
+/// may fill the directory with names. Returns how many entries it looked at.
+fn sweep_stale(dir: &str, skip: &str, until: Instant) -> usize {
+    use std::os::unix::fs::MetadataExt;
     // Without this process's namespace, no file's can be judged.
     let ours = my_pid_ns();
     if ours == 0 {
-        return;
+        return 0;
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    let (me, mut seen) = (crate::process::my_uid(), 0);
     for entry in entries.flatten() {
+        if Instant::now() >= until {
+            break;
+        }
+        seen += 1;
         let file = entry.file_name();
         let Some(n) = file.to_str().filter(|n| n.starts_with("ascend-moe.")) else { continue };
+        // DirEntry::metadata does not follow a link.
+        if !entry.metadata().is_ok_and(|m| m.file_type().is_file() && m.uid() == me) {
+            continue;
+        }
         let path = format!("{dir}/{n}");
         let Ok(cpath) = CString::new(path.clone()) else { continue };
         if path == skip {
@@ -440,6 +464,7 @@ fn sweep_stale(dir: &str, skip: &str) {
         // SAFETY: f.fd is open and ours; closing releases the lock.
         unsafe { libc::close(f.fd) };
     }
+    seen
 }
 
 /// Backs all `len` bytes of a new segment file at once. A file only sized
@@ -558,6 +583,28 @@ fn judge(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The sweep of stale files stops at its bound, however many names the
+    /// directory holds (any user may fill it): past the bound it looks at
+    /// none, before it at every one.
+    #[test]
+    fn the_sweep_of_stale_files_stops_at_its_bound() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("shm-comm-sweep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        for i in 0..200 {
+            std::fs::write(dir.join(format!("ascend-moe.planted{i}")), b"").unwrap();
+        }
+        let d = dir.display().to_string();
+        assert_eq!(sweep_stale(&d, "", Instant::now()), 0, "a bound already passed");
+        let far = Instant::now() + Duration::from_secs(3600);
+        assert_eq!(sweep_stale(&d, "", far), 200, "every name within the bound");
+        // Empty files are no segment of a dead world: all are left alone.
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 200);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// A file system without room names the size, the directory, its free
     /// space and what to do.
