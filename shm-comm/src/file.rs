@@ -8,12 +8,11 @@
 //! name leads to the same inode. Anything else under the name is refused with
 //! an error naming the path, its owner and mode, and is left in place (it is
 //! not ours to remove). A symbolic link is never followed, so the file it
-//! points to is never opened, read or written; a link of this user's own is
-//! removed like any other name that holds no segment, and another user's is
-//! refused and left in place like their files. (A link is removed by name
-//! once `lstat` said what the name holds: were another user's link removed,
-//! as root may, a rank of this world could have replaced it with the
-//! world's new file in between, and that file would be removed instead.)
+//! points to is never opened, read or written, and it is refused and left in
+//! place, also one of this user's own: a link could only be removed by name
+//! once `lstat` said what the name holds, and a rank of this world could
+//! have removed it and put the world's new file there in between, which
+//! would be removed instead.
 
 use std::ffi::CStr;
 
@@ -117,6 +116,18 @@ fn refusal(path: &str, found: &str) -> Refused {
          own user ({}) with mode 0600 and one link. Another user may have created it to read or change this \
          group's data, so it was neither joined nor removed: check who made it, remove it as its owner or \
          root, or use another group name",
+        describe_uid(my_uid())
+    ))
+}
+
+/// A symbolic link of this user's own under the name: refused too. Removing
+/// it by name, after `lstat` said it was a link, would race with a rank of
+/// the world that removed it first and created the world's file in its
+/// place: that file would be removed, and the world never form.
+fn own_link_refusal(path: &str) -> Refused {
+    Refused::Foreign(format!(
+        "refusing shared-memory file {path}: it is a symbolic link of this user ({}); a CPU world neither \
+         follows nor removes a link under its group's name: remove it, or use another group name",
         describe_uid(my_uid())
     ))
 }
@@ -288,14 +299,7 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
                 return Ok(Opened::Again);
             };
             if err == Some(libc::ELOOP) && st.st_mode & libc::S_IFMT == libc::S_IFLNK && st.st_uid == my_uid() {
-                // A link of our own holds no segment: remove the link itself
-                // (never what it points to) and start over.
-                // SAFETY: cpath is NUL-terminated; unlink does not follow links.
-                if unsafe { libc::unlink(cpath.as_ptr()) } != 0 && errno() != Some(libc::ENOENT) {
-                    let why = std::io::Error::last_os_error();
-                    return Err(refusal(path, &format!("{} that could not be removed ({why})", describe(&st))));
-                }
-                return Ok(Opened::Again);
+                return Err(own_link_refusal(path));
             }
             return Err(refusal(path, &describe(&st)));
         }

@@ -38,8 +38,9 @@
 //! it is a regular file of this user with mode 0600 and one link; anything else
 //! under the name (another user's file, whatever its mode, or a hard link) is
 //! refused on every rank with an error naming the path, its owner and mode, and
-//! is neither joined nor removed. A symbolic link is never followed; one of
-//! this user's own is removed, another user's refused like their files.
+//! is neither joined nor removed. A symbolic link is never followed, and is
+//! refused and left in place like another user's file, also one of this
+//! user's own (removing it would race with a rank creating the world's file).
 //! Presence names count only when the kernel says this user's socket holds
 //! them. The directory, and every directory on the way to it from `/`
 //! (symbolic links resolved one by one, each of which must be this user's or
