@@ -55,12 +55,15 @@ fn host(t: &Tensor) -> ascend_moe::Result<Vec<f64>> {
     Ok(with_dtype!(t.dtype(), T => t.as_slice::<T>()?.iter().map(|v| v.to_f64()).collect()))
 }
 
-/// `|got - want| <= tol * max(1, |want|)` elementwise, and equal lengths.
+/// `|got - want| <= tol * max(1, |want|)` elementwise, and equal lengths; a
+/// NaN on either side is outside.
 fn close(what: &str, got: &[f64], want: &[f64], tol: f64) -> Check {
     if got.len() != want.len() {
         return Err(format!("{what}: {} values, want {}", got.len(), want.len()));
     }
-    match got.iter().zip(want).position(|(g, w)| (g - w).abs() > tol * w.abs().max(1.0)) {
+    let inside = |g: f64, w: f64| (g - w).abs() <= tol * w.abs().max(1.0);
+    // A NaN fails the comparison `inside` makes, and so counts as outside.
+    match got.iter().zip(want).position(|(g, w)| !inside(*g, *w)) {
         None => Ok(()),
         Some(i) => Err(format!("{what}: value {i} is {}, want {}", got[i], want[i])),
     }
@@ -438,4 +441,19 @@ pub fn run(comm: &Comm) -> ascend_moe::Result<Vec<Row>> {
     rows.push(row("5 comm type disagreement fails on every rank".into(), DType::I32, w, disagree));
     comm.barrier()?;
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::close;
+
+    #[test]
+    fn a_nan_on_either_side_is_outside_the_tolerance() {
+        assert!(close("x", &[1.0, 2.0], &[1.0, 2.0 + 1e-7], 1e-5).is_ok());
+        let e = close("x", &[1.0, f64::NAN], &[1.0, 2.0], 1e-5).unwrap_err();
+        assert!(e.contains("x: value 1 is NaN"), "{e}");
+        assert!(close("x", &[1.0], &[f64::NAN], 1e-5).is_err());
+        assert!(close("x", &[1.1], &[1.0], 1e-5).is_err());
+        assert!(close("x", &[1.0], &[1.0, 2.0], 1e-5).is_err());
+    }
 }

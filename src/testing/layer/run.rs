@@ -102,8 +102,7 @@ pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &
         let (want, mag) = m.reference(&m.inputs[d][g * h..(g + 1) * h]);
         r.rows_checked += 1;
         for (col, ((got, w), mg)) in out[j * h..(j + 1) * h].iter().zip(&want).zip(&mag).enumerate() {
-            let err = (got - w).abs();
-            let ratio = err / rounding.tol(*w, *mg);
+            let (err, ratio) = error_ratio(*got, *w, rounding.tol(*w, *mg));
             r.max_abs_err = r.max_abs_err.max(err);
             r.worst_ratio = r.worst_ratio.max(ratio);
             if ratio > 1.0 && r.passed {
@@ -113,6 +112,16 @@ pub fn run_layer_case_rank(case: &LayerCase, rank: usize, world: Comm, device: &
         }
     }
     Ok(r)
+}
+
+/// `|got - want|` and its ratio to `tol`, both infinite where either side is
+/// NaN (which `f64::max` would drop and no `> 1.0` would catch).
+fn error_ratio(got: f64, want: f64, tol: f64) -> (f64, f64) {
+    let err = (got - want).abs();
+    if err.is_nan() {
+        return (f64::INFINITY, f64::INFINITY);
+    }
+    (err, err / tol)
 }
 
 /// Merges the ranks' reports of one case.
@@ -161,4 +170,18 @@ pub fn run_layer_case(case: &LayerCase, launcher: &dyn Launcher) -> Result<CaseR
 /// [`run_layer_case`] on the CPU backend.
 pub fn run_layer_case_cpu(case: &LayerCase) -> Result<CaseReport> {
     run_layer_case(case, &CpuLauncher::default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_ratio;
+
+    #[test]
+    fn a_nan_output_is_an_infinite_error_not_a_dropped_one() {
+        assert_eq!(error_ratio(1.5, 1.0, 0.25), (0.5, 2.0));
+        for (got, want) in [(f64::NAN, 1.0), (1.0, f64::NAN), (f64::INFINITY, f64::INFINITY)] {
+            let (err, ratio) = error_ratio(got, want, 0.25);
+            assert!(err == f64::INFINITY && ratio > 1.0, "{got} vs {want}: {err} {ratio}");
+        }
+    }
 }
