@@ -199,6 +199,12 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&coll(&["-b", "0"]), "--min-bytes 0: must be at least 1");
     refused(&coll(&["-b", "2M", "-e", "1M"]), "--min-bytes 2097152 exceeds --max-bytes 1048576");
     refused(&coll(&["--iters", "0"]), "--iters 0: must be at least 1");
+    // Counts whose sum wrapped (one untimed call reported as 0 us), or whose
+    // vector of times could not be allocated (a panic, an abort).
+    refused(&coll(&["--warmup", "18446744073709551614"]), "--warmup 18446744073709551614: exceeds the maximum");
+    refused(&coll(&["--iters", "18446744073709551615"]), "--iters 18446744073709551615: exceeds the maximum");
+    refused(&coll(&["--iters", "1000001"]), "--iters 1000001: exceeds the maximum of 1000000 repetitions");
+    refused(&["bench", "triad", "--reps", "1000001"], "--reps 1000001: exceeds the maximum of 1000000");
     // Rows of no element were timed and reported as 0-byte rows.
     refused(
         &coll(&["--ranks", "4", "-b", "7", "-e", "7"]),
@@ -262,6 +268,10 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&moe("finalize", &["--tokens", "0"]), "bench_finalize: invalid argument `tokens`: must be >= 1");
     refused(&moe("finalize", &["--dtype", "i32"]), "bench_finalize: `dtype` has dtype i32, expected a float dtype");
     refused(&moe("finalize_and_reduce", &["--iters", "0"]), "invalid argument `iters`: must be >= 1");
+    // `iters + 1` wrapped: no timed pass, an infinite time printed as JSON.
+    let many = "invalid argument `iters`: 18446744073709551615 exceeds the maximum of 1000000 repetitions";
+    refused(&moe("finalize", &["--iters", "18446744073709551615"]), many);
+    refused(&moe("finalize_and_reduce", &["--iters", "18446744073709551615"]), many);
     refused(&moe("finalize_and_reduce", &["--tp", "0"]), "invalid argument `tp_size`: expected >= 1, got 0");
     refused(&moe("finalize_and_reduce", &["--dtype", "u8"]), "`dtype` has dtype u8, expected a float dtype");
 }

@@ -263,7 +263,7 @@ pub fn triad_array_bytes(threads: usize, llc: Option<usize>) -> usize {
 pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
     let mut t = Triad::new(bytes);
     let mut best = f64::INFINITY;
-    for it in 0..iters.max(1) + 1 {
+    for it in 0..iters.clamp(1, MAX_ITERS) + 1 {
         let t0 = Instant::now();
         t.pass(threads, 0.5 + it as f32);
         if it > 0 {
@@ -275,9 +275,17 @@ pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
 
 /// Refuses a benchmark configuration with a count of 0 or a dtype that is
 /// not a float, naming the field.
+/// The most timed repetitions a benchmark takes (`--iters`, `--warmup`,
+/// `--reps`): far more than any median or best needs, and small enough that
+/// no count of them, plus the untimed first pass, can wrap around.
+pub const MAX_ITERS: usize = 1_000_000;
+
 fn check_config(op: &'static str, counts: &[(&'static str, usize)], dtype: DType) -> Result<()> {
     if let Some((name, _)) = counts.iter().find(|(_, v)| *v == 0) {
         return Err(Error::invalid(op, name, "must be >= 1"));
+    }
+    if let Some((name, v)) = counts.iter().find(|(name, v)| *name == "iters" && *v > MAX_ITERS) {
+        return Err(Error::invalid(op, name, format!("{v} exceeds the maximum of {MAX_ITERS} repetitions")));
     }
     if !dtype.is_float() {
         return Err(Error::dtype(op, "dtype", "a float dtype", dtype));
@@ -412,6 +420,10 @@ pub struct ReduceReport {
     /// over as often as that takes), timed like the paths (a barrier before
     /// and after, slowest rank, best repetition), seconds.
     pub floor_s: f64,
+    /// Whether the fused op staged its rows (false: a row is larger than a
+    /// staging region of the world, and it ran the two-step path; `bytes`
+    /// then counts that path's bytes for it, [`ReduceBytes::unstaged`]).
+    pub staged: bool,
 }
 
 impl ReduceReport {
@@ -476,6 +488,13 @@ impl ReduceBytes {
         }
     }
 
+    /// The model where the fused op cannot stage a row (one row is larger
+    /// than a staging region of the world): it runs the two-step path, so it
+    /// moves the two-step bytes and `bound` is 1.
+    pub fn unstaged(self) -> Self {
+        ReduceBytes { fused: self.two_step, ..self }
+    }
+
     /// `two_step / fused`: the speedup of the staged fused path at equal
     /// bandwidth (1 without tokens, when no path moves a byte).
     pub fn bound(&self) -> f64 {
@@ -511,6 +530,12 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
     let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
     let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
         set_num_threads(Some(1));
+        // The branch the CPU communicator's fused op takes.
+        let staged = match &comm {
+            crate::Comm::Cpu(c) => ep > 1 && c.rows_per_region(h, cfg.dtype) > 0,
+            crate::Comm::Npu(_) => true,
+        };
+        let bytes = if staged { bytes } else { bytes.unstaged() };
         let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;
         let scales = filled(&[n, k], DType::F32, 7)?;
         let idx = Tensor::from_slice(&permutation(n * k)?, &[n * k])?;
@@ -582,10 +607,17 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
                 floor = floor.min(t0.elapsed().as_secs_f64());
             }
         }
-        Ok((fused, unfused, floor))
+        Ok((fused, unfused, floor, staged))
     })?;
-    let slowest = |f: fn(&(f64, f64, f64)) -> f64| times.iter().map(f).fold(0.0, f64::max);
-    Ok(ReduceReport { fused_s: slowest(|t| t.0), unfused_s: slowest(|t| t.1), bytes, floor_s: slowest(|t| t.2) })
+    let slowest = |f: fn(&(f64, f64, f64, bool)) -> f64| times.iter().map(f).fold(0.0, f64::max);
+    let staged = times.iter().all(|t| t.3);
+    Ok(ReduceReport {
+        fused_s: slowest(|t| t.0),
+        unfused_s: slowest(|t| t.1),
+        bytes: if staged { bytes } else { bytes.unstaged() },
+        floor_s: slowest(|t| t.2),
+        staged,
+    })
 }
 
 #[cfg(test)]
@@ -685,6 +717,22 @@ mod tests {
         let r = bench_finalize_and_reduce(&cfg).unwrap();
         assert_eq!((r.bytes.minimum, r.bytes.bound(), r.bytes.ceiling()), (0, 1.0, 1.0));
         assert!(r.floor_s.is_finite() && r.fused_s.is_finite() && r.unfused_s.is_finite(), "{r:?}");
+    }
+
+    /// Rows too long for a staging region make the fused op run the two-step
+    /// path: the report says so and counts that path's bytes for both (bound
+    /// 1), where a short row is staged and bound above 1.
+    #[test]
+    fn a_row_longer_than_a_staging_region_is_reported_as_the_two_step_path() {
+        // 4 ranks: a staging region of 1 MiB, a row of 600000 bf16 is 1.2 MB.
+        let long =
+            ReduceBench { dp_tokens: vec![1, 1], tp: 2, top_k: 1, hidden: 600_000, iters: 1, ..Default::default() };
+        let r = bench_finalize_and_reduce(&long).unwrap();
+        assert!(!r.staged, "{r:?}");
+        assert_eq!((r.bytes.fused, r.bytes.bound()), (r.bytes.two_step, 1.0), "{r:?}");
+        let short = ReduceBench { hidden: 64, ..long };
+        let r = bench_finalize_and_reduce(&short).unwrap();
+        assert!(r.staged && r.bytes.bound() > 1.0, "{r:?}");
     }
 
     /// An uneven layout, counted by hand: rows [3, 1] (N = 4, M = 3, n = 2),

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 use ascend_moe::backend::cpu::{CpuCommConfig, MAX_WORLD};
 use ascend_moe::ranks::run_ranks_with;
 use ascend_moe::testing::bench::{
-    bytes_of, last_level_cache_bytes, memory_available, memory_shortfall, triad_array_bytes, Triad,
+    bytes_of, last_level_cache_bytes, memory_available, memory_shortfall, triad_array_bytes, Triad, MAX_ITERS,
 };
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
@@ -237,7 +237,7 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
             comm.all_reduce_in_place(&mut t, ReduceOp::Max)?;
             let mut times = t.to_vec::<i64>()?;
             times.sort_unstable();
-            let median = times.get(times.len() / 2).copied().unwrap_or(0);
+            let median = median_ns(&times);
             let mut b = Tensor::from_slice(&[bad], &[1])?;
             comm.all_reduce_in_place(&mut b, ReduceOp::Sum)?;
             let wrong = b.to_vec::<i64>()?[0];
@@ -255,6 +255,18 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
         bar.finish();
     }
     Ok(out)
+}
+
+/// The median of `sorted` (ascending): the middle value, or the mean of the
+/// two middle ones of an even count, as the peers' `np.median` takes it; 0
+/// for none.
+fn median_ns(sorted: &[i64]) -> i64 {
+    let n = sorted.len();
+    match n {
+        0 => 0,
+        _ if n % 2 == 1 => sorted[n / 2],
+        _ => ((i128::from(sorted[n / 2 - 1]) + i128::from(sorted[n / 2])) / 2) as i64,
+    }
 }
 
 /// Worker line format: `BENCH\top\tbytes\tcount\ttime_ns\twrong`.
@@ -423,6 +435,11 @@ fn check_args(a: &Args) -> Result<(), String> {
     }
     if a.iters == 0 {
         return fail("--iters 0: must be at least 1 (the median of the timed iterations is reported)".into());
+    }
+    for (arg, v) in [("--iters", a.iters), ("--warmup", a.warmup)] {
+        if v > MAX_ITERS {
+            return fail(format!("{arg} {v}: exceeds the maximum of {MAX_ITERS} repetitions"));
+        }
     }
     Ok(())
 }
@@ -657,4 +674,19 @@ fn print_json(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
         tri.join(","),
         rows.join(",\n  ")
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_ns;
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median_ns(&[]), 0);
+        assert_eq!(median_ns(&[7]), 7);
+        assert_eq!(median_ns(&[1, 5, 9]), 5);
+        // np.median([89034, 89564, 461984, 493390]) = 275774.0
+        assert_eq!(median_ns(&[89_034, 89_564, 461_984, 493_390]), 275_774);
+        assert_eq!(median_ns(&[i64::MAX - 1, i64::MAX]), i64::MAX - 1);
+    }
 }

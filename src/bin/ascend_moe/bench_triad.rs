@@ -2,7 +2,7 @@
 //! floor, on its own, so a report can show the machine's memory bandwidth measured by the
 //! same code.
 
-use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes};
+use ascend_moe::testing::bench::{last_level_cache_bytes, triad_array_bytes, MAX_ITERS};
 
 use crate::bench_collectives::{check_triad_memory, triad};
 
@@ -31,6 +31,10 @@ pub fn main(a: Args) -> i32 {
     let bad = [(threads == 0, "--threads 0"), (a.mib == Some(0), "--mib 0"), (a.reps == 0, "--reps 0")];
     if let Some((_, arg)) = bad.iter().find(|b| b.0) {
         eprintln!("error: {arg}: must be at least 1");
+        return 2;
+    }
+    if a.reps > MAX_ITERS {
+        eprintln!("error: --reps {}: exceeds the maximum of {MAX_ITERS} repetitions", a.reps);
         return 2;
     }
     let llc = last_level_cache_bytes();
