@@ -201,6 +201,7 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
                     ("ceiling", format!("{:.4}", b.ceiling())),
                     ("fused_floor_us", format!("{:.3}", r.floor_s * 1e6)),
                     ("fused_vs_floor", format!("{:.4}", r.vs_floor())),
+                    ("fused_staged", r.staged.to_string()),
                 ];
                 let objs: Vec<String> = rows.iter().map(|f| json_object(&[f.as_slice(), &model].concat())).collect();
                 println!("{{\"bench\":\"finalize_and_reduce\",\"world\":{world},\"rows\":[{}]}}", objs.join(","));
@@ -248,6 +249,14 @@ pub fn finalize_and_reduce(a: ReduceArgs) -> i32 {
                 r.bytes.fused as f64 / 1e6,
                 r.bytes.minimum as f64 / 1e6
             );
+            if !r.staged {
+                println!(
+                    "the fused op ran the two-step path: a row of {} {dtype} elements is larger than a staging \
+                     region of {world} ranks, so it stages no rows (its bytes, bound and floor are the two-step \
+                     path's)",
+                    a.hidden
+                );
+            }
             0
         }
         Err(e) => {
