@@ -18,6 +18,11 @@ class AmoeError(RuntimeError):
         self.message = message
         super().__init__(message)
 
+    def __reduce__(self):
+        # Rebuilt from both arguments: pickling (a worker process sending its
+        # error back, `copy`) would otherwise call `cls(message)` alone.
+        return (type(self), (self.status, self.message))
+
 
 class NullArgumentError(AmoeError, ValueError):
     """`Status.NULL_ARGUMENT`: a required argument was missing (or closed)."""
