@@ -388,6 +388,19 @@ def integer(arg: str, v) -> int:
         raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {v!r}, expected an integer") from None
 
 
+def integers(arg: str, values) -> tuple:
+    """`values` as a tuple of Python ints (`integer` each); anything that is
+    not a sequence of them (one int, a string, None) is an
+    `InvalidArgumentError` naming `arg`, not a bare `TypeError`."""
+    if isinstance(values, (str, bytes)):
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {values!r}, expected a sequence of integers")
+    try:
+        items = iter(values)
+    except TypeError:
+        raise error(Status.INVALID_ARGUMENT, f"`{arg}` is {values!r}, expected a sequence of integers") from None
+    return tuple(integer(arg, v) for v in items)
+
+
 def flag(arg: str, v) -> bool:
     """`v` as a bool: `True` / `False`, numpy's bool, or the integer 0 or 1
     (by `operator.index`). Anything else (a string, which `bool()` takes as
@@ -429,7 +442,7 @@ def sizes(values, arg: str = "sizes") -> tuple:
     """A `size_t[]` holding `values` (kept alive by the caller) and its length;
     a value that is no integer (`integer`) or outside `size_t` is an
     `InvalidArgumentError` naming `arg`."""
-    values = [integer(arg, v) for v in values]
+    values = list(integers(arg, values))
     if any(not 0 <= v <= SIZE_MAX for v in values):
         raise error(Status.INVALID_ARGUMENT, f"`{arg}`: sizes must be in 0..={SIZE_MAX}, got {values}")
     return (c_size_t * max(len(values), 1))(*values), len(values)
@@ -462,7 +475,7 @@ _SIZE_ARRAYS = Table(256)
 def shared_sizes(values, arg: str = "sizes") -> tuple:
     """`sizes(values, arg)`, one array per distinct tuple of values; nothing
     may write to it."""
-    key = tuple(integer(arg, v) for v in values)
+    key = integers(arg, values)
     hit = _SIZE_ARRAYS.get(key)
     return hit if hit is not None else _SIZE_ARRAYS.put(key, sizes(key, arg))
 

@@ -285,8 +285,10 @@ def desc_out(arg: str, out, shape, code: int) -> Desc:
     shape and dtype and be contiguous and writable (it is never copied)."""
     if isinstance(out, np.ndarray):
         flags = out.flags
-        if not flags.c_contiguous or not flags.writeable:
-            raise error(Status.SHAPE, f"`{arg}` must be a C-contiguous, writable numpy array")
+        if not flags.writeable:
+            raise error(Status.INVALID_ARGUMENT, f"`{arg}` is a read-only numpy array: the op writes its result there")
+        if not flags.c_contiguous:
+            raise error(Status.SHAPE, f"`{arg}` must be a C-contiguous numpy array (its strides are {out.strides})")
         d = Desc(arg, out.shape, out.dtype, out, _address(out))
     else:
         d = _host_tensor_desc(arg, out)

@@ -92,6 +92,10 @@ class Comm(Owned):
         world_size, rank = c_uint("world_size", world_size), c_uint("rank", rank)
         if not isinstance(name, str):
             raise error(Status.INVALID_ARGUMENT, f"`name` is {name!r}, expected a str")
+        if "\0" in name:
+            # The C string would end there: two names that differ after it
+            # would join one world.
+            raise error(Status.INVALID_ARGUMENT, f"`name` {name!r} holds a NUL character")
         try:
             timeout_s = float(timeout_s)
         except (TypeError, ValueError):

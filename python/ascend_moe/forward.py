@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 from ._enums import Status
 from ._errors import error
-from ._lib import c_uint, flag, integer
+from ._lib import c_uint, flag, integer, integers
 from .comm import Comm
 from ._enums import CommType
 from .ops import ReducePolicy, point_refusing
@@ -60,7 +60,7 @@ class ForwardContext:
                     f"unknown MoE comm type {self.comm_type!r} (expected 0..={int(max(CommType))})",
                 ) from None
         object.__setattr__(self, "comm_type", ct)
-        object.__setattr__(self, "dp_tokens", tuple(integer("dp_tokens", t) for t in self.dp_tokens))
+        object.__setattr__(self, "dp_tokens", integers("dp_tokens", self.dp_tokens))
         if not self.dp_tokens or any(t < 0 for t in self.dp_tokens):
             raise error(Status.INVALID_ARGUMENT, f"dp_tokens must be one count >= 0 per DP rank, got {list(self.dp_tokens)}")
         if self.num_actual_tokens is not None:

@@ -14,7 +14,7 @@ from ctypes import c_size_t
 
 from ._enums import MAX_EP_RANKS, REDUCIBLE_DTYPE_NAMES, DropPadMode, DType, Status
 from ._errors import error
-from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, shared_sizes, sizes
+from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, integers, shared_sizes, sizes
 from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
@@ -47,7 +47,7 @@ class SpLayout:
     """Rows held by every EP rank (SPEC section 2)."""
 
     def __init__(self, local_sizes):
-        sizes_ = tuple(integer("local_sizes", s) for s in local_sizes)
+        sizes_ = integers("local_sizes", local_sizes)
         if not sizes_:
             raise error(Status.INVALID_ARGUMENT, "SpLayout: local_sizes needs one entry per EP rank, got none")
         if any(s < 0 for s in sizes_):

@@ -737,3 +737,39 @@ def test_leaving_a_forward_context_restores_the_contexts_of_its_entry():
         pass
     with pytest.raises(am.InvalidArgumentError, match="no MoE forward context"):
         am.get_forward_context()
+
+
+def test_library_errors_survive_pickling_as_a_worker_process_sends_them():
+    import copy
+    import pickle
+
+    with pytest.raises(am.IndexOutOfRangeError) as info:
+        am.moe_finalize_routing(np.ones((4, 3), np.float32), np.array([0, 1, 2, 99], np.int32))
+    err = info.value
+    for back in (pickle.loads(pickle.dumps(err)), copy.deepcopy(err)):
+        assert type(back) is am.IndexOutOfRangeError and isinstance(back, ValueError)
+        assert (back.status, back.message, str(back)) == (err.status, err.message, str(err))
+
+
+def test_one_integer_where_a_list_of_sizes_belongs_names_the_argument():
+    calls = {
+        "dp_tokens": lambda: am.ForwardContext(am.CommType.MC2, dp_tokens=8),
+        "local_sizes": lambda: am.SpLayout(4),
+        "num_tokens_across_dp": lambda: am.SpLayout.from_dp_tokens(8, 2),
+    }
+    for arg, call in calls.items():
+        with pytest.raises(am.InvalidArgumentError, match=f"`{arg}` is 8|`{arg}` is 4"):
+            call()
+    with pytest.raises(am.InvalidArgumentError, match="`local_sizes` is '12', expected a sequence of integers"):
+        am.SpLayout("12")
+    with am.Comm.cpu(f"api-scalar-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        with pytest.raises(am.InvalidArgumentError, match="`local_sizes` is 4, expected a sequence"):
+            am.maybe_pad_and_reduce(np.ones((4, 2), np.float32), 4, c)
+        # The world still works.
+        assert am.all_reduce(np.array([2.0], np.float32), c).tolist() == [2.0]
+
+
+def test_a_world_name_with_a_nul_is_refused_not_cut_short():
+    # The C string would end at the NUL: "job\0a" and "job\0b" would join one world.
+    with pytest.raises(am.InvalidArgumentError, match="`name` 'job\\\\x00a' holds a NUL character"):
+        am.Comm.cpu("job\0a", 1, 0)

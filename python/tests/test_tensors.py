@@ -213,8 +213,13 @@ def test_out_is_written_and_returned_for_numpy(dtype):
     out[...] = 0
     assert am.moe_finalize_routing(ex, idx, **kw, out=out) is out
     assert_close(out, want, dtype, "finalize into a reused out")
-    with pytest.raises(am.AmoeError, match="C-contiguous, writable"):
+    with pytest.raises(am.ShapeError, match="`out` must be a C-contiguous numpy array"):
         am.moe_finalize_routing(ex, idx, **kw, out=np.zeros((want.shape[0] * 2,) + want.shape[1:], dtype)[::2])
+    # Read-only is its own error: shape, dtype and layout are right.
+    frozen = np.zeros(want.shape, dtype)
+    frozen.flags.writeable = False
+    with pytest.raises(am.InvalidArgumentError, match="`out` is a read-only numpy array"):
+        am.moe_finalize_routing(ex, idx, **kw, out=frozen)
     with pytest.raises(am.AmoeError, match="`out` has dtype float16"):
         am.moe_finalize_routing(ex, idx, **kw, out=np.zeros(want.shape, np.float16))
 
