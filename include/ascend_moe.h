@@ -11,7 +11,7 @@
 // `num_actual_tokens` (for example an MC2 mask of the real rows).
 #define AMOE_GUARD_ACTUAL_TOKENS 1
 
-// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
+// Most EP ranks (`dp_size * pcp_size * tp_size`) an `amoe_moe_context` may describe.
 #define AMOE_MAX_EP_RANKS (1 << 20)
 
 // `amoe_moe_context::num_actual_tokens` for "every token of the DP rank is real".

@@ -404,4 +404,21 @@ fn finalize_and_reduce_json_has_the_byte_model() {
     let floor = num("fused_floor_us");
     assert!(floor > 0.0 && floor.is_finite(), "{json}");
     assert!((num("fused_vs_floor") / (floor / num("time_us")) - 1.0).abs() < 1e-2, "{json}");
+    assert!(fused.contains("\"fused_staged\":true"), "{json}");
+}
+
+/// A row larger than a staging region (600000 bf16 elements, 1.2 MB, on 4
+/// ranks: 1 MiB regions): the fused op runs the two-step path, and the CLI
+/// says so, counting that path's bytes for both (bound 1).
+#[test]
+fn finalize_and_reduce_says_when_the_fused_op_ran_the_two_step_path() {
+    let args = ["bench", "finalize_and_reduce", "--dp-tokens", "1,1", "--tp", "2", "--top-k", "1"];
+    let long = [&args[..], &["--hidden", "600000", "--iters", "1"]].concat();
+    let (json, _) = run(&[&long[..], &["--json"]].concat());
+    let fused = json.split("},{").next().expect("the fused row");
+    assert!(fused.contains("\"fused_staged\":false"), "{json}");
+    assert_eq!(json_number(fused, "fused_bytes"), json_number(fused, "two_step_bytes"), "{json}");
+    assert_eq!(json_number(fused, "bound"), 1.0, "{json}");
+    let (table, _) = run(&long);
+    assert!(table.contains("the fused op ran the two-step path: a row of 600000 bf16 elements"), "{table}");
 }

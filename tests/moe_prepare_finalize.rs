@@ -218,13 +218,15 @@ fn prepare_into_an_out_overlapping_x_gives_the_separate_result() {
     use ascend_moe::{DType, Device};
     ascend_moe::ranks::npu_run_ranks(1, &opts(), |_rank, comm| {
         let Device::Npu(npu) = comm.device() else { panic!("an NPU world") };
-        let ctx = MoeContext::new(&[3], 1, 0, 0, false)?;
         let groups = MoeGroups::from_world(&comm, 1)?;
         let (rows, h) = (3usize, 2usize);
         let n = rows * h;
         let base_vals: Vec<f32> = (0..n + 2).map(|i| i as f32 + 1.0).collect();
-        // (x's first element, out's first element) in a buffer of n + 2.
-        for (xo, oo) in [(2usize, 0usize), (0, 2)] {
+        // (x's first element, out's first element) in a buffer of n + 2; with
+        // SP, MC2, ALLTOALL and FUSED_MC2 copy x (the local path), without it
+        // they take this TP rank's rows (the TP split).
+        for (xo, oo, sp) in [(2usize, 0usize, false), (0, 2, false), (2, 0, true), (0, 2, true)] {
+            let ctx = MoeContext::new(&[3], 1, 0, 0, sp)?;
             for comm_type in CommType::ALL {
                 let base = Tensor::from_slice(&base_vals, &[n + 2])?.to_device(&comm.device())?;
                 let Storage::Npu(b) = base.storage() else { panic!("device storage") };
@@ -238,8 +240,8 @@ fn prepare_into_an_out_overlapping_x_gives_the_separate_result() {
                 let want = prepare(&apart, comm_type, &ctx, &groups)?.hidden.to_vec::<f32>()?;
                 assert_eq!(out.shape(), prepare_output_shape(x.shape(), comm_type, &ctx)?.as_slice());
                 prepare_into(&x, comm_type, &ctx, &groups, &mut out)
-                    .unwrap_or_else(|e| panic!("{comm_type:?} x at {xo}, out at {oo}: {e}"));
-                assert_eq!(out.to_vec::<f32>()?, want, "{comm_type:?} x at {xo}, out at {oo}");
+                    .unwrap_or_else(|e| panic!("{comm_type:?} sp {sp} x at {xo}, out at {oo}: {e}"));
+                assert_eq!(out.to_vec::<f32>()?, want, "{comm_type:?} sp {sp} x at {xo}, out at {oo}");
             }
         }
         Ok(())

@@ -20,8 +20,9 @@ class AmoeError(RuntimeError):
 
     def __reduce__(self):
         # Rebuilt from both arguments: pickling (a worker process sending its
-        # error back, `copy`) would otherwise call `cls(message)` alone.
-        return (type(self), (self.status, self.message))
+        # error back, `copy`) would otherwise call `cls(message)` alone. The
+        # instance's other attributes (`__notes__` of `add_note`, ...) go along.
+        return (type(self), (self.status, self.message), self.__dict__)
 
 
 class NullArgumentError(AmoeError, ValueError):

@@ -746,9 +746,11 @@ def test_library_errors_survive_pickling_as_a_worker_process_sends_them():
     with pytest.raises(am.IndexOutOfRangeError) as info:
         am.moe_finalize_routing(np.ones((4, 3), np.float32), np.array([0, 1, 2, 99], np.int32))
     err = info.value
+    err.layer = 3  # an attribute a caller added (as `add_note` adds `__notes__`)
     for back in (pickle.loads(pickle.dumps(err)), copy.deepcopy(err)):
         assert type(back) is am.IndexOutOfRangeError and isinstance(back, ValueError)
         assert (back.status, back.message, str(back)) == (err.status, err.message, str(err))
+        assert back.layer == 3
 
 
 def test_one_integer_where_a_list_of_sizes_belongs_names_the_argument():

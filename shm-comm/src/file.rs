@@ -111,23 +111,31 @@ fn describe(st: &libc::stat) -> String {
 }
 
 fn refusal(path: &str, found: &str) -> Refused {
-    Refused::Foreign(format!(
-        "refusing shared-memory file {path}: it is {found}, but a CPU world only uses a regular file of its \
-         own user ({}) with mode 0600 and one link. Another user may have created it to read or change this \
-         group's data, so it was neither joined nor removed: check who made it, remove it as its owner or \
-         root, or use another group name",
-        describe_uid(my_uid())
-    ))
+    refused(
+        path,
+        found,
+        "Another user may have created it to read or change this group's data, so it was neither joined nor \
+         removed: check who made it, remove it as its owner or root, or use another group name",
+    )
 }
 
 /// A symbolic link of this user's own under the name: refused too. Removing
 /// it by name, after `lstat` said it was a link, would race with a rank of
 /// the world that removed it first and created the world's file in its
 /// place: that file would be removed, and the world never form.
-fn own_link_refusal(path: &str) -> Refused {
+fn own_link_refusal(path: &str, st: &libc::stat) -> Refused {
+    refused(
+        path,
+        &describe(st),
+        "A CPU world neither follows nor removes a link under its group's name: remove it, or use another \
+         group name",
+    )
+}
+
+fn refused(path: &str, found: &str, then: &str) -> Refused {
     Refused::Foreign(format!(
-        "refusing shared-memory file {path}: it is a symbolic link of this user ({}); a CPU world neither \
-         follows nor removes a link under its group's name: remove it, or use another group name",
+        "refusing shared-memory file {path}: it is {found}, but a CPU world only uses a regular file of its own \
+         user ({}) with mode 0600 and one link. {then}",
         describe_uid(my_uid())
     ))
 }
@@ -299,7 +307,7 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
                 return Ok(Opened::Again);
             };
             if err == Some(libc::ELOOP) && st.st_mode & libc::S_IFMT == libc::S_IFLNK && st.st_uid == my_uid() {
-                return Err(own_link_refusal(path));
+                return Err(own_link_refusal(path, &st));
             }
             return Err(refusal(path, &describe(&st)));
         }

@@ -164,7 +164,7 @@ fn a_symlink_of_our_own_under_the_name_is_refused_on_every_rank_and_its_target_n
     let _ = std::fs::remove_file(&target);
     let _ = std::fs::remove_file(&path);
     // Removing it would race with a rank creating the world's file there.
-    assert_refused(res, &path, &["symbolic link of this user", "remove it"]);
+    assert_refused(res, &path, &["symbolic link owned by", "neither follows nor removes a link", "remove it"]);
     assert_eq!(target_len.expect("the link's target must still exist"), 0, "the link's target was written to");
     assert!(link.expect("the link is left in place").file_type().is_symlink(), "the link was replaced");
     // Once it is gone, the name forms a world.

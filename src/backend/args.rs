@@ -5,6 +5,16 @@
 use crate::types::{DType, TensorMeta};
 use crate::{Error, Result};
 
+/// `Ok` when `shape` holds `expected` elements, else the `Error::Shape` of
+/// a collective's buffer `arg` of the wrong length, `what` saying where the
+/// count comes from (the same error on every communicator).
+pub fn collective_len(op: &'static str, arg: &'static str, shape: &[usize], expected: usize, what: &str) -> Result<()> {
+    if shape.iter().product::<usize>() != expected {
+        return Err(Error::shape(op, arg, format!("{expected} elements ({what})"), shape));
+    }
+    Ok(())
+}
+
 /// Elements of `shape`, or an error naming `op` and `arg` when the product of
 /// its non-zero dims overflows `usize`. Zero dims are skipped in that check, so
 /// every partial product of the dims (row lengths, ...) fits too, also for

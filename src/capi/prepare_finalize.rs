@@ -11,7 +11,7 @@ use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_te
 use crate::moe::prepare_finalize::{self as pf, MoeContext, MoeGroups};
 use crate::{CommType, DType};
 
-/// Most EP ranks (`dp_size * tp_size`) an `amoe_moe_context` may describe.
+/// Most EP ranks (`dp_size * pcp_size * tp_size`) an `amoe_moe_context` may describe.
 pub const AMOE_MAX_EP_RANKS: usize = 1 << 20;
 // The header needs the literal; the Rust API's bound is the same number.
 const _: () = assert!(AMOE_MAX_EP_RANKS == crate::moe::layout::MAX_EP_RANKS);

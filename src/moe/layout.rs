@@ -4,7 +4,7 @@
 
 use crate::{Error, Result};
 
-/// Most EP ranks (`dp_size * tp_size`) a layout or a [`crate::moe::prepare_finalize::MoeContext`]
+/// Most EP ranks (`dp_size * pcp_size * tp_size`) a layout or a [`crate::moe::prepare_finalize::MoeContext`]
 /// may describe. Ops build per-rank tables of this size, so it is bounded
 /// before anything is allocated. The C ABI exports it as `AMOE_MAX_EP_RANKS`.
 pub const MAX_EP_RANKS: usize = 1 << 20;

@@ -48,9 +48,8 @@ impl FinalizeBench {
     pub fn check(&self) -> Result<()> {
         const OP: &str = "bench_finalize";
         let (n, k, h) = (self.tokens, self.top_k, self.hidden);
-        let counts =
-            [("tokens", n), ("top_k", k), ("hidden", h), ("iters", self.iters), ("threads", self.threads.unwrap_or(1))];
-        check_config(OP, &counts, self.dtype)?;
+        let counts = [("tokens", n), ("top_k", k), ("hidden", h), ("threads", self.threads.unwrap_or(1))];
+        check_config(OP, &counts, self.iters, self.dtype)?;
         check_rows(OP, n, k)?;
         // Inputs built in vectors and copied into tensors (x, x1, scales:
         // twice), the permutation (its (key, index) pairs, the indices and
@@ -273,19 +272,19 @@ pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
     best
 }
 
-/// Refuses a benchmark configuration with a count of 0 or a dtype that is
-/// not a float, naming the field.
 /// The most timed repetitions a benchmark takes (`--iters`, `--warmup`,
 /// `--reps`): far more than any median or best needs, and small enough that
 /// no count of them, plus the untimed first pass, can wrap around.
 pub const MAX_ITERS: usize = 1_000_000;
 
-fn check_config(op: &'static str, counts: &[(&'static str, usize)], dtype: DType) -> Result<()> {
-    if let Some((name, _)) = counts.iter().find(|(_, v)| *v == 0) {
+/// Refuses a benchmark configuration with a count of 0, `iters` outside
+/// `1..=MAX_ITERS` or a dtype that is not a float, naming the field.
+fn check_config(op: &'static str, counts: &[(&'static str, usize)], iters: usize, dtype: DType) -> Result<()> {
+    if let Some((name, _)) = counts.iter().chain(&[("iters", iters)]).find(|(_, v)| *v == 0) {
         return Err(Error::invalid(op, name, "must be >= 1"));
     }
-    if let Some((name, v)) = counts.iter().find(|(name, v)| *name == "iters" && *v > MAX_ITERS) {
-        return Err(Error::invalid(op, name, format!("{v} exceeds the maximum of {MAX_ITERS} repetitions")));
+    if iters > MAX_ITERS {
+        return Err(Error::invalid(op, "iters", format!("{iters} exceeds the maximum of {MAX_ITERS} repetitions")));
     }
     if !dtype.is_float() {
         return Err(Error::dtype(op, "dtype", "a float dtype", dtype));
@@ -383,7 +382,7 @@ impl ReduceBench {
         let ep = layout.ep_size();
         check_world_size(ep).map_err(|why| Error::invalid(OP, "dp_tokens", format!("{ep} ranks (DP x TP): {why}")))?;
         let (n, k, h) = (layout.total_rows(), self.top_k, self.hidden);
-        check_config(OP, &[("top_k", k), ("hidden", h), ("iters", self.iters)], self.dtype)?;
+        check_config(OP, &[("top_k", k), ("hidden", h)], self.iters, self.dtype)?;
         check_rows(OP, n, k)?;
         // On each rank: x and the scales built in vectors and copied into
         // tensors, the permutation (pairs, indices, tensor), the two-step
@@ -530,11 +529,8 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
     let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
     let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
         set_num_threads(Some(1));
-        // The branch the CPU communicator's fused op takes.
-        let staged = match &comm {
-            crate::Comm::Cpu(c) => ep > 1 && c.rows_per_region(h, cfg.dtype) > 0,
-            crate::Comm::Npu(_) => true,
-        };
+        // The path the CPU communicator's fused op takes (run_ranks forms a CPU world).
+        let staged = !matches!(&comm, crate::Comm::Cpu(c) if !c.stages_rows(h, cfg.dtype));
         let bytes = if staged { bytes } else { bytes.unstaged() };
         let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;
         let scales = filled(&[n, k], DType::F32, 7)?;
@@ -607,14 +603,16 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
                 floor = floor.min(t0.elapsed().as_secs_f64());
             }
         }
-        Ok((fused, unfused, floor, staged))
+        Ok((fused, unfused, floor, staged, bytes))
     })?;
-    let slowest = |f: fn(&(f64, f64, f64, bool)) -> f64| times.iter().map(f).fold(0.0, f64::max);
-    let staged = times.iter().all(|t| t.3);
+    type RankTimes = (f64, f64, f64, bool, ReduceBytes);
+    let slowest = |f: fn(&RankTimes) -> f64| times.iter().map(f).fold(0.0, f64::max);
+    // Every rank of the world takes the same path (one staging size, one row).
+    let (staged, bytes) = times.first().map_or((true, bytes), |t| (t.3, t.4));
     Ok(ReduceReport {
         fused_s: slowest(|t| t.0),
         unfused_s: slowest(|t| t.1),
-        bytes: if staged { bytes } else { bytes.unstaged() },
+        bytes,
         floor_s: slowest(|t| t.2),
         staged,
     })

@@ -81,16 +81,7 @@ pub(super) fn launch(
                 // SAFETY: `w` was just resolved as `need` bytes of a live allocation.
                 unsafe { std::ptr::write_bytes(w.host, WORKSPACE_SCRIBBLE, need as usize) };
             }
-            // A fault of the running kernel (an index outside its range) is
-            // the stream's runtime error, as the sync reports it: the
-            // synchronisations pass only runtime codes on (hicann/runtime
-            // v8.5.0 `src/acl/aclrt_impl/stream.cpp:131-175`,
-            // `ACL_GET_ERRCODE_RTS`), and a trap of an AI Core kernel is
-            // ACL_ERROR_RT_AICORE_EXCEPTION (`rt_error_codes.h:97`).
-            exec.run().map_err(|e| match e.code {
-                160_000..=169_999 => SimError::new(ACL_ERROR_RT_AICORE_EXCEPTION, e.msg),
-                _ => e,
-            })
+            exec.run()
         }),
     );
     Ok(())

@@ -122,6 +122,14 @@ pub(super) fn write_bytes(t: &TensorDesc, bytes: &[u8]) -> SimResult<()> {
     Ok(())
 }
 
+/// A bad index met by a running operator: a trap of its kernel, the
+/// stream's runtime error (`ACL_ERROR_RT_AICORE_EXCEPTION`, hicann/runtime
+/// v8.5.0 `rt_error_codes.h:97`), which the next synchronisation reports as
+/// it is: a sync passes on runtime codes only (`src/acl/aclrt_impl/stream.cpp:131-175`).
+pub(super) fn kernel_trap<T>(msg: String) -> SimResult<T> {
+    fail(ACL_ERROR_RT_AICORE_EXCEPTION, msg)
+}
+
 pub(super) fn index_error<T>(op: &str, arg: &str, pos: usize, v: i32, lo: i64, hi: usize) -> SimResult<T> {
-    fail(ACLNN_ERR_PARAM_INVALID, format!("{op}: {arg}[{pos}] = {v} is outside [{lo}, {hi})"))
+    kernel_trap(format!("{op}: {arg}[{pos}] = {v} is outside [{lo}, {hi})"))
 }

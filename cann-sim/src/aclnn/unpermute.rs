@@ -5,13 +5,13 @@ use std::sync::Arc;
 
 use crate::ffi::*;
 use crate::nnop::objects::{dtype_name, TensorDesc};
-use crate::status::{self, fail, SimResult};
+use crate::status::{self, SimResult};
 
 use super::executor::{check_outs, publish, Op, MOE_WORKSPACE};
 use super::launch::launch;
 use super::sum::blocked_sum;
 use super::tensors::{
-    index_error, invalid, is_float, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
+    index_error, invalid, is_float, kernel_trap, read_f32, read_i32, required, tensor, want_dims, want_dtype, write_f32,
 };
 
 /// Phase-1 snapshot of `aclnnMoeTokenUnpermute`.
@@ -59,12 +59,9 @@ impl Op for Unpermute {
                 return index_error(UNPERMUTE, "sortedIndices", pos, r, 0, rows as usize);
             }
             if std::mem::replace(&mut seen[r as usize], true) {
-                return fail(
-                    ACLNN_ERR_PARAM_INVALID,
-                    format!(
-                        "{UNPERMUTE}: sortedIndices[{pos}] = {r} repeats an earlier index (duplicates are undefined)"
-                    ),
-                );
+                return kernel_trap(format!(
+                    "{UNPERMUTE}: sortedIndices[{pos}] = {r} repeats an earlier index (duplicates are undefined)"
+                ));
             }
         }
         let mut out = vec![0f32; t * h];

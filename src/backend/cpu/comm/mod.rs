@@ -18,6 +18,7 @@ use shm_comm::{DataType, ShmComm};
 pub use shm_comm::Config as CpuCommConfig;
 pub use shm_comm::{check_world_size, segment_path, shm_dir, MAX_WORLD};
 
+use crate::backend::args::collective_len;
 use crate::backend::cpu::finalize::fused_rows;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::CpuBuffer;
@@ -98,14 +99,6 @@ fn check_pair(op: &'static str, src: &View<'_, CpuBuffer>, dst: &ViewMut<'_, Cpu
     Ok(())
 }
 
-fn tensor_len(op: &'static str, arg: &'static str, shape: &[usize], expected: usize, what: &str) -> Result<()> {
-    let numel: usize = shape.iter().product();
-    if numel != expected {
-        return Err(Error::shape(op, arg, format!("{expected} elements ({what})"), shape));
-    }
-    Ok(())
-}
-
 /// `sum(counts)`, or the transport's error naming `arg` when it overflows.
 fn counts_sum(op: &'static str, arg: &'static str, counts: &[usize]) -> Result<usize> {
     Ok(shm_comm::counts_sum(op, arg, counts)?)
@@ -170,6 +163,14 @@ impl CpuComm {
         self.shm.rows_per_region(row_len, data_type(dtype))
     }
 
+    /// Whether [`Communicator::finalize_reduce_scatter`] stages rows of
+    /// `row_len` elements of `dtype` (a group of more than one rank, and a
+    /// row that fits a staging region); otherwise it finalizes into a buffer
+    /// and reduce-scatters that, the two-step path.
+    pub fn stages_rows(&self, row_len: usize, dtype: DType) -> bool {
+        self.shm.world_size() > 1 && self.rows_per_region(row_len, dtype) > 0
+    }
+
     /// Reduce-scatter of row blocks that are computed straight into the
     /// staging buffers instead of being copied from a source tensor.
     ///
@@ -204,7 +205,7 @@ impl CpuComm {
             }
             match rows.get(me).and_then(|r| r.checked_mul(row_len)) {
                 Some(n) if rows.len() == self.shm.world_size() => {
-                    tensor_len(C, "dst", dst.shape(), n, "rows[rank] * row_len")
+                    collective_len(C, "dst", dst.shape(), n, "rows[rank] * row_len")
                 }
                 _ => Ok(()),
             }
@@ -301,7 +302,8 @@ impl Communicator for CpuComm {
 
     fn all_reduce(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>, op: ReduceOp) -> Result<()> {
         const C: &str = "all_reduce";
-        let local = check_pair(C, &src, &dst).and_then(|_| tensor_len(C, "dst", dst.shape(), src.numel(), "as src"));
+        let local =
+            check_pair(C, &src, &dst).and_then(|_| collective_len(C, "dst", dst.shape(), src.numel(), "as src"));
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
         self.shm.all_reduce(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
@@ -315,7 +317,7 @@ impl Communicator for CpuComm {
         const C: &str = "reduce_scatter";
         let w = self.shm.world_size();
         let local = check_pair(C, &src, &dst)
-            .and_then(|_| tensor_len(C, "src", src.shape(), dst.numel() * w, "world size x dst elements"));
+            .and_then(|_| collective_len(C, "src", src.shape(), dst.numel() * w, "world size x dst elements"));
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
         self.shm.reduce_scatter(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
@@ -324,7 +326,7 @@ impl Communicator for CpuComm {
         const C: &str = "all_gather";
         let w = self.shm.world_size();
         let local = check_pair(C, &src, &dst)
-            .and_then(|_| tensor_len(C, "dst", dst.shape(), src.numel() * w, "world size x src elements"));
+            .and_then(|_| collective_len(C, "dst", dst.shape(), src.numel() * w, "world size x src elements"));
         self.shm.all_gather(data_type(src.dtype()), src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
@@ -358,8 +360,8 @@ impl Communicator for CpuComm {
         let local = check_pair(C, &src, &dst).and_then(|_| {
             shm_comm::counts_len(C, "send_counts", send_counts, w)?;
             shm_comm::counts_len(C, "recv_counts", recv_counts, w)?;
-            tensor_len(C, "src", src.shape(), counts_sum(C, "send_counts", send_counts)?, "sum of send_counts")?;
-            tensor_len(C, "dst", dst.shape(), counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
+            collective_len(C, "src", src.shape(), counts_sum(C, "send_counts", send_counts)?, "sum of send_counts")?;
+            collective_len(C, "dst", dst.shape(), counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
         });
         let dt = data_type(src.dtype());
         self.shm.all_to_all_v(dt, src.buf().as_bytes(), send_counts, dst.buf_mut().as_bytes_mut(), recv_counts, local)
@@ -398,14 +400,14 @@ impl Communicator for CpuComm {
                     if out.dtype() != dtype {
                         return Err(Error::dtype(C, "out", dtype.name(), out.dtype()));
                     }
-                    tensor_len(C, "out", out.shape(), 0, "no rows to reduce")
+                    collective_len(C, "out", out.shape(), 0, "no rows to reduce")
                 });
             return self.shm.reduce_scatter(data_type(dtype), shm_comm::ReduceOp::Sum, &[], &mut [], local);
         }
         // Every rank of a group sees the same staging size, world and (when
         // the calls match at all) H and dtype, so every rank takes the same
         // branch; a rank that does not is reported as a mismatched collective.
-        if self.shm.world_size() > 1 && self.rows_per_region(dims.h, args.expanded_x.dtype()) > 0 {
+        if self.stages_rows(dims.h, args.expanded_x.dtype()) {
             let mut rows = fused_rows(args, dims, local_sizes);
             let (dtype, local) = (rows.dtype, std::mem::replace(&mut rows.local, Ok(())));
             let mut produce = |block: usize, first: usize, bytes: &mut [u8]| rows.produce(block, first, bytes);

@@ -2,6 +2,7 @@
 
 use std::ffi::c_void;
 
+use crate::backend::args::collective_len;
 use crate::backend::npu::memory::NpuBuffer;
 use crate::backend::npu::result::hccl as hc;
 use crate::backend::npu::NpuDevice;
@@ -67,13 +68,6 @@ impl HcclComm {
             ));
         }
         Ok((self.dev_ptr(s, SEND)?, self.dev_ptr(d, RECV)?))
-    }
-
-    /// A size this rank got wrong on its own: the error the CPU
-    /// communicator gives for it (`Error::Shape` naming `arg`), not a
-    /// disagreement between ranks.
-    fn len_err(op: &'static str, arg: &'static str, shape: &[usize], expected: usize, what: &str) -> Error {
-        Error::shape(op, arg, format!("{expected} elements ({what})"), shape)
     }
 
     /// A buffer `arg` of `HcclAllGatherV` / `HcclReduceScatterV` whose length
@@ -187,9 +181,7 @@ impl Communicator for HcclComm {
         const OP: &str = "all_reduce";
         self.same_dtype(OP, src.meta(), dst.meta())?;
         check_dtype(OP, Table::Reduce, src.dtype())?;
-        if src.numel() != dst.numel() {
-            return Err(Self::len_err(OP, "dst", dst.shape(), src.numel(), "as src"));
-        }
+        collective_len(OP, "dst", dst.shape(), src.numel(), "as src")?;
         let (s, d) = (
             self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
             self.reduce_buffer(OP, "dst", dst.buf(), src.dtype())?,
@@ -223,10 +215,7 @@ impl Communicator for HcclComm {
         const OP: &str = "reduce_scatter";
         self.same_dtype(OP, src.meta(), dst.meta())?;
         check_dtype(OP, Table::Reduce, src.dtype())?;
-        if src.numel() != dst.numel() * self.inner.world {
-            let n = dst.numel() * self.inner.world;
-            return Err(Self::len_err(OP, "src", src.shape(), n, "world size x dst elements"));
-        }
+        collective_len(OP, "src", src.shape(), dst.numel() * self.inner.world, "world size x dst elements")?;
         let (s, d) = (
             self.reduce_buffer(OP, "src", src.buf(), src.dtype())?,
             self.reduce_buffer(OP, "dst", dst.buf(), src.dtype())?,
@@ -244,10 +233,7 @@ impl Communicator for HcclComm {
     fn all_gather(&self, src: View<'_, NpuBuffer>, dst: ViewMut<'_, NpuBuffer>) -> Result<()> {
         const OP: &str = "all_gather";
         self.same_dtype(OP, src.meta(), dst.meta())?;
-        if dst.numel() != src.numel() * self.inner.world {
-            let n = src.numel() * self.inner.world;
-            return Err(Self::len_err(OP, "dst", dst.shape(), n, "world size x src elements"));
-        }
+        collective_len(OP, "dst", dst.shape(), src.numel() * self.inner.world, "world size x src elements")?;
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let (n, dt) = (src.numel() as u64, hccl_dtype(src.dtype()));
         if n == 0 {
@@ -351,12 +337,8 @@ impl Communicator for HcclComm {
         self.same_dtype(OP, src.meta(), dst.meta())?;
         let (sc, sd, stotal) = self.counts_check(OP, "send_counts", send_counts)?;
         let (rc, rd, rtotal) = self.counts_check(OP, "recv_counts", recv_counts)?;
-        if src.numel() != stotal {
-            return Err(Self::len_err(OP, "src", src.shape(), stotal, "sum of send_counts"));
-        }
-        if dst.numel() != rtotal {
-            return Err(Self::len_err(OP, "dst", dst.shape(), rtotal, "sum of recv_counts"));
-        }
+        collective_len(OP, "src", src.shape(), stotal, "sum of send_counts")?;
+        collective_len(OP, "dst", dst.shape(), rtotal, "sum of recv_counts")?;
         let (s, d) = (self.buffer(OP, "src", src.buf())?, self.buffer(OP, "dst", dst.buf())?);
         let dt = hccl_dtype(src.dtype());
         let (sp, dp) = self.dev_ptrs(OP, (s, src.len_bytes()), (d, dst.len_bytes()))?;
