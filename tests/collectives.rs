@@ -1118,11 +1118,8 @@ mod every_backend {
         }
         npu_run_ranks(WORLD, &CommOptions::with_timeout(std::time::Duration::from_secs(20)), |rank, comm| {
             let dev = comm.device();
-            let mut warm = tensor::<f32>(&dev, &[1.0])?;
-            comm.all_reduce_in_place(&mut warm, ReduceOp::Sum)?;
-            assert_eq!(read(&warm)?, [WORLD as f64]);
+            set_up_links(&comm)?;
             let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
-            hccl.npu_device().check()?;
             let n = if rank == 0 { 8 } else { 4 };
             let src = Tensor::zeros(&[n], DType::F32, &dev)?;
             let mut dst = Tensor::zeros(&[n], DType::F32, &dev)?;
@@ -1162,6 +1159,17 @@ mod every_backend {
         .unwrap();
     }
 
+    /// One all-reduce of every rank, checked: HCCL sets up its links at a
+    /// communicator's first call of a collective and checks only that one on
+    /// the host, so a later call is queued without waiting for the others.
+    fn set_up_links(comm: &Comm) -> Result<()> {
+        let mut warm = tensor::<f32>(&comm.device(), &[1.0])?;
+        comm.all_reduce_in_place(&mut warm, ReduceOp::Sum)?;
+        assert_eq!(read(&warm)?, [WORLD as f64]);
+        let Comm::Npu(hccl) = comm else { panic!("an HCCL world") };
+        hccl.npu_device().check()
+    }
+
     /// Ranks `0..WORLD - 1` queue an all-reduce rank `WORLD - 1` never makes,
     /// after one all-reduce of every rank (so the links are set up and the
     /// call itself does not wait for the missing rank); then `after(rank,
@@ -1169,11 +1177,7 @@ mod every_backend {
     fn a_rank_skips_the_second_all_reduce(opts: &CommOptions, after: impl Fn(usize, &Comm) -> Result<()> + Sync) {
         npu_run_ranks(WORLD, opts, |rank, comm| {
             let dev = comm.device();
-            let mut warm = tensor::<f32>(&dev, &[1.0])?;
-            comm.all_reduce_in_place(&mut warm, ReduceOp::Sum)?;
-            assert_eq!(read(&warm)?, [WORLD as f64]);
-            let Comm::Npu(hccl) = &comm else { panic!("an HCCL world") };
-            hccl.npu_device().check()?;
+            set_up_links(&comm)?;
             if rank == WORLD - 1 {
                 return Ok(());
             }
