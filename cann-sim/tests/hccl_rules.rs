@@ -711,11 +711,13 @@ fn reductions_refuse_buffers_not_aligned_to_their_elements() {
     assert_eq!(rcs[0][10..], [0, 0, 0], "{:?}", rcs[0]);
 }
 
+/// HCCL's largest count, SYS_MAX_COUNT = 0x7FFFFFFFF (hicann/hccl
+/// `src/common/hccl_common.h:42`), checked by every collective's CheckCount /
+/// HcomCheckCount.
+const MAX: u64 = 0x7_FFFF_FFFF;
+
 #[test]
 fn counts_above_hccls_largest_count_are_refused() {
-    // SYS_MAX_COUNT = 0x7FFFFFFFF (hicann/hccl `src/common/hccl_common.h:42`),
-    // checked by every collective's CheckCount / HcomCheckCount.
-    const MAX: u64 = 0x7_FFFF_FFFF;
     let rcs = with_world(1, |_, comm| {
         let s = sim();
         let st = stream();
@@ -754,7 +756,6 @@ fn a_v_collective_with_any_count_above_the_largest_is_refused_on_every_rank() {
     // hicann/hcomm v8.5.0 op_base.cc:1745-1749 / :2066-2070: every entry of
     // the counts array is checked, so the rank whose own count is small is
     // refused too (it would otherwise queue and wait for the refused peer).
-    const MAX: u64 = 0x7_FFFF_FFFF;
     let rcs = with_world(2, |rank, comm| {
         let s = sim();
         let st = stream();

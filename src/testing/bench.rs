@@ -419,9 +419,9 @@ pub struct ReduceReport {
     /// over as often as that takes), timed like the paths (a barrier before
     /// and after, slowest rank, best repetition), seconds.
     pub floor_s: f64,
-    /// Whether the fused op staged its rows (false: a row is larger than a
-    /// staging region of the world, and it ran the two-step path; `bytes`
-    /// then counts that path's bytes for it, [`ReduceBytes::unstaged`]).
+    /// False where a row is larger than a staging region of a world of more
+    /// than one rank, so that the fused op ran the two-step path; `bytes`
+    /// then counts that path's bytes for it ([`ReduceBytes::unstaged`]).
     pub staged: bool,
 }
 
@@ -529,8 +529,10 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
     let (n, k, h) = (layout.total_rows(), cfg.top_k, cfg.hidden);
     let times = run_ranks(ep, &CommOptions::default(), |rank, comm| {
         set_num_threads(Some(1));
-        // The path the CPU communicator's fused op takes (run_ranks forms a CPU world).
-        let staged = !matches!(&comm, crate::Comm::Cpu(c) if !c.stages_rows(h, cfg.dtype));
+        // The path the CPU communicator's fused op takes (run_ranks forms a
+        // CPU world); one rank runs the two-step code, whose bytes the model
+        // already counts for both there.
+        let staged = ep == 1 || !matches!(&comm, crate::Comm::Cpu(c) if !c.stages_rows(h, cfg.dtype));
         let bytes = if staged { bytes } else { bytes.unstaged() };
         let x = filled(&[n * k, h], cfg.dtype, rank as u32)?;
         let scales = filled(&[n, k], DType::F32, 7)?;
@@ -728,9 +730,12 @@ mod tests {
         let r = bench_finalize_and_reduce(&long).unwrap();
         assert!(!r.staged, "{r:?}");
         assert_eq!((r.bytes.fused, r.bytes.bound()), (r.bytes.two_step, 1.0), "{r:?}");
-        let short = ReduceBench { hidden: 64, ..long };
+        let short = ReduceBench { hidden: 64, ..long.clone() };
         let r = bench_finalize_and_reduce(&short).unwrap();
         assert!(r.staged && r.bytes.bound() > 1.0, "{r:?}");
+        // One rank has nothing to stage, whatever the row: not reported as unstaged.
+        let one = ReduceBench { dp_tokens: vec![2], tp: 1, ..long };
+        assert!(bench_finalize_and_reduce(&one).unwrap().staged);
     }
 
     /// An uneven layout, counted by hand: rows [3, 1] (N = 4, M = 3, n = 2),

@@ -195,8 +195,8 @@ fn run(
                 // type, dtype, operation, root and count of each call
                 // (hcomm v8.5.0 `heartbeat.cc:982-1023` `CheckIsSameOp`,
                 // recorded at `:1049-1067`), not the count arrays.
-                let fixed = |d: &Vec<u64>| d.get(..FIXED).map(<[u64]>::to_vec);
-                if config::get().inconsistent_check && round.descs.iter().any(|d| fixed(d) != fixed(&round.descs[0])) {
+                let first = round.descs[0].get(..FIXED);
+                if config::get().inconsistent_check && round.descs.iter().any(|d| d.get(..FIXED) != first) {
                     c.inconsistent.store(true, Ordering::SeqCst);
                 }
                 SimError::new(
