@@ -956,6 +956,24 @@ amoe_status amoe_sp_layout_from_dp_tokens(const size_t *dp_tokens,
                                           size_t cap,
                                           size_t *out_len);
 
+// The SP layout with prefill context parallelism (SPEC section 2): EP rank
+// order is DP x PCP x TP, and `local_sizes[(d * pcp_size + p) * tp_size + t]
+// = ceil(dp_tokens[d] / tp_size)`. Writes `n * pcp_size * tp_size` entries to
+// the caller-owned `out` (`cap` entries) and the count to `*out_len`; when
+// `cap` is too small only `*out_len` is written and
+// `AMOE_STATUS_BUFFER_TOO_SMALL` returned. `pcp_size` 1 gives the layout of
+// `amoe_sp_layout_from_dp_tokens`.
+//
+// # Safety
+// `dp_tokens` readable for `n`; `out` writable for `cap`; `out_len` writable.
+amoe_status amoe_sp_layout_from_dp_tokens_pcp(const size_t *dp_tokens,
+                                              size_t n,
+                                              size_t pcp_size,
+                                              size_t tp_size,
+                                              size_t *out,
+                                              size_t cap,
+                                              size_t *out_len);
+
 // Makes a live context on the device of `stream`: zeroed (never written, so
 // every guard reports it until the engine sets it), with 128 guard records
 // to start with (`amoe_live_context_reserve` adds more before capture; a

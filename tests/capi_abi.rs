@@ -210,6 +210,37 @@ fn a_layout_past_the_ep_bound_is_refused_before_its_size_is_asked_for() {
     assert_eq!((st, len), (amoe_status::BufferTooSmall, AMOE_MAX_EP_RANKS), "{}", last_error());
 }
 
+/// The PCP layout expands every DP rank's `ceil(T_d / TP)` over its PCP x
+/// TP ranks (SPEC section 2's example); PCP 1 is the plain layout, and a
+/// zero, a product past the bound and a short buffer are refused by name.
+#[test]
+fn the_pcp_layout_repeats_each_dp_ranks_rows_over_its_pcp_and_tp_ranks() {
+    let (mut out, mut len) = ([0usize; 8], 0usize);
+    // SAFETY: `dp` readable for its entries, `out` writable for 8, `len` writable (every call below).
+    let st = unsafe { amoe_sp_layout_from_dp_tokens_pcp([1usize, 9].as_ptr(), 2, 2, 2, out.as_mut_ptr(), 8, &mut len) };
+    assert_eq!((st, len, out), (amoe_status::Ok, 8, [1, 1, 1, 1, 5, 5, 5, 5]), "{}", last_error());
+    let mut plain = [0usize; 6];
+    let dp = [5usize, 0, 3];
+    let st = unsafe { amoe_sp_layout_from_dp_tokens_pcp(dp.as_ptr(), 3, 1, 2, out.as_mut_ptr(), 8, &mut len) };
+    assert_eq!((st, len), (amoe_status::Ok, 6), "{}", last_error());
+    let st = unsafe { amoe_sp_layout_from_dp_tokens(dp.as_ptr(), 3, 2, plain.as_mut_ptr(), 6, &mut len) };
+    assert_eq!((st, &out[..6]), (amoe_status::Ok, &plain[..]), "{}", last_error());
+    assert_eq!(plain, [3, 3, 0, 0, 2, 2]);
+    for (pcp, tp, arg) in [(0, 2, "pcp_size"), (2, 0, "tp_size")] {
+        let st = unsafe { amoe_sp_layout_from_dp_tokens_pcp(dp.as_ptr(), 3, pcp, tp, out.as_mut_ptr(), 8, &mut len) };
+        assert_eq!(st, amoe_status::InvalidArgument, "{}", last_error());
+        assert!(last_error().contains(&format!("`{arg}`: expected >= 1, got 0")), "{}", last_error());
+    }
+    len = 7;
+    let st = unsafe { amoe_sp_layout_from_dp_tokens_pcp(dp.as_ptr(), 3, 1 << 19, 2, null_mut(), 0, &mut len) };
+    assert_eq!((st, len), (amoe_status::InvalidArgument, 7), "{}", last_error());
+    let want = "`pcp_size`: dp_size 3 x pcp_size 524288 x tp_size 2 exceeds the maximum of 1048576 EP ranks";
+    assert!(last_error().contains(want), "{}", last_error());
+    let st = unsafe { amoe_sp_layout_from_dp_tokens_pcp(dp.as_ptr(), 3, 2, 2, out.as_mut_ptr(), 8, &mut len) };
+    assert_eq!((st, len), (amoe_status::BufferTooSmall, 12), "{}", last_error());
+    assert!(last_error().contains("amoe_sp_layout_from_dp_tokens_pcp: `out` holds 8 entries, the layout has 12"));
+}
+
 #[test]
 fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is_refused() {
     // SAFETY: every pointer is NULL (the case under test) or writable / valid.

@@ -382,9 +382,21 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 let mut out = vec![0usize; 12];
                 let mut len = 0usize;
                 let out_len = if rng.chance(5) { null_mut() } else { &mut len as *mut usize };
-                let st =
-                    amoe_sp_layout_from_dp_tokens(maybe_null(rng, &dp), dp.len(), tp, out.as_mut_ptr(), cap, out_len);
-                ("sp_layout", st)
+                if rng.chance(50) {
+                    let pcp = if rng.chance(80) { rng.below(4) as usize } else { dim(rng) };
+                    let (d, o) = (maybe_null(rng, &dp), out.as_mut_ptr());
+                    ("sp_layout_pcp", amoe_sp_layout_from_dp_tokens_pcp(d, dp.len(), pcp, tp, o, cap, out_len))
+                } else {
+                    let st = amoe_sp_layout_from_dp_tokens(
+                        maybe_null(rng, &dp),
+                        dp.len(),
+                        tp,
+                        out.as_mut_ptr(),
+                        cap,
+                        out_len,
+                    );
+                    ("sp_layout", st)
+                }
             }
             10 => {
                 let mut out = 0u8;

@@ -151,6 +151,7 @@ _SIGNATURES = {
     "amoe_moe_token_unpermute_output_shape": [_T, _T, _T] + _SHAPE_OUT,
     "amoe_moe_token_unpermute": [_T, _T, _T, _T, _STREAM],
     "amoe_sp_layout_from_dp_tokens": [_SZ, c_size_t, c_size_t, _SZ, c_size_t, _SZ],
+    "amoe_sp_layout_from_dp_tokens_pcp": [_SZ, c_size_t, c_size_t, c_size_t, _SZ, c_size_t, _SZ],
     "amoe_maybe_pad_and_reduce_output_shape": [_T, _SZ, c_size_t, c_size_t, c_size_t] + _SHAPE_OUT,
     "amoe_maybe_pad_and_reduce": [_T, _SZ, c_size_t, _COMM, _T, _STREAM],
     "amoe_maybe_all_gather_and_maybe_unpad_output_shape": [_T, _SZ, c_size_t, c_size_t, c_size_t] + _SHAPE_OUT,

@@ -60,15 +60,20 @@ class SpLayout:
         return self._local_sizes
 
     @classmethod
-    def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int) -> "SpLayout":
-        """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`."""
+    def from_dp_tokens(cls, num_tokens_across_dp, tp_size: int, pcp_size: int = 1) -> "SpLayout":
+        """`local_sizes[d * tp + t] = ceil(T_d / tp)` for every TP rank `t`; with
+        prefill context parallelism (`pcp_size` > 1) EP rank order is DP x PCP x TP
+        and `local_sizes[(d * pcp + p) * tp + t] = ceil(T_d / tp)` (SPEC section 2)."""
         arr, n = sizes(num_tokens_across_dp, "num_tokens_across_dp")
         need = c_size_t(0)
-        tp = c_uint("tp_size", tp_size)
+        tp, pcp = c_uint("tp_size", tp_size), c_uint("pcp_size", pcp_size)
         # The library refuses more than MAX_EP_RANKS entries before it looks at `out`.
-        cap = max(min(n * tp, MAX_EP_RANKS), 1)
+        cap = max(min(n * tp * pcp, MAX_EP_RANKS), 1)
         out = (c_size_t * cap)()
-        call("amoe_sp_layout_from_dp_tokens", arr, n, tp, out, cap, ctypes.byref(need))
+        if pcp == 1:
+            call("amoe_sp_layout_from_dp_tokens", arr, n, tp, out, cap, ctypes.byref(need))
+        else:
+            call("amoe_sp_layout_from_dp_tokens_pcp", arr, n, pcp, tp, out, cap, ctypes.byref(need))
         return cls(out[: need.value])
 
     @property

@@ -104,6 +104,17 @@ def test_sp_layout_from_dp_tokens():
         am.SpLayout([])
 
 
+def test_sp_layout_with_pcp_repeats_each_dp_ranks_rows_over_its_pcp_and_tp_ranks():
+    # SPEC section 2's example: DP2 PCP2 TP2 with tokens [1, 9].
+    assert am.SpLayout.from_dp_tokens([1, 9], 2, pcp_size=2).local_sizes == (1, 1, 1, 1, 5, 5, 5, 5)
+    assert am.SpLayout.from_dp_tokens([5, 0, 3], 2, pcp_size=1).local_sizes == (3, 3, 0, 0, 2, 2)
+    assert am.SpLayout.from_dp_tokens([7], 1, pcp_size=3).local_sizes == (7, 7, 7)
+    with pytest.raises(am.InvalidArgumentError, match="pcp_size"):
+        am.SpLayout.from_dp_tokens([4], 2, pcp_size=0)
+    with pytest.raises(am.InvalidArgumentError, match="dp_size 2 x pcp_size 1048576 x tp_size 2 exceeds"):
+        am.SpLayout.from_dp_tokens([3, 4], 2, pcp_size=2**20)
+
+
 def test_a_layout_past_the_ep_bound_is_refused_before_anything_is_allocated_for_it():
     # 10**9 built a 16 GB array for the layout before the library refused it;
     # 2**63 failed in ctypes with an OverflowError naming nothing.
