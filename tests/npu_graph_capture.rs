@@ -467,7 +467,7 @@ fn engine_stream(dev: &NpuDevice) -> (ascend_moe::backend::npu::NpuStream, *mut 
     let engine = dev.new_stream().expect("stream");
     let mut s = null_mut();
     // SAFETY: a live stream of this device that outlives the handle.
-    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), 0, &mut s) });
+    ok("stream", unsafe { amoe_stream_wrap(engine.raw(), dev.ordinal(), &mut s) });
     (engine, s)
 }
 
@@ -1006,4 +1006,84 @@ fn a_capture_stream_reserved_like_the_warm_up_stream_captures_its_ops() {
     let other = NpuDevice::open(1).expect("npu:1");
     let err = other.stream().reserve_like(warm.stream()).expect_err("streams of two devices").to_string();
     assert!(err.contains("npu:0") && err.contains("npu:1"), "{err}");
+}
+
+/// One rank of `a_collective_warmed_up_on_one_stream_is_captured_on_another`:
+/// its all-reduce results after the capture's first replay, after an eager
+/// call on the warm-up stream, and after a second replay.
+fn warm_then_capture_rank(rank: usize, world: usize, root: &HcclRootInfo) -> [Vec<f32>; 3] {
+    const N: usize = 8;
+    let dev = NpuDevice::open(rank as u32).expect("device");
+    let (warm, sw) = engine_stream(&dev);
+    let (cap, sc) = engine_stream(&dev);
+    let hccl = HcclComm::from_root_info(&dev, root, world, rank, &CommOptions::from_env()).expect("communicator");
+    let mut comm = null_mut();
+    // SAFETY: a live communicator that outlives the handle.
+    ok("comm", unsafe { amoe_comm_from_hccl(hccl.raw(), rank as u32, AMOE_HCCL_WORLD, &mut comm) });
+    let x = dev.clone_htod(&[(rank + 1) as f32; N]).expect("x");
+    let mut y = dev.alloc_zeros::<f32>(N).expect("y");
+    dev.synchronize().expect("uploads");
+    let shape = [N];
+    let xd = desc(dev_ptr(&x), amoe_dtype::F32, &shape, Place::Npu(rank as i32));
+    let yd = desc(dev_ptr(&y), amoe_dtype::F32, &shape, Place::Npu(rank as i32));
+    // SAFETY (both closures): live handles; descriptors of live device buffers.
+    let reduce_on = |s: *mut amoe_stream| unsafe { amoe_all_reduce(comm, &xd, &yd, amoe_reduce_op::Sum as u32, s) };
+    let check = |s: *mut amoe_stream| ok("stream check", unsafe { amoe_stream_check(s) });
+    ok("warm-up", reduce_on(sw));
+    check(sw);
+    let graph = Graph::capture(cap.raw(), || ok("captured all-reduce", reduce_on(sc)));
+    let mut results: [Vec<f32>; 3] = Default::default();
+    for (i, result) in results.iter_mut().enumerate() {
+        // Zeroed first, so that a call that did nothing is not read as one that summed.
+        y.copy_from_host(&[0.0; N]).expect("zero y");
+        dev.synchronize().expect("zeroed");
+        let s = if i == 1 {
+            ok("eager after the capture", reduce_on(sw));
+            sw
+        } else {
+            graph.replay(cap.raw());
+            sc
+        };
+        check(s);
+        *result = y.to_vec().expect("y");
+    }
+    drop(graph);
+    // SAFETY: handles made above, not used afterwards.
+    unsafe {
+        amoe_comm_free(comm);
+        amoe_stream_free(sw);
+        amoe_stream_free(sc);
+    }
+    drop((warm, cap));
+    results
+}
+
+/// `torch.npu.graph` captures on its own side stream while the warm-up ran
+/// on the current one. The communicator orders each collective after its
+/// previous one by an event on that collective's stream, and CANN refuses a
+/// capturing stream's wait for an event recorded outside the capture (ACL
+/// 107024): that wait is not made across a capture's edge, and the captured
+/// all-reduce replays SPEC section 4's sum (1 + 2 on two ranks), as does an
+/// eager call between the replays.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_collective_warmed_up_on_one_stream_is_captured_on_another() {
+    const RANKS: usize = 2;
+    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..RANKS)
+            .map(|r| {
+                s.spawn({
+                    let root = &root;
+                    move || warm_then_capture_rank(r, RANKS, root)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank thread")).collect()
+    });
+    for (rank, results) in got.iter().enumerate() {
+        for (what, v) in ["first replay", "eager call", "second replay"].iter().zip(results) {
+            assert_eq!(v, &vec![3.0f32; 8], "rank {rank}, {what}");
+        }
+    }
 }

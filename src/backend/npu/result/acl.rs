@@ -210,19 +210,19 @@ pub unsafe fn synchronize_stream_with_timeout(stream: aclrtStream, timeout_ms: i
 }
 
 /// `aclmdlRICaptureGetInfo` (acl_mdl.h of CANN 8.1): the capture status of
-/// `stream`, `Ok(None)` on a runtime without the capture API (which cannot
-/// capture).
+/// `stream` and the model it captures into (NULL when it captures none),
+/// `Ok(None)` on a runtime without the capture API (which cannot capture).
 ///
 /// # Safety
 /// `stream` is a live stream of the bound device.
-pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<aclmdlRICaptureStatus>> {
+pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<(aclmdlRICaptureStatus, acl_sys::aclmdlRI)>> {
     let api = acl()?;
     let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureGetInfo) else { return Ok(None) };
     let mut status = aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE;
     let mut model: acl_sys::aclmdlRI = std::ptr::null_mut();
     // SAFETY: the caller's contract; valid out-pointers.
     check("aclmdlRICaptureGetInfo", unsafe { f(stream, &mut status, &mut model) })?;
-    Ok(Some(status))
+    Ok(Some((status, model)))
 }
 
 /// `aclrtMalloc(len, policy)`: `len` bytes of device memory on the bound device.

@@ -127,8 +127,25 @@ impl NpuStream {
     /// not wait. This stream keeps the event until its next synchronisation,
     /// since CANN asks that an event not be destroyed while a call still uses
     /// it (aclrtDestroyEvent, AscendCL API reference).
+    ///
+    /// A stream being captured waits for nothing outside its capture: the
+    /// captured work runs when the graph is replayed, not now, and the
+    /// stream that replays it orders it. CANN refuses that wait (a capturing
+    /// stream waiting for an event recorded outside its capture is
+    /// `RT_ERROR_STREAM_CAPTURE_ISOLATION`, ACL error 107024: hicann/runtime
+    /// v8.5.0 `src/runtime/feature/src/api_impl/api_impl.cc:1549-1563`,
+    /// `src/runtime/feature/src/common/errcode_manage.cc:184`), so a
+    /// collective warmed up on one stream and captured on another
+    /// (`torch.npu.graph` captures on its own side stream) would fail there.
+    /// A stream outside every capture that waits for a capturing one joins
+    /// its capture (`api_impl.cc:1534-1547`): that is how work on an
+    /// operand's stream is captured with the op, and is kept.
     pub fn wait_for(&self, other: &NpuStream) -> Result<()> {
         if self.same_as(other) {
+            return Ok(());
+        }
+        let capture = self.capture()?;
+        if capture.is_some() && capture != other.capture()? {
             return Ok(());
         }
         let ev = other.sync_event()?;

@@ -251,12 +251,20 @@ unsafe impl Sync for StreamInner {}
 /// hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:54` and `:73` at v8.5.0),
 /// so it is not asked.
 fn capturing(raw: aclrtStream) -> Result<bool> {
+    Ok(capture_model(raw)?.is_some())
+}
+
+/// The model `raw` captures into (as an address), `None` when it captures
+/// none: as [`capturing`], whose status rule it applies.
+fn capture_model(raw: aclrtStream) -> Result<Option<usize>> {
     if raw.is_null() {
-        return Ok(false);
+        return Ok(None);
     }
     // SAFETY: live stream, device bound.
-    let status = unsafe { rt::capture_get_info(raw) }?;
-    Ok(status.is_some_and(|s| s != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE))
+    let info = unsafe { rt::capture_get_info(raw) }?;
+    Ok(info
+        .filter(|(s, _)| *s != acl_sys::aclmdlRICaptureStatus::ACL_MODEL_RI_CAPTURE_STATUS_NONE)
+        .map(|(_, model)| model as usize))
 }
 
 impl StreamInner {
@@ -443,6 +451,13 @@ impl NpuStream {
     pub fn is_capturing(&self) -> Result<bool> {
         self.enter()?;
         capturing(self.raw())
+    }
+
+    /// The graph this stream is being captured into (the model's address),
+    /// `None` when it is not captured.
+    pub(crate) fn capture(&self) -> Result<Option<usize>> {
+        self.enter()?;
+        capture_model(self.raw())
     }
 
     /// An error naming `op` while this stream is captured into a graph.
