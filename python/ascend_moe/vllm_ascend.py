@@ -692,15 +692,26 @@ def _shape_dtype(x):
     return x.dtype if _library_dtype(x.dtype) else torch.uint8
 
 
-def _summed_dtype(x):
+def _summed_dtype(x, what: str = "maybe_pad_and_reduce"):
     """A dtype the shape functions know for `x` in a reduce: its own when the
     library takes it (and refuses it there when it is only moved), float32
-    for one the group's own collectives sum; an MX dtype is refused."""
+    for one the group's own collectives sum; an MX dtype is refused, naming
+    `what`."""
     import torch
 
     if x.dtype in _byte_dtypes():
-        raise error(Status.DTYPE, f"maybe_pad_and_reduce: cannot sum {x.dtype} values")
+        raise error(Status.DTYPE, f"{what}: cannot sum {x.dtype} values")
     return x.dtype if _library_dtype(x.dtype) else torch.float32
+
+
+def _check_summable(x, what: str) -> None:
+    """Refuses `x` where `what` would sum it with vLLM's TP all-reduce: a
+    dtype that is only moved (int8, uint8, bool, fp8 as the library refuses
+    them; MX as `_summed_dtype` does) is never summed (SPEC section 8)."""
+    if _library_dtype(x.dtype):
+        _shapes.all_reduce(x)
+    else:
+        _summed_dtype(x, what)
 
 
 # ------------------------------------------- vLLM's forward context as ours
@@ -893,9 +904,9 @@ def _point_impl(x, point: int, layer: int):
     _leave_library_together(backend, x, f"vllm_reduce_point {name}", f"comm type {ct}")
     if not policy.decisions(ct)[_DECISIONS[point]]:
         return _own_result(x, x)
-    if _library_dtype(x.dtype):
-        # A dtype that is only moved is never summed, as on a communicator.
-        _shapes.all_reduce(x)
+    # A dtype that is only moved is never summed, as on a communicator; the
+    # TP ranks agreed on the dtype and comm type above, so all refuse it.
+    _check_summable(x, f"vllm_reduce_point {name}")
     # The group's own TP all-reduce, the one vLLM-Ascend calls.
     all_reduce = _module_attr(RUNNER_MODULE, "tensor_model_parallel_all_reduce", lambda: tp_group.all_reduce)
     return _own_result(all_reduce(x.contiguous()), x)

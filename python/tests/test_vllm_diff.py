@@ -480,6 +480,32 @@ def test_reduction_point_never_sums_a_dtype_that_is_only_moved(engine, dtype):
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "float4_e2m1fn_x2"])
+def test_reduction_point_never_hands_an_mx_dtype_to_vllms_all_reduce(engine, dtype):
+    # SPEC section 8: MX scales are moved as bytes, never summed, and
+    # maybe_pad_and_reduce refuses them ("cannot sum"). The final point of a
+    # TP-2 layer without SP or early reduction all-reduces under ALLGATHER
+    # (SPEC section 5, point 3): there it refused nothing and vLLM's TP
+    # all-reduce summed the bytes. Under MC2 the routed output is already
+    # reduced: the point returns the bytes unchanged.
+    if not hasattr(torch, dtype):
+        pytest.skip(f"torch {torch.__version__} has no {dtype}")
+    dtype = getattr(torch, dtype)
+    engine.tp = Group(2, 0, "tp")
+    summed = []
+    engine.tp.all_reduce = lambda t: summed.append(t.dtype) or t.view(torch.uint8).mul(2).view(t.dtype)
+    pid = av._runner_policy(_point_runner(engine.tp))
+    final = 2
+    x = torch.tensor([[1, 2, 4]], dtype=torch.uint8).view(dtype)
+    engine.extra.moe_comm_type = MoECommType.ALLGATHER
+    with pytest.raises(am.DTypeError, match=f"cannot sum {dtype} values"):
+        torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
+    assert summed == []
+    engine.extra.moe_comm_type = MoECommType.MC2
+    got = torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
+    assert got.dtype == dtype and got.view(torch.uint8).tolist() == [[1, 2, 4]] and summed == []
+
+
 @pytest.mark.parametrize("dtype", ["float64", "complex64"])
 def test_reduction_point_on_a_communicator_takes_dtypes_the_library_does_not(engine, dtype):
     # vLLM-Ascend's points return the output itself or its TP all-reduce,
