@@ -881,6 +881,12 @@ def _checked_point(point: int, layer: int) -> tuple:
     return point, layer
 
 
+def _always_reduces(point: int, layer: int) -> bool:
+    """Whether point `point` of policy `layer` all-reduces under every comm type."""
+    policy = _POLICIES[layer][0]
+    return all(policy.decisions(ct)[_DECISIONS[point]] for ct in CommType)
+
+
 def _point_impl(x, point: int, layer: int):
     point, layer = _checked_point(point, layer)
     policy, tp_group = _POLICIES[layer]
@@ -930,7 +936,13 @@ def _register_point_op():
 
     @vllm_reduce_point.register_fake
     def _(x, point, layer):
-        _checked_point(point, layer)
+        point, layer = _checked_point(point, layer)
+        # Whether the point reduces is the live comm type's, which a fake never
+        # reads; where the static policy reduces under every comm type it is
+        # known here, and a dtype that is never summed refused as the real op
+        # refuses it. Elsewhere the real op refuses it when it runs.
+        if _always_reduces(point, layer):
+            _check_summable(x, f"vllm_reduce_point {_POINTS[point]}")
         # A dtype the library does not take is reduced by vLLM's all-reduce:
         # its shape checked as float32.
         dtype = x.dtype if _library_dtype(x.dtype) else torch.float32

@@ -506,6 +506,43 @@ def test_reduction_point_never_hands_an_mx_dtype_to_vllms_all_reduce(engine, dty
     assert got.dtype == dtype and got.view(torch.uint8).tolist() == [[1, 2, 4]] and summed == []
 
 
+@pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "int8"])
+def test_reduction_point_fake_refuses_a_dtype_it_never_sums_where_every_comm_type_reduces(engine, dtype):
+    # A TP-sharded shared expert with a routed transform, no SP, TP 2 is
+    # early, so its shared point all-reduces whatever the comm type (SPEC
+    # section 5, point 2): a trace knows it reduces there and refuses a dtype
+    # that is only moved (SPEC section 8) as the real op does under every
+    # comm type. Its routed point all-reduces only under ALLGATHER (point 1):
+    # the fake cannot know the run's comm type and gives the identity shape.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not hasattr(torch, dtype):
+        pytest.skip(f"torch {torch.__version__} has no {dtype}")
+    dtype = getattr(torch, dtype)
+    engine.tp = Group(2, 0, "tp")
+    runner = SimpleNamespace(
+        moe_config=SimpleNamespace(tp_group=engine.tp, ep_size=2, is_sequence_parallel=False),
+        ascend_shared_experts=SimpleNamespace(),
+        routed_output_transform=lambda t: t,
+        _get_shared_expert_parallel_mode=lambda: av.SharedMode.TENSOR_PARALLEL,
+    )
+    pid = av._runner_policy(runner)
+    routed, shared = 0, 1
+    x = torch.ones(4, 3, dtype=torch.uint8).view(dtype)
+    refused = "cannot sum" if dtype == torch.float8_e8m0fnu else "never reduced"
+    op = torch.ops.ascend_moe.vllm_reduce_point
+    for ct in MoECommType:
+        engine.extra.moe_comm_type = ct
+        with pytest.raises(am.DTypeError, match=refused):
+            op(x, shared, pid)
+        with pytest.raises(am.DTypeError, match=refused):
+            with FakeTensorMode() as fm:
+                op(fm.from_tensor(x), shared, pid)
+        with FakeTensorMode() as fm:
+            fake = op(fm.from_tensor(x), routed, pid)
+        assert fake.shape == x.shape and fake.dtype == dtype, ct
+
+
 @pytest.mark.parametrize("dtype", ["float64", "complex64"])
 def test_reduction_point_on_a_communicator_takes_dtypes_the_library_does_not(engine, dtype):
     # vLLM-Ascend's points return the output itself or its TP all-reduce,
