@@ -435,7 +435,7 @@ def _leave_library_together(backend, x, what: str, agreed: str = "") -> None:
         raise error(Status.COMM_MISMATCH, f"{what}: the ranks disagree on the dtype or comm type ({listed})")
 
 
-def _ep_local_sizes(dp_metadata, ep_group):
+def _ep_local_sizes(dp_metadata, ep_group, what: str):
     """vLLM-Ascend's `_get_ep_local_sizes`: the SP layout when the MoE runner
     installed one of the EP size, else None."""
     if dp_metadata is None:
@@ -446,7 +446,7 @@ def _ep_local_sizes(dp_metadata, ep_group):
         return None
     if local_sizes is None or len(local_sizes) != engine_int("ep_group.world_size", ep_group.world_size):
         return None
-    return [engine_int("dp_metadata.get_chunk_sizes_across_dp_rank()", s) for s in local_sizes]
+    return _counts(local_sizes, "dp_metadata.get_chunk_sizes_across_dp_rank()", "EP", what)
 
 
 def _host_ints(t, field: str) -> list:
@@ -462,6 +462,22 @@ def _host_ints(t, field: str) -> list:
         return [engine_int(field, v) for v in (t.tolist() if hasattr(t, "tolist") else t)]
 
 
+def _counts(t, field: str, per: str, what: str = "") -> list:
+    """`_host_ints(t, field)`, one row or token count per `per` ("DP", "EP")
+    rank: a negative one is an `InvalidArgumentError` naming `field`, the
+    rank and the count (as `ascend_moe.ForwardContext` refuses its
+    `dp_tokens`), never read as 0 rows."""
+    counts = _host_ints(t, field)
+    for r, n in enumerate(counts):
+        if n < 0:
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"{what + ': ' if what else ''}{field} must be one count >= 0 per {per} rank, got {counts} "
+                f"({per} rank {r} has {n})",
+            )
+    return counts
+
+
 def _padded_layout(dp_metadata, ep_group, what: str) -> tuple:
     """`(layout, chunk)` of the `padded_length` path (DP metadata, no per-EP
     layout, e.g. PCP > 1): every DP rank's batch is padded to `padded_length`
@@ -472,7 +488,7 @@ def _padded_layout(dp_metadata, ep_group, what: str) -> tuple:
     padded = ctx.padded_length
     dp = engine_int("dp_group.world_size", _group("get_dp_group").world_size)
     ep = engine_int("ep_group.world_size", ep_group.world_size)
-    tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu")
+    tokens = _counts(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu", "DP", what)
     if padded is None:
         raise error(Status.INVALID_ARGUMENT, f"{what}: the forward context has DP metadata but no padded_length")
     padded = engine_int("padded_length", padded)
@@ -519,7 +535,7 @@ def _gather_plan(x):
     ctx = _vllm_forward_context()
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
-    sizes = _ep_local_sizes(dp_metadata, ep)
+    sizes = _ep_local_sizes(dp_metadata, ep, what)
     rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), _rows(x)
     if sizes is not None:
         if rows is not None and rows > sizes[rank]:
@@ -619,7 +635,7 @@ def _reduce_plan(x):
     dp_metadata = ctx.dp_metadata
     if dp_metadata is None:
         return None, None
-    sizes = _ep_local_sizes(dp_metadata, ep)
+    sizes = _ep_local_sizes(dp_metadata, ep, "maybe_pad_and_reduce")
     if sizes is not None:
         layout, chunk = SpLayout(sizes), None
     else:
@@ -737,7 +753,7 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     dp_rank, dp_size = _rank_and_size(dp)
     num_tokens = engine_int("num_tokens", num_tokens)
     if dp_metadata is not None and dp_size > 1:
-        tokens = _host_ints(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu")
+        tokens = _counts(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu", "DP", "moe_context")
         if len(tokens) != dp_size:
             raise error(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     else:

@@ -125,6 +125,47 @@ def test_float_dp_token_counts_are_refused(engine):
         torch.ops.vllm.maybe_all_gather_and_maybe_unpad(torch.ones(1, 2))
 
 
+@pytest.mark.parametrize("tokens, dp_rank, count", [([-2, 6], 0, -2), ([3, -1], 1, -1)])
+def test_negative_dp_token_counts_are_refused_not_read_as_zero(engine, tokens, dp_rank, count):
+    # DP2 TP1 (EP 2) without an SP layout: the padded_length path, where a
+    # DP rank's real rows are the first min(T_d, chunk) of its chunk. A
+    # negative T_d is no token count (ascend_moe.ForwardContext: "dp_tokens
+    # must be one count >= 0 per DP rank"); it was taken as 0 rows. Refused
+    # by the real ops and their fakes alike, and by moe_context, naming the
+    # field, the DP rank and the count.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.extra.padded_length = 6
+    engine.ctx.dp_metadata = DPMetadata(tokens)
+    refused = rf"num_tokens_across_dp_cpu must be one count >= 0 per DP rank.*DP rank {dp_rank} has {count}\b"
+    for op, rows in (
+        (torch.ops.vllm.maybe_all_gather_and_maybe_unpad, 6),  # padded_length / (EP / DP) rows
+        (torch.ops.vllm.maybe_pad_and_reduce, sum(max(t, 0) for t in tokens)),  # the rows a count of 0 gives
+    ):
+        x = torch.ones(rows, 2)
+        with pytest.raises(am.InvalidArgumentError, match=refused):
+            op(x)
+        with pytest.raises(am.InvalidArgumentError, match=refused):
+            _fake_shape(op, x)
+    with pytest.raises(am.InvalidArgumentError, match=refused):
+        av.moe_context(max(tokens[0], 0))
+
+
+def test_negative_sp_chunk_sizes_are_refused_naming_the_layout(engine):
+    # With an SP layout (get_chunk_sizes_across_dp_rank) a negative size is
+    # refused by both ops and their fakes as an invalid argument naming it,
+    # before any row count is compared with it.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    for sizes, rank in (([-1, 5], 0), ([5, -1], 1)):
+        engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=sizes)
+        refused = rf"get_chunk_sizes_across_dp_rank\(\) must be one count >= 0 per EP rank.*EP rank {rank} has -1"
+        for op, rows in ((torch.ops.vllm.maybe_all_gather_and_maybe_unpad, 6), (torch.ops.vllm.maybe_pad_and_reduce, 4)):
+            x = torch.ones(rows, 2)
+            with pytest.raises(am.InvalidArgumentError, match=refused):
+                op(x)
+            with pytest.raises(am.InvalidArgumentError, match=refused):
+                _fake_shape(op, x)
+
+
 def test_register_without_vllm_ascend_fails_only_when_switched_on(monkeypatch):
     # README: with ASCEND_MOE_VLLM=1 and no importable vLLM-Ascend,
     # register() raises naming the import; without the switch it does nothing.
