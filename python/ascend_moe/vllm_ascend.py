@@ -260,9 +260,9 @@ class _GroupBackend:
 
     kind = "group"
 
-    def __init__(self, group):
+    def __init__(self, group, role: str = ""):
         self.group = group
-        self.rank, self.world_size = _rank_and_size(group)
+        self.rank, self.world_size = _rank_and_size(group, role)
 
     def refusing(self):
         """The group's own collectives take no refusal: a check that fails
@@ -309,18 +309,19 @@ def _device_kind(device) -> str:
     return "cpu" if getattr(device, "type", "cpu") == "cpu" else "npu"
 
 
-def comm_for_group(group, device_kind: str = "cpu"):
+def comm_for_group(group, device_kind: str = "cpu", role: str = ""):
     """The communicator of a vLLM `GroupCoordinator` for `device_kind` ("cpu"
     or "npu"), built on first use (a collective over the group: every rank of
     the group calls it at the same point, as every rank runs the same op) and
     cached for the group's lifetime. Returns an object with `kind` ("comm":
-    an ascend-moe `Comm` in `.comm`; "group": the group's own collectives)."""
+    an ascend-moe `Comm` in `.comm`; "group": the group's own collectives).
+    `role` ("ep", "tp", "dp") names the group in errors (`_rank_and_size`)."""
     key = (id(group), device_kind)
     with _BACKENDS_LOCK:
         hit = _BACKENDS.get(key)
         if hit is not None and hit[0] is group:
             return hit[1]
-        backend = _build_backend(group, device_kind)
+        backend = _build_backend(group, device_kind, role)
         _BACKENDS[key] = (group, backend)
         return backend
 
@@ -331,7 +332,7 @@ def comm_for_group(group, device_kind: str = "cpu"):
 _ENGINE_TIMEOUT = 0.0
 
 
-def _build_backend(group, device_kind: str):
+def _build_backend(group, device_kind: str, role: str = ""):
     if device_kind == "npu":
         pg = getattr(group, "device_group", None)
         if pg is None:
@@ -339,28 +340,43 @@ def _build_backend(group, device_kind: str):
         return _CommBackend(Comm.from_process_group(pg))
     cpu_group = getattr(group, "cpu_group", None)
     if cpu_group is None or os.environ.get("ASCEND_MOE_VLLM_CPU_COMM") == "group":
-        return _GroupBackend(group)
+        return _GroupBackend(group, role)
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        return _GroupBackend(group)
-    rank, world = _rank_and_size(group)
+        return _GroupBackend(group, role)
+    rank, world = _rank_and_size(group, role)
     if world == 1:
         return _CommBackend(Comm.cpu(f"vllm-{uuid.uuid4().hex}", 1, 0, timeout_s=_ENGINE_TIMEOUT))
     hosts = [None] * world
     dist.all_gather_object(hosts, _host_id(), group=cpu_group)
     if len(set(hosts)) != 1:
-        return _GroupBackend(group)
+        return _GroupBackend(group, role)
     token = [uuid.uuid4().hex if rank == 0 else None]
     src = dist.get_global_rank(cpu_group, 0) if hasattr(dist, "get_global_rank") else group.ranks[0]
     dist.broadcast_object_list(token, src=src, group=cpu_group)
     return _CommBackend(Comm.cpu(f"vllm-{token[0]}", world, rank, timeout_s=_ENGINE_TIMEOUT))
 
 
-def _rank_and_size(group) -> tuple:
-    """`(rank_in_group, world_size)` of a vLLM group, as ints."""
-    name = _group_name(group)
-    return engine_int(f"{name}.rank_in_group", group.rank_in_group), engine_int(f"{name}.world_size", group.world_size)
+# The groups the adapter reads, by role, as the library names them in errors.
+_ROLES = {"ep": "an EP group", "tp": "a TP group", "dp": "a DP group"}
+
+
+def _rank_and_size(group, role: str = "") -> tuple:
+    """`(rank_in_group, world_size)` of a vLLM group, as ints: a world size
+    below 1, or a rank outside `0..world_size`, is an `InvalidArgumentError`
+    naming the field (`ep_group.rank_in_group` for `role` "ep"; without a
+    role, the group's name) and the world size, never an index from the end
+    or past it. Every read of a group's rank or size goes through here."""
+    name = f"{role}_group" if role else _group_name(group)
+    rank = engine_int(f"{name}.rank_in_group", group.rank_in_group)
+    world = engine_int(f"{name}.world_size", group.world_size)
+    if world < 1:
+        raise error(Status.INVALID_ARGUMENT, f"{name}.world_size is {world}: a group has at least one rank")
+    if not 0 <= rank < world:
+        of = _ROLES.get(role, f"the group {_group_name(group)}")
+        raise error(Status.INVALID_ARGUMENT, f"{name}.rank_in_group is {rank}: {rank} is not a rank of {of} of {world}")
+    return rank, world
 
 
 def _host_id() -> str:
@@ -444,7 +460,7 @@ def _ep_local_sizes(dp_metadata, ep_group, what: str):
         local_sizes = dp_metadata.get_chunk_sizes_across_dp_rank()
     except (AssertionError, AttributeError):
         return None
-    if local_sizes is None or len(local_sizes) != engine_int("ep_group.world_size", ep_group.world_size):
+    if local_sizes is None or len(local_sizes) != _rank_and_size(ep_group, "ep")[1]:
         return None
     return _counts(local_sizes, "dp_metadata.get_chunk_sizes_across_dp_rank()", "EP", what)
 
@@ -486,13 +502,13 @@ def _padded_layout(dp_metadata, ep_group, what: str) -> tuple:
     ones before the DP rank's token count."""
     ctx = _extra_ctx()
     padded = ctx.padded_length
-    dp = engine_int("dp_group.world_size", _group("get_dp_group").world_size)
-    ep = engine_int("ep_group.world_size", ep_group.world_size)
+    dp = _rank_and_size(_group("get_dp_group"), "dp")[1]
+    ep = _rank_and_size(ep_group, "ep")[1]
     tokens = _counts(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu", "DP", what)
     if padded is None:
         raise error(Status.INVALID_ARGUMENT, f"{what}: the forward context has DP metadata but no padded_length")
     padded = engine_int("padded_length", padded)
-    if dp < 1 or ep % dp or len(tokens) != dp:
+    if ep % dp or len(tokens) != dp:
         raise error(
             Status.INVALID_ARGUMENT,
             f"{what}: EP size {ep} is not a multiple of the DP size {dp}, or num_tokens_across_dp has {len(tokens)} entries",
@@ -536,7 +552,7 @@ def _gather_plan(x):
     ep = _group("get_ep_group")
     dp_metadata = ctx.dp_metadata
     sizes = _ep_local_sizes(dp_metadata, ep, what)
-    rank, rows = engine_int("ep_group.rank_in_group", ep.rank_in_group), _rows(x)
+    rank, rows = _rank_and_size(ep, "ep")[0], _rows(x)
     if sizes is not None:
         if rows is not None and rows > sizes[rank]:
             raise error(
@@ -594,7 +610,7 @@ def _gather_impl(x):
     # (on the group's gloo CPU group), which a rank whose input is refused
     # below must still join, or its peers wait there, past every timeout of
     # ours, for gloo's own.
-    backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device))
+    backend = comm_for_group(_group("get_ep_group"), _device_kind(x.device), "ep")
     with backend.refusing():
         layout, rows = _gather_plan(x)
         as_bytes = not _library_dtype(x.dtype)
@@ -616,7 +632,7 @@ def _trailing(x) -> tuple:
 
 def _gather_fake(x):
     layout, rows = _gather_plan(x)
-    ep = _rank_and_size(_group("get_ep_group"))
+    ep = _rank_and_size(_group("get_ep_group"), "ep")
     rest = _trailing(x)
     if rows is not None:
         shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *rest), _shape_dtype(x)), layout, ep)
@@ -652,7 +668,7 @@ def _reduce_plan(x):
 def _reduce_impl(x):
     # The group's backend first, as in `_gather_impl`.
     group = _group("get_ep_group")
-    backend = comm_for_group(group, _device_kind(x.device))
+    backend = comm_for_group(group, _device_kind(x.device), "ep")
     with backend.refusing():
         layout, pad_to = _reduce_plan(x)
         if layout is None and x.shape[0] % backend.world_size:
@@ -668,7 +684,7 @@ def _reduce_impl(x):
         # A dtype the library does not sum (f64, complex, i16, ...): the
         # group's own reduce-scatter sums it, as vLLM-Ascend's does.
         _leave_library_together(backend, x, "maybe_pad_and_reduce")
-        backend = _GroupBackend(group)
+        backend = _GroupBackend(group, "ep")
     out = backend.reduce(x.contiguous(), layout)
     return _own_result(out if pad_to is None else _fit_rows(out, pad_to), x)
 
@@ -676,7 +692,7 @@ def _reduce_impl(x):
 def _reduce_shape(x, layout, pad_to) -> tuple:
     """The output shape of `maybe_pad_and_reduce(x)` (its token count None
     when symbolic without a layout), from the shape function."""
-    ep = _rank_and_size(_group("get_ep_group"))
+    ep = _rank_and_size(_group("get_ep_group"), "ep")
     rest = _trailing(x)
     dtype = _summed_dtype(x)
     if layout is not None:
@@ -696,7 +712,7 @@ def _reduce_fake(x):
     layout, pad_to = _reduce_plan(x)
     shape = _reduce_shape(x, layout, pad_to)
     if shape[0] is None:
-        return x.new_empty((x.shape[0] // _rank_and_size(_group("get_ep_group"))[1], *x.shape[1:]))
+        return x.new_empty((x.shape[0] // _rank_and_size(_group("get_ep_group"), "ep")[1], *x.shape[1:]))
     return x.new_empty((shape[0], *x.shape[1:]))
 
 
@@ -750,7 +766,7 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     ctx = _vllm_forward_context()
     tp, dp = _tp_group(), _group("get_dp_group")
     dp_metadata = getattr(ctx, "dp_metadata", None)
-    dp_rank, dp_size = _rank_and_size(dp)
+    dp_rank, dp_size = _rank_and_size(dp, "dp")
     num_tokens = engine_int("num_tokens", num_tokens)
     if dp_metadata is not None and dp_size > 1:
         tokens = _counts(dp_metadata.num_tokens_across_dp_cpu, "num_tokens_across_dp_cpu", "DP", "moe_context")
@@ -758,7 +774,7 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
             raise error(Status.INVALID_ARGUMENT, f"moe_context: num_tokens_across_dp has {len(tokens)} entries for DP size {dp_size}")
     else:
         tokens, dp_rank = [num_tokens], 0
-    tp_rank, tp_size = _rank_and_size(tp)
+    tp_rank, tp_size = _rank_and_size(tp, "tp")
     if tokens[dp_rank] != num_tokens:
         shard = sp and num_tokens == -(-tokens[dp_rank] // tp_size)
         raise error(
@@ -784,7 +800,10 @@ def moe_groups(device_kind: str = "cpu") -> "MoeGroups":
     groups must be ascend-moe communicators (a CPU world, or with
     `device_kind="npu"` the groups' borrowed HCCL communicators), not the
     group-collectives fallback."""
-    backends = [comm_for_group(g, device_kind) for g in (_group("get_ep_group"), _tp_group(), _group("get_dp_group"))]
+    backends = [
+        comm_for_group(g, device_kind, role)
+        for g, role in ((_group("get_ep_group"), "ep"), (_tp_group(), "tp"), (_group("get_dp_group"), "dp"))
+    ]
     if any(b.kind != "comm" for b in backends):
         raise error(Status.UNAVAILABLE, "moe_groups: a vLLM group is not an ascend-moe communicator here (ranks on several hosts)")
     key = tuple(id(b) for b in backends)
@@ -815,7 +834,7 @@ def _runner_policy(runner):
     mode = _runner_mode(runner)
     # The physical TP group (EP rewrites moe_config.tp_size to 1).
     tp_group = getattr(cfg, "tp_group", None)
-    tp_size = _rank_and_size(tp_group if tp_group is not None else _tp_group())[1]
+    tp_size = _rank_and_size(tp_group if tp_group is not None else _tp_group(), "tp")[1]
     ep_size = _config_int(cfg, "ep_size")
     if ep_size <= 1:
         # Without expert parallelism vLLM sets ep_size 1 and shards every
@@ -911,7 +930,7 @@ def _point_impl(x, point: int, layer: int):
         tp_group = _tp_group()
     # The group's backend before the comm type is read, as in `_gather_impl`:
     # a rank without one still joins the collective that builds it.
-    backend = comm_for_group(tp_group, _device_kind(x.device))
+    backend = comm_for_group(tp_group, _device_kind(x.device), "tp")
     with backend.point_refusing():
         ct = _live_comm_type()
     if backend.kind == "comm" and _library_dtype(x.dtype):

@@ -111,6 +111,65 @@ def test_group_sizes_and_ranks_must_be_integers(engine, field, v):
         av.moe_context(4)
 
 
+@pytest.mark.parametrize("rank", [2, -1])
+def test_ep_ranks_outside_the_group_are_refused_by_both_ops_and_their_fakes(engine, rank):
+    # An EP rank indexes the SP layout: rank 2 of 2 raised a bare IndexError,
+    # and -1 took the last rank's rows in the real gather (its fake failed
+    # otherwise). As the library's shape functions refuse an ep_rank past
+    # the group ("2 is not a rank of an EP group of 2"), every path refuses
+    # it, naming the field and the world size, real and fake alike.
+    engine.dp = Group(2, 0, "dp")
+    engine.extra.padded_length = 5
+    refused = rf"ep_group\.rank_in_group is {rank}: {rank} is not a rank of an EP group of 2$"
+    for ctx, gather_rows, reduce_rows in (
+        (DPMetadata([3, 5], local_sizes=[3, 5]), 5, 8),  # SP layout
+        (DPMetadata([3, 5]), 5, 8),  # padded_length path
+        (None, 4, 8),  # no DP metadata: plain all-gather / reduce-scatter
+    ):
+        engine.ctx.dp_metadata = ctx
+        engine.ep = Group(2, rank, "ep")
+        for op, rows in (
+            (torch.ops.vllm.maybe_all_gather_and_maybe_unpad, gather_rows),
+            (torch.ops.vllm.maybe_pad_and_reduce, reduce_rows),
+        ):
+            x = torch.ones(rows, 2)
+            with pytest.raises(am.InvalidArgumentError, match=refused):
+                op(x)
+            with pytest.raises(am.InvalidArgumentError, match=refused):
+                _fake_shape(op, x)
+
+
+@pytest.mark.parametrize("role", ["ep", "dp", "tp"])
+@pytest.mark.parametrize("rank, world, refused", [
+    (2, 2, "rank_in_group is 2: 2 is not a rank of {} group of 2$"),
+    (-1, 2, "rank_in_group is -1: -1 is not a rank of {} group of 2$"),
+    (0, 0, "world_size is 0: a group has at least one rank"),
+])
+def test_every_group_the_adapter_reads_is_checked_for_its_rank_and_size(engine, role, rank, world, refused):
+    # The EP, DP and TP groups' ranks index per-rank tables (the SP layout,
+    # num_tokens_across_dp_cpu: DP rank -1 read the last DP rank's count)
+    # and their sizes divide: each is refused where it is read, naming it.
+    kind = {"ep": "an EP", "dp": "a DP", "tp": "a TP"}[role]
+    refused = rf"{role}_group\.{refused.format(kind)}"
+    engine.ep, engine.dp, engine.tp = Group(2, 0, "ep"), Group(2, 0, "dp"), Group(1, 0, "tp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5])
+    engine.extra.padded_length = 5
+    setattr(engine, role, Group(world, rank, role))
+    if role != "ep":  # moe_context reads the TP and DP groups
+        with pytest.raises(am.InvalidArgumentError, match=refused):
+            av.moe_context(3)
+    if role == "tp":
+        with pytest.raises(am.InvalidArgumentError, match=refused):
+            av._runner_policy(_point_runner(engine.tp))
+        return
+    for op, rows in ((torch.ops.vllm.maybe_all_gather_and_maybe_unpad, 5), (torch.ops.vllm.maybe_pad_and_reduce, 8)):
+        x = torch.ones(rows, 2)
+        with pytest.raises(am.InvalidArgumentError, match=refused):
+            op(x)
+        with pytest.raises(am.InvalidArgumentError, match=refused):
+            _fake_shape(op, x)
+
+
 def test_float_dp_token_counts_are_refused(engine):
     engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
     engine.extra.padded_length = 6
