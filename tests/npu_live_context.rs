@@ -120,6 +120,36 @@ fn another_comm_type_is_reported_once_with_both_values() {
     assert_eq!(e.check(), (amoe_status::Ok, String::new()), "reported once");
 }
 
+/// A live context is used from any stream of its device: the check of one
+/// stream neither reads nor releases a guard enqueued on another, which may
+/// not have run yet; that stream's check reports its mismatch.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_guard_on_another_stream_is_left_for_that_streams_check() {
+    let e = Engine::new();
+    let other = e._device.new_stream().expect("a second stream");
+    let mut b = null_mut();
+    // SAFETY: a live stream of npu:0 that outlives the handle.
+    assert_eq!(unsafe { amoe_stream_wrap(other.raw(), 0, &mut b) }, amoe_status::Ok, "{}", last_error());
+    let dp = [4usize, 4];
+    e.set(&fc(amoe_comm_type::Allgather, &dp, AMOE_ALL_TOKENS));
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()));
+    // SAFETY (every call below): live handles; `fc` valid with its dp_tokens.
+    let st = unsafe { amoe_live_context_guard(e.live, &fc(amoe_comm_type::Mc2, &dp, AMOE_ALL_TOKENS), 0, b) };
+    assert_eq!(st, amoe_status::Ok, "{}", last_error());
+    assert_eq!(e.check(), (amoe_status::Ok, String::new()), "the engine stream ran no guard");
+    let (mut capacity, mut in_use) = (0usize, 0usize);
+    assert_eq!(unsafe { amoe_live_context_guards(e.live, &mut capacity, &mut in_use) }, amoe_status::Ok);
+    assert_eq!(in_use, 1, "the check of the engine stream released the other stream's guard");
+    let st = unsafe { amoe_live_context_check(e.live, b) };
+    assert_eq!(st, amoe_status::StaleContext, "{}", last_error());
+    let msg = last_error();
+    assert!(msg.contains("comm_type is 0 (ALLGATHER)") && msg.contains("captured for 1 (MC2)"), "{msg}");
+    assert_eq!(unsafe { amoe_live_context_check(e.live, b) }, amoe_status::Ok, "reported once: {}", last_error());
+    // SAFETY: the handle made above, not used afterwards.
+    unsafe { amoe_stream_free(b) };
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn the_live_context_is_read_when_the_stream_runs_the_guard() {

@@ -248,9 +248,10 @@ pub unsafe extern "C" fn amoe_live_context_guard(
 /// once; a captured guard reports a difference found by any replay since the
 /// last check, also when later replays matched), else OK. Outside capture: refused while `stream` captures (the
 /// capture stays valid), and for a stream of another device than `ctx`'s.
-/// The records of guards enqueued outside capture are released by every
-/// check, also one that fails because the stream failed (its error is
-/// returned).
+/// A guard enqueued outside capture is read and its record released by the
+/// check of the stream it was enqueued on (a guard on another stream may not
+/// have run yet: that stream's check reports it), also by one that fails
+/// because the stream failed (its error is returned).
 ///
 /// # Safety
 /// `ctx`, `stream` live.

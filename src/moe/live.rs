@@ -133,11 +133,12 @@ impl LiveStream {
 
     /// The stream's sync point: waits for its work and returns the first
     /// error the device recorded for it ([`NpuDevice::check`]), then what the
-    /// guards of the attached live context found.
+    /// guards of the attached live context found: those enqueued on this
+    /// stream and the captured ones ([`LiveContext::check_stream`]).
     pub fn check(&self) -> Result<()> {
         self.device.check()?;
         match self.attached() {
-            Some(live) => live.check(),
+            Some(live) => live.check_stream(self.device.stream()),
             None => Ok(()),
         }
     }

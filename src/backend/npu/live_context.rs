@@ -60,8 +60,9 @@ const TILING_BYTES: usize = std::mem::size_of::<GuardTiling>();
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
     Free,
-    /// Enqueued eagerly: released by the next check. The number orders reports.
-    Eager(&'static str, u64),
+    /// Enqueued eagerly on the stream (its raw handle's address): read and
+    /// released by the next check of that stream. The number orders reports.
+    Eager(&'static str, u64, usize),
     /// Enqueued while the stream captured: rewritten by every replay.
     Captured(&'static str, u64),
 }
@@ -359,7 +360,7 @@ impl LiveContext {
                 }
             };
             let seq = r.next_seq;
-            r.slots[i] = if captured { Slot::Captured(op, seq) } else { Slot::Eager(op, seq) };
+            r.slots[i] = if captured { Slot::Captured(op, seq) } else { Slot::Eager(op, seq, stream.raw() as usize) };
             if captured {
                 r.captured += 1;
                 r.run.took(1);
@@ -452,6 +453,18 @@ impl LiveContext {
     /// another context are reported however many ran before the check. A
     /// host read: this is the caller's sync point, never called by an op.
     pub fn check(&self) -> Result<()> {
+        self.check_guards(None)
+    }
+
+    /// [`check`](Self::check) of the guards enqueued on `stream`, which the
+    /// caller synchronised, and of the captured ones: an eager guard
+    /// enqueued on another stream may not have run yet, so its record is
+    /// neither read nor released (that stream's check reports it).
+    pub fn check_stream(&self, stream: &NpuStream) -> Result<()> {
+        self.check_guards(Some(stream.raw() as usize))
+    }
+
+    fn check_guards(&self, only: Option<usize>) -> Result<()> {
         refuse_capture(
             "LiveContext::check",
             self.device.stream(),
@@ -459,7 +472,14 @@ impl LiveContext {
         )?;
         let mut r = lock(&self.records);
         let Records { slots, chunks, .. } = &mut *r;
-        if slots.iter().all(|x| *x == Slot::Free) {
+        // The slots this check reads: captured ones, and eager ones of the
+        // streams it covers.
+        let read_here = |x: &Slot| match *x {
+            Slot::Free => false,
+            Slot::Eager(_, _, on) => only.map_or(true, |s| s == on),
+            Slot::Captured(..) => true,
+        };
+        if !slots.iter().any(read_here) {
             return Ok(());
         }
         let mut words: Vec<u32> = Vec::new();
@@ -468,7 +488,7 @@ impl LiveContext {
         let mut first: Option<(u64, Error)> = None;
         for c in chunks.iter() {
             let held = &mut slots[c.first..c.first + c.len];
-            if held.iter().all(|x| *x == Slot::Free) {
+            if !held.iter().any(read_here) {
                 continue;
             }
             if read.is_ok() {
@@ -476,9 +496,12 @@ impl LiveContext {
                 read = c.records.copy_to_host(bytemuck::cast_slice_mut(&mut words));
             }
             for (k, slot) in held.iter_mut().enumerate() {
+                if !read_here(slot) {
+                    continue;
+                }
                 let (op, seq, eager) = match *slot {
                     Slot::Free => continue,
-                    Slot::Eager(op, seq) => (op, seq, true),
+                    Slot::Eager(op, seq, _) => (op, seq, true),
                     Slot::Captured(op, seq) => (op, seq, false),
                 };
                 if eager {
@@ -507,10 +530,10 @@ impl LiveContext {
         }
     }
 
-    /// [`check`](Self::check) after synchronising `stream`, the stream of
-    /// this context's device the guards ran on. Refused before anything
-    /// waits for a stream of another device (as [`set`](Self::set) and
-    /// [`guard`](Self::guard) refuse one) and while `stream` captures a
+    /// [`check_stream`](Self::check_stream) after synchronising `stream`, the
+    /// stream of this context's device the guards ran on. Refused before
+    /// anything waits for a stream of another device (as [`set`](Self::set)
+    /// and [`guard`](Self::guard) refuse one) and while `stream` captures a
     /// graph (a synchronisation would invalidate the capture).
     pub fn synchronize_and_check(&self, stream: &NpuStream) -> Result<()> {
         const OP: &str = "LiveContext::check";
@@ -521,7 +544,7 @@ impl LiveContext {
             "check after the capture ends (e.g. after a replay): the check waits for the stream",
         )?;
         stream.synchronize()?;
-        self.check()
+        self.check_stream(stream)
     }
 
     /// Guard records the context has (in use or free).
