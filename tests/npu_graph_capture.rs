@@ -659,6 +659,39 @@ fn a_bad_index_in_a_replay_is_reported_when_later_replays_before_the_check_are_g
     });
 }
 
+/// `torch.npu.graph` captures on its side stream and replays on the current
+/// one: a bad index in a replay on another stream than the capture's is
+/// reported by the check of the stream it ran on (SPEC section 1), once.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_bad_index_in_a_replay_on_another_stream_is_reported_by_that_streams_check() {
+    with_reversed_rows(9, |mut r| {
+        let (current, a) = engine_stream(r.dev);
+        // SAFETY: a live handle.
+        let check_a = || unsafe { amoe_stream_check(a) };
+        ok("warm-up", (r.run)());
+        ok("warm-up check", r.check());
+        let graph = Graph::capture(r.engine.raw(), || ok("captured finalize", (r.run)()));
+        let mut bad = r.good.to_vec();
+        bad[2] = 99;
+        r.write_index(&bad);
+        graph.replay(current.raw());
+        assert_eq!(check_a(), amoe_status::IndexOutOfRange, "the replay on the current stream read index 99");
+        let msg = last_error();
+        assert!(msg.contains("expanded_row_idx") && msg.contains("[2] = 99"), "{msg}");
+        ok("reported once, by the current stream", check_a());
+        ok("and not again by the capture stream", r.check());
+        let good = r.good.to_vec();
+        r.write_index(&good);
+        graph.replay(current.raw());
+        ok("a good replay", check_a());
+        r.assert_output("after a good replay on the current stream");
+        // SAFETY: the handle made above, not used afterwards.
+        unsafe { amoe_stream_free(a) };
+        drop(graph);
+    });
+}
+
 /// Token unpermute through the C ABI, captured once and replayed with new
 /// values and new indices (repeated, negative, past the end: SPEC section 1
 /// lets them contribute nothing) written into the same device buffers; each

@@ -637,11 +637,16 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 /// (`AMOE_STATUS_INDEX_OUT_OF_RANGE` with the argument, position and value),
 /// a collective's HCCL async error (`HcclGetCommAsyncError`: mismatch,
 /// timeout, dead peer, naming the collective, the group and the rank). Each
-/// error is reported once. With a live forward context attached to `stream`
-/// (`amoe_stream_attach_live_context`), its guards are read after the wait:
-/// a replay under another forward context is `AMOE_STATUS_STALE_CONTEXT`
-/// naming the field and both values. NULL (host-only work) returns
-/// `AMOE_STATUS_OK`.
+/// error is reported once. A graph may be replayed on another stream than
+/// the one it was captured on (`torch.npu.graph` replays on the current
+/// stream): the check also reads what graphs captured on the device's other
+/// streams recorded, so a replay's bad index is reported by the check of the
+/// stream it ran on (or by whichever check reads it first; a record of a
+/// replay still running elsewhere is left for a later check). With a live
+/// forward context attached to `stream` (`amoe_stream_attach_live_context`),
+/// its guards are read after the wait: a replay under another forward
+/// context is `AMOE_STATUS_STALE_CONTEXT` naming the field and both values.
+/// NULL (host-only work) returns `AMOE_STATUS_OK`.
 ///
 /// It is the sync point of the stream-ordered functions (those whose docs
 /// say they never synchronise); call it where the engine synchronises anyway

@@ -17,7 +17,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_WORDS};
+use super::kernel::abi::{GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS, STATUS_NOT_RUN, STATUS_WORDS};
 use super::kernel::guard::{guard_host_entry, GuardTiling, STATUS_HEAD_WORDS};
 use super::kernel::library::shared_kernel_lib;
 use super::result::acl as rt;
@@ -324,6 +324,12 @@ impl Pending for Captured {
         stream.zero_drained(self.record.addr, self.record.words * 4)?;
         r
     }
+
+    /// A core's head still `STATUS_NOT_RUN`: every replay fills the heads
+    /// first (`Record::begin`), so the replay that did has not finished.
+    fn in_flight(&self, words: &[u32]) -> bool {
+        words.chunks(STATUS_WORDS).any(|core| core.first() == Some(&STATUS_NOT_RUN))
+    }
 }
 
 /// Enqueues on `stream` the guard kernel (one core) over the `CTX_WORDS`
@@ -392,5 +398,30 @@ impl GuardLauncher {
             // SAFETY: the caller's contract.
             GuardLauncher::Lib(lib) => unsafe { lib.launch_guard(stream.raw(), gm, tiling) },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A captured launch's record over `cores` cores, as another stream's
+    /// check finds it.
+    fn captured(cores: usize) -> Captured {
+        let record =
+            StatusRecord { addr: 0, words: cores * STATUS_WORDS, block: (0, cores * STATUS_WORDS * 4), seq: None };
+        Captured { record, decode: Box::new(|_| Ok(())) }
+    }
+
+    #[test]
+    fn a_captured_record_is_in_flight_while_any_cores_head_is_still_the_replays_fill() {
+        let c = captured(2);
+        let mut words = vec![0u32; 2 * STATUS_WORDS];
+        assert!(!c.in_flight(&words), "never replayed (zeroed) or finished clean");
+        words[STATUS_WORDS] = STATUS_NOT_RUN;
+        assert!(c.in_flight(&words), "core 1 has not written its head yet");
+        words[STATUS_WORDS] = 3;
+        words[STATUS_WORDS + 1] = STATUS_NOT_RUN;
+        assert!(!c.in_flight(&words), "only a core's head word tells: core 1 finished with code 3");
     }
 }

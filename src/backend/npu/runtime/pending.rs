@@ -73,7 +73,9 @@ impl NpuStream {
     /// returns the first error recorded for it since the last check, in
     /// queue order: a collective's HCCL async error (naming the collective,
     /// group and rank), a kernel's status (a bad index with its position and
-    /// value), or the failed wait itself. Each error is reported once.
+    /// value), or the failed wait itself. Each error is reported once. Then
+    /// what graphs captured on the device's other streams recorded in
+    /// replays (a graph may be replayed on any stream: `check_captures_of_other_streams`).
     /// Refused while the stream is captured into a graph.
     pub fn check_with_timeout(&self, default_timeout: Duration) -> Result<()> {
         // A synchronisation would invalidate the capture (CANN's runtime
@@ -119,10 +121,53 @@ impl NpuStream {
             self.release_eager_records(upto);
         }
         first?;
+        if wait.is_none() {
+            self.check_captures_of_other_streams()?;
+        }
         match wait {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// What graphs captured on the device's other streams recorded in
+    /// replays since the last check: `torch.npu.graph` captures on its own
+    /// side stream and replays on the current one (torch_npu
+    /// `torch_npu/csrc/core/npu/NPUGraph.cpp`, `NPUGraph::replay`: "model_ri_
+    /// may be replayed in any stream"), whose check is the one the engine
+    /// makes. A record that may belong to a replay still running
+    /// elsewhere ([`Pending::in_flight`]) is left for a later check, as are
+    /// the records of a stream capturing now (its capture may be taking
+    /// them); one that reports a problem is reset, so it is reported once,
+    /// by whichever check reads it first.
+    fn check_captures_of_other_streams(&self) -> Result<()> {
+        super::stream::with_captures_of_other_streams(self.ordinal(), self.state(), |others| {
+            let mut first = Ok(());
+            for (raw, state) in others {
+                if super::stream::capturing(*raw)? {
+                    continue;
+                }
+                let captured = std::mem::take(&mut lock(state).captured);
+                let records: Vec<StatusRecord> = captured.iter().filter_map(|p| p.record()).collect();
+                let read = self.read_records(&records);
+                if let Ok(words) = &read {
+                    for p in &captured {
+                        let Some(rec) = p.record() else { continue };
+                        let w = words.of(&rec);
+                        if p.in_flight(w) {
+                            continue;
+                        }
+                        let r = p.settle(w, self);
+                        if first.is_ok() {
+                            first = r;
+                        }
+                    }
+                }
+                lock(state).captured.splice(0..0, captured);
+                read?;
+            }
+            first
+        })
     }
 
     /// Reads `records` after the stream drained: the records of one block

@@ -46,6 +46,12 @@ pub(crate) trait Pending: Send + Sync {
     fn settle(&self, _words: &[u32], _stream: &NpuStream) -> Result<()> {
         Ok(())
     }
+    /// True when the words of a captured launch's record may belong to a
+    /// replay still running (a replay on a stream the check did not
+    /// synchronise): such a record is left for a later check.
+    fn in_flight(&self, _words: &[u32]) -> bool {
+        false
+    }
 }
 
 /// Where a launch's status record lies: `words` 32-bit words at device
@@ -222,6 +228,26 @@ fn state_for(ordinal: u32, raw: aclrtStream) -> StateRef {
     s
 }
 
+/// Runs `f` over the other streams of device `ordinal` (not `own`) that
+/// hold launches captured into graphs, with their raw handles: a graph may be
+/// replayed on any stream, so a stream's check also reads what graphs
+/// captured on the others recorded. Under the map's lock, so that none of
+/// them frees its pool meanwhile (`release_pool` decides under it).
+pub(crate) fn with_captures_of_other_streams<R>(
+    ordinal: u32,
+    own: &StateRef,
+    f: impl FnOnce(&[(aclrtStream, StateRef)]) -> R,
+) -> R {
+    let map = states().lock().unwrap_or_else(|p| p.into_inner());
+    let others: Vec<(aclrtStream, StateRef)> = map
+        .iter()
+        .filter(|((o, _), _)| *o == ordinal)
+        .filter_map(|(&(_, raw), w)| Some((raw as aclrtStream, w.upgrade()?)))
+        .filter(|(_, s)| !Arc::ptr_eq(s, own) && !lock(s).captured.is_empty())
+        .collect();
+    f(&others)
+}
+
 pub(crate) fn lock(state: &StateRef) -> std::sync::MutexGuard<'_, StreamState> {
     // A panic while holding the lock leaves plain lists behind: still usable.
     state.lock().unwrap_or_else(|p| p.into_inner())
@@ -250,7 +276,7 @@ unsafe impl Sync for StreamInner {}
 /// both with `ACL_ERROR_INVALID_PARAM` (`ACL_REQUIRES_NOT_NULL(stream)`,
 /// hicann/runtime `src/acl/aclrt_impl/model_ri.cpp:54` and `:73` at v8.5.0),
 /// so it is not asked.
-fn capturing(raw: aclrtStream) -> Result<bool> {
+pub(super) fn capturing(raw: aclrtStream) -> Result<bool> {
     Ok(capture_model(raw)?.is_some())
 }
 
@@ -273,20 +299,29 @@ impl StreamInner {
     /// use by queued work), the one synchronisation the pool ever makes.
     fn release_pool(&self) -> Result<()> {
         {
+            // Decided under the map's lock, which the checks of the device's
+            // other streams hold while they read this stream's captured
+            // records ([`with_captures_of_other_streams`]): from here on none
+            // finds it, so none reads a record of a freed pool.
+            let mut map = states().lock().unwrap_or_else(|p| p.into_inner());
             let st = lock(&self.state);
             if Arc::strong_count(&self.state) > 1 || (st.pool.is_empty() && st.staging.is_empty()) {
                 return Ok(());
             }
-        }
-        // Under capture the sync would invalidate the capture and the blocks
-        // may belong to the graph being recorded: they are kept (and reported).
-        if capturing(self.raw)? {
-            return Err(Error::invalid(
-                "NpuStream::drop",
-                "stream",
-                "the last handle of a stream was dropped while it is captured: its workspace pool is kept \
-                 (freeing it would synchronise the capture); drop the handle after the capture ends",
-            ));
+            // Under capture the sync would invalidate the capture and the blocks
+            // may belong to the graph being recorded: they are kept (and reported).
+            if capturing(self.raw)? {
+                return Err(Error::invalid(
+                    "NpuStream::drop",
+                    "stream",
+                    "the last handle of a stream was dropped while it is captured: its workspace pool is kept \
+                     (freeing it would synchronise the capture); drop the handle after the capture ends",
+                ));
+            }
+            let key = (self.ctx.ordinal, self.raw as usize);
+            if map.get(&key).is_some_and(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.state))) {
+                map.remove(&key);
+            }
         }
         settled(teardown_sync(self.raw, &self.state))?;
         let (segments, (staged, fences)) = {
