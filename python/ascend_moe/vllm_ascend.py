@@ -15,7 +15,11 @@ What `install()` replaces:
   schema, kernels for CPU and PrivateUse1 (the NPU) and fakes sized by
   `ascend_moe.shapes`; like vLLM-Ascend's, the fakes keep a symbolic token
   count symbolic (vLLM compiles with a dynamic token dimension), and the
-  real ops check the count when they run. They read, when they run, what vLLM-Ascend's own
+  real ops check the count when they run. Where the output's count comes
+  from the forward context (an SP layout, `padded_length`) and the input's
+  is symbolic, the fakes give it as a fresh data-dependent size, so a
+  compiled graph takes the count of the context it runs under, never the
+  trace-time one (SPEC section 5). They read, when they run, what vLLM-Ascend's own
   implementations read (`vllm_ascend.ops.register_custom_ops`'s
   `get_forward_context`, `get_ep_group`, `get_dp_group` and `_EXTRA_CTX`): the
   forward context's `dp_metadata` (`get_chunk_sizes_across_dp_rank()`,
@@ -543,6 +547,21 @@ def _rows(x):
     return int(n) if is_concrete_int(n) else None
 
 
+def _context_rows(x, rows: int):
+    """The token count of a fake's output whose rows the forward context
+    gives (`rows`, the trace-time context's), not `x`'s shape: `rows` when
+    `x`'s token count is concrete (a static trace, a plain fake mode); a
+    fresh data-dependent size when it is symbolic. A graph compiled with a
+    dynamic token dimension runs under other forward contexts (other DP
+    token counts, another layout, SPEC section 5), so it must neither bake
+    the trace-time count in nor assert it: the real op's output gives it."""
+    if _rows(x) is not None:
+        return rows
+    import torch
+
+    return torch.library.get_ctx().new_dynamic_size()
+
+
 def _gather_plan(x):
     """`(layout or None, rows of x the gather takes)`: the same on the real
     and the fake path (rows None: symbolic, without a layout)."""
@@ -635,8 +654,10 @@ def _gather_fake(x):
     ep = _rank_and_size(_group("get_ep_group"), "ep")
     rest = _trailing(x)
     if rows is not None:
+        # Checked on the rows the layout gives this rank; the output's are the
+        # layout's total, of the context (symbolic when x's are).
         shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *rest), _shape_dtype(x)), layout, ep)
-        return x.new_empty((shape[0], *x.shape[1:]))
+        return x.new_empty((_context_rows(x, shape[0]), *x.shape[1:]))
     # A symbolic token count (no layout): the shape function on one row per
     # rank, its rows scaled symbolically.
     _shapes.maybe_all_gather_and_maybe_unpad(((1, *rest), _shape_dtype(x)), None, ep)
@@ -713,7 +734,9 @@ def _reduce_fake(x):
     shape = _reduce_shape(x, layout, pad_to)
     if shape[0] is None:
         return x.new_empty((x.shape[0] // _rank_and_size(_group("get_ep_group"), "ep")[1], *x.shape[1:]))
-    return x.new_empty((shape[0], *x.shape[1:]))
+    # With a layout the output rows are the context's (this rank's shard, or
+    # the padded_length chunk): symbolic when x's are.
+    return x.new_empty((_context_rows(x, shape[0]) if layout is not None else shape[0], *x.shape[1:]))
 
 
 def _shape_dtype(x):
