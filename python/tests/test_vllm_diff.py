@@ -332,12 +332,14 @@ def _compiled_rows(fn, rows_list, cols=2):
     A fake that turned the token count into a constant fails to compile."""
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-    shapes = []
-    for rows in rows_list:
-        x = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
-        torch._dynamo.mark_dynamic(x, 0)
-        shapes.append(tuple(compiled(x).shape))
-    return shapes
+    return [tuple(compiled(_token_input(rows, cols)).shape) for rows in rows_list]
+
+
+def _token_input(rows, cols=2):
+    """A `[rows, cols]` input with its token dimension (dim 0) marked dynamic."""
+    x = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+    torch._dynamo.mark_dynamic(x, 0)
+    return x
 
 
 def test_ops_keep_the_token_dimension_dynamic_without_dp_metadata(engine):
@@ -364,6 +366,70 @@ def test_ops_keep_the_token_dimension_dynamic_with_dp_metadata(engine):
     engine.extra.padded_length = 5
     assert _compiled_rows(lambda x: torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x) + 1, [5]) == [(8, 2)]
     assert _compiled_rows(lambda x: torch.ops.vllm.maybe_pad_and_reduce(x) + 1, [8]) == [(5, 2)]
+
+
+# Forward contexts a graph compiled once runs under (SPEC section 5: the DP
+# token counts are read when the op runs), EP rank 0 of 2, DP 2: two token
+# counts, then a layout change at a fixed token count. A case is (DP token
+# counts, padded_length, rows in, rows out). padded_length None: the SP
+# layout, local_sizes = the counts; the gather takes local_sizes[0] rows and
+# gives sum(local_sizes), the reduce the reverse. Else the padded_length
+# path: the gather takes padded_length rows (one EP rank per DP rank) and
+# gives the counts' sum, the reduce the reverse.
+CONTEXTS = {
+    ("gather", "sp"): [([3, 3], None, 3, 6), ([5, 5], None, 5, 10), ([3, 5], None, 3, 8), ([3, 7], None, 3, 10)],
+    ("reduce", "sp"): [([3, 3], None, 6, 3), ([5, 5], None, 10, 5), ([3, 5], None, 8, 3), ([4, 4], None, 8, 4)],
+    ("gather", "padded"): [([3, 3], 3, 3, 6), ([5, 5], 5, 5, 10), ([3, 5], 5, 5, 8), ([4, 5], 5, 5, 9)],
+    ("reduce", "padded"): [([3, 3], 3, 6, 3), ([5, 5], 5, 10, 5), ([3, 5], 5, 8, 5), ([4, 4], 4, 8, 4)],
+}
+
+
+def _set_context(engine, tokens, padded_length):
+    engine.ctx.dp_metadata = DPMetadata(tokens, local_sizes=tokens if padded_length is None else None)
+    engine.extra.padded_length = padded_length
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("op, path", list(CONTEXTS))
+def test_compiled_ops_take_the_rows_of_the_forward_context_they_run_under(engine, backend, op, path):
+    # A graph compiled at one forward context with a dynamic token dimension
+    # runs under others: the output rows are the live context's, never the
+    # trace-time ones. Inductor checks the real outputs' sizes against the
+    # fakes'; aot_eager does not, but a tensor the graph shapes like the
+    # output (the ones) has the fake's rows there.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    name = "maybe_all_gather_and_maybe_unpad" if op == "gather" else "maybe_pad_and_reduce"
+
+    def fn(x):
+        y = getattr(torch.ops.vllm, name)(x)
+        return y * 2 + y.new_ones(y.shape)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    for tokens, padded_length, rows, want in CONTEXTS[(op, path)]:
+        _set_context(engine, tokens, padded_length)
+        x = _token_input(rows)
+        got = compiled(x)
+        assert got.shape == (want, 2) and torch.equal(got, fn(x)), (tokens, padded_length, rows, got.shape)
+
+
+def test_compiled_moe_layer_tokens_take_the_rows_of_the_forward_context(engine):
+    # vLLM-Ascend's flow around the experts: gather (prepare), the experts,
+    # reduce (finalize) back to this rank's tokens, added to its input. The
+    # reduced rows, of the live context, meet the input's symbolic ones.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+
+    def layer(x):
+        gathered = torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x)
+        return torch.ops.vllm.maybe_pad_and_reduce(gathered * 2 + 1) + x
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="inductor", fullgraph=True)
+    for tokens, padded_length in (([3, 3], None), ([5, 5], None), ([3, 7], None), ([3, 5], 5), ([4, 5], 5)):
+        _set_context(engine, tokens, padded_length)
+        x = _token_input(tokens[0] if padded_length is None else padded_length)
+        got = compiled(x)
+        assert got.shape == x.shape and torch.equal(got, layer(x)), (tokens, padded_length)
 
 
 def test_reduction_point_keeps_the_token_dimension_dynamic(engine):
