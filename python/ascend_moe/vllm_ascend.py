@@ -16,10 +16,10 @@ What `install()` replaces:
   `ascend_moe.shapes`; like vLLM-Ascend's, the fakes keep a symbolic token
   count symbolic (vLLM compiles with a dynamic token dimension), and the
   real ops check the count when they run. Where the output's count comes
-  from the forward context (an SP layout, `padded_length`) and the input's
-  is symbolic, the fakes give it as a fresh data-dependent size, so a
-  compiled graph takes the count of the context it runs under, never the
-  trace-time one (SPEC section 5). They read, when they run, what vLLM-Ascend's own
+  from the forward context (an SP layout, `padded_length`), the fakes give
+  it to a compiler as a fresh data-dependent size (with dynamic and static
+  shapes alike), so a compiled graph takes the count of the context it runs
+  under, never the trace-time one (SPEC section 5). They read, when they run, what vLLM-Ascend's own
   implementations read (`vllm_ascend.ops.register_custom_ops`'s
   `get_forward_context`, `get_ep_group`, `get_dp_group` and `_EXTRA_CTX`): the
   forward context's `dp_metadata` (`get_chunk_sizes_across_dp_rank()`,
@@ -549,13 +549,17 @@ def _rows(x):
 
 def _context_rows(x, rows: int):
     """The token count of a fake's output whose rows the forward context
-    gives (`rows`, the trace-time context's), not `x`'s shape: `rows` when
-    `x`'s token count is concrete (a static trace, a plain fake mode); a
-    fresh data-dependent size when it is symbolic. A graph compiled with a
-    dynamic token dimension runs under other forward contexts (other DP
-    token counts, another layout, SPEC section 5), so it must neither bake
-    the trace-time count in nor assert it: the real op's output gives it."""
-    if _rows(x) is not None:
+    gives (`rows`, the trace-time context's), not `x`'s shape: a fresh
+    data-dependent size while a compiler traces (a fake mode with a shape
+    environment, dynamic or static shapes alike), `rows` in a plain fake
+    mode. A compiled graph runs under other forward contexts (other DP
+    token counts, another layout, SPEC section 5), also at the token count
+    it was specialised for, so it must neither bake the trace-time count in
+    nor assert it: the real op's output gives it."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(x)
+    if mode is None or mode.shape_env is None:
         return rows
     import torch
 

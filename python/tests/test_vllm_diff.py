@@ -413,6 +413,34 @@ def test_compiled_ops_take_the_rows_of_the_forward_context_they_run_under(engine
         assert got.shape == (want, 2) and torch.equal(got, fn(x)), (tokens, padded_length, rows, got.shape)
 
 
+# A graph compiled with static shapes (vLLM's compile_sizes specialise one
+# per batch size) at one token count: the layout changes under it. Cases as
+# CONTEXTS, every one at the same input rows.
+STATIC_CONTEXTS = {
+    "gather": [([3, 5], None, 3, 8), ([3, 7], None, 3, 10), ([3, 5], 5, 5, 8), ([3, 4], 5, 5, 7)],
+    "reduce": [([3, 5], None, 8, 3), ([4, 4], None, 8, 4), ([3, 5], 5, 8, 5), ([4, 4], 5, 8, 5)],
+}
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+@pytest.mark.parametrize("op", list(STATIC_CONTEXTS))
+def test_a_graph_compiled_for_one_token_count_takes_the_rows_of_the_live_layout(engine, backend, op):
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    name = "maybe_all_gather_and_maybe_unpad" if op == "gather" else "maybe_pad_and_reduce"
+
+    def fn(x):
+        y = getattr(torch.ops.vllm, name)(x)
+        return y * 2 + y.new_ones(y.shape)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    for tokens, padded_length, rows, want in STATIC_CONTEXTS[op]:
+        _set_context(engine, tokens, padded_length)
+        x = torch.arange(rows * 2, dtype=torch.float32).view(rows, 2)
+        got = compiled(x)
+        assert got.shape == (want, 2) and torch.equal(got, fn(x)), (tokens, padded_length, got.shape)
+
+
 def test_compiled_moe_layer_tokens_take_the_rows_of_the_forward_context(engine):
     # vLLM-Ascend's flow around the experts: gather (prepare), the experts,
     # reduce (finalize) back to this rank's tokens, added to its input. The
