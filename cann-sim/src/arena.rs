@@ -124,12 +124,6 @@ impl Arena {
             return fail(ACL_ERROR_INVALID_PARAM, "size must not be 0");
         }
         let footprint = align_up(align_up(size, 32) + 32, ALIGN);
-        if !config::malloc_allowed() {
-            return fail(
-                ACL_ERROR_RT_MEMORY_ALLOCATION,
-                format!("device {}: allocation of {size} bytes failed (CANNSIM_FAIL_MALLOC_AFTER)", self.device),
-            );
-        }
         let mut st = self.lock();
         let Some((&off, &len)) = st.free.iter().find(|(_, &len)| len >= footprint) else {
             return fail(
@@ -140,6 +134,14 @@ impl Arena {
                 ),
             );
         };
+        // Asked only once nothing else can fail, so that it counts successful
+        // allocations, as `CANNSIM_FAIL_MALLOC_AFTER` is documented.
+        if !config::malloc_allowed() {
+            return fail(
+                ACL_ERROR_RT_MEMORY_ALLOCATION,
+                format!("device {}: allocation of {size} bytes failed (CANNSIM_FAIL_MALLOC_AFTER)", self.device),
+            );
+        }
         st.free.remove(&off);
         if len > footprint {
             st.free.insert(off + footprint, len - footprint);

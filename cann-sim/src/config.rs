@@ -47,7 +47,7 @@ pub struct Config {
     pub lazy: bool,
     /// Fill byte for fresh allocations.
     pub malloc_fill: Option<u8>,
-    /// Fail the allocation after this many.
+    /// Fail the allocation after this many successful ones.
     pub fail_malloc_after: Option<u64>,
     /// World rank whose collectives never arrive.
     pub hccl_timeout_rank: Option<u32>,
@@ -353,10 +353,12 @@ pub fn trace(msg: &str) {
 
 static MALLOCS: AtomicU64 = AtomicU64::new(0);
 
-/// Counts one device allocation; false when fault injection says it must fail.
+/// Counts one successful device allocation; false, counting nothing, when
+/// fault injection says it must fail. Call it only once the allocation can no
+/// longer fail otherwise: the count is of successful allocations.
 pub fn malloc_allowed() -> bool {
     match get().fail_malloc_after {
         None => true,
-        Some(n) => MALLOCS.fetch_add(1, Ordering::SeqCst) < n,
+        Some(n) => MALLOCS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |m| (m < n).then_some(m + 1)).is_ok(),
     }
 }

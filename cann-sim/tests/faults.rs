@@ -63,6 +63,34 @@ fn allocation_failure_is_injected_after_n_allocations() {
 }
 
 #[test]
+fn failed_allocations_do_not_count_towards_fail_malloc_after() {
+    if role().as_deref() == Some("fail-malloc-oom") {
+        let s = use_device(0);
+        let mut p = NULL;
+        unsafe {
+            // More than the device has: fails on its own, and is no success.
+            assert_eq!((s.aclrtMalloc)(&mut p, 2 << 20, 0), 207001);
+            assert!(err_msg().contains("out of memory"), "{}", err_msg());
+        }
+        // So two allocations still succeed before the injected failure.
+        let (a, b) = (malloc(10), malloc(10));
+        unsafe {
+            assert_eq!((s.aclrtMalloc)(&mut p, 10, 0), 207001);
+            assert!(err_msg().contains("CANNSIM_FAIL_MALLOC_AFTER"), "{}", err_msg());
+        }
+        free(a);
+        free(b);
+        return;
+    }
+    let o = run_child(
+        "failed_allocations_do_not_count_towards_fail_malloc_after",
+        "fail-malloc-oom",
+        &[("CANNSIM_DEVICE_MEM", "1M"), ("CANNSIM_FAIL_MALLOC_AFTER", "2")],
+    );
+    assert_child_passed(&o, "child");
+}
+
+#[test]
 fn dereferencing_a_device_pointer_on_the_host_faults() {
     if role().as_deref() == Some("deref") {
         use_device(0);
