@@ -893,41 +893,60 @@ pub extern "C" fn aclrtDestroyEvent(event: AclrtEvent) -> AclError {
 /// thread, a kernel launch included. Neither call changes it by failing.
 #[no_mangle]
 pub extern "C" fn aclrtGetLastError(level: i32) -> AclError {
-    if level != 0 {
-        status::set_recent(&format!("aclrtGetLastError: level {level}: only ACL_RT_THREAD_LEVEL is supported"));
-        return ACL_ERROR_INVALID_PARAM;
-    }
-    status::last_error(true)
+    last_error("aclrtGetLastError", level, true)
 }
 
 /// `aclError aclrtPeekAtLastError(aclrtLastErrLevel level)`: as
 /// [`aclrtGetLastError`], without clearing.
 #[no_mangle]
 pub extern "C" fn aclrtPeekAtLastError(level: i32) -> AclError {
-    if level != 0 {
-        status::set_recent(&format!("aclrtPeekAtLastError: level {level}: only ACL_RT_THREAD_LEVEL is supported"));
-        return ACL_ERROR_INVALID_PARAM;
+    last_error("aclrtPeekAtLastError", level, false)
+}
+
+/// The thread's last error for `aclrtGetLastError` (`clear`) and
+/// `aclrtPeekAtLastError`, or the code of their own failure; the boundary
+/// does not make that failure the last error.
+fn last_error(call: &'static str, level: i32, clear: bool) -> AclError {
+    let mut last = ACL_SUCCESS;
+    let code = status::guard(call, ACL_ERROR_RT_INTERNAL_ERROR, || {
+        if level != 0 {
+            return fail(ACL_ERROR_INVALID_PARAM, format!("level {level}: only ACL_RT_THREAD_LEVEL is supported"));
+        }
+        last = status::last_error(clear);
+        Ok(())
+    });
+    if code != ACL_SUCCESS {
+        code
+    } else {
+        last
     }
-    status::last_error(false)
 }
 
 /// `const char *aclGetRecentErrMsg()`: this thread's most recent error text,
 /// or NULL when there is none (`aclGetRecentErrMsgImpl`, hicann/runtime
 /// `src/acl/aclrt_impl/acl.cpp:1146-1149` at v8.5.0: "get errorMessage is
-/// empty" returns `nullptr`). It takes no argument and refuses nothing.
+/// empty" returns `nullptr`). It takes no argument and refuses nothing, an
+/// unknown `CANNSIM_CANN_VERSION` included: it carries that failure's message.
 #[no_mangle]
 pub extern "C" fn aclGetRecentErrMsg() -> *const c_char {
-    if status::recent_is_empty() {
-        return std::ptr::null();
-    }
-    status::recent_ptr()
+    status::infallible("aclGetRecentErrMsg", std::ptr::null(), || {
+        if status::recent_is_empty() {
+            return std::ptr::null();
+        }
+        status::recent_ptr()
+    })
 }
 
-/// `const char *aclrtGetSocName()`.
+/// `const char *aclrtGetSocName()`: `CANNSIM_SOC_NAME`, or NULL when the
+/// configuration is refused (CANN returns NULL when it cannot read the SoC
+/// version, `acl_rt_impl_base.cpp:192-196`).
 #[no_mangle]
 pub extern "C" fn aclrtGetSocName() -> *const c_char {
     static NAME: OnceLock<CString> = OnceLock::new();
-    NAME.get_or_init(|| CString::new(config::get().soc_name.replace('\0', "")).unwrap_or_default()).as_ptr()
+    status::ptr("aclrtGetSocName", || {
+        let name = NAME.get_or_init(|| CString::new(config::get().soc_name.replace('\0', "")).unwrap_or_default());
+        Ok(name.as_ptr().cast_mut())
+    })
 }
 
 /// `aclError aclrtGetVersion(int32_t *majorVersion, int32_t *minorVersion, int32_t *patchVersion)`:

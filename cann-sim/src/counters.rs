@@ -81,5 +81,5 @@ pub unsafe extern "C" fn cannsim_counters(out: *mut CannsimCounters) -> AclError
 /// `void cannsim_counters_reset(void)`: zeroes the calling thread's counters.
 #[no_mangle]
 pub extern "C" fn cannsim_counters_reset() {
-    COUNTERS.with(|c| c.set(CannsimCounters::default()));
+    status::infallible("cannsim_counters_reset", (), || COUNTERS.with(|c| c.set(CannsimCounters::default())));
 }

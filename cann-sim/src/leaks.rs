@@ -77,7 +77,13 @@ pub fn render(r: &Report) -> String {
     s
 }
 
+/// The `.fini_array` entry: a panic must not unwind out of it (that aborts
+/// the exiting process), so the report runs inside a boundary.
 extern "C" fn at_exit() {
+    let _ = std::panic::catch_unwind(report_at_exit);
+}
+
+fn report_at_exit() {
     if !context::ever_initialized() {
         return;
     }
@@ -85,9 +91,7 @@ extern "C" fn at_exit() {
     if mode == LeakMode::Off {
         return;
     }
-    let Ok(r) = std::panic::catch_unwind(collect) else {
-        return;
-    };
+    let r = collect();
     eprint!("{}", render(&r));
     if mode == LeakMode::Fail && !r.leaks.is_empty() {
         // SAFETY: flush C stdio, then end the process with the configured

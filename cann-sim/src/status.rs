@@ -63,10 +63,21 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// Reads the configuration before a call runs, so that a configuration the
+/// simulator refuses (an unknown `CANNSIM_CANN_VERSION`) fails every call that
+/// can fail, `aclInit` included, with the message naming it, not only the calls
+/// that happen to read it.
+fn configured<T>(f: impl FnOnce() -> T) -> impl FnOnce() -> T {
+    move || {
+        crate::config::get();
+        f()
+    }
+}
+
 /// Runs `f` for the export `call`; converts an error to its code (recording the
 /// message) and a panic to `panic_code`. Nothing unwinds past this function.
 pub fn guard(call: &'static str, panic_code: i32, f: impl FnOnce() -> SimResult<()>) -> i32 {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match catch_unwind(AssertUnwindSafe(configured(f))) {
         Ok(Ok(())) => 0,
         Ok(Err(e)) => {
             set_recent(&format!("{call}: {}", e.msg));
@@ -112,7 +123,7 @@ pub fn aclnn(call: &'static str, f: impl FnOnce() -> SimResult<()>) -> AclnnStat
 
 /// Boundary for exports returning a pointer: an error or a panic yields null.
 pub fn ptr<T>(call: &'static str, f: impl FnOnce() -> SimResult<*mut T>) -> *mut T {
-    match catch_unwind(AssertUnwindSafe(f)) {
+    match catch_unwind(AssertUnwindSafe(configured(f))) {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => {
             set_recent(&format!("{call}: {}", e.msg));
@@ -122,6 +133,20 @@ pub fn ptr<T>(call: &'static str, f: impl FnOnce() -> SimResult<*mut T>) -> *mut
         Err(p) => {
             set_recent(&format!("{call}: internal error in the simulator: {}", panic_text(&*p)));
             std::ptr::null_mut()
+        }
+    }
+}
+
+/// Boundary for the exports that report no failure of their own and must keep
+/// answering whatever the configuration (`aclGetRecentErrMsg`, which carries
+/// the other calls' messages, `HcclGetErrorString`, `cannsim_counters_reset`):
+/// the configuration is not read, and a panic yields `fallback`.
+pub fn infallible<T>(call: &'static str, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => {
+            set_recent(&format!("{call}: internal error in the simulator: {}", panic_text(&*p)));
+            fallback
         }
     }
 }

@@ -90,6 +90,131 @@ fn failed_allocations_do_not_count_towards_fail_malloc_after() {
     assert_child_passed(&o, "child");
 }
 
+/// The exports [`an_unknown_cann_version_fails_every_call_without_aborting`]
+/// calls, each first in a process of its own.
+const BAD_VERSION_CALLS: [&str; 14] = [
+    "aclInit",
+    "aclFinalize",
+    "aclrtGetLastError",
+    "aclrtPeekAtLastError",
+    "aclrtGetSocName",
+    "aclrtGetVersion",
+    "aclrtGetDeviceCount",
+    "aclCreateTensor",
+    "aclnnAdd",
+    "HcclGetRootInfo",
+    "HcclGetCommConfigCapability",
+    "HcclGetErrorString",
+    "cannsim_counters",
+    "cannsim_counters_reset",
+];
+
+#[test]
+fn an_unknown_cann_version_fails_every_call_without_aborting() {
+    const NAME: &str = "an_unknown_cann_version_fails_every_call_without_aborting";
+    if role().as_deref() == Some("bad-version") {
+        let s = sim();
+        let call = std::env::var("BAD_VERSION_CALL").unwrap();
+        let named = || {
+            let m = err_msg();
+            assert!(m.contains("CANNSIM_CANN_VERSION") && m.contains("9.9"), "{call}: {m:?}");
+        };
+        let lib = unsafe { libloading::Library::new(lib_path()) }.unwrap();
+        // SAFETY: each call with the arguments its C signature takes; the
+        // counters functions are looked up in the library `sim()` loaded.
+        unsafe {
+            let acl = match call.as_str() {
+                "aclInit" => (s.aclInit)(std::ptr::null()),
+                "aclFinalize" => (s.aclFinalize)(),
+                // Even with no failure before it: the call itself fails.
+                "aclrtGetLastError" => (s.aclrtGetLastError)(0),
+                "aclrtPeekAtLastError" => (s.aclrtPeekAtLastError)(0),
+                "aclrtGetVersion" => {
+                    let mut v = [0i32; 3];
+                    (s.aclrtGetVersion)(&mut v[0], &mut v[1], &mut v[2])
+                }
+                "aclrtGetDeviceCount" => (s.aclrtGetDeviceCount)(&mut 0),
+                "cannsim_counters" => {
+                    let f = lib.get::<unsafe extern "C" fn(*mut [u64; 9]) -> i32>(b"cannsim_counters\0").unwrap();
+                    f(&mut [0; 9])
+                }
+                "aclrtGetSocName" => {
+                    assert!((s.aclrtGetSocName)().is_null(), "a SoC name");
+                    507000
+                }
+                "aclCreateTensor" => {
+                    let dims = [4i64];
+                    let t = (s.aclCreateTensor)(
+                        dims.as_ptr(),
+                        1,
+                        ACL_FLOAT,
+                        std::ptr::null(),
+                        0,
+                        ND,
+                        dims.as_ptr(),
+                        1,
+                        NULL,
+                    );
+                    assert!(t.is_null(), "a tensor");
+                    507000
+                }
+                "aclnnAdd" => {
+                    assert_eq!((s.aclnnAdd)(NULL, 0, NULL, NULL), 561000, "ACLNN_ERR_INNER");
+                    507000
+                }
+                "HcclGetRootInfo" => {
+                    assert_eq!((s.HcclGetRootInfo)(vec![0u8; 4108].as_mut_ptr()), 4, "HCCL_E_INTERNAL");
+                    507000
+                }
+                "HcclGetCommConfigCapability" => {
+                    assert_eq!((s.HcclGetCommConfigCapability)(), 0, "a capability");
+                    507000
+                }
+                // What explains a failure, and what cannot report one, keep answering.
+                "HcclGetErrorString" => {
+                    let e = (s.HcclGetErrorString)(4);
+                    assert!(!e.is_null() && std::ffi::CStr::from_ptr(e).to_bytes().starts_with(b"HCCL_E_INTERNAL"));
+                    assert_eq!((s.aclInit)(std::ptr::null()), 507000);
+                    named();
+                    return;
+                }
+                "cannsim_counters_reset" => {
+                    lib.get::<unsafe extern "C" fn()>(b"cannsim_counters_reset\0").unwrap()();
+                    assert_eq!((s.aclInit)(std::ptr::null()), 507000);
+                    named();
+                    return;
+                }
+                other => panic!("unknown call {other}"),
+            };
+            assert_eq!(acl, 507000, "ACL_ERROR_RT_INTERNAL_ERROR");
+        }
+        named();
+        // The process then exits: the leak report at exit must not abort it.
+        return;
+    }
+    let mut failed = Vec::new();
+    for call in BAD_VERSION_CALLS {
+        let o = run_child(NAME, "bad-version", &[("CANNSIM_CANN_VERSION", "9.9"), ("BAD_VERSION_CALL", call)]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        if !(o.status.success() && out.contains("1 passed")) {
+            let why = stderr(&o)
+                .lines()
+                .filter(|l| {
+                    l.contains("panicked")
+                        || l.contains("assert")
+                        || l.contains("left")
+                        || l.contains("right")
+                        || l.contains(": ")
+                })
+                .take(4)
+                .collect::<Vec<_>>()
+                .join(" | ");
+            failed.push(format!("{call}: {:?}: {why}", o.status));
+        }
+    }
+    assert!(failed.is_empty(), "with CANNSIM_CANN_VERSION=9.9:\n{}", failed.join("\n"));
+}
+
 #[test]
 fn dereferencing_a_device_pointer_on_the_host_faults() {
     if role().as_deref() == Some("deref") {

@@ -446,10 +446,15 @@ pub unsafe extern "C" fn HcclGetCommName(comm_h: HcclComm, comm_name: *mut c_cha
     })
 }
 
-/// `const char *HcclGetErrorString(HcclResult code)`.
+/// `const char *HcclGetErrorString(HcclResult code)`: never fails, whatever
+/// the configuration (it explains the other calls' codes).
 #[no_mangle]
 pub extern "C" fn HcclGetErrorString(code: HcclResult) -> *const c_char {
-    let s: &'static CStr = match code {
+    status::infallible("HcclGetErrorString", std::ptr::null(), || error_string(code).as_ptr())
+}
+
+fn error_string(code: HcclResult) -> &'static CStr {
+    match code {
         0 => c"HCCL_SUCCESS: success",
         1 => c"HCCL_E_PARA: parameter error",
         2 => c"HCCL_E_PTR: empty pointer",
@@ -463,8 +468,7 @@ pub extern "C" fn HcclGetErrorString(code: HcclResult) -> *const c_char {
         15 => c"HCCL_E_RUNTIME: call runtime api fail",
         21 => c"HCCL_E_REMOTE: error cqe",
         _ => c"unknown HcclResult",
-    };
-    s.as_ptr()
+    }
 }
 
 /// `HcclResult HcclGetCommAsyncError(HcclComm comm, HcclResult *asyncError)`:
@@ -487,8 +491,19 @@ pub unsafe extern "C" fn HcclGetCommAsyncError(comm_h: HcclComm, async_error: *m
     })
 }
 
-/// `uint32_t HcclGetCommConfigCapability()`.
+/// `uint32_t HcclGetCommConfigCapability()`: the emulated release's count, or
+/// 0 (no capability) when the call fails, with the message for
+/// `aclGetRecentErrMsg`.
 #[no_mangle]
 pub extern "C" fn HcclGetCommConfigCapability() -> u32 {
-    hccl_rules::capability()
+    let mut cap = 0;
+    let rc = status::hccl("HcclGetCommConfigCapability", || {
+        cap = hccl_rules::capability();
+        Ok(())
+    });
+    if rc == HCCL_SUCCESS {
+        cap
+    } else {
+        0
+    }
 }
