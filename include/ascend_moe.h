@@ -858,10 +858,10 @@ amoe_status amoe_moe_finalize_routing_output_shape(const struct amoe_finalize_ar
 // take their ownership rules from this one, for an `out` over their `x`.
 //
 // NPU tensors, native kernel (the default where it can launch): enqueues on
-// `stream` one memset of the status words and one kernel launch writing
-// `out` in place (plus, for the
-// padded layout, one small copy of the slot offsets from a pinned staging
-// block); workspace comes from the stream's pool or allocator. It never reads device data on
+// `stream` one memset of the status words, one small copy of the kernel's
+// tiling from a pinned staging block and one kernel launch writing `out`
+// in place (plus, for the padded layout, one small copy of the slot
+// offsets, staged the same way); workspace comes from the stream's pool or allocator. It never reads device data on
 // the host. After the first launch on `stream` (which reserves its status records and pinned
 // staging) it never calls `aclrtMalloc` or `aclrtMallocHost`, however many calls run between
 // two `amoe_stream_check`s, and it waits on the host only when 256 launches ran without a check
@@ -903,8 +903,9 @@ amoe_status amoe_moe_token_unpermute_output_shape(const struct amoe_tensor *perm
 // borrowed goes through a copy).
 //
 // NPU, native kernel (the default where it can launch): enqueues on
-// `stream` one memset of the status words and one kernel launch writing
-// `out`; it never reads device data on the host and can be captured into a
+// `stream` one memset of the status words, one small copy of the kernel's
+// tiling from a pinned staging block and one kernel launch writing `out`;
+// it never reads device data on the host and can be captured into a
 // graph. After the first launch on `stream` it never calls `aclrtMalloc` or
 // `aclrtMallocHost`, however many calls run between two checks, and waits
 // on the host only as `amoe_moe_finalize_routing` says. NPU, aclnn
