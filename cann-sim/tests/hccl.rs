@@ -456,6 +456,87 @@ fn reductions_combine_every_rank_in_every_dtype_and_op() {
     });
 }
 
+/// Each rank's four int8 values: rank `r` sends row `r` (the first `world`
+/// rows take part).
+const INT8_IN: [[i8; 4]; 4] = [[100, -100, -128, 5], [27, -28, -1, -7], [1, -1, 0, 2], [-50, 60, 127, -3]];
+
+/// The int8 sum, max and min of the first `world` rows of [`INT8_IN`], worked
+/// out by hand. Sums wrap in eight bits: on 2 ranks -128 - 1 = -129 is 127;
+/// on 3 ranks 100 + 27 + 1 = 128 is -128 and -100 - 28 - 1 = -129 is 127; on
+/// 4 ranks the partial sum 128 wraps on the way and the total, 78, does not
+/// (a wrapping sum does not depend on the order the ranks are added in).
+fn int8_want(world: u32, op: i32) -> [i8; 4] {
+    match (world, op) {
+        (2, HCCL_SUM) => [127, -128, 127, -2],
+        (2, HCCL_MAX) => [100, -28, -1, 5],
+        (2, _) => [27, -100, -128, -7],
+        (3, HCCL_SUM) => [-128, 127, 127, 0],
+        (3, HCCL_MAX) => [100, -1, 0, 5],
+        (3, _) => [1, -100, -128, -7],
+        (_, HCCL_SUM) => [78, -69, -2, -3],
+        (_, HCCL_MAX) => [100, 60, 127, 5],
+        (_, _) => [-50, -100, -128, -7],
+    }
+}
+
+#[test]
+fn int8_all_reduce_and_reduce_scatters_sum_max_and_min_with_eight_bit_wrapping() {
+    // HCCL reduces int8 with sum, max and min on Atlas A2 (hicann/hcomm v8.5.0
+    // hccl_communicator_host.cc:787-803, param_check.cc:318-338; hicann/hccl
+    // v8.5.0 docs/api/context/HcclAllReduce.md:78, HcclReduceScatter.md:80,
+    // HcclReduceScatterV.md:99).
+    for world in [2u32, 3, 4] {
+        with_ranks(world, 20, |r, comm, st| {
+            let s = sim();
+            let send = upload(&INT8_IN[r as usize]);
+            let recv = malloc(4);
+            // Reduce-scatter: 4 / world elements each (world 3 sends the first 3).
+            let rc = 4 / world as usize;
+            // Reduce-scatter-v: uneven blocks, not in rank order for world 4.
+            let (counts, displs): (Vec<u64>, Vec<u64>) = match world {
+                2 => (vec![1, 3], vec![0, 1]),
+                3 => (vec![1, 2, 1], vec![0, 1, 3]),
+                _ => (vec![1; 4], vec![3, 2, 1, 0]),
+            };
+            let (mine, at) = (counts[r as usize] as usize, displs[r as usize] as usize);
+            let block = malloc(rc);
+            let vblock = malloc(mine);
+            for op in [HCCL_SUM, HCCL_MAX, HCCL_MIN] {
+                let want = int8_want(world, op);
+                unsafe {
+                    assert_eq!((s.HcclAllReduce)(send, recv, 4, HCCL_INT8, op, comm, st), 0, "{}", err_msg());
+                    assert_eq!(
+                        (s.HcclReduceScatter)(send, block, rc as u64, HCCL_INT8, op, comm, st),
+                        0,
+                        "{}",
+                        err_msg()
+                    );
+                    let rc = (s.HcclReduceScatterV)(
+                        send,
+                        counts.as_ptr() as *const c_void,
+                        displs.as_ptr() as *const c_void,
+                        vblock,
+                        mine as u64,
+                        HCCL_INT8,
+                        op,
+                        comm,
+                        st,
+                    );
+                    assert_eq!(rc, 0, "{}", err_msg());
+                }
+                sync(st);
+                let what = format!("world {world} op {op} rank {r}");
+                assert_eq!(download::<i8>(recv, 4), want, "all_reduce {what}");
+                assert_eq!(download::<i8>(block, rc), want[r as usize * rc..][..rc], "reduce_scatter {what}");
+                assert_eq!(download::<i8>(vblock, mine), want[at..][..mine], "reduce_scatter_v {what}");
+            }
+            for p in [send, recv, block, vblock] {
+                free(p);
+            }
+        });
+    }
+}
+
 #[test]
 fn gathers_and_broadcasts_place_every_rank_in_its_block_for_every_element_size() {
     let (world, bytes) = (3u32, 24usize);

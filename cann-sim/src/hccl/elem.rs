@@ -4,9 +4,13 @@
 //! them (`collectives::reduction_order`).
 //! Floats accumulate in `f32` (f16 and bf16 widen exactly) and are rounded once,
 //! to nearest-even, at the end, so every rank computes the same bits from the
-//! same inputs. Integers reduce exactly, and a sum wraps on overflow like
-//! two's-complement hardware. Max and min on floats follow `f32::max` and
-//! `f32::min`: a NaN loses against a number.
+//! same inputs. Integers (int8, int32, int64) reduce exactly, and a sum wraps
+//! on overflow like two's-complement hardware, in the element's own width
+//! (int8: 127 + 1 is -128), as the project's CPU communicator does for its
+//! integers (`shm-comm/src/reduce.rs`, `wrapping_add`); neither HCCL's code nor
+//! its documentation says otherwise (the API reference's overflow notes are
+//! about floats: "INF/NaN mode, no saturation mode"). Max and min on floats
+//! follow `f32::max` and `f32::min`: a NaN loses against a number.
 
 use half::{bf16, f16};
 
@@ -26,7 +30,7 @@ pub enum DType {
     I32,
     /// `HCCL_DATA_TYPE_INT64`.
     I64,
-    /// `HCCL_DATA_TYPE_INT8`: moved, never reduced.
+    /// `HCCL_DATA_TYPE_INT8`: moved, and reduced with sum, max and min.
     I8,
     /// `HCCL_DATA_TYPE_UINT8`: moved, never reduced.
     U8,
@@ -99,8 +103,14 @@ pub enum ReduceOp {
 
 impl ReduceOp {
     /// The op of an `HcclReduceOp` code for elements of `dtype`. The simulator
-    /// reduces float32, float16, bfloat16, int32 and int64 with sum, max and min
-    /// only (stricter than HCCL, which also has prod and reduces int8).
+    /// reduces float32, float16, bfloat16, int8, int32 and int64 with sum, max
+    /// and min only (stricter than HCCL, which also has prod). uint8 is never
+    /// reduced, as in HCCL: hicann/hcomm v8.5.0
+    /// `src/framework/communicator/impl/hccl_communicator_host.cc:787-803`
+    /// (`CheckDataType` with `needReduce` refuses uint8/16/32/64, fp64 and
+    /// reserved with HCCL_E_NOT_SUPPORT, and nothing else on a 910B), where
+    /// int8 passes; `src/framework/common/src/param_check.cc:318-338`
+    /// (`HcomCheckReduceDataType`, 910B: only prod with int16 or bfp16 refused).
     pub fn from_hccl(code: i32, dtype: DType) -> SimResult<ReduceOp> {
         let op = match code {
             HCCL_REDUCE_SUM => ReduceOp::Sum,
@@ -108,7 +118,7 @@ impl ReduceOp {
             HCCL_REDUCE_MIN => ReduceOp::Min,
             other => return fail(HCCL_E_NOT_SUPPORT, format!("HcclReduceOp {other} is not simulated")),
         };
-        if matches!(dtype, DType::I8 | DType::U8) {
+        if dtype == DType::U8 {
             return fail(HCCL_E_NOT_SUPPORT, format!("reductions of {} are not simulated", dtype.name()));
         }
         Ok(op)
@@ -174,6 +184,7 @@ fn widen_floats(dtype: DType, bytes: &[u8], out: &mut Vec<f32>) {
 /// `bytes` (elements of an integer `dtype`) widened into `out`.
 fn widen_ints(dtype: DType, bytes: &[u8], out: &mut Vec<i64>) {
     match dtype {
+        DType::I8 => widen(bytes, out, |b: [u8; 1]| b[0] as i8 as i64),
         DType::I32 => widen(bytes, out, |b| i32::from_le_bytes(b) as i64),
         _ => widen(bytes, out, i64::from_le_bytes),
     }
@@ -235,8 +246,10 @@ impl Reduction {
             (Acc::Float { acc, .. }, _) => {
                 out.chunks_exact_mut(4).zip(acc).for_each(|(o, x)| o.copy_from_slice(&x.to_le_bytes()))
             }
-            // An int32 sum taken modulo 2^64 and truncated equals the wrapping
-            // int32 sum (both are the sum modulo 2^32).
+            // An int8 or int32 sum taken modulo 2^64 and truncated equals the
+            // wrapping sum in the element's width (both are the sum modulo
+            // 2^8, 2^32); a max or min of values of the type is one of them.
+            (Acc::Int { acc, .. }, DType::I8) => out.iter_mut().zip(acc).for_each(|(o, x)| *o = x as i8 as u8),
             (Acc::Int { acc, .. }, DType::I32) => {
                 out.chunks_exact_mut(4).zip(acc).for_each(|(o, x)| o.copy_from_slice(&(x as i32).to_le_bytes()))
             }
@@ -289,8 +302,23 @@ mod tests {
     }
 
     #[test]
-    fn bytes_are_never_reduced_and_prod_is_not_simulated() {
-        assert_eq!(ReduceOp::from_hccl(HCCL_REDUCE_SUM, DType::I8).unwrap_err().code, HCCL_E_NOT_SUPPORT);
+    fn int8_sums_wrap_in_eight_bits_and_max_min_are_signed() {
+        let ranks: Vec<Vec<u8>> = [[100i8, -100, -128, 5], [27, -28, -1, -7], [1, -1, 0, 2]]
+            .iter()
+            .map(|r| r.map(|v| v as u8).to_vec())
+            .collect();
+        // 100 + 27 + 1 = 128 wraps to -128; -100 - 28 - 1 = -129 wraps to 127;
+        // -128 - 1 + 0 = -129 wraps to 127; 5 - 7 + 2 = 0.
+        let want = |v: [i8; 4]| v.map(|x| x as u8).to_vec();
+        assert_eq!(reduce(DType::I8, ReduceOp::Sum, &ranks), want([-128, 127, 127, 0]));
+        assert_eq!(reduce(DType::I8, ReduceOp::Max, &ranks), want([100, -1, 0, 5]));
+        assert_eq!(reduce(DType::I8, ReduceOp::Min, &ranks), want([1, -100, -128, -7]));
+    }
+
+    #[test]
+    fn uint8_is_never_reduced_and_prod_is_not_simulated() {
+        assert!(ReduceOp::from_hccl(HCCL_REDUCE_SUM, DType::I8).is_ok());
+        assert_eq!(ReduceOp::from_hccl(HCCL_REDUCE_SUM, DType::U8).unwrap_err().code, HCCL_E_NOT_SUPPORT);
         assert_eq!(ReduceOp::from_hccl(HCCL_REDUCE_PROD, DType::F32).unwrap_err().code, HCCL_E_NOT_SUPPORT);
     }
 }
