@@ -16,9 +16,9 @@
 //! | `CANNSIM_SOC_NAME` | `aclrtGetSocName()` | Ascend910B1 |
 //! | `CANNSIM_TRACE` | `1`: print every failing call to stderr | off |
 //! | `CANNSIM_CANN_VERSION` | the emulated CANN release, `8.1`, `8.3` or `8.5` (see [`crate::version`]) | 8.5 |
-//! | `HCCL_EXEC_TIMEOUT` | HCCL's own: seconds a collective waits for its peers on the device, unless the communicator's `HcclCommConfig` of version 8 or later sets `hcclExecTimeOut` (CANN 8.5 only); `0` never times out (read at each communicator creation, see [`exec_timeout`]) | 1836 |
+//! | `HCCL_EXEC_TIMEOUT` | HCCL's own: seconds a collective waits for its peers on the device, unless the communicator's `HcclCommConfig` of version 8 or later sets `hcclExecTimeOut` (CANN 8.5 only); `0` never times out; 0 to 2147483647 with at most 2 decimals and 10 characters (read at `HcclGetRootInfo` and each communicator creation, see [`parse_exec_timeout`]) | 1836 |
 //! | `HCCL_DFS_CONFIG` | HCCL's own: `inconsistent_check:on` makes `HcclGetCommAsyncError` report a later collective whose ranks disagree on its type, dtype, operation, root or count as `HCCL_E_PARA`, unless `cluster_heartbeat:off` (see [`inconsistent_check`]) | off |
-//! | `HCCL_CONNECT_TIMEOUT` | HCCL's own: seconds, 120 to 7200, a rank waits for its peers to join a communicator or to set up a collective's links; the wait is this plus 20 s (see [`connect_timeout`]) | 120 |
+//! | `HCCL_CONNECT_TIMEOUT` | HCCL's own: seconds, 120 to 7200, a rank waits for its peers to join a communicator or to set up a collective's links; the wait is this plus 20 s; digits only, at most 10 characters (see [`parse_connect_timeout`]) | 120 |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -271,33 +271,76 @@ pub fn inconsistent_check(dfs: Option<&str>) -> bool {
     switch("cluster_heartbeat:", true) && switch("inconsistent_check:", false)
 }
 
+/// The value of one of HCCL's own variables as HCCL reads it: `None` when
+/// unset, otherwise every byte, untrimmed, an empty value included (HCCL's
+/// `GET_ENV`, hicann/hcomm v8.5.0 `src/platform/common/externalinput.cc:32-36`,
+/// takes `mmSysGetEnv`, which is `getenv`, hicann/runtime v8.5.0
+/// `src/mmpa/src/mmpa_linux_env.c:185-192`, and only a NULL is "unset").
+fn hccl_var(name: &str) -> Option<Vec<u8>> {
+    std::env::var_os(name).map(std::os::unix::ffi::OsStringExt::into_vec)
+}
+
+/// HCCL's longest numeric variable: `MAX_LEN_OF_DIGIT_ENV` (hicann/hcomm
+/// v8.5.0 `src/platform/common/externalinput.h:20`), checked by `CheckEnvLen`
+/// (`externalinput.cc:1023-1033`: a value of 11 or more bytes is refused).
+pub const MAX_LEN_OF_DIGIT_ENV: usize = 10;
+
+/// The largest `HCCL_EXEC_TIMEOUT` on a 910B or 910_93:
+/// `HCCL_EXEC_TIME_OUT_S_910_93` = `NOTIFY_MAX_WAIT_TIME_910_93` =
+/// 2147483647 s (hicann/hcomm v8.5.0 `src/platform/common/externalinput.h:28`,
+/// `src/pub_inc/hccl_common.h:104`).
+pub const MAX_EXEC_TIMEOUT_S: f64 = 2147483647.0;
+
 /// The execution timeout of a communicator whose config sets no
 /// `hcclExecTimeOut`: `HCCL_EXEC_TIMEOUT` seconds, else HCCL's default of
-/// 1836 s (`None`: `0`, never time out).
-///
-/// hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md` (v9.1.0):
-/// A2 default 1836 s, range [0, 2147483647], 0 = never time out; the
-/// communicator's `hcclExecTimeOut` wins over it. `ParseExecTimeout`
-/// (`src/common/alg_env_config.cc:69-104`, v9.1.0) accepts a non-negative
-/// number with at most 2 decimals and fails the initialisation with
-/// HCCL_E_PARA otherwise (EI0001, `alg_env_config.cc:244-251`).
+/// 1836 s (`None`: `0`, never time out). See [`parse_exec_timeout`].
 pub fn exec_timeout() -> Result<Option<Duration>, String> {
+    parse_exec_timeout(hccl_var("HCCL_EXEC_TIMEOUT").as_deref())
+}
+
+/// `HCCL_EXEC_TIMEOUT` (`raw`, `None` when unset) as HCCL 8.5.0 reads it on
+/// a 910B. hicann/hcomm v8.5.0 `src/platform/common/externalinput.cc`:
+/// `ParseExecTimeOut` (`:554-572`) refuses a value longer than
+/// [`MAX_LEN_OF_DIGIT_ENV`] bytes (`:563-567`), then `SetHccLExecTimeOut`
+/// (`:964-1021`) one that does not match `^\d+(\.\d{1,2})?$`
+/// (`IsValidExecTimeOutMs`, `:543-552`: digits, optionally a point and one or
+/// two digits; no sign, no space, not empty) and, on a 910B or 910_93, one
+/// above [`MAX_EXEC_TIMEOUT_S`] (`:980-992`); each is HCCL_E_PARA. 0 never
+/// times out (`:981`; hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md`,
+/// A2 default 1836 s, range [0, 2147483647]). The value, decimals included,
+/// is the timeout (no rounding on a 910B: the multiple-of-68 rounding at
+/// `:1009-1011` is for other chips).
+pub fn parse_exec_timeout(raw: Option<&[u8]>) -> Result<Option<Duration>, String> {
     const DEFAULT: Duration = Duration::from_secs(1836);
-    let Some(v) = var("HCCL_EXEC_TIMEOUT") else { return Ok(Some(DEFAULT)) };
-    let well_formed = {
-        let (int, frac) = v.split_once('.').unwrap_or((&v, ""));
-        !int.is_empty()
-            && int.bytes().all(|b| b.is_ascii_digit())
-            && frac.len() <= 2
-            && frac.bytes().all(|b| b.is_ascii_digit())
-            && !(v.contains('.') && frac.is_empty())
+    let Some(v) = raw else { return Ok(Some(DEFAULT)) };
+    let refuse = |why: &str| {
+        Err(format!(
+            "HCCL_EXEC_TIMEOUT={:?} is invalid (EI0001): {why}; it should be a number greater than or equal to 0s \
+             and less than or equal to 2147483647s",
+            String::from_utf8_lossy(v)
+        ))
     };
-    let secs = v.parse::<f64>().ok().filter(|s| well_formed && *s <= u32::MAX as f64);
-    match secs {
-        None => Err(format!("HCCL_EXEC_TIMEOUT={v:?} is not a non-negative number with up to 2 decimals (EI0001)")),
-        // 0: never time out.
-        Some(s) => Ok((s > 0.0).then(|| Duration::from_secs_f64(s))),
+    if v.len() > MAX_LEN_OF_DIGIT_ENV {
+        return refuse(&format!("longer than {MAX_LEN_OF_DIGIT_ENV} characters"));
     }
+    let (int, frac) = match v.iter().position(|&b| b == b'.') {
+        Some(i) => (&v[..i], Some(&v[i + 1..])),
+        None => (v, None),
+    };
+    let digits = |d: &[u8]| d.iter().all(u8::is_ascii_digit);
+    let frac_ok = match frac {
+        None => true,
+        Some(f) => (1..=2).contains(&f.len()) && digits(f),
+    };
+    if int.is_empty() || !digits(int) || !frac_ok {
+        return refuse("not digits with at most 2 decimals");
+    }
+    // Only ASCII digits and one point: a valid f64.
+    let secs: f64 = std::str::from_utf8(v).ok().and_then(|t| t.parse().ok()).unwrap_or(f64::INFINITY);
+    if secs > MAX_EXEC_TIMEOUT_S {
+        return refuse("above 2147483647");
+    }
+    Ok((secs > 0.0).then(|| Duration::from_secs_f64(secs)))
 }
 
 /// Whether HCCL's reductions are deterministic by default:
@@ -312,8 +355,12 @@ pub fn exec_timeout() -> Result<Option<Duration>, String> {
 /// refuses it on an older one, where HCCL's config refuses the value too.
 /// The communicator's `hcclDeterministic`, when it sets one, wins
 /// (`docs/zh/user_guide/hccl_env/HCCL_DETERMINISTIC.md`, "use constraints").
+/// The value is taken untrimmed, and set but empty is a value (`hccl_var`;
+/// hicann/hcomm v8.5.0 `src/platform/common/externalinput.cc:617-650`, the
+/// same parse in `InitExternalInput`): `""` and `" true"` are refused.
 pub fn deterministic() -> Result<bool, String> {
-    let Some(v) = var("HCCL_DETERMINISTIC") else { return Ok(false) };
+    let Some(v) = hccl_var("HCCL_DETERMINISTIC") else { return Ok(false) };
+    let v = String::from_utf8_lossy(&v);
     let strict_ok = crate::version::CannVersion::current().max_deterministic() >= 2;
     match v.to_ascii_uppercase().as_str() {
         "FALSE" => Ok(false),
@@ -327,21 +374,44 @@ pub fn deterministic() -> Result<bool, String> {
 }
 
 /// How long a rank waits for its peers to join a communicator or to set up a
-/// collective's links: `HCCL_CONNECT_TIMEOUT` (default 120) plus 20 s.
-///
-/// hicann/hccl `docs/zh/user_guide/hccl_env/HCCL_CONNECT_TIMEOUT.md` (v9.1.0):
-/// an integer in [120, 7200], default 120 s; "the actual wait is the value
-/// plus 20 seconds". A value outside the range is refused.
+/// collective's links: `HCCL_CONNECT_TIMEOUT` (default 120) plus 20 s. See
+/// [`parse_connect_timeout`].
 pub fn connect_timeout() -> Result<Duration, String> {
-    let secs = match var("HCCL_CONNECT_TIMEOUT") {
-        None => 120,
-        Some(v) => v
-            .parse::<u64>()
-            .ok()
-            .filter(|s| (120..=7200).contains(s))
-            .ok_or_else(|| format!("HCCL_CONNECT_TIMEOUT={v:?} is not an integer from 120 to 7200 (seconds)"))?,
+    parse_connect_timeout(hccl_var("HCCL_CONNECT_TIMEOUT").as_deref())
+}
+
+/// `HCCL_CONNECT_TIMEOUT` (`raw`, `None` when unset) as HCCL 8.5.0 reads it,
+/// plus 20 s. hicann/hcomm v8.5.0 `src/platform/common/externalinput.cc:574-603`
+/// (`ParseLinkConnTimeOut`): a value longer than [`MAX_LEN_OF_DIGIT_ENV`]
+/// bytes is refused (`:581-584`), then one with a character other than a
+/// digit after an optional leading `-` (`IsAllDigit`, `src/platform/common/sal.cc:563-581`:
+/// so `+300` and ` 300` are refused), then one `std::stoi` cannot read (the
+/// empty value, `-`) or outside [120, 7200] (`:587-595`,
+/// `HCCL_MIN_LINK_TIME_OUT_S`/`HCCL_MAX_LINK_TIME_OUT_S`, `externalinput.h:24-25`),
+/// each HCCL_E_PARA (EI0001, `:76-82`). hicann/hccl
+/// `docs/zh/user_guide/hccl_env/HCCL_CONNECT_TIMEOUT.md`: "the actual wait is
+/// the value plus 20 seconds".
+pub fn parse_connect_timeout(raw: Option<&[u8]>) -> Result<Duration, String> {
+    let Some(v) = raw else { return Ok(Duration::from_secs(120 + 20)) };
+    let refuse = |why: &str| {
+        Err(format!(
+            "HCCL_CONNECT_TIMEOUT={:?} is invalid (EI0001): {why}; it should be a number greater than or equal to \
+             120s and less than or equal to 7200s",
+            String::from_utf8_lossy(v)
+        ))
     };
-    Ok(Duration::from_secs(secs + 20))
+    if v.len() > MAX_LEN_OF_DIGIT_ENV {
+        return refuse(&format!("longer than {MAX_LEN_OF_DIGIT_ENV} characters"));
+    }
+    let unsigned = v.strip_prefix(b"-").unwrap_or(v);
+    if !unsigned.iter().all(u8::is_ascii_digit) {
+        return refuse("not all digits");
+    }
+    let secs = std::str::from_utf8(v).ok().and_then(|t| t.parse::<i32>().ok());
+    match secs.filter(|s| (120..=7200).contains(s)) {
+        Some(s) => Ok(Duration::from_secs(s as u64 + 20)),
+        None => refuse("not an integer from 120 to 7200"),
+    }
 }
 
 /// Prints `msg` to stderr when `CANNSIM_TRACE=1`.
@@ -360,5 +430,74 @@ pub fn malloc_allowed() -> bool {
     match get().fail_malloc_after {
         None => true,
         Some(n) => MALLOCS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |m| (m < n).then_some(m + 1)).is_ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exec(v: &str) -> Result<Option<Duration>, String> {
+        parse_exec_timeout(Some(v.as_bytes()))
+    }
+
+    fn connect(v: &str) -> Result<Duration, String> {
+        parse_connect_timeout(Some(v.as_bytes()))
+    }
+
+    #[test]
+    fn exec_timeout_takes_at_most_ten_digits_and_two_decimals_up_to_i32_max() {
+        assert_eq!(parse_exec_timeout(None), Ok(Some(Duration::from_secs(1836))));
+        assert_eq!(exec("0"), Ok(None));
+        assert_eq!(exec("0.00"), Ok(None));
+        assert_eq!(exec("0000000300"), Ok(Some(Duration::from_secs(300))));
+        assert_eq!(exec("2147483647"), Ok(Some(Duration::from_secs(2147483647))));
+        assert_eq!(exec("1.5"), Ok(Some(Duration::from_millis(1500))));
+        assert_eq!(exec("9999999.25"), Ok(Some(Duration::from_secs_f64(9999999.25))));
+        for bad in [
+            "00000000300",
+            "2147483648",
+            "9999999999",
+            "99999999.25",
+            "+300",
+            "-1",
+            "abc",
+            "1.234",
+            "1.",
+            ".5",
+            "1e3",
+            " 300",
+            "300 ",
+            "",
+            "1,5",
+        ] {
+            assert!(exec(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn connect_timeout_takes_at_most_ten_digits_from_120_to_7200() {
+        assert_eq!(parse_connect_timeout(None), Ok(Duration::from_secs(140)));
+        assert_eq!(connect("120"), Ok(Duration::from_secs(140)));
+        assert_eq!(connect("7200"), Ok(Duration::from_secs(7220)));
+        assert_eq!(connect("0000000120"), Ok(Duration::from_secs(140)));
+        for bad in [
+            "00000000120",
+            "119",
+            "7201",
+            "0",
+            "2147483647",
+            "2147483648",
+            "+300",
+            "-300",
+            "-",
+            "300s",
+            " 300",
+            "300 ",
+            "",
+            "300.0",
+        ] {
+            assert!(connect(bad).is_err(), "{bad:?}");
+        }
     }
 }
