@@ -564,41 +564,120 @@ fn the_execution_timeout_is_hccls_own_setting_per_release() {
     }
 }
 
-#[test]
-fn malformed_hccl_timeout_variables_fail_the_communicator_creation() {
-    if role().as_deref() == Some("bad-timeout-env") {
-        let s = use_device(0);
-        let mut root = vec![0u8; 4108];
+/// A fresh root info of this process, as hex digits for a child.
+fn root_hex() -> String {
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    hex(&root)
+}
+
+/// The child of [`hccl_timeout_variables_are_read_as_hccl_reads_them`]:
+/// creates a one-rank communicator from each of the parent's root infos
+/// (`HcclCommInitRootInfo`, then `HcclCommInitRootInfoConfig` with an
+/// `hcclExecTimeOut` of its own), then asks for a root info, and prints the
+/// three codes and the messages. The creations come first: HCCL parses the
+/// variables until a parse succeeds, so a process whose first call failed
+/// fails the later ones too, and one whose first call succeeded passes them.
+fn timeout_env_child() {
+    let s = use_device(0);
+    let roots = [unhex(&std::env::var("ROOT").unwrap()), unhex(&std::env::var("ROOT2").unwrap())];
+    let cfg = config_with_exec_timeout(30);
+    let mut codes = Vec::new();
+    let mut msgs = Vec::new();
+    for (i, root) in roots.iter().enumerate() {
         let mut comm = NULL;
-        unsafe {
-            assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0);
-            assert_eq!((s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm), 1, "HCCL_E_PARA");
-            println!("{}", err_msg());
-            // HCCL parses the variables whatever the config sets
-            // (InitEnvConfig runs before the config is loaded): an
-            // hcclExecTimeOut of its own does not save the creation.
-            let cfg = config_with_exec_timeout(30);
-            let rc = (s.HcclCommInitRootInfoConfig)(1, root.as_ptr(), 0, cfg.as_ptr(), &mut comm);
-            assert_eq!(rc, 1, "HCCL_E_PARA with hcclExecTimeOut set: {}", err_msg());
+        let rc = unsafe {
+            match i {
+                0 => (s.HcclCommInitRootInfo)(1, root.as_ptr(), 0, &mut comm),
+                _ => (s.HcclCommInitRootInfoConfig)(1, root.as_ptr(), 0, cfg.as_ptr(), &mut comm),
+            }
+        };
+        codes.push(rc);
+        msgs.push(err_msg());
+        if rc == 0 {
+            unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0) };
+        } else {
             assert!(comm.is_null());
         }
-        println!("{}", err_msg());
+    }
+    let mut mine = vec![0u8; 4108];
+    codes.push(unsafe { (s.HcclGetRootInfo)(mine.as_mut_ptr()) });
+    msgs.push(err_msg());
+    println!("codes {codes:?} messages {}", msgs.join(" | "));
+}
+
+#[test]
+fn hccl_timeout_variables_are_read_as_hccl_reads_them() {
+    if role().as_deref() == Some("timeout-env") {
+        timeout_env_child();
         return;
     }
-    const NAME: &str = "malformed_hccl_timeout_variables_fail_the_communicator_creation";
-    for (var, value) in [
-        // ParseExecTimeout: a non-negative number with at most 2 decimals.
-        ("HCCL_EXEC_TIMEOUT", "abc"),
-        ("HCCL_EXEC_TIMEOUT", "-1"),
-        ("HCCL_EXEC_TIMEOUT", "1.234"),
-        // HCCL_CONNECT_TIMEOUT: an integer from 120 to 7200.
-        ("HCCL_CONNECT_TIMEOUT", "60"),
-        ("HCCL_CONNECT_TIMEOUT", "7201"),
-    ] {
-        let o = run_child(NAME, "bad-timeout-env", &[(var, value)]);
-        assert!(o.status.success(), "{var}={value}: {}", stderr(&o));
-        assert!(stderr(&o).contains(var), "{var}={value}: {}", stderr(&o));
+    const NAME: &str = "hccl_timeout_variables_are_read_as_hccl_reads_them";
+    // hicann/hcomm v8.5.0 src/platform/common/externalinput.cc. Both: at most
+    // MAX_LEN_OF_DIGIT_ENV = 10 bytes (externalinput.h:20; :563-567, :581-584),
+    // set but empty is a value (GET_ENV, :32-36). HCCL_EXEC_TIMEOUT:
+    // ^\d+(\.\d{1,2})?$ (:543-552), at most 2147483647 on a 910B (:980-992).
+    // HCCL_CONNECT_TIMEOUT: IsAllDigit (sal.cc:563-581, a leading '-' only),
+    // std::stoi, [120, 7200] (:586-595).
+    let cases: &[(&str, &str, bool)] = &[
+        ("HCCL_EXEC_TIMEOUT", "0000000300", true),
+        ("HCCL_EXEC_TIMEOUT", "2147483647", true),
+        ("HCCL_EXEC_TIMEOUT", "0", true),
+        ("HCCL_EXEC_TIMEOUT", "12.25", true),
+        ("HCCL_EXEC_TIMEOUT", "00000000300", false),
+        ("HCCL_EXEC_TIMEOUT", "2147483648", false),
+        ("HCCL_EXEC_TIMEOUT", "+300", false),
+        ("HCCL_EXEC_TIMEOUT", "abc", false),
+        ("HCCL_EXEC_TIMEOUT", "-1", false),
+        ("HCCL_EXEC_TIMEOUT", "1.234", false),
+        ("HCCL_EXEC_TIMEOUT", " 300", false),
+        ("HCCL_EXEC_TIMEOUT", "", false),
+        ("HCCL_CONNECT_TIMEOUT", "0000000120", true),
+        ("HCCL_CONNECT_TIMEOUT", "120", true),
+        ("HCCL_CONNECT_TIMEOUT", "7200", true),
+        ("HCCL_CONNECT_TIMEOUT", "00000000120", false),
+        ("HCCL_CONNECT_TIMEOUT", "2147483647", false),
+        ("HCCL_CONNECT_TIMEOUT", "0", false),
+        ("HCCL_CONNECT_TIMEOUT", "119", false),
+        ("HCCL_CONNECT_TIMEOUT", "7201", false),
+        ("HCCL_CONNECT_TIMEOUT", "+300", false),
+        ("HCCL_CONNECT_TIMEOUT", "300s", false),
+        ("HCCL_CONNECT_TIMEOUT", " 300", false),
+        ("HCCL_CONNECT_TIMEOUT", "", false),
+    ];
+    let kids: Vec<_> = cases
+        .iter()
+        .map(|(var, value, _)| {
+            let exe = std::env::current_exe().unwrap();
+            std::process::Command::new(exe)
+                .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+                .env("CANNSIM_TEST_ROLE", "timeout-env")
+                .env("ROOT", root_hex())
+                .env("ROOT2", root_hex())
+                .env(var, value)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    for ((var, value, ok), kid) in cases.iter().zip(kids) {
+        let o = kid.wait_with_output().unwrap();
+        let out = stderr(&o);
+        assert_child_passed(&o, &format!("{var}={value:?}"));
+        // HcclCommInitRootInfo, HcclCommInitRootInfoConfig, HcclGetRootInfo:
+        // success, or HCCL_E_PARA naming the variable.
+        let want = if *ok { "codes [0, 0, 0]" } else { "codes [1, 1, 1]" };
+        if !out.contains(want) || !(*ok || out.matches(&format!("{var}={value:?}")).count() == 3) {
+            wrong.push(format!(
+                "{var}={value:?} (want {want}): {}",
+                out.lines().find(|l| l.contains("codes")).unwrap_or("")
+            ));
+        }
     }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
 #[test]

@@ -63,6 +63,10 @@ pub unsafe extern "C" fn HcclGetRootInfo(root_info: *mut c_void) -> HcclResult {
         if root_info.is_null() {
             return fail(HCCL_E_PTR, "rootInfo is NULL");
         }
+        // Then the environment, as every creation reads it (hicann/hcomm
+        // v8.5.0 `src/framework/op_base/src/op_base.cc:873-874`: `InitExternalInput`,
+        // whose HCCL_E_PARA this call returns as it is).
+        read_env()?;
         static N: AtomicU64 = AtomicU64::new(0);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let name =
@@ -161,16 +165,21 @@ fn read_config(config: *const c_void) -> SimResult<ConfigView> {
     }
 }
 
-/// What HCCL reads from the environment at every communicator's creation,
-/// whatever the config says (a bad value fails the creation with
-/// HCCL_E_PARA, EI0001, even when the config sets the same switch): hicann/hccl
-/// v9.1.0 `src/common/alg_env_config.cc:163-251` (`InitEnvConfig`: the
-/// deterministic switch at `:179`, the execution timeout at `:244`), called
-/// by every creation before its config is loaded (see [`init_root_info`]).
-/// That HCCL keeps what one thread parsed (`g_algEnvConfig` is thread-local,
-/// `:27`, and returns early once initialised, `:174-176`); the simulator
-/// reads the variables at every creation, so a value changed between two
-/// creations on one thread is seen here only.
+/// What HCCL reads from the environment before it creates a communicator or
+/// a root info, whatever a config says (a bad value fails the call with
+/// HCCL_E_PARA, EI0001, even when the config sets the same switch).
+/// hicann/hcomm v8.5.0 `src/platform/common/externalinput.cc:43-55`
+/// (`InitExternalInput`) runs `InitEnvVarParam` (`:73-...`), which parses
+/// `HCCL_CONNECT_TIMEOUT` (`:76`), `HCCL_EXEC_TIMEOUT` (`:95`) and
+/// `HCCL_DETERMINISTIC` (`:301`) in that order; `src/framework/op_base/src/op_base.cc`
+/// calls it first thing after the argument checks in `HcclGetRootInfo`
+/// (`:873`, its own code), `HcclCreateSubCommConfig` (`:833-835`),
+/// `HcclCommInitRootInfoInner` (`:1318-1320`) and
+/// `HcclCommInitRootInfoConfigInner` (`:1396-1398`, before the config is
+/// loaded), the last three turning any failure into HCCL_E_PARA. HCCL keeps
+/// what it parsed once a parse succeeded (`g_externalInput.initialized`,
+/// `:46-48`, for the process); the simulator reads the variables at every
+/// such call, so a value changed after a successful call is seen here only.
 struct EnvView {
     /// `HCCL_EXEC_TIMEOUT`, else HCCL's default (`None`: never).
     exec_timeout: Option<Duration>,
@@ -182,11 +191,9 @@ struct EnvView {
 
 fn read_env() -> SimResult<EnvView> {
     let para = |m: String| SimError::new(HCCL_E_PARA, m);
-    Ok(EnvView {
-        exec_timeout: config::exec_timeout().map_err(para)?,
-        connect: config::connect_timeout().map_err(para)?,
-        deterministic: config::deterministic().map_err(para)?,
-    })
+    let connect = config::connect_timeout().map_err(para)?;
+    let exec_timeout = config::exec_timeout().map_err(para)?;
+    Ok(EnvView { exec_timeout, connect, deterministic: config::deterministic().map_err(para)? })
 }
 
 /// The calling thread's current device, which every creation asks for
@@ -362,6 +369,9 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
         if call == hccl_rules::SubCommCall::NotMember {
             return Ok(());
         }
+        // The environment before the config's rules (op_base.cc:833-846:
+        // `InitExternalInput`, then `CommConfig::Load`).
+        let env = read_env()?;
         unsafe { hccl_rules::comm_config(config) }?;
         if comm_p.is_null() || sub_comm.is_null() || rank_ids.is_null() {
             return fail(HCCL_E_PTR, "comm, rankIds or subComm is NULL");
@@ -389,7 +399,6 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
         }
         let bytes: Vec<u8> = ids.iter().flat_map(|r| r.to_le_bytes()).collect();
         let key = format!("{}.s{:x}.{:x}", parent.key, sub_comm_id, fnv(&bytes));
-        let env = read_env()?;
         let cfg = read_config(config)?;
         let name = format!("{}/sub{sub_comm_id}", parent.name);
         let h = join(key, Some(name), (rank_num, sub_comm_rank_id, parent.world_rank), device, env, cfg)?;
