@@ -658,10 +658,11 @@ def _gather_fake(x):
     ep = _rank_and_size(_group("get_ep_group"), "ep")
     rest = _trailing(x)
     if rows is not None:
-        # Checked on the rows the layout gives this rank; the output's are the
-        # layout's total, of the context (symbolic when x's are).
+        # Checked on the rows the layout gives this rank. With a layout the
+        # output's rows are its total, of the context (data-dependent under a
+        # compiler); without one, a plain all-gather's `rows * EP`, of x's shape.
         shape = _shapes.maybe_all_gather_and_maybe_unpad(((rows, *rest), _shape_dtype(x)), layout, ep)
-        return x.new_empty((_context_rows(x, shape[0]), *x.shape[1:]))
+        return x.new_empty((_context_rows(x, shape[0]) if layout is not None else shape[0], *x.shape[1:]))
     # A symbolic token count (no layout): the shape function on one row per
     # rank, its rows scaled symbolically.
     _shapes.maybe_all_gather_and_maybe_unpad(((1, *rest), _shape_dtype(x)), None, ep)

@@ -389,6 +389,19 @@ def _set_context(engine, tokens, padded_length):
     engine.extra.padded_length = padded_length
 
 
+def _op_then_ones(op):
+    """The EP op `op` ("gather", "reduce") followed by a tensor the graph
+    shapes like its output (ones), so a fake's rows show in the result under
+    a backend that does not check real sizes against the fakes'."""
+    name = "maybe_all_gather_and_maybe_unpad" if op == "gather" else "maybe_pad_and_reduce"
+
+    def fn(x):
+        y = getattr(torch.ops.vllm, name)(x)
+        return y * 2 + y.new_ones(y.shape)
+
+    return fn
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("op, path", list(CONTEXTS))
 def test_compiled_ops_take_the_rows_of_the_forward_context_they_run_under(engine, backend, op, path):
@@ -398,12 +411,7 @@ def test_compiled_ops_take_the_rows_of_the_forward_context_they_run_under(engine
     # fakes'; aot_eager does not, but a tensor the graph shapes like the
     # output (the ones) has the fake's rows there.
     engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
-    name = "maybe_all_gather_and_maybe_unpad" if op == "gather" else "maybe_pad_and_reduce"
-
-    def fn(x):
-        y = getattr(torch.ops.vllm, name)(x)
-        return y * 2 + y.new_ones(y.shape)
-
+    fn = _op_then_ones(op)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, fullgraph=True)
     for tokens, padded_length, rows, want in CONTEXTS[(op, path)]:
@@ -426,12 +434,7 @@ STATIC_CONTEXTS = {
 @pytest.mark.parametrize("op", list(STATIC_CONTEXTS))
 def test_a_graph_compiled_for_one_token_count_takes_the_rows_of_the_live_layout(engine, backend, op):
     engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
-    name = "maybe_all_gather_and_maybe_unpad" if op == "gather" else "maybe_pad_and_reduce"
-
-    def fn(x):
-        y = getattr(torch.ops.vllm, name)(x)
-        return y * 2 + y.new_ones(y.shape)
-
+    fn = _op_then_ones(op)
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
     for tokens, padded_length, rows, want in STATIC_CONTEXTS[op]:
@@ -439,6 +442,25 @@ def test_a_graph_compiled_for_one_token_count_takes_the_rows_of_the_live_layout(
         x = torch.arange(rows * 2, dtype=torch.float32).view(rows, 2)
         got = compiled(x)
         assert got.shape == (want, 2) and torch.equal(got, fn(x)), (tokens, padded_length, got.shape)
+
+
+@pytest.mark.parametrize("op, rows, want", [("gather", 6, 12), ("reduce", 6, 3)])
+def test_without_dp_metadata_a_static_graph_keeps_the_rows_its_input_gives(engine, op, rows, want):
+    # No DP metadata: a plain all-gather or reduce-scatter over EP 2, whose
+    # rows follow x's (rows * 2, rows / 2), not the forward context: a static
+    # compile keeps them concrete, so code that branches on them compiles.
+    engine.ep = Group(2, 0, "ep")
+    op_fn = _op_then_ones(op)
+
+    def fn(x):
+        y = op_fn(x)
+        return y + 1 if y.shape[0] > 4 else y - 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
+    x = torch.arange(rows * 2, dtype=torch.float32).view(rows, 2)
+    got = compiled(x)
+    assert got.shape == (want, 2) and torch.equal(got, fn(x))
 
 
 def test_compiled_moe_layer_tokens_take_the_rows_of_the_forward_context(engine):
@@ -656,32 +678,24 @@ def _point_runner(tp):
     )
 
 
-@pytest.mark.parametrize("dtype", ["int8", "bool", "float8_e4m3fn"])
-def test_reduction_point_never_sums_a_dtype_that_is_only_moved(engine, dtype):
+@pytest.mark.parametrize(
+    "dtype, refusal",
+    [
+        ("int8", "never reduced"),
+        ("bool", "never reduced"),
+        ("float8_e4m3fn", "never reduced"),
+        # MX scales are refused as maybe_pad_and_reduce refuses them; before,
+        # vLLM's TP all-reduce summed their bytes.
+        ("float8_e8m0fnu", "cannot sum torch.float8_e8m0fnu values"),
+        ("float4_e2m1fn_x2", "cannot sum torch.float4_e2m1fn_x2 values"),
+    ],
+)
+def test_reduction_point_never_sums_a_dtype_that_is_only_moved(engine, dtype, refusal):
     # SPEC section 8, as on a communicator (whose all-reduce refuses them):
-    # the final point of a TP-2 layer refuses to sum these where the live comm
-    # type makes it reduce, and copies them where it does not.
-    dtype = getattr(torch, dtype)
-    engine.tp = Group(2, 0, "tp")
-    pid = av._runner_policy(_point_runner(engine.tp))
-    final = 2
-    x = torch.ones(4, 3).to(dtype)
-    engine.extra.moe_comm_type = MoECommType.ALLGATHER
-    with pytest.raises(am.DTypeError, match="never reduced"):
-        torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
-    engine.extra.moe_comm_type = MoECommType.MC2
-    got = torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
-    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8))
-
-
-@pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "float4_e2m1fn_x2"])
-def test_reduction_point_never_hands_an_mx_dtype_to_vllms_all_reduce(engine, dtype):
-    # SPEC section 8: MX scales are moved as bytes, never summed, and
-    # maybe_pad_and_reduce refuses them ("cannot sum"). The final point of a
-    # TP-2 layer without SP or early reduction all-reduces under ALLGATHER
-    # (SPEC section 5, point 3): there it refused nothing and vLLM's TP
-    # all-reduce summed the bytes. Under MC2 the routed output is already
-    # reduced: the point returns the bytes unchanged.
+    # the final point of a TP-2 layer without SP or early reduction
+    # all-reduces under ALLGATHER (SPEC section 5, point 3) and refuses to sum
+    # these there, without calling vLLM's all-reduce; under MC2 the routed
+    # output is already reduced and the point returns the bytes unchanged.
     if not hasattr(torch, dtype):
         pytest.skip(f"torch {torch.__version__} has no {dtype}")
     dtype = getattr(torch, dtype)
@@ -690,14 +704,14 @@ def test_reduction_point_never_hands_an_mx_dtype_to_vllms_all_reduce(engine, dty
     engine.tp.all_reduce = lambda t: summed.append(t.dtype) or t.view(torch.uint8).mul(2).view(t.dtype)
     pid = av._runner_policy(_point_runner(engine.tp))
     final = 2
-    x = torch.tensor([[1, 2, 4]], dtype=torch.uint8).view(dtype)
+    x = torch.tensor([[1, 0, 1]], dtype=torch.uint8).view(dtype)  # bytes every dtype here holds
     engine.extra.moe_comm_type = MoECommType.ALLGATHER
-    with pytest.raises(am.DTypeError, match=f"cannot sum {dtype} values"):
+    with pytest.raises(am.DTypeError, match=refusal):
         torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
     assert summed == []
     engine.extra.moe_comm_type = MoECommType.MC2
     got = torch.ops.ascend_moe.vllm_reduce_point(x, final, pid)
-    assert got.dtype == dtype and got.view(torch.uint8).tolist() == [[1, 2, 4]] and summed == []
+    assert got.dtype == dtype and got.view(torch.uint8).tolist() == [[1, 0, 1]] and summed == []
 
 
 @pytest.mark.parametrize("dtype", ["float8_e8m0fnu", "int8"])
