@@ -811,7 +811,8 @@ amoe_status amoe_stream_set_allocator(const struct amoe_stream *stream,
 // stream): the check also reads what graphs captured on the device's other
 // streams recorded, so a replay's bad index is reported by the check of the
 // stream it ran on (or by whichever check reads it first; a record of a
-// replay still running elsewhere is left for a later check). With a live
+// replay still running elsewhere is left for a later check, as is every
+// other stream's while a stream of the device captures). With a live
 // forward context attached to `stream` (`amoe_stream_attach_live_context`),
 // its guards are read after the wait: a replay under another forward
 // context is `AMOE_STATUS_STALE_CONTEXT` naming the field and both values.
@@ -1073,7 +1074,9 @@ amoe_status amoe_live_context_set(const struct amoe_live_context *ctx,
 // `AMOE_GUARD_ACTUAL_TOKENS` in `flags` the actual tokens too), and a
 // difference is recorded. Capture it with the ops: every replay checks the
 // context the engine set for it. Only enqueues (no sync, no host read);
-// `amoe_live_context_check` reports the difference. It takes a free guard
+// `amoe_live_context_check` on this `stream` reports the difference (an
+// eager guard keeps its record until that check: check every stream that
+// takes guards, or the context keeps adding records). It takes a free guard
 // record: outside capture, when none is free, it first adds 128 (device
 // and pinned memory, zeroed by a blocking memset, as
 // `amoe_live_context_new` says); under capture it is refused instead,

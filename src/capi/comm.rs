@@ -642,7 +642,8 @@ pub unsafe extern "C" fn amoe_stream_set_allocator(
 /// stream): the check also reads what graphs captured on the device's other
 /// streams recorded, so a replay's bad index is reported by the check of the
 /// stream it ran on (or by whichever check reads it first; a record of a
-/// replay still running elsewhere is left for a later check). With a live
+/// replay still running elsewhere is left for a later check, as is every
+/// other stream's while a stream of the device captures). With a live
 /// forward context attached to `stream` (`amoe_stream_attach_live_context`),
 /// its guards are read after the wait: a replay under another forward
 /// context is `AMOE_STATUS_STALE_CONTEXT` naming the field and both values.

@@ -213,7 +213,9 @@ pub unsafe extern "C" fn amoe_live_context_set(
 /// `AMOE_GUARD_ACTUAL_TOKENS` in `flags` the actual tokens too), and a
 /// difference is recorded. Capture it with the ops: every replay checks the
 /// context the engine set for it. Only enqueues (no sync, no host read);
-/// `amoe_live_context_check` reports the difference. It takes a free guard
+/// `amoe_live_context_check` on this `stream` reports the difference (an
+/// eager guard keeps its record until that check: check every stream that
+/// takes guards, or the context keeps adding records). It takes a free guard
 /// record: outside capture, when none is free, it first adds 128 (device
 /// and pinned memory, zeroed by a blocking memset, as
 /// `amoe_live_context_new` says); under capture it is refused instead,

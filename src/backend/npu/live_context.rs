@@ -323,7 +323,9 @@ impl LiveContext {
 
     /// Enqueues on `stream` a guard of the ops of `op`, built for the context
     /// `expected` (`actual`: they also depend on the actual-token count).
-    /// Only enqueues: the result is read by [`check`](Self::check). The guard
+    /// Only enqueues: the result is read by [`check_stream`](Self::check_stream)
+    /// of `stream` (or [`check`](Self::check)); an eager guard holds its
+    /// record until then, so every stream taking guards is checked. The guard
     /// takes a free record; when none is, a guard outside capture adds
     /// [`GUARD_CHUNK`] records (allocating: refused while the context's own
     /// stream captures), and a guard under capture is refused with an error

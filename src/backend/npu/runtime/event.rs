@@ -146,7 +146,9 @@ impl NpuStream {
         }
         let capture = self.capture()?;
         if capture.is_some() && capture != other.capture()? {
-            return Ok(());
+            // Asking `other` bound its device: this stream's is left bound,
+            // as after a wait.
+            return self.enter().map(drop);
         }
         let ev = other.sync_event()?;
         other.enter()?;

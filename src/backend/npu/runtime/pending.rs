@@ -135,19 +135,33 @@ impl NpuStream {
     /// side stream and replays on the current one (torch_npu
     /// `torch_npu/csrc/core/npu/NPUGraph.cpp`, `NPUGraph::replay`: "model_ri_
     /// may be replayed in any stream"), whose check is the one the engine
-    /// makes. A record that may belong to a replay still running
-    /// elsewhere ([`Pending::in_flight`]) is left for a later check, as are
-    /// the records of a stream capturing now (its capture may be taking
-    /// them); one that reports a problem is reset, so it is reported once,
+    /// makes. A record reporting a problem is reset, so it is reported once,
     /// by whichever check reads it first.
+    ///
+    /// Left for a later check: a record with a core's head still filled by
+    /// its replay (`Pending::in_flight`: a replay on a stream this check did
+    /// not synchronise may still be running; a core that never ran looks the
+    /// same, and only the capture stream's own check reports that), and
+    /// everything while any stream of the device captures (the reads are
+    /// blocking copies, which CANN refuses during a capture in GLOBAL mode
+    /// on any stream of the context: hicann/runtime v8.5.0
+    /// `src/runtime/feature/src/api_impl/api_impl.cc:2691`, `:3059`,
+    /// `src/runtime/feature/src/context/context.cc:5134-5162`). A replay
+    /// running on a stream this check did not synchronise may rewrite a
+    /// record between its read and its reset; its report is then lost.
     fn check_captures_of_other_streams(&self) -> Result<()> {
-        super::stream::with_captures_of_other_streams(self.ordinal(), self.state(), |others| {
-            let mut first = Ok(());
-            for (raw, state) in others {
+        super::stream::with_other_streams(self.ordinal(), self.state(), |others| {
+            for (raw, _) in others {
                 if super::stream::capturing(*raw)? {
+                    return Ok(());
+                }
+            }
+            let mut first = Ok(());
+            for (_, state) in others {
+                let captured = std::mem::take(&mut lock(state).captured);
+                if captured.is_empty() {
                     continue;
                 }
-                let captured = std::mem::take(&mut lock(state).captured);
                 let records: Vec<StatusRecord> = captured.iter().filter_map(|p| p.record()).collect();
                 let read = self.read_records(&records);
                 if let Ok(words) = &read {
@@ -464,11 +478,14 @@ impl NpuStream {
     }
 
     /// Writes `len` zero bytes at device address `ptr` (a captured launch's
-    /// record, once read) after the stream drained: the check's own write.
+    /// record, once read) after this stream drained: the check's own write.
+    /// A replay of the record's graph on another stream, not drained, may
+    /// write it too (`check_captures_of_other_streams` says what is lost then).
     pub(crate) fn zero_drained(&self, ptr: usize, len: usize) -> Result<()> {
         self.enter()?;
-        // SAFETY: `ptr` is `len` bytes of this device's memory that no queued
-        // work writes (the stream drained).
+        // SAFETY: `ptr` is `len` bytes of this device's memory (a record slot
+        // of a live stream's pool); device writes racing the memset change
+        // the record's words, never host memory.
         unsafe { rt::memset(ptr as *mut std::ffi::c_void, len, 0, len) }
     }
 

@@ -228,12 +228,13 @@ fn state_for(ordinal: u32, raw: aclrtStream) -> StateRef {
     s
 }
 
-/// Runs `f` over the other streams of device `ordinal` (not `own`) that
-/// hold launches captured into graphs, with their raw handles: a graph may be
-/// replayed on any stream, so a stream's check also reads what graphs
-/// captured on the others recorded. Under the map's lock, so that none of
-/// them frees its pool meanwhile (`release_pool` decides under it).
-pub(crate) fn with_captures_of_other_streams<R>(
+/// Runs `f` over the other live streams of device `ordinal` (not `own`),
+/// with their raw handles: a graph may be replayed on any stream, so a
+/// stream's check also reads what graphs captured on the others recorded.
+/// Under the map's lock, so that none of them frees its pool meanwhile
+/// (`release_pool` decides under it); the lock is the process's, so `f` is
+/// kept short (a check's few reads of small records).
+pub(crate) fn with_other_streams<R>(
     ordinal: u32,
     own: &StateRef,
     f: impl FnOnce(&[(aclrtStream, StateRef)]) -> R,
@@ -243,7 +244,7 @@ pub(crate) fn with_captures_of_other_streams<R>(
         .iter()
         .filter(|((o, _), _)| *o == ordinal)
         .filter_map(|(&(_, raw), w)| Some((raw as aclrtStream, w.upgrade()?)))
-        .filter(|(_, s)| !Arc::ptr_eq(s, own) && !lock(s).captured.is_empty())
+        .filter(|(_, s)| !Arc::ptr_eq(s, own))
         .collect();
     f(&others)
 }

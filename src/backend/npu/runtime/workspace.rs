@@ -215,12 +215,15 @@ impl NpuStream {
         }
     }
 
-    /// Reads `dst.len()` bytes of device memory at `src` (a drained stream's).
+    /// Reads `dst.len()` bytes of device memory at `src` (a drained stream's,
+    /// or a record a replay on another stream may still be writing: the
+    /// words read are then a mix, which the caller allows for).
     pub(crate) fn read_drained(&self, src: usize, dst: &mut [u8]) -> Result<()> {
         self.enter()?;
         let n = dst.len();
         // SAFETY: `src` is device memory of at least `n` bytes of this device
-        // that no queued work writes (the stream drained); `dst` is exclusive.
+        // (a live pool's); a device write racing the copy changes the words
+        // read, never host memory; `dst` is exclusive.
         unsafe {
             rt::memcpy(
                 dst.as_mut_ptr().cast(),
