@@ -132,11 +132,7 @@ def test_ep_ranks_outside_the_group_are_refused_by_both_ops_and_their_fakes(engi
             (torch.ops.vllm.maybe_all_gather_and_maybe_unpad, gather_rows),
             (torch.ops.vllm.maybe_pad_and_reduce, reduce_rows),
         ):
-            x = torch.ones(rows, 2)
-            with pytest.raises(am.InvalidArgumentError, match=refused):
-                op(x)
-            with pytest.raises(am.InvalidArgumentError, match=refused):
-                _fake_shape(op, x)
+            _real_and_fake_refuse(op, torch.ones(rows, 2), refused)
 
 
 @pytest.mark.parametrize("role", ["ep", "dp", "tp"])
@@ -163,11 +159,7 @@ def test_every_group_the_adapter_reads_is_checked_for_its_rank_and_size(engine, 
             av._runner_policy(_point_runner(engine.tp))
         return
     for op, rows in ((torch.ops.vllm.maybe_all_gather_and_maybe_unpad, 5), (torch.ops.vllm.maybe_pad_and_reduce, 8)):
-        x = torch.ones(rows, 2)
-        with pytest.raises(am.InvalidArgumentError, match=refused):
-            op(x)
-        with pytest.raises(am.InvalidArgumentError, match=refused):
-            _fake_shape(op, x)
+        _real_and_fake_refuse(op, torch.ones(rows, 2), refused)
 
 
 def test_float_dp_token_counts_are_refused(engine):
@@ -200,11 +192,7 @@ def test_negative_dp_token_counts_are_refused_not_read_as_zero(engine, tokens, d
         (torch.ops.vllm.maybe_all_gather_and_maybe_unpad, 6),  # padded_length / (EP / DP) rows
         (torch.ops.vllm.maybe_pad_and_reduce, sum(max(t, 0) for t in tokens)),  # the rows a count of 0 gives
     ):
-        x = torch.ones(rows, 2)
-        with pytest.raises(am.InvalidArgumentError, match=refused):
-            op(x)
-        with pytest.raises(am.InvalidArgumentError, match=refused):
-            _fake_shape(op, x)
+        _real_and_fake_refuse(op, torch.ones(rows, 2), refused)
     with pytest.raises(am.InvalidArgumentError, match=refused):
         av.moe_context(max(tokens[0], 0))
 
@@ -218,11 +206,7 @@ def test_negative_sp_chunk_sizes_are_refused_naming_the_layout(engine):
         engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=sizes)
         refused = rf"get_chunk_sizes_across_dp_rank\(\) must be one count >= 0 per EP rank.*EP rank {rank} has -1"
         for op, rows in ((torch.ops.vllm.maybe_all_gather_and_maybe_unpad, 6), (torch.ops.vllm.maybe_pad_and_reduce, 4)):
-            x = torch.ones(rows, 2)
-            with pytest.raises(am.InvalidArgumentError, match=refused):
-                op(x)
-            with pytest.raises(am.InvalidArgumentError, match=refused):
-                _fake_shape(op, x)
+            _real_and_fake_refuse(op, torch.ones(rows, 2), refused)
 
 
 def test_register_without_vllm_ascend_fails_only_when_switched_on(monkeypatch):
@@ -586,6 +570,15 @@ def test_reduce_without_layout_refuses_rows_the_ep_size_does_not_divide(engine):
     assert torch.ops.vllm.maybe_pad_and_reduce(torch.ones(6, 2)).shape == (3, 2)
     with pytest.raises(am.ShapeError, match="EP size 2 does not divide"):
         torch.ops.vllm.maybe_pad_and_reduce(torch.ones(5, 2))
+
+
+def _real_and_fake_refuse(op, x, refused):
+    """`op` refuses `x` with an InvalidArgumentError matching `refused`, and
+    so does its fake."""
+    with pytest.raises(am.InvalidArgumentError, match=refused):
+        op(x)
+    with pytest.raises(am.InvalidArgumentError, match=refused):
+        _fake_shape(op, x)
 
 
 def _fake_shape(op, x):
