@@ -487,6 +487,43 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
     }
 }
 
+/// The export a case label of `one_case` calls, which its messages name first.
+fn export_of(label: &str) -> &'static str {
+    match label {
+        "prepare_shape" => "amoe_token_prepare_output_shape",
+        "prepare" => "amoe_token_prepare",
+        "finalize_tokens_shape" => "amoe_token_finalize_output_shape",
+        "finalize_tokens" => "amoe_token_finalize",
+        "finalize_shape" => "amoe_moe_finalize_routing_output_shape",
+        "finalize" => "amoe_moe_finalize_routing",
+        "unpermute_shape" => "amoe_moe_token_unpermute_output_shape",
+        "unpermute" => "amoe_moe_token_unpermute",
+        "pad_reduce_shape" => "amoe_maybe_pad_and_reduce_output_shape",
+        "gather_unpad_shape" => "amoe_maybe_all_gather_and_maybe_unpad_output_shape",
+        "pad_reduce" => "amoe_maybe_pad_and_reduce",
+        "gather_unpad" => "amoe_maybe_all_gather_and_maybe_unpad",
+        "all_reduce" => "amoe_all_reduce",
+        "reduce_scatter" => "amoe_reduce_scatter",
+        "all_gather" => "amoe_all_gather",
+        "broadcast" => "amoe_broadcast",
+        "reduce_scatter_v" => "amoe_reduce_scatter_v",
+        "all_gather_v" => "amoe_all_gather_v",
+        "all_to_all_v" => "amoe_all_to_all_v",
+        "sp_layout_pcp" => "amoe_sp_layout_from_dp_tokens_pcp",
+        "sp_layout" => "amoe_sp_layout_from_dp_tokens",
+        "routed_is_reduced" => "amoe_routed_is_reduced",
+        "policy_decisions" => "amoe_reduce_policy_decisions",
+        "reduce_routed_early" => "amoe_reduce_routed_early",
+        "reduce_shared" => "amoe_reduce_shared",
+        "reduce_final" => "amoe_reduce_final",
+        "comm_split" => "amoe_comm_split",
+        "comm_cpu_new" => "amoe_comm_cpu_new",
+        "finalize_reduce_shape" => "amoe_finalize_and_reduce_output_shape",
+        "finalize_reduce" => "amoe_finalize_and_reduce",
+        other => panic!("no export for the case label {other:?}"),
+    }
+}
+
 fn last_error() -> String {
     let mut buf = vec![0u8; amoe_last_error_length()];
     let mut n = 0usize;
@@ -534,9 +571,11 @@ fn random_descriptors_give_clean_errors() {
         assert_ne!(st, amoe_status::Panic, "{func} panicked (case seed {case_seed:#x}): {}", last_error());
         if st != amoe_status::Ok {
             let msg = last_error();
+            let export = export_of(func);
             assert!(
-                msg != before && msg.starts_with("amoe_") && msg.contains(": "),
-                "{func} returned {st:?} without a message of its own naming the export (case seed {case_seed:#x}): {msg}"
+                msg != before && msg.starts_with(&format!("{export}: ")),
+                "{export} returned {st:?} without a message of its own starting with its name (case seed \
+                 {case_seed:#x}): {msg}"
             );
         }
         *hist.entry((func, st as u32)).or_default() += 1;
