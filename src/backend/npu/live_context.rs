@@ -39,7 +39,7 @@ use super::kernel::guard::{
     check_guard_status, ContextWords, GuardTiling, CTX_WORDS, GUARD_GM_COUNT, GUARD_GM_LIVE, GUARD_GM_STATUS,
     STATUS_HEAD_WORDS,
 };
-use super::kernel::STATUS_WORDS;
+use super::kernel::{STATUS_NOT_RUN, STATUS_WORDS};
 use super::memory::{NpuBuffer, PinnedHostBuffer};
 use super::pool::CaptureRuns;
 use super::result::acl as rt;
@@ -452,8 +452,10 @@ impl LiveContext {
     /// is reported once. A captured guard's record keeps a mismatch of any
     /// replay since the last check, also when later replays matched (the
     /// kernel's sticky copy, `kernels/guard_tiling.h`), so replays under
-    /// another context are reported however many ran before the check. A
-    /// host read: this is the caller's sync point, never called by an op.
+    /// another context are reported however many ran before the check; one
+    /// whose replay has begun and not yet written it (a graph may be replayed
+    /// on a stream the caller did not synchronise) is left for a later check.
+    /// A host read: this is the caller's sync point, never called by an op.
     pub fn check(&self) -> Result<()> {
         self.check_guards(None)
     }
@@ -513,6 +515,13 @@ impl LiveContext {
                     continue;
                 }
                 let rec = &words[k * STATUS_WORDS..(k + 1) * STATUS_WORDS];
+                // A captured guard's head still filled by its replay: the
+                // replay may be running on a stream this check did not
+                // synchronise (a graph is replayed on any stream); left, as
+                // is its sticky copy, for a later check.
+                if !eager && rec[0] == STATUS_NOT_RUN {
+                    continue;
+                }
                 if let Err(e) = check_guard_status(op, rec) {
                     if reset.is_ok() {
                         reset = c.records.memset_async(0, k * RECORD_BYTES, RECORD_BYTES);
