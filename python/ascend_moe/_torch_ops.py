@@ -69,9 +69,7 @@ def custom_op(qualname: str, *, mutates_args, collective: bool = True):
     peers' next call would meet it."""
 
     def define(fn):
-        if not _LIB:
-            _LIB.append(torch.library.Library("ascend_moe", "FRAGMENT"))
-        lib, name = _LIB[0], qualname.split("::", 1)[1]
+        lib, name = _library(), qualname.split("::", 1)[1]
         tags = (torch.Tag.nondeterministic_seeded,) if collective else ()
         lib.define(name + _infer_schema()(fn, mutates_args=mutates_args), tags=tags)
         for key in DISPATCH_KEYS:
@@ -80,6 +78,15 @@ def custom_op(qualname: str, *, mutates_args, collective: bool = True):
         return _Op(lib, qualname)
 
     return define
+
+
+def _library():
+    """The `ascend_moe` library, made on the first call with the op the
+    Autograd kernels' backward calls (`_define_no_gradient`)."""
+    if not _LIB:
+        _LIB.append(torch.library.Library("ascend_moe", "FRAGMENT"))
+        _define_no_gradient(_LIB[0])
+    return _LIB[0]
 
 
 def _dense(fn):
@@ -129,7 +136,15 @@ def _autograd_kernel(qualname: str):
     no gradient (grad mode off, or no input requiring one: every inference
     call) goes straight to the kernels below autograd; otherwise the output
     gets a backward that fails naming the op, as a `custom_op` without an
-    autograd formula does (no silent None gradient)."""
+    autograd formula does (no silent None gradient).
+
+    The backward does not raise itself: it returns, for each tensor input that
+    requires grad, `ascend_moe::_no_gradient` of the incoming gradient, whose
+    real kernels raise and whose fake returns an empty gradient of the
+    input's shape and dtype. torch.compile traces the backward of a forward
+    with an input requiring grad when it compiles, whether or not a backward
+    ever runs: through the fake that trace succeeds, and the compiled
+    backward fails when it runs, as the eager one does."""
     resolved = []
 
     def op():
@@ -141,11 +156,16 @@ def _autograd_kernel(qualname: str):
     class NoGradient(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
+            ctx.inputs = [(a.shape, a.dtype) if isinstance(a, Tensor) else None for a in args]
             return op()(*args)  # grad mode is off here: the fast path below
 
         @staticmethod
-        def backward(ctx, *grads):
-            raise RuntimeError(f"{qualname} has no gradient: it is not differentiable")
+        def backward(ctx, grad):
+            no_gradient = torch.ops.ascend_moe._no_gradient.default
+            return tuple(
+                no_gradient(grad, list(meta[0]), meta[1], qualname) if meta is not None and needs else None
+                for meta, needs in zip(ctx.inputs, ctx.needs_input_grad)
+            )
 
     def kernel(*args):
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -154,6 +174,34 @@ def _autograd_kernel(qualname: str):
             return op()(*args)
 
     return kernel
+
+
+def _define_no_gradient(lib) -> None:
+    """`ascend_moe::_no_gradient(grad, shape, dtype, op)`, what the Autograd
+    kernels' backward returns for an input: its real kernels (CPU and
+    PrivateUse1, the devices the ops' outputs, and so their gradients, are
+    on) raise the RuntimeError naming `op`; its fake returns an empty tensor
+    of `shape` and `dtype` on the gradient's device (every op's output is on
+    its inputs' device), so a compile can trace the backward. Internal: not
+    one of the ops the package offers.
+
+    Tagged `nondeterministic_seeded`, as the collectives are (`custom_op`):
+    FakeTensorMode would otherwise run the real kernel, and raise, on a
+    gradient it made itself (a constant), at trace time instead of when the
+    backward runs."""
+    lib.define(
+        "_no_gradient(Tensor grad, SymInt[] shape, ScalarType dtype, str op) -> Tensor",
+        tags=(torch.Tag.nondeterministic_seeded,),
+    )
+
+    def refuse(grad, shape, dtype, op):
+        raise RuntimeError(f"{op} has no gradient: it is not differentiable")
+
+    for key in DISPATCH_KEYS:
+        lib.impl("_no_gradient", refuse, key)
+    torch.library.register_fake(
+        "ascend_moe::_no_gradient", lambda grad, shape, dtype, op: grad.new_empty(shape, dtype=dtype), lib=lib
+    )
 
 
 def _packet(qualname: str):

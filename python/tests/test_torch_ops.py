@@ -197,6 +197,46 @@ def test_ops_have_no_gradient_and_say_so():
             r.sum().backward()
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_ops_with_an_input_requiring_grad_run_as_eager(backend):
+    """torch.compile traces the backward of a forward with an input that
+    requires grad when it compiles: the no-gradient backward traces, so the
+    compiled forward gives eager's values, with an output that requires grad,
+    and a backward, eager or compiled, fails naming the op."""
+    (ex, idx), kw, _ = finalize_inputs(2, np.float32, 0)
+    kw["scales"] = kw["scales"].clone().requires_grad_(True)  # beside `idx`, an int tensor
+    x = ex.clone().requires_grad_(True)
+    with am.Comm.cpu(f"torch-grad-compile-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+
+        def fn(x):
+            return OPS.all_reduce(OPS.moe_finalize_routing(x, idx, **kw), c.handle_id) * 2
+
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=backend, fullgraph=True)
+        want, got = fn(x), compiled(x)
+        assert want.requires_grad and got.requires_grad
+        assert torch.equal(got.detach(), want.detach())
+        for y in (want, got):
+            with pytest.raises(RuntimeError, match="ascend_moe::all_reduce has no gradient"):
+                y.sum().backward()
+        torch._dynamo.reset()
+        y = torch.compile(lambda x: OPS.moe_finalize_routing(x, idx, **kw), backend=backend, fullgraph=True)(x)
+        with pytest.raises(RuntimeError, match="ascend_moe::moe_finalize_routing has no gradient"):
+            y.sum().backward()
+    assert x.grad is None and kw["scales"].grad is None
+
+
+def test_the_no_gradient_backward_raises_when_it_runs_never_when_traced():
+    # What a backward returns for an input of an op: traced (a fake, even of a
+    # gradient FakeTensorMode made itself, which it runs untagged ops on) it
+    # is an empty gradient of the input's shape and dtype; run, it raises.
+    with FakeTensorMode():
+        g = OPS._no_gradient(torch.tensor([1.0]), [1], torch.bfloat16, "ascend_moe::all_reduce")
+    assert (tuple(g.shape), g.dtype) == ((1,), torch.bfloat16)
+    with pytest.raises(RuntimeError, match="ascend_moe::all_reduce has no gradient"):
+        OPS._no_gradient(torch.ones(1, 2), [1, 2], torch.bfloat16, "ascend_moe::all_reduce")
+
+
 def test_opcheck_collectives_on_a_world_of_one():
     """Schema, fake and AOT checks of every communicating op on one rank (the
     4-process test runs them where the collectives do real work)."""
@@ -1127,7 +1167,8 @@ def test_a_fake_pass_or_a_compile_never_runs_a_collective_on_constant_inputs(mon
         out = torch.compile(f, backend="aot_eager", fullgraph=True)(torch.zeros(1))
         assert out.tolist() == [2.0]
         assert calls == ["all_reduce"], "one compiled call runs its collective once, at run time"
-    # Every op that joins a collective carries the tag; the local ones do not.
+    # Every op that joins a collective carries the tag, and `_no_gradient`,
+    # whose real kernel raises when a backward runs; the local ones do not.
     local = {"moe_finalize_routing", "moe_token_unpermute"}
     for name in dir(OPS):
         packet = getattr(OPS, name)

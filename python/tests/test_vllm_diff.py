@@ -791,6 +791,25 @@ def test_ep_ops_have_no_gradient_and_say_so(engine):
             assert not op(x).requires_grad
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_ep_ops_with_an_input_requiring_grad_run_as_eager(engine, backend):
+    # torch.compile traces the backward of a forward with an input that
+    # requires grad when it compiles: the compiled ops give eager's values
+    # and a backward, eager or compiled, fails naming the op.
+    engine.ep, engine.dp = Group(2, 0, "ep"), Group(2, 0, "dp")
+    engine.ctx.dp_metadata = DPMetadata([3, 5], local_sizes=[3, 5])
+    for op, name, rows in (("gather", "maybe_all_gather_and_maybe_unpad", 3), ("reduce", "maybe_pad_and_reduce", 8)):
+        fn = _op_then_ones(op)
+        x = torch.arange(rows * 2.0).view(rows, 2).requires_grad_(True)
+        torch._dynamo.reset()
+        want, got = fn(x), torch.compile(fn, backend=backend, fullgraph=True)(x)
+        assert got.requires_grad and torch.equal(got.detach(), want.detach()), name
+        for y in (want, got):
+            with pytest.raises(RuntimeError, match=f"vllm::{name} has no gradient"):
+                y.sum().backward()
+        assert x.grad is None, name
+
+
 @pytest.mark.parametrize("kind", ["float64", "complex64", "0-d"])
 def test_reduction_point_fake_gives_the_shape_the_real_point_gives(engine, kind):
     # vLLM-Ascend's points return the tensor or its TP all-reduce, whatever
