@@ -151,6 +151,10 @@ impl NpuStream {
     /// record between its read and its reset; its report is then lost.
     fn check_captures_of_other_streams(&self) -> Result<()> {
         super::stream::with_other_streams(self.ordinal(), self.state(), |others| {
+            // The common case, no graph captured elsewhere: nothing to ask the runtime.
+            if others.iter().all(|(_, state)| lock(state).captured.is_empty()) {
+                return Ok(());
+            }
             for (raw, _) in others {
                 if super::stream::capturing(*raw)? {
                     return Ok(());
