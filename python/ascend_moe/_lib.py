@@ -289,10 +289,12 @@ def refusing(send, every: bool = False):
     so that they fail at once quoting it instead of waiting out the timeout,
     and then raised here. A failure to send is not this rank's to raise.
     With `every`, any `Exception` is sent (the block runs caller code, such
-    as a layer's experts), not only argument errors."""
+    as a layer's experts), not only argument errors. torch's own errors
+    while reading an argument (`RuntimeError`) and a failed allocation are
+    argument errors here."""
     try:
         yield
-    except (Exception if every else (AmoeError, TypeError, ValueError, OverflowError)) as e:
+    except (Exception if every else (AmoeError, RuntimeError, TypeError, ValueError, OverflowError, MemoryError)) as e:
         try:
             send(f"{type(e).__name__}: {e}".encode())
         except AmoeError:

@@ -209,6 +209,9 @@ def _device(arg: str, x) -> int | None:
 # already (a CPU device; a dtype the library knows is checked by `_core` when
 # it builds the descriptor), so only its pointer, shape and dtype are read.
 _HOST_TENSOR_TYPES: set = set()
+# `torch.strided` once a tensor entered `_HOST_TENSOR_TYPES`: the short way
+# takes only dense tensors (see `_dense`).
+_STRIDED: list = [None]
 
 
 def _tensor_desc(arg: str, x, writable: bool) -> Desc:
@@ -216,6 +219,7 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     except that a non-contiguous CPU *input* is made contiguous (`.contiguous()`)."""
     npu = _device(arg, x)
     dtype_code(arg, x.dtype)
+    _dense(arg, x)
     if getattr(x, "is_neg", None) is not None and x.is_neg():
         # torch's negative bit: the values are the negated memory (a view
         # such as `.conj().imag`), which the library would read as it is.
@@ -236,14 +240,41 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
             )
         x = x.contiguous()
     if npu is None and type(x) is getattr(sys.modules.get("torch"), "Tensor", None):
+        _STRIDED[0] = sys.modules["torch"].strided
         _HOST_TENSOR_TYPES.add(type(x))
     return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None, npu)
+
+
+def _dense(arg: str, x) -> None:
+    """Refuses a tensor whose elements are not laid out in its own strided
+    memory (sparse, mkldnn, nested): the library reads `data_ptr()` as the
+    dense elements, which such a tensor does not have."""
+    layout = getattr(x, "layout", None)
+    torch = sys.modules.get("torch")
+    if torch is not None and layout is not None and layout is not torch.strided:
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`{arg}` is a tensor of layout {layout}; the library takes dense (torch.strided) tensors "
+            "(convert it with .to_dense())",
+        )
+    if getattr(x, "is_nested", False):
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"`{arg}` is a nested tensor; the library takes dense tensors of one shape",
+        )
 
 
 def _host_tensor_desc(arg: str, x) -> Desc | None:
     """The short way of `_tensor_desc` (see `_HOST_TENSOR_TYPES`), or None
     when `x` does not qualify for it."""
-    if type(x) in _HOST_TENSOR_TYPES and x.is_cpu and x.is_contiguous() and not x.is_neg():
+    if (
+        type(x) in _HOST_TENSOR_TYPES
+        and x.layout is _STRIDED[0]
+        and not x.is_nested
+        and x.is_cpu
+        and x.is_contiguous()
+        and not x.is_neg()
+    ):
         return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None)
     return None
 

@@ -246,6 +246,22 @@ def test_a_bad_moe_op_argument_on_one_rank_fails_every_rank_at_once(call, naming
     assert_refused_everywhere(run_with_one_bad_rank(call), naming, naming)
 
 
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_a_tensor_that_is_not_dense_on_one_rank_fails_every_rank_at_once(kind):
+    """torch's own error on such a tensor (a RuntimeError) never reached the
+    peers, which waited out the timeout."""
+    import torch
+
+    def bad():
+        if kind == "sparse":
+            return torch.ones(4, 3).to_sparse()
+        return torch.nested.nested_tensor([torch.ones(3), torch.ones(2)])
+
+    res = run_with_one_bad_rank(lambda c, r: am.all_reduce(bad() if r == BAD else torch.ones(4, 3), c))
+    assert_refused_everywhere(res, "`x` is a", "`x` is a")
+
+
 def _token_prepare_with_a_stale_context(c, r):
     """Token prepare on DP 2 x TP 2, rank `BAD` with a context whose TP rank
     is not its group's."""

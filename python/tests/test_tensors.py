@@ -337,6 +337,27 @@ def test_broadcast_copies_an_array_into_a_tensor_out():
             assert out.float().tolist() == x.astype(np.float32).tolist(), dtype
 
 
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_tensors_that_are_not_dense_are_refused_naming_their_layout():
+    # A sparse or mkldnn tensor failed in torch (`.contiguous()`, `data_ptr()`)
+    # with a RuntimeError naming no argument, also after a dense tensor had
+    # put torch.Tensor on the short path.
+    sparse = torch.eye(3).to_sparse()
+    cases = [(sparse, "layout torch.sparse_coo"), (torch.eye(3).to_sparse_csr(), "layout torch.sparse_csr")]
+    if torch.backends.mkldnn.is_available():
+        cases.append((torch.eye(3).to_mkldnn(), "layout torch._mkldnn"))
+    cases.append((torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"))
+    with am.Comm.cpu("tensors-not-dense", 1, 0) as c:
+        for first_dense in (False, True):
+            if first_dense:
+                assert am.all_reduce(torch.ones(3, 3), c).tolist() == torch.ones(3, 3).tolist()
+            for x, what in cases:
+                with pytest.raises(am.InvalidArgumentError, match=f"`x` is a {what}" if "nested" in what else f"`x` is a tensor of {what}"):
+                    am.all_reduce(x, c)
+                with pytest.raises(am.InvalidArgumentError, match="`out`"):
+                    am.all_gather(torch.ones(3, 3), c, out=x)
+
+
 def test_arguments_of_the_wrong_kind_are_the_packages_errors():
     # Each raised a bare AttributeError / ValueError, or was taken as True.
     with pytest.raises(am.InvalidArgumentError, match="`name` is 123, expected a str"):
