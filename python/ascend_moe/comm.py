@@ -330,7 +330,11 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                     x = raw.view(out.dtype).reshape(out.shape)
                 out.copy_(x)
             elif isinstance(out, np.ndarray):
-                out[...] = as_array("x", x)
+                if hasattr(x, "copy_"):  # a tensor into an array: its bytes, as the dtypes matched
+                    raw = x.detach().resolve_neg().contiguous().reshape(-1)
+                    out[...] = raw.view(sys.modules["torch"].uint8).numpy().view(out.dtype).reshape(out.shape)
+                else:
+                    out[...] = as_array("x", x)
             else:
                 raise error(
                     Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"

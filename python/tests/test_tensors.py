@@ -338,6 +338,25 @@ def test_broadcast_copies_an_array_into_a_tensor_out():
 
 
 @pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
+def test_broadcast_copies_a_tensor_into_an_array_out():
+    # `out[...] = np.asarray(x)` raised torch's TypeError for bf16 and fp8 and
+    # a RuntimeError for a negated view.
+    F8 = np.dtype(ml_dtypes.float8_e4m3fn)
+    with am.Comm.cpu("tensors-broadcast-tensor", 1, 0) as c:
+        for tdtype, dtype in ((torch.float32, np.float32), (torch.bfloat16, BF16), (torch.float8_e4m3fn, F8), (torch.bool, np.bool_)):
+            x = (torch.arange(6).reshape(2, 3) % 3).to(tdtype)
+            out = np.full((2, 3), 7, dtype)
+            assert am.broadcast(x, c, out=out) is out
+            assert out.astype(np.float32).tolist() == [[0, 1, 2], [0, 1, 2]] if tdtype is not torch.bool else [[0, 1, 1], [0, 1, 1]], tdtype
+        neg = torch.complex(torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])).conj().imag
+        out = np.zeros(3, np.float32)
+        assert am.broadcast(neg, c, out=out) is out and out.tolist() == [-1.0, -2.0, -3.0]
+        t = torch.arange(6, dtype=torch.float32).reshape(2, 3).T
+        out = np.zeros((3, 2), np.float32)
+        assert am.broadcast(t, c, out=out) is out and out.tolist() == [[0, 3], [1, 4], [2, 5]]
+
+
+@pytest.mark.skipif(not am.TORCH_OPS, reason="torch not importable")
 def test_tensors_that_are_not_dense_are_refused_naming_their_layout():
     # A sparse or mkldnn tensor failed in torch (`.contiguous()`, `data_ptr()`)
     # with a RuntimeError naming no argument, also after a dense tensor had
