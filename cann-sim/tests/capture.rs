@@ -64,6 +64,7 @@ struct Capture {
     execute: unsafe extern "C" fn(Ptr, Ptr) -> i32,
     destroy: unsafe extern "C" fn(Ptr) -> i32,
     sync_device: unsafe extern "C" fn() -> i32,
+    exchange: unsafe extern "C" fn(*mut i32) -> i32,
     counters: unsafe extern "C" fn(*mut Counters) -> i32,
     counters_reset: unsafe extern "C" fn(),
     _lib: libloading::Library,
@@ -84,6 +85,7 @@ fn cap() -> &'static Capture {
                 execute: *lib.get(b"aclmdlRIExecuteAsync\0").expect("aclmdlRIExecuteAsync"),
                 destroy: *lib.get(b"aclmdlRIDestroy\0").expect("aclmdlRIDestroy"),
                 sync_device: *lib.get(b"aclrtSynchronizeDevice\0").expect("aclrtSynchronizeDevice"),
+                exchange: *lib.get(b"aclmdlRICaptureThreadExchangeMode\0").expect("aclmdlRICaptureThreadExchangeMode"),
                 counters: *lib.get(b"cannsim_counters\0").expect("cannsim_counters"),
                 counters_reset: *lib.get(b"cannsim_counters_reset\0").expect("cannsim_counters_reset"),
                 _lib: lib,
@@ -125,6 +127,15 @@ fn execute(model: Ptr, st: Ptr) {
 fn destroy(model: Ptr) {
     let r = unsafe { (cap().destroy)(model) };
     assert_eq!(r, 0, "aclmdlRIDestroy: {}", err_msg());
+}
+
+/// `aclmdlRICaptureThreadExchangeMode`: sets this thread's capture mode to
+/// `mode`, returns the one it had.
+fn exchange(mode: i32) -> i32 {
+    let mut m = mode;
+    let r = unsafe { (cap().exchange)(&mut m) };
+    assert_eq!(r, 0, "aclmdlRICaptureThreadExchangeMode({mode}): {}", err_msg());
+    m
 }
 
 fn counters() -> Counters {
@@ -1191,4 +1202,165 @@ fn a_memset_async_of_pinned_host_memory_runs_at_the_call_and_is_not_captured() {
     assert_eq!(unsafe { (s.aclrtFreeHost)(host) }, 0);
     free(dev);
     destroy_stream(st);
+}
+
+/// Runs `body` on this thread while another thread holds a capture of
+/// `mode` on a stream of its own (device 0) into which it queued a memset
+/// of `dev` (64 bytes) to 7. Returns what `aclmdlRICaptureEnd` answered and,
+/// when it made a model, whether replaying it wrote the 7s.
+fn during_capture_on_another_thread(mode: i32, dev: usize, body: impl FnOnce()) -> (i32, bool) {
+    let (began_tx, began_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|sc| {
+        let capturer = sc.spawn(move || {
+            let s = use_device(0);
+            let st = stream();
+            begin(st, mode);
+            assert_eq!(unsafe { (s.aclrtMemsetAsync)(dev as Ptr, 64, 7, 64, st) }, 0, "{}", err_msg());
+            began_tx.send(()).unwrap();
+            // Also when `body` panicked (its sender is gone).
+            let _ = done_rx.recv();
+            let mut model = NULL;
+            let r = unsafe { (cap().end)(st, &mut model) };
+            let mut replayed = false;
+            if r == 0 {
+                assert_eq!(unsafe { (s.aclrtMemset)(dev as Ptr, 64, 0, 64) }, 0, "{}", err_msg());
+                execute(model, st);
+                sync(st);
+                replayed = download::<u8>(dev as Ptr, 64).iter().all(|&v| v == 7);
+                destroy(model);
+            }
+            destroy_stream(st);
+            (r, replayed)
+        });
+        let done = done_tx;
+        began_rx.recv().unwrap();
+        body();
+        drop(done);
+        capturer.join().expect("capturing thread")
+    })
+}
+
+#[test]
+fn a_relaxed_thread_reads_device_memory_during_another_threads_global_capture() {
+    let _g = serial();
+    let s = use_device(0);
+    let src = upload(&[0x5au8; 64]);
+    let target = malloc(64) as usize;
+    let read = || {
+        let mut back = [0u8; 64];
+        let r = unsafe { (s.aclrtMemcpy)(back.as_mut_ptr() as Ptr, 64, src as *const c_void, 64, D2H) };
+        (r, back)
+    };
+
+    // In its default mode (GLOBAL) this thread is refused and the capture is lost.
+    let (mut refused, mut msg) = (0, String::new());
+    let (end_code, _) = during_capture_on_another_thread(GLOBAL, target, || {
+        refused = read().0;
+        msg = err_msg();
+    });
+    assert_eq!(refused, CAPTURE_MODE_NOT_SUPPORT, "a blocking copy in GLOBAL mode");
+    assert!(msg.contains("aclmdlRICaptureThreadExchangeMode"), "the refusal names the remedy: {msg}");
+    assert_eq!(end_code, STREAM_CAPTURE_INVALIDATED, "the refused copy invalidated the other thread's capture");
+
+    // Switched to RELAXED, the same copy runs and the capture stays valid.
+    let mut back = [0u8; 64];
+    let mut previous = -1;
+    let ended = during_capture_on_another_thread(GLOBAL, target, || {
+        previous = exchange(RELAXED);
+        let (r, b) = read();
+        assert_eq!(r, 0, "a blocking copy in RELAXED mode: {}", err_msg());
+        back = b;
+        assert_eq!(exchange(previous), RELAXED, "the exchange hands back the mode it replaces");
+    });
+    assert_eq!(previous, GLOBAL, "a thread starts in GLOBAL mode");
+    assert!(back.iter().all(|&v| v == 0x5a), "the copy read the source");
+    assert_eq!(ended, (0, true), "the capture ended valid and its replay ran the captured memset");
+
+    // Restored to GLOBAL, the thread is refused again.
+    let (end_code, _) = during_capture_on_another_thread(GLOBAL, target, || {
+        refused = read().0;
+    });
+    assert_eq!((refused, end_code), (CAPTURE_MODE_NOT_SUPPORT, STREAM_CAPTURE_INVALIDATED), "GLOBAL again");
+
+    // THREAD_LOCAL mode heeds only the captures this thread began.
+    let ended = during_capture_on_another_thread(GLOBAL, target, || {
+        assert_eq!(exchange(THREAD_LOCAL), GLOBAL);
+        refused = read().0;
+        assert_eq!(exchange(GLOBAL), THREAD_LOCAL);
+    });
+    assert_eq!((refused, ended), (0, (0, true)), "THREAD_LOCAL mode, another thread's GLOBAL capture");
+    free(src);
+    free(target as Ptr);
+}
+
+#[test]
+fn the_thread_mode_also_frees_or_binds_the_capturing_thread_itself() {
+    let _g = serial();
+    let s = use_device(0);
+    let src = upload(&[1u8; 64]);
+    let mut back = [0u8; 64];
+    let read =
+        |back: &mut [u8; 64]| unsafe { (s.aclrtMemcpy)(back.as_mut_ptr() as Ptr, 64, src as *const c_void, 64, D2H) };
+    let st = stream();
+    let mut m = NULL;
+    for capture_mode in [GLOBAL, THREAD_LOCAL] {
+        // RELAXED: even the thread that began the capture may (context.cc:5144-5146).
+        begin(st, capture_mode);
+        assert_eq!(exchange(RELAXED), GLOBAL);
+        assert_eq!(read(&mut back), 0, "capture {capture_mode}, thread RELAXED: {}", err_msg());
+        assert_eq!(exchange(GLOBAL), RELAXED);
+        destroy(end(st));
+        // THREAD_LOCAL: the capturing thread may not (:5155-5160).
+        begin(st, capture_mode);
+        assert_eq!(exchange(THREAD_LOCAL), GLOBAL);
+        assert_eq!(read(&mut back), CAPTURE_MODE_NOT_SUPPORT, "capture {capture_mode}, thread THREAD_LOCAL");
+        assert_eq!(exchange(GLOBAL), THREAD_LOCAL);
+        assert_eq!(unsafe { (cap().end)(st, &mut m) }, STREAM_CAPTURE_INVALIDATED);
+    }
+    // A RELAXED capture forbids nothing in any thread mode.
+    begin(st, RELAXED);
+    for thread_mode in [GLOBAL, THREAD_LOCAL, RELAXED] {
+        let previous = exchange(thread_mode);
+        assert_eq!(read(&mut back), 0, "RELAXED capture, thread mode {thread_mode}: {}", err_msg());
+        exchange(previous);
+    }
+    destroy(end(st));
+    assert_eq!(exchange(GLOBAL), GLOBAL, "every exchange was undone");
+    destroy_stream(st);
+    free(src);
+}
+
+#[test]
+fn capture_thread_exchange_mode_checks_its_argument_as_the_runtime_does() {
+    let _g = serial();
+    use_device(0);
+    // NULL: ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT (model_ri.cpp:152).
+    assert_eq!(unsafe { (cap().exchange)(NULL.cast()) }, INVALID_PARAM);
+    // A mode of 3 or more, read unsigned (api_error.cc:5812-5813): refused,
+    // and neither *mode nor the thread's mode changes.
+    for bad in [3, 4, -1, i32::MIN] {
+        let mut m = bad;
+        assert_eq!(unsafe { (cap().exchange)(&mut m) }, RT_PARAM_INVALID, "mode {bad}");
+        assert_eq!(m, bad, "a refused exchange writes nothing");
+    }
+    assert_eq!(exchange(GLOBAL), GLOBAL, "the refusals left the thread in GLOBAL mode");
+    // The mode is the thread's: another thread starts in GLOBAL, whatever this one set.
+    assert_eq!(exchange(RELAXED), GLOBAL);
+    let other = std::thread::spawn(|| {
+        use_device(0);
+        exchange(GLOBAL)
+    })
+    .join()
+    .expect("thread");
+    assert_eq!(other, GLOBAL, "a new thread's mode");
+    assert_eq!(exchange(GLOBAL), RELAXED, "this thread's mode is its own");
+    // No current device: ACL_ERROR_RT_CONTEXT_NULL (api_impl.cc:7918-7919), nothing written.
+    let (r, m) = std::thread::spawn(|| {
+        let mut m = RELAXED;
+        (unsafe { (cap().exchange)(&mut m) }, m)
+    })
+    .join()
+    .expect("thread");
+    assert_eq!((r, m), (CONTEXT_NULL, RELAXED), "a thread without a device");
 }

@@ -108,6 +108,42 @@ pub unsafe extern "C" fn aclmdlRICaptureGetInfo(
     })
 }
 
+/// `aclError aclmdlRICaptureThreadExchangeMode(aclmdlRICaptureMode *mode)`:
+/// sets the calling thread's capture mode to `*mode` and writes the mode it
+/// had into `*mode` (every thread starts in GLOBAL). The thread's mode
+/// decides with the captures' modes whether its unsafe calls are refused
+/// ([`super::hooks::unsafe_call`]); it outlives captures and is the thread's
+/// for every device.
+///
+/// As hicann/runtime v8.5.0 does, in order:
+/// - `mode` NULL: `ACL_ERROR_INVALID_PARAM` (`aclmdlRICaptureThreadExchangeModeImpl`,
+///   `src/acl/aclrt_impl/model_ri.cpp:152`, `ACL_REQUIRES_NOT_NULL_WITH_INPUT_REPORT`);
+/// - the chip lacks ACL graphs: never here, the emulated A2 has them
+///   (`rtThreadExchangeCaptureMode`, `src/runtime/feature/src/api/api_c_stream.cc:614-618`);
+/// - `*mode`, read as unsigned, not below `RT_STREAM_CAPTURE_MODE_MAX` (3):
+///   `ACL_ERROR_RT_PARAM_INVALID` (`ApiErrorDecorator::ThreadExchangeCaptureMode`,
+///   `src/runtime/feature/src/api_impl/api_error.cc:5811-5813`, RT_ERROR_INVALID_VALUE);
+/// - no current device: `ACL_ERROR_RT_CONTEXT_NULL` (`ApiImpl::ThreadExchangeCaptureMode`,
+///   `api_impl.cc:7918-7919`);
+/// - then the swap (`Context::ThreadExchangeCaptureMode`, `context.cc:5121-5132`),
+///   written back only on success (`model_ri.cpp:154-164`).
+#[no_mangle]
+pub unsafe extern "C" fn aclmdlRICaptureThreadExchangeMode(mode: *mut i32) -> AclError {
+    status::acl("aclmdlRICaptureThreadExchangeMode", || unsafe {
+        not_null(mode, "mode")?;
+        let new = *mode;
+        if new as u32 >= 3 {
+            return fail(
+                ACL_ERROR_RT_PARAM_INVALID,
+                format!("aclmdlRICaptureMode {new} is outside GLOBAL (0) .. RELAXED (2)"),
+            );
+        }
+        context::current()?;
+        *mode = THREAD_MODE.with(|m| m.replace(new));
+        Ok(())
+    })
+}
+
 /// `aclError aclmdlRICaptureEnd(aclrtStream stream, aclmdlRI *modelRI)`.
 ///
 /// Refused: a NULL stream or `modelRI` (`ACL_ERROR_INVALID_PARAM`, acl

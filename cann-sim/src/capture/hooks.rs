@@ -94,14 +94,36 @@ pub fn admit(s: &Arc<Stream>) -> SimResult<()> {
     Ok(())
 }
 
-/// Refuses an unsafe function `call` when a capture's mode forbids it on the
-/// calling thread: GLOBAL forbids it on every thread, THREAD_LOCAL on the
-/// thread that began the capture, RELAXED nowhere (`aclmdlRICaptureMode`,
-/// `aclmdlRICaptureThreadExchangeMode` reference). The forbidding captures are
-/// invalidated. Code `ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT`, as real
-/// `rtMemcpy` returns it (vLLM-Ascend #6002, #10309).
+/// Refuses an unsafe function `call` when the captures' modes and the calling
+/// thread's own mode (its `THREAD_MODE`, set by
+/// `aclmdlRICaptureThreadExchangeMode`) forbid it, as
+/// `Context::IsCaptureModeSupport` decides (hicann/runtime v8.5.0
+/// `src/runtime/feature/src/context/context.cc:5134-5162`, asked by
+/// `ApiImpl::MemCopySync` and `ApiImpl::MemSetSync`, `api_impl.cc:2691-2694`,
+/// `:3059-3062`):
+/// - a thread in RELAXED mode is never refused (`:5144-5146`), also the one
+///   that began a GLOBAL or THREAD_LOCAL capture;
+/// - in GLOBAL mode (every thread's default) it is refused while any GLOBAL
+///   capture runs, or a THREAD_LOCAL capture this thread began
+///   (`:5148-5153`: the context's mode is the strictest of its captures',
+///   `Context::CaptureModeEnter`, `:5165-5176`; the thread's the strictest of
+///   those it began, `InnerThreadLocalContainer::ThreadCaptureModeEnter`,
+///   `src/runtime/feature/src/common/inner_thread_local.cpp:124`);
+/// - in THREAD_LOCAL mode, only while a GLOBAL or THREAD_LOCAL capture this
+///   thread began runs (`:5155-5160`).
+///
+/// The runtime asks only the captures of the current context; here every
+/// device's count, which is stricter. The captures that forbid the call
+/// are invalidated (the runtime leaves them valid: stricter, so a caller
+/// that relies on the refusal being harmless is caught). Code
+/// `ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT` (RT_ERROR_STREAM_CAPTURE_MODE_NOT_SUPPORT,
+/// `errcode_manage.cc:137`), as real `rtMemcpy` returns it (vLLM-Ascend #6002, #10309).
 pub fn unsafe_call(call: &str) -> SimResult<()> {
     let me = std::thread::current().id();
+    let thread_mode = THREAD_MODE.with(|m| m.get());
+    if thread_mode == ACL_MODEL_RI_CAPTURE_MODE_RELAXED {
+        return Ok(());
+    }
     let m = members();
     let mut hits: Vec<(usize, i32)> = Vec::new();
     for x in m.iter() {
@@ -111,8 +133,13 @@ pub fn unsafe_call(call: &str) -> SimResult<()> {
         let Some(model) = MODELS.get(x.model) else { continue };
         let st = model.lock();
         if let Some(sess) = &st.capture {
-            let forbids = sess.mode == ACL_MODEL_RI_CAPTURE_MODE_GLOBAL
-                || (sess.mode == ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL && sess.thread == me);
+            let mine = sess.thread == me;
+            let forbids = if thread_mode == ACL_MODEL_RI_CAPTURE_MODE_GLOBAL {
+                sess.mode == ACL_MODEL_RI_CAPTURE_MODE_GLOBAL
+                    || (sess.mode == ACL_MODEL_RI_CAPTURE_MODE_THREAD_LOCAL && mine)
+            } else {
+                mine && sess.mode != ACL_MODEL_RI_CAPTURE_MODE_RELAXED
+            };
             if forbids {
                 hits.push((x.model, sess.mode));
             }
@@ -124,7 +151,13 @@ pub fn unsafe_call(call: &str) -> SimResult<()> {
     }
     fail(
         ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT,
-        format!("{call} is not allowed while a stream captures in {}", mode_name(mode)),
+        format!(
+            "{call} is not allowed while a stream captures in {} and this thread's capture mode is {} (a thread \
+             whose work does not touch the capture may switch to ACL_MODEL_RI_CAPTURE_MODE_RELAXED with \
+             aclmdlRICaptureThreadExchangeMode)",
+            mode_name(mode),
+            mode_name(thread_mode)
+        ),
     )
 }
 

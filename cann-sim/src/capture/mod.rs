@@ -1,7 +1,7 @@
 //! ACL graph capture (`aclmdlRICaptureBegin`, `aclmdlRICaptureGetInfo`,
-//! `aclmdlRICaptureEnd`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`, and
-//! `aclrtSynchronizeDevice`), and the restrictions CANN places on other calls
-//! while a stream captures.
+//! `aclmdlRICaptureEnd`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`,
+//! `aclmdlRICaptureThreadExchangeMode`, and `aclrtSynchronizeDevice`), and the
+//! restrictions CANN places on other calls while a stream captures.
 //!
 //! Between `aclmdlRICaptureBegin` and `aclmdlRICaptureEnd` every task queued
 //! on the stream is recorded into a model instead of run (the CANN runtime
@@ -24,9 +24,9 @@
 //! - synchronising or querying a capturing stream, the device, or an event
 //!   recorded in the capture, in every mode (guide, restriction 2);
 //! - the unsafe functions (`aclrtMemcpy`, `aclrtMemset`, an
-//!   `aclrtMemcpyAsync` with pageable host memory) where the capture mode
-//!   forbids them (`aclmdlRICaptureMode`, `aclmdlRICaptureThreadExchangeMode`
-//!   reference), and by the simulator also the allocation calls;
+//!   `aclrtMemcpyAsync` with pageable host memory) where the captures' modes
+//!   and the calling thread's own mode (`aclmdlRICaptureThreadExchangeMode`)
+//!   forbid them, and by the simulator also the allocation calls;
 //! - work on a device's default stream (guide, restriction 6).
 //!
 //! A refused call also invalidates the capture it conflicts with (the guide:
@@ -41,8 +41,8 @@ mod hooks;
 mod state;
 
 pub use api::{
-    aclmdlRICaptureBegin, aclmdlRICaptureEnd, aclmdlRICaptureGetInfo, aclmdlRIDestroy, aclmdlRIExecuteAsync,
-    aclrtSynchronizeDevice,
+    aclmdlRICaptureBegin, aclmdlRICaptureEnd, aclmdlRICaptureGetInfo, aclmdlRICaptureThreadExchangeMode,
+    aclmdlRIDestroy, aclmdlRIExecuteAsync, aclrtSynchronizeDevice,
 };
 pub use codes::*;
 pub use hooks::{

@@ -1,12 +1,15 @@
 //! The models being captured or replayed, and the streams and events taking
 //! part in a capture.
 
+use std::cell::Cell;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::ThreadId;
 
 use crate::handles::Table;
 use crate::status::SimResult;
 use crate::stream::{Event, Stream};
+
+use super::codes::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL;
 
 /// A recorded task: the call that queued it and its re-runnable job.
 pub(super) type Recorded = (&'static str, Arc<dyn Fn() -> SimResult<()> + Send + Sync>);
@@ -112,4 +115,15 @@ pub(super) fn invalidate(h: usize, why: &str) {
             st.invalid = Some(why.to_string());
         }
     }
+}
+
+thread_local! {
+    /// The calling thread's capture mode, which
+    /// `aclmdlRICaptureThreadExchangeMode` swaps: GLOBAL until a thread
+    /// changes it (`InnerThreadLocalContainer::exchangeCaptureMode_`, a
+    /// thread-local initialised to RT_STREAM_CAPTURE_MODE_GLOBAL: hicann/runtime
+    /// v8.5.0 `src/runtime/feature/src/common/inner_thread_local.cpp:22`).
+    /// It decides, with the captures' modes, whether an unsafe call is
+    /// refused ([`super::hooks::unsafe_call`]).
+    pub(super) static THREAD_MODE: Cell<i32> = const { Cell::new(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL) };
 }
