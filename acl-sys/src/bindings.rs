@@ -594,6 +594,10 @@ pub struct AclLib {
         unsafe extern "C" fn(stream: aclrtStream, modelRI: *mut aclmdlRI) -> aclError,
         ::libloading::Error,
     >,
+    pub aclmdlRICaptureThreadExchangeMode: Result<
+        unsafe extern "C" fn(mode: *mut aclmdlRICaptureMode) -> aclError,
+        ::libloading::Error,
+    >,
     pub aclmdlRIExecuteAsync: Result<
         unsafe extern "C" fn(modelRI: aclmdlRI, stream: aclrtStream) -> aclError,
         ::libloading::Error,
@@ -676,6 +680,9 @@ impl AclLib {
             .get(b"aclmdlRICaptureGetInfo\0")
             .map(|sym| *sym);
         let aclmdlRICaptureEnd = __library.get(b"aclmdlRICaptureEnd\0").map(|sym| *sym);
+        let aclmdlRICaptureThreadExchangeMode = __library
+            .get(b"aclmdlRICaptureThreadExchangeMode\0")
+            .map(|sym| *sym);
         let aclmdlRIExecuteAsync = __library
             .get(b"aclmdlRIExecuteAsync\0")
             .map(|sym| *sym);
@@ -715,6 +722,7 @@ impl AclLib {
             aclmdlRICaptureBegin,
             aclmdlRICaptureGetInfo,
             aclmdlRICaptureEnd,
+            aclmdlRICaptureThreadExchangeMode,
             aclmdlRIExecuteAsync,
             aclmdlRIDestroy,
             aclrtGetVersion,
@@ -995,6 +1003,16 @@ impl AclLib {
             .aclmdlRICaptureEnd
             .as_ref()
             .expect("Expected function, got error."))(stream, modelRI)
+    }
+    #[must_use]
+    pub unsafe fn aclmdlRICaptureThreadExchangeMode(
+        &self,
+        mode: *mut aclmdlRICaptureMode,
+    ) -> aclError {
+        (self
+            .aclmdlRICaptureThreadExchangeMode
+            .as_ref()
+            .expect("Expected function, got error."))(mode)
     }
     #[must_use]
     pub unsafe fn aclmdlRIExecuteAsync(

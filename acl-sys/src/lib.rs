@@ -162,7 +162,7 @@ macro_rules! acl_symbol {
 /// them is rejected at load time. The others (`aclGetRecentErrMsg`,
 /// `aclrtSynchronizeStreamWithTimeout`, `aclrtGetSocName`, `aclrtGetVersion`,
 /// `aclrtCreateEventExWithFlag`, and the graph capture calls `aclmdlRICaptureBegin`, `aclmdlRICaptureGetInfo`,
-/// `aclmdlRICaptureEnd`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`) are newer
+/// `aclmdlRICaptureEnd`, `aclmdlRICaptureThreadExchangeMode`, `aclmdlRIExecuteAsync`, `aclmdlRIDestroy`) are newer
 /// and stay `Err` in [`AclLib`] when absent; call them through [`require`].
 pub const ACL_REQUIRED: &[&str] = &[
     "aclInit",

@@ -62,8 +62,21 @@ pub const ACL_FUNCTIONS: &[&str] = &[
     "aclmdlRICaptureBegin",
     "aclmdlRICaptureGetInfo",
     "aclmdlRICaptureEnd",
+    "aclmdlRICaptureThreadExchangeMode",
     "aclmdlRIExecuteAsync",
     "aclmdlRIDestroy",
+];
+
+/// Prototypes of ACL functions in [`ACL_FUNCTIONS`] that older supported
+/// headers lack, as CANN 8.5 declares them; the wrapper header adds them
+/// after `acl/acl.h` (a compatible redeclaration where the headers have
+/// them), so the bindings, and what the crate compiles against, are the
+/// same whichever headers generated them. The symbol itself still loads as
+/// `Err` from a runtime without it.
+pub const ACL_NEWER_PROTOTYPES: &[&str] = &[
+    // hicann/runtime v8.5.0 `include/external/acl/acl_rt.h:3953`; not in the
+    // torch-npu 2.9.0 wheel's headers.
+    "aclError aclmdlRICaptureThreadExchangeMode(aclmdlRICaptureMode *mode);",
 ];
 
 /// The ACL types acl-sys exports beyond those the functions pull in (the
@@ -213,7 +226,13 @@ fn builder_common(name: Crate) -> bindgen::Builder {
 /// The bindgen builder for acl-sys.
 pub fn acl_builder(h: &Headers) -> bindgen::Builder {
     let mut b = builder_common(Crate::Acl)
-        .header_contents("acl_sys_wrapper.h", "#include \"acl/acl.h\"\n")
+        .header_contents(
+            "acl_sys_wrapper.h",
+            &format!(
+                "#include \"acl/acl.h\"\n#ifdef __cplusplus\nextern \"C\" {{\n#endif\n{}\n#ifdef __cplusplus\n}}\n#endif\n",
+                ACL_NEWER_PROTOTYPES.join("\n")
+            ),
+        )
         .clang_args(["-x", "c", "-std=c11"])
         .clang_arg(format!("-I{}", h.acl_include.display()))
         .must_use_type("aclError")
