@@ -1120,3 +1120,88 @@ fn a_collective_warmed_up_on_one_stream_is_captured_on_another() {
         }
     }
 }
+
+/// Runs `body` while another thread holds a GLOBAL capture (torch_npu's
+/// default mode) on a raw stream of npu:0 this crate never wrapped, into
+/// which it queued a memset of the 64 bytes at `target` to 7. Returns what
+/// `aclmdlRICaptureEnd` answered and, when it made a model, whether a replay
+/// of it wrote the 7s.
+fn during_a_foreign_global_capture(target: usize, body: impl FnOnce()) -> (i32, bool) {
+    let (began_tx, began_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|sc| {
+        let capturer = sc.spawn(move || {
+            let api = acl_sys::acl().expect("ACL loaded");
+            let (lib, global) = (&api.lib, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL);
+            // SAFETY: the ACL signatures, with live handles and the 64 bytes
+            // of device memory at `target`, which outlive the thread.
+            unsafe {
+                assert_eq!(lib.aclrtSetDevice(0), 0);
+                let mut raw = null_mut();
+                assert_eq!(lib.aclrtCreateStream(&mut raw), 0);
+                assert_eq!(lib.aclmdlRICaptureBegin(raw, global), 0, "aclmdlRICaptureBegin");
+                assert_eq!(lib.aclrtMemsetAsync(target as *mut c_void, 64, 7, 64, raw), 0);
+                began_tx.send(()).expect("the engine thread waits");
+                // Also when the engine thread panicked (its sender is gone).
+                let _ = done_rx.recv();
+                let mut model = null_mut();
+                let end = lib.aclmdlRICaptureEnd(raw, &mut model);
+                let mut replayed = false;
+                if end == 0 {
+                    assert_eq!(lib.aclrtMemset(target as *mut c_void, 64, 0, 64), 0);
+                    assert_eq!(lib.aclmdlRIExecuteAsync(model, raw), 0, "replay");
+                    assert_eq!(lib.aclrtSynchronizeStream(raw), 0);
+                    let mut back = [0u8; 64];
+                    let d2h = acl_sys::aclrtMemcpyKind::ACL_MEMCPY_DEVICE_TO_HOST;
+                    assert_eq!(lib.aclrtMemcpy(back.as_mut_ptr().cast(), 64, target as *const c_void, 64, d2h), 0);
+                    replayed = back.iter().all(|&b| b == 7);
+                    assert_eq!(lib.aclmdlRIDestroy(model), 0);
+                }
+                assert_eq!(lib.aclrtDestroyStream(raw), 0);
+                assert_eq!(lib.aclrtResetDevice(0), 0);
+                (end, replayed)
+            }
+        });
+        let done = done_tx;
+        began_rx.recv().expect("the capturing thread began its capture");
+        body();
+        drop(done);
+        capturer.join().expect("capturing thread")
+    })
+}
+
+/// A thread of the host engine (torch_npu) captures a graph in GLOBAL mode,
+/// its default, on a stream this crate never saw, while the engine thread
+/// runs an op and checks its stream: the check's blocking reads of the op's
+/// status records (CANN refuses a blocking copy on every thread during a
+/// GLOBAL capture, and the refusal fails the capture) are made in RELAXED
+/// mode, so the check reports the op's bad index, once, and the other
+/// thread's capture ends valid and replays.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_stream_check_during_another_threads_global_capture_reports_and_spares_the_capture() {
+    with_reversed_rows(10, |mut r| {
+        ok("warm-up", (r.run)());
+        ok("warm-up check", r.check());
+        let target = r.dev.alloc_zeros::<f32>(16).expect("the other thread's 64 bytes");
+        let mut bad = r.good.to_vec();
+        bad[3] = 99;
+        r.write_index(&bad);
+        let (mut reported, mut msg, mut again) = (amoe_status::Ok, String::new(), amoe_status::Ok);
+        let ended = during_a_foreign_global_capture(dev_ptr(&target) as usize, || {
+            ok("the op during the other thread's capture", (r.run)());
+            reported = r.check();
+            msg = last_error();
+            again = r.check();
+        });
+        assert_eq!(reported, amoe_status::IndexOutOfRange, "the check during the capture: {msg}");
+        assert!(msg.contains("expanded_row_idx") && msg.contains("[3] = 99"), "{msg}");
+        assert_eq!(again, amoe_status::Ok, "reported once");
+        assert_eq!(ended, (0, true), "the other thread's capture ended valid and its graph replayed");
+        let good = r.good.to_vec();
+        r.write_index(&good);
+        ok("after the capture", (r.run)());
+        ok("check after the capture", r.check());
+        r.assert_output("after the capture");
+    });
+}

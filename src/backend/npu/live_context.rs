@@ -214,6 +214,20 @@ fn refuse_capture(op: &'static str, stream: &NpuStream, advice: &str) -> Result<
     Ok(())
 }
 
+/// Reads the guard records of `records` into `words` (a blocking copy,
+/// after synchronising the records' stream) in RELAXED capture mode
+/// ([`rt::relaxed_capture_mode`]): CANN refuses a blocking copy while any
+/// other thread's stream captures in GLOBAL mode, torch_npu's default, and
+/// the refusal invalidates that capture. The records are the guards' own,
+/// which no capture records or reads; the check is refused while the
+/// context's stream captures and leaves a captured guard's record whose
+/// replay has not written it.
+fn read_records(device: &NpuDevice, records: &NpuBuffer, words: &mut [u32]) -> Result<()> {
+    device.stream().enter()?;
+    let _relaxed = rt::relaxed_capture_mode()?;
+    records.copy_to_host(bytemuck::cast_slice_mut(words))
+}
+
 /// `guards` rounded up to whole chunks.
 fn whole_chunks(guards: usize) -> usize {
     guards.div_ceil(GUARD_CHUNK).saturating_mul(GUARD_CHUNK)
@@ -497,7 +511,7 @@ impl LiveContext {
             }
             if read.is_ok() {
                 words.resize(c.len * STATUS_WORDS, 0);
-                read = c.records.copy_to_host(bytemuck::cast_slice_mut(&mut words));
+                read = read_records(&self.device, &c.records, &mut words);
             }
             for (k, slot) in held.iter_mut().enumerate() {
                 if !read_here(slot) {

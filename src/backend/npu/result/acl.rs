@@ -9,9 +9,9 @@
 use std::ffi::{c_void, CStr};
 
 use acl_sys::{
-    aclError, aclmdlRICaptureStatus, aclrtEvent, aclrtEventRecordedStatus, aclrtMemAttr, aclrtMemMallocPolicy,
-    aclrtMemcpyKind, aclrtStream, CannsimKernelEntry, CannsimKernelEntryEx, CannsimLaunchKernelExFn,
-    CannsimLaunchKernelFn,
+    aclError, aclmdlRICaptureMode, aclmdlRICaptureStatus, aclrtEvent, aclrtEventRecordedStatus, aclrtMemAttr,
+    aclrtMemMallocPolicy, aclrtMemcpyKind, aclrtStream, CannsimKernelEntry, CannsimKernelEntryEx,
+    CannsimLaunchKernelExFn, CannsimLaunchKernelFn,
 };
 
 use super::{require, status_fns, sym};
@@ -223,6 +223,69 @@ pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<(aclmdlRICa
     // SAFETY: the caller's contract; valid out-pointers.
     check("aclmdlRICaptureGetInfo", unsafe { f(stream, &mut status, &mut model) })?;
     Ok(Some((status, model)))
+}
+
+/// The calling thread switched to `ACL_MODEL_RI_CAPTURE_MODE_RELAXED` by
+/// [`relaxed_capture_mode`]; dropping it (also on an early return or a
+/// panic) switches the thread back to the mode it had.
+#[must_use = "the thread goes back to its mode when this is dropped"]
+pub(crate) struct RelaxedCaptureMode {
+    /// The mode to restore; `None` when nothing was switched.
+    previous: Option<aclmdlRICaptureMode>,
+}
+
+/// Switches the calling thread to `ACL_MODEL_RI_CAPTURE_MODE_RELAXED` with
+/// `aclmdlRICaptureThreadExchangeMode` until the returned guard drops, for a
+/// blocking call that does not touch any captured work (a check reading
+/// status records of finished launches).
+///
+/// CANN refuses a blocking copy or memset on every thread while any stream
+/// of the context captures in GLOBAL mode (torch_npu's default,
+/// `NPUGraph::capture_begin`), and on the thread that began a THREAD_LOCAL
+/// capture, unless the calling thread's own mode is RELAXED
+/// (`Context::IsCaptureModeSupport`, hicann/runtime v8.5.0
+/// `src/runtime/feature/src/context/context.cc:5134-5162`, asked by
+/// `ApiImpl::MemCopySync` and `MemSetSync`, `api_impl.cc:2691-2694` and
+/// `:3059-3062`); the thread's mode is per thread and starts GLOBAL
+/// (`inner_thread_local.cpp:22`). CANN's remedy for a call known not to
+/// affect the capture is this switch and a switch back (the call's
+/// reference, v8.5.0 `docs/api_docs/aclmdlRICaptureThreadExchangeMode.md`;
+/// the runtime guide, `docs/zh/dev_guide/04-01_single_stream_capture.md:15`
+/// and its sample at `:115-125`).
+///
+/// On a runtime without the call (older than the capture mode switch) and
+/// on a chip without ACL graphs (`ACL_ERROR_RT_FEATURE_NOT_SUPPORT`,
+/// `rtThreadExchangeCaptureMode`, `src/runtime/feature/src/api/api_c_stream.cc:614-618`),
+/// nothing is switched and the call runs as before. The device must be
+/// bound (`ApiImpl::ThreadExchangeCaptureMode` needs a current context,
+/// `api_impl.cc:7918-7919`).
+pub(crate) fn relaxed_capture_mode() -> Result<RelaxedCaptureMode> {
+    let api = acl()?;
+    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureThreadExchangeMode) else {
+        return Ok(RelaxedCaptureMode { previous: None });
+    };
+    let mut mode = aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
+    // SAFETY: a valid in/out pointer to a mode in range.
+    let code = unsafe { f(&mut mode) };
+    if code == acl_sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as aclError {
+        return Ok(RelaxedCaptureMode { previous: None });
+    }
+    check("aclmdlRICaptureThreadExchangeMode", code)?;
+    Ok(RelaxedCaptureMode { previous: Some(mode) })
+}
+
+impl Drop for RelaxedCaptureMode {
+    fn drop(&mut self) {
+        let Some(mut mode) = self.previous.take() else { return };
+        let Ok(api) = acl() else { return };
+        if let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureThreadExchangeMode) {
+            // SAFETY: as in `relaxed_capture_mode`. The switch back cannot be
+            // refused where the switch succeeded: the same thread, a mode the
+            // runtime itself handed out (checked only against the range,
+            // `api_error.cc:5811-5813`), and the device still bound.
+            let _ = unsafe { f(&mut mode) };
+        }
+    }
 }
 
 /// `aclrtMalloc(len, policy)`: `len` bytes of device memory on the bound device.

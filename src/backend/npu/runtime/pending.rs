@@ -142,11 +142,18 @@ impl NpuStream {
     /// its replay (`Pending::in_flight`: a replay on a stream this check did
     /// not synchronise may still be running; a core that never ran looks the
     /// same, and only the capture stream's own check reports that), and
-    /// everything while any stream of the device captures (the reads are
-    /// blocking copies, which CANN refuses during a capture in GLOBAL mode
-    /// on any stream of the context: hicann/runtime v8.5.0
-    /// `src/runtime/feature/src/api_impl/api_impl.cc:2691`, `:3059`,
-    /// `src/runtime/feature/src/context/context.cc:5134-5162`). A replay
+    /// everything while any of those streams captures: its records of the
+    /// graph being captured were written by no replay, and the zeroing of
+    /// their slots, queued on it before the capture, may not have run (no
+    /// check synchronised it), so their words are no result; and on a
+    /// runtime without `aclmdlRICaptureThreadExchangeMode` the reads, blocking
+    /// copies, would be refused during a GLOBAL capture and invalidate it
+    /// (hicann/runtime v8.5.0 `src/runtime/feature/src/api_impl/api_impl.cc:2691`,
+    /// `:3059`, `src/runtime/feature/src/context/context.cc:5134-5162`).
+    /// A capture on a stream this crate does not know (torch_npu's own) is
+    /// not asked about: the reads switch the thread to RELAXED
+    /// ([`rt::relaxed_capture_mode`]), which CANN lets make them whatever
+    /// captures, and none of these records is that capture's. A replay
     /// running on a stream this check did not synchronise may rewrite a
     /// record between its read and its reset; its report is then lost.
     fn check_captures_of_other_streams(&self) -> Result<()> {
@@ -485,8 +492,11 @@ impl NpuStream {
     /// record, once read) after this stream drained: the check's own write.
     /// A replay of the record's graph on another stream, not drained, may
     /// write it too (`check_captures_of_other_streams` says what is lost then).
+    /// A blocking memset, made in RELAXED capture mode for the reason
+    /// [`read_drained`](Self::read_drained) gives.
     pub(crate) fn zero_drained(&self, ptr: usize, len: usize) -> Result<()> {
         self.enter()?;
+        let _relaxed = rt::relaxed_capture_mode()?;
         // SAFETY: `ptr` is `len` bytes of this device's memory (a record slot
         // of a live stream's pool); device writes racing the memset change
         // the record's words, never host memory.

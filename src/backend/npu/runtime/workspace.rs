@@ -218,8 +218,18 @@ impl NpuStream {
     /// Reads `dst.len()` bytes of device memory at `src` (a drained stream's,
     /// or a record a replay on another stream may still be writing: the
     /// words read are then a mix, which the caller allows for).
+    ///
+    /// The copy is blocking, which CANN refuses while another thread's
+    /// stream captures in GLOBAL mode and which then invalidates that
+    /// capture (a stream this crate may never have seen: torch_npu captures
+    /// in GLOBAL mode by default): the thread is switched to RELAXED for it
+    /// ([`rt::relaxed_capture_mode`]). That is right because the words read
+    /// are status records of launches this crate made, which no capture
+    /// records or reads; the callers never read a record of a launch being
+    /// captured (`NpuStream::check_captures_of_other_streams`).
     pub(crate) fn read_drained(&self, src: usize, dst: &mut [u8]) -> Result<()> {
         self.enter()?;
+        let _relaxed = rt::relaxed_capture_mode()?;
         let n = dst.len();
         // SAFETY: `src` is device memory of at least `n` bytes of this device
         // (a live pool's); a device write racing the copy changes the words
