@@ -217,8 +217,9 @@ fn refuse_capture(op: &'static str, stream: &NpuStream, advice: &str) -> Result<
 /// Reads the guard records of `records` into `words` (a blocking copy,
 /// after synchronising the records' stream) in RELAXED capture mode
 /// ([`rt::relaxed_capture_mode`]): CANN refuses a blocking copy while any
-/// other thread's stream captures in GLOBAL mode, torch_npu's default, and
-/// the refusal invalidates that capture. The records are the guards' own,
+/// other thread's stream captures in GLOBAL mode, torch_npu's default
+/// (`ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT`), which would fail the check.
+/// The records are the guards' own,
 /// which no capture records or reads; the check is refused while the
 /// context's stream captures and leaves a captured guard's record whose
 /// replay has not written it.

@@ -147,7 +147,7 @@ impl NpuStream {
     /// their slots, queued on it before the capture, may not have run (no
     /// check synchronised it), so their words are no result; and on a
     /// runtime without `aclmdlRICaptureThreadExchangeMode` the reads, blocking
-    /// copies, would be refused during a GLOBAL capture and invalidate it
+    /// copies, would be refused during a GLOBAL capture
     /// (hicann/runtime v8.5.0 `src/runtime/feature/src/api_impl/api_impl.cc:2691`,
     /// `:3059`, `src/runtime/feature/src/context/context.cc:5134-5162`).
     /// A capture on a stream this crate does not know (torch_npu's own) is

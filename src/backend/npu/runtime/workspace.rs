@@ -220,9 +220,8 @@ impl NpuStream {
     /// words read are then a mix, which the caller allows for).
     ///
     /// The copy is blocking, which CANN refuses while another thread's
-    /// stream captures in GLOBAL mode and which then invalidates that
-    /// capture (a stream this crate may never have seen: torch_npu captures
-    /// in GLOBAL mode by default): the thread is switched to RELAXED for it
+    /// stream captures in GLOBAL mode (a stream this crate may never have
+    /// seen: torch_npu captures in GLOBAL mode by default): the thread is switched to RELAXED for it
     /// ([`rt::relaxed_capture_mode`]). That is right because the words read
     /// are status records of launches this crate made, which no capture
     /// records or reads; the callers never read a record of a launch being
