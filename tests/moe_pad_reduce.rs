@@ -311,8 +311,9 @@ backend_test!(finalize_and_reduce_equals_finalize_then_pad_and_reduce, |on: On| 
 
 /// Staging small enough that the fused finalize-and-reduce on a CPU
 /// communicator takes several rounds per call, and, for wide rows, does not fit
-/// a staging region at all (then it takes the padded-buffer path). Both must
-/// give the two-step result bit for bit, for every dtype and uneven layout.
+/// a staging region at all (then it finalizes into a buffer and
+/// reduce-scatters its blocks). Both must give the two-step result bit for
+/// bit, for every dtype and uneven layout.
 #[test]
 fn finalize_and_reduce_in_staging_rounds_and_for_rows_too_wide_for_staging() {
     let small = CpuCommConfig { staging_bytes: 4096 };
@@ -373,7 +374,7 @@ fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast() {
     }
 }
 
-/// The same on the padded two-step path (rows too wide for a staging
+/// The same on the two-step path (rows too wide for a staging
 /// region): the rank whose finalize refuses its input still joins the
 /// reduce-scatter with its reason, so its peers fail at once naming it
 /// instead of waiting for it until the group's timeout.
@@ -387,7 +388,7 @@ fn finalize_and_reduce_bad_index_on_one_rank_fails_every_rank_fast_in_the_two_st
     let start = std::time::Instant::now();
     let errs = run_ranks_with(4, &CommOptions::with_timeout(timeout), &small, |r, comm| {
         let Comm::Cpu(cpu) = &comm else { panic!("run_ranks gives CPU communicators") };
-        assert_eq!(cpu.rows_per_region(h, DType::F32), 0, "the padded path");
+        assert_eq!(cpu.rows_per_region(h, DType::F32), 0, "the two-step path");
         let mut f = rank_finalize(32, r, n, k, h, DType::F32);
         if r == 1 {
             let mut idx = f.idx.to_vec::<i32>()?;
@@ -533,6 +534,38 @@ fn sp_ops_of_ranks_whose_layouts_disagree_fail_on_every_rank_naming_the_counts()
             assert!(e.contains(peers_counts) && e.contains(odd_counts), "reduce {reduce}: rank {r}: {e}");
         }
         assert!(start.elapsed() < opts().timeout / 4, "{odd:?}, reduce {reduce}: took {:?}", start.elapsed());
+    }
+}
+
+/// The fused finalize-and-reduce of ranks whose layouts disagree in all but
+/// `M` (rank 1 passes [3, 1] where rank 0 passes [3, 3]): a padded
+/// reduce-scatter would move equal counts and return a shard of another
+/// shape on each rank. It fails on every rank, at once, naming both ranks'
+/// counts, on the staged path and on the two-step one of rows too wide for
+/// a staging region.
+#[test]
+fn finalize_and_reduce_of_ranks_whose_layouts_share_only_m_fails_on_every_rank() {
+    let small = CpuCommConfig { staging_bytes: 4096 };
+    let k = 2;
+    for (staging, h) in [(CpuCommConfig::default(), 4), (small, small.effective_staging() / 2 + 1)] {
+        let start = std::time::Instant::now();
+        let got = run_ranks_with(2, &opts(), &staging, |r, comm| {
+            let Comm::Cpu(cpu) = &comm else { panic!("run_ranks gives CPU communicators") };
+            let staged = cpu.stages_rows(h, DType::F32);
+            let l = SpLayout::new(if r == 1 { &[3, 1] } else { &[3, 3] }).unwrap();
+            let f = rank_finalize(42, r, l.total_rows(), k, h, DType::F32);
+            let res = finalize_and_reduce(&f.args(), Some(&l), &comm);
+            Ok((staged, res.map(|t| t.shape().to_vec()).map_err(|e| e.to_string())))
+        })
+        .unwrap();
+        let what = format!("staging {} h {h}", staging.staging_bytes);
+        assert_eq!(got[0].0, h == 4, "{what}: which path");
+        let (peers, odd) = (format!("counts [{}, {}]", 3 * h, 3 * h), format!("counts [{}, {}]", 3 * h, h));
+        for (r, (_, res)) in got.into_iter().enumerate() {
+            let e = res.expect_err(&format!("{what}: rank {r} must fail"));
+            assert!(e.contains("ranks disagree") && e.contains(&peers) && e.contains(&odd), "{what}: rank {r}: {e}");
+        }
+        assert!(start.elapsed() < opts().timeout / 4, "{what}: took {:?}", start.elapsed());
     }
 }
 

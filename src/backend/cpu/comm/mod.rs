@@ -22,8 +22,9 @@ use crate::backend::args::collective_len;
 use crate::backend::cpu::finalize::fused_rows;
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cpu::CpuBuffer;
-use crate::backend::{finalize_then_reduce_scatter, Call, Communicator, FinalizeArgs, FinalizeDims, View, ViewMut};
+use crate::backend::{args, Backend, Call, Communicator, FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
 use crate::error::CommErrorKind;
+use crate::types::TensorMeta;
 use crate::types::{CommOptions, ReduceOp};
 use crate::{DType, Element, Error, Result};
 
@@ -214,6 +215,42 @@ impl CpuComm {
         self.shm.reduce_scatter_rows_with(dt, op, rows, row_len, dst.buf_mut().as_bytes_mut(), local, produce)
     }
 
+    /// The finalize-and-reduce of rows too wide to stage: the finalize into
+    /// an unpadded `[N, H...]` buffer, then the V reduce-scatter of its
+    /// blocks (`local_sizes[r] * H` elements each), the same sum in the same
+    /// rank order as the staged path. The transport compares every rank's
+    /// counts before any data moves, so ranks whose layouts disagree (even
+    /// with the same largest block, which is all a padded reduce-scatter
+    /// compares) fail together naming each rank's counts, as on the staged
+    /// path; a failure before the collective is reported through it.
+    fn finalize_then_reduce_scatter_v(
+        &self,
+        args: &FinalizeArgs<View<'_, CpuBuffer>>,
+        dims: &FinalizeDims,
+        local_sizes: &[usize],
+        out: ViewMut<'_, CpuBuffer>,
+    ) -> Result<()> {
+        const OP: &str = "finalize_and_reduce";
+        let dtype = out.dtype();
+        let counts: Vec<usize> = local_sizes.iter().map(|&rows| rows.saturating_mul(dims.h)).collect();
+        let shape = shm_comm::counts_len(OP, "local_sizes", local_sizes, self.shm.world_size())
+            .map_err(Error::from)
+            .and_then(|_| args::with_rows(OP, "expanded_x", out.shape(), dims.n));
+        let backend = self.backend_of(out.buf());
+        let refuse = |e| self.refuse(Call::ReduceScatterV(&counts, ReduceOp::Sum), dtype, e);
+        let (buf, shape) = shape
+            .and_then(|shape| {
+                let mut buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &shape, dtype)?)?;
+                let meta = TensorMeta { shape: &shape, dtype };
+                let full = ViewMut::new(OP, "expanded_x", meta, &mut buf)?;
+                backend.finalize_routing(args, dims, full, OutputRows::Dense)?;
+                Ok((buf, shape))
+            })
+            .map_err(refuse)?;
+        let src = View::new(OP, "expanded_x", TensorMeta { shape: &shape, dtype }, &buf).map_err(refuse)?;
+        self.reduce_scatter_v(src, out, &counts, ReduceOp::Sum)
+    }
+
     /// `dst = op(src over ranks)` on host slices.
     pub fn all_reduce_slice<T: Element>(&self, src: &[T], dst: &mut [T], op: ReduceOp) -> Result<()> {
         let (s, d) = (bytemuck::cast_slice(src), bytemuck::cast_slice_mut(dst));
@@ -379,7 +416,9 @@ impl Communicator for CpuComm {
     /// Computes the finalize rows straight into the staging buffers
     /// (`fused_rows`) when a row fits a staging region, so the
     /// finalize output never exists as a buffer of its own and an invalid input
-    /// on one rank fails every rank at once; else the padded two-step default.
+    /// on one rank fails every rank at once; else in two steps: the finalize
+    /// into an unpadded buffer, then a V reduce-scatter of its blocks, whose
+    /// counts every rank compares.
     /// With no rows to reduce (H = 0, or no tokens on any rank) the inputs
     /// are still checked, and every rank joins an empty reduce-scatter with
     /// its verdict, so bad arguments on one rank fail every rank.
@@ -413,7 +452,7 @@ impl Communicator for CpuComm {
             let mut produce = |block: usize, first: usize, bytes: &mut [u8]| rows.produce(block, first, bytes);
             return self.reduce_scatter_rows_with(dtype, ReduceOp::Sum, local_sizes, dims.h, out, local, &mut produce);
         }
-        finalize_then_reduce_scatter(self, args, dims, local_sizes, out)
+        self.finalize_then_reduce_scatter_v(args, dims, local_sizes, out)
     }
 
     /// Joins the collective with no data and this rank's error, so every rank
