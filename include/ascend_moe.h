@@ -1339,8 +1339,10 @@ amoe_status amoe_token_refuse(uint32_t comm_type,
                               const char *message);
 
 // Output shape of `amoe_token_finalize` for the experts' output `y` (the
-// prepared rows): `[this rank's tokens, H...]`.
-// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+// prepared rows): `[this rank's tokens, H...]`. Where that path sums the
+// rows (ALLGATHER) `y` must have a dtype it sums (f32, f16, bf16, i32,
+// i64): a one-byte dtype is `AMOE_STATUS_DTYPE`, as `amoe_token_finalize`
+// refuses it. Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 //
 // # Safety
 // As `amoe_token_prepare_output_shape`.

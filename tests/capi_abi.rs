@@ -472,6 +472,14 @@ fn prepare_finalize_rank(name: &CString, rank: usize) -> Result<usize, String> {
             if st != amoe_status::Ok || shape[..nd] != xs {
                 return Err(format!("finalize shape {ct}: {:?} {}", &shape[..nd], last_error()));
             }
+            // ALLGATHER sums the rows over DP: a one-byte `y` is refused by
+            // the shape function as by the op; the TP-split paths move it.
+            let y8 = amoe_tensor { dtype: amoe_dtype::I8 as u32, ..pt };
+            let st = amoe_token_finalize_output_shape(&y8, ct, &ctx, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+            let want = if ct == 0 { amoe_status::Dtype } else { amoe_status::Ok };
+            if st != want || (ct == 0 && !last_error().contains("`y`")) {
+                return Err(format!("finalize shape of an i8 `y` under {ct}: {st:?} {}", last_error()));
+            }
             let mut back = vec![f32::NAN; x.len()];
             let bt = host(&mut back, &xs);
             if amoe_token_finalize(&pt, ct, &ctx, groups, &bt, null()) != amoe_status::Ok {

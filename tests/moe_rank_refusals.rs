@@ -106,6 +106,38 @@ fn finalize_of_expert_output_of_the_wrong_size_on_one_rank_fails_every_rank_at_o
     });
 }
 
+/// ALLGATHER without SP sums the experts' output over DP (and PCP): a
+/// one-byte `y` on one rank cannot be summed. It is refused before any
+/// collective, so every EP rank fails at once naming it: the ranks of the
+/// other DP group too (which would otherwise return), and with PCP the
+/// ranks that would otherwise wait out the timeout in the DP reduce-scatter.
+#[test]
+fn finalize_of_a_one_byte_dtype_on_one_rank_fails_every_rank_at_once() {
+    // (DP tokens, PCP, TP): DP 2 x TP 2, and DP 2 x PCP 2.
+    let cases: [(&[usize], usize, usize); 2] = [(&[4, 3], 1, 2), (&[2, 2], 2, 1)];
+    for ((dp_tokens, pcp, tp), dtype) in cases.iter().flat_map(|c| DType::BYTE_MOVES.map(|d| (c, d))) {
+        let world = dp_tokens.len() * pcp * tp;
+        for into in [false, true] {
+            let case = format!("{dtype} dp {dp_tokens:?} pcp {pcp} tp {tp} into {into}");
+            one_bad_rank(&case, world, "`y`", |rank, world| {
+                let groups = MoeGroups::from_world_pcp(world, *pcp, *tp)?;
+                let dp_rank = rank / (pcp * tp);
+                let ctx =
+                    MoeContext::new(dp_tokens, *tp, dp_rank, rank % tp, false)?.with_pcp(*pcp, rank / tp % pcp)?;
+                let rows = dp_tokens.iter().max().unwrap() * dp_tokens.len() * pcp;
+                let dt = if rank == BAD { dtype } else { DType::F32 };
+                let y = Tensor::zeros_cpu(&[rows, 4], dt);
+                if into {
+                    let mut out = Tensor::zeros_cpu(&[ctx.local_tokens(), 4], dt);
+                    finalize_into(&y, CommType::AllGather, &ctx, &groups, &mut out)
+                } else {
+                    finalize(y, CommType::AllGather, &ctx, &groups).map(|_| ())
+                }
+            });
+        }
+    }
+}
+
 #[test]
 fn a_reduction_point_with_a_bad_output_or_policy_on_one_rank_fails_every_rank_at_once() {
     // TP 2 without SP and no shared expert: the final point reduces.

@@ -279,9 +279,19 @@ def _token_finalize_of_the_wrong_rows(c, r):
         return am.token_finalize(np.ones((_bad(r, 4, 5), 4), F32), am.CommType.ALLGATHER, ctx, g)
 
 
+def _token_finalize_of_int8(c, r):
+    """Token finalize (ALLGATHER, DP 2 x TP 2), which sums over DP: rank
+    `BAD`'s expert output is int8, which no reduction takes. The ranks of
+    the other DP group never share a collective with it but must fail too."""
+    with am.MoeGroups(c, 2) as g:
+        ctx = am.MoeContext([4, 3], 2, r // 2, r % 2, False)
+        return am.token_finalize(np.ones((8, 4), _bad(r, F32, np.int8)), am.CommType.ALLGATHER, ctx, g)
+
+
 def test_token_prepare_or_finalize_refused_on_one_rank_fails_every_rank_at_once():
     assert_refused_everywhere(run_with_one_bad_rank(_token_prepare_with_a_stale_context, n=4), "`ep`", "`ep`")
     assert_refused_everywhere(run_with_one_bad_rank(_token_finalize_of_the_wrong_rows), "rows", "rows")
+    assert_refused_everywhere(run_with_one_bad_rank(_token_finalize_of_int8, n=4), "i8", "i8")
 
 
 def _token_prepare_without(what):

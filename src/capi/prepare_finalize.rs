@@ -194,12 +194,16 @@ pub unsafe extern "C" fn amoe_moe_groups_free(groups: *mut amoe_moe_groups) {
     release(groups);
 }
 
+/// A prepare / finalize shape function: the input's shape and dtype, the
+/// comm type and the context to the output's shape.
+type PlanShape = fn(&[usize], DType, CommType, &MoeContext) -> crate::Result<Vec<usize>>;
+
 /// The body of the prepare / finalize shape exports.
 #[allow(clippy::too_many_arguments)]
 fn plan_shape(
     f: &'static str,
     arg: &'static str,
-    shape_of: fn(&[usize], CommType, &MoeContext) -> crate::Result<Vec<usize>>,
+    shape_of: PlanShape,
     x: *const amoe_tensor,
     comm_type: u32,
     ctx: *const amoe_moe_context,
@@ -210,7 +214,7 @@ fn plan_shape(
     ffi!(f, {
         let m = read_meta(f, arg, x)?;
         let c = context(f, ctx)?;
-        let shape = shape_of(&m.shape, CommType::from_u32(comm_type)?, &c)?;
+        let shape = shape_of(&m.shape, m.dtype, CommType::from_u32(comm_type)?, &c)?;
         write_shape(f, &shape, out_shape, cap, out_ndim)
     })
 }
@@ -230,7 +234,8 @@ pub unsafe extern "C" fn amoe_token_prepare_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_prepare_output_shape";
-    plan_shape(F, "x", pf::prepare_output_shape, x, comm_type, ctx, out_shape, cap, out_ndim)
+    let shape_of = |x: &[usize], _, ct, c: &MoeContext| pf::prepare_output_shape(x, ct, c);
+    plan_shape(F, "x", shape_of, x, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// Prepares this rank's tokens for the experts under the live `comm_type`
@@ -386,8 +391,10 @@ pub unsafe extern "C" fn amoe_token_refuse(
 }
 
 /// Output shape of `amoe_token_finalize` for the experts' output `y` (the
-/// prepared rows): `[this rank's tokens, H...]`.
-/// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
+/// prepared rows): `[this rank's tokens, H...]`. Where that path sums the
+/// rows (ALLGATHER) `y` must have a dtype it sums (f32, f16, bf16, i32,
+/// i64): a one-byte dtype is `AMOE_STATUS_DTYPE`, as `amoe_token_finalize`
+/// refuses it. Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
 /// # Safety
 /// As `amoe_token_prepare_output_shape`.
@@ -401,7 +408,11 @@ pub unsafe extern "C" fn amoe_token_finalize_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_output_shape";
-    plan_shape(F, "y", pf::finalize_output_shape, y, comm_type, ctx, out_shape, cap, out_ndim)
+    let shape_of = |y: &[usize], dtype, ct, c: &MoeContext| {
+        let shape = pf::finalize_output_shape(y, ct, c)?;
+        pf::finalize_dtype(dtype, ct, c).map(|_| shape)
+    };
+    plan_shape(F, "y", shape_of, y, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// Returns the experts' output `y` to this rank's token layout under the

@@ -24,7 +24,8 @@ pub use exchange::{combine, dispatch, Dispatched};
 pub use groups::{check_comm_type_agreement, MoeGroups};
 pub(crate) use groups::{comm_type_agreement, comm_type_check_enabled, Facts};
 pub use plan::{
-    finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext, TokenPlan,
+    finalize_dtype, finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext,
+    TokenPlan,
 };
 pub use prepare::{finalize, finalize_into, mc2_mask_into, prepare, prepare_into, prepare_tokens_into, Prepared};
 pub(crate) use prepare::{refuse_first, refuse_unread, Stage};

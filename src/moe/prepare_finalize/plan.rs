@@ -2,9 +2,10 @@
 //! comm type in it.
 
 use crate::backend::args::with_rows;
-use crate::comm::CommType;
+use crate::backend::Call;
+use crate::comm::{CommType, ReduceOp};
 use crate::moe::layout::SpLayout;
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
 
 pub(super) const PREPARE: &str = "moe_prepare";
 pub(super) const FINALIZE: &str = "moe_finalize";
@@ -279,6 +280,23 @@ pub fn prepare_output_shape(x_shape: &[usize], comm: CommType, ctx: &MoeContext)
 pub fn finalize_output_shape(y_shape: &[usize], comm: CommType, ctx: &MoeContext) -> Result<Vec<usize>> {
     check_rows(FINALIZE, "y", y_shape, prepared_rows(&token_plan(comm, ctx), ctx), "the prepared rows")?;
     with_rows(FINALIZE, "y", y_shape, ctx.local_tokens())
+}
+
+/// The dtypes [`finalize`](super::finalize()) takes for `comm` in `ctx`:
+/// where its path sums the rows (ALLGATHER, whose EP or DP reduce-scatter
+/// adds every rank's partial output) those the reduce-scatter sums (f32,
+/// f16, bf16, i32, i64), never a one-byte dtype, which is only moved (SPEC
+/// section 8); any dtype where the path only moves rows. The error names `y`
+/// and its dtype. Finalize checks it before any collective, so a rank
+/// holding such a dtype fails its peers with it instead of some of them
+/// returning; the C ABI's shape function refuses the same.
+pub fn finalize_dtype(dtype: DType, comm: CommType, ctx: &MoeContext) -> Result<()> {
+    match token_plan(comm, ctx) {
+        TokenPlan::SpGather(_) | TokenPlan::DpGather { .. } => {
+            crate::comm::reducible(FINALIZE, "y", Call::ReduceScatter(ReduceOp::Sum), dtype)
+        }
+        TokenPlan::TpSplit { .. } | TokenPlan::Local => Ok(()),
+    }
 }
 
 /// The MC2 mask of this rank's prepared rows: `true` for the first
