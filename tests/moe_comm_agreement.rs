@@ -7,7 +7,7 @@
 
 use ascend_moe::moe::prepare_finalize::*;
 use ascend_moe::ranks::run_ranks;
-use ascend_moe::{CommOptions, CommType, Tensor};
+use ascend_moe::{CommOptions, CommType, DType, Tensor};
 
 fn opts() -> CommOptions {
     CommOptions::with_timeout(std::time::Duration::from_secs(30))
@@ -173,6 +173,50 @@ fn ranks_seeing_other_forward_contexts_fail_at_prepare_and_finalize() {
                     assert!(e.contains(shown_by_1), "TP {tp}, rank 1, {op}: {e}");
                 }
             }
+        }
+    }
+}
+
+/// Ranks that agree on the comm type and the context but whose tokens
+/// differ (rank 1's hidden size is 3 where its peers' is 4, or its dtype
+/// f16): under ALLGATHER without SP the first collective is in the DP group
+/// (the PCP group, for finalize with PCP), which the ranks of the other
+/// groups never share with rank 1, so they would return or, in the two-stage
+/// PCP path, wait for it until the timeout. Every rank fails at prepare and
+/// at finalize, at once, in the agreement, naming rank 1's tokens.
+#[test]
+fn ranks_whose_tokens_differ_fail_at_prepare_and_finalize_on_every_rank() {
+    // (PCP, TP) of a DP 2 world: DP 2 x PCP 2, and DP 2 x TP 2.
+    for (pcp, tp) in [(2, 1), (1, 2)] {
+        for (odd_h, odd_dtype, shown) in [(3, DType::F32, "rows of 3 elements"), (H, DType::F16, "dtype f16")] {
+            let what = format!("pcp {pcp} tp {tp}, rank 1 {shown}");
+            let start = std::time::Instant::now();
+            let got = run_ranks(2 * pcp * tp, &opts(), |rank, comm| {
+                let groups = MoeGroups::from_world_pcp(&comm, pcp, tp)?;
+                let ctx = MoeContext::new(&[2, 2], tp, rank / (pcp * tp), rank % tp, false)?
+                    .with_pcp(pcp, rank / tp % pcp)?;
+                let (h, dtype) = if rank == 1 { (odd_h, odd_dtype) } else { (H, DType::F32) };
+                let x = Tensor::zeros_cpu(&[ctx.local_tokens(), h], dtype);
+                let prepared = prepare(&x, CommType::AllGather, &ctx, &groups).map(|_| ()).map_err(|e| e.to_string());
+                let rows = prepare_output_shape(&[ctx.local_tokens(), h], CommType::AllGather, &ctx)?[0];
+                let y = Tensor::zeros_cpu(&[rows, h], dtype);
+                let finalized = finalize(y, CommType::AllGather, &ctx, &groups).map(|_| ()).map_err(|e| e.to_string());
+                Ok([prepared, finalized])
+            })
+            .unwrap();
+            for (rank, ops) in got.iter().enumerate() {
+                for (op, r) in ["prepare", "finalize"].iter().zip(ops) {
+                    let e = r.as_ref().expect_err(&format!("{what}: rank {rank}'s {op} must fail"));
+                    assert!(
+                        e.contains("row length") && e.contains("[0, 2, 3] and [1]"),
+                        "{what}, rank {rank}, {op}: {e}"
+                    );
+                    if rank == 1 {
+                        assert!(e.contains(shown), "{what}, rank 1, {op}: {e}");
+                    }
+                }
+            }
+            assert!(start.elapsed() < opts().timeout / 4, "{what}: took {:?}", start.elapsed());
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use super::plan::{MoeContext, PREPARE};
 use crate::comm::{agree_on_sizes, expect_group_agrees, Collectives, Comm, CommType};
-use crate::{Error, Result};
+use crate::{Error, Result, Tensor};
 
 /// The groups a MoE layer communicates over: EP (= the world, DP-major), the
 /// TP group of this rank, its DP group and, with PCP, its PCP group.
@@ -180,20 +180,30 @@ pub(crate) struct Facts {
 
 /// The facts of a forward that every EP rank must see alike for prepare and
 /// finalize (SPEC sections 2 and 6): every DP rank's token count, the TP and
-/// PCP sizes, SP and the MC2 pad target. Ranks that see them otherwise plan
-/// other rows, and where no collective compares counts (an MC2 or ALLTOALL
-/// prepare is a local pad) they would go on with different layouts.
-pub(crate) fn context_facts(ctx: &MoeContext) -> Facts {
+/// PCP sizes, SP and the MC2 pad target, and the dtype and row length of the
+/// tokens `arg` (`x` of prepare, `y` of finalize; one hidden size and dtype
+/// per layer). Ranks that see the context otherwise plan other rows, and
+/// where no collective compares counts (an MC2 or ALLTOALL prepare is a local
+/// pad) they would go on with different layouts; ranks whose tokens differ
+/// would fail only in the groups of their first collective (a DP or PCP
+/// group), while the ranks of the other groups return or wait for them in
+/// the second. The agreement already runs, so they cost nothing more.
+pub(crate) fn context_facts(ctx: &MoeContext, arg: &'static str, tokens: &Tensor) -> Facts {
+    let (dtype, row_len) = (tokens.dtype(), tokens.row_len());
     let mut v = ctx.dp_tokens().to_vec();
     v.extend([ctx.tp_size(), usize::from(ctx.sp()), ctx.pcp_size(), ctx.padded_num_tokens()]);
+    v.extend([dtype as usize, row_len]);
     let print = crate::moe::pad_reduce::fingerprint(&v);
     Facts {
-        what: "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target)",
-        // `v` is the DP token counts, then the four sizes above.
+        what: "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or \
+               the dtype and row length of its tokens",
+        // `v` is the DP token counts, then the four sizes above, then the
+        // dtype and row length.
         shown: Box::new(move || {
-            let n = v.len() - 4;
+            let n = v.len() - 6;
             format!(
-                "dp_tokens {:?}, tp_size {}, sp {}, pcp_size {}, MC2 pad target {}",
+                "dp_tokens {:?}, tp_size {}, sp {}, pcp_size {}, MC2 pad target {}, `{arg}` of dtype {dtype} with \
+                 rows of {row_len} elements",
                 &v[..n],
                 v[n],
                 v[n + 1] == 1,

@@ -30,9 +30,11 @@ pub struct Prepared {
 /// always on the CPU communicator, where it costs one 4-byte all-gather next
 /// to the token gathers), every EP rank first learns every other rank's
 /// choice, and a fingerprint of its forward context (every DP rank's token
-/// count, the TP and PCP sizes, SP, the MC2 pad target), so ranks that
-/// disagree on either all fail with an error naming it instead of running
-/// the collectives of two different paths or planning other rows.
+/// count, the TP and PCP sizes, SP, the MC2 pad target) and of the dtype and
+/// row length of `x` (finalize: of `y`), so ranks that disagree on either
+/// all fail with an error naming it instead of running the collectives of
+/// two different paths, planning other rows, or failing only in the group
+/// of their first collective while the other groups return or wait.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
     let mut hidden = prepare_output_shape(x.shape(), comm, ctx)
         .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
@@ -68,7 +70,7 @@ pub fn prepare_tokens_into(
         .and_then(|_| check_groups(PREPARE, ctx, groups))
         .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
     if comm_type_check_enabled(&groups.ep) {
-        comm_type_agreement(PREPARE, "EP", comm, Some(context_facts(ctx)), &groups.ep)?;
+        comm_type_agreement(PREPARE, "EP", comm, Some(context_facts(ctx, "x", x)), &groups.ep)?;
     }
     let device = x.device();
     let backend = device.backend();
@@ -225,9 +227,9 @@ pub(crate) fn refuse_unread(groups: &MoeGroups, dtype: DType, error: Error) -> E
 /// section 5) all fail naming the choices, instead of one returning from a
 /// path its peers never join (a local copy, a DP group of one) while they
 /// wait in another, or two paths that take the same rows both returning.
-fn agree_before_finalize(comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<()> {
+fn agree_before_finalize(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<()> {
     if comm_type_check_enabled(&groups.ep) {
-        comm_type_agreement(FINALIZE, "EP", comm, Some(context_facts(ctx)), &groups.ep)?;
+        comm_type_agreement(FINALIZE, "EP", comm, Some(context_facts(ctx, "y", y)), &groups.ep)?;
     }
     Ok(())
 }
@@ -286,7 +288,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
         .and_then(|shape| finalize_dtype(y.dtype(), comm, ctx).map(|_| shape))
         .and_then(|shape| check_groups(FINALIZE, ctx, groups).map(|_| shape))
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
-    agree_before_finalize(comm, ctx, groups)?;
+    agree_before_finalize(&y, comm, ctx, groups)?;
     let device = y.device();
     let backend = device.backend();
     let keep = |full: Tensor| -> Result<Tensor> {
@@ -349,7 +351,7 @@ pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeG
     if let Some(copy) = copy {
         return finalize_into(&copy, comm, ctx, groups, out);
     }
-    agree_before_finalize(comm, ctx, groups)?;
+    agree_before_finalize(y, comm, ctx, groups)?;
     // The first `out.rows()` rows of `full` into `out`.
     let keep = |full: &Tensor, out: &mut Tensor| -> Result<()> {
         if out.numel() > 0 {
