@@ -206,6 +206,26 @@ fn bad_dispatch_and_context_input_is_named() {
     assert!(e.contains("`tp_rank`"), "{e}");
 }
 
+/// EP ranks passing different `num_experts` (rank 1 counts 8 experts where
+/// rank 0 counts 4) would place the experts on other ranks: rank 0 sends
+/// expert 3's token to rank 1, rank 1 keeps its own expert 3 and they would
+/// each return rows of experts the other thinks it owns. Every rank fails in
+/// the exchange of the counts, naming both ranks' values.
+#[test]
+fn dispatch_of_ranks_that_disagree_on_num_experts_fails_on_every_rank() {
+    let got = run_ranks(2, &opts(), |rank, comm| {
+        let x = Tensor::from_slice(&[1f32; 4], &[2, 2])?;
+        let experts = if rank == 1 { 8 } else { 4 };
+        Ok(dispatch(&x, &[1, 3], 1, None, experts, &comm).map(|d| d.experts).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    for (rank, r) in got.iter().enumerate() {
+        let e = r.as_ref().expect_err(&format!("rank {rank} must fail"));
+        assert!(e.contains("`num_experts`") && e.contains("ranks [0] pass 4, ranks [1] pass 8"), "rank {rank}: {e}");
+        assert!(e.contains(&format!("this is rank {rank}")), "rank {rank}: {e}");
+    }
+}
+
 /// An `out` covering part of `x` (as the C ABI lends the caller's
 /// descriptors) gets what separate memory gets, for every comm type, with
 /// `out` before and after `x` in one device allocation. NPU only: a host

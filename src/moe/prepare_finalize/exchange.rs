@@ -24,13 +24,47 @@ pub struct Dispatched {
 
 const DISPATCH: &str = "moe_dispatch";
 
-fn exchange_counts(ep: &Comm, send: &[usize]) -> Result<Vec<usize>> {
+/// Elements every rank sends every other in the exchange of the counts:
+/// the rows it sends there and its `num_experts`.
+const COUNT_WORDS: usize = 2;
+
+/// Exchanges the row counts of a dispatch over `ep`: this rank sends
+/// `send[r]` to rank `r` and receives the rows every rank sends it. Each
+/// count travels with the sender's `num_experts`, which decides which rank
+/// owns which expert: ranks whose `num_experts` differ would send a token
+/// to a rank that does not hold its expert, so every rank, having read
+/// every rank's, fails naming them (no extra collective).
+fn exchange_counts(ep: &Comm, send: &[usize], num_experts: usize) -> Result<Vec<usize>> {
     let world = ep.world_size();
-    let s: Vec<i64> = send.iter().map(|&c| c as i64).collect();
-    let src = Tensor::from_slice(&s, &[world])?.to_device(&ep.device())?;
-    let mut dst = ep.device().backend().scratch(&[world], DType::I64)?;
-    ep.all_to_all_v(&src, &vec![1; world], &mut dst, &vec![1; world])?;
-    Ok(dst.to_vec::<i64>()?.into_iter().map(|c| c.max(0) as usize).collect())
+    let s: Vec<i64> = send.iter().flat_map(|&c| [c as i64, num_experts as i64]).collect();
+    let src = Tensor::from_slice(&s, &[COUNT_WORDS * world])?.to_device(&ep.device())?;
+    let mut dst = ep.device().backend().scratch(&[COUNT_WORDS * world], DType::I64)?;
+    let words = vec![COUNT_WORDS; world];
+    ep.all_to_all_v(&src, &words, &mut dst, &words)?;
+    let got = dst.to_vec::<i64>()?;
+    let experts: Vec<i64> = got.iter().skip(1).step_by(COUNT_WORDS).copied().collect();
+    if experts.iter().any(|&e| e != num_experts as i64) {
+        let mut groups: Vec<(i64, Vec<usize>)> = Vec::new();
+        for (r, &e) in experts.iter().enumerate() {
+            match groups.iter_mut().find(|(v, _)| *v == e) {
+                Some((_, ranks)) => ranks.push(r),
+                None => groups.push((e, vec![r])),
+            }
+        }
+        let each: Vec<String> = groups.iter().map(|(e, ranks)| format!("ranks {ranks:?} pass {e}")).collect();
+        return Err(Error::invalid(
+            DISPATCH,
+            "num_experts",
+            format!(
+                "the EP ranks of group {:?} disagree on the number of experts, which decides the rank of each \
+                 expert: {}; this is rank {}, which passes {num_experts}",
+                ep.name(),
+                each.join(", "),
+                ep.rank()
+            ),
+        ));
+    }
+    Ok(got.iter().step_by(COUNT_WORDS).map(|&c| c.max(0) as usize).collect())
 }
 
 /// The arguments of [`dispatch`] for an EP group of `world` ranks.
@@ -77,7 +111,9 @@ fn check_dispatch(
 /// MoE dispatch over the EP group: every (token, k) slot of `x` (`[N, H...]`)
 /// whose token is real (`mask`, all real when `None`) is sent to the EP rank
 /// owning expert `topk_ids[token * K + k]` (experts are split evenly, EP rank
-/// `r` owning `[r * E/EP, (r+1) * E/EP)`).
+/// `r` owning `[r * E/EP, (r+1) * E/EP)`). Every EP rank must pass the same
+/// `num_experts`: ranks that do not all fail in the exchange of the counts,
+/// naming each rank's.
 pub fn dispatch(
     x: &Tensor,
     topk_ids: &[i32],
@@ -92,8 +128,8 @@ pub fn dispatch(
     // The peers are in the exchange of the send counts already: a refusal
     // goes through it, so on a CPU group they fail at once with this rank's
     // reason instead of waiting for it until the group's timeout.
-    let ones = vec![1; world];
-    checked.map_err(|e| ep.refuse_call(Call::AllToAllV(&ones, &ones), DType::I64, e))?;
+    let words = vec![COUNT_WORDS; world];
+    checked.map_err(|e| ep.refuse_call(Call::AllToAllV(&words, &words), DType::I64, e))?;
     let per_rank = num_experts / world;
     // Send order: by destination rank, then slot order.
     let mut order: Vec<(usize, usize)> = Vec::new();
@@ -113,7 +149,7 @@ pub fn dispatch(
         gather.push((slot / top_k) as i32);
         send_experts.push(topk_ids[slot]);
     }
-    let recv_counts = exchange_counts(ep, &send_counts)?;
+    let recv_counts = exchange_counts(ep, &send_counts, num_experts)?;
     let device = x.device();
     let h = x.row_len();
     let recv_total: usize = recv_counts.iter().sum();
