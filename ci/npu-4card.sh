@@ -9,11 +9,18 @@
 # CANN is found the usual way (LD_LIBRARY_PATH from CANN's set_env.sh,
 # ASCEND_HOME_PATH, ...). Setting ASCEND_MOE_ACL_LIB, ASCEND_MOE_HCCL_LIB,
 # ASCEND_MOE_NNOPBASE_LIB and ASCEND_MOE_OPAPI_LIB (to one .so if it exports
-# everything, like the simulated runtime) points the run elsewhere unchanged.
+# everything, like the simulated runtime) points the run elsewhere; a run
+# against the simulator also needs --sim (ci/sim.sh passes it).
 #
 #   ci/npu-4card.sh               tests + benches
 #   ci/npu-4card.sh --no-bench    tests only
 #   ci/npu-4card.sh -- FILTER     only tests whose name contains FILTER
+#   ci/npu-4card.sh --sim ...     against the simulated runtime (ci/sim.sh)
+#
+# Without --sim the run is for real hardware: its first step fails when the
+# runtime it loaded is the simulator (it exports cannsim_* entry points);
+# with --sim it fails when the runtime is not the simulator. The tests read
+# the mode from ASCEND_MOE_EXPECT_RUNTIME (real or sim), set here.
 #
 # ASCEND_MOE_COMM_TIMEOUT (seconds, default 120 here) bounds every wait of the
 # crate's (a stream check, a drop). HCCL's own bounds are set here too, since
@@ -30,15 +37,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bench=1
+sim=0
 filter=()
 while (($#)); do
     case "$1" in
         --no-bench) bench=0 ;;
+        --sim) sim=1 ;;
         --) shift; filter=("$@"); break ;;
-        *) echo "usage: ci/npu-4card.sh [--no-bench] [-- FILTER]" >&2; exit 2 ;;
+        *) echo "usage: ci/npu-4card.sh [--sim] [--no-bench] [-- FILTER]" >&2; exit 2 ;;
     esac
     shift
 done
+if ((sim)); then
+    export ASCEND_MOE_EXPECT_RUNTIME=sim
+else
+    export ASCEND_MOE_EXPECT_RUNTIME=real
+fi
 
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-120}"
 export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-120}"
@@ -61,7 +75,7 @@ tested() {
     fi
 }
 
-step "CANN found by the loader, and at least $ASCEND_MOE_MIN_DEVICES devices"
+step "CANN found by the loader ($ASCEND_MOE_EXPECT_RUNTIME runtime), and at least $ASCEND_MOE_MIN_DEVICES devices"
 tested -q --test npu_loader -- --ignored --exact --nocapture npu_host_has_the_devices
 
 # Every piece the matrix tests must be here: a missing aclnn operator or an

@@ -67,7 +67,7 @@ run() {
     ASCEND_MOE_OPAPI_LIB="$(op_dir "$version")/libopapi.so"
     export ASCEND_MOE_OPAPI_LIB
     echo "ci/sim.sh: simulated CANN $version runtime at $lib ($CANNSIM_DEVICES devices)"
-    ci/npu-4card.sh "$@"
+    ci/npu-4card.sh --sim "$@"
 }
 
 # The benches (tests/npu_bench.rs) in their short form, ASCEND_MOE_BENCH_SHORT=1:

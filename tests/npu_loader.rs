@@ -318,10 +318,33 @@ fn committed_bindings_exist_and_carry_no_vendor_comments() {
     }
 }
 
+/// The runtime is the one the run expects (`ASCEND_MOE_EXPECT_RUNTIME`, which
+/// `ci/npu-4card.sh` sets: `real`, or `sim` with `--sim`): a run meant for an
+/// Ascend host never goes green on the simulator, nor the reverse. Then
+/// enough devices are visible and each reports its memory.
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn npu_host_has_the_devices() {
-    println!("{}", npu::probe_report());
+    use ascend_moe::testing::runtime::{expected_runtime, ExpectedRuntime, EXPECT_RUNTIME_ENV};
+    let report = npu::probe();
+    println!("{report}");
+    let acl = &report.libraries[0];
+    let simulated = report.runtime.as_ref().map(|r| r.simulator);
+    let from = acl.result.as_deref().unwrap_or("nowhere");
+    match (expected_runtime(), simulated) {
+        (_, None) => panic!("{} did not load: {:?}\n{report}", acl.library, acl.result),
+        (Some(ExpectedRuntime::Real), Some(true)) => panic!(
+            "{EXPECT_RUNTIME_ENV}=real (ci/npu-4card.sh without --sim), but the runtime loaded from {from} is the \
+             simulator (it exports cannsim_* entry points); run ci/sim.sh (or ci/npu-4card.sh --sim) for the \
+             simulator, or point {} at real CANN\n{report}",
+            acl.env
+        ),
+        (Some(ExpectedRuntime::Simulator), Some(false)) => panic!(
+            "the run expects the simulator (ci/npu-4card.sh --sim, or CANNSIM_CANN_VERSION), but the runtime \
+             loaded from {from} exports no cannsim_* entry point: it is not cann-sim\n{report}"
+        ),
+        _ => {}
+    }
     let want: u32 = match std::env::var("ASCEND_MOE_MIN_DEVICES") {
         Ok(s) => s.parse().unwrap_or_else(|_| panic!("ASCEND_MOE_MIN_DEVICES={s:?}: expected a count of devices")),
         Err(_) => 1,

@@ -7,12 +7,14 @@
 //! | `model` | its single-rank reference (weights, routing, the layer in f64) |
 //! | [`graph`] | an ACL graph captured and replayed through the runtime's own calls (NPU tests) |
 //! | [`bench`] | the finalize and finalize-and-reduce benchmarks (`ascend-moe bench`) |
+//! | [`runtime`] | which CANN runtime an NPU test run expects (a missing simulator hook fails under the simulator) |
 //! | here | the one RNG ([`SplitMix`]) and the one tolerance ([`assert_within_rounding`], [`Rounding`]), which the layer harness shares |
 
 pub mod bench;
 pub mod graph;
 pub mod layer;
 mod model;
+pub mod runtime;
 
 use crate::DType;
 

@@ -29,7 +29,9 @@ pub struct RuntimeInfo {
     pub soc: Option<String>,
     /// Visible devices, or why they could not be counted.
     pub devices: Result<u32, String>,
-    /// Whether the simulated runtime's kernel launcher is present.
+    /// Whether the runtime is the simulator: it exports any `cannsim_*`
+    /// entry point (a kernel launcher or the call counters), which real CANN
+    /// never does.
     pub simulator: bool,
 }
 
@@ -78,6 +80,19 @@ fn describe(c: &loader::Candidate) -> String {
     format!("{} [{}]", c.path.to_string_lossy(), c.source)
 }
 
+/// The simulator-only entry points `api` exports.
+fn cannsim_symbols(api: &acl_sys::Acl) -> Vec<&'static str> {
+    [
+        ("cannsim_launch_kernel", api.cannsim_launch_kernel.is_some()),
+        ("cannsim_launch_kernel_ex", api.cannsim_launch_kernel_ex.is_some()),
+        ("cannsim_counters", api.cannsim_counters.is_some()),
+        ("cannsim_counters_reset", api.cannsim_counters_reset.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(name, present)| present.then_some(name))
+    .collect()
+}
+
 /// Looks for every CANN piece (loading what it finds).
 pub fn probe() -> ProbeReport {
     let acl = acl_sys::acl();
@@ -88,7 +103,7 @@ pub fn probe() -> ProbeReport {
         let version = rt::get_version().map(|(a, b, c)| format!("{a}.{b}.{c}"));
         let devices = super::runtime::device_count().map_err(|e| e.to_string());
         let soc = rt::get_soc_name();
-        RuntimeInfo { version, soc, devices, simulator: api.cannsim_launch_kernel.is_some() }
+        RuntimeInfo { version, soc, devices, simulator: !cannsim_symbols(api).is_empty() }
     });
     let aclnn_ops = match &opapi {
         Ok(o) => ["aclnnMoeFinalizeRoutingV2", "aclnnMoeTokenUnpermute", "aclnnAdd"]
@@ -161,7 +176,7 @@ impl fmt::Display for ProbeReport {
                     Err(e) => writeln!(f, "  devices: unavailable ({e})")?,
                 }
                 if rt.simulator {
-                    writeln!(f, "  simulated runtime (cannsim_launch_kernel present)")?;
+                    writeln!(f, "  simulated runtime (it exports cannsim_* entry points)")?;
                 }
             }
             None => writeln!(f, "runtime: not loaded")?,
