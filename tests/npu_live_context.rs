@@ -8,6 +8,7 @@ mod capi_common;
 mod common;
 
 use ascend_moe::testing::graph::Graph;
+use ascend_moe::testing::runtime::sim_counters;
 use std::ffi::CStr;
 use std::ptr::null_mut;
 
@@ -218,13 +219,13 @@ fn setting_the_context_after_the_stream_drained_neither_waits_nor_makes_events()
         for _ in 0..8 {
             e.set(&mc2);
         }
-        if let Some(c) = api.counters() {
+        if let Some(c) = sim_counters() {
             total.host_syncs += c.host_syncs;
             total.event_creates += c.event_creates;
             total.h2d_copies += c.h2d_copies;
         }
     }
-    if api.counters().is_some() {
+    if sim_counters().is_some() {
         assert_eq!((total.host_syncs, total.event_creates, total.h2d_copies), (0, 0, 32), "{total:?}");
     }
     assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error());
@@ -313,7 +314,7 @@ fn a_captured_guard_checks_every_replay_against_the_context_set_for_it() {
     let graph = Graph::capture_in(raw, acl_sys::aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL, || {
         assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error())
     });
-    if let Some(c) = api.counters() {
+    if let Some(c) = sim_counters() {
         assert_eq!(
             (c.host_syncs, c.device_mallocs, c.device_frees, c.host_mallocs, c.host_frees),
             (0, 0, 0, 0, 0),
@@ -640,7 +641,7 @@ fn a_reserve_before_capture_gives_every_captured_guard_its_own_record() {
     assert_eq!(e.records(), (cap, 100), "enough records free: nothing added");
     api.reset_counters();
     graphs.extend((100..N).map(capture));
-    if let Some(c) = api.counters() {
+    if let Some(c) = sim_counters() {
         assert_eq!(
             (c.host_syncs, c.device_mallocs, c.host_mallocs),
             (0, 0, 0),
@@ -727,7 +728,7 @@ fn a_captured_guard_past_the_records_is_refused_naming_reserve_and_reserve_is_re
         }
         assert_eq!(e.guard(&mc2, 0), amoe_status::InvalidArgument, "still full");
     });
-    if let Some(c) = api.counters() {
+    if let Some(c) = sim_counters() {
         assert_eq!((c.device_mallocs, c.host_mallocs, c.host_syncs), (0, 0, 0), "{c:?}");
     }
     drop(one);

@@ -2,7 +2,7 @@
 //! stream with an AI Core exception and the cores after it do not run. (The
 //! crate's finalize kernel launched through `cannsim_launch_kernel` is
 //! checked against its host runner in the crate itself,
-//! `finalize_kernel_runs_under_cannsim_launch_kernel`, which `ci/sim.sh`
+//! `sim_only_finalize_kernel_runs_under_cannsim_launch_kernel`, which `ci/sim.sh`
 //! runs: the kernel's launch code is not public.)
 
 mod common;

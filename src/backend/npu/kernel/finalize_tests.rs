@@ -851,20 +851,18 @@ fn the_index_check_copies_indices_and_replaces_bad_ones() {
 
 /// The host build launched through the simulated runtime's
 /// `cannsim_launch_kernel` on device buffers equals the same kernel run
-/// directly on host memory, dense and into the padded EP buffer. Ignored
-/// without an NPU (`ci/sim.sh` runs it); real hardware has no
-/// `cannsim_launch_kernel`, so there it returns early.
+/// directly on host memory, dense and into the padded EP buffer. Only the
+/// simulated runtime has `cannsim_launch_kernel`: `ci/sim.sh` runs this, and
+/// `ci/npu-4card.sh` skips the `sim_only_` tests on real hardware.
 #[test]
-#[ignore = "needs an Ascend NPU"]
-fn finalize_kernel_runs_under_cannsim_launch_kernel() {
+#[ignore = "needs the simulated CANN runtime"]
+fn sim_only_finalize_kernel_runs_under_cannsim_launch_kernel() {
     use crate::backend::npu::{NpuBuffer, NpuDevice};
 
     let dev = NpuDevice::open(0).expect("NPU 0");
     let api = crate::backend::npu::runtime::acl().expect("ACL loaded");
-    let Some(launch) = api.cannsim_launch_kernel else {
-        eprintln!("not the simulated runtime: cannsim_launch_kernel is not exported");
-        return;
-    };
+    let launch =
+        api.cannsim_launch_kernel.expect("cannsim_launch_kernel: a sim_only_ test needs the simulated runtime");
     let entry = kernels::host_entry().expect("host kernel build");
     let (n, k, h, e, c) = (6usize, 2usize, 300usize, 3usize, 4usize);
     let rows = e * c;
