@@ -12,12 +12,15 @@
 //! the kernel is reported unavailable at run time, with the directories that
 //! were looked at (`AMOE_HOST_KERNEL_UNAVAILABLE`).
 //!
-//! NPU build (when CANN is installed: `ASCEND_HOME_PATH` or
-//! `ASCEND_TOOLKIT_HOME` with its `bisheng` or `ccec`): the same source for
-//! the AI Core into `libamoe_kernels_npu.so` in OUT_DIR, with the command
-//! line of `build/npu_flags.rs`; its path is baked in as
-//! `AMOE_NPU_KERNEL_LIB` and `cfg(amoe_npu_kernel)` is set. A failure is a
-//! build warning, or a build error with `ASCEND_MOE_NATIVE_KERNEL=required`.
+//! NPU build (when a CANN toolkit is installed: `ASCEND_HOME_PATH`,
+//! `ASCEND_TOOLKIT_HOME`, then the default roots the runtime loader searches,
+//! `/usr/local/Ascend/cann` and `/usr/local/Ascend/ascend-toolkit/latest`,
+//! the first with its `bisheng` or `ccec`): the same source for the AI Core
+//! into `libamoe_kernels_npu.so` in OUT_DIR, with the command line of
+//! `build/npu_flags.rs`; its path is baked in as `AMOE_NPU_KERNEL_LIB` and
+//! `cfg(amoe_npu_kernel)` is set. A failure is a build warning, or a build
+//! error with `ASCEND_MOE_NATIVE_KERNEL=required`, which also makes finding
+//! no toolkit at all, or `ASCEND_MOE_NO_NPU_KERNEL=1`, a build error.
 
 #[path = "build/npu_flags.rs"]
 mod npu_flags;
@@ -49,9 +52,9 @@ const ENV_VARS: &[&str] = &[
     "ASCEND_TOOLKIT_HOME",
     // Ascend C headers for the host build (see the module doc).
     "ASCEND_MOE_ASCENDC_INCLUDE",
-    // `1` skips the NPU kernel build even when CANN is present.
+    // `1` skips the NPU kernel build even when CANN is present (an error with `required`).
     "ASCEND_MOE_NO_NPU_KERNEL",
-    // `required`: a missing or failing NPU kernel build on a CANN host is an error.
+    // `required`: no CANN toolkit, or a missing or failing NPU kernel build, is an error.
     "ASCEND_MOE_NATIVE_KERNEL",
 ];
 
@@ -77,13 +80,44 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=build.rs");
 
-    build_host_kernel();
+    // The toolkit is looked for first, so that `required` fails before the
+    // host build compiles.
     let required = env::var("ASCEND_MOE_NATIVE_KERNEL").as_deref() == Ok("required");
-    if env::var("ASCEND_MOE_NO_NPU_KERNEL").as_deref() != Ok("1") {
-        match find_cann() {
-            Ok(Some(cann)) => build_npu_kernel(&cann, required),
-            Ok(None) => {}
-            Err(e) => fail_npu(required, &e),
+    let cann = npu_toolkit(required);
+    build_host_kernel();
+    if let Some(cann) = cann {
+        build_npu_kernel(&cann, required);
+    }
+}
+
+/// The toolkit the NPU build uses: `None` when the build is skipped
+/// (`ASCEND_MOE_NO_NPU_KERNEL=1`, no toolkit, or an unusable one, which
+/// warns). Under `required` each of those is a build error.
+fn npu_toolkit(required: bool) -> Option<Cann> {
+    if env::var("ASCEND_MOE_NO_NPU_KERNEL").as_deref() == Ok("1") {
+        if required {
+            panic!(
+                "ASCEND_MOE_NATIVE_KERNEL=required asks for the AI Core build of kernels/, but \
+                 ASCEND_MOE_NO_NPU_KERNEL=1 (perhaps inherited from the environment) skips it: unset one of them"
+            );
+        }
+        return None;
+    }
+    match find_cann() {
+        Ok(Some(cann)) => Some(cann),
+        Ok(None) if required => {
+            let looked: Vec<String> = cann_roots().iter().map(|(r, why)| format!("{} ({why})", r.display())).collect();
+            panic!(
+                "ASCEND_MOE_NATIVE_KERNEL=required: no CANN toolkit to build the AI Core kernels/ with: \
+                 ASCEND_HOME_PATH and ASCEND_TOOLKIT_HOME are unset and none of {} exists (source CANN's \
+                 set_env.sh, or set ASCEND_HOME_PATH)",
+                looked.join(", ")
+            );
+        }
+        Ok(None) => None,
+        Err(e) => {
+            fail_npu(required, &e);
+            None
         }
     }
 }
@@ -265,11 +299,29 @@ struct Cann {
     version: npu_flags::CannVersion,
 }
 
+/// The CANN roots, as the runtime loader searches them
+/// (`acl_sys::loader::cann_roots`): `ASCEND_HOME_PATH`, `ASCEND_TOOLKIT_HOME`
+/// (when set and non-empty), then the default install locations, each with
+/// where it came from.
+fn cann_roots() -> Vec<(PathBuf, &'static str)> {
+    let mut roots: Vec<(PathBuf, &'static str)> = Vec::new();
+    for var in ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"] {
+        if let Some(v) = env::var_os(var).filter(|v| !v.is_empty()) {
+            roots.push((PathBuf::from(v), var));
+        }
+    }
+    for d in ["/usr/local/Ascend/cann", "/usr/local/Ascend/ascend-toolkit/latest"] {
+        roots.push((PathBuf::from(d), "default"));
+    }
+    roots
+}
+
 /// CANN root, its kernel compiler and its version, if a toolkit is
-/// installed; an error when one is announced but unusable.
+/// installed; an error when one is announced (a variable, or a default root
+/// that exists) but unusable.
 fn find_cann() -> Result<Option<Cann>, String> {
     let roots: Vec<PathBuf> =
-        ["ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"].iter().filter_map(env::var_os).map(PathBuf::from).collect();
+        cann_roots().into_iter().filter(|(r, why)| *why != "default" || r.is_dir()).map(|(r, _)| r).collect();
     if roots.is_empty() {
         return Ok(None);
     }

@@ -30,9 +30,12 @@
 # device, HCCL_CONNECT_TIMEOUT (default 120 here, HCCL's minimum; HCCL waits
 # 20 s more) the link setup of a first call (hicann/hccl
 # docs/zh/user_guide/hccl_env/HCCL_EXEC_TIMEOUT.md, HCCL_CONNECT_TIMEOUT.md).
-# ASCEND_MOE_NATIVE_KERNEL=required makes a missing or failing AI Core build
-# of kernels/ a build error on a host with a CANN toolkit (ASCEND_HOME_PATH),
-# instead of a warning and a silent fall-back to aclnn.
+# ASCEND_MOE_NATIVE_KERNEL=required (the default here without --sim) makes a
+# missing CANN toolkit (ASCEND_HOME_PATH, ASCEND_TOOLKIT_HOME or a default
+# install root), an inherited ASCEND_MOE_NO_NPU_KERNEL=1, and a missing or
+# failing AI Core build of kernels/ build errors, instead of a warning and a
+# silent fall-back to aclnn. The simulator runs the host build of kernels/,
+# so --sim needs no toolkit and does not set it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,7 +65,9 @@ fi
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-120}"
 export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-120}"
 export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-120}"
-export ASCEND_MOE_NATIVE_KERNEL="${ASCEND_MOE_NATIVE_KERNEL:-required}"
+if ((!sim)); then
+    export ASCEND_MOE_NATIVE_KERNEL="${ASCEND_MOE_NATIVE_KERNEL:-required}"
+fi
 export ASCEND_MOE_MIN_DEVICES="${ASCEND_MOE_MIN_DEVICES:-4}"
 step() { printf '\n== %s ==\n' "$*"; }
 
