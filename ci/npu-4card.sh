@@ -60,6 +60,16 @@ if ((sim)); then
 else
     export ASCEND_MOE_EXPECT_RUNTIME=real
     skips+=(--skip sim_only_)
+    # acl-sys and hccl-sys are generated from this host's CANN headers: with
+    # ASCEND_MOE_BINDINGS_DUMP set a failed generation is a build error, not a
+    # warning and the committed bindings (acl-sys/cann-bindgen), and step 1
+    # checks the bindings say "generated". The directory only receives a
+    # copy of them; it is a fixed one because a new path each run would make
+    # cargo rebuild the crate every run (the variable is rerun-if-env-changed).
+    dump_dir="${CARGO_TARGET_DIR:-target}/npu-4card-bindings"
+    mkdir -p "$dump_dir"
+    ASCEND_MOE_BINDINGS_DUMP="$(cd "$dump_dir" && pwd)"
+    export ASCEND_MOE_BINDINGS_DUMP
 fi
 
 export ASCEND_MOE_COMM_TIMEOUT="${ASCEND_MOE_COMM_TIMEOUT:-120}"

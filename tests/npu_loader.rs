@@ -320,8 +320,9 @@ fn committed_bindings_exist_and_carry_no_vendor_comments() {
 
 /// The runtime is the one the run expects (`ASCEND_MOE_EXPECT_RUNTIME`, which
 /// `ci/npu-4card.sh` sets: `real`, or `sim` with `--sim`): a run meant for an
-/// Ascend host never goes green on the simulator, nor the reverse. Then
-/// enough devices are visible and each reports its memory.
+/// Ascend host never goes green on the simulator, nor the reverse, and on a
+/// host the bindings were generated from its headers. Then enough devices
+/// are visible and each reports its memory.
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn npu_host_has_the_devices() {
@@ -344,6 +345,18 @@ fn npu_host_has_the_devices() {
              loaded from {from} exports no cannsim_* entry point: it is not cann-sim\n{report}"
         ),
         _ => {}
+    }
+    // On a real host the bindings are generated from its CANN headers
+    // (ci/npu-4card.sh sets ASCEND_MOE_BINDINGS_DUMP, which makes a failed
+    // generation a build error), never the committed ones.
+    if expected_runtime() == Some(ExpectedRuntime::Real) {
+        for (krate, origin) in report.bindings {
+            assert!(
+                origin.starts_with("generated"),
+                "{EXPECT_RUNTIME_ENV}=real: the {krate} bindings are {origin:?}, not generated from this host's CANN \
+                 headers (build with ASCEND_MOE_BINDINGS_DUMP set, as ci/npu-4card.sh does, to see why)\n{report}"
+            );
+        }
     }
     let want: u32 = match std::env::var("ASCEND_MOE_MIN_DEVICES") {
         Ok(s) => s.parse().unwrap_or_else(|_| panic!("ASCEND_MOE_MIN_DEVICES={s:?}: expected a count of devices")),
