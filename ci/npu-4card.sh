@@ -115,7 +115,13 @@ for f in ${filter[@]+"${filter[@]}"}; do
     esac
 done
 for f in ${names[@]+"${names[@]}"}; do
-    listed="$(cargo test -q --workspace -- --ignored --list "${skips[@]}" ${flags[@]+"${flags[@]}"} "$f" 2>/dev/null)"
+    # Listing builds every test binary: a build error is shown and fails the
+    # run, not taken for a FILTER that matches nothing.
+    if ! listed="$(cargo test -q --workspace -- --ignored --list "${skips[@]}" ${flags[@]+"${flags[@]}"} "$f" 2>"$log")"; then
+        cat "$log" >&2
+        echo "error: listing the NPU tests to check FILTER $f failed (cargo test --list, errors above)" >&2
+        exit 1
+    fi
     if ! grep -q ': test$' <<<"$listed"; then
         echo "error: FILTER $f matches no NPU test" >&2
         exit 1
