@@ -9,8 +9,9 @@
 # Arguments, when given, are passed to ci/npu-4card.sh and run once, for
 # CANNSIM_CANN_VERSION (default 8.5); `ci/sim.sh --bench-short` runs only the
 # benches' short form (below). Environment knobs (see cann-sim/README.md):
-#   CANNSIM_LEAK_REPORT  1 (default here: print the leak report of every process)
-#                        or fail (a process that leaks exits non-zero)
+#   CANNSIM_LEAK_REPORT  fail (default here: a process that leaks anything exits
+#                        with CANNSIM_LEAK_EXIT_CODE, 97, failing its test run) or 1
+#                        (only print the leak report of every process)
 #   CANNSIM_STREAM_MODE  lazy (default: a missing sync always reads stale data) or eager
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ export ASCEND_MOE_ACL_LIB="$lib"
 export ASCEND_MOE_HCCL_LIB="$lib"
 export ASCEND_MOE_NNOPBASE_LIB="$lib"
 export CANNSIM_DEVICES="${CANNSIM_DEVICES:-4}"
-export CANNSIM_LEAK_REPORT="${CANNSIM_LEAK_REPORT:-1}"
+export CANNSIM_LEAK_REPORT="${CANNSIM_LEAK_REPORT:-fail}"
 # Collectives fail fast instead of waiting minutes when a test breaks a rank:
 # the crate's own waits, and HCCL's execution timeout (the simulator, like
 # HCCL, reads only HCCL's variables and, on 8.5, the communicator's config).
