@@ -210,7 +210,7 @@ def _device(arg: str, x) -> int | None:
 # it builds the descriptor), so only its pointer, shape and dtype are read.
 _HOST_TENSOR_TYPES: set = set()
 # `torch.strided` once a tensor entered `_HOST_TENSOR_TYPES`: the short way
-# takes only dense tensors (see `_dense`).
+# takes only dense tensors (see `check_dense`).
 _STRIDED: list = [None]
 
 
@@ -219,7 +219,7 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     except that a non-contiguous CPU *input* is made contiguous (`.contiguous()`)."""
     npu = _device(arg, x)
     dtype_code(arg, x.dtype)
-    _dense(arg, x)
+    check_dense(arg, x)
     if getattr(x, "is_neg", None) is not None and x.is_neg():
         # torch's negative bit: the values are the negated memory (a view
         # such as `.conj().imag`), which the library would read as it is.
@@ -245,7 +245,7 @@ def _tensor_desc(arg: str, x, writable: bool) -> Desc:
     return Desc(arg, x.shape, x.dtype, x, x.data_ptr() or None, npu)
 
 
-def _dense(arg: str, x) -> None:
+def check_dense(arg: str, x) -> None:
     """Refuses a tensor whose elements are not laid out in its own strided
     memory (sparse, mkldnn, nested): the library reads `data_ptr()` as the
     dense elements, which such a tensor does not have."""

@@ -16,7 +16,7 @@ from . import shapes
 from ._enums import HCCL_WORLD, ReduceOp, Status
 from ._errors import AmoeError, error
 from ._lib import U32_MAX, Lease, Owned, c_uint, call, integer, refusing, sizes
-from ._tensor import Operands, _no_gradient, _records_grad, as_array, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
+from ._tensor import Operands, _no_gradient, _records_grad, as_array, check_dense, desc_out, dtype_code, dtype_name, lend_out, resolve_stream
 
 
 # Open communicators by `Comm.handle_id`, for callers that can pass only an
@@ -300,6 +300,7 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     a new result's backward fails, and an `out` other than `x` is refused."""
     h = handle_of("comm", comm)
     with refusing_on(h):
+        check_dense("x", x)
         grad = _records_grad(x)
         if grad and out is not None and out is not x:
             raise error(

@@ -347,7 +347,8 @@ def test_broadcast_copies_a_tensor_into_an_array_out():
             x = (torch.arange(6).reshape(2, 3) % 3).to(tdtype)
             out = np.full((2, 3), 7, dtype)
             assert am.broadcast(x, c, out=out) is out
-            assert out.astype(np.float32).tolist() == [[0, 1, 2], [0, 1, 2]] if tdtype is not torch.bool else [[0, 1, 1], [0, 1, 1]], tdtype
+            want = [[0, 1, 1], [0, 1, 1]] if tdtype is torch.bool else [[0, 1, 2], [0, 1, 2]]
+            assert out.astype(np.float32).tolist() == want, tdtype
         neg = torch.complex(torch.zeros(3), torch.tensor([1.0, 2.0, 3.0])).conj().imag
         out = np.zeros(3, np.float32)
         assert am.broadcast(neg, c, out=out) is out and out.tolist() == [-1.0, -2.0, -3.0]
@@ -375,6 +376,9 @@ def test_tensors_that_are_not_dense_are_refused_naming_their_layout():
                     am.all_reduce(x, c)
                 with pytest.raises(am.InvalidArgumentError, match="`out`"):
                     am.all_gather(torch.ones(3, 3), c, out=x)
+                for out in (None, torch.zeros(3, 3), np.zeros((3, 3), np.float32)):
+                    with pytest.raises(am.InvalidArgumentError, match="`x` is a"):
+                        am.broadcast(x, c, out=out)
 
 
 def test_arguments_of_the_wrong_kind_are_the_packages_errors():
