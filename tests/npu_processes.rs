@@ -102,6 +102,7 @@ fn parent() {
     let root_file = dir.join("root-info.hex");
     let exe = std::env::current_exe().expect("this test binary");
     let log = |r: usize| dir.join(format!("rank-{r}.log"));
+    let cards = cards();
     let mut children: Vec<Option<Child>> = (0..WORLD)
         .map(|r| {
             let out = File::create(log(r)).expect("a log file");
@@ -110,7 +111,7 @@ fn parent() {
                 .args([NAME, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
                 .env(RANK_ENV, r.to_string())
                 .env(ROOT_ENV, &root_file)
-                .env("ASCEND_RT_VISIBLE_DEVICES", r.to_string())
+                .env("ASCEND_RT_VISIBLE_DEVICES", &cards[r])
                 .stdin(Stdio::null())
                 .stdout(out)
                 .stderr(err)
@@ -160,10 +161,28 @@ fn parent() {
     }
 }
 
+/// The card of each rank: the first `WORLD` of `ASCEND_RT_VISIBLE_DEVICES`
+/// when the run was given a list (a job holding cards 4-7 of an 8-card host
+/// tests those, as the rest of the suite does), else cards `0..WORLD`.
+fn cards() -> Vec<String> {
+    match std::env::var("ASCEND_RT_VISIBLE_DEVICES") {
+        Ok(list) if !list.trim().is_empty() => {
+            let cards: Vec<String> = list.split(',').map(|c| c.trim().to_string()).collect();
+            assert!(
+                cards.len() >= WORLD && cards.iter().all(|c| !c.is_empty()),
+                "ASCEND_RT_VISIBLE_DEVICES={list:?} lists fewer than the {WORLD} cards this test runs one process on each"
+            );
+            cards.into_iter().take(WORLD).collect()
+        }
+        _ => (0..WORLD).map(|r| r.to_string()).collect(),
+    }
+}
+
 /// One rank: its card is device 0, the only one it sees.
 fn child(rank: usize, root_file: &Path) -> Result<()> {
     let count = npu::device_count()?;
-    assert_eq!(count, 1, "ASCEND_RT_VISIBLE_DEVICES={rank} leaves one device visible");
+    let visible = std::env::var("ASCEND_RT_VISIBLE_DEVICES").unwrap_or_default();
+    assert_eq!(count, 1, "rank {rank}: ASCEND_RT_VISIBLE_DEVICES={visible} leaves one device visible");
     let device = NpuDevice::open(0)?;
     let root = if rank == 0 {
         let root = HcclRootInfo::generate(&device)?;
