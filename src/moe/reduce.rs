@@ -303,6 +303,7 @@ impl ReducePolicy {
             point as usize,
         ];
         Facts {
+            arg: "policy",
             what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes) and reduction point",
             shown: Box::new({
                 let p = *self;

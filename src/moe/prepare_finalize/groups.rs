@@ -173,6 +173,8 @@ pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C
 /// gives this rank's, for the error of ranks whose prints differ (written
 /// only then, off the path of every call).
 pub(crate) struct Facts {
+    /// The arguments the facts come from, which the error names.
+    pub(crate) arg: &'static str,
     pub(crate) what: &'static str,
     pub(crate) shown: Box<dyn Fn() -> String + Send + Sync>,
     pub(crate) print: i32,
@@ -194,9 +196,21 @@ pub(crate) fn context_facts(ctx: &MoeContext, arg: &'static str, tokens: &Tensor
     v.extend([ctx.tp_size(), usize::from(ctx.sp()), ctx.pcp_size(), ctx.padded_num_tokens()]);
     v.extend([dtype as usize, row_len]);
     let print = crate::moe::pad_reduce::fingerprint(&v);
+    let (args, what) = match arg {
+        "x" => (
+            "ctx` or `x",
+            "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or the \
+             dtype and row length of `x`",
+        ),
+        _ => (
+            "ctx` or `y",
+            "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or the \
+             dtype and row length of `y`",
+        ),
+    };
     Facts {
-        what: "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or \
-               the dtype and row length of its tokens",
+        arg: args,
+        what,
         // `v` is the DP token counts, then the four sizes above, then the
         // dtype and row length.
         shown: Box::new(move || {
@@ -274,7 +288,7 @@ fn facts_disagreement(
     };
     Error::invalid(
         op,
-        "ctx",
+        facts.arg,
         format!(
             "the {kind} ranks of group {group:?} agree on the comm type but not on the {}: {who}; this is rank \
              {rank}, which sees {}",

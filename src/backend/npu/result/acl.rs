@@ -232,6 +232,8 @@ pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<(aclmdlRICa
 pub(crate) struct RelaxedCaptureMode {
     /// The mode to restore; `None` when nothing was switched.
     previous: Option<aclmdlRICaptureMode>,
+    /// The mode is the calling thread's: the guard stays on that thread.
+    _thread: std::marker::PhantomData<*const ()>,
 }
 
 /// Switches the calling thread to `ACL_MODEL_RI_CAPTURE_MODE_RELAXED` with
@@ -250,8 +252,9 @@ pub(crate) struct RelaxedCaptureMode {
 /// (`inner_thread_local.cpp:22`). CANN's remedy for a call known not to
 /// affect the capture is this switch and a switch back (the call's
 /// reference, v8.5.0 `docs/api_docs/aclmdlRICaptureThreadExchangeMode.md`;
-/// the runtime guide, `docs/zh/dev_guide/04-01_single_stream_capture.md:15`
-/// and its sample at `:115-125`).
+/// the runtime guide of v9.2.0-beta.1,
+/// `docs/zh/dev_guide/04-01_single_stream_capture.md:15` and its sample at
+/// `:115-125`).
 ///
 /// On a runtime without the call (older than the capture mode switch) and
 /// on a chip without ACL graphs (`ACL_ERROR_RT_FEATURE_NOT_SUPPORT`,
@@ -262,16 +265,16 @@ pub(crate) struct RelaxedCaptureMode {
 pub(crate) fn relaxed_capture_mode() -> Result<RelaxedCaptureMode> {
     let api = acl()?;
     let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureThreadExchangeMode) else {
-        return Ok(RelaxedCaptureMode { previous: None });
+        return Ok(RelaxedCaptureMode { previous: None, _thread: std::marker::PhantomData });
     };
     let mut mode = aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
     // SAFETY: a valid in/out pointer to a mode in range.
     let code = unsafe { f(&mut mode) };
     if code == acl_sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as aclError {
-        return Ok(RelaxedCaptureMode { previous: None });
+        return Ok(RelaxedCaptureMode { previous: None, _thread: std::marker::PhantomData });
     }
     check("aclmdlRICaptureThreadExchangeMode", code)?;
-    Ok(RelaxedCaptureMode { previous: Some(mode) })
+    Ok(RelaxedCaptureMode { previous: Some(mode), _thread: std::marker::PhantomData })
 }
 
 impl Drop for RelaxedCaptureMode {
