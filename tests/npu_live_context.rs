@@ -920,6 +920,14 @@ fn a_check_is_refused_under_capture_and_on_another_devices_stream() {
 /// its own stream over and over: a replay the check finds running (its guard
 /// record filled, not yet written) is left for a later check, never reported
 /// as a guard that did not run.
+///
+/// The live context is set on the engine's stream and the replays run on
+/// another one, so that stream is ordered after the set on the device (an
+/// event), as an engine replaying elsewhere must: unordered, a replay may
+/// read the context before the copy wrote it. The engine's checks start only
+/// once the first replay ran, so a replay that races the set runs first on
+/// every run (under the lazy simulator a copy no wait reached never runs
+/// before it), not only under an unlucky schedule.
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn a_check_leaves_a_captured_guard_whose_replay_runs_on_another_stream() {
@@ -933,7 +941,9 @@ fn a_check_leaves_a_captured_guard_whose_replay_runs_on_another_stream() {
     let graph =
         Graph::capture(e._device.stream().raw(), || assert_eq!(e.guard(&mc2, 0), amoe_status::Ok, "{}", last_error()));
     let other = e._device.new_stream().expect("a second stream");
+    other.wait_for(e._device.stream()).expect("the replays ordered after the set");
     let done = std::sync::atomic::AtomicBool::new(false);
+    let (first_ran, first) = std::sync::mpsc::channel();
     let reports = std::thread::scope(|s| {
         let replayer = Replayer(&graph, other.raw());
         let (done, other) = (&done, &other);
@@ -947,11 +957,16 @@ fn a_check_leaves_a_captured_guard_whose_replay_runs_on_another_stream() {
             }
             let (r, _done) = (replayer, Done(done));
             other.synchronize().expect("the device bound on this thread");
-            for _ in 0..200 {
+            for i in 0..200 {
                 r.0.replay(r.1);
                 other.synchronize().expect("a replay on the other stream");
+                if i == 0 {
+                    first_ran.send(()).expect("the engine waits for the first replay");
+                }
             }
         });
+        // A replayer that failed before its first replay dropped the sender.
+        let _ = first.recv();
         let mut reports = Vec::new();
         while !done.load(std::sync::atomic::Ordering::Acquire) && reports.len() < 3 {
             let (st, msg) = e.check();
