@@ -1056,6 +1056,9 @@ amoe_status amoe_live_context_device_ptr(const struct amoe_live_context *ctx,
 
 // Enqueues on `stream` the update of the live context to `fc` (a copy from
 // pinned staging the library owns). The engine calls it before each replay,
+// on the replay's stream or on one the replay's stream is ordered after
+// (an event recorded here and waited for there: streams run unordered, so
+// an unordered replay may read the context before the copy wrote it),
 // outside capture (a capturing `stream` is refused,
 // `AMOE_STATUS_INVALID_ARGUMENT`; a stream of another device than `ctx`'s
 // is `AMOE_STATUS_DEVICE`). Creates no event, and never synchronises except

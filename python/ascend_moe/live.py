@@ -96,7 +96,9 @@ class LiveContext(Owned):
 
     def set(self, ctx: ForwardContext) -> None:
         """Enqueues the update of the live context to `ctx` on the stream:
-        before each replay, outside capture."""
+        before each replay, outside capture. A replay on another stream must
+        be ordered after it (an event recorded on this stream and waited for
+        there), or it may read the context before the update was written."""
         c, _keep = _context_c(ctx)
         call("amoe_live_context_set", self._handle(), ctypes.byref(c), self._stream)
 

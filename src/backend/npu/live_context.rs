@@ -287,7 +287,11 @@ impl LiveContext {
 
     /// Enqueues on `stream` a copy of `words` into the live buffer (through
     /// pinned staging; the copy reads it when the stream runs it). The engine
-    /// calls it before each replay, outside capture. It creates no event and
+    /// calls it before each replay, outside capture. A replay on another
+    /// stream reads the update only once that stream is ordered after it on
+    /// the device (an event recorded on `stream` and waited for there, e.g.
+    /// [`NpuStream::wait_for`]): streams run unordered, so it may otherwise
+    /// read the context before the copy wrote it. It creates no event and
     /// waits on the host only when the copy `STAGING_SLOTS` updates ago
     /// (the last one out of the staging slot it reuses) has not run yet:
     /// the slot's event is asked first, without waiting
