@@ -61,7 +61,8 @@ fn finalize_inputs(r: usize) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
 /// (SPEC section 1, mode 2: `out[i] = sum_k s(i,k) * x[idx[i*K + k]]`;
 /// sections 3-4 for the block).
 fn expected(rank: usize) -> (Vec<f64>, Vec<f64>) {
-    let sum: Vec<f64> = (0..ELEMS).map(|i| (0..WORLD).map(|r| reduce_input(r)[i] as f64).sum()).collect();
+    let inputs: Vec<Vec<f32>> = (0..WORLD).map(reduce_input).collect();
+    let sum: Vec<f64> = (0..ELEMS).map(|i| inputs.iter().map(|x| x[i] as f64).sum()).collect();
     let n: usize = LOCAL_SIZES.iter().sum();
     let mut total = vec![0f64; n * H];
     for r in 0..WORLD {

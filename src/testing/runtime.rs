@@ -76,7 +76,7 @@ const LEAKING_CHILD_ENV: &str = "AMOE_TEST_LEAKING_CHILD";
 /// caller once the child passed; under the simulator the child must have
 /// printed its leak report.
 pub fn in_child_that_may_leak(name: &str) -> bool {
-    if std::env::var(LEAKING_CHILD_ENV).as_deref() == Ok(name) {
+    if env::var(LEAKING_CHILD_ENV).as_deref() == Ok(name) {
         return true;
     }
     let exe = std::env::current_exe().expect("this test binary");

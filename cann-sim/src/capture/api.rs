@@ -30,6 +30,18 @@ pub(super) fn here(s: &Stream) -> SimResult<()> {
     Ok(())
 }
 
+/// A capture mode: GLOBAL, THREAD_LOCAL or RELAXED (the enum read as
+/// unsigned: a negative one is out of range too).
+fn check_mode(mode: i32) -> SimResult<()> {
+    if !(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL..=ACL_MODEL_RI_CAPTURE_MODE_RELAXED).contains(&mode) {
+        return fail(
+            ACL_ERROR_RT_PARAM_INVALID,
+            format!("aclmdlRICaptureMode {mode} is outside GLOBAL (0) .. RELAXED (2)"),
+        );
+    }
+    Ok(())
+}
+
 /// `aclError aclmdlRICaptureBegin(aclrtStream stream, aclmdlRICaptureMode mode)`.
 ///
 /// Refused, in the runtime's order (hicann/runtime v8.5.0): the default
@@ -49,12 +61,7 @@ pub extern "C" fn aclmdlRICaptureBegin(stream: AclrtStream, mode: i32) -> AclErr
         if stream.is_null() {
             return fail(ACL_ERROR_INVALID_PARAM, "the default stream (NULL) cannot be captured");
         }
-        if !(ACL_MODEL_RI_CAPTURE_MODE_GLOBAL..=ACL_MODEL_RI_CAPTURE_MODE_RELAXED).contains(&mode) {
-            return fail(
-                ACL_ERROR_RT_PARAM_INVALID,
-                format!("aclmdlRICaptureMode {mode} is outside GLOBAL (0) .. RELAXED (2)"),
-            );
-        }
+        check_mode(mode)?;
         context::current()?;
         let s = context::resolve_stream(stream as usize)?;
         here(&s)?;
@@ -132,12 +139,7 @@ pub unsafe extern "C" fn aclmdlRICaptureThreadExchangeMode(mode: *mut i32) -> Ac
     status::acl("aclmdlRICaptureThreadExchangeMode", || unsafe {
         not_null(mode, "mode")?;
         let new = *mode;
-        if new as u32 >= 3 {
-            return fail(
-                ACL_ERROR_RT_PARAM_INVALID,
-                format!("aclmdlRICaptureMode {new} is outside GLOBAL (0) .. RELAXED (2)"),
-            );
-        }
+        check_mode(new)?;
         context::current()?;
         *mode = THREAD_MODE.with(|m| m.replace(new));
         Ok(())

@@ -223,8 +223,8 @@ fn refuse_capture(op: &'static str, stream: &NpuStream, advice: &str) -> Result<
 /// which no capture records or reads; the check is refused while the
 /// context's stream captures and leaves a captured guard's record whose
 /// replay has not written it.
-fn read_records(device: &NpuDevice, records: &NpuBuffer, words: &mut [u32]) -> Result<()> {
-    device.stream().enter()?;
+fn read_records(records: &NpuBuffer, words: &mut [u32]) -> Result<()> {
+    records.stream().enter()?;
     let _relaxed = rt::relaxed_capture_mode()?;
     records.copy_to_host(bytemuck::cast_slice_mut(words))
 }
@@ -516,7 +516,7 @@ impl LiveContext {
             }
             if read.is_ok() {
                 words.resize(c.len * STATUS_WORDS, 0);
-                read = read_records(&self.device, &c.records, &mut words);
+                read = read_records(&c.records, &mut words);
             }
             for (k, slot) in held.iter_mut().enumerate() {
                 if !read_here(slot) {

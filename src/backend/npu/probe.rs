@@ -80,17 +80,12 @@ fn describe(c: &loader::Candidate) -> String {
     format!("{} [{}]", c.path.to_string_lossy(), c.source)
 }
 
-/// The simulator-only entry points `api` exports.
-fn cannsim_symbols(api: &acl_sys::Acl) -> Vec<&'static str> {
-    [
-        ("cannsim_launch_kernel", api.cannsim_launch_kernel.is_some()),
-        ("cannsim_launch_kernel_ex", api.cannsim_launch_kernel_ex.is_some()),
-        ("cannsim_counters", api.cannsim_counters.is_some()),
-        ("cannsim_counters_reset", api.cannsim_counters_reset.is_some()),
-    ]
-    .into_iter()
-    .filter_map(|(name, present)| present.then_some(name))
-    .collect()
+/// Whether `api` exports any of the simulator-only entry points.
+fn is_simulator(api: &acl_sys::Acl) -> bool {
+    api.cannsim_launch_kernel.is_some()
+        || api.cannsim_launch_kernel_ex.is_some()
+        || api.cannsim_counters.is_some()
+        || api.cannsim_counters_reset.is_some()
 }
 
 /// Looks for every CANN piece (loading what it finds).
@@ -103,7 +98,7 @@ pub fn probe() -> ProbeReport {
         let version = rt::get_version().map(|(a, b, c)| format!("{a}.{b}.{c}"));
         let devices = super::runtime::device_count().map_err(|e| e.to_string());
         let soc = rt::get_soc_name();
-        RuntimeInfo { version, soc, devices, simulator: !cannsim_symbols(api).is_empty() }
+        RuntimeInfo { version, soc, devices, simulator: is_simulator(api) }
     });
     let aclnn_ops = match &opapi {
         Ok(o) => ["aclnnMoeFinalizeRoutingV2", "aclnnMoeTokenUnpermute", "aclnnAdd"]

@@ -44,13 +44,7 @@ fn exchange_counts(ep: &Comm, send: &[usize], num_experts: usize) -> Result<Vec<
     let got = dst.to_vec::<i64>()?;
     let experts: Vec<i64> = got.iter().skip(1).step_by(COUNT_WORDS).copied().collect();
     if experts.iter().any(|&e| e != num_experts as i64) {
-        let mut groups: Vec<(i64, Vec<usize>)> = Vec::new();
-        for (r, &e) in experts.iter().enumerate() {
-            match groups.iter_mut().find(|(v, _)| *v == e) {
-                Some((_, ranks)) => ranks.push(r),
-                None => groups.push((e, vec![r])),
-            }
-        }
+        let groups = super::groups::ranks_by(&experts, |e| e);
         let each: Vec<String> = groups.iter().map(|(e, ranks)| format!("ranks {ranks:?} pass {e}")).collect();
         return Err(Error::invalid(
             DISPATCH,

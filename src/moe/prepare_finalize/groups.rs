@@ -300,8 +300,8 @@ fn facts_disagreement(
 
 /// The ranks of `values` (one per rank) grouped by `key` of their value,
 /// in order of each key's first rank.
-fn ranks_by(values: &[i32], key: impl Fn(i32) -> i32) -> Vec<(i32, Vec<usize>)> {
-    let mut groups: Vec<(i32, Vec<usize>)> = Vec::new();
+pub(super) fn ranks_by<T: Copy, K: PartialEq>(values: &[T], key: impl Fn(T) -> K) -> Vec<(K, Vec<usize>)> {
+    let mut groups: Vec<(K, Vec<usize>)> = Vec::new();
     for (r, &v) in values.iter().enumerate() {
         let k = key(v);
         match groups.iter_mut().find(|(g, _)| *g == k) {

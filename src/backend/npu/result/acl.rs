@@ -230,10 +230,19 @@ pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<(aclmdlRICa
 /// panic) switches the thread back to the mode it had.
 #[must_use = "the thread goes back to its mode when this is dropped"]
 pub(crate) struct RelaxedCaptureMode {
-    /// The mode to restore; `None` when nothing was switched.
-    previous: Option<aclmdlRICaptureMode>,
+    /// The switch and the mode to restore; `None` when nothing was switched.
+    restore: Option<(ExchangeMode, aclmdlRICaptureMode)>,
     /// The mode is the calling thread's: the guard stays on that thread.
     _thread: std::marker::PhantomData<*const ()>,
+}
+
+/// `aclmdlRICaptureThreadExchangeMode`.
+type ExchangeMode = unsafe extern "C" fn(*mut aclmdlRICaptureMode) -> aclError;
+
+impl RelaxedCaptureMode {
+    fn new(restore: Option<(ExchangeMode, aclmdlRICaptureMode)>) -> Self {
+        RelaxedCaptureMode { restore, _thread: std::marker::PhantomData }
+    }
 }
 
 /// Switches the calling thread to `ACL_MODEL_RI_CAPTURE_MODE_RELAXED` with
@@ -263,25 +272,22 @@ pub(crate) struct RelaxedCaptureMode {
 /// bound (`ApiImpl::ThreadExchangeCaptureMode` needs a current context,
 /// `api_impl.cc:7918-7919`).
 pub(crate) fn relaxed_capture_mode() -> Result<RelaxedCaptureMode> {
-    let api = acl()?;
-    let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureThreadExchangeMode) else {
-        return Ok(RelaxedCaptureMode { previous: None, _thread: std::marker::PhantomData });
+    let Ok(&f) = acl()?.lib.aclmdlRICaptureThreadExchangeMode.as_ref() else {
+        return Ok(RelaxedCaptureMode::new(None));
     };
     let mut mode = aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
     // SAFETY: a valid in/out pointer to a mode in range.
     let code = unsafe { f(&mut mode) };
     if code == acl_sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as aclError {
-        return Ok(RelaxedCaptureMode { previous: None, _thread: std::marker::PhantomData });
+        return Ok(RelaxedCaptureMode::new(None));
     }
     check("aclmdlRICaptureThreadExchangeMode", code)?;
-    Ok(RelaxedCaptureMode { previous: Some(mode), _thread: std::marker::PhantomData })
+    Ok(RelaxedCaptureMode::new(Some((f, mode))))
 }
 
 impl Drop for RelaxedCaptureMode {
     fn drop(&mut self) {
-        let Some(mut mode) = self.previous.take() else { return };
-        let Ok(api) = acl() else { return };
-        if let Ok(f) = acl_sys::acl_symbol!(api, aclmdlRICaptureThreadExchangeMode) {
+        if let Some((f, mut mode)) = self.restore.take() {
             // SAFETY: as in `relaxed_capture_mode`. The switch back cannot be
             // refused where the switch succeeded: the same thread, a mode the
             // runtime itself handed out (checked only against the range,

@@ -302,7 +302,7 @@ impl StreamInner {
         {
             // Decided under the map's lock, which the checks of the device's
             // other streams hold while they read this stream's captured
-            // records ([`with_captures_of_other_streams`]): from here on none
+            // records ([`with_other_streams`]): from here on none
             // finds it, so none reads a record of a freed pool.
             let mut map = states().lock().unwrap_or_else(|p| p.into_inner());
             let st = lock(&self.state);
