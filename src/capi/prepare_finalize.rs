@@ -409,11 +409,7 @@ pub unsafe extern "C" fn amoe_token_finalize_output_shape(
     out_ndim: *mut usize,
 ) -> amoe_status {
     const F: &str = "amoe_token_finalize_output_shape";
-    let shape_of = |y: &[usize], dtype, ct, c: &MoeContext| {
-        let shape = pf::finalize_output_shape(y, ct, c)?;
-        pf::finalize_dtype(dtype, ct, c).map(|_| shape)
-    };
-    plan_shape(F, "y", shape_of, y, comm_type, ctx, out_shape, cap, out_ndim)
+    plan_shape(F, "y", pf::finalize_shape_and_dtype, y, comm_type, ctx, out_shape, cap, out_ndim)
 }
 
 /// Returns the experts' output `y` to this rank's token layout under the

@@ -23,6 +23,7 @@ mod prepare;
 pub use exchange::{combine, dispatch, Dispatched};
 pub use groups::{check_comm_type_agreement, MoeGroups};
 pub(crate) use groups::{comm_type_agreement, comm_type_check_enabled, Facts};
+pub(crate) use plan::finalize_shape_and_dtype;
 pub use plan::{
     finalize_dtype, finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext,
     TokenPlan,

@@ -299,6 +299,21 @@ pub fn finalize_dtype(dtype: DType, comm: CommType, ctx: &MoeContext) -> Result<
     }
 }
 
+/// [`finalize_output_shape`] then [`finalize_dtype`] for a `y` of `y_shape`
+/// and `dtype`: the output shape, or the first of their errors (the shape's
+/// when both fail). The checks of [`finalize`](super::finalize()), its
+/// `_into` twin and the C ABI's finalize shape function, kept in one order.
+pub(crate) fn finalize_shape_and_dtype(
+    y_shape: &[usize],
+    dtype: DType,
+    comm: CommType,
+    ctx: &MoeContext,
+) -> Result<Vec<usize>> {
+    let shape = finalize_output_shape(y_shape, comm, ctx)?;
+    finalize_dtype(dtype, comm, ctx)?;
+    Ok(shape)
+}
+
 /// The MC2 mask of this rank's prepared rows: `true` for the first
 /// `ctx.num_actual_tokens()` rows of this DP rank's tokens, `false` for graph
 /// padding and the TP padding. `Some` for MC2 / FUSED_MC2 only. One `bool`

@@ -2,8 +2,7 @@
 
 use super::groups::{check_groups, comm_type_agreement, comm_type_check_enabled, context_facts, MoeGroups};
 use super::plan::{
-    finalize_dtype, finalize_output_shape, mc2_mask_extent, prepare_output_shape, token_plan, try_mc2_mask, MoeContext,
-    TokenPlan,
+    finalize_shape_and_dtype, mc2_mask_extent, prepare_output_shape, token_plan, try_mc2_mask, MoeContext, TokenPlan,
 };
 use super::plan::{FINALIZE, PREPARE};
 use crate::backend::args::with_rows;
@@ -284,8 +283,7 @@ fn copy_all(src: &Tensor, dst: &mut Tensor) -> Result<()> {
 /// rows back to this rank's `ctx.local_tokens()` rows, in a fresh buffer (or
 /// `y` itself where the path is the identity).
 pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Tensor> {
-    let shape = finalize_output_shape(y.shape(), comm, ctx)
-        .and_then(|shape| finalize_dtype(y.dtype(), comm, ctx).map(|_| shape))
+    let shape = finalize_shape_and_dtype(y.shape(), y.dtype(), comm, ctx)
         .and_then(|shape| check_groups(FINALIZE, ctx, groups).map(|_| shape))
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
     agree_before_finalize(&y, comm, ctx, groups)?;
@@ -337,8 +335,7 @@ pub fn finalize(y: Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups)
 /// collective or copy of the path writes `out`. `out` may share `y`'s memory
 /// (then `y` is read from a copy in workspace).
 pub fn finalize_into(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups, out: &mut Tensor) -> Result<()> {
-    let shape = finalize_output_shape(y.shape(), comm, ctx)
-        .and_then(|shape| finalize_dtype(y.dtype(), comm, ctx).map(|_| shape))
+    let shape = finalize_shape_and_dtype(y.shape(), y.dtype(), comm, ctx)
         .and_then(|shape| check_out_like(FINALIZE, y, out, &shape).map(|_| shape))
         .and_then(|shape| check_groups(FINALIZE, ctx, groups).map(|_| shape))
         .map_err(|e| refuse_first(Stage::Finalize, comm, ctx, groups, y.dtype(), e))?;
