@@ -216,16 +216,19 @@ fn refuse_capture(op: &'static str, stream: &NpuStream, advice: &str) -> Result<
 
 /// Reads the guard records of `records` into `words` (a blocking copy,
 /// after synchronising the records' stream) in RELAXED capture mode
-/// ([`rt::relaxed_capture_mode`]): CANN refuses a blocking copy while any
-/// other thread's stream captures in GLOBAL mode, torch_npu's default
-/// (`ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT`), which would fail the check.
-/// The records are the guards' own,
+/// ([`rt::relaxed_capture_mode`]; the switch is taken into `relaxed` at a
+/// check's first read and held for its others): CANN refuses a blocking
+/// copy while any other thread's stream captures in GLOBAL mode,
+/// torch_npu's default (`ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT`), which
+/// would fail the check. The records are the guards' own,
 /// which no capture records or reads; the check is refused while the
 /// context's stream captures and leaves a captured guard's record whose
 /// replay has not written it.
-fn read_records(records: &NpuBuffer, words: &mut [u32]) -> Result<()> {
+fn read_records(records: &NpuBuffer, words: &mut [u32], relaxed: &mut Option<rt::RelaxedCaptureMode>) -> Result<()> {
     records.stream().enter()?;
-    let _relaxed = rt::relaxed_capture_mode()?;
+    if relaxed.is_none() {
+        *relaxed = Some(rt::relaxed_capture_mode()?);
+    }
     records.copy_to_host(bytemuck::cast_slice_mut(words))
 }
 
@@ -506,6 +509,7 @@ impl LiveContext {
             return Ok(());
         }
         let mut words: Vec<u32> = Vec::new();
+        let mut relaxed = None;
         let mut read = Ok(());
         let mut reset = Ok(());
         let mut first: Option<(u64, Error)> = None;
@@ -516,7 +520,7 @@ impl LiveContext {
             }
             if read.is_ok() {
                 words.resize(c.len * STATUS_WORDS, 0);
-                read = read_records(&c.records, &mut words);
+                read = read_records(&c.records, &mut words, &mut relaxed);
             }
             for (k, slot) in held.iter_mut().enumerate() {
                 if !read_here(slot) {
@@ -551,6 +555,7 @@ impl LiveContext {
                 }
             }
         }
+        drop(relaxed);
         read?;
         reset?;
         self.device.synchronize()?;

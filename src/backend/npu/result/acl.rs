@@ -227,10 +227,14 @@ pub unsafe fn capture_get_info(stream: aclrtStream) -> Result<Option<(aclmdlRICa
 
 /// The calling thread switched to `ACL_MODEL_RI_CAPTURE_MODE_RELAXED` by
 /// [`relaxed_capture_mode`]; dropping it (also on an early return or a
-/// panic) switches the thread back to the mode it had.
+/// panic) switches the thread back to the mode it had. A guard taken while
+/// the thread holds one switches nothing: the outermost guard is the one
+/// that switches, and it must be the last dropped (a plain `let` in the
+/// outer scope).
 #[must_use = "the thread goes back to its mode when this is dropped"]
 pub(crate) struct RelaxedCaptureMode {
-    /// The switch and the mode to restore; `None` when nothing was switched.
+    /// The switch and the mode to restore; `None` when nothing was switched
+    /// (an inner guard, or a runtime or chip without the switch).
     restore: Option<(ExchangeMode, aclmdlRICaptureMode)>,
     /// The mode is the calling thread's: the guard stays on that thread.
     _thread: std::marker::PhantomData<*const ()>,
@@ -238,6 +242,23 @@ pub(crate) struct RelaxedCaptureMode {
 
 /// `aclmdlRICaptureThreadExchangeMode`.
 type ExchangeMode = unsafe extern "C" fn(*mut aclmdlRICaptureMode) -> aclError;
+
+thread_local! {
+    /// True while a [`RelaxedCaptureMode`] of this thread holds the switch.
+    static RELAXED_HELD: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Set once the runtime answered the switch with
+/// `ACL_ERROR_RT_FEATURE_NOT_SUPPORT`: a property of the process, not of a
+/// device or thread. `rtThreadExchangeCaptureMode` decides it from
+/// `Runtime::Instance()->GetChipType()` alone (hicann/runtime v8.5.0
+/// `src/runtime/feature/src/api/api_c_stream.cc:612-619`), the runtime
+/// singleton's chip type, set once when the runtime initialises
+/// (`Runtime::InitSocType`, `src/runtime/feature/src/runtime.cc:508-521`;
+/// `Runtime::GetChipType`, `:178-184`). Remembering it spares every later
+/// check the call and the warning CANN logs for each refusal
+/// (`aclmdlRICaptureThreadExchangeModeImpl`, `src/acl/aclrt_impl/model_ri.cpp:157-158`).
+static EXCHANGE_UNSUPPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl RelaxedCaptureMode {
     fn new(restore: Option<(ExchangeMode, aclmdlRICaptureMode)>) -> Self {
@@ -265,23 +286,41 @@ impl RelaxedCaptureMode {
 /// `docs/zh/dev_guide/04-01_single_stream_capture.md:15` and its sample at
 /// `:115-125`).
 ///
-/// On a runtime without the call (older than the capture mode switch) and
-/// on a chip without ACL graphs (`ACL_ERROR_RT_FEATURE_NOT_SUPPORT`,
-/// `rtThreadExchangeCaptureMode`, `src/runtime/feature/src/api/api_c_stream.cc:614-618`),
-/// nothing is switched and the call runs as before. The device must be
-/// bound (`ApiImpl::ThreadExchangeCaptureMode` needs a current context,
+/// On a runtime without the call (older than the capture mode switch;
+/// its symbol is looked up once, when the runtime is loaded) and on a chip
+/// without ACL graphs (`ACL_ERROR_RT_FEATURE_NOT_SUPPORT`,
+/// `rtThreadExchangeCaptureMode`, `src/runtime/feature/src/api/api_c_stream.cc:614-618`;
+/// asked once per process, [`EXCHANGE_UNSUPPORTED`]), nothing is switched
+/// and the call runs as before. Nor is anything while the thread holds a
+/// guard already, so a check takes one for all its reads. The device must
+/// be bound (`ApiImpl::ThreadExchangeCaptureMode` needs a current context,
 /// `api_impl.cc:7918-7919`).
 pub(crate) fn relaxed_capture_mode() -> Result<RelaxedCaptureMode> {
+    if RELAXED_HELD.get() {
+        return Ok(RelaxedCaptureMode::new(None));
+    }
     let Ok(&f) = acl()?.lib.aclmdlRICaptureThreadExchangeMode.as_ref() else {
         return Ok(RelaxedCaptureMode::new(None));
     };
+    switch_to_relaxed(f, &EXCHANGE_UNSUPPORTED)
+}
+
+/// The switch of [`relaxed_capture_mode`] with the call `f`, once the
+/// thread holds none; `unsupported` remembers a chip without it.
+fn switch_to_relaxed(f: ExchangeMode, unsupported: &std::sync::atomic::AtomicBool) -> Result<RelaxedCaptureMode> {
+    use std::sync::atomic::Ordering::Relaxed;
+    if unsupported.load(Relaxed) {
+        return Ok(RelaxedCaptureMode::new(None));
+    }
     let mut mode = aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
     // SAFETY: a valid in/out pointer to a mode in range.
     let code = unsafe { f(&mut mode) };
     if code == acl_sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as aclError {
+        unsupported.store(true, Relaxed);
         return Ok(RelaxedCaptureMode::new(None));
     }
     check("aclmdlRICaptureThreadExchangeMode", code)?;
+    RELAXED_HELD.set(true);
     Ok(RelaxedCaptureMode::new(Some((f, mode))))
 }
 
@@ -293,6 +332,7 @@ impl Drop for RelaxedCaptureMode {
             // runtime itself handed out (checked only against the range,
             // `api_error.cc:5811-5813`), and the device still bound.
             let _ = unsafe { f(&mut mode) };
+            RELAXED_HELD.set(false);
         }
     }
 }
@@ -427,4 +467,68 @@ pub unsafe fn sim_launch_kernel_ex(
     // SAFETY: as in `sim_launch_kernel`.
     let code = unsafe { launch(stream, block_dim, entry, gm.as_ptr(), gm.len(), tiling.as_ptr().cast(), tiling.len()) };
     check("cannsim_launch_kernel_ex", code)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    use super::*;
+
+    const GLOBAL: aclmdlRICaptureMode = aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_GLOBAL;
+    const RELAXED: aclmdlRICaptureMode = aclmdlRICaptureMode::ACL_MODEL_RI_CAPTURE_MODE_RELAXED;
+
+    thread_local! {
+        /// The mode a fake switch keeps for this thread, and its calls.
+        static MODE: Cell<(aclmdlRICaptureMode, usize)> = const { Cell::new((GLOBAL, 0)) };
+    }
+
+    /// A runtime's switch: swaps this thread's mode.
+    unsafe extern "C" fn exchange(mode: *mut aclmdlRICaptureMode) -> aclError {
+        let (old, calls) = MODE.get();
+        // SAFETY: the caller passes a valid in/out pointer.
+        MODE.set((unsafe { *mode }, calls + 1));
+        unsafe { *mode = old };
+        0
+    }
+
+    static REFUSALS: AtomicUsize = AtomicUsize::new(0);
+
+    /// A runtime on a chip without ACL graphs.
+    unsafe extern "C" fn refuse(_mode: *mut aclmdlRICaptureMode) -> aclError {
+        REFUSALS.fetch_add(1, Ordering::SeqCst);
+        acl_sys::ACL_ERROR_RT_FEATURE_NOT_SUPPORT as aclError
+    }
+
+    #[test]
+    fn the_outer_guard_switches_once_and_inner_ones_do_nothing() {
+        let unsupported = AtomicBool::new(false);
+        let outer = switch_to_relaxed(exchange, &unsupported).unwrap();
+        assert_eq!(MODE.get(), (RELAXED, 1));
+        for _ in 0..3 {
+            // What every read under a check does: no call to the runtime.
+            let inner = relaxed_capture_mode().unwrap();
+            assert!(inner.restore.is_none());
+            drop(inner);
+            assert_eq!(MODE.get(), (RELAXED, 1), "an inner guard neither switched nor switched back");
+        }
+        drop(outer);
+        assert_eq!(MODE.get(), (GLOBAL, 2), "the outer guard restored the thread's mode");
+        assert!(!RELAXED_HELD.get());
+        // A later check switches again.
+        drop(switch_to_relaxed(exchange, &unsupported).unwrap());
+        assert_eq!(MODE.get(), (GLOBAL, 4));
+    }
+
+    #[test]
+    fn a_chip_without_the_switch_is_asked_once() {
+        let unsupported = AtomicBool::new(false);
+        for _ in 0..3 {
+            let g = switch_to_relaxed(refuse, &unsupported).unwrap();
+            assert!(g.restore.is_none());
+            assert!(!RELAXED_HELD.get());
+        }
+        assert_eq!(REFUSALS.load(Ordering::SeqCst), 1);
+    }
 }

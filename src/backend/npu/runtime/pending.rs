@@ -94,8 +94,18 @@ impl NpuStream {
         // when the stream failed, its words may be stale and the failed wait
         // is what the check reports.
         let records: Vec<StatusRecord> = pending.iter().chain(&captured).filter_map(|p| p.record()).collect();
+        // One RELAXED switch ([`rt::relaxed_capture_mode`]) for every
+        // blocking read and reset below, of this stream's records and of the
+        // other streams' captured ones, taken at the first read (the reads'
+        // own switches do nothing under it). Nothing it covers allocates.
+        let mut relaxed = None;
         let mut read = match wait {
-            None if !records.is_empty() => self.read_records(&records).map(Some),
+            None if !records.is_empty() => rt::relaxed_capture_mode()
+                .and_then(|r| {
+                    relaxed = Some(r);
+                    self.read_records(&records)
+                })
+                .map(Some),
             _ => Ok(None),
         };
         let mut first = Ok(());
@@ -124,6 +134,7 @@ impl NpuStream {
         if wait.is_none() {
             self.check_captures_of_other_streams()?;
         }
+        drop(relaxed);
         match wait {
             Some(e) => Err(e),
             None => Ok(()),
@@ -167,6 +178,8 @@ impl NpuStream {
                     return Ok(());
                 }
             }
+            // One switch for every stream's reads (none when the check holds one).
+            let _relaxed = rt::relaxed_capture_mode()?;
             let mut first = Ok(());
             for (_, state) in others {
                 let captured = std::mem::take(&mut lock(state).captured);

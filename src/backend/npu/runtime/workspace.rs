@@ -222,7 +222,8 @@ impl NpuStream {
     /// The copy is blocking, which CANN refuses while another thread's
     /// stream captures in GLOBAL mode (a stream this crate may never have
     /// seen: torch_npu captures in GLOBAL mode by default): the thread is switched to RELAXED for it
-    /// ([`rt::relaxed_capture_mode`]). That is right because the words read
+    /// ([`rt::relaxed_capture_mode`]; nothing to switch when the caller's check holds the switch,
+    /// as `NpuStream::check_with_timeout` does for all its reads). That is right because the words read
     /// are status records of launches this crate made, which no capture
     /// records or reads; the callers never read a record of a launch being
     /// captured (`NpuStream::check_captures_of_other_streams`).
