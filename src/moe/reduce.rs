@@ -304,7 +304,8 @@ impl ReducePolicy {
         ];
         Facts {
             arg: "policy",
-            what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes) and reduction point",
+            what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes) and reduction point"
+                .into(),
             shown: Box::new({
                 let p = *self;
                 move || {

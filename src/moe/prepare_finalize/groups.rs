@@ -175,7 +175,7 @@ pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C
 pub(crate) struct Facts {
     /// The arguments the facts come from, which the error names.
     pub(crate) arg: &'static str,
-    pub(crate) what: &'static str,
+    pub(crate) what: std::borrow::Cow<'static, str>,
     pub(crate) shown: Box<dyn Fn() -> String + Send + Sync>,
     pub(crate) print: i32,
 }
@@ -196,21 +196,15 @@ pub(crate) fn context_facts(ctx: &MoeContext, arg: &'static str, tokens: &Tensor
     v.extend([ctx.tp_size(), usize::from(ctx.sp()), ctx.pcp_size(), ctx.padded_num_tokens()]);
     v.extend([dtype as usize, row_len]);
     let print = crate::moe::pad_reduce::fingerprint(&v);
-    let (args, what) = match arg {
-        "x" => (
-            "ctx` or `x",
-            "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or the \
-             dtype and row length of `x`",
-        ),
-        _ => (
-            "ctx` or `y",
-            "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or the \
-             dtype and row length of `y`",
-        ),
-    };
+    // The error's argument names both; a `&'static str`, so one of two.
+    let args = if arg == "x" { "ctx` or `x" } else { "ctx` or `y" };
     Facts {
         arg: args,
-        what,
+        what: format!(
+            "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or the \
+             dtype and row length of `{arg}`"
+        )
+        .into(),
         // `v` is the DP token counts, then the four sizes above, then the
         // dtype and row length.
         shown: Box::new(move || {
@@ -356,4 +350,24 @@ fn comm_type_disagreement(
             "the {kind} ranks of group {group:?} disagree on the MoE comm type of this forward: {what} (this is rank {rank})"
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Prepare's facts name its `x`, finalize's its `y`, in both the
+    /// argument and the text of a disagreement.
+    #[test]
+    fn context_facts_name_the_tokens_of_their_op() {
+        let ctx = MoeContext::new(&[2], 1, 0, 0, false).unwrap();
+        let tokens = Tensor::from_slice(&[0f32; 6], &[2, 3]).unwrap();
+        for (arg, other) in [("x", "y"), ("y", "x")] {
+            let f = context_facts(&ctx, arg, &tokens);
+            assert_eq!(f.arg, format!("ctx` or `{arg}"));
+            assert!(f.what.starts_with("forward context (every DP rank's token count"), "{}", f.what);
+            assert!(f.what.ends_with(&format!("dtype and row length of `{arg}`")), "{}", f.what);
+            assert!(!f.what.contains(&format!("`{other}`")), "{}", f.what);
+        }
+    }
 }
