@@ -550,29 +550,55 @@ impl ReversedRows<'_> {
         unsafe { amoe_stream_check(self.s) }
     }
 
+    /// An eager run and its check: what a capture of the op needs before it.
+    fn warm_up(&self) {
+        ok("warm-up", (self.run)());
+        ok("warm-up check", self.check());
+    }
+
+    /// A graph of one run, captured on the engine stream.
+    fn capture(&self) -> Graph {
+        Graph::capture(self.engine.raw(), || ok("captured finalize", (self.run)()))
+    }
+
     fn write_index(&mut self, idx: &[i32]) {
         self.idx_d.copy_from_host(idx).expect("index");
         self.dev.synchronize().expect("upload");
     }
 
-    /// One replay of `graph` with index value `value` at position `at`: its
-    /// check reports that position and value, once; then the good index.
-    fn replay_a_bad_index(&mut self, graph: &Graph, at: usize, value: i32) {
+    /// Writes the good index with `value` at position `at`.
+    fn write_bad_index(&mut self, at: usize, value: i32) {
         let mut bad = self.good.to_vec();
         bad[at] = value;
         self.write_index(&bad);
+    }
+
+    /// Writes the good index back.
+    fn restore_index(&mut self) {
+        let good = self.good;
+        self.write_index(good);
+    }
+
+    /// One replay of `graph` with index value `value` at position `at`: its
+    /// check reports that position and value, once; then the good index.
+    fn replay_a_bad_index(&mut self, graph: &Graph, at: usize, value: i32) {
+        self.write_bad_index(at, value);
         graph.replay(self.engine.raw());
-        assert_eq!(self.check(), amoe_status::IndexOutOfRange);
-        let msg = last_error();
-        assert!(msg.contains("expanded_row_idx") && msg.contains(&format!("[{at}] = {value}")), "{msg}");
+        assert_bad_index("the check after the replay", self.check(), &last_error(), at, value);
         ok("reported once", self.check());
-        let good = self.good.to_vec();
-        self.write_index(&good);
+        self.restore_index();
     }
 
     fn assert_output(&self, what: &str) {
         assert_eq!(bits(&self.out_d.to_vec().expect("out")), bits(self.want), "{what}");
     }
+}
+
+/// A check's status `st` and message `msg` (`what`) report the index value
+/// `value` at position `at` of `expanded_row_idx`.
+fn assert_bad_index(what: &str, st: amoe_status, msg: &str, at: usize, value: i32) {
+    assert_eq!(st, amoe_status::IndexOutOfRange, "{what}: {msg}");
+    assert!(msg.contains("expanded_row_idx") && msg.contains(&format!("[{at}] = {value}")), "{what}: {msg}");
 }
 
 /// Runs `f` on a [`ReversedRows`] set up on npu:0, then frees its stream handle.
@@ -613,9 +639,8 @@ fn with_reversed_rows(seed: usize, f: impl FnOnce(ReversedRows<'_>)) {
 #[ignore = "needs an Ascend NPU"]
 fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
     with_reversed_rows(7, |mut r| {
-        ok("warm-up", (r.run)());
-        ok("warm-up check", r.check());
-        let graph = Graph::capture(r.engine.raw(), || ok("captured finalize", (r.run)()));
+        r.warm_up();
+        let graph = r.capture();
         for round in 0..3 {
             graph.replay(r.engine.raw());
             ok("check after a clean replay", r.check());
@@ -633,25 +658,19 @@ fn a_bad_index_in_one_replay_is_reported_by_the_check_after_it() {
 #[ignore = "needs an Ascend NPU"]
 fn a_bad_index_in_a_replay_is_reported_when_later_replays_before_the_check_are_good() {
     with_reversed_rows(8, |mut r| {
-        ok("warm-up", (r.run)());
-        ok("warm-up check", r.check());
-        let graph = Graph::capture(r.engine.raw(), || ok("captured finalize", (r.run)()));
+        r.warm_up();
+        let graph = r.capture();
         // Replay 1 with 99 at position 4, then two with the good index; the
         // engine checks once, after all three.
-        let mut bad = r.good.to_vec();
-        bad[4] = 99;
-        r.write_index(&bad);
+        r.write_bad_index(4, 99);
         graph.replay(r.engine.raw());
         // The replay reads the index when it runs: it runs before the good
         // index is written (a host wait, not the check).
         r.engine.synchronize().expect("the first replay ran");
-        let good = r.good.to_vec();
-        r.write_index(&good);
+        r.restore_index();
         graph.replay(r.engine.raw());
         graph.replay(r.engine.raw());
-        assert_eq!(r.check(), amoe_status::IndexOutOfRange, "the first replay read index 99");
-        let msg = last_error();
-        assert!(msg.contains("expanded_row_idx") && msg.contains("[4] = 99"), "{msg}");
+        assert_bad_index("the first replay read index 99", r.check(), &last_error(), 4, 99);
         ok("reported once", r.check());
         graph.replay(r.engine.raw());
         ok("a good replay", r.check());
@@ -669,20 +688,14 @@ fn a_bad_index_in_a_replay_on_another_stream_is_reported_by_that_streams_check()
         let (current, a) = engine_stream(r.dev);
         // SAFETY: a live handle.
         let check_a = || unsafe { amoe_stream_check(a) };
-        ok("warm-up", (r.run)());
-        ok("warm-up check", r.check());
-        let graph = Graph::capture(r.engine.raw(), || ok("captured finalize", (r.run)()));
-        let mut bad = r.good.to_vec();
-        bad[2] = 99;
-        r.write_index(&bad);
+        r.warm_up();
+        let graph = r.capture();
+        r.write_bad_index(2, 99);
         graph.replay(current.raw());
-        assert_eq!(check_a(), amoe_status::IndexOutOfRange, "the replay on the current stream read index 99");
-        let msg = last_error();
-        assert!(msg.contains("expanded_row_idx") && msg.contains("[2] = 99"), "{msg}");
+        assert_bad_index("the replay on the current stream read index 99", check_a(), &last_error(), 2, 99);
         ok("reported once, by the current stream", check_a());
         ok("and not again by the capture stream", r.check());
-        let good = r.good.to_vec();
-        r.write_index(&good);
+        r.restore_index();
         graph.replay(current.raw());
         ok("a good replay", check_a());
         r.assert_output("after a good replay on the current stream");
@@ -929,8 +942,7 @@ fn captures_of_many_launches_reserve_their_records_and_report_each_launch() {
     const LAUNCHES: usize = 270;
     with_reversed_rows(3, |mut r| {
         let (run, raw, s) = (r.run, r.engine.raw(), r.s);
-        ok("warm-up", run());
-        ok("warm-up check", r.check());
+        r.warm_up();
         // Without a reservation: the first 256 launches are captured, the next refused.
         let mut refused = Vec::new();
         drop(Graph::capture(raw, || {
@@ -1181,12 +1193,9 @@ fn during_a_foreign_global_capture(target: usize, body: impl FnOnce()) -> (i32, 
 #[ignore = "needs an Ascend NPU"]
 fn a_stream_check_during_another_threads_global_capture_reports_and_spares_the_capture() {
     with_reversed_rows(10, |mut r| {
-        ok("warm-up", (r.run)());
-        ok("warm-up check", r.check());
+        r.warm_up();
         let target = r.dev.alloc_zeros::<f32>(16).expect("the other thread's 64 bytes");
-        let mut bad = r.good.to_vec();
-        bad[3] = 99;
-        r.write_index(&bad);
+        r.write_bad_index(3, 99);
         let (mut reported, mut msg, mut again) = (amoe_status::Ok, String::new(), amoe_status::Ok);
         let ended = during_a_foreign_global_capture(dev_ptr(&target) as usize, || {
             ok("the op during the other thread's capture", (r.run)());
@@ -1194,12 +1203,10 @@ fn a_stream_check_during_another_threads_global_capture_reports_and_spares_the_c
             msg = last_error();
             again = r.check();
         });
-        assert_eq!(reported, amoe_status::IndexOutOfRange, "the check during the capture: {msg}");
-        assert!(msg.contains("expanded_row_idx") && msg.contains("[3] = 99"), "{msg}");
+        assert_bad_index("the check during the capture", reported, &msg, 3, 99);
         assert_eq!(again, amoe_status::Ok, "reported once");
         assert_eq!(ended, (0, true), "the other thread's capture ended valid and its graph replayed");
-        let good = r.good.to_vec();
-        r.write_index(&good);
+        r.restore_index();
         ok("after the capture", (r.run)());
         ok("check after the capture", r.check());
         r.assert_output("after the capture");
