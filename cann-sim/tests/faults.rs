@@ -315,22 +315,7 @@ fn spawn_ranks(test: &str, role: &str, world: u32, env: &[(&str, &str)]) -> Vec<
     let mut root = vec![0u8; 4108];
     unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0) };
     let root = hex(&root);
-    (0..world)
-        .map(|r| {
-            let exe = std::env::current_exe().unwrap();
-            let mut cmd = std::process::Command::new(exe);
-            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env("CANNSIM_TEST_ROLE", role)
-                .env("RANK", r.to_string())
-                .env("ROOT", &root)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect()
+    (0..world).map(|r| child(test, role, env).env("RANK", r.to_string()).env("ROOT", &root).spawn().unwrap()).collect()
 }
 
 #[test]
@@ -649,17 +634,8 @@ fn hccl_timeout_variables_are_read_as_hccl_reads_them() {
     let kids: Vec<_> = cases
         .iter()
         .map(|(var, value, _)| {
-            let exe = std::env::current_exe().unwrap();
-            std::process::Command::new(exe)
-                .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
-                .env("CANNSIM_TEST_ROLE", "timeout-env")
-                .env("ROOT", root_hex())
-                .env("ROOT2", root_hex())
-                .env(var, value)
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+            let (root, root2) = (root_hex(), root_hex());
+            child(NAME, "timeout-env", &[("ROOT", &root), ("ROOT2", &root2), (var, value)]).spawn().unwrap()
         })
         .collect();
     let mut wrong = Vec::new();

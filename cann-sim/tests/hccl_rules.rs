@@ -860,14 +860,15 @@ fn ranks_are_told_apart_by_the_host_device_behind_their_visible_one() {
             .iter()
             .enumerate()
             .map(|(r, (visible, device))| {
-                let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
-                cmd.args([name, "--exact", "--nocapture", "--test-threads=1"])
-                    .env("CANNSIM_TEST_ROLE", "visible-rank")
-                    .envs([("RANK", r.to_string().as_str()), ("ROOT", &root), ("EXPECT", expect)])
-                    .envs([("ASCEND_RT_VISIBLE_DEVICES", *visible), ("DEVICE", *device)])
-                    .stdout(std::process::Stdio::piped())
-                    .stderr(std::process::Stdio::piped());
-                cmd.spawn().unwrap()
+                let rank = r.to_string();
+                let env = [
+                    ("RANK", rank.as_str()),
+                    ("ROOT", &root),
+                    ("EXPECT", expect),
+                    ("ASCEND_RT_VISIBLE_DEVICES", visible),
+                    ("DEVICE", device),
+                ];
+                child(name, "visible-rank", &env).spawn().unwrap()
             })
             .collect();
         for (r, k) in kids.into_iter().enumerate() {

@@ -271,16 +271,22 @@ impl Rng {
     }
 }
 
-/// Runs this test binary again as a child with `role` (selecting the test
-/// `test_name`) and extra environment; returns its output.
-pub fn run_child(test_name: &str, role: &str, env: &[(&str, &str)]) -> std::process::Output {
+/// This test binary run again as a child with `role` (selecting the test
+/// `test_name`, alone) and extra environment, its output piped.
+pub fn child(test_name: &str, role: &str, env: &[(&str, &str)]) -> std::process::Command {
     let exe = std::env::current_exe().expect("test binary path");
     let mut cmd = std::process::Command::new(exe);
-    cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1"]).env("CANNSIM_TEST_ROLE", role);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("spawn child test process")
+    cmd.args([test_name, "--exact", "--nocapture", "--test-threads=1"])
+        .env("CANNSIM_TEST_ROLE", role)
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    cmd
+}
+
+/// Runs [`child`] to its end; returns its output.
+pub fn run_child(test_name: &str, role: &str, env: &[(&str, &str)]) -> std::process::Output {
+    child(test_name, role, env).output().expect("spawn child test process")
 }
 
 /// Asserts that the child test process of `o` (`run_child`, or the test
