@@ -538,14 +538,7 @@ fn a_first_call_on_another_devices_stream_leaves_the_engines_device_current() {
     const CHILD: &str = "AMOE_TEST_FIRST_NPU_CALL";
     const NAME: &str = "a_first_call_on_another_devices_stream_leaves_the_engines_device_current";
     if std::env::var_os(CHILD).is_none() {
-        let exe = std::env::current_exe().expect("this test binary");
-        let out = std::process::Command::new(exe)
-            .args([NAME, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .output()
-            .expect("run the child");
-        let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && o.contains("1 passed"), "the child failed ({}):\n{o}\n{e}", out.status);
+        ascend_moe::testing::runtime::run_ignored_test_in_child(NAME, &[(CHILD, "1")]);
         return;
     }
     assert!(acl_sys::acl_if_loaded().is_none(), "the runtime was loaded through this library before the engine");

@@ -79,17 +79,26 @@ pub fn in_child_that_may_leak(name: &str) -> bool {
     if env::var(LEAKING_CHILD_ENV).as_deref() == Ok(name) {
         return true;
     }
-    let exe = std::env::current_exe().expect("this test binary");
-    let out = std::process::Command::new(exe)
-        .args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-        .env(LEAKING_CHILD_ENV, name)
-        .env("CANNSIM_LEAK_REPORT", "1")
-        .output()
-        .unwrap_or_else(|e| panic!("running {name} in a child: {e}"));
-    let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && o.contains("1 passed"), "{name} failed in its child ({}):\n{o}\n{e}", out.status);
+    let (o, e) = run_ignored_test_in_child(name, &[(LEAKING_CHILD_ENV, name), ("CANNSIM_LEAK_REPORT", "1")]);
     if expects_simulator() {
         assert!(e.contains("cann-sim leak report:"), "the child running {name} printed no leak report:\n{o}\n{e}");
     }
     false
+}
+
+/// Runs the ignored test `name` (its full libtest name) of this test binary
+/// again, alone, in a child process with `env` added (a setting read once
+/// per process, a runtime no other test loaded first), and asserts that it
+/// passed there; returns the child's standard output and error. The test
+/// tells the child by a variable of `env`.
+pub fn run_ignored_test_in_child(name: &str, env: &[(&str, &str)]) -> (String, String) {
+    let exe = std::env::current_exe().expect("this test binary");
+    let out = std::process::Command::new(exe)
+        .args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap_or_else(|e| panic!("running {name} in a child: {e}"));
+    let (o, e) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && o.contains("1 passed"), "{name} failed in its child ({}):\n{o}\n{e}", out.status);
+    (o.into_owned(), e.into_owned())
 }
