@@ -209,19 +209,20 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 let (mut s, cap) = shape_call(rng);
                 let mut nd = 0usize;
                 match rng.below(4) {
-                    0 => {
-                        ("prepare_shape", amoe_token_prepare_output_shape(x.ptr(), ct, c, s.as_mut_ptr(), cap, &mut nd))
-                    }
+                    0 => (
+                        "amoe_token_prepare_output_shape",
+                        amoe_token_prepare_output_shape(x.ptr(), ct, c, s.as_mut_ptr(), cap, &mut nd),
+                    ),
                     1 => (
-                        "finalize_tokens_shape",
+                        "amoe_token_finalize_output_shape",
                         amoe_token_finalize_output_shape(x.ptr(), ct, c, s.as_mut_ptr(), cap, &mut nd),
                     ),
                     2 => {
                         let rows = rng.below(9) as usize;
                         let mask = desc(rng, &[rows], amoe_dtype::Bool as u32, true, noise);
-                        ("prepare", amoe_token_prepare(x.ptr(), ct, c, g, out.ptr(), mask.ptr(), null()))
+                        ("amoe_token_prepare", amoe_token_prepare(x.ptr(), ct, c, g, out.ptr(), mask.ptr(), null()))
                     }
-                    _ => ("finalize_tokens", amoe_token_finalize(x.ptr(), ct, c, g, out.ptr(), null())),
+                    _ => ("amoe_token_finalize", amoe_token_finalize(x.ptr(), ct, c, g, out.ptr(), null())),
                 }
             }
             0 | 1 => {
@@ -248,9 +249,12 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 if rng.chance(50) {
                     let (mut s, cap) = shape_call(rng);
                     let mut nd = 0usize;
-                    ("finalize_shape", amoe_moe_finalize_routing_output_shape(a, s.as_mut_ptr(), cap, &mut nd))
+                    (
+                        "amoe_moe_finalize_routing_output_shape",
+                        amoe_moe_finalize_routing_output_shape(a, s.as_mut_ptr(), cap, &mut nd),
+                    )
                 } else {
-                    ("finalize", amoe_moe_finalize_routing(a, out.ptr(), null()))
+                    ("amoe_moe_finalize_routing", amoe_moe_finalize_routing(a, out.ptr(), null()))
                 }
             }
             2 | 3 => {
@@ -269,9 +273,12 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         cap,
                         &mut nd,
                     );
-                    ("unpermute_shape", st)
+                    ("amoe_moe_token_unpermute_output_shape", st)
                 } else {
-                    ("unpermute", amoe_moe_token_unpermute(p.ptr(), idx.ptr(), probs.ptr(), out.ptr(), null()))
+                    (
+                        "amoe_moe_token_unpermute",
+                        amoe_moe_token_unpermute(p.ptr(), idx.ptr(), probs.ptr(), out.ptr(), null()),
+                    )
                 }
             }
             4 => {
@@ -291,7 +298,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         cap,
                         &mut nd,
                     );
-                    ("pad_reduce_shape", st)
+                    ("amoe_maybe_pad_and_reduce_output_shape", st)
                 } else {
                     let st = amoe_maybe_all_gather_and_maybe_unpad_output_shape(
                         x.ptr(),
@@ -303,7 +310,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         cap,
                         &mut nd,
                     );
-                    ("gather_unpad_shape", st)
+                    ("amoe_maybe_all_gather_and_maybe_unpad_output_shape", st)
                 }
             }
             5 => {
@@ -313,7 +320,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 if rng.chance(50) {
                     let st =
                         amoe_maybe_pad_and_reduce(x.ptr(), maybe_null(rng, &ls), ls.len(), comm, out.ptr(), null());
-                    ("pad_reduce", st)
+                    ("amoe_maybe_pad_and_reduce", st)
                 } else {
                     let st = amoe_maybe_all_gather_and_maybe_unpad(
                         x.ptr(),
@@ -323,7 +330,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         out.ptr(),
                         null(),
                     );
-                    ("gather_unpad", st)
+                    ("amoe_maybe_all_gather_and_maybe_unpad", st)
                 }
             }
             6 | 7 => {
@@ -332,10 +339,10 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 let dst = desc(rng, &[n, h], dt, false, noise);
                 let op = if rng.chance(90) { rng.below(3) as u32 } else { rng.next_u64() as u32 };
                 match rng.below(4) {
-                    0 => ("all_reduce", amoe_all_reduce(comm, src.ptr(), dst.ptr(), op, null())),
-                    1 => ("reduce_scatter", amoe_reduce_scatter(comm, src.ptr(), dst.ptr(), op, null())),
-                    2 => ("all_gather", amoe_all_gather(comm, src.ptr(), dst.ptr(), null())),
-                    _ => ("broadcast", amoe_broadcast(comm, src.ptr(), rng.below(2) as usize, null())),
+                    0 => ("amoe_all_reduce", amoe_all_reduce(comm, src.ptr(), dst.ptr(), op, null())),
+                    1 => ("amoe_reduce_scatter", amoe_reduce_scatter(comm, src.ptr(), dst.ptr(), op, null())),
+                    2 => ("amoe_all_gather", amoe_all_gather(comm, src.ptr(), dst.ptr(), null())),
+                    _ => ("amoe_broadcast", amoe_broadcast(comm, src.ptr(), rng.below(2) as usize, null())),
                 }
             }
             8 => {
@@ -354,11 +361,11 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                             0,
                             null(),
                         );
-                        ("reduce_scatter_v", st)
+                        ("amoe_reduce_scatter_v", st)
                     }
                     1 => {
                         let st = amoe_all_gather_v(comm, src.ptr(), dst.ptr(), maybe_null(rng, &c1), c1.len(), null());
-                        ("all_gather_v", st)
+                        ("amoe_all_gather_v", st)
                     }
                     _ => {
                         let st = amoe_all_to_all_v(
@@ -371,7 +378,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                             c2.len(),
                             null(),
                         );
-                        ("all_to_all_v", st)
+                        ("amoe_all_to_all_v", st)
                     }
                 }
             }
@@ -385,7 +392,10 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 if rng.chance(50) {
                     let pcp = if rng.chance(80) { rng.below(4) as usize } else { dim(rng) };
                     let (d, o) = (maybe_null(rng, &dp), out.as_mut_ptr());
-                    ("sp_layout_pcp", amoe_sp_layout_from_dp_tokens_pcp(d, dp.len(), pcp, tp, o, cap, out_len))
+                    (
+                        "amoe_sp_layout_from_dp_tokens_pcp",
+                        amoe_sp_layout_from_dp_tokens_pcp(d, dp.len(), pcp, tp, o, cap, out_len),
+                    )
                 } else {
                     let st = amoe_sp_layout_from_dp_tokens(
                         maybe_null(rng, &dp),
@@ -395,14 +405,14 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         cap,
                         out_len,
                     );
-                    ("sp_layout", st)
+                    ("amoe_sp_layout_from_dp_tokens", st)
                 }
             }
             10 => {
                 let mut out = 0u8;
                 let ct = if rng.chance(80) { rng.below(4) as u32 } else { rng.next_u64() as u32 };
                 let o = if rng.chance(5) { null_mut() } else { &mut out as *mut u8 };
-                ("routed_is_reduced", amoe_routed_is_reduced(ct, rng.next_u64() as u8, o))
+                ("amoe_routed_is_reduced", amoe_routed_is_reduced(ct, rng.next_u64() as u8, o))
             }
             11 | 12 => {
                 let pol = amoe_reduce_policy {
@@ -420,11 +430,13 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                     0 => {
                         let (mut a, mut b) = (0u8, 0u8);
                         let st = amoe_reduce_policy_decisions(p, ct, &mut a, null_mut(), &mut b, null_mut());
-                        ("policy_decisions", st)
+                        ("amoe_reduce_policy_decisions", st)
                     }
-                    1 => ("reduce_routed_early", amoe_reduce_routed_early(p, x.ptr(), ct, comm, out.ptr(), null())),
-                    2 => ("reduce_shared", amoe_reduce_shared(p, x.ptr(), ct, comm, out.ptr(), null())),
-                    _ => ("reduce_final", amoe_reduce_final(p, x.ptr(), ct, comm, out.ptr(), null())),
+                    1 => {
+                        ("amoe_reduce_routed_early", amoe_reduce_routed_early(p, x.ptr(), ct, comm, out.ptr(), null()))
+                    }
+                    2 => ("amoe_reduce_shared", amoe_reduce_shared(p, x.ptr(), ct, comm, out.ptr(), null())),
+                    _ => ("amoe_reduce_final", amoe_reduce_final(p, x.ptr(), ct, comm, out.ptr(), null())),
                 }
             }
             13 => {
@@ -432,7 +444,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 let mut out: *mut amoe_comm = null_mut();
                 let st = amoe_comm_split(comm, maybe_null(rng, &ranks), ranks.len(), &mut out);
                 amoe_comm_free(out);
-                ("comm_split", st)
+                ("amoe_comm_split", st)
             }
             14 => {
                 // Invalid worlds only (a valid multi-rank world would wait for peers).
@@ -444,7 +456,7 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                 let o = if rng.chance(10) { null_mut() } else { &mut out as *mut _ };
                 let st = amoe_comm_cpu_new(nm, w, r, 0.5, o);
                 amoe_comm_free(out);
-                ("comm_cpu_new", st)
+                ("amoe_comm_cpu_new", st)
             }
             _ => {
                 let ex = desc(rng, &[n * k, h], dt, false, noise);
@@ -475,52 +487,15 @@ fn one_case(rng: &mut Rng, comm: *const amoe_comm, groups: *const amoe_moe_group
                         cap,
                         &mut nd,
                     );
-                    ("finalize_reduce_shape", st)
+                    ("amoe_finalize_and_reduce_output_shape", st)
                 } else {
                     (
-                        "finalize_reduce",
+                        "amoe_finalize_and_reduce",
                         amoe_finalize_and_reduce(&args, maybe_null(rng, &ls), 1, comm, out.ptr(), null()),
                     )
                 }
             }
         }
-    }
-}
-
-/// The export a case label of `one_case` calls, which its messages name first.
-fn export_of(label: &str) -> &'static str {
-    match label {
-        "prepare_shape" => "amoe_token_prepare_output_shape",
-        "prepare" => "amoe_token_prepare",
-        "finalize_tokens_shape" => "amoe_token_finalize_output_shape",
-        "finalize_tokens" => "amoe_token_finalize",
-        "finalize_shape" => "amoe_moe_finalize_routing_output_shape",
-        "finalize" => "amoe_moe_finalize_routing",
-        "unpermute_shape" => "amoe_moe_token_unpermute_output_shape",
-        "unpermute" => "amoe_moe_token_unpermute",
-        "pad_reduce_shape" => "amoe_maybe_pad_and_reduce_output_shape",
-        "gather_unpad_shape" => "amoe_maybe_all_gather_and_maybe_unpad_output_shape",
-        "pad_reduce" => "amoe_maybe_pad_and_reduce",
-        "gather_unpad" => "amoe_maybe_all_gather_and_maybe_unpad",
-        "all_reduce" => "amoe_all_reduce",
-        "reduce_scatter" => "amoe_reduce_scatter",
-        "all_gather" => "amoe_all_gather",
-        "broadcast" => "amoe_broadcast",
-        "reduce_scatter_v" => "amoe_reduce_scatter_v",
-        "all_gather_v" => "amoe_all_gather_v",
-        "all_to_all_v" => "amoe_all_to_all_v",
-        "sp_layout_pcp" => "amoe_sp_layout_from_dp_tokens_pcp",
-        "sp_layout" => "amoe_sp_layout_from_dp_tokens",
-        "routed_is_reduced" => "amoe_routed_is_reduced",
-        "policy_decisions" => "amoe_reduce_policy_decisions",
-        "reduce_routed_early" => "amoe_reduce_routed_early",
-        "reduce_shared" => "amoe_reduce_shared",
-        "reduce_final" => "amoe_reduce_final",
-        "comm_split" => "amoe_comm_split",
-        "comm_cpu_new" => "amoe_comm_cpu_new",
-        "finalize_reduce_shape" => "amoe_finalize_and_reduce_output_shape",
-        "finalize_reduce" => "amoe_finalize_and_reduce",
-        other => panic!("no export for the case label {other:?}"),
     }
 }
 
@@ -571,10 +546,9 @@ fn random_descriptors_give_clean_errors() {
         assert_ne!(st, amoe_status::Panic, "{func} panicked (case seed {case_seed:#x}): {}", last_error());
         if st != amoe_status::Ok {
             let msg = last_error();
-            let export = export_of(func);
             assert!(
-                msg != before && msg.starts_with(&format!("{export}: ")),
-                "{export} returned {st:?} without a message of its own starting with its name (case seed \
+                msg != before && msg.starts_with(&format!("{func}: ")),
+                "{func} returned {st:?} without a message of its own starting with its name (case seed \
                  {case_seed:#x}): {msg}"
             );
         }
@@ -593,7 +567,7 @@ fn random_descriptors_give_clean_errors() {
         cases as f64 / took.max(1e-9)
     );
     for ((f, s), c) in &hist {
-        println!("  {f:24} status {s:2}: {c}");
+        println!("  {f:50} status {s:2}: {c}");
     }
     assert!(cases >= 200, "only {cases} cases ran");
     assert!(ok > 0, "no case succeeded: the generator never produced a valid call");
