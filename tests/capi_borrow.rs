@@ -12,16 +12,9 @@ use std::ptr::{null, null_mut};
 use ascend_moe::capi::*;
 use capi_common::finalize_args;
 
+/// A host f32 descriptor at `data`, which may be misaligned.
 fn desc(data: *mut f32, shape: &[usize]) -> amoe_tensor {
-    amoe_tensor {
-        data: data.cast(),
-        dtype: amoe_dtype::F32 as u32,
-        ndim: shape.len(),
-        shape: shape.as_ptr(),
-        strides: null(),
-        device_kind: amoe_device_kind::Cpu as u32,
-        device_ordinal: 0,
-    }
+    capi_common::desc(data.cast(), amoe_dtype::F32, shape, amoe_device_kind::Cpu, 0)
 }
 
 fn idx_desc(data: &mut [i32], shape: &[usize]) -> amoe_tensor {

@@ -11,19 +11,7 @@ use std::ptr::{null, null_mut};
 use ascend_moe::backend::npu::{DeviceBuffer, HcclComm, HcclRootInfo, NpuDevice};
 use ascend_moe::capi::*;
 use ascend_moe::{Collectives, Comm, CommOptions, ReduceOp, Tensor};
-use capi_common::{finalize_args, last_error};
-
-fn desc(data: *mut c_void, dtype: amoe_dtype, shape: &[usize], kind: amoe_device_kind, ordinal: i32) -> amoe_tensor {
-    amoe_tensor {
-        data,
-        dtype: dtype as u32,
-        ndim: shape.len(),
-        shape: shape.as_ptr(),
-        strides: null(),
-        device_kind: kind as u32,
-        device_ordinal: ordinal,
-    }
-}
+use capi_common::{desc, finalize_args, last_error};
 
 #[test]
 fn null_raw_handles_are_null_arguments() {

@@ -18,7 +18,7 @@ use std::ptr::{null, null_mut};
 use ascend_moe::backend::npu::{DeviceBuffer, HcclComm, HcclRootInfo, NpuDevice};
 use ascend_moe::capi::*;
 use ascend_moe::CommOptions;
-use capi_common::finalize_args;
+use capi_common::{finalize_args, last_error};
 
 const WORLD: usize = 4;
 const TP: usize = 2;
@@ -39,15 +39,6 @@ const CASES: [Case; 5] = [
     Case { comm: amoe_comm_type::Alltoall, sp: false },
     Case { comm: amoe_comm_type::FusedMc2, sp: false },
 ];
-
-fn last_error() -> String {
-    let mut buf = vec![0u8; amoe_last_error_length()];
-    let mut n = 0usize;
-    // SAFETY: `buf` is writable for its length.
-    let st = unsafe { amoe_last_error_message(buf.as_mut_ptr().cast(), buf.len(), &mut n) };
-    assert_eq!(st, amoe_status::Ok);
-    String::from_utf8(buf[..n].to_vec()).expect("UTF-8 message")
-}
 
 fn ok(what: &str, st: amoe_status) {
     assert_eq!(st, amoe_status::Ok, "{what}: {}", last_error());
@@ -111,15 +102,7 @@ fn desc(data: *mut c_void, dtype: amoe_dtype, shape: &[usize], place: Place) -> 
         Place::Host => (amoe_device_kind::Cpu, 0),
         Place::Npu(o) => (amoe_device_kind::Npu, o),
     };
-    amoe_tensor {
-        data,
-        dtype: dtype as u32,
-        ndim: shape.len(),
-        shape: shape.as_ptr(),
-        strides: null(),
-        device_kind: kind as u32,
-        device_ordinal: ordinal,
-    }
+    capi_common::desc(data, dtype, shape, kind, ordinal)
 }
 
 /// The layer's shapes for one rank, from the C ABI's shape functions.

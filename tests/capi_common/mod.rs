@@ -1,7 +1,8 @@
-//! Helpers of the C ABI tests: the calling thread's last error message, a
-//! host f32 descriptor and finalize arguments, as a C caller writes them.
+//! Helpers of the C ABI tests: the calling thread's last error message,
+//! descriptors and finalize arguments, as a C caller writes them.
 #![allow(dead_code)]
 
+use std::ffi::c_void;
 use std::ptr::null;
 
 use ascend_moe::capi::*;
@@ -21,14 +22,26 @@ pub fn last_error() -> String {
 /// outlive every call given it (a shape array built in the argument list,
 /// `&[n, 4]` with a variable `n`, is a temporary that does not).
 pub fn host(data: &mut [f32], shape: &[usize]) -> amoe_tensor {
+    desc(data.as_mut_ptr().cast(), amoe_dtype::F32, shape, amoe_device_kind::Cpu, 0)
+}
+
+/// A contiguous descriptor of `shape` over `data`, of `dtype`, in the memory
+/// of device `kind` `ordinal`; lifetimes as [`host`].
+pub fn desc(
+    data: *mut c_void,
+    dtype: amoe_dtype,
+    shape: &[usize],
+    kind: amoe_device_kind,
+    ordinal: i32,
+) -> amoe_tensor {
     amoe_tensor {
-        data: data.as_mut_ptr().cast(),
-        dtype: amoe_dtype::F32 as u32,
+        data,
+        dtype: dtype as u32,
         ndim: shape.len(),
         shape: shape.as_ptr(),
         strides: null(),
-        device_kind: amoe_device_kind::Cpu as u32,
-        device_ordinal: 0,
+        device_kind: kind as u32,
+        device_ordinal: ordinal,
     }
 }
 
