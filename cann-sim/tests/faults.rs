@@ -310,12 +310,17 @@ fn process_rank(world: u32) -> (i32, Vec<f32>, i32) {
     (r, out, async_err)
 }
 
-fn spawn_ranks(test: &str, role: &str, world: u32, env: &[(&str, &str)]) -> Vec<std::process::Child> {
+/// Runs `world` ranks of the test `test` as child processes with `role`
+/// and `env`, one root info, all at once; returns their outputs by rank.
+fn run_ranks(test: &str, role: &str, world: u32, env: &[(&str, &str)]) -> Vec<std::process::Output> {
     let s = use_device(0);
     let mut root = vec![0u8; 4108];
     unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0) };
     let root = hex(&root);
-    (0..world).map(|r| child(test, role, env).env("RANK", r.to_string()).env("ROOT", &root).spawn().unwrap()).collect()
+    let kids: Vec<_> = (0..world)
+        .map(|r| child(test, role, env).env("RANK", r.to_string()).env("ROOT", &root).spawn().unwrap())
+        .collect();
+    kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect()
 }
 
 #[test]
@@ -326,9 +331,7 @@ fn ranks_can_be_processes() {
         assert_eq!(out, vec![6.0; 8]);
         return;
     }
-    let kids = spawn_ranks("ranks_can_be_processes", "proc-rank", 3, &[]);
-    for k in kids {
-        let o = k.wait_with_output().unwrap();
+    for o in run_ranks("ranks_can_be_processes", "proc-rank", 3, &[]) {
         assert!(o.status.success(), "{}", stderr(&o));
     }
 }
@@ -346,13 +349,12 @@ fn a_dying_rank_process_makes_its_peer_fail_not_hang() {
         assert!(e == 21 || e == 0, "async error {e}: HCCL_E_REMOTE or none");
         return;
     }
-    let kids = spawn_ranks(
+    let outs = run_ranks(
         "a_dying_rank_process_makes_its_peer_fail_not_hang",
         "die",
         2,
         &[("CANNSIM_DIE_RANK", "1"), ("HCCL_EXEC_TIMEOUT", "1")],
     );
-    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
     assert!(outs[0].status.success(), "rank 0: {}", stderr(&outs[0]));
     assert_eq!(outs[1].status.code(), Some(77), "rank 1: {}", stderr(&outs[1]));
     assert!(stderr(&outs[1]).contains("CANNSIM_DIE_RANK"));
@@ -369,13 +371,12 @@ fn a_dying_rank_process_is_reported_as_a_dead_peer_before_the_timeout() {
         assert_eq!(r, 507046, "ACL_ERROR_RT_STREAM_SYNC_TIMEOUT");
         return;
     }
-    let kids = spawn_ranks(
+    let outs = run_ranks(
         "a_dying_rank_process_is_reported_as_a_dead_peer_before_the_timeout",
         "die-remote",
         2,
         &[("CANNSIM_DIE_RANK", "1"), ("HCCL_EXEC_TIMEOUT", "60")],
     );
-    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
     assert!(outs[0].status.success(), "rank 0: {}", stderr(&outs[0]));
     assert_eq!(outs[1].status.code(), Some(77), "rank 1: {}", stderr(&outs[1]));
 }
@@ -392,13 +393,12 @@ fn a_rank_that_never_joins_times_out_its_peers() {
         // The communicator stays failed: the next collective is refused at once.
         return;
     }
-    let kids = spawn_ranks(
+    let outs = run_ranks(
         "a_rank_that_never_joins_times_out_its_peers",
         "timeout",
         2,
         &[("CANNSIM_HCCL_TIMEOUT_RANK", "1"), ("HCCL_EXEC_TIMEOUT", "0.5")],
     );
-    let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
     for (r, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "rank {r}: {}\n\nother rank: {}", stderr(o), stderr(&outs[1 - r]));
     }
@@ -525,7 +525,7 @@ fn the_execution_timeout_is_hccls_own_setting_per_release() {
         ("8.5", "2", "7/2104", "0.5", "500ms"),
         ("8.5", "2", "6/312", "0.5", "500ms"),
     ] {
-        let kids = spawn_ranks(
+        let outs = run_ranks(
             NAME,
             "exec-timeout",
             2,
@@ -539,7 +539,6 @@ fn the_execution_timeout_is_hccls_own_setting_per_release() {
                 ("ASCEND_MOE_COMM_TIMEOUT", "3600"),
             ],
         );
-        let outs: Vec<_> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
         let out0 = stderr(&outs[0]);
         assert!(outs[0].status.success(), "{version}: {out0}");
         assert!(
@@ -693,8 +692,7 @@ fn hccls_inconsistent_op_check_reports_a_later_disagreeing_call_as_an_async_erro
     ] {
         let mut env = vec![("HCCL_EXEC_TIMEOUT", "60")];
         env.extend(dfs.map(|v| ("HCCL_DFS_CONFIG", v)));
-        let outs: Vec<_> =
-            spawn_ranks(name, "inconsistent", 2, &env).into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+        let outs = run_ranks(name, "inconsistent", 2, &env);
         for (r, o) in outs.iter().enumerate() {
             let out = stderr(o);
             assert!(o.status.success(), "{dfs:?} rank {r}: {out}");
