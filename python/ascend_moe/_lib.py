@@ -304,18 +304,41 @@ def refusing(send, every: bool = False):
 
 class Lease:
     """One call's hold on an open library handle: ctypes passes it as the
-    handle itself (`_as_parameter_`), and while it lives the handle's owner
-    does not free the handle, even when another thread closes the owner
-    mid-call. Released when the last reference to it goes (the end of the
-    call that took it, in CPython)."""
+    handle itself (`_as_parameter_`), and while it is held the handle's
+    owner does not free the handle, even when another thread closes the
+    owner mid-call. Released by `release()`, at the end of a `with` block
+    on it (`with comm.handle as h:`), which every call of this package
+    uses, so that a failed call lets go at once: an exception kept by the
+    caller (logged, stored in a future) holds the frames that referenced
+    the lease, and a `close()` must not wait for it to be dropped. A lease
+    never released is released when it is collected.
+
+    A released lease passes NULL, which the library refuses, never the
+    handle its owner may have freed since."""
 
     __slots__ = ("_as_parameter_", "_owner")
 
     def __init__(self, owner: "Owned", h: c_void_p):
         self._as_parameter_, self._owner = h, owner
 
+    def release(self) -> None:
+        """Lets go of the handle (once; later calls do nothing)."""
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            self._as_parameter_ = _NULL_HANDLE
+            owner._release()
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
     def __del__(self):
-        self._owner._release()
+        self.release()
+
+
+_NULL_HANDLE = c_void_p()
 
 
 class Owned:

@@ -563,7 +563,7 @@ def register() -> bool:
         ctx = get_forward_context()
         lay = MoeLayer.lookup(layer)
         mctx = lay.context(ctx)
-        lay.groups.handle  # closed groups are refused, as the real op refuses them
+        lay.groups.handle.release()  # closed groups are refused, as the real op refuses them
         if not _symbolic(x):
             prepared = token_prepare_shape(x, ctx.comm_type, mctx)
             return x.new_empty(token_finalize_shape((prepared, x.dtype), ctx.comm_type, mctx))
@@ -594,7 +594,7 @@ def register() -> bool:
         def _(x, layer):
             lay = MoeLayer.lookup(layer)
             lay.checked_policy(get_forward_context())
-            lay.tp_comm.handle  # a closed TP communicator is refused, as the real op refuses it
+            lay.tp_comm.handle.release()  # a closed TP communicator is refused, as the real op refuses it
             if _symbolic(x):
                 shape_fn(_traced(x))
                 return x.new_empty(x.shape)

@@ -177,17 +177,18 @@ class Comm(Owned):
 
     @property
     def handle(self) -> Lease:
-        """The library handle, held for the call it is passed to (`Lease`);
-        a closed communicator is refused."""
+        """The library handle, held until it is released (`Lease`: `with
+        comm.handle as h:` around the calls it is passed to); a closed
+        communicator is refused."""
         return self._lease()
 
     def _ask_rank_size(self) -> tuple:
-        h = self.handle  # refuses a closed communicator on every call
-        if self._rank_size is None:
-            rank, size = c_size_t(), c_size_t()
-            call("amoe_comm_rank", h, ctypes.byref(rank))
-            call("amoe_comm_world_size", h, ctypes.byref(size))
-            self._rank_size = (rank.value, size.value)
+        with self.handle as h:  # refuses a closed communicator on every call
+            if self._rank_size is None:
+                rank, size = c_size_t(), c_size_t()
+                call("amoe_comm_rank", h, ctypes.byref(rank))
+                call("amoe_comm_world_size", h, ctypes.byref(size))
+                self._rank_size = (rank.value, size.value)
         return self._rank_size
 
     @property
@@ -203,15 +204,16 @@ class Comm(Owned):
         the new rank order). Called by every listed rank with the same list."""
         arr, n = sizes(ranks, "ranks")
         out = c_void_p()
-        call("amoe_comm_split", self.handle, arr, n, ctypes.byref(out))
+        with self.handle as h:
+            call("amoe_comm_split", h, arr, n, ctypes.byref(out))
         return Comm(out.value)
 
     def barrier(self, stream=None) -> None:
         """Returns once every rank reached it (on `stream` for an HCCL communicator)."""
-        h = self.handle
-        with refusing_on(h):
-            st = resolve_stream([], stream) if stream is not None else None
-        call("amoe_barrier", h, st)
+        with self.handle as h:
+            with refusing_on(h):
+                st = resolve_stream([], stream) if stream is not None else None
+            call("amoe_barrier", h, st)
 
     def close(self) -> None:
         with _REGISTRY_LOCK:
@@ -241,7 +243,8 @@ def handle_of(arg: str, obj, cls: type = Comm) -> Lease:
     (default `Comm`; `MoeGroups` for groups): anything else (an int, None, a
     handle id, another class) is an `InvalidArgumentError` naming `arg`
     instead of an AttributeError deep in the call. A closed one is refused
-    by its own `handle`."""
+    by its own `handle`. The lease is the caller's to release (`with
+    handle_of(...) as h:`)."""
     if not isinstance(obj, cls):
         raise error(Status.INVALID_ARGUMENT, f"`{arg}` must be a {cls.__name__}, got {type(obj).__name__}")
     return obj.handle
@@ -263,17 +266,18 @@ def refusing_on(h):
 
 def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
     o = Operands(stream)
-    try:
-        h = handle_of("comm", comm)
-    except AmoeError:
-        h = None  # raised below, after x's errors
-    with refusing_on(h):
-        s = o.input("x", x)  # x's dtype is named first, as the library would
-        args = extra()
-        h = handle_of("comm", comm)
-        d = o.output(shape_fn(s, comm), s, out)
-        st = o.stream
-    call(name, h, s.ptr, d.ptr, *args, st)
+    with contextlib.ExitStack() as held:
+        try:
+            h = held.enter_context(handle_of("comm", comm))
+        except AmoeError:
+            h = None  # raised below, after x's errors
+        with refusing_on(h):
+            s = o.input("x", x)  # x's dtype is named first, as the library would
+            args = extra()
+            h = held.enter_context(handle_of("comm", comm))
+            d = o.output(shape_fn(s, comm), s, out)
+            st = o.stream
+        call(name, h, s.ptr, d.ptr, *args, st)
     return o.result
 
 
@@ -298,50 +302,50 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
     dense copy of `x`; an `out` tensor takes it with `out.copy_(x)`). Like
     every op it has no gradient: with an `x` that requires grad in grad mode,
     a new result's backward fails, and an `out` other than `x` is refused."""
-    h = handle_of("comm", comm)
-    with refusing_on(h):
-        check_dense("x", x)
-        grad = _records_grad(x)
-        if grad and out is not None and out is not x:
-            raise error(
-                Status.INVALID_ARGUMENT,
-                "`x` requires grad and grad mode is on, but the op has no gradient and writes `out` in place, which "
-                "autograd cannot record: call it under torch.no_grad(), or pass `x`.detach()",
-            )
-        if out is not None:
-            lend_out("out", out)
-        fresh = out is None
-        if out is None:
-            if hasattr(x, "clone"):
-                # A dense copy the library writes, never linked to `x` by autograd.
-                out = x.detach().clone(memory_format=sys.modules["torch"].contiguous_format)
-            else:
-                out = as_array("x", x).copy()
-        elif out is not x:
-            xa = x if hasattr(x, "dtype") else as_array("x", x)
-            if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
+    with handle_of("comm", comm) as h:
+        with refusing_on(h):
+            check_dense("x", x)
+            grad = _records_grad(x)
+            if grad and out is not None and out is not x:
                 raise error(
-                    Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
-                    f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "
-                    f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
+                    Status.INVALID_ARGUMENT,
+                    "`x` requires grad and grad mode is on, but the op has no gradient and writes `out` in place, which "
+                    "autograd cannot record: call it under torch.no_grad(), or pass `x`.detach()",
                 )
-            if hasattr(out, "copy_"):
-                if not hasattr(x, "copy_"):  # an array into a tensor: its bytes, as the dtypes matched
-                    raw = sys.modules["torch"].from_numpy(as_array("x", x).reshape(-1).view(np.uint8))
-                    x = raw.view(out.dtype).reshape(out.shape)
-                out.copy_(x)
-            elif isinstance(out, np.ndarray):
-                if hasattr(x, "copy_"):  # a tensor into an array: its bytes, as the dtypes matched
-                    raw = x.detach().resolve_neg().contiguous().reshape(-1)
-                    out[...] = raw.view(sys.modules["torch"].uint8).numpy().view(out.dtype).reshape(out.shape)
+            if out is not None:
+                lend_out("out", out)
+            fresh = out is None
+            if out is None:
+                if hasattr(x, "clone"):
+                    # A dense copy the library writes, never linked to `x` by autograd.
+                    out = x.detach().clone(memory_format=sys.modules["torch"].contiguous_format)
                 else:
-                    out[...] = as_array("x", x)
-            else:
-                raise error(
-                    Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
-                )
-        d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
-        root = c_uint("root", root)
-        st = resolve_stream([d], stream)
-    call("amoe_broadcast", h, d.ptr, root, st)
+                    out = as_array("x", x).copy()
+            elif out is not x:
+                xa = x if hasattr(x, "dtype") else as_array("x", x)
+                if tuple(out.shape) != tuple(xa.shape) or dtype_name(out.dtype) != dtype_name(xa.dtype):
+                    raise error(
+                        Status.SHAPE if tuple(out.shape) != tuple(xa.shape) else Status.DTYPE,
+                        f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "
+                        f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
+                    )
+                if hasattr(out, "copy_"):
+                    if not hasattr(x, "copy_"):  # an array into a tensor: its bytes, as the dtypes matched
+                        raw = sys.modules["torch"].from_numpy(as_array("x", x).reshape(-1).view(np.uint8))
+                        x = raw.view(out.dtype).reshape(out.shape)
+                    out.copy_(x)
+                elif isinstance(out, np.ndarray):
+                    if hasattr(x, "copy_"):  # a tensor into an array: its bytes, as the dtypes matched
+                        raw = x.detach().resolve_neg().contiguous().reshape(-1)
+                        out[...] = raw.view(sys.modules["torch"].uint8).numpy().view(out.dtype).reshape(out.shape)
+                    else:
+                        out[...] = as_array("x", x)
+                else:
+                    raise error(
+                        Status.INVALID_ARGUMENT, f"`out` ({type(out).__name__}) has no copy_ to take `x`: pass out=x to broadcast in place"
+                    )
+            d = desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
+            root = c_uint("root", root)
+            st = resolve_stream([d], stream)
+        call("amoe_broadcast", h, d.ptr, root, st)
     return _no_gradient(out, [("x", x)]) if fresh and grad else out

@@ -157,8 +157,8 @@ class MoeLayer:
 
         # A layer is registered once and used on every forward: a wrong or
         # closed object is named here, not at the first forward.
-        handle_of("groups", groups, MoeGroups)
-        handle_of("tp_comm", tp_comm)
+        handle_of("groups", groups, MoeGroups).release()
+        handle_of("tp_comm", tp_comm).release()
         if not callable(experts):
             raise error(Status.INVALID_ARGUMENT, f"`experts` must be callable, got {type(experts).__name__}")
         self.groups, self.tp_comm, self.experts, self.policy = groups, tp_comm, experts, policy
@@ -231,8 +231,10 @@ class MoeLayer:
                 )
         return token_finalize(routed, ctx.comm_type, mctx, self.groups)
 
+    @contextlib.contextmanager
     def point_refusing(self):
         """The checks before a reduction point of this layer (the live
         context, the policy): one that fails is reported to the TP peers
         waiting in the point (`amoe_reduce_refuse`) before it is raised."""
-        return point_refusing(self.tp_comm.handle)
+        with self.tp_comm.handle as h, point_refusing(h):
+            yield

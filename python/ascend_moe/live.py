@@ -100,14 +100,16 @@ class LiveContext(Owned):
         be ordered after it (an event recorded on this stream and waited for
         there), or it may read the context before the update was written."""
         c, _keep = _context_c(ctx)
-        call("amoe_live_context_set", self._handle(), ctypes.byref(c), self._stream)
+        with self._handle() as h:
+            call("amoe_live_context_set", h, ctypes.byref(c), self._stream)
 
     def guard(self, ctx: ForwardContext, actual_tokens: bool = False) -> None:
         """Enqueues a guard of the ops that follow, built for `ctx` (capture it
         with them); `actual_tokens`: they also depend on `num_actual_tokens`."""
         c, _keep = _context_c(ctx)
         flags = GUARD_ACTUAL_TOKENS if actual_tokens else 0
-        call("amoe_live_context_guard", self._handle(), ctypes.byref(c), flags, self._stream)
+        with self._handle() as h:
+            call("amoe_live_context_guard", h, ctypes.byref(c), flags, self._stream)
 
     def reserve(self, guards: int) -> None:
         """Makes sure at least `guards` guard records are free, adding them
@@ -116,7 +118,8 @@ class LiveContext(Owned):
         each graph (a prepare and a finalize guard per MoE layer and a graph
         per batch size: layers x 2 x batch sizes). Allocates; refused while
         the stream captures."""
-        call("amoe_live_context_reserve", self._handle(), c_uint("guards", guards))
+        with self._handle() as h:
+            call("amoe_live_context_reserve", h, c_uint("guards", guards))
 
     @property
     def capacity(self) -> int:
@@ -131,13 +134,15 @@ class LiveContext(Owned):
 
     def _guards(self) -> tuple:
         cap, used = ctypes.c_size_t(), ctypes.c_size_t()
-        call("amoe_live_context_guards", self._handle(), ctypes.byref(cap), ctypes.byref(used))
+        with self._handle() as h:
+            call("amoe_live_context_guards", h, ctypes.byref(cap), ctypes.byref(used))
         return cap.value, used.value
 
     def attach(self) -> None:
         """Makes every op on this stream that depends on the forward context
         guard itself first."""
-        call("amoe_stream_attach_live_context", self._stream, self._handle())
+        with self._handle() as h:
+            call("amoe_stream_attach_live_context", self._stream, h)
 
     def detach(self) -> None:
         call("amoe_stream_attach_live_context", self._stream, None)
@@ -145,13 +150,15 @@ class LiveContext(Owned):
     def check(self) -> None:
         """Synchronises the stream and raises `AmoeError(Status.STALE_CONTEXT)`
         when a guard found the live context different from its ops' context."""
-        call("amoe_live_context_check", self._handle(), self._stream)
+        with self._handle() as h:
+            call("amoe_live_context_check", h, self._stream)
 
     @property
     def device_ptr(self) -> tuple:
         """`(address, bytes)` of the live buffer, for an engine that writes it itself."""
         p, n = ctypes.c_void_p(), ctypes.c_size_t()
-        call("amoe_live_context_device_ptr", self._handle(), ctypes.byref(p), ctypes.byref(n))
+        with self._handle() as h:
+            call("amoe_live_context_device_ptr", h, ctypes.byref(p), ctypes.byref(n))
         return p.value, n.value
 
     def __enter__(self):

@@ -54,30 +54,30 @@ def moe_token_unpermute(permuted, sorted_indices, probs=None, *, out=None, strea
 def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP finalize (SPEC section 3): this rank's `[local_sizes[rank], H...]`
     shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
-    h = handle_of("ep_comm", ep_comm)
-    o = Operands(stream)
-    with refusing_on(h):
-        d = o.input("x", x)
-        ls, n = shapes._layout(layout)
-        y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
-        st = o.stream
-    call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, st)
+    with handle_of("ep_comm", ep_comm) as h:
+        o = Operands(stream)
+        with refusing_on(h):
+            d = o.input("x", x)
+            ls, n = shapes._layout(layout)
+            y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
+            st = o.stream
+        call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, st)
     return o.result
 
 
 def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP prepare (SPEC section 4): every rank's `x` (`local_sizes[rank]`
     rows) concatenated, `[sum(local_sizes), H...]`."""
-    h = handle_of("ep_comm", ep_comm)
-    o = Operands(stream)
-    with refusing_on(h):
-        d = o.input("x", x)
-        ls, n = shapes._layout(layout)
-        # The shape function checks x's rows against this rank's layout entry
-        # before any collective starts.
-        y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
-        st = o.stream
-    call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, st)
+    with handle_of("ep_comm", ep_comm) as h:
+        o = Operands(stream)
+        with refusing_on(h):
+            d = o.input("x", x)
+            ls, n = shapes._layout(layout)
+            # The shape function checks x's rows against this rank's layout entry
+            # before any collective starts.
+            y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
+            st = o.stream
+        call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, st)
     return o.result
 
 
@@ -97,31 +97,31 @@ def finalize_and_reduce(
     stream=None,
 ):
     """`maybe_pad_and_reduce(moe_finalize_routing(...), layout, ep_comm)` in one pass."""
-    h = handle_of("ep_comm", ep_comm)
-    o = Operands(stream)
-    with refusing_on(h):
-        args, keep = shapes.finalize_args(
-            expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
-        )
-        shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
-        y = o.output(shape, keep[0], out)
-        ls, n = shapes._layout(layout)
-        st = o.stream
-    call("amoe_finalize_and_reduce", args, ls, n, h, y.ptr, st)
+    with handle_of("ep_comm", ep_comm) as h:
+        o = Operands(stream)
+        with refusing_on(h):
+            args, keep = shapes.finalize_args(
+                expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx, drop_pad_mode, o.input
+            )
+            shape = shapes._finalize_and_reduce_shape(args, layout, ep_comm)
+            y = o.output(shape, keep[0], out)
+            ls, n = shapes._layout(layout)
+            st = o.stream
+        call("amoe_finalize_and_reduce", args, ls, n, h, y.ptr, st)
     return o.result
 
 
 def _tp_op(name: str, shape_fn, x, tp_comm: Comm, counts, out, stream, collective: bool = True):
     """A shared-expert op over `tp_comm`; a `collective` one reports a bad
     argument to the TP peers waiting in its collective."""
-    h = handle_of("tp_comm", tp_comm)
-    o = Operands(stream)
-    with refusing_on(h) if collective else contextlib.nullcontext():
-        d = o.input("x", x)
-        counts = counts()
-        y = o.output(shape_fn(d, *counts, tp_comm), d, out)
-        st = o.stream
-    call(name, d.ptr, *counts, h, y.ptr, st)
+    with handle_of("tp_comm", tp_comm) as h:
+        o = Operands(stream)
+        with refusing_on(h) if collective else contextlib.nullcontext():
+            d = o.input("x", x)
+            counts = counts()
+            y = o.output(shape_fn(d, *counts, tp_comm), d, out)
+            st = o.stream
+        call(name, d.ptr, *counts, h, y.ptr, st)
     return o.result
 
 
@@ -196,14 +196,14 @@ class ReducePolicy:
         return self.decisions(CommType.ALLGATHER)["early"]
 
     def _point(self, name: str, x, comm_type, tp_comm: Comm, out, stream):
-        h = handle_of("tp_comm", tp_comm)
-        o = Operands(stream)
-        with point_refusing(h, lambda: self._reduces(name, comm_type)):
-            d = o.input("x", x)
-            y = o.output(d.shape, d, out)
-            ct = comm_type_code(comm_type)
-            st = o.stream
-        call(name, ctypes.byref(self._c), d.ptr, ct, h, y.ptr, st)
+        with handle_of("tp_comm", tp_comm) as h:
+            o = Operands(stream)
+            with point_refusing(h, lambda: self._reduces(name, comm_type)):
+                d = o.input("x", x)
+                y = o.output(d.shape, d, out)
+                ct = comm_type_code(comm_type)
+                st = o.stream
+            call(name, ctypes.byref(self._c), d.ptr, ct, h, y.ptr, st)
         return o.result
 
     def _reduces(self, name: str, comm_type) -> int:

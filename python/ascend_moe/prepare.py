@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 from ctypes import c_void_p
@@ -77,7 +78,8 @@ class MoeGroups(Owned):
 
     def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
-        call("amoe_moe_groups_new", handle_of("world", world), c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
+        with handle_of("world", world) as w:
+            call("amoe_moe_groups_new", w, c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
         self._own(out)
 
     @classmethod
@@ -88,22 +90,19 @@ class MoeGroups(Owned):
         DP x PCP x TP layout; the error names what does not fit."""
         g = cls.__new__(cls)
         out = c_void_p()
-        call(
-            "amoe_moe_groups_from_comms",
-            handle_of("ep", ep),
-            handle_of("tp", tp),
-            handle_of("dp", dp),
-            None if pcp is None else handle_of("pcp", pcp),
-            ctypes.byref(out),
-        )
+        with contextlib.ExitStack() as held:
+            comms = [held.enter_context(handle_of(arg, c)) for arg, c in (("ep", ep), ("tp", tp), ("dp", dp))]
+            comms.append(None if pcp is None else held.enter_context(handle_of("pcp", pcp)))
+            call("amoe_moe_groups_from_comms", *comms, ctypes.byref(out))
         g._own(out)
         g._comms = (ep, tp, dp, pcp)
         return g
 
     @property
     def handle(self) -> Lease:
-        """The library handle, held for the call it is passed to (`Lease`);
-        closed groups are refused."""
+        """The library handle, held until it is released (`Lease`: `with
+        groups.handle as h:` around the calls it is passed to); closed
+        groups are refused."""
         return self._lease()
 
     def __enter__(self) -> "MoeGroups":
@@ -133,40 +132,40 @@ def token_prepare(x, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None,
     the host or on the NPU: for example the engine's own mask buffer sliced to
     this TP rank), else into a new bool array or tensor where `x` lives. Other
     comm types return None and leave `mc2_mask` untouched."""
-    g = handle_of("groups", groups, MoeGroups)
-    o = Operands(stream)
-    with _refusing(comm_type, ctx, g, finalize=False):
-        c = shapes._context_ptr(ctx)
-        if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
-            # The op writes the mask into it: a list or a scalar has no memory to write.
-            raise error(
-                Status.INVALID_ARGUMENT,
-                f"`mc2_mask` must be a 1-D bool or uint8 numpy array or tensor (cpu or npu) the op writes into, "
-                f"got {type(mc2_mask).__name__}",
-            )
-        d = o.input("x", x)
-        shape = token_prepare_shape(d, comm_type, ctx)
-        y = o.output(shape, d, out)
-        has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
-        mask = None
-        if has_mask:
-            mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
-        m = None if mask is None else _mask_desc(mask)
-        if m is not None:
-            if mc2_mask is not None:
-                lend_out("mc2_mask", mc2_mask)
-            o.descs.append(m)
-        st = o.stream
-    call(
-        "amoe_token_prepare",
-        d.ptr,
-        comm_type_code(comm_type),
-        c,
-        g,
-        y.ptr,
-        None if m is None else m.ptr,
-        st,
-    )
+    with handle_of("groups", groups, MoeGroups) as g:
+        o = Operands(stream)
+        with _refusing(comm_type, ctx, g, finalize=False):
+            c = shapes._context_ptr(ctx)
+            if mc2_mask is not None and not (isinstance(mc2_mask, np.ndarray) or _tensor_like(mc2_mask)):
+                # The op writes the mask into it: a list or a scalar has no memory to write.
+                raise error(
+                    Status.INVALID_ARGUMENT,
+                    f"`mc2_mask` must be a 1-D bool or uint8 numpy array or tensor (cpu or npu) the op writes into, "
+                    f"got {type(mc2_mask).__name__}",
+                )
+            d = o.input("x", x)
+            shape = token_prepare_shape(d, comm_type, ctx)
+            y = o.output(shape, d, out)
+            has_mask = CommType.parse(comm_type) in (CommType.MC2, CommType.FUSED_MC2)
+            mask = None
+            if has_mask:
+                mask = _bool_like(d.obj, shape[0]) if mc2_mask is None else mc2_mask
+            m = None if mask is None else _mask_desc(mask)
+            if m is not None:
+                if mc2_mask is not None:
+                    lend_out("mc2_mask", mc2_mask)
+                o.descs.append(m)
+            st = o.stream
+        call(
+            "amoe_token_prepare",
+            d.ptr,
+            comm_type_code(comm_type),
+            c,
+            g,
+            y.ptr,
+            None if m is None else m.ptr,
+            st,
+        )
     return o.result, mask
 
 
@@ -188,12 +187,15 @@ def _refusing(comm_type, ctx, g, finalize: bool, every: bool = False):
     return refusing(lambda message: call("amoe_token_refuse", ct, c, g, 1 if finalize else 0, message), every)
 
 
+@contextlib.contextmanager
 def finalize_refusing(comm_type, ctx: MoeContext, groups: MoeGroups, every: bool = False):
     """The checks of a caller between token prepare and token finalize (the
     experts' output): one that fails is reported to the peers waiting in
     finalize before it is raised. With `every`, any `Exception` is (the
-    caller's own code runs there, such as the experts)."""
-    return _refusing(comm_type, ctx, handle_of("groups", groups, MoeGroups), finalize=True, every=every)
+    caller's own code runs there, such as the experts). The groups are held
+    for the block and released when it ends, also when it raises."""
+    with handle_of("groups", groups, MoeGroups) as g, _refusing(comm_type, ctx, g, finalize=True, every=every):
+        yield
 
 
 def _bool_like(x, rows: int):
@@ -214,12 +216,12 @@ def _mask_desc(mask) -> Desc:
 def token_finalize(y, comm_type, ctx: MoeContext, groups: MoeGroups, *, out=None, stream=None):
     """The experts' output `y` back in this rank's token layout, in `out`
     (default a new one where `y` lives)."""
-    g = handle_of("groups", groups, MoeGroups)
-    o = Operands(stream)
-    with _refusing(comm_type, ctx, g, finalize=True):
-        c = shapes._context_ptr(ctx)
-        d = o.input("y", y)
-        r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
-        st = o.stream
-    call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, st)
+    with handle_of("groups", groups, MoeGroups) as g:
+        o = Operands(stream)
+        with _refusing(comm_type, ctx, g, finalize=True):
+            c = shapes._context_ptr(ctx)
+            d = o.input("y", y)
+            r = o.output(token_finalize_shape(d, comm_type, ctx), d, out)
+            st = o.stream
+        call("amoe_token_finalize", d.ptr, comm_type_code(comm_type), c, g, r.ptr, st)
     return o.result

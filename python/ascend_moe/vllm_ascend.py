@@ -245,15 +245,19 @@ class _CommBackend:
     def all_reduce(self, x):
         return _comm.all_reduce(x, self.comm)
 
+    @contextlib.contextmanager
     def refusing(self):
         """The adapter's checks before a gather or reduce: one that fails
         is reported to the peers waiting in it before it is raised."""
-        return _comm.refusing_on(self.comm.handle)
+        with self.comm.handle as h, _comm.refusing_on(h):
+            yield
 
+    @contextlib.contextmanager
     def point_refusing(self):
         """The adapter's checks before a reduction point, reported as
         `refusing` does (the TP peers wait in the point's agreement)."""
-        return _ops.point_refusing(self.comm.handle)
+        with self.comm.handle as h, _ops.point_refusing(h):
+            yield
 
 
 class _GroupBackend:
