@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
+import weakref
 from typing import Callable, Optional
 
 from ._enums import Status
@@ -123,7 +124,10 @@ def forward_context(comm_type, dp_tokens, num_actual_tokens=None, sp=False, pcp_
         stack[:] = outer
 
 
-_LAYERS: dict = {}
+# Registered layers by `layer_id`, for the torch ops that take the id. Weak:
+# the registry never keeps a layer alive (nor its groups and communicators,
+# which it holds), so a model rebuilt without closing its layers leaks none.
+_LAYERS: "weakref.WeakValueDictionary[int, MoeLayer]" = weakref.WeakValueDictionary()
 # Layer ids are never reused: a stale id fails instead of running another layer.
 _NEXT_LAYER_ID = itertools.count(1)
 _LAYERS_LOCK = threading.Lock()
@@ -138,7 +142,11 @@ class MoeLayer:
     tokens to the routed output of the same rows. `hidden` is of the kind of
     the forward's input: numpy arrays for numpy input (and for CPU tensors
     through `torch.ops.ascend_moe.moe_layer_fc`, as views of their memory), the
-    NPU tensors themselves on the NPU."""
+    NPU tensors themselves on the NPU.
+
+    The registry does not keep a layer alive: whoever runs `layer_id` (a
+    model, a compiled graph's owner) keeps the layer; a collected or closed
+    layer's id is refused."""
 
     def __init__(
         self,
@@ -170,13 +178,26 @@ class MoeLayer:
 
     @staticmethod
     def lookup(layer_id: int) -> "MoeLayer":
-        try:
-            return _LAYERS[integer("layer_id", layer_id)]
-        except KeyError:
-            raise error(Status.INVALID_ARGUMENT, f"no MoE layer is registered under id {layer_id}") from None
+        """The registered layer with this `layer_id`; `AmoeError` when there is
+        none (never created, closed, or garbage-collected)."""
+        layer = _LAYERS.get(integer("layer_id", layer_id))
+        if layer is None:
+            raise error(
+                Status.INVALID_ARGUMENT,
+                f"no MoE layer is registered under id {layer_id} (closed, freed, or never created)",
+            )
+        return layer
 
     def close(self) -> None:
+        """Unregisters the layer: its id is refused from then on. The layer
+        is also unregistered when it is garbage-collected."""
         _LAYERS.pop(self.layer_id, None)
+
+    def __enter__(self) -> "MoeLayer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def context(self, ctx: Optional[ForwardContext] = None) -> MoeContext:
         """The `MoeContext` of this rank in forward context `ctx` (default: the live one)."""

@@ -117,3 +117,27 @@ def test_a_peer_that_left_after_a_kept_error_is_seen_at_once():
     assert time.monotonic() - t0 < timeout / 2
     comms[1].close()
     del kept
+
+
+def test_a_dropped_moe_layer_is_not_kept_by_the_registry(freed):
+    """The layer registry holds layers weakly: a model rebuilt without
+    closing its layers leaks neither the layers nor their groups and
+    communicators. `with` closes a layer; a dropped or closed id is refused."""
+    refs = []
+    for _ in range(3):
+        w = am.Comm.cpu(_name("layer"), 1, 0)
+        layer = am.MoeLayer(am.MoeGroups(w, 1), w, 1, 0, 0, experts=lambda h, m, ct: h)
+        refs.append((weakref.ref(layer), layer.layer_id))
+        assert am.MoeLayer.lookup(layer.layer_id) is layer
+        del w, layer
+    gc.collect()
+    assert [r() for r, _ in refs] == [None] * 3
+    assert sorted(freed) == ["Comm"] * 3 + ["MoeGroups"] * 3, freed
+    for _, lid in refs:
+        with pytest.raises(am.InvalidArgumentError, match=f"no MoE layer is registered under id {lid}"):
+            am.MoeLayer.lookup(lid)
+    with am.Comm.cpu(_name("layer"), 1, 0) as w, am.MoeGroups(w, 1) as g:
+        with am.MoeLayer(g, w, 1, 0, 0, experts=lambda h, m, ct: h) as layer:
+            assert am.MoeLayer.lookup(layer.layer_id) is layer
+        with pytest.raises(am.InvalidArgumentError, match="no MoE layer is registered"):
+            am.MoeLayer.lookup(layer.layer_id)
