@@ -24,11 +24,31 @@ from ._tensor import Operands, _no_gradient, _records_grad, as_array, check_dens
 _REGISTRY: "weakref.WeakValueDictionary[int, Comm]" = weakref.WeakValueDictionary()
 _REGISTRY_LOCK = threading.RLock()  # reentrant: close() may run from __del__ inside a locked section
 _NEXT_ID = itertools.count(1)
-# A handle id is `seq << 40 | world_size << 20 | rank`: the rank and the world
-# size, which decide the output shapes of the collectives and the EP/SP ops,
-# are part of the int a traced graph holds.
-_ID_FIELD_BITS = 20
+# A handle id is `seq << 32 | (world_size - 1) << 16 | rank`: the rank and the
+# world size, which decide the output shapes of the collectives and the EP/SP
+# ops, are part of the int a traced graph holds, and the id stays a
+# non-negative int64 (a torch op's `int`). 16 bits each hold every world HCCL
+# forms: a rank table has at most 65536 ranks (hcomm
+# src/coll_communicator_mgr/rank_graph/rank_table_info/rank_table_info.h:23,
+# checked at rank_table_info.cc:35); a CPU world has at most 64 (shm-comm's
+# MAX_WORLD). That leaves 31 bits of sequence: 2**31 - 1 communicators per
+# process, ids never reused.
+_ID_FIELD_BITS = 16
+_ID_MAX_WORLD = 1 << _ID_FIELD_BITS
 _ID_SEQ_MAX = (1 << (63 - 2 * _ID_FIELD_BITS)) - 1
+
+
+def _handle_id(seq: int, world_size: int, rank: int) -> int:
+    """The handle id of the `seq`-th communicator of this process, rank
+    `rank` of `world_size`; an `InvalidArgumentError` when they do not fit."""
+    if not 1 <= world_size <= _ID_MAX_WORLD or not 0 <= rank < world_size:
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"rank {rank} of a world of {world_size} ranks: handle ids hold worlds of 1..={_ID_MAX_WORLD} ranks",
+        )
+    if not 1 <= seq <= _ID_SEQ_MAX:
+        raise error(Status.INVALID_ARGUMENT, f"this process opened more than {_ID_SEQ_MAX} communicators")
+    return seq << (2 * _ID_FIELD_BITS) | (world_size - 1) << _ID_FIELD_BITS | rank
 
 
 def _is_torch_world(pg) -> bool:
@@ -50,13 +70,9 @@ class Comm(Owned):
         self._own(handle)
         self._rank_size = None  # (rank, world_size), asked once: a handle's group never changes
         rank, size = self._ask_rank_size()
-        if size >> _ID_FIELD_BITS:
-            raise error(Status.INVALID_ARGUMENT, f"a world of {size} ranks is larger than handle ids allow (2**20 - 1)")
+        _handle_id(1, size, rank)  # a world ids cannot hold takes no sequence number
         with _REGISTRY_LOCK:
-            seq = next(_NEXT_ID)
-            if seq > _ID_SEQ_MAX:
-                raise error(Status.INVALID_ARGUMENT, f"this process opened more than {_ID_SEQ_MAX} communicators")
-            self._id = seq << (2 * _ID_FIELD_BITS) | size << _ID_FIELD_BITS | rank
+            self._id = _handle_id(next(_NEXT_ID), size, rank)
             _REGISTRY[self._id] = self
 
     @property

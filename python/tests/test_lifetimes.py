@@ -141,3 +141,24 @@ def test_a_dropped_moe_layer_is_not_kept_by_the_registry(freed):
             assert am.MoeLayer.lookup(layer.layer_id) is layer
         with pytest.raises(am.InvalidArgumentError, match="no MoE layer is registered"):
             am.MoeLayer.lookup(layer.layer_id)
+
+
+def test_handle_ids_last_for_two_billion_communicators(monkeypatch):
+    """A handle id holds 31 bits of sequence, and rank and world size for
+    every world HCCL forms (up to 65536 ranks), within a non-negative int64;
+    past the last sequence number a new communicator is refused by name."""
+    assert comm_mod._ID_SEQ_MAX >= 2**31 - 1
+    monkeypatch.setattr(comm_mod, "_NEXT_ID", itertools.count(comm_mod._ID_SEQ_MAX))
+    with am.Comm.cpu(_name("ids"), 1, 0) as last:
+        assert 0 < last.handle_id < 2**63
+        assert am.Comm.lookup(last.handle_id) is last
+    with pytest.raises(am.InvalidArgumentError, match=f"opened more than {comm_mod._ID_SEQ_MAX} communicators"):
+        am.Comm.cpu(_name("ids"), 1, 0)
+    hid = comm_mod._handle_id
+    top = hid(comm_mod._ID_SEQ_MAX, 65536, 65535)
+    assert 0 < top < 2**63
+    # Rank and world size are each part of the id.
+    ids = {hid(7, w, r) for w in (1, 2, 3, 65536) for r in {0, 1, w - 1} if r < w}
+    assert len(ids) == len({(w, r) for w in (1, 2, 3, 65536) for r in {0, 1, w - 1} if r < w})
+    with pytest.raises(am.InvalidArgumentError, match="worlds of 1..=65536 ranks"):
+        hid(1, 65537, 0)
