@@ -29,6 +29,8 @@ What `install()` replaces:
   does not take (float64, complex, int16, ...) is gathered as bytes and
   reduce-scattered on the group's own collectives, as vLLM-Ascend's ops do;
   one that is only moved (int8, uint8, bool, fp8, MX) is never summed.
+- vLLM's `GroupCoordinator.destroy`: it also closes what the adapter made
+  for the group (`release_group`).
 - The reduction points of `AscendMoERunner`
   (`_maybe_reduce_routed_output_before_transform`,
   `_reduce_shared_output_if_needed`, `_maybe_reduce_shared_expert_output`,
@@ -41,7 +43,9 @@ What `install()` replaces:
   own TP all-reduce; one that is only moved is never summed.
 
 vLLM's `GroupCoordinator`s map to communicators once each (`comm_for_group`),
-cached per group and device kind: on the NPU the group's HCCL communicator is
+cached per group and device kind for the group's life (held weakly: a group
+destroyed or garbage-collected takes its communicators, MoE groups and
+reduction policies with it; `uninstall()` closes them all): on the NPU the group's HCCL communicator is
 borrowed (`Comm.from_process_group(group.device_group)`); on the CPU, a CPU
 world joined by the group's ranks when all of them are on one host (checked
 over the group's `cpu_group`; its waits are bounded by
@@ -64,12 +68,14 @@ and the shared-expert token communication of `AscendSharedExperts`.
 
 import contextlib
 import enum
+import itertools
 import operator
 import os
 import socket
 import sys
 import threading
 import uuid
+import weakref
 
 from . import comm as _comm
 from . import ops as _ops
@@ -236,6 +242,10 @@ class _CommBackend:
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
 
+    def close(self) -> None:
+        """Leaves the communicator (local: the peers' next call on it fails)."""
+        self.comm.close()
+
     def gather(self, x, layout):
         return _ops.maybe_all_gather_and_maybe_unpad(x, layout, self.comm)
 
@@ -309,8 +319,52 @@ class _GroupBackend:
         return self.group.all_reduce(x)
 
 
+class _OwnCollectives:
+    """What the cache keeps for a group served by its own collectives: the
+    decision (made by a collective), never the group; `comm_for_group` hands
+    out a `_GroupBackend` over the group itself."""
+
+    kind = _GroupBackend.kind
+
+    def close(self) -> None:
+        """Nothing to release: the group's collectives are the group's."""
+
+
+_OWN_COLLECTIVES = _OwnCollectives()
+
+
+class _Strong:
+    """A strong reference called like a weak one, for a group that takes no
+    weak reference: its cache entries then live until the group is
+    released (`release_group`, its `destroy()`, `uninstall()`)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __call__(self):
+        return self.obj
+
+
+def _ref(obj, callback=None):
+    """A weak reference to `obj` (calling `callback(ref)` when it is
+    collected), or a `_Strong` one when `obj` takes none."""
+    try:
+        return weakref.ref(obj, callback)
+    except TypeError:
+        return _Strong(obj)
+
+
+# The backends of vLLM groups, `{(id(group), device kind): (ref to the group,
+# backend)}`. The group is held weakly: a group vLLM destroys and drops (re-
+# sharding, elastic EP, RL weight-sync groups) is collected, and its entry is
+# dropped and its communicator left (`_forget_entry`) when it is. A group's
+# `destroy()` (hooked by `install()`), `release_group` and `uninstall()` do it
+# at once.
 _BACKENDS: dict = {}
 _BACKENDS_LOCK = threading.RLock()
+_DEVICE_KINDS = ("cpu", "npu")
 
 
 def _device_kind(device) -> str:
@@ -327,11 +381,72 @@ def comm_for_group(group, device_kind: str = "cpu", role: str = ""):
     key = (id(group), device_kind)
     with _BACKENDS_LOCK:
         hit = _BACKENDS.get(key)
-        if hit is not None and hit[0] is group:
-            return hit[1]
+        if hit is not None and hit[0]() is group:
+            return hit[1] if hit[1].kind == "comm" else _GroupBackend(group, role)
         backend = _build_backend(group, device_kind, role)
-        _BACKENDS[key] = (group, backend)
+        _remember_backend(group, device_kind, backend)
         return backend
+
+
+def _remember_backend(group, device_kind: str, backend) -> None:
+    """Caches `backend` as the one of `group` for `device_kind`, for the
+    group's lifetime: dropped and closed when the group is collected. An
+    entry a dead group left under the same id (not yet collected) is closed.
+    A backend over the group's own collectives is kept as the decision
+    alone: it holds the group."""
+    key = (id(group), device_kind)
+    if backend.kind != "comm":
+        backend = _OWN_COLLECTIVES
+
+    def gone(ref, key=key):
+        _forget_entry(key, ref)
+
+    stale = _BACKENDS.get(key)
+    _BACKENDS[key] = (_ref(group, gone), backend)
+    if stale is not None:
+        _close_backends([stale[1]])
+
+
+def _forget_entry(key, ref) -> None:
+    """Drops and closes the cache entry `key` when it is still the one of
+    `ref`. Runs where the garbage collector finds the group dead, in any
+    thread: it takes no lock (each dict operation is atomic), and leaving a
+    communicator is local to this rank (the shared-memory world marks this
+    rank as gone, the peers' next call on it fails), so it waits for no peer."""
+    entry = _BACKENDS.get(key)
+    if entry is not None and entry[0] is ref and _BACKENDS.pop(key, None) is entry:
+        _close_backends([entry[1]])
+
+
+def _close_backends(backends) -> None:
+    """Closes the MoE groups built on any of `backends`, then the backends."""
+    doomed = {id(b) for b in backends}
+    for key, (used, groups) in _MOE_GROUPS.copy().items():
+        if any(id(b) in doomed for b in used) and _MOE_GROUPS.pop(key, None) is not None:
+            groups.close()
+    for b in backends:
+        b.close()
+
+
+def release_group(group) -> bool:
+    """Closes and forgets the communicators the adapter made for the vLLM
+    group `group` (every device kind), and the MoE groups and reduction
+    policies built on them; the next use builds them again. For an engine
+    that destroys a group itself: vLLM's `GroupCoordinator.destroy()` does it
+    once `install()` ran, and a group that is garbage-collected is released
+    then. Every rank of the group releases it (each leaves its own
+    communicator; none waits for the others). Returns whether anything was
+    cached for the group."""
+    with _BACKENDS_LOCK:
+        gone = []
+        for kind in _DEVICE_KINDS:
+            key = (id(group), kind)
+            entry = _BACKENDS.get(key)
+            if entry is not None and entry[0]() is group and _BACKENDS.pop(key, None) is entry:
+                gone.append(entry[1])
+        _close_backends(gone)
+        dropped = _forget_policies(lambda ref: ref() is group)
+    return bool(gone) or dropped
 
 
 # The timeout of the CPU worlds the adapter makes: 0 takes
@@ -402,8 +517,12 @@ def _group_name(group) -> str:
 
 def mapped_groups() -> list:
     """`[(group name, device kind, backend kind)]` of the groups mapped so far."""
-    with _BACKENDS_LOCK:
-        return [(_group_name(g), k[1], b.kind) for k, (g, b) in _BACKENDS.items()]
+    out = []
+    for k, (ref, b) in _BACKENDS.copy().items():
+        g = ref()
+        if g is not None:
+            out.append((_group_name(g), k[1], b.kind))
+    return out
 
 
 # ---------------------------------------------------- the two vllm:: ops
@@ -841,21 +960,41 @@ def moe_groups(device_kind: str = "cpu") -> "MoeGroups":
     key = tuple(id(b) for b in backends)
     with _BACKENDS_LOCK:
         hit = _MOE_GROUPS.get(key)
-        if hit is None:
-            hit = MoeGroups.from_comms(*(b.comm for b in backends))
-            _MOE_GROUPS[key] = hit
-        return hit
+        if hit is not None and all(a is b for a, b in zip(hit[0], backends)):
+            return hit[1]
+        groups = MoeGroups.from_comms(*(b.comm for b in backends))
+        _MOE_GROUPS[key] = (tuple(backends), groups)
+        return groups
 
 
+# `{ids of the EP, TP and DP backends: (the backends, MoeGroups)}`: closed with
+# the first of its backends that is (`_close_backends`).
 _MOE_GROUPS: dict = {}
 
 
 # ------------------------------------------------------ reduction points
 
 _POINTS = ("reduce_routed_early", "reduce_shared", "reduce_final")
+# `{policy id: (ReducePolicy, weak reference to its TP group or None)}` and
+# `{configuration: policy id}`. A policy whose TP group is collected or
+# released goes with it (its id is then refused); ids are never reused.
 _POLICIES: dict = {}
 _POLICY_IDS: dict = {}
+_NEXT_POLICY_ID = itertools.count(1)
 _REDUCE_OP = None
+
+
+def _forget_policies(which) -> bool:
+    """Drops the policies whose TP group reference `which(ref)` selects;
+    whether there were any. Takes no lock (see `_forget_entry`)."""
+    dropped = False
+    for key, pid in _POLICY_IDS.copy().items():
+        entry = _POLICIES.get(pid)
+        if entry is not None and entry[1] is not None and which(entry[1]):
+            _POLICY_IDS.pop(key, None)
+            _POLICIES.pop(pid, None)
+            dropped = True
+    return dropped
 
 
 def _runner_policy(runner):
@@ -882,8 +1021,15 @@ def _runner_policy(runner):
         # Built before it is registered: a configuration the library refuses
         # raises its error at every call, never a missing id.
         policy = ReducePolicy(mode, transform, sp, tp_size, ep_size)
-        pid = len(_POLICY_IDS) + 1
-        _POLICIES[pid] = (policy, tp_group)
+        pid = next(_NEXT_POLICY_ID)
+        ref = None
+        if tp_group is not None:
+
+            def gone(ref):
+                _forget_policies(lambda r: r is ref)
+
+            ref = _ref(tp_group, gone)
+        _POLICIES[pid] = (policy, ref)
         _POLICY_IDS[key] = pid
     return pid
 
@@ -956,10 +1102,11 @@ def _always_reduces(point: int, layer: int) -> bool:
 
 def _point_impl(x, point: int, layer: int):
     point, layer = _checked_point(point, layer)
-    policy, tp_group = _POLICIES[layer]
+    policy, tp_ref = _POLICIES[layer]
     name = _POINTS[point]
+    tp_group = _tp_group() if tp_ref is None else tp_ref()
     if tp_group is None:
-        tp_group = _tp_group()
+        raise error(Status.INVALID_ARGUMENT, f"vllm_reduce_point: the TP group of layer {layer} was released")
     # The group's backend before the comm type is read, as in `_gather_impl`:
     # a rank without one still joins the collective that builds it.
     backend = comm_for_group(tp_group, _device_kind(x.device), "tp")
@@ -1150,6 +1297,33 @@ def _hook_captures():
     return cls, original
 
 
+GROUPS_MODULE = "vllm.distributed.parallel_state"
+
+
+def _hook_group_destroy():
+    """Makes vLLM's `GroupCoordinator.destroy()` release what the adapter
+    cached for the group (`release_group`) once it has destroyed it: every
+    rank destroys its groups at the same point (`destroy_model_parallel`),
+    and a destroyed group may stay referenced (by a model's config) long
+    after. Returns `(cls, original destroy)`, or None when vLLM's class is not
+    loaded, has no `destroy` of its own, or is hooked already. A subclass
+    whose `destroy` does not call the base one is released when collected."""
+    cls = getattr(sys.modules.get(GROUPS_MODULE), "GroupCoordinator", None)
+    original = vars(cls).get("destroy") if isinstance(cls, type) else None
+    if not callable(original) or getattr(original, "_ascend_moe_release", False):
+        return None
+
+    def destroy(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            release_group(self)
+
+    destroy._ascend_moe_release = True
+    cls.destroy = destroy
+    return cls, original
+
+
 def install() -> list:
     """Makes vLLM-Ascend use ascend-moe (see the module docstring). Imports
     `vllm_ascend.ops.register_custom_ops` first, so vLLM-Ascend's own
@@ -1201,6 +1375,9 @@ def install() -> list:
             _STATE["runner"], _STATE["saved_methods"] = runner, saved
         except Exception as e:  # noqa: BLE001
             _STATE["errors"]["AscendMoERunner"] = f"{type(e).__name__}: {e}"
+        _STATE["destroy_hook"] = _hook_group_destroy()
+        if _STATE["destroy_hook"] is not None:
+            replaced.append("GroupCoordinator.destroy")
         _STATE["capture_hook"] = _hook_captures()
         if _STATE["capture_hook"] is not None:
             replaced.append("torch.npu.graph.__enter__")
@@ -1208,9 +1385,25 @@ def install() -> list:
         return list(replaced)
 
 
+def _release_all() -> None:
+    """Closes and forgets every communicator, MoE group and policy cached."""
+    with _BACKENDS_LOCK:
+        entries = list(_BACKENDS.values())
+        _BACKENDS.clear()
+        _close_backends([b for _, b in entries])
+        for _, groups in list(_MOE_GROUPS.values()):
+            groups.close()
+        _MOE_GROUPS.clear()
+        _POLICIES.clear()
+        _POLICY_IDS.clear()
+
+
 def uninstall() -> list:
-    """Restores vLLM-Ascend's own ops and runner methods; returns what was restored."""
+    """Restores vLLM-Ascend's own ops and runner methods, and closes and
+    forgets the communicators made for vLLM's groups (installed or not);
+    returns what was restored."""
     with _LOCK:
+        _release_all()
         lib = _STATE["lib"]
         if lib is None:
             return []
@@ -1235,6 +1428,9 @@ def uninstall() -> list:
         hook = _STATE.pop("capture_hook", None)
         if hook is not None:
             hook[0].__enter__ = hook[1]
+        hook = _STATE.pop("destroy_hook", None)
+        if hook is not None:
+            hook[0].destroy = hook[1]
         restored = list(_STATE["replaced"])
         _STATE.update(lib=None, replaced=[], runner=None, saved_methods={})
         return restored

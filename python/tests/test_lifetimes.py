@@ -162,3 +162,129 @@ def test_handle_ids_last_for_two_billion_communicators(monkeypatch):
     assert len(ids) == len({(w, r) for w in (1, 2, 3, 65536) for r in {0, 1, w - 1} if r < w})
     with pytest.raises(am.InvalidArgumentError, match="worlds of 1..=65536 ranks"):
         hid(1, 65537, 0)
+
+
+# ------------------------------------------------------------ vLLM groups
+
+
+class _Group:
+    """The fields of vLLM's GroupCoordinator the adapter reads (one rank)."""
+
+    def __init__(self, name):
+        self.cpu_group, self.rank_in_group, self.world_size, self.ranks = object(), 0, 1, [0]
+        self.unique_name = name
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+    """The adapter with its caches empty and torch.distributed "initialized"
+    (a group of one rank makes a CPU world of one without asking it)."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    import ascend_moe.vllm_ascend as av
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.delenv("ASCEND_MOE_VLLM_CPU_COMM", raising=False)
+    for cache in ("_BACKENDS", "_MOE_GROUPS", "_POLICIES", "_POLICY_IDS"):
+        monkeypatch.setattr(av, cache, {})
+    yield av
+    av._release_all()
+
+
+def _engine_groups(monkeypatch, av) -> dict:
+    """vLLM's group getters as the adapter reads them, answering with what
+    the returned dict holds under "ep", "tp" and "dp"."""
+    now = {}
+    ops = types.ModuleType(av.OPS_MODULE)
+    ops.get_ep_group, ops.get_tp_group, ops.get_dp_group = (lambda: now["ep"]), (lambda: now["tp"]), (lambda: now["dp"])
+    monkeypatch.setitem(sys.modules, av.OPS_MODULE, ops)
+    monkeypatch.delitem(sys.modules, av.RUNNER_MODULE, raising=False)
+    return now
+
+
+def _runner(tp_group):
+    cfg = types.SimpleNamespace(tp_group=tp_group, ep_size=1, tp_size=1, is_sequence_parallel=False)
+    return types.SimpleNamespace(moe_config=cfg, ascend_shared_experts=None, routed_output_transform=None)
+
+
+def test_vllm_groups_that_go_take_their_communicators(adapter, monkeypatch):
+    """A vLLM group destroyed and dropped (re-sharding, elastic EP, RL
+    weight-sync groups) is not kept alive by the adapter's caches, and its
+    communicator, the MoE groups built on it and the policies of its TP
+    group are closed and forgotten when it is collected."""
+    av = adapter
+    engine = _engine_groups(monkeypatch, av)
+    for i in range(3):
+        ep, tp, dp = _Group(f"ep:{i}"), _Group(f"tp:{i}"), _Group(f"dp:{i}")
+        engine.update(ep=ep, tp=tp, dp=dp)
+        b = av.comm_for_group(ep, "cpu", "ep")
+        assert b.kind == "comm" and av.comm_for_group(ep, "cpu", "ep") is b
+        groups = av.moe_groups("cpu")
+        assert av.moe_groups("cpu") is groups
+        pid = av._runner_policy(_runner(tp))
+        assert pid in av._POLICIES
+        comms = [av.comm_for_group(g, "cpu").comm for g in (ep, tp, dp)]
+        assert sorted(n for n, _, _ in av.mapped_groups()) == sorted([f"ep:{i}", f"tp:{i}", f"dp:{i}"])
+        refs = [weakref.ref(g) for g in (ep, tp, dp)]
+        engine.clear()
+        del ep, tp, dp, b
+        gc.collect()
+        assert [r() for r in refs] == [None] * 3, "the adapter keeps dropped vLLM groups alive"
+        assert all(c.closed for c in comms) and groups.closed
+        assert av.mapped_groups() == [] and av._MOE_GROUPS == {} and pid not in av._POLICIES
+        with pytest.raises(am.InvalidArgumentError, match=f"no point 2 of layer {pid}"):
+            av._checked_point(2, pid)
+
+
+def test_a_destroyed_or_released_vllm_group_leaves_its_communicator_at_once(adapter, monkeypatch):
+    """Still referenced (by a model's config), a group vLLM destroys leaves
+    its communicator at its `destroy()` (hooked by `install()`), as
+    `release_group` does; the next use builds a new one. `uninstall()`
+    closes every communicator the adapter made."""
+    av = adapter
+    module = types.ModuleType(av.GROUPS_MODULE)
+    destroyed = []
+
+    class GroupCoordinator(_Group):
+        def destroy(self):
+            destroyed.append(self.unique_name)
+
+    module.GroupCoordinator = GroupCoordinator
+    monkeypatch.setitem(sys.modules, av.GROUPS_MODULE, module)
+    hook = av._hook_group_destroy()
+    try:
+        assert hook is not None and hook[0] is GroupCoordinator
+        assert av._hook_group_destroy() is None  # hooked once
+        g = GroupCoordinator("ep:0")
+        first = av.comm_for_group(g, "cpu").comm
+        g.destroy()
+        assert destroyed == ["ep:0"] and first.closed and av.mapped_groups() == []
+        again = av.comm_for_group(g, "cpu").comm
+        assert again is not first and not again.closed
+        assert av.release_group(g) and again.closed and not av.release_group(g)
+        kept = [GroupCoordinator("tp:0"), _Group("dp:0")]
+        live = [av.comm_for_group(k, "cpu").comm for k in kept]
+        assert len(av.mapped_groups()) == 2
+        av.uninstall()
+        assert all(c.closed for c in live) and av.mapped_groups() == []
+    finally:
+        if hook is not None:
+            hook[0].destroy = hook[1]
+
+
+def test_a_vllm_group_on_its_own_collectives_is_not_kept_either(adapter, monkeypatch):
+    """Served by its own collectives (ranks on several hosts), a group is
+    mapped once, used through itself, and not kept alive by the mapping."""
+    av = adapter
+    monkeypatch.setenv("ASCEND_MOE_VLLM_CPU_COMM", "group")
+    g = _Group("ep:own")
+    b = av.comm_for_group(g, "cpu", "ep")
+    assert b.kind == "group" and b.group is g
+    assert av.comm_for_group(g, "cpu", "ep").group is g
+    assert av.mapped_groups() == [("ep:own", "cpu", "group")]
+    ref = weakref.ref(g)
+    del g, b
+    gc.collect()
+    assert ref() is None and av.mapped_groups() == []

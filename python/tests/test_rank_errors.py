@@ -719,7 +719,7 @@ def _vllm_point_on_two_tp_ranks(monkeypatch, cts, dtypes):
         local.ct, local.group = cts[r], groups[r]
         # What comm_for_group builds on the first use, built here: its lock
         # is per process, and these ranks are threads of one.
-        av._BACKENDS[(id(groups[r]), "cpu")] = (groups[r], av._build_backend(groups[r], "cpu"))
+        av._remember_backend(groups[r], "cpu", av._build_backend(groups[r], "cpu"))
         t0 = time.monotonic()
         try:
             x = torch.full((2, 3), float(r + 1), dtype=dtypes[r])

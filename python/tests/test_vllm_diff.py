@@ -754,7 +754,7 @@ def test_reduction_point_on_a_communicator_takes_dtypes_the_library_does_not(eng
 
     dtype = getattr(torch, dtype)
     comm = am.Comm.cpu(f"pytest-point-{uuid.uuid4().hex[:12]}", 1, 0)
-    av._BACKENDS[(id(engine.tp), "cpu")] = (engine.tp, av._CommBackend(comm))
+    av._remember_backend(engine.tp, "cpu", av._CommBackend(comm))
     try:
         pid = av._runner_policy(_point_runner(engine.tp))
         x = (torch.arange(12) - 4).view(4, 3).to(dtype)

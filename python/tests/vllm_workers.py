@@ -393,14 +393,15 @@ def differential(name, world, rank, backend="comm"):
             with vs.forward_context(**fields):
                 got = ops.maybe_pad_and_reduce(x)
                 shape = _fake_shape(ops.maybe_pad_and_reduce, x)
+            # The groups map to `backend`, once each.
+            kinds = {g: b for g, _, b in av.mapped_groups()}
+            assert kinds.get("ep") == backend, av.mapped_groups()
         finally:
             av.uninstall()
+        # uninstall() closed and forgot the communicators it made.
+        assert av.mapped_groups() == [], av.mapped_groups()
         assert tuple(got.shape) == shape == their_fake == (ls[rank], *rest), (rest, got.shape, shape, their_fake)
     checks.append("hidden-0")
-
-    # The groups map to `backend`, once each.
-    kinds = {g: b for g, _, b in av.mapped_groups()}
-    assert kinds.get("ep") == backend, av.mapped_groups()
     dist.all_reduce(torch.zeros(1))  # every rank done before any exits
     return checks
 
