@@ -8,7 +8,8 @@
 use std::fmt::Display;
 
 use crate::counts::{counts_len, counts_sum, same_len};
-use crate::descriptor::{Desc, Kind};
+use crate::descriptor::{Desc, Kind, PostedShape};
+use crate::{Agreeing, Shape};
 use crate::{DataType, Error, ReduceOp, Result, ShmComm};
 
 /// Runs `call` with the text of `local`'s error (if any); a failure of the
@@ -53,6 +54,17 @@ fn aligned(op: &'static str, arg: &'static str, dtype: DataType, s: &[u8]) -> Re
 }
 
 impl ShmComm {
+    /// The next collective through the handle returned also compares `shape`
+    /// across the ranks: ranks that pass other shapes (or none) fail
+    /// together with [`crate::ErrorKind::Mismatch`], naming each rank's.
+    pub fn agreeing(&self, shape: Shape<'_>) -> Agreeing<'_> {
+        Agreeing { comm: self, shape: Some(PostedShape::new(shape.label, shape.dims)) }
+    }
+
+    fn plain(&self) -> Agreeing<'_> {
+        Agreeing { comm: self, shape: None }
+    }
+
     /// `dst = op(src over ranks)`; `src` and `dst` hold the same number of
     /// elements, and a non-empty `src` is aligned to them.
     pub fn all_reduce<E: From<Error> + Display>(
@@ -63,18 +75,7 @@ impl ShmComm {
         dst: &mut [u8],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "all_reduce";
-        let n = src.len() / dtype.size();
-        let local = check.and_then(|_| {
-            reducible(C, dtype)?;
-            let n = elems(C, "src", dtype, src.len())?;
-            same_len(C, "dst", n, elems(C, "dst", dtype, dst.len())?)?;
-            Ok(aligned(C, "src", dtype, src)?)
-        });
-        let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n);
-        // SAFETY: the data phase runs only when the lengths agree and src is
-        // aligned (no invalid text); & and &mut cannot overlap.
-        finish(local, |inv| unsafe { self.all_reduce_raw(desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), n) })
+        self.plain().all_reduce(dtype, op, src, dst, check)
     }
 
     /// In-place all-reduce; a non-empty `buf` is aligned to its elements.
@@ -85,18 +86,7 @@ impl ShmComm {
         buf: &mut [u8],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "all_reduce";
-        let n = buf.len() / dtype.size();
-        let local = check.and_then(|_| {
-            reducible(C, dtype)?;
-            elems(C, "buf", dtype, buf.len())?;
-            Ok(aligned(C, "buf", dtype, buf)?)
-        });
-        let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n);
-        let p = buf.as_mut_ptr();
-        // SAFETY: src == dst (in place is allowed); buf holds n aligned
-        // elements when the data phase runs.
-        finish(local, |inv| unsafe { self.all_reduce_raw(desc, inv, dtype, op, p, p, n) })
+        self.plain().all_reduce_in_place(dtype, op, buf, check)
     }
 
     /// Reduce-scatter: `src` holds `world` blocks of `dst`'s element count;
@@ -110,23 +100,7 @@ impl ShmComm {
         dst: &mut [u8],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "reduce_scatter";
-        let w = self.inner.world;
-        let n = dst.len() / dtype.size();
-        let local = check.and_then(|_| {
-            reducible(C, dtype)?;
-            let n = elems(C, "dst", dtype, dst.len())?;
-            same_len(C, "src", n.saturating_mul(w), elems(C, "src", dtype, src.len())?)?;
-            aligned(C, "src", dtype, src)?;
-            Ok(aligned(C, "dst", dtype, dst)?)
-        });
-        let desc = Desc::new(Kind::ReduceScatter, dtype, Some(op)).count(n);
-        let counts = vec![n; w];
-        // SAFETY: the data phase runs only when src holds w * n and dst n
-        // elements, both aligned.
-        finish(local, |inv| unsafe {
-            self.reduce_scatter_raw(Kind::ReduceScatter, desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), &counts)
-        })
+        self.plain().reduce_scatter(dtype, op, src, dst, check)
     }
 
     /// Reduce-scatter with per-rank block sizes `counts` (elements); `src`
@@ -140,20 +114,7 @@ impl ShmComm {
         counts: &[usize],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "reduce_scatter_v";
-        let local = check.and_then(|_| {
-            reducible(C, dtype)?;
-            let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
-            self.check_v(C, counts, s, "src", d, "dst")?;
-            aligned(C, "src", dtype, src)?;
-            Ok(aligned(C, "dst", dtype, dst)?)
-        });
-        let desc = Desc::new(Kind::ReduceScatterV, dtype, Some(op)).counts(counts, counts);
-        // SAFETY: the data phase runs only when src holds sum(counts) and dst
-        // counts[rank] elements, both aligned.
-        finish(local, |inv| unsafe {
-            self.reduce_scatter_raw(Kind::ReduceScatterV, desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), counts)
-        })
+        self.plain().reduce_scatter_v(dtype, op, src, dst, counts, check)
     }
 
     /// `dst = concat(src of every rank)`: `dst` holds `world` times `src`.
@@ -164,19 +125,7 @@ impl ShmComm {
         dst: &mut [u8],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "all_gather";
-        let w = self.inner.world;
-        let n = src.len() / dtype.size();
-        let local = check.and_then(|_| {
-            let n = elems(C, "src", dtype, src.len())?;
-            Ok(same_len(C, "dst", n.saturating_mul(w), elems(C, "dst", dtype, dst.len())?)?)
-        });
-        let desc = Desc::new(Kind::AllGather, dtype, None).count(n);
-        let counts = vec![n; w];
-        // SAFETY: the data phase runs only when dst holds w * n elements.
-        finish(local, |inv| unsafe {
-            self.all_gather_raw(Kind::AllGather, desc, inv, dtype, src.as_ptr(), dst.as_mut_ptr(), &counts)
-        })
+        self.plain().all_gather(dtype, src, dst, check)
     }
 
     /// All-gather with per-rank block sizes `counts` (elements).
@@ -188,17 +137,7 @@ impl ShmComm {
         counts: &[usize],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "all_gather_v";
-        let local = check.and_then(|_| {
-            let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
-            Ok(self.check_v(C, counts, d, "dst", s, "src")?)
-        });
-        let desc = Desc::new(Kind::AllGatherV, dtype, None).counts(counts, counts);
-        // SAFETY: the data phase runs only when src holds counts[rank] and dst
-        // sum(counts) elements.
-        finish(local, |inv| unsafe {
-            self.all_gather_raw(Kind::AllGatherV, desc, inv, dtype, src.as_ptr(), dst.as_mut_ptr(), counts)
-        })
+        self.plain().all_gather_v(dtype, src, dst, counts, check)
     }
 
     /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements)
@@ -213,21 +152,7 @@ impl ShmComm {
         recv_counts: &[usize],
         check: Result<(), E>,
     ) -> Result<(), E> {
-        const C: &str = "all_to_all_v";
-        let w = self.inner.world;
-        let local = check.and_then(|_| {
-            counts_len(C, "send_counts", send_counts, w)?;
-            counts_len(C, "recv_counts", recv_counts, w)?;
-            same_len(C, "src", counts_sum(C, "send_counts", send_counts)?, elems(C, "src", dtype, src.len())?)?;
-            Ok(same_len(C, "dst", counts_sum(C, "recv_counts", recv_counts)?, elems(C, "dst", dtype, dst.len())?)?)
-        });
-        let desc = Desc::new(Kind::AllToAllV, dtype, None).counts(send_counts, recv_counts);
-        // SAFETY: the data phase runs only when src holds sum(send) and dst
-        // sum(recv) elements, and the counts agree pairwise across ranks
-        // (checked before any data moves).
-        finish(local, |inv| unsafe {
-            self.all_to_all_raw(desc, inv, dtype, src.as_ptr(), send_counts, dst.as_mut_ptr(), recv_counts)
-        })
+        self.plain().all_to_all_v(dtype, src, send_counts, dst, recv_counts, check)
     }
 
     /// Copies `buf` of rank `root` into `buf` of every rank.
@@ -238,30 +163,7 @@ impl ShmComm {
         root: usize,
         check: Result<(), E>,
     ) -> Result<(), E> {
-        let n = buf.len() / dtype.size();
-        let local = check.and_then(|_| {
-            elems("broadcast", "buf", dtype, buf.len())?;
-            Ok(self.check_root(root)?)
-        });
-        let desc = Desc::new(Kind::Broadcast, dtype, None).count(n).root(root);
-        // SAFETY: buf holds n elements.
-        finish(local, |inv| unsafe { self.broadcast_raw(desc, inv, dtype, buf.as_mut_ptr(), n, root) })
-    }
-
-    /// Waits for every rank.
-    pub fn barrier(&self) -> Result<()> {
-        let desc = Desc::new(Kind::Barrier, DataType::F32, None);
-        self.drive(Kind::Barrier, desc, None, &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false)
-    }
-
-    /// Rows per staging region for rows of `row_len` elements of `dtype`: how
-    /// many rows of one block [`ShmComm::reduce_scatter_rows_with`] moves per
-    /// round. 0 when one row does not fit (the caller then stages a buffer).
-    pub fn rows_per_region(&self, row_len: usize, dtype: DataType) -> usize {
-        match row_len.checked_mul(dtype.size()) {
-            Some(b) if b > 0 => self.region_bytes() / b,
-            _ => 0,
-        }
+        self.plain().broadcast(dtype, buf, root, check)
     }
 
     /// Reduce-scatter of row blocks that are computed straight into the
@@ -290,62 +192,23 @@ impl ShmComm {
         check: Result<(), E>,
         produce: &mut dyn FnMut(usize, usize, &mut [u8]),
     ) -> Result<(), E> {
-        const C: &str = "reduce_scatter_rows";
-        let (world, me, esz) = (self.inner.world, self.inner.rank, dtype.size());
-        let rpr = self.rows_per_region(row_len, dtype);
-        let region = self.region_bytes();
-        let checked = check.and_then(|_| {
-            reducible(C, dtype)?;
-            counts_len(C, "rows", rows, world)?;
-            if rpr == 0 {
-                let why = format!("a row of {row_len} {dtype} elements does not fit the {region}-byte staging region");
-                return Err(Error::invalid(C, "row_len", why).into());
-            }
-            let elems = rows.iter().map(|r| r.checked_mul(row_len)).collect::<Option<Vec<usize>>>();
-            let elems =
-                elems.ok_or_else(|| Error::invalid(C, "rows", format!("{rows:?} rows of {row_len} overflow")))?;
-            counts_sum(C, "rows", &elems)?;
-            same_len(C, "dst", elems[me], self::elems(C, "dst", dtype, dst.len())?)?;
-            aligned(C, "dst", dtype, dst)?;
-            Ok(elems)
-        });
-        let (local, counts) = match checked {
-            Ok(elems) => (Ok(()), elems),
-            Err(e) => (Err(e), vec![0; world]),
-        };
-        let desc = Desc::new(Kind::ReduceScatterRows, dtype, Some(op)).count(row_len).counts(&counts, &counts);
-        let relems = rpr * row_len;
-        let d = dst.as_mut_ptr();
-        let mut stage = |k: usize, slot: *mut u8| {
-            for (j, &r) in rows.iter().enumerate() {
-                let (lo, hi) = (k * rpr, ((k + 1) * rpr).min(r));
-                if lo < hi {
-                    // SAFETY: region j of the slot holds rpr >= hi - lo rows
-                    // (rows_per_region); only this rank writes its slot, and
-                    // nobody reads it during staging. Regions start at multiples
-                    // of 64 bytes inside a 64-byte aligned slot.
-                    let out =
-                        unsafe { std::slice::from_raw_parts_mut(slot.add(j * region), (hi - lo) * row_len * esz) };
-                    produce(j, lo, out);
-                }
-            }
-        };
-        // SAFETY: staging runs only when the checks passed: then dst holds
-        // counts[me] aligned elements, and relems * esz <= region (rows_per_region).
-        finish(local, |inv| unsafe {
-            self.reduce_scatter_core(
-                Kind::ReduceScatterRows,
-                desc,
-                inv,
-                dtype,
-                op,
-                d,
-                &counts,
-                relems,
-                None,
-                &mut stage,
-            )
-        })
+        self.plain().reduce_scatter_rows_with(dtype, op, rows, row_len, dst, check, produce)
+    }
+
+    /// Waits for every rank.
+    pub fn barrier(&self) -> Result<()> {
+        let desc = Desc::new(Kind::Barrier, DataType::F32, None);
+        self.drive(Kind::Barrier, desc, None, &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false)
+    }
+
+    /// Rows per staging region for rows of `row_len` elements of `dtype`: how
+    /// many rows of one block [`ShmComm::reduce_scatter_rows_with`] moves per
+    /// round. 0 when one row does not fit (the caller then stages a buffer).
+    pub fn rows_per_region(&self, row_len: usize, dtype: DataType) -> usize {
+        match row_len.checked_mul(dtype.size()) {
+            Some(b) if b > 0 => self.region_bytes() / b,
+            _ => 0,
+        }
     }
 
     fn check_root(&self, root: usize) -> Result<()> {
@@ -369,5 +232,289 @@ impl ShmComm {
         counts_len(op, "counts", counts, w)?;
         same_len(op, total_arg, counts_sum(op, "counts", counts)?, total)?;
         same_len(op, mine_arg, counts[self.inner.rank], mine)
+    }
+}
+
+impl Agreeing<'_> {
+    /// [`ShmComm::all_reduce`], also comparing the shape.
+    pub fn all_reduce<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_reduce";
+        let n = src.len() / dtype.size();
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            let n = elems(C, "src", dtype, src.len())?;
+            same_len(C, "dst", n, elems(C, "dst", dtype, dst.len())?)?;
+            Ok(aligned(C, "src", dtype, src)?)
+        });
+        let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n).shape(self.shape.clone());
+        // SAFETY: the data phase runs only when the lengths agree and src is
+        // aligned (no invalid text); & and &mut cannot overlap.
+        finish(local, |inv| unsafe {
+            self.comm.all_reduce_raw(desc, inv, dtype, op, src.as_ptr(), dst.as_mut_ptr(), n)
+        })
+    }
+
+    /// [`ShmComm::all_reduce_in_place`], also comparing the shape.
+    pub fn all_reduce_in_place<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        buf: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_reduce";
+        let n = buf.len() / dtype.size();
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            elems(C, "buf", dtype, buf.len())?;
+            Ok(aligned(C, "buf", dtype, buf)?)
+        });
+        let desc = Desc::new(Kind::AllReduce, dtype, Some(op)).count(n).shape(self.shape.clone());
+        let p = buf.as_mut_ptr();
+        // SAFETY: src == dst (in place is allowed); buf holds n aligned
+        // elements when the data phase runs.
+        finish(local, |inv| unsafe { self.comm.all_reduce_raw(desc, inv, dtype, op, p, p, n) })
+    }
+
+    /// [`ShmComm::reduce_scatter`], also comparing the shape.
+    pub fn reduce_scatter<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "reduce_scatter";
+        let w = self.comm.inner.world;
+        let n = dst.len() / dtype.size();
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            let n = elems(C, "dst", dtype, dst.len())?;
+            same_len(C, "src", n.saturating_mul(w), elems(C, "src", dtype, src.len())?)?;
+            aligned(C, "src", dtype, src)?;
+            Ok(aligned(C, "dst", dtype, dst)?)
+        });
+        let desc = Desc::new(Kind::ReduceScatter, dtype, Some(op)).count(n).shape(self.shape.clone());
+        let counts = vec![n; w];
+        // SAFETY: the data phase runs only when src holds w * n and dst n
+        // elements, both aligned.
+        finish(local, |inv| unsafe {
+            self.comm.reduce_scatter_raw(
+                Kind::ReduceScatter,
+                desc,
+                inv,
+                dtype,
+                op,
+                src.as_ptr(),
+                dst.as_mut_ptr(),
+                &counts,
+            )
+        })
+    }
+
+    /// [`ShmComm::reduce_scatter_v`], also comparing the shape.
+    pub fn reduce_scatter_v<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        src: &[u8],
+        dst: &mut [u8],
+        counts: &[usize],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "reduce_scatter_v";
+        let local = check.and_then(|_| {
+            reducible(C, dtype)?;
+            let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
+            self.comm.check_v(C, counts, s, "src", d, "dst")?;
+            aligned(C, "src", dtype, src)?;
+            Ok(aligned(C, "dst", dtype, dst)?)
+        });
+        let desc = Desc::new(Kind::ReduceScatterV, dtype, Some(op)).counts(counts, counts).shape(self.shape.clone());
+        // SAFETY: the data phase runs only when src holds sum(counts) and dst
+        // counts[rank] elements, both aligned.
+        finish(local, |inv| unsafe {
+            self.comm.reduce_scatter_raw(
+                Kind::ReduceScatterV,
+                desc,
+                inv,
+                dtype,
+                op,
+                src.as_ptr(),
+                dst.as_mut_ptr(),
+                counts,
+            )
+        })
+    }
+
+    /// [`ShmComm::all_gather`], also comparing the shape.
+    pub fn all_gather<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        src: &[u8],
+        dst: &mut [u8],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_gather";
+        let w = self.comm.inner.world;
+        let n = src.len() / dtype.size();
+        let local = check.and_then(|_| {
+            let n = elems(C, "src", dtype, src.len())?;
+            Ok(same_len(C, "dst", n.saturating_mul(w), elems(C, "dst", dtype, dst.len())?)?)
+        });
+        let desc = Desc::new(Kind::AllGather, dtype, None).count(n).shape(self.shape.clone());
+        let counts = vec![n; w];
+        // SAFETY: the data phase runs only when dst holds w * n elements.
+        finish(local, |inv| unsafe {
+            self.comm.all_gather_raw(Kind::AllGather, desc, inv, dtype, src.as_ptr(), dst.as_mut_ptr(), &counts)
+        })
+    }
+
+    /// [`ShmComm::all_gather_v`], also comparing the shape.
+    pub fn all_gather_v<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        src: &[u8],
+        dst: &mut [u8],
+        counts: &[usize],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_gather_v";
+        let local = check.and_then(|_| {
+            let (s, d) = (elems(C, "src", dtype, src.len())?, elems(C, "dst", dtype, dst.len())?);
+            Ok(self.comm.check_v(C, counts, d, "dst", s, "src")?)
+        });
+        let desc = Desc::new(Kind::AllGatherV, dtype, None).counts(counts, counts).shape(self.shape.clone());
+        // SAFETY: the data phase runs only when src holds counts[rank] and dst
+        // sum(counts) elements.
+        finish(local, |inv| unsafe {
+            self.comm.all_gather_raw(Kind::AllGatherV, desc, inv, dtype, src.as_ptr(), dst.as_mut_ptr(), counts)
+        })
+    }
+
+    /// [`ShmComm::all_to_all_v`], also comparing the shape.
+    pub fn all_to_all_v<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        src: &[u8],
+        send_counts: &[usize],
+        dst: &mut [u8],
+        recv_counts: &[usize],
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        const C: &str = "all_to_all_v";
+        let w = self.comm.inner.world;
+        let local = check.and_then(|_| {
+            counts_len(C, "send_counts", send_counts, w)?;
+            counts_len(C, "recv_counts", recv_counts, w)?;
+            same_len(C, "src", counts_sum(C, "send_counts", send_counts)?, elems(C, "src", dtype, src.len())?)?;
+            Ok(same_len(C, "dst", counts_sum(C, "recv_counts", recv_counts)?, elems(C, "dst", dtype, dst.len())?)?)
+        });
+        let desc = Desc::new(Kind::AllToAllV, dtype, None).counts(send_counts, recv_counts).shape(self.shape.clone());
+        // SAFETY: the data phase runs only when src holds sum(send) and dst
+        // sum(recv) elements, and the counts agree pairwise across ranks
+        // (checked before any data moves).
+        finish(local, |inv| unsafe {
+            self.comm.all_to_all_raw(desc, inv, dtype, src.as_ptr(), send_counts, dst.as_mut_ptr(), recv_counts)
+        })
+    }
+
+    /// [`ShmComm::broadcast`], also comparing the shape.
+    pub fn broadcast<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        buf: &mut [u8],
+        root: usize,
+        check: Result<(), E>,
+    ) -> Result<(), E> {
+        let n = buf.len() / dtype.size();
+        let local = check.and_then(|_| {
+            elems("broadcast", "buf", dtype, buf.len())?;
+            Ok(self.comm.check_root(root)?)
+        });
+        let desc = Desc::new(Kind::Broadcast, dtype, None).count(n).root(root).shape(self.shape.clone());
+        // SAFETY: buf holds n elements.
+        finish(local, |inv| unsafe { self.comm.broadcast_raw(desc, inv, dtype, buf.as_mut_ptr(), n, root) })
+    }
+
+    /// [`ShmComm::reduce_scatter_rows_with`], also comparing the shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_scatter_rows_with<E: From<Error> + Display>(
+        &self,
+        dtype: DataType,
+        op: ReduceOp,
+        rows: &[usize],
+        row_len: usize,
+        dst: &mut [u8],
+        check: Result<(), E>,
+        produce: &mut dyn FnMut(usize, usize, &mut [u8]),
+    ) -> Result<(), E> {
+        const C: &str = "reduce_scatter_rows";
+        let (world, me, esz) = (self.comm.inner.world, self.comm.inner.rank, dtype.size());
+        let rpr = self.comm.rows_per_region(row_len, dtype);
+        let region = self.comm.region_bytes();
+        let checked = check.and_then(|_| {
+            reducible(C, dtype)?;
+            counts_len(C, "rows", rows, world)?;
+            if rpr == 0 {
+                let why = format!("a row of {row_len} {dtype} elements does not fit the {region}-byte staging region");
+                return Err(Error::invalid(C, "row_len", why).into());
+            }
+            let elems = rows.iter().map(|r| r.checked_mul(row_len)).collect::<Option<Vec<usize>>>();
+            let elems =
+                elems.ok_or_else(|| Error::invalid(C, "rows", format!("{rows:?} rows of {row_len} overflow")))?;
+            counts_sum(C, "rows", &elems)?;
+            same_len(C, "dst", elems[me], self::elems(C, "dst", dtype, dst.len())?)?;
+            aligned(C, "dst", dtype, dst)?;
+            Ok(elems)
+        });
+        let (local, counts) = match checked {
+            Ok(elems) => (Ok(()), elems),
+            Err(e) => (Err(e), vec![0; world]),
+        };
+        let desc = Desc::new(Kind::ReduceScatterRows, dtype, Some(op))
+            .count(row_len)
+            .counts(&counts, &counts)
+            .shape(self.shape.clone());
+        let relems = rpr * row_len;
+        let d = dst.as_mut_ptr();
+        let mut stage = |k: usize, slot: *mut u8| {
+            for (j, &r) in rows.iter().enumerate() {
+                let (lo, hi) = (k * rpr, ((k + 1) * rpr).min(r));
+                if lo < hi {
+                    // SAFETY: region j of the slot holds rpr >= hi - lo rows
+                    // (rows_per_region); only this rank writes its slot, and
+                    // nobody reads it during staging. Regions start at multiples
+                    // of 64 bytes inside a 64-byte aligned slot.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(slot.add(j * region), (hi - lo) * row_len * esz) };
+                    produce(j, lo, out);
+                }
+            }
+        };
+        // SAFETY: staging runs only when the checks passed: then dst holds
+        // counts[me] aligned elements, and relems * esz <= region (rows_per_region).
+        finish(local, |inv| unsafe {
+            self.comm.reduce_scatter_core(
+                Kind::ReduceScatterRows,
+                desc,
+                inv,
+                dtype,
+                op,
+                d,
+                &counts,
+                relems,
+                None,
+                &mut stage,
+            )
+        })
     }
 }

@@ -1,7 +1,7 @@
 //! Collective descriptors: what one rank was asked to do, posted in its
 //! control block and compared across ranks before any data moves.
 
-use crate::segment::{Segment, DESC_WORDS, MAX_WORLD};
+use crate::segment::{Segment, DESC_WORDS, MAX_WORLD, SHAPE_DIMS};
 use crate::{DataType, ReduceOp};
 
 /// Collective kinds as posted in descriptors.
@@ -64,6 +64,53 @@ pub(crate) struct Desc {
     pub(crate) counts_b: Vec<u64>,
     /// The caller's context tag (e.g. the forward's MoE comm type).
     pub(crate) tag: Option<u64>,
+    /// The shape the caller asked the ranks to agree on besides the counts.
+    pub(crate) shape: Option<PostedShape>,
+}
+
+/// A shape as posted: a label naming it (at most 16 bytes) and its
+/// dimensions, the first [`SHAPE_DIMS`] of them as they are; a longer shape
+/// keeps its first `SHAPE_DIMS - 1` and a hash of the rest in the last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PostedShape {
+    label: [u8; 16],
+    ndim: u64,
+    dims: [u64; SHAPE_DIMS],
+}
+
+impl PostedShape {
+    pub(crate) fn new(label: &str, dims: &[usize]) -> PostedShape {
+        let mut l = [0u8; 16];
+        let n = label.len().min(16);
+        l[..n].copy_from_slice(&label.as_bytes()[..n]);
+        let mut d = [0u64; SHAPE_DIMS];
+        for (w, &x) in d.iter_mut().zip(dims) {
+            *w = x as u64;
+        }
+        if dims.len() > SHAPE_DIMS {
+            // FNV-1a over the dimensions that do not fit.
+            d[SHAPE_DIMS - 1] = dims[SHAPE_DIMS - 1..]
+                .iter()
+                .flat_map(|&x| (x as u64).to_le_bytes())
+                .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        }
+        PostedShape { label: l, ndim: dims.len() as u64, dims: d }
+    }
+
+    /// `label shape [d0, d1, ...]`.
+    fn describe(&self) -> String {
+        let end = self.label.iter().position(|&b| b == 0).unwrap_or(16);
+        let label = String::from_utf8_lossy(&self.label[..end]);
+        let n = self.ndim as usize;
+        let shown: Vec<String> = if n <= SHAPE_DIMS {
+            self.dims[..n].iter().map(u64::to_string).collect()
+        } else {
+            let mut v: Vec<String> = self.dims[..SHAPE_DIMS - 1].iter().map(u64::to_string).collect();
+            v.push(format!("... ({n} dims, the rest hashing to {:#018x})", self.dims[SHAPE_DIMS - 1]));
+            v
+        };
+        format!("{label} shape [{}]", shown.join(", "))
+    }
 }
 
 const W_SEQ: usize = 0;
@@ -76,9 +123,11 @@ const W_COUNT: usize = 6;
 const W_NA: usize = 7;
 const W_TAG: usize = 8;
 const W_COUNTS: usize = 9;
-/// Flag bits.
+const W_SHAPE: usize = W_COUNTS + 2 * MAX_WORLD;
+/// Flag bits; bits 32.. hold the posted shape's dimension count.
 const F_INVALID: u64 = 1;
 const F_TAGGED: u64 = 2;
+const F_SHAPED: u64 = 4;
 
 impl Desc {
     pub(crate) fn new(kind: Kind, dtype: DataType, op: Option<ReduceOp>) -> Desc {
@@ -93,6 +142,7 @@ impl Desc {
             counts_a: Vec::new(),
             counts_b: Vec::new(),
             tag: None,
+            shape: None,
         }
     }
     pub(crate) fn count(mut self, n: usize) -> Desc {
@@ -108,6 +158,10 @@ impl Desc {
         self.root = r as u64;
         self
     }
+    pub(crate) fn shape(mut self, shape: Option<PostedShape>) -> Desc {
+        self.shape = shape;
+        self
+    }
 
     pub(crate) fn to_words(&self, world: usize) -> [u64; DESC_WORDS] {
         let mut w = [0u64; DESC_WORDS];
@@ -118,6 +172,12 @@ impl Desc {
         w[W_ROOT] = self.root;
         w[W_FLAGS] = if self.invalid { F_INVALID } else { 0 } | if self.tag.is_some() { F_TAGGED } else { 0 };
         w[W_TAG] = self.tag.unwrap_or(0);
+        if let Some(s) = &self.shape {
+            w[W_FLAGS] |= F_SHAPED | s.ndim.min(u64::from(u32::MAX)) << 32;
+            w[W_SHAPE] = u64::from_le_bytes(s.label[..8].try_into().unwrap_or_default());
+            w[W_SHAPE + 1] = u64::from_le_bytes(s.label[8..].try_into().unwrap_or_default());
+            w[W_SHAPE + 2..W_SHAPE + 2 + SHAPE_DIMS].copy_from_slice(&s.dims);
+        }
         w[W_COUNT] = self.count;
         // Counts vectors are only posted when valid (len == world).
         let ok = self.counts_a.len() == world && self.counts_b.len() == world && !self.invalid;
@@ -139,6 +199,14 @@ impl Desc {
             root: w[W_ROOT],
             invalid: w[W_FLAGS] & F_INVALID != 0,
             tag: (w[W_FLAGS] & F_TAGGED != 0).then_some(w[W_TAG]),
+            shape: (w[W_FLAGS] & F_SHAPED != 0).then(|| {
+                let mut label = [0u8; 16];
+                label[..8].copy_from_slice(&w[W_SHAPE].to_le_bytes());
+                label[8..].copy_from_slice(&w[W_SHAPE + 1].to_le_bytes());
+                let mut dims = [0u64; SHAPE_DIMS];
+                dims.copy_from_slice(&w[W_SHAPE + 2..W_SHAPE + 2 + SHAPE_DIMS]);
+                PostedShape { label, ndim: w[W_FLAGS] >> 32, dims }
+            }),
             count: w[W_COUNT],
             counts_a: w[W_COUNTS..W_COUNTS + na].to_vec(),
             counts_b: w[W_COUNTS + MAX_WORLD..W_COUNTS + MAX_WORLD + na].to_vec(),
@@ -163,6 +231,9 @@ impl Desc {
             Some(Kind::ReduceScatterRows) => s += &format!(" row_len {} counts {:?}", self.count, self.counts_a),
             Some(Kind::AllToAllV) => s += &format!(" send_counts {:?} recv_counts {:?}", self.counts_a, self.counts_b),
             _ => {}
+        }
+        if let Some(shape) = &self.shape {
+            s += &format!(" {}", shape.describe());
         }
         if let Some(t) = self.tag {
             s += &format!(" tag {t}");

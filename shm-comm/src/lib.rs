@@ -118,7 +118,11 @@
 //! The descriptor also carries the caller's optional context tag
 //! ([`ShmComm::set_context_tag`]); ranks that disagree on it are reported by
 //! tag first (`ranks [0, 1] chose 0, ranks [2, 3] chose 1`), as the context is
-//! the cause of whatever else differs.
+//! the cause of whatever else differs. A call made through
+//! [`ShmComm::agreeing`] also carries a [`Shape`] (a label and up to 8
+//! dimensions): ranks whose element counts agree but whose shapes differ
+//! (`[4, 4]` against `[8, 2]`) fail like any other disagreement, naming each
+//! rank's shape, at no extra cost.
 //!
 //! Round `k` uses staging slot `k % 3`, so a rank may write the next rounds
 //! while slower ranks still read round `k`: every rank finishes reading round
@@ -205,6 +209,7 @@ pub use reduce::{bf16_to_f32_slice, f32_to_bf16_slice};
 pub use rendezvous::{joined_ranks, segment_path, shm_dir};
 pub use segment::MAX_WORLD;
 
+use descriptor::PostedShape;
 use segment::{Segment, ABORTED, EMPTY, FAILED, LEFT, RENDEZVOUS};
 
 /// Why a world of `world_size` ranks cannot form (0, or over [`MAX_WORLD`]),
@@ -320,6 +325,30 @@ struct State {
     broken: Option<Error>,
     /// The caller's context tag, posted with every descriptor.
     tag: Option<u64>,
+}
+
+/// A shape the ranks of a collective must agree on besides what the call
+/// itself compares (kind, dtype, op, root, counts, tag): `dims`, named
+/// `label` (at most 16 bytes are posted) in the error of ranks that
+/// disagree, e.g. `src shape [4, 4]` against `src shape [8, 2]`. Equal
+/// element counts do not make two shapes the same tensor: the rows of a
+/// gather or a reduction would be mixtures. It travels in the descriptor,
+/// so comparing it costs no extra exchange. A shape of more than 8
+/// dimensions is compared by its first 7 and a hash of the rest.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape<'a> {
+    /// What the error calls it (`"src"`: `src shape [..]`).
+    pub label: &'static str,
+    /// The dimensions every rank must pass alike.
+    pub dims: &'a [usize],
+}
+
+/// The collectives of a [`ShmComm`] that also post a [`Shape`] every rank
+/// must agree on ([`ShmComm::agreeing`]); every rank of the call must post
+/// one, or none.
+pub struct Agreeing<'a> {
+    pub(crate) comm: &'a ShmComm,
+    pub(crate) shape: Option<PostedShape>,
 }
 
 impl std::fmt::Debug for ShmComm {

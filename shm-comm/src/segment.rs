@@ -27,20 +27,25 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout and protocol version (how phases are numbered in
 /// [`Header::verdict`] included); a segment of another version is treated
 /// as foreign and stale.
-pub(crate) const VERSION: u32 = 8;
+pub(crate) const VERSION: u32 = 9;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
 pub(crate) const SLOTS: usize = 3;
 /// Size of the header and of each control block.
 pub(crate) const BLOCK: usize = 4096;
-/// Words in one collective descriptor.
-pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD;
+/// Dimensions of a shape a descriptor holds as they are (a longer shape
+/// keeps its first `SHAPE_DIMS - 1` and a hash of the rest).
+pub(crate) const SHAPE_DIMS: usize = 8;
+/// Words in one collective descriptor: the call, two per-rank count
+/// vectors, then the shape the ranks also compare (a 16-byte label and
+/// [`SHAPE_DIMS`] dimensions).
+pub(crate) const DESC_WORDS: usize = 9 + 2 * MAX_WORLD + 2 + SHAPE_DIMS;
 /// Words of a posted split request: generation, length, the parent's
 /// sequence number, one byte per rank.
 pub(crate) const SPLIT_WORDS: usize = 3 + MAX_WORLD.div_ceil(8);
 /// Bytes of error text a rank can publish with an invalid descriptor.
-pub(crate) const ERR_BYTES: usize = 768;
+pub(crate) const ERR_BYTES: usize = 752;
 
 /// The phase of the rendezvous in [`Header::verdict`]: every rank has taken
 /// its slot. The word starts at 0, which reads as "phase 0 passed", so the

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use shm_comm::{Config, DataType, Error, ErrorKind, ReduceOp, ShmComm};
+use shm_comm::{Config, DataType, Error, ErrorKind, ReduceOp, Shape, ShmComm};
 
 const WORLD: usize = 4;
 
@@ -54,6 +54,53 @@ fn ranks_that_disagree_on_the_tag_all_fail_naming_who_chose_what() {
         assert!(s.contains("ranks [0, 1] chose 0, ranks [2, 3] chose 1"), "rank {r}: {s}");
         assert!(s.contains("all_reduce") && s.contains("tag 0") && s.contains("tag 1"), "rank {r}: {s}");
         assert_eq!(again, &four, "rank {r}");
+    }
+}
+
+#[test]
+fn ranks_whose_shapes_differ_with_equal_counts_all_fail_naming_each_shape() {
+    // 16 elements everywhere; ranks 2 and 3 see them as [8, 2], the others
+    // as [4, 4]. A 9-dimensional shape differs only past its 7th dimension.
+    let out = ranks("shape", |r, c| {
+        let dims: &[usize] = if r < 2 { &[4, 4] } else { &[8, 2] };
+        let src: Vec<u8> = (0..16).flat_map(|_| 1f32.to_le_bytes()).collect();
+        let mut dst = vec![0u8; src.len() * WORLD];
+        let e = c
+            .agreeing(Shape { label: "src", dims })
+            .all_gather(DataType::F32, &src, &mut dst, Ok::<(), Error>(()))
+            .expect_err("shapes differ");
+        let long: &[usize] = if r == 0 { &[1, 1, 1, 1, 1, 1, 1, 2, 8] } else { &[1, 1, 1, 1, 1, 1, 1, 8, 2] };
+        let long = c
+            .agreeing(Shape { label: "buf", dims: long })
+            .all_reduce(DataType::F32, ReduceOp::Sum, &src, &mut dst[..src.len()], Ok::<(), Error>(()))
+            .expect_err("long shapes differ");
+        // The same shape everywhere passes, and a call without a shape
+        // against ranks that post one fails.
+        c.agreeing(Shape { label: "src", dims: &[16] })
+            .all_gather(DataType::F32, &src, &mut dst, Ok::<(), Error>(()))
+            .expect("shapes agree");
+        let none = if r == 0 {
+            c.all_gather(DataType::F32, &src, &mut dst, Ok::<(), Error>(()))
+        } else {
+            c.agreeing(Shape { label: "src", dims: &[16] }).all_gather(
+                DataType::F32,
+                &src,
+                &mut dst,
+                Ok::<(), Error>(()),
+            )
+        };
+        (e, long, none.expect_err("rank 0 posts no shape"))
+    });
+    for (r, (e, long, none)) in out.iter().enumerate() {
+        let s = e.to_string();
+        assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "rank {r}: {s}");
+        assert!(s.contains("ranks [0, 1] called all_gather dtype f32 count 16 src shape [4, 4]"), "rank {r}: {s}");
+        assert!(s.contains("ranks [2, 3] called all_gather dtype f32 count 16 src shape [8, 2]"), "rank {r}: {s}");
+        let l = long.to_string();
+        assert_eq!(long.kind(), Some(ErrorKind::Mismatch), "rank {r}: {l}");
+        assert!(l.contains("ranks [0] called") && l.contains("ranks [1, 2, 3] called"), "rank {r}: {l}");
+        assert!(l.contains("buf shape [1, 1, 1, 1, 1, 1, 1, ... (9 dims"), "rank {r}: {l}");
+        assert_eq!(none.kind(), Some(ErrorKind::Mismatch), "rank {r}: {none}");
     }
 }
 
