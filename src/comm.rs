@@ -123,6 +123,26 @@ pub(crate) fn joins_empty<C: Collectives + ?Sized>(group: &C) -> bool {
     matches!(group.device(), crate::Device::Cpu)
 }
 
+/// The error of the collective that moves the argument `arg` of the op
+/// `op` (or rows of it), when the ranks disagreed on the call: names the op
+/// and the argument besides the collective, whose text names each rank's
+/// counts and shape (`maybe_pad_and_reduce (the reduce_scatter of `x`) on
+/// group ...: ranks [0] called reduce_scatter ... src shape [4, 4]; ranks
+/// [1] ... src shape [8, 2]`). Any other error is returned as it is.
+pub(crate) fn moving(op: &'static str, arg: &'static str) -> impl Fn(Error) -> Error {
+    move |e| match e {
+        Error::Comm { collective, group, rank, world, detail, kind: crate::CommErrorKind::Mismatch } => Error::Comm {
+            collective: format!("{op} (the {collective} of `{arg}`)"),
+            group,
+            rank,
+            world,
+            detail,
+            kind: crate::CommErrorKind::Mismatch,
+        },
+        e => e,
+    }
+}
+
 /// Refuses a reduction (`op` names it, `call` says whether it is one) of a
 /// dtype that is only moved: the one-byte dtypes (i8, u8, bool, f8e4m3,
 /// f8e5m2) are exact byte moves in all_gather(_v), all_to_all_v and broadcast,

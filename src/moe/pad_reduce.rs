@@ -12,7 +12,7 @@
 
 use crate::backend::args::with_rows;
 use crate::backend::{Call, FinalizeArgs};
-use crate::comm::{joins_empty, Collectives, ReduceOp};
+use crate::comm::{joins_empty, moving, Collectives, ReduceOp};
 use crate::moe::finalize::{check_out, moe_finalize_routing_output_shape, moe_finalize_routing_shape, FinalizeMeta};
 use crate::moe::layout::SpLayout;
 use crate::moe::output::{read_apart, write_apart};
@@ -324,12 +324,12 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
     });
     let (device, l) = checked.map_err(|e| ep.refuse_call(PAD_REDUCE_CALL, x.dtype(), e))?;
     if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
-        return ep.reduce_scatter_v(x, out, &counts, ReduceOp::Sum);
+        return ep.reduce_scatter_v(x, out, &counts, ReduceOp::Sum).map_err(moving(PAD_REDUCE, "x"));
     }
     layout_agrees(&device, layout, ep)?;
     if l.is_uniform() {
         // No padding anywhere: x already is the padded buffer.
-        return reduce_padded_into(x, &l, ep, out, &device);
+        return reduce_padded_into(x, &l, ep, out, &device).map_err(moving(PAD_REDUCE, "x"));
     }
     let backend = device.backend();
     let m = l.max_rows();
@@ -339,7 +339,7 @@ pub fn maybe_pad_and_reduce_into<C: Collectives + ?Sized>(
             backend.copy_rows(x, l.offset(r), &mut padded, r * m, rows)?;
         }
     }
-    reduce_padded_into(&padded, &l, ep, out, &device)
+    reduce_padded_into(&padded, &l, ep, out, &device).map_err(moving(PAD_REDUCE, "x"))
 }
 
 /// Shape function of [`maybe_all_gather_and_maybe_unpad`]: `[sum(local_sizes), H...]`
@@ -426,7 +426,7 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
         }
     };
     if let Some(counts) = cpu_block_counts(&device, layout, x.row_len()) {
-        return ep.all_gather_v(x, out, &counts);
+        return ep.all_gather_v(x, out, &counts).map_err(moving(GATHER_UNPAD, "x"));
     }
     layout_agrees(&device, layout, ep)?;
     let m = l.max_rows();
@@ -438,17 +438,17 @@ pub fn maybe_all_gather_and_maybe_unpad_into<C: Collectives + ?Sized>(
     }
     if l.is_uniform() {
         // No padding anywhere: every rank holds `M` rows, gathered as they are.
-        return ep.all_gather(x, out);
+        return ep.all_gather(x, out).map_err(moving(GATHER_UNPAD, "x"));
     }
     let mut gathered = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), l.padded_rows())?, x.dtype())?;
     if x.rows() == m {
-        ep.all_gather(x, &mut gathered)?;
+        ep.all_gather(x, &mut gathered).map_err(moving(GATHER_UNPAD, "x"))?;
     } else {
         let mut padded = backend.scratch(&with_rows(GATHER_UNPAD, "x", x.shape(), m)?, x.dtype())?;
         if x.rows() > 0 {
             backend.copy_rows(x, 0, &mut padded, 0, x.rows())?;
         }
-        ep.all_gather(&padded, &mut gathered)?;
+        ep.all_gather(&padded, &mut gathered).map_err(moving(GATHER_UNPAD, "x"))?;
     }
     for (r, &rows) in l.local_sizes().iter().enumerate() {
         if rows > 0 {
@@ -540,4 +540,5 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
     layout_agrees(&ep.device(), layout, ep)?;
     // `out` may cover an operand (the residual `x1`, say).
     write_apart(out, args.operands(), |o| ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), o))
+        .map_err(moving(FINALIZE_REDUCE, "expanded_x"))
 }

@@ -21,7 +21,7 @@
 //! [`ReducePolicy::reduce_at_into`]).
 
 use crate::backend::Call;
-use crate::comm::{joins_empty, Collectives, CommType, ReduceOp};
+use crate::comm::{joins_empty, moving, Collectives, CommType, ReduceOp};
 use crate::moe::finalize::check_out_like;
 use crate::moe::output::Output;
 use crate::moe::prepare_finalize::{comm_type_agreement, comm_type_check_enabled, Facts};
@@ -284,7 +284,7 @@ impl ReducePolicy {
         tp: &C,
     ) -> Result<Tensor> {
         self.agree(point, comm, tp)?;
-        self.reduce_if(self.reduces(point, comm), x, tp)
+        self.reduce_if(self.reduces(point, comm), x, tp).map_err(moving(point.op(), "x"))
     }
 
     /// What every TP rank must hold alike at a point besides the comm type:
@@ -359,11 +359,11 @@ impl ReducePolicy {
         match output {
             Output::InPlace(x) => {
                 if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {
-                    tp.all_reduce_in_place(x, ReduceOp::Sum)?;
+                    tp.all_reduce_in_place(x, ReduceOp::Sum).map_err(moving(op, "x"))?;
                 }
                 Ok(())
             }
-            Output::Separate { x, out } => self.reduce_if_into(reduce, x, tp, out),
+            Output::Separate { x, out } => self.reduce_if_into(reduce, x, tp, out).map_err(moving(op, "x")),
         }
     }
 

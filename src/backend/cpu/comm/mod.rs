@@ -13,7 +13,7 @@
 //! [`Error`]. The protocol, the shared-memory layout and the failure handling
 //! are documented in `shm-comm`.
 
-use shm_comm::{DataType, ShmComm};
+use shm_comm::{DataType, Shape, ShmComm};
 
 pub use shm_comm::Config as CpuCommConfig;
 pub use shm_comm::{check_world_size, segment_path, shm_dir, MAX_WORLD};
@@ -98,6 +98,27 @@ fn check_pair(op: &'static str, src: &View<'_, CpuBuffer>, dst: &ViewMut<'_, Cpu
         return Err(Error::dtype(op, "dst", format!("{} (the dtype of src)", src.dtype()), dst.dtype()));
     }
     Ok(())
+}
+
+/// The shape of `t` (named `label`) every rank of a collective must pass
+/// alike, besides the element counts the transport compares anyway: equal
+/// counts in other shapes (`[4, 4]` against `[8, 2]`) are other tensors.
+/// The elementwise collectives (all_reduce, broadcast) and the fixed-count
+/// row moves (reduce_scatter, all_gather, reduce_scatter_v, whose input has
+/// the same rows on every rank) compare the whole shape: element `i` of one
+/// rank's tensor is then the same element of every rank's (SPEC section 8
+/// reduces and copies tensors, not flat buffers). The V moves whose blocks
+/// differ in rows per rank (all_gather_v, all_to_all_v) compare the
+/// trailing dimensions (`row`), which their rows must share (SPEC sections
+/// 3 and 4: the tokens are dim 0, `H...` is the same everywhere).
+fn whole<'a>(label: &'static str, shape: &'a [usize]) -> Shape<'a> {
+    Shape { label, dims: shape }
+}
+
+/// The trailing dimensions of `shape` (its rows), labelled `label`
+/// ([`whole`]).
+fn row<'a>(label: &'static str, shape: &'a [usize]) -> Shape<'a> {
+    Shape { label, dims: shape.get(1..).unwrap_or(&[]) }
 }
 
 /// `sum(counts)`, or the transport's error naming `arg` when it overflows.
@@ -212,7 +233,9 @@ impl CpuComm {
             }
         });
         let (dt, op) = (data_type(dtype), reduce_op(op));
-        self.shm.reduce_scatter_rows_with(dt, op, rows, row_len, dst.buf_mut().as_bytes_mut(), local, produce)
+        let shape = row("dst row", dst.shape());
+        let dst = dst.buf_mut().as_bytes_mut();
+        self.shm.agreeing(shape).reduce_scatter_rows_with(dt, op, rows, row_len, dst, local, produce)
     }
 
     /// The finalize-and-reduce of rows too wide to stage: the finalize into
@@ -238,17 +261,19 @@ impl CpuComm {
             .and_then(|_| args::with_rows(OP, "expanded_x", out.shape(), dims.n));
         let backend = self.backend_of(out.buf());
         let refuse = |e| self.refuse(Call::ReduceScatterV(&counts, ReduceOp::Sum), dtype, e);
-        let (buf, shape) = shape
+        let (shape, mut buf) = shape
             .and_then(|shape| {
-                let mut buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &shape, dtype)?)?;
-                let meta = TensorMeta { shape: &shape, dtype };
-                let full = ViewMut::new(OP, "expanded_x", meta, &mut buf)?;
-                backend.finalize_routing(args, dims, full, OutputRows::Dense)?;
-                Ok((buf, shape))
+                let buf = backend.scratch(args::checked_bytes(OP, "expanded_x", &shape, dtype)?)?;
+                Ok((shape, buf))
             })
             .map_err(refuse)?;
-        let src = View::new(OP, "expanded_x", TensorMeta { shape: &shape, dtype }, &buf).map_err(refuse)?;
-        self.reduce_scatter_v(src, out, &counts, ReduceOp::Sum)
+        let full = ViewMut::new(OP, "expanded_x", TensorMeta { shape: &shape, dtype }, &mut buf)
+            .and_then(|mut full| {
+                backend.finalize_routing(args, dims, full.reborrow(), OutputRows::Dense)?;
+                Ok(full)
+            })
+            .map_err(refuse)?;
+        self.reduce_scatter_v(full.as_view(), out, &counts, ReduceOp::Sum)
     }
 
     /// `dst = op(src over ranks)` on host slices.
@@ -342,12 +367,14 @@ impl Communicator for CpuComm {
         let local =
             check_pair(C, &src, &dst).and_then(|_| collective_len(C, "dst", dst.shape(), src.numel(), "as src"));
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
-        self.shm.all_reduce(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
+        let shm = self.shm.agreeing(whole("src", src.shape()));
+        shm.all_reduce(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
     fn all_reduce_in_place(&self, mut buf: ViewMut<'_, CpuBuffer>, op: ReduceOp) -> Result<()> {
         let (dt, op) = (data_type(buf.dtype()), reduce_op(op));
-        self.shm.all_reduce_in_place(dt, op, buf.buf_mut().as_bytes_mut(), Ok::<(), Error>(()))
+        let shm = self.shm.agreeing(whole("buf", buf.shape()));
+        shm.all_reduce_in_place(dt, op, buf.buf_mut().as_bytes_mut(), Ok::<(), Error>(()))
     }
 
     fn reduce_scatter(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>, op: ReduceOp) -> Result<()> {
@@ -356,7 +383,8 @@ impl Communicator for CpuComm {
         let local = check_pair(C, &src, &dst)
             .and_then(|_| collective_len(C, "src", src.shape(), dst.numel() * w, "world size x dst elements"));
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
-        self.shm.reduce_scatter(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
+        let shm = self.shm.agreeing(whole("src", src.shape()));
+        shm.reduce_scatter(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
     fn all_gather(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>) -> Result<()> {
@@ -364,7 +392,8 @@ impl Communicator for CpuComm {
         let w = self.shm.world_size();
         let local = check_pair(C, &src, &dst)
             .and_then(|_| collective_len(C, "dst", dst.shape(), src.numel() * w, "world size x src elements"));
-        self.shm.all_gather(data_type(src.dtype()), src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
+        let shm = self.shm.agreeing(whole("src", src.shape()));
+        shm.all_gather(data_type(src.dtype()), src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), local)
     }
 
     fn reduce_scatter_v(
@@ -376,13 +405,15 @@ impl Communicator for CpuComm {
     ) -> Result<()> {
         let local = check_pair("reduce_scatter_v", &src, &dst);
         let (dt, op) = (data_type(src.dtype()), reduce_op(op));
-        self.shm.reduce_scatter_v(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), counts, local)
+        let shm = self.shm.agreeing(whole("src", src.shape()));
+        shm.reduce_scatter_v(dt, op, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), counts, local)
     }
 
     fn all_gather_v(&self, src: View<'_, CpuBuffer>, mut dst: ViewMut<'_, CpuBuffer>, counts: &[usize]) -> Result<()> {
         let local = check_pair("all_gather_v", &src, &dst);
         let dt = data_type(src.dtype());
-        self.shm.all_gather_v(dt, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), counts, local)
+        let shm = self.shm.agreeing(row("src row", src.shape()));
+        shm.all_gather_v(dt, src.buf().as_bytes(), dst.buf_mut().as_bytes_mut(), counts, local)
     }
 
     fn all_to_all_v(
@@ -401,12 +432,14 @@ impl Communicator for CpuComm {
             collective_len(C, "dst", dst.shape(), counts_sum(C, "recv_counts", recv_counts)?, "sum of recv_counts")
         });
         let dt = data_type(src.dtype());
-        self.shm.all_to_all_v(dt, src.buf().as_bytes(), send_counts, dst.buf_mut().as_bytes_mut(), recv_counts, local)
+        let (shm, d) = (self.shm.agreeing(row("src row", src.shape())), dst.buf_mut().as_bytes_mut());
+        shm.all_to_all_v(dt, src.buf().as_bytes(), send_counts, d, recv_counts, local)
     }
 
     fn broadcast(&self, mut buf: ViewMut<'_, CpuBuffer>, root: usize) -> Result<()> {
         let dt = data_type(buf.dtype());
-        self.shm.broadcast(dt, buf.buf_mut().as_bytes_mut(), root, Ok::<(), Error>(()))
+        let shm = self.shm.agreeing(whole("buf", buf.shape()));
+        shm.broadcast(dt, buf.buf_mut().as_bytes_mut(), root, Ok::<(), Error>(()))
     }
 
     fn barrier(&self) -> Result<()> {
