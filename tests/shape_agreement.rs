@@ -4,13 +4,14 @@
 //! every rank must pass alike. Every rank must fail, with an error naming
 //! the argument and both shapes with their ranks; none may return rows that
 //! mix other ranks' rows. Uneven token counts that a layout describes stay
-//! legal.
+//! legal. The TP ranks of one DP rank must also count its real tokens alike.
 
 use std::time::Duration;
 
 use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::{finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
+use ascend_moe::moe::prepare_finalize::{prepare, MoeContext, MoeGroups};
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{
     Collectives, Comm, CommErrorKind, CommOptions, CommType, DropPadMode, Error, ReduceOp, ReducePolicy, SharedMode,
@@ -167,5 +168,44 @@ fn v_moves_of_other_row_counts_in_one_row_shape_still_pass() {
     for (r, (all, reduced)) in res.iter().enumerate() {
         assert_eq!(all, &[1., 1., 1., 1., 2., 2., 2., 2., 2., 2., 2., 2.], "rank {r}");
         assert_eq!(reduced, &vec![3.0 * r as f32; r * 4], "rank {r}");
+    }
+}
+
+/// The MoE context of `rank` in a world of DP `dp_tokens.len()` x TP `tp`,
+/// with `actual` real tokens of its DP rank.
+fn context(rank: usize, dp_tokens: &[usize], tp: usize, actual: usize) -> ascend_moe::Result<MoeContext> {
+    MoeContext::new(dp_tokens, tp, rank / tp, rank % tp, false)?.with_num_actual_tokens(actual)
+}
+
+#[test]
+fn tp_ranks_that_count_other_actual_tokens_all_fail_naming_each_count() {
+    // DP 2 x TP 2; DP rank 1's TP ranks (world ranks 2 and 3) count 1 and 3
+    // real tokens of its 4: each would mark other rows of the MC2 mask real.
+    let dp_tokens = [4, 4];
+    let res = run_ranks(4, &opts(), |rank, world| {
+        let groups = MoeGroups::from_world(&world, 2)?;
+        let ctx = context(rank, &dp_tokens, 2, [4, 4, 1, 3][rank])?;
+        Ok(prepare(&ones(&[4, 2]), CommType::Mc2, &ctx, &groups).map(|p| p.mc2_mask))
+    })
+    .expect("the world starts");
+    for (rank, r) in res.iter().enumerate() {
+        let text = match r {
+            Ok(mask) => panic!("rank {rank} prepared (mask {mask:?}) while DP rank 1's TP ranks disagree: {res:?}"),
+            Err(e) => e.to_string(),
+        };
+        assert!(text.contains("num_actual_tokens"), "rank {rank}: {text}");
+        assert!(text.contains("DP rank 1: ranks [2] count 1, ranks [3] count 3"), "rank {rank}: {text}");
+    }
+    // DP ranks may count other real tokens, and a DP rank's TP ranks that
+    // agree get masks that mark its first real rows.
+    let res = run_ranks(4, &opts(), |rank, world| {
+        let groups = MoeGroups::from_world(&world, 2)?;
+        let ctx = context(rank, &dp_tokens, 2, [3, 3, 1, 1][rank])?;
+        Ok(prepare(&ones(&[4, 2]), CommType::Mc2, &ctx, &groups)?.mc2_mask)
+    })
+    .expect("every rank prepares");
+    let want = [[true, true], [true, false], [true, false], [false, false]];
+    for (rank, mask) in res.iter().enumerate() {
+        assert_eq!(mask.as_deref(), Some(&want[rank][..]), "rank {rank}");
     }
 }

@@ -321,6 +321,7 @@ impl ReducePolicy {
                 }
             }),
             print: crate::moe::pad_reduce::fingerprint(&v),
+            actual: None,
         }
     }
 

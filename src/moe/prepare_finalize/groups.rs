@@ -178,6 +178,10 @@ pub(crate) struct Facts {
     pub(crate) what: std::borrow::Cow<'static, str>,
     pub(crate) shown: Box<dyn Fn() -> String + Send + Sync>,
     pub(crate) print: i32,
+    /// This rank's DP rank and its actual-token count, which the ranks of
+    /// one DP rank (its TP and PCP ranks) must hold alike while other DP
+    /// ranks hold theirs: compared on a CPU group only ([`actual_tokens`]).
+    pub(crate) actual: Option<(usize, usize)>,
 }
 
 /// The facts of a forward that every EP rank must see alike for prepare and
@@ -220,6 +224,7 @@ pub(crate) fn context_facts(ctx: &MoeContext, arg: &'static str, tokens: &Tensor
             )
         }),
         print,
+        actual: Some((ctx.dp_rank(), ctx.num_actual_tokens())),
     }
 }
 
@@ -245,20 +250,75 @@ pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
     }
     let (group, rank) = (ep.name().to_string(), ep.rank());
     let value = agreement_value(comm, facts.as_ref());
-    expect_group_agrees(
-        ep,
-        value,
-        Box::new(move |chosen, first, theirs| {
-            let types_differ = match chosen {
-                Some(chosen) => chosen.iter().any(|&c| c & 0xff != value & 0xff),
-                None => theirs & 0xff != value & 0xff,
-            };
-            match facts.as_ref().filter(|_| !types_differ) {
-                Some(f) => facts_disagreement(op, kind, f, &group, rank, chosen, first),
-                None => comm_type_disagreement(op, kind, comm, &group, rank, chosen, first, theirs),
-            }
-        }),
-    )
+    let actual = facts.as_ref().and_then(|f| f.actual).filter(|_| matches!(ep.device(), crate::Device::Cpu));
+    let mismatch: crate::backend::Mismatch = Box::new(move |chosen, first, theirs| {
+        let types_differ = match chosen {
+            Some(chosen) => chosen.iter().any(|&c| c & 0xff != value & 0xff),
+            None => theirs & 0xff != value & 0xff,
+        };
+        match facts.as_ref().filter(|_| !types_differ) {
+            Some(f) => facts_disagreement(op, kind, f, &group, rank, chosen, first),
+            None => comm_type_disagreement(op, kind, comm, &group, rank, chosen, first, theirs),
+        }
+    });
+    match actual {
+        Some(actual) => actual_tokens(op, ep, value, actual, mismatch),
+        None => expect_group_agrees(ep, value, mismatch),
+    }
+}
+
+/// The agreement of a CPU group whose ranks also compare their actual-token
+/// counts (`actual`: this rank's DP rank and count), in the same all-gather:
+/// the ranks of one DP rank run one batch, and one that counts other real
+/// tokens than its TP peers would mark other rows of it real in the MC2
+/// mask, silently (the mask is built on each rank alone, no collective
+/// compares it). Every rank fails with `mismatch` when the agreed values
+/// differ, else with an error naming `num_actual_tokens` and each
+/// disagreeing DP rank's ranks and counts. An HCCL group compares the
+/// fingerprint alone (its device check compares one value per rank).
+fn actual_tokens<C: Collectives + ?Sized>(
+    op: &'static str,
+    ep: &C,
+    value: i32,
+    actual: (usize, usize),
+    mismatch: crate::backend::Mismatch,
+) -> Result<()> {
+    let mine = Tensor::from_slice(&[i64::from(value), actual.0 as i64, actual.1 as i64], &[3])?;
+    let mut all = Tensor::try_zeros_cpu(&[3 * ep.world_size()], crate::DType::I64)?;
+    ep.all_gather(&mine, &mut all)?;
+    let all = all.to_vec::<i64>()?;
+    let values: Vec<i32> = all.chunks(3).map(|c| c[0] as i32).collect();
+    if let Some(first) = values.iter().position(|&v| v != value) {
+        return Err(mismatch(Some(&values), first, values[first]));
+    }
+    let each: Vec<(i64, i64)> = all.chunks(3).map(|c| (c[1], c[2])).collect();
+    let mut odd = Vec::new();
+    for (dp, ranks) in ranks_by(&each, |(dp, _)| dp) {
+        let counts: Vec<(i64, Vec<usize>)> = ranks_by(&ranks, |r| each[r].1)
+            .into_iter()
+            .map(|(n, at)| (n, at.into_iter().map(|i| ranks[i]).collect()))
+            .collect();
+        if counts.len() > 1 {
+            let parts: Vec<String> = counts.iter().map(|(n, r)| format!("ranks {r:?} count {n}")).collect();
+            odd.push(format!("DP rank {dp}: {}", parts.join(", ")));
+        }
+    }
+    if odd.is_empty() {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        op,
+        "num_actual_tokens",
+        format!(
+            "the ranks of one DP rank (its TP and PCP ranks, group {:?}) disagree on its actual-token count: {}; this \
+             is rank {}, which counts {} for DP rank {}",
+            ep.name(),
+            odd.join("; "),
+            ep.rank(),
+            actual.1,
+            actual.0
+        ),
+    ))
 }
 
 /// The error of ranks that chose one comm type but see other `facts`: the
