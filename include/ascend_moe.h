@@ -1304,10 +1304,11 @@ amoe_status amoe_token_prepare_output_shape(const struct amoe_tensor *x,
 // a shape, known on the host. With `ASCEND_MOE_CHECK_COMM_TYPE=1` every EP
 // rank first all-gathers its `comm_type` and a fingerprint of `ctx` (every
 // DP rank's tokens, TP and PCP sizes, SP, the MC2 pad target) and of the
-// dtype and row length of `x` (of `y` in `amoe_token_finalize`), compared
+// dtype and row shape of `x` (of `y` in `amoe_token_finalize`), compared
 // on the device; ranks that disagree on either fail their next
 // `amoe_stream_check` (on a CPU group, where the check is on by default,
-// the call fails on every rank at once).
+// the call fails on every rank at once, and the TP ranks of each DP rank
+// also compare its `num_actual_tokens` there).
 //
 // # Safety
 // Descriptors valid (`mc2_mask` NULL or valid); `ctx` valid; `groups` live.

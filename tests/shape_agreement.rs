@@ -209,3 +209,29 @@ fn tp_ranks_that_count_other_actual_tokens_all_fail_naming_each_count() {
         assert_eq!(mask.as_deref(), Some(&want[rank][..]), "rank {rank}");
     }
 }
+
+/// Under ALLGATHER without SP the first token collective is in the DP
+/// group, which the ranks of the other DP group never share with rank 1:
+/// its rows of another shape (4 elements as [2, 2] where its peers' are
+/// [4]) must fail every rank in the EP agreement, which compares the row
+/// shape, not only the row length. (Over HCCL the same fingerprint is what
+/// the opt-in device check compares.)
+#[test]
+fn prepare_fails_every_rank_when_one_has_rows_of_another_shape() {
+    let res = run_ranks(4, &opts(), |rank, world| {
+        let groups = MoeGroups::from_world(&world, 2)?;
+        let ctx = context(rank, &[2, 2], 2, 2)?;
+        let x = if rank == 1 { ones(&[2, 2, 2]) } else { ones(&[2, 4]) };
+        Ok(prepare(&x, CommType::AllGather, &ctx, &groups).map(drop))
+    })
+    .expect("the world starts");
+    for (rank, r) in res.iter().enumerate() {
+        let text = match r {
+            Ok(()) => panic!("rank {rank} prepared while rank 1's rows are [2, 2]: {res:?}"),
+            Err(e) => e.to_string(),
+        };
+        assert!(text.contains("`ctx` or `x`") && text.contains("[0, 2, 3] and [1]"), "rank {rank}: {text}");
+        let own = if rank == 1 { "rows of 4 elements (shape [2, 2])" } else { "rows of 4 elements (shape [4])" };
+        assert!(text.contains(own), "rank {rank}: {text}");
+    }
+}

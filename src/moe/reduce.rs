@@ -283,7 +283,7 @@ impl ReducePolicy {
         comm: CommType,
         tp: &C,
     ) -> Result<Tensor> {
-        self.agree(point, comm, tp)?;
+        self.agree(point, comm, tp, x.shape())?;
         self.reduce_if(self.reduces(point, comm), x, tp).map_err(moving(point.op(), "x"))
     }
 
@@ -291,9 +291,11 @@ impl ReducePolicy {
     /// ranks of one layer with other policies would decide differently at a
     /// point, one reducing while another copies, and so would ranks at
     /// different points of one policy (one point reduces where another
-    /// only copies).
-    fn facts(&self, point: ReducePoint) -> Facts {
-        let v = [
+    /// only copies). With `x_shape`, also the shape of `x`, which the
+    /// all-reduce sums elementwise: equal element counts in other shapes
+    /// would sum unrelated elements.
+    fn facts(&self, point: ReducePoint, x_shape: Option<&[usize]>) -> Facts {
+        let mut v = vec![
             self.shared_mode as usize,
             usize::from(self.has_routed_transform),
             usize::from(self.sp),
@@ -302,15 +304,30 @@ impl ReducePolicy {
             usize::from(self.early),
             point as usize,
         ];
+        if let Some(shape) = x_shape {
+            v.push(shape.len());
+            v.extend(shape);
+        }
+        let (arg, what) = match x_shape {
+            Some(_) => (
+                "policy` or `x",
+                "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes), reduction point or \
+                 shape of `x`",
+            ),
+            None => (
+                "policy",
+                "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes) and reduction point",
+            ),
+        };
+        let shape = x_shape.map(|s| format!(", `x` of shape {s:?}")).unwrap_or_default();
         Facts {
-            arg: "policy",
-            what: "layer's reduce policy (shared mode, routed transform, SP, TP and EP sizes) and reduction point"
-                .into(),
+            arg,
+            what: what.into(),
             shown: Box::new({
                 let p = *self;
                 move || {
                     format!(
-                        "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}, point {}",
+                        "shared mode {:?}, routed transform {}, sp {}, tp_size {}, ep_size {}, point {}{shape}",
                         p.shared_mode,
                         p.has_routed_transform,
                         p.sp,
@@ -329,14 +346,24 @@ impl ReducePolicy {
     /// section 5), where the check is on
     /// ([`comm_type_check_enabled`]). Ranks that disagree would otherwise
     /// decide differently, one reducing while another copies, and the
-    /// reduction would pair with a later collective of its peer.
-    fn agree<C: Collectives + ?Sized>(&self, point: ReducePoint, comm: CommType, tp: &C) -> Result<()> {
+    /// reduction would pair with a later collective of its peer. An HCCL
+    /// group also compares the shape `x_shape` of `x` there (HCCL compares
+    /// no shapes); a CPU group compares it in the all-reduce itself, whose
+    /// error names every rank's shape.
+    fn agree<C: Collectives + ?Sized>(
+        &self,
+        point: ReducePoint,
+        comm: CommType,
+        tp: &C,
+        x_shape: &[usize],
+    ) -> Result<()> {
         let op = point.op();
         // The peers' policies match the group: with more than one rank they
         // agree first, where the check is on.
         self.check_tp(op, tp).map_err(|e| refuse_at_point(false, tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
-            comm_type_agreement(op, "TP", comm, Some(self.facts(point)), tp)?;
+            let shape = (!matches!(tp.device(), crate::Device::Cpu)).then_some(x_shape);
+            comm_type_agreement(op, "TP", comm, Some(self.facts(point, shape)), tp)?;
         }
         Ok(())
     }
@@ -356,7 +383,11 @@ impl ReducePolicy {
         if let Output::Separate { x, out } = &output {
             check_out_like(op, x, out, x.shape()).map_err(|e| refuse_at_point(reduce, tp, x.dtype(), e))?;
         }
-        self.agree(point, comm, tp)?;
+        let x_shape = match &output {
+            Output::InPlace(x) => x.shape(),
+            Output::Separate { x, .. } => x.shape(),
+        };
+        self.agree(point, comm, tp, x_shape)?;
         match output {
             Output::InPlace(x) => {
                 if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {

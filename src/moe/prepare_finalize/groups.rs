@@ -186,9 +186,10 @@ pub(crate) struct Facts {
 
 /// The facts of a forward that every EP rank must see alike for prepare and
 /// finalize (SPEC sections 2 and 6): every DP rank's token count, the TP and
-/// PCP sizes, SP and the MC2 pad target, and the dtype and row length of the
-/// tokens `arg` (`x` of prepare, `y` of finalize; one hidden size and dtype
-/// per layer). Ranks that see the context otherwise plan other rows, and
+/// PCP sizes, SP and the MC2 pad target, and the dtype and row shape of the
+/// tokens `arg` (`x` of prepare, `y` of finalize; one hidden shape and dtype
+/// per layer: rows of one length in another shape are other tensors, which
+/// an HCCL group, comparing no shapes, would otherwise move as they are). Ranks that see the context otherwise plan other rows, and
 /// where no collective compares counts (an MC2 or ALLTOALL prepare is a local
 /// pad) they would go on with different layouts; ranks whose tokens differ
 /// would fail only in the groups of their first collective (a DP or PCP
@@ -196,17 +197,21 @@ pub(crate) struct Facts {
 /// the second. The agreement already runs, so they cost nothing more.
 pub(crate) fn context_facts(ctx: &MoeContext, arg: &'static str, tokens: &Tensor) -> Facts {
     let (dtype, row_len) = (tokens.dtype(), tokens.row_len());
+    let rows: Vec<usize> = tokens.shape().get(1..).unwrap_or(&[]).to_vec();
     let mut v = ctx.dp_tokens().to_vec();
     v.extend([ctx.tp_size(), usize::from(ctx.sp()), ctx.pcp_size(), ctx.padded_num_tokens()]);
     v.extend([dtype as usize, row_len]);
-    let print = crate::moe::pad_reduce::fingerprint(&v);
+    let mut printed = v.clone();
+    printed.push(rows.len());
+    printed.extend(&rows);
+    let print = crate::moe::pad_reduce::fingerprint(&printed);
     // The error's argument names both; a `&'static str`, so one of two.
     let args = if arg == "x" { "ctx` or `x" } else { "ctx` or `y" };
     Facts {
         arg: args,
         what: format!(
             "forward context (every DP rank's token count, the TP and PCP sizes, SP, the MC2 pad target) or the \
-             dtype and row length of `{arg}`"
+             dtype and row shape of `{arg}`"
         )
         .into(),
         // `v` is the DP token counts, then the four sizes above, then the
@@ -215,7 +220,7 @@ pub(crate) fn context_facts(ctx: &MoeContext, arg: &'static str, tokens: &Tensor
             let n = v.len() - 6;
             format!(
                 "dp_tokens {:?}, tp_size {}, sp {}, pcp_size {}, MC2 pad target {}, `{arg}` of dtype {dtype} with \
-                 rows of {row_len} elements",
+                 rows of {row_len} elements (shape {rows:?})",
                 &v[..n],
                 v[n],
                 v[n + 1] == 1,
@@ -426,7 +431,8 @@ mod tests {
             let f = context_facts(&ctx, arg, &tokens);
             assert_eq!(f.arg, format!("ctx` or `{arg}"));
             assert!(f.what.starts_with("forward context (every DP rank's token count"), "{}", f.what);
-            assert!(f.what.ends_with(&format!("dtype and row length of `{arg}`")), "{}", f.what);
+            assert!(f.what.ends_with(&format!("dtype and row shape of `{arg}`")), "{}", f.what);
+            assert!((f.shown)().ends_with(&format!("`{arg}` of dtype f32 with rows of 3 elements (shape [3])")));
             assert!(!f.what.contains(&format!("`{other}`")), "{}", f.what);
         }
     }

@@ -26,11 +26,12 @@ pub struct Prepared {
 ///
 /// The comm type of a forward enters here, at its first collective: when the
 /// check is on (see [`check_comm_type_agreement`](super::check_comm_type_agreement);
-/// always on the CPU communicator, where it costs one 4-byte all-gather next
+/// always on the CPU communicator, where it costs one small all-gather next
 /// to the token gathers), every EP rank first learns every other rank's
 /// choice, and a fingerprint of its forward context (every DP rank's token
 /// count, the TP and PCP sizes, SP, the MC2 pad target) and of the dtype and
-/// row length of `x` (finalize: of `y`), so ranks that disagree on either
+/// row shape of `x` (finalize: of `y`); on the CPU the TP ranks of a DP rank
+/// also compare its actual-token count there. Ranks that disagree on either
 /// all fail with an error naming it instead of running the collectives of
 /// two different paths, planning other rows, or failing only in the group
 /// of their first collective while the other groups return or wait.
