@@ -235,3 +235,48 @@ fn prepare_fails_every_rank_when_one_has_rows_of_another_shape() {
         assert!(text.contains(own), "rank {rank}: {text}");
     }
 }
+
+/// Over HCCL, which compares no shapes, a reduction point's opt-in device
+/// check (`ASCEND_MOE_CHECK_COMM_TYPE=1`) carries the shape of `x` in the
+/// fingerprint it already sends: TP ranks whose `x` is `[4, 4]` and `[8, 2]`
+/// fail every rank's stream check naming `x`, while agreeing shapes pass.
+/// Without the variable nothing is compared (the opt-in default).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn npu_reduction_points_compare_the_shape_of_x_with_the_comm_type_check() {
+    use ascend_moe::backend::npu::NpuDevice;
+    use ascend_moe::Device;
+    const VAR: &str = "ASCEND_MOE_CHECK_COMM_TYPE";
+    fn npu(d: &Device) -> &NpuDevice {
+        match d {
+            Device::Npu(n) => n,
+            Device::Cpu => panic!("an NPU device"),
+        }
+    }
+    let run = |odd: bool| {
+        ascend_moe::ranks::npu_run_ranks(4, &CommOptions::from_env(), |rank, tp| {
+            let policy = ReducePolicy::new(SharedMode::None, false, false, 4, 4)?;
+            let shape = if odd && rank >= 2 { TALL } else { SQUARE };
+            let x = ones(shape).to_device(&tp.device())?;
+            policy.reduce_final(x, CommType::AllGather, &tp)?;
+            Ok(npu(&tp.device()).check().map_err(|e| e.to_string()))
+        })
+        .expect("the world runs")
+    };
+    // SAFETY: run alone (--ignored --test-threads=1, as ci/sim.sh does); the
+    // variable is set before the rank threads start and removed after they joined.
+    std::env::set_var(VAR, "1");
+    let (agreeing, odd) = (run(false), run(true));
+    std::env::remove_var(VAR);
+    let unchecked = run(true);
+    for (rank, r) in agreeing.iter().enumerate() {
+        assert_eq!(r, &Ok(()), "rank {rank}");
+    }
+    for (rank, r) in odd.iter().enumerate() {
+        let e = r.as_ref().expect_err("the shapes of x differ");
+        assert!(e.contains("`policy` or `x`") && e.contains("shape of `x`"), "rank {rank}: {e}");
+    }
+    for (rank, r) in unchecked.iter().enumerate() {
+        assert_eq!(r, &Ok(()), "rank {rank}: unchecked");
+    }
+}

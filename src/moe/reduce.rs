@@ -346,10 +346,10 @@ impl ReducePolicy {
     /// section 5), where the check is on
     /// ([`comm_type_check_enabled`]). Ranks that disagree would otherwise
     /// decide differently, one reducing while another copies, and the
-    /// reduction would pair with a later collective of its peer. An HCCL
-    /// group also compares the shape `x_shape` of `x` there (HCCL compares
-    /// no shapes); a CPU group compares it in the all-reduce itself, whose
-    /// error names every rank's shape.
+    /// reduction would pair with a later collective of its peer. Where the
+    /// point reduces, an HCCL group also compares the shape `x_shape` of `x`
+    /// there (HCCL compares no shapes); a CPU group compares it in the
+    /// all-reduce itself, whose error names every rank's shape.
     fn agree<C: Collectives + ?Sized>(
         &self,
         point: ReducePoint,
@@ -362,7 +362,9 @@ impl ReducePolicy {
         // agree first, where the check is on.
         self.check_tp(op, tp).map_err(|e| refuse_at_point(false, tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
-            let shape = (!matches!(tp.device(), crate::Device::Cpu)).then_some(x_shape);
+            // Only where the point reduces: a point that copies moves nothing
+            // between the ranks.
+            let shape = (!matches!(tp.device(), crate::Device::Cpu) && self.reduces(point, comm)).then_some(x_shape);
             comm_type_agreement(op, "TP", comm, Some(self.facts(point, shape)), tp)?;
         }
         Ok(())

@@ -100,7 +100,7 @@ fn check_pair(op: &'static str, src: &View<'_, CpuBuffer>, dst: &ViewMut<'_, Cpu
     Ok(())
 }
 
-/// The shape of `t` (named `label`) every rank of a collective must pass
+/// `shape`, named `label`: what every rank of a collective must pass
 /// alike, besides the element counts the transport compares anyway: equal
 /// counts in other shapes (`[4, 4]` against `[8, 2]`) are other tensors.
 /// The elementwise collectives (all_reduce, broadcast) and the fixed-count
