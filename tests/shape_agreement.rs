@@ -12,6 +12,7 @@ use ascend_moe::backend::FinalizeArgs;
 use ascend_moe::moe::layout::SpLayout;
 use ascend_moe::moe::pad_reduce::{finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce};
 use ascend_moe::moe::prepare_finalize::{prepare, MoeContext, MoeGroups};
+use ascend_moe::moe::shared::shared_gather_unpad;
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{
     Collectives, Comm, CommErrorKind, CommOptions, CommType, DropPadMode, Error, ReduceOp, ReducePolicy, SharedMode,
@@ -29,7 +30,7 @@ fn ones(shape: &[usize]) -> Tensor {
 /// Runs `op(rank, world, shape)` on `world` CPU ranks, rank `r` given
 /// `shapes[r % 2]`, and checks every rank failed with a mismatch naming
 /// `arg` and both shapes (their rows, past dim 0, with `rows`), each with
-/// the ranks that passed it.
+/// the ranks that passed it. Returns every rank's error text.
 fn every_rank_fails(
     case: &str,
     world: usize,
@@ -37,10 +38,11 @@ fn every_rank_fails(
     rows: bool,
     arg: &str,
     op: impl Fn(usize, &Comm, &[usize]) -> ascend_moe::Result<()> + Sync,
-) {
+) -> Vec<String> {
     let res = run_ranks(world, &opts(), |rank, comm| Ok(op(rank, &comm, shapes[rank % 2]))).expect("the world starts");
     let evens: Vec<usize> = (0..world).step_by(2).collect();
     let odds: Vec<usize> = (1..world).step_by(2).collect();
+    let mut texts = Vec::new();
     for (rank, r) in res.iter().enumerate() {
         let e = match r {
             Ok(()) => panic!("{case}: rank {rank} succeeded while the ranks passed shapes {shapes:?}: {res:?}"),
@@ -63,7 +65,9 @@ fn every_rank_fails(
                 "{case}: rank {rank}'s error does not give ranks {ranks:?} shape {shape:?}: {text}"
             );
         }
+        texts.push(text);
     }
+    texts
 }
 
 const SQUARE: &[usize] = &[4, 4];
@@ -113,6 +117,18 @@ fn finalize_and_reduce_fails_every_rank_whose_hidden_shape_differs() {
         };
         finalize_and_reduce(&args, None, ep).map(drop)
     });
+}
+
+#[test]
+fn the_shared_expert_gather_fails_every_rank_whose_rows_have_another_shape_naming_no_token_count() {
+    // 4 tokens over TP 2: 2 rows a rank, of 4 elements as [2, 2] or [4, 1].
+    // The token counts agree, so the error must not blame them.
+    let texts = every_rank_fails("shared_gather_unpad", 2, [&[2, 2, 2], &[2, 4, 1]], true, "`x`", |_, tp, s| {
+        shared_gather_unpad(&ones(s), 4, tp).map(drop)
+    });
+    for (rank, text) in texts.iter().enumerate() {
+        assert!(!text.contains("token counts"), "rank {rank}: {text}");
+    }
 }
 
 #[test]

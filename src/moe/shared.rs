@@ -71,11 +71,12 @@ fn cpu_token_rows(device: &Device, tokens: usize, part: usize, tp_size: usize) -
 
 /// A CPU group's count mismatch in the V collective of `op`, told in its
 /// terms: the counts are each TP rank's rows of real tokens times the row
-/// length, so the ranks passed different token counts (`arg`).
+/// length, so the ranks passed different token counts (`arg`). Ranks whose
+/// counts agree but whose rows differ in shape are told so, naming `x`.
 fn in_tokens(op: &'static str, arg: &str, e: Error) -> Error {
     match e {
         Error::Comm { collective, group, rank, world, detail, kind: CommErrorKind::Mismatch }
-            if detail.contains(" counts [") =>
+            if counts_differ(&detail) =>
         {
             let detail = format!(
                 "{detail}; where every rank called {op}, the counts are each TP rank's rows of real tokens \
@@ -84,8 +85,21 @@ fn in_tokens(op: &'static str, arg: &str, e: Error) -> Error {
             );
             Error::Comm { collective, group, rank, world, detail, kind: CommErrorKind::Mismatch }
         }
-        e => e,
+        e => crate::comm::moving(op, "x")(e),
     }
+}
+
+/// Whether the ranks described in a collective's mismatch `detail` called
+/// it with different counts (each rank's `counts [..]`).
+fn counts_differ(detail: &str) -> bool {
+    let counts: Vec<&str> = detail
+        .match_indices(" counts [")
+        .map(|(i, _)| {
+            let rest = &detail[i..];
+            &rest[..rest.find(']').map_or(rest.len(), |j| j + 1)]
+        })
+        .collect();
+    counts.windows(2).any(|w| w[0] != w[1])
 }
 
 /// On an HCCL group with `ASCEND_MOE_CHECK_LAYOUT=1`, as for the SP ops:
