@@ -547,7 +547,9 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
             expert_idx: None,
             drop_pad_mode: DropPadMode::DropLessRow,
         };
-        let (mut fused, mut unfused) = (f64::INFINITY, f64::INFINITY);
+        // Every repetition's time on this rank; the report takes the slowest
+        // rank's of each repetition, then the best repetition.
+        let (mut fused, mut unfused) = (Vec::with_capacity(cfg.iters), Vec::with_capacity(cfg.iters));
         let time_fused = || -> Result<f64> {
             comm.barrier()?;
             let t0 = Instant::now();
@@ -584,8 +586,8 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
                 (time_fused()?, u)
             };
             if it > 0 {
-                fused = fused.min(df);
-                unfused = unfused.min(du);
+                fused.push(df);
+                unfused.push(du);
             }
         }
         // The floor, on the same rank threads at once; the first pass faults the pages in.
@@ -593,7 +595,7 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
         // never doubles the memory of a large shape.
         let reps = bytes.fused.div_ceil(FLOOR_ARRAYS).max(1);
         let mut triad = Triad::new(bytes.fused / reps);
-        let mut floor = f64::INFINITY;
+        let mut floor = Vec::with_capacity(cfg.iters);
         for it in 0..cfg.iters + 1 {
             comm.barrier()?;
             let t0 = Instant::now();
@@ -602,20 +604,31 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
             }
             comm.barrier()?;
             if it > 0 {
-                floor = floor.min(t0.elapsed().as_secs_f64());
+                floor.push(t0.elapsed().as_secs_f64());
             }
         }
         Ok((fused, unfused, floor, staged, bytes))
     })?;
-    type RankTimes = (f64, f64, f64, bool, ReduceBytes);
-    let slowest = |f: fn(&RankTimes) -> f64| times.iter().map(f).fold(0.0, f64::max);
+    type RankTimes = (Vec<f64>, Vec<f64>, Vec<f64>, bool, ReduceBytes);
+    // A repetition takes as long as its slowest rank; the best repetition is
+    // reported. (Not each rank's best, then the slowest of those: with more
+    // ranks than cores, a rank that is scheduled late after the opening
+    // barrier times only the end of the call, and each rank's best can come
+    // from another repetition, so that figure is shorter than any repetition
+    // took, and shortest for the path with the longest stretch between two
+    // synchronisations.)
+    let slowest = |f: fn(&RankTimes) -> &[f64]| {
+        (0..cfg.iters)
+            .map(|i| times.iter().map(|t| f(t).get(i).copied().unwrap_or(0.0)).fold(0.0, f64::max))
+            .fold(f64::INFINITY, f64::min)
+    };
     // Every rank of the world takes the same path (one staging size, one row).
     let (staged, bytes) = times.first().map_or((true, bytes), |t| (t.3, t.4));
     Ok(ReduceReport {
-        fused_s: slowest(|t| t.0),
-        unfused_s: slowest(|t| t.1),
+        fused_s: slowest(|t| &t.0),
+        unfused_s: slowest(|t| &t.1),
         bytes,
-        floor_s: slowest(|t| t.2),
+        floor_s: slowest(|t| &t.2),
         staged,
     })
 }
