@@ -346,6 +346,31 @@ fn finalize_and_reduce_in_staging_rounds_and_for_rows_too_wide_for_staging() {
     }
 }
 
+/// With the default staging, a block of more rows than one round of the
+/// fused finalize-and-reduce stages (rounds are capped below a whole staging
+/// region) takes several rounds, its last one partial, while other blocks
+/// end earlier or are empty: bit for bit the two-step result, every dtype.
+#[test]
+fn finalize_and_reduce_in_capped_rounds_of_the_default_staging() {
+    let sizes = [100, 7, 0, 50];
+    let l = SpLayout::new(&sizes).unwrap();
+    let (n, k, h) = (l.total_rows(), 2, 2000);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        run_ranks(l.ep_size(), &opts(), |r, comm| {
+            let Comm::Cpu(cpu) = &comm else { panic!("run_ranks gives CPU communicators") };
+            // A whole region holds every block: only the cap makes rounds.
+            assert!(cpu.rows_per_region(h, dtype) > sizes[0], "{dtype}");
+            let f = rank_finalize(900, r, n, k, h, dtype);
+            let fused = finalize_and_reduce(&f.args(), Some(&l), &comm)?;
+            let two_step = maybe_pad_and_reduce(&moe_finalize_routing(&f.args())?, Some(&l), &comm)?;
+            assert_eq!(fused.shape(), &[l.local_size(r), h]);
+            assert!(bits(&fused) == bits(&two_step), "{dtype} rank {r}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
 /// An out-of-range index on one rank fails the fused finalize-and-reduce on
 /// every rank at once (the finalize runs inside the collective), with the
 /// offending rank and argument named, well before the group's timeout.

@@ -201,9 +201,10 @@ impl ShmComm {
         self.drive(Kind::Barrier, desc, None, &|_| 0, &mut |_, _| {}, &mut |_, _| {}, false)
     }
 
-    /// Rows per staging region for rows of `row_len` elements of `dtype`: how
-    /// many rows of one block [`ShmComm::reduce_scatter_rows_with`] moves per
-    /// round. 0 when one row does not fit (the caller then stages a buffer).
+    /// Rows per staging region for rows of `row_len` elements of `dtype`: the
+    /// most rows of one block [`ShmComm::reduce_scatter_rows_with`] could move
+    /// per round (it moves fewer, as many as keep a round in the cache). 0
+    /// when one row does not fit (the caller then stages a buffer).
     pub fn rows_per_region(&self, row_len: usize, dtype: DataType) -> usize {
         match row_len.checked_mul(dtype.size()) {
             Some(b) if b > 0 => self.region_bytes() / b,
@@ -484,6 +485,10 @@ impl Agreeing<'_> {
             .count(row_len)
             .counts(&counts, &counts)
             .shape(self.shape.clone());
+        // Rows per block per round: rounds of at most the cap of every data
+        // collective, so that a round's rows are still cached when the peers
+        // read them (rpr >= 1 when staging runs, and then so is this).
+        let rpr = if rpr == 0 { 0 } else { self.comm.round_rows(row_len * esz) };
         let relems = rpr * row_len;
         let d = dst.as_mut_ptr();
         let mut stage = |k: usize, slot: *mut u8| {
@@ -491,9 +496,10 @@ impl Agreeing<'_> {
                 let (lo, hi) = (k * rpr, ((k + 1) * rpr).min(r));
                 if lo < hi {
                     // SAFETY: region j of the slot holds rpr >= hi - lo rows
-                    // (rows_per_region); only this rank writes its slot, and
-                    // nobody reads it during staging. Regions start at multiples
-                    // of 64 bytes inside a 64-byte aligned slot.
+                    // (round_rows: at most rows_per_region); only this rank
+                    // writes its slot, and nobody reads it during staging.
+                    // Regions start at multiples of 64 bytes inside a 64-byte
+                    // aligned slot.
                     let out =
                         unsafe { std::slice::from_raw_parts_mut(slot.add(j * region), (hi - lo) * row_len * esz) };
                     produce(j, lo, out);

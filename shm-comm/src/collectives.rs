@@ -11,8 +11,7 @@ use crate::{DataType, ReduceOp, Result, ShmComm, State};
 /// Most bytes a rank stages per round of a data-moving collective: a round's
 /// chunk stays in the cache between its staging and the peers' reads (measured
 /// in `copy`). The fused finalize-and-reduce-scatter (`reduce_scatter_rows_with`)
-/// is not capped: its rounds are compute-bound, and every round costs a
-/// barrier.
+/// is capped the same way, to whole rows ([`ShmComm::round_rows`]).
 const ROUND_MAX: usize = 1 << 20;
 
 impl ShmComm {
@@ -133,6 +132,15 @@ impl ShmComm {
     /// 64 bytes per rank of the largest world) and at most `region_bytes`.
     fn round_region_bytes(&self) -> usize {
         self.round_bytes() / self.inner.world / 64 * 64
+    }
+
+    /// Rows of `row_bytes` bytes (> 0) per destination region a rank stages
+    /// per round of [`ShmComm::reduce_scatter_rows_with`]: as many as fit
+    /// [`round_region_bytes`](Self::round_region_bytes), at least one, at most
+    /// the rows a whole region holds (0 when not even one does).
+    pub(crate) fn round_rows(&self, row_bytes: usize) -> usize {
+        let whole = self.region_bytes() / row_bytes;
+        (self.round_region_bytes() / row_bytes).clamp(whole.min(1), whole)
     }
 
     // ---- data phases ----
@@ -542,6 +550,16 @@ mod tests {
                             assert_eq!(round, cfg.effective_staging().min(ROUND_MAX), "{what}");
                             assert!(per >= 64 && per % 64 == 0 && per <= region, "{what}: {per} of {region}");
                             assert!(per * world <= round, "{what}: {per} x {world} > {round}");
+                            // Rows of the fused finalize-and-reduce-scatter: whole
+                            // rows inside a region, within the round cap unless a
+                            // single row is larger, none only when none fits.
+                            for row in [2, 6, 64, 4096, 14_336, per, per + 2, region, region + 2] {
+                                let rows = c.round_rows(row);
+                                let fit = region / row;
+                                assert!(rows <= fit && (rows > 0) == (fit > 0), "{what}, row {row}: {rows} of {fit}");
+                                assert!(rows <= 1 || rows * row <= per, "{what}, row {row}: {rows} rows over {per}");
+                                assert!(rows == fit || (rows + 1) * row > per, "{what}, row {row}: {rows} rows");
+                            }
                         });
                     }
                 });

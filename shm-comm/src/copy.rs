@@ -15,10 +15,15 @@
 //! - streamed staging in 1 MiB rounds gained less and less reliably
 //!   (0.78-1.52): the stores matter, not only the round size.
 //!
-//! The fused finalize-and-reduce-scatter keeps whole-slot rounds: its rounds
-//! are compute-bound, and with 4 ranks on the 2 cores, 1 MiB rounds made it
-//! 1.3-1.5x slower (`bench finalize_and_reduce --dp-tokens 512,512 --top-k 8
-//! --hidden 2048`: 4.1-5.2 ms against 3.0-4.0 ms).
+//! The fused finalize-and-reduce-scatter stages in the same 1 MiB rounds (of
+//! whole rows). Whole-slot rounds (4 MiB per rank) took 1.05-1.35x the CPU
+//! time per call and 1.07-1.35x the call's time (4 ranks on 2 cores, 4 KiB
+//! rows, 3000 + 1096 tokens at top-k 2; medians over all ranks, 3 runs in
+//! each of two sessions: 12.3-13.0 against 9.4-10.7 ms of CPU, then 11.1-11.4
+//! against 10.4-10.8 ms): by the barrier the rows had left the cache, and
+//! the peers read them back from memory. (Each rank's best call, taken apart
+//! from the others', hides this with more ranks than cores: it rewards few
+//! barriers, not short calls.)
 //!
 //! **Into the caller's buffers, streaming for large collectives.** Each output
 //! byte is written once and not read again by the collective, while the

@@ -178,9 +178,9 @@ impl CpuComm {
         self.shm.context_tag()
     }
 
-    /// Rows per staging region for rows of `row_len` elements of `dtype`: how
-    /// many rows of one block [`CpuComm::reduce_scatter_rows_with`] moves per
-    /// round. 0 when one row does not fit (the caller then stages a buffer).
+    /// Rows per staging region for rows of `row_len` elements of `dtype`: the
+    /// most rows of one block [`CpuComm::reduce_scatter_rows_with`] could move
+    /// per round. 0 when one row does not fit (the caller then stages a buffer).
     pub fn rows_per_region(&self, row_len: usize, dtype: DType) -> usize {
         self.shm.rows_per_region(row_len, data_type(dtype))
     }
