@@ -16,10 +16,11 @@
 
 use std::ffi::CStr;
 
-use crate::process::{describe_uid, my_uid};
+use crate::process::{describe_uid, my_uid, tracked};
 use crate::Error;
 
-/// The group's file, open read-write, checked as this user's own.
+/// The group's file, open read-write, checked as this user's own. Its
+/// descriptor is tracked: close it with [`crate::process::close_fd`].
 pub(crate) struct OwnFile {
     pub fd: libc::c_int,
     /// (device, inode).
@@ -141,8 +142,7 @@ fn refused(path: &str, found: &str, then: &str) -> Refused {
 }
 
 fn close(fd: libc::c_int) {
-    // SAFETY: fd is an open descriptor owned by the caller, closed once.
-    unsafe { libc::close(fd) };
+    crate::process::close_fd(fd);
 }
 
 fn errno() -> Option<i32> {
@@ -286,8 +286,10 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
     // default) unless it fails with EWOULDBLOCK instead. Creating with
     // O_EXCL tells a file made here from one found.
     let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
+    // Every descriptor of the file is tracked: a child forked while this
+    // process holds it must not keep its locks (crate::process::tracked).
     // SAFETY: cpath is NUL-terminated; flags and mode are plain integers.
-    let fd = unsafe { libc::open(cpath.as_ptr(), flags | libc::O_CREAT | libc::O_EXCL, 0o600) };
+    let fd = tracked(|| unsafe { libc::open(cpath.as_ptr(), flags | libc::O_CREAT | libc::O_EXCL, 0o600) });
     let fd = if fd >= 0 {
         // The umask may have cleared bits of the mode asked for.
         // SAFETY: fd is open.
@@ -299,7 +301,7 @@ pub(crate) fn open_own(cpath: &CStr, path: &str) -> Result<Opened, Refused> {
         fd
     } else if errno() == Some(libc::EEXIST) {
         // SAFETY: as above.
-        let fd = unsafe { libc::open(cpath.as_ptr(), flags) };
+        let fd = tracked(|| unsafe { libc::open(cpath.as_ptr(), flags) });
         if fd < 0 {
             let err = errno();
             let Some(st) = lstat_path(cpath) else {
@@ -371,7 +373,7 @@ fn is_own(st: &libc::stat) -> bool {
 pub(crate) fn open_existing_own(cpath: &CStr) -> Option<OwnFile> {
     let flags = libc::O_RDWR | libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK;
     // SAFETY: cpath is NUL-terminated; flags are plain integers.
-    let fd = unsafe { libc::open(cpath.as_ptr(), flags) };
+    let fd = tracked(|| unsafe { libc::open(cpath.as_ptr(), flags) });
     if fd < 0 {
         return None;
     }

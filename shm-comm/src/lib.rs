@@ -169,8 +169,12 @@
 //! exec holds a copy of it: collectives and [`ShmComm::split`] called on the
 //! copy are refused with [`ErrorKind::Setup`] naming both processes (before
 //! anything is written to the group), and dropping the copy, as a child that
-//! ends does, only unmaps it: the rank stays in the group. A forked child may
-//! join worlds of its own.
+//! ends does, only unmaps it: the rank stays in the group. Nor does the child
+//! keep anything of the rank: the fork closes its copies of the rank's file
+//! and presence socket and puts zero pages in place of the rank's mapping, so
+//! the rank's presence, locks and memory go with the rank's own handle also
+//! while such children live (a worker pool forked after the rendezvous). A
+//! forked child may join worlds of its own.
 //!
 //! # Caller validation
 //! Every collective takes a `check: Result<(), E>`: the caller's own validation

@@ -7,10 +7,12 @@
 //! handle, named after the group (a hash of its name), the world size, the
 //! staging size, its rank, its pid, the start time of that process and a
 //! random nonce. The kernel releases the name when the handle is dropped or
-//! the process dies, SIGKILL included. A child forked without exec holds the
-//! socket as long as it lives, also once its parent's rank has ended: a name
-//! whose process (pid and start time) is gone therefore does not count, so
-//! presence never outlives its rank.
+//! the process dies, SIGKILL included. A child forked without exec closes its
+//! copy of the socket at once ([`crate::process::tracked`]), so the name goes
+//! with the handle also while such children live. Where one keeps a copy all
+//! the same (a fork that skips the `pthread_atfork` handlers), a name whose
+//! process (pid and start time) is gone does not count, so presence never
+//! outlives its rank's process.
 //!
 //! Any local user can bind an abstract name, so names are trusted by their
 //! owner, not by their text: the bound names and the uid of each socket come
@@ -60,6 +62,9 @@ fn nonce() -> u64 {
 /// One rank's bound presence name; released on drop.
 pub(crate) struct Presence {
     fd: libc::c_int,
+    /// The process that bound it (a child forked later holds a copy of this
+    /// value, not of the socket).
+    owner: u32,
 }
 
 impl Presence {
@@ -71,7 +76,7 @@ impl Presence {
             let (w, s, r, p) = (m.world, m.staging, m.rank, m.pid);
             let name = format!("{}{w}/{s}/{r}/{p}/{start}/{:016x}", prefix(hash), nonce());
             match bind_abstract(&name) {
-                Ok(fd) => return Some(Presence { fd }),
+                Ok(fd) => return Some(Presence { fd, owner: std::process::id() }),
                 // Taken (only by chance, the nonce being random): draw another.
                 Err(true) => continue,
                 Err(false) => return None,
@@ -84,8 +89,10 @@ impl Presence {
 /// A datagram socket bound to abstract name `name`: `Err(true)` when the name
 /// is taken, `Err(false)` when the socket cannot be made or bound otherwise.
 fn bind_abstract(name: &str) -> Result<libc::c_int, bool> {
-    // SAFETY: plain socket creation; the fd is owned by the caller on success.
-    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    // SAFETY: plain socket creation; the fd is owned by the caller on
+    // success. Tracked, so that no forked child keeps the name bound.
+    let fd =
+        crate::process::tracked(|| unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) });
     if fd < 0 {
         return Err(false);
     }
@@ -105,8 +112,7 @@ fn bind_abstract(name: &str) -> Result<libc::c_int, bool> {
         unsafe { libc::bind(fd, &addr as *const libc::sockaddr_un as *const libc::sockaddr, len as libc::socklen_t) };
     if r != 0 {
         let in_use = std::io::Error::last_os_error().raw_os_error() == Some(libc::EADDRINUSE);
-        // SAFETY: fd is open and owned here.
-        unsafe { libc::close(fd) };
+        crate::process::close_fd(fd);
         return Err(in_use);
     }
     Ok(fd)
@@ -114,15 +120,15 @@ fn bind_abstract(name: &str) -> Result<libc::c_int, bool> {
 
 impl Drop for Presence {
     fn drop(&mut self) {
-        // SAFETY: fd is open and owned here.
-        unsafe { libc::close(self.fd) };
+        // A forked child's copy was closed by the fork.
+        crate::process::close_owned_fd(self.fd, self.owner);
     }
 }
 
 /// The ranks of group `name` that hold a live handle on this host (in any
 /// world of that name) and belong to this user, as their presence names say
-/// (names of processes that have ended, held on by a child they forked, do
-/// not count). Empty where the kernel cannot list sockets with their owners.
+/// (names of processes that have ended, held on by a child that kept a
+/// copy, do not count). Empty where the kernel cannot list sockets with their owners.
 pub fn live_members(name: &str) -> Vec<Member> {
     members_of(name_hash(name))
 }
@@ -141,7 +147,8 @@ pub(crate) fn members_of(hash: u64) -> Vec<Member> {
                 rank: r.parse().ok()?,
                 pid: p.parse().ok()?,
             };
-            // A forked child may hold the name after the rank's process ended.
+            // A child that kept a copy of the socket may hold the name after
+            // the rank's process ended.
             crate::process::pid_alive(m.pid, start.parse().ok()?).then_some(m)
         })
         .collect();

@@ -120,10 +120,7 @@ impl Segment {
                 Err(Refused::Foreign(why)) => return Err(setup_err(name, rank, world, why, ErrorKind::Setup)),
             };
             let (fd, ino) = (file.fd, file.ino);
-            let close = |fd| {
-                // SAFETY: fd is an open descriptor owned here.
-                unsafe { libc::close(fd) };
-            };
+            let close = crate::process::close_fd;
             // Lock the file for the whole setup (released on close, also on crash).
             loop {
                 // SAFETY: fd is open.
@@ -411,8 +408,7 @@ pub fn joined_ranks(name: &str) -> Vec<usize> {
     let Ok(cpath) = CString::new(path.clone()) else { return Vec::new() };
     let Some(f) = open_existing_own(&cpath) else { return Vec::new() };
     let survey = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
-    // SAFETY: f.fd is open and ours.
-    unsafe { libc::close(f.fd) };
+    crate::process::close_fd(f.fd);
     survey.map_or_else(Vec::new, |s| (0..s.world).filter(|&r| s.slots[r].0 == JOINED).collect())
 }
 
@@ -461,8 +457,8 @@ fn sweep_stale(dir: &str, skip: &str, until: Instant) -> usize {
                 unsafe { libc::unlink(cpath.as_ptr()) };
             }
         }
-        // SAFETY: f.fd is open and ours; closing releases the lock.
-        unsafe { libc::close(f.fd) };
+        // Closing releases the lock.
+        crate::process::close_fd(f.fd);
     }
     seen
 }
@@ -604,6 +600,44 @@ mod tests {
         // Empty files are no segment of a dead world: all are left alone.
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 200);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A child forked by a rank (a worker pool made after the world formed)
+    /// and still alive keeps nothing of the rank once its handle is dropped:
+    /// no presence name lists it (the same rank of the same process joins
+    /// the name again, where it was refused as a duplicate) and no process
+    /// holds its slot lock (by which ranks of another PID namespace would
+    /// take it for alive).
+    #[test]
+    fn a_child_forked_by_a_rank_keeps_neither_its_presence_nor_its_slot_lock() {
+        use std::os::fd::AsRawFd;
+
+        let name = format!("forked-keeps-nothing-{}", std::process::id());
+        let cfg = crate::Config { staging_bytes: 1 << 16 };
+        let t = Duration::from_secs(20);
+        let first = std::thread::scope(|s| {
+            let zero = s.spawn(|| crate::ShmComm::rendezvous(&name, 2, 0, t, &cfg));
+            // Once rank 0 holds its slot lock, open the file for a look at
+            // the lock later (the world unlinks it once it forms).
+            let deadline = Instant::now() + t;
+            while joined_ranks(&name) != [0] {
+                assert!(Instant::now() < deadline, "rank 0 never took its slot");
+                std::thread::yield_now();
+            }
+            let look = std::fs::OpenOptions::new().read(true).write(true).open(segment_path(&name)).expect("open");
+            let one = crate::ShmComm::rendezvous(&name, 2, 1, t, &cfg).expect("rank 1");
+            (zero.join().unwrap().expect("rank 0"), one, look)
+        });
+        let (zero, one, look) = first;
+        let child = crate::process::ForkedWaiter::fork();
+        drop((zero, one));
+        let members = crate::live_members(&name);
+        let held = [slot_held(look.as_raw_fd(), 0), slot_held(look.as_raw_fd(), 1)];
+        let again = crate::ShmComm::rendezvous(&name, 1, 0, t, &cfg).and_then(|c| c.barrier());
+        drop(child);
+        assert!(members.is_empty(), "the ended ranks are listed: {members:?}");
+        assert_eq!(held, [Some(false); 2], "slot locks held after the ranks ended");
+        again.expect("the same rank of the same process joins the name again");
     }
 
     /// A file system without room names the size, the directory, its free

@@ -198,7 +198,11 @@ pub(crate) fn checked_segment_len(world: usize, staging: usize) -> Option<usize>
 pub(crate) struct Segment {
     base: *mut u8,
     len: usize,
+    /// The file, open (tracked: see [`crate::process::tracked`]) by `owner`.
     fd: libc::c_int,
+    /// The process that mapped it (a child forked later holds a copy of this
+    /// value, its copy of `fd` closed by the fork).
+    owner: u32,
     path: String,
     ino: (u64, u64),
     pub world: usize,
@@ -225,17 +229,15 @@ impl Segment {
         staging: usize,
         rank: usize,
     ) -> Result<Segment> {
-        // SAFETY: fd is open read-write and the file is at least len bytes.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
-        };
+        // fd is open read-write and the file is at least len bytes.
+        let p = crate::process::map_tracked(fd, len);
         if p == libc::MAP_FAILED {
             let e = Error::os(format!("mapping {len} bytes of {path}"));
-            // SAFETY: fd is open and owned here.
-            unsafe { libc::close(fd) };
+            crate::process::close_fd(fd);
             return Err(e);
         }
-        Ok(Segment { base: p as *mut u8, len, fd, path, ino, world, staging, rank, presence: None })
+        let owner = std::process::id();
+        Ok(Segment { base: p as *mut u8, len, fd, owner, path, ino, world, staging, rank, presence: None })
     }
 
     /// Takes this rank's slot (lock held).
@@ -358,11 +360,9 @@ impl Segment {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // SAFETY: base/len are the live mapping and fd is open; both are owned here.
-        unsafe {
-            libc::munmap(self.base as *mut libc::c_void, self.len);
-            libc::close(self.fd);
-        }
+        // The mapping (or in a forked child the zero pages in its place).
+        crate::process::unmap_tracked(self.base as *mut libc::c_void, self.len);
+        crate::process::close_owned_fd(self.fd, self.owner);
     }
 }
 
@@ -374,18 +374,16 @@ pub(crate) struct Mapping {
 
 impl Mapping {
     pub(crate) fn new(fd: libc::c_int, len: usize) -> Option<Mapping> {
-        // SAFETY: fd is open; the caller checked the file holds len bytes.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
-        };
+        // fd is open; the caller checked the file holds len bytes. Tracked,
+        // as a child forked meanwhile must not keep the file's setup lock.
+        let p = crate::process::map_tracked(fd, len);
         (p != libc::MAP_FAILED).then_some(Mapping { ptr: p as *mut u8, len })
     }
 }
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: ptr/len are a live mapping owned here.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        crate::process::unmap_tracked(self.ptr as *mut libc::c_void, self.len);
     }
 }
 
