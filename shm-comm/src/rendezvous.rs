@@ -209,20 +209,25 @@ impl Segment {
                         backoff.snooze();
                         continue;
                     }
-                    // SAFETY: fd is open for writing.
-                    if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-                        let e = os_err(format!("sizing {path} to {len} bytes"));
-                        close(fd);
-                        return Err(e);
-                    }
-                    if let Err(why) = reserve(fd, len, &path, world, staging) {
+                    // From here until the header's magic is written the
+                    // lock stays held, and every failure removes the file
+                    // (under the lock, before closing): the sweep of torn
+                    // files relies on both (sweep_stale).
+                    let give_up = |e: Error| {
                         // Nothing was initialised: drop the file again.
                         // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
                         unsafe { libc::unlink(cpath.as_ptr()) };
                         close(fd);
-                        return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
+                        e
+                    };
+                    // SAFETY: fd is open for writing.
+                    if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                        return Err(give_up(os_err(format!("sizing {path} to {len} bytes"))));
                     }
-                    let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
+                    if let Err(why) = reserve(fd, len, &path, world, staging) {
+                        return Err(give_up(setup_err(name, rank, world, why, ErrorKind::Setup)));
+                    }
+                    let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank).map_err(give_up)?;
                     let h = seg.header();
                     h.version.store(VERSION, Ordering::Relaxed);
                     h.world.store(world as u32, Ordering::Relaxed);
@@ -232,7 +237,8 @@ impl Segment {
                     return Self::attach(seg, name, &cpath);
                 }
                 Found::Join => {
-                    let seg = Segment::map(fd, len, path.clone(), ino, world, staging, rank)?;
+                    let seg =
+                        Segment::map(fd, len, path.clone(), ino, world, staging, rank).inspect_err(|_| close(fd))?;
                     return Self::attach(seg, name, &cpath);
                 }
             }
@@ -414,12 +420,13 @@ pub fn joined_ranks(name: &str) -> Vec<usize> {
 
 /// Removes this user's segment files in `dir` (all but `skip`) that a world
 /// of this version left when every rank died before the world was complete
-/// (a launcher's SIGTERM or SIGKILL while the ranks waited for each other):
+/// (a launcher's SIGTERM or SIGKILL while the ranks waited for each other),
+/// and torn ones (their creator died while it set them up, see [`torn`]):
 /// otherwise such a file holds its memory in the shared-memory directory
 /// until a rendezvous under the same name. A world of this PID namespace is
 /// judged by its ranks' pids, one of another by their slot locks. Best
 /// effort, and nothing waits: a file that is locked (being set up), not
-/// this user's own, torn, of another version, or with a live rank is left
+/// this user's own, empty, of another version, or with a live rank is left
 /// alone. Another user's entries are passed over without being opened (one
 /// `lstat` each), and the sweep stops at `until`, whatever is left: any user
 /// may fill the directory with names. Returns how many entries it looked at.
@@ -451,8 +458,9 @@ fn sweep_stale(dir: &str, skip: &str, until: Instant) -> usize {
         let Some(f) = open_existing_own(&cpath) else { continue };
         // SAFETY: f.fd is open; LOCK_NB never waits.
         if unsafe { libc::flock(f.fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 && ino_at(&cpath) == Some(f.ino) {
-            let found = f.size(&path).ok().and_then(|size| Survey::of(f.fd, size as usize).ok().flatten());
-            if found.is_some_and(|s| s.pid_ns != 0 && s.all_gone(f.fd, ours)) {
+            let size = f.size(&path).map_or(0, |s| s as usize);
+            let found = Survey::of(f.fd, size).ok().flatten();
+            if found.is_some_and(|s| s.pid_ns != 0 && s.all_gone(f.fd, ours)) || torn(f.fd, size) {
                 // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
                 unsafe { libc::unlink(cpath.as_ptr()) };
             }
@@ -461,6 +469,30 @@ fn sweep_stale(dir: &str, skip: &str, until: Instant) -> usize {
         crate::process::close_fd(f.fd);
     }
     seen
+}
+
+/// Whether the segment file `fd` of `size` bytes, whose setup lock the
+/// caller took without waiting while the file was still linked under its
+/// name, is torn: sized, but its header's magic never written. Only the
+/// process that set the file up sizes it, under that lock, which it holds
+/// from before the `ftruncate` until the magic is stored, and every failure
+/// in between unlinks the file before the lock is let go
+/// ([`Segment::join`]). So the process that sized this file let the lock go
+/// without either: it died (the lock goes with the last descriptor of the
+/// file, and no forked child keeps one, see [`crate::process::tracked`]).
+/// No rank can be set up in it: a joiner that opened the file before it is
+/// removed finds the name no longer leads to it once it has the lock, and
+/// starts over. An empty file is never torn: its creator may be between
+/// creating it and taking the lock.
+fn torn(fd: libc::c_int, size: usize) -> bool {
+    if size < BLOCK {
+        return false;
+    }
+    let Some(hdr) = Mapping::new(fd, BLOCK) else { return false };
+    // SAFETY: the mapping is BLOCK bytes of the file, Header fits (asserted)
+    // and is made of atomics.
+    let h = unsafe { &*(hdr.ptr as *const Header) };
+    h.magic.load(Ordering::Acquire) == 0
 }
 
 /// Backs all `len` bytes of a new segment file at once. A file only sized
@@ -599,6 +631,55 @@ mod tests {
         assert_eq!(sweep_stale(&d, "", far), 200, "every name within the bound");
         // Empty files are no segment of a dead world: all are left alone.
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 200);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A torn file (sized by a creator that died before it wrote the
+    /// header) is swept once its setup lock is free. Left alone: one whose
+    /// lock is held (a creator still setting it up), an empty one (a creator
+    /// between creating and locking it), one with a header of another version
+    /// and one of another mode (not this user's segment file).
+    #[test]
+    fn the_sweep_removes_torn_files_whose_setup_lock_is_free() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+
+        let dir = std::env::temp_dir().join(format!("shm-comm-torn-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let plant = |n: &str, bytes: &[u8], mode: u32| {
+            let p = dir.join(format!("ascend-moe.{n}"));
+            let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(mode).open(&p).unwrap();
+            std::io::Write::write_all(&mut f, bytes).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+            p
+        };
+        let zeros = vec![0u8; 2 * BLOCK];
+        let torn = plant("torn", &zeros, 0o600);
+        let busy = plant("busy", &zeros, 0o600);
+        let empty = plant("empty", b"", 0o600);
+        let other_mode = plant("other-mode", &zeros, 0o644);
+        let mut other = zeros.clone();
+        other[std::mem::offset_of!(Header, magic)..][..8].copy_from_slice(&MAGIC.to_ne_bytes());
+        other[std::mem::offset_of!(Header, version)..][..4].copy_from_slice(&(VERSION + 1).to_ne_bytes());
+        let other_version = plant("other-version", &other, 0o600);
+        // A creator setting `busy` up holds its lock.
+        let holder = std::fs::OpenOptions::new().read(true).write(true).open(&busy).unwrap();
+        // SAFETY: holder is an open file.
+        assert_eq!(unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }, 0);
+        let far = Instant::now() + Duration::from_secs(3600);
+        assert_eq!(sweep_stale(&dir.display().to_string(), "", far), 5);
+        assert!(!torn.exists(), "a torn file whose lock is free was left");
+        for p in [&busy, &empty, &other_mode, &other_version] {
+            assert!(p.exists(), "{} was removed", p.display());
+        }
+        // Explicitly: a child forked by another test meanwhile may hold a
+        // copy of the description, which closing here would not unlock.
+        // SAFETY: holder is an open file.
+        unsafe { libc::flock(holder.as_raw_fd(), libc::LOCK_UN) };
+        assert_eq!(sweep_stale(&dir.display().to_string(), "", far), 4);
+        assert!(!busy.exists(), "a torn file whose creator let its lock go was left");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

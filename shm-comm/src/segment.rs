@@ -220,6 +220,8 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 impl Segment {
+    /// Maps `len` bytes of the file `fd`, which the segment then owns; on
+    /// failure the caller still does.
     pub(crate) fn map(
         fd: libc::c_int,
         len: usize,
@@ -232,9 +234,8 @@ impl Segment {
         // fd is open read-write and the file is at least len bytes.
         let p = crate::process::map_tracked(fd, len);
         if p == libc::MAP_FAILED {
-            let e = Error::os(format!("mapping {len} bytes of {path}"));
-            crate::process::close_fd(fd);
-            return Err(e);
+            // The caller still owns fd: a creator removes its file first.
+            return Err(Error::os(format!("mapping {len} bytes of {path}")));
         }
         let owner = std::process::id();
         Ok(Segment { base: p as *mut u8, len, fd, owner, path, ino, world, staging, rank, presence: None })

@@ -11,6 +11,9 @@
 //!
 //! Likewise a /dev/shm that other users could rename files in (writable by
 //! all and not sticky, or owned by another user): no world forms there.
+//!
+//! A creator that cannot size or map its segment (resource limits, in a
+//! process of its own) removes its file instead of leaving it there.
 
 use std::process::Command;
 use std::time::Duration;
@@ -237,5 +240,86 @@ fn a_world_forms_in_a_user_namespace_that_does_not_map_the_owner_of_dev_shm() {
     assert!(text.contains("END"), "the world's process died ({}): {text}", out.status);
     for r in 0..2 {
         assert!(text.contains(&format!("rank {r}: Ok")), "rank {r}: {text}");
+    }
+}
+
+const LIMITS_ROLE: &str = "SHM_COMM_LIMITS_ROLE";
+
+/// Sets the soft limit `res` to `cur` and returns the one it had.
+fn set_soft_limit(res: libc::__rlimit_resource_t, cur: libc::rlim_t) -> libc::rlim_t {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: l is a valid rlimit for both calls.
+    unsafe {
+        assert_eq!(libc::getrlimit(res, &mut l), 0);
+        let old = l.rlim_cur;
+        l.rlim_cur = cur.min(l.rlim_max);
+        assert_eq!(libc::setrlimit(res, &l), 0);
+        old
+    }
+}
+
+/// One world of one rank created under a file size limit too small for its
+/// segment, one under an address space limit too small to map it: one line
+/// each with the rendezvous's outcome and whether its file is left, then `END`.
+fn create_under_limits() {
+    let t = Duration::from_secs(20);
+    let report = |what: &str, name: &str, r: Result<ShmComm, Error>| {
+        let path = shm_comm::segment_path(name);
+        let left = std::path::Path::new(&path).exists();
+        if left {
+            // Not to be left in the directory by a failing test either.
+            let _ = std::fs::remove_file(&path);
+        }
+        let r = r.map(|_| ()).map_err(|e| e.to_string());
+        println!("{what}: left {left}: {r:?}");
+    };
+    // Past the file size limit ftruncate fails with EFBIG (and SIGXFSZ,
+    // ignored here).
+    // SAFETY: ignoring a signal installs no handler.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    let name = format!("limit-size-{}", std::process::id());
+    let old = set_soft_limit(libc::RLIMIT_FSIZE, 4096);
+    let r = ShmComm::rendezvous(&name, 1, 0, t, &Config { staging_bytes: 1 << 16 });
+    set_soft_limit(libc::RLIMIT_FSIZE, old);
+    report("size", &name, r);
+    // The address space may grow by 128 MiB, less than the segment of
+    // 192 MiB (3 slots of 64 MiB): backing it works, mapping it does not.
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let kib: libc::rlim_t = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmSize:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmSize");
+    let name = format!("limit-map-{}", std::process::id());
+    let old = set_soft_limit(libc::RLIMIT_AS, (kib << 10) + (128 << 20));
+    let r = ShmComm::rendezvous(&name, 1, 0, t, &Config { staging_bytes: 64 << 20 });
+    set_soft_limit(libc::RLIMIT_AS, old);
+    report("map", &name, r);
+    println!("END");
+}
+
+/// A creator that cannot size its segment's file (a file size limit) or map
+/// it (an address space limit, after the file was backed in full) fails its
+/// rendezvous naming why, and removes the file: a failed creator left it in
+/// the shared-memory directory, the backed one holding its memory (up to
+/// 96 MiB for a default world of 8), until a rendezvous under the same name.
+#[test]
+fn a_creator_that_cannot_size_or_map_its_segment_leaves_no_file() {
+    const TEST: &str = "a_creator_that_cannot_size_or_map_its_segment_leaves_no_file";
+    if std::env::var(LIMITS_ROLE).is_ok() {
+        create_under_limits();
+        return;
+    }
+    let out = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env(LIMITS_ROLE, "1")
+        .output()
+        .expect("run the creator");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("END"), "the creator's process died ({}): {text}", out.status);
+    for (what, says) in [("size", "sizing"), ("map", "mapping")] {
+        let line = text.lines().find_map(|l| l.split_once(&format!("{what}: ")).map(|x| x.1)).expect("line");
+        assert!(line.contains("Err(") && line.contains(says), "{what}: {line}");
+        assert!(line.starts_with("left false"), "a failed creator left its file ({what}): {line}");
     }
 }
