@@ -244,7 +244,7 @@ impl Config {
     /// and the peers' reads (measured in `copy`); the fused
     /// finalize-and-reduce-scatter, whose rounds are compute-bound, fills
     /// the whole slot and so passes fewer barriers.
-    pub const DEFAULT_STAGING: usize = 4 << 20;
+    pub const DEFAULT_STAGING: usize = segment::DEFAULT_STAGING;
     /// Smallest staging slot: one 64-byte region per rank of the largest world.
     pub const MIN_STAGING: usize = 64 * MAX_WORLD;
 

@@ -517,11 +517,18 @@ fn reserve_failed(errno: i32, len: usize, path: &str, world: usize, staging: usi
     let dir = std::path::Path::new(path).parent().map_or_else(shm_dir, |d| d.display().to_string());
     let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
     let free = free_bytes(&dir).map_or(String::new(), |b| format!(" ({:.1} MiB free there)", mib(b)));
+    // What each caller can do: anyone can free or enlarge the directory;
+    // only a Rust caller chooses the staging size.
     let hint = if errno == libc::ENOSPC {
-        "; make it larger (e.g. docker run --shm-size) or choose a smaller Config::staging_bytes \
-         (each rank needs 4 KiB + 3 x staging)"
+        format!(
+            "; free space in it or make it larger (e.g. docker run --shm-size, or remount a tmpfs with a larger \
+             size=). Each rank needs 4 KiB + 3 x the staging size: a Rust caller may choose a smaller one \
+             (Config::staging_bytes; ascend-moe: CpuComm::rendezvous_with, ascend-moe bench --staging-bytes), \
+             while the C API and Python always use the default of {} bytes",
+            crate::segment::DEFAULT_STAGING
+        )
     } else {
-        ""
+        String::new()
     };
     format!(
         "cannot back the shared memory of a world of {world} ranks with {staging}-byte staging slots: \
@@ -722,7 +729,8 @@ mod tests {
     }
 
     /// A file system without room names the size, the directory, its free
-    /// space and what to do.
+    /// space and what each caller can do (C and Python callers cannot choose
+    /// the staging size).
     #[test]
     fn a_full_directory_is_reported_with_the_size_the_directory_and_a_remedy() {
         let path = format!("{}/ascend-moe.full.0123456789abcdef", shm_dir());
@@ -735,6 +743,7 @@ mod tests {
             "No space left on device",
             "--shm-size",
             "Config::staging_bytes",
+            "the C API and Python always use the default of 4194304 bytes",
         ] {
             assert!(why.contains(part), "{part:?} missing from: {why}");
         }

@@ -30,6 +30,9 @@ pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 pub(crate) const VERSION: u32 = 9;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
+/// Bytes per staging slot unless the caller chooses ([`crate::Config`]'s
+/// default, which the C API and Python always use).
+pub(crate) const DEFAULT_STAGING: usize = 4 << 20;
 /// Staging slots per rank, used in rotation (round `k` uses slot `k % SLOTS`).
 pub(crate) const SLOTS: usize = 3;
 /// Size of the header and of each control block.
