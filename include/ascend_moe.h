@@ -931,8 +931,11 @@ amoe_status amoe_moe_token_unpermute(const struct amoe_tensor *permuted,
 // block). From `amoe_host_block_min_len()` bytes on, a freed block's memory
 // serves the next block of the same size, so neither the system allocator
 // nor first-touch page faults are paid again; the library keeps at most
-// 1 GiB of freed blocks. Smaller results are better allocated as usual.
-// `AMOE_STATUS_HOST_MEMORY` when the system refuses the memory.
+// `ASCEND_MOE_HOST_POOL_BYTES` of freed blocks per process (read at the
+// first block; 1 GiB when unset, 0 keeps none). Smaller results are better
+// allocated as usual. `AMOE_STATUS_HOST_MEMORY` when the system refuses the
+// memory, `AMOE_STATUS_INVALID_ARGUMENT` naming the variable when it is set
+// to something other than a number of bytes.
 //
 // # Safety
 // `data` and `out` writable.

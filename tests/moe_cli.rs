@@ -170,3 +170,34 @@ fn info_names_the_thread_and_timeout_settings_it_ignores() {
     let timeout = "60s (the default: ASCEND_MOE_COMM_TIMEOUT=\"30s\" ignored, not a positive number of seconds)";
     assert!(out.contains(timeout), "{out}");
 }
+
+/// `ascend-moe info` shows the host pool's bound and where it comes from,
+/// and says that a bad `ASCEND_MOE_HOST_POOL_BYTES` fails allocations.
+#[test]
+fn info_shows_the_host_pool_bound_and_a_bad_setting() {
+    let info = |pool: Option<&str>| {
+        let mut c = Command::new(EXE);
+        c.arg("info").env_remove("ASCEND_MOE_HOST_POOL_BYTES");
+        if let Some(p) = pool {
+            c.env("ASCEND_MOE_HOST_POOL_BYTES", p);
+        }
+        let o = c.output().expect("run info");
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        out
+    };
+    let out = info(None);
+    assert!(out.contains("host pool            keeps up to 1024 MiB of dropped results (the default:"), "{out}");
+    let out = info(Some("256M"));
+    assert!(
+        out.contains("host pool            keeps up to 256 MiB of dropped results (ASCEND_MOE_HOST_POOL_BYTES)\n"),
+        "{out}"
+    );
+    let out = info(Some("0"));
+    assert!(out.contains("host pool            keeps no dropped results (ASCEND_MOE_HOST_POOL_BYTES=0)\n"), "{out}");
+    let out = info(Some("3K"));
+    assert!(out.contains("keeps up to 3072 bytes of dropped results (ASCEND_MOE_HOST_POOL_BYTES)"), "{out}");
+    let out = info(Some("256MB"));
+    assert!(out.contains("ASCEND_MOE_HOST_POOL_BYTES=\"256MB\" is not a number of bytes"), "{out}");
+    assert!(out.contains("fail to allocate"), "{out}");
+}

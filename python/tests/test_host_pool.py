@@ -144,3 +144,50 @@ def test_a_block_that_cannot_be_had_is_a_clear_error(monkeypatch):
         _tensor.host_empty((1 << 40, 1 << 40), np.float32)
     gc.collect()
     assert not unraisable, "the half-made block failed in __del__"
+
+
+def _with_pool_setting(value, code):
+    """Runs `code` in a fresh interpreter (the library reads the pool's bound
+    once per process) with ASCEND_MOE_HOST_POOL_BYTES set to `value`."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, ASCEND_MOE_HOST_POOL_BYTES=value)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_a_bad_pool_bound_fails_large_results_naming_it_and_small_ones_still_work():
+    code = (
+        "import numpy as np, ascend_moe as am\n"
+        "x = np.arange(MIN // 4 + 1024, dtype=np.float32)\n"
+        "with am.Comm.cpu('host-pool-bad-bound', 1, 0) as c:\n"
+        "    print('small', am.all_reduce(x[:8], c).tolist() == x[:8].tolist())\n"
+        "    try:\n"
+        "        am.all_reduce(x, c)\n"
+        "        print('large: no error')\n"
+        "    except am.AmoeError as e:\n"
+        "        print('large:', type(e).__name__, e)\n"
+    ).replace("MIN", str(MIN))
+    out = _with_pool_setting("1.5G", code)
+    assert "small True" in out, out
+    line = next(l for l in out.splitlines() if l.startswith("large:"))
+    assert "ASCEND_MOE_HOST_POOL_BYTES" in line and '"1.5G"' in line, line
+    assert line.startswith("large: InvalidArgumentError"), line
+
+
+def test_a_pool_bound_as_set_lets_large_results_work():
+    code = (
+        "import numpy as np, ascend_moe as am\n"
+        "x = np.arange(MIN // 4 + 1024, dtype=np.float32)\n"
+        "with am.Comm.cpu('host-pool-bound', 1, 0) as c:\n"
+        "    for _ in range(3):\n"
+        "        r = am.all_reduce(x, c)\n"
+        "        assert (r == x).all()\n"
+        "        del r\n"
+        "print('ok')\n"
+    ).replace("MIN", str(MIN))
+    for value in ["0", "3M", "1048576"]:
+        assert _with_pool_setting(value, code).strip().endswith("ok"), value

@@ -8,7 +8,6 @@ use super::ffi::{ffi, try_out, write_out, Failure};
 use super::handle::{box_out, release};
 use super::types::{amoe_host_block, amoe_status};
 use crate::backend::cpu::host_pool::{Block, MIN_POOLED};
-use crate::backend::cpu::no_memory;
 
 /// Host memory of `len` bytes (`len` > 0) for a result: `*data` receives its
 /// address (aligned to 2 MiB, so any dtype fits), `*out` a handle the caller
@@ -17,8 +16,11 @@ use crate::backend::cpu::no_memory;
 /// block). From `amoe_host_block_min_len()` bytes on, a freed block's memory
 /// serves the next block of the same size, so neither the system allocator
 /// nor first-touch page faults are paid again; the library keeps at most
-/// 1 GiB of freed blocks. Smaller results are better allocated as usual.
-/// `AMOE_STATUS_HOST_MEMORY` when the system refuses the memory.
+/// `ASCEND_MOE_HOST_POOL_BYTES` of freed blocks per process (read at the
+/// first block; 1 GiB when unset, 0 keeps none). Smaller results are better
+/// allocated as usual. `AMOE_STATUS_HOST_MEMORY` when the system refuses the
+/// memory, `AMOE_STATUS_INVALID_ARGUMENT` naming the variable when it is set
+/// to something other than a number of bytes.
 ///
 /// # Safety
 /// `data` and `out` writable.
@@ -35,9 +37,7 @@ pub unsafe extern "C" fn amoe_host_block_new(
         if len == 0 {
             return Err(Failure::invalid(F, "len", "a host block holds at least one byte"));
         }
-        let Some(block) = Block::take(len) else {
-            return Err(no_memory(F, len).into());
-        };
+        let block = Block::take(F, len)?;
         write_out(data, block.as_ptr().cast::<c_void>());
         box_out(out, block);
         Ok(())

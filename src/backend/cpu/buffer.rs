@@ -94,10 +94,7 @@ impl CpuBuffer {
         if len < host_pool::MIN_POOLED {
             return Self::try_zeros(op, len);
         }
-        match Block::take(len) {
-            Some(b) => Ok(CpuBuffer { mem: HostMem::Pooled(b), len }),
-            None => Err(no_memory(op, len)),
-        }
+        Ok(CpuBuffer { mem: HostMem::Pooled(Block::take(op, len)?), len })
     }
 
     /// Copies `bytes` into a new buffer, or an error naming `op` when the

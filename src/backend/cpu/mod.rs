@@ -12,3 +12,4 @@ pub(crate) use buffer::no_memory;
 pub use buffer::CpuBuffer;
 pub use comm::{check_world_size, segment_path, shm_dir, CpuComm, CpuCommConfig, MAX_WORLD};
 pub use finalize::{default_num_threads, env_num_threads, finalize_threads, set_num_threads, set_wide_simd};
+pub use host_pool::{env_keep_bytes, DEFAULT_KEEP_BYTES, KEEP_VAR, KEEP_WANTED};

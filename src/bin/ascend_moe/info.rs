@@ -1,6 +1,9 @@
 //! `ascend-moe info`: which backends are usable here.
 
-use ascend_moe::backend::cpu::{default_num_threads, env_num_threads, shm_dir, CpuCommConfig, MAX_WORLD};
+use ascend_moe::backend::cpu::{
+    default_num_threads, env_keep_bytes, env_num_threads, shm_dir, CpuCommConfig, DEFAULT_KEEP_BYTES, KEEP_VAR,
+    KEEP_WANTED, MAX_WORLD,
+};
 use ascend_moe::CommOptions;
 
 pub fn main() -> i32 {
@@ -33,6 +36,19 @@ pub fn main() -> i32 {
         "a positive number of seconds",
     );
     println!("  comm timeout         {:?} ({timeout})", CommOptions::from_env().timeout);
+    // Not ignored when bad: every pooled allocation fails naming it.
+    let mib = |b: usize| if b % (1 << 20) == 0 { format!("{} MiB", b >> 20) } else { format!("{b} bytes") };
+    match env_keep_bytes() {
+        Ok(Some(0)) => println!("  host pool            keeps no dropped results ({KEEP_VAR}=0)"),
+        Ok(Some(b)) => println!("  host pool            keeps up to {} of dropped results ({KEEP_VAR})", mib(b)),
+        Ok(None) => println!(
+            "  host pool            keeps up to {} of dropped results (the default: {KEEP_VAR} not set)",
+            mib(DEFAULT_KEEP_BYTES)
+        ),
+        Err(v) => println!(
+            "  host pool            {KEEP_VAR}={v:?} is not {KEEP_WANTED}: results of 1 MiB or more fail to allocate"
+        ),
+    }
     println!();
     // ---- NPU / CANN section ------------------------------------------------
     // The NPU backend adds its report here: one library call that returns what
