@@ -71,12 +71,23 @@ pub(crate) struct Desc {
 /// A shape as posted: a label naming it (at most 16 bytes) and its
 /// dimensions, the first [`SHAPE_DIMS`] of them as they are; a longer shape
 /// keeps its first `SHAPE_DIMS - 1` and a hash of the rest in the last.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Ranks agree on the dimensions only: the label just names the shape in
+/// errors, and one rank reducing in place (`buf`) while a peer reduces out of
+/// place (`src`) is the same collective.
+#[derive(Debug, Clone)]
 pub(crate) struct PostedShape {
     label: [u8; 16],
     ndim: u64,
     dims: [u64; SHAPE_DIMS],
 }
+
+impl PartialEq for PostedShape {
+    fn eq(&self, other: &PostedShape) -> bool {
+        (self.ndim, self.dims) == (other.ndim, other.dims)
+    }
+}
+
+impl Eq for PostedShape {}
 
 impl PostedShape {
     pub(crate) fn new(label: &str, dims: &[usize]) -> PostedShape {

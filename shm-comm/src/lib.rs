@@ -22,7 +22,10 @@
 //! files of such worlds under other names too (made by this version), so
 //! that a world whose ranks were all killed while it formed does not hold
 //! its memory until its name comes back; a live world of another size
-//! under the same name is an error. A joiner that asks a forming world for
+//! under the same name is an error, and so is a file of another layout
+//! version (made by another build, whose ranks' liveness cannot be read
+//! here): the rendezvous fails at once naming both versions and the file,
+//! and leaves it alone. A joiner that asks a forming world for
 //! another world size or staging size is refused, and is recorded in the
 //! header: the ranks waiting there fail at once with [`ErrorKind::Mismatch`]
 //! naming it, as do later joiners, since that world can no longer form. The
@@ -341,7 +344,8 @@ struct State {
 /// dimensions is compared by its first 7 and a hash of the rest.
 #[derive(Debug, Clone, Copy)]
 pub struct Shape<'a> {
-    /// What the error calls it (`"src"`: `src shape [..]`).
+    /// What the error calls it (`"src"`: `src shape [..]`); ranks need not
+    /// agree on it, only on `dims`.
     pub label: &'static str,
     /// The dimensions every rank must pass alike.
     pub dims: &'a [usize],

@@ -105,6 +105,32 @@ fn ranks_whose_shapes_differ_with_equal_counts_all_fail_naming_each_shape() {
 }
 
 #[test]
+fn ranks_reducing_in_place_and_out_of_place_agree_on_equal_dims() {
+    // Ranks 0 and 2 post their shape as "buf" (in place), ranks 1 and 3 as
+    // "src": the label only names the shape, so the dims [4, 4] agree and
+    // every rank gets the sum of the ranks' values (1 + 2 + 3 + 4).
+    let out = ranks("inplace", |r, c| {
+        let dims: &[usize] = &[4, 4];
+        let mine: Vec<u8> = (0..16).flat_map(|i| ((r + 1) as f32 * (i + 1) as f32).to_le_bytes()).collect();
+        if r % 2 == 0 {
+            let mut buf = mine;
+            c.agreeing(Shape { label: "buf", dims })
+                .all_reduce_in_place(DataType::F32, ReduceOp::Sum, &mut buf, Ok::<(), Error>(()))
+                .map(|()| buf)
+        } else {
+            let mut dst = vec![0u8; mine.len()];
+            c.agreeing(Shape { label: "src", dims })
+                .all_reduce(DataType::F32, ReduceOp::Sum, &mine, &mut dst, Ok::<(), Error>(()))
+                .map(|()| dst)
+        }
+    });
+    let want: Vec<u8> = (0..16).flat_map(|i| (10.0 * (i + 1) as f32).to_le_bytes()).collect();
+    for (r, got) in out.iter().enumerate() {
+        assert_eq!(got.as_ref().unwrap_or_else(|e| panic!("rank {r}: {e}")), &want, "rank {r}");
+    }
+}
+
+#[test]
 fn a_rank_without_a_tag_is_named_as_such() {
     let out = ranks("untagged", |r, c| {
         if r != 3 {
