@@ -277,6 +277,17 @@ impl Segment {
 
     /// Reads the header and slots of an existing segment (lock held).
     fn inspect(fd: libc::c_int, size: usize, name: &str, world: usize, rank: usize, staging: usize) -> Result<Found> {
+        if let Some(theirs) = Survey::other_version(fd, size)? {
+            // Made by another build: its layout (even where its ranks' slots
+            // are) is unknown here, so whether they still run cannot be told,
+            // and removing the file could split a live world in two. Neither
+            // build can join the other's world.
+            let why = format!(
+                "rank built with segment layout version {VERSION} found layout version {theirs} in {}: every                  rank of a world must load the same ascend-moe build; if no process of that other build still                  runs, remove the file",
+                segment_path(name)
+            );
+            return Err(setup_err(name, rank, world, why, ErrorKind::Mismatch));
+        }
         let Some(survey) = Survey::of(fd, size)? else {
             // Initialised segments are complete before the lock is released,
             // so this is a torn or foreign file.
@@ -365,6 +376,21 @@ impl Survey {
             })
             .collect();
         Ok(Some(Survey { hdr, world: w, staging: s, pid_ns, slots }))
+    }
+
+    /// The layout version of the file `fd` of `size` bytes when its header
+    /// bears our magic (set up completely by some build: the magic is written
+    /// last) and another version than ours; `None` otherwise. The magic and
+    /// the version lead the header in every version.
+    fn other_version(fd: libc::c_int, size: usize) -> Result<Option<u32>> {
+        if size < BLOCK {
+            return Ok(None);
+        }
+        let hdr = Mapping::new(fd, BLOCK).ok_or_else(|| os_err("mapping segment header".into()))?;
+        // SAFETY: the mapping is BLOCK bytes, Header fits (asserted) and is made of atomics.
+        let h = unsafe { &*(hdr.ptr as *const Header) };
+        let (magic, version) = (h.magic.load(Ordering::Acquire), h.version.load(Ordering::Relaxed));
+        Ok((magic == MAGIC && version != VERSION).then_some(version))
     }
 
     fn header(&self) -> &Header {
@@ -773,6 +799,40 @@ mod tests {
         let cfg = crate::Config::default();
         let c = crate::ShmComm::rendezvous(&name, 1, 0, Duration::from_secs(20), &cfg).expect("replaced");
         c.barrier().expect("a world of one");
+    }
+
+    /// A file under the name made by another build (our magic, another
+    /// layout version) may belong to a live world whose slots this build
+    /// cannot read: the rendezvous fails at once naming both versions and
+    /// the file, and leaves the file where it is.
+    #[test]
+    fn a_file_of_another_layout_version_is_refused_and_left_alone() {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+
+        let name = format!("other-layout-{}", std::process::id());
+        let path = segment_path(&name);
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).expect("create");
+        let mut block = vec![0u8; 2 * BLOCK];
+        let put = |b: &mut [u8], at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
+        let theirs = VERSION + 7;
+        put(&mut block, std::mem::offset_of!(Header, magic), &MAGIC.to_ne_bytes());
+        put(&mut block, std::mem::offset_of!(Header, version), &theirs.to_ne_bytes());
+        put(&mut block, std::mem::offset_of!(Header, world), &1u32.to_ne_bytes());
+        f.write_all(&block).expect("write");
+        drop(f);
+        let t0 = Instant::now();
+        let cfg = crate::Config::default();
+        let r = crate::ShmComm::rendezvous(&name, 1, 0, Duration::from_secs(20), &cfg);
+        let (took, left) = (t0.elapsed(), std::path::Path::new(&path).exists());
+        let _ = std::fs::remove_file(&path);
+        let e = r.expect_err("a world of another build cannot be joined");
+        let s = e.to_string();
+        assert_eq!(e.kind(), Some(ErrorKind::Mismatch), "{s}");
+        assert!(s.contains(&format!("layout version {VERSION} found layout version {theirs} in {path}")), "{s}");
+        assert!(s.contains("same ascend-moe build"), "{s}");
+        assert!(left, "the file of another build was removed");
+        assert!(took < Duration::from_secs(5), "waited {took:?} instead of failing at once");
     }
 
     /// A descriptor that cannot be backed (a pipe) fails with the system's

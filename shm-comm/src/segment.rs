@@ -25,8 +25,9 @@ use crate::{Error, Result};
 /// `"AMOECOMM"` in little-endian.
 pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"AMOECOMM");
 /// Layout and protocol version (how phases are numbered in
-/// [`Header::verdict`] included); a segment of another version is treated
-/// as foreign and stale.
+/// [`Header::verdict`] included); a rendezvous that finds a segment of
+/// another version under its name fails naming both versions and leaves the
+/// file alone (its ranks' liveness cannot be read in a layout not ours).
 pub(crate) const VERSION: u32 = 9;
 /// Largest group the transport supports (descriptors hold per-rank counts).
 pub const MAX_WORLD: usize = 64;
