@@ -602,8 +602,18 @@ amoe_status amoe_stream_wrap(void *raw_acl_stream,
 void amoe_stream_free(struct amoe_stream *stream);
 
 // `dst = op(src over all ranks)`. `src` and `dst` have the same dtype and
-// number of elements on every rank (their shapes may differ: the elements
-// are reduced in order), and may be the same memory (in place).
+// number of elements on every rank, and may be the same memory (in place).
+// One rank's `src` and `dst` may differ in shape (the elements are reduced
+// in order).
+//
+// Shapes across ranks (this collective and those below): the ranks agree
+// on the counts (the same `numel(src)`, or the same count lists for the
+// `_v` collectives). A CPU communicator also requires the same shape
+// of `src` on every rank (of `buf` for `amoe_broadcast`; for
+// `amoe_all_gather_v` and `amoe_all_to_all_v` the same dimensions after the
+// first), and otherwise fails on every rank with
+// `AMOE_STATUS_COMM_MISMATCH` naming each rank's shape. An HCCL
+// communicator compares element counts only (HCCL sees no shapes).
 //
 // How every collective runs (this one and those below):
 // - CPU communicator (host tensors): the call returns when every rank

@@ -3,7 +3,8 @@
 //!
 //! Counts are in elements. Every collective checks that all ranks called the
 //! same thing (kind, counts, dtype, root, op) and fails on every rank with an
-//! error naming the collective, group, ranks and sizes when they did not.
+//! error naming the collective, group, ranks and sizes when they did not; a
+//! CPU communicator also compares the ranks' shapes ([`Collectives`]).
 //! Every wait has a timeout.
 
 use crate::backend::cpu::{CpuBackend, CpuComm};
@@ -55,6 +56,18 @@ impl CommType {
 /// variants take per-rank counts (`counts.len() == world_size`), blocks packed
 /// contiguously in rank order. Written once over every [`Communicator`]: each
 /// tensor is lent as a view of the communicator's own buffers.
+///
+/// Shapes: a rank's `src` and `dst` may differ in shape (only their element
+/// counts are tied, as above; an all-reduce reduces the elements in order).
+/// Across ranks, a CPU communicator also requires the same shape of `src`
+/// on every rank (of `buf` for [`Collectives::broadcast`] and
+/// [`Collectives::all_reduce_in_place`], which agrees with a peer's
+/// out-of-place [`Collectives::all_reduce`] of the same shape; for
+/// [`Collectives::all_gather_v`] and [`Collectives::all_to_all_v`] the same
+/// dimensions after the first), and otherwise fails on every rank naming
+/// each rank's shape: equal counts of differently shaped tensors are
+/// usually a bug. An HCCL communicator compares element counts only (HCCL
+/// sees no shapes).
 pub trait Collectives {
     /// This rank in the group.
     fn rank(&self) -> usize;

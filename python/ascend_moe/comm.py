@@ -1,4 +1,11 @@
-"""Communicators and collectives over the library's CPU shared-memory transport."""
+"""Communicators and collectives over the library's CPU shared-memory transport.
+
+Every rank of a collective passes the same dtype and element counts. A CPU
+communicator also requires every rank's `x` to have the same shape (for
+`broadcast` too), and otherwise fails on every rank with a mismatch naming
+each rank's shape; a communicator from HCCL (`Comm.from_hccl`,
+`Comm.from_process_group`) compares element counts only, as HCCL sees no
+shapes."""
 
 from __future__ import annotations
 
@@ -298,7 +305,8 @@ def _collective(name: str, shape_fn, x, comm: Comm, extra, out, stream):
 
 
 def all_reduce(x, comm: Comm, op=ReduceOp.SUM, *, out=None, stream=None):
-    """`op` of `x` over every rank, of `x`'s shape and dtype, into `out` (default a new one)."""
+    """`op` of `x` over every rank, of `x`'s shape and dtype, into `out` (default a new one).
+    Across ranks, see the module's note on shapes."""
     return _collective("amoe_all_reduce", shapes.all_reduce, x, comm, lambda: (_op(op),), out, stream)
 
 
