@@ -980,6 +980,13 @@ _POINTS = ("reduce_routed_early", "reduce_shared", "reduce_final")
 # released goes with it (its id is then refused); ids are never reused.
 _POLICIES: dict = {}
 _POLICY_IDS: dict = {}
+# The ids of the policies dropped with their TP group, most recent last (as
+# keys: an ordered set), so that a call naming one (a compiled graph keeps the
+# id as a constant) says the group was released rather than that the id is
+# unknown. Bounded: past `_RELEASED_KEPT`, the oldest are forgotten (and then
+# refused as unknown ids).
+_RELEASED: dict = {}
+_RELEASED_KEPT = 4096
 _NEXT_POLICY_ID = itertools.count(1)
 _REDUCE_OP = None
 
@@ -992,9 +999,24 @@ def _forget_policies(which) -> bool:
         entry = _POLICIES.get(pid)
         if entry is not None and entry[1] is not None and which(entry[1]):
             _POLICY_IDS.pop(key, None)
+            _remember_released(pid)
             _POLICIES.pop(pid, None)
             dropped = True
     return dropped
+
+
+def _remember_released(pid) -> None:
+    """Records policy id `pid` as dropped with its TP group (`_RELEASED`),
+    before the policy goes: a reader that misses it finds the tombstone. No
+    lock, as `_forget_policies` (the garbage collector may call it in any
+    thread): each dict operation is atomic, and trimming the oldest only
+    makes a message less precise if another thread interferes."""
+    _RELEASED[pid] = None
+    while len(_RELEASED) > _RELEASED_KEPT:
+        try:
+            _RELEASED.pop(next(iter(_RELEASED)), None)
+        except (RuntimeError, StopIteration):  # changed size meanwhile: retry
+            continue
 
 
 def _runner_policy(runner):
@@ -1089,20 +1111,32 @@ def _checked_point(point: int, layer: int) -> tuple:
     error in the real op and its fake) unless `point` is 0..2 and `layer` a
     registered policy id."""
     point, layer = int(point), int(layer)
-    if layer not in _POLICIES or not 0 <= point < len(_POINTS):
-        raise error(Status.INVALID_ARGUMENT, f"vllm_reduce_point: no point {point} of layer {layer}")
+    _policy_entry(point, layer)
     return point, layer
+
+
+def _policy_entry(point: int, layer: int) -> tuple:
+    """`_POLICIES[layer]`, or the error of `vllm_reduce_point`: the group of
+    a policy dropped with it named as released, else an unknown point or
+    layer. Read once (`.get`): the garbage collector may drop the policy in
+    another thread at any time, so a check and a later index could disagree."""
+    entry = _POLICIES.get(layer)
+    if entry is None and layer in _RELEASED:
+        raise error(Status.INVALID_ARGUMENT, f"vllm_reduce_point: the TP group of layer {layer} was released")
+    if entry is None or not 0 <= point < len(_POINTS):
+        raise error(Status.INVALID_ARGUMENT, f"vllm_reduce_point: no point {point} of layer {layer}")
+    return entry
 
 
 def _always_reduces(point: int, layer: int) -> bool:
     """Whether point `point` of policy `layer` all-reduces under every comm type."""
-    policy = _POLICIES[layer][0]
+    policy = _policy_entry(point, layer)[0]
     return all(policy.decisions(ct)[_DECISIONS[point]] for ct in CommType)
 
 
 def _point_impl(x, point: int, layer: int):
     point, layer = _checked_point(point, layer)
-    policy, tp_ref = _POLICIES[layer]
+    policy, tp_ref = _policy_entry(point, layer)
     name = _POINTS[point]
     tp_group = _tp_group() if tp_ref is None else tp_ref()
     if tp_group is None:
@@ -1183,7 +1217,7 @@ def _point_layer(runner, point: int) -> int:
     # point 1 as "the routed output leaves it reduced" (early), whichever comm
     # type runs and whether or not the op then reduces.
     which = ("early", "shared", "final")[point]
-    return pid if any(_POLICIES[pid][0].decisions(ct)[which] for ct in CommType) else 0
+    return pid if any(_policy_entry(point, pid)[0].decisions(ct)[which] for ct in CommType) else 0
 
 
 def _reduce_at(runner, point: int, x):
@@ -1394,6 +1428,8 @@ def _release_all() -> None:
         for _, groups in list(_MOE_GROUPS.values()):
             groups.close()
         _MOE_GROUPS.clear()
+        for pid in list(_POLICIES):
+            _remember_released(pid)
         _POLICIES.clear()
         _POLICY_IDS.clear()
 

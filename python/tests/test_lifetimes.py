@@ -187,7 +187,7 @@ def adapter(monkeypatch):
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.delenv("ASCEND_MOE_VLLM_CPU_COMM", raising=False)
-    for cache in ("_BACKENDS", "_MOE_GROUPS", "_POLICIES", "_POLICY_IDS"):
+    for cache in ("_BACKENDS", "_MOE_GROUPS", "_POLICIES", "_POLICY_IDS", "_RELEASED"):
         monkeypatch.setattr(av, cache, {})
     yield av
     av._release_all()
@@ -234,8 +234,48 @@ def test_vllm_groups_that_go_take_their_communicators(adapter, monkeypatch):
         assert [r() for r in refs] == [None] * 3, "the adapter keeps dropped vLLM groups alive"
         assert all(c.closed for c in comms) and groups.closed
         assert av.mapped_groups() == [] and av._MOE_GROUPS == {} and pid not in av._POLICIES
-        with pytest.raises(am.InvalidArgumentError, match=f"no point 2 of layer {pid}"):
+        # A compiled graph keeps the id: its call names the cause.
+        with pytest.raises(am.InvalidArgumentError, match=f"TP group of layer {pid} was released"):
             av._checked_point(2, pid)
+
+
+def test_a_reduction_point_of_a_released_tp_group_names_the_release(adapter, monkeypatch):
+    """A compiled graph keeps a policy id as a constant: called after its TP
+    group was released, the point says so (not that the id is unknown), and
+    an id never made is still refused as unknown."""
+    av = adapter
+    engine = _engine_groups(monkeypatch, av)
+    tp = _Group("tp:released")
+    engine.update(tp=tp)
+    pid = av._runner_policy(_runner(tp))
+    x = np.zeros((2, 4), np.float32)
+    assert av.release_group(tp) and pid not in av._POLICIES
+    for call in (lambda: av._point_impl(x, 2, pid), lambda: av._checked_point(0, pid)):
+        with pytest.raises(am.InvalidArgumentError, match=f"the TP group of layer {pid} was released"):
+            call()
+    with pytest.raises(am.InvalidArgumentError, match=f"no point 2 of layer {pid + 1000}"):
+        av._point_impl(x, 2, pid + 1000)
+
+
+def test_a_policy_dropped_after_its_check_is_still_a_clear_error(adapter, monkeypatch):
+    """The garbage collector may drop a policy in another thread between the
+    point's check and its use: the use then names the release too (no bare
+    KeyError)."""
+    av = adapter
+    engine = _engine_groups(monkeypatch, av)
+    tp = _Group("tp:raced")
+    engine.update(tp=tp)
+    pid = av._runner_policy(_runner(tp))
+    checked = av._checked_point
+
+    def check_then_drop(point, layer):
+        out = checked(point, layer)
+        av.release_group(tp)  # as a collection in another thread would, here
+        return out
+
+    monkeypatch.setattr(av, "_checked_point", check_then_drop)
+    with pytest.raises(am.InvalidArgumentError, match=f"the TP group of layer {pid} was released"):
+        av._point_impl(np.zeros((2, 4), np.float32), 2, pid)
 
 
 def test_a_destroyed_or_released_vllm_group_leaves_its_communicator_at_once(adapter, monkeypatch):
