@@ -1,7 +1,7 @@
 //! Which process is this one, and is another still alive; the descriptors
 //! and mappings a child forked without exec does not keep.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Once;
 
 /// Whether process `pid`, started at `start` (0: unknown), is alive. A zombie
@@ -132,7 +132,32 @@ static MAPS: [(AtomicUsize, AtomicUsize); TRACKED] = [const { (AtomicUsize::new(
 /// it in both processes (`pthread_atfork`), so that a child's copies of the
 /// lists name exactly the tracked descriptors and mappings it holds. Never
 /// held across a wait.
-static GATE: AtomicBool = AtomicBool::new(false);
+///
+/// The word names its holder ([`holder`]: process and thread id; 0: free),
+/// for the two forks that would otherwise spin forever on it: one made by
+/// the holding thread itself (from a signal handler that interrupted it
+/// inside a tracked step, see [`before_fork`]), and a child made while
+/// another thread held it by a path that runs no fork handlers (`_Fork`, a
+/// raw `clone`), which inherits the word set by a thread it does not have
+/// (see [`lock_gate`]).
+static GATE: AtomicU64 = AtomicU64::new(0);
+
+/// How many forks the thread holding [`GATE`] made while it already held it
+/// and that have not yet returned in the parent (more than one: a signal
+/// handler interrupting another's fork). Only that thread changes it, so the
+/// gate guards it.
+static NESTED_FORKS: AtomicU32 = AtomicU32::new(0);
+
+/// The value of [`GATE`] that names this thread of this process: the process
+/// id in the high half, the thread id in the low one (neither is 0). Both are
+/// asked of the kernel (`getpid` and `gettid` are system calls, async-signal-
+/// safe): a child made without the fork handlers has no cache to trust, and
+/// the forking thread has another thread id in the child.
+fn holder() -> u64 {
+    // SAFETY: getpid and gettid have no preconditions and cannot fail.
+    let (pid, tid) = unsafe { (libc::getpid(), libc::syscall(libc::SYS_gettid)) };
+    (u64::from(pid as u32) << 32) | (tid as u32 as u64)
+}
 
 struct Gate;
 
@@ -145,8 +170,8 @@ impl Gate {
     /// The gate, once the fork handlers are in place.
     fn watching_forks() -> Gate {
         static WATCH_FORKS: Once = Once::new();
-        // SAFETY: the handlers only use atomics, `close` and `mmap` (see
-        // after_fork_in_child).
+        // SAFETY: the handlers only use atomics, `getpid`, `gettid`, `close`,
+        // `mmap` and `munmap` (see after_fork_in_child).
         WATCH_FORKS.call_once(|| unsafe {
             libc::pthread_atfork(Some(before_fork), Some(after_fork_in_parent), Some(after_fork_in_child));
         });
@@ -156,47 +181,81 @@ impl Gate {
 
 impl Drop for Gate {
     fn drop(&mut self) {
-        GATE.store(false, Ordering::Release);
+        GATE.store(0, Ordering::Release);
     }
 }
 
+/// Takes [`GATE`] for this thread: waits while another thread of this
+/// process holds it, and takes it over at once from a holder of another
+/// process. Threads share the word only with the process they belong to, so
+/// such a holder is the thread of a parent that held it when this process
+/// was forked without the fork handlers: this process does not have that
+/// thread, and nothing here would ever release the gate. (A child sharing
+/// the memory, of `vfork` or `posix_spawn`, only execs: it takes no gate.)
 fn lock_gate() {
-    while GATE.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_err() {
-        std::thread::yield_now();
+    let me = holder();
+    let mut seen = 0;
+    while let Err(now) = GATE.compare_exchange_weak(seen, me, Ordering::Acquire, Ordering::Relaxed) {
+        if now != 0 && now >> 32 != me >> 32 {
+            seen = now; // inherited: take it over on the next try
+        } else {
+            seen = 0;
+            if now != 0 {
+                std::thread::yield_now();
+            }
+        }
     }
 }
 
+/// Takes the gate for the fork, unless this thread holds it already: then it
+/// is a fork from a signal handler that interrupted this thread inside a
+/// tracked step (or inside another fork), and waiting would be waiting for
+/// itself. The lists are then as that step left them, which is safe for the
+/// child: a step enters a descriptor or mapping only once it is made and
+/// removes it before it closes or unmaps it, so every listed one is held.
 extern "C" fn before_fork() {
-    lock_gate();
+    if GATE.load(Ordering::Relaxed) == holder() {
+        NESTED_FORKS.fetch_add(1, Ordering::Relaxed);
+    } else {
+        lock_gate();
+    }
 }
 
+/// Gives the gate back, unless [`before_fork`] found this thread holding it:
+/// the interrupted step still does, and releases it when it ends.
 extern "C" fn after_fork_in_parent() {
-    GATE.store(false, Ordering::Release);
+    if NESTED_FORKS.load(Ordering::Relaxed) > 0 {
+        NESTED_FORKS.fetch_sub(1, Ordering::Relaxed);
+    } else {
+        GATE.store(0, Ordering::Release);
+    }
 }
 
 /// In the child, before anything else runs there: puts private zero pages
 /// in place of the tracked mappings, closes its copies of the tracked
 /// descriptors and forgets both (they are not the child's to track). Only
-/// atomics, `close`, which is async-signal-safe as a child of a threaded
-/// process needs, and `mmap`, a bare system call in the C libraries (it
-/// takes no lock).
+/// atomics, `getpid`, `gettid` and `close`, which are async-signal-safe as a
+/// child of a threaded process needs, and `mmap` and `munmap`, bare system
+/// calls in the C libraries (they take no lock).
+///
+/// The gate then passes to the child's one thread. After a nested fork (see
+/// [`before_fork`]) that thread is the copy of the one interrupted inside a
+/// tracked step, which still believes it holds the gate and releases it when
+/// the signal handler returns to it: the gate stays held, now in the child's
+/// name (were it cleared, that step would go on unguarded; left in the
+/// parent's name, the child's next tracked step would take it over from
+/// under it). Should that step resume in the child (a handler that returns
+/// rather than exec or `_exit`), it closes or unmaps once more what was let
+/// go here: the zero pages, or a descriptor number now free (`EBADF`) unless
+/// the handler opened another under it meanwhile. Otherwise the child holds
+/// nothing and the gate is free.
 extern "C" fn after_fork_in_child() {
     for (a, l) in &MAPS {
         let addr = a.swap(0, Ordering::Relaxed);
         if addr != 0 {
             // SAFETY: the gate held across fork made the entry name a mapping
-            // of the child's copy of the address space; replacing it in place
-            // leaves every pointer into it valid (now to zeros).
-            unsafe {
-                libc::mmap(
-                    addr as *mut libc::c_void,
-                    l.load(Ordering::Relaxed),
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
+            // of the child's copy of the address space.
+            unsafe { replace_with_private(addr as *mut libc::c_void, l.load(Ordering::Relaxed), libc::mmap) };
         }
     }
     for e in &FDS {
@@ -207,7 +266,50 @@ extern "C" fn after_fork_in_child() {
             unsafe { libc::close(fd) };
         }
     }
-    GATE.store(false, Ordering::Release);
+    if NESTED_FORKS.load(Ordering::Relaxed) > 0 {
+        NESTED_FORKS.fetch_sub(1, Ordering::Relaxed);
+        GATE.store(holder(), Ordering::Release);
+    } else {
+        GATE.store(0, Ordering::Release);
+    }
+}
+
+/// The `mmap` of the C library, or a stand-in in tests.
+type Mmap = unsafe extern "C" fn(
+    *mut libc::c_void,
+    libc::size_t,
+    libc::c_int,
+    libc::c_int,
+    libc::c_int,
+    libc::off_t,
+) -> *mut libc::c_void;
+
+/// Replaces the shared mapping of `len` bytes at `addr` in place (with
+/// `mmap`), so that this process no longer holds the file it maps (and with
+/// it the file's locks and memory). Private zero pages first: every pointer
+/// into the range stays valid. Under strict overcommit
+/// (`vm.overcommit_memory=2`) the kernel ignores `MAP_NORESERVE` and charges
+/// writable private pages, so that can fail with ENOMEM, which would leave the
+/// shared mapping in place; then inaccessible pages (`PROT_NONE`, which are
+/// not charged), and if even those fail (the process's limit of mappings),
+/// no mapping at all: a pointer into the range then faults instead of
+/// reaching the file, which a child cannot use anyway (a handle it inherited
+/// is refused in it). Only this last case gives up the range's reservation
+/// ([`MAPS`]); keeping the file, and its locks, for the child's lifetime
+/// would be worse.
+///
+/// # Safety
+/// The range is a mapping of this process that nothing uses as the file's.
+unsafe fn replace_with_private(addr: *mut libc::c_void, len: usize, mmap: Mmap) {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE;
+    for prot in [libc::PROT_READ | libc::PROT_WRITE, libc::PROT_NONE] {
+        // SAFETY: MAP_FIXED over the caller's range only.
+        if unsafe { mmap(addr, len, prot, flags, -1, 0) } != libc::MAP_FAILED {
+            return;
+        }
+    }
+    // SAFETY: as above.
+    unsafe { libc::munmap(addr, len) };
 }
 
 /// Runs `make`, which returns a new descriptor (negative when it failed,
@@ -365,5 +467,124 @@ mod tests {
         drop(child);
         std::fs::remove_file(&path).unwrap();
         assert_eq!(r, 0, "the forked child kept the lock");
+    }
+
+    /// A thread that forks while it holds the gate (as a signal handler that
+    /// interrupted it inside a tracked step does) neither waits for itself
+    /// nor gives the gate away: the interrupted step still holds it.
+    #[test]
+    fn a_fork_by_the_thread_holding_the_gate_goes_through() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let fd = tracked(|| {
+                let child = ForkedWaiter::fork();
+                let held = GATE.load(Ordering::Relaxed) == holder();
+                drop(child);
+                tx.send(held).unwrap();
+                -1
+            });
+            assert_eq!(fd, -1);
+        });
+        let held = rx.recv_timeout(std::time::Duration::from_secs(60));
+        if held.is_err() {
+            GATE.store(0, Ordering::Release); // let the stuck fork end
+        }
+        assert_eq!(held, Ok(true), "the fork waited for the gate its own thread held, or released it");
+    }
+
+    /// A child forked without the fork handlers while another thread held
+    /// the gate inherits it set by a thread it does not have: its tracked
+    /// steps take the gate over instead of waiting for it forever.
+    #[test]
+    fn a_gate_inherited_from_another_process_is_taken_over() {
+        // Held by this thread first, so that no other test's step is under
+        // way when the word is made to name a thread of another process.
+        lock_gate();
+        let parent = (u64::from(std::process::id().wrapping_add(1)) << 32) | 7;
+        GATE.store(parent, Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            tx.send(tracked(|| -1)).unwrap();
+        });
+        let r = rx.recv_timeout(std::time::Duration::from_secs(60));
+        if r.is_err() {
+            GATE.store(0, Ordering::Release);
+        }
+        assert_eq!(r, Ok(-1), "a tracked step waited for a gate inherited from another process");
+    }
+
+    /// The `/proc/self/maps` line of the mapping that holds `addr`, if any.
+    fn maps_line(addr: usize) -> Option<String> {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines()
+            .find(|l| {
+                let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
+                (usize::from_str_radix(lo, 16).unwrap()..usize::from_str_radix(hi, 16).unwrap()).contains(&addr)
+            })
+            .map(str::to_owned)
+    }
+
+    /// Where the kernel refuses private writable pages (strict overcommit),
+    /// a child's tracked mapping still stops mapping the file: inaccessible
+    /// pages, else no mapping at all.
+    #[test]
+    fn a_mapping_is_let_go_even_without_memory_for_zero_pages() {
+        unsafe extern "C" fn no_writable(
+            a: *mut libc::c_void,
+            l: libc::size_t,
+            prot: libc::c_int,
+            f: libc::c_int,
+            fd: libc::c_int,
+            o: libc::off_t,
+        ) -> *mut libc::c_void {
+            if prot & libc::PROT_WRITE != 0 {
+                return libc::MAP_FAILED;
+            }
+            // SAFETY: the caller's arguments, passed on.
+            unsafe { libc::mmap(a, l, prot, f, fd, o) }
+        }
+        unsafe extern "C" fn none(
+            _: *mut libc::c_void,
+            _: libc::size_t,
+            _: libc::c_int,
+            _: libc::c_int,
+            _: libc::c_int,
+            _: libc::off_t,
+        ) -> *mut libc::c_void {
+            libc::MAP_FAILED
+        }
+        use std::os::fd::AsRawFd;
+        let path = std::env::temp_dir().join(format!("shm-comm-unmapped-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        file.set_len(4096).unwrap();
+        for (mmap, expect) in [(no_writable as Mmap, Some("---p")), (none as Mmap, None)] {
+            // SAFETY: a new shared mapping of the file, replaced below and
+            // never used as the file's.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    4096,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            // SAFETY: p is that mapping.
+            unsafe { replace_with_private(p, 4096, mmap) };
+            let line = maps_line(p as usize);
+            // SAFETY: p's range is ours to unmap (whatever is there now).
+            unsafe { libc::munmap(p, 4096) };
+            match (expect, line) {
+                (None, None) => {}
+                (Some(perms), Some(line)) => assert!(
+                    line.split_whitespace().nth(1) == Some(perms) && !line.contains("shm-comm-unmapped"),
+                    "not replaced by inaccessible private pages: {line}"
+                ),
+                (expect, line) => panic!("expected {expect:?}, found {line:?}"),
+            }
+        }
+        std::fs::remove_file(&path).unwrap();
     }
 }
