@@ -7,7 +7,7 @@
 mod common;
 mod moe_common;
 
-use ascend_moe::backend::cpu::{set_num_threads, set_wide_simd};
+use ascend_moe::backend::cpu::{set_num_threads, set_streaming_stores, set_wide_simd};
 use ascend_moe::backend::{FinalizeArgs, OutputRows};
 use ascend_moe::moe::finalize::*;
 use ascend_moe::{DType, Device, DropPadMode, Error, Tensor};
@@ -268,6 +268,19 @@ fn finalize_is_bitwise_identical_across_runs_and_thread_counts() {
         let baseline = bits(&moe_finalize_routing(&p.args()).unwrap());
         set_wide_simd(true);
         assert!(baseline == reference, "mode {} {dtype}: SIMD paths differ", mode as u32);
+        // Streaming stores (taken by calls larger than the cache) give the same bits.
+        for threads in [1, 3] {
+            set_num_threads(Some(threads));
+            set_streaming_stores(Some(true));
+            let streamed = bits(&moe_finalize_routing(&p.args()).unwrap());
+            set_streaming_stores(None);
+            assert!(
+                streamed == reference,
+                "mode {} {dtype}: streaming stores on {threads} threads differ",
+                mode as u32
+            );
+        }
+        set_num_threads(None);
     }
 }
 

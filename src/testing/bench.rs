@@ -8,6 +8,7 @@
 
 use std::time::Instant;
 
+pub use crate::backend::cpu::last_level_cache_bytes;
 use crate::backend::cpu::{check_world_size, finalize_threads, no_memory, set_num_threads, CpuCommConfig};
 use crate::backend::{FinalizeArgs, OutputRows};
 use crate::comm::{Collectives, CommOptions};
@@ -206,38 +207,6 @@ impl Triad {
         });
         std::hint::black_box(&self.a);
     }
-}
-
-/// The largest data or unified CPU cache Linux reports for CPU 0 (sysfs
-/// `cpu0/cache/index*`: `level`, `type`, `size`), in bytes; `None` where it
-/// reports none.
-pub fn last_level_cache_bytes() -> Option<usize> {
-    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
-    let mut best: Option<(u32, usize)> = None;
-    for entry in dir.flatten() {
-        let path = entry.path();
-        if !entry.file_name().to_string_lossy().starts_with("index") {
-            continue;
-        }
-        let read = |f: &str| std::fs::read_to_string(path.join(f)).ok().map(|v| v.trim().to_string());
-        let (Some(level), Some(kind), Some(size)) = (read("level"), read("type"), read("size")) else { continue };
-        let (Ok(level), Some(size)) = (level.parse::<u32>(), cache_size_bytes(&size)) else { continue };
-        if kind != "Instruction" && best.map_or(true, |b| (level, size) > b) {
-            best = Some((level, size));
-        }
-    }
-    best.map(|(_, size)| size)
-}
-
-/// A sysfs cache size (`"491520K"`, `"32M"`, `"1G"`, or plain bytes) in bytes.
-fn cache_size_bytes(s: &str) -> Option<usize> {
-    let (digits, unit) = match s.as_bytes().last()? {
-        b'K' => (&s[..s.len() - 1], 1 << 10),
-        b'M' => (&s[..s.len() - 1], 1 << 20),
-        b'G' => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    digits.parse::<usize>().ok()?.checked_mul(unit)
 }
 
 /// Least bytes of one triad array.
@@ -654,18 +623,6 @@ mod tests {
         // 4 ranks at K = 8, the shapes of `ci/bench.sh`: no fused op reaches 1.5x.
         let b = ReduceBytes::new(&SpLayout::from_dp_tokens(&[2048, 2048], 2).unwrap(), 8, 4096, DType::BF16);
         assert!(b.ceiling() < 1.43 && b.bound() < 1.15, "{b:?}");
-    }
-
-    /// sysfs sizes parse with their unit; anything else is no size.
-    #[test]
-    fn cache_sizes_parse_with_their_unit() {
-        assert_eq!(cache_size_bytes("491520K"), Some(480 << 20));
-        assert_eq!(cache_size_bytes("32M"), Some(32 << 20));
-        assert_eq!(cache_size_bytes("1G"), Some(1 << 30));
-        assert_eq!(cache_size_bytes("4096"), Some(4096));
-        for bad in ["", "K", "12Q", "-1K", "1.5M"] {
-            assert_eq!(cache_size_bytes(bad), None, "{bad:?}");
-        }
     }
 
     /// The arrays of a memory triad hold three times the last-level cache in

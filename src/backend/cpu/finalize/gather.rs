@@ -4,7 +4,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::lanes::{accumulate_group, fused_dispatch, Lanes, GROUP};
-use super::threads::{finalize_threads, WIDE_SIMD};
+use super::threads::{finalize_threads, stream_output, WIDE_SIMD};
 
 /// What one output token gathers. Shared by finalize and unpermute.
 pub(super) struct Gather<'a, T> {
@@ -87,9 +87,12 @@ impl<T: Lanes> Gather<'_, T> {
     ///
     /// `next`: the source rows of the token after this one, for prefetching.
     /// `f16c`: the caller runs with AVX2 and F16C enabled (types with an AVX2
-    /// kernel then take it).
+    /// kernel then take it). `stream`: that kernel writes with streaming
+    /// stores, and the caller fences them (see [`SimdKernel`]).
+    ///
+    /// [`SimdKernel`]: super::lanes::SimdKernel
     #[inline(always)]
-    fn fused_token(&self, i: usize, next: &[&[T]], out: &mut [T], f16c: bool) -> bool {
+    fn fused_token(&self, i: usize, next: &[&[T]], out: &mut [T], f16c: bool, stream: bool) -> bool {
         let simd = if f16c { T::SIMD } else { None };
         if !(T::LANEWISE || simd.is_some())
             || self.bias.is_some()
@@ -109,8 +112,9 @@ impl<T: Lanes> Gather<'_, T> {
         let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
         #[cfg(target_arch = "x86_64")]
         if let Some(kernel) = simd {
-            // SAFETY: `f16c` (so `simd`) is only set when the caller runs with AVX2 and F16C.
-            unsafe { kernel(skip, &ss, &rows, g, next, out) };
+            // SAFETY: `f16c` (so `simd`) is only set when the caller runs with AVX2 and F16C;
+            // a `stream` caller fences before anyone reads `out`.
+            unsafe { kernel(skip, &ss, &rows, g, next, out, stream) };
             return true;
         }
         fused_dispatch(skip, &ss, &rows, g, out);
@@ -196,7 +200,8 @@ impl<T: Lanes> Gather<'_, T> {
     }
 
     /// Computes the output rows of `chunk` (first row `first_row`).
-    /// `f16c`: AVX2 and F16C are available (see [`Gather::fused_token`]).
+    /// `f16c`: AVX2 and F16C are available; `stream`: their kernels write with
+    /// streaming stores (see [`Gather::fused_token`]), fenced before returning.
     #[inline(always)]
     fn rows_generic(
         &self,
@@ -204,6 +209,7 @@ impl<T: Lanes> Gather<'_, T> {
         chunk: &mut [T],
         token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
         f16c: bool,
+        stream: bool,
     ) {
         let h = self.h;
         let mut acc = vec![0f32; h];
@@ -217,13 +223,20 @@ impl<T: Lanes> Gather<'_, T> {
                 Some(i) => {
                     let next = if prefetch && j + 1 < out_rows { token_of(first_row + j + 1) } else { None };
                     let next = next.map_or([&[][..]; GROUP], |t| self.source_rows(t));
-                    if !self.fused_token(i, &next, o, f16c) {
+                    if !self.fused_token(i, &next, o, f16c, stream) {
                         self.token(i, &mut acc, &mut tmp);
                         T::narrow(&acc, o);
                     }
                 }
                 None => o.fill(T::default()),
             }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if stream && f16c {
+            // SAFETY: SSE is baseline on x86_64. Orders this thread's streaming
+            // stores before its later stores and its exit, which the thread
+            // reading `chunk` next synchronises with.
+            unsafe { std::arch::x86_64::_mm_sfence() };
         }
     }
 
@@ -232,10 +245,11 @@ impl<T: Lanes> Gather<'_, T> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn rows_avx2(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
-        self.rows_generic(first_row, chunk, token_of, false)
+        self.rows_generic(first_row, chunk, token_of, false, false)
     }
 
-    /// [`Gather::rows_avx2`] with F16C as well, for types with an F16C kernel.
+    /// [`Gather::rows_avx2`] with F16C as well, for types with an F16C kernel;
+    /// `stream`: with streaming stores.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn rows_avx2_f16c(
@@ -243,8 +257,9 @@ impl<T: Lanes> Gather<'_, T> {
         first_row: usize,
         chunk: &mut [T],
         token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+        stream: bool,
     ) {
-        self.rows_generic(first_row, chunk, token_of, true)
+        self.rows_generic(first_row, chunk, token_of, true, stream)
     }
 
     /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
@@ -257,19 +272,26 @@ impl<T: Lanes> Gather<'_, T> {
         let threads = finalize_threads(out_rows, h);
         let chunk_rows = out_rows.div_ceil(threads);
         let wide = WIDE_SIMD.with(|w| w.get());
+        // Bytes the call moves: K source rows and up to two skip rows read,
+        // the output row written, per output row.
+        let skips = usize::from(self.x1.is_some()) + usize::from(self.x2.is_some());
+        let row_bytes = h.saturating_mul(std::mem::size_of::<T>());
+        let stream = stream_output(out_rows.saturating_mul(row_bytes).saturating_mul(self.k + skips + 1));
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (wide, stream); // only the x86_64 kernels have a wider path or streaming stores
         let work = |first_row: usize, chunk: &mut [T]| {
             #[cfg(target_arch = "x86_64")]
             if wide && std::arch::is_x86_feature_detected!("avx2") {
                 if T::SIMD.is_some() && std::arch::is_x86_feature_detected!("f16c") {
                     // SAFETY: the CPU supports AVX2 and F16C (checked just above).
-                    unsafe { self.rows_avx2_f16c(first_row, chunk, token_of) };
+                    unsafe { self.rows_avx2_f16c(first_row, chunk, token_of, stream) };
                     return;
                 }
                 // SAFETY: the CPU supports AVX2 (checked just above).
                 unsafe { self.rows_avx2(first_row, chunk, token_of) };
                 return;
             }
-            self.rows_generic(first_row, chunk, token_of, false);
+            self.rows_generic(first_row, chunk, token_of, false, false);
         };
         if threads == 1 {
             work(0, out);

@@ -38,12 +38,22 @@ pub(super) trait Lanes: Element {
 }
 
 /// A fused-token kernel: [`fused_dispatch`]'s arguments, plus `next`, the
-/// rows of the token after this one, for prefetching (empty: none).
+/// rows of the token after this one, for prefetching (empty: none), and
+/// `stream`: write `out` with streaming stores where it is 16-byte aligned.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C.
-pub(super) type SimdKernel<T> =
-    unsafe fn(skip: Option<&[T]>, s: &[f32; GROUP], rows: &[&[T]; GROUP], g: usize, next: &[&[T]], out: &mut [T]);
+/// The CPU must support AVX2 and F16C. With `stream`, the calling thread
+/// must run `_mm_sfence` before anything else reads `out` (streaming stores
+/// are not ordered with later ones or with the thread's release).
+pub(super) type SimdKernel<T> = unsafe fn(
+    skip: Option<&[T]>,
+    s: &[f32; GROUP],
+    rows: &[&[T]; GROUP],
+    g: usize,
+    next: &[&[T]],
+    out: &mut [T],
+    stream: bool,
+);
 
 /// The [`SimdKernel`] of a type with an AVX2 kernel: `simd::fused` at `g`.
 ///
@@ -57,19 +67,20 @@ unsafe fn simd_dispatch<T: simd::Sixteen>(
     g: usize,
     next: &[&[T]],
     out: &mut [T],
+    stream: bool,
 ) {
-    // SAFETY (all arms): the caller guarantees AVX2 and F16C.
+    // SAFETY (all arms): the caller guarantees AVX2 and F16C, and the fence after streaming stores.
     unsafe {
         match g {
-            0 => simd::fused::<T, 0>(skip, s, rows, next, out),
-            1 => simd::fused::<T, 1>(skip, s, rows, next, out),
-            2 => simd::fused::<T, 2>(skip, s, rows, next, out),
-            3 => simd::fused::<T, 3>(skip, s, rows, next, out),
-            4 => simd::fused::<T, 4>(skip, s, rows, next, out),
-            5 => simd::fused::<T, 5>(skip, s, rows, next, out),
-            6 => simd::fused::<T, 6>(skip, s, rows, next, out),
-            7 => simd::fused::<T, 7>(skip, s, rows, next, out),
-            _ => simd::fused::<T, 8>(skip, s, rows, next, out),
+            0 => simd::fused::<T, 0>(skip, s, rows, next, out, stream),
+            1 => simd::fused::<T, 1>(skip, s, rows, next, out, stream),
+            2 => simd::fused::<T, 2>(skip, s, rows, next, out, stream),
+            3 => simd::fused::<T, 3>(skip, s, rows, next, out, stream),
+            4 => simd::fused::<T, 4>(skip, s, rows, next, out, stream),
+            5 => simd::fused::<T, 5>(skip, s, rows, next, out, stream),
+            6 => simd::fused::<T, 6>(skip, s, rows, next, out, stream),
+            7 => simd::fused::<T, 7>(skip, s, rows, next, out, stream),
+            _ => simd::fused::<T, 8>(skip, s, rows, next, out, stream),
         }
     }
 }
@@ -227,15 +238,17 @@ pub(super) fn fused_dispatch<T: Lanes>(
 /// nearest even, subnormals, overflow, quiet NaN), so the bits match the
 /// portable path.
 ///
-/// Each source row is also prefetched [`simd::PREFETCH_AHEAD`] bytes ahead.
+/// Each source row is also prefetched [`simd::PREFETCH_AHEAD`] bytes ahead,
+/// and a call that streams writes its output around the cache.
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
-        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_si256,
-        _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_setzero_si256, _mm256_srli_epi32, _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16,
-        _mm_loadu_si128, _mm_prefetch, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_T0,
+        _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cmp_ps, _mm256_cvtph_ps,
+        _mm256_cvtps_ph, _mm256_extracti128_si256, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256,
+        _mm256_packus_epi32, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+        _mm256_srli_epi32, _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16, _mm_loadu_si128,
+        _mm_prefetch, _mm_storeu_si128, _mm_stream_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_T0,
     };
 
     use half::{bf16, f16};
@@ -272,6 +285,13 @@ mod simd {
         /// # Safety
         /// `p` is valid for writing 16 elements; the CPU supports AVX2 and F16C.
         unsafe fn store16(a: __m256, b: __m256, p: *mut Self);
+        /// [`Sixteen::store16`] with streaming stores: the same bits, written
+        /// around the cache.
+        ///
+        /// # Safety
+        /// As [`Sixteen::store16`], and `p` is 16-byte aligned; the calling
+        /// thread runs `_mm_sfence` before anything reads the elements.
+        unsafe fn stream16(a: __m256, b: __m256, p: *mut Self);
     }
 
     impl Sixteen for f16 {
@@ -292,6 +312,14 @@ mod simd {
             unsafe {
                 _mm_storeu_si128(p.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
                 _mm_storeu_si128(p.add(8).cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+            }
+        }
+        #[inline(always)]
+        unsafe fn stream16(a: __m256, b: __m256, p: *mut f16) {
+            // SAFETY: 16 f16 = 32 bytes writable at `p`, 16-byte aligned (so is `p + 8`); F16C enabled.
+            unsafe {
+                _mm_stream_si128(p.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
+                _mm_stream_si128(p.add(8).cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
             }
         }
     }
@@ -342,6 +370,17 @@ mod simd {
                 _mm256_storeu_si256(p.cast::<__m256i>(), packed);
             }
         }
+        #[inline(always)]
+        unsafe fn stream16(a: __m256, b: __m256, p: *mut bf16) {
+            // SAFETY: 16 bf16 = 32 bytes writable at `p`, 16-byte aligned (so is `p + 8`); AVX2 enabled.
+            // Two 16-byte streaming stores: a 32-byte one would need 32-byte
+            // alignment, which numpy arrays (16) do not promise.
+            unsafe {
+                let packed = _mm256_packus_epi32(bf16_round(a), bf16_round(b));
+                _mm_stream_si128(p.cast::<__m128i>(), _mm256_castsi256_si128(packed));
+                _mm_stream_si128(p.add(8).cast::<__m128i>(), _mm256_extracti128_si256::<1>(packed));
+            }
+        }
     }
 
     /// Prefetches every row `PREFETCH_AHEAD` bytes past element `j` of `h`: in
@@ -360,10 +399,12 @@ mod simd {
     }
 
     /// `out = round(skip + s[0] * rows[0] + ... + s[G-1] * rows[G-1])` (skip
-    /// absent: starting from 0.0).
+    /// absent: starting from 0.0). `stream`: with streaming stores where `out`
+    /// is 16-byte aligned (ordinary stores otherwise, and for the scalar tail).
     ///
     /// # Safety
-    /// The CPU must support AVX2 and F16C.
+    /// The CPU must support AVX2 and F16C. With `stream`, the calling thread
+    /// runs `_mm_sfence` before anything reads `out`.
     #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn fused<T: Sixteen, const G: usize>(
         skip: Option<&[T]>,
@@ -371,6 +412,7 @@ mod simd {
         rows: &[&[T]; GROUP],
         next: &[&[T]],
         out: &mut [T],
+        stream: bool,
     ) {
         let h = out.len();
         let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
@@ -382,6 +424,8 @@ mod simd {
         // One prefetch per row per 64-byte line, every other step.
         let line = 64 / std::mem::size_of::<T>();
         let main = h - h % 16;
+        // 16 elements of 2 bytes: every step keeps `dst + j` 16-byte aligned.
+        let stream = stream && (dst as usize) % 16 == 0;
         let mut j = 0;
         while j < main {
             if j % line == 0 {
@@ -399,7 +443,11 @@ mod simd {
                     a = _mm256_add_ps(a, _mm256_mul_ps(sv[g], ra));
                     b = _mm256_add_ps(b, _mm256_mul_ps(sv[g], rb));
                 }
-                T::store16(a, b, dst.add(j));
+                if stream {
+                    T::stream16(a, b, dst.add(j));
+                } else {
+                    T::store16(a, b, dst.add(j));
+                }
             }
             j += 16;
         }
@@ -518,7 +566,8 @@ mod tests {
     /// `half` conversions, on edge values, at every group size, with and
     /// without a skip input, for rows short enough that every prefetch runs
     /// into the next token's rows and long enough that most stay in the row
-    /// (vector body and scalar tail in both).
+    /// (vector body and scalar tail in both), with ordinary and streaming
+    /// stores.
     #[cfg(target_arch = "x86_64")]
     fn simd_fused_matches_naive_reference<T: Lanes>(edges: &[f32]) {
         if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")) {
@@ -533,22 +582,34 @@ mod tests {
             let s = [1.0f32, 0.5, -0.25, 2.0, 1.0e-3, -1.0, 0.125, 3.0];
             let rows: [&[T]; GROUP] = std::array::from_fn(|g| srcs[g].as_slice());
             let next: Vec<&[T]> = srcs[GROUP..].iter().map(|r| r.as_slice()).collect();
-            for g in 0..=GROUP {
-                for with_skip in [false, true] {
-                    let sk = with_skip.then_some(skip.as_slice());
-                    let mut got = vec![T::default(); h];
-                    // SAFETY: AVX2 and F16C were detected above.
-                    unsafe { kernel(sk, &s, &rows, g, &next, &mut got) };
-                    for j in 0..h {
-                        let mut v = if with_skip { skip[j].to_f32() } else { 0.0 };
-                        for (gg, row) in srcs.iter().enumerate().take(g) {
-                            v += s[gg] * row[j].to_f32();
-                        }
-                        let want = T::from_f32(v);
-                        let (gv, wv) = (got[j].to_f32(), want.to_f32());
-                        let ok = gv.to_bits() == wv.to_bits() || (gv.is_nan() && wv.is_nan());
-                        assert!(ok, "h={h} g={g} skip={with_skip} j={j}: {gv:e} vs {wv:e}");
+            // Streaming stores into a 16-byte aligned row, and asked for where
+            // the row is not aligned (ordinary stores then).
+            let mut buf = vec![0u128; (h * std::mem::size_of::<T>()).div_ceil(16) + 1];
+            for (g, with_skip, stream, offset) in (0..=GROUP).flat_map(|g| {
+                [(false, false, 0), (true, false, 0), (true, true, 0), (false, true, 0), (true, true, 1)]
+                    .map(|(sk, st, off)| (g, sk, st, off))
+            }) {
+                let sk = with_skip.then_some(skip.as_slice());
+                // SAFETY: `buf` holds `offset + h` elements of `T` (16 spare bytes), a plain
+                // integer type with every bit pattern valid, and is not used otherwise here.
+                let got: &mut [T] =
+                    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>().add(offset), h) };
+                got.fill(T::default());
+                // SAFETY: AVX2 and F16C were detected above; the fence follows the streaming stores.
+                unsafe {
+                    kernel(sk, &s, &rows, g, &next, got, stream);
+                    std::arch::x86_64::_mm_sfence();
+                }
+                let ctx = format!("stream={stream} offset={offset}");
+                for j in 0..h {
+                    let mut v = if with_skip { skip[j].to_f32() } else { 0.0 };
+                    for (gg, row) in srcs.iter().enumerate().take(g) {
+                        v += s[gg] * row[j].to_f32();
                     }
+                    let want = T::from_f32(v);
+                    let (gv, wv) = (got[j].to_f32(), want.to_f32());
+                    let ok = gv.to_bits() == wv.to_bits() || (gv.is_nan() && wv.is_nan());
+                    assert!(ok, "h={h} g={g} skip={with_skip} {ctx} j={j}: {gv:e} vs {wv:e}");
                 }
             }
         }

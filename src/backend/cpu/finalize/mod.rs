@@ -13,6 +13,10 @@
 //! K <= 8 goes from its inputs to its rounded output row in a single pass. On
 //! x86_64 the same code is also compiled for AVX2 and picked at run time; no
 //! fused multiply-add is used, so both paths give the same bits.
+//! A bf16 or f16 call that moves at least twice the last-level cache writes
+//! its output with streaming stores there (same bits; see
+//! [`set_streaming_stores`]): it would evict that output before returning
+//! anyway, and ordinary stores would first read every output line.
 //!
 //! The thread count is the calling thread's override ([`set_num_threads`]),
 //! else `ASCEND_MOE_NUM_THREADS`, else the machine's parallelism; small calls run
@@ -32,7 +36,9 @@ type In<'a> = View<'a, CpuBuffer>;
 type Out<'a> = ViewMut<'a, CpuBuffer>;
 use gather::Gather;
 use lanes::Lanes;
-pub use threads::{default_num_threads, env_num_threads, finalize_threads, set_num_threads, set_wide_simd};
+pub use threads::{
+    default_num_threads, env_num_threads, finalize_threads, set_num_threads, set_streaming_stores, set_wide_simd,
+};
 
 const FINALIZE: &str = "moe_finalize_routing";
 const UNPERMUTE: &str = "moe_token_unpermute";

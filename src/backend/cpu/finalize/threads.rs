@@ -1,4 +1,5 @@
-//! The thread count and SIMD width the CPU kernels use, per calling thread.
+//! The thread count, SIMD width and kind of store the CPU kernels use, per
+//! calling thread.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -9,6 +10,32 @@ const MIN_ELEMS_PER_THREAD: usize = 1 << 16;
 thread_local! {
     static THREADS: Cell<Option<usize>> = const { Cell::new(None) };
     pub(super) static WIDE_SIMD: Cell<bool> = const { Cell::new(true) };
+    static STREAM: Cell<Option<bool>> = const { Cell::new(None) };
+}
+
+/// Last-level cache assumed where the host reports none.
+const DEFAULT_LLC_BYTES: usize = 32 << 20;
+
+/// Forces (`Some`) or leaves to the call's size (`None`, the default) whether
+/// the AVX2 finalize kernels write their output rows with streaming
+/// (non-temporal) stores, for calls made from the current thread. Both stores
+/// write the same bits; the switch exists so tests can show it on small calls.
+pub fn set_streaming_stores(force: Option<bool>) {
+    STREAM.with(|s| s.set(force));
+}
+
+/// Whether a finalize that reads and writes `bytes` in all writes its output
+/// with streaming stores: when `bytes` is at least twice the last-level cache
+/// (the default when [`set_streaming_stores`] forces nothing). Such a call
+/// evicts its own output from the cache before it returns, so an ordinary
+/// store only costs a read of every output line first (about a tenth of the
+/// traffic of a top-8 finalize) and pushes source rows out; a smaller call
+/// keeps ordinary stores, which leave the output in cache for the next op.
+pub(super) fn stream_output(bytes: usize) -> bool {
+    STREAM.with(|s| s.get()).unwrap_or_else(|| {
+        let llc = crate::backend::cpu::cache::last_level_cache_bytes().unwrap_or(DEFAULT_LLC_BYTES);
+        bytes >= llc.saturating_mul(2)
+    })
 }
 
 /// Allows (`true`, the default) or forbids the wider SIMD code path (AVX2) for
@@ -56,4 +83,24 @@ pub fn finalize_threads(rows: usize, h: usize) -> usize {
         None => default_num_threads().min((rows * h / MIN_ELEMS_PER_THREAD).max(1)),
     };
     t.clamp(1, rows.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A forced choice holds at any size; otherwise only a call of at least
+    /// twice the last-level cache streams.
+    #[test]
+    fn streaming_follows_the_size_unless_forced() {
+        let llc = crate::backend::cpu::cache::last_level_cache_bytes().unwrap_or(DEFAULT_LLC_BYTES);
+        assert!(!stream_output(0) && !stream_output(2 * llc - 1));
+        assert!(stream_output(2 * llc) && stream_output(usize::MAX));
+        set_streaming_stores(Some(true));
+        assert!(stream_output(0));
+        set_streaming_stores(Some(false));
+        assert!(!stream_output(usize::MAX));
+        set_streaming_stores(None);
+        assert!(!stream_output(0));
+    }
 }
