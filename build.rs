@@ -72,6 +72,12 @@ const CPU_DEBUG_DEFINES: &[(&str, &str)] = &[
 fn main() {
     println!("cargo:rustc-check-cfg=cfg(amoe_host_kernel)");
     println!("cargo:rustc-check-cfg=cfg(amoe_npu_kernel)");
+    println!("cargo:rustc-check-cfg=cfg(amoe_avx512)");
+    if rustc_minor().is_some_and(|m| m >= 89) {
+        // The AVX-512 intrinsics are stable from Rust 1.89; older compilers
+        // build the AVX2 kernels only.
+        println!("cargo:rustc-cfg=amoe_avx512");
+    }
     for f in KERNEL_SOURCES {
         println!("cargo:rerun-if-changed={f}");
     }
@@ -88,6 +94,15 @@ fn main() {
     if let Some(cann) = cann {
         build_npu_kernel(&cann, required);
     }
+}
+
+/// The minor version of the compiler building the crate (`$RUSTC --version`:
+/// `rustc 1.M.P ...`), `None` when it cannot be read.
+fn rustc_minor() -> Option<u32> {
+    let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
+    let out = Command::new(rustc).arg("--version").output().ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    text.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
 }
 
 /// The toolkit the NPU build uses: `None` when the build is skipped

@@ -3,7 +3,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use super::lanes::{accumulate_group, fused_dispatch, Lanes, GROUP};
+use super::lanes::{accumulate_group, fused_dispatch, Lanes, SimdKernel, GROUP};
 use super::threads::{finalize_threads, stream_output, WIDE_SIMD};
 
 /// What one output token gathers. Shared by finalize and unpermute.
@@ -86,14 +86,11 @@ impl<T: Lanes> Gather<'_, T> {
     /// slots in one group. Returns false (nothing written) otherwise.
     ///
     /// `next`: the source rows of the token after this one, for prefetching.
-    /// `f16c`: the caller runs with AVX2 and F16C enabled (types with an AVX2
-    /// kernel then take it). `stream`: that kernel writes with streaming
-    /// stores, and the caller fences them (see [`SimdKernel`]).
-    ///
-    /// [`SimdKernel`]: super::lanes::SimdKernel
+    /// `simd`: the type's kernel for the instructions the caller runs with,
+    /// if it has one; `stream`: that kernel writes with streaming stores, and
+    /// the caller fences them (see [`SimdKernel`]).
     #[inline(always)]
-    fn fused_token(&self, i: usize, next: &[&[T]], out: &mut [T], f16c: bool, stream: bool) -> bool {
-        let simd = if f16c { T::SIMD } else { None };
+    fn fused_token(&self, i: usize, next: &[&[T]], out: &mut [T], simd: Option<SimdKernel<T>>, stream: bool) -> bool {
         if !(T::LANEWISE || simd.is_some())
             || self.bias.is_some()
             || self.k > GROUP
@@ -112,8 +109,8 @@ impl<T: Lanes> Gather<'_, T> {
         let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
         #[cfg(target_arch = "x86_64")]
         if let Some(kernel) = simd {
-            // SAFETY: `f16c` (so `simd`) is only set when the caller runs with AVX2 and F16C;
-            // a `stream` caller fences before anyone reads `out`.
+            // SAFETY: `simd` is only given by a caller that runs with the instructions it
+            // is built for; a `stream` caller fences before anyone reads `out`.
             unsafe { kernel(skip, &ss, &rows, g, next, out, stream) };
             return true;
         }
@@ -200,30 +197,31 @@ impl<T: Lanes> Gather<'_, T> {
     }
 
     /// Computes the output rows of `chunk` (first row `first_row`).
-    /// `f16c`: AVX2 and F16C are available; `stream`: their kernels write with
-    /// streaming stores (see [`Gather::fused_token`]), fenced before returning.
+    /// `simd`: the type's kernel for the instructions the caller runs with;
+    /// `stream`: it writes with streaming stores (see [`Gather::fused_token`]),
+    /// fenced before returning.
     #[inline(always)]
     fn rows_generic(
         &self,
         first_row: usize,
         chunk: &mut [T],
         token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
-        f16c: bool,
+        simd: Option<SimdKernel<T>>,
         stream: bool,
     ) {
         let h = self.h;
         let mut acc = vec![0f32; h];
         let mut tmp = vec![0f32; h];
         let out_rows = chunk.len() / h;
-        // Only the AVX2 kernels prefetch the next token's rows: elsewhere they
+        // Only the SIMD kernels prefetch the next token's rows: elsewhere they
         // are not looked up.
-        let prefetch = f16c && T::SIMD.is_some();
+        let prefetch = simd.is_some();
         for (j, o) in chunk.chunks_exact_mut(h).enumerate() {
             match token_of(first_row + j) {
                 Some(i) => {
                     let next = if prefetch && j + 1 < out_rows { token_of(first_row + j + 1) } else { None };
                     let next = next.map_or([&[][..]; GROUP], |t| self.source_rows(t));
-                    if !self.fused_token(i, &next, o, f16c, stream) {
+                    if !self.fused_token(i, &next, o, simd, stream) {
                         self.token(i, &mut acc, &mut tmp);
                         T::narrow(&acc, o);
                     }
@@ -232,7 +230,7 @@ impl<T: Lanes> Gather<'_, T> {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        if stream && f16c {
+        if stream && simd.is_some() {
             // SAFETY: SSE is baseline on x86_64. Orders this thread's streaming
             // stores before its later stores and its exit, which the thread
             // reading `chunk` next synchronises with.
@@ -245,10 +243,10 @@ impl<T: Lanes> Gather<'_, T> {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn rows_avx2(&self, first_row: usize, chunk: &mut [T], token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
-        self.rows_generic(first_row, chunk, token_of, false, false)
+        self.rows_generic(first_row, chunk, token_of, None, false)
     }
 
-    /// [`Gather::rows_avx2`] with F16C as well, for types with an F16C kernel;
+    /// [`Gather::rows_avx2`] with F16C as well, for types with an AVX2 kernel;
     /// `stream`: with streaming stores.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,f16c")]
@@ -259,7 +257,20 @@ impl<T: Lanes> Gather<'_, T> {
         token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
         stream: bool,
     ) {
-        self.rows_generic(first_row, chunk, token_of, true, stream)
+        self.rows_generic(first_row, chunk, token_of, T::SIMD, stream)
+    }
+
+    /// [`Gather::rows_avx2_f16c`] for AVX-512, for types with an AVX-512 kernel.
+    #[cfg(all(target_arch = "x86_64", amoe_avx512))]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+    unsafe fn rows_avx512(
+        &self,
+        first_row: usize,
+        chunk: &mut [T],
+        token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+        stream: bool,
+    ) {
+        self.rows_generic(first_row, chunk, token_of, T::SIMD512, stream)
     }
 
     /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
@@ -282,6 +293,16 @@ impl<T: Lanes> Gather<'_, T> {
         let work = |first_row: usize, chunk: &mut [T]| {
             #[cfg(target_arch = "x86_64")]
             if wide && std::arch::is_x86_feature_detected!("avx2") {
+                #[cfg(amoe_avx512)]
+                if T::SIMD512.is_some()
+                    && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("f16c")
+                {
+                    // SAFETY: the CPU supports AVX-512 F and BW, AVX2 and F16C (checked just above).
+                    unsafe { self.rows_avx512(first_row, chunk, token_of, stream) };
+                    return;
+                }
                 if T::SIMD.is_some() && std::arch::is_x86_feature_detected!("f16c") {
                     // SAFETY: the CPU supports AVX2 and F16C (checked just above).
                     unsafe { self.rows_avx2_f16c(first_row, chunk, token_of, stream) };
@@ -291,7 +312,7 @@ impl<T: Lanes> Gather<'_, T> {
                 unsafe { self.rows_avx2(first_row, chunk, token_of) };
                 return;
             }
-            self.rows_generic(first_row, chunk, token_of, false, false);
+            self.rows_generic(first_row, chunk, token_of, None, false);
         };
         if threads == 1 {
             work(0, out);

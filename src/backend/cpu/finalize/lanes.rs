@@ -35,6 +35,8 @@ pub(super) trait Lanes: Element {
     /// The type's hand-vectorised AVX2 kernel for a fused token, if it has
     /// one (the portable [`fused_dispatch`] otherwise).
     const SIMD: Option<SimdKernel<Self>> = None;
+    /// The same kernel for AVX-512 (F and BW), if the type has one.
+    const SIMD512: Option<SimdKernel<Self>> = None;
 }
 
 /// A fused-token kernel: [`fused_dispatch`]'s arguments, plus `next`, the
@@ -42,9 +44,11 @@ pub(super) trait Lanes: Element {
 /// `stream`: write `out` with streaming stores where it is 16-byte aligned.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C. With `stream`, the calling thread
-/// must run `_mm_sfence` before anything else reads `out` (streaming stores
-/// are not ordered with later ones or with the thread's release).
+/// The CPU must support what the kernel is built for: AVX2 and F16C for
+/// [`Lanes::SIMD`], AVX-512 F and BW for [`Lanes::SIMD512`]. With `stream`,
+/// the calling thread must run `_mm_sfence` before anything else reads `out`
+/// (streaming stores are not ordered with later ones or with the thread's
+/// release).
 pub(super) type SimdKernel<T> = unsafe fn(
     skip: Option<&[T]>,
     s: &[f32; GROUP],
@@ -55,10 +59,28 @@ pub(super) type SimdKernel<T> = unsafe fn(
     stream: bool,
 );
 
+/// `$m::$f::<$t, G>(args)` for the group size `$g` (0..=[`GROUP`]).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_group {
+    ($g:expr, $m:ident::$f:ident::<$t:ty>($($a:expr),* $(,)?)) => {
+        match $g {
+            0 => $m::$f::<$t, 0>($($a),*),
+            1 => $m::$f::<$t, 1>($($a),*),
+            2 => $m::$f::<$t, 2>($($a),*),
+            3 => $m::$f::<$t, 3>($($a),*),
+            4 => $m::$f::<$t, 4>($($a),*),
+            5 => $m::$f::<$t, 5>($($a),*),
+            6 => $m::$f::<$t, 6>($($a),*),
+            7 => $m::$f::<$t, 7>($($a),*),
+            _ => $m::$f::<$t, 8>($($a),*),
+        }
+    };
+}
+
 /// The [`SimdKernel`] of a type with an AVX2 kernel: `simd::fused` at `g`.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C.
+/// As [`SimdKernel`], with AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 unsafe fn simd_dispatch<T: simd::Sixteen>(
     skip: Option<&[T]>,
@@ -69,20 +91,27 @@ unsafe fn simd_dispatch<T: simd::Sixteen>(
     out: &mut [T],
     stream: bool,
 ) {
-    // SAFETY (all arms): the caller guarantees AVX2 and F16C, and the fence after streaming stores.
-    unsafe {
-        match g {
-            0 => simd::fused::<T, 0>(skip, s, rows, next, out, stream),
-            1 => simd::fused::<T, 1>(skip, s, rows, next, out, stream),
-            2 => simd::fused::<T, 2>(skip, s, rows, next, out, stream),
-            3 => simd::fused::<T, 3>(skip, s, rows, next, out, stream),
-            4 => simd::fused::<T, 4>(skip, s, rows, next, out, stream),
-            5 => simd::fused::<T, 5>(skip, s, rows, next, out, stream),
-            6 => simd::fused::<T, 6>(skip, s, rows, next, out, stream),
-            7 => simd::fused::<T, 7>(skip, s, rows, next, out, stream),
-            _ => simd::fused::<T, 8>(skip, s, rows, next, out, stream),
-        }
-    }
+    // SAFETY: the caller's contract (AVX2, F16C, the fence after streaming stores).
+    unsafe { by_group!(g, simd::fused::<T>(skip, s, rows, next, out, stream)) }
+}
+
+/// The [`SimdKernel`] of a type with an AVX-512 kernel: `simd::fused512` at `g`.
+///
+/// # Safety
+/// As [`SimdKernel`], with AVX-512 F and BW instead of AVX2 and F16C.
+#[cfg(all(target_arch = "x86_64", amoe_avx512))]
+#[clippy::msrv = "1.89"] // amoe_avx512: built only by Rust >= 1.89 (build.rs), like every item under it
+unsafe fn simd512_dispatch<T: simd::ThirtyTwo>(
+    skip: Option<&[T]>,
+    s: &[f32; GROUP],
+    rows: &[&[T]; GROUP],
+    g: usize,
+    next: &[&[T]],
+    out: &mut [T],
+    stream: bool,
+) {
+    // SAFETY: the caller's contract (AVX-512 F and BW, the fence after streaming stores).
+    unsafe { by_group!(g, simd::fused512::<T>(skip, s, rows, next, out, stream)) }
 }
 
 impl Lanes for f32 {
@@ -111,6 +140,9 @@ impl Lanes for bf16 {
     const LANEWISE: bool = true;
     #[cfg(target_arch = "x86_64")]
     const SIMD: Option<SimdKernel<Self>> = Some(simd_dispatch::<Self>);
+    #[cfg(all(target_arch = "x86_64", amoe_avx512))]
+    #[clippy::msrv = "1.89"]
+    const SIMD512: Option<SimdKernel<Self>> = Some(simd512_dispatch::<Self>);
     #[inline(always)]
     fn narrow_one(v: f32) -> Self {
         // Round to nearest even on the upper 16 bits; NaN stays a (quiet) NaN.
@@ -146,6 +178,9 @@ impl Lanes for bf16 {
 impl Lanes for f16 {
     #[cfg(target_arch = "x86_64")]
     const SIMD: Option<SimdKernel<Self>> = Some(simd_dispatch::<Self>);
+    #[cfg(all(target_arch = "x86_64", amoe_avx512))]
+    #[clippy::msrv = "1.89"]
+    const SIMD512: Option<SimdKernel<Self>> = Some(simd512_dispatch::<Self>);
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
@@ -249,6 +284,16 @@ mod simd {
         _mm256_packus_epi32, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
         _mm256_srli_epi32, _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16, _mm_loadu_si128,
         _mm_prefetch, _mm_storeu_si128, _mm_stream_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_T0,
+    };
+
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    use std::arch::x86_64::{
+        __m512, __m512i, _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castps_si512,
+        _mm512_castsi256_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtph_ps, _mm512_cvtps_ph,
+        _mm512_extracti32x4_epi32, _mm512_inserti64x4, _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_mul_ps,
+        _mm512_or_si512, _mm512_packus_epi32, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps,
+        _mm512_setzero_si512, _mm512_srli_epi32, _mm512_storeu_si512, _mm512_unpackhi_epi16, _mm512_unpacklo_epi16,
     };
 
     use half::{bf16, f16};
@@ -459,6 +504,181 @@ mod simd {
             out[j] = T::narrow_one(v);
         }
     }
+
+    /// A 16-bit element type with 32-lane AVX-512 conversions: [`Sixteen`]
+    /// twice as wide, lanes ordered as there.
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    pub(super) trait ThirtyTwo: Lanes {
+        /// 32 elements at `p` widened, in this type's lane order.
+        ///
+        /// # Safety
+        /// `p` is valid for reading 32 elements; the CPU supports AVX-512 F and BW.
+        unsafe fn load32(p: *const Self) -> (__m512, __m512);
+        /// 32 lanes in `load32`'s order, rounded and stored at `p`; with
+        /// `stream`, in streaming stores.
+        ///
+        /// # Safety
+        /// `p` is valid for writing 32 elements; the CPU supports AVX-512 F
+        /// and BW. With `stream`, `p` is 16-byte aligned and the calling
+        /// thread runs `_mm_sfence` before anything reads the elements.
+        unsafe fn store32(a: __m512, b: __m512, p: *mut Self, stream: bool);
+    }
+
+    /// The 64 bytes of `v` at `p` in four 16-byte streaming stores (a
+    /// 64-byte one would need 64-byte alignment, which numpy arrays do not
+    /// promise).
+    ///
+    /// # Safety
+    /// `p` is valid for writing 64 bytes and 16-byte aligned; the CPU supports
+    /// AVX-512 F; the calling thread runs `_mm_sfence` before anything reads them.
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    #[inline(always)]
+    unsafe fn stream64(v: __m512i, p: *mut __m128i) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            _mm_stream_si128(p, _mm512_extracti32x4_epi32::<0>(v));
+            _mm_stream_si128(p.add(1), _mm512_extracti32x4_epi32::<1>(v));
+            _mm_stream_si128(p.add(2), _mm512_extracti32x4_epi32::<2>(v));
+            _mm_stream_si128(p.add(3), _mm512_extracti32x4_epi32::<3>(v));
+        }
+    }
+
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    impl ThirtyTwo for f16 {
+        /// Elements 0-15 in the first register, 16-31 in the second.
+        #[inline(always)]
+        unsafe fn load32(p: *const f16) -> (__m512, __m512) {
+            // SAFETY: 32 f16 = 64 bytes readable at `p` (unaligned loads); AVX-512 F enabled.
+            unsafe {
+                (
+                    _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())),
+                    _mm512_cvtph_ps(_mm256_loadu_si256(p.add(16).cast::<__m256i>())),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn store32(a: __m512, b: __m512, p: *mut f16, stream: bool) {
+            // SAFETY: 64 bytes writable at `p`, 16-byte aligned when streamed; AVX-512 F enabled.
+            unsafe {
+                let (a, b) =
+                    (_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+                if stream {
+                    stream64(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b), p.cast::<__m128i>());
+                } else {
+                    _mm256_storeu_si256(p.cast::<__m256i>(), a);
+                    _mm256_storeu_si256(p.add(16).cast::<__m256i>(), b);
+                }
+            }
+        }
+    }
+
+    /// [`bf16_round`] on sixteen lanes.
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    #[inline(always)]
+    unsafe fn bf16_round512(v: __m512) -> __m512i {
+        // SAFETY: register-only AVX-512 F operations; the caller enables AVX-512 F.
+        unsafe {
+            let x = _mm512_castps_si512(v);
+            let hi = _mm512_srli_epi32::<16>(x);
+            let bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(x, bias));
+            let quiet = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+            _mm512_mask_blend_epi32(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v), rounded, quiet)
+        }
+    }
+
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    impl ThirtyTwo for bf16 {
+        /// Per 128-bit quarter, as [`Sixteen::load16`] per half: elements
+        /// 0-3, 8-11, 16-19, 24-27 in the first register, the others in the second.
+        #[inline(always)]
+        unsafe fn load32(p: *const bf16) -> (__m512, __m512) {
+            // SAFETY: 32 bf16 = 64 bytes readable at `p` (unaligned load); AVX-512 BW enabled.
+            unsafe {
+                let x = _mm512_loadu_si512(p.cast::<__m512i>());
+                let zero = _mm512_setzero_si512();
+                (
+                    _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x)),
+                    _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn store32(a: __m512, b: __m512, p: *mut bf16, stream: bool) {
+            // SAFETY: 64 bytes writable at `p`, 16-byte aligned when streamed; AVX-512 BW enabled.
+            // The pack takes each quarter's lanes back in element order, as in `store16`.
+            unsafe {
+                let packed = _mm512_packus_epi32(bf16_round512(a), bf16_round512(b));
+                if stream {
+                    stream64(packed, p.cast::<__m128i>());
+                } else {
+                    _mm512_storeu_si512(p.cast::<__m512i>(), packed);
+                }
+            }
+        }
+    }
+
+    /// [`fused`] for AVX-512, 32 elements a step: the same operations in the
+    /// same order on every element, so the same bits. `stream`: with
+    /// streaming stores where `out` is 16-byte aligned.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and BW. With `stream`, the calling
+    /// thread runs `_mm_sfence` before anything reads `out`.
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn fused512<T: ThirtyTwo, const G: usize>(
+        skip: Option<&[T]>,
+        s: &[f32; GROUP],
+        rows: &[&[T]; GROUP],
+        next: &[&[T]],
+        out: &mut [T],
+        stream: bool,
+    ) {
+        let h = out.len();
+        let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
+        let skip = skip.map(|x| &x[..h]);
+        let sv: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(s[g]));
+        let src: [*const T; G] = std::array::from_fn(|g| rows[g].as_ptr());
+        let add = skip.map(|x| x.as_ptr());
+        let dst = out.as_mut_ptr();
+        let main = h - h % 32;
+        // 32 elements of 2 bytes: every step keeps `dst + j` 16-byte aligned.
+        let stream = stream && (dst as usize).is_multiple_of(16);
+        let mut j = 0;
+        while j < main {
+            // A step covers one 64-byte line of every row.
+            prefetch_ahead(&rows, next, j, h);
+            // SAFETY: j + 32 <= h, and every pointer is to a slice of h elements
+            // (`out` is written only through `dst` in this loop); AVX-512 F and BW are enabled.
+            unsafe {
+                let (mut a, mut b) = match add {
+                    Some(x) => T::load32(x.add(j)),
+                    None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+                };
+                for g in 0..G {
+                    let (ra, rb) = T::load32(src[g].add(j));
+                    a = _mm512_add_ps(a, _mm512_mul_ps(sv[g], ra));
+                    b = _mm512_add_ps(b, _mm512_mul_ps(sv[g], rb));
+                }
+                T::store32(a, b, dst.add(j), stream);
+            }
+            j += 32;
+        }
+        for j in main..h {
+            let mut v = skip.map_or(0.0, |x| x[j].lane());
+            for g in 0..G {
+                v += s[g] * rows[g][j].lane();
+            }
+            out[j] = T::narrow_one(v);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -562,18 +782,14 @@ mod tests {
         ]
     }
 
-    /// `T`'s AVX2 fused kernel against a naive per-element reference built on
+    /// A fused kernel of `T` against a naive per-element reference built on
     /// `half` conversions, on edge values, at every group size, with and
     /// without a skip input, for rows short enough that every prefetch runs
     /// into the next token's rows and long enough that most stay in the row
     /// (vector body and scalar tail in both), with ordinary and streaming
-    /// stores.
+    /// stores. The caller has checked that the CPU runs `kernel`.
     #[cfg(target_arch = "x86_64")]
-    fn simd_fused_matches_naive_reference<T: Lanes>(edges: &[f32]) {
-        if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")) {
-            return;
-        }
-        let kernel = T::SIMD.expect("an AVX2 kernel");
+    fn simd_fused_matches_naive_reference<T: Lanes>(kernel: SimdKernel<T>, edges: &[f32]) {
         for h in [37, 1029] {
             let skip: Vec<T> = (0..h).map(|j| T::from_f32(edges[j % edges.len()])).collect();
             let srcs: Vec<Vec<T>> = (0..2 * GROUP)
@@ -582,20 +798,29 @@ mod tests {
             let s = [1.0f32, 0.5, -0.25, 2.0, 1.0e-3, -1.0, 0.125, 3.0];
             let rows: [&[T]; GROUP] = std::array::from_fn(|g| srcs[g].as_slice());
             let next: Vec<&[T]> = srcs[GROUP..].iter().map(|r| r.as_slice()).collect();
-            // Streaming stores into a 16-byte aligned row, and asked for where
-            // the row is not aligned (ordinary stores then).
-            let mut buf = vec![0u128; (h * std::mem::size_of::<T>()).div_ceil(16) + 1];
+            // Streaming stores into a row 64-byte aligned and one 16-byte aligned
+            // (8 elements on), and asked for where the row is not aligned
+            // (ordinary stores then).
+            let mut buf = vec![0u128; (h * std::mem::size_of::<T>()).div_ceil(16) + 4];
+            let base = buf.as_mut_ptr().cast::<u8>().align_offset(64) / std::mem::size_of::<T>();
             for (g, with_skip, stream, offset) in (0..=GROUP).flat_map(|g| {
-                [(false, false, 0), (true, false, 0), (true, true, 0), (false, true, 0), (true, true, 1)]
-                    .map(|(sk, st, off)| (g, sk, st, off))
+                [
+                    (false, false, 0),
+                    (true, false, 0),
+                    (true, true, 0),
+                    (false, true, 0),
+                    (true, true, 1),
+                    (true, true, 8),
+                ]
+                .map(|(sk, st, off)| (g, sk, st, off))
             }) {
                 let sk = with_skip.then_some(skip.as_slice());
-                // SAFETY: `buf` holds `offset + h` elements of `T` (16 spare bytes), a plain
-                // integer type with every bit pattern valid, and is not used otherwise here.
+                // SAFETY: `buf` holds `base + offset + h` elements of `T` (64 spare bytes), a
+                // plain integer type with every bit pattern valid, and is not used otherwise here.
                 let got: &mut [T] =
-                    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>().add(offset), h) };
+                    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>().add(base + offset), h) };
                 got.fill(T::default());
-                // SAFETY: AVX2 and F16C were detected above; the fence follows the streaming stores.
+                // SAFETY: the caller checked the CPU; the fence follows the streaming stores.
                 unsafe {
                     kernel(sk, &s, &rows, g, &next, got, stream);
                     std::arch::x86_64::_mm_sfence();
@@ -615,15 +840,33 @@ mod tests {
         }
     }
 
+    /// The AVX2 kernels, then the AVX-512 ones, of `T`, where this CPU runs them.
+    #[cfg(target_arch = "x86_64")]
+    fn simd_kernels<T: Lanes>() -> Vec<SimdKernel<T>> {
+        let mut kernels = Vec::new();
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+            kernels.push(T::SIMD.expect("an AVX2 kernel"));
+        }
+        #[cfg(amoe_avx512)]
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+            kernels.push(T::SIMD512.expect("an AVX-512 kernel"));
+        }
+        kernels
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn f16_simd_fused_matches_naive_reference() {
-        simd_fused_matches_naive_reference::<f16>(&f16_edge_values());
+        for kernel in simd_kernels::<f16>() {
+            simd_fused_matches_naive_reference::<f16>(kernel, &f16_edge_values());
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn bf16_simd_fused_matches_naive_reference() {
-        simd_fused_matches_naive_reference::<bf16>(&bf16_edge_values());
+        for kernel in simd_kernels::<bf16>() {
+            simd_fused_matches_naive_reference::<bf16>(kernel, &bf16_edge_values());
+        }
     }
 }
