@@ -82,7 +82,7 @@ macro_rules! by_group {
 /// # Safety
 /// As [`SimdKernel`], with AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
-unsafe fn simd_dispatch<T: simd::Sixteen>(
+unsafe fn simd_dispatch<T: Lanes>(
     skip: Option<&[T]>,
     s: &[f32; GROUP],
     rows: &[&[T]; GROUP],
@@ -90,7 +90,9 @@ unsafe fn simd_dispatch<T: simd::Sixteen>(
     next: &[&[T]],
     out: &mut [T],
     stream: bool,
-) {
+) where
+    simd::Avx2: simd::Step<T>,
+{
     // SAFETY: the caller's contract (AVX2, F16C, the fence after streaming stores).
     unsafe { by_group!(g, simd::fused::<T>(skip, s, rows, next, out, stream)) }
 }
@@ -101,7 +103,7 @@ unsafe fn simd_dispatch<T: simd::Sixteen>(
 /// As [`SimdKernel`], with AVX-512 F and BW instead of AVX2 and F16C.
 #[cfg(all(target_arch = "x86_64", amoe_avx512))]
 #[clippy::msrv = "1.89"] // amoe_avx512: built only by Rust >= 1.89 (build.rs), like every item under it
-unsafe fn simd512_dispatch<T: simd::ThirtyTwo>(
+unsafe fn simd512_dispatch<T: Lanes>(
     skip: Option<&[T]>,
     s: &[f32; GROUP],
     rows: &[&[T]; GROUP],
@@ -109,7 +111,9 @@ unsafe fn simd512_dispatch<T: simd::ThirtyTwo>(
     next: &[&[T]],
     out: &mut [T],
     stream: bool,
-) {
+) where
+    simd::Avx512: simd::Step<T>,
+{
     // SAFETY: the caller's contract (AVX-512 F and BW, the fence after streaming stores).
     unsafe { by_group!(g, simd::fused512::<T>(skip, s, rows, next, out, stream)) }
 }
@@ -287,7 +291,7 @@ mod simd {
     };
 
     #[cfg(amoe_avx512)]
-    #[clippy::msrv = "1.89"]
+    #[clippy::msrv = "1.89"] // amoe_avx512: built only by Rust >= 1.89 (build.rs), like every item under it
     use std::arch::x86_64::{
         __m512, __m512i, _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castps_si512,
         _mm512_castsi256_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtph_ps, _mm512_cvtps_ph,
@@ -313,36 +317,97 @@ mod simd {
     /// lost the gain.
     pub(super) const PREFETCH_AHEAD: usize = 2560;
 
-    /// A 16-bit element type with sixteen-lane AVX2 conversions.
+    /// The AVX2 registers: eight f32 lanes.
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx2;
+
+    /// The AVX-512 registers: sixteen f32 lanes.
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    #[derive(Clone, Copy)]
+    pub(super) struct Avx512;
+
+    /// The f32 arithmetic of one register width.
     ///
-    /// `load16` may spread the sixteen elements over its two registers in any
-    /// order, the same for every call; `store16` takes them back in that
-    /// order. The kernel only adds and multiplies lane by lane, so every
-    /// element meets the same lanes of every row and of `skip`.
-    pub(super) trait Sixteen: Lanes {
-        /// Sixteen elements at `p` widened, in this type's lane order.
-        ///
-        /// # Safety
-        /// `p` is valid for reading 16 elements; the CPU supports AVX2 and F16C.
-        unsafe fn load16(p: *const Self) -> (__m256, __m256);
-        /// Sixteen lanes in `load16`'s order, rounded and stored at `p`.
-        ///
-        /// # Safety
-        /// `p` is valid for writing 16 elements; the CPU supports AVX2 and F16C.
-        unsafe fn store16(a: __m256, b: __m256, p: *mut Self);
-        /// [`Sixteen::store16`] with streaming stores: the same bits, written
-        /// around the cache.
-        ///
-        /// # Safety
-        /// As [`Sixteen::store16`], and `p` is 16-byte aligned; the calling
-        /// thread runs `_mm_sfence` before anything reads the elements.
-        unsafe fn stream16(a: __m256, b: __m256, p: *mut Self);
+    /// # Safety (every method)
+    /// The CPU supports the width's instructions (AVX2; AVX-512 F and BW).
+    pub(super) trait Width {
+        /// An f32 register.
+        type F: Copy;
+        /// `v` in every lane.
+        unsafe fn splat(v: f32) -> Self::F;
+        /// 0.0 in every lane.
+        unsafe fn zero() -> Self::F;
+        /// `acc + s * x` lane by lane: a multiply, then an add (no FMA, as
+        /// the portable path).
+        unsafe fn mul_add(acc: Self::F, s: Self::F, x: Self::F) -> Self::F;
     }
 
-    impl Sixteen for f16 {
+    /// One step of the fused kernel in a register width for the 16-bit type
+    /// `T`: `N` elements widened into two registers and rounded back.
+    ///
+    /// `load` may spread the elements over its two registers in any order,
+    /// the same for every call; `store` takes them back in that order. The
+    /// kernel only adds and multiplies lane by lane, so every element meets
+    /// the same lanes of every row and of `skip`.
+    pub(super) trait Step<T>: Width {
+        /// Elements per step.
+        const N: usize;
+        /// `N` elements at `p` widened, in this step's lane order.
+        ///
+        /// # Safety
+        /// `p` is valid for reading `N` elements; the CPU supports the width.
+        unsafe fn load(p: *const T) -> (Self::F, Self::F);
+        /// `N` lanes in `load`'s order, rounded and stored at `p`; with
+        /// `stream`, in streaming stores.
+        ///
+        /// # Safety
+        /// `p` is valid for writing `N` elements; the CPU supports the width.
+        /// With `stream`, `p` is 16-byte aligned and the calling thread runs
+        /// `_mm_sfence` before anything reads the elements.
+        unsafe fn store(a: Self::F, b: Self::F, p: *mut T, stream: bool);
+    }
+
+    impl Width for Avx2 {
+        type F = __m256;
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> __m256 {
+            // SAFETY: a register-only operation; the caller enables AVX2.
+            unsafe { _mm256_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            // SAFETY: as above.
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn mul_add(acc: __m256, s: __m256, x: __m256) -> __m256 {
+            // SAFETY: as above.
+            unsafe { _mm256_add_ps(acc, _mm256_mul_ps(s, x)) }
+        }
+    }
+
+    /// The 32 bytes of `v` at `p` in two 16-byte streaming stores (a 32-byte
+    /// one would need 32-byte alignment, which numpy arrays (16) do not
+    /// promise).
+    ///
+    /// # Safety
+    /// `p` is valid for writing 32 bytes and 16-byte aligned; the CPU supports
+    /// AVX2; the calling thread runs `_mm_sfence` before anything reads them.
+    #[inline(always)]
+    unsafe fn stream32(v: __m256i, p: *mut __m128i) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            _mm_stream_si128(p, _mm256_castsi256_si128(v));
+            _mm_stream_si128(p.add(1), _mm256_extracti128_si256::<1>(v));
+        }
+    }
+
+    impl Step<f16> for Avx2 {
+        const N: usize = 16;
         /// Elements 0-7 in the first register, 8-15 in the second.
         #[inline(always)]
-        unsafe fn load16(p: *const f16) -> (__m256, __m256) {
+        unsafe fn load(p: *const f16) -> (__m256, __m256) {
             // SAFETY: 16 f16 = 32 bytes readable at `p` (unaligned loads); F16C enabled.
             unsafe {
                 (
@@ -352,19 +417,19 @@ mod simd {
             }
         }
         #[inline(always)]
-        unsafe fn store16(a: __m256, b: __m256, p: *mut f16) {
-            // SAFETY: 16 f16 = 32 bytes writable at `p` (unaligned stores); F16C enabled.
+        unsafe fn store(a: __m256, b: __m256, p: *mut f16, stream: bool) {
+            // SAFETY: 16 f16 = 32 bytes writable at `p` (unaligned stores), 16-byte aligned
+            // when streamed (so is `p + 8`); F16C enabled.
             unsafe {
-                _mm_storeu_si128(p.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
-                _mm_storeu_si128(p.add(8).cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
-            }
-        }
-        #[inline(always)]
-        unsafe fn stream16(a: __m256, b: __m256, p: *mut f16) {
-            // SAFETY: 16 f16 = 32 bytes writable at `p`, 16-byte aligned (so is `p + 8`); F16C enabled.
-            unsafe {
-                _mm_stream_si128(p.cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a));
-                _mm_stream_si128(p.add(8).cast::<__m128i>(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+                let (a, b) =
+                    (_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(a), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(b));
+                if stream {
+                    _mm_stream_si128(p.cast::<__m128i>(), a);
+                    _mm_stream_si128(p.add(8).cast::<__m128i>(), b);
+                } else {
+                    _mm_storeu_si128(p.cast::<__m128i>(), a);
+                    _mm_storeu_si128(p.add(8).cast::<__m128i>(), b);
+                }
             }
         }
     }
@@ -386,12 +451,13 @@ mod simd {
         }
     }
 
-    impl Sixteen for bf16 {
+    impl Step<bf16> for Avx2 {
+        const N: usize = 16;
         /// Elements 0-3 and 8-11 in the first register, 4-7 and 12-15 in the
         /// second: the order in which AVX2 unpacks 16-bit lanes within each
         /// 128-bit half, one instruction per eight elements.
         #[inline(always)]
-        unsafe fn load16(p: *const bf16) -> (__m256, __m256) {
+        unsafe fn load(p: *const bf16) -> (__m256, __m256) {
             // SAFETY: 16 bf16 = 32 bytes readable at `p` (unaligned load); AVX2 enabled.
             // bf16 is the upper half of an f32: interleaving a zero below each
             // element widens it.
@@ -405,129 +471,46 @@ mod simd {
             }
         }
         #[inline(always)]
-        unsafe fn store16(a: __m256, b: __m256, p: *mut bf16) {
-            // SAFETY: 16 bf16 = 32 bytes writable at `p` (unaligned store); AVX2 enabled.
+        unsafe fn store(a: __m256, b: __m256, p: *mut bf16, stream: bool) {
+            // SAFETY: 16 bf16 = 32 bytes writable at `p` (unaligned store), 16-byte aligned
+            // when streamed; AVX2 enabled.
             unsafe {
                 // Every lane is at most 0xffff, so the saturating pack only
                 // narrows. It takes four lanes of `a` then four of `b` in each
                 // 128-bit half: elements 0-3, 4-7 | 8-11, 12-15, in order.
                 let packed = _mm256_packus_epi32(bf16_round(a), bf16_round(b));
-                _mm256_storeu_si256(p.cast::<__m256i>(), packed);
-            }
-        }
-        #[inline(always)]
-        unsafe fn stream16(a: __m256, b: __m256, p: *mut bf16) {
-            // SAFETY: 16 bf16 = 32 bytes writable at `p`, 16-byte aligned (so is `p + 8`); AVX2 enabled.
-            // Two 16-byte streaming stores: a 32-byte one would need 32-byte
-            // alignment, which numpy arrays (16) do not promise.
-            unsafe {
-                let packed = _mm256_packus_epi32(bf16_round(a), bf16_round(b));
-                _mm_stream_si128(p.cast::<__m128i>(), _mm256_castsi256_si128(packed));
-                _mm_stream_si128(p.add(8).cast::<__m128i>(), _mm256_extracti128_si256::<1>(packed));
-            }
-        }
-    }
-
-    /// Prefetches every row `PREFETCH_AHEAD` bytes past element `j` of `h`: in
-    /// the row itself, or past its end in row `g` of `next`, where the next
-    /// token has one. A hint only: it neither loads nor faults.
-    #[inline(always)]
-    fn prefetch_ahead<T, const G: usize>(rows: &[&[T]; G], next: &[&[T]], j: usize, h: usize) {
-        let a = j + PREFETCH_AHEAD / std::mem::size_of::<T>();
-        for (g, row) in rows.iter().enumerate() {
-            let p = if a < h { row.get(a) } else { next.get(g).and_then(|n| n.get(a - h)) };
-            if let Some(p) = p {
-                // SAFETY: a prefetch of a live reference; SSE is baseline on x86_64.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const T).cast()) };
-            }
-        }
-    }
-
-    /// `out = round(skip + s[0] * rows[0] + ... + s[G-1] * rows[G-1])` (skip
-    /// absent: starting from 0.0). `stream`: with streaming stores where `out`
-    /// is 16-byte aligned (ordinary stores otherwise, and for the scalar tail).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and F16C. With `stream`, the calling thread
-    /// runs `_mm_sfence` before anything reads `out`.
-    #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn fused<T: Sixteen, const G: usize>(
-        skip: Option<&[T]>,
-        s: &[f32; GROUP],
-        rows: &[&[T]; GROUP],
-        next: &[&[T]],
-        out: &mut [T],
-        stream: bool,
-    ) {
-        let h = out.len();
-        let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
-        let skip = skip.map(|x| &x[..h]);
-        let sv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(s[g]));
-        let src: [*const T; G] = std::array::from_fn(|g| rows[g].as_ptr());
-        let add = skip.map(|x| x.as_ptr());
-        let dst = out.as_mut_ptr();
-        // One prefetch per row per 64-byte line, every other step.
-        let line = 64 / std::mem::size_of::<T>();
-        let main = h - h % 16;
-        // 16 elements of 2 bytes: every step keeps `dst + j` 16-byte aligned.
-        let stream = stream && (dst as usize) % 16 == 0;
-        let mut j = 0;
-        while j < main {
-            if j % line == 0 {
-                prefetch_ahead(&rows, next, j, h);
-            }
-            // SAFETY: j + 16 <= h, and every pointer is to a slice of h elements
-            // (`out` is written only through `dst` in this loop); AVX2 + F16C are enabled.
-            unsafe {
-                let (mut a, mut b) = match add {
-                    Some(x) => T::load16(x.add(j)),
-                    None => (_mm256_setzero_ps(), _mm256_setzero_ps()),
-                };
-                for g in 0..G {
-                    let (ra, rb) = T::load16(src[g].add(j));
-                    a = _mm256_add_ps(a, _mm256_mul_ps(sv[g], ra));
-                    b = _mm256_add_ps(b, _mm256_mul_ps(sv[g], rb));
-                }
                 if stream {
-                    T::stream16(a, b, dst.add(j));
+                    stream32(packed, p.cast::<__m128i>());
                 } else {
-                    T::store16(a, b, dst.add(j));
+                    _mm256_storeu_si256(p.cast::<__m256i>(), packed);
                 }
             }
-            j += 16;
-        }
-        for j in main..h {
-            let mut v = skip.map_or(0.0, |x| x[j].lane());
-            for g in 0..G {
-                v += s[g] * rows[g][j].lane();
-            }
-            out[j] = T::narrow_one(v);
         }
     }
 
-    /// A 16-bit element type with 32-lane AVX-512 conversions: [`Sixteen`]
-    /// twice as wide, lanes ordered as there.
     #[cfg(amoe_avx512)]
     #[clippy::msrv = "1.89"]
-    pub(super) trait ThirtyTwo: Lanes {
-        /// 32 elements at `p` widened, in this type's lane order.
-        ///
-        /// # Safety
-        /// `p` is valid for reading 32 elements; the CPU supports AVX-512 F and BW.
-        unsafe fn load32(p: *const Self) -> (__m512, __m512);
-        /// 32 lanes in `load32`'s order, rounded and stored at `p`; with
-        /// `stream`, in streaming stores.
-        ///
-        /// # Safety
-        /// `p` is valid for writing 32 elements; the CPU supports AVX-512 F
-        /// and BW. With `stream`, `p` is 16-byte aligned and the calling
-        /// thread runs `_mm_sfence` before anything reads the elements.
-        unsafe fn store32(a: __m512, b: __m512, p: *mut Self, stream: bool);
+    impl Width for Avx512 {
+        type F = __m512;
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> __m512 {
+            // SAFETY: a register-only operation; the caller enables AVX-512 F.
+            unsafe { _mm512_set1_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            // SAFETY: as above.
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn mul_add(acc: __m512, s: __m512, x: __m512) -> __m512 {
+            // SAFETY: as above.
+            unsafe { _mm512_add_ps(acc, _mm512_mul_ps(s, x)) }
+        }
     }
 
-    /// The 64 bytes of `v` at `p` in four 16-byte streaming stores (a
-    /// 64-byte one would need 64-byte alignment, which numpy arrays do not
-    /// promise).
+    /// The 64 bytes of `v` at `p` in four 16-byte streaming stores (see
+    /// [`stream32`]).
     ///
     /// # Safety
     /// `p` is valid for writing 64 bytes and 16-byte aligned; the CPU supports
@@ -547,10 +530,11 @@ mod simd {
 
     #[cfg(amoe_avx512)]
     #[clippy::msrv = "1.89"]
-    impl ThirtyTwo for f16 {
+    impl Step<f16> for Avx512 {
+        const N: usize = 32;
         /// Elements 0-15 in the first register, 16-31 in the second.
         #[inline(always)]
-        unsafe fn load32(p: *const f16) -> (__m512, __m512) {
+        unsafe fn load(p: *const f16) -> (__m512, __m512) {
             // SAFETY: 32 f16 = 64 bytes readable at `p` (unaligned loads); AVX-512 F enabled.
             unsafe {
                 (
@@ -560,7 +544,7 @@ mod simd {
             }
         }
         #[inline(always)]
-        unsafe fn store32(a: __m512, b: __m512, p: *mut f16, stream: bool) {
+        unsafe fn store(a: __m512, b: __m512, p: *mut f16, stream: bool) {
             // SAFETY: 64 bytes writable at `p`, 16-byte aligned when streamed; AVX-512 F enabled.
             unsafe {
                 let (a, b) =
@@ -593,11 +577,12 @@ mod simd {
 
     #[cfg(amoe_avx512)]
     #[clippy::msrv = "1.89"]
-    impl ThirtyTwo for bf16 {
-        /// Per 128-bit quarter, as [`Sixteen::load16`] per half: elements
-        /// 0-3, 8-11, 16-19, 24-27 in the first register, the others in the second.
+    impl Step<bf16> for Avx512 {
+        const N: usize = 32;
+        /// Per 128-bit quarter, as the AVX2 step per half: elements 0-3, 8-11,
+        /// 16-19 and 24-27 in the first register, the others in the second.
         #[inline(always)]
-        unsafe fn load32(p: *const bf16) -> (__m512, __m512) {
+        unsafe fn load(p: *const bf16) -> (__m512, __m512) {
             // SAFETY: 32 bf16 = 64 bytes readable at `p` (unaligned load); AVX-512 BW enabled.
             unsafe {
                 let x = _mm512_loadu_si512(p.cast::<__m512i>());
@@ -609,9 +594,9 @@ mod simd {
             }
         }
         #[inline(always)]
-        unsafe fn store32(a: __m512, b: __m512, p: *mut bf16, stream: bool) {
+        unsafe fn store(a: __m512, b: __m512, p: *mut bf16, stream: bool) {
             // SAFETY: 64 bytes writable at `p`, 16-byte aligned when streamed; AVX-512 BW enabled.
-            // The pack takes each quarter's lanes back in element order, as in `store16`.
+            // The pack takes each quarter's lanes back in element order, as the AVX2 step does.
             unsafe {
                 let packed = _mm512_packus_epi32(bf16_round512(a), bf16_round512(b));
                 if stream {
@@ -623,17 +608,31 @@ mod simd {
         }
     }
 
-    /// [`fused`] for AVX-512, 32 elements a step: the same operations in the
-    /// same order on every element, so the same bits. `stream`: with
-    /// streaming stores where `out` is 16-byte aligned.
+    /// Prefetches every row `PREFETCH_AHEAD` bytes past element `j` of `h`: in
+    /// the row itself, or past its end in row `g` of `next`, where the next
+    /// token has one. A hint only: it neither loads nor faults.
+    #[inline(always)]
+    fn prefetch_ahead<T, const G: usize>(rows: &[&[T]; G], next: &[&[T]], j: usize, h: usize) {
+        let a = j + PREFETCH_AHEAD / std::mem::size_of::<T>();
+        for (g, row) in rows.iter().enumerate() {
+            let p = if a < h { row.get(a) } else { next.get(g).and_then(|n| n.get(a - h)) };
+            if let Some(p) = p {
+                // SAFETY: a prefetch of a live reference; SSE is baseline on x86_64.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>((p as *const T).cast()) };
+            }
+        }
+    }
+
+    /// `out = round(skip + s[0] * rows[0] + ... + s[G-1] * rows[G-1])` (skip
+    /// absent: starting from 0.0), `W::N` elements a step. `stream`: with
+    /// streaming stores where `out` is 16-byte aligned (ordinary stores
+    /// otherwise, and for the scalar tail).
     ///
     /// # Safety
-    /// The CPU must support AVX-512 F and BW. With `stream`, the calling
-    /// thread runs `_mm_sfence` before anything reads `out`.
-    #[cfg(amoe_avx512)]
-    #[clippy::msrv = "1.89"]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    pub(super) unsafe fn fused512<T: ThirtyTwo, const G: usize>(
+    /// The CPU supports `W`'s instructions. With `stream`, the calling thread
+    /// runs `_mm_sfence` before anything reads `out`.
+    #[inline(always)]
+    unsafe fn fused_steps<W: Step<T>, T: Lanes, const G: usize>(
         skip: Option<&[T]>,
         s: &[f32; GROUP],
         rows: &[&[T]; GROUP],
@@ -644,32 +643,36 @@ mod simd {
         let h = out.len();
         let rows: [&[T]; G] = std::array::from_fn(|g| &rows[g][..h]);
         let skip = skip.map(|x| &x[..h]);
-        let sv: [__m512; G] = std::array::from_fn(|g| _mm512_set1_ps(s[g]));
+        // SAFETY: the caller enables W's instructions.
+        let sv: [W::F; G] = std::array::from_fn(|g| unsafe { W::splat(s[g]) });
         let src: [*const T; G] = std::array::from_fn(|g| rows[g].as_ptr());
         let add = skip.map(|x| x.as_ptr());
         let dst = out.as_mut_ptr();
-        let main = h - h % 32;
-        // 32 elements of 2 bytes: every step keeps `dst + j` 16-byte aligned.
-        let stream = stream && (dst as usize).is_multiple_of(16);
+        // One prefetch per row per 64-byte line.
+        let line = 64 / std::mem::size_of::<T>();
+        let main = h - h % W::N;
+        // Steps of 16 or 32 elements of 2 bytes keep `dst + j` 16-byte aligned.
+        let stream = stream && (dst as usize) % 16 == 0;
         let mut j = 0;
         while j < main {
-            // A step covers one 64-byte line of every row.
-            prefetch_ahead(&rows, next, j, h);
-            // SAFETY: j + 32 <= h, and every pointer is to a slice of h elements
-            // (`out` is written only through `dst` in this loop); AVX-512 F and BW are enabled.
+            if j % line == 0 {
+                prefetch_ahead(&rows, next, j, h);
+            }
+            // SAFETY: j + N <= h, and every pointer is to a slice of h elements
+            // (`out` is written only through `dst` in this loop); W's instructions are enabled.
             unsafe {
                 let (mut a, mut b) = match add {
-                    Some(x) => T::load32(x.add(j)),
-                    None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+                    Some(x) => W::load(x.add(j)),
+                    None => (W::zero(), W::zero()),
                 };
                 for g in 0..G {
-                    let (ra, rb) = T::load32(src[g].add(j));
-                    a = _mm512_add_ps(a, _mm512_mul_ps(sv[g], ra));
-                    b = _mm512_add_ps(b, _mm512_mul_ps(sv[g], rb));
+                    let (ra, rb) = W::load(src[g].add(j));
+                    a = W::mul_add(a, sv[g], ra);
+                    b = W::mul_add(b, sv[g], rb);
                 }
-                T::store32(a, b, dst.add(j), stream);
+                W::store(a, b, dst.add(j), stream);
             }
-            j += 32;
+            j += W::N;
         }
         for j in main..h {
             let mut v = skip.map_or(0.0, |x| x[j].lane());
@@ -678,6 +681,48 @@ mod simd {
             }
             out[j] = T::narrow_one(v);
         }
+    }
+
+    /// [`fused_steps`] on AVX2, sixteen elements a step.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C. With `stream`, the calling thread
+    /// runs `_mm_sfence` before anything reads `out`.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn fused<T: Lanes, const G: usize>(
+        skip: Option<&[T]>,
+        s: &[f32; GROUP],
+        rows: &[&[T]; GROUP],
+        next: &[&[T]],
+        out: &mut [T],
+        stream: bool,
+    ) where
+        Avx2: Step<T>,
+    {
+        // SAFETY: AVX2 and F16C are enabled; the fence is the caller's.
+        unsafe { fused_steps::<Avx2, T, G>(skip, s, rows, next, out, stream) }
+    }
+
+    /// [`fused_steps`] on AVX-512, 32 elements a step.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F and BW. With `stream`, the calling
+    /// thread runs `_mm_sfence` before anything reads `out`.
+    #[cfg(amoe_avx512)]
+    #[clippy::msrv = "1.89"]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn fused512<T: Lanes, const G: usize>(
+        skip: Option<&[T]>,
+        s: &[f32; GROUP],
+        rows: &[&[T]; GROUP],
+        next: &[&[T]],
+        out: &mut [T],
+        stream: bool,
+    ) where
+        Avx512: Step<T>,
+    {
+        // SAFETY: AVX-512 F and BW are enabled; the fence is the caller's.
+        unsafe { fused_steps::<Avx512, T, G>(skip, s, rows, next, out, stream) }
     }
 }
 
