@@ -17,7 +17,7 @@ thread_local! {
 const DEFAULT_LLC_BYTES: usize = 32 << 20;
 
 /// Forces (`Some`) or leaves to the call's size (`None`, the default) whether
-/// the AVX2 finalize kernels write their output rows with streaming
+/// the SIMD finalize kernels (AVX2, AVX-512) write their output rows with streaming
 /// (non-temporal) stores, for calls made from the current thread. Both stores
 /// write the same bits; the switch exists so tests can show it on small calls.
 pub fn set_streaming_stores(force: Option<bool>) {
