@@ -6,6 +6,17 @@ use std::sync::{Mutex, PoisonError};
 use super::lanes::{accumulate_group, fused_dispatch, Lanes, SimdKernel, GROUP};
 use super::threads::{finalize_threads, stream_output, WIDE_SIMD};
 
+/// How [`Gather::run`] may store its output.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Store {
+    /// Output the caller gets: streaming stores where the call is large
+    /// enough ([`stream_output`]).
+    MayStream,
+    /// Output read again at once (staging that peers read next): ordinary
+    /// stores, which leave it in the cache.
+    Cached,
+}
+
 /// What one output token gathers. Shared by finalize and unpermute.
 pub(super) struct Gather<'a, T> {
     /// Source rows, `[rows, h]`.
@@ -274,8 +285,14 @@ impl<T: Lanes> Gather<'_, T> {
     }
 
     /// Fills `out` (`out_rows` rows of `h`), row `j` taking token `token_of(j)`
-    /// or zeros.
-    pub(super) fn run(&self, out: &mut [T], out_rows: usize, token_of: &(dyn Fn(usize) -> Option<usize> + Sync)) {
+    /// or zeros, stored as `store` allows.
+    pub(super) fn run(
+        &self,
+        out: &mut [T],
+        out_rows: usize,
+        token_of: &(dyn Fn(usize) -> Option<usize> + Sync),
+        store: Store,
+    ) {
         let h = self.h;
         if out_rows == 0 || h == 0 {
             return;
@@ -287,7 +304,8 @@ impl<T: Lanes> Gather<'_, T> {
         // the output row written, per output row.
         let skips = usize::from(self.x1.is_some()) + usize::from(self.x2.is_some());
         let row_bytes = h.saturating_mul(std::mem::size_of::<T>());
-        let stream = stream_output(out_rows.saturating_mul(row_bytes).saturating_mul(self.k + skips + 1));
+        let moved = out_rows.saturating_mul(row_bytes).saturating_mul(self.k + skips + 1);
+        let stream = store == Store::MayStream && stream_output(moved);
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (wide, stream); // only the x86_64 kernels have a wider path or streaming stores
         let work = |first_row: usize, chunk: &mut [T]| {

@@ -36,7 +36,7 @@ use crate::{DType, Element, Error, Result};
 
 type In<'a> = View<'a, CpuBuffer>;
 type Out<'a> = ViewMut<'a, CpuBuffer>;
-use gather::Gather;
+use gather::{Gather, Store};
 use lanes::Lanes;
 pub use threads::{
     default_num_threads, env_num_threads, finalize_threads, set_num_threads, set_streaming_stores, set_wide_simd,
@@ -204,7 +204,7 @@ fn finalize_typed<T: Lanes>(
     }
     let o: &mut [T] = bytemuck::cast_slice_mut(out.bytes_mut());
     match rows {
-        OutputRows::Dense => g.run(o, out_rows, &Some),
+        OutputRows::Dense => g.run(o, out_rows, &Some, Store::MayStream),
         OutputRows::Padded { local_sizes, slot_rows } => {
             let mut offsets = Vec::with_capacity(local_sizes.len());
             let mut acc = 0;
@@ -216,7 +216,7 @@ fn finalize_typed<T: Lanes>(
                 let (r, off) = (j / slot_rows, j % slot_rows);
                 (off < local_sizes[r]).then(|| offsets[r] + off)
             };
-            g.run(o, out_rows, &token_of)
+            g.run(o, out_rows, &token_of, Store::MayStream)
         }
     }
     Ok(())
@@ -295,7 +295,8 @@ fn fused_typed<'a, T: Lanes + 'a>(
         if let Some(g) = &g {
             let o: &mut [T] = bytemuck::cast_slice_mut(bytes);
             let base = offsets[block] + first;
-            g.run(o, o.len() / h, &|r| Some(base + r));
+            // Staging the peers read next: ordinary stores, which leave it cached.
+            g.run(o, o.len() / h, &|r| Some(base + r), Store::Cached);
         }
     };
     FusedRows { dtype: T::DTYPE, local, produce: Box::new(produce) }
@@ -343,6 +344,6 @@ fn unpermute_typed<T: Lanes>(
     let o: &mut [T] = bytemuck::cast_slice_mut(out.bytes_mut());
     let g =
         Gather { x, rows, h, x1: None, x2: None, bias: None, scales, idx, n, k, row_layout: true, skip_invalid: true };
-    g.run(o, n, &Some);
+    g.run(o, n, &Some, Store::MayStream);
     Ok(())
 }

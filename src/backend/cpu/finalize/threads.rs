@@ -17,9 +17,11 @@ thread_local! {
 const DEFAULT_LLC_BYTES: usize = 32 << 20;
 
 /// Forces (`Some`) or leaves to the call's size (`None`, the default) whether
-/// the SIMD finalize kernels (AVX2, AVX-512) write their output rows with streaming
-/// (non-temporal) stores, for calls made from the current thread. Both stores
-/// write the same bits; the switch exists so tests can show it on small calls.
+/// the SIMD finalize kernels (AVX2, AVX-512) write the output a caller gets
+/// with streaming (non-temporal) stores, for calls made from the current
+/// thread (rows staged for peers, which read them next, never stream). Both
+/// stores write the same bits; the switch exists so tests can show it on
+/// small calls.
 pub fn set_streaming_stores(force: Option<bool>) {
     STREAM.with(|s| s.set(force));
 }
