@@ -53,6 +53,20 @@ fn aligned(op: &'static str, arg: &'static str, dtype: DataType, s: &[u8]) -> Re
     Ok(())
 }
 
+/// The collectives of [`ShmComm`] without a shape to compare: each one is
+/// `pub fn name<E: From<Error> + Display>(&self, args) -> Result<(), E>`,
+/// the same call through [`ShmComm::plain`] (the [`Agreeing`] collective of
+/// that name, which holds the checks and the data phase). The signatures
+/// and docs are written at the invocation.
+macro_rules! plain_forwards {
+    ($($(#[$attr:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?);)*) => {$(
+        $(#[$attr])*
+        pub fn $name<E: From<Error> + Display>(&self, $($arg: $ty),*) -> Result<(), E> {
+            self.plain().$name($($arg),*)
+        }
+    )*};
+}
+
 impl ShmComm {
     /// The next collective through the handle returned also compares `shape`
     /// across the ranks: ranks that pass other shapes (or none) fail
@@ -65,134 +79,62 @@ impl ShmComm {
         Agreeing { comm: self, shape: None }
     }
 
-    /// `dst = op(src over ranks)`; `src` and `dst` hold the same number of
-    /// elements, and a non-empty `src` is aligned to them.
-    pub fn all_reduce<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        op: ReduceOp,
-        src: &[u8],
-        dst: &mut [u8],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().all_reduce(dtype, op, src, dst, check)
-    }
+    plain_forwards! {
+        /// `dst = op(src over ranks)`; `src` and `dst` hold the same number of
+        /// elements, and a non-empty `src` is aligned to them.
+        fn all_reduce(dtype: DataType, op: ReduceOp, src: &[u8], dst: &mut [u8], check: Result<(), E>);
 
-    /// In-place all-reduce; a non-empty `buf` is aligned to its elements.
-    pub fn all_reduce_in_place<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        op: ReduceOp,
-        buf: &mut [u8],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().all_reduce_in_place(dtype, op, buf, check)
-    }
+        /// In-place all-reduce; a non-empty `buf` is aligned to its elements.
+        fn all_reduce_in_place(dtype: DataType, op: ReduceOp, buf: &mut [u8], check: Result<(), E>);
 
-    /// Reduce-scatter: `src` holds `world` blocks of `dst`'s element count;
-    /// `dst` receives block `rank` of the reduction. Both are aligned to
-    /// their elements (unless empty).
-    pub fn reduce_scatter<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        op: ReduceOp,
-        src: &[u8],
-        dst: &mut [u8],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().reduce_scatter(dtype, op, src, dst, check)
-    }
+        /// Reduce-scatter: `src` holds `world` blocks of `dst`'s element count;
+        /// `dst` receives block `rank` of the reduction. Both are aligned to
+        /// their elements (unless empty).
+        fn reduce_scatter(dtype: DataType, op: ReduceOp, src: &[u8], dst: &mut [u8], check: Result<(), E>);
 
-    /// Reduce-scatter with per-rank block sizes `counts` (elements); `src`
-    /// and `dst` are aligned to their elements (unless empty).
-    pub fn reduce_scatter_v<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        op: ReduceOp,
-        src: &[u8],
-        dst: &mut [u8],
-        counts: &[usize],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().reduce_scatter_v(dtype, op, src, dst, counts, check)
-    }
+        /// Reduce-scatter with per-rank block sizes `counts` (elements); `src`
+        /// and `dst` are aligned to their elements (unless empty).
+        fn reduce_scatter_v(
+            dtype: DataType, op: ReduceOp, src: &[u8], dst: &mut [u8], counts: &[usize], check: Result<(), E>,
+        );
 
-    /// `dst = concat(src of every rank)`: `dst` holds `world` times `src`.
-    pub fn all_gather<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        src: &[u8],
-        dst: &mut [u8],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().all_gather(dtype, src, dst, check)
-    }
+        /// `dst = concat(src of every rank)`: `dst` holds `world` times `src`.
+        fn all_gather(dtype: DataType, src: &[u8], dst: &mut [u8], check: Result<(), E>);
 
-    /// All-gather with per-rank block sizes `counts` (elements).
-    pub fn all_gather_v<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        src: &[u8],
-        dst: &mut [u8],
-        counts: &[usize],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().all_gather_v(dtype, src, dst, counts, check)
-    }
+        /// All-gather with per-rank block sizes `counts` (elements).
+        fn all_gather_v(dtype: DataType, src: &[u8], dst: &mut [u8], counts: &[usize], check: Result<(), E>);
 
-    /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements)
-    /// goes to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank
-    /// `i`. The counts must agree pairwise across ranks.
-    pub fn all_to_all_v<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        src: &[u8],
-        send_counts: &[usize],
-        dst: &mut [u8],
-        recv_counts: &[usize],
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().all_to_all_v(dtype, src, send_counts, dst, recv_counts, check)
-    }
+        /// Personalised exchange: block `j` of `src` (`send_counts[j]` elements)
+        /// goes to rank `j`; block `i` of `dst` (`recv_counts[i]`) comes from rank
+        /// `i`. The counts must agree pairwise across ranks.
+        fn all_to_all_v(
+            dtype: DataType, src: &[u8], send_counts: &[usize], dst: &mut [u8], recv_counts: &[usize],
+            check: Result<(), E>,
+        );
 
-    /// Copies `buf` of rank `root` into `buf` of every rank.
-    pub fn broadcast<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        buf: &mut [u8],
-        root: usize,
-        check: Result<(), E>,
-    ) -> Result<(), E> {
-        self.plain().broadcast(dtype, buf, root, check)
-    }
+        /// Copies `buf` of rank `root` into `buf` of every rank.
+        fn broadcast(dtype: DataType, buf: &mut [u8], root: usize, check: Result<(), E>);
 
-    /// Reduce-scatter of row blocks that are computed straight into the
-    /// staging buffers instead of being copied from a source buffer.
-    ///
-    /// Block `j` has `rows[j]` rows of `row_len` elements of `dtype`; the
-    /// result of this rank is `op` over ranks of block `rank`, written to `dst`
-    /// (`rows[rank] * row_len` elements). `produce(j, first, out)` must fill
-    /// `out` (`out.len() / (row_len * dtype.size())` whole rows, 64-byte
-    /// aligned) with rows `first..` of this rank's block `j`. It is called
-    /// only when every argument and `check` (the caller's own validation of
-    /// whatever `produce` reads) are good; otherwise the call fails on every
-    /// rank with the reason, like any collective.
-    ///
-    /// The result is bitwise the same as [`ShmComm::reduce_scatter_v`] over
-    /// the concatenated blocks (same reduction order), with one copy of the
-    /// input less. Needs [`ShmComm::rows_per_region`] `>= 1`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn reduce_scatter_rows_with<E: From<Error> + Display>(
-        &self,
-        dtype: DataType,
-        op: ReduceOp,
-        rows: &[usize],
-        row_len: usize,
-        dst: &mut [u8],
-        check: Result<(), E>,
-        produce: &mut dyn FnMut(usize, usize, &mut [u8]),
-    ) -> Result<(), E> {
-        self.plain().reduce_scatter_rows_with(dtype, op, rows, row_len, dst, check, produce)
+        /// Reduce-scatter of row blocks that are computed straight into the
+        /// staging buffers instead of being copied from a source buffer.
+        ///
+        /// Block `j` has `rows[j]` rows of `row_len` elements of `dtype`; the
+        /// result of this rank is `op` over ranks of block `rank`, written to `dst`
+        /// (`rows[rank] * row_len` elements). `produce(j, first, out)` must fill
+        /// `out` (`out.len() / (row_len * dtype.size())` whole rows, 64-byte
+        /// aligned) with rows `first..` of this rank's block `j`. It is called
+        /// only when every argument and `check` (the caller's own validation of
+        /// whatever `produce` reads) are good; otherwise the call fails on every
+        /// rank with the reason, like any collective.
+        ///
+        /// The result is bitwise the same as [`ShmComm::reduce_scatter_v`] over
+        /// the concatenated blocks (same reduction order), with one copy of the
+        /// input less. Needs [`ShmComm::rows_per_region`] `>= 1`.
+        #[allow(clippy::too_many_arguments)]
+        fn reduce_scatter_rows_with(
+            dtype: DataType, op: ReduceOp, rows: &[usize], row_len: usize, dst: &mut [u8], check: Result<(), E>,
+            produce: &mut dyn FnMut(usize, usize, &mut [u8]),
+        );
     }
 
     /// Waits for every rank.
