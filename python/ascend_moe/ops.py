@@ -51,34 +51,33 @@ def moe_token_unpermute(permuted, sorted_indices, probs=None, *, out=None, strea
     return o.result
 
 
-def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
-    """EP/SP finalize (SPEC section 3): this rank's `[local_sizes[rank], H...]`
-    shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
+def _sp_op(name: str, shape_fn, x, layout, ep_comm: Comm, out, stream):
+    """An EP/SP op of `x` over `ep_comm` with `layout`; a bad argument is
+    reported to the EP peers waiting in its collective."""
     with handle_of("ep_comm", ep_comm) as h:
         o = Operands(stream)
         with refusing_on(h):
             d = o.input("x", x)
             ls, n = shapes._layout(layout)
-            y = o.output(shapes.maybe_pad_and_reduce(d, layout, ep_comm), d, out)
+            # The shape function checks x's rows against the layout before
+            # any collective starts.
+            y = o.output(shape_fn(d, layout, ep_comm), d, out)
             st = o.stream
-        call("amoe_maybe_pad_and_reduce", d.ptr, ls, n, h, y.ptr, st)
+        call(name, d.ptr, ls, n, h, y.ptr, st)
     return o.result
+
+
+def maybe_pad_and_reduce(x, layout, ep_comm: Comm, *, out=None, stream=None):
+    """EP/SP finalize (SPEC section 3): this rank's `[local_sizes[rank], H...]`
+    shard of the sum over `ep_comm` of every rank's `x` (`sum(local_sizes)` rows)."""
+    return _sp_op("amoe_maybe_pad_and_reduce", shapes.maybe_pad_and_reduce, x, layout, ep_comm, out, stream)
 
 
 def maybe_all_gather_and_maybe_unpad(x, layout, ep_comm: Comm, *, out=None, stream=None):
     """EP/SP prepare (SPEC section 4): every rank's `x` (`local_sizes[rank]`
     rows) concatenated, `[sum(local_sizes), H...]`."""
-    with handle_of("ep_comm", ep_comm) as h:
-        o = Operands(stream)
-        with refusing_on(h):
-            d = o.input("x", x)
-            ls, n = shapes._layout(layout)
-            # The shape function checks x's rows against this rank's layout entry
-            # before any collective starts.
-            y = o.output(shapes.maybe_all_gather_and_maybe_unpad(d, layout, ep_comm), d, out)
-            st = o.stream
-        call("amoe_maybe_all_gather_and_maybe_unpad", d.ptr, ls, n, h, y.ptr, st)
-    return o.result
+    shape_fn = shapes.maybe_all_gather_and_maybe_unpad
+    return _sp_op("amoe_maybe_all_gather_and_maybe_unpad", shape_fn, x, layout, ep_comm, out, stream)
 
 
 def finalize_and_reduce(
