@@ -14,7 +14,7 @@
 //! replaced, and such files under other names are swept at every
 //! rendezvous ([`sweep_stale`]).
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -167,9 +167,7 @@ impl Segment {
             match found {
                 Found::Stale => {
                     again = Some("was left by ranks that are all gone, and was removed");
-                    // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
-                    unsafe { libc::unlink(cpath.as_ptr()) };
-                    close(fd);
+                    unlink_locked(&cpath, fd);
                     continue;
                 }
                 Found::Busy(why) => {
@@ -199,9 +197,7 @@ impl Segment {
                     };
                     if let Some(wait) = wait {
                         // Nothing was initialised: drop the empty file again.
-                        // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
-                        unsafe { libc::unlink(cpath.as_ptr()) };
-                        close(fd);
+                        unlink_locked(&cpath, fd);
                         let why = wait?;
                         if Instant::now() >= deadline {
                             return Err(setup_err(name, rank, world, why, ErrorKind::Timeout));
@@ -215,9 +211,7 @@ impl Segment {
                     // files relies on both (sweep_stale).
                     let give_up = |e: Error| {
                         // Nothing was initialised: drop the file again.
-                        // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
-                        unsafe { libc::unlink(cpath.as_ptr()) };
-                        close(fd);
+                        unlink_locked(&cpath, fd);
                         e
                     };
                     // SAFETY: fd is open for writing.
@@ -485,16 +479,31 @@ fn sweep_stale(dir: &str, skip: &str, until: Instant) -> usize {
         // SAFETY: f.fd is open; LOCK_NB never waits.
         if unsafe { libc::flock(f.fd, libc::LOCK_EX | libc::LOCK_NB) } == 0 && ino_at(&cpath) == Some(f.ino) {
             let size = f.size(&path).map_or(0, |s| s as usize);
-            let found = Survey::of(f.fd, size).ok().flatten();
-            if found.is_some_and(|s| s.pid_ns != 0 && s.all_gone(f.fd, ours)) || torn(f.fd, size) {
-                // SAFETY: cpath is NUL-terminated; we hold the lock on this inode.
-                unsafe { libc::unlink(cpath.as_ptr()) };
+            // The survey maps the file: it is dropped at once, so that closing
+            // the file lets the lock go.
+            let gone = Survey::of(f.fd, size).ok().flatten().is_some_and(|s| s.pid_ns != 0 && s.all_gone(f.fd, ours));
+            if gone || torn(f.fd, size) {
+                unlink_locked(&cpath, f.fd);
+                continue;
             }
         }
         // Closing releases the lock.
         crate::process::close_fd(f.fd);
     }
     seen
+}
+
+/// Removes the segment file `cpath`, whose setup lock this process holds
+/// through `fd` (taken while `cpath` still led to that inode), then closes
+/// `fd`, which lets the lock go (the caller keeps no mapping of the file,
+/// which would hold it). In this order: a process that takes the lock
+/// after this one finds the name no longer leads to the inode, and the sweep
+/// of torn files counts on no failed setup leaving its file linked once the
+/// lock is free ([`torn`]).
+fn unlink_locked(cpath: &CStr, fd: libc::c_int) {
+    // SAFETY: cpath is NUL-terminated; the caller holds the lock on this inode.
+    unsafe { libc::unlink(cpath.as_ptr()) };
+    crate::process::close_fd(fd);
 }
 
 /// Whether the segment file `fd` of `size` bytes, whose setup lock the

@@ -228,6 +228,32 @@ fn a_staging_size_whose_segment_overflows_is_refused_naming_it() {
     }
 }
 
+/// A joiner that a running world under the name refuses (another size, or a
+/// rank that is live there) fails naming why and leaves no file under the
+/// name: the empty file its attempt created is removed again before it
+/// returns.
+#[test]
+fn a_joiner_refused_by_a_running_world_leaves_no_file_behind() {
+    let name = group("refused-joiner");
+    let path = shm_comm::segment_path(&name);
+    let cfg = Config { staging_bytes: 1 << 16 };
+    let out = ranks("refused-joiner", 2, Duration::from_secs(20), |r, c| {
+        if r == 0 {
+            for (world, rank, words) in [(3, 0, "live world of size 2"), (2, 1, "duplicate rank")] {
+                let e = ShmComm::rendezvous(&name, world, rank, Duration::from_secs(20), &cfg)
+                    .expect_err("refused by the running world");
+                let s = e.to_string();
+                assert_eq!(e.kind(), Some(ErrorKind::Setup), "{s}");
+                assert!(s.contains(words), "{s}");
+                assert!(!std::path::Path::new(&path).exists(), "{path} left behind after: {s}");
+            }
+        }
+        // Rank 1 stays live (its slot taken) until rank 0 has tried.
+        c.barrier()
+    });
+    assert!(out.iter().all(|o| o.is_ok()), "{out:?}");
+}
+
 /// A member whose own rank list is invalid fails at once, and the members
 /// waiting for it fail with it, naming its list, long before their timeout,
 /// whether it refused before they arrived or while they waited. The refusal
