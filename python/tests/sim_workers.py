@@ -5,7 +5,9 @@ The test plays the engine: it owns the device memory (`aclrtMalloc`), the
 streams (`aclrtCreateStream`) and the HCCL communicators
 (`HcclCommInitRootInfo`), and hands them to the package only as a stand-in
 NPU tensor (`device`, `data_ptr()`, `dtype`, `shape`, `is_contiguous()`) and a
-stand-in stream (`.npu_stream`), as torch_npu would.
+stand-in stream (`.npu_stream`), as torch_npu would. The scenarios that
+need nothing of the simulator beyond memory and a stream are
+`npu_scenarios`'s, which `npu_workers.py` runs on real torch_npu tensors.
 
     python sim_workers.py SCENARIO     (prints "ok SCENARIO" on success)
     python sim_workers.py rank R ROOT  (one rank of world4_procs)
@@ -20,7 +22,8 @@ import threading
 import numpy as np
 
 import ascend_moe as am
-from workers import BF16, assert_close, finalize_case, finalize_golden, rand, rng_for, unpermute_golden
+import npu_scenarios as sc
+from workers import assert_close, finalize_case, finalize_golden, rng_for
 
 ACL_MEMCPY_HOST_TO_DEVICE = 1
 ACL_MEMCPY_DEVICE_TO_HOST = 2
@@ -175,6 +178,22 @@ class Stream:
         check("aclrtDestroyStream", SIM.aclrtDestroyStream(self.npu_stream))
 
 
+class SimEngine(sc.Engine):
+    """The scenarios' engine over simulator device memory (`DeviceTensor`)."""
+
+    def up(self, a):
+        return DeviceTensor.upload(a, self.index)
+
+    def empty(self, shape, dtype):
+        return DeviceTensor(shape, dtype, self.index)
+
+    def down(self, t):
+        return t.download()
+
+    def is_device(self, t):
+        return isinstance(t, DeviceTensor) and t.device.index == self.index
+
+
 class CurrentStreamTensor(DeviceTensor):
     """torch_npu's tensor as broadcast uses it: `detach().clone()` queues its
     device-to-device copy on the device's current stream (`current`, what
@@ -204,70 +223,13 @@ def local_ops():
     """finalize (into `out=` and allocated) and unpermute on device 1."""
     check("aclrtSetDevice", SIM.aclrtSetDevice(1))
     stream = Stream()
-    for dtype in (np.dtype(np.float32), BF16):
-        ex, idx, kw = finalize_case(rng_for("sim-fin", str(dtype)), 0, dtype)
-        kw["scales"] = kw["scales"].astype(np.float32)
-        want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
-        dev = {k: (DeviceTensor.upload(v, 1) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
-        dex, didx = DeviceTensor.upload(ex, 1), DeviceTensor.upload(idx, 1)
-        out = DeviceTensor(want.shape, dtype, 1)
-        assert am.moe_finalize_routing(dex, didx, **dev, out=out, stream=stream) is out
-        made = am.moe_finalize_routing(dex, didx, **dev, stream=stream)
-        assert isinstance(made, DeviceTensor) and made.device.index == 1 and made.shape == want.shape
-        stream.synchronize()
-        assert_close(out.download(), want, dtype, f"finalize {dtype} into out on npu:1")
-        assert_close(made.download(), want, dtype, f"finalize {dtype} allocated on npu:1")
-
-        permuted = rand(rng_for("sim-unperm", str(dtype)), (6, 4), dtype)
-        sorted_idx = np.array([3, 0, 5, 1, 4, 2], np.int32)
-        probs = rand(rng_for("sim-probs", str(dtype)), (3, 2), dtype)
-        uout = DeviceTensor((3, 4), dtype, 1)
-        got = am.moe_token_unpermute(
-            DeviceTensor.upload(permuted, 1), DeviceTensor.upload(sorted_idx, 1), DeviceTensor.upload(probs, 1), out=uout, stream=stream
-        )
-        assert got is uout
-        stream.synchronize()
-        assert_close(uout.download(), unpermute_golden(permuted, sorted_idx, probs), dtype, f"unpermute {dtype}")
+    sc.finalize_and_unpermute(SimEngine(1, stream))
     assert am.release_streams() == 1
     stream.destroy()
     DeviceTensor.free_all()
 
 
-def layer_round_trips(world, rank, stream):
-    """Token prepare then finalize with identity experts on device memory,
-    every comm type, with and without SP, DP 2 x TP 2 (groups split from the
-    caller's HCCL world): ALLGATHER returns `DP * x` without SP and `EP * x`
-    with SP, the others `x` (SPEC section 6)."""
-    tp, dp_tokens, size = 2, [3, 1], world.world_size
-    d, t = rank // tp, rank % tp
-    # The engine's own TP and DP groups, handed over without creating any.
-    tp_comm, dp_comm = world.split([d * tp, d * tp + 1]), world.split([t, tp + t])
-    for groups in (am.MoeGroups(world, tp), am.MoeGroups.from_comms(world, tp_comm, dp_comm)):
-        for sp in (False, True):
-            ctx = am.MoeContext(dp_tokens, tp, d, t, sp)
-            rows = -(-dp_tokens[d] // tp) if sp else dp_tokens[d]
-            x = rand(rng_for("sim-prep", rank if sp else d, int(sp)), (rows, 4), np.float32)
-            dx = DeviceTensor.upload(x, device(rank))
-            for ct in am.CommType:
-                hidden, _mask = am.token_prepare(dx, ct, ctx, groups, stream=stream)
-                assert isinstance(hidden, DeviceTensor) and hidden.shape == am.shapes.token_prepare(x, ct, ctx)
-                back = am.token_finalize(hidden, ct, ctx, groups, stream=stream)
-                stream.synchronize()
-                factor = (size if sp else size // tp) if ct == am.CommType.ALLGATHER else 1
-                assert_close(back.download(), x.astype(np.float64) * factor, np.float32, f"npu:{rank} {ct.name} sp={sp}")
-        groups.close()
-    try:
-        am.MoeGroups.from_comms(world, dp_comm, tp_comm)
-    except am.AmoeError as e:
-        assert rank in (1, 2) and "(dp * PCP + pcp) * TP + tp" in str(e), e
-    else:
-        assert rank in (0, 3), "TP and DP swapped were accepted where they cannot fit"
-    tp_comm.close()
-    dp_comm.close()
-
-
-WORLD = 4
-LAYOUT = am.SpLayout([3, 1, 0, 2])
+WORLD = sc.WORLD
 # Whether this process sees only its rank's device (world4_visible), whose id
 # is then 0, instead of all four (ids 0-3, the rank's own).
 ONE_DEVICE = False
@@ -278,106 +240,18 @@ def device(rank):
     return 0 if ONE_DEVICE else rank
 
 
-def tp_ops(world, rank, stream):
-    """Over the TP pair of `rank` (a sub-communicator of the caller's world):
-    the shared-expert helpers and a reduction point, on device memory."""
-    tp_size, group = 2, rank // 2
-    with world.split([group * 2, group * 2 + 1]) as tp:
-        t = tp.rank
-        for tokens in (1, 5):
-            part = -(-tokens // tp_size)
-            batch = rand(rng_for("sim-shared", group, tokens), (tokens, 3), np.float32)
-            padded = np.zeros((part * tp_size, 3), np.float32)
-            padded[:tokens] = batch
-            mine = am.shared_pad_split(DeviceTensor.upload(batch, device(rank)), tp, stream=stream)
-            back = am.shared_gather_unpad(mine, tokens, tp, stream=stream)
-            partials = [rand(rng_for("sim-part", group, tokens, q), (tokens, 3), np.float32) for q in range(tp_size)]
-            rs = am.shared_pad_reduce_scatter(DeviceTensor.upload(partials[t], device(rank)), tp, stream=stream)
-            stream.synchronize()
-            np.testing.assert_array_equal(mine.download(), padded[t * part : (t + 1) * part])
-            np.testing.assert_array_equal(back.download(), batch)
-            total = np.zeros((part * tp_size, 3))
-            total[:tokens] = np.sum(partials, axis=0, dtype=np.float64)
-            assert_close(rs.download(), total[t * part : (t + 1) * part], np.float32, f"pad_reduce_scatter T={tokens}")
-        # Quantize before gather: one-byte hidden states, packed fp4, masks and
-        # 1-D per-token f32 scales travel as exact byte moves on the device.
-        import ml_dtypes
-
-        g = rng_for("sim-bytes", group)
-        for dtype, shape in (
-            (np.int8, (5, 4)),
-            (np.uint8, (5, 4)),
-            (np.bool_, (5, 4)),
-            (ml_dtypes.float8_e4m3fn, (5, 4)),
-            (ml_dtypes.float8_e5m2, (5, 4)),
-            (np.float32, (5,)),
-        ):
-            raw = g.integers(0, 256, size=int(np.prod(shape)), dtype=np.uint8)
-            if np.dtype(dtype) == np.bool_:
-                batch = (raw % 2).astype(np.bool_).reshape(shape)
-            elif np.dtype(dtype).itemsize == 1:
-                batch = raw.view(dtype).reshape(shape)
-            else:
-                batch = g.standard_normal(shape).astype(dtype)
-            mine = am.shared_pad_split(DeviceTensor.upload(batch, device(rank)), tp, stream=stream)
-            back = am.shared_gather_unpad(mine, 5, tp, stream=stream)
-            stream.synchronize()
-            assert back.dtype == np.dtype(dtype), (back.dtype, dtype)
-            assert back.download().tobytes() == batch.tobytes(), f"{np.dtype(dtype)} gather on npu:{rank} is not an exact byte move"
-        policy = am.ReducePolicy("tensor_parallel", False, False, tp_size, WORLD)
-        xs = [rand(rng_for("sim-point", group, q), (4, 3), np.float32) for q in range(tp_size)]
-        for ct in am.CommType:
-            got = policy.reduce_shared(DeviceTensor.upload(xs[t], device(rank)), ct, tp, stream=stream)
-            stream.synchronize()
-            want = np.sum(xs, axis=0, dtype=np.float64) if policy.decisions(ct)["shared"] else xs[t]
-            assert_close(got.download(), want, np.float32, f"reduce_shared {ct.name} on npu:{rank}")
-
-
-def fused_finalize(world, rank, stream):
-    """`finalize_and_reduce` over the world: every rank's finalize summed, this
-    rank's layout rows kept."""
-    cases = []
-    for q in range(WORLD):
-        ex, idx, kw = finalize_case(rng_for("sim-far", q), 0, np.float32, n=LAYOUT.total_rows)
-        cases.append((ex, idx, kw))
-    total = sum(finalize_golden(ex, idx, *[kw[k] for k in ("x1", "x2", "bias", "scales", "expert_idx")], 0) for ex, idx, kw in cases)
-    ex, idx, kw = cases[rank]
-    dev = {k: (DeviceTensor.upload(v, device(rank)) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
-    got = am.finalize_and_reduce(DeviceTensor.upload(ex, device(rank)), DeviceTensor.upload(idx, device(rank)), LAYOUT, world, **dev, stream=stream)
-    stream.synchronize()
-    start = sum(LAYOUT.local_sizes[:rank])
-    assert_close(got.download(), total[start : start + LAYOUT.local_sizes[rank]], np.float32, f"finalize_and_reduce npu:{rank}")
-
-
 def rank_body(r, root):
     """Rank `r` of the 4-device world of `root` (an HcclRootInfo): the
-    caller's HCCL communicator borrowed with `Comm.from_hccl` as the world; all_reduce,
-    all_gather, the EP pad/reduce, the token prepare / finalize round trips,
-    the shared-expert helpers, a reduction point and the fused finalize +
-    reduce on device memory, checked against numpy, on this rank's own stream.
-    Returns `(stream, raw_comm)` for the caller to destroy."""
-    xs = [rand(rng_for("sim-w4", q), (LAYOUT.total_rows, 5), np.float32) for q in range(WORLD)]
-    gs = [rand(rng_for("sim-w4g", q), (2, 5), np.float32) for q in range(WORLD)]
+    caller's HCCL communicator borrowed with `Comm.from_hccl` as the world,
+    running `npu_scenarios.world_ops` on this rank's own stream. Returns
+    `(stream, raw_comm)` for the caller to destroy."""
     check("aclrtSetDevice", SIM.aclrtSetDevice(device(r)))
     raw = ctypes.c_void_p()
     check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(WORLD, root, r, ctypes.byref(raw)))
     stream = Stream()
     # A communicator made from the root info is a world HCCL may split.
     with am.Comm.from_hccl(raw.value, device(r), world=True) as comm:
-        x = DeviceTensor.upload(xs[r], device(r))
-        ar = am.all_reduce(x, comm, stream=stream)
-        ag = am.all_gather(DeviceTensor.upload(gs[r], device(r)), comm, stream=stream)
-        pr = am.maybe_pad_and_reduce(x, LAYOUT, comm, stream=stream)
-        stream.synchronize()
-        total = np.sum(np.stack(xs).astype(np.float64), axis=0)
-        start = sum(LAYOUT.local_sizes[:r])
-        assert_close(ar.download(), total, np.float32, f"all_reduce on npu:{r}")
-        assert_close(ag.download(), np.concatenate(gs), np.float32, f"all_gather on npu:{r}")
-        pr_want = total[start : start + LAYOUT.local_sizes[r]]
-        assert_close(pr.download(), pr_want, np.float32, f"maybe_pad_and_reduce on npu:{r}")
-        layer_round_trips(comm, r, stream)
-        tp_ops(comm, r, stream)
-        fused_finalize(comm, r, stream)
+        sc.world_ops(comm, r, SimEngine(device(r), stream))
     return stream, raw.value
 
 
@@ -464,70 +338,11 @@ def missing_stream():
     DeviceTensor.free_all()
 
 
-def raises(call, *parts, status=None, otherwise):
-    """`call()` raises an AmoeError (of `status`, when given) whose text has
-    every one of `parts`; else AssertionError(`otherwise`)."""
-    try:
-        call()
-    except am.AmoeError as e:
-        assert status is None or e.status == status, e
-        assert all(p in str(e) for p in parts), e
-    else:
-        raise AssertionError(otherwise)
-
-
 def live_context():
-    """The live forward context: a guard passes under its context; a guard of
-    MC2 ops run while the live context says ALLTOALL is reported once, naming
-    both; an attached context makes the reduction points guard themselves."""
+    """`npu_scenarios.live_context` on a stream of device 2."""
     check("aclrtSetDevice", SIM.aclrtSetDevice(2))
     stream = Stream()
-    live = am.LiveContext(stream, device=2)
-    ptr, nbytes = live.device_ptr
-    assert ptr and nbytes == 256, (ptr, nbytes)
-    mc2 = am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 4])
-    live.set(mc2)
-    live.guard(mc2)
-    live.check()
-    live.set(am.ForwardContext(am.CommType.ALLTOALL, dp_tokens=[4, 4]))
-    live.guard(mc2)
-    raises(
-        live.check,
-        "comm_type is 2 (ALLTOALL)",
-        "captured for 1 (MC2)",
-        status=am.Status.STALE_CONTEXT,
-        otherwise="a guard of MC2 ops under ALLTOALL was not reported",
-    )
-    live.check()  # reported once
-    live.set(mc2)
-    live.guard(am.ForwardContext(am.CommType.MC2, dp_tokens=[4, 4], num_actual_tokens=3), actual_tokens=True)
-    raises(
-        live.check,
-        "num_actual_tokens is all",
-        "captured for 3",
-        otherwise="a guard of the actual-token count was not reported",
-    )
-    # The open context keeps its stream handle (the ops on the stream share
-    # it): releasing the streams is refused, freeing nothing, until it closes.
-    held = "release_streams freed the handle of an open LiveContext"
-    raises(am.release_streams, "open LiveContext", status=am.Status.INVALID_ARGUMENT, otherwise=held)
-    live.set(mc2)
-    live.check()
-    # Closed while another call holds it (a `check()` waiting on the stream
-    # in another thread): new calls are refused at once, and the context and
-    # its stream handle live until the holding call lets go.
-    lease = live._lease()
-    live.close()
-    closed = "a closed LiveContext took a call"
-    raises(live.check, "the live context was closed", status=am.Status.INVALID_ARGUMENT, otherwise=closed)
-    raises(am.release_streams, "open LiveContext", otherwise=held)
-    n = ctypes.c_size_t()
-    guards = sys.modules["ascend_moe._lib"].lib().amoe_live_context_guards
-    check("amoe_live_context_guards", guards(lease, ctypes.byref(n), ctypes.byref(ctypes.c_size_t())))
-    assert n.value >= 128, n.value
-    del lease
-    live.close()  # closing again frees nothing twice
-    assert am.release_streams() == 1
+    sc.live_context(stream, 2)
     stream.destroy()
 
 
