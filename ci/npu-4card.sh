@@ -4,7 +4,18 @@
 # Runs every test marked #[ignore = "needs an Ascend NPU"] in the workspace
 # (the backend ops, HCCL collectives and sub-communicators, and the MoE op
 # matrix: world 4 as DP2 x TP2 and EP4, SP on and off, every comm type),
-# serially (each multi-rank test uses all four devices), then the NPU benches.
+# serially (each multi-rank test uses all four devices), then the Python
+# package on NPU memory, then the NPU benches. The Python step runs
+# python/tests/test_npu.py on real torch_npu tensors and streams (finalize and
+# unpermute against the CPU backend, the live forward context, and on 4 ranks,
+# one process each over torch.distributed's HCCL group: the collectives, the
+# EP pad / reduce and gather / unpad, token prepare / finalize, the
+# shared-expert helpers, the reduction points, the torch custom ops); with
+# --sim, python/tests/test_sim.py, the same scenarios on stand-in tensors over
+# the simulated runtime. Its interpreter is $AMOE_TEST_PYTHON (default
+# python3), which must import numpy, ml_dtypes and pytest, and on real
+# hardware torch and torch_npu (a missing one, or fewer than 4 NPUs, fails the
+# step); it loads the library the Rust tests built (debug profile).
 #
 # CANN is found the usual way (LD_LIBRARY_PATH from CANN's set_env.sh,
 # ASCEND_HOME_PATH, ...). Setting ASCEND_MOE_ACL_LIB, ASCEND_MOE_HCCL_LIB,
@@ -12,9 +23,10 @@
 # everything, like the simulated runtime) points the run elsewhere; a run
 # against the simulator also needs --sim (ci/sim.sh passes it).
 #
-#   ci/npu-4card.sh               tests + benches
+#   ci/npu-4card.sh               tests (Rust, then Python) + benches
 #   ci/npu-4card.sh --no-bench    tests only
-#   ci/npu-4card.sh -- FILTER     only tests whose name contains FILTER
+#   ci/npu-4card.sh -- FILTER     only Rust tests whose name contains FILTER
+#                                 (no Python step, no benches)
 #   ci/npu-4card.sh --sim ...     against the simulated runtime (ci/sim.sh)
 #
 # Without --sim the run is for real hardware: its first step fails when the
@@ -128,6 +140,36 @@ for f in ${names[@]+"${names[@]}"}; do
     fi
 done
 tested --workspace -- --ignored --test-threads=1 "${skips[@]}" ${filter[@]+"${filter[@]}"}
+
+# The Python package (what vLLM-Ascend links) on NPU memory: on real
+# hardware python/tests/test_npu.py, on real torch_npu tensors and streams,
+# one process per rank over 4 NPUs, failing when torch_npu, its custom ops or
+# 4 devices are missing; under --sim python/tests/test_sim.py, the same
+# scenarios on stand-in tensors over the runtime this run loaded (the only
+# run of test_sim.py in ci/test.sh). Not with a FILTER, which names Rust tests.
+if ((${#filter[@]} == 0)); then
+    if ((sim)); then pytests=python/tests/test_sim.py; else pytests=python/tests/test_npu.py; fi
+    py="${AMOE_TEST_PYTHON:-python3}"
+    step "Python package on NPU memory ($pytests, $py)"
+    if ! "$py" -c 'import numpy, ml_dtypes, pytest' 2>"$log"; then
+        cat "$log" >&2
+        echo "error: $py cannot import numpy, ml_dtypes and pytest (errors above); set AMOE_TEST_PYTHON" \
+            "to an interpreter that can (on real hardware also torch and torch_npu)" >&2
+        exit 1
+    fi
+    # The library the tests above ran, as the Python package loads it (the
+    # same profile and environment: cargo finds it fresh).
+    cargo build -q --lib
+    target_dir="$(cargo metadata --format-version 1 --no-deps | "$py" -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')"
+    # pytest's own exit code fails the run (1: a failure, 4/5: nothing
+    # collected); a skipped test fails it too: nothing here may skip.
+    ASCEND_MOE_LIB="$target_dir/debug/libascend_moe.so" PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}" \
+        "$py" -m pytest -q -p no:cacheprovider -rs "$pytests" 2>&1 | tee "$log"
+    if grep -Eq '[0-9]+ skipped' "$log"; then
+        echo "error: $pytests skipped tests (reasons above); this run must run them all" >&2
+        exit 1
+    fi
+fi
 
 if ((bench)) && ((${#filter[@]} == 0)); then
     step "NPU benches"

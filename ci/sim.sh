@@ -96,7 +96,9 @@ fi
 # communicator's own execution timeout).
 timeouts=(a_rank_that_never_joins_is_reported_by_the_check_never_a_hang
     teardown_after_a_rank_never_joined_ends_with_a_recorded_timeout)
-# The current release runs the whole suite; the old one (CANN 8.1: HCCL config
+# The current release runs the whole suite, and the Python step of
+# ci/npu-4card.sh (python/tests/test_sim.py, once per CI run: the later runs
+# name a FILTER, which skips it); the old one (CANN 8.1: HCCL config
 # version 5, capability 4, no "not set" values, one libopapi.so) runs what
 # differs between releases: communicator creation with its config, the
 # sub-communicators and the collectives (the V ones with zero counts), and the
