@@ -120,11 +120,6 @@ unsafe fn simd512_dispatch<T: Lanes>(
 
 impl Lanes for f32 {
     const LANEWISE: bool = true;
-    #[cfg(target_arch = "x86_64")]
-    const SIMD: Option<SimdKernel<Self>> = Some(simd_dispatch::<Self>);
-    #[cfg(all(target_arch = "x86_64", amoe_avx512))]
-    #[clippy::msrv = "1.89"]
-    const SIMD512: Option<SimdKernel<Self>> = Some(simd512_dispatch::<Self>);
     #[inline(always)]
     fn lane(self) -> f32 {
         self
@@ -289,11 +284,10 @@ mod simd {
     use std::arch::x86_64::{
         __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256, _mm256_blendv_epi8,
         _mm256_castps_si256, _mm256_castsi256_ps, _mm256_castsi256_si128, _mm256_cmp_ps, _mm256_cvtph_ps,
-        _mm256_cvtps_ph, _mm256_extracti128_si256, _mm256_loadu_ps, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256,
+        _mm256_cvtps_ph, _mm256_extracti128_si256, _mm256_loadu_si256, _mm256_mul_ps, _mm256_or_si256,
         _mm256_packus_epi32, _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
-        _mm256_srli_epi32, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16,
-        _mm_loadu_si128, _mm_prefetch, _mm_storeu_si128, _mm_stream_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
-        _MM_HINT_T0,
+        _mm256_srli_epi32, _mm256_storeu_si256, _mm256_unpackhi_epi16, _mm256_unpacklo_epi16, _mm_loadu_si128,
+        _mm_prefetch, _mm_storeu_si128, _mm_stream_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_T0,
     };
 
     #[cfg(amoe_avx512)]
@@ -301,10 +295,9 @@ mod simd {
     use std::arch::x86_64::{
         __m512, __m512i, _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castps_si512,
         _mm512_castsi256_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtph_ps, _mm512_cvtps_ph,
-        _mm512_extracti32x4_epi32, _mm512_inserti64x4, _mm512_loadu_ps, _mm512_loadu_si512, _mm512_mask_blend_epi32,
-        _mm512_mul_ps, _mm512_or_si512, _mm512_packus_epi32, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps,
-        _mm512_setzero_si512, _mm512_srli_epi32, _mm512_storeu_ps, _mm512_storeu_si512, _mm512_unpackhi_epi16,
-        _mm512_unpacklo_epi16,
+        _mm512_extracti32x4_epi32, _mm512_inserti64x4, _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_mul_ps,
+        _mm512_or_si512, _mm512_packus_epi32, _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps,
+        _mm512_setzero_si512, _mm512_srli_epi32, _mm512_storeu_si512, _mm512_unpackhi_epi16, _mm512_unpacklo_epi16,
     };
 
     use half::{bf16, f16};
@@ -350,8 +343,8 @@ mod simd {
         unsafe fn mul_add(acc: Self::F, s: Self::F, x: Self::F) -> Self::F;
     }
 
-    /// One step of the fused kernel in a register width for the element type
-    /// `T`: `N` elements widened into two f32 registers and rounded back.
+    /// One step of the fused kernel in a register width for the 16-bit type
+    /// `T`: `N` elements widened into two registers and rounded back.
     ///
     /// `load` may spread the elements over its two registers in any order,
     /// the same for every call; `store` takes them back in that order. The
@@ -436,30 +429,6 @@ mod simd {
                 } else {
                     _mm_storeu_si128(p.cast::<__m128i>(), a);
                     _mm_storeu_si128(p.add(8).cast::<__m128i>(), b);
-                }
-            }
-        }
-    }
-
-    impl Step<f32> for Avx2 {
-        const N: usize = 16;
-        /// Elements 0-7 in the first register, 8-15 in the second.
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> (__m256, __m256) {
-            // SAFETY: 16 f32 = 64 bytes readable at `p` (unaligned loads); AVX2 enabled.
-            unsafe { (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))) }
-        }
-        #[inline(always)]
-        unsafe fn store(a: __m256, b: __m256, p: *mut f32, stream: bool) {
-            // SAFETY: 16 f32 = 64 bytes writable at `p` (unaligned stores), 16-byte aligned
-            // when streamed (so is `p + 8`); AVX2 enabled.
-            unsafe {
-                if stream {
-                    stream32(_mm256_castps_si256(a), p.cast::<__m128i>());
-                    stream32(_mm256_castps_si256(b), p.add(8).cast::<__m128i>());
-                } else {
-                    _mm256_storeu_ps(p, a);
-                    _mm256_storeu_ps(p.add(8), b);
                 }
             }
         }
@@ -590,32 +559,6 @@ mod simd {
         }
     }
 
-    #[cfg(amoe_avx512)]
-    #[clippy::msrv = "1.89"]
-    impl Step<f32> for Avx512 {
-        const N: usize = 32;
-        /// Elements 0-15 in the first register, 16-31 in the second.
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> (__m512, __m512) {
-            // SAFETY: 32 f32 = 128 bytes readable at `p` (unaligned loads); AVX-512 F enabled.
-            unsafe { (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))) }
-        }
-        #[inline(always)]
-        unsafe fn store(a: __m512, b: __m512, p: *mut f32, stream: bool) {
-            // SAFETY: 128 bytes writable at `p`, 16-byte aligned when streamed (so is
-            // `p + 16`); AVX-512 F enabled.
-            unsafe {
-                if stream {
-                    stream64(_mm512_castps_si512(a), p.cast::<__m128i>());
-                    stream64(_mm512_castps_si512(b), p.add(16).cast::<__m128i>());
-                } else {
-                    _mm512_storeu_ps(p, a);
-                    _mm512_storeu_ps(p.add(16), b);
-                }
-            }
-        }
-    }
-
     /// [`bf16_round`] on sixteen lanes.
     #[cfg(amoe_avx512)]
     #[clippy::msrv = "1.89"]
@@ -708,7 +651,7 @@ mod simd {
         // One prefetch per row per 64-byte line.
         let line = 64 / std::mem::size_of::<T>();
         let main = h - h % W::N;
-        // Steps of 16 or 32 elements of 2 or 4 bytes keep `dst + j` 16-byte aligned.
+        // Steps of 16 or 32 elements of 2 bytes keep `dst + j` 16-byte aligned.
         let stream = stream && (dst as usize) % 16 == 0;
         let mut j = 0;
         while j < main {
@@ -903,7 +846,7 @@ mod tests {
             // Streaming stores into a row 64-byte aligned and one 16-byte aligned
             // (8 elements on), and asked for where the row is not aligned
             // (ordinary stores then).
-            let mut buf = vec![0u128; (h * std::mem::size_of::<T>()).div_ceil(16) + 8];
+            let mut buf = vec![0u128; (h * std::mem::size_of::<T>()).div_ceil(16) + 4];
             let base = buf.as_mut_ptr().cast::<u8>().align_offset(64) / std::mem::size_of::<T>();
             for (g, with_skip, stream, offset) in (0..=GROUP).flat_map(|g| {
                 [
@@ -917,9 +860,8 @@ mod tests {
                 .map(|(sk, st, off)| (g, sk, st, off))
             }) {
                 let sk = with_skip.then_some(skip.as_slice());
-                // SAFETY: `buf` holds `base + offset + h` elements of `T` (128 spare bytes: `base`
-                // is under 64 bytes, `offset` at most 8 elements of at most 4 bytes); `T` is a
-                // plain type with every bit pattern valid; `buf` is not used otherwise here.
+                // SAFETY: `buf` holds `base + offset + h` elements of `T` (64 spare bytes), a
+                // plain integer type with every bit pattern valid, and is not used otherwise here.
                 let got: &mut [T] =
                     unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>().add(base + offset), h) };
                 got.fill(T::default());
@@ -962,16 +904,6 @@ mod tests {
     fn f16_simd_fused_matches_naive_reference() {
         for kernel in simd_kernels::<f16>() {
             simd_fused_matches_naive_reference::<f16>(kernel, &f16_edge_values());
-        }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn f32_simd_fused_matches_naive_reference() {
-        // f32 has no rounding of its own: the bf16 edge values (subnormals, infinities, NaN,
-        // values whose sums overflow) are f32 edge values as well.
-        for kernel in simd_kernels::<f32>() {
-            simd_fused_matches_naive_reference::<f32>(kernel, &bf16_edge_values());
         }
     }
 

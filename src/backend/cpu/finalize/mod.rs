@@ -12,10 +12,10 @@
 //! same operations in the same order), and a token with one skip input and
 //! K <= 8 goes from its inputs to its rounded output row in a single pass. On
 //! x86_64 the same code is also compiled for AVX2 and picked at run time, and
-//! bf16, f16 and f32 tokens have hand-written AVX2 and AVX-512 kernels (AVX-512
+//! bf16 and f16 tokens have hand-written AVX2 and AVX-512 kernels (AVX-512
 //! where the CPU has F and BW and the crate was built by Rust 1.89 or later);
 //! no fused multiply-add is used, so every path gives the same bits.
-//! A call of those kernels that moves at least twice the last-level cache writes
+//! A bf16 or f16 call that moves at least twice the last-level cache writes
 //! its output with streaming stores there (same bits; see
 //! [`set_streaming_stores`]): it would evict that output before returning
 //! anyway, and ordinary stores would first read every output line.

@@ -17,7 +17,7 @@ thread_local! {
 const DEFAULT_LLC_BYTES: usize = 32 << 20;
 
 /// Forces (`Some`) or leaves to the call's size (`None`, the default) whether
-/// the SIMD finalize kernels (AVX2, AVX-512) write the output a caller gets
+/// the bf16 and f16 finalize kernels (AVX2, AVX-512) write the output a caller gets
 /// with streaming (non-temporal) stores, for calls made from the current
 /// thread (rows staged for peers, which read them next, never stream). Both
 /// stores write the same bits; the switch exists so tests can show it on
