@@ -268,8 +268,9 @@ fn finalize_is_bitwise_identical_across_runs_and_thread_counts() {
         let baseline = bits(&moe_finalize_routing(&p.args()).unwrap());
         set_wide_simd(true);
         assert!(baseline == reference, "mode {} {dtype}: SIMD paths differ", mode as u32);
-        // Streaming stores (taken by calls larger than the cache) give the same bits.
-        for threads in [1, 3] {
+        // Streaming stores (taken by bf16 and f16 calls larger than the cache)
+        // give the same bits. f32 has no streaming kernel.
+        for threads in [1, 3].into_iter().filter(|_| dtype != DType::F32) {
             set_num_threads(Some(threads));
             set_streaming_stores(Some(true));
             let streamed = bits(&moe_finalize_routing(&p.args()).unwrap());

@@ -270,8 +270,9 @@ pub(super) fn fused_dispatch<T: Lanes>(
     }
 }
 
-/// Fused tokens sixteen lanes (two registers of eight) at a time on AVX2, for
-/// f16 (F16C conversions) and bf16 (16-bit unpacks). Every element sees the same f32
+/// Fused tokens sixteen elements a step on AVX2 (two registers of eight lanes)
+/// and 32 on AVX-512 (two of sixteen), for f16 (F16C / AVX-512 F conversions)
+/// and bf16 (16-bit unpacks). Every element sees the same f32
 /// operations in the same order as [`fused_token`] (separate multiply and add,
 /// no FMA), and both narrowings round exactly like [`Lanes::narrow_one`] (to
 /// nearest even, subnormals, overflow, quiet NaN), so the bits match the
@@ -624,9 +625,9 @@ mod simd {
     }
 
     /// `out = round(skip + s[0] * rows[0] + ... + s[G-1] * rows[G-1])` (skip
-    /// absent: starting from 0.0), `W::N` elements a step. `stream`: with
-    /// streaming stores where `out` is 16-byte aligned (ordinary stores
-    /// otherwise, and for the scalar tail).
+    /// absent: starting from 0.0), `W::N` elements a step. `stream`: the
+    /// steps write with streaming stores (the elements before the first
+    /// 16-byte boundary and the tail, the scalar way, with ordinary ones).
     ///
     /// # Safety
     /// The CPU supports `W`'s instructions. With `stream`, the calling thread
@@ -648,18 +649,24 @@ mod simd {
         let src: [*const T; G] = std::array::from_fn(|g| rows[g].as_ptr());
         let add = skip.map(|x| x.as_ptr());
         let dst = out.as_mut_ptr();
+        // Streaming stores need 16-byte alignment: a row that starts off it
+        // takes its first elements (under 16 bytes) the scalar way, and every
+        // step after them is aligned (steps of 32 or 64 bytes).
+        let head = match (dst as usize) % 16 {
+            off if stream && off != 0 => ((16 - off) / std::mem::size_of::<T>()).min(h),
+            _ => 0,
+        };
+        let main = head + (h - head) / W::N * W::N;
         // One prefetch per row per 64-byte line.
         let line = 64 / std::mem::size_of::<T>();
-        let main = h - h % W::N;
-        // Steps of 16 or 32 elements of 2 bytes keep `dst + j` 16-byte aligned.
-        let stream = stream && (dst as usize) % 16 == 0;
-        let mut j = 0;
+        let mut j = head;
         while j < main {
-            if j % line == 0 {
+            if (j - head) % line == 0 {
                 prefetch_ahead(&rows, next, j, h);
             }
             // SAFETY: j + N <= h, and every pointer is to a slice of h elements
-            // (`out` is written only through `dst` in this loop); W's instructions are enabled.
+            // (`out` is written only through `dst` in this loop); W's instructions
+            // are enabled; `dst + j` is 16-byte aligned when streaming.
             unsafe {
                 let (mut a, mut b) = match add {
                     Some(x) => W::load(x.add(j)),
@@ -674,7 +681,7 @@ mod simd {
             }
             j += W::N;
         }
-        for j in main..h {
+        for j in (0..head).chain(main..h) {
             let mut v = skip.map_or(0.0, |x| x[j].lane());
             for g in 0..G {
                 v += s[g] * rows[g][j].lane();
@@ -843,11 +850,13 @@ mod tests {
             let s = [1.0f32, 0.5, -0.25, 2.0, 1.0e-3, -1.0, 0.125, 3.0];
             let rows: [&[T]; GROUP] = std::array::from_fn(|g| srcs[g].as_slice());
             let next: Vec<&[T]> = srcs[GROUP..].iter().map(|r| r.as_slice()).collect();
-            // Streaming stores into a row 64-byte aligned and one 16-byte aligned
-            // (8 elements on), and asked for where the row is not aligned
-            // (ordinary stores then).
-            let mut buf = vec![0u128; (h * std::mem::size_of::<T>()).div_ceil(16) + 4];
-            let base = buf.as_mut_ptr().cast::<u8>().align_offset(64) / std::mem::size_of::<T>();
+            // Rows 64-byte aligned, 16-byte aligned (8 elements on) and off
+            // every 16-byte boundary (1 and 3 elements on: streaming starts
+            // after a scalar head), with streaming stores and without.
+            let esz = std::mem::size_of::<T>();
+            let mut buf = vec![0u128; (h * esz).div_ceil(16) + 4];
+            let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut buf);
+            let base = bytes.as_ptr().align_offset(64);
             for (g, with_skip, stream, offset) in (0..=GROUP).flat_map(|g| {
                 [
                     (false, false, 0),
@@ -855,15 +864,16 @@ mod tests {
                     (true, true, 0),
                     (false, true, 0),
                     (true, true, 1),
+                    (true, true, 3),
                     (true, true, 8),
                 ]
                 .map(|(sk, st, off)| (g, sk, st, off))
             }) {
                 let sk = with_skip.then_some(skip.as_slice());
-                // SAFETY: `buf` holds `base + offset + h` elements of `T` (64 spare bytes), a
-                // plain integer type with every bit pattern valid, and is not used otherwise here.
-                let got: &mut [T] =
-                    unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<T>().add(base + offset), h) };
+                // `base` is at most 48 bytes (the buffer is 16-byte aligned) and
+                // `offset` at most 8 elements of 2 bytes: inside the 64 spare bytes.
+                let start = base + offset * esz;
+                let got: &mut [T] = bytemuck::cast_slice_mut(&mut bytes[start..start + h * esz]);
                 got.fill(T::default());
                 // SAFETY: the caller checked the CPU; the fence follows the streaming stores.
                 unsafe {
@@ -877,8 +887,9 @@ mod tests {
                         v += s[gg] * row[j].to_f32();
                     }
                     let want = T::from_f32(v);
+                    // The same bits, NaN payloads and quiet bits included.
+                    let ok = bytemuck::bytes_of(&got[j]) == bytemuck::bytes_of(&want);
                     let (gv, wv) = (got[j].to_f32(), want.to_f32());
-                    let ok = gv.to_bits() == wv.to_bits() || (gv.is_nan() && wv.is_nan());
                     assert!(ok, "h={h} g={g} skip={with_skip} {ctx} j={j}: {gv:e} vs {wv:e}");
                 }
             }

@@ -40,9 +40,10 @@ pub(super) fn stream_output(bytes: usize) -> bool {
     })
 }
 
-/// Allows (`true`, the default) or forbids the wider SIMD code path (AVX2) for
-/// calls made from the current thread. Both paths do the same operations in the
-/// same order; the switch exists so tests can show they agree bit for bit.
+/// Allows (`true`, the default) or forbids the wider SIMD code paths (AVX2,
+/// AVX-512, and with them streaming stores) for calls made from the current
+/// thread. Every path does the same operations in the same order; the switch
+/// exists so tests can show they agree bit for bit.
 pub fn set_wide_simd(enabled: bool) {
     WIDE_SIMD.with(|w| w.set(enabled));
 }
