@@ -73,9 +73,7 @@ fn main() {
     println!("cargo:rustc-check-cfg=cfg(amoe_host_kernel)");
     println!("cargo:rustc-check-cfg=cfg(amoe_npu_kernel)");
     println!("cargo:rustc-check-cfg=cfg(amoe_avx512)");
-    if rustc_minor().is_some_and(|m| m >= 89) {
-        // The AVX-512 intrinsics are stable from Rust 1.89; older compilers
-        // build the AVX2 kernels only.
+    if avx512_intrinsics() {
         println!("cargo:rustc-cfg=amoe_avx512");
     }
     for f in KERNEL_SOURCES {
@@ -96,13 +94,47 @@ fn main() {
     }
 }
 
-/// The minor version of the compiler building the crate (`$RUSTC --version`:
-/// `rustc 1.M.P ...`), `None` when it cannot be read.
-fn rustc_minor() -> Option<u32> {
-    let rustc = env::var_os("RUSTC").unwrap_or_else(|| "rustc".into());
-    let out = Command::new(rustc).arg("--version").output().ok()?;
-    let text = String::from_utf8(out.stdout).ok()?;
-    text.split_whitespace().nth(1)?.split('.').nth(1)?.parse().ok()
+/// A crate using the AVX-512 intrinsics and target features the finalize
+/// kernels use (`src/backend/cpu/finalize/lanes.rs`), for
+/// [`avx512_intrinsics`] to compile.
+const AVX512_PROBE: &str = r#"
+use core::arch::x86_64::{
+    __m128i, _mm512_castsi512_si256, _mm512_cmp_ps_mask, _mm512_cvtph_ps, _mm512_cvtps_ph, _mm512_extracti32x4_epi32,
+    _mm512_inserti64x4, _mm512_loadu_si512, _mm512_mask_blend_epi32, _mm512_setzero_ps, _mm512_setzero_si512,
+    _mm512_unpacklo_epi16, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
+};
+
+#[target_feature(enable = "avx512f,avx512bw")]
+pub unsafe fn probe(p: *const u8) -> __m128i {
+    let w = _mm512_unpacklo_epi16(_mm512_setzero_si512(), _mm512_loadu_si512(p.cast()));
+    let h = _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm512_cvtph_ps(_mm512_castsi512_si256(w)));
+    let m = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask::<_CMP_UNORD_Q>(_mm512_setzero_ps(), _mm512_setzero_ps()), w, w);
+    _mm512_extracti32x4_epi32::<1>(_mm512_inserti64x4::<1>(m, h))
+}
+"#;
+
+/// Whether the compiler building the crate has the AVX-512 intrinsics the
+/// finalize kernels use, stable from Rust 1.89 (an x86_64 target only): a
+/// probe crate is checked with `$RUSTC` for the target. A compiler that
+/// refuses it (an older release, a nightly from before their stabilisation)
+/// builds the AVX2 kernels only, so the declared minimum Rust still builds.
+fn avx512_intrinsics() -> bool {
+    if env::var("CARGO_CFG_TARGET_ARCH").as_deref() != Ok("x86_64") {
+        return false;
+    }
+    let Some(out_dir) = env::var_os("OUT_DIR").map(PathBuf::from) else { return false };
+    let probe = out_dir.join("amoe_avx512_probe.rs");
+    if std::fs::write(&probe, AVX512_PROBE).is_err() {
+        return false;
+    }
+    let mut rustc = Command::new(env::var_os("RUSTC").unwrap_or_else(|| "rustc".into()));
+    rustc.args(["--edition", "2021", "--crate-type", "lib", "--emit", "metadata", "--crate-name", "amoe_avx512_probe"]);
+    rustc.arg("--out-dir").arg(&out_dir).arg(&probe);
+    if let Ok(target) = env::var("TARGET") {
+        rustc.args(["--target", &target]);
+    }
+    rustc.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null());
+    rustc.status().is_ok_and(|s| s.success())
 }
 
 /// The toolkit the NPU build uses: `None` when the build is skipped
