@@ -13,9 +13,10 @@
 # shared-expert helpers, the reduction points, the torch custom ops); with
 # --sim, python/tests/test_sim.py, the same scenarios on stand-in tensors over
 # the simulated runtime. Its interpreter is $AMOE_TEST_PYTHON (default
-# python3), which must import numpy, ml_dtypes and pytest, and on real
-# hardware torch and torch_npu (a missing one, or fewer than 4 NPUs, fails the
-# step); it loads the library the Rust tests built (debug profile).
+# python3), which must import numpy, ml_dtypes, pytest and torch (a side-stream
+# scenario makes torch streams), and on real hardware torch_npu too (a missing
+# one, or fewer than 4 NPUs, fails the step); it loads the library the Rust
+# tests built (debug profile).
 #
 # CANN is found the usual way (LD_LIBRARY_PATH from CANN's set_env.sh,
 # ASCEND_HOME_PATH, ...). Setting ASCEND_MOE_ACL_LIB, ASCEND_MOE_HCCL_LIB,
@@ -151,10 +152,10 @@ if ((${#filter[@]} == 0)); then
     if ((sim)); then pytests=python/tests/test_sim.py; else pytests=python/tests/test_npu.py; fi
     py="${AMOE_TEST_PYTHON:-python3}"
     step "Python package on NPU memory ($pytests, $py)"
-    if ! "$py" -c 'import numpy, ml_dtypes, pytest' 2>"$log"; then
+    if ! "$py" -c 'import numpy, ml_dtypes, pytest, torch' 2>"$log"; then
         cat "$log" >&2
-        echo "error: $py cannot import numpy, ml_dtypes and pytest (errors above); set AMOE_TEST_PYTHON" \
-            "to an interpreter that can (on real hardware also torch and torch_npu)" >&2
+        echo "error: $py cannot import numpy, ml_dtypes, pytest and torch (errors above); set AMOE_TEST_PYTHON" \
+            "to an interpreter that can (on real hardware also torch_npu)" >&2
         exit 1
     fi
     # The library the tests above ran, as the Python package loads it (the
