@@ -41,7 +41,8 @@ pub(super) trait Lanes: Element {
 
 /// A fused-token kernel: [`fused_dispatch`]'s arguments, plus `next`, the
 /// rows of the token after this one, for prefetching (empty: none), and
-/// `stream`: write `out` with streaming stores where it is 16-byte aligned.
+/// `stream`: write `out` with streaming stores (from its first 16-byte
+/// boundary on).
 ///
 /// # Safety
 /// The CPU must support what the kernel is built for: AVX2 and F16C for
@@ -102,7 +103,7 @@ unsafe fn simd_dispatch<T: Lanes>(
 /// # Safety
 /// As [`SimdKernel`], with AVX-512 F and BW instead of AVX2 and F16C.
 #[cfg(all(target_arch = "x86_64", amoe_avx512))]
-#[clippy::msrv = "1.89"] // amoe_avx512: built only by Rust >= 1.89 (build.rs), like every item under it
+#[clippy::msrv = "1.89"] // cfg(amoe_avx512): build.rs sets it when the intrinsics compile
 unsafe fn simd512_dispatch<T: Lanes>(
     skip: Option<&[T]>,
     s: &[f32; GROUP],
@@ -292,7 +293,7 @@ mod simd {
     };
 
     #[cfg(amoe_avx512)]
-    #[clippy::msrv = "1.89"] // amoe_avx512: built only by Rust >= 1.89 (build.rs), like every item under it
+    #[clippy::msrv = "1.89"] // cfg(amoe_avx512): build.rs sets it when the intrinsics compile
     use std::arch::x86_64::{
         __m512, __m512i, _mm512_add_epi32, _mm512_add_ps, _mm512_and_si512, _mm512_castps_si512,
         _mm512_castsi256_si512, _mm512_castsi512_ps, _mm512_cmp_ps_mask, _mm512_cvtph_ps, _mm512_cvtps_ph,

@@ -13,7 +13,8 @@
 //! K <= 8 goes from its inputs to its rounded output row in a single pass. On
 //! x86_64 the same code is also compiled for AVX2 and picked at run time, and
 //! bf16 and f16 tokens have hand-written AVX2 and AVX-512 kernels (AVX-512
-//! where the CPU has F and BW and the crate was built by Rust 1.89 or later);
+//! where the CPU has F and BW and the compiler has the intrinsics: stable
+//! Rust 1.89 on, checked by `build.rs`);
 //! no fused multiply-add is used, so every path gives the same bits.
 //! A bf16 or f16 call that moves at least twice the last-level cache writes
 //! its output with streaming stores there (same bits; see
