@@ -787,24 +787,32 @@ mod tests {
     /// A file under the name whose header claims a staging size too large
     /// for any segment (torn or foreign) is stale: it is replaced, and its
     /// size is never computed with wrapping arithmetic.
-    #[test]
-    fn a_header_whose_segment_would_overflow_is_replaced() {
+    /// Creates the segment file of `name` holding only a header: our magic,
+    /// layout `version`, a world of one and `staging` bytes of staging (0:
+    /// the field left zero). Returns its path.
+    fn plant_header(name: &str, version: u32, staging: u64) -> String {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
-        use std::sync::atomic::AtomicU64;
 
-        let name = format!("overflowing-header-{}", std::process::id());
-        let path = segment_path(&name);
+        let path = segment_path(name);
         let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).expect("create");
         let mut block = vec![0u8; 2 * BLOCK];
         let put = |b: &mut [u8], at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
         put(&mut block, std::mem::offset_of!(Header, magic), &MAGIC.to_ne_bytes());
-        put(&mut block, std::mem::offset_of!(Header, version), &VERSION.to_ne_bytes());
+        put(&mut block, std::mem::offset_of!(Header, version), &version.to_ne_bytes());
         put(&mut block, std::mem::offset_of!(Header, world), &1u32.to_ne_bytes());
-        put(&mut block, std::mem::offset_of!(Header, staging), &(u64::MAX / 2).to_ne_bytes());
-        assert_eq!(std::mem::size_of::<AtomicU64>(), 8);
+        put(&mut block, std::mem::offset_of!(Header, staging), &staging.to_ne_bytes());
         f.write_all(&block).expect("write");
-        drop(f);
+        path
+    }
+
+    #[test]
+    fn a_header_whose_segment_would_overflow_is_replaced() {
+        use std::sync::atomic::AtomicU64;
+
+        let name = format!("overflowing-header-{}", std::process::id());
+        assert_eq!(std::mem::size_of::<AtomicU64>(), 8);
+        plant_header(&name, VERSION, u64::MAX / 2);
         let cfg = crate::Config::default();
         let c = crate::ShmComm::rendezvous(&name, 1, 0, Duration::from_secs(20), &cfg).expect("replaced");
         c.barrier().expect("a world of one");
@@ -816,20 +824,9 @@ mod tests {
     /// the file, and leaves the file where it is.
     #[test]
     fn a_file_of_another_layout_version_is_refused_and_left_alone() {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
-
         let name = format!("other-layout-{}", std::process::id());
-        let path = segment_path(&name);
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path).expect("create");
-        let mut block = vec![0u8; 2 * BLOCK];
-        let put = |b: &mut [u8], at: usize, v: &[u8]| b[at..at + v.len()].copy_from_slice(v);
         let theirs = VERSION + 7;
-        put(&mut block, std::mem::offset_of!(Header, magic), &MAGIC.to_ne_bytes());
-        put(&mut block, std::mem::offset_of!(Header, version), &theirs.to_ne_bytes());
-        put(&mut block, std::mem::offset_of!(Header, world), &1u32.to_ne_bytes());
-        f.write_all(&block).expect("write");
-        drop(f);
+        let path = plant_header(&name, theirs, 0);
         let t0 = Instant::now();
         let cfg = crate::Config::default();
         let r = crate::ShmComm::rendezvous(&name, 1, 0, Duration::from_secs(20), &cfg);
