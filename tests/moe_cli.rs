@@ -135,25 +135,30 @@ fn timeouts_are_positive_seconds_and_inf_is_unbounded() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// The output of a successful `ascend-moe info` with each variable of
+/// `vars` set to its value, or removed where it has none.
+fn info_with(vars: &[(&str, Option<&str>)]) -> String {
+    let mut c = Command::new(EXE);
+    c.arg("info");
+    for (var, value) in vars {
+        match value {
+            Some(v) => c.env(var, v),
+            None => c.env_remove(var),
+        };
+    }
+    let o = c.output().expect("run info");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
 /// `info` says where the kernel thread count and the comm timeout come from,
 /// and names a setting that is ignored because it is not a valid value (a
 /// typo such as `30s` left the 60 s default in force without a word).
 #[test]
 fn info_names_the_thread_and_timeout_settings_it_ignores() {
-    let info = |threads: Option<&str>, timeout: Option<&str>| {
-        let mut c = Command::new(EXE);
-        c.arg("info").env_remove("ASCEND_MOE_NUM_THREADS").env_remove("ASCEND_MOE_COMM_TIMEOUT");
-        if let Some(t) = threads {
-            c.env("ASCEND_MOE_NUM_THREADS", t);
-        }
-        if let Some(t) = timeout {
-            c.env("ASCEND_MOE_COMM_TIMEOUT", t);
-        }
-        let o = c.output().expect("run info");
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
-        out
-    };
+    let info =
+        |threads, timeout| info_with(&[("ASCEND_MOE_NUM_THREADS", threads), ("ASCEND_MOE_COMM_TIMEOUT", timeout)]);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let out = info(None, None);
     assert!(
@@ -175,17 +180,7 @@ fn info_names_the_thread_and_timeout_settings_it_ignores() {
 /// and says that a bad `ASCEND_MOE_HOST_POOL_BYTES` fails allocations.
 #[test]
 fn info_shows_the_host_pool_bound_and_a_bad_setting() {
-    let info = |pool: Option<&str>| {
-        let mut c = Command::new(EXE);
-        c.arg("info").env_remove("ASCEND_MOE_HOST_POOL_BYTES");
-        if let Some(p) = pool {
-            c.env("ASCEND_MOE_HOST_POOL_BYTES", p);
-        }
-        let o = c.output().expect("run info");
-        let out = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
-        out
-    };
+    let info = |pool| info_with(&[("ASCEND_MOE_HOST_POOL_BYTES", pool)]);
     let out = info(None);
     assert!(out.contains("host pool            keeps up to 1024 MiB of dropped results (the default:"), "{out}");
     let out = info(Some("256M"));
