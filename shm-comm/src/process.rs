@@ -513,20 +513,22 @@ mod tests {
         assert_eq!(r, Ok(-1), "a tracked step waited for a gate inherited from another process");
     }
 
-    /// The `/proc/self/maps` line of the mapping that holds `addr`, if any.
-    fn maps_line(addr: usize) -> Option<String> {
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        maps.lines()
-            .find(|l| {
-                let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
-                (usize::from_str_radix(lo, 16).unwrap()..usize::from_str_radix(hi, 16).unwrap()).contains(&addr)
-            })
-            .map(str::to_owned)
+    /// The line of `maps` (a `/proc/<pid>/maps` text) of the mapping that
+    /// holds `addr`, if any.
+    fn maps_line(maps: &str, addr: usize) -> Option<&str> {
+        maps.lines().find(|l| {
+            let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
+            (usize::from_str_radix(lo, 16).unwrap()..usize::from_str_radix(hi, 16).unwrap()).contains(&addr)
+        })
     }
 
     /// Where the kernel refuses private writable pages (strict overcommit),
     /// a child's tracked mapping still stops mapping the file: inaccessible
     /// pages, else no mapping at all.
+    ///
+    /// Checked in a forked child, its only thread: in the test process
+    /// another test's thread may map its own pages where the range was let
+    /// go, before the check reads the maps (or before the range is unmapped).
     #[test]
     fn a_mapping_is_let_go_even_without_memory_for_zero_pages() {
         unsafe extern "C" fn no_writable(
@@ -557,34 +559,77 @@ mod tests {
         let path = std::env::temp_dir().join(format!("shm-comm-unmapped-{}", std::process::id()));
         let file = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
         file.set_len(4096).unwrap();
-        for (mmap, expect) in [(no_writable as Mmap, Some("---p")), (none as Mmap, None)] {
-            // SAFETY: a new shared mapping of the file, replaced below and
-            // never used as the file's.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    4096,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    file.as_raw_fd(),
-                    0,
-                )
-            };
-            assert_ne!(p, libc::MAP_FAILED);
-            // SAFETY: p is that mapping.
-            unsafe { replace_with_private(p, 4096, mmap) };
-            let line = maps_line(p as usize);
-            // SAFETY: p's range is ours to unmap (whatever is there now).
-            unsafe { libc::munmap(p, 4096) };
-            match (expect, line) {
-                (None, None) => {}
-                (Some(perms), Some(line)) => assert!(
-                    line.split_whitespace().nth(1) == Some(perms) && !line.contains("shm-comm-unmapped"),
-                    "not replaced by inaccessible private pages: {line}"
-                ),
-                (expect, line) => panic!("expected {expect:?}, found {line:?}"),
+        let maps_path = c"/proc/self/maps";
+        // Made before the fork: the child only makes system calls and reads
+        // what they return.
+        let mut buf = vec![0u8; 1 << 22];
+        let fd = file.as_raw_fd();
+        // The child's exit code: 0, or what it found wrong.
+        let check = |buf: &mut [u8]| -> i32 {
+            for (case, (mmap, expect)) in
+                [(no_writable as Mmap, Some("---p")), (none as Mmap, None)].into_iter().enumerate()
+            {
+                let code = 10 * (case as i32 + 1);
+                // SAFETY: a new shared mapping of the file, replaced below
+                // and never used as the file's.
+                let p = unsafe {
+                    libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+                };
+                if p == libc::MAP_FAILED {
+                    return code + 1;
+                }
+                // SAFETY: p is that mapping.
+                unsafe { replace_with_private(p, 4096, mmap) };
+                // SAFETY: a NUL-terminated path; buf is writable for its length.
+                let n = unsafe {
+                    let m = libc::open(maps_path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                    let mut n = 0;
+                    loop {
+                        let r = libc::read(m, buf[n..].as_mut_ptr().cast(), buf.len() - n);
+                        if r <= 0 {
+                            break;
+                        }
+                        n += r as usize;
+                    }
+                    libc::close(m);
+                    n
+                };
+                if n == buf.len() {
+                    return code + 2;
+                }
+                let Ok(maps) = std::str::from_utf8(&buf[..n]) else { return code + 3 };
+                match (expect, maps_line(maps, p as usize)) {
+                    (None, None) => {}
+                    (Some(perms), Some(line))
+                        if line.split_whitespace().nth(1) == Some(perms) && !line.contains("shm-comm-unmapped") =>
+                    {
+                        // SAFETY: this thread's replacement of p, the only thread here.
+                        unsafe { libc::munmap(p, 4096) };
+                    }
+                    (_, Some(_)) => return code + 4,
+                    (Some(_), None) => return code + 5,
+                }
             }
+            0
+        };
+        // SAFETY: the child makes system calls and parses a buffer made
+        // before the fork (no allocation, no lock), then ends with _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            let code = check(&mut buf);
+            // SAFETY: ends the child without running the parent's destructors.
+            unsafe { libc::_exit(code) };
         }
+        assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+        let mut st = 0;
+        // SAFETY: pid is our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut st, 0) }, pid);
         std::fs::remove_file(&path).unwrap();
+        assert!(libc::WIFEXITED(st), "the checking child ended with status {st:#x}");
+        // Tens: the case (1 no writable private pages, 2 no pages at all);
+        // units: 1 the mapping failed, 2 the maps did not fit, 3 not text,
+        // 4 a mapping of the file or a writable one left (or any mapping,
+        // in case 2), 5 no mapping where inaccessible pages were expected.
+        assert_eq!(libc::WEXITSTATUS(st), 0, "the child found the range not let go as expected");
     }
 }
