@@ -15,7 +15,7 @@
 
 use std::ffi::CString;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::file::ino_at;
 use crate::presence::Presence;
@@ -446,6 +446,9 @@ impl Posted {
     }
 }
 
+/// How long a read of a split post waits for its owner to finish writing it.
+const REWRITE_WAIT: Duration = Duration::from_millis(200);
+
 /// Set in the length word of a refused split request.
 const SPLIT_REFUSED: u64 = 1 << 63;
 /// Set in the length word of a split request its poster failed and left.
@@ -490,8 +493,34 @@ impl Ctrl {
         self.split[0].store((g | 1).wrapping_add(1), Ordering::Release);
     }
 
-    /// The posted split request, if any (`None` also when it is being rewritten).
+    /// The posted split request, if any. A post found in mid-write is read
+    /// again once its owner wrote it (a few words, unless the owner was
+    /// preempted there), for at most [`REWRITE_WAIT`]: taken for no post, it
+    /// would hide a disagreement from a member that times out as its peer
+    /// marks its own post failed. `None` after that wait too (an owner that
+    /// died in mid-write), never a torn post.
     pub(crate) fn posted_split(&self) -> Option<Posted> {
+        let mut backoff = None;
+        loop {
+            if let Some(read) = self.read_split() {
+                return read;
+            }
+            let (deadline, spins) =
+                backoff.get_or_insert_with(|| (crate::clock::deadline(Instant::now(), REWRITE_WAIT), 0u32));
+            *spins += 1;
+            if *spins < 64 {
+                std::hint::spin_loop();
+            } else if Instant::now() >= *deadline {
+                return None;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// One read of the post: `None` when it was being written meanwhile,
+    /// else the post if there is one.
+    fn read_split(&self) -> Option<Option<Posted>> {
         let g = self.split[0].load(Ordering::Acquire);
         if g & 1 == 1 {
             return None;
@@ -501,11 +530,14 @@ impl Ctrl {
         let seq = self.split[2].load(Ordering::Relaxed);
         let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
         std::sync::atomic::fence(Ordering::Acquire);
-        if self.split[0].load(Ordering::Relaxed) != g || (len == 0 && word & SPLIT_REFUSED == 0) {
+        if self.split[0].load(Ordering::Relaxed) != g {
             return None;
         }
+        if len == 0 && word & SPLIT_REFUSED == 0 {
+            return Some(None);
+        }
         let ranks = (0..len.min(MAX_WORLD)).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect();
-        Some(Posted {
+        Some(Some(Posted {
             ranks,
             len,
             seq,
@@ -513,6 +545,62 @@ impl Ctrl {
             left: word & SPLIT_LEFT != 0,
             attempt: (word >> SPLIT_ATTEMPT_SHIFT) & SPLIT_ATTEMPT_MASK,
             gen: g,
-        })
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctrl() -> Box<Ctrl> {
+        // SAFETY: Ctrl is atomics and integer arrays, for which all zeros is
+        // a value (no post, state 0).
+        Box::new(unsafe { std::mem::zeroed() })
+    }
+
+    /// A peer reading a post while its owner rewrites it, again and again,
+    /// always finds one of the posts written: never none, never a mix.
+    #[test]
+    fn a_post_read_while_it_is_rewritten_is_one_of_the_posts_written() {
+        let c = ctrl();
+        c.post_split(Some((&[0, 1], 1)), 0, false);
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let (mut none, mut torn) = (0, 0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                while !done.load(Ordering::Relaxed) {
+                    c.post_split(Some((&[1, 0, 2], 7)), 3, false);
+                    c.post_split_left(&[0, 1], 1, 0);
+                }
+            });
+            for _ in 0..200_000 {
+                match c.posted_split() {
+                    None => none += 1,
+                    Some(p) => {
+                        let a = p.ranks == [1, 0, 2] && p.seq == 7 && p.attempt == 3 && !p.left;
+                        let b = p.ranks == [0, 1] && p.seq == 1 && p.attempt == 0;
+                        torn += usize::from(!(a || b) || p.refused);
+                    }
+                }
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+        assert_eq!((none, torn), (0, 0), "reads that found no post, torn reads");
+    }
+
+    /// A post whose owner stopped in mid-write (it died there) reads as none
+    /// after a bounded wait, and a withdrawn post reads as none at once.
+    #[test]
+    fn a_post_left_in_mid_write_reads_as_none_and_a_withdrawn_one_as_none() {
+        let c = ctrl();
+        c.post_split(Some((&[0, 1], 1)), 0, false);
+        assert!(c.posted_split().is_some());
+        c.post_split(None, 0, false);
+        assert_eq!(c.posted_split(), None);
+        c.post_split(Some((&[0, 1], 1)), 0, false);
+        let g = c.split[0].load(Ordering::Relaxed);
+        c.split[0].store(g | 1, Ordering::Relaxed);
+        assert_eq!(c.posted_split(), None);
     }
 }
