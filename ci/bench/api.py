@@ -2,11 +2,13 @@
 (ctypes over the C ABI, numpy buffers passed without copies) against
 `ascend-moe bench finalize` and `ascend-moe bench collectives --procs`.
 
-Finalize (the CLI's case: mode 2, f32 scales, x1): rounds alternate the CLI
-(kernel time and its same-run triad floor) and the Python op on the same
-shape and threads, the op into a reused `out=` array and allocating its
-output, call for call in turn; each form is the best of its `--iters`
-calls, and the report gives the medians over `--rounds` rounds of: kernel,
+Finalize (the CLI's case: mode 2, f32 scales, x1): every round runs the
+CLI (kernel time and its same-run triad floor), the Python op on the same
+shape and threads, and the CLI again, and takes the mean of the two CLI
+runs' kernel and floor times (the host's bandwidth drifts between
+processes: the two runs bracket the Python op's). The op writes into a
+reused `out=` array and allocates its output, call for call in turn; each
+form is the best of its `--iters` calls, and the report gives the medians over `--rounds` rounds of: kernel,
 floor, Python (`out=`), Python (allocating), Python / kernel and floor /
 Python (both forms; every round keeps its own floor / Python, and the worst
 allocating round is given).
@@ -102,10 +104,21 @@ def bench_finalize(a) -> dict:
     cmd = finalize_cmd(a, a.tokens, a.iters, ["--threads", str(a.threads)])
     rounds = []
     for _ in range(a.rounds):
-        r = cli_json(cmd)[0]
+        # The CLI runs before and after the Python op, and the round takes the
+        # mean of the two (as `bench collectives` brackets its rows with the
+        # triad): this host's bandwidth drifts between one process and the next.
+        before = cli_json(cmd)[0]
         py, alloc = python_finalize_s(inputs, a.iters)
+        after = cli_json(cmd)[0]
         rounds.append(
-            {"kernel_s": r["time_us"] / 1e6, "floor_s": r["floor_us"] / 1e6, "python_s": py, "python_alloc_s": alloc}
+            {
+                "kernel_s": (before["time_us"] + after["time_us"]) / 2e6,
+                "floor_s": (before["floor_us"] + after["floor_us"]) / 2e6,
+                "floor_before_s": before["floor_us"] / 1e6,
+                "floor_after_s": after["floor_us"] / 1e6,
+                "python_s": py,
+                "python_alloc_s": alloc,
+            }
         )
     for r in rounds:
         r["floor_over_python"] = r["floor_s"] / r["python_s"]
