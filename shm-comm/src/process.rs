@@ -515,10 +515,13 @@ mod tests {
 
     /// The line of `maps` (a `/proc/<pid>/maps` text) of the mapping that
     /// holds `addr`, if any.
+    /// Never panics (it runs in a forked child): a line it cannot read holds
+    /// nothing.
     fn maps_line(maps: &str, addr: usize) -> Option<&str> {
         maps.lines().find(|l| {
-            let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
-            (usize::from_str_radix(lo, 16).unwrap()..usize::from_str_radix(hi, 16).unwrap()).contains(&addr)
+            let range = l.split_once(' ').and_then(|(r, _)| r.split_once('-'));
+            let bound = |h: &str| usize::from_str_radix(h, 16).ok();
+            range.and_then(|(lo, hi)| Some((bound(lo)?..bound(hi)?).contains(&addr))) == Some(true)
         })
     }
 
@@ -581,19 +584,20 @@ mod tests {
                 // SAFETY: p is that mapping.
                 unsafe { replace_with_private(p, 4096, mmap) };
                 // SAFETY: a NUL-terminated path; buf is writable for its length.
-                let n = unsafe {
+                let read = unsafe {
                     let m = libc::open(maps_path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
                     let mut n = 0;
-                    loop {
-                        let r = libc::read(m, buf[n..].as_mut_ptr().cast(), buf.len() - n);
-                        if r <= 0 {
-                            break;
-                        }
-                        n += r as usize;
+                    let mut r = if m < 0 { -1 } else { 1 };
+                    while r > 0 {
+                        r = libc::read(m, buf[n..].as_mut_ptr().cast(), buf.len() - n);
+                        n += r.max(0) as usize;
                     }
-                    libc::close(m);
-                    n
+                    if m >= 0 {
+                        libc::close(m);
+                    }
+                    (r == 0).then_some(n)
                 };
+                let Some(n) = read else { return code + 6 };
                 if n == buf.len() {
                     return code + 2;
                 }
@@ -620,16 +624,18 @@ mod tests {
             // SAFETY: ends the child without running the parent's destructors.
             unsafe { libc::_exit(code) };
         }
-        assert!(pid > 0, "fork: {}", std::io::Error::last_os_error());
+        let fork_error = std::io::Error::last_os_error();
         let mut st = 0;
         // SAFETY: pid is our child.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut st, 0) }, pid);
+        let waited = pid > 0 && unsafe { libc::waitpid(pid, &mut st, 0) } == pid;
         std::fs::remove_file(&path).unwrap();
-        assert!(libc::WIFEXITED(st), "the checking child ended with status {st:#x}");
+        assert!(pid > 0, "fork: {fork_error}");
+        assert!(waited && libc::WIFEXITED(st), "the checking child ended with status {st:#x}");
         // Tens: the case (1 no writable private pages, 2 no pages at all);
         // units: 1 the mapping failed, 2 the maps did not fit, 3 not text,
-        // 4 a mapping of the file or a writable one left (or any mapping,
-        // in case 2), 5 no mapping where inaccessible pages were expected.
+        // 4 a mapping left other than inaccessible private pages (or still
+        // naming the file; in case 2 any mapping), 5 no mapping where
+        // inaccessible pages were expected, 6 the maps could not be read.
         assert_eq!(libc::WEXITSTATUS(st), 0, "the child found the range not let go as expected");
     }
 }

@@ -446,7 +446,7 @@ impl Posted {
     }
 }
 
-/// How long a read of a split post waits for its owner to finish writing it.
+/// How long a read of a split post waits for one write of its owner to finish.
 const REWRITE_WAIT: Duration = Duration::from_millis(200);
 
 /// Set in the length word of a refused split request.
@@ -495,49 +495,58 @@ impl Ctrl {
 
     /// The posted split request, if any. A post found in mid-write is read
     /// again once its owner wrote it (a few words, unless the owner was
-    /// preempted there), for at most [`REWRITE_WAIT`]: taken for no post, it
-    /// would hide a disagreement from a member that times out as its peer
-    /// marks its own post failed. `None` after that wait too (an owner that
-    /// died in mid-write), never a torn post.
+    /// preempted there): taken for no post, it would hide a disagreement from
+    /// a member that times out as its peer marks its own post failed. `None`
+    /// also when one write stays unfinished for [`REWRITE_WAIT`] (its owner
+    /// died there, or was stalled longer than that), never a torn post.
     pub(crate) fn posted_split(&self) -> Option<Posted> {
-        let mut backoff = None;
+        // The write in progress (its generation word) and when it was first seen.
+        let mut stalled: Option<(u64, Instant)> = None;
+        let mut spins = 0u32;
         loop {
-            if let Some(read) = self.read_split() {
-                return read;
+            match self.read_split() {
+                SplitRead::Read(post) => return post,
+                SplitRead::Torn(g) => match stalled {
+                    Some((seen, since)) if seen == g => {
+                        if since.elapsed() >= REWRITE_WAIT {
+                            return None;
+                        }
+                    }
+                    _ => stalled = Some((g, Instant::now())),
+                },
             }
-            let (deadline, spins) =
-                backoff.get_or_insert_with(|| (crate::clock::deadline(Instant::now(), REWRITE_WAIT), 0u32));
-            *spins += 1;
-            if *spins < 64 {
+            spins = spins.saturating_add(1);
+            if spins < 64 {
                 std::hint::spin_loop();
-            } else if Instant::now() >= *deadline {
-                return None;
             } else {
                 std::thread::yield_now();
             }
         }
     }
 
-    /// One read of the post: `None` when it was being written meanwhile,
-    /// else the post if there is one.
-    fn read_split(&self) -> Option<Option<Posted>> {
+    /// One read of the post.
+    fn read_split(&self) -> SplitRead {
         let g = self.split[0].load(Ordering::Acquire);
         if g & 1 == 1 {
-            return None;
+            return SplitRead::Torn(g);
         }
         let word = self.split[1].load(Ordering::Relaxed);
         let len = usize::try_from(word & SPLIT_LEN_MASK).unwrap_or(usize::MAX);
         let seq = self.split[2].load(Ordering::Relaxed);
-        let words: Vec<u64> = self.split[3..].iter().map(|w| w.load(Ordering::Relaxed)).collect();
+        let mut words = [0u64; SPLIT_WORDS - 3];
+        for (w, a) in words.iter_mut().zip(&self.split[3..]) {
+            *w = a.load(Ordering::Relaxed);
+        }
         std::sync::atomic::fence(Ordering::Acquire);
-        if self.split[0].load(Ordering::Relaxed) != g {
-            return None;
+        let now = self.split[0].load(Ordering::Relaxed);
+        if now != g {
+            return SplitRead::Torn(now);
         }
         if len == 0 && word & SPLIT_REFUSED == 0 {
-            return Some(None);
+            return SplitRead::Read(None);
         }
         let ranks = (0..len.min(MAX_WORLD)).map(|i| ((words[i / 8] >> (8 * (i % 8))) & 0xff) as usize).collect();
-        Some(Some(Posted {
+        SplitRead::Read(Some(Posted {
             ranks,
             len,
             seq,
@@ -547,6 +556,15 @@ impl Ctrl {
             gen: g,
         }))
     }
+}
+
+/// One read of a split post.
+enum SplitRead {
+    /// Written meanwhile: the generation word found (odd while a write is
+    /// under way).
+    Torn(u64),
+    /// The post, or none.
+    Read(Option<Posted>),
 }
 
 #[cfg(test)]
@@ -590,9 +608,9 @@ mod tests {
     }
 
     /// A post whose owner stopped in mid-write (it died there) reads as none
-    /// after a bounded wait, and a withdrawn post reads as none at once.
+    /// once the read waited for it, not before; a withdrawn post reads as none.
     #[test]
-    fn a_post_left_in_mid_write_reads_as_none_and_a_withdrawn_one_as_none() {
+    fn a_post_abandoned_in_mid_write_reads_as_none_after_the_wait_and_a_withdrawn_one_as_none() {
         let c = ctrl();
         c.post_split(Some((&[0, 1], 1)), 0, false);
         assert!(c.posted_split().is_some());
@@ -601,6 +619,8 @@ mod tests {
         c.post_split(Some((&[0, 1], 1)), 0, false);
         let g = c.split[0].load(Ordering::Relaxed);
         c.split[0].store(g | 1, Ordering::Relaxed);
+        let start = Instant::now();
         assert_eq!(c.posted_split(), None);
+        assert!(start.elapsed() >= REWRITE_WAIT, "gave up on the write after {:?}", start.elapsed());
     }
 }

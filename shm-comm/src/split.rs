@@ -257,8 +257,8 @@ impl ShmComm {
     /// or posted anything else since, or is gone.
     fn await_left(&self, members: &[(usize, u64)]) {
         let deadline = crate::clock::deadline(std::time::Instant::now(), self.inner.timeout);
-        // No post: withdrawn (a split formed), or its owner died while
-        // rewriting it.
+        // No post: withdrawn (a split formed), or its owner died or stalled
+        // while rewriting it.
         let left = |r: usize, gen: u64| self.inner.seg.ctrl(r).posted_split().map_or(true, |p| p.left || p.gen != gen);
         while !members.iter().all(|&(r, gen)| left(r, gen) || !self.gone_members(&[r]).is_empty()) {
             if std::time::Instant::now() >= deadline {
