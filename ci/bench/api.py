@@ -4,14 +4,15 @@
 
 Finalize (the CLI's case: mode 2, f32 scales, x1): every round runs the
 CLI (kernel time and its same-run triad floor), the Python op on the same
-shape and threads, and the CLI again, and takes the mean of the two CLI
-runs' kernel and floor times (the host's bandwidth drifts between
-processes: the two runs bracket the Python op's). The op writes into a
-reused `out=` array and allocates its output, call for call in turn; each
-form is the best of its `--iters` calls, and the report gives the medians over `--rounds` rounds of: kernel,
-floor, Python (`out=`), Python (allocating), Python / kernel and floor /
-Python (both forms; every round keeps its own floor / Python, and the worst
-allocating round is given).
+shape and threads, and the CLI again: the host's bandwidth drifts between
+processes, and the two CLI runs bracket the Python calls. The round's
+kernel time is the mean of the two runs', its floor the finalize's bytes
+over the mean of their triad bandwidths. The op writes into a reused
+`out=` array and allocates its output, call for call in turn; each form is
+the best of its `--iters` calls, and the report gives the medians over
+`--rounds` rounds of: kernel, floor, Python (`out=`), Python (allocating),
+Python / kernel and floor / Python (both forms; every round keeps its own
+floor / Python, and the worst allocating round is given).
 
 Decode-size finalize (`--decode-tokens`, default 1 and 16 rows of the same
 K and H): the same two forms against the CLI's kernel, both on the threads a
@@ -104,18 +105,24 @@ def bench_finalize(a) -> dict:
     cmd = finalize_cmd(a, a.tokens, a.iters, ["--threads", str(a.threads)])
     rounds = []
     for _ in range(a.rounds):
-        # The CLI runs before and after the Python op, and the round takes the
-        # mean of the two (as `bench collectives` brackets its rows with the
-        # triad): this host's bandwidth drifts between one process and the next.
+        # The CLI runs before and after the Python op's calls (this host's
+        # bandwidth drifts between one process and the next). The round's
+        # floor is the bytes over the mean of the two runs' triad bandwidths
+        # (the harmonic mean of their floor times), as `bench collectives`
+        # brackets its rows with the triad; its kernel time the mean of theirs.
         before = cli_json(cmd)[0]
         py, alloc = python_finalize_s(inputs, a.iters)
         after = cli_json(cmd)[0]
+        fb, fa = before["floor_us"] / 1e6, after["floor_us"] / 1e6
+        kb, ka = before["time_us"] / 1e6, after["time_us"] / 1e6
         rounds.append(
             {
-                "kernel_s": (before["time_us"] + after["time_us"]) / 2e6,
-                "floor_s": (before["floor_us"] + after["floor_us"]) / 2e6,
-                "floor_before_s": before["floor_us"] / 1e6,
-                "floor_after_s": after["floor_us"] / 1e6,
+                "kernel_s": (kb + ka) / 2,
+                "floor_s": 2 / (1 / fb + 1 / fa),
+                "kernel_before_s": kb,
+                "kernel_after_s": ka,
+                "floor_before_s": fb,
+                "floor_after_s": fa,
                 "python_s": py,
                 "python_alloc_s": alloc,
             }
