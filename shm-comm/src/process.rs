@@ -515,6 +515,7 @@ mod tests {
 
     /// The line of `maps` (a `/proc/<pid>/maps` text) of the mapping that
     /// holds `addr`, if any.
+    ///
     /// Never panics (it runs in a forked child): a line it cannot read holds
     /// nothing.
     fn maps_line(maps: &str, addr: usize) -> Option<&str> {
