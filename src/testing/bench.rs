@@ -73,7 +73,8 @@ pub struct FinalizeReport {
     pub kernel_s: f64,
     /// Best time of the whole op (`moe_finalize_routing`, allocating its output), seconds.
     pub op_s: f64,
-    /// Best triad time for the same bytes on the same threads, seconds.
+    /// Best triad time for the same bytes on the same threads, seconds; its
+    /// passes take turns with the kernel's calls.
     pub triad_s: f64,
 }
 
@@ -185,6 +186,19 @@ impl Triad {
         Triad { a: vec![0.0; n], b: vec![1.0; n], c: vec![2.0; n] }
     }
 
+    /// [`Triad::new`], or an [`Error::HostMemory`] when the arrays cannot be had.
+    pub fn try_new(bytes: usize) -> Result<Self> {
+        let n = (bytes / 12).max(1);
+        let array = |v: f32| try_collect("triad", n, |_| v);
+        Ok(Triad { a: array(0.0)?, b: array(1.0)?, c: array(2.0)? })
+    }
+
+    /// Bytes one pass moves: 12 per element (STREAM's count: two arrays
+    /// read, one written).
+    pub fn bytes(&self) -> usize {
+        12 * self.a.len()
+    }
+
     /// One pass on `threads` threads, started as the CPU finalize starts them:
     /// the calling thread takes the first chunk and starts a thread for each
     /// other one, so one thread runs on the calling thread alone.
@@ -224,21 +238,6 @@ pub fn triad_array_bytes(threads: usize, llc: Option<usize>) -> usize {
     let threads = threads.max(1);
     let want = llc.map_or(0, |c| c.div_ceil(threads));
     want.min(TRIAD_MAX_TOTAL / (3 * threads)).max(TRIAD_MIN_ARRAY)
-}
-
-/// Best time of a triad `a = b + s * c` over f32 arrays moving `bytes` bytes on `threads` threads
-/// (started as the CPU finalize starts them); the first pass faults the pages in and is not timed.
-pub fn triad_seconds(bytes: usize, threads: usize, iters: usize) -> f64 {
-    let mut t = Triad::new(bytes);
-    let mut best = f64::INFINITY;
-    for it in 0..iters.clamp(1, MAX_ITERS) + 1 {
-        let t0 = Instant::now();
-        t.pass(threads, 0.5 + it as f32);
-        if it > 0 {
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-    }
-    best
 }
 
 /// The most timed repetitions a benchmark takes (`--iters`, `--warmup`,
@@ -288,28 +287,42 @@ pub fn bench_finalize(cfg: &FinalizeBench) -> Result<FinalizeReport> {
     let (shape, dims) = moe_finalize_routing_output_shape(&args)?;
     let backend = Device::Cpu.backend();
     let mut out = backend.zeros(&shape, cfg.dtype)?;
-    let mut kernel_s = f64::INFINITY;
-    let mut op_s = f64::INFINITY;
-    let mut run = || -> Result<()> {
-        for it in 0..cfg.iters + 1 {
-            let t0 = Instant::now();
-            backend.finalize_routing(&args, &dims, &mut out, OutputRows::Dense)?;
-            let dt = t0.elapsed().as_secs_f64();
-            if it > 0 {
-                kernel_s = kernel_s.min(dt);
-            }
-            let t0 = Instant::now();
-            let o = moe_finalize_routing(&args)?;
-            op_s = op_s.min(t0.elapsed().as_secs_f64());
-            std::hint::black_box(&o);
-        }
+    // The triad's passes take turns with the kernel's calls: a shared host's
+    // bandwidth drifts within a second, and a floor measured after all the
+    // calls would compare them with another machine. The untimed first round
+    // also faults the triad's pages in.
+    let mut triad = Triad::try_new(bytes)?;
+    let mut kernel = |_| backend.finalize_routing(&args, &dims, &mut out, OutputRows::Dense);
+    let mut op = |_| moe_finalize_routing(&args).map(|o| drop(std::hint::black_box(o)));
+    let mut floor = |it: usize| {
+        triad.pass(threads, 0.5 + it as f32);
         Ok(())
     };
-    let r = run();
+    let r = best_in_turns(cfg.iters, [&mut kernel, &mut op, &mut floor]);
     set_num_threads(None);
-    r?;
-    let triad_s = triad_seconds(bytes, threads, cfg.iters);
+    let [kernel_s, op_s, triad_s] = r?;
     Ok(FinalizeReport { threads, bytes, kernel_s, op_s, triad_s })
+}
+
+/// The best time in seconds of each of `steps` over `iters` rounds in which
+/// they run in turn (each is passed the round), after one untimed round:
+/// steps that take turns are measured on the same machine, however a shared
+/// host's speed drifts.
+fn best_in_turns<const N: usize>(
+    iters: usize,
+    mut steps: [&mut dyn FnMut(usize) -> Result<()>; N],
+) -> Result<[f64; N]> {
+    let mut best = [f64::INFINITY; N];
+    for round in 0..iters + 1 {
+        for (step, best) in steps.iter_mut().zip(&mut best) {
+            let t0 = Instant::now();
+            step(round)?;
+            if round > 0 {
+                *best = best.min(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// Sizes of the finalize-and-reduce benchmark.
@@ -655,6 +668,26 @@ mod tests {
     }
 
     /// The bench's row indices hold every row once.
+    #[test]
+    fn timed_steps_take_turns_after_one_untimed_round() {
+        let calls = std::cell::RefCell::new(Vec::new());
+        let mut a = |r| {
+            calls.borrow_mut().push(('a', r));
+            Ok(())
+        };
+        let mut b = |r| {
+            calls.borrow_mut().push(('b', r));
+            Ok(())
+        };
+        let best = best_in_turns(2, [&mut a, &mut b]).unwrap();
+        assert_eq!(*calls.borrow(), [('a', 0), ('b', 0), ('a', 1), ('b', 1), ('a', 2), ('b', 2)]);
+        assert!(best.iter().all(|t| t.is_finite() && *t >= 0.0), "{best:?}");
+        // A failing step ends the rounds with its error.
+        let mut fail = |r| if r == 1 { Err(Error::invalid("step", "round", "1")) } else { Ok(()) };
+        let e = best_in_turns(3, [&mut fail]).unwrap_err().to_string();
+        assert!(e.contains("round"), "{e}");
+    }
+
     #[test]
     fn permutations_hold_every_row_once() {
         for n in [0usize, 1, 7, 4096, 10_000] {

@@ -3,7 +3,8 @@
 //! `finalize`: the CPU finalize kernel (mode 2, f32 scales, x1) against a
 //! same-run triad floor: the time a STREAM triad on the same threads takes to
 //! move the bytes the kernel must move (`expanded_x` and `x1` read, `out`
-//! written, indices and scales read). `vs floor` = floor / kernel time.
+//! written, indices and scales read), a pass after each call, so both see
+//! the same machine. `vs floor` = floor / kernel time.
 //!
 //! `finalize_and_reduce`: DP x TP ranks as threads, the fused EP/SP finalize
 //! (`finalize_and_reduce`) against `moe_finalize_routing` followed by
