@@ -14,6 +14,14 @@ fn run(args: &[&str]) -> (String, String) {
 }
 
 /// The number after the first `"key":` in `json`.
+/// Bytes of the three triad arrays each of `world` ranks keeps through the
+/// rows of `bench collectives`: as large as `bench triad` makes them.
+fn triad_bytes(world: usize) -> u64 {
+    let array =
+        ascend_moe::testing::bench::triad_array_bytes(world, ascend_moe::testing::bench::last_level_cache_bytes());
+    3 * array as u64
+}
+
 fn json_number(json: &str, key: &str) -> f64 {
     let at = json.find(&format!("\"{key}\":")).unwrap_or_else(|| panic!("no {key} in {json}")) + key.len() + 3;
     let end = json[at..].find([',', '}']).map(|e| at + e).unwrap_or(json.len());
@@ -106,36 +114,35 @@ fn collectives_move_one_byte_dtypes_and_refuse_to_reduce_them() {
     );
 }
 
-/// The floor uses the mean of the triads taken before and after the rows,
-/// and the JSON says all three.
+/// Every row's floor uses its own triad, the mean of the one taken before
+/// its iterations and the one after them, and the JSON says all three (in
+/// worlds of threads and of processes, whose ranks send theirs over a pipe).
 #[test]
-fn collectives_floor_uses_the_triads_around_the_rows() {
-    let (json, _) = run(&[
-        "bench",
-        "collectives",
-        "--ranks",
-        "2",
-        "--ops",
-        "all_reduce",
-        "--dtype",
-        "f32",
-        "-b",
-        "4K",
-        "-e",
-        "4K",
-        "--iters",
-        "1",
-        "--warmup",
-        "0",
-        "--json",
-    ]);
-    let num = |key: &str| json_number(&json, key);
-    let (mean, before, after) = (num("gbps"), num("before_gbps"), num("after_gbps"));
-    assert!(before > 0.0 && after > 0.0, "{json}");
-    assert!((mean - (before + after) / 2.0).abs() <= 0.002, "{json}");
-    // all_reduce on 2 ranks moves 2 x (5 S - S / 2) bytes; S = 4096.
-    let floor_us = 2.0 * (5.0 * 4096.0 - 2048.0) / (mean * 1e3);
-    assert!((num("floor_us") - floor_us).abs() <= 0.01 * floor_us, "{json}");
+fn collectives_floor_uses_the_triads_around_each_row() {
+    for procs in [false, true] {
+        let mut args = vec!["bench", "collectives", "--ranks", "2", "--ops", "all_reduce,all_gather", "--dtype", "f32"];
+        args.extend(["-b", "4K", "-e", "4K", "--iters", "1", "--warmup", "0", "--json"]);
+        args.extend(procs.then_some("--procs"));
+        let (json, _) = run(&args);
+        let rows: Vec<&str> = json.lines().filter(|l| l.contains("\"op\":")).collect();
+        assert_eq!(rows.len(), 2, "{json}");
+        for (row, op_bytes) in rows.iter().zip([
+            // all_reduce on 2 ranks moves 2 x (5 S - S / 2) bytes; S = 4096.
+            2.0 * (5.0 * 4096.0 - 2048.0),
+            // all_gather: 2 x (2 S + 2 S / 2).
+            2.0 * (2.0 * 4096.0 + 4096.0),
+        ]) {
+            let num = |key: &str| json_number(row, key);
+            let (mean, before, after) = (num("triad_gbps"), num("triad_before_gbps"), num("triad_after_gbps"));
+            assert!(before > 0.0 && after > 0.0, "{row}");
+            assert!((mean - (before + after) / 2.0).abs() <= 0.002, "{row}");
+            let floor_us = op_bytes / (mean * 1e3);
+            assert!((num("floor_us") - floor_us).abs() <= 0.01 * floor_us, "{row}");
+            // vs_floor is printed to 4 decimals.
+            let vs_floor = floor_us / num("time_us");
+            assert!((num("vs_floor") - vs_floor).abs() <= 0.000_05 + 0.01 * vs_floor, "{row}");
+        }
+    }
 }
 
 #[test]
@@ -215,22 +222,32 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&coll(&["-e", "17179869184G"]), "size \"17179869184G\" is more bytes than this machine can address");
     refused(
         &coll(&["--ranks", "1", "-b", "8", "-e", "18446744073709551615"]),
-        "--max-bytes 18446744073709551615: the row of 9223372036854775808 bytes, an input and an output of that \
-         size and 12587008 bytes of staging on each of 1 ranks, needs more bytes of host memory than this machine \
-         can address",
+        &format!(
+            "--max-bytes 18446744073709551615: the row of 9223372036854775808 bytes, an input and an output of that \
+             size, 12587008 bytes of staging and {} bytes of triad arrays on each of 1 ranks, needs more bytes of \
+             host memory than this machine can address",
+            triad_bytes(1)
+        ),
     );
     // Rows larger than the host's memory were killed part-way, without a word.
-    // Per rank: 2 x 4096 GiB of buffers and 3 slots of 1 MiB + 4 KiB of
-    // staging segment.
+    // Per rank: 2 x 4096 GiB of buffers, 3 slots of 1 MiB + 4 KiB of staging
+    // segment, and the triad's three arrays.
     refused(
         &coll(&["--ranks", "64", "-b", "4096G", "-e", "4096G", "--staging-bytes", "1048576"]),
-        "of staging on each of 64 ranks, needs 562950155010048 bytes of host memory, more than the",
+        &format!(
+            "of triad arrays on each of 64 ranks, needs {} bytes of host memory, more than the",
+            64 * (2 * (4096u64 << 30) + 3 * (1 << 20) + 4096 + triad_bytes(64))
+        ),
     );
     // A staging segment larger than the host's memory, under small rows.
     refused(
         &coll(&["--ranks", "2", "-b", "8", "-e", "8", "--staging-bytes", "1099511627776"]),
-        "--max-bytes 8: the row of 8 bytes, an input and an output of that size and 3298534887424 bytes of staging \
-         on each of 2 ranks, needs 6597069774880 bytes of host memory, more than the",
+        &format!(
+            "--max-bytes 8: the row of 8 bytes, an input and an output of that size, 3298534887424 bytes of staging \
+             and {} bytes of triad arrays on each of 2 ranks, needs {} bytes of host memory, more than the",
+            triad_bytes(2),
+            2 * (2 * 8 + 3 * (1u64 << 40) + 4096 + triad_bytes(2))
+        ),
     );
     // Triad arrays past the host's memory: an abort in the allocator, or the
     // kernel killing the run; a size past the address space wrapped around.

@@ -11,10 +11,13 @@
 //!
 //! Floor: a STREAM-like triad (`a[i] = b[i] + s * c[i]` on f32, arrays that
 //! together hold three times the last-level cache, at least 32 MiB each,
-//! one thread per rank, best of several runs, counting
-//! 12 bytes per element), taken before and again after each world's rows, gives
-//! the machine's memory bandwidth B as the mean of the two (a shared machine's
-//! bandwidth drifts while the rows run). The floor of a
+//! one thread per rank: every rank passes over its own arrays at once, counting
+//! 12 bytes per element), taken before and again after each row (best of
+//! [`ROW_TRIAD_PASSES`] passes each, a pass's time the slowest rank's), gives
+//! the machine's memory bandwidth B for that row as the mean of the two: a
+//! shared machine's bandwidth drifts over the seconds a run of rows takes, and
+//! a row compared with a triad taken seconds away is compared with another
+//! machine. The floor of a
 //! collective is (bytes it must move through memory) / B, summed over ranks,
 //! where the bytes are those of the staged shared-memory algorithm: user
 //! buffers are private, so every input byte that a peer needs is read once and
@@ -43,6 +46,10 @@ use ascend_moe::ranks::run_ranks_with;
 use ascend_moe::testing::bench::{
     bytes_of, last_level_cache_bytes, memory_available, memory_shortfall, triad_array_bytes, Triad, MAX_ITERS,
 };
+
+/// Triad passes every rank makes before a row's iterations, and again after
+/// them; the best of each is kept.
+const ROW_TRIAD_PASSES: usize = 2;
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
 use crate::launch;
@@ -131,6 +138,19 @@ pub struct Meas {
     count: usize,
     time_ns: i64,
     wrong: i64,
+    /// Bytes one triad pass of all ranks moves.
+    triad_bytes: usize,
+    /// Best pass time (the slowest rank's) of the triad before and after the row.
+    triad_ns: [i64; 2],
+}
+
+impl Meas {
+    /// The row's triad bandwidth, bytes/s: the mean of the one before the
+    /// row and the one after it.
+    fn triad_bandwidth(&self) -> f64 {
+        let bw = |ns: i64| self.triad_bytes as f64 / (ns.max(1) as f64 / 1e9);
+        (bw(self.triad_ns[0]) + bw(self.triad_ns[1])) / 2.0
+    }
 }
 
 /// Element count of the size-S buffer for `op` on `w` ranks (a multiple of `w`).
@@ -173,14 +193,24 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
     let esz = T::DTYPE.size();
     let mut out = Vec::new();
     let mut bar = (progress && rank == 0).then(|| Progress::new(w.ops.len() * w.sizes.len()));
+    // This rank's share of the triad: three arrays, the size `bench triad`
+    // gives each of `n` threads; one untimed pass faults their pages in.
+    let mut triad = Triad::try_new(3 * triad_array_bytes(n, last_level_cache_bytes()))?;
+    triad.pass(1, 1.0);
+    let triad_bytes = n * triad.bytes();
     for op in &w.ops {
         for &bytes in &w.sizes {
             let count = count_for(bytes, esz, n);
             let per = count / n;
-            let mut times = Vec::with_capacity(w.iters);
+            // Per iteration the rank's time; then its triad pass times, before and after the row.
+            let mut times = Vec::with_capacity(w.iters + 2 * ROW_TRIAD_PASSES);
             let bad;
             macro_rules! timed {
                 ($body:expr) => {{
+                    let mut triad_before = Vec::with_capacity(ROW_TRIAD_PASSES);
+                    for _ in 0..ROW_TRIAD_PASSES {
+                        triad_before.push(triad_pass(comm, &mut triad)?);
+                    }
                     for it in 0..w.warmup + w.iters {
                         comm.barrier()?;
                         let t0 = Instant::now();
@@ -189,6 +219,10 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
                         if it >= w.warmup {
                             times.push(dt);
                         }
+                    }
+                    times.extend(triad_before);
+                    for _ in 0..ROW_TRIAD_PASSES {
+                        times.push(triad_pass(comm, &mut triad)?);
                     }
                 }};
             }
@@ -232,10 +266,14 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
                     ))
                 }
             }
-            // The slowest rank's time per iteration, and the total of wrong elements.
+            // The slowest rank's time per iteration and per triad pass, and the total of wrong elements.
             let mut t = Tensor::from_slice(&times, &[times.len()])?;
             comm.all_reduce_in_place(&mut t, ReduceOp::Max)?;
             let mut times = t.to_vec::<i64>()?;
+            let after = times.split_off(w.iters + ROW_TRIAD_PASSES);
+            let before = times.split_off(w.iters);
+            let best = |v: &[i64]| v.iter().copied().min().unwrap_or(1);
+            let triad_ns = [best(&before), best(&after)];
             times.sort_unstable();
             let median = median_ns(&times);
             let mut b = Tensor::from_slice(&[bad], &[1])?;
@@ -248,13 +286,22 @@ fn bench_typed<T: Element>(comm: &Comm, w: &WorkerArgs, progress: bool) -> ascen
                     median as f64 / 1e3
                 ));
             }
-            out.push(Meas { op: op.clone(), bytes: count * esz, count, time_ns: median, wrong });
+            out.push(Meas { op: op.clone(), bytes: count * esz, count, time_ns: median, wrong, triad_bytes, triad_ns });
         }
     }
     if let Some(bar) = &bar {
         bar.finish();
     }
     Ok(out)
+}
+
+/// The time of one triad pass over this rank's arrays, started together
+/// with every other rank's, in ns.
+fn triad_pass(comm: &Comm, triad: &mut Triad) -> ascend_moe::Result<i64> {
+    comm.barrier()?;
+    let t0 = Instant::now();
+    triad.pass(1, 3.0);
+    Ok(t0.elapsed().as_nanos() as i64)
 }
 
 /// The median of `sorted` (ascending): the middle value, or the mean of the
@@ -269,14 +316,19 @@ fn median_ns(sorted: &[i64]) -> i64 {
     }
 }
 
-/// Worker line format: `BENCH\top\tbytes\tcount\ttime_ns\twrong`.
+/// Worker line format:
+/// `BENCH\top\tbytes\tcount\ttime_ns\twrong\ttriad_bytes\ttriad_before_ns\ttriad_after_ns`.
 pub fn encode(m: &Meas) -> String {
-    format!("BENCH\t{}\t{}\t{}\t{}\t{}", m.op, m.bytes, m.count, m.time_ns, m.wrong)
+    let [before, after] = m.triad_ns;
+    format!(
+        "BENCH\t{}\t{}\t{}\t{}\t{}\t{}\t{before}\t{after}",
+        m.op, m.bytes, m.count, m.time_ns, m.wrong, m.triad_bytes
+    )
 }
 
 fn decode(line: &str) -> Option<Meas> {
     let f: Vec<&str> = line.split('\t').collect();
-    if f.len() != 6 || f[0] != "BENCH" {
+    if f.len() != 9 || f[0] != "BENCH" {
         return None;
     }
     Some(Meas {
@@ -285,6 +337,8 @@ fn decode(line: &str) -> Option<Meas> {
         count: f[3].parse().ok()?,
         time_ns: f[4].parse().ok()?,
         wrong: f[5].parse().ok()?,
+        triad_bytes: f[6].parse().ok()?,
+        triad_ns: [f[7].parse().ok()?, f[8].parse().ok()?],
     })
 }
 
@@ -373,24 +427,12 @@ fn floor_bytes(op: &str, s: f64, n: usize) -> f64 {
     }
 }
 
-/// The triad of one world size, measured before and after its rows.
-struct WorldTriad {
-    world: usize,
-    before: f64,
-    after: f64,
-}
-
-impl WorldTriad {
-    /// The bandwidth the floor uses, bytes/s: the mean of the two.
-    fn bandwidth(&self) -> f64 {
-        (self.before + self.after) / 2.0
-    }
-}
-
 struct Line {
     world: usize,
     dtype: String,
     m: Meas,
+    /// The row's triad bandwidth, bytes/s.
+    triad: f64,
     algbw: f64,
     busbw: f64,
     floor_us: f64,
@@ -399,23 +441,25 @@ struct Line {
 
 /// Refuses rows whose buffers do not fit in `available` bytes: every rank
 /// holds an input and an output of up to the row's size at once (all_reduce
-/// and all_to_all: both of it) and maps its share of the world's staging
-/// segment, so the largest row takes twice its size plus `segment_bytes` on
-/// each of `world` ranks. A run that needs more would be killed by the kernel
+/// and all_to_all: both of it), maps its share of the world's staging
+/// segment and keeps its triad arrays (`triad_bytes`), so the largest row
+/// takes twice its size plus `segment_bytes` plus `triad_bytes` on each of
+/// `world` ranks. A run that needs more would be killed by the kernel
 /// part-way, without a word.
 fn fits_in_memory(
     max_bytes: usize,
     sizes: &[usize],
     world: usize,
-    segment_bytes: usize,
+    [segment_bytes, triad_bytes]: [usize; 2],
     available: Option<usize>,
 ) -> Result<(), String> {
     let Some(&largest) = sizes.last() else { return Ok(()) };
     let what = format!(
-        "--max-bytes {max_bytes}: the row of {largest} bytes, an input and an output of that size and \
-         {segment_bytes} bytes of staging on each of {world} ranks,"
+        "--max-bytes {max_bytes}: the row of {largest} bytes, an input and an output of that size, \
+         {segment_bytes} bytes of staging and {triad_bytes} bytes of triad arrays on each of {world} ranks,"
     );
-    memory_shortfall(&what, bytes_of(&[&[2, world, largest], &[world, segment_bytes]]), available).map_or(Ok(()), Err)
+    let need = bytes_of(&[&[2, world, largest], &[world, segment_bytes], &[world, triad_bytes]]);
+    memory_shortfall(&what, need, available).map_or(Ok(()), Err)
 }
 
 /// The first argument out of range, named with its value.
@@ -487,33 +531,18 @@ pub fn main(a: Args) -> i32 {
         sizes.push(s);
     }
     let cfg = a.staging_bytes.map(|b| CpuCommConfig { staging_bytes: b }).unwrap_or_default();
-    if let Err(why) = fits_in_memory(a.max_bytes, &sizes, largest_world, cfg.bytes_per_rank(), memory_available()) {
+    let llc = last_level_cache_bytes();
+    let triad_bytes = 3 * triad_array_bytes(largest_world, llc);
+    let per_rank = [cfg.bytes_per_rank(), triad_bytes];
+    if let Err(why) = fits_in_memory(a.max_bytes, &sizes, largest_world, per_rank, memory_available()) {
         eprintln!("error: {why}");
         return 2;
     }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
     let w = WorkerArgs { ops: a.ops.clone(), dtype: a.dtype.clone(), sizes, iters: a.iters, warmup: a.warmup };
     let mut lines = Vec::new();
-    let mut triads = Vec::new();
     for &world in &a.ranks {
-        // The same triad before and after the rows (arrays far above the
-        // last-level cache, one thread per rank, best of 5).
-        let array = triad_array_bytes(world, last_level_cache_bytes());
-        let measure = || triad(world, array, 5).map(|t| t.1);
-        eprintln!("measuring the triad with {world} threads, 3 x {} MiB per thread ...", array >> 20);
-        let before = match check_triad_memory(world, array).and_then(|()| measure()) {
-            Ok(bw) => bw,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return 1;
-            }
-        };
-        eprintln!(
-            "triad: {:.2} GB/s; running {} ranks as {} ...",
-            before / 1e9,
-            world,
-            if a.procs { "processes" } else { "threads" }
-        );
+        eprintln!("running {world} ranks as {} ...", if a.procs { "processes" } else { "threads" });
         let meas = if a.procs {
             let mut task =
                 vec!["bench".to_string(), "--ops".into(), w.ops.join(","), "--dtype".into(), w.dtype.clone()];
@@ -538,24 +567,15 @@ pub fn main(a: Args) -> i32 {
                 return 1;
             }
         };
-        eprintln!("measuring the triad with {world} threads again ...");
-        let after = match measure() {
-            Ok(bw) => bw,
-            Err(e) => {
-                eprintln!("error: {e}");
-                return 1;
-            }
-        };
-        let t = WorldTriad { world, before, after };
-        let bw = t.bandwidth();
-        triads.push(t);
         for m in meas {
             let t = (m.time_ns as f64 / 1e9).max(1e-12);
             let algbw = m.bytes as f64 / t / 1e9;
-            let floor = floor_bytes(&m.op, m.bytes as f64, world) / bw;
+            let triad = m.triad_bandwidth();
+            let floor = floor_bytes(&m.op, m.bytes as f64, world) / triad;
             lines.push(Line {
                 world,
                 dtype: dtype.name().into(),
+                triad,
                 algbw,
                 busbw: algbw * bus_factor(&m.op, world),
                 floor_us: floor * 1e6,
@@ -565,12 +585,12 @@ pub fn main(a: Args) -> i32 {
         }
     }
     if a.json {
-        print_json(&lines, &triads, &cfg);
+        print_json(&lines, &cfg);
     } else if a.csv {
-        println!("ranks,op,bytes,count,dtype,time_us,algbw_gbps,busbw_gbps,wrong,floor_us,vs_floor");
+        println!("ranks,op,bytes,count,dtype,time_us,algbw_gbps,busbw_gbps,wrong,floor_us,vs_floor,triad_gbps");
         for l in &lines {
             println!(
-                "{},{},{},{},{},{:.2},{:.3},{:.3},{},{:.2},{:.3}",
+                "{},{},{},{},{},{:.2},{:.3},{:.3},{},{:.2},{:.3},{:.3}",
                 l.world,
                 l.m.op,
                 l.m.bytes,
@@ -581,11 +601,12 @@ pub fn main(a: Args) -> i32 {
                 l.busbw,
                 l.m.wrong,
                 l.floor_us,
-                l.ratio
+                l.ratio,
+                l.triad / 1e9
             );
         }
     } else {
-        print_table(&lines, &triads, &cfg);
+        print_table(&lines, &cfg);
     }
     if lines.iter().any(|l| l.m.wrong != 0) {
         1
@@ -598,25 +619,25 @@ const FLOOR_RULE: &str = "floor = bytes moved by the staged shared-memory algori
 bytes per rank with size S on n ranks: all_reduce 5S-S/n, reduce_scatter 3S-S/n, all_gather 2S+2S/n, \
 all_to_all 4S-2S/n, broadcast 2S";
 
-fn print_table(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
+/// How a row's triad is taken (the table's and the JSON's words).
+fn triad_rule() -> String {
+    format!(
+        "triad = a = b + s * c over f32 arrays, one thread per rank, all at once; a row's triad bandwidth is the \
+         mean of the best of {ROW_TRIAD_PASSES} passes before its iterations and the best of {ROW_TRIAD_PASSES} after"
+    )
+}
+
+fn print_table(lines: &[Line], cfg: &CpuCommConfig) {
     println!(
         "# ascend-moe bench collectives (CPU shared memory, staging {} KiB x 3 slots per rank)",
         cfg.effective_staging() / 1024
     );
-    for t in triads {
-        println!(
-            "# triad bandwidth with {} threads: {:.2} GB/s (mean of {:.2} before the rows and {:.2} after)",
-            t.world,
-            t.bandwidth() / 1e9,
-            t.before / 1e9,
-            t.after / 1e9
-        );
-    }
     if let Ok(l) = std::fs::read_to_string("/proc/loadavg") {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let avg: Vec<&str> = l.split_whitespace().take(3).collect();
         println!("# load average {} on {cores} cores (other load skews both the triad and the times)", avg.join(" "));
     }
+    println!("# {}", triad_rule());
     println!("# {FLOOR_RULE}");
     println!("# time = median over iterations of the slowest rank; vs floor = floor / time");
     let mut last = 0;
@@ -625,13 +646,23 @@ fn print_table(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
             println!();
             println!("# {} ranks", l.world);
             println!(
-                "{:>12} {:>10} {:>5} {:<14} {:>11} {:>10} {:>10} {:>7} {:>11} {:>8}",
-                "size(B)", "count", "type", "op", "time(us)", "algbw", "busbw", "#wrong", "floor(us)", "vs floor"
+                "{:>12} {:>10} {:>5} {:<14} {:>11} {:>10} {:>10} {:>7} {:>11} {:>11} {:>8}",
+                "size(B)",
+                "count",
+                "type",
+                "op",
+                "time(us)",
+                "algbw",
+                "busbw",
+                "#wrong",
+                "triad GB/s",
+                "floor(us)",
+                "vs floor"
             );
             last = l.world;
         }
         println!(
-            "{:>12} {:>10} {:>5} {:<14} {:>11.1} {:>10.2} {:>10.2} {:>7} {:>11.1} {:>8.2}",
+            "{:>12} {:>10} {:>5} {:<14} {:>11.1} {:>10.2} {:>10.2} {:>7} {:>11.2} {:>11.1} {:>8.2}",
             l.m.bytes,
             l.m.count,
             l.dtype,
@@ -640,38 +671,29 @@ fn print_table(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
             l.algbw,
             l.busbw,
             l.m.wrong,
+            l.triad / 1e9,
             l.floor_us,
             l.ratio
         );
     }
 }
 
-fn print_json(lines: &[Line], triads: &[WorldTriad], cfg: &CpuCommConfig) {
-    let tri: Vec<String> = triads
-        .iter()
-        .map(|t| {
-            format!(
-                "{{\"ranks\":{},\"gbps\":{:.3},\"before_gbps\":{:.3},\"after_gbps\":{:.3}}}",
-                t.world,
-                t.bandwidth() / 1e9,
-                t.before / 1e9,
-                t.after / 1e9
-            )
-        })
-        .collect();
+fn print_json(lines: &[Line], cfg: &CpuCommConfig) {
     let rows: Vec<String> = lines
         .iter()
         .map(|l| {
+            let triad = |ns: i64| l.m.triad_bytes as f64 / ns.max(1) as f64;
             format!(
-                "{{\"ranks\":{},\"op\":\"{}\",\"bytes\":{},\"count\":{},\"dtype\":\"{}\",\"time_us\":{:.3},\"algbw_gbps\":{:.4},\"busbw_gbps\":{:.4},\"wrong\":{},\"floor_us\":{:.3},\"vs_floor\":{:.4}}}",
-                l.world, l.m.op, l.m.bytes, l.m.count, l.dtype, l.m.time_ns as f64 / 1e3, l.algbw, l.busbw, l.m.wrong, l.floor_us, l.ratio
+                "{{\"ranks\":{},\"op\":\"{}\",\"bytes\":{},\"count\":{},\"dtype\":\"{}\",\"time_us\":{:.3},\"algbw_gbps\":{:.4},\"busbw_gbps\":{:.4},\"wrong\":{},\"triad_gbps\":{:.3},\"triad_before_gbps\":{:.3},\"triad_after_gbps\":{:.3},\"floor_us\":{:.3},\"vs_floor\":{:.4}}}",
+                l.world, l.m.op, l.m.bytes, l.m.count, l.dtype, l.m.time_ns as f64 / 1e3, l.algbw, l.busbw, l.m.wrong,
+                l.triad / 1e9, triad(l.m.triad_ns[0]), triad(l.m.triad_ns[1]), l.floor_us, l.ratio
             )
         })
         .collect();
     println!(
-        "{{\"staging_bytes\":{},\"triad\":[{}],\"floor_rule\":\"{FLOOR_RULE}\",\"results\":[\n  {}\n]}}",
+        "{{\"staging_bytes\":{},\"triad_rule\":\"{}\",\"floor_rule\":\"{FLOOR_RULE}\",\"results\":[\n  {}\n]}}",
         cfg.effective_staging(),
-        tri.join(","),
+        triad_rule(),
         rows.join(",\n  ")
     );
 }
