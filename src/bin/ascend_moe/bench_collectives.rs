@@ -46,14 +46,14 @@ use ascend_moe::ranks::run_ranks_with;
 use ascend_moe::testing::bench::{
     bytes_of, last_level_cache_bytes, memory_available, memory_shortfall, triad_array_bytes, Triad, MAX_ITERS,
 };
-
-/// Triad passes every rank makes before a row's iterations, and again after
-/// them; the best of each is kept.
-const ROW_TRIAD_PASSES: usize = 2;
 use ascend_moe::{with_dtype, Collectives, Comm, CommOptions, DType, Element, ReduceOp, Tensor};
 
 use crate::launch;
 use crate::progress::Progress;
+
+/// Triad passes every rank makes before a row's iterations, and again after
+/// them; the best of each is kept.
+const ROW_TRIAD_PASSES: usize = 2;
 
 const OPS: [&str; 5] = ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"];
 /// The collectives of [`OPS`] that reduce (and so take only reducible dtypes).
