@@ -558,7 +558,24 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
                 format!("rank {rank}: the fused result differs from the two-step result"),
             ));
         }
-        // Alternate which variant goes first; the first pass of each warms up.
+        // The floor, on the same rank threads at once. Arrays of at most
+        // FLOOR_ARRAYS bytes, passed over `reps` times, so the floor never
+        // doubles the memory of a large shape. Its passes take turns with the
+        // two variants, so all three see the same machine.
+        let reps = bytes.fused.div_ceil(FLOOR_ARRAYS).max(1);
+        let mut triad = Triad::try_new(bytes.fused / reps)?;
+        let mut time_floor = |it: usize| -> Result<f64> {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            for r in 0..reps {
+                triad.pass(1, 0.5 + (it * reps + r) as f32);
+            }
+            comm.barrier()?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        let mut floor = Vec::with_capacity(cfg.iters);
+        // Alternate which variant goes first; the first pass of each (and the
+        // floor's, which faults its pages in) warms up.
         for it in 0..cfg.iters + 1 {
             let (df, du) = if it % 2 == 0 {
                 let f = time_fused()?;
@@ -567,26 +584,11 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
                 let u = time_two_step()?;
                 (time_fused()?, u)
             };
+            let dt = time_floor(it)?;
             if it > 0 {
                 fused.push(df);
                 unfused.push(du);
-            }
-        }
-        // The floor, on the same rank threads at once; the first pass faults the pages in.
-        // Arrays of at most FLOOR_ARRAYS bytes, passed over `reps` times, so the floor
-        // never doubles the memory of a large shape.
-        let reps = bytes.fused.div_ceil(FLOOR_ARRAYS).max(1);
-        let mut triad = Triad::new(bytes.fused / reps);
-        let mut floor = Vec::with_capacity(cfg.iters);
-        for it in 0..cfg.iters + 1 {
-            comm.barrier()?;
-            let t0 = Instant::now();
-            for r in 0..reps {
-                triad.pass(1, 0.5 + (it * reps + r) as f32);
-            }
-            comm.barrier()?;
-            if it > 0 {
-                floor.push(t0.elapsed().as_secs_f64());
+                floor.push(dt);
             }
         }
         Ok((fused, unfused, floor, staged, bytes))

@@ -10,8 +10,9 @@
 //! (`finalize_and_reduce`) against `moe_finalize_routing` followed by
 //! `maybe_pad_and_reduce`; times are the slowest rank's, best repetition.
 //! `bound` and `ceiling` are the speedups the bytes each path moves allow
-//! (`ReduceBytes`); `vs floor` is the same-run triad time for the fused
-//! path's bytes over the fused time.
+//! (`ReduceBytes`); `vs floor` is the time of a triad moving the fused
+//! path's bytes (its passes take turns with the two paths' calls) over the
+//! fused time.
 
 use ascend_moe::testing::bench::{bench_finalize, bench_finalize_and_reduce, FinalizeBench, ReduceBench};
 use ascend_moe::DType;
