@@ -264,6 +264,21 @@ impl Desc {
     }
 }
 
+/// The error text rank `j` of `seg` posted with its descriptor in slot
+/// `slot`, flagged invalid: why it refused its own arguments to that call.
+///
+/// # Safety
+/// As for reading the descriptor: rank `j` wrote that slot before arriving
+/// at the call's first phase, which this rank observed (acquire), and does
+/// not rewrite it before this rank arrives at the next phase.
+pub(crate) unsafe fn refusal_text(seg: &Segment, j: usize, slot: usize) -> String {
+    let p = seg.ctrl_ptr(j);
+    // SAFETY: the caller's contract.
+    let raw = unsafe { &*std::ptr::addr_of!((*p).err[slot]) };
+    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+    String::from_utf8_lossy(&raw[..end]).into_owned()
+}
+
 /// Why the descriptors `descs` (slot `slot` of every rank of `seg`) disagree,
 /// if they do.
 pub(crate) fn disagreement(seg: &Segment, kind: Kind, descs: &[Desc], slot: usize) -> Option<String> {
@@ -275,13 +290,8 @@ pub(crate) fn disagreement(seg: &Segment, kind: Kind, descs: &[Desc], slot: usiz
         if !bad.is_empty() {
             let texts: Vec<String> = bad
                 .iter()
-                .map(|&j| {
-                    let p = seg.ctrl_ptr(j);
-                    // SAFETY: written by rank j before its arrival, as the descriptor.
-                    let raw = unsafe { &*std::ptr::addr_of!((*p).err[slot]) };
-                    let end = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
-                    format!("rank {j}: {}", String::from_utf8_lossy(&raw[..end]))
-                })
+                // SAFETY: written by rank j before its arrival, as the descriptor.
+                .map(|&j| format!("rank {j}: {}", unsafe { refusal_text(seg, j, slot) }))
                 .collect();
             return Some(format!("ranks {bad:?} passed invalid arguments to {}: {}", kind.name(), texts.join("; ")));
         }

@@ -278,7 +278,10 @@ impl ShmComm {
 
     /// The members of `ranks` (other than this rank) that called this group's
     /// next collective, call #`seq + 1`, instead of splitting `ranks` after
-    /// `seq` collectives, each with its call described. A member arrived at
+    /// `seq` collectives, each with what it did there: its call described,
+    /// or, for a member that refused its own arguments there (a binding that
+    /// checks the split's list before the library does refuses so), its
+    /// reason. A member arrived at
     /// that call's first phase (`phase + 1`) cannot pass it before this rank
     /// arrives there too, so it will not come to this split while this rank
     /// waits. Not counted: a member that failed a wait since (it no longer
@@ -302,13 +305,22 @@ impl ShmComm {
                 // before arriving at its first phase (acquire, above), and
                 // does not rewrite the slot before every rank passed it.
                 let d = Desc::from_words(unsafe { &*std::ptr::addr_of!((*p).desc[slot]) });
-                (d.seq == seq + 1).then(|| (r, d.describe()))
+                (d.seq == seq + 1).then(|| {
+                    let did = if d.invalid {
+                        // SAFETY: as the descriptor above.
+                        let why = unsafe { crate::descriptor::refusal_text(seg, r, slot) };
+                        format!("refused its own arguments ({why})")
+                    } else {
+                        format!("called {}", d.describe())
+                    };
+                    (r, did)
+                })
             })
             .collect()
     }
 
     fn next_call_text(&self, ranks: &[usize], seq: u64, called: &[(usize, String)]) -> String {
-        let who: Vec<String> = called.iter().map(|(r, d)| format!("rank {r} called {d}")).collect();
+        let who: Vec<String> = called.iter().map(|(r, did)| format!("rank {r} {did}")).collect();
         format!(
             "{} while rank {} split {ranks:?} after {seq} collectives: every member of the list must call split \
              there",

@@ -358,6 +358,32 @@ fn a_member_calling_a_collective_instead_of_the_split_fails_both_at_once() {
     }
 }
 
+/// Rank 1 refuses its own arguments where rank 0 splits [0, 1] (a binding
+/// that checks the list before the library does refuses through the group's
+/// next call): rank 0 fails at once quoting rank 1's reason, not naming a
+/// call rank 1 never meant to make, and the group stays in step.
+#[test]
+fn a_member_refusing_instead_of_the_split_fails_the_split_quoting_its_reason() {
+    let out = ranks("split-vs-refusal", 2, Duration::from_secs(60), |r, c| {
+        let first = if r == 0 {
+            c.split(&[0, 1]).map(|_| ())
+        } else {
+            let why = Error::invalid("split", "ranks", "got [0, -1], a rank below 0");
+            let mut dst = [0u8; 4];
+            c.all_reduce(DataType::F32, shm_comm::ReduceOp::Sum, &[0u8; 4], &mut dst, Err(why))
+        };
+        (first.map_err(|e| (e.kind(), e.to_string())), sum_of_ranks(&c).expect("the group"))
+    });
+    let (k0, e0) = out[0].0.as_ref().expect_err("rank 0's split cannot form");
+    assert_eq!(*k0, Some(ErrorKind::Mismatch), "{e0}");
+    assert!(e0.contains("rank 1 refused its own arguments") && e0.contains("got [0, -1], a rank below 0"), "{e0}");
+    assert!(!e0.contains("rank 1 called"), "{e0}");
+    assert!(out[1].0.is_err(), "rank 1 refused: {:?}", out[1].0);
+    for (r, o) in out.iter().enumerate() {
+        assert_eq!(o.1, 3.0, "rank {r}");
+    }
+}
+
 /// Ranks 0 and 2 split [0, 1, 2] while rank 1 broadcasts. The member that
 /// sees rank 1 first fails the sub-group, which fails the other one waiting
 /// there; both take part in rank 1's broadcast as refusals, so all three fail
