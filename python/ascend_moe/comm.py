@@ -225,9 +225,11 @@ class Comm(Owned):
     def split(self, ranks) -> "Comm":
         """The sub-group of `ranks` (this group's rank numbers; the list order is
         the new rank order). Called by every listed rank with the same list."""
-        arr, n = sizes(ranks, "ranks")
         out = c_void_p()
         with self.handle as h:
+            # A list the library cannot take fails the peers waiting in the split too.
+            with refusing_on(h):
+                arr, n = sizes(ranks, "ranks")
             call("amoe_comm_split", h, arr, n, ctypes.byref(out))
         return Comm(out.value)
 

@@ -14,7 +14,7 @@ from ._enums import CommType, Status
 from ._errors import AmoeError, error
 from ._lib import ALL_TOKENS, Lease, MoeContextC, Owned, c_uint, call, comm_type_code, flag, refusing, sizes
 from ._tensor import Desc, Operands, _tensor_like, _torch_tensor, desc_out, dtype_code, lend_out
-from .comm import Comm, handle_of
+from .comm import Comm, handle_of, refusing_on
 
 
 class MoeContext:
@@ -79,7 +79,10 @@ class MoeGroups(Owned):
     def __init__(self, world: Comm, tp_size: int, pcp_size: int = 1):
         out = c_void_p()
         with handle_of("world", world) as w:
-            call("amoe_moe_groups_new", w, c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size), ctypes.byref(out))
+            # Sizes the library cannot take fail the peers waiting in its agreement too.
+            with refusing_on(w):
+                pcp, tp = c_uint("pcp_size", pcp_size), c_uint("tp_size", tp_size)
+            call("amoe_moe_groups_new", w, pcp, tp, ctypes.byref(out))
         self._own(out)
 
     @classmethod

@@ -163,6 +163,28 @@ CASES = [
         lambda c, r: am.broadcast(X, c, stream=_bad(r, None, object())),
         "`stream`",
     ),
+    # Lists and sizes the package converts before the library sees them: the
+    # peers waited in the split or the groups' agreement for the timeout.
+    (
+        "split of a list with a negative rank",
+        lambda c, r: c.split(_bad(r, [0, 1], [0, -1])),
+        "`ranks`",
+    ),
+    (
+        "split of something that is no list",
+        lambda c, r: c.split(_bad(r, [0, 1], "01")),
+        "`ranks`",
+    ),
+    (
+        "MoeGroups of a negative tp_size",
+        lambda c, r: am.MoeGroups(c, _bad(r, 1, -2)),
+        "`tp_size`",
+    ),
+    (
+        "MoeGroups of a pcp_size that is no integer",
+        lambda c, r: am.MoeGroups(c, 1, pcp_size=_bad(r, 1, 1.5)),
+        "`pcp_size`",
+    ),
 ]
 
 LAYOUT = am.SpLayout([2, 3])
