@@ -10,12 +10,25 @@ the dtype of its first argument.
 from __future__ import annotations
 
 import ctypes
+import math
 from ctypes import c_size_t
 
 from ._enums import MAX_EP_RANKS, REDUCIBLE_DTYPE_NAMES, DropPadMode, DType, Status
 from ._errors import error
-from ._lib import FinalizeArgs, MoeContextC, Table, c_uint, call, comm_type_code, integer, integers, shared_sizes, sizes
-from ._tensor import desc_meta, desc_meta_opt, ptr, shape_of, shape_out
+from ._lib import (
+    SIZE_MAX,
+    FinalizeArgs,
+    MoeContextC,
+    Table,
+    c_uint,
+    call,
+    comm_type_code,
+    integer,
+    integers,
+    shared_sizes,
+    sizes,
+)
+from ._tensor import NUMPY_DTYPES, desc_meta, desc_meta_opt, ptr, shape_of, shape_out
 
 
 def _ep(ep, arg: str = "ep") -> tuple:
@@ -267,17 +280,27 @@ def _count(name: str, v) -> int:
     return v
 
 
+def _sized(arg: str, shape: tuple, code: int) -> tuple:
+    """`shape`, of a tensor `arg` of dtype `code`, or the `ShapeError` the
+    library raises for one whose size in bytes does not fit in a size_t."""
+    if math.prod(shape) * NUMPY_DTYPES[code].itemsize > SIZE_MAX:
+        raise error(Status.SHAPE, f"`{arg}` has shape {list(shape)}, whose size in bytes overflows")
+    return shape
+
+
 def _identity(x) -> tuple:
     """`x`'s shape, through its descriptor: the fakes of the collectives then
     refuse a dtype or shape the library cannot take at trace time, with the
     error the real op (which builds the same descriptor) raises."""
-    return desc_meta("x", x).shape
+    d = desc_meta("x", x)
+    return _sized("x", d.shape, d.c.dtype)
 
 
 def _reduced(op: str, x) -> tuple:
     """`x`'s shape, for collective `op` that sums it: a dtype that is only
     moved is refused as the library refuses it when the collective runs."""
     d = desc_meta("x", x)
+    _sized("x", d.shape, d.c.dtype)
     name = DType(d.c.dtype).name.lower()
     if name not in REDUCIBLE_DTYPE_NAMES:
         raise error(
@@ -304,9 +327,10 @@ def reduce_scatter(x, comm) -> tuple:
 
 def all_gather(x, comm) -> tuple:
     """`[rows * world_size, ...]`."""
-    s = _identity(x)
+    d = desc_meta("x", x)
+    s = _sized("x", d.shape, d.c.dtype)
     _, world = _ep(comm, "comm")
-    return (s[0] * world,) + s[1:] if s else (world,)
+    return _sized("out", (s[0] * world,) + s[1:] if s else (world,), d.c.dtype)
 
 
 def reduce_routed_early(x, *_args) -> tuple:

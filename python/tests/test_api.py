@@ -543,6 +543,29 @@ def test_shape_dims_outside_size_t_are_refused_naming_the_argument():
     assert am.shapes.all_reduce(((2**64 - 1, 0), "float32")) == (2**64 - 1, 0)
 
 
+def test_collective_shapes_of_more_bytes_than_size_t_holds_are_refused():
+    """The shape functions of the plain collectives, which never ask the
+    library, refuse an operand (or all_gather's output) whose size in bytes
+    overflows a size_t, as the library refuses it in every other shape
+    function: all_gather of 2**62 f32 rows on 4 ranks gave 2**64 rows."""
+    huge = ((2**62, 1), "float32")  # 2**64 bytes
+    for arg, f in (
+        ("x", lambda: am.shapes.all_gather(huge, (0, 4))),
+        ("x", lambda: am.shapes.all_reduce(huge)),
+        ("x", lambda: am.shapes.reduce_scatter(huge, (0, 4))),
+        ("x", lambda: am.shapes.reduce_final(huge)),
+        # x fits (2**63 bytes); the gathered output would hold 2**65.
+        ("out", lambda: am.shapes.all_gather(((2**61, 1), "float32"), (0, 4))),
+    ):
+        with pytest.raises(am.ShapeError, match=f"`{arg}` has shape .*whose size in bytes overflows"):
+            f()
+    # The library's own shape function says the same of the plain all-gather.
+    with pytest.raises(am.ShapeError, match="`x` has shape .*whose size in bytes overflows"):
+        am.shapes.maybe_all_gather_and_maybe_unpad(huge, None, (0, 4))
+    # A gathered output that fits (2**63 bytes) is a shape.
+    assert am.shapes.all_gather(((2**59, 1), "float32"), (0, 4)) == (2**61, 1)
+
+
 def test_wrong_objects_as_comm_groups_or_context_are_named():
     """An int, None, a handle id or another class where a communicator,
     groups or a context is taken is an `InvalidArgumentError` naming the
