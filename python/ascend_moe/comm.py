@@ -355,6 +355,15 @@ def broadcast(x, comm: Comm, root: int = 0, *, out=None, stream=None):
                         f"`out` is {dtype_name(out.dtype)} {list(out.shape)}, `x` is {dtype_name(xa.dtype)} "
                         f"{list(xa.shape)}: broadcast takes an `out` of x's shape and dtype",
                     )
+                # Before the copy: an `out` or a root refused is left as the caller had it.
+                desc_out("out", out, tuple(out.shape), dtype_code("out", out.dtype))
+                size = c_size_t()
+                call("amoe_comm_world_size", h, ctypes.byref(size))
+                if c_uint("root", root) >= size.value:
+                    raise error(
+                        Status.INVALID_ARGUMENT,
+                        f"broadcast: invalid argument `root`: root {root} is out of range for world size {size.value}",
+                    )
                 if hasattr(out, "copy_"):
                     if not hasattr(x, "copy_"):  # an array into a tensor: its bytes, as the dtypes matched
                         raw = sys.modules["torch"].from_numpy(as_array("x", x).reshape(-1).view(np.uint8))

@@ -242,6 +242,32 @@ MOE_CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("a root out of range", lambda: {"root": 2, "out": np.zeros((4, 3), F32)}),
+        ("an out in non-native byte order", lambda: {"root": 0, "out": np.zeros((4, 3), ">f4")}),
+    ],
+    ids=lambda b: b[0],
+)
+def test_a_refused_broadcast_leaves_the_out_it_was_given_as_it_was(bad):
+    """A broadcast into an `out` other than `x` copies `x` there first; a
+    call refused (on one rank, or on every rank for the root) left `out`
+    holding `x` although nothing was broadcast. The checks run before the
+    copy: the refused rank's `out` is as the caller had it."""
+    outs = {}
+
+    def body(c, r):
+        kw = bad[1]() if r == BAD else {"root": 0, "out": np.zeros((4, 3), F32)}
+        outs[r] = kw["out"]
+        return am.broadcast(X, c, **kw)
+
+    res = run_with_one_bad_rank(body)
+    assert res[BAD][0] == "err", res[BAD]
+    assert not outs[BAD].any(), f"rank {BAD}'s refused out was written: {outs[BAD]}"
+    assert res[0][0] == "err", f"rank 0 returned {res[0][1]!r} while rank {BAD} refused"
+
+
 def test_a_broadcast_root_with_a_bad_out_never_sends_memory_it_did_not_fill():
     """The root refuses an `out` that does not take its `x`; its peers'
     buffers happen to have out's shape. Whatever the peers then see, none
