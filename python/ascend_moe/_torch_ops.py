@@ -72,12 +72,31 @@ def custom_op(qualname: str, *, mutates_args, collective: bool = True):
         lib, name = _library(), qualname.split("::", 1)[1]
         tags = (torch.Tag.nondeterministic_seeded,) if collective else ()
         lib.define(name + _infer_schema()(fn, mutates_args=mutates_args), tags=tags)
+        if collective:
+            _ordered(qualname)
         for key in DISPATCH_KEYS:
             lib.impl(name, _dense(fn), key)
         lib.impl(name, _autograd_kernel(qualname), "Autograd")
         return _Op(lib, qualname)
 
     return define
+
+
+def _ordered(qualname: str):
+    """Registers `qualname` as an op with an ordered side effect where this
+    torch can (`torch._higher_order_ops.effects`): AOTAutograd then threads
+    an effect token through every call, so a compiled graph keeps each call,
+    in the program's order, whether or not its result is used. The tag alone
+    does not: AOT's dead-code elimination removed an unused all_gather (with
+    Inductor's `fallback_random` off, its default, tagged ops count as pure),
+    and the peers met this rank's next collective instead. Returns the
+    registration's handle (its `destroy()` takes it back), None where this
+    torch has no effect tokens (the tag is then all there is)."""
+    try:
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+    except ImportError:
+        return None
+    return _register_effectful_op(qualname, _EffectType.ORDERED)
 
 
 def _library():

@@ -1370,7 +1370,7 @@ def install() -> list:
 
         import torch
 
-        from ._torch_ops import _autograd_kernel
+        from ._torch_ops import _autograd_kernel, _ordered
 
         try:
             importlib.import_module(OPS_MODULE)
@@ -1389,6 +1389,8 @@ def install() -> list:
             # Not differentiable: a backward through the op fails naming it.
             lib.impl(name, _autograd_kernel(f"vllm::{name}"), "Autograd")
             lib._register_fake(name, fake)
+            # A collective: a compiled graph keeps every call, used or not, in order.
+            _STATE.setdefault("effects", []).append(_ordered(f"vllm::{name}"))
             replaced.append(f"torch.ops.vllm.{name}")
         mod = sys.modules[OPS_MODULE]
         saved_fns = {}
@@ -1444,6 +1446,9 @@ def uninstall() -> list:
         if lib is None:
             return []
         lib._destroy()
+        for handle in _STATE.pop("effects", []):
+            if handle is not None:
+                handle.destroy()
         mod = sys.modules.get(OPS_MODULE)
         saved_fns = _STATE.pop("saved_functions", {})
         for fname, fn in saved_fns.items():

@@ -1178,6 +1178,62 @@ def test_a_fake_pass_or_a_compile_never_runs_a_collective_on_constant_inputs(mon
         assert tagged == (name not in local), name
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_a_compiled_graph_keeps_every_collective_call_used_or_not(monkeypatch, dynamic):
+    """A collective runs wherever the program calls it: a compiled graph
+    keeps a call whose result is unused, and two identical calls stay two,
+    in order. AOTAutograd's dead-code elimination removed the unused
+    all_gather (the tag alone did not keep it), and this rank then met its
+    peers' all_gather with its all_reduce."""
+    import ascend_moe.comm as comm_mod
+
+    calls = []
+    for name in ("all_reduce", "all_gather"):
+        real = getattr(comm_mod, name)
+        monkeypatch.setattr(comm_mod, name, lambda *a, _n=name, _r=real, **k: (calls.append(_n), _r(*a, **k))[1])
+    with am.Comm.cpu(f"torch-dce-{uuid.uuid4().hex[:8]}", 1, 0) as c:
+        h = c.handle_id
+
+        def f(x):
+            a = OPS.all_reduce(x, h)
+            OPS.all_gather(x, h)  # unused
+            b = OPS.all_reduce(x, h)  # the same call again
+            return a + b
+
+        x = torch.randn(4, 3)
+        g = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+        g(x)
+        calls.clear()
+        out = g(x)
+        assert calls == ["all_reduce", "all_gather", "all_reduce"], calls
+        assert torch.equal(out, 2 * x)
+
+
+def test_a_compiled_graph_keeps_the_adapters_collectives_used_or_not(vllm_engine, monkeypatch):
+    """The same for the adapter's `torch.ops.vllm` collectives, whose schema
+    (vLLM-Ascend's or the adapter's) carries no tag: unused, both were
+    removed from an aot_eager graph."""
+    import ascend_moe.vllm_ascend as av
+
+    calls = []
+    real = av.comm_for_group
+    monkeypatch.setattr(av, "comm_for_group", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+
+    def f(x):
+        torch.ops.vllm.maybe_all_gather_and_maybe_unpad(x)  # unused
+        torch.ops.vllm.maybe_pad_and_reduce(x)  # unused
+        return x + 1
+
+    x = torch.randn(4, 3)
+    f(x)
+    eager, calls[:] = len(calls), []
+    g = torch.compile(f, backend="aot_eager", fullgraph=True)
+    g(x)
+    calls.clear()
+    g(x)
+    assert eager > 0 and len(calls) == eager, (eager, calls)
+
+
 def test_a_reduction_point_fake_refuses_a_tp_group_the_policy_contradicts():
     # The real op refuses a TP group whose size is not the policy's tp_size
     # before it runs: the fake does too, so a misconfigured layer fails its
