@@ -275,6 +275,121 @@ fn a_bad_stream_handle_on_one_rank_fails_every_rank_at_once() {
     });
 }
 
+/// The groups' creation is a collective (the ranks agree on the sizes): a
+/// rank without a place to put its handle refuses through that agreement.
+#[test]
+fn moe_groups_without_an_out_pointer_on_one_rank_fail_every_rank_at_once() {
+    one_bad_rank("moe_groups_new out", "out", amoe_status::NullArgument, |rank, c| {
+        let mut groups: *mut amoe_moe_groups = null_mut();
+        let out: *mut *mut amoe_moe_groups = if rank == BAD { null_mut() } else { &mut groups };
+        // SAFETY: live world handle; out writable or NULL.
+        let st = unsafe { amoe_moe_groups_new(c, 1, 1, out) };
+        // SAFETY: NULL or the new handle, freed once.
+        unsafe { amoe_moe_groups_free(groups) };
+        st
+    });
+}
+
+/// A refusal whose own message cannot be read (NULL, not UTF-8) still
+/// releases the peers waiting in the call, with what can be made of it; the
+/// refusing rank gets the message's error.
+#[test]
+fn a_refusal_with_an_unreadable_message_still_reaches_the_peers() {
+    let not_utf8 = CString::new(b"binding: `x` \xff is bad".to_vec()).expect("no NUL");
+    for (case, message, status, seen) in [
+        ("comm_refuse NULL", None, amoe_status::NullArgument, "NULL message"),
+        ("comm_refuse not UTF-8", Some(&not_utf8), amoe_status::InvalidArgument, "binding: `x`"),
+    ] {
+        one_bad_rank_seen_as(case, "message", status, seen, |rank, c| {
+            let (mut a, mut b) = (vec![1f32; 8], vec![0f32; 8]);
+            let (s, d) = (host(&mut a, &[8]), host(&mut b, &[8]));
+            // SAFETY: live handle; descriptors over live buffers; the message
+            // is NULL or a C string.
+            unsafe {
+                if rank == BAD {
+                    amoe_comm_refuse(c, message.map_or(null(), |m| m.as_ptr()))
+                } else {
+                    amoe_all_reduce(c, &s, &d, 0, null())
+                }
+            }
+        });
+    }
+    let policy = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    one_bad_rank_seen_as("reduce_refuse NULL", "message", amoe_status::NullArgument, "NULL message", |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 3 * 4]);
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[3, 4]));
+        // SAFETY: as above; a valid policy.
+        unsafe {
+            if rank == BAD {
+                amoe_reduce_refuse(c, 1, null())
+            } else {
+                amoe_reduce_final(&policy, &xd, amoe_comm_type::AllGather as u32, c, &od, null())
+            }
+        }
+    });
+}
+
+/// With the comm-type agreement off (`ASCEND_MOE_CHECK_COMM_TYPE=0`, read by
+/// every call, so the cases run in a child process of this test binary with
+/// the variable set), a bad argument found before the agreement would have
+/// been sent through it went nowhere: a bad stream at a token prepare or
+/// finalize or at a reduction point, and a policy whose tp_size is not the
+/// group's. Each is now refused through the call the peers make first (the
+/// DP all-gather or reduce-scatter, the TP all-reduce).
+#[test]
+fn with_the_comm_type_check_off_a_bad_argument_still_reaches_the_peers() {
+    const CHILD: &str = "AMOE_TEST_CHECK_OFF_CHILD";
+    const NAME: &str = "with_the_comm_type_check_off_a_bad_argument_still_reaches_the_peers";
+    if std::env::var_os(CHILD).is_none() {
+        let exe = std::env::current_exe().expect("this test binary");
+        let out = std::process::Command::new(exe)
+            .args(["--exact", NAME, "--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .env("ASCEND_MOE_CHECK_COMM_TYPE", "0")
+            .output()
+            .expect("the test binary runs");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "the cases with the check off:\n{text}");
+        return;
+    }
+    assert_eq!(std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").as_deref(), Ok("0"));
+    let stream = |rank: usize, c: *mut amoe_comm| if rank == BAD { c as *const amoe_stream } else { null() };
+    let (inv, ag) = (amoe_status::InvalidArgument, amoe_comm_type::AllGather as u32);
+    one_bad_rank("prepare stream, check off", "stream", inv, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut x, mut o) = (vec![1f32; 2 * 4], vec![0f32; 4 * 4]);
+            let (xd, od) = (host(&mut x, &[2, 4]), host(&mut o, &[4, 4]));
+            // SAFETY: live handles; descriptors over live buffers; the stream
+            // argument is NULL or a live handle (of another type).
+            unsafe { amoe_token_prepare(&xd, ag, ctx, g, &od, null(), stream(rank, c)) }
+        })
+    });
+    one_bad_rank("finalize stream, check off", "stream", inv, |rank, c| {
+        with_groups(rank, c, &|ctx, g| {
+            let (mut y, mut o) = (vec![1f32; 4 * 4], vec![0f32; 2 * 4]);
+            let (yd, od) = (host(&mut y, &[4, 4]), host(&mut o, &[2, 4]));
+            // SAFETY: as above.
+            unsafe { amoe_token_finalize(&yd, ag, ctx, g, &od, stream(rank, c)) }
+        })
+    });
+    // TP 2, no shared expert, no SP: the final point all-reduces.
+    let policy = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: 2, ep_size: 2 };
+    one_bad_rank("reduce_final stream, check off", "stream", inv, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 3 * 4]);
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[3, 4]));
+        // SAFETY: as above; a valid policy.
+        unsafe { amoe_reduce_final(&policy, &xd, ag, c, &od, stream(rank, c)) }
+    });
+    let one = amoe_reduce_policy { tp_size: 1, ep_size: 1, ..policy };
+    one_bad_rank("reduce_final tp_size, check off", "tp", inv, |rank, c| {
+        let (mut x, mut o) = (vec![1f32; 3 * 4], vec![0f32; 3 * 4]);
+        let (xd, od) = (host(&mut x, &[3, 4]), host(&mut o, &[3, 4]));
+        let p = if rank == BAD { &one } else { &policy };
+        // SAFETY: as above; valid policies.
+        unsafe { amoe_reduce_final(p, &xd, ag, c, &od, null()) }
+    });
+}
+
 #[test]
 fn a_split_with_a_null_list_on_one_rank_fails_every_rank_at_once() {
     // The peers learn that the member passed no list.

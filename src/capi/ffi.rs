@@ -446,11 +446,19 @@ pub(crate) fn send_refusal(
     message: *const c_char,
     refuse: impl FnOnce(crate::Error) -> crate::Error,
 ) -> Result<(), Failure> {
-    let text = read_str(f, "message", message)?;
-    match refuse(refusal_of(text.clone())) {
+    // A message that cannot be read still releases the peers, with what can
+    // be made of it; this rank then returns the message's own error.
+    let read = read_cstr(f, "message", message);
+    let text = match &read {
+        Ok(s) => s.to_string_lossy().into_owned(),
+        Err(_) => format!("{f} was called with a NULL message"),
+    };
+    let sent = match refuse(refusal_of(text.clone())) {
         crate::Error::Unavailable(t) if t == text => Ok(()),
         e => Err(e.into()),
-    }
+    };
+    read.and_then(|s| str_of(f, "message", s))?;
+    sent
 }
 
 /// [`refusing`] for an export whose peers make a collective on
@@ -512,12 +520,21 @@ pub(crate) fn read_sizes(func: &str, arg: &str, ptr: *const usize, len: usize) -
 
 /// Reads a NUL-terminated UTF-8 string argument.
 pub(crate) fn read_str(func: &str, arg: &str, ptr: *const c_char) -> Result<String, Failure> {
+    read_cstr(func, arg, ptr).and_then(|s| str_of(func, arg, s))
+}
+
+/// The C string argument `arg` at `ptr`, or NULL_ARGUMENT.
+fn read_cstr<'a>(func: &str, arg: &str, ptr: *const c_char) -> Result<&'a CStr, Failure> {
     if ptr.is_null() {
         return Err(Failure::null(func, arg));
     }
     // SAFETY: a string argument of the export, non-null, NUL-terminated by
-    // the export's contract.
-    let s = unsafe { CStr::from_ptr(ptr) };
+    // the export's contract, and alive for the call.
+    Ok(unsafe { CStr::from_ptr(ptr) })
+}
+
+/// `s` as an owned UTF-8 string, or INVALID_ARGUMENT naming `arg`.
+fn str_of(func: &str, arg: &str, s: &CStr) -> Result<String, Failure> {
     s.to_str().map(str::to_owned).map_err(|e| Failure::invalid(func, arg, format!("not UTF-8: {e}")))
 }
 

@@ -4,7 +4,8 @@
 use std::ffi::c_char;
 
 use super::ffi::{
-    ffi, flag, read_meta, read_sizes, refusing, send_refusal, try_out, try_ref, write_out, write_shape, Call, Failure,
+    ffi, flag, read_meta, read_sizes, refusing, refusing_on, send_refusal, try_out, try_ref, write_out, write_shape,
+    Call, Failure,
 };
 use super::handle::{box_out, release, try_handle};
 use super::types::{amoe_comm, amoe_moe_groups, amoe_status, amoe_stream, amoe_tensor};
@@ -97,6 +98,25 @@ impl Default for amoe_moe_context {
     }
 }
 
+/// The refusal of a token prepare or finalize that fails before it made its
+/// plan (a bad stream, a guard that fails): through the call its peers make
+/// first, found from `ctx` and `comm_type` where both can be read
+/// ([`pf::refuse_first`]: the comm-type agreement where that check is on,
+/// else the plan's first collective), else through the agreement alone
+/// ([`pf::refuse_unread`]; with the check off nothing can be sent).
+fn refuse_early<'g>(
+    stage: pf::Stage,
+    f: &'static str,
+    ctx: *const amoe_moe_context,
+    comm_type: u32,
+    g: &'g MoeGroups,
+) -> impl FnOnce(crate::Error) -> crate::Error + 'g {
+    move |e| match (context(f, ctx), CommType::from_u32(comm_type)) {
+        (Ok(c), Ok(ct)) => pf::refuse_first(stage, ct, &c, g, DType::U8, e),
+        _ => pf::refuse_unread(g, DType::U8, e),
+    }
+}
+
 fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure> {
     let c = try_ref!(f, ctx, "ctx");
     let want = std::mem::size_of::<amoe_moe_context>();
@@ -145,7 +165,8 @@ pub unsafe extern "C" fn amoe_moe_groups_new(
     const F: &str = "amoe_moe_groups_new";
     ffi!(F, {
         let w = try_handle(F, "world", world)?;
-        let out = try_out!(F, out, "out");
+        // The peers wait in the groups' agreement on the sizes.
+        let out = refusing_on(w, (|| Ok(try_out!(F, out, "out")))())?;
         let g = if pcp_size > 1 {
             MoeGroups::from_world_pcp(w, pcp_size, tp_size)?
         } else {
@@ -291,7 +312,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
     const F: &str = "amoe_token_prepare";
     ffi!(F, {
         let g = try_handle(F, "groups", groups)?;
-        let cx = &refusing(Call::new(F, stream), |e| pf::refuse_unread(g, DType::U8, e))?;
+        let cx = &refusing(Call::new(F, stream), refuse_early(pf::Stage::Prepare, F, ctx, comm_type, g))?;
         // Without a comm type or context this rank cannot plan; its peers
         // still wait in the comm-type agreement where that check is on.
         let read = (|| {
@@ -303,7 +324,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
             cx.guard(ct, Some(&c), writes_mask)?;
             Ok((c, ct))
         })();
-        let (c, ct) = refusing(read, |e| pf::refuse_unread(g, DType::U8, e))?;
+        let (c, ct) = refusing(read, refuse_early(pf::Stage::Prepare, F, ctx, comm_type, g))?;
         let checked = (|| {
             let x = cx.input("x", x)?;
             let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
@@ -432,7 +453,7 @@ pub unsafe extern "C" fn amoe_token_finalize(
     const F: &str = "amoe_token_finalize";
     ffi!(F, {
         let g = try_handle(F, "groups", groups)?;
-        let cx = &refusing(Call::new(F, stream), |e| pf::refuse_unread(g, DType::U8, e))?;
+        let cx = &refusing(Call::new(F, stream), refuse_early(pf::Stage::Finalize, F, ctx, comm_type, g))?;
         // Without a comm type or context this rank cannot plan; its peers
         // still wait in the comm-type agreement where that check is on.
         let read = (|| {
@@ -441,7 +462,7 @@ pub unsafe extern "C" fn amoe_token_finalize(
             cx.guard(ct, Some(&c), false)?;
             Ok((c, ct))
         })();
-        let (c, ct) = refusing(read, |e| pf::refuse_unread(g, DType::U8, e))?;
+        let (c, ct) = refusing(read, refuse_early(pf::Stage::Finalize, F, ctx, comm_type, g))?;
         let checked = (|| {
             let yt = cx.input("y", y)?;
             let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;

@@ -105,7 +105,11 @@ fn reduce_point(
     // The TP peers wait in the comm-type agreement (or the all-reduce), also
     // when `stream` is no live stream handle.
     let tp = try_handle(f, "tp_comm", tp_comm)?;
-    let cx = &refusing(Call::new(f, stream), |e| moe::reduce::refuse_at_point(false, tp, DType::I32, e))?;
+    // Where the policy and comm type can be read, a point that reduces is
+    // refused through its all-reduce also where the agreement is off.
+    let reduces_here =
+        || policy(f, p).ok().zip(CommType::from_u32(comm_type).ok()).is_some_and(|(p, c)| p.reduces(point, c));
+    let cx = &refusing(Call::new(f, stream), |e| moe::reduce::refuse_at_point(reduces_here(), tp, DType::I32, e))?;
     let tp = cx.comm("tp_comm", tp_comm)?;
     let mut reduces = false;
     let checked = (|| {

@@ -359,8 +359,9 @@ impl ReducePolicy {
     ) -> Result<()> {
         let op = point.op();
         // The peers' policies match the group: with more than one rank they
-        // agree first, where the check is on.
-        self.check_tp(op, tp).map_err(|e| refuse_at_point(false, tp, crate::DType::I32, e))?;
+        // agree first, where the check is on, else meet in the all-reduce
+        // where the point reduces.
+        self.check_tp(op, tp).map_err(|e| refuse_at_point(self.reduces(point, comm), tp, crate::DType::I32, e))?;
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
             // Only where the point reduces: a point that copies moves nothing
             // between the ranks.
