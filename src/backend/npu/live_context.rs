@@ -56,6 +56,11 @@ pub const GUARD_CHUNK: usize = 128;
 const STAGING_SLOTS: usize = 8;
 const RECORD_BYTES: usize = STATUS_WORDS * 4;
 const TILING_BYTES: usize = std::mem::size_of::<GuardTiling>();
+/// The stride of the tiling slots of a chunk: every slot starts 64-byte
+/// aligned, as CANN 8.0-9.0's `aclrtMemcpyAsync` reference asks of both
+/// addresses of every copy (hicann/runtime v8.5.0
+/// `docs/api_docs/aclrtMemcpyAsync.md:44`; the runtime itself checks none).
+const TILING_SLOT: usize = TILING_BYTES.next_multiple_of(64);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
@@ -89,8 +94,8 @@ impl Chunk {
         // stream's guard can race the zeroing.
         let records = NpuBuffer::zeros_now(device, bytes(RECORD_BYTES)?)?;
         // Each guard copies its tiling into its own slot before it launches.
-        let tilings = NpuBuffer::alloc(device, bytes(TILING_BYTES)?)?;
-        let tiling_host = PinnedHostBuffer::zeros(device, bytes(TILING_BYTES)?)?;
+        let tilings = NpuBuffer::alloc(device, bytes(TILING_SLOT)?)?;
+        let tiling_host = PinnedHostBuffer::zeros(device, bytes(TILING_SLOT)?)?;
         Ok(Chunk { first, len, records, tilings, tiling_host })
     }
 }
@@ -144,7 +149,7 @@ impl Records {
         // `i` is a slot index, below the total length of the chunks.
         let c = &mut self.chunks[c];
         let k = i - c.first;
-        let off = k * TILING_BYTES;
+        let off = k * TILING_SLOT;
         c.tiling_host.as_bytes_mut()[off..off + TILING_BYTES].copy_from_slice(tiling.as_bytes());
         Placed {
             record: c.records.as_ptr().cast::<u8>().wrapping_add(k * RECORD_BYTES).cast(),
