@@ -804,6 +804,44 @@ fn hccl_collectives_captured_on_four_devices_replay_together() {
     });
 }
 
+/// A model that captured a collective must go before its communicator:
+/// `HcclCommDestroy` frees the resources the captured op runs with, so a
+/// replay after it faults at the stream's sync instead of running as if the
+/// communicator were there (which it did).
+#[test]
+fn a_collective_replayed_after_its_communicator_was_destroyed_faults() {
+    let _g = serial();
+    const N: usize = 8;
+    let s = use_device(0);
+    let mut root = vec![0u8; 4108];
+    unsafe { assert_eq!((s.HcclGetRootInfo)(root.as_mut_ptr()), 0, "{}", err_msg()) };
+    let cfg = comm_config();
+    let mut comm = NULL;
+    unsafe {
+        assert_eq!((s.HcclCommInitRootInfoConfig)(1, root.as_ptr(), 0, cfg.as_ptr(), &mut comm), 0, "{}", err_msg())
+    };
+    let st = stream();
+    let (send, recv) = (malloc(N * 4), malloc(N * 4));
+    begin(st, THREAD_LOCAL);
+    unsafe { assert_eq!((s.HcclAllReduce)(send, recv, N as u64, HCCL_FP32, HCCL_SUM, comm, st), 0, "{}", err_msg()) };
+    let model = end(st);
+    sync(st);
+    write(send, &rank_data(0, 0, N));
+    execute(model, st);
+    sync(st);
+    assert_eq!(download::<f32>(recv, N), rank_data(0, 0, N), "a replay before the destroy runs");
+    unsafe { assert_eq!((s.HcclCommDestroy)(comm), 0, "{}", err_msg()) };
+    execute(model, st);
+    let rc = unsafe { (s.aclrtSynchronizeStream)(st) };
+    assert_ne!(rc, 0, "a replay after HcclCommDestroy ran");
+    assert!(err_msg().contains("after HcclCommDestroy"), "{}", err_msg());
+    destroy(model);
+    for p in [send, recv] {
+        free(p);
+    }
+    destroy_stream(st);
+}
+
 #[test]
 fn counters_count_each_host_call_on_the_calling_thread() {
     let _g = serial();

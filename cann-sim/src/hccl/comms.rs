@@ -44,6 +44,9 @@ pub struct SimComm {
     pub(super) inconsistent: AtomicBool,
     /// The first failure of a collective on the device (sticky).
     pub(super) failed: AtomicI32,
+    /// `HcclCommDestroy` was called: the communicator's resources are gone,
+    /// and a task recorded before (in a captured model) faults when it runs.
+    pub(super) destroyed: AtomicBool,
 }
 
 impl std::fmt::Debug for SimComm {

@@ -287,6 +287,7 @@ fn join(
         async_error: AtomicI32::new(HCCL_SUCCESS),
         inconsistent: AtomicBool::new(false),
         failed: AtomicI32::new(HCCL_SUCCESS),
+        destroyed: AtomicBool::new(false),
     };
     Ok(COMMS.insert(Arc::new(c)))
 }
@@ -410,16 +411,28 @@ pub unsafe extern "C" fn HcclCreateSubCommConfig(
 
 /// `HcclResult HcclCommDestroy(HcclComm comm)`: needs a current device; NULL
 /// is a success without effect (`hccl_rules::comm_destroy`).
+///
+/// The communicator's resources go with it: HCCL's destructor frees every
+/// algorithm resource its ops were recorded with (hcomm v8.5.0
+/// `src/framework/communicator/impl/hccl_communicator_host.cc:166-210`,
+/// `DestroyAlgResource` at `:188-189`; captured ops take them per op tag,
+/// `:1735-1739`), and `HcclCommDestroy` (`op_base.cc:2352-2373`) refuses
+/// only a communicator another thread is calling. hcomm's aclgraph guide
+/// (`docs/en/aclgraph/aclgraph_introduction.md:127-133,194`) orders the
+/// model's destruction first and calls the reverse a use-after-free. Here a
+/// collective recorded before the destroy (in a model replayed after it)
+/// faults when it runs.
 #[no_mangle]
 pub extern "C" fn HcclCommDestroy(comm_h: HcclComm) -> HcclResult {
     status::hccl("HcclCommDestroy", || {
         if !hccl_rules::comm_destroy(comm_h)? {
             return Ok(());
         }
-        COMMS
-            .remove(comm_h as usize)
-            .map(|_| ())
-            .ok_or_else(|| SimError::new(HCCL_E_PARA, format!("{comm_h:p} is not a live HcclComm (double destroy?)")))
+        let c = COMMS.remove(comm_h as usize).ok_or_else(|| {
+            SimError::new(HCCL_E_PARA, format!("{comm_h:p} is not a live HcclComm (double destroy?)"))
+        })?;
+        c.destroyed.store(true, Ordering::SeqCst);
+        Ok(())
     })
 }
 

@@ -159,6 +159,18 @@ pub(super) fn enqueue(
             // [`crate::lease`]); its peers wait for it until
             // their execution timeout.
             lease::check_all(&leases)?;
+            if c.destroyed.load(Ordering::SeqCst) {
+                // Its resources are freed (see `HcclCommDestroy`): the task
+                // faults before it moves anything; its peers wait for it.
+                return Err(SimError::new(
+                    ACL_ERROR_RT_INTERNAL_ERROR,
+                    format!(
+                        "{call} on {} runs after HcclCommDestroy freed the communicator's resources (a model that \
+                         captured it outlived it: destroy the model first)",
+                        c.name
+                    ),
+                ));
+            }
             let prior = c.failed.load(Ordering::SeqCst);
             let r = if prior != HCCL_SUCCESS {
                 fail(prior, format!("communicator {} already failed", c.name))
