@@ -261,7 +261,7 @@ pub(crate) fn check_dir(dir: &str) -> Result<(), Refused> {
 /// a user of its own (`nobody`). The host's root is one of the unmapped
 /// users there, and its /dev/shm shows as theirs: a directory of that uid
 /// is trusted like root's, as the namespace cannot tell them apart.
-fn unmapped_uid() -> Option<libc::uid_t> {
+pub(crate) fn unmapped_uid() -> Option<libc::uid_t> {
     let map = std::fs::read_to_string("/proc/self/uid_map").ok()?;
     let whole: Vec<&str> = map.split_whitespace().collect();
     if whole == ["0", "0", "4294967295"] {

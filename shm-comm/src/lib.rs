@@ -34,7 +34,10 @@
 //! memory is freed when the last rank unmaps it, even if every rank is
 //! SIGKILLed. A running world stays findable by name through its ranks'
 //! presence names (abstract Unix sockets, released by the kernel with the
-//! process; see [`live_members`]).
+//! process; see [`live_members`]). Where this user is the overflow uid of a
+//! user namespace, the names of every user the namespace does not map look
+//! like this user's, so none are read: a running world is then not found
+//! by name.
 //!
 //! A world is open to processes of the same effective user on one host and to
 //! no one else. The file is opened without following links and used only when

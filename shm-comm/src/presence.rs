@@ -134,7 +134,16 @@ pub fn live_members(name: &str) -> Vec<Member> {
 }
 
 pub(crate) fn members_of(hash: u64) -> Vec<Member> {
-    let Some(names) = sock_diag::abstract_names_of(crate::process::my_uid()) else { return Vec::new() };
+    let me = crate::process::my_uid();
+    // In a user namespace where this user is the overflow uid, every user
+    // the namespace does not map shows as this one (user_namespaces(7)):
+    // their sockets' names cannot be told from this user's, and another
+    // user could pose as live ranks of any name. Presence tells nothing
+    // there, as where the kernel cannot list sockets with their owners.
+    if crate::file::unmapped_uid() == Some(me) {
+        return Vec::new();
+    }
+    let Some(names) = sock_diag::abstract_names_of(me) else { return Vec::new() };
     let want = prefix(hash);
     let mut out: Vec<Member> = names
         .iter()

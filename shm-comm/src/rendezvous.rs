@@ -95,21 +95,23 @@ impl Segment {
         let deadline = crate::clock::deadline(start, timeout);
         let mut backoff = Backoff::default();
         // Why the last attempt started over (`None` before the first).
-        let mut again: Option<&str> = None;
+        // Why the last attempt did not form the world, for the error once the
+        // deadline passed.
+        let mut again: Option<String> = None;
         loop {
             // A file replaced or removed under every attempt (a link planted
             // again and again, an instance unlinked between open and lock)
             // is bounded by the deadline like every other wait here.
-            if let Some(why) = again.filter(|_| Instant::now() >= deadline) {
+            if let Some(why) = again.take().filter(|_| Instant::now() >= deadline) {
                 return Err(setup_err(
                     name,
                     rank,
                     world,
-                    format!("timed out after {timeout:?} before the world formed; at the last attempt {path} {why}"),
+                    format!("timed out after {timeout:?} before the world formed; at the last attempt {why}"),
                     ErrorKind::Timeout,
                 ));
             }
-            again = Some("was removed while it was being opened");
+            again = Some(format!("{path} was removed while it was being opened"));
             let file = match open_own(&cpath, &path) {
                 Ok(Opened::File(f)) => f,
                 Ok(Opened::Again) => {
@@ -141,7 +143,7 @@ impl Segment {
             }
             if ino_at(&cpath) != Some(ino) {
                 // Unlinked or replaced between open and lock: start over.
-                again = Some("was unlinked or replaced between its opening and its lock");
+                again = Some(format!("{path} was unlinked or replaced between its opening and its lock"));
                 close(fd);
                 backoff.snooze();
                 continue;
@@ -166,7 +168,7 @@ impl Segment {
             };
             match found {
                 Found::Stale => {
-                    again = Some("was left by ranks that are all gone, and was removed");
+                    again = Some(format!("{path} was left by ranks that are all gone, and was removed"));
                     unlink_locked(&cpath, fd);
                     continue;
                 }
@@ -175,6 +177,7 @@ impl Segment {
                     if Instant::now() >= deadline {
                         return Err(setup_err(name, rank, world, why, ErrorKind::Timeout));
                     }
+                    again = Some(why);
                     backoff.snooze();
                     continue;
                 }
@@ -202,6 +205,7 @@ impl Segment {
                         if Instant::now() >= deadline {
                             return Err(setup_err(name, rank, world, why, ErrorKind::Timeout));
                         }
+                        again = Some(why);
                         backoff.snooze();
                         continue;
                     }
