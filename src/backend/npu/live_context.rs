@@ -61,6 +61,7 @@ const TILING_BYTES: usize = std::mem::size_of::<GuardTiling>();
 /// addresses of every copy (hicann/runtime v8.5.0
 /// `docs/api_docs/aclrtMemcpyAsync.md:44`; the runtime itself checks none).
 const TILING_SLOT: usize = TILING_BYTES.next_multiple_of(64);
+const _: () = assert!(TILING_SLOT % 64 == 0 && TILING_SLOT >= TILING_BYTES);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Slot {
