@@ -288,7 +288,9 @@ typedef struct amoe_stream amoe_stream;
 //   no elements, and is ignored by `*_output_shape` functions.
 // - `dtype`: an `amoe_dtype` code.
 // - `ndim`: number of dimensions, `0..=AMOE_MAX_NDIM`; 0 is a scalar.
-// - `shape`: `ndim` sizes (may be NULL when `ndim == 0`).
+// - `shape`: `ndim` sizes (may be NULL when `ndim == 0`). The product of
+//   `dtype_size` and the non-zero sizes must not exceed `PTRDIFF_MAX`, also
+//   for a tensor without elements (`AMOE_STATUS_SHAPE` otherwise).
 // - `strides`: NULL for a C-contiguous tensor, else `ndim` strides in
 //   elements, which must describe a C-contiguous layout (size-1 dimensions
 //   may carry any stride, and a tensor without elements any strides); other
@@ -846,6 +848,9 @@ amoe_status amoe_stream_check(const struct amoe_stream *stream);
 // The shape goes to `out_shape` (caller-owned, `cap` entries) and its
 // length to `*out_ndim`; when `cap` is too small only `*out_ndim` is written
 // and `AMOE_STATUS_BUFFER_TOO_SMALL` returned. `AMOE_MAX_NDIM` always suffices.
+// An output whose size in bytes (zero dims counted as 1) would exceed
+// `PTRDIFF_MAX`, which no descriptor can carry, is `AMOE_STATUS_SHAPE`;
+// so for every `*_output_shape` function.
 //
 // # Safety
 // `args` and its non-NULL descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.

@@ -271,6 +271,52 @@ fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is
 }
 
 #[test]
+fn a_shape_function_refuses_an_output_whose_bytes_no_descriptor_can_carry() {
+    // SAFETY: every pointer is valid / writable.
+    unsafe {
+        let mut c = std::mem::MaybeUninit::<amoe_moe_context>::uninit();
+        assert_eq!(amoe_moe_context_init(c.as_mut_ptr()), amoe_status::Ok);
+        let mut c = c.assume_init();
+        let tokens = [2usize, 3];
+        c.dp_tokens = tokens.as_ptr();
+        c.dp_size = 2;
+        // 2^61 padded rows of one f32: 2^63 bytes, one past isize::MAX.
+        c.padded_num_tokens = 1 << 61;
+        let (mut x, xs) = (vec![0f32; 2], [2usize, 1]);
+        let xt = host(&mut x, &xs);
+        let (mut shape, mut nd) = ([0usize; AMOE_MAX_NDIM], 0usize);
+        let st = amoe_token_prepare_output_shape(&xt, 1, &c, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+        assert_eq!(st, amoe_status::Shape, "{}", last_error());
+        let e = last_error();
+        assert!(
+            e.starts_with("amoe_token_prepare_output_shape: `out`") && e.contains("[2305843009213693952, 1]"),
+            "{e}"
+        );
+        // Half of it fits: 2^62 bytes.
+        c.padded_num_tokens = 1 << 60;
+        let st = amoe_token_prepare_output_shape(&xt, 1, &c, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+        assert_eq!(st, amoe_status::Ok, "{}", last_error());
+        assert_eq!(&shape[..nd], &[1 << 60, 1]);
+        // An EP gather of 2^60 rows of one f32 (shape functions never read
+        // data) from 4 ranks: 2^64 bytes.
+        let (mut y, ys) = (vec![0f32; 0], [1usize << 60, 1]);
+        let yt = host(&mut y, &ys);
+        let st = amoe_maybe_all_gather_and_maybe_unpad_output_shape(
+            &yt,
+            null(),
+            0,
+            0,
+            4,
+            shape.as_mut_ptr(),
+            AMOE_MAX_NDIM,
+            &mut nd,
+        );
+        assert_eq!(st, amoe_status::Shape, "{}", last_error());
+        assert!(last_error().contains("fits in isize"), "{}", last_error());
+    }
+}
+
+#[test]
 fn host_blocks_check_their_arguments_and_are_reused_once_freed() {
     let (mut data, mut block) = (null_mut(), null_mut());
     // SAFETY: the out-pointers are writable or NULL (the cases under test).

@@ -632,14 +632,18 @@ fn check_meta(func: &str, arg: &str, d: &amoe_tensor, m: &Meta, shape: &[usize],
     Ok(())
 }
 
-/// Writes a shape into the caller's `(out_shape, cap, out_ndim)` triple.
+/// Writes the shape of an output of `dtype` into the caller's `(out_shape,
+/// cap, out_ndim)` triple; refuses one whose bytes no descriptor can carry
+/// (see [`meta`]), which the op would then refuse.
 pub(crate) fn write_shape(
-    func: &str,
+    func: &'static str,
     shape: &[usize],
+    dtype: DType,
     out_shape: *mut usize,
     cap: usize,
     out_ndim: *mut usize,
 ) -> Result<(), Failure> {
+    crate::backend::args::checked_bytes(func, "out", shape, dtype)?;
     let out_ndim = try_out!(func, out_ndim, "out_ndim");
     write_out(out_ndim, shape.len());
     if cap < shape.len() {

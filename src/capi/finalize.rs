@@ -138,6 +138,9 @@ impl FinalizeMetas {
 /// The shape goes to `out_shape` (caller-owned, `cap` entries) and its
 /// length to `*out_ndim`; when `cap` is too small only `*out_ndim` is written
 /// and `AMOE_STATUS_BUFFER_TOO_SMALL` returned. `AMOE_MAX_NDIM` always suffices.
+/// An output whose size in bytes (zero dims counted as 1) would exceed
+/// `PTRDIFF_MAX`, which no descriptor can carry, is `AMOE_STATUS_SHAPE`;
+/// so for every `*_output_shape` function.
 ///
 /// # Safety
 /// `args` and its non-NULL descriptors valid; `out_shape` writable for `cap`; `out_ndim` writable.
@@ -152,7 +155,7 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing_output_shape(
     ffi!(F, {
         let m = FinalizeMetas::read(F, args)?;
         let (shape, _) = moe::moe_finalize_routing_shape(&m.meta())?;
-        write_shape(F, &shape, out_shape, cap, out_ndim)
+        write_shape(F, &shape, m.meta().expanded_x.dtype, out_shape, cap, out_ndim)
     })
 }
 
@@ -238,7 +241,7 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute_output_shape(
         let s = read_meta(F, "sorted_indices", sorted_indices)?;
         let pr = if probs.is_null() { None } else { Some(read_meta(F, "probs", probs)?) };
         let (shape, _) = moe::moe_token_unpermute_shape(meta_of(&p), meta_of(&s), pr.as_ref().map(meta_of))?;
-        write_shape(F, &shape, out_shape, cap, out_ndim)
+        write_shape(F, &shape, p.dtype, out_shape, cap, out_ndim)
     })
 }
 

@@ -56,7 +56,7 @@ fn layout_op_shape(
         dtype_of(m.dtype)?;
         let l = layout(f, local_sizes, n)?;
         let shape = shape_of(&m.shape, l.as_ref(), ep_rank, ep_size)?;
-        write_shape(f, &shape, out_shape, cap, out_ndim)
+        write_shape(f, &shape, m.dtype, out_shape, cap, out_ndim)
     })
 }
 
@@ -231,7 +231,7 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce_output_shape(
         let m = FinalizeMetas::read(F, args)?;
         let l = layout(F, local_sizes, n)?;
         let shape = moe::finalize_and_reduce_shape(&m.meta(), l.as_ref(), ep_rank, ep_size)?;
-        write_shape(F, &shape, out_shape, cap, out_ndim)
+        write_shape(F, &shape, m.meta().expanded_x.dtype, out_shape, cap, out_ndim)
     })
 }
 

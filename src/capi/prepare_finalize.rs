@@ -236,7 +236,7 @@ fn plan_shape(
         let m = read_meta(f, arg, x)?;
         let c = context(f, ctx)?;
         let shape = shape_of(&m.shape, m.dtype, CommType::from_u32(comm_type)?, &c)?;
-        write_shape(f, &shape, out_shape, cap, out_ndim)
+        write_shape(f, &shape, m.dtype, out_shape, cap, out_ndim)
     })
 }
 

@@ -21,7 +21,7 @@ fn shape_body(
     ffi!(f, {
         let m = read_meta(f, "x", x)?;
         let shape = shape_of(&m.shape)?;
-        write_shape(f, &shape, out_shape, cap, out_ndim)
+        write_shape(f, &shape, m.dtype, out_shape, cap, out_ndim)
     })
 }
 

@@ -215,7 +215,9 @@ pub const AMOE_HCCL_WORLD: u32 = 1;
 ///   no elements, and is ignored by `*_output_shape` functions.
 /// - `dtype`: an `amoe_dtype` code.
 /// - `ndim`: number of dimensions, `0..=AMOE_MAX_NDIM`; 0 is a scalar.
-/// - `shape`: `ndim` sizes (may be NULL when `ndim == 0`).
+/// - `shape`: `ndim` sizes (may be NULL when `ndim == 0`). The product of
+///   `dtype_size` and the non-zero sizes must not exceed `PTRDIFF_MAX`, also
+///   for a tensor without elements (`AMOE_STATUS_SHAPE` otherwise).
 /// - `strides`: NULL for a C-contiguous tensor, else `ndim` strides in
 ///   elements, which must describe a C-contiguous layout (size-1 dimensions
 ///   may carry any stride, and a tensor without elements any strides); other
