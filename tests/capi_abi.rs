@@ -528,6 +528,16 @@ fn prepare_finalize_rank(name: &CString, rank: usize) -> Result<usize, String> {
             }
             let mut back = vec![f32::NAN; x.len()];
             let bt = host(&mut back, &xs);
+            // The op names the i8 `y` too, before it looks at the f32 `out`
+            // (every rank refuses; the round trip below still runs).
+            if ct == 0 {
+                let st = amoe_token_finalize(&y8, ct, &ctx, groups, &bt, null());
+                if st != amoe_status::Dtype
+                    || !last_error().starts_with("amoe_token_finalize: moe_finalize: `y` has dtype i8")
+                {
+                    return Err(format!("finalize of an i8 `y` into an f32 `out`: {st:?} {}", last_error()));
+                }
+            }
             if amoe_token_finalize(&pt, ct, &ctx, groups, &bt, null()) != amoe_status::Ok {
                 return Err(format!("finalize {ct}: {}", last_error()));
             }

@@ -465,7 +465,9 @@ pub unsafe extern "C" fn amoe_token_finalize(
         let (c, ct) = refusing(read, refuse_early(pf::Stage::Finalize, F, ctx, comm_type, g))?;
         let checked = (|| {
             let yt = cx.input("y", y)?;
-            let shape = pf::finalize_output_shape(yt.shape(), ct, &c)?;
+            // `y`'s own checks before `out`'s, as the shape function: a `y`
+            // this path cannot sum is named as such, not as `out`'s dtype.
+            let shape = pf::finalize_shape_and_dtype(yt.shape(), yt.dtype(), ct, &c)?;
             let out = cx.out("out", out)?;
             out.check(cx, &shape, yt.dtype())?;
             let o = cx.output_for(&out, &yt)?;
