@@ -99,3 +99,27 @@ backend_test!(add_rounds_once_per_dtype, |dev| {
     assert!(matches!(err, Error::Shape { arg: "b", .. }), "{err:?}");
     Ok(())
 });
+
+backend_test!(add_is_exact_on_integers, |dev| {
+    // Past f32's 24 bits of integer, and at the wrap of each type.
+    let a = Tensor::from_slice(&[16_777_217i32, 2_000_000_001, i32::MAX], &[3])?;
+    let b = Tensor::from_slice(&[1i32, 0, 1], &[3])?;
+    let mut out = Tensor::zeros(&[3], DType::I32, dev)?;
+    dev.backend().add(&a.to_device(dev)?, &b.to_device(dev)?, &mut out)?;
+    assert_eq!(out.to_vec::<i32>()?, [16_777_218, 2_000_000_001, i32::MIN]);
+    if !matches!(dev, Device::Cpu) {
+        // The simulator's aclnnAdd takes float and int32 only.
+        return Ok(());
+    }
+    let a = Tensor::from_slice(&[(1i64 << 53) + 1, -3], &[2])?;
+    let b = Tensor::from_slice(&[2i64, 1 << 40], &[2])?;
+    let mut out = Tensor::zeros(&[2], DType::I64, dev)?;
+    dev.backend().add(&a.to_device(dev)?, &b.to_device(dev)?, &mut out)?;
+    assert_eq!(out.to_vec::<i64>()?, [(1i64 << 53) + 3, (1 << 40) - 3]);
+    let a = Tensor::from_slice(&[250u8, 7], &[2])?;
+    let b = Tensor::from_slice(&[10u8, 8], &[2])?;
+    let mut out = Tensor::zeros(&[2], DType::U8, dev)?;
+    dev.backend().add(&a.to_device(dev)?, &b.to_device(dev)?, &mut out)?;
+    assert_eq!(out.to_vec::<u8>()?, [4, 15]);
+    Ok(())
+});

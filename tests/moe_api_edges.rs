@@ -211,3 +211,58 @@ fn an_ep_world_too_large_with_pcp_names_each_size_the_caller_passed() {
     let e = SpLayout::from_dp_tokens_pcp(&[1; 4], 1 << 62, 8).expect_err("2^67 EP ranks");
     assert!(e.to_string().contains(&format!("dp_size 4 x pcp_size {} x tp_size 8", 1usize << 62)), "{e}");
 }
+
+/// `FinalizeDims` reaches the backend's finalize and the fused finalize +
+/// reduce-scatter straight from a caller: dims whose products (or padded
+/// slots) overflow are errors naming them, on every rank of the collective.
+#[test]
+fn finalize_dims_whose_products_overflow_are_errors() {
+    use ascend_moe::backend::{FinalizeArgs, FinalizeDims, OutputRows};
+    use ascend_moe::{Collectives, Device, DropPadMode};
+    let x = Tensor::zeros_cpu(&[0, 4], DType::F32);
+    let idx = Tensor::zeros_cpu(&[0], DType::I32);
+    let args = FinalizeArgs::new(&x, &idx, DropPadMode::DropLessRow);
+    let fits = FinalizeDims { n: 0, k: 1, h: 4, expanded_rows: 0, experts: 0 };
+    let tokens = FinalizeDims { n: 1 << 63, k: 2, ..fits };
+    let mut out = Tensor::zeros_cpu(&[0, 4], DType::F32);
+    let e = Device::Cpu.backend().finalize_routing(&args, &tokens, &mut out, OutputRows::Dense).unwrap_err();
+    assert!(e.to_string().contains("`dims`") && e.to_string().contains("N*K"), "{e}");
+    let padded = |local_sizes: &[usize], slot_rows| {
+        let mut out = Tensor::zeros_cpu(&[0, 4], DType::F32);
+        let rows = OutputRows::Padded { local_sizes, slot_rows };
+        Device::Cpu.backend().finalize_routing(&args, &fits, &mut out, rows).unwrap_err().to_string()
+    };
+    let e = padded(&[usize::MAX, 1], usize::MAX);
+    assert!(e.contains("`local_sizes`") && e.contains("a sum past usize"), "{e}");
+    let e = padded(&[0, 0], usize::MAX);
+    assert!(e.contains("`dims`") && e.contains("ranks*slot_rows"), "{e}");
+    let res = run_ranks(2, &opts(), |_, ep| {
+        let mut out = Tensor::zeros_cpu(&[0, 4], DType::F32);
+        Ok(ep.finalize_reduce_scatter(&args, &tokens, &[0, 0], &mut out).map_err(|e| e.to_string()))
+    })
+    .expect("the world starts");
+    for (r, res) in res.iter().enumerate() {
+        let e = res.as_ref().expect_err("every rank fails");
+        assert!(e.contains("N*K"), "rank {r}: {e}");
+    }
+}
+
+/// EP ranks whose rows differ in length: the receiving rank's room for
+/// another rank's rows at its own length is no number. Every rank fails
+/// with that reason, none panics.
+#[test]
+fn dispatch_from_ranks_whose_rows_differ_past_usize_fails_every_rank() {
+    let res = run_ranks(2, &opts(), |r, ep| {
+        let (x, ids) = if r == 0 {
+            (Tensor::zeros_cpu(&[0, 1 << 60], DType::F32), vec![])
+        } else {
+            (Tensor::zeros_cpu(&[16, 1], DType::F32), vec![0; 16])
+        };
+        Ok(dispatch(&x, &ids, 1, None, 2, &ep).map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .expect("the world starts");
+    for (r, res) in res.iter().enumerate() {
+        let e = res.as_ref().expect_err("every rank fails");
+        assert!(e.contains("`x`"), "rank {r}: {e}");
+    }
+}

@@ -184,7 +184,8 @@ pub trait Backend {
         dst_row: usize,
         rows: usize,
     ) -> Result<()>;
-    /// `out = a + b` elementwise (f32 accumulation, one rounding).
+    /// `out = a + b` elementwise: integers exactly (wrapping on overflow),
+    /// other dtypes in f32, rounded once.
     fn add(&self, a: View<'_, Self::Buffer>, b: View<'_, Self::Buffer>, out: ViewMut<'_, Self::Buffer>) -> Result<()>;
     /// Fused finalize routing (SPEC section 1) into `out`, placed as `rows` says.
     fn finalize_routing(
@@ -387,7 +388,11 @@ pub fn finalize_then_reduce_scatter<C: Communicator>(
             )
         })
         .and_then(|mine| {
-            let padded = args::with_rows(OP, "expanded_x", out.shape(), local_sizes.len() * m)?;
+            // As many slots as ranks (checked above), each of the largest size.
+            let rows = local_sizes.len().checked_mul(m).ok_or_else(|| {
+                Error::invalid(OP, "local_sizes", format!("{} slots of {m} rows overflow usize", local_sizes.len()))
+            })?;
+            let padded = args::with_rows(OP, "expanded_x", out.shape(), rows)?;
             Ok((mine, padded, args::with_rows(OP, "expanded_x", out.shape(), m)?))
         });
     let (mine, padded_shape, slot_shape) = shapes.map_err(refuse)?;

@@ -4,7 +4,7 @@ use super::finalize;
 use super::CpuBuffer;
 use crate::backend::args::check_rows;
 use crate::backend::{Backend, FinalizeArgs, FinalizeDims, OutputRows, View, ViewMut};
-use crate::{with_dtype, Element, Error, Result};
+use crate::{with_dtype, DType, Element, Error, Result};
 
 /// The CPU backend.
 #[derive(Debug, Clone, Copy, Default)]
@@ -58,13 +58,29 @@ impl Backend for CpuBackend {
         const OP: &str = "add";
         check_same(OP, "b", &a, &b)?;
         check_same(OP, "out", &a, &out.as_view())?;
-        with_dtype!(a.dtype(), T => {
-            let (x, y) = (a.typed::<T>(OP, "a")?, b.typed::<T>(OP, "b")?);
-            let o = out.typed_mut::<T>(OP, "out")?;
-            for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
-                *o = T::from_f32(x.to_f32() + y.to_f32());
-            }
-        });
+        // Integers add exactly (an f32 holds only 24 bits of them), wrapping
+        // on overflow; every other dtype through f32, rounded once.
+        macro_rules! exact {
+            ($T:ty) => {{
+                let (x, y) = (a.typed::<$T>(OP, "a")?, b.typed::<$T>(OP, "b")?);
+                for ((o, x), y) in out.typed_mut::<$T>(OP, "out")?.iter_mut().zip(x).zip(y) {
+                    *o = x.wrapping_add(*y);
+                }
+            }};
+        }
+        match a.dtype() {
+            DType::I32 => exact!(i32),
+            DType::I64 => exact!(i64),
+            DType::I8 => exact!(i8),
+            DType::U8 => exact!(u8),
+            d => with_dtype!(d, T => {
+                let (x, y) = (a.typed::<T>(OP, "a")?, b.typed::<T>(OP, "b")?);
+                let o = out.typed_mut::<T>(OP, "out")?;
+                for ((o, x), y) in o.iter_mut().zip(x).zip(y) {
+                    *o = T::from_f32(x.to_f32() + y.to_f32());
+                }
+            }),
+        }
         Ok(())
     }
 

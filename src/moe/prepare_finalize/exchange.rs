@@ -146,9 +146,13 @@ pub fn dispatch(
     let recv_counts = exchange_counts(ep, &send_counts, num_experts)?;
     let device = x.device();
     let h = x.row_len();
-    let recv_total: usize = recv_counts.iter().sum();
-    let sc: Vec<usize> = send_counts.iter().map(|c| c * h).collect();
-    let rc: Vec<usize> = recv_counts.iter().map(|c| c * h).collect();
+    // The counts are the peers' and `h` is this rank's (a peer whose rows
+    // are longer sends counts that, times `h`, may not be a number): the
+    // products saturate, and the room for the received rows below, whose
+    // size is then no number either, is refused through the exchange.
+    let recv_total = recv_counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+    let sc: Vec<usize> = send_counts.iter().map(|c| c.saturating_mul(h)).collect();
+    let rc: Vec<usize> = recv_counts.iter().map(|c| c.saturating_mul(h)).collect();
     // The rows to send, gathered with the unpermute op (K = 1: a row
     // gather), and room for those received. Memory this rank cannot have
     // (a rank that sends or receives many more rows than its peers) fails
@@ -181,8 +185,10 @@ pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &
     const OP: &str = "moe_combine";
     let recv_total: usize = d.recv_counts.iter().sum();
     let h = d.rows.row_len();
+    // `d.rows` holds every received row, so `sc` fits; the rows sent back
+    // are those dispatched, which `x` held at its own length.
     let sc: Vec<usize> = d.recv_counts.iter().map(|c| c * h).collect();
-    let rc: Vec<usize> = d.send_counts.iter().map(|c| c * h).collect();
+    let rc: Vec<usize> = d.send_counts.iter().map(|c| c.saturating_mul(h)).collect();
     let checked = if expert_out.shape().first() != Some(&recv_total) || expert_out.row_len() != h {
         Err(Error::shape(OP, "expert_out", format!("{:?} (the dispatched rows)", d.rows.shape()), expert_out.shape()))
     } else if topk_weights.shape() != [d.tokens, d.top_k] {

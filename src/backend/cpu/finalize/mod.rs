@@ -119,27 +119,35 @@ pub fn finalize_routing(
     }
 }
 
+/// `a * b`, or an error naming `dims` and the product `what`.
+fn product(what: &str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| Error::invalid(FINALIZE, "dims", format!("{what} = {a}*{b} overflows usize")))
+}
+
 /// Validates every input of a finalize (lengths and index values) and
 /// collects what each output token gathers.
 fn finalize_gather<'a, T: Lanes>(args: &FinalizeArgs<In<'a>>, dims: &FinalizeDims) -> Result<Gather<'a, T>> {
     let FinalizeDims { n, k, h, expanded_rows, experts } = *dims;
-    let x = data::<T>(FINALIZE, "expanded_x", args.expanded_x, expanded_rows * h)?;
+    // `dims` may come straight from a caller: every product is checked.
+    let nk = product("N*K", n, k)?;
+    let nh = product("N*H", n, h)?;
+    let x = data::<T>(FINALIZE, "expanded_x", args.expanded_x, product("rows*H", expanded_rows, h)?)?;
     let idx = indices(FINALIZE, "expanded_row_idx", args.expanded_row_idx)?;
-    if idx.len() != n * k {
-        let want = format!("[{}] (N*K = {n}*{k})", n * k);
+    if idx.len() != nk {
+        let want = format!("[{nk}] (N*K = {n}*{k})");
         return Err(Error::shape(FINALIZE, "expanded_row_idx", want, args.expanded_row_idx.shape()));
     }
-    let x1 = args.x1.map(|t| data::<T>(FINALIZE, "x1", t, n * h)).transpose()?;
-    let x2 = args.x2.map(|t| data::<T>(FINALIZE, "x2", t, n * h)).transpose()?;
+    let x1 = args.x1.map(|t| data::<T>(FINALIZE, "x1", t, nh)).transpose()?;
+    let x2 = args.x2.map(|t| data::<T>(FINALIZE, "x2", t, nh)).transpose()?;
     let scales = args.scales.map(|s| weights(FINALIZE, "scales", s, n, k)).transpose()?;
     let bias = match (args.bias, args.expert_idx) {
         (Some(b), Some(e)) => {
             let bv = widen_any(FINALIZE, "bias", b)?;
-            if bv.len() != experts * h {
+            if bv.len() != product("experts*H", experts, h)? {
                 return Err(Error::shape(FINALIZE, "bias", format!("[{experts}, {h}]"), b.shape()));
             }
             let ev = indices(FINALIZE, "expert_idx", e)?;
-            if ev.len() != n * k {
+            if ev.len() != nk {
                 return Err(Error::shape(FINALIZE, "expert_idx", format!("[{n}, {k}]"), e.shape()));
             }
             check_range(FINALIZE, "expert_idx", ev, 0, experts)?;
@@ -179,12 +187,13 @@ fn finalize_typed<T: Lanes>(
     let out_rows = match rows {
         OutputRows::Dense => n,
         OutputRows::Padded { local_sizes, slot_rows } => {
-            let total: usize = local_sizes.iter().sum();
-            if total != n {
+            let total = local_sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+            if total != Some(n) {
+                let sum = total.map_or_else(|| "a sum past usize".to_string(), |t| format!("sum {t}"));
                 return Err(Error::invalid(
                     FINALIZE,
                     "local_sizes",
-                    format!("sum {total} must equal the token count N = {n}"),
+                    format!("{sum}, which must equal the token count N = {n}"),
                 ));
             }
             if let Some(m) = local_sizes.iter().copied().max().filter(|m| *m > slot_rows) {
@@ -194,13 +203,13 @@ fn finalize_typed<T: Lanes>(
                     format!("{slot_rows} is less than the largest local size {m}"),
                 ));
             }
-            local_sizes.len() * slot_rows
+            product("ranks*slot_rows", local_sizes.len(), slot_rows)?
         }
     };
     if out.dtype() != T::DTYPE {
         return Err(Error::dtype(FINALIZE, "out", T::DTYPE.name(), out.dtype()));
     }
-    if out.numel() != out_rows * h {
+    if Some(out.numel()) != out_rows.checked_mul(h) {
         return Err(Error::shape(FINALIZE, "out", format!("{out_rows} rows of {h} elements"), out.shape()));
     }
     let o: &mut [T] = bytemuck::cast_slice_mut(out.bytes_mut());
