@@ -29,6 +29,28 @@ fn check_moe_section_passes_on_processes_one_row_per_case() {
     }
 }
 
+/// `check --staging-bytes`: every collective case passes when each takes
+/// many staging rounds, on threads and on processes, and the header says the
+/// size the world used (1 MiB unless told: a 64 MiB /dev/shm holds it).
+#[test]
+fn check_collectives_pass_with_the_staging_size_given() {
+    for (staging, procs) in [(Some("16384"), false), (Some("16384"), true), (None, false)] {
+        let mut cmd = Command::new(EXE);
+        cmd.args(["check", "--world", "3", "--section", "collectives"]);
+        if let Some(s) = staging {
+            cmd.args(["--staging-bytes", s]);
+        }
+        if procs {
+            cmd.arg("--procs");
+        }
+        let o = cmd.output().expect("run check");
+        let (out, err) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        assert!(o.status.success() && out.contains("cases passed on 3 ranks"), "{out}\n{err}");
+        let want = if staging.is_some() { "staging 16 KiB x 3 slots per rank" } else { "staging 1024 KiB x 3" };
+        assert!(err.contains(want), "{staging:?} procs {procs}: {err}");
+    }
+}
+
 #[test]
 fn moe_benchmarks_run() {
     let o = Command::new(EXE)

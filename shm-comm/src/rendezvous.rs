@@ -562,7 +562,7 @@ fn reserve_failed(errno: i32, len: usize, path: &str, world: usize, staging: usi
         format!(
             "; free space in it or make it larger (e.g. docker run --shm-size, or remount a tmpfs with a larger \
              size=). Each rank needs 4 KiB + 3 x the staging size: a Rust caller may choose a smaller one \
-             (Config::staging_bytes; ascend-moe: CpuComm::rendezvous_with, ascend-moe bench --staging-bytes), \
+             (Config::staging_bytes; ascend-moe: CpuComm::rendezvous_with, ascend-moe check and bench --staging-bytes), \
              while the C API and Python always use the default of {} bytes",
             crate::segment::DEFAULT_STAGING
         )

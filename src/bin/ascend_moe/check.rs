@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use ascend_moe::backend::cpu::check_world_size;
-use ascend_moe::ranks::run_ranks;
+use ascend_moe::backend::cpu::{check_world_size, CpuCommConfig};
+use ascend_moe::ranks::run_ranks_with;
 use ascend_moe::{Comm, CommOptions};
 
 use crate::launch;
@@ -44,7 +44,15 @@ pub struct Args {
     /// Only these sections (repeatable); default: all.
     #[arg(long)]
     section: Vec<String>,
+    /// Staging bytes per slot of every communicator of the check (default
+    /// 1 MiB: the largest collective cases then take several staging rounds,
+    /// and 4 ranks with their sub-groups fit in a 64 MiB /dev/shm).
+    #[arg(long, default_value_t = CHECK_STAGING)]
+    staging_bytes: usize,
 }
+
+/// The check's default staging bytes per slot.
+pub const CHECK_STAGING: usize = 1 << 20;
 
 /// The sections selected by name (all when `names` is empty).
 pub fn selected(names: &[String]) -> Result<Vec<(&'static str, Section)>, String> {
@@ -100,13 +108,19 @@ pub fn main(a: Args) -> i32 {
     }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
     let mode = if a.procs { "processes" } else { "threads" };
-    eprintln!("checking on a world of {} ranks ({mode}), timeout {:?}", a.world, timeout);
+    let cfg = CpuCommConfig { staging_bytes: a.staging_bytes };
+    eprintln!(
+        "checking on a world of {} ranks ({mode}), timeout {:?}, staging {} KiB x 3 slots per rank",
+        a.world,
+        timeout,
+        cfg.effective_staging() / 1024
+    );
     let per_rank: Result<Vec<Vec<Row>>, String> = if a.procs {
         let mut task = vec!["check".to_string()];
         for s in &a.section {
             task.extend(["--section".to_string(), s.clone()]);
         }
-        launch::spawn_world(a.world, timeout, None, &task).and_then(|outs| {
+        launch::spawn_world(a.world, timeout, Some(a.staging_bytes), &task).and_then(|outs| {
             outs.into_iter()
                 .map(|o| {
                     if !o.status.success() && o.status.code() != Some(1) {
@@ -118,7 +132,7 @@ pub fn main(a: Args) -> i32 {
         })
     } else {
         let names = a.section.clone();
-        run_ranks(a.world, &CommOptions::with_timeout(timeout), |_, comm| run_rank(&comm, &names))
+        run_ranks_with(a.world, &CommOptions::with_timeout(timeout), &cfg, |_, comm| run_rank(&comm, &names))
             .map_err(|e| e.to_string())
     };
     let per_rank = match per_rank {
