@@ -438,18 +438,20 @@ pub(crate) fn dp_pcp_tp_coords(op: &'static str, world: &Comm, pcp_size: usize, 
 }
 
 /// Checks that every rank of `group` holds `value`: one all-gather of one i32
-/// per rank, then [`Backend::expect_all_equal`]. On the CPU every rank
+/// per rank, then [`Backend::expect_all_equal`], both on `on`, the device
+/// (on an NPU: the stream) of the op that checks. On the CPU every rank
 /// fails at once with `mismatch`'s error (given every rank's value); on an
-/// NPU the values are compared on the device and every rank's next stream
-/// check fails with it (given the first rank that differs): no host sync,
-/// capturable.
+/// NPU the values are compared on the device and every rank's next check of
+/// the op's stream fails with it (given the first rank that differs): no
+/// host sync, capturable with the op. (A communicator's own device may have
+/// another stream: the C ABI's runs ops on the call's stream.)
 pub(crate) fn expect_group_agrees<C: Collectives + ?Sized>(
     group: &C,
+    on: &Device,
     value: i32,
     mismatch: crate::backend::Mismatch,
 ) -> Result<()> {
-    let device = group.device();
-    let backend = device.backend();
+    let backend = on.backend();
     let mine = backend.scratch_from_host(&Tensor::from_slice(&[value], &[1])?)?;
     let mut all = backend.scratch(&[group.world_size()], DType::I32)?;
     group.all_gather(&mine, &mut all)?;

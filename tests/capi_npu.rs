@@ -577,3 +577,63 @@ fn a_first_call_on_another_devices_stream_leaves_the_engines_device_current() {
         assert_eq!(destroy(raw), 0, "aclrtDestroyStream");
     }
 }
+
+/// The opt-in comm-type agreement of a reduction point
+/// (`ASCEND_MOE_CHECK_COMM_TYPE=1`) through the C ABI, on an engine's HCCL
+/// communicator and stream: the agreement runs on the call's stream, so TP
+/// ranks that chose other comm types fail that stream's check naming the
+/// choices, on every rank; ranks that agree pass it.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn a_reduction_points_comm_type_check_runs_on_the_calls_stream() {
+    const VAR: &str = "ASCEND_MOE_CHECK_COMM_TYPE";
+    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
+    let rank_body = |rank: usize, root: &HcclRootInfo| -> ascend_moe::Result<(amoe_status, String)> {
+        let dev = NpuDevice::open(rank as u32)?;
+        let engine_stream = dev.new_stream()?;
+        let hccl = HcclComm::from_root_info(&dev, root, WORLD, rank, &CommOptions::from_env())?;
+        let (mut s, mut c): (*mut amoe_stream, *mut amoe_comm) = (null_mut(), null_mut());
+        let shape = [4usize];
+        let x = dev.clone_htod(&[rank as f32 + 1.0; 4])?;
+        dev.synchronize()?;
+        let xd = desc(ptr(&x), amoe_dtype::F32, &shape, amoe_device_kind::Npu, rank as i32);
+        let pol = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: WORLD, ep_size: WORLD };
+        // SAFETY: a live stream and communicator of this device, outliving the
+        // handles; the descriptors are over live device memory of this device.
+        unsafe {
+            assert_eq!(amoe_stream_wrap(engine_stream.raw(), rank as u32, &mut s), amoe_status::Ok, "{}", last_error());
+            assert_eq!(amoe_comm_from_hccl(hccl.raw(), rank as u32, 0, &mut c), amoe_status::Ok, "{}", last_error());
+            // Every rank chose MC2 (1): the check passes.
+            assert_eq!(amoe_reduce_final(&pol, &xd, 1, c, &xd, s), amoe_status::Ok, "{}", last_error());
+            assert_eq!(amoe_stream_check(s), amoe_status::Ok, "agreeing ranks: {}", last_error());
+            // Rank 0 chose ALLTOALL (2), the others MC2.
+            let comm_type = if rank == 0 { 2 } else { 1 };
+            assert_eq!(amoe_reduce_final(&pol, &xd, comm_type, c, &xd, s), amoe_status::Ok, "{}", last_error());
+            let st = amoe_stream_check(s);
+            let text = last_error();
+            amoe_stream_free(s);
+            amoe_comm_free(c);
+            Ok((st, text))
+        }
+    };
+    // SAFETY: run alone (--ignored --test-threads=1, as ci/sim.sh does); the
+    // variable is set before the rank threads start and removed after they joined.
+    std::env::set_var(VAR, "1");
+    let results: Vec<_> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..WORLD)
+            .map(|r| {
+                sc.spawn({
+                    let root = &root;
+                    move || rank_body(r, root)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
+    });
+    std::env::remove_var(VAR);
+    for (rank, r) in results.into_iter().enumerate() {
+        let (st, text) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        assert_ne!(st, amoe_status::Ok, "rank {rank}: the comm types differ");
+        assert!(text.contains("comm type") && text.contains("ALLTOALL") && text.contains("MC2"), "rank {rank}: {text}");
+    }
+}

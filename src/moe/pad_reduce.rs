@@ -172,7 +172,7 @@ pub(crate) fn layout_check_enabled(device: &Device) -> bool {
 /// The SP layout check of an op on `device` ([`layout_check_enabled`]).
 fn layout_agrees<C: Collectives + ?Sized>(device: &Device, layout: Option<&SpLayout>, ep: &C) -> Result<()> {
     match layout {
-        Some(l) if layout_check_enabled(device) => check_sp_layout_agreement(l, ep),
+        Some(l) if layout_check_enabled(device) => layout_agreement(l, ep, device),
         _ => Ok(()),
     }
 }
@@ -186,13 +186,18 @@ fn layout_agrees<C: Collectives + ?Sized>(device: &Device, layout: Option<&SpLay
 /// naming a rank whose layout differs. The SP ops run it on an HCCL group
 /// with `ASCEND_MOE_CHECK_LAYOUT=1`.
 pub fn check_sp_layout_agreement<C: Collectives + ?Sized>(layout: &SpLayout, ep: &C) -> Result<()> {
+    layout_agreement(layout, ep, &ep.device())
+}
+
+/// [`check_sp_layout_agreement`] on `on`, the device (stream) of the op.
+fn layout_agreement<C: Collectives + ?Sized>(layout: &SpLayout, ep: &C, on: &Device) -> Result<()> {
     if ep.world_size() <= 1 {
         return Ok(());
     }
     let sizes = layout.local_sizes();
     let mine = fingerprint(sizes);
     let what = Disagreement { op: "check_sp_layout_agreement", arg: "layout", ranks: "EP", on: "SP layout" };
-    crate::comm::expect_group_agrees(ep, mine, what.mismatch(ep, mine, format!("local_sizes {sizes:?} have")))
+    crate::comm::expect_group_agrees(ep, on, mine, what.mismatch(ep, mine, format!("local_sizes {sizes:?} have")))
 }
 
 /// What a fingerprint agreement over a group compares, for its error.
@@ -537,7 +542,7 @@ pub fn finalize_and_reduce_into<C: Collectives + ?Sized>(
         Ok((reduce_layout(FINALIZE_REDUCE, dims.n, layout, ep.world_size())?, dims))
     });
     let (l, dims) = checked.map_err(|e| refuse_reduce(ep, args.expanded_x.dtype(), e))?;
-    layout_agrees(&ep.device(), layout, ep)?;
+    layout_agrees(&args.expanded_x.device(), layout, ep)?;
     // `out` may cover an operand (the residual `x1`, say).
     write_apart(out, args.operands(), |o| ep.finalize_reduce_scatter(args, &dims, l.local_sizes(), o))
         .map_err(moving(FINALIZE_REDUCE, "expanded_x"))

@@ -283,7 +283,7 @@ impl ReducePolicy {
         comm: CommType,
         tp: &C,
     ) -> Result<Tensor> {
-        self.agree(point, comm, tp, x.shape())?;
+        self.agree(point, comm, tp, x.shape(), &x.device())?;
         self.reduce_if(self.reduces(point, comm), x, tp).map_err(moving(point.op(), "x"))
     }
 
@@ -356,6 +356,7 @@ impl ReducePolicy {
         comm: CommType,
         tp: &C,
         x_shape: &[usize],
+        on: &crate::Device,
     ) -> Result<()> {
         let op = point.op();
         // The peers' policies match the group: with more than one rank they
@@ -366,7 +367,7 @@ impl ReducePolicy {
             // Only where the point reduces: a point that copies moves nothing
             // between the ranks.
             let shape = (!matches!(tp.device(), crate::Device::Cpu) && self.reduces(point, comm)).then_some(x_shape);
-            comm_type_agreement(op, "TP", comm, Some(self.facts(point, shape)), tp)?;
+            comm_type_agreement(op, "TP", comm, Some(self.facts(point, shape)), tp, on)?;
         }
         Ok(())
     }
@@ -386,11 +387,11 @@ impl ReducePolicy {
         if let Output::Separate { x, out } = &output {
             check_out_like(op, x, out, x.shape()).map_err(|e| refuse_at_point(reduce, tp, x.dtype(), e))?;
         }
-        let x_shape = match &output {
-            Output::InPlace(x) => x.shape(),
-            Output::Separate { x, .. } => x.shape(),
+        let x = match &output {
+            Output::InPlace(x) => &**x,
+            Output::Separate { x, .. } => *x,
         };
-        self.agree(point, comm, tp, x_shape)?;
+        self.agree(point, comm, tp, x.shape(), &x.device())?;
         match output {
             Output::InPlace(x) => {
                 if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {

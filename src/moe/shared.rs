@@ -119,7 +119,7 @@ fn tokens_agree<C: Collectives + ?Sized>(
     }
     let mine = fingerprint(&[tokens]);
     let what = Disagreement { op, arg, ranks: "TP", on: "token count" };
-    crate::comm::expect_group_agrees(tp, mine, what.mismatch(tp, mine, format!("{tokens} tokens have")))
+    crate::comm::expect_group_agrees(tp, device, mine, what.mismatch(tp, mine, format!("{tokens} tokens have")))
 }
 
 /// Shape function of [`shared_pad_split`]: `x [T, H...]` -> `[ceil(T / tp_size), H...]`.

@@ -165,7 +165,7 @@ pub(crate) fn comm_type_check_enabled<C: Collectives + ?Sized>(group: &C) -> boo
 /// paths never fail with an unrelated mismatch on some ranks and succeed on
 /// others unnoticed.
 pub fn check_comm_type_agreement<C: Collectives + ?Sized>(comm: CommType, ep: &C) -> Result<()> {
-    comm_type_agreement(PREPARE, "EP", comm, None, ep)
+    comm_type_agreement(PREPARE, "EP", comm, None, ep, &ep.device())
 }
 
 /// What else the ranks of a comm-type agreement must see alike: `print`, a
@@ -241,13 +241,15 @@ fn agreement_value(comm: CommType, facts: Option<&Facts>) -> i32 {
 }
 
 /// [`check_comm_type_agreement`] for the op `op` over its `kind` group (EP,
-/// TP), which the error names, the ranks also agreeing on `facts`.
+/// TP), which the error names, the ranks also agreeing on `facts`; on `on`,
+/// the device (stream) of the op's operands.
 pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
     op: &'static str,
     kind: &'static str,
     comm: CommType,
     facts: Option<Facts>,
     ep: &C,
+    on: &crate::Device,
 ) -> Result<()> {
     let world = ep.world_size();
     if world <= 1 {
@@ -268,7 +270,7 @@ pub(crate) fn comm_type_agreement<C: Collectives + ?Sized>(
     });
     match actual {
         Some(actual) => actual_tokens(op, ep, value, actual, mismatch),
-        None => expect_group_agrees(ep, value, mismatch),
+        None => expect_group_agrees(ep, on, value, mismatch),
     }
 }
 

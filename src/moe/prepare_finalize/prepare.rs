@@ -70,7 +70,7 @@ pub fn prepare_tokens_into(
         .and_then(|_| check_groups(PREPARE, ctx, groups))
         .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
     if comm_type_check_enabled(&groups.ep) {
-        comm_type_agreement(PREPARE, "EP", comm, Some(context_facts(ctx, "x", x)), &groups.ep)?;
+        comm_type_agreement(PREPARE, "EP", comm, Some(context_facts(ctx, "x", x)), &groups.ep, &x.device())?;
     }
     let device = x.device();
     let backend = device.backend();
@@ -229,7 +229,7 @@ pub(crate) fn refuse_unread(groups: &MoeGroups, dtype: DType, error: Error) -> E
 /// wait in another, or two paths that take the same rows both returning.
 fn agree_before_finalize(y: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<()> {
     if comm_type_check_enabled(&groups.ep) {
-        comm_type_agreement(FINALIZE, "EP", comm, Some(context_facts(ctx, "y", y)), &groups.ep)?;
+        comm_type_agreement(FINALIZE, "EP", comm, Some(context_facts(ctx, "y", y)), &groups.ep, &y.device())?;
     }
     Ok(())
 }
