@@ -598,6 +598,12 @@ amoe_status amoe_stream_wrap(void *raw_acl_stream,
                              struct amoe_stream **out);
 
 // Releases a stream handle (never the engine's stream). NULL is a no-op.
+// The last handle of a stream also frees its workspace (after
+// synchronising the stream), including the blocks, status records and
+// pinned staging of work captured into graphs, which every replay uses:
+// destroy those graphs (`aclmdlRIDestroy`) first. What a captured task uses
+// must stay valid until its model is destroyed (runtime guide, single-stream
+// capture, restriction 7), and the library does not see the destruction.
 //
 // # Safety
 // `stream` must be NULL or a live handle not used afterwards.
@@ -1039,7 +1045,9 @@ amoe_status amoe_live_context_guards(const struct amoe_live_context *ctx,
                                      size_t *in_use);
 
 // Frees a live context (NULL is a no-op). Outside capture, after the work
-// that reads it has run.
+// that reads it has run, and after every graph that captured a guard of
+// this context was destroyed (each replay reads the guard's record and
+// tiling, freed with the context).
 //
 // # Safety
 // `ctx` NULL or a live handle not used afterwards.

@@ -521,7 +521,9 @@ def release_streams() -> int:
     """Frees every cached stream handle (never the engine's streams), for an
     engine about to destroy the streams they wrap; returns how many. Later
     calls wrap their streams again. An error, freeing nothing, while a
-    LiveContext is open on one of them (close it first)."""
+    LiveContext is open on one of them (close it first). A handle's stream
+    workspace goes with it, including what work captured into graphs uses at
+    every replay: destroy those graphs first."""
     with _STREAMS_LOCK:
         if _HELD:
             (raw, device), n = next(iter(_HELD.items()))

@@ -66,9 +66,11 @@ class LiveContext(Owned):
     context's life and cannot add records, so `reserve(n)` them before
     capture; a guard outside capture adds records itself, keeping free as
     many as the largest run of captures after an eager guard took. Made and freed
-    outside capture (it allocates). `close()` while another thread's call
-    (a `check()` waiting on the stream) holds the context frees it, and
-    releases its stream handle, when that call returns."""
+    outside capture (it allocates). Close it only after every graph that
+    captured one of its guards was destroyed: each replay reads the guard's
+    record and tiling, freed with the context. `close()` while another
+    thread's call (a `check()` waiting on the stream) holds the context
+    frees it, and releases its stream handle, when that call returns."""
 
     _free_fn = "amoe_live_context_free"
     _closed_text = "the live context was closed"

@@ -239,6 +239,12 @@ pub unsafe extern "C" fn amoe_stream_wrap(
 }
 
 /// Releases a stream handle (never the engine's stream). NULL is a no-op.
+/// The last handle of a stream also frees its workspace (after
+/// synchronising the stream), including the blocks, status records and
+/// pinned staging of work captured into graphs, which every replay uses:
+/// destroy those graphs (`aclmdlRIDestroy`) first. What a captured task uses
+/// must stay valid until its model is destroyed (runtime guide, single-stream
+/// capture, restriction 7), and the library does not see the destruction.
 ///
 /// # Safety
 /// `stream` must be NULL or a live handle not used afterwards.

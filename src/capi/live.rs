@@ -123,7 +123,9 @@ pub unsafe extern "C" fn amoe_live_context_guards(
 }
 
 /// Frees a live context (NULL is a no-op). Outside capture, after the work
-/// that reads it has run.
+/// that reads it has run, and after every graph that captured a guard of
+/// this context was destroyed (each replay reads the guard's record and
+/// tiling, freed with the context).
 ///
 /// # Safety
 /// `ctx` NULL or a live handle not used afterwards.
