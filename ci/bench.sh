@@ -67,6 +67,10 @@ while [[ $# -gt 0 ]]; do
     shift
 done
 PEERS_ONLY="${PEERS_ONLY:-0}"
+if [[ -n "$RUNS" && ! "$RUNS" =~ ^[1-9][0-9]*$ ]]; then
+    echo "ci/bench.sh: --runs $RUNS: must be a whole number, at least 1 (the report takes medians over runs)" >&2
+    exit 2
+fi
 
 say() { printf '\n== %s ==\n' "$*" >&2; }
 die() { printf 'ci/bench.sh: error: %s\n' "$*" >&2; exit 1; }

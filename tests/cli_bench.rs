@@ -206,6 +206,13 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
     refused(&coll(&["-b", "0"]), "--min-bytes 0: must be at least 1");
     refused(&coll(&["-b", "2M", "-e", "1M"]), "--min-bytes 2097152 exceeds --max-bytes 1048576");
     refused(&coll(&["--iters", "0"]), "--iters 0: must be at least 1");
+    // Staging under the minimum was raised to it unsaid.
+    refused(&coll(&["--staging-bytes", "0"]), "--staging-bytes 0: must be at least 4096");
+    refused(&["check", "--staging-bytes", "1"], "--staging-bytes 1: must be at least 4096");
+    // A timeout under a nanosecond became no wait at all: every rendezvous
+    // failed at once, and worker processes refused the 0 they were handed.
+    refused(&["check", "--timeout", "1e-300"], "less than the least timeout, 1 ns");
+    refused(&coll(&["--timeout", "1e-10"]), "less than the least timeout, 1 ns");
     // Counts whose sum wrapped (one untimed call reported as 0 us), or whose
     // vector of times could not be allocated (a panic, an abort).
     refused(&coll(&["--warmup", "18446744073709551614"]), "--warmup 18446744073709551614: exceeds the maximum");
@@ -239,11 +246,12 @@ fn bench_arguments_out_of_range_are_refused_naming_them() {
             64 * (2 * (4096u64 << 30) + 3 * (1 << 20) + 4096 + triad_bytes(64))
         ),
     );
-    // A staging segment larger than the host's memory, under small rows.
+    // A staging segment larger than the host's memory, under small rows:
+    // the refusal names --staging-bytes too.
     refused(
         &coll(&["--ranks", "2", "-b", "8", "-e", "8", "--staging-bytes", "1099511627776"]),
         &format!(
-            "--max-bytes 8: the row of 8 bytes, an input and an output of that size, 3298534887424 bytes of staging \
+            "--max-bytes 8 with --staging-bytes 1099511627776: the row of 8 bytes, an input and an output of that size, 3298534887424 bytes of staging \
              and {} bytes of triad arrays on each of 2 ranks, needs {} bytes of host memory, more than the",
             triad_bytes(2),
             2 * (2 * 8 + 3 * (1u64 << 40) + 4096 + triad_bytes(2))
@@ -438,4 +446,19 @@ fn finalize_and_reduce_says_when_the_fused_op_ran_the_two_step_path() {
     assert_eq!(json_number(fused, "bound"), 1.0, "{json}");
     let (table, _) = run(&long);
     assert!(table.contains("the fused op ran the two-step path: a row of 600000 bf16 elements"), "{table}");
+}
+
+/// The worker's all-reduce task with a count past memory fails naming the
+/// tensor (exit 3, a rank's own failure); it aborted on the allocation.
+#[test]
+fn a_worker_all_reduce_past_memory_fails_instead_of_aborting() {
+    let name = format!("cli-worker-{}", std::process::id());
+    let out = Command::new(EXE)
+        .args(["worker", "--name", &name, "--world", "1", "--rank", "0", "all-reduce", "--count"])
+        .arg(usize::MAX.to_string())
+        .output()
+        .expect("run ascend-moe");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(stderr.contains("Tensor::zeros") && stderr.contains("fits in isize"), "{stderr}");
 }

@@ -216,6 +216,11 @@ def main() -> int:
     args = p.parse_args()
 
     skip = {s for s in args.skip.split(",") if s}
+    parts = {"triad", "collectives", "mpi", "gloo", "finalize", "numpy", "far", "decode"}
+    if skip - parts:
+        p.error(f"--skip {args.skip}: unknown part(s) {', '.join(sorted(skip - parts))} (parts: {', '.join(sorted(parts))})")
+    if args.runs < 1:
+        p.error(f"--runs {args.runs}: must be at least 1 (the report takes medians over runs)")
     worlds = [int(w) for w in args.worlds.split(",") if w]
     transports = [t for t in args.transports.split(",") if t]
     dtypes = [d for d in args.dtypes.split(",") if d]

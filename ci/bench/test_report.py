@@ -599,5 +599,23 @@ class NumpyPeer(unittest.TestCase):
                     self.assertLessEqual(abs(got[i, j] - acc), tol, (dtype, i, j))
 
 
+class RunArguments(unittest.TestCase):
+    def _run(self, *args):
+        import subprocess
+
+        with tempfile.TemporaryDirectory() as raw:
+            here = os.path.dirname(os.path.abspath(__file__))
+            cmd = [sys.executable, os.path.join(here, "run.py"), "--raw", raw, *args]
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    def test_runs_under_one_and_unknown_parts_are_refused_naming_them(self):
+        r = self._run("--runs", "0")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--runs 0: must be at least 1", r.stderr)
+        r = self._run("--skip", "triad,colectives")
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("unknown part(s) colectives", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()

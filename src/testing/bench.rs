@@ -126,11 +126,68 @@ fn permutation(n: usize) -> Result<Vec<i32>> {
 /// Most expanded rows a benchmark builds: its row indices are int32.
 pub const MAX_ROWS: usize = 1 << 31;
 
-/// `MemAvailable` of `/proc/meminfo`, in bytes (`None` where it cannot be read).
+/// The bytes this process can still have: `MemAvailable` of `/proc/meminfo`,
+/// or less where a memory cgroup of the process limits it (a container's
+/// limit, whose excess the kernel's OOM killer ends without a word); `None`
+/// where neither can be read.
 pub fn memory_available() -> Option<usize> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let kib = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
-    kib.trim().parse::<usize>().ok()?.checked_mul(1024)
+    let read = |p: &std::path::Path| std::fs::read_to_string(p).ok();
+    let meminfo = read("/proc/meminfo".as_ref()).and_then(|info| {
+        let kib = info.lines().find_map(|l| l.strip_prefix("MemAvailable:"))?.trim().strip_suffix("kB")?;
+        kib.trim().parse::<usize>().ok()?.checked_mul(1024)
+    });
+    let cgroup = read("/proc/self/cgroup".as_ref()).and_then(|c| cgroup_headroom(&c, "/sys/fs/cgroup".as_ref(), read));
+    match (meminfo, cgroup) {
+        (Some(m), Some(c)) => Some(m.min(c)),
+        (m, c) => m.or(c),
+    }
+}
+
+/// The least headroom of the memory cgroups of `proc_cgroup` (the text of
+/// `/proc/self/cgroup`) and their ancestors under `root`: limit minus the
+/// working set (usage less inactive file pages, which the kernel reclaims
+/// before it kills). cgroup v2 (`0::/path`: `memory.max`, `memory.current`,
+/// `inactive_file` of `memory.stat`) and v1 (`N:memory:/path` under
+/// `root/memory`: `memory.limit_in_bytes`, `memory.usage_in_bytes`,
+/// `total_inactive_file`). `None` without a limit.
+fn cgroup_headroom(
+    proc_cgroup: &str,
+    root: &std::path::Path,
+    read: impl Fn(&std::path::Path) -> Option<String>,
+) -> Option<usize> {
+    let number = |s: Option<String>| s.and_then(|s| s.trim().parse::<usize>().ok());
+    let stat = |dir: &std::path::Path, key: &str| {
+        read(&dir.join("memory.stat"))?.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.parse().ok())
+    };
+    let mut least: Option<usize> = None;
+    for line in proc_cgroup.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let (base, files) = if controllers.is_empty() {
+            (root.to_path_buf(), ["memory.max", "memory.current", "inactive_file"])
+        } else if controllers.split(',').any(|c| c == "memory") {
+            (root.join("memory"), ["memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"])
+        } else {
+            continue;
+        };
+        // The process's group, then each ancestor up to the hierarchy's root
+        // (in a cgroup namespace the path is `/` and the group is the root).
+        let mut dir = base.join(path.trim_start_matches('/'));
+        loop {
+            if let (Some(limit), Some(usage)) = (number(read(&dir.join(files[0]))), number(read(&dir.join(files[1])))) {
+                // v1 says "no limit" with a page-rounded i64::MAX.
+                if limit < (1 << 62) {
+                    let working = usage.saturating_sub(stat(&dir, files[2]).unwrap_or(0));
+                    let room = limit.saturating_sub(working);
+                    least = Some(least.map_or(room, |l| l.min(room)));
+                }
+            }
+            if dir == base || !dir.pop() {
+                break;
+            }
+        }
+    }
+    least
 }
 
 /// A sum of products of counts, or `None` where it does not fit in a `usize`.
@@ -619,6 +676,44 @@ pub fn bench_finalize_and_reduce(cfg: &ReduceBench) -> Result<ReduceReport> {
 
 #[cfg(test)]
 mod tests {
+
+    fn fake<'a>(files: &'a [(&'a str, &'a str)]) -> impl Fn(&std::path::Path) -> Option<String> + 'a {
+        move |p| files.iter().find(|(f, _)| std::path::Path::new(f) == p).map(|(_, t)| t.to_string())
+    }
+
+    #[test]
+    fn a_memory_cgroups_limit_bounds_the_memory_available() {
+        let root = std::path::Path::new("/cg");
+        // v2: the group's limit less its working set; a tighter ancestor wins.
+        let v2 = [
+            ("/cg/a/b/memory.max", "1000\n"),
+            ("/cg/a/b/memory.current", "700\n"),
+            ("/cg/a/b/memory.stat", "anon 500\ninactive_file 200\nactive_file 0\n"),
+            ("/cg/a/memory.max", "max\n"),
+            ("/cg/a/memory.current", "900\n"),
+        ];
+        assert_eq!(cgroup_headroom("0::/a/b\n", root, fake(&v2)), Some(1000 - (700 - 200)));
+        let tighter = [("/cg/a/memory.max", "600"), ("/cg/a/memory.current", "550"), v2[0], v2[1], v2[2]];
+        assert_eq!(cgroup_headroom("0::/a/b\n", root, fake(&tighter)), Some(50));
+        // Usage past the limit leaves no room (not a wrap).
+        let over = [("/cg/memory.max", "100"), ("/cg/memory.current", "300")];
+        assert_eq!(cgroup_headroom("0::/\n", root, fake(&over)), Some(0));
+        // v1: the memory controller's line, its files under root/memory; a
+        // page-rounded i64::MAX is no limit.
+        let v1 = [
+            ("/cg/memory/pa/x/memory.limit_in_bytes", "4096"),
+            ("/cg/memory/pa/x/memory.usage_in_bytes", "3000"),
+            ("/cg/memory/pa/x/memory.stat", "cache 10\ntotal_inactive_file 1000\n"),
+            ("/cg/memory/pa/memory.limit_in_bytes", "9223372036854771712"),
+            ("/cg/memory/pa/memory.usage_in_bytes", "3000"),
+        ];
+        let text = "5:devices:/\n4:memory:/pa/x\n0::/\n";
+        assert_eq!(cgroup_headroom(text, root, fake(&v1)), Some(4096 - 2000));
+        // No limit anywhere, or no memory controller: none.
+        assert_eq!(cgroup_headroom(text, root, fake(&v1[3..])), None);
+        assert_eq!(cgroup_headroom("3:cpu:/\n", root, fake(&v1)), None);
+    }
+
     use super::*;
 
     /// The limits in the doc of [`ReduceBytes`], for even layouts of 2, 4

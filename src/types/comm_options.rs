@@ -40,11 +40,12 @@ impl CommOptions {
 }
 
 /// A timeout in seconds (may be fractional): `None` unless finite and
-/// positive; more seconds than a `Duration` holds is `Duration::MAX` (no
-/// practical bound), not a panic.
+/// positive and at least a nanosecond (less would be no wait at all); more
+/// seconds than a `Duration` holds is `Duration::MAX` (no practical bound),
+/// not a panic.
 fn parse_timeout(s: &str) -> Option<Duration> {
     let s = s.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0)?;
-    Some(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX))
+    Some(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)).filter(|d| !d.is_zero())
 }
 
 #[cfg(test)]
@@ -56,7 +57,7 @@ mod tests {
         assert_eq!(parse_timeout(" 2.5 "), Some(Duration::from_millis(2500)));
         assert_eq!(parse_timeout("1e30"), Some(Duration::MAX));
         assert_eq!(parse_timeout("1e300"), Some(Duration::MAX));
-        for bad in ["inf", "NaN", "-1", "0", "soon"] {
+        for bad in ["inf", "NaN", "-1", "0", "soon", "1e-10", "1e-300"] {
             assert_eq!(parse_timeout(bad), None, "{bad}");
         }
     }

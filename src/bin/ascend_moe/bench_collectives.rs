@@ -447,15 +447,16 @@ struct Line {
 /// `world` ranks. A run that needs more would be killed by the kernel
 /// part-way, without a word.
 fn fits_in_memory(
-    max_bytes: usize,
+    (max_bytes, staging_bytes): (usize, Option<usize>),
     sizes: &[usize],
     world: usize,
     [segment_bytes, triad_bytes]: [usize; 2],
     available: Option<usize>,
 ) -> Result<(), String> {
     let Some(&largest) = sizes.last() else { return Ok(()) };
+    let given = staging_bytes.map_or(String::new(), |s| format!(" with --staging-bytes {s}"));
     let what = format!(
-        "--max-bytes {max_bytes}: the row of {largest} bytes, an input and an output of that size, \
+        "--max-bytes {max_bytes}{given}: the row of {largest} bytes, an input and an output of that size, \
          {segment_bytes} bytes of staging and {triad_bytes} bytes of triad arrays on each of {world} ranks,"
     );
     let need = bytes_of(&[&[2, world, largest], &[world, segment_bytes], &[world, triad_bytes]]);
@@ -479,6 +480,9 @@ fn check_args(a: &Args) -> Result<(), String> {
     }
     if a.iters == 0 {
         return fail("--iters 0: must be at least 1 (the median of the timed iterations is reported)".into());
+    }
+    if let Some(s) = a.staging_bytes.filter(|&s| s < CpuCommConfig::MIN_STAGING) {
+        return fail(format!("--staging-bytes {s}: must be at least {}", CpuCommConfig::MIN_STAGING));
     }
     for (arg, v) in [("--iters", a.iters), ("--warmup", a.warmup)] {
         if v > MAX_ITERS {
@@ -534,7 +538,9 @@ pub fn main(a: Args) -> i32 {
     let llc = last_level_cache_bytes();
     let triad_bytes = 3 * triad_array_bytes(largest_world, llc);
     let per_rank = [cfg.bytes_per_rank(), triad_bytes];
-    if let Err(why) = fits_in_memory(a.max_bytes, &sizes, largest_world, per_rank, memory_available()) {
+    if let Err(why) =
+        fits_in_memory((a.max_bytes, a.staging_bytes), &sizes, largest_world, per_rank, memory_available())
+    {
         eprintln!("error: {why}");
         return 2;
     }
@@ -550,7 +556,7 @@ pub fn main(a: Args) -> i32 {
             task.extend(["--sizes".into(), sz.join(","), "--iters".into(), w.iters.to_string()]);
             task.extend(["--warmup".into(), w.warmup.to_string()]);
             launch::spawn_world(world, timeout, a.staging_bytes, &task).and_then(|outs| {
-                if let Some(bad) = outs.iter().find(|o| !o.status.success()) {
+                if let Some(bad) = launch::culprit(&outs, |s| !s.success()) {
                     return Err(format!("rank {} exited with {}", bad.rank, bad.status));
                 }
                 Ok(outs[0].stdout.lines().filter_map(decode).collect::<Vec<_>>())

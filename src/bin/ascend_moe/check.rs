@@ -106,6 +106,10 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: --world {}: {why}", a.world);
         return 2;
     }
+    if a.staging_bytes < CpuCommConfig::MIN_STAGING {
+        eprintln!("error: --staging-bytes {}: must be at least {}", a.staging_bytes, CpuCommConfig::MIN_STAGING);
+        return 2;
+    }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);
     let mode = if a.procs { "processes" } else { "threads" };
     let cfg = CpuCommConfig { staging_bytes: a.staging_bytes };
@@ -121,14 +125,11 @@ pub fn main(a: Args) -> i32 {
             task.extend(["--section".to_string(), s.clone()]);
         }
         launch::spawn_world(a.world, timeout, Some(a.staging_bytes), &task).and_then(|outs| {
-            outs.into_iter()
-                .map(|o| {
-                    if !o.status.success() && o.status.code() != Some(1) {
-                        return Err(format!("rank {} exited with {}", o.rank, o.status));
-                    }
-                    Ok(o.stdout.lines().filter_map(decode).collect())
-                })
-                .collect()
+            // Exit 1: the rank ran every case, some failed (in its rows).
+            if let Some(o) = launch::culprit(&outs, |s| !s.success() && s.code() != Some(1)) {
+                return Err(format!("rank {} exited with {}", o.rank, o.status));
+            }
+            Ok(outs.into_iter().map(|o| o.stdout.lines().filter_map(decode).collect()).collect())
         })
     } else {
         let names = a.section.clone();

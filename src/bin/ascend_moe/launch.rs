@@ -12,14 +12,30 @@ pub struct ProcOutput {
     pub stdout: String,
 }
 
-/// A `--timeout` in seconds (fractions allowed): positive, not NaN; more
-/// seconds than a `Duration` holds (`inf`) wait without practical bound.
+/// The rank to blame among those whose exit `failed`: one killed by a signal
+/// first, then one with a code other than 3 (a worker's own or its peers'
+/// failure, which every survivor of a dead rank reports), then any; lowest
+/// rank first within each.
+pub fn culprit(outs: &[ProcOutput], failed: impl Fn(&ExitStatus) -> bool) -> Option<&ProcOutput> {
+    let bad = || outs.iter().filter(|o| failed(&o.status));
+    bad()
+        .find(|o| o.status.code().is_none())
+        .or_else(|| bad().find(|o| o.status.code() != Some(3)))
+        .or_else(|| bad().next())
+}
+
+/// A `--timeout` in seconds (fractions allowed): positive, not NaN, at
+/// least a nanosecond (a `Duration`'s unit: less would be no wait at all);
+/// more seconds than a `Duration` holds (`inf`) wait without practical bound.
 pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
     if secs.is_nan() || secs <= 0.0 {
         return Err(format!("{s} seconds: a timeout is a positive number of seconds"));
     }
-    Ok(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+    match Duration::try_from_secs_f64(secs) {
+        Ok(d) if d.is_zero() => Err(format!("{s} seconds: less than the least timeout, 1 ns (1e-9 seconds)")),
+        d => Ok(d.unwrap_or(Duration::MAX)),
+    }
 }
 
 /// A fresh, unique world name.
@@ -67,4 +83,40 @@ pub fn spawn_world(
         out.push(ProcOutput { rank, status: o.status, stdout: String::from_utf8_lossy(&o.stdout).into_owned() });
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    fn out(rank: usize, raw: i32) -> ProcOutput {
+        ProcOutput { rank, status: ExitStatus::from_raw(raw), stdout: String::new() }
+    }
+
+    #[test]
+    fn the_culprit_is_the_killed_rank_then_one_not_reporting_a_peer() {
+        // wait(2) statuses: exit code c is c << 8, a signal its number.
+        let (ok, peer, one, killed) = (0, 3 << 8, 1 << 8, 9);
+        let failed = |s: &ExitStatus| !s.success();
+        let outs = [out(0, peer), out(1, peer), out(2, killed), out(3, peer)];
+        assert_eq!(culprit(&outs, failed).map(|o| o.rank), Some(2));
+        let outs = [out(0, peer), out(1, one), out(2, ok)];
+        assert_eq!(culprit(&outs, failed).map(|o| o.rank), Some(1));
+        let outs = [out(0, ok), out(1, peer), out(2, peer)];
+        assert_eq!(culprit(&outs, failed).map(|o| o.rank), Some(1));
+        assert!(culprit(&[out(0, ok), out(1, one)], |s| !s.success() && s.code() != Some(1)).is_none());
+    }
+
+    #[test]
+    fn a_timeout_under_a_nanosecond_is_refused() {
+        assert_eq!(parse_timeout("1e-9"), Ok(Duration::from_nanos(1)));
+        for s in ["1e-10", "1e-300"] {
+            let e = parse_timeout(s).unwrap_err();
+            assert!(e.contains("least timeout, 1 ns"), "{s}: {e}");
+        }
+        assert_eq!(parse_timeout("inf"), Ok(Duration::MAX));
+        assert!(parse_timeout("0").is_err() && parse_timeout("NaN").is_err());
+    }
 }

@@ -118,7 +118,16 @@ pub fn main(a: Args) -> i32 {
         }
         Task::AllReduce { count } => {
             println!("joined");
-            let mut buf = Tensor::from_slice(&vec![1f32; count], &[count]).expect("shape matches the data");
+            // A count past memory is this rank's error (its peers then fail
+            // in the all-reduce), not an abort.
+            let ones = Tensor::zeros(&[count], DType::F32, &ascend_moe::Device::Cpu).and_then(|mut t| {
+                t.as_mut_slice::<f32>()?.fill(1.0);
+                Ok(t)
+            });
+            let mut buf = match ones {
+                Ok(t) => t,
+                Err(e) => return fail(e),
+            };
             match comm.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
                 Ok(()) => {
                     let ok = buf.as_slice::<f32>().is_ok_and(|v| v.iter().all(|x| *x == a.world as f32));
