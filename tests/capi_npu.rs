@@ -311,23 +311,23 @@ fn rank_body(rank: usize, root: &HcclRootInfo) -> ascend_moe::Result<()> {
     Ok(())
 }
 
+/// `body(rank, root)` on a thread per rank of a `WORLD`-rank HCCL world
+/// rooted at npu:0; the ranks' results in rank order (a panic re-raised).
+fn on_ranks<R: Send>(body: impl Fn(usize, &HcclRootInfo) -> R + Sync) -> Vec<R> {
+    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
+    std::thread::scope(|sc| {
+        let (body, root) = (&body, &root);
+        let hs: Vec<_> = (0..WORLD).map(|r| sc.spawn(move || body(r, root))).collect();
+        hs.into_iter().enumerate().map(|(r, h)| h.join().unwrap_or_else(|_| panic!("rank {r} panicked"))).collect()
+    })
+}
+
 #[test]
 #[ignore = "needs an Ascend NPU"]
 fn c_abi_runs_collectives_and_ops_on_borrowed_npu_memory_streams_and_comms() {
-    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
-    std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..WORLD)
-            .map(|r| {
-                sc.spawn({
-                    let root = &root;
-                    move || rank_body(r, root)
-                })
-            })
-            .collect();
-        for (r, h) in hs.into_iter().enumerate() {
-            h.join().unwrap_or_else(|_| panic!("rank {r} panicked")).unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        }
-    });
+    for (r, res) in on_ranks(rank_body).into_iter().enumerate() {
+        res.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
 }
 
 /// HCCL reduces only buffers aligned to their elements (HcclAllReduce.md,
@@ -587,7 +587,6 @@ fn a_first_call_on_another_devices_stream_leaves_the_engines_device_current() {
 #[ignore = "needs an Ascend NPU"]
 fn a_reduction_points_comm_type_check_runs_on_the_calls_stream() {
     const VAR: &str = "ASCEND_MOE_CHECK_COMM_TYPE";
-    let root = HcclRootInfo::generate(&NpuDevice::open(0).expect("npu:0")).expect("root info");
     let rank_body = |rank: usize, root: &HcclRootInfo| -> ascend_moe::Result<(amoe_status, String)> {
         let dev = NpuDevice::open(rank as u32)?;
         let engine_stream = dev.new_stream()?;
@@ -619,17 +618,7 @@ fn a_reduction_points_comm_type_check_runs_on_the_calls_stream() {
     // SAFETY: run alone (--ignored --test-threads=1, as ci/sim.sh does); the
     // variable is set before the rank threads start and removed after they joined.
     std::env::set_var(VAR, "1");
-    let results: Vec<_> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..WORLD)
-            .map(|r| {
-                sc.spawn({
-                    let root = &root;
-                    move || rank_body(r, root)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("rank panicked")).collect()
-    });
+    let results = on_ranks(rank_body);
     std::env::remove_var(VAR);
     for (rank, r) in results.into_iter().enumerate() {
         let (st, text) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
