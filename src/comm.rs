@@ -104,7 +104,9 @@ pub trait Collectives {
     /// communicator's device, e.g. one over the caller's stream): on an NPU it
     /// is queued there and returns at once, the work queued after it running
     /// once every rank reached it (a rank that never does is reported by the
-    /// stream's check); on the CPU it waits as [`Collectives::barrier`]. A
+    /// stream's check, after the communicator's timeout; HCCL's barrier
+    /// itself has no execution timeout, so the stream stays blocked behind
+    /// it); on the CPU it waits as [`Collectives::barrier`]. A
     /// device other than the communicator's is an error naming both, which
     /// on the CPU also fails the peers waiting in the barrier at once.
     fn barrier_on(&self, device: &Device) -> Result<()>;

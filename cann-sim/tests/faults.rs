@@ -404,6 +404,61 @@ fn a_rank_that_never_joins_times_out_its_peers() {
     }
 }
 
+/// HCCL's barrier waits without its execution timeout (an all-reduce in
+/// HCCL's unlimited wait mode): with rank 1 never at a second barrier and
+/// HCCL_EXEC_TIMEOUT 0.5 s, rank 0's barrier is still waiting, not
+/// failed, four timeouts later (an all-reduce has failed by then:
+/// [`a_rank_that_never_joins_times_out_its_peers`]).
+#[test]
+fn a_barrier_waits_for_a_missing_peer_past_the_execution_timeout() {
+    if role().as_deref() == Some("barrier") {
+        let rank: u32 = std::env::var("RANK").unwrap().parse().unwrap();
+        let root = unhex(&std::env::var("ROOT").unwrap());
+        let done = std::path::PathBuf::from(std::env::var("DONE").unwrap());
+        let s = use_device(rank as i32);
+        let mut comm = NULL;
+        unsafe { assert_eq!((s.HcclCommInitRootInfo)(2, root.as_ptr(), rank, &mut comm), 0, "{}", err_msg()) };
+        // One barrier together: its first call sets up the links, on the host.
+        let st = stream();
+        unsafe {
+            assert_eq!((s.HcclBarrier)(comm, st), 0, "{}", err_msg());
+            assert_eq!((s.aclrtSynchronizeStream)(st), 0, "{}", err_msg());
+        }
+        if rank == 1 {
+            // Alive (a dead peer is another error) until rank 0 is done.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !done.exists() {
+                assert!(std::time::Instant::now() < deadline, "rank 0 never finished");
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            return;
+        }
+        unsafe { assert_eq!((s.HcclBarrier)(comm, st), 0, "{}", err_msg()) };
+        let r = unsafe { (s.aclrtSynchronizeStreamWithTimeout)(st, 2000) };
+        let msg = err_msg();
+        let mut async_err = -1;
+        unsafe { assert_eq!((s.HcclGetCommAsyncError)(comm, &mut async_err), 0) };
+        std::fs::write(&done, b"").unwrap();
+        assert_eq!((r, async_err), (507046, 0), "{msg}");
+        assert!(msg.contains("did not finish task") && !msg.contains("HCCL error"), "{msg}");
+        // The waiting task keeps the stream: leave without tearing it down.
+        std::process::exit(0);
+    }
+    let done = std::env::temp_dir().join(format!("cannsim-barrier-{}", std::process::id()));
+    let _ = std::fs::remove_file(&done);
+    let d = done.to_str().unwrap();
+    let outs = run_ranks(
+        "a_barrier_waits_for_a_missing_peer_past_the_execution_timeout",
+        "barrier",
+        2,
+        &[("HCCL_EXEC_TIMEOUT", "0.5"), ("DONE", d)],
+    );
+    let _ = std::fs::remove_file(&done);
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}\n\nother rank: {}", stderr(o), stderr(&outs[1 - r]));
+    }
+}
+
 #[test]
 fn acl_init_and_finalize_follow_the_documented_lifecycle() {
     if role().as_deref() == Some("lifecycle") {

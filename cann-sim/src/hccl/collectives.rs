@@ -187,7 +187,7 @@ fn run(
     let words = desc.words(kind);
     let setup_words = words.clone();
     let setup = move |c: &SimComm, before: &dyn Fn()| c.link_setup(&setup_words, &agree, before);
-    let job = move |c: &SimComm, g: &mut Group| {
+    let round = move |c: &SimComm, g: &mut Group| {
         g.publish(&words, |w| send.iter().try_for_each(|b| with_bytes(*b, dt, |bytes| w.append(bytes))))?;
         g.complete(|round| {
             agree(&round.descs).map_err(|e| {
@@ -210,6 +210,17 @@ fn run(
             })?;
             finish(round)
         })
+    };
+    // HcclBarrier is an all-reduce in SyncMode::UNLIMITED_TIMEWAITSYNCMODE
+    // (hcomm v8.5.0 `src/framework/op_base/src/op_base_host.cc:217-218`),
+    // whose notify waits take `notifyMaxWaitTime_` (`src/platform/task/
+    // dispatcher.cc:293-305`), 2^31-1 s on 910B (`src/pub_inc/hccl_common.h:104`):
+    // neither HCCL_EXEC_TIMEOUT nor hcclExecTimeOut bounds it, so a peer that
+    // never comes keeps the stream waiting.
+    let bound = move |g: &mut Group| if kind == Kind::Barrier { None } else { g.timeout() };
+    let job = move |c: &SimComm, g: &mut Group| {
+        let t = bound(g);
+        g.with_timeout(t, |g| round(c, g))
     };
     enqueue(call, comm_h, stream, bufs, &setup, Box::new(job))
 }

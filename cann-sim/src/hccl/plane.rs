@@ -430,6 +430,19 @@ impl Group {
         }
     }
 
+    /// The bound of each round (`None`: none).
+    pub fn timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+
+    /// Runs `f` (a round) with `timeout` as its bound in place of the group's.
+    pub fn with_timeout<R>(&mut self, timeout: Option<Duration>, f: impl FnOnce(&mut Self) -> R) -> R {
+        let kept = std::mem::replace(&mut self.timeout, timeout);
+        let r = f(self);
+        self.timeout = kept;
+        r
+    }
+
     /// Starts a round: waits until every rank read the previous one, then
     /// writes `desc` and what `payload` appends to this rank's data file and
     /// announces it. [`Group::complete`] ends the round.
