@@ -599,7 +599,8 @@ fn name_of_a_live_world_of_another_size_is_refused_and_duplicate_rank_too() {
             let e = CpuComm::rendezvous(&name, 3, 0, &o).expect_err("size 3 under a live size-2 name").to_string();
             assert!(e.contains("live world of size 2") && e.contains("asked for size 3"), "{e}");
             let e = CpuComm::rendezvous(&name, 2, 1, &o).expect_err("rank 1 taken").to_string();
-            assert!(e.contains("rank 1 is already joined") && e.contains("duplicate rank"), "{e}");
+            assert!(e.contains("rank 1 is already joined by this process") && e.contains("duplicate rank"), "{e}");
+            assert!(e.contains("close or drop it before joining again"), "{e}");
             tx.send(()).expect("send");
         } else {
             rx.lock().expect("lock").recv().expect("recv");

@@ -257,7 +257,7 @@ impl Segment {
             .any(|m| (m.rank, m.world, m.staging, m.pid) == (rank, world, staging, me.pid))
         {
             seg.unlock();
-            let why = format!("rank {rank} is already joined (pid {}): duplicate rank", me.pid);
+            let why = already_joined(rank, me.pid);
             return Err(setup_err(name, rank, world, why, ErrorKind::Setup));
         }
         // Without abstract sockets a running world is only found while its
@@ -551,6 +551,20 @@ fn reserve(fd: libc::c_int, len: usize, path: &str, world: usize, staging: usize
     }
 }
 
+/// Why rank `rank` cannot join: process `pid` holds it. When that is this
+/// process, through a handle not closed yet (one of a world that failed
+/// too: a retry that joins before it lets go of the old handle).
+fn already_joined(rank: usize, pid: u32) -> String {
+    if pid == my_pid() {
+        format!(
+            "rank {rank} is already joined by this process (pid {pid}), through a handle of this name not closed \
+             yet (also one of a world that failed: close or drop it before joining again): duplicate rank"
+        )
+    } else {
+        format!("rank {rank} is already joined (pid {pid}): duplicate rank")
+    }
+}
+
 /// Why `len` bytes of segment file `path` could not be backed.
 fn reserve_failed(errno: i32, len: usize, path: &str, world: usize, staging: usize) -> String {
     let dir = std::path::Path::new(path).parent().map_or_else(shm_dir, |d| d.display().to_string());
@@ -643,13 +657,7 @@ fn judge(
         ));
     }
     if let Some((_, pid)) = live.iter().find(|(r, _)| *r == rank) {
-        return Err(setup_err(
-            name,
-            rank,
-            world,
-            format!("rank {rank} is already joined (pid {pid}): duplicate rank"),
-            ErrorKind::Setup,
-        ));
+        return Err(setup_err(name, rank, world, already_joined(rank, *pid), ErrorKind::Setup));
     }
     Ok(Found::Join)
 }

@@ -21,9 +21,19 @@ impl CommOptions {
 
     /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
     /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable
-    /// ([`CommOptions::env_timeout`] says which).
+    /// ([`CommOptions::env_timeout`] says which). An unparsable value is
+    /// named on stderr, once per process: a timeout of `2s` silently taken
+    /// as 60 s would be found only at the first wait that runs out.
     pub fn from_env() -> Self {
-        CommOptions { timeout: Self::env_timeout().ok().flatten().unwrap_or(Self::DEFAULT_TIMEOUT) }
+        let timeout = match Self::env_timeout() {
+            Ok(t) => t,
+            Err(v) => {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| eprintln!("{}", ignored_timeout(&v)));
+                None
+            }
+        };
+        CommOptions { timeout: timeout.unwrap_or(Self::DEFAULT_TIMEOUT) }
     }
 
     /// `ASCEND_MOE_COMM_TIMEOUT`: `Ok(None)` when unset, its timeout when a
@@ -37,6 +47,15 @@ impl CommOptions {
     pub fn with_timeout(timeout: Duration) -> Self {
         CommOptions { timeout }
     }
+}
+
+/// The warning for an `ASCEND_MOE_COMM_TIMEOUT` of `value` that is no timeout.
+fn ignored_timeout(value: &str) -> String {
+    format!(
+        "ascend-moe: warning: ASCEND_MOE_COMM_TIMEOUT={value:?} is not a positive number of seconds (at least \
+         1e-9, finite): every wait uses the default of {} s",
+        CommOptions::DEFAULT_TIMEOUT.as_secs()
+    )
 }
 
 /// A timeout in seconds (may be fractional): `None` unless finite and
@@ -60,5 +79,7 @@ mod tests {
         for bad in ["inf", "NaN", "-1", "0", "soon", "1e-10", "1e-300"] {
             assert_eq!(parse_timeout(bad), None, "{bad}");
         }
+        let w = ignored_timeout("2s");
+        assert!(w.contains("ASCEND_MOE_COMM_TIMEOUT=\"2s\"") && w.contains("default of 60 s"), "{w}");
     }
 }
