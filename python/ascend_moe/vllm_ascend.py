@@ -910,10 +910,15 @@ def moe_context(num_tokens: int, *, sp: bool = False, num_actual_tokens=None) ->
     `ceil(T_d / TP)` of them, and still passes T_d);
     `num_actual_tokens` the real ones among them (vLLM-Ascend's
     `set_ascend_forward_context` argument, which the forward context does not
-    keep; default all). With it, `ascend_moe.token_prepare(x, comm_type,
-    moe_context(...), moe_groups(), mc2_mask=engine_mask_tp_slice)` computes
-    what `PrepareAndFinalizeWithMC2.prepare` returns and writes the mask into
-    the engine's own buffer."""
+    keep; default all). With it and without `sp`, `ascend_moe.token_prepare(x,
+    comm_type, moe_context(...), moe_groups(), mc2_mask=engine_mask_tp_slice)`
+    computes what `PrepareAndFinalizeWithMC2.prepare` returns and writes the
+    mask into the engine's own buffer. With `sp` the mask has one entry per
+    row this rank holds, `ceil(T_d / TP)`, marking its real tokens: pass a
+    buffer of that many entries (or none, and take the returned mask).
+    vLLM-Ascend's own prepare cuts the engine mask into slices of
+    `padded_num_tokens / TP` entries there too, which a DP rank with fewer
+    tokens does not hold, and marks its real tokens as padding."""
     ctx = _vllm_forward_context()
     tp, dp = _tp_group(), _group("get_dp_group")
     dp_metadata = getattr(ctx, "dp_metadata", None)
