@@ -277,9 +277,45 @@ def check(status: int) -> None:
         raise error(status, last_error())
 
 
+# Calls of the library under way in any thread, and the stream handles
+# released while some were (`retire_streams`): a handle is freed only when no
+# call is in flight, since one of them may be using it (the C contract: a
+# handle is not released while a call uses it).
+_INFLIGHT = [0]
+_RETIRED: list = []
+_INFLIGHT_LOCK = threading.Lock()
+
+
 def call(name: str, *args) -> None:
     """Calls an `amoe_*` function and checks its status."""
-    check(getattr(lib(), name)(*args))
+    with _INFLIGHT_LOCK:
+        _INFLIGHT[0] += 1
+    try:
+        status = getattr(lib(), name)(*args)
+    finally:
+        with _INFLIGHT_LOCK:
+            _INFLIGHT[0] -= 1
+            if _INFLIGHT[0] == 0 and _RETIRED:
+                _free_retired()
+    check(status)
+
+
+def _free_retired() -> None:
+    """Frees the retired stream handles; the caller holds `_INFLIGHT_LOCK`
+    with no call in flight, so none starts until they are gone (a call
+    that took one of them before then is refused, naming it)."""
+    for h in _RETIRED:
+        lib().amoe_stream_free(h)
+    _RETIRED.clear()
+
+
+def retire_streams(handles: list) -> None:
+    """Frees the stream handles `handles` now if no call of the library is
+    in flight, else once the last one in flight returns."""
+    with _INFLIGHT_LOCK:
+        _RETIRED.extend(handles)
+        if _INFLIGHT[0] == 0:
+            _free_retired()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import numpy as np
 
 from ._enums import MAX_NDIM, DeviceKind, DType, Status
 from ._errors import error
-from ._lib import SIZE_MAX, Table, Tensor, call, lib
+from ._lib import SIZE_MAX, Table, Tensor, call, lib, retire_streams
 
 # `amoe_device_kind` codes.
 DEVICE_CPU = int(DeviceKind.CPU)
@@ -521,9 +521,11 @@ def release_streams() -> int:
     """Frees every cached stream handle (never the engine's streams), for an
     engine about to destroy the streams they wrap; returns how many. Later
     calls wrap their streams again. An error, freeing nothing, while a
-    LiveContext is open on one of them (close it first). A handle's stream
-    workspace goes with it, including what work captured into graphs uses at
-    every replay: destroy those graphs first."""
+    LiveContext is open on one of them (close it first). A handle another
+    thread's call is using is freed once no call is in flight; a call that
+    took its handle before the release is refused, naming `stream`. A
+    handle's stream workspace goes with it, including what work captured
+    into graphs uses at every replay: destroy those graphs first."""
     with _STREAMS_LOCK:
         if _HELD:
             (raw, device), n = next(iter(_HELD.items()))
@@ -534,8 +536,8 @@ def release_streams() -> int:
             )
         handles = list(_STREAMS.values())
         _STREAMS.clear()
-    for h in handles:
-        lib().amoe_stream_free(h)
+    # Another thread's call may be using one of them: freed when none is.
+    retire_streams(handles)
     return len(handles)
 
 

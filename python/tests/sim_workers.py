@@ -425,6 +425,54 @@ def live_context_records():
     stream.destroy()
 
 
+def release_in_flight():
+    """`release_streams` while another thread's calls use a stream handle: a
+    handle is freed only when no call is in flight (it was freed under a
+    running call: a hang or a crash), and a call that took the handle before
+    the release is refused naming `stream`; the results stay right."""
+    check("aclrtSetDevice", SIM.aclrtSetDevice(1))
+    stream = Stream()
+    ex, idx, kw = finalize_case(rng_for("sim-release"), 0, np.dtype(np.float32))
+    kw["scales"] = kw["scales"].astype(np.float32)
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
+    dev = {k: (DeviceTensor.upload(v, 1) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    dex, didx = DeviceTensor.upload(ex, 1), DeviceTensor.upload(idx, 1)
+    out = DeviceTensor(want.shape, np.float32, 1)
+    refused, failed, done = [], [], threading.Event()
+
+    def worker():
+        try:
+            check("aclrtSetDevice", SIM.aclrtSetDevice(1))
+            for _ in range(40):
+                try:
+                    am.moe_finalize_routing(dex, didx, **dev, out=out, stream=stream)
+                    am.stream_check(stream, device=1)
+                except am.AmoeError as e:
+                    if e.status != am.Status.INVALID_ARGUMENT or "`stream` is not a live" not in str(e):
+                        raise
+                    refused.append(e)
+        except BaseException as e:  # noqa: BLE001 (raised again on the main thread)
+            failed.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    released = 0
+    while not done.is_set():
+        released += am.release_streams()
+    t.join()
+    if failed:
+        raise failed[0]
+    assert released > 0, "the stream was never wrapped while the worker ran"
+    am.moe_finalize_routing(dex, didx, **dev, out=out, stream=stream)
+    am.stream_check(stream, device=1)
+    assert_close(out.download(), want, np.dtype(np.float32), "finalize after the releases")
+    am.release_streams()
+    stream.destroy()
+    DeviceTensor.free_all()
+
+
 def stream_ops():
     """The stream as the sync point: a bad index found by the device kernel
     leaves the finalize call successful and is reported once by
@@ -609,5 +657,5 @@ if __name__ == "__main__":
         ONE_DEVICE = sys.argv[4:] == ["visible"]
         one_rank(int(sys.argv[2]), sys.argv[3])
         sys.exit(0)
-    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops, "side_stream": side_stream, "capture_stream": capture_stream}[scenario]()
+    {"local_ops": local_ops, "world4": world4, "world4_procs": world4_procs, "world4_visible": lambda: world4_procs(True), "missing_stream": missing_stream, "live_context": live_context, "live_context_records": live_context_records, "stream_ops": stream_ops, "release_in_flight": release_in_flight, "side_stream": side_stream, "capture_stream": capture_stream}[scenario]()
     print(f"ok {scenario}")

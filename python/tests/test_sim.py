@@ -86,7 +86,7 @@ def sim_env(tmp_path_factory):
     return env
 
 
-@pytest.mark.parametrize("scenario", ["local_ops", "world4", "world4_procs", "world4_visible", "missing_stream", "live_context", "live_context_records", "stream_ops", "side_stream", "capture_stream"])
+@pytest.mark.parametrize("scenario", ["local_ops", "world4", "world4_procs", "world4_visible", "missing_stream", "live_context", "live_context_records", "stream_ops", "release_in_flight", "side_stream", "capture_stream"])
 def test_python_api_on_simulated_npu_memory(sim_env, scenario):
     run = subprocess.run(
         [sys.executable, str(HERE / "sim_workers.py"), scenario],
