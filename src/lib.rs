@@ -69,6 +69,7 @@ pub mod capi;
 pub mod comm;
 pub mod device;
 pub mod error;
+mod fork;
 pub mod moe;
 pub mod ops;
 pub mod ranks;

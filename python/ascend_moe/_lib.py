@@ -300,6 +300,19 @@ def call(name: str, *args) -> None:
     check(status)
 
 
+def _after_fork_in_child() -> None:
+    """A child made by `fork` has only the forking thread: a lock another
+    thread held then would stay held for ever, and the calls it counted are
+    not the child's. (The library's own locks are handed over by its
+    `pthread_atfork` handlers.)"""
+    global _lock, _INFLIGHT_LOCK
+    _lock, _INFLIGHT_LOCK = threading.Lock(), threading.Lock()
+    _INFLIGHT[0] = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _free_retired() -> None:
     """Frees the retired stream handles; the caller holds `_INFLIGHT_LOCK`
     with no call in flight, so none starts until they are gone (a call

@@ -475,6 +475,15 @@ def alloc(arg: str, shape, like: Desc):
 
 _STREAMS: dict = {}
 _STREAMS_LOCK = threading.Lock()
+
+
+def _new_streams_lock() -> None:
+    """In a child made by `fork`: a lock another thread held stays held."""
+    global _STREAMS_LOCK
+    _STREAMS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_streams_lock)
 # Cached handles that an open LiveContext is attached through, by key: count.
 _HELD: dict = {}
 

@@ -191,3 +191,49 @@ def test_a_pool_bound_as_set_lets_large_results_work():
     ).replace("MIN", str(MIN))
     for value in ["0", "3M", "1048576"]:
         assert _with_pool_setting(value, code).strip().endswith("ok"), value
+
+
+def test_a_child_forked_while_another_thread_holds_the_packages_locks_still_calls_the_library():
+    """`fork` copies only the forking thread: a lock another thread held then
+    (the count of calls in flight, the stream cache) would stay held in the
+    child for ever. The child re-creates them and makes a pooled result."""
+    import importlib
+    import os
+    import threading
+    import time
+
+    calls = importlib.import_module("ascend_moe._lib")
+
+    ex, idx, kw = finalize_case(rng_for("fork"), 0, np.dtype(np.float32), n=512, k=2, h=(512,))
+    want = finalize_golden(ex, idx, kw["x1"], kw["x2"], kw["bias"], kw["scales"], kw["expert_idx"], 0)
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with calls._INFLIGHT_LOCK, _tensor._STREAMS_LOCK:
+            held.set()
+            release.wait(5)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(10), "the holder never took the locks"
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            got = am.moe_finalize_routing(ex, idx, **kw)
+            code = 0 if got.nbytes >= 1 << 20 and np.allclose(got, want, rtol=1e-5, atol=1e-5) else 2
+        finally:
+            os._exit(code)
+    release.set()
+    t.join()
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the child hung on a lock another thread held at the fork")
+        time.sleep(0.005)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -132,7 +132,14 @@ struct Entry {
 /// The live handles, by handle number.
 fn live() -> &'static RwLock<HashMap<usize, Entry>> {
     static LIVE: OnceLock<RwLock<HashMap<usize, Entry>>> = OnceLock::new();
-    LIVE.get_or_init(Default::default)
+    let live = LIVE.get_or_init(RwLock::default);
+    crate::fork::watch(crate::fork::HANDLES, lock_for_fork);
+    live
+}
+
+/// The handle table's guard, held by the thread that forks ([`crate::fork`]).
+pub(crate) fn lock_for_fork() -> Box<dyn std::any::Any> {
+    Box::new(live().write().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// The handle numbers: multiples of 16 (they look like aligned pointers to

@@ -31,7 +31,7 @@
 
 mod failure;
 pub(crate) mod ffi;
-mod handle;
+pub(crate) mod handle;
 
 mod comm;
 mod finalize;

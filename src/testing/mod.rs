@@ -10,6 +10,14 @@
 //! | [`runtime`] | which CANN runtime an NPU test run expects (a missing simulator hook fails under the simulator) |
 //! | here | the one RNG ([`SplitMix`]) and the one tolerance ([`assert_within_rounding`], [`Rounding`]), which the layer harness shares |
 
+/// Runs `f` while this thread holds the process-wide locks a child made by
+/// `fork` must find unlocked (the C ABI's handle table and the host pool's
+/// free list, which the crate takes around `fork`): a test of those handlers.
+pub fn with_fork_locks_held<R>(f: impl FnOnce() -> R) -> R {
+    let _held = (crate::capi::handle::lock_for_fork(), crate::backend::cpu::host_pool::lock_for_fork());
+    f()
+}
+
 pub mod bench;
 pub mod graph;
 pub mod layer;

@@ -143,9 +143,15 @@ struct FreeList {
 static FREE: Mutex<FreeList> = Mutex::new(FreeList { blocks: Vec::new(), bytes: 0 });
 
 fn free_list() -> std::sync::MutexGuard<'static, FreeList> {
+    crate::fork::watch(crate::fork::HOST_POOL, lock_for_fork);
     // The list is consistent between statements: a panic elsewhere while it
     // was held cannot have broken it.
     FREE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The free list's guard, held by the thread that forks ([`crate::fork`]).
+pub(crate) fn lock_for_fork() -> Box<dyn std::any::Any> {
+    Box::new(FREE.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
 /// At least `len` bytes of host memory, aligned to 2 MiB, whose contents are
