@@ -481,8 +481,8 @@ fn check_args(a: &Args) -> Result<(), String> {
     if a.iters == 0 {
         return fail("--iters 0: must be at least 1 (the median of the timed iterations is reported)".into());
     }
-    if let Some(s) = a.staging_bytes.filter(|&s| s < CpuCommConfig::MIN_STAGING) {
-        return fail(format!("--staging-bytes {s}: must be at least {}", CpuCommConfig::MIN_STAGING));
+    if let Some(why) = a.staging_bytes.and_then(launch::staging_refusal) {
+        return fail(why);
     }
     for (arg, v) in [("--iters", a.iters), ("--warmup", a.warmup)] {
         if v > MAX_ITERS {

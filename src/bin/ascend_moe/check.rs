@@ -106,8 +106,8 @@ pub fn main(a: Args) -> i32 {
         eprintln!("error: --world {}: {why}", a.world);
         return 2;
     }
-    if a.staging_bytes < CpuCommConfig::MIN_STAGING {
-        eprintln!("error: --staging-bytes {}: must be at least {}", a.staging_bytes, CpuCommConfig::MIN_STAGING);
+    if let Some(why) = launch::staging_refusal(a.staging_bytes) {
+        eprintln!("error: {why}");
         return 2;
     }
     let timeout = a.timeout.unwrap_or(CommOptions::from_env().timeout);

@@ -24,6 +24,13 @@ pub fn culprit(outs: &[ProcOutput], failed: impl Fn(&ExitStatus) -> bool) -> Opt
         .or_else(|| bad().next())
 }
 
+/// Why a `--staging-bytes` of `bytes` is refused: under the communicator's
+/// least staging slot, which it would be raised to unsaid.
+pub fn staging_refusal(bytes: usize) -> Option<String> {
+    let least = ascend_moe::backend::cpu::CpuCommConfig::MIN_STAGING;
+    (bytes < least).then(|| format!("--staging-bytes {bytes}: must be at least {least}"))
+}
+
 /// A `--timeout` in seconds (fractions allowed): positive, not NaN, at
 /// least a nanosecond (a `Duration`'s unit: less would be no wait at all);
 /// more seconds than a `Duration` holds (`inf`) wait without practical bound.
