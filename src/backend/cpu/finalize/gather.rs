@@ -117,15 +117,17 @@ impl<T: Lanes> Gather<'_, T> {
         if kk < self.k {
             return false; // a dropped slot: the general path keeps the order
         }
-        let skip = self.x1.or(self.x2).map(|x| &x[i * h..(i + 1) * h]);
+        // The skip row and the rest of its input after it (the next token's
+        // row, which the SIMD kernels prefetch).
+        let skip_on = self.x1.or(self.x2).map(|x| &x[i * h..]);
         #[cfg(target_arch = "x86_64")]
         if let Some(kernel) = simd {
             // SAFETY: `simd` is only given by a caller that runs with the instructions it
             // is built for; a `stream` caller fences before anyone reads `out`.
-            unsafe { kernel(skip, &ss, &rows, g, next, out, stream) };
+            unsafe { kernel(skip_on, &ss, &rows, g, next, out, stream) };
             return true;
         }
-        fused_dispatch(skip, &ss, &rows, g, out);
+        fused_dispatch(skip_on.map(|x| &x[..h]), &ss, &rows, g, out);
         true
     }
 
