@@ -283,7 +283,7 @@ impl ReducePolicy {
         comm: CommType,
         tp: &C,
     ) -> Result<Tensor> {
-        self.agree(point, comm, tp, x.shape(), &x.device())?;
+        self.agree(point, comm, tp, &x)?;
         self.reduce_if(self.reduces(point, comm), x, tp).map_err(moving(point.op(), "x"))
     }
 
@@ -347,17 +347,11 @@ impl ReducePolicy {
     /// ([`comm_type_check_enabled`]). Ranks that disagree would otherwise
     /// decide differently, one reducing while another copies, and the
     /// reduction would pair with a later collective of its peer. Where the
-    /// point reduces, an HCCL group also compares the shape `x_shape` of `x`
-    /// there (HCCL compares no shapes); a CPU group compares it in the
-    /// all-reduce itself, whose error names every rank's shape.
-    fn agree<C: Collectives + ?Sized>(
-        &self,
-        point: ReducePoint,
-        comm: CommType,
-        tp: &C,
-        x_shape: &[usize],
-        on: &crate::Device,
-    ) -> Result<()> {
+    /// point reduces, an HCCL group also compares the shape of `x` there
+    /// (HCCL compares no shapes); a CPU group compares it in the all-reduce
+    /// itself, whose error names every rank's shape. The check runs on the
+    /// device of `x`, where the point's own work runs.
+    fn agree<C: Collectives + ?Sized>(&self, point: ReducePoint, comm: CommType, tp: &C, x: &Tensor) -> Result<()> {
         let op = point.op();
         // The peers' policies match the group: with more than one rank they
         // agree first, where the check is on, else meet in the all-reduce
@@ -366,8 +360,8 @@ impl ReducePolicy {
         if self.tp_size > 1 && comm_type_check_enabled(tp) {
             // Only where the point reduces: a point that copies moves nothing
             // between the ranks.
-            let shape = (!matches!(tp.device(), crate::Device::Cpu) && self.reduces(point, comm)).then_some(x_shape);
-            comm_type_agreement(op, "TP", comm, Some(self.facts(point, shape)), tp, on)?;
+            let shape = (!matches!(tp.device(), crate::Device::Cpu) && self.reduces(point, comm)).then_some(x.shape());
+            comm_type_agreement(op, "TP", comm, Some(self.facts(point, shape)), tp, &x.device())?;
         }
         Ok(())
     }
@@ -391,7 +385,7 @@ impl ReducePolicy {
             Output::InPlace(x) => &**x,
             Output::Separate { x, .. } => *x,
         };
-        self.agree(point, comm, tp, x.shape(), &x.device())?;
+        self.agree(point, comm, tp, x)?;
         match output {
             Output::InPlace(x) => {
                 if reduce && self.tp_size > 1 && (x.numel() > 0 || joins_empty(tp)) {

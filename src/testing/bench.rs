@@ -237,13 +237,8 @@ pub struct Triad {
 }
 
 impl Triad {
-    /// Arrays of `bytes / 12` elements each (at least one).
-    pub fn new(bytes: usize) -> Self {
-        let n = (bytes / 12).max(1);
-        Triad { a: vec![0.0; n], b: vec![1.0; n], c: vec![2.0; n] }
-    }
-
-    /// [`Triad::new`], or an [`Error::HostMemory`] when the arrays cannot be had.
+    /// Arrays of `bytes / 12` elements each (at least one), or an
+    /// [`Error::HostMemory`] when they cannot be had.
     pub fn try_new(bytes: usize) -> Result<Self> {
         let n = (bytes / 12).max(1);
         let array = |v: f32| try_collect("triad", n, |_| v);

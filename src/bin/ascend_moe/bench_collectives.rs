@@ -372,16 +372,21 @@ pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> Result<(usize, 
             let h = std::thread::Builder::new().spawn_scoped(s, move || {
                 let mut ds = Vec::new();
                 if !all_started() {
-                    return ds;
+                    return Ok(ds);
                 }
-                let mut t = Triad::new(elems * 12);
+                // Each thread touches its own arrays first (where a NUMA host
+                // places them); one that cannot have them still meets the
+                // others at every barrier, then fails the run.
+                let mut t = Triad::try_new(elems * 12);
                 for _ in 0..reps {
                     barrier.wait();
-                    let t0 = Instant::now();
-                    t.pass(1, 3.0);
-                    ds.push(t0.elapsed());
+                    if let Ok(t) = &mut t {
+                        let t0 = Instant::now();
+                        t.pass(1, 3.0);
+                        ds.push(t0.elapsed());
+                    }
                 }
-                ds
+                t.map(|_| ds).map_err(|e| e.to_string())
             });
             match h {
                 Ok(h) => hs.push(h),
@@ -393,8 +398,9 @@ pub fn triad(threads: usize, array_bytes: usize, reps: usize) -> Result<(usize, 
         }
         *started.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(refused.is_none());
         started.1.notify_all();
-        let per_rep = hs.into_iter().map(|h| h.join().unwrap_or_default()).collect();
-        refused.map_or(Ok(per_rep), Err)
+        let per_rep = hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a triad thread panicked".into())));
+        let per_rep: Result<Vec<_>, String> = per_rep.collect();
+        refused.map_or(per_rep, Err)
     })?;
     let bytes = threads * elems * 12;
     let best = (0..reps)
