@@ -107,6 +107,8 @@ pub struct CannsimCounters {
     pub queries: u64,
     /// `aclrtCreateEvent`, `aclrtCreateEventExWithFlag`.
     pub event_creates: u64,
+    /// Device-to-device copies, `aclrtMemcpy` or `aclrtMemcpyAsync`.
+    pub d2d_copies: u64,
 }
 
 /// `int32_t cannsim_counters(CannsimCounters *out)`: simulator only. Writes
@@ -304,9 +306,10 @@ mod tests {
 
     #[test]
     fn counters_struct_has_the_c_layout() {
-        assert_eq!(std::mem::size_of::<CannsimCounters>(), 9 * 8);
+        assert_eq!(std::mem::size_of::<CannsimCounters>(), 10 * 8);
         assert_eq!(std::mem::offset_of!(CannsimCounters, host_syncs), 0);
         assert_eq!(std::mem::offset_of!(CannsimCounters, queries), 7 * 8);
         assert_eq!(std::mem::offset_of!(CannsimCounters, event_creates), 8 * 8);
+        assert_eq!(std::mem::offset_of!(CannsimCounters, d2d_copies), 9 * 8);
     }
 }

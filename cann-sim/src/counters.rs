@@ -14,13 +14,13 @@ use crate::arena;
 use crate::ffi::*;
 use crate::status::{self, write_out};
 
-/// `CannsimCounters`, the C struct `cannsim_counters` fills: nine
+/// `CannsimCounters`, the C struct `cannsim_counters` fills: ten
 /// `uint64_t` in this order, `host_syncs` (`aclrtSynchronizeStream[WithTimeout]`,
 /// `aclrtSynchronizeDevice`, `aclrtSynchronizeEvent`, `aclrtMemcpy`,
 /// `aclrtMemset`), `device_mallocs`, `device_frees`, `host_mallocs`,
 /// `host_frees`, `h2d_copies`, `d2h_copies` (synchronous or asynchronous) and
 /// `queries` (`aclrtQueryEventStatus`), `event_creates` (`aclrtCreateEvent`,
-/// `aclrtCreateEventExWithFlag`). The one definition is acl-sys's, which
+/// `aclrtCreateEventExWithFlag`), `d2d_copies`. The one definition is acl-sys's, which
 /// the crate reads them through, so the two sides cannot disagree on the layout.
 pub use acl_sys::CannsimCounters;
 
@@ -36,6 +36,7 @@ thread_local! {
             d2h_copies: 0,
             queries: 0,
             event_creates: 0,
+            d2d_copies: 0,
         })
     };
 }
@@ -62,7 +63,8 @@ pub fn copy(dst: usize, src: usize, count: usize) {
     match (arena::owner(dst).is_some(), arena::owner(src).is_some()) {
         (true, false) => bump(|c| c.h2d_copies += 1),
         (false, true) => bump(|c| c.d2h_copies += 1),
-        _ => {}
+        (true, true) => bump(|c| c.d2d_copies += 1),
+        (false, false) => {}
     }
 }
 

@@ -54,6 +54,7 @@ struct Counters {
     d2h_copies: u64,
     queries: u64,
     event_creates: u64,
+    d2d_copies: u64,
 }
 
 /// The capture exports, with their C signatures.
@@ -852,7 +853,7 @@ fn counters_count_each_host_call_on_the_calling_thread() {
     unsafe {
         (cap().counters_reset)();
         assert_eq!(counters(), Counters::default());
-        let dev = malloc(64);
+        let dev = malloc(128);
         assert_eq!(counters(), Counters { device_mallocs: 1, ..Default::default() });
         sync(st);
         assert_eq!(counters().host_syncs, 1, "aclrtSynchronizeStream");
@@ -861,6 +862,10 @@ fn counters_count_each_host_call_on_the_calling_thread() {
         assert_eq!((s.aclrtMemcpyAsync)(back.as_mut_ptr() as Ptr, 64, dev, 64, D2H, st), 0);
         assert_eq!((counters().host_syncs, counters().d2h_copies), (2, 1), "an async D2H copy syncs nothing");
         assert_eq!((s.aclrtMemcpyAsync)(dev, 64, dev, 64, D2D, st), 0);
+        assert_eq!(counters().d2d_copies, 0, "a copy onto itself queues nothing");
+        let upper = (dev as usize + 64) as Ptr;
+        assert_eq!((s.aclrtMemcpyAsync)(upper, 64, dev, 64, D2D, st), 0);
+        assert_eq!((counters().host_syncs, counters().d2d_copies), (2, 1), "an async D2D copy");
         assert_eq!((s.aclrtMemset)(dev, 64, 0, 64), 0);
         assert_eq!(counters().host_syncs, 3, "aclrtMemset blocks");
         assert_eq!((s.aclrtSynchronizeStreamWithTimeout)(st, -1), 0);
@@ -898,6 +903,7 @@ fn counters_count_each_host_call_on_the_calling_thread() {
                 d2h_copies: 1,
                 queries: 1,
                 event_creates: 2,
+                d2d_copies: 1,
             }
         );
         assert_eq!((cap().counters)(std::ptr::null_mut()), INVALID_PARAM);

@@ -62,7 +62,7 @@ class Counters(ctypes.Structure):
 
     _fields_ = [
         (name, ctypes.c_uint64)
-        for name in ("host_syncs", "device_mallocs", "device_frees", "host_mallocs", "host_frees", "h2d_copies", "d2h_copies", "queries", "event_creates")
+        for name in ("host_syncs", "device_mallocs", "device_frees", "host_mallocs", "host_frees", "h2d_copies", "d2h_copies", "queries", "event_creates", "d2d_copies")
     ]
 
 
