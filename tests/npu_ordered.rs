@@ -18,8 +18,8 @@ use ascend_moe::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
 use ascend_moe::moe::prepare_finalize::{finalize, prepare, MoeContext, MoeGroups};
 use ascend_moe::moe::shared::{shared_gather_unpad, shared_pad_reduce_scatter, shared_pad_split};
 use ascend_moe::moe::{
-    check_sp_layout_agreement, finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce,
-    ReducePolicy, SharedMode, SpLayout,
+    check_sp_layout_agreement, finalize_and_reduce, maybe_all_gather_and_maybe_unpad, maybe_pad_and_reduce, Output,
+    ReducePoint, ReducePolicy, SharedMode, SpLayout,
 };
 use ascend_moe::ranks::npu_run_ranks;
 use ascend_moe::{Collectives, CommOptions, CommType, DType, Device, ReduceOp, Result, Tensor};
@@ -467,6 +467,19 @@ fn repeated_calls_of_every_op_between_checks_make_no_host_sync_allocation_or_hos
             Some(t) => expect(&mut p, "reduce_routed_early, reduce_shared, reduce_final", t, &reduced),
             None => p.push("the reduction points lost the tensor".into()),
         }
+        // A point that reduces into a separate output is one out-of-place
+        // all-reduce: no copy of `x` into `out` first.
+        let x = filled(&dev, &[8, h], rank)?;
+        let mut out = Tensor::zeros(&[8, h], DType::F32, &dev)?;
+        p.extend(measure(&nd, "reduce_at_into", || {
+            late.reduce_at_into(ReducePoint::Final, Output::Separate { x: &x, out: &mut out }, ag, &comm)
+        }));
+        if let Some(c) = counters() {
+            if c.d2d_copies != 0 {
+                p.push(format!("reduce_at_into: {} device-to-device copies before the all-reduce", c.d2d_copies));
+            }
+        }
+        expect(&mut p, "reduce_at_into", &out, &over_ranks(|r| fv(8 * h, r)));
         Ok(p)
     })
     .unwrap();

@@ -437,8 +437,9 @@ impl ReducePolicy {
         Ok(x)
     }
 
-    /// `out` = `x`, then all-reduced in place when `reduce`. `out` has the
-    /// shape and dtype of `x`, on its device, and does not overlap it (as
+    /// `out` = the all-reduce of `x` when `reduce` (one out-of-place
+    /// collective, no copy first), else `out` = `x`. `out` has the shape and
+    /// dtype of `x`, on its device, and does not overlap it (as
     /// [`Self::reduce_at_into`] checked). After [`Self::agree`], which
     /// checked `tp`.
     fn reduce_if_into<C: Collectives + ?Sized>(
@@ -455,6 +456,10 @@ impl ReducePolicy {
             }
             return Ok(());
         }
+        let reduce = reduce && self.tp_size > 1;
+        if reduce && !x.shape().is_empty() {
+            return tp.all_reduce(x, out, ReduceOp::Sum);
+        }
         if x.shape().is_empty() {
             // A scalar is one row of one element.
             let (src, dst) =
@@ -466,7 +471,7 @@ impl ReducePolicy {
         } else {
             device.backend().copy_rows(x, 0, out, 0, x.rows())?;
         }
-        if reduce && self.tp_size > 1 {
+        if reduce {
             tp.all_reduce_in_place(out, ReduceOp::Sum)?;
         }
         Ok(())
