@@ -1021,8 +1021,9 @@ amoe_status amoe_live_context_new(const struct amoe_stream *stream, struct amoe_
 // into a graph keeps its record for the context's life, and a guard under
 // capture cannot add records (it fails, naming this function), so call it
 // before capture with the guards the graphs will take: one per guarded op
-// of each graph (an engine capturing a prepare and a finalize guard per MoE
-// layer and a graph per batch size needs layers x 2 x batch sizes). A
+// of each graph: per MoE layer a prepare, a finalize and each reduction
+// point whose result depends on the comm type (at most 3), so an engine
+// with a graph per batch size needs at most layers x 5 x batch sizes. A
 // guard outside capture also keeps free as many records as the largest run
 // of captures took (the guards captured between two eager guards), so a
 // graph captured after an eager warm-up needs no call when an earlier graph

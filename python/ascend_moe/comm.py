@@ -128,13 +128,19 @@ class Comm(Owned):
         return cls(out.value)
 
     @classmethod
-    def from_hccl(cls, raw_hccl_comm: int, device_ordinal: int, *, world: bool = False) -> "Comm":
+    def from_hccl(cls, raw_hccl_comm, device_ordinal: int, *, world: bool = False) -> "Comm":
         """Wraps an engine-owned HCCL communicator without owning it (needs the NPU backend).
-        `world=True` says it is the engine's world communicator (made from a root info),
-        which `split` may split; any other borrowed communicator may be a
-        sub-communicator, and HCCL does not split those again."""
+        `raw_hccl_comm` is the `HcclComm` as an int or as a `ctypes.c_void_p`
+        (what vLLM-Ascend's `PyHcclCommunicator.comm` holds); a NULL one is
+        refused. `world=True` says it is the engine's world communicator (made
+        from a root info), which `split` may split; any other borrowed
+        communicator may be a sub-communicator, and HCCL does not split those
+        again."""
         out = c_void_p()
         flags = HCCL_WORLD if world else 0
+        if isinstance(raw_hccl_comm, c_void_p):
+            # `.value` is None for a NULL pointer: passed on as 0, which the C ABI refuses.
+            raw_hccl_comm = raw_hccl_comm.value or 0
         raw = c_void_p(c_uint("raw_hccl_comm", raw_hccl_comm))
         device_ordinal = c_uint("device_ordinal", device_ordinal, U32_MAX)
         call("amoe_comm_from_hccl", raw, device_ordinal, flags, ctypes.byref(out))

@@ -9,7 +9,7 @@ replay under another context as `AmoeError(Status.STALE_CONTEXT)` naming the
 field and both values.
 
     live = ascend_moe.LiveContext(stream)          # outside capture
-    live.reserve(layers * 2 * len(batch_sizes))    # a record per guard the graphs capture
+    live.reserve(layers * 5 * len(batch_sizes))    # a record per guard the graphs capture (at most 5 a layer)
     live.attach()                                  # ops on `stream` guard themselves
     ... capture the layer ...
     live.set(ForwardContext(CommType.MC2, dp_tokens=[8, 8]))   # before each replay
@@ -117,9 +117,11 @@ class LiveContext(Owned):
         """Makes sure at least `guards` guard records are free, adding them
         when fewer are (the records in use never move): call it before
         capture with the guards the graphs will take, one per guarded op of
-        each graph (a prepare and a finalize guard per MoE layer and a graph
-        per batch size: layers x 2 x batch sizes). Allocates; refused while
-        the stream captures."""
+        each graph: per MoE layer a prepare, a finalize and each reduction
+        point whose result depends on the comm type (`ReducePolicy.decisions`
+        lists them; at most 3), so with a graph per batch size at most
+        layers x 5 x batch sizes. Allocates; refused while the stream
+        captures."""
         with self._handle() as h:
             call("amoe_live_context_reserve", h, c_uint("guards", guards))
 

@@ -249,8 +249,9 @@ def rank_body(r, root):
     raw = ctypes.c_void_p()
     check("HcclCommInitRootInfo", SIM.HcclCommInitRootInfo(WORLD, root, r, ctypes.byref(raw)))
     stream = Stream()
-    # A communicator made from the root info is a world HCCL may split.
-    with am.Comm.from_hccl(raw.value, device(r), world=True) as comm:
+    # A communicator made from the root info is a world HCCL may split;
+    # passed as the `c_void_p` itself, as vLLM-Ascend's PyHcclCommunicator holds it.
+    with am.Comm.from_hccl(raw, device(r), world=True) as comm:
         sc.world_ops(comm, r, SimEngine(device(r), stream))
     return stream, raw.value
 

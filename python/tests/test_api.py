@@ -1,5 +1,6 @@
 """Single-process checks of the Python API: loading, dtypes, shapes, enums, errors."""
 
+import ctypes
 import os
 import re
 import shutil
@@ -433,9 +434,11 @@ def test_comm_lifecycle_in_threads():
 
 
 def test_from_hccl_is_unavailable_without_the_npu_backend():
-    with pytest.raises(am.AmoeError) as e:
-        am.Comm.from_hccl(0x1234, 0)
-    assert e.value.status == am.Status.UNAVAILABLE
+    # As an int, and as the ctypes pointer vLLM-Ascend's PyHcclCommunicator.comm is.
+    for raw in (0x1234, ctypes.c_void_p(0x1234)):
+        with pytest.raises(am.AmoeError) as e:
+            am.Comm.from_hccl(raw, 0)
+        assert e.value.status == am.Status.UNAVAILABLE, raw
 
 
 def test_comm_types_by_name_are_parsed_and_non_integers_refused():

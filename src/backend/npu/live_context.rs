@@ -169,8 +169,8 @@ impl Records {
                 "all {} guard records of the live context are in use ({captured} by captured guards, which keep \
                  theirs for the context's life, the rest by eager guards not yet checked), and a guard under \
                  capture cannot add records (that allocates): before capturing, reserve N guards, N = the guards \
-                 the graphs still to be captured take (one per guarded op of each graph, e.g. MoE layers x 2 x \
-                 batch sizes), with LiveContext::reserve(N) (C: amoe_live_context_reserve(ctx, N); Python: \
+                 the graphs still to be captured take (one per guarded op of each graph: a prepare, a finalize and \
+                 each reduction point that depends on the comm type per MoE layer, at most layers x 5 x batch sizes), with LiveContext::reserve(N) (C: amoe_live_context_reserve(ctx, N); Python: \
                  LiveContext.reserve(N))",
                 self.slots.len()
             ),
@@ -452,8 +452,9 @@ impl LiveContext {
     /// use stay where they are. A guard captured into a graph keeps its
     /// record for the context's life and a guard under capture cannot add
     /// records, so before capturing, reserve one for every guard the graphs
-    /// will take (an engine that captures a prepare and a finalize guard per
-    /// MoE layer and a graph per batch size: layers x 2 x batch sizes).
+    /// will take (per MoE layer a prepare, a finalize and each reduction point
+    /// whose result depends on the comm type, at most 3: with a graph per batch
+    /// size, at most layers x 5 x batch sizes).
     /// Allocates device and pinned memory and zeroes the records (a blocking
     /// memset): refused while the context's stream captures.
     pub fn reserve(&self, guards: usize) -> Result<()> {
