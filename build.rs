@@ -17,7 +17,8 @@
 //! `/usr/local/Ascend/cann` and `/usr/local/Ascend/ascend-toolkit/latest`,
 //! the first with its `bisheng` or `ccec`): the same source for the AI Core
 //! into `libamoe_kernels_npu.so` in OUT_DIR, with the command line of
-//! `build/npu_flags.rs`; its path is baked in as `AMOE_NPU_KERNEL_LIB` and
+//! `build/npu_flags.rs`; its path is passed on as `AMOE_NPU_KERNEL_LIB` (the
+//! crate compiles its bytes in, so it travels with the library) and
 //! `cfg(amoe_npu_kernel)` is set. A failure is a build warning, or a build
 //! error with `ASCEND_MOE_NATIVE_KERNEL=required`, which also makes finding
 //! no toolkit at all, or `ASCEND_MOE_NO_NPU_KERNEL=1`, a build error.

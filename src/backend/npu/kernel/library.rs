@@ -149,14 +149,31 @@ pub(crate) fn sim_selftest(which: u32) -> Result<Option<String>> {
     }
 }
 
+/// The AI Core build `build.rs` compiled when CANN was present, carried
+/// inside this library: it travels wherever the library goes (a wheel, a
+/// container image), and needs no build directory at run time.
+#[cfg(amoe_npu_kernel)]
+const EMBEDDED_KERNEL_LIB: Option<&[u8]> = Some(include_bytes!(env!("AMOE_NPU_KERNEL_LIB")));
+#[cfg(not(amoe_npu_kernel))]
+const EMBEDDED_KERNEL_LIB: Option<&[u8]> = None;
+
+/// Where the AI Core build comes from.
+pub(crate) enum KernelSource {
+    /// A file: `ASCEND_MOE_KERNEL_LIB`.
+    File(PathBuf),
+    /// The image compiled into this library ([`EMBEDDED_KERNEL_LIB`]).
+    Embedded(&'static [u8]),
+}
+
 /// The AI Core build (`libamoe_kernels_npu.so`, exporting
-/// [`NPU_LAUNCH_SYMBOL`]): `ASCEND_MOE_KERNEL_LIB` if set, else the library
-/// `build.rs` compiled when CANN was present; `None` otherwise.
-pub(crate) fn npu_kernel_library() -> Option<PathBuf> {
+/// [`NPU_LAUNCH_SYMBOL`]): `ASCEND_MOE_KERNEL_LIB` if set, else the image
+/// `build.rs` compiled into this library when CANN was present; `None`
+/// otherwise.
+pub(crate) fn npu_kernel_library() -> Option<KernelSource> {
     if let Some(p) = std::env::var_os("ASCEND_MOE_KERNEL_LIB") {
-        return Some(PathBuf::from(p));
+        return Some(KernelSource::File(PathBuf::from(p)));
     }
-    option_env!("AMOE_NPU_KERNEL_LIB").map(PathBuf::from)
+    EMBEDDED_KERNEL_LIB.map(KernelSource::Embedded)
 }
 
 /// The one attempt per process to load the AI Core build
@@ -209,14 +226,67 @@ impl NpuKernelLib {
     /// Loads [`npu_kernel_library`]; [`Error::Unavailable`] when there is none
     /// (no CANN at build time and no `ASCEND_MOE_KERNEL_LIB`).
     pub(crate) fn load() -> Result<Self> {
-        let path = npu_kernel_library().ok_or_else(|| {
+        let source = npu_kernel_library().ok_or_else(|| {
             Error::Unavailable(
-                "no AI Core build of the finalize kernel: CANN was not found at build time and \
-                 ASCEND_MOE_KERNEL_LIB is not set"
+                "no AI Core build of the finalize kernel: CANN was not found when this library was built \
+                 and ASCEND_MOE_KERNEL_LIB is not set"
                     .into(),
             )
         })?;
-        Self::load_from(path)
+        match source {
+            KernelSource::File(path) => Self::load_from(path),
+            KernelSource::Embedded(image) => Self::load_image(image),
+        }
+    }
+
+    /// Loads a kernel library from its bytes: written into an anonymous
+    /// in-memory file that only this process holds (`memfd_create`), loaded
+    /// through `/proc/self/fd`, and closed once loaded (the loader's mapping
+    /// keeps it). No file on disk is written or read, so no other user can
+    /// plant or swap one.
+    ///
+    /// The loader knows a library by the name it was opened with, and an fd
+    /// number is reused once closed: a library loaded earlier as
+    /// `/proc/self/fd/N` would be returned in place of this one. The file is
+    /// moved to a number no loaded library is named after first.
+    pub(crate) fn load_image(image: &[u8]) -> Result<Self> {
+        use std::io::Write;
+        use std::os::fd::{AsRawFd, FromRawFd};
+        let unavailable = |what: &str, e: std::io::Error| {
+            Error::Unavailable(format!(
+                "the AI Core build embedded in this library ({} bytes): {what}: {e}",
+                image.len()
+            ))
+        };
+        // SAFETY: a NUL-terminated name and valid flags; the fd returned, if
+        // any, is new and owned by the `File` below alone.
+        let fd = unsafe { libc::memfd_create(c"amoe_kernels_npu".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(unavailable("memfd_create", std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` is open and owned by nothing else.
+        let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+        file.write_all(image).map_err(|e| unavailable("writing the in-memory file", e))?;
+        let path = loop {
+            let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+            // SAFETY: RTLD_NOLOAD loads nothing: it only finds a library already
+            // loaded under this name (and the handle is closed again at once).
+            let taken =
+                unsafe { libloading::os::unix::Library::open(Some(&path), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+            if taken.is_err() {
+                break path;
+            }
+            // SAFETY: duplicates an open fd of ours onto a free number above it.
+            let moved = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_DUPFD_CLOEXEC, file.as_raw_fd() + 1) };
+            if moved < 0 {
+                return Err(unavailable("moving the in-memory file", std::io::Error::last_os_error()));
+            }
+            // SAFETY: `moved` is a new fd owned by nothing else; the old one closes as `file` is replaced.
+            file = unsafe { std::fs::File::from_raw_fd(moved) };
+        };
+        let mut lib = Self::load_from(path)?;
+        lib.path = PathBuf::from(format!("embedded in this library ({} bytes)", image.len()));
+        Ok(lib)
     }
 
     /// Loads the kernel library at `path`.

@@ -141,6 +141,38 @@ fn missing_npu_kernel_library_is_unavailable_not_a_panic() {
     }
 }
 
+/// The AI Core build carried inside the library loads from its bytes alone:
+/// an image of a library exporting the launcher loads, and reports where it
+/// came from; bytes that are no library are `Unavailable`, naming the
+/// embedded build.
+#[test]
+fn an_embedded_kernel_image_loads_from_memory() {
+    let dir = std::env::temp_dir().join(format!("amoe-embedded-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (src, so) = (dir.join("k.c"), dir.join("k.so"));
+    std::fs::write(
+        &src,
+        format!(
+            "int {}(unsigned b, void *s, void **gm, void *t) {{ (void)b; (void)s; (void)gm; (void)t; return 0; }}\n",
+            kernels::NPU_LAUNCH_SYMBOL
+        ),
+    )
+    .unwrap();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = std::process::Command::new(&cc).args(["-shared", "-fPIC", "-o"]).arg(&so).arg(&src).status().unwrap();
+    assert!(built.success(), "{cc} could not build the stand-in kernel library");
+    let image = std::fs::read(&so).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    // The file is gone: only the bytes remain.
+    let lib = kernels::NpuKernelLib::load_image(&image).unwrap();
+    assert!(format!("{lib:?}").contains("embedded in this library"), "{lib:?}");
+    let e = kernels::NpuKernelLib::load_image(b"not a library").unwrap_err();
+    match e {
+        Error::Unavailable(msg) => assert!(msg.contains("/proc/self/fd/"), "{msg}"),
+        e => panic!("{e}"),
+    }
+}
+
 /// Every `AMOE_FIN_*` flag, status code and gm slot of `kernels/finalize_tiling.h`
 /// equals its Rust mirror (read from the header text, so a new define
 /// without a mirror, or a renumbered one, fails).
