@@ -198,6 +198,28 @@ fn info_names_the_thread_and_timeout_settings_it_ignores() {
     assert!(out.contains(timeout), "{out}");
 }
 
+/// `info` shows whether the opt-in checks are on, and names a switch value
+/// it ignores (`=true` left a check someone meant to turn on off).
+#[test]
+fn info_shows_the_check_switches_and_the_values_it_ignores() {
+    let info = |comm, layout| info_with(&[("ASCEND_MOE_CHECK_COMM_TYPE", comm), ("ASCEND_MOE_CHECK_LAYOUT", layout)]);
+    let out = info(None, None);
+    assert!(
+        out.contains("comm-type check      on for CPU groups, off over HCCL (ASCEND_MOE_CHECK_COMM_TYPE not set)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("layout check         off over HCCL, CPU groups compare counts (ASCEND_MOE_CHECK_LAYOUT not set)"),
+        "{out}"
+    );
+    let out = info(Some(" 0 "), Some("1"));
+    assert!(out.contains("comm-type check      off (ASCEND_MOE_CHECK_COMM_TYPE=0)\n"), "{out}");
+    assert!(out.contains("layout check         on (ASCEND_MOE_CHECK_LAYOUT=1)\n"), "{out}");
+    let out = info(Some("yes"), Some("true"));
+    assert!(out.contains("(ASCEND_MOE_CHECK_COMM_TYPE=\"yes\" ignored, not 1 or 0)"), "{out}");
+    assert!(out.contains("(ASCEND_MOE_CHECK_LAYOUT=\"true\" ignored, not 1 or 0)"), "{out}");
+}
+
 /// `ascend-moe info` shows the host pool's bound and where it comes from,
 /// and says that a bad `ASCEND_MOE_HOST_POOL_BYTES` fails allocations.
 #[test]

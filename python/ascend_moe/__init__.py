@@ -160,7 +160,15 @@ __all__ = [
 # is kept in TORCH_OPS_ERROR.
 TORCH_OPS = False
 TORCH_OPS_ERROR = None
-if _os.environ.get("ASCEND_MOE_TORCH", "1") == "0":
+_TORCH_SWITCH = _os.environ.get("ASCEND_MOE_TORCH", "1").strip()
+if _TORCH_SWITCH not in ("0", "1"):
+    import warnings as _warnings
+
+    _warnings.warn(
+        f"ASCEND_MOE_TORCH={_TORCH_SWITCH!r} is ignored: set it to 1 (on) or 0 (off); it is taken as unset (on)",
+        stacklevel=2,
+    )
+if _TORCH_SWITCH == "0":
     TORCH_OPS_ERROR = "torch custom ops disabled by ASCEND_MOE_TORCH=0"
 else:
     try:

@@ -330,6 +330,14 @@ def test_ascend_moe_torch_0_keeps_torch_out_of_the_process():
     assert out.split(maxsplit=2)[:2] == ["False", "False"] and "ASCEND_MOE_TORCH=0" in out, out
 
 
+def test_ascend_moe_torch_other_values_are_warned_about_and_taken_as_unset():
+    code = "import ascend_moe as am; print(am.TORCH_OPS_ERROR != 'torch custom ops disabled by ASCEND_MOE_TORCH=0')"
+    env = dict(os.environ, ASCEND_MOE_TORCH="false")
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "True", run
+    assert "ASCEND_MOE_TORCH='false' is ignored" in run.stderr, run.stderr
+
+
 def test_compiled_layer_reads_the_forward_context_at_run_time():
     """SPEC section 5, forward context: DP 2 x TP 2 as 4 threads of this
     process; rank 0 runs `moe_layer_fc` + `reduce_final_fc` compiled once with

@@ -165,8 +165,7 @@ fn cpu_block_counts(device: &Device, layout: Option<&SpLayout>, row_len: usize) 
 /// needs no check: its V collectives compare every rank's counts
 /// ([`cpu_block_counts`]).
 pub(crate) fn layout_check_enabled(device: &Device) -> bool {
-    !matches!(device, Device::Cpu)
-        && std::env::var("ASCEND_MOE_CHECK_LAYOUT").ok().as_deref().map(str::trim) == Some("1")
+    !matches!(device, Device::Cpu) && crate::types::env_switch("ASCEND_MOE_CHECK_LAYOUT") == Some(true)
 }
 
 /// The SP layout check of an op on `device` ([`layout_check_enabled`]).

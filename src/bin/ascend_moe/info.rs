@@ -4,6 +4,7 @@ use ascend_moe::backend::cpu::{
     default_num_threads, env_keep_bytes, env_num_threads, shm_dir, CpuCommConfig, DEFAULT_KEEP_BYTES, KEEP_VAR,
     KEEP_WANTED, MAX_WORLD,
 };
+use ascend_moe::types::env_switch_setting;
 use ascend_moe::CommOptions;
 
 pub fn main() -> i32 {
@@ -36,6 +37,16 @@ pub fn main() -> i32 {
         "a positive number of seconds",
     );
     println!("  comm timeout         {:?} ({timeout})", CommOptions::from_env().timeout);
+    let switch = |var: &str, default: &str| match env_switch_setting(var) {
+        Ok(Some(on)) => format!("{} ({var}={})", if on { "on" } else { "off" }, u8::from(on)),
+        Ok(None) => format!("{default} ({var} not set)"),
+        Err(v) => format!("{default} ({var}={v:?} ignored, not 1 or 0)"),
+    };
+    println!("  comm-type check      {}", switch("ASCEND_MOE_CHECK_COMM_TYPE", "on for CPU groups, off over HCCL"));
+    println!(
+        "  layout check         {}",
+        switch("ASCEND_MOE_CHECK_LAYOUT", "off over HCCL, CPU groups compare counts")
+    );
     // Not ignored when bad: every pooled allocation fails naming it.
     let mib = |b: usize| if b % (1 << 20) == 0 { format!("{} MiB", b >> 20) } else { format!("{b} bytes") };
     match env_keep_bytes() {

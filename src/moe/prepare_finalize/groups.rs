@@ -148,11 +148,8 @@ pub(super) fn check_groups(op: &'static str, ctx: &MoeContext, g: &MoeGroups) ->
 /// reported by the stream check: it never synchronises and can be captured).
 /// `ASCEND_MOE_CHECK_COMM_TYPE=0` turns it off everywhere.
 pub(crate) fn comm_type_check_enabled<C: Collectives + ?Sized>(group: &C) -> bool {
-    match std::env::var("ASCEND_MOE_CHECK_COMM_TYPE").ok().as_deref().map(str::trim) {
-        Some("0") => false,
-        Some("1") => true,
-        _ => matches!(group.device(), crate::Device::Cpu),
-    }
+    crate::types::env_switch("ASCEND_MOE_CHECK_COMM_TYPE")
+        .unwrap_or_else(|| matches!(group.device(), crate::Device::Cpu))
 }
 
 /// Checks that every rank of `ep` chose `comm` for this forward (SPEC section

@@ -55,9 +55,21 @@ pub fn set_num_threads(n: Option<usize>) {
     THREADS.with(|t| t.set(n.map(|n| n.max(1))));
 }
 
-/// The default thread count: `ASCEND_MOE_NUM_THREADS`, else the available parallelism.
+/// The default thread count: `ASCEND_MOE_NUM_THREADS`, else the available
+/// parallelism. A value that is not a positive integer is warned about on
+/// stderr, once per process, and ignored.
 pub fn default_num_threads() -> usize {
-    env_num_threads().ok().flatten().unwrap_or_else(cores)
+    let set = env_num_threads().unwrap_or_else(|v| {
+        static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            eprintln!(
+                "ascend-moe: warning: ASCEND_MOE_NUM_THREADS={v:?} is not a positive integer: the kernels use \
+                 the available cores"
+            );
+        }
+        None
+    });
+    set.unwrap_or_else(cores)
 }
 
 /// `ASCEND_MOE_NUM_THREADS`: `Ok(None)` when unset, its count when a
