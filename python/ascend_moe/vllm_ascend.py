@@ -108,11 +108,20 @@ RUNNER_MODULE = "vllm_ascend.ops.fused_moe.fused_moe"
 def engine_int(field: str, v) -> int:
     """An integer the engine provides (a size, rank, token count, mode or
     comm-type value) as a Python int: a Python int, a numpy integer or a
-    one-element integer tensor, taken by `operator.index`. A bool, a float, a
-    string or anything else is an `InvalidArgumentError` naming `field` and
-    the value, never truncated (`int(2.7)` is 2) nor read as 0 / 1 (`int(True)`)."""
+    one-element integer host tensor, taken by `operator.index`. A bool, a
+    float, a string or anything else is an `InvalidArgumentError` naming
+    `field` and the value, never truncated (`int(2.7)` is 2) nor read as 0 / 1
+    (`int(True)`). So is a tensor on a device: reading it would synchronise
+    the host with the device on every call."""
     if isinstance(v, bool) or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
         raise error(Status.INVALID_ARGUMENT, f"{field} is {v!r}, expected an integer, not a bool")
+    device = getattr(v, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu":
+        raise error(
+            Status.INVALID_ARGUMENT,
+            f"{field} is a tensor on {device}, expected a host integer: reading it would synchronise the host "
+            "with the device",
+        )
     try:
         return operator.index(v)
     except TypeError:

@@ -82,6 +82,23 @@ def test_engine_int_refuses_what_is_no_integer(v):
     assert "padded_length" in str(e.value) and repr(v) in str(e.value)
 
 
+def test_engine_int_refuses_a_device_tensor_without_reading_it():
+    class NpuScalar:
+        # A one-element NPU tensor: `operator.index` would read it to the host.
+        device = types.SimpleNamespace(type="npu", index=0)
+        dtype = "torch.int64"
+
+        def __index__(self):
+            raise AssertionError("a device tensor was read on the host")
+
+        def __str__(self):
+            return "npu:0"
+
+    with pytest.raises(am.InvalidArgumentError) as e:
+        av.engine_int("world_size", NpuScalar())
+    assert "world_size is a tensor on" in str(e.value) and "synchronise" in str(e.value), e.value
+
+
 def test_float_padded_length_is_refused_not_truncated(engine):
     # DP2 TP1 (EP 2) without an SP layout: the padded_length path. 5.7 was
     # taken as 5, which fits the batch, so the gather ran on a wrong value.
