@@ -486,6 +486,43 @@ fn repeated_calls_of_every_op_between_checks_make_no_host_sync_allocation_or_hos
     assert_no_problems(reports);
 }
 
+/// Dispatch and combine read the row counts and the received experts on the
+/// host (their results are host values), but move their own index arrays
+/// through the stream's staging: after a warm-up, a call allocates and
+/// frees no device memory (an upload per index array did both, with a
+/// synchronisation before each free).
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn dispatch_and_combine_allocate_no_device_memory_per_call() {
+    use ascend_moe::moe::prepare_finalize::{combine, dispatch};
+    let reports = npu_run_ranks(2, &CommOptions::default(), |rank, comm| {
+        let dev = comm.device();
+        let (n, k, h, experts) = (4usize, 2usize, 8usize, 4usize);
+        let x = filled(&dev, &[n, h], rank)?;
+        let ids: Vec<i32> = (0..n * k).map(|i| ((i + rank) % experts) as i32).collect();
+        let w = filled(&dev, &[n, k], 7)?;
+        let round = || -> Result<Vec<f32>> {
+            let d = dispatch(&x, &ids, k, None, experts, &comm)?;
+            combine(&d.rows, &d, &w, &comm)?.to_vec::<f32>()
+        };
+        let first = round()?;
+        reset();
+        let again = round()?;
+        let mut p = Vec::new();
+        if again != first {
+            p.push("dispatch + combine: a second call gave another result".to_string());
+        }
+        if let Some(c) = counters() {
+            if (c.device_mallocs, c.device_frees) != (0, 0) {
+                p.push(format!("dispatch + combine: {} device mallocs, {} frees", c.device_mallocs, c.device_frees));
+            }
+        }
+        Ok(p)
+    })
+    .unwrap();
+    assert_no_problems(reports);
+}
+
 /// An engine that checks rarely: 600 native finalize launches without a
 /// check in between (more than the 256 status records and the 16 pinned
 /// staging blocks a stream keeps) allocate nothing and create no event once

@@ -28,6 +28,14 @@ const DISPATCH: &str = "moe_dispatch";
 /// the rows it sends there and its `num_experts`.
 const COUNT_WORDS: usize = 2;
 
+/// The host values `v` as a 1-D tensor on `device` for an op's own use:
+/// on an NPU copied through the stream's pinned staging, queued on the
+/// stream (no allocation, no synchronisation, no blocking copy, as
+/// [`Tensor::to_device`] makes).
+fn staged<T: crate::Element>(v: &[T], device: &crate::Device) -> Result<Tensor> {
+    device.backend().scratch_from_host(&Tensor::from_slice(v, &[v.len()])?)
+}
+
 /// Exchanges the row counts of a dispatch over `ep`: this rank sends
 /// `send[r]` to rank `r` and receives the rows every rank sends it. Each
 /// count travels with the sender's `num_experts`, which decides which rank
@@ -37,7 +45,7 @@ const COUNT_WORDS: usize = 2;
 fn exchange_counts(ep: &Comm, send: &[usize], num_experts: usize) -> Result<Vec<usize>> {
     let world = ep.world_size();
     let s: Vec<i64> = send.iter().flat_map(|&c| [c as i64, num_experts as i64]).collect();
-    let src = Tensor::from_slice(&s, &[COUNT_WORDS * world])?.to_device(&ep.device())?;
+    let src = staged(&s, &ep.device())?;
     let mut dst = ep.device().backend().scratch(&[COUNT_WORDS * world], DType::I64)?;
     let words = vec![COUNT_WORDS; world];
     ep.all_to_all_v(&src, &words, &mut dst, &words)?;
@@ -158,7 +166,7 @@ pub fn dispatch(
     // (a rank that sends or receives many more rows than its peers) fails
     // them in the exchange of the rows at once.
     let buffers = (|| {
-        let idx = Tensor::from_slice(&gather, &[gather.len()])?.to_device(&device)?;
+        let idx = staged(&gather, &device)?;
         let send = crate::moe::finalize::moe_token_unpermute(x, &idx, None)?;
         let rows = device.backend().scratch(&with_rows("dispatch", "x", x.shape(), recv_total)?, x.dtype())?;
         Ok((send, rows))
@@ -166,7 +174,7 @@ pub fn dispatch(
     let (send, mut rows) = buffers.map_err(|e| ep.refuse_call(Call::AllToAllV(&sc, &rc), x.dtype(), e))?;
     ep.all_to_all_v(&send, &sc, &mut rows, &rc)?;
     let experts = (|| {
-        let se = Tensor::from_slice(&send_experts, &[send_experts.len()])?.to_device(&device)?;
+        let se = staged(&send_experts, &device)?;
         Ok((se, device.backend().scratch(&[recv_total], DType::I32)?))
     })();
     let (se, mut re) =
@@ -208,7 +216,7 @@ pub fn combine(expert_out: &Tensor, d: &Dispatched, topk_weights: &Tensor, ep: &
         .scratch(&back_shape, expert_out.dtype())
         .map_err(|e| ep.refuse_call(Call::AllToAllV(&sc, &rc), expert_out.dtype(), e))?;
     ep.all_to_all_v(expert_out, &sc, &mut back, &rc)?;
-    let idx = Tensor::from_slice(&d.send_pos, &[d.send_pos.len()])?.to_device(&device)?;
+    let idx = staged(&d.send_pos, &device)?;
     moe_finalize_routing(&FinalizeArgs {
         expanded_x: &back,
         expanded_row_idx: &idx,
