@@ -32,6 +32,28 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// Whose memory a tensor's bytes are: the host's, or one NPU's (by
+/// ordinal). An op's output must be in its input's memory: the ops never
+/// copy a result between host and NPU memory. Unlike [`Device`] it names an
+/// NPU without opening it, as a C descriptor does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Memory {
+    /// Host memory.
+    Host,
+    /// The memory of the NPU with this ordinal.
+    Npu(i64),
+}
+
+impl std::fmt::Display for Memory {
+    /// As [`Device`] displays itself: `cpu`, `npu:N`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Memory::Host => f.write_str("cpu"),
+            Memory::Npu(n) => write!(f, "npu:{n}"),
+        }
+    }
+}
+
 impl From<CpuBackend> for Device {
     fn from(_: CpuBackend) -> Self {
         Device::Cpu
@@ -45,6 +67,14 @@ impl From<NpuDevice> for Device {
 }
 
 impl Device {
+    /// The memory of this device.
+    pub(crate) fn memory(&self) -> Memory {
+        match self {
+            Device::Cpu => Memory::Host,
+            Device::Npu(d) => Memory::Npu(i64::from(d.ordinal())),
+        }
+    }
+
     /// The CPU device.
     pub fn cpu() -> Self {
         Device::Cpu

@@ -11,6 +11,7 @@
 
 use crate::backend::args::{checked_bytes, checked_numel};
 use crate::backend::{DropPadMode, FinalizeArgs, FinalizeDims, OutputRows};
+use crate::device::Memory;
 use crate::moe::output::write_apart;
 use crate::types::Numbered;
 pub use crate::types::TensorMeta;
@@ -283,37 +284,76 @@ pub fn moe_finalize_routing(args: &FinalizeArgs<&Tensor>) -> Result<Tensor> {
 /// is reported before any is.
 pub fn moe_finalize_routing_into(args: &FinalizeArgs<&Tensor>, out: &mut Tensor) -> Result<()> {
     let (shape, dims) = moe_finalize_routing_output_shape(args)?;
-    let device = args.expanded_x.device();
-    same_device(FINALIZE, &device, [("out", Some(&*out))])?;
-    check_out(FINALIZE, out, &shape, args.expanded_x.dtype())?;
+    let device = check_out_like(FINALIZE, args.expanded_x, out, &shape)?;
     write_apart(out, args.operands(), |o| device.backend().finalize_routing(args, &dims, o, OutputRows::Dense))
 }
 
 /// Checks that the output `out` of `op` has exactly the `shape` and `dtype`
 /// its shape function computed.
 pub(crate) fn check_out(op: &'static str, out: &Tensor, shape: &[usize], dtype: DType) -> Result<()> {
-    if out.dtype() != dtype {
-        return Err(Error::dtype(op, "out", dtype.name(), out.dtype()));
+    check_out_meta(op, "out", out.meta(), shape, dtype)
+}
+
+/// [`check_out`] of the output `arg` of `op` from its shape and dtype alone:
+/// the dtype, then the shape.
+fn check_out_meta(
+    op: &'static str,
+    arg: &'static str,
+    out: TensorMeta<'_>,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<()> {
+    if out.dtype != dtype {
+        return Err(Error::dtype(op, arg, dtype.name(), out.dtype));
     }
-    if out.shape() != shape {
-        return Err(Error::shape(op, "out", format!("{shape:?}"), out.shape()));
+    if out.shape != shape {
+        return Err(Error::shape(op, arg, format!("{shape:?}"), out.shape));
     }
     Ok(())
 }
 
-/// [`check_out`] against the dtype of `x`, with `out` on the device of `x`
-/// (an error naming `out` otherwise); returns that device.
-pub(crate) fn check_out_like(op: &'static str, x: &Tensor, out: &Tensor, shape: &[usize]) -> Result<Device> {
-    let device = x.device();
-    if out.device() != device {
+/// The one check of an output `arg` of `op` (in `out_memory`, of shape and
+/// dtype `out`) against the op's input, in `memory`, and the `shape` and
+/// `dtype` its shape function computed, in the order every op checks them:
+/// the memory, then the dtype, then the shape. An op never copies its result
+/// between host and NPU memory (an NPU op never synchronises the host), so
+/// an output elsewhere than its input is DEVICE, naming both. The C ABI
+/// checks its output descriptors with it too.
+pub(crate) fn check_out_on(
+    op: &'static str,
+    arg: &'static str,
+    out_memory: Memory,
+    out: TensorMeta<'_>,
+    memory: Memory,
+    shape: &[usize],
+    dtype: DType,
+) -> Result<()> {
+    check_out_memory(op, arg, out_memory, memory)?;
+    check_out_meta(op, arg, out, shape, dtype)
+}
+
+/// The memory part of [`check_out_on`]: the output `arg` of `op` must be in
+/// `memory`, its input's.
+pub(crate) fn check_out_memory(op: &'static str, arg: &'static str, out_memory: Memory, memory: Memory) -> Result<()> {
+    if out_memory != memory {
         return Err(Error::Device {
             op,
-            arg: "out",
-            expected: format!("{device} (the device of `x`)"),
-            actual: out.device().to_string(),
+            arg,
+            expected: format!(
+                "{memory} like the op's input (pass `{arg}` there: the op never copies its result between host and \
+                 NPU memory)"
+            ),
+            actual: out_memory.to_string(),
         });
     }
-    check_out(op, out, shape, x.dtype())?;
+    Ok(())
+}
+
+/// [`check_out_on`] against `x`: `out` on the device of `x`, with its dtype
+/// and `shape`; returns that device.
+pub(crate) fn check_out_like(op: &'static str, x: &Tensor, out: &Tensor, shape: &[usize]) -> Result<Device> {
+    let device = x.device();
+    check_out_on(op, "out", out.device().memory(), out.meta(), device.memory(), shape, x.dtype())?;
     Ok(device)
 }
 
@@ -403,9 +443,7 @@ pub fn moe_token_unpermute_into(
     out: &mut Tensor,
 ) -> Result<()> {
     let (shape, dims) = moe_token_unpermute_output_shape(permuted, sorted_indices, probs)?;
-    let device = permuted.device();
-    same_device(UNPERMUTE, &device, [("out", Some(&*out))])?;
-    check_out(UNPERMUTE, out, &shape, permuted.dtype())?;
+    let device = check_out_like(UNPERMUTE, permuted, out, &shape)?;
     let inputs = [("permuted", Some(permuted)), ("sorted_indices", Some(sorted_indices)), ("probs", probs)];
     write_apart(out, inputs, |o| device.backend().token_unpermute(permuted, sorted_indices, probs, dims.k, o))
 }
