@@ -670,3 +670,29 @@ fn empty_tensors_take_any_strides() {
         amoe_comm_free(world);
     }
 }
+
+/// An output in other memory than the op's inputs is refused as the Rust
+/// ops refuse it, before any work and whether or not an NPU runtime is
+/// there: DEVICE naming the output and both memories, also when its dtype
+/// is wrong too (the memory is checked first, then the dtype, then the
+/// shape). The NPU output's memory is never touched.
+#[test]
+fn an_npu_output_of_host_inputs_is_refused_first_as_device() {
+    let (xs, is) = ([4usize, 2], [4usize]);
+    let mut x = [1.0f32; 8];
+    let mut idx = [0i32, 1, 2, 3];
+    let xd = host(&mut x, &xs);
+    let id = capi_common::desc(idx.as_mut_ptr().cast(), amoe_dtype::I32, &is, amoe_device_kind::Cpu, 0);
+    let args = capi_common::finalize_args(&xd, &id, amoe_drop_pad_mode::DropLessColumn as u32);
+    for dtype in [amoe_dtype::F32, amoe_dtype::F16] {
+        let npu = capi_common::desc(0x1000 as *mut _, dtype, &xs, amoe_device_kind::Npu, 0);
+        // SAFETY: host descriptors over live memory; the NPU one is refused
+        // before its (fake) pointer is used.
+        let st = unsafe { amoe_moe_finalize_routing(&args, &npu, null()) };
+        let msg = last_error();
+        assert_eq!(st, amoe_status::Device, "{dtype:?}: {msg}");
+        let want = "amoe_moe_finalize_routing: `out` is on npu:0, expected cpu like the op's input";
+        assert!(msg.contains(want), "{dtype:?}: {msg}");
+    }
+    assert_eq!(x, [1.0f32; 8], "the input is left alone");
+}

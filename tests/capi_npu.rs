@@ -626,3 +626,95 @@ fn a_reduction_points_comm_type_check_runs_on_the_calls_stream() {
         assert!(text.contains("comm type") && text.contains("ALLTOALL") && text.contains("MC2"), "rank {rank}: {text}");
     }
 }
+
+/// Every export with an output refuses one in other memory than its inputs,
+/// an NPU output of host inputs as a host output of NPU inputs, with DEVICE
+/// and one message naming the output and both memories, before any work (no
+/// op copies its result between host and NPU memory; an NPU op never
+/// synchronises the host). The memory is checked first, as the Rust ops
+/// check it: an output of the wrong dtype too is still DEVICE.
+#[test]
+#[ignore = "needs an Ascend NPU"]
+fn every_export_refuses_an_output_in_other_memory_than_its_inputs() {
+    let dev = NpuDevice::open(0).expect("npu:0");
+    let engine_stream = dev.new_stream().expect("stream");
+    let name = std::ffi::CString::new(format!("capi-npu-mixed-out-{}", std::process::id())).expect("no NUL");
+    let (mut s, mut c, mut g): (*mut amoe_stream, *mut amoe_comm, *mut amoe_moe_groups) =
+        (null_mut(), null_mut(), null_mut());
+    // SAFETY: a live stream of this device, outliving the handle; a valid name and out-pointers.
+    unsafe {
+        assert_eq!(amoe_stream_wrap(engine_stream.raw(), 0, &mut s), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_comm_cpu_new(name.as_ptr(), 1, 0, 20.0, &mut c), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_moe_groups_new(c, 1, 1, &mut g), amoe_status::Ok, "{}", last_error());
+    }
+    let xv = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0];
+    let iv = [0i32, 1, 2, 3];
+    let (x_npu, idx_npu, out_npu) =
+        (dev.clone_htod(&xv).expect("x"), dev.clone_htod(&iv).expect("idx"), dev.alloc_zeros::<f32>(8).expect("out"));
+    dev.synchronize().expect("sync");
+    let (mut x_host, mut idx_host, mut out_host) = (xv, iv, [-1.0f32; 8]);
+    let (xs, is, dp, ones) = ([4usize, 2], [4usize], [4usize], [4usize]);
+    let ctx = amoe_moe_context { dp_tokens: dp.as_ptr(), dp_size: 1, tp_size: 1, ..Default::default() };
+    let pol = amoe_reduce_policy { shared_mode: 0, has_routed_transform: 0, sp: 0, tp_size: 1, ep_size: 1 };
+    let host_mem = |p: *mut c_void, dtype| desc(p, dtype, &xs, amoe_device_kind::Cpu, 0);
+    let npu_mem = |p: *mut c_void, dtype| desc(p, dtype, &xs, amoe_device_kind::Npu, 0);
+    for inputs_on_npu in [false, true] {
+        let (x, idx) = if inputs_on_npu {
+            (npu_mem(ptr(&x_npu), amoe_dtype::F32), desc(ptr(&idx_npu), amoe_dtype::I32, &is, amoe_device_kind::Npu, 0))
+        } else {
+            let idx = desc(idx_host.as_mut_ptr().cast(), amoe_dtype::I32, &is, amoe_device_kind::Cpu, 0);
+            (host_mem(x_host.as_mut_ptr().cast(), amoe_dtype::F32), idx)
+        };
+        let (inputs, output) = if inputs_on_npu { ("npu:0", "cpu") } else { ("cpu", "npu:0") };
+        for out_dtype in [amoe_dtype::F32, amoe_dtype::I32] {
+            let out = if inputs_on_npu {
+                host_mem(out_host.as_mut_ptr().cast(), out_dtype)
+            } else {
+                npu_mem(ptr(&out_npu), out_dtype)
+            };
+            let fin = finalize_args(&x, &idx, amoe_drop_pad_mode::DropLessColumn as u32);
+            let (x, out, fin) = (&x, &out, &fin);
+            let check = |f: &str, arg: &str, st: amoe_status| {
+                let msg = last_error();
+                let case = format!("{f}: inputs on {inputs}, `{arg}` ({out_dtype:?}) on {output}");
+                assert_eq!(st, amoe_status::Device, "{case}: {msg}");
+                let want = format!("{f}: `{arg}` is on {output}, expected {inputs} like the op's input");
+                assert!(msg.contains(&want), "{case}: {msg}\nexpected it to contain: {want}");
+            };
+            // SAFETY (every call): live handles; descriptors over live memory
+            // of their sizes; lists of their lengths.
+            unsafe {
+                check("amoe_moe_finalize_routing", "out", amoe_moe_finalize_routing(fin, out, s));
+                check("amoe_moe_token_unpermute", "out", amoe_moe_token_unpermute(x, &idx, null(), out, s));
+                check("amoe_maybe_pad_and_reduce", "out", amoe_maybe_pad_and_reduce(x, null(), 0, c, out, s));
+                let st = amoe_maybe_all_gather_and_maybe_unpad(x, null(), 0, c, out, s);
+                check("amoe_maybe_all_gather_and_maybe_unpad", "out", st);
+                check("amoe_finalize_and_reduce", "out", amoe_finalize_and_reduce(fin, null(), 0, c, out, s));
+                check("amoe_shared_pad_split", "out", amoe_shared_pad_split(x, c, out, s));
+                check("amoe_shared_gather_unpad", "out", amoe_shared_gather_unpad(x, 4, c, out, s));
+                check("amoe_shared_pad_reduce_scatter", "out", amoe_shared_pad_reduce_scatter(x, c, out, s));
+                check("amoe_token_prepare", "out", amoe_token_prepare(x, 0, &ctx, g, out, null(), s));
+                check("amoe_token_finalize", "out", amoe_token_finalize(x, 0, &ctx, g, out, s));
+                check("amoe_reduce_routed_early", "out", amoe_reduce_routed_early(&pol, x, 0, c, out, s));
+                check("amoe_reduce_shared", "out", amoe_reduce_shared(&pol, x, 0, c, out, s));
+                check("amoe_reduce_final", "out", amoe_reduce_final(&pol, x, 0, c, out, s));
+                check("amoe_all_reduce", "dst", amoe_all_reduce(c, x, out, 0, s));
+                check("amoe_reduce_scatter", "dst", amoe_reduce_scatter(c, x, out, 0, s));
+                check("amoe_all_gather", "dst", amoe_all_gather(c, x, out, s));
+                check("amoe_reduce_scatter_v", "dst", amoe_reduce_scatter_v(c, x, out, ones.as_ptr(), 1, 0, s));
+                check("amoe_all_gather_v", "dst", amoe_all_gather_v(c, x, out, ones.as_ptr(), 1, s));
+                let st = amoe_all_to_all_v(c, x, ones.as_ptr(), 1, out, ones.as_ptr(), 1, s);
+                check("amoe_all_to_all_v", "dst", st);
+            }
+        }
+    }
+    engine_stream.synchronize().expect("sync");
+    assert_eq!(out_host, [-1.0f32; 8], "the host output is not written");
+    assert_eq!(out_npu.to_vec().expect("out"), [0.0f32; 8], "the NPU output is not written");
+    // SAFETY: the handles made above, freed once.
+    unsafe {
+        amoe_moe_groups_free(g);
+        amoe_comm_free(c);
+        amoe_stream_free(s);
+    }
+}

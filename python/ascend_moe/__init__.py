@@ -15,7 +15,10 @@ buffer, any tensor-like (`device`, `data_ptr()`, `dtype`, `shape`,
 when `device.type == "npu"`. A non-contiguous host input is made contiguous
 first; a non-contiguous NPU tensor or `out` is an error. Every op takes
 `out=` (written there and returned; default a new output where the first
-input lives: numpy, or `torch.empty(..., device=x.device)`) and `stream=` (an
+input lives: numpy, or `torch.empty(..., device=x.device)`; an `out=` must
+live there too, host memory for host inputs and NPU memory of their device
+for NPU ones, else `DeviceError` naming `out` and both devices: the library
+never copies a result between host and NPU memory) and `stream=` (an
 object with `.npu_stream`, the raw aclrtStream, like torch_npu's `Stream`;
 default `torch.npu.current_stream()` for NPU operands, an error naming the
 missing stream without torch_npu; host operands need none). Each raw stream

@@ -1,7 +1,9 @@
 """The MoE ops (SPEC sections 1-5) on numpy arrays and tensors (cpu or npu).
 
 Every op takes `out=` (written and returned; default a new output where the
-first input lives) and `stream=` (an object with `.npu_stream`; default
+first input lives; an `out=` elsewhere than the inputs, host memory for NPU
+inputs or NPU memory for host ones, is a `DeviceError`: no op copies its
+result between host and NPU memory) and `stream=` (an object with `.npu_stream`; default
 `torch.npu.current_stream()` for NPU operands, none for host ones)."""
 
 from __future__ import annotations

@@ -284,12 +284,13 @@ macro_rules! collective {
             let checked = (|| {
                 let s = cx.input("src", $src)?;
                 let out = cx.out("dst", $dst)?;
+                out.check_memory(cx, &s)?;
                 let d = cx.output(&out)?;
                 Ok((s, out, d, $args?))
             })();
             let ($s, out, mut $d, $a) = refusing_on($c, checked)?;
             $run?;
-            cx.write(&out, &$d)
+            cx.write(&out, $d)
         })
     };
 }
@@ -467,7 +468,7 @@ pub unsafe extern "C" fn amoe_broadcast(
         let cx = &cx;
         let (mut b, out) = refusing_on(c, (|| Ok((cx.input("buf", buf)?, cx.out("buf", buf)?)))())?;
         c.broadcast(&mut b, root)?;
-        cx.write(&out, &b)
+        cx.write(&out, b)
     })
 }
 

@@ -13,6 +13,11 @@
 //! or could change a result: a pointer that is not 8-byte aligned, and an
 //! output that overlaps another operand of the same call (an in-place call);
 //! such an output is computed into scratch and copied out at the end.
+//!
+//! An output is in the memory of the op's input (host, or the NPU of the
+//! call's stream): the ops never copy a result between host and NPU memory,
+//! so either mix is DEVICE naming the output and both memories, before any
+//! work ([`Out::check_like`], the check of the Rust ops).
 
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr};
@@ -22,6 +27,8 @@ pub(crate) use super::failure::{write_out, write_slice, Failure};
 use super::handle;
 use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor, AMOE_DEVICE_CPU, AMOE_DEVICE_NPU, AMOE_MAX_NDIM};
 use crate::backend::npu::{NpuBuffer, NpuDevice};
+use crate::device::Memory;
+use crate::moe::finalize::{check_out_memory, check_out_on};
 use crate::moe::prepare_finalize::MoeContext;
 use crate::moe::LiveStream;
 use crate::tensor::{CpuBuffer, Storage};
@@ -209,7 +216,8 @@ impl<'a> Call<'a> {
     /// An output tensor over the caller's memory when it can be lent (NPU
     /// memory, written in place by the op; aligned host memory no other
     /// operand of the call uses), else a fresh host tensor of the
-    /// descriptor's shape that [`Call::write`] copies out.
+    /// descriptor's shape that [`Call::write`] copies out. An output computed
+    /// from an input is first checked against it ([`Out::check_like`]).
     pub(crate) fn output(&self, o: &Out<'_>) -> Result<Tensor, Failure> {
         let (d, m) = (o.d, &o.meta);
         if d.device_kind == AMOE_DEVICE_NPU {
@@ -224,76 +232,46 @@ impl<'a> Call<'a> {
         Ok(Tensor::try_zeros_cpu(&m.shape, m.dtype)?)
     }
 
-    /// The output tensor an op computing from `x` writes: the caller's
-    /// memory as [`Call::output`] gives it, or `None` for a host `x` with an
-    /// NPU `out`: then the op computes a result of its own, which
-    /// [`Call::write`] copies into `out`. An NPU `x` with a host `out` is
-    /// DEVICE naming `out`: its result would come back by a device-to-host
-    /// copy and a synchronisation, which the NPU ops never make.
-    pub(crate) fn output_for(&self, o: &Out<'_>, x: &Tensor) -> Result<Option<Tensor>, Failure> {
-        match (o.d.device_kind == AMOE_DEVICE_NPU, x.is_cpu()) {
-            (true, true) => Ok(None),
-            (false, false) => Err(Failure::new(
-                amoe_status::Device,
-                format!(
-                    "{}: `out` is host memory, but the op's input is an NPU tensor: pass NPU memory of the \
-                     stream's device (the op never copies its result to the host)",
-                    self.f
-                ),
-            )),
-            _ => self.output(o).map(Some),
-        }
-    }
-
-    /// Puts `t` into the caller's output after checking that its shape and
-    /// dtype are exactly `t`'s; nothing when `t` already is the caller's
-    /// memory (an output from [`Call::output`]).
-    pub(crate) fn write(&self, o: &Out<'_>, t: &Tensor) -> Result<(), Failure> {
+    /// Puts the result `t` into the caller's output after checking that it
+    /// is in the output's memory with exactly its shape and dtype: nothing
+    /// when `t` already is the caller's memory (an output from
+    /// [`Call::output`]); one device copy queued on the stream for another
+    /// NPU tensor, one host copy for a host one.
+    pub(crate) fn write(&self, o: &Out<'_>, t: Tensor) -> Result<(), Failure> {
         let (d, m) = (o.d, &o.meta);
-        o.check(self, t.shape(), t.dtype())?;
+        check_out_on(self.f, o.arg, o.memory(), m.of(), t.device().memory(), t.shape(), t.dtype())?;
+        check_data(self.f, o.arg, d, m)?;
         if m.bytes == 0 {
             return Ok(());
         }
-        if d.device_kind == AMOE_DEVICE_NPU {
-            let dev = self.npu_device(o.arg, d)?;
-            match t.storage() {
-                // Written in place by the op.
-                Storage::Npu(b) if b.as_ptr() == d.data => {}
-                other => {
-                    // SAFETY: `d` is a descriptor argument of the export: NPU
-                    // memory of the stream's device, writable for `m.bytes`
-                    // bytes; the buffer lives only for this call.
-                    let dst = unsafe { NpuBuffer::borrow_raw(dev, d.data, m.bytes) }?;
-                    match other {
-                        // The op made its own result: one device-to-device
-                        // copy, queued on the caller's stream.
-                        Storage::Npu(b) => dst.copy_from_device(0, b, 0, m.bytes)?,
-                        Storage::Cpu(b) => dst.copy_from_host_at(0, b.as_bytes())?,
-                    }
-                }
+        // `t` is in the output's memory (checked above): NPU storage for an
+        // NPU descriptor, host storage for a host one.
+        match t.storage() {
+            // Written in place by the op.
+            Storage::Npu(b) if b.as_ptr() == d.data => Ok(()),
+            Storage::Npu(b) => {
+                let dev = self.npu_device(o.arg, d)?;
+                // SAFETY: `d` is a descriptor argument of the export: NPU
+                // memory of the stream's device, writable for `m.bytes`
+                // bytes; the buffer lives only for this call.
+                let dst = unsafe { NpuBuffer::borrow_raw(dev, d.data, m.bytes) }?;
+                // The op made its own result: one device-to-device copy,
+                // queued on the caller's stream.
+                Ok(dst.copy_from_device(0, b, 0, m.bytes)?)
             }
-            return Ok(());
-        }
-        if let Storage::Cpu(b) = t.storage() {
-            if b.is_borrowed() && b.as_ptr() == d.data as *const u8 {
-                // Written in place by the op.
-                return Ok(());
+            // Written in place by the op.
+            Storage::Cpu(b) if b.is_borrowed() && b.as_ptr() == d.data as *const u8 => Ok(()),
+            Storage::Cpu(b) => {
+                let src = b.as_bytes();
+                // SAFETY: `d` is a descriptor argument of the export: `data`
+                // non-null (checked above) and writable for `m.bytes ==
+                // src.len()` bytes; `src` may be a borrowed input overlapping
+                // it (an op that returned its input unchanged), so the copy
+                // allows overlap.
+                unsafe { std::ptr::copy(src.as_ptr(), d.data as *mut u8, src.len()) };
+                Ok(())
             }
         }
-        let host;
-        let t = if t.is_cpu() {
-            t
-        } else {
-            host = t.to_cpu()?;
-            &host
-        };
-        let src = t.cpu_bytes()?;
-        // SAFETY: `d` is a descriptor argument of the export: `data` non-null
-        // (checked by `Out::check`) and writable for `m.bytes == src.len()`
-        // bytes; `src` may be a borrowed input overlapping it (an op that
-        // returned its input unchanged), so the copy allows overlap.
-        unsafe { std::ptr::copy(src.as_ptr(), d.data as *mut u8, src.len()) };
-        Ok(())
     }
 }
 
@@ -312,9 +290,33 @@ impl Out<'_> {
 
     /// Checks the descriptor against the shape and dtype the op's shape
     /// function computed, before any work starts (so no buffer is allocated
-    /// for an output the caller did not provide).
+    /// for an output the caller did not provide). For an output computed
+    /// from an input, [`Out::check_like`].
     pub(crate) fn check(&self, cx: &Call<'_>, shape: &[usize], dtype: DType) -> Result<(), Failure> {
         check_meta(cx.f, self.arg, self.d, &self.meta, shape, dtype)
+    }
+
+    /// Checks the descriptor of an output computed from `x` as the Rust ops
+    /// check theirs ([`check_out_on`]): in `x`'s memory, then of `x`'s dtype,
+    /// then of `shape`, before any work starts.
+    pub(crate) fn check_like(&self, cx: &Call<'_>, x: &Tensor, shape: &[usize]) -> Result<(), Failure> {
+        check_out_on(cx.f, self.arg, self.memory(), self.meta.of(), x.device().memory(), shape, x.dtype())?;
+        check_data(cx.f, self.arg, self.d, &self.meta)
+    }
+
+    /// Checks only that the descriptor is in `x`'s memory, as
+    /// [`Out::check_like`] does first (for an output whose shape and dtype
+    /// the op checks itself: the collectives').
+    pub(crate) fn check_memory(&self, cx: &Call<'_>, x: &Tensor) -> Result<(), Failure> {
+        Ok(check_out_memory(cx.f, self.arg, self.memory(), x.device().memory())?)
+    }
+
+    /// The memory the descriptor names.
+    fn memory(&self) -> Memory {
+        match self.d.device_kind {
+            AMOE_DEVICE_NPU => Memory::Npu(i64::from(self.d.device_ordinal)),
+            _ => Memory::Host,
+        }
     }
 
     /// The bytes `[start, end)` the descriptor names, with the memory they
@@ -545,6 +547,13 @@ pub(crate) struct Meta {
     pub(crate) bytes: usize,
 }
 
+impl Meta {
+    /// The shape and dtype as the Rust checks take them.
+    pub(crate) fn of(&self) -> crate::types::TensorMeta<'_> {
+        crate::types::TensorMeta { shape: &self.shape, dtype: self.dtype }
+    }
+}
+
 /// Validates everything in a descriptor argument except the data pointer.
 pub(crate) fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta, Failure> {
     let dtype = DType::from_u32(d.dtype).ok_or_else(|| {
@@ -626,6 +635,11 @@ fn check_meta(func: &str, arg: &str, d: &amoe_tensor, m: &Meta, shape: &[usize],
             format!("{func}: `{arg}` has shape {:?}, expected {shape:?}", m.shape),
         ));
     }
+    check_data(func, arg, d, m)
+}
+
+/// NULL_ARGUMENT for a descriptor with elements and a NULL `data`.
+fn check_data(func: &str, arg: &str, d: &amoe_tensor, m: &Meta) -> Result<(), Failure> {
     if m.bytes > 0 && d.data.is_null() {
         return Err(Failure::null(func, &format!("{arg}.data")));
     }

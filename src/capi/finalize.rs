@@ -207,16 +207,11 @@ pub unsafe extern "C" fn amoe_moe_finalize_routing(
         let a = inputs.args()?;
         let (shape, _) = moe::moe_finalize_routing_output_shape(&a)?;
         let out = cx.out("out", out)?;
-        out.check(cx, &shape, inputs.x.dtype())?;
+        out.check_like(cx, &inputs.x, &shape)?;
         // The op writes the caller's `out` in place, host or NPU memory.
-        let y = match cx.output_for(&out, &inputs.x)? {
-            Some(mut o) => {
-                moe::moe_finalize_routing_into(&a, &mut o)?;
-                o
-            }
-            None => moe::moe_finalize_routing(&a)?,
-        };
-        cx.write(&out, &y)
+        let mut y = cx.output(&out)?;
+        moe::moe_finalize_routing_into(&a, &mut y)?;
+        cx.write(&out, y)
     })
 }
 
@@ -283,9 +278,9 @@ pub unsafe extern "C" fn amoe_moe_token_unpermute(
         let pr = cx.input_opt("probs", probs)?;
         let (shape, _) = moe::moe_token_unpermute_output_shape(&p, &s, pr.as_ref())?;
         let out = cx.out("out", out)?;
-        out.check(cx, &shape, p.dtype())?;
+        out.check_like(cx, &p, &shape)?;
         let mut y = cx.output(&out)?;
         moe::moe_token_unpermute_into(&p, &s, pr.as_ref(), &mut y)?;
-        cx.write(&out, &y)
+        cx.write(&out, y)
     })
 }

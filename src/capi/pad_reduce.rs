@@ -63,14 +63,11 @@ fn layout_op_shape(
 /// The body of an EP/SP layout op's export: `into(x, layout, ep_comm, out)`
 /// after `out` is checked against `shape_of`, writing the caller's `out` in
 /// place (its intermediates are workspace of the stream's pool on NPU;
-/// nothing synchronises or allocates outside the pool). Where `out` cannot
-/// be written in place (see `Call::output_for`) `op` computes the result, which
-/// is copied into `out`.
+/// nothing synchronises or allocates outside the pool).
 #[allow(clippy::too_many_arguments)]
 fn layout_op(
     f: &'static str,
     shape_of: LayoutShape,
-    op: fn(&Tensor, Option<&SpLayout>, &Comm) -> crate::Result<Tensor>,
     into: LayoutInto,
     x: *const amoe_tensor,
     local_sizes: *const usize,
@@ -87,20 +84,14 @@ fn layout_op(
             let l = layout(f, local_sizes, n)?;
             let shape = shape_of(x.shape(), l.as_ref(), c.rank(), c.world_size())?;
             let out = cx.out("out", out)?;
-            out.check(cx, &shape, x.dtype())?;
-            let o = cx.output_for(&out, &x)?;
+            out.check_like(cx, &x, &shape)?;
+            let o = cx.output(&out)?;
             Ok((x, l, out, o))
         })();
         // A CPU rank always joins the op's collective, so its peers wait there.
-        let (x, l, out, o) = refusing_on(c, checked)?;
-        let y = match o {
-            Some(mut o) => {
-                into(&x, l.as_ref(), c, &mut o)?;
-                o
-            }
-            None => op(&x, l.as_ref(), c)?,
-        };
-        cx.write(&out, &y)
+        let (x, l, out, mut y) = refusing_on(c, checked)?;
+        into(&x, l.as_ref(), c, &mut y)?;
+        cx.write(&out, y)
     })
 }
 
@@ -158,9 +149,8 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_maybe_pad_and_reduce";
-    let (shape_of, op) = (moe::maybe_pad_and_reduce_output_shape, moe::maybe_pad_and_reduce::<Comm>);
-    let into = moe::maybe_pad_and_reduce_into::<Comm>;
-    layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream)
+    let (shape_of, into) = (moe::maybe_pad_and_reduce_output_shape, moe::maybe_pad_and_reduce_into::<Comm>);
+    layout_op(F, shape_of, into, x, local_sizes, n, ep_comm, out, stream)
 }
 
 /// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
@@ -204,9 +194,8 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
 ) -> amoe_status {
     const F: &str = "amoe_maybe_all_gather_and_maybe_unpad";
     let shape_of = moe::maybe_all_gather_and_maybe_unpad_output_shape;
-    let op = moe::maybe_all_gather_and_maybe_unpad::<Comm>;
     let into = moe::maybe_all_gather_and_maybe_unpad_into::<Comm>;
-    layout_op(F, shape_of, op, into, x, local_sizes, n, ep_comm, out, stream)
+    layout_op(F, shape_of, into, x, local_sizes, n, ep_comm, out, stream)
 }
 
 /// Output shape of `amoe_finalize_and_reduce`: the finalize's `[N, H...]`
@@ -265,19 +254,12 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
             let l = layout(F, local_sizes, n)?;
             let shape = moe::finalize_and_reduce_output_shape(&inputs.args()?, l.as_ref(), c.rank(), c.world_size())?;
             let out = cx.out("out", out)?;
-            out.check(cx, &shape, inputs.x.dtype())?;
-            let o = cx.output_for(&out, &inputs.x)?;
+            out.check_like(cx, &inputs.x, &shape)?;
+            let o = cx.output(&out)?;
             Ok((inputs, l, out, o))
         })();
-        let (inputs, l, out, o) = refusing_on(c, checked)?;
-        let a = inputs.args()?;
-        let y = match o {
-            Some(mut o) => {
-                moe::finalize_and_reduce_into(&a, l.as_ref(), c, &mut o)?;
-                o
-            }
-            None => moe::finalize_and_reduce(&a, l.as_ref(), c)?,
-        };
-        cx.write(&out, &y)
+        let (inputs, l, out, mut y) = refusing_on(c, checked)?;
+        moe::finalize_and_reduce_into(&inputs.args()?, l.as_ref(), c, &mut y)?;
+        cx.write(&out, y)
     })
 }

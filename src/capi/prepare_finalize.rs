@@ -329,7 +329,7 @@ pub unsafe extern "C" fn amoe_token_prepare(
             let x = cx.input("x", x)?;
             let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
             let out = cx.out("out", out)?;
-            out.check(cx, &shape, x.dtype())?;
+            out.check_like(cx, &x, &shape)?;
             let mask_out = match pf::mc2_mask_extent(ct, &c) {
                 Some((rows, _)) if !mc2_mask.is_null() => {
                     let m = cx.out("mc2_mask", mc2_mask)?;
@@ -343,29 +343,19 @@ pub unsafe extern "C" fn amoe_token_prepare(
                 }
                 _ => None,
             };
-            let o = cx.output_for(&out, &x)?;
-            Ok((x, shape, out, mask_out, o))
+            let o = cx.output(&out)?;
+            Ok((x, out, mask_out, o))
         })();
         let refuse = |e| pf::refuse_first(pf::Stage::Prepare, ct, &c, g, DType::U8, e);
-        let (x, shape, out, mask_out, o) = refusing(checked, refuse)?;
+        let (x, out, mask_out, mut hidden) = refusing(checked, refuse)?;
         // The tokens go straight into the caller's `out` where it can be lent
-        // (else into a buffer of the op's own, copied into `out`).
-        let hidden = match o {
-            Some(mut o) => {
-                pf::prepare_tokens_into(&x, ct, &c, g, &mut o)?;
-                o
-            }
-            None => {
-                let mut h = x.device().backend().scratch(&shape, x.dtype())?;
-                pf::prepare_tokens_into(&x, ct, &c, g, &mut h)?;
-                h
-            }
-        };
-        cx.write(&out, &hidden)?;
+        // (else into a host buffer of the call's own, copied into `out`).
+        pf::prepare_tokens_into(&x, ct, &c, g, &mut hidden)?;
+        cx.write(&out, hidden)?;
         if let Some(m) = mask_out {
             let mut mask = cx.output(&m)?;
             pf::mc2_mask_into(ct, &c, &mut mask)?;
-            cx.write(&m, &mask)?;
+            cx.write(&m, mask)?;
         }
         Ok(())
     })
@@ -469,21 +459,15 @@ pub unsafe extern "C" fn amoe_token_finalize(
             // this path cannot sum is named as such, not as `out`'s dtype.
             let shape = pf::finalize_shape_and_dtype(yt.shape(), yt.dtype(), ct, &c)?;
             let out = cx.out("out", out)?;
-            out.check(cx, &shape, yt.dtype())?;
-            let o = cx.output_for(&out, &yt)?;
+            out.check_like(cx, &yt, &shape)?;
+            let o = cx.output(&out)?;
             Ok((yt, out, o))
         })();
         let refuse = |e| pf::refuse_first(pf::Stage::Finalize, ct, &c, g, DType::U8, e);
-        let (yt, out, o) = refusing(checked, refuse)?;
+        let (yt, out, mut r) = refusing(checked, refuse)?;
         // The last collective or copy writes the caller's `out` (which may be
         // `y`'s memory: the op then reads `y` from a copy of its own).
-        let r = match o {
-            Some(mut o) => {
-                pf::finalize_into(&yt, ct, &c, g, &mut o)?;
-                o
-            }
-            None => pf::finalize(yt, ct, &c, g)?,
-        };
-        cx.write(&out, &r)
+        pf::finalize_into(&yt, ct, &c, g, &mut r)?;
+        cx.write(&out, r)
     })
 }

@@ -123,24 +123,14 @@ fn reduce_point(
         }
         let x_in = cx.input("x", x)?;
         let out = cx.out("out", out)?;
-        out.check(cx, x_in.shape(), x_in.dtype())?;
-        let o = cx.output_for(&out, &x_in)?;
+        out.check_like(cx, &x_in, x_in.shape())?;
+        let o = cx.output(&out)?;
         Ok((p, c, x_in, out, o))
     })();
     // The TP peers wait in the comm-type agreement (or the all-reduce).
-    let (p, c, x_in, out, o) = refusing(checked, |e| moe::reduce::refuse_at_point(reduces, tp, DType::I32, e))?;
-    match o {
-        Some(mut o) => {
-            p.reduce_at_out(point, &x_in, c, tp, &mut o)?;
-            cx.write(&out, &o)
-        }
-        // A host `x` with an NPU `out`: reduced on the host (the first write
-        // makes the borrowed input a private copy), then copied to `out`.
-        None => {
-            let y = p.reduce_at(point, x_in, c, tp)?;
-            cx.write(&out, &y)
-        }
-    }
+    let (p, c, x_in, out, mut o) = refusing(checked, |e| moe::reduce::refuse_at_point(reduces, tp, DType::I32, e))?;
+    p.reduce_at_out(point, &x_in, c, tp, &mut o)?;
+    cx.write(&out, o)
 }
 
 /// Reports `message`, an error this rank found in its own arguments at a

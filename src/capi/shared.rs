@@ -26,11 +26,10 @@ fn shape_body(
 }
 
 /// The body of an op export: `into(x, tp, out)` after `out` is checked
-/// against `shape_of(x shape, tp rank, tp size)`, writing the caller's `out`
-/// in place; where it cannot be (see `Call::output_for`), `op(x, tp)` computes
-/// the result, which is copied into `out`. A `collective` op refuses a bad
-/// argument to its peers ([`refusing_on`]).
-#[allow(clippy::too_many_arguments)] // the export's arguments, plus the op's three forms
+/// against `x` and `shape_of(x shape, tp rank, tp size)`, writing the
+/// caller's `out` in place. A `collective` op refuses a bad argument to its
+/// peers ([`refusing_on`]).
+#[allow(clippy::too_many_arguments)] // the export's arguments, plus the op's two forms
 fn op_body(
     f: &'static str,
     collective: bool,
@@ -39,7 +38,6 @@ fn op_body(
     out: *const amoe_tensor,
     stream: *const amoe_stream,
     shape_of: impl FnOnce(&[usize], usize, usize) -> crate::Result<Vec<usize>>,
-    op: impl FnOnce(&Tensor, &Comm) -> crate::Result<Tensor>,
     into: impl FnOnce(&Tensor, &Comm, &mut Tensor) -> crate::Result<()>,
 ) -> amoe_status {
     ffi!(f, {
@@ -55,20 +53,14 @@ fn op_body(
             let x = cx.input("x", x)?;
             let shape = shape_of(x.shape(), tp.rank(), tp.world_size())?;
             let out = cx.out("out", out)?;
-            out.check(cx, &shape, x.dtype())?;
-            let o = cx.output_for(&out, &x)?;
+            out.check_like(cx, &x, &shape)?;
+            let o = cx.output(&out)?;
             Ok((x, out, o))
         })();
         // The peers of a collective op wait in it (a CPU rank always joins).
-        let (x, out, o) = if collective { refusing_on(tp, checked)? } else { checked? };
-        let y = match o {
-            Some(mut o) => {
-                into(&x, tp, &mut o)?;
-                o
-            }
-            None => op(&x, tp)?,
-        };
-        cx.write(&out, &y)
+        let (x, out, mut y) = if collective { refusing_on(tp, checked)? } else { checked? };
+        into(&x, tp, &mut y)?;
+        cx.write(&out, y)
     })
 }
 
@@ -112,9 +104,8 @@ pub unsafe extern "C" fn amoe_shared_pad_split(
     stream: *const amoe_stream,
 ) -> amoe_status {
     const F: &str = "amoe_shared_pad_split";
-    let op = |x: &Tensor, tp: &Comm| shared::shared_pad_split(x, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_split_into(x, tp, o);
-    op_body(F, false, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, op, into)
+    op_body(F, false, x, tp_comm, out, stream, shared::shared_pad_split_output_shape, into)
 }
 
 /// Output shape of `amoe_shared_gather_unpad`: `x` must have
@@ -164,9 +155,8 @@ pub unsafe extern "C" fn amoe_shared_gather_unpad(
     const F: &str = "amoe_shared_gather_unpad";
     let shape_of =
         |s: &[usize], _rank: usize, size: usize| shared::shared_gather_unpad_output_shape(s, num_tokens, size);
-    let op = |x: &Tensor, tp: &Comm| shared::shared_gather_unpad(x, num_tokens, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_gather_unpad_into(x, num_tokens, tp, o);
-    op_body(F, true, x, tp_comm, out, stream, shape_of, op, into)
+    op_body(F, true, x, tp_comm, out, stream, shape_of, into)
 }
 
 /// Output shape of `amoe_shared_pad_reduce_scatter`: `x [T, H...]` ->
@@ -213,7 +203,6 @@ pub unsafe extern "C" fn amoe_shared_pad_reduce_scatter(
 ) -> amoe_status {
     const F: &str = "amoe_shared_pad_reduce_scatter";
     let shape_of = |s: &[usize], _rank: usize, size: usize| shared::shared_pad_reduce_scatter_output_shape(s, size);
-    let op = |x: &Tensor, tp: &Comm| shared::shared_pad_reduce_scatter(x, tp);
     let into = |x: &Tensor, tp: &Comm, o: &mut Tensor| shared::shared_pad_reduce_scatter_into(x, tp, o);
-    op_body(F, true, x, tp_comm, out, stream, shape_of, op, into)
+    op_body(F, true, x, tp_comm, out, stream, shape_of, into)
 }

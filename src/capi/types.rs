@@ -223,8 +223,11 @@ pub const AMOE_HCCL_WORLD: u32 = 1;
 ///   may carry any stride, and a tensor without elements any strides); other
 ///   layouts are rejected.
 /// - `device_kind`: an `amoe_device_kind` code; `device_ordinal` names the NPU.
-///   An op over NPU inputs writes its result on the stream, so its `out` is
-///   NPU memory too (a host `out` is `AMOE_STATUS_DEVICE`, before any work).
+///   An output is in the memory of the op's inputs: NPU memory of their
+///   device for NPU inputs (the op writes it on the stream), host memory for
+///   host inputs. No op copies its result between host and NPU memory, so an
+///   NPU output of host inputs, or a host output of NPU inputs, is
+///   `AMOE_STATUS_DEVICE` naming the output and both devices, before any work.
 #[derive(Debug, Clone, Copy)]
 #[repr(C)]
 pub struct amoe_tensor {
