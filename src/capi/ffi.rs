@@ -12,7 +12,11 @@
 //! in place. Host memory is copied only where borrowing it would be unsound
 //! or could change a result: a pointer that is not 8-byte aligned, and an
 //! output that overlaps another operand of the same call (an in-place call);
-//! such an output is computed into scratch and copied out at the end.
+//! such an output is computed into scratch and copied out by [`boundary`]
+//! once the export's body has returned, when every tensor of the call (the
+//! borrowed inputs among them) is gone: borrowed memory is never written
+//! while a tensor over it lives, except through the one writable tensor it
+//! is lent to.
 //!
 //! An output is in the memory of the op's input (host, or the NPU of the
 //! call's stream): the ops never copy a result between host and NPU memory,
@@ -36,6 +40,10 @@ use crate::{Comm, CommType, DType, Tensor};
 
 thread_local! {
     static LAST_ERROR: RefCell<String> = const { RefCell::new(String::new()) };
+    /// Host results of the running export's body, each with the caller's
+    /// memory it goes to ([`Call::write`]): copied there by [`boundary`]
+    /// once the body returned OK, dropped otherwise.
+    static PENDING: RefCell<Vec<(*mut u8, CpuBuffer)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// One export's call: its name, the stream its NPU work is queued on (with
@@ -168,7 +176,10 @@ impl<'a> Call<'a> {
         // SAFETY: `d` is a descriptor argument of the export: `data` readable
         // (and, for an output, writable) for `m.bytes` bytes during the call;
         // the range overlaps no other borrowed range it could conflict with
-        // (checked just above), and the tensor lives only for the call.
+        // (checked just above), and the tensor lives only for the call. The
+        // caller's memory is otherwise written only by `boundary`'s copies of
+        // results, after the export's body (which owns every tensor of the
+        // call) has returned.
         let Some(buf) = (unsafe { CpuBuffer::borrow_raw(d.data.cast(), m.bytes, writable) }) else {
             return Ok(None);
         };
@@ -236,8 +247,10 @@ impl<'a> Call<'a> {
     /// is in the output's memory with exactly its shape and dtype: nothing
     /// when `t` already is the caller's memory (an output from
     /// [`Call::output`]); one device copy queued on the stream for another
-    /// NPU tensor, one host copy for a host one.
-    pub(crate) fn write(&self, o: &Out<'_>, t: Tensor) -> Result<(), Failure> {
+    /// NPU tensor; a host result is copied by [`boundary`] once the export's
+    /// body has returned (every tensor of the call gone), so borrowed memory
+    /// is never written under a live tensor.
+    pub(crate) fn write(&self, o: &Out<'_>, mut t: Tensor) -> Result<(), Failure> {
         let (d, m) = (o.d, &o.meta);
         check_out_on(self.f, o.arg, o.memory(), m.of(), t.device().memory(), t.shape(), t.dtype())?;
         check_data(self.f, o.arg, d, m)?;
@@ -246,7 +259,7 @@ impl<'a> Call<'a> {
         }
         // `t` is in the output's memory (checked above): NPU storage for an
         // NPU descriptor, host storage for a host one.
-        match t.storage() {
+        match t.storage_mut() {
             // Written in place by the op.
             Storage::Npu(b) if b.as_ptr() == d.data => Ok(()),
             Storage::Npu(b) => {
@@ -262,13 +275,12 @@ impl<'a> Call<'a> {
             // Written in place by the op.
             Storage::Cpu(b) if b.is_borrowed() && b.as_ptr() == d.data as *const u8 => Ok(()),
             Storage::Cpu(b) => {
-                let src = b.as_bytes();
-                // SAFETY: `d` is a descriptor argument of the export: `data`
-                // non-null (checked above) and writable for `m.bytes ==
-                // src.len()` bytes; `src` may be a borrowed input overlapping
-                // it (an op that returned its input unchanged), so the copy
-                // allows overlap.
-                unsafe { std::ptr::copy(src.as_ptr(), d.data as *mut u8, src.len()) };
+                // A result of our own, taken out of `t`; a borrowed one (an
+                // input the op returned, over other memory of the caller) is
+                // copied, so no borrowed buffer outlives the body.
+                let b =
+                    if b.is_borrowed() { CpuBuffer::try_from_bytes(self.f, b.as_bytes())? } else { std::mem::take(b) };
+                PENDING.with(|p| p.borrow_mut().push((d.data.cast(), b)));
                 Ok(())
             }
         }
@@ -393,7 +405,21 @@ pub(crate) fn boundary(func: &str, body: impl FnOnce() -> Result<(), Failure>) -
     // The caller's current device, current again when the export returns.
     let _device = crate::backend::npu::runtime::ThreadDevice::kept();
     let r = catch_unwind(AssertUnwindSafe(body));
+    // The body has returned: every tensor it made over the caller's memory
+    // is dropped, so the host results it put aside can be written there.
+    let pending = PENDING.with(|p| std::mem::take(&mut *p.borrow_mut()));
     match r {
+        Ok(Ok(())) => {
+            for (dst, b) in pending {
+                // SAFETY: `dst` is the `data` of an output descriptor of this
+                // export (`Call::write`), writable for `b.len()` bytes (its
+                // checked size) until the export returns; no tensor over the
+                // caller's memory is alive any more (the body that owned them
+                // returned), and `b` is our own allocation, apart from it.
+                unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), dst, b.len()) };
+            }
+            finish(func, Ok(()))
+        }
         Ok(r) => finish(func, r),
         Err(payload) => {
             let what = payload

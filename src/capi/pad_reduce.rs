@@ -260,6 +260,8 @@ pub unsafe extern "C" fn amoe_finalize_and_reduce(
         })();
         let (inputs, l, out, mut y) = refusing_on(c, checked)?;
         moe::finalize_and_reduce_into(&inputs.args()?, l.as_ref(), c, &mut y)?;
+        // `inputs` (the tensors over the caller's inputs) are dropped with
+        // the body, before `boundary` copies a host result out.
         cx.write(&out, y)
     })
 }

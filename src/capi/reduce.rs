@@ -130,6 +130,9 @@ fn reduce_point(
     // The TP peers wait in the comm-type agreement (or the all-reduce).
     let (p, c, x_in, out, mut o) = refusing(checked, |e| moe::reduce::refuse_at_point(reduces, tp, DType::I32, e))?;
     p.reduce_at_out(point, &x_in, c, tp, &mut o)?;
+    // In place on the host, `o` is a buffer of the call's own (the caller's
+    // memory is lent to `x_in`, read-only): `boundary` copies it into `out`
+    // once `x_in` is dropped.
     cx.write(&out, o)
 }
 

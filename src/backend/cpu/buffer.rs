@@ -22,7 +22,18 @@ enum HostMem {
     Pooled(Block),
     /// The caller's memory. Read-only memory is copied into an owned
     /// allocation on the first mutable access, so it is never written.
-    Borrowed { ptr: std::ptr::NonNull<u8>, writable: bool },
+    /// `seal`: in debug builds, a hash of read-only bytes, which the drop
+    /// compares to assert `borrow_raw`'s contract (nothing wrote them while
+    /// the buffer lived); 0 otherwise.
+    Borrowed { ptr: std::ptr::NonNull<u8>, writable: bool, seal: u64 },
+}
+
+/// A hash of `bytes` (debug builds' check of read-only borrowed memory).
+fn seal_of(bytes: &[u8]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::hash::DefaultHasher::new();
+    h.write(bytes);
+    h.finish()
 }
 
 // SAFETY: an owned buffer is a `Vec<u64>` or a pool block (memory it alone
@@ -131,7 +142,14 @@ impl CpuBuffer {
             return Some(Self::default());
         }
         let ptr = std::ptr::NonNull::new(ptr).filter(|p| p.as_ptr() as usize % Self::ALIGN == 0)?;
-        Some(CpuBuffer { mem: HostMem::Borrowed { ptr, writable }, len })
+        let mut b = CpuBuffer { mem: HostMem::Borrowed { ptr, writable, seal: 0 }, len };
+        if cfg!(debug_assertions) && !writable {
+            let sealed = seal_of(b.as_bytes());
+            if let HostMem::Borrowed { seal, .. } = &mut b.mem {
+                *seal = sealed;
+            }
+        }
+        Some(b)
     }
 
     /// True when the bytes are the caller's memory (see [`CpuBuffer::borrow_raw`]).
@@ -192,6 +210,24 @@ impl CpuBuffer {
     /// Typed mutable view.
     pub fn typed_mut<T: Element>(&mut self) -> &mut [T] {
         bytemuck::cast_slice_mut(self.as_bytes_mut())
+    }
+}
+
+impl Drop for CpuBuffer {
+    /// Debug builds assert that read-only borrowed memory was not written
+    /// while the buffer lived (`borrow_raw`'s contract, on which every view
+    /// of it relies): a caller that breaks it is found by any test that
+    /// drives it, not only under Miri.
+    fn drop(&mut self) {
+        if let HostMem::Borrowed { writable: false, seal, .. } = self.mem {
+            if cfg!(debug_assertions) && !std::thread::panicking() {
+                assert!(
+                    seal_of(self.as_bytes()) == seal,
+                    "the {} bytes of host memory lent read-only to a CpuBuffer were written while it lived",
+                    self.len
+                );
+            }
+        }
     }
 }
 
