@@ -19,11 +19,12 @@ impl CommOptions {
     /// Default timeout when `ASCEND_MOE_COMM_TIMEOUT` is unset.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-    /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional); falls back
-    /// to [`CommOptions::DEFAULT_TIMEOUT`] when unset or unparsable
-    /// ([`CommOptions::env_timeout`] says which). An unparsable value is
-    /// named on stderr, once per process: a timeout of `2s` silently taken
-    /// as 60 s would be found only at the first wait that runs out.
+    /// Reads `ASCEND_MOE_COMM_TIMEOUT` (seconds, may be fractional, read by
+    /// [`CommOptions::timeout_from_secs`]); falls back to
+    /// [`CommOptions::DEFAULT_TIMEOUT`] when unset, 0 or no timeout
+    /// ([`CommOptions::env_timeout`] says which). A value that is no timeout
+    /// is named on stderr, once per process: a timeout of `2s` silently
+    /// taken as 60 s would be found only at the first wait that runs out.
     pub fn from_env() -> Self {
         let timeout = match Self::env_timeout() {
             Ok(t) => t,
@@ -36,35 +37,78 @@ impl CommOptions {
         CommOptions { timeout: timeout.unwrap_or(Self::DEFAULT_TIMEOUT) }
     }
 
-    /// `ASCEND_MOE_COMM_TIMEOUT`: `Ok(None)` when unset, its timeout when a
-    /// positive number of seconds, else `Err` with the value as set, which
-    /// [`CommOptions::from_env`] ignores.
+    /// `ASCEND_MOE_COMM_TIMEOUT`: `Ok(None)` when unset or 0 (the default),
+    /// its timeout when [`CommOptions::timeout_from_secs`] gives one, else
+    /// `Err` with the value as set, which [`CommOptions::from_env`] ignores.
     pub fn env_timeout() -> Result<Option<Duration>, String> {
-        super::env::env_setting("ASCEND_MOE_COMM_TIMEOUT", parse_timeout)
+        super::env::env_setting("ASCEND_MOE_COMM_TIMEOUT", parse_timeout).map(Option::flatten)
     }
 
     /// Options with the given timeout.
     pub fn with_timeout(timeout: Duration) -> Self {
         CommOptions { timeout }
     }
+
+    /// The one reading of a timeout given in seconds, shared by every way to
+    /// give one (the C ABI's `timeout_s`, `ASCEND_MOE_COMM_TIMEOUT`, the
+    /// CLI's `--timeout`, Python's `timeout_s`):
+    ///
+    /// - `0` (or `-0`): `Ok(None)`, the default: `ASCEND_MOE_COMM_TIMEOUT`,
+    ///   else [`CommOptions::DEFAULT_TIMEOUT`] ([`CommOptions::from_secs`];
+    ///   for the variable itself, the default of 60 s);
+    /// - a positive number of seconds of at least 1 ns: that timeout;
+    /// - infinity, or more seconds than a [`Duration`] holds: no limit,
+    ///   [`Duration::MAX`] (every wait bounded only by a peer's death);
+    /// - negative, NaN, or positive but under 1 ns (a `Duration`'s unit: it
+    ///   would be no wait at all): `Err` with why, to follow the name of
+    ///   the argument that gave it.
+    pub fn timeout_from_secs(secs: f64) -> Result<Option<Duration>, String> {
+        if secs.is_nan() {
+            return Err("NaN is not a number of seconds (0 = the default, inf = no limit)".into());
+        }
+        if secs == 0.0 {
+            return Ok(None);
+        }
+        if secs < 0.0 {
+            return Err(format!("{secs} s: a timeout is not negative (0 = the default, inf = no limit)"));
+        }
+        match Duration::try_from_secs_f64(secs) {
+            Ok(d) if d.is_zero() => Err(format!("{secs} s is less than the least timeout, 1 ns (1e-9 s)")),
+            Ok(d) => Ok(Some(d)),
+            // Infinite or past `Duration::MAX`.
+            Err(_) => Ok(Some(Duration::MAX)),
+        }
+    }
+
+    /// The options of a timeout of `secs` seconds as
+    /// [`CommOptions::timeout_from_secs`] reads it, 0 being
+    /// [`CommOptions::from_env`]; `Err` says why `secs` is no timeout.
+    pub fn from_secs(secs: f64) -> Result<Self, String> {
+        Ok(match Self::timeout_from_secs(secs)? {
+            Some(t) => Self::with_timeout(t),
+            None => Self::from_env(),
+        })
+    }
 }
 
 /// The warning for an `ASCEND_MOE_COMM_TIMEOUT` of `value` that is no timeout.
 fn ignored_timeout(value: &str) -> String {
+    let why = match value.trim().parse::<f64>() {
+        Ok(secs) => CommOptions::timeout_from_secs(secs).err().unwrap_or_default(),
+        Err(_) => "not a number of seconds".into(),
+    };
     format!(
-        "ascend-moe: warning: ASCEND_MOE_COMM_TIMEOUT={value:?} is not a positive number of seconds (at least \
-         1e-9, finite): every wait uses the default of {} s",
+        "ascend-moe: warning: ASCEND_MOE_COMM_TIMEOUT={value:?} is no timeout ({why}): every wait uses the \
+         default of {} s",
         CommOptions::DEFAULT_TIMEOUT.as_secs()
     )
 }
 
-/// A timeout in seconds (may be fractional): `None` unless finite and
-/// positive and at least a nanosecond (less would be no wait at all); more
-/// seconds than a `Duration` holds is `Duration::MAX` (no practical bound),
-/// not a panic.
-fn parse_timeout(s: &str) -> Option<Duration> {
-    let s = s.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0)?;
-    Some(Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)).filter(|d| !d.is_zero())
+/// `ASCEND_MOE_COMM_TIMEOUT`'s value: seconds read by
+/// [`CommOptions::timeout_from_secs`] (`Some(None)` for 0, the default);
+/// `None` when it is no timeout.
+fn parse_timeout(s: &str) -> Option<Option<Duration>> {
+    CommOptions::timeout_from_secs(s.trim().parse::<f64>().ok()?).ok()
 }
 
 #[cfg(test)]
@@ -72,14 +116,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn timeouts_parse_in_seconds_and_saturate_instead_of_panicking() {
-        assert_eq!(parse_timeout(" 2.5 "), Some(Duration::from_millis(2500)));
-        assert_eq!(parse_timeout("1e30"), Some(Duration::MAX));
-        assert_eq!(parse_timeout("1e300"), Some(Duration::MAX));
-        for bad in ["inf", "NaN", "-1", "0", "soon", "1e-10", "1e-300"] {
+    fn timeouts_in_seconds_have_one_rule() {
+        let t = CommOptions::timeout_from_secs;
+        assert_eq!(t(2.5), Ok(Some(Duration::from_millis(2500))));
+        assert_eq!(t(1e-9), Ok(Some(Duration::from_nanos(1))));
+        assert_eq!(t(0.0), Ok(None));
+        assert_eq!(t(-0.0), Ok(None));
+        for big in [f64::INFINITY, 1e30, 1e300, f64::MAX] {
+            assert_eq!(t(big), Ok(Some(Duration::MAX)), "{big}");
+        }
+        for (bad, why) in
+            [(f64::NAN, "NaN"), (-1.0, "not negative"), (f64::NEG_INFINITY, "not negative"), (1e-12, "1 ns")]
+        {
+            let e = t(bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_variable_reads_seconds_by_the_same_rule() {
+        assert_eq!(parse_timeout(" 2.5 "), Some(Some(Duration::from_millis(2500))));
+        assert_eq!(parse_timeout("inf"), Some(Some(Duration::MAX)));
+        assert_eq!(parse_timeout("1e300"), Some(Some(Duration::MAX)));
+        assert_eq!(parse_timeout("0"), Some(None), "0 is the default");
+        for bad in ["NaN", "-1", "soon", "1e-10", "1e-300"] {
             assert_eq!(parse_timeout(bad), None, "{bad}");
         }
         let w = ignored_timeout("2s");
         assert!(w.contains("ASCEND_MOE_COMM_TIMEOUT=\"2s\"") && w.contains("default of 60 s"), "{w}");
+        let w = ignored_timeout("1e-12");
+        assert!(w.contains("least timeout, 1 ns"), "{w}");
     }
 }

@@ -89,7 +89,7 @@ pub struct Args {
     /// Run ranks as separate processes instead of threads.
     #[arg(long)]
     procs: bool,
-    /// Timeout of every wait, in seconds (default: ASCEND_MOE_COMM_TIMEOUT, else 60).
+    /// Timeout of every wait, in seconds (default or 0: ASCEND_MOE_COMM_TIMEOUT, else 60; inf: no limit).
     #[arg(long, value_parser = launch::parse_timeout)]
     timeout: Option<Duration>,
     /// Staging bytes per slot (default: the communicator's default).

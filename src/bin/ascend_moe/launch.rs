@@ -4,6 +4,7 @@ use std::process::{Command, ExitStatus, Stdio};
 use std::time::Duration;
 
 use ascend_moe::backend::cpu::check_world_size;
+use ascend_moe::CommOptions;
 
 /// What one worker process printed and how it ended.
 pub struct ProcOutput {
@@ -31,18 +32,13 @@ pub fn staging_refusal(bytes: usize) -> Option<String> {
     (bytes < least).then(|| format!("--staging-bytes {bytes}: must be at least {least}"))
 }
 
-/// A `--timeout` in seconds (fractions allowed): positive, not NaN, at
-/// least a nanosecond (a `Duration`'s unit: less would be no wait at all);
-/// more seconds than a `Duration` holds (`inf`) wait without practical bound.
+/// A `--timeout` in seconds (fractions allowed), read as every timeout is
+/// ([`CommOptions::timeout_from_secs`]): 0 is `ASCEND_MOE_COMM_TIMEOUT`,
+/// else 60 s; `inf` (or more seconds than a `Duration` holds) is no limit;
+/// negative, NaN or under 1 ns is refused.
 pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
-    if secs.is_nan() || secs <= 0.0 {
-        return Err(format!("{s} seconds: a timeout is a positive number of seconds"));
-    }
-    match Duration::try_from_secs_f64(secs) {
-        Ok(d) if d.is_zero() => Err(format!("{s} seconds: less than the least timeout, 1 ns (1e-9 seconds)")),
-        d => Ok(d.unwrap_or(Duration::MAX)),
-    }
+    CommOptions::from_secs(secs).map(|o| o.timeout)
 }
 
 /// A fresh, unique world name.
@@ -117,13 +113,17 @@ mod tests {
     }
 
     #[test]
-    fn a_timeout_under_a_nanosecond_is_refused() {
+    fn a_timeout_reads_as_every_timeout_does() {
         assert_eq!(parse_timeout("1e-9"), Ok(Duration::from_nanos(1)));
-        for s in ["1e-10", "1e-300"] {
+        for s in ["1e-10", "1e-12", "1e-300"] {
             let e = parse_timeout(s).unwrap_err();
             assert!(e.contains("least timeout, 1 ns"), "{s}: {e}");
         }
         assert_eq!(parse_timeout("inf"), Ok(Duration::MAX));
-        assert!(parse_timeout("0").is_err() && parse_timeout("NaN").is_err());
+        assert_eq!(parse_timeout("1e300"), Ok(Duration::MAX));
+        assert_eq!(parse_timeout("0"), Ok(CommOptions::from_env().timeout), "0 is the default");
+        assert!(parse_timeout("NaN").unwrap_err().contains("NaN"));
+        assert!(parse_timeout("-1").unwrap_err().contains("not negative"));
+        assert!(parse_timeout("soon").unwrap_err().contains("not a number"));
     }
 }

@@ -41,7 +41,7 @@ pub struct Args {
     /// This rank.
     #[arg(long)]
     rank: usize,
-    /// Timeout of every wait, in seconds.
+    /// Timeout of every wait, in seconds (0: ASCEND_MOE_COMM_TIMEOUT, else 60; inf: no limit).
     #[arg(long, default_value = "60", value_parser = crate::launch::parse_timeout)]
     timeout: Duration,
     /// Staging bytes per slot.
