@@ -212,6 +212,32 @@ fn an_ep_world_too_large_with_pcp_names_each_size_the_caller_passed() {
     assert!(e.to_string().contains(&format!("dp_size 4 x pcp_size {} x tp_size 8", 1usize << 62)), "{e}");
 }
 
+/// `pcp_size` is the world size of the PCP group: 0 and 1 are both no PCP
+/// (the context's and the groups' constructors read them alike), and a PCP
+/// rank past it names the size the caller passed.
+#[test]
+fn a_pcp_size_of_0_or_1_is_no_pcp_and_errors_name_the_size_passed() {
+    let ctx = MoeContext::new(&[3, 5], 2, 1, 1, false).expect("DP 2 x TP 2");
+    for size in [0, 1] {
+        let c = ctx.clone().with_pcp(size, 0).expect("no PCP");
+        assert_eq!((c.pcp_size(), c.pcp_rank(), c.ep_size(), c.ep_rank()), (1, 0, 4, 3), "pcp_size {size}");
+    }
+    let e = ctx.clone().with_pcp(0, 1).expect_err("rank 1 without PCP").to_string();
+    assert!(e.contains("`pcp_rank`: 1 with pcp_size 0") && !e.contains("size 1"), "{e}");
+    let e = ctx.with_pcp(2, 2).expect_err("rank 2 of 2").to_string();
+    assert!(e.contains("`pcp_rank`: 2 >= PCP size 2"), "{e}");
+    let res = run_ranks(2, &opts(), |_, world| {
+        use ascend_moe::Collectives;
+        let sizes = |g: &MoeGroups| (g.tp.world_size(), g.dp.world_size(), g.pcp.is_some());
+        let zero = MoeGroups::from_world_pcp(&world, 0, 2)?;
+        let one = MoeGroups::from_world_pcp(&world, 1, 2)?;
+        Ok((sizes(&zero), sizes(&one)))
+    });
+    for r in res.expect("groups") {
+        assert_eq!(r, ((2, 1, false), (2, 1, false)));
+    }
+}
+
 /// `FinalizeDims` reaches the backend's finalize and the fused finalize +
 /// reduce-scatter straight from a caller: dims whose products (or padded
 /// slots) overflow are errors naming them, on every rank of the collective.

@@ -37,9 +37,14 @@ impl MoeGroups {
     /// Splits `world` (EP = DP x PCP x TP ranks, EP rank `(dp * PCP + pcp) * TP
     /// + tp`, as vLLM-Ascend orders them) into TP, DP and PCP groups. Every
     /// rank calls it. An error names the three sizes when the world is not
-    /// DP x `pcp_size` x `tp_size`.
+    /// DP x `pcp_size` x `tp_size`. `pcp_size` is the world size of the PCP
+    /// group (vLLM-Ascend's `pcp_size`): 0 or 1 is no PCP, the groups of
+    /// [`MoeGroups::from_world`], as in [`MoeContext::with_pcp`].
     pub fn from_world_pcp(world: &Comm, pcp_size: usize, tp_size: usize) -> Result<Self> {
         const OP: &str = "MoeGroups::from_world_pcp";
+        if pcp_size <= 1 {
+            return Self::from_world(world, tp_size);
+        }
         let coords = crate::comm::dp_pcp_tp_coords(OP, world, pcp_size, tp_size);
         let coords = agree_on_sizes(OP, world, &[("pcp_size", pcp_size), ("tp_size", tp_size)], coords)?;
         Self::split(world, coords, pcp_size, tp_size)

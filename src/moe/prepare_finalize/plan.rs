@@ -88,24 +88,31 @@ impl MoeContext {
     }
 
     /// This context with prefill context parallelism: `pcp_size` PCP ranks per
-    /// DP rank, this rank being `pcp_rank`. EP rank order is DP x PCP x TP
+    /// DP rank (the world size of the PCP group, as vLLM-Ascend's
+    /// `pcp_size`), this rank being `pcp_rank`. EP rank order is DP x PCP x TP
     /// (SPEC section 2); every PCP rank of a DP rank holds that DP rank's tokens.
+    /// `pcp_size` 0 or 1 is no PCP (rank 0 only), as in
+    /// [`MoeGroups::from_world_pcp`](super::MoeGroups::from_world_pcp); an
+    /// error names the `pcp_size` passed.
     pub fn with_pcp(mut self, pcp_size: usize, pcp_rank: usize) -> Result<Self> {
         const OP: &str = "MoeContext::with_pcp";
-        if pcp_size == 0 {
-            return Err(Error::invalid(OP, "pcp_size", "expected >= 1, got 0"));
-        }
-        if pcp_rank >= pcp_size {
-            return Err(Error::invalid(OP, "pcp_rank", format!("{pcp_rank} >= PCP size {pcp_size}")));
+        let size = pcp_size.max(1);
+        if pcp_rank >= size {
+            let why = if pcp_size == 0 {
+                format!("{pcp_rank} with pcp_size 0 (no PCP: expected 0)")
+            } else {
+                format!("{pcp_rank} >= PCP size {pcp_size}")
+            };
+            return Err(Error::invalid(OP, "pcp_rank", why));
         }
         let sizes = [("dp_size", self.dp_size()), ("pcp_size", pcp_size), ("tp_size", self.tp_size)];
         crate::moe::layout::bounded_ep(OP, "pcp_size", &sizes)?;
-        let dp_pcp = self.dp_size().saturating_mul(pcp_size);
+        let dp_pcp = self.dp_size().saturating_mul(size);
         let max_t = self.dp_tokens.iter().copied().max().unwrap_or(0);
         if max_t.checked_next_multiple_of(self.tp_size).and_then(|p| p.checked_mul(dp_pcp)).is_none() {
             return Err(Error::invalid(OP, "pcp_size", format!("{dp_pcp} DP x PCP ranks of {max_t} tokens overflow")));
         }
-        self.pcp_size = pcp_size;
+        self.pcp_size = size;
         self.pcp_rank = pcp_rank;
         Ok(self)
     }
