@@ -9,7 +9,9 @@
 
 use std::time::Duration;
 
-use ascend_moe::moe::prepare_finalize::{finalize, finalize_into, prepare, prepare_into, MoeContext, MoeGroups};
+use ascend_moe::moe::prepare_finalize::{
+    finalize, finalize_into, prepare, prepare_into, prepare_with_mask, prepare_with_mask_into, MoeContext, MoeGroups,
+};
 use ascend_moe::moe::shared::{shared_gather_unpad, shared_pad_reduce_scatter_into};
 use ascend_moe::ranks::run_ranks;
 use ascend_moe::{Comm, CommErrorKind, CommOptions, CommType, DType, Error, ReducePolicy, SharedMode, Tensor};
@@ -60,6 +62,28 @@ fn one_bad_rank(case: &str, world: usize, arg: &str, op: impl Fn(usize, &Comm) -
 fn layer(rank: usize, world: &Comm, dp_tokens: &[usize], tp: usize) -> ascend_moe::Result<(MoeContext, MoeGroups)> {
     let ctx = MoeContext::new(dp_tokens, tp, rank / tp, rank % tp, false)?;
     Ok((ctx, MoeGroups::from_world(world, tp)?))
+}
+
+/// An MC2 mask of the wrong length on one rank fails every rank at once,
+/// whether the prepare writes into `out` or into a tensor of its own.
+#[test]
+fn prepare_with_a_mask_of_the_wrong_length_on_one_rank_fails_every_rank_at_once() {
+    let (dp_tokens, tp) = ([4, 4], 2);
+    for into in [false, true] {
+        let case = format!("MC2 mask, into {into}");
+        one_bad_rank(&case, dp_tokens.len() * tp, "mc2_mask", |rank, world| {
+            let (ctx, groups) = layer(rank, world, &dp_tokens, tp)?;
+            let x = rows(ctx.local_tokens(), 4);
+            let n = 2 + usize::from(rank == BAD);
+            let mut mask = Tensor::try_zeros_cpu(&[n], DType::U8)?;
+            if into {
+                let mut out = rows(2, 4);
+                prepare_with_mask_into(&x, CommType::Mc2, &ctx, &groups, &mut out, Some(&mut mask)).map(|_| ())
+            } else {
+                prepare_with_mask(&x, CommType::Mc2, &ctx, &groups, Some(&mut mask)).map(|_| ())
+            }
+        });
+    }
 }
 
 #[test]

@@ -28,5 +28,8 @@ pub use plan::{
     finalize_dtype, finalize_output_shape, mc2_mask, mc2_mask_extent, prepare_output_shape, token_plan, MoeContext,
     TokenPlan,
 };
-pub use prepare::{finalize, finalize_into, mc2_mask_into, prepare, prepare_into, prepare_tokens_into, Prepared};
+pub use prepare::{
+    finalize, finalize_into, mc2_mask_into, prepare, prepare_into, prepare_tokens_into, prepare_with_mask,
+    prepare_with_mask_into, Prepared,
+};
 pub(crate) use prepare::{refuse_first, refuse_unread, Stage};

@@ -36,11 +36,62 @@ pub struct Prepared {
 /// two different paths, planning other rows, or failing only in the group
 /// of their first collective while the other groups return or wait.
 pub fn prepare(x: &Tensor, comm: CommType, ctx: &MoeContext, groups: &MoeGroups) -> Result<Prepared> {
-    let mut hidden = prepare_output_shape(x.shape(), comm, ctx)
-        .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
-        .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
+    let mut hidden = prepared_tensor(x, comm, ctx, groups, None)?;
     let mc2_mask = prepare_into(x, comm, ctx, groups, &mut hidden)?;
     Ok(Prepared { hidden, mc2_mask })
+}
+
+/// [`prepare`] with the MC2 mask written into `mask` (as [`mc2_mask_into`]
+/// writes it) instead of returned: the prepared tokens, and whether `mask`
+/// was written (comm types without a mask leave it untouched). A `mask` of
+/// another dtype or length is refused before anything communicates, to the
+/// peers too, as a bad `x` is.
+pub fn prepare_with_mask(
+    x: &Tensor,
+    comm: CommType,
+    ctx: &MoeContext,
+    groups: &MoeGroups,
+    mask: Option<&mut Tensor>,
+) -> Result<(Tensor, bool)> {
+    let mut hidden = prepared_tensor(x, comm, ctx, groups, mask.as_deref())?;
+    let wrote = prepare_with_mask_into(x, comm, ctx, groups, &mut hidden, mask)?;
+    Ok((hidden, wrote))
+}
+
+/// [`prepare_with_mask`] into `out` (as [`prepare_into`] takes it).
+pub fn prepare_with_mask_into(
+    x: &Tensor,
+    comm: CommType,
+    ctx: &MoeContext,
+    groups: &MoeGroups,
+    out: &mut Tensor,
+    mask: Option<&mut Tensor>,
+) -> Result<bool> {
+    if let Some(m) = mask.as_deref() {
+        check_mc2_mask(comm, ctx, m).map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))?;
+    }
+    prepare_tokens_into(x, comm, ctx, groups, out)?;
+    match mask {
+        Some(m) => mc2_mask_into(comm, ctx, m),
+        None => Ok(false),
+    }
+}
+
+/// The tensor a prepare of `x` writes, after `mask` (if any) is checked:
+/// memory this rank cannot have, or a bad mask, fails its peers at once in
+/// the collective they make first ([`refuse_first`]) instead of leaving
+/// them to wait out the timeout.
+fn prepared_tensor(
+    x: &Tensor,
+    comm: CommType,
+    ctx: &MoeContext,
+    groups: &MoeGroups,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    mask.map_or(Ok(None), |m| check_mc2_mask(comm, ctx, m))
+        .and_then(|_| prepare_output_shape(x.shape(), comm, ctx))
+        .and_then(|shape| x.device().backend().scratch(&shape, x.dtype()))
+        .map_err(|e| refuse_first(Stage::Prepare, comm, ctx, groups, x.dtype(), e))
 }
 
 /// [`prepare`] into `out` (`prepare_output_shape` rows, dtype and device of
@@ -134,16 +185,9 @@ pub fn prepare_tokens_into(
 /// `mask`'s device: no synchronisation, capturable (its values are shapes of
 /// the context, known on the host).
 pub fn mc2_mask_into(comm: CommType, ctx: &MoeContext, mask: &mut Tensor) -> Result<bool> {
-    const ARG: &str = "mc2_mask";
-    let Some((n, real)) = mc2_mask_extent(comm, ctx) else {
+    let Some((n, real)) = check_mc2_mask(comm, ctx, mask)? else {
         return Ok(false);
     };
-    if !matches!(mask.dtype(), DType::Bool | DType::U8) {
-        return Err(Error::dtype(PREPARE, ARG, "bool or u8", mask.dtype()));
-    }
-    if mask.shape() != [n] {
-        return Err(Error::shape(PREPARE, ARG, format!("[{n}] (this rank's prepared rows)"), mask.shape()));
-    }
     if n == 0 {
         return Ok(true);
     }
@@ -155,6 +199,23 @@ pub fn mc2_mask_into(comm: CommType, ctx: &MoeContext, mask: &mut Tensor) -> Res
     let staged = backend.scratch_from_host(&host)?;
     backend.copy_rows(&staged, 0, mask, 0, n)?;
     Ok(true)
+}
+
+/// Checks `mask` as [`mc2_mask_into`] takes it: a 1-D `bool` or `u8` tensor
+/// of this rank's prepared rows. Returns the extent of the mask (rows, real
+/// rows), `None` for comm types without one (any `mask` then).
+fn check_mc2_mask(comm: CommType, ctx: &MoeContext, mask: &Tensor) -> Result<Option<(usize, usize)>> {
+    const ARG: &str = "mc2_mask";
+    let Some((n, real)) = mc2_mask_extent(comm, ctx) else {
+        return Ok(None);
+    };
+    if !matches!(mask.dtype(), DType::Bool | DType::U8) {
+        return Err(Error::dtype(PREPARE, ARG, "bool or u8", mask.dtype()));
+    }
+    if mask.shape() != [n] {
+        return Err(Error::shape(PREPARE, ARG, format!("[{n}] (this rank's prepared rows)"), mask.shape()));
+    }
+    Ok(Some((n, real)))
 }
 
 /// Which of the two ops a rank found its arguments bad in.
