@@ -496,9 +496,12 @@ amoe_status amoe_comm_type_name(uint32_t comm_type, const char **out);
 // the call returns once all ranks arrived or the timeout passed.
 //
 // `timeout_s` bounds every wait of this communicator (rendezvous and each
-// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s, and
-// a value too large for a duration (such as infinity) is
-// `AMOE_STATUS_INVALID_ARGUMENT`.
+// collective), in seconds: 0 means `ASCEND_MOE_COMM_TIMEOUT` or 60 s;
+// infinity (`INFINITY`), or more seconds than a duration holds, means no
+// limit; a negative value, NaN, or a positive value under 1e-9 (1 ns, the
+// least timeout) is `AMOE_STATUS_INVALID_ARGUMENT`. The same rule reads
+// `ASCEND_MOE_COMM_TIMEOUT` and the CLI's `--timeout`
+// (`CommOptions::timeout_from_secs`).
 // On success `*out` receives a new handle owned by the caller (free it with
 // `amoe_comm_free`); on failure `*out` is not written.
 //
@@ -1142,12 +1145,13 @@ amoe_status amoe_live_context_check(const struct amoe_live_context *ctx,
 
 // Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
 // `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
-// when `local_sizes` is NULL (with `n` 0; NULL with `n` > 0 is
-// `AMOE_STATUS_NULL_ARGUMENT`). `x`'s data pointer is ignored.
+// without a layout: `n` 0, whatever `local_sizes` is (NULL or not, as an
+// empty list may come); NULL with `n` > 0 is `AMOE_STATUS_NULL_ARGUMENT`.
+// `x`'s data pointer is ignored.
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 //
 // # Safety
-// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+// `x` valid; `local_sizes` readable for `n` (any value when `n` is 0); out-pointers writable.
 amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
                                                    const size_t *local_sizes,
                                                    size_t n,
@@ -1160,7 +1164,7 @@ amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
 // EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
 // (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
 // rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
-// `local_sizes[rank]` rows. `local_sizes` NULL (with `n` 0) = plain EP
+// `local_sizes[rank]` rows. `n` 0 (NULL or not `local_sizes`) = plain EP
 // reduce-scatter.
 // Collective: every rank of `ep_comm` calls it with the same layout.
 // Ownership as `amoe_moe_finalize_routing`.
@@ -1175,7 +1179,7 @@ amoe_status amoe_maybe_pad_and_reduce_output_shape(const struct amoe_tensor *x,
 // `amoe_stream_check`.
 //
 // # Safety
-// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
+// `x`, `out` valid descriptors; `local_sizes` readable for `n` (any value when `n` is 0); `ep_comm` live.
 amoe_status amoe_maybe_pad_and_reduce(const struct amoe_tensor *x,
                                       const size_t *local_sizes,
                                       size_t n,
@@ -1185,7 +1189,7 @@ amoe_status amoe_maybe_pad_and_reduce(const struct amoe_tensor *x,
 
 // Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
 // `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
-// `[rows * ep_size, H...]` when `local_sizes` is NULL (with `n` 0).
+// `[rows * ep_size, H...]` without a layout (`n` 0, NULL or not `local_sizes`).
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 //
 // # Safety
@@ -1217,7 +1221,7 @@ amoe_status amoe_maybe_all_gather_and_maybe_unpad(const struct amoe_tensor *x,
 // Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 //
 // # Safety
-// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` NULL or readable for `n`.
+// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` readable for `n` (any value when `n` is 0).
 amoe_status amoe_finalize_and_reduce_output_shape(const struct amoe_finalize_args *args,
                                                   const size_t *local_sizes,
                                                   size_t n,

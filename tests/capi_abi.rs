@@ -41,16 +41,34 @@ fn last_error_is_per_thread_truncates_on_char_boundaries_and_is_not_cleared_by_r
     assert_eq!(other, (1, String::new()), "another thread has its own (empty) message");
 }
 
+/// `timeout_s` reads as every timeout does (`CommOptions::timeout_from_secs`):
+/// 0 the default, infinity no limit, negative, NaN and under 1 ns refused.
 #[test]
-fn an_infinite_timeout_is_refused_not_taken_for_the_default() {
-    let name = CString::new(format!("capi-abi-inf-{}", std::process::id())).expect("no NUL");
-    let mut out: *mut amoe_comm = null_mut();
-    // SAFETY: valid name and out-pointer.
-    let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, f64::INFINITY, &mut out) };
-    // SAFETY: NULL or the handle just made.
-    unsafe { amoe_comm_free(out) };
-    assert_eq!(st, amoe_status::InvalidArgument, "an infinite timeout was accepted");
-    assert!(last_error().contains("`timeout_s`") && last_error().contains("inf"), "{}", last_error());
+fn a_timeout_reads_by_the_one_rule() {
+    let make = |tag: &str, timeout_s: f64| {
+        let name = CString::new(format!("capi-abi-timeout-{tag}-{}", std::process::id())).expect("no NUL");
+        let mut out: *mut amoe_comm = null_mut();
+        // SAFETY: valid name and out-pointer.
+        let st = unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, timeout_s, &mut out) };
+        assert_eq!(st == amoe_status::Ok, !out.is_null(), "{tag}: a handle exactly on success");
+        // SAFETY: NULL or the handle just made.
+        unsafe { amoe_comm_free(out) };
+        (st, last_error())
+    };
+    for (tag, t) in [("zero", 0.0), ("minus-zero", -0.0), ("inf", f64::INFINITY), ("huge", 1e300), ("ns", 1e-9)] {
+        let (st, e) = make(tag, t);
+        assert_eq!(st, amoe_status::Ok, "{tag}: {e}");
+    }
+    for (tag, t, why) in [
+        ("sub-ns", 1e-12, "least timeout, 1 ns"),
+        ("negative", -1.0, "not negative"),
+        ("minus-inf", f64::NEG_INFINITY, "not negative"),
+        ("nan", f64::NAN, "NaN"),
+    ] {
+        let (st, e) = make(tag, t);
+        assert_eq!(st, amoe_status::InvalidArgument, "{tag} was accepted");
+        assert!(e.contains("amoe_comm_cpu_new: invalid argument `timeout_s`") && e.contains(why), "{tag}: {e}");
+    }
 }
 
 #[test]
@@ -188,6 +206,30 @@ fn a_null_layout_with_entries_is_refused_not_taken_for_no_layout() {
         )
     };
     assert_eq!((st, &shape[..ndim]), (amoe_status::Ok, &[12usize, 1][..]), "{}", last_error());
+    // An empty list whose pointer is not NULL (a C++ `std::vector{}.data()`
+    // may be either) is no layout too: `n` alone decides.
+    let empty: Vec<usize> = Vec::new();
+    for sizes in [null(), empty.as_ptr()] {
+        // SAFETY: valid descriptor and out-pointers; nothing is read with n = 0.
+        let st = unsafe {
+            amoe_maybe_pad_and_reduce_output_shape(&x, sizes, 0, 0, 2, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut ndim)
+        };
+        assert_eq!((st, &shape[..ndim]), (amoe_status::Ok, &[3usize, 1][..]), "{sizes:?}: {}", last_error());
+        // SAFETY: as above.
+        let st = unsafe {
+            amoe_maybe_all_gather_and_maybe_unpad_output_shape(
+                &x,
+                sizes,
+                0,
+                0,
+                2,
+                shape.as_mut_ptr(),
+                AMOE_MAX_NDIM,
+                &mut ndim,
+            )
+        };
+        assert_eq!((st, &shape[..ndim]), (amoe_status::Ok, &[12usize, 1][..]), "{sizes:?}: {}", last_error());
+    }
 }
 
 /// A layout past `AMOE_MAX_EP_RANKS` entries is refused naming `tp_size`,
@@ -208,6 +250,24 @@ fn a_layout_past_the_ep_bound_is_refused_before_its_size_is_asked_for() {
     // SAFETY: as above.
     let st = unsafe { amoe_sp_layout_from_dp_tokens(dp.as_ptr(), 2, AMOE_MAX_EP_RANKS / 2, null_mut(), 0, &mut len) };
     assert_eq!((st, len), (amoe_status::BufferTooSmall, AMOE_MAX_EP_RANKS), "{}", last_error());
+}
+
+/// The size a caller asks for (cap 0) is that of the layout the call then
+/// makes: a layout the Rust API refuses (rows that overflow when summed) is
+/// refused when its size is asked for, not after the caller allocated it.
+#[test]
+fn a_layout_size_is_asked_of_the_layout_the_call_makes() {
+    let dp = [usize::MAX, usize::MAX];
+    for cap in [0usize, 2] {
+        let (mut out, mut len) = ([0usize; 2], 7usize);
+        // SAFETY: `dp` readable for 2 entries, `out` writable for 2, `len` writable.
+        let st = unsafe { amoe_sp_layout_from_dp_tokens(dp.as_ptr(), 2, 1, out.as_mut_ptr(), cap, &mut len) };
+        assert_eq!((st, len), (amoe_status::InvalidArgument, 7), "cap {cap}: {}", last_error());
+        assert!(last_error().contains("total rows overflow"), "{}", last_error());
+        // SAFETY: as above.
+        let st = unsafe { amoe_sp_layout_from_dp_tokens_pcp(dp.as_ptr(), 2, 1, 1, out.as_mut_ptr(), cap, &mut len) };
+        assert_eq!((st, len), (amoe_status::InvalidArgument, 7), "cap {cap}: {}", last_error());
+    }
 }
 
 /// The PCP layout expands every DP rank's `ceil(T_d / TP)` over its PCP x
@@ -267,6 +327,17 @@ fn a_moe_context_is_initialised_with_its_size_and_defaults_and_a_foreign_size_is
         assert_eq!(st, amoe_status::InvalidArgument);
         let e = last_error();
         assert!(e.contains("ctx.struct_size") && e.contains("amoe_moe_context_init"), "{e}");
+        c.struct_size += 8;
+        // `pcp_size` 0 is no PCP, as 1 is: rank 0 only, and an error names
+        // the size passed, not one the caller never gave.
+        c.pcp_size = 0;
+        let st = amoe_token_prepare_output_shape(&xt, 0, &c, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+        assert_eq!((st, &shape[..nd]), (amoe_status::Ok, &[3usize, 2][..]), "{}", last_error());
+        c.pcp_rank = 1;
+        let st = amoe_token_prepare_output_shape(&xt, 0, &c, shape.as_mut_ptr(), AMOE_MAX_NDIM, &mut nd);
+        assert_eq!(st, amoe_status::InvalidArgument);
+        let e = last_error();
+        assert!(e.contains("`pcp_rank`: 1 with pcp_size 0") && !e.contains("PCP size 1"), "{e}");
     }
 }
 
@@ -443,6 +514,36 @@ fn every_failure_is_named_by_its_export() {
     let msg = named("amoe_moe_finalize_routing_output_shape", st);
     assert!(!msg["amoe_moe_finalize_routing_output_shape: ".len()..].starts_with("amoe_"), "{msg}");
     assert!(msg.contains("drop_pad_mode"), "{msg}");
+}
+
+/// An unknown drop-pad mode is named by the export the caller called, not
+/// by another finalize export or the Rust function behind it.
+#[test]
+fn an_unknown_drop_pad_mode_is_named_by_the_export_called() {
+    let name = CString::new(format!("capi-abi-mode-{}", std::process::id())).expect("no NUL");
+    let mut comm: *mut amoe_comm = null_mut();
+    // SAFETY: valid name and out-pointer.
+    assert_eq!(unsafe { amoe_comm_cpu_new(name.as_ptr(), 1, 0, 5.0, &mut comm) }, amoe_status::Ok, "{}", last_error());
+    let (mut x, mut i, mut o) = (vec![0f32; 8], [0i32, 1], vec![0f32; 8]);
+    let (xs, is) = ([2usize, 4], [2usize]);
+    let (xt, ot) = (host(&mut x, &xs), host(&mut o, &xs));
+    let mut it = host(&mut [], &is);
+    it.data = i.as_mut_ptr().cast();
+    it.dtype = amoe_dtype::I32 as u32;
+    let args = capi_common::finalize_args(&xt, &it, 9);
+    let want = |f: &str| format!("{f}: invalid argument `drop_pad_mode`: unknown drop-pad mode 9");
+    // SAFETY: valid descriptors and a live world of one rank; no layout (n 0).
+    let st = unsafe { amoe_finalize_and_reduce(&args, null(), 0, comm, &ot, null()) };
+    let msg = last_error();
+    assert_eq!(st, amoe_status::InvalidArgument, "{msg}");
+    assert!(msg.starts_with(&want("amoe_finalize_and_reduce")) && !msg.contains("moe_finalize_routing"), "{msg}");
+    // SAFETY: valid descriptors.
+    let st = unsafe { amoe_moe_finalize_routing(&args, &ot, null()) };
+    let msg = last_error();
+    assert_eq!(st, amoe_status::InvalidArgument, "{msg}");
+    assert!(msg.starts_with(&want("amoe_moe_finalize_routing")), "{msg}");
+    // SAFETY: the handle made above, freed once.
+    unsafe { amoe_comm_free(comm) };
 }
 
 /// Rank body: prepare then finalize the rank's tokens (identity experts) under
@@ -642,6 +743,57 @@ fn an_mc2_mask_overlapping_out_is_refused() {
         assert_eq!(&buf[..rows * h], &x[..], "the prepared rows");
         let mask: Vec<u8> = std::slice::from_raw_parts(base.add(out_bytes), rows).to_vec();
         assert_eq!(mask, [1, 1, 1, 0], "the mask after `out`");
+        amoe_moe_groups_free(groups);
+        amoe_comm_free(world);
+    }
+}
+
+/// A mask of another dtype or length is refused by the Rust API's own check,
+/// so the C caller reads the words a Rust caller does (after the export's
+/// name), and nothing is written.
+#[test]
+fn an_mc2_mask_of_another_dtype_or_length_is_refused_in_the_rust_apis_words() {
+    use ascend_moe::moe::prepare_finalize::{mc2_mask_into, MoeContext};
+    use ascend_moe::{CommType, Tensor};
+    let name = CString::new(format!("capi-mask-words-{}", std::process::id())).expect("no NUL");
+    let (rows, h) = (4usize, 2usize);
+    let (dp, xs) = ([rows], [rows, h]);
+    let mut x: Vec<f32> = (0..rows * h).map(|e| e as f32).collect();
+    let xt = host(&mut x, &xs);
+    let ctx =
+        amoe_moe_context { dp_tokens: dp.as_ptr(), dp_size: 1, tp_size: 1, num_actual_tokens: 3, ..Default::default() };
+    let rust_ctx = MoeContext::new(&dp, 1, 0, 0, false).and_then(|c| c.with_num_actual_tokens(3)).expect("context");
+    let mut buf = vec![-1f32; rows * h];
+    let mut mask_buf = vec![7u8; 4 * (rows + 1)];
+    let (mut world, mut groups): (*mut amoe_comm, *mut amoe_moe_groups) = (null_mut(), null_mut());
+    // SAFETY: valid name, out-pointers and descriptors (each mask fits
+    // `mask_buf`); handles freed at the end.
+    unsafe {
+        assert_eq!(amoe_comm_cpu_new(name.as_ptr(), 1, 0, 20.0, &mut world), amoe_status::Ok, "{}", last_error());
+        assert_eq!(amoe_moe_groups_new(world, 1, 1, &mut groups), amoe_status::Ok, "{}", last_error());
+        let out = host(&mut buf, &xs);
+        for (dtype, len, status) in [
+            (amoe_dtype::F32, rows, amoe_status::Dtype),
+            (amoe_dtype::U8, rows + 1, amoe_status::Shape),
+            (amoe_dtype::Bool, rows - 1, amoe_status::Shape),
+        ] {
+            let shape = [len];
+            let m = amoe_tensor {
+                data: mask_buf.as_mut_ptr().cast(),
+                dtype: dtype as u32,
+                ndim: 1,
+                shape: shape.as_ptr(),
+                ..xt
+            };
+            for ct in [CommType::Mc2, CommType::FusedMc2] {
+                let st = amoe_token_prepare(&xt, ct as u32, &ctx, groups, &out, &m, null());
+                let e = last_error();
+                let mut t = Tensor::try_zeros_cpu(&[len], dtype).expect("a mask");
+                let want = mc2_mask_into(ct, &rust_ctx, &mut t).expect_err("a bad mask").to_string();
+                assert_eq!((st, e), (status, format!("amoe_token_prepare: {want}")), "{dtype:?} [{len}], {ct:?}");
+            }
+        }
+        assert!(buf.iter().all(|&v| v == -1.0) && mask_buf.iter().all(|&b| b == 7), "nothing was written");
         amoe_moe_groups_free(groups);
         amoe_comm_free(world);
     }

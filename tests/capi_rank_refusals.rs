@@ -124,10 +124,12 @@ fn an_sp_op_with_a_bad_argument_on_one_rank_fails_every_rank_at_once() {
         let mut o = vec![0f32; 3 * 4];
         let (xs, os) = ([sizes[rank], 4], [3usize, 4]);
         let (xd, od) = (host(&mut x, &xs), host(&mut o, &os));
-        // The bad rank's layout has no entry.
-        let n = if rank == BAD { 0 } else { 2 };
+        // The bad rank's layout has rows that overflow when summed (an empty
+        // list is no layout, not a bad one).
+        let overflowing = [usize::MAX; 2];
+        let l = if rank == BAD { overflowing.as_ptr() } else { sizes.as_ptr() };
         // SAFETY: as above.
-        unsafe { amoe_maybe_all_gather_and_maybe_unpad(&xd, sizes.as_ptr(), n, c, &od, null()) }
+        unsafe { amoe_maybe_all_gather_and_maybe_unpad(&xd, l, 2, c, &od, null()) }
     });
     one_bad_rank("finalize_and_reduce args", "args", amoe_status::NullArgument, |rank, c| {
         let (mut x, mut idx, mut o) = (vec![1f32; 3 * 4], vec![0i32, 1, 2], vec![0f32; sizes[rank] * 4]);

@@ -433,6 +433,19 @@ def test_comm_lifecycle_in_threads():
     np.testing.assert_array_equal(out[1], out[0])
 
 
+def test_comm_timeouts_read_as_the_c_abi_reads_them():
+    """`timeout_s` goes to the C ABI as given: 0 the default, inf no limit,
+    negative, NaN and under 1 ns refused naming `timeout_s`."""
+    for t in [0, 0.0, float("inf"), 1e300, 1e-9, 5]:
+        with am.Comm.cpu(f"pytest-timeout-{uuid.uuid4().hex[:12]}", 1, 0, timeout_s=t) as c:
+            assert c.world_size == 1
+    for t, why in [(1e-12, "least timeout, 1 ns"), (-1.0, "not negative"), (float("nan"), "NaN")]:
+        with pytest.raises(am.AmoeError) as e:
+            am.Comm.cpu(f"pytest-timeout-{uuid.uuid4().hex[:12]}", 1, 0, timeout_s=t)
+        assert e.value.status == am.Status.INVALID_ARGUMENT, e.value
+        assert "`timeout_s`" in str(e.value) and why in str(e.value), e.value
+
+
 def test_from_hccl_is_unavailable_without_the_npu_backend():
     # As an int, and as the ctypes pointer vLLM-Ascend's PyHcclCommunicator.comm is.
     for raw in (0x1234, ctypes.c_void_p(0x1234)):

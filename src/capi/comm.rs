@@ -3,7 +3,6 @@
 use std::ffi::{c_char, c_void};
 use std::ptr::NonNull;
 use std::sync::Arc;
-use std::time::Duration;
 
 use acl_sys::aclrtStream;
 
@@ -17,24 +16,18 @@ use crate::backend::npu::{Allocator, HcclComm, NpuDevice, WorkspaceAllocator};
 use crate::moe::LiveStream;
 use crate::{Collectives, Comm, CommOptions, Device, ReduceOp};
 
-fn timeout_opts(func: &str, timeout_s: f64) -> Result<CommOptions, Failure> {
-    if timeout_s.is_nan() || timeout_s <= 0.0 {
-        return Ok(CommOptions::from_env());
-    }
-    Duration::try_from_secs_f64(timeout_s)
-        .map(CommOptions::with_timeout)
-        .map_err(|e| Failure::invalid(func, "timeout_s", format!("{timeout_s} s: {e}")))
-}
-
 /// Joins (or creates) the CPU shared-memory world `name` of `world_size`
 /// ranks as `rank`. Every rank calls it with the same `name` and
 /// `world_size`, from threads of one process or from separate processes;
 /// the call returns once all ranks arrived or the timeout passed.
 ///
 /// `timeout_s` bounds every wait of this communicator (rendezvous and each
-/// collective); `<= 0` or NaN means `ASCEND_MOE_COMM_TIMEOUT` or 60 s, and
-/// a value too large for a duration (such as infinity) is
-/// `AMOE_STATUS_INVALID_ARGUMENT`.
+/// collective), in seconds: 0 means `ASCEND_MOE_COMM_TIMEOUT` or 60 s;
+/// infinity (`INFINITY`), or more seconds than a duration holds, means no
+/// limit; a negative value, NaN, or a positive value under 1e-9 (1 ns, the
+/// least timeout) is `AMOE_STATUS_INVALID_ARGUMENT`. The same rule reads
+/// `ASCEND_MOE_COMM_TIMEOUT` and the CLI's `--timeout`
+/// (`CommOptions::timeout_from_secs`).
 /// On success `*out` receives a new handle owned by the caller (free it with
 /// `amoe_comm_free`); on failure `*out` is not written.
 ///
@@ -52,7 +45,7 @@ pub unsafe extern "C" fn amoe_comm_cpu_new(
     ffi!(F, {
         let out = try_out!(F, out, "out");
         let name = read_str(F, "name", name)?;
-        let opts = timeout_opts(F, timeout_s)?;
+        let opts = CommOptions::from_secs(timeout_s).map_err(|why| Failure::invalid(F, "timeout_s", why))?;
         let c = CpuComm::rendezvous(&name, world_size, rank, &opts)?;
         box_out(out, Comm::Cpu(c));
         Ok(())

@@ -295,19 +295,6 @@ pub(crate) struct Out<'a> {
 }
 
 impl Out<'_> {
-    /// The dtype the descriptor declares.
-    pub(crate) fn dtype(&self) -> DType {
-        self.meta.dtype
-    }
-
-    /// Checks the descriptor against the shape and dtype the op's shape
-    /// function computed, before any work starts (so no buffer is allocated
-    /// for an output the caller did not provide). For an output computed
-    /// from an input, [`Out::check_like`].
-    pub(crate) fn check(&self, cx: &Call<'_>, shape: &[usize], dtype: DType) -> Result<(), Failure> {
-        check_meta(cx.f, self.arg, self.d, &self.meta, shape, dtype)
-    }
-
     /// Checks the descriptor of an output computed from `x` as the Rust ops
     /// check theirs ([`check_out_on`]): in `x`'s memory, then of `x`'s dtype,
     /// then of `shape`, before any work starts.
@@ -646,22 +633,6 @@ pub(crate) fn meta(func: &str, arg: &str, d: &amoe_tensor) -> Result<Meta, Failu
 pub(crate) fn read_meta(func: &str, arg: &str, d: *const amoe_tensor) -> Result<Meta, Failure> {
     let d = try_ref!(func, d, arg);
     meta(func, arg, d)
-}
-
-fn check_meta(func: &str, arg: &str, d: &amoe_tensor, m: &Meta, shape: &[usize], dtype: DType) -> Result<(), Failure> {
-    if m.dtype != dtype {
-        return Err(Failure::new(
-            amoe_status::Dtype,
-            format!("{func}: `{arg}` has dtype {}, expected {dtype}", m.dtype),
-        ));
-    }
-    if m.shape != shape {
-        return Err(Failure::new(
-            amoe_status::Shape,
-            format!("{func}: `{arg}` has shape {:?}, expected {shape:?}", m.shape),
-        ));
-    }
-    check_data(func, arg, d, m)
 }
 
 /// NULL_ARGUMENT for a descriptor with elements and a NULL `data`.

@@ -52,6 +52,8 @@ pub(super) struct FinalizeInputs {
     scales: Option<Tensor>,
     expert_idx: Option<Tensor>,
     mode: u32,
+    /// The export that reads them, which an invalid `drop_pad_mode` names.
+    f: &'static str,
 }
 
 impl FinalizeInputs {
@@ -67,6 +69,7 @@ impl FinalizeInputs {
             scales: cx.input_opt("scales", a.scales)?,
             expert_idx: cx.input_opt("expert_idx", a.expert_idx)?,
             mode: a.drop_pad_mode,
+            f: cx.f,
         })
     }
 
@@ -79,7 +82,7 @@ impl FinalizeInputs {
             bias: self.bias.as_ref(),
             scales: self.scales.as_ref(),
             expert_idx: self.expert_idx.as_ref(),
-            drop_pad_mode: drop_pad_mode("moe_finalize_routing", self.mode as i64)?,
+            drop_pad_mode: drop_pad_mode(self.f, self.mode as i64)?,
         })
     }
 }

@@ -2,7 +2,6 @@
 
 use super::ffi::{ffi, read_sizes, try_out, write_out, write_slice, Failure};
 use super::types::amoe_status;
-use crate::moe::layout::bounded_ep;
 use crate::moe::SpLayout;
 
 /// The SP layout of DP token counts (SPEC section 2):
@@ -25,9 +24,7 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens(
     const F: &str = "amoe_sp_layout_from_dp_tokens";
     ffi!(F, {
         let dp = read_sizes(F, "dp_tokens", dp_tokens, n)?;
-        nonzero(F, "tp_size", tp_size)?;
-        let factors = [("dp_size", n), ("tp_size", tp_size)];
-        write_layout(F, "tp_size", &factors, out, cap, out_len, || SpLayout::from_dp_tokens(&dp, tp_size))
+        write_layout(F, out, cap, out_len, SpLayout::from_dp_tokens(&dp, tp_size))
     })
 }
 
@@ -54,50 +51,32 @@ pub unsafe extern "C" fn amoe_sp_layout_from_dp_tokens_pcp(
     const F: &str = "amoe_sp_layout_from_dp_tokens_pcp";
     ffi!(F, {
         let dp = read_sizes(F, "dp_tokens", dp_tokens, n)?;
-        nonzero(F, "pcp_size", pcp_size)?;
-        nonzero(F, "tp_size", tp_size)?;
-        let factors = [("dp_size", n), ("pcp_size", pcp_size), ("tp_size", tp_size)];
-        write_layout(F, "pcp_size", &factors, out, cap, out_len, || {
-            SpLayout::from_dp_tokens_pcp(&dp, pcp_size, tp_size)
-        })
+        write_layout(F, out, cap, out_len, SpLayout::from_dp_tokens_pcp(&dp, pcp_size, tp_size))
     })
 }
 
-fn nonzero(f: &'static str, arg: &'static str, v: usize) -> Result<(), Failure> {
-    if v == 0 {
-        return Err(Failure::invalid(f, arg, "expected >= 1, got 0"));
-    }
-    Ok(())
-}
-
-/// Writes the layout `build` makes, whose entries are the product of
-/// `factors`, to `out`. The product is bounded by AMOE_MAX_EP_RANKS and
-/// `*out_len` written before the layout is built, and the caller's buffer
-/// checked before it is: a caller asking the size allocates nothing past
-/// the bound, and a short buffer costs no layout.
-///
-/// # Safety
-/// `out` writable for `cap` entries (or NULL, refused by name); `out_len`
-/// writable or NULL (refused by name).
-unsafe fn write_layout(
+/// Writes the layout `built` (the Rust API's, which bounds its entries by
+/// `AMOE_MAX_EP_RANKS` before it allocates them) to `out`: its length to
+/// `*out_len`, then its entries when `cap` holds them. A layout the Rust API
+/// refuses writes nothing, so the size asked for is always one the call
+/// then fills.
+fn write_layout(
     f: &'static str,
-    arg: &'static str,
-    factors: &[(&'static str, usize)],
     out: *mut usize,
     cap: usize,
     out_len: *mut usize,
-    build: impl FnOnce() -> crate::Result<SpLayout>,
+    built: crate::Result<SpLayout>,
 ) -> Result<(), Failure> {
     let out_len = try_out!(f, out_len, "out_len");
-    let need = bounded_ep(f, arg, factors)?;
-    write_out(out_len, need);
-    if cap < need {
+    let l = built?;
+    let sizes = l.local_sizes();
+    write_out(out_len, sizes.len());
+    if cap < sizes.len() {
         return Err(Failure::new(
             amoe_status::BufferTooSmall,
-            format!("{f}: `out` holds {cap} entries, the layout has {need}"),
+            format!("{f}: `out` holds {cap} entries, the layout has {}", sizes.len()),
         ));
     }
-    let l = build()?;
-    write_slice(try_out!(f, out, "out"), l.local_sizes());
+    write_slice(try_out!(f, out, "out"), sizes);
     Ok(())
 }

@@ -8,18 +8,18 @@ use super::types::{amoe_comm, amoe_status, amoe_stream, amoe_tensor};
 use crate::moe::{self, SpLayout};
 use crate::{Collectives, Comm, Tensor};
 
-/// An optional SP layout: NULL `local_sizes` (with `n` 0) means none (plain
-/// EP reduce-scatter / all-gather); otherwise `n` entries, one per EP rank.
-/// NULL with entries is NULL_ARGUMENT: the caller meant a layout.
+/// An optional SP layout: `n` 0 means none (plain EP reduce-scatter /
+/// all-gather), whatever `local_sizes` is (an empty list may come as NULL or
+/// not); otherwise `n` entries, one per EP rank, and NULL is NULL_ARGUMENT.
 fn layout(f: &str, local_sizes: *const usize, n: usize) -> Result<Option<SpLayout>, Failure> {
-    if local_sizes.is_null() {
-        if n != 0 {
-            return Err(Failure::new(
-                amoe_status::NullArgument,
-                format!("{f}: `local_sizes` is NULL with n = {n} (no layout is NULL with n = 0)"),
-            ));
-        }
+    if n == 0 {
         return Ok(None);
+    }
+    if local_sizes.is_null() {
+        return Err(Failure::new(
+            amoe_status::NullArgument,
+            format!("{f}: `local_sizes` is NULL with n = {n} (no layout is n = 0)"),
+        ));
     }
     let sizes = read_sizes(f, "local_sizes", local_sizes, n)?;
     Ok(Some(SpLayout::new(&sizes)?))
@@ -97,12 +97,13 @@ fn layout_op(
 
 /// Output shape of `amoe_maybe_pad_and_reduce` on EP rank `ep_rank` of
 /// `ep_size`: `[local_sizes[ep_rank], H...]`, or `[rows / ep_size, H...]`
-/// when `local_sizes` is NULL (with `n` 0; NULL with `n` > 0 is
-/// `AMOE_STATUS_NULL_ARGUMENT`). `x`'s data pointer is ignored.
+/// without a layout: `n` 0, whatever `local_sizes` is (NULL or not, as an
+/// empty list may come); NULL with `n` > 0 is `AMOE_STATUS_NULL_ARGUMENT`.
+/// `x`'s data pointer is ignored.
 /// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
 /// # Safety
-/// `x` valid; `local_sizes` NULL or readable for `n`; out-pointers writable.
+/// `x` valid; `local_sizes` readable for `n` (any value when `n` is 0); out-pointers writable.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
     x: *const amoe_tensor,
@@ -123,7 +124,7 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
 /// EP/SP finalize (SPEC section 3): pad each EP rank's block of `x`
 /// (`sum(local_sizes)` rows, EP-rank block order) to `M = max(local_sizes)`
 /// rows, reduce-scatter (sum) over `ep_comm`, keep this rank's
-/// `local_sizes[rank]` rows. `local_sizes` NULL (with `n` 0) = plain EP
+/// `local_sizes[rank]` rows. `n` 0 (NULL or not `local_sizes`) = plain EP
 /// reduce-scatter.
 /// Collective: every rank of `ep_comm` calls it with the same layout.
 /// Ownership as `amoe_moe_finalize_routing`.
@@ -138,7 +139,7 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce_output_shape(
 /// `amoe_stream_check`.
 ///
 /// # Safety
-/// `x`, `out` valid descriptors; `local_sizes` NULL or readable for `n`; `ep_comm` live.
+/// `x`, `out` valid descriptors; `local_sizes` readable for `n` (any value when `n` is 0); `ep_comm` live.
 #[no_mangle]
 pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
     x: *const amoe_tensor,
@@ -155,7 +156,7 @@ pub unsafe extern "C" fn amoe_maybe_pad_and_reduce(
 
 /// Output shape of `amoe_maybe_all_gather_and_maybe_unpad`:
 /// `[sum(local_sizes), H...]` (`x` must have `local_sizes[ep_rank]` rows), or
-/// `[rows * ep_size, H...]` when `local_sizes` is NULL (with `n` 0).
+/// `[rows * ep_size, H...]` without a layout (`n` 0, NULL or not `local_sizes`).
 /// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
 /// # Safety
@@ -203,7 +204,7 @@ pub unsafe extern "C" fn amoe_maybe_all_gather_and_maybe_unpad(
 /// Out-pointers as `amoe_moe_finalize_routing_output_shape`.
 ///
 /// # Safety
-/// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` NULL or readable for `n`.
+/// As `amoe_moe_finalize_routing_output_shape`; `local_sizes` readable for `n` (any value when `n` is 0).
 #[no_mangle]
 pub unsafe extern "C" fn amoe_finalize_and_reduce_output_shape(
     args: *const amoe_finalize_args,

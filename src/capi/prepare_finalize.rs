@@ -137,9 +137,8 @@ fn context(f: &str, ctx: *const amoe_moe_context) -> Result<MoeContext, Failure>
     if c.num_actual_tokens != AMOE_ALL_TOKENS {
         m = m.with_num_actual_tokens(c.num_actual_tokens)?;
     }
-    if c.pcp_size > 1 || c.pcp_rank != 0 {
-        m = m.with_pcp(c.pcp_size.max(1), c.pcp_rank)?;
-    }
+    // `with_pcp` reads `pcp_size` 0 or 1 as no PCP.
+    m = m.with_pcp(c.pcp_size, c.pcp_rank)?;
     if c.padded_num_tokens != 0 {
         m = m.with_padded_num_tokens(c.padded_num_tokens)?;
     }
@@ -167,11 +166,7 @@ pub unsafe extern "C" fn amoe_moe_groups_new(
         let w = try_handle(F, "world", world)?;
         // The peers wait in the groups' agreement on the sizes.
         let out = refusing_on(w, (|| Ok(try_out!(F, out, "out")))())?;
-        let g = if pcp_size > 1 {
-            MoeGroups::from_world_pcp(w, pcp_size, tp_size)?
-        } else {
-            MoeGroups::from_world(w, tp_size)?
-        };
+        let g = MoeGroups::from_world_pcp(w, pcp_size, tp_size)?;
         box_out(out, g);
         Ok(())
     })
@@ -322,39 +317,35 @@ pub unsafe extern "C" fn amoe_token_prepare(
             // for others: the guard compares them too.
             let writes_mask = !mc2_mask.is_null() && pf::mc2_mask_extent(ct, &c).is_some();
             cx.guard(ct, Some(&c), writes_mask)?;
-            Ok((c, ct))
+            Ok((c, ct, writes_mask))
         })();
-        let (c, ct) = refusing(read, refuse_early(pf::Stage::Prepare, F, ctx, comm_type, g))?;
+        let (c, ct, writes_mask) = refusing(read, refuse_early(pf::Stage::Prepare, F, ctx, comm_type, g))?;
         let checked = (|| {
             let x = cx.input("x", x)?;
             let shape = pf::prepare_output_shape(x.shape(), ct, &c)?;
             let out = cx.out("out", out)?;
             out.check_like(cx, &x, &shape)?;
-            let mask_out = match pf::mc2_mask_extent(ct, &c) {
-                Some((rows, _)) if !mc2_mask.is_null() => {
-                    let m = cx.out("mc2_mask", mc2_mask)?;
-                    let dtype = m.dtype();
-                    if !matches!(dtype, DType::Bool | DType::U8) {
-                        return Err(crate::Error::dtype(F, "mc2_mask", "BOOL or U8", dtype).into());
-                    }
-                    m.check(cx, &[rows], dtype)?;
-                    m.apart_from(cx, &out)?;
-                    Some(m)
-                }
-                _ => None,
+            let mask_out = if writes_mask {
+                let m = cx.out("mc2_mask", mc2_mask)?;
+                m.apart_from(cx, &out)?;
+                Some(m)
+            } else {
+                None
             };
             let o = cx.output(&out)?;
-            Ok((x, out, mask_out, o))
+            let mask = mask_out.as_ref().map(|m| cx.output(m)).transpose()?;
+            Ok((x, out, o, mask_out, mask))
         })();
         let refuse = |e| pf::refuse_first(pf::Stage::Prepare, ct, &c, g, DType::U8, e);
-        let (x, out, mask_out, mut hidden) = refusing(checked, refuse)?;
+        let (x, out, o, mask_out, mut mask) = refusing(checked, refuse)?;
         // The tokens go straight into the caller's `out` where it can be lent
-        // (else into a host buffer of the call's own, copied into `out`).
-        pf::prepare_tokens_into(&x, ct, &c, g, &mut hidden)?;
+        // (else into a host buffer of the call's own, copied into `out`); the
+        // Rust API checks the mask, and refuses it and its own memory to the
+        // peers.
+        let mut hidden = o;
+        pf::prepare_with_mask_into(&x, ct, &c, g, &mut hidden, mask.as_mut())?;
         cx.write(&out, hidden)?;
-        if let Some(m) = mask_out {
-            let mut mask = cx.output(&m)?;
-            pf::mc2_mask_into(ct, &c, &mut mask)?;
+        if let (Some(m), Some(mask)) = (mask_out, mask) {
             cx.write(&m, mask)?;
         }
         Ok(())
