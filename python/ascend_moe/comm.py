@@ -111,9 +111,10 @@ class Comm(Owned):
         """Joins the CPU world `name` of `world_size` ranks as `rank` (threads or
         processes); returns once every rank joined. `timeout_s` bounds every wait
         of this communicator, in seconds, read as the C ABI, the Rust API and
-        the CLI read it: 0 (the default) is `$ASCEND_MOE_COMM_TIMEOUT` or 60 s,
-        `math.inf` is no limit, and a negative value, NaN or one under 1e-9
-        (1 ns) is refused with `Status.INVALID_ARGUMENT`."""
+        the CLI read it: 0 (the default), a negative value or NaN is
+        `$ASCEND_MOE_COMM_TIMEOUT` or 60 s, `math.inf` is no limit, and a
+        positive value under 1e-9 (1 ns) is refused with
+        `Status.INVALID_ARGUMENT`."""
         world_size, rank = c_uint("world_size", world_size), c_uint("rank", rank)
         if not isinstance(name, str):
             raise error(Status.INVALID_ARGUMENT, f"`name` is {name!r}, expected a str")

@@ -434,12 +434,12 @@ def test_comm_lifecycle_in_threads():
 
 
 def test_comm_timeouts_read_as_the_c_abi_reads_them():
-    """`timeout_s` goes to the C ABI as given: 0 the default, inf no limit,
-    negative, NaN and under 1 ns refused naming `timeout_s`."""
-    for t in [0, 0.0, float("inf"), 1e300, 1e-9, 5]:
+    """`timeout_s` goes to the C ABI as given: 0, negative and NaN the
+    default, inf no limit, under 1 ns refused naming `timeout_s`."""
+    for t in [0, 0.0, -1.0, float("nan"), float("inf"), 1e300, 1e-9, 5]:
         with am.Comm.cpu(f"pytest-timeout-{uuid.uuid4().hex[:12]}", 1, 0, timeout_s=t) as c:
             assert c.world_size == 1
-    for t, why in [(1e-12, "least timeout, 1 ns"), (-1.0, "not negative"), (float("nan"), "NaN")]:
+    for t, why in [(1e-12, "least timeout, 1 ns"), (1e-300, "least timeout, 1 ns")]:
         with pytest.raises(am.AmoeError) as e:
             am.Comm.cpu(f"pytest-timeout-{uuid.uuid4().hex[:12]}", 1, 0, timeout_s=t)
         assert e.value.status == am.Status.INVALID_ARGUMENT, e.value

@@ -22,10 +22,10 @@ use crate::{Collectives, Comm, CommOptions, Device, ReduceOp};
 /// the call returns once all ranks arrived or the timeout passed.
 ///
 /// `timeout_s` bounds every wait of this communicator (rendezvous and each
-/// collective), in seconds: 0 means `ASCEND_MOE_COMM_TIMEOUT` or 60 s;
-/// infinity (`INFINITY`), or more seconds than a duration holds, means no
-/// limit; a negative value, NaN, or a positive value under 1e-9 (1 ns, the
-/// least timeout) is `AMOE_STATUS_INVALID_ARGUMENT`. The same rule reads
+/// collective), in seconds: 0, a negative value or NaN means
+/// `ASCEND_MOE_COMM_TIMEOUT` or 60 s; infinity (`INFINITY`), or more seconds
+/// than a duration holds, means no limit; a positive value under 1e-9 (1 ns,
+/// the least timeout) is `AMOE_STATUS_INVALID_ARGUMENT`. The same rule reads
 /// `ASCEND_MOE_COMM_TIMEOUT` and the CLI's `--timeout`
 /// (`CommOptions::timeout_from_secs`).
 /// On success `*out` receives a new handle owned by the caller (free it with
