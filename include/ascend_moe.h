@@ -428,6 +428,16 @@ extern "C" {
 // Owned by the library; never free it.
 const char *amoe_version(void);
 
+// Whether the native kernels (`kernels/`) can launch here: `AMOE_STATUS_OK`
+// when they can (the AI Core kernel library is loaded, or a simulated
+// runtime runs their host build), else `AMOE_STATUS_UNAVAILABLE` with why as
+// this thread's last error. Without them NPU finalize and unpermute calls
+// use aclnn, which reads the index tensors on the host at every call (a
+// stream synchronisation and a blocking copy) and cannot be captured. The
+// first call loads the library (once per process); later ones answer at
+// once.
+amoe_status amoe_native_kernel_check(void);
+
 // Length in bytes of this thread's last error message, plus one for the
 // terminating NUL: the buffer size `amoe_last_error_message` needs.
 size_t amoe_last_error_length(void);

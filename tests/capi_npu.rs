@@ -33,6 +33,26 @@ fn null_raw_handles_are_null_arguments() {
     assert!(c.is_null());
 }
 
+/// `amoe_native_kernel_check`: without CANN no native kernel can launch
+/// (UNAVAILABLE, naming the AI Core library); under the simulator with the
+/// host build compiled in, they launch (OK).
+#[test]
+fn the_native_kernel_check_says_whether_the_kernels_can_launch() {
+    let st = amoe_native_kernel_check();
+    let msg = last_error();
+    let host_build = ascend_moe::backend::npu::probe().native_kernel.host_build;
+    match acl_sys::acl() {
+        Err(_) => {
+            assert_eq!(st, amoe_status::Unavailable, "{msg}");
+            assert!(msg.contains("amoe_native_kernel_check"), "{msg}");
+            assert!(msg.contains("the AI Core kernel library is not loaded"), "{msg}");
+        }
+        Ok(api) if api.cannsim_launch_kernel.is_some() && host_build => assert_eq!(st, amoe_status::Ok, "{msg}"),
+        // Real CANN: as the build's kernel library loads.
+        Ok(_) => assert!(matches!(st, amoe_status::Ok | amoe_status::Unavailable), "{st:?}: {msg}"),
+    }
+}
+
 #[test]
 fn npu_descriptors_without_cann_are_unavailable_with_the_loaders_message() {
     let mut data = [1.0f32; 6];

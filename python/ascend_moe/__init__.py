@@ -96,12 +96,13 @@ from .ops import (
 from .prepare import MoeContext, MoeGroups, token_finalize, token_prepare
 from .forward import ForwardContext, MoeLayer, forward_context, get_forward_context, set_forward_context
 from .live import LiveContext
-from .streams import prepare_capture, reserve_capture_records, reserve_like, set_allocator, stream_check, workspace_reserve
+from .streams import native_kernel, prepare_capture, reserve_capture_records, reserve_like, set_allocator, stream_check, workspace_reserve
 
 
 def version() -> str:
     """The native library's version (`"MAJOR.MINOR.PATCH"`)."""
     return _lib().amoe_version().decode()
+
 
 
 __all__ = [
@@ -146,6 +147,7 @@ __all__ = [
     "maybe_pad_and_reduce",
     "moe_finalize_routing",
     "moe_token_unpermute",
+    "native_kernel",
     "reduce_scatter",
     "release_streams",
     "routed_is_reduced",

@@ -110,6 +110,7 @@ _SHAPE_OUT = [_SZ, c_size_t, _SZ]
 _SIGNATURES = {
     "amoe_version": [],
     "amoe_last_error_length": [],
+    "amoe_native_kernel_check": [],
     "amoe_status_name": [c_uint32],
     "amoe_enum_count": [],
     "amoe_enum_info": [c_size_t, POINTER(c_char_p), _SZ],

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 
 from ._enums import Status
-from ._errors import error
+from ._errors import AmoeError, error
 from ._lib import c_uint, call
 from ._tensor import streams_of, wrap_stream
 from .live import _stream_handle
@@ -110,4 +110,21 @@ def set_allocator(stream, alloc=None, free=None, device=None) -> None:
     _ALLOCATORS[h.value] = fns
 
 
-__all__ = ["stream_check", "workspace_reserve", "set_allocator", "wrap_stream"]
+
+def native_kernel() -> dict:
+    """Whether the native kernels can launch here: `{"available": True,
+    "reason": None}`, or `available` False with why (no AI Core kernel
+    library in this build and no `$ASCEND_MOE_KERNEL_LIB`, or it failed to
+    load). Without them NPU finalize and unpermute calls use aclnn, which
+    reads the index tensors on the host at every call (a synchronisation)
+    and cannot be captured into a graph. The first call loads the library."""
+    try:
+        call("amoe_native_kernel_check")
+    except AmoeError as e:
+        if e.status != Status.UNAVAILABLE:
+            raise
+        return {"available": False, "reason": str(e)}
+    return {"available": True, "reason": None}
+
+
+__all__ = ["native_kernel", "stream_check", "workspace_reserve", "set_allocator", "wrap_stream"]

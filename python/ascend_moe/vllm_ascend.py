@@ -1492,17 +1492,21 @@ def uninstall() -> list:
 
 
 def status() -> dict:
-    """`{"active", "switch", "replaced", "groups", "errors"}`: whether the
-    adapter is installed, the value of `$ASCEND_MOE_VLLM`, what it replaced,
-    the vLLM groups mapped to communicators so far, and what could not be
-    replaced and why."""
+    """`{"active", "switch", "replaced", "groups", "errors", "native_kernel"}`:
+    whether the adapter is installed, the value of `$ASCEND_MOE_VLLM`, what
+    it replaced, the vLLM groups mapped to communicators so far, what could
+    not be replaced and why, and whether the native kernels can launch here
+    (`ascend_moe.native_kernel()`; only asked once the adapter is active:
+    without them NPU finalize reads its indices on the host at every call)."""
     with _LOCK:
+        active = _STATE["lib"] is not None
         return {
-            "active": _STATE["lib"] is not None,
+            "active": active,
             "switch": os.environ.get(SWITCH),
             "replaced": list(_STATE["replaced"]),
             "groups": mapped_groups(),
             "errors": dict(_STATE["errors"]),
+            "native_kernel": _streams.native_kernel() if active else None,
         }
 
 

@@ -241,6 +241,15 @@ def test_register_without_vllm_ascend_fails_only_when_switched_on(monkeypatch):
     assert av.status()["active"] is False and av.status()["switch"] == "1"
 
 
+def test_status_says_whether_the_native_kernels_can_launch(engine):
+    # Installed over stand-ins on a host without an NPU runtime: no native
+    # kernel, and the reason names the AI Core library.
+    nk = av.status()["native_kernel"]
+    assert nk == am.native_kernel(), nk
+    assert nk["available"] is False and "AI Core kernel library is not loaded" in nk["reason"], nk
+    assert "amoe_native_kernel_check" in nk["reason"], nk
+
+
 def test_the_tp_group_is_found_without_vllm_ascends_runner_module(engine, monkeypatch):
     # vLLM-Ascend's runner module not loaded (or without get_tp_group), and
     # its ops module importing no get_tp_group: the TP group is vLLM's. The

@@ -67,6 +67,20 @@ pub extern "C" fn amoe_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr() as *const c_char
 }
 
+/// Whether the native kernels (`kernels/`) can launch here: `AMOE_STATUS_OK`
+/// when they can (the AI Core kernel library is loaded, or a simulated
+/// runtime runs their host build), else `AMOE_STATUS_UNAVAILABLE` with why as
+/// this thread's last error. Without them NPU finalize and unpermute calls
+/// use aclnn, which reads the index tensors on the host at every call (a
+/// stream synchronisation and a blocking copy) and cannot be captured. The
+/// first call loads the library (once per process); later ones answer at
+/// once.
+#[no_mangle]
+pub extern "C" fn amoe_native_kernel_check() -> amoe_status {
+    const F: &str = "amoe_native_kernel_check";
+    ffi!(F, { Ok(crate::backend::npu::native_kernel_check(F)?) })
+}
+
 /// Length in bytes of this thread's last error message, plus one for the
 /// terminating NUL: the buffer size `amoe_last_error_message` needs.
 #[no_mangle]

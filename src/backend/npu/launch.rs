@@ -67,6 +67,15 @@ pub(super) fn native_unavailable_reason() -> String {
     }
 }
 
+/// `Ok` when the native kernels (`kernels/`) can launch here: a simulated
+/// runtime with the host build, or the AI Core kernel library loaded (the
+/// first call loads it). Else [`Error::Unavailable`] naming `who` and why:
+/// then NPU finalize and unpermute calls use aclnn, which reads the index
+/// tensors on the host at every call and cannot be captured.
+pub fn native_kernel_check(who: &str) -> Result<()> {
+    launcher().map(drop).ok_or_else(|| native_unavailable(who))
+}
+
 /// The error of a call that needs the native kernel where it cannot launch,
 /// naming `who` and why.
 pub(crate) fn native_unavailable(who: &str) -> Error {

@@ -41,7 +41,7 @@ pub use device::NpuDevice;
 pub use device_buffer::DeviceBuffer;
 pub use hccl::{hccl_dtype, hccl_op, HcclComm, HcclRootInfo, ROOT_INFO_BYTES};
 pub use kernel::guard::{ContextWords, GuardTiling};
-pub use launch::{FinalizeImpl, FINALIZE_ENV};
+pub use launch::{native_kernel_check, FinalizeImpl, FINALIZE_ENV};
 pub use live_context::{LiveContext, GUARD_CHUNK, LIVE_BYTES};
 pub use memory::{NpuBuffer, PinnedHostBuffer};
 pub use pool::{Allocator, PoolStats, WorkspaceAllocator, WORKSPACE_ALIGN};
