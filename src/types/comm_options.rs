@@ -37,8 +37,9 @@ impl CommOptions {
         CommOptions { timeout: timeout.unwrap_or(Self::DEFAULT_TIMEOUT) }
     }
 
-    /// `ASCEND_MOE_COMM_TIMEOUT`: `Ok(None)` when unset or 0 (the default),
-    /// its timeout when [`CommOptions::timeout_from_secs`] gives one, else
+    /// `ASCEND_MOE_COMM_TIMEOUT`: `Ok(None)` when unset,
+    /// its timeout when a positive number of seconds that
+    /// [`CommOptions::timeout_from_secs`] takes, else
     /// `Err` with the value as set, which [`CommOptions::from_env`] ignores.
     pub fn env_timeout() -> Result<Option<Duration>, String> {
         super::env::env_setting("ASCEND_MOE_COMM_TIMEOUT", parse_timeout).map(Option::flatten)
@@ -56,7 +57,9 @@ impl CommOptions {
     /// - `0`, a negative value or NaN: `Ok(None)`, the default:
     ///   `ASCEND_MOE_COMM_TIMEOUT`, else [`CommOptions::DEFAULT_TIMEOUT`]
     ///   ([`CommOptions::from_secs`]; for the variable itself, the default of
-    ///   60 s), as the C ABI's `timeout_s` has always read them;
+    ///   60 s), as the C ABI's `timeout_s` has always read them (the variable
+    ///   and the CLI's `--timeout` refuse them before: there, the default is
+    ///   the setting left out);
     /// - a positive number of seconds of at least 1 ns: that timeout;
     /// - infinity, or more seconds than a [`Duration`] holds: no limit,
     ///   [`Duration::MAX`] (every wait bounded only by a peer's death);
@@ -89,8 +92,8 @@ impl CommOptions {
 /// The warning for an `ASCEND_MOE_COMM_TIMEOUT` of `value` that is no timeout.
 fn ignored_timeout(value: &str) -> String {
     let why = match value.trim().parse::<f64>() {
-        Ok(secs) => CommOptions::timeout_from_secs(secs).err().unwrap_or_default(),
-        Err(_) => "not a number of seconds".into(),
+        Ok(secs) if secs > 0.0 => CommOptions::timeout_from_secs(secs).err().unwrap_or_default(),
+        _ => "not a positive number of seconds".into(),
     };
     format!(
         "ascend-moe: warning: ASCEND_MOE_COMM_TIMEOUT={value:?} is no timeout ({why}): every wait uses the \
@@ -99,11 +102,13 @@ fn ignored_timeout(value: &str) -> String {
     )
 }
 
-/// `ASCEND_MOE_COMM_TIMEOUT`'s value: seconds read by
-/// [`CommOptions::timeout_from_secs`] (`Some(None)` for 0, the default);
-/// `None` when it is no timeout.
+/// `ASCEND_MOE_COMM_TIMEOUT`'s value: a positive number of seconds read by
+/// [`CommOptions::timeout_from_secs`]; `None` when it is no timeout (0,
+/// negative and NaN included: a variable set to them asks for no default,
+/// so it is warned about).
 fn parse_timeout(s: &str) -> Option<Option<Duration>> {
-    CommOptions::timeout_from_secs(s.trim().parse::<f64>().ok()?).ok()
+    let secs = s.trim().parse::<f64>().ok().filter(|s| *s > 0.0)?;
+    CommOptions::timeout_from_secs(secs).ok()
 }
 
 #[cfg(test)]
@@ -132,14 +137,13 @@ mod tests {
         assert_eq!(parse_timeout(" 2.5 "), Some(Some(Duration::from_millis(2500))));
         assert_eq!(parse_timeout("inf"), Some(Some(Duration::MAX)));
         assert_eq!(parse_timeout("1e300"), Some(Some(Duration::MAX)));
-        for default in ["0", "-1", "NaN"] {
-            assert_eq!(parse_timeout(default), Some(None), "{default} is the default");
-        }
-        for bad in ["soon", "1e-10", "1e-300", "2s"] {
+        for bad in ["0", "-1", "NaN", "soon", "1e-10", "1e-300", "2s"] {
             assert_eq!(parse_timeout(bad), None, "{bad}");
         }
         let w = ignored_timeout("2s");
         assert!(w.contains("ASCEND_MOE_COMM_TIMEOUT=\"2s\"") && w.contains("default of 60 s"), "{w}");
+        let w = ignored_timeout("-1");
+        assert!(w.contains("not a positive number of seconds"), "{w}");
         let w = ignored_timeout("1e-12");
         assert!(w.contains("least timeout, 1 ns"), "{w}");
     }

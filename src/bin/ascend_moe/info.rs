@@ -34,7 +34,7 @@ pub fn main() -> i32 {
         "ASCEND_MOE_COMM_TIMEOUT",
         CommOptions::env_timeout().map(|t| t.is_some()),
         "the default",
-        "a number of seconds (0 = the default, inf = no limit, else at least 1e-9)",
+        "a positive number of seconds",
     );
     println!("  comm timeout         {:?} ({timeout})", CommOptions::from_env().timeout);
     let switch = |var: &str, default: &str| match env_switch_setting(var) {

@@ -32,12 +32,18 @@ pub fn staging_refusal(bytes: usize) -> Option<String> {
     (bytes < least).then(|| format!("--staging-bytes {bytes}: must be at least {least}"))
 }
 
-/// A `--timeout` in seconds (fractions allowed), read as every timeout is
-/// ([`CommOptions::timeout_from_secs`]): 0 is `ASCEND_MOE_COMM_TIMEOUT`,
-/// else 60 s; `inf` (or more seconds than a `Duration` holds) is no limit;
-/// under 1 ns is refused (negative or NaN, as 0, is the default).
+/// A `--timeout`: a positive number of seconds (fractions allowed), read as
+/// every timeout is ([`CommOptions::timeout_from_secs`]): `inf` (or more
+/// seconds than a `Duration` holds) is no limit, under 1 ns is refused. 0,
+/// negative values and NaN are refused too: the default is the flag left
+/// out.
 pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     let secs: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if secs.is_nan() || secs <= 0.0 {
+        return Err(format!(
+            "{s} seconds: a timeout is a positive number of seconds (leave --timeout out for the default)"
+        ));
+    }
     CommOptions::from_secs(secs).map(|o| o.timeout)
 }
 
@@ -121,8 +127,8 @@ mod tests {
         }
         assert_eq!(parse_timeout("inf"), Ok(Duration::MAX));
         assert_eq!(parse_timeout("1e300"), Ok(Duration::MAX));
-        for default in ["0", "-1", "NaN"] {
-            assert_eq!(parse_timeout(default), Ok(CommOptions::from_env().timeout), "{default} is the default");
+        for bad in ["0", "-1", "NaN"] {
+            assert!(parse_timeout(bad).unwrap_err().contains("a positive number of seconds"), "{bad}");
         }
         assert!(parse_timeout("soon").unwrap_err().contains("not a number"));
     }
